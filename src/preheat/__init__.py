@@ -1,0 +1,38 @@
+"""preheat: diffusion sampling that starts hot.
+
+Public API (re-exported here; the code lives in the private modules named):
+
+    load_unet(path, dtype)      preheat.models.loading   a diffusers UNet2DModel in JAX
+    load(model, ...)            preheat.engine           a sampling Pipeline (built-in model by default)
+    Pipeline                    preheat.engine
+    errors                      preheat.errors           the one exception tree
+
+Names are resolved lazily so that ``import preheat`` (and the CLI's ``--help`` or ``doctor``)
+does not pay for importing JAX.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from preheat import errors
+from preheat._version import __version__
+
+__all__ = ["load_unet", "load", "Pipeline", "errors", "__version__"]
+
+_LAZY = {
+    "load_unet": ("preheat.models.loading", "load_unet"),
+    "load": ("preheat.engine", "load"),
+    "Pipeline": ("preheat.engine", "Pipeline"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'preheat' has no attribute {name!r}")

@@ -1,0 +1,73 @@
+"""The one exception tree of preheat.
+
+Every error a user can cause is a ``PreheatError`` whose message is one line that names the
+problem (and, where there is one, the fix). Surfaces (CLI, server, Runpod handler) print
+``str(err)`` and never a traceback for these.
+
+    PreheatError
+    ├── ModelError            a model folder or checkpoint cannot be used
+    │   ├── ModelNotFoundError    a path or file is missing
+    │   ├── UnsupportedConfigError a config value/block preheat does not implement
+    │   └── WeightsError          missing / extra / mis-shaped / wrong-dtype tensors
+    ├── SchedulerConfigError  a scheduler config or sampler choice is not supported
+    ├── InvalidArgumentError  a bad call argument (n <= 0, unknown class, bad noise shape, ...)
+    ├── CacheError            the cache root or an entry cannot be used (entries are
+    │   │                     quarantined and recompiled; this surfaces only for the root)
+    │   └── CacheEntryError       one entry failed verification (caught internally)
+    └── FetchError            a model source cannot be fetched (pull)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PreheatError",
+    "ModelError",
+    "ModelNotFoundError",
+    "UnsupportedConfigError",
+    "WeightsError",
+    "SchedulerConfigError",
+    "InvalidArgumentError",
+    "CacheError",
+    "CacheEntryError",
+    "FetchError",
+]
+
+
+class PreheatError(Exception):
+    """Base of every error preheat raises on purpose. The message is one line."""
+
+
+class ModelError(PreheatError):
+    """A model folder or checkpoint cannot be used."""
+
+
+class ModelNotFoundError(ModelError, FileNotFoundError):
+    """A model path or one of its files is missing."""
+
+
+class UnsupportedConfigError(ModelError, ValueError):
+    """A config value or block type that preheat does not implement."""
+
+
+class WeightsError(ModelError, ValueError):
+    """Checkpoint tensors do not match the architecture (missing, extra, shape, dtype)."""
+
+
+class SchedulerConfigError(PreheatError, ValueError):
+    """A scheduler config value or sampler choice that is not supported."""
+
+
+class InvalidArgumentError(PreheatError, ValueError):
+    """A bad argument to a public call."""
+
+
+class CacheError(PreheatError):
+    """The cache root cannot be used."""
+
+
+class CacheEntryError(CacheError):
+    """One cache entry failed verification; callers quarantine it and recompile."""
+
+
+class FetchError(PreheatError):
+    """A model source cannot be fetched into the store."""
