@@ -203,3 +203,32 @@ def load_unet(path: str | Path, dtype: Any = jnp.float32) -> UNet2D:
     tensors = _read_tensors(_weight_files(unet_dir))
     params = _fill(abstract, tensors, dtype, str(unet_dir))
     return UNet2D(config=config, graphdef=graphdef, params=params, dtype=dtype)
+
+
+def _to_torch_layout(arr: np.ndarray, leaf: str) -> np.ndarray:
+    if leaf == "kernel" and arr.ndim == 4:  # (kH, kW, I, O) -> (O, I, kH, kW)
+        return arr.transpose(3, 2, 0, 1)
+    if leaf == "kernel" and arr.ndim == 2:
+        return arr.T
+    return arr
+
+
+def save_unet(config: UNet2DConfig, params: nnx.State, directory: str | Path, dtype: Any = np.float32) -> Path:
+    """Write a diffusers-format UNet folder (config.json + safetensors) that torch diffusers loads."""
+    from safetensors.numpy import save_file
+
+    from preheat.cache.atomic import atomic_write_bytes
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        torch_key(path): np.ascontiguousarray(_to_torch_layout(np.asarray(var.get_value(), dtype=dtype), str(path[-1])))
+        for path, var in nnx.to_flat_state(params)
+    }
+    tmp = directory / f".{WEIGHTS_NAME}.tmp"
+    save_file(tensors, str(tmp))
+    atomic_write_bytes(directory / WEIGHTS_NAME, tmp.read_bytes())
+    tmp.unlink()
+    raw = {"_class_name": "UNet2DModel", **config.to_dict()}
+    atomic_write_bytes(directory / "config.json", (json.dumps(raw, indent=2) + "\n").encode())
+    return directory

@@ -1,0 +1,167 @@
+"""Simulated machines for `preheat doctor`.
+
+A ``machine`` is a temp folder with: a ``bin/`` that is the whole PATH (so a real nvidia-smi on the
+test host is never found), a fake ``/dev`` root (``PREHEAT_DEV_ROOT``), fake Runpod mount points that
+do not exist unless a test creates them, a private HOME, and fake JAX / torch probes (the documented
+test hooks ``PREHEAT_DOCTOR_JAX_PROBE`` / ``PREHEAT_DOCTOR_TORCH_PROBE``). ``machine.gpu("a100_535")``
+installs a fake ``nvidia-smi`` that replays the outputs recorded under ``fixtures/a100_535``:
+
+    query-gpu-cc.out   nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader
+    query-gpu.out      the same without compute_cap (old drivers reject that field)
+    query-compute-apps.out  nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader
+    plain.out          plain `nvidia-smi` (its header carries the CUDA version)
+    <name>.rc          exit status for that call (default 0)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+_FAKE_SMI = r"""#!/bin/sh
+D='{data}'
+if [ -f "$D/HANG" ]; then
+  /bin/sleep 60   # not exec: a grandchild holds the pipes, as a hung driver call would
+  exit 0
+fi
+case "$*" in
+  *--query-gpu=*compute_cap*) k=query-gpu-cc ;;
+  *--query-gpu=*) k=query-gpu ;;
+  *--query-compute-apps=*) k=query-compute-apps ;;
+  "") k=plain ;;
+  *) echo "fake nvidia-smi: unexpected arguments: $*"; exit 2 ;;
+esac
+case "$*" in
+  *--query-*) case "$*" in *--format=csv,noheader*) ;; *) echo "fake nvidia-smi: expected --format=csv,noheader"; exit 2 ;; esac ;;
+esac
+[ -f "$D/$k.out" ] && /bin/cat "$D/$k.out"
+rc=0
+[ -f "$D/$k.rc" ] && rc=$(/bin/cat "$D/$k.rc")
+exit $rc
+"""
+
+_CLEAR = (
+    "PREHEAT_HOME",
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "LD_LIBRARY_PATH",
+    "JAX_PLATFORMS",
+    "XLA_FLAGS",
+    "XLA_PYTHON_CLIENT_PREALLOCATE",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_ALLOCATOR",
+    "RUNPOD_POD_ID",
+    "RUNPOD_ENDPOINT_ID",
+    "PREHEAT_DOCTOR_TIMEOUT",
+    "COLUMNS",
+)
+
+
+def _executable(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+def probe_script(path: Path, data: dict | None, *, rc: int = 0, stderr: str = "", sleep: float | None = None) -> Path:
+    """A fake probe: prints what the real probe prints (``PREHEAT_DOCTOR_PROBE=<json>``)."""
+    lines = ["#!/bin/sh"]
+    if sleep:
+        lines.append(f"/bin/sleep {sleep}")
+    if stderr:
+        lines.append("/bin/cat >&2 <<'PREHEAT_EOF'\n" + stderr + "\nPREHEAT_EOF")
+    if data is not None:
+        lines.append("/bin/cat <<'PREHEAT_EOF'\nPREHEAT_DOCTOR_PROBE=" + json.dumps(data) + "\nPREHEAT_EOF")
+    if rc < 0:
+        lines.append(f"kill -{-rc} $$")
+    lines.append(f"exit {max(rc, 0)}")
+    return _executable(path, "\n".join(lines) + "\n")
+
+
+JAX_CPU = {"ok": True, "jax_version": "0.10.2", "backend": "cpu", "devices": ["cpu"], "device_count": 1, "result_ok": True, "backend_errors": {}, "warnings": [], "elapsed_s": 0.4}
+TORCH_CPU = {"ok": True, "version": "2.13.0+cpu", "cuda_build": None, "hip_build": None, "cuda_available": False, "warnings": [], "elapsed_s": 0.5}
+
+
+def jax_gpu(kind: str, n: int = 1) -> dict:
+    return {**JAX_CPU, "backend": "gpu", "devices": [kind] * n, "device_count": n, "elapsed_s": 2.3}
+
+
+class Machine:
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.root, self.mp = root, monkeypatch
+        self.bin = root / "bin"
+        self.dev = root / "dev"
+        self.home = root / "home"
+        self.workspace = root / "workspace"
+        self.runpod_volume = root / "runpod-volume"
+        for d in (self.bin, self.dev, self.home):
+            d.mkdir(parents=True)
+        for var in _CLEAR:
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv("PATH", str(self.bin))
+        monkeypatch.setenv("HOME", str(self.home))
+        monkeypatch.setenv("PREHEAT_DEV_ROOT", str(self.dev))
+        monkeypatch.setenv("PREHEAT_WORKSPACE", str(self.workspace))
+        monkeypatch.setenv("PREHEAT_RUNPOD_VOLUME", str(self.runpod_volume))
+        self.jax(JAX_CPU)
+        self.torch(TORCH_CPU)
+
+    # -- hardware ---------------------------------------------------------------------------
+    def gpu(self, fixture: str, *, dev_nodes: bool = True, hang: bool = False) -> Path:
+        data = self.root / "smi" / fixture
+        shutil.copytree(FIXTURES / fixture, data)
+        if hang:
+            (data / "HANG").write_text("")
+        _executable(self.bin / "nvidia-smi", _FAKE_SMI.replace("{data}", str(data)))
+        if dev_nodes:
+            self.dev_nodes()
+        return data
+
+    def dev_nodes(self, n: int = 1) -> None:
+        for name in [f"nvidia{i}" for i in range(n)] + ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]:
+            (self.dev / name).write_text("")
+
+    # -- software ---------------------------------------------------------------------------
+    def jax(self, data: dict | None, **kw) -> None:
+        self.mp.setenv("PREHEAT_DOCTOR_JAX_PROBE", str(probe_script(self.root / "jax-probe.sh", data, **kw)))
+
+    def torch(self, data: dict | None, **kw) -> None:
+        self.mp.setenv("PREHEAT_DOCTOR_TORCH_PROBE", str(probe_script(self.root / "torch-probe.sh", data, **kw)))
+
+    def real_jax(self) -> None:
+        self.mp.delenv("PREHEAT_DOCTOR_JAX_PROBE", raising=False)
+
+    def real_torch(self) -> None:
+        self.mp.delenv("PREHEAT_DOCTOR_TORCH_PROBE", raising=False)
+
+    # -- running ----------------------------------------------------------------------------
+    def run(self, *args: str):
+        """Run `preheat doctor ARGS --json` in-process; returns (exit_code, parsed JSON)."""
+        from preheat.cli import main
+
+        result = CliRunner().invoke(main, ["doctor", "--json", *args], catch_exceptions=False)
+        return result.exit_code, json.loads(result.stdout)
+
+    def human(self, *args: str):
+        from preheat.cli import main
+
+        result = CliRunner(env={"COLUMNS": "250"}).invoke(main, ["doctor", *args], catch_exceptions=False)
+        return result.exit_code, result.stdout
+
+
+def check(report: dict, check_id: str) -> dict:
+    for c in report["checks"]:
+        if c["id"] == check_id:
+            return c
+    raise AssertionError(f"no check {check_id!r} in {[c['id'] for c in report['checks']]}")

@@ -1,0 +1,19 @@
+"""A fake site-packages holding only *.dist-info folders (what importlib.metadata reads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def fake_site(root: Path, dists: dict[str, tuple[str, list[str], list[str]]]) -> Path:
+    """``dists``: name -> (version, Requires-Dist lines, RECORD file paths)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name, (version, requires, files) in dists.items():
+        info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+        meta += [f"Requires-Dist: {r}" for r in requires]
+        (info / "METADATA").write_text("\n".join(meta) + "\n")
+        record = [f"{f},," for f in files] + [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,"]
+        (info / "RECORD").write_text("\n".join(record) + "\n")
+    return root
