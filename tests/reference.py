@@ -74,3 +74,27 @@ def torch_unet_output(path: Path, x: np.ndarray, t: np.ndarray, class_labels: np
     with torch.no_grad():
         y = None if class_labels is None else torch.from_numpy(class_labels)
         return model(torch.from_numpy(x), torch.from_numpy(t), class_labels=y).sample.numpy()
+
+
+TINY_CLASS_CONDITIONAL: dict[str, Any] = dict(
+    sample_size=8, in_channels=1, out_channels=1, layers_per_block=1, block_out_channels=(8, 16),
+    norm_num_groups=4, attention_head_dim=8, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+    up_block_types=("AttnUpBlock2D", "UpBlock2D"), num_class_embeds=11,
+)
+
+
+def save_tiny_pipeline(path: Path, seed: int = 0, config: dict[str, Any] | None = None) -> Path:
+    """A tiny class-conditional pipeline folder shaped like the built-in model (null class 10)."""
+    import json
+
+    from preheat.train.digits import DIGITS_SCHEDULER
+
+    save_random_unet(config or TINY_CLASS_CONDITIONAL, path / "unet", seed=seed, perturb=0.05)
+    (path / "scheduler").mkdir(parents=True, exist_ok=True)
+    (path / "scheduler" / "scheduler_config.json").write_text(json.dumps(DIGITS_SCHEDULER))
+    (path / "model_index.json").write_text(json.dumps({
+        "_class_name": "DDPMPipeline",
+        "preheat": {"null_class": 10, "labels": [str(i) for i in range(10)],
+                    "defaults": {"sampler": "dpmpp_2m", "steps": 4, "guidance": 2.0}},
+    }))
+    return path

@@ -57,6 +57,9 @@ def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.version_option(__version__, prog_name="preheat")
 def main() -> None:
     """preheat: diffusion sampling that starts hot."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
 
 
 def save_grid(images: list, path: Path, upscale: int | None = None) -> None:
@@ -196,9 +199,11 @@ def train_digits_command(out: Path, steps: int, batch: int, seed: int, lr: float
 
 
 def _register() -> None:
+    from preheat.cache.cli import cache_group
     from preheat.doctor import doctor_command
 
     main.add_command(doctor_command, "doctor")
+    main.add_command(cache_group, "cache")
 
 
 _register()

@@ -333,13 +333,31 @@ def _find_scheduler(root: Path, unet_dir: Path) -> Path:
         f"{root} has no scheduler/scheduler_config.json; pass scheduler=PATH for a bare UNet folder")
 
 
+def make_compiler(cache: str | None = None) -> Any:
+    """The compile cache for this process: ``cache`` (or ``$PREHEAT_CACHE``) is "full" (default),
+    "xla" (JAX's persistent cache only) or "off". Configures JAX's cache before any compile."""
+    import os
+
+    mode = cache or os.environ.get("PREHEAT_CACHE", "full")
+    if mode not in ("full", "xla", "off"):
+        raise InvalidArgumentError(f"cache mode {mode!r} is not supported; use full, xla or off")
+    if mode == "off":
+        return None
+    from preheat.cache.compile import JaxCompiler
+
+    return JaxCompiler(mode=mode)
+
+
 def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
-         compile_cache: bool | None = None) -> Pipeline:
+         cache: str | None = None) -> Pipeline:
     """A sampling ``Pipeline`` for ``model`` (a diffusers-format folder); ``None`` = the built-in model.
 
     ``scheduler``: a scheduler_config.json path or dict, for a bare UNet folder without one.
+    ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
     """
     from preheat.models.loading import load_unet, resolve_unet_dir
+
+    compiler = make_compiler(cache)  # first: JAX's cache must be configured before anything compiles
 
     root = BUILTIN_MODEL if model is None else Path(model).expanduser()
     unet_dir = resolve_unet_dir(root)
@@ -363,4 +381,4 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     return Pipeline(apply=unet.apply, params=unet.params, sample_shape=(h, w, cfg.in_channels),
                     scheduler_config=sched, fingerprint=fingerprint, num_classes=num_classes,
                     null_class=null_class, labels=labels, defaults=dict(extra.get("defaults", {})),
-                    dtype=str(jnp.dtype(dtype)), layout="NCHW")
+                    dtype=str(jnp.dtype(dtype)), layout="NCHW", compiler=compiler)

@@ -1,0 +1,165 @@
+"""`preheat cache ls | info | verify | explain | prune | clear`: a thin CLI over preheat.cache."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from preheat.cli import one_line_errors
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _age(t: float) -> str:
+    if not t:
+        return "-"
+    s = time.time() - t
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.0f}{unit}"
+    return f"{s:.0f}s"
+
+
+def _summary(fields: dict) -> str:
+    sig = fields.get("signature", {})
+    spec = sig.get("spec", {}) if isinstance(sig, dict) else {}
+    model = fields.get("model", {})
+    name = model.get("name") or model.get("kind", "?")
+    shape = "x".join(str(s) for s in sig.get("sample_shape", [])) if isinstance(sig, dict) else ""
+    return (f"{name} {spec.get('solver', sig.get('mode', '?'))} b={sig.get('batch', '?')} {shape} {sig.get('dtype', '')} "
+            f"{fields.get('platform', '')}/{fields.get('device_kind', '')} jax {fields.get('jax', fields.get('torch', ''))}")
+
+
+@click.group("cache")
+def cache_group() -> None:
+    """Inspect and maintain the cache root (compiled programs and weights)."""
+
+
+@cache_group.command("ls")
+@one_line_errors
+def ls_command() -> None:
+    """One row per entry: kind, key, size, age, last use, hits, and its key fields."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from preheat.cache.manage import list_entries
+    from preheat.cache.root import resolve_root
+
+    root = resolve_root()
+    table = Table(title=f"preheat cache: {root}")
+    for col in ("kind", "key", "size", "age", "used", "hits", "program"):
+        table.add_column(col)
+    for e in list_entries(root.path):
+        table.add_row(e.kind, e.key[:12], _human(e.size), _age(e.created), _age(e.last_used), str(e.hits), _summary(e.fields))
+    Console().print(table)
+
+
+@cache_group.command("info")
+@click.option("--json", "as_json", is_flag=True)
+@one_line_errors
+def info_command(as_json: bool) -> None:
+    """Where the root is and why, and what it holds."""
+    from preheat.cache.manage import list_entries, max_bytes
+    from preheat.cache.root import resolve_root
+
+    root = resolve_root()
+    entries = list_entries(root.path)
+
+    def du(p: Path) -> int:
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else 0
+
+    info = {
+        "root": str(root.path), "reason": root.reason,
+        "entries": {k: sum(1 for e in entries if e.kind == k) for k in ("jax", "torch")},
+        "compile_bytes": sum(e.size for e in entries), "xla_bytes": du(root.path / "compile" / "xla"),
+        "models_bytes": du(root.path / "models"), "quarantined": len(list((root.path / "quarantine").glob("*")))
+        if (root.path / "quarantine").is_dir() else 0,
+        "max_bytes": max_bytes(),
+    }
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"root: {info['root']} ({info['reason']})")
+    click.echo(f"entries: {info['entries']['jax']} jax, {info['entries']['torch']} torch, {_human(info['compile_bytes'])} "
+               f"(cap {_human(info['max_bytes'])}); xla cache {_human(info['xla_bytes'])}; models {_human(info['models_bytes'])}; "
+               f"quarantined {info['quarantined']}")
+
+
+@cache_group.command("verify")
+@click.option("--quarantine", "quarantine_bad", is_flag=True, help="Move bad entries aside.")
+@one_line_errors
+def verify_command(quarantine_bad: bool) -> None:
+    """Check every entry's manifest and sha256; exit 1 if any fails."""
+    from preheat.cache.manage import verify_entries
+    from preheat.cache.root import resolve_root
+
+    infos = verify_entries(resolve_root().path, quarantine_bad=quarantine_bad)
+    bad = [i for i in infos if not i.ok]
+    for i in bad:
+        click.echo(f"BAD  {i.kind}/{i.key[:12]}: {i.problem}")
+    click.echo(f"{len(infos) - len(bad)} ok, {len(bad)} bad")
+    sys.exit(1 if bad else 0)
+
+
+@cache_group.command("explain")
+@click.argument("model", required=False)
+@click.option("--n", "n", default=1, type=int)
+@click.option("--sampler")
+@click.option("--steps", type=int)
+@click.option("--guidance", type=float)
+@one_line_errors
+def explain_command(model: str | None, n: int, sampler: str | None, steps: int | None, guidance: float | None) -> None:
+    """Would this call hit the cache? If not, which key fields differ from the nearest entry."""
+    import preheat
+    from preheat.cache.compile import key_fields, key_of, nearest_entry
+
+    pipe = preheat.load(model)
+    sig, args = pipe.prepare(n, sampler=sampler, steps=steps, guidance=guidance)
+    fields = key_fields(pipe.fingerprint, sig, args)
+    key = key_of(fields)
+    kind_dir = pipe.compiler.root / "compile" / "jax" if pipe.compiler else None
+    if kind_dir is not None and (kind_dir / key / "manifest.json").is_file():
+        click.echo(f"hit: entry {key[:12]} exists for this call")
+        return
+    name, diff = nearest_entry(kind_dir, fields) if kind_dir is not None else (None, [])
+    if name is None:
+        click.echo(f"miss: key {key[:12]}; the cache has no entries to compare with")
+    else:
+        click.echo(f"miss: key {key[:12]}; nearest entry {name[:12]} differs in: {', '.join(diff)}")
+
+
+@cache_group.command("prune")
+@click.option("--older-than-days", type=float, help="Also remove entries unused for this long.")
+@one_line_errors
+def prune_command(older_than_days: float | None) -> None:
+    """Remove quarantined entries, stale temp folders, and old entries; then apply the size cap."""
+    from preheat.cache.manage import enforce_size_cap, prune
+    from preheat.cache.root import resolve_root
+
+    root = resolve_root().path
+    removed = prune(root, older_than_days) + enforce_size_cap(root)
+    click.echo(f"removed {len(removed)}")
+
+
+@cache_group.command("clear")
+@click.option("--yes", is_flag=True, help="Do not ask.")
+@one_line_errors
+def clear_command(yes: bool) -> None:
+    """Delete every compiled program (weights are kept)."""
+    from preheat.cache.manage import clear
+    from preheat.cache.root import resolve_root
+
+    root = resolve_root().path
+    if not yes:
+        click.confirm(f"delete all compiled programs under {root}?", abort=True)
+    click.echo(f"removed {clear(root)} entries")

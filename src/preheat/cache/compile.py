@@ -1,0 +1,300 @@
+"""The JAX compile cache, in layers: serialized executables (``aot``), then JAX's persistent
+compilation cache (``xla``), then a fresh compile (``none``).
+
+The ``aot`` layer skips tracing, lowering and compiling: the program of a call signature is
+serialized with ``jax.experimental.serialize_executable`` and loaded on the next start. Its key
+is a fingerprint of everything that changes the program and nothing else (see ``key_fields``):
+weights are arguments, so every fine-tune of one architecture shares one entry.
+
+The key is built from plain JSON (configs, versions, shapes), never from ``repr()`` of NNX
+objects, which differs between processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import jax
+
+from preheat._version import __version__
+from preheat.cache.entries import (
+    SCHEMA,
+    LoadingMarker,
+    diff_fields,
+    iter_entries,
+    open_entry,
+    publish_entry,
+    quarantine,
+)
+from preheat.cache.root import resolve_root
+from preheat.errors import CacheEntryError
+
+__all__ = ["JaxCompiler", "key_fields", "key_of", "configure_persistent_cache", "tracing_source_hash",
+           "nearest_entry"]
+
+log = logging.getLogger("preheat.cache")
+
+EXECUTABLE = "executable.bin"
+# The source files whose code is traced into the sampling program.
+_TRACED_SOURCES = ("engine.py", "samplers/_solvers.py", "samplers/_plan.py", "models/unet2d.py", "models/loading.py")
+
+
+def tracing_source_hash() -> str:
+    base = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for rel in _TRACED_SOURCES:
+        h.update(rel.encode())
+        h.update((base / rel).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _cpu_features() -> str:
+    """Host CPU model + feature flags: XLA:CPU code is compiled for the host's instruction set."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = flags = ""
+    for line in text.splitlines():
+        if line.startswith(("model name", "Model")) and not model:
+            model = line.split(":", 1)[1].strip()
+        if line.startswith(("flags", "Features")) and not flags:
+            flags = " ".join(sorted(line.split(":", 1)[1].split()))
+    return f"{model} | {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+
+
+def _abstract(tree: Any) -> list[list[Any]]:
+    """Shapes and dtypes of every leaf, in order, plus the tree structure's paths."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = list(getattr(leaf, "shape", ()))
+        dtype = str(getattr(leaf, "dtype", type(leaf).__name__))
+        out.append([jax.tree_util.keystr(path), shape, dtype])
+    return out
+
+
+def key_fields(fingerprint: dict[str, Any], signature: Any, args: tuple) -> dict[str, Any]:
+    """Every input that changes the compiled program, as JSON-able fields (the key's content)."""
+    backend = jax.devices()[0].client
+    device = jax.devices()[0]
+    fields = {
+        "schema": SCHEMA,
+        "model": fingerprint,
+        "signature": json.loads(json.dumps(asdict(signature), default=str)),
+        "arguments": hashlib.sha256(json.dumps(_abstract(args)).encode()).hexdigest()[:16],
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "device_count": jax.device_count(),
+        "platform_version": backend.platform_version,
+        "jax": jax.__version__,
+        "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else _jaxlib_version(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "x64": bool(jax.config.jax_enable_x64),
+        "matmul_precision": str(jax.config.jax_default_matmul_precision),
+        "preheat": __version__,
+        "tracing_source": tracing_source_hash(),
+    }
+    if device.platform == "cpu":
+        fields["host_cpu"] = _cpu_features()
+    return fields
+
+
+def _jaxlib_version() -> str:
+    import jaxlib
+
+    return jaxlib.__version__
+
+
+def key_of(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+_persistent_configured = False
+_xla_hits = threading.local()
+
+
+def _on_event(event: str, **kwargs: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _xla_hits.count = getattr(_xla_hits, "count", 0) + 1
+
+
+def configure_persistent_cache(root: Path) -> None:
+    """Point JAX's persistent compilation cache into our root, with thresholds that keep small
+    programs too. Must run before JAX compiles anything (jax #25768): ``preheat.load`` calls it
+    first thing."""
+    global _persistent_configured
+    if _persistent_configured:
+        return
+    xla_dir = root / "compile" / "xla"
+    xla_dir.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(xla_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    try:
+        jax.monitoring.register_event_listener(_on_event)
+    except Exception:  # pragma: no cover - older jax
+        pass
+    _persistent_configured = True
+
+
+@contextlib.contextmanager
+def _persistent_cache_disabled() -> Iterator[None]:
+    previous = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", previous)
+
+
+def nearest_entry(kind_dir: Path, fields: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """The entry whose key fields differ least from ``fields``, and which fields differ."""
+    best: tuple[str | None, list[str]] = (None, [])
+    for path in iter_entries(kind_dir):
+        try:
+            have = json.loads((path / "manifest.json").read_text()).get("fields", {})
+        except (OSError, ValueError):
+            continue
+        diff = _deep_diff(have, fields)
+        if best[0] is None or len(diff) < len(best[1]):
+            best = (path.name, diff)
+    return best
+
+
+def _deep_diff(have: dict[str, Any], want: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(have) | set(want)):
+        a, b = have.get(k), want.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(_deep_diff(a, b, f"{prefix}{k}."))
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+class JaxCompiler:
+    """``get_or_compile``: the executable for a signature, from the aot layer when it can.
+
+    ``mode``: "full" (aot + xla + compile), "xla" (JAX's persistent cache only), "off".
+    """
+
+    def __init__(self, root: Path | None = None, mode: str = "full"):
+        self.root = root or resolve_root().path
+        self.mode = mode
+        self.kind_dir = self.root / "compile" / "jax"
+        self.events: list[dict[str, Any]] = []  # one record per program: layer, timings, miss reason
+        if mode in ("full", "xla"):
+            configure_persistent_cache(self.root)
+
+    def get_or_compile(self, pipeline: Any, sig: Any, program: Callable[..., Any], args: tuple) -> tuple[Any, Any]:
+        from preheat.engine import Timings
+
+        fields = key_fields(pipeline.fingerprint, sig, args)
+        key = key_of(fields)
+        record: dict[str, Any] = {"key": key}
+        if self.mode == "full":
+            start = time.perf_counter()
+            compiled = self._load(key, fields, args, record)
+            if compiled is not None:
+                timings = Timings(trace_lower_s=0.0, compile_s=time.perf_counter() - start, cache_layer="aot")
+                self._note(record, timings)
+                return compiled, timings
+            record["miss"] = self._explain_miss(fields)
+
+        start = time.perf_counter()
+        lowered = jax.jit(program).lower(*args)
+        traced = time.perf_counter()
+        hits_before = getattr(_xla_hits, "count", 0)
+        if self.mode == "full":
+            # An executable that XLA:CPU loaded from JAX's persistent cache serialises into an entry
+            # that fails at run time ("Function ... not found", jax 0.10.2), and a second cache load
+            # of one program in one process fails the same way. In full mode the aot layer serves
+            # every start, so the sampling program is compiled fresh here and serialised; JAX's cache
+            # still serves everything else (and is the whole story in "xla" mode).
+            with _persistent_cache_disabled():
+                compiled = lowered.compile()
+        else:
+            compiled = lowered.compile()
+        done = time.perf_counter()
+        layer = "xla" if getattr(_xla_hits, "count", 0) > hits_before else "none"
+        timings = Timings(trace_lower_s=traced - start, compile_s=done - traced, cache_layer=layer)
+        if self.mode == "full":
+            self._store(key, fields, compiled, record)
+        self._note(record, timings)
+        return compiled, timings
+
+    # ------------------------------------------------------------------ internals
+
+    def _note(self, record: dict[str, Any], timings: Any) -> None:
+        record.update(layer=timings.cache_layer, trace_lower_s=timings.trace_lower_s, compile_or_load_s=timings.compile_s)
+        self.events.append(record)
+
+    def _explain_miss(self, fields: dict[str, Any]) -> str:
+        name, diff = nearest_entry(self.kind_dir, fields)
+        if name is None:
+            return "no entries yet"
+        return f"nearest entry {name[:12]} differs in {', '.join(diff[:6])}"
+
+    def _load(self, key: str, fields: dict[str, Any], args: tuple, record: dict[str, Any]) -> Any:
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        path = self.kind_dir / key
+        if not path.is_dir():
+            return None
+        crashed = LoadingMarker.crashed_loads(path)
+        if crashed:
+            self._quarantine(path, f"a previous load crashed the process ({crashed[0]})", record)
+            return None
+        try:
+            entry = open_entry(self.kind_dir, key, fields)
+        except CacheEntryError as err:
+            self._quarantine(path, str(err), record)
+            return None
+        if entry is None:
+            return None
+        payload = entry.file(EXECUTABLE).read_bytes()
+        in_tree = jax.tree_util.tree_structure((tuple(args), {}))
+        out_tree = jax.tree_util.tree_structure(0)
+        try:
+            with LoadingMarker(path):
+                compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=jax.devices()[:1])
+        except Exception as exc:  # a deserialisation failure is a miss, never a crash
+            self._quarantine(path, f"deserialisation failed: {type(exc).__name__}: {str(exc)[:200]}", record)
+            return None
+        entry.record_hit()
+        return compiled
+
+    def _store(self, key: str, fields: dict[str, Any], compiled: Any, record: dict[str, Any]) -> None:
+        from jax.experimental.serialize_executable import serialize
+
+        try:
+            payload, _, _ = serialize(compiled)
+        except Exception as exc:  # some backends cannot serialise; the xla layer still helps
+            log.warning("preheat cache: cannot serialise this executable (%s); only the XLA cache is used", exc)
+            record["store"] = f"not serialisable: {exc}"
+            return
+        try:
+            _, won = publish_entry(self.kind_dir, key, {EXECUTABLE: payload}, fields,
+                                   extra={"preheat": __version__})
+            record["store"] = "written" if won else "another process wrote it first"
+            from preheat.cache.manage import enforce_size_cap
+
+            enforce_size_cap(self.root, keep={key})
+        except OSError as exc:
+            log.warning("preheat cache: could not write entry %s: %s", key[:12], exc)
+            record["store"] = f"write failed: {exc}"
+
+    def _quarantine(self, path: Path, reason: str, record: dict[str, Any]) -> None:
+        quarantine(self.root, path, reason)
+        record["quarantined"] = reason
+        log.warning("preheat cache: entry %s quarantined (%s); recompiling", path.name[:12], reason)

@@ -1,0 +1,250 @@
+"""Cache entries: a folder of files plus a manifest, published atomically, verified on read.
+
+An entry is one folder ``<kind-dir>/<key>/``::
+
+    manifest.json      {"schema", "kind", "key", "fields", "files": {name: {"sha256", "size"}}, "created", ...}
+    <payload files>    e.g. executable.bin
+    stats.json         {"hits", "last_used"}: bookkeeping, not verified, safe to lose
+    loading.<host>.<pid>.<start>   present only while a process deserialises the entry
+
+Publishing: the entry is written complete into a sibling temp folder, fsynced, then renamed to
+``<key>/`` in one ``rename``. If another process published the same key first, the rename fails
+and ours is discarded: exactly one complete entry per key, and no reader ever sees a torn one.
+
+Crash-loop protection: deserialising an executable can kill the process (jax #28908), which no
+``try`` catches. A reader drops a ``loading.*`` marker naming its host, pid and process start time
+before loading and removes it after. A marker whose process is gone (or whose pid was reused by a
+newer process: containers restart as pid 1) means that load crashed: the entry is quarantined.
+
+Quarantine: a bad entry is renamed into ``<root>/quarantine/`` (kept for inspection, pruned by
+``preheat cache prune``) and the caller recompiles. It never raises to the user.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from preheat.cache.atomic import atomic_write_bytes, fsync_dir
+from preheat.errors import CacheEntryError
+
+__all__ = ["Entry", "publish_entry", "open_entry", "quarantine", "iter_entries", "LoadingMarker", "SCHEMA",
+           "sha256_file", "entry_size"]
+
+SCHEMA = 1
+MANIFEST = "manifest.json"
+STATS = "stats.json"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class Entry:
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        return self.manifest["key"]
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def stats(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.path / STATS).read_text())
+        except (OSError, ValueError):
+            return {"hits": 0, "last_used": self.manifest.get("created", 0)}
+
+    def record_hit(self) -> None:
+        stats = self.stats()
+        stats["hits"] = int(stats.get("hits", 0)) + 1
+        stats["last_used"] = time.time()
+        try:
+            atomic_write_bytes(self.path / STATS, json.dumps(stats).encode())
+        except OSError:
+            pass  # bookkeeping only
+
+
+def entry_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def publish_entry(kind_dir: Path, key: str, files: dict[str, bytes], fields: dict[str, Any],
+                  extra: dict[str, Any] | None = None) -> tuple[Entry, bool]:
+    """Write an entry atomically. Returns (entry, won): won is False when another writer was first."""
+    kind_dir.mkdir(parents=True, exist_ok=True)
+    final = kind_dir / key
+    if (final / MANIFEST).is_file():
+        return Entry(final, json.loads((final / MANIFEST).read_text())), False
+    tmp = kind_dir / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        listing = {}
+        for name, data in files.items():
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            listing[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        manifest = {"schema": SCHEMA, "kind": kind_dir.name, "key": key, "fields": fields, "files": listing,
+                    "created": time.time(), **(extra or {})}
+        with open(tmp / MANIFEST, "w") as f:
+            f.write(json.dumps(manifest, indent=1, sort_keys=True))
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        try:
+            os.rename(tmp, final)  # atomic publish; fails if `final` exists and is not empty
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if (final / MANIFEST).is_file():
+                return Entry(final, json.loads((final / MANIFEST).read_text())), False
+            raise
+        fsync_dir(kind_dir)
+        return Entry(final, manifest), True
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def open_entry(kind_dir: Path, key: str, expected_fields: dict[str, Any] | None = None) -> Entry | None:
+    """The verified entry for ``key``; None when absent. Raises CacheEntryError when it is bad."""
+    path = kind_dir / key
+    if not path.is_dir():
+        return None
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CacheEntryError(f"entry {key} has no manifest") from None
+    except (OSError, ValueError) as exc:
+        raise CacheEntryError(f"entry {key} has an unreadable manifest ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA or manifest.get("key") != key:
+        raise CacheEntryError(f"entry {key} has a manifest of another schema or key")
+    if expected_fields is not None and manifest.get("fields") != expected_fields:
+        diff = diff_fields(manifest.get("fields") or {}, expected_fields)
+        raise CacheEntryError(f"entry {key} was built for other settings ({', '.join(diff) or 'fields'})")
+    entry = Entry(path, manifest)
+    verify_files(entry)
+    return entry
+
+
+def verify_files(entry: Entry) -> None:
+    listing = entry.manifest.get("files")
+    if not isinstance(listing, dict) or not listing:
+        raise CacheEntryError(f"entry {entry.path.name} lists no files")
+    for name, meta in listing.items():
+        f = entry.path / name
+        if "/" in name or name.startswith("."):
+            raise CacheEntryError(f"entry {entry.path.name} lists an unsafe file name {name!r}")
+        if not f.is_file():
+            raise CacheEntryError(f"entry {entry.path.name} is missing {name}")
+        if f.stat().st_size != meta.get("size"):
+            raise CacheEntryError(f"entry {entry.path.name}: {name} has {f.stat().st_size} bytes, manifest says {meta.get('size')}")
+        if sha256_file(f) != meta.get("sha256"):
+            raise CacheEntryError(f"entry {entry.path.name}: {name} fails its sha256")
+
+
+def diff_fields(have: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    return sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+
+
+def quarantine(root: Path, path: Path, reason: str) -> Path | None:
+    """Move a bad entry aside (atomic rename); returns where it went, None if it was gone already."""
+    qdir = root / "quarantine"
+    qdir.mkdir(parents=True, exist_ok=True)
+    dest = qdir / f"{path.parent.name}-{path.name}-{int(time.time())}-{uuid.uuid4().hex[:6]}"
+    try:
+        os.rename(path, dest)
+    except FileNotFoundError:
+        return None
+    try:
+        (dest / "QUARANTINED").write_text(reason + "\n")
+    except OSError:
+        pass
+    return dest
+
+
+def iter_entries(kind_dir: Path) -> Iterator[Path]:
+    if not kind_dir.is_dir():
+        return
+    for p in sorted(kind_dir.iterdir()):
+        if p.is_dir() and not p.name.startswith("."):
+            yield p
+
+
+# ---------------------------------------------------------------------------------------------
+# Crash-loop protection
+
+
+def _process_start_ticks(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class LoadingMarker:
+    """``with LoadingMarker(entry_dir): load()`` leaves a marker only if the process dies inside."""
+
+    PREFIX = "loading."
+
+    def __init__(self, entry_dir: Path):
+        self.entry_dir = entry_dir
+        pid = os.getpid()
+        self.path = entry_dir / f"{self.PREFIX}{socket.gethostname()}.{pid}.{_process_start_ticks(pid) or 0}"
+
+    def __enter__(self) -> "LoadingMarker":
+        self.path.write_text(str(time.time()))
+        fsync_dir(self.entry_dir)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+    @classmethod
+    def crashed_loads(cls, entry_dir: Path, stale_after_s: float = 600.0) -> list[str]:
+        """Markers left by loads that cannot still be running (their process is gone or reborn).
+
+        Markers from other hosts (a shared volume) cannot be checked by pid; they count as
+        crashed once older than ``stale_after_s``.
+        """
+        host = socket.gethostname()
+        dead = []
+        for marker in entry_dir.glob(f"{cls.PREFIX}*"):
+            try:
+                mhost, pid_s, start_s = marker.name[len(cls.PREFIX):].rsplit(".", 2)
+                pid, start = int(pid_s), int(start_s)
+            except ValueError:
+                dead.append(marker.name)
+                continue
+            if mhost != host:
+                try:
+                    if time.time() - marker.stat().st_mtime > stale_after_s:
+                        dead.append(marker.name)
+                except FileNotFoundError:
+                    pass
+                continue
+            if pid == os.getpid() and start == (_process_start_ticks(pid) or 0):
+                continue  # our own, in progress (another thread)
+            alive_start = _process_start_ticks(pid)
+            if alive_start is None or alive_start != start:
+                dead.append(marker.name)
+        return dead

@@ -1,0 +1,200 @@
+"""The JAX executable cache: hits, keys, and fault injection (every fault -> same image, quarantined)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import preheat
+from preheat.cache.compile import JaxCompiler, key_fields, key_of
+from tests.reference import TINY_CLASS_CONDITIONAL, save_tiny_pipeline
+
+CALL = dict(n=2, steps=3, sampler="euler", seed=7, class_labels=[1, 2])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_pipeline(tmp_path_factory.mktemp("m") / "pipe")
+
+
+@pytest.fixture(scope="module")
+def reference_pixels(model_dir):
+    return preheat.load(model_dir, cache="off").generate(**CALL)
+
+
+def _pipe(model_dir, root):
+    pipe = preheat.load(model_dir, cache="off")
+    pipe.compiler = JaxCompiler(root=root, mode="full")
+    return pipe
+
+
+def _entry(root: Path) -> Path:
+    entries = [p for p in (root / "compile" / "jax").iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 1, entries
+    return entries[0]
+
+
+def test_second_process_style_load_hits_aot(model_dir, reference_pixels, tmp_path):
+    first = _pipe(model_dir, tmp_path)
+    assert np.array_equal(first.generate(**CALL), reference_pixels)
+    assert first.last.cache_layer in ("none", "xla")
+    second = _pipe(model_dir, tmp_path)
+    assert np.array_equal(second.generate(**CALL), reference_pixels)
+    assert second.last.cache_layer == "aot"
+    assert second.last.trace_lower_s == 0.0
+    stats = json.loads((_entry(tmp_path) / "stats.json").read_text())
+    assert stats["hits"] == 1
+
+
+def _truncate(entry: Path) -> None:
+    f = entry / "executable.bin"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _zero(entry: Path) -> None:
+    (entry / "executable.bin").write_bytes(b"")
+
+
+def _bitflip(entry: Path) -> None:
+    f = entry / "executable.bin"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+
+
+def _other_jax(entry: Path) -> None:
+    m = json.loads((entry / "manifest.json").read_text())
+    m["fields"]["jax"] = "0.4.1"
+    (entry / "manifest.json").write_text(json.dumps(m))
+
+
+def _manifest_mismatch(entry: Path) -> None:
+    m = json.loads((entry / "manifest.json").read_text())
+    m["files"]["executable.bin"]["sha256"] = "0" * 64
+    (entry / "manifest.json").write_text(json.dumps(m))
+
+
+def _crashed_loader(entry: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is now free: a marker naming it is a load that never finished
+    import socket
+
+    (entry / f"loading.{socket.gethostname()}.{dead.pid}.12345").write_text("0")
+
+
+FAULTS = {"truncated": _truncate, "zero-byte": _zero, "bit-flipped": _bitflip, "other-jax-version": _other_jax,
+          "manifest-mismatch": _manifest_mismatch, "left-loading": _crashed_loader}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault_is_quarantined_and_image_unchanged(model_dir, reference_pixels, tmp_path, fault):
+    _pipe(model_dir, tmp_path).generate(**CALL)
+    entry = _entry(tmp_path)
+    FAULTS[fault](entry)
+    pipe = _pipe(model_dir, tmp_path)
+    out = pipe.generate(**CALL)
+    assert np.array_equal(out, reference_pixels)
+    event = pipe.compiler.events[-1]
+    assert event["layer"] != "aot" and "quarantined" in event, event
+    quarantined = list((tmp_path / "quarantine").iterdir())
+    assert len(quarantined) == 1 and (quarantined[0] / "QUARANTINED").is_file()
+    # The recompile wrote a fresh, verifying entry that the next start hits.
+    again = _pipe(model_dir, tmp_path)
+    assert np.array_equal(again.generate(**CALL), reference_pixels)
+    assert again.last.cache_layer == "aot"
+
+
+def test_real_crash_during_load_does_not_crash_loop(model_dir, reference_pixels, tmp_path):
+    """A process killed while deserialising leaves its marker; the next start quarantines."""
+    _pipe(model_dir, tmp_path).generate(**CALL)
+    script = textwrap.dedent(f"""
+        import os, signal
+        import jax.experimental.serialize_executable as se
+        se.deserialize_and_load = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        import preheat
+        p = preheat.load({str(model_dir)!r})
+        p.generate(**{CALL!r})
+    """)
+    env = {**os.environ, "PREHEAT_HOME": str(tmp_path)}
+    crashed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
+    assert crashed.returncode == -9
+    assert list(_entry(tmp_path).glob("loading.*"))
+    pipe = _pipe(model_dir, tmp_path)
+    assert np.array_equal(pipe.generate(**CALL), reference_pixels)
+    assert "crashed" in pipe.compiler.events[-1]["quarantined"]
+
+
+def _fields(model_dir, **call):
+    pipe = preheat.load(model_dir, cache="off")
+    sig, args = pipe.prepare(**{**CALL, **call})
+    return key_fields(pipe.fingerprint, sig, args)
+
+
+def test_key_changes_with_what_changes_the_program(model_dir, tmp_path, monkeypatch):
+    base = key_of(_fields(model_dir))
+    assert key_of(_fields(model_dir, n=3, class_labels=None)) != base  # batch shape
+    assert key_of(_fields(model_dir, sampler="ddim")) != base  # solver
+    other_arch = save_tiny_pipeline(tmp_path / "wide", config={**TINY_CLASS_CONDITIONAL, "block_out_channels": (8, 24)})
+    assert key_of(_fields(other_arch)) != base  # architecture
+    import jax
+
+    monkeypatch.setattr(jax, "__version__", "9.9.9")
+    assert key_of(_fields(model_dir)) != base  # jax version
+
+
+def test_key_is_stable_for_runtime_data_and_fine_tunes(model_dir, tmp_path):
+    base = key_of(_fields(model_dir))
+    assert key_of(_fields(model_dir, steps=11, seed=3, class_labels=[4, 4])) == base  # runtime data
+    assert key_of(_fields(model_dir, sampler="dpmpp_2m")) == key_of(_fields(model_dir, sampler="dpmpp_2m_karras"))
+    tuned = save_tiny_pipeline(tmp_path / "tuned", seed=123)  # same architecture, other weights
+    assert key_of(_fields(tuned)) == base
+
+
+def test_key_is_stable_across_processes(model_dir):
+    script = textwrap.dedent(f"""
+        import preheat
+        from preheat.cache.compile import key_fields, key_of
+        p = preheat.load({str(model_dir)!r}, cache="off")
+        sig, args = p.prepare(**{CALL!r})
+        print(key_of(key_fields(p.fingerprint, sig, args)))
+    """)
+    keys = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(i)}).stdout.strip() for i in range(2)}
+    assert len(keys) == 1 and key_of(_fields(model_dir)) in keys
+
+
+def test_six_concurrent_cold_starts_share_one_entry(model_dir, reference_pixels, tmp_path):
+    script = textwrap.dedent(f"""
+        import numpy as np, preheat
+        p = preheat.load({str(model_dir)!r})
+        out = p.generate(**{CALL!r})
+        np.save(__import__("sys").argv[1], out)
+    """)
+    env = {**os.environ, "PREHEAT_HOME": str(tmp_path / "root")}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / f"out{i}.npy")], env=env) for i in range(6)]
+    assert [p.wait(timeout=300) for p in procs] == [0] * 6
+    for i in range(6):
+        assert np.array_equal(np.load(tmp_path / f"out{i}.npy"), reference_pixels)
+    jax_dir = tmp_path / "root" / "compile" / "jax"
+    assert len([p for p in jax_dir.iterdir()]) == 1  # one entry, no temp folders left
+    from preheat.cache.manage import verify_entries
+
+    assert all(info.ok for info in verify_entries(tmp_path / "root"))
+
+
+def test_size_cap_evicts_least_recently_used(model_dir, tmp_path, monkeypatch):
+    pipe = _pipe(model_dir, tmp_path)
+    pipe.generate(**CALL)
+    first = _entry(tmp_path).name
+    size = sum(f.stat().st_size for f in (tmp_path / "compile" / "jax" / first).iterdir())
+    monkeypatch.setenv("PREHEAT_CACHE_MAX_GB", str(1.5 * size / 1e9))  # room for one entry only
+    pipe.generate(**{**CALL, "sampler": "ddim"})
+    names = [p.name for p in (tmp_path / "compile" / "jax").iterdir()]
+    assert first not in names and len(names) == 1
