@@ -108,14 +108,18 @@ def save_png(image: Any, path: Path) -> None:
 @click.option("--save-images", type=click.Path(file_okay=False, path_type=Path), help="Also write each image here.")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the phase timings as JSON.")
 @click.option("--dtype", default="float32", show_default=True, help="float32 or bfloat16.")
+@click.option("--cache", type=click.Choice(["full", "xla", "off"]), help="Compile cache layers (default: full).")
 @click.option("--quiet", is_flag=True, help="No progress or summary.")
 @one_line_errors
 def sample(model: str | None, n: int, classes: tuple[str, ...], steps: int | None, sampler: str | None,
            seed: int, guidance: float | None, eta: float, out: Path, save_images: Path | None,
-           report: Path | None, dtype: str, quiet: bool) -> None:
+           report: Path | None, dtype: str, cache: str | None, quiet: bool) -> None:
     """Sample images from MODEL (a diffusers folder; default: the built-in digits model)."""
     from rich.console import Console
 
+    import preheat.engine  # noqa: F401  (jax, flax: counted as import time, not weight loading)
+
+    started_at_age = process_age_s()  # interpreter start + imports, before any preheat work
     console = Console(stderr=True, quiet=quiet)
     if n <= 0:
         raise InvalidArgumentError(f"--n {n} must be a positive int")
@@ -128,7 +132,7 @@ def sample(model: str | None, n: int, classes: tuple[str, ...], steps: int | Non
         t0 = time.perf_counter()
         import preheat
 
-        pipe = preheat.load(model, dtype=dtype)
+        pipe = preheat.load(model, dtype=dtype, cache=cache)
         load_s = time.perf_counter() - t0
     labels: Any = None
     if classes:
@@ -144,6 +148,7 @@ def sample(model: str | None, n: int, classes: tuple[str, ...], steps: int | Non
         t0 = time.perf_counter()
         pipe(n, **kwargs)
         second_call_s = time.perf_counter() - t0
+        warm_run_s = pipe.last.run_s
 
     save_grid(images, out)
     if save_images:
@@ -158,13 +163,19 @@ def sample(model: str | None, n: int, classes: tuple[str, ...], steps: int | Non
         "batch": n,
         "steps": resolved["steps"],
         "sampler": resolved["sampler"],
+        "import_s": started_at_age,
         "load_s": load_s,
+        "weights_s": load_s,
         "trace_lower_s": first.trace_lower_s,
         "compile_s": first.compile_s,
+        "compile_or_load_s": first.compile_s,
+        "first_run_s": first.run_s,
+        "warm_run_s": warm_run_s,
         "first_call_s": first_call_s,
         "second_call_s": second_call_s,
         "per_image_s": second_call_s / n,
         "cache_layer": first.cache_layer,
+        "cache_events": pipe.compiler.events if pipe.compiler is not None else [],
         "process_start_to_first_image_s": to_first_image,
         "guided": sig.guided,
     }
@@ -198,12 +209,21 @@ def train_digits_command(out: Path, steps: int, batch: int, seed: int, lr: float
     click.echo(f"wrote {path}")
 
 
+@main.group("bench")
+def bench_group() -> None:
+    """Benchmarks: numbers with warm-up, medians and min/max (speed is measured here, not in tests)."""
+
+
 def _register() -> None:
+    from preheat.bench.coldstart import coldstart_command
+    from preheat.bench.sampler import sampler_command
     from preheat.cache.cli import cache_group
     from preheat.doctor import doctor_command
 
     main.add_command(doctor_command, "doctor")
     main.add_command(cache_group, "cache")
+    bench_group.add_command(sampler_command, "sampler")
+    bench_group.add_command(coldstart_command, "coldstart")
 
 
 _register()

@@ -1,0 +1,3 @@
+from preheat.cli import main
+
+main()

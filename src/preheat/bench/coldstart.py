@@ -1,0 +1,148 @@
+"""`preheat bench coldstart`: process start to first image, in fresh processes, per cache state.
+
+Each run is a child ``preheat sample MODEL --report R`` (the real command, nothing special-cased)
+with its own ``PREHEAT_HOME``:
+
+    empty        a new, empty root (trace + lower + compile, then the entry is written)
+    xla only     JAX's persistent compilation cache warm, executable layer off (trace + lower paid)
+    full warm    the executable (aot) layer warm: no trace, no lower, no compile
+    remote warm  (with --cache-url) an empty local root pulling from the shared store
+
+The floor is what no cache can remove: interpreter start + imports + weight read + one warm run
+(the child's second call). Goals: a warm cache removes >= 95% of trace + compile time, and
+process start to first image with a warm cache is <= 1.25x the floor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+
+from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary, write_json
+from preheat.cli import one_line_errors
+
+__all__ = ["run_child", "bench_coldstart", "coldstart_command"]
+
+PHASES = ("import_s", "weights_s", "trace_lower_s", "compile_or_load_s", "first_run_s")
+
+
+def run_child(model: str | None, home: Path, n: int, steps: int | None, cache: str,
+              extra_env: dict[str, str] | None = None, timeout: float = 900) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "preheat", "sample", *([model] if model else []), "--n", str(n),
+               "--out", str(Path(tmp) / "s.png"), "--report", str(report), "--quiet", "--cache", cache]
+        if steps:
+            cmd += ["--steps", str(steps)]
+        env = {**os.environ, "PREHEAT_HOME": str(home), **(extra_env or {})}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"child failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+        return json.loads(report.read_text())
+
+
+def bench_coldstart(model: str | None, n: int, steps: int | None, repeats: int, workdir: Path,
+                    cache_url: str | None = None) -> dict[str, Any]:
+    model = materialize_model(model, workdir)
+    rows: dict[str, list[dict[str, Any]]] = {"empty": [], "xla only": [], "full warm": []}
+    xla_home, full_home = workdir / "xla-home", workdir / "full-home"
+    run_child(model, xla_home, n, steps, "xla")  # prime JAX's persistent cache
+    run_child(model, full_home, n, steps, "full")  # prime the executable layer
+    for i in range(repeats):
+        empty = workdir / f"empty-{i}"
+        rows["empty"].append(run_child(model, empty, n, steps, "full"))
+        shutil.rmtree(empty, ignore_errors=True)
+        rows["xla only"].append(run_child(model, xla_home, n, steps, "xla"))
+        rows["full warm"].append(run_child(model, full_home, n, steps, "full"))
+    if cache_url:
+        env = {"PREHEAT_CACHE_URL": cache_url}
+        run_child(model, workdir / "publisher", n, steps, "full", env)  # fills the remote store
+        rows["remote warm"] = []
+        for i in range(repeats):
+            fresh = workdir / f"remote-{i}"
+            rows["remote warm"].append(run_child(model, fresh, n, steps, "full", env))
+            shutil.rmtree(fresh, ignore_errors=True)
+    result: dict[str, Any] = {"model": model or "built-in:digits", "batch": n, "steps": steps,
+                              "machine": machine_line(), "rows": {}}
+    for name, runs in rows.items():
+        floor = [r["import_s"] + r["weights_s"] + r["warm_run_s"] for r in runs]
+        result["rows"][name] = {
+            "layers": sorted({r["cache_layer"] for r in runs}),
+            "start_to_first_image_s": summary([r["process_start_to_first_image_s"] for r in runs]),
+            "floor_s": summary(floor),
+            **{p: summary([r[p] for r in runs]) for p in PHASES},
+            "runs": runs,
+        }
+    empty_tc = result["rows"]["empty"]["trace_lower_s"]["median"] + result["rows"]["empty"]["compile_or_load_s"]["median"]
+    warm = result["rows"]["full warm"]
+    warm_tc = warm["trace_lower_s"]["median"] + warm["compile_or_load_s"]["median"]
+    result["goals"] = {
+        "trace_compile_removed": 1 - warm_tc / empty_tc if empty_tc else float("nan"),
+        "warm_over_floor": warm["start_to_first_image_s"]["median"] / warm["floor_s"]["median"],
+    }
+    return result
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"**{result['model']}**, batch {result['batch']}, steps {result['steps'] or 'default'} — {result['machine']}",
+             "", "| cache state | layer | start → first image s | floor s | import s | weights s | trace+lower s | "
+             "compile/load s | first run s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in result["rows"].items():
+        lines.append(f"| {name} | {','.join(r['layers'])} | {fmt_summary(r['start_to_first_image_s'], digits=2)} | "
+                     f"{fmt_summary(r['floor_s'], digits=2)} | " + " | ".join(
+                         fmt_summary(r[p], digits=2) for p in PHASES) + " |")
+    g = result["goals"]
+    lines += ["", f"Goals: warm cache removes {100 * g['trace_compile_removed']:.1f}% of trace + compile time (goal ≥ 95%); "
+                  f"warm start to first image = {g['warm_over_floor']:.2f}× the floor (goal ≤ 1.25×)."]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["rows"])
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    left = [0.0] * len(names)
+    for phase in PHASES:
+        values = [result["rows"][n][phase]["median"] for n in names]
+        ax.barh(names, values, left=left, label=phase.removesuffix("_s").replace("_", " "))
+        left = [a + b for a, b in zip(left, values)]
+    ax.set_xlabel("seconds from process start (medians)")
+    ax.set_title(f"cold start: {Path(str(result['model'])).name}, batch {result['batch']}")
+    ax.invert_yaxis()
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    buf = path.with_suffix(".tmp.png")
+    fig.savefig(buf, dpi=110)
+    os.replace(buf, path)
+
+
+@click.command("coldstart")
+@click.argument("model", required=False)
+@click.option("--n", "n", default=8, show_default=True, type=int, help="Batch size.")
+@click.option("--steps", type=int, help="Steps (model default when absent).")
+@click.option("--repeats", default=3, show_default=True, type=int, help="Fresh processes per cache state.")
+@click.option("--cache-url", help="Also measure a fresh local root pulling from this shared store.")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
+@one_line_errors
+def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int, cache_url: str | None,
+                      json_out: Path | None, png_out: Path | None) -> None:
+    """Process start to first image, empty vs XLA-cache-only vs fully warm cache, in fresh processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = bench_coldstart(model, n, steps, repeats, Path(tmp), cache_url)
+    click.echo(markdown(result))
+    write_json(json_out, result)
+    if png_out:
+        plot(result, png_out)

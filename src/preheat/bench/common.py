@@ -1,0 +1,103 @@
+"""What every benchmark shares: repeated timing with warm-up, summaries, the machine line, and
+random-weight stand-ins for published architectures (no hub access needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["timed", "summary", "machine_line", "ARCHITECTURES", "materialize_model", "fmt_summary", "write_json"]
+
+# Published architectures, for random-weight benchmark models (config.json of the checkpoint).
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "ddpm-cifar10-32": dict(  # google/ddpm-cifar10-32: 35.7 M parameters, 12.1 GFLOP / image / step
+        sample_size=32, in_channels=3, out_channels=3, layers_per_block=2,
+        block_out_channels=[128, 256, 256, 256],
+        down_block_types=["DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"],
+        up_block_types=["UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"],
+        attention_head_dim=None, norm_eps=1e-6, norm_num_groups=32, act_fn="silu",
+        flip_sin_to_cos=False, freq_shift=1, downsample_padding=0, center_input_sample=False,
+        mid_block_scale_factor=1, time_embedding_type="positional",
+    ),
+}
+_DDPM_SCHEDULER = {"_class_name": "DDPMScheduler", "num_train_timesteps": 1000, "beta_schedule": "linear",
+                   "beta_start": 0.0001, "beta_end": 0.02, "clip_sample": True, "variance_type": "fixed_large"}
+
+
+def materialize_model(name_or_path: str | None, workdir: Path) -> str | None:
+    """A model argument for preheat.load: a path, None (built-in), or a random-weight folder of a
+    named architecture written once under ``workdir`` (JAX init, saved in diffusers format)."""
+    if name_or_path is None or name_or_path not in ARCHITECTURES:
+        return name_or_path
+    out = workdir / name_or_path
+    if (out / "model_index.json").is_file():
+        return str(out)
+    import jax
+    from flax import nnx
+
+    from preheat.cache.atomic import atomic_write_bytes
+    from preheat.models.loading import save_unet
+    from preheat.models.unet2d import UNet2DConfig, UNet2DModel
+
+    config = UNet2DConfig.from_dict(ARCHITECTURES[name_or_path])
+    model = UNet2DModel(config, rngs=nnx.Rngs(0))
+    save_unet(config, nnx.state(model), out / "unet")
+    atomic_write_bytes(out / "scheduler" / "scheduler_config.json", json.dumps(_DDPM_SCHEDULER).encode())
+    atomic_write_bytes(out / "model_index.json", json.dumps({"_class_name": "DDPMPipeline", "preheat": {
+        "defaults": {"sampler": "ddim", "steps": 20}}}).encode())
+    del jax
+    return str(out)
+
+
+def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def fmt_summary(s: dict[str, float], scale: float = 1.0, digits: int = 3) -> str:
+    return f"{s['median'] * scale:.{digits}f} ({s['min'] * scale:.{digits}f}–{s['max'] * scale:.{digits}f})"
+
+
+def machine_line() -> str:
+    """One line: CPU, cores, memory, accelerator, versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gb = float("nan")
+    import jax
+
+    dev = jax.devices()[0]
+    accel = "no accelerator" if dev.platform == "cpu" else f"{jax.device_count()}x {dev.device_kind}"
+    return (f"{cpu}, {os.cpu_count()} cores, {mem_gb:.0f} GiB RAM, {accel}; "
+            f"python {platform.python_version()}, jax {jax.__version__} ({dev.platform})")
+
+
+def write_json(path: Path | None, data: Any) -> None:
+    if path is None:
+        return
+    from preheat.cache.atomic import atomic_write_bytes
+
+    atomic_write_bytes(path, (json.dumps(data, indent=2, default=str) + "\n").encode())

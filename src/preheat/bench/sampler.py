@@ -1,0 +1,104 @@
+"""`preheat bench sampler`: what the one-program loop costs, and how fast it runs.
+
+- loop overhead: the compiled whole-loop program against N separately compiled denoiser calls at
+  the same batch (same model work, dispatched one step at a time). Goal: <= 2%.
+- images/s at each batch size.
+- achieved GFLOP/s (XLA's cost analysis of one denoiser call x calls) against the measured
+  matmul rate of this machine.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+
+from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary, timed, write_json
+from preheat.cli import one_line_errors
+
+__all__ = ["bench_sampler", "matmul_gflops", "sampler_command"]
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    times = timed(lambda: f(a).block_until_ready(), repeats)
+    return 2 * n**3 / summary(times)["median"] / 1e9
+
+
+def bench_sampler(model: str | None, batches: list[int], steps: int, sampler: str | None, repeats: int,
+                  workdir: Path) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import preheat
+
+    pipe = preheat.load(materialize_model(model, workdir), cache="off")
+    sampler = sampler or pipe.defaults.get("sampler", "ddim")
+    rows = []
+    for b in batches:
+        sig, args = pipe.prepare(b, steps=steps, sampler=sampler, seed=0)
+        program = pipe.executable(sig, args)
+        loop = timed(lambda: np.asarray(program(*args)), repeats)
+        # The same model work, one separately compiled call at a time.
+        calls_per_step = sig.spec.max_model_calls_per_step
+        model_batch = 2 * b if sig.guided else b
+        h, w, c = pipe.sample_shape
+        x = jnp.zeros((model_batch, h, w, c), sig.dtype)
+        t = jnp.full((model_batch,), 500.0, jnp.float32)
+        y = jnp.zeros((model_batch,), jnp.int32) if sig.class_conditional else None
+        denoise = jax.jit(pipe.apply).lower(pipe.params, x, t, y).compile()
+        one = timed(lambda: denoise(pipe.params, x, t, y).block_until_ready(), repeats, warmup=2)
+        n_calls = steps * calls_per_step
+        flops_per_call = float((denoise.cost_analysis() or {}).get("flops", float("nan")))
+        loop_s = summary(loop)
+        calls_s = summary([n_calls * v for v in one])
+        rows.append({
+            "batch": b, "steps": steps, "sampler": sampler, "guided": sig.guided,
+            "loop_s": loop_s, "separate_calls_s": calls_s,
+            "loop_overhead": loop_s["median"] / calls_s["median"] - 1.0,
+            "images_per_s": b / loop_s["median"],
+            "gflop_per_image_per_step": flops_per_call * calls_per_step / b / 1e9,
+            "achieved_gflops": flops_per_call * n_calls / loop_s["median"] / 1e9,
+        })
+    return {"model": model or "built-in:digits", "machine": machine_line(), "matmul_gflops": matmul_gflops(),
+            "rows": rows}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"**{result['model']}** — {result['machine']}; measured f32 matmul rate "
+             f"{result['matmul_gflops']:.1f} GFLOP/s", "",
+             "| batch | steps | sampler | loop s, median (min–max) | N separate calls s | loop overhead | images/s | "
+             "GFLOP/img/step | achieved GFLOP/s (% of matmul) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        pct = 100 * r["achieved_gflops"] / result["matmul_gflops"]
+        lines.append(f"| {r['batch']} | {r['steps']} | {r['sampler']}{' +cfg' if r['guided'] else ''} | "
+                     f"{fmt_summary(r['loop_s'])} | {fmt_summary(r['separate_calls_s'])} | "
+                     f"{100 * r['loop_overhead']:+.1f}% | {r['images_per_s']:.2f} | {r['gflop_per_image_per_step']:.3f} | "
+                     f"{r['achieved_gflops']:.1f} ({pct:.0f}%) |")
+    return "\n".join(lines)
+
+
+@click.command("sampler")
+@click.argument("model", required=False)
+@click.option("--batch", "batches", multiple=True, type=int, help="Batch sizes (default 1, 8, 32).")
+@click.option("--steps", default=10, show_default=True, type=int)
+@click.option("--sampler")
+@click.option("--repeats", default=3, show_default=True, type=int)
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@one_line_errors
+def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sampler: str | None, repeats: int,
+                    json_out: Path | None) -> None:
+    """Loop overhead, images/s and achieved GFLOP/s. MODEL: a folder, 'ddpm-cifar10-32' (random
+    weights), or nothing for the built-in model."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = bench_sampler(model, list(batches) or [1, 8, 32], steps, sampler, repeats, Path(tmp))
+    click.echo(markdown(result))
+    write_json(json_out, result)

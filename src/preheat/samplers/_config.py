@@ -1,0 +1,417 @@
+"""Scheduler configuration: parse a diffusers ``scheduler_config.json`` and resolve it per sampler.
+
+A ``scheduler_config.json`` saved by one diffusers class is routinely loaded into another
+(``EulerDiscreteScheduler.from_config(ddim.config)``). diffusers then uses the values present
+in the dict for the keys the *target* class reads, its own defaults for absent keys, and
+silently ignores keys it does not read. We do the same, per sampler:
+
+* :meth:`SchedulerConfig.from_dict` keeps the values present (``None`` = absent) and rejects
+  values no supported class can honour (``beta_schedule="sigmoid"``, ``trained_betas``, ...).
+* :func:`resolve` fills absent keys with the default of the diffusers class the sampler maps
+  to and rejects values that class would read but we do not implement (``thresholding=True``
+  for ddpm/ddim/dpm++, ``final_sigmas_type="sigma_min"`` for euler/dpm++, ...).
+
+The sampler *name* fixes the solver: for ``dpmpp_2m``/``dpmpp_2m_karras`` the dict's
+``algorithm_type``, ``solver_order``, ``solver_type``, ``lower_order_final``,
+``euler_at_final`` and ``use_karras_sigmas`` are not read (the name says 2nd-order
+dpmsolver++ midpoint, Karras or not). ``euler`` and ``heun`` honour ``use_karras_sigmas``
+from the dict, as their diffusers classes do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from preheat.errors import SchedulerConfigError
+
+__all__ = ["SAMPLERS", "SchedulerConfig", "ResolvedConfig", "resolve"]
+
+SAMPLERS: tuple[str, ...] = (
+    "ddpm",
+    "ddim",
+    "euler",
+    "euler_a",
+    "heun",
+    "dpmpp_2m",
+    "dpmpp_2m_karras",
+)
+
+# The diffusers class each sampler reproduces (named in error messages).
+DIFFUSERS_CLASS: dict[str, str] = {
+    "ddpm": "DDPMScheduler",
+    "ddim": "DDIMScheduler",
+    "euler": "EulerDiscreteScheduler",
+    "euler_a": "EulerAncestralDiscreteScheduler",
+    "heun": "HeunDiscreteScheduler",
+    "dpmpp_2m": "DPMSolverMultistepScheduler",
+    "dpmpp_2m_karras": "DPMSolverMultistepScheduler",
+}
+
+BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
+PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")
+DDPM_VARIANCE_TYPES = ("fixed_small", "fixed_small_log", "fixed_large")
+
+# Defaults of the diffusers class behind each sampler, for every key that class reads and
+# that changes the math (keys we refuse included, so that their defaults are known).
+# tests/samplers checks these against the installed diffusers signatures.
+_COMMON: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "beta_start": 0.0001,
+    "beta_end": 0.02,
+    "beta_schedule": "linear",
+    "trained_betas": None,
+    "prediction_type": "epsilon",
+    "steps_offset": 0,
+}
+_DPM: dict[str, Any] = {
+    **_COMMON,
+    "timestep_spacing": "linspace",
+    "thresholding": False,
+    "variance_type": None,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "use_lu_lambdas": False,
+    "use_flow_sigmas": False,
+    "final_sigmas_type": "zero",
+    "lambda_min_clipped": -math.inf,
+    "rescale_betas_zero_snr": False,
+    # Not __init__ parameters of DPMSolverMultistepScheduler, but its Karras conversion
+    # reads them from the config when a foreign (Euler) config carries them.
+    "sigma_min": None,
+    "sigma_max": None,
+}
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ddpm": {
+        **_COMMON,
+        "timestep_spacing": "leading",
+        "clip_sample": True,
+        "clip_sample_range": 1.0,
+        "variance_type": "fixed_small",
+        "thresholding": False,
+        "rescale_betas_zero_snr": False,
+    },
+    "ddim": {
+        **_COMMON,
+        "timestep_spacing": "leading",
+        "clip_sample": True,
+        "clip_sample_range": 1.0,
+        "set_alpha_to_one": True,
+        "thresholding": False,
+        "rescale_betas_zero_snr": False,
+    },
+    "euler": {
+        **_COMMON,
+        "timestep_spacing": "linspace",
+        "interpolation_type": "linear",
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "sigma_min": None,
+        "sigma_max": None,
+        "timestep_type": "discrete",
+        "final_sigmas_type": "zero",
+        "rescale_betas_zero_snr": False,
+    },
+    "euler_a": {
+        **_COMMON,
+        "timestep_spacing": "linspace",
+        "rescale_betas_zero_snr": False,
+    },
+    "heun": {
+        **_COMMON,
+        "beta_start": 0.00085,
+        "beta_end": 0.012,
+        "timestep_spacing": "linspace",
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "clip_sample": False,
+        "clip_sample_range": 1.0,
+        # read through the config by the Karras conversion, as for dpm++
+        "sigma_min": None,
+        "sigma_max": None,
+    },
+    "dpmpp_2m": _DPM,
+    "dpmpp_2m_karras": _DPM,
+}
+
+_BOOL = "bool"
+_INT = "int"
+_FLOAT = "float"
+_STR = "str"
+_FIELD_KIND: dict[str, str] = {
+    "num_train_timesteps": _INT,
+    "beta_start": _FLOAT,
+    "beta_end": _FLOAT,
+    "beta_schedule": _STR,
+    "prediction_type": _STR,
+    "timestep_spacing": _STR,
+    "steps_offset": _INT,
+    "clip_sample": _BOOL,
+    "clip_sample_range": _FLOAT,
+    "set_alpha_to_one": _BOOL,
+    "variance_type": _STR,
+    "interpolation_type": _STR,
+    "use_karras_sigmas": _BOOL,
+    "use_exponential_sigmas": _BOOL,
+    "use_beta_sigmas": _BOOL,
+    "use_lu_lambdas": _BOOL,
+    "use_flow_sigmas": _BOOL,
+    "thresholding": _BOOL,
+    "rescale_betas_zero_snr": _BOOL,
+    "sigma_min": _FLOAT,
+    "sigma_max": _FLOAT,
+    "timestep_type": _STR,
+    "final_sigmas_type": _STR,
+    "lambda_min_clipped": _FLOAT,
+}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The math-relevant keys of a diffusers scheduler config; ``None`` means "absent".
+
+    Absent keys (and keys listed in ``_use_default_values``) take the default of the diffusers
+    class the chosen sampler maps to (see :func:`resolve`), because that is what
+    ``Class.from_config(d)`` does. Keys that no sampler reads (``skip_prk_steps``,
+    ``solver_order``, ...) are listed in ``ignored_keys``; ``_``-prefixed keys are dropped.
+    """
+
+    num_train_timesteps: int | None = None
+    beta_start: float | None = None
+    beta_end: float | None = None
+    beta_schedule: str | None = None
+    prediction_type: str | None = None
+    timestep_spacing: str | None = None
+    steps_offset: int | None = None
+    clip_sample: bool | None = None
+    clip_sample_range: float | None = None
+    set_alpha_to_one: bool | None = None
+    variance_type: str | None = None
+    interpolation_type: str | None = None
+    use_karras_sigmas: bool | None = None
+    use_exponential_sigmas: bool | None = None
+    use_beta_sigmas: bool | None = None
+    use_lu_lambdas: bool | None = None
+    use_flow_sigmas: bool | None = None
+    thresholding: bool | None = None
+    rescale_betas_zero_snr: bool | None = None
+    sigma_min: float | None = None
+    sigma_max: float | None = None
+    timestep_type: str | None = None
+    final_sigmas_type: str | None = None
+    lambda_min_clipped: float | None = None
+    ignored_keys: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SchedulerConfig":
+        """Parse a ``scheduler_config.json`` dict; reject values no sampler implements."""
+        if not isinstance(d, Mapping):
+            raise SchedulerConfigError(
+                f"scheduler config must be a JSON object, got {type(d).__name__}"
+            )
+        values: dict[str, Any] = {}
+        ignored: list[str] = []
+        # An in-memory diffusers config lists under "_use_default_values" the keys that were
+        # never set explicitly; from_config treats them as absent (the target class's default
+        # applies). Saved JSON files do not carry the list.
+        defaulted = d.get("_use_default_values") or ()
+        for key, value in d.items():
+            if not isinstance(key, str) or key.startswith("_") or key in defaulted:
+                continue
+            if key == "trained_betas":
+                if value is not None:
+                    raise SchedulerConfigError(
+                        "trained_betas is not supported; use beta_schedule in "
+                        f"{list(BETA_SCHEDULES)} with beta_start/beta_end"
+                    )
+                continue
+            kind = _FIELD_KIND.get(key)
+            if kind is None:
+                ignored.append(key)
+                continue
+            values[key] = _coerce(key, value, kind)
+        return cls(**values, ignored_keys=tuple(sorted(ignored)))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> "SchedulerConfig":
+        """Read and parse a ``scheduler_config.json`` file."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise SchedulerConfigError(f"scheduler config not found: {os.fspath(path)}") from None
+        except (OSError, ValueError) as e:
+            raise SchedulerConfigError(
+                f"cannot read scheduler config {os.fspath(path)}: {str(e).splitlines()[0]}"
+            ) from None
+        return cls.from_dict(d)
+
+    def __post_init__(self) -> None:
+        """Reject values that every supported diffusers class would read and we do not do."""
+        _check_choice("beta_schedule", self.beta_schedule, BETA_SCHEDULES)
+        _check_choice("prediction_type", self.prediction_type, PREDICTION_TYPES)
+        _check_choice("timestep_spacing", self.timestep_spacing, TIMESTEP_SPACINGS)
+        if self.num_train_timesteps is not None and self.num_train_timesteps < 2:
+            raise SchedulerConfigError(
+                f"num_train_timesteps={self.num_train_timesteps} is not supported; it must be >= 2"
+            )
+        if self.steps_offset is not None and self.steps_offset < 0:
+            raise SchedulerConfigError(
+                f"steps_offset={self.steps_offset} is not supported; it must be >= 0"
+            )
+        for key in ("beta_start", "beta_end"):
+            v = getattr(self, key)
+            if v is not None and not (0.0 < v < 1.0):
+                raise SchedulerConfigError(f"{key}={v} is not supported; it must be in (0, 1)")
+        if self.clip_sample_range is not None and not self.clip_sample_range > 0:
+            raise SchedulerConfigError(
+                f"clip_sample_range={self.clip_sample_range} is not supported; it must be > 0"
+            )
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """Every setting one sampler needs, absent keys filled with its diffusers class default."""
+
+    sampler: str
+    num_train_timesteps: int
+    beta_start: float
+    beta_end: float
+    beta_schedule: str
+    prediction_type: str
+    timestep_spacing: str
+    steps_offset: int
+    clip_sample: bool  # False for samplers whose diffusers class has no clipping
+    clip_sample_range: float
+    set_alpha_to_one: bool  # ddim only
+    variance_type: str  # ddpm only ("" otherwise)
+    use_karras_sigmas: bool
+    sigma_min: float | None  # Karras endpoints; None = the schedule's own
+    sigma_max: float | None
+    lambda_min_clipped: float  # dpm++ only
+
+
+def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
+    """Fill absent keys for ``sampler`` and reject values its diffusers class would use."""
+    if sampler not in SAMPLERS:
+        raise SchedulerConfigError(
+            f"unknown sampler {sampler!r}; supported: {', '.join(SAMPLERS)}"
+        )
+    defaults = CLASS_DEFAULTS[sampler]
+    cls_name = DIFFUSERS_CLASS[sampler]
+
+    def get(key: str) -> Any:
+        v = getattr(config, key)
+        return defaults[key] if v is None else v
+
+    def refuse_true(key: str) -> None:
+        if key in defaults and get(key):
+            raise SchedulerConfigError(
+                f"{key}=True is not supported for sampler {sampler!r} ({cls_name}); "
+                f"only {key}=False is"
+            )
+
+    for key in ("thresholding", "rescale_betas_zero_snr", "use_exponential_sigmas",
+                "use_beta_sigmas", "use_lu_lambdas", "use_flow_sigmas"):
+        refuse_true(key)
+    if "final_sigmas_type" in defaults:
+        _check_choice("final_sigmas_type", get("final_sigmas_type"), ("zero",), sampler)
+    if "interpolation_type" in defaults:
+        _check_choice("interpolation_type", get("interpolation_type"), ("linear",), sampler)
+
+    prediction_type = get("prediction_type")
+    if "timestep_type" in defaults:
+        timestep_type = get("timestep_type")
+        _check_choice("timestep_type", timestep_type, ("discrete", "continuous"), sampler)
+        if timestep_type == "continuous" and prediction_type == "v_prediction":
+            raise SchedulerConfigError(
+                "timestep_type='continuous' with prediction_type='v_prediction' is not "
+                f"supported for sampler {sampler!r}; use timestep_type='discrete'"
+            )
+
+    variance_type = ""
+    if sampler == "ddpm":
+        variance_type = get("variance_type")
+        _check_choice("variance_type", variance_type, DDPM_VARIANCE_TYPES, sampler)
+    elif sampler.startswith("dpmpp") and config.variance_type in ("learned", "learned_range"):
+        # diffusers' dpm++ acts on these two only (it drops the variance channels)
+        raise SchedulerConfigError(
+            f"variance_type={config.variance_type!r} (learned variance) is not supported for "
+            f"sampler {sampler!r}; a model with learned variance cannot be used"
+        )
+
+    if sampler == "dpmpp_2m_karras":
+        use_karras = True
+    elif sampler == "dpmpp_2m":
+        use_karras = False
+    elif "use_karras_sigmas" in defaults:  # euler, heun: as their diffusers classes do
+        use_karras = bool(get("use_karras_sigmas"))
+    else:  # ddpm, ddim, euler_a: their diffusers classes do not read the key
+        use_karras = False
+
+    lambda_min_clipped = float(get("lambda_min_clipped")) if "lambda_min_clipped" in defaults else -math.inf
+    if math.isnan(lambda_min_clipped):
+        raise SchedulerConfigError("lambda_min_clipped=nan is not supported; use a number or -inf")
+
+    has_clip = "clip_sample" in defaults
+    return ResolvedConfig(
+        sampler=sampler,
+        num_train_timesteps=int(get("num_train_timesteps")),
+        beta_start=float(get("beta_start")),
+        beta_end=float(get("beta_end")),
+        beta_schedule=get("beta_schedule"),
+        prediction_type=prediction_type,
+        timestep_spacing=get("timestep_spacing"),
+        steps_offset=int(get("steps_offset")),
+        clip_sample=bool(get("clip_sample")) if has_clip else False,
+        clip_sample_range=float(get("clip_sample_range")) if has_clip else 1.0,
+        set_alpha_to_one=bool(get("set_alpha_to_one")) if sampler == "ddim" else True,
+        variance_type=variance_type,
+        use_karras_sigmas=use_karras,
+        sigma_min=_opt_float(get("sigma_min")) if "sigma_min" in defaults else None,
+        sigma_max=_opt_float(get("sigma_max")) if "sigma_max" in defaults else None,
+        lambda_min_clipped=lambda_min_clipped,
+    )
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _check_choice(key: str, value: Any, allowed: tuple[Any, ...], sampler: str | None = None) -> None:
+    if value is None or value in allowed:
+        return
+    where = f" for sampler {sampler!r}" if sampler else ""
+    raise SchedulerConfigError(
+        f"{key}={value!r} is not supported{where}; supported: {', '.join(map(repr, allowed))}"
+    )
+
+
+def _coerce(key: str, value: Any, kind: str) -> Any:
+    """Check a JSON value's type; ``None`` stays ``None`` (= absent)."""
+    if value is None:
+        return None
+    if kind == _BOOL:
+        if isinstance(value, bool):
+            return value
+    elif kind == _INT:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif kind == _FLOAT:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            v = float(value)
+            if math.isnan(v) or (math.isinf(v) and key != "lambda_min_clipped"):
+                raise SchedulerConfigError(f"{key}={value!r} is not supported; it must be finite")
+            return v
+    elif kind == _STR:
+        if isinstance(value, str):
+            return value
+    raise SchedulerConfigError(f"{key}={value!r} has the wrong type; expected {kind}")

@@ -1,0 +1,263 @@
+"""Host side: turn (config, sampler, steps) into a fixed-shape ``Plan`` and a static ``SolverSpec``.
+
+The split is what lets the engine compile once per model and solver: everything that depends
+on the step count lives in the ``Plan`` as numpy arrays padded to ``num_train_timesteps + 1``
+(a runtime argument, a pytree), and the few things that change the traced program live in the
+hashable ``SolverSpec`` (a static argument).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from preheat.errors import SchedulerConfigError
+from preheat.samplers import _schedules as S
+from preheat.samplers._config import SAMPLERS, ResolvedConfig, SchedulerConfig, resolve
+
+__all__ = ["SolverSpec", "Plan", "make_spec", "make_plan"]
+
+_F32 = np.float32
+
+# sampler name -> solver (the traced update rule); Karras-ness is schedule data, not code
+_SOLVER = {
+    "ddpm": "ddpm",
+    "ddim": "ddim",
+    "euler": "euler",
+    "euler_a": "euler_a",
+    "heun": "heun",
+    "dpmpp_2m": "dpmpp_2m",
+    "dpmpp_2m_karras": "dpmpp_2m",
+}
+_SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras")
+_NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1}
+
+
+@dataclass(frozen=True)
+class SolverSpec:
+    """Static (hashable) solver settings; pass as a static argument to ``jax.jit``.
+
+    Only what changes the traced program belongs here, so that two plans for the same
+    model and solver share one compiled loop whatever their step count or schedule.
+    """
+
+    solver: str  # "ddpm" | "ddim" | "euler" | "euler_a" | "heun" | "dpmpp_2m"
+    prediction_type: str  # "epsilon" | "v_prediction" | "sample"
+    clip_sample: bool = False  # clamp the x0 prediction (ddpm, ddim, heun only)
+    clip_sample_range: float = 1.0
+    variance_type: str = ""  # ddpm: "fixed_small" | "fixed_small_log" | "fixed_large"
+
+    @property
+    def noise_draws_per_step(self) -> int:
+        """How many ``noise_fn(i, k)`` draws one step makes (k = 0 .. n - 1).
+
+        ddim draws even at ``eta == 0`` (eta is runtime data) and multiplies the draw by 0.
+        """
+        return _NOISE_DRAWS.get(self.solver, 0)
+
+    @property
+    def max_model_calls_per_step(self) -> int:
+        """Heun evaluates the model twice per step except on the last one."""
+        return 2 if self.solver == "heun" else 1
+
+
+class Plan(NamedTuple):
+    """Per-step schedule data, padded to ``num_train_timesteps + 1`` rows (a pytree).
+
+    Row ``i`` describes step ``i``; rows ``>= n_steps`` (and ``n_steps`` itself, except for
+    ``sigmas`` where it holds the final 0) are padding that the solvers never read.
+    Fields a solver does not use hold harmless padding (zeros / ones).
+    """
+
+    n_steps: np.ndarray  # int32 []: steps to run (a traced trip count)
+    timesteps: np.ndarray  # float32 [L]: the t the model sees at step i
+    sigmas: np.ndarray  # float32 [L]: sigma_i (sigma-space samplers); sigmas[n_steps] = 0
+    alpha_bar: np.ndarray  # float32 [L]: alphas_cumprod at t_i (ddpm, ddim)
+    alpha_bar_prev: np.ndarray  # float32 [L]: alphas_cumprod at the step's target (ddpm, ddim)
+    order: np.ndarray  # int32 [L]: dpm++ order of step i (1 or 2)
+    init_noise_sigma: np.ndarray  # float32 []: scale of the standard-normal start noise
+    eta: np.ndarray  # float32 []: ddim stochasticity (0 = deterministic)
+
+
+def make_spec(config: SchedulerConfig, sampler: str) -> SolverSpec:
+    """The static solver settings for ``sampler`` under ``config``."""
+    r = resolve(config, sampler)
+    return SolverSpec(
+        solver=_SOLVER[sampler],
+        prediction_type=r.prediction_type,
+        clip_sample=r.clip_sample,
+        clip_sample_range=r.clip_sample_range if r.clip_sample else 1.0,
+        variance_type=r.variance_type,
+    )
+
+
+def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float = 0.0) -> Plan:
+    """Schedule ``steps`` steps of ``sampler``, with diffusers' numbers, into a padded ``Plan``."""
+    r = resolve(config, sampler)
+    T = r.num_train_timesteps
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
+        raise SchedulerConfigError(f"steps={steps!r} must be an int in [1, {T}]")
+    steps = int(steps)
+    if not 1 <= steps <= T:
+        raise SchedulerConfigError(f"steps={steps} is not supported; it must be in [1, {T}] (num_train_timesteps)")
+    eta = float(eta)
+    if sampler != "ddim" and eta != 0.0:
+        raise SchedulerConfigError(f"eta={eta} is only supported for sampler 'ddim'; use eta=0.0 for {sampler!r}")
+    if not 0.0 <= eta <= 1.0:
+        raise SchedulerConfigError(f"eta={eta} is not supported; it must be in [0, 1]")
+
+    alpha_bar_train = S.alphas_cumprod(S.betas(r.beta_schedule, r.beta_start, r.beta_end, T))
+    if sampler in ("ddpm", "ddim"):
+        rows = _discrete_rows(r, steps, alpha_bar_train)
+    elif sampler.startswith("dpmpp"):
+        rows = _dpm_rows(r, steps, alpha_bar_train)
+    else:
+        rows = _sigma_rows(r, steps, alpha_bar_train)
+    timesteps, sigmas, ab, ab_prev, order, init_sigma = rows
+
+    n = len(timesteps)
+    _check_schedule(r, steps, timesteps, sigmas if sampler in _SIGMA_SAMPLERS else None)
+    L = T + 1
+
+    def pad(values: np.ndarray, fill: float, dtype: type) -> np.ndarray:
+        out = np.full(L, fill, dtype=dtype)
+        out[: len(values)] = values
+        return out
+
+    return Plan(
+        n_steps=np.asarray(n, dtype=np.int32),
+        timesteps=pad(timesteps, 0.0, _F32),
+        sigmas=pad(sigmas, 0.0, _F32),
+        alpha_bar=pad(ab, 1.0, _F32),
+        alpha_bar_prev=pad(ab_prev, 1.0, _F32),
+        order=pad(order, 1, np.int32),
+        init_noise_sigma=np.asarray(init_sigma, dtype=_F32),
+        eta=np.asarray(eta, dtype=_F32),
+    )
+
+
+# --- per-family schedules -------------------------------------------------------------------
+# Each returns (timesteps f32 [n], sigmas f32 [n+1] or [0], alpha_bar f32 [n],
+# alpha_bar_prev f32 [n], order int32 [n], init_noise_sigma f32).
+
+_Rows = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.float32]
+
+
+def _discrete_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:
+    """ddpm/ddim: integer timesteps; the alpha-bar each step moves to.
+
+    diffusers' DDPM moves to the *next listed* timestep; DDIM moves to ``t - T // steps``
+    even when the spacing is not ``T // steps`` apart (linspace/trailing) -- both kept.
+    """
+    T = r.num_train_timesteps
+    ts = S.spaced_timesteps(r.timestep_spacing, T, steps, r.steps_offset)
+    if r.timestep_spacing == "linspace":
+        ts = ts.round()
+    ts_int = ts.astype(np.int64)
+    _check_range(r, steps, ts_int)
+    n = len(ts_int)
+    ab = alpha_bar_train[ts_int]
+    if r.sampler == "ddpm":
+        prev = np.append(ts_int[1:], -1)
+        final = _F32(1.0)
+    else:
+        prev = ts_int - T // steps
+        final = _F32(1.0) if r.set_alpha_to_one else alpha_bar_train[0]
+    ab_prev = np.where(prev >= 0, alpha_bar_train[np.maximum(prev, 0)], final).astype(_F32)
+    return ts_int.astype(_F32), np.zeros(0, _F32), ab, ab_prev, np.ones(n, np.int32), _F32(1.0)
+
+
+def _sigma_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:
+    """euler, euler_a, heun: float32 timesteps, sigmas interpolated linearly in t."""
+    T = r.num_train_timesteps
+    ts = S.spaced_timesteps(r.timestep_spacing, T, steps, r.steps_offset)
+    ts32 = ts.astype(_F32)  # diffusers casts before interpolating
+    if not r.use_karras_sigmas:  # with Karras they only pick the (clamped) end sigmas
+        _check_range(r, steps, ts32)
+    sig_train = S.train_sigmas(alpha_bar_train)
+    sig = S.interp_sigmas(ts32, sig_train)
+    if r.use_karras_sigmas:
+        lo = r.sigma_min if r.sigma_min is not None else sig[-1].item()
+        hi = r.sigma_max if r.sigma_max is not None else sig[0].item()
+        sig = S.karras_sigmas(lo, hi, steps)
+        ts32 = S.sigma_to_t(sig, np.log(sig_train)).astype(_F32)
+    sigmas = np.append(sig, 0.0).astype(_F32)
+    n = len(ts32)
+    top = sigmas.max()
+    # diffusers' init_noise_sigma: max sigma, or sqrt(max^2 + 1) for "leading" (float32)
+    init = top if r.timestep_spacing in ("linspace", "trailing") else np.sqrt(top * top + _F32(1.0))
+    ones = np.ones(n, _F32)
+    return ts32, sigmas, ones, ones, np.ones(n, np.int32), _F32(init)
+
+
+def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:
+    """dpm++ 2M: integer timesteps; first and last step first order, the rest second order."""
+    T = r.num_train_timesteps
+    sig_train = S.train_sigmas(alpha_bar_train)
+    top = T
+    if r.lambda_min_clipped > -np.inf:
+        # lambda = log(alpha) - log(sigma), float32 as diffusers; cut the range where it falls below
+        lam = (np.log(np.sqrt(alpha_bar_train)) - np.log(np.sqrt(_F32(1.0) - alpha_bar_train))).astype(_F32)
+        top = T - int(np.searchsorted(lam[::-1], _F32(r.lambda_min_clipped), side="left"))
+        if top < 1:
+            raise SchedulerConfigError(
+                f"lambda_min_clipped={r.lambda_min_clipped} clips every timestep; use a smaller value"
+            )
+    ts = S.spaced_timesteps(r.timestep_spacing, T, steps, r.steps_offset, top=top, extra_point=True)
+    if r.timestep_spacing == "linspace":
+        ts = ts.round()
+    ts_int = ts.astype(np.int64)
+    if r.use_karras_sigmas:
+        # diffusers' dpm++ ramps between the *training* extremes, whatever the spacing
+        lo = r.sigma_min if r.sigma_min is not None else sig_train[0].item()
+        hi = r.sigma_max if r.sigma_max is not None else sig_train[-1].item()
+        sig = S.karras_sigmas(lo, hi, steps)
+        t_frac = S.sigma_to_t(sig, np.log(sig_train))
+        if r.beta_schedule != "squaredcos_cap_v2":  # diffusers rounds except for this schedule...
+            t_frac = t_frac.round()
+        ts_int = t_frac.astype(np.int64)  # ...where the int64 cast truncates
+    else:
+        _check_range(r, steps, ts_int)
+        sig = S.interp_sigmas(ts_int, sig_train)
+    sigmas = np.append(sig, 0.0).astype(_F32)
+    n = len(ts_int)
+    order = np.full(n, 2, np.int32)
+    order[0] = 1  # no history yet
+    order[-1] = 1  # final sigma is 0: diffusers always finishes first order
+    ones = np.ones(n, _F32)
+    return ts_int.astype(_F32), sigmas, ones, ones, order, _F32(1.0)
+
+
+# --- validity ---------------------------------------------------------------------------------
+
+
+def _check_range(r: ResolvedConfig, steps: int, ts: np.ndarray) -> None:
+    """Refuse spacings that put a timestep outside training range (diffusers would crash or wrap).
+
+    E.g. "trailing" spacing with 61 of 1000 steps yields a 62nd timestep, -1, in diffusers.
+    """
+    T = r.num_train_timesteps
+    bad = ts[(ts < 0) | (ts > T - 1)]
+    if len(bad):
+        raise SchedulerConfigError(
+            f"steps={steps} with timestep_spacing={r.timestep_spacing!r} and steps_offset={r.steps_offset} "
+            f"gives timestep {bad[0]:g}, outside [0, {T - 1}]; choose another step count"
+        )
+
+
+def _check_schedule(r: ResolvedConfig, steps: int, ts: np.ndarray, sigmas: np.ndarray | None) -> None:
+    """Steps must move: repeated sigmas (or timesteps) make zero-length steps (dpm++ divides by them)."""
+    if sigmas is not None:
+        ok = bool(np.all(np.diff(sigmas) < 0))
+    else:
+        ok = bool(np.all(np.diff(ts) < 0))
+    if not ok:
+        raise SchedulerConfigError(
+            f"steps={steps} with timestep_spacing={r.timestep_spacing!r} gives noise levels that do not "
+            f"strictly decrease for sampler {r.sampler!r} (check sigma_min/sigma_max); use fewer steps"
+        )
+
+
+assert set(_SOLVER) == set(SAMPLERS)

@@ -1,0 +1,166 @@
+"""Noise schedules on the host, in numpy, bit-for-bit with diffusers on a CPU.
+
+diffusers builds its tables with torch float32 CPU kernels and then switches to numpy float64
+for timestep spacing and interpolation. We reproduce each rounding step, not just the math:
+
+* ``torch.linspace`` (CPU, float32) evaluates ``start + step * i`` (first half) and
+  ``end - step * (n - 1 - i)`` (second half) in float32 with the multiply-add *fused*
+  (one rounding; the kernel is compiled with FMA contraction on x86-64 AVX2/AVX-512 and
+  aarch64). :func:`torch_linspace_f32` reproduces that. On a CPU without FMA, torch itself
+  would round twice and differ from both us and other machines in the last bit.
+* ``torch.cumprod`` (CPU, float32) accumulates in float64 and rounds each output to float32.
+* timestep spacing, ``np.interp`` and the Karras ramp are float64 numpy, as in diffusers.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+
+from preheat.errors import SchedulerConfigError
+
+__all__ = [
+    "torch_linspace_f32",
+    "betas",
+    "alphas_cumprod",
+    "train_sigmas",
+    "spaced_timesteps",
+    "interp_sigmas",
+    "karras_sigmas",
+    "sigma_to_t",
+]
+
+_F32 = np.float32
+
+
+def _fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Elementwise ``a * b + c`` rounded once to float32 (1-D; a, c float32, b an integer < 2**29).
+
+    The float64 product of a 24-bit mantissa and a small integer is exact, so the float64
+    sum has one rounding. Rounding that again to float32 can only differ from a single
+    rounding when the float64 sum lands exactly on a float32 midpoint; those rare entries
+    are settled with exact rationals.
+    """
+    a64, b64, c64 = (np.asarray(v, dtype=np.float64) for v in (a, b, c))
+    s64 = a64 * b64 + c64
+    out = s64.astype(_F32)
+    up = np.nextafter(out, _F32(np.inf)).astype(np.float64)
+    down = np.nextafter(out, _F32(-np.inf)).astype(np.float64)
+    here = out.astype(np.float64)
+    on_mid = (s64 == (here + up) / 2) | (s64 == (here + down) / 2)
+    for k in np.flatnonzero(on_mid):
+        exact = Fraction(a64[k]) * Fraction(b64[k]) + Fraction(c64[k])
+        mid = Fraction(s64[k])
+        if exact != mid:  # the true value is off the midpoint: round towards it
+            lo_hi = sorted((here[k], up[k] if s64[k] > here[k] else down[k]))
+            out[k] = _F32(lo_hi[1] if exact > mid else lo_hi[0])
+    return out
+
+
+def torch_linspace_f32(start: float, end: float, n: int) -> np.ndarray:
+    """``torch.linspace(start, end, n, dtype=torch.float32)`` as the CPU kernel computes it."""
+    if n == 1:
+        return np.array([start], dtype=_F32)
+    s, e = _F32(start), _F32(end)
+    step = (e - s) / _F32(n - 1)  # float32 division, as the kernel
+    i = np.arange(n)
+    first = i < n // 2
+    k = np.where(first, i, n - 1 - i).astype(_F32)
+    out = np.where(
+        first,
+        _fma_f32(np.full(n, step), k, np.full(n, s)),
+        _fma_f32(np.full(n, -step), k, np.full(n, e)),
+    )
+    return out.astype(_F32)
+
+
+def betas(schedule: str, beta_start: float, beta_end: float, num_train: int) -> np.ndarray:
+    """float32 betas ``[num_train]`` for one of the supported ``beta_schedule`` values."""
+    if schedule == "linear":
+        return torch_linspace_f32(beta_start, beta_end, num_train)
+    if schedule == "scaled_linear":
+        r = torch_linspace_f32(beta_start**0.5, beta_end**0.5, num_train)
+        return (r * r).astype(_F32)  # torch ``** 2`` is one float32 multiply
+    if schedule == "squaredcos_cap_v2":
+        # Nichol & Dhariwal's cosine alpha-bar, discretised in Python float64 then float32.
+        def alpha_bar(t: float) -> float:
+            return math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
+
+        out = [
+            min(1 - alpha_bar((i + 1) / num_train) / alpha_bar(i / num_train), 0.999)
+            for i in range(num_train)
+        ]
+        return np.asarray(out, dtype=np.float64).astype(_F32)
+    raise SchedulerConfigError(
+        f"beta_schedule={schedule!r} is not supported; supported: linear, scaled_linear, squaredcos_cap_v2"
+    )
+
+
+def alphas_cumprod(beta: np.ndarray) -> np.ndarray:
+    """float32 ``cumprod(1 - beta)`` with torch's CPU float64 accumulator."""
+    alphas = (_F32(1.0) - beta).astype(_F32)
+    return np.cumprod(alphas.astype(np.float64)).astype(_F32)
+
+
+def train_sigmas(alpha_bar: np.ndarray) -> np.ndarray:
+    """float32 ``sqrt((1 - a) / a)`` per training timestep (ascending in t)."""
+    return np.sqrt((_F32(1.0) - alpha_bar) / alpha_bar).astype(_F32)
+
+
+def spaced_timesteps(
+    spacing: str, num_train: int, steps: int, offset: int, *, top: int | None = None, extra_point: bool = False
+) -> np.ndarray:
+    """Descending float64 timesteps for ``steps`` inference steps (not yet rounded/cast).
+
+    ``top`` replaces ``num_train`` as the upper end of the range (dpm++'s
+    ``lambda_min_clipped``); ``extra_point`` spaces ``steps + 1`` points and drops the
+    lowest (dpm++ does so for linspace and leading spacing).
+    """
+    top = num_train if top is None else top
+    points = steps + 1 if extra_point else steps
+    if spacing == "linspace":
+        ts = np.linspace(0, top - 1, points)[::-1][:steps]
+    elif spacing == "leading":
+        ratio = top // points
+        ts = (np.arange(0, points) * ratio).round()[::-1][:steps] + offset
+    elif spacing == "trailing":
+        ts = np.round(np.arange(top, 0, -num_train / steps)) - 1
+    else:
+        raise SchedulerConfigError(
+            f"timestep_spacing={spacing!r} is not supported; supported: leading, linspace, trailing"
+        )
+    return np.ascontiguousarray(ts, dtype=np.float64)
+
+
+def interp_sigmas(timesteps: np.ndarray, sigmas_train: np.ndarray) -> np.ndarray:
+    """float64 sigmas at (possibly fractional) timesteps, linear in t as diffusers does."""
+    return np.interp(timesteps, np.arange(0, len(sigmas_train)), sigmas_train)
+
+
+def karras_sigmas(sigma_min: float, sigma_max: float, steps: int, rho: float = 7.0) -> np.ndarray:
+    """Karras et al. (2022) ramp, uniform in ``sigma ** (1 / rho)``; float64 ``[steps]``."""
+    ramp = np.linspace(0, 1, steps)
+    min_inv = float(sigma_min) ** (1 / rho)
+    max_inv = float(sigma_max) ** (1 / rho)
+    return (max_inv + ramp * (min_inv - max_inv)) ** rho
+
+
+def sigma_to_t(sigmas: np.ndarray, log_train_sigmas: np.ndarray) -> np.ndarray:
+    """Fractional timesteps whose (log-linearly interpolated) train sigma equals ``sigmas``.
+
+    The log is taken element by element on float64 scalars, as diffusers does, because
+    numpy's vectorised log may differ from its scalar log in the last bit.
+    """
+    log_train = log_train_sigmas
+    n = log_train.shape[0]
+    out = np.empty(len(sigmas), dtype=np.float64)
+    for j, sigma in enumerate(np.asarray(sigmas, dtype=np.float64)):
+        log_sigma = np.log(np.maximum(sigma, 1e-10))
+        # last train index whose log-sigma is <= log_sigma (0 if none), kept below n - 1
+        low = min(max(int(np.count_nonzero(log_sigma - log_train >= 0)) - 1, 0), n - 2)
+        lo, hi = log_train[low], log_train[low + 1]
+        w = np.clip((lo - log_sigma) / (lo - hi), 0, 1)
+        out[j] = (1 - w) * low + w * (low + 1)
+    return out

@@ -1,0 +1,251 @@
+"""Device side: pure, traceable solver steps in float32 jax.numpy.
+
+Every solver sees the model only as ``model(x_in, t) -> raw output`` and reads its schedule
+from the ``Plan`` at a (possibly traced) step index ``i``; nothing is kept between calls but
+the explicit ``SamplerState``. Shared pieces are written once:
+
+* :func:`_denoise` -- input scaling, the model call, prediction-type conversion, clipping;
+* :func:`_euler_move` -- the first-order move along ``(x - x0) / sigma`` (euler, euler_a, heun).
+
+Notation: the state is ``x = alpha * x0 + sigma * eps``. ddpm/ddim/dpm++ keep the
+variance-preserving latent (``alpha**2 + sigma**2 = 1``); euler/euler_a/heun keep the
+variance-exploding one (``alpha = 1``) and feed the model ``x / sqrt(sigma**2 + 1)``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from preheat.errors import InvalidArgumentError
+from preheat.samplers._plan import Plan, SolverSpec
+
+__all__ = ["SamplerState", "Model", "NoiseFn", "init", "step", "run"]
+
+Model = Callable[[jax.Array, jax.Array], jax.Array]
+"""``model(x_in, t)``: raw network output (epsilon / v / x0) for input ``x_in`` at float32 scalar ``t``."""
+
+NoiseFn = Callable[[jax.Array, int], jax.Array]
+"""``noise_fn(i, k)``: standard-normal noise shaped like the sample, draw ``k`` of step ``i``."""
+
+
+class SamplerState(NamedTuple):
+    """Everything carried from one step to the next (a pytree; the ``fori_loop`` carry)."""
+
+    x: jax.Array  # [*S] float32: the current sample
+    x0_prev: jax.Array | None = None  # [*S] float32: previous x0 prediction (dpm++ only)
+
+
+def init(spec: SolverSpec, plan: Plan, noise: jax.Array) -> SamplerState:
+    """Scale standard-normal ``noise`` into the first sample (diffusers' ``init_noise_sigma``)."""
+    x = jnp.asarray(noise, jnp.float32) * jnp.asarray(plan.init_noise_sigma, jnp.float32)
+    history = jnp.zeros_like(x) if spec.solver == "dpmpp_2m" else None
+    return SamplerState(x=x, x0_prev=history)
+
+
+def step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array | int,
+         noise_fn: NoiseFn) -> SamplerState:
+    """Advance ``state`` by step ``i`` of ``plan`` (``0 <= i < plan.n_steps``)."""
+    try:
+        solver = _SOLVERS[spec.solver]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"unknown solver {spec.solver!r} in SolverSpec; supported: {', '.join(_SOLVERS)}"
+        ) from None
+    return solver(spec, model, plan, state, jnp.asarray(i, jnp.int32), noise_fn)
+
+
+def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: NoiseFn) -> jax.Array:
+    """The whole denoising loop: ``init`` then ``plan.n_steps`` steps; returns the final sample.
+
+    The trip count is traced, so one compiled program serves every step count.
+    """
+    state = init(spec, plan, noise)
+    state = jax.lax.fori_loop(
+        0,
+        jnp.asarray(plan.n_steps, jnp.int32),
+        lambda i, s: step(spec, model, plan, s, i, noise_fn),
+        state,
+    )
+    return state.x
+
+
+# --- shared pieces ----------------------------------------------------------------------------
+
+
+def _at(table: jax.Array, i: jax.Array) -> jax.Array:
+    """``table[i]`` for a numpy or jax table and a possibly traced index."""
+    return jnp.asarray(table)[i]
+
+
+def _denoise(spec: SolverSpec, model: Model, x: jax.Array, t: jax.Array, c_in: jax.Array | float,
+             alpha: jax.Array | float, sigma: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Call the model on the scaled input and convert its output to ``(x0, eps)``.
+
+    ``x = alpha * x0 + sigma * eps`` and the model sees ``z = c_in * x``, a
+    variance-preserving latent ``z = a * x0 + s * eps`` with ``(a, s) = c_in * (alpha, sigma)``.
+    ``eps`` comes from the *unclipped* x0 (as diffusers' DDIM without
+    ``use_clipped_model_output``); only x0 is clipped.
+    """
+    z = x * c_in  # [*S] model input (scale_model_input)
+    out = model(z, t)
+    if out.shape != x.shape:
+        raise InvalidArgumentError(f"model output shape {out.shape} != sample shape {x.shape}")
+    out = out.astype(x.dtype)
+    a, s = alpha * c_in, sigma * c_in  # VP coefficients of z
+    if spec.prediction_type == "epsilon":
+        x0 = (x - sigma * out) / alpha
+        eps = out
+    elif spec.prediction_type == "v_prediction":  # v = a * eps - s * x0
+        x0 = a * z - s * out
+        eps = a * out + s * z
+    elif spec.prediction_type == "sample":
+        x0 = out
+        eps = (z - a * x0) / s
+    else:
+        raise InvalidArgumentError(
+            f"prediction_type={spec.prediction_type!r} in SolverSpec; supported: epsilon, v_prediction, sample"
+        )
+    if spec.clip_sample:
+        x0 = jnp.clip(x0, -spec.clip_sample_range, spec.clip_sample_range)
+    return x0, eps
+
+
+def _ve_denoise(spec: SolverSpec, model: Model, x: jax.Array, t: jax.Array, sigma: jax.Array) -> jax.Array:
+    """x0 for a variance-exploding state (``alpha = 1``): the model sees ``x / sqrt(sigma^2 + 1)``."""
+    c_in = 1.0 / jnp.sqrt(sigma * sigma + 1.0)
+    x0, _ = _denoise(spec, model, x, t, c_in, 1.0, sigma)
+    return x0
+
+
+def _euler_move(x: jax.Array, x0: jax.Array, sigma: jax.Array, sigma_to: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One Euler step of ``dx/dsigma = (x - x0) / sigma`` from ``sigma`` to ``sigma_to``.
+
+    Returns ``(x_new, derivative)``; Heun reuses the derivative.
+    """
+    d = (x - x0) / sigma  # [*S]
+    return x + d * (sigma_to - sigma), d
+
+
+def _vp(sigma: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(alpha, sigma_vp) of the variance-preserving latent at VE noise level ``sigma``."""
+    alpha = 1.0 / jnp.sqrt(sigma * sigma + 1.0)
+    return alpha, sigma * alpha
+
+
+# --- solvers ------------------------------------------------------------------------------------
+
+
+def _ddpm_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+               noise_fn: NoiseFn) -> SamplerState:
+    """Ancestral DDPM posterior step q(x_prev | x_t, x0) to the next listed timestep."""
+    x, t = state.x, _at(plan.timesteps, i)
+    ab, ab_prev = _at(plan.alpha_bar, i), _at(plan.alpha_bar_prev, i)
+    x0, _ = _denoise(spec, model, x, t, 1.0, jnp.sqrt(ab), jnp.sqrt(1.0 - ab))
+    beta_prod, beta_prod_prev = 1.0 - ab, 1.0 - ab_prev
+    alpha_step = ab / ab_prev  # alpha of this (possibly multi-timestep) jump
+    beta_step = 1.0 - alpha_step
+    mean = (jnp.sqrt(ab_prev) * beta_step) / beta_prod * x0 + jnp.sqrt(alpha_step) * beta_prod_prev / beta_prod * x
+    var = jnp.maximum((1.0 - ab_prev) / (1.0 - ab) * beta_step, 1e-20)  # posterior variance
+    if spec.variance_type == "fixed_large":
+        std = jnp.sqrt(beta_step)
+    elif spec.variance_type == "fixed_small_log":
+        std = jnp.exp(0.5 * jnp.log(var))
+    else:  # fixed_small
+        std = jnp.sqrt(var)
+    noise = noise_fn(i, 0)
+    x_new = jnp.where(t > 0, mean + std * noise, mean)  # diffusers adds no noise at t == 0
+    return state._replace(x=x_new)
+
+
+def _ddim_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+               noise_fn: NoiseFn) -> SamplerState:
+    """DDIM (Song et al. 2021, eq. 12); ``eta`` interpolates towards DDPM's stochasticity."""
+    x, t = state.x, _at(plan.timesteps, i)
+    ab, ab_prev = _at(plan.alpha_bar, i), _at(plan.alpha_bar_prev, i)
+    x0, eps = _denoise(spec, model, x, t, 1.0, jnp.sqrt(ab), jnp.sqrt(1.0 - ab))
+    var = (1.0 - ab_prev) / (1.0 - ab) * (1.0 - ab / ab_prev)
+    std = jnp.asarray(plan.eta, jnp.float32) * jnp.sqrt(var)
+    direction = jnp.sqrt(1.0 - ab_prev - std * std) * eps
+    x_new = jnp.sqrt(ab_prev) * x0 + direction
+    x_new = x_new + std * noise_fn(i, 0)  # std == 0 when eta == 0: adds exactly 0
+    return state._replace(x=x_new)
+
+
+def _euler_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+                noise_fn: NoiseFn) -> SamplerState:
+    """Euler on the probability-flow ODE in sigma (Karras et al. 2022, Alg. 1 without churn)."""
+    sigma, sigma_next = _at(plan.sigmas, i), _at(plan.sigmas, i + 1)
+    x0 = _ve_denoise(spec, model, state.x, _at(plan.timesteps, i), sigma)
+    x_new, _ = _euler_move(state.x, x0, sigma, sigma_next)
+    return state._replace(x=x_new)
+
+
+def _euler_a_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+                  noise_fn: NoiseFn) -> SamplerState:
+    """Euler to ``sigma_down`` then fresh noise of std ``sigma_up`` (sigma_down^2 + sigma_up^2 = sigma_next^2)."""
+    sigma, sigma_next = _at(plan.sigmas, i), _at(plan.sigmas, i + 1)
+    x0 = _ve_denoise(spec, model, state.x, _at(plan.timesteps, i), sigma)
+    s2, sn2 = sigma * sigma, sigma_next * sigma_next
+    sigma_up = jnp.sqrt(sn2 * (s2 - sn2) / s2)
+    # clamp: float32 rounding could make this a hair negative (diffusers would return NaN)
+    sigma_down = jnp.sqrt(jnp.maximum(sn2 - sigma_up * sigma_up, 0.0))
+    x_new, _ = _euler_move(state.x, x0, sigma, sigma_down)
+    x_new = x_new + noise_fn(i, 0) * sigma_up
+    return state._replace(x=x_new)
+
+
+def _heun_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+               noise_fn: NoiseFn) -> SamplerState:
+    """Heun's 2nd-order method (Karras et al. 2022, Alg. 1); plain Euler onto sigma = 0."""
+    x = state.x
+    sigma, sigma_next = _at(plan.sigmas, i), _at(plan.sigmas, i + 1)
+    x0 = _ve_denoise(spec, model, x, _at(plan.timesteps, i), sigma)
+    x_euler, d = _euler_move(x, x0, sigma, sigma_next)
+
+    def correct(_: None) -> jax.Array:
+        # the model at the Euler point; its timestep is the next step's
+        x0_next = _ve_denoise(spec, model, x_euler, _at(plan.timesteps, i + 1), sigma_next)
+        d_next = (x_euler - x0_next) / sigma_next
+        return x + (d + d_next) / 2 * (sigma_next - sigma)
+
+    x_new = jax.lax.cond(sigma_next > 0, correct, lambda _: x_euler, None)
+    return state._replace(x=x_new)
+
+
+def _dpmpp_2m_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+                   noise_fn: NoiseFn) -> SamplerState:
+    """DPM-Solver++(2M) (Lu et al. 2022), midpoint form; ``plan.order[i]`` picks 1st/2nd order."""
+    x = state.x
+    sigma_s = _at(plan.sigmas, i)
+    sigma_t = _at(plan.sigmas, i + 1)
+    sigma_s1 = _at(plan.sigmas, jnp.maximum(i - 1, 0))  # unused (order 1) at i == 0
+    alpha_s, sig_s = _vp(sigma_s)
+    alpha_t, sig_t = _vp(sigma_t)
+    alpha_s1, sig_s1 = _vp(sigma_s1)
+    x0, _ = _denoise(spec, model, x, _at(plan.timesteps, i), 1.0, alpha_s, sig_s)
+
+    lam_t = jnp.log(alpha_t) - jnp.log(sig_t)  # +inf at the final sigma = 0
+    lam_s = jnp.log(alpha_s) - jnp.log(sig_s)
+    lam_s1 = jnp.log(alpha_s1) - jnp.log(sig_s1)
+    h, h_prev = lam_t - lam_s, lam_s - lam_s1
+    r = h_prev / h
+    phi = alpha_t * (jnp.exp(-h) - 1.0)
+    first = sig_t / sig_s * x - phi * x0  # DPM-Solver++(1) == DDIM
+    d1 = 1.0 / r * (x0 - state.x0_prev)  # [*S] backward difference of x0 predictions
+    second = first - 0.5 * phi * d1
+    # (second may be NaN where order is 1 -- at i == 0 or at sigma_t == 0; where() drops it)
+    x_new = jnp.where(_at(plan.order, i) == 2, second, first)
+    return SamplerState(x=x_new, x0_prev=x0)
+
+
+_SOLVERS = {
+    "ddpm": _ddpm_step,
+    "ddim": _ddim_step,
+    "euler": _euler_step,
+    "euler_a": _euler_a_step,
+    "heun": _heun_step,
+    "dpmpp_2m": _dpmpp_2m_step,
+}

@@ -1,0 +1,244 @@
+"""Shared helpers for the sampler tests: a fake model in jax and torch, and drivers that run
+diffusers' schedulers and ours step by step on the same inputs and noise."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+import diffusers
+from diffusers.schedulers import (
+    scheduling_ddim,
+    scheduling_ddpm,
+    scheduling_euler_ancestral_discrete,
+)
+
+from preheat.samplers import Plan, SamplerState, SchedulerConfig, SolverSpec, _schedules
+from preheat.samplers import init, make_plan, make_spec, step
+
+SHAPE = (2, 3, 8, 8)
+RTOL = ATOL = 1e-5
+FLOOR_FACTOR = 4.0  # allowed multiple of diffusers' own float32 noise floor (see test_sampler_parity)
+
+DIFFUSERS_CLASS = {
+    "ddpm": diffusers.DDPMScheduler,
+    "ddim": diffusers.DDIMScheduler,
+    "euler": diffusers.EulerDiscreteScheduler,
+    "euler_a": diffusers.EulerAncestralDiscreteScheduler,
+    "heun": diffusers.HeunDiscreteScheduler,
+    "dpmpp_2m": diffusers.DPMSolverMultistepScheduler,
+    "dpmpp_2m_karras": diffusers.DPMSolverMultistepScheduler,
+}
+# modules whose ``randn_tensor`` we replace so diffusers draws our noise table
+RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete)
+
+
+# --- the fake denoiser, identical math in jax and torch -------------------------------------------
+
+
+def fake_model_jax(x: jax.Array, t: jax.Array) -> jax.Array:
+    return jnp.tanh(0.7 * x + 0.001 * t) * 0.9 + 0.05 * jnp.sin(x)
+
+
+def fake_model_torch(x: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
+    t = torch.as_tensor(t).to(torch.float32)
+    return torch.tanh(0.7 * x + 0.001 * t) * 0.9 + 0.05 * torch.sin(x)
+
+
+# --- inputs ------------------------------------------------------------------------------------
+
+
+def noise_for(seed: int, n_rows: int, shape: tuple[int, ...] = SHAPE) -> tuple[np.ndarray, np.ndarray]:
+    """Initial standard-normal noise ``[*shape]`` and a per-step table ``[n_rows, 1, *shape]``."""
+    rng = np.random.default_rng(seed)
+    x_t = rng.standard_normal(shape, dtype=np.float32)
+    table = rng.standard_normal((n_rows, 1, *shape), dtype=np.float32)
+    return x_t, table
+
+
+def diffusers_scheduler(sampler: str, cfg: dict[str, Any]):
+    """The diffusers scheduler a pipeline would build with ``Class.from_config(cfg)``."""
+    cls = DIFFUSERS_CLASS[sampler]
+    extra: dict[str, Any] = {}
+    if sampler.startswith("dpmpp"):
+        extra = dict(algorithm_type="dpmsolver++", solver_order=2, solver_type="midpoint",
+                     lower_order_final=True, use_karras_sigmas=sampler == "dpmpp_2m_karras")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls.from_config(dict(cfg), **extra)
+
+
+# --- diffusers reference trajectory ----------------------------------------------------------
+
+
+@dataclass
+class Trajectory:
+    timesteps: np.ndarray  # model timesteps of the n steps (Heun: the first-stage ones)
+    sigmas: np.ndarray | None  # n + 1 sigmas (sigma samplers)
+    init_noise_sigma: float
+    x_init: np.ndarray
+    xs: list[np.ndarray]  # sample after each of our steps
+
+
+def _nudge(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Move every element one float32 ulp up or down at random."""
+    up = torch.rand(x.shape, generator=gen) < 0.5
+    return torch.nextafter(x, torch.where(up, torch.tensor(np.inf), torch.tensor(-np.inf)))
+
+
+def run_diffusers(sampler: str, cfg: dict[str, Any], steps: int, x_t: np.ndarray, table: np.ndarray,
+                  monkeypatch, *, eta: float = 0.0, nudge_seed: int | None = None,
+                  model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = fake_model_torch) -> Trajectory:
+    """Run diffusers like its pipelines do, recording the sample after each of *our* steps.
+
+    ``randn_tensor`` is replaced so that step ``i``'s k-th draw is ``table[i, k]``.
+    For euler_a with ``prediction_type="sample"`` (which diffusers' class rejects) the
+    scheduler runs with "epsilon" and is fed the epsilon equivalent of the model's x0.
+    With ``nudge_seed``, the sample entering every call and every model output are moved by
+    one ulp: the spread this causes is the float32 rounding noise floor of the trajectory.
+    """
+    gen = None if nudge_seed is None else torch.Generator().manual_seed(nudge_seed)
+    pred = cfg.get("prediction_type", "epsilon")
+    emulate_sample = sampler == "euler_a" and pred == "sample"
+    sched = diffusers_scheduler(sampler, {**cfg, "prediction_type": "epsilon"} if emulate_sample else cfg)
+    sched.set_timesteps(steps)
+    ts = sched.timesteps
+    sig = getattr(sched, "sigmas", None)
+    if sampler == "heun":  # diffusers lists [t0, t1, t1, t2, t2, ...]: one entry per model call
+        ts_ours = torch.cat([ts[:1], ts[1::2]])
+        sig_ours = torch.cat([sig[:1], sig[1::2]])
+    else:
+        ts_ours, sig_ours = ts, sig
+    if len(ts) > 1 and ts[0] == ts[1] and hasattr(sched, "set_begin_index"):
+        # A repeated first timestep sends diffusers' step-index lookup to the second copy and
+        # the run crashes at its end (IndexError); pin the intended start.
+        sched.set_begin_index(0)
+
+    current = {"step": 0, "k": 0}
+
+    def fake_randn(shape, generator=None, device=None, dtype=None, layout=None):
+        out = torch.from_numpy(table[current["step"], current["k"]].copy())
+        current["k"] += 1
+        assert tuple(out.shape) == tuple(shape)
+        return out.to(dtype or torch.float32)
+
+    for mod in RANDN_MODULES:
+        monkeypatch.setattr(mod, "randn_tensor", fake_randn)
+
+    x = torch.from_numpy(x_t.copy()) * sched.init_noise_sigma
+    x_init = x.numpy().copy()
+    xs: list[np.ndarray] = []
+    n_calls = len(ts)
+    with torch.no_grad():
+        for call, t in enumerate(ts):
+            current["step"] = call if sampler != "heun" else (call + 1) // 2
+            current["k"] = 0
+            if gen is not None:
+                x = _nudge(x, gen)
+            z = sched.scale_model_input(x, t)
+            out = model(z, t)
+            if gen is not None:
+                out = _nudge(out, gen)
+            if emulate_sample:
+                sigma = sched.sigmas[sched.step_index]
+                out = (x - out) / sigma  # epsilon with the same x0 = out
+            kwargs = {"eta": eta} if sampler == "ddim" else {}
+            x = sched.step(out, t, x, **kwargs).prev_sample
+            if sampler != "heun" or call % 2 == 1 or call == n_calls - 1:
+                xs.append(x.numpy().copy())
+    return Trajectory(
+        timesteps=ts_ours.numpy().astype(np.float64),
+        sigmas=None if sig_ours is None or sampler in ("ddpm", "ddim") else sig_ours.numpy(),
+        init_noise_sigma=float(torch.as_tensor(sched.init_noise_sigma).to(torch.float32)),
+        x_init=x_init,
+        xs=xs,
+    )
+
+
+# --- our trajectory --------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_step(spec: SolverSpec, plan: Plan, state: SamplerState, i: jax.Array, table: jax.Array) -> SamplerState:
+    return step(spec, fake_model_jax, plan, state, i, lambda j, k: table[j, k])
+
+
+def run_ours(spec: SolverSpec, plan: Plan, x_t: np.ndarray, table: np.ndarray, *, jit: bool = True,
+             model=fake_model_jax) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Our ``init`` + ``step`` one step at a time; returns the initial sample and each step's."""
+    state = init(spec, plan, jnp.asarray(x_t))
+    x_init = np.asarray(state.x)
+    jtable = jnp.asarray(table)
+    xs = []
+    for i in range(int(plan.n_steps)):
+        if jit and model is fake_model_jax:
+            state = _jit_step(spec, plan, state, jnp.int32(i), jtable)
+        else:
+            state = step(spec, model, plan, state, i, lambda j, k: jtable[j, k])
+        xs.append(np.asarray(state.x))
+    return x_init, xs
+
+
+def torch_train_sigmas(alpha_bar: np.ndarray) -> np.ndarray:
+    """diffusers' training sigma table, computed by torch on this machine.
+
+    torch's float32 sqrt on x86 MKL builds (VML) is not always correctly rounded, so this
+    differs from ours (IEEE sqrt) in the last bit at a few of 1000 entries; see
+    test_sampler_schedules. Injecting it lets the parity tests check everything downstream
+    bit for bit.
+    """
+    t = torch.from_numpy(np.asarray(alpha_bar, dtype=np.float32))
+    return (((1 - t) / t) ** 0.5).numpy()
+
+
+def ours_for(cfg: dict[str, Any], sampler: str, steps: int, eta: float = 0.0) -> tuple[SolverSpec, Plan]:
+    config = SchedulerConfig.from_dict(cfg)
+    return make_spec(config, sampler), make_plan(config, sampler, steps, eta=eta)
+
+
+def max_errors(ours: list[np.ndarray], theirs: list[np.ndarray]) -> tuple[float, float]:
+    """(max abs error, max error relative to max(|theirs|, 1)) over all steps."""
+    abs_err = max(float(np.max(np.abs(a - b))) for a, b in zip(ours, theirs))
+    rel_err = max(float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1.0))) for a, b in zip(ours, theirs))
+    return abs_err, rel_err
+
+
+def check_parity(sampler: str, cfg: dict[str, Any], steps: int, eta: float, monkeypatch, *,
+                 plan_override: Plan | None = None, jax_model=fake_model_jax,
+                 torch_model=fake_model_torch) -> tuple[float, float]:
+    """Run ours and diffusers on the same inputs; assert bitwise schedules and close samples
+    (the criterion is explained in test_sampler_parity). Returns the max (abs, relative) error."""
+    monkeypatch.setattr(_schedules, "train_sigmas", torch_train_sigmas)
+    spec, plan = ours_for(cfg, sampler, steps, eta)
+    if plan_override is not None:
+        plan = plan_override
+    x_t, table = noise_for(steps, plan.timesteps.shape[0])
+    ref = run_diffusers(sampler, cfg, steps, x_t, table, monkeypatch, eta=eta, model=torch_model)
+    n = int(plan.n_steps)
+
+    # schedules: bitwise (float64 casts of int64 / float32 values are exact)
+    assert n == len(ref.timesteps) == len(ref.xs)
+    np.testing.assert_array_equal(plan.timesteps[:n].astype(np.float64), ref.timesteps)
+    if ref.sigmas is not None:
+        np.testing.assert_array_equal(plan.sigmas[: n + 1].astype(np.float64), ref.sigmas.astype(np.float64))
+    assert np.float32(ref.init_noise_sigma) == plan.init_noise_sigma
+
+    x_init, xs = run_ours(spec, plan, x_t, table, model=jax_model)
+    np.testing.assert_array_equal(x_init, ref.x_init)  # one float32 multiply on both sides
+
+    nudged = run_diffusers(sampler, cfg, steps, x_t, table, monkeypatch, eta=eta, nudge_seed=steps + 1,
+                           model=torch_model)
+    for i, (ours, theirs, theirs_nudged) in enumerate(zip(xs, ref.xs, nudged.xs)):
+        floor = float(np.max(np.abs(theirs - theirs_nudged)))
+        np.testing.assert_allclose(
+            ours, theirs, rtol=RTOL, atol=ATOL + FLOOR_FACTOR * floor,
+            err_msg=f"step {i} of {n} (float32 noise floor of diffusers here: {floor:.3g})",
+        )
+    return max_errors(xs, ref.xs)

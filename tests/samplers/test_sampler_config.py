@@ -1,0 +1,202 @@
+"""SchedulerConfig parsing, per-sampler defaults and the errors for what we do not implement."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+import diffusers
+from preheat.errors import SchedulerConfigError
+from preheat.samplers import SAMPLERS, SchedulerConfig, make_plan, make_spec
+from preheat.samplers._config import CLASS_DEFAULTS, DIFFUSERS_CLASS
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_class_defaults_match_diffusers_signatures(sampler: str) -> None:
+    """Absent keys take the defaults of the diffusers class the sampler maps to."""
+    cls = getattr(diffusers, DIFFUSERS_CLASS[sampler])
+    params = inspect.signature(cls.__init__).parameters
+    checked = 0
+    for key, ours in CLASS_DEFAULTS[sampler].items():
+        if key in params:
+            theirs = params[key].default
+            if isinstance(ours, float) and math.isinf(ours):
+                assert theirs == ours, key
+            else:
+                assert theirs == ours, f"{DIFFUSERS_CLASS[sampler]}.{key}: diffusers {theirs!r}, ours {ours!r}"
+            checked += 1
+        else:  # read through the config only (hasattr), so absent means None
+            assert key in ("sigma_min", "sigma_max") and ours is None, key
+    assert checked >= 8
+
+
+def test_from_dict_keeps_present_values_and_drops_the_rest() -> None:
+    cfg = SchedulerConfig.from_dict({
+        "_class_name": "PNDMScheduler", "_diffusers_version": "0.6.0", "skip_prk_steps": True,
+        "beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
+        "num_train_timesteps": 1000, "set_alpha_to_one": False, "steps_offset": 1,
+        "trained_betas": None, "clip_sample": False, "solver_order": 3,
+    })
+    assert cfg.beta_schedule == "scaled_linear" and cfg.steps_offset == 1 and cfg.clip_sample is False
+    assert cfg.prediction_type is None  # absent: the sampler's class default applies
+    assert cfg.ignored_keys == ("skip_prk_steps", "solver_order")
+    assert hash(cfg) == hash(SchedulerConfig.from_dict(dict(
+        beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, num_train_timesteps=1000,
+        set_alpha_to_one=False, steps_offset=1, clip_sample=False, skip_prk_steps=1, solver_order=2,
+    )))
+
+
+def test_use_default_values_keys_count_as_absent() -> None:
+    cfg = SchedulerConfig.from_dict({"timestep_spacing": "leading", "_use_default_values": ["timestep_spacing"]})
+    assert cfg.timestep_spacing is None
+
+
+def test_absent_keys_take_the_sampler_class_default() -> None:
+    cfg = SchedulerConfig.from_dict({})
+    assert make_spec(cfg, "ddpm").clip_sample is True  # DDPMScheduler: clip_sample=True
+    assert make_spec(cfg, "heun").clip_sample is False  # HeunDiscreteScheduler: False
+    assert make_spec(cfg, "euler").clip_sample is False  # EulerDiscreteScheduler has no clipping
+    assert make_plan(cfg, "ddim", 10).timesteps[0] == 900  # DDIM: "leading"
+    assert make_plan(cfg, "euler", 10).timesteps[0] == 999  # Euler: "linspace"
+    # Heun's own beta defaults (0.00085, 0.012) differ from the others' (0.0001, 0.02)
+    assert make_plan(cfg, "heun", 10).sigmas[0] != make_plan(cfg, "euler", 10).sigmas[0]
+
+
+def test_sampler_name_decides_karras_for_dpm() -> None:
+    cfg = SchedulerConfig.from_dict({"use_karras_sigmas": True})
+    plain, karras = make_plan(cfg, "dpmpp_2m", 10), make_plan(cfg, "dpmpp_2m_karras", 10)
+    assert not np.array_equal(plain.sigmas, karras.sigmas)
+    assert np.array_equal(plain.sigmas, make_plan(SchedulerConfig(), "dpmpp_2m", 10).sigmas)
+    assert make_spec(cfg, "dpmpp_2m") == make_spec(cfg, "dpmpp_2m_karras")  # one compiled solver
+
+
+def test_from_file(tmp_path) -> None:
+    sched = diffusers.DDIMScheduler(beta_schedule="squaredcos_cap_v2", prediction_type="v_prediction")
+    sched.save_config(tmp_path)
+    cfg = SchedulerConfig.from_file(tmp_path / "scheduler_config.json")
+    assert cfg.beta_schedule == "squaredcos_cap_v2" and cfg.prediction_type == "v_prediction"
+    with pytest.raises(SchedulerConfigError, match="not found"):
+        SchedulerConfig.from_file(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(SchedulerConfigError, match="cannot read"):
+        SchedulerConfig.from_file(tmp_path / "bad.json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(SchedulerConfigError, match="JSON object"):
+        SchedulerConfig.from_file(tmp_path / "list.json")
+
+
+def test_infinite_lambda_min_clipped_from_json() -> None:
+    cfg = SchedulerConfig.from_dict(json.loads('{"lambda_min_clipped": -Infinity}'))
+    assert cfg.lambda_min_clipped == -math.inf
+    make_plan(cfg, "dpmpp_2m", 10)
+
+
+# (config dict, sampler, the field the one-line message must name)
+REFUSED: list[tuple[dict[str, Any], str, str]] = [
+    ({"beta_schedule": "sigmoid"}, "ddpm", "beta_schedule"),
+    ({"beta_schedule": "exp"}, "heun", "beta_schedule"),
+    ({"prediction_type": "flow_prediction"}, "dpmpp_2m", "prediction_type"),
+    ({"timestep_spacing": "karras"}, "euler", "timestep_spacing"),
+    ({"trained_betas": [0.1, 0.2]}, "ddim", "trained_betas"),
+    ({"thresholding": True}, "ddpm", "thresholding"),
+    ({"thresholding": True}, "ddim", "thresholding"),
+    ({"thresholding": True}, "dpmpp_2m", "thresholding"),
+    ({"rescale_betas_zero_snr": True}, "ddim", "rescale_betas_zero_snr"),
+    ({"rescale_betas_zero_snr": True}, "euler_a", "rescale_betas_zero_snr"),
+    ({"use_exponential_sigmas": True}, "euler", "use_exponential_sigmas"),
+    ({"use_beta_sigmas": True}, "heun", "use_beta_sigmas"),
+    ({"use_lu_lambdas": True}, "dpmpp_2m_karras", "use_lu_lambdas"),
+    ({"use_flow_sigmas": True}, "dpmpp_2m", "use_flow_sigmas"),
+    ({"final_sigmas_type": "sigma_min"}, "dpmpp_2m", "final_sigmas_type"),
+    ({"final_sigmas_type": "sigma_min"}, "euler", "final_sigmas_type"),
+    ({"interpolation_type": "log_linear"}, "euler", "interpolation_type"),
+    ({"timestep_type": "continuous", "prediction_type": "v_prediction"}, "euler", "timestep_type"),
+    ({"variance_type": "learned_range"}, "ddpm", "variance_type"),
+    ({"variance_type": "fixed_large_log"}, "ddpm", "variance_type"),
+    ({"variance_type": "learned_range"}, "dpmpp_2m", "variance_type"),
+    ({"num_train_timesteps": "1000"}, "ddpm", "num_train_timesteps"),
+    ({"num_train_timesteps": 1}, "ddpm", "num_train_timesteps"),
+    ({"clip_sample": "yes"}, "ddpm", "clip_sample"),
+    ({"beta_end": 1.5}, "euler", "beta_end"),
+    ({"steps_offset": -1}, "ddim", "steps_offset"),
+    ({"clip_sample_range": 0.0}, "ddpm", "clip_sample_range"),
+    ({"sigma_min": float("nan")}, "euler", "sigma_min"),
+]
+
+
+@pytest.mark.parametrize("d,sampler,field", REFUSED, ids=[f"{s}-{f}" for _, s, f in REFUSED])
+def test_unsupported_values_are_refused(d: dict[str, Any], sampler: str, field: str) -> None:
+    with pytest.raises(SchedulerConfigError) as info:
+        make_plan(SchedulerConfig.from_dict(d), sampler, 10)
+    msg = str(info.value)
+    assert field in msg and "\n" not in msg
+    assert isinstance(info.value, ValueError)
+
+
+# values a class does not read are ignored, as diffusers' from_config does
+IGNORED: list[tuple[dict[str, Any], str]] = [
+    ({"thresholding": True}, "euler"),
+    ({"rescale_betas_zero_snr": True}, "heun"),
+    ({"final_sigmas_type": "sigma_min"}, "heun"),
+    ({"interpolation_type": "log_linear"}, "dpmpp_2m"),
+    ({"variance_type": "fixed_small"}, "dpmpp_2m"),  # only learned variances matter to dpm++
+    ({"variance_type": "learned_range"}, "ddim"),
+    ({"use_exponential_sigmas": True}, "ddpm"),
+    ({"timestep_type": "continuous", "prediction_type": "epsilon"}, "euler"),  # no effect without v
+    ({"algorithm_type": "sde-dpmsolver++", "solver_order": 3}, "dpmpp_2m"),  # the name decides
+]
+
+
+@pytest.mark.parametrize("d,sampler", IGNORED, ids=[s + "-" + next(iter(d)) for d, s in IGNORED])
+def test_values_the_class_does_not_read_are_ignored(d: dict[str, Any], sampler: str) -> None:
+    cfg = SchedulerConfig.from_dict(d)
+    assert np.array_equal(make_plan(cfg, sampler, 10).sigmas, make_plan(SchedulerConfig(), sampler, 10).sigmas)
+
+
+def test_unknown_sampler() -> None:
+    with pytest.raises(SchedulerConfigError, match="unknown sampler 'dpm_sde'.*euler_a"):
+        make_plan(SchedulerConfig(), "dpm_sde", 10)
+    with pytest.raises(SchedulerConfigError, match="unknown sampler"):
+        make_spec(SchedulerConfig(), "Euler")
+
+
+@pytest.mark.parametrize("steps", [0, -3, 1001, 2.5, True, "10"])
+def test_bad_step_counts(steps: Any) -> None:
+    with pytest.raises(SchedulerConfigError, match="steps"):
+        make_plan(SchedulerConfig(), "euler", steps)
+
+
+def test_step_count_edges() -> None:
+    cfg = SchedulerConfig()
+    for sampler in ("ddpm", "ddim", "euler", "heun"):
+        assert int(make_plan(cfg, sampler, 1000).n_steps) == 1000
+    # dpm++ spaces steps + 1 points: 1000 steps repeat a timestep (zero-length steps)
+    with pytest.raises(SchedulerConfigError, match="steps=1000.*do not strictly decrease"):
+        make_plan(cfg, "dpmpp_2m", 1000)
+    # leading spacing + offset 1 at 1000 steps reaches t = 1000 (diffusers: IndexError)
+    with pytest.raises(SchedulerConfigError, match="steps=1000.*steps_offset=1.*1000"):
+        make_plan(SchedulerConfig(steps_offset=1), "ddim", 1000)
+    # diffusers' trailing spacing makes a 62nd timestep, -1, for 61 steps (it would index t=-1)
+    with pytest.raises(SchedulerConfigError, match="steps=61.*trailing.*-1"):
+        make_plan(SchedulerConfig(timestep_spacing="trailing"), "ddim", 61)
+    # ... but with Karras sigmas that spacing only picks the end points: fine, as in diffusers
+    make_plan(SchedulerConfig(timestep_spacing="trailing", use_karras_sigmas=True), "euler", 61)
+
+
+def test_eta() -> None:
+    cfg = SchedulerConfig()
+    assert float(make_plan(cfg, "ddim", 10, eta=0.5).eta) == 0.5
+    with pytest.raises(SchedulerConfigError, match="eta=0.5 is only supported for sampler 'ddim'"):
+        make_plan(cfg, "euler", 10, eta=0.5)
+    with pytest.raises(SchedulerConfigError, match="eta"):
+        make_plan(cfg, "ddim", 10, eta=1.5)
+
+
+def test_karras_bounds_must_decrease() -> None:
+    with pytest.raises(SchedulerConfigError, match="do not strictly decrease.*sigma_min"):
+        make_plan(SchedulerConfig(use_karras_sigmas=True, sigma_min=5.0, sigma_max=1.0), "euler", 10)

@@ -1,0 +1,164 @@
+"""Parity with diffusers' schedulers over a grid of configs, every step compared.
+
+What "exact" means here:
+
+* Schedules -- the model timesteps, the sigmas, ``init_noise_sigma`` -- must be *bitwise*
+  equal: diffusers' values (int64 or float32) and ours (float32) are both cast to float64,
+  which is lossless, and compared with ``==``. One caveat, measured in
+  test_sampler_schedules: torch's float32 sqrt (MKL VML on x86) is not correctly rounded, so
+  diffusers' 1000-entry training sigma table differs from ours (IEEE sqrt) by 1 ulp at a few
+  entries, depending on the torch build. Here we inject torch's table into ``make_plan`` so
+  that everything computed from it is checked bit for bit.
+* Samples after every step: ours (float32 jax/XLA) vs diffusers (float32 torch), fed the same
+  initial noise, the same per-step noise and the same fake model. They cannot be bitwise equal
+  (XLA fuses multiply-adds into FMAs, rewrites 1/sqrt as rsqrt, and its tanh/sin differ from
+  torch's by an ulp), so we require ``assert_allclose(rtol=1e-5, atol=1e-5 + 4 * floor_i)``
+  where ``floor_i`` is diffusers' *own* float32 noise floor at step i: how far its result moves
+  when the sample entering each call and each model output are nudged by one ulp.
+  On well-conditioned steps ``floor_i`` is ~1e-6 and this is the plain 1e-5 check. It matters
+  only where float32 cancellation is inherent, i.e. sigma-space steps from sigma_max ~ 2e4
+  (``squaredcos_cap_v2``) or ~157 (``linear``) down to O(1), where diffusers' result itself
+  carries errors up to ~1e-2 (Heun: ~10, as the second stage divides by the small sigma).
+  Measured (2 x 8 x 8 x 3 samples, this grid): our discrepancy never exceeded ~1x floor_i, and
+  ``test_negative_controls`` shows that a 1-timestep slip already breaks the check.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from preheat.samplers import SAMPLERS
+from tests.samplers._sampler_ref import check_parity, ours_for
+
+BETAS = {
+    "linear": {"beta_schedule": "linear", "beta_start": 0.0001, "beta_end": 0.02},
+    "scaled": {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012},
+    "cosine": {"beta_schedule": "squaredcos_cap_v2"},
+}
+PREDICTIONS = ("epsilon", "v_prediction", "sample")
+SPACINGS = {
+    "linspace": {"timestep_spacing": "linspace"},
+    "trailing": {"timestep_spacing": "trailing"},
+    "leading": {"timestep_spacing": "leading"},
+    "leading+1": {"timestep_spacing": "leading", "steps_offset": 1},
+}
+STEPS = (1, 7, 20)
+
+# Sampler-specific options beyond the class defaults. Each is crossed with every
+# beta schedule x prediction type x spacing, the step count rotating through STEPS.
+EXTRAS: dict[str, list[dict[str, Any]]] = {
+    "ddpm": [
+        {"variance_type": v, "clip_sample": c}
+        for v, c in itertools.product(("fixed_small", "fixed_small_log", "fixed_large"), (True, False))
+        if (v, c) != ("fixed_small", True)  # the default, already in the base grid
+    ],
+    "ddim": [
+        {"eta": e, "clip_sample": c, "set_alpha_to_one": a}
+        for e, c, a in itertools.product((0.0, 0.5), (True, False), (True, False))
+        if (e, c, a) != (0.0, True, True)
+    ],
+    "euler": [{"use_karras_sigmas": True}],
+    "heun": [{"use_karras_sigmas": True}, {"clip_sample": True}],
+    "euler_a": [],
+    "dpmpp_2m": [],
+    "dpmpp_2m_karras": [],
+}
+
+
+def _cases() -> list[Any]:
+    cases = []
+    for sampler in SAMPLERS:
+        for b, p, s, n in itertools.product(BETAS, PREDICTIONS, SPACINGS, STEPS):
+            cases.append(pytest.param(sampler, b, p, s, n, {}, id=f"{sampler}-{b}-{p}-{s}-{n}"))
+        for extra in EXTRAS[sampler]:
+            tag = ",".join(f"{k}={v}" for k, v in extra.items())
+            for j, (b, p, s) in enumerate(itertools.product(BETAS, PREDICTIONS, SPACINGS)):
+                n = STEPS[j % len(STEPS)]
+                cases.append(pytest.param(sampler, b, p, s, n, extra, id=f"{sampler}-{b}-{p}-{s}-{n}-{tag}"))
+    return cases
+
+
+@pytest.mark.parametrize("sampler,beta,pred,spacing,steps,extra", _cases())
+def test_matches_diffusers(sampler: str, beta: str, pred: str, spacing: str, steps: int,
+                           extra: dict[str, Any], monkeypatch) -> None:
+    extra = dict(extra)
+    eta = extra.pop("eta", 0.0)
+    cfg = {"_class_name": "SomeScheduler", **BETAS[beta], "prediction_type": pred, **SPACINGS[spacing], **extra}
+    check_parity(sampler, cfg, steps, eta, monkeypatch)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_negative_controls(sampler: str, monkeypatch) -> None:
+    """The parity check is sharp: it fails for a plan whose model timesteps are off by one, and
+    for a 1e-4 relative error in one schedule value (ddim: eta 0 instead of 0.5)."""
+    cfg = {**BETAS["scaled"], "prediction_type": "epsilon"}
+    eta = 0.5 if sampler == "ddim" else 0.0
+    _, plan = ours_for(cfg, sampler, 7, eta)
+    n = int(plan.n_steps)
+
+    shifted = plan.timesteps.copy()
+    shifted[:n] -= 1.0
+    with pytest.raises(AssertionError):
+        check_parity(sampler, cfg, 7, eta, monkeypatch, plan_override=plan._replace(timesteps=shifted))
+
+    if sampler == "ddim":
+        bad = plan._replace(eta=np.float32(0.0))
+    elif sampler == "ddpm":
+        ab_prev = plan.alpha_bar_prev.copy()
+        ab_prev[2] *= 1.0001
+        bad = plan._replace(alpha_bar_prev=ab_prev)
+    else:
+        sigmas = plan.sigmas.copy()
+        sigmas[2] *= 1.0001
+        bad = plan._replace(sigmas=sigmas)
+    with pytest.raises(AssertionError):
+        check_parity(sampler, cfg, 7, eta, monkeypatch, plan_override=bad)
+
+
+def test_karras_repeated_first_timestep(monkeypatch) -> None:
+    """dpm++ Karras on squaredcos_cap_v2 repeats its first (truncated) timestep; diffusers'
+    pipeline loop then crashes at the end. We run the intended schedule: it matches diffusers
+    started with ``set_begin_index(0)`` (the driver does that)."""
+    cfg = {**BETAS["cosine"], "prediction_type": "epsilon"}
+    _, plan = ours_for(cfg, "dpmpp_2m_karras", 7)
+    assert plan.timesteps[0] == plan.timesteps[1] == 998.0
+    check_parity("dpmpp_2m_karras", cfg, 7, 0.0, monkeypatch)
+
+
+@pytest.mark.parametrize("via_json", [False, True], ids=["in-memory", "json-file"])
+@pytest.mark.parametrize("sampler", ["ddim", "euler", "heun", "dpmpp_2m"])
+def test_foreign_config_uses_target_class_defaults(sampler: str, via_json: bool, monkeypatch) -> None:
+    """A DDPMScheduler config (clip_sample=True, offset 1, v-prediction) loaded into another
+    class: present keys win, absent keys take the target class's defaults. In memory,
+    diffusers also treats keys listed in ``_use_default_values`` (here timestep_spacing) as
+    absent; a saved JSON file carries them as explicit values."""
+    import diffusers
+
+    ddpm = diffusers.DDPMScheduler(
+        beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, steps_offset=1,
+        clip_sample=True, prediction_type="v_prediction",
+    )
+    saved = json.loads(ddpm.to_json_string()) if via_json else dict(ddpm.config)
+    assert ("_use_default_values" in saved) != via_json
+    check_parity(sampler, saved, 9, 0.0, monkeypatch)
+
+
+def test_lambda_min_clipped(monkeypatch) -> None:
+    cfg = {**BETAS["cosine"], "lambda_min_clipped": -5.1, "prediction_type": "v_prediction"}
+    _, plan = ours_for(cfg, "dpmpp_2m", 10)
+    assert plan.timesteps[0] < 999  # the clipping moved the top of the schedule
+    check_parity("dpmpp_2m", cfg, 10, 0.0, monkeypatch)
+    check_parity("dpmpp_2m", {**cfg, "timestep_spacing": "trailing"}, 10, 0.0, monkeypatch)
+
+
+@pytest.mark.parametrize("sampler", ["euler", "heun", "dpmpp_2m_karras"])
+def test_karras_sigma_bounds_from_config(sampler: str, monkeypatch) -> None:
+    cfg = {**BETAS["scaled"], "use_karras_sigmas": True, "sigma_min": 0.1, "sigma_max": 10.0}
+    _, plan = ours_for(cfg, sampler, 6)
+    assert plan.sigmas[0] == np.float32(10.0)
+    check_parity(sampler, cfg, 6, 0.0, monkeypatch)

@@ -1,0 +1,135 @@
+"""The runtime contract every sampler meets: one jitted program for any step count, the
+fori_loop driver equal to stepping by hand, explicit noise, data-space output."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from preheat.samplers import SAMPLERS, Plan, SchedulerConfig, SolverSpec, init, make_plan, make_spec, run, step
+from tests.samplers._sampler_ref import SHAPE, fake_model_jax, noise_for, run_ours
+
+CFG = SchedulerConfig.from_dict({"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012})
+ROWS = 1001  # plan length for num_train_timesteps = 1000
+
+
+def make_run_jit():
+    """What the engine does: the whole loop as one program, plan and noise traced. A fresh
+    jitted function each time, with its own trace counter."""
+    traces = []
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run_jit(spec: SolverSpec, plan: Plan, noise: jax.Array, table: jax.Array) -> jax.Array:
+        traces.append(spec)  # Python side effect: runs once per trace, never when cached
+        return run(spec, fake_model_jax, plan, noise, lambda i, k: table[i, k])
+
+    return run_jit, traces
+
+
+def _eta(sampler: str) -> float:
+    return 0.5 if sampler == "ddim" else 0.0
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_run_matches_step_by_step(sampler: str) -> None:
+    spec, plan = make_spec(CFG, sampler), make_plan(CFG, sampler, 12, eta=_eta(sampler))
+    x_t, table = noise_for(3, ROWS)
+    run_jit, _ = make_run_jit()
+    final = np.asarray(run_jit(spec, plan, x_t, table))
+    _, jit_steps = run_ours(spec, plan, x_t, table, jit=True)
+    _, eager_steps = run_ours(spec, plan, x_t, table, jit=False)
+    assert final.shape == SHAPE and final.dtype == np.float32 and np.all(np.isfinite(final))
+    np.testing.assert_allclose(final, jit_steps[-1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(eager_steps[-1], jit_steps[-1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_changing_steps_does_not_retrace(sampler: str) -> None:
+    spec = make_spec(CFG, sampler)
+    x_t, table = noise_for(4, ROWS)
+    variants = [make_plan(CFG, sampler, n, eta=_eta(sampler)) for n in (3, 12, 25)]
+    if sampler == "ddim":
+        variants.append(make_plan(CFG, sampler, 12, eta=0.0))  # eta is data too
+    if sampler.startswith("dpmpp"):  # Karras or not is schedule data: same program
+        other = "dpmpp_2m" if sampler == "dpmpp_2m_karras" else "dpmpp_2m_karras"
+        assert make_spec(CFG, other) == spec
+        variants.append(make_plan(CFG, other, 12))
+    run_jit, traces = make_run_jit()
+    outs = [np.asarray(run_jit(spec, plan, x_t, table)) for plan in variants]
+    assert len(traces) == 1
+    assert run_jit._cache_size() == 1
+    assert not np.allclose(outs[0], outs[1])  # ... and the step count did take effect
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_model_calls_and_noise_draws(sampler: str) -> None:
+    """Heun calls the model twice per step except onto sigma = 0; noise is drawn only through
+    noise_fn, as many times as the spec says."""
+    spec, plan = make_spec(CFG, sampler), make_plan(CFG, sampler, 5, eta=_eta(sampler))
+    counts = {"model": 0, "noise": 0}
+
+    def bump(name: str) -> None:
+        counts[name] += 1
+
+    def model(x: jax.Array, t: jax.Array) -> jax.Array:
+        jax.debug.callback(functools.partial(bump, "model"))
+        return fake_model_jax(x, t)
+
+    def noise_fn(i: jax.Array, k: int) -> jax.Array:
+        assert k < spec.noise_draws_per_step
+        jax.debug.callback(functools.partial(bump, "noise"))
+        return jax.random.normal(jax.random.fold_in(jax.random.key(0), i), SHAPE)
+
+    x = jax.jit(lambda p, n: run(spec, model, p, n, noise_fn))(plan, jnp.ones(SHAPE))
+    jax.block_until_ready(x)
+    jax.effects_barrier()
+    n = int(plan.n_steps)
+    assert counts["model"] == (2 * n - 1 if sampler == "heun" else n)
+    assert spec.max_model_calls_per_step == (2 if sampler == "heun" else 1)
+    assert counts["noise"] == n * spec.noise_draws_per_step
+    assert spec.noise_draws_per_step == (1 if sampler in ("ddpm", "ddim", "euler_a") else 0)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_init_scales_noise_and_sets_history(sampler: str) -> None:
+    for cfg in (CFG, SchedulerConfig(timestep_spacing="leading")):
+        spec, plan = make_spec(cfg, sampler), make_plan(cfg, sampler, 10)
+        noise = np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)
+        state = init(spec, plan, noise)
+        np.testing.assert_array_equal(np.asarray(state.x), noise * plan.init_noise_sigma)
+        if sampler.startswith("dpmpp"):
+            assert state.x0_prev is not None and not np.any(np.asarray(state.x0_prev))
+        else:
+            assert state.x0_prev is None
+        expect_one = sampler in ("ddpm", "ddim") or sampler.startswith("dpmpp")
+        assert (plan.init_noise_sigma == 1.0) == expect_one
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_final_sample_is_in_data_space(sampler: str) -> None:
+    """With a model that always predicts the same clean image, every sampler must end on it."""
+    cfg = SchedulerConfig.from_dict({
+        "beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
+        "prediction_type": "sample", "clip_sample": False,
+    })
+    target = jnp.asarray(np.linspace(-0.9, 0.9, np.prod(SHAPE), dtype=np.float32).reshape(SHAPE))
+    spec, plan = make_spec(cfg, sampler), make_plan(cfg, sampler, 8, eta=_eta(sampler))
+    noise = np.random.default_rng(1).standard_normal(SHAPE, dtype=np.float32)
+    x = run(spec, lambda x, t: jnp.broadcast_to(target, x.shape), plan, noise,
+            lambda i, k: jax.random.normal(jax.random.fold_in(jax.random.key(1), i), SHAPE))
+    np.testing.assert_allclose(np.asarray(x), np.asarray(target), atol=1e-4)
+
+
+def test_step_is_pure() -> None:
+    """Same inputs, same output: no hidden state survives a call (the diffusers _step_index bug)."""
+    spec, plan = make_spec(CFG, "dpmpp_2m"), make_plan(CFG, "dpmpp_2m", 10)
+    state = init(spec, plan, np.ones(SHAPE, np.float32))
+    zero = lambda i, k: jnp.zeros(SHAPE)  # noqa: E731
+    s1 = step(spec, fake_model_jax, plan, state, 0, zero)
+    step(spec, fake_model_jax, plan, s1, 1, zero)
+    again = step(spec, fake_model_jax, plan, state, 0, zero)
+    np.testing.assert_array_equal(np.asarray(again.x), np.asarray(s1.x))

@@ -1,0 +1,142 @@
+"""Host-side schedule arithmetic against torch/diffusers, bit for bit."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import diffusers
+from preheat.samplers import SAMPLERS, SchedulerConfig, make_plan
+from preheat.samplers import _schedules as S
+from tests.samplers._sampler_ref import torch_train_sigmas
+
+SCHEDULES = [
+    ("linear", 0.0001, 0.02),
+    ("scaled_linear", 0.00085, 0.012),
+    ("squaredcos_cap_v2", 0.0001, 0.02),
+]
+FMA_CPU = torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+
+
+@pytest.mark.skipif(not FMA_CPU, reason="torch's linspace kernel is FMA-contracted only at AVX2/AVX-512/NEON dispatch")
+def test_linspace_matches_torch_bitwise() -> None:
+    rng = np.random.default_rng(0)
+    cases = [(0.0001, 0.02, 1000), (0.00085**0.5, 0.012**0.5, 1000), (0.0001, 0.02, 2), (0.5, 0.25, 3)]
+    cases += [(float(a), float(a + rng.uniform(0, 1)), int(n))
+              for a, n in zip(rng.uniform(1e-5, 0.5, 60), rng.integers(2, 5000, 60))]
+    for a, b, n in cases:
+        ours = S.torch_linspace_f32(a, b, n)
+        theirs = torch.linspace(a, b, n, dtype=torch.float32).numpy()
+        assert ours.dtype == np.float32
+        np.testing.assert_array_equal(ours.view(np.int32), theirs.view(np.int32), err_msg=f"{(a, b, n)}")
+
+
+def test_fma_rounds_once_on_a_float32_midpoint() -> None:
+    """a*b + c whose float64 sum lands exactly on a float32 midpoint (2**24 + 1) while the exact
+    value lies above it: one rounding gives 2**24 + 2, double rounding would give 2**24."""
+    found = None
+    for m in range(2**23 + 1, 2**23 + 5000):  # m * b = 2**52 + r with 0 < r < 2**22
+        b = -(-(2**52) // m)
+        r = m * b - 2**52
+        if 0 < r < 2**22 and b < 2**29:
+            found = (m, b)
+            break
+    assert found is not None
+    m, b = found
+    a = np.array([np.float32(m) * np.float32(2.0**-52)], dtype=np.float32)  # exact: m has 24 bits
+    assert float(a[0]) * b == pytest.approx(1.0, abs=1e-6)
+    c = np.array([2.0**24], dtype=np.float32)
+    naive = (a.astype(np.float64) * b + c.astype(np.float64)).astype(np.float32)
+    assert naive[0] == 2.0**24  # double rounding lands on the even neighbour below
+    assert S._fma_f32(a, np.array([float(b)]), c)[0] == 2.0**24 + 2  # m * b (53 bits) is exact in float64
+
+
+@pytest.mark.parametrize("num_train", [1000, 777, 2])
+@pytest.mark.parametrize("schedule,start,end", SCHEDULES)
+def test_betas_and_alphas_cumprod_match_diffusers(schedule: str, start: float, end: float, num_train: int) -> None:
+    sched = diffusers.DDPMScheduler(
+        num_train_timesteps=num_train, beta_schedule=schedule, beta_start=start, beta_end=end
+    )
+    b = S.betas(schedule, start, end, num_train)
+    ab = S.alphas_cumprod(b)
+    if FMA_CPU or schedule == "squaredcos_cap_v2":
+        np.testing.assert_array_equal(b, sched.betas.numpy())
+        np.testing.assert_array_equal(ab, sched.alphas_cumprod.numpy())
+    else:
+        np.testing.assert_allclose(b, sched.betas.numpy(), rtol=2e-7)
+
+
+@pytest.mark.parametrize("schedule,start,end", SCHEDULES)
+def test_train_sigmas_are_correctly_rounded_and_within_one_ulp_of_torch(
+    schedule: str, start: float, end: float
+) -> None:
+    """Ours is IEEE sqrt; torch's float32 sqrt (MKL VML on x86 builds) is not always correctly
+    rounded. The disagreement is at most 1 ulp and at a few percent of entries at most."""
+    ab = S.alphas_cumprod(S.betas(schedule, start, end, 1000))
+    ours = S.train_sigmas(ab)
+    q = (np.float32(1.0) - ab) / ab  # float32, identical in torch (checked below)
+    t = torch.from_numpy(ab)
+    np.testing.assert_array_equal(q, ((1 - t) / t).numpy())
+    # float64 sqrt of a float32, rounded to float32, is the correctly rounded float32 sqrt
+    np.testing.assert_array_equal(ours, np.sqrt(q.astype(np.float64)).astype(np.float32))
+    theirs = torch_train_sigmas(ab)
+    ulps = np.abs(ours.view(np.int32).astype(np.int64) - theirs.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 1
+    assert np.count_nonzero(ulps) <= 50
+
+
+def test_sigma_to_t_matches_diffusers() -> None:
+    sched = diffusers.EulerDiscreteScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    log_sigmas = np.log(np.array(((1 - sched.alphas_cumprod) / sched.alphas_cumprod) ** 0.5))
+    rng = np.random.default_rng(1)
+    sigmas = np.concatenate([np.exp(rng.uniform(-6, 4, 200)), [1e-12, 0.0, 1e6, 0.0291675, 14.6146]])
+    ours = S.sigma_to_t(sigmas, log_sigmas)
+    theirs = np.array([sched._sigma_to_t(s, log_sigmas) for s in sigmas])
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_karras_sigmas_match_diffusers() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sched = diffusers.EulerDiscreteScheduler()
+    for n in (1, 2, 7, 50):
+        np.testing.assert_array_equal(
+            S.karras_sigmas(0.0291675, 14.614647, n),
+            sched._convert_to_karras(in_sigmas=np.array([14.614647, 0.0291675]), num_inference_steps=n),
+        )
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_plan_shapes_do_not_depend_on_steps(sampler: str) -> None:
+    """Every leaf has the same shape and dtype whatever the step count: one compiled program."""
+    config = SchedulerConfig.from_dict({"num_train_timesteps": 1000})
+    plans = [make_plan(config, sampler, n) for n in (1, 7, 20, 999)]
+    ref = [(np.shape(x), np.asarray(x).dtype) for x in plans[0]]
+    for plan in plans[1:]:
+        assert [(np.shape(x), np.asarray(x).dtype) for x in plan] == ref
+    assert ref[0] == ((), np.dtype(np.int32))  # n_steps
+    assert all(shape in ((), (1001,)) for shape, _ in ref)
+    assert [int(p.n_steps) for p in plans] == [1, 7, 20, 999]
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_plan_padding_is_inert(sampler: str) -> None:
+    """Rows past the schedule hold harmless values; the final sigma is 0."""
+    config = SchedulerConfig.from_dict({})
+    plan = make_plan(config, sampler, 7)
+    n = int(plan.n_steps)
+    assert np.all(plan.sigmas[n:] == 0)
+    assert np.all(plan.timesteps[n:] == 0)
+    assert np.all(plan.alpha_bar[n:] == 1) and np.all(plan.alpha_bar_prev[n:] == 1)
+    assert np.all(plan.order[n:] == 1)
+    if sampler.startswith("dpmpp"):
+        assert plan.order[:n].tolist() == [1, 2, 2, 2, 2, 2, 1]
+
+
+def test_trailing_spacing_extra_timestep_quirk() -> None:
+    """diffusers' 'trailing' spacing yields 62 timesteps, the last -1, for 61 of 1000 steps."""
+    ts = S.spaced_timesteps("trailing", 1000, 61, 0)
+    assert len(ts) == 62 and ts[-1] == -1
