@@ -219,9 +219,11 @@ def _register() -> None:
     from preheat.bench.sampler import sampler_command
     from preheat.cache.cli import cache_group
     from preheat.doctor import doctor_command
+    from preheat.store.cli import pull_command
 
     main.add_command(doctor_command, "doctor")
     main.add_command(cache_group, "cache")
+    main.add_command(pull_command, "pull")
     bench_group.add_command(sampler_command, "sampler")
     bench_group.add_command(coldstart_command, "coldstart")
 

@@ -1366,30 +1366,26 @@ def _check_hf_cache(ctx: Context) -> CheckResult:
 
 
 def _check_cache_health(root: Path) -> CheckResult:
+    """Entry count, size, and entries that fail verification (what `preheat cache verify` checks)."""
+    from preheat.cache.manage import verify_entries
+    from preheat.store import verify_store
+
     title = "Cache health"
-    try:
-        import preheat.cache.store as store  # noqa: F401
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("preheat.cache.store",):
-            return CheckResult("cache_health", title, FAIL, f"preheat.cache.store fails to import: {exc}", "reinstall preheat: pip install -U --force-reinstall preheat")
-        return CheckResult(
-            "cache_health",
-            title,
-            WARN,
-            f"cache verification not available: this build of preheat has no cache store (preheat.cache.store), so entries under {root} were not verified",
-            "none available in this build: it has no cache verifier to run",
-            {"root": str(root)},
-        )
-    except Exception as exc:
-        return CheckResult("cache_health", title, FAIL, f"preheat.cache.store fails to import: {type(exc).__name__}: {exc}", "reinstall preheat: pip install -U --force-reinstall preheat")
-    return CheckResult(
-        "cache_health",
-        title,
-        WARN,
-        f"cache verification not available: preheat.cache.store exists but doctor is not wired to it yet, so entries under {root} were not verified",
-        "run `preheat cache verify` if this build has it",
-        {"root": str(root)},
-    )
+    if not root.exists():
+        return CheckResult("cache_health", title, OK, f"{root} does not exist yet: nothing cached", None, {"root": str(root)})
+    infos = verify_entries(root)
+    store_problems = verify_store(root)
+    size = sum(i.size for i in infos)
+    bad = [i for i in infos if not i.ok]
+    details = {"root": str(root), "entries": len(infos), "bytes": size, "bad": [f"{i.kind}/{i.key}" for i in bad],
+               "store_problems": [str(p) for p in store_problems]}
+    finding = f"{len(infos)} compiled entries ({size / 1e6:.1f} MB)"
+    if bad or store_problems:
+        what = [f"{len(bad)} compile entries fail verification"] if bad else []
+        what += [f"{len(store_problems)} weights-store problems"] if store_problems else []
+        return CheckResult("cache_health", title, WARN, f"{finding}; {', '.join(what)} (they are recompiled or re-fetched)",
+                           "preheat cache verify --quarantine && preheat cache prune", details)
+    return CheckResult("cache_health", title, OK, f"{finding}, all verify; weights store verifies", None, details)
 
 
 def _check_cache(ctx: Context) -> CheckResult:

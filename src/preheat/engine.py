@@ -350,7 +350,10 @@ def make_compiler(cache: str | None = None) -> Any:
 
 def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
          cache: str | None = None) -> Pipeline:
-    """A sampling ``Pipeline`` for ``model`` (a diffusers-format folder); ``None`` = the built-in model.
+    """A sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
+
+    ``model``: a diffusers-format folder, or a source for the weights store (``hf://org/repo[@rev]``,
+    an ``http(s)://`` tarball), read from the store with no network once pulled.
 
     ``scheduler``: a scheduler_config.json path or dict, for a bare UNet folder without one.
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
@@ -359,7 +362,10 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
 
     compiler = make_compiler(cache)  # first: JAX's cache must be configured before anything compiles
 
-    root = BUILTIN_MODEL if model is None else Path(model).expanduser()
+    from preheat.store import resolve
+
+    # A local folder as it is; http(s):// and hf:// sources from the weights store (pulled once).
+    root = BUILTIN_MODEL if model is None else resolve(str(model))
     unet_dir = resolve_unet_dir(root)
     sched = _scheduler_config(scheduler if scheduler is not None else _find_scheduler(root, unet_dir))
     unet = load_unet(unet_dir, dtype=jnp.dtype(dtype))

@@ -103,12 +103,18 @@ def verify_command(quarantine_bad: bool) -> None:
     from preheat.cache.manage import verify_entries
     from preheat.cache.root import resolve_root
 
-    infos = verify_entries(resolve_root().path, quarantine_bad=quarantine_bad)
+    from preheat.store import verify_store
+
+    root = resolve_root().path
+    infos = verify_entries(root, quarantine_bad=quarantine_bad)
     bad = [i for i in infos if not i.ok]
     for i in bad:
         click.echo(f"BAD  {i.kind}/{i.key[:12]}: {i.problem}")
-    click.echo(f"{len(infos) - len(bad)} ok, {len(bad)} bad")
-    sys.exit(1 if bad else 0)
+    store_problems = verify_store(root)
+    for p in store_problems:
+        click.echo(f"BAD  models/{p}")
+    click.echo(f"{len(infos) - len(bad)} ok, {len(bad)} bad compile entries; {len(store_problems)} weights-store problems")
+    sys.exit(1 if bad or store_problems else 0)
 
 
 @cache_group.command("explain")

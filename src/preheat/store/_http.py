@@ -1,0 +1,231 @@
+"""HTTP(S) downloads into ``downloads/<sha256(url)[:32]>.incomplete``, resumable, with a progress bar.
+
+* A partial file is continued with ``Range: bytes=N-`` (plus ``If-Range`` with the ETag or
+  Last-Modified seen first, kept in ``<name>.incomplete.json``). A ``206`` whose range starts at N
+  is appended; a ``200`` means the server ignored the range (or the file changed): restart at 0.
+* ``416`` with ``Content-Range: bytes */N`` equal to what we hold means the file was complete.
+* ``Content-Length`` / ``Content-Range`` totals are checked; a connection cut or stalled (socket
+  timeout) is resumed in-process, up to ``retries`` times without progress, then it fails with a
+  one-line ``FetchError`` and the ``.incomplete`` stays for the next pull to continue.
+* Nothing here writes a blob or a ref; the caller hashes the finished file from disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+from preheat._version import __version__
+from preheat.cache.atomic import atomic_write_bytes
+from preheat.errors import FetchError
+from preheat.store._layout import Store, one_line, sha256_hex
+
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_RETRIES = 3
+READ_SIZE = 256 * 1024
+BACKOFF_S = 0.5  # first wait after a failed attempt that made no progress; doubles, at most 8 s
+
+
+def timeout_s() -> float:
+    try:
+        return float(os.environ.get("PREHEAT_HTTP_TIMEOUT", DEFAULT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+
+
+def partial_paths(store: Store, url: str) -> tuple[Path, Path]:
+    key = sha256_hex(url)[:32]
+    return store.downloads / f"{key}.incomplete", store.downloads / f"{key}.incomplete.json"
+
+
+def discard_partial(store: Store, url: str) -> None:
+    for p in partial_paths(store, url):
+        p.unlink(missing_ok=True)
+
+
+def _read_meta(meta: Path, url: str) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("url") == url else None
+
+
+def _content_range(value: str | None) -> tuple[int | None, int | None, int | None]:
+    """``bytes a-b/N`` -> (a, b, N); ``bytes */N`` -> (None, None, N); N may be None (``*``)."""
+    m = re.match(r"^\s*bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)\s*$", value or "")
+    if not m:
+        return None, None, None
+    a, b, n = m.groups()
+    return (int(a) if a else None, int(b) if b else None, int(n) if n and n != "*" else None)
+
+
+def _short(exc: BaseException) -> str:
+    reason = getattr(exc, "reason", None)
+    return one_line(str(reason if reason is not None else exc) or type(exc).__name__)
+
+
+class _Bar:
+    """A rich progress bar on stderr, or nothing."""
+
+    def __init__(self, enabled: bool, label: str) -> None:
+        self.progress = None
+        self.task = None
+        self.started = False
+        if enabled:
+            from rich.console import Console
+            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+
+            self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+                                     TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True))
+            self.task = self.progress.add_task(label, total=None)
+
+    def __enter__(self) -> "_Bar":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None and self.started:
+            self.progress.stop()
+
+    def set(self, completed: int, total: int | None) -> None:
+        """Called once a response arrives: the bar appears only then (not for a refused connection)."""
+        if self.progress is not None:
+            if not self.started:
+                self.progress.start()
+                self.started = True
+            self.progress.update(self.task, completed=completed, total=total)
+
+    def advance(self, n: int) -> None:
+        if self.progress is not None:
+            self.progress.advance(self.task, n)
+
+
+@contextlib.contextmanager
+def _open(url: str, headers: dict[str, str], timeout: float) -> Iterator[Any]:
+    req = urllib.request.Request(url, headers=headers)
+    resp = urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 - http(s) only, checked by the parser
+    try:
+        yield resp
+    finally:
+        resp.close()
+
+
+def _fatal_connect_error(exc: BaseException) -> bool:
+    """Errors retrying will not fix: refused connection, unknown host, bad certificate."""
+    reason = getattr(exc, "reason", exc)
+    return isinstance(reason, (ConnectionRefusedError, socket.gaierror)) or "CERTIFICATE" in str(reason).upper()
+
+
+def download(store: Store, url: str, *, progress: bool = True, timeout: float | None = None,
+             retries: int = DEFAULT_RETRIES, label: str | None = None) -> Path:
+    """Download ``url`` to its ``.incomplete`` file, resuming it; returns the finished file."""
+    part, meta_path = partial_paths(store, url)
+    timeout = timeout_s() if timeout is None else timeout
+    label = label or url.rsplit("/", 1)[-1] or url
+    failures = 0
+    best = 0  # the largest partial size reached so far: a retry that does not beat it made no progress
+
+    def retry_or_fail(message: str, made_progress: bool) -> None:
+        nonlocal failures
+        failures = 0 if made_progress else failures + 1
+        if failures > retries:
+            raise FetchError(message)
+        if not made_progress:
+            time.sleep(min(BACKOFF_S * 2 ** (failures - 1), 8.0))
+
+    with _Bar(progress, label) as bar:
+        while True:
+            meta = _read_meta(meta_path, url)
+            have = part.stat().st_size if part.exists() else 0
+            if have and meta is None:  # a partial file we know nothing about: start over
+                part.unlink()
+                have = 0
+            headers = {"User-Agent": f"preheat/{__version__}", "Accept-Encoding": "identity"}
+            if have:
+                headers["Range"] = f"bytes={have}-"
+                etag = meta.get("etag") if meta else None
+                validator = etag if etag and not etag.startswith("W/") else (meta or {}).get("last_modified")
+                if validator:
+                    headers["If-Range"] = validator
+            try:
+                with _open(url, headers, timeout) as resp:
+                    status = resp.status
+                    if status == 206:
+                        start, _end, total = _content_range(resp.headers.get("Content-Range"))
+                        if start != have:  # not the range we asked for: start over
+                            part.unlink(missing_ok=True)
+                            retry_or_fail(f"cannot download {url}: server answered a range request with the wrong range", False)
+                            continue
+                        mode = "ab"
+                    elif status == 200:
+                        length = resp.headers.get("Content-Length")
+                        total = int(length) if length and length.isdigit() else None
+                        have, mode = 0, "wb"
+                    else:
+                        raise FetchError(f"cannot download {url}: unexpected HTTP status {status}")
+                    atomic_write_bytes(meta_path, json.dumps({
+                        "url": url, "etag": resp.headers.get("ETag"),
+                        "last_modified": resp.headers.get("Last-Modified"), "total": total,
+                    }).encode())
+                    bar.set(have, total)
+                    cut = None
+                    try:
+                        with open(part, mode, buffering=0) as out:
+                            while True:
+                                try:
+                                    chunk = resp.read1(READ_SIZE)
+                                except (OSError, http.client.HTTPException) as exc:  # reset, timeout
+                                    cut = exc
+                                    break
+                                if not chunk:
+                                    break
+                                view = memoryview(chunk)
+                                while view:
+                                    view = view[out.write(view):]
+                                bar.advance(len(chunk))
+                            os.fsync(out.fileno())
+                    except OSError as exc:
+                        raise FetchError(f"cannot write {part}: {exc.strerror or exc}") from None
+            except urllib.error.HTTPError as exc:
+                exc.close()
+                if exc.code == 416 and have:
+                    _, _, total = _content_range(exc.headers.get("Content-Range"))
+                    if total == have and (meta or {}).get("total") in (None, have):
+                        break  # we already hold all of it
+                    part.unlink(missing_ok=True)
+                    retry_or_fail(f"cannot download {url}: server refused to resume (HTTP 416)", False)
+                    continue
+                message = f"cannot download {url}: HTTP {exc.code} {exc.reason}".rstrip()
+                if exc.code >= 500 or exc.code in (408, 429):
+                    retry_or_fail(message, False)
+                    continue
+                raise FetchError(message) from None
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+                message = f"cannot download {url}: {_short(exc)}"
+                if _fatal_connect_error(exc):
+                    raise FetchError(message) from None
+                retry_or_fail(message, False)
+                continue
+            size = part.stat().st_size
+            if total is not None and size > total:
+                discard_partial(store, url)
+                raise FetchError(f"cannot download {url}: server sent {size} bytes, more than the {total} it announced")
+            if cut is not None or (total is not None and size < total):
+                what = f"got {size} of {total} bytes" if total is not None else f"got {size} bytes"
+                why = f" ({_short(cut)})" if cut is not None else ""
+                made_progress = size > best
+                best = max(best, size)
+                retry_or_fail(f"download of {url} was cut short{why}: {what}; run the pull again to resume", made_progress)
+                continue
+            break
+    return part
