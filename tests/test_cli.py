@@ -1,0 +1,82 @@
+"""`preheat sample` from outside: files, report, cache hit on the second run, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from tests.reference import save_tiny_pipeline
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return save_tiny_pipeline(tmp_path_factory.mktemp("cli") / "pipe")
+
+
+def preheat(*args, home, cwd=None):
+    env = {**os.environ, "PREHEAT_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "preheat", *map(str, args)], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_sample_writes_grid_images_and_report_then_hits_the_cache(model, tmp_path):
+    out, report = tmp_path / "grid.png", tmp_path / "r.json"
+    first = preheat("sample", model, "--n", 4, "--steps", 3, "--class", 7, "--out", out, "--save-images",
+                    tmp_path / "each", "--report", report, home=tmp_path / "home")
+    assert first.returncode == 0, first.stderr
+    assert Image.open(out).size == (2 * 8 * 8, 2 * 8 * 8)  # 2x2 grid, small images upscaled 8x
+    assert sorted(p.name for p in (tmp_path / "each").iterdir()) == [f"000{i}.png" for i in range(4)]
+    rec = json.loads(report.read_text())
+    for key in ("load_s", "weights_s", "trace_lower_s", "compile_s", "compile_or_load_s", "first_call_s",
+                "second_call_s", "per_image_s", "process_start_to_first_image_s", "cache_layer"):
+        assert isinstance(rec[key], (int, float, str)), key
+    assert rec["batch"] == 4 and rec["steps"] == 3 and rec["sampler"] == "dpmpp_2m"
+    assert rec["cache_layer"] in ("none", "xla") and rec["trace_lower_s"] > 0
+    second = preheat("sample", model, "--n", 4, "--steps", 3, "--class", 7, "--out", out, "--report", report,
+                     home=tmp_path / "home")
+    assert second.returncode == 0, second.stderr
+    rec2 = json.loads(report.read_text())
+    assert rec2["cache_layer"] == "aot" and rec2["trace_lower_s"] == 0.0
+    assert rec2["compile_or_load_s"] < rec["trace_lower_s"] + rec["compile_s"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--sampler", "plms"], "unknown sampler 'plms'"),
+    (["--steps", "0"], "--steps 0 must be a positive int"),
+    (["--n", "0"], "--n 0 must be a positive int"),
+    (["--class", "11"], "unknown class 11"),
+    (["--class", "giraffe"], "unknown class 'giraffe'"),
+    (["--out", "x.jpg"], "must end in .png"),
+])
+def test_bad_arguments_exit_with_one_line_and_no_file(model, tmp_path, args, needle):
+    r = preheat("sample", model, *args, "--out" if "--out" not in args else "--quiet",
+                *([tmp_path / "s.png"] if "--out" not in args else []), home=tmp_path / "h", cwd=tmp_path)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("error: "), r.stderr
+    assert not (tmp_path / "s.png").exists() and not (tmp_path / "x.jpg").exists()
+
+
+def test_unreadable_model_path(tmp_path):
+    r = preheat("sample", tmp_path / "missing", "--out", tmp_path / "s.png", home=tmp_path / "h")
+    assert r.returncode == 1 and r.stderr.strip() == f"error: model path {tmp_path / 'missing'} does not exist"
+    assert not (tmp_path / "s.png").exists()
+
+
+def test_cache_cli_lists_verifies_and_explains(model, tmp_path):
+    home = tmp_path / "home"
+    assert preheat("sample", model, "--n", 2, "--steps", 2, "--out", tmp_path / "s.png", "--quiet", home=home).returncode == 0
+    ls = preheat("cache", "ls", home=home)
+    assert ls.returncode == 0 and "jax" in ls.stdout and "b=2" in ls.stdout
+    assert preheat("cache", "verify", home=home).returncode == 0
+    explain = preheat("cache", "explain", model, "--n", 3, home=home)
+    assert "miss" in explain.stdout and "signature.batch" in explain.stdout
+    entry = next((home / "compile" / "jax").iterdir())
+    (entry / "executable.bin").write_bytes(b"garbage")
+    bad = preheat("cache", "verify", home=home)
+    assert bad.returncode == 1 and "BAD  jax/" in bad.stdout
