@@ -219,11 +219,14 @@ def _register() -> None:
     from preheat.bench.sampler import sampler_command
     from preheat.cache.cli import cache_group
     from preheat.doctor import doctor_command
+    from preheat.server.cli import bench_serve_command, serve_command
     from preheat.store.cli import pull_command
 
     main.add_command(doctor_command, "doctor")
     main.add_command(cache_group, "cache")
     main.add_command(pull_command, "pull")
+    main.add_command(serve_command, "serve")
+    bench_group.add_command(bench_serve_command, "serve")
     bench_group.add_command(sampler_command, "sampler")
     bench_group.add_command(coldstart_command, "coldstart")
 

@@ -53,8 +53,10 @@ def sample_loop(unet: Any, scheduler: Any, noise: Any, steps: int, *, class_labe
     labels = class_labels
     if guided:
         labels = torch.cat([class_labels, torch.full_like(class_labels, null_class)])
-    accepts_eta = "eta" in inspect.signature(scheduler.step).parameters
-    step_kwargs = {"eta": eta} if accepts_eta else {}
+    accepts = inspect.signature(scheduler.step).parameters
+    step_kwargs: dict[str, Any] = {"eta": eta} if "eta" in accepts else {}
+    if "generator" in accepts:  # Heun and DPM++ 2M are deterministic and take no generator
+        step_kwargs["generator"] = generator
     with torch.no_grad():
         for t in scheduler.timesteps:
             x_in = scheduler.scale_model_input(x, t)
@@ -64,6 +66,6 @@ def sample_loop(unet: Any, scheduler: Any, noise: Any, steps: int, *, class_labe
                 out = uncond + guidance * (cond - uncond)
             else:
                 out = unet(x_in, t, class_labels=labels).sample
-            x = scheduler.step(out, t, x, generator=generator, **step_kwargs).prev_sample
-    images = (x / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().numpy()
+            x = scheduler.step(out, t, x, **step_kwargs).prev_sample
+    images = (x / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu().numpy()
     return (images * 255).round().astype(np.uint8)

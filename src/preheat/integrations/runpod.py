@@ -1,0 +1,121 @@
+"""Runpod serverless worker: the same parsing and batching core as ``preheat serve``.
+
+    import runpod
+    from preheat.integrations.runpod import handler, concurrency_modifier
+    runpod.serverless.start({"handler": handler, "concurrency_modifier": concurrency_modifier})
+
+or simply ``python -m preheat.integrations.runpod`` (also: ``--test_input '{"input": {...}}'``
+for the SDK's local test mode, which runs one job and exits 0 on success).
+
+A job's ``input`` takes Cog's input fields (``class_label``/``prompt``, ``num_outputs``,
+``num_inference_steps``, ``guidance_scale``, ``scheduler``, ``seed``, ``output_format``, ...).
+The result is ``{"images": [data URLs], "seed": int, "metrics": {...}}``, or
+``{"error": "<field>: <message>"}`` for bad input. ``handler`` is async, so with a concurrency
+modifier > 1 the SDK runs several jobs at once and the core batches them into one engine call.
+
+The engine is loaded once per process (at ``python -m`` start, or on the first job), from
+``$PREHEAT_MODEL`` (default: the built-in model). Knobs: ``PREHEAT_MAX_BATCH_SIZE`` (8),
+``PREHEAT_BATCH_WAIT_MS`` (10), ``PREHEAT_MAX_QUEUE`` (64), ``PREHEAT_MAX_STEPS`` (200). The
+compile cache lives on the network volume automatically (``/runpod-volume/preheat``, see
+``preheat.cache.root``), so a cold worker with a warm volume starts hot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from typing import Any, Optional
+
+from preheat.server.core import Core, CoreConfig, NotAccepting, QueueFull
+from preheat.server.inputs import InputError
+
+__all__ = ["handler", "concurrency_modifier", "get_core", "config_from_env", "main"]
+
+_core: Optional[Core] = None
+_lock = threading.Lock()
+
+
+def config_from_env(env: Optional[dict[str, str]] = None) -> CoreConfig:
+    env = dict(os.environ if env is None else env)
+    return CoreConfig(model=env.get("PREHEAT_MODEL") or None,
+                      max_batch_size=int(env.get("PREHEAT_MAX_BATCH_SIZE", "8")),
+                      batch_wait_ms=float(env.get("PREHEAT_BATCH_WAIT_MS", "10")),
+                      max_queue=int(env.get("PREHEAT_MAX_QUEUE", "64")),
+                      max_steps=int(env.get("PREHEAT_MAX_STEPS", "200")))
+
+
+def get_core(core: Optional[Core] = None) -> Core:
+    """The process-wide core (created and started on first use). Passing ``core`` installs it
+    instead (tests; embedding in a bigger worker)."""
+    global _core
+    with _lock:
+        if core is not None:
+            _core = core.start()
+        elif _core is None:
+            _core = Core(config_from_env()).start()
+        return _core
+
+
+def concurrency_modifier(current: int) -> int:
+    """Jobs the SDK may run at once: one full batch."""
+    return get_core().config.max_batch_size
+
+
+def _on_runpod() -> bool:
+    return bool(os.environ.get("RUNPOD_WEBHOOK_GET_JOB"))
+
+
+def send_progress(job: dict[str, Any], progress: dict[str, Any]) -> None:
+    """``runpod.serverless.progress_update`` on a real worker; locally (no job API) it would only
+    fail to reach the network, so it is skipped there."""
+    if not _on_runpod():
+        return
+    import runpod
+
+    runpod.serverless.progress_update(job, progress)
+
+
+async def handler(job: dict[str, Any]) -> dict[str, Any]:
+    """Runpod handler: ``job["input"]`` -> ``{"images", "seed", "metrics"}`` or ``{"error"}``."""
+    core = get_core()
+    if not core.wait_setup(0):
+        send_progress(job, {"status": "warming up"})
+        await asyncio.to_thread(core.wait_setup)
+    raw = job.get("input")
+    try:
+        parsed, given = core.parse(raw if raw is not None else {})
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def listener(event: str, snap: dict) -> None:
+            if event == "start":
+                send_progress(job, {"status": "processing"})
+            elif event == "completed":
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(snap))
+
+        pred, _ = core.submit(parsed, given, prediction_id=None, listener=listener)
+    except InputError as err:
+        return {"error": str(err)}
+    except (QueueFull, NotAccepting) as err:
+        return {"error": str(err)}
+    send_progress(job, {"status": "queued", "queue_depth": core.queue_depth})
+    snap = await done
+    if snap["status"] != "succeeded":
+        return {"error": snap["error"] or f"prediction {snap['status']}"}
+    return {"images": snap["output"], "seed": parsed.seed, "metrics": snap["metrics"]}
+
+
+def main() -> None:
+    import runpod
+
+    core = get_core()
+    core.wait_setup()
+    if core.setup.status == "failed":
+        print(f"preheat: set-up failed: {core.setup.error}", flush=True)
+        # still start: every job then reports the set-up error instead of hanging
+    runpod.serverless.start({"handler": handler, "concurrency_modifier": concurrency_modifier})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+"""``preheat serve``: an HTTP server that starts hot, batches concurrent requests and speaks
+Cog's and OpenAI's APIs.
+
+    preheat.server.inputs   request parsing/validation, shared with the Runpod handler
+    preheat.server.core     set-up (load + warm-up), the bounded queue, the batching worker
+    preheat.server.app      the FastAPI routes (thin) + auth / metrics guard
+    preheat.server.serve    uvicorn with SIGTERM draining
+    preheat.server.cli      the click commands (``serve``, ``bench serve``)
+    preheat.server.bench    the load benchmark
+
+Needs the ``serve`` extra (fastapi, uvicorn, prometheus-client). Nothing is imported here, so
+``import preheat.server.cli`` stays cheap.
+"""

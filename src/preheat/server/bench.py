@@ -1,0 +1,251 @@
+"""``preheat bench serve``: load-test the server on 127.0.0.1.
+
+1. Offline baseline, in this process: ``pipe.generate(max_batch_size)`` at the same steps,
+   timed after its compile -> images/s; measured again after the load test, and the faster
+   of the two is the baseline (other jobs on the machine make the speed drift).
+2. ``python -m preheat.server`` in a subprocess on a free loopback port, with a random
+   ``PREHEAT_API_TOKEN``; wait for READY.
+3. ``concurrency`` async clients send ``n_requests`` predictions (one image each, seed i) with
+   ``PUT /predictions/bench-<i>``; every request is answered once or the bench says so.
+4. Check: each id got exactly one 200 "succeeded" answer with one image, and the server's own
+   ``preheat_predictions_total{status="succeeded"}`` equals ``n_requests`` (no request ran twice).
+5. SIGTERM the server; it must exit 0.
+Throughput is reported as served images/s over the offline images/s (1.0 = as fast as
+batching by hand in-process at the largest batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+__all__ = ["run_bench", "markdown", "offline_throughput"]
+
+
+def offline_throughput(model: Optional[str], batch: int, steps: Optional[int], min_time_s: float = 8.0,
+                       max_runs: int = 200, pipe: Any = None) -> dict[str, Any]:
+    """Images/s of ``pipe.generate(batch)`` in this process, after its compile. Returns the pipe too."""
+    if pipe is None:
+        import preheat
+
+        pipe = preheat.load(model)
+    steps = steps or int(pipe.defaults.get("steps", 50))
+    labels = None if pipe.num_classes is None else [i % pipe.num_classes for i in range(batch)]
+    t0 = time.perf_counter()
+    pipe.generate(batch, class_labels=labels, steps=steps, seed=list(range(batch)))  # compile (or cache) + run
+    first_s = time.perf_counter() - t0
+    runs, start = 0, time.perf_counter()
+    while runs < max_runs and (runs < 3 or time.perf_counter() - start < min_time_s):
+        pipe.generate(batch, class_labels=labels, steps=steps, seed=list(range(runs * batch, (runs + 1) * batch)))
+        runs += 1
+    elapsed = time.perf_counter() - start
+    return {"steps": steps, "batch": batch, "runs": runs, "seconds": elapsed, "first_call_s": first_s,
+            "images_per_s": runs * batch / elapsed, "sampler": pipe.defaults.get("sampler", "ddpm"),
+            "num_classes": pipe.num_classes, "pipe": pipe}
+
+
+class _ServerProcess:
+    """``python -m preheat.server`` with its stderr drained by a thread (the port is read from it)."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "preheat.server", *args], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.port: Optional[int] = None
+        self._port_seen = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+            m = re.search(r"listening on http://[^:]+:(\d+)", line)
+            if m and self.port is None:
+                self.port = int(m.group(1))
+                self._port_seen.set()
+        self._port_seen.set()
+
+    def wait_port(self, timeout: float) -> int:
+        if not self._port_seen.wait(timeout) or self.port is None:
+            raise RuntimeError("server did not start:\n" + "\n".join(self.lines[-20:]))
+        return self.port
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            return -9
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+async def _load(base: str, token: str, n_requests: int, concurrency: int, steps: int,
+                num_classes: Optional[int], deadline: float) -> dict[str, Any]:
+    import httpx
+
+    answers: dict[str, list[dict[str, Any]]] = {f"bench-{i}": [] for i in range(n_requests)}
+    latencies: list[float] = []
+    next_index = iter(range(n_requests))
+    headers = {"Authorization": f"Bearer {token}"}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def client(http: Any) -> None:
+        for i in next_index:
+            if time.monotonic() > deadline:
+                return
+            body: dict[str, Any] = {"input": {"num_outputs": 1, "seed": i, "num_inference_steps": steps}}
+            if num_classes:
+                body["input"]["class_label"] = i % num_classes
+            pid = f"bench-{i}"
+            t0 = time.perf_counter()
+            try:
+                r = await http.put(f"/predictions/{pid}", json=body, headers=headers)
+                payload = r.json()
+                record = {"code": r.status_code, "status": payload.get("status"), "id": payload.get("id"),
+                          "outputs": len(payload.get("output") or []), "batch": payload.get("metrics", {}).get("batch_size")}
+            except Exception as err:  # noqa: BLE001 - counted as a failed request
+                record = {"code": None, "error": f"{type(err).__name__}: {err}"}
+            latencies.append(time.perf_counter() - t0)
+            answers[pid].append(record)
+
+    timeout = max(5.0, deadline - time.monotonic())
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=timeout) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return {"answers": answers, "latencies": latencies, "wall_s": wall}
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+\-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def run_bench(model: Optional[str] = None, *, n_requests: int = 256, concurrency: int = 32, max_batch_size: int = 8,
+              batch_wait_ms: float = 10.0, steps: Optional[int] = None, timeout_s: float = 600.0,
+              offline_s: float = 8.0, json_out: Optional[Path] = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    import httpx
+
+    began = time.monotonic()
+    deadline = began + timeout_s
+    log(f"offline baseline: pipe.generate({max_batch_size}) in-process ...")
+    offline = offline_throughput(model, max_batch_size, steps, min_time_s=offline_s)
+    pipe = offline.pop("pipe")
+    steps = offline["steps"]
+    log(f"offline: {offline['images_per_s']:.1f} images/s ({offline['runs']} runs of {max_batch_size}, {steps} steps)")
+
+    token = secrets.token_hex(16)
+    env = dict(os.environ, PREHEAT_API_TOKEN=token)
+    args = ([model] if model else []) + ["--host", "127.0.0.1", "--port", "0", "--max-batch-size", str(max_batch_size),
+                                         "--batch-wait-ms", str(batch_wait_ms), "--max-queue", str(max(64, n_requests)),
+                                         "--log-level", "warning", "--grace-s", "30"]
+    server = _ServerProcess(args, env)
+    exit_code: Optional[int] = None
+    try:
+        port = server.wait_port(max(1.0, deadline - time.monotonic()))
+        base = f"http://127.0.0.1:{port}"
+        t_start = time.monotonic()
+        while True:
+            try:
+                health = httpx.get(f"{base}/health-check", timeout=5).json()
+            except httpx.HTTPError:
+                health = {"status": "UNREACHABLE"}
+            if health["status"] == "READY":
+                break
+            if health["status"] == "SETUP_FAILED" or server.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready: {health}\n" + "\n".join(server.lines[-20:]))
+            time.sleep(0.2)
+        ready_s = time.monotonic() - t_start
+        log(f"server READY after {ready_s:.1f}s; {n_requests} requests from {concurrency} clients ...")
+        load = asyncio.run(_load(base, token, n_requests, concurrency, steps, offline["num_classes"], deadline))
+        metrics_text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10).text
+    finally:
+        exit_code = server.stop()
+    # Again after the load, so that drift in the machine's speed (other jobs) shows up.
+    offline_after = offline_throughput(model, max_batch_size, steps, min_time_s=offline_s, pipe=pipe)
+    offline_after.pop("pipe")
+    del pipe
+    log(f"offline again: {offline_after['images_per_s']:.1f} images/s")
+    offline_ips = max(offline["images_per_s"], offline_after["images_per_s"])  # the stricter baseline
+
+    answers = load["answers"]
+    ok = [pid for pid, got in answers.items()
+          if len(got) == 1 and got[0]["code"] == 200 and got[0]["status"] == "succeeded" and got[0]["id"] == pid
+          and got[0]["outputs"] == 1]
+    unanswered = [pid for pid, got in answers.items() if not got]
+    server_succeeded = _metric(metrics_text, "preheat_predictions_total", '{status="succeeded"}')
+    batches = _metric(metrics_text, "preheat_batches_total")
+    images = _metric(metrics_text, "preheat_batch_images_sum")
+    served_ips = len(ok) / load["wall_s"] if load["wall_s"] > 0 else 0.0
+    lat = load["latencies"]
+    result = {
+        "model": model or "built-in:digits",
+        "requests": n_requests,
+        "concurrency": concurrency,
+        "max_batch_size": max_batch_size,
+        "batch_wait_ms": batch_wait_ms,
+        "steps": steps,
+        "sampler": offline["sampler"],
+        "offline_images_per_s": offline_ips,
+        "offline_images_per_s_before": offline["images_per_s"],
+        "offline_images_per_s_after": offline_after["images_per_s"],
+        "served_images_per_s": served_ips,
+        "throughput_ratio": served_ips / offline_ips if offline_ips else 0.0,
+        "latency_p50_s": _percentile(lat, 0.5),
+        "latency_p99_s": _percentile(lat, 0.99),
+        "latency_max_s": max(lat) if lat else float("nan"),
+        "wall_s": load["wall_s"],
+        "server_ready_s": ready_s,
+        "succeeded": len(ok),
+        "unanswered": len(unanswered),
+        "server_predictions_succeeded": server_succeeded,
+        "server_batches": batches,
+        "mean_batch_images": images / batches if batches else 0.0,
+        "exactly_once": len(ok) == n_requests and server_succeeded == n_requests,
+        "server_exit_code": exit_code,
+    }
+    if json_out is not None:
+        Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def markdown(r: dict[str, Any]) -> str:
+    rows = [
+        ("requests x concurrency", f"{r['requests']} x {r['concurrency']}"),
+        ("sampler / steps", f"{r['sampler']} / {r['steps']}"),
+        ("max batch / batch wait", f"{r['max_batch_size']} / {r['batch_wait_ms']:g} ms"),
+        ("offline (pipe.generate at max batch; best of before/after)",
+         f"{r['offline_images_per_s']:.1f} img/s ({r['offline_images_per_s_before']:.1f} / "
+         f"{r['offline_images_per_s_after']:.1f})"),
+        ("served", f"{r['served_images_per_s']:.1f} img/s"),
+        ("served / offline", f"{r['throughput_ratio']:.2f}"),
+        ("latency p50 / p99 / max", f"{r['latency_p50_s'] * 1000:.0f} / {r['latency_p99_s'] * 1000:.0f} / "
+                                    f"{r['latency_max_s'] * 1000:.0f} ms"),
+        ("batches (mean images per batch)", f"{r['server_batches']:.0f} ({r['mean_batch_images']:.2f})"),
+        ("answered exactly once", f"{'yes' if r['exactly_once'] else 'NO'} ({r['succeeded']}/{r['requests']}, "
+                                  f"server counted {r['server_predictions_succeeded']:.0f})"),
+        ("server READY after / exit code", f"{r['server_ready_s']:.1f} s / {r['server_exit_code']}"),
+    ]
+    lines = ["| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines)

@@ -1,0 +1,562 @@
+"""The one core behind every surface: set-up (load + warm-up), predictions, dynamic batching.
+
+Threads: ONE worker thread owns the model. It loads the pipeline, compiles every batch bucket
+(warm-up), then loops: take the oldest waiting prediction, wait up to ``batch_wait_ms`` (counted
+from that prediction's arrival) for others with the same batch key (sampler, steps, guidance
+scale), run them as one ``Pipeline.generate`` call padded to the next compiled bucket, split
+the pixels, encode, complete. Callers (HTTP routes, the Runpod handler) only parse, enqueue and
+wait; they are told about progress through listeners called from the worker thread.
+
+Images are per-request exact: a request with ``seed=s`` and n images puts seeds s..s+n-1 in
+the batch, and the engine draws every image's noise from its own seed only. Padding slots get
+seed 0 / class 0 and are dropped. The same bucket size gives bit-identical pixels to
+``pipe.generate(bucket, seed=<same list>)``; a different batch size may round differently in
+XLA (rarely +-1 uint8 level).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Optional
+
+from preheat.server.inputs import InputError, Job, Limits, input_model, parse_input
+from preheat.server.metrics import CoreMetrics
+
+__all__ = ["CoreConfig", "Core", "Prediction", "QueueFull", "NotAccepting", "buckets_for", "now_iso"]
+
+log = logging.getLogger("preheat.server")
+
+TERMINAL = ("succeeded", "failed", "canceled")
+Listener = Callable[[str, dict], None]  # (event, snapshot); event: "start" | "completed"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def buckets_for(max_batch_size: int) -> tuple[int, ...]:
+    """Compiled batch sizes: powers of two below max, then max (1, 2, 4, 8 for 8; 1, 2, 4, 6 for 6)."""
+    if max_batch_size < 1:
+        raise ValueError("max_batch_size must be >= 1")
+    out, b = [], 1
+    while b < max_batch_size:
+        out.append(b)
+        b *= 2
+    out.append(max_batch_size)
+    return tuple(out)
+
+
+class QueueFull(Exception):
+    """The bounded queue is full; retry after ``retry_after`` seconds."""
+
+    def __init__(self, depth: int, retry_after: int):
+        self.depth, self.retry_after = depth, retry_after
+        super().__init__(f"queue full ({depth} predictions waiting); retry in {retry_after}s")
+
+
+class NotAccepting(Exception):
+    """Predictions are not accepted now: ``reason`` is "starting", "setup_failed" or "draining"."""
+
+    def __init__(self, reason: str, message: str):
+        self.reason = reason
+        super().__init__(message)
+
+
+@dataclass
+class CoreConfig:
+    model: Optional[str] = None  # a diffusers folder; None = the built-in model
+    backend: str = "jax"
+    dtype: str = "float32"
+    max_batch_size: int = 8
+    batch_wait_ms: float = 10.0
+    max_queue: int = 64  # predictions waiting (not running); more -> QueueFull
+    max_steps: int = 200
+    max_guidance: float = 50.0
+    schedulers: tuple[str, ...] = ()  # allowed samplers; () = all
+    warm_schedulers: tuple[str, ...] = ()  # warmed besides the model's default sampler
+    keep_finished: int = 1000  # finished predictions kept for GET / PUT retries
+
+
+@dataclass
+class Prediction:
+    id: str
+    job: Job
+    input: dict[str, Any]
+    created_at: str = field(default_factory=now_iso)
+    status: str = "starting"
+    output: Any = None
+    error: Optional[str] = None
+    logs: list[str] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    started_at: Optional[str] = None
+    completed_at: Optional[str] = None
+    extra: dict[str, Any] = field(default_factory=dict)  # echoed fields: webhook, webhook_events_filter
+    enqueued: float = field(default_factory=time.monotonic)
+    cancel_requested: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    _listeners: list[Listener] = field(default_factory=list)
+
+    def snapshot(self) -> dict[str, Any]:
+        d = {"id": self.id, "status": self.status, "input": self.input, "output": self.output,
+             "error": self.error, "logs": "".join(line + "\n" for line in self.logs),
+             "metrics": dict(self.metrics), "created_at": self.created_at, "started_at": self.started_at,
+             "completed_at": self.completed_at}
+        d.update(self.extra)
+        return d
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+
+@dataclass
+class SetupInfo:
+    started_at: Optional[str] = None
+    completed_at: Optional[str] = None
+    status: str = "starting"  # starting | succeeded | failed
+    logs: list[str] = field(default_factory=list)
+    error: Optional[str] = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"started_at": self.started_at, "completed_at": self.completed_at, "status": self.status,
+                "logs": "".join(line + "\n" for line in self.logs)}
+
+
+def load_pipeline(config: CoreConfig) -> Any:
+    """The engine for ``config.backend``; a one-line ``InvalidArgumentError`` for an unusable backend."""
+    from preheat.errors import InvalidArgumentError
+
+    if config.backend == "jax":
+        import preheat
+
+        return preheat.load(config.model, dtype=config.dtype)
+    if config.backend == "torch":
+        try:
+            import preheat.backends.torch as torch_backend
+        except ImportError as err:
+            raise InvalidArgumentError(f"--backend torch needs the torch extra ({err})") from None
+        loader = getattr(torch_backend, "load", None)
+        if loader is None:
+            raise InvalidArgumentError("--backend torch: preheat.backends.torch provides no pipeline yet; use --backend jax")
+        return loader(config.model, dtype=config.dtype)
+    raise InvalidArgumentError(f"unknown backend {config.backend!r}; use jax or torch")
+
+
+class Core:
+    """Set-up, the bounded queue, the batching worker and the prediction store."""
+
+    def __init__(self, config: CoreConfig, pipe: Any = None,
+                 loader: Callable[[CoreConfig], Any] = load_pipeline) -> None:
+        if config.max_batch_size < 1 or config.max_queue < 1 or config.max_steps < 1 or config.batch_wait_ms < 0:
+            raise ValueError("max_batch_size, max_queue and max_steps must be >= 1 and batch_wait_ms >= 0")
+        self.config = config
+        self.limits = Limits(max_batch_size=config.max_batch_size, max_steps=config.max_steps,
+                             max_guidance=config.max_guidance, schedulers=tuple(config.schedulers))
+        self.input_model = input_model(self.limits)
+        self.buckets = buckets_for(config.max_batch_size)
+        self.metrics = CoreMetrics()
+        self.setup = SetupInfo()
+        self.pipe = pipe
+        self._loader = loader
+        self._cond = threading.Condition()
+        self._pending: list[Prediction] = []
+        self._running: list[Prediction] = []
+        self._store: "OrderedDict[str, Prediction]" = OrderedDict()
+        self._setup_done = threading.Event()
+        self._setup_listeners: list[Callable[[], None]] = []
+        self._draining = False
+        self._stopping = False
+        self._thread: Optional[threading.Thread] = None
+        self._batch_ids = itertools.count(1)
+        self._batch_s_ewma: Optional[float] = None
+        self.stats = {"batches": 0, "images": 0, "padded": 0, "traffic_compiles": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "Core":
+        """Start the worker thread: set-up (load, warm-up), then serve. Returns at once."""
+        if self._thread is None:
+            self.setup.started_at = now_iso()
+            self._thread = threading.Thread(target=self._main, name="preheat-worker", daemon=True)
+            self._thread.start()
+        return self
+
+    def wait_setup(self, timeout: Optional[float] = None) -> bool:
+        """Block until set-up finished (either way); False on timeout."""
+        return self._setup_done.wait(timeout)
+
+    def on_setup(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (from the worker thread, or now) once set-up has finished."""
+        with self._cond:
+            if not self._setup_done.is_set():
+                self._setup_listeners.append(fn)
+                return
+        fn()
+
+    @property
+    def status(self) -> str:
+        """Cog's health states: STARTING, READY, BUSY (queue full or draining), SETUP_FAILED."""
+        if self.setup.status == "failed":
+            return "SETUP_FAILED"
+        if self.setup.status != "succeeded":
+            return "STARTING"
+        if self._draining or len(self._pending) >= self.config.max_queue:
+            return "BUSY"
+        return "READY"
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._pending) + len(self._running)
+
+    def begin_drain(self) -> None:
+        """Refuse new predictions from now on; accepted ones still run."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Wait until no prediction is waiting or running; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._running, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the worker; predictions still waiting fail with a one-line error."""
+        with self._cond:
+            self._draining = True
+            self._stopping = True
+            left, self._pending = self._pending, []
+            self._cond.notify_all()
+        for p in left:
+            self._finish(p, "failed", error="the server shut down before this prediction ran")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ requests
+
+    def parse(self, raw: Any) -> tuple[Job, dict[str, Any]]:
+        """Validate a Cog-style input (dict or ``self.input_model``); raises ``InputError``/``NotAccepting``."""
+        self._check_accepting()
+        return parse_input(raw, self.pipe, self.limits, self.input_model)
+
+    def _check_accepting(self) -> None:
+        if self._draining:
+            raise NotAccepting("draining", "the server is shutting down; not accepting predictions")
+        if self.setup.status == "failed":
+            raise NotAccepting("setup_failed", f"set-up failed: {self.setup.error}")
+        if self.setup.status != "succeeded":
+            raise NotAccepting("starting", "the model is still warming up; retry shortly (see /health-check)")
+
+    def get(self, prediction_id: str) -> Optional[Prediction]:
+        with self._cond:
+            return self._store.get(prediction_id)
+
+    def snapshot(self, pred: Prediction) -> dict[str, Any]:
+        """A consistent copy of the prediction's public state (the worker mutates it under the lock)."""
+        with self._cond:
+            return pred.snapshot()
+
+    def submit(self, job: Job, given: dict[str, Any], prediction_id: Optional[str] = None,
+               listener: Optional[Listener] = None, extra: Optional[dict[str, Any]] = None,
+               created_at: Optional[str] = None) -> tuple[Prediction, bool]:
+        """Enqueue a prediction. Returns ``(prediction, created)``; when ``prediction_id`` is already
+        known, the existing prediction is returned with ``created=False`` (idempotent retries; use
+        :meth:`subscribe` to follow it). Raises ``QueueFull`` or ``NotAccepting``."""
+        with self._cond:
+            if prediction_id is not None and prediction_id in self._store:
+                existing = self._store[prediction_id]
+            else:
+                existing = None
+                self._check_accepting()
+                if len(self._pending) >= self.config.max_queue:
+                    raise QueueFull(len(self._pending), self._retry_after())
+                pred = Prediction(id=prediction_id or secrets.token_hex(13), job=job, input=given, extra=extra or {},
+                                  created_at=created_at or now_iso())
+                pred.logs.append(f"Using seed: {job.seed}")
+                if listener is not None:
+                    pred._listeners.append(listener)
+                self._store[pred.id] = pred
+                self._pending.append(pred)
+                self.metrics.queue_depth.set(len(self._pending))
+                self._evict()
+                self._cond.notify_all()
+        if existing is not None:  # the caller's listener is not attached: the first request owns the events
+            return existing, False
+        return pred, True
+
+    def subscribe(self, pred: Prediction, listener: Listener) -> None:
+        """Attach a listener; if ``pred`` already finished it is called now with "completed"."""
+        with self._cond:
+            if not pred.terminal:
+                pred._listeners.append(listener)
+                return
+            snap = pred.snapshot()
+        _call(listener, "completed", snap)
+
+    def cancel(self, prediction_id: str) -> bool:
+        """Cancel a prediction: a waiting one at once, a running one when its batch returns (its
+        images are dropped). False when the id is unknown."""
+        with self._cond:
+            pred = self._store.get(prediction_id)
+            if pred is None:
+                return False
+            if pred.terminal:
+                return True
+            pred.cancel_requested = True
+            waiting = pred in self._pending
+            if waiting:
+                self._pending.remove(pred)
+                self.metrics.queue_depth.set(len(self._pending))
+                self._cond.notify_all()
+        if waiting:
+            self._finish(pred, "canceled")
+        return True
+
+    def _retry_after(self) -> int:
+        per_batch = self._batch_s_ewma or 1.0
+        batches_ahead = max(1, -(-len(self._pending) // self.config.max_batch_size))
+        return max(1, int(round(per_batch * batches_ahead)))
+
+    def _evict(self) -> None:
+        finished = [k for k, p in self._store.items() if p.terminal]
+        for k in finished[: max(0, len(finished) - self.config.keep_finished)]:
+            del self._store[k]
+
+    # ------------------------------------------------------------------ the worker thread
+
+    def _main(self) -> None:
+        try:
+            self._do_setup()
+        except BaseException as err:  # noqa: BLE001 - every set-up failure is reported, never raised
+            from preheat.errors import PreheatError
+
+            message = (str(err).splitlines() or [type(err).__name__])[0]
+            if not isinstance(err, PreheatError):  # ours are one-line and self-explanatory
+                log.error("set-up failed\n%s", traceback.format_exc())
+                message = f"{type(err).__name__}: {message}"
+            self.setup.error = message
+            self.setup.logs.append(f"set-up failed: {message}")
+            self.setup.status = "failed"
+            self.setup.completed_at = now_iso()
+            self._fire_setup()
+            return
+        self.setup.status = "succeeded"
+        self.setup.completed_at = now_iso()
+        self.metrics.ready.set(1)
+        self._fire_setup()
+        self._serve()
+
+    def _fire_setup(self) -> None:
+        with self._cond:
+            self._setup_done.set()
+            listeners, self._setup_listeners = self._setup_listeners, []
+        for fn in listeners:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001
+                log.exception("set-up listener failed")
+
+    def _setup_log(self, line: str) -> None:
+        self.setup.logs.append(line)
+        log.info("%s", line)
+
+    def _do_setup(self) -> None:
+        start = time.perf_counter()
+        if self.pipe is None:
+            self._setup_log(f"loading model {self.config.model or 'built-in'} ({self.config.backend})")
+            self.pipe = self._loader(self.config)
+        pipe = self.pipe
+        self._setup_log(f"model loaded in {time.perf_counter() - start:.2f}s; image {pipe.sample_shape}, "
+                        f"classes {pipe.num_classes}, defaults {pipe.defaults}")
+        default_steps = int(pipe.defaults.get("steps", 50))
+        if default_steps > self.limits.max_steps:
+            self._setup_log(f"warning: the model's default {default_steps} steps exceed --max-steps "
+                            f"{self.limits.max_steps}; requests must then give num_inference_steps")
+        default = pipe.defaults.get("sampler", "ddpm")
+        samplers = [default] + [s for s in self.config.warm_schedulers if s != default]
+        allowed = self.limits.schedulers
+        guidance = pipe.defaults.get("guidance")
+        for sampler in samplers:
+            if allowed and sampler not in allowed:
+                self._setup_log(f"warm-up: skipping {sampler} (not in the allowed schedulers)")
+                continue
+            for bucket in self.buckets:
+                t0 = time.perf_counter()
+                # steps=1: the step count is runtime data, so this is the serving program, run cheaply.
+                labels = None if pipe.num_classes is None else [0] * bucket
+                pipe.generate(bucket, class_labels=labels, steps=1, sampler=sampler, guidance=guidance,
+                              seed=list(range(bucket)))
+                layer = pipe.last.cache_layer
+                took = time.perf_counter() - t0
+                sig, _ = pipe.prepare(bucket, class_labels=labels, steps=1, sampler=sampler, guidance=guidance)
+                self.metrics.warmup_programs.labels(cache_layer=layer).inc()
+                self.metrics.warmup_seconds.labels(bucket=str(bucket), sampler=sampler, guided=str(sig.guided).lower(),
+                                                   cache_layer=layer).set(took)
+                self._setup_log(f"warm-up: {sampler} batch {bucket} guided={sig.guided}: {took:.2f}s (cache: {layer})")
+        total = time.perf_counter() - start
+        self.metrics.setup_seconds.set(total)
+        self._setup_log(f"ready in {total:.2f}s; buckets {list(self.buckets)}")
+
+    def _serve(self) -> None:
+        wait_s = self.config.batch_wait_ms / 1000.0
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                while True:
+                    batch, images = self._collect()
+                    if not batch:  # the head was canceled while we waited
+                        break
+                    remaining = batch[0].enqueued + wait_s - time.monotonic()
+                    if images >= self.config.max_batch_size or remaining <= 0 or self._stopping:
+                        break
+                    self._cond.wait(remaining)
+                if not batch:
+                    continue
+                for p in batch:
+                    self._pending.remove(p)
+                    p.status = "processing"
+                    p.started_at = now_iso()
+                self._running = batch
+                self.metrics.queue_depth.set(len(self._pending))
+                self.metrics.running.set(len(batch))
+                snaps = [(p, p.snapshot(), list(p._listeners)) for p in batch]
+            for _, snap, listeners in snaps:
+                for fn in listeners:
+                    _call(fn, "start", snap)
+            try:
+                self._run_batch(batch)
+            finally:
+                with self._cond:
+                    self._running = []
+                    self.metrics.running.set(0)
+                    self._cond.notify_all()
+
+    def _collect(self) -> tuple[list[Prediction], int]:
+        """The head of the queue plus every later prediction with its batch key that still fits."""
+        if not self._pending:
+            return [], 0
+        key = self._pending[0].job.batch_key
+        batch, images = [], 0
+        for p in self._pending:
+            if p.job.batch_key == key and images + p.job.n <= self.config.max_batch_size:
+                batch.append(p)
+                images += p.job.n
+                if images == self.config.max_batch_size:
+                    break
+        return batch, images
+
+    def _run_batch(self, batch: list[Prediction]) -> None:
+        job0 = batch[0].job
+        images = sum(p.job.n for p in batch)
+        bucket = next(b for b in self.buckets if b >= images)
+        seeds: list[int] = []
+        labels: list[int] = []
+        for p in batch:
+            seeds += p.job.seeds
+            labels += list(p.job.labels) if p.job.labels is not None else [0] * p.job.n
+        pad = bucket - images
+        seeds += [0] * pad
+        labels += [0] * pad
+        batch_id = next(self._batch_ids)
+        t0 = time.perf_counter()
+        try:
+            pipe = self.pipe
+            pixels = pipe.generate(bucket, class_labels=labels if pipe.num_classes is not None else None,
+                                   steps=job0.steps, sampler=job0.sampler,
+                                   guidance=1.0 if job0.guidance is None else job0.guidance, seed=seeds)
+            compiled = pipe.last.cache_layer != "memory"
+            run_s = time.perf_counter() - t0
+            outputs = []
+            offset = 0
+            from preheat.server.images import data_url
+
+            for p in batch:
+                outputs.append([data_url(pixels[offset + i], p.job.output_format) for i in range(p.job.n)])
+                offset += p.job.n
+        except Exception as err:  # noqa: BLE001 - a failed batch fails its predictions, never the server
+            log.error("batch %d failed\n%s", batch_id, traceback.format_exc())
+            message = (str(err).splitlines() or [type(err).__name__])[0]
+            for p in batch:
+                self._finish(p, "failed", error=f"{type(err).__name__}: {message}")
+            return
+        took = time.perf_counter() - t0
+        self._batch_s_ewma = took if self._batch_s_ewma is None else 0.8 * self._batch_s_ewma + 0.2 * took
+        m = self.metrics
+        m.batches.inc()
+        m.batch_images.observe(images)
+        m.batch_requests.observe(len(batch))
+        m.padded_images.inc(pad)
+        m.batch_seconds.observe(took)
+        self.stats["batches"] += 1
+        self.stats["images"] += images
+        self.stats["padded"] += pad
+        if compiled:
+            m.compiles.labels(phase="traffic").inc()
+            self.stats["traffic_compiles"] += 1
+        offset = 0
+        for p, out in zip(batch, outputs):
+            with self._cond:
+                self._record(p, took, run_s, batch_id, images, bucket, offset, len(batch), compiled, job0)
+            offset += p.job.n
+            if p.cancel_requested:
+                self._finish(p, "canceled")
+            else:
+                self._finish(p, "succeeded", output=out)
+
+    @staticmethod
+    def _record(p: Prediction, took: float, run_s: float, batch_id: int, images: int, bucket: int, offset: int,
+                requests: int, compiled: bool, job0: Job) -> None:
+        p.metrics.update({"predict_time": took, "run_time": run_s, "batch_id": batch_id, "batch_size": images,
+                          "batch_bucket": bucket, "batch_offset": offset, "batch_requests": requests,
+                          "compiled": compiled})
+        p.logs.append(f"batch {batch_id}: {requests} request(s), {images} image(s) in bucket {bucket}, "
+                      f"{job0.sampler} {job0.steps} steps, {took:.3f}s")
+
+    def _finish(self, p: Prediction, status: str, output: Any = None, error: Optional[str] = None) -> None:
+        with self._cond:
+            if p.terminal:
+                return
+            p.status = status
+            p.output = output
+            p.error = error
+            if error:
+                p.logs.append(f"error: {error}")
+            p.completed_at = now_iso()
+            if "predict_time" not in p.metrics and p.started_at is not None:
+                p.metrics["predict_time"] = 0.0
+            listeners, p._listeners = p._listeners, []
+            snap = p.snapshot()
+            self._evict()
+        self.metrics.predictions.labels(status=status).inc()
+        p.done.set()
+        for fn in listeners:
+            _call(fn, "completed", snap)
+
+
+def _call(fn: Listener, event: str, snap: dict) -> None:
+    try:
+        fn(event, snap)
+    except Exception:  # noqa: BLE001 - a broken listener (closed loop, ...) must not stop the worker
+        log.debug("listener failed", exc_info=True)
+
+
+__all__ += ["InputError", "SetupInfo", "load_pipeline"]

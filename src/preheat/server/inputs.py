@@ -1,0 +1,235 @@
+"""Request parsing, written once: a Cog-style ``input`` dict -> a validated :class:`Job`.
+
+Every surface goes through :func:`parse_input`: the HTTP server (Cog's ``POST /predictions``
+and the OpenAI route, which first rewrites its body into the same input fields) and the
+Runpod handler. Two layers:
+
+1. the schema (:func:`input_model`): a pydantic model built from the server's limits, so the
+   OpenAPI document states the real bounds (``num_outputs <= max_batch_size`` ...);
+2. the model checks (:func:`parse_input`): class names, image size, and the engine's own
+   ``Pipeline.prepare`` (which raises one-line ``InvalidArgumentError`` /
+   ``SchedulerConfigError``), mapped back to the input field that caused them.
+
+Both raise :class:`InputError`, which carries ``(field, message)`` pairs; surfaces turn it into
+HTTP 422 (naming the field) or a Runpod ``{"error": ...}``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
+
+from preheat.errors import InvalidArgumentError, SchedulerConfigError
+
+__all__ = ["Limits", "Job", "InputError", "input_model", "parse_input", "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int"]
+
+SEED_MAX = 2**32 - 1
+OUTPUT_FORMATS: tuple[str, ...] = ("png", "webp", "jpg")
+
+
+def _json_integer(value: Any) -> Any:
+    """JSON Schema's "integer": 2 and 2.0 yes; true, "2" and 2.5 no (pydantic's lax int takes them)."""
+    if isinstance(value, (bool, str, bytes)):
+        raise ValueError("Input should be a valid integer")
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+
+
+def json_int(ge: int, le: int) -> Any:
+    """JsonInt within [ge, le], with the bounds in the JSON schema (minimum/maximum)."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_json_integer)]
+
+
+class InputError(ValueError):
+    """Bad request input. ``errors`` is a list of ``(field, message)``; ``str()`` is one line."""
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{f}: {m}" for f, m in errors))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a server accepts (also what its OpenAPI schema advertises)."""
+
+    max_batch_size: int = 8  # also the largest num_outputs of one request
+    max_steps: int = 200
+    max_guidance: float = 50.0
+    schedulers: tuple[str, ...] = ()  # allowed sampler names; () = every sampler preheat has
+    output_formats: tuple[str, ...] = OUTPUT_FORMATS
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated request, in engine terms. ``seeds`` are per image: image i uses ``seed + i``."""
+
+    n: int
+    labels: Optional[tuple[int, ...]]  # one class index per image; None for unconditional models
+    seed: int
+    sampler: str
+    steps: int
+    guidance: Optional[float]  # resolved scale; None or 1.0 = no classifier-free guidance
+    output_format: str = "png"
+
+    @property
+    def seeds(self) -> list[int]:
+        return [self.seed + i for i in range(self.n)]
+
+    @property
+    def batch_key(self) -> tuple:
+        """Requests with equal keys can share one engine call (same program and same runtime scalars)."""
+        return (self.sampler, self.steps, self.guidance)
+
+
+def _all_samplers() -> tuple[str, ...]:
+    from preheat.samplers import SAMPLERS
+
+    return tuple(SAMPLERS)
+
+
+def input_model(limits: Limits) -> type[BaseModel]:
+    """The pydantic model of Cog's ``input`` object for these limits (unknown fields are refused)."""
+    schedulers = limits.schedulers or _all_samplers()
+    formats = limits.output_formats or OUTPUT_FORMATS
+
+    def order(i: int, **extra: Any) -> dict[str, Any]:
+        return {"x-order": i, **extra}  # Cog's field order hint
+
+    fields: dict[str, Any] = {
+        "prompt": (Optional[str], Field(None, max_length=1000, json_schema_extra=order(0),
+                                        description="For class-conditional models: a class name or index, e.g. \"7\".")),
+        "class_label": (Optional[Union[JsonInt, str]], Field(None, json_schema_extra=order(1),
+                                                               description="Class index or label (class-conditional models).")),
+        "num_outputs": (json_int(1, limits.max_batch_size), Field(1, json_schema_extra=order(2),
+                                         description="Number of images.")),
+        "num_inference_steps": (Optional[json_int(1, limits.max_steps)], Field(None, json_schema_extra=order(3),
+                                                           description="Denoising steps (model default when absent).")),
+        "guidance_scale": (Optional[float], Field(None, ge=0, le=limits.max_guidance, allow_inf_nan=False,
+                                                  json_schema_extra=order(4),
+                                                  description="Classifier-free guidance scale; 1 = off (model default when absent).")),
+        "scheduler": (Optional[Literal[tuple(schedulers)]], Field(None, json_schema_extra=order(5),  # type: ignore[misc]
+                                                                   description="Sampler (model default when absent).")),
+        "seed": (Optional[json_int(0, SEED_MAX - (limits.max_batch_size - 1))], Field(None, json_schema_extra=order(6),
+                                            description="Image i uses seed + i; random when absent.")),
+        "width": (Optional[json_int(1, 65536)], Field(None, json_schema_extra=order(7),
+                                             description="Must equal the model's width when given.")),
+        "height": (Optional[json_int(1, 65536)], Field(None, json_schema_extra=order(8),
+                                              description="Must equal the model's height when given.")),
+        "output_format": (Literal[tuple(formats)], Field(formats[0], json_schema_extra=order(9),  # type: ignore[misc]
+                                                         description="Image encoding of the data URLs.")),
+    }
+    return create_model("Input", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+def _field_of(loc: tuple) -> str:
+    parts = [str(p) for p in loc if not isinstance(p, int)]
+    return parts[0] if parts else "input"
+
+
+def validation_errors(err: ValidationError) -> list[tuple[str, str]]:
+    return [(_field_of(e.get("loc", ())), e.get("msg", "invalid")) for e in err.errors()]
+
+
+def _engine_field(message: str, is_scheduler_error: bool) -> str:
+    """Which input field an engine error message is about (they name the argument first)."""
+    if is_scheduler_error or message.startswith("unknown sampler"):
+        return "scheduler"
+    for prefix, name in (("guidance", "guidance_scale"), ("steps", "num_inference_steps"),
+                         ("seed", "seed"), ("got", "class_label"), ("unknown class", "class_label"),
+                         ("class_labels", "class_label"), ("n=", "num_outputs")):
+        if message.startswith(prefix):
+            return name
+    return "input"
+
+
+def _class_from_prompt(pipe: Any, prompt: str) -> int:
+    text = prompt.strip()
+    lowered = {label.lower(): i for i, label in enumerate(pipe.labels)}
+    if text.lower() in lowered:
+        return lowered[text.lower()]
+    return pipe.class_index(text)
+
+
+def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | None = None) -> tuple[Job, dict[str, Any]]:
+    """Validate a Cog-style input (a dict or an instance of :func:`input_model`) against the limits
+    and the loaded pipeline. Returns the job and the input as given (unset fields left out)."""
+    model = model or input_model(limits)
+    if isinstance(raw, model):
+        values = raw
+    else:
+        if not isinstance(raw, Mapping):
+            raise InputError([("input", "must be a JSON object")])
+        try:
+            values = model.model_validate(dict(raw))
+        except ValidationError as err:
+            raise InputError(validation_errors(err)) from None
+    given = values.model_dump(exclude_unset=True)
+    v = values.model_dump()
+    errors: list[tuple[str, str]] = []
+    n = v["num_outputs"]
+
+    h, w = pipe.sample_shape[0], pipe.sample_shape[1]
+    if v["width"] is not None and v["width"] != w:
+        errors.append(("width", f"must be {w}: the model makes {w}x{h} images"))
+    if v["height"] is not None and v["height"] != h:
+        errors.append(("height", f"must be {h}: the model makes {w}x{h} images"))
+
+    labels: Optional[tuple[int, ...]] = None
+    prompt = v["prompt"] if v["prompt"] is not None and v["prompt"].strip() else None
+    if pipe.num_classes is None:
+        if v["class_label"] is not None:
+            errors.append(("class_label", "this model is not class-conditional"))
+        if prompt is not None:
+            errors.append(("prompt", "this model takes no prompt (it is unconditional)"))
+    else:
+        index: Optional[int] = None
+        try:
+            if v["class_label"] is not None:
+                index = pipe.class_index(v["class_label"])
+        except InvalidArgumentError as err:
+            errors.append(("class_label", str(err)))
+        if prompt is not None:
+            try:
+                from_prompt = _class_from_prompt(pipe, prompt)
+                if index is not None and from_prompt != index:
+                    errors.append(("prompt", f"names class {from_prompt}, but class_label is {index}"))
+                index = from_prompt if index is None else index
+            except InvalidArgumentError as err:
+                errors.append(("prompt", f"{err} (a prompt must name a class)"))
+        # No class given: a tour of the classes, fixed per request (not per batch position).
+        labels = tuple([index] * n) if index is not None else tuple(i % pipe.num_classes for i in range(n))
+
+    seed = v["seed"]
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    elif seed + n - 1 > SEED_MAX:
+        errors.append(("seed", f"seed + num_outputs - 1 must be <= {SEED_MAX} (image i uses seed + i)"))
+
+    sampler = v["scheduler"] or pipe.defaults.get("sampler", "ddpm")
+    allowed = limits.schedulers or _all_samplers()
+    if sampler not in allowed:  # the model's default sampler may be outside the allowed list
+        errors.append(("scheduler", f"{sampler!r} is not served here; choose one of {', '.join(allowed)}"))
+    steps = v["num_inference_steps"] if v["num_inference_steps"] is not None else pipe.defaults.get("steps", 50)
+    if v["num_inference_steps"] is None and not 1 <= int(steps) <= limits.max_steps:
+        errors.append(("num_inference_steps", f"the model default {steps} exceeds this server's max {limits.max_steps}"))
+    guidance = v["guidance_scale"] if v["guidance_scale"] is not None else pipe.defaults.get("guidance")
+    if errors:
+        raise InputError(errors)
+
+    try:  # the engine's own checks (guidance without a null class, scheduler config, steps range ...)
+        pipe.prepare(n, class_labels=list(labels) if labels is not None else None, steps=int(steps),
+                     sampler=sampler, guidance=guidance, seed=[seed + i for i in range(n)])
+    except (InvalidArgumentError, SchedulerConfigError) as err:
+        raise InputError([(_engine_field(str(err), isinstance(err, SchedulerConfigError)), str(err))]) from None
+    if guidance is not None:
+        guidance = float(guidance)
+        if guidance == 1.0:
+            guidance = None  # the same program and the same pixels as "no guidance"
+    job = Job(n=n, labels=labels, seed=int(seed), sampler=sampler, steps=int(steps), guidance=guidance,
+              output_format=v["output_format"])
+    return job, given

@@ -1,0 +1,67 @@
+"""Prometheus metrics, each set in its own ``CollectorRegistry`` (never the global one), so that
+several cores and apps can live in one process (tests, the bench)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.registry import Collector
+
+__all__ = ["CoreMetrics", "HttpMetrics", "Forward"]
+
+_IMAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class CoreMetrics:
+    """What the batching engine does: batches, queue, compiles, warm-up and its cache layers."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.predictions = Counter("preheat_predictions", "Predictions that reached a final status", ["status"], registry=r)
+        self.batches = Counter("preheat_batches", "Engine calls made by the batching worker", registry=r)
+        self.batch_images = Histogram("preheat_batch_images", "Real (unpadded) images per engine call",
+                                      buckets=_IMAGE_BUCKETS, registry=r)
+        self.batch_requests = Histogram("preheat_batch_requests", "Predictions merged into one engine call",
+                                        buckets=_IMAGE_BUCKETS, registry=r)
+        self.padded_images = Counter("preheat_padded_images", "Dummy images added to fill a compiled bucket", registry=r)
+        self.batch_seconds = Histogram("preheat_batch_seconds", "Wall time of one engine call (incl. encoding)",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("preheat_queue_depth", "Predictions waiting for a batch", registry=r)
+        self.running = Gauge("preheat_running", "Predictions in the engine call now running", registry=r)
+        self.compiles = Counter("preheat_compiles", "Programs not found in memory (compiled or loaded from the "
+                                "compile cache), by phase", ["phase"], registry=r)
+        self.warmup_programs = Counter("preheat_warmup_programs", "Programs prepared at start-up, by where the "
+                                       "executable came from (memory|aot|xla = cache hit, none = compiled)",
+                                       ["cache_layer"], registry=r)
+        self.warmup_seconds = Gauge("preheat_warmup_seconds", "Start-up time per compiled bucket",
+                                    ["bucket", "sampler", "guided", "cache_layer"], registry=r)
+        self.ready = Gauge("preheat_ready", "1 when set-up succeeded and the server accepts predictions", registry=r)
+        self.setup_seconds = Gauge("preheat_setup_seconds", "Model load + warm-up time", registry=r)
+
+
+class HttpMetrics:
+    """Per-app HTTP metrics; the app's registry also forwards its core's metrics."""
+
+    def __init__(self, core_registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("preheat_http_requests", "HTTP requests by route, method and status code",
+                                ["route", "method", "code"], registry=r)
+        self.latency = Histogram("preheat_http_request_seconds", "HTTP request latency by route",
+                                 ["route", "method"], buckets=_LATENCY_BUCKETS, registry=r)
+        if core_registry is not None:
+            r.register(Forward(core_registry))
+
+
+class Forward(Collector):
+    """Expose another registry's metrics through this one."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterable:
+        return self.source.collect()
+
+    def describe(self) -> Iterable:
+        return []

@@ -1,0 +1,89 @@
+"""The Runpod handler: the server's parsing and batching core behind runpod's SDK.
+
+In-process: the async handler with an injected core (progress updates recorded by replacing
+``runpod.serverless.progress_update``). Subprocess: the SDK's own local test mode
+(``python -m preheat.integrations.runpod --test_input ...``), which runs one job and exits
+0/1 - offline: runpod 1.12's local mode makes no network calls, and the handler skips
+progress updates when no Runpod job API is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import preheat.integrations.runpod as rp
+from preheat.server.core import Core, CoreConfig
+from preheat.server.images import decode_data_url
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def core(pipe: Any):
+    core = Core(CoreConfig(max_batch_size=4, batch_wait_ms=300, max_steps=20), pipe=pipe)
+    rp.get_core(core)
+    assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+    yield core
+    core.close()
+    rp._core = None
+
+
+def test_handler_returns_the_seed_images_and_reports_progress(core: Core, pipe: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import runpod
+
+    sent: list[tuple[str, dict]] = []
+    monkeypatch.setenv("RUNPOD_WEBHOOK_GET_JOB", "http://127.0.0.1:9/never-called")
+    monkeypatch.setattr(runpod.serverless, "progress_update", lambda job, progress: sent.append((job["id"], progress)))
+    job = {"id": "job-1", "input": {"class_label": "6", "num_outputs": 2, "seed": 21}}
+    result = asyncio.run(rp.handler(job))
+    assert "error" not in result, result
+    assert result["seed"] == 21 and len(result["images"]) == 2
+    got = np.stack([decode_data_url(u) for u in result["images"]])
+    assert np.array_equal(got, pipe.generate(2, class_labels=6, seed=21))  # alone: the same batch of 2
+    assert [p["status"] for _, p in sent] == ["queued", "processing"] and {i for i, _ in sent} == {"job-1"}
+
+
+@pytest.mark.parametrize(("inp", "field"), [({"num_outputs": 5}, "num_outputs"), ({"scheduler": "x"}, "scheduler"),
+                                            ({"prompt": "a cat"}, "prompt"), ({"seed": -1}, "seed"), ([1], "input"),
+                                            ({"steps": 3}, "steps")])
+def test_handler_reports_bad_input_as_an_error(core: Core, inp: Any, field: str) -> None:
+    result = asyncio.run(rp.handler({"id": "bad", "input": inp}))
+    assert set(result) == {"error"} and result["error"].startswith(f"{field}:"), result
+
+
+def test_concurrent_jobs_share_one_engine_call(core: Core) -> None:
+    async def many() -> list[dict]:
+        return await asyncio.gather(*[rp.handler({"id": f"j{i}", "input": {"seed": i}}) for i in range(4)])
+
+    before = core.stats["batches"]
+    results = asyncio.run(many())
+    assert all(len(r["images"]) == 1 for r in results)
+    assert core.stats["batches"] - before <= 2
+    assert rp.concurrency_modifier(1) == 4
+
+
+def test_sdk_local_test_mode_runs_a_job_offline(model_dir: Path, tmp_path: Path) -> None:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PREHEAT_MODEL=str(model_dir), PREHEAT_MAX_BATCH_SIZE="1")
+    env.pop("RUNPOD_WEBHOOK_GET_JOB", None)
+    good = json.dumps({"input": {"class_label": 3, "seed": 2, "num_inference_steps": 2}})
+    bad = json.dumps({"input": {"num_outputs": 2}})  # over this worker's max batch of 1
+    runs = {}
+    for name, payload in (("good", good), ("bad", bad)):
+        runs[name] = subprocess.run([sys.executable, "-m", "preheat.integrations.runpod", "--test_input", payload],
+                                    cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = runs["good"].stdout + runs["good"].stderr
+    assert runs["good"].returncode == 0, out[-3000:]
+    assert "completed successfully" in out and "data:image/png;base64," in out
+    out = runs["bad"].stdout + runs["bad"].stderr
+    assert runs["bad"].returncode == 1, out[-3000:]
+    assert "num_outputs: Input should be less than or equal to 1" in out

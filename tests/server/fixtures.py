@@ -1,0 +1,172 @@
+"""Shared fixtures and helpers for the server and integration tests.
+
+The model is a tiny random-weight class-conditional UNet built with preheat's own Flax code
+(no torch import), shaped like the built-in digits model: 16x16x1, classes 0..9, null class
+10, defaults dpmpp_2m / 4 steps / guidance 2. Its compile cache lives in the session's
+private PREHEAT_HOME (the same path tests/conftest.py sets), so subprocess servers start hot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULTS = {"sampler": "dpmpp_2m", "steps": 4, "guidance": 2.0}
+
+
+def write_tiny_model(out: Path, seed: int = 0) -> Path:
+    """Random weights drawn with numpy into the abstract (shape-only) model: no eager Flax init."""
+    import numpy as np
+    from flax import nnx
+
+    from preheat.models.loading import build_abstract, save_unet
+    from preheat.models.unet2d import UNet2DConfig
+    from preheat.train.digits import DIGITS_SCHEDULER
+
+    cfg = UNet2DConfig(sample_size=16, in_channels=1, out_channels=1, block_out_channels=(8, 16), layers_per_block=1,
+                       down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+                       norm_num_groups=4, attention_head_dim=8, num_class_embeds=11)
+    rng = np.random.default_rng(seed)
+    _, abstract = build_abstract(cfg)
+    filled = []
+    for path, var in nnx.to_flat_state(abstract):
+        shape = tuple(var.shape)
+        if len(shape) >= 2:
+            value = rng.standard_normal(shape) / np.sqrt(np.prod(shape[:-1]))
+        elif str(path[-1]) == "scale":
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            value = 0.1 * rng.standard_normal(shape)
+        filled.append((path, var.replace(value.astype(np.float32))))
+    save_unet(cfg, nnx.from_flat_state(filled), out / "unet")
+    (out / "scheduler").mkdir(parents=True, exist_ok=True)
+    (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(DIGITS_SCHEDULER))
+    (out / "model_index.json").write_text(json.dumps(
+        {"_class_name": "DDPMPipeline",
+         "preheat": {"null_class": 10, "labels": [str(i) for i in range(10)], "defaults": DEFAULTS}}))
+    return out
+
+
+def _private_env(base: Path) -> dict[str, str]:
+    return {"PREHEAT_HOME": str(base / "preheat-home"), "PREHEAT_RUNPOD_VOLUME": str(base / "no-runpod-volume"),
+            "PREHEAT_WORKSPACE": str(base / "no-workspace")}
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("server-model"))
+
+
+@pytest.fixture(scope="session")
+def pipe(model_dir: Path, _session_cache_root: None) -> Any:
+    import preheat
+
+    return preheat.load(model_dir)  # conftest's session fixture has set the private cache root
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on a free 127.0.0.1 port, in a daemon thread."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        from preheat.server.serve import bind_socket
+
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+@contextlib.contextmanager
+def serving(core: Any, **app_kwargs: Any) -> Iterator[ServerThread]:
+    from preheat.server.app import create_app
+
+    server = ServerThread(create_app(core, **app_kwargs))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def wait_status(client: Any, want: str, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = client.get("/health-check").json()
+        if body["status"] == want:
+            return body
+        if time.monotonic() > deadline:
+            raise AssertionError(f"health-check never said {want}: {body}")
+        time.sleep(0.05)
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """One sample's value from Prometheus text (0.0 when absent)."""
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+\-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+class ServerProcess:
+    """``python -m preheat.server`` in a subprocess on a free port (read from its stderr)."""
+
+    def __init__(self, args: list[str], env: Optional[dict[str, str]] = None) -> None:
+        full_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+        self.proc = subprocess.Popen([sys.executable, "-m", "preheat.server", *args, "--port", "0",
+                                      "--host", "127.0.0.1", "--log-level", "warning"],
+                                     cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.port: Optional[int] = None
+        self._seen = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._seen.wait(120) or self.port is None:
+            self.kill()
+            raise RuntimeError("server did not start:\n" + "\n".join(self.lines[-30:]))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            if m and self.port is None:
+                self.port = int(m.group(1))
+                self._seen.set()
+        self._seen.set()
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,37 @@
+"""The click commands: argument checks fail in one line, before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from preheat.server.cli import bench_serve_command, serve_command
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--max-batch-size", "0"], "--max-batch-size 0 must be in 1..1024"),
+    (["--max-queue", "0"], "--max-queue 0 must be >= 1"),
+    (["--batch-wait-ms", "-1"], "--batch-wait-ms -1.0 must be >= 0"),
+    (["--scheduler", "k_lms"], "--scheduler 'k_lms' is unknown"),
+    (["--warm-scheduler", "nope"], "--warm-scheduler 'nope' is unknown"),
+])
+def test_serve_rejects_bad_options_in_one_line(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(serve_command, args)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [f"error: {result.output.strip()[7:]}"]
+    assert message in result.output
+
+
+def test_serve_backend_torch_needs_a_torch_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    import preheat.backends.torch as torch_backend
+
+    monkeypatch.delattr(torch_backend, "load")  # as before the torch backend had a pipeline
+    result = CliRunner().invoke(serve_command, ["--backend", "torch"])
+    assert result.exit_code == 2
+    assert result.output.strip() == ("error: --backend torch: preheat.backends.torch provides no pipeline yet; "
+                                     "use --backend jax")
+
+
+def test_bench_serve_rejects_bad_counts() -> None:
+    result = CliRunner().invoke(bench_serve_command, ["--requests", "0"])
+    assert result.exit_code == 2 and result.output.startswith("error: ")
