@@ -7,10 +7,8 @@ A ``PreheatError`` prints as one line on stderr (``error: ...``) and exits 2 for
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -18,48 +16,25 @@ from typing import Any, Callable
 import click
 
 from preheat._version import __version__
-from preheat.errors import InvalidArgumentError, PreheatError, SchedulerConfigError
-
-
-def process_age_s() -> float:
-    """Seconds since this process started (the kernel's clock, so imports are counted)."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        import os
-
-        return uptime - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.perf_counter() - _IMPORTED_AT
-
-
-_IMPORTED_AT = time.perf_counter()
-
-
-def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn PreheatErrors into a one-line message and an exit code."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except PreheatError as err:
-            click.echo(f"error: {err}", err=True)
-            sys.exit(2 if isinstance(err, (InvalidArgumentError, SchedulerConfigError)) else 1)
-        except KeyboardInterrupt:
-            click.echo("error: interrupted", err=True)
-            sys.exit(130)
-
-    return wrapper
+from preheat._cli_support import one_line_errors, process_age_s
+from preheat.errors import InvalidArgumentError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="preheat")
-def main() -> None:
+@click.option("--cache-url", envvar="PREHEAT_CACHE_URL",
+              help="Shared compile cache for a fleet: s3://bucket/prefix, any fsspec URL, or a shared folder.")
+@click.option("--trust-remote-cache", is_flag=True, help="Use shared-cache entries without a signing key.")
+def main(cache_url: str | None, trust_remote_cache: bool) -> None:
     """preheat: diffusion sampling that starts hot."""
     import logging
+    import os
 
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    if cache_url:
+        os.environ["PREHEAT_CACHE_URL"] = cache_url
+    if trust_remote_cache:
+        os.environ["PREHEAT_TRUST_REMOTE_CACHE"] = "1"
 
 
 def save_grid(images: list, path: Path, upscale: int | None = None) -> None:
@@ -175,6 +150,7 @@ def sample(model: str | None, n: int, classes: tuple[str, ...], steps: int | Non
         "second_call_s": second_call_s,
         "per_image_s": second_call_s / n,
         "cache_layer": first.cache_layer,
+        "remote": next((e.get("remote") for e in (pipe.compiler.events if pipe.compiler else []) if "remote" in e), None),
         "cache_events": pipe.compiler.events if pipe.compiler is not None else [],
         "process_start_to_first_image_s": to_first_image,
         "guided": sig.guided,

@@ -27,7 +27,7 @@ from typing import Any
 import click
 
 from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary, write_json
-from preheat.cli import one_line_errors
+from preheat._cli_support import one_line_errors
 
 __all__ = ["run_child", "bench_coldstart", "coldstart_command"]
 
@@ -63,7 +63,9 @@ def bench_coldstart(model: str | None, n: int, steps: int | None, repeats: int, 
         rows["xla only"].append(run_child(model, xla_home, n, steps, "xla"))
         rows["full warm"].append(run_child(model, full_home, n, steps, "full"))
     if cache_url:
-        env = {"PREHEAT_CACHE_URL": cache_url}
+        from preheat.cache.remote import child_env
+
+        env = child_env(cache_url)  # the URL, plus trust when no signing key is set
         run_child(model, workdir / "publisher", n, steps, "full", env)  # fills the remote store
         rows["remote warm"] = []
         for i in range(repeats):

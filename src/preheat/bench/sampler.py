@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary, timed, write_json
-from preheat.cli import one_line_errors
+from preheat._cli_support import one_line_errors
 
 __all__ = ["bench_sampler", "matmul_gflops", "sampler_command"]
 

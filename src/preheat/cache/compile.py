@@ -188,10 +188,16 @@ class JaxCompiler:
     ``mode``: "full" (aot + xla + compile), "xla" (JAX's persistent cache only), "off".
     """
 
-    def __init__(self, root: Path | None = None, mode: str = "full"):
+    def __init__(self, root: Path | None = None, mode: str = "full", remote: Any = "env"):
         self.root = root or resolve_root().path
         self.mode = mode
         self.kind_dir = self.root / "compile" / "jax"
+        # Shared store for a fleet (issue 8): a RemoteStore, None, or "env" = $PREHEAT_CACHE_URL.
+        if isinstance(remote, str) and remote == "env":
+            from preheat.cache.remote import remote_from_env
+
+            remote = remote_from_env() if mode == "full" else None  # only the aot layer is shared
+        self.remote = remote
         self.events: list[dict[str, Any]] = []  # one record per program: layer, timings, miss reason
         if mode in ("full", "xla"):
             configure_persistent_cache(self.root)
@@ -250,7 +256,15 @@ class JaxCompiler:
 
         path = self.kind_dir / key
         if not path.is_dir():
-            return None
+            # Local miss: pull the entry from the shared store (issue 8). fetch() verifies it and
+            # publishes it locally with the same atomic rename; it never raises for store trouble.
+            if self.remote is None:
+                return None
+            pull_start = time.perf_counter()
+            hit = self.remote.fetch("jax", key, self.kind_dir)
+            record.update(remote=self.remote.last, remote_s=time.perf_counter() - pull_start)
+            if not hit:
+                return None
         crashed = LoadingMarker.crashed_loads(path)
         if crashed:
             self._quarantine(path, f"a previous load crashed the process ({crashed[0]})", record)
@@ -287,6 +301,10 @@ class JaxCompiler:
             _, won = publish_entry(self.kind_dir, key, {EXECUTABLE: payload}, fields,
                                    extra={"preheat": __version__})
             record["store"] = "written" if won else "another process wrote it first"
+            if won and self.remote is not None:  # share with the fleet (issue 8); never raises
+                push_start = time.perf_counter()
+                self.remote.push("jax", self.kind_dir / key)
+                record.update(remote_push=self.remote.last, remote_push_s=time.perf_counter() - push_start)
             from preheat.cache.manage import enforce_size_cap
 
             enforce_size_cap(self.root, keep={key})
@@ -297,4 +315,6 @@ class JaxCompiler:
     def _quarantine(self, path: Path, reason: str, record: dict[str, Any]) -> None:
         quarantine(self.root, path, reason)
         record["quarantined"] = reason
+        if self.remote is not None and record.get("remote") == "hit":
+            self.remote.distrust("jax", path.name)  # pulled entry failed here: our push replaces it (issue 8)
         log.warning("preheat cache: entry %s quarantined (%s); recompiling", path.name[:12], reason)

@@ -24,7 +24,7 @@ def _one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from preheat.cli import one_line_errors
+        from preheat._cli_support import one_line_errors
 
         return one_line_errors(fn)(*args, **kwargs)
 
