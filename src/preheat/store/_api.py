@@ -106,8 +106,9 @@ def _pull_url(store: Store, src: Source, *, progress: bool, force: bool) -> Path
     assert url is not None
     tar = is_tar_name(url.split("?", 1)[0])
     name = None if tar else url_filename(url)
-    part = _http.download(store, url, progress=progress)
+    part = _from_fleet_mirror(store, src) or _http.download(store, url, progress=progress)
     sha, size = file_sha256(part)  # verify what is on disk, not what we think we wrote
+    _share_with_fleet(sha, part)
     if src.sha256 and sha != src.sha256:
         _http.discard_partial(store, url)
         raise FetchError(f"sha256 mismatch for {url}: expected {src.sha256}, got {sha} (download discarded)")
@@ -121,6 +122,24 @@ def _pull_url(store: Store, src: Source, *, progress: bool, force: bool) -> Path
     _http.discard_partial(store, url)
     return _publish(store, src, "file", [FileEntry(name, sha, size)], force=force,
                     download_sha256=sha, download_size=size)
+
+
+def _from_fleet_mirror(store: Store, src: Source) -> Path | None:
+    """The download from the fleet's shared store (``PREHEAT_CACHE_URL``), when the source pins its
+    sha256 (``#sha256=``): a fleet then downloads a checkpoint from the internet once. Without a
+    pinned hash there is nothing trustworthy to look the blob up by, so the origin is used."""
+    if not src.sha256 or src.url is None:
+        return None
+    from preheat.cache.remote import mirror_get
+
+    part, _ = _http.partial_paths(store, src.url)
+    return part if mirror_get(src.sha256, part) else None
+
+
+def _share_with_fleet(sha: str, path: Path) -> None:
+    from preheat.cache.remote import mirror_put
+
+    mirror_put(sha, path)  # no-op without a shared store; never raises for store problems
 
 
 def _pull_hf(store: Store, src: Source, *, progress: bool, force: bool) -> Path:
