@@ -192,7 +192,18 @@ class Pipeline:
                                  guidance=guidance, seed=seed, noise=noise, eta=eta)
         executable = self.executable(sig, args)
         start = time.perf_counter()
-        out = np.asarray(executable(*args))
+        try:
+            out = np.asarray(executable(*args))
+        except jax.errors.JaxRuntimeError as exc:
+            if self.last.cache_layer != "aot" or self.compiler is None:
+                raise
+            # A cached executable that loads but fails to run (seen on XLA:CPU: "Function ... not
+            # found") is a bad entry like any other: quarantine it, compile, run again.
+            self.compiler.reject(self, sig, args, f"failed on its first run: {str(exc)[:200]}")
+            self._executables.pop(sig, None)
+            executable = self.executable(sig, args)
+            start = time.perf_counter()
+            out = np.asarray(executable(*args))
         self.last.run_s = time.perf_counter() - start
         return out
 

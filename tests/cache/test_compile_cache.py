@@ -198,3 +198,54 @@ def test_size_cap_evicts_least_recently_used(model_dir, tmp_path, monkeypatch):
     pipe.generate(**{**CALL, "sampler": "ddim"})
     names = [p.name for p in (tmp_path / "compile" / "jax").iterdir()]
     assert first not in names and len(names) == 1
+
+
+def test_an_xla_warm_root_upgraded_to_full_mode_writes_a_working_entry(model_dir, reference_pixels, tmp_path):
+    """JAX's persistent cache holds the program, the executable layer does not (an "xla"-mode root,
+    or a quarantined entry): the full-mode start must compile a program that survives
+    serialisation. (On XLA:CPU an executable loaded from JAX's cache does not.)"""
+    script = textwrap.dedent(f"""
+        import json, sys, numpy as np, preheat
+        p = preheat.load({str(model_dir)!r}, cache=sys.argv[1])
+        out = p.generate(**{CALL!r})
+        np.save(sys.argv[2], out)
+        print(json.dumps(p.compiler.events[-1], default=str))
+    """)
+    env = {**os.environ, "PREHEAT_HOME": str(tmp_path / "root")}
+
+    def start(mode: str, name: str) -> dict:
+        r = subprocess.run([sys.executable, "-c", script, mode, str(tmp_path / name)], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert np.array_equal(np.load(tmp_path / name), reference_pixels)
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    assert start("xla", "a.npy")["layer"] == "none"  # fills JAX's persistent cache only
+    assert start("full", "b.npy")["store"] == "written"  # xla warm, aot empty
+    assert start("full", "c.npy")["layer"] == "aot"  # and the entry it wrote runs
+
+
+def test_an_entry_that_loads_but_fails_to_run_is_quarantined(model_dir, reference_pixels, tmp_path, monkeypatch):
+    """The last line of defence: an executable that deserialises but raises on its first run."""
+    import jax
+
+    from preheat.cache import compile as compile_mod
+
+    _pipe(model_dir, tmp_path).generate(**CALL)
+    real_load = compile_mod.JaxCompiler._load
+
+    def load_a_broken_program(self, *a, **k):
+        compiled = real_load(self, *a, **k)
+        if compiled is None:
+            return None
+
+        def broken(*args):
+            raise jax.errors.JaxRuntimeError("NOT_FOUND: Function fusion not found (type id: 1)")
+
+        return broken
+
+    monkeypatch.setattr(compile_mod.JaxCompiler, "_load", load_a_broken_program)
+    pipe = _pipe(model_dir, tmp_path)
+    assert np.array_equal(pipe.generate(**CALL), reference_pixels)
+    assert any("failed on its first run" in e.get("quarantined", "") for e in pipe.compiler.events)
+    assert len(list((tmp_path / "quarantine").iterdir())) == 1

@@ -149,12 +149,22 @@ def configure_persistent_cache(root: Path) -> None:
 
 @contextlib.contextmanager
 def _persistent_cache_disabled() -> Iterator[None]:
+    """Compile without JAX's persistent cache (no read, no write) for the duration.
+
+    JAX decides once per process whether the cache is used (``is_cache_used`` latches), so the
+    config flag alone does nothing after the first compile: ``reset_cache`` (the public
+    ``jax.experimental.compilation_cache`` API) makes it look again, before and after.
+    """
+    from jax.experimental.compilation_cache.compilation_cache import reset_cache
+
     previous = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", previous)
+        reset_cache()
 
 
 def nearest_entry(kind_dir: Path, fields: dict[str, Any]) -> tuple[str | None, list[str]]:
@@ -234,10 +244,19 @@ class JaxCompiler:
         done = time.perf_counter()
         layer = "xla" if getattr(_xla_hits, "count", 0) > hits_before else "none"
         timings = Timings(trace_lower_s=traced - start, compile_s=done - traced, cache_layer=layer)
-        if self.mode == "full":
+        if self.mode == "full" and layer == "xla":  # must not happen (see above); never store such a program
+            record["store"] = "skipped: the executable came from JAX's persistent cache"
+        elif self.mode == "full":
             self._store(key, fields, compiled, record)
         self._note(record, timings)
         return compiled, timings
+
+    def reject(self, pipeline: Any, sig: Any, args: tuple, reason: str) -> None:
+        """Quarantine the entry that served ``sig`` (it loaded but failed to run)."""
+        key = key_of(key_fields(pipeline.fingerprint, sig, args))
+        record: dict[str, Any] = {"key": key}
+        self._quarantine(self.kind_dir / key, reason, record)
+        self.events.append(record)
 
     # ------------------------------------------------------------------ internals
 
