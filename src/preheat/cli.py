@@ -84,11 +84,15 @@ def save_png(image: Any, path: Path) -> None:
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the phase timings as JSON.")
 @click.option("--dtype", default="float32", show_default=True, help="float32 or bfloat16.")
 @click.option("--cache", type=click.Choice(["full", "xla", "off"]), help="Compile cache layers (default: full).")
+@click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True)
+@click.option("--compile", "compile_mode", type=click.Choice(["none", "inductor", "aot"]), default="none",
+              show_default=True, help="torch backend: eager, torch.compile, or AOTInductor.")
 @click.option("--quiet", is_flag=True, help="No progress or summary.")
 @one_line_errors
 def sample(model: str | None, n: int, classes: tuple[str, ...], steps: int | None, sampler: str | None,
            seed: int, guidance: float | None, eta: float, out: Path, save_images: Path | None,
-           report: Path | None, dtype: str, cache: str | None, quiet: bool) -> None:
+           report: Path | None, dtype: str, cache: str | None, backend: str, compile_mode: str,
+           quiet: bool) -> None:
     """Sample images from MODEL (a diffusers folder; default: the built-in digits model)."""
     from rich.console import Console
 
@@ -107,7 +111,7 @@ def sample(model: str | None, n: int, classes: tuple[str, ...], steps: int | Non
         t0 = time.perf_counter()
         import preheat
 
-        pipe = preheat.load(model, dtype=dtype, cache=cache)
+        pipe = preheat.load(model, dtype=dtype, cache=cache, backend=backend, compile=compile_mode)
         load_s = time.perf_counter() - t0
     labels: Any = None
     if classes:
@@ -130,11 +134,11 @@ def sample(model: str | None, n: int, classes: tuple[str, ...], steps: int | Non
         save_images.mkdir(parents=True, exist_ok=True)
         for i, im in enumerate(images):
             save_png(im, save_images / f"{i:04d}.png")
-    sig, _ = pipe.prepare(n, **kwargs)
     resolved = {"sampler": sampler or pipe.defaults.get("sampler", "ddpm"),
                 "steps": steps or pipe.defaults.get("steps", 50)}
     record = {
         "model": model or "built-in:digits",
+        "backend": backend if backend == "jax" else f"torch/{compile_mode}",
         "batch": n,
         "steps": resolved["steps"],
         "sampler": resolved["sampler"],
@@ -153,7 +157,7 @@ def sample(model: str | None, n: int, classes: tuple[str, ...], steps: int | Non
         "remote": next((e.get("remote") for e in (pipe.compiler.events if pipe.compiler else []) if "remote" in e), None),
         "cache_events": pipe.compiler.events if pipe.compiler is not None else [],
         "process_start_to_first_image_s": to_first_image,
-        "guided": sig.guided,
+        "guided": pipe.is_guided(guidance),
     }
     if report:
         from preheat.cache.atomic import atomic_write_bytes
@@ -192,6 +196,7 @@ def bench_group() -> None:
 
 def _register() -> None:
     from preheat.bench.coldstart import coldstart_command
+    from preheat.bench.compare import compare_command
     from preheat.bench.sampler import sampler_command
     from preheat.cache.cli import cache_group
     from preheat.doctor import doctor_command
@@ -205,6 +210,7 @@ def _register() -> None:
     bench_group.add_command(bench_serve_command, "serve")
     bench_group.add_command(sampler_command, "sampler")
     bench_group.add_command(coldstart_command, "coldstart")
+    bench_group.add_command(compare_command, "compare")
 
 
 _register()

@@ -282,6 +282,10 @@ class Pipeline:
             raise InvalidArgumentError(f"unknown class {c!r}; classes are 0..{self.num_classes - 1}")
         return int(c)
 
+    def is_guided(self, guidance: float | None = None) -> bool:
+        """Whether a call with this ``guidance`` (None = the model's default) runs guided."""
+        return self._guidance(guidance)[0]
+
     def _guidance(self, guidance: float | None) -> tuple[bool, float]:
         g = self.defaults.get("guidance") if guidance is None else guidance
         if g is None:
@@ -360,7 +364,7 @@ def make_compiler(cache: str | None = None) -> Any:
 
 
 def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
-         cache: str | None = None) -> Pipeline:
+         cache: str | None = None, backend: str = "jax", compile: str = "none") -> Pipeline:
     """A sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
 
     ``model``: a diffusers-format folder, or a source for the weights store (``hf://org/repo[@rev]``,
@@ -368,7 +372,17 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
 
     ``scheduler``: a scheduler_config.json path or dict, for a bare UNet folder without one.
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
+    ``backend="torch"`` returns a ``TorchPipeline`` (same call API) running diffusers' own UNet and
+    schedulers, with ``compile`` = "none" (eager), "inductor" (torch.compile) or "aot" (AOTInductor).
     """
+    if backend == "torch":
+        from preheat.backends.torch import load as load_torch
+
+        return load_torch(model, compile=compile, dtype=dtype, scheduler=scheduler, cache=cache)
+    if backend != "jax":
+        raise InvalidArgumentError(f"backend={backend!r} is not supported; use 'jax' or 'torch'")
+    if compile != "none":
+        raise InvalidArgumentError(f"compile={compile!r} applies to backend='torch'; the JAX loop is always compiled")
     from preheat.models.loading import load_unet, resolve_unet_dir
 
     compiler = make_compiler(cache)  # first: JAX's cache must be configured before anything compiles

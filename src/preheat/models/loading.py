@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from preheat.errors import ModelNotFoundError, UnsupportedConfigError, WeightsError
+from preheat.models.folders import resolve_unet_dir
 from preheat.models.unet2d import UNet2DConfig, UNet2DModel
 
 __all__ = ["UNet2D", "load_unet", "resolve_unet_dir", "read_unet_config", "build_abstract", "torch_key"]
@@ -34,22 +35,6 @@ INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 # Old diffusers attention names, still found in published checkpoints (e.g. google/ddpm-*).
 _DEPRECATED_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
 _LEAF_TO_TORCH = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias", "weight": "weight"}
-
-
-def resolve_unet_dir(path: str | Path) -> Path:
-    """The folder holding the UNet's config.json, from a UNet folder or a pipeline folder."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ModelNotFoundError(f"model path {p} does not exist")
-    if not p.is_dir():
-        raise ModelNotFoundError(f"model path {p} is not a folder (expected a diffusers-format folder)")
-    if (p / "model_index.json").is_file() or (p / "unet").is_dir():
-        p = p / "unet"
-        if not p.is_dir():
-            raise ModelNotFoundError(f"pipeline folder {p.parent} has model_index.json but no unet/ folder")
-    if not (p / "config.json").is_file():
-        raise ModelNotFoundError(f"{p} has no config.json (expected a diffusers UNet2DModel folder)")
-    return p
 
 
 def read_unet_config(unet_dir: Path) -> UNet2DConfig:

@@ -1,0 +1,475 @@
+"""The torch compile cache: torch.compile (Inductor) artifacts and AOTInductor packages as
+preheat cache entries, under ``<root>/compile/torch/<key>/``.
+
+Same rules as the JAX cache (``preheat.cache.compile``), by calling the same functions:
+an entry is published atomically with a sha256 manifest (``publish_entry``), verified on every
+read (``open_entry``), moved to ``<root>/quarantine/`` when bad (``quarantine``), and guarded by
+a ``LoadingMarker`` while it is loaded, so a load that kills the process quarantines the entry
+on the next start. A bad entry means a recompile, never an error to the user.
+
+Two kinds of entry (``fields["mode"]``):
+
+``inductor``  ``mega.bin``: ``torch.compiler.save_cache_artifacts()`` after the first (warm-up)
+              call, loaded with ``torch.compiler.load_cache_artifacts`` before it; plus
+              ``kernels.tar``: the C++ kernel libraries Inductor built for CPU. Mega-Cache
+              bundles Triton kernels (GPU) but not CPU C++ kernels, which would otherwise be
+              recompiled in every fresh process (most of the compile time on CPU). Dynamo
+              still traces on a hit (``trace_lower_s`` stays); cache_layer ``"mega"``.
+``aot``       ``model.pt2``: the UNet forward exported with ``torch.export`` (static shapes) and
+              packaged by AOTInductor **without its weights**
+              (``aot_inductor.package_constants_in_so=False``); loaded with
+              ``aoti_load_package`` and bound to the pipeline's own parameters with
+              ``load_constants(..., user_managed=True)``. No Dynamo, no Inductor on a hit, and
+              every fine-tune of one architecture shares one package; cache_layer ``"aot"``.
+              Plus ``kernels.tar`` on CPU: loading a package checks the CPU's instruction sets
+              by building small probe libraries in Inductor's cache folder (seconds of g++ in
+              a fresh process); they are bundled and restored like the Inductor kernels.
+
+Bundled kernels are the ``.so`` files that appear in ``<TORCHINDUCTOR_CACHE_DIR>/<2 chars>/``
+during the compile (plus the ones Inductor loads). Where that folder already held them (a
+machine that compiled before), they are not new and not bundled; a fresh machine then builds
+them once at load.
+
+Key: torch / CUDA / HIP / triton / diffusers versions, device and its name (host CPU model,
+instruction-set flags and torch's thread count on CPU), the UNet architecture (config.json minus bookkeeping), the
+shapes the UNet sees (the model batch: doubled under classifier-free guidance; image size),
+dtype, compile options, ``TORCHINDUCTOR_*`` settings, preheat's version and the source of the
+code traced here. Never the weights. Every model batch and image size is its own entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from preheat._version import __version__
+from preheat.cache.entries import SCHEMA, Entry, LoadingMarker, open_entry, publish_entry, quarantine
+from preheat.cache.root import resolve_root
+from preheat.errors import CacheEntryError
+
+__all__ = ["TorchCompiler", "torch_key_fields", "INDUCTOR_OPTIONS", "AOT_INDUCTOR_CONFIGS", "CACHE_MODES"]
+
+log = logging.getLogger("preheat.cache")
+
+MEGA = "mega.bin"
+KERNELS = "kernels.tar"
+PACKAGE = "model.pt2"
+
+# torch.compile options (also part of the key)
+INDUCTOR_OPTIONS: dict[str, Any] = {"backend": "inductor", "dynamic": False, "fullgraph": False, "mode": None}
+# AOTInductor options: weights stay out of the package and are bound at load time. Without
+# always_keep_tensor_constants, Inductor inlines every 1-D parameter of <= 8 elements into the
+# kernel code as literals (GraphLowering.can_inline_constant: e.g. the conv_out bias of an RGB
+# model); a package built so would silently keep those values for every other checkpoint.
+AOT_INDUCTOR_CONFIGS: dict[str, Any] = {"aot_inductor.package_constants_in_so": False,
+                                        "always_keep_tensor_constants": True}
+AOT_EXPORT_OPTIONS: dict[str, Any] = {"strict": False}
+
+# "full": preheat entries (+ torch's own local caches); "local": torch's own caches only; "off"
+CACHE_MODES = ("full", "local", "off")
+
+
+def _source_hash() -> str:
+    """The code traced into compiled graphs besides diffusers': this package's modules."""
+    h = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    for name in ("pipeline.py", "compile_cache.py"):
+        h.update(name.encode())
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def device_description(device: Any) -> dict[str, Any]:
+    """What the compiled code depends on about the device it runs on."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return {"device": "cuda", "device_name": props.name, "capability": f"{props.major}.{props.minor}"}
+    if dev.type == "cpu":
+        from preheat.cache.compile import _cpu_features
+
+        # Inductor's C++ codegen depends on the thread count (serial kernels at 1, OpenMP otherwise;
+        # its parallel split heuristics use it), so a different count is a different program
+        return {"device": "cpu", "device_name": _cpu_features(), "threads": torch.get_num_threads()}
+    return {"device": dev.type, "device_name": str(dev)}
+
+
+def torch_key_fields(fingerprint: dict[str, Any], *, mode: str, model_batch: int, sample_chw: tuple[int, int, int],
+                     class_conditional: bool, dtype: str, device: Any) -> dict[str, Any]:
+    """Every input that changes the compiled UNet, as JSON-able fields (the key's content)."""
+    import diffusers
+    import torch
+
+    options = dict(INDUCTOR_OPTIONS) if mode == "inductor" else {**AOT_INDUCTOR_CONFIGS, **AOT_EXPORT_OPTIONS}
+    fields = {
+        "schema": SCHEMA,
+        "backend": "torch",
+        "mode": mode,
+        "model": fingerprint,
+        "shapes": {"model_batch": int(model_batch), "sample": [int(s) for s in sample_chw],
+                   "class_labels": bool(class_conditional)},
+        "dtype": dtype,
+        **device_description(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "triton": _dist_version("triton") or _dist_version("pytorch-triton-rocm"),
+        "diffusers": diffusers.__version__,
+        "compile_options": options,
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR"},
+        "preheat": __version__,
+        "source": _source_hash(),
+    }
+    return json.loads(json.dumps(fields, default=str))  # exactly what a manifest reads back
+
+
+def _inductor_cache_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+def _compile_metrics() -> dict[str, float]:
+    """Cumulative Dynamo / backend compile seconds of this process (0 when unavailable)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # pragma: no cover - other torch versions
+        return {}
+    return {k: float(sum(v)) for k, v in compilation_time_metrics.items()
+            if k in ("_compile.compile_inner", "OutputGraph.call_user_compiler")}
+
+
+def _kernel_files() -> set[str]:
+    """C++ libraries in Inductor's code cache: ``<cache dir>/<2 characters>/<hash>.so``."""
+    base = _inductor_cache_dir()
+    return {os.fspath(p) for p in base.glob("??/*.so")} if base.is_dir() else set()
+
+
+class _KernelRecorder:
+    """The C++ kernel libraries (CPU) a compile used: those Inductor loads, plus every library
+    created meanwhile (Inductor's instruction-set probes are built and loaded in subprocesses)."""
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+        self._before: set[str] = set()
+        self._saved: Any = None
+
+    @property
+    def paths(self) -> list[str]:
+        loaded = {p for p in self.loaded if len(Path(p).parent.name) == 2}
+        return sorted(loaded | (_kernel_files() - self._before))
+
+    def __enter__(self) -> "_KernelRecorder":
+        self._before = _kernel_files()
+        try:
+            from torch._inductor.codecache import CppCodeCache
+        except ImportError:  # pragma: no cover
+            return self
+        original = CppCodeCache.__dict__.get("_load_library")
+        if not isinstance(original, classmethod):  # pragma: no cover - another torch layout
+            return self
+        recorder, inner = self, original.__func__
+
+        def _load_library(cls: Any, path: str, key: str) -> Any:
+            recorder.loaded.append(os.fspath(path))
+            return inner(cls, path, key)
+
+        CppCodeCache._load_library = classmethod(_load_library)
+        self._saved = (CppCodeCache, original)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._saved is not None:
+            cls, original = self._saved
+            cls._load_library = original
+            self._saved = None
+
+
+def _pack_kernels(paths: list[str]) -> bytes:
+    """A tar of the given kernel libraries, named relative to Inductor's cache folder."""
+    base = _inductor_cache_dir().resolve()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        seen = set()
+        for p in paths:
+            path = Path(p).resolve()
+            try:
+                rel = path.relative_to(base)
+            except ValueError:
+                continue
+            if rel.as_posix() in seen or not path.is_file():
+                continue
+            seen.add(rel.as_posix())
+            tar.add(path, arcname=rel.as_posix(), recursive=False)
+    return buf.getvalue()
+
+
+def _restore_kernels(data: bytes) -> int:
+    """Write the bundled kernel libraries into Inductor's cache folder (atomically, never over
+    an existing file). Returns how many were written. Raises CacheEntryError on an unsafe tar."""
+    base = _inductor_cache_dir()
+    written = 0
+    try:
+        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r")
+    except tarfile.TarError as exc:
+        raise CacheEntryError(f"kernel bundle is not a tar ({exc})") from None
+    with tar:
+        for member in tar.getmembers():
+            name = member.name
+            parts = Path(name).parts
+            if not member.isfile() or name.startswith("/") or ".." in parts or not name.endswith(".so"):
+                raise CacheEntryError(f"kernel bundle holds an unsafe member {name!r}")
+            dest = base / name
+            if dest.exists():
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            src = tar.extractfile(member)
+            if src is None:
+                raise CacheEntryError(f"kernel bundle member {name!r} is unreadable")
+            fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(src.read())
+                os.chmod(tmp, 0o755)
+                os.replace(tmp, dest)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+                raise
+            written += 1
+    return written
+
+
+class TorchCompiler:
+    """Loads and stores compiled UNets for a ``TorchPipeline``; ``events`` records one dict per
+    compile or load (key, mode, layer, timings, miss reason, quarantine reason, store result).
+
+    ``mode``: "full" (preheat entries on top of torch's own caches), "local" (torch's own local
+    caches only: no entries are read or written), "off" (torch's caches disabled too)."""
+
+    def __init__(self, root: Path | None = None, mode: str = "full"):
+        self.mode = mode
+        self.root = root or resolve_root().path
+        self.kind_dir = self.root / "compile" / "torch"
+        self.events: list[dict[str, Any]] = []
+
+    @property
+    def uses_entries(self) -> bool:
+        return self.mode == "full"
+
+    @staticmethod
+    def device_type(fields: dict[str, Any]) -> str:
+        return str(fields.get("device", "cpu"))
+
+    # ------------------------------------------------------------------ torch.compile (Inductor)
+
+    def warm_inductor(self, fields: dict[str, Any], warm_up: Callable[[], Any]) -> Any:
+        """Run ``warm_up`` (the first call of the torch.compile'd UNet at these shapes) with the
+        cache entry loaded first; store the artifacts after a fresh compile. Returns Timings."""
+        import torch
+        import torch._dynamo  # noqa: F401  (torch #154463: without it save_cache_artifacts returns None)
+
+        from preheat.cache.compile import key_of
+
+        key = key_of(fields)
+        record: dict[str, Any] = {"key": key, "mode": "inductor"}
+        load_failed = False
+        if self.uses_entries:
+            entry = self._open(key, fields, record)
+            if entry is not None:
+                start = time.perf_counter()
+                before = _compile_metrics()
+                try:
+                    with LoadingMarker(entry.path):
+                        _restore_kernels(entry.file(KERNELS).read_bytes())
+                        torch.compiler.load_cache_artifacts(entry.file(MEGA).read_bytes())
+                        loaded = time.perf_counter()
+                        warm_up()
+                except Exception as exc:  # a bad entry is a recompile, never an error
+                    self._quarantine(entry.path, f"load failed: {type(exc).__name__}: {str(exc)[:200]}", record)
+                    torch._dynamo.reset()
+                    load_failed = True  # what it put in torch's local caches must not be reused
+                else:
+                    entry.record_hit()
+                    timings = self._inductor_timings(before, start, loaded, time.perf_counter(), "mega")
+                    self._note(record, timings)
+                    return timings
+        start = time.perf_counter()
+        before = _compile_metrics()
+        no_caches = self.mode == "off" or load_failed
+        ctx = torch._inductor.config.patch(force_disable_caches=True) if no_caches else contextlib.nullcontext()
+        with ctx, _KernelRecorder() as recorder:
+            warm_up()
+        timings = self._inductor_timings(before, start, start, time.perf_counter(), "none")
+        if self.uses_entries:
+            self._store_inductor(key, fields, recorder.paths if self.device_type(fields) == "cpu" else [], record)
+        self._note(record, timings)
+        return timings
+
+    @staticmethod
+    def _inductor_timings(before: dict[str, float], start: float, loaded: float, end: float, layer: str) -> Any:
+        from preheat.engine import Timings
+
+        after = _compile_metrics()
+        dynamo = after.get("_compile.compile_inner", 0.0) - before.get("_compile.compile_inner", 0.0)
+        backend = after.get("OutputGraph.call_user_compiler", 0.0) - before.get("OutputGraph.call_user_compiler", 0.0)
+        load_s = loaded - start
+        if dynamo <= 0.0:  # no metrics: the whole warm-up counts as compile
+            return Timings(trace_lower_s=0.0, compile_s=end - start, cache_layer=layer)
+        return Timings(trace_lower_s=max(dynamo - backend, 0.0), compile_s=backend + load_s, cache_layer=layer)
+
+    def _store_inductor(self, key: str, fields: dict[str, Any], kernel_paths: list[str],
+                        record: dict[str, Any]) -> None:
+        import torch
+
+        try:
+            saved = torch.compiler.save_cache_artifacts()
+        except Exception as exc:  # pragma: no cover - torch internals
+            saved = None
+            record["store"] = f"save_cache_artifacts failed: {exc}"
+        if saved is None:
+            record.setdefault("store", "torch returned no cache artifacts (torch #154463)")
+            log.warning("preheat cache: %s", record["store"])
+            return
+        payload, _info = saved
+        try:
+            kernels = _pack_kernels(kernel_paths)
+        except OSError as exc:
+            record["store"] = f"could not bundle kernels: {exc}"
+            return
+        record["kernels"] = len(set(kernel_paths))
+        self._publish(key, {MEGA: bytes(payload), KERNELS: kernels}, fields, record)
+
+    # ------------------------------------------------------------------ AOTInductor
+
+    def load_or_build_aot(self, fields: dict[str, Any], module: Any, example: tuple, constants: dict[str, Any]
+                          ) -> tuple[Any, Any]:
+        """(runner, Timings): the AOTInductor package for ``fields`` from its entry, or exported,
+        compiled, stored and loaded. ``constants``: fqn -> tensor, bound as user-managed weights."""
+        import torch
+
+        from preheat.cache.compile import key_of
+        from preheat.engine import Timings
+
+        key = key_of(fields)
+        record: dict[str, Any] = {"key": key, "mode": "aot"}
+        if self.uses_entries:
+            entry = self._open(key, fields, record)
+            if entry is not None:
+                start = time.perf_counter()
+                try:
+                    with LoadingMarker(entry.path):
+                        if KERNELS in entry.manifest["files"]:
+                            _restore_kernels(entry.file(KERNELS).read_bytes())
+                        runner = torch._inductor.aoti_load_package(str(entry.file(PACKAGE)))
+                        bind_constants(runner, constants)
+                except Exception as exc:
+                    self._quarantine(entry.path, f"load failed: {type(exc).__name__}: {str(exc)[:200]}", record)
+                else:
+                    entry.record_hit()
+                    timings = Timings(trace_lower_s=0.0, compile_s=time.perf_counter() - start, cache_layer="aot")
+                    self._note(record, timings)
+                    return runner, timings
+
+        start = time.perf_counter()
+        with torch.no_grad():
+            exported = torch.export.export(module, example, **AOT_EXPORT_OPTIONS)
+        traced = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="preheat-aoti-") as tmp, _KernelRecorder() as recorder:
+            path = Path(tmp) / PACKAGE
+            configs = dict(AOT_INDUCTOR_CONFIGS)
+            if self.mode == "off":
+                configs["force_disable_caches"] = True
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
+            payload = path.read_bytes()
+            runner = torch._inductor.aoti_load_package(str(path))
+            bind_constants(runner, constants)
+        timings = Timings(trace_lower_s=traced - start, compile_s=time.perf_counter() - traced, cache_layer="none")
+        if self.uses_entries:
+            files = {PACKAGE: payload}
+            if self.device_type(fields) == "cpu":
+                files[KERNELS] = _pack_kernels(recorder.paths)
+                record["kernels"] = len(recorder.paths)
+            self._publish(key, files, fields, record)
+        self._note(record, timings)
+        return runner, timings
+
+    # ------------------------------------------------------------------ entries
+
+    def _open(self, key: str, fields: dict[str, Any], record: dict[str, Any]) -> Entry | None:
+        path = self.kind_dir / key
+        if not path.is_dir():
+            record["miss"] = self._explain_miss(fields)
+            return None
+        crashed = LoadingMarker.crashed_loads(path)
+        if crashed:
+            self._quarantine(path, f"a previous load crashed the process ({crashed[0]})", record)
+            return None
+        try:
+            return open_entry(self.kind_dir, key, fields)
+        except CacheEntryError as err:
+            self._quarantine(path, str(err), record)
+            return None
+
+    def _publish(self, key: str, files: dict[str, bytes], fields: dict[str, Any], record: dict[str, Any]) -> None:
+        try:
+            _, won = publish_entry(self.kind_dir, key, files, fields, extra={"preheat": __version__})
+            record["store"] = "written" if won else "another process wrote it first"
+            from preheat.cache.manage import enforce_size_cap
+
+            enforce_size_cap(self.root, keep={key})
+        except OSError as exc:
+            log.warning("preheat cache: could not write entry %s: %s", key[:12], exc)
+            record["store"] = f"write failed: {exc}"
+
+    def _explain_miss(self, fields: dict[str, Any]) -> str:
+        from preheat.cache.compile import nearest_entry
+
+        name, diff = nearest_entry(self.kind_dir, fields)
+        if name is None:
+            return "no entries yet"
+        return f"nearest entry {name[:12]} differs in {', '.join(diff[:6])}"
+
+    def _quarantine(self, path: Path, reason: str, record: dict[str, Any]) -> None:
+        quarantine(self.root, path, reason)
+        record["quarantined"] = reason
+        log.warning("preheat cache: entry %s quarantined (%s); recompiling", path.name[:12], reason)
+
+    def _note(self, record: dict[str, Any], timings: Any) -> None:
+        record.update(layer=timings.cache_layer, trace_lower_s=timings.trace_lower_s,
+                      compile_or_load_s=timings.compile_s)
+        self.events.append(record)
+
+
+def bind_constants(runner: Any, constants: dict[str, Any]) -> None:
+    """Give a weight-free AOTInductor package the pipeline's own tensors (no copy)."""
+    wanted = runner.get_constant_fqns()
+    missing = [name for name in wanted if name not in constants]
+    if missing:
+        raise CacheEntryError(f"package needs constants the model does not have: {', '.join(missing[:3])}")
+    runner.load_constants({name: constants[name] for name in wanted}, check_full_update=True, user_managed=True)
+

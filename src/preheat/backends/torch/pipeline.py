@@ -1,0 +1,376 @@
+"""``TorchPipeline``: the JAX ``Pipeline``'s call API on diffusers' own UNet2DModel and schedulers.
+
+    pipe = preheat.backends.torch.load(model, compile="none" | "inductor" | "aot")
+    pixels = pipe.generate(8, sampler="ddim", steps=20, seed=0)      # uint8 (n, H, W, C)
+    images = pipe(8)                                                 # list[PIL.Image]
+    pipe.last                                                        # Timings of the last call
+
+Arguments are validated by the JAX ``Pipeline``'s own code (``prepare`` and its helpers are
+borrowed, not copied), so both backends take the same arguments and raise the same one-line
+errors; defaults (sampler, steps, guidance, null class, labels) come from the same
+``model_index.json``.
+
+Same seeds, same noise: seeds are per image, and unless ``noise`` is given the initial noise
+is drawn with the JAX engine's own per-image scheme (:func:`initial_noise`), so both backends
+start from identical noise and deterministic samplers (ddim with eta=0, euler, heun, dpmpp_2m,
+dpmpp_2m_karras) agree across backends to float32 rounding. Stochastic samplers (ddpm,
+euler_a, ddim with eta > 0) draw their per-step noise from one ``torch.Generator`` per image
+(seeded with that image's seed), not from JAX's keys, so their images differ between backends
+(each is still reproducible on its own backend, whatever else shares the batch).
+
+The UNet is called with the timestep as a float32 tensor of shape (batch,) (diffusers'
+embedding casts it to float32 anyway), so one compiled graph serves every sampler.
+Compile modes, and where the compiled UNet comes from (``last.cache_layer``):
+
+    none      eager PyTorch                         none (first call at a shape), then memory
+    inductor  torch.compile(dynamic=False)          mega (preheat's entry) | none, then memory
+    aot       torch.export + AOTInductor package    aot (preheat's entry)  | none, then memory
+
+See ``preheat.backends.torch.compile_cache`` for the cache entries and their key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from preheat.backends.torch.compile_cache import CACHE_MODES, TorchCompiler, torch_key_fields
+from preheat.backends.torch.sampling import make_scheduler, sample_loop
+from preheat.engine import BUILTIN_MODEL, Pipeline, Timings, _find_scheduler, _scheduler_config
+from preheat.errors import InvalidArgumentError, UnsupportedConfigError
+from preheat.models.folders import resolve_unet_dir
+from preheat.samplers import SchedulerConfig
+
+__all__ = ["TorchPipeline", "load", "initial_noise", "COMPILE_MODES", "DETERMINISTIC_SAMPLERS"]
+
+COMPILE_MODES = ("none", "inductor", "aot")
+# Samplers whose images agree across backends (given eta=0 for ddim): no per-step noise.
+DETERMINISTIC_SAMPLERS = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------
+# The JAX engine's initial noise
+
+
+@functools.lru_cache(maxsize=None)
+def _noise_program(sample_shape: tuple[int, ...]) -> Callable[[np.ndarray], Any]:
+    """One image's initial noise from its seed; compiled once per image shape (not per batch)."""
+    import jax
+    import jax.numpy as jnp
+
+    from preheat import engine
+
+    def draw(seed: Any) -> Any:  # exactly what engine.build_program draws without user noise, for one image
+        return engine._normal_per_image(engine._image_keys(seed[None]), engine._INIT_STREAM, jnp.int32(0),
+                                        sample_shape)[0]
+
+    return jax.jit(draw)
+
+
+def initial_noise(seeds: Sequence[int] | np.ndarray, sample_shape: Sequence[int]) -> np.ndarray:
+    """The initial noise the JAX engine draws for ``seeds`` (one per image), as float32 NCHW.
+
+    ``sample_shape`` is one image in the engine's NHWC order, (H, W, C) (``Pipeline.sample_shape``).
+    Seeds are per image, so drawing image by image gives the engine's batch draw exactly.
+    """
+    seeds = np.asarray(seeds, np.uint32).reshape(-1)
+    program = _noise_program(tuple(int(s) for s in sample_shape))
+    nhwc = np.stack([np.asarray(program(np.uint32(s))) for s in seeds])
+    return np.ascontiguousarray(nhwc.transpose(0, 3, 1, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# The UNet as every path calls it
+
+
+class UNetCall(torch.nn.Module):
+    """``(x, t, class_labels) -> prediction``: the module that is compiled or exported."""
+
+    def __init__(self, unet: torch.nn.Module, class_conditional: bool):
+        super().__init__()
+        self.unet = unet
+        self.class_conditional = class_conditional
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, class_labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.unet(x, t, class_labels=class_labels, return_dict=False)[0]
+
+
+class _Denoiser:
+    """What ``sample_loop`` calls (a diffusers UNet's interface): ``(x, t, class_labels=) -> .sample``.
+
+    ``t`` becomes a float32 (batch,) tensor and ``x`` the model dtype, so one compiled graph per
+    batch shape serves every sampler; the prediction comes back as float32."""
+
+    def __init__(self, pipe: "TorchPipeline"):
+        self.pipe = pipe
+
+    def __call__(self, x: torch.Tensor, t: Any, class_labels: torch.Tensor | None = None) -> SimpleNamespace:
+        pipe = self.pipe
+        b = x.shape[0]
+        fn = pipe._runner(b)
+        tb = torch.as_tensor(t, device=x.device).to(torch.float32).reshape(-1).expand(b).contiguous()
+        out = fn(x.to(pipe.torch_dtype).contiguous(), tb, class_labels)
+        return SimpleNamespace(sample=out.to(torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline
+
+
+@dataclass
+class TorchPipeline:
+    """A diffusers UNet ready to sample with preheat's call API. Build with :func:`load`."""
+
+    unet: Any  # diffusers UNet2DModel, eval mode, on ``device``
+    scheduler_config: SchedulerConfig  # validates sampler choices exactly like the JAX side
+    scheduler_dict: dict[str, Any]  # the raw scheduler_config.json, for diffusers' schedulers
+    sample_shape: tuple[int, ...]  # (H, W, C), like Pipeline.sample_shape
+    fingerprint: dict[str, Any]  # architecture identity for the compile cache (never the weights)
+    num_classes: int | None = None
+    null_class: int | None = None
+    labels: tuple[str, ...] = ()
+    defaults: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+    device: str = "cpu"
+    compile: str = "none"
+    compiler: TorchCompiler | None = None
+    layout: str = "NCHW"  # user-facing arrays (noise) are NCHW, as for diffusers
+    params: Any = None  # (Pipeline.prepare puts this first in its runtime arguments)
+    last: Timings = field(default_factory=Timings)
+    _runners: dict[int, Callable[..., torch.Tensor]] = field(default_factory=dict, repr=False)
+    _module: Any = field(default=None, repr=False)
+    _compiled: Any = field(default=None, repr=False)
+
+    # The JAX Pipeline's argument handling, shared rather than copied: same checks, same errors.
+    __call__ = Pipeline.__call__
+    prepare = Pipeline.prepare
+    class_index = Pipeline.class_index
+    _labels = Pipeline._labels
+    _guidance = Pipeline._guidance
+    is_guided = Pipeline.is_guided
+    _seeds = Pipeline.__dict__["_seeds"]
+    _noise = Pipeline._noise
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def generate(self, n: int = 1, *, class_labels: Any = None, steps: int | None = None,
+                 sampler: str | None = None, guidance: float | None = None, seed: int | Sequence[int] = 0,
+                 noise: Any = None, eta: float = 0.0) -> np.ndarray:
+        """Like ``__call__`` but returns uint8 pixels, (n, H, W, C)."""
+        sig, args = self.prepare(n, class_labels=class_labels, steps=steps, sampler=sampler,
+                                 guidance=guidance, seed=seed, noise=noise, eta=eta)
+        _, _, seeds, labels, scale, user_noise = args
+        sampler = sampler or self.defaults.get("sampler", "ddpm")
+        steps = int(self.defaults.get("steps", 50) if steps is None else steps)
+        n = sig.batch
+
+        self.last = Timings(cache_layer="memory")
+        self._runner(n * (2 if sig.guided else 1), prepare=True)  # compile / load here, not in the loop
+        timings = self.last
+
+        start = time.perf_counter()
+        nchw = user_noise.transpose(0, 3, 1, 2) if sig.user_noise else initial_noise(seeds, self.sample_shape)
+        x = torch.from_numpy(np.array(nchw, np.float32, order="C")).to(self.device)
+        y = torch.from_numpy(labels.astype(np.int64)).to(self.device) if sig.class_conditional else None
+        generators = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
+        scheduler = make_scheduler(sampler, self.scheduler_dict)
+        pixels = sample_loop(_Denoiser(self), scheduler, x, steps, class_labels=y,
+                             guidance=float(scale) if sig.guided else None, null_class=self.null_class,
+                             eta=eta, generator=generators)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        timings.run_s = time.perf_counter() - start
+        self.last = timings
+        return pixels
+
+    # ------------------------------------------------------------------ compiled UNets
+
+    def _runner(self, model_batch: int, prepare: bool = False) -> Callable[..., torch.Tensor]:
+        """The UNet callable for a model batch: from memory, preheat's cache, or a fresh compile.
+        Sets ``last`` when ``prepare`` (the call before sampling)."""
+        hit = self._runners.get(model_batch)
+        if hit is not None:
+            if prepare:
+                self.last = Timings(cache_layer="memory")
+            return hit
+        if self._module is None:
+            self._module = UNetCall(self.unet, self.num_classes is not None).eval()
+        module = self._module
+        if self.compile == "none":
+            def fn(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+                return module(x, t, y)
+
+            timings = Timings(cache_layer="none")
+        elif self.compile == "inductor":
+            fn, timings = self._inductor(model_batch)
+        else:
+            fn, timings = self._aot(model_batch)
+        self._runners[model_batch] = fn
+        self.last = timings
+        return fn
+
+    def _example(self, model_batch: int) -> tuple:
+        h, w, c = self.sample_shape
+        x = torch.zeros((model_batch, c, h, w), dtype=self.torch_dtype, device=self.device)
+        t = torch.full((model_batch,), 1.0, dtype=torch.float32, device=self.device)
+        if self._module.class_conditional:
+            return x, t, torch.zeros((model_batch,), dtype=torch.int64, device=self.device)
+        return x, t
+
+    def _fields(self, mode: str, model_batch: int) -> dict[str, Any]:
+        h, w, c = self.sample_shape
+        return torch_key_fields(self.fingerprint, mode=mode, model_batch=model_batch, sample_chw=(c, h, w),
+                                class_conditional=self._module.class_conditional, dtype=self.dtype,
+                                device=self.device)
+
+    def _inductor(self, model_batch: int) -> tuple[Callable[..., torch.Tensor], Timings]:
+        from preheat.backends.torch.compile_cache import INDUCTOR_OPTIONS
+
+        try:  # one static graph per batch shape; allow many before Dynamo gives up
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        except AttributeError:  # pragma: no cover - older torch
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        if self._compiled is None:
+            self._compiled = torch.compile(self._module, **INDUCTOR_OPTIONS)
+        compiled = self._compiled
+
+        def fn(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+            return compiled(x, t, y)
+
+        example = self._example(model_batch)
+
+        def warm_up() -> None:
+            with torch.no_grad():
+                fn(*example) if len(example) == 3 else fn(*example, None)
+            if self.device.startswith("cuda"):
+                torch.cuda.synchronize()
+
+        compiler = self.compiler or TorchCompiler(mode="off")
+        timings = compiler.warm_inductor(self._fields("inductor", model_batch), warm_up)
+        return fn, timings
+
+    def _aot(self, model_batch: int) -> tuple[Callable[..., torch.Tensor], Timings]:
+        module = self._module
+        constants = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        compiler = self.compiler or TorchCompiler(mode="off")
+        runner, timings = compiler.load_or_build_aot(self._fields("aot", model_batch), module,
+                                                     self._example(model_batch), constants)
+        if module.class_conditional:
+            def fn(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+                return runner(x, t, y)
+        else:
+            def fn(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+                return runner(x, t)
+        return fn, timings
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _scheduler_dict(source: Any) -> dict[str, Any]:
+    if isinstance(source, SchedulerConfig):
+        return {k: v for k, v in dataclasses.asdict(source).items() if v is not None and k != "ignored_keys"}
+    if isinstance(source, dict):
+        return dict(source)
+    path = Path(source)
+    if path.is_dir():
+        path = path / "scheduler_config.json"
+    return json.loads(path.read_text())
+
+
+def make_compiler(cache: str | None = None) -> TorchCompiler:
+    """The torch compile cache for this process: ``cache`` (or ``$PREHEAT_CACHE``) is "full"
+    (default: preheat entries), "xla" / "local" (torch's own local caches only) or "off"."""
+    mode = cache or os.environ.get("PREHEAT_CACHE", "full")
+    if mode not in ("full", "xla", "local", "off"):
+        raise InvalidArgumentError(f"cache mode {mode!r} is not supported; use full, xla or off")
+    mode = "local" if mode == "xla" else mode
+    assert mode in CACHE_MODES
+    return TorchCompiler(mode=mode)
+
+
+def load(model: str | Path | None = None, *, compile: str = "none", dtype: Any = "float32",
+         device: str | None = None, scheduler: Any = None, cache: str | None = None) -> TorchPipeline:
+    """A ``TorchPipeline`` for ``model``; ``None`` = the built-in model.
+
+    ``model``: a diffusers-format folder, or a weights-store source (``hf://org/repo[@rev]``, an
+    ``http(s)://`` tarball), resolved exactly as :func:`preheat.load` does.
+
+    ``compile``: "none" (eager), "inductor" (torch.compile) or "aot" (AOTInductor package).
+    ``device``: "cpu", "cuda", "cuda:1", ...; default cuda when available.
+    ``scheduler``: a scheduler_config.json path or dict, for a bare UNet folder without one.
+    ``cache``: "full" (default), "xla"/"local" or "off"; see :func:`make_compiler`.
+    """
+    if compile not in COMPILE_MODES:
+        raise InvalidArgumentError(f"compile={compile!r} is not supported; use none, inductor or aot")
+    dtype = str(dtype).replace("torch.", "")
+    if dtype not in _DTYPES:
+        raise InvalidArgumentError(f"dtype={dtype!r} is not supported; use {', '.join(_DTYPES)}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch_device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidArgumentError(f"device={device!r} is not a torch device") from None
+    if torch_device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(f"device={device!r}: CUDA is not available to torch here")
+        # The initial noise is drawn by JAX; keep JAX from preallocating most of the GPU torch needs.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    compiler = make_compiler(cache) if compile != "none" else None
+
+    from preheat.store import resolve
+
+    # As preheat.load: a local folder as it is; http(s):// and hf:// sources from the weights store.
+    root = BUILTIN_MODEL if model is None else resolve(str(model))
+    unet_dir = resolve_unet_dir(root)
+    try:
+        raw = json.loads((unet_dir / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise UnsupportedConfigError(f"{unet_dir / 'config.json'} is not valid JSON: {exc.msg} (line {exc.lineno})") from None
+    cls = raw.get("_class_name", "UNet2DModel") if isinstance(raw, dict) else None
+    if cls != "UNet2DModel":
+        raise UnsupportedConfigError(f"unsupported model class {cls!r} in {unet_dir / 'config.json'}; supported: 'UNet2DModel'")
+    sched_source = scheduler if scheduler is not None else _find_scheduler(root, unet_dir)
+    sched = _scheduler_config(sched_source)
+    sched_dict = _scheduler_dict(sched_source)
+
+    from diffusers import UNet2DModel
+
+    unet = UNet2DModel.from_pretrained(unet_dir, torch_dtype=_DTYPES[dtype], low_cpu_mem_usage=False)
+    unet = unet.to(torch_device).eval().requires_grad_(False)
+    cfg = unet.config
+    extra: dict[str, Any] = {}
+    index = root / "model_index.json"
+    if index.is_file():
+        extra = json.loads(index.read_text()).get("preheat", {})
+    size = cfg.sample_size
+    if size is None:
+        raise InvalidArgumentError(f"{unet_dir / 'config.json'} has no sample_size; preheat needs the image size")
+    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    null_class = extra.get("null_class")
+    num_classes = None
+    if cfg.num_class_embeds is not None and cfg.class_embed_type is None:
+        num_classes = cfg.num_class_embeds - (1 if null_class is not None else 0)
+    architecture = {k: v for k, v in dict(cfg).items() if not k.startswith("_")}
+    fingerprint = json.loads(json.dumps({"kind": "diffusers.UNet2DModel", "config": architecture,
+                                         "sample_size": [h, w]}, default=str))
+    return TorchPipeline(unet=unet, scheduler_config=sched, scheduler_dict=sched_dict,
+                         sample_shape=(h, w, cfg.in_channels), fingerprint=fingerprint, num_classes=num_classes,
+                         null_class=null_class, labels=tuple(extra.get("labels", ())),
+                         defaults=dict(extra.get("defaults", {})), dtype=dtype, device=str(torch_device),
+                         compile=compile, compiler=compiler)

@@ -1,0 +1,82 @@
+"""`preheat bench compare`: four paths, fresh processes, JSON + markdown + PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+
+from preheat.bench.compare import PATHS, compare_command, markdown, plot  # noqa: E402
+from tests.backends._models import MICRO  # noqa: E402
+from tests.reference import save_tiny_pipeline  # noqa: E402
+
+
+def _stat(v: float) -> dict:
+    return {"median": v, "min": v * 0.9, "max": v * 1.2, "n": 3}
+
+
+def _fake_result() -> dict:
+    state = {"cache_layers": ["none"], "process_start_to_first_image_s": _stat(9.0), "first_call_s": _stat(5.0),
+             "trace_plus_compile_s": _stat(4.0), "runs": []}
+    path = {"errors": [], "empty": state, "warm": {**state, "cache_layers": ["aot"]},
+            "steady": {"1": {"per_image_s": _stat(0.02), "images_per_s": 50.0}}, "peak_rss_mb": 900.0,
+            "agreement_vs_torch_eager": {"mean_abs": 0.0, "max_abs": 0}}
+    return {"settings": {"model": "m", "sampler": "ddim", "steps": 4, "guidance": None, "seed": 0, "batch": 1,
+                         "batch_sizes": [1], "repeats": 3, "steady_repeats": 5},
+            "machine": {"line": "a machine"}, "paths": {p: path for p in PATHS},
+            "goals": {"torch_aot_compile_share_removed": 0.95, "jax_over_torch_compile_images_per_s": {"1": 1.1}}}
+
+
+def test_markdown_and_chart_from_a_result(tmp_path):
+    text = markdown(_fake_result())
+    assert all(f"| {p} |" in text for p in PATHS)
+    assert "9.00 (8.10–10.80)" in text and "20.0 (18.0–24.0)" in text and "95.0%" in text and "a machine" in text
+    plot(_fake_result(), tmp_path / "chart.png")
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--paths", "jax,torch-tpu"], "--paths: unknown torch-tpu"),
+    (["--batch-sizes", "1,x"], "--batch-sizes '1,x' must be"),
+    (["--xla-flags", "noequals"], "--xla-flags 'noequals' must be NAME=FLAGS"),
+    (["--sampler", "nope"], "unknown sampler 'nope'"),
+])
+def test_bad_options_are_one_line_errors(args, message):
+    result = CliRunner().invoke(compare_command, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_missing_model_is_a_one_line_error(tmp_path):
+    result = CliRunner().invoke(compare_command, [str(tmp_path / "no-model"), "--quick"])
+    assert result.exit_code == 1
+    assert f"error: model path {tmp_path / 'no-model'} does not exist" in result.output
+
+
+@pytest.mark.slow
+def test_quick_compare_on_a_micro_model(tmp_path):
+    model = save_tiny_pipeline(tmp_path / "micro", config=MICRO)
+    out, png = tmp_path / "compare.json", tmp_path / "compare.png"
+    result = CliRunner().invoke(compare_command, [str(model), "--quick", "--repeats", "1", "--steps", "2",
+                                                  "--batch-sizes", "1", "--steady-repeats", "1",
+                                                  "--json-out", str(out), "--png-out", str(png)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert set(data["paths"]) == set(PATHS)
+    for name, path in data["paths"].items():
+        assert path["errors"] == [], (name, path["errors"])
+        assert path["empty"]["process_start_to_first_image_s"]["median"] > 0
+        assert path["steady"]["1"]["images_per_s"] > 0
+        assert path["peak_rss_mb"] > 0
+        # deterministic sampler (the model's dpmpp_2m), same initial noise: every path agrees with eager
+        assert path["agreement_vs_torch_eager"]["mean_abs"] <= 1.0, name
+    layers = {p: (data["paths"][p]["empty"]["cache_layers"], data["paths"][p]["warm"]["cache_layers"]) for p in PATHS}
+    assert layers["torch-aot"] == (["none"], ["aot"])
+    assert layers["torch-inductor"] == (["none"], ["mega"])
+    assert layers["jax"] == (["none"], ["aot"])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "| torch-aot |" in result.output

@@ -1,0 +1,150 @@
+"""The torch backend against the JAX engine: same arguments, same errors, same noise, same images."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+
+import preheat  # noqa: E402
+from preheat import engine  # noqa: E402
+from preheat.backends.torch import TorchPipeline, initial_noise  # noqa: E402
+from preheat.backends.torch import load as torch_load  # noqa: E402
+from preheat.errors import InvalidArgumentError, ModelNotFoundError, PreheatError  # noqa: E402
+from tests.reference import save_tiny_pipeline  # noqa: E402
+
+# mean |Δ| over all pixels must stay within one uint8 level (1/255)
+MEAN_TOL = 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_pipeline(tmp_path_factory.mktemp("tiny-pipeline"))
+
+
+@pytest.fixture(scope="module")
+def pipes(tiny):
+    return preheat.load(tiny, cache="off"), torch_load(tiny)
+
+
+def _diff(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
+    assert a.shape == b.shape and a.dtype == b.dtype == np.uint8
+    d = np.abs(a.astype(np.int32) - b.astype(np.int32))
+    return float(d.mean()), int(d.max())
+
+
+def test_initial_noise_is_the_engines_batch_draw():
+    seeds = np.array([0, 1, 7, 2**32 - 1], np.uint32)
+    for shape in [(8, 8, 1), (5, 6, 3)]:
+        ref = jax.jit(lambda s, shape=shape: engine._normal_per_image(
+            engine._image_keys(s), engine._INIT_STREAM, jnp.int32(0), shape))(seeds)
+        got = initial_noise(seeds, shape)
+        assert got.shape == (4, shape[2], shape[0], shape[1]) and got.dtype == np.float32
+        np.testing.assert_array_equal(got, np.asarray(ref).transpose(0, 3, 1, 2))
+    # per image: an image's noise does not depend on what else is in the batch
+    np.testing.assert_array_equal(initial_noise([7], (8, 8, 1))[0], initial_noise([3, 7], (8, 8, 1))[1])
+
+
+@pytest.mark.parametrize("case", [
+    # the model's defaults: dpmpp_2m, classifier-free guidance 2 (doubled batch), seeds from an int
+    dict(n=4, steps=6, seed=0),
+    # ddim without guidance, explicit labels and seeds, and the user's own NCHW noise
+    dict(n=3, sampler="ddim", steps=5, guidance=1.0, seed=[7, 8, 9], class_labels=[1, "2", 3], noise=True),
+], ids=["dpmpp_2m-guided", "ddim-user-noise"])
+def test_torch_matches_jax_on_a_tiny_class_conditional_model(pipes, case, record_property):
+    jax_pipe, torch_pipe = pipes
+    case = dict(case)
+    if case.pop("noise", False):
+        case["noise"] = np.random.default_rng(0).standard_normal((case["n"], 1, 8, 8)).astype(np.float32)
+    a = jax_pipe.generate(**case)
+    b = torch_pipe.generate(**case)
+    mean, worst = _diff(a, b)
+    record_property("mean_abs_px", mean)
+    record_property("max_abs_px", worst)
+    print(f"torch vs jax: mean |Δpx| {mean:.4f}, max {worst}")
+    assert mean <= MEAN_TOL, (mean, worst)
+    # and the images are not trivial (all-equal images would agree for any model)
+    assert a.std() > 5
+
+
+@pytest.mark.skipif(not (engine.BUILTIN_MODEL / "model_index.json").is_file(), reason="built-in model not trained yet")
+def test_torch_matches_jax_on_the_builtin_model(record_property):
+    jax_pipe, torch_pipe = preheat.load(cache="off"), torch_load()
+    a = jax_pipe.generate(4, seed=0)
+    b = torch_pipe.generate(4, seed=0)
+    mean, worst = _diff(a, b)
+    record_property("mean_abs_px", mean)
+    record_property("max_abs_px", worst)
+    print(f"built-in model, torch vs jax: mean |Δpx| {mean:.4f}, max {worst}")
+    assert mean <= MEAN_TOL, (mean, worst)
+
+
+BAD_CALLS = [
+    dict(n=0),
+    dict(n=2, steps=0),
+    dict(n=2, sampler="nope"),
+    dict(n=2, class_labels=[1]),
+    dict(n=1, class_labels="eleven"),
+    dict(n=1, class_labels=10),
+    dict(n=1, guidance=-1.0),
+    dict(n=1, guidance="much"),
+    dict(n=2, seed=[1]),
+    dict(n=1, seed=-1),
+    dict(n=2, noise=np.zeros((2, 8, 8, 1), np.float32)),  # NHWC where NCHW is expected
+]
+
+
+@pytest.mark.parametrize("kwargs", BAD_CALLS, ids=[str(i) for i in range(len(BAD_CALLS))])
+def test_same_one_line_errors_as_jax(pipes, kwargs):
+    jax_pipe, torch_pipe = pipes
+    with pytest.raises(PreheatError) as from_jax:
+        jax_pipe.generate(**kwargs)
+    with pytest.raises(PreheatError) as from_torch:
+        torch_pipe.generate(**kwargs)
+    assert type(from_torch.value) is type(from_jax.value)
+    assert str(from_torch.value) == str(from_jax.value)
+    assert "\n" not in str(from_torch.value)
+
+
+def test_load_errors(tiny, tmp_path):
+    missing = tmp_path / "nothing-here"
+    with pytest.raises(ModelNotFoundError) as from_torch:
+        torch_load(missing)
+    with pytest.raises(ModelNotFoundError) as from_jax:
+        preheat.load(missing, cache="off")
+    assert str(from_torch.value) == str(from_jax.value)
+    with pytest.raises(InvalidArgumentError, match="compile='jit' is not supported"):
+        torch_load(tiny, compile="jit")
+    with pytest.raises(InvalidArgumentError, match="dtype='int8' is not supported"):
+        torch_load(tiny, dtype="int8")
+
+
+def test_call_api_and_metadata(pipes):
+    jax_pipe, torch_pipe = pipes
+    assert isinstance(torch_pipe, TorchPipeline)
+    for attr in ("sample_shape", "num_classes", "null_class", "labels", "defaults"):
+        assert getattr(torch_pipe, attr) == getattr(jax_pipe, attr), attr
+    images = torch_pipe(5, steps=2, class_labels="4")  # guided by default: the UNet sees batch 10
+    assert [im.size for im in images] == [(8, 8)] * 5 and images[0].mode == "L"
+    assert torch_pipe.last.cache_layer in ("none", "memory")
+    torch_pipe(5, steps=2, class_labels="4")
+    assert torch_pipe.last.cache_layer == "memory"
+    assert torch_pipe.last.run_s > 0 and torch_pipe.last.compile_s == 0
+    sig, _ = torch_pipe.prepare(3, guidance=2.0)
+    assert sig.guided and sig.batch == 3
+
+
+def test_stochastic_sampler_is_reproducible_per_image(pipes):
+    """euler_a draws per-step noise from one torch generator per image: the image for a seed does
+    not depend on its batch (it does differ from JAX's, which draws with JAX keys)."""
+    _, torch_pipe = pipes
+    both = torch_pipe.generate(2, sampler="euler_a", steps=4, seed=[5, 6], class_labels=[1, 1])
+    alone = torch_pipe.generate(1, sampler="euler_a", steps=4, seed=5, class_labels=[1])
+    again = torch_pipe.generate(2, sampler="euler_a", steps=4, seed=[5, 6], class_labels=[1, 1])
+    np.testing.assert_array_equal(both, again)
+    assert _diff(both[:1], alone)[1] <= 1
+    assert _diff(both[:1], both[1:])[1] > 10  # different seeds, different images
