@@ -17,7 +17,6 @@ the same whatever else shares its batch. Inside: NHWC. Outside (``noise``): NCHW
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -383,6 +382,7 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
         raise InvalidArgumentError(f"backend={backend!r} is not supported; use 'jax' or 'torch'")
     if compile != "none":
         raise InvalidArgumentError(f"compile={compile!r} applies to backend='torch'; the JAX loop is always compiled")
+    from preheat.models.folders import image_size, pipeline_extras
     from preheat.models.loading import load_unet, resolve_unet_dir
 
     compiler = make_compiler(cache)  # first: JAX's cache must be configured before anything compiles
@@ -395,14 +395,8 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     sched = _scheduler_config(scheduler if scheduler is not None else _find_scheduler(root, unet_dir))
     unet = load_unet(unet_dir, dtype=jnp.dtype(dtype))
     cfg = unet.config
-    extra: dict[str, Any] = {}
-    index = root / "model_index.json"
-    if index.is_file():
-        extra = json.loads(index.read_text()).get("preheat", {})
-    size = cfg.sample_size
-    if size is None:
-        raise InvalidArgumentError(f"{unet_dir / 'config.json'} has no sample_size; preheat needs the image size")
-    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    extra = pipeline_extras(root)
+    h, w = image_size(cfg.sample_size, unet_dir)
     num_classes = None
     null_class = extra.get("null_class")
     if cfg.num_class_embeds is not None and cfg.class_embed_type is None:

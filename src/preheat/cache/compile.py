@@ -30,9 +30,8 @@ from preheat._version import __version__
 from preheat.cache.entries import (
     SCHEMA,
     LoadingMarker,
-    diff_fields,
+    checked_entry,
     iter_entries,
-    open_entry,
     publish_entry,
     quarantine,
 )
@@ -284,12 +283,8 @@ class JaxCompiler:
             record.update(remote=self.remote.last, remote_s=time.perf_counter() - pull_start)
             if not hit:
                 return None
-        crashed = LoadingMarker.crashed_loads(path)
-        if crashed:
-            self._quarantine(path, f"a previous load crashed the process ({crashed[0]})", record)
-            return None
         try:
-            entry = open_entry(self.kind_dir, key, fields)
+            entry = checked_entry(self.kind_dir, key, fields)
         except CacheEntryError as err:
             self._quarantine(path, str(err), record)
             return None

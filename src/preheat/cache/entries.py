@@ -36,7 +36,7 @@ from typing import Any, Iterator
 from preheat.cache.atomic import atomic_write_bytes, fsync_dir
 from preheat.errors import CacheEntryError
 
-__all__ = ["Entry", "publish_entry", "open_entry", "quarantine", "iter_entries", "LoadingMarker", "SCHEMA",
+__all__ = ["Entry", "publish_entry", "open_entry", "checked_entry", "quarantine", "iter_entries", "LoadingMarker", "SCHEMA",
            "sha256_file", "entry_size"]
 
 SCHEMA = 1
@@ -248,3 +248,16 @@ class LoadingMarker:
             if alive_start is None or alive_start != start:
                 dead.append(marker.name)
         return dead
+
+
+def checked_entry(kind_dir: Path, key: str, expected_fields: dict[str, Any] | None = None) -> Entry | None:
+    """``open_entry``, after checking that no earlier load of this entry crashed its process.
+
+    Raises CacheEntryError for a crashed load or a bad entry: the caller quarantines and recompiles.
+    """
+    path = kind_dir / key
+    if path.is_dir():
+        crashed = LoadingMarker.crashed_loads(path)
+        if crashed:
+            raise CacheEntryError(f"a previous load crashed the process ({crashed[0]})")
+    return open_entry(kind_dir, key, expected_fields)

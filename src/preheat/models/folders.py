@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
-from preheat.errors import ModelNotFoundError
+from preheat.errors import InvalidArgumentError, ModelNotFoundError
 
-__all__ = ["resolve_unet_dir"]
+__all__ = ["resolve_unet_dir", "pipeline_extras", "image_size"]
 
 
 def resolve_unet_dir(path: str | Path) -> Path:
@@ -23,3 +25,16 @@ def resolve_unet_dir(path: str | Path) -> Path:
     if not (p / "config.json").is_file():
         raise ModelNotFoundError(f"{p} has no config.json (expected a diffusers UNet2DModel folder)")
     return p
+
+
+def pipeline_extras(root: Path) -> dict[str, Any]:
+    """preheat's section of ``model_index.json`` (null class, labels, sampling defaults), if any."""
+    index = root / "model_index.json"
+    return json.loads(index.read_text()).get("preheat", {}) if index.is_file() else {}
+
+
+def image_size(sample_size: Any, unet_dir: Path) -> tuple[int, int]:
+    """(H, W) from a UNet config's ``sample_size`` (an int or a pair)."""
+    if sample_size is None:
+        raise InvalidArgumentError(f"{unet_dir / 'config.json'} has no sample_size; preheat needs the image size")
+    return (sample_size, sample_size) if isinstance(sample_size, int) else tuple(sample_size)

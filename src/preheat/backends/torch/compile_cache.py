@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from preheat._version import __version__
-from preheat.cache.entries import SCHEMA, Entry, LoadingMarker, open_entry, publish_entry, quarantine
+from preheat.cache.entries import SCHEMA, Entry, LoadingMarker, checked_entry, publish_entry, quarantine
 from preheat.cache.root import resolve_root
 from preheat.errors import CacheEntryError
 
@@ -425,12 +425,8 @@ class TorchCompiler:
         if not path.is_dir():
             record["miss"] = self._explain_miss(fields)
             return None
-        crashed = LoadingMarker.crashed_loads(path)
-        if crashed:
-            self._quarantine(path, f"a previous load crashed the process ({crashed[0]})", record)
-            return None
         try:
-            return open_entry(self.kind_dir, key, fields)
+            return checked_entry(self.kind_dir, key, fields)
         except CacheEntryError as err:
             self._quarantine(path, str(err), record)
             return None

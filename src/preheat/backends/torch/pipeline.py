@@ -48,7 +48,7 @@ from preheat.backends.torch.compile_cache import CACHE_MODES, TorchCompiler, tor
 from preheat.backends.torch.sampling import make_scheduler, sample_loop
 from preheat.engine import BUILTIN_MODEL, Pipeline, Timings, _find_scheduler, _scheduler_config
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
-from preheat.models.folders import resolve_unet_dir
+from preheat.models.folders import image_size, pipeline_extras, resolve_unet_dir
 from preheat.samplers import SchedulerConfig
 
 __all__ = ["TorchPipeline", "load", "initial_noise", "COMPILE_MODES", "DETERMINISTIC_SAMPLERS"]
@@ -354,14 +354,8 @@ def load(model: str | Path | None = None, *, compile: str = "none", dtype: Any =
     unet = UNet2DModel.from_pretrained(unet_dir, torch_dtype=_DTYPES[dtype], low_cpu_mem_usage=False)
     unet = unet.to(torch_device).eval().requires_grad_(False)
     cfg = unet.config
-    extra: dict[str, Any] = {}
-    index = root / "model_index.json"
-    if index.is_file():
-        extra = json.loads(index.read_text()).get("preheat", {})
-    size = cfg.sample_size
-    if size is None:
-        raise InvalidArgumentError(f"{unet_dir / 'config.json'} has no sample_size; preheat needs the image size")
-    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    extra = pipeline_extras(root)
+    h, w = image_size(cfg.sample_size, unet_dir)
     null_class = extra.get("null_class")
     num_classes = None
     if cfg.num_class_embeds is not None and cfg.class_embed_type is None:
