@@ -36,12 +36,13 @@ def _read_umask() -> int:
 _UMASK = _read_umask()
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` atomically; ``mode`` defaults to 0666 less the umask."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a written file gets the usual mode
+        os.fchmod(fd, (0o666 & ~_UMASK) if mode is None else mode)  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

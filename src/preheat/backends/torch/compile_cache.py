@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from preheat._version import __version__
+from preheat.cache.atomic import atomic_write_bytes
 from preheat.cache.entries import SCHEMA, Entry, LoadingMarker, checked_entry, publish_entry, quarantine
 from preheat.cache.root import resolve_root
 from preheat.errors import CacheEntryError
@@ -248,18 +249,7 @@ def _restore_kernels(data: bytes) -> int:
             src = tar.extractfile(member)
             if src is None:
                 raise CacheEntryError(f"kernel bundle member {name!r} is unreadable")
-            fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(src.read())
-                os.chmod(tmp, 0o755)
-                os.replace(tmp, dest)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
-                raise
+            atomic_write_bytes(dest, src.read(), mode=0o755)  # shared objects must be executable
             written += 1
     return written
 
