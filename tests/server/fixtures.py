@@ -71,7 +71,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def pipe(model_dir: Path, _session_cache_root: None) -> Any:
+def pipe(model_dir: Path, session_cache_root: None) -> Any:
     import preheat
 
     return preheat.load(model_dir)  # conftest's session fixture has set the private cache root
@@ -170,3 +170,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache_root(tmp_path_factory):
+    """Session fixtures (the pipeline, cores warming up in threads) run outside the per-test
+    private cache root of tests/conftest.py; give them the same root for the whole session."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in _private_env(tmp_path_factory.getbasetemp()).items():
+            mp.setenv(key, value)
+        yield

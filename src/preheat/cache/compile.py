@@ -13,6 +13,7 @@ objects, which differs between processes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -48,6 +49,7 @@ EXECUTABLE = "executable.bin"
 _TRACED_SOURCES = ("engine.py", "samplers/_solvers.py", "samplers/_plan.py", "models/unet2d.py", "models/loading.py")
 
 
+@functools.lru_cache(maxsize=1)
 def tracing_source_hash() -> str:
     base = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
@@ -57,6 +59,7 @@ def tracing_source_hash() -> str:
     return h.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_features() -> str:
     """Host CPU model + feature flags: XLA:CPU code is compiled for the host's instruction set."""
     try:
