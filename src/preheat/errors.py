@@ -7,6 +7,7 @@ problem (and, where there is one, the fix). Surfaces (CLI, server, Runpod handle
     PreheatError
     ├── ModelError            a model folder or checkpoint cannot be used
     │   ├── ModelNotFoundError    a path or file is missing
+    │   ├── ModelFormatError      a config / index file is malformed (bad JSON, wrong shape)
     │   ├── UnsupportedConfigError a config value/block preheat does not implement
     │   └── WeightsError          missing / extra / mis-shaped / wrong-dtype tensors
     ├── SchedulerConfigError  a scheduler config or sampler choice is not supported
@@ -23,6 +24,7 @@ __all__ = [
     "PreheatError",
     "ModelError",
     "ModelNotFoundError",
+    "ModelFormatError",
     "UnsupportedConfigError",
     "WeightsError",
     "SchedulerConfigError",
@@ -43,6 +45,10 @@ class ModelError(PreheatError):
 
 class ModelNotFoundError(ModelError, FileNotFoundError):
     """A model path or one of its files is missing."""
+
+
+class ModelFormatError(ModelError, ValueError):
+    """A config or index file of a model folder is malformed (bad JSON, not an object, ...)."""
 
 
 class UnsupportedConfigError(ModelError, ValueError):
