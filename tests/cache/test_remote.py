@@ -193,13 +193,11 @@ def test_six_pods_on_empty_roots_race_against_one_empty_store(model_dir, referen
     bucket = s3.new_bucket()
     env = _fleet_env(s3, bucket)
     base = {k: v for k, v in os.environ.items() if k not in _OUR_VARS}
-    start = time.monotonic()
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(model_dir), str(tmp_path / f"out{i}.npy")], cwd=REPO,
                               env={**base, "PREHEAT_HOME": str(tmp_path / f"pod{i}"), **env},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(6)]
     results = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0] * 6, [r[1][-2000:] for r in results]
-    assert time.monotonic() - start < 300
     events = [json.loads(line[6:]) for out, _ in results for line in out.splitlines() if line.startswith("EVENT ")]
     assert len(events) == 6
     assert all(e["remote"] in ("miss", "hit") for e in events), events

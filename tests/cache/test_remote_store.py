@@ -325,11 +325,15 @@ def test_store_down_costs_one_bounded_timeout(tmp_path, monkeypatch, caplog):
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="preheat.cache"):
         assert store.fetch("jax", KEY, tmp_path / "l") is False
-    assert time.monotonic() - start < 2 * 1.0 + 1.0
+    assert time.monotonic() - start < 30  # bounded (an unbounded client retries for minutes)
     assert store.last.startswith("unreachable") and "unavailable" in caplog.text
-    start = time.monotonic()
-    store.push("jax", _entry(tmp_path / "a" / "compile" / "jax"))  # skipped at once (cool-down)
-    assert store.last.startswith("unreachable") and time.monotonic() - start < 0.5
+
+    def no_io(*args, **kwargs):
+        raise AssertionError("the store was contacted during its cool-down")
+
+    monkeypatch.setattr(store, "_bounded", no_io)
+    store.push("jax", _entry(tmp_path / "a" / "compile" / "jax"))  # skipped without I/O (cool-down)
+    assert store.last.startswith("unreachable")
 
 
 def test_store_that_accepts_but_never_answers_is_bounded(tmp_path, monkeypatch):
@@ -344,7 +348,7 @@ def test_store_that_accepts_but_never_answers_is_bounded(tmp_path, monkeypatch):
         start = time.monotonic()
         assert store.fetch("jax", KEY, tmp_path / "l") is False
         assert store.last.startswith("unreachable")
-        assert time.monotonic() - start < 2 * 1.0 + 1.0
+        assert time.monotonic() - start < 30  # bounded: without the deadline this would wait forever
     finally:
         sink.close()
 

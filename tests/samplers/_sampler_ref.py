@@ -22,6 +22,7 @@ from diffusers.schedulers import (
 
 from preheat.samplers import Plan, SamplerState, SchedulerConfig, SolverSpec, _schedules
 from preheat.samplers import init, make_plan, make_spec, step
+from tests.numerics import assert_within_ulps, correctly_rounded_f32
 
 SHAPE = (2, 3, 8, 8)
 RTOL = ATOL = 1e-5
@@ -189,13 +190,48 @@ def run_ours(spec: SolverSpec, plan: Plan, x_t: np.ndarray, table: np.ndarray, *
 def torch_train_sigmas(alpha_bar: np.ndarray) -> np.ndarray:
     """diffusers' training sigma table, computed by torch on this machine.
 
-    torch's float32 sqrt on x86 MKL builds (VML) is not always correctly rounded, so this
-    differs from ours (IEEE sqrt) in the last bit at a few of 1000 entries; see
-    test_sampler_schedules. Injecting it lets the parity tests check everything downstream
-    bit for bit.
+    torch's float32 ``** 0.5`` is not correctly rounded on every CPU (its kernel is chosen per
+    processor), so this can differ from ours (IEEE sqrt) by 1 ulp at any number of entries;
+    see test_sampler_schedules. Injecting it lets the parity tests check everything
+    downstream bit for bit, whatever the processor.
     """
     t = torch.from_numpy(np.asarray(alpha_bar, dtype=np.float32))
     return (((1 - t) / t) ** 0.5).numpy()
+
+
+def torch_betas(schedule: str, start: float, end: float, num_train: int) -> np.ndarray:
+    """diffusers' float32 betas as torch computes them on this machine (``torch.linspace``).
+
+    Ours reproduce torch's FMA-contracted kernel bit for bit where torch dispatches to one
+    (checked in test_sampler_schedules); on other processors torch may round twice. Injected,
+    like the sigma table, so that the schedules downstream are compared exactly everywhere.
+    """
+    if schedule == "linear":
+        return torch.linspace(start, end, num_train, dtype=torch.float32).numpy()
+    if schedule == "scaled_linear":
+        return (torch.linspace(start**0.5, end**0.5, num_train, dtype=torch.float32) ** 2).numpy()
+    return _ORIGINAL_BETAS(schedule, start, end, num_train)  # float64 Python math, then float32
+
+
+_ORIGINAL_BETAS = _schedules.betas
+
+
+def inject_torch_tables(monkeypatch) -> None:
+    """Make ``make_plan`` start from torch's own betas and training sigmas (see above)."""
+    monkeypatch.setattr(_schedules, "train_sigmas", torch_train_sigmas)
+    monkeypatch.setattr(_schedules, "betas", torch_betas)
+
+
+def check_init_noise_sigma(plan: Plan, theirs: float, *, spec_sampler: str) -> None:
+    """Ours is exact (float32 ``max``, or ``sqrt(max * max + 1)`` correctly rounded); torch's
+    ``(max ** 2 + 1) ** 0.5`` is within 1 ulp of it on any CPU."""
+    n = int(plan.n_steps)
+    ours = np.float32(plan.init_noise_sigma)
+    top = np.float32(plan.sigmas[: n + 1].max()) if spec_sampler in ("euler", "euler_a", "heun") else None
+    if top is not None and ours != top:  # the "leading" case: sqrt(top^2 + 1)
+        q = np.float32(top * top + np.float32(1.0))  # two IEEE float32 operations, as diffusers
+        assert ours == correctly_rounded_f32(np.sqrt(np.float64(q)))
+    assert_within_ulps(ours, np.float32(theirs), 1, "init_noise_sigma")
 
 
 def ours_for(cfg: dict[str, Any], sampler: str, steps: int, eta: float = 0.0) -> tuple[SolverSpec, Plan]:
@@ -215,7 +251,7 @@ def check_parity(sampler: str, cfg: dict[str, Any], steps: int, eta: float, monk
                  torch_model=fake_model_torch) -> tuple[float, float]:
     """Run ours and diffusers on the same inputs; assert bitwise schedules and close samples
     (the criterion is explained in test_sampler_parity). Returns the max (abs, relative) error."""
-    monkeypatch.setattr(_schedules, "train_sigmas", torch_train_sigmas)
+    inject_torch_tables(monkeypatch)
     spec, plan = ours_for(cfg, sampler, steps, eta)
     if plan_override is not None:
         plan = plan_override
@@ -228,10 +264,12 @@ def check_parity(sampler: str, cfg: dict[str, Any], steps: int, eta: float, monk
     np.testing.assert_array_equal(plan.timesteps[:n].astype(np.float64), ref.timesteps)
     if ref.sigmas is not None:
         np.testing.assert_array_equal(plan.sigmas[: n + 1].astype(np.float64), ref.sigmas.astype(np.float64))
-    assert np.float32(ref.init_noise_sigma) == plan.init_noise_sigma
+    check_init_noise_sigma(plan, ref.init_noise_sigma, spec_sampler=sampler)
 
     x_init, xs = run_ours(spec, plan, x_t, table, model=jax_model)
-    np.testing.assert_array_equal(x_init, ref.x_init)  # one float32 multiply on both sides
+    # one IEEE float32 multiply on each side, by each side's own (<= 1 ulp apart) init_noise_sigma
+    np.testing.assert_array_equal(x_init, x_t * np.float32(plan.init_noise_sigma))
+    np.testing.assert_array_equal(ref.x_init, x_t * np.float32(ref.init_noise_sigma))
 
     nudged = run_diffusers(sampler, cfg, steps, x_t, table, monkeypatch, eta=eta, nudge_seed=steps + 1,
                            model=torch_model)

@@ -2,13 +2,15 @@
 
 What "exact" means here:
 
-* Schedules -- the model timesteps, the sigmas, ``init_noise_sigma`` -- must be *bitwise*
-  equal: diffusers' values (int64 or float32) and ours (float32) are both cast to float64,
-  which is lossless, and compared with ``==``. One caveat, measured in
-  test_sampler_schedules: torch's float32 sqrt (MKL VML on x86) is not correctly rounded, so
-  diffusers' 1000-entry training sigma table differs from ours (IEEE sqrt) by 1 ulp at a few
-  entries, depending on the torch build. Here we inject torch's table into ``make_plan`` so
-  that everything computed from it is checked bit for bit.
+* Schedules -- the model timesteps and the sigmas -- must be *bitwise* equal: diffusers'
+  values (int64 or float32) and ours (float32) are both cast to float64, which is lossless,
+  and compared with ``==``. They start from two tables that torch computes with kernels it
+  picks per CPU (the betas' ``linspace`` and the training sigmas' float32 ``** 0.5``, which
+  may be 1 ulp off at entries that differ from one processor to the next;
+  test_sampler_schedules bounds both against ours). Here we inject torch's own tables into
+  ``make_plan``, so that everything computed from them is checked bit for bit on any CPU.
+  ``init_noise_sigma`` is ``sqrt(max ** 2 + 1)`` for "leading" spacing: ours is exact (IEEE
+  sqrt, checked against float64), torch's within 1 ulp of it.
 * Samples after every step: ours (float32 jax/XLA) vs diffusers (float32 torch), fed the same
   initial noise, the same per-step noise and the same fake model. They cannot be bitwise equal
   (XLA fuses multiply-adds into FMAs, rewrites 1/sqrt as rsqrt, and its tanh/sin differ from

@@ -42,10 +42,11 @@ traced index, selected with ``jnp.where`` / ``lax.cond``. Only ``SolverSpec`` (s
 prediction type, clipping, DDPM variance type) is static.
 
 Numerics: ``make_plan`` reproduces diffusers' host arithmetic (torch float32 CPU kernels,
-then numpy float64): given the same training sigma table, timesteps, sigmas, alphas_cumprod
-and ``init_noise_sigma`` are bitwise identical. (torch's float32 sqrt on x86 MKL builds is not
-always correctly rounded, so its training sigma table differs from our IEEE one by 1 ulp at a
-few of 1000 entries.) The solver steps are float32 jax and agree with diffusers' float32 torch
+then numpy float64): given the same betas and training sigma table, timesteps, sigmas and
+alphas_cumprod are bitwise identical. Our own tables are IEEE-exact (correctly rounded sqrt,
+one rounding per fused multiply-add); torch picks its float32 kernels per CPU, and its
+``** 0.5`` is not always correctly rounded, so its tables (and ``init_noise_sigma``) can be
+1 ulp from ours at entries that change from one processor to the next. The solver steps are float32 jax and agree with diffusers' float32 torch
 steps to 1e-5 (rtol and atol); where float32 cancellation dominates (sigma-space steps from
 sigma ~ 1e2 .. 2e4 down to O(1)) they agree to within diffusers' own float32 noise floor.
 tests/samplers measures both.

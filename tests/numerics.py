@@ -1,0 +1,48 @@
+"""Float comparisons that hold on every CPU: exact where exactness is a property, ulp-bounded
+where two libraries compute a rounded function their own way.
+
+IEEE 754 requires +, -, *, / and sqrt to be correctly rounded, so a float32 result computed by
+numpy (which uses those operations) is exact and machine-independent. torch's float32 CPU
+kernels for ``sqrt``/``pow``/``exp``/``log`` are picked per CPU (SLEEF, MKL VML, AVX2 or
+AVX-512 code paths) and promise only about 1 ulp, so which entries of a table land one ulp
+off changes from one processor to the next. Tests therefore compare our (correctly rounded)
+values with torch's within ``max_ulps`` per element, with no cap on how many elements differ,
+and check our side exactly against a float64 reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["ulp_distance", "assert_within_ulps", "correctly_rounded_f32"]
+
+
+def _ordered(x: np.ndarray) -> np.ndarray:
+    """float32 bits mapped to integers that increase with the float (so adjacent floats differ by 1)."""
+    bits = np.asarray(x, dtype=np.float32).view(np.int32).astype(np.int64)
+    return np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def ulp_distance(a, b) -> np.ndarray:
+    """Elementwise number of float32 steps between ``a`` and ``b`` (0 = bitwise equal; +0 == -0)."""
+    a32 = np.atleast_1d(np.asarray(a, dtype=np.float32))
+    b32 = np.atleast_1d(np.asarray(b, dtype=np.float32))
+    if np.isnan(a32).any() or np.isnan(b32).any():
+        raise AssertionError("NaN in a float comparison")
+    return np.abs(_ordered(a32) - _ordered(b32))
+
+
+def assert_within_ulps(ours, theirs, max_ulps: int = 1, what: str = "") -> None:
+    """Every element of ``ours`` within ``max_ulps`` float32 steps of ``theirs``."""
+    d = ulp_distance(ours, theirs)
+    if d.size and int(d.max()) > max_ulps:
+        i = int(np.argmax(d))
+        raise AssertionError(
+            f"{what or 'values'} differ by {int(d.max())} ulp (> {max_ulps}) at index {i}: "
+            f"{np.atleast_1d(ours).ravel()[i]!r} vs {np.atleast_1d(theirs).ravel()[i]!r}")
+
+
+def correctly_rounded_f32(exact_f64) -> np.ndarray:
+    """The float32 nearest a float64 value. For sqrt of a float32 input this *is* the correctly
+    rounded float32 sqrt: float64 carries more than 2 * 24 + 2 bits, so no double rounding."""
+    return np.asarray(exact_f64, dtype=np.float64).astype(np.float32)
