@@ -1,18 +1,30 @@
 """The core every surface calls: load a model, compile its whole sampling loop once, sample.
 
-One call = one compiled program: initial noise from per-image seeds, every denoising step
-(``preheat.samplers.run``, a ``lax.fori_loop``), classifier-free guidance and the conversion
-to uint8 pixels. What is static (changes the program) and what is data (does not):
+A call runs up to three compiled stages, each with its own executable (and cache entry):
+
+    stage      program                                            shared across
+    ---------  -------------------------------------------------  ------------------------------
+    encode     token ids -> text embeddings (text families)       samplers, step counts, guidance
+    denoise    initial noise from per-image seeds, every step      --
+               (``preheat.samplers.run``, one ``lax.fori_loop``),
+               classifier-free guidance; pixel families also
+               convert to uint8 here
+    decode     latents -> uint8 pixels (VAE families)             samplers, step counts, prompts
+
+What is static (changes a program) and what is data (does not), for the denoising program:
 
     static (one executable each)          runtime data (no recompile)
     ------------------------------------  ----------------------------------------------
     model architecture, dtype             weights (an argument, never a constant)
     solver + prediction type + clipping   step count, schedule tables (a padded Plan)
-    batch size, image shape               guidance scale, class labels, seeds
-    guidance on/off, user noise or not    the user's initial noise
+    batch size, sample (latent) shape     guidance scale, seeds, the user's initial noise
+    guidance on/off, user noise or not    conditioning: class labels, prompt embeddings,
+    conditioning structure                negative prompts, SDXL's size/crop ids
 
-Seeds are per image: image ``b`` draws all its randomness from ``key(seed_b)``, so it is
-the same whatever else shares its batch. Inside: NHWC. Outside (``noise``): NCHW like diffusers.
+Seeds are per image: image ``b`` draws all its randomness from ``key(seed_b)``
+(``preheat.noise``), so it is the same whatever else shares its batch. Inside: NHWC. Outside
+(``noise``): NCHW like diffusers. What a family contributes (inputs, conditioning, decoding) is
+described in ``preheat.families``.
 """
 
 from __future__ import annotations
@@ -27,91 +39,128 @@ import jax.numpy as jnp
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, SchedulerConfigError
+from preheat.families.base import Conditioning, Family, check_int
+from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
 from preheat.samplers import SAMPLERS, Plan, SchedulerConfig, SolverSpec, make_plan, make_spec, run
+from preheat.timings import Timings
 
-__all__ = ["Pipeline", "load", "BUILTIN_MODEL", "Signature", "Timings"]
+__all__ = ["Pipeline", "load", "BUILTIN_MODEL", "Signature", "StageSignature", "Request", "Timings",
+           "scheduler_config", "find_scheduler", "to_pixels", "build_program"]
 
 BUILTIN_MODEL = Path(__file__).parent / "assets" / "digits"
 
-Denoiser = Callable[[Any, jax.Array, jax.Array, "jax.Array | None"], jax.Array]
-"""``fn(params, x, t, class_labels) -> prediction``: x (B, *sample_shape), t (B,) float32."""
+Denoiser = Callable[[Any, jax.Array, jax.Array, Any], jax.Array]
+"""``fn(params, x, t, cond) -> prediction``: x (B, *sample_shape), t (B,) float32, cond a pytree
+batched on axis 0 (``{}`` for unconditional models)."""
+
+COMMON_INPUTS = ("n", "steps", "sampler", "guidance", "seed", "noise", "eta")
 
 
 @dataclass(frozen=True)
 class Signature:
-    """Everything that selects one compiled program (hashable; the compile-cache key builds on it)."""
+    """Everything that selects one compiled denoising program (hashable; the cache key builds on it)."""
 
+    family: str
     spec: SolverSpec
     batch: int
-    sample_shape: tuple[int, ...]  # NHWC per image: (H, W, C)
+    sample_shape: tuple[int, ...]  # NHWC per image: (H, W, C) of the sample (latent for VAE families)
     dtype: str
     guided: bool  # classifier-free guidance on (2x batch through the model)
     user_noise: bool  # initial noise passed in rather than drawn from the seeds
-    class_conditional: bool
+    conditioning: tuple[str, ...]  # the names of the conditioning leaves ((), ("class_labels",), ...)
+    pixels: bool  # the program ends with the conversion to uint8
+
+    @property
+    def class_conditional(self) -> bool:
+        return "class_labels" in self.conditioning
 
 
-@dataclass
-class Timings:
-    """Phases of the last call, in seconds (the CLI report and bench read these)."""
+@dataclass(frozen=True)
+class StageSignature:
+    """What selects one compiled encode/decode program: its stage, batch and shapes."""
 
-    trace_lower_s: float = 0.0
-    compile_s: float = 0.0  # compile, or load from the cache
-    run_s: float = 0.0
-    cache_layer: str = "memory"  # where the executable came from: memory | aot | xla | none
+    stage: str
+    batch: int
+    shape: tuple[int, ...]
+    dtype: str
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
-def _to_pixels(x: jax.Array) -> jax.Array:
+@dataclass(frozen=True)
+class Request:
+    """A validated call, host-side: what ``prepare`` turns into programs and arguments."""
+
+    n: int
+    sampler: str
+    steps: int
+    guided: bool
+    guidance: float
+    seeds: np.ndarray  # (n,) uint32
+    noise: np.ndarray | None  # (n, H, W, C) float32, NHWC
+    eta: float
+    sample_shape: tuple[int, ...]
+    values: dict[str, Any]  # the family's own inputs, normalised (labels, prompts, size, ...)
+
+
+def to_pixels(x: jax.Array) -> jax.Array:
     """[-1, 1] floats -> uint8, exactly as diffusers' pipelines round."""
     return jnp.round(jnp.clip(x / 2 + 0.5, 0.0, 1.0) * 255).astype(jnp.uint8)
 
 
-def _image_keys(seeds: jax.Array) -> jax.Array:
-    return jax.vmap(jax.random.key)(seeds)  # (B,) typed keys
-
-
-def _normal_per_image(keys: jax.Array, stream: int, index: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """One standard-normal draw per image, from that image's own key only. -> (B, *shape)."""
-    def one(key: jax.Array) -> jax.Array:
-        return jax.random.normal(jax.random.fold_in(jax.random.fold_in(key, stream), index), shape, jnp.float32)
-
-    return jax.vmap(one)(keys)
-
-
-_INIT_STREAM, _STEP_STREAM = 0, 1
-
-
-def build_program(sig: Signature, apply: Denoiser, null_class: int | None) -> Callable[..., jax.Array]:
-    """The whole sampling call as one pure function of (params, plan, seeds, labels, guidance, noise)."""
+def build_program(sig: Signature, apply: Denoiser) -> Callable[..., jax.Array]:
+    """The whole denoising call as one pure function of
+    (params, plan, seeds, cond, uncond, guidance, noise)."""
     spec = sig.spec
     draws = max(spec.noise_draws_per_step, 1)
 
-    def program(params: Any, plan: Plan, seeds: jax.Array, labels: jax.Array, guidance: jax.Array,
+    def program(params: Any, plan: Plan, seeds: jax.Array, cond: Any, uncond: Any, guidance: jax.Array,
                 noise: jax.Array) -> jax.Array:
         b = sig.batch
-        keys = _image_keys(seeds)
+        keys = image_keys(seeds)
         if sig.user_noise:
             x_t = noise.astype(jnp.float32)  # (B, H, W, C)
         else:
-            x_t = _normal_per_image(keys, _INIT_STREAM, jnp.int32(0), sig.sample_shape)
-        y = labels if sig.class_conditional else None
+            x_t = normal_per_image(keys, INIT_STREAM, jnp.int32(0), sig.sample_shape)
+        both_cond = jax.tree.map(lambda c, u: jnp.concatenate([c, u]), cond, uncond) if sig.guided else None
 
         def model(x: jax.Array, t: jax.Array) -> jax.Array:
             x = x.astype(sig.dtype)
             tb = jnp.broadcast_to(t.astype(jnp.float32), (b,))
             if not sig.guided:
-                return apply(params, x, tb, y).astype(jnp.float32)
-            both = apply(params, jnp.concatenate([x, x]), jnp.concatenate([tb, tb]),
-                         jnp.concatenate([y, jnp.full_like(y, null_class)])).astype(jnp.float32)
-            cond, uncond = both[:b], both[b:]
-            return uncond + guidance.astype(jnp.float32) * (cond - uncond)
+                return apply(params, x, tb, cond).astype(jnp.float32)
+            both = apply(params, jnp.concatenate([x, x]), jnp.concatenate([tb, tb]), both_cond).astype(jnp.float32)
+            c, u = both[:b], both[b:]  # (B, H, W, C) each
+            return u + guidance.astype(jnp.float32) * (c - u)
 
         def noise_fn(i: jax.Array, k: int) -> jax.Array:
-            return _normal_per_image(keys, _STEP_STREAM, i * draws + k, sig.sample_shape)
+            return normal_per_image(keys, STEP_STREAM, i * draws + k, sig.sample_shape)
 
         x0 = run(spec, model, plan, x_t, noise_fn)
-        return _to_pixels(x0)
+        return to_pixels(x0) if sig.pixels else x0
 
     return program
+
+
+def _first_positional(first: Any, inputs: dict[str, Any], family: Family) -> int:
+    """``pipe(8, ...)`` (n) or, for prompt families, ``pipe("a fox", ...)`` / ``pipe([...])``."""
+    if isinstance(first, str) or (isinstance(first, (list, tuple)) and first and all(isinstance(p, str) for p in first)):
+        if "prompt" not in family.inputs:
+            raise InvalidArgumentError(f"a {family.name} model takes no prompt; call it with n (an int)",
+                                       argument="prompt")
+        if "prompt" in inputs:
+            raise InvalidArgumentError("prompt given twice", argument="prompt")
+        inputs["prompt"] = first
+        n = inputs.pop("n", None)
+        if n is None:
+            return 1 if isinstance(first, str) else len(first)
+        return n
+    if first is not None and "n" in inputs:
+        raise InvalidArgumentError("n given twice", argument="n")
+    n = inputs.pop("n", None) if first is None else first
+    if n is None:
+        prompt = inputs.get("prompt")
+        return len(prompt) if isinstance(prompt, (list, tuple)) else 1
+    return n
 
 
 @dataclass
@@ -120,212 +169,272 @@ class Pipeline:
 
     apply: Denoiser
     params: Any
-    sample_shape: tuple[int, ...]  # NHWC per image: (H, W, C)
+    sample_shape: tuple[int, ...]  # NHWC per image at the default size: (H, W, C)
     scheduler_config: SchedulerConfig
-    fingerprint: dict[str, Any]  # architecture identity, for the compile cache (never the weights)
-    num_classes: int | None = None  # class-conditional models: number of real classes
+    fingerprint: dict[str, Any]  # denoiser identity, for the compile cache (never the weights)
+    family: Family = field(default_factory=lambda: _pixel())
+    num_classes: int | None = None  # class-conditional families: number of real classes
     null_class: int | None = None  # the "no class" label for classifier-free guidance
     labels: tuple[str, ...] = ()  # human names of the classes, index = label
-    defaults: dict[str, Any] = field(default_factory=dict)  # sampler / steps / guidance
+    defaults: dict[str, Any] = field(default_factory=dict)  # sampler / steps / guidance (complete)
     dtype: str = "float32"
     layout: str = "NCHW"  # layout of user-facing arrays (noise); the engine is NHWC inside
+    components: dict[str, Any] = field(default_factory=dict)  # a family's other parts (encoders, VAE, ...)
     compiler: Any = None  # preheat.cache's compiler; None = compile in memory only
     last: Timings = field(default_factory=Timings)
-    _executables: dict[Signature, Any] = field(default_factory=dict, repr=False)
+    _executables: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.defaults = {**self.family.defaults, **{k: v for k, v in self.defaults.items() if k in ("sampler", "steps", "guidance")}}
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_denoiser(cls, fn: Denoiser, params: Any, sample_shape: Sequence[int],
-                      scheduler_config: dict[str, Any] | SchedulerConfig | str | Path, *,
+    def from_denoiser(cls, fn: Callable[[Any, jax.Array, jax.Array, Any], jax.Array], params: Any,
+                      sample_shape: Sequence[int], scheduler_config: dict[str, Any] | SchedulerConfig | str | Path, *,
                       num_classes: int | None = None, null_class: int | None = None,
                       name: str | None = None, layout: str = "NHWC", **defaults: Any) -> "Pipeline":
         """Bring your own denoiser: ``fn(params, x, t, class_labels) -> prediction``.
 
         ``sample_shape`` is one sample's shape in ``layout`` ("NHWC", the Flax convention, or
-        "NCHW"); ``fn`` sees arrays in that layout. ``name`` identifies the architecture in
-        the compile cache (default: the function's qualified name).
+        "NCHW"); ``fn`` sees arrays in that layout. The compile cache identifies the model by
+        ``name`` (default: the function's qualified name) *and* a fingerprint of ``fn``'s lowered
+        program, so a changed function body is never served a stale executable.
         """
         if layout not in ("NHWC", "NCHW"):
-            raise InvalidArgumentError(f"layout={layout!r} is not supported; use 'NHWC' or 'NCHW'")
+            raise InvalidArgumentError(f"layout={layout!r} is not supported; use 'NHWC' or 'NCHW'", argument="layout")
         shape = tuple(int(s) for s in sample_shape)
         if len(shape) != 3 or min(shape) <= 0:
-            raise InvalidArgumentError(f"sample_shape={tuple(sample_shape)} must be three positive ints (one image)")
-        apply = fn
+            raise InvalidArgumentError(f"sample_shape={tuple(sample_shape)} must be three positive ints (one image)",
+                                       argument="sample_shape")
+        user_fn = fn
         if layout == "NCHW":
             shape = (shape[1], shape[2], shape[0])
 
-            def apply(p, x, t, y):  # the engine is NHWC inside
+            def user_fn(p: Any, x: jax.Array, t: jax.Array, y: Any) -> jax.Array:  # the engine is NHWC inside
                 return jnp.transpose(fn(p, jnp.transpose(x, (0, 3, 1, 2)), t, y), (0, 2, 3, 1))
+
+        def apply(p: Any, x: jax.Array, t: jax.Array, cond: Any) -> jax.Array:
+            return user_fn(p, x, t, cond.get("class_labels"))
 
         leaves = jax.tree.leaves(params)
         dtype = str(leaves[0].dtype) if leaves else "float32"
         fingerprint = {"kind": "denoiser", "name": name or f"{fn.__module__}.{fn.__qualname__}",
-                       "sample_shape": list(shape), "layout": layout}
+                       "sample_shape": list(shape), "layout": layout,
+                       "program": _lowered_fingerprint(user_fn, params, shape, dtype, num_classes is not None)}
         return cls(apply=apply, params=params, sample_shape=shape,
-                   scheduler_config=_scheduler_config(scheduler_config), fingerprint=fingerprint,
-                   num_classes=num_classes, null_class=null_class, defaults=defaults, dtype=dtype,
-                   layout=layout)
+                   scheduler_config=scheduler_config_of(scheduler_config), fingerprint=fingerprint,
+                   num_classes=num_classes, null_class=null_class, defaults=defaults, dtype=dtype, layout=layout)
 
     # ------------------------------------------------------------------ sampling
 
-    def __call__(self, n: int = 1, *, class_labels: Any = None, steps: int | None = None,
-                 sampler: str | None = None, guidance: float | None = None, seed: int | Sequence[int] = 0,
-                 noise: Any = None, eta: float = 0.0) -> list:
-        """Sample ``n`` images; returns ``list[PIL.Image]``. ``seed``: an int (image i gets
-        ``seed + i``) or one seed per image."""
+    def __call__(self, first: Any = None, /, **inputs: Any) -> list:
+        """Sample images; returns ``list[PIL.Image]``.
+
+        ``pipe(8, class_labels=3)`` for pixel families; ``pipe("a watercolor fox",
+        negative_prompt="blurry", width=512, height=512)`` (or a list of prompts, or ``n=4``
+        images of one prompt) for text families. ``seed``: an int (image i gets ``seed + i``)
+        or one seed per image.
+        """
         from PIL import Image
 
-        pixels = self.generate(n, class_labels=class_labels, steps=steps, sampler=sampler,
-                               guidance=guidance, seed=seed, noise=noise, eta=eta)
+        pixels = self.generate(first, **inputs)
         mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(pixels.shape[-1])
         if mode is None:
             raise InvalidArgumentError(f"cannot make images from {pixels.shape[-1]} channels; use generate() for arrays")
         return [Image.fromarray(p[..., 0] if mode == "L" else p, mode) for p in pixels]
 
-    def generate(self, n: int = 1, *, class_labels: Any = None, steps: int | None = None,
-                 sampler: str | None = None, guidance: float | None = None, seed: int | Sequence[int] = 0,
-                 noise: Any = None, eta: float = 0.0) -> np.ndarray:
+    def generate(self, first: Any = None, /, **inputs: Any) -> np.ndarray:
         """Like ``__call__`` but returns uint8 pixels, (n, H, W, C)."""
-        sig, args = self.prepare(n, class_labels=class_labels, steps=steps, sampler=sampler,
-                                 guidance=guidance, seed=seed, noise=noise, eta=eta)
+        request, sig, args = self._prepare(first, inputs)
+        out = self._run_denoise(sig, args)
+        if not self.family.pixels_in_loop:
+            out = self.family.finish(self, request, out)
+        return np.asarray(out)
+
+    def validate(self, first: Any = None, /, **inputs: Any) -> Request:
+        """Check a call's arguments (host-side only: nothing runs on the device) into a Request."""
+        inputs = dict(inputs)
+        n = _first_positional(first, inputs, self.family)
+        common = {k: inputs.pop(k) for k in COMMON_INPUTS if k in inputs}
+        n = check_int("n", n, 1)
+        sampler = common.get("sampler") or self.defaults["sampler"]
+        if sampler not in SAMPLERS:
+            raise SchedulerConfigError(f"unknown sampler {sampler!r}; supported: {', '.join(SAMPLERS)}")
+        steps = self.defaults["steps"] if common.get("steps") is None else common["steps"]
+        steps = check_int("steps", steps, 1)
+        values = self.family.check_inputs(self, n, inputs)
+        shape = self.family.sample_shape(self, values)
+        guided, scale = self._guidance(common.get("guidance"), values)
+        if not guided:
+            self.family.check_unguided(self, values)
+        seeds = seeds_for(n, 0 if common.get("seed") is None else common["seed"])
+        noise = common.get("noise")
+        noise_arr = self._noise(n, noise, shape) if noise is not None else None
+        eta = common.get("eta", 0.0)
+        try:
+            eta = float(eta)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"eta={eta!r} must be a number", argument="eta") from None
+        return Request(n=n, sampler=sampler, steps=steps, guided=guided, guidance=scale, seeds=seeds,
+                       noise=noise_arr, eta=eta, sample_shape=shape, values=values)
+
+    def prepare(self, first: Any = None, /, **inputs: Any) -> tuple[Signature, tuple]:
+        """Validate a call and turn it into (the denoising program's signature, its arguments).
+        For text families this runs the text-encoding stage (the embeddings are arguments)."""
+        _, sig, args = self._prepare(first, inputs)
+        return sig, args
+
+    def _prepare(self, first: Any, inputs: dict[str, Any]) -> tuple[Request, Signature, tuple]:
+        request = self.validate(first, **inputs)
+        self.last = Timings()
+        spec = make_spec(self.scheduler_config, request.sampler)
+        plan = make_plan(self.scheduler_config, request.sampler, request.steps, eta=request.eta)
+        conditioning = self.family.condition(self, request)
+        sig = Signature(family=self.family.name, spec=spec, batch=request.n, sample_shape=request.sample_shape,
+                        dtype=self.dtype, guided=request.guided, user_noise=request.noise is not None,
+                        conditioning=tuple(sorted(conditioning.cond)), pixels=self.family.pixels_in_loop)
+        noise = request.noise if request.noise is not None else np.zeros((), np.float32)
+        args = (self.params, plan, request.seeds, conditioning.cond, conditioning.uncond,
+                np.float32(request.guidance), noise)
+        return request, sig, args
+
+    def _run_denoise(self, sig: Signature, args: tuple) -> Any:
         executable = self.executable(sig, args)
         start = time.perf_counter()
         try:
-            out = np.asarray(executable(*args))
+            out = jax.block_until_ready(executable(*args))
         except jax.errors.JaxRuntimeError as exc:
-            if self.last.cache_layer != "aot" or self.compiler is None:
+            layer = self.last.stages.get("denoise", self.last).cache_layer
+            if layer != "aot" or self.compiler is None:
                 raise
             # A cached executable that loads but fails to run (seen on XLA:CPU: "Function ... not
             # found") is a bad entry like any other: quarantine it, compile, run again.
-            self.compiler.reject(self, sig, args, f"failed on its first run: {str(exc)[:200]}")
+            self.compiler.reject(self.fingerprint, sig, args, f"failed on its first run: {str(exc)[:200]}")
             self._executables.pop(sig, None)
             executable = self.executable(sig, args)
             start = time.perf_counter()
-            out = np.asarray(executable(*args))
-        self.last.run_s = time.perf_counter() - start
+            out = jax.block_until_ready(executable(*args))
+        self.last.stages["denoise"].run_s = run_s = time.perf_counter() - start
+        self.last.run_s += run_s
         return out
 
-    def prepare(self, n: int = 1, *, class_labels: Any = None, steps: int | None = None,
-                sampler: str | None = None, guidance: float | None = None, seed: int | Sequence[int] = 0,
-                noise: Any = None, eta: float = 0.0) -> tuple[Signature, tuple]:
-        """Validate a call and turn it into (static signature, runtime arguments)."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
-            raise InvalidArgumentError(f"n={n!r} must be a positive int")
-        n = int(n)
-        sampler = sampler or self.defaults.get("sampler", "ddpm")
-        if sampler not in SAMPLERS:
-            raise SchedulerConfigError(f"unknown sampler {sampler!r}; supported: {', '.join(SAMPLERS)}")
-        steps = self.defaults.get("steps", 50) if steps is None else steps
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps <= 0:
-            raise InvalidArgumentError(f"steps={steps!r} must be a positive int")
-        spec = make_spec(self.scheduler_config, sampler)
-        plan = make_plan(self.scheduler_config, sampler, int(steps), eta=eta)
-        labels = self._labels(n, class_labels)
-        guided, scale = self._guidance(guidance)
-        seeds = self._seeds(n, seed)
-        user_noise = noise is not None
-        noise_arr = self._noise(n, noise) if user_noise else np.zeros((), np.float32)
-        sig = Signature(spec=spec, batch=n, sample_shape=self.sample_shape, dtype=self.dtype, guided=guided,
-                        user_noise=user_noise, class_conditional=self.num_classes is not None)
-        args = (self.params, plan, seeds, labels, np.float32(scale), noise_arr)
-        return sig, args
-
     def executable(self, sig: Signature, args: tuple) -> Callable[..., Any]:
-        """The compiled program for ``sig``: from memory, the compile cache, or a fresh compile."""
+        """The compiled denoising program for ``sig``: from memory, the compile cache, or a fresh compile."""
+        return self.compiled_stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args)
+
+    def compiled_stage(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
+                       args: tuple, outputs: int = 1) -> Callable[..., Any]:
+        """One stage's executable (memory, then the compile cache, then a compile); its timings
+        are recorded in ``last.stages[stage]``. ``outputs``: 1 (an array) or k (a k-tuple)."""
         hit = self._executables.get(sig)
         if hit is not None:
-            self.last = Timings(cache_layer="memory")
+            self.last.add(stage, Timings(cache_layer="memory"))
             return hit
-        program = build_program(sig, self.apply, self.null_class)
+        program = make_program()
         if self.compiler is not None:
-            compiled, timings = self.compiler.get_or_compile(self, sig, program, args)
+            compiled, timings = self.compiler.get_or_compile(fingerprint, sig, program, args, outputs=outputs)
         else:
             start = time.perf_counter()
             lowered = jax.jit(program).lower(*args)
             traced = time.perf_counter()
             compiled = lowered.compile()
             timings = Timings(trace_lower_s=traced - start, compile_s=time.perf_counter() - traced, cache_layer="none")
-        self.last = timings
+        self.last.add(stage, timings)
         self._executables[sig] = compiled
         return compiled
 
-    # ------------------------------------------------------------------ argument checks
+    def run_stage(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
+                  args: tuple, outputs: int = 1) -> Any:
+        """Compile (or fetch) and run one encode/decode stage, timing its run."""
+        executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs)
+        start = time.perf_counter()
+        out = jax.block_until_ready(executable(*args))
+        self.last.stages[stage].run_s = run_s = time.perf_counter() - start
+        self.last.run_s += run_s
+        return out
 
-    def _labels(self, n: int, class_labels: Any) -> np.ndarray:
-        if self.num_classes is None:
-            if class_labels is not None:
-                raise InvalidArgumentError("class_labels given, but this model is not class-conditional")
-            return np.zeros((n,), np.int32)
-        if class_labels is None:
-            return (np.arange(n) % self.num_classes).astype(np.int32)  # a tour of the classes
-        if isinstance(class_labels, (int, str, np.integer)):
-            class_labels = [class_labels] * n
-        class_labels = list(class_labels)
-        if len(class_labels) != n:
-            raise InvalidArgumentError(f"got {len(class_labels)} class_labels for n={n}; give one per image or one for all")
-        return np.asarray([self.class_index(c) for c in class_labels], np.int32)
+    # ------------------------------------------------------------------ argument checks
 
     def class_index(self, c: Any) -> int:
         """A class given as an index or a label name -> its index; unknown -> one-line error."""
-        if self.num_classes is None:
-            raise InvalidArgumentError("this model is not class-conditional")
-        if isinstance(c, str):
-            if c in self.labels:
-                return self.labels.index(c)
-            if c.strip().lstrip("-").isdigit():
-                c = int(c)
-            else:
-                raise InvalidArgumentError(f"unknown class {c!r}; known classes: {', '.join(self.labels) or f'0..{self.num_classes - 1}'}")
-        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= int(c) < self.num_classes:
-            raise InvalidArgumentError(f"unknown class {c!r}; classes are 0..{self.num_classes - 1}")
-        return int(c)
+        from preheat.families.pixel import class_index
 
-    def is_guided(self, guidance: float | None = None) -> bool:
+        return class_index(self, c)
+
+    def is_guided(self, guidance: float | None = None, **inputs: Any) -> bool:
         """Whether a call with this ``guidance`` (None = the model's default) runs guided."""
-        return self._guidance(guidance)[0]
+        return self._guidance(guidance, inputs)[0]
 
-    def _guidance(self, guidance: float | None) -> tuple[bool, float]:
+    def _guidance(self, guidance: float | None, values: dict[str, Any]) -> tuple[bool, float]:
         g = self.defaults.get("guidance") if guidance is None else guidance
         if g is None:
             return False, 1.0
         try:
             g = float(g)
         except (TypeError, ValueError):
-            raise InvalidArgumentError(f"guidance={guidance!r} must be a number") from None
+            raise InvalidArgumentError(f"guidance={guidance!r} must be a number", argument="guidance") from None
         if not np.isfinite(g) or g < 0:
-            raise InvalidArgumentError(f"guidance={g} must be a finite number >= 0")
+            raise InvalidArgumentError(f"guidance={g} must be a finite number >= 0", argument="guidance")
         if g == 1.0:
             return False, 1.0
-        if self.null_class is None:
-            raise InvalidArgumentError(
-                f"guidance={g} needs a class-conditional model with a null class; this model has none (use guidance=1)")
+        why = self.family.guidance_error(self, values)
+        if why:
+            raise InvalidArgumentError(f"guidance={g} {why}", argument="guidance")
         return True, g
 
-    @staticmethod
-    def _seeds(n: int, seed: int | Sequence[int]) -> np.ndarray:
-        if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-            seeds = [int(seed) + i for i in range(n)]
-        elif isinstance(seed, (list, tuple, np.ndarray)):
-            seeds = [int(s) for s in seed]
-            if len(seeds) != n:
-                raise InvalidArgumentError(f"got {len(seeds)} seeds for n={n}; give one int or one per image")
-        else:
-            raise InvalidArgumentError(f"seed={seed!r} must be an int or a list of ints")
-        if any(not 0 <= s < 2**32 for s in seeds):
-            raise InvalidArgumentError(f"seeds must be in [0, 2**32); got {min(seeds)}..{max(seeds)}")
-        return np.asarray(seeds, np.uint32)
-
-    def _noise(self, n: int, noise: Any) -> np.ndarray:
-        arr = np.asarray(noise, dtype=np.float32)
-        h, w, c = self.sample_shape
+    def _noise(self, n: int, noise: Any, shape: tuple[int, ...]) -> np.ndarray:
+        try:
+            arr = np.asarray(noise, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError("noise must be an array of floats", argument="noise") from None
+        h, w, c = shape
         want = (n, c, h, w) if self.layout == "NCHW" else (n, h, w, c)
         if arr.shape != want:
-            raise InvalidArgumentError(f"noise has shape {arr.shape}, expected {want} ({self.layout}, n={n})")
+            raise InvalidArgumentError(f"noise has shape {arr.shape}, expected {want} ({self.layout}, n={n})",
+                                       argument="noise")
         return arr.transpose(0, 2, 3, 1) if self.layout == "NCHW" else arr
 
 
-def _scheduler_config(source: dict[str, Any] | SchedulerConfig | str | Path) -> SchedulerConfig:
+def seeds_for(n: int, seed: int | Sequence[int]) -> np.ndarray:
+    """Per-image uint32 seeds: ``seed + i`` from an int, or one given per image."""
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+        seeds = [int(seed) + i for i in range(n)]
+    elif isinstance(seed, (list, tuple, np.ndarray)):
+        try:
+            seeds = [int(s) for s in seed]
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"seed={seed!r} must be an int or a list of ints", argument="seed") from None
+        if len(seeds) != n:
+            raise InvalidArgumentError(f"got {len(seeds)} seeds for n={n}; give one int or one per image", argument="seed")
+    else:
+        raise InvalidArgumentError(f"seed={seed!r} must be an int or a list of ints", argument="seed")
+    if any(not 0 <= s < 2**32 for s in seeds):
+        raise InvalidArgumentError(f"seeds must be in [0, 2**32); got {min(seeds)}..{max(seeds)}", argument="seed")
+    return np.asarray(seeds, np.uint32)
+
+
+def _lowered_fingerprint(fn: Callable, params: Any, shape: tuple[int, ...], dtype: str, labels: bool) -> str:
+    """sha256 of the StableHLO of one denoiser call: changes whenever the traced code does."""
+    import hashlib
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.float32)), params)
+    x = jax.ShapeDtypeStruct((1, *shape), dtype)
+    t = jax.ShapeDtypeStruct((1,), jnp.float32)
+    y = jax.ShapeDtypeStruct((1,), jnp.int32) if labels else None
+    try:
+        text = jax.jit(fn).lower(abstract, x, t, y).as_text()
+    except Exception as exc:  # a denoiser that cannot be traced fails here with its own message
+        raise InvalidArgumentError(f"the denoiser cannot be traced with sample_shape={shape}: "
+                                   f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                                   argument="fn") from None
+    # drop location metadata (file paths, line numbers) so that moving code does not change the key
+    lines = [ln.split(" loc(")[0] for ln in text.splitlines() if not ln.lstrip().startswith("#loc")]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def scheduler_config_of(source: dict[str, Any] | SchedulerConfig | str | Path) -> SchedulerConfig:
+    """A SchedulerConfig from itself, a dict, a scheduler_config.json or the folder holding it."""
     if isinstance(source, SchedulerConfig):
         return source
     if isinstance(source, dict):
@@ -338,13 +447,23 @@ def _scheduler_config(source: dict[str, Any] | SchedulerConfig | str | Path) -> 
     return SchedulerConfig.from_file(path)
 
 
-def _find_scheduler(root: Path, unet_dir: Path) -> Path:
+scheduler_config = scheduler_config_of
+
+
+def find_scheduler(root: Path, model_dir: Path) -> Path:
+    """The scheduler config of a pipeline folder (``scheduler/``) or next to a bare model."""
     for candidate in (root / "scheduler" / "scheduler_config.json", root / "scheduler_config.json",
-                      unet_dir / "scheduler_config.json"):
+                      model_dir / "scheduler_config.json"):
         if candidate.is_file():
             return candidate
     raise ModelNotFoundError(
-        f"{root} has no scheduler/scheduler_config.json; pass scheduler=PATH for a bare UNet folder")
+        f"{root} has no scheduler/scheduler_config.json; pass scheduler=PATH for a bare model folder")
+
+
+def _pixel() -> Family:
+    from preheat.families.pixel import PIXEL
+
+    return PIXEL
 
 
 def make_compiler(cache: str | None = None) -> Any:
@@ -354,7 +473,7 @@ def make_compiler(cache: str | None = None) -> Any:
 
     mode = cache or os.environ.get("PREHEAT_CACHE", "full")
     if mode not in ("full", "xla", "off"):
-        raise InvalidArgumentError(f"cache mode {mode!r} is not supported; use full, xla or off")
+        raise InvalidArgumentError(f"cache mode {mode!r} is not supported; use full, xla or off", argument="cache")
     if mode == "off":
         return None
     from preheat.cache.compile import JaxCompiler
@@ -363,47 +482,38 @@ def make_compiler(cache: str | None = None) -> Any:
 
 
 def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
-         cache: str | None = None, backend: str = "jax", compile: str = "none") -> Pipeline:
+         cache: str | None = None, backend: str = "jax", compile: str = "none", variant: str | None = None,
+         **options: Any) -> Any:
     """A sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
 
     ``model``: a diffusers-format folder, or a source for the weights store (``hf://org/repo[@rev]``,
-    an ``http(s)://`` tarball), read from the store with no network once pulled.
+    an ``http(s)://`` tarball), read from the store with no network once pulled. The family is
+    chosen from ``model_index.json``'s ``_class_name`` (or a bare model's ``config.json``); see
+    ``preheat.families``.
 
     ``scheduler``: a scheduler_config.json path or dict, for a bare UNet folder without one.
+    ``dtype``: the denoiser's dtype (float32, bfloat16, float16); a VAE that asks for it stays float32.
+    ``variant``: weight files ``*.{variant}.safetensors`` (e.g. "fp16").
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
-    ``backend="torch"`` returns a ``TorchPipeline`` (same call API) running diffusers' own UNet and
-    schedulers, with ``compile`` = "none" (eager), "inductor" (torch.compile) or "aot" (AOTInductor).
+    ``backend="torch"`` returns the same call API on diffusers' own models, with ``compile`` =
+    "none" (eager), "inductor" (torch.compile) or "aot" (AOTInductor).
     """
     if backend == "torch":
         from preheat.backends.torch import load as load_torch
 
-        return load_torch(model, compile=compile, dtype=dtype, scheduler=scheduler, cache=cache)
+        return load_torch(model, compile=compile, dtype=dtype, scheduler=scheduler, cache=cache, variant=variant,
+                          **options)
     if backend != "jax":
-        raise InvalidArgumentError(f"backend={backend!r} is not supported; use 'jax' or 'torch'")
+        raise InvalidArgumentError(f"backend={backend!r} is not supported; use 'jax' or 'torch'", argument="backend")
     if compile != "none":
-        raise InvalidArgumentError(f"compile={compile!r} applies to backend='torch'; the JAX loop is always compiled")
-    from preheat.models.folders import image_size, pipeline_extras
-    from preheat.models.loading import load_unet, resolve_unet_dir
-
+        raise InvalidArgumentError(f"compile={compile!r} applies to backend='torch'; the JAX loop is always compiled",
+                                   argument="compile")
     compiler = make_compiler(cache)  # first: JAX's cache must be configured before anything compiles
 
+    from preheat.families import family_loader
     from preheat.store import resolve
 
     # A local folder as it is; http(s):// and hf:// sources from the weights store (pulled once).
     root = BUILTIN_MODEL if model is None else resolve(str(model))
-    unet_dir = resolve_unet_dir(root)
-    sched = _scheduler_config(scheduler if scheduler is not None else _find_scheduler(root, unet_dir))
-    unet = load_unet(unet_dir, dtype=jnp.dtype(dtype))
-    cfg = unet.config
-    extra = pipeline_extras(root)
-    h, w = image_size(cfg.sample_size, unet_dir)
-    num_classes = None
-    null_class = extra.get("null_class")
-    if cfg.num_class_embeds is not None and cfg.class_embed_type is None:
-        num_classes = cfg.num_class_embeds - (1 if null_class is not None else 0)
-    labels = tuple(extra.get("labels", ()))
-    fingerprint = {"kind": "unet2d", "config": cfg.architecture_dict(), "sample_size": [h, w]}
-    return Pipeline(apply=unet.apply, params=unet.params, sample_shape=(h, w, cfg.in_channels),
-                    scheduler_config=sched, fingerprint=fingerprint, num_classes=num_classes,
-                    null_class=null_class, labels=labels, defaults=dict(extra.get("defaults", {})),
-                    dtype=str(jnp.dtype(dtype)), layout="NCHW", compiler=compiler)
+    loader = family_loader(root)
+    return loader(root, scheduler=scheduler, dtype=dtype, compiler=compiler, variant=variant, **options)

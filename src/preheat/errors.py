@@ -11,7 +11,8 @@ problem (and, where there is one, the fix). Surfaces (CLI, server, Runpod handle
     │   ├── UnsupportedConfigError a config value/block preheat does not implement
     │   └── WeightsError          missing / extra / mis-shaped / wrong-dtype tensors
     ├── SchedulerConfigError  a scheduler config or sampler choice is not supported
-    ├── InvalidArgumentError  a bad call argument (n <= 0, unknown class, bad noise shape, ...)
+    ├── InvalidArgumentError  a bad call argument (n <= 0, unknown class, bad noise shape, ...);
+    │                         ``.argument`` names it
     ├── CacheError            the cache root or an entry cannot be used (entries are
     │   │                     quarantined and recompiled; this surfaces only for the root)
     │   └── CacheEntryError       one entry failed verification (caught internally)
@@ -64,7 +65,12 @@ class SchedulerConfigError(PreheatError, ValueError):
 
 
 class InvalidArgumentError(PreheatError, ValueError):
-    """A bad argument to a public call."""
+    """A bad argument to a public call. ``argument`` names it (the engine's keyword, e.g.
+    ``"steps"``), so that a surface can point at its own field without reading the message."""
+
+    def __init__(self, message: str, *, argument: str | None = None):
+        super().__init__(message)
+        self.argument = argument
 
 
 class CacheError(PreheatError):

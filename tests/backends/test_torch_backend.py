@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
 import preheat  # noqa: E402
-from preheat import engine  # noqa: E402
+from preheat import engine, noise  # noqa: E402
 from preheat.backends.torch import TorchPipeline, initial_noise  # noqa: E402
 from preheat.backends.torch import load as torch_load  # noqa: E402
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, PreheatError  # noqa: E402
@@ -40,8 +40,8 @@ def _diff(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
 def test_initial_noise_is_the_engines_batch_draw():
     seeds = np.array([0, 1, 7, 2**32 - 1], np.uint32)
     for shape in [(8, 8, 1), (5, 6, 3)]:
-        ref = jax.jit(lambda s, shape=shape: engine._normal_per_image(
-            engine._image_keys(s), engine._INIT_STREAM, jnp.int32(0), shape))(seeds)
+        ref = jax.jit(lambda s, shape=shape: noise.normal_per_image(
+            noise.image_keys(s), noise.INIT_STREAM, jnp.int32(0), shape))(seeds)
         got = initial_noise(seeds, shape)
         assert got.shape == (4, shape[2], shape[0], shape[1]) and got.dtype == np.float32
         np.testing.assert_array_equal(got, np.asarray(ref).transpose(0, 3, 1, 2))
@@ -134,8 +134,8 @@ def test_call_api_and_metadata(pipes):
     torch_pipe(5, steps=2, class_labels="4")
     assert torch_pipe.last.cache_layer == "memory"
     assert torch_pipe.last.run_s > 0 and torch_pipe.last.compile_s == 0
-    sig, _ = torch_pipe.prepare(3, guidance=2.0)
-    assert sig.guided and sig.batch == 3
+    request = torch_pipe.validate(3, guidance=2.0)
+    assert request.guided and request.n == 3
 
 
 def test_stochastic_sampler_is_reproducible_per_image(pipes):

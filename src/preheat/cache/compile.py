@@ -38,22 +38,38 @@ from preheat.cache.entries import (
 )
 from preheat.cache.root import resolve_root
 from preheat.errors import CacheEntryError
+from preheat.timings import Timings
 
 __all__ = ["JaxCompiler", "key_fields", "key_of", "configure_persistent_cache", "tracing_source_hash",
-           "nearest_entry"]
+           "traced_sources", "nearest_entry"]
 
 log = logging.getLogger("preheat.cache")
 
 EXECUTABLE = "executable.bin"
-# The source files whose code is traced into the sampling program.
-_TRACED_SOURCES = ("engine.py", "samplers/_solvers.py", "samplers/_plan.py", "models/unet2d.py", "models/loading.py")
+# Packages and modules that never run inside a traced program (surfaces, caches, I/O). Every
+# other module of preheat -- the engine, samplers, models, families, and any file added to them
+# later -- is part of the key, so a new model file cannot be left out of it by accident.
+_NOT_TRACED = ("cache", "store", "server", "bench", "backends", "integrations", "train", "doctor", "cli",
+               "_cli_support.py", "__main__.py", "_version.py", "errors.py", "timings.py", "assets")
+
+
+def traced_sources() -> list[str]:
+    """The preheat source files whose code may be traced into a compiled program (relative paths)."""
+    base = Path(__file__).resolve().parent.parent
+    out = []
+    for path in sorted(base.rglob("*.py")):
+        rel = path.relative_to(base).as_posix()
+        if rel.split("/", 1)[0] in _NOT_TRACED or rel.split("/", 1)[0].removesuffix(".py") in _NOT_TRACED:
+            continue
+        out.append(rel)
+    return out
 
 
 @functools.lru_cache(maxsize=1)
 def tracing_source_hash() -> str:
     base = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for rel in _TRACED_SOURCES:
+    for rel in traced_sources():
         h.update(rel.encode())
         h.update((base / rel).read_bytes())
     return h.hexdigest()[:16]
@@ -214,15 +230,16 @@ class JaxCompiler:
         if mode in ("full", "xla"):
             configure_persistent_cache(self.root)
 
-    def get_or_compile(self, pipeline: Any, sig: Any, program: Callable[..., Any], args: tuple) -> tuple[Any, Any]:
-        from preheat.engine import Timings
-
-        fields = key_fields(pipeline.fingerprint, sig, args)
+    def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: tuple,
+                       outputs: int = 1) -> tuple[Any, Timings]:
+        """``fingerprint``: the model component's identity (architecture, never weights);
+        ``outputs``: 1 when the program returns one array, k for a k-tuple of arrays."""
+        fields = key_fields(fingerprint, sig, args)
         key = key_of(fields)
-        record: dict[str, Any] = {"key": key}
+        record: dict[str, Any] = {"key": key, "stage": getattr(sig, "stage", "denoise")}
         if self.mode == "full":
             start = time.perf_counter()
-            compiled = self._load(key, fields, args, record)
+            compiled = self._load(key, fields, args, record, outputs)
             if compiled is not None:
                 timings = Timings(trace_lower_s=0.0, compile_s=time.perf_counter() - start, cache_layer="aot")
                 self._note(record, timings)
@@ -253,9 +270,9 @@ class JaxCompiler:
         self._note(record, timings)
         return compiled, timings
 
-    def reject(self, pipeline: Any, sig: Any, args: tuple, reason: str) -> None:
+    def reject(self, fingerprint: dict[str, Any], sig: Any, args: tuple, reason: str) -> None:
         """Quarantine the entry that served ``sig`` (it loaded but failed to run)."""
-        key = key_of(key_fields(pipeline.fingerprint, sig, args))
+        key = key_of(key_fields(fingerprint, sig, args))
         record: dict[str, Any] = {"key": key}
         self._quarantine(self.kind_dir / key, reason, record)
         self.events.append(record)
@@ -272,7 +289,7 @@ class JaxCompiler:
             return "no entries yet"
         return f"nearest entry {name[:12]} differs in {', '.join(diff[:6])}"
 
-    def _load(self, key: str, fields: dict[str, Any], args: tuple, record: dict[str, Any]) -> Any:
+    def _load(self, key: str, fields: dict[str, Any], args: tuple, record: dict[str, Any], outputs: int = 1) -> Any:
         from jax.experimental.serialize_executable import deserialize_and_load
 
         path = self.kind_dir / key
@@ -295,7 +312,7 @@ class JaxCompiler:
             return None
         payload = entry.file(EXECUTABLE).read_bytes()
         in_tree = jax.tree_util.tree_structure((tuple(args), {}))
-        out_tree = jax.tree_util.tree_structure(0)
+        out_tree = jax.tree_util.tree_structure(0 if outputs == 1 else tuple(range(outputs)))
         try:
             with LoadingMarker(path):
                 compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=jax.devices()[:1])

@@ -88,13 +88,14 @@ class UNet2D:
         return jnp.transpose(out, (0, 3, 1, 2))  # NHWC -> NCHW
 
 
-def load_unet(path: str | Path, dtype: Any = jnp.float32) -> UNet2D:
-    """Load a diffusers UNet2DModel folder (or a pipeline folder's ``unet/``) into JAX."""
+def load_unet(path: str | Path, dtype: Any = jnp.float32, variant: str | None = None) -> UNet2D:
+    """Load a diffusers UNet2DModel folder (or a pipeline folder's ``unet/``) into JAX.
+    ``variant``: read ``diffusion_pytorch_model.<variant>.safetensors`` (e.g. "fp16")."""
     dtype = check_dtype(dtype)
     unet_dir = resolve_unet_dir(path)
     config = read_unet_config(unet_dir)
     graphdef, abstract = build_abstract(config)
-    tensors = read_tensors(weight_files(unet_dir, (DIFFUSERS_STEM,)), rename=legacy_unet_key)
+    tensors = read_tensors(weight_files(unet_dir, (DIFFUSERS_STEM,), variant), rename=legacy_unet_key)
     params = fill(abstract, tensors, dtype, str(unet_dir))
     return UNet2D(config=config, graphdef=graphdef, params=params, dtype=dtype)
 

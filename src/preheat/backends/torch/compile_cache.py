@@ -56,6 +56,7 @@ from preheat.cache.atomic import atomic_write_bytes
 from preheat.cache.entries import SCHEMA, Entry, LoadingMarker, checked_entry, publish_entry, quarantine
 from preheat.cache.root import resolve_root
 from preheat.errors import CacheEntryError
+from preheat.timings import Timings
 
 __all__ = ["TorchCompiler", "torch_key_fields", "INDUCTOR_OPTIONS", "AOT_INDUCTOR_CONFIGS", "CACHE_MODES"]
 
@@ -322,7 +323,6 @@ class TorchCompiler:
 
     @staticmethod
     def _inductor_timings(before: dict[str, float], start: float, loaded: float, end: float, layer: str) -> Any:
-        from preheat.engine import Timings
 
         after = _compile_metrics()
         dynamo = after.get("_compile.compile_inner", 0.0) - before.get("_compile.compile_inner", 0.0)
@@ -363,7 +363,6 @@ class TorchCompiler:
         import torch
 
         from preheat.cache.compile import key_of
-        from preheat.engine import Timings
 
         key = key_of(fields)
         record: dict[str, Any] = {"key": key, "mode": "aot"}

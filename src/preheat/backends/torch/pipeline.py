@@ -32,62 +32,34 @@ See ``preheat.backends.torch.compile_cache`` for the cache entries and their key
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from preheat.backends.torch.compile_cache import CACHE_MODES, TorchCompiler, torch_key_fields
 from preheat.backends.torch.sampling import make_scheduler, sample_loop
-from preheat.engine import BUILTIN_MODEL, Pipeline, Timings, _find_scheduler, _scheduler_config
+from preheat.engine import BUILTIN_MODEL, Pipeline, find_scheduler, scheduler_config_of
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
+from preheat.families.pixel import PIXEL
 from preheat.models.folders import image_size, pipeline_extras, resolve_unet_dir
+from preheat.models.weights import read_json
+from preheat.noise import initial_noise
 from preheat.samplers import SchedulerConfig
+from preheat.timings import Timings
 
-__all__ = ["TorchPipeline", "load", "initial_noise", "COMPILE_MODES", "DETERMINISTIC_SAMPLERS"]
+__all__ = ["TorchPipeline", "load", "initial_noise", "COMPILE_MODES", "DETERMINISTIC_SAMPLERS"]  # initial_noise: re-exported
 
 COMPILE_MODES = ("none", "inductor", "aot")
 # Samplers whose images agree across backends (given eta=0 for ddim): no per-step noise.
 DETERMINISTIC_SAMPLERS = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# ---------------------------------------------------------------------------------------------
-# The JAX engine's initial noise
-
-
-@functools.lru_cache(maxsize=None)
-def _noise_program(sample_shape: tuple[int, ...]) -> Callable[[np.ndarray], Any]:
-    """One image's initial noise from its seed; compiled once per image shape (not per batch)."""
-    import jax
-    import jax.numpy as jnp
-
-    from preheat import engine
-
-    def draw(seed: Any) -> Any:  # exactly what engine.build_program draws without user noise, for one image
-        return engine._normal_per_image(engine._image_keys(seed[None]), engine._INIT_STREAM, jnp.int32(0),
-                                        sample_shape)[0]
-
-    return jax.jit(draw)
-
-
-def initial_noise(seeds: Sequence[int] | np.ndarray, sample_shape: Sequence[int]) -> np.ndarray:
-    """The initial noise the JAX engine draws for ``seeds`` (one per image), as float32 NCHW.
-
-    ``sample_shape`` is one image in the engine's NHWC order, (H, W, C) (``Pipeline.sample_shape``).
-    Seeds are per image, so drawing image by image gives the engine's batch draw exactly.
-    """
-    seeds = np.asarray(seeds, np.uint32).reshape(-1)
-    program = _noise_program(tuple(int(s) for s in sample_shape))
-    nhwc = np.stack([np.asarray(program(np.uint32(s))) for s in seeds])
-    return np.ascontiguousarray(nhwc.transpose(0, 3, 1, 2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +118,7 @@ class TorchPipeline:
     compile: str = "none"
     compiler: TorchCompiler | None = None
     layout: str = "NCHW"  # user-facing arrays (noise) are NCHW, as for diffusers
-    params: Any = None  # (Pipeline.prepare puts this first in its runtime arguments)
+    family: Any = field(default_factory=lambda: PIXEL)
     last: Timings = field(default_factory=Timings)
     _runners: dict[int, Callable[..., torch.Tensor]] = field(default_factory=dict, repr=False)
     _module: Any = field(default=None, repr=False)
@@ -154,42 +126,37 @@ class TorchPipeline:
 
     # The JAX Pipeline's argument handling, shared rather than copied: same checks, same errors.
     __call__ = Pipeline.__call__
-    prepare = Pipeline.prepare
+    __post_init__ = Pipeline.__post_init__
+    validate = Pipeline.validate
     class_index = Pipeline.class_index
-    _labels = Pipeline._labels
     _guidance = Pipeline._guidance
     is_guided = Pipeline.is_guided
-    _seeds = Pipeline.__dict__["_seeds"]
     _noise = Pipeline._noise
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
-    def generate(self, n: int = 1, *, class_labels: Any = None, steps: int | None = None,
-                 sampler: str | None = None, guidance: float | None = None, seed: int | Sequence[int] = 0,
-                 noise: Any = None, eta: float = 0.0) -> np.ndarray:
+    def generate(self, first: Any = None, /, **inputs: Any) -> np.ndarray:
         """Like ``__call__`` but returns uint8 pixels, (n, H, W, C)."""
-        sig, args = self.prepare(n, class_labels=class_labels, steps=steps, sampler=sampler,
-                                 guidance=guidance, seed=seed, noise=noise, eta=eta)
-        _, _, seeds, labels, scale, user_noise = args
-        sampler = sampler or self.defaults.get("sampler", "ddpm")
-        steps = int(self.defaults.get("steps", 50) if steps is None else steps)
-        n = sig.batch
+        request = self.validate(first, **inputs)
+        labels = request.values["class_labels"]
+        n = request.n
 
         self.last = Timings(cache_layer="memory")
-        self._runner(n * (2 if sig.guided else 1), prepare=True)  # compile / load here, not in the loop
+        self._runner(n * (2 if request.guided else 1), prepare=True)  # compile / load here, not in the loop
         timings = self.last
 
         start = time.perf_counter()
-        nchw = user_noise.transpose(0, 3, 1, 2) if sig.user_noise else initial_noise(seeds, self.sample_shape)
+        nchw = (request.noise.transpose(0, 3, 1, 2) if request.noise is not None
+                else initial_noise(request.seeds, request.sample_shape))
         x = torch.from_numpy(np.array(nchw, np.float32, order="C")).to(self.device)
-        y = torch.from_numpy(labels.astype(np.int64)).to(self.device) if sig.class_conditional else None
-        generators = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
-        scheduler = make_scheduler(sampler, self.scheduler_dict)
-        pixels = sample_loop(_Denoiser(self), scheduler, x, steps, class_labels=y,
-                             guidance=float(scale) if sig.guided else None, null_class=self.null_class,
-                             eta=eta, generator=generators)
+        y = torch.from_numpy(labels.astype(np.int64)).to(self.device) if labels is not None else None
+        generators = [torch.Generator("cpu").manual_seed(int(s)) for s in request.seeds]
+        scheduler = make_scheduler(request.sampler, self.scheduler_dict)
+        pixels = sample_loop(_Denoiser(self), scheduler, x, request.steps, class_labels=y,
+                             guidance=request.guidance if request.guided else None, null_class=self.null_class,
+                             eta=request.eta, generator=generators)
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         timings.run_s = time.perf_counter() - start
@@ -304,7 +271,8 @@ def make_compiler(cache: str | None = None) -> TorchCompiler:
 
 
 def load(model: str | Path | None = None, *, compile: str = "none", dtype: Any = "float32",
-         device: str | None = None, scheduler: Any = None, cache: str | None = None) -> TorchPipeline:
+         device: str | None = None, scheduler: Any = None, cache: str | None = None,
+         variant: str | None = None) -> TorchPipeline:
     """A ``TorchPipeline`` for ``model``; ``None`` = the built-in model.
 
     ``model``: a diffusers-format folder, or a weights-store source (``hf://org/repo[@rev]``, an
@@ -338,20 +306,17 @@ def load(model: str | Path | None = None, *, compile: str = "none", dtype: Any =
     # As preheat.load: a local folder as it is; http(s):// and hf:// sources from the weights store.
     root = BUILTIN_MODEL if model is None else resolve(str(model))
     unet_dir = resolve_unet_dir(root)
-    try:
-        raw = json.loads((unet_dir / "config.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise UnsupportedConfigError(f"{unet_dir / 'config.json'} is not valid JSON: {exc.msg} (line {exc.lineno})") from None
-    cls = raw.get("_class_name", "UNet2DModel") if isinstance(raw, dict) else None
+    raw = read_json(unet_dir / "config.json")
+    cls = raw.get("_class_name", "UNet2DModel")
     if cls != "UNet2DModel":
         raise UnsupportedConfigError(f"unsupported model class {cls!r} in {unet_dir / 'config.json'}; supported: 'UNet2DModel'")
-    sched_source = scheduler if scheduler is not None else _find_scheduler(root, unet_dir)
-    sched = _scheduler_config(sched_source)
+    sched_source = scheduler if scheduler is not None else find_scheduler(root, unet_dir)
+    sched = scheduler_config_of(sched_source)
     sched_dict = _scheduler_dict(sched_source)
 
     from diffusers import UNet2DModel
 
-    unet = UNet2DModel.from_pretrained(unet_dir, torch_dtype=_DTYPES[dtype], low_cpu_mem_usage=False)
+    unet = UNet2DModel.from_pretrained(unet_dir, torch_dtype=_DTYPES[dtype], low_cpu_mem_usage=False, variant=variant)
     unet = unet.to(torch_device).eval().requires_grad_(False)
     cfg = unet.config
     extra = pipeline_extras(root)

@@ -1,0 +1,66 @@
+"""Model families: which loader a diffusers folder gets, chosen from its ``_class_name``.
+
+    _class_name (model_index.json, or a bare model's config.json)   family
+    ----------------------------------------------------------------  ----------------------------
+    DDPMPipeline, DDIMPipeline, (bare) UNet2DModel, preheat's digits   pixel (``families.pixel``)
+    StableDiffusionPipeline                                            stable-diffusion (1.x, 2.x)
+    StableDiffusionXLPipeline                                          stable-diffusion-xl
+
+Each family module has a ``load_<family>(root, *, scheduler, dtype, compiler, variant)`` that
+returns an engine ``Pipeline``; ``families.base`` says what a family contributes to the engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from preheat.errors import ModelNotFoundError, UnsupportedConfigError
+from preheat.families.base import Conditioning, Family
+
+__all__ = ["Family", "Conditioning", "family_loader", "FAMILY_OF_CLASS", "class_name_of"]
+
+# _class_name -> (module, loader function)
+FAMILY_OF_CLASS: dict[str, tuple[str, str]] = {
+    "UNet2DModel": ("preheat.families.pixel", "load_pixel"),
+    "DDPMPipeline": ("preheat.families.pixel", "load_pixel"),
+    "DDIMPipeline": ("preheat.families.pixel", "load_pixel"),
+    "StableDiffusionPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion"),
+    "StableDiffusionXLPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion_xl"),
+}
+
+
+def class_name_of(root: Path) -> str:
+    """The ``_class_name`` that picks a folder's family (pipeline index first, then a bare model)."""
+    from preheat.models.weights import read_json
+
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise ModelNotFoundError(f"model path {root} does not exist")
+    if not root.is_dir():
+        raise ModelNotFoundError(f"model path {root} is not a folder (expected a diffusers-format folder)")
+    index = root / "model_index.json"
+    if index.is_file():
+        raw = read_json(index, "pipeline index")
+        name = raw.get("_class_name")
+        if name is None and (root / "unet").is_dir():  # preheat's own folders before _class_name was written
+            return "UNet2DModel"
+        return str(name)
+    if (root / "unet").is_dir():
+        root = root / "unet"
+    config = root / "config.json"
+    if not config.is_file():
+        raise ModelNotFoundError(f"{root} has no model_index.json or config.json (expected a diffusers-format folder)")
+    return str(read_json(config).get("_class_name", "UNet2DModel"))
+
+
+def family_loader(root: Path) -> Callable[..., Any]:
+    """The loader for the folder's family, or a one-line error naming the supported classes."""
+    import importlib
+
+    name = class_name_of(root)
+    if name not in FAMILY_OF_CLASS:
+        raise UnsupportedConfigError(
+            f"unsupported model class {name!r} in {root}; supported: {', '.join(sorted(FAMILY_OF_CLASS))}")
+    module, attr = FAMILY_OF_CLASS[name]
+    return getattr(importlib.import_module(module), attr)

@@ -1,0 +1,97 @@
+"""What a model family tells the engine: its inputs, its conditioning, its sample shape, its decoding.
+
+The engine (``preheat.engine``) knows one thing about models: a denoiser
+``apply(params, x, t, cond) -> prediction`` whose conditioning ``cond`` is a pytree batched on
+axis 0. Everything else -- which request inputs a family takes, how they become ``cond`` (a
+class label, text embeddings, SDXL's size ids), what the unconditional branch of classifier-free
+guidance is (a null class, an empty or negative prompt: always runtime data), the latent shape
+for a width x height, and how a final sample becomes pixels -- is the family's.
+
+    Family                 conditioning (cond / uncond)              decode
+    ---------------------  ----------------------------------------  -------------------------
+    pixel (UNet2DModel)    {"class_labels": (B,)} / null class       in the loop: x -> uint8
+    stable-diffusion       {"context": (B, 77, D)} / "" or negative  VAE stage -> uint8
+    stable-diffusion-xl    + "text_embeds" (B, P), "time_ids" (B, 6) VAE stage (fp32) -> uint8
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from preheat.errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from preheat.engine import Pipeline, Request
+
+__all__ = ["Family", "Conditioning", "check_int"]
+
+Cond = dict[str, Any]
+
+
+@dataclass
+class Conditioning:
+    """The denoiser's conditioning for one call: ``cond`` and ``uncond`` share one structure."""
+
+    cond: Cond
+    uncond: Cond
+
+
+def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
+    """An int in [low, high], or a one-line InvalidArgumentError naming ``name``."""
+    bound = f"an int in [{low}, {high}]" if high is not None else ("a positive int" if low == 1 else f"an int >= {low}")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+            low <= int(value) and (high is None or int(value) <= high)):
+        raise InvalidArgumentError(f"{name}={value!r} must be {bound}{what}", argument=name)
+    return int(value)
+
+
+@dataclass
+class Family:
+    """Base of every family. Subclasses override the hooks below; the engine calls nothing else.
+
+    ``defaults``: the one place a family's sampler, step count and guidance default live (a
+    model folder's ``model_index.json`` may override them for itself).
+    ``inputs``: the family-specific keywords of ``Pipeline.generate`` (besides the common
+    n / steps / sampler / guidance / seed / noise / eta).
+    """
+
+    name: str = "family"
+    defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "ddpm", "steps": 50, "guidance": None})
+    inputs: tuple[str, ...] = ()
+    pixels_in_loop: bool = True  # the denoising program ends with the conversion to uint8
+
+    def check_inputs(self, pipe: "Pipeline", n: int, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Validate the family's own inputs (host-side, no device work) into normalised values."""
+        unknown = sorted(set(inputs) - set(self.inputs))
+        if unknown:
+            accepted = ", ".join(self.inputs) or "none"
+            raise InvalidArgumentError(
+                f"unexpected argument {unknown[0]!r} for a {self.name} model; its inputs are: {accepted}",
+                argument=unknown[0])
+        return dict(inputs)
+
+    def sample_shape(self, pipe: "Pipeline", values: dict[str, Any]) -> tuple[int, ...]:
+        """One sample's shape (H, W, C), NHWC, for these inputs (resolution is static)."""
+        return pipe.sample_shape
+
+    def guidance_error(self, pipe: "Pipeline", values: dict[str, Any]) -> str | None:
+        """Why this model cannot run classifier-free guidance (None: it can)."""
+        return None
+
+    def check_unguided(self, pipe: "Pipeline", values: dict[str, Any]) -> None:
+        """Inputs that make sense only with guidance (a negative prompt) are refused here."""
+
+    def condition(self, pipe: "Pipeline", request: "Request") -> Conditioning:
+        """The denoiser's ``cond``/``uncond`` pytrees for a validated request (may run a stage)."""
+        raise NotImplementedError
+
+    def finish(self, pipe: "Pipeline", request: "Request", out: Any) -> np.ndarray:
+        """The denoising program's output -> uint8 pixels (n, H, W, C)."""
+        return np.asarray(out)
+
+    def static_fields(self, values: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+        """Family inputs that select a compiled program (beyond the latent shape)."""
+        return ()
