@@ -34,8 +34,8 @@ WORDS = (
 ).split()
 
 
-def bytes_to_unicode() -> list[str]:
-    """CLIP's (GPT-2's) byte -> printable unicode character table, in byte-token order."""
+def bytes_to_unicode() -> dict[int, str]:
+    """CLIP's (GPT-2's) byte -> printable unicode character table, in CLIP's vocab order."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
@@ -44,19 +44,18 @@ def bytes_to_unicode() -> list[str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return [chr(c) for c in cs]
+    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 @lru_cache(maxsize=1)
 def tiny_vocab_and_merges() -> tuple[dict[str, int], list[str]]:
     """A CLIP-style BPE vocab (~700 tokens) and its merges."""
-    byte_chars = bytes_to_unicode()
+    table = bytes_to_unicode()
     vocab: dict[str, int] = {}
-    for c in byte_chars:
+    for c in table.values():
         vocab[c] = len(vocab)
-    for c in byte_chars:
+    for c in table.values():
         vocab[c + "</w>"] = len(vocab)
-    table = {b: byte_chars[b] for b in range(256)}
     merges: list[str] = []
     for word in WORDS:
         symbols = [table[b] for b in word.encode("utf-8")]
