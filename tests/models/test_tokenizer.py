@@ -36,7 +36,8 @@ PROMPTS = [
     "中文 日本語 한국어 русский ελληνικά",
     "tab\tand\u00a0no-break\u2003em space",
     "<|startoftext|>cat<|endoftext|>",
-    "<|ENDOFTEXT|> upper-case special",
+    "<|ENDOFTEXT|> upper-case special",  # matched only where the file says the token is normalized
+    "<|StartOfText|>x<|endoftext|>y",
     "a__b--c..d",
     "oil painting by greg, trending on artstation, 8k, highly detailed",
     "portrait of a woman, red hair, green eyes, forest at sunset over mountains and a lake",
@@ -48,8 +49,9 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=[("<|endoftext|>", "hub"), ("!", "hub"), ("<|endoftext|>", "transformers"),
-                                        ("!", "transformers")], ids=["sd-hub", "sdxl2-hub", "sd-v5", "sdxl2-v5"])
+@pytest.fixture(scope="module", params=[("<|endoftext|>", "hub"), ("!", "hub"), ("<|endoftext|>", "legacy"),
+                                        ("!", "legacy"), ("<|endoftext|>", "transformers"), ("!", "transformers")],
+                ids=["sd-hub", "sdxl2-hub", "sd-2022", "sdxl2-2022", "sd-v5", "sdxl2-v5"])
 def folder(request, tmp_path_factory):
     pad, layout = request.param
     return save_tiny_tokenizer(tmp_path_factory.mktemp(layout), pad_token=pad, layout=layout), pad, layout
@@ -67,7 +69,7 @@ def _reference(folder, prompts):
 def test_folder_layouts_are_the_published_and_the_v5_files(folder):
     path, _, layout = folder
     files = {p.name for p in path.iterdir()}
-    if layout == "hub":
+    if layout in ("hub", "legacy"):
         assert files == {"vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json"}
     else:
         assert files == {"tokenizer.json", "tokenizer_config.json"}

@@ -9,8 +9,8 @@ Reusable by pipeline tests::
 
 The tokenizer is a real CLIP byte-level BPE: the 256 byte characters, each also with the
 ``</w>`` end-of-word suffix, merges for a small word list, then ``<|startoftext|>`` and
-``<|endoftext|>`` (the last two ids, as in CLIP's own vocab). Its vocab is smaller than
-``tiny_clip_config()['vocab_size']`` so its ids are valid inputs of the tiny encoder.
+``<|endoftext|>`` (the last two ids, as in CLIP's own vocab); ``tiny_clip_config()`` has the
+same vocab size and BOS/EOS ids, so the tokenizer's output is the tiny encoder's input.
 """
 
 from __future__ import annotations
@@ -83,8 +83,10 @@ def save_tiny_tokenizer(directory: str | Path, pad_token: str = EOS, layout: str
     """A CLIP tokenizer folder.
 
     ``layout="hub"``: exactly the four files diffusers folders publish (vocab.json, merges.txt,
-    special_tokens_map.json, tokenizer_config.json), written as transformers 4.x wrote them
-    (SDXL's tokenizer_2 style ``added_tokens_decoder`` when ``pad_token="!"``).
+    special_tokens_map.json, tokenizer_config.json), written as transformers 4.3x wrote them
+    (SDXL's: ``added_tokens_decoder``, with ``!`` a special token when it is the pad token).
+    ``layout="legacy"``: the same four files as 2022's transformers wrote them (SD 1.x / 2.x):
+    named tokens as ``__type: AddedToken`` objects, all normalized, no ``added_tokens_decoder``.
     ``layout="transformers"``: what transformers 5.x ``save_pretrained`` writes
     (tokenizer.json + tokenizer_config.json).
     """
@@ -98,8 +100,9 @@ def save_tiny_tokenizer(directory: str | Path, pad_token: str = EOS, layout: str
     def entry(content: str, normalized: bool) -> dict[str, Any]:  # AddedToken as special_tokens_map.json holds it
         return {k: v for k, v in _added_token(content, normalized=normalized, special=False).items() if k != "special"}
 
-    special = {"bos_token": entry(BOS, True), "eos_token": entry(EOS, False), "pad_token": pad_token,
-               "unk_token": entry(EOS, False)}
+    legacy = layout == "legacy"  # 2022 files (SD 1.x/2.x): every named token normalized, no added_tokens_decoder
+    special = {"bos_token": entry(BOS, True), "eos_token": entry(EOS, legacy), "pad_token": pad_token,
+               "unk_token": entry(EOS, legacy)}
     (hub / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
     added = {str(vocab[BOS]): _added_token(BOS, normalized=True, special=False),
              str(vocab[EOS]): _added_token(EOS, normalized=False, special=False)}
@@ -109,11 +112,15 @@ def save_tiny_tokenizer(directory: str | Path, pad_token: str = EOS, layout: str
               "bos_token": BOS, "clean_up_tokenization_spaces": True, "do_lower_case": True, "eos_token": EOS,
               "errors": "replace", "model_max_length": model_max_length, "pad_token": pad_token,
               "tokenizer_class": "CLIPTokenizer", "unk_token": EOS}
+    if legacy:
+        del config["added_tokens_decoder"], config["additional_special_tokens"]
+        for k in ("bos_token", "eos_token", "unk_token"):
+            config[k] = {"__type": "AddedToken", **special[k]}
     (hub / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    if layout == "hub":
+    if layout in ("hub", "legacy"):
         return directory
     if layout != "transformers":
-        raise ValueError(f"layout must be 'hub' or 'transformers', got {layout!r}")
+        raise ValueError(f"layout must be 'hub', 'legacy' or 'transformers', got {layout!r}")
     import shutil
 
     from transformers import CLIPTokenizer
@@ -124,10 +131,15 @@ def save_tiny_tokenizer(directory: str | Path, pad_token: str = EOS, layout: str
 
 
 def tiny_clip_config(**overrides: Any) -> dict[str, Any]:
-    """transformers CLIPTextConfig kwargs: hidden 32, 2 layers, 4 heads, vocab 1000."""
-    return dict(vocab_size=1000, hidden_size=32, intermediate_size=37, projection_dim=24, num_hidden_layers=2,
+    """transformers CLIPTextConfig kwargs: hidden 32, 2 layers, 4 heads, the tiny tokenizer's vocab.
+
+    As in CLIP, <|endoftext|> is the highest id (vocab_size - 1) and <|startoftext|> the one before,
+    so the encoder reads ``save_tiny_tokenizer``'s ids and both pooling rules find the EOS.
+    """
+    vocab, _ = tiny_vocab_and_merges()
+    return dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=37, projection_dim=24, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=77, hidden_act="quick_gelu", layer_norm_eps=1e-5,
-                bos_token_id=998, eos_token_id=999, pad_token_id=1) | overrides
+                bos_token_id=vocab[BOS], eos_token_id=vocab[EOS], pad_token_id=1) | overrides
 
 
 def save_tiny_clip(directory: str | Path, with_projection: bool = False, seed: int = 0, hub_layout: bool = False,

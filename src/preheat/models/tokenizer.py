@@ -41,7 +41,7 @@ DEFAULT_MAX_LENGTH = 77
 # transformers' CLIPTokenizer pre-tokenizer: special tokens, English contractions, letter runs,
 # single digits, punctuation runs; whitespace is dropped.
 _SPLIT = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
-_NAMED = ("bos_token", "eos_token", "unk_token", "pad_token")
+_NAMED = ("bos_token", "eos_token", "unk_token", "pad_token")  # transformers' SPECIAL_TOKENS_ATTRIBUTES order
 _DEFAULTS = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
              "pad_token": "<|endoftext|>"}
 _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
@@ -125,7 +125,7 @@ class CLIPTokenizer:
 
         # Named and added tokens, resolved as transformers 5 does: tokenizer_config.json's
         # added_tokens_decoder wins; without it, special_tokens_map.json and tokenizer.json's list.
-        named = {k: _token_content(config[k], str(config_file)) for k in _NAMED if config.get(k) is not None}
+        entries: dict[str, Any] = {k: config[k] for k in _NAMED if config.get(k) is not None}
         added: list[Any] = []
         if "added_tokens_decoder" in config:
             decoder = config["added_tokens_decoder"]
@@ -136,14 +136,10 @@ class CLIPTokenizer:
             special_file = folder / "special_tokens_map.json"
             if special_file.is_file():
                 special_map = read_json(special_file, "special tokens map")
-                for k in _NAMED:
-                    if special_map.get(k) is not None:
-                        named[k] = _token_content(special_map[k], str(special_file))
-                        if isinstance(special_map[k], dict):
-                            added.append(_added_token(special_map[k], str(special_file), special=True))
+                entries |= {k: special_map[k] for k in _NAMED if special_map.get(k) is not None}
             if tokenizer_json is not None:
-                added.extend(_added_token(t, str(folder / "tokenizer.json")) for t in tokenizer_json.get("added_tokens", []))
-        named = _DEFAULTS | named
+                added = [_added_token(t, str(folder / "tokenizer.json")) for t in tokenizer_json.get("added_tokens", [])]
+        named = _DEFAULTS | {k: _token_content(v, str(folder)) for k, v in entries.items()}
 
         try:
             backend = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
@@ -157,9 +153,14 @@ class CLIPTokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False),
         ])
         backend.decoder = decoders.ByteLevel()
-        have = {str(t.content) for t in added}
-        added += [_added_token(named[k], str(config_file)) for k in _NAMED if named[k] not in have]
-        backend.add_tokens(added)
+        # Then the named tokens, in transformers' order, each re-added (the last flags for a content win,
+        # as in ``tokenizers``): an added token of the same content, else the flags its file gives (a bare
+        # string: not normalized). Whether "<|ENDOFTEXT|>" in a prompt is matched depends on this.
+        final = {str(t.content): t for t in added}
+        for k in _NAMED:
+            final[named[k]] = next((t for t in added if str(t.content) == named[k]), None) or _added_token(
+                entries.get(k, named[k]), str(folder), special=True)
+        backend.add_tokens(list(final.values()))
 
         ids = {}
         for k in ("bos_token", "eos_token", "pad_token"):
