@@ -249,6 +249,19 @@ def test_checkpoint_of_the_other_class_is_refused_by_tensor(tmp_path):
         load_clip_text(folder)
 
 
+def test_model_class_from_model_index_wins_over_architectures(tmp_path):
+    folder = save_tiny_clip(tmp_path / "m", with_projection=True)
+    raw = json.loads((folder / "config.json").read_text())
+    del raw["architectures"]  # then the config alone says CLIPTextModel (transformers' default)
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(WeightsError, match="unexpected text_projection.weight"):
+        load_clip_text(folder)
+    model = load_clip_text(folder, model_class="CLIPTextModelWithProjection")
+    assert model.config.with_projection and model(_prompts_ids()).text_embeds.shape == (5, 24)
+    with pytest.raises(UnsupportedConfigError, match="unsupported model class 'T5EncoderModel'"):
+        load_clip_text(folder, model_class="T5EncoderModel")
+
+
 def test_bad_input_ids_shape(tmp_path):
     model = load_clip_text(save_tiny_clip(tmp_path / "m", max_position_embeddings=20))
     with pytest.raises(Exception, match="max_position_embeddings 20"):

@@ -36,7 +36,7 @@ WORDS = (
 
 def bytes_to_unicode() -> dict[int, str]:
     """CLIP's (GPT-2's) byte -> printable unicode character table, in CLIP's vocab order."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):

@@ -29,7 +29,7 @@ What is static (the compiled program) and what is data::
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -358,13 +358,21 @@ class CLIPText:
         return self.apply(self.params, jnp.asarray(input_ids, jnp.int32))
 
 
-def load_clip_text(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None) -> CLIPText:
-    """Load a transformers CLIP text-encoder folder (``config.json`` + ``model[.variant].safetensors``)."""
+def load_clip_text(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None,
+                   model_class: str | None = None) -> CLIPText:
+    """Load a transformers CLIP text-encoder folder (``config.json`` + ``model[.variant].safetensors``).
+
+    ``model_class``: the class a pipeline's ``model_index.json`` names for this component; like
+    diffusers, it wins over the config's ``architectures``.
+    """
     dtype = check_dtype(dtype)
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise ModelNotFoundError(f"text encoder folder {folder} does not exist")
     config = read_clip_config(folder)
+    if model_class is not None:
+        config = replace(config, model_class=model_class)
+        config.validate(f"{folder} (model class from model_index.json)")
     graphdef, abstract = build_abstract(config)
     tensors = read_tensors(weight_files(folder, (TRANSFORMERS_STEM,), variant), rename=checkpoint_key)
     params = fill(abstract, tensors, dtype, str(folder), ignore=_is_buffer)

@@ -121,7 +121,8 @@ class CLIPTokenizer:
         config = read_json(config_file, "tokenizer config") if config_file.is_file() else {}
         for side in ("padding_side", "truncation_side"):
             if config.get(side, "right") != "right":
-                raise UnsupportedConfigError(f"unsupported {side} {config[side]!r} in {config_file}; supported: 'right'")
+                raise UnsupportedConfigError(
+                    f"unsupported {side} {config[side]!r} in {config_file}; supported: 'right'")
 
         # Named and added tokens, resolved as transformers 5 does: tokenizer_config.json's
         # added_tokens_decoder wins; without it, special_tokens_map.json and tokenizer.json's list.
@@ -138,7 +139,8 @@ class CLIPTokenizer:
                 special_map = read_json(special_file, "special tokens map")
                 entries |= {k: special_map[k] for k in _NAMED if special_map.get(k) is not None}
             if tokenizer_json is not None:
-                added = [_added_token(t, str(folder / "tokenizer.json")) for t in tokenizer_json.get("added_tokens", [])]
+                where = str(folder / "tokenizer.json")
+                added = [_added_token(t, where) for t in tokenizer_json.get("added_tokens", [])]
         named = _DEFAULTS | {k: _token_content(v, str(folder)) for k, v in entries.items()}
 
         try:
