@@ -217,6 +217,7 @@ def test_config_reads_published_keys_and_architecture_dict():
     ({"_class_name": "UNet2DModel"}, r"unsupported model class 'UNet2DModel'.*'CLIPTextModel'"),
     ({"model_type": "clip"}, r"unsupported model_type 'clip'"),
     ({"num_attention_heads": 5}, r"not divisible by num_attention_heads"),
+    ({"eos_token_id": None}, r"eos_token_id must be an integer"),
 ])
 def test_unsupported_config_is_one_line(tmp_path, patch, match):
     folder = save_tiny_clip(tmp_path / "m")

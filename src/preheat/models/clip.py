@@ -127,6 +127,10 @@ class CLIPTextConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise UnsupportedConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.eos_token_id, int) or isinstance(self.eos_token_id, bool):
+            raise UnsupportedConfigError(
+                f"{source}: eos_token_id must be an integer (the pooled output is read at the EOS token), "
+                f"got {self.eos_token_id!r}")
         if self.hidden_size % self.num_attention_heads:
             raise UnsupportedConfigError(
                 f"{source}: hidden_size {self.hidden_size} is not divisible by num_attention_heads "
