@@ -32,7 +32,7 @@ def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
 
 
 def bench_sampler(model: str | None, batches: list[int], steps: int, sampler: str | None, repeats: int,
-                  workdir: Path) -> dict[str, Any]:
+                  workdir: Path, size: tuple[int, int] | None = None) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -40,33 +40,47 @@ def bench_sampler(model: str | None, batches: list[int], steps: int, sampler: st
     import preheat
 
     pipe = preheat.load(materialize_model(model, workdir), cache="off")
-    sampler = sampler or pipe.defaults.get("sampler", "ddim")
+    sampler = sampler or pipe.defaults["sampler"]
+    inputs: dict[str, Any] = {"prompt": "a watercolor fox"} if "prompt" in pipe.family.inputs else {}
+    if size is not None:
+        inputs.update(width=size[0], height=size[1])
     rows = []
     for b in batches:
-        sig, args = pipe.prepare(b, steps=steps, sampler=sampler, seed=0)
+        sig, args = pipe.prepare(b, steps=steps, sampler=sampler, seed=0, **inputs)
         program = pipe.executable(sig, args)
         loop = timed(lambda: np.asarray(program(*args)), repeats)
         # The same model work, one separately compiled call at a time.
         calls_per_step = sig.spec.max_model_calls_per_step
         model_batch = 2 * b if sig.guided else b
-        h, w, c = pipe.sample_shape
-        x = jnp.zeros((model_batch, h, w, c), sig.dtype)
+        cond, uncond = args[3], args[4]
+        model_cond = jax.tree.map(lambda c, u: jnp.concatenate([c, u]), cond, uncond) if sig.guided else cond
+        x = jnp.zeros((model_batch, *sig.sample_shape), sig.dtype)
         t = jnp.full((model_batch,), 500.0, jnp.float32)
-        y = jnp.zeros((model_batch,), jnp.int32) if sig.class_conditional else None
-        denoise = jax.jit(pipe.apply).lower(pipe.params, x, t, y).compile()
-        one = timed(lambda: denoise(pipe.params, x, t, y).block_until_ready(), repeats, warmup=2)
+        denoise = jax.jit(pipe.apply).lower(pipe.params, x, t, model_cond).compile()
+        one = timed(lambda: denoise(pipe.params, x, t, model_cond).block_until_ready(), repeats, warmup=2)
         n_calls = steps * calls_per_step
         flops_per_call = float((denoise.cost_analysis() or {}).get("flops", float("nan")))
         loop_s = summary(loop)
         calls_s = summary([n_calls * v for v in one])
-        rows.append({
+        row = {
             "batch": b, "steps": steps, "sampler": sampler, "guided": sig.guided,
+            "sample_shape": list(sig.sample_shape),
             "loop_s": loop_s, "separate_calls_s": calls_s,
             "loop_overhead": loop_s["median"] / calls_s["median"] - 1.0,
             "images_per_s": b / loop_s["median"],
             "gflop_per_image_per_step": flops_per_call * calls_per_step / b / 1e9,
             "achieved_gflops": flops_per_call * n_calls / loop_s["median"] / 1e9,
-        })
+        }
+        if not pipe.family.pixels_in_loop:  # the other stages' share of a whole call
+            pipe.generate(b, steps=steps, sampler=sampler, seed=0, **inputs)  # compile every stage first
+            shares: dict[str, list[float]] = {"encode": [], "denoise": [], "decode": []}
+            for _ in range(repeats):
+                pipe.generate(b, steps=steps, sampler=sampler, seed=0, **inputs)
+                total = pipe.last.run_s
+                for stage in shares:
+                    shares[stage].append(pipe.last.stages[stage].run_s / total)
+            row["stage_share"] = {stage: summary(v) for stage, v in shares.items()}
+        rows.append(row)
     return {"model": model or "built-in:digits", "machine": machine_line(), "matmul_gflops": matmul_gflops(),
             "rows": rows}
 
@@ -77,12 +91,20 @@ def markdown(result: dict[str, Any]) -> str:
              "| batch | steps | sampler | loop s, median (min–max) | N separate calls s | loop overhead | images/s | "
              "GFLOP/img/step | achieved GFLOP/s (% of matmul) |",
              "|---|---|---|---|---|---|---|---|---|"]
+    shares = []
     for r in result["rows"]:
         pct = 100 * r["achieved_gflops"] / result["matmul_gflops"]
+        if "stage_share" in r:
+            s = r["stage_share"]
+            shares.append(f"batch {r['batch']}: text encoding {100 * s['encode']['median']:.1f}%, denoising "
+                          f"{100 * s['denoise']['median']:.1f}%, VAE decoding {100 * s['decode']['median']:.1f}% "
+                          "of a call's run time (medians)")
         lines.append(f"| {r['batch']} | {r['steps']} | {r['sampler']}{' +cfg' if r['guided'] else ''} | "
                      f"{fmt_summary(r['loop_s'])} | {fmt_summary(r['separate_calls_s'])} | "
                      f"{100 * r['loop_overhead']:+.1f}% | {r['images_per_s']:.2f} | {r['gflop_per_image_per_step']:.3f} | "
                      f"{r['achieved_gflops']:.1f} ({pct:.0f}%) |")
+    if shares:
+        lines += [""] + [f"- {line}" for line in shares]
     return "\n".join(lines)
 
 
@@ -92,13 +114,17 @@ def markdown(result: dict[str, Any]) -> str:
 @click.option("--steps", default=10, show_default=True, type=int)
 @click.option("--sampler")
 @click.option("--repeats", default=3, show_default=True, type=int)
+@click.option("--width", type=int, help="Text-to-image models: image width (default: the model's).")
+@click.option("--height", type=int, help="Text-to-image models: image height (default: the model's).")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
 @one_line_errors
 def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sampler: str | None, repeats: int,
-                    json_out: Path | None) -> None:
-    """Loop overhead, images/s and achieved GFLOP/s. MODEL: a folder, 'ddpm-cifar10-32' (random
+                    width: int | None, height: int | None, json_out: Path | None) -> None:
+    """Loop overhead, images/s and achieved GFLOP/s (and, for text-to-image models, the share of
+    text encoding and VAE decoding). MODEL: a folder, 'ddpm-cifar10-32' or 'sd15-random' (random
     weights), or nothing for the built-in model."""
+    size = (width, height) if width and height else None
     with tempfile.TemporaryDirectory() as tmp:
-        result = bench_sampler(model, list(batches) or [1, 8, 32], steps, sampler, repeats, Path(tmp))
+        result = bench_sampler(model, list(batches) or [1, 8, 32], steps, sampler, repeats, Path(tmp), size)
     click.echo(markdown(result))
     write_json(json_out, result)

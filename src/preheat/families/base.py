@@ -48,7 +48,7 @@ def check_int(name: str, value: Any, low: int, high: int | None = None, what: st
     return int(value)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Family:
     """Base of every family. Subclasses override the hooks below; the engine calls nothing else.
 

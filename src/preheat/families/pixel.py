@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["PixelFamily", "PIXEL"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class PixelFamily(Family):
     name: str = "pixel"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "ddpm", "steps": 50, "guidance": None})

@@ -1,0 +1,313 @@
+"""Stable Diffusion 1.x / 2.x and SDXL: diffusers' folders, loaded unchanged, in three stages.
+
+    stage     program                                                        one executable per
+    --------  -------------------------------------------------------------  ---------------------
+    encode    token ids (2B or B, 77) -> CLIP embeddings                      batch
+              SD:   last_hidden_state                          (B, 77, D)
+              SDXL: both encoders' penultimate states, concat  (B, 77, D1+D2)
+                    + the second encoder's pooled projection   (B, P)
+    denoise   the engine's loop over UNet2DConditionModel                     sampler, batch, size,
+              cond = {"context"[, "text_embeds", "time_ids"]}                 guidance on/off
+    decode    latents / scaling_factor (+ shift) -> VAE decoder -> uint8      batch, size
+
+Prompts are tokenized on the host (the folder's own tokenizer files, padded to 77), so a new
+prompt, a negative prompt, the guidance scale, the step count, the seeds and SDXL's
+``original_size`` / ``crops_coords_top_left`` / ``target_size`` are all runtime data. The
+unconditional branch is the empty prompt's embedding (SD) or, for SDXL folders with
+``force_zeros_for_empty_prompt``, zeros -- exactly what diffusers' pipelines use -- unless a
+negative prompt is given. Width and height are static (one program per resolution).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import numpy as np
+
+from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
+from preheat.families.base import Conditioning, Family, check_int
+
+if TYPE_CHECKING:  # pragma: no cover
+    from preheat.engine import Pipeline, Request
+
+__all__ = ["StableDiffusionFamily", "SD", "SDXL", "load_stable_diffusion", "load_stable_diffusion_xl",
+           "SAMPLER_OF_SCHEDULER"]
+
+# The folder's scheduler class -> the sampler a diffusers pipeline would run by default.
+SAMPLER_OF_SCHEDULER = {
+    "EulerDiscreteScheduler": "euler",
+    "EulerAncestralDiscreteScheduler": "euler_a",
+    "DDIMScheduler": "ddim",
+    "DDPMScheduler": "ddpm",
+    "HeunDiscreteScheduler": "heun",
+    "DPMSolverMultistepScheduler": "dpmpp_2m",
+}
+SDXL_SIZE_INPUTS = ("original_size", "crops_coords_top_left", "target_size")
+
+
+@dataclass(frozen=True)
+class StableDiffusionFamily(Family):
+    name: str = "stable-diffusion"
+    defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "dpmpp_2m", "steps": 30, "guidance": 7.5})
+    inputs: tuple[str, ...] = ("prompt", "negative_prompt", "width", "height")
+    pixels_in_loop: bool = False
+    xl: bool = False
+    max_size: int = 2048
+
+    # ------------------------------------------------------------------ inputs
+
+    def check_inputs(self, pipe: "Pipeline", n: int, inputs: dict[str, Any]) -> dict[str, Any]:
+        super().check_inputs(pipe, n, inputs)
+        prompts = _prompts("prompt", inputs.get("prompt"), n, required=True)
+        negatives = _prompts("negative_prompt", inputs.get("negative_prompt"), n, required=False)
+        multiple = pipe.components["size_multiple"]
+        h_default, w_default = (s * pipe.components["vae_scale"] for s in pipe.sample_shape[:2])
+        width = _size("width", inputs.get("width"), w_default, multiple, self.max_size)
+        height = _size("height", inputs.get("height"), h_default, multiple, self.max_size)
+        values = {"prompt": prompts, "negative_prompt": negatives, "width": width, "height": height}
+        if self.xl:
+            values["time_ids"] = _time_ids(inputs, height, width)
+        return values
+
+    def sample_shape(self, pipe: "Pipeline", values: dict[str, Any]) -> tuple[int, ...]:
+        scale = pipe.components["vae_scale"]
+        return (values["height"] // scale, values["width"] // scale, pipe.sample_shape[2])
+
+    def check_unguided(self, pipe: "Pipeline", values: dict[str, Any]) -> None:
+        if values["negative_prompt"] is not None:
+            raise InvalidArgumentError("negative_prompt needs classifier-free guidance; use a guidance scale other "
+                                       "than 1", argument="negative_prompt")
+
+    # ------------------------------------------------------------------ stages
+
+    def condition(self, pipe: "Pipeline", request: "Request") -> Conditioning:
+        from preheat.engine import StageSignature
+
+        values, n = request.values, request.n
+        prompts: list[str] = values["prompt"]
+        negatives = values["negative_prompt"]
+        zeros_uncond = request.guided and negatives is None and self.xl and pipe.components["force_zeros"]
+        texts = list(prompts)
+        if request.guided and not zeros_uncond:
+            texts += negatives if negatives is not None else [""] * n
+        ids = tuple(tok.encode(texts) for tok in pipe.components["tokenizers"])  # each (len(texts), 77) int32
+        encoders = pipe.components["text_encoders"]
+        sig = StageSignature("encode", batch=len(texts), shape=tuple(ids[0].shape[1:]), dtype=pipe.dtype,
+                             extra=(("xl", self.xl),))
+        params = tuple(te.params for te in encoders)
+        out = pipe.run_stage("encode", pipe.components["encode_fingerprint"], sig,
+                             lambda: _encode_program(encoders, self.xl), (params, ids), outputs=2 if self.xl else 1)
+        if self.xl:
+            context, pooled = np.asarray(out[0]), np.asarray(out[1])
+            time_ids = np.repeat(values["time_ids"][None], n, axis=0)  # (n, 6)
+            cond = {"context": context[:n], "text_embeds": pooled[:n], "time_ids": time_ids}
+            if not request.guided:
+                return Conditioning(cond=cond, uncond={})
+            if zeros_uncond:
+                uncond = {"context": np.zeros_like(cond["context"]), "text_embeds": np.zeros_like(cond["text_embeds"]),
+                          "time_ids": time_ids}
+            else:
+                uncond = {"context": context[n:], "text_embeds": pooled[n:], "time_ids": time_ids}
+            return Conditioning(cond=cond, uncond=uncond)
+        context = np.asarray(out)
+        cond = {"context": context[:n]}
+        return Conditioning(cond=cond, uncond={"context": context[n:]} if request.guided else {})
+
+    def finish(self, pipe: "Pipeline", request: "Request", out: Any) -> np.ndarray:
+        from preheat.engine import StageSignature
+
+        vae = pipe.components["vae"]
+        sig = StageSignature("decode", batch=request.n, shape=tuple(request.sample_shape), dtype=str(vae.dtype))
+        return np.asarray(pipe.run_stage("decode", pipe.components["decode_fingerprint"], sig,
+                                         lambda: _decode_program(vae), (vae.params, out)))
+
+    def static_fields(self, values: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+        return (("width", values["width"]), ("height", values["height"]))
+
+
+SD = StableDiffusionFamily()
+SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
+                             defaults={"sampler": "euler", "steps": 30, "guidance": 5.0},
+                             inputs=("prompt", "negative_prompt", "width", "height", *SDXL_SIZE_INPUTS))
+
+
+def _encode_program(encoders: Sequence[Any], xl: bool) -> Any:
+    """(params per encoder, ids per encoder) -> context (B, 77, D) [, pooled (B, P)]."""
+    import jax.numpy as jnp
+
+    def program(params: tuple, ids: tuple) -> Any:
+        outs = [te.apply(p, i) for te, p, i in zip(encoders, params, ids)]
+        if not xl:
+            return outs[0].last_hidden_state.astype(jnp.float32)
+        context = jnp.concatenate([o.hidden_states[-2] for o in outs], axis=-1)  # (B, 77, D1 + D2)
+        return context.astype(jnp.float32), outs[-1].text_embeds.astype(jnp.float32)
+
+    return program
+
+
+def _decode_program(vae: Any) -> Any:
+    """latents (B, h, w, C) float32 -> uint8 pixels (B, H, W, 3)."""
+    from preheat.engine import to_pixels
+
+    def program(params: Any, latents: Any) -> Any:
+        return to_pixels(vae.latents_to_images(params, latents.astype(vae.dtype)).astype("float32"))
+
+    return program
+
+
+# --------------------------------------------------------------------------------------- checks
+
+
+def _prompts(name: str, value: Any, n: int, *, required: bool) -> list[str] | None:
+    if value is None:
+        if required:
+            raise InvalidArgumentError(f"{name} is required: a string or one string per image", argument=name)
+        return None
+    if isinstance(value, str):
+        return [value] * n
+    if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
+        if len(value) != n:
+            raise InvalidArgumentError(f"got {len(value)} {name}s for n={n}; give one string or one per image",
+                                       argument=name)
+        return list(value)
+    raise InvalidArgumentError(f"{name} must be a string or a list of strings, not {type(value).__name__}",
+                               argument=name)
+
+
+def _size(name: str, value: Any, default: int, multiple: int, high: int) -> int:
+    if value is None:
+        return default
+    value = check_int(name, value, multiple, high)
+    if value % multiple:
+        raise InvalidArgumentError(f"{name}={value} must be a multiple of {multiple} for this model", argument=name)
+    return value
+
+
+def _pair(name: str, value: Any, default: tuple[int, int]) -> tuple[int, int]:
+    if value is None:
+        return default
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0 for v in value)):
+        raise InvalidArgumentError(f"{name} must be two non-negative ints (height, width), got {value!r}", argument=name)
+    return int(value[0]), int(value[1])
+
+
+def _time_ids(inputs: dict[str, Any], height: int, width: int) -> np.ndarray:
+    """SDXL's micro-conditioning (6,): original_size + crops_coords_top_left + target_size, as diffusers."""
+    original = _pair("original_size", inputs.get("original_size"), (height, width))
+    crops = _pair("crops_coords_top_left", inputs.get("crops_coords_top_left"), (0, 0))
+    target = _pair("target_size", inputs.get("target_size"), (height, width))
+    return np.asarray([*original, *crops, *target], np.float32)
+
+
+# --------------------------------------------------------------------------------------- loading
+
+
+def _component(root: Path, index: dict[str, Any], name: str) -> Path:
+    folder = root / name
+    if name not in index or not folder.is_dir():
+        raise ModelNotFoundError(f"{root} has no {name}/ folder (model_index.json lists "
+                                 f"{', '.join(k for k in index if not k.startswith('_')) or 'nothing'})")
+    return folder
+
+
+def _default_sampler(root: Path, family: StableDiffusionFamily) -> dict[str, Any]:
+    """The sampler diffusers would run for this folder's scheduler class (family default otherwise)."""
+    from preheat.models.weights import read_json
+
+    path = root / "scheduler" / "scheduler_config.json"
+    if not path.is_file():
+        return {}
+    raw = read_json(path, "scheduler config")
+    sampler = SAMPLER_OF_SCHEDULER.get(str(raw.get("_class_name")))
+    if sampler == "dpmpp_2m" and raw.get("use_karras_sigmas"):
+        sampler = "dpmpp_2m_karras"
+    return {"sampler": sampler} if sampler else {}
+
+
+def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: Any, compiler: Any,
+          variant: str | None) -> "Pipeline":
+    import jax.numpy as jnp
+
+    from preheat.engine import Pipeline, scheduler_config_of
+    from preheat.models.clip import load_clip_text
+    from preheat.models.tokenizer import CLIPTokenizer
+    from preheat.models.unet2d_condition import load_unet_condition
+    from preheat.models.vae import load_vae
+    from preheat.models.weights import check_dtype, read_json
+
+    root = Path(root)
+    dtype = check_dtype(dtype)
+    index = read_json(root / "model_index.json", "pipeline index")
+    names = [("text_encoder", "tokenizer")] + ([("text_encoder_2", "tokenizer_2")] if family.xl else [])
+    tokenizers, encoders = [], []
+    for te_name, tok_name in names:
+        tokenizers.append(CLIPTokenizer.from_folder(_component(root, index, tok_name)))
+        entry = index.get(te_name)
+        model_class = entry[1] if isinstance(entry, (list, tuple)) and len(entry) == 2 else None
+        encoders.append(load_clip_text(_component(root, index, te_name), dtype=dtype, variant=variant,
+                                       model_class=model_class))
+    unet = load_unet_condition(_component(root, index, "unet"), dtype=dtype, variant=variant)
+    vae = load_vae(_component(root, index, "vae"), dtype=dtype, variant=variant)
+    sched_source = scheduler if scheduler is not None else _component(root, index, "scheduler")
+    sched = scheduler_config_of(sched_source)
+
+    cfg = unet.config
+    width = sum(te.config.hidden_size for te in encoders)
+    if cfg.cross_attention_dim != width:
+        raise UnsupportedConfigError(
+            f"{root}: the UNet's cross_attention_dim is {cfg.cross_attention_dim} but the text encoder"
+            f"{'s give' if family.xl else ' gives'} {width}; the folder mixes components of different models")
+    if family.xl:
+        if cfg.addition_embed_type != "text_time":
+            raise UnsupportedConfigError(f"{root}: an SDXL UNet needs addition_embed_type 'text_time', "
+                                         f"got {cfg.addition_embed_type!r}")
+        pooled = encoders[-1].config.projection_dim
+        want = pooled + 6 * cfg.addition_time_embed_dim
+        if cfg.projection_class_embeddings_input_dim != want:
+            raise UnsupportedConfigError(
+                f"{root}: the UNet expects {cfg.projection_class_embeddings_input_dim} pooled+time features, "
+                f"the second text encoder gives {pooled} + 6 x {cfg.addition_time_embed_dim} = {want}")
+    if vae.config.latent_channels != cfg.in_channels:
+        raise UnsupportedConfigError(f"{root}: the VAE has {vae.config.latent_channels} latent channels, the UNet "
+                                     f"takes {cfg.in_channels}")
+    vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    downsamplers = len(cfg.block_out_channels) - 1
+    latent = cfg.sample_size if isinstance(cfg.sample_size, (list, tuple)) else (cfg.sample_size, cfg.sample_size)
+
+    def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
+        added = {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]} if family.xl else None
+        return unet.apply(params, x, t, cond["context"], added)
+
+    components = {
+        "tokenizers": tokenizers,
+        "text_encoders": encoders,
+        "vae": vae,
+        "vae_scale": vae_scale,
+        "size_multiple": vae_scale * 2 ** downsamplers,
+        "force_zeros": bool(index.get("force_zeros_for_empty_prompt", True)),
+        "encode_fingerprint": {"kind": "clip-text", "encoders": [te.config.architecture_dict() for te in encoders],
+                               "dtype": str(dtype), "xl": family.xl},
+        "decode_fingerprint": {"kind": "vae-decode", "config": vae.config.architecture_dict(),
+                               "scaling_factor": vae.config.scaling_factor,
+                               "shift_factor": vae.config.shift_factor},
+    }
+    fingerprint = {"kind": "unet2d-condition", "family": family.name, "config": cfg.architecture_dict()}
+    return Pipeline(apply=apply, params=unet.params, sample_shape=(int(latent[0]), int(latent[1]), cfg.in_channels),
+                    scheduler_config=sched, fingerprint=fingerprint, family=family,
+                    defaults=_default_sampler(root, family), dtype=str(jnp.dtype(dtype)), layout="NCHW",
+                    components=components, compiler=compiler)
+
+
+def load_stable_diffusion(root: Any, *, scheduler: Any = None, dtype: Any = "float32", compiler: Any = None,
+                          variant: str | None = None) -> "Pipeline":
+    """A ``StableDiffusionPipeline`` folder (SD 1.x, 2.x; epsilon or v-prediction) -> Pipeline."""
+    return _load(Path(root), SD, scheduler=scheduler, dtype=dtype, compiler=compiler, variant=variant)
+
+
+def load_stable_diffusion_xl(root: Any, *, scheduler: Any = None, dtype: Any = "float32", compiler: Any = None,
+                             variant: str | None = None) -> "Pipeline":
+    """A ``StableDiffusionXLPipeline`` folder (base) -> Pipeline."""
+    return _load(Path(root), SDXL, scheduler=scheduler, dtype=dtype, compiler=compiler, variant=variant)
