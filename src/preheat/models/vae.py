@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from preheat.errors import ModelNotFoundError, UnsupportedConfigError
+from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
 from preheat.models import weights
 from preheat.models.loading import legacy_unet_key
 from preheat.models.unet2d import (Conv2d, DownBlock, GroupNorm, MidBlock, ResnetBlock2D, Upsample2D, _BlockSpec,
@@ -374,11 +374,21 @@ class VAE:
             z = z + jnp.exp(0.5 * logvar.astype(jnp.float32)) * jax.random.normal(key, z.shape, jnp.float32)
         return model.scale(z)
 
-    def default_tiles(self) -> tuple[int, int]:
-        """diffusers' defaults: (tile_latent_min_size, tile_sample_min_size) from ``sample_size``."""
-        size = self.config.sample_size
-        sample = size[0] if isinstance(size, tuple) else size
-        return int(sample / self.downscale), sample
+    def tile_sizes(self, tile_latent_min_size: int | None = None,
+                   tile_sample_min_size: int | None = None) -> tuple[int, int]:
+        """(latent tile, image tile) edges: diffusers' defaults from ``sample_size``; one given implies the other."""
+        f = self.downscale
+        if tile_latent_min_size is None and tile_sample_min_size is None:
+            size = self.config.sample_size
+            tile_sample_min_size = size[0] if isinstance(size, tuple) else size
+        if tile_latent_min_size is None:
+            tile_latent_min_size = int(tile_sample_min_size / f)
+        if tile_sample_min_size is None:
+            tile_sample_min_size = tile_latent_min_size * f
+        if tile_latent_min_size <= 0 or tile_sample_min_size <= 0:
+            raise InvalidArgumentError(f"tile sizes must be positive, got latent {tile_latent_min_size} "
+                                       f"and image {tile_sample_min_size}")
+        return tile_latent_min_size, tile_sample_min_size
 
     def decode_tiled(self, params: nnx.State, z: Array, *, tile_latent_min_size: int | None = None,
                      tile_sample_min_size: int | None = None, tile_overlap_factor: float = 0.25) -> Array:
@@ -390,17 +400,16 @@ class VAE:
         tile after tile, so peak memory is one tile's).
         """
         z = jnp.asarray(z).astype(self.dtype)
-        default_latent, default_sample = self.default_tiles()
-        tl = tile_latent_min_size or default_latent
-        ts = tile_sample_min_size or default_sample
+        tl, ts = self.tile_sizes(tile_latent_min_size, tile_sample_min_size)
         _, h, w, _ = z.shape
         if h <= tl and w <= tl:
             return self.decode(params, z)
         overlap = int(tl * (1 - tile_overlap_factor))
         blend = int(ts * tile_overlap_factor)
         limit = ts - blend
-        if overlap <= 0:
-            raise ValueError(f"tile_overlap_factor {tile_overlap_factor} leaves no stride for {tl}-pixel latent tiles")
+        if overlap <= 0 or not 0 <= tile_overlap_factor < 1:
+            raise InvalidArgumentError(f"tile_overlap_factor {tile_overlap_factor} leaves no stride between "
+                                       f"{tl}-pixel latent tiles; use a value in [0, 1)")
         rows_at, cols_at = list(range(0, h, overlap)), list(range(0, w, overlap))
         tiles = {(i, j): z[:, i:i + tl, j:j + tl] for i in rows_at for j in cols_at}  # (B, <=tl, <=tl, L)
 
