@@ -150,19 +150,19 @@ def test_tiled_decode_matches_diffusers_enable_tiling(models):
     traces = []
 
     @jax.jit
-    def tiled(params, z):
+    def tiled(params, latents):  # diffusion latents, as a pipeline would pass them
         traces.append(1)
-        return vae.decode_tiled(params, z, tile_latent_min_size=8, tile_sample_min_size=16)
+        return vae.decode_tiled(params, vae.unscale(params, latents), tile_latent_min_size=8, tile_sample_min_size=16)
 
     rng = np.random.RandomState(4)
-    z = rng.randn(1, 14, 10, 4).astype(np.float32)
+    z = rng.randn(1, 14, 10, 4).astype(np.float32) * 0.18215
     ref.enable_tiling()
     ref.tile_latent_min_size, ref.tile_sample_min_size = 8, 16
     try:
-        expected = nhwc(_torch(lambda t: ref.decode(t).sample, nchw(z)).numpy())
+        expected = nhwc(_torch(lambda t: ref.decode(t / 0.18215).sample, nchw(z)).numpy())
     finally:
         ref.disable_tiling()
-    whole = nhwc(_torch(lambda t: ref.decode(t).sample, nchw(z)).numpy())
+    whole = nhwc(_torch(lambda t: ref.decode(t / 0.18215).sample, nchw(z)).numpy())
     out = np.asarray(tiled(vae.params, z))
     assert out.shape == expected.shape == (1, 28, 20, 3)
     assert _err(out, expected) <= FP32_TOL

@@ -360,10 +360,16 @@ class VAE:
         """(B, H, W, Cin) images in [-1, 1] -> (mean, logvar) of the posterior, raw latents (B, H/f, W/f, L)."""
         return self._model(params).encode(jnp.asarray(x).astype(self.dtype))
 
+    def unscale(self, params: nnx.State, latents: Array) -> Array:
+        """Diffusion latents -> raw latents, float32 (``latents / scaling_factor + shift_factor``)."""
+        return self._model(params).unscale(jnp.asarray(latents))
+
     def latents_to_images(self, params: nnx.State, latents: Array) -> Array:
-        """Diffusion latents (the sampler's output) -> images, with the pipelines' scaling and shift."""
-        model = self._model(params)
-        return model.decode(model.unscale(jnp.asarray(latents)).astype(self.dtype))
+        """Diffusion latents (the sampler's output) -> images, with the pipelines' scaling and shift.
+
+        For large images, ``decode_tiled(params, unscale(params, latents))`` is the tiled equivalent.
+        """
+        return self.decode(params, self.unscale(params, latents))
 
     def images_to_latents(self, params: nnx.State, x: Array, key: Array | None = None) -> Array:
         """Images -> diffusion latents (float32): the posterior mean, or a sample of it when ``key`` is given."""
@@ -396,8 +402,8 @@ class VAE:
 
         Latents no larger than one tile are decoded whole (diffusers does the same). The tile layout
         depends only on the latent size and the tile arguments, so a jitted call compiles once per
-        size; tiles of one shape go through a single ``lax.map`` (one decoder in the program, run
-        tile after tile, so peak memory is one tile's).
+        size; tiles of one shape go through a single ``lax.map`` (at most four decoders in the
+        program, each run tile after tile, so the decoder's working memory is one tile's).
         """
         z = jnp.asarray(z).astype(self.dtype)
         tl, ts = self.tile_sizes(tile_latent_min_size, tile_sample_min_size)
