@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from preheat.errors import ModelNotFoundError, UnsupportedConfigError, WeightsError
+from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError, WeightsError
 from preheat.models.vae import AutoencoderKLConfig, LatentStat, build_abstract, load_vae
 from preheat.models.weights import expected_torch_shape, torch_key
 from tests.models.vae_fixtures import nchw, nhwc, save_tiny_vae, torch_vae
@@ -318,6 +318,13 @@ def test_bad_folders_get_one_line_errors(models, tmp_path):
     with pytest.raises(ModelNotFoundError) as exc:
         load_vae(tmp_path / "nowhere")
     _one_line(exc)
+
+    vae = load_vae(folder)
+    z = jnp.zeros((1, 16, 16, 4))
+    for kwargs in (dict(tile_latent_min_size=8, tile_overlap_factor=1.0), dict(tile_latent_min_size=-8)):
+        with pytest.raises(InvalidArgumentError) as exc:
+            vae.decode_tiled(vae.params, z, **kwargs)
+        assert "tile" in _one_line(exc)
 
     from safetensors.numpy import load_file, save_file
 
