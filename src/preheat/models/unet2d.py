@@ -270,11 +270,14 @@ class TimestepEmbedding(nnx.Module):
 
 
 class ResnetBlock2D(nnx.Module):
-    def __init__(self, cin: int, cout: int, temb: int, *, groups: int, eps: float, act: str,
+    """Two GroupNorm-act-conv stages with a residual; ``temb=None`` builds it without a time input
+    (no ``time_emb_proj``), as diffusers does for the VAE's encoder and decoder."""
+
+    def __init__(self, cin: int, cout: int, temb: int | None, *, groups: int, eps: float, act: str,
                  scale_shift: bool, output_scale_factor: float, rngs: nnx.Rngs):
         self.norm1 = GroupNorm(groups, cin, eps)
         self.conv1 = Conv2d(cin, cout, 3, padding=1, rngs=rngs)
-        self.time_emb_proj = Linear(temb, 2 * cout if scale_shift else cout, rngs=rngs)
+        self.time_emb_proj = None if temb is None else Linear(temb, 2 * cout if scale_shift else cout, rngs=rngs)
         self.norm2 = GroupNorm(groups, cout, eps)
         self.conv2 = Conv2d(cout, cout, 3, padding=1, rngs=rngs)
         self.conv_shortcut = Conv2d(cin, cout, 1, rngs=rngs) if cin != cout else None
@@ -282,14 +285,18 @@ class ResnetBlock2D(nnx.Module):
         self.scale_shift = scale_shift
         self.output_scale_factor = output_scale_factor
 
-    def __call__(self, x: Array, temb: Array) -> Array:  # (B,H,W,Cin), (B,T) -> (B,H,W,Cout)
+    def __call__(self, x: Array, temb: Array | None = None) -> Array:  # (B,H,W,Cin), (B,T) -> (B,H,W,Cout)
         h = self.conv1(self.act(self.norm1(x)))
-        t = self.time_emb_proj(self.act(temb))[:, None, None, :]  # (B,1,1,C or 2C)
-        if self.scale_shift:
+        if self.time_emb_proj is None:
+            h = self.norm2(h)
+        elif temb is None:
+            raise ValueError("this ResnetBlock2D has a time_emb_proj: pass temb")
+        elif self.scale_shift:
+            t = self.time_emb_proj(self.act(temb))[:, None, None, :]  # (B,1,1,2C)
             scale, shift = jnp.split(t, 2, axis=-1)
             h = self.norm2(h) * (1 + scale) + shift
         else:
-            h = self.norm2(h + t)
+            h = self.norm2(h + self.time_emb_proj(self.act(temb))[:, None, None, :])  # + (B,1,1,C)
         h = self.conv2(self.act(h))
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x)
@@ -354,7 +361,7 @@ class _BlockSpec:
     eps: float
     act: str
     scale_shift: bool
-    temb: int
+    temb: int | None  # None: resnets without a time embedding (the VAE)
 
 
 class DownBlock(nnx.Module):
@@ -373,7 +380,7 @@ class DownBlock(nnx.Module):
         ]) if attention else None
         self.downsamplers = nnx.List([Downsample2D(cout, padding, rngs=rngs)]) if downsample else None
 
-    def __call__(self, x: Array, temb: Array) -> tuple[Array, list[Array]]:
+    def __call__(self, x: Array, temb: Array | None = None) -> tuple[Array, list[Array]]:
         skips = []
         for i, resnet in enumerate(self.resnets):
             x = resnet(x, temb)
@@ -431,7 +438,7 @@ class MidBlock(nnx.Module):
             Attention(channels, head_dim, groups=attn_groups, eps=s.eps, rescale_output_factor=scale, rngs=rngs)
         ]) if attention else None
 
-    def __call__(self, x: Array, temb: Array) -> Array:
+    def __call__(self, x: Array, temb: Array | None = None) -> Array:
         x = self.resnets[0](x, temb)
         if self.attentions is not None:
             x = self.attentions[0](x)
