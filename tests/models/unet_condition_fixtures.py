@@ -28,7 +28,7 @@ TINY_SD2: dict[str, Any] = dict(
 )
 # SDXL: DownBlock2D first, text_time added embedding, two transformer layers on the second level.
 TINY_SDXL: dict[str, Any] = dict(
-    sample_size=16, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(32, 64),
+    sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
     down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
     cross_attention_dim=32, attention_head_dim=[2, 4], use_linear_projection=True, transformer_layers_per_block=[1, 2],
     addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=16 + 6 * 8,
