@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from preheat.errors import UnsupportedConfigError
@@ -191,12 +192,16 @@ class Conv2d(nnx.Module):
 
 
 class Linear(nnx.Module):
-    def __init__(self, cin: int, cout: int, *, rngs: nnx.Rngs):
+    """``bias=False`` for torch's ``nn.Linear(..., bias=False)`` (e.g. cross-attention q/k/v)."""
+
+    def __init__(self, cin: int, cout: int, *, bias: bool = True, rngs: nnx.Rngs):
         self.kernel = nnx.Param(jax.random.uniform(rngs.params(), (cin, cout), minval=-1, maxval=1) / math.sqrt(cin))
-        self.bias = nnx.Param(jnp.zeros((cout,)))
+        self.bias = nnx.Param(jnp.zeros((cout,))) if bias else None
 
     def __call__(self, x: Array) -> Array:  # (..., Cin) -> (..., Cout)
         y = x @ self.kernel[...].astype(x.dtype)
+        if self.bias is None:
+            return y
         return y + _lift(self.bias[...].astype(x.dtype), y.ndim)
 
 
@@ -350,9 +355,20 @@ class Upsample2D(nnx.Module):
     def __init__(self, channels: int, *, rngs: nnx.Rngs):
         self.conv = Conv2d(channels, channels, 3, padding=1, rngs=rngs)
 
-    def __call__(self, x: Array) -> Array:  # nearest-neighbour x2, then 3x3 conv
-        x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+    def __call__(self, x: Array, size: tuple[int, int] | None = None) -> Array:
+        """Nearest-neighbour x2 (or to ``size``, diffusers' ``upsample_size``), then 3x3 conv."""
+        h, w = x.shape[1:3]
+        if size is None or tuple(size) == (2 * h, 2 * w):
+            x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+        else:
+            x = jnp.take(jnp.take(x, _nearest_index(h, size[0]), axis=1), _nearest_index(w, size[1]), axis=2)
         return self.conv(x)
+
+
+def _nearest_index(n_in: int, n_out: int) -> np.ndarray:
+    """torch's ``nearest`` source indices: floor(i * (in / out)), the scale in float32."""
+    scale = np.float32(n_in) / np.float32(n_out)
+    return np.minimum(np.floor(np.arange(n_out, dtype=np.float32) * scale), n_in - 1).astype(np.int32)
 
 
 @dataclass(frozen=True)
