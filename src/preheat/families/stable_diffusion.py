@@ -290,9 +290,8 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         "force_zeros": bool(index.get("force_zeros_for_empty_prompt", True)),
         "encode_fingerprint": {"kind": "clip-text", "encoders": [te.config.architecture_dict() for te in encoders],
                                "dtype": str(dtype), "xl": family.xl},
-        "decode_fingerprint": {"kind": "vae-decode", "config": vae.config.architecture_dict(),
-                               "scaling_factor": vae.config.scaling_factor,
-                               "shift_factor": vae.config.shift_factor},
+        # scaling/shift factors live in the VAE's params (data), not in the program
+        "decode_fingerprint": {"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
     }
     fingerprint = {"kind": "unet2d-condition", "family": family.name, "config": cfg.architecture_dict()}
     return Pipeline(apply=apply, params=unet.params, sample_shape=(int(latent[0]), int(latent[1]), cfg.in_channels),

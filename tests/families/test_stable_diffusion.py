@@ -1,0 +1,145 @@
+"""SD 1.x, SD 2.x (v-prediction) and SDXL through preheat.load, against diffusers' own pipelines
+on the same tiny random-weight folders and the same initial latents."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import preheat
+from preheat.errors import InvalidArgumentError, ModelNotFoundError, PreheatError, UnsupportedConfigError
+from tests.families.sd_fixtures import KINDS, reference_pipeline, reference_pixels, save_tiny_sd
+
+MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255 (1/255 on the [0, 1] scale)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    base = tmp_path_factory.mktemp("sd")
+    return {kind: save_tiny_sd(base / kind, kind=kind) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def pipes(folders):
+    return {kind: preheat.load(folder, cache="off") for kind, folder in folders.items()}
+
+
+def _noise(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 4, 16, 16)).astype(np.float32)
+
+
+CASES = [
+    ("sd1", "ddim", dict(prompt=["a photo of a cat", "an astronaut riding a horse"], guidance_scale=7.5)),
+    ("sd1", "euler", dict(prompt="a watercolor fox", negative_prompt="blurry", guidance_scale=5.0)),
+    ("sd2", "dpmpp_2m", dict(prompt="a red fox in the forest", guidance_scale=6.0)),
+    ("sd2", "ddim", dict(prompt="city at night", guidance_scale=1.0)),
+    ("sdxl", "euler", dict(prompt="a photo of a dog", guidance_scale=5.0)),
+    ("sdxl", "dpmpp_2m", dict(prompt="a portrait of a woman", negative_prompt="low quality", guidance_scale=4.0,
+                              original_size=(64, 48), crops_coords_top_left=(4, 2))),
+]
+
+
+@pytest.mark.parametrize("kind,sampler,call", CASES, ids=[f"{k}-{s}-{i}" for i, (k, s, _) in enumerate(CASES)])
+def test_matches_diffusers_from_the_same_latents(folders, pipes, kind, sampler, call, record_property):
+    call = dict(call)
+    prompt = call.pop("prompt")
+    n = len(prompt) if isinstance(prompt, list) else 1
+    noise = _noise(n)
+    steps = 4
+    ref = reference_pipeline(folders[kind], sampler)
+    theirs = reference_pixels(ref, prompt, noise, num_inference_steps=steps, height=32, width=32, **call)
+    ours = pipes[kind].generate(prompt, noise=noise, steps=steps, sampler=sampler, guidance=call.pop("guidance_scale"),
+                                width=32, height=32, **call)
+    assert ours.shape == theirs.shape == (n, 32, 32, 3) and ours.dtype == np.uint8
+    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    record_property("mean_abs_px", float(diff.mean()))
+    print(f"{kind}/{sampler}: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
+    assert ours.std() > 5  # not a flat image (flat images would agree for any model)
+
+
+def test_prompt_guidance_steps_seed_and_negatives_are_data(pipes):
+    """One denoising program serves every prompt, guidance scale, step count, seed and negative prompt."""
+    pipe = pipes["sd1"]
+    first = pipe.generate("a photo of a cat", steps=2, guidance=7.5, seed=0)
+    traced_before = len(pipe._executables)
+    outs = [
+        pipe.generate("a red fox", steps=2, guidance=7.5, seed=0),
+        pipe.generate("a photo of a cat", steps=5, guidance=3.0, seed=0),
+        pipe.generate("a photo of a cat", negative_prompt="blurry", steps=2, guidance=7.5, seed=9),
+    ]
+    assert len(pipe._executables) == traced_before  # nothing new compiled
+    assert pipe.last.cache_layer == "memory"
+    assert all(not np.array_equal(first, o) for o in outs)  # and each input really changed the image
+
+
+def test_sdxl_size_conditioning_is_data_and_changes_the_image(pipes):
+    pipe = pipes["sdxl"]
+    a = pipe.generate("a photo of a dog", steps=2, seed=3)
+    count = len(pipe._executables)
+    b = pipe.generate("a photo of a dog", steps=2, seed=3, original_size=(1024, 1024), target_size=(64, 64))
+    assert len(pipe._executables) == count
+    assert not np.array_equal(a, b)
+
+
+def test_resolution_is_static_and_batches_are_per_image(pipes):
+    pipe = pipes["sd1"]
+    wide = pipe.generate("a photo of a cat", width=48, height=32, steps=2, seed=1)
+    assert wide.shape == (1, 32, 48, 3)
+    both = pipe.generate(["a photo of a cat", "a red fox"], width=48, height=32, steps=2, seed=[1, 2])
+    again = pipe.generate(["a photo of a cat", "a red fox"], width=48, height=32, steps=2, seed=[1, 2])
+    np.testing.assert_array_equal(both, again)  # same program, same inputs: bit-exact
+
+
+def test_pil_images_and_stage_timings(pipes):
+    pipe = pipes["sd1"]
+    images = pipe("a watercolor fox", n=2, steps=2)
+    assert [im.size for im in images] == [(32, 32)] * 2 and images[0].mode == "RGB"
+    assert set(pipe.last.stages) == {"encode", "denoise", "decode"}
+    assert all(s.run_s > 0 for s in pipe.last.stages.values())
+
+
+@pytest.mark.parametrize("kwargs,argument,needle", [
+    (dict(prompt=7), "prompt", "prompt must be a string"),
+    (dict(prompt="x", width=30), "width", "multiple of 4"),
+    (dict(prompt="x", height=8192), "height", "must be an int in"),
+    (dict(prompt="x", negative_prompt="blurry", guidance=1.0), "negative_prompt", "needs classifier-free guidance"),
+    (dict(prompt=["a", "b"], n=3), "prompt", "got 2 prompts for n=3"),
+    (dict(class_labels=3, prompt="x"), "class_labels", "unexpected argument 'class_labels'"),
+    (dict(prompt="x", steps=0), "steps", "steps=0 must be a positive int"),
+])
+def test_bad_inputs_are_one_line_errors_naming_the_argument(pipes, kwargs, argument, needle):
+    with pytest.raises(InvalidArgumentError) as err:
+        pipes["sd1"].generate(**kwargs)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert err.value.argument == argument
+
+
+def test_missing_tokenizer_and_mismatched_encoder_are_refused(folders, tmp_path):
+    import shutil
+
+    broken = tmp_path / "no-tokenizer"
+    shutil.copytree(folders["sd1"], broken)
+    shutil.rmtree(broken / "tokenizer")
+    with pytest.raises(ModelNotFoundError, match="no tokenizer/ folder"):
+        preheat.load(broken, cache="off")
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(folders["sd1"], mixed)
+    shutil.rmtree(mixed / "text_encoder")
+    shutil.copytree(folders["sdxl"] / "text_encoder", mixed / "text_encoder")  # 16 wide, the UNet wants 32
+    with pytest.raises(PreheatError, match="cross_attention_dim") as err:
+        preheat.load(mixed, cache="off")
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_pipeline_class_is_named(folders, tmp_path):
+    import json
+    import shutil
+
+    other = tmp_path / "kandinsky"
+    shutil.copytree(folders["sd1"], other)
+    index = json.loads((other / "model_index.json").read_text())
+    (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "KandinskyPipeline"}))
+    with pytest.raises(UnsupportedConfigError, match="unsupported model class 'KandinskyPipeline'.*StableDiffusionPipeline"):
+        preheat.load(other, cache="off")
