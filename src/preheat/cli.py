@@ -72,7 +72,11 @@ def save_png(image: Any, path: Path) -> None:
 
 @main.command()
 @click.argument("model", required=False)
-@click.option("--n", "n", default=16, show_default=True, type=int, help="Number of images.")
+@click.option("--n", "n", type=int, help="Number of images (default: 16 for class models, 1 for text-to-image).")
+@click.option("--prompt", help="Text-to-image models: the prompt.")
+@click.option("--negative-prompt", help="Text-to-image models: what to steer away from (needs guidance).")
+@click.option("--width", type=int, help="Text-to-image models: image width (default: the model's).")
+@click.option("--height", type=int, help="Text-to-image models: image height (default: the model's).")
 @click.option("--class", "classes", multiple=True, help="Class index or label; repeat for one per image.")
 @click.option("--steps", type=int, help="Denoising steps (model default when absent).")
 @click.option("--sampler", help="ddpm, ddim, euler, euler_a, heun, dpmpp_2m, dpmpp_2m_karras.")
@@ -82,25 +86,27 @@ def save_png(image: Any, path: Path) -> None:
 @click.option("--out", default="samples.png", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--save-images", type=click.Path(file_okay=False, path_type=Path), help="Also write each image here.")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the phase timings as JSON.")
-@click.option("--dtype", default="float32", show_default=True, help="float32 or bfloat16.")
+@click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16.")
+@click.option("--variant", help="Weight files *.VARIANT.safetensors (e.g. fp16).")
 @click.option("--cache", type=click.Choice(["full", "xla", "off"]), help="Compile cache layers (default: full).")
 @click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True)
 @click.option("--compile", "compile_mode", type=click.Choice(["none", "inductor", "aot"]), default="none",
               show_default=True, help="torch backend: eager, torch.compile, or AOTInductor.")
 @click.option("--quiet", is_flag=True, help="No progress or summary.")
 @one_line_errors
-def sample(model: str | None, n: int, classes: tuple[str, ...], steps: int | None, sampler: str | None,
+def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt: str | None, width: int | None,
+           height: int | None, classes: tuple[str, ...], steps: int | None, sampler: str | None,
            seed: int, guidance: float | None, eta: float, out: Path, save_images: Path | None,
-           report: Path | None, dtype: str, cache: str | None, backend: str, compile_mode: str,
+           report: Path | None, dtype: str, variant: str | None, cache: str | None, backend: str, compile_mode: str,
            quiet: bool) -> None:
-    """Sample images from MODEL (a diffusers folder; default: the built-in digits model)."""
+    """Sample images from MODEL (a diffusers folder or hf://org/repo; default: the built-in digits model)."""
     from rich.console import Console
 
     import preheat.engine  # noqa: F401  (jax, flax: counted as import time, not weight loading)
 
     started_at_age = process_age_s()  # interpreter start + imports, before any preheat work
     console = Console(stderr=True, quiet=quiet)
-    if n <= 0:
+    if n is not None and n <= 0:
         raise InvalidArgumentError(f"--n {n} must be a positive int")
     if steps is not None and steps <= 0:
         raise InvalidArgumentError(f"--steps {steps} must be a positive int")
@@ -111,12 +117,17 @@ def sample(model: str | None, n: int, classes: tuple[str, ...], steps: int | Non
         t0 = time.perf_counter()
         import preheat
 
-        pipe = preheat.load(model, dtype=dtype, cache=cache, backend=backend, compile=compile_mode)
+        pipe = preheat.load(model, dtype=dtype, cache=cache, backend=backend, compile=compile_mode, variant=variant)
         load_s = time.perf_counter() - t0
     labels: Any = None
     if classes:
         labels = list(classes) if len(classes) > 1 else classes[0]
-    kwargs = dict(class_labels=labels, steps=steps, sampler=sampler, guidance=guidance, seed=seed, eta=eta)
+    text = "prompt" in pipe.family.inputs
+    n = n or (1 if text else 16)
+    family_inputs = dict(class_labels=labels, prompt=prompt, negative_prompt=negative_prompt, width=width,
+                         height=height)
+    kwargs = dict(steps=steps, sampler=sampler, guidance=guidance, seed=seed, eta=eta,
+                  **{k: v for k, v in family_inputs.items() if v is not None})
     with console.status("compiling and sampling (first call)…"):
         t0 = time.perf_counter()
         images = pipe(n, **kwargs)
@@ -134,10 +145,10 @@ def sample(model: str | None, n: int, classes: tuple[str, ...], steps: int | Non
         save_images.mkdir(parents=True, exist_ok=True)
         for i, im in enumerate(images):
             save_png(im, save_images / f"{i:04d}.png")
-    resolved = {"sampler": sampler or pipe.defaults.get("sampler", "ddpm"),
-                "steps": steps or pipe.defaults.get("steps", 50)}
+    resolved = {"sampler": sampler or pipe.defaults["sampler"], "steps": steps or pipe.defaults["steps"]}
     record = {
         "model": model or "built-in:digits",
+        "family": pipe.family.name,
         "backend": backend if backend == "jax" else f"torch/{compile_mode}",
         "batch": n,
         "steps": resolved["steps"],
@@ -158,6 +169,7 @@ def sample(model: str | None, n: int, classes: tuple[str, ...], steps: int | Non
         "cache_events": pipe.compiler.events if pipe.compiler is not None else [],
         "process_start_to_first_image_s": to_first_image,
         "guided": pipe.is_guided(guidance),
+        "stages": first.to_dict().get("stages", {}),
     }
     if report:
         from preheat.cache.atomic import atomic_write_bytes

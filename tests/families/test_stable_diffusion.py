@@ -143,3 +143,69 @@ def test_unknown_pipeline_class_is_named(folders, tmp_path):
     (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "KandinskyPipeline"}))
     with pytest.raises(UnsupportedConfigError, match="unsupported model class 'KandinskyPipeline'.*StableDiffusionPipeline"):
         preheat.load(other, cache="off")
+
+
+@pytest.mark.parametrize("kind,sampler", [("sd1", "dpmpp_2m"), ("sdxl", "euler")])
+def test_torch_backend_runs_the_same_folder_with_the_same_latents(folders, pipes, kind, sampler):
+    from preheat.backends.torch import load as torch_load
+
+    torch_pipe = torch_load(folders[kind], cache="off")
+    call = dict(steps=3, sampler=sampler, guidance=5.0, seed=[4, 5], negative_prompt="blurry")
+    a = pipes[kind].generate(["a photo of a cat", "a red fox"], **call)
+    b = torch_pipe.generate(["a photo of a cat", "a red fox"], **call)
+    diff = np.abs(a.astype(np.int32) - b.astype(np.int32))
+    assert a.shape == b.shape and diff.mean() <= MEAN_TOL, diff.mean()
+    assert torch_pipe.defaults == pipes[kind].defaults
+    with pytest.raises(InvalidArgumentError, match="multiple of 4"):
+        torch_pipe.generate("x", width=30)  # the same checks as the JAX side
+
+
+def test_every_stage_has_its_own_cache_entry_and_a_restart_loads_all_three(folders, tmp_path):
+    from preheat.cache.compile import JaxCompiler
+
+    def fresh():
+        pipe = preheat.load(folders["sd1"], cache="off")
+        pipe.compiler = JaxCompiler(root=tmp_path, mode="full", remote=None)
+        return pipe
+
+    first = fresh()
+    a = first.generate("a photo of a cat", steps=2, seed=0)
+    assert {s: t.cache_layer for s, t in first.last.stages.items()} == {"encode": "none", "denoise": "none",
+                                                                        "decode": "none"}
+    # another sampler and step count: only the denoising program is new; the encoder's is shared
+    first.generate("a red fox", steps=3, sampler="euler", seed=0)
+    assert first.last.stages["encode"].cache_layer == "memory"
+    assert first.last.stages["decode"].cache_layer == "memory"
+    assert first.last.stages["denoise"].cache_layer == "none"
+    entries = [p for p in (tmp_path / "compile" / "jax").iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 4  # encode, decode, and one denoising program per sampler
+
+    second = fresh()  # a restart: every stage from the aot layer, nothing traced
+    b = second.generate("a photo of a cat", steps=2, seed=0)
+    assert {s: t.cache_layer for s, t in second.last.stages.items()} == {"encode": "aot", "denoise": "aot",
+                                                                         "decode": "aot"}
+    assert second.last.trace_lower_s == 0.0
+    np.testing.assert_array_equal(a, b)
+
+
+def test_cli_samples_a_text_to_image_folder(folders, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from preheat.cli import main
+
+    out, report = tmp_path / "fox.png", tmp_path / "r.json"
+    result = CliRunner().invoke(main, ["sample", str(folders["sd2"]), "--prompt", "a watercolor fox",
+                                       "--negative-prompt", "blurry", "--width", "48", "--height", "32", "--steps", "2",
+                                       "--n", "2", "--out", str(out), "--report", str(report), "--cache", "off"])
+    assert result.exit_code == 0, result.output
+    rec = json.loads(report.read_text())
+    assert rec["family"] == "stable-diffusion" and rec["batch"] == 2 and set(rec["stages"]) == {"encode", "denoise",
+                                                                                                  "decode"}
+    from PIL import Image
+
+    assert Image.open(out).size[1] in (32, 64)  # a grid of two 48x32 images (upscaled when small)
+    bad = CliRunner().invoke(main, ["sample", str(folders["sd2"]), "--prompt", "x", "--width", "30", "--cache", "off",
+                                    "--out", str(tmp_path / "bad.png")])
+    assert bad.exit_code == 2 and "multiple of 4" in bad.output and not (tmp_path / "bad.png").exists()

@@ -65,13 +65,13 @@ class Family:
 
     def check_inputs(self, pipe: "Pipeline", n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         """Validate the family's own inputs (host-side, no device work) into normalised values."""
-        unknown = sorted(set(inputs) - set(self.inputs))
+        unknown = sorted(k for k, v in inputs.items() if v is not None and k not in self.inputs)
         if unknown:
             accepted = ", ".join(self.inputs) or "none"
             raise InvalidArgumentError(
                 f"unexpected argument {unknown[0]!r} for a {self.name} model; its inputs are: {accepted}",
                 argument=unknown[0])
-        return dict(inputs)
+        return {k: v for k, v in inputs.items() if k in self.inputs}
 
     def sample_shape(self, pipe: "Pipeline", values: dict[str, Any]) -> tuple[int, ...]:
         """One sample's shape (H, W, C), NHWC, for these inputs (resolution is static)."""

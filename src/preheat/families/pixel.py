@@ -30,7 +30,7 @@ class PixelFamily(Family):
     pixels_in_loop: bool = True
 
     def check_inputs(self, pipe: "Pipeline", n: int, inputs: dict[str, Any]) -> dict[str, Any]:
-        super().check_inputs(pipe, n, inputs)
+        inputs = super().check_inputs(pipe, n, inputs)
         h, w = pipe.sample_shape[0], pipe.sample_shape[1]
         for name, native in (("width", w), ("height", h)):
             value = inputs.get(name)

@@ -59,7 +59,7 @@ class StableDiffusionFamily(Family):
     # ------------------------------------------------------------------ inputs
 
     def check_inputs(self, pipe: "Pipeline", n: int, inputs: dict[str, Any]) -> dict[str, Any]:
-        super().check_inputs(pipe, n, inputs)
+        inputs = super().check_inputs(pipe, n, inputs)
         prompts = _prompts("prompt", inputs.get("prompt"), n, required=True)
         negatives = _prompts("negative_prompt", inputs.get("negative_prompt"), n, required=False)
         multiple = pipe.components["size_multiple"]

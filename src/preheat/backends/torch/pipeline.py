@@ -272,7 +272,7 @@ def make_compiler(cache: str | None = None) -> TorchCompiler:
 
 def load(model: str | Path | None = None, *, compile: str = "none", dtype: Any = "float32",
          device: str | None = None, scheduler: Any = None, cache: str | None = None,
-         variant: str | None = None) -> TorchPipeline:
+         variant: str | None = None) -> Any:
     """A ``TorchPipeline`` for ``model``; ``None`` = the built-in model.
 
     ``model``: a diffusers-format folder, or a weights-store source (``hf://org/repo[@rev]``, an
@@ -305,6 +305,16 @@ def load(model: str | Path | None = None, *, compile: str = "none", dtype: Any =
 
     # As preheat.load: a local folder as it is; http(s):// and hf:// sources from the weights store.
     root = BUILTIN_MODEL if model is None else resolve(str(model))
+    from preheat.families import class_name_of
+
+    text_families = {"StableDiffusionPipeline": "SD", "StableDiffusionXLPipeline": "SDXL"}
+    class_name = class_name_of(root)
+    if class_name in text_families:
+        from preheat.backends.torch.text import load_text
+        from preheat.families import stable_diffusion
+
+        return load_text(Path(root), getattr(stable_diffusion, text_families[class_name]), compile=compile,
+                         dtype=dtype, device=str(torch_device), scheduler=scheduler, compiler=compiler, variant=variant)
     unet_dir = resolve_unet_dir(root)
     raw = read_json(unet_dir / "config.json")
     cls = raw.get("_class_name", "UNet2DModel")

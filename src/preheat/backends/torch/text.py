@@ -1,0 +1,175 @@
+"""``TorchTextPipeline``: SD 1.x/2.x and SDXL folders through diffusers' own pipeline classes.
+
+The same call API and argument checks as the JAX ``Pipeline`` (borrowed, not copied), the same
+initial latents (``latents=``, drawn from the same per-image seeds by ``preheat.noise``) and the
+same sampler mapping, so ``bench compare`` and the parity tests put both backends side by side.
+
+``compile="inductor"`` wraps the UNet in ``torch.compile`` and warms each model batch and latent
+size through preheat's torch compile cache (Mega-Cache artifacts and CPU kernels, under the
+same entry rules as the JAX side). ``compile="aot"`` (AOTInductor) is not offered for these
+pipelines yet: it is refused with a one-line error rather than silently falling back.
+
+Where the backends differ: a guidance scale below 1 is classifier-free guidance in preheat and
+"no guidance" in diffusers (``guidance_scale > 1``); stochastic samplers draw their per-step
+noise from a ``torch.Generator`` per image, not from JAX's keys.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from preheat.backends.torch.compile_cache import INDUCTOR_OPTIONS, TorchCompiler, torch_key_fields
+from preheat.backends.torch.sampling import make_scheduler
+from preheat.engine import Pipeline, scheduler_config_of
+from preheat.errors import InvalidArgumentError
+from preheat.noise import initial_noise
+from preheat.samplers import SchedulerConfig
+from preheat.timings import Timings
+
+__all__ = ["TorchTextPipeline", "load_text"]
+
+
+@dataclass
+class TorchTextPipeline:
+    """A diffusers text-to-image pipeline with preheat's call API. Build with :func:`load_text`."""
+
+    pipe: Any  # diffusers StableDiffusionPipeline / StableDiffusionXLPipeline
+    family: Any
+    scheduler_config: SchedulerConfig
+    scheduler_dict: dict[str, Any]
+    sample_shape: tuple[int, ...]  # default latent (h, w, C)
+    components: dict[str, Any]  # vae_scale, size_multiple (what the family's checks read)
+    fingerprint: dict[str, Any]
+    defaults: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+    device: str = "cpu"
+    compile: str = "none"
+    compiler: TorchCompiler | None = None
+    num_classes: int | None = None
+    null_class: int | None = None
+    labels: tuple[str, ...] = ()
+    layout: str = "NCHW"
+    last: Timings = field(default_factory=Timings)
+    _warm: set = field(default_factory=set, repr=False)
+
+    __call__ = Pipeline.__call__
+    __post_init__ = Pipeline.__post_init__
+    validate = Pipeline.validate
+    _guidance = Pipeline._guidance
+    is_guided = Pipeline.is_guided
+    _noise = Pipeline._noise
+
+    def generate(self, first: Any = None, /, **inputs: Any) -> np.ndarray:
+        """Like ``__call__`` but returns uint8 pixels, (n, H, W, 3)."""
+        request = self.validate(first, **inputs)
+        v = request.values
+        n = request.n
+        self.last = Timings(cache_layer="memory")
+        latent_shape = request.sample_shape
+        timings = self._prepare_unet(n * (2 if request.guided else 1), latent_shape)
+
+        start = time.perf_counter()
+        nchw = (request.noise.transpose(0, 3, 1, 2) if request.noise is not None
+                else initial_noise(request.seeds, latent_shape))
+        self.pipe.scheduler = make_scheduler(request.sampler, self.scheduler_dict)
+        kwargs: dict[str, Any] = dict(
+            prompt=v["prompt"], negative_prompt=v["negative_prompt"], height=v["height"], width=v["width"],
+            num_inference_steps=request.steps, guidance_scale=request.guidance if request.guided else 1.0,
+            latents=torch.from_numpy(np.ascontiguousarray(nchw, np.float32)).to(self.device, self.torch_dtype),
+            generator=[torch.Generator("cpu").manual_seed(int(s)) for s in request.seeds], output_type="np",
+            eta=request.eta)
+        if "time_ids" in v:
+            ids = [int(x) for x in v["time_ids"]]
+            kwargs.update(original_size=tuple(ids[0:2]), crops_coords_top_left=tuple(ids[2:4]),
+                          target_size=tuple(ids[4:6]))
+        with torch.no_grad():
+            images = self.pipe(**kwargs).images
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        timings.run_s = time.perf_counter() - start
+        self.last = timings
+        return (np.asarray(images, np.float32) * 255).round().astype(np.uint8)  # diffusers' numpy_to_pil rounding
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+    def _prepare_unet(self, model_batch: int, latent_shape: tuple[int, ...]) -> Timings:
+        """Compile (or load from the cache) the UNet for this model batch and latent size."""
+        key = (model_batch, tuple(latent_shape))
+        if self.compile == "none" or key in self._warm:
+            return Timings(cache_layer="memory" if key in self._warm or self.compile != "none" else "none")
+        unet = self.pipe.unet
+        if not getattr(unet, "_preheat_compiled", False):
+            try:
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            except AttributeError:  # pragma: no cover - older torch
+                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            unet.forward = torch.compile(unet.forward, **INDUCTOR_OPTIONS)
+            unet._preheat_compiled = True
+        h, w, c = latent_shape
+        cfg = unet.config
+        x = torch.zeros((model_batch, c, h, w), dtype=self.torch_dtype, device=self.device)
+        t = torch.full((model_batch,), 1.0, dtype=torch.float32, device=self.device)
+        ctx = torch.zeros((model_batch, 77, cfg.cross_attention_dim), dtype=self.torch_dtype, device=self.device)
+        added = None
+        if cfg.addition_embed_type == "text_time":
+            pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+            added = {"text_embeds": torch.zeros((model_batch, pooled), dtype=self.torch_dtype, device=self.device),
+                     "time_ids": torch.zeros((model_batch, 6), dtype=self.torch_dtype, device=self.device)}
+
+        def warm_up() -> None:
+            with torch.no_grad():
+                unet(x, t, encoder_hidden_states=ctx, added_cond_kwargs=added, return_dict=False)
+
+        fields = torch_key_fields(self.fingerprint, mode="inductor", model_batch=model_batch, sample_chw=(c, h, w),
+                                  class_conditional=False, dtype=self.dtype, device=self.device)
+        timings = (self.compiler or TorchCompiler(mode="off")).warm_inductor(fields, warm_up)
+        self._warm.add(key)
+        return timings
+
+
+def load_text(root: Path, family: Any, *, compile: str, dtype: str, device: str, scheduler: Any,
+              compiler: TorchCompiler | None, variant: str | None) -> TorchTextPipeline:
+    """A diffusers SD/SDXL pipeline for ``root`` with preheat's checks and defaults."""
+    if compile == "aot":
+        raise InvalidArgumentError("compile='aot' (AOTInductor) is not available for text-to-image pipelines yet; "
+                                   "use compile='inductor' or 'none'", argument="compile")
+    from diffusers import DiffusionPipeline
+
+    from preheat.families.stable_diffusion import _default_sampler
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    kwargs: dict[str, Any] = {"torch_dtype": dtypes[dtype]}
+    if variant:
+        kwargs["variant"] = variant
+    if family.xl:
+        kwargs["add_watermarker"] = False
+    else:
+        kwargs.update(safety_checker=None, requires_safety_checker=False)
+    pipe = DiffusionPipeline.from_pretrained(str(root), **kwargs).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    sched_source = scheduler if scheduler is not None else root / "scheduler"
+    sched = scheduler_config_of(sched_source)
+    sched_dict = dict(scheduler) if isinstance(scheduler, dict) else json.loads(
+        (Path(sched_source) / "scheduler_config.json" if Path(sched_source).is_dir() else Path(sched_source)).read_text())
+    unet_cfg = pipe.unet.config
+    vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+    size = unet_cfg.sample_size
+    latent = (size, size) if isinstance(size, int) else tuple(size)
+    architecture = {k: v for k, v in dict(unet_cfg).items() if not k.startswith("_")}
+    fingerprint = json.loads(json.dumps({"kind": "diffusers.UNet2DConditionModel", "config": architecture},
+                                        default=str))
+    return TorchTextPipeline(
+        pipe=pipe, family=family, scheduler_config=sched, scheduler_dict=sched_dict,
+        sample_shape=(int(latent[0]), int(latent[1]), unet_cfg.in_channels),
+        components={"vae_scale": vae_scale, "size_multiple": vae_scale * 2 ** (len(unet_cfg.block_out_channels) - 1)},
+        fingerprint=fingerprint, defaults=_default_sampler(root, family), dtype=dtype, device=device,
+        compile=compile, compiler=compiler)
