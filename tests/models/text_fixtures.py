@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from preheat.bench.random_models import bpe_vocab
+
 BOS = "<|startoftext|>"
 EOS = "<|endoftext|>"
 
@@ -34,43 +36,11 @@ WORDS = (
 ).split()
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """CLIP's (GPT-2's) byte -> printable unicode character table, in CLIP's vocab order."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 @lru_cache(maxsize=1)
 def tiny_vocab_and_merges() -> tuple[dict[str, int], list[str]]:
     """A CLIP-style BPE vocab (~700 tokens) and its merges."""
-    table = bytes_to_unicode()
-    vocab: dict[str, int] = {}
-    for c in table.values():
-        vocab[c] = len(vocab)
-    for c in table.values():
-        vocab[c + "</w>"] = len(vocab)
-    merges: list[str] = []
-    for word in WORDS:
-        symbols = [table[b] for b in word.encode("utf-8")]
-        symbols[-1] += "</w>"
-        left = symbols[0]
-        for right in symbols[1:]:
-            merged = left + right
-            merge = f"{left} {right}"
-            if merged not in vocab:
-                vocab[merged] = len(vocab)
-                merges.append(merge)
-            left = merged
-    vocab[BOS] = len(vocab)
-    vocab[EOS] = len(vocab)
-    return vocab, merges
+    vocab, merges = bpe_vocab(tuple(WORDS))
+    return dict(vocab), list(merges)
 
 
 def _added_token(content: str, *, normalized: bool, special: bool) -> dict[str, Any]:

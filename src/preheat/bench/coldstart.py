@@ -15,6 +15,7 @@ process start to first image with a warm cache is <= 1.25x the floor.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -35,13 +36,16 @@ PHASES = ("import_s", "weights_s", "trace_lower_s", "compile_or_load_s", "first_
 
 
 def run_child(model: str | None, home: Path, n: int, steps: int | None, cache: str,
-              extra_env: dict[str, str] | None = None, timeout: float = 900) -> dict[str, Any]:
+              extra_env: dict[str, str] | None = None, timeout: float = 1800,
+              args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One ``preheat sample`` child with its own PREHEAT_HOME; returns its --report."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "preheat", "sample", *([model] if model else []), "--n", str(n),
                "--out", str(Path(tmp) / "s.png"), "--report", str(report), "--quiet", "--cache", cache]
         if steps:
             cmd += ["--steps", str(steps)]
+        cmd += list(args)
         env = {**os.environ, "PREHEAT_HOME": str(home), **(extra_env or {})}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
@@ -50,27 +54,30 @@ def run_child(model: str | None, home: Path, n: int, steps: int | None, cache: s
 
 
 def bench_coldstart(model: str | None, n: int, steps: int | None, repeats: int, workdir: Path,
-                    cache_url: str | None = None) -> dict[str, Any]:
+                    cache_url: str | None = None, args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``args``: extra ``preheat sample`` arguments for every child (e.g. --prompt, --width)."""
     model = materialize_model(model, workdir)
+    child = functools.partial(run_child, args=args)
+
     rows: dict[str, list[dict[str, Any]]] = {"empty": [], "xla only": [], "full warm": []}
     xla_home, full_home = workdir / "xla-home", workdir / "full-home"
-    run_child(model, xla_home, n, steps, "xla")  # prime JAX's persistent cache
-    run_child(model, full_home, n, steps, "full")  # prime the executable layer
+    child(model, xla_home, n, steps, "xla")  # prime JAX's persistent cache
+    child(model, full_home, n, steps, "full")  # prime the executable layer
     for i in range(repeats):
         empty = workdir / f"empty-{i}"
-        rows["empty"].append(run_child(model, empty, n, steps, "full"))
+        rows["empty"].append(child(model, empty, n, steps, "full"))
         shutil.rmtree(empty, ignore_errors=True)
-        rows["xla only"].append(run_child(model, xla_home, n, steps, "xla"))
-        rows["full warm"].append(run_child(model, full_home, n, steps, "full"))
+        rows["xla only"].append(child(model, xla_home, n, steps, "xla"))
+        rows["full warm"].append(child(model, full_home, n, steps, "full"))
     if cache_url:
         from preheat.cache.remote import child_env
 
         env = child_env(cache_url)  # the URL, plus trust when no signing key is set
-        run_child(model, workdir / "publisher", n, steps, "full", env)  # fills the remote store
+        child(model, workdir / "publisher", n, steps, "full", env)  # fills the remote store
         rows["remote warm"] = []
         for i in range(repeats):
             fresh = workdir / f"remote-{i}"
-            rows["remote warm"].append(run_child(model, fresh, n, steps, "full", env))
+            rows["remote warm"].append(child(model, fresh, n, steps, "full", env))
             shutil.rmtree(fresh, ignore_errors=True)
     result: dict[str, Any] = {"model": model or "built-in:digits", "batch": n, "steps": steps,
                               "machine": machine_line(), "rows": {}}
@@ -136,14 +143,24 @@ def plot(result: dict[str, Any], path: Path) -> None:
 @click.option("--steps", type=int, help="Steps (model default when absent).")
 @click.option("--repeats", default=3, show_default=True, type=int, help="Fresh processes per cache state.")
 @click.option("--cache-url", help="Also measure a fresh local root pulling from this shared store.")
+@click.option("--prompt", help="Text-to-image models: the prompt (default: a fixed one).")
+@click.option("--width", type=int, help="Text-to-image models: image width.")
+@click.option("--height", type=int, help="Text-to-image models: image height.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
 @one_line_errors
 def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int, cache_url: str | None,
+                      prompt: str | None, width: int | None, height: int | None,
                       json_out: Path | None, png_out: Path | None) -> None:
     """Process start to first image, empty vs XLA-cache-only vs fully warm cache, in fresh processes."""
+    args: tuple[str, ...] = ()
+    for flag, value in (("--prompt", prompt), ("--width", width), ("--height", height)):
+        if value is not None:
+            args += (flag, str(value))
+    if (width or height) and not prompt:
+        args += ("--prompt", "a watercolor fox")
     with tempfile.TemporaryDirectory() as tmp:
-        result = bench_coldstart(model, n, steps, repeats, Path(tmp), cache_url)
+        result = bench_coldstart(model, n, steps, repeats, Path(tmp), cache_url, args)
     click.echo(markdown(result))
     write_json(json_out, result)
     if png_out:

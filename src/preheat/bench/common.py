@@ -32,11 +32,17 @@ _DDPM_SCHEDULER = {"_class_name": "DDPMScheduler", "num_train_timesteps": 1000, 
 def materialize_model(name_or_path: str | None, workdir: Path) -> str | None:
     """A model argument for preheat.load: a path, None (built-in), or a random-weight folder of a
     named architecture written once under ``workdir`` (JAX init, saved in diffusers format)."""
-    if name_or_path is None or name_or_path not in ARCHITECTURES:
+    from preheat.bench.random_models import TEXT_ARCHITECTURES
+
+    if name_or_path is None or name_or_path not in (*ARCHITECTURES, *TEXT_ARCHITECTURES):
         return name_or_path
     out = workdir / name_or_path
     if (out / "model_index.json").is_file():
         return str(out)
+    if name_or_path in TEXT_ARCHITECTURES:
+        from preheat.bench import random_models
+
+        return str(getattr(random_models, TEXT_ARCHITECTURES[name_or_path])(out))
     import jax
     from flax import nnx
 

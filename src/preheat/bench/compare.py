@@ -94,8 +94,11 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
 
     def call(n: int) -> Any:
         labels = None if pipe.num_classes is None else [i % pipe.num_classes for i in range(n)]
+        inputs = {k: v for k, v in (spec.get("inputs") or {}).items() if k in pipe.family.inputs}
+        if "prompt" in pipe.family.inputs:
+            inputs.setdefault("prompt", "a watercolor fox")
         return pipe.generate(n, class_labels=labels, steps=spec["steps"], sampler=spec["sampler"],
-                             guidance=spec["guidance"], seed=spec["seed"])
+                             guidance=spec["guidance"], seed=spec["seed"], **inputs)
 
     batch = spec["batch"]
     t1 = time.perf_counter()
@@ -207,7 +210,7 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
                   batch_sizes: tuple[int, ...] = (1, 8, 32), seed: int = 0, guidance: float | None = None,
                   repeats: int = 3, steady_repeats: int = 5, paths: tuple[str, ...] = PATHS,
                   xla_variants: dict[str, str] | None = None, workdir: Path, timeout: float = 1800.0,
-                  log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+                  log: Callable[[str], None] = lambda s: None, inputs: dict[str, Any] | None = None) -> dict[str, Any]:
     from preheat.bench.common import materialize_model
 
     model = materialize_model(model, workdir)
@@ -225,8 +228,10 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
         envs[f"jax[{name}]"] = {"XLA_FLAGS": f"{base_flags} {flags}".strip()}
     names = list(envs)
     prime = [b for b in batch_sizes if b != batch]
+    settings["inputs"] = dict(inputs or {})
     common = {"model": model, "sampler": settings["sampler"], "steps": settings["steps"],
-              "guidance": settings["guidance"], "seed": seed, "batch": batch, "steady_repeats": steady_repeats}
+              "guidance": settings["guidance"], "seed": seed, "batch": batch, "steady_repeats": steady_repeats,
+              "inputs": settings["inputs"]}
     scratch = workdir / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {p: {"empty": [], "warm": []} for p in names}
@@ -491,6 +496,9 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 @click.option("--xla-flags", "xla_flags", multiple=True, metavar="NAME=FLAGS",
               help="Also run JAX with these extra XLA_FLAGS, reported as jax[NAME]; repeatable.")
 @click.option("--quick", is_flag=True, help="Batch 1 and 8, 4 steps, one process per cache state.")
+@click.option("--prompt", help="Text-to-image models: the prompt (default: a fixed one).")
+@click.option("--width", type=int, help="Text-to-image models: image width.")
+@click.option("--height", type=int, help="Text-to-image models: image height.")
 @click.option("--timeout", default=1800.0, show_default=True, type=float, help="Seconds per child process.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
@@ -499,19 +507,21 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 def compare_command(model: str | None, sampler: str | None, steps: int | None, batch: int | None,
                     batch_sizes: str | None, seed: int, guidance: float | None, repeats: int | None,
                     steady_repeats: int | None, paths_opt: str, xla_flags: tuple[str, ...], quick: bool,
+                    prompt: str | None, width: int | None, height: int | None,
                     timeout: float, json_out: Path | None, png_out: Path | None, keep: Path | None) -> None:
     """JAX vs torch eager vs torch.compile vs AOTInductor on MODEL (default: the built-in model;
-    also a name from preheat.bench.common.ARCHITECTURES, e.g. ddpm-cifar10-32 with random weights)."""
+    also a random-weight architecture: ddpm-cifar10-32, sd15-random)."""
     from preheat._cli_support import one_line_errors
 
+    inputs = {k: v for k, v in (("prompt", prompt), ("width", width), ("height", height)) if v is not None}
     one_line_errors(_compare)(model, sampler, steps, batch, batch_sizes, seed, guidance, repeats, steady_repeats,
-                              paths_opt, xla_flags, quick, timeout, json_out, png_out, keep)
+                              paths_opt, xla_flags, quick, timeout, json_out, png_out, keep, inputs)
 
 
 def _compare(model: str | None, sampler: str | None, steps: int | None, batch: int | None, batch_sizes: str | None,
              seed: int, guidance: float | None, repeats: int | None, steady_repeats: int | None, paths_opt: str,
              xla_flags: tuple[str, ...], quick: bool, timeout: float, json_out: Path | None, png_out: Path | None,
-             keep: Path | None) -> None:
+             keep: Path | None, inputs: dict[str, Any] | None = None) -> None:
     from preheat.bench.common import write_json
     from preheat.errors import InvalidArgumentError, SchedulerConfigError
     from preheat.samplers import SAMPLERS
@@ -524,7 +534,9 @@ def _compare(model: str | None, sampler: str | None, steps: int | None, batch: i
         raise ModelNotFoundError(f"the built-in model is not installed ({BUILTIN_MODEL}); pass a model folder")
     from preheat.store import is_remote
 
-    if (model is not None and model not in ARCHITECTURES and not is_remote(model)
+    from preheat.bench.random_models import TEXT_ARCHITECTURES
+
+    if (model is not None and model not in ARCHITECTURES and model not in TEXT_ARCHITECTURES and not is_remote(model)
             and not Path(model).expanduser().exists()):
         raise ModelNotFoundError(f"model path {model} does not exist")
     preset = QUICK if quick else FULL
@@ -565,7 +577,7 @@ def _compare(model: str | None, sampler: str | None, steps: int | None, batch: i
         result = bench_compare(model, sampler=sampler, steps=steps or preset["steps"], batch=batch,
                                batch_sizes=sizes, seed=seed, guidance=guidance, repeats=repeats,
                                steady_repeats=steady_repeats, paths=paths, xla_variants=variants,
-                               workdir=Path(work), timeout=timeout, log=log)
+                               workdir=Path(work), timeout=timeout, log=log, inputs=inputs)
     result["wall_s"] = time.perf_counter() - started
     result["settings"]["quick"] = quick
     click.echo(markdown(result))
