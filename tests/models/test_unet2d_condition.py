@@ -265,6 +265,18 @@ def test_unsupported_option_lists_what_is_supported():
     assert _one_line(info.value).endswith("supported: 'CrossAttnDownBlock2D', 'DownBlock2D'")
 
 
+def test_pipeline_folder_loads_its_unet(tiny, tmp_path):
+    """A pipeline folder (model_index.json + unet/) loads the same tensors as the bare unet/ folder."""
+    path, _ = tiny("sd2")
+    shutil.copytree(path, tmp_path / "pipe" / "unet")
+    (tmp_path / "pipe" / "model_index.json").write_text(json.dumps(
+        {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"]}))
+    a, b = load_unet_condition(tmp_path / "pipe"), load_unet_condition(path)
+    assert a.config == b.config
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_wrong_class_and_mismatched_weights_are_one_line(tiny, tmp_path):
     path, _ = tiny("sd1")
     bare = shutil.copytree(path, tmp_path / "bare")
