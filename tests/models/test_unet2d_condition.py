@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from preheat.errors import InvalidArgumentError, ModelFormatError, PreheatError, UnsupportedConfigError, WeightsError
 from preheat.models.unet2d_condition import (UNet2DConditionConfig, build_abstract, build_unet_condition,
@@ -71,6 +72,18 @@ def test_non_square_odd_latent(tiny):
     assert err <= FP32_TOL, f"max abs error {err:.3g}"
 
 
+@pytest.mark.parametrize("n_in,n_out", [(5, 9), (3, 5), (7, 13), (33, 65), (50, 99), (4, 8), (6, 6)])
+def test_nearest_resize_picks_torchs_rows(n_in, n_out):
+    """Upsample2D to an explicit size takes the rows torch's ``interpolate(mode="nearest")`` takes."""
+    import torch
+
+    from preheat.models.unet2d import _nearest_index
+
+    rows = torch.arange(n_in, dtype=torch.float32).reshape(1, 1, n_in, 1)
+    ref = torch.nn.functional.interpolate(rows, size=(n_out, 1), mode="nearest").reshape(-1).numpy()
+    np.testing.assert_array_equal(_nearest_index(n_in, n_out), ref.astype(np.int32))
+
+
 def test_num_attention_heads_wins_over_attention_head_dim(tiny, tmp_path):
     """diffusers resolves heads as ``num_attention_heads or attention_head_dim``.
 
@@ -128,8 +141,6 @@ def test_bf16_runs_close_to_fp32_reference(tiny):
 
 
 def _torch_layout_params(unet) -> dict[str, np.ndarray]:
-    from flax import nnx
-
     from preheat.models.weights import to_torch_layout
 
     return {torch_key(path): to_torch_layout(np.asarray(var.get_value()), str(path[-1]))
@@ -178,7 +189,7 @@ def test_published_configs_map_every_tensor_both_ways(name, config):
     ref = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     _, abstract = build_abstract(UNet2DConditionConfig.from_dict(config))
     ours = {torch_key(path): expected_torch_shape(tuple(var.shape), str(path[-1]))
-            for path, var in nnx_flat(abstract)}
+            for path, var in nnx.to_flat_state(abstract)}
     assert sorted(set(ref) - set(ours)) == [], f"{name}: keys diffusers has and preheat lacks"
     assert sorted(set(ours) - set(ref)) == [], f"{name}: keys preheat has and diffusers lacks"
     wrong = {k: (ours[k], ref[k]) for k in ref if ours[k] != ref[k]}
@@ -186,15 +197,11 @@ def test_published_configs_map_every_tensor_both_ways(name, config):
     assert len(ref) > 600  # the whole model, not a fragment
 
 
-def nnx_flat(state):
-    from flax import nnx
-
-    return nnx.to_flat_state(state)
-
-
 @pytest.mark.slow
 def test_full_size_sd15_forward_matches_diffusers():
-    """The real SD 1.5 architecture (860M parameters), random fp32 weights, a 32x32 latent."""
+    """The real SD 1.5 architecture (860M parameters), random fp32 weights, a 32x32 latent.
+
+    Measured: max abs error 2.3e-6 on outputs ~1.3; peak memory ~7.5 GB (torch model + JAX copy)."""
     import torch
     from diffusers import UNet2DConditionModel
 
@@ -256,6 +263,18 @@ def test_unsupported_option_lists_what_is_supported():
     with pytest.raises(UnsupportedConfigError) as info:
         UNet2DConditionConfig.from_dict(raw)
     assert _one_line(info.value).endswith("supported: 'CrossAttnDownBlock2D', 'DownBlock2D'")
+
+
+def test_pipeline_folder_loads_its_unet(tiny, tmp_path):
+    """A pipeline folder (model_index.json + unet/) loads the same tensors as the bare unet/ folder."""
+    path, _ = tiny("sd2")
+    shutil.copytree(path, tmp_path / "pipe" / "unet")
+    (tmp_path / "pipe" / "model_index.json").write_text(json.dumps(
+        {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"]}))
+    a, b = load_unet_condition(tmp_path / "pipe"), load_unet_condition(path)
+    assert a.config == b.config
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_wrong_class_and_mismatched_weights_are_one_line(tiny, tmp_path):

@@ -1,7 +1,7 @@
 """Tiny random-weight diffusers ``UNet2DConditionModel`` folders, shaped like SD 1.x, SD 2.x and SDXL.
 
 As small as diffusers' own pipeline tests (block_out_channels (32, 64), cross_attention_dim 32),
-so that pipeline tests can build a whole tiny SD folder in about a second. Also the published
+so that pipeline tests can build one in well under a second (once diffusers is imported). Also the published
 full-size configs (SD 1.5, SD 2.1 768-v, SDXL base), for shape-only tests.
 """
 

@@ -660,7 +660,9 @@ def load_unet_condition(folder: str | Path, dtype: Any = jnp.float32, variant: s
     """Load a diffusers UNet2DConditionModel folder (or a pipeline folder's ``unet/``) into JAX.
 
     ``variant="fp16"`` reads ``diffusion_pytorch_model.fp16.safetensors`` (or its shard index);
-    the weights are cast to ``dtype`` whatever dtype they were stored in.
+    the weights are cast to ``dtype`` whatever dtype they were stored in. (diffusers' deprecated
+    attention names, ``query``/``key``/``value``/``proj_attn``, belong only to blocks this model
+    does not have, so no key is renamed.)
     """
     dtype = check_dtype(dtype)
     unet_dir = resolve_unet_dir(folder)
