@@ -86,6 +86,8 @@ def test_resolution_is_static_and_batches_are_per_image(pipes):
     pipe = pipes["sd1"]
     wide = pipe.generate("a photo of a cat", width=48, height=32, steps=2, seed=1)
     assert wide.shape == (1, 32, 48, 3)
+    odd = pipe.generate("a photo of a cat", width=34, height=32, steps=2, seed=1)  # a 17-wide latent
+    assert odd.shape == (1, 32, 34, 3)
     both = pipe.generate(["a photo of a cat", "a red fox"], width=48, height=32, steps=2, seed=[1, 2])
     again = pipe.generate(["a photo of a cat", "a red fox"], width=48, height=32, steps=2, seed=[1, 2])
     np.testing.assert_array_equal(both, again)  # same program, same inputs: bit-exact
@@ -101,7 +103,7 @@ def test_pil_images_and_stage_timings(pipes):
 
 @pytest.mark.parametrize("kwargs,argument,needle", [
     (dict(prompt=7), "prompt", "prompt must be a string"),
-    (dict(prompt="x", width=30), "width", "multiple of 4"),
+    (dict(prompt="x", width=31), "width", "multiple of 2"),
     (dict(prompt="x", height=8192), "height", "must be an int in"),
     (dict(prompt="x", negative_prompt="blurry", guidance=1.0), "negative_prompt", "needs classifier-free guidance"),
     (dict(prompt=["a", "b"], n=3), "prompt", "got 2 prompts for n=3"),
@@ -156,8 +158,8 @@ def test_torch_backend_runs_the_same_folder_with_the_same_latents(folders, pipes
     diff = np.abs(a.astype(np.int32) - b.astype(np.int32))
     assert a.shape == b.shape and diff.mean() <= MEAN_TOL, diff.mean()
     assert torch_pipe.defaults == pipes[kind].defaults
-    with pytest.raises(InvalidArgumentError, match="multiple of 4"):
-        torch_pipe.generate("x", width=30)  # the same checks as the JAX side
+    with pytest.raises(InvalidArgumentError, match="multiple of 2"):
+        torch_pipe.generate("x", width=31)  # the same checks as the JAX side
 
 
 def test_every_stage_has_its_own_cache_entry_and_a_restart_loads_all_three(folders, tmp_path):
@@ -206,6 +208,6 @@ def test_cli_samples_a_text_to_image_folder(folders, tmp_path):
     from PIL import Image
 
     assert Image.open(out).size[1] in (32, 64)  # a grid of two 48x32 images (upscaled when small)
-    bad = CliRunner().invoke(main, ["sample", str(folders["sd2"]), "--prompt", "x", "--width", "30", "--cache", "off",
+    bad = CliRunner().invoke(main, ["sample", str(folders["sd2"]), "--prompt", "x", "--width", "31", "--cache", "off",
                                     "--out", str(tmp_path / "bad.png")])
-    assert bad.exit_code == 2 and "multiple of 4" in bad.output and not (tmp_path / "bad.png").exists()
+    assert bad.exit_code == 2 and "multiple of 2" in bad.output and not (tmp_path / "bad.png").exists()

@@ -274,7 +274,6 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         raise UnsupportedConfigError(f"{root}: the VAE has {vae.config.latent_channels} latent channels, the UNet "
                                      f"takes {cfg.in_channels}")
     vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
-    downsamplers = len(cfg.block_out_channels) - 1
     latent = cfg.sample_size if isinstance(cfg.sample_size, (list, tuple)) else (cfg.sample_size, cfg.sample_size)
 
     def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
@@ -286,7 +285,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         "text_encoders": encoders,
         "vae": vae,
         "vae_scale": vae_scale,
-        "size_multiple": vae_scale * 2 ** downsamplers,
+        "size_multiple": vae_scale,  # odd latent sides are fine: the UNet upsamples to each skip's size
         "force_zeros": bool(index.get("force_zeros_for_empty_prompt", True)),
         "encode_fingerprint": {"kind": "clip-text", "encoders": [te.config.architecture_dict() for te in encoders],
                                "dtype": str(dtype), "xl": family.xl},

@@ -170,6 +170,6 @@ def load_text(root: Path, family: Any, *, compile: str, dtype: str, device: str,
     return TorchTextPipeline(
         pipe=pipe, family=family, scheduler_config=sched, scheduler_dict=sched_dict,
         sample_shape=(int(latent[0]), int(latent[1]), unet_cfg.in_channels),
-        components={"vae_scale": vae_scale, "size_multiple": vae_scale * 2 ** (len(unet_cfg.block_out_channels) - 1)},
+        components={"vae_scale": vae_scale, "size_multiple": vae_scale},
         fingerprint=fingerprint, defaults=_default_sampler(root, family), dtype=dtype, device=device,
         compile=compile, compiler=compiler)
