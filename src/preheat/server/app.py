@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from preheat.server.core import SHUT_DOWN, Core, NotAccepting, Prediction, QueueFull
 from preheat.server.inputs import SEED_MAX, InputError, json_int
 from preheat.server.metrics import HttpMetrics
-from preheat.server.webhooks import WebhookPolicy, WebhookRefused
+from preheat.server.webhooks import WebhookPolicy, WebhookRefused, delivery_client
 
 __all__ = ["create_app"]
 
@@ -238,7 +238,7 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(10.0), follow_redirects=False)
+        state["client"] = delivery_client()
         try:
             yield
         finally:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["WebhookPolicy", "WebhookRefused", "Target", "METADATA_ADDRESSES"]
+__all__ = ["WebhookPolicy", "WebhookRefused", "Target", "METADATA_ADDRESSES", "delivery_client"]
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 
@@ -34,6 +34,14 @@ IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 # metadata, Alibaba, Oracle): refused even with allow_private; only an allow-list entry admits one.
 METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
     "169.254.169.254", "fd00:ec2::254", "169.254.170.2", "100.100.100.200", "192.0.0.192"))
+
+
+def delivery_client() -> Any:
+    """The HTTP client deliveries go through: 10 s timeout, redirects never followed (a redirect
+    would lead to an address nobody checked)."""
+    import httpx
+
+    return httpx.AsyncClient(timeout=httpx.Timeout(10.0), follow_redirects=False)
 
 
 class WebhookRefused(ValueError):
