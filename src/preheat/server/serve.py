@@ -107,11 +107,12 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = True
             return
         self._drain_started = True
+        in_flight = self.core.in_flight  # counted at the signal, before the drain starts running them
         self.core.begin_drain()
+        log.warning("draining: %d prediction(s) in flight, grace %.0fs", in_flight, self.grace_s)
         threading.Thread(target=self._drain, name="preheat-drain", daemon=True).start()
 
     def _drain(self) -> None:
-        log.warning("draining: %d prediction(s) in flight, grace %.0fs", self.core.in_flight, self.grace_s)
         self.drained = self.core.wait_idle(self.grace_s)
         if not self.drained:
             log.warning("grace period over; failing the predictions still waiting")
