@@ -104,6 +104,11 @@ class GatedPipe:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pipe, name)
 
+    def hold(self) -> None:
+        """Close the gate; ``entered`` is then set by the next engine call (not by warm-up's)."""
+        self.entered.clear()
+        self.gate.clear()
+
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         self.entered.set()
         assert self.gate.wait(120)

@@ -40,8 +40,7 @@ def gated(pipe: Any):
 
 def test_cancel_while_running_drops_the_images(gated: Any) -> None:
     core, gp = gated
-    gp.gate.clear()
-    gp.entered.clear()
+    gp.hold()
     job, given = core.parse({"seed": 1})
     pred, created = core.submit(job, given)
     assert created
@@ -69,7 +68,7 @@ def test_engine_failure_fails_the_batch_not_the_server(gated: Any) -> None:
 
 def test_drain_finishes_accepted_work_and_refuses_new(gated: Any) -> None:
     core, gp = gated
-    gp.gate.clear()
+    gp.hold()
     running, _ = core.submit(*core.parse({"seed": 1, "num_inference_steps": 2}))
     assert gp.entered.wait(30)
     waiting, _ = core.submit(*core.parse({"seed": 2, "num_inference_steps": 3}))  # another key: next batch
@@ -85,7 +84,7 @@ def test_drain_finishes_accepted_work_and_refuses_new(gated: Any) -> None:
 
 def test_close_fails_what_never_ran(gated: Any) -> None:
     core, gp = gated  # max_batch_size=2: a different key keeps the second one out of the first batch
-    gp.gate.clear()
+    gp.hold()
     first, _ = core.submit(*core.parse({"seed": 1}))
     assert gp.entered.wait(60)  # the first batch is running, held at the gate
     second, _ = core.submit(*core.parse({"seed": 1, "num_inference_steps": 2}))
@@ -131,7 +130,7 @@ def test_expected_drain_time_counts_steps_and_batches(pipe: Any) -> None:
 
 def test_abandoned_prediction_is_canceled_only_while_queued(gated: Any) -> None:
     core, gp = gated
-    gp.gate.clear()
+    gp.hold()
     running, _ = core.submit(*core.parse({"seed": 1}))
     assert gp.entered.wait(60)
     queued, _ = core.submit(*core.parse({"seed": 2, "num_inference_steps": 2}))

@@ -54,7 +54,7 @@ def _read_to_close(s: socket.socket) -> bytes:
 
 def test_clients_that_go_away_free_their_queued_slots(held: Any) -> None:
     core, gp, srv = held
-    gp.gate.clear()
+    gp.hold()
     running = _send(srv.port, "PUT", "/predictions/gone-running", {"input": {"seed": 1}})
     assert gp.entered.wait(60)  # its batch is in the engine, held at the gate
     gone = [_send(srv.port, "PUT", f"/predictions/gone-{i}", {"input": {"seed": 10 + i, "num_inference_steps": 2}})
@@ -84,7 +84,7 @@ def test_clients_that_go_away_free_their_queued_slots(held: Any) -> None:
 
 def test_queued_openai_request_dropped_by_a_drain_gets_503(held: Any) -> None:
     core, gp, srv = held
-    gp.gate.clear()
+    gp.hold()
     blocker = httpx.post(f"{srv.url}/predictions", json={"input": {"seed": 1}}, headers={"Prefer": "respond-async"})
     assert blocker.status_code == 202 and gp.entered.wait(60)
     results: dict[str, httpx.Response] = {}

@@ -355,8 +355,8 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
     def conflict(pid: str) -> JSONResponse:
         return JSONResponse({"detail": f"prediction {pid} exists with a different input"}, status_code=409)
 
-    def same_input(existing: Prediction, body: Any) -> Optional[bool]:
-        """Whether a retry asks for the existing prediction; None (with a 422 to send) when invalid."""
+    def same_input(existing: Prediction, body: Any) -> bool:
+        """Whether a retry asks for the existing prediction (raises ``InputError`` when invalid)."""
         if existing.input == body.input.model_dump(exclude_unset=True):
             return True
         return core.same_request(existing, body.input)
