@@ -4,6 +4,11 @@ The model is a tiny random-weight class-conditional UNet built with preheat's ow
 (no torch import), shaped like the built-in digits model: 16x16x1, classes 0..9, null class
 10, defaults dpmpp_2m / 4 steps / guidance 2. Its compile cache lives in the session's
 private PREHEAT_HOME (the same path tests/conftest.py sets), so subprocess servers start hot.
+No test result depends on what that cache holds (a test that needs a clean one gets its own).
+
+Nothing here waits on a wall-clock window to decide an outcome: batching is held with
+``Core.pause``/``resume`` or a :class:`GatedPipe`, and the bounded waits (:func:`wait_until`)
+only fail on a hang.
 """
 
 from __future__ import annotations
@@ -77,18 +82,62 @@ def pipe(model_dir: Path, session_cache_root: None) -> Any:
     return preheat.load(model_dir)  # conftest's session fixture has set the private cache root
 
 
-class ServerThread:
-    """uvicorn serving ``app`` on a free 127.0.0.1 port, in a daemon thread."""
+def wait_until(predicate: Any, timeout: float = 60.0, what: str = "condition") -> None:
+    """Poll ``predicate`` until true; an AssertionError only when it never becomes true (a hang)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
 
-    def __init__(self, app: Any) -> None:
+
+class GatedPipe:
+    """The real pipeline, but generate() waits for ``gate`` (to hold a batch 'running')."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.fail = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+    def hold(self) -> None:
+        """Close the gate; ``entered`` is then set by the next engine call (not by warm-up's)."""
+        self.entered.clear()
+        self.gate.clear()
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self.entered.set()
+        assert self.gate.wait(120)
+        if self.fail:
+            raise RuntimeError("device lost\nsecond line")
+        return self._pipe.generate(*args, **kwargs)
+
+
+def local_webhooks() -> Any:
+    """Webhooks allowed to the tests' receivers on 127.0.0.1 (and nowhere else private)."""
+    from preheat.server.webhooks import WebhookPolicy
+
+    return WebhookPolicy(allow=("127.0.0.1",))
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on a free 127.0.0.1 port, in a daemon thread, with the settings
+    ``preheat serve`` uses (``preheat.server.serve.uvicorn_config``)."""
+
+    def __init__(self, app: Any, header_timeout_s: Optional[float] = None) -> None:
         import uvicorn
 
-        from preheat.server.serve import bind_socket
+        from preheat.server.serve import HEADER_TIMEOUT_S, bind_socket, uvicorn_config
 
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False))
+        timeout = HEADER_TIMEOUT_S if header_timeout_s is None else header_timeout_s
+        self.server = uvicorn.Server(uvicorn_config(app, log_level="warning", header_timeout_s=timeout))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -103,10 +152,10 @@ class ServerThread:
 
 
 @contextlib.contextmanager
-def serving(core: Any, **app_kwargs: Any) -> Iterator[ServerThread]:
+def serving(core: Any, header_timeout_s: Optional[float] = None, **app_kwargs: Any) -> Iterator[ServerThread]:
     from preheat.server.app import create_app
 
-    server = ServerThread(create_app(core, **app_kwargs))
+    server = ServerThread(create_app(core, **app_kwargs), header_timeout_s=header_timeout_s)
     try:
         yield server
     finally:

@@ -12,8 +12,11 @@ from preheat.server.cli import bench_serve_command, serve_command
     (["--max-batch-size", "0"], "--max-batch-size 0 must be in 1..1024"),
     (["--max-queue", "0"], "--max-queue 0 must be >= 1"),
     (["--batch-wait-ms", "-1"], "--batch-wait-ms -1.0 must be >= 0"),
-    (["--scheduler", "k_lms"], "--scheduler 'k_lms' is unknown"),
-    (["--warm-scheduler", "nope"], "--warm-scheduler 'nope' is unknown"),
+    (["--samplers", "dpmpp_2m,k_lms"], "--samplers 'k_lms' is unknown"),
+    (["--header-timeout-s", "0"], "--header-timeout-s 0.0 must be > 0"),
+    (["--body-timeout-s", "-1"], "--body-timeout-s -1.0 must be > 0"),
+    (["--max-body-bytes", "0"], "--max-body-bytes 0 must be >= 1"),
+    (["--webhook-allow", "10.0.0.0/99"], "--webhook-allow: webhook allow-list entry '10.0.0.0/99' is not a valid CIDR"),
 ])
 def test_serve_rejects_bad_options_in_one_line(args: list[str], message: str) -> None:
     result = CliRunner().invoke(serve_command, args)

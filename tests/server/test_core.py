@@ -1,36 +1,16 @@
-"""The batching core without HTTP: buckets, cancel while running, draining, failures."""
+"""The batching core without HTTP: buckets, cancel while running, draining, failures, the
+drain-time estimate. Batches are held with a GatedPipe or Core.pause, never a time window."""
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 import numpy as np
 import pytest
 
-from preheat.server.core import Core, CoreConfig, NotAccepting, buckets_for
-
-
-class GatedPipe:
-    """The real pipeline, but generate() waits for a gate (to hold a batch 'running')."""
-
-    def __init__(self, pipe: Any) -> None:
-        self._pipe = pipe
-        self.gate = threading.Event()
-        self.gate.set()
-        self.entered = threading.Event()
-        self.fail = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pipe, name)
-
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        self.entered.set()
-        assert self.gate.wait(60)
-        if self.fail:
-            raise RuntimeError("device lost\nsecond line")
-        return self._pipe.generate(*args, **kwargs)
+from preheat.server.core import SHUT_DOWN, Core, CoreConfig, NotAccepting, buckets_for
+from tests.server.fixtures import GatedPipe
 
 
 def _wait(pred: Any, status: str, timeout: float = 60) -> None:
@@ -60,8 +40,7 @@ def gated(pipe: Any):
 
 def test_cancel_while_running_drops_the_images(gated: Any) -> None:
     core, gp = gated
-    gp.gate.clear()
-    gp.entered.clear()
+    gp.hold()
     job, given = core.parse({"seed": 1})
     pred, created = core.submit(job, given)
     assert created
@@ -89,7 +68,7 @@ def test_engine_failure_fails_the_batch_not_the_server(gated: Any) -> None:
 
 def test_drain_finishes_accepted_work_and_refuses_new(gated: Any) -> None:
     core, gp = gated
-    gp.gate.clear()
+    gp.hold()
     running, _ = core.submit(*core.parse({"seed": 1, "num_inference_steps": 2}))
     assert gp.entered.wait(30)
     waiting, _ = core.submit(*core.parse({"seed": 2, "num_inference_steps": 3}))  # another key: next batch
@@ -97,19 +76,77 @@ def test_drain_finishes_accepted_work_and_refuses_new(gated: Any) -> None:
     assert core.status == "BUSY"
     with pytest.raises(NotAccepting):
         core.parse({"seed": 3})
-    assert not core.wait_idle(0.2)
+    assert core.in_flight == 2  # held at the gate: both still accepted, neither done
     gp.gate.set()
     assert core.wait_idle(60)
     assert running.status == waiting.status == "succeeded"
 
 
-def test_close_fails_what_never_ran(pipe: Any) -> None:
-    core = Core(CoreConfig(max_batch_size=1, batch_wait_ms=60_000), pipe=pipe).start()
-    assert core.wait_setup(600)
-    pred, _ = core.submit(*core.parse({"seed": 1}))
-    pred2, _ = core.submit(*core.parse({"seed": 1, "num_inference_steps": 2}))
-    core.close()
-    assert pred2.status == "failed" and "shut down" in pred2.error
+def test_close_fails_what_never_ran(gated: Any) -> None:
+    core, gp = gated  # max_batch_size=2: a different key keeps the second one out of the first batch
+    gp.hold()
+    first, _ = core.submit(*core.parse({"seed": 1}))
+    assert gp.entered.wait(60)  # the first batch is running, held at the gate
+    second, _ = core.submit(*core.parse({"seed": 1, "num_inference_steps": 2}))
+    assert core.queue_depth == 1
+    core.close(timeout=0)  # the worker is held: nothing can have taken the second one
+    assert second.status == "failed" and second.error == SHUT_DOWN
+    gp.gate.set()
+    assert first.done.wait(60)
+    assert first.status == "succeeded" and len(first.output) == 1  # the running batch finished
+
+
+def test_drain_runs_a_partial_batch_at_once(pipe: Any) -> None:
+    """While draining no batch-mate can arrive, so a prediction does not sit out its batch wait."""
+    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=3_600_000), pipe=pipe).start()
+    try:
+        assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+        pred, _ = core.submit(*core.parse({"seed": 1}))
+        assert core.queue_depth == 1  # waiting an hour for a batch-mate
+        core.begin_drain()
+        assert pred.done.wait(60) and pred.status == "succeeded"
+    finally:
+        core.close()
+
+
+def test_expected_drain_time_counts_steps_and_batches(pipe: Any) -> None:
+    core = Core(CoreConfig(max_batch_size=2, max_steps=200, batch_wait_ms=0), pipe=pipe).start()
+    try:
+        assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+        assert core.seconds_per_step is not None and core.seconds_per_step > 0  # measured by warm-up
+        core.pause()
+        core.seconds_per_step = 0.125  # a known rate, so the sums below are exact
+        assert core.expected_drain_s() == 0 and core.retry_after() == 1
+        for seed in range(3):  # one key: 3 images -> 2 batches of 100 steps
+            core.submit(*core.parse({"seed": seed, "num_inference_steps": 100}))
+        core.submit(*core.parse({"seed": 9, "num_inference_steps": 8}))  # another key: 1 batch of 8 steps
+        assert core.expected_drain_s() == 2 * 100 * 0.125 + 8 * 0.125
+        assert core.retry_after() == 26
+        core.resume()
+        assert core.wait_idle(120)
+    finally:
+        core.close()
+
+
+def test_abandoned_prediction_is_canceled_only_while_queued(gated: Any) -> None:
+    core, gp = gated
+    gp.hold()
+    running, _ = core.submit(*core.parse({"seed": 1}))
+    assert gp.entered.wait(60)
+    queued, _ = core.submit(*core.parse({"seed": 2, "num_inference_steps": 2}))
+    shared, _ = core.submit(*core.parse({"seed": 3, "num_inference_steps": 3}))
+    kept, _ = core.submit(*core.parse({"seed": 4, "num_inference_steps": 5}), respond_async=True)
+    for p in (running, queued, shared, kept):
+        core.watch(p)
+    core.watch(shared)  # a second client (an idempotent retry) waits for it too
+    assert not core.abandon(running)  # running: it finishes
+    assert core.abandon(queued) and queued.status == "canceled"
+    assert not core.abandon(shared) and shared.status == "starting"  # someone still waits
+    assert not core.abandon(kept)  # answered 202 at once: its result goes to GET / the webhook
+    assert core.queue_depth == 2
+    gp.gate.set()
+    assert core.wait_idle(120)
+    assert running.status == shared.status == kept.status == "succeeded"
 
 
 def test_torch_backend_serves_through_the_same_core(model_dir: Any, pipe: Any) -> None:

@@ -1,9 +1,9 @@
 """Schemathesis against /openapi.json: whatever it sends, the server never answers 5xx.
 
-Bounded: per operation, 15 schema-valid and 15 schema-invalid examples (hypothesis via
-schemathesis' strategies), a 60 s budget for the whole run, a server whose limits keep every
-accepted prediction tiny (<= 2 images, <= 4 steps, one sampler), and webhooks stripped (they
-would send traffic off this machine).
+Bounded by count, not time: per operation, 15 schema-valid and 15 schema-invalid examples
+(hypothesis via schemathesis' strategies), a server whose limits keep every accepted prediction
+tiny (<= 2 images, <= 4 steps, one sampler), and webhooks stripped (they would send traffic off
+this machine).
 
 (schemathesis' own pytest plugin, ``schemathesis.pytest.from_fixture``, does not run under
 pytest 9 - it reads ``request.node._nodeid`` - so the strategies are driven directly.)
@@ -11,7 +11,6 @@ pytest 9 - it reads ``request.node._nodeid`` - so the strategies are driven dire
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -24,7 +23,6 @@ from preheat.server.core import Core, CoreConfig
 from tests.server.fixtures import serving
 
 EXAMPLES = 15
-BUDGET_S = 60.0
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,19 +38,17 @@ def _hypothesis_home(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def fuzz_server(pipe: Any):
-    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=4, schedulers=("dpmpp_2m",)), pipe=pipe).start()
+    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=4, samplers=("dpmpp_2m",)), pipe=pipe).start()
     assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
     with serving(core) as srv:
         yield srv
     core.close()
 
 
-def _fuzz(op: Any, mode: GenerationMode, url: str, deadline: float, codes: dict) -> None:
+def _fuzz(op: Any, mode: GenerationMode, url: str, codes: dict) -> None:
     @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(case=op.as_strategy(generation_mode=mode))
     def run(case: Any) -> None:
-        if time.monotonic() > deadline:
-            return
         if isinstance(case.body, dict):
             case.body.pop("webhook", None)  # no traffic to generated hosts
         response = case.call(base_url=url, timeout=60)
@@ -69,7 +65,6 @@ def _fuzz(op: Any, mode: GenerationMode, url: str, deadline: float, codes: dict)
 
 def test_no_server_errors(fuzz_server: Any) -> None:
     schema = schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json")
-    deadline = time.monotonic() + BUDGET_S
     seen: dict[str, dict] = {}
     operations = [r.ok() for r in schema.get_all_operations()]
     assert {f"{op.method.upper()} {op.path}" for op in operations} >= {
@@ -77,9 +72,8 @@ def test_no_server_errors(fuzz_server: Any) -> None:
         "GET /health-check", "POST /v1/images/generations", "GET /metrics"}
     for op in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            _fuzz(op, mode, fuzz_server.url, deadline, seen.setdefault(f"{op.method.upper()} {op.path} {mode.value}", {}))
+            _fuzz(op, mode, fuzz_server.url, seen.setdefault(f"{op.method.upper()} {op.path} {mode.value}", {}))
     print(seen)
-    assert time.monotonic() <= deadline, "the fuzz budget ran out; some operations were not fully exercised"
     # the valid examples reached the engine, not only the validators
     for operation in ("POST /predictions positive", "POST /v1/images/generations positive"):
         assert seen[operation].get(200, 0) > 0, seen[operation]

@@ -1,4 +1,8 @@
-"""`preheat serve` end to end: a real uvicorn on 127.0.0.1, a real HTTP client (httpx)."""
+"""`preheat serve` end to end: a real uvicorn on 127.0.0.1, a real HTTP client (httpx).
+
+Batching is made deterministic with ``Core.pause``: requests queue up while the batcher is
+held, and are released together once the test has seen them all queued.
+"""
 
 from __future__ import annotations
 
@@ -17,14 +21,14 @@ import pytest
 
 from preheat.server.core import Core, CoreConfig
 from preheat.server.images import decode_data_url
-from tests.server.fixtures import metric, serving, wait_status
+from tests.server.fixtures import local_webhooks, metric, serving, wait_status, wait_until
 
 MAX_STEPS = 20
 
 
 @pytest.fixture(scope="module")
 def core(pipe: Any):
-    core = Core(CoreConfig(max_batch_size=8, batch_wait_ms=500, max_queue=64, max_steps=MAX_STEPS), pipe=pipe).start()
+    core = Core(CoreConfig(max_batch_size=8, batch_wait_ms=0, max_queue=64, max_steps=MAX_STEPS), pipe=pipe).start()
     assert core.wait_setup(600)
     assert core.setup.status == "succeeded", core.setup.logs
     yield core
@@ -33,7 +37,7 @@ def core(pipe: Any):
 
 @pytest.fixture(scope="module")
 def server(core: Core):
-    with serving(core) as s:
+    with serving(core, webhooks=local_webhooks()) as s:
         yield s
 
 
@@ -47,12 +51,25 @@ def _images(snap: dict) -> list[np.ndarray]:
     return [decode_data_url(u) for u in snap["output"]]
 
 
-def _concurrent(url: str, bodies: list[dict], path: str = "/predictions") -> list[httpx.Response]:
+def _together(core: Core, url: str, bodies: list[dict], path: str = "/predictions") -> list[httpx.Response]:
+    """Send ``bodies`` concurrently while the batcher is paused; release it once all are queued,
+    so they are batched together whatever the timing."""
+
     async def fire() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=url, timeout=120) as ac:
-            return await asyncio.gather(*[ac.post(path, json=b) for b in bodies])
+            tasks = [asyncio.ensure_future(ac.post(path, json=b)) for b in bodies]
+            deadline = time.monotonic() + 60
+            while core.queue_depth < len(bodies):
+                assert time.monotonic() < deadline, "the requests never all reached the queue"
+                await asyncio.sleep(0.01)
+            core.resume()
+            return await asyncio.gather(*tasks)
 
-    return asyncio.run(fire())
+    core.pause()
+    try:
+        return asyncio.run(fire())
+    finally:
+        core.resume()
 
 
 def _check_batches_exactly(pipe: Any, snaps: list[dict]) -> None:
@@ -81,27 +98,28 @@ def test_health_ready_and_warmup_covers_every_bucket(client: httpx.Client) -> No
     assert body["status"] == "READY"
     assert body["setup"]["status"] == "succeeded"
     assert body["setup"]["started_at"] and body["setup"]["completed_at"]
-    assert "warm-up: dpmpp_2m batch 8" in body["setup"]["logs"]
+    assert "warm-up: dpmpp_2m batch 8 guided=True" in body["setup"]["logs"]
+    assert "warm-up: dpmpp_2m batch 8 guided=False" in body["setup"]["logs"]
     text = client.get("/metrics").text
     programs = sum(metric(text, "preheat_warmup_programs_total", f'{{cache_layer="{layer}"}}')
                    for layer in ("none", "memory", "aot", "xla"))
-    assert programs == 4  # buckets 1, 2, 4, 8 for the default signature
+    assert programs == 8  # buckets 1, 2, 4, 8 x guidance on/off, for the model's own sampler
     for bucket in (1, 2, 4, 8):
         assert f'bucket="{bucket}"' in text
 
 
-def test_concurrent_requests_share_batches_and_keep_their_seed_images(server: Any, client: httpx.Client,
+def test_concurrent_requests_share_batches_and_keep_their_seed_images(core: Core, server: Any, client: httpx.Client,
                                                                       pipe: Any) -> None:
     before = client.get("/metrics").text
     bodies = [{"input": {"seed": 100 + 7 * i, "class_label": i % 10}} for i in range(8)]
-    responses = _concurrent(server.url, bodies)
+    responses = _together(core, server.url, bodies)
     assert [r.status_code for r in responses] == [200] * 8
     snaps = [r.json() for r in responses]
     assert all(s["status"] == "succeeded" and len(s["output"]) == 1 for s in snaps)
     after = client.get("/metrics").text
     batches = metric(after, "preheat_batches_total") - metric(before, "preheat_batches_total")
-    assert 1 <= batches <= 2, f"8 concurrent requests took {batches} engine calls"
-    assert len({s["metrics"]["batch_id"] for s in snaps}) == batches
+    assert batches == 1, f"8 queued requests took {batches} engine calls"
+    assert len({s["metrics"]["batch_id"] for s in snaps}) == 1
     assert metric(after, "preheat_compiles_total", '{phase="traffic"}') == 0  # buckets never recompile
     _check_batches_exactly(pipe, snaps)
     # Each image is the one its seed gives alone; across batch sizes XLA may round a pixel by 1 level.
@@ -114,17 +132,18 @@ def test_concurrent_requests_share_batches_and_keep_their_seed_images(server: An
     print(f"{exact}/8 images bit-identical to a batch of one")
 
 
-def test_multi_image_requests_use_seed_plus_i_and_are_padded(server: Any, client: httpx.Client, pipe: Any) -> None:
+def test_multi_image_requests_use_seed_plus_i_and_are_padded(core: Core, server: Any, client: httpx.Client,
+                                                             pipe: Any) -> None:
     before = client.get("/metrics").text
     bodies = [{"input": {"seed": 40, "class_label": 3, "num_outputs": 3}},
               {"input": {"seed": 7, "class_label": 8, "num_outputs": 2}}]
-    snaps = [r.json() for r in _concurrent(server.url, bodies)]
+    snaps = [r.json() for r in _together(core, server.url, bodies)]
     assert [len(s["output"]) for s in snaps] == [3, 2]
     _check_batches_exactly(pipe, snaps)
     after = client.get("/metrics").text
-    if len({s["metrics"]["batch_id"] for s in snaps}) == 1:  # 5 images -> bucket 8, 3 dummies
-        assert snaps[0]["metrics"]["batch_bucket"] == 8
-        assert metric(after, "preheat_padded_images_total") - metric(before, "preheat_padded_images_total") == 3
+    assert len({s["metrics"]["batch_id"] for s in snaps}) == 1  # 5 images -> bucket 8, 3 dummies
+    assert snaps[0]["metrics"]["batch_bucket"] == 8
+    assert metric(after, "preheat_padded_images_total") - metric(before, "preheat_padded_images_total") == 3
     # What the request gives by itself (bucket 4, one dummy); other batch sizes may round by 1 level.
     alone = pipe.generate(4, class_labels=[3, 3, 3, 0], seed=[40, 41, 42, 0])[:3]
     assert all(int(np.abs(a.astype(int) - b.astype(int)).max()) <= 1 for a, b in zip(_images(snaps[0]), alone))
@@ -165,6 +184,13 @@ def test_bad_input_is_422_naming_the_field(client: httpx.Client, inp: dict, fiel
     assert any(field in e["loc"] for e in detail), detail
 
 
+def test_a_sampler_not_offered_is_422_naming_the_offered_ones(client: httpx.Client) -> None:
+    r = client.post("/predictions", json={"input": {"scheduler": "euler"}})  # known, but not warmed here
+    assert r.status_code == 422
+    [error] = r.json()["detail"]
+    assert error["loc"][-1] == "scheduler" and "choose one of dpmpp_2m" in error["msg"], error
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b'{"input": [1]}', b'{"input": {"guidance_scale": NaN}}',
                                  b'{"input": {"seed": 1' + b"0" * 5000 + b"}}", b'{"input": {}, "webhook": "not a url"}'])
 def test_malformed_bodies_are_422_never_5xx(client: httpx.Client, raw: bytes) -> None:
@@ -172,10 +198,42 @@ def test_malformed_bodies_are_422_never_5xx(client: httpx.Client, raw: bytes) ->
     assert r.status_code == 422, r.text
 
 
-def test_oversized_body_is_413(client: httpx.Client) -> None:
-    r = client.post("/predictions", content=b'{"input": {"prompt": "' + b"x" * (1 << 20) + b'"}}',
-                    headers={"Content-Type": "application/json"})
-    assert r.status_code == 413
+def _chunks(size: int, chunk: int = 1 << 16) -> Any:
+    """A JSON body of about ``size`` bytes, streamed (httpx sends a generator chunked)."""
+    piece = b"x" * chunk
+    yield b'{"input": {"prompt": "'
+    for _ in range(size // chunk):
+        yield piece
+    yield b'"}}'
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_oversized_body_is_413_in_each_api_shape(client: httpx.Client, chunked: bool) -> None:
+    for path in ("/predictions", "/v1/images/generations"):
+        body = _chunks(5 << 20) if chunked else b"".join(_chunks(2 << 20))
+        r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, (path, r.status_code, r.text[:200])
+        if path.startswith("/v1/"):  # OpenAI's error shape
+            assert r.json()["error"]["type"] == "invalid_request_error" and "body" in r.json()["error"]["message"]
+        else:
+            assert "request body over" in r.json()["detail"]
+    assert client.get("/health-check").status_code == 200  # and the server is fine
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", "multipart/form-data"])
+def test_non_json_content_type_is_415(client: httpx.Client, content_type: str) -> None:
+    for path in ("/predictions", "/v1/images/generations"):
+        r = client.post(path, content=b'{"input": {}}', headers={"Content-Type": content_type})
+        assert r.status_code == 415, (path, r.status_code, r.text)
+        message = r.json()["error"]["message"] if path.startswith("/v1/") else r.json()["detail"]
+        assert "application/json" in message
+
+
+def test_json_content_types_are_accepted(client: httpx.Client) -> None:
+    for content_type in ("application/json; charset=utf-8", "application/vnd.cog+json"):
+        r = client.post("/predictions", content=b'{"input": {"seed": 1, "num_inference_steps": 1}}',
+                        headers={"Content-Type": content_type})
+        assert r.status_code == 200 and r.json()["status"] == "succeeded", (content_type, r.text)
 
 
 def test_openai_images_generations(client: httpx.Client, pipe: Any) -> None:
@@ -242,8 +300,8 @@ def test_async_prediction_posts_webhooks_to_a_local_receiver(client: httpx.Clien
         final = receiver.wait(1)[0]
         assert final["id"] == accepted["id"] and final["status"] == "succeeded" and len(final["output"]) == 1
         assert final["output"][0].startswith("data:image/png;base64,")
-        time.sleep(0.3)
-        assert len(receiver.bodies) == 1  # only "completed" was asked for
+        # One prediction's webhooks go out in order, each awaited: a "start" would have come first.
+        assert receiver.bodies == [final]  # only "completed" was asked for
         assert client.get(f"/predictions/{accepted['id']}").json()["status"] == "succeeded"
 
         r = client.post("/predictions", headers={"Prefer": "respond-async"},
@@ -266,15 +324,26 @@ def test_put_is_idempotent(client: httpx.Client) -> None:
     assert r3.json() == r2.json()
     after = metric(client.get("/metrics").text, "preheat_predictions_total", '{status="succeeded"}')
     assert after - before == 1  # ran once
+    # Defaults spelled out (the schema's and the model's) ask for the same thing: not a conflict.
+    spelled = {"seed": 9, "num_outputs": 1, "output_format": "png", "num_inference_steps": 4, "scheduler": "dpmpp_2m",
+               "guidance_scale": 2.0}
+    r4 = client.put(f"/predictions/{pid}", json={"input": spelled})
+    assert r4.status_code == 200 and r4.json() == r2.json(), r4.text
     assert client.put(f"/predictions/{pid}", json={"input": {"seed": 10}}).status_code == 409
+    assert client.put(f"/predictions/{pid}", json={"input": {"seed": 9, "num_inference_steps": 5}}).status_code == 409
     assert client.put("/predictions/other", json={"id": "not-other", "input": {}}).status_code == 422
 
 
-def test_cancel_a_waiting_prediction(client: httpx.Client) -> None:
-    r = client.post("/predictions", json={"input": {"seed": 5}}, headers={"Prefer": "respond-async"})
-    pid = r.json()["id"]
-    c = client.post(f"/predictions/{pid}/cancel")  # it waits 500 ms for batch-mates
-    assert c.status_code == 200 and c.json() == {}
+def test_cancel_a_waiting_prediction(core: Core, client: httpx.Client) -> None:
+    core.pause()  # it waits in the queue until resumed
+    try:
+        r = client.post("/predictions", json={"input": {"seed": 5}}, headers={"Prefer": "respond-async"})
+        pid = r.json()["id"]
+        assert client.get(f"/predictions/{pid}").json()["status"] == "starting"
+        c = client.post(f"/predictions/{pid}/cancel")
+        assert c.status_code == 200 and c.json() == {}
+    finally:
+        core.resume()
     snap = client.get(f"/predictions/{pid}").json()
     assert snap["status"] == "canceled" and snap["output"] is None and snap["completed_at"]
     assert client.post("/predictions/no-such-id/cancel").status_code == 404
@@ -303,28 +372,54 @@ def test_bearer_token_required_except_health_check(core: Core) -> None:
         assert r.status_code == 200 and r.json()["status"] == "succeeded"
 
 
-def test_full_queue_is_429_with_retry_after_and_busy(pipe: Any) -> None:
-    core = Core(CoreConfig(max_batch_size=2, max_queue=2, batch_wait_ms=1500), pipe=pipe).start()
+def test_full_queue_is_409_on_cog_429_on_openai_with_retry_after_from_the_queue(pipe: Any) -> None:
+    core = Core(CoreConfig(max_batch_size=1, max_queue=2, max_steps=200, batch_wait_ms=0), pipe=pipe).start()
     try:
         assert core.wait_setup(600) and core.setup.status == "succeeded"
         with serving(core) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+            core.pause()  # nothing runs: the queue stays as the test fills it
+            core.seconds_per_step = 0.125  # a known rate: two queued 100-step batches drain in 25 s
             async_ = {"Prefer": "respond-async"}
-            a = c.post("/predictions", json={"input": {"seed": 1, "num_inference_steps": 2}}, headers=async_)
-            b = c.post("/predictions", json={"input": {"seed": 2, "num_inference_steps": 3}}, headers=async_)
+            a = c.post("/predictions", json={"input": {"seed": 1, "num_inference_steps": 100}}, headers=async_)
+            b = c.post("/predictions", json={"input": {"seed": 2, "num_inference_steps": 100}}, headers=async_)
             assert a.status_code == b.status_code == 202
             assert c.get("/health-check").json()["status"] == "BUSY"
             full = c.post("/predictions", json={"input": {"seed": 3}})
-            assert full.status_code == 429 and int(full.headers["retry-after"]) >= 1
-            assert c.post("/v1/images/generations", json={"n": 1}).status_code == 429
+            assert full.status_code == 409 and full.headers["retry-after"] == "25", (full.status_code, full.headers)
+            openai = c.post("/v1/images/generations", json={"n": 1})
+            assert openai.status_code == 429 and openai.headers["retry-after"] == "25"
+            assert openai.json()["error"]["type"] == "rate_limit_error"
             assert c.post(f"/predictions/{b.json()['id']}/cancel").status_code == 200
             assert c.get("/health-check").json()["status"] == "READY"
-            deadline = time.monotonic() + 60
-            while (snap := c.get(f"/predictions/{a.json()['id']}").json())["status"] not in ("succeeded", "failed"):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            assert snap["status"] == "succeeded"
+            core.resume()
+            wait_until(lambda: c.get(f"/predictions/{a.json()['id']}").json()["status"] in ("succeeded", "failed"),
+                       what="the queued prediction to finish")
+            assert c.get(f"/predictions/{a.json()['id']}").json()["status"] == "succeeded"
             assert c.get(f"/predictions/{b.json()['id']}").json()["status"] == "canceled"
     finally:
+        core.resume()
+        core.close()
+
+
+def test_drain_refuses_new_work_with_503_and_runs_what_it_accepted(pipe: Any) -> None:
+    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0), pipe=pipe).start()
+    try:
+        assert core.wait_setup(600) and core.setup.status == "succeeded"
+        with serving(core) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+            core.pause()
+            queued = c.post("/predictions", json={"input": {"seed": 4}}, headers={"Prefer": "respond-async"}).json()
+            core.begin_drain()  # what SIGTERM does first
+            health = c.get("/health-check").json()
+            assert health["status"] == "BUSY" and health["draining"] is True
+            refused = c.post("/predictions", json={"input": {"seed": 5}})
+            assert refused.status_code == 503 and "shutting down" in refused.json()["detail"]
+            openai = c.post("/v1/images/generations", json={"n": 1})
+            assert openai.status_code == 503 and openai.json()["error"]["type"] == "server_error"
+            core.resume()
+            assert core.wait_idle(120)
+            assert c.get(f"/predictions/{queued['id']}").json()["status"] == "succeeded"
+    finally:
+        core.resume()
         core.close()
 
 

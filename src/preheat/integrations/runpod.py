@@ -15,7 +15,8 @@ modifier > 1 the SDK runs several jobs at once and the core batches them into on
 
 The engine is loaded once per process (at ``python -m`` start, or on the first job), from
 ``$PREHEAT_MODEL`` (default: the built-in model). Knobs: ``PREHEAT_MAX_BATCH_SIZE`` (8),
-``PREHEAT_BATCH_WAIT_MS`` (10), ``PREHEAT_MAX_QUEUE`` (64), ``PREHEAT_MAX_STEPS`` (200). The
+``PREHEAT_BATCH_WAIT_MS`` (10), ``PREHEAT_MAX_QUEUE`` (64), ``PREHEAT_MAX_STEPS`` (200),
+``PREHEAT_SAMPLERS`` (comma-separated; default: the model's own, all compiled at start). The
 compile cache lives on the network volume automatically (``/runpod-volume/preheat``, see
 ``preheat.cache.root``), so a cold worker with a warm volume starts hot.
 """
@@ -42,7 +43,8 @@ def config_from_env(env: Optional[dict[str, str]] = None) -> CoreConfig:
                       max_batch_size=int(env.get("PREHEAT_MAX_BATCH_SIZE", "8")),
                       batch_wait_ms=float(env.get("PREHEAT_BATCH_WAIT_MS", "10")),
                       max_queue=int(env.get("PREHEAT_MAX_QUEUE", "64")),
-                      max_steps=int(env.get("PREHEAT_MAX_STEPS", "200")))
+                      max_steps=int(env.get("PREHEAT_MAX_STEPS", "200")),
+                      samplers=tuple(n.strip() for n in env.get("PREHEAT_SAMPLERS", "").split(",") if n.strip()))
 
 
 def get_core(core: Optional[Core] = None) -> Core:
@@ -89,8 +91,8 @@ async def handler(job: dict[str, Any]) -> dict[str, Any]:
         done: asyncio.Future = loop.create_future()
 
         def listener(event: str, snap: dict) -> None:
-            if event == "start":
-                send_progress(job, {"status": "processing"})
+            if event == "start":  # through the loop: after "queued", which is sent before the first await
+                loop.call_soon_threadsafe(send_progress, job, {"status": "processing"})
             elif event == "completed":
                 loop.call_soon_threadsafe(lambda: done.done() or done.set_result(snap))
 

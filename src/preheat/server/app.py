@@ -4,6 +4,11 @@ Cog's contract (``/health-check``, ``/predictions``, ``PUT /predictions/{id}``,
 ``/predictions/{id}/cancel``, ``Prefer: respond-async`` + webhooks), an OpenAI-style
 ``/v1/images/generations``, Prometheus ``/metrics``. No ``from __future__ import annotations``
 here: FastAPI reads the route annotations, and the input models are built per app.
+
+Limits enforced by the outermost ASGI layer (:class:`_Guard`), for every transfer encoding:
+the body is counted while it streams in and reading stops at ``max_body_bytes`` (413); a body
+must arrive within ``body_timeout_s`` of the request's first read (408); a body that is not
+JSON is refused (415). Header read timeouts live in the protocol (``preheat.server.serve``).
 """
 
 import asyncio
@@ -21,9 +26,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from preheat.server.core import Core, NotAccepting, Prediction, QueueFull
+from preheat.server.core import SHUT_DOWN, Core, NotAccepting, Prediction, QueueFull
 from preheat.server.inputs import SEED_MAX, InputError, json_int
 from preheat.server.metrics import HttpMetrics
+from preheat.server.webhooks import WebhookPolicy, WebhookRefused, delivery_client
 
 __all__ = ["create_app"]
 
@@ -31,6 +37,7 @@ log = logging.getLogger("preheat.server")
 
 WEBHOOK_EVENTS = ("start", "output", "logs", "completed")
 MAX_BODY_BYTES = 1 << 20
+BODY_TIMEOUT_S = 30.0
 _OPENAI_FIELDS = {"num_outputs": "n", "width": "size", "height": "size"}
 
 
@@ -50,12 +57,58 @@ def _wants_async(prefer: Optional[str]) -> bool:
     return any(token.split(";")[0].strip().lower() == "respond-async" for token in prefer.split(","))
 
 
-class _Guard:
-    """Outermost ASGI layer: bearer-token auth, a body-size limit, HTTP metrics (never raises)."""
+class _BodyRefused(Exception):
+    """Raised into the app by the guard's ``receive`` when the body breaks a limit."""
 
-    def __init__(self, app: Any, token: Optional[str], metrics: HttpMetrics) -> None:
+
+class _Body:
+    """The guard's ``receive``: counts body bytes as they stream in and times the body out.
+    On a breach it records the refusal and raises into the app (which stops reading)."""
+
+    def __init__(self, receive: Any, max_bytes: int, timeout_s: float) -> None:
+        self.receive, self.max_bytes, self.timeout_s = receive, max_bytes, timeout_s
+        self.seen = 0
+        self.complete = False
+        self.deadline: Optional[float] = None
+        self.refusal: Optional[tuple[int, str]] = None
+
+    async def __call__(self) -> dict:
+        if self.refusal is not None:
+            raise _BodyRefused(self.refusal[1])
+        if self.complete:  # after the body: only http.disconnect is left to wait for
+            return await self.receive()
+        loop = asyncio.get_running_loop()
+        if self.deadline is None:
+            self.deadline = loop.time() + self.timeout_s
+        try:
+            message = await asyncio.wait_for(self.receive(), max(0.0, self.deadline - loop.time()))
+        except asyncio.TimeoutError:
+            self.refusal = (408, f"the request body did not arrive within {self.timeout_s:g}s")
+            raise _BodyRefused(self.refusal[1]) from None
+        if message["type"] == "http.request":
+            self.seen += len(message.get("body", b""))
+            if self.seen > self.max_bytes:
+                self.refusal = (413, f"request body over {self.max_bytes} bytes")
+                raise _BodyRefused(self.refusal[1])
+            if not message.get("more_body", False):
+                self.complete = True
+        return message
+
+
+def _is_json(content_type: bytes) -> bool:
+    media = content_type.split(b";")[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
+class _Guard:
+    """Outermost ASGI layer: bearer-token auth, body limits (size, time, JSON only), HTTP metrics
+    (never raises)."""
+
+    def __init__(self, app: Any, token: Optional[str], metrics: HttpMetrics, max_body_bytes: int = MAX_BODY_BYTES,
+                 body_timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.app, self.metrics = app, metrics
         self.expected = f"Bearer {token}".encode() if token else None
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -63,9 +116,17 @@ class _Guard:
             return
         start = time.perf_counter()
         code = {"status": 500}
+        body = _Body(receive, self.max_body_bytes, self.body_timeout_s)
+        sent = {"started": False}
 
         async def send_wrapper(message: dict) -> None:
+            if body.refusal is not None and not sent["started"]:
+                return  # the app's answer to the exception raised into it; ours goes out below
+            await send_out(message)
+
+        async def send_out(message: dict) -> None:
             if message["type"] == "http.response.start":
+                sent["started"] = True
                 code["status"] = message["status"]
             await send(message)
 
@@ -75,7 +136,15 @@ class _Guard:
             if refusal is not None:
                 await refusal(scope, receive, send_wrapper)
             else:
-                await self.app(scope, receive, send_wrapper)
+                try:
+                    await self.app(scope, body, send_wrapper)
+                except Exception:
+                    if body.refusal is None:
+                        raise
+                if body.refusal is not None and not sent["started"]:
+                    status, message = body.refusal
+                    # Stop reading: the rest of the body is never read; the connection closes.
+                    await _error(scope, status, message, {"Connection": "close"})(scope, receive, send_out)
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or ("unmatched" if code["status"] in (404, 405) else "other")
@@ -92,19 +161,36 @@ class _Guard:
                 return JSONResponse({"detail": "missing or invalid bearer token"}, status_code=401,
                                     headers={"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length")
+        has_body = b"transfer-encoding" in headers
         if length is not None:
             try:
-                too_big = int(length) > MAX_BODY_BYTES
+                size = int(length)
             except ValueError:
-                return JSONResponse({"detail": "invalid Content-Length"}, status_code=400)
-            if too_big:
-                return JSONResponse({"detail": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
+                return _error(scope, 400, "invalid Content-Length")
+            if size > self.max_body_bytes:
+                return _error(scope, 413, f"request body over {self.max_body_bytes} bytes", {"Connection": "close"})
+            has_body = has_body or size > 0
+        content_type = headers.get(b"content-type")
+        if has_body and content_type is not None and not _is_json(content_type):
+            return _error(scope, 415, f"Content-Type {content_type.decode('latin-1')[:100]!r} is not supported; "
+                                      "send application/json")
         return None
 
 
-def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0) -> Any:
-    """A FastAPI app (wrapped in the auth/metrics guard) serving ``core``. ``token``: when set,
-    every endpoint but ``/health-check`` needs ``Authorization: Bearer <token>``."""
+def _error(scope: dict, status: int, message: str, headers: Optional[dict[str, str]] = None) -> JSONResponse:
+    """An error in the shape of the route's API: OpenAI's under /v1/, Cog's (FastAPI's) elsewhere."""
+    if str(scope.get("path", "")).startswith("/v1/"):
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return _openai_error(status, message, kind=kind, headers=headers)
+    return JSONResponse({"detail": message}, status_code=status, headers=headers)
+
+
+def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0,
+               webhooks: WebhookPolicy = WebhookPolicy(), max_body_bytes: int = MAX_BODY_BYTES,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> Any:
+    """A FastAPI app (wrapped in the auth/limits/metrics guard) serving ``core``. ``token``: when
+    set, every endpoint but ``/health-check`` needs ``Authorization: Bearer <token>``.
+    ``webhooks``: which webhook URLs are accepted (default: public addresses only)."""
     Input = core.input_model
     limits = core.limits
 
@@ -152,7 +238,7 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(10.0), follow_redirects=False)
+        state["client"] = delivery_client()
         try:
             yield
         finally:
@@ -190,18 +276,20 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
     # ---------------------------------------------------------------- shared helpers
 
     def refusal(err: Exception, openai: bool = False) -> JSONResponse:
-        if isinstance(err, QueueFull):
+        if isinstance(err, QueueFull):  # Cog answers 409 when it cannot take a prediction; OpenAI 429
             headers = {"Retry-After": str(err.retry_after)}
             if openai:
                 return _openai_error(429, str(err), kind="rate_limit_error", headers=headers)
-            return JSONResponse({"detail": str(err)}, status_code=429, headers=headers)
+            return JSONResponse({"detail": str(err)}, status_code=409, headers=headers)
         assert isinstance(err, NotAccepting)
         headers = {"Retry-After": "5"} if err.reason == "starting" else {}
         if openai:
             return _openai_error(503, str(err), kind="server_error", headers=headers)
         return JSONResponse({"detail": str(err)}, status_code=503, headers=headers)
 
-    async def wait_completed(pred: Prediction) -> dict[str, Any]:
+    async def wait_completed(pred: Prediction, request: Request) -> Optional[dict[str, Any]]:
+        """The final snapshot; None when the client went away first (then the prediction is
+        canceled if it is still queued and nobody else waits for it: Core.abandon)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
@@ -209,8 +297,18 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
             if event == "completed":
                 loop.call_soon_threadsafe(lambda: done.done() or done.set_result(snap))
 
+        core.watch(pred)
         core.subscribe(pred, listener)
-        return await done
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if done.done():
+            core.unwatch(pred)
+            return done.result()
+        core.abandon(pred)
+        return None
 
     def webhook_listener(url: str, events: set[str]) -> Any:
         loop = asyncio.get_running_loop()
@@ -243,25 +341,45 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
     async def post_webhook(url: str, snap: dict, attempts: int) -> None:
         for attempt in range(attempts):
             try:
-                response = await state["client"].post(url, json=snap)
+                response = await webhooks.post(state["client"], url, snap)  # the checked address, no redirects
                 if response.status_code < 500:
                     return
+            except WebhookRefused as err:  # DNS changed since the prediction was accepted
+                log.warning("webhook %s refused: %s", url, err)
+                return
             except httpx.HTTPError as err:
                 log.warning("webhook %s failed: %s", url, err)
             if attempt + 1 < attempts:
                 await asyncio.sleep(0.5 * 2**attempt)
 
-    async def predict(body: Any, prediction_id: Optional[str], prefer: Optional[str]) -> Response:
+    def conflict(pid: str) -> JSONResponse:
+        return JSONResponse({"detail": f"prediction {pid} exists with a different input"}, status_code=409)
+
+    def same_input(existing: Prediction, body: Any) -> bool:
+        """Whether a retry asks for the existing prediction (raises ``InputError`` when invalid)."""
+        if existing.input == body.input.model_dump(exclude_unset=True):
+            return True
+        return core.same_request(existing, body.input)
+
+    async def attach(pred: Prediction, respond_async: bool, request: Request) -> Response:
+        if respond_async:
+            return JSONResponse(core.snapshot(pred), status_code=202)
+        snap = await wait_completed(pred, request)
+        if snap is None:
+            return JSONResponse({"detail": "the client went away"}, status_code=499)
+        return JSONResponse(snap)
+
+    async def predict(body: Any, prediction_id: Optional[str], prefer: Optional[str], request: Request) -> Response:
         respond_async = _wants_async(prefer)
         pid = prediction_id or body.id
         existing = core.get(pid) if pid else None
-        given = body.input.model_dump(exclude_unset=True)
         if existing is not None:  # an idempotent retry: attach to it (running or finished)
-            if existing.input != given:
-                return JSONResponse({"detail": f"prediction {pid} exists with a different input"}, status_code=409)
-            if respond_async:
-                return JSONResponse(core.snapshot(existing), status_code=202)
-            return JSONResponse(await wait_completed(existing))
+            try:
+                if not same_input(existing, body):
+                    return conflict(pid)
+            except InputError as err:
+                return JSONResponse({"detail": _detail(err.errors)}, status_code=422)
+            return await attach(existing, respond_async, request)
         try:
             job, given = core.parse(body.input)
         except InputError as err:
@@ -271,11 +389,16 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
         extra: dict[str, Any] = {}
         listener, abort = None, None
         if body.webhook is not None:
+            try:
+                await webhooks.resolve(str(body.webhook))  # refused before anything is sent anywhere
+            except WebhookRefused as err:
+                return JSONResponse({"detail": _detail([("webhook", str(err))], ("body",))}, status_code=422)
             events = set(body.webhook_events_filter) if body.webhook_events_filter is not None else set(WEBHOOK_EVENTS)
             extra = {"webhook": str(body.webhook), "webhook_events_filter": sorted(events)}
             listener, abort = webhook_listener(str(body.webhook), events)
         try:
-            pred, created = core.submit(job, given, pid, listener=listener, extra=extra, created_at=body.created_at)
+            pred, created = core.submit(job, given, pid, listener=listener, extra=extra, created_at=body.created_at,
+                                        respond_async=respond_async)
         except (QueueFull, NotAccepting) as err:
             if abort is not None:
                 abort()
@@ -283,11 +406,9 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
         if not created:  # lost a race with a retry of the same id: the first request owns the webhook
             if abort is not None:
                 abort()
-            if pred.input != given:
-                return JSONResponse({"detail": f"prediction {pid} exists with a different input"}, status_code=409)
-        if respond_async:
-            return JSONResponse(core.snapshot(pred), status_code=202)
-        return JSONResponse(await wait_completed(pred))
+            if not same_input(pred, body):
+                return conflict(pid)
+        return await attach(pred, respond_async, request)
 
     # ---------------------------------------------------------------- Cog routes
 
@@ -308,25 +429,28 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
 
     prediction_responses: dict[int | str, dict[str, Any]] = {
         200: {"model": PredictionResponse}, 202: {"model": PredictionResponse, "description": "Accepted (Prefer: respond-async)"},
-        409: {"description": "The id exists with a different input"},
+        408: {"description": "The body did not arrive in time"},
+        409: {"description": "The id exists with a different input, or the queue is full (see Retry-After)"},
+        413: {"description": "Body too large"},
+        415: {"description": "Body is not JSON"},
         422: {"description": "Invalid input; detail names the field"},
-        429: {"description": "Queue full; see Retry-After"},
         503: {"description": "Starting, set-up failed or draining"},
     }
 
     @app.post("/predictions", summary="Run a prediction", responses=prediction_responses)
-    async def create_prediction(request: PredictionRequest = Body(default_factory=PredictionRequest),  # type: ignore[valid-type]
+    async def create_prediction(raw: Request, request: PredictionRequest = Body(default_factory=PredictionRequest),  # type: ignore[valid-type]
                                 prefer: Optional[str] = Header(default=None)) -> Response:
-        return await predict(request, None, prefer)
+        return await predict(request, None, prefer, raw)
 
     @app.put("/predictions/{prediction_id}", summary="Run a prediction, idempotently by id", responses=prediction_responses)
-    async def put_prediction(prediction_id: str = Path(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$"),
+    async def put_prediction(raw: Request,
+                             prediction_id: str = Path(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$"),
                              request: PredictionRequest = Body(default_factory=PredictionRequest),  # type: ignore[valid-type]
                              prefer: Optional[str] = Header(default=None)) -> Response:
         if request.id is not None and request.id != prediction_id:
             return JSONResponse({"detail": _detail([("id", "prediction ID must match the ID supplied in the URL")],
                                                    ("body",))}, status_code=422)
-        return await predict(request, prediction_id, prefer)
+        return await predict(request, prediction_id, prefer, raw)
 
     @app.get("/predictions/{prediction_id}", summary="Current state of a prediction (extension)",
              responses={200: {"model": PredictionResponse}, 404: {"description": "Unknown id"}})
@@ -346,9 +470,11 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
     # ---------------------------------------------------------------- OpenAI-style route
 
     @app.post("/v1/images/generations", summary="OpenAI-style image generation", response_model=None,
-              responses={200: {"model": ImagesResponse}, 422: {"description": "Invalid request"},
-                         429: {"description": "Queue full"}, 503: {"description": "Not ready"}})
-    async def images_generations(request: ImageGenerationRequest) -> Response:
+              responses={200: {"model": ImagesResponse}, 408: {"description": "The body did not arrive in time"},
+                         413: {"description": "Body too large"}, 415: {"description": "Body is not JSON"},
+                         422: {"description": "Invalid request"}, 429: {"description": "Queue full; see Retry-After"},
+                         503: {"description": "Not ready, or shutting down"}})
+    async def images_generations(raw_request: Request, request: ImageGenerationRequest) -> Response:
         raw: dict[str, Any] = {"num_outputs": request.n, "output_format": "png"}
         if request.prompt is not None:
             raw["prompt"] = request.prompt
@@ -372,7 +498,11 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
             pred, _ = core.submit(job, given)
         except (QueueFull, NotAccepting) as err:
             return refusal(err, openai=True)
-        snap = await wait_completed(pred)
+        snap = await wait_completed(pred, raw_request)
+        if snap is None:
+            return _openai_error(499, "the client went away")
+        if snap["status"] == "failed" and snap["error"] == SHUT_DOWN:  # dropped by a drain: as new requests are
+            return _openai_error(503, f"the server is shutting down: {SHUT_DOWN}", kind="server_error")
         if snap["status"] != "succeeded":
             return _openai_error(500, f"generation {snap['status']}: {snap['error'] or ''}".strip(), kind="server_error")
         data = [{"b64_json": url.partition(",")[2]} for url in snap["output"]]
@@ -395,18 +525,27 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
 
         spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         if core.setup.status == "succeeded":
-            _describe_model(spec, core.pipe)
+            _describe_model(spec, core.pipe, core.samplers)
             app.openapi_schema = spec  # final: cache it
         return spec
 
     app.openapi = openapi  # type: ignore[method-assign]
 
-    guarded = _Guard(app, token or None, http_metrics)
+    guarded = _Guard(app, token or None, http_metrics, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     guarded.fastapi = app  # type: ignore[attr-defined]
     return guarded
 
 
-def _describe_model(spec: dict[str, Any], pipe: Any) -> None:
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the body has been read: uvicorn's
+    ``receive`` then blocks until ``http.disconnect``)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] = ()) -> None:
     schemas = spec.get("components", {}).get("schemas", {})
     h, w = pipe.sample_shape[0], pipe.sample_shape[1]
     null = {"type": "null"}
@@ -425,6 +564,10 @@ def _describe_model(spec: dict[str, Any], pipe: Any) -> None:
         model_input["prompt"] = {**prompt, "title": "Prompt", "x-order": 0}
         model_input["width"] = {"anyOf": [{"type": "integer", "enum": [w]}, null], "title": "Width", "x-order": 7}
         model_input["height"] = {"anyOf": [{"type": "integer", "enum": [h]}, null], "title": "Height", "x-order": 8}
+        if samplers:  # what warm-up compiled; every other sampler is refused
+            model_input["scheduler"] = {"anyOf": [{"type": "string", "enum": list(samplers)}, null],
+                                        "title": "Scheduler", "x-order": 5,
+                                        "description": "Sampler (the model's default when absent)."}
     openai = schemas.get("ImageGenerationRequest", {}).get("properties", {})
     if openai:
         openai["prompt"] = {**prompt, "title": "Prompt"}

@@ -54,7 +54,8 @@ def _check_backend(backend: str) -> None:
         raise InvalidArgumentError("--backend torch: preheat.backends.torch provides no pipeline yet; use --backend jax")
 
 
-def _check_limits(max_batch_size: int, batch_wait_ms: float, max_queue: int, max_steps: int, grace_s: float) -> None:
+def _check_limits(max_batch_size: int, batch_wait_ms: float, max_queue: int, max_steps: int, grace_s: float,
+                  header_timeout_s: float = 10.0, body_timeout_s: float = 30.0, max_body_bytes: int = 1 << 20) -> None:
     from preheat.errors import InvalidArgumentError
 
     if max_batch_size < 1 or max_batch_size > 1024:
@@ -67,15 +68,34 @@ def _check_limits(max_batch_size: int, batch_wait_ms: float, max_queue: int, max
         raise InvalidArgumentError(f"--max-steps {max_steps} must be >= 1")
     if grace_s < 0:
         raise InvalidArgumentError(f"--grace-s {grace_s} must be >= 0")
+    if header_timeout_s <= 0:
+        raise InvalidArgumentError(f"--header-timeout-s {header_timeout_s} must be > 0")
+    if body_timeout_s <= 0:
+        raise InvalidArgumentError(f"--body-timeout-s {body_timeout_s} must be > 0")
+    if max_body_bytes < 1:
+        raise InvalidArgumentError(f"--max-body-bytes {max_body_bytes} must be >= 1")
 
 
-def _check_schedulers(names: tuple[str, ...], option: str) -> None:
+def _samplers(text: Optional[str]) -> tuple[str, ...]:
+    """``--samplers a,b`` -> ("a", "b"); unknown names fail in one line."""
     from preheat.errors import SchedulerConfigError
     from preheat.samplers import SAMPLERS
 
+    names = tuple(dict.fromkeys(n.strip() for n in (text or "").split(",") if n.strip()))
     for name in names:
         if name not in SAMPLERS:
-            raise SchedulerConfigError(f"{option} {name!r} is unknown; choose from {', '.join(SAMPLERS)}")
+            raise SchedulerConfigError(f"--samplers {name!r} is unknown; choose from {', '.join(SAMPLERS)}")
+    return names
+
+
+def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
+    from preheat.errors import InvalidArgumentError
+    from preheat.server.webhooks import WebhookPolicy, WebhookRefused
+
+    try:
+        return WebhookPolicy(allow_private=allow_private, allow=tuple(allow))
+    except WebhookRefused as err:
+        raise InvalidArgumentError(f"--webhook-allow: {err}") from None
 
 
 @click.command("serve")
@@ -89,30 +109,41 @@ def _check_schedulers(names: tuple[str, ...], option: str) -> None:
 @click.option("--batch-wait-ms", default=10.0, show_default=True, type=float,
               help="How long the oldest request waits for others to share its batch.")
 @click.option("--max-queue", default=64, show_default=True, type=int,
-              help="Predictions allowed to wait; beyond it, 429 with Retry-After.")
+              help="Predictions allowed to wait; beyond it, 409 (Cog) / 429 (OpenAI) with Retry-After.")
 @click.option("--max-steps", default=200, show_default=True, type=int, help="Largest num_inference_steps accepted.")
-@click.option("--scheduler", "schedulers", multiple=True,
-              help="Allow only these samplers (repeat); default: all of them.")
-@click.option("--warm-scheduler", "warm_schedulers", multiple=True,
-              help="Also compile these samplers at start-up (the model's default always is).")
+@click.option("--samplers", "samplers_text", metavar="A,B,...",
+              help="Samplers offered (all compiled at start-up; others get 422). Default: the model's own.")
 @click.option("--grace-s", default=30.0, show_default=True, type=float,
               help="On SIGTERM, how long in-flight predictions may take to finish.")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True, type=int,
+              help="Largest request body (any transfer encoding); beyond it, 413.")
+@click.option("--header-timeout-s", default=10.0, show_default=True, type=float,
+              help="A request's headers must arrive within this; else the connection is closed.")
+@click.option("--body-timeout-s", default=30.0, show_default=True, type=float,
+              help="A request's body must arrive within this; else 408.")
+@click.option("--webhook-allow-private", is_flag=True,
+              help="Let webhooks go to loopback/private/link-local addresses (never metadata ones).")
+@click.option("--webhook-allow", "webhook_allow", multiple=True, metavar="HOST|CIDR",
+              help="Let webhooks go to this host, address or CIDR whatever it is (repeat).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @_one_line_errors
 def serve_command(model: Optional[str], host: str, port: int, backend: str, dtype: str, max_batch_size: int,
-                  batch_wait_ms: float, max_queue: int, max_steps: int, schedulers: tuple[str, ...],
-                  warm_schedulers: tuple[str, ...], grace_s: float, log_level: str) -> None:
+                  batch_wait_ms: float, max_queue: int, max_steps: int, samplers_text: Optional[str], grace_s: float,
+                  max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
+                  webhook_allow: tuple[str, ...], log_level: str) -> None:
     """Serve MODEL over HTTP (Cog's and OpenAI's APIs), batching concurrent requests.
 
-    Warm-up compiles every batch bucket before /health-check says READY. Set
+    Warm-up compiles every program a request can reach (each offered sampler, guidance on and
+    off, every batch bucket) before /health-check says READY. Set
     PREHEAT_API_TOKEN to require `Authorization: Bearer <token>` (all but /health-check).
     """
     from preheat.errors import InvalidArgumentError
 
-    _check_limits(max_batch_size, batch_wait_ms, max_queue, max_steps, grace_s)
-    _check_schedulers(schedulers, "--scheduler")
-    _check_schedulers(warm_schedulers, "--warm-scheduler")
+    _check_limits(max_batch_size, batch_wait_ms, max_queue, max_steps, grace_s, header_timeout_s, body_timeout_s,
+                  max_body_bytes)
+    samplers = _samplers(samplers_text)
+    webhooks = _webhook_policy(webhook_allow_private, webhook_allow)
     _check_backend(backend)
     token = os.environ.get("PREHEAT_API_TOKEN") or None
     if host not in _LOOPBACK and token is None:
@@ -124,10 +155,11 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, dtyp
 
     config = CoreConfig(model=model, backend=backend, dtype=dtype, max_batch_size=max_batch_size,
                         batch_wait_ms=batch_wait_ms, max_queue=max_queue, max_steps=max_steps,
-                        schedulers=tuple(schedulers), warm_schedulers=tuple(warm_schedulers))
+                        samplers=samplers)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
-                     announce=lambda line: click.echo(line, err=True))
+                     webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
+                     body_timeout_s=body_timeout_s, announce=lambda line: click.echo(line, err=True))
     except OSError as err:
         raise InvalidArgumentError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     sys.exit(code)

@@ -7,6 +7,14 @@ scale), run them as one ``Pipeline.generate`` call padded to the next compiled b
 the pixels, encode, complete. Callers (HTTP routes, the Runpod handler) only parse, enqueue and
 wait; they are told about progress through listeners called from the worker thread.
 
+Warm-up compiles every program a request can reach: each offered sampler (``samplers``; by
+default only the model's own), guidance on and off (on only when the model has a null class),
+every bucket. Other samplers are refused at parse time, so traffic never compiles.
+
+Cancelling: a waiting prediction is dropped at once (its slot frees); a running batch cannot be
+interrupted without cost, so it finishes and a canceled member's images are dropped. A client
+that goes away (:meth:`Core.abandon`) cancels its prediction only while it is still waiting.
+
 Images are per-request exact: a request with ``seed=s`` and n images puts seeds s..s+n-1 in
 the batch, and the engine draws every image's noise from its own seed only. Padding slots get
 seed 0 / class 0 and are dropped. The same bucket size gives bit-identical pixels to
@@ -18,24 +26,26 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import secrets
 import threading
 import time
 import traceback
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
 from preheat.server.inputs import InputError, Job, Limits, input_model, parse_input
 from preheat.server.metrics import CoreMetrics
 
-__all__ = ["CoreConfig", "Core", "Prediction", "QueueFull", "NotAccepting", "buckets_for", "now_iso"]
+__all__ = ["CoreConfig", "Core", "Prediction", "QueueFull", "NotAccepting", "buckets_for", "now_iso", "SHUT_DOWN"]
 
 log = logging.getLogger("preheat.server")
 
 TERMINAL = ("succeeded", "failed", "canceled")
 Listener = Callable[[str, dict], None]  # (event, snapshot); event: "start" | "completed"
+SHUT_DOWN = "the server shut down before this prediction ran"  # the error of predictions dropped by close()
 
 
 def now_iso() -> str:
@@ -80,8 +90,7 @@ class CoreConfig:
     max_queue: int = 64  # predictions waiting (not running); more -> QueueFull
     max_steps: int = 200
     max_guidance: float = 50.0
-    schedulers: tuple[str, ...] = ()  # allowed samplers; () = all
-    warm_schedulers: tuple[str, ...] = ()  # warmed besides the model's default sampler
+    samplers: tuple[str, ...] = ()  # offered (and warmed) samplers; () = the model's default only
     keep_finished: int = 1000  # finished predictions kept for GET / PUT retries
 
 
@@ -101,6 +110,8 @@ class Prediction:
     extra: dict[str, Any] = field(default_factory=dict)  # echoed fields: webhook, webhook_events_filter
     enqueued: float = field(default_factory=time.monotonic)
     cancel_requested: bool = False
+    respond_async: bool = False  # the client was answered at once (202): nobody's disconnect cancels it
+    waiters: int = 0  # clients holding a connection open for the result (see Core.abandon)
     done: threading.Event = field(default_factory=threading.Event)
     _listeners: list[Listener] = field(default_factory=list)
 
@@ -159,7 +170,7 @@ class Core:
             raise ValueError("max_batch_size, max_queue and max_steps must be >= 1 and batch_wait_ms >= 0")
         self.config = config
         self.limits = Limits(max_batch_size=config.max_batch_size, max_steps=config.max_steps,
-                             max_guidance=config.max_guidance, schedulers=tuple(config.schedulers))
+                             max_guidance=config.max_guidance, schedulers=tuple(config.samplers))
         self.input_model = input_model(self.limits)
         self.buckets = buckets_for(config.max_batch_size)
         self.metrics = CoreMetrics()
@@ -174,9 +185,12 @@ class Core:
         self._setup_listeners: list[Callable[[], None]] = []
         self._draining = False
         self._stopping = False
+        self._paused = False
+        self._running_since = 0.0
+        self.samplers: tuple[str, ...] = tuple(config.samplers)  # resolved at set-up: what is offered
+        self.seconds_per_step: Optional[float] = None  # engine seconds per step (warm-up, then each batch)
         self._thread: Optional[threading.Thread] = None
         self._batch_ids = itertools.count(1)
-        self._batch_s_ewma: Optional[float] = None
         self.stats = {"batches": 0, "images": 0, "padded": 0, "traffic_compiles": 0}
 
     # ------------------------------------------------------------------ lifecycle
@@ -231,6 +245,17 @@ class Core:
             self._draining = True
             self._cond.notify_all()
 
+    def pause(self) -> None:
+        """Hold batching: predictions queue up, none starts until :meth:`resume` (tests, maintenance).
+        A batch already being collected or running is not affected."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Wait until no prediction is waiting or running; False on timeout."""
         with self._cond:
@@ -244,7 +269,7 @@ class Core:
             left, self._pending = self._pending, []
             self._cond.notify_all()
         for p in left:
-            self._finish(p, "failed", error="the server shut down before this prediction ran")
+            self._finish(p, "failed", error=SHUT_DOWN)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -274,7 +299,7 @@ class Core:
 
     def submit(self, job: Job, given: dict[str, Any], prediction_id: Optional[str] = None,
                listener: Optional[Listener] = None, extra: Optional[dict[str, Any]] = None,
-               created_at: Optional[str] = None) -> tuple[Prediction, bool]:
+               created_at: Optional[str] = None, respond_async: bool = False) -> tuple[Prediction, bool]:
         """Enqueue a prediction. Returns ``(prediction, created)``; when ``prediction_id`` is already
         known, the existing prediction is returned with ``created=False`` (idempotent retries; use
         :meth:`subscribe` to follow it). Raises ``QueueFull`` or ``NotAccepting``."""
@@ -285,9 +310,9 @@ class Core:
                 existing = None
                 self._check_accepting()
                 if len(self._pending) >= self.config.max_queue:
-                    raise QueueFull(len(self._pending), self._retry_after())
+                    raise QueueFull(len(self._pending), self.retry_after())
                 pred = Prediction(id=prediction_id or secrets.token_hex(13), job=job, input=given, extra=extra or {},
-                                  created_at=created_at or now_iso())
+                                  created_at=created_at or now_iso(), respond_async=respond_async)
                 pred.logs.append(f"Using seed: {job.seed}")
                 if listener is not None:
                     pred._listeners.append(listener)
@@ -328,10 +353,57 @@ class Core:
             self._finish(pred, "canceled")
         return True
 
-    def _retry_after(self) -> int:
-        per_batch = self._batch_s_ewma or 1.0
-        batches_ahead = max(1, -(-len(self._pending) // self.config.max_batch_size))
-        return max(1, int(round(per_batch * batches_ahead)))
+    def same_request(self, pred: Prediction, raw: Any) -> bool:
+        """Whether ``raw`` (a retry's input) asks for what ``pred`` computes: equal after parsing,
+        so spelled-out defaults (``num_outputs: 1``, the model's steps) match an absent field.
+        Raises ``InputError`` for invalid input."""
+        job, _ = parse_input(raw, self.pipe, self.limits, self.input_model)
+        given = raw.model_dump(exclude_unset=True) if hasattr(raw, "model_dump") else dict(raw)
+        if "seed" not in given and "seed" not in pred.input:  # both random: the first one's stands
+            job = replace(job, seed=pred.job.seed)
+        return job == pred.job
+
+    def watch(self, pred: Prediction) -> None:
+        """A client now holds a connection open for ``pred``'s result."""
+        with self._cond:
+            pred.waiters += 1
+
+    def unwatch(self, pred: Prediction) -> None:
+        with self._cond:
+            pred.waiters -= 1
+
+    def abandon(self, pred: Prediction) -> bool:
+        """A client waiting for ``pred`` went away. When nobody else waits for it and it was not
+        submitted asynchronously, a prediction that is still queued is canceled and its slot freed
+        (True); a running one finishes. Returns whether it was canceled."""
+        with self._cond:
+            pred.waiters -= 1
+            if pred.waiters > 0 or pred.respond_async or pred not in self._pending:
+                return False
+        log.info("prediction %s: the client went away; canceled while queued", pred.id)
+        self.cancel(pred.id)
+        return True
+
+    def expected_drain_s(self) -> float:
+        """Seconds until the work now accepted is done: the running batch's remaining steps plus
+        every queued prediction, batched as the worker will batch it, at ``seconds_per_step``."""
+        per_step = self.seconds_per_step if self.seconds_per_step is not None else 1.0
+        with self._cond:
+            total = 0.0
+            if self._running:
+                left = self._running[0].job.steps * per_step - (time.monotonic() - self._running_since)
+                total += max(0.0, left)
+            images: dict[tuple, int] = {}
+            for p in self._pending:
+                images[p.job.batch_key] = images.get(p.job.batch_key, 0) + p.job.n
+            for key, count in images.items():
+                steps = key[1]
+                total += math.ceil(count / self.config.max_batch_size) * steps * per_step
+        return total
+
+    def retry_after(self) -> int:
+        """``Retry-After`` seconds for a refused request: the expected drain time, at least 1."""
+        return max(1, math.ceil(self.expected_drain_s()))
 
     def _evict(self) -> None:
         finished = [k for k, p in self._store.items() if p.terminal]
@@ -389,35 +461,49 @@ class Core:
             self._setup_log(f"warning: the model's default {default_steps} steps exceed --max-steps "
                             f"{self.limits.max_steps}; requests must then give num_inference_steps")
         default = pipe.defaults.get("sampler", "ddpm")
-        samplers = [default] + [s for s in self.config.warm_schedulers if s != default]
-        allowed = self.limits.schedulers
-        guidance = pipe.defaults.get("guidance")
-        for sampler in samplers:
-            if allowed and sampler not in allowed:
-                self._setup_log(f"warm-up: skipping {sampler} (not in the allowed schedulers)")
-                continue
-            for bucket in self.buckets:
-                t0 = time.perf_counter()
-                # steps=1: the step count is runtime data, so this is the serving program, run cheaply.
-                labels = None if pipe.num_classes is None else [0] * bucket
-                pipe.generate(bucket, class_labels=labels, steps=1, sampler=sampler, guidance=guidance,
-                              seed=list(range(bucket)))
-                layer = pipe.last.cache_layer
-                took = time.perf_counter() - t0
-                sig, _ = pipe.prepare(bucket, class_labels=labels, steps=1, sampler=sampler, guidance=guidance)
-                self.metrics.warmup_programs.labels(cache_layer=layer).inc()
-                self.metrics.warmup_seconds.labels(bucket=str(bucket), sampler=sampler, guided=str(sig.guided).lower(),
-                                                   cache_layer=layer).set(took)
-                self._setup_log(f"warm-up: {sampler} batch {bucket} guided={sig.guided}: {took:.2f}s (cache: {layer})")
+        self.samplers = tuple(self.config.samplers) or (default,)
+        self.limits = replace(self.limits, schedulers=self.samplers)  # parse refuses the others, naming these
+        for sampler, guidance, bucket in self.signatures():
+            t0 = time.perf_counter()
+            # steps=1: the step count is runtime data, so this is the serving program, run cheaply.
+            labels = None if pipe.num_classes is None else [0] * bucket
+            pipe.generate(bucket, class_labels=labels, steps=1, sampler=sampler, guidance=guidance,
+                          seed=list(range(bucket)))
+            layer = pipe.last.cache_layer
+            run_s = pipe.last.run_s
+            took = time.perf_counter() - t0
+            if bucket == self.buckets[-1]:  # one step of the largest batch: the first step-time estimate
+                self.seconds_per_step = max(self.seconds_per_step or 0.0, run_s)
+            guided = pipe.is_guided(guidance)
+            self.metrics.warmup_programs.labels(cache_layer=layer).inc()
+            self.metrics.warmup_seconds.labels(bucket=str(bucket), sampler=sampler, guided=str(guided).lower(),
+                                               cache_layer=layer).set(took)
+            self._setup_log(f"warm-up: {sampler} batch {bucket} guided={guided}: {took:.2f}s (cache: {layer})")
         total = time.perf_counter() - start
         self.metrics.setup_seconds.set(total)
-        self._setup_log(f"ready in {total:.2f}s; buckets {list(self.buckets)}")
+        self._setup_log(f"ready in {total:.2f}s; buckets {list(self.buckets)}; samplers {list(self.samplers)}")
+
+    def signatures(self) -> list[tuple[str, float, int]]:
+        """(sampler, guidance, bucket) for every program a valid request can reach: the offered
+        samplers x guidance off (1.0) and on (the model's scale, when it has a null class) x buckets."""
+        from preheat.errors import InvalidArgumentError
+
+        pipe = self.pipe
+        default = pipe.defaults.get("guidance")
+        scales = [1.0]
+        try:
+            on = float(default) if default is not None and pipe.is_guided(default) else 2.0
+            if pipe.is_guided(on):
+                scales.append(on)
+        except InvalidArgumentError:  # no null class: guided requests are refused at parse time
+            pass
+        return [(sampler, g, bucket) for sampler in self.samplers for g in scales for bucket in self.buckets]
 
     def _serve(self) -> None:
         wait_s = self.config.batch_wait_ms / 1000.0
         while True:
             with self._cond:
-                while not self._pending and not self._stopping:
+                while (not self._pending or self._paused) and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -426,7 +512,8 @@ class Core:
                     if not batch:  # the head was canceled while we waited
                         break
                     remaining = batch[0].enqueued + wait_s - time.monotonic()
-                    if images >= self.config.max_batch_size or remaining <= 0 or self._stopping:
+                    # draining: no batch-mate can arrive any more, so run what is there now
+                    if images >= self.config.max_batch_size or remaining <= 0 or self._stopping or self._draining:
                         break
                     self._cond.wait(remaining)
                 if not batch:
@@ -436,6 +523,7 @@ class Core:
                     p.status = "processing"
                     p.started_at = now_iso()
                 self._running = batch
+                self._running_since = time.monotonic()
                 self.metrics.queue_depth.set(len(self._pending))
                 self.metrics.running.set(len(batch))
                 snaps = [(p, p.snapshot(), list(p._listeners)) for p in batch]
@@ -499,7 +587,8 @@ class Core:
                 self._finish(p, "failed", error=f"{type(err).__name__}: {message}")
             return
         took = time.perf_counter() - t0
-        self._batch_s_ewma = took if self._batch_s_ewma is None else 0.8 * self._batch_s_ewma + 0.2 * took
+        per_step = took / max(1, job0.steps)
+        self.seconds_per_step = per_step if self.seconds_per_step is None else 0.8 * self.seconds_per_step + 0.2 * per_step
         m = self.metrics
         m.batches.inc()
         m.batch_images.observe(images)

@@ -3,10 +3,16 @@
 On the first signal the core stops accepting predictions (new ones get 503, health-check
 says BUSY with ``draining: true``), the ones already accepted finish (up to ``grace_s``), their
 responses and final webhooks go out, then the process exits 0. A second signal exits at once.
+
+Read timeouts: uvicorn closes idle keep-alive connections, but not a connection that trickles its
+headers (a slow-loris holds a slot forever). :func:`header_timeout` adds that to uvicorn's HTTP
+protocol: a request's headers must be complete within ``header_timeout_s`` of its first byte
+(or of the connection opening). The body's own timeout is the app's (``body_timeout_s``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import threading
@@ -14,10 +20,13 @@ from typing import Any, Callable, Optional
 
 import uvicorn
 
-from preheat.server.app import create_app
+from preheat.server.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, create_app
 from preheat.server.core import Core, CoreConfig
+from preheat.server.webhooks import WebhookPolicy
 
-__all__ = ["DrainingServer", "bind_socket", "serve"]
+__all__ = ["DrainingServer", "bind_socket", "header_timeout", "uvicorn_config", "serve", "HEADER_TIMEOUT_S"]
+
+HEADER_TIMEOUT_S = 10.0
 
 log = logging.getLogger("preheat.server")
 
@@ -31,6 +40,55 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def header_timeout(base: type[asyncio.Protocol], timeout_s: float) -> type[asyncio.Protocol]:
+    """``base`` (one of uvicorn's HTTP protocols) that closes a connection whose request headers are
+    not complete ``timeout_s`` after the request's first byte, or after the connection opened."""
+
+    class HeaderTimeout(base):  # type: ignore[valid-type, misc]
+        _header_timer: Optional[asyncio.TimerHandle] = None
+        _armed_for: Any = None  # the request cycle current when armed; a new one = headers arrived
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm()  # the first byte of a new request
+            super().data_received(data)
+
+        def connection_lost(self, exc: Optional[Exception]) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._armed_for = self.cycle
+            self._header_timer = self.loop.call_later(timeout_s, self._expired)
+
+        def _expired(self) -> None:
+            self._header_timer = None
+            if self.cycle is not self._armed_for:  # the headers were complete in time
+                return
+            if not self.transport.is_closing():
+                log.info("closing a connection whose request headers took over %gs", timeout_s)
+                self.transport.close()
+
+    HeaderTimeout.__name__ = HeaderTimeout.__qualname__ = f"HeaderTimeout{base.__name__}"
+    return HeaderTimeout
+
+
+def uvicorn_config(app: Any, *, log_level: str = "info", grace_s: float = 30.0,
+                   header_timeout_s: float = HEADER_TIMEOUT_S) -> uvicorn.Config:
+    """The uvicorn settings ``preheat serve`` runs with (tests serve through the same)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    return uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                          timeout_graceful_shutdown=max(1, int(grace_s)), timeout_keep_alive=5,
+                          http=header_timeout(AutoHTTPProtocol, header_timeout_s))
 
 
 class DrainingServer(uvicorn.Server):
@@ -49,11 +107,12 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = True
             return
         self._drain_started = True
+        in_flight = self.core.in_flight  # counted at the signal, before the drain starts running them
         self.core.begin_drain()
+        log.warning("draining: %d prediction(s) in flight, grace %.0fs", in_flight, self.grace_s)
         threading.Thread(target=self._drain, name="preheat-drain", daemon=True).start()
 
     def _drain(self) -> None:
-        log.warning("draining: %d prediction(s) in flight, grace %.0fs", self.core.in_flight, self.grace_s)
         self.drained = self.core.wait_idle(self.grace_s)
         if not self.drained:
             log.warning("grace period over; failing the predictions still waiting")
@@ -62,14 +121,15 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(config: CoreConfig, *, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 30.0,
-          token: Optional[str] = None, log_level: str = "info",
-          announce: Callable[[str], None] = print) -> int:
+          token: Optional[str] = None, log_level: str = "info", webhooks: WebhookPolicy = WebhookPolicy(),
+          max_body_bytes: int = MAX_BODY_BYTES, header_timeout_s: float = HEADER_TIMEOUT_S,
+          body_timeout_s: float = BODY_TIMEOUT_S, announce: Callable[[str], None] = print) -> int:
     """Start the core (set-up in the background) and serve HTTP until a signal; returns 0."""
     sock = bind_socket(host, port)
     core = Core(config).start()
-    app = create_app(core, token=token, grace_s=grace_s)
-    uv_config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                               timeout_graceful_shutdown=max(1, int(grace_s)), timeout_keep_alive=5)
+    app = create_app(core, token=token, grace_s=grace_s, webhooks=webhooks, max_body_bytes=max_body_bytes,
+                     body_timeout_s=body_timeout_s)
+    uv_config = uvicorn_config(app, log_level=log_level, grace_s=grace_s, header_timeout_s=header_timeout_s)
     server = DrainingServer(uv_config, core, grace_s)
     bound_host, bound_port = sock.getsockname()[:2]
     announce(f"preheat serve: listening on http://{bound_host}:{bound_port} (status: STARTING until warm-up ends)")
