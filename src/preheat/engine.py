@@ -279,6 +279,14 @@ class Pipeline:
         return Request(n=n, sampler=sampler, steps=steps, guided=guided, guidance=scale, seeds=seeds,
                        noise=noise_arr, eta=eta, sample_shape=shape, values=values)
 
+    def check(self, first: Any = None, /, **inputs: Any) -> Request:
+        """Every host-side check of a call (``validate`` plus the sampler's schedule for this step
+        count), with no device work: what a server runs before it accepts a request."""
+        request = self.validate(first, **inputs)
+        make_spec(self.scheduler_config, request.sampler)
+        make_plan(self.scheduler_config, request.sampler, request.steps, eta=request.eta)
+        return request
+
     def prepare(self, first: Any = None, /, **inputs: Any) -> tuple[Signature, tuple]:
         """Validate a call and turn it into (the denoising program's signature, its arguments).
         For text families this runs the text-encoding stage (the embeddings are arguments)."""

@@ -489,8 +489,8 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
             field, message = err.errors[0]
             param = _OPENAI_FIELDS.get(field, field)
             if param == "size":
-                shape = core.pipe.sample_shape
-                message = f"size must be {shape[1]}x{shape[0]} (the model's size)"
+                sizes = ", ".join(f"{w}x{h}" for w, h in _served_sizes(core.pipe, core.limits))
+                message = f"size must be one of {sizes}"
             return _openai_error(422, f"{param}: {message}", param)
         except NotAccepting as err:
             return refusal(err, openai=True)
@@ -525,7 +525,7 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
 
         spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         if core.setup.status == "succeeded":
-            _describe_model(spec, core.pipe, core.samplers)
+            _describe_model(spec, core.pipe, core.samplers, core.limits)
             app.openapi_schema = spec  # final: cache it
         return spec
 
@@ -545,11 +545,29 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] = ()) -> None:
+def _served_sizes(pipe: Any, limits: Any) -> tuple[tuple[int, int], ...]:
+    """(width, height) pairs a request may ask for: the served sizes, or the model's only size."""
+    if "prompt" in pipe.family.inputs:
+        from preheat.server.inputs import default_size
+
+        return tuple(limits.sizes) or (default_size(pipe),)
+    return ((pipe.sample_shape[1], pipe.sample_shape[0]),)
+
+
+def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] = (), limits: Any = None) -> None:
     schemas = spec.get("components", {}).get("schemas", {})
-    h, w = pipe.sample_shape[0], pipe.sample_shape[1]
+    sizes = _served_sizes(pipe, limits)
+    widths = sorted({w for w, _ in sizes})
+    heights = sorted({h for _, h in sizes})
     null = {"type": "null"}
-    if pipe.num_classes is not None:
+    text = "prompt" in pipe.family.inputs
+    negative: dict[str, Any] = {"anyOf": [null], "description": "Not used: the model has no text encoder."}
+    if text:
+        class_label = {"anyOf": [null], "description": "Not used: this is a text-to-image model."}
+        prompt = {"anyOf": [{"type": "string", "maxLength": 2000}], "description": "What to draw (required)."}
+        negative = {"anyOf": [{"type": "string", "maxLength": 2000}, null],
+                    "description": "What to steer away from (needs guidance_scale != 1)."}
+    elif pipe.num_classes is not None:
         names = list(pipe.labels) or [str(i) for i in range(pipe.num_classes)]
         class_label = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": pipe.num_classes - 1},
                                  {"type": "string", "enum": names}, null]}
@@ -562,8 +580,9 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
     if model_input:
         model_input["class_label"] = {**class_label, "title": "Class Label", "x-order": 1}
         model_input["prompt"] = {**prompt, "title": "Prompt", "x-order": 0}
-        model_input["width"] = {"anyOf": [{"type": "integer", "enum": [w]}, null], "title": "Width", "x-order": 7}
-        model_input["height"] = {"anyOf": [{"type": "integer", "enum": [h]}, null], "title": "Height", "x-order": 8}
+        model_input["negative_prompt"] = {**negative, "title": "Negative Prompt", "x-order": 1}
+        model_input["width"] = {"anyOf": [{"type": "integer", "enum": widths}, null], "title": "Width", "x-order": 7}
+        model_input["height"] = {"anyOf": [{"type": "integer", "enum": heights}, null], "title": "Height", "x-order": 8}
         if samplers:  # what warm-up compiled; every other sampler is refused
             model_input["scheduler"] = {"anyOf": [{"type": "string", "enum": list(samplers)}, null],
                                         "title": "Scheduler", "x-order": 5,
@@ -571,7 +590,8 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
     openai = schemas.get("ImageGenerationRequest", {}).get("properties", {})
     if openai:
         openai["prompt"] = {**prompt, "title": "Prompt"}
-        openai["size"] = {"anyOf": [{"type": "string", "enum": [f"{w}x{h}", "auto"]}, null], "title": "Size"}
+        openai["size"] = {"anyOf": [{"type": "string", "enum": [*(f"{w}x{h}" for w, h in sizes), "auto"]}, null],
+                          "title": "Size"}
 
 
 def _version() -> str:

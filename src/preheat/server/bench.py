@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional
 __all__ = ["run_bench", "markdown", "offline_throughput"]
 
 
+BENCH_PROMPT = "a watercolor fox"  # text-to-image models: every request draws this prompt
+
 def offline_throughput(model: Optional[str], batch: int, steps: Optional[int], min_time_s: float = 8.0,
                        max_runs: int = 200, pipe: Any = None) -> dict[str, Any]:
     """Images/s of ``pipe.generate(batch)`` in this process, after its compile. Returns the pipe too."""
@@ -39,19 +41,20 @@ def offline_throughput(model: Optional[str], batch: int, steps: Optional[int], m
         import preheat
 
         pipe = preheat.load(model)
-    steps = steps or int(pipe.defaults.get("steps", 50))
+    steps = steps or int(pipe.defaults["steps"])
     labels = None if pipe.num_classes is None else [i % pipe.num_classes for i in range(batch)]
+    inputs = {"prompt": BENCH_PROMPT} if "prompt" in pipe.family.inputs else {"class_labels": labels}
     t0 = time.perf_counter()
-    pipe.generate(batch, class_labels=labels, steps=steps, seed=list(range(batch)))  # compile (or cache) + run
+    pipe.generate(batch, steps=steps, seed=list(range(batch)), **inputs)  # compile (or cache) + run
     first_s = time.perf_counter() - t0
     runs, start = 0, time.perf_counter()
     while runs < max_runs and (runs < 3 or time.perf_counter() - start < min_time_s):
-        pipe.generate(batch, class_labels=labels, steps=steps, seed=list(range(runs * batch, (runs + 1) * batch)))
+        pipe.generate(batch, steps=steps, seed=list(range(runs * batch, (runs + 1) * batch)), **inputs)
         runs += 1
     elapsed = time.perf_counter() - start
     return {"steps": steps, "batch": batch, "runs": runs, "seconds": elapsed, "first_call_s": first_s,
-            "images_per_s": runs * batch / elapsed, "sampler": pipe.defaults.get("sampler", "ddpm"),
-            "num_classes": pipe.num_classes, "pipe": pipe}
+            "images_per_s": runs * batch / elapsed, "sampler": pipe.defaults["sampler"],
+            "num_classes": pipe.num_classes, "text": "prompt" in pipe.family.inputs, "pipe": pipe}
 
 
 class _ServerProcess:
@@ -101,7 +104,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def _load(base: str, token: str, n_requests: int, concurrency: int, steps: int,
-                num_classes: Optional[int], deadline: float) -> dict[str, Any]:
+                num_classes: Optional[int], deadline: float, text: bool = False) -> dict[str, Any]:
     import httpx
 
     answers: dict[str, list[dict[str, Any]]] = {f"bench-{i}": [] for i in range(n_requests)}
@@ -117,6 +120,8 @@ async def _load(base: str, token: str, n_requests: int, concurrency: int, steps:
             body: dict[str, Any] = {"input": {"num_outputs": 1, "seed": i, "num_inference_steps": steps}}
             if num_classes:
                 body["input"]["class_label"] = i % num_classes
+            if text:
+                body["input"]["prompt"] = BENCH_PROMPT
             pid = f"bench-{i}"
             t0 = time.perf_counter()
             try:
@@ -178,7 +183,8 @@ def run_bench(model: Optional[str] = None, *, n_requests: int = 256, concurrency
             time.sleep(0.2)
         ready_s = time.monotonic() - t_start
         log(f"server READY after {ready_s:.1f}s; {n_requests} requests from {concurrency} clients ...")
-        load = asyncio.run(_load(base, token, n_requests, concurrency, steps, offline["num_classes"], deadline))
+        load = asyncio.run(_load(base, token, n_requests, concurrency, steps, offline["num_classes"], deadline,
+                                 offline["text"]))
         metrics_text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10).text
     finally:
         exit_code = server.stop()

@@ -88,6 +88,22 @@ def _samplers(text: Optional[str]) -> tuple[str, ...]:
     return names
 
 
+def _sizes(text: Optional[str]) -> tuple[tuple[int, int], ...]:
+    """``--sizes 512x512,768x512`` -> ((512, 512), (768, 512)); a malformed entry fails in one line."""
+    from preheat.errors import InvalidArgumentError
+
+    out = []
+    for item in (text or "").split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        w, sep, h = item.partition("x")
+        if not sep or not w.isdigit() or not h.isdigit() or int(w) <= 0 or int(h) <= 0:
+            raise InvalidArgumentError(f"--sizes {item!r} must be WIDTHxHEIGHT, e.g. 512x512")
+        out.append((int(w), int(h)))
+    return tuple(dict.fromkeys(out))
+
+
 def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
     from preheat.errors import InvalidArgumentError
     from preheat.server.webhooks import WebhookPolicy, WebhookRefused
@@ -103,7 +119,7 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback unless told).")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port (0 = any free port, printed at start).")
 @click.option("--backend", default="jax", show_default=True, type=click.Choice(["jax", "torch"]))
-@click.option("--dtype", default="float32", show_default=True, help="float32 or bfloat16.")
+@click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16.")
 @click.option("--max-batch-size", default=8, show_default=True, type=int,
               help="Largest engine batch; buckets 1, 2, 4 ... up to it are compiled at start-up.")
 @click.option("--batch-wait-ms", default=10.0, show_default=True, type=float,
@@ -113,6 +129,8 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @click.option("--max-steps", default=200, show_default=True, type=int, help="Largest num_inference_steps accepted.")
 @click.option("--samplers", "samplers_text", metavar="A,B,...",
               help="Samplers offered (all compiled at start-up; others get 422). Default: the model's own.")
+@click.option("--sizes", "sizes_text", metavar="WxH,...",
+              help="Text-to-image: sizes served (each compiled at start-up; others get 422). Default: the model's.")
 @click.option("--grace-s", default=30.0, show_default=True, type=float,
               help="On SIGTERM, how long in-flight predictions may take to finish.")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=int,
@@ -129,13 +147,15 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
               type=click.Choice(["debug", "info", "warning", "error"]))
 @_one_line_errors
 def serve_command(model: Optional[str], host: str, port: int, backend: str, dtype: str, max_batch_size: int,
-                  batch_wait_ms: float, max_queue: int, max_steps: int, samplers_text: Optional[str], grace_s: float,
+                  batch_wait_ms: float, max_queue: int, max_steps: int, samplers_text: Optional[str],
+                  sizes_text: Optional[str], grace_s: float,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
                   webhook_allow: tuple[str, ...], log_level: str) -> None:
     """Serve MODEL over HTTP (Cog's and OpenAI's APIs), batching concurrent requests.
 
     Warm-up compiles every program a request can reach (each offered sampler, guidance on and
-    off, every batch bucket) before /health-check says READY. Set
+    off, every batch bucket and, for text-to-image models, every served size) before
+    /health-check says READY. Set
     PREHEAT_API_TOKEN to require `Authorization: Bearer <token>` (all but /health-check).
     """
     from preheat.errors import InvalidArgumentError
@@ -143,6 +163,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, dtyp
     _check_limits(max_batch_size, batch_wait_ms, max_queue, max_steps, grace_s, header_timeout_s, body_timeout_s,
                   max_body_bytes)
     samplers = _samplers(samplers_text)
+    sizes = _sizes(sizes_text)
     webhooks = _webhook_policy(webhook_allow_private, webhook_allow)
     _check_backend(backend)
     token = os.environ.get("PREHEAT_API_TOKEN") or None
@@ -155,7 +176,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, dtyp
 
     config = CoreConfig(model=model, backend=backend, dtype=dtype, max_batch_size=max_batch_size,
                         batch_wait_ms=batch_wait_ms, max_queue=max_queue, max_steps=max_steps,
-                        samplers=samplers)
+                        samplers=samplers, sizes=sizes)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
-from preheat.server.inputs import InputError, Job, Limits, input_model, parse_input
+from preheat.server.inputs import InputError, Job, Limits, input_model, parse_input, size_inputs
 from preheat.server.metrics import CoreMetrics
 
 __all__ = ["CoreConfig", "Core", "Prediction", "QueueFull", "NotAccepting", "buckets_for", "now_iso", "SHUT_DOWN"]
@@ -91,6 +91,7 @@ class CoreConfig:
     max_steps: int = 200
     max_guidance: float = 50.0
     samplers: tuple[str, ...] = ()  # offered (and warmed) samplers; () = the model's default only
+    sizes: tuple[tuple[int, int], ...] = ()  # text-to-image: served (width, height); () = the model's default
     keep_finished: int = 1000  # finished predictions kept for GET / PUT retries
 
 
@@ -170,7 +171,8 @@ class Core:
             raise ValueError("max_batch_size, max_queue and max_steps must be >= 1 and batch_wait_ms >= 0")
         self.config = config
         self.limits = Limits(max_batch_size=config.max_batch_size, max_steps=config.max_steps,
-                             max_guidance=config.max_guidance, schedulers=tuple(config.samplers))
+                             max_guidance=config.max_guidance, schedulers=tuple(config.samplers),
+                             sizes=tuple(config.sizes))
         self.input_model = input_model(self.limits)
         self.buckets = buckets_for(config.max_batch_size)
         self.metrics = CoreMetrics()
@@ -456,19 +458,28 @@ class Core:
         pipe = self.pipe
         self._setup_log(f"model loaded in {time.perf_counter() - start:.2f}s; image {pipe.sample_shape}, "
                         f"classes {pipe.num_classes}, defaults {pipe.defaults}")
-        default_steps = int(pipe.defaults.get("steps", 50))
+        default_steps = int(pipe.defaults["steps"])
         if default_steps > self.limits.max_steps:
             self._setup_log(f"warning: the model's default {default_steps} steps exceed --max-steps "
                             f"{self.limits.max_steps}; requests must then give num_inference_steps")
-        default = pipe.defaults.get("sampler", "ddpm")
+        default = pipe.defaults["sampler"]
         self.samplers = tuple(self.config.samplers) or (default,)
+        text = "prompt" in pipe.family.inputs
+        if text:
+            from preheat.server.inputs import default_size
+
+            self.limits = replace(self.limits, sizes=self.limits.sizes or (default_size(pipe),))
+            for size in self.limits.sizes:  # refuse an unusable --sizes entry before READY, in one line
+                pipe.check(1, prompt="", width=size[0], height=size[1], steps=1)
         self.limits = replace(self.limits, schedulers=self.samplers)  # parse refuses the others, naming these
-        for sampler, guidance, bucket in self.signatures():
+        for sampler, guidance, bucket, size, negatives in self.signatures():
             t0 = time.perf_counter()
             # steps=1: the step count is runtime data, so this is the serving program, run cheaply.
-            labels = None if pipe.num_classes is None else [0] * bucket
-            pipe.generate(bucket, class_labels=labels, steps=1, sampler=sampler, guidance=guidance,
-                          seed=list(range(bucket)))
+            warm = Job(n=bucket, labels=None if pipe.num_classes is None else tuple([0] * bucket), seed=0,
+                       sampler=sampler, steps=1, guidance=guidance, prompts=tuple([""] * bucket) if text else None,
+                       negative_prompts=tuple([""] * bucket) if negatives else None, size=size)
+            pipe.generate(bucket, steps=1, sampler=sampler, guidance=guidance, seed=list(range(bucket)),
+                          **warm.engine_inputs(), **size_inputs(warm))
             layer = pipe.last.cache_layer
             run_s = pipe.last.run_s
             took = time.perf_counter() - t0
@@ -478,14 +489,17 @@ class Core:
             self.metrics.warmup_programs.labels(cache_layer=layer).inc()
             self.metrics.warmup_seconds.labels(bucket=str(bucket), sampler=sampler, guided=str(guided).lower(),
                                                cache_layer=layer).set(took)
-            self._setup_log(f"warm-up: {sampler} batch {bucket} guided={guided}: {took:.2f}s (cache: {layer})")
+            what = f" {size[0]}x{size[1]}{' +negative' if negatives else ''}" if size else ""
+            self._setup_log(f"warm-up: {sampler} batch {bucket}{what} guided={guided}: {took:.2f}s (cache: {layer})")
         total = time.perf_counter() - start
         self.metrics.setup_seconds.set(total)
         self._setup_log(f"ready in {total:.2f}s; buckets {list(self.buckets)}; samplers {list(self.samplers)}")
 
-    def signatures(self) -> list[tuple[str, float, int]]:
-        """(sampler, guidance, bucket) for every program a valid request can reach: the offered
-        samplers x guidance off (1.0) and on (the model's scale, when it has a null class) x buckets."""
+    def signatures(self) -> list[tuple[str, float, int, Optional[tuple[int, int]], bool]]:
+        """(sampler, guidance, bucket, size, negative prompts given) for every program set a valid
+        request can reach: the offered samplers x guidance off (1.0) and on (the model's scale, when
+        it can guide) x buckets x served sizes (text-to-image) x negative prompts given or not
+        (guided text-to-image: SDXL encodes a different batch without them)."""
         from preheat.errors import InvalidArgumentError
 
         pipe = self.pipe
@@ -497,7 +511,16 @@ class Core:
                 scales.append(on)
         except InvalidArgumentError:  # no null class: guided requests are refused at parse time
             pass
-        return [(sampler, g, bucket) for sampler in self.samplers for g in scales for bucket in self.buckets]
+        text = "prompt" in pipe.family.inputs
+        sizes: tuple[Optional[tuple[int, int]], ...] = self.limits.sizes if text else (None,)
+        out = []
+        for sampler in self.samplers:
+            for g in scales:
+                negatives = (False, True) if text and g != 1.0 else (False,)
+                for size in sizes:
+                    for neg in negatives:
+                        out += [(sampler, g, bucket, size, neg) for bucket in self.buckets]
+        return out
 
     def _serve(self) -> None:
         wait_s = self.config.batch_wait_ms / 1000.0
@@ -556,21 +579,21 @@ class Core:
         job0 = batch[0].job
         images = sum(p.job.n for p in batch)
         bucket = next(b for b in self.buckets if b >= images)
-        seeds: list[int] = []
-        labels: list[int] = []
-        for p in batch:
-            seeds += p.job.seeds
-            labels += list(p.job.labels) if p.job.labels is not None else [0] * p.job.n
         pad = bucket - images
-        seeds += [0] * pad
-        labels += [0] * pad
+        seeds: list[int] = [s for p in batch for s in p.job.seeds] + [0] * pad
+        # per-image family inputs, concatenated over the batch; padding slots repeat the first image's
+        inputs: dict[str, list[Any]] = {}
+        for p in batch:
+            for key, values in p.job.engine_inputs().items():
+                inputs.setdefault(key, []).extend(values)
+        inputs = {key: values + values[:1] * pad for key, values in inputs.items()}
         batch_id = next(self._batch_ids)
         t0 = time.perf_counter()
         try:
             pipe = self.pipe
-            pixels = pipe.generate(bucket, class_labels=labels if pipe.num_classes is not None else None,
-                                   steps=job0.steps, sampler=job0.sampler,
-                                   guidance=1.0 if job0.guidance is None else job0.guidance, seed=seeds)
+            pixels = pipe.generate(bucket, steps=job0.steps, sampler=job0.sampler,
+                                   guidance=1.0 if job0.guidance is None else job0.guidance, seed=seeds,
+                                   **inputs, **size_inputs(job0))
             compiled = pipe.last.cache_layer != "memory"
             run_s = time.perf_counter() - t0
             outputs = []

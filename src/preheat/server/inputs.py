@@ -17,7 +17,7 @@ HTTP 422 (naming the field) or a Runpod ``{"error": ...}``.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
@@ -62,6 +62,7 @@ class Limits:
     max_guidance: float = 50.0
     schedulers: tuple[str, ...] = ()  # allowed sampler names; () = every sampler preheat has
     output_formats: tuple[str, ...] = OUTPUT_FORMATS
+    sizes: tuple[tuple[int, int], ...] = ()  # text-to-image: served (width, height); () = the model's default
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,15 @@ class Job:
     """One validated request, in engine terms. ``seeds`` are per image: image i uses ``seed + i``."""
 
     n: int
-    labels: Optional[tuple[int, ...]]  # one class index per image; None for unconditional models
+    labels: Optional[tuple[int, ...]]  # one class index per image; None for unconditional / text models
     seed: int
     sampler: str
     steps: int
     guidance: Optional[float]  # resolved scale; None or 1.0 = no classifier-free guidance
     output_format: str = "png"
+    prompts: Optional[tuple[str, ...]] = None  # text-to-image: one prompt per image
+    negative_prompts: Optional[tuple[str, ...]] = None  # text-to-image, guided only
+    size: Optional[tuple[int, int]] = None  # text-to-image: (width, height), static (one program each)
 
     @property
     def seeds(self) -> list[int]:
@@ -82,8 +86,19 @@ class Job:
 
     @property
     def batch_key(self) -> tuple:
-        """Requests with equal keys can share one engine call (same program and same runtime scalars)."""
-        return (self.sampler, self.steps, self.guidance)
+        """Requests with equal keys can share one engine call (same programs and same runtime scalars).
+        Whether negative prompts are given is part of it: SDXL's unconditional branch is zeros
+        without them (a different text-encoding batch), the encoded negatives with them."""
+        return (self.sampler, self.steps, self.guidance, self.size, self.negative_prompts is not None)
+
+    def engine_inputs(self) -> dict[str, Any]:
+        """This job's per-image family inputs, as ``Pipeline.generate`` keywords."""
+        if self.prompts is not None:
+            out: dict[str, Any] = {"prompt": list(self.prompts)}
+            if self.negative_prompts is not None:
+                out["negative_prompt"] = list(self.negative_prompts)
+            return out
+        return {"class_labels": list(self.labels)} if self.labels is not None else {}
 
 
 def _all_samplers() -> tuple[str, ...]:
@@ -101,8 +116,12 @@ def input_model(limits: Limits) -> type[BaseModel]:
         return {"x-order": i, **extra}  # Cog's field order hint
 
     fields: dict[str, Any] = {
-        "prompt": (Optional[str], Field(None, max_length=1000, json_schema_extra=order(0),
-                                        description="For class-conditional models: a class name or index, e.g. \"7\".")),
+        "prompt": (Optional[str], Field(None, max_length=2000, json_schema_extra=order(0),
+                                        description="Text-to-image models: the prompt. Class-conditional models: "
+                                                    "a class name or index, e.g. \"7\".")),
+        "negative_prompt": (Optional[str], Field(None, max_length=2000, json_schema_extra=order(1),
+                                                 description="Text-to-image models: what to steer away from "
+                                                             "(needs guidance).")),
         "class_label": (Optional[Union[JsonInt, str]], Field(None, json_schema_extra=order(1),
                                                                description="Class index or label (class-conditional models).")),
         "num_outputs": (json_int(1, limits.max_batch_size), Field(1, json_schema_extra=order(2),
@@ -135,8 +154,17 @@ def validation_errors(err: ValidationError) -> list[tuple[str, str]]:
     return [(_field_of(e.get("loc", ())), e.get("msg", "invalid")) for e in err.errors()]
 
 
-def _engine_field(message: str, is_scheduler_error: bool) -> str:
-    """Which input field an engine error message is about (they name the argument first)."""
+# Pipeline.generate keyword -> Cog input field (InvalidArgumentError.argument names the keyword)
+ENGINE_FIELDS = {"steps": "num_inference_steps", "guidance": "guidance_scale", "sampler": "scheduler",
+                 "seed": "seed", "class_labels": "class_label", "n": "num_outputs", "prompt": "prompt",
+                 "negative_prompt": "negative_prompt", "width": "width", "height": "height"}
+
+
+def _engine_field(message: str, is_scheduler_error: bool, argument: Optional[str] = None) -> str:
+    """Which input field an engine error is about: its ``argument`` when it names one, else the
+    message's first word (scheduler errors name no argument)."""
+    if argument in ENGINE_FIELDS:
+        return ENGINE_FIELDS[argument]
     if is_scheduler_error or message.startswith("unknown sampler"):
         return "scheduler"
     for prefix, name in (("guidance", "guidance_scale"), ("steps", "num_inference_steps"),
@@ -173,36 +201,33 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     errors: list[tuple[str, str]] = []
     n = v["num_outputs"]
 
-    h, w = pipe.sample_shape[0], pipe.sample_shape[1]
-    if v["width"] is not None and v["width"] != w:
-        errors.append(("width", f"must be {w}: the model makes {w}x{h} images"))
-    if v["height"] is not None and v["height"] != h:
-        errors.append(("height", f"must be {h}: the model makes {w}x{h} images"))
-
     labels: Optional[tuple[int, ...]] = None
-    prompt = v["prompt"] if v["prompt"] is not None and v["prompt"].strip() else None
-    if pipe.num_classes is None:
+    prompts: Optional[tuple[str, ...]] = None
+    negatives: Optional[tuple[str, ...]] = None
+    size: Optional[tuple[int, int]] = None
+    if "prompt" in pipe.family.inputs:  # text-to-image
         if v["class_label"] is not None:
-            errors.append(("class_label", "this model is not class-conditional"))
-        if prompt is not None:
-            errors.append(("prompt", "this model takes no prompt (it is unconditional)"))
+            errors.append(("class_label", "this model takes a prompt, not a class label"))
+        if v["prompt"] is None:
+            errors.append(("prompt", "is required for a text-to-image model"))
+        prompts = tuple([v["prompt"] or ""] * n)
+        if v["negative_prompt"] is not None:
+            negatives = tuple([v["negative_prompt"]] * n)
+        served = limits.sizes or (default_size(pipe),)
+        size = (v["width"] or served[0][0], v["height"] or served[0][1])
+        if size not in served:
+            allowed = ", ".join(f"{sw}x{sh}" for sw, sh in served)
+            field = "width" if v["width"] is not None and v["width"] not in {sw for sw, _ in served} else "height"
+            errors.append((field, f"{size[0]}x{size[1]} is not served here; sizes: {allowed}"))
     else:
-        index: Optional[int] = None
-        try:
-            if v["class_label"] is not None:
-                index = pipe.class_index(v["class_label"])
-        except InvalidArgumentError as err:
-            errors.append(("class_label", str(err)))
-        if prompt is not None:
-            try:
-                from_prompt = _class_from_prompt(pipe, prompt)
-                if index is not None and from_prompt != index:
-                    errors.append(("prompt", f"names class {from_prompt}, but class_label is {index}"))
-                index = from_prompt if index is None else index
-            except InvalidArgumentError as err:
-                errors.append(("prompt", f"{err} (a prompt must name a class)"))
-        # No class given: a tour of the classes, fixed per request (not per batch position).
-        labels = tuple([index] * n) if index is not None else tuple(i % pipe.num_classes for i in range(n))
+        h, w = pipe.sample_shape[0], pipe.sample_shape[1]
+        if v["width"] is not None and v["width"] != w:
+            errors.append(("width", f"must be {w}: the model makes {w}x{h} images"))
+        if v["height"] is not None and v["height"] != h:
+            errors.append(("height", f"must be {h}: the model makes {w}x{h} images"))
+        if v["negative_prompt"] is not None:
+            errors.append(("negative_prompt", "this model takes no negative prompt (it has no text encoder)"))
+        labels = _class_labels(pipe, v, n, errors)
 
     seed = v["seed"]
     if seed is None:
@@ -210,26 +235,64 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     elif seed + n - 1 > SEED_MAX:
         errors.append(("seed", f"seed + num_outputs - 1 must be <= {SEED_MAX} (image i uses seed + i)"))
 
-    sampler = v["scheduler"] or pipe.defaults.get("sampler", "ddpm")
+    sampler = v["scheduler"] or pipe.defaults["sampler"]
     allowed = limits.schedulers or _all_samplers()
     if sampler not in allowed:  # the model's default sampler may be outside the allowed list
         errors.append(("scheduler", f"{sampler!r} is not served here; choose one of {', '.join(allowed)}"))
-    steps = v["num_inference_steps"] if v["num_inference_steps"] is not None else pipe.defaults.get("steps", 50)
+    steps = v["num_inference_steps"] if v["num_inference_steps"] is not None else pipe.defaults["steps"]
     if v["num_inference_steps"] is None and not 1 <= int(steps) <= limits.max_steps:
         errors.append(("num_inference_steps", f"the model default {steps} exceeds this server's max {limits.max_steps}"))
     guidance = v["guidance_scale"] if v["guidance_scale"] is not None else pipe.defaults.get("guidance")
     if errors:
         raise InputError(errors)
 
-    try:  # the engine's own checks (guidance without a null class, scheduler config, steps range ...)
-        pipe.prepare(n, class_labels=list(labels) if labels is not None else None, steps=int(steps),
-                     sampler=sampler, guidance=guidance, seed=[seed + i for i in range(n)])
+    job = Job(n=n, labels=labels, seed=int(seed), sampler=sampler, steps=int(steps), guidance=guidance,
+              output_format=v["output_format"], prompts=prompts, negative_prompts=negatives, size=size)
+    try:  # the engine's own host-side checks (guidance without a null class, schedule, sizes, ...)
+        pipe.check(n, steps=int(steps), sampler=sampler, guidance=guidance, seed=job.seeds,
+                   **job.engine_inputs(), **size_inputs(job))
     except (InvalidArgumentError, SchedulerConfigError) as err:
-        raise InputError([(_engine_field(str(err), isinstance(err, SchedulerConfigError)), str(err))]) from None
+        field = _engine_field(str(err), isinstance(err, SchedulerConfigError), getattr(err, "argument", None))
+        raise InputError([(field, str(err))]) from None
     if guidance is not None:
         guidance = float(guidance)
         if guidance == 1.0:
             guidance = None  # the same program and the same pixels as "no guidance"
-    job = Job(n=n, labels=labels, seed=int(seed), sampler=sampler, steps=int(steps), guidance=guidance,
-              output_format=v["output_format"])
-    return job, given
+    return replace(job, guidance=guidance), given
+
+
+def default_size(pipe: Any) -> tuple[int, int]:
+    """A text-to-image model's native (width, height)."""
+    scale = pipe.components["vae_scale"]
+    return pipe.sample_shape[1] * scale, pipe.sample_shape[0] * scale
+
+
+def size_inputs(job: Job) -> dict[str, int]:
+    return {} if job.size is None else {"width": job.size[0], "height": job.size[1]}
+
+
+def _class_labels(pipe: Any, v: dict[str, Any], n: int, errors: list[tuple[str, str]]) -> Optional[tuple[int, ...]]:
+    """Class indices from class_label / prompt (a class name), for pixel models."""
+    prompt = v["prompt"] if v["prompt"] is not None and v["prompt"].strip() else None
+    if pipe.num_classes is None:
+        if v["class_label"] is not None:
+            errors.append(("class_label", "this model is not class-conditional"))
+        if prompt is not None:
+            errors.append(("prompt", "this model takes no prompt (it is unconditional)"))
+        return None
+    index: Optional[int] = None
+    try:
+        if v["class_label"] is not None:
+            index = pipe.class_index(v["class_label"])
+    except InvalidArgumentError as err:
+        errors.append(("class_label", str(err)))
+    if prompt is not None:
+        try:
+            from_prompt = _class_from_prompt(pipe, prompt)
+            if index is not None and from_prompt != index:
+                errors.append(("prompt", f"names class {from_prompt}, but class_label is {index}"))
+            index = from_prompt if index is None else index
+        except InvalidArgumentError as err:
+            errors.append(("prompt", f"{err} (a prompt must name a class)"))
+    # No class given: a tour of the classes, fixed per request (not per batch position).
+    return tuple([index] * n) if index is not None else tuple(i % pipe.num_classes for i in range(n))

@@ -128,6 +128,7 @@ class TorchPipeline:
     __call__ = Pipeline.__call__
     __post_init__ = Pipeline.__post_init__
     validate = Pipeline.validate
+    check = Pipeline.check
     class_index = Pipeline.class_index
     _guidance = Pipeline._guidance
     is_guided = Pipeline.is_guided

@@ -62,6 +62,7 @@ class TorchTextPipeline:
     __call__ = Pipeline.__call__
     __post_init__ = Pipeline.__post_init__
     validate = Pipeline.validate
+    check = Pipeline.check
     _guidance = Pipeline._guidance
     is_guided = Pipeline.is_guided
     _noise = Pipeline._noise
