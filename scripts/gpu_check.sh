@@ -12,8 +12,9 @@
 # On the GPU (through the device tool, .gpu-wheels carried):  bash scripts/gpu_check.sh
 # The CPU dry run (same script, CPU devices, tiny sizes):     GPU_CHECK_DRY=1 bash scripts/gpu_check.sh
 # Settings: OUT (default gpu-results), GPU_WHEELS_DIR (default .gpu-wheels), PYTHON (default
-# python3), GPU_CHECK_BUDGET_S (seconds for the whole run, install included; default 450 on the
-# GPU; 900 dry, where it only guards against a hang).
+# python3), GPU_CHECK_BUDGET_S (seconds for the whole run, install included; default 420 on the
+# GPU; 900 dry, where it only guards against a hang), GPU_CHECK_SKIP (models and/or compare,
+# comma-separated: a targeted rerun).
 # Exit status: 0 all steps ran; 1 a step failed or was skipped; 2 preflight or install failed.
 set -uo pipefail
 STARTED=$(date +%s.%N)
@@ -25,7 +26,7 @@ if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
   MODE=dry; BUDGET=${GPU_CHECK_BUDGET_S:-900}  # dry: only a guard against a hang
   export JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=""
 else
-  MODE=gpu; BUDGET=${GPU_CHECK_BUDGET_S:-450}
+  MODE=gpu; BUDGET=${GPU_CHECK_BUDGET_S:-420}
 fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)

@@ -2,22 +2,24 @@
 
 Everything heavy runs in fresh child processes (the parent never imports JAX or torch, so it
 holds no GPU memory), each under a deadline taken from one budget for the whole run; a step that
-no longer fits is recorded as skipped, never silently dropped. Steps, most valuable first:
+no longer fits is recorded as skipped, never silently dropped. In order, most valuable first:
 
 1. ``preheat doctor --json`` (with ``--require-gpu`` on the GPU: without a GPU backend the rest is
    skipped, since it would measure the CPU).
-2. Per model in ``MODELS`` (random weights at the real resolution, in the model's dtype):
-   cold start in fresh ``preheat sample`` processes, each with its own ``PREHEAT_HOME``:
-   ``empty`` (trace + lower + compile, writes the executable), ``full warm`` (the serialized
-   executable loaded back in a fresh process: whether preheat's executable layer works on this
-   device at all, with its pixels compared to the compiled run's), ``xla only`` (JAX's
-   persistent cache warm, executable layer off); then the steady state in one more process: the
-   measured ceilings (bf16 matrix product rate, device copy bandwidth) and images/s with the
-   achieved fraction of that matrix rate (the "two numbers" of the device METHOD).
+2. Per model in ``MODELS`` (random weights at the real resolution, in the model's dtype), fresh
+   ``preheat sample`` processes, each with its own ``PREHEAT_HOME``:
+   ``empty`` (trace + lower + compile; writes the executable), then ``full warm`` (that
+   serialized executable loaded back in a fresh process: whether preheat's executable layer works
+   on this device at all, its pixels compared with the compiled run's); the steady state in one
+   more process (the measured ceilings, bf16 matrix-product rate and device copy bandwidth, then
+   images/s and the achieved fraction of that matrix rate: the "two numbers" of the device
+   METHOD); ``xla only`` (JAX's persistent cache warm, executable layer off; after a priming run).
 3. ``preheat bench compare --quick`` on the built-in model (JAX vs torch eager / torch.compile).
+4. More fresh processes for the warm rows, while the budget lasts.
 
 Writes under ``--out``: doctor.json, models.json, compare.json, summary.md, log.txt (with the
-shell's preflight.json: 6 files); the summary table is printed last.
+shell's preflight.json: 6 files); the summary table is printed last. GPU_CHECK_SKIP=models or
+=compare (comma-separated) leaves those steps out, for a targeted rerun.
 
     python scripts/gpu_measure.py run --out DIR --mode gpu|dry [--budget S] [--started-at EPOCH]
 """
@@ -98,7 +100,8 @@ GPU = dict(doctor=(90, 20), materialize=(120, 20), empty=(240, 60), warm=(90, 15
 DRY = dict(doctor=(300, 5), materialize=(300, 5), empty=(300, 5), warm=(300, 5), xla=(300, 5),
            steady=(300, 5), compare=(600, 5), warm_repeats=1, matmul_n=256, copy_mib=8,
            ceiling_repeats=3, steady_repeats=2,
-           compare_args=("--quick", "--paths", "jax,torch-eager", "--steps", "2", "--batch-sizes", "1"))
+           compare_args=("--quick", "--paths", "jax,torch-eager", "--steps", "1", "--batch-sizes", "1",
+                         "--steady-repeats", "1"))
 END_RESERVE_S = 10
 
 
@@ -536,8 +539,8 @@ def table(results: dict[str, Any]) -> str:
                     f"{s.get('warn', '?')} warn, {s.get('fail', '?')} fail; {d.get('jax') or d.get('error')}"
                     + (f" — {bad[:300]}" if bad else "") + " |")
     for m in results.get("models", []):
-        head = (f"{m['model']} ({m.get('params', 0) / 1e6:.1f} M params, {m['dtype']}, batch {m['n']}, "
-                f"{m['sampler']} {m['steps']} steps)")
+        params = f"{m['params'] / 1e6:.1f} M params, " if m.get("params") else ""
+        head = f"{m['model']} ({params}{m['dtype']}, batch {m['n']}, {m['sampler']} {m['steps']} steps)"
         if m.get("error"):
             rows.append(f"| {head} | – | {m['error']} |")
             continue
@@ -584,7 +587,8 @@ def table(results: dict[str, Any]) -> str:
         rows.append(f"| bench compare --quick (built-in model) | {cmp_['seconds']:.0f} | {'; '.join(parts)} |")
     elif cmp_:
         rows.append(f"| bench compare --quick (built-in model) | – | {cmp_.get('error') or 'skipped: ' + str(cmp_.get('skipped'))} |")
-    rows.append(f"| total | {results.get('total_s', 0):.0f} | mode {results['mode']}; budget {results['budget_s']:.0f} s |")
+    skipped = f"; left out: {', '.join(results['skipped_steps'])}" if results.get("skipped_steps") else ""
+    rows.append(f"| total | {results.get('total_s', 0):.0f} | mode {results['mode']}; budget {results['budget_s']:.0f} s{skipped} |")
     return "\n".join(rows)
 
 
@@ -606,11 +610,16 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
         failed |= results["doctor"].get("exit") not in (0, None) or "skipped" in results["doctor"]
         models = MODELS if mode == "gpu" else DRY_MODELS
         results["models"] = []
+        skip = {s.strip() for s in os.environ.get("GPU_CHECK_SKIP", "").split(",") if s.strip()}
+        results["skipped_steps"] = sorted(skip)
+        if skip - {"models", "compare"}:
+            r.say(f"GPU_CHECK_SKIP: unknown step(s) {', '.join(sorted(skip - {'models', 'compare'}))}; "
+                  "known: models, compare")
         if gpu_ok:
-            runs = [ModelRun(r, m) for m in models]
+            runs = [ModelRun(r, m) for m in models] if "models" not in skip else []
             for mr in runs:
                 mr.first()
-            results["compare"] = step_compare(r)
+            results["compare"] = step_compare(r) if "compare" not in skip else {"skipped": "GPU_CHECK_SKIP"}
             for mr in runs:
                 mr.repeats()
             for mr in runs:
@@ -618,7 +627,8 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
                 results["models"].append(res)
                 failed |= bool(res.get("error") or res["skipped"] or any("error" in x for x in res["runs"])
                                or "images_per_s" not in (res.get("steady") or {}))
-            failed |= "paths" not in results["compare"] or any(p.get("errors") for p in results["compare"]["paths"].values())
+            failed |= bool(skip) or "paths" not in results["compare"] or any(
+                p.get("errors") for p in results["compare"]["paths"].values())
         else:
             r.say("JAX does not compute on a GPU (doctor above): the GPU measurements are skipped")
             results["compare"] = {"skipped": "no GPU backend"}
@@ -645,7 +655,7 @@ def main() -> int:
     ap.add_argument("command", choices=("run",))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--mode", choices=("gpu", "dry"), required=True)
-    ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check, setup included")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check, setup included")
     ap.add_argument("--started-at", type=float, default=None, help="epoch seconds the check started")
     args = ap.parse_args()
     return run(args.out, args.mode, args.budget, args.started_at or time.time())
