@@ -538,6 +538,8 @@ def table(results: dict[str, Any]) -> str:
         rows.append(f"| doctor | {d.get('seconds', 0):.0f} | exit {d.get('exit')}: {s.get('ok', '?')} ok, "
                     f"{s.get('warn', '?')} warn, {s.get('fail', '?')} fail; {d.get('jax') or d.get('error')}"
                     + (f" — {bad[:300]}" if bad else "") + " |")
+    if results.get("models_skipped"):
+        rows.append(f"| models: cold start, executable round trip, steady state | – | skipped: {results['models_skipped']} |")
     for m in results.get("models", []):
         params = f"{m['params'] / 1e6:.1f} M params, " if m.get("params") else ""
         head = f"{m['model']} ({params}{m['dtype']}, batch {m['n']}, {m['sampler']} {m['steps']} steps)"
@@ -631,6 +633,7 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
                 p.get("errors") for p in results["compare"]["paths"].values())
         else:
             r.say("JAX does not compute on a GPU (doctor above): the GPU measurements are skipped")
+            results["models_skipped"] = "no GPU backend"
             results["compare"] = {"skipped": "no GPU backend"}
         results["total_s"] = time.time() - started_at
         (out / "models.json").write_text(json.dumps(results["models"], indent=2, default=str) + "\n")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -98,6 +99,36 @@ def test_preflight_names_what_is_missing_and_a_stale_wheel(tmp_path):
 
     gpu = preflight.check(tmp_path / "no-wheels", "gpu", src, None)
     assert gpu["problems"][0].startswith("MISSING wheel folder")
+
+
+def test_preflight_on_a_gpu_machine_wants_a_matching_cuda_plugin_and_nvidia_smi(tmp_path, monkeypatch):
+    preflight = _load("gpu_preflight")
+    folder = tmp_path / "wheels"
+    _fake_wheel(folder, "preheat", "0.1.0", ["numpy>=1"])
+    _fake_wheel(folder, "diffusers", "0.42.1", ["numpy"])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 580.159.04, 143771 MiB, 9.0'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    real = preflight._installed
+    versions = {"jax": "0.11.2", "jaxlib": "0.11.2", "jax-cuda13-plugin": "0.11.1", "jax-cuda13-pjrt": "0.11.2",
+                "jax-cuda12-plugin": None, "jax-cuda12-pjrt": None}  # the GPU image's, whatever is here
+    monkeypatch.setattr(preflight, "_installed", lambda name: versions[name] if name in versions else real(name))
+
+    report = preflight.check(folder, "gpu", None, None)
+    assert report["problems"] == ["UNSUPPORTED jax-cuda13-plugin 0.11.1 with jaxlib 0.11.2: they must be the same version"]
+    assert report["gpus"] == ["NVIDIA H200, 580.159.04, 143771 MiB, 9.0"]
+    assert not any("jax" in w for w in report["warnings"])  # 0.11 is a tested version
+
+    versions["jax-cuda13-plugin"] = "0.11.2"
+    assert preflight.check(folder, "gpu", None, None)["problems"] == []
+    versions.update({"jax": "0.12.0", "jaxlib": "0.12.0", "jax-cuda13-plugin": "0.12.0", "jax-cuda13-pjrt": "0.12.0"})
+    newer = preflight.check(folder, "gpu", None, None)
+    assert newer["problems"] == [] and "jax 0.12.0 is newer than the newest tested (0.11.x); continuing" in newer["warnings"]
+    versions.update({"jax-cuda13-plugin": None, "jax-cuda13-pjrt": None})
+    assert preflight.check(folder, "gpu", None, None)["problems"][0].startswith("MISSING jax CUDA plugin")
 
 
 def test_gpu_check_stops_at_the_preflight_without_measuring(tmp_path):
