@@ -133,6 +133,7 @@ def check(wheels: Path, mode: str, src: Path | None, preheat_wheel: Path | None)
         warnings.append(f"wheels not asked for in {wheels}, installed too: {', '.join(extra)}")
     install = [paths[0] for paths in found.values()]
     report["wheels"] = {name: paths[0].name for name, paths in found.items()}
+    report["preheat_wheel_rebuilt_from_tree"] = preheat_wheel is not None
     report["install"] = [str(p) for p in install]
     if problems:
         return report

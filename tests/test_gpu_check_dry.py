@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -152,12 +153,22 @@ def env_wheels(tmp_path_factory) -> Path:
     return wheels
 
 
-def test_a_step_that_does_not_fit_the_budget_is_skipped_and_reported(env_wheels, tmp_path):
+def test_a_stale_preheat_wheel_is_rebuilt_and_a_step_that_does_not_fit_the_budget_is_skipped(env_wheels, tmp_path):
+    wheels = tmp_path / "wheels"
+    shutil.copytree(env_wheels, wheels)
+    (old,) = wheels.glob("preheat-*.whl")
+    with zipfile.ZipFile(env_wheels / old.name) as zin, zipfile.ZipFile(old, "w") as zout:
+        for info in zin.infolist():  # a wheel built before the last change to the tree
+            data = zin.read(info.filename)
+            zout.writestr(info, data + b"# older\n" if info.filename == "preheat/engine.py" else data)
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh")], capture_output=True, text=True, timeout=300,
-                          env=offline_env(PYTHON=sys.executable, OUT=str(out), GPU_WHEELS_DIR=str(env_wheels),
+                          env=offline_env(PYTHON=sys.executable, OUT=str(out), GPU_WHEELS_DIR=str(wheels),
                                           GPU_CHECK_DRY="1", GPU_CHECK_BUDGET_S="1", TMPDIR=str(tmp_path)))
     assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "STALE preheat wheel: 1 file(s) differ from src/preheat (first: engine.py)" in proc.stdout
+    pre = json.loads((out / "preflight.json").read_text())
+    assert pre["preheat_wheel_rebuilt_from_tree"] and pre["problems"] == []
     table = (out / "summary.md").read_text()
     assert "| doctor | – | skipped (budget) |" in table
     assert "everything | – | skipped (budget) |" in table and "| bench compare --quick (built-in model) | – | skipped: budget |" in table
