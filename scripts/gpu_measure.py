@@ -79,7 +79,8 @@ DDPM_256 = dict(
 )
 # Tiny, for the CPU dry run (one plain and one attention level: compiles in seconds).
 DDPM_256_TINY = {**DDPM_256, "sample_size": 16, "layers_per_block": 1, "block_out_channels": [32, 32],
-                 "down_block_types": ["DownBlock2D", "AttnDownBlock2D"], "up_block_types": ["AttnUpBlock2D", "UpBlock2D"]}
+                 "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],
+                 "up_block_types": ["AttnUpBlock2D", "UpBlock2D"]}
 
 MODELS = [
     Model("ddpm-256", DDPM_256, n=8, steps=20),
@@ -256,7 +257,9 @@ ROW_KEYS = ("process_start_to_first_image_s", "import_s", "weights_s", "trace_lo
 
 
 def _summary(values: list[float]) -> dict[str, float] | None:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)} if values else None
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def _pixels_delta(a: Path, b: Path) -> dict[str, Any]:
@@ -502,10 +505,11 @@ def step_compare(r: Runner) -> dict[str, Any]:
                            "paths": {}}
     for name, path in data.get("paths", {}).items():
         steady = path.get("steady") or {}
+        start = {state: (path[state].get("process_start_to_first_image_s") or {}).get("median")
+                 for state in ("empty", "warm")}
         out["paths"][name] = {"images_per_s": {b: s["images_per_s"] for b, s in steady.items()},
-                              "errors": path.get("errors"),
-                              "empty_start_s": (path["empty"].get("process_start_to_first_image_s") or {}).get("median"),
-                              "warm_start_s": (path["warm"].get("process_start_to_first_image_s") or {}).get("median")}
+                              "errors": path.get("errors"), "empty_start_s": start["empty"],
+                              "warm_start_s": start["warm"]}
     return out
 
 
@@ -539,7 +543,8 @@ def table(results: dict[str, Any]) -> str:
                     f"{s.get('warn', '?')} warn, {s.get('fail', '?')} fail; {d.get('jax') or d.get('error')}"
                     + (f" — {bad[:300]}" if bad else "") + " |")
     if results.get("models_skipped"):
-        rows.append(f"| models: cold start, executable round trip, steady state | – | skipped: {results['models_skipped']} |")
+        rows.append("| models: cold start, executable round trip, steady state | – | "
+                    f"skipped: {results['models_skipped']} |")
     for m in results.get("models", []):
         params = f"{m['params'] / 1e6:.1f} M params, " if m.get("params") else ""
         head = f"{m['model']} ({params}{m['dtype']}, batch {m['n']}, {m['sampler']} {m['steps']} steps)"
@@ -588,14 +593,28 @@ def table(results: dict[str, Any]) -> str:
             parts.append("JAX / torch.compile " + ", ".join(f"b={b}: {x:.2f}×" for b, x in ratio.items()))
         rows.append(f"| bench compare --quick (built-in model) | {cmp_['seconds']:.0f} | {'; '.join(parts)} |")
     elif cmp_:
-        rows.append(f"| bench compare --quick (built-in model) | – | {cmp_.get('error') or 'skipped: ' + str(cmp_.get('skipped'))} |")
+        why = cmp_.get("error") or f"skipped: {cmp_.get('skipped')}"
+        rows.append(f"| bench compare --quick (built-in model) | – | {why} |")
     skipped = f"; left out: {', '.join(results['skipped_steps'])}" if results.get("skipped_steps") else ""
-    rows.append(f"| total | {results.get('total_s', 0):.0f} | mode {results['mode']}; budget {results['budget_s']:.0f} s{skipped} |")
+    rows.append(f"| total | {results.get('total_s', 0):.0f} | mode {results['mode']}; "
+                f"budget {results['budget_s']:.0f} s{skipped} |")
     return "\n".join(rows)
 
 
 # ---------------------------------------------------------------------------------------------
 # The run
+
+
+def _guard(r: Runner, record: dict[str, Any], fn: Any) -> None:
+    """Run one step; a bug in this script (not a failing child) is recorded, and the run goes on."""
+    try:
+        fn()
+    except Exception as exc:
+        import traceback
+
+        r.log.write(traceback.format_exc())
+        record["error"] = f"internal error in gpu_measure.py: {type(exc).__name__}: {str(exc)[:300]}"
+        r.say(record["error"])
 
 
 def run(out: Path, mode: str, budget: float, started_at: float) -> int:
@@ -620,10 +639,13 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
         if gpu_ok:
             runs = [ModelRun(r, m) for m in models] if "models" not in skip else []
             for mr in runs:
-                mr.first()
-            results["compare"] = step_compare(r) if "compare" not in skip else {"skipped": "GPU_CHECK_SKIP"}
+                _guard(r, mr.res, mr.first)
+            results["compare"] = {"skipped": "GPU_CHECK_SKIP"}
+            if "compare" not in skip:
+                results["compare"] = {}
+                _guard(r, results["compare"], lambda: results["compare"].update(step_compare(r)))
             for mr in runs:
-                mr.repeats()
+                _guard(r, mr.res, mr.repeats)
             for mr in runs:
                 res = mr.res
                 results["models"].append(res)
@@ -637,7 +659,11 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
             results["compare"] = {"skipped": "no GPU backend"}
         results["total_s"] = time.time() - started_at
         (out / "models.json").write_text(json.dumps(results["models"], indent=2, default=str) + "\n")
-        text = table(results)
+        try:
+            text = table(results)
+        except Exception as exc:  # the JSON is written; never end without a last word
+            failed = True
+            text = f"(no table: {type(exc).__name__}: {exc}; see models.json, compare.json, log.txt)"
         (out / "summary.md").write_text(text + "\n")
         r.say(f"done: {'some steps failed or were skipped' if failed else 'all steps ran'}; files in {out}")
         r.log.close()

@@ -189,11 +189,13 @@ def check(wheels: Path, mode: str, src: Path | None, preheat_wheel: Path | None)
     if jax_v and jaxlib_v and jax_v != jaxlib_v:
         problems.append(f"UNSUPPORTED jax {jax_v} with jaxlib {jaxlib_v}: they must be the same version")
     versions = {name: _installed(name) for name in REPORTED}
-    report["versions"] = {**{k: v for k, v in versions.items() if v}, **{f"{k} (carried)": v for k, v in carried.items()}}
+    report["versions"] = {**{k: v for k, v in versions.items() if v},
+                          **{f"{k} (carried)": v for k, v in carried.items()}}
     if mode == "gpu":
         plugins = {n: v for n, v in versions.items() if n.startswith("jax-cuda") and v}
         if not any(n.endswith("-plugin") for n in plugins):
-            problems.append("MISSING jax CUDA plugin (jax-cuda13-plugin or jax-cuda12-plugin): JAX would run on the CPU")
+            problems.append("MISSING jax CUDA plugin (jax-cuda13-plugin or jax-cuda12-plugin): "
+                            "JAX would run on the CPU")
         for n, v in plugins.items():
             if jaxlib_v and v != jaxlib_v:
                 problems.append(f"UNSUPPORTED {n} {v} with jaxlib {jaxlib_v}: they must be the same version")

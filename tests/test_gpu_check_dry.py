@@ -35,7 +35,8 @@ def _load(name: str):
     return module
 
 
-def _fake_wheel(folder: Path, name: str, version: str, requires: list[str], files: dict[str, bytes] | None = None) -> Path:
+def _fake_wheel(folder: Path, name: str, version: str, requires: list[str],
+                files: dict[str, bytes] | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}-{version}-py3-none-any.whl"
     meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
@@ -96,7 +97,8 @@ def test_preflight_names_what_is_missing_and_a_stale_wheel(tmp_path):
     assert preflight.check(folder, "dry", src, None)["stale_preheat_files"] == ["__init__.py", "new.py"]
 
     _fake_wheel(folder, "diffusers", "0.41.0", ["numpy"])
-    assert any(p.startswith("DUPLICATE wheels for diffusers") for p in preflight.check(folder, "dry", src, None)["problems"])
+    problems = preflight.check(folder, "dry", src, None)["problems"]
+    assert any(p.startswith("DUPLICATE wheels for diffusers") for p in problems)
 
     gpu = preflight.check(tmp_path / "no-wheels", "gpu", src, None)
     assert gpu["problems"][0].startswith("MISSING wheel folder")
@@ -119,7 +121,8 @@ def test_preflight_on_a_gpu_machine_wants_a_matching_cuda_plugin_and_nvidia_smi(
     monkeypatch.setattr(preflight, "_installed", lambda name: versions[name] if name in versions else real(name))
 
     report = preflight.check(folder, "gpu", None, None)
-    assert report["problems"] == ["UNSUPPORTED jax-cuda13-plugin 0.11.1 with jaxlib 0.11.2: they must be the same version"]
+    assert report["problems"] == [
+        "UNSUPPORTED jax-cuda13-plugin 0.11.1 with jaxlib 0.11.2: they must be the same version"]
     assert report["gpus"] == ["NVIDIA H200, 580.159.04, 143771 MiB, 9.0"]
     assert not any("jax" in w for w in report["warnings"])  # 0.11 is a tested version
 
@@ -127,7 +130,8 @@ def test_preflight_on_a_gpu_machine_wants_a_matching_cuda_plugin_and_nvidia_smi(
     assert preflight.check(folder, "gpu", None, None)["problems"] == []
     versions.update({"jax": "0.12.0", "jaxlib": "0.12.0", "jax-cuda13-plugin": "0.12.0", "jax-cuda13-pjrt": "0.12.0"})
     newer = preflight.check(folder, "gpu", None, None)
-    assert newer["problems"] == [] and "jax 0.12.0 is newer than the newest tested (0.11.x); continuing" in newer["warnings"]
+    assert newer["problems"] == []
+    assert "jax 0.12.0 is newer than the newest tested (0.11.x); continuing" in newer["warnings"]
     versions.update({"jax-cuda13-plugin": None, "jax-cuda13-pjrt": None})
     assert preflight.check(folder, "gpu", None, None)["problems"][0].startswith("MISSING jax CUDA plugin")
 
@@ -171,7 +175,8 @@ def test_a_stale_preheat_wheel_is_rebuilt_and_a_step_that_does_not_fit_the_budge
     assert pre["preheat_wheel_rebuilt_from_tree"] and pre["problems"] == []
     table = (out / "summary.md").read_text()
     assert "| doctor | – | skipped (budget) |" in table
-    assert "everything | – | skipped (budget) |" in table and "| bench compare --quick (built-in model) | – | skipped: budget |" in table
+    assert "everything | – | skipped (budget) |" in table
+    assert "| bench compare --quick (built-in model) | – | skipped: budget |" in table
     assert proc.stdout.rstrip().endswith(table.strip())
     assert not (out / "doctor.json").exists() and json.loads((out / "models.json").read_text())[0]["runs"] == []
 

@@ -66,11 +66,13 @@ def test_installed_wheel_samples_from_a_clean_venv_without_network(wheel, tmp_pa
     venv = tmp_path / "venv"
     assert venv in module.parents and venv in builtin.parents  # the installed copy, not src/
     weights = builtin / "unet" / "diffusion_pytorch_model.safetensors"
-    assert _sha(weights.read_bytes()) == _sha((SRC / "assets/digits/unet/diffusion_pytorch_model.safetensors").read_bytes())
+    shipped = SRC / "assets" / "digits" / "unet" / "diffusion_pytorch_model.safetensors"
+    assert _sha(weights.read_bytes()) == _sha(shipped.read_bytes())
 
     out, report = tmp_path / "s.png", tmp_path / "r.json"
     sample = subprocess.run([str(venv / "bin" / "preheat"), "sample", "--n", "2", "--steps", "2", "--class", "3",
-                             "--out", str(out), "--save-images", str(tmp_path / "each"), "--report", str(report), "--quiet"],
+                             "--out", str(out), "--save-images", str(tmp_path / "each"), "--report", str(report),
+                             "--quiet"],
                             env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert sample.returncode == 0, sample.stderr[-2000:]
     r = json.loads(report.read_text())
