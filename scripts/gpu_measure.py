@@ -422,7 +422,7 @@ def _ceilings(matmul_n: int, copy_mib: int, repeats: int) -> dict[str, Any]:
 
 
 def steady_child(spec: dict[str, Any]) -> dict[str, Any]:
-    """(child) Ceilings first, then the model's steady state with its two numbers."""
+    """(child) The card's ceilings, then the model's steady state with its two numbers."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -431,8 +431,8 @@ def steady_child(spec: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
                            "backend": jax.default_backend()}
+    pipe = preheat.load(spec["folder"], dtype=spec["dtype"], cache="full")  # first: it configures JAX's cache
     out["ceilings"] = _ceilings(spec["matmul_n"], spec["copy_mib"], spec["ceiling_repeats"])
-    pipe = preheat.load(spec["folder"], dtype=spec["dtype"], cache="full")
     kw = dict(steps=spec["steps"], sampler=spec["sampler"], seed=0, **spec["generate_kwargs"])
     n = spec["n"]
     start = time.perf_counter()
