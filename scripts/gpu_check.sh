@@ -1,23 +1,77 @@
 #!/usr/bin/env bash
-# One short, prepared run for a lent GPU machine (see docs/gpu.md). Everything it measures lands in
-# $OUT (or ./gpu-results): doctor's JSON, the sampler bench, the cold-start bench, bench compare.
-# Usage on the device:  bash scripts/gpu_check.sh            (about 8 minutes on one H200)
+# The one prepared run for a lent GPU machine (docs/gpu.md): no network there, its own python3
+# (jax 0.11 + CUDA 13 plugin, torch, flax, ...), 15 minutes of device time for everything.
+#
+#   1. preflight (seconds): the wheel folder, every requirement, supported versions, the GPU;
+#      stops here, naming what is missing, before any device time goes to measuring
+#   2. installs the carried wheels (preheat + diffusers) with --no-deps --no-index into a
+#      private folder on PYTHONPATH: no registry is ever asked
+#   3. scripts/gpu_measure.py: doctor, cold start + steady state of the largest model, the
+#      executable round trip, bench compare --quick; JSON under $OUT, the table printed last
+#
+# On the GPU (through the device tool, .gpu-wheels carried):  bash scripts/gpu_check.sh
+# The CPU dry run (same script, CPU devices, tiny sizes):     GPU_CHECK_DRY=1 bash scripts/gpu_check.sh
+# Settings: OUT (default gpu-results), GPU_WHEELS_DIR (default .gpu-wheels), PYTHON (default
+# python3), GPU_CHECK_BUDGET_S (seconds for the whole run, install included; default 420 on the
+# GPU; 900 dry, where it only guards against a hang), GPU_CHECK_SKIP (models and/or compare,
+# comma-separated: a targeted rerun).
+# Exit status: 0 all steps ran; 1 a step failed or was skipped; 2 preflight or install failed.
 set -uo pipefail
+STARTED=$(date +%s.%N)
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+WHEELS=${GPU_WHEELS_DIR:-.gpu-wheels}
 OUT=${OUT:-gpu-results}
+if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
+  MODE=dry; BUDGET=${GPU_CHECK_BUDGET_S:-900}  # dry: only a guard against a hang
+  export JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=""
+else
+  MODE=gpu; BUDGET=${GPU_CHECK_BUDGET_S:-420}
+fi
 mkdir -p "$OUT"
-python3 -m venv .venv-gpu >/dev/null 2>&1 || true
-. .venv-gpu/bin/activate
-pip install -q --upgrade pip >/dev/null
-# Pick the JAX build the driver supports (what `preheat doctor` would tell you).
-driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1 | cut -d. -f1)
-extra=cuda12; [ "${driver:-0}" -ge 580 ] && extra=cuda13
-pip install -q -e ".[${extra},torch,bench,train]" 2>&1 | tail -2
-export PREHEAT_HOME="$PWD/.preheat-home"
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-preheat doctor --json > "$OUT/doctor.json"; echo "doctor exit $?" >> "$OUT/doctor.json.rc"
-preheat bench sampler --repeats 5 --json-out "$OUT/sampler-builtin.json" > "$OUT/sampler-builtin.md" 2>&1
-preheat bench sampler ddpm-cifar10-32 --steps 20 --repeats 5 --json-out "$OUT/sampler-cifar.json" > "$OUT/sampler-cifar.md" 2>&1
-preheat bench coldstart --n 8 --repeats 3 --json-out "$OUT/coldstart-builtin.json" --png-out "$OUT/coldstart-builtin.png" > "$OUT/coldstart-builtin.md" 2>&1
-preheat bench coldstart ddpm-cifar10-32 --n 8 --steps 20 --repeats 3 --json-out "$OUT/coldstart-cifar.json" --png-out "$OUT/coldstart-cifar.png" > "$OUT/coldstart-cifar.md" 2>&1
-preheat bench compare --quick --json-out "$OUT/compare-quick.json" --png-out "$OUT/compare-quick.png" > "$OUT/compare-quick.md" 2>&1 || true
-ls -la "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/preheat-gpu-check.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+# Never a registry: no index, no config files (they may name one), no find-links from the caller.
+unset PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CONSTRAINT PIP_REQUIREMENT
+export PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+echo "gpu_check: mode $MODE, $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>&1), wheels $WHEELS, out $OUT"
+
+# 1. preflight
+"$PY" scripts/gpu_preflight.py --wheels "$WHEELS" --mode "$MODE" --src src/preheat \
+  --json "$OUT/preflight.json" --install-list "$WORK/install.txt"
+rc=$?
+if [ $rc = 3 ]; then  # preheat's wheel does not match this tree: build it here, offline, and check again
+  mkdir -p "$WORK/tree" "$WORK/wheel"
+  cp pyproject.toml README.md "$WORK/tree/" && cp -r src "$WORK/tree/src"
+  if ! "$PY" -m pip wheel -q --no-deps --no-build-isolation --no-index -w "$WORK/wheel" "$WORK/tree" \
+      >"$WORK/build.log" 2>&1; then
+    tail -5 "$WORK/build.log"
+    echo "gpu_check: STOP: preheat's wheel is stale and cannot be rebuilt here; rerun scripts/gpu_wheels.sh"
+    exit 2
+  fi
+  "$PY" scripts/gpu_preflight.py --wheels "$WHEELS" --mode "$MODE" --preheat-wheel "$WORK"/wheel/preheat-*.whl \
+    --json "$OUT/preflight.json" --install-list "$WORK/install.txt"
+  rc=$?
+fi
+if [ $rc != 0 ]; then
+  echo "gpu_check: STOP after $(awk "BEGIN {print int($(date +%s.%N) - $STARTED)}") s: the preflight above names what is missing"
+  exit 2
+fi
+
+# 2. the offline install, into a private folder (nothing of the machine's own environment changes)
+SITE="$WORK/site"
+mapfile -t INSTALL < "$WORK/install.txt"
+if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${INSTALL[@]}"; then
+  echo "gpu_check: STOP: the offline install failed"
+  exit 2
+fi
+export PYTHONPATH="$SITE"
+if ! "$PY" -c "import preheat, sys; sys.exit(0 if preheat.__file__.startswith('$SITE') else 1)"; then
+  echo "gpu_check: STOP: preheat is not imported from the carried wheel ($SITE)"
+  exit 2
+fi
+
+# 3. the measurements (the table comes last)
+"$PY" scripts/gpu_measure.py run --out "$OUT" --mode "$MODE" --budget "$BUDGET" --started-at "$STARTED"

@@ -1,0 +1,222 @@
+"""scripts/gpu_check.sh cannot rot between GPU draws: its dry run (same script, CPU devices, tiny
+sizes) passes in a clean venv that looks like the GPU machine (this environment's packages minus
+preheat, diffusers and FastAPI) with installs from the network off; its preflight stops with one
+line naming what is missing; and its FLOP count agrees with XLA's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.clean_env import clean_venv, offline_env
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+# What the GPU image lacks (docs/gpu.md): preheat and diffusers are carried as wheels.
+NOT_ON_GPU = {"preheat", "diffusers", "fastapi", "importlib-metadata", "lazy-importer"}
+
+
+def _load(name: str):
+    if f"scripts.{name}" in sys.modules:
+        return sys.modules[f"scripts.{name}"]
+    spec = importlib.util.spec_from_file_location(f"scripts.{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up while the class is built)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_wheel(folder: Path, name: str, version: str, requires: list[str],
+                files: dict[str, bytes] | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{name}-{version}.dist-info/METADATA", meta)
+        for n, data in (files or {}).items():
+            zf.writestr(n, data)
+    return path
+
+
+def test_matrix_flops_match_xla_cost_analysis():
+    """Valid (unpadded) convolutions, grouped and strided, and batched matmuls, also inside a
+    nested jit: the count is exact against XLA's own cost analysis of each."""
+    import jax
+    import jax.numpy as jnp
+
+    measure = _load("gpu_measure")
+    rng = np.random.default_rng(0)  # (numpy inputs: nothing here compiles)
+    x = rng.standard_normal((2, 11, 9, 8), np.float32)
+    k = rng.standard_normal((3, 3, 8, 12), np.float32)
+    kg = rng.standard_normal((3, 2, 2, 8), np.float32)  # 4 groups of 2 input channels
+    a, b = rng.standard_normal((3, 5, 6), np.float32), rng.standard_normal((3, 6, 7), np.float32)
+    dn = ("NHWC", "HWIO", "NHWC")
+    cases = [
+        lambda: jax.lax.conv_general_dilated(x, k, (1, 1), "VALID", dimension_numbers=dn),
+        lambda: jax.lax.conv_general_dilated(x, kg, (2, 1), "VALID", dimension_numbers=dn, feature_group_count=4),
+        lambda: jnp.einsum("bij,bjk->bik", a, b),
+    ]
+    total = 0
+    for fn in cases:
+        ours = measure.matrix_flops(jax.make_jaxpr(fn)().jaxpr)
+        assert ours == jax.jit(fn).lower().cost_analysis()["flops"] > 0
+        total += ours
+    nested = jax.jit(lambda: [jax.jit(fn)() for fn in cases])
+    assert measure.matrix_flops(jax.make_jaxpr(nested)().jaxpr) == total
+
+
+def test_preflight_names_what_is_missing_and_a_stale_wheel(tmp_path):
+    preflight = _load("gpu_preflight")
+    src = tmp_path / "src" / "preheat"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_bytes(b"x = 1\n")
+    folder = tmp_path / "wheels"
+    _fake_wheel(folder, "preheat", "0.1.0", ["numpy>=1", 'torch>=2.7; extra == "torch"', 'fastapi; extra == "serve"'],
+                {"preheat/__init__.py": b"x = 1\n"})
+    _fake_wheel(folder, "diffusers", "0.42.1", ["numpy", "importlib_metadata", "no-such-package-here>=1"])
+
+    report = preflight.check(folder, "dry", src, None)
+    assert report["problems"] == ["MISSING no-such-package-here (required by diffusers: no-such-package-here>=1); "
+                                  "add it to CARRIED in scripts/gpu_wheels.sh and scripts/gpu_preflight.py"]
+    assert report["stale_preheat_files"] == []
+    assert "torch" in report["requirements"] and "fastapi" not in report["requirements"]  # extras torch, bench only
+    assert report["requirements"]["importlib-metadata"]["status"].startswith("not imported")
+
+    (src / "__init__.py").write_bytes(b"x = 2\n")
+    (src / "new.py").write_bytes(b"")
+    assert preflight.check(folder, "dry", src, None)["stale_preheat_files"] == ["__init__.py", "new.py"]
+
+    _fake_wheel(folder, "diffusers", "0.41.0", ["numpy"])
+    problems = preflight.check(folder, "dry", src, None)["problems"]
+    assert any(p.startswith("DUPLICATE wheels for diffusers") for p in problems)
+
+    gpu = preflight.check(tmp_path / "no-wheels", "gpu", src, None)
+    assert gpu["problems"][0].startswith("MISSING wheel folder")
+
+
+def test_preflight_on_a_gpu_machine_wants_a_matching_cuda_plugin_and_nvidia_smi(tmp_path, monkeypatch):
+    preflight = _load("gpu_preflight")
+    folder = tmp_path / "wheels"
+    _fake_wheel(folder, "preheat", "0.1.0", ["numpy>=1"])
+    _fake_wheel(folder, "diffusers", "0.42.1", ["numpy"])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 580.159.04, 143771 MiB, 9.0'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    real = preflight._installed
+    versions = {"jax": "0.11.2", "jaxlib": "0.11.2", "jax-cuda13-plugin": "0.11.1", "jax-cuda13-pjrt": "0.11.2",
+                "jax-cuda12-plugin": None, "jax-cuda12-pjrt": None}  # the GPU image's, whatever is here
+    monkeypatch.setattr(preflight, "_installed", lambda name: versions[name] if name in versions else real(name))
+
+    report = preflight.check(folder, "gpu", None, None)
+    assert report["problems"] == [
+        "UNSUPPORTED jax-cuda13-plugin 0.11.1 with jaxlib 0.11.2: they must be the same version"]
+    assert report["gpus"] == ["NVIDIA H200, 580.159.04, 143771 MiB, 9.0"]
+    assert not any("jax" in w for w in report["warnings"])  # 0.11 is a tested version
+
+    versions["jax-cuda13-plugin"] = "0.11.2"
+    assert preflight.check(folder, "gpu", None, None)["problems"] == []
+    versions.update({"jax": "0.12.0", "jaxlib": "0.12.0", "jax-cuda13-plugin": "0.12.0", "jax-cuda13-pjrt": "0.12.0"})
+    newer = preflight.check(folder, "gpu", None, None)
+    assert newer["problems"] == []
+    assert "jax 0.12.0 is newer than the newest tested (0.11.x); continuing" in newer["warnings"]
+    versions.update({"jax-cuda13-plugin": None, "jax-cuda13-pjrt": None})
+    assert preflight.check(folder, "gpu", None, None)["problems"][0].startswith("MISSING jax CUDA plugin")
+
+
+def test_gpu_check_stops_at_the_preflight_without_measuring(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh")], capture_output=True, text=True, timeout=120,
+                          env=offline_env(PYTHON=sys.executable, OUT=str(out), GPU_WHEELS_DIR=str(tmp_path / "none")))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"MISSING wheel folder {tmp_path / 'none'}" in proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("gpu_check: STOP after")
+    assert not (out / "doctor.json").exists()  # nothing was measured
+
+
+@pytest.fixture(scope="module")
+def env_wheels(tmp_path_factory) -> Path:
+    """The wheel folder, filled offline from this environment (the GPU run downloads diffusers)."""
+    wheels = tmp_path_factory.mktemp("gpu-wheels") / "wheels"
+    fill = subprocess.run(["bash", str(SCRIPTS / "gpu_wheels.sh")], capture_output=True, text=True, timeout=300,
+                          env=offline_env(PYTHON=sys.executable, GPU_WHEELS_FROM_ENV="1", GPU_WHEELS_DIR=str(wheels)))
+    assert fill.returncode == 0, fill.stderr[-3000:]
+    assert sorted(p.name.split("-")[0] for p in wheels.glob("*.whl")) == ["diffusers", "preheat"]
+    return wheels
+
+
+def test_a_stale_preheat_wheel_is_rebuilt_and_a_step_that_does_not_fit_the_budget_is_skipped(env_wheels, tmp_path):
+    wheels = tmp_path / "wheels"
+    shutil.copytree(env_wheels, wheels)
+    (old,) = wheels.glob("preheat-*.whl")
+    with zipfile.ZipFile(env_wheels / old.name) as zin, zipfile.ZipFile(old, "w") as zout:
+        for info in zin.infolist():  # a wheel built before the last change to the tree
+            data = zin.read(info.filename)
+            zout.writestr(info, data + b"# older\n" if info.filename == "preheat/engine.py" else data)
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh")], capture_output=True, text=True, timeout=300,
+                          env=offline_env(PYTHON=sys.executable, OUT=str(out), GPU_WHEELS_DIR=str(wheels),
+                                          GPU_CHECK_DRY="1", GPU_CHECK_BUDGET_S="1", TMPDIR=str(tmp_path)))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "STALE preheat wheel: 1 file(s) differ from src/preheat (first: engine.py)" in proc.stdout
+    pre = json.loads((out / "preflight.json").read_text())
+    assert pre["preheat_wheel_rebuilt_from_tree"] and pre["problems"] == []
+    table = (out / "summary.md").read_text()
+    assert "| doctor | – | skipped (budget) |" in table
+    assert "everything | – | skipped (budget) |" in table
+    assert "| bench compare --quick (built-in model) | – | skipped: budget |" in table
+    assert proc.stdout.rstrip().endswith(table.strip())
+    assert not (out / "doctor.json").exists() and json.loads((out / "models.json").read_text())[0]["runs"] == []
+
+
+@pytest.mark.slow
+def test_dry_run_in_a_clean_venv_without_network(env_wheels, tmp_path):
+    python = clean_venv(tmp_path, exclude=NOT_ON_GPU)
+    for module in ("diffusers", "preheat"):  # the GPU machine's situation: carried, not installed
+        assert subprocess.run([str(python), "-c", f"import {module}"], capture_output=True,
+                              env=offline_env(), timeout=120).returncode != 0
+
+    out = tmp_path / "out"
+    env = offline_env(PYTHON=str(python), OUT=str(out), GPU_WHEELS_DIR=str(env_wheels), GPU_CHECK_DRY="1",
+                      PREHEAT_HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path))
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh")], capture_output=True, text=True, timeout=900,
+                          env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+
+    files = sorted(out.iterdir())
+    assert [f.name for f in files] == ["compare.json", "doctor.json", "log.txt", "models.json", "preflight.json",
+                                       "summary.md"]
+    assert all(f.stat().st_size < 16 * 2**20 for f in files)
+    summary = (out / "summary.md").read_text().strip()
+    assert proc.stdout.rstrip().endswith(summary)  # the table comes last
+
+    pre = json.loads((out / "preflight.json").read_text())
+    assert pre["executable"] == str(python)  # the clean venv's interpreter, not this environment's
+    assert pre["problems"] == [] and set(pre["wheels"]) == {"preheat", "diffusers"}
+    assert {"numpy", "torch", "jax", "huggingface-hub"} <= set(pre["requirements"])
+
+    assert json.loads((out / "doctor.json").read_text())["summary"]["fail"] == 0
+    (model,) = json.loads((out / "models.json").read_text())
+    assert {name: row["layers"] for name, row in model["rows"].items()} == {
+        "empty": ["none"], "full warm": ["aot"], "xla only": ["xla"]}
+    assert model["executable_roundtrip"]["layer"] == "aot"
+    assert model["executable_roundtrip"]["pixels_vs_compiled_run"]["identical"]  # same program, same bits
+    steady = model["steady"]
+    assert steady["first_call_layer"] == "aot" and steady["images_per_s"] > 0
+    assert steady["matrix_flops_per_call"] > 0 and 0 < steady["matrix_fraction_of_peak"]
+    compare = json.loads((out / "compare.json").read_text())
+    assert set(compare["paths"]) == {"jax", "torch-eager"}  # torch-eager needs the carried diffusers
+    assert all(not p["errors"] and p["steady"] for p in compare["paths"].values())
+    assert not any(p.name.startswith("preheat-gpu") for p in tmp_path.iterdir())  # work folders removed
