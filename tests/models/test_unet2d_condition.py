@@ -29,14 +29,15 @@ def _torch_model(path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """kind -> (folder, torch model), built once per module."""
+    """(kind, overrides) -> (folder, torch model), built once per module."""
     built = {}
 
-    def get(kind):
-        if kind not in built:
-            path = save_tiny_unet_condition(tmp_path_factory.mktemp(kind), kind)
-            built[kind] = (path, _torch_model(path))
-        return built[kind]
+    def get(kind, **overrides):
+        key = (kind, json.dumps(overrides, sort_keys=True))
+        if key not in built:
+            path = save_tiny_unet_condition(tmp_path_factory.mktemp(kind), kind, **overrides)
+            built[key] = (path, _torch_model(path))
+        return built[key]
 
     return get
 
@@ -46,16 +47,28 @@ def _max_err(a, b):
     return float(np.abs(a - b).max())
 
 
-@pytest.mark.parametrize("kind", ["sd1", "sd2", "sdxl"])
-def test_matches_diffusers_fp32(tiny, kind):
-    """SD 1.x (conv projection, int heads), SD 2.x (linear, list heads, upcast), SDXL (text_time, [1, 2] layers)."""
-    path, model = tiny(kind)
+# (id, kind, config overrides): the three families, then every other supported option once.
+CASES = [
+    ("sd1", "sd1", {}),  # conv projection, attention_head_dim an int
+    ("sd2", "sd2", {}),  # linear projection, attention_head_dim a list, upcast attention
+    ("sdxl", "sdxl", {}),  # DownBlock2D first, text_time, transformer_layers_per_block [1, 2]
+    ("sd1-options", "sd1", dict(center_input_sample=True, downsample_padding=0, freq_shift=1, flip_sin_to_cos=False,
+                                time_embedding_dim=96, norm_eps=1e-6, layers_per_block=[1, 2],
+                                mid_block_scale_factor=1.41421356)),
+    ("sd2-no-mid", "sd2", dict(mid_block_type=None, act_fn="swish", upcast_attention=False,
+                               transformer_layers_per_block=2)),
+]
+
+
+@pytest.mark.parametrize("name,kind,overrides", CASES, ids=[c[0] for c in CASES])
+def test_matches_diffusers_fp32(tiny, name, kind, overrides):
+    path, model = tiny(kind, **overrides)
     unet = load_unet_condition(path)
-    config = tiny_config(kind)
+    config = tiny_config(kind, **overrides)
     inputs = tiny_inputs(config, batch=2, seed=0)
     ref = torch_output(model, inputs)
     err = _max_err(jax_output(unet, inputs, jit=False), ref)
-    assert err <= FP32_TOL, f"{kind}: max abs error {err:.3g} > {FP32_TOL}"
+    assert err <= FP32_TOL, f"{name}: max abs error {err:.3g} > {FP32_TOL}"
     assert np.abs(ref).max() > 0.5  # a real signal, not a near-zero output that any bug would match
 
 
@@ -245,7 +258,8 @@ def _one_line(exc: BaseException) -> str:
     ({"encoder_hid_dim": 64}, "encoder_hid_dim"),
     ({"dual_cross_attention": True}, "dual_cross_attention"),
     ({"cross_attention_dim": [32, 32]}, "cross_attention_dim"),
-    ({"attention_head_dim": [2, 4, 8]}, "num_attention_heads has 3 entries"),
+    ({"attention_head_dim": [2, 4, 8]}, "attention_head_dim has 3 entries but down_block_types has 2"),
+    ({"num_attention_heads": [2, 4, 8]}, "num_attention_heads has 3 entries"),
     ({"transformer_layers_per_block": [[1], [2]]}, "transformer_layers_per_block entry"),
     ({"addition_embed_type": "text_time"}, "addition_time_embed_dim"),
     ({"some_future_option": 1}, "some_future_option"),

@@ -179,7 +179,9 @@ class UNet2DConditionConfig:
     @property
     def heads(self) -> tuple[int, ...]:
         """Attention heads per down block: ``num_attention_heads or attention_head_dim`` (diffusers)."""
-        return self._per_block("num_attention_heads", self.num_attention_heads or self.attention_head_dim)
+        if self.num_attention_heads:
+            return self._per_block("num_attention_heads", self.num_attention_heads)
+        return self._per_block("attention_head_dim", self.attention_head_dim)
 
     @property
     def layers(self) -> tuple[int, ...]:
