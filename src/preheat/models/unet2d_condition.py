@@ -575,24 +575,9 @@ def read_unet_condition_config(unet_dir: Path) -> UNet2DConditionConfig:
     return UNet2DConditionConfig.from_dict(raw)
 
 
-class _OneKey:
-    """Stands in for ``nnx.Rngs`` in an abstract build: the same key for every initialiser.
-
-    ``nnx.Rngs`` bumps a counter Variable per draw, and under ``eval_shape`` each bump costs time
-    linear in the program traced so far (flax's sharding check on a tracer): quadratic in the
-    tensor count, about a minute for SDXL's 1,680 tensors. Values are never computed here.
-    """
-
-    def __init__(self) -> None:
-        self.key = jax.random.key(0)
-
-    def params(self) -> Array:
-        return self.key
-
-
 def build_abstract(config: UNet2DConditionConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory."""
-    return weights.build_abstract(lambda _rngs: UNet2DConditionModel(config, rngs=_OneKey()))  # type: ignore[arg-type]
+    return weights.build_abstract(lambda rngs: UNet2DConditionModel(config, rngs=rngs))
 
 
 def check_text_conditioning(config: UNet2DConditionConfig, context_width: int, pooled_width: int | None = None,
