@@ -82,13 +82,15 @@ DDPM_256_TINY = {**DDPM_256, "sample_size": 16, "layers_per_block": 1, "block_ou
                  "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],
                  "up_block_types": ["AttnUpBlock2D", "UpBlock2D"]}
 
+_PROMPT = "a watercolor fox in a forest"
 MODELS = [
+    # SD 1.5 at its real resolution: the full-size architecture with random weights
+    # (preheat.bench.random_models, written by torch + diffusers + transformers), bf16 UNet.
+    Model("sd15-512", "sd15-random", n=4, steps=20, sampler="dpmpp_2m",
+          sample_args=("--prompt", _PROMPT, "--width", "512", "--height", "512"),
+          generate_kwargs={"prompt": _PROMPT, "width": 512, "height": 512}),
     Model("ddpm-256", DDPM_256, n=8, steps=20),
-    # ---- TEXT-TO-IMAGE: add one line each once preheat loads them (random weights through
-    # preheat.bench.common.ARCHITECTURES; real resolution), e.g.
-    #   Model("sd15-512", "sd15-512", n=4, steps=20, sample_args=(...a prompt...), generate_kwargs={...}),
-    #   Model("sdxl-1024", "sdxl-1024", n=2, steps=20, sample_args=(...), generate_kwargs={...}),
-    # Nothing of SD 1.5 / SDXL is measured until those lines exist.
+    # SDXL at 1024x1024 needs a random-weight SDXL writer in preheat.bench.random_models first.
 ]
 DRY_MODELS = [Model("ddpm-256-tiny", DDPM_256_TINY, n=2, steps=2)]
 

@@ -37,7 +37,7 @@ find "$BUILD/tree" -name __pycache__ -prune -exec rm -rf {} +
 if ! PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation --no-index \
     -w "$DEST" "$BUILD/tree" >"$BUILD/log" 2>&1; then  # (setuptools' deprecation notices only on failure)
   cat "$BUILD/log" >&2
-  echo "gpu_wheels: building preheat's wheel failed (it needs setuptools >= 68 in $PYTHON's environment)" >&2
+  echo "gpu_wheels: building preheat's wheel failed (it needs setuptools >= 77 in $PYTHON's environment)" >&2
   exit 2
 fi
 

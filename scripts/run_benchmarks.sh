@@ -11,3 +11,14 @@ $B bench coldstart --n 8 --repeats 3 --json-out $D/coldstart-builtin.json --png-
 $B bench coldstart ddpm-cifar10-32 --n 1 --steps 10 --repeats 3 --json-out $D/coldstart-cifar.json --png-out $D/coldstart-cifar.png | tee $D/coldstart-cifar.md
 $B bench coldstart --n 8 --repeats 3 --cache-url "$(mktemp -d)/fleet" --json-out $D/coldstart-remote.json | tee $D/coldstart-remote.md
 $B bench serve --requests 256 --concurrency 32 --json $D/serve-builtin.json | tee $D/serve-builtin.md
+
+# Text-to-image (issue 12): the full-size SD 1.5 architecture with random weights, 256x256, fp32 on
+# the CPU, a few steps. The folder (about 4 GB) is written once by preheat.bench.random_models.
+SD15=${SD15:-.bench-models/sd15-random}
+[ -f "$SD15/model_index.json" ] || .venv/bin/python -c "import sys; from pathlib import Path; \
+from preheat.bench.random_models import save_random_sd15; save_random_sd15(Path(sys.argv[1]))" "$SD15"
+T2I=(--prompt "a watercolor fox" --width 256 --height 256)
+$B bench coldstart "$SD15" --n 1 --steps 2 --repeats 1 "${T2I[@]}" --json-out $D/coldstart-sd15.json --png-out $D/coldstart-sd15.png | tee $D/coldstart-sd15.md
+$B bench sampler "$SD15" --batch 1 --steps 2 --repeats 2 --width 256 --height 256 --json-out $D/sampler-sd15.json | tee $D/sampler-sd15.md
+$B bench compare "$SD15" --quick --paths jax,torch-eager,torch-inductor --steps 2 --batch 1 --batch-sizes 1 --sampler ddim \
+  "${T2I[@]}" --json-out $D/compare-sd15.json --png-out $D/compare-sd15.png | tee $D/compare-sd15.md

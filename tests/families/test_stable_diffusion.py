@@ -60,14 +60,27 @@ def test_matches_diffusers_from_the_same_latents(folders, pipes, kind, sampler, 
 
 def test_prompt_guidance_steps_seed_and_negatives_are_data(pipes):
     """One denoising program serves every prompt, guidance scale, step count, seed and negative prompt."""
-    pipe = pipes["sd1"]
+    import dataclasses
+
+    pipe = dataclasses.replace(pipes["sd1"], _executables={})  # a fresh program table
+    traces = []
+    apply = pipe.apply
+
+    def counting(*args):
+        traces.append(1)  # runs only while JAX traces the denoiser
+        return apply(*args)
+
+    pipe.apply = counting
     first = pipe.generate("a photo of a cat", steps=2, guidance=7.5, seed=0)
+    assert len(traces) >= 1
+    traced = len(traces)
     traced_before = len(pipe._executables)
     outs = [
         pipe.generate("a red fox", steps=2, guidance=7.5, seed=0),
         pipe.generate("a photo of a cat", steps=5, guidance=3.0, seed=0),
         pipe.generate("a photo of a cat", negative_prompt="blurry", steps=2, guidance=7.5, seed=9),
     ]
+    assert len(traces) == traced  # no retrace
     assert len(pipe._executables) == traced_before  # nothing new compiled
     assert pipe.last.cache_layer == "memory"
     assert all(not np.array_equal(first, o) for o in outs)  # and each input really changed the image
