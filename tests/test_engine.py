@@ -79,6 +79,30 @@ def test_from_denoiser_matches_the_loaded_pipeline(tmp_path, pipe):
     assert np.array_equal(own_nchw.generate(2, **kwargs), ref.generate(2, **kwargs))
 
 
+def test_from_denoiser_cache_key_follows_the_code_not_the_name(pipe):
+    """Two denoisers with one qualified name but different bodies never share an executable."""
+    from preheat.cache.compile import key_fields, key_of
+
+    params = {"w": jnp.ones((1,), jnp.float32)}
+
+    def make(scale: float):
+        def denoise(p, x, t, y):
+            return x * p["w"] * scale
+
+        return denoise
+
+    a = preheat.Pipeline.from_denoiser(make(0.5), params, (4, 4, 1), pipe.scheduler_config)
+    b = preheat.Pipeline.from_denoiser(make(0.25), params, (4, 4, 1), pipe.scheduler_config)
+    same = preheat.Pipeline.from_denoiser(make(0.5), params, (4, 4, 1), pipe.scheduler_config)
+    assert a.fingerprint["name"] == b.fingerprint["name"]  # same qualified name...
+    keys = []
+    for p in (a, b, same):
+        sig, args = p.prepare(1, steps=2, sampler="ddim")
+        keys.append(key_of(key_fields(p.fingerprint, sig, args)))
+    assert keys[0] != keys[1]  # ...different code: different keys
+    assert keys[0] == keys[2]  # the same code: the same key
+
+
 @pytest.mark.parametrize("kwargs,error,needle", [
     (dict(n=0), InvalidArgumentError, "n=0 must be a positive int"),
     (dict(sampler="plms"), SchedulerConfigError, "unknown sampler 'plms'; supported: ddpm, ddim"),

@@ -95,7 +95,7 @@ def load_pixel(root: Any, *, scheduler: Any = None, dtype: Any = "float32", comp
     import jax.numpy as jnp
 
     from preheat.engine import Pipeline, find_scheduler, scheduler_config_of
-    from preheat.models.folders import image_size, pipeline_extras
+    from preheat.models.folders import class_count, image_size, pipeline_extras
     from preheat.models.loading import load_unet, resolve_unet_dir
 
     unet_dir = resolve_unet_dir(root)
@@ -105,9 +105,7 @@ def load_pixel(root: Any, *, scheduler: Any = None, dtype: Any = "float32", comp
     extra = pipeline_extras(root)
     h, w = image_size(cfg.sample_size, unet_dir)
     null_class = extra.get("null_class")
-    num_classes = None
-    if cfg.num_class_embeds is not None and cfg.class_embed_type is None:
-        num_classes = cfg.num_class_embeds - (1 if null_class is not None else 0)
+    num_classes = class_count(cfg.num_class_embeds, cfg.class_embed_type, null_class)
     fingerprint = {"kind": "unet2d", "config": cfg.architecture_dict(), "sample_size": [h, w]}
 
     def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:

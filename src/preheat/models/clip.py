@@ -39,7 +39,7 @@ from flax import nnx
 
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
 from preheat.models import weights
-from preheat.models.unet2d import Embedding, Linear
+from preheat.models.unet2d import Embedding, LayerNorm, Linear
 from preheat.models.weights import TRANSFORMERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
 
 __all__ = [
@@ -166,24 +166,6 @@ def _activation(name: str) -> Callable[[Array], Array]:
         "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
         "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     }[name]
-
-
-class LayerNorm(nnx.Module):
-    """LayerNorm over the last axis; statistics in float32 whatever the activation dtype (as torch)."""
-
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,)))
-        self.bias = nnx.Param(jnp.zeros((dim,)))
-        self.eps = eps
-
-    def __call__(self, x: Array) -> Array:  # (..., D) -> (..., D)
-        h = x.astype(jnp.float32)
-        mean = h.mean(axis=-1, keepdims=True)
-        var = jnp.square(h - mean).mean(axis=-1, keepdims=True)
-        h = (h - mean) * jax.lax.rsqrt(var + self.eps)
-        shape = (1,) * (x.ndim - 1) + self.scale.shape
-        y = h * self.scale[...].astype(jnp.float32).reshape(shape) + self.bias[...].astype(jnp.float32).reshape(shape)
-        return y.astype(x.dtype)
 
 
 class _LinearNoBias(nnx.Module):

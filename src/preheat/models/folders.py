@@ -8,7 +8,7 @@ from typing import Any
 
 from preheat.errors import InvalidArgumentError, ModelNotFoundError
 
-__all__ = ["resolve_unet_dir", "pipeline_extras", "image_size"]
+__all__ = ["resolve_unet_dir", "pipeline_extras", "image_size", "class_count"]
 
 
 def resolve_unet_dir(path: str | Path) -> Path:
@@ -38,3 +38,11 @@ def image_size(sample_size: Any, unet_dir: Path) -> tuple[int, int]:
     if sample_size is None:
         raise InvalidArgumentError(f"{unet_dir / 'config.json'} has no sample_size; preheat needs the image size")
     return (sample_size, sample_size) if isinstance(sample_size, int) else tuple(sample_size)
+
+
+def class_count(num_class_embeds: Any, class_embed_type: Any, null_class: Any) -> int | None:
+    """Real classes of a UNet with an embedding table (``num_class_embeds``), less preheat's null
+    class when ``model_index.json`` names one; None for other UNets."""
+    if num_class_embeds is None or class_embed_type is not None:
+        return None
+    return int(num_class_embeds) - (1 if null_class is not None else 0)

@@ -26,7 +26,7 @@ from flax import nnx
 
 from preheat.errors import UnsupportedConfigError
 
-__all__ = ["UNet2DConfig", "UNet2DModel", "SUPPORTED"]
+__all__ = ["UNet2DConfig", "UNet2DModel", "SUPPORTED", "LayerNorm", "JsonConfig"]
 
 Array = jax.Array
 
@@ -47,8 +47,19 @@ SUPPORTED: dict[str, tuple[Any, ...]] = {
 _IGNORED_KEYS = {"sample_size", "dropout", "num_train_timesteps"}
 
 
+class JsonConfig:
+    """Mixin for config dataclasses: ``to_dict`` gives diffusers' JSON shape (tuples as lists)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            out[f.name] = [list(v) if isinstance(v, tuple) else v for v in value] if isinstance(value, tuple) else value
+        return out
+
+
 @dataclass(frozen=True)
-class UNet2DConfig:
+class UNet2DConfig(JsonConfig):
     """The architecture, parsed from diffusers' ``config.json`` (same names, same defaults)."""
 
     sample_size: int | tuple[int, int] | None = None  # native resolution; not needed for the math
@@ -97,13 +108,6 @@ class UNet2DConfig:
         config = cls(**values)
         config.validate()
         return config
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = list(value) if isinstance(value, tuple) else value
-        return out
 
     def architecture_dict(self) -> dict[str, Any]:
         """The fields that change the program (for cache keys): everything but bookkeeping."""
@@ -222,6 +226,23 @@ class GroupNorm(nnx.Module):
         var = jnp.square(xg - mean).mean(axis=(1, 3), keepdims=True)
         xg = (xg - mean) * jax.lax.rsqrt(var + self.eps)
         y = xg.reshape(shape) * _lift(self.scale[...], len(shape)) + _lift(self.bias[...], len(shape))
+        return y.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """torch's ``nn.LayerNorm`` over the last axis; statistics in float32 whatever the activation dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,)))
+        self.bias = nnx.Param(jnp.zeros((dim,)))
+        self.eps = eps
+
+    def __call__(self, x: Array) -> Array:  # (..., D) -> (..., D)
+        h = x.astype(jnp.float32)
+        mean = h.mean(axis=-1, keepdims=True)
+        var = jnp.square(h - mean).mean(axis=-1, keepdims=True)
+        h = (h - mean) * jax.lax.rsqrt(var + self.eps)
+        y = h * _lift(self.scale[...].astype(jnp.float32), h.ndim) + _lift(self.bias[...].astype(jnp.float32), h.ndim)
         return y.astype(x.dtype)
 
 

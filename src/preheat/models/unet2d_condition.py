@@ -28,8 +28,8 @@ from flax import nnx
 from preheat.errors import InvalidArgumentError, ModelFormatError, UnsupportedConfigError
 from preheat.models import weights
 from preheat.models.folders import resolve_unet_dir
-from preheat.models.unet2d import (Conv2d, Downsample2D, GroupNorm, Linear, ResnetBlock2D, TimestepEmbedding,
-                                   Upsample2D, _activation, _lift, sinusoidal_embedding)
+from preheat.models.unet2d import (Conv2d, Downsample2D, GroupNorm, JsonConfig, LayerNorm, Linear, ResnetBlock2D,
+                                   TimestepEmbedding, Upsample2D, _activation, _lift, sinusoidal_embedding)
 from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
 
 __all__ = [
@@ -85,7 +85,7 @@ _SEQUENCES = ("down_block_types", "up_block_types", "block_out_channels", "layer
 
 
 @dataclass(frozen=True)
-class UNet2DConditionConfig:
+class UNet2DConditionConfig(JsonConfig):
     """The architecture, parsed from diffusers' ``config.json`` (same names, same defaults)."""
 
     sample_size: int | tuple[int, int] | None = None  # native latent size; not needed for the math
@@ -153,13 +153,6 @@ class UNet2DConditionConfig:
         config = cls(**values)
         config.validate()
         return config
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = list(value) if isinstance(value, tuple) else value
-        return out
 
     def architecture_dict(self) -> dict[str, Any]:
         """The fields that change the program (for cache keys): everything but bookkeeping."""
@@ -254,23 +247,6 @@ class UNet2DConditionConfig:
 
 # ----------------------------------------------------------------------------------------------
 # Transformer layers
-
-
-class LayerNorm(nnx.Module):
-    """torch's ``nn.LayerNorm`` over the last axis; statistics in float32."""
-
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,)))
-        self.bias = nnx.Param(jnp.zeros((dim,)))
-        self.eps = eps
-
-    def __call__(self, x: Array) -> Array:  # (..., C) -> (..., C)
-        xf = x.astype(jnp.float32)
-        mean = xf.mean(axis=-1, keepdims=True)
-        var = jnp.square(xf - mean).mean(axis=-1, keepdims=True)
-        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
-        y = y * _lift(self.scale[...].astype(jnp.float32), y.ndim) + _lift(self.bias[...].astype(jnp.float32), y.ndim)
-        return y.astype(x.dtype)
 
 
 class CrossAttention(nnx.Module):

@@ -41,7 +41,7 @@ from flax import nnx
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
 from preheat.models import weights
 from preheat.models.loading import legacy_unet_key
-from preheat.models.unet2d import (Conv2d, DownBlock, GroupNorm, MidBlock, ResnetBlock2D, Upsample2D, _BlockSpec,
+from preheat.models.unet2d import (Conv2d, DownBlock, GroupNorm, JsonConfig, MidBlock, ResnetBlock2D, Upsample2D, _BlockSpec,
                                    _lift)
 from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
 
@@ -65,7 +65,7 @@ _LOGVAR_RANGE = (-30.0, 20.0)  # DiagonalGaussianDistribution clamps logvar to t
 
 
 @dataclass(frozen=True)
-class AutoencoderKLConfig:
+class AutoencoderKLConfig(JsonConfig):
     """The architecture and latent statistics, parsed from diffusers' ``config.json`` (same names, same defaults)."""
 
     in_channels: int = 3
@@ -104,13 +104,6 @@ class AutoencoderKLConfig:
         config = cls(**values)
         config.validate()
         return config
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = list(value) if isinstance(value, tuple) else value
-        return out
 
     def architecture_dict(self) -> dict[str, Any]:
         """The fields that change the program (for cache keys): not the latent statistics, which are data."""

@@ -48,7 +48,7 @@ from preheat.backends.torch.sampling import make_scheduler, sample_loop
 from preheat.engine import BUILTIN_MODEL, Pipeline, find_scheduler, scheduler_config_of
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families.pixel import PIXEL
-from preheat.models.folders import image_size, pipeline_extras, resolve_unet_dir
+from preheat.models.folders import class_count, image_size, pipeline_extras, resolve_unet_dir
 from preheat.models.weights import read_json
 from preheat.noise import initial_noise
 from preheat.samplers import SchedulerConfig
@@ -100,8 +100,22 @@ class _Denoiser:
 # The pipeline
 
 
+class EngineArguments:
+    """The JAX Pipeline's argument handling, shared rather than copied by both torch pipelines:
+    the same checks, the same defaults, the same one-line errors."""
+
+    __call__ = Pipeline.__call__
+    __post_init__ = Pipeline.__post_init__
+    validate = Pipeline.validate
+    check = Pipeline.check
+    class_index = Pipeline.class_index
+    _guidance = Pipeline._guidance
+    is_guided = Pipeline.is_guided
+    _noise = Pipeline._noise
+
+
 @dataclass
-class TorchPipeline:
+class TorchPipeline(EngineArguments):
     """A diffusers UNet ready to sample with preheat's call API. Build with :func:`load`."""
 
     unet: Any  # diffusers UNet2DModel, eval mode, on ``device``
@@ -124,15 +138,6 @@ class TorchPipeline:
     _module: Any = field(default=None, repr=False)
     _compiled: Any = field(default=None, repr=False)
 
-    # The JAX Pipeline's argument handling, shared rather than copied: same checks, same errors.
-    __call__ = Pipeline.__call__
-    __post_init__ = Pipeline.__post_init__
-    validate = Pipeline.validate
-    check = Pipeline.check
-    class_index = Pipeline.class_index
-    _guidance = Pipeline._guidance
-    is_guided = Pipeline.is_guided
-    _noise = Pipeline._noise
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -333,9 +338,7 @@ def load(model: str | Path | None = None, *, compile: str = "none", dtype: Any =
     extra = pipeline_extras(root)
     h, w = image_size(cfg.sample_size, unet_dir)
     null_class = extra.get("null_class")
-    num_classes = None
-    if cfg.num_class_embeds is not None and cfg.class_embed_type is None:
-        num_classes = cfg.num_class_embeds - (1 if null_class is not None else 0)
+    num_classes = class_count(cfg.num_class_embeds, cfg.class_embed_type, null_class)
     architecture = {k: v for k, v in dict(cfg).items() if not k.startswith("_")}
     fingerprint = json.loads(json.dumps({"kind": "diffusers.UNet2DModel", "config": architecture,
                                          "sample_size": [h, w]}, default=str))

@@ -27,7 +27,8 @@ import torch
 
 from preheat.backends.torch.compile_cache import INDUCTOR_OPTIONS, TorchCompiler, torch_key_fields
 from preheat.backends.torch.sampling import make_scheduler
-from preheat.engine import Pipeline, scheduler_config_of
+from preheat.backends.torch.pipeline import EngineArguments
+from preheat.engine import scheduler_config_of
 from preheat.errors import InvalidArgumentError
 from preheat.noise import initial_noise
 from preheat.samplers import SchedulerConfig
@@ -37,7 +38,7 @@ __all__ = ["TorchTextPipeline", "load_text"]
 
 
 @dataclass
-class TorchTextPipeline:
+class TorchTextPipeline(EngineArguments):
     """A diffusers text-to-image pipeline with preheat's call API. Build with :func:`load_text`."""
 
     pipe: Any  # diffusers StableDiffusionPipeline / StableDiffusionXLPipeline
@@ -58,14 +59,6 @@ class TorchTextPipeline:
     layout: str = "NCHW"
     last: Timings = field(default_factory=Timings)
     _warm: set = field(default_factory=set, repr=False)
-
-    __call__ = Pipeline.__call__
-    __post_init__ = Pipeline.__post_init__
-    validate = Pipeline.validate
-    check = Pipeline.check
-    _guidance = Pipeline._guidance
-    is_guided = Pipeline.is_guided
-    _noise = Pipeline._noise
 
     def generate(self, first: Any = None, /, **inputs: Any) -> np.ndarray:
         """Like ``__call__`` but returns uint8 pixels, (n, H, W, 3)."""
