@@ -2,7 +2,8 @@
 timeout: imports JAX, runs a tiny jitted matmul and prints one line ``PREHEAT_DOCTOR_PROBE=<json>``
 (backend, devices, whether the result is right, JAX's backend errors and warnings).
 
-It imports nothing of preheat, so what it sees is what a new program would see.
+It imports nothing of preheat itself (``-m`` runs only the light package ``__init__``s first, which
+import neither JAX nor torch), so what it sees is what a new program would see.
 """
 
 

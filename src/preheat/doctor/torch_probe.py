@@ -2,7 +2,8 @@
 a timeout: imports torch, asks for CUDA and, when there is a GPU, computes on it; prints one line
 ``PREHEAT_DOCTOR_PROBE=<json>``.
 
-It imports nothing of preheat, so what it sees is what a new program would see.
+It imports nothing of preheat itself (``-m`` runs only the light package ``__init__``s first, which
+import neither JAX nor torch), so what it sees is what a new program would see.
 """
 
 
