@@ -24,3 +24,4 @@ def test_surfaces_are_not_in_the_key():
     for rel in traced:
         assert rel.split("/")[0] not in ("server", "cache", "store", "bench", "backends", "integrations"), rel
     assert "cli.py" not in traced and "doctor.py" not in traced
+    assert not any(rel.startswith("doctor/") for rel in traced)

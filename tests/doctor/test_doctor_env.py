@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from preheat import doctor
+import sys
+
+from preheat.doctor import dists
 from tests.doctor.helpers import check, jax_gpu
 from tests.doctor.sites import fake_site
 
@@ -135,7 +137,7 @@ def test_ld_library_path_without_cuda_still_warns(machine, monkeypatch):
 
 
 def _use_site(monkeypatch, site):
-    monkeypatch.setattr(doctor, "_dist_search_path", lambda: [str(site)] + doctor.sys.path)
+    monkeypatch.setattr(dists, "_dist_search_path", lambda: [str(site)] + sys.path)
 
 
 def test_cudnn_cu12_from_torch_and_cu13_from_jax_warns(machine, monkeypatch, tmp_path):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from preheat import doctor
+from preheat.doctor import dists
 from tests.doctor.helpers import JAX_CPU, check, jax_gpu
 from tests.doctor.sites import fake_site
 
@@ -148,7 +150,7 @@ def test_device_nodes_without_nvidia_smi_warns(machine):
 def test_cuda_plugin_failing_to_initialise_reports_jax_error(machine, monkeypatch, tmp_path):
     """jax-cuda13-plugin on a 535 driver: modern JAX raises; report its text and swap the plugin."""
     site = fake_site(tmp_path / "site", {"jax-cuda13-plugin": ("0.10.2", [], []), "jax-cuda13-pjrt": ("0.10.2", [], [])})
-    monkeypatch.setattr(doctor, "_dist_search_path", lambda: [str(site)] + doctor.sys.path)
+    monkeypatch.setattr(dists, "_dist_search_path", lambda: [str(site)] + sys.path)
     machine.gpu("a100_535")
     err = (
         "RuntimeError: Unable to initialize backend 'cuda': INTERNAL: CUDA error: Failed call to cuInit: "
@@ -168,7 +170,7 @@ def test_cuda_plugin_failing_to_initialise_reports_jax_error(machine, monkeypatc
 def test_cuda_plugin_fallback_warning_is_reported(machine, monkeypatch, tmp_path):
     """Older JAX falls back to CPU and logs the plugin's error: that line is the finding."""
     site = fake_site(tmp_path / "site", {"jax-cuda12-plugin": ("0.10.2", [], []), "jax-cuda12-pjrt": ("0.10.2", [], [])})
-    monkeypatch.setattr(doctor, "_dist_search_path", lambda: [str(site)] + doctor.sys.path)
+    monkeypatch.setattr(dists, "_dist_search_path", lambda: [str(site)] + sys.path)
     machine.gpu("a100_535")
     cudnn = "Found cuDNN version 8907, but JAX was built against version 9800, which is newer. The copy of cuDNN that is installed must be at least as new as the version against which JAX was built."
     machine.jax({**JAX_CPU, "backend_errors": {"cuda": cudnn}, "warnings": [f"CUDA backend failed to initialize: {cudnn} (Set TF_CPP_MIN_LOG_LEVEL=0 and rerun for more info.)"]})
@@ -249,8 +251,8 @@ def test_torch_cuda_ok_on_580(machine):
 
 def test_torch_not_installed_is_ok(machine, monkeypatch):
     machine.real_torch()
-    real = doctor._dist_version
-    monkeypatch.setattr(doctor, "_dist_version", lambda name: None if name == "torch" else real(name))
+    real = dists._dist_version
+    monkeypatch.setattr(dists, "_dist_version", lambda name: None if name == "torch" else real(name))
     code, rep = machine.run()
     t = check(rep, "torch")
     assert t["status"] == "ok" and t["finding"].startswith("PyTorch is not installed")
@@ -266,8 +268,8 @@ def test_plan_follows_driver(machine, fixture, build):
 
 def test_old_style_cuda_jaxlib_is_not_called_cpu_only(machine, monkeypatch):
     """jaxlib 0.4.x shipped CUDA inside jaxlib itself (version 0.4.23+cuda12.cudnn89), no plugin."""
-    real = doctor._dist_version
-    monkeypatch.setattr(doctor, "_dist_version", lambda name: "0.4.23+cuda12.cudnn89" if name == "jaxlib" else real(name))
+    real = dists._dist_version
+    monkeypatch.setattr(dists, "_dist_version", lambda name: "0.4.23+cuda12.cudnn89" if name == "jaxlib" else real(name))
     machine.gpu("a100_535")
     _, rep = machine.run()
     jax = check(rep, "jax")

@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from preheat import doctor
+from preheat.doctor import report
+from preheat.doctor.checks.cuda_libs import LD_LIBRARY_PATH
 from tests.doctor.helpers import JAX_CPU, check
 
 CHECK_IDS = ["accelerator", "jax", "torch", "cuda_libs", "ld_library_path", "gpu_memory", "storage_cache", "storage_hf", "cache_health"]
@@ -79,7 +80,7 @@ def test_a_check_that_raises_is_a_fail_and_the_others_still_run(machine, monkeyp
     def boom(ctx):
         raise RuntimeError("boom in the LD check")
 
-    monkeypatch.setattr(doctor, "_check_ld_library_path", boom)
+    monkeypatch.setattr(LD_LIBRARY_PATH, "run", boom)
     code, rep = machine.run()
     ld = check(rep, "ld_library_path")
     assert ld["status"] == "fail"
@@ -96,7 +97,7 @@ def test_a_fact_that_cannot_be_gathered_fails_only_its_readers(machine, monkeypa
     def broken(timeout):
         raise OSError("nvidia-smi exploded")
 
-    monkeypatch.setattr(doctor, "_query_nvidia_smi", broken)
+    monkeypatch.setattr(report, "_query_nvidia_smi", broken)
     code, rep = machine.run()
     acc = check(rep, "accelerator")
     assert acc["status"] == "fail"

@@ -6,7 +6,7 @@ import sys
 import types
 from collections import namedtuple
 
-from preheat import doctor
+from preheat.doctor.checks import cache_health, storage
 from tests.doctor.helpers import check
 
 Usage = namedtuple("Usage", "total used free")
@@ -84,7 +84,7 @@ def test_runpod_pod_without_volume_warns(machine, monkeypatch):
 
 def test_low_free_space_warns(machine, monkeypatch):
     machine.workspace.mkdir()
-    monkeypatch.setattr(doctor, "_disk_usage", lambda path: Usage(100 * 2**30, 98 * 2**30, 2 * 2**30))
+    monkeypatch.setattr(storage, "_disk_usage", lambda path: Usage(100 * 2**30, 98 * 2**30, 2 * 2**30))
     _, rep = machine.run()
     c = check(rep, "storage_cache")
     assert c["status"] == "warn"
@@ -93,7 +93,7 @@ def test_low_free_space_warns(machine, monkeypatch):
 
 
 def test_unwritable_cache_root_fails_and_unwritable_hf_cache_warns(machine, monkeypatch):
-    monkeypatch.setattr(doctor, "_writable", lambda path: False)
+    monkeypatch.setattr(storage, "_writable", lambda path: False)
     code, rep = machine.run()
     c, hf = check(rep, "storage_cache"), check(rep, "storage_hf")
     assert c["status"] == "fail" and hf["status"] == "warn"
@@ -109,14 +109,14 @@ def test_cache_health_counts_and_verifies_entries(machine, tmp_path):
     kind = root / "compile" / "jax"
     publish_entry(kind, "a" * 32, {"executable.bin": b"x" * 1000}, {"f": 1})
     publish_entry(kind, "b" * 32, {"executable.bin": b"y" * 1000}, {"f": 2})
-    ok = doctor._check_cache_health(root)
+    ok = cache_health._check_cache_health(root)
     assert ok.status == "ok" and ok.finding.startswith("2 compiled entries")
     (kind / ("b" * 32) / "executable.bin").write_bytes(b"z" * 1000)  # same size, other bytes
-    bad = doctor._check_cache_health(root)
+    bad = cache_health._check_cache_health(root)
     assert bad.status == "warn" and "1 compile entries fail verification" in bad.finding
     assert bad.fix == "preheat cache verify --quarantine && preheat cache prune"
 
 
 def test_cache_health_on_a_missing_root_is_ok(machine, tmp_path):
-    result = doctor._check_cache_health(tmp_path / "never-created")
+    result = cache_health._check_cache_health(tmp_path / "never-created")
     assert result.status == "ok" and "nothing cached" in result.finding

@@ -1,0 +1,181 @@
+"""No import cycles between preheat's top-level packages and modules.
+
+The import graph is read from the source (the AST), not by importing: every ``import`` and
+``from ... import`` counts wherever it is written -- at module level, inside a function (the lazy
+imports that keep ``import preheat`` light), or under ``TYPE_CHECKING``. ``import preheat`` followed
+by ``preheat.load(...)`` counts as importing what ``preheat.load`` resolves to (``preheat._LAZY``).
+The package's own ``__init__`` is the facade above everything and is not a unit here.
+
+``LAYERS`` is the allowed direction, written down once: a unit may import units of lower tiers
+only, never one of its own tier or above. That rules out every cycle between units. Imports that
+break the rule today are listed in ``KNOWN_EXCEPTIONS`` with what removes them; an exception that
+no longer occurs fails the test, so the list only shrinks.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import preheat
+
+SRC = Path(preheat.__file__).resolve().parent
+
+# Lowest tier first. A unit is a top-level module (``engine`` for preheat/engine.py) or package
+# (``cache`` for preheat/cache/).
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "_version", "timings", "noise"),  # leaves: import nothing of preheat
+    ("cache",),  # atomic writes, the cache root, the compile cache, the shared remote store
+    ("store", "models", "samplers"),  # the weights store; model code; pure samplers
+    ("families",),  # per-family loading over the models
+    ("engine",),  # Pipeline and preheat.load
+    ("backends",),  # the torch comparison backend, built on the engine's Pipeline
+    ("_cli_support", "doctor", "train"),  # surfaces below the command line
+    ("bench", "server"),
+    ("integrations",),  # Runpod's handler over the server
+    ("cli",),
+    ("__main__",),
+]
+
+# (importing module, imported unit): why the import is there and what removes it.
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
+    # `preheat cache warm` loads a model: issue 18 item 4 (every click command in one cli package,
+    # library packages import no click) moves cache/cli.py out of `cache`.
+    ("preheat.cache.cli", "engine"): "issue 18 item 4",
+    ("preheat.cache.cli", "store"): "issue 18 item 4",
+    ("preheat.cache.cli", "_cli_support"): "issue 18 item 4",
+    # Families build the engine's Pipeline (lazily, and for type hints) while the engine imports
+    # families.base: the engine's seams are the text-to-image issue's, not issue 18's.
+    ("preheat.families.base", "engine"): "text-to-image issue (engine seams)",
+    ("preheat.families.pixel", "engine"): "text-to-image issue (engine seams)",
+    ("preheat.families.stable_diffusion", "engine"): "text-to-image issue (engine seams)",
+    # preheat.load(backend="torch") dispatches to the torch backend, which subclasses Pipeline.
+    ("preheat.engine", "backends"): "text-to-image issue (the torch backend's use of engine internals)",
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str  # dotted module name
+    imported: str  # dotted module name (or preheat.<name> for a name imported from a package)
+    path: str
+    line: int
+
+    def units(self) -> tuple[str | None, str | None]:
+        return unit_of(self.importer), unit_of(self.imported)
+
+
+def unit_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "preheat" else None
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def lazy_names() -> dict[str, str]:
+    """``preheat._LAZY``'s name -> module, read from the facade's source."""
+    tree = ast.parse((SRC / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets):
+            return {name: module for name, (module, _attr) in ast.literal_eval(node.value).items()}
+    raise AssertionError("preheat/__init__.py has no _LAZY table")
+
+
+def imports_of(path: Path, lazy: dict[str, str]) -> list[Import]:
+    """Every preheat import in one file, at any depth."""
+    module = module_name(path)
+    is_package = path.name == "__init__.py"
+    rel = path.relative_to(SRC.parent).as_posix()
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[Import] = []
+
+    def add(target: str, line: int) -> None:
+        found.append(Import(module, target, rel, line))
+
+    binds_preheat = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "preheat" or alias.name.startswith("preheat."):
+                    add(alias.name, node.lineno)
+                    binds_preheat |= alias.asname is None  # `import preheat[.x]` binds the name preheat
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source == "preheat":  # from preheat import errors / load
+                for alias in node.names:
+                    add(lazy.get(alias.name, f"preheat.{alias.name}"), node.lineno)
+            elif source.startswith("preheat."):
+                add(source, node.lineno)
+    if binds_preheat:  # import preheat; preheat.load(...)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "preheat":
+                add(lazy.get(node.attr, f"preheat.{node.attr}"), node.lineno)
+    return found
+
+
+def all_imports() -> list[Import]:
+    lazy = lazy_names()
+    return [imp for path in sorted(SRC.rglob("*.py")) if path != SRC / "__init__.py" for imp in imports_of(path, lazy)]
+
+
+def tier_of() -> dict[str, int]:
+    tiers: dict[str, int] = {}
+    for i, units in enumerate(LAYERS):
+        for unit in units:
+            assert unit not in tiers, f"{unit} is listed twice in LAYERS"
+            tiers[unit] = i
+    return tiers
+
+
+def violations() -> list[Import]:
+    tiers = tier_of()
+    out = []
+    for imp in all_imports():
+        a, b = imp.units()
+        if a is None or b is None or a == b:
+            continue
+        if tiers[b] >= tiers[a]:
+            out.append(imp)
+    return out
+
+
+def test_every_unit_has_a_layer():
+    units = {module_name(p).split(".")[1] for p in SRC.rglob("*.py") if p != SRC / "__init__.py"}
+    missing = sorted(units - set(tier_of()))
+    assert not missing, f"add these to LAYERS in {__file__}: {missing}"
+    assert not sorted(set(tier_of()) - units), "LAYERS names a unit that no longer exists"
+
+
+def test_the_graph_sees_module_function_and_facade_imports():
+    """The reader finds each kind of import it claims to (else the layering test proves nothing)."""
+    found = {(i.importer, i.imported) for i in all_imports()}
+    assert ("preheat.engine", "preheat.families.base") in found  # module level
+    assert ("preheat.engine", "preheat.cache.compile") in found  # inside a function
+    assert ("preheat.cache.cli", "preheat.engine") in found  # `import preheat; preheat.load(...)`
+    assert ("preheat.store._api", "preheat.cache.remote") in found  # lazy, from a package's __init__
+
+
+def test_imports_follow_the_layers():
+    tiers = tier_of()
+    bad = [i for i in violations() if (i.importer, i.units()[1]) not in KNOWN_EXCEPTIONS]
+    lines = [f"{i.path}:{i.line}: {i.importer} imports {i.imported} "
+             f"({i.units()[0]} is tier {tiers[i.units()[0]]}, {i.units()[1]} tier {tiers[i.units()[1]]})" for i in bad]
+    assert not bad, "imports against LAYERS (a lower tier must not import a higher or equal one):\n" + "\n".join(lines)
+
+
+def test_known_exceptions_still_exist():
+    """When an exception is fixed, remove it from KNOWN_EXCEPTIONS so it cannot come back."""
+    seen = {(i.importer, i.units()[1]) for i in violations()}
+    stale = sorted(set(KNOWN_EXCEPTIONS) - seen)
+    assert not stale, f"these no longer break the layering; delete them from KNOWN_EXCEPTIONS: {stale}"
