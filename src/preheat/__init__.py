@@ -3,7 +3,7 @@
 Public API (re-exported here; the code lives in the private modules named):
 
     load_unet(path, dtype)      preheat.models.loading   a diffusers UNet2DModel in JAX
-    load(model, ...)            preheat.engine           a sampling Pipeline (built-in model by default)
+    load(model, ...)            preheat.api              a sampling pipeline, JAX or torch (built-in model by default)
     Pipeline                    preheat.engine
     errors                      preheat.errors           the one exception tree
 
@@ -22,7 +22,7 @@ __all__ = ["load_unet", "load", "Pipeline", "errors", "__version__"]
 
 _LAZY = {
     "load_unet": ("preheat.models.loading", "load_unet"),
-    "load": ("preheat.engine", "load"),
+    "load": ("preheat.api", "load"),
     "Pipeline": ("preheat.engine", "Pipeline"),
 }
 

@@ -38,14 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from preheat.errors import InvalidArgumentError, ModelNotFoundError, SchedulerConfigError
-from preheat.families.base import Conditioning, Family, check_int
+from preheat.errors import InvalidArgumentError, SchedulerConfigError
+from preheat.families.base import Family, LoadedModel, Request, StageSignature, check_int, to_pixels
 from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
-from preheat.samplers import SAMPLERS, Plan, SchedulerConfig, SolverSpec, make_plan, make_spec, run
+from preheat.samplers import (SAMPLERS, Plan, SchedulerConfig, SolverSpec, load_scheduler_config, make_plan, make_spec,
+                              run)
 from preheat.timings import Timings
 
-__all__ = ["Pipeline", "load", "BUILTIN_MODEL", "Signature", "StageSignature", "Request", "Timings",
-           "scheduler_config", "find_scheduler", "to_pixels", "build_program"]
+__all__ = ["Pipeline", "load", "BUILTIN_MODEL", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
+           "build_program", "make_compiler"]
 
 BUILTIN_MODEL = Path(__file__).parent / "assets" / "digits"
 
@@ -73,38 +74,6 @@ class Signature:
     @property
     def class_conditional(self) -> bool:
         return "class_labels" in self.conditioning
-
-
-@dataclass(frozen=True)
-class StageSignature:
-    """What selects one compiled encode/decode program: its stage, batch and shapes."""
-
-    stage: str
-    batch: int
-    shape: tuple[int, ...]
-    dtype: str
-    extra: tuple[tuple[str, Any], ...] = ()
-
-
-@dataclass(frozen=True)
-class Request:
-    """A validated call, host-side: what ``prepare`` turns into programs and arguments."""
-
-    n: int
-    sampler: str
-    steps: int
-    guided: bool
-    guidance: float
-    seeds: np.ndarray  # (n,) uint32
-    noise: np.ndarray | None  # (n, H, W, C) float32, NHWC
-    eta: float
-    sample_shape: tuple[int, ...]
-    values: dict[str, Any]  # the family's own inputs, normalised (labels, prompts, size, ...)
-
-
-def to_pixels(x: jax.Array) -> jax.Array:
-    """[-1, 1] floats -> uint8, exactly as diffusers' pipelines round."""
-    return jnp.round(jnp.clip(x / 2 + 0.5, 0.0, 1.0) * 255).astype(jnp.uint8)
 
 
 def build_program(sig: Signature, apply: Denoiser) -> Callable[..., jax.Array]:
@@ -223,7 +192,7 @@ class Pipeline:
                        "sample_shape": list(shape), "layout": layout,
                        "program": _lowered_fingerprint(user_fn, params, shape, dtype, num_classes is not None)}
         return cls(apply=apply, params=params, sample_shape=shape,
-                   scheduler_config=scheduler_config_of(scheduler_config), fingerprint=fingerprint,
+                   scheduler_config=load_scheduler_config(scheduler_config), fingerprint=fingerprint,
                    num_classes=num_classes, null_class=null_class, defaults=defaults, dtype=dtype, layout=layout)
 
     # ------------------------------------------------------------------ sampling
@@ -441,33 +410,6 @@ def _lowered_fingerprint(fn: Callable, params: Any, shape: tuple[int, ...], dtyp
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
-def scheduler_config_of(source: dict[str, Any] | SchedulerConfig | str | Path) -> SchedulerConfig:
-    """A SchedulerConfig from itself, a dict, a scheduler_config.json or the folder holding it."""
-    if isinstance(source, SchedulerConfig):
-        return source
-    if isinstance(source, dict):
-        return SchedulerConfig.from_dict(source)
-    path = Path(source)
-    if path.is_dir():
-        path = path / "scheduler_config.json"
-    if not path.is_file():
-        raise ModelNotFoundError(f"scheduler config {path} does not exist")
-    return SchedulerConfig.from_file(path)
-
-
-scheduler_config = scheduler_config_of
-
-
-def find_scheduler(root: Path, model_dir: Path) -> Path:
-    """The scheduler config of a pipeline folder (``scheduler/``) or next to a bare model."""
-    for candidate in (root / "scheduler" / "scheduler_config.json", root / "scheduler_config.json",
-                      model_dir / "scheduler_config.json"):
-        if candidate.is_file():
-            return candidate
-    raise ModelNotFoundError(
-        f"{root} has no scheduler/scheduler_config.json; pass scheduler=PATH for a bare model folder")
-
-
 def _pixel() -> Family:
     from preheat.families.pixel import PIXEL
 
@@ -490,9 +432,8 @@ def make_compiler(cache: str | None = None) -> Any:
 
 
 def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
-         cache: str | None = None, backend: str = "jax", compile: str = "none", variant: str | None = None,
-         **options: Any) -> Any:
-    """A sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
+         cache: str | None = None, variant: str | None = None) -> Pipeline:
+    """A JAX sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
 
     ``model``: a diffusers-format folder, or a source for the weights store (``hf://org/repo[@rev]``,
     an ``http(s)://`` tarball), read from the store with no network once pulled. The family is
@@ -503,19 +444,8 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     ``dtype``: the denoiser's dtype (float32, bfloat16, float16); a VAE that asks for it stays float32.
     ``variant``: weight files ``*.{variant}.safetensors`` (e.g. "fp16").
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
-    ``backend="torch"`` returns the same call API on diffusers' own models, with ``compile`` =
-    "none" (eager), "inductor" (torch.compile) or "aot" (AOTInductor).
+    ``preheat.load`` (``preheat.api``) adds ``backend="torch"``.
     """
-    if backend == "torch":
-        from preheat.backends.torch import load as load_torch
-
-        return load_torch(model, compile=compile, dtype=dtype, scheduler=scheduler, cache=cache, variant=variant,
-                          **options)
-    if backend != "jax":
-        raise InvalidArgumentError(f"backend={backend!r} is not supported; use 'jax' or 'torch'", argument="backend")
-    if compile != "none":
-        raise InvalidArgumentError(f"compile={compile!r} applies to backend='torch'; the JAX loop is always compiled",
-                                   argument="compile")
     compiler = make_compiler(cache)  # first: JAX's cache must be configured before anything compiles
 
     from preheat.families import family_loader
@@ -523,5 +453,5 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
 
     # A local folder as it is; http(s):// and hf:// sources from the weights store (pulled once).
     root = BUILTIN_MODEL if model is None else resolve(str(model))
-    loader = family_loader(root)
-    return loader(root, scheduler=scheduler, dtype=dtype, compiler=compiler, variant=variant, **options)
+    loaded: LoadedModel = family_loader(root)(root, scheduler=scheduler, dtype=dtype, variant=variant)
+    return Pipeline(**vars(loaded), compiler=compiler)

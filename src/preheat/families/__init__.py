@@ -6,8 +6,10 @@
     StableDiffusionPipeline                                            stable-diffusion (1.x, 2.x)
     StableDiffusionXLPipeline                                          stable-diffusion-xl
 
-Each family module has a ``load_<family>(root, *, scheduler, dtype, compiler, variant)`` that
-returns an engine ``Pipeline``; ``families.base`` says what a family contributes to the engine.
+Each family module has a ``load_<family>(root, *, scheduler, dtype, variant)`` that returns a
+``LoadedModel`` (the engine builds its ``Pipeline`` from it); ``families.base`` says what a family
+contributes to the engine. Families never import the engine: they see a pipeline through
+``EngineView``.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from preheat.errors import ModelNotFoundError, UnsupportedConfigError
-from preheat.families.base import Conditioning, Family
+from preheat.families.base import Conditioning, EngineView, Family, LoadedModel, Request, StageSignature
 
-__all__ = ["Family", "Conditioning", "family_loader", "FAMILY_OF_CLASS", "class_name_of"]
+__all__ = ["Family", "Conditioning", "EngineView", "LoadedModel", "Request", "StageSignature", "family_loader",
+           "FAMILY_OF_CLASS", "class_name_of"]
 
 # _class_name -> (module, loader function)
 FAMILY_OF_CLASS: dict[str, tuple[str, str]] = {

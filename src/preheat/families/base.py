@@ -17,18 +17,85 @@ for a width x height, and how a final sample becomes pixels -- is the family's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
 from preheat.errors import InvalidArgumentError
+from preheat.timings import Timings
 
-if TYPE_CHECKING:  # pragma: no cover
-    from preheat.engine import Pipeline, Request
-
-__all__ = ["Family", "Conditioning", "check_int"]
+__all__ = ["Family", "Conditioning", "Request", "StageSignature", "LoadedModel", "EngineView", "check_int",
+           "to_pixels"]
 
 Cond = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated call, host-side: what the engine turns into programs and arguments."""
+
+    n: int
+    sampler: str
+    steps: int
+    guided: bool
+    guidance: float
+    seeds: np.ndarray  # (n,) uint32
+    noise: np.ndarray | None  # (n, H, W, C) float32, NHWC
+    eta: float
+    sample_shape: tuple[int, ...]
+    values: dict[str, Any]  # the family's own inputs, normalised (labels, prompts, size, ...)
+
+
+@dataclass(frozen=True)
+class StageSignature:
+    """What selects one compiled encode/decode program: its stage, batch and shapes."""
+
+    stage: str
+    batch: int
+    shape: tuple[int, ...]
+    dtype: str
+    extra: tuple[tuple[str, Any], ...] = ()
+
+
+class EngineView(Protocol):
+    """What a family sees of the engine's pipeline (families never import the engine)."""
+
+    sample_shape: tuple[int, ...]
+    dtype: str
+    components: dict[str, Any]
+    num_classes: int | None
+    null_class: int | None
+    labels: tuple[str, ...]
+    last: Timings
+
+    def run_stage(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
+                  args: tuple, outputs: int = 1) -> Any: ...
+
+
+@dataclass
+class LoadedModel:
+    """What a family's loader returns: everything ``preheat.engine.Pipeline`` is built from."""
+
+    apply: Callable[..., Any]  # apply(params, x, t, cond) -> prediction, NHWC
+    params: Any
+    sample_shape: tuple[int, ...]  # (H, W, C) of one sample at the default size (latent for VAE families)
+    scheduler_config: Any
+    fingerprint: dict[str, Any]  # the denoiser's identity for the compile cache (never the weights)
+    family: "Family"
+    num_classes: int | None = None
+    null_class: int | None = None
+    labels: tuple[str, ...] = ()
+    defaults: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+    layout: str = "NCHW"
+    components: dict[str, Any] = field(default_factory=dict)
+
+
+def to_pixels(x: Any) -> Any:
+    """[-1, 1] floats -> uint8, exactly as diffusers' pipelines round."""
+    import jax.numpy as jnp
+
+    return jnp.round(jnp.clip(x / 2 + 0.5, 0.0, 1.0) * 255).astype(jnp.uint8)
 
 
 @dataclass
@@ -63,7 +130,7 @@ class Family:
     inputs: tuple[str, ...] = ()
     pixels_in_loop: bool = True  # the denoising program ends with the conversion to uint8
 
-    def check_inputs(self, pipe: "Pipeline", n: int, inputs: dict[str, Any]) -> dict[str, Any]:
+    def check_inputs(self, pipe: "EngineView", n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         """Validate the family's own inputs (host-side, no device work) into normalised values."""
         unknown = sorted(k for k, v in inputs.items() if v is not None and k not in self.inputs)
         if unknown:
@@ -73,22 +140,22 @@ class Family:
                 argument=unknown[0])
         return {k: v for k, v in inputs.items() if k in self.inputs}
 
-    def sample_shape(self, pipe: "Pipeline", values: dict[str, Any]) -> tuple[int, ...]:
+    def sample_shape(self, pipe: "EngineView", values: dict[str, Any]) -> tuple[int, ...]:
         """One sample's shape (H, W, C), NHWC, for these inputs (resolution is static)."""
         return pipe.sample_shape
 
-    def guidance_error(self, pipe: "Pipeline", values: dict[str, Any]) -> str | None:
+    def guidance_error(self, pipe: "EngineView", values: dict[str, Any]) -> str | None:
         """Why this model cannot run classifier-free guidance (None: it can)."""
         return None
 
-    def check_unguided(self, pipe: "Pipeline", values: dict[str, Any]) -> None:
+    def check_unguided(self, pipe: "EngineView", values: dict[str, Any]) -> None:
         """Inputs that make sense only with guidance (a negative prompt) are refused here."""
 
-    def condition(self, pipe: "Pipeline", request: "Request") -> Conditioning:
+    def condition(self, pipe: "EngineView", request: "Request") -> Conditioning:
         """The denoiser's ``cond``/``uncond`` pytrees for a validated request (may run a stage)."""
         raise NotImplementedError
 
-    def finish(self, pipe: "Pipeline", request: "Request", out: Any) -> np.ndarray:
+    def finish(self, pipe: "EngineView", request: "Request", out: Any) -> np.ndarray:
         """The denoising program's output -> uint8 pixels (n, H, W, C)."""
         return np.asarray(out)
 

@@ -9,15 +9,13 @@ sample is converted to uint8 inside the denoising program (no separate decode st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
 from preheat.errors import InvalidArgumentError
-from preheat.families.base import Conditioning, Family
+from preheat.families.base import Conditioning, EngineView, Family, LoadedModel, Request
 
-if TYPE_CHECKING:  # pragma: no cover
-    from preheat.engine import Pipeline, Request
 
 __all__ = ["PixelFamily", "PIXEL"]
 
@@ -29,7 +27,7 @@ class PixelFamily(Family):
     inputs: tuple[str, ...] = ("class_labels", "width", "height")
     pixels_in_loop: bool = True
 
-    def check_inputs(self, pipe: "Pipeline", n: int, inputs: dict[str, Any]) -> dict[str, Any]:
+    def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         inputs = super().check_inputs(pipe, n, inputs)
         h, w = pipe.sample_shape[0], pipe.sample_shape[1]
         for name, native in (("width", w), ("height", h)):
@@ -38,12 +36,12 @@ class PixelFamily(Family):
                 raise InvalidArgumentError(f"{name}={value!r}: this model makes {w}x{h} images only", argument=name)
         return {"class_labels": labels_for(pipe, n, inputs.get("class_labels"))}
 
-    def guidance_error(self, pipe: "Pipeline", values: dict[str, Any]) -> str | None:
+    def guidance_error(self, pipe: EngineView, values: dict[str, Any]) -> str | None:
         if pipe.null_class is None:
             return "needs a class-conditional model with a null class; this model has none (use guidance=1)"
         return None
 
-    def condition(self, pipe: "Pipeline", request: "Request") -> Conditioning:
+    def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         labels = request.values["class_labels"]
         if labels is None:
             return Conditioning(cond={}, uncond={})
@@ -51,7 +49,7 @@ class PixelFamily(Family):
         return Conditioning(cond={"class_labels": labels}, uncond={"class_labels": null})
 
 
-def labels_for(pipe: "Pipeline", n: int, class_labels: Any) -> np.ndarray | None:
+def labels_for(pipe: EngineView, n: int, class_labels: Any) -> np.ndarray | None:
     """Class indices for n images: one per image, one for all, or a tour of the classes (None)."""
     if pipe.num_classes is None:
         if class_labels is not None:
@@ -69,7 +67,7 @@ def labels_for(pipe: "Pipeline", n: int, class_labels: Any) -> np.ndarray | None
     return np.asarray([class_index(pipe, c) for c in class_labels], np.int32)
 
 
-def class_index(pipe: "Pipeline", c: Any) -> int:
+def class_index(pipe: EngineView, c: Any) -> int:
     """A class given as an index or a label name -> its index; unknown -> one-line error."""
     if pipe.num_classes is None:
         raise InvalidArgumentError("this model is not class-conditional", argument="class_labels")
@@ -89,17 +87,16 @@ def class_index(pipe: "Pipeline", c: Any) -> int:
 PIXEL = PixelFamily()
 
 
-def load_pixel(root: Any, *, scheduler: Any = None, dtype: Any = "float32", compiler: Any = None,
-               variant: str | None = None) -> "Pipeline":
-    """A pixel-space UNet2DModel folder (a pipeline folder with ``unet/`` or a bare UNet) -> Pipeline."""
+def load_pixel(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None) -> LoadedModel:
+    """A pixel-space UNet2DModel folder (a pipeline folder with ``unet/`` or a bare UNet)."""
     import jax.numpy as jnp
 
-    from preheat.engine import Pipeline, find_scheduler, scheduler_config_of
+    from preheat.samplers import find_scheduler_config, load_scheduler_config
     from preheat.models.folders import class_count, image_size, pipeline_extras
     from preheat.models.loading import load_unet, resolve_unet_dir
 
     unet_dir = resolve_unet_dir(root)
-    sched = scheduler_config_of(scheduler if scheduler is not None else find_scheduler(root, unet_dir))
+    sched = load_scheduler_config(scheduler if scheduler is not None else find_scheduler_config(root, unet_dir))
     unet = load_unet(unet_dir, dtype=jnp.dtype(dtype), variant=variant)
     cfg = unet.config
     extra = pipeline_extras(root)
@@ -111,7 +108,7 @@ def load_pixel(root: Any, *, scheduler: Any = None, dtype: Any = "float32", comp
     def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
         return unet.apply(params, x, t, cond.get("class_labels"))
 
-    return Pipeline(apply=apply, params=unet.params, sample_shape=(h, w, cfg.in_channels), scheduler_config=sched,
-                    fingerprint=fingerprint, family=PIXEL, num_classes=num_classes, null_class=null_class,
-                    labels=tuple(extra.get("labels", ())), defaults=dict(extra.get("defaults", {})),
-                    dtype=str(jnp.dtype(dtype)), layout="NCHW", compiler=compiler)
+    return LoadedModel(apply=apply, params=unet.params, sample_shape=(h, w, cfg.in_channels), scheduler_config=sched,
+                       fingerprint=fingerprint, family=PIXEL, num_classes=num_classes, null_class=null_class,
+                       labels=tuple(extra.get("labels", ())), defaults=dict(extra.get("defaults", {})),
+                       dtype=str(jnp.dtype(dtype)), layout="NCHW")

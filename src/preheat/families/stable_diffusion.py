@@ -22,15 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
-from preheat.families.base import Conditioning, Family, check_int
+from preheat.families.base import (Conditioning, EngineView, Family, LoadedModel, Request, StageSignature, check_int,
+                                   to_pixels)
 
-if TYPE_CHECKING:  # pragma: no cover
-    from preheat.engine import Pipeline, Request
 
 __all__ = ["StableDiffusionFamily", "SD", "SDXL", "load_stable_diffusion", "load_stable_diffusion_xl",
            "SAMPLER_OF_SCHEDULER"]
@@ -58,7 +57,7 @@ class StableDiffusionFamily(Family):
 
     # ------------------------------------------------------------------ inputs
 
-    def check_inputs(self, pipe: "Pipeline", n: int, inputs: dict[str, Any]) -> dict[str, Any]:
+    def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         inputs = super().check_inputs(pipe, n, inputs)
         prompts = _prompts("prompt", inputs.get("prompt"), n, required=True)
         negatives = _prompts("negative_prompt", inputs.get("negative_prompt"), n, required=False)
@@ -71,20 +70,18 @@ class StableDiffusionFamily(Family):
             values["time_ids"] = _time_ids(inputs, height, width)
         return values
 
-    def sample_shape(self, pipe: "Pipeline", values: dict[str, Any]) -> tuple[int, ...]:
+    def sample_shape(self, pipe: EngineView, values: dict[str, Any]) -> tuple[int, ...]:
         scale = pipe.components["vae_scale"]
         return (values["height"] // scale, values["width"] // scale, pipe.sample_shape[2])
 
-    def check_unguided(self, pipe: "Pipeline", values: dict[str, Any]) -> None:
+    def check_unguided(self, pipe: EngineView, values: dict[str, Any]) -> None:
         if values["negative_prompt"] is not None:
             raise InvalidArgumentError("negative_prompt needs classifier-free guidance; use a guidance scale other "
                                        "than 1", argument="negative_prompt")
 
     # ------------------------------------------------------------------ stages
 
-    def condition(self, pipe: "Pipeline", request: "Request") -> Conditioning:
-        from preheat.engine import StageSignature
-
+    def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         values, n = request.values, request.n
         prompts: list[str] = values["prompt"]
         negatives = values["negative_prompt"]
@@ -115,9 +112,7 @@ class StableDiffusionFamily(Family):
         cond = {"context": context[:n]}
         return Conditioning(cond=cond, uncond={"context": context[n:]} if request.guided else {})
 
-    def finish(self, pipe: "Pipeline", request: "Request", out: Any) -> np.ndarray:
-        from preheat.engine import StageSignature
-
+    def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
         vae = pipe.components["vae"]
         sig = StageSignature("decode", batch=request.n, shape=tuple(request.sample_shape), dtype=str(vae.dtype))
         return np.asarray(pipe.run_stage("decode", pipe.components["decode_fingerprint"], sig,
@@ -149,8 +144,6 @@ def _encode_program(encoders: Sequence[Any], xl: bool) -> Any:
 
 def _decode_program(vae: Any) -> Any:
     """latents (B, h, w, C) float32 -> uint8 pixels (B, H, W, 3)."""
-    from preheat.engine import to_pixels
-
     def program(params: Any, latents: Any) -> Any:
         return to_pixels(vae.latents_to_images(params, latents.astype(vae.dtype)).astype("float32"))
 
@@ -227,11 +220,11 @@ def _default_sampler(root: Path, family: StableDiffusionFamily) -> dict[str, Any
     return {"sampler": sampler} if sampler else {}
 
 
-def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: Any, compiler: Any,
-          variant: str | None) -> "Pipeline":
+def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: Any,
+          variant: str | None) -> LoadedModel:
     import jax.numpy as jnp
 
-    from preheat.engine import Pipeline, scheduler_config_of
+    from preheat.samplers import load_scheduler_config
     from preheat.models.clip import load_clip_text
     from preheat.models.tokenizer import CLIPTokenizer
     from preheat.models.unet2d_condition import load_unet_condition
@@ -252,7 +245,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     unet = load_unet_condition(_component(root, index, "unet"), dtype=dtype, variant=variant)
     vae = load_vae(_component(root, index, "vae"), dtype=dtype, variant=variant)
     sched_source = scheduler if scheduler is not None else _component(root, index, "scheduler")
-    sched = scheduler_config_of(sched_source)
+    sched = load_scheduler_config(sched_source)
 
     cfg = unet.config
     width = sum(te.config.hidden_size for te in encoders)
@@ -293,19 +286,19 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         "decode_fingerprint": {"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
     }
     fingerprint = {"kind": "unet2d-condition", "family": family.name, "config": cfg.architecture_dict()}
-    return Pipeline(apply=apply, params=unet.params, sample_shape=(int(latent[0]), int(latent[1]), cfg.in_channels),
-                    scheduler_config=sched, fingerprint=fingerprint, family=family,
-                    defaults=_default_sampler(root, family), dtype=str(jnp.dtype(dtype)), layout="NCHW",
-                    components=components, compiler=compiler)
+    return LoadedModel(apply=apply, params=unet.params,
+                       sample_shape=(int(latent[0]), int(latent[1]), cfg.in_channels), scheduler_config=sched,
+                       fingerprint=fingerprint, family=family, defaults=_default_sampler(root, family),
+                       dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)
 
 
-def load_stable_diffusion(root: Any, *, scheduler: Any = None, dtype: Any = "float32", compiler: Any = None,
-                          variant: str | None = None) -> "Pipeline":
-    """A ``StableDiffusionPipeline`` folder (SD 1.x, 2.x; epsilon or v-prediction) -> Pipeline."""
-    return _load(Path(root), SD, scheduler=scheduler, dtype=dtype, compiler=compiler, variant=variant)
+def load_stable_diffusion(root: Any, *, scheduler: Any = None, dtype: Any = "float32",
+                          variant: str | None = None) -> LoadedModel:
+    """A ``StableDiffusionPipeline`` folder (SD 1.x, 2.x; epsilon or v-prediction)."""
+    return _load(Path(root), SD, scheduler=scheduler, dtype=dtype, variant=variant)
 
 
-def load_stable_diffusion_xl(root: Any, *, scheduler: Any = None, dtype: Any = "float32", compiler: Any = None,
-                             variant: str | None = None) -> "Pipeline":
-    """A ``StableDiffusionXLPipeline`` folder (base) -> Pipeline."""
-    return _load(Path(root), SDXL, scheduler=scheduler, dtype=dtype, compiler=compiler, variant=variant)
+def load_stable_diffusion_xl(root: Any, *, scheduler: Any = None, dtype: Any = "float32",
+                             variant: str | None = None) -> LoadedModel:
+    """A ``StableDiffusionXLPipeline`` folder (base)."""
+    return _load(Path(root), SDXL, scheduler=scheduler, dtype=dtype, variant=variant)

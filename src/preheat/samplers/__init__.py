@@ -10,6 +10,8 @@ Public API::
     SAMPLERS: tuple[str, ...]
     SchedulerConfig.from_dict(d: Mapping) -> SchedulerConfig      # diffusers scheduler_config.json
     SchedulerConfig.from_file(path) -> SchedulerConfig
+    load_scheduler_config(config | dict | file | folder) -> SchedulerConfig
+    find_scheduler_config(pipeline_root, model_dir) -> path of scheduler_config.json
     make_spec(config, sampler: str) -> SolverSpec                   # static: jit static argument
     make_plan(config, sampler: str, steps: int, *, eta: float = 0.0) -> Plan   # runtime pytree
     init(spec, plan, noise) -> SamplerState
@@ -59,13 +61,15 @@ raise ``SchedulerConfigError`` with a one-line message naming the key.
 
 from __future__ import annotations
 
-from preheat.samplers._config import SAMPLERS, SchedulerConfig
+from preheat.samplers._config import SAMPLERS, SchedulerConfig, find_scheduler_config, load_scheduler_config
 from preheat.samplers._plan import Plan, SolverSpec, make_plan, make_spec
 from preheat.samplers._solvers import Model, NoiseFn, SamplerState, init, run, step
 
 __all__ = [
     "SAMPLERS",
     "SchedulerConfig",
+    "load_scheduler_config",
+    "find_scheduler_config",
     "SolverSpec",
     "Plan",
     "SamplerState",

@@ -415,3 +415,36 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         if isinstance(value, str):
             return value
     raise SchedulerConfigError(f"{key}={value!r} has the wrong type; expected {kind}")
+
+
+def load_scheduler_config(source: "SchedulerConfig | Mapping[str, Any] | str | os.PathLike[str]") -> SchedulerConfig:
+    """A SchedulerConfig from itself, a dict, a scheduler_config.json or the folder holding it."""
+    from pathlib import Path
+
+    from preheat.errors import ModelNotFoundError
+
+    if isinstance(source, SchedulerConfig):
+        return source
+    if isinstance(source, Mapping):
+        return SchedulerConfig.from_dict(dict(source))
+    path = Path(source)
+    if path.is_dir():
+        path = path / "scheduler_config.json"
+    if not path.is_file():
+        raise ModelNotFoundError(f"scheduler config {path} does not exist")
+    return SchedulerConfig.from_file(path)
+
+
+def find_scheduler_config(root: "str | os.PathLike[str]", model_dir: "str | os.PathLike[str]") -> "os.PathLike[str]":
+    """The scheduler config of a pipeline folder (``scheduler/``) or next to a bare model."""
+    from pathlib import Path
+
+    from preheat.errors import ModelNotFoundError
+
+    root, model_dir = Path(root), Path(model_dir)
+    for candidate in (root / "scheduler" / "scheduler_config.json", root / "scheduler_config.json",
+                      model_dir / "scheduler_config.json"):
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(
+        f"{root} has no scheduler/scheduler_config.json; pass scheduler=PATH for a bare model folder")

@@ -45,13 +45,13 @@ import torch
 
 from preheat.backends.torch.compile_cache import CACHE_MODES, TorchCompiler, torch_key_fields
 from preheat.backends.torch.sampling import make_scheduler, sample_loop
-from preheat.engine import BUILTIN_MODEL, Pipeline, find_scheduler, scheduler_config_of
+from preheat.engine import BUILTIN_MODEL, Pipeline
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families.pixel import PIXEL
 from preheat.models.folders import class_count, image_size, pipeline_extras, resolve_unet_dir
 from preheat.models.weights import read_json
 from preheat.noise import initial_noise
-from preheat.samplers import SchedulerConfig
+from preheat.samplers import SchedulerConfig, find_scheduler_config, load_scheduler_config
 from preheat.timings import Timings
 
 __all__ = ["TorchPipeline", "load", "initial_noise", "COMPILE_MODES", "DETERMINISTIC_SAMPLERS"]  # initial_noise: re-exported
@@ -326,8 +326,8 @@ def load(model: str | Path | None = None, *, compile: str = "none", dtype: Any =
     cls = raw.get("_class_name", "UNet2DModel")
     if cls != "UNet2DModel":
         raise UnsupportedConfigError(f"unsupported model class {cls!r} in {unet_dir / 'config.json'}; supported: 'UNet2DModel'")
-    sched_source = scheduler if scheduler is not None else find_scheduler(root, unet_dir)
-    sched = scheduler_config_of(sched_source)
+    sched_source = scheduler if scheduler is not None else find_scheduler_config(root, unet_dir)
+    sched = load_scheduler_config(sched_source)
     sched_dict = _scheduler_dict(sched_source)
 
     from diffusers import UNet2DModel

@@ -28,10 +28,9 @@ import torch
 from preheat.backends.torch.compile_cache import INDUCTOR_OPTIONS, TorchCompiler, torch_key_fields
 from preheat.backends.torch.sampling import make_scheduler
 from preheat.backends.torch.pipeline import EngineArguments
-from preheat.engine import scheduler_config_of
 from preheat.errors import InvalidArgumentError
 from preheat.noise import initial_noise
-from preheat.samplers import SchedulerConfig
+from preheat.samplers import SchedulerConfig, load_scheduler_config
 from preheat.timings import Timings
 
 __all__ = ["TorchTextPipeline", "load_text"]
@@ -151,7 +150,7 @@ def load_text(root: Path, family: Any, *, compile: str, dtype: str, device: str,
     pipe = DiffusionPipeline.from_pretrained(str(root), **kwargs).to(device)
     pipe.set_progress_bar_config(disable=True)
     sched_source = scheduler if scheduler is not None else root / "scheduler"
-    sched = scheduler_config_of(sched_source)
+    sched = load_scheduler_config(sched_source)
     sched_dict = dict(scheduler) if isinstance(scheduler, dict) else json.loads(
         (Path(sched_source) / "scheduler_config.json" if Path(sched_source).is_dir() else Path(sched_source)).read_text())
     unet_cfg = pipe.unet.config

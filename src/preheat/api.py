@@ -1,0 +1,35 @@
+"""``preheat.load``: one entry point for both backends, above both (neither imports the other).
+
+    preheat.load(model)                                  -> preheat.engine.Pipeline (JAX)
+    preheat.load(model, backend="torch", compile=...)    -> preheat.backends.torch pipelines
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from preheat.errors import InvalidArgumentError
+
+__all__ = ["load"]
+
+
+def load(model: str | Path | None = None, *, backend: str = "jax", compile: str = "none", **options: Any) -> Any:
+    """A sampling pipeline for ``model`` (``None`` = the built-in model); see :func:`preheat.engine.load`
+    for ``scheduler``, ``dtype``, ``cache`` and ``variant``.
+
+    ``backend="torch"`` returns the same call API on diffusers' own models and pipelines, with
+    ``compile`` = "none" (eager), "inductor" (torch.compile) or "aot" (AOTInductor).
+    """
+    if backend == "torch":
+        from preheat.backends.torch import load as load_torch
+
+        return load_torch(model, compile=compile, **options)
+    if backend != "jax":
+        raise InvalidArgumentError(f"backend={backend!r} is not supported; use 'jax' or 'torch'", argument="backend")
+    if compile != "none":
+        raise InvalidArgumentError(f"compile={compile!r} applies to backend='torch'; the JAX loop is always compiled",
+                                   argument="compile")
+    from preheat.engine import load as load_jax
+
+    return load_jax(model, **options)
