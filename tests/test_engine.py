@@ -87,7 +87,7 @@ def test_from_denoiser_cache_key_follows_the_code_not_the_name(pipe):
 
     def make(scale: float):
         def denoise(p, x, t, y):
-            return x * p["w"] * scale
+            return x * p["w"].reshape(1, 1, 1, 1) * scale
 
         return denoise
 
