@@ -53,7 +53,7 @@ class Model:
     ``arch`` is a UNet2DModel config (random weights are written here in ``dtype``) or a name in
     ``preheat.bench.common.ARCHITECTURES`` (written by ``materialize_model``, loaded in ``dtype``).
     ``sample_args`` are more ``preheat sample`` arguments and ``generate_kwargs`` the same for
-    ``Pipeline.generate`` in the steady-state child (e.g. a prompt, once text-to-image lands).
+    ``Pipeline.generate`` in the steady-state child (e.g. a prompt and a size for text-to-image).
     """
 
     name: str
@@ -447,7 +447,7 @@ def steady_child(spec: dict[str, Any]) -> dict[str, Any]:
         pipe.generate(n, **kw)  # uint8 pixels on the host, as a user gets them
         times.append(time.perf_counter() - start)
     call = statistics.median(times)
-    sig, _ = pipe.prepare(n, **kw)
+    sig, prepared = pipe.prepare(n, **kw)
     calls = spec["steps"] * sig.spec.max_model_calls_per_step
     model_batch = 2 * n if sig.guided else n
     out.update(n=n, steps=spec["steps"], sampler=spec["sampler"], guided=sig.guided, model_calls=calls,
@@ -455,13 +455,15 @@ def steady_child(spec: dict[str, Any]) -> dict[str, Any]:
 
     # The two numbers per model call: matrix FLOPs over the measured matrix rate, and the fewest
     # bytes (weights read once, input in, prediction out) over the measured copy bandwidth.
-    h, w, c = pipe.sample_shape
-    sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    h, w, c = sig.sample_shape  # the request's own (latent) size
+    sds = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype)  # noqa: E731
+    cond, uncond = prepared[3], prepared[4]  # the conditioning pytrees the engine passes the denoiser
+    model_cond = jax.tree.map(lambda a, b: np.concatenate([a, b]), cond, uncond) if sig.guided else cond
     args = (jax.tree.map(sds, pipe.params), jax.ShapeDtypeStruct((model_batch, h, w, c), jnp.dtype(pipe.dtype)),
-            jax.ShapeDtypeStruct((model_batch,), jnp.float32), jax.ShapeDtypeStruct((model_batch,), jnp.int32))
+            jax.ShapeDtypeStruct((model_batch,), jnp.float32), jax.tree.map(sds, model_cond))
     try:
         flops = matrix_flops(jax.make_jaxpr(pipe.apply)(*args).jaxpr)
-    except Exception as exc:  # a denoiser of another signature (text-to-image): say so, keep the rest
+    except Exception as exc:  # a bug here must not cost the rest of the run: say so, keep the rest
         out["flops_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         flops = None
     try:  # XLA's own count (unoptimised HLO, lowered for the CPU: the GPU plugin has no pre-compile analysis)
