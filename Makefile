@@ -17,8 +17,12 @@ $(STAMP): $(BIN)/python pyproject.toml constraints-cpu.txt
 
 install: $(STAMP)
 
+# Random order (pytest-randomly); the seed is printed so that a failing order can be replayed with
+# `make test SEED=<seed>`.
+SEED ?= $(shell date +%s)
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q
+	@echo "test order: random, seed $(SEED) (replay: make test SEED=$(SEED))"
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q --randomly-seed=$(SEED)
 
 # The main job: sample a grid of digits with the built-in model.
 run: $(STAMP)

@@ -61,12 +61,16 @@ def test_missing_model_is_a_one_line_error(tmp_path):
 def test_quick_compare_on_a_micro_model(tmp_path):
     model = save_tiny_pipeline(tmp_path / "micro", config=MICRO)
     out, png = tmp_path / "compare.json", tmp_path / "compare.png"
+    # torch-inductor's warm start from preheat's entry is checked in a fresh process by
+    # test_torch_compile_cache; here the three other paths keep the run short.
+    paths = ("jax", "torch-eager", "torch-aot")
     result = CliRunner().invoke(compare_command, [str(model), "--quick", "--repeats", "1", "--steps", "2",
                                                   "--batch-sizes", "1", "--steady-repeats", "1",
+                                                  "--paths", ",".join(paths),
                                                   "--json-out", str(out), "--png-out", str(png)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert set(data["paths"]) == set(PATHS)
+    assert set(data["paths"]) == set(paths)
     for name, path in data["paths"].items():
         assert path["errors"] == [], (name, path["errors"])
         assert path["empty"]["process_start_to_first_image_s"]["median"] > 0
@@ -74,9 +78,8 @@ def test_quick_compare_on_a_micro_model(tmp_path):
         assert path["peak_rss_mb"] > 0
         # deterministic sampler (the model's dpmpp_2m), same initial noise: every path agrees with eager
         assert path["agreement_vs_torch_eager"]["mean_abs"] <= 1.0, name
-    layers = {p: (data["paths"][p]["empty"]["cache_layers"], data["paths"][p]["warm"]["cache_layers"]) for p in PATHS}
+    layers = {p: (data["paths"][p]["empty"]["cache_layers"], data["paths"][p]["warm"]["cache_layers"]) for p in paths}
     assert layers["torch-aot"] == (["none"], ["aot"])
-    assert layers["torch-inductor"] == (["none"], ["mega"])
     assert layers["jax"] == (["none"], ["aot"])
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "| torch-aot |" in result.output
