@@ -154,7 +154,8 @@ class Pipeline:
     _executables: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self.defaults = {**self.family.defaults, **{k: v for k, v in self.defaults.items() if k in ("sampler", "steps", "guidance")}}
+        own = {k: v for k, v in self.defaults.items() if k in ("sampler", "steps", "guidance")}
+        self.defaults = {**self.family.defaults, **own}  # the family's defaults, overridden by the folder's
 
     # ------------------------------------------------------------------ construction
 

@@ -158,7 +158,3 @@ class Family:
     def finish(self, pipe: "EngineView", request: "Request", out: Any) -> np.ndarray:
         """The denoising program's output -> uint8 pixels (n, H, W, C)."""
         return np.asarray(out)
-
-    def static_fields(self, values: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-        """Family inputs that select a compiled program (beyond the latent shape)."""
-        return ()

@@ -118,9 +118,6 @@ class StableDiffusionFamily(Family):
         return np.asarray(pipe.run_stage("decode", pipe.components["decode_fingerprint"], sig,
                                          lambda: _decode_program(vae), (vae.params, out)))
 
-    def static_fields(self, values: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-        return (("width", values["width"]), ("height", values["height"]))
-
 
 SD = StableDiffusionFamily()
 SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
