@@ -97,3 +97,15 @@ def test_sdk_local_test_mode_runs_a_job_offline(model_dir: Path, tmp_path: Path)
     out = runs["bad"].stdout + runs["bad"].stderr
     assert runs["bad"].returncode == 1, out[-3000:]
     assert "num_outputs: Input should be less than or equal to 1" in out
+
+
+def test_worker_settings_come_from_the_environment() -> None:
+    config = rp.config_from_env({"PREHEAT_MODEL": "hf://org/sd", "PREHEAT_SIZES": "512x512, 768x512",
+                                 "PREHEAT_DTYPE": "bfloat16", "PREHEAT_SAMPLERS": "euler,dpmpp_2m"})
+    assert config.model == "hf://org/sd" and config.dtype == "bfloat16"
+    assert config.sizes == ((512, 512), (768, 512)) and config.samplers == ("euler", "dpmpp_2m")
+    assert rp.config_from_env({}).sizes == () and rp.config_from_env({}).dtype == "float32"
+    from preheat.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="must be WIDTHxHEIGHT"):
+        rp.config_from_env({"PREHEAT_SIZES": "512"})

@@ -16,7 +16,9 @@ modifier > 1 the SDK runs several jobs at once and the core batches them into on
 The engine is loaded once per process (at ``python -m`` start, or on the first job), from
 ``$PREHEAT_MODEL`` (default: the built-in model). Knobs: ``PREHEAT_MAX_BATCH_SIZE`` (8),
 ``PREHEAT_BATCH_WAIT_MS`` (10), ``PREHEAT_MAX_QUEUE`` (64), ``PREHEAT_MAX_STEPS`` (200),
-``PREHEAT_SAMPLERS`` (comma-separated; default: the model's own, all compiled at start). The
+``PREHEAT_SAMPLERS`` (comma-separated; default: the model's own, all compiled at start),
+``PREHEAT_SIZES`` (text-to-image: ``512x512,768x512``; default: the model's size) and
+``PREHEAT_DTYPE`` (float32; ``bfloat16`` for a GPU worker). The
 compile cache lives on the network volume automatically (``/runpod-volume/preheat``, see
 ``preheat.cache.root``), so a cold worker with a warm volume starts hot.
 """
@@ -38,8 +40,11 @@ _lock = threading.Lock()
 
 
 def config_from_env(env: Optional[dict[str, str]] = None) -> CoreConfig:
+    from preheat.server.cli import _sizes
+
     env = dict(os.environ if env is None else env)
-    return CoreConfig(model=env.get("PREHEAT_MODEL") or None,
+    return CoreConfig(model=env.get("PREHEAT_MODEL") or None, dtype=env.get("PREHEAT_DTYPE") or "float32",
+                      sizes=_sizes(env.get("PREHEAT_SIZES")),
                       max_batch_size=int(env.get("PREHEAT_MAX_BATCH_SIZE", "8")),
                       batch_wait_ms=float(env.get("PREHEAT_BATCH_WAIT_MS", "10")),
                       max_queue=int(env.get("PREHEAT_MAX_QUEUE", "64")),
