@@ -278,24 +278,7 @@ class Pipeline:
         return request, sig, args
 
     def _run_denoise(self, sig: Signature, args: tuple) -> Any:
-        executable = self.executable(sig, args)
-        start = time.perf_counter()
-        try:
-            out = jax.block_until_ready(executable(*args))
-        except jax.errors.JaxRuntimeError as exc:
-            layer = self.last.stages.get("denoise", self.last).cache_layer
-            if layer != "aot" or self.compiler is None:
-                raise
-            # A cached executable that loads but fails to run (seen on XLA:CPU: "Function ... not
-            # found") is a bad entry like any other: quarantine it, compile, run again.
-            self.compiler.reject(self.fingerprint, sig, args, f"failed on its first run: {str(exc)[:200]}")
-            self._executables.pop(sig, None)
-            executable = self.executable(sig, args)
-            start = time.perf_counter()
-            out = jax.block_until_ready(executable(*args))
-        self.last.stages["denoise"].run_s = run_s = time.perf_counter() - start
-        self.last.run_s += run_s
-        return out
+        return self.run_stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args)
 
     def executable(self, sig: Signature, args: tuple) -> Callable[..., Any]:
         """The compiled denoising program for ``sig``: from memory, the compile cache, or a fresh compile."""
@@ -324,10 +307,23 @@ class Pipeline:
 
     def run_stage(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
                   args: tuple, outputs: int = 1) -> Any:
-        """Compile (or fetch) and run one encode/decode stage, timing its run."""
+        """Compile (or fetch) and run one stage, timing its run.
+
+        A cached executable that loads but fails on its first run (seen on XLA:CPU: "Function ...
+        not found") is a bad entry like any other: it is quarantined, compiled afresh, run again.
+        """
         executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs)
         start = time.perf_counter()
-        out = jax.block_until_ready(executable(*args))
+        try:
+            out = jax.block_until_ready(executable(*args))
+        except jax.errors.JaxRuntimeError as exc:
+            if self.last.stages[stage].cache_layer != "aot" or self.compiler is None:
+                raise
+            self.compiler.reject(fingerprint, sig, args, f"failed on its first run: {str(exc)[:200]}")
+            self._executables.pop(sig, None)
+            executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs)
+            start = time.perf_counter()
+            out = jax.block_until_ready(executable(*args))
         self.last.stages[stage].run_s = run_s = time.perf_counter() - start
         self.last.run_s += run_s
         return out

@@ -224,3 +224,34 @@ def test_cli_samples_a_text_to_image_folder(folders, tmp_path):
     bad = CliRunner().invoke(main, ["sample", str(folders["sd2"]), "--prompt", "x", "--width", "31", "--cache", "off",
                                     "--out", str(tmp_path / "bad.png")])
     assert bad.exit_code == 2 and "multiple of 2" in bad.output and not (tmp_path / "bad.png").exists()
+
+
+def test_a_cached_stage_that_fails_on_its_first_run_is_quarantined_and_recompiled(folders, tmp_path, monkeypatch):
+    """Every stage, not only the denoising loop, survives an entry that loads but cannot run."""
+    import jax
+
+    from preheat.cache import compile as compile_mod
+    from preheat.cache.compile import JaxCompiler
+
+    def fresh():
+        pipe = preheat.load(folders["sd1"], cache="off")
+        pipe.compiler = JaxCompiler(root=tmp_path, mode="full", remote=None)
+        return pipe
+
+    want = fresh().generate("a photo of a cat", steps=2, seed=0)  # fills the cache
+    real_load = compile_mod.JaxCompiler._load
+
+    def load_a_broken_program(self, *a, **k):
+        if real_load(self, *a, **k) is None:
+            return None
+
+        def broken(*args):
+            raise jax.errors.JaxRuntimeError("NOT_FOUND: Function fusion not found (type id: 1)")
+
+        return broken
+
+    monkeypatch.setattr(compile_mod.JaxCompiler, "_load", load_a_broken_program)
+    pipe = fresh()
+    np.testing.assert_array_equal(pipe.generate("a photo of a cat", steps=2, seed=0), want)
+    quarantined = [e["stage"] for e in pipe.compiler.events if "failed on its first run" in e.get("quarantined", "")]
+    assert sorted(quarantined) == ["decode", "denoise", "encode"]

@@ -273,7 +273,7 @@ class JaxCompiler:
     def reject(self, fingerprint: dict[str, Any], sig: Any, args: tuple, reason: str) -> None:
         """Quarantine the entry that served ``sig`` (it loaded but failed to run)."""
         key = key_of(key_fields(fingerprint, sig, args))
-        record: dict[str, Any] = {"key": key}
+        record: dict[str, Any] = {"key": key, "stage": getattr(sig, "stage", "denoise")}
         self._quarantine(self.kind_dir / key, reason, record)
         self.events.append(record)
 
