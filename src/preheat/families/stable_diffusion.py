@@ -246,20 +246,11 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
 
     cfg = unet.config
     width = sum(te.config.hidden_size for te in encoders)
-    if cfg.cross_attention_dim != width:
-        raise UnsupportedConfigError(
-            f"{root}: the UNet's cross_attention_dim is {cfg.cross_attention_dim} but the text encoder"
-            f"{'s give' if family.xl else ' gives'} {width}; the folder mixes components of different models")
-    if family.xl:
-        if cfg.addition_embed_type != "text_time":
-            raise UnsupportedConfigError(f"{root}: an SDXL UNet needs addition_embed_type 'text_time', "
-                                         f"got {cfg.addition_embed_type!r}")
-        pooled = encoders[-1].config.projection_dim
-        want = pooled + 6 * cfg.addition_time_embed_dim
-        if cfg.projection_class_embeddings_input_dim != want:
-            raise UnsupportedConfigError(
-                f"{root}: the UNet expects {cfg.projection_class_embeddings_input_dim} pooled+time features, "
-                f"the second text encoder gives {pooled} + 6 x {cfg.addition_time_embed_dim} = {want}")
+    if family.xl and cfg.addition_embed_type != "text_time":
+        raise UnsupportedConfigError(f"{root}: an SDXL UNet needs addition_embed_type 'text_time', "
+                                     f"got {cfg.addition_embed_type!r}")
+    # the UNet's own check: cross_attention_dim vs the encoders' width (and SDXL's pooled + 6 ids)
+    unet.check_text_conditioning(width, encoders[-1].config.projection_dim if family.xl else None)
     if vae.config.latent_channels != cfg.in_channels:
         raise UnsupportedConfigError(f"{root}: the VAE has {vae.config.latent_channels} latent channels, the UNet "
                                      f"takes {cfg.in_channels}")

@@ -45,7 +45,6 @@ __all__ = [
     "build_abstract",
     "read_json",
     "check_dtype",
-    "param_count",
 ]
 
 DIFFUSERS_STEM = "diffusion_pytorch_model"
@@ -213,6 +212,3 @@ def check_dtype(dtype: Any) -> jnp.dtype:
         raise UnsupportedConfigError(f"unsupported dtype {dt}; use float32, bfloat16 or float16")
     return dt
 
-
-def param_count(params: Any) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
