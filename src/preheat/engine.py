@@ -151,6 +151,7 @@ class Pipeline:
     components: dict[str, Any] = field(default_factory=dict)  # a family's other parts (encoders, VAE, ...)
     compiler: Any = None  # preheat.cache's compiler; None = compile in memory only
     last: Timings = field(default_factory=Timings)
+    load_report: Any = None  # how the weights were read (preheat.models.weights.LoadReport); set by load()
     _executables: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -446,9 +447,11 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     compiler = make_compiler(cache)  # first: JAX's cache must be configured before anything compiles
 
     from preheat.families import family_loader
+    from preheat.models.weights import recording
     from preheat.store import resolve
 
     # A local folder as it is; http(s):// and hf:// sources from the weights store (pulled once).
     root = BUILTIN_MODEL if model is None else resolve(str(model))
-    loaded: LoadedModel = family_loader(root)(root, scheduler=scheduler, dtype=dtype, variant=variant)
-    return Pipeline(**vars(loaded), compiler=compiler)
+    with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component
+        loaded: LoadedModel = family_loader(root)(root, scheduler=scheduler, dtype=dtype, variant=variant)
+    return Pipeline(**vars(loaded), compiler=compiler, load_report=weights_read.total)
