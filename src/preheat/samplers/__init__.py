@@ -65,8 +65,11 @@ from preheat.samplers._config import SAMPLERS, SchedulerConfig, find_scheduler_c
 from preheat.samplers._plan import Plan, SolverSpec, make_plan, make_spec
 from preheat.samplers._solvers import Model, NoiseFn, SamplerState, init, run, step
 
+DIFFUSION_SAMPLERS = SAMPLERS
+
 __all__ = [
     "SAMPLERS",
+    "DIFFUSION_SAMPLERS",
     "SchedulerConfig",
     "load_scheduler_config",
     "find_scheduler_config",

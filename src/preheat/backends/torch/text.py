@@ -137,7 +137,7 @@ def load_text(root: Path, family: Any, *, compile: str, dtype: str, device: str,
                                    "use compile='inductor' or 'none'", argument="compile")
     from diffusers import DiffusionPipeline
 
-    from preheat.families.stable_diffusion import _default_sampler
+    from preheat.families.text import default_sampler
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     kwargs: dict[str, Any] = {"torch_dtype": dtypes[dtype]}
@@ -164,5 +164,5 @@ def load_text(root: Path, family: Any, *, compile: str, dtype: str, device: str,
         pipe=pipe, family=family, scheduler_config=sched, scheduler_dict=sched_dict,
         sample_shape=(int(latent[0]), int(latent[1]), unet_cfg.in_channels),
         components={"vae_scale": vae_scale, "size_multiple": vae_scale},
-        fingerprint=fingerprint, defaults=_default_sampler(root, family), dtype=dtype, device=device,
+        fingerprint=fingerprint, defaults=default_sampler(root), dtype=dtype, device=device,
         compile=compile, compiler=compiler)
