@@ -102,9 +102,11 @@ class Job:
 
 
 def _all_samplers() -> tuple[str, ...]:
-    from preheat.samplers import SAMPLERS
+    # diffusion only for now: a flow sampler is refused by every diffusion model's config,
+    # so offering one by default would only advertise an error (families will declare theirs)
+    from preheat.samplers import DIFFUSION_SAMPLERS
 
-    return tuple(SAMPLERS)
+    return tuple(DIFFUSION_SAMPLERS)
 
 
 def input_model(limits: Limits) -> type[BaseModel]:
