@@ -32,7 +32,7 @@ import numpy as np
 from preheat.errors import UnsupportedConfigError
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.text import TextToImageFamily, component, default_sampler, encode, offload, prompts
-from preheat.samplers import FLOW_SAMPLERS
+from preheat.samplers import MU_SIGMAS_SAMPLERS
 
 __all__ = ["FluxFamily", "FLUX", "load_flux"]
 
@@ -46,7 +46,8 @@ class FluxFamily(TextToImageFamily):
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 28,
                                                                   "guidance": 3.5})
     inputs: tuple[str, ...] = ("prompt", "prompt_2", "width", "height")
-    samplers: tuple[str, ...] = FLOW_SAMPLERS
+    # FluxPipeline passes its own sigmas and mu to set_timesteps: only flow_euler's scheduler takes them
+    samplers: tuple[str, ...] = MU_SIGMAS_SAMPLERS
     max_size: int = 4096
 
     def guidance_mode(self, pipe: EngineView) -> str:
@@ -66,7 +67,7 @@ class FluxFamily(TextToImageFamily):
         config = pipe.scheduler_config
         if config.use_dynamic_shifting:
             options["mu"] = flow_mu(config, (h // 2) * (w // 2))  # from the packed token count
-        if request.sampler == "flow_euler" and not config.use_flow_sigmas:
+        if not config.use_flow_sigmas:
             options["sigmas"] = flux_sigmas(request.steps)  # what FluxPipeline passes to set_timesteps
         return options
 

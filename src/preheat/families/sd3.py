@@ -51,10 +51,10 @@ class SD3Family(TextToImageFamily):
                                        "than 1", argument="negative_prompt")
 
     def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
-        from preheat.samplers import flow_mu
+        from preheat.samplers import MU_SIGMAS_SAMPLERS, flow_mu
 
-        if not pipe.scheduler_config.use_dynamic_shifting:
-            return {}
+        if not pipe.scheduler_config.use_dynamic_shifting or request.sampler not in MU_SIGMAS_SAMPLERS:
+            return {}  # (make_plan names the problem if the sampler cannot shift dynamically)
         h, w, _ = request.sample_shape
         patch = pipe.components["patch_size"]
         return {"mu": flow_mu(pipe.scheduler_config, (h // patch) * (w // patch))}

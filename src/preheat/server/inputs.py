@@ -102,11 +102,11 @@ class Job:
 
 
 def _all_samplers() -> tuple[str, ...]:
-    # diffusion only for now: a flow sampler is refused by every diffusion model's config,
-    # so offering one by default would only advertise an error (families will declare theirs)
-    from preheat.samplers import DIFFUSION_SAMPLERS
+    # before set-up the model is not known; once it is, Limits.schedulers holds what is served
+    # (its family's samplers, which the engine's check names when a request asks for another)
+    from preheat.samplers import SAMPLERS
 
-    return tuple(DIFFUSION_SAMPLERS)
+    return tuple(SAMPLERS)
 
 
 def input_model(limits: Limits) -> type[BaseModel]:
