@@ -46,7 +46,8 @@ def tiny_t5_pieces(vocab_size: int = 1000, extra_ids: int = 10) -> list[tuple[st
     grams = [a + b for a in letters for b in letters] + ["▁" + a + b for a in letters for b in letters]
     room = vocab_size - len(head) - extra_ids
     if room < len(body):
-        raise ValueError(f"vocab_size {vocab_size} is too small for the tiny T5 vocab (needs {len(head) + len(body) + extra_ids})")
+        need = len(head) + len(body) + extra_ids
+        raise ValueError(f"vocab_size {vocab_size} is too small for the tiny T5 vocab (needs {need})")
     seen = {p for p, _ in head + body}
     body += [(g, -6.0 - 0.002 * i) for i, g in enumerate(g for g in grams if g not in seen)][:room - len(body)]
     if len(body) < room:
