@@ -33,6 +33,7 @@ PROMPTS = [
     "don't it's we're I'LL",
     "123 4k 8K 1920x1080 hdr",
     "café naïve über jalapeño",  # some accented letters are pieces, some are <unk>
+    "the \ufb01re \ufb01eld",  # the charsmap maps the ligature to "fi"
     "emoji 😀 smile 🐱🐶",  # <unk> runs
     "中文 日本語 русский",
     "<extra_id_0> cat </s> dog <pad> <unk>",  # special tokens written in the prompt
@@ -76,6 +77,14 @@ def test_matches_transformers_token_for_token(tok_folder, max_length):
     assert len(messages) == len(over) == (2 if max_length == 64 else 1)
     for message, (_, dropped) in zip(messages, over):
         assert f"truncated: {dropped} token(s) past the {max_length}-token limit" in message
+
+
+def test_the_folder_charsmap_normalizes(tok_folder):
+    raw = json.loads((tok_folder / "tokenizer.json").read_text())
+    assert "Precompiled" in json.dumps(raw["normalizer"])
+    tok = T5Tokenizer.from_folder(tok_folder, max_length=16)
+    assert tok.encode("the \ufb01re").tolist() == tok.encode("the fire").tolist()
+    assert 2 not in tok.encode("the fire")[0].tolist()  # no <unk>: the ligature was mapped
 
 
 def test_exact_fit_is_not_truncated_and_one_more_is(tok_folder):
