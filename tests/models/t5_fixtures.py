@@ -2,9 +2,12 @@
 
 Reusable by pipeline tests (FLUX ``text_encoder_2``/``tokenizer_2``, SD3 ``text_encoder_3``/``tokenizer_3``)::
 
-    save_tiny_t5_tokenizer(dir, vocab_size=1000, layout="transformers") -> dir   (T5TokenizerFast.save_pretrained)
+    save_tiny_t5_tokenizer(dir, vocab_size=1000, extra_ids=10, model_max_length=512, layout="transformers")
+        -> dir                                                                   (T5TokenizerFast.save_pretrained)
     save_tiny_t5_encoder(dir, seed=0, **config_overrides) -> dir                 (T5EncoderModel.save_pretrained)
     tiny_t5_config(**overrides) -> dict                                          (transformers T5Config kwargs)
+    tiny_t5_pieces(vocab_size=1000, extra_ids=10) -> [(piece, score)]            (the Unigram vocab)
+    tiny_precompiled_charsmap() -> bytes                                         (a one-entry SentencePiece charsmap)
     t5_reference(dir, input_ids, attention_mask=None) -> (B, L, d_model) numpy   (transformers, fp32)
 
 The tokenizer is a real SentencePiece-style Unigram (T5's layout: <pad>=0, </s>=1, <unk>=2, "▁",

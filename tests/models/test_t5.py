@@ -371,3 +371,21 @@ def test_no_torch_or_transformers_at_run_time(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             env={"PYTHONPATH": src, "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_prompts_to_embeddings_as_diffusers_flux_does(tmp_path):
+    """FluxPipeline._get_t5_prompt_embeds: T5TokenizerFast then T5EncoderModel, no attention mask."""
+    import torch
+    from transformers import T5EncoderModel as Ref, T5TokenizerFast
+
+    tok_dir = save_tiny_t5_tokenizer(tmp_path / "tokenizer_2", layout="hub")
+    enc_dir = save_tiny_t5_encoder(tmp_path / "text_encoder_2")
+    prompts = ["a photo of a cat", "", "an astronaut riding a horse on mars, oil painting"]
+    ref_tok, ref_enc = T5TokenizerFast.from_pretrained(str(tok_dir)), Ref.from_pretrained(str(enc_dir)).eval()
+    ids = ref_tok(prompts, padding="max_length", max_length=48, truncation=True, return_length=False,
+                  return_overflowing_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = ref_enc(ids, output_hidden_states=False)[0].numpy()
+    ours = load_t5_encoder(enc_dir)(T5Tokenizer.from_folder(tok_dir, max_length=48).encode(prompts))
+    assert ours.shape == ref.shape == (3, 48, 32)
+    assert _rel_err(ours, ref) <= FP32_REL_TOL

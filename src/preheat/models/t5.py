@@ -178,7 +178,9 @@ def relative_position_buckets(length: int, num_buckets: int, max_distance: int) 
     with np.errstate(divide="ignore"):
         log_bin = np.log(np.maximum(n, 1) / exact) / math.log(max_distance / exact) * (half - exact)
     large = np.minimum(exact + np.floor(log_bin + 1e-6).astype(np.int64), half - 1)
-    return ((rel > 0) * half + np.where(n < exact, n, large)).astype(np.int32)
+    out = ((rel > 0) * half + np.where(n < exact, n, large)).astype(np.int32)
+    out.setflags(write=False)  # cached and shared
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
