@@ -2,21 +2,27 @@
 
 Reusable by pipeline tests (FLUX ``text_encoder_2``/``tokenizer_2``, SD3 ``text_encoder_3``/``tokenizer_3``)::
 
-    save_tiny_t5_tokenizer(dir, vocab_size=1000, layout="transformers") -> dir   (T5TokenizerFast.save_pretrained)
+    save_tiny_t5_tokenizer(dir, vocab_size=1000, extra_ids=10, model_max_length=512, layout="transformers")
+        -> dir                                                                   (T5TokenizerFast.save_pretrained)
     save_tiny_t5_encoder(dir, seed=0, **config_overrides) -> dir                 (T5EncoderModel.save_pretrained)
     tiny_t5_config(**overrides) -> dict                                          (transformers T5Config kwargs)
+    tiny_t5_pieces(vocab_size=1000, extra_ids=10) -> [(piece, score)]            (the Unigram vocab)
+    tiny_precompiled_charsmap() -> bytes                                         (a one-entry SentencePiece charsmap)
     t5_reference(dir, input_ids, attention_mask=None) -> (B, L, d_model) numpy   (transformers, fp32)
 
 The tokenizer is a real SentencePiece-style Unigram (T5's layout: <pad>=0, </s>=1, <unk>=2, "▁",
 pieces, then the <extra_id_N> sentinels last, in reverse) with ``vocab_size`` ids in all, so with
 the defaults its ids are exactly the tiny encoder's vocabulary (1000, as diffusers' Flux tests).
-Without sentencepiece there is no precompiled charsmap: the normalizer is the one part of a
-published T5 tokenizer these folders do not exercise.
+Its normalizer is a SentencePiece precompiled charsmap, as in published T5 tokenizers, but a
+one-entry one written here (NFKC's "ﬁ" -> "fi"; ``tiny_precompiled_charsmap``), since building
+T5's real nmt_nfkc map needs sentencepiece.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +52,37 @@ def tiny_t5_pieces(vocab_size: int = 1000, extra_ids: int = 10) -> list[tuple[st
     grams = [a + b for a in letters for b in letters] + ["▁" + a + b for a in letters for b in letters]
     room = vocab_size - len(head) - extra_ids
     if room < len(body):
-        raise ValueError(f"vocab_size {vocab_size} is too small for the tiny T5 vocab (needs {len(head) + len(body) + extra_ids})")
+        need = len(head) + len(body) + extra_ids
+        raise ValueError(f"vocab_size {vocab_size} is too small for the tiny T5 vocab (needs {need})")
     seen = {p for p, _ in head + body}
     body += [(g, -6.0 - 0.002 * i) for i, g in enumerate(g for g in grams if g not in seen)][:room - len(body)]
     if len(body) < room:
         raise ValueError(f"vocab_size {vocab_size} is too large for the tiny T5 vocab")
     tail = [(f"<extra_id_{i}>", 0.0) for i in range(extra_ids - 1, -1, -1)]
     return head + body + tail
+
+
+def tiny_precompiled_charsmap(key: str = "\ufb01", value: str = "fi") -> bytes:
+    """A SentencePiece precompiled charsmap mapping one character to ``value``.
+
+    The format ``tokenizers``' Precompiled normalizer reads: u32 trie size in bytes, a darts-clone
+    double-array trie of u32 units (offset << 10 | has_leaf << 8 | label; a leaf unit has bit 31
+    and the value: an offset into the blob), then the NUL-terminated normalized strings.
+    """
+    data = key.encode()
+    if not 1 <= len(data) <= 4:
+        raise ValueError("the key must be one to four UTF-8 bytes")
+    offsets = [256, 512, 1024, 2048, 4096]  # every child position is base ^ byte: no two collide
+    units: dict[int, int] = {0: offsets[0] << 10}
+    base = offsets[0]
+    for i, byte in enumerate(data):
+        pos = base ^ byte
+        units[pos] = (offsets[i + 1] << 10) | (int(i == len(data) - 1) << 8) | byte
+        base = pos ^ offsets[i + 1]
+    units[base] = 0x80000000  # the leaf: value 0, the first string of the blob
+    array = [units.get(i, 0) for i in range(max(units) + 1)]
+    trie = struct.pack(f"<{len(array)}I", *array)
+    return struct.pack("<I", len(trie)) + trie + value.encode() + b"\0"
 
 
 def save_tiny_t5_tokenizer(directory: str | Path, vocab_size: int = 1000, extra_ids: int = 10,
@@ -62,7 +92,7 @@ def save_tiny_t5_tokenizer(directory: str | Path, vocab_size: int = 1000, extra_
     ``layout="transformers"``: what transformers 5 ``save_pretrained`` writes (tokenizer.json +
     tokenizer_config.json). ``layout="hub"``: the files as published FLUX/SD3 folders hold them
     (written by transformers 4.x): tokenizer.json with the file's own single Metaspace pre-tokenizer
-    and a whitespace-collapsing normalizer, tokenizer_config.json with added_tokens_decoder and
+    and its normalizer (the charsmap, then whitespace runs collapsed), tokenizer_config.json with added_tokens_decoder and
     additional_special_tokens, and special_tokens_map.json (spiece.model is not written: no
     sentencepiece here).
     """
@@ -70,8 +100,9 @@ def save_tiny_t5_tokenizer(directory: str | Path, vocab_size: int = 1000, extra_
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    charsmap = tiny_precompiled_charsmap()
     tok = T5TokenizerFast(vocab=tiny_t5_pieces(vocab_size, extra_ids), extra_ids=extra_ids,
-                          model_max_length=model_max_length)
+                          model_max_length=model_max_length, _spm_precompiled_charsmap=charsmap)
     tok.save_pretrained(str(directory))
     if layout == "transformers":
         return directory
@@ -80,6 +111,7 @@ def save_tiny_t5_tokenizer(directory: str | Path, vocab_size: int = 1000, extra_
     path = directory / "tokenizer.json"
     raw = json.loads(path.read_text())
     raw["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Precompiled", "precompiled_charsmap": base64.b64encode(charsmap).decode()},
         {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}]}
     raw["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True}
     path.write_text(json.dumps(raw, ensure_ascii=False))

@@ -217,7 +217,7 @@ SOLVER_CASES = [c for c in SCHEDULES if c[0] in ("schnell-flux", "dev-flux", "sd
 
 
 @pytest.mark.parametrize("sampler,cfg,mu,flux,steps", [
-    pytest.param(s, c, m, f, n, id=f"{i}-{n}") for i, s, c, m, f in SOLVER_CASES for n in (1, 2, 3, 9)
+    pytest.param(s, c, m, f, n, id=f"{i}-{n}") for i, s, c, m, f in SOLVER_CASES for n in (1, 2, 3, 9, 28)
     if not _no_single_step(i, n)])
 def test_steps_match_diffusers(sampler: str, cfg: dict[str, Any], mu: float | None, flux: bool, steps: int) -> None:
     spec, plan = ours(sampler, cfg, steps, mu, flux)

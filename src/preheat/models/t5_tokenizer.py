@@ -108,7 +108,8 @@ class T5Tokenizer:
         config = read_json(config_file, "tokenizer config") if config_file.is_file() else {}
         for side in ("padding_side", "truncation_side"):
             if config.get(side, "right") != "right":
-                raise UnsupportedConfigError(f"unsupported {side} {config[side]!r} in {config_file}; supported: 'right'")
+                raise UnsupportedConfigError(
+                    f"unsupported {side} {config[side]!r} in {config_file}; supported: 'right'")
 
         backend = Tokenizer(Unigram(pieces, unk_id=T5_UNK_ID, byte_fallback=False))
         charsmap = _charsmap(raw.get("normalizer"), str(json_file))

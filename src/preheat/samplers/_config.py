@@ -471,18 +471,21 @@ def resolve_flow(config: SchedulerConfig, sampler: str) -> ResolvedFlowConfig:
         raise SchedulerConfigError(
             f"{' and '.join(conversions)} are both True; {cls_name} takes at most one sigma conversion"
         )
+    def shift_line(key: str) -> Any:
+        # flow_mu's inputs: the pipelines read them from the config (FlowMatchEuler's defaults)
+        v = getattr(config, key)
+        return CLASS_DEFAULTS["flow_euler"][key] if v is None else v
+
     shift_terminal = get("shift_terminal")
     return ResolvedFlowConfig(
         sampler=sampler,
         num_train_timesteps=int(get("num_train_timesteps")),
         shift=float(get("shift")),
         use_dynamic_shifting=bool(get("use_dynamic_shifting")),
-        base_shift=float(CLASS_DEFAULTS["flow_euler"]["base_shift"] if config.base_shift is None else config.base_shift),
-        max_shift=float(CLASS_DEFAULTS["flow_euler"]["max_shift"] if config.max_shift is None else config.max_shift),
-        base_image_seq_len=int(CLASS_DEFAULTS["flow_euler"]["base_image_seq_len"]
-                               if config.base_image_seq_len is None else config.base_image_seq_len),
-        max_image_seq_len=int(CLASS_DEFAULTS["flow_euler"]["max_image_seq_len"]
-                              if config.max_image_seq_len is None else config.max_image_seq_len),
+        base_shift=float(shift_line("base_shift")),
+        max_shift=float(shift_line("max_shift")),
+        base_image_seq_len=int(shift_line("base_image_seq_len")),
+        max_image_seq_len=int(shift_line("max_image_seq_len")),
         invert_sigmas=bool(get("invert_sigmas")),
         shift_terminal=float(shift_terminal) if shift_terminal else None,  # diffusers: ``if shift_terminal:``
         sigma_conversion=conversions[0][4:-7] if conversions else "",  # "use_karras_sigmas" -> "karras"

@@ -80,7 +80,7 @@ class Plan(NamedTuple):
 
     n_steps: np.ndarray  # int32 []: steps to run (a traced trip count)
     timesteps: np.ndarray  # float32 [L]: the t the model sees at step i
-    sigmas: np.ndarray  # float32 [L]: sigma_i (sigma-space samplers); sigmas[n_steps] = 0
+    sigmas: np.ndarray  # float32 [L]: sigma_i (sigma-space samplers); sigmas[n_steps] = 0 (1: invert_sigmas)
     alpha_bar: np.ndarray  # float32 [L]: alphas_cumprod at t_i (ddpm, ddim)
     alpha_bar_prev: np.ndarray  # float32 [L]: alphas_cumprod at the step's target (ddpm, ddim)
     order: np.ndarray  # int32 [L]: dpm++ order of step i (1 or 2)
