@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError, WeightsError
-from preheat.models.flux import (FluxTransformerConfig, build_abstract, latent_image_ids, load_flux_transformer,
-                                 pack_latents, rope_cos_sin, unpack_latents)
+from preheat.models.flux import (FluxTransformerConfig, build_abstract, build_flux_transformer, latent_image_ids,
+                                 load_flux_transformer, pack_latents, rope_cos_sin, unpack_latents)
 from preheat.models.weights import expected_torch_shape, torch_key
 
 # Like diffusers' own FluxTransformer tests: tiny widths, one block of each kind.
@@ -265,6 +265,33 @@ def test_published_configs_map_every_tensor_both_ways(name, config):
     n_params = sum(int(np.prod(s)) for s in ref.values())
     assert n_params > 11.8e9, n_params  # the whole 12B model, not a fragment
     assert any(k.startswith("time_text_embed.guidance_embedder.") for k in ours) is config["guidance_embeds"]
+
+
+@pytest.mark.slow
+def test_full_width_dev_blocks_match_diffusers():
+    """FLUX.1-dev's real widths (24 heads of 128, rotary axes 16/56/56, T5 4096, CLIP 768, 64 packed
+    channels) with one block of each kind: 0.5B random fp32 parameters, about 4 GB at peak."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    config = dict(FLUX1_DEV, num_layers=1, num_single_layers=1)
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(**_model_kwargs(config)).eval()
+    with torch.no_grad():  # move RMSNorm weights and zero-initialised biases off 1 / 0
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.05)
+    tensors = {k: v.numpy() for k, v in model.state_dict().items()}  # shares torch's memory
+    ours = build_flux_transformer(FluxTransformerConfig.from_dict(config), tensors)
+    del tensors
+    inputs = _inputs(config, seed=5)
+    args = {k: None if v is None else torch.as_tensor(np.array(v)) for k, v in inputs.items()}
+    with torch.no_grad():
+        ref = model(**args, return_dict=False)[0].numpy()
+    del model
+    out = jax.jit(ours.apply)(ours.params, **inputs)
+    scale = max(1.0, float(np.abs(ref).max()))
+    assert _err(out, ref) <= 5e-5 * scale, f"max abs error {_err(out, ref):.3g} (output scale {scale:.3g})"
 
 
 # ----------------------------------------------------------------------------------------------
