@@ -172,7 +172,8 @@ def test_sharded_and_variant_folders_load_the_same_weights(tmp_path):
     config = CASES["dev-like"]
     plain = _save_tiny(tmp_path / "plain", config, seed=3)
     sharded = _save_tiny(tmp_path / "sharded", config, seed=3, max_shard_size="20KB")
-    assert len(list(sharded.glob("*.safetensors"))) > 2 and (sharded / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    assert (sharded / "diffusion_pytorch_model.safetensors.index.json").is_file()
     a, b = load_flux_transformer(plain), load_flux_transformer(sharded)
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -198,7 +199,8 @@ def test_weights_are_data_one_compile_serves_two_checkpoints(tmp_path):
     b = load_flux_transformer(_save_tiny(tmp_path / "b", config, seed=2))
     inputs = _inputs(config)
     forward = jax.jit(a.apply)
-    out_a, out_b = forward(a.params, **inputs), forward(b.params, **{**inputs, "timestep": np.array([0.5, 0.1], np.float32)})
+    out_a = forward(a.params, **inputs)
+    out_b = forward(b.params, **{**inputs, "timestep": np.array([0.5, 0.1], np.float32)})
     assert forward._cache_size() == 1
     assert _err(out_a, out_b) > 1e-2
 
