@@ -140,6 +140,17 @@ def test_every_input_matters(case):
         assert _err(forward(model.params, **{**inputs, key: value}), base) > 1e-3, f"{name}: {key} has no effect"
 
 
+def test_scalar_timestep_and_guidance_broadcast_over_the_batch(tmp_path):
+    """A sampler may pass one sigma (and one guidance scale) for the whole batch, as diffusers' pipeline
+    expands them."""
+    config = CASES["dev-like"]
+    model = load_flux_transformer(_save_tiny(tmp_path / "m", config, seed=4))
+    inputs = _inputs(config)
+    both = dict(inputs, timestep=np.full(BATCH, 0.6, np.float32), guidance=np.full(BATCH, 4.0, np.float32))
+    scalar = dict(inputs, timestep=np.float32(0.6), guidance=np.float32(4.0))
+    assert _err(model.apply(model.params, **scalar), model.apply(model.params, **both)) <= 1e-6
+
+
 def test_bf16_runs_close_to_fp32_reference(case):
     name, config, folder, inputs, ref = case
     model = load_flux_transformer(folder, dtype=jnp.bfloat16)
