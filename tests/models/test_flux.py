@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError, WeightsError
-from preheat.models.flux import (FluxTransformerConfig, build_abstract, latent_image_ids, load_flux_transformer,
-                                 pack_latents, rope_cos_sin, unpack_latents)
+from preheat.models.flux import (FluxTransformerConfig, build_abstract, build_flux_transformer, latent_image_ids,
+                                 load_flux_transformer, pack_latents, rope_cos_sin, unpack_latents)
 from preheat.models.weights import expected_torch_shape, torch_key
 
 # Like diffusers' own FluxTransformer tests: tiny widths, one block of each kind.
@@ -140,6 +140,17 @@ def test_every_input_matters(case):
         assert _err(forward(model.params, **{**inputs, key: value}), base) > 1e-3, f"{name}: {key} has no effect"
 
 
+def test_scalar_timestep_and_guidance_broadcast_over_the_batch(tmp_path):
+    """A sampler may pass one sigma (and one guidance scale) for the whole batch, as diffusers' pipeline
+    expands them."""
+    config = CASES["dev-like"]
+    model = load_flux_transformer(_save_tiny(tmp_path / "m", config, seed=4))
+    inputs = _inputs(config)
+    both = dict(inputs, timestep=np.full(BATCH, 0.6, np.float32), guidance=np.full(BATCH, 4.0, np.float32))
+    scalar = dict(inputs, timestep=np.float32(0.6), guidance=np.float32(4.0))
+    assert _err(model.apply(model.params, **scalar), model.apply(model.params, **both)) <= 1e-6
+
+
 def test_bf16_runs_close_to_fp32_reference(case):
     name, config, folder, inputs, ref = case
     model = load_flux_transformer(folder, dtype=jnp.bfloat16)
@@ -172,7 +183,8 @@ def test_sharded_and_variant_folders_load_the_same_weights(tmp_path):
     config = CASES["dev-like"]
     plain = _save_tiny(tmp_path / "plain", config, seed=3)
     sharded = _save_tiny(tmp_path / "sharded", config, seed=3, max_shard_size="20KB")
-    assert len(list(sharded.glob("*.safetensors"))) > 2 and (sharded / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    assert (sharded / "diffusion_pytorch_model.safetensors.index.json").is_file()
     a, b = load_flux_transformer(plain), load_flux_transformer(sharded)
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -198,7 +210,8 @@ def test_weights_are_data_one_compile_serves_two_checkpoints(tmp_path):
     b = load_flux_transformer(_save_tiny(tmp_path / "b", config, seed=2))
     inputs = _inputs(config)
     forward = jax.jit(a.apply)
-    out_a, out_b = forward(a.params, **inputs), forward(b.params, **{**inputs, "timestep": np.array([0.5, 0.1], np.float32)})
+    out_a = forward(a.params, **inputs)
+    out_b = forward(b.params, **{**inputs, "timestep": np.array([0.5, 0.1], np.float32)})
     assert forward._cache_size() == 1
     assert _err(out_a, out_b) > 1e-2
 
@@ -265,6 +278,33 @@ def test_published_configs_map_every_tensor_both_ways(name, config):
     n_params = sum(int(np.prod(s)) for s in ref.values())
     assert n_params > 11.8e9, n_params  # the whole 12B model, not a fragment
     assert any(k.startswith("time_text_embed.guidance_embedder.") for k in ours) is config["guidance_embeds"]
+
+
+@pytest.mark.slow
+def test_full_width_dev_blocks_match_diffusers():
+    """FLUX.1-dev's real widths (24 heads of 128, rotary axes 16/56/56, T5 4096, CLIP 768, 64 packed
+    channels) with one block of each kind: 0.5B random fp32 parameters, about 4 GB at peak."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    config = dict(FLUX1_DEV, num_layers=1, num_single_layers=1)
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(**_model_kwargs(config)).eval()
+    with torch.no_grad():  # move RMSNorm weights and zero-initialised biases off 1 / 0
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.05)
+    tensors = {k: v.numpy() for k, v in model.state_dict().items()}  # shares torch's memory
+    ours = build_flux_transformer(FluxTransformerConfig.from_dict(config), tensors)
+    del tensors
+    inputs = _inputs(config, seed=5)
+    args = {k: None if v is None else torch.as_tensor(np.array(v)) for k, v in inputs.items()}
+    with torch.no_grad():
+        ref = model(**args, return_dict=False)[0].numpy()
+    del model
+    out = jax.jit(ours.apply)(ours.params, **inputs)
+    scale = max(1.0, float(np.abs(ref).max()))
+    assert _err(out, ref) <= 5e-5 * scale, f"max abs error {_err(out, ref):.3g} (output scale {scale:.3g})"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -121,7 +121,8 @@ class FluxTransformerConfig(JsonConfig):
                 raise UnsupportedConfigError(
                     f"{source}: {name} must be an integer >= {positive}, got {value!r}")
         if not isinstance(self.guidance_embeds, bool):
-            raise UnsupportedConfigError(f"{source}: guidance_embeds must be true or false, got {self.guidance_embeds!r}")
+            raise UnsupportedConfigError(
+                f"{source}: guidance_embeds must be true or false, got {self.guidance_embeds!r}")
         axes = self.axes_dims_rope
         if (not isinstance(axes, tuple) or not axes
                 or any(not isinstance(d, int) or isinstance(d, bool) or d <= 0 or d % 2 for d in axes)):
@@ -552,9 +553,13 @@ class FluxTransformer:
         Activations run in ``self.dtype``; the timestep and guidance sinusoids and rotary angles in float32.
         """
         model = nnx.merge(self.graphdef, params)
-        return model(jnp.asarray(hidden_states).astype(self.dtype), jnp.asarray(encoder_hidden_states).astype(self.dtype),
-                     jnp.asarray(pooled_projections).astype(self.dtype), jnp.asarray(timestep, jnp.float32),
-                     jnp.asarray(img_ids, jnp.float32), jnp.asarray(txt_ids, jnp.float32),
+
+        def act(v: Any) -> Array:
+            return jnp.asarray(v).astype(self.dtype)
+
+        return model(act(hidden_states), act(encoder_hidden_states), act(pooled_projections),
+                     jnp.asarray(timestep, jnp.float32), jnp.asarray(img_ids, jnp.float32),
+                     jnp.asarray(txt_ids, jnp.float32),
                      None if guidance is None else jnp.asarray(guidance, jnp.float32))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Array:
