@@ -107,7 +107,9 @@ def reference_pipeline(folder: Path, sampler: str = "flow_euler") -> Any:
 
     from preheat.backends.torch.sampling import make_scheduler
 
-    pipe = DiffusionPipeline.from_pretrained(folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    absent = {k: None for k, v in index.items() if v == [None, None]}  # e.g. SD3 saved without T5
+    pipe = DiffusionPipeline.from_pretrained(folder, **absent)
     config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
     pipe.scheduler = make_scheduler(sampler, config)
     pipe.set_progress_bar_config(disable=True)
