@@ -140,6 +140,23 @@ def test_nchw_call_and_scalar_timestep(tiny):
     assert _max_err(out, ref) <= FP32_TOL * max(1.0, float(np.abs(ref).max()))
 
 
+def test_skip_layers_matches_diffusers(tiny):
+    """SD3.5's skip-layer guidance: diffusers' ``skip_layers`` leaves blocks out (here the first, a dual-attention one)."""
+    import torch
+
+    path, model = tiny("sd35-medium")
+    transformer = load_sd3_transformer(path)
+    inputs = tiny_inputs(tiny_config("sd35-medium"), height=8, width=6, seed=6)
+    with torch.no_grad():
+        ref = model(**{k: torch.from_numpy(v) for k, v in inputs.items()}, skip_layers=[0]).sample.numpy()
+    out = np.asarray(transformer(**inputs, skip_layers=(0,)))
+    assert _max_err(out, ref) <= FP32_TOL * max(1.0, float(np.abs(ref).max()))
+    assert _max_err(out, torch_output(model, inputs)) > 0.1  # skipping a block really changes the output
+    with pytest.raises(InvalidArgumentError, match=r"skip_layers \[2\] out of range") as info:
+        transformer(**inputs, skip_layers=(2,))
+    _one_line(info.value)
+
+
 def test_position_table_matches_diffusers():
     """The host-side sin-cos table (non-square grids, both base sizes) and the static centre crop
     against diffusers' ``get_2d_sincos_pos_embed`` and ``PatchEmbed.cropped_pos_embed``."""
@@ -192,7 +209,7 @@ def test_one_program_for_every_timestep_and_prompt(tiny):
 
 
 def test_bf16_runs_close_to_fp32_reference(tiny):
-    """bf16 weights and activations against diffusers in fp32. Measured max abs error ~3e-2 on outputs ~3."""
+    """bf16 weights and activations against diffusers in fp32. Measured max abs error 2e-2 to 5e-2 on outputs ~3."""
     path, model = tiny("sd35-medium")
     transformer = load_sd3_transformer(path, dtype=jnp.bfloat16)
     assert {leaf.dtype for leaf in jax.tree.leaves(transformer.params)} == {jnp.dtype(jnp.bfloat16)}
