@@ -141,7 +141,7 @@ def test_nchw_call_and_scalar_timestep(tiny):
 
 
 def test_skip_layers_matches_diffusers(tiny):
-    """SD3.5's skip-layer guidance: diffusers' ``skip_layers`` leaves blocks out (here the first, a dual-attention one)."""
+    """Skip-layer guidance (SD3.5): diffusers' ``skip_layers`` leaves blocks out (here the first, with dual attention)."""
     import torch
 
     path, model = tiny("sd35-medium")
@@ -202,7 +202,8 @@ def test_one_program_for_every_timestep_and_prompt(tiny):
         inputs = tiny_inputs(tiny_config("sd35-medium"), height=8, width=8, seed=seed)
         inputs["timestep"] = inputs["timestep"] * (seed / 7)
         x = jnp.transpose(inputs["hidden_states"], (0, 2, 3, 1))
-        out = f(transformer.params, x, inputs["encoder_hidden_states"], inputs["pooled_projections"], inputs["timestep"])
+        out = f(transformer.params, x, inputs["encoder_hidden_states"], inputs["pooled_projections"],
+                inputs["timestep"])
         ref = torch_output(model, inputs)
         assert _max_err(np.transpose(np.asarray(out), (0, 3, 1, 2)), ref) <= FP32_TOL * max(1.0, np.abs(ref).max())
     assert len(traces) == 1
@@ -312,7 +313,8 @@ def test_folder_problems_are_one_line(tiny, tmp_path):
     bare = shutil.copytree(path, tmp_path / "bare")
     raw = json.loads((bare / "config.json").read_text())
     (bare / "config.json").write_text(json.dumps({**raw, "joint_attention_dim": 48}))
-    with pytest.raises(WeightsError, match=r"context_embedder.weight has shape \(32, 32\), expected \(32, 48\)") as info:
+    needle = r"context_embedder.weight has shape \(32, 32\), expected \(32, 48\)"
+    with pytest.raises(WeightsError, match=needle) as info:
         load_sd3_transformer(bare)
     _one_line(info.value)
     (bare / "config.json").write_text(json.dumps({**raw, "qk_norm": "rms_norm"}))

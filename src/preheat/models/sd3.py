@@ -105,7 +105,8 @@ class SD3TransformerConfig(JsonConfig):
     def validate(self, source: str = "config") -> None:
         if self.qk_norm not in SUPPORTED["qk_norm"]:
             allowed = ", ".join(repr(v) for v in SUPPORTED["qk_norm"])
-            raise UnsupportedConfigError(f"unsupported {_CLASS} qk_norm {self.qk_norm!r} in {source}; supported: {allowed}")
+            raise UnsupportedConfigError(
+                f"unsupported {_CLASS} qk_norm {self.qk_norm!r} in {source}; supported: {allowed}")
         for name in ("sample_size", "patch_size", "in_channels", "num_layers", "attention_head_dim",
                      "num_attention_heads", "joint_attention_dim", "caption_projection_dim", "pooled_projection_dim"):
             _positive(name, getattr(self, name), source)
@@ -148,7 +149,8 @@ def _positive(name: str, value: Any, source: str) -> None:
 # Position embedding (host side: shapes are static)
 
 
-def sincos_pos_embed_2d(dim: int, grid: tuple[int, int], base_size: int, interpolation_scale: float = 1.0) -> np.ndarray:
+def sincos_pos_embed_2d(dim: int, grid: tuple[int, int], base_size: int,
+                        interpolation_scale: float = 1.0) -> np.ndarray:
     """diffusers' ``get_2d_sincos_pos_embed`` for an (h, w) grid -> (h*w, dim) float32, rows row-major.
 
     Token (r, c) is [sincos(dim/2, column position c), sincos(dim/2, row position r)]: diffusers'
@@ -417,8 +419,9 @@ class SD3Transformer2DModel(nnx.Module):
         self.time_text_embed = CombinedTimestepTextProjEmbeddings(d, c.pooled_projection_dim, rngs=rngs)
         self.context_embedder = Linear(c.joint_attention_dim, c.caption_projection_dim, rngs=rngs)
         self.transformer_blocks = nnx.List([
-            JointTransformerBlock(d, c.num_attention_heads, c.attention_head_dim, context_pre_only=i == c.num_layers - 1,
-                                  qk_norm=c.qk_norm, dual=i in c.dual_attention_layers, rngs=rngs)
+            JointTransformerBlock(d, c.num_attention_heads, c.attention_head_dim,
+                                  context_pre_only=i == c.num_layers - 1, qk_norm=c.qk_norm,
+                                  dual=i in c.dual_attention_layers, rngs=rngs)
             for i in range(c.num_layers)
         ])
         self.norm_out = AdaLayerNormContinuous(d, d, rngs=rngs)
