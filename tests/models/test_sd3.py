@@ -141,7 +141,7 @@ def test_nchw_call_and_scalar_timestep(tiny):
 
 
 def test_skip_layers_matches_diffusers(tiny):
-    """Skip-layer guidance (SD3.5): diffusers' ``skip_layers`` leaves blocks out (here the first, with dual attention)."""
+    """Skip-layer guidance (SD3.5): diffusers' ``skip_layers`` leaves blocks out (the first, with dual attention)."""
     import torch
 
     path, model = tiny("sd35-medium")
