@@ -105,7 +105,8 @@ class SD3TransformerConfig(JsonConfig):
     def validate(self, source: str = "config") -> None:
         if self.qk_norm not in SUPPORTED["qk_norm"]:
             allowed = ", ".join(repr(v) for v in SUPPORTED["qk_norm"])
-            raise UnsupportedConfigError(f"unsupported {_CLASS} qk_norm {self.qk_norm!r} in {source}; supported: {allowed}")
+            raise UnsupportedConfigError(
+                f"unsupported {_CLASS} qk_norm {self.qk_norm!r} in {source}; supported: {allowed}")
         for name in ("sample_size", "patch_size", "in_channels", "num_layers", "attention_head_dim",
                      "num_attention_heads", "joint_attention_dim", "caption_projection_dim", "pooled_projection_dim"):
             _positive(name, getattr(self, name), source)
@@ -148,7 +149,8 @@ def _positive(name: str, value: Any, source: str) -> None:
 # Position embedding (host side: shapes are static)
 
 
-def sincos_pos_embed_2d(dim: int, grid: tuple[int, int], base_size: int, interpolation_scale: float = 1.0) -> np.ndarray:
+def sincos_pos_embed_2d(dim: int, grid: tuple[int, int], base_size: int,
+                        interpolation_scale: float = 1.0) -> np.ndarray:
     """diffusers' ``get_2d_sincos_pos_embed`` for an (h, w) grid -> (h*w, dim) float32, rows row-major.
 
     Token (r, c) is [sincos(dim/2, column position c), sincos(dim/2, row position r)]: diffusers'
@@ -331,21 +333,23 @@ class JointTransformerBlock(nnx.Module):
 
     def __call__(self, x: Array, context: Array, temb: Array) -> tuple[Array, Array | None]:
         """(B, N, D) image, (B, T, D) text, (B, D) -> image, text (None after the last block)."""
-        nx, m, nx2 = self.norm1(x, temb)  # m: shift, scale, gate (attn); shift, scale, gate (MLP); [attn2]
+        nx, m, nx2 = self.norm1(x, temb)
+        _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = m[:6]  # each (B, D); m[8]: attn2's gate
         if self.context_pre_only:
-            nc, cm = self.norm1_context(context, temb), ()
+            nc = self.norm1_context(context, temb)
         else:
             nc, cm, _ = self.norm1_context(context, temb)
-        attn, attn_ctx = self.attn(nx, nc)
-        x = x + m[2][:, None, :] * attn
+        attn, attn_ctx = self.attn(nx, nc)  # (B, N, D), (B, T, D)
+        x = x + gate_msa[:, None, :] * attn
         if self.attn2 is not None:
             x = x + m[8][:, None, :] * self.attn2(nx2)[0]
-        x = x + m[5][:, None, :] * self.ff(_modulate(_layer_norm(x), m[3], m[4]))
+        x = x + gate_mlp[:, None, :] * self.ff(_modulate(_layer_norm(x), shift_mlp, scale_mlp))
         if self.context_pre_only:
             return x, None
-        context = context + cm[2][:, None, :] * attn_ctx
-        ff_ctx = self.ff_context(_modulate(_layer_norm(context), cm[3], cm[4]))
-        return x, context + cm[5][:, None, :] * ff_ctx
+        _, _, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = cm
+        context = context + c_gate_msa[:, None, :] * attn_ctx
+        ff_ctx = self.ff_context(_modulate(_layer_norm(context), c_shift_mlp, c_scale_mlp))
+        return x, context + c_gate_mlp[:, None, :] * ff_ctx
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,8 +419,9 @@ class SD3Transformer2DModel(nnx.Module):
         self.time_text_embed = CombinedTimestepTextProjEmbeddings(d, c.pooled_projection_dim, rngs=rngs)
         self.context_embedder = Linear(c.joint_attention_dim, c.caption_projection_dim, rngs=rngs)
         self.transformer_blocks = nnx.List([
-            JointTransformerBlock(d, c.num_attention_heads, c.attention_head_dim, context_pre_only=i == c.num_layers - 1,
-                                  qk_norm=c.qk_norm, dual=i in c.dual_attention_layers, rngs=rngs)
+            JointTransformerBlock(d, c.num_attention_heads, c.attention_head_dim,
+                                  context_pre_only=i == c.num_layers - 1, qk_norm=c.qk_norm,
+                                  dual=i in c.dual_attention_layers, rngs=rngs)
             for i in range(c.num_layers)
         ])
         self.norm_out = AdaLayerNormContinuous(d, d, rngs=rngs)
@@ -444,9 +449,16 @@ class SD3Transformer2DModel(nnx.Module):
         if jnp.ndim(t) not in (0, 1) or (jnp.ndim(t) == 1 and jnp.shape(t)[0] not in (1, b)):
             raise InvalidArgumentError(f"timestep must be a scalar or ({b},), got shape {tuple(jnp.shape(t))}")
 
-    def __call__(self, x: Array, context: Array, pooled: Array, t: Array) -> Array:
-        """(B, h, w, C) latent, (B, T, J) text, (B, P) pooled text, (B,) t in [0, 1000] -> (B, h, w, Cout)."""
+    def __call__(self, x: Array, context: Array, pooled: Array, t: Array, skip_layers: tuple[int, ...] = ()) -> Array:
+        """(B, h, w, C) latent, (B, T, J) text, (B, P) pooled text, (B,) t in [0, 1000] -> (B, h, w, Cout).
+
+        ``skip_layers``: block indices to leave out (SD3.5's skip-layer guidance); static.
+        """
         self.check_inputs(x, context, pooled, t)
+        bad = [i for i in skip_layers if not 0 <= i < self.config.num_layers]
+        if bad:
+            raise InvalidArgumentError(
+                f"skip_layers {bad} out of range: this transformer has blocks 0..{self.config.num_layers - 1}")
         c = self.config
         b, h, w, _ = x.shape
         p = c.patch_size
@@ -454,8 +466,9 @@ class SD3Transformer2DModel(nnx.Module):
         hidden = self.pos_embed(x)  # (B, N, D), N = h/p * w/p
         temb = self.time_text_embed(t, pooled.astype(x.dtype))  # (B, D)
         ctx = self.context_embedder(context.astype(x.dtype))  # (B, T, D)
-        for block in self.transformer_blocks:
-            hidden, ctx = block(hidden, ctx, temb)
+        for i, block in enumerate(self.transformer_blocks):
+            if i not in skip_layers:
+                hidden, ctx = block(hidden, ctx, temb)
         out = self.proj_out(self.norm_out(hidden, temb))  # (B, N, p*p*Cout)
         out = out.reshape(b, h // p, w // p, p, p, c.out_dim)  # (B, h/p, w/p, p, q, Cout)
         return out.transpose(0, 1, 3, 2, 4, 5).reshape(b, h, w, c.out_dim)  # (B, h, w, Cout)
@@ -507,21 +520,31 @@ class SD3Transformer:
     params: nnx.State
     dtype: Any = jnp.float32
 
+    def __post_init__(self) -> None:
+        # What __call__ runs: compiled once per input shape (op-by-op dispatch is many times slower).
+        self._compiled_apply = jax.jit(self.apply, static_argnames=("skip_layers",))
+
     def apply(self, params: nnx.State, x: Array, encoder_hidden_states: Array, pooled_projections: Array,
-              timestep: Array) -> Array:
+              timestep: Array, skip_layers: tuple[int, ...] = ()) -> Array:
         """(B, h, w, C) latent, (B, T, joint_attention_dim), (B, pooled_projection_dim), (B,) float
-        timestep in [0, 1000] (what diffusers' SD3 pipeline passes) -> (B, h, w, out_channels)."""
+        timestep in [0, 1000] (what diffusers' SD3 pipeline passes) -> (B, h, w, out_channels).
+
+        ``skip_layers`` (diffusers' argument of the same name, for skip-layer guidance) is static:
+        close over it or mark it static under jit.
+        """
         x = jnp.asarray(x).astype(self.dtype)
         return nnx.merge(self.graphdef, params)(x, jnp.asarray(encoder_hidden_states),
-                                                jnp.asarray(pooled_projections), timestep)
+                                                jnp.asarray(pooled_projections), timestep, tuple(skip_layers))
 
     def __call__(self, hidden_states: Any, encoder_hidden_states: Any, pooled_projections: Any,
-                 timestep: Any) -> Array:
+                 timestep: Any, skip_layers: tuple[int, ...] = ()) -> Array:
         x = jnp.asarray(hidden_states, self.dtype)
         if x.ndim != 4:
             raise InvalidArgumentError(f"hidden_states must be (B, C, H, W), got shape {tuple(x.shape)}")
-        out = self.apply(self.params, jnp.transpose(x, (0, 2, 3, 1)), jnp.asarray(encoder_hidden_states, self.dtype),
-                         jnp.asarray(pooled_projections, self.dtype), jnp.asarray(timestep, jnp.float32))
+        out = self._compiled_apply(self.params, jnp.transpose(x, (0, 2, 3, 1)),
+                                   jnp.asarray(encoder_hidden_states, self.dtype),
+                                   jnp.asarray(pooled_projections, self.dtype), jnp.asarray(timestep, jnp.float32),
+                                   skip_layers=tuple(skip_layers))
         return jnp.transpose(out, (0, 3, 1, 2))  # NHWC -> NCHW
 
 
