@@ -151,6 +151,7 @@ class Pipeline:
     components: dict[str, Any] = field(default_factory=dict)  # a family's other parts (encoders, VAE, ...)
     compiler: Any = None  # preheat.cache's compiler; None = compile in memory only
     last: Timings = field(default_factory=Timings)
+    load_report: Any = None  # how the weights were read (preheat.models.weights.LoadReport); set by load()
     _executables: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -465,6 +466,7 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     compiler = make_compiler(cache)  # first: JAX's cache must be configured before anything compiles
 
     from preheat.families import family_loader
+    from preheat.models.weights import recording
     from preheat.store import resolve
 
     # A local folder as it is; http(s):// and hf:// sources from the weights store (pulled once).
@@ -478,5 +480,6 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
             raise InvalidArgumentError(f"offload_encoders applies to text-to-image models; {root} has no text "
                                        "encoders", argument="offload_encoders")
         options["offload_encoders"] = True
-    loaded: LoadedModel = loader(root, scheduler=scheduler, dtype=dtype, variant=variant, **options)
-    return Pipeline(**vars(loaded), compiler=compiler)
+    with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component
+        loaded: LoadedModel = loader(root, scheduler=scheduler, dtype=dtype, variant=variant, **options)
+    return Pipeline(**vars(loaded), compiler=compiler, load_report=weights_read.total)

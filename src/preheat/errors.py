@@ -7,7 +7,7 @@ problem (and, where there is one, the fix). Surfaces (CLI, server, Runpod handle
     PreheatError
     ├── ModelError            a model folder or checkpoint cannot be used
     │   ├── ModelNotFoundError    a path or file is missing
-    │   ├── ModelFormatError      a config / index file is malformed (bad JSON, wrong shape)
+    │   ├── ModelFormatError      a config / index / safetensors file is malformed (bad JSON, torn)
     │   ├── UnsupportedConfigError a config value/block preheat does not implement
     │   └── WeightsError          missing / extra / mis-shaped / wrong-dtype tensors
     ├── SchedulerConfigError  a scheduler config or sampler choice is not supported
@@ -49,7 +49,7 @@ class ModelNotFoundError(ModelError, FileNotFoundError):
 
 
 class ModelFormatError(ModelError, ValueError):
-    """A config or index file of a model folder is malformed (bad JSON, not an object, ...)."""
+    """A config, index or safetensors file of a model folder is malformed (bad JSON, truncated, ...)."""
 
 
 class UnsupportedConfigError(ModelError, ValueError):

@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import preheat
-from preheat.errors import ModelNotFoundError, UnsupportedConfigError, WeightsError
+from preheat.errors import ModelFormatError, ModelNotFoundError, UnsupportedConfigError, WeightsError
 from tests.reference import save_random_unet
 
 TINY = dict(sample_size=8, in_channels=1, out_channels=1, layers_per_block=1, block_out_channels=(8, 16),
@@ -88,7 +88,7 @@ def test_truncated_weights_file(tmp_path, tiny):
     d = _copy(tiny, tmp_path / "m")
     f = d / "diffusion_pytorch_model.safetensors"
     f.write_bytes(f.read_bytes()[:-100])
-    with pytest.raises(WeightsError) as err:
+    with pytest.raises(ModelFormatError) as err:
         preheat.load_unet(d)
     assert "cannot read" in _one_line(err)
 

@@ -615,7 +615,7 @@ def build_unet_condition(config: UNet2DConditionConfig, tensors: Mapping[str, An
     """A loaded UNet from torch-layout tensors keyed like diffusers' state dict (numpy arrays)."""
     dtype = check_dtype(dtype)
     graphdef, abstract = build_abstract(config)
-    params = fill(abstract, dict(tensors), dtype, source)
+    params = fill(abstract, tensors, dtype, source)  # a Checkpoint streams
     return UNet2DCondition(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 

@@ -18,16 +18,33 @@ Weight files a component folder may hold, in the order they are looked for::
     <stem>[.<variant>].safetensors.index.json + shards  and transformers write, then the older name
 
 where ``stem`` is ``diffusion_pytorch_model`` (diffusers) or ``model`` (transformers).
+
+Loading streams (issue 13: Flux-dev is 24 GB of bf16 plus T5-XXL, and must never sit on the host
+twice): ``read_tensors`` parses only the safetensors headers and returns a lazy ``Checkpoint``;
+``fill`` checks every key, shape and dtype against those headers first (a bad checkpoint fails
+before a byte of tensor data is read), then reads one tensor at a time in file order, casts it,
+and puts it on the device before reading the next. Beyond what is already on the device, the
+host holds about one tensor (two while it is cast or transposed) plus the transfers still in
+flight (bounded by ``IN_FLIGHT_BYTES``). Each fill is measured (``LoadReport``); ``recording()``
+collects the reports of a whole pipeline load.
 """
 
 from __future__ import annotations
 
 import json
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -38,6 +55,14 @@ __all__ = [
     "TRANSFORMERS_STEM",
     "weight_files",
     "read_tensors",
+    "read_header",
+    "TensorInfo",
+    "Checkpoint",
+    "LoadReport",
+    "LoadRecording",
+    "recording",
+    "bare_read",
+    "IN_FLIGHT_BYTES",
     "torch_key",
     "to_jax_layout",
     "to_torch_layout",
@@ -100,19 +125,331 @@ def weight_files(folder: Path, stems: Sequence[str] = (DIFFUSERS_STEM, TRANSFORM
     raise ModelNotFoundError(f"{folder} has no {' or '.join(tried)}{hint}")
 
 
-def read_tensors(files: Iterable[Path], rename: Callable[[str], str] | None = None) -> dict[str, np.ndarray]:
-    """All tensors of ``files`` as numpy (bf16 via ml_dtypes), keys passed through ``rename``."""
+# safetensors dtype names -> numpy (bf16 and fp8 through ml_dtypes, which jax uses too)
+_DTYPES: dict[str, np.dtype] = {name: np.dtype(t) for name, t in {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}.items()}
+_MAX_HEADER = 100_000_000  # the safetensors format's own limit
+
+IN_FLIGHT_BYTES = 256 << 20
+"""Host bytes that may wait on asynchronous host-to-device transfers before ``fill`` blocks."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's header entry: where its bytes are, and what they hold."""
+
+    file: Path
+    key: str  # as stored in the file (before ``rename``)
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in ``file``
+    nbytes: int
+
+
+def _format_error(path: Path, reason: str) -> ModelFormatError:
+    return ModelFormatError(f"cannot read {path}: {reason}")
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """The tensor table of one safetensors file, checked against the file's size; no tensor data
+    is read. A torn or corrupt file is one ``ModelFormatError`` naming it."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            if size < 8:
+                raise _format_error(path, f"{size} bytes is too short for a safetensors file")
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(_MAX_HEADER, size - 8):
+                raise _format_error(path, f"header length {n} does not fit in a file of {size} bytes (truncated?)")
+            raw = f.read(n)
+    except OSError as exc:
+        raise _format_error(path, exc.strerror or type(exc).__name__) from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise _format_error(path, "the header is not valid JSON (corrupt?)") from None
+    if not isinstance(header, dict):
+        raise _format_error(path, "the header is not a JSON object")
+    data_start, data_len = 8 + n, size - 8 - n
+    out: dict[str, TensorInfo] = {}
+    end_max = 0
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise _format_error(path, f"header entry {key!r} is malformed") from None
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if min(shape, default=0) < 0 or begin < 0 or end - begin != nbytes:
+            raise _format_error(path, f"{key} spans bytes {begin}..{end}, but {dtype} {shape} needs {nbytes}")
+        if end > data_len:
+            raise _format_error(path, f"truncated: {key} ends at data byte {end}, the file holds {data_len}")
+        end_max = max(end_max, end)
+        out[key] = TensorInfo(path, key, dtype, shape, data_start + begin, nbytes)
+    if end_max != data_len:
+        raise _format_error(path, f"{data_len - end_max} bytes after the last tensor (corrupt?)")
+    return out
+
+
+def _read_bytes(info: TensorInfo) -> np.ndarray:
+    """One tensor, freshly allocated (nothing else refers to its buffer); no mmap, so no file pages
+    are mapped into the process and the resident set is only what is allocated here."""
+    buf = np.empty(info.nbytes, np.uint8)
+    view = memoryview(buf)
+    got = 0
+    try:
+        with open(info.file, "rb", buffering=0) as f:
+            f.seek(info.start)
+            while got < info.nbytes:  # one read returns at most ~2 GiB on Linux
+                n = f.readinto(view[got:])
+                if not n:
+                    raise _format_error(info.file, f"truncated while reading {info.key} (the file changed?)")
+                got += n
+    except OSError as exc:
+        raise _format_error(info.file, f"{info.key}: {exc.strerror or type(exc).__name__}") from None
+    return buf.view(info.dtype).reshape(info.shape)
+
+
+class Checkpoint(MutableMapping[str, np.ndarray]):
+    """The tensors of one component's safetensors files, read on access.
+
+    Made by ``read_tensors``: only the headers are read, so keys, shapes and dtypes are known up
+    front (``info``) while each tensor's bytes are read when it is indexed, as a fresh numpy array
+    (bf16 through ml_dtypes). It behaves like the dict ``read_tensors`` used to return: assigning
+    a key keeps that array in memory, deleting hides the key. ``dict(checkpoint)`` still works,
+    but reads every tensor: pass the ``Checkpoint`` itself to ``fill`` to stream.
+    """
+
+    def __init__(self, files: Iterable[Path], rename: Callable[[str], str] | None = None):
+        self.files = [Path(f) for f in files]
+        self._info: dict[str, TensorInfo] = {}
+        self._held: dict[str, np.ndarray] = {}  # assigned by the caller
+        for f in self.files:
+            for key, info in read_header(f).items():
+                self._info[rename(key) if rename else key] = info  # later files win, as dict updates did
+
+    def info(self, key: str) -> TensorInfo | None:
+        """The header entry of ``key``; None for a missing key or one assigned in memory."""
+        return self._info.get(key)
+
+    def meta(self, key: str) -> tuple[tuple[int, ...], np.dtype] | None:
+        """(shape, dtype) of ``key`` without reading it; None if missing."""
+        if key in self._held:
+            return tuple(self._held[key].shape), self._held[key].dtype
+        info = self._info.get(key)
+        return None if info is None else (info.shape, info.dtype)
+
+    def owns(self, key: str) -> bool:
+        """True when ``self[key]`` is a fresh buffer nobody else holds (read from disk)."""
+        return key in self._info
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self._info.values()) + sum(a.nbytes for a in self._held.values())
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key in self._held:
+            return self._held[key]
+        return _read_bytes(self._info[key])
+
+    def __setitem__(self, key: str, value: np.ndarray) -> None:
+        self._info.pop(key, None)
+        self._held[key] = np.asarray(value)
+
+    def __delitem__(self, key: str) -> None:
+        if key in self._held:
+            del self._held[key]
+        else:
+            del self._info[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._info or key in self._held
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._info
+        yield from self._held
+
+    def __len__(self) -> int:
+        return len(self._info) + len(self._held)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({len(self)} tensors, {self.nbytes} bytes, files={[f.name for f in self.files]})"
+
+
+def read_tensors(files: Iterable[Path], rename: Callable[[str], str] | None = None) -> Checkpoint:
+    """The tensors of ``files`` (keys passed through ``rename``), as a lazy ``Checkpoint``: the
+    headers are read and checked now, each tensor's bytes when it is used (``fill`` streams them)."""
+    return Checkpoint(files, rename)
+
+
+def bare_read(files: Iterable[Path]) -> tuple[float, int]:
+    """(seconds, bytes) of a bare safetensors read of ``files``: every tensor through
+    ``safe_open(framework="numpy")``, nothing kept. The yardstick for the weights phase (issue 17)."""
     from safetensors import safe_open
 
-    out: dict[str, np.ndarray] = {}
+    t0, total = time.perf_counter(), 0
     for f in files:
-        try:
-            with safe_open(str(f), framework="flax") as handle:
-                for key in handle.keys():
-                    out[rename(key) if rename else key] = np.asarray(handle.get_tensor(key))
-        except Exception as exc:  # safetensors raises its own types for torn/corrupt headers
-            raise WeightsError(f"cannot read {f}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-    return out
+        with safe_open(str(f), framework="numpy") as handle:
+            for key in handle.keys():
+                total += handle.get_tensor(key).nbytes
+    return time.perf_counter() - t0, total
+
+
+# --------------------------------------------------------------------------- load reports
+
+
+def _proc_status() -> tuple[int | None, int | None]:
+    """(VmRSS, VmHWM) of this process in bytes; (None, None) where /proc is absent."""
+    rss = hwm = None
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+                elif line.startswith(b"VmHWM:"):
+                    hwm = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return rss, hwm
+
+
+_WINDOWS_LOCK = threading.Lock()
+_WINDOWS: list["_PeakWindow"] = []
+
+
+class _PeakWindow:
+    """Peak resident set size between ``open`` and ``close``, from the kernel's high-water mark.
+
+    Why VmHWM and not sampling: the kernel tracks the exact peak, and a sampler thread misses
+    short peaks (and costs CPU). The mark is reset at the start (``/proc/self/clear_refs`` 5), so
+    it covers this window only; every open window first absorbs the mark, so nested windows (a
+    pipeline around its components) stay exact. Where the reset is not allowed, the mark is the
+    process's lifetime peak, an upper bound (``exact`` False). Side effect: ``ru_maxrss`` then
+    counts from the last reset.
+    """
+
+    def __init__(self) -> None:
+        with _WINDOWS_LOCK:
+            self.before, hwm = _proc_status()
+            for w in _WINDOWS:
+                w.peak = max(w.peak or 0, hwm or 0)
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+                self.exact = self.before is not None
+            except OSError:
+                self.exact = False
+            self.peak: int | None = self.before
+            _WINDOWS.append(self)
+
+    def close(self) -> tuple[int | None, int | None, int | None, bool]:
+        """(rss before, peak rss, rss after, exact)."""
+        with _WINDOWS_LOCK:
+            after, hwm = _proc_status()
+            if self in _WINDOWS:
+                _WINDOWS.remove(self)
+        peak = None if hwm is None else max(self.peak or 0, hwm)
+        return self.before, peak, after, self.exact
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What loading weights cost: bytes, tensors, seconds, and host memory.
+
+    Host memory is the resident set (VmRSS, VmHWM: see ``_PeakWindow``). ``peak_host_bytes`` is
+    the growth from the start of the load to its peak; ``transient_host_bytes`` is the peak minus
+    the resident set after the load: what the load needed beyond what it keeps. On the CPU backend
+    device arrays live in host memory too, so the growth includes the weights themselves and the
+    transient is the figure to hold against ``largest_tensor_bytes`` / ``largest_file_bytes``.
+    """
+
+    source: str
+    files: tuple[str, ...] = ()
+    tensors: int = 0
+    bytes_read: int = 0  # checkpoint bytes read from disk
+    seconds: float = 0.0  # read + cast + place on the device, transfers finished
+    largest_tensor_bytes: int = 0
+    largest_file_bytes: int = 0
+    rss_before: int | None = None
+    peak_rss: int | None = None
+    rss_after: int | None = None
+    peak_exact: bool = False
+    abstract_s: float = 0.0  # abstract model builds (nnx.eval_shape), pipeline totals only
+    parts: tuple["LoadReport", ...] = ()
+
+    @property
+    def peak_host_bytes(self) -> int | None:
+        return None if self.peak_rss is None or self.rss_before is None else self.peak_rss - self.rss_before
+
+    @property
+    def transient_host_bytes(self) -> int | None:
+        return None if self.peak_rss is None or self.rss_after is None else self.peak_rss - self.rss_after
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in (
+            "source", "tensors", "bytes_read", "seconds", "abstract_s", "largest_tensor_bytes",
+            "largest_file_bytes", "rss_before", "peak_rss", "rss_after", "peak_exact")}
+        out.update(files=list(self.files), peak_host_bytes=self.peak_host_bytes,
+                   transient_host_bytes=self.transient_host_bytes)
+        if self.parts:
+            out["parts"] = [p.to_dict() for p in self.parts]
+        return out
+
+
+@dataclass(eq=False)  # told apart by identity: recordings nest
+class LoadRecording:
+    """The reports of every ``fill`` inside one ``recording()``; ``total`` is set when it ends."""
+
+    reports: list[LoadReport] = field(default_factory=list)
+    abstract_s: float = 0.0
+    total: LoadReport | None = None
+
+
+_RECORDINGS: list[LoadRecording] = []
+
+
+@contextmanager
+def recording(source: str = "all") -> Iterator[LoadRecording]:
+    """Collect the ``LoadReport`` of every fill (and the abstract builds' time) while inside.
+
+    ``total`` sums the parts, and its host-memory figures cover the whole block (config reads and
+    abstract builds included), e.g. all of ``preheat.load``. Process-wide: a fill on any thread counts.
+    """
+    rec = LoadRecording()
+    window = _PeakWindow()
+    with _WINDOWS_LOCK:
+        _RECORDINGS.append(rec)
+    try:
+        yield rec
+    finally:
+        with _WINDOWS_LOCK:
+            _RECORDINGS.remove(rec)
+        before, peak, after, exact = window.close()
+        parts = tuple(rec.reports)
+        rec.total = LoadReport(
+            source=source, files=tuple(f for p in parts for f in p.files), tensors=sum(p.tensors for p in parts),
+            bytes_read=sum(p.bytes_read for p in parts), seconds=sum(p.seconds for p in parts),
+            largest_tensor_bytes=max((p.largest_tensor_bytes for p in parts), default=0),
+            largest_file_bytes=max((p.largest_file_bytes for p in parts), default=0),
+            rss_before=before, peak_rss=peak, rss_after=after, peak_exact=exact, abstract_s=rec.abstract_s,
+            parts=parts)
+
+
+def _record(report: LoadReport | None = None, abstract_s: float = 0.0) -> None:
+    with _WINDOWS_LOCK:
+        for rec in _RECORDINGS:
+            if report is not None:
+                rec.reports.append(report)
+            rec.abstract_s += abstract_s
 
 
 def torch_key(path: tuple[Any, ...]) -> str:
@@ -164,46 +501,111 @@ class OneKey:
 
 def build_abstract(make: Callable[[Any], nnx.Module]) -> tuple[nnx.GraphDef, nnx.State]:
     """Graph definition and a State of ShapeDtypeStructs of ``make(rngs)``; no FLOPs, no memory."""
+    t0 = time.perf_counter()
     abstract = nnx.eval_shape(lambda: make(OneKey()))
-    return nnx.split(abstract)
+    out = nnx.split(abstract)
+    _record(abstract_s=time.perf_counter() - t0)
+    return out
 
 
-def fill(abstract: nnx.State, tensors: dict[str, np.ndarray], dtype: Any, source: str, *,
+def _meta(tensors: Mapping[str, Any], key: str) -> tuple[tuple[int, ...], np.dtype] | None:
+    if isinstance(tensors, Checkpoint):
+        return tensors.meta(key)
+    arr = tensors.get(key)
+    return None if arr is None else (tuple(arr.shape), np.dtype(arr.dtype))
+
+
+def _place(arr: np.ndarray, leaf: str, dtype: np.dtype, owned: bool) -> jax.Array:
+    """Cast on the host (numpy: the same rounding as before), then one transfer. The layout change
+    rides on the transfer (the runtime copies a strided view, faster than numpy's transpose), and a
+    buffer nobody else holds is donated, so on the CPU backend it becomes the device array uncopied."""
+    if arr.dtype != dtype:
+        arr, owned = arr.astype(dtype), True  # contiguous, fresh
+    return jax.device_put(to_jax_layout(arr, leaf), donate=owned)
+
+
+def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, source: str, *,
          key_fn: Callable[[tuple[Any, ...]], str] = torch_key,
          ignore: Callable[[str], bool] | None = None,
          dtype_for: Callable[[str], Any] | None = None) -> nnx.State:
     """Fill ``abstract`` from ``tensors``; every problem is listed in one ``WeightsError``.
 
+    ``tensors``: a ``Checkpoint`` (from ``read_tensors``: streamed, one tensor on the host at a
+    time) or any mapping of numpy arrays. Keys, shapes and dtypes are all checked before any tensor
+    is read, so a bad checkpoint costs no I/O and nothing half-loaded is returned.
     ``ignore(key)``: checkpoint keys that may be present without a parameter (e.g. buffers such
     as transformers' ``position_ids``). ``dtype_for(key)``: a per-tensor dtype override.
     """
+    t0 = time.perf_counter()
+    window = _PeakWindow()
+    try:
+        state, report = _fill(abstract, tensors, dtype, source, key_fn, ignore, dtype_for)
+    finally:
+        before, peak, after, exact = window.close()
+    _record(replace(report, seconds=time.perf_counter() - t0, rss_before=before, peak_rss=peak, rss_after=after,
+                    peak_exact=exact))
+    return state
+
+
+def _fill(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: str,
+          key_fn: Callable[[tuple[Any, ...]], str], ignore: Callable[[str], bool] | None,
+          dtype_for: Callable[[str], Any] | None) -> tuple[nnx.State, LoadReport]:
     flat = nnx.to_flat_state(abstract)
     problems: list[str] = []
-    filled: list[tuple[tuple[Any, ...], Any]] = []
+    plan: list[tuple[int, tuple[Any, ...], Any, str, str, np.dtype]] = []
     used = set()
-    for path, var in flat:
+    for i, (path, var) in enumerate(flat):  # 1. headers only: every key, shape and dtype
         leaf = str(path[-1])
         key = key_fn(path)
         expected = expected_torch_shape(tuple(var.shape), leaf)
-        arr = tensors.get(key)
-        if arr is None:
+        meta = _meta(tensors, key)
+        if meta is None:
             problems.append(f"missing {key} (expected shape {expected})")
             continue
         used.add(key)
-        if tuple(arr.shape) != expected:
-            problems.append(f"{key} has shape {tuple(arr.shape)}, expected {expected}")
+        shape, src_dtype = meta
+        if shape != expected:
+            problems.append(f"{key} has shape {shape}, expected {expected}")
             continue
-        if not np.issubdtype(arr.dtype, np.floating) and arr.dtype.name != "bfloat16":
-            problems.append(f"{key} has dtype {arr.dtype}, expected a floating-point dtype")
+        if not np.issubdtype(src_dtype, np.floating) and src_dtype.name != "bfloat16":
+            problems.append(f"{key} has dtype {src_dtype}, expected a floating-point dtype")
             continue
         want = dtype_for(key) if dtype_for is not None else dtype
-        filled.append((path, var.replace(jnp.asarray(to_jax_layout(arr, leaf), dtype=want))))
+        plan.append((i, path, var, leaf, key, jax.dtypes.canonicalize_dtype(src_dtype if want is None else want)))
     extra = sorted(k for k in set(tensors) - used if not (ignore and ignore(k)))
-    problems.extend(f"unexpected {k} {tuple(tensors[k].shape)}" for k in extra)
+    problems.extend(f"unexpected {k} {_meta(tensors, k)[0]}" for k in extra)
     if problems:
         shown = "; ".join(problems[:6]) + (f"; (+{len(problems) - 6} more)" if len(problems) > 6 else "")
         raise WeightsError(f"{source} does not match its config: {shown}")
-    return nnx.from_flat_state(filled)
+
+    lazy = isinstance(tensors, Checkpoint)
+    if lazy:  # 2. stream in file order (sequential reads; the OS reads ahead)
+        infos = {key: tensors.info(key) for _, _, _, _, key, _ in plan}
+        plan.sort(key=lambda p: (str(infos[p[4]].file), infos[p[4]].start) if infos[p[4]] else ("", p[0]))
+    placed: dict[int, Any] = {}
+    in_flight: deque[tuple[jax.Array, int]] = deque()
+    waiting = bytes_read = largest = 0
+    for i, path, var, leaf, key, want in plan:
+        arr = tensors[key]
+        nbytes = arr.nbytes
+        bytes_read += nbytes
+        largest = max(largest, nbytes)
+        value = _place(arr, leaf, want, owned=lazy and tensors.owns(key))
+        del arr
+        placed[i] = var.replace(value)
+        in_flight.append((value, nbytes))
+        waiting += nbytes
+        while waiting > IN_FLIGHT_BYTES:  # bound the host buffers still being copied
+            done, n = in_flight.popleft()
+            done.block_until_ready()
+            waiting -= n
+    for value, _ in in_flight:
+        value.block_until_ready()
+    files = tuple(str(f) for f in tensors.files) if lazy else ()
+    report = LoadReport(source=source, files=files, tensors=len(plan), bytes_read=bytes_read,
+                        largest_tensor_bytes=largest,
+                        largest_file_bytes=max((Path(f).stat().st_size for f in files), default=0))
+    return nnx.from_flat_state([(flat[i][0], placed[i]) for i in sorted(placed)]), report
 
 
 def check_dtype(dtype: Any) -> jnp.dtype:
