@@ -230,8 +230,12 @@ class Pipeline:
         common = {k: inputs.pop(k) for k in COMMON_INPUTS if k in inputs}
         n = check_int("n", n, 1)
         sampler = common.get("sampler") or self.defaults["sampler"]
+        accepted = self.family.samplers
         if sampler not in SAMPLERS:
-            raise SchedulerConfigError(f"unknown sampler {sampler!r}; supported: {', '.join(SAMPLERS)}")
+            raise SchedulerConfigError(f"unknown sampler {sampler!r}; supported: {', '.join(accepted)}")
+        if sampler not in accepted:
+            raise SchedulerConfigError(f"sampler {sampler!r} is not for a {self.family.name} model; "
+                                       f"use one of: {', '.join(accepted)}")
         steps = self.defaults["steps"] if common.get("steps") is None else common["steps"]
         steps = check_int("steps", steps, 1)
         values = self.family.check_inputs(self, n, inputs)
@@ -255,8 +259,12 @@ class Pipeline:
         count), with no device work: what a server runs before it accepts a request."""
         request = self.validate(first, **inputs)
         make_spec(self.scheduler_config, request.sampler)
-        make_plan(self.scheduler_config, request.sampler, request.steps, eta=request.eta)
+        self._plan(request)
         return request
+
+    def _plan(self, request: Request) -> Plan:
+        return make_plan(self.scheduler_config, request.sampler, request.steps, eta=request.eta,
+                         **self.family.plan_options(self, request))
 
     def prepare(self, first: Any = None, /, **inputs: Any) -> tuple[Signature, tuple]:
         """Validate a call and turn it into (the denoising program's signature, its arguments).
@@ -268,7 +276,7 @@ class Pipeline:
         request = self.validate(first, **inputs)
         self.last = Timings()
         spec = make_spec(self.scheduler_config, request.sampler)
-        plan = make_plan(self.scheduler_config, request.sampler, request.steps, eta=request.eta)
+        plan = self._plan(request)
         conditioning = self.family.condition(self, request)
         sig = Signature(family=self.family.name, spec=spec, batch=request.n, sample_shape=request.sample_shape,
                         dtype=self.dtype, guided=request.guided, user_noise=request.noise is not None,
@@ -342,6 +350,13 @@ class Pipeline:
         return self._guidance(guidance, inputs)[0]
 
     def _guidance(self, guidance: float | None, values: dict[str, Any]) -> tuple[bool, float]:
+        """(classifier-free guidance on?, the scale). An "embedded" scale is data, never a second branch."""
+        mode = self.family.guidance_mode(self)
+        if mode == "none":  # 1 means "off" everywhere in preheat, so it is accepted here too
+            if guidance is not None and not (isinstance(guidance, (int, float)) and float(guidance) == 1.0):
+                raise InvalidArgumentError(f"guidance={guidance!r}: this {self.family.name} model takes no guidance "
+                                           "(it has no guidance input); leave it unset", argument="guidance")
+            return False, 1.0
         g = self.defaults.get("guidance") if guidance is None else guidance
         if g is None:
             return False, 1.0
@@ -351,6 +366,8 @@ class Pipeline:
             raise InvalidArgumentError(f"guidance={guidance!r} must be a number", argument="guidance") from None
         if not np.isfinite(g) or g < 0:
             raise InvalidArgumentError(f"guidance={g} must be a finite number >= 0", argument="guidance")
+        if mode == "embedded":
+            return False, g
         if g == 1.0:
             return False, 1.0
         why = self.family.guidance_error(self, values)
@@ -430,7 +447,7 @@ def make_compiler(cache: str | None = None) -> Any:
 
 
 def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
-         cache: str | None = None, variant: str | None = None) -> Pipeline:
+         cache: str | None = None, variant: str | None = None, offload_encoders: bool = False) -> Pipeline:
     """A JAX sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
 
     ``model``: a diffusers-format folder, or a source for the weights store (``hf://org/repo[@rev]``,
@@ -442,6 +459,8 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     ``dtype``: the denoiser's dtype (float32, bfloat16, float16); a VAE that asks for it stays float32.
     ``variant``: weight files ``*.{variant}.safetensors`` (e.g. "fp16").
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
+    ``offload_encoders``: text families keep their text encoders' weights in host memory and
+    move them to the device only while prompts are encoded (for GPUs that cannot hold it all).
     ``preheat.load`` (``preheat.api``) adds ``backend="torch"``.
     """
     compiler = make_compiler(cache)  # first: JAX's cache must be configured before anything compiles
@@ -452,6 +471,15 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
 
     # A local folder as it is; http(s):// and hf:// sources from the weights store (pulled once).
     root = BUILTIN_MODEL if model is None else resolve(str(model))
+    loader = family_loader(root)
+    options: dict[str, Any] = {}
+    if offload_encoders:
+        import inspect
+
+        if "offload_encoders" not in inspect.signature(loader).parameters:
+            raise InvalidArgumentError(f"offload_encoders applies to text-to-image models; {root} has no text "
+                                       "encoders", argument="offload_encoders")
+        options["offload_encoders"] = True
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component
-        loaded: LoadedModel = family_loader(root)(root, scheduler=scheduler, dtype=dtype, variant=variant)
+        loaded: LoadedModel = loader(root, scheduler=scheduler, dtype=dtype, variant=variant, **options)
     return Pipeline(**vars(loaded), compiler=compiler, load_report=weights_read.total)

@@ -12,11 +12,11 @@ import pytest
 
 import diffusers
 from preheat.errors import SchedulerConfigError
-from preheat.samplers import SAMPLERS, SchedulerConfig, make_plan, make_spec
+from preheat.samplers import DIFFUSION_SAMPLERS, SchedulerConfig, make_plan, make_spec
 from preheat.samplers._config import CLASS_DEFAULTS, DIFFUSERS_CLASS
 
 
-@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
 def test_class_defaults_match_diffusers_signatures(sampler: str) -> None:
     """Absent keys take the defaults of the diffusers class the sampler maps to."""
     cls = getattr(diffusers, DIFFUSERS_CLASS[sampler])
@@ -45,8 +45,9 @@ def test_from_dict_keeps_present_values_and_drops_the_rest() -> None:
     assert cfg.beta_schedule == "scaled_linear" and cfg.steps_offset == 1 and cfg.clip_sample is False
     assert cfg.prediction_type is None  # absent: the sampler's class default applies
     assert cfg.ignored_keys == ("skip_prk_steps", "solver_order")
+    assert cfg.class_name == "PNDMScheduler"  # decides flow matching vs diffusion (config_kind)
     assert hash(cfg) == hash(SchedulerConfig.from_dict(dict(
-        beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, num_train_timesteps=1000,
+        _class_name="PNDMScheduler", beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, num_train_timesteps=1000,
         set_alpha_to_one=False, steps_offset=1, clip_sample=False, skip_prk_steps=1, solver_order=2,
     )))
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from preheat.samplers import SAMPLERS
+from preheat.samplers import DIFFUSION_SAMPLERS
 from tests.samplers._sampler_ref import check_parity, ours_for
 
 BETAS = {
@@ -74,7 +74,7 @@ EXTRAS: dict[str, list[dict[str, Any]]] = {
 
 def _cases() -> list[Any]:
     cases = []
-    for sampler in SAMPLERS:
+    for sampler in DIFFUSION_SAMPLERS:
         for b, p, s, n in itertools.product(BETAS, PREDICTIONS, SPACINGS, STEPS):
             cases.append(pytest.param(sampler, b, p, s, n, {}, id=f"{sampler}-{b}-{p}-{s}-{n}"))
         for extra in EXTRAS[sampler]:
@@ -94,7 +94,7 @@ def test_matches_diffusers(sampler: str, beta: str, pred: str, spacing: str, ste
     check_parity(sampler, cfg, steps, eta, monkeypatch)
 
 
-@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
 def test_negative_controls(sampler: str, monkeypatch) -> None:
     """The parity check is sharp: it fails for a plan whose model timesteps are off by one, and
     for a 1e-4 relative error in one schedule value (ddim: eta 0 instead of 0.5)."""

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from preheat.samplers import SAMPLERS, Plan, SchedulerConfig, SolverSpec, init, make_plan, make_spec, run, step
+from preheat.samplers import DIFFUSION_SAMPLERS, Plan, SchedulerConfig, SolverSpec, init, make_plan, make_spec, run, step
 from tests.samplers._sampler_ref import SHAPE, fake_model_jax, noise_for, run_ours
 
 CFG = SchedulerConfig.from_dict({"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012})
@@ -34,7 +34,7 @@ def _eta(sampler: str) -> float:
     return 0.5 if sampler == "ddim" else 0.0
 
 
-@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
 def test_run_matches_step_by_step(sampler: str) -> None:
     spec, plan = make_spec(CFG, sampler), make_plan(CFG, sampler, 12, eta=_eta(sampler))
     x_t, table = noise_for(3, ROWS)
@@ -47,7 +47,7 @@ def test_run_matches_step_by_step(sampler: str) -> None:
     np.testing.assert_allclose(eager_steps[-1], jit_steps[-1], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
 def test_changing_steps_does_not_retrace(sampler: str) -> None:
     spec = make_spec(CFG, sampler)
     x_t, table = noise_for(4, ROWS)
@@ -65,7 +65,7 @@ def test_changing_steps_does_not_retrace(sampler: str) -> None:
     assert not np.allclose(outs[0], outs[1])  # ... and the step count did take effect
 
 
-@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
 def test_model_calls_and_noise_draws(sampler: str) -> None:
     """Heun calls the model twice per step except onto sigma = 0; noise is drawn only through
     noise_fn, as many times as the spec says."""
@@ -94,7 +94,7 @@ def test_model_calls_and_noise_draws(sampler: str) -> None:
     assert spec.noise_draws_per_step == (1 if sampler in ("ddpm", "ddim", "euler_a") else 0)
 
 
-@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
 def test_init_scales_noise_and_sets_history(sampler: str) -> None:
     for cfg in (CFG, SchedulerConfig(timestep_spacing="leading")):
         spec, plan = make_spec(cfg, sampler), make_plan(cfg, sampler, 10)
@@ -109,7 +109,7 @@ def test_init_scales_noise_and_sets_history(sampler: str) -> None:
         assert (plan.init_noise_sigma == 1.0) == expect_one
 
 
-@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
 def test_final_sample_is_in_data_space(sampler: str) -> None:
     """With a model that always predicts the same clean image, every sampler must end on it."""
     cfg = SchedulerConfig.from_dict({

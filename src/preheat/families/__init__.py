@@ -5,8 +5,10 @@
     DDPMPipeline, DDIMPipeline, (bare) UNet2DModel, preheat's digits   pixel (``families.pixel``)
     StableDiffusionPipeline                                            stable-diffusion (1.x, 2.x)
     StableDiffusionXLPipeline                                          stable-diffusion-xl
+    StableDiffusion3Pipeline                                           stable-diffusion-3 (3, 3.5)
+    FluxPipeline                                                       flux (FLUX.1 schnell, dev)
 
-Each family module has a ``load_<family>(root, *, scheduler, dtype, variant)`` that returns a
+Each family module has a ``load_<family>(root, *, scheduler, dtype, variant[, offload_encoders])`` that returns a
 ``LoadedModel`` (the engine builds its ``Pipeline`` from it); ``families.base`` says what a family
 contributes to the engine. Families never import the engine: they see a pipeline through
 ``EngineView``.
@@ -30,6 +32,8 @@ FAMILY_OF_CLASS: dict[str, tuple[str, str]] = {
     "DDIMPipeline": ("preheat.families.pixel", "load_pixel"),
     "StableDiffusionPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion"),
     "StableDiffusionXLPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion_xl"),
+    "StableDiffusion3Pipeline": ("preheat.families.sd3", "load_stable_diffusion_3"),
+    "FluxPipeline": ("preheat.families.flux", "load_flux"),
 }
 
 

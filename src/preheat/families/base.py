@@ -12,6 +12,9 @@ for a width x height, and how a final sample becomes pixels -- is the family's.
     pixel (UNet2DModel)    {"class_labels": (B,)} / null class       in the loop: x -> uint8
     stable-diffusion       {"context": (B, 77, D)} / "" or negative  VAE stage -> uint8
     stable-diffusion-xl    + "text_embeds" (B, P), "time_ids" (B, 6) VAE stage (fp32) -> uint8
+    stable-diffusion-3     {"context": (B, 77+256, D), "pooled"}     VAE stage -> uint8
+    flux                   {"context": (B, 512, D), "pooled"         VAE stage -> uint8
+                            [, "guidance": (B,)]} / none (no CFG)
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any, Callable, Mapping, Protocol
 import numpy as np
 
 from preheat.errors import InvalidArgumentError
+from preheat.samplers import DIFFUSION_SAMPLERS
 from preheat.timings import Timings
 
 __all__ = ["Family", "Conditioning", "Request", "StageSignature", "LoadedModel", "EngineView", "check_int",
@@ -61,6 +65,7 @@ class EngineView(Protocol):
     """What a family sees of the engine's pipeline (families never import the engine)."""
 
     sample_shape: tuple[int, ...]
+    scheduler_config: Any
     dtype: str
     components: dict[str, Any]
     num_classes: int | None
@@ -129,6 +134,7 @@ class Family:
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "ddpm", "steps": 50, "guidance": None})
     inputs: tuple[str, ...] = ()
     pixels_in_loop: bool = True  # the denoising program ends with the conversion to uint8
+    samplers: tuple[str, ...] = DIFFUSION_SAMPLERS  # the samplers this family's models were trained for
 
     def check_inputs(self, pipe: "EngineView", n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         """Validate the family's own inputs (host-side, no device work) into normalised values."""
@@ -143,6 +149,20 @@ class Family:
     def sample_shape(self, pipe: "EngineView", values: dict[str, Any]) -> tuple[int, ...]:
         """One sample's shape (H, W, C), NHWC, for these inputs (resolution is static)."""
         return pipe.sample_shape
+
+    def guidance_mode(self, pipe: "EngineView") -> str:
+        """How the guidance scale reaches the model.
+
+        "cfg": classifier-free guidance (two branches, ``uncond + g * (cond - uncond)``);
+        "embedded": the scale is conditioning data the model was distilled on (FLUX.1-dev), one
+        branch, and the family puts it in ``cond``; "none": the model takes no guidance (FLUX.1-schnell).
+        """
+        return "cfg"
+
+    def plan_options(self, pipe: "EngineView", request: "Request") -> dict[str, Any]:
+        """Extra host-side schedule inputs for ``make_plan`` (flow models: ``mu`` from the image's
+        token count, the pipeline's own ``sigmas``); resolution is static, so these are too."""
+        return {}
 
     def guidance_error(self, pipe: "EngineView", values: dict[str, Any]) -> str | None:
         """Why this model cannot run classifier-free guidance (None: it can)."""

@@ -26,53 +26,35 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
-from preheat.families.base import (Conditioning, EngineView, Family, LoadedModel, Request, StageSignature, check_int,
-                                   to_pixels)
+from preheat.errors import InvalidArgumentError, UnsupportedConfigError
+from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
+from preheat.families.text import (SAMPLER_OF_SCHEDULER, TextToImageFamily, component, default_sampler, encode, offload,
+                                   prompts)
 
 
 __all__ = ["StableDiffusionFamily", "SD", "SDXL", "load_stable_diffusion", "load_stable_diffusion_xl",
            "SAMPLER_OF_SCHEDULER"]
 
-# The folder's scheduler class -> the sampler a diffusers pipeline would run by default.
-SAMPLER_OF_SCHEDULER = {
-    "EulerDiscreteScheduler": "euler",
-    "EulerAncestralDiscreteScheduler": "euler_a",
-    "DDIMScheduler": "ddim",
-    "DDPMScheduler": "ddpm",
-    "HeunDiscreteScheduler": "heun",
-    "DPMSolverMultistepScheduler": "dpmpp_2m",
-}
 SDXL_SIZE_INPUTS = ("original_size", "crops_coords_top_left", "target_size")
 
 
 @dataclass(frozen=True)
-class StableDiffusionFamily(Family):
+class StableDiffusionFamily(TextToImageFamily):
     name: str = "stable-diffusion"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "dpmpp_2m", "steps": 30, "guidance": 7.5})
     inputs: tuple[str, ...] = ("prompt", "negative_prompt", "width", "height")
-    pixels_in_loop: bool = False
     xl: bool = False
-    max_size: int = 2048
 
     # ------------------------------------------------------------------ inputs
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         inputs = super().check_inputs(pipe, n, inputs)
-        prompts = _prompts("prompt", inputs.get("prompt"), n, required=True)
-        negatives = _prompts("negative_prompt", inputs.get("negative_prompt"), n, required=False)
-        multiple = pipe.components["size_multiple"]
-        h_default, w_default = (s * pipe.components["vae_scale"] for s in pipe.sample_shape[:2])
-        width = _size("width", inputs.get("width"), w_default, multiple, self.max_size)
-        height = _size("height", inputs.get("height"), h_default, multiple, self.max_size)
-        values = {"prompt": prompts, "negative_prompt": negatives, "width": width, "height": height}
+        positives = prompts("prompt", inputs.get("prompt"), n, required=True)
+        negatives = prompts("negative_prompt", inputs.get("negative_prompt"), n, required=False)
+        values = {"prompt": positives, "negative_prompt": negatives, **self.check_size(pipe, inputs)}
         if self.xl:
-            values["time_ids"] = _time_ids(inputs, height, width)
+            values["time_ids"] = _time_ids(inputs, values["height"], values["width"])
         return values
-
-    def sample_shape(self, pipe: EngineView, values: dict[str, Any]) -> tuple[int, ...]:
-        scale = pipe.components["vae_scale"]
-        return (values["height"] // scale, values["width"] // scale, pipe.sample_shape[2])
 
     def check_unguided(self, pipe: EngineView, values: dict[str, Any]) -> None:
         if values["negative_prompt"] is not None:
@@ -83,19 +65,15 @@ class StableDiffusionFamily(Family):
 
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         values, n = request.values, request.n
-        prompts: list[str] = values["prompt"]
+        positives: list[str] = values["prompt"]
         negatives = values["negative_prompt"]
         zeros_uncond = request.guided and negatives is None and self.xl and pipe.components["force_zeros"]
-        texts = list(prompts)
+        texts = list(positives)
         if request.guided and not zeros_uncond:
             texts += negatives if negatives is not None else [""] * n
-        ids = tuple(tok.encode(texts) for tok in pipe.components["tokenizers"])  # each (len(texts), 77) int32
         encoders = pipe.components["text_encoders"]
-        sig = StageSignature("encode", batch=len(texts), shape=tuple(ids[0].shape[1:]), dtype=pipe.dtype,
-                             extra=(("xl", self.xl),))
-        params = tuple(te.params for te in encoders)
-        out = pipe.run_stage("encode", pipe.components["encode_fingerprint"], sig,
-                             lambda: _encode_program(encoders, self.xl), (params, ids), outputs=2 if self.xl else 1)
+        out = encode(pipe, [texts] * len(encoders), lambda: _encode_program(encoders, self.xl),
+                     outputs=2 if self.xl else 1, extra=(("xl", self.xl),))
         if self.xl:
             context, pooled = np.asarray(out[0]), np.asarray(out[1])
             time_ids = np.repeat(values["time_ids"][None], n, axis=0)  # (n, 6)
@@ -111,12 +89,6 @@ class StableDiffusionFamily(Family):
         context = np.asarray(out)
         cond = {"context": context[:n]}
         return Conditioning(cond=cond, uncond={"context": context[n:]} if request.guided else {})
-
-    def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
-        vae = pipe.components["vae"]
-        sig = StageSignature("decode", batch=request.n, shape=tuple(request.sample_shape), dtype=str(vae.dtype))
-        return np.asarray(pipe.run_stage("decode", pipe.components["decode_fingerprint"], sig,
-                                         lambda: _decode_program(vae), (vae.params, out)))
 
 
 SD = StableDiffusionFamily()
@@ -139,40 +111,7 @@ def _encode_program(encoders: Sequence[Any], xl: bool) -> Any:
     return program
 
 
-def _decode_program(vae: Any) -> Any:
-    """latents (B, h, w, C) float32 -> uint8 pixels (B, H, W, 3)."""
-    def program(params: Any, latents: Any) -> Any:
-        return to_pixels(vae.latents_to_images(params, latents.astype(vae.dtype)).astype("float32"))
-
-    return program
-
-
 # --------------------------------------------------------------------------------------- checks
-
-
-def _prompts(name: str, value: Any, n: int, *, required: bool) -> list[str] | None:
-    if value is None:
-        if required:
-            raise InvalidArgumentError(f"{name} is required: a string or one string per image", argument=name)
-        return None
-    if isinstance(value, str):
-        return [value] * n
-    if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
-        if len(value) != n:
-            raise InvalidArgumentError(f"got {len(value)} {name}s for n={n}; give one string or one per image",
-                                       argument=name)
-        return list(value)
-    raise InvalidArgumentError(f"{name} must be a string or a list of strings, not {type(value).__name__}",
-                               argument=name)
-
-
-def _size(name: str, value: Any, default: int, multiple: int, high: int) -> int:
-    if value is None:
-        return default
-    value = check_int(name, value, multiple, high)
-    if value % multiple:
-        raise InvalidArgumentError(f"{name}={value} must be a multiple of {multiple} for this model", argument=name)
-    return value
 
 
 def _pair(name: str, value: Any, default: tuple[int, int]) -> tuple[int, int]:
@@ -195,30 +134,8 @@ def _time_ids(inputs: dict[str, Any], height: int, width: int) -> np.ndarray:
 # --------------------------------------------------------------------------------------- loading
 
 
-def _component(root: Path, index: dict[str, Any], name: str) -> Path:
-    folder = root / name
-    if name not in index or not folder.is_dir():
-        raise ModelNotFoundError(f"{root} has no {name}/ folder (model_index.json lists "
-                                 f"{', '.join(k for k in index if not k.startswith('_')) or 'nothing'})")
-    return folder
-
-
-def _default_sampler(root: Path, family: StableDiffusionFamily) -> dict[str, Any]:
-    """The sampler diffusers would run for this folder's scheduler class (family default otherwise)."""
-    from preheat.models.weights import read_json
-
-    path = root / "scheduler" / "scheduler_config.json"
-    if not path.is_file():
-        return {}
-    raw = read_json(path, "scheduler config")
-    sampler = SAMPLER_OF_SCHEDULER.get(str(raw.get("_class_name")))
-    if sampler == "dpmpp_2m" and raw.get("use_karras_sigmas"):
-        sampler = "dpmpp_2m_karras"
-    return {"sampler": sampler} if sampler else {}
-
-
 def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: Any,
-          variant: str | None) -> LoadedModel:
+          variant: str | None, offload_encoders: bool) -> LoadedModel:
     import jax.numpy as jnp
 
     from preheat.samplers import load_scheduler_config
@@ -234,14 +151,15 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     names = [("text_encoder", "tokenizer")] + ([("text_encoder_2", "tokenizer_2")] if family.xl else [])
     tokenizers, encoders = [], []
     for te_name, tok_name in names:
-        tokenizers.append(CLIPTokenizer.from_folder(_component(root, index, tok_name)))
+        tokenizers.append(CLIPTokenizer.from_folder(component(root, index, tok_name)))
         entry = index.get(te_name)
         model_class = entry[1] if isinstance(entry, (list, tuple)) and len(entry) == 2 else None
-        encoders.append(load_clip_text(_component(root, index, te_name), dtype=dtype, variant=variant,
-                                       model_class=model_class))
-    unet = load_unet_condition(_component(root, index, "unet"), dtype=dtype, variant=variant)
-    vae = load_vae(_component(root, index, "vae"), dtype=dtype, variant=variant)
-    sched_source = scheduler if scheduler is not None else _component(root, index, "scheduler")
+        encoder = load_clip_text(component(root, index, te_name), dtype=dtype, variant=variant,
+                                 model_class=model_class)
+        encoders.append(offload(encoder) if offload_encoders else encoder)
+    unet = load_unet_condition(component(root, index, "unet"), dtype=dtype, variant=variant)
+    vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant)
+    sched_source = scheduler if scheduler is not None else component(root, index, "scheduler")
     sched = load_scheduler_config(sched_source)
 
     cfg = unet.config
@@ -276,17 +194,18 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     fingerprint = {"kind": "unet2d-condition", "family": family.name, "config": cfg.architecture_dict()}
     return LoadedModel(apply=apply, params=unet.params,
                        sample_shape=(int(latent[0]), int(latent[1]), cfg.in_channels), scheduler_config=sched,
-                       fingerprint=fingerprint, family=family, defaults=_default_sampler(root, family),
+                       fingerprint=fingerprint, family=family, defaults=default_sampler(root),
                        dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)
 
 
 def load_stable_diffusion(root: Any, *, scheduler: Any = None, dtype: Any = "float32",
-                          variant: str | None = None) -> LoadedModel:
+                          variant: str | None = None, offload_encoders: bool = False) -> LoadedModel:
     """A ``StableDiffusionPipeline`` folder (SD 1.x, 2.x; epsilon or v-prediction)."""
-    return _load(Path(root), SD, scheduler=scheduler, dtype=dtype, variant=variant)
+    return _load(Path(root), SD, scheduler=scheduler, dtype=dtype, variant=variant, offload_encoders=offload_encoders)
 
 
 def load_stable_diffusion_xl(root: Any, *, scheduler: Any = None, dtype: Any = "float32",
-                             variant: str | None = None) -> LoadedModel:
+                             variant: str | None = None, offload_encoders: bool = False) -> LoadedModel:
     """A ``StableDiffusionXLPipeline`` folder (base)."""
-    return _load(Path(root), SDXL, scheduler=scheduler, dtype=dtype, variant=variant)
+    return _load(Path(root), SDXL, scheduler=scheduler, dtype=dtype, variant=variant,
+                 offload_encoders=offload_encoders)

@@ -33,7 +33,7 @@ import numpy as np
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedConfigError
 from preheat.models.weights import read_json
 
-__all__ = ["CLIPTokenizer", "DEFAULT_MAX_LENGTH", "PromptTruncatedWarning"]
+__all__ = ["CLIPTokenizer", "DEFAULT_MAX_LENGTH", "PromptTruncatedWarning", "prompt_list", "warn_truncated"]
 
 # CLIP's context length; used when tokenizer_config.json gives none (or transformers' "unbounded" 1e30).
 DEFAULT_MAX_LENGTH = 77
@@ -49,6 +49,24 @@ _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized
 
 class PromptTruncatedWarning(UserWarning):
     """A prompt was longer than the tokenizer's model_max_length and its end was dropped."""
+
+
+def prompt_list(prompts: Any) -> list[str]:
+    """A prompt or a list of prompts as a list, or a one-line error (shared by every tokenizer)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidArgumentError(f"prompt must be a string or a list of strings, got {type(prompts).__name__}")
+    for p in prompts:
+        if not isinstance(p, str):
+            raise InvalidArgumentError(f"prompt must be a string, got {type(p).__name__}")
+    return list(prompts)
+
+
+def warn_truncated(count: int, max_length: int, dropped: str) -> None:
+    """One PromptTruncatedWarning per truncated prompt, pointing at the caller of ``encode``."""
+    warnings.warn(f"prompt was truncated: {count} token(s) past the {max_length}-token limit were dropped: "
+                  f"{dropped!r}", PromptTruncatedWarning, stacklevel=3)
 
 
 def _token_content(value: Any, where: str) -> str:
@@ -181,22 +199,14 @@ class CLIPTokenizer:
 
     def encode(self, prompts: str | Sequence[str]) -> np.ndarray:
         """(B,) prompts -> (B, max_length) int32: BOS, tokens, EOS, pad tokens; long prompts truncated."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise InvalidArgumentError(f"prompt must be a string or a list of strings, got {type(prompts).__name__}")
-        for p in prompts:
-            if not isinstance(p, str):
-                raise InvalidArgumentError(f"prompt must be a string, got {type(p).__name__}")
+        prompts = prompt_list(prompts)
         room = self.max_length - 2
         out = np.full((len(prompts), self.max_length), self.pad_token_id, dtype=np.int32)
         for row, encoding in enumerate(self.backend.encode_batch(list(prompts), add_special_tokens=False)):
             tokens = encoding.ids
             if len(tokens) > room:
                 dropped = self.backend.decode(tokens[room:]).replace("</w>", " ").strip()
-                warnings.warn(
-                    f"prompt was truncated: {len(tokens) - room} token(s) past the {self.max_length}-token limit "
-                    f"were dropped: {dropped!r}", PromptTruncatedWarning, stacklevel=2)
+                warn_truncated(len(tokens) - room, self.max_length, dropped)
                 tokens = tokens[:room]
             out[row, 0] = self.bos_token_id
             out[row, 1:len(tokens) + 1] = tokens

@@ -14,7 +14,8 @@ Key convention (the parameter path *is* the checkpoint key, modulo the leaf name
 Weight files a component folder may hold, in the order they are looked for::
 
     <stem>[.<variant>].safetensors                     one file
-    <stem>[.<variant>].safetensors.index.json + shards  sharded (``weight_map``)
+    <stem>.safetensors.index[.<variant>].json + shards  sharded (``weight_map``); what diffusers
+    <stem>[.<variant>].safetensors.index.json + shards  and transformers write, then the older name
 
 where ``stem`` is ``diffusion_pytorch_model`` (diffusers) or ``model`` (transformers).
 
@@ -102,8 +103,11 @@ def weight_files(folder: Path, stems: Sequence[str] = (DIFFUSERS_STEM, TRANSFORM
         tried.append(single.name)
         if single.is_file():
             return [single]
-        index = folder / f"{base}.safetensors.index.json"
-        if index.is_file():
+        # diffusers and transformers name a variant's index <stem>.safetensors.index.<variant>.json
+        indexes = [folder / f"{stem}.safetensors.index.{variant}.json"] if variant else []
+        indexes.append(folder / f"{base}.safetensors.index.json")
+        index = next((i for i in indexes if i.is_file()), None)
+        if index is not None:
             weight_map = read_json(index, "shard index").get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ModelFormatError(f"{index} has no 'weight_map' object")

@@ -7,13 +7,20 @@ noise is supplied explicitly by the caller.
 
 Public API::
 
-    SAMPLERS: tuple[str, ...]
+    SAMPLERS: tuple[str, ...]                 # DIFFUSION_SAMPLERS + FLOW_SAMPLERS
+    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras
+    FLOW_SAMPLERS: tuple[str, ...]            # ("flow_euler", "flow_heun")
+    MU_SIGMAS_SAMPLERS: tuple[str, ...]       # samplers whose make_plan takes mu / sigmas
     SchedulerConfig.from_dict(d: Mapping) -> SchedulerConfig      # diffusers scheduler_config.json
     SchedulerConfig.from_file(path) -> SchedulerConfig
     load_scheduler_config(config | dict | file | folder) -> SchedulerConfig
     find_scheduler_config(pipeline_root, model_dir) -> path of scheduler_config.json
     make_spec(config, sampler: str) -> SolverSpec                   # static: jit static argument
-    make_plan(config, sampler: str, steps: int, *, eta: float = 0.0) -> Plan   # runtime pytree
+    make_plan(config, sampler: str, steps: int, *, eta: float = 0.0,
+              mu: float | None = None, sigmas: array | None = None) -> Plan   # runtime pytree
+    flow_mu(config, image_seq_len: int) -> float    # mu for use_dynamic_shifting (calculate_shift)
+    flux_sigmas(steps: int) -> np.ndarray          # the custom sigmas FluxPipeline passes
+    config_kind(config) -> "flow" | "diffusion" | None
     init(spec, plan, noise) -> SamplerState
     step(spec, model, plan, state, i, noise_fn) -> SamplerState
     run(spec, model, plan, noise, noise_fn) -> x0                   # init + lax.fori_loop
@@ -35,6 +42,22 @@ count need a recompile)::
     dpmpp_2m         DPMSolverMultistepScheduler (dpmsolver++, order 2, 1                  no
                      midpoint, lower_order_final)
     dpmpp_2m_karras  same, use_karras_sigmas=True                       1                  no
+    flow_euler       FlowMatchEulerDiscreteScheduler (shift, dynamic     1                  no
+                     shifting with mu, custom sigmas, invert_sigmas,
+                     shift_terminal, Karras / exponential sigmas)
+    flow_heun        FlowMatchHeunDiscreteScheduler (shift)              2 (1 on the last)  no
+
+Diffusion vs flow matching: a config saved by a ``FlowMatch*`` class (``_class_name``) takes
+only FLOW_SAMPLERS, any other class only DIFFUSION_SAMPLERS; without ``_class_name`` the keys
+decide (``shift``, ``use_dynamic_shifting``, ... mean flow; ``beta_schedule``,
+``prediction_type``, ... mean diffusion; neither: any sampler). The other family's samplers
+are a one-line ``SchedulerConfigError`` naming the accepted ones. Flow samplers feed the
+model the sample unscaled at ``t = sigma * num_train_timesteps`` and read its output as the
+velocity ``noise - x0`` (``SolverSpec.prediction_type == "flow"``); ``init_noise_sigma`` is 1.
+What a pipeline passes to ``set_timesteps`` is a ``make_plan`` argument, so data: ``mu``
+(required with ``use_dynamic_shifting``; compute it with ``flow_mu`` from the image's token
+count) and custom ``sigmas`` (Flux: ``flux_sigmas(steps)``), for flow_euler only, as only
+its diffusers class takes them.
 
 No sampler needs a static step count: the schedule is a ``Plan`` of arrays padded to
 ``num_train_timesteps + 1`` rows (its shapes do not depend on ``steps``), the trip count
@@ -61,13 +84,19 @@ raise ``SchedulerConfigError`` with a one-line message naming the key.
 
 from __future__ import annotations
 
-from preheat.samplers._config import SAMPLERS, SchedulerConfig, find_scheduler_config, load_scheduler_config
-from preheat.samplers._plan import Plan, SolverSpec, make_plan, make_spec
+from preheat.samplers._config import (DIFFUSION_SAMPLERS, FLOW_SAMPLERS, SAMPLERS, SchedulerConfig, config_kind,
+                                      find_scheduler_config, load_scheduler_config)
+from preheat.samplers._plan import MU_SIGMAS_SAMPLERS, Plan, SolverSpec, flow_mu, make_plan, make_spec
+from preheat.samplers._schedules import flux_sigmas
 from preheat.samplers._solvers import Model, NoiseFn, SamplerState, init, run, step
 
 __all__ = [
     "SAMPLERS",
+    "DIFFUSION_SAMPLERS",
+    "FLOW_SAMPLERS",
+    "MU_SIGMAS_SAMPLERS",
     "SchedulerConfig",
+    "config_kind",
     "load_scheduler_config",
     "find_scheduler_config",
     "SolverSpec",
@@ -77,6 +106,8 @@ __all__ = [
     "NoiseFn",
     "make_spec",
     "make_plan",
+    "flow_mu",
+    "flux_sigmas",
     "init",
     "step",
     "run",

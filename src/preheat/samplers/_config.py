@@ -16,6 +16,17 @@ The sampler *name* fixes the solver: for ``dpmpp_2m``/``dpmpp_2m_karras`` the di
 ``euler_at_final`` and ``use_karras_sigmas`` are not read (the name says 2nd-order
 dpmsolver++ midpoint, Karras or not). ``euler`` and ``heun`` honour ``use_karras_sigmas``
 from the dict, as their diffusers classes do.
+
+Flow matching and diffusion do not mix: a model trained for one cannot be sampled with the
+other, although diffusers' ``from_config`` would happily build either class from either dict.
+:func:`config_kind` decides which family a config belongs to, and :func:`resolve` refuses a
+sampler of the other family in one line naming the accepted samplers:
+
+* ``_class_name`` present: ``FlowMatch*`` is flow, any other class is diffusion;
+* ``_class_name`` absent: a key only the ``FlowMatch*`` classes read (``shift``,
+  ``use_dynamic_shifting``, ...) makes it flow, a key only the diffusion classes read
+  (``beta_schedule``, ``prediction_type``, ...) makes it diffusion, both is refused,
+  neither (``{}``, ``{"num_train_timesteps": 1000}``) accepts every sampler.
 """
 
 from __future__ import annotations
@@ -28,9 +39,10 @@ from typing import Any, Mapping
 
 from preheat.errors import SchedulerConfigError
 
-__all__ = ["SAMPLERS", "SchedulerConfig", "ResolvedConfig", "resolve"]
+__all__ = ["SAMPLERS", "DIFFUSION_SAMPLERS", "FLOW_SAMPLERS", "SchedulerConfig", "ResolvedConfig",
+           "ResolvedFlowConfig", "resolve", "resolve_flow", "config_kind", "check_sampler"]
 
-SAMPLERS: tuple[str, ...] = (
+DIFFUSION_SAMPLERS: tuple[str, ...] = (
     "ddpm",
     "ddim",
     "euler",
@@ -39,6 +51,9 @@ SAMPLERS: tuple[str, ...] = (
     "dpmpp_2m",
     "dpmpp_2m_karras",
 )
+# Samplers for flow-matching models (the model predicts the velocity ``noise - x0``).
+FLOW_SAMPLERS: tuple[str, ...] = ("flow_euler", "flow_heun")
+SAMPLERS: tuple[str, ...] = DIFFUSION_SAMPLERS + FLOW_SAMPLERS
 
 # The diffusers class each sampler reproduces (named in error messages).
 DIFFUSERS_CLASS: dict[str, str] = {
@@ -49,12 +64,15 @@ DIFFUSERS_CLASS: dict[str, str] = {
     "heun": "HeunDiscreteScheduler",
     "dpmpp_2m": "DPMSolverMultistepScheduler",
     "dpmpp_2m_karras": "DPMSolverMultistepScheduler",
+    "flow_euler": "FlowMatchEulerDiscreteScheduler",
+    "flow_heun": "FlowMatchHeunDiscreteScheduler",
 }
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")
 DDPM_VARIANCE_TYPES = ("fixed_small", "fixed_small_log", "fixed_large")
+TIME_SHIFT_TYPES = ("exponential", "linear")
 
 # Defaults of the diffusers class behind each sampler, for every key that class reads and
 # that changes the math (keys we refuse included, so that their defaults are known).
@@ -138,7 +156,41 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "dpmpp_2m": _DPM,
     "dpmpp_2m_karras": _DPM,
+    "flow_euler": {
+        "num_train_timesteps": 1000,
+        "shift": 1.0,
+        "use_dynamic_shifting": False,
+        "base_shift": 0.5,
+        "max_shift": 1.15,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 4096,
+        "invert_sigmas": False,
+        "shift_terminal": None,
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "time_shift_type": "exponential",
+        "stochastic_sampling": False,
+        # read through the config (hasattr) by the Karras/exponential conversions
+        "sigma_min": None,
+        "sigma_max": None,
+    },
+    # FlowMatchHeunDiscreteScheduler reads nothing else: no dynamic shifting, no custom
+    # sigmas, no mu (a Flux config's use_dynamic_shifting is ignored, as from_config does)
+    "flow_heun": {"num_train_timesteps": 1000, "shift": 1.0},
 }
+
+# Keys only the FlowMatch* classes read / only the diffusion classes read (config_kind).
+FLOW_KEYS: tuple[str, ...] = (
+    "shift", "use_dynamic_shifting", "base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len",
+    "invert_sigmas", "shift_terminal", "time_shift_type", "stochastic_sampling",
+)
+DIFFUSION_KEYS: tuple[str, ...] = (
+    "beta_start", "beta_end", "beta_schedule", "prediction_type", "timestep_spacing", "steps_offset",
+    "clip_sample", "clip_sample_range", "set_alpha_to_one", "variance_type", "interpolation_type",
+    "use_lu_lambdas", "use_flow_sigmas", "thresholding", "rescale_betas_zero_snr", "timestep_type",
+    "final_sigmas_type", "lambda_min_clipped",
+)
 
 _BOOL = "bool"
 _INT = "int"
@@ -169,6 +221,16 @@ _FIELD_KIND: dict[str, str] = {
     "timestep_type": _STR,
     "final_sigmas_type": _STR,
     "lambda_min_clipped": _FLOAT,
+    "shift": _FLOAT,
+    "use_dynamic_shifting": _BOOL,
+    "base_shift": _FLOAT,
+    "max_shift": _FLOAT,
+    "base_image_seq_len": _INT,
+    "max_image_seq_len": _INT,
+    "invert_sigmas": _BOOL,
+    "shift_terminal": _FLOAT,
+    "time_shift_type": _STR,
+    "stochastic_sampling": _BOOL,
 }
 
 
@@ -206,6 +268,19 @@ class SchedulerConfig:
     timestep_type: str | None = None
     final_sigmas_type: str | None = None
     lambda_min_clipped: float | None = None
+    # FlowMatchEulerDiscreteScheduler / FlowMatchHeunDiscreteScheduler
+    shift: float | None = None
+    use_dynamic_shifting: bool | None = None
+    base_shift: float | None = None
+    max_shift: float | None = None
+    base_image_seq_len: int | None = None
+    max_image_seq_len: int | None = None
+    invert_sigmas: bool | None = None
+    shift_terminal: float | None = None
+    time_shift_type: str | None = None
+    stochastic_sampling: bool | None = None
+    # the saving class (``_class_name``): decides flow matching vs diffusion (config_kind)
+    class_name: str | None = None
     ignored_keys: tuple[str, ...] = ()
 
     @classmethod
@@ -221,6 +296,11 @@ class SchedulerConfig:
         # never set explicitly; from_config treats them as absent (the target class's default
         # applies). Saved JSON files do not carry the list.
         defaulted = d.get("_use_default_values") or ()
+        class_name = d.get("_class_name")
+        if class_name is not None and not isinstance(class_name, str):
+            raise SchedulerConfigError(f"_class_name={class_name!r} has the wrong type; expected str")
+        if class_name is not None:
+            values["class_name"] = class_name
         for key, value in d.items():
             if not isinstance(key, str) or key.startswith("_") or key in defaulted:
                 continue
@@ -273,6 +353,18 @@ class SchedulerConfig:
             raise SchedulerConfigError(
                 f"clip_sample_range={self.clip_sample_range} is not supported; it must be > 0"
             )
+        _check_choice("time_shift_type", self.time_shift_type, TIME_SHIFT_TYPES)
+        if self.shift is not None and not self.shift > 0:
+            raise SchedulerConfigError(f"shift={self.shift} is not supported; it must be > 0")
+        # diffusers tests ``if shift_terminal:``, so 0 means "off"; 1 would divide by zero
+        if self.shift_terminal is not None and not 0.0 <= self.shift_terminal < 1.0:
+            raise SchedulerConfigError(
+                f"shift_terminal={self.shift_terminal} is not supported; it must be in [0, 1) (0 = off)"
+            )
+        for key in ("base_image_seq_len", "max_image_seq_len"):
+            v = getattr(self, key)
+            if v is not None and v < 1:
+                raise SchedulerConfigError(f"{key}={v} is not supported; it must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -297,12 +389,117 @@ class ResolvedConfig:
     lambda_min_clipped: float  # dpm++ only
 
 
-def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
-    """Fill absent keys for ``sampler`` and reject values its diffusers class would use."""
+@dataclass(frozen=True)
+class ResolvedFlowConfig:
+    """Every setting a flow-matching sampler needs (FlowMatch*DiscreteScheduler's keys)."""
+
+    sampler: str
+    num_train_timesteps: int
+    shift: float
+    use_dynamic_shifting: bool  # always False for flow_heun (its class has no such key)
+    base_shift: float
+    max_shift: float
+    base_image_seq_len: int
+    max_image_seq_len: int
+    invert_sigmas: bool
+    shift_terminal: float | None  # None = off
+    sigma_conversion: str  # "" | "karras" | "exponential"
+    sigma_min: float | None  # conversion endpoints; None = the schedule's own
+    sigma_max: float | None
+    time_shift_type: str
+
+
+def config_kind(config: SchedulerConfig) -> str | None:
+    """"flow", "diffusion", or None (no ``_class_name`` and no telling key: any sampler).
+
+    See the module docstring for the rule.
+    """
+    if config.class_name is not None:
+        return "flow" if config.class_name.startswith("FlowMatch") else "diffusion"
+    flow = [k for k in FLOW_KEYS if getattr(config, k) is not None]
+    diffusion = [k for k in DIFFUSION_KEYS if getattr(config, k) is not None]
+    if flow and diffusion:
+        raise SchedulerConfigError(
+            f"scheduler config mixes flow-matching keys ({', '.join(flow)}) with diffusion keys "
+            f"({', '.join(diffusion)}) and has no _class_name; add _class_name to say which it is"
+        )
+    return "flow" if flow else "diffusion" if diffusion else None
+
+
+def check_sampler(config: SchedulerConfig, sampler: str) -> None:
+    """``sampler`` is known and belongs to the config's family (flow matching vs diffusion)."""
     if sampler not in SAMPLERS:
         raise SchedulerConfigError(
             f"unknown sampler {sampler!r}; supported: {', '.join(SAMPLERS)}"
         )
+    kind = config_kind(config)
+    if kind == "flow" and sampler not in FLOW_SAMPLERS:
+        what = config.class_name or "flow-matching keys"
+        raise SchedulerConfigError(
+            f"sampler {sampler!r} is for diffusion models, but the scheduler config is flow matching "
+            f"({what}); supported: {', '.join(FLOW_SAMPLERS)}"
+        )
+    if kind == "diffusion" and sampler in FLOW_SAMPLERS:
+        what = config.class_name or "diffusion keys"
+        raise SchedulerConfigError(
+            f"sampler {sampler!r} is for flow-matching models, but the scheduler config is diffusion "
+            f"({what}); supported: {', '.join(DIFFUSION_SAMPLERS)}"
+        )
+
+
+def resolve_flow(config: SchedulerConfig, sampler: str) -> ResolvedFlowConfig:
+    """Fill absent keys for a flow sampler and reject values its diffusers class would use."""
+    check_sampler(config, sampler)
+    if sampler not in FLOW_SAMPLERS:
+        raise SchedulerConfigError(f"sampler {sampler!r} is not a flow sampler; use {', '.join(FLOW_SAMPLERS)}")
+    defaults = CLASS_DEFAULTS[sampler]
+    cls_name = DIFFUSERS_CLASS[sampler]
+
+    def get(key: str) -> Any:
+        if key not in defaults:  # the class does not read it
+            return None
+        v = getattr(config, key)
+        return defaults[key] if v is None else v
+
+    for key in ("stochastic_sampling", "use_beta_sigmas"):
+        if get(key):
+            raise SchedulerConfigError(
+                f"{key}=True is not supported for sampler {sampler!r} ({cls_name}); only {key}=False is"
+            )
+    conversions = [k for k in ("use_karras_sigmas", "use_exponential_sigmas") if get(k)]
+    if len(conversions) > 1:
+        raise SchedulerConfigError(
+            f"{' and '.join(conversions)} are both True; {cls_name} takes at most one sigma conversion"
+        )
+    def shift_line(key: str) -> Any:
+        # flow_mu's inputs: the pipelines read them from the config (FlowMatchEuler's defaults)
+        v = getattr(config, key)
+        return CLASS_DEFAULTS["flow_euler"][key] if v is None else v
+
+    shift_terminal = get("shift_terminal")
+    return ResolvedFlowConfig(
+        sampler=sampler,
+        num_train_timesteps=int(get("num_train_timesteps")),
+        shift=float(get("shift")),
+        use_dynamic_shifting=bool(get("use_dynamic_shifting")),
+        base_shift=float(shift_line("base_shift")),
+        max_shift=float(shift_line("max_shift")),
+        base_image_seq_len=int(shift_line("base_image_seq_len")),
+        max_image_seq_len=int(shift_line("max_image_seq_len")),
+        invert_sigmas=bool(get("invert_sigmas")),
+        shift_terminal=float(shift_terminal) if shift_terminal else None,  # diffusers: ``if shift_terminal:``
+        sigma_conversion=conversions[0][4:-7] if conversions else "",  # "use_karras_sigmas" -> "karras"
+        sigma_min=_opt_float(get("sigma_min")),
+        sigma_max=_opt_float(get("sigma_max")),
+        time_shift_type=get("time_shift_type") or "exponential",
+    )
+
+
+def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
+    """Fill absent keys for a diffusion ``sampler`` and reject values its diffusers class would use."""
+    check_sampler(config, sampler)
+    if sampler not in DIFFUSION_SAMPLERS:
+        raise SchedulerConfigError(f"sampler {sampler!r} is a flow sampler; resolve it with resolve_flow")
     defaults = CLASS_DEFAULTS[sampler]
     cls_name = DIFFUSERS_CLASS[sampler]
 

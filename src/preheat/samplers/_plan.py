@@ -15,9 +15,10 @@ import numpy as np
 
 from preheat.errors import SchedulerConfigError
 from preheat.samplers import _schedules as S
-from preheat.samplers._config import SAMPLERS, ResolvedConfig, SchedulerConfig, resolve
+from preheat.samplers._config import (FLOW_SAMPLERS, SAMPLERS, ResolvedConfig, ResolvedFlowConfig, SchedulerConfig,
+                                      check_sampler, resolve, resolve_flow)
 
-__all__ = ["SolverSpec", "Plan", "make_spec", "make_plan"]
+__all__ = ["SolverSpec", "Plan", "make_spec", "make_plan", "flow_mu", "MU_SIGMAS_SAMPLERS"]
 
 _F32 = np.float32
 
@@ -30,7 +31,13 @@ _SOLVER = {
     "heun": "heun",
     "dpmpp_2m": "dpmpp_2m",
     "dpmpp_2m_karras": "dpmpp_2m",
+    # flow matching: the same Euler / Heun updates in sigma, fed the model's velocity
+    # (SolverSpec.prediction_type == "flow") instead of a derivative from an x0 estimate
+    "flow_euler": "euler",
+    "flow_heun": "heun",
 }
+# Samplers whose diffusers ``set_timesteps`` takes ``mu`` and ``sigmas`` (and so make_plan).
+MU_SIGMAS_SAMPLERS: tuple[str, ...] = ("flow_euler",)
 _SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras")
 _NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1}
 
@@ -44,7 +51,7 @@ class SolverSpec:
     """
 
     solver: str  # "ddpm" | "ddim" | "euler" | "euler_a" | "heun" | "dpmpp_2m"
-    prediction_type: str  # "epsilon" | "v_prediction" | "sample"
+    prediction_type: str  # "epsilon" | "v_prediction" | "sample" | "flow" (velocity; euler/heun only)
     clip_sample: bool = False  # clamp the x0 prediction (ddpm, ddim, heun only)
     clip_sample_range: float = 1.0
     variance_type: str = ""  # ddpm: "fixed_small" | "fixed_small_log" | "fixed_large"
@@ -73,7 +80,7 @@ class Plan(NamedTuple):
 
     n_steps: np.ndarray  # int32 []: steps to run (a traced trip count)
     timesteps: np.ndarray  # float32 [L]: the t the model sees at step i
-    sigmas: np.ndarray  # float32 [L]: sigma_i (sigma-space samplers); sigmas[n_steps] = 0
+    sigmas: np.ndarray  # float32 [L]: sigma_i (sigma-space samplers); sigmas[n_steps] = 0 (1: invert_sigmas)
     alpha_bar: np.ndarray  # float32 [L]: alphas_cumprod at t_i (ddpm, ddim)
     alpha_bar_prev: np.ndarray  # float32 [L]: alphas_cumprod at the step's target (ddpm, ddim)
     order: np.ndarray  # int32 [L]: dpm++ order of step i (1 or 2)
@@ -83,6 +90,10 @@ class Plan(NamedTuple):
 
 def make_spec(config: SchedulerConfig, sampler: str) -> SolverSpec:
     """The static solver settings for ``sampler`` under ``config``."""
+    check_sampler(config, sampler)
+    if sampler in FLOW_SAMPLERS:
+        resolve_flow(config, sampler)  # refuses what we do not implement
+        return SolverSpec(solver=_SOLVER[sampler], prediction_type="flow")
     r = resolve(config, sampler)
     return SolverSpec(
         solver=_SOLVER[sampler],
@@ -93,20 +104,34 @@ def make_spec(config: SchedulerConfig, sampler: str) -> SolverSpec:
     )
 
 
-def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float = 0.0) -> Plan:
-    """Schedule ``steps`` steps of ``sampler``, with diffusers' numbers, into a padded ``Plan``."""
+def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float = 0.0, mu: float | None = None,
+              sigmas: "np.ndarray | list[float] | None" = None) -> Plan:
+    """Schedule ``steps`` steps of ``sampler``, with diffusers' numbers, into a padded ``Plan``.
+
+    ``mu`` and ``sigmas`` are what a pipeline passes to ``set_timesteps`` (flow_euler only,
+    as only FlowMatchEulerDiscreteScheduler takes them): ``mu`` is required with
+    ``use_dynamic_shifting`` (see :func:`flow_mu`) and ignored without it, as diffusers does;
+    ``sigmas`` are custom sigmas in (0, 1], one per step (Flux passes ``flux_sigmas(steps)``),
+    shifted like the default ones.
+    """
+    check_sampler(config, sampler)
+    if sampler not in MU_SIGMAS_SAMPLERS:
+        for name, value in (("mu", mu), ("sigmas", sigmas)):
+            if value is not None:
+                raise SchedulerConfigError(
+                    f"{name} is not supported for sampler {sampler!r}; only {', '.join(MU_SIGMAS_SAMPLERS)} takes it"
+                )
+    if sampler in FLOW_SAMPLERS:
+        fr = resolve_flow(config, sampler)
+        steps = _check_steps(steps, fr.num_train_timesteps)
+        _check_eta(sampler, float(eta))
+        rows = _flow_rows(fr, steps, mu, sigmas)
+        return _pad(fr.num_train_timesteps, rows, 0.0)
     r = resolve(config, sampler)
     T = r.num_train_timesteps
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
-        raise SchedulerConfigError(f"steps={steps!r} must be an int in [1, {T}]")
-    steps = int(steps)
-    if not 1 <= steps <= T:
-        raise SchedulerConfigError(f"steps={steps} is not supported; it must be in [1, {T}] (num_train_timesteps)")
+    steps = _check_steps(steps, T)
     eta = float(eta)
-    if sampler != "ddim" and eta != 0.0:
-        raise SchedulerConfigError(f"eta={eta} is only supported for sampler 'ddim'; use eta=0.0 for {sampler!r}")
-    if not 0.0 <= eta <= 1.0:
-        raise SchedulerConfigError(f"eta={eta} is not supported; it must be in [0, 1]")
+    _check_eta(sampler, eta)
 
     alpha_bar_train = S.alphas_cumprod(S.betas(r.beta_schedule, r.beta_start, r.beta_end, T))
     if sampler in ("ddpm", "ddim"):
@@ -115,10 +140,51 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
         rows = _dpm_rows(r, steps, alpha_bar_train)
     else:
         rows = _sigma_rows(r, steps, alpha_bar_train)
-    timesteps, sigmas, ab, ab_prev, order, init_sigma = rows
+    timesteps, sched_sigmas = rows[0], rows[1]
+    _check_schedule(r, steps, timesteps, sched_sigmas if sampler in _SIGMA_SAMPLERS else None)
+    return _pad(T, rows, eta)
 
-    n = len(timesteps)
-    _check_schedule(r, steps, timesteps, sigmas if sampler in _SIGMA_SAMPLERS else None)
+
+def flow_mu(config: SchedulerConfig, image_seq_len: int) -> float:
+    """``mu`` for ``use_dynamic_shifting``: diffusers' pipelines' ``calculate_shift``.
+
+    Linear in the image's token count, through (base_image_seq_len, base_shift) and
+    (max_image_seq_len, max_shift) of the config (class defaults where absent). Flux counts
+    packed 2x2 latent tokens, SD3 patches: the family computes ``image_seq_len``.
+    """
+    fr = resolve_flow(config, "flow_euler")
+    if isinstance(image_seq_len, bool) or not isinstance(image_seq_len, (int, np.integer)) or image_seq_len < 1:
+        raise SchedulerConfigError(f"image_seq_len={image_seq_len!r} must be an int >= 1")
+    base_seq_len, max_seq_len = fr.base_image_seq_len, fr.max_image_seq_len
+    if base_seq_len == max_seq_len:
+        raise SchedulerConfigError(
+            f"base_image_seq_len == max_image_seq_len == {base_seq_len}: the shift for mu is undefined"
+        )
+    # calculate_shift, operation for operation (Python floats)
+    m = (fr.max_shift - fr.base_shift) / (max_seq_len - base_seq_len)
+    b = fr.base_shift - m * base_seq_len
+    return int(image_seq_len) * m + b
+
+
+def _check_steps(steps: object, T: int) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
+        raise SchedulerConfigError(f"steps={steps!r} must be an int in [1, {T}]")
+    steps = int(steps)
+    if not 1 <= steps <= T:
+        raise SchedulerConfigError(f"steps={steps} is not supported; it must be in [1, {T}] (num_train_timesteps)")
+    return steps
+
+
+def _check_eta(sampler: str, eta: float) -> None:
+    if sampler != "ddim" and eta != 0.0:
+        raise SchedulerConfigError(f"eta={eta} is only supported for sampler 'ddim'; use eta=0.0 for {sampler!r}")
+    if not 0.0 <= eta <= 1.0:
+        raise SchedulerConfigError(f"eta={eta} is not supported; it must be in [0, 1]")
+
+
+def _pad(T: int, rows: "_Rows", eta: float) -> Plan:
+    """The padded ``Plan`` (``T + 1`` rows whatever the step count) of one schedule."""
+    timesteps, sigmas, ab, ab_prev, order, init_sigma = rows
     L = T + 1
 
     def pad(values: np.ndarray, fill: float, dtype: type) -> np.ndarray:
@@ -127,7 +193,7 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
         return out
 
     return Plan(
-        n_steps=np.asarray(n, dtype=np.int32),
+        n_steps=np.asarray(len(timesteps), dtype=np.int32),
         timesteps=pad(timesteps, 0.0, _F32),
         sigmas=pad(sigmas, 0.0, _F32),
         alpha_bar=pad(ab, 1.0, _F32),
@@ -228,6 +294,72 @@ def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Ro
     order[-1] = 1  # final sigma is 0: diffusers always finishes first order
     ones = np.ones(n, _F32)
     return ts_int.astype(_F32), sigmas, ones, ones, order, _F32(1.0)
+
+
+def _flow_rows(r: ResolvedFlowConfig, steps: int, mu: float | None, custom: "np.ndarray | list[float] | None") -> _Rows:
+    """flow_euler / flow_heun: FlowMatch*DiscreteScheduler.set_timesteps, step for step.
+
+    The state is ``x = (1 - sigma) * x0 + sigma * noise`` from sigma = 1 (pure noise, so
+    ``init_noise_sigma`` is 1) to 0; the model sees ``t = sigma * num_train_timesteps``.
+    """
+    T = r.num_train_timesteps
+    if r.use_dynamic_shifting:
+        if mu is None:
+            raise SchedulerConfigError(
+                "mu is required with use_dynamic_shifting=True; compute it with flow_mu(config, image_seq_len)")
+    if mu is not None:
+        if isinstance(mu, bool) or not isinstance(mu, (int, float, np.integer, np.floating)) or not np.isfinite(mu):
+            raise SchedulerConfigError(f"mu={mu!r} must be a finite number")
+        mu = float(mu)
+        if r.use_dynamic_shifting and r.time_shift_type == "linear" and not mu > 0:
+            raise SchedulerConfigError(f"mu={mu} is not supported with time_shift_type='linear'; it must be > 0")
+    if custom is None:
+        sigma_max, sigma_min = S.flow_sigma_range(T, r.shift, r.use_dynamic_shifting)
+        ts = np.linspace(sigma_max * T, sigma_min * T, steps)  # float64, as diffusers
+        sig = ts / T
+    else:
+        arr = np.asarray(custom)
+        if arr.ndim != 1 or len(arr) != steps or not np.issubdtype(arr.dtype, np.number):
+            raise SchedulerConfigError(f"sigmas must be {steps} numbers (one per step), got shape {arr.shape}")
+        sig = arr.astype(_F32)  # diffusers: np.array(sigmas).astype(np.float32)
+        if not (np.all(np.isfinite(sig)) and np.all(sig > 0) and np.all(sig <= 1)):
+            raise SchedulerConfigError("sigmas must lie in (0, 1]")
+    if r.use_dynamic_shifting:
+        sig = S.flow_time_shift(r.time_shift_type, mu, sig)
+    else:
+        sig = S.flow_shift(sig, r.shift)
+    if r.shift_terminal:
+        if not sig[-1] < 1:  # the stretch divides by 1 - (last sigma): diffusers returns NaN
+            raise SchedulerConfigError(
+                f"steps={steps} with shift_terminal={r.shift_terminal} ends the schedule at sigma 1, where the "
+                "stretch is undefined (not strictly monotone); use more steps")
+        sig = S.flow_stretch_to_terminal(sig, r.shift_terminal)
+    if r.sigma_conversion:
+        lo = r.sigma_min if r.sigma_min is not None else sig[-1].item()
+        hi = r.sigma_max if r.sigma_max is not None else sig[0].item()
+        if r.sigma_conversion == "karras":
+            sig = S.karras_sigmas(lo, hi, steps)
+        else:
+            if not (lo > 0 and hi > 0):
+                raise SchedulerConfigError(f"use_exponential_sigmas needs positive sigmas, got {hi}..{lo}")
+            sig = S.exponential_sigmas(lo, hi, steps)
+    sig32 = np.asarray(sig).astype(_F32)
+    if r.invert_sigmas:  # Mochi: noise level runs up from 1 - sigma_0 to 1
+        sig32 = (_F32(1.0) - sig32).astype(_F32)
+        final = _F32(1.0)
+    else:
+        final = _F32(0.0)
+    timesteps = (sig32 * _F32(T)).astype(_F32)
+    sigmas = np.append(sig32, final).astype(_F32)
+    steps_ok = np.diff(sigmas) > 0 if r.invert_sigmas else np.diff(sigmas) < 0
+    if not (np.all(np.isfinite(sigmas)) and np.all(steps_ok)):
+        raise SchedulerConfigError(
+            f"steps={steps} gives flow sigmas that are not strictly monotone for sampler {r.sampler!r} "
+            "(check sigmas, shift_terminal, sigma_min/sigma_max); every step must move"
+        )
+    n = len(timesteps)
+    ones = np.ones(n, _F32)
+    return timesteps, sigmas, ones, ones, np.ones(n, np.int32), _F32(1.0)
 
 
 # --- validity ---------------------------------------------------------------------------------

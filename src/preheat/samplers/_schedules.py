@@ -30,6 +30,12 @@ __all__ = [
     "interp_sigmas",
     "karras_sigmas",
     "sigma_to_t",
+    "flux_sigmas",
+    "flow_sigma_range",
+    "flow_shift",
+    "flow_time_shift",
+    "flow_stretch_to_terminal",
+    "exponential_sigmas",
 ]
 
 _F32 = np.float32
@@ -164,3 +170,54 @@ def sigma_to_t(sigmas: np.ndarray, log_train_sigmas: np.ndarray) -> np.ndarray:
         w = np.clip((lo - log_sigma) / (lo - hi), 0, 1)
         out[j] = (1 - w) * low + w * (low + 1)
     return out
+
+
+# --- flow matching (FlowMatchEulerDiscreteScheduler / FlowMatchHeunDiscreteScheduler) ------------
+# diffusers mixes dtypes here: the training table is torch float32, the
+# default schedule float64 numpy, custom sigmas float32 numpy. Each function below is written
+# exactly as diffusers' expression, so that applied to an array of the same dtype it rounds the
+# same way (numpy >= 2 keeps a Python scalar "weak": float32 array op float -> float32, as torch).
+
+
+def flux_sigmas(steps: int) -> np.ndarray:
+    """The custom sigmas FluxPipeline passes to ``set_timesteps``: float64 ``[steps]``."""
+    return np.linspace(1.0, 1 / steps, steps)
+
+
+def flow_shift(sigmas: np.ndarray, shift: float) -> np.ndarray:
+    """The static resolution-independent shift ``shift * s / (1 + (shift - 1) * s)``."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def flow_sigma_range(num_train: int, shift: float, dynamic: bool) -> tuple[float, float]:
+    """(sigma_max, sigma_min) of diffusers' float32 training table, shifted unless ``dynamic``.
+
+    The constructor computes ``linspace(1, T, T) / T`` (torch float32) and shifts it *before*
+    ``set_timesteps`` shifts again; only the two ends are used afterwards.
+    """
+    ends = np.array([num_train, 1], dtype=_F32) / num_train  # IEEE float32 division, as torch
+    if not dynamic:
+        ends = flow_shift(ends, shift)
+    return ends[0].item(), ends[1].item()
+
+
+def flow_time_shift(kind: str, mu: float, t: np.ndarray) -> np.ndarray:
+    """Resolution-dependent shift (``use_dynamic_shifting``); diffusers' ``time_shift(mu, 1.0, t)``."""
+    sigma = 1.0
+    if kind == "exponential":
+        return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** sigma)
+    if kind == "linear":
+        return mu / (mu + (1 / t - 1) ** sigma)
+    raise SchedulerConfigError(f"time_shift_type={kind!r} is not supported; supported: 'exponential', 'linear'")
+
+
+def flow_stretch_to_terminal(t: np.ndarray, shift_terminal: float) -> np.ndarray:
+    """Stretch the schedule so that its last value is ``shift_terminal`` (LTX-Video)."""
+    one_minus_z = 1 - t
+    scale_factor = one_minus_z[-1] / (1 - shift_terminal)
+    return 1 - (one_minus_z / scale_factor)
+
+
+def exponential_sigmas(sigma_min: float, sigma_max: float, steps: int) -> np.ndarray:
+    """Uniform in log sigma from ``sigma_max`` to ``sigma_min``; float64 ``[steps]``."""
+    return np.exp(np.linspace(math.log(sigma_max), math.log(sigma_min), steps))

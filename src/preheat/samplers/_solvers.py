@@ -5,11 +5,16 @@ from the ``Plan`` at a (possibly traced) step index ``i``; nothing is kept betwe
 the explicit ``SamplerState``. Shared pieces are written once:
 
 * :func:`_denoise` -- input scaling, the model call, prediction-type conversion, clipping;
-* :func:`_euler_move` -- the first-order move along ``(x - x0) / sigma`` (euler, euler_a, heun).
+* :func:`_euler_move` -- the first-order move along ``(x - x0) / sigma`` (euler_a);
+* :func:`_derivative` -- ``dx/dsigma`` at a step: from the x0 estimate, or the model's own
+  velocity for flow matching (euler and heun serve both).
 
 Notation: the state is ``x = alpha * x0 + sigma * eps``. ddpm/ddim/dpm++ keep the
 variance-preserving latent (``alpha**2 + sigma**2 = 1``); euler/euler_a/heun keep the
 variance-exploding one (``alpha = 1``) and feed the model ``x / sqrt(sigma**2 + 1)``.
+Flow matching (``prediction_type == "flow"``: flow_euler, flow_heun) keeps
+``x = (1 - sigma) * x0 + sigma * eps``, feeds the model ``x`` itself, and the model returns
+the velocity ``dx/dsigma = eps - x0``.
 """
 
 from __future__ import annotations
@@ -120,13 +125,22 @@ def _ve_denoise(spec: SolverSpec, model: Model, x: jax.Array, t: jax.Array, sigm
     return x0
 
 
-def _euler_move(x: jax.Array, x0: jax.Array, sigma: jax.Array, sigma_to: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One Euler step of ``dx/dsigma = (x - x0) / sigma`` from ``sigma`` to ``sigma_to``.
+def _derivative(spec: SolverSpec, model: Model, x: jax.Array, t: jax.Array, sigma: jax.Array) -> jax.Array:
+    """``dx/dsigma`` at noise level ``sigma``: the model's velocity for flow matching, else
+    ``(x - x0) / sigma`` of the variance-exploding state."""
+    if spec.prediction_type == "flow":
+        v = model(x, t)  # the model sees the sample unscaled
+        if v.shape != x.shape:
+            raise InvalidArgumentError(f"model output shape {v.shape} != sample shape {x.shape}")
+        return v.astype(x.dtype)
+    x0 = _ve_denoise(spec, model, x, t, sigma)
+    return (x - x0) / sigma  # [*S]
 
-    Returns ``(x_new, derivative)``; Heun reuses the derivative.
-    """
+
+def _euler_move(x: jax.Array, x0: jax.Array, sigma: jax.Array, sigma_to: jax.Array) -> jax.Array:
+    """One Euler step of ``dx/dsigma = (x - x0) / sigma`` from ``sigma`` to ``sigma_to``."""
     d = (x - x0) / sigma  # [*S]
-    return x + d * (sigma_to - sigma), d
+    return x + d * (sigma_to - sigma)
 
 
 def _vp(sigma: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -176,11 +190,11 @@ def _ddim_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, 
 
 def _euler_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
                 noise_fn: NoiseFn) -> SamplerState:
-    """Euler on the probability-flow ODE in sigma (Karras et al. 2022, Alg. 1 without churn)."""
+    """Euler on the probability-flow ODE in sigma (Karras et al. 2022, Alg. 1 without churn);
+    for flow matching, FlowMatchEulerDiscreteScheduler's ``x + (sigma_next - sigma) * v``."""
     sigma, sigma_next = _at(plan.sigmas, i), _at(plan.sigmas, i + 1)
-    x0 = _ve_denoise(spec, model, state.x, _at(plan.timesteps, i), sigma)
-    x_new, _ = _euler_move(state.x, x0, sigma, sigma_next)
-    return state._replace(x=x_new)
+    d = _derivative(spec, model, state.x, _at(plan.timesteps, i), sigma)
+    return state._replace(x=state.x + d * (sigma_next - sigma))
 
 
 def _euler_a_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
@@ -192,23 +206,23 @@ def _euler_a_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerStat
     sigma_up = jnp.sqrt(sn2 * (s2 - sn2) / s2)
     # clamp: float32 rounding could make this a hair negative (diffusers would return NaN)
     sigma_down = jnp.sqrt(jnp.maximum(sn2 - sigma_up * sigma_up, 0.0))
-    x_new, _ = _euler_move(state.x, x0, sigma, sigma_down)
+    x_new = _euler_move(state.x, x0, sigma, sigma_down)
     x_new = x_new + noise_fn(i, 0) * sigma_up
     return state._replace(x=x_new)
 
 
 def _heun_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
                noise_fn: NoiseFn) -> SamplerState:
-    """Heun's 2nd-order method (Karras et al. 2022, Alg. 1); plain Euler onto sigma = 0."""
+    """Heun's 2nd-order method (Karras et al. 2022, Alg. 1); plain Euler onto sigma = 0.
+    The same for flow matching (FlowMatchHeunDiscreteScheduler), with the model's velocity."""
     x = state.x
     sigma, sigma_next = _at(plan.sigmas, i), _at(plan.sigmas, i + 1)
-    x0 = _ve_denoise(spec, model, x, _at(plan.timesteps, i), sigma)
-    x_euler, d = _euler_move(x, x0, sigma, sigma_next)
+    d = _derivative(spec, model, x, _at(plan.timesteps, i), sigma)
+    x_euler = x + d * (sigma_next - sigma)
 
     def correct(_: None) -> jax.Array:
         # the model at the Euler point; its timestep is the next step's
-        x0_next = _ve_denoise(spec, model, x_euler, _at(plan.timesteps, i + 1), sigma_next)
-        d_next = (x_euler - x0_next) / sigma_next
+        d_next = _derivative(spec, model, x_euler, _at(plan.timesteps, i + 1), sigma_next)
         return x + (d + d_next) / 2 * (sigma_next - sigma)
 
     x_new = jax.lax.cond(sigma_next > 0, correct, lambda _: x_euler, None)

@@ -102,6 +102,8 @@ class Job:
 
 
 def _all_samplers() -> tuple[str, ...]:
+    # before set-up the model is not known; once it is, Limits.schedulers holds what is served
+    # (its family's samplers, which the engine's check names when a request asks for another)
     from preheat.samplers import SAMPLERS
 
     return tuple(SAMPLERS)

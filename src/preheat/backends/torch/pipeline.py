@@ -108,6 +108,7 @@ class EngineArguments:
     __post_init__ = Pipeline.__post_init__
     validate = Pipeline.validate
     check = Pipeline.check
+    _plan = Pipeline._plan
     class_index = Pipeline.class_index
     _guidance = Pipeline._guidance
     is_guided = Pipeline.is_guided
@@ -313,14 +314,12 @@ def load(model: str | Path | None = None, *, compile: str = "none", dtype: Any =
     root = BUILTIN_MODEL if model is None else resolve(str(model))
     from preheat.families import class_name_of
 
-    text_families = {"StableDiffusionPipeline": "SD", "StableDiffusionXLPipeline": "SDXL"}
     class_name = class_name_of(root)
-    if class_name in text_families:
-        from preheat.backends.torch.text import load_text
-        from preheat.families import stable_diffusion
+    from preheat.backends.torch.text import TEXT_FAMILIES, load_text
 
-        return load_text(Path(root), getattr(stable_diffusion, text_families[class_name]), compile=compile,
-                         dtype=dtype, device=str(torch_device), scheduler=scheduler, compiler=compiler, variant=variant)
+    if class_name in TEXT_FAMILIES:
+        return load_text(Path(root), class_name, compile=compile, dtype=dtype, device=str(torch_device),
+                         scheduler=scheduler, compiler=compiler, variant=variant)
     unet_dir = resolve_unet_dir(root)
     raw = read_json(unet_dir / "config.json")
     cls = raw.get("_class_name", "UNet2DModel")

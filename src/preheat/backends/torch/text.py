@@ -1,11 +1,11 @@
-"""``TorchTextPipeline``: SD 1.x/2.x and SDXL folders through diffusers' own pipeline classes.
+"""``TorchTextPipeline``: SD 1.x/2.x, SDXL, SD3 and Flux folders through diffusers' own pipeline classes.
 
 The same call API and argument checks as the JAX ``Pipeline`` (borrowed, not copied), the same
 initial latents (``latents=``, drawn from the same per-image seeds by ``preheat.noise``) and the
 same sampler mapping, so ``bench compare`` and the parity tests put both backends side by side.
 
-``compile="inductor"`` wraps the UNet in ``torch.compile`` and warms each model batch and latent
-size through preheat's torch compile cache (Mega-Cache artifacts and CPU kernels, under the
+``compile="inductor"`` wraps the denoiser (UNet or transformer) in ``torch.compile`` and warms
+each model batch and latent size through preheat's torch compile cache (Mega-Cache artifacts and CPU kernels, under the
 same entry rules as the JAX side). ``compile="aot"`` (AOTInductor) is not offered for these
 pipelines yet: it is refused with a one-line error rather than silently falling back.
 
@@ -33,7 +33,15 @@ from preheat.noise import initial_noise
 from preheat.samplers import SchedulerConfig, load_scheduler_config
 from preheat.timings import Timings
 
-__all__ = ["TorchTextPipeline", "load_text"]
+__all__ = ["TorchTextPipeline", "load_text", "TEXT_FAMILIES"]
+
+# model_index.json's _class_name -> (families module, family object)
+TEXT_FAMILIES = {
+    "StableDiffusionPipeline": ("stable_diffusion", "SD"),
+    "StableDiffusionXLPipeline": ("stable_diffusion", "SDXL"),
+    "StableDiffusion3Pipeline": ("sd3", "SD3"),
+    "FluxPipeline": ("flux", "FLUX"),
+}
 
 
 @dataclass
@@ -66,22 +74,29 @@ class TorchTextPipeline(EngineArguments):
         n = request.n
         self.last = Timings(cache_layer="memory")
         latent_shape = request.sample_shape
-        timings = self._prepare_unet(n * (2 if request.guided else 1), latent_shape)
-
-        start = time.perf_counter()
         nchw = (request.noise.transpose(0, 3, 1, 2) if request.noise is not None
                 else initial_noise(request.seeds, latent_shape))
-        self.pipe.scheduler = make_scheduler(request.sampler, self.scheduler_dict)
+        latents = torch.from_numpy(np.ascontiguousarray(nchw, np.float32)).to(self.device, self.torch_dtype)
         kwargs: dict[str, Any] = dict(
-            prompt=v["prompt"], negative_prompt=v["negative_prompt"], height=v["height"], width=v["width"],
-            num_inference_steps=request.steps, guidance_scale=request.guidance if request.guided else 1.0,
-            latents=torch.from_numpy(np.ascontiguousarray(nchw, np.float32)).to(self.device, self.torch_dtype),
-            generator=[torch.Generator("cpu").manual_seed(int(s)) for s in request.seeds], output_type="np",
-            eta=request.eta)
+            prompt=v["prompt"], height=v["height"], width=v["width"], num_inference_steps=request.steps,
+            generator=[torch.Generator("cpu").manual_seed(int(s)) for s in request.seeds], output_type="np")
+        if self.family.name == "flux":  # embedded guidance; FluxPipeline takes packed latents
+            b, c, h, w = latents.shape
+            kwargs.update(prompt_2=v["prompt_2"], guidance_scale=request.guidance,
+                          latents=self.pipe._pack_latents(latents, b, c, h, w))
+        else:
+            kwargs.update(negative_prompt=v["negative_prompt"], latents=latents,
+                          guidance_scale=request.guidance if request.guided else 1.0)
+        if self.family.name.startswith("stable-diffusion") and self.family.name != "stable-diffusion-3":
+            kwargs["eta"] = request.eta  # the flow pipelines take no eta
         if "time_ids" in v:
             ids = [int(x) for x in v["time_ids"]]
             kwargs.update(original_size=tuple(ids[0:2]), crops_coords_top_left=tuple(ids[2:4]),
                           target_size=tuple(ids[4:6]))
+        self.pipe.scheduler = make_scheduler(request.sampler, self.scheduler_dict)
+        timings = self._prepare_denoiser(n * (2 if request.guided else 1), latent_shape, kwargs)
+
+        start = time.perf_counter()
         with torch.no_grad():
             images = self.pipe(**kwargs).images
         if self.device.startswith("cuda"):
@@ -94,33 +109,28 @@ class TorchTextPipeline(EngineArguments):
     def torch_dtype(self) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
 
-    def _prepare_unet(self, model_batch: int, latent_shape: tuple[int, ...]) -> Timings:
-        """Compile (or load from the cache) the UNet for this model batch and latent size."""
+    def _prepare_denoiser(self, model_batch: int, latent_shape: tuple[int, ...], call: dict[str, Any]) -> Timings:
+        """Compile (or load from the cache) the denoiser for this model batch and latent size.
+
+        The warm-up is the pipeline itself for one step with this call's arguments, so whatever
+        the denoiser (UNet, Flux or SD3 transformer) it sees exactly the inputs serving will.
+        """
         key = (model_batch, tuple(latent_shape))
         if self.compile == "none" or key in self._warm:
             return Timings(cache_layer="memory" if key in self._warm or self.compile != "none" else "none")
-        unet = self.pipe.unet
-        if not getattr(unet, "_preheat_compiled", False):
+        denoiser = self.pipe.unet if hasattr(self.pipe, "unet") else self.pipe.transformer
+        if not getattr(denoiser, "_preheat_compiled", False):
             try:
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             except AttributeError:  # pragma: no cover - older torch
                 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            unet.forward = torch.compile(unet.forward, **INDUCTOR_OPTIONS)
-            unet._preheat_compiled = True
+            denoiser.forward = torch.compile(denoiser.forward, **INDUCTOR_OPTIONS)
+            denoiser._preheat_compiled = True
         h, w, c = latent_shape
-        cfg = unet.config
-        x = torch.zeros((model_batch, c, h, w), dtype=self.torch_dtype, device=self.device)
-        t = torch.full((model_batch,), 1.0, dtype=torch.float32, device=self.device)
-        ctx = torch.zeros((model_batch, 77, cfg.cross_attention_dim), dtype=self.torch_dtype, device=self.device)
-        added = None
-        if cfg.addition_embed_type == "text_time":
-            pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-            added = {"text_embeds": torch.zeros((model_batch, pooled), dtype=self.torch_dtype, device=self.device),
-                     "time_ids": torch.zeros((model_batch, 6), dtype=self.torch_dtype, device=self.device)}
 
         def warm_up() -> None:
             with torch.no_grad():
-                unet(x, t, encoder_hidden_states=ctx, added_cond_kwargs=added, return_dict=False)
+                self.pipe(**{**call, "num_inference_steps": 1, "output_type": "latent"})
 
         fields = torch_key_fields(self.fingerprint, mode="inductor", model_batch=model_batch, sample_chw=(c, h, w),
                                   class_conditional=False, dtype=self.dtype, device=self.device)
@@ -129,23 +139,28 @@ class TorchTextPipeline(EngineArguments):
         return timings
 
 
-def load_text(root: Path, family: Any, *, compile: str, dtype: str, device: str, scheduler: Any,
+def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: str, scheduler: Any,
               compiler: TorchCompiler | None, variant: str | None) -> TorchTextPipeline:
-    """A diffusers SD/SDXL pipeline for ``root`` with preheat's checks and defaults."""
+    """A diffusers SD/SDXL/SD3/Flux pipeline for ``root`` with preheat's checks and defaults."""
     if compile == "aot":
         raise InvalidArgumentError("compile='aot' (AOTInductor) is not available for text-to-image pipelines yet; "
                                    "use compile='inductor' or 'none'", argument="compile")
+    import importlib
+
     from diffusers import DiffusionPipeline
 
-    from preheat.families.stable_diffusion import _default_sampler
+    from preheat.families.text import default_sampler
+
+    module, name = TEXT_FAMILIES[class_name]
+    family = getattr(importlib.import_module(f"preheat.families.{module}"), name)
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     kwargs: dict[str, Any] = {"torch_dtype": dtypes[dtype]}
     if variant:
         kwargs["variant"] = variant
-    if family.xl:
+    if class_name == "StableDiffusionXLPipeline":
         kwargs["add_watermarker"] = False
-    else:
+    elif class_name == "StableDiffusionPipeline":
         kwargs.update(safety_checker=None, requires_safety_checker=False)
     pipe = DiffusionPipeline.from_pretrained(str(root), **kwargs).to(device)
     pipe.set_progress_bar_config(disable=True)
@@ -153,16 +168,24 @@ def load_text(root: Path, family: Any, *, compile: str, dtype: str, device: str,
     sched = load_scheduler_config(sched_source)
     sched_dict = dict(scheduler) if isinstance(scheduler, dict) else json.loads(
         (Path(sched_source) / "scheduler_config.json" if Path(sched_source).is_dir() else Path(sched_source)).read_text())
-    unet_cfg = pipe.unet.config
+    denoiser = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
+    cfg = denoiser.config
     vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-    size = unet_cfg.sample_size
+    components: dict[str, Any] = {"vae_scale": vae_scale, "size_multiple": vae_scale}
+    defaults = default_sampler(root)
+    channels = cfg.in_channels
+    size = cfg.sample_size
+    if class_name == "FluxPipeline":  # as the JAX loader: packed 2x2 tokens, 128-latent default side
+        channels, size = cfg.in_channels // 4, 128
+        components.update(size_multiple=2 * vae_scale, guidance_embeds=bool(cfg.guidance_embeds))
+        defaults.update({"steps": 28, "guidance": 3.5} if cfg.guidance_embeds else {"steps": 4, "guidance": None})
+    elif class_name == "StableDiffusion3Pipeline":
+        components.update(size_multiple=vae_scale * cfg.patch_size, patch_size=cfg.patch_size)
     latent = (size, size) if isinstance(size, int) else tuple(size)
-    architecture = {k: v for k, v in dict(unet_cfg).items() if not k.startswith("_")}
-    fingerprint = json.loads(json.dumps({"kind": "diffusers.UNet2DConditionModel", "config": architecture},
+    architecture = {k: v for k, v in dict(cfg).items() if not k.startswith("_")}
+    fingerprint = json.loads(json.dumps({"kind": f"diffusers.{type(denoiser).__name__}", "config": architecture},
                                         default=str))
     return TorchTextPipeline(
         pipe=pipe, family=family, scheduler_config=sched, scheduler_dict=sched_dict,
-        sample_shape=(int(latent[0]), int(latent[1]), unet_cfg.in_channels),
-        components={"vae_scale": vae_scale, "size_multiple": vae_scale},
-        fingerprint=fingerprint, defaults=_default_sampler(root, family), dtype=dtype, device=device,
-        compile=compile, compiler=compiler)
+        sample_shape=(int(latent[0]), int(latent[1]), channels), components=components,
+        fingerprint=fingerprint, defaults=defaults, dtype=dtype, device=device, compile=compile, compiler=compiler)

@@ -1,0 +1,171 @@
+"""FLUX.1 (schnell and dev): diffusers' ``FluxPipeline`` folders, loaded unchanged, in three stages.
+
+    stage     program                                                        one executable per
+    --------  -------------------------------------------------------------  ---------------------
+    encode    CLIP ids (B, 77) -> pooled output            (B, 768)           batch
+              T5 ids (B, 512)  -> last hidden state        (B, 512, 4096)
+    denoise   the engine's flow-matching loop over FluxTransformer2DModel;   sampler, batch, size
+              latents (B, h, w, 16) are packed into 2x2 tokens (B, hw/4, 64)
+              and unpacked inside the denoiser, so samplers and seeds see
+              the same NHWC latent as every other family
+              cond = {"context", "pooled"[, "guidance"]}
+    decode    latents / scaling_factor + shift_factor -> VAE -> uint8        batch, size
+
+Guidance: FLUX.1-dev is guidance-distilled -- the scale is an input of the transformer
+(``guidance_embeds``), so it is conditioning data: one branch, no recompile for a new scale.
+FLUX.1-schnell has no guidance input and refuses a scale. Neither runs classifier-free guidance
+(diffusers' ``true_cfg_scale`` is not offered).
+
+The schedule is diffusers': the pipeline's own sigmas ``linspace(1, 1/steps, steps)``, shifted by
+``mu`` from the image's token count (``use_dynamic_shifting``); both are host-side data of the
+static resolution, so steps stay data too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from preheat.errors import UnsupportedConfigError
+from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
+from preheat.families.text import TextToImageFamily, component, default_sampler, encode, offload, prompts
+from preheat.samplers import MU_SIGMAS_SAMPLERS
+
+__all__ = ["FluxFamily", "FLUX", "load_flux"]
+
+CLIP_LENGTH = 77  # the CLIP tokenizer's model_max_length in every published Flux folder
+T5_LENGTH = 512  # FluxPipeline's max_sequence_length default
+
+
+@dataclass(frozen=True)
+class FluxFamily(TextToImageFamily):
+    name: str = "flux"
+    defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 28,
+                                                                  "guidance": 3.5})
+    inputs: tuple[str, ...] = ("prompt", "prompt_2", "width", "height")
+    # FluxPipeline passes its own sigmas and mu to set_timesteps: only flow_euler's scheduler takes them
+    samplers: tuple[str, ...] = MU_SIGMAS_SAMPLERS
+    max_size: int = 4096
+
+    def guidance_mode(self, pipe: EngineView) -> str:
+        return "embedded" if pipe.components["guidance_embeds"] else "none"
+
+    def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
+        inputs = super().check_inputs(pipe, n, inputs)
+        first = prompts("prompt", inputs.get("prompt"), n, required=True)
+        second = prompts("prompt_2", inputs.get("prompt_2"), n, required=False)
+        return {"prompt": first, "prompt_2": second if second is not None else first, **self.check_size(pipe, inputs)}
+
+    def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
+        from preheat.samplers import flow_mu, flux_sigmas
+
+        h, w, _ = request.sample_shape
+        options: dict[str, Any] = {}
+        config = pipe.scheduler_config
+        if config.use_dynamic_shifting:
+            options["mu"] = flow_mu(config, (h // 2) * (w // 2))  # from the packed token count
+        if not config.use_flow_sigmas:
+            options["sigmas"] = flux_sigmas(request.steps)  # what FluxPipeline passes to set_timesteps
+        return options
+
+    def condition(self, pipe: EngineView, request: Request) -> Conditioning:
+        values, n = request.values, request.n
+        out = encode(pipe, [values["prompt"], values["prompt_2"]], lambda: _encode_program(pipe.components),
+                     outputs=2, extra=(("family", self.name),))
+        cond = {"context": np.asarray(out[0]), "pooled": np.asarray(out[1])}
+        if pipe.components["guidance_embeds"]:
+            cond["guidance"] = np.full((n,), request.guidance, np.float32)
+        return Conditioning(cond=cond, uncond={})
+
+
+FLUX = FluxFamily()
+
+
+def _encode_program(components: dict[str, Any]) -> Any:
+    """(params, (clip ids (B, 77), t5 ids (B, L))) -> (context (B, L, D) f32, pooled (B, P) f32)."""
+    import jax.numpy as jnp
+
+    clip, t5 = components["text_encoders"]
+
+    def program(params: tuple, ids: tuple) -> Any:
+        pooled = clip.apply(params[0], ids[0]).pooled  # diffusers: CLIPTextModel's pooler_output
+        context = t5.apply(params[1], ids[1])
+        return context.astype(jnp.float32), pooled.astype(jnp.float32)
+
+    return program
+
+
+def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
+              offload_encoders: bool = False) -> LoadedModel:
+    """A ``FluxPipeline`` folder (FLUX.1-schnell, FLUX.1-dev and fine-tunes of them)."""
+    import jax.numpy as jnp
+
+    from preheat.models.clip import load_clip_text
+    from preheat.models.flux import latent_image_ids, load_flux_transformer, pack_latents, unpack_latents
+    from preheat.models.t5 import load_t5_encoder
+    from preheat.models.t5_tokenizer import T5Tokenizer
+    from preheat.models.tokenizer import CLIPTokenizer
+    from preheat.models.vae import load_vae
+    from preheat.models.weights import check_dtype, read_json
+    from preheat.samplers import load_scheduler_config
+
+    root = Path(root)
+    dtype = check_dtype(dtype)
+    index = read_json(root / "model_index.json", "pipeline index")
+    tokenizers = [CLIPTokenizer.from_folder(component(root, index, "tokenizer")),
+                  T5Tokenizer.from_folder(component(root, index, "tokenizer_2"), max_length=T5_LENGTH)]
+    encoders = [load_clip_text(component(root, index, "text_encoder"), dtype=dtype, variant=variant),
+                load_t5_encoder(component(root, index, "text_encoder_2"), dtype=dtype, variant=variant)]
+    if offload_encoders:
+        encoders = [offload(e) for e in encoders]
+    transformer = load_flux_transformer(component(root, index, "transformer"), dtype=dtype, variant=variant)
+    vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant)
+    sched = load_scheduler_config(scheduler if scheduler is not None else component(root, index, "scheduler"))
+
+    cfg = transformer.config
+    clip_width = encoders[0].config.hidden_size
+    if clip_width != cfg.pooled_projection_dim:
+        raise UnsupportedConfigError(f"{root}: the CLIP encoder's width is {clip_width}, the transformer's "
+                                     f"pooled_projection_dim is {cfg.pooled_projection_dim}")
+    t5_width = encoders[1].config.d_model
+    if t5_width != cfg.joint_attention_dim:
+        raise UnsupportedConfigError(f"{root}: the T5 encoder's width is {t5_width}, the transformer's "
+                                     f"joint_attention_dim is {cfg.joint_attention_dim}")
+    latent_channels = vae.config.latent_channels
+    if cfg.in_channels != 4 * latent_channels:
+        raise UnsupportedConfigError(f"{root}: the transformer takes {cfg.in_channels} channels per token, the VAE's "
+                                     f"{latent_channels} latent channels pack into {4 * latent_channels}")
+    vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    guidance_embeds = bool(cfg.guidance_embeds)
+
+    def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
+        b, h, w, _ = x.shape  # (B, h, w, C) latents; h, w even (size_multiple)
+        tokens = pack_latents(x)  # (B, hw/4, 4C)
+        txt_ids = jnp.zeros((cond["context"].shape[1], 3), jnp.float32)  # FluxPipeline's text ids are zeros
+        out = transformer.apply(params, tokens, cond["context"].astype(x.dtype), cond["pooled"].astype(x.dtype),
+                                t / 1000, latent_image_ids(h, w), txt_ids, cond.get("guidance"))
+        return unpack_latents(out, h, w)  # (B, h, w, C)
+
+    components = {
+        "tokenizers": tokenizers,
+        "text_encoders": encoders,
+        "offload_encoders": offload_encoders,
+        "vae": vae,
+        "vae_scale": vae_scale,
+        "size_multiple": 2 * vae_scale,  # latents pack into 2x2 tokens
+        "guidance_embeds": guidance_embeds,
+        "encode_fingerprint": {"kind": "flux-text", "clip": encoders[0].config.architecture_dict(),
+                               "t5": encoders[1].config.architecture_dict(), "dtype": str(dtype)},
+        "decode_fingerprint": {"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
+    }
+    defaults = default_sampler(root)
+    defaults.update({"steps": 28, "guidance": 3.5} if guidance_embeds else {"steps": 4, "guidance": None})
+    # diffusers' FluxPipeline: default_sample_size 128 latents per side (1024 px with an 8x VAE)
+    fingerprint = {"kind": "flux-transformer", "family": FLUX.name, "config": cfg.architecture_dict()}
+    return LoadedModel(apply=apply, params=transformer.params, sample_shape=(128, 128, latent_channels),
+                       scheduler_config=sched, fingerprint=fingerprint, family=FLUX, defaults=defaults,
+                       dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)
+

@@ -1,0 +1,193 @@
+"""Stable Diffusion 3 / 3.5: diffusers' ``StableDiffusion3Pipeline`` folders, loaded unchanged.
+
+    stage     program                                                        one executable per
+    --------  -------------------------------------------------------------  ---------------------
+    encode    CLIP-L ids, CLIP-G ids (B, 77), T5 ids (B, 256) ->             batch
+              context = [CLIP-L | CLIP-G penultimate states, zero-padded to
+              the T5 width ; T5 last hidden state]       (B, 77 + 256, D)
+              pooled  = [CLIP-L | CLIP-G projections]    (B, 768 + 1280)
+              (a folder without T5 gets zeros in its place, as diffusers)
+    denoise   the engine's flow-matching loop over SD3Transformer2DModel,    sampler, batch, size,
+              classifier-free guidance with "" or the negative prompt        guidance on/off
+    decode    latents / scaling_factor + shift_factor -> VAE -> uint8        batch, size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from preheat.errors import InvalidArgumentError, UnsupportedConfigError
+from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
+from preheat.families.text import TextToImageFamily, component, default_sampler, encode, offload, prompts
+from preheat.samplers import FLOW_SAMPLERS
+
+__all__ = ["SD3Family", "SD3", "load_stable_diffusion_3"]
+
+T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length default
+
+
+@dataclass(frozen=True)
+class SD3Family(TextToImageFamily):
+    name: str = "stable-diffusion-3"
+    defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 28,
+                                                                  "guidance": 7.0})
+    inputs: tuple[str, ...] = ("prompt", "negative_prompt", "width", "height")
+    samplers: tuple[str, ...] = FLOW_SAMPLERS
+    max_size: int = 4096
+
+    def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
+        inputs = super().check_inputs(pipe, n, inputs)
+        return {"prompt": prompts("prompt", inputs.get("prompt"), n, required=True),
+                "negative_prompt": prompts("negative_prompt", inputs.get("negative_prompt"), n, required=False),
+                **self.check_size(pipe, inputs)}
+
+    def check_unguided(self, pipe: EngineView, values: dict[str, Any]) -> None:
+        if values["negative_prompt"] is not None:
+            raise InvalidArgumentError("negative_prompt needs classifier-free guidance; use a guidance scale other "
+                                       "than 1", argument="negative_prompt")
+
+    def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
+        from preheat.samplers import MU_SIGMAS_SAMPLERS, flow_mu
+
+        if not pipe.scheduler_config.use_dynamic_shifting or request.sampler not in MU_SIGMAS_SAMPLERS:
+            return {}  # (make_plan names the problem if the sampler cannot shift dynamically)
+        h, w, _ = request.sample_shape
+        patch = pipe.components["patch_size"]
+        return {"mu": flow_mu(pipe.scheduler_config, (h // patch) * (w // patch))}
+
+    def condition(self, pipe: EngineView, request: Request) -> Conditioning:
+        values, n = request.values, request.n
+        texts = list(values["prompt"])
+        if request.guided:
+            negatives = values["negative_prompt"]
+            texts += negatives if negatives is not None else [""] * n
+        out = encode(pipe, [texts] * 3, lambda: _encode_program(pipe.components), outputs=2,
+                     extra=(("family", self.name),))
+        context, pooled = np.asarray(out[0]), np.asarray(out[1])
+        cond = {"context": context[:n], "pooled": pooled[:n]}
+        uncond = {"context": context[n:], "pooled": pooled[n:]} if request.guided else {}
+        return Conditioning(cond=cond, uncond=uncond)
+
+
+SD3 = SD3Family()
+
+
+def _encode_program(components: dict[str, Any]) -> Any:
+    """(params, ids) of CLIP-L, CLIP-G, T5 -> (context (B, 77 + L, D) f32, pooled (B, P_l + P_g) f32)."""
+    import jax.numpy as jnp
+
+    clip_l, clip_g, t5 = components["text_encoders"]
+    width, t5_length = components["joint_attention_dim"], components["t5_length"]
+
+    def program(params: tuple, ids: tuple) -> Any:
+        out_l, out_g = clip_l.apply(params[0], ids[0]), clip_g.apply(params[1], ids[1])
+        clip = jnp.concatenate([out_l.hidden_states[-2], out_g.hidden_states[-2]], axis=-1)  # (B, 77, D_l + D_g)
+        clip = jnp.pad(clip.astype(jnp.float32), ((0, 0), (0, 0), (0, width - clip.shape[-1])))  # (B, 77, D)
+        b = ids[0].shape[0]
+        if t5 is None:
+            t5_states = jnp.zeros((b, t5_length, width), jnp.float32)
+        else:
+            t5_states = t5.apply(params[2], ids[2]).astype(jnp.float32)  # (B, L, D)
+        pooled = jnp.concatenate([out_l.text_embeds, out_g.text_embeds], axis=-1).astype(jnp.float32)
+        return jnp.concatenate([clip, t5_states], axis=1), pooled
+
+    return program
+
+
+class _ZeroTokens:
+    """Stands in for a missing T5 tokenizer: the encode stage puts zeros where T5 states would be."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        return np.zeros((len(texts), self.length), np.int32)
+
+
+def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
+                            offload_encoders: bool = False) -> LoadedModel:
+    """A ``StableDiffusion3Pipeline`` folder (SD3-medium, SD3.5-large/-medium as far as the transformer
+    supports them; with or without ``text_encoder_3``)."""
+    import jax.numpy as jnp
+
+    from preheat.models.clip import load_clip_text
+    from preheat.models.sd3 import load_sd3_transformer
+    from preheat.models.t5 import load_t5_encoder
+    from preheat.models.t5_tokenizer import T5Tokenizer
+    from preheat.models.tokenizer import CLIPTokenizer
+    from preheat.models.vae import load_vae
+    from preheat.models.weights import check_dtype, read_json
+    from preheat.samplers import load_scheduler_config
+
+    root = Path(root)
+    dtype = check_dtype(dtype)
+    index = read_json(root / "model_index.json", "pipeline index")
+    tokenizers: list[Any] = []
+    encoders: list[Any] = []
+    for te_name, tok_name in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
+        tokenizers.append(CLIPTokenizer.from_folder(component(root, index, tok_name)))
+        entry = index.get(te_name)
+        model_class = entry[1] if isinstance(entry, (list, tuple)) and len(entry) == 2 else None
+        encoders.append(load_clip_text(component(root, index, te_name), dtype=dtype, variant=variant,
+                                       model_class=model_class))
+    has_t5 = isinstance(index.get("text_encoder_3"), (list, tuple)) and index["text_encoder_3"][0] is not None
+    if has_t5:
+        tokenizers.append(T5Tokenizer.from_folder(component(root, index, "tokenizer_3"), max_length=T5_LENGTH))
+        encoders.append(load_t5_encoder(component(root, index, "text_encoder_3"), dtype=dtype, variant=variant))
+    else:
+        tokenizers.append(_ZeroTokens(T5_LENGTH))
+        encoders.append(None)
+    if offload_encoders:
+        encoders = [offload(e) if e is not None else None for e in encoders]
+    transformer = load_sd3_transformer(component(root, index, "transformer"), dtype=dtype, variant=variant)
+    vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant)
+    sched = load_scheduler_config(scheduler if scheduler is not None else component(root, index, "scheduler"))
+
+    cfg = transformer.config
+    for name, enc in (("text_encoder", encoders[0]), ("text_encoder_2", encoders[1])):
+        if not enc.config.with_projection:
+            raise UnsupportedConfigError(f"{root}: {name} must be a CLIPTextModelWithProjection (SD3 pools its "
+                                         "projection)")
+    pooled = encoders[0].config.projection_dim + encoders[1].config.projection_dim
+    if pooled != cfg.pooled_projection_dim:
+        raise UnsupportedConfigError(f"{root}: the CLIP projections give {pooled} pooled features, the transformer's "
+                                     f"pooled_projection_dim is {cfg.pooled_projection_dim}")
+    clip_width = encoders[0].config.hidden_size + encoders[1].config.hidden_size
+    if clip_width > cfg.joint_attention_dim:
+        raise UnsupportedConfigError(f"{root}: the CLIP states are {clip_width} wide, more than the transformer's "
+                                     f"joint_attention_dim {cfg.joint_attention_dim}")
+    if has_t5 and encoders[2].config.d_model != cfg.joint_attention_dim:
+        raise UnsupportedConfigError(f"{root}: the T5 encoder's width is {encoders[2].config.d_model}, the "
+                                     f"transformer's joint_attention_dim is {cfg.joint_attention_dim}")
+    if vae.config.latent_channels != cfg.in_channels:
+        raise UnsupportedConfigError(f"{root}: the VAE has {vae.config.latent_channels} latent channels, the "
+                                     f"transformer takes {cfg.in_channels}")
+    vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
+
+    def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
+        return transformer.apply(params, x, cond["context"].astype(x.dtype), cond["pooled"].astype(x.dtype), t)
+
+    components = {
+        "tokenizers": tokenizers,
+        "text_encoders": encoders,
+        "offload_encoders": offload_encoders,
+        "vae": vae,
+        "vae_scale": vae_scale,
+        "size_multiple": vae_scale * cfg.patch_size,
+        "patch_size": cfg.patch_size,
+        "joint_attention_dim": cfg.joint_attention_dim,
+        "t5_length": T5_LENGTH,
+        "encode_fingerprint": {"kind": "sd3-text", "clip": [e.config.architecture_dict() for e in encoders[:2]],
+                               "t5": encoders[2].config.architecture_dict() if has_t5 else None,
+                               "joint_attention_dim": cfg.joint_attention_dim, "dtype": str(dtype)},
+        "decode_fingerprint": {"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
+    }
+    fingerprint = {"kind": "sd3-transformer", "family": SD3.name, "config": cfg.architecture_dict()}
+    side = int(cfg.sample_size)  # diffusers: default_sample_size = transformer.config.sample_size (latents)
+    return LoadedModel(apply=apply, params=transformer.params, sample_shape=(side, side, cfg.in_channels),
+                       scheduler_config=sched, fingerprint=fingerprint, family=SD3, defaults=default_sampler(root),
+                       dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)

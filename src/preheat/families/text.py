@@ -1,0 +1,149 @@
+"""What the text-to-image families share: prompt and size checks, the folder's own default
+sampler, component folders, and the VAE decode stage.
+
+Kept apart from any one family so that Stable Diffusion, SDXL, SD3 and Flux validate a prompt, a
+width or a missing ``text_encoder_2/`` with the same words.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from preheat.errors import InvalidArgumentError, ModelNotFoundError
+from dataclasses import dataclass
+
+import numpy as np
+
+from preheat.families.base import EngineView, Family, Request, StageSignature, check_int, to_pixels
+
+__all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "prompts", "size", "component", "default_sampler", "decode_program", "encode", "offload"]
+
+@dataclass(frozen=True)
+class TextToImageFamily(Family):
+    """A latent text-to-image family: a VAE decode stage after the loop, sizes in pixels.
+
+    ``components`` must hold ``vae``, ``vae_scale`` (pixels per latent), ``size_multiple`` and a
+    ``decode_fingerprint``.
+    """
+
+    pixels_in_loop: bool = False
+    max_size: int = 2048
+
+    def check_size(self, pipe: EngineView, inputs: dict[str, Any]) -> dict[str, int]:
+        """{"width", "height"} in pixels: the model's default or a multiple of ``size_multiple``."""
+        multiple = pipe.components["size_multiple"]
+        h_default, w_default = (s * pipe.components["vae_scale"] for s in pipe.sample_shape[:2])
+        return {"width": size("width", inputs.get("width"), w_default, multiple, self.max_size),
+                "height": size("height", inputs.get("height"), h_default, multiple, self.max_size)}
+
+    def sample_shape(self, pipe: EngineView, values: dict[str, Any]) -> tuple[int, ...]:
+        scale = pipe.components["vae_scale"]
+        return (values["height"] // scale, values["width"] // scale, pipe.sample_shape[2])
+
+    def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
+        vae = pipe.components["vae"]
+        sig = StageSignature("decode", batch=request.n, shape=tuple(request.sample_shape), dtype=str(vae.dtype))
+        return np.asarray(pipe.run_stage("decode", pipe.components["decode_fingerprint"], sig,
+                                         lambda: decode_program(vae), (vae.params, out)))
+
+
+# The folder's scheduler class -> the sampler a diffusers pipeline would run by default.
+SAMPLER_OF_SCHEDULER = {
+    "EulerDiscreteScheduler": "euler",
+    "EulerAncestralDiscreteScheduler": "euler_a",
+    "DDIMScheduler": "ddim",
+    "DDPMScheduler": "ddpm",
+    "HeunDiscreteScheduler": "heun",
+    "DPMSolverMultistepScheduler": "dpmpp_2m",
+    "FlowMatchEulerDiscreteScheduler": "flow_euler",
+    "FlowMatchHeunDiscreteScheduler": "flow_heun",
+}
+
+
+def prompts(name: str, value: Any, n: int, *, required: bool) -> list[str] | None:
+    """One string per image from a string or a list of n strings (None when optional and absent)."""
+    if value is None:
+        if required:
+            raise InvalidArgumentError(f"{name} is required: a string or one string per image", argument=name)
+        return None
+    if isinstance(value, str):
+        return [value] * n
+    if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
+        if len(value) != n:
+            raise InvalidArgumentError(f"got {len(value)} {name}s for n={n}; give one string or one per image",
+                                       argument=name)
+        return list(value)
+    raise InvalidArgumentError(f"{name} must be a string or a list of strings, not {type(value).__name__}",
+                               argument=name)
+
+
+def size(name: str, value: Any, default: int, multiple: int, high: int) -> int:
+    """A width or height: a multiple of what the model's latent grid (and patching) needs."""
+    if value is None:
+        return default
+    value = check_int(name, value, multiple, high)
+    if value % multiple:
+        raise InvalidArgumentError(f"{name}={value} must be a multiple of {multiple} for this model", argument=name)
+    return value
+
+
+def component(root: Path, index: dict[str, Any], name: str) -> Path:
+    """A pipeline folder's ``name/`` component, or a one-line error listing what the index has."""
+    folder = root / name
+    if name not in index or not folder.is_dir():
+        raise ModelNotFoundError(f"{root} has no {name}/ folder (model_index.json lists "
+                                 f"{', '.join(k for k in index if not k.startswith('_')) or 'nothing'})")
+    return folder
+
+
+def default_sampler(root: Path) -> dict[str, Any]:
+    """The sampler diffusers would run for this folder's scheduler class (family default otherwise)."""
+    from preheat.models.weights import read_json
+
+    path = root / "scheduler" / "scheduler_config.json"
+    if not path.is_file():
+        return {}
+    raw = read_json(path, "scheduler config")
+    sampler = SAMPLER_OF_SCHEDULER.get(str(raw.get("_class_name")))
+    if sampler == "dpmpp_2m" and raw.get("use_karras_sigmas"):
+        sampler = "dpmpp_2m_karras"
+    return {"sampler": sampler} if sampler else {}
+
+
+def decode_program(vae: Any) -> Any:
+    """latents (B, h, w, C) float32 -> uint8 pixels (B, H, W, 3), through the VAE's own scaling/shift."""
+    def program(params: Any, latents: Any) -> Any:
+        return to_pixels(vae.latents_to_images(params, latents.astype(vae.dtype)).astype("float32"))
+
+    return program
+
+
+def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Callable], outputs: int,
+           extra: tuple[tuple[str, Any], ...] = ()) -> Any:
+    """Tokenize on the host (``texts[i]`` for the i-th tokenizer) and run the encode stage.
+
+    The stage's executable is chosen by the batch and every tokenizer's padded length, so a new
+    prompt is data; the encoders' weights are arguments (``components["text_encoders"]``; an
+    absent encoder, like SD3 without T5, is None and gets no weights).
+
+        texts: one list of B strings per tokenizer; program: () -> fn(params, ids)
+    """
+    tokenizers = pipe.components["tokenizers"]
+    ids = tuple(tok.encode(list(t)) for tok, t in zip(tokenizers, texts))  # each (B, L_i) int32
+    sig = StageSignature("encode", batch=len(texts[0]), shape=tuple(i.shape[1] for i in ids), dtype=pipe.dtype,
+                         extra=extra)
+    # with offload_encoders the weights are host arrays: they reach the device for this call only
+    params = tuple(te.params if te is not None else None for te in pipe.components["text_encoders"])
+    return pipe.run_stage("encode", pipe.components["encode_fingerprint"], sig, program, (params, ids),
+                          outputs=outputs)
+
+
+def offload(encoder: Any) -> Any:
+    """``offload_encoders``: keep an encoder's weights in host memory, so that the device holds
+    them only while the encode stage runs (for GPUs that cannot hold encoders and denoiser)."""
+    import dataclasses
+
+    import jax
+
+    return dataclasses.replace(encoder, params=jax.device_get(encoder.params))

@@ -1,0 +1,130 @@
+"""Tiny random-weight FLUX.1 (schnell, dev) and SD3 pipeline folders, written by diffusers.
+
+Each folder is a real ``FluxPipeline`` / ``StableDiffusion3Pipeline`` saved with
+``save_pretrained`` (diffusers' own ``model_index.json``), at the scale of diffusers' pipeline
+tests: one or two layers, small heads, small RoPE axes; 32x32 images, 16x16 latents (a two-level
+VAE), 16-channel-style latents with ``shift_factor``. The scheduler configs are the published
+ones (FLUX.1-dev: dynamic shifting; schnell: shift 1; SD3: shift 3).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.models.t5_fixtures import save_tiny_t5_encoder, save_tiny_t5_tokenizer
+from tests.models.text_fixtures import save_tiny_clip, save_tiny_tokenizer
+from tests.models.vae_fixtures import save_tiny_vae
+
+KINDS = ("flux-schnell", "flux-dev", "sd3")
+FLUX_SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
+                  "num_train_timesteps": 1000}
+SCHEDULERS = {
+    "flux-schnell": {**FLUX_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False},
+    "flux-dev": {**FLUX_SCHEDULER, "shift": 3.0, "use_dynamic_shifting": True},
+    "sd3": {"num_train_timesteps": 1000, "shift": 3.0},
+}
+# the latent statistics of the published 16-channel VAEs (FLUX.1: 0.3611 / 0.1159; SD3: 1.5305 / 0.0609)
+VAE_STATS = {"flux": dict(scaling_factor=0.3611, shift_factor=0.1159),
+             "sd3": dict(scaling_factor=1.5305, shift_factor=0.0609)}
+
+
+def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: int = 0, t5: bool = True) -> Path:
+    """A whole tiny pipeline folder of ``kind`` ("flux-schnell", "flux-dev", "sd3"; ``t5=False``: an
+    SD3 folder without its third encoder)."""
+    import torch
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
+                           SD3Transformer2DModel, StableDiffusion3Pipeline)
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+    directory = Path(directory)
+    parts = directory.parent / f".{directory.name}-parts"
+    flux = kind.startswith("flux")
+    vae_overrides = dict(latent_channels=4, use_quant_conv=False, use_post_quant_conv=False,
+                         **VAE_STATS["flux" if flux else "sd3"])
+    save_tiny_vae(parts / "vae", seed=seed, **vae_overrides)
+    save_tiny_tokenizer(parts / "tok")
+    save_tiny_t5_tokenizer(parts / "tok_t5", layout="hub")
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULERS[kind])
+    torch.manual_seed(seed)
+    if flux:
+        save_tiny_clip(parts / "te", seed=seed, hidden_act="gelu")  # hidden 32 = pooled_projection_dim
+        save_tiny_t5_encoder(parts / "t5", seed=seed + 1)  # d_model 32 = joint_attention_dim
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+            guidance_embeds=kind == "flux-dev")
+        _perturb(transformer)
+        pipe = FluxPipeline(
+            scheduler=scheduler, vae=AutoencoderKL.from_pretrained(parts / "vae"),
+            text_encoder=CLIPTextModel.from_pretrained(parts / "te"),
+            tokenizer=CLIPTokenizer.from_pretrained(str(parts / "tok")),
+            text_encoder_2=T5EncoderModel.from_pretrained(parts / "t5"),
+            tokenizer_2=T5TokenizerFast.from_pretrained(str(parts / "tok_t5")), transformer=transformer)
+    else:
+        save_tiny_clip(parts / "te", with_projection=True, seed=seed, hidden_act="gelu", projection_dim=32)
+        save_tiny_clip(parts / "te2", with_projection=True, seed=seed + 1, hidden_act="gelu", projection_dim=32)
+        save_tiny_tokenizer(parts / "tok2", pad_token="!")
+        if t5:
+            save_tiny_t5_encoder(parts / "t5", seed=seed + 2, d_model=64)
+        transformer = SD3Transformer2DModel(
+            sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+            num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=64, pooled_projection_dim=64,
+            out_channels=4, pos_embed_max_size=16)
+        _perturb(transformer)
+        pipe = StableDiffusion3Pipeline(
+            scheduler=scheduler, vae=AutoencoderKL.from_pretrained(parts / "vae"), transformer=transformer,
+            text_encoder=CLIPTextModelWithProjection.from_pretrained(parts / "te"),
+            tokenizer=CLIPTokenizer.from_pretrained(str(parts / "tok")),
+            text_encoder_2=CLIPTextModelWithProjection.from_pretrained(parts / "te2"),
+            tokenizer_2=CLIPTokenizer.from_pretrained(str(parts / "tok2")),
+            text_encoder_3=T5EncoderModel.from_pretrained(parts / "t5") if t5 else None,
+            tokenizer_3=T5TokenizerFast.from_pretrained(str(parts / "tok_t5")) if t5 else None)
+    pipe.save_pretrained(directory)
+    # Published folders hold the hub tokenizer files; put them back over what transformers 5 wrote.
+    for tok, sub in (("tok", "tokenizer"), ("tok2", "tokenizer_2"), ("tok_t5", "tokenizer_2" if flux else "tokenizer_3")):
+        if (parts / tok).is_dir() and (directory / sub).is_dir():
+            for f in (parts / tok).iterdir():
+                (directory / sub / f.name).write_bytes(f.read_bytes())
+    return directory
+
+
+def _perturb(model: Any, scale: float = 0.05) -> None:
+    """Noise on every weight: zero-initialised AdaLN and output layers would hide a mapping bug."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+
+
+def reference_pipeline(folder: Path, sampler: str = "flow_euler") -> Any:
+    """diffusers' own pipeline for ``folder`` with the scheduler preheat maps ``sampler`` to."""
+    from diffusers import DiffusionPipeline
+
+    from preheat.backends.torch.sampling import make_scheduler
+
+    index = json.loads((folder / "model_index.json").read_text())
+    absent = {k: None for k, v in index.items() if v == [None, None]}  # e.g. SD3 saved without T5
+    pipe = DiffusionPipeline.from_pretrained(folder, **absent)
+    config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    pipe.scheduler = make_scheduler(sampler, config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def reference_pixels(pipe: Any, prompt: Any, noise: np.ndarray, **kwargs: Any) -> np.ndarray:
+    """diffusers' uint8 NHWC images from NCHW standard-normal latents (packed first for Flux)."""
+    import torch
+
+    latents = torch.from_numpy(noise)
+    if type(pipe).__name__ == "FluxPipeline":
+        b, c, h, w = latents.shape
+        latents = pipe._pack_latents(latents, b, c, h, w)
+    with torch.no_grad():
+        out = pipe(prompt=prompt, latents=latents, output_type="np", height=noise.shape[2] * pipe.vae_scale_factor,
+                   width=noise.shape[3] * pipe.vae_scale_factor, **kwargs).images
+    return (np.asarray(out) * 255).round().astype(np.uint8)

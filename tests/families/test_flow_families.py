@@ -1,0 +1,149 @@
+"""FLUX.1-schnell, FLUX.1-dev and SD3 through preheat.load, against diffusers' own pipelines on the
+same tiny random-weight folders and the same initial latents."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import preheat
+from preheat.errors import InvalidArgumentError, PreheatError, SchedulerConfigError
+from tests.families.flow_fixtures import reference_pipeline, reference_pixels, save_tiny_flow_model
+
+MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255 (1/255 on the [0, 1] scale)
+FOLDERS = {"flux-schnell": ("flux-schnell", True), "flux-dev": ("flux-dev", True), "sd3": ("sd3", True),
+           "sd3-no-t5": ("sd3", False)}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    base = tmp_path_factory.mktemp("flow")
+    return {name: save_tiny_flow_model(base / name, kind, t5=t5) for name, (kind, t5) in FOLDERS.items()}
+
+
+@pytest.fixture(scope="module")
+def pipes(folders):
+    return {name: preheat.load(folder, cache="off") for name, folder in folders.items()}
+
+
+def _noise(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 4, 16, 16)).astype(np.float32)
+
+
+CASES = [
+    ("flux-schnell", "flow_euler", dict(prompt=["a photo of a cat", "an astronaut riding a horse"])),
+    ("flux-dev", "flow_euler", dict(prompt="a watercolor fox", guidance_scale=3.5)),
+    ("flux-dev", "flow_euler", dict(prompt=["a red fox", "city at night"], guidance_scale=5.0)),
+    ("sd3", "flow_euler", dict(prompt=["a photo of a dog", "a red fox"], guidance_scale=7.0)),
+    ("sd3", "flow_euler", dict(prompt="a portrait", negative_prompt="blurry", guidance_scale=4.0)),
+    ("sd3", "flow_heun", dict(prompt="a photo of a cat", guidance_scale=5.0)),
+    ("sd3", "flow_euler", dict(prompt="city at night", guidance_scale=1.0)),
+    ("sd3-no-t5", "flow_euler", dict(prompt="a photo of a cat", guidance_scale=6.0)),
+]
+
+
+@pytest.mark.parametrize("name,sampler,call", CASES, ids=[f"{k}-{s}-{i}" for i, (k, s, _) in enumerate(CASES)])
+def test_matches_diffusers_from_the_same_latents(folders, pipes, name, sampler, call, record_property):
+    call = dict(call)
+    prompt = call.pop("prompt")
+    n = len(prompt) if isinstance(prompt, list) else 1
+    noise = _noise(n)
+    steps = 4
+    ref = reference_pipeline(folders[name], sampler)
+    theirs = reference_pixels(ref, prompt, noise, num_inference_steps=steps, **call)
+    guidance = call.pop("guidance_scale", None)
+    ours = pipes[name].generate(prompt, noise=noise, steps=steps, sampler=sampler, guidance=guidance,
+                                width=32, height=32, **call)
+    assert ours.shape == theirs.shape == (n, 32, 32, 3) and ours.dtype == np.uint8
+    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    record_property("mean_abs_px", float(diff.mean()))
+    print(f"{name}/{sampler}: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
+    assert ours.std() > 5  # not a flat image (flat images would agree for any model)
+
+
+@pytest.mark.parametrize("name,calls", [
+    ("flux-dev", [dict(prompt="a red fox", steps=2, guidance=2.0, seed=0),
+                  dict(prompt="a photo of a cat", steps=5, guidance=3.5, seed=0),
+                  dict(prompt="a photo of a cat", steps=2, guidance=3.5, seed=7)]),
+    ("sd3", [dict(prompt="a red fox", steps=2, guidance=7.0, seed=0),
+             dict(prompt="a photo of a cat", steps=5, guidance=3.0, seed=0),
+             dict(prompt="a photo of a cat", negative_prompt="blurry", steps=2, guidance=7.0, seed=9)]),
+])
+def test_prompt_guidance_steps_and_seed_are_data(pipes, name, calls):
+    """One denoising program serves every prompt, guidance scale, step count and seed (a trace counter)."""
+    pipe = dataclasses.replace(pipes[name], _executables={})
+    traces = []
+    apply = pipe.apply
+
+    def counting(*args):
+        traces.append(1)  # runs only while JAX traces the denoiser
+        return apply(*args)
+
+    pipe.apply = counting
+    first = pipe.generate("a photo of a cat", steps=2, guidance=calls[0]["guidance"], seed=0)
+    traced, compiled = len(traces), len(pipe._executables)
+    assert traced >= 1
+    outs = [pipe.generate(**c) for c in calls]
+    assert len(traces) == traced  # no retrace
+    assert len(pipe._executables) == compiled  # nothing new compiled
+    assert all(not np.array_equal(first, o) for o in outs)  # and each input really changed the image
+
+
+def test_flux_dev_guidance_is_one_branch_of_data(pipes):
+    pipe = pipes["flux-dev"]
+    assert pipe.defaults["guidance"] == 3.5 and pipe.defaults["steps"] == 28
+    assert not pipe.is_guided(7.0)  # embedded guidance never doubles the batch
+    a = pipe.generate("a fox", steps=2, guidance=1.0, seed=1)
+    b = pipe.generate("a fox", steps=2, guidance=4.0, seed=1)
+    assert not np.array_equal(a, b)  # 1.0 is a real value for an embedded scale, not "off"
+
+
+def test_schnell_defaults_and_no_guidance(pipes):
+    pipe = pipes["flux-schnell"]
+    assert pipe.defaults["steps"] == 4 and pipe.defaults["guidance"] is None
+    with pytest.raises(InvalidArgumentError, match="takes no guidance") as err:
+        pipe.generate("a fox", steps=1, guidance=3.5)
+    assert len(str(err.value).splitlines()) == 1
+    assert pipe.generate("a fox", steps=1, guidance=1.0).shape[0] == 1  # 1 = off everywhere in preheat
+
+
+@pytest.mark.parametrize("name,kwargs,exc,needle", [
+    ("flux-dev", dict(prompt="x", sampler="ddpm"), SchedulerConfigError, "use one of: flow_euler"),
+    ("sd3", dict(prompt="x", sampler="dpmpp_2m"), SchedulerConfigError, "not for a stable-diffusion-3 model"),
+    ("flux-dev", dict(prompt="x", negative_prompt="y"), InvalidArgumentError, "unexpected argument 'negative_prompt'"),
+    ("flux-dev", dict(prompt="x", width=42), InvalidArgumentError, "multiple of 4"),  # 2x2 packing of 2x latents
+    ("sd3", dict(prompt="x", width=34), InvalidArgumentError, "multiple of 4"),  # patch 2 of 2x latents
+    ("sd3", dict(prompt="x", negative_prompt="y", guidance=1.0), InvalidArgumentError, "needs classifier-free"),
+    ("flux-schnell", dict(prompt=None), InvalidArgumentError, "prompt is required"),
+])
+def test_bad_input_is_one_line(pipes, name, kwargs, exc, needle):
+    with pytest.raises(exc) as err:
+        pipes[name].check(**kwargs, steps=2)
+    assert needle in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+def test_flux_resolution_is_static_and_shifts_the_schedule(pipes):
+    """mu follows the token count: a wider image is another program and another schedule."""
+    pipe = pipes["flux-dev"]
+    wide = pipe.generate("a fox", width=48, height=32, steps=2, seed=1)
+    assert wide.shape == (1, 32, 48, 3)
+    small = pipe._plan(pipe.validate("a fox", width=32, height=32, steps=2))
+    large = pipe._plan(pipe.validate("a fox", width=64, height=64, steps=2))
+    assert large.sigmas[1] > small.sigmas[1]  # more tokens: more shift toward noise
+
+
+def test_offload_encoders_keeps_text_weights_on_the_host(folders, pipes):
+    pipe = preheat.load(folders["sd3"], cache="off", offload_encoders=True)
+    leaves = [leaf for te in pipe.components["text_encoders"] for leaf in
+              __import__("jax").tree.leaves(te.params)]
+    assert leaves and all(isinstance(leaf, np.ndarray) for leaf in leaves)
+    same = pipes["sd3"].generate("a fox", steps=2, seed=4)
+    np.testing.assert_array_equal(pipe.generate("a fox", steps=2, seed=4), same)
+
+
+def test_offload_encoders_is_refused_for_models_without_text():
+    with pytest.raises(PreheatError, match="offload_encoders applies to text-to-image models"):
+        preheat.load(None, cache="off", offload_encoders=True)
