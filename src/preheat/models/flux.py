@@ -571,7 +571,7 @@ def build_flux_transformer(config: FluxTransformerConfig, tensors: Mapping[str, 
     """A loaded transformer from torch-layout tensors keyed like diffusers' state dict (numpy arrays)."""
     dtype = check_dtype(dtype)
     graphdef, abstract = build_abstract(config)
-    params = fill(abstract, dict(tensors), dtype, source)
+    params = fill(abstract, tensors, dtype, source)  # a Checkpoint streams; dict() would read it all
     return FluxTransformer(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 

@@ -183,11 +183,14 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         if key == "__metadata__":
             continue
         try:
-            dtype = _DTYPES[entry["dtype"]]
+            name = entry["dtype"]
             shape = tuple(int(d) for d in entry["shape"])
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise _format_error(path, f"header entry {key!r} is malformed") from None
+        if name not in _DTYPES:
+            raise _format_error(path, f"{key} has dtype {name!r}; readable: {', '.join(_DTYPES)}")
+        dtype = _DTYPES[name]
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if min(shape, default=0) < 0 or begin < 0 or end - begin != nbytes:
             raise _format_error(path, f"{key} spans bytes {begin}..{end}, but {dtype} {shape} needs {nbytes}")
@@ -367,12 +370,15 @@ class LoadReport:
     the resident set after the load: what the load needed beyond what it keeps. On the CPU backend
     device arrays live in host memory too, so the growth includes the weights themselves and the
     transient is the figure to hold against ``largest_tensor_bytes`` / ``largest_file_bytes``.
+    The transient can read low when the allocator keeps freed memory (it then stays in
+    ``rss_after``); on the CPU backend ``peak_host_bytes - placed_bytes`` is the stricter figure.
     """
 
     source: str
     files: tuple[str, ...] = ()
     tensors: int = 0
     bytes_read: int = 0  # checkpoint bytes read from disk
+    placed_bytes: int = 0  # bytes of the arrays put on the device (after casts)
     seconds: float = 0.0  # read + cast + place on the device, transfers finished
     largest_tensor_bytes: int = 0
     largest_file_bytes: int = 0
@@ -393,7 +399,7 @@ class LoadReport:
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in (
-            "source", "tensors", "bytes_read", "seconds", "abstract_s", "largest_tensor_bytes",
+            "source", "tensors", "bytes_read", "placed_bytes", "seconds", "abstract_s", "largest_tensor_bytes",
             "largest_file_bytes", "rss_before", "peak_rss", "rss_after", "peak_exact")}
         out.update(files=list(self.files), peak_host_bytes=self.peak_host_bytes,
                    transient_host_bytes=self.transient_host_bytes)
@@ -434,7 +440,8 @@ def recording(source: str = "all") -> Iterator[LoadRecording]:
         parts = tuple(rec.reports)
         rec.total = LoadReport(
             source=source, files=tuple(f for p in parts for f in p.files), tensors=sum(p.tensors for p in parts),
-            bytes_read=sum(p.bytes_read for p in parts), seconds=sum(p.seconds for p in parts),
+            bytes_read=sum(p.bytes_read for p in parts), placed_bytes=sum(p.placed_bytes for p in parts),
+            seconds=sum(p.seconds for p in parts),
             largest_tensor_bytes=max((p.largest_tensor_bytes for p in parts), default=0),
             largest_file_bytes=max((p.largest_file_bytes for p in parts), default=0),
             rss_before=before, peak_rss=peak, rss_after=after, peak_exact=exact, abstract_s=rec.abstract_s,
@@ -626,11 +633,12 @@ def _fill(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: s
         plan.sort(key=lambda p: (str(infos[p[4]].file), infos[p[4]].start) if infos[p[4]] else ("", p[0]))
     placed: dict[int, Any] = {}
     in_flight: deque[tuple[jax.Array, int]] = deque()
-    waiting = bytes_read = largest = 0
+    waiting = bytes_read = placed_bytes = largest = 0
     scratch = _Scratch()
     for i, path, var, leaf, key, want in plan:
         value, nbytes = _place(tensors, key, leaf, want, scratch)
         bytes_read += nbytes
+        placed_bytes += value.nbytes
         largest = max(largest, nbytes)
         placed[i] = var.replace(value)
         in_flight.append((value, nbytes))
@@ -643,7 +651,7 @@ def _fill(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: s
         value.block_until_ready()
     files = tuple(str(f) for f in tensors.files) if lazy else ()
     report = LoadReport(source=source, files=files, tensors=len(plan), bytes_read=bytes_read,
-                        largest_tensor_bytes=largest,
+                        placed_bytes=placed_bytes, largest_tensor_bytes=largest,
                         largest_file_bytes=max((Path(f).stat().st_size for f in files), default=0))
     return nnx.from_flat_state([(flat[i][0], placed[i]) for i in sorted(placed)]), report
 
