@@ -151,6 +151,11 @@ def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt
         "guided": pipe.is_guided(guidance),
         "stages": first.to_dict().get("stages", {}),
     }
+    weights_load = getattr(pipe, "load_report", None)  # the JAX engine's (preheat.models.weights.LoadReport)
+    if weights_load is not None:
+        record.update(weights_read_s=weights_load.seconds, abstract_s=weights_load.abstract_s,
+                      weights_bytes=weights_load.bytes_read, peak_host_bytes=weights_load.peak_host_bytes,
+                      transient_host_bytes=weights_load.transient_host_bytes, weights_load=weights_load.to_dict())
     if report:
         from preheat.cache.atomic import atomic_write_bytes
 

@@ -200,10 +200,11 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
-def _read_bytes(info: TensorInfo) -> np.ndarray:
-    """One tensor, freshly allocated (nothing else refers to its buffer); no mmap, so no file pages
-    are mapped into the process and the resident set is only what is allocated here."""
-    buf = np.empty(info.nbytes, np.uint8)
+def _read_bytes(info: TensorInfo, into: np.ndarray | None = None) -> np.ndarray:
+    """One tensor, read with plain reads (no mmap, so no file pages are mapped into the process and
+    the resident set is only what is allocated here): into a fresh buffer nobody else refers to,
+    or into ``into`` (a reusable uint8 scratch buffer of at least ``info.nbytes``)."""
+    buf = np.empty(info.nbytes, np.uint8) if into is None else into[:info.nbytes]
     view = memoryview(buf)
     got = 0
     try:
@@ -247,10 +248,6 @@ class Checkpoint(MutableMapping[str, np.ndarray]):
             return tuple(self._held[key].shape), self._held[key].dtype
         info = self._info.get(key)
         return None if info is None else (info.shape, info.dtype)
-
-    def owns(self, key: str) -> bool:
-        """True when ``self[key]`` is a fresh buffer nobody else holds (read from disk)."""
-        return key in self._info
 
     @property
     def nbytes(self) -> int:
@@ -458,6 +455,10 @@ def torch_key(path: tuple[Any, ...]) -> str:
     return ".".join([*mods, _LEAF_TO_TORCH[leaf]])
 
 
+def _changes_layout(leaf: str, ndim: int) -> bool:
+    return leaf == "kernel" and ndim in (2, 4)
+
+
 def to_jax_layout(arr: np.ndarray, leaf: str) -> np.ndarray:
     if leaf == "kernel" and arr.ndim == 4:  # conv: (O, I, kH, kW) -> (kH, kW, I, O)
         return arr.transpose(2, 3, 1, 0)
@@ -515,13 +516,54 @@ def _meta(tensors: Mapping[str, Any], key: str) -> tuple[tuple[int, ...], np.dty
     return None if arr is None else (tuple(arr.shape), np.dtype(arr.dtype))
 
 
-def _place(arr: np.ndarray, leaf: str, dtype: np.dtype, owned: bool) -> jax.Array:
-    """Cast on the host (numpy: the same rounding as before), then one transfer. The layout change
-    rides on the transfer (the runtime copies a strided view, faster than numpy's transpose), and a
-    buffer nobody else holds is donated, so on the CPU backend it becomes the device array uncopied."""
-    if arr.dtype != dtype:
-        arr, owned = arr.astype(dtype), True  # contiguous, fresh
-    return jax.device_put(to_jax_layout(arr, leaf), donate=owned)
+class _Scratch:
+    """Two reusable host buffers (raw bytes, cast result) for tensors that are copied again on their
+    way to the device. Reusing them saves the page faults of fresh memory (most of the cost of a
+    host copy) and bounds the host's share to the two largest such tensors."""
+
+    def __init__(self) -> None:
+        self._bufs: list[np.ndarray] = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
+        self._user: jax.Array | None = None  # the last transfer that read from them
+
+    def take(self, which: int, nbytes: int) -> np.ndarray:
+        if self._user is not None:  # never overwrite bytes a transfer may still be reading
+            self._user.block_until_ready()
+            self._user = None
+        if self._bufs[which].nbytes < nbytes:
+            self._bufs[which] = np.empty(0, np.uint8)  # drop the old one first
+            self._bufs[which] = np.empty(nbytes, np.uint8)
+        return self._bufs[which]
+
+    def used_by(self, value: jax.Array) -> jax.Array:
+        self._user = value
+        return value
+
+
+def _place(tensors: Mapping[str, Any], key: str, leaf: str, dtype: np.dtype, scratch: _Scratch
+           ) -> tuple[jax.Array, int]:
+    """One tensor onto the device; returns it and the checkpoint bytes it came from.
+
+    The cast is numpy's (the same rounding as ``jnp.asarray``); the layout change rides on the
+    transfer (the runtime copies a strided view, faster than numpy's transpose). A tensor needing
+    neither is read into a fresh buffer and donated, so on the CPU backend it becomes the device
+    array uncopied; one needing a copy anyway is read into scratch memory.
+    """
+    info = tensors.info(key) if isinstance(tensors, Checkpoint) else None
+    if info is None:  # an in-memory array: the caller's, never donated
+        arr = np.asarray(tensors[key])
+        host = arr.astype(dtype) if arr.dtype != dtype else arr
+        return jax.device_put(to_jax_layout(host, leaf), donate=host is not arr), arr.nbytes
+    relayout = _changes_layout(leaf, len(info.shape))
+    if info.dtype == dtype and not relayout:
+        return jax.device_put(_read_bytes(info), donate=True), info.nbytes
+    raw = _read_bytes(info, scratch.take(0, info.nbytes))
+    if not relayout:  # a cast only: its fresh result is donated
+        return jax.device_put(raw.astype(dtype), donate=True), info.nbytes
+    if info.dtype != dtype:
+        cast = scratch.take(1, raw.size * dtype.itemsize)[:raw.size * dtype.itemsize].view(dtype).reshape(raw.shape)
+        np.copyto(cast, raw, casting="unsafe")
+        raw = cast
+    return scratch.used_by(jax.device_put(to_jax_layout(raw, leaf))), info.nbytes
 
 
 def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, source: str, *,
@@ -585,13 +627,11 @@ def _fill(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: s
     placed: dict[int, Any] = {}
     in_flight: deque[tuple[jax.Array, int]] = deque()
     waiting = bytes_read = largest = 0
+    scratch = _Scratch()
     for i, path, var, leaf, key, want in plan:
-        arr = tensors[key]
-        nbytes = arr.nbytes
+        value, nbytes = _place(tensors, key, leaf, want, scratch)
         bytes_read += nbytes
         largest = max(largest, nbytes)
-        value = _place(arr, leaf, want, owned=lazy and tensors.owns(key))
-        del arr
         placed[i] = var.replace(value)
         in_flight.append((value, nbytes))
         waiting += nbytes
