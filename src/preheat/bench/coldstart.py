@@ -25,12 +25,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import click
+from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary
 
-from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary, write_json
-from preheat._cli_support import one_line_errors
-
-__all__ = ["run_child", "bench_coldstart", "weights_vs_bare_read", "coldstart_command"]
+__all__ = ["run_child", "bench_coldstart", "weights_vs_bare_read", "markdown", "plot"]
 
 PHASES = ("import_s", "weights_s", "trace_lower_s", "compile_or_load_s", "first_run_s")
 
@@ -166,33 +163,3 @@ def plot(result: dict[str, Any], path: Path) -> None:
     buf = path.with_suffix(".tmp.png")
     fig.savefig(buf, dpi=110)
     os.replace(buf, path)
-
-
-@click.command("coldstart")
-@click.argument("model", required=False)
-@click.option("--n", "n", default=8, show_default=True, type=int, help="Batch size.")
-@click.option("--steps", type=int, help="Steps (model default when absent).")
-@click.option("--repeats", default=3, show_default=True, type=int, help="Fresh processes per cache state.")
-@click.option("--cache-url", help="Also measure a fresh local root pulling from this shared store.")
-@click.option("--prompt", help="Text-to-image models: the prompt (default: a fixed one).")
-@click.option("--width", type=int, help="Text-to-image models: image width.")
-@click.option("--height", type=int, help="Text-to-image models: image height.")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
-@one_line_errors
-def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int, cache_url: str | None,
-                      prompt: str | None, width: int | None, height: int | None,
-                      json_out: Path | None, png_out: Path | None) -> None:
-    """Process start to first image, empty vs XLA-cache-only vs fully warm cache, in fresh processes."""
-    args: tuple[str, ...] = ()
-    for flag, value in (("--prompt", prompt), ("--width", width), ("--height", height)):
-        if value is not None:
-            args += (flag, str(value))
-    if (width or height) and not prompt:
-        args += ("--prompt", "a watercolor fox")
-    with tempfile.TemporaryDirectory() as tmp:
-        result = bench_coldstart(model, n, steps, repeats, Path(tmp), cache_url, args)
-    click.echo(markdown(result))
-    write_json(json_out, result)
-    if png_out:
-        plot(result, png_out)

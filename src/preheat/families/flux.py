@@ -34,7 +34,7 @@ from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.text import TextToImageFamily, component, default_sampler, encode, offload, prompts
 from preheat.samplers import MU_SIGMAS_SAMPLERS
 
-__all__ = ["FluxFamily", "FLUX", "load_flux"]
+__all__ = ["FluxFamily", "FLUX", "load_flux", "flux_defaults"]
 
 CLIP_LENGTH = 77  # the CLIP tokenizer's model_max_length in every published Flux folder
 T5_LENGTH = 512  # FluxPipeline's max_sequence_length default
@@ -82,6 +82,12 @@ class FluxFamily(TextToImageFamily):
 
 
 FLUX = FluxFamily()
+
+
+def flux_defaults(guidance_embeds: bool) -> dict[str, Any]:
+    """FLUX.1-dev (guidance-distilled): 28 steps at 3.5, as diffusers; schnell (timestep-distilled):
+    4 steps and no guidance input, as its model card runs it."""
+    return {"steps": 28, "guidance": 3.5} if guidance_embeds else {"steps": 4, "guidance": None}
 
 
 def _encode_program(components: dict[str, Any]) -> Any:
@@ -161,8 +167,7 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
                                "t5": encoders[1].config.architecture_dict(), "dtype": str(dtype)},
         "decode_fingerprint": {"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
     }
-    defaults = default_sampler(root)
-    defaults.update({"steps": 28, "guidance": 3.5} if guidance_embeds else {"steps": 4, "guidance": None})
+    defaults = {**default_sampler(root), **flux_defaults(guidance_embeds)}
     # diffusers' FluxPipeline: default_sample_size 128 latents per side (1024 px with an 8x VAE)
     fingerprint = {"kind": "flux-transformer", "family": FLUX.name, "config": cfg.architecture_dict()}
     return LoadedModel(apply=apply, params=transformer.params, sample_shape=(128, 128, latent_channels),
