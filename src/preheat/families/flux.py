@@ -32,6 +32,7 @@ import numpy as np
 from preheat.errors import UnsupportedConfigError
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.text import TextToImageFamily, component, default_sampler, encode, offload, prompts
+from preheat.lora import encoder_adapters
 from preheat.samplers import MU_SIGMAS_SAMPLERS
 
 __all__ = ["FluxFamily", "FLUX", "load_flux"]
@@ -73,8 +74,11 @@ class FluxFamily(TextToImageFamily):
 
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         values, n = request.values, request.n
-        out = encode(pipe, [values["prompt"], values["prompt_2"]], lambda: _encode_program(pipe.components),
-                     outputs=2, extra=(("family", self.name),))
+        adapters = encoder_adapters(pipe, request.lora)  # CLIP LoRA layers, when a file has them
+        lora = None if adapters is None else (adapters, request.lora.index, request.lora.signature)
+        out = encode(pipe, [values["prompt"], values["prompt_2"]],
+                     lambda: _encode_program(pipe.components, lora is not None), outputs=2,
+                     extra=(("family", self.name),), lora=lora)
         cond = {"context": np.asarray(out[0]), "pooled": np.asarray(out[1])}
         if pipe.components["guidance_embeds"]:
             cond["guidance"] = np.full((n,), request.guidance, np.float32)
@@ -84,14 +88,21 @@ class FluxFamily(TextToImageFamily):
 FLUX = FluxFamily()
 
 
-def _encode_program(components: dict[str, Any]) -> Any:
-    """(params, (clip ids (B, 77), t5 ids (B, L))) -> (context (B, L, D) f32, pooled (B, P) f32)."""
+def _encode_program(components: dict[str, Any], lora: bool = False) -> Any:
+    """(params, (clip ids (B, 77), t5 ids (B, L))) -> (context (B, L, D) f32, pooled (B, P) f32).
+    With ``lora``: ((params, (clip adapters,)), (ids, each prompt's slot (B,)))."""
     import jax.numpy as jnp
+
+    from preheat.models.lora import Adapters
 
     clip, t5 = components["text_encoders"]
 
     def program(params: tuple, ids: tuple) -> Any:
-        pooled = clip.apply(params[0], ids[0]).pooled  # diffusers: CLIPTextModel's pooler_output
+        adapter = None
+        if lora:
+            (params, tes), (ids, index) = params, ids
+            adapter = Adapters(tes[0][0], tes[0][1], index)
+        pooled = clip.apply(params[0], ids[0], adapter).pooled  # diffusers: CLIPTextModel's pooler_output
         context = t5.apply(params[1], ids[1])
         return context.astype(jnp.float32), pooled.astype(jnp.float32)
 
@@ -103,7 +114,10 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     """A ``FluxPipeline`` folder (FLUX.1-schnell, FLUX.1-dev and fine-tunes of them)."""
     import jax.numpy as jnp
 
+    from preheat.lora import LoraTargets
     from preheat.models.clip import load_clip_text
+    from preheat.models.lora import split as split_adapters
+    from preheat.models.lora import targets as lora_targets
     from preheat.models.flux import latent_image_ids, load_flux_transformer, pack_latents, unpack_latents
     from preheat.models.t5 import load_t5_encoder
     from preheat.models.t5_tokenizer import T5Tokenizer
@@ -142,12 +156,22 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     guidance_embeds = bool(cfg.guidance_embeds)
 
     def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
+        params, lora = split_adapters(params, cond)
         b, h, w, _ = x.shape  # (B, h, w, C) latents; h, w even (size_multiple)
         tokens = pack_latents(x)  # (B, hw/4, 4C)
         txt_ids = jnp.zeros((cond["context"].shape[1], 3), jnp.float32)  # FluxPipeline's text ids are zeros
         out = transformer.apply(params, tokens, cond["context"].astype(x.dtype), cond["pooled"].astype(x.dtype),
-                                t / 1000, latent_image_ids(h, w), txt_ids, cond.get("guidance"))
+                                t / 1000, latent_image_ids(h, w), txt_ids, cond.get("guidance"), lora)
         return unpack_latents(out, h, w)  # (B, h, w, C)
+
+    # LoRA: every Linear of the transformer and of the CLIP encoder takes an adapter (preheat.lora)
+    targets = LoraTargets(family=FLUX.name,
+                          layers={"denoiser": lora_targets(transformer.graphdef, transformer.params),
+                                  "text_encoder": lora_targets(encoders[0].graphdef, encoders[0].params)},
+                          prefixes={"transformer": "denoiser", "lora_transformer": "denoiser",
+                                    "text_encoder": "text_encoder", "lora_te": "text_encoder",
+                                    "lora_te1": "text_encoder"},
+                          path_prefix={"text_encoder": "text_model."})
 
     components = {
         "tokenizers": tokenizers,
@@ -157,6 +181,8 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
         "vae_scale": vae_scale,
         "size_multiple": 2 * vae_scale,  # latents pack into 2x2 tokens
         "guidance_embeds": guidance_embeds,
+        "lora_targets": targets,
+        "lora_encoders": ("text_encoder",),
         "encode_fingerprint": {"kind": "flux-text", "clip": encoders[0].config.architecture_dict(),
                                "t5": encoders[1].config.architecture_dict(), "dtype": str(dtype)},
         "decode_fingerprint": {"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
