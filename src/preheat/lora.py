@@ -16,6 +16,9 @@ Files read (safetensors), by key style::
                                                                       file's lora_adapter_metadata)
     kohya / A1111      lora_unet_<path with _>.lora_down.weight, .lora_up.weight, .alpha
                        lora_te_ / lora_te1_ / lora_te2_ for the text encoders
+    Flux, BFL names    lora_unet_double_blocks_0_img_attn_qkv (kohya), diffusion_model.double_blocks.0...
+                       (ComfyUI), double_blocks.0.processor.qkv_lora1.down.weight (XLabs): a fused
+                       q/k/v (/mlp) layer shares A and splits B's rows (``families.flux.bfl_lora_names``)
 
 A layer's update is ``scale * alpha / rank * B @ A`` (alpha = rank when the file gives none, as
 diffusers does). Several LoRAs in one slot sit side by side in the rank dimension, so a mix is
@@ -31,7 +34,7 @@ import os
 import re
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -48,7 +51,8 @@ _CACHE_SIZE = 8  # LoRA files, and stacked slot mixes, held per pipeline (least 
 # (suffix, role) in the order they are tried; role "down" = A (r, in), "up" = B (out, r)
 _SUFFIXES = ((".lora_A.weight", "down"), (".lora_B.weight", "up"), (".lora_A.default.weight", "down"),
              (".lora_B.default.weight", "up"), (".lora.down.weight", "down"), (".lora.up.weight", "up"),
-             (".lora_down.weight", "down"), (".lora_up.weight", "up"), (".alpha", "alpha"))
+             (".lora_down.weight", "down"), (".lora_up.weight", "up"), (".alpha", "alpha"),
+             (".down.weight", "down"), (".up.weight", "up"))  # the last two: XLabs' Flux files
 _UNSUPPORTED = ((".dora_scale", "DoRA"), (".lora_magnitude_vector", "DoRA"), (".lora_A.bias", "LoRA biases"),
                 (".lora_B.bias", "LoRA biases"), (".hada_w1_a", "LoHa"), (".lokr_w1", "LoKr"))
 # diffusers' old attention-processor names (LoRAAttnProcessor) -> the layer's own name
@@ -68,6 +72,10 @@ class LoraTargets:
     layers: Mapping[str, Mapping[str, tuple[int, int]]]
     prefixes: Mapping[str, str]  # file prefix (diffusers "unet", kohya "lora_unet") -> component
     path_prefix: Mapping[str, str]  # component -> prefix of its layer paths a file may leave out
+    # the denoiser's other names (Flux: BFL / XLabs), with "_" for ".": name -> pieces of
+    # (layer path, first row, end row of the file's B factor, swap its halves)
+    aliases: Mapping[str, tuple[tuple[str, int, int, bool], ...]] = field(default_factory=dict)
+    alias_prefixes: tuple[str, ...] = ()  # prefixes stripped before an alias is looked up
 
     def __post_init__(self) -> None:
         kohya = {c: {p.replace(".", "_"): p for p in layers} for c, layers in self.layers.items()}
@@ -159,8 +167,30 @@ def _split_key(key: str) -> tuple[str, str] | None:
     return None
 
 
-def _locate(module: str, targets: LoraTargets) -> tuple[str, str, str] | None:
-    """A file's module name -> (component, layer path, metadata prefix), or None."""
+Piece = tuple[str, int | None, int | None, bool]  # (layer path, B rows start, end, swap halves)
+
+
+def _locate(module: str, targets: LoraTargets) -> tuple[str, tuple[Piece, ...], str] | None:
+    """A file's module name -> (component, the layers it feeds, metadata prefix), or None.
+    Most names feed one layer; a fused one (Flux's BFL ``qkv``) feeds several, one row range each."""
+    if targets.aliases:
+        name = module
+        for prefix in targets.alias_prefixes:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+        pieces = targets.aliases.get(name.replace(".", "_"))
+        if pieces is not None:
+            return "denoiser", pieces, ""
+    found = _locate_one(module, targets)
+    if found is None:
+        return None
+    comp, path, prefix = found
+    return comp, ((path, None, None, False),) if path else (), prefix
+
+
+def _locate_one(module: str, targets: LoraTargets) -> tuple[str, str, str] | None:
+    """A file's module name -> (component, layer path or "", metadata prefix), or None."""
     for old, new in _PROCESSOR.items():
         module = module.replace(old, new)
     if module.startswith("base_model.model."):  # a bare peft save of the denoiser
@@ -191,7 +221,7 @@ def read_lora(source: str | os.PathLike[str], targets: LoraTargets) -> LoraFile:
     path = _local_file(str(source))
     tensors = read_tensors([path])  # header checked against the file size: a torn file fails here
     meta = _metadata(path)
-    parts: dict[tuple[str, str, str], dict[str, Any]] = {}
+    parts: dict[tuple[str, tuple[Piece, ...], str], dict[str, Any]] = {}
     unmatched: list[str] = []
     for key in tensors:
         for suffix, what in _UNSUPPORTED:
@@ -210,27 +240,36 @@ def read_lora(source: str | os.PathLike[str], targets: LoraTargets) -> LoraFile:
         raise WeightsError(f"{path} holds no LoRA layers")
     layers: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
     rank = 0
-    for (comp, layer, prefix), roles in parts.items():
+    for (comp, pieces, prefix), roles in parts.items():
+        name = pieces[0][0] if len(pieces) == 1 else "+".join(p[0].rsplit(".", 1)[-1] for p in pieces)
         if "down" not in roles or "up" not in roles:
             missing = "up (B)" if "down" in roles else "down (A)"
-            raise WeightsError(f"{path}: layer {layer} has no {missing} factor")
+            raise WeightsError(f"{path}: layer {name} has no {missing} factor")
         down = np.asarray(tensors[roles["down"]], np.float32)
         up = np.asarray(tensors[roles["up"]], np.float32)
         down = down.reshape(down.shape[0], -1) if down.ndim == 4 and down.shape[2:] == (1, 1) else down
         up = up.reshape(up.shape[0], -1) if up.ndim == 4 and up.shape[2:] == (1, 1) else up
-        cin, cout = targets.layers[comp][layer]
+        cin = targets.layers[comp][pieces[0][0]][0]
+        cout = sum(targets.layers[comp][p[0]][1] for p in pieces)
         r = down.shape[0]
         if down.ndim != 2 or up.ndim != 2 or down.shape[1] != cin or up.shape != (cout, r):
-            raise WeightsError(f"{path}: layer {layer} has factors {tuple(down.shape)} and {tuple(up.shape)}; "
+            raise WeightsError(f"{path}: layer {name} has factors {tuple(down.shape)} and {tuple(up.shape)}; "
                                f"the layer maps {cin} -> {cout} (a conv LoRA wider than 1x1 is not supported)")
         if "alpha" in roles:
             alpha = float(np.asarray(tensors[roles["alpha"]], np.float32).reshape(-1)[0])
         else:
-            alpha = _alpha_from_metadata(meta, prefix, layer, r)
+            alpha = _alpha_from_metadata(meta, prefix, pieces[0][0], r)
         scale = 1.0 if alpha is None else alpha / r
         if not np.all(np.isfinite(down)) or not np.all(np.isfinite(up)) or not math.isfinite(scale):
-            raise WeightsError(f"{path}: layer {layer} holds non-finite values")
-        layers.setdefault(comp, {})[layer] = (down, up * np.float32(scale))
+            raise WeightsError(f"{path}: layer {name} holds non-finite values")
+        for layer, start, stop, swap in pieces:  # a fused layer: A is shared, B's rows are split
+            part = up if start is None else up[start:stop]
+            if swap:  # BFL's final modulation is (shift, scale); diffusers' norm_out.linear (scale, shift)
+                half = part.shape[0] // 2
+                part = np.concatenate([part[half:], part[:half]])
+            if layer in layers.get(comp, {}):
+                raise WeightsError(f"{path}: layer {layer} is given twice (under two names)")
+            layers.setdefault(comp, {})[layer] = (down, part * np.float32(scale))
         rank = max(rank, r)
     return LoraFile(source=str(source), layers=layers, rank=rank)
 

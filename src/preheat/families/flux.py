@@ -109,6 +109,59 @@ def _encode_program(components: dict[str, Any], lora: bool = False) -> Any:
     return program
 
 
+def bfl_lora_names(layers: Mapping[str, tuple[int, int]]) -> dict[str, tuple[tuple[str, int, int, bool], ...]]:
+    """Flux LoRA layer names of the original (BFL) code -- kohya's ``lora_unet_double_blocks_0_img_attn_qkv``,
+    ComfyUI's ``diffusion_model.double_blocks.0.img_attn.qkv`` -- and XLabs' ``double_blocks.0.processor.qkv_lora1``,
+    with "_" for ".", -> the diffusers layers they feed: (path, first row, end row of B, swap halves).
+    A fused ``qkv`` (and a single block's ``linear1``: q, k, v, mlp) shares A and splits B's rows."""
+    def piece(path: str, start: int | None = None, stop: int | None = None, swap: bool = False) -> tuple:
+        return (path, start, stop, swap)
+
+    def fused(*paths: str) -> tuple:
+        out, row = [], 0
+        for p in paths:
+            width = layers[p][1]
+            out.append(piece(p, row, row + width))
+            row += width
+        return tuple(out)
+
+    names: dict[str, tuple] = {}
+    doubles = sorted({int(p.split(".")[1]) for p in layers if p.startswith("transformer_blocks.")})
+    singles = sorted({int(p.split(".")[1]) for p in layers if p.startswith("single_transformer_blocks.")})
+    for i in doubles:
+        d = f"transformer_blocks.{i}"
+        qkv = fused(f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v")
+        add_qkv = fused(f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj")
+        for bfl, target in (("img_attn_qkv", qkv), ("txt_attn_qkv", add_qkv),
+                            ("processor_qkv_lora1", qkv), ("processor_qkv_lora2", add_qkv)):
+            names[f"double_blocks_{i}_{bfl}"] = target
+        for bfl, path in (("img_attn_proj", "attn.to_out.0"), ("img_mlp_0", "ff.net.0.proj"), ("img_mlp_2", "ff.net.2"),
+                          ("img_mod_lin", "norm1.linear"), ("txt_attn_proj", "attn.to_add_out"),
+                          ("txt_mlp_0", "ff_context.net.0.proj"), ("txt_mlp_2", "ff_context.net.2"),
+                          ("txt_mod_lin", "norm1_context.linear"), ("processor_proj_lora1", "attn.to_out.0"),
+                          ("processor_proj_lora2", "attn.to_add_out")):
+            names[f"double_blocks_{i}_{bfl}"] = (piece(f"{d}.{path}"),)
+    for i in singles:
+        s = f"single_transformer_blocks.{i}"
+        names[f"single_blocks_{i}_linear1"] = fused(f"{s}.attn.to_q", f"{s}.attn.to_k", f"{s}.attn.to_v",
+                                                   f"{s}.proj_mlp")
+        names[f"single_blocks_{i}_processor_qkv_lora"] = fused(f"{s}.attn.to_q", f"{s}.attn.to_k", f"{s}.attn.to_v")
+        for bfl, path in (("linear2", "proj_out"), ("modulation_lin", "norm.linear"), ("processor_proj_lora", "proj_out")):
+            names[f"single_blocks_{i}_{bfl}"] = (piece(f"{s}.{path}"),)
+    for bfl, path in (("img_in", "x_embedder"), ("txt_in", "context_embedder"),
+                      ("time_in_in_layer", "time_text_embed.timestep_embedder.linear_1"),
+                      ("time_in_out_layer", "time_text_embed.timestep_embedder.linear_2"),
+                      ("vector_in_in_layer", "time_text_embed.text_embedder.linear_1"),
+                      ("vector_in_out_layer", "time_text_embed.text_embedder.linear_2"),
+                      ("guidance_in_in_layer", "time_text_embed.guidance_embedder.linear_1"),
+                      ("guidance_in_out_layer", "time_text_embed.guidance_embedder.linear_2"),
+                      ("final_layer_linear", "proj_out")):
+        if path in layers:
+            names[bfl] = (piece(path),)
+    names["final_layer_adaLN_modulation_1"] = (piece("norm_out.linear", swap=True),)
+    return names
+
+
 def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
               offload_encoders: bool = False) -> LoadedModel:
     """A ``FluxPipeline`` folder (FLUX.1-schnell, FLUX.1-dev and fine-tunes of them)."""
@@ -171,7 +224,9 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
                           prefixes={"transformer": "denoiser", "lora_transformer": "denoiser",
                                     "text_encoder": "text_encoder", "lora_te": "text_encoder",
                                     "lora_te1": "text_encoder"},
-                          path_prefix={"text_encoder": "text_model."})
+                          path_prefix={"text_encoder": "text_model."},
+                          aliases=bfl_lora_names(lora_targets(transformer.graphdef, transformer.params)),
+                          alias_prefixes=("lora_unet_", "diffusion_model.", "transformer."))
 
     components = {
         "tokenizers": tokenizers,
