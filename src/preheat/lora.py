@@ -113,7 +113,18 @@ def _local_file(source: str) -> Path:
     if re.match(r"^(https?|hf)://", text, re.I):
         from preheat.store import resolve
 
+        inside = ""
+        if text.lower().startswith("hf://"):  # hf://org/repo[/file.safetensors][@rev]: the store pulls the repo
+            repo, at, rev = text[len("hf://"):].partition("@")
+            parts = repo.strip("/").split("/")
+            if len(parts) > 2:
+                text, inside = "hf://" + "/".join(parts[:2]) + at + rev, "/".join(parts[2:])
         path = Path(resolve(text))
+        if inside:
+            path = path / inside
+            if not path.is_file():
+                raise ModelNotFoundError(f"LoRA source {source} has no file {inside}")
+            return path
         if path.is_dir():
             files = sorted(path.rglob("*.safetensors"))
             if len(files) != 1:

@@ -375,3 +375,23 @@ def test_models_without_lora_support_refuse_it(sd):
     pipe = preheat.load(None, cache="off")  # the built-in pixel model
     with pytest.raises(PreheatError, match="not supported"):
         pipe.generate(1, steps=1, lora=sd["sd1"]["A"])
+
+
+def test_an_http_lora_is_pulled_once_then_served_offline(sd, tmp_path, monkeypatch):
+    from tests.store._server import FileServer
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    entry = sd["sd1"]
+    pipe = dataclasses.replace(entry["pipe"], components=dict(entry["pipe"].components))
+    pipe.components.pop("lora_files", None)
+    call = dict(steps=2, seed=4, guidance=7.5)
+    local = pipe.generate("a red fox", lora=entry["A"], **call)
+    server = FileServer().start()
+    try:
+        server.files["/loras/a.safetensors"] = Path(entry["A"]).read_bytes()
+        url = server.url("loras/a.safetensors")
+        np.testing.assert_array_equal(pipe.generate("a red fox", lora=url, **call), local)
+    finally:
+        server.stop()
+    pipe.components.pop("lora_files")  # forget the parsed file: the weights store must serve it now
+    np.testing.assert_array_equal(pipe.generate("a red fox", lora=(url, 1.0), **call), local)
