@@ -42,7 +42,7 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, WeightsError
 
-__all__ = ["BUCKETS", "LoraFile", "LoraTargets", "LoraRequest", "read_lora", "parse_request", "bucket_for",
+__all__ = ["BUCKETS", "LoraFile", "LoraTargets", "LoraRequest", "read_lora", "parse_request", "parse_cli", "bucket_for",
            "denoiser_args", "encoder_adapters"]
 
 BUCKETS = (16, 32, 64, 128)  # rank buckets: one compiled program per bucket (and slot count)
@@ -330,6 +330,19 @@ def _entries(spec: Any, default: float) -> list[tuple[Any, float]]:
             out.extend(_entries(item, default))
         return out
     raise InvalidArgumentError(f"lora={spec!r} must be a source, (source, scale), or a list of them", argument="lora")
+
+
+def parse_cli(spec: str) -> tuple[str, float]:
+    """``--lora SRC[:SCALE]`` -> (source, scale); a colon that is part of the source (``http://``,
+    ``host:port``) stays in it: only a number after the last colon is a scale."""
+    source, colon, tail = spec.rpartition(":")
+    if colon and source and not tail.startswith("/"):
+        try:
+            value = float(tail)
+        except ValueError:
+            return spec, 1.0
+        return source, _scale(value, "--lora scale")
+    return spec, 1.0
 
 
 def bucket_for(rank: int, compiled: Sequence[int] = ()) -> int:

@@ -395,3 +395,33 @@ def test_an_http_lora_is_pulled_once_then_served_offline(sd, tmp_path, monkeypat
         server.stop()
     pipe.components.pop("lora_files")  # forget the parsed file: the weights store must serve it now
     np.testing.assert_array_equal(pipe.generate("a red fox", lora=(url, 1.0), **call), local)
+
+
+def test_cli_lora_specs():
+    from preheat.lora import parse_cli
+
+    assert parse_cli("style.safetensors") == ("style.safetensors", 1.0)
+    assert parse_cli("style.safetensors:0.8") == ("style.safetensors", 0.8)
+    assert parse_cli("hf://org/repo/style.safetensors:-0.5") == ("hf://org/repo/style.safetensors", -0.5)
+    assert parse_cli("http://host:8080/style.safetensors") == ("http://host:8080/style.safetensors", 1.0)
+    with pytest.raises(InvalidArgumentError, match="finite"):
+        parse_cli("style.safetensors:nan")
+
+
+def test_cli_sample_takes_repeated_loras(sd, tmp_path):
+    from click.testing import CliRunner
+    from PIL import Image
+
+    from preheat.cli import main
+
+    entry = sd["sd1"]
+    images = tmp_path / "images"
+    result = CliRunner().invoke(main, ["sample", str(entry["folder"]), "--prompt", "a red fox", "--steps", "2",
+                                       "--lora", f"{entry['A']}:0.5", "--lora", str(entry["B"]), "--cache", "off",
+                                       "--out", str(tmp_path / "fox.png"), "--save-images", str(images)])
+    assert result.exit_code == 0, result.output
+    want = entry["pipe"].generate("a red fox", steps=2, seed=0, lora=[(entry["A"], 0.5), (entry["B"], 1.0)])
+    np.testing.assert_array_equal(np.asarray(Image.open(images / "0000.png")), want[0])
+    bad = CliRunner().invoke(main, ["sample", str(entry["folder"]), "--prompt", "x", "--lora", str(tmp_path / "no"),
+                                    "--cache", "off", "--out", str(tmp_path / "bad.png")])
+    assert bad.exit_code != 0 and "does not exist" in bad.output and len(bad.output.strip().splitlines()) == 1
