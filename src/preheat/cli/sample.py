@@ -63,6 +63,8 @@ def save_png(image: Any, path: Path) -> None:
 @click.option("--seed", default=0, show_default=True, type=int, help="Image i uses seed + i.")
 @click.option("--guidance", type=float, help="Classifier-free guidance scale (1 = off).")
 @click.option("--eta", default=0.0, type=float, help="DDIM stochasticity.")
+@click.option("--lora", "loras", multiple=True, metavar="SRC[:SCALE]",
+              help="A LoRA (path, http(s)://, hf://org/repo/file) and its scale (default 1); repeat to combine.")
 @click.option("--out", default="samples.png", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--save-images", type=click.Path(file_okay=False, path_type=Path), help="Also write each image here.")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the phase timings as JSON.")
@@ -76,7 +78,7 @@ def save_png(image: Any, path: Path) -> None:
 @one_line_errors
 def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt: str | None, width: int | None,
            height: int | None, classes: tuple[str, ...], steps: int | None, sampler: str | None,
-           seed: int, guidance: float | None, eta: float, out: Path, save_images: Path | None,
+           seed: int, guidance: float | None, eta: float, loras: tuple[str, ...], out: Path, save_images: Path | None,
            report: Path | None, dtype: str, variant: str | None, cache: str | None, backend: str, compile_mode: str,
            quiet: bool) -> None:
     """Sample images from MODEL (a diffusers folder or hf://org/repo; default: the built-in digits model)."""
@@ -108,6 +110,10 @@ def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt
                          height=height)
     kwargs = dict(steps=steps, sampler=sampler, guidance=guidance, seed=seed, eta=eta,
                   **{k: v for k, v in family_inputs.items() if v is not None})
+    if loras:
+        from preheat.lora import parse_cli
+
+        kwargs["lora"] = [parse_cli(spec) for spec in loras]
     with console.status("compiling and sampling (first call)…"):
         t0 = time.perf_counter()
         images = pipe(n, **kwargs)
