@@ -153,13 +153,15 @@ def warm(warm_set: WarmSet, pipe: Any, log: Callable[[str], None] = lambda line:
     """Compile every signature of ``warm_set`` with ``pipe`` (``preheat.load(warm_set.model,
     dtype=warm_set.dtype)``) into its cache root, and upload every local entry the store lacks
     when it has one (``PREHEAT_CACHE_URL``). Returns ``{"signatures": [{"signature",
-    "cache_layer", "seconds"}], "pushed": bool}``; ``pushed`` is False when uploads were still
-    running after ``push_timeout_s``."""
+    "cache_layer", "seconds", "remote"}], "pushed": bool}``; with a store, ``remote`` says whether
+    it holds the signature's denoising program afterwards (None: it could not be asked or is not
+    trusted), and ``pushed`` is False unless it holds every one."""
     import time
 
     resolved = resolve(pipe, warm_set)
     rows = []
-    for sig in signatures(pipe, resolved):
+    sigs = signatures(pipe, resolved)
+    for sig in sigs:
         t0 = time.perf_counter()
         run_signature(pipe, sig)
         layer = pipe.last.cache_layer
@@ -170,4 +172,7 @@ def warm(warm_set: WarmSet, pipe: Any, log: Callable[[str], None] = lambda line:
     if compiler is not None and compiler.remote is not None:
         compiler.push_missing()  # entries compiled earlier, that the store lacks
         pushed = compiler.wait_pushes(push_timeout_s)
+        for sig, row in zip(sigs, rows):  # what the fleet will find: the store's word, not ours
+            row["remote"] = status(pipe, sig, compiler.remote)["remote"]
+        pushed = pushed and all(row["remote"] for row in rows)
     return {"signatures": rows, "pushed": pushed}

@@ -111,6 +111,6 @@ def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers
         for row in result["signatures"]:
             layers[row["cache_layer"]] = layers.get(row["cache_layer"], 0) + 1
         click.echo(f"warm: {len(result['signatures'])} signature(s) ready ({', '.join(f'{v} {k}' for k, v in sorted(layers.items()))})"
-                   + ("" if result["pushed"] else "; some uploads did not finish"))
+                   + ("" if result["pushed"] else "; the store (PREHEAT_CACHE_URL) lacks some: see the warnings"))
     if not result["pushed"]:
         sys.exit(1)
