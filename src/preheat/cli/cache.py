@@ -154,7 +154,8 @@ def explain_command(model: str | None, n: int, sampler: str | None, steps: int |
 @one_line_errors
 def prune_command(older_than_days: float | None, remote: bool, max_gb: float | None, protect_minutes: float,
                   dry_run: bool) -> None:
-    """Remove quarantined entries, stale temp folders, and old entries; then apply the size cap.
+    """Remove quarantined entries, stale temp folders, and old entries; then apply the size cap;
+    then weights (snapshots, blobs) that no pulled source names, older than an hour.
 
     With --remote: retire old entries of the shared store (and the oldest beyond --max-gb), then
     delete the objects no manifest names, safely while other pods read (see
@@ -167,9 +168,12 @@ def prune_command(older_than_days: float | None, remote: bool, max_gb: float | N
         from preheat.cache.manage import enforce_size_cap, prune
         from preheat.cache.root import resolve_root
 
+        from preheat.store import collect_orphans
+
         root = resolve_root().path
         removed = prune(root, older_than_days) + enforce_size_cap(root)
-        click.echo(f"removed {len(removed)}")
+        orphans = collect_orphans(root)  # weights no ref names, older than an hour
+        click.echo(f"removed {len(removed)}" + (f"; {len(orphans)} unreferenced weight files" if orphans else ""))
         return
     from preheat.cache.remote import RemoteError, remote_from_env
 
