@@ -87,6 +87,8 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @click.option("--max-steps", default=200, show_default=True, type=int, help="Largest num_inference_steps accepted.")
 @click.option("--grace-s", default=30.0, show_default=True, type=float,
               help="On SIGTERM, how long in-flight predictions may take to finish.")
+@click.option("--push-grace-s", default=30.0, show_default=True, type=float,
+              help="At shutdown, how long uploads to PREHEAT_CACHE_URL (run in the background) may take.")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=int,
               help="Largest request body (any transfer encoding); beyond it, 413.")
 @click.option("--header-timeout-s", default=10.0, show_default=True, type=float,
@@ -102,20 +104,23 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @one_line_errors
 def serve_command(model: Optional[str], host: str, port: int, backend: str, dtype: str, max_batch_size: int,
                   batch_wait_ms: float, max_queue: int, max_steps: int, samplers_text: Optional[str],
-                  sizes_text: Optional[str], guidance_text: str, grace_s: float,
+                  sizes_text: Optional[str], guidance_text: str, grace_s: float, push_grace_s: float,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
                   webhook_allow: tuple[str, ...], log_level: str) -> None:
     """Serve MODEL over HTTP (Cog's and OpenAI's APIs), batching concurrent requests.
 
     Warm-up compiles every program a request can reach (each offered sampler, guidance on and
     off, every batch bucket and, for text-to-image models, every served size) before
-    /health-check says READY. Set
+    /health-check says READY: the set `preheat warm` compiles ahead of time with the same
+    options. Set
     PREHEAT_API_TOKEN to require `Authorization: Bearer <token>` (all but /health-check).
     """
     from preheat.errors import InvalidArgumentError
 
     _check_limits(max_batch_size, batch_wait_ms, max_queue, max_steps, grace_s, header_timeout_s, body_timeout_s,
                   max_body_bytes)
+    if push_grace_s < 0:
+        raise InvalidArgumentError(f"--push-grace-s {push_grace_s} must be >= 0")
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text)
     webhooks = _webhook_policy(webhook_allow_private, webhook_allow)
     _check_backend(backend)
@@ -128,7 +133,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, dtyp
     from preheat.server.serve import serve
 
     config = CoreConfig.from_warm_set(warm_set, backend=backend, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
-                                      max_steps=max_steps)
+                                      max_steps=max_steps, push_grace_s=push_grace_s)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
