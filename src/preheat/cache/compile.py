@@ -227,6 +227,7 @@ class JaxCompiler:
             remote = remote_from_env() if mode == "full" else None  # only the aot layer is shared
         self.remote = remote
         self.events: list[dict[str, Any]] = []  # one record per program: layer, timings, miss reason
+        self.background: Any = None  # BackgroundPushes once defer_pushes() was called (a server)
         if mode in ("full", "xla"):
             configure_persistent_cache(self.root)
 
@@ -269,6 +270,30 @@ class JaxCompiler:
             self._store(key, fields, compiled, record)
         self._note(record, timings)
         return compiled, timings
+
+    def defer_pushes(self) -> None:
+        """From now on, uploads run on a background thread (a server: nothing waits on the store)."""
+        if self.remote is not None and self.background is None:
+            from preheat.cache.remote.background import BackgroundPushes
+
+            self.background = BackgroundPushes(self.remote)
+
+    def push_missing(self) -> None:
+        """Upload every local entry the store lacks (one whose push failed, or compiled while the
+        store was down or unset); entries the store already holds cost one manifest read each."""
+        if self.remote is None or self.mode != "full":
+            return
+        for path in iter_entries(self.kind_dir):
+            if not (path / "manifest.json").is_file():
+                continue
+            if self.background is not None:
+                self.background.submit("jax", path)
+            else:
+                self.remote.push("jax", path)
+
+    def wait_pushes(self, timeout: float | None = None) -> bool:
+        """Wait for background uploads (True when none is left); at once without a background."""
+        return True if self.background is None else self.background.wait(timeout)
 
     def reject(self, fingerprint: dict[str, Any], sig: Any, args: tuple, reason: str) -> None:
         """Quarantine the entry that served ``sig`` (it loaded but failed to run)."""
@@ -336,9 +361,13 @@ class JaxCompiler:
                                    extra={"preheat": __version__})
             record["store"] = "written" if won else "another process wrote it first"
             if won and self.remote is not None:  # share with the fleet (issue 8); never raises
-                push_start = time.perf_counter()
-                self.remote.push("jax", self.kind_dir / key)
-                record.update(remote_push=self.remote.last, remote_push_s=time.perf_counter() - push_start)
+                if self.background is not None:
+                    self.background.submit("jax", self.kind_dir / key)
+                    record.update(remote_push="queued")
+                else:
+                    push_start = time.perf_counter()
+                    self.remote.push("jax", self.kind_dir / key)
+                    record.update(remote_push=self.remote.last, remote_push_s=time.perf_counter() - push_start)
             from preheat.cache.manage import enforce_size_cap
 
             enforce_size_cap(self.root, keep={key})

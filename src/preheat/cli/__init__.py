@@ -11,6 +11,7 @@ traceback, never a partial output file.
     preheat.cli.cache     ``preheat cache ls | info | verify | explain | prune | clear``
     preheat.cli.doctor    ``preheat doctor``
     preheat.cli.serve     ``preheat serve`` (also ``python -m preheat.server``)
+    preheat.cli.warm      ``preheat warm`` (and the declaration options ``preheat serve`` shares)
     preheat.cli.bench     ``preheat bench sampler | coldstart | compare | serve``
     preheat.cli._support  one-line errors, shared by the commands
 
@@ -29,6 +30,7 @@ from preheat.cli.pull import pull_command
 from preheat.cli.sample import sample
 from preheat.cli.serve import serve_command
 from preheat.cli.train import train_digits_command
+from preheat.cli.warm import warm_command
 
 __all__ = ["main"]
 
@@ -56,4 +58,5 @@ main.add_command(doctor_command, "doctor")
 main.add_command(cache_group, "cache")
 main.add_command(pull_command, "pull")
 main.add_command(serve_command, "serve")
+main.add_command(warm_command, "warm")
 main.add_command(bench_group, "bench")

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import click
 
 from preheat.cli._support import one_line_errors
+from preheat.cli.warm import declaration_options, warm_set_from_options
 
 __all__ = ["serve_command"]
 
@@ -64,18 +65,6 @@ def _check_limits(max_batch_size: int, batch_wait_ms: float, max_queue: int, max
         raise InvalidArgumentError(f"--max-body-bytes {max_body_bytes} must be >= 1")
 
 
-def _samplers(text: Optional[str]) -> tuple[str, ...]:
-    """``--samplers a,b`` -> ("a", "b"); unknown names fail in one line."""
-    from preheat.errors import SchedulerConfigError
-    from preheat.samplers import SAMPLERS
-
-    names = tuple(dict.fromkeys(n.strip() for n in (text or "").split(",") if n.strip()))
-    for name in names:
-        if name not in SAMPLERS:
-            raise SchedulerConfigError(f"--samplers {name!r} is unknown; choose from {', '.join(SAMPLERS)}")
-    return names
-
-
 def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
     from preheat.errors import InvalidArgumentError
     from preheat.server.webhooks import WebhookPolicy, WebhookRefused
@@ -87,24 +76,19 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 
 
 @click.command("serve")
-@click.argument("model", required=False)
+@declaration_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback unless told).")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port (0 = any free port, printed at start).")
 @click.option("--backend", default="jax", show_default=True, type=click.Choice(["jax", "torch"]))
-@click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16.")
-@click.option("--max-batch-size", default=8, show_default=True, type=int,
-              help="Largest engine batch; buckets 1, 2, 4 ... up to it are compiled at start-up.")
 @click.option("--batch-wait-ms", default=10.0, show_default=True, type=float,
               help="How long the oldest request waits for others to share its batch.")
 @click.option("--max-queue", default=64, show_default=True, type=int,
               help="Predictions allowed to wait; beyond it, 409 (Cog) / 429 (OpenAI) with Retry-After.")
 @click.option("--max-steps", default=200, show_default=True, type=int, help="Largest num_inference_steps accepted.")
-@click.option("--samplers", "samplers_text", metavar="A,B,...",
-              help="Samplers offered (all compiled at start-up; others get 422). Default: the model's own.")
-@click.option("--sizes", "sizes_text", metavar="WxH,...",
-              help="Text-to-image: sizes served (each compiled at start-up; others get 422). Default: the model's.")
 @click.option("--grace-s", default=30.0, show_default=True, type=float,
               help="On SIGTERM, how long in-flight predictions may take to finish.")
+@click.option("--push-grace-s", default=30.0, show_default=True, type=float,
+              help="At shutdown, how long uploads to PREHEAT_CACHE_URL (run in the background) may take.")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=int,
               help="Largest request body (any transfer encoding); beyond it, 413.")
 @click.option("--header-timeout-s", default=10.0, show_default=True, type=float,
@@ -120,23 +104,24 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @one_line_errors
 def serve_command(model: Optional[str], host: str, port: int, backend: str, dtype: str, max_batch_size: int,
                   batch_wait_ms: float, max_queue: int, max_steps: int, samplers_text: Optional[str],
-                  sizes_text: Optional[str], grace_s: float,
+                  sizes_text: Optional[str], guidance_text: str, grace_s: float, push_grace_s: float,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
                   webhook_allow: tuple[str, ...], log_level: str) -> None:
     """Serve MODEL over HTTP (Cog's and OpenAI's APIs), batching concurrent requests.
 
     Warm-up compiles every program a request can reach (each offered sampler, guidance on and
     off, every batch bucket and, for text-to-image models, every served size) before
-    /health-check says READY. Set
+    /health-check says READY: the set `preheat warm` compiles ahead of time with the same
+    options. Set
     PREHEAT_API_TOKEN to require `Authorization: Bearer <token>` (all but /health-check).
     """
     from preheat.errors import InvalidArgumentError
-    from preheat.server.inputs import parse_sizes
 
     _check_limits(max_batch_size, batch_wait_ms, max_queue, max_steps, grace_s, header_timeout_s, body_timeout_s,
                   max_body_bytes)
-    samplers = _samplers(samplers_text)
-    sizes = parse_sizes(sizes_text)
+    if push_grace_s < 0:
+        raise InvalidArgumentError(f"--push-grace-s {push_grace_s} must be >= 0")
+    warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text)
     webhooks = _webhook_policy(webhook_allow_private, webhook_allow)
     _check_backend(backend)
     token = os.environ.get("PREHEAT_API_TOKEN") or None
@@ -147,9 +132,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, dtyp
     from preheat.server.core import CoreConfig
     from preheat.server.serve import serve
 
-    config = CoreConfig(model=model, backend=backend, dtype=dtype, max_batch_size=max_batch_size,
-                        batch_wait_ms=batch_wait_ms, max_queue=max_queue, max_steps=max_steps,
-                        samplers=samplers, sizes=sizes)
+    config = CoreConfig.from_warm_set(warm_set, backend=backend, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
+                                      max_steps=max_steps, push_grace_s=push_grace_s)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
