@@ -122,6 +122,9 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16.")
 @click.option("--max-batch-size", default=8, show_default=True, type=int,
               help="Largest engine batch; buckets 1, 2, 4 ... up to it are compiled at start-up.")
+@click.option("--devices", "devices_text", metavar="all|N|ID,ID,...",
+              help="JAX: the devices each batch is split over (default all; $PREHEAT_DEVICES); buckets are "
+                   "then multiples of their count.")
 @click.option("--batch-wait-ms", default=10.0, show_default=True, type=float,
               help="How long the oldest request waits for others to share its batch.")
 @click.option("--max-queue", default=64, show_default=True, type=int,
@@ -147,8 +150,8 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
               type=click.Choice(["debug", "info", "warning", "error"]))
 @_one_line_errors
 def serve_command(model: Optional[str], host: str, port: int, backend: str, dtype: str, max_batch_size: int,
-                  batch_wait_ms: float, max_queue: int, max_steps: int, samplers_text: Optional[str],
-                  sizes_text: Optional[str], grace_s: float,
+                  devices_text: Optional[str], batch_wait_ms: float, max_queue: int, max_steps: int,
+                  samplers_text: Optional[str], sizes_text: Optional[str], grace_s: float,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
                   webhook_allow: tuple[str, ...], log_level: str) -> None:
     """Serve MODEL over HTTP (Cog's and OpenAI's APIs), batching concurrent requests.
@@ -166,6 +169,11 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, dtyp
     sizes = _sizes(sizes_text)
     webhooks = _webhook_policy(webhook_allow_private, webhook_allow)
     _check_backend(backend)
+    if devices_text is not None and backend != "jax":
+        raise InvalidArgumentError("--devices applies to --backend jax")
+    from preheat.sharding import parse_devices
+
+    devices = parse_devices(devices_text, "--devices")
     token = os.environ.get("PREHEAT_API_TOKEN") or None
     if host not in _LOOPBACK and token is None:
         click.echo(f"warning: serving on {host} without PREHEAT_API_TOKEN; anyone who can reach it can use it", err=True)
@@ -176,7 +184,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, dtyp
 
     config = CoreConfig(model=model, backend=backend, dtype=dtype, max_batch_size=max_batch_size,
                         batch_wait_ms=batch_wait_ms, max_queue=max_queue, max_steps=max_steps,
-                        samplers=samplers, sizes=sizes)
+                        samplers=samplers, sizes=sizes, devices=devices)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,

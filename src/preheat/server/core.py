@@ -52,15 +52,17 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-def buckets_for(max_batch_size: int) -> tuple[int, ...]:
-    """Compiled batch sizes: powers of two below max, then max (1, 2, 4, 8 for 8; 1, 2, 4, 6 for 6)."""
-    if max_batch_size < 1:
-        raise ValueError("max_batch_size must be >= 1")
-    out, b = [], 1
+def buckets_for(max_batch_size: int, devices: int = 1) -> tuple[int, ...]:
+    """Compiled batch sizes: the device count times powers of two below max, then max rounded up
+    to a multiple of the device count, so that every device gets a slice of every batch
+    (1, 2, 4, 8 for 8 on one device; 1, 2, 4, 6 for 6; 4, 8 for 8 on four; 4, 8 for 6 on four)."""
+    if max_batch_size < 1 or devices < 1:
+        raise ValueError("max_batch_size and devices must be >= 1")
+    out, b = [], devices
     while b < max_batch_size:
         out.append(b)
         b *= 2
-    out.append(max_batch_size)
+    out.append(-(-max_batch_size // devices) * devices)
     return tuple(out)
 
 
@@ -86,6 +88,7 @@ class CoreConfig:
     backend: str = "jax"
     dtype: str = "float32"
     max_batch_size: int = 8
+    devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
     batch_wait_ms: float = 10.0
     max_queue: int = 64  # predictions waiting (not running); more -> QueueFull
     max_steps: int = 200
@@ -149,7 +152,7 @@ def load_pipeline(config: CoreConfig) -> Any:
     if config.backend == "jax":
         import preheat
 
-        return preheat.load(config.model, dtype=config.dtype)
+        return preheat.load(config.model, dtype=config.dtype, devices=config.devices)
     if config.backend == "torch":
         try:
             import preheat.backends.torch as torch_backend
@@ -174,7 +177,7 @@ class Core:
                              max_guidance=config.max_guidance, schedulers=tuple(config.samplers),
                              sizes=tuple(config.sizes))
         self.input_model = input_model(self.limits)
-        self.buckets = buckets_for(config.max_batch_size)
+        self.buckets = buckets_for(config.max_batch_size, getattr(pipe, "device_count", 1))
         self.metrics = CoreMetrics()
         self.setup = SetupInfo()
         self.pipe = pipe
@@ -456,6 +459,7 @@ class Core:
             self._setup_log(f"loading model {self.config.model or 'built-in'} ({self.config.backend})")
             self.pipe = self._loader(self.config)
         pipe = self.pipe
+        self.buckets = buckets_for(self.config.max_batch_size, getattr(pipe, "device_count", 1))
         self._setup_log(f"model loaded in {time.perf_counter() - start:.2f}s; image {pipe.sample_shape}, "
                         f"classes {pipe.num_classes}, defaults {pipe.defaults}")
         default_steps = int(pipe.defaults["steps"])
