@@ -161,7 +161,9 @@ class Pipeline:
     def __post_init__(self) -> None:
         own = {k: v for k, v in self.defaults.items() if k in ("sampler", "steps", "guidance")}
         self.defaults = {**self.family.defaults, **own}  # the family's defaults, overridden by the folder's
-        if self.mesh is not None:  # weights replicated on every device once, not per call
+        # weights replicated on every device once, not per call (getattr: the torch backend's
+        # pipelines share this method and have no mesh)
+        if getattr(self, "mesh", None) is not None:
             from preheat.sharding import replicate, replicate_components
 
             self.params = replicate(self.params, self.mesh)
