@@ -137,6 +137,30 @@ def test_sharded_executable_restarts_warm_and_is_not_used_on_two_devices(tmp_pat
     _close(np.load(tmp_path / "cold.npy"), np.load(tmp_path / "two.npy"))
 
 
+SERVER = """
+    import json, sys
+    from preheat.server.core import Core, CoreConfig
+    core = Core(CoreConfig(model=sys.argv[1], max_batch_size=8, devices=4, batch_wait_ms=0)).start()
+    assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+    programs = len(core.pipe._executables)
+    pred, _ = core.submit(*core.parse({"seed": 3, "num_outputs": 3, "num_inference_steps": 2}))
+    assert pred.done.wait(300), pred.status
+    print(json.dumps({"buckets": core.buckets, "signatures": len(core.signatures()), "programs": programs,
+                      "status": pred.status, "images": len(pred.output or []), "stats": core.stats,
+                      "after": len(core.pipe._executables)}))
+    core.close()
+"""
+
+
+def test_server_compiles_one_program_per_bucket_and_no_device_idles(tmp_path):
+    model = save_tiny_pipeline(tmp_path / "pipe")
+    got = json.loads(_run(SERVER, 4, tmp_path / "home", str(model)).splitlines()[-1])
+    assert got["buckets"] == [4, 8]  # multiples of the device count
+    assert got["programs"] == got["signatures"] == 4  # guidance off / on x two buckets: one program each
+    assert got["status"] == "succeeded" and got["images"] == 3  # 3 images ran in bucket 4, padded
+    assert got["stats"]["traffic_compiles"] == 0 and got["after"] == got["programs"]
+
+
 # ------------------------------------------------------------------------- choices and buckets
 
 
