@@ -20,9 +20,12 @@ What is static (changes a program) and what is data (does not), for the denoisin
     batch size, sample (latent) shape     guidance scale, seeds, the user's initial noise
     guidance on/off, user noise or not    conditioning: class labels, prompt embeddings,
     conditioning structure                negative prompts, SDXL's size/crop ids
+    the device mesh (load(devices=...))
 
 Seeds are per image: image ``b`` draws all its randomness from ``key(seed_b)``
-(``preheat.noise``), so it is the same whatever else shares its batch. Inside: NHWC. Outside
+(``preheat.noise``), so it is the same whatever else shares its batch -- or however many devices
+split it: with ``load(devices=...)`` every stage runs data parallel, the batch split over a mesh
+axis ``data`` and the weights replicated (``preheat.sharding``). Inside: NHWC. Outside
 (``noise``): NCHW like diffusers. What a family contributes (inputs, conditioning, decoding) is
 described in ``preheat.families``.
 """
