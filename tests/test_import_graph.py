@@ -28,6 +28,7 @@ SRC = Path(preheat.__file__).resolve().parent
 # (``cache`` for preheat/cache/).
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "_version", "timings", "noise"),  # leaves: import nothing of preheat
+    ("sharding",),  # the device mesh and data parallelism (imports errors only)
     ("cache",),  # atomic writes, the cache root, the compile cache, the shared remote store
     ("store", "models", "samplers"),  # the weights store; model code; pure samplers
     ("families",),  # per-family loading over the models

@@ -40,7 +40,7 @@ from preheat.cache.root import resolve_root
 from preheat.errors import CacheEntryError
 from preheat.timings import Timings
 
-__all__ = ["JaxCompiler", "key_fields", "key_of", "configure_persistent_cache", "tracing_source_hash",
+__all__ = ["JaxCompiler", "key_fields", "key_of", "mesh_of", "configure_persistent_cache", "tracing_source_hash",
            "traced_sources", "nearest_entry"]
 
 log = logging.getLogger("preheat.cache")
@@ -101,8 +101,23 @@ def _abstract(tree: Any) -> list[list[Any]]:
     return out
 
 
+def mesh_of(args: tuple) -> Any:
+    """The device mesh a program's arguments are placed on (``preheat.sharding``), or None for
+    the single-device program (arguments on the default device or on the host)."""
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding.mesh
+    return None
+
+
 def key_fields(fingerprint: dict[str, Any], signature: Any, args: tuple) -> dict[str, Any]:
-    """Every input that changes the compiled program, as JSON-able fields (the key's content)."""
+    """Every input that changes the compiled program, as JSON-able fields (the key's content).
+
+    A program split over devices adds ``mesh``: its axes and the ids of its devices, in order. A
+    serialized executable names the devices it runs on, so an entry loads back only onto that
+    same assignment (loading a 4-device program onto 2 devices aborts XLA, so it must never be
+    tried); the single-device program's key has no such field."""
     backend = jax.devices()[0].client
     device = jax.devices()[0]
     fields = {
@@ -124,6 +139,11 @@ def key_fields(fingerprint: dict[str, Any], signature: Any, args: tuple) -> dict
     }
     if device.platform == "cpu":
         fields["host_cpu"] = _cpu_features()
+    mesh = mesh_of(args)
+    if mesh is not None:
+        fields["mesh"] = {"axes": {str(k): int(v) for k, v in mesh.shape.items()},
+                          "devices": [int(d.id) for d in mesh.devices.flat],
+                          "device_kind": sorted({d.device_kind for d in mesh.devices.flat})}
     return fields
 
 
@@ -338,9 +358,11 @@ class JaxCompiler:
         payload = entry.file(EXECUTABLE).read_bytes()
         in_tree = jax.tree_util.tree_structure((tuple(args), {}))
         out_tree = jax.tree_util.tree_structure(0 if outputs == 1 else tuple(range(outputs)))
+        mesh = mesh_of(args)  # the key's mesh field: the same device ids the entry was compiled for
+        devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
         try:
             with LoadingMarker(path):
-                compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=jax.devices()[:1])
+                compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
         except Exception as exc:  # a deserialisation failure is a miss, never a crash
             self._quarantine(path, f"deserialisation failed: {type(exc).__name__}: {str(exc)[:200]}", record)
             return None

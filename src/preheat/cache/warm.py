@@ -20,15 +20,17 @@ __all__ = ["WarmSet", "WarmSignature", "buckets_for", "resolve", "signatures", "
 GUIDANCE_MODES = ("off", "on")
 
 
-def buckets_for(max_batch_size: int) -> tuple[int, ...]:
-    """Compiled batch sizes: powers of two below max, then max (1, 2, 4, 8 for 8; 1, 2, 4, 6 for 6)."""
-    if max_batch_size < 1:
-        raise ValueError("max_batch_size must be >= 1")
-    out, b = [], 1
+def buckets_for(max_batch_size: int, devices: int = 1) -> tuple[int, ...]:
+    """Compiled batch sizes: the device count times powers of two below max, then max rounded up
+    to a multiple of the device count, so that every device gets a slice of every batch
+    (1, 2, 4, 8 for 8 on one device; 1, 2, 4, 6 for 6; 4, 8 for 8 on four; 4, 8 for 6 on four)."""
+    if max_batch_size < 1 or devices < 1:
+        raise ValueError("max_batch_size and devices must be >= 1")
+    out, b = [], devices
     while b < max_batch_size:
         out.append(b)
         b *= 2
-    out.append(max_batch_size)
+    out.append(-(-max_batch_size // devices) * devices)
     return tuple(out)
 
 
@@ -104,13 +106,14 @@ def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
             pass
     text = _text(pipe)
     sizes: tuple[Optional[tuple[int, int]], ...] = warm_set.sizes if text else (None,)
+    buckets = buckets_for(warm_set.max_batch_size, getattr(pipe, "device_count", 1))  # every device gets a slice
     out = []
     for sampler in warm_set.samplers:
         for g in scales:
             negatives = (False, True) if text and g != 1.0 else (False,)
             for size in sizes:
                 for neg in negatives:
-                    out += [WarmSignature(sampler, g, bucket, size, neg) for bucket in warm_set.buckets]
+                    out += [WarmSignature(sampler, g, bucket, size, neg) for bucket in buckets]
     return out
 
 

@@ -77,6 +77,7 @@ class CoreConfig:
     backend: str = "jax"
     dtype: str = "float32"
     max_batch_size: int = 8
+    devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
     batch_wait_ms: float = 10.0
     max_queue: int = 64  # predictions waiting (not running); more -> QueueFull
     max_steps: int = 200
@@ -153,7 +154,7 @@ def load_pipeline(config: CoreConfig) -> Any:
     if config.backend == "jax":
         import preheat
 
-        return preheat.load(config.model, dtype=config.dtype)
+        return preheat.load(config.model, dtype=config.dtype, devices=config.devices)
     if config.backend == "torch":
         try:
             import preheat.backends.torch as torch_backend
@@ -178,7 +179,7 @@ class Core:
                              max_guidance=config.max_guidance, schedulers=tuple(config.samplers),
                              sizes=tuple(config.sizes))
         self.input_model = input_model(self.limits)
-        self.buckets = buckets_for(config.max_batch_size)
+        self.buckets = buckets_for(config.max_batch_size, getattr(pipe, "device_count", 1))
         self.metrics = CoreMetrics()
         self.setup = SetupInfo()
         self.pipe = pipe
@@ -475,6 +476,7 @@ class Core:
             self._setup_log(f"loading model {self.config.model or 'built-in'} ({self.config.backend})")
             self.pipe = self._loader(self.config)
         pipe = self.pipe
+        self.buckets = buckets_for(self.config.max_batch_size, getattr(pipe, "device_count", 1))
         self._setup_log(f"model loaded in {time.perf_counter() - start:.2f}s; image {pipe.sample_shape}, "
                         f"classes {pipe.num_classes}, defaults {pipe.defaults}")
         default_steps = int(pipe.defaults["steps"])
