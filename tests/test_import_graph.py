@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sharding",),  # the device mesh and data parallelism (imports errors only)
     ("cache",),  # atomic writes, the cache root, the compile cache, the shared remote store
     ("store", "models", "samplers"),  # the weights store; model code; pure samplers
-    ("lora",),  # LoRA files -> per-request adapter data (reads through the store, maps onto models)
+    ("lora",),  # LoRA files -> runtime adapters (reads through the store and the models' loader)
     ("families",),  # per-family loading over the models
     ("engine",),  # Pipeline and preheat.load
     ("backends",),  # the torch comparison backend, built on the engine's Pipeline

@@ -21,6 +21,8 @@ What is static (changes a program) and what is data (does not), for the denoisin
     guidance on/off, user noise or not    conditioning: class labels, prompt embeddings,
     conditioning structure                negative prompts, SDXL's size/crop ids
     the device mesh (load(devices=...))
+    LoRA: rank bucket, adapter slots      LoRA factors, scales, each image's adapter
+                                          (``preheat.lora``; no LoRA = the program without)
 
 Seeds are per image: image ``b`` draws all its randomness from ``key(seed_b)``
 (``preheat.noise``), so it is the same whatever else shares its batch -- or however many devices
@@ -227,7 +229,8 @@ class Pipeline:
         ``pipe(8, class_labels=3)`` for pixel families; ``pipe("a watercolor fox",
         negative_prompt="blurry", width=512, height=512)`` (or a list of prompts, or ``n=4``
         images of one prompt) for text families. ``seed``: an int (image i gets ``seed + i``)
-        or one seed per image.
+        or one seed per image. ``lora="style.safetensors", lora_scale=0.8`` (or
+        ``lora=[(src, scale), ...]``, or one entry per image) adds LoRAs as data: see ``preheat.lora``.
         """
         from PIL import Image
 

@@ -425,3 +425,49 @@ def test_cli_sample_takes_repeated_loras(sd, tmp_path):
     bad = CliRunner().invoke(main, ["sample", str(entry["folder"]), "--prompt", "x", "--lora", str(tmp_path / "no"),
                                     "--cache", "off", "--out", str(tmp_path / "bad.png")])
     assert bad.exit_code != 0 and "does not exist" in bad.output and len(bad.output.strip().splitlines()) == 1
+
+
+def _sgm(src: Path, dst: Path, layers: tuple[int, ...]) -> Path:
+    """An SDXL LoRA's UNet part in kohya's original-layout names (``lora_unet_input_blocks_4_1_…``),
+    written by hand from the LDM layout: level l's transformers are input blocks after l levels of
+    (layers + 1) blocks, output blocks count (layers + 1) per level."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    down_start = np.cumsum([1] + [n + 1 for n in layers])
+    up_start = np.cumsum([0] + [n + 1 for n in reversed(layers)])
+    with safe_open(str(src), "np") as f:
+        meta = json.loads(f.metadata()["lora_adapter_metadata"])
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith("unet.")}
+    out = {}
+    for key, value in tensors.items():
+        module, role = key[len("unet."):].rsplit(".lora_", 1)
+        parts = module.split(".")
+        if parts[0] == "mid_block":
+            name, rest = "middle_block_1", parts[3:]
+        else:
+            level, j = int(parts[1]), int(parts[3])
+            block = "input_blocks" if parts[0] == "down_blocks" else "output_blocks"
+            start = (down_start if block == "input_blocks" else up_start)[level]
+            name, rest = f"{block}_{start + j}_1", parts[4:]
+        name = "lora_unet_" + "_".join([name, *rest])
+        out[f"{name}.lora_{'down' if role.startswith('A') else 'up'}.weight"] = value
+        out[f"{name}.alpha"] = np.asarray(meta["unet.lora_alpha"], np.float32)
+    save_file(out, str(dst))
+    return dst
+
+
+def test_sdxl_kohya_original_layout_names_match_diffusers(sd, tmp_path, record_property):
+    entry = sd["sdxl"]
+    lora = _sgm(entry["A"], tmp_path / "sgm.safetensors", layers=(1, 1))  # tiny SDXL: one layer per block
+    noise, steps = _noise(1), 3
+    ref = sd_fixtures.reference_pipeline(entry["folder"], "euler")
+    ref.load_lora_weights(str(lora))
+    theirs = sd_fixtures.reference_pixels(ref, "a photo of a dog", noise, num_inference_steps=steps, height=32,
+                                          width=32, guidance_scale=5.0)
+    pipe = entry["pipe"]
+    ours = pipe.generate("a photo of a dog", noise=noise, steps=steps, sampler="euler", guidance=5.0, lora=lora)
+    plain = pipe.generate("a photo of a dog", noise=noise, steps=steps, sampler="euler", guidance=5.0)
+    record_property("mean_abs_px", _diff(ours, theirs))
+    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
+    assert _diff(ours, plain) > 2

@@ -147,6 +147,31 @@ def _time_ids(inputs: dict[str, Any], height: int, width: int) -> np.ndarray:
 # --------------------------------------------------------------------------------------- loading
 
 
+def sgm_lora_names(cfg: Any, layers: Mapping[str, tuple[int, int]]) -> dict[str, tuple[tuple[str, None, None, bool], ...]]:
+    """kohya LoRA names in the original (LDM/SGM) UNet layout -- ``lora_unet_input_blocks_4_1_transformer_blocks_0_
+    attn1_to_k``, most SDXL LoRAs -- with "_" for ".", -> the diffusers layer each names. Each down level is
+    ``layers + 1`` input blocks (the last a downsampler), each up level ``layers + 1`` output blocks; ``_1``
+    is a block's transformer."""
+    blocks: dict[str, str] = {"mid_block.attentions.0": "middle_block_1"}
+    n = 1
+    for level, count in enumerate(cfg.layers):
+        for j in range(count):
+            blocks[f"down_blocks.{level}.attentions.{j}"] = f"input_blocks_{n + j}_1"
+        n += count + 1
+    n = 0
+    for level, count in enumerate(reversed(cfg.layers)):
+        for j in range(count + 1):
+            blocks[f"up_blocks.{level}.attentions.{j}"] = f"output_blocks_{n + j}_1"
+        n += count + 1
+    names = {}
+    for path in layers:
+        parts = path.split(".")
+        head = ".".join(parts[:3] if parts[0] == "mid_block" else parts[:4])  # the transformer block
+        if head in blocks:
+            names[f"{blocks[head]}_{path[len(head) + 1:]}".replace(".", "_")] = ((path, None, None, False),)
+    return names
+
+
 def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: Any,
           variant: str | None, offload_encoders: bool) -> LoadedModel:
     import jax.numpy as jnp
@@ -205,7 +230,8 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     if family.xl:
         prefixes.update({"text_encoder_2": "text_encoder_2", "lora_te2": "text_encoder_2"})
     targets = LoraTargets(family=family.name, layers=layers, prefixes=prefixes,
-                          path_prefix={name: "text_model." for name in te_names})
+                          path_prefix={name: "text_model." for name in te_names},
+                          aliases=sgm_lora_names(cfg, layers["denoiser"]), alias_prefixes=("lora_unet_",))
 
     components = {
         "tokenizers": tokenizers,
