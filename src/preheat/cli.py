@@ -170,6 +170,7 @@ def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt
         "process_start_to_first_image_s": to_first_image,
         "guided": pipe.is_guided(guidance),
         "stages": first.to_dict().get("stages", {}),
+        "load_report": pipe.load_report.to_dict() if getattr(pipe, "load_report", None) else None,
     }
     if report:
         from preheat.cache.atomic import atomic_write_bytes
