@@ -32,5 +32,5 @@ from preheat.bench.random_models import save_random_flux; save_random_flux(Path(
 $B bench coldstart "$FLUX" --n 1 --steps 2 --repeats 2 "${T2I[@]}" --cache-url "$(mktemp -d)/fleet" \
   --json-out $D/coldstart-flux.json --png-out $D/coldstart-flux.png | tee $D/coldstart-flux.md
 $B bench compare "$FLUX" --quick --paths jax,torch-eager,torch-inductor --steps 2 --batch 1 --batch-sizes 1 \
-  --steady-repeats 2 --sampler flow_euler "${T2I[@]}" --json-out $D/compare-flux.json --png-out $D/compare-flux.png \
+  --steady-repeats 1 --sampler flow_euler "${T2I[@]}" --json-out $D/compare-flux.json --png-out $D/compare-flux.png \
   | tee $D/compare-flux.md
