@@ -1,5 +1,5 @@
 """The Flux benchmark's pieces that can be checked without writing the 4.7 GB folder: its T5
-tokenizer against transformers', its configs against each other, and the loading-memory summary."""
+tokenizer against transformers', its configs against each other, and bench compare's defaults."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from preheat.bench.coldstart import load_memory
 from preheat.bench.random_models import (FLUX_CLIP, FLUX_T5, FLUX_TRANSFORMER, FLUX_VAE, TEXT_ARCHITECTURES,
                                          t5_pieces, write_t5_tokenizer)
 
@@ -43,21 +42,6 @@ def test_flux_configs_fit_together() -> None:
     assert FLUX_T5["d_model"] == FLUX_TRANSFORMER["joint_attention_dim"]
     assert FLUX_TRANSFORMER["in_channels"] == 4 * FLUX_VAE["latent_channels"]
     assert sum(FLUX_TRANSFORMER["axes_dims_rope"]) == FLUX_TRANSFORMER["attention_head_dim"]
-
-
-def _report(before: int, peak: int, after: int, largest: int) -> dict:
-    return {"load_report": {"bytes_read": 10 * largest, "largest_file_bytes": largest, "largest_tensor_bytes": 7,
-                            "peak_rss": peak, "rss_before": before, "rss_after": after, "peak_exact": True,
-                            "peak_host_bytes": peak - before, "transient_host_bytes": peak - after}}
-
-
-def test_load_memory_ratios_take_the_worst_child() -> None:
-    m = load_memory([_report(100, 1100, 1000, 100), _report(100, 1250, 1100, 100), {"load_report": None}])
-    assert m is not None
-    assert m["peak_host_bytes"]["median"] == 1075 and m["transient_host_bytes"]["max"] == 150
-    assert m["peak_over_largest_file"] == pytest.approx(11.5)
-    assert m["transient_over_largest_file"] == pytest.approx(1.5)
-    assert load_memory([{"load_report": None}]) is None
 
 
 def test_compare_defaults_to_a_flow_sampler_for_flow_folders(tmp_path: Path) -> None:

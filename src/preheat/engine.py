@@ -29,6 +29,7 @@ described in ``preheat.families``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,7 @@ Denoiser = Callable[[Any, jax.Array, jax.Array, Any], jax.Array]
 """``fn(params, x, t, cond) -> prediction``: x (B, *sample_shape), t (B,) float32, cond a pytree
 batched on axis 0 (``{}`` for unconditional models)."""
 
-COMMON_INPUTS = ("n", "steps", "sampler", "guidance", "seed", "noise", "eta")
+COMMON_INPUTS = ("n", "steps", "sampler", "guidance", "seed", "noise", "eta", "lora", "lora_scale")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class Signature:
     user_noise: bool  # initial noise passed in rather than drawn from the seeds
     conditioning: tuple[str, ...]  # the names of the conditioning leaves ((), ("class_labels",), ...)
     pixels: bool  # the program ends with the conversion to uint8
+    lora: tuple[int, int] | None = None  # (rank bucket, adapter slots); None: the program without LoRA
 
     @property
     def class_conditional(self) -> bool:
@@ -251,8 +253,11 @@ class Pipeline:
             eta = float(eta)
         except (TypeError, ValueError):
             raise InvalidArgumentError(f"eta={eta!r} must be a number", argument="eta") from None
+        from preheat.lora import parse_request
+
+        lora = parse_request(self, n, common.get("lora"), common.get("lora_scale"))
         return Request(n=n, sampler=sampler, steps=steps, guided=guided, guidance=scale, seeds=seeds,
-                       noise=noise_arr, eta=eta, sample_shape=shape, values=values)
+                       noise=noise_arr, eta=eta, sample_shape=shape, values=values, lora=lora)
 
     def check(self, first: Any = None, /, **inputs: Any) -> Request:
         """Every host-side check of a call (``validate`` plus the sampler's schedule for this step
@@ -282,8 +287,16 @@ class Pipeline:
                         dtype=self.dtype, guided=request.guided, user_noise=request.noise is not None,
                         conditioning=tuple(sorted(conditioning.cond)), pixels=self.family.pixels_in_loop)
         noise = request.noise if request.noise is not None else np.zeros((), np.float32)
-        args = (self.params, plan, request.seeds, conditioning.cond, conditioning.uncond,
-                np.float32(request.guidance), noise)
+        params, cond, uncond = self.params, conditioning.cond, conditioning.uncond
+        if request.lora is not None:  # adapters are data: weights + factors, each image's slot in cond
+            from preheat.lora import denoiser_args
+
+            params = (self.params, denoiser_args(self, request.lora))
+            cond = {**cond, "lora_index": request.lora.index}
+            uncond = {**uncond, "lora_index": request.lora.index} if request.guided else uncond
+            sig = dataclasses.replace(sig, lora=request.lora.signature, conditioning=tuple(sorted(cond)))
+            self.components.setdefault("lora_buckets", set()).add(request.lora.bucket)
+        args = (params, plan, request.seeds, cond, uncond, np.float32(request.guidance), noise)
         return request, sig, args
 
     def _run_denoise(self, sig: Signature, args: tuple) -> Any:

@@ -147,3 +147,15 @@ def test_offload_encoders_keeps_text_weights_on_the_host(folders, pipes):
 def test_offload_encoders_is_refused_for_models_without_text():
     with pytest.raises(PreheatError, match="offload_encoders applies to text-to-image models"):
         preheat.load(None, cache="off", offload_encoders=True)
+
+
+@pytest.mark.parametrize("name,call", [("flux-dev", dict(guidance=3.5)), ("flux-schnell", {}),
+                                       ("sd3", dict(negative_prompt="blurry", guidance=5.0))])
+def test_torch_backend_draws_the_same_images(folders, pipes, name, call):
+    """backend="torch" runs diffusers' own pipeline on the same seeds (the same initial latents)."""
+    torch_pipe = preheat.load(folders[name], backend="torch")
+    assert torch_pipe.defaults == pipes[name].defaults
+    theirs = torch_pipe.generate(["a red fox", "a cat"], steps=3, seed=[4, 5], width=32, height=32, **call)
+    ours = pipes[name].generate(["a red fox", "a cat"], steps=3, seed=[4, 5], width=32, height=32, **call)
+    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())

@@ -31,7 +31,7 @@ import threading
 from typing import Any, Optional
 
 from preheat.server.core import Core, CoreConfig, NotAccepting, QueueFull
-from preheat.server.inputs import InputError
+from preheat.server.inputs import InputError, parse_sizes
 
 __all__ = ["handler", "concurrency_modifier", "get_core", "config_from_env", "main"]
 
@@ -40,11 +40,9 @@ _lock = threading.Lock()
 
 
 def config_from_env(env: Optional[dict[str, str]] = None) -> CoreConfig:
-    from preheat.server.cli import _sizes
-
     env = dict(os.environ if env is None else env)
     return CoreConfig(model=env.get("PREHEAT_MODEL") or None, dtype=env.get("PREHEAT_DTYPE") or "float32",
-                      sizes=_sizes(env.get("PREHEAT_SIZES")),
+                      sizes=parse_sizes(env.get("PREHEAT_SIZES")),
                       max_batch_size=int(env.get("PREHEAT_MAX_BATCH_SIZE", "8")),
                       batch_wait_ms=float(env.get("PREHEAT_BATCH_WAIT_MS", "10")),
                       max_queue=int(env.get("PREHEAT_MAX_QUEUE", "64")),

@@ -35,8 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
+from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.models import weights
+from preheat.models.dit import AdaLayerNormContinuous, FeedForward, layer_norm, modulate, resolve_transformer_dir
 from preheat.models.unet2d import JsonConfig, Linear, TimestepEmbedding, _lift, sinusoidal_embedding
 from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
 
@@ -190,19 +191,6 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 # Layers
 
 
-def _layer_norm(x: Array, eps: float = _NORM_EPS) -> Array:
-    """``nn.LayerNorm(elementwise_affine=False)`` over the last axis; float32 statistics."""
-    h = x.astype(jnp.float32)
-    mean = h.mean(axis=-1, keepdims=True)
-    var = jnp.square(h - mean).mean(axis=-1, keepdims=True)
-    return ((h - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-
-
-def _modulate(x: Array, shift: Array, scale: Array) -> Array:
-    """adaLN: (B, L, C) * (1 + scale) + shift, with (B, C) modulations."""
-    return x * (1 + scale[:, None, :]) + shift[:, None, :]
-
-
 def _clip_fp16(x: Array) -> Array:
     """diffusers clips float16 residual streams to the finite range (Flux overflows otherwise)."""
     return jnp.clip(x, -65504, 65504) if x.dtype == jnp.float16 else x
@@ -230,7 +218,7 @@ class AdaLayerNormZero(nnx.Module):
     def __call__(self, x: Array, temb: Array) -> tuple[Array, ...]:  # (B, L, C), (B, C)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(
             self.linear(jax.nn.silu(temb)), 6, axis=-1)  # each (B, C)
-        return _modulate(_layer_norm(x), shift_msa, scale_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
+        return modulate(layer_norm(x), shift_msa, scale_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
 class AdaLayerNormZeroSingle(nnx.Module):
@@ -239,38 +227,7 @@ class AdaLayerNormZeroSingle(nnx.Module):
 
     def __call__(self, x: Array, temb: Array) -> tuple[Array, Array]:  # (B, L, C), (B, C)
         shift, scale, gate = jnp.split(self.linear(jax.nn.silu(temb)), 3, axis=-1)
-        return _modulate(_layer_norm(x), shift, scale), gate
-
-
-class AdaLayerNormContinuous(nnx.Module):
-    """The output norm: note diffusers' order here is (scale, shift)."""
-
-    def __init__(self, dim: int, *, rngs: nnx.Rngs):
-        self.linear = Linear(dim, 2 * dim, rngs=rngs)
-
-    def __call__(self, x: Array, temb: Array) -> Array:  # (B, L, C), (B, C) -> (B, L, C)
-        scale, shift = jnp.split(self.linear(jax.nn.silu(temb).astype(x.dtype)), 2, axis=-1)
-        return _modulate(_layer_norm(x), shift, scale)
-
-
-class GELU(nnx.Module):
-    """diffusers' ``GELU(approximate="tanh")``: a projection, then tanh-GELU."""
-
-    def __init__(self, dim: int, inner: int, *, rngs: nnx.Rngs):
-        self.proj = Linear(dim, inner, rngs=rngs)
-
-    def __call__(self, x: Array) -> Array:
-        return jax.nn.gelu(self.proj(x), approximate=True)
-
-
-class FeedForward(nnx.Module):
-    """``net.0`` GELU projection, ``net.1`` dropout (no weights), ``net.2`` Linear."""
-
-    def __init__(self, dim: int, *, mult: int = 4, rngs: nnx.Rngs):
-        self.net = nnx.List([GELU(dim, dim * mult, rngs=rngs), None, Linear(dim * mult, dim, rngs=rngs)])
-
-    def __call__(self, x: Array) -> Array:  # (B, L, C) -> (B, L, C)
-        return self.net[2](self.net[0](x))
+        return modulate(layer_norm(x), shift, scale), gate
 
 
 class FluxAttention(nnx.Module):
@@ -343,10 +300,10 @@ class FluxTransformerBlock(nnx.Module):
         attn, context_attn = self.attn(h, c, cos, sin)
 
         x = x + gate_msa[:, None, :] * attn
-        x = x + gate_mlp[:, None, :] * self.ff(_modulate(_layer_norm(x), shift_mlp, scale_mlp))
+        x = x + gate_mlp[:, None, :] * self.ff(modulate(layer_norm(x), shift_mlp, scale_mlp))
 
         context = context + c_gate_msa[:, None, :] * context_attn
-        context = context + c_gate_mlp[:, None, :] * self.ff_context(_modulate(_layer_norm(context), c_shift_mlp,
+        context = context + c_gate_mlp[:, None, :] * self.ff_context(modulate(layer_norm(context), c_shift_mlp,
                                                                                c_scale_mlp))
         return _clip_fp16(context), x
 
@@ -409,7 +366,7 @@ class FluxTransformer2DModel(nnx.Module):
             [FluxTransformerBlock(dim, heads, head_dim, rngs=rngs) for _ in range(c.num_layers)])
         self.single_transformer_blocks = nnx.List(
             [FluxSingleTransformerBlock(dim, heads, head_dim, rngs=rngs) for _ in range(c.num_single_layers)])
-        self.norm_out = AdaLayerNormContinuous(dim, rngs=rngs)
+        self.norm_out = AdaLayerNormContinuous(dim, dim, rngs=rngs)
         self.proj_out = Linear(dim, c.output_channels, rngs=rngs)
 
     def check_inputs(self, x: Array, context: Array, pooled: Array, t: Array, img_ids: Array, txt_ids: Array,
@@ -515,18 +472,8 @@ def latent_image_ids(h: int, w: int) -> np.ndarray:
 # Loading
 
 
-def _resolve_dir(folder: str | Path) -> Path:
-    """A transformer folder, or a pipeline folder's ``transformer/``."""
-    p = Path(folder).expanduser()
-    if not p.is_dir():
-        raise ModelNotFoundError(f"transformer folder {p} does not exist")
-    if not (p / "config.json").is_file() and (p / "transformer" / "config.json").is_file():
-        p = p / "transformer"
-    return p
-
-
 def read_flux_config(folder: str | Path) -> FluxTransformerConfig:
-    path = _resolve_dir(folder) / "config.json"
+    path = resolve_transformer_dir(folder, "FluxTransformer2DModel") / "config.json"
     return FluxTransformerConfig.from_dict(read_json(path), str(path))
 
 
@@ -546,13 +493,16 @@ class FluxTransformer:
 
     def apply(self, params: nnx.State, hidden_states: Array, encoder_hidden_states: Array,
               pooled_projections: Array, timestep: Array, img_ids: Array, txt_ids: Array,
-              guidance: Array | None = None) -> Array:
+              guidance: Array | None = None, lora: Any = None) -> Array:
         """diffusers' forward: (B, S, in_channels), (B, T, joint_attention_dim), (B, pooled_projection_dim),
         (B,) sigma (the pipeline's t / 1000), (S, 3), (T, 3), (B,) guidance scale or None -> (B, S, out_channels).
 
         Activations run in ``self.dtype``; the timestep and guidance sinusoids and rotary angles in float32.
+        ``lora``: per-image low-rank adapters (``preheat.models.lora.Adapters``), or None.
         """
-        model = nnx.merge(self.graphdef, params)
+        from preheat.models.lora import attach
+
+        model = attach(nnx.merge(self.graphdef, params), lora)
 
         def act(v: Any) -> Array:
             return jnp.asarray(v).astype(self.dtype)
@@ -571,7 +521,7 @@ def build_flux_transformer(config: FluxTransformerConfig, tensors: Mapping[str, 
     """A loaded transformer from torch-layout tensors keyed like diffusers' state dict (numpy arrays)."""
     dtype = check_dtype(dtype)
     graphdef, abstract = build_abstract(config)
-    params = fill(abstract, dict(tensors), dtype, source)
+    params = fill(abstract, tensors, dtype, source)  # a Checkpoint streams; dict() would read it all
     return FluxTransformer(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 
@@ -582,7 +532,7 @@ def load_flux_transformer(folder: str | Path, dtype: Any = jnp.float32, variant:
     FLUX.1 folders are sharded); weights are cast to ``dtype`` whatever dtype they were stored in.
     """
     dtype = check_dtype(dtype)
-    path = _resolve_dir(folder)
+    path = resolve_transformer_dir(folder, "FluxTransformer2DModel")
     config = read_flux_config(path)
     tensors = read_tensors(weight_files(path, (DIFFUSERS_STEM,), variant=variant))
     return build_flux_transformer(config, tensors, dtype, str(path))

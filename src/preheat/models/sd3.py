@@ -35,8 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
+from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.models import weights
+from preheat.models.dit import AdaLayerNormContinuous, FeedForward, layer_norm, modulate, resolve_transformer_dir
 from preheat.models.unet2d import Conv2d, JsonConfig, Linear, TimestepEmbedding, _lift, sinusoidal_embedding
 from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, torch_key, weight_files
 
@@ -48,7 +49,6 @@ __all__ = [
     "load_sd3_transformer",
     "build_sd3_transformer",
     "read_sd3_transformer_config",
-    "resolve_transformer_dir",
     "build_abstract",
     "checkpoint_key",
     "sincos_pos_embed_2d",
@@ -174,18 +174,6 @@ def sincos_pos_embed_2d(dim: int, grid: tuple[int, int], base_size: int,
 # Norms
 
 
-def _layer_norm(x: Array, eps: float = _EPS) -> Array:
-    """``nn.LayerNorm(elementwise_affine=False)`` over the last axis; statistics in float32."""
-    h = x.astype(jnp.float32)
-    mean = h.mean(axis=-1, keepdims=True)
-    var = jnp.square(h - mean).mean(axis=-1, keepdims=True)
-    return ((h - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-
-
-def _modulate(x: Array, shift: Array, scale: Array) -> Array:  # (B, L, D), (B, D), (B, D) -> (B, L, D)
-    return x * (1 + scale[:, None, :]) + shift[:, None, :]
-
-
 class RMSNorm(nnx.Module):
     """diffusers' ``RMSNorm`` with a weight (the q/k norms of SD3.5); mean square in float32."""
 
@@ -213,20 +201,9 @@ class AdaLayerNormZero(nnx.Module):
         """(B, L, D), (B, D) -> modulated x, the chunks (each (B, D)) in diffusers' order, and for
         ``chunks=9`` the same normed x under the second shift/scale (``attn2``'s input), else None."""
         mods = jnp.split(self.linear(jax.nn.silu(temb)), self.chunks, axis=-1)
-        normed = _layer_norm(x)
-        second = _modulate(normed, mods[6], mods[7]) if self.chunks == 9 else None
-        return _modulate(normed, mods[0], mods[1]), tuple(mods), second
-
-
-class AdaLayerNormContinuous(nnx.Module):
-    """``norm_out`` and the last block's ``norm1_context``: scale *then* shift (unlike adaLN-Zero)."""
-
-    def __init__(self, dim: int, cond_dim: int, *, rngs: nnx.Rngs):
-        self.linear = Linear(cond_dim, 2 * dim, rngs=rngs)
-
-    def __call__(self, x: Array, cond: Array) -> Array:  # (B, L, D), (B, Dc) -> (B, L, D)
-        scale, shift = jnp.split(self.linear(jax.nn.silu(cond).astype(x.dtype)), 2, axis=-1)
-        return _modulate(_layer_norm(x), shift, scale)
+        normed = layer_norm(x)
+        second = modulate(normed, mods[6], mods[7]) if self.chunks == 9 else None
+        return modulate(normed, mods[0], mods[1]), tuple(mods), second
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,26 +271,6 @@ class JointAttention(nnx.Module):
         return image, (self.to_add_out(text) if self.to_add_out is not None else text)
 
 
-class GELU(nnx.Module):
-    """diffusers' ``GELU`` (``ff.net.0``): a linear, then tanh-approximate gelu."""
-
-    def __init__(self, dim: int, inner: int, *, rngs: nnx.Rngs):
-        self.proj = Linear(dim, inner, rngs=rngs)
-
-    def __call__(self, x: Array) -> Array:
-        return jax.nn.gelu(self.proj(x), approximate=True)
-
-
-class FeedForward(nnx.Module):
-    """``FeedForward(activation_fn="gelu-approximate")``: ``net.0`` GELU, ``net.1`` dropout, ``net.2`` Linear."""
-
-    def __init__(self, dim: int, *, mult: int = 4, rngs: nnx.Rngs):
-        self.net = nnx.List([GELU(dim, dim * mult, rngs=rngs), None, Linear(dim * mult, dim, rngs=rngs)])
-
-    def __call__(self, x: Array) -> Array:  # (B, L, D) -> (B, L, D)
-        return self.net[2](self.net[0](x))
-
-
 class JointTransformerBlock(nnx.Module):
     """The MMDiT block: joint attention, then a gated MLP per stream (the text's skipped when
     ``context_pre_only``, the last block); ``dual`` adds SD3.5's image-only ``attn2``."""
@@ -343,12 +300,12 @@ class JointTransformerBlock(nnx.Module):
         x = x + gate_msa[:, None, :] * attn
         if self.attn2 is not None:
             x = x + m[8][:, None, :] * self.attn2(nx2)[0]
-        x = x + gate_mlp[:, None, :] * self.ff(_modulate(_layer_norm(x), shift_mlp, scale_mlp))
+        x = x + gate_mlp[:, None, :] * self.ff(modulate(layer_norm(x), shift_mlp, scale_mlp))
         if self.context_pre_only:
             return x, None
         _, _, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = cm
         context = context + c_gate_msa[:, None, :] * attn_ctx
-        ff_ctx = self.ff_context(_modulate(_layer_norm(context), c_shift_mlp, c_scale_mlp))
+        ff_ctx = self.ff_context(modulate(layer_norm(context), c_shift_mlp, c_scale_mlp))
         return x, context + c_gate_mlp[:, None, :] * ff_ctx
 
 
@@ -478,20 +435,6 @@ class SD3Transformer2DModel(nnx.Module):
 # Loading
 
 
-def resolve_transformer_dir(path: str | Path) -> Path:
-    """The folder holding the transformer's config.json, from itself or a pipeline folder."""
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise ModelNotFoundError(f"transformer folder {p} does not exist")
-    if (p / "model_index.json").is_file() or ((p / "transformer").is_dir() and not (p / "config.json").is_file()):
-        p = p / "transformer"
-        if not p.is_dir():
-            raise ModelNotFoundError(f"pipeline folder {p.parent} has model_index.json but no transformer/ folder")
-    if not (p / "config.json").is_file():
-        raise ModelNotFoundError(f"{p} has no config.json (expected a diffusers {_CLASS} folder)")
-    return p
-
-
 def read_sd3_transformer_config(folder: Path) -> SD3TransformerConfig:
     path = folder / "config.json"
     return SD3TransformerConfig.from_dict(read_json(path), str(path))
@@ -553,7 +496,7 @@ def build_sd3_transformer(config: SD3TransformerConfig, tensors: Mapping[str, An
     """A loaded transformer from torch-layout tensors keyed like diffusers' state dict (numpy arrays)."""
     dtype = check_dtype(dtype)
     graphdef, abstract = build_abstract(config)
-    params = fill(abstract, dict(tensors), dtype, source, key_fn=checkpoint_key)
+    params = fill(abstract, tensors, dtype, source, key_fn=checkpoint_key)  # a Checkpoint streams
     return SD3Transformer(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 
@@ -564,7 +507,7 @@ def load_sd3_transformer(folder: str | Path, dtype: Any = jnp.float32, variant: 
     ``diffusion_pytorch_model.fp16.safetensors[.index.json]``. Weights are cast to ``dtype``.
     """
     dtype = check_dtype(dtype)
-    folder = resolve_transformer_dir(folder)
+    folder = resolve_transformer_dir(folder, _CLASS)
     config = read_sd3_transformer_config(folder)
     tensors = read_tensors(weight_files(folder, (DIFFUSERS_STEM,), variant=variant))
     return build_sd3_transformer(config, tensors, dtype, str(folder))

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedConfigError
-from preheat.models.tokenizer import _added_token, _token_content, prompt_list, warn_truncated
+from preheat.models.tokenizer import _added_token, _token_content, named_and_added_tokens, prompt_list, warn_truncated
 from preheat.models.weights import read_json
 
 __all__ = ["T5Tokenizer", "T5_UNK_ID"]
@@ -124,18 +124,7 @@ class T5Tokenizer:
         # Added tokens as transformers 5 resolves them (see CLIPTokenizer): added_tokens_decoder wins;
         # without it, special_tokens_map.json and tokenizer.json's list. Then the named tokens and the
         # <extra_id_N> sentinels that are not there yet, as special, un-normalized tokens.
-        entries: dict[str, Any] = {k: config[k] for k in _NAMED if config.get(k) is not None}
-        if "added_tokens_decoder" in config:
-            decoder = config["added_tokens_decoder"]
-            if not isinstance(decoder, dict):
-                raise ModelFormatError(f"{config_file}: added_tokens_decoder must be an object")
-            added = [_added_token(decoder[i], str(config_file)) for i in sorted(decoder, key=int)]
-        else:
-            special_file = folder / "special_tokens_map.json"
-            if special_file.is_file():
-                special_map = read_json(special_file, "special tokens map")
-                entries |= {k: special_map[k] for k in _NAMED if special_map.get(k) is not None}
-            added = [_added_token(t, str(json_file)) for t in raw.get("added_tokens", [])]
+        entries, added = named_and_added_tokens(folder, config, config_file, raw, _NAMED)
         named = _DEFAULTS | {k: _token_content(v, str(folder)) for k, v in entries.items()}
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens")
         if extra is None:

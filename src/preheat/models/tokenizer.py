@@ -90,6 +90,30 @@ def _added_token(entry: Any, where: str, special: bool | None = None) -> Any:
     return AddedToken(content, **flags)
 
 
+def named_and_added_tokens(folder: Path, config: dict[str, Any], config_file: Path,
+                           tokenizer_json: dict[str, Any] | None,
+                           names: Sequence[str]) -> tuple[dict[str, Any], list[Any]]:
+    """Named tokens (``names``: bos/eos/unk/pad...) and added tokens, resolved as transformers 5
+    does: tokenizer_config.json's added_tokens_decoder wins; without it, special_tokens_map.json
+    and tokenizer.json's ``added_tokens`` list."""
+    entries: dict[str, Any] = {k: config[k] for k in names if config.get(k) is not None}
+    added: list[Any] = []
+    if "added_tokens_decoder" in config:
+        decoder = config["added_tokens_decoder"]
+        if not isinstance(decoder, dict):
+            raise ModelFormatError(f"{config_file}: added_tokens_decoder must be an object")
+        added = [_added_token(decoder[i], str(config_file)) for i in sorted(decoder, key=int)]
+    else:
+        special_file = folder / "special_tokens_map.json"
+        if special_file.is_file():
+            special_map = read_json(special_file, "special tokens map")
+            entries |= {k: special_map[k] for k in names if special_map.get(k) is not None}
+        if tokenizer_json is not None:
+            where = str(folder / "tokenizer.json")
+            added = [_added_token(t, where) for t in tokenizer_json.get("added_tokens", [])]
+    return entries, added
+
+
 def _read_bpe(folder: Path) -> tuple[dict[str, int], list[tuple[str, str]], dict[str, Any] | None]:
     """Vocab, merges and (when read from tokenizer.json) that file's JSON."""
     from tokenizers.models import BPE
@@ -142,23 +166,7 @@ class CLIPTokenizer:
                 raise UnsupportedConfigError(
                     f"unsupported {side} {config[side]!r} in {config_file}; supported: 'right'")
 
-        # Named and added tokens, resolved as transformers 5 does: tokenizer_config.json's
-        # added_tokens_decoder wins; without it, special_tokens_map.json and tokenizer.json's list.
-        entries: dict[str, Any] = {k: config[k] for k in _NAMED if config.get(k) is not None}
-        added: list[Any] = []
-        if "added_tokens_decoder" in config:
-            decoder = config["added_tokens_decoder"]
-            if not isinstance(decoder, dict):
-                raise ModelFormatError(f"{config_file}: added_tokens_decoder must be an object")
-            added = [_added_token(decoder[i], str(config_file)) for i in sorted(decoder, key=int)]
-        else:
-            special_file = folder / "special_tokens_map.json"
-            if special_file.is_file():
-                special_map = read_json(special_file, "special tokens map")
-                entries |= {k: special_map[k] for k in _NAMED if special_map.get(k) is not None}
-            if tokenizer_json is not None:
-                where = str(folder / "tokenizer.json")
-                added = [_added_token(t, where) for t in tokenizer_json.get("added_tokens", [])]
+        entries, added = named_and_added_tokens(folder, config, config_file, tokenizer_json, _NAMED)
         named = _DEFAULTS | {k: _token_content(v, str(folder)) for k, v in entries.items()}
 
         try:

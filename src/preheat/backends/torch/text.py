@@ -149,6 +149,7 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
 
     from diffusers import DiffusionPipeline
 
+    from preheat.families.flux import flux_defaults
     from preheat.families.text import default_sampler
 
     module, name = TEXT_FAMILIES[class_name]
@@ -173,12 +174,11 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
     vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
     components: dict[str, Any] = {"vae_scale": vae_scale, "size_multiple": vae_scale}
     defaults = default_sampler(root)
-    channels = cfg.in_channels
-    size = cfg.sample_size
+    channels, size = cfg.in_channels, cfg.get("sample_size")
     if class_name == "FluxPipeline":  # as the JAX loader: packed 2x2 tokens, 128-latent default side
         channels, size = cfg.in_channels // 4, 128
         components.update(size_multiple=2 * vae_scale, guidance_embeds=bool(cfg.guidance_embeds))
-        defaults.update({"steps": 28, "guidance": 3.5} if cfg.guidance_embeds else {"steps": 4, "guidance": None})
+        defaults.update(flux_defaults(bool(cfg.guidance_embeds)))
     elif class_name == "StableDiffusion3Pipeline":
         components.update(size_multiple=vae_scale * cfg.patch_size, patch_size=cfg.patch_size)
     latent = (size, size) if isinstance(size, int) else tuple(size)

@@ -1,34 +1,22 @@
-"""Click commands: ``preheat serve`` and ``preheat bench serve`` (registered by preheat.cli).
+"""`preheat serve`: the HTTP server's options, checked in one line before anything loads.
 
 Importing this module is cheap (no JAX, FastAPI or uvicorn until a command runs).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
-from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import click
 
-__all__ = ["serve_command", "bench_serve_command"]
+from preheat.cli._support import one_line_errors
+
+__all__ = ["serve_command"]
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """preheat.cli's one-line error handling, imported when the command runs (no import cycle)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from preheat._cli_support import one_line_errors
-
-        return one_line_errors(fn)(*args, **kwargs)
-
-    return wrapper
 
 
 def _setup_logging(level: str) -> None:
@@ -88,22 +76,6 @@ def _samplers(text: Optional[str]) -> tuple[str, ...]:
     return names
 
 
-def _sizes(text: Optional[str]) -> tuple[tuple[int, int], ...]:
-    """``--sizes 512x512,768x512`` -> ((512, 512), (768, 512)); a malformed entry fails in one line."""
-    from preheat.errors import InvalidArgumentError
-
-    out = []
-    for item in (text or "").split(","):
-        item = item.strip().lower()
-        if not item:
-            continue
-        w, sep, h = item.partition("x")
-        if not sep or not w.isdigit() or not h.isdigit() or int(w) <= 0 or int(h) <= 0:
-            raise InvalidArgumentError(f"--sizes {item!r} must be WIDTHxHEIGHT, e.g. 512x512")
-        out.append((int(w), int(h)))
-    return tuple(dict.fromkeys(out))
-
-
 def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
     from preheat.errors import InvalidArgumentError
     from preheat.server.webhooks import WebhookPolicy, WebhookRefused
@@ -145,7 +117,7 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
               help="Let webhooks go to this host, address or CIDR whatever it is (repeat).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-@_one_line_errors
+@one_line_errors
 def serve_command(model: Optional[str], host: str, port: int, backend: str, dtype: str, max_batch_size: int,
                   batch_wait_ms: float, max_queue: int, max_steps: int, samplers_text: Optional[str],
                   sizes_text: Optional[str], grace_s: float,
@@ -159,11 +131,12 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, dtyp
     PREHEAT_API_TOKEN to require `Authorization: Bearer <token>` (all but /health-check).
     """
     from preheat.errors import InvalidArgumentError
+    from preheat.server.inputs import parse_sizes
 
     _check_limits(max_batch_size, batch_wait_ms, max_queue, max_steps, grace_s, header_timeout_s, body_timeout_s,
                   max_body_bytes)
     samplers = _samplers(samplers_text)
-    sizes = _sizes(sizes_text)
+    sizes = parse_sizes(sizes_text)
     webhooks = _webhook_policy(webhook_allow_private, webhook_allow)
     _check_backend(backend)
     token = os.environ.get("PREHEAT_API_TOKEN") or None
@@ -185,36 +158,3 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, dtyp
         raise InvalidArgumentError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     sys.exit(code)
 
-
-@click.command("serve")
-@click.argument("model", required=False)
-@click.option("--requests", "n_requests", default=256, show_default=True, type=int, help="Requests to send in all.")
-@click.option("--concurrency", default=32, show_default=True, type=int, help="Concurrent clients.")
-@click.option("--max-batch-size", default=8, show_default=True, type=int)
-@click.option("--batch-wait-ms", default=10.0, show_default=True, type=float)
-@click.option("--steps", type=int, help="num_inference_steps per request (model default when absent).")
-@click.option("--timeout-s", default=600.0, show_default=True, type=float, help="Give up after this long in all.")
-@click.option("--offline-s", default=8.0, show_default=True, type=float,
-              help="Seconds to time the offline baseline (before and after the load).")
-@click.option("--json", "json_out", default="bench-serve.json", show_default=True,
-              type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
-@_one_line_errors
-def bench_serve_command(model: Optional[str], n_requests: int, concurrency: int, max_batch_size: int,
-                        batch_wait_ms: float, steps: Optional[int], timeout_s: float, offline_s: float,
-                        json_out: Path) -> None:
-    """Load-test `preheat serve` on 127.0.0.1: throughput vs offline batching, latency, exactly-once."""
-    from preheat.errors import InvalidArgumentError
-    from preheat.server.bench import markdown, run_bench
-
-    if n_requests < 1 or concurrency < 1 or max_batch_size < 1 or timeout_s <= 0 or offline_s <= 0:
-        raise InvalidArgumentError("--requests, --concurrency, --max-batch-size, --timeout-s and --offline-s must be positive")
-    if steps is not None and steps < 1:
-        raise InvalidArgumentError(f"--steps {steps} must be a positive int")
-    result = run_bench(model, n_requests=n_requests, concurrency=concurrency, max_batch_size=max_batch_size,
-                       batch_wait_ms=batch_wait_ms, steps=steps, timeout_s=timeout_s, offline_s=offline_s,
-                       json_out=json_out,
-                       log=lambda line: click.echo(line, err=True))
-    click.echo(markdown(result))
-    click.echo(f"wrote {json_out}", err=True)
-    if not result["exactly_once"] or result["server_exit_code"] != 0:
-        sys.exit(1)

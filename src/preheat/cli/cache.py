@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from preheat._cli_support import one_line_errors
+from preheat.cli._support import one_line_errors
 
 
 def _human(n: float) -> str:
