@@ -22,3 +22,15 @@ $B bench coldstart "$SD15" --n 1 --steps 2 --repeats 1 "${T2I[@]}" --json-out $D
 $B bench sampler "$SD15" --batch 1 --steps 2 --repeats 2 --width 256 --height 256 --json-out $D/sampler-sd15.json | tee $D/sampler-sd15.md
 $B bench compare "$SD15" --quick --paths jax,torch-eager,torch-inductor --steps 2 --batch 1 --batch-sizes 1 --sampler ddim \
   "${T2I[@]}" --json-out $D/compare-sd15.json --png-out $D/compare-sd15.png | tee $D/compare-sd15.md
+
+# Flux (issue 13): FLUX.1-dev's published widths with fewer layers (1 double + 1 single transformer
+# block, T5-XXL widths with 2 layers, CLIP-L with 2 layers, the full 16-channel VAE), random float32
+# weights (about 4.7 GB, written once by preheat.bench.random_models), 256x256, 2 steps.
+FLUX=${FLUX:-.bench-models/flux-random}
+[ -f "$FLUX/model_index.json" ] || .venv/bin/python -c "import sys; from pathlib import Path; \
+from preheat.bench.random_models import save_random_flux; save_random_flux(Path(sys.argv[1]))" "$FLUX"
+$B bench coldstart "$FLUX" --n 1 --steps 2 --repeats 2 "${T2I[@]}" --cache-url "$(mktemp -d)/fleet" \
+  --json-out $D/coldstart-flux.json --png-out $D/coldstart-flux.png | tee $D/coldstart-flux.md
+$B bench compare "$FLUX" --quick --paths jax,torch-eager,torch-inductor --steps 2 --batch 1 --batch-sizes 1 \
+  --steady-repeats 1 --sampler flow_euler "${T2I[@]}" --json-out $D/compare-flux.json --png-out $D/compare-flux.png \
+  | tee $D/compare-flux.md

@@ -43,7 +43,7 @@ __all__ = ["bench_compare", "markdown", "plot", "PATHS", "QUICK", "FULL", "child
 
 PATHS = ("jax", "torch-eager", "torch-inductor", "torch-aot")
 _TORCH_COMPILE = {"torch-eager": "none", "torch-inductor": "inductor", "torch-aot": "aot"}
-_DETERMINISTIC = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras")
+_DETERMINISTIC = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras", "flow_euler", "flow_heun")
 RESULT_TAG = "PREHEAT_COMPARE_RESULT "
 QUICK = {"repeats": 1, "steady_repeats": 2, "batch_sizes": (1, 8), "steps": 4, "batch": 1}
 FULL = {"repeats": 3, "steady_repeats": 5, "batch_sizes": (1, 8, 32), "steps": None, "batch": 8}
@@ -197,9 +197,10 @@ def _resolve_defaults(model: str | None, sampler: str | None, steps: int | None,
         except (OSError, ValueError):
             defaults = {}
     if sampler is None:
-        sampler = defaults.get("sampler", "ddim")
+        fallback = "flow_euler" if _flow_scheduler(root) else "ddim"  # flow-matching folders take only flow samplers
+        sampler = defaults.get("sampler", fallback)
         if sampler not in _DETERMINISTIC:
-            sampler = "ddim"  # agreement needs a deterministic sampler
+            sampler = fallback  # agreement needs a deterministic sampler
     return {"sampler": sampler, "steps": steps or int(defaults.get("steps", 20)),
             "guidance": guidance if guidance is not None else defaults.get("guidance")}
 
@@ -269,6 +270,15 @@ def _brief(r: dict[str, Any]) -> str:
         return f"error: {r['error']}"
     return (f"first image at {r['process_start_to_first_image_s']:.2f}s from process start "
             f"(trace {r['trace_lower_s']:.2f}s, compile {r['compile_s']:.2f}s, cache {r['cache_layer']})")
+
+
+def _flow_scheduler(root: Path) -> bool:
+    """Whether the folder's scheduler is a flow-matching one (FLUX.1, SD3)."""
+    try:
+        config = json.loads((root / "scheduler" / "scheduler_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return str(config.get("_class_name", "")).startswith("FlowMatch")
 
 
 def _summarize(path: str, runs: dict[str, list[dict[str, Any]]], batch_sizes: tuple[int, ...], workdir: Path,

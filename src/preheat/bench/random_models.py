@@ -6,6 +6,13 @@ transformers and saved with ``save_pretrained`` -- so that benchmarks measure th
 architecture's compile and run time. Its tokenizer is a small byte-level CLIP BPE vocabulary
 made here (the real 49k-token vocabulary cannot be downloaded); token ids stay below the
 encoder's vocab size, so every prompt encodes, and the compute is the real model's.
+
+``save_random_flux(out)`` writes a ``FluxPipeline`` folder at FLUX.1-dev's published widths with
+fewer layers (a full 12-billion-parameter model does not fit this benchmark): the transformer
+with 1 double-stream + 1 single-stream block (of 19 + 38), T5 at T5-XXL widths with 2 layers (of
+24), CLIP-L with 2 layers (of 12), the whole 16-channel FLUX VAE and FLUX.1-dev's scheduler.
+Per layer, per token and per pixel the compute is the real model's. Its T5 tokenizer is a small
+SentencePiece-style Unigram written here with ``tokenizers`` (ids far below T5's 32128).
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "save_random_sd15", "TEXT_ARCHITECTURES"]
+__all__ = ["bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
+           "save_random_flux", "TEXT_ARCHITECTURES"]
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 _WORDS = ("a photo of the cat dog fox watercolor painting portrait city night forest red blue green "
@@ -39,7 +47,31 @@ SD15_SCHEDULER: dict[str, Any] = dict(
     num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, steps_offset=1,
     clip_sample=False, set_alpha_to_one=False, prediction_type="epsilon")
 
-TEXT_ARCHITECTURES = {"sd15-random": "save_random_sd15"}
+# FLUX.1-dev (black-forest-labs/FLUX.1-dev) configs at their published widths; the layer counts are
+# this benchmark's (published: 19 double + 38 single blocks, T5 24 layers, CLIP 12 layers).
+FLUX_TRANSFORMER: dict[str, Any] = dict(
+    patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=128,
+    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56))
+FLUX_T5: dict[str, Any] = dict(  # google/t5-v1_1-xxl encoder widths
+    vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_heads=64, num_layers=2,
+    relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
+    layer_norm_epsilon=1e-6, dropout_rate=0.1, is_encoder_decoder=True, tie_word_embeddings=False,
+    pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+FLUX_CLIP: dict[str, Any] = {**SD15_TEXT, "num_hidden_layers": 2}  # FLUX.1-dev's text_encoder: CLIP-L, quick_gelu
+FLUX_VAE: dict[str, Any] = dict(
+    in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32,
+    act_fn="silu", sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+    use_post_quant_conv=False, mid_block_add_attention=True, force_upcast=True)
+FLUX_SCHEDULER: dict[str, Any] = dict(
+    num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+    base_image_seq_len=256, max_image_seq_len=4096)
+# Published FLUX.1-dev splits the transformer (3 files) and T5 (2 files) into shards; so does this
+# folder, so that loading streams shard by shard as it would there.
+FLUX_SHARD = "1GB"
+
+TEXT_ARCHITECTURES = {"sd15-random": "save_random_sd15", "flux-random": "save_random_flux"}
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -111,5 +143,99 @@ def save_random_sd15(out: Path, seed: int = 0) -> Path:
              "tokenizer": ["transformers", "CLIPTokenizer"], "unet": ["diffusers", "UNet2DConditionModel"],
              "vae": ["diffusers", "AutoencoderKL"], "scheduler": ["diffusers", "DDIMScheduler"],
              "safety_checker": [None, None], "feature_extractor": [None, None], "requires_safety_checker": False}
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))  # written last: marks the folder complete
+    return out
+
+
+T5_EXTRA_IDS = 100  # T5's <extra_id_0..99> sentinels
+
+
+def t5_pieces(words: tuple[str, ...] = tuple(_WORDS), extra_ids: int = T5_EXTRA_IDS) -> list[tuple[str, float]]:
+    """A small Unigram vocab in T5's id order: <pad>=0, </s>=1, <unk>=2, "▁", whole words, single
+    characters (with and without "▁"), then the sentinels last, in reverse (as T5's)."""
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"()-_/&"
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [("▁" + w, -3.0 - 0.01 * i) for i, w in enumerate(dict.fromkeys(words))]
+    words_set = {p for p, _ in pieces}
+    pieces += [("▁" + c, -8.0 - 0.001 * i) for i, c in enumerate(chars) if "▁" + c not in words_set]
+    pieces += [(c, -9.0 - 0.001 * i) for i, c in enumerate(chars)]
+    return pieces + [(f"<extra_id_{i}>", 0.0) for i in range(extra_ids - 1, -1, -1)]
+
+
+def write_t5_tokenizer(directory: Path, words: tuple[str, ...] = tuple(_WORDS), max_length: int = 512) -> Path:
+    """A T5 tokenizer folder as published FLUX.1 folders hold it (tokenizer.json, tokenizer_config.json,
+    special_tokens_map.json; no spiece.model), built with ``tokenizers`` alone. Its normalizer only
+    collapses whitespace runs: T5's NFKC charsmap cannot be built without sentencepiece."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    directory.mkdir(parents=True, exist_ok=True)
+    pieces = t5_pieces(words)
+    tok = Tokenizer(models.Unigram(pieces, unk_id=2, byte_fallback=False))
+    tok.normalizer = normalizers.Replace(Regex(" {2,}"), " ")
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
+                                                       special_tokens=[("</s>", 1)])
+    sentinels = [f"<extra_id_{i}>" for i in range(T5_EXTRA_IDS)]
+    tok.add_special_tokens([AddedToken(t, normalized=False) for t in ("<pad>", "</s>", "<unk>", *sentinels[::-1])])
+    tok.save(str(directory / "tokenizer.json"))
+    ids = {p: i for i, (p, _) in enumerate(pieces)}
+    special = {"content": None, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+               "special": True}
+    added = {str(ids[t]): {**special, "content": t} for t in ("<pad>", "</s>", "<unk>", *sentinels)}
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "added_tokens_decoder": dict(sorted(added.items(), key=lambda kv: int(kv[0]))),
+        "additional_special_tokens": sentinels, "clean_up_tokenization_spaces": True, "eos_token": "</s>",
+        "extra_ids": T5_EXTRA_IDS, "legacy": True, "model_max_length": max_length, "pad_token": "<pad>",
+        "sp_model_kwargs": {}, "tokenizer_class": "T5Tokenizer", "unk_token": "<unk>"}, indent=2))
+    named = {k: {**{f: v for f, v in special.items() if f != "special"}, "content": v}
+             for k, v in (("eos_token", "</s>"), ("pad_token", "<pad>"), ("unk_token", "<unk>"))}
+    (directory / "special_tokens_map.json").write_text(json.dumps(
+        {"additional_special_tokens": sentinels, **named}, indent=2))
+    return directory
+
+
+def _fill_zeros(model: Any, std: float = 0.02) -> None:
+    """Random values in the tensors diffusers initialises to zero (AdaLN and output layers): an
+    all-zero layer would make the benchmark's output, and the cross-backend agreement, trivial."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.any():
+                p.normal_(0.0, std)
+
+
+def save_random_flux(out: Path, seed: int = 0) -> Path:
+    """A FLUX.1-dev-width ``FluxPipeline`` folder with few layers and random float32 weights (about
+    4.5 GB: transformer 2.2 GB, T5 2.1 GB, CLIP 0.2 GB, VAE 0.3 GB). Components are built and
+    saved one at a time, so peak memory stays near the largest one."""
+    import diffusers
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model: Any = FluxTransformer2DModel(**FLUX_TRANSFORMER)
+        _fill_zeros(model)
+        model.save_pretrained(out / "transformer", max_shard_size=FLUX_SHARD)
+        del model
+        model = T5EncoderModel(T5Config(**FLUX_T5))
+        model.save_pretrained(out / "text_encoder_2", max_shard_size=FLUX_SHARD)
+        del model
+        CLIPTextModel(CLIPTextConfig(**FLUX_CLIP)).save_pretrained(out / "text_encoder")
+        model = AutoencoderKL(**FLUX_VAE)
+        _fill_zeros(model)
+        model.save_pretrained(out / "vae")
+        del model
+    FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER).save_pretrained(out / "scheduler")
+    write_clip_tokenizer(out / "tokenizer")
+    write_t5_tokenizer(out / "tokenizer_2")
+    index = {"_class_name": "FluxPipeline", "_diffusers_version": diffusers.__version__,
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+             "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
+             "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "T5TokenizerFast"],
+             "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}
     (out / "model_index.json").write_text(json.dumps(index, indent=2))  # written last: marks the folder complete
     return out
