@@ -119,6 +119,9 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback unless told).")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port (0 = any free port, printed at start).")
 @click.option("--backend", default="jax", show_default=True, type=click.Choice(["jax", "torch"]))
+@click.option("--compile", "compile_mode", default="none", show_default=True,
+              type=click.Choice(["none", "inductor", "aot", "regional"]),
+              help="--backend torch: eager, torch.compile, AOTInductor or regional (the repeated blocks).")
 @click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16.")
 @click.option("--max-batch-size", default=8, show_default=True, type=int,
               help="Largest engine batch; buckets 1, 2, 4 ... up to it are compiled at start-up.")
@@ -146,7 +149,8 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @_one_line_errors
-def serve_command(model: Optional[str], host: str, port: int, backend: str, dtype: str, max_batch_size: int,
+def serve_command(model: Optional[str], host: str, port: int, backend: str, compile_mode: str, dtype: str,
+                  max_batch_size: int,
                   batch_wait_ms: float, max_queue: int, max_steps: int, samplers_text: Optional[str],
                   sizes_text: Optional[str], grace_s: float,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
@@ -166,6 +170,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, dtyp
     sizes = _sizes(sizes_text)
     webhooks = _webhook_policy(webhook_allow_private, webhook_allow)
     _check_backend(backend)
+    if compile_mode != "none" and backend != "torch":
+        raise InvalidArgumentError(f"--compile {compile_mode} applies to --backend torch")
     token = os.environ.get("PREHEAT_API_TOKEN") or None
     if host not in _LOOPBACK and token is None:
         click.echo(f"warning: serving on {host} without PREHEAT_API_TOKEN; anyone who can reach it can use it", err=True)
@@ -174,7 +180,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, dtyp
     from preheat.server.core import CoreConfig
     from preheat.server.serve import serve
 
-    config = CoreConfig(model=model, backend=backend, dtype=dtype, max_batch_size=max_batch_size,
+    config = CoreConfig(model=model, backend=backend, compile=compile_mode, dtype=dtype, max_batch_size=max_batch_size,
                         batch_wait_ms=batch_wait_ms, max_queue=max_queue, max_steps=max_steps,
                         samplers=samplers, sizes=sizes)
     try:

@@ -6,7 +6,8 @@ same sampler mapping, so ``bench compare`` and the parity tests put both backend
 
 ``compile="inductor"`` wraps the denoiser (UNet or transformer) in ``torch.compile`` and warms
 each model batch and latent size through preheat's torch compile cache (Mega-Cache artifacts and CPU kernels, under the
-same entry rules as the JAX side). ``compile="aot"`` (AOTInductor) is not offered for these
+same entry rules as the JAX side). ``compile="regional"`` applies ``preheat.torch.compile`` (the
+denoiser's repeated blocks, same cache) and warms it the same way. ``compile="aot"`` (AOTInductor) is not offered for these
 pipelines yet: it is refused with a one-line error rather than silently falling back.
 
 Where the backends differ: a guidance scale below 1 is classifier-free guidance in preheat and
@@ -119,6 +120,8 @@ class TorchTextPipeline(EngineArguments):
         if self.compile == "none" or key in self._warm:
             return Timings(cache_layer="memory" if key in self._warm or self.compile != "none" else "none")
         denoiser = self.pipe.unet if hasattr(self.pipe, "unet") else self.pipe.transformer
+        if self.compile == "regional":
+            return self._prepare_regional(denoiser, key, call)
         if not getattr(denoiser, "_preheat_compiled", False):
             try:
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -137,6 +140,20 @@ class TorchTextPipeline(EngineArguments):
         timings = (self.compiler or TorchCompiler(mode="off")).warm_inductor(fields, warm_up)
         self._warm.add(key)
         return timings
+
+
+    def _prepare_regional(self, denoiser: Any, key: tuple, call: dict[str, Any]) -> Timings:
+        """``preheat.torch.compile(mode="regional")`` on the denoiser, warmed by a one-step run:
+        its gate loads or compiles (and stores) the blocks at the signature serving uses."""
+        from preheat.backends.torch.compiled import compile_with
+
+        compile_with(denoiser, "regional", False, self.compiler or TorchCompiler(mode="off"))
+        gate = denoiser._preheat_gate
+        seen = len(gate.compiler.events)
+        with torch.no_grad():
+            self.pipe(**{**call, "num_inference_steps": 1, "output_type": "latent"})
+        self._warm.add(key)
+        return gate.last if len(gate.compiler.events) > seen else Timings(cache_layer="memory")
 
 
 def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: str, scheduler: Any,
