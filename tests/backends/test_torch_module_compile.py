@@ -243,7 +243,8 @@ def test_truncated_entry_is_quarantined_and_recompiled(cold, flux, tmp_path):
     # process 1's Inductor folder: the recompile reuses torch's own local caches (quicker)
     again = _child(flux, home, base / "inductor")
     (event,) = again["events"]
-    assert event["layer"] == "none" and "sha256" in event["quarantined"] and event["store"] == "written"
+    assert event["layer"] == "none" and "mega.bin has 100 bytes" in event["quarantined"]
+    assert event["store"] == "written"
     assert len(list((home / "quarantine").iterdir())) == 1
     np.testing.assert_array_equal(np.array(again["image"], np.float32), np.array(first["image"], np.float32))
     (entry,) = _entries(home)  # a new, valid entry under the same key
@@ -273,3 +274,30 @@ def test_load_regional_is_refused_for_a_unet2d_model(tmp_path):
 
     with pytest.raises(InvalidArgumentError, match="text-to-image pipelines"):
         preheat.load(save_tiny_pipeline(tmp_path / "micro", config=MICRO), backend="torch", compile="regional")
+
+
+def test_bench_coldstart_torch_gives_every_child_a_new_inductor_folder(monkeypatch, tmp_path):
+    """The rows and what each child is told (the measurement itself is `preheat bench coldstart`)."""
+    from preheat.bench import coldstart
+
+    calls = []
+
+    def fake_child(model, home, n, steps, cache, extra_env=None, args=()):
+        calls.append(dict(home=Path(home).name, env=extra_env, args=args))
+        compiled = "regional" in args
+        warm = compiled and Path(home).name == "warm-home" and len(calls) > 1
+        return {"import_s": 1.0, "weights_s": 1.0, "warm_run_s": 1.0, "first_run_s": 1.0,
+                "trace_lower_s": 1.0 if compiled else 0.0, "compile_or_load_s": 0.5 if warm else (9.0 if compiled else 0.0),
+                "cache_layer": "mega" if warm else "none",
+                "process_start_to_first_image_s": 5.0 if warm else (14.0 if compiled else 4.0)}
+
+    monkeypatch.setattr(coldstart, "run_child", fake_child)
+    result = coldstart.bench_coldstart_torch(str(tmp_path), 1, 2, 2, tmp_path)
+    assert list(result["rows"]) == ["eager (no cache)", "regional cold", "regional warm"]
+    assert len(calls) == 7  # the priming run, then three per repeat
+    assert len({c["env"]["TORCHINDUCTOR_CACHE_DIR"] for c in calls}) == 7
+    assert all(c["args"][-4:] == ("--backend", "torch", "--compile", "none" if c["home"].startswith("eager")
+                                  else "regional") for c in calls)
+    assert result["rows"]["regional warm"]["layers"] == ["mega"]
+    assert result["goals"]["warm_vs_cold_start"] == pytest.approx(1 - 5 / 14)
+    assert "Replicate" in coldstart.markdown(result)
