@@ -94,7 +94,7 @@ def test_found_regions_are_the_outermost_repeated_class():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(mode="aot"), "not available"),
+    (dict(mode="aot", dynamic=True), "static-shape packages"),
     (dict(mode="everything"), "not supported"),
     (dict(dynamic="yes"), "True or False"),
 ])
@@ -136,6 +136,7 @@ import preheat.torch
 from diffusers import DiffusionPipeline
 
 folder, flags = sys.argv[1], sys.argv[2:]
+mode = next((f.split("=", 1)[1] for f in flags if f.startswith("mode=")), "regional")
 pipe = DiffusionPipeline.from_pretrained(folder)
 pipe.set_progress_bar_config(disable=True)
 
@@ -153,7 +154,7 @@ def counted(self):
     builds.append(1)
     return build(self)
 cpp_builder.CppBuilder.build = counted
-preheat.torch.compile(pipe, mode="regional")
+preheat.torch.compile(pipe, mode=mode)
 counters.clear()
 result["image"] = run().tolist()
 result["events"] = preheat.torch.events(pipe)
@@ -266,6 +267,36 @@ def test_load_backend_torch_compile_regional(cold, flux, tmp_path, monkeypatch):
     assert pipe.last.cache_layer == "memory"
     eager = preheat.load(flux, backend="torch").generate(**call)
     assert np.abs(pixels.astype(np.int32) - eager.astype(np.int32)).max() <= 1
+
+
+@pytest.fixture(scope="module")
+def flux_tuned(tmp_path_factory):
+    """Same architecture as ``flux``, other weights: a fine-tune."""
+    return save_tiny_flow_model(tmp_path_factory.mktemp("flux-tuned") / "flux", kind="flux-dev", seed=1)
+
+
+@pytest.mark.slow
+def test_aot_blocks_cold_then_warm_then_a_fine_tune(flux, flux_tuned, tmp_path):
+    """mode="aot": one weight-free AOTInductor package per block class, built and stored by process
+    1; process 2 (empty Inductor folder) loads them and runs no Dynamo, no Inductor, no compiler;
+    process 3 runs a fine-tune on the same packages, with its own weights."""
+    home = tmp_path / "home"
+    cold = _child(flux, home, tmp_path / "inductor-1", "eager", "mode=aot")
+    assert [e["layer"] for e in cold["events"]] == ["none", "none"]  # one block of each class
+    assert all(e["store"] == "written" for e in cold["events"]) and len(_entries(home)) == 2
+    image = np.array(cold["image"], np.float32)
+    np.testing.assert_allclose(image, np.array(cold["eager"], np.float32), atol=COMPILED_VS_EAGER_ATOL, rtol=0)
+
+    warm = _child(flux, home, tmp_path / "inductor-2", "mode=aot")
+    assert [e["layer"] for e in warm["events"]] == ["aot", "aot"]
+    assert warm["cpp_builds"] == 0 and warm["counters"].get("frames", {}).get("total", 0) == 0
+    np.testing.assert_array_equal(np.array(warm["image"], np.float32), image)
+
+    tuned = _child(flux_tuned, home, tmp_path / "inductor-3", "eager", "mode=aot")
+    assert [e["layer"] for e in tuned["events"]] == ["aot", "aot"] and len(_entries(home)) == 2
+    tuned_image = np.array(tuned["image"], np.float32)
+    np.testing.assert_allclose(tuned_image, np.array(tuned["eager"], np.float32), atol=COMPILED_VS_EAGER_ATOL, rtol=0)
+    assert np.abs(tuned_image - image).max() > 0.01  # its own weights, not the first model's
 
 
 def test_load_regional_is_refused_for_a_unet2d_model(tmp_path):

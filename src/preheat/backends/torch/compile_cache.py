@@ -121,6 +121,11 @@ def device_description(device: Any) -> dict[str, Any]:
     return {"device": dev.type, "device_name": str(dev)}
 
 
+# Inductor settings torch itself writes while compiling (not a user's choice, so not in the key):
+# AOTInductor fills the package's metadata dict (device, platform, CPU ISA) in place.
+_RUNTIME_STATE = frozenset({"aot_inductor.metadata"})
+
+
 def inductor_config_changes() -> dict[str, Any]:
     """Inductor settings (``torch._inductor.config``) that differ from torch's defaults and are
     not marked compile-ignored: what a user set in Python rather than through the environment."""
@@ -133,7 +138,7 @@ def inductor_config_changes() -> dict[str, Any]:
         return {}
     changed = {}
     for name, entry in sorted(entries.items()):
-        if name.startswith("_") or name in ignored:
+        if name.startswith("_") or name in ignored or name in _RUNTIME_STATE:
             continue
         value = getattr(cfg, name, None)
         if value != entry.default:
@@ -420,10 +425,11 @@ class TorchCompiler:
 
     # ------------------------------------------------------------------ AOTInductor
 
-    def load_or_build_aot(self, fields: dict[str, Any], module: Any, example: tuple, constants: dict[str, Any]
-                          ) -> tuple[Any, Any]:
+    def load_or_build_aot(self, fields: dict[str, Any], module: Any, example: tuple, constants: dict[str, Any],
+                          example_kwargs: dict[str, Any] | None = None) -> tuple[Any, Any]:
         """(runner, Timings): the AOTInductor package for ``fields`` from its entry, or exported,
-        compiled, stored and loaded. ``constants``: fqn -> tensor, bound as user-managed weights."""
+        compiled, stored and loaded. ``constants``: fqn -> tensor, bound as user-managed weights.
+        ``example`` / ``example_kwargs``: the call to export (positional / keyword arguments)."""
         import torch
 
         from preheat.cache.compile import key_of
@@ -450,7 +456,7 @@ class TorchCompiler:
 
         start = time.perf_counter()
         with torch.no_grad():
-            exported = torch.export.export(module, example, **AOT_EXPORT_OPTIONS)
+            exported = torch.export.export(module, tuple(example), kwargs=example_kwargs, **AOT_EXPORT_OPTIONS)
         traced = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="preheat-aoti-") as tmp, _KernelRecorder() as recorder:
             path = Path(tmp) / PACKAGE

@@ -11,7 +11,9 @@ What is compiled (``mode``):
               else the classes found repeated in its ``nn.ModuleList`` s (SD3, PixArt): every
               instance shares one compiled graph, so cold compiles are several times shorter.
     full      the denoiser's whole forward.
-    aot       (AOTInductor packages per region) is refused with a one-line error for now.
+    aot       every repeated block runs an AOTInductor package built without its weights (no
+              Dynamo, no Inductor at run time; one package per block structure and input
+              signature, shared by all its instances and by every fine-tune).
 
 Where the artifacts come from: the denoiser's ``forward`` is wrapped, outside anything
 compiled, by a gate that knows each input signature it has seen. The first call at a new
@@ -56,19 +58,20 @@ DENOISERS = ("transformer", "transformer_2", "unet", "prior")
 def compile(target: Any, mode: str = "regional", *, dynamic: bool = False, cache: str | None = None) -> Any:
     """Compile ``target`` (a diffusers pipeline or any ``nn.Module``) in place and return it.
 
-    ``mode``: "regional" (the repeated blocks) or "full" (the whole denoiser forward).
+    ``mode``: "regional" (the repeated blocks), "full" (the whole denoiser forward) or "aot"
+    (an AOTInductor package per repeated block, without weights).
     ``dynamic``: symbolic shapes (duck shapes off) instead of one graph per input size.
     ``cache``: "full" (default: preheat's entries), "local" (torch's own caches only) or "off";
     ``$PREHEAT_CACHE`` when not given. Compiling an already compiled target again with the same
     settings is a no-op; with other settings it is an error.
     """
     if mode not in MODES:
-        raise InvalidArgumentError(f"mode={mode!r} is not supported; use 'regional' or 'full'", argument="mode")
-    if mode == "aot":
-        raise InvalidArgumentError("mode='aot' (AOTInductor packages per region) is not available in "
-                                   "preheat.torch.compile yet; use 'regional' or 'full'", argument="mode")
+        raise InvalidArgumentError(f"mode={mode!r} is not supported; use 'regional', 'full' or 'aot'",
+                                   argument="mode")
     if not isinstance(dynamic, bool):
         raise InvalidArgumentError(f"dynamic={dynamic!r} must be True or False", argument="dynamic")
+    if mode == "aot" and dynamic:
+        raise InvalidArgumentError("mode='aot' builds static-shape packages; use dynamic=False", argument="dynamic")
     from preheat.backends.torch.pipeline import make_compiler
 
     return compile_with(target, mode, dynamic, make_compiler(cache))
@@ -135,6 +138,9 @@ def _install(module: torch.nn.Module, mode: str, dynamic: bool, compiler: TorchC
             raise InvalidArgumentError(f"{type(module).__name__} is already compiled with mode={previous.scope!r}, "
                                        f"dynamic={previous.dynamic}; load it again to compile it differently")
         return
+    if mode == "aot":
+        _install_aot(module, compiler)
+        return
     options = {**INDUCTOR_OPTIONS, "dynamic": dynamic}
     try:  # one graph per shape and block kind; allow many before Dynamo gives up
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -199,6 +205,72 @@ class _Gate:
 
         with fx_config.patch(use_duck_shape=False):
             return self.forward(*args, **kwargs)
+
+
+def _install_aot(module: torch.nn.Module, compiler: TorchCompiler) -> None:
+    """Each repeated block runs an AOTInductor package (no Dynamo, no Inductor at run time),
+    built without weights: one package per block structure and input signature, shared by every
+    instance (each binds its own parameters) and by every fine-tune of the architecture."""
+    regions = region_classes(module)
+    blocks = [sub for sub in module.modules() if type(sub).__name__ in regions]
+    if not blocks:
+        raise InvalidArgumentError(f"mode='aot': {type(module).__name__} has no repeated blocks (no "
+                                   "_repeated_blocks, no nn.ModuleList of one class)", argument="mode")
+    gate = _AotGate(compiler=compiler, scope="aot", dynamic=False, regions=regions)
+    for block in blocks:
+        block.forward = _AotBlock(block, gate)
+    module._preheat_gate = gate
+
+
+@dataclass(eq=False)
+class _AotGate:
+    """What ``events`` and a second ``compile`` read for mode="aot" (the blocks do the work)."""
+
+    compiler: TorchCompiler
+    scope: str
+    dynamic: bool
+    regions: list[str]
+    last: Timings = field(default_factory=Timings)
+
+
+class _AotBlock:
+    """A block's forward: its AOTInductor runner for each input signature, from preheat's entry
+    or exported, compiled and stored on first sight."""
+
+    def __init__(self, block: torch.nn.Module, gate: _AotGate):
+        self.block = block
+        self.gate = gate
+        self.fingerprint = module_fingerprint(block)
+        self.runners: dict[str, Any] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        shapes = {"args": signature(list(args)), "kwargs": signature(kwargs), "grad": torch.is_grad_enabled(),
+                  "training": self.block.training}
+        text = json.dumps(shapes, sort_keys=True, default=str)
+        runner = self.runners.get(text)
+        if runner is None:
+            with self.lock:
+                runner = self.runners.get(text) or self._prepare(text, args, kwargs)
+        return runner(*args, **kwargs)
+
+    def _prepare(self, text: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        from preheat.backends.torch.compile_cache import AOT_EXPORT_OPTIONS, AOT_INDUCTOR_CONFIGS
+
+        block = self.block
+        fields = torch_key_fields(self.fingerprint, mode="aot", dtype=_param_dtype(block),
+                                  device=_device_of(block, args, kwargs), shapes=json.loads(text),
+                                  options={**AOT_INDUCTOR_CONFIGS, **AOT_EXPORT_OPTIONS, "scope": "aot",
+                                           "regions": self.gate.regions})
+        constants = {**dict(block.named_parameters()), **dict(block.named_buffers())}
+        wrapper = block.__dict__.pop("forward")  # export the class's own forward, not this wrapper
+        try:
+            runner, timings = self.gate.compiler.load_or_build_aot(fields, block, args, constants, kwargs)
+        finally:
+            block.forward = wrapper
+        self.gate.last = timings
+        self.runners[text] = runner
+        return runner
 
 
 def signature(value: Any, dynamic: bool = False) -> Any:
