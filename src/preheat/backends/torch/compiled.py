@@ -87,12 +87,9 @@ def compile_with(target: Any, mode: str, dynamic: bool, compiler: TorchCompiler)
 def events(target: Any) -> list[dict[str, Any]]:
     """One dict per compile or cache load so far (key, layer, miss / quarantine reason, store
     result, timings), for every compiled denoiser of ``target``."""
-    out: list[dict[str, Any]] = []
-    for module in _denoisers(target):
-        gate = getattr(module, "_preheat_gate", None)
-        if gate is not None:
-            out.extend(gate.compiler.events)
-    return out
+    compilers = {id(gate.compiler): gate.compiler for module in _denoisers(target)
+                 if (gate := getattr(module, "_preheat_gate", None)) is not None}  # denoisers may share one
+    return [event for compiler in compilers.values() for event in compiler.events]
 
 
 def region_classes(module: torch.nn.Module) -> list[str]:
