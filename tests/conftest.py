@@ -7,6 +7,9 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# preheat.load's default is every device; the suite tests the single-device program, and the
+# multi-device tests (tests/test_devices.py) choose their devices explicitly.
+os.environ.setdefault("PREHEAT_DEVICES", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

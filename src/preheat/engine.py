@@ -20,15 +20,19 @@ What is static (changes a program) and what is data (does not), for the denoisin
     batch size, sample (latent) shape     guidance scale, seeds, the user's initial noise
     guidance on/off, user noise or not    conditioning: class labels, prompt embeddings,
     conditioning structure                negative prompts, SDXL's size/crop ids
+    the device mesh (load(devices=...))
 
 Seeds are per image: image ``b`` draws all its randomness from ``key(seed_b)``
-(``preheat.noise``), so it is the same whatever else shares its batch. Inside: NHWC. Outside
+(``preheat.noise``), so it is the same whatever else shares its batch -- or however many devices
+split it: with ``load(devices=...)`` every stage runs data parallel, the batch split over a mesh
+axis ``data`` and the weights replicated (``preheat.sharding``). Inside: NHWC. Outside
 (``noise``): NCHW like diffusers. What a family contributes (inputs, conditioning, decoding) is
 described in ``preheat.families``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +58,11 @@ Denoiser = Callable[[Any, jax.Array, jax.Array, Any], jax.Array]
 """``fn(params, x, t, cond) -> prediction``: x (B, *sample_shape), t (B,) float32, cond a pytree
 batched on axis 0 (``{}`` for unconditional models)."""
 
-COMMON_INPUTS = ("n", "steps", "sampler", "guidance", "seed", "noise", "eta")
+COMMON_INPUTS = ("n", "steps", "sampler", "guidance", "seed", "noise", "eta", "lora", "lora_scale")
+# the denoising program's arguments split over the devices (the rest, weights first, are replicated):
+# (params, plan, seeds*, cond*, uncond*, guidance, noise*); LoRA factors ride in params (replicated),
+# each image's adapter slot in cond (split)
+DENOISE_BATCHED = (2, 3, 4, 6)
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ class Signature:
     user_noise: bool  # initial noise passed in rather than drawn from the seeds
     conditioning: tuple[str, ...]  # the names of the conditioning leaves ((), ("class_labels",), ...)
     pixels: bool  # the program ends with the conversion to uint8
+    lora: tuple[int, int] | None = None  # (rank bucket, adapter slots); None: the program without LoRA
 
     @property
     def class_conditional(self) -> bool:
@@ -84,7 +93,7 @@ def build_program(sig: Signature, apply: Denoiser) -> Callable[..., jax.Array]:
 
     def program(params: Any, plan: Plan, seeds: jax.Array, cond: Any, uncond: Any, guidance: jax.Array,
                 noise: jax.Array) -> jax.Array:
-        b = sig.batch
+        b = seeds.shape[0]  # sig.batch, or each device's slice of it under data parallelism
         keys = image_keys(seeds)
         if sig.user_noise:
             x_t = noise.astype(jnp.float32)  # (B, H, W, C)
@@ -152,11 +161,24 @@ class Pipeline:
     compiler: Any = None  # preheat.cache's compiler; None = compile in memory only
     last: Timings = field(default_factory=Timings)
     load_report: Any = None  # how the weights were read (preheat.models.weights.LoadReport); set by load()
+    mesh: Any = None  # jax.sharding.Mesh with axis "data" (preheat.sharding); None: the default device alone
     _executables: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         own = {k: v for k, v in self.defaults.items() if k in ("sampler", "steps", "guidance")}
         self.defaults = {**self.family.defaults, **own}  # the family's defaults, overridden by the folder's
+        # weights replicated on every device once, not per call (getattr: the torch backend's
+        # pipelines share this method and have no mesh)
+        if getattr(self, "mesh", None) is not None:
+            from preheat.sharding import replicate, replicate_components
+
+            self.params = replicate(self.params, self.mesh)
+            self.components = replicate_components(self.components, self.mesh)
+
+    @property
+    def device_count(self) -> int:
+        """How many devices split each batch (a batch runs padded to a multiple of this)."""
+        return 1 if self.mesh is None else self.mesh.size
 
     # ------------------------------------------------------------------ construction
 
@@ -251,8 +273,11 @@ class Pipeline:
             eta = float(eta)
         except (TypeError, ValueError):
             raise InvalidArgumentError(f"eta={eta!r} must be a number", argument="eta") from None
+        from preheat.lora import parse_request
+
+        lora = parse_request(self, n, common.get("lora"), common.get("lora_scale"))
         return Request(n=n, sampler=sampler, steps=steps, guided=guided, guidance=scale, seeds=seeds,
-                       noise=noise_arr, eta=eta, sample_shape=shape, values=values)
+                       noise=noise_arr, eta=eta, sample_shape=shape, values=values, lora=lora)
 
     def check(self, first: Any = None, /, **inputs: Any) -> Request:
         """Every host-side check of a call (``validate`` plus the sampler's schedule for this step
@@ -268,8 +293,11 @@ class Pipeline:
 
     def prepare(self, first: Any = None, /, **inputs: Any) -> tuple[Signature, tuple]:
         """Validate a call and turn it into (the denoising program's signature, its arguments).
-        For text families this runs the text-encoding stage (the embeddings are arguments)."""
+        For text families this runs the text-encoding stage (the embeddings are arguments).
+        On several devices the arguments are placed (and padded) as the program takes them."""
         _, sig, args = self._prepare(first, inputs)
+        if self.mesh is not None:
+            sig, args = self.place(sig, args, DENOISE_BATCHED)
         return sig, args
 
     def _prepare(self, first: Any, inputs: dict[str, Any]) -> tuple[Request, Signature, tuple]:
@@ -282,26 +310,57 @@ class Pipeline:
                         dtype=self.dtype, guided=request.guided, user_noise=request.noise is not None,
                         conditioning=tuple(sorted(conditioning.cond)), pixels=self.family.pixels_in_loop)
         noise = request.noise if request.noise is not None else np.zeros((), np.float32)
-        args = (self.params, plan, request.seeds, conditioning.cond, conditioning.uncond,
-                np.float32(request.guidance), noise)
+        params, cond, uncond = self.params, conditioning.cond, conditioning.uncond
+        if request.lora is not None:  # adapters are data: weights + factors, each image's slot in cond
+            from preheat.lora import denoiser_args
+
+            params = (self.params, denoiser_args(self, request.lora))
+            cond = {**cond, "lora_index": request.lora.index}
+            uncond = {**uncond, "lora_index": request.lora.index} if request.guided else uncond
+            sig = dataclasses.replace(sig, lora=request.lora.signature, conditioning=tuple(sorted(cond)))
+            self.components.setdefault("lora_buckets", set()).add(request.lora.bucket)
+        args = (params, plan, request.seeds, cond, uncond, np.float32(request.guidance), noise)
         return request, sig, args
 
     def _run_denoise(self, sig: Signature, args: tuple) -> Any:
-        return self.run_stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args)
+        return self.run_stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args,
+                              batched=DENOISE_BATCHED)
 
     def executable(self, sig: Signature, args: tuple) -> Callable[..., Any]:
-        """The compiled denoising program for ``sig``: from memory, the compile cache, or a fresh compile."""
-        return self.compiled_stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args)
+        """The compiled denoising program for ``sig`` (and the arguments ``prepare`` returned):
+        from memory, the compile cache, or a fresh compile."""
+        return self.compiled_stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args,
+                                   batched=DENOISE_BATCHED)
+
+    def place(self, sig: Any, args: tuple, batched: Sequence[int] | None = None) -> tuple[Any, tuple]:
+        """(sig, args) as the mesh runs them: the batch padded to a multiple of the device count,
+        batched arguments split over ``data``, the rest replicated. ``batched``: the argument
+        positions batched on axis 0 (None: all but the first, the weights)."""
+        from dataclasses import replace
+
+        from preheat.sharding import batch_specs, pad_batch, padded, place
+
+        specs = batch_specs(args, range(1, len(args)) if batched is None else batched)
+        to = padded(sig.batch, self.mesh)
+        args = place(pad_batch(args, specs, sig.batch, to), specs, self.mesh)
+        return (sig if to == sig.batch else replace(sig, batch=to)), args
 
     def compiled_stage(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
-                       args: tuple, outputs: int = 1) -> Callable[..., Any]:
+                       args: tuple, outputs: int = 1, batched: Sequence[int] | None = None) -> Callable[..., Any]:
         """One stage's executable (memory, then the compile cache, then a compile); its timings
-        are recorded in ``last.stages[stage]``. ``outputs``: 1 (an array) or k (a k-tuple)."""
+        are recorded in ``last.stages[stage]``. ``outputs``: 1 (an array) or k (a k-tuple).
+        On several devices ``args`` are placed ones (:meth:`place`) and the program is split
+        over the batch (``preheat.sharding.shard_program``)."""
         hit = self._executables.get(sig)
         if hit is not None:
             self.last.add(stage, Timings(cache_layer="memory"))
             return hit
         program = make_program()
+        if self.mesh is not None:
+            from preheat.sharding import batch_specs, shard_program
+
+            program = shard_program(program, self.mesh,
+                                    batch_specs(args, range(1, len(args)) if batched is None else batched), outputs)
         if self.compiler is not None:
             compiled, timings = self.compiler.get_or_compile(fingerprint, sig, program, args, outputs=outputs)
         else:
@@ -315,13 +374,24 @@ class Pipeline:
         return compiled
 
     def run_stage(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
-                  args: tuple, outputs: int = 1) -> Any:
-        """Compile (or fetch) and run one stage, timing its run.
+                  args: tuple, outputs: int = 1, batched: Sequence[int] | None = None) -> Any:
+        """Compile (or fetch) and run one stage, timing its run. ``batched``: the argument
+        positions batched on axis 0, split over the devices (None: all but the first, the weights).
 
         A cached executable that loads but fails on its first run (seen on XLA:CPU: "Function ...
         not found") is a bad entry like any other: it is quarantined, compiled afresh, run again.
         """
-        executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs)
+        n = sig.batch
+        if self.mesh is not None:
+            sig, args = self.place(sig, args, batched)
+        out = self._run_placed(stage, fingerprint, sig, make_program, args, outputs, batched)
+        if sig.batch != n:  # drop the padding rows
+            out = jax.tree.map(lambda o: o[:n], out)
+        return out
+
+    def _run_placed(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
+                    args: tuple, outputs: int, batched: Sequence[int] | None) -> Any:
+        executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs, batched)
         start = time.perf_counter()
         try:
             out = jax.block_until_ready(executable(*args))
@@ -330,7 +400,7 @@ class Pipeline:
                 raise
             self.compiler.reject(fingerprint, sig, args, f"failed on its first run: {str(exc)[:200]}")
             self._executables.pop(sig, None)
-            executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs)
+            executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs, batched)
             start = time.perf_counter()
             out = jax.block_until_ready(executable(*args))
         self.last.stages[stage].run_s = run_s = time.perf_counter() - start
@@ -447,7 +517,8 @@ def make_compiler(cache: str | None = None) -> Any:
 
 
 def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
-         cache: str | None = None, variant: str | None = None, offload_encoders: bool = False) -> Pipeline:
+         cache: str | None = None, variant: str | None = None, offload_encoders: bool = False,
+         devices: Any = None) -> Pipeline:
     """A JAX sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
 
     ``model``: a diffusers-format folder, or a source for the weights store (``hf://org/repo[@rev]``,
@@ -461,9 +532,15 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
     ``offload_encoders``: text families keep their text encoders' weights in host memory and
     move them to the device only while prompts are encoded (for GPUs that cannot hold it all).
+    ``devices``: "all" (the default, or ``$PREHEAT_DEVICES``), a count N (the first N) or a list
+    of local device ids: each batch is split over them, the weights replicated on each
+    (``preheat.sharding``); the first device alone runs today's single-device program.
     ``preheat.load`` (``preheat.api``) adds ``backend="torch"``.
     """
     compiler = make_compiler(cache)  # first: JAX's cache must be configured before anything compiles
+    from preheat.sharding import select_devices
+
+    mesh = select_devices(devices)  # a bad devices= fails before any weights are read
 
     from preheat.families import family_loader
     from preheat.models.weights import recording
@@ -482,4 +559,4 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
         options["offload_encoders"] = True
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component
         loaded: LoadedModel = loader(root, scheduler=scheduler, dtype=dtype, variant=variant, **options)
-    return Pipeline(**vars(loaded), compiler=compiler, load_report=weights_read.total)
+    return Pipeline(**vars(loaded), compiler=compiler, load_report=weights_read.total, mesh=mesh)

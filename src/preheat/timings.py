@@ -1,14 +1,20 @@
 """Phase timings of one call, shared by the engine, both compile caches and every surface.
 
 It lives below ``engine`` and ``cache`` (it imports nothing of preheat) so that neither has to
-import the other to report what a compile cost.
+import the other to report what a compile cost. ``process_age_s`` is the clock that the CLI's
+report and the benchmarks' children read "process start to first image" from.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-__all__ = ["Timings", "LAYER_ORDER", "coldest"]
+__all__ = ["Timings", "LAYER_ORDER", "coldest", "process_age_s"]
+
+_IMPORTED_AT = time.perf_counter()
 
 # Where an executable came from, coldest first: a call's layer is its coldest stage's.
 LAYER_ORDER = ("none", "xla", "mega", "aot", "memory")
@@ -47,3 +53,13 @@ class Timings:
         if self.stages:
             out["stages"] = {name: part.to_dict() for name, part in self.stages.items()}
         return out
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (the kernel's clock, so imports are counted)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED_AT

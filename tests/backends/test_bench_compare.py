@@ -10,7 +10,8 @@ from click.testing import CliRunner
 pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
-from preheat.bench.compare import PATHS, compare_command, markdown, plot  # noqa: E402
+from preheat.bench.compare import PATHS, markdown, plot  # noqa: E402
+from preheat.cli.bench import compare_command  # noqa: E402
 from tests.backends._models import MICRO  # noqa: E402
 from tests.reference import save_tiny_pipeline  # noqa: E402
 

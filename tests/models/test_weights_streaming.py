@@ -162,9 +162,15 @@ def _tear(path: Path, how: str) -> None:
         path.write_bytes(raw + b"\0" * 64)
     elif how == "tiny":
         path.write_bytes(raw[:5])
+    elif how == "unknown dtype":
+        header = json.loads(raw[8:8 + n])
+        header[sorted(k for k in header if k != "__metadata__")[0]]["dtype"] = "F4"
+        text = json.dumps(header).encode()
+        path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
 
 
-@pytest.mark.parametrize("how", ["truncated", "cut in the header", "garbled header", "trailing bytes", "tiny"])
+@pytest.mark.parametrize("how", ["truncated", "cut in the header", "garbled header", "trailing bytes", "tiny",
+                                 "unknown dtype"])
 def test_a_torn_shard_is_one_line_naming_it(tmp_path, abstract, how):
     folder = _save(tmp_path / "unet", _random_state_dict(abstract, np.float32), shards=2)
     files = weight_files(folder, (DIFFUSERS_STEM,))
@@ -236,6 +242,7 @@ MEMORY_CHILD = textwrap.dedent("""
     with recording() as streamed:
         params = fill(abstract, read_tensors([path]), jnp.dtype(target), "stack")
     placed = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert streamed.total.placed_bytes == placed
     print(json.dumps(dict(streamed=streamed.total.to_dict(), copied=copied.total.to_dict(), placed=placed)))
 """)
 

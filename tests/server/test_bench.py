@@ -7,7 +7,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from preheat.server.cli import bench_serve_command
+from preheat.cli.bench import bench_serve_command
 
 
 def test_bench_serve_small(model_dir: Path, tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from preheat.server.cli import bench_serve_command, serve_command
+from preheat.cli.bench import bench_serve_command
+from preheat.cli.serve import serve_command
 
 
 @pytest.mark.parametrize(("args", "message"), [

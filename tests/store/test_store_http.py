@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 
 from preheat.errors import FetchError, InvalidArgumentError
 from preheat.store import list_refs, pull, resolve, source_id, verify_store
-from preheat.store.cli import pull_command
+from preheat.cli.pull import pull_command
 from tests.store._helpers import files_of, tar_bytes
 
 

@@ -195,7 +195,7 @@ def test_hf_pull_from_cache_then_resolve_without_network(root, model, hf_offline
 
 
 def _run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    code = "import sys; from preheat.store.cli import pull_command; pull_command(sys.argv[1:])"
+    code = "import sys; from preheat.cli.pull import pull_command; pull_command(sys.argv[1:])"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60,
                           env={**os.environ, **env})
 

@@ -28,13 +28,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import click
+from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary
 
-from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary, write_json
-from preheat._cli_support import one_line_errors
-from preheat.errors import InvalidArgumentError
-
-__all__ = ["run_child", "bench_coldstart", "bench_coldstart_torch", "coldstart_command"]
+__all__ = ["run_child", "bench_coldstart", "bench_coldstart_torch", "weights_vs_bare_read", "markdown", "plot"]
 
 PHASES = ("import_s", "weights_s", "trace_lower_s", "compile_or_load_s", "first_run_s")
 
@@ -128,6 +124,7 @@ def _result(model: str | None, n: int, steps: int | None, rows: dict[str, list[d
             **{p: summary([r[p] for r in runs]) for p in PHASES},
             "runs": runs,
         }
+    result["weights"] = weights_vs_bare_read(rows[warm_name])
     empty_tc = result["rows"][cold]["trace_lower_s"]["median"] + result["rows"][cold]["compile_or_load_s"]["median"]
     warm = result["rows"][warm_name]
     warm_tc = warm["trace_lower_s"]["median"] + warm["compile_or_load_s"]["median"]
@@ -136,6 +133,25 @@ def _result(model: str | None, n: int, steps: int | None, rows: dict[str, list[d
         "warm_over_floor": warm["start_to_first_image_s"]["median"] / warm["floor_s"]["median"],
     }
     return result
+
+
+def weights_vs_bare_read(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The children's weights phase (read + cast + place, from their load report) against a bare
+    safetensors read of the same files here, page cache as warm as theirs (issue 17: <= 1.5x)."""
+    if not runs or "weights_load" not in runs[0]:
+        return None  # a backend without a load report
+    from preheat.models.weights import bare_read
+
+    load = runs[0]["weights_load"]
+    files = [Path(f) for f in load["files"]]
+    bare = [bare_read(files)[0] for _ in range(3)]
+    read = summary([r["weights_read_s"] for r in runs])
+    return {"bytes": load["bytes_read"], "tensors": load["tensors"], "files": len(files),
+            "weights_read_s": read, "abstract_s": summary([r["abstract_s"] for r in runs]),
+            "bare_read_s": summary(bare), "over_bare_read": read["median"] / max(min(bare), 1e-9),
+            "placed_bytes": load["placed_bytes"], "peak_host_bytes": max(r["peak_host_bytes"] or 0 for r in runs),
+            "transient_host_bytes": max(r["transient_host_bytes"] or 0 for r in runs),
+            "largest_file_bytes": load["largest_file_bytes"], "largest_tensor_bytes": load["largest_tensor_bytes"]}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -152,6 +168,17 @@ def markdown(result: dict[str, Any]) -> str:
     if "warm_vs_cold_start" in g:
         lines.append(f"Warm vs cold compiled start: {-100 * g['warm_vs_cold_start']:+.0f}% (Replicate: -53% / -62%); "
                      f"warm start = {g['warm_over_eager_start']:.2f}× the eager start.")
+    w = result.get("weights")
+    if w:
+        mb = 1e6
+        lines += ["", f"Weights (full warm): {w['bytes'] / mb:.1f} MB in {w['tensors']} tensors, {w['files']} file(s); "
+                      f"read + cast + place {fmt_summary(w['weights_read_s'], digits=3)} s against a bare safetensors "
+                      f"read of {fmt_summary(w['bare_read_s'], digits=3)} s (= {w['over_bare_read']:.1f}×, goal ≤ 1.5×); "
+                      f"abstract model build {fmt_summary(w['abstract_s'], digits=3)} s; host memory during the load: "
+                      f"peak growth {w['peak_host_bytes'] / mb:.1f} MB (arrays placed {w['placed_bytes'] / mb:.1f} MB: "
+                      f"on a CPU backend they are host memory too), transient {w['transient_host_bytes'] / mb:.1f} MB "
+                      f"(largest file {w['largest_file_bytes'] / mb:.1f} MB, largest tensor "
+                      f"{w['largest_tensor_bytes'] / mb:.1f} MB)."]
     return "\n".join(lines)
 
 
@@ -176,42 +203,3 @@ def plot(result: dict[str, Any], path: Path) -> None:
     buf = path.with_suffix(".tmp.png")
     fig.savefig(buf, dpi=110)
     os.replace(buf, path)
-
-
-@click.command("coldstart")
-@click.argument("model", required=False)
-@click.option("--n", "n", default=8, show_default=True, type=int, help="Batch size.")
-@click.option("--steps", type=int, help="Steps (model default when absent).")
-@click.option("--repeats", default=3, show_default=True, type=int, help="Fresh processes per cache state.")
-@click.option("--cache-url", help="Also measure a fresh local root pulling from this shared store.")
-@click.option("--prompt", help="Text-to-image models: the prompt (default: a fixed one).")
-@click.option("--width", type=int, help="Text-to-image models: image width.")
-@click.option("--height", type=int, help="Text-to-image models: image height.")
-@click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True,
-              help="torch: eager vs --compile cold vs warm, each child with an empty Inductor cache folder.")
-@click.option("--compile", "compile_mode", type=click.Choice(["regional", "inductor", "aot"]), default="regional",
-              show_default=True, help="--backend torch: the compile mode measured.")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
-@one_line_errors
-def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int, cache_url: str | None,
-                      prompt: str | None, width: int | None, height: int | None, backend: str, compile_mode: str,
-                      json_out: Path | None, png_out: Path | None) -> None:
-    """Process start to first image, empty vs XLA-cache-only vs fully warm cache, in fresh processes."""
-    args: tuple[str, ...] = ()
-    for flag, value in (("--prompt", prompt), ("--width", width), ("--height", height)):
-        if value is not None:
-            args += (flag, str(value))
-    if (width or height) and not prompt:
-        args += ("--prompt", "a watercolor fox")
-    if backend == "torch" and cache_url:
-        raise InvalidArgumentError("--cache-url is measured for --backend jax only")
-    with tempfile.TemporaryDirectory() as tmp:
-        if backend == "torch":
-            result = bench_coldstart_torch(model, n, steps, repeats, Path(tmp), compile_mode, args)
-        else:
-            result = bench_coldstart(model, n, steps, repeats, Path(tmp), cache_url, args)
-    click.echo(markdown(result))
-    write_json(json_out, result)
-    if png_out:
-        plot(result, png_out)

@@ -39,9 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import click
-
-__all__ = ["bench_compare", "markdown", "plot", "compare_command", "PATHS", "child_main"]
+__all__ = ["bench_compare", "markdown", "plot", "PATHS", "QUICK", "FULL", "child_main"]
 
 PATHS = ("jax", "torch-eager", "torch-inductor", "torch-aot")
 _TORCH_COMPILE = {"torch-eager": "none", "torch-inductor": "inductor", "torch-aot": "aot"}
@@ -85,7 +83,7 @@ def _device_peak_mb(spec: dict[str, Any]) -> float | None:
 
 def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     """Load, first image (timed from process start), then optional priming / steady state."""
-    from preheat._cli_support import process_age_s
+    from preheat.timings import process_age_s
 
     out: dict[str, Any] = {"path": spec["path"]}
     t0 = time.perf_counter()
@@ -466,139 +464,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-# ---------------------------------------------------------------------------------------------
-# The command
-
-
-def _parse_sizes(text: str) -> tuple[int, ...]:
-    from preheat.errors import InvalidArgumentError
-
-    try:
-        sizes = tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise InvalidArgumentError(f"--batch-sizes {text!r} must be comma-separated positive ints") from None
-    if not sizes or min(sizes) <= 0:
-        raise InvalidArgumentError(f"--batch-sizes {text!r} must be comma-separated positive ints")
-    return sizes
-
-
-@click.command("compare")
-@click.argument("model", required=False)
-@click.option("--sampler", help="Sampler (default: the model's if deterministic, else ddim).")
-@click.option("--steps", type=int, help="Steps (default: the model's; --quick: 4).")
-@click.option("--batch", type=int, help="Batch of the cold-start runs (default 8; --quick: 1).")
-@click.option("--batch-sizes", help="Steady-state batch sizes (default 1,8,32; --quick: 1,8).")
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--guidance", type=float, help="Guidance scale (default: the model's).")
-@click.option("--repeats", type=int, help="Fresh processes per cache state (default 3; --quick: 1).")
-@click.option("--steady-repeats", type=int, help="Timed calls per batch size (default 5; --quick: 2).")
-@click.option("--paths", "paths_opt", default=",".join(PATHS), show_default=True, help="Which paths to run.")
-@click.option("--xla-flags", "xla_flags", multiple=True, metavar="NAME=FLAGS",
-              help="Also run JAX with these extra XLA_FLAGS, reported as jax[NAME]; repeatable.")
-@click.option("--quick", is_flag=True, help="Batch 1 and 8, 4 steps, one process per cache state.")
-@click.option("--prompt", help="Text-to-image models: the prompt (default: a fixed one).")
-@click.option("--width", type=int, help="Text-to-image models: image width.")
-@click.option("--height", type=int, help="Text-to-image models: image height.")
-@click.option("--timeout", default=1800.0, show_default=True, type=float, help="Seconds per child process.")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--keep", type=click.Path(file_okay=False, path_type=Path),
-              help="Keep the work folder (cache roots, pixels) here instead of a temporary one.")
-def compare_command(model: str | None, sampler: str | None, steps: int | None, batch: int | None,
-                    batch_sizes: str | None, seed: int, guidance: float | None, repeats: int | None,
-                    steady_repeats: int | None, paths_opt: str, xla_flags: tuple[str, ...], quick: bool,
-                    prompt: str | None, width: int | None, height: int | None,
-                    timeout: float, json_out: Path | None, png_out: Path | None, keep: Path | None) -> None:
-    """JAX vs torch eager vs torch.compile vs AOTInductor on MODEL (default: the built-in model;
-    also a random-weight architecture: ddpm-cifar10-32, sd15-random)."""
-    from preheat._cli_support import one_line_errors
-
-    inputs = {k: v for k, v in (("prompt", prompt), ("width", width), ("height", height)) if v is not None}
-    one_line_errors(_compare)(model, sampler, steps, batch, batch_sizes, seed, guidance, repeats, steady_repeats,
-                              paths_opt, xla_flags, quick, timeout, json_out, png_out, keep, inputs)
-
-
-def _compare(model: str | None, sampler: str | None, steps: int | None, batch: int | None, batch_sizes: str | None,
-             seed: int, guidance: float | None, repeats: int | None, steady_repeats: int | None, paths_opt: str,
-             xla_flags: tuple[str, ...], quick: bool, timeout: float, json_out: Path | None, png_out: Path | None,
-             keep: Path | None, inputs: dict[str, Any] | None = None) -> None:
-    from preheat.bench.common import write_json
-    from preheat.errors import InvalidArgumentError, SchedulerConfigError
-    from preheat.samplers import SAMPLERS
-
-    from preheat.bench.common import ARCHITECTURES
-    from preheat.engine import BUILTIN_MODEL
-    from preheat.errors import ModelNotFoundError
-
-    if model is None and not (BUILTIN_MODEL / "model_index.json").is_file():
-        raise ModelNotFoundError(f"the built-in model is not installed ({BUILTIN_MODEL}); pass a model folder")
-    from preheat.store import is_remote
-
-    from preheat.bench.random_models import TEXT_ARCHITECTURES
-
-    if (model is not None and model not in ARCHITECTURES and model not in TEXT_ARCHITECTURES and not is_remote(model)
-            and not Path(model).expanduser().exists()):
-        raise ModelNotFoundError(f"model path {model} does not exist")
-    preset = QUICK if quick else FULL
-    paths = tuple(p.strip() for p in paths_opt.split(",") if p.strip())
-    unknown = [p for p in paths if p not in PATHS]
-    if unknown or not paths:
-        raise InvalidArgumentError(f"--paths: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(PATHS)}")
-    if sampler is not None and sampler not in SAMPLERS:
-        raise SchedulerConfigError(f"unknown sampler {sampler!r}; supported: {', '.join(SAMPLERS)}")
-    variants: dict[str, str] = {}
-    for item in xla_flags:
-        name, sep, flags = item.partition("=")
-        if not sep or not name.strip() or not flags.strip():
-            raise InvalidArgumentError(f"--xla-flags {item!r} must be NAME=FLAGS")
-        variants[name.strip()] = flags.strip()
-    sizes = _parse_sizes(batch_sizes) if batch_sizes else preset["batch_sizes"]
-    batch = batch or preset["batch"]
-    repeats = repeats or preset["repeats"]
-    steady_repeats = steady_repeats or preset["steady_repeats"]
-    for name, value in (("--batch", batch), ("--repeats", repeats), ("--steady-repeats", steady_repeats),
-                        ("--steps", steps if steps is not None else 1)):
-        if value <= 0:
-            raise InvalidArgumentError(f"{name} {value} must be a positive int")
-    for out in (json_out, png_out):
-        if out is not None and not out.parent.is_dir():
-            raise InvalidArgumentError(f"{out.parent} does not exist")
-
-    def log(line: str) -> None:
-        click.echo(line, err=True)
-
-    started = time.perf_counter()
-    if keep is not None:
-        keep.mkdir(parents=True, exist_ok=True)
-        context: Any = _Kept(keep)
-    else:
-        context = tempfile.TemporaryDirectory(prefix="preheat-compare-")
-    with context as work:
-        result = bench_compare(model, sampler=sampler, steps=steps or preset["steps"], batch=batch,
-                               batch_sizes=sizes, seed=seed, guidance=guidance, repeats=repeats,
-                               steady_repeats=steady_repeats, paths=paths, xla_variants=variants,
-                               workdir=Path(work), timeout=timeout, log=log, inputs=inputs)
-    result["wall_s"] = time.perf_counter() - started
-    result["settings"]["quick"] = quick
-    click.echo(markdown(result))
-    write_json(json_out, result)
-    if png_out:
-        plot(result, png_out)
-
-
-class _Kept:
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self) -> str:
-        return str(self.path)
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(RESULT_TAG + json.dumps(child_main(json.loads(sys.argv[2])), default=str), flush=True)
-    else:
-        compare_command()
+if __name__ == "__main__":  # the child process; the command is `preheat bench compare` (preheat.cli.bench)
+    if len(sys.argv) != 3 or sys.argv[1] != "--child":
+        sys.exit("usage: python -m preheat.bench.compare --child SPEC_JSON (run `preheat bench compare` instead)")
+    print(RESULT_TAG + json.dumps(child_main(json.loads(sys.argv[2])), default=str), flush=True)

@@ -9,16 +9,12 @@
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import click
+from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary, timed
 
-from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary, timed, write_json
-from preheat._cli_support import one_line_errors
-
-__all__ = ["bench_sampler", "matmul_gflops", "sampler_command"]
+__all__ = ["bench_sampler", "matmul_gflops", "markdown"]
 
 
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
@@ -106,25 +102,3 @@ def markdown(result: dict[str, Any]) -> str:
     if shares:
         lines += [""] + [f"- {line}" for line in shares]
     return "\n".join(lines)
-
-
-@click.command("sampler")
-@click.argument("model", required=False)
-@click.option("--batch", "batches", multiple=True, type=int, help="Batch sizes (default 1, 8, 32).")
-@click.option("--steps", default=10, show_default=True, type=int)
-@click.option("--sampler")
-@click.option("--repeats", default=3, show_default=True, type=int)
-@click.option("--width", type=int, help="Text-to-image models: image width (default: the model's).")
-@click.option("--height", type=int, help="Text-to-image models: image height (default: the model's).")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
-@one_line_errors
-def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sampler: str | None, repeats: int,
-                    width: int | None, height: int | None, json_out: Path | None) -> None:
-    """Loop overhead, images/s and achieved GFLOP/s (and, for text-to-image models, the share of
-    text encoding and VAE decoding). MODEL: a folder, 'ddpm-cifar10-32' or 'sd15-random' (random
-    weights), or nothing for the built-in model."""
-    size = (width, height) if width and height else None
-    with tempfile.TemporaryDirectory() as tmp:
-        result = bench_sampler(model, list(batches) or [1, 8, 32], steps, sampler, repeats, Path(tmp), size)
-    click.echo(markdown(result))
-    write_json(json_out, result)

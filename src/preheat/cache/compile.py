@@ -40,7 +40,7 @@ from preheat.cache.root import resolve_root
 from preheat.errors import CacheEntryError
 from preheat.timings import Timings
 
-__all__ = ["JaxCompiler", "key_fields", "key_of", "configure_persistent_cache", "tracing_source_hash",
+__all__ = ["JaxCompiler", "key_fields", "key_of", "mesh_of", "configure_persistent_cache", "tracing_source_hash",
            "traced_sources", "nearest_entry"]
 
 log = logging.getLogger("preheat.cache")
@@ -50,7 +50,7 @@ EXECUTABLE = "executable.bin"
 # other module of preheat -- the engine, samplers, models, families, and any file added to them
 # later -- is part of the key, so a new model file cannot be left out of it by accident.
 _NOT_TRACED = ("cache", "store", "server", "bench", "backends", "integrations", "train", "doctor", "cli",
-               "_cli_support.py", "__main__.py", "_version.py", "errors.py", "timings.py", "assets")
+               "__main__.py", "_version.py", "errors.py", "timings.py", "assets")
 
 
 def traced_sources() -> list[str]:
@@ -101,8 +101,23 @@ def _abstract(tree: Any) -> list[list[Any]]:
     return out
 
 
+def mesh_of(args: tuple) -> Any:
+    """The device mesh a program's arguments are placed on (``preheat.sharding``), or None for
+    the single-device program (arguments on the default device or on the host)."""
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding.mesh
+    return None
+
+
 def key_fields(fingerprint: dict[str, Any], signature: Any, args: tuple) -> dict[str, Any]:
-    """Every input that changes the compiled program, as JSON-able fields (the key's content)."""
+    """Every input that changes the compiled program, as JSON-able fields (the key's content).
+
+    A program split over devices adds ``mesh``: its axes and the ids of its devices, in order. A
+    serialized executable names the devices it runs on, so an entry loads back only onto that
+    same assignment (loading a 4-device program onto 2 devices aborts XLA, so it must never be
+    tried); the single-device program's key has no such field."""
     backend = jax.devices()[0].client
     device = jax.devices()[0]
     fields = {
@@ -124,6 +139,11 @@ def key_fields(fingerprint: dict[str, Any], signature: Any, args: tuple) -> dict
     }
     if device.platform == "cpu":
         fields["host_cpu"] = _cpu_features()
+    mesh = mesh_of(args)
+    if mesh is not None:
+        fields["mesh"] = {"axes": {str(k): int(v) for k, v in mesh.shape.items()},
+                          "devices": [int(d.id) for d in mesh.devices.flat],
+                          "device_kind": sorted({d.device_kind for d in mesh.devices.flat})}
     return fields
 
 
@@ -227,6 +247,7 @@ class JaxCompiler:
             remote = remote_from_env() if mode == "full" else None  # only the aot layer is shared
         self.remote = remote
         self.events: list[dict[str, Any]] = []  # one record per program: layer, timings, miss reason
+        self.background: Any = None  # BackgroundPushes once defer_pushes() was called (a server)
         if mode in ("full", "xla"):
             configure_persistent_cache(self.root)
 
@@ -269,6 +290,30 @@ class JaxCompiler:
             self._store(key, fields, compiled, record)
         self._note(record, timings)
         return compiled, timings
+
+    def defer_pushes(self) -> None:
+        """From now on, uploads run on a background thread (a server: nothing waits on the store)."""
+        if self.remote is not None and self.background is None:
+            from preheat.cache.remote.background import BackgroundPushes
+
+            self.background = BackgroundPushes(self.remote)
+
+    def push_missing(self) -> None:
+        """Upload every local entry the store lacks (one whose push failed, or compiled while the
+        store was down or unset); entries the store already holds cost one manifest read each."""
+        if self.remote is None or self.mode != "full":
+            return
+        for path in iter_entries(self.kind_dir):
+            if not (path / "manifest.json").is_file():
+                continue
+            if self.background is not None:
+                self.background.submit("jax", path)
+            else:
+                self.remote.push("jax", path)
+
+    def wait_pushes(self, timeout: float | None = None) -> bool:
+        """Wait for background uploads (True when none is left); at once without a background."""
+        return True if self.background is None else self.background.wait(timeout)
 
     def reject(self, fingerprint: dict[str, Any], sig: Any, args: tuple, reason: str) -> None:
         """Quarantine the entry that served ``sig`` (it loaded but failed to run)."""
@@ -313,9 +358,11 @@ class JaxCompiler:
         payload = entry.file(EXECUTABLE).read_bytes()
         in_tree = jax.tree_util.tree_structure((tuple(args), {}))
         out_tree = jax.tree_util.tree_structure(0 if outputs == 1 else tuple(range(outputs)))
+        mesh = mesh_of(args)  # the key's mesh field: the same device ids the entry was compiled for
+        devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
         try:
             with LoadingMarker(path):
-                compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=jax.devices()[:1])
+                compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
         except Exception as exc:  # a deserialisation failure is a miss, never a crash
             self._quarantine(path, f"deserialisation failed: {type(exc).__name__}: {str(exc)[:200]}", record)
             return None
@@ -336,9 +383,13 @@ class JaxCompiler:
                                    extra={"preheat": __version__})
             record["store"] = "written" if won else "another process wrote it first"
             if won and self.remote is not None:  # share with the fleet (issue 8); never raises
-                push_start = time.perf_counter()
-                self.remote.push("jax", self.kind_dir / key)
-                record.update(remote_push=self.remote.last, remote_push_s=time.perf_counter() - push_start)
+                if self.background is not None:
+                    self.background.submit("jax", self.kind_dir / key)
+                    record.update(remote_push="queued")
+                else:
+                    push_start = time.perf_counter()
+                    self.remote.push("jax", self.kind_dir / key)
+                    record.update(remote_push=self.remote.last, remote_push_s=time.perf_counter() - push_start)
             from preheat.cache.manage import enforce_size_cap
 
             enforce_size_cap(self.root, keep={key})

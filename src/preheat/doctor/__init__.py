@@ -2,8 +2,8 @@
 
 ``jax.print_environment_info()`` and ``torch.utils.collect_env`` print facts; this package turns the
 facts into findings. ``run_checks()`` returns a ``Report`` (a list of ``CheckResult``: status
-``ok``/``warn``/``fail``, a one-line finding, and when not ok the command or setting that fixes it);
-``doctor_command`` is the thin click front end (a rich table, or one JSON object with ``--json``).
+``ok``/``warn``/``fail``, a one-line finding, and when not ok the command or setting that fixes it).
+The click command, ``preheat.cli.doctor``, prints it as a rich table or one JSON object (``--json``).
 
 Where things are:
 
@@ -16,7 +16,7 @@ Where things are:
 ``context``      the facts shared by checks, and which JAX build fits the driver and GPU
 ``checks``       the checks, one module per area, registered as ``Check`` objects in ``CHECKS``
 ``report``       gathering the facts and running every check (``run_checks``)
-``render``       the rich table; ``command``: the click command
+``render``       the rich table
 
 How it is kept safe:
 
@@ -45,7 +45,6 @@ When a probe hook is set the probe runs even if the package is not installed.
 
 from __future__ import annotations
 
-from preheat.doctor.command import doctor_command
 from preheat.doctor.report import run_checks
 from preheat.doctor.results import FAIL, OK, WARN, CheckResult, Report
 
@@ -56,5 +55,4 @@ __all__ = [
     "CheckResult",
     "Report",
     "run_checks",
-    "doctor_command",
 ]

@@ -48,6 +48,7 @@ class Request:
     eta: float
     sample_shape: tuple[int, ...]
     values: dict[str, Any]  # the family's own inputs, normalised (labels, prompts, size, ...)
+    lora: Any = None  # preheat.lora.LoraRequest: the call's adapters, per image (None: no LoRA)
 
 
 @dataclass(frozen=True)

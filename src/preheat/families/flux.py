@@ -32,6 +32,7 @@ import numpy as np
 from preheat.errors import UnsupportedConfigError
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.text import TextToImageFamily, component, default_sampler, encode, offload, prompts
+from preheat.lora import encoder_adapters
 from preheat.samplers import MU_SIGMAS_SAMPLERS
 
 __all__ = ["FluxFamily", "FLUX", "load_flux", "flux_defaults"]
@@ -73,8 +74,11 @@ class FluxFamily(TextToImageFamily):
 
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         values, n = request.values, request.n
-        out = encode(pipe, [values["prompt"], values["prompt_2"]], lambda: _encode_program(pipe.components),
-                     outputs=2, extra=(("family", self.name),))
+        adapters = encoder_adapters(pipe, request.lora)  # CLIP LoRA layers, when a file has them
+        lora = None if adapters is None else (adapters, request.lora.index, request.lora.signature)
+        out = encode(pipe, [values["prompt"], values["prompt_2"]],
+                     lambda: _encode_program(pipe.components, lora is not None), outputs=2,
+                     extra=(("family", self.name),), lora=lora)
         cond = {"context": np.asarray(out[0]), "pooled": np.asarray(out[1])}
         if pipe.components["guidance_embeds"]:
             cond["guidance"] = np.full((n,), request.guidance, np.float32)
@@ -90,18 +94,78 @@ def flux_defaults(guidance_embeds: bool) -> dict[str, Any]:
     return {"steps": 28, "guidance": 3.5} if guidance_embeds else {"steps": 4, "guidance": None}
 
 
-def _encode_program(components: dict[str, Any]) -> Any:
-    """(params, (clip ids (B, 77), t5 ids (B, L))) -> (context (B, L, D) f32, pooled (B, P) f32)."""
+def _encode_program(components: dict[str, Any], lora: bool = False) -> Any:
+    """(params, (clip ids (B, 77), t5 ids (B, L))) -> (context (B, L, D) f32, pooled (B, P) f32).
+    With ``lora``: ((params, (clip adapters,)), (ids, each prompt's slot (B,)))."""
     import jax.numpy as jnp
+
+    from preheat.models.lora import Adapters
 
     clip, t5 = components["text_encoders"]
 
     def program(params: tuple, ids: tuple) -> Any:
-        pooled = clip.apply(params[0], ids[0]).pooled  # diffusers: CLIPTextModel's pooler_output
+        adapter = None
+        if lora:
+            (params, tes), (ids, index) = params, ids
+            adapter = Adapters(tes[0][0], tes[0][1], index)
+        pooled = clip.apply(params[0], ids[0], adapter).pooled  # diffusers: CLIPTextModel's pooler_output
         context = t5.apply(params[1], ids[1])
         return context.astype(jnp.float32), pooled.astype(jnp.float32)
 
     return program
+
+
+def bfl_lora_names(layers: Mapping[str, tuple[int, int]]) -> dict[str, tuple[tuple[str, int, int, bool], ...]]:
+    """Flux LoRA layer names of the original (BFL) code -- kohya's ``lora_unet_double_blocks_0_img_attn_qkv``,
+    ComfyUI's ``diffusion_model.double_blocks.0.img_attn.qkv`` -- and XLabs' ``double_blocks.0.processor.qkv_lora1``,
+    with "_" for ".", -> the diffusers layers they feed: (path, first row, end row of B, swap halves).
+    A fused ``qkv`` (and a single block's ``linear1``: q, k, v, mlp) shares A and splits B's rows."""
+    def piece(path: str, start: int | None = None, stop: int | None = None, swap: bool = False) -> tuple:
+        return (path, start, stop, swap)
+
+    def fused(*paths: str) -> tuple:
+        out, row = [], 0
+        for p in paths:
+            width = layers[p][1]
+            out.append(piece(p, row, row + width))
+            row += width
+        return tuple(out)
+
+    names: dict[str, tuple] = {}
+    doubles = sorted({int(p.split(".")[1]) for p in layers if p.startswith("transformer_blocks.")})
+    singles = sorted({int(p.split(".")[1]) for p in layers if p.startswith("single_transformer_blocks.")})
+    for i in doubles:
+        d = f"transformer_blocks.{i}"
+        qkv = fused(f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v")
+        add_qkv = fused(f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj")
+        for bfl, target in (("img_attn_qkv", qkv), ("txt_attn_qkv", add_qkv),
+                            ("processor_qkv_lora1", qkv), ("processor_qkv_lora2", add_qkv)):
+            names[f"double_blocks_{i}_{bfl}"] = target
+        for bfl, path in (("img_attn_proj", "attn.to_out.0"), ("img_mlp_0", "ff.net.0.proj"), ("img_mlp_2", "ff.net.2"),
+                          ("img_mod_lin", "norm1.linear"), ("txt_attn_proj", "attn.to_add_out"),
+                          ("txt_mlp_0", "ff_context.net.0.proj"), ("txt_mlp_2", "ff_context.net.2"),
+                          ("txt_mod_lin", "norm1_context.linear"), ("processor_proj_lora1", "attn.to_out.0"),
+                          ("processor_proj_lora2", "attn.to_add_out")):
+            names[f"double_blocks_{i}_{bfl}"] = (piece(f"{d}.{path}"),)
+    for i in singles:
+        s = f"single_transformer_blocks.{i}"
+        names[f"single_blocks_{i}_linear1"] = fused(f"{s}.attn.to_q", f"{s}.attn.to_k", f"{s}.attn.to_v",
+                                                   f"{s}.proj_mlp")
+        names[f"single_blocks_{i}_processor_qkv_lora"] = fused(f"{s}.attn.to_q", f"{s}.attn.to_k", f"{s}.attn.to_v")
+        for bfl, path in (("linear2", "proj_out"), ("modulation_lin", "norm.linear"), ("processor_proj_lora", "proj_out")):
+            names[f"single_blocks_{i}_{bfl}"] = (piece(f"{s}.{path}"),)
+    for bfl, path in (("img_in", "x_embedder"), ("txt_in", "context_embedder"),
+                      ("time_in_in_layer", "time_text_embed.timestep_embedder.linear_1"),
+                      ("time_in_out_layer", "time_text_embed.timestep_embedder.linear_2"),
+                      ("vector_in_in_layer", "time_text_embed.text_embedder.linear_1"),
+                      ("vector_in_out_layer", "time_text_embed.text_embedder.linear_2"),
+                      ("guidance_in_in_layer", "time_text_embed.guidance_embedder.linear_1"),
+                      ("guidance_in_out_layer", "time_text_embed.guidance_embedder.linear_2"),
+                      ("final_layer_linear", "proj_out")):
+        if path in layers:
+            names[bfl] = (piece(path),)
+    names["final_layer_adaLN_modulation_1"] = (piece("norm_out.linear", swap=True),)
+    return names
 
 
 def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
@@ -109,7 +173,10 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     """A ``FluxPipeline`` folder (FLUX.1-schnell, FLUX.1-dev and fine-tunes of them)."""
     import jax.numpy as jnp
 
+    from preheat.lora import LoraTargets
     from preheat.models.clip import load_clip_text
+    from preheat.models.lora import split as split_adapters
+    from preheat.models.lora import targets as lora_targets
     from preheat.models.flux import latent_image_ids, load_flux_transformer, pack_latents, unpack_latents
     from preheat.models.t5 import load_t5_encoder
     from preheat.models.t5_tokenizer import T5Tokenizer
@@ -148,12 +215,24 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     guidance_embeds = bool(cfg.guidance_embeds)
 
     def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
+        params, lora = split_adapters(params, cond)
         b, h, w, _ = x.shape  # (B, h, w, C) latents; h, w even (size_multiple)
         tokens = pack_latents(x)  # (B, hw/4, 4C)
         txt_ids = jnp.zeros((cond["context"].shape[1], 3), jnp.float32)  # FluxPipeline's text ids are zeros
         out = transformer.apply(params, tokens, cond["context"].astype(x.dtype), cond["pooled"].astype(x.dtype),
-                                t / 1000, latent_image_ids(h, w), txt_ids, cond.get("guidance"))
+                                t / 1000, latent_image_ids(h, w), txt_ids, cond.get("guidance"), lora)
         return unpack_latents(out, h, w)  # (B, h, w, C)
+
+    # LoRA: every Linear of the transformer and of the CLIP encoder takes an adapter (preheat.lora)
+    targets = LoraTargets(family=FLUX.name,
+                          layers={"denoiser": lora_targets(transformer.graphdef, transformer.params),
+                                  "text_encoder": lora_targets(encoders[0].graphdef, encoders[0].params)},
+                          prefixes={"transformer": "denoiser", "lora_transformer": "denoiser",
+                                    "text_encoder": "text_encoder", "lora_te": "text_encoder",
+                                    "lora_te1": "text_encoder"},
+                          path_prefix={"text_encoder": "text_model."},
+                          aliases=bfl_lora_names(lora_targets(transformer.graphdef, transformer.params)),
+                          alias_prefixes=("lora_unet_", "diffusion_model.", "transformer."))
 
     components = {
         "tokenizers": tokenizers,
@@ -163,6 +242,8 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
         "vae_scale": vae_scale,
         "size_multiple": 2 * vae_scale,  # latents pack into 2x2 tokens
         "guidance_embeds": guidance_embeds,
+        "lora_targets": targets,
+        "lora_encoders": ("text_encoder",),
         "encode_fingerprint": {"kind": "flux-text", "clip": encoders[0].config.architecture_dict(),
                                "t5": encoders[1].config.architecture_dict(), "dtype": str(dtype)},
         "decode_fingerprint": {"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},

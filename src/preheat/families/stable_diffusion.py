@@ -28,6 +28,7 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
+from preheat.lora import encoder_adapters
 from preheat.families.text import (SAMPLER_OF_SCHEDULER, TextToImageFamily, component, default_sampler, encode, offload,
                                    prompts)
 
@@ -72,8 +73,13 @@ class StableDiffusionFamily(TextToImageFamily):
         if request.guided and not zeros_uncond:
             texts += negatives if negatives is not None else [""] * n
         encoders = pipe.components["text_encoders"]
-        out = encode(pipe, [texts] * len(encoders), lambda: _encode_program(encoders, self.xl),
-                     outputs=2 if self.xl else 1, extra=(("xl", self.xl),))
+        adapters = encoder_adapters(pipe, request.lora)
+        lora = None
+        if adapters is not None:  # text-encoder LoRAs: each text takes its image's slot (negatives too)
+            index = np.concatenate([request.lora.index] * (len(texts) // n))
+            lora = (adapters, index, request.lora.signature)
+        out = encode(pipe, [texts] * len(encoders), lambda: _encode_program(encoders, self.xl, lora is not None),
+                     outputs=2 if self.xl else 1, extra=(("xl", self.xl),), lora=lora)
         if self.xl:
             context, pooled = np.asarray(out[0]), np.asarray(out[1])
             time_ids = np.repeat(values["time_ids"][None], n, axis=0)  # (n, 6)
@@ -97,12 +103,19 @@ SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
                              inputs=("prompt", "negative_prompt", "width", "height", *SDXL_SIZE_INPUTS))
 
 
-def _encode_program(encoders: Sequence[Any], xl: bool) -> Any:
-    """(params per encoder, ids per encoder) -> context (B, 77, D) [, pooled (B, P)]."""
+def _encode_program(encoders: Sequence[Any], xl: bool, lora: bool = False) -> Any:
+    """(params per encoder, ids per encoder) -> context (B, 77, D) [, pooled (B, P)].
+    With ``lora``: ((params, adapters per encoder), (ids, each text's slot (B,)))."""
     import jax.numpy as jnp
 
+    from preheat.models.lora import Adapters
+
     def program(params: tuple, ids: tuple) -> Any:
-        outs = [te.apply(p, i) for te, p, i in zip(encoders, params, ids)]
+        adapters: Sequence[Any] = [None] * len(encoders)
+        if lora:
+            (params, tes), (ids, index) = params, ids
+            adapters = [None if a is None else Adapters(a[0], a[1], index) for a in tes]
+        outs = [te.apply(p, i, a) for te, p, i, a in zip(encoders, params, ids, adapters)]
         if not xl:
             return outs[0].last_hidden_state.astype(jnp.float32)
         context = jnp.concatenate([o.hidden_states[-2] for o in outs], axis=-1)  # (B, 77, D1 + D2)
@@ -139,7 +152,10 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     import jax.numpy as jnp
 
     from preheat.samplers import load_scheduler_config
+    from preheat.lora import LoraTargets
     from preheat.models.clip import load_clip_text
+    from preheat.models.lora import split as split_adapters
+    from preheat.models.lora import targets as lora_targets
     from preheat.models.tokenizer import CLIPTokenizer
     from preheat.models.unet2d_condition import load_unet_condition
     from preheat.models.vae import load_vae
@@ -176,8 +192,20 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     latent = cfg.sample_size if isinstance(cfg.sample_size, (list, tuple)) else (cfg.sample_size, cfg.sample_size)
 
     def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
+        params, lora = split_adapters(params, cond)
         added = {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]} if family.xl else None
-        return unet.apply(params, x, t, cond["context"], added)
+        return unet.apply(params, x, t, cond["context"], added, lora)
+
+    # LoRA: every Linear / 1x1 conv of the UNet and the text encoders takes an adapter (preheat.lora)
+    te_names = ("text_encoder", "text_encoder_2")[:len(encoders)]
+    layers = {"denoiser": lora_targets(unet.graphdef, unet.params),
+              **{name: lora_targets(te.graphdef, te.params) for name, te in zip(te_names, encoders)}}
+    prefixes = {"unet": "denoiser", "lora_unet": "denoiser", "text_encoder": "text_encoder",
+                "lora_te": "text_encoder", "lora_te1": "text_encoder"}
+    if family.xl:
+        prefixes.update({"text_encoder_2": "text_encoder_2", "lora_te2": "text_encoder_2"})
+    targets = LoraTargets(family=family.name, layers=layers, prefixes=prefixes,
+                          path_prefix={name: "text_model." for name in te_names})
 
     components = {
         "tokenizers": tokenizers,
@@ -186,6 +214,8 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         "vae_scale": vae_scale,
         "size_multiple": vae_scale,  # odd latent sides are fine: the UNet upsamples to each skip's size
         "force_zeros": bool(index.get("force_zeros_for_empty_prompt", True)),
+        "lora_targets": targets,
+        "lora_encoders": te_names,
         "encode_fingerprint": {"kind": "clip-text", "encoders": [te.config.architecture_dict() for te in encoders],
                                "dtype": str(dtype), "xl": family.xl},
         # scaling/shift factors live in the VAE's params (data), not in the program

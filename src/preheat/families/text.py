@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from preheat.errors import InvalidArgumentError, ModelNotFoundError
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -120,7 +120,7 @@ def decode_program(vae: Any) -> Any:
 
 
 def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Callable], outputs: int,
-           extra: tuple[tuple[str, Any], ...] = ()) -> Any:
+           extra: tuple[tuple[str, Any], ...] = (), lora: tuple[Any, Any, Any] | None = None) -> Any:
     """Tokenize on the host (``texts[i]`` for the i-th tokenizer) and run the encode stage.
 
     The stage's executable is chosen by the batch and every tokenizer's padded length, so a new
@@ -128,6 +128,10 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
     absent encoder, like SD3 without T5, is None and gets no weights).
 
         texts: one list of B strings per tokenizer; program: () -> fn(params, ids)
+
+    ``lora``: (per-encoder (factors, scales) or None, each text's slot (B,), the signature's
+    (bucket, slots)) for text-encoder LoRAs: the program then gets ``(params, adapters)`` and
+    ``(ids, index)`` (``preheat.lora.encoder_adapters``).
     """
     tokenizers = pipe.components["tokenizers"]
     ids = tuple(tok.encode(list(t)) for tok, t in zip(tokenizers, texts))  # each (B, L_i) int32
@@ -135,8 +139,13 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
                          extra=extra)
     # with offload_encoders the weights are host arrays: they reach the device for this call only
     params = tuple(te.params if te is not None else None for te in pipe.components["text_encoders"])
-    return pipe.run_stage("encode", pipe.components["encode_fingerprint"], sig, program, (params, ids),
-                          outputs=outputs)
+    args: tuple = (params, ids)
+    if lora is not None:
+        adapters, index, lora_sig = lora
+        used = tuple(a is not None for a in adapters)
+        sig = replace(sig, extra=(*sig.extra, ("lora", (*lora_sig, used))))
+        args = ((params, adapters), (ids, index))
+    return pipe.run_stage("encode", pipe.components["encode_fingerprint"], sig, program, args, outputs=outputs)
 
 
 def offload(encoder: Any) -> Any:

@@ -17,7 +17,8 @@ The engine is loaded once per process (at ``python -m`` start, or on the first j
 ``$PREHEAT_MODEL`` (default: the built-in model). Knobs: ``PREHEAT_MAX_BATCH_SIZE`` (8),
 ``PREHEAT_BATCH_WAIT_MS`` (10), ``PREHEAT_MAX_QUEUE`` (64), ``PREHEAT_MAX_STEPS`` (200),
 ``PREHEAT_SAMPLERS`` (comma-separated; default: the model's own, all compiled at start),
-``PREHEAT_SIZES`` (text-to-image: ``512x512,768x512``; default: the model's size) and
+``PREHEAT_SIZES`` (text-to-image: ``512x512,768x512``; default: the model's size),
+``PREHEAT_GUIDANCE`` (guidance modes warmed: ``off,on``, as ``preheat warm --guidance``) and
 ``PREHEAT_DTYPE`` (float32; ``bfloat16`` for a GPU worker). The
 compile cache lives on the network volume automatically (``/runpod-volume/preheat``, see
 ``preheat.cache.root``), so a cold worker with a warm volume starts hot.
@@ -31,7 +32,7 @@ import threading
 from typing import Any, Optional
 
 from preheat.server.core import Core, CoreConfig, NotAccepting, QueueFull
-from preheat.server.inputs import InputError
+from preheat.server.inputs import InputError, parse_sizes
 
 __all__ = ["handler", "concurrency_modifier", "get_core", "config_from_env", "main"]
 
@@ -40,16 +41,15 @@ _lock = threading.Lock()
 
 
 def config_from_env(env: Optional[dict[str, str]] = None) -> CoreConfig:
-    from preheat.server.cli import _sizes
-
     env = dict(os.environ if env is None else env)
     return CoreConfig(model=env.get("PREHEAT_MODEL") or None, dtype=env.get("PREHEAT_DTYPE") or "float32",
-                      sizes=_sizes(env.get("PREHEAT_SIZES")),
+                      sizes=parse_sizes(env.get("PREHEAT_SIZES")),
                       max_batch_size=int(env.get("PREHEAT_MAX_BATCH_SIZE", "8")),
                       batch_wait_ms=float(env.get("PREHEAT_BATCH_WAIT_MS", "10")),
                       max_queue=int(env.get("PREHEAT_MAX_QUEUE", "64")),
                       max_steps=int(env.get("PREHEAT_MAX_STEPS", "200")),
-                      samplers=tuple(n.strip() for n in env.get("PREHEAT_SAMPLERS", "").split(",") if n.strip()))
+                      samplers=tuple(n.strip() for n in env.get("PREHEAT_SAMPLERS", "").split(",") if n.strip()),
+                      guidance=tuple(g.strip() for g in (env.get("PREHEAT_GUIDANCE") or "off,on").split(",") if g.strip()))
 
 
 def get_core(core: Optional[Core] = None) -> Core:

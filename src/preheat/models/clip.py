@@ -315,15 +315,19 @@ class CLIPText:
     params: nnx.State
     dtype: Any = jnp.float32
 
-    def apply(self, params: nnx.State, input_ids: Array) -> CLIPTextOutput:
-        """(B, L) int token ids, L <= max_position_embeddings -> CLIPTextOutput."""
+    def apply(self, params: nnx.State, input_ids: Array, lora: Any = None) -> CLIPTextOutput:
+        """(B, L) int token ids, L <= max_position_embeddings -> CLIPTextOutput.
+
+        ``lora``: per-prompt low-rank adapters (``preheat.models.lora.Adapters``), or None."""
         if input_ids.ndim != 2:
             raise InvalidArgumentError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         if input_ids.shape[1] > self.config.max_position_embeddings:
             raise InvalidArgumentError(
                 f"input_ids has length {input_ids.shape[1]}, more than max_position_embeddings "
                 f"{self.config.max_position_embeddings}")
-        return nnx.merge(self.graphdef, params)(input_ids, self.dtype)
+        from preheat.models.lora import attach
+
+        return attach(nnx.merge(self.graphdef, params), lora)(input_ids, self.dtype)
 
     def final_layer_norm(self, params: nnx.State, hidden: Array) -> Array:
         """transformers' ``text_model.final_layer_norm`` on any (B, L, D) state."""

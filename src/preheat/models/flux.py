@@ -493,13 +493,16 @@ class FluxTransformer:
 
     def apply(self, params: nnx.State, hidden_states: Array, encoder_hidden_states: Array,
               pooled_projections: Array, timestep: Array, img_ids: Array, txt_ids: Array,
-              guidance: Array | None = None) -> Array:
+              guidance: Array | None = None, lora: Any = None) -> Array:
         """diffusers' forward: (B, S, in_channels), (B, T, joint_attention_dim), (B, pooled_projection_dim),
         (B,) sigma (the pipeline's t / 1000), (S, 3), (T, 3), (B,) guidance scale or None -> (B, S, out_channels).
 
         Activations run in ``self.dtype``; the timestep and guidance sinusoids and rotary angles in float32.
+        ``lora``: per-image low-rank adapters (``preheat.models.lora.Adapters``), or None.
         """
-        model = nnx.merge(self.graphdef, params)
+        from preheat.models.lora import attach
+
+        model = attach(nnx.merge(self.graphdef, params), lora)
 
         def act(v: Any) -> Array:
             return jnp.asarray(v).astype(self.dtype)
@@ -518,7 +521,7 @@ def build_flux_transformer(config: FluxTransformerConfig, tensors: Mapping[str, 
     """A loaded transformer from torch-layout tensors keyed like diffusers' state dict (numpy arrays)."""
     dtype = check_dtype(dtype)
     graphdef, abstract = build_abstract(config)
-    params = fill(abstract, dict(tensors), dtype, source)
+    params = fill(abstract, tensors, dtype, source)  # a Checkpoint streams; dict() would read it all
     return FluxTransformer(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 

@@ -496,7 +496,7 @@ def build_sd3_transformer(config: SD3TransformerConfig, tensors: Mapping[str, An
     """A loaded transformer from torch-layout tensors keyed like diffusers' state dict (numpy arrays)."""
     dtype = check_dtype(dtype)
     graphdef, abstract = build_abstract(config)
-    params = fill(abstract, dict(tensors), dtype, source, key_fn=checkpoint_key)
+    params = fill(abstract, tensors, dtype, source, key_fn=checkpoint_key)  # a Checkpoint streams
     return SD3Transformer(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 

@@ -192,7 +192,9 @@ class Conv2d(nnx.Module):
             x, self.kernel[...].astype(x.dtype), window_strides=(self.stride, self.stride),
             padding=((p, p), (p, p)), dimension_numbers=("NHWC", "HWIO", "NHWC"),
         )
-        return y + _lift(self.bias[...].astype(x.dtype), y.ndim)
+        y = y + _lift(self.bias[...].astype(x.dtype), y.ndim)
+        lora = getattr(self, "lora", None)  # a 1x1 conv's low-rank adapter (preheat.models.lora.attach)
+        return y if lora is None else y + lora(x)
 
 
 class Linear(nnx.Module):
@@ -204,9 +206,10 @@ class Linear(nnx.Module):
 
     def __call__(self, x: Array) -> Array:  # (..., Cin) -> (..., Cout)
         y = x @ self.kernel[...].astype(x.dtype)
-        if self.bias is None:
-            return y
-        return y + _lift(self.bias[...].astype(x.dtype), y.ndim)
+        if self.bias is not None:
+            y = y + _lift(self.bias[...].astype(x.dtype), y.ndim)
+        lora = getattr(self, "lora", None)  # a low-rank adapter set for one traced call (preheat.models.lora.attach)
+        return y if lora is None else y + lora(x)
 
 
 class GroupNorm(nnx.Module):

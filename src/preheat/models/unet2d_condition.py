@@ -590,9 +590,13 @@ class UNet2DCondition:
     dtype: Any = jnp.float32
 
     def apply(self, params: nnx.State, x: Array, t: Array, context: Array,
-              added: Mapping[str, Array] | None = None) -> Array:
-        """(B, H, W, C), (B,), (B, L, D), {"text_embeds": (B, P), "time_ids": (B, 6)} -> (B, H, W, C)."""
-        return nnx.merge(self.graphdef, params)(x, t, context, added)
+              added: Mapping[str, Array] | None = None, lora: Any = None) -> Array:
+        """(B, H, W, C), (B,), (B, L, D), {"text_embeds": (B, P), "time_ids": (B, 6)} -> (B, H, W, C).
+
+        ``lora``: per-image low-rank adapters (``preheat.models.lora.Adapters``), or None."""
+        from preheat.models.lora import attach
+
+        return attach(nnx.merge(self.graphdef, params), lora)(x, t, context, added)
 
     def check_text_conditioning(self, context_width: int, pooled_width: int | None = None) -> None:
         check_text_conditioning(self.config, context_width, pooled_width)

@@ -183,11 +183,14 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         if key == "__metadata__":
             continue
         try:
-            dtype = _DTYPES[entry["dtype"]]
+            name = entry["dtype"]
             shape = tuple(int(d) for d in entry["shape"])
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise _format_error(path, f"header entry {key!r} is malformed") from None
+        if name not in _DTYPES:
+            raise _format_error(path, f"{key} has dtype {name!r}; readable: {', '.join(_DTYPES)}")
+        dtype = _DTYPES[name]
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if min(shape, default=0) < 0 or begin < 0 or end - begin != nbytes:
             raise _format_error(path, f"{key} spans bytes {begin}..{end}, but {dtype} {shape} needs {nbytes}")
@@ -200,10 +203,11 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
-def _read_bytes(info: TensorInfo) -> np.ndarray:
-    """One tensor, freshly allocated (nothing else refers to its buffer); no mmap, so no file pages
-    are mapped into the process and the resident set is only what is allocated here."""
-    buf = np.empty(info.nbytes, np.uint8)
+def _read_bytes(info: TensorInfo, into: np.ndarray | None = None) -> np.ndarray:
+    """One tensor, read with plain reads (no mmap, so no file pages are mapped into the process and
+    the resident set is only what is allocated here): into a fresh buffer nobody else refers to,
+    or into ``into`` (a reusable uint8 scratch buffer of at least ``info.nbytes``)."""
+    buf = np.empty(info.nbytes, np.uint8) if into is None else into[:info.nbytes]
     view = memoryview(buf)
     got = 0
     try:
@@ -247,10 +251,6 @@ class Checkpoint(MutableMapping[str, np.ndarray]):
             return tuple(self._held[key].shape), self._held[key].dtype
         info = self._info.get(key)
         return None if info is None else (info.shape, info.dtype)
-
-    def owns(self, key: str) -> bool:
-        """True when ``self[key]`` is a fresh buffer nobody else holds (read from disk)."""
-        return key in self._info
 
     @property
     def nbytes(self) -> int:
@@ -370,12 +370,15 @@ class LoadReport:
     the resident set after the load: what the load needed beyond what it keeps. On the CPU backend
     device arrays live in host memory too, so the growth includes the weights themselves and the
     transient is the figure to hold against ``largest_tensor_bytes`` / ``largest_file_bytes``.
+    The transient can read low when the allocator keeps freed memory (it then stays in
+    ``rss_after``); on the CPU backend ``peak_host_bytes - placed_bytes`` is the stricter figure.
     """
 
     source: str
     files: tuple[str, ...] = ()
     tensors: int = 0
     bytes_read: int = 0  # checkpoint bytes read from disk
+    placed_bytes: int = 0  # bytes of the arrays put on the device (after casts)
     seconds: float = 0.0  # read + cast + place on the device, transfers finished
     largest_tensor_bytes: int = 0
     largest_file_bytes: int = 0
@@ -396,7 +399,7 @@ class LoadReport:
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in (
-            "source", "tensors", "bytes_read", "seconds", "abstract_s", "largest_tensor_bytes",
+            "source", "tensors", "bytes_read", "placed_bytes", "seconds", "abstract_s", "largest_tensor_bytes",
             "largest_file_bytes", "rss_before", "peak_rss", "rss_after", "peak_exact")}
         out.update(files=list(self.files), peak_host_bytes=self.peak_host_bytes,
                    transient_host_bytes=self.transient_host_bytes)
@@ -437,7 +440,8 @@ def recording(source: str = "all") -> Iterator[LoadRecording]:
         parts = tuple(rec.reports)
         rec.total = LoadReport(
             source=source, files=tuple(f for p in parts for f in p.files), tensors=sum(p.tensors for p in parts),
-            bytes_read=sum(p.bytes_read for p in parts), seconds=sum(p.seconds for p in parts),
+            bytes_read=sum(p.bytes_read for p in parts), placed_bytes=sum(p.placed_bytes for p in parts),
+            seconds=sum(p.seconds for p in parts),
             largest_tensor_bytes=max((p.largest_tensor_bytes for p in parts), default=0),
             largest_file_bytes=max((p.largest_file_bytes for p in parts), default=0),
             rss_before=before, peak_rss=peak, rss_after=after, peak_exact=exact, abstract_s=rec.abstract_s,
@@ -456,6 +460,10 @@ def torch_key(path: tuple[Any, ...]) -> str:
     """NNX parameter path -> torch state-dict key."""
     *mods, leaf = (str(p) for p in path)
     return ".".join([*mods, _LEAF_TO_TORCH[leaf]])
+
+
+def _changes_layout(leaf: str, ndim: int) -> bool:
+    return leaf == "kernel" and ndim in (2, 4)
 
 
 def to_jax_layout(arr: np.ndarray, leaf: str) -> np.ndarray:
@@ -515,13 +523,54 @@ def _meta(tensors: Mapping[str, Any], key: str) -> tuple[tuple[int, ...], np.dty
     return None if arr is None else (tuple(arr.shape), np.dtype(arr.dtype))
 
 
-def _place(arr: np.ndarray, leaf: str, dtype: np.dtype, owned: bool) -> jax.Array:
-    """Cast on the host (numpy: the same rounding as before), then one transfer. The layout change
-    rides on the transfer (the runtime copies a strided view, faster than numpy's transpose), and a
-    buffer nobody else holds is donated, so on the CPU backend it becomes the device array uncopied."""
-    if arr.dtype != dtype:
-        arr, owned = arr.astype(dtype), True  # contiguous, fresh
-    return jax.device_put(to_jax_layout(arr, leaf), donate=owned)
+class _Scratch:
+    """Two reusable host buffers (raw bytes, cast result) for tensors that are copied again on their
+    way to the device. Reusing them saves the page faults of fresh memory (most of the cost of a
+    host copy) and bounds the host's share to the two largest such tensors."""
+
+    def __init__(self) -> None:
+        self._bufs: list[np.ndarray] = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
+        self._user: jax.Array | None = None  # the last transfer that read from them
+
+    def take(self, which: int, nbytes: int) -> np.ndarray:
+        if self._user is not None:  # never overwrite bytes a transfer may still be reading
+            self._user.block_until_ready()
+            self._user = None
+        if self._bufs[which].nbytes < nbytes:
+            self._bufs[which] = np.empty(0, np.uint8)  # drop the old one first
+            self._bufs[which] = np.empty(nbytes, np.uint8)
+        return self._bufs[which]
+
+    def used_by(self, value: jax.Array) -> jax.Array:
+        self._user = value
+        return value
+
+
+def _place(tensors: Mapping[str, Any], key: str, leaf: str, dtype: np.dtype, scratch: _Scratch
+           ) -> tuple[jax.Array, int]:
+    """One tensor onto the device; returns it and the checkpoint bytes it came from.
+
+    The cast is numpy's (the same rounding as ``jnp.asarray``); the layout change rides on the
+    transfer (the runtime copies a strided view, faster than numpy's transpose). A tensor needing
+    neither is read into a fresh buffer and donated, so on the CPU backend it becomes the device
+    array uncopied; one needing a copy anyway is read into scratch memory.
+    """
+    info = tensors.info(key) if isinstance(tensors, Checkpoint) else None
+    if info is None:  # an in-memory array: the caller's, never donated
+        arr = np.asarray(tensors[key])
+        host = arr.astype(dtype) if arr.dtype != dtype else arr
+        return jax.device_put(to_jax_layout(host, leaf), donate=host is not arr), arr.nbytes
+    relayout = _changes_layout(leaf, len(info.shape))
+    if info.dtype == dtype and not relayout:
+        return jax.device_put(_read_bytes(info), donate=True), info.nbytes
+    raw = _read_bytes(info, scratch.take(0, info.nbytes))
+    if not relayout:  # a cast only: its fresh result is donated
+        return jax.device_put(raw.astype(dtype), donate=True), info.nbytes
+    if info.dtype != dtype:
+        cast = scratch.take(1, raw.size * dtype.itemsize)[:raw.size * dtype.itemsize].view(dtype).reshape(raw.shape)
+        np.copyto(cast, raw, casting="unsafe")
+        raw = cast
+    return scratch.used_by(jax.device_put(to_jax_layout(raw, leaf))), info.nbytes
 
 
 def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, source: str, *,
@@ -584,14 +633,13 @@ def _fill(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: s
         plan.sort(key=lambda p: (str(infos[p[4]].file), infos[p[4]].start) if infos[p[4]] else ("", p[0]))
     placed: dict[int, Any] = {}
     in_flight: deque[tuple[jax.Array, int]] = deque()
-    waiting = bytes_read = largest = 0
+    waiting = bytes_read = placed_bytes = largest = 0
+    scratch = _Scratch()
     for i, path, var, leaf, key, want in plan:
-        arr = tensors[key]
-        nbytes = arr.nbytes
+        value, nbytes = _place(tensors, key, leaf, want, scratch)
         bytes_read += nbytes
+        placed_bytes += value.nbytes
         largest = max(largest, nbytes)
-        value = _place(arr, leaf, want, owned=lazy and tensors.owns(key))
-        del arr
         placed[i] = var.replace(value)
         in_flight.append((value, nbytes))
         waiting += nbytes
@@ -603,7 +651,7 @@ def _fill(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: s
         value.block_until_ready()
     files = tuple(str(f) for f in tensors.files) if lazy else ()
     report = LoadReport(source=source, files=files, tensors=len(plan), bytes_read=bytes_read,
-                        largest_tensor_bytes=largest,
+                        placed_bytes=placed_bytes, largest_tensor_bytes=largest,
                         largest_file_bytes=max((Path(f).stat().st_size for f in files), default=0))
     return nnx.from_flat_state([(flat[i][0], placed[i]) for i in sorted(placed)]), report
 

@@ -5,9 +5,10 @@ Cog's and OpenAI's APIs.
     preheat.server.core     set-up (load + warm-up), the bounded queue, the batching worker
     preheat.server.app      the FastAPI routes (thin) + auth / metrics guard
     preheat.server.serve    uvicorn with SIGTERM draining
-    preheat.server.cli      the click commands (``serve``, ``bench serve``)
-    preheat.server.bench    the load benchmark
+
+The click commands are ``preheat.cli.serve`` (``preheat serve``, also ``python -m preheat.server``)
+and ``preheat.cli.bench`` (``preheat bench serve``, over ``preheat.bench.serve``).
 
 Needs the ``serve`` extra (fastapi, uvicorn, prometheus-client). Nothing is imported here, so
-``import preheat.server.cli`` stays cheap.
+``python -m preheat.server --help`` stays cheap.
 """

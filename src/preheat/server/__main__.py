@@ -1,6 +1,6 @@
 """``python -m preheat.server [MODEL] [OPTIONS]`` = ``preheat serve``."""
 
-from preheat.server.cli import serve_command
+from preheat.cli.serve import serve_command
 
 if __name__ == "__main__":
     serve_command(prog_name="python -m preheat.server")

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
+from preheat.cache.warm import GUIDANCE_MODES, WarmSet, WarmSignature, buckets_for, resolve, run_signature, signatures
 from preheat.server.inputs import InputError, Job, Limits, input_model, parse_input, size_inputs
 from preheat.server.metrics import CoreMetrics
 
@@ -52,16 +53,6 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-def buckets_for(max_batch_size: int) -> tuple[int, ...]:
-    """Compiled batch sizes: powers of two below max, then max (1, 2, 4, 8 for 8; 1, 2, 4, 6 for 6)."""
-    if max_batch_size < 1:
-        raise ValueError("max_batch_size must be >= 1")
-    out, b = [], 1
-    while b < max_batch_size:
-        out.append(b)
-        b *= 2
-    out.append(max_batch_size)
-    return tuple(out)
 
 
 class QueueFull(Exception):
@@ -87,6 +78,7 @@ class CoreConfig:
     compile: str = "none"  # torch backend: none, inductor, aot or regional (preheat.torch.compile)
     dtype: str = "float32"
     max_batch_size: int = 8
+    devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
     batch_wait_ms: float = 10.0
     max_queue: int = 64  # predictions waiting (not running); more -> QueueFull
     max_steps: int = 200
@@ -94,6 +86,19 @@ class CoreConfig:
     samplers: tuple[str, ...] = ()  # offered (and warmed) samplers; () = the model's default only
     sizes: tuple[tuple[int, int], ...] = ()  # text-to-image: served (width, height); () = the model's default
     keep_finished: int = 1000  # finished predictions kept for GET / PUT retries
+    guidance: tuple[str, ...] = GUIDANCE_MODES  # warmed guidance modes ("on" only where the model can guide)
+    push_grace_s: float = 30.0  # at close(), how long background uploads to the store may take
+
+    def warm_set(self) -> WarmSet:
+        """The declaration this server warms (the same object ``preheat warm`` compiles)."""
+        return WarmSet(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size,
+                       samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance))
+
+    @classmethod
+    def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":
+        """A server for the declared set; ``options``: the serving-only fields (queue, limits, ...)."""
+        return cls(model=warm.model, dtype=warm.dtype, max_batch_size=warm.max_batch_size,
+                   samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance), **options)
 
 
 @dataclass
@@ -152,7 +157,7 @@ def load_pipeline(config: CoreConfig) -> Any:
             raise InvalidArgumentError(f"--compile {config.compile} applies to --backend torch")
         import preheat
 
-        return preheat.load(config.model, dtype=config.dtype)
+        return preheat.load(config.model, dtype=config.dtype, devices=config.devices)
     if config.backend == "torch":
         try:
             import preheat.backends.torch as torch_backend
@@ -177,7 +182,7 @@ class Core:
                              max_guidance=config.max_guidance, schedulers=tuple(config.samplers),
                              sizes=tuple(config.sizes))
         self.input_model = input_model(self.limits)
-        self.buckets = buckets_for(config.max_batch_size)
+        self.buckets = buckets_for(config.max_batch_size, getattr(pipe, "device_count", 1))
         self.metrics = CoreMetrics()
         self.setup = SetupInfo()
         self.pipe = pipe
@@ -187,6 +192,8 @@ class Core:
         self._running: list[Prediction] = []
         self._store: "OrderedDict[str, Prediction]" = OrderedDict()
         self._setup_done = threading.Event()
+        self.closing_pushes = threading.Event()  # set when close() starts waiting for uploads
+        self.warm = config.warm_set()  # resolved at set-up (the model's default sampler, sizes)
         self._setup_listeners: list[Callable[[], None]] = []
         self._draining = False
         self._stopping = False
@@ -277,6 +284,19 @@ class Core:
             self._finish(p, "failed", error=SHUT_DOWN)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        self.closing_pushes.set()
+        compiler = getattr(self.pipe, "compiler", None)
+        if compiler is not None and getattr(compiler, "background", None) is not None:
+            left = compiler.background.pending
+            if left:
+                log.info("waiting up to %.0fs for %d upload(s) to the shared cache", self.config.push_grace_s, left)
+            compiler.wait_pushes(self.config.push_grace_s)
+
+    @property
+    def pending_pushes(self) -> int:
+        """Uploads to the shared store queued or running (background, after compiles)."""
+        background = getattr(getattr(self.pipe, "compiler", None), "background", None)
+        return 0 if background is None else background.pending
 
     # ------------------------------------------------------------------ requests
 
@@ -459,30 +479,25 @@ class Core:
             self._setup_log(f"loading model {self.config.model or 'built-in'} ({self.config.backend})")
             self.pipe = self._loader(self.config)
         pipe = self.pipe
+        self.buckets = buckets_for(self.config.max_batch_size, getattr(pipe, "device_count", 1))
         self._setup_log(f"model loaded in {time.perf_counter() - start:.2f}s; image {pipe.sample_shape}, "
                         f"classes {pipe.num_classes}, defaults {pipe.defaults}")
         default_steps = int(pipe.defaults["steps"])
         if default_steps > self.limits.max_steps:
             self._setup_log(f"warning: the model's default {default_steps} steps exceed --max-steps "
                             f"{self.limits.max_steps}; requests must then give num_inference_steps")
-        default = pipe.defaults["sampler"]
-        self.samplers = tuple(self.config.samplers) or (default,)
-        text = "prompt" in pipe.family.inputs
-        if text:
-            from preheat.server.inputs import default_size
-
-            self.limits = replace(self.limits, sizes=self.limits.sizes or (default_size(pipe),))
-            for size in self.limits.sizes:  # refuse an unusable --sizes entry before READY, in one line
-                pipe.check(1, prompt="", width=size[0], height=size[1], steps=1)
+        compiler = getattr(pipe, "compiler", None)
+        if compiler is not None and hasattr(compiler, "defer_pushes"):
+            compiler.defer_pushes()  # uploads never hold up READY or a request
+        self.warm = resolve(pipe, self.warm)  # refuses an unusable --sizes entry before READY, in one line
+        self.samplers = self.warm.samplers
+        if "prompt" in pipe.family.inputs:
+            self.limits = replace(self.limits, sizes=self.warm.sizes)
         self.limits = replace(self.limits, schedulers=self.samplers)  # parse refuses the others, naming these
-        for sampler, guidance, bucket, size, negatives in self.signatures():
+        for sig in self.signatures():
             t0 = time.perf_counter()
-            # steps=1: the step count is runtime data, so this is the serving program, run cheaply.
-            warm = Job(n=bucket, labels=None if pipe.num_classes is None else tuple([0] * bucket), seed=0,
-                       sampler=sampler, steps=1, guidance=guidance, prompts=tuple([""] * bucket) if text else None,
-                       negative_prompts=tuple([""] * bucket) if negatives else None, size=size)
-            pipe.generate(bucket, steps=1, sampler=sampler, guidance=guidance, seed=list(range(bucket)),
-                          **warm.engine_inputs(), **size_inputs(warm))
+            run_signature(pipe, sig)
+            sampler, guidance, bucket, size, negatives = sig.sampler, sig.guidance, sig.bucket, sig.size, sig.negatives
             layer = pipe.last.cache_layer
             run_s = pipe.last.run_s
             took = time.perf_counter() - t0
@@ -494,36 +509,16 @@ class Core:
                                                cache_layer=layer).set(took)
             what = f" {size[0]}x{size[1]}{' +negative' if negatives else ''}" if size else ""
             self._setup_log(f"warm-up: {sampler} batch {bucket}{what} guided={guided}: {took:.2f}s (cache: {layer})")
+        if compiler is not None and hasattr(compiler, "push_missing"):
+            compiler.push_missing()  # local entries the store lacks (queued: READY does not wait)
         total = time.perf_counter() - start
         self.metrics.setup_seconds.set(total)
         self._setup_log(f"ready in {total:.2f}s; buckets {list(self.buckets)}; samplers {list(self.samplers)}")
 
-    def signatures(self) -> list[tuple[str, float, int, Optional[tuple[int, int]], bool]]:
-        """(sampler, guidance, bucket, size, negative prompts given) for every program set a valid
-        request can reach: the offered samplers x guidance off (1.0) and on (the model's scale, when
-        it can guide) x buckets x served sizes (text-to-image) x negative prompts given or not
-        (guided text-to-image: SDXL encodes a different batch without them)."""
-        from preheat.errors import InvalidArgumentError
-
-        pipe = self.pipe
-        default = pipe.defaults.get("guidance")
-        scales = [1.0]
-        try:
-            on = float(default) if default is not None and pipe.is_guided(default) else 2.0
-            if pipe.is_guided(on):
-                scales.append(on)
-        except InvalidArgumentError:  # no null class: guided requests are refused at parse time
-            pass
-        text = "prompt" in pipe.family.inputs
-        sizes: tuple[Optional[tuple[int, int]], ...] = self.limits.sizes if text else (None,)
-        out = []
-        for sampler in self.samplers:
-            for g in scales:
-                negatives = (False, True) if text and g != 1.0 else (False,)
-                for size in sizes:
-                    for neg in negatives:
-                        out += [(sampler, g, bucket, size, neg) for bucket in self.buckets]
-        return out
+    def signatures(self) -> list[WarmSignature]:
+        """Every program a valid request can reach (``preheat.cache.warm.signatures`` of the
+        resolved declaration): what warm-up compiles and ``preheat warm`` compiles ahead of time."""
+        return signatures(self.pipe, self.warm)
 
     def _serve(self) -> None:
         wait_s = self.config.batch_wait_ms / 1000.0

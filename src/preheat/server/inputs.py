@@ -24,7 +24,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from preheat.errors import InvalidArgumentError, SchedulerConfigError
 
-__all__ = ["Limits", "Job", "InputError", "input_model", "parse_input", "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int"]
+__all__ = ["Limits", "Job", "InputError", "input_model", "parse_input", "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int",
+           "parse_sizes"]
 
 SEED_MAX = 2**32 - 1
 OUTPUT_FORMATS: tuple[str, ...] = ("png", "webp", "jpg")
@@ -261,6 +262,21 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
         if guidance == 1.0:
             guidance = None  # the same program and the same pixels as "no guidance"
     return replace(job, guidance=guidance), given
+
+
+def parse_sizes(text: Optional[str]) -> tuple[tuple[int, int], ...]:
+    """``512x512,768x512`` -> ((512, 512), (768, 512)): ``preheat serve --sizes`` and Runpod's
+    ``PREHEAT_SIZES``. A malformed entry fails in one line."""
+    out = []
+    for item in (text or "").split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        w, sep, h = item.partition("x")
+        if not sep or not w.isdigit() or not h.isdigit() or int(w) <= 0 or int(h) <= 0:
+            raise InvalidArgumentError(f"--sizes {item!r} must be WIDTHxHEIGHT, e.g. 512x512")
+        out.append((int(w), int(h)))
+    return tuple(dict.fromkeys(out))
 
 
 def default_size(pipe: Any) -> tuple[int, int]:

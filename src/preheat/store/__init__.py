@@ -51,6 +51,7 @@ missing or damaged source a one-line ``FetchError`` instead of a download. HTTP 
 from __future__ import annotations
 
 from preheat.store._api import Problem, list_refs, pull, resolve, verify_store
+from preheat.store._gc import collect_orphans
 from preheat.store._layout import FileEntry, Ref, Source, is_remote, parse_source, snapshot_id, source_id
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "resolve",
     "is_remote",
     "verify_store",
+    "collect_orphans",
     "list_refs",
     "parse_source",
     "source_id",

@@ -196,6 +196,18 @@ class CompileEntries(StorePolicy):
             self._refused.discard((kind, key))
         self._set("pushed")
 
+    def has(self, kind: str, key: str) -> bool | None:
+        """Whether the store holds a manifest for ``<kind>/<key>`` (not verified); None when it
+        cannot be asked (down, or not trusted for compile entries)."""
+        check_kind_key(kind, key)
+        if self.compile_policy() or self._down():
+            return None
+        try:
+            return self._bounded(self._exists, f"{self._entry_rel(kind, key)}/{MANIFEST}")
+        except RemoteError as err:
+            self._mark_down(str(err))
+            return None
+
     def verify(self, kind: str | None = None) -> list[dict[str, Any]]:
         """Check every remote compile entry (manifest, signature when a key is set, every payload's
         sha256) without loading anything: ``[{"kind", "key", "ok", "problem"}]``. Raises

@@ -15,19 +15,20 @@ from preheat.cache.atomic import fsync_dir
 from preheat.cache.remote.compile_entries import CompileEntries
 from preheat.cache.remote.mirror import WeightsMirror
 from preheat.cache.remote.policy import RemoteError
+from preheat.cache.remote.prune import RemotePrune
 
 __all__ = ["RemoteStore", "LocalDirStore", "FsspecStore"]
 
 
-class RemoteStore(CompileEntries, WeightsMirror):
-    """The protocol (fetch / push / mirror) over five primitives that subclasses implement.
+class RemoteStore(CompileEntries, WeightsMirror, RemotePrune):
+    """The protocol (fetch / push / mirror / prune) over primitives that subclasses implement.
 
     Primitives take paths relative to the store's base, with "/" separators, already validated:
     ``_read(rel, limit) -> bytes | None`` (at most ``limit`` bytes), ``_get_file(rel, local)`` (FileNotFoundError when absent),
     ``_put_file(local, rel)`` and ``_put_bytes(data, rel)`` (each atomic as readers see it),
-    ``_exists(rel)`` and ``_list(rel) -> names`` (empty when absent).
+    ``_exists(rel)`` and ``_list(rel) -> names`` (empty when absent); for prune also
+    ``_files(rel) -> {name: (size, mtime)}`` (plain files directly under ``rel``) and ``_delete(rel)``.
     """
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,6 +88,21 @@ class LocalDirStore(RemoteStore):
     def _list(self, rel: str) -> list[str]:
         p = self._path(rel)
         return [c.name for c in p.iterdir() if c.is_dir() and not c.name.startswith(".")] if p.is_dir() else []
+
+    def _files(self, rel: str) -> dict[str, tuple[int, float]]:
+        p = self._path(rel)
+        out = {}
+        for c in (p.iterdir() if p.is_dir() else ()):
+            if c.is_file() and not c.name.startswith("."):
+                st = c.stat()
+                out[c.name] = (st.st_size, st.st_mtime)
+        return out
+
+    def _delete(self, rel: str) -> None:
+        try:
+            self._path(rel).unlink()
+        except FileNotFoundError:
+            pass
 
 
 class FsspecStore(RemoteStore):
@@ -184,3 +200,40 @@ class FsspecStore(RemoteStore):
         except FileNotFoundError:
             return []
         return [item["name"].rstrip("/").rsplit("/", 1)[-1] for item in listing if item.get("type") == "directory"]
+
+    def _files(self, rel: str) -> dict[str, tuple[int, float]]:
+        fs = self.fs()
+        if hasattr(fs, "invalidate_cache"):
+            fs.invalidate_cache()
+        try:
+            listing = fs.ls(self._p(rel), detail=True)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for item in listing:
+            name = item["name"].rstrip("/").rsplit("/", 1)[-1]
+            if item.get("type") != "file" or ".tmp-" in name or name.startswith("."):
+                continue
+            out[name] = (int(item.get("size") or 0), _mtime(item))
+        return out
+
+    def _delete(self, rel: str) -> None:
+        try:
+            self.fs().rm_file(self._p(rel))
+        except FileNotFoundError:
+            pass
+
+
+def _mtime(item: dict[str, Any]) -> float:
+    """A listing entry's modification time in epoch seconds (s3: LastModified; folders: mtime)."""
+    for field in ("LastModified", "last_modified", "mtime", "updated", "created"):
+        value = item.get(field)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            continue
+    return float("inf")  # unknown: treated as just written, so never deleted

@@ -1,4 +1,4 @@
-"""The click front end: `preheat doctor` (a rich table, or one JSON object with ``--json``)."""
+"""`preheat doctor`: ``preheat.doctor.run_checks`` as a rich table, or one JSON object with ``--json``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import click
 from preheat.doctor.render import _render
 from preheat.doctor.report import run_checks
 from preheat.doctor.results import FAIL, OK, WARN
+
+__all__ = ["doctor_command"]
+
 
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (checks, summary, versions) instead of a table.")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from preheat._cli_support import one_line_errors
+from preheat.cli._support import one_line_errors
 
 
 def _human(n: float) -> str:
@@ -123,13 +123,16 @@ def verify_command(quarantine_bad: bool) -> None:
 @click.option("--sampler")
 @click.option("--steps", type=int)
 @click.option("--guidance", type=float)
+@click.option("--devices", "devices_text", metavar="all|N|ID,ID,...", help="The devices the call is split over.")
 @one_line_errors
-def explain_command(model: str | None, n: int, sampler: str | None, steps: int | None, guidance: float | None) -> None:
+def explain_command(model: str | None, n: int, sampler: str | None, steps: int | None, guidance: float | None,
+                    devices_text: str | None) -> None:
     """Would this call hit the cache? If not, which key fields differ from the nearest entry."""
     import preheat
     from preheat.cache.compile import key_fields, key_of, nearest_entry
+    from preheat.sharding import parse_devices
 
-    pipe = preheat.load(model)
+    pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"))
     sig, args = pipe.prepare(n, sampler=sampler, steps=steps, guidance=guidance)
     fields = key_fields(pipe.fingerprint, sig, args)
     key = key_of(fields)
@@ -145,16 +148,58 @@ def explain_command(model: str | None, n: int, sampler: str | None, steps: int |
 
 
 @cache_group.command("prune")
-@click.option("--older-than-days", type=float, help="Also remove entries unused for this long.")
+@click.option("--older-than-days", type=float, help="Also remove entries unused (remote: unpublished) for this long.")
+@click.option("--remote", is_flag=True, help="Prune the shared store (PREHEAT_CACHE_URL / --cache-url) instead.")
+@click.option("--max-gb", type=float, help="--remote: retire the oldest entries until the store holds this much.")
+@click.option("--protect-minutes", default=60.0, show_default=True, type=float,
+              help="--remote: never retire an entry published, nor delete an object written, this recently.")
+@click.option("--dry-run", is_flag=True, help="--remote: say what would go; change nothing.")
 @one_line_errors
-def prune_command(older_than_days: float | None) -> None:
-    """Remove quarantined entries, stale temp folders, and old entries; then apply the size cap."""
-    from preheat.cache.manage import enforce_size_cap, prune
-    from preheat.cache.root import resolve_root
+def prune_command(older_than_days: float | None, remote: bool, max_gb: float | None, protect_minutes: float,
+                  dry_run: bool) -> None:
+    """Remove quarantined entries, stale temp folders, and old entries; then apply the size cap;
+    then weights (snapshots, blobs) that no pulled source names, older than an hour.
 
-    root = resolve_root().path
-    removed = prune(root, older_than_days) + enforce_size_cap(root)
-    click.echo(f"removed {len(removed)}")
+    With --remote: retire old entries of the shared store (and the oldest beyond --max-gb), then
+    delete the objects no manifest names, safely while other pods read (see
+    preheat.cache.remote.prune)."""
+    from preheat.errors import InvalidArgumentError
+
+    if not remote:
+        if max_gb is not None or dry_run:
+            raise InvalidArgumentError("--max-gb and --dry-run apply to --remote")
+        from preheat.cache.manage import enforce_size_cap, prune
+        from preheat.cache.root import resolve_root
+
+        from preheat.store import collect_orphans
+
+        root = resolve_root().path
+        removed = prune(root, older_than_days) + enforce_size_cap(root)
+        orphans = collect_orphans(root)  # weights no ref names, older than an hour
+        click.echo(f"removed {len(removed)}" + (f"; {len(orphans)} unreferenced weight files" if orphans else ""))
+        return
+    from preheat.cache.remote import RemoteError, remote_from_env
+
+    for name, value in (("--older-than-days", older_than_days), ("--max-gb", max_gb)):
+        if value is not None and value < 0:
+            raise InvalidArgumentError(f"{name} {value} must be >= 0")
+    if protect_minutes < 0:
+        raise InvalidArgumentError(f"--protect-minutes {protect_minutes} must be >= 0")
+    store = remote_from_env(warm_up=False)
+    if store is None:
+        raise InvalidArgumentError("--remote needs PREHEAT_CACHE_URL (or --cache-url)")
+    try:
+        result = store.prune_remote(max_bytes=None if max_gb is None else int(max_gb * 1024**3),
+                                    older_than_s=None if older_than_days is None else older_than_days * 86400,
+                                    protect_s=protect_minutes * 60, dry_run=dry_run)
+    except RemoteError as err:
+        from preheat.errors import CacheError
+
+        raise CacheError(f"cannot prune {store.url}: {err}") from None
+    verb = "would retire" if dry_run else "retired"
+    click.echo(f"{verb} {len(result['retired'])} entries, deleted {result['deleted_objects']} objects "
+               f"({_human(result['freed_bytes'])}); {len(result['kept_protected'])} kept (published within "
+               f"{protect_minutes:g} min); {_human(result['live_bytes'])} live")
 
 
 @cache_group.command("clear")

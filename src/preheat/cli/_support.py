@@ -1,32 +1,16 @@
-"""What every command shares (kept apart from cli.py so that command modules can import it
-without importing the CLI itself)."""
+"""What every command shares: a ``PreheatError`` becomes one line on stderr and an exit code."""
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
-import time
-from pathlib import Path
 from typing import Any, Callable
 
 import click
 
 from preheat.errors import InvalidArgumentError, PreheatError, SchedulerConfigError
 
-__all__ = ["one_line_errors", "process_age_s"]
-
-_IMPORTED_AT = time.perf_counter()
-
-
-def process_age_s() -> float:
-    """Seconds since this process started (the kernel's clock, so imports are counted)."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.perf_counter() - _IMPORTED_AT
+__all__ = ["one_line_errors"]
 
 
 def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

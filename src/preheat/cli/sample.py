@@ -1,9 +1,4 @@
-"""The `preheat` command: a thin layer over the library.
-
-Each subcommand lives beside the code it fronts, or here when it is only argument plumbing.
-A ``PreheatError`` prints as one line on stderr (``error: ...``) and exits 2 for bad arguments,
-1 for everything else; never a traceback, never a partial output file.
-"""
+"""`preheat sample`: images from a model, a grid PNG, and the phase timings."""
 
 from __future__ import annotations
 
@@ -11,30 +6,15 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
-from preheat._version import __version__
-from preheat._cli_support import one_line_errors, process_age_s
+from preheat.cli._support import one_line_errors
 from preheat.errors import InvalidArgumentError
+from preheat.timings import process_age_s
 
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="preheat")
-@click.option("--cache-url", envvar="PREHEAT_CACHE_URL",
-              help="Shared compile cache for a fleet: s3://bucket/prefix, any fsspec URL, or a shared folder.")
-@click.option("--trust-remote-cache", is_flag=True, help="Use shared-cache entries without a signing key.")
-def main(cache_url: str | None, trust_remote_cache: bool) -> None:
-    """preheat: diffusion sampling that starts hot."""
-    import logging
-    import os
-
-    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
-    if cache_url:
-        os.environ["PREHEAT_CACHE_URL"] = cache_url
-    if trust_remote_cache:
-        os.environ["PREHEAT_TRUST_REMOTE_CACHE"] = "1"
+__all__ = ["sample", "save_grid", "save_png"]
 
 
 def save_grid(images: list, path: Path, upscale: int | None = None) -> None:
@@ -70,7 +50,7 @@ def save_png(image: Any, path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-@main.command()
+@click.command("sample")
 @click.argument("model", required=False)
 @click.option("--n", "n", type=int, help="Number of images (default: 16 for class models, 1 for text-to-image).")
 @click.option("--prompt", help="Text-to-image models: the prompt.")
@@ -83,6 +63,8 @@ def save_png(image: Any, path: Path) -> None:
 @click.option("--seed", default=0, show_default=True, type=int, help="Image i uses seed + i.")
 @click.option("--guidance", type=float, help="Classifier-free guidance scale (1 = off).")
 @click.option("--eta", default=0.0, type=float, help="DDIM stochasticity.")
+@click.option("--lora", "loras", multiple=True, metavar="SRC[:SCALE]",
+              help="A LoRA (path, http(s)://, hf://org/repo/file) and its scale (default 1); repeat to combine.")
 @click.option("--out", default="samples.png", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--save-images", type=click.Path(file_okay=False, path_type=Path), help="Also write each image here.")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the phase timings as JSON.")
@@ -96,7 +78,7 @@ def save_png(image: Any, path: Path) -> None:
 @one_line_errors
 def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt: str | None, width: int | None,
            height: int | None, classes: tuple[str, ...], steps: int | None, sampler: str | None,
-           seed: int, guidance: float | None, eta: float, out: Path, save_images: Path | None,
+           seed: int, guidance: float | None, eta: float, loras: tuple[str, ...], out: Path, save_images: Path | None,
            report: Path | None, dtype: str, variant: str | None, cache: str | None, backend: str, compile_mode: str,
            quiet: bool) -> None:
     """Sample images from MODEL (a diffusers folder or hf://org/repo; default: the built-in digits model)."""
@@ -128,6 +110,10 @@ def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt
                          height=height)
     kwargs = dict(steps=steps, sampler=sampler, guidance=guidance, seed=seed, eta=eta,
                   **{k: v for k, v in family_inputs.items() if v is not None})
+    if loras:
+        from preheat.lora import parse_cli
+
+        kwargs["lora"] = [parse_cli(spec) for spec in loras]
     with console.status("compiling and sampling (first call)…"):
         t0 = time.perf_counter()
         images = pipe(n, **kwargs)
@@ -171,6 +157,11 @@ def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt
         "guided": pipe.is_guided(guidance),
         "stages": first.to_dict().get("stages", {}),
     }
+    weights_load = getattr(pipe, "load_report", None)  # the JAX engine's (preheat.models.weights.LoadReport)
+    if weights_load is not None:
+        record.update(weights_read_s=weights_load.seconds, abstract_s=weights_load.abstract_s,
+                      weights_bytes=weights_load.bytes_read, peak_host_bytes=weights_load.peak_host_bytes,
+                      transient_host_bytes=weights_load.transient_host_bytes, weights_load=weights_load.to_dict())
     if report:
         from preheat.cache.atomic import atomic_write_bytes
 
@@ -182,47 +173,3 @@ def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt
         f"{second_call_s / n * 1000:.1f} ms/image",
         soft_wrap=True,
     )
-
-
-@main.command("train-digits")
-@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--steps", default=3000, show_default=True, type=int)
-@click.option("--batch", default=64, show_default=True, type=int)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--lr", default=2e-3, show_default=True, type=float)
-@one_line_errors
-def train_digits_command(out: Path, steps: int, batch: int, seed: int, lr: float) -> None:
-    """Train the built-in digits model (scikit-learn's load_digits) with optax."""
-    from preheat.train.digits import train_digits
-
-    if steps <= 0 or batch <= 0:
-        raise InvalidArgumentError("--steps and --batch must be positive")
-    path = train_digits(out, steps=steps, batch=batch, seed=seed, lr=lr, log=lambda s: click.echo(s, err=True))
-    click.echo(f"wrote {path}")
-
-
-@main.group("bench")
-def bench_group() -> None:
-    """Benchmarks: numbers with warm-up, medians and min/max (speed is measured here, not in tests)."""
-
-
-def _register() -> None:
-    from preheat.bench.coldstart import coldstart_command
-    from preheat.bench.compare import compare_command
-    from preheat.bench.sampler import sampler_command
-    from preheat.cache.cli import cache_group
-    from preheat.doctor import doctor_command
-    from preheat.server.cli import bench_serve_command, serve_command
-    from preheat.store.cli import pull_command
-
-    main.add_command(doctor_command, "doctor")
-    main.add_command(cache_group, "cache")
-    main.add_command(pull_command, "pull")
-    main.add_command(serve_command, "serve")
-    bench_group.add_command(bench_serve_command, "serve")
-    bench_group.add_command(sampler_command, "sampler")
-    bench_group.add_command(coldstart_command, "coldstart")
-    bench_group.add_command(compare_command, "compare")
-
-
-_register()

@@ -1,7 +1,4 @@
-"""``preheat pull SOURCE``: put a model into the store and print its snapshot folder.
-
-Registered by ``preheat.cli`` with ``main.add_command(pull_command, "pull")``.
-"""
+"""``preheat pull SOURCE``: put a model into the store and print its snapshot folder."""
 
 from __future__ import annotations
 

@@ -1,0 +1,181 @@
+"""What "warm" means for a model, written once: the declaration (``WarmSet``), the programs it
+covers (``signatures``), and how one is compiled (``run_signature``) or looked up (``status``).
+
+``preheat warm`` compiles the set ahead of time (a Docker build step, CI, a one-off job against
+the fleet store); ``preheat serve`` warms up the same set before READY (``Core`` calls
+``resolve`` and ``signatures``), so the two agree and a pod's first request never compiles.
+
+A signature is one serving program: sampler x guidance (off, and on when the model can guide)
+x batch bucket x served size (text-to-image) x negative prompts given or not (guided
+text-to-image). The step count is runtime data, so each is compiled with ``steps=1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+__all__ = ["WarmSet", "WarmSignature", "buckets_for", "resolve", "signatures", "run_signature", "status", "warm"]
+
+GUIDANCE_MODES = ("off", "on")
+
+
+def buckets_for(max_batch_size: int, devices: int = 1) -> tuple[int, ...]:
+    """Compiled batch sizes: the device count times powers of two below max, then max rounded up
+    to a multiple of the device count, so that every device gets a slice of every batch
+    (1, 2, 4, 8 for 8 on one device; 1, 2, 4, 6 for 6; 4, 8 for 8 on four; 4, 8 for 6 on four)."""
+    if max_batch_size < 1 or devices < 1:
+        raise ValueError("max_batch_size and devices must be >= 1")
+    out, b = [], devices
+    while b < max_batch_size:
+        out.append(b)
+        b *= 2
+    out.append(-(-max_batch_size // devices) * devices)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class WarmSet:
+    """The declared set: model, dtype, batch buckets (from ``max_batch_size``), samplers (() =
+    the model's default), sizes (text-to-image; () = the model's default) and guidance modes."""
+
+    model: Optional[str] = None  # a diffusers folder or store source; None = the built-in model
+    dtype: str = "float32"
+    max_batch_size: int = 8
+    samplers: tuple[str, ...] = ()
+    sizes: tuple[tuple[int, int], ...] = ()
+    guidance: tuple[str, ...] = GUIDANCE_MODES  # "off" and/or "on" ("on" only where the model can guide)
+
+    def __post_init__(self) -> None:
+        from preheat.errors import InvalidArgumentError
+
+        bad = [g for g in self.guidance if g not in GUIDANCE_MODES]
+        if bad or not self.guidance:
+            raise InvalidArgumentError(f"guidance {bad or '()'} must be among {', '.join(GUIDANCE_MODES)}")
+        if self.max_batch_size < 1:
+            raise InvalidArgumentError(f"max_batch_size {self.max_batch_size} must be >= 1")
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return buckets_for(self.max_batch_size)
+
+
+@dataclass(frozen=True)
+class WarmSignature:
+    sampler: str
+    guidance: float  # 1.0 = off
+    bucket: int
+    size: Optional[tuple[int, int]]  # text-to-image (width, height); None for pixel models
+    negatives: bool  # negative prompts given (guided text-to-image)
+
+    def describe(self) -> str:
+        size = f" {self.size[0]}x{self.size[1]}" if self.size else ""
+        neg = " +negative" if self.negatives else ""
+        return f"{self.sampler} batch {self.bucket}{size}{neg} guidance {'off' if self.guidance == 1.0 else self.guidance}"
+
+
+def _text(pipe: Any) -> bool:
+    return "prompt" in pipe.family.inputs
+
+
+def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
+    """The set with the model's defaults filled in (samplers, sizes); an unusable size fails
+    here, in one line, before anything compiles."""
+    samplers = tuple(warm_set.samplers) or (pipe.defaults["sampler"],)
+    sizes = tuple(warm_set.sizes)
+    if _text(pipe):
+        scale = pipe.components["vae_scale"]  # the model's native (width, height) by default
+        sizes = sizes or ((pipe.sample_shape[1] * scale, pipe.sample_shape[0] * scale),)
+        for size in sizes:
+            pipe.check(1, prompt="", width=size[0], height=size[1], steps=1)
+    return replace(warm_set, samplers=samplers, sizes=sizes)
+
+
+def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
+    """Every program of a resolved set (see the module docstring for the product)."""
+    from preheat.errors import InvalidArgumentError
+
+    default = pipe.defaults.get("guidance")
+    scales = [1.0] if "off" in warm_set.guidance else []
+    if "on" in warm_set.guidance:
+        try:
+            on = float(default) if default is not None and pipe.is_guided(default) else 2.0
+            if pipe.is_guided(on):
+                scales.append(on)
+        except InvalidArgumentError:  # no null class: guided requests are refused at parse time
+            pass
+    text = _text(pipe)
+    sizes: tuple[Optional[tuple[int, int]], ...] = warm_set.sizes if text else (None,)
+    buckets = buckets_for(warm_set.max_batch_size, getattr(pipe, "device_count", 1))  # every device gets a slice
+    out = []
+    for sampler in warm_set.samplers:
+        for g in scales:
+            negatives = (False, True) if text and g != 1.0 else (False,)
+            for size in sizes:
+                for neg in negatives:
+                    out += [WarmSignature(sampler, g, bucket, size, neg) for bucket in buckets]
+    return out
+
+
+def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
+    """``Pipeline.generate`` keywords for one signature (steps=1: the serving program, run cheaply)."""
+    n = sig.bucket
+    inputs: dict[str, Any] = {"steps": 1, "sampler": sig.sampler, "guidance": sig.guidance, "seed": list(range(n))}
+    if _text(pipe):
+        inputs["prompt"] = [""] * n
+        if sig.negatives:
+            inputs["negative_prompt"] = [""] * n
+        if sig.size is not None:
+            inputs.update(width=sig.size[0], height=sig.size[1])
+    elif pipe.num_classes is not None:
+        inputs["class_labels"] = [0] * n
+    return inputs
+
+
+def run_signature(pipe: Any, sig: WarmSignature) -> None:
+    """Compile (or load) and run one signature; ``pipe.last`` says which cache layer served it."""
+    pipe.generate(sig.bucket, **call_inputs(pipe, sig))
+
+
+def status(pipe: Any, sig: WarmSignature, remote: Any = None) -> dict[str, Any]:
+    """The denoising program's cache key and whether it is cached locally and (with a store)
+    remotely, without compiling. Text families run their text encoder once to know the shapes."""
+    from preheat.cache.compile import key_fields, key_of
+
+    prepared_sig, args = pipe.prepare(sig.bucket, **call_inputs(pipe, sig))
+    key = key_of(key_fields(pipe.fingerprint, prepared_sig, args))
+    local = pipe.compiler is not None and (pipe.compiler.kind_dir / key / "manifest.json").is_file()
+    out: dict[str, Any] = {"key": key, "local": bool(local), "remote": None}
+    if remote is not None:
+        out["remote"] = remote.has("jax", key)
+    return out
+
+
+def warm(warm_set: WarmSet, pipe: Any, log: Callable[[str], None] = lambda line: None,
+         push_timeout_s: float = 600.0) -> dict[str, Any]:
+    """Compile every signature of ``warm_set`` with ``pipe`` (``preheat.load(warm_set.model,
+    dtype=warm_set.dtype)``) into its cache root, and upload every local entry the store lacks
+    when it has one (``PREHEAT_CACHE_URL``). Returns ``{"signatures": [{"signature",
+    "cache_layer", "seconds", "remote"}], "pushed": bool}``; with a store, ``remote`` says whether
+    it holds the signature's denoising program afterwards (None: it could not be asked or is not
+    trusted), and ``pushed`` is False unless it holds every one."""
+    import time
+
+    resolved = resolve(pipe, warm_set)
+    rows = []
+    sigs = signatures(pipe, resolved)
+    for sig in sigs:
+        t0 = time.perf_counter()
+        run_signature(pipe, sig)
+        layer = pipe.last.cache_layer
+        rows.append({"signature": sig.describe(), "cache_layer": layer, "seconds": time.perf_counter() - t0})
+        log(f"{sig.describe()}: {rows[-1]['seconds']:.2f}s (cache: {layer})")
+    compiler = pipe.compiler
+    pushed = True
+    if compiler is not None and compiler.remote is not None:
+        compiler.push_missing()  # entries compiled earlier, that the store lacks
+        pushed = compiler.wait_pushes(push_timeout_s)
+        for sig, row in zip(sigs, rows):  # what the fleet will find: the store's word, not ours
+            row["remote"] = status(pipe, sig, compiler.remote)["remote"]
+        pushed = pushed and all(row["remote"] for row in rows)
+    return {"signatures": rows, "pushed": pushed}

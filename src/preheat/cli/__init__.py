@@ -1,0 +1,62 @@
+"""The `preheat` command: a thin layer over the library, and the only place that imports click.
+
+Each subcommand checks its options, calls the library, and prints. A ``PreheatError`` prints as
+one line on stderr (``error: ...``) and exits 2 for bad arguments, 1 for everything else; never a
+traceback, never a partial output file.
+
+    preheat.cli           the ``preheat`` group and its global options (``main``: the console script)
+    preheat.cli.sample    ``preheat sample``
+    preheat.cli.train     ``preheat train-digits``
+    preheat.cli.pull      ``preheat pull``
+    preheat.cli.cache     ``preheat cache ls | info | verify | explain | prune | clear``
+    preheat.cli.doctor    ``preheat doctor``
+    preheat.cli.serve     ``preheat serve`` (also ``python -m preheat.server``)
+    preheat.cli.warm      ``preheat warm`` (and the declaration options ``preheat serve`` shares)
+    preheat.cli.bench     ``preheat bench sampler | coldstart | compare | serve``
+    preheat.cli._support  one-line errors, shared by the commands
+
+Importing a command module is cheap: JAX, torch, FastAPI and the model code load when a command runs.
+"""
+
+from __future__ import annotations
+
+import click
+
+from preheat._version import __version__
+from preheat.cli.bench import bench_group
+from preheat.cli.cache import cache_group
+from preheat.cli.doctor import doctor_command
+from preheat.cli.pull import pull_command
+from preheat.cli.sample import sample
+from preheat.cli.serve import serve_command
+from preheat.cli.train import train_digits_command
+from preheat.cli.warm import warm_command
+
+__all__ = ["main"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="preheat")
+@click.option("--cache-url", envvar="PREHEAT_CACHE_URL",
+              help="Shared compile cache for a fleet: s3://bucket/prefix, any fsspec URL, or a shared folder.")
+@click.option("--trust-remote-cache", is_flag=True, help="Use shared-cache entries without a signing key.")
+def main(cache_url: str | None, trust_remote_cache: bool) -> None:
+    """preheat: diffusion sampling that starts hot."""
+    import logging
+    import os
+
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    if cache_url:
+        os.environ["PREHEAT_CACHE_URL"] = cache_url
+    if trust_remote_cache:
+        os.environ["PREHEAT_TRUST_REMOTE_CACHE"] = "1"
+
+
+main.add_command(sample, "sample")
+main.add_command(train_digits_command, "train-digits")
+main.add_command(doctor_command, "doctor")
+main.add_command(cache_group, "cache")
+main.add_command(pull_command, "pull")
+main.add_command(serve_command, "serve")
+main.add_command(warm_command, "warm")
+main.add_command(bench_group, "bench")

@@ -1,0 +1,251 @@
+"""`preheat bench ...`: benchmarks, with warm-up, medians and min/max (speed is measured here, not
+in tests). Each command checks its options and calls the benchmark in ``preheat.bench``."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import click
+
+from preheat.bench.compare import PATHS
+from preheat.cli._support import one_line_errors
+
+__all__ = ["bench_group"]
+
+
+@click.group("bench")
+def bench_group() -> None:
+    """Benchmarks: numbers with warm-up, medians and min/max (speed is measured here, not in tests)."""
+
+
+@bench_group.command("sampler")
+@click.argument("model", required=False)
+@click.option("--batch", "batches", multiple=True, type=int, help="Batch sizes (default 1, 8, 32).")
+@click.option("--steps", default=10, show_default=True, type=int)
+@click.option("--sampler")
+@click.option("--repeats", default=3, show_default=True, type=int)
+@click.option("--width", type=int, help="Text-to-image models: image width (default: the model's).")
+@click.option("--height", type=int, help="Text-to-image models: image height (default: the model's).")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@one_line_errors
+def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sampler: str | None, repeats: int,
+                    width: int | None, height: int | None, json_out: Path | None) -> None:
+    """Loop overhead, images/s and achieved GFLOP/s (and, for text-to-image models, the share of
+    text encoding and VAE decoding). MODEL: a folder, 'ddpm-cifar10-32' or 'sd15-random' (random
+    weights), or nothing for the built-in model."""
+    from preheat.bench.common import write_json
+    from preheat.bench.sampler import bench_sampler, markdown
+
+    size = (width, height) if width and height else None
+    with tempfile.TemporaryDirectory() as tmp:
+        result = bench_sampler(model, list(batches) or [1, 8, 32], steps, sampler, repeats, Path(tmp), size)
+    click.echo(markdown(result))
+    write_json(json_out, result)
+
+
+@bench_group.command("coldstart")
+@click.argument("model", required=False)
+@click.option("--n", "n", default=8, show_default=True, type=int, help="Batch size.")
+@click.option("--steps", type=int, help="Steps (model default when absent).")
+@click.option("--repeats", default=3, show_default=True, type=int, help="Fresh processes per cache state.")
+@click.option("--cache-url", help="Also measure a fresh local root pulling from this shared store.")
+@click.option("--prompt", help="Text-to-image models: the prompt (default: a fixed one).")
+@click.option("--width", type=int, help="Text-to-image models: image width.")
+@click.option("--height", type=int, help="Text-to-image models: image height.")
+@click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True,
+              help="torch: eager vs --compile cold vs warm, each child with an empty Inductor cache folder.")
+@click.option("--compile", "compile_mode", type=click.Choice(["regional", "inductor", "aot"]), default="regional",
+              show_default=True, help="--backend torch: the compile mode measured.")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
+@one_line_errors
+def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int, cache_url: str | None,
+                      prompt: str | None, width: int | None, height: int | None, backend: str, compile_mode: str,
+                      json_out: Path | None, png_out: Path | None) -> None:
+    """Process start to first image, empty vs XLA-cache-only vs fully warm cache, in fresh processes."""
+    from preheat.bench.coldstart import bench_coldstart, bench_coldstart_torch, markdown, plot
+    from preheat.bench.common import write_json
+    from preheat.errors import InvalidArgumentError
+
+    if backend == "torch" and cache_url:
+        raise InvalidArgumentError("--cache-url is measured for --backend jax only")
+
+    args: tuple[str, ...] = ()
+    for flag, value in (("--prompt", prompt), ("--width", width), ("--height", height)):
+        if value is not None:
+            args += (flag, str(value))
+    if (width or height) and not prompt:
+        args += ("--prompt", "a watercolor fox")
+    with tempfile.TemporaryDirectory() as tmp:
+        if backend == "torch":
+            result = bench_coldstart_torch(model, n, steps, repeats, Path(tmp), compile_mode, args)
+        else:
+            result = bench_coldstart(model, n, steps, repeats, Path(tmp), cache_url, args)
+    click.echo(markdown(result))
+    write_json(json_out, result)
+    if png_out:
+        plot(result, png_out)
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
+    from preheat.errors import InvalidArgumentError
+
+    try:
+        sizes = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise InvalidArgumentError(f"--batch-sizes {text!r} must be comma-separated positive ints") from None
+    if not sizes or min(sizes) <= 0:
+        raise InvalidArgumentError(f"--batch-sizes {text!r} must be comma-separated positive ints")
+    return sizes
+
+
+@bench_group.command("compare")
+@click.argument("model", required=False)
+@click.option("--sampler", help="Sampler (default: the model's if deterministic, else ddim).")
+@click.option("--steps", type=int, help="Steps (default: the model's; --quick: 4).")
+@click.option("--batch", type=int, help="Batch of the cold-start runs (default 8; --quick: 1).")
+@click.option("--batch-sizes", help="Steady-state batch sizes (default 1,8,32; --quick: 1,8).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--guidance", type=float, help="Guidance scale (default: the model's).")
+@click.option("--repeats", type=int, help="Fresh processes per cache state (default 3; --quick: 1).")
+@click.option("--steady-repeats", type=int, help="Timed calls per batch size (default 5; --quick: 2).")
+@click.option("--paths", "paths_opt", default=",".join(PATHS), show_default=True, help="Which paths to run.")
+@click.option("--xla-flags", "xla_flags", multiple=True, metavar="NAME=FLAGS",
+              help="Also run JAX with these extra XLA_FLAGS, reported as jax[NAME]; repeatable.")
+@click.option("--quick", is_flag=True, help="Batch 1 and 8, 4 steps, one process per cache state.")
+@click.option("--prompt", help="Text-to-image models: the prompt (default: a fixed one).")
+@click.option("--width", type=int, help="Text-to-image models: image width.")
+@click.option("--height", type=int, help="Text-to-image models: image height.")
+@click.option("--timeout", default=1800.0, show_default=True, type=float, help="Seconds per child process.")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--keep", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep the work folder (cache roots, pixels) here instead of a temporary one.")
+def compare_command(model: str | None, sampler: str | None, steps: int | None, batch: int | None,
+                    batch_sizes: str | None, seed: int, guidance: float | None, repeats: int | None,
+                    steady_repeats: int | None, paths_opt: str, xla_flags: tuple[str, ...], quick: bool,
+                    prompt: str | None, width: int | None, height: int | None,
+                    timeout: float, json_out: Path | None, png_out: Path | None, keep: Path | None) -> None:
+    """JAX vs torch eager vs torch.compile vs AOTInductor on MODEL (default: the built-in model;
+    also a random-weight architecture: ddpm-cifar10-32, sd15-random)."""
+    inputs = {k: v for k, v in (("prompt", prompt), ("width", width), ("height", height)) if v is not None}
+    one_line_errors(_compare)(model, sampler, steps, batch, batch_sizes, seed, guidance, repeats, steady_repeats,
+                              paths_opt, xla_flags, quick, timeout, json_out, png_out, keep, inputs)
+
+
+def _compare(model: str | None, sampler: str | None, steps: int | None, batch: int | None, batch_sizes: str | None,
+             seed: int, guidance: float | None, repeats: int | None, steady_repeats: int | None, paths_opt: str,
+             xla_flags: tuple[str, ...], quick: bool, timeout: float, json_out: Path | None, png_out: Path | None,
+             keep: Path | None, inputs: dict[str, Any] | None = None) -> None:
+    from preheat.bench.common import write_json
+    from preheat.bench.compare import FULL, QUICK, bench_compare, markdown, plot
+    from preheat.errors import InvalidArgumentError, SchedulerConfigError
+    from preheat.samplers import SAMPLERS
+
+    from preheat.bench.common import ARCHITECTURES
+    from preheat.engine import BUILTIN_MODEL
+    from preheat.errors import ModelNotFoundError
+
+    if model is None and not (BUILTIN_MODEL / "model_index.json").is_file():
+        raise ModelNotFoundError(f"the built-in model is not installed ({BUILTIN_MODEL}); pass a model folder")
+    from preheat.store import is_remote
+
+    from preheat.bench.random_models import TEXT_ARCHITECTURES
+
+    if (model is not None and model not in ARCHITECTURES and model not in TEXT_ARCHITECTURES and not is_remote(model)
+            and not Path(model).expanduser().exists()):
+        raise ModelNotFoundError(f"model path {model} does not exist")
+    preset = QUICK if quick else FULL
+    paths = tuple(p.strip() for p in paths_opt.split(",") if p.strip())
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        raise InvalidArgumentError(f"--paths: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(PATHS)}")
+    if sampler is not None and sampler not in SAMPLERS:
+        raise SchedulerConfigError(f"unknown sampler {sampler!r}; supported: {', '.join(SAMPLERS)}")
+    variants: dict[str, str] = {}
+    for item in xla_flags:
+        name, sep, flags = item.partition("=")
+        if not sep or not name.strip() or not flags.strip():
+            raise InvalidArgumentError(f"--xla-flags {item!r} must be NAME=FLAGS")
+        variants[name.strip()] = flags.strip()
+    sizes = _parse_sizes(batch_sizes) if batch_sizes else preset["batch_sizes"]
+    batch = batch or preset["batch"]
+    repeats = repeats or preset["repeats"]
+    steady_repeats = steady_repeats or preset["steady_repeats"]
+    for name, value in (("--batch", batch), ("--repeats", repeats), ("--steady-repeats", steady_repeats),
+                        ("--steps", steps if steps is not None else 1)):
+        if value <= 0:
+            raise InvalidArgumentError(f"{name} {value} must be a positive int")
+    for out in (json_out, png_out):
+        if out is not None and not out.parent.is_dir():
+            raise InvalidArgumentError(f"{out.parent} does not exist")
+
+    def log(line: str) -> None:
+        click.echo(line, err=True)
+
+    started = time.perf_counter()
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        context: Any = _Kept(keep)
+    else:
+        context = tempfile.TemporaryDirectory(prefix="preheat-compare-")
+    with context as work:
+        result = bench_compare(model, sampler=sampler, steps=steps or preset["steps"], batch=batch,
+                               batch_sizes=sizes, seed=seed, guidance=guidance, repeats=repeats,
+                               steady_repeats=steady_repeats, paths=paths, xla_variants=variants,
+                               workdir=Path(work), timeout=timeout, log=log, inputs=inputs)
+    result["wall_s"] = time.perf_counter() - started
+    result["settings"]["quick"] = quick
+    click.echo(markdown(result))
+    write_json(json_out, result)
+    if png_out:
+        plot(result, png_out)
+
+
+class _Kept:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self) -> str:
+        return str(self.path)
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+@bench_group.command("serve")
+@click.argument("model", required=False)
+@click.option("--requests", "n_requests", default=256, show_default=True, type=int, help="Requests to send in all.")
+@click.option("--concurrency", default=32, show_default=True, type=int, help="Concurrent clients.")
+@click.option("--max-batch-size", default=8, show_default=True, type=int)
+@click.option("--batch-wait-ms", default=10.0, show_default=True, type=float)
+@click.option("--steps", type=int, help="num_inference_steps per request (model default when absent).")
+@click.option("--timeout-s", default=600.0, show_default=True, type=float, help="Give up after this long in all.")
+@click.option("--offline-s", default=8.0, show_default=True, type=float,
+              help="Seconds to time the offline baseline (before and after the load).")
+@click.option("--json", "json_out", default="bench-serve.json", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
+@one_line_errors
+def bench_serve_command(model: Optional[str], n_requests: int, concurrency: int, max_batch_size: int,
+                        batch_wait_ms: float, steps: Optional[int], timeout_s: float, offline_s: float,
+                        json_out: Path) -> None:
+    """Load-test `preheat serve` on 127.0.0.1: throughput vs offline batching, latency, exactly-once."""
+    from preheat.errors import InvalidArgumentError
+    from preheat.bench.serve import markdown, run_bench
+
+    if n_requests < 1 or concurrency < 1 or max_batch_size < 1 or timeout_s <= 0 or offline_s <= 0:
+        raise InvalidArgumentError("--requests, --concurrency, --max-batch-size, --timeout-s and --offline-s must be positive")
+    if steps is not None and steps < 1:
+        raise InvalidArgumentError(f"--steps {steps} must be a positive int")
+    result = run_bench(model, n_requests=n_requests, concurrency=concurrency, max_batch_size=max_batch_size,
+                       batch_wait_ms=batch_wait_ms, steps=steps, timeout_s=timeout_s, offline_s=offline_s,
+                       json_out=json_out,
+                       log=lambda line: click.echo(line, err=True))
+    click.echo(markdown(result))
+    click.echo(f"wrote {json_out}", err=True)
+    if not result["exactly_once"] or result["server_exit_code"] != 0:
+        sys.exit(1)

@@ -1,0 +1,116 @@
+"""`preheat warm`: compile a declared set of programs ahead of time (a Docker build step, CI, or
+a one-off job against the fleet store), so that a new pod's first request never compiles.
+
+The declaration's options (``declaration_options``) are the same on ``preheat serve``, so a warm
+job and a server agree on what "warm" means.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Callable, Optional
+
+import click
+
+from preheat.cli._support import one_line_errors
+
+__all__ = ["warm_command", "declaration_options", "warm_set_from_options"]
+
+
+def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """MODEL, --dtype, --max-batch-size, --samplers, --sizes, --guidance: the warm set."""
+    options = [
+        click.argument("model", required=False),
+        click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16."),
+        click.option("--max-batch-size", default=8, show_default=True, type=int,
+                     help="Largest engine batch; buckets 1, 2, 4 ... up to it are compiled."),
+        click.option("--samplers", "samplers_text", metavar="A,B,...",
+                     help="Samplers offered (each compiled; a server refuses others). Default: the model's own."),
+        click.option("--sizes", "sizes_text", metavar="WxH,...",
+                     help="Text-to-image: sizes served (each compiled; a server refuses others). Default: the model's."),
+        click.option("--guidance", "guidance_text", default="off,on", show_default=True, metavar="off,on",
+                     help="Guidance modes compiled ('on' only where the model can guide)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def samplers_from_text(text: Optional[str]) -> tuple[str, ...]:
+    """``--samplers a,b`` -> ("a", "b"); unknown names fail in one line."""
+    from preheat.errors import SchedulerConfigError
+    from preheat.samplers import SAMPLERS
+
+    names = tuple(dict.fromkeys(n.strip() for n in (text or "").split(",") if n.strip()))
+    for name in names:
+        if name not in SAMPLERS:
+            raise SchedulerConfigError(f"--samplers {name!r} is unknown; choose from {', '.join(SAMPLERS)}")
+    return names
+
+
+def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
+                          sizes_text: Optional[str], guidance_text: str) -> Any:
+    """The ``WarmSet`` the declaration options describe (one-line errors for bad values)."""
+    from preheat.cache.warm import WarmSet
+    from preheat.errors import InvalidArgumentError
+    from preheat.server.inputs import parse_sizes
+
+    if max_batch_size < 1 or max_batch_size > 1024:
+        raise InvalidArgumentError(f"--max-batch-size {max_batch_size} must be in 1..1024")
+    guidance = tuple(dict.fromkeys(g.strip().lower() for g in guidance_text.split(",") if g.strip()))
+    if not guidance or any(g not in ("off", "on") for g in guidance):
+        raise InvalidArgumentError(f"--guidance {guidance_text!r} must be off, on or off,on")
+    return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers_from_text(samplers_text),
+                   sizes=parse_sizes(sizes_text), guidance=guidance)
+
+
+@click.command("warm")
+@declaration_options
+@click.option("--dry-run", is_flag=True, help="List the signatures and where each is cached; compile nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--push-timeout-s", default=600.0, show_default=True, type=float,
+              help="How long uploads to PREHEAT_CACHE_URL may take after the last compile.")
+@one_line_errors
+def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
+                 sizes_text: Optional[str], guidance_text: str, dry_run: bool, as_json: bool,
+                 push_timeout_s: float) -> None:
+    """Compile MODEL's serving programs into the cache root ahead of time (and push them to
+    PREHEAT_CACHE_URL when set), so `preheat serve` with the same options starts with no compile.
+    MODEL: a diffusers folder or store source; nothing for the built-in model."""
+    import sys
+
+    import preheat
+    from preheat.cache import warm as warming
+
+    warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text)
+    pipe = preheat.load(warm_set.model, dtype=warm_set.dtype)
+    if dry_run:
+        resolved = warming.resolve(pipe, warm_set)
+        remote = pipe.compiler.remote if pipe.compiler is not None else None
+        rows = []
+        for sig in warming.signatures(pipe, resolved):
+            found = warming.status(pipe, sig, remote)
+            rows.append({"signature": sig.describe(), "key": found["key"],
+                         "local": "cached" if found["local"] else "missing",
+                         "remote": None if remote is None else {True: "cached", False: "missing", None: "unknown"}[found["remote"]]})
+        if as_json:
+            click.echo(json.dumps({"signatures": rows}, indent=1))
+            return
+        for row in rows:
+            where = f"local {row['local']}" + (f", remote {row['remote']}" if row["remote"] is not None else "")
+            click.echo(f"{row['signature']}  key {row['key'][:12]}  {where}")
+        missing = sum(row["local"] == "missing" for row in rows)
+        click.echo(f"{len(rows)} signature(s), {missing} missing locally")
+        return
+    result = warming.warm(warm_set, pipe=pipe, log=lambda line: click.echo(line, err=True), push_timeout_s=push_timeout_s)
+    if as_json:
+        click.echo(json.dumps(result, indent=1))
+    else:
+        layers: dict[str, int] = {}
+        for row in result["signatures"]:
+            layers[row["cache_layer"]] = layers.get(row["cache_layer"], 0) + 1
+        click.echo(f"warm: {len(result['signatures'])} signature(s) ready ({', '.join(f'{v} {k}' for k, v in sorted(layers.items()))})"
+                   + ("" if result["pushed"] else "; the store (PREHEAT_CACHE_URL) lacks some: see the warnings"))
+    if not result["pushed"]:
+        sys.exit(1)

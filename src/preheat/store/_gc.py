@@ -1,0 +1,57 @@
+"""Collecting what no ref names: snapshots and blobs left by a re-pull of a changed source, a
+``force`` pull, or a pull killed before its ref was written.
+
+A pull writes blobs, then its snapshot (hardlinks to the blobs), then its ref, so a blob or a
+snapshot that no ref names may belong to a pull in progress. Only those older than ``grace_s``
+go, their age taken from both mtime and ctime: hardlinking a blob into a snapshot bumps its ctime,
+so a blob a pull just reused is young again. Nothing is collected while any ref is unreadable
+(what it names is unknown); ``verify_store`` reports such a ref.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from preheat.store._layout import HEX64, Store
+
+__all__ = ["collect_orphans"]
+
+
+def _age(path: Path, now: float) -> float:
+    st = path.stat()
+    return now - max(st.st_mtime, st.st_ctime)
+
+
+def collect_orphans(root: str | os.PathLike[str], *, grace_s: float = 3600.0, now: float | None = None,
+                    dry_run: bool = False) -> list[str]:
+    """Delete (or, with ``dry_run``, list) the snapshots and blobs of ``<root>/models`` that no
+    ref names and that are older than ``grace_s``; returns their ``models/``-relative paths."""
+    store = Store(Path(root))
+    now = time.time() if now is None else now
+    snapshots, blobs = set(), set()
+    for sid in store.ref_ids():
+        ref = store.read_ref(sid)
+        if ref is None:
+            return []
+        snapshots.add(ref.snapshot)
+        blobs.update(e.sha256 for e in ref.files)
+    old_blobs = []  # aged before any snapshot is removed (that bumps the blobs' ctime)
+    if store.blobs.is_dir():
+        for p in sorted(store.blobs.iterdir()):
+            if HEX64.match(p.name) and p.name not in blobs and p.is_file() and _age(p, now) > grace_s:
+                old_blobs.append(p)
+    removed = []
+    if store.snapshots.is_dir():
+        for p in sorted(store.snapshots.iterdir()):
+            if HEX64.match(p.name) and p.name not in snapshots and p.is_dir() and _age(p, now) > grace_s:
+                if not dry_run:
+                    shutil.rmtree(p, ignore_errors=True)
+                removed.append(f"snapshots/{p.name}")
+    for p in old_blobs:
+        if not dry_run:
+            p.unlink(missing_ok=True)
+        removed.append(f"blobs/{p.name}")
+    return removed

@@ -1,0 +1,202 @@
+"""Data parallelism over local devices (``preheat.load(..., devices=)``), on fake CPU devices.
+
+Each multi-device run is a fresh process with ``--xla_force_host_platform_device_count`` (4, or
+2 for "a 4-device entry is not used on 2"); one process per fixture computes everything that
+fixture's tests compare, so each program compiles once.
+
+Pixels on 1 and N devices are compared to within one uint8 level on a few pixels: each device
+runs the batch-1 (or batch B/N) program, and a different batch size may round differently in
+XLA -- the same rule as images in different server buckets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import preheat
+from preheat.errors import InvalidArgumentError
+from preheat.server.core import buckets_for
+from preheat.sharding import parse_devices, select_devices
+from tests.families.sd_fixtures import save_tiny_sd
+from tests.reference import save_tiny_pipeline
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(script: str, devices: int, home: Path, *args: str) -> str:
+    """Run ``script`` in a fresh process with ``devices`` fake CPU devices; its stdout."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+           "PREHEAT_HOME": str(home), "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    env.pop("PREHEAT_DEVICES", None)  # the library's own default (all devices)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], env=env, capture_output=True,
+                       text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> None:
+    """Same images, to within XLA's batch-size rounding (at most 1 level, on at most 1% of values)."""
+    assert a.shape == b.shape and a.dtype == b.dtype == np.uint8
+    diff = np.abs(a.astype(np.int16) - b.astype(np.int16))
+    assert diff.max() <= 1 and (diff > 0).mean() <= 0.01, (diff.max(), (diff > 0).mean())
+
+
+# ---------------------------------------------------------------------------------- same pixels
+
+PIXELS = """
+    import sys, numpy as np, preheat
+    out = {}
+    call = dict(steps=3, seed=5, class_labels=[0, 1, 2, 3], guidance=3.0)  # guided: 2x model batch
+    for d in (1, 2, 4):
+        p = preheat.load(None, devices=d, cache="off")
+        out[f"builtin{d}"] = p.generate(4, **call)
+        if d == 4:  # 3 images pad to the 4-image program: no new executable
+            out["builtin4_n3"] = p.generate(3, **{**call, "class_labels": [0, 1, 2]})
+            out["builtin4_layer"] = np.array(p.last.cache_layer)
+            out["builtin4_programs"] = np.array(len(p._executables))
+            out["builtin4_count"] = np.array(p.device_count)
+    prompts = dict(prompt=["a red fox", "a boat", "snow"], negative_prompt="blurry", guidance=4.0, steps=2,
+                   seed=11, sampler="ddim")
+    for d in (1, 4):  # encode 6 -> 8 rows, denoise and decode 3 -> 4 on four devices
+        q = preheat.load(sys.argv[2], devices=d, cache="off")
+        out[f"sd{d}"] = q.generate(**prompts)
+    np.savez(sys.argv[1], **out)
+"""
+
+
+@pytest.fixture(scope="module")
+def pixels(tmp_path_factory):
+    base = tmp_path_factory.mktemp("devices")
+    sd = save_tiny_sd(base / "sd1", kind="sd1")
+    _run(PIXELS, 4, base / "home", str(base / "out.npz"), str(sd))
+    return dict(np.load(base / "out.npz"))
+
+
+def test_builtin_model_same_pixels_on_1_2_4_devices(pixels):
+    _close(pixels["builtin1"], pixels["builtin2"])
+    _close(pixels["builtin1"], pixels["builtin4"])
+    assert pixels["builtin4"].std() > 0  # real images, not a constant
+
+
+def test_a_batch_that_does_not_split_is_padded_and_reuses_the_bucket_program(pixels):
+    assert int(pixels["builtin4_count"]) == 4
+    _close(pixels["builtin4_n3"], pixels["builtin4"][:3])  # per-image seeds: the same 3 images
+    assert str(pixels["builtin4_layer"]) == "memory" and int(pixels["builtin4_programs"]) == 1
+
+
+def test_text_model_same_pixels_on_1_and_4_devices(pixels):
+    assert pixels["sd4"].shape == (3, *pixels["sd1"].shape[1:])
+    _close(pixels["sd1"], pixels["sd4"])
+
+
+# ------------------------------------------------------------------------------------ the cache
+
+SERVE = """
+    import json, sys, numpy as np, preheat
+    p = preheat.load(sys.argv[1], devices=int(sys.argv[2]))
+    out = p.generate(4, steps=3, seed=7)
+    np.save(sys.argv[3], out)
+    print(json.dumps({"layer": p.last.cache_layer, "event": p.compiler.events[-1]}, default=str))
+"""
+
+EXPLAIN = """
+    import sys
+    from preheat.cli import main
+    sys.argv = ["preheat", "cache", "explain", sys.argv[1], "--n", "4", "--steps", "3", "--devices", sys.argv[2]]
+    main()
+"""
+
+
+def test_sharded_executable_restarts_warm_and_is_not_used_on_two_devices(tmp_path):
+    model = save_tiny_pipeline(tmp_path / "pipe")
+    home = tmp_path / "home"
+
+    def serve(devices: int, host_devices: int, name: str) -> dict:
+        return json.loads(_run(SERVE, host_devices, home, str(model), str(devices), str(tmp_path / name)).splitlines()[-1])
+
+    cold = serve(4, 4, "cold.npy")
+    assert cold["layer"] == "none" and cold["event"]["store"] == "written"
+    warm = serve(4, 4, "warm.npy")  # a fresh process loads the 4-device executable
+    assert warm["layer"] == "aot" and warm["event"]["trace_lower_s"] == 0.0
+    assert np.array_equal(np.load(tmp_path / "cold.npy"), np.load(tmp_path / "warm.npy"))  # the same program
+    assert _run(EXPLAIN, 4, home, str(model), "4").startswith("hit:")
+
+    said = _run(EXPLAIN, 2, home, str(model), "2")  # a host with two devices
+    assert said.startswith("miss:") and "mesh.axes.data" in said and "mesh.devices" in said, said
+    two = serve(2, 2, "two.npy")
+    assert two["layer"] == "none" and "mesh.axes.data" in two["event"]["miss"], two
+    _close(np.load(tmp_path / "cold.npy"), np.load(tmp_path / "two.npy"))
+
+
+SERVER = """
+    import json, sys
+    from preheat.server.core import Core, CoreConfig
+    core = Core(CoreConfig(model=sys.argv[1], max_batch_size=8, devices=4, batch_wait_ms=0)).start()
+    assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+    programs = len(core.pipe._executables)
+    pred, _ = core.submit(*core.parse({"seed": 3, "num_outputs": 3, "num_inference_steps": 2}))
+    assert pred.done.wait(300), pred.status
+    print(json.dumps({"buckets": core.buckets, "signatures": len(core.signatures()), "programs": programs,
+                      "status": pred.status, "images": len(pred.output or []), "stats": core.stats,
+                      "after": len(core.pipe._executables)}))
+    core.close()
+"""
+
+
+def test_server_compiles_one_program_per_bucket_and_no_device_idles(tmp_path):
+    model = save_tiny_pipeline(tmp_path / "pipe")
+    got = json.loads(_run(SERVER, 4, tmp_path / "home", str(model)).splitlines()[-1])
+    assert got["buckets"] == [4, 8]  # multiples of the device count
+    assert got["programs"] == got["signatures"] == 4  # guidance off / on x two buckets: one program each
+    assert got["status"] == "succeeded" and got["images"] == 3  # 3 images ran in bucket 4, padded
+    assert got["stats"]["traffic_compiles"] == 0 and got["after"] == got["programs"]
+
+
+# ------------------------------------------------------------------------- choices and buckets
+
+
+def test_single_device_keeps_the_single_device_program():
+    first = jax.local_devices()[0].id
+    assert select_devices(1) is None and select_devices([first]) is None
+    if len(jax.local_devices()) >= 2:
+        mesh = select_devices(2)
+        assert mesh.axis_names == ("data",) and mesh.size == 2
+
+
+@pytest.mark.parametrize("devices", ["most", 0, -1, 10_000, [10_000], [0, 0], [], True, 2.0, ["0"]])
+def test_bad_devices_are_one_line_errors(devices):
+    with pytest.raises(InvalidArgumentError) as err:
+        preheat.load(None, devices=devices, cache="off")
+    assert "devices" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_devices_from_the_command_line_and_environment(monkeypatch):
+    assert parse_devices("all") == "all" and parse_devices("2") == 2 and parse_devices("0, 2") == [0, 2]
+    assert parse_devices(None) is None
+    with pytest.raises(InvalidArgumentError, match="--devices"):
+        parse_devices("gpu0", "--devices")
+    monkeypatch.setenv("PREHEAT_DEVICES", "1")
+    assert select_devices() is None
+    monkeypatch.setenv("PREHEAT_DEVICES", "none")
+    with pytest.raises(InvalidArgumentError, match="PREHEAT_DEVICES"):
+        select_devices()
+
+
+def test_server_buckets_are_multiples_of_the_device_count():
+    assert buckets_for(8) == (1, 2, 4, 8) and buckets_for(6) == (1, 2, 4, 6)  # one device: as before
+    assert buckets_for(8, 4) == (4, 8)
+    assert buckets_for(6, 4) == (4, 8)  # 6 images still fit a bucket
+    assert buckets_for(3, 4) == (4,)
+    assert buckets_for(32, 8) == (8, 16, 32)
+    for max_batch, devices in [(8, 2), (12, 8), (1, 2)]:
+        buckets = buckets_for(max_batch, devices)
+        assert all(b % devices == 0 for b in buckets) and buckets[-1] >= max_batch
