@@ -125,6 +125,29 @@ def test_signature_keys_shapes_or_only_ranks():
     assert signature({"t": x, "n": None, "scale": 3.5}) == {"t": signature(x), "n": None, "scale": 3.5}
 
 
+@pytest.mark.slow
+def test_full_dynamic_compiles_one_entry_for_every_batch(tmp_path, monkeypatch):
+    """mode="full", dynamic=True: batch 2 compiles and stores one entry whose signature keeps
+    only ranks; batch 3 then runs under error_on_recompile with no new entry."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.manual_seed(0)
+    net = _Net().eval()
+    x2, x3 = torch.randn(2, 4), torch.randn(3, 4)
+    with torch.no_grad():
+        eager2, eager3 = net(x2), net(x3)
+        preheat.torch.compile(net, mode="full", dynamic=True)
+        y2 = net(x2)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            y3 = net(x3)
+    (event,) = preheat.torch.events(net)
+    assert event["layer"] == "none" and event["store"] == "written"
+    (entry,) = _entries(Path(os.environ["PREHEAT_HOME"]))
+    fields = json.loads((entry / "manifest.json").read_text())["fields"]
+    assert fields["shapes"]["args"][0]["shape"] == ["s", "s"] and fields["compile_options"]["duck_shape"] is False
+    torch.testing.assert_close(y2, eager2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y3, eager3, atol=1e-5, rtol=1e-5)
+
+
 # ------------------------------------------------------------------ fresh processes
 
 _CHILD = r"""
