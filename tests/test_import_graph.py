@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("families",),  # per-family loading over the models
     ("engine",),  # Pipeline and preheat.load
     ("backends",),  # the torch comparison backend, built on the engine's Pipeline
-    ("api",),  # preheat.load: dispatches to the engine or the torch backend
+    ("api", "torch"),  # preheat.load: dispatches to the engine or the torch backend; preheat.torch.compile
     ("doctor", "train"),  # surfaces below the command line
     ("bench", "server"),
     ("integrations",),  # Runpod's handler over the server

@@ -18,6 +18,7 @@ from preheat.cli.serve import serve_command
     (["--body-timeout-s", "-1"], "--body-timeout-s -1.0 must be > 0"),
     (["--max-body-bytes", "0"], "--max-body-bytes 0 must be >= 1"),
     (["--webhook-allow", "10.0.0.0/99"], "--webhook-allow: webhook allow-list entry '10.0.0.0/99' is not a valid CIDR"),
+    (["--compile", "regional"], "--compile regional applies to --backend torch"),
 ])
 def test_serve_rejects_bad_options_in_one_line(args: list[str], message: str) -> None:
     result = CliRunner().invoke(serve_command, args)
@@ -39,3 +40,13 @@ def test_serve_backend_torch_needs_a_torch_pipeline(monkeypatch: pytest.MonkeyPa
 def test_bench_serve_rejects_bad_counts() -> None:
     result = CliRunner().invoke(bench_serve_command, ["--requests", "0"])
     assert result.exit_code == 2 and result.output.startswith("error: ")
+
+
+def test_serve_compile_reaches_the_torch_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    import preheat.backends.torch as torch_backend
+    from preheat.server.core import CoreConfig, load_pipeline
+
+    calls = []
+    monkeypatch.setattr(torch_backend, "load", lambda model, **kw: calls.append((model, kw)) or "pipe")
+    assert load_pipeline(CoreConfig(model="m", backend="torch", compile="regional")) == "pipe"
+    assert calls == [("m", {"dtype": "float32", "compile": "regional"})]

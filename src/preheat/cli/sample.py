@@ -72,8 +72,8 @@ def save_png(image: Any, path: Path) -> None:
 @click.option("--variant", help="Weight files *.VARIANT.safetensors (e.g. fp16).")
 @click.option("--cache", type=click.Choice(["full", "xla", "off"]), help="Compile cache layers (default: full).")
 @click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True)
-@click.option("--compile", "compile_mode", type=click.Choice(["none", "inductor", "aot"]), default="none",
-              show_default=True, help="torch backend: eager, torch.compile, or AOTInductor.")
+@click.option("--compile", "compile_mode", type=click.Choice(["none", "inductor", "aot", "regional"]), default="none",
+              show_default=True, help="torch backend: eager, torch.compile, AOTInductor, or regional (repeated blocks).")
 @click.option("--quiet", is_flag=True, help="No progress or summary.")
 @one_line_errors
 def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt: str | None, width: int | None,

@@ -80,6 +80,9 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback unless told).")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port (0 = any free port, printed at start).")
 @click.option("--backend", default="jax", show_default=True, type=click.Choice(["jax", "torch"]))
+@click.option("--compile", "compile_mode", default="none", show_default=True,
+              type=click.Choice(["none", "inductor", "aot", "regional"]),
+              help="--backend torch: eager, torch.compile, AOTInductor or regional (the repeated blocks).")
 @click.option("--devices", "devices_text", metavar="all|N|ID,ID,...",
               help="JAX: the devices each batch is split over (default all; $PREHEAT_DEVICES); buckets are "
                    "then multiples of their count.")
@@ -105,7 +108,8 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @one_line_errors
-def serve_command(model: Optional[str], host: str, port: int, backend: str, dtype: str, max_batch_size: int,
+def serve_command(model: Optional[str], host: str, port: int, backend: str, compile_mode: str, dtype: str,
+                  max_batch_size: int,
                   devices_text: Optional[str], batch_wait_ms: float, max_queue: int, max_steps: int,
                   samplers_text: Optional[str], sizes_text: Optional[str], guidance_text: str, grace_s: float,
                   push_grace_s: float,
@@ -128,6 +132,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, dtyp
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text)
     webhooks = _webhook_policy(webhook_allow_private, webhook_allow)
     _check_backend(backend)
+    if compile_mode != "none" and backend != "torch":
+        raise InvalidArgumentError(f"--compile {compile_mode} applies to --backend torch")
     if devices_text is not None and backend != "jax":
         raise InvalidArgumentError("--devices applies to --backend jax")
     from preheat.sharding import parse_devices
@@ -142,7 +148,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, dtyp
     from preheat.server.serve import serve
 
     config = CoreConfig.from_warm_set(warm_set, backend=backend, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
-                                      max_steps=max_steps, push_grace_s=push_grace_s, devices=devices)
+                                      max_steps=max_steps, push_grace_s=push_grace_s, devices=devices,
+                                      compile=compile_mode)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,

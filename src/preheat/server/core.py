@@ -75,6 +75,7 @@ class NotAccepting(Exception):
 class CoreConfig:
     model: Optional[str] = None  # a diffusers folder; None = the built-in model
     backend: str = "jax"
+    compile: str = "none"  # torch backend: none, inductor, aot or regional (preheat.torch.compile)
     dtype: str = "float32"
     max_batch_size: int = 8
     devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
@@ -152,6 +153,8 @@ def load_pipeline(config: CoreConfig) -> Any:
     from preheat.errors import InvalidArgumentError
 
     if config.backend == "jax":
+        if config.compile != "none":
+            raise InvalidArgumentError(f"--compile {config.compile} applies to --backend torch")
         import preheat
 
         return preheat.load(config.model, dtype=config.dtype, devices=config.devices)
@@ -163,7 +166,7 @@ def load_pipeline(config: CoreConfig) -> Any:
         loader = getattr(torch_backend, "load", None)
         if loader is None:
             raise InvalidArgumentError("--backend torch: preheat.backends.torch provides no pipeline yet; use --backend jax")
-        return loader(config.model, dtype=config.dtype)
+        return loader(config.model, dtype=config.dtype, compile=config.compile)
     raise InvalidArgumentError(f"unknown backend {config.backend!r}; use jax or torch")
 
 

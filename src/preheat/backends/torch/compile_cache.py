@@ -5,7 +5,9 @@ Same rules as the JAX cache (``preheat.cache.compile``), by calling the same fun
 an entry is published atomically with a sha256 manifest (``publish_entry``), verified on every
 read (``open_entry``), moved to ``<root>/quarantine/`` when bad (``quarantine``), and guarded by
 a ``LoadingMarker`` while it is loaded, so a load that kills the process quarantines the entry
-on the next start. A bad entry means a recompile, never an error to the user.
+on the next start. A bad entry means a recompile, never an error to the user. With
+``PREHEAT_CACHE_URL`` set, a local miss is pulled from the fleet store (verified, signed) and
+every entry written is pushed to it, as on the JAX side (kind ``torch``).
 
 Two kinds of entry (``fields["mode"]``):
 
@@ -33,8 +35,10 @@ them once at load.
 Key: torch / CUDA / HIP / triton / diffusers versions, device and its name (host CPU model,
 instruction-set flags and torch's thread count on CPU), the UNet architecture (config.json minus bookkeeping), the
 shapes the UNet sees (the model batch: doubled under classifier-free guidance; image size),
-dtype, compile options, ``TORCHINDUCTOR_*`` settings, preheat's version and the source of the
-code traced here. Never the weights. Every model batch and image size is its own entry.
+dtype, compile options, ``TORCHINDUCTOR_*`` settings and Inductor settings changed in Python,
+preheat's version and the source of the code traced here. Never the weights. Every model batch
+and image size is its own entry. (``preheat.torch.compile`` keys any module the same way, with
+its input signature as the shapes: see ``preheat.backends.torch.compiled``.)
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from preheat.cache.root import resolve_root
 from preheat.errors import CacheEntryError
 from preheat.timings import Timings
 
-__all__ = ["TorchCompiler", "torch_key_fields", "INDUCTOR_OPTIONS", "AOT_INDUCTOR_CONFIGS", "CACHE_MODES"]
+__all__ = ["TorchCompiler", "torch_key_fields", "inductor_config_changes", "INDUCTOR_OPTIONS", "AOT_INDUCTOR_CONFIGS", "CACHE_MODES"]
 
 log = logging.getLogger("preheat.cache")
 
@@ -117,20 +121,56 @@ def device_description(device: Any) -> dict[str, Any]:
     return {"device": dev.type, "device_name": str(dev)}
 
 
-def torch_key_fields(fingerprint: dict[str, Any], *, mode: str, model_batch: int, sample_chw: tuple[int, int, int],
-                     class_conditional: bool, dtype: str, device: Any) -> dict[str, Any]:
-    """Every input that changes the compiled UNet, as JSON-able fields (the key's content)."""
+# Inductor settings torch itself writes while compiling (not a user's choice, so not in the key):
+# AOTInductor fills the package's metadata dict (device, platform, CPU ISA) in place.
+_RUNTIME_STATE = frozenset({"aot_inductor.metadata"})
+
+
+def inductor_config_changes() -> dict[str, Any]:
+    """Inductor settings (``torch._inductor.config``) that differ from torch's defaults and are
+    not marked compile-ignored: what a user set in Python rather than through the environment."""
+    try:
+        import torch._inductor.config as cfg
+
+        entries = cfg._config
+        ignored = set(cfg._compile_ignored_keys)
+    except (ImportError, AttributeError):  # pragma: no cover - another torch layout
+        return {}
+    changed = {}
+    for name, entry in sorted(entries.items()):
+        if name.startswith("_") or name in ignored or name in _RUNTIME_STATE:
+            continue
+        value = getattr(cfg, name, None)
+        if value != entry.default:
+            plain = value is None or isinstance(value, (bool, int, float, str, list, dict, tuple))
+            changed[name] = value if plain else type(value).__qualname__  # never a repr with an address
+    return changed
+
+
+def torch_key_fields(fingerprint: dict[str, Any], *, mode: str, dtype: str, device: Any,
+                     model_batch: int | None = None, sample_chw: tuple[int, int, int] | None = None,
+                     class_conditional: bool = False, shapes: dict[str, Any] | None = None,
+                     options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every input that changes the compiled model, as JSON-able fields (the key's content).
+
+    ``shapes``: what the compiled code was called with (``preheat.torch.compile``'s input
+    signature); by default the UNet's (model batch, sample C/H/W, class labels).
+    ``options``: the compile options; by default ``INDUCTOR_OPTIONS`` or the AOTInductor ones."""
     import diffusers
     import torch
 
-    options = dict(INDUCTOR_OPTIONS) if mode == "inductor" else {**AOT_INDUCTOR_CONFIGS, **AOT_EXPORT_OPTIONS}
+    if options is None:
+        options = dict(INDUCTOR_OPTIONS) if mode == "inductor" else {**AOT_INDUCTOR_CONFIGS, **AOT_EXPORT_OPTIONS}
+    if shapes is None:
+        assert model_batch is not None and sample_chw is not None
+        shapes = {"model_batch": int(model_batch), "sample": [int(s) for s in sample_chw],
+                  "class_labels": bool(class_conditional)}
     fields = {
         "schema": SCHEMA,
         "backend": "torch",
         "mode": mode,
         "model": fingerprint,
-        "shapes": {"model_batch": int(model_batch), "sample": [int(s) for s in sample_chw],
-                   "class_labels": bool(class_conditional)},
+        "shapes": shapes,
         "dtype": dtype,
         **device_description(device),
         "torch": torch.__version__,
@@ -139,6 +179,7 @@ def torch_key_fields(fingerprint: dict[str, Any], *, mode: str, model_batch: int
         "triton": _dist_version("triton") or _dist_version("pytorch-triton-rocm"),
         "diffusers": diffusers.__version__,
         "compile_options": options,
+        "inductor_config": inductor_config_changes(),
         "env": {k: v for k, v in sorted(os.environ.items())
                 if k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR"},
         "preheat": __version__,
@@ -209,6 +250,28 @@ class _KernelRecorder:
             self._saved = None
 
 
+@contextlib.contextmanager
+def _no_header_precompile() -> Any:
+    """While the kernels of a hit load: no precompiled C++ header. Inductor preprocesses (and, on
+    a fresh machine, precompiles) its CPU prefix header before it even looks for a kernel's
+    library, though every library came with the entry; a kernel that did not would be built
+    without the header (slower to build, the same code)."""
+    try:
+        from torch._inductor import codecache
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    original = getattr(codecache, "_precompile_header", None)
+    if original is None:  # pragma: no cover - another torch layout
+        yield
+        return
+    codecache._precompile_header = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        codecache._precompile_header = original
+
+
 def _pack_kernels(paths: list[str]) -> bytes:
     """A tar of the given kernel libraries, named relative to Inductor's cache folder."""
     base = _inductor_cache_dir().resolve()
@@ -262,11 +325,16 @@ class TorchCompiler:
     ``mode``: "full" (preheat entries on top of torch's own caches), "local" (torch's own local
     caches only: no entries are read or written), "off" (torch's caches disabled too)."""
 
-    def __init__(self, root: Path | None = None, mode: str = "full"):
+    def __init__(self, root: Path | None = None, mode: str = "full", remote: Any = "env"):
         self.mode = mode
         self.root = root or resolve_root().path
         self.kind_dir = self.root / "compile" / "torch"
         self.events: list[dict[str, Any]] = []
+        if isinstance(remote, str) and remote == "env":  # the fleet store of $PREHEAT_CACHE_URL, as for JAX
+            from preheat.cache.remote import remote_from_env
+
+            remote = remote_from_env() if mode == "full" else None
+        self.remote = remote
 
     @property
     def uses_entries(self) -> bool:
@@ -299,7 +367,8 @@ class TorchCompiler:
                         _restore_kernels(entry.file(KERNELS).read_bytes())
                         torch.compiler.load_cache_artifacts(entry.file(MEGA).read_bytes())
                         loaded = time.perf_counter()
-                        warm_up()
+                        with _no_header_precompile():
+                            warm_up()
                 except Exception as exc:  # a bad entry is a recompile, never an error
                     self._quarantine(entry.path, f"load failed: {type(exc).__name__}: {str(exc)[:200]}", record)
                     torch._dynamo.reset()
@@ -356,10 +425,11 @@ class TorchCompiler:
 
     # ------------------------------------------------------------------ AOTInductor
 
-    def load_or_build_aot(self, fields: dict[str, Any], module: Any, example: tuple, constants: dict[str, Any]
-                          ) -> tuple[Any, Any]:
+    def load_or_build_aot(self, fields: dict[str, Any], module: Any, example: tuple, constants: dict[str, Any],
+                          example_kwargs: dict[str, Any] | None = None) -> tuple[Any, Any]:
         """(runner, Timings): the AOTInductor package for ``fields`` from its entry, or exported,
-        compiled, stored and loaded. ``constants``: fqn -> tensor, bound as user-managed weights."""
+        compiled, stored and loaded. ``constants``: fqn -> tensor, bound as user-managed weights.
+        ``example`` / ``example_kwargs``: the call to export (positional / keyword arguments)."""
         import torch
 
         from preheat.cache.compile import key_of
@@ -386,7 +456,7 @@ class TorchCompiler:
 
         start = time.perf_counter()
         with torch.no_grad():
-            exported = torch.export.export(module, example, **AOT_EXPORT_OPTIONS)
+            exported = torch.export.export(module, tuple(example), kwargs=example_kwargs, **AOT_EXPORT_OPTIONS)
         traced = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="preheat-aoti-") as tmp, _KernelRecorder() as recorder:
             path = Path(tmp) / PACKAGE
@@ -411,6 +481,12 @@ class TorchCompiler:
 
     def _open(self, key: str, fields: dict[str, Any], record: dict[str, Any]) -> Entry | None:
         path = self.kind_dir / key
+        if not path.is_dir() and self.remote is not None:
+            # Local miss: pull the entry from the fleet store; fetch() verifies it (sha256, signature)
+            # and publishes it locally with the same atomic rename; it never raises for store trouble.
+            pull_start = time.perf_counter()
+            self.remote.fetch("torch", key, self.kind_dir)
+            record.update(remote=self.remote.last, remote_s=time.perf_counter() - pull_start)
         if not path.is_dir():
             record["miss"] = self._explain_miss(fields)
             return None
@@ -424,6 +500,10 @@ class TorchCompiler:
         try:
             _, won = publish_entry(self.kind_dir, key, files, fields, extra={"preheat": __version__})
             record["store"] = "written" if won else "another process wrote it first"
+            if won and self.remote is not None:  # share with the fleet; never raises
+                push_start = time.perf_counter()
+                self.remote.push("torch", self.kind_dir / key)
+                record.update(remote_push=self.remote.last, remote_push_s=time.perf_counter() - push_start)
             from preheat.cache.manage import enforce_size_cap
 
             enforce_size_cap(self.root, keep={key})
@@ -442,6 +522,8 @@ class TorchCompiler:
     def _quarantine(self, path: Path, reason: str, record: dict[str, Any]) -> None:
         quarantine(self.root, path, reason)
         record["quarantined"] = reason
+        if self.remote is not None and record.get("remote") == "hit":
+            self.remote.distrust("torch", path.name)  # pulled entry failed here: our push replaces it
         log.warning("preheat cache: entry %s quarantined (%s); recompiling", path.name[:12], reason)
 
     def _note(self, record: dict[str, Any], timings: Any) -> None:

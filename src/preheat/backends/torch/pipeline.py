@@ -56,7 +56,7 @@ from preheat.timings import Timings
 
 __all__ = ["TorchPipeline", "load", "initial_noise", "COMPILE_MODES", "DETERMINISTIC_SAMPLERS"]  # initial_noise: re-exported
 
-COMPILE_MODES = ("none", "inductor", "aot")
+COMPILE_MODES = ("none", "inductor", "aot", "regional")  # regional: the text-to-image pipelines
 # Samplers whose images agree across backends (given eta=0 for ddim): no per-step noise.
 DETERMINISTIC_SAMPLERS = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -285,13 +285,14 @@ def load(model: str | Path | None = None, *, compile: str = "none", dtype: Any =
     ``model``: a diffusers-format folder, or a weights-store source (``hf://org/repo[@rev]``, an
     ``http(s)://`` tarball), resolved exactly as :func:`preheat.load` does.
 
-    ``compile``: "none" (eager), "inductor" (torch.compile) or "aot" (AOTInductor package).
+    ``compile``: "none" (eager), "inductor" (torch.compile), "aot" (AOTInductor package) or
+    "regional" (``preheat.torch.compile``: the repeated blocks; text-to-image pipelines).
     ``device``: "cpu", "cuda", "cuda:1", ...; default cuda when available.
     ``scheduler``: a scheduler_config.json path or dict, for a bare UNet folder without one.
     ``cache``: "full" (default), "xla"/"local" or "off"; see :func:`make_compiler`.
     """
     if compile not in COMPILE_MODES:
-        raise InvalidArgumentError(f"compile={compile!r} is not supported; use none, inductor or aot")
+        raise InvalidArgumentError(f"compile={compile!r} is not supported; use {', '.join(COMPILE_MODES)}")
     dtype = str(dtype).replace("torch.", "")
     if dtype not in _DTYPES:
         raise InvalidArgumentError(f"dtype={dtype!r} is not supported; use {', '.join(_DTYPES)}")
@@ -320,6 +321,9 @@ def load(model: str | Path | None = None, *, compile: str = "none", dtype: Any =
     if class_name in TEXT_FAMILIES:
         return load_text(Path(root), class_name, compile=compile, dtype=dtype, device=str(torch_device),
                          scheduler=scheduler, compiler=compiler, variant=variant)
+    if compile == "regional":
+        raise InvalidArgumentError("compile='regional' is for diffusers text-to-image pipelines (SD, SDXL, SD3, "
+                                   "Flux); use compile='inductor' or 'aot' for a UNet2DModel", argument="compile")
     unet_dir = resolve_unet_dir(root)
     raw = read_json(unet_dir / "config.json")
     cls = raw.get("_class_name", "UNet2DModel")

@@ -6,8 +6,9 @@ same sampler mapping, so ``bench compare`` and the parity tests put both backend
 
 ``compile="inductor"`` wraps the denoiser (UNet or transformer) in ``torch.compile`` and warms
 each model batch and latent size through preheat's torch compile cache (Mega-Cache artifacts and CPU kernels, under the
-same entry rules as the JAX side). ``compile="aot"`` (AOTInductor) is not offered for these
-pipelines yet: it is refused with a one-line error rather than silently falling back.
+same entry rules as the JAX side). ``compile="regional"`` and ``"aot"`` apply
+``preheat.torch.compile`` (the denoiser's repeated blocks: torch.compile'd, or an AOTInductor
+package each, without weights; same cache) and warm it the same way.
 
 Where the backends differ: a guidance scale below 1 is classifier-free guidance in preheat and
 "no guidance" in diffusers (``guidance_scale > 1``); stochastic samplers draw their per-step
@@ -28,7 +29,6 @@ import torch
 from preheat.backends.torch.compile_cache import INDUCTOR_OPTIONS, TorchCompiler, torch_key_fields
 from preheat.backends.torch.sampling import make_scheduler
 from preheat.backends.torch.pipeline import EngineArguments
-from preheat.errors import InvalidArgumentError
 from preheat.noise import initial_noise
 from preheat.samplers import SchedulerConfig, load_scheduler_config
 from preheat.timings import Timings
@@ -119,6 +119,8 @@ class TorchTextPipeline(EngineArguments):
         if self.compile == "none" or key in self._warm:
             return Timings(cache_layer="memory" if key in self._warm or self.compile != "none" else "none")
         denoiser = self.pipe.unet if hasattr(self.pipe, "unet") else self.pipe.transformer
+        if self.compile in ("regional", "aot"):
+            return self._prepare_regional(denoiser, key, call)
         if not getattr(denoiser, "_preheat_compiled", False):
             try:
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -139,12 +141,23 @@ class TorchTextPipeline(EngineArguments):
         return timings
 
 
+    def _prepare_regional(self, denoiser: Any, key: tuple, call: dict[str, Any]) -> Timings:
+        """``preheat.torch.compile(mode="regional" | "aot")`` on the denoiser, warmed by a one-step
+        run: its blocks are loaded or compiled (and stored) at the signature serving uses."""
+        from preheat.backends.torch.compiled import compile_with
+
+        compile_with(denoiser, self.compile, False, self.compiler or TorchCompiler(mode="off"))
+        gate = denoiser._preheat_gate
+        seen = len(gate.compiler.events)
+        with torch.no_grad():
+            self.pipe(**{**call, "num_inference_steps": 1, "output_type": "latent"})
+        self._warm.add(key)
+        return gate.last if len(gate.compiler.events) > seen else Timings(cache_layer="memory")
+
+
 def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: str, scheduler: Any,
               compiler: TorchCompiler | None, variant: str | None) -> TorchTextPipeline:
     """A diffusers SD/SDXL/SD3/Flux pipeline for ``root`` with preheat's checks and defaults."""
-    if compile == "aot":
-        raise InvalidArgumentError("compile='aot' (AOTInductor) is not available for text-to-image pipelines yet; "
-                                   "use compile='inductor' or 'none'", argument="compile")
     import importlib
 
     from diffusers import DiffusionPipeline
