@@ -35,8 +35,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("backends",),  # the torch comparison backend, built on the engine's Pipeline
     ("api",),  # preheat.load: dispatches to the engine or the torch backend
     ("doctor", "train"),  # surfaces below the command line
-    ("bench", "server"),
-    ("integrations",),  # Runpod's handler over the server
+    ("server",),
+    ("bench", "integrations"),  # bench serve runs the server as a child; Runpod's handler over the server
     ("cli",),  # every click command; nothing below imports click
     ("__main__",),  # python -m preheat, python -m preheat.server
 ]
