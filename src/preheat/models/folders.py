@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from preheat.errors import InvalidArgumentError, ModelNotFoundError
+from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
 
 __all__ = ["resolve_unet_dir", "pipeline_extras", "image_size", "class_count"]
 
@@ -41,8 +41,22 @@ def image_size(sample_size: Any, unet_dir: Path) -> tuple[int, int]:
 
 
 def class_count(num_class_embeds: Any, class_embed_type: Any, null_class: Any) -> int | None:
-    """Real classes of a UNet with an embedding table (``num_class_embeds``), less preheat's null
-    class when ``model_index.json`` names one; None for other UNets."""
-    if num_class_embeds is None or class_embed_type is not None:
+    """Real classes of a class-conditional UNet, less preheat's null class when ``model_index.json``
+    names one; None for an unconditional UNet.
+
+    ``class_embed_type`` None: ``num_class_embeds`` rows of an embedding table. ``"timestep"``: the
+    labels are integers fed through the time projection, so the table size says nothing, but
+    ``num_class_embeds`` (which diffusers then ignores) says how many labels the model was trained
+    with; without it there is no range to check labels against, and the folder is refused.
+    ``"identity"``: the labels are embedding vectors (batch, time_embed_dim), which a class label
+    cannot supply (``preheat.load_unet`` takes them).
+    """
+    if class_embed_type == "identity":
+        raise UnsupportedConfigError("class_embed_type 'identity' takes embedding vectors as class labels, which "
+                                     "preheat.load cannot supply; use preheat.load_unet and pass them yourself")
+    if num_class_embeds is None:
+        if class_embed_type == "timestep":
+            raise UnsupportedConfigError("class_embed_type 'timestep' needs num_class_embeds in the UNet config: "
+                                         "the number of integer labels the model takes")
         return None
     return int(num_class_embeds) - (1 if null_class is not None else 0)
