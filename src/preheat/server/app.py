@@ -34,9 +34,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from preheat.server.core import SHUT_DOWN, Core, NotAccepting, Prediction, QueueFull
+from preheat.errors import InputError, NotAccepting, QueueFull
+from preheat.server.core import SHUT_DOWN, Core, Prediction
 from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, openai_error
-from preheat.server.inputs import SEED_MAX, InputError, JsonInt, Limits, json_int
+from preheat.server.inputs import SEED_MAX, JsonInt, Limits, json_int
 from preheat.server.metrics import HttpMetrics
 from preheat.server.webhooks import WebhookPolicy, WebhookRefused, delivery_client
 

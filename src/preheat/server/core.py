@@ -36,10 +36,11 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
-from preheat.server.inputs import InputError, Job, Limits, input_model, parse_input, size_inputs
+from preheat.errors import InputError, NotAccepting, QueueFull
+from preheat.server.inputs import Job, Limits, input_model, parse_input, size_inputs
 from preheat.server.metrics import CoreMetrics
 
-__all__ = ["CoreConfig", "Core", "Prediction", "QueueFull", "NotAccepting", "buckets_for", "now_iso", "SHUT_DOWN"]
+__all__ = ["CoreConfig", "Core", "Prediction", "buckets_for", "now_iso", "SHUT_DOWN"]
 
 log = logging.getLogger("preheat.server")
 
@@ -62,22 +63,6 @@ def buckets_for(max_batch_size: int) -> tuple[int, ...]:
         b *= 2
     out.append(max_batch_size)
     return tuple(out)
-
-
-class QueueFull(Exception):
-    """The bounded queue is full; retry after ``retry_after`` seconds."""
-
-    def __init__(self, depth: int, retry_after: int):
-        self.depth, self.retry_after = depth, retry_after
-        super().__init__(f"queue full ({depth} predictions waiting); retry in {retry_after}s")
-
-
-class NotAccepting(Exception):
-    """Predictions are not accepted now: ``reason`` is "starting", "setup_failed" or "draining"."""
-
-    def __init__(self, reason: str, message: str):
-        self.reason = reason
-        super().__init__(message)
 
 
 @dataclass
