@@ -121,3 +121,19 @@ def test_other_model_class_is_refused(tmp_path, tiny):
     with pytest.raises(UnsupportedConfigError) as err:
         preheat.load_unet(d)
     assert "unsupported model class 'UNet2DConditionModel'" in _one_line(err)
+
+
+@pytest.mark.parametrize("index,needle", [
+    ('{"_class_name": "DDPMPipeline", "preheat": {', "model_index.json is not valid JSON"),
+    ('["DDPMPipeline"]', "model_index.json must hold a JSON object"),
+    ('{"_class_name": "DDPMPipeline", "preheat": [10]}', '"preheat" must be a JSON object'),
+], ids=["torn", "not-an-object", "preheat-not-an-object"])
+def test_malformed_model_index_is_one_line(tmp_path, tiny, index, needle):
+    folder = tmp_path / "pipeline"
+    _copy(tiny, folder / "unet")
+    (folder / "scheduler").mkdir()
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps({"_class_name": "DDPMScheduler"}))
+    (folder / "model_index.json").write_text(index)
+    with pytest.raises(ModelFormatError) as err:
+        preheat.load(folder, cache="off")
+    assert needle in _one_line(err)

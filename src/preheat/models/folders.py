@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
+from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedConfigError
 
 __all__ = ["resolve_unet_dir", "pipeline_extras", "image_size", "class_count"]
 
@@ -29,8 +28,13 @@ def resolve_unet_dir(path: str | Path) -> Path:
 
 def pipeline_extras(root: Path) -> dict[str, Any]:
     """preheat's section of ``model_index.json`` (null class, labels, sampling defaults), if any."""
+    from preheat.models.weights import read_json
+
     index = root / "model_index.json"
-    return json.loads(index.read_text()).get("preheat", {}) if index.is_file() else {}
+    extras = read_json(index, "pipeline index").get("preheat", {}) if index.is_file() else {}
+    if not isinstance(extras, dict):
+        raise ModelFormatError(f"{index}: \"preheat\" must be a JSON object (null_class, labels, defaults)")
+    return extras
 
 
 def image_size(sample_size: Any, unet_dir: Path) -> tuple[int, int]:
