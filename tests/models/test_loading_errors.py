@@ -137,3 +137,14 @@ def test_malformed_model_index_is_one_line(tmp_path, tiny, index, needle):
     with pytest.raises(ModelFormatError) as err:
         preheat.load(folder, cache="off")
     assert needle in _one_line(err)
+
+
+def test_class_conditional_unet_without_labels_is_one_line(tmp_path):
+    """Raised while tracing the model: still a PreheatError naming the argument, not a raw ValueError."""
+    from preheat.errors import InvalidArgumentError
+
+    unet = preheat.load_unet(save_random_unet(dict(TINY, num_class_embeds=3), tmp_path / "unet"))
+    x = np.zeros((1, 1, 8, 8), np.float32)
+    with pytest.raises(InvalidArgumentError) as err:
+        unet(x, np.int32(5))
+    assert err.value.argument == "class_labels" and "pass class_labels" in _one_line(err)
