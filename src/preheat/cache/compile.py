@@ -220,7 +220,7 @@ class JaxCompiler:
         self.root = root or resolve_root().path
         self.mode = mode
         self.kind_dir = self.root / "compile" / "jax"
-        # Shared store for a fleet (issue 8): a RemoteStore, None, or "env" = $PREHEAT_CACHE_URL.
+        # A store shared by a fleet of machines: a RemoteStore, None, or "env" = $PREHEAT_CACHE_URL.
         if isinstance(remote, str) and remote == "env":
             from preheat.cache.remote import remote_from_env
 
@@ -294,7 +294,7 @@ class JaxCompiler:
 
         path = self.kind_dir / key
         if not path.is_dir():
-            # Local miss: pull the entry from the shared store (issue 8). fetch() verifies it and
+            # Local miss: pull the entry from the fleet's shared store. fetch() verifies it and
             # publishes it locally with the same atomic rename; it never raises for store trouble.
             if self.remote is None:
                 return None
@@ -335,7 +335,7 @@ class JaxCompiler:
             _, won = publish_entry(self.kind_dir, key, {EXECUTABLE: payload}, fields,
                                    extra={"preheat": __version__})
             record["store"] = "written" if won else "another process wrote it first"
-            if won and self.remote is not None:  # share with the fleet (issue 8); never raises
+            if won and self.remote is not None:  # share with the fleet; never raises (the entry is already local)
                 push_start = time.perf_counter()
                 self.remote.push("jax", self.kind_dir / key)
                 record.update(remote_push=self.remote.last, remote_push_s=time.perf_counter() - push_start)
@@ -350,5 +350,5 @@ class JaxCompiler:
         quarantine(self.root, path, reason)
         record["quarantined"] = reason
         if self.remote is not None and record.get("remote") == "hit":
-            self.remote.distrust("jax", path.name)  # pulled entry failed here: our push replaces it (issue 8)
+            self.remote.distrust("jax", path.name)  # pulled entry failed here: stop trusting it; our push replaces it
         log.warning("preheat cache: entry %s quarantined (%s); recompiling", path.name[:12], reason)
