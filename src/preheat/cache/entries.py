@@ -33,23 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from preheat.cache.atomic import atomic_write_bytes, fsync_dir
+from preheat.files import atomic_write_bytes, fsync_dir, sha256_file
 from preheat.errors import CacheEntryError
 
 __all__ = ["Entry", "publish_entry", "open_entry", "checked_entry", "quarantine", "iter_entries", "LoadingMarker", "SCHEMA",
-           "sha256_file", "entry_size"]
+           "entry_size"]
 
 SCHEMA = 1
 MANIFEST = "manifest.json"
 STATS = "stats.json"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass

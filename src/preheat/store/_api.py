@@ -9,8 +9,9 @@ from pathlib import Path
 
 from preheat.cache.root import resolve_root
 from preheat.errors import FetchError, ModelNotFoundError
+from preheat.files import sha256_and_size
 from preheat.store import _hf, _http
-from preheat.store._ingest import (adopt_file, build_snapshot, extract_tar, file_sha256, link_into_blobs,
+from preheat.store._ingest import (adopt_file, build_snapshot, extract_tar, link_into_blobs,
                                    scan_folder, snapshot_problems, write_blob)
 from preheat.store._layout import (HEX64, FileEntry, Ref, Source, Store, is_tar_name, now_iso, parse_ref,
                                    parse_source, snapshot_id, url_filename)
@@ -107,7 +108,7 @@ def _pull_url(store: Store, src: Source, *, progress: bool, force: bool) -> Path
     tar = is_tar_name(url.split("?", 1)[0])
     name = None if tar else url_filename(url)
     part = _from_fleet_mirror(store, src) or _http.download(store, url, progress=progress)
-    sha, size = file_sha256(part)  # verify what is on disk, not what we think we wrote
+    sha, size = sha256_and_size(part)  # verify what is on disk, not what we think we wrote
     _share_with_fleet(sha, part)
     if src.sha256 and sha != src.sha256:
         _http.discard_partial(store, url)
@@ -249,7 +250,7 @@ def verify_store(root: str | os.PathLike[str] | None = None) -> list[Problem]:
                 problems.append(Problem(p, "unexpected entry in blobs/ (not named by a sha256)"))
                 continue
             try:
-                sha, _ = file_sha256(p)
+                sha, _ = sha256_and_size(p)
             except OSError as exc:
                 problems.append(Problem(p, f"unreadable blob ({exc.strerror or exc})"))
                 continue

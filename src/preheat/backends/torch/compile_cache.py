@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from preheat._version import __version__
-from preheat.cache.atomic import atomic_write_bytes
+from preheat.files import atomic_write_bytes
 from preheat.cache.entries import SCHEMA, Entry, LoadingMarker, checked_entry, publish_entry, quarantine
 from preheat.cache.root import resolve_root
 from preheat.errors import CacheEntryError
