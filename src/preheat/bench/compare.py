@@ -336,16 +336,10 @@ def _goals(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _machine() -> dict[str, Any]:
-    from importlib import metadata
-
     from preheat.bench.common import machine_line
+    from preheat.env import installed_version
 
-    versions = {}
-    for dist in ("jax", "jaxlib", "torch", "diffusers", "preheat"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
+    versions = {dist: installed_version(dist) for dist in ("jax", "jaxlib", "torch", "diffusers", "preheat")}
     gpu = None
     if shutil.which("nvidia-smi"):
         try:

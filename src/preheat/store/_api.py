@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from preheat.cache.root import resolve_root
+from preheat.env import env_flag
 from preheat.errors import FetchError, ModelNotFoundError
 from preheat.files import sha256_and_size
 from preheat.store import _hf, _http
@@ -15,8 +16,6 @@ from preheat.store._ingest import (adopt_file, build_snapshot, extract_tar, link
                                    scan_folder, snapshot_problems, write_blob)
 from preheat.store._layout import (HEX64, FileEntry, Ref, Source, Store, is_tar_name, now_iso, parse_ref,
                                    parse_source, snapshot_id, url_filename)
-
-_TRUE = ("1", "true", "yes", "on")
 
 
 def _store(root: str | os.PathLike[str] | None) -> Store:
@@ -163,9 +162,9 @@ def _pull_hf(store: Store, src: Source, *, progress: bool, force: bool) -> Path:
 def _offline_reason(src: Source, offline: bool | None) -> str | None:
     if offline is not None:
         return "offline=True" if offline else None
-    if os.environ.get("PREHEAT_OFFLINE", "").strip().lower() in _TRUE:
+    if env_flag("PREHEAT_OFFLINE"):
         return "PREHEAT_OFFLINE is set"
-    if src.kind == "hf" and os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE:
+    if src.kind == "hf" and env_flag("HF_HUB_OFFLINE"):
         return "HF_HUB_OFFLINE is set"
     return None
 

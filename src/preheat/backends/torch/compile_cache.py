@@ -55,6 +55,7 @@ from preheat._version import __version__
 from preheat.files import atomic_write_bytes
 from preheat.cache.entries import SCHEMA, Entry, LoadingMarker, checked_entry, publish_entry, quarantine
 from preheat.cache.root import resolve_root
+from preheat.env import installed_version
 from preheat.errors import CacheEntryError
 from preheat.timings import Timings
 
@@ -88,15 +89,6 @@ def _source_hash() -> str:
         h.update(name.encode())
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
-
-
-def _dist_version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def device_description(device: Any) -> dict[str, Any]:
@@ -136,7 +128,7 @@ def torch_key_fields(fingerprint: dict[str, Any], *, mode: str, model_batch: int
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "hip": getattr(torch.version, "hip", None),
-        "triton": _dist_version("triton") or _dist_version("pytorch-triton-rocm"),
+        "triton": installed_version("triton") or installed_version("pytorch-triton-rocm"),
         "diffusers": diffusers.__version__,
         "compile_options": options,
         "env": {k: v for k, v in sorted(os.environ.items())
