@@ -43,7 +43,6 @@ __all__ = ["bench_compare", "markdown", "plot", "PATHS", "QUICK", "FULL", "child
 
 PATHS = ("jax", "torch-eager", "torch-inductor", "torch-aot")
 _TORCH_COMPILE = {"torch-eager": "none", "torch-inductor": "inductor", "torch-aot": "aot"}
-_DETERMINISTIC = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras")
 RESULT_TAG = "PREHEAT_COMPARE_RESULT "
 QUICK = {"repeats": 1, "steady_repeats": 2, "batch_sizes": (1, 8), "steps": 4, "batch": 1}
 FULL = {"repeats": 3, "steady_repeats": 5, "batch_sizes": (1, 8, 32), "steps": None, "batch": 8}
@@ -197,8 +196,10 @@ def _resolve_defaults(model: str | None, sampler: str | None, steps: int | None,
         except (OSError, ValueError):
             defaults = {}
     if sampler is None:
+        from preheat.samplers import DETERMINISTIC_SAMPLERS
+
         sampler = defaults.get("sampler", "ddim")
-        if sampler not in _DETERMINISTIC:
+        if sampler not in DETERMINISTIC_SAMPLERS:
             sampler = "ddim"  # agreement needs a deterministic sampler
     return {"sampler": sampler, "steps": steps or int(defaults.get("steps", 20)),
             "guidance": guidance if guidance is not None else defaults.get("guidance")}
@@ -307,7 +308,9 @@ def _summarize(path: str, runs: dict[str, list[dict[str, Any]]], batch_sizes: tu
 def _agreement(path: str, workdir: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
     import numpy as np
 
-    if settings["sampler"] not in _DETERMINISTIC:
+    from preheat.samplers import DETERMINISTIC_SAMPLERS
+
+    if settings["sampler"] not in DETERMINISTIC_SAMPLERS:
         return None
     mine, ref = workdir / f"pixels-{path}.npy", workdir / "pixels-torch-eager.npy"
     if not (mine.is_file() and ref.is_file()):

@@ -32,6 +32,7 @@ from preheat.cache.entries import (
     SCHEMA,
     LoadingMarker,
     checked_entry,
+    diff_fields,
     iter_entries,
     publish_entry,
     quarantine,
@@ -193,21 +194,10 @@ def nearest_entry(kind_dir: Path, fields: dict[str, Any]) -> tuple[str | None, l
             have = json.loads((path / "manifest.json").read_text()).get("fields", {})
         except (OSError, ValueError):
             continue
-        diff = _deep_diff(have, fields)
+        diff = diff_fields(have, fields)
         if best[0] is None or len(diff) < len(best[1]):
             best = (path.name, diff)
     return best
-
-
-def _deep_diff(have: dict[str, Any], want: dict[str, Any], prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(have) | set(want)):
-        a, b = have.get(k), want.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out.extend(_deep_diff(a, b, f"{prefix}{k}."))
-        elif a != b:
-            out.append(f"{prefix}{k}")
-    return out
 
 
 class JaxCompiler:

@@ -151,8 +151,16 @@ def verify_files(entry: Entry) -> None:
             raise CacheEntryError(f"entry {entry.path.name}: {name} fails its sha256")
 
 
-def diff_fields(have: dict[str, Any], want: dict[str, Any]) -> list[str]:
-    return sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+def diff_fields(have: dict[str, Any], want: dict[str, Any], prefix: str = "") -> list[str]:
+    """The key fields that differ, as dotted paths into nested fields (``signature.batch``)."""
+    out = []
+    for k in sorted(set(have) | set(want)):
+        a, b = have.get(k), want.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(diff_fields(a, b, f"{prefix}{k}."))
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
 
 
 def quarantine(root: Path, path: Path, reason: str) -> Path | None:
