@@ -27,9 +27,9 @@ SRC = Path(preheat.__file__).resolve().parent
 # Lowest tier first. A unit is a top-level module (``engine`` for preheat/engine.py) or package
 # (``cache`` for preheat/cache/).
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "_version", "timings", "noise"),  # leaves: import nothing of preheat
+    ("errors", "_version", "timings", "noise", "files", "env"),  # leaves: import nothing of preheat
     ("sharding",),  # the device mesh and data parallelism (imports errors only)
-    ("cache",),  # atomic writes, the cache root, the compile cache, the shared remote store
+    ("cache",),  # the cache root, the compile cache, the shared remote store
     ("store", "models", "samplers"),  # the weights store; model code; pure samplers
     ("lora",),  # LoRA files -> runtime adapters (reads through the store and the models' loader)
     ("families",),  # per-family loading over the models
@@ -37,8 +37,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("backends",),  # the torch comparison backend, built on the engine's Pipeline
     ("api", "torch"),  # preheat.load: dispatches to the engine or the torch backend; preheat.torch.compile
     ("doctor", "train"),  # surfaces below the command line
-    ("bench", "server"),
-    ("integrations",),  # Runpod's handler over the server
+    ("server",),
+    ("bench", "integrations"),  # bench serve runs the server as a child; Runpod's handler over the server
     ("cli",),  # every click command; nothing below imports click
     ("__main__",),  # python -m preheat, python -m preheat.server
 ]

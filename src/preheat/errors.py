@@ -16,7 +16,12 @@ problem (and, where there is one, the fix). Surfaces (CLI, server, Runpod handle
     ├── CacheError            the cache root or an entry cannot be used (entries are
     │   │                     quarantined and recompiled; this surfaces only for the root)
     │   └── CacheEntryError       one entry failed verification (caught internally)
-    └── FetchError            a model source cannot be fetched (pull)
+    ├── FetchError            a model source cannot be fetched (pull)
+    ├── InputError            a server request's input is invalid; ``.errors`` names each field
+    │                         (HTTP 422, a Runpod ``{"error": ...}``)
+    └── ServingError          the server cannot take a prediction now
+        ├── QueueFull             its bounded queue is full; ``.retry_after`` seconds (409 / 429)
+        └── NotAccepting          starting, set-up failed or draining; ``.reason`` (503)
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ __all__ = [
     "CacheError",
     "CacheEntryError",
     "FetchError",
+    "InputError",
+    "ServingError",
+    "QueueFull",
+    "NotAccepting",
 ]
 
 
@@ -83,3 +92,31 @@ class CacheEntryError(CacheError):
 
 class FetchError(PreheatError):
     """A model source cannot be fetched into the store."""
+
+
+class InputError(PreheatError, ValueError):
+    """Bad request input. ``errors`` is a list of ``(field, message)``; ``str()`` is one line."""
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{f}: {m}" for f, m in errors))
+
+
+class ServingError(PreheatError):
+    """The server cannot take a prediction now (the request itself may be fine: retry later)."""
+
+
+class QueueFull(ServingError):
+    """The bounded queue is full; retry after ``retry_after`` seconds."""
+
+    def __init__(self, depth: int, retry_after: int):
+        self.depth, self.retry_after = depth, retry_after
+        super().__init__(f"queue full ({depth} predictions waiting); retry in {retry_after}s")
+
+
+class NotAccepting(ServingError):
+    """Predictions are not accepted now: ``reason`` is "starting", "setup_failed" or "draining"."""
+
+    def __init__(self, reason: str, message: str):
+        self.reason = reason
+        super().__init__(message)

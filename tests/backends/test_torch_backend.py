@@ -14,8 +14,8 @@ import preheat  # noqa: E402
 from preheat import engine, noise  # noqa: E402
 from preheat.backends.torch import TorchPipeline, initial_noise  # noqa: E402
 from preheat.backends.torch import load as torch_load  # noqa: E402
-from preheat.errors import InvalidArgumentError, ModelNotFoundError, PreheatError  # noqa: E402
-from tests.reference import save_tiny_pipeline  # noqa: E402
+from preheat.errors import InvalidArgumentError, ModelNotFoundError, PreheatError, UnsupportedConfigError  # noqa: E402
+from tests.reference import TINY_CLASS_CONDITIONAL, save_tiny_pipeline  # noqa: E402
 
 # mean |Δ| over all pixels must stay within one uint8 level (1/255)
 MEAN_TOL = 1.0
@@ -148,3 +148,31 @@ def test_stochastic_sampler_is_reproducible_per_image(pipes):
     np.testing.assert_array_equal(both, again)
     assert _diff(both[:1], alone)[1] <= 1
     assert _diff(both[:1], both[1:])[1] > 10  # different seeds, different images
+
+
+def test_timestep_class_embedding_loads_and_samples_like_diffusers(tmp_path):
+    """class_embed_type 'timestep': integer labels through the time projection, guided with the
+    null class, through preheat.load -- the same images as diffusers' UNet and scheduler."""
+    folder = save_tiny_pipeline(tmp_path / "timestep-labels",
+                                config=dict(TINY_CLASS_CONDITIONAL, class_embed_type="timestep"))
+    jax_pipe, torch_pipe = preheat.load(folder, cache="off"), torch_load(folder)
+    assert jax_pipe.num_classes == torch_pipe.num_classes == 10  # num_class_embeds 11, less the null class
+    case = dict(n=3, sampler="ddim", steps=5, seed=[1, 2, 3], class_labels=[1, 4, 9])  # guidance 2: the model's
+    a = jax_pipe.generate(**case)
+    mean, worst = _diff(a, torch_pipe.generate(**case))
+    assert mean <= MEAN_TOL, (mean, worst)
+    assert a.std() > 5
+    assert not np.array_equal(a, jax_pipe.generate(**dict(case, class_labels=[0, 0, 0])))  # the labels are used
+
+
+@pytest.mark.parametrize("config,needle", [
+    (dict(TINY_CLASS_CONDITIONAL, class_embed_type="identity"), "class_embed_type 'identity' takes embedding vectors"),
+    ({k: v for k, v in dict(TINY_CLASS_CONDITIONAL, class_embed_type="timestep").items() if k != "num_class_embeds"},
+     "class_embed_type 'timestep' needs num_class_embeds"),
+], ids=["identity", "timestep-without-count"])
+def test_class_embeddings_preheat_load_cannot_feed_are_refused_in_one_line(tmp_path, config, needle):
+    folder = save_tiny_pipeline(tmp_path / "model", config=config)
+    for load in (lambda: preheat.load(folder, cache="off"), lambda: torch_load(folder)):
+        with pytest.raises(UnsupportedConfigError, match=needle) as err:
+            load()
+        assert "\n" not in str(err.value)

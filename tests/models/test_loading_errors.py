@@ -121,3 +121,30 @@ def test_other_model_class_is_refused(tmp_path, tiny):
     with pytest.raises(UnsupportedConfigError) as err:
         preheat.load_unet(d)
     assert "unsupported model class 'UNet2DConditionModel'" in _one_line(err)
+
+
+@pytest.mark.parametrize("index,needle", [
+    ('{"_class_name": "DDPMPipeline", "preheat": {', "model_index.json is not valid JSON"),
+    ('["DDPMPipeline"]', "model_index.json must hold a JSON object"),
+    ('{"_class_name": "DDPMPipeline", "preheat": [10]}', '"preheat" must be a JSON object'),
+], ids=["torn", "not-an-object", "preheat-not-an-object"])
+def test_malformed_model_index_is_one_line(tmp_path, tiny, index, needle):
+    folder = tmp_path / "pipeline"
+    _copy(tiny, folder / "unet")
+    (folder / "scheduler").mkdir()
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps({"_class_name": "DDPMScheduler"}))
+    (folder / "model_index.json").write_text(index)
+    with pytest.raises(ModelFormatError) as err:
+        preheat.load(folder, cache="off")
+    assert needle in _one_line(err)
+
+
+def test_class_conditional_unet_without_labels_is_one_line(tmp_path):
+    """Raised while tracing the model: still a PreheatError naming the argument, not a raw ValueError."""
+    from preheat.errors import InvalidArgumentError
+
+    unet = preheat.load_unet(save_random_unet(dict(TINY, num_class_embeds=3), tmp_path / "unet"))
+    x = np.zeros((1, 1, 8, 8), np.float32)
+    with pytest.raises(InvalidArgumentError) as err:
+        unet(x, np.int32(5))
+    assert err.value.argument == "class_labels" and "pass class_labels" in _one_line(err)

@@ -17,16 +17,15 @@ import contextlib
 import json
 import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import pytest
+
+from preheat.server import process
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULTS = {"sampler": "dpmpp_2m", "steps": 4, "guidance": 2.0}
@@ -179,40 +178,17 @@ def metric(text: str, name: str, labels: str = "") -> float:
     return float(m.group(1)) if m else 0.0
 
 
-class ServerProcess:
-    """``python -m preheat.server`` in a subprocess on a free port (read from its stderr)."""
+class ServerProcess(process.ServerProcess):
+    """``python -m preheat.server ARGS`` on a free 127.0.0.1 port, on the CPU, started (its port known)."""
 
     def __init__(self, args: list[str], env: Optional[dict[str, str]] = None) -> None:
-        full_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "preheat.server", *args, "--port", "0",
-                                      "--host", "127.0.0.1", "--log-level", "warning"],
-                                     cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self.port: Optional[int] = None
-        self._seen = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self._seen.wait(120) or self.port is None:
+        super().__init__([*args, "--port", "0", "--host", "127.0.0.1", "--log-level", "warning"],
+                         env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})), cwd=REPO)
+        try:
+            self.wait_port(120)
+        except RuntimeError:
             self.kill()
-            raise RuntimeError("server did not start:\n" + "\n".join(self.lines[-30:]))
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip())
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            if m and self.port is None:
-                self.port = int(m.group(1))
-                self._seen.set()
-        self._seen.set()
-
-    def terminate(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+            raise
 
 
 def free_port() -> int:

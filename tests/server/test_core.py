@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from preheat.server.core import SHUT_DOWN, Core, CoreConfig, NotAccepting, buckets_for
+from preheat.errors import NotAccepting
+from preheat.server.core import SHUT_DOWN, Core, CoreConfig, buckets_for
 from tests.server.fixtures import GatedPipe
 
 

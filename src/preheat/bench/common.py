@@ -46,7 +46,7 @@ def materialize_model(name_or_path: str | None, workdir: Path) -> str | None:
     import jax
     from flax import nnx
 
-    from preheat.cache.atomic import atomic_write_bytes
+    from preheat.files import atomic_write_bytes
     from preheat.models.loading import save_unet
     from preheat.models.unet2d import UNet2DConfig, UNet2DModel
 
@@ -104,6 +104,6 @@ def machine_line() -> str:
 def write_json(path: Path | None, data: Any) -> None:
     if path is None:
         return
-    from preheat.cache.atomic import atomic_write_bytes
+    from preheat.files import atomic_write_bytes
 
     atomic_write_bytes(path, (json.dumps(data, indent=2, default=str) + "\n").encode())

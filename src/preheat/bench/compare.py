@@ -43,7 +43,6 @@ __all__ = ["bench_compare", "markdown", "plot", "PATHS", "QUICK", "FULL", "child
 
 PATHS = ("jax", "torch-eager", "torch-inductor", "torch-aot")
 _TORCH_COMPILE = {"torch-eager": "none", "torch-inductor": "inductor", "torch-aot": "aot"}
-_DETERMINISTIC = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras", "flow_euler", "flow_heun")
 RESULT_TAG = "PREHEAT_COMPARE_RESULT "
 QUICK = {"repeats": 1, "steady_repeats": 2, "batch_sizes": (1, 8), "steps": 4, "batch": 1}
 FULL = {"repeats": 3, "steady_repeats": 5, "batch_sizes": (1, 8, 32), "steps": None, "batch": 8}
@@ -197,9 +196,11 @@ def _resolve_defaults(model: str | None, sampler: str | None, steps: int | None,
         except (OSError, ValueError):
             defaults = {}
     if sampler is None:
+        from preheat.samplers import DETERMINISTIC_SAMPLERS
+
         fallback = "flow_euler" if _flow_scheduler(root) else "ddim"  # flow-matching folders take only flow samplers
         sampler = defaults.get("sampler", fallback)
-        if sampler not in _DETERMINISTIC:
+        if sampler not in DETERMINISTIC_SAMPLERS:
             sampler = fallback  # agreement needs a deterministic sampler
     return {"sampler": sampler, "steps": steps or int(defaults.get("steps", 20)),
             "guidance": guidance if guidance is not None else defaults.get("guidance")}
@@ -317,7 +318,9 @@ def _summarize(path: str, runs: dict[str, list[dict[str, Any]]], batch_sizes: tu
 def _agreement(path: str, workdir: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
     import numpy as np
 
-    if settings["sampler"] not in _DETERMINISTIC:
+    from preheat.samplers import DETERMINISTIC_SAMPLERS
+
+    if settings["sampler"] not in DETERMINISTIC_SAMPLERS:
         return None
     mine, ref = workdir / f"pixels-{path}.npy", workdir / "pixels-torch-eager.npy"
     if not (mine.is_file() and ref.is_file()):
@@ -346,16 +349,10 @@ def _goals(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _machine() -> dict[str, Any]:
-    from importlib import metadata
-
     from preheat.bench.common import machine_line
+    from preheat.env import installed_version
 
-    versions = {}
-    for dist in ("jax", "jaxlib", "torch", "diffusers", "preheat"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
+    versions = {dist: installed_version(dist) for dist in ("jax", "jaxlib", "torch", "diffusers", "preheat")}
     gpu = None
     if shutil.which("nvidia-smi"):
         try:

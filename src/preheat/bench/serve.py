@@ -21,13 +21,11 @@ import json
 import os
 import re
 import secrets
-import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from preheat.server.process import ServerProcess
 
 __all__ = ["run_bench", "markdown", "offline_throughput"]
 
@@ -55,43 +53,6 @@ def offline_throughput(model: Optional[str], batch: int, steps: Optional[int], m
     return {"steps": steps, "batch": batch, "runs": runs, "seconds": elapsed, "first_call_s": first_s,
             "images_per_s": runs * batch / elapsed, "sampler": pipe.defaults["sampler"],
             "num_classes": pipe.num_classes, "text": "prompt" in pipe.family.inputs, "pipe": pipe}
-
-
-class _ServerProcess:
-    """``python -m preheat.server`` with its stderr drained by a thread (the port is read from it)."""
-
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "preheat.server", *args], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self.port: Optional[int] = None
-        self._port_seen = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip())
-            m = re.search(r"listening on http://[^:]+:(\d+)", line)
-            if m and self.port is None:
-                self.port = int(m.group(1))
-                self._port_seen.set()
-        self._port_seen.set()
-
-    def wait_port(self, timeout: float) -> int:
-        if not self._port_seen.wait(timeout) or self.port is None:
-            raise RuntimeError("server did not start:\n" + "\n".join(self.lines[-20:]))
-        return self.port
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-            return -9
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -165,7 +126,7 @@ def run_bench(model: Optional[str] = None, *, n_requests: int = 256, concurrency
     args = ([model] if model else []) + ["--host", "127.0.0.1", "--port", "0", "--max-batch-size", str(max_batch_size),
                                          "--batch-wait-ms", str(batch_wait_ms), "--max-queue", str(max(64, n_requests)),
                                          "--log-level", "warning", "--grace-s", "30"]
-    server = _ServerProcess(args, env)
+    server = ServerProcess(args, env)
     exit_code: Optional[int] = None
     try:
         port = server.wait_port(max(1.0, deadline - time.monotonic()))

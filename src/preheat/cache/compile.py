@@ -32,6 +32,7 @@ from preheat.cache.entries import (
     SCHEMA,
     LoadingMarker,
     checked_entry,
+    diff_fields,
     iter_entries,
     publish_entry,
     quarantine,
@@ -50,7 +51,7 @@ EXECUTABLE = "executable.bin"
 # other module of preheat -- the engine, samplers, models, families, and any file added to them
 # later -- is part of the key, so a new model file cannot be left out of it by accident.
 _NOT_TRACED = ("cache", "store", "server", "bench", "backends", "integrations", "train", "doctor", "cli",
-               "__main__.py", "_version.py", "errors.py", "timings.py", "assets")
+               "__main__.py", "_version.py", "errors.py", "timings.py", "files.py", "env.py", "assets")
 
 
 def traced_sources() -> list[str]:
@@ -213,21 +214,10 @@ def nearest_entry(kind_dir: Path, fields: dict[str, Any]) -> tuple[str | None, l
             have = json.loads((path / "manifest.json").read_text()).get("fields", {})
         except (OSError, ValueError):
             continue
-        diff = _deep_diff(have, fields)
+        diff = diff_fields(have, fields)
         if best[0] is None or len(diff) < len(best[1]):
             best = (path.name, diff)
     return best
-
-
-def _deep_diff(have: dict[str, Any], want: dict[str, Any], prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(have) | set(want)):
-        a, b = have.get(k), want.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out.extend(_deep_diff(a, b, f"{prefix}{k}."))
-        elif a != b:
-            out.append(f"{prefix}{k}")
-    return out
 
 
 class JaxCompiler:
@@ -240,7 +230,7 @@ class JaxCompiler:
         self.root = root or resolve_root().path
         self.mode = mode
         self.kind_dir = self.root / "compile" / "jax"
-        # Shared store for a fleet (issue 8): a RemoteStore, None, or "env" = $PREHEAT_CACHE_URL.
+        # A store shared by a fleet of machines: a RemoteStore, None, or "env" = $PREHEAT_CACHE_URL.
         if isinstance(remote, str) and remote == "env":
             from preheat.cache.remote import remote_from_env
 
@@ -339,7 +329,7 @@ class JaxCompiler:
 
         path = self.kind_dir / key
         if not path.is_dir():
-            # Local miss: pull the entry from the shared store (issue 8). fetch() verifies it and
+            # Local miss: pull the entry from the fleet's shared store. fetch() verifies it and
             # publishes it locally with the same atomic rename; it never raises for store trouble.
             if self.remote is None:
                 return None
@@ -382,7 +372,7 @@ class JaxCompiler:
             _, won = publish_entry(self.kind_dir, key, {EXECUTABLE: payload}, fields,
                                    extra={"preheat": __version__})
             record["store"] = "written" if won else "another process wrote it first"
-            if won and self.remote is not None:  # share with the fleet (issue 8); never raises
+            if won and self.remote is not None:  # share with the fleet; never raises (the entry is already local)
                 if self.background is not None:
                     self.background.submit("jax", self.kind_dir / key)
                     record.update(remote_push="queued")
@@ -401,5 +391,5 @@ class JaxCompiler:
         quarantine(self.root, path, reason)
         record["quarantined"] = reason
         if self.remote is not None and record.get("remote") == "hit":
-            self.remote.distrust("jax", path.name)  # pulled entry failed here: our push replaces it (issue 8)
+            self.remote.distrust("jax", path.name)  # pulled entry failed here: stop trusting it; our push replaces it
         log.warning("preheat cache: entry %s quarantined (%s); recompiling", path.name[:12], reason)

@@ -33,23 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from preheat.cache.atomic import atomic_write_bytes, fsync_dir
+from preheat.files import atomic_write_bytes, fsync_dir, sha256_file
 from preheat.errors import CacheEntryError
 
 __all__ = ["Entry", "publish_entry", "open_entry", "checked_entry", "quarantine", "iter_entries", "LoadingMarker", "SCHEMA",
-           "sha256_file", "entry_size"]
+           "entry_size"]
 
 SCHEMA = 1
 MANIFEST = "manifest.json"
 STATS = "stats.json"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass
@@ -159,8 +151,16 @@ def verify_files(entry: Entry) -> None:
             raise CacheEntryError(f"entry {entry.path.name}: {name} fails its sha256")
 
 
-def diff_fields(have: dict[str, Any], want: dict[str, Any]) -> list[str]:
-    return sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+def diff_fields(have: dict[str, Any], want: dict[str, Any], prefix: str = "") -> list[str]:
+    """The key fields that differ, as dotted paths into nested fields (``signature.batch``)."""
+    out = []
+    for k in sorted(set(have) | set(want)):
+        a, b = have.get(k), want.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(diff_fields(a, b, f"{prefix}{k}."))
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
 
 
 def quarantine(root: Path, path: Path, reason: str) -> Path | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from preheat.errors import CacheError
 
-__all__ = ["CacheRoot", "resolve_root", "PERSISTENT_MOUNTS"]
+__all__ = ["CacheRoot", "resolve_root", "persistent_mounts"]
 
 
 def _runpod_volume() -> Path:
@@ -31,7 +31,7 @@ def _workspace() -> Path:
     return Path(os.environ.get("PREHEAT_WORKSPACE", "/workspace"))
 
 
-def PERSISTENT_MOUNTS() -> tuple[Path, ...]:
+def persistent_mounts() -> tuple[Path, ...]:
     """Mount points that survive a pod restart (Runpod's network and pod volumes)."""
     return (_runpod_volume(), _workspace())
 

@@ -23,7 +23,7 @@ def save_grid(images: list, path: Path, upscale: int | None = None) -> None:
 
     from PIL import Image
 
-    from preheat.cache.atomic import atomic_write_bytes
+    from preheat.files import atomic_write_bytes
 
     n = len(images)
     cols = math.ceil(math.sqrt(n))
@@ -43,7 +43,7 @@ def save_grid(images: list, path: Path, upscale: int | None = None) -> None:
 def save_png(image: Any, path: Path) -> None:
     import io
 
-    from preheat.cache.atomic import atomic_write_bytes
+    from preheat.files import atomic_write_bytes
 
     buf = io.BytesIO()
     image.save(buf, format="PNG")
@@ -163,7 +163,7 @@ def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt
                       weights_bytes=weights_load.bytes_read, peak_host_bytes=weights_load.peak_host_bytes,
                       transient_host_bytes=weights_load.transient_host_bytes, weights_load=weights_load.to_dict())
     if report:
-        from preheat.cache.atomic import atomic_write_bytes
+        from preheat.files import atomic_write_bytes
 
         atomic_write_bytes(report, (json.dumps(record, indent=2) + "\n").encode())
     console.print(

@@ -31,8 +31,9 @@ import os
 import threading
 from typing import Any, Optional
 
-from preheat.server.core import Core, CoreConfig, NotAccepting, QueueFull
-from preheat.server.inputs import InputError, parse_sizes
+from preheat.errors import InputError, NotAccepting, QueueFull
+from preheat.server.core import Core, CoreConfig
+from preheat.server.inputs import parse_sizes
 
 __all__ = ["handler", "concurrency_modifier", "get_core", "config_from_env", "main"]
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from preheat.errors import InvalidArgumentError, ModelNotFoundError
+from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedConfigError
 
 __all__ = ["resolve_unet_dir", "pipeline_extras", "image_size", "class_count"]
 
@@ -29,8 +28,13 @@ def resolve_unet_dir(path: str | Path) -> Path:
 
 def pipeline_extras(root: Path) -> dict[str, Any]:
     """preheat's section of ``model_index.json`` (null class, labels, sampling defaults), if any."""
+    from preheat.models.weights import read_json
+
     index = root / "model_index.json"
-    return json.loads(index.read_text()).get("preheat", {}) if index.is_file() else {}
+    extras = read_json(index, "pipeline index").get("preheat", {}) if index.is_file() else {}
+    if not isinstance(extras, dict):
+        raise ModelFormatError(f"{index}: \"preheat\" must be a JSON object (null_class, labels, defaults)")
+    return extras
 
 
 def image_size(sample_size: Any, unet_dir: Path) -> tuple[int, int]:
@@ -41,8 +45,22 @@ def image_size(sample_size: Any, unet_dir: Path) -> tuple[int, int]:
 
 
 def class_count(num_class_embeds: Any, class_embed_type: Any, null_class: Any) -> int | None:
-    """Real classes of a UNet with an embedding table (``num_class_embeds``), less preheat's null
-    class when ``model_index.json`` names one; None for other UNets."""
-    if num_class_embeds is None or class_embed_type is not None:
+    """Real classes of a class-conditional UNet, less preheat's null class when ``model_index.json``
+    names one; None for an unconditional UNet.
+
+    ``class_embed_type`` None: ``num_class_embeds`` rows of an embedding table. ``"timestep"``: the
+    labels are integers fed through the time projection, so the table size says nothing, but
+    ``num_class_embeds`` (which diffusers then ignores) says how many labels the model was trained
+    with; without it there is no range to check labels against, and the folder is refused.
+    ``"identity"``: the labels are embedding vectors (batch, time_embed_dim), which a class label
+    cannot supply (``preheat.load_unet`` takes them).
+    """
+    if class_embed_type == "identity":
+        raise UnsupportedConfigError("class_embed_type 'identity' takes embedding vectors as class labels, which "
+                                     "preheat.load cannot supply; use preheat.load_unet and pass them yourself")
+    if num_class_embeds is None:
+        if class_embed_type == "timestep":
+            raise UnsupportedConfigError("class_embed_type 'timestep' needs num_class_embeds in the UNet config: "
+                                         "the number of integer labels the model takes")
         return None
     return int(num_class_embeds) - (1 if null_class is not None else 0)

@@ -104,7 +104,7 @@ def save_unet(config: UNet2DConfig, params: nnx.State, directory: str | Path, dt
     """Write a diffusers-format UNet folder (config.json + safetensors) that torch diffusers loads."""
     from safetensors.numpy import save_file
 
-    from preheat.cache.atomic import atomic_write_bytes
+    from preheat.files import atomic_write_bytes
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

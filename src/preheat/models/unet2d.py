@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from preheat.errors import UnsupportedConfigError
+from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 
 __all__ = ["UNet2DConfig", "UNet2DModel", "SUPPORTED", "LayerNorm", "JsonConfig"]
 
@@ -319,7 +319,7 @@ class ResnetBlock2D(nnx.Module):
         if self.time_emb_proj is None:
             h = self.norm2(h)
         elif temb is None:
-            raise ValueError("this ResnetBlock2D has a time_emb_proj: pass temb")
+            raise InvalidArgumentError("this ResnetBlock2D has a time_emb_proj: pass temb", argument="temb")
         elif self.scale_shift:
             t = self.time_emb_proj(self.act(temb))[:, None, None, :]  # (B,1,1,2C)
             scale, shift = jnp.split(t, 2, axis=-1)
@@ -562,7 +562,7 @@ class UNet2DModel(nnx.Module):
         emb = self.time_embedding(t_feat.astype(dtype))  # (B, T)
         if c.is_class_conditional:
             if class_labels is None:
-                raise ValueError("this UNet is class-conditional: pass class_labels")
+                raise InvalidArgumentError("this UNet is class-conditional: pass class_labels", argument="class_labels")
             if c.class_embed_type == "timestep":
                 y_feat = self.time_proj(class_labels) if self.time_proj is not None else sinusoidal_embedding(
                     class_labels, c.block_out_channels[0], c.flip_sin_to_cos, c.freq_shift)

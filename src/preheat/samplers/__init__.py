@@ -10,6 +10,7 @@ Public API::
     SAMPLERS: tuple[str, ...]                 # DIFFUSION_SAMPLERS + FLOW_SAMPLERS
     DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras
     FLOW_SAMPLERS: tuple[str, ...]            # ("flow_euler", "flow_heun")
+    DETERMINISTIC_SAMPLERS: tuple[str, ...]   # samplers without per-step noise (flow ones included)
     MU_SIGMAS_SAMPLERS: tuple[str, ...]       # samplers whose make_plan takes mu / sigmas
     SchedulerConfig.from_dict(d: Mapping) -> SchedulerConfig      # diffusers scheduler_config.json
     SchedulerConfig.from_file(path) -> SchedulerConfig
@@ -84,8 +85,8 @@ raise ``SchedulerConfigError`` with a one-line message naming the key.
 
 from __future__ import annotations
 
-from preheat.samplers._config import (DIFFUSION_SAMPLERS, FLOW_SAMPLERS, SAMPLERS, SchedulerConfig, config_kind,
-                                      find_scheduler_config, load_scheduler_config)
+from preheat.samplers._config import (DETERMINISTIC_SAMPLERS, DIFFUSION_SAMPLERS, FLOW_SAMPLERS, SAMPLERS,
+                                      SchedulerConfig, config_kind, find_scheduler_config, load_scheduler_config)
 from preheat.samplers._plan import MU_SIGMAS_SAMPLERS, Plan, SolverSpec, flow_mu, make_plan, make_spec
 from preheat.samplers._schedules import flux_sigmas
 from preheat.samplers._solvers import Model, NoiseFn, SamplerState, init, run, step
@@ -94,6 +95,7 @@ __all__ = [
     "SAMPLERS",
     "DIFFUSION_SAMPLERS",
     "FLOW_SAMPLERS",
+    "DETERMINISTIC_SAMPLERS",
     "MU_SIGMAS_SAMPLERS",
     "SchedulerConfig",
     "config_kind",

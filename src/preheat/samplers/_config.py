@@ -39,7 +39,7 @@ from typing import Any, Mapping
 
 from preheat.errors import SchedulerConfigError
 
-__all__ = ["SAMPLERS", "DIFFUSION_SAMPLERS", "FLOW_SAMPLERS", "SchedulerConfig", "ResolvedConfig",
+__all__ = ["SAMPLERS", "DIFFUSION_SAMPLERS", "FLOW_SAMPLERS", "DETERMINISTIC_SAMPLERS", "SchedulerConfig", "ResolvedConfig",
            "ResolvedFlowConfig", "resolve", "resolve_flow", "config_kind", "check_sampler"]
 
 DIFFUSION_SAMPLERS: tuple[str, ...] = (
@@ -54,6 +54,9 @@ DIFFUSION_SAMPLERS: tuple[str, ...] = (
 # Samplers for flow-matching models (the model predicts the velocity ``noise - x0``).
 FLOW_SAMPLERS: tuple[str, ...] = ("flow_euler", "flow_heun")
 SAMPLERS: tuple[str, ...] = DIFFUSION_SAMPLERS + FLOW_SAMPLERS
+# Diffusion samplers that draw no noise per step (ddim given eta=0), so that two backends given the
+# same initial noise agree image for image (the torch backend's and bench compare's comparisons).
+DETERMINISTIC_SAMPLERS: tuple[str, ...] = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras", *FLOW_SAMPLERS)
 
 # The diffusers class each sampler reproduces (named in error messages).
 DIFFUSERS_CLASS: dict[str, str] = {

@@ -23,7 +23,7 @@ __all__ = ["SolverSpec", "Plan", "make_spec", "make_plan", "flow_mu", "MU_SIGMAS
 _F32 = np.float32
 
 # sampler name -> solver (the traced update rule); Karras-ness is schedule data, not code
-_SOLVER = {
+_SOLVER_OF_SAMPLER = {
     "ddpm": "ddpm",
     "ddim": "ddim",
     "euler": "euler",
@@ -93,10 +93,10 @@ def make_spec(config: SchedulerConfig, sampler: str) -> SolverSpec:
     check_sampler(config, sampler)
     if sampler in FLOW_SAMPLERS:
         resolve_flow(config, sampler)  # refuses what we do not implement
-        return SolverSpec(solver=_SOLVER[sampler], prediction_type="flow")
+        return SolverSpec(solver=_SOLVER_OF_SAMPLER[sampler], prediction_type="flow")
     r = resolve(config, sampler)
     return SolverSpec(
-        solver=_SOLVER[sampler],
+        solver=_SOLVER_OF_SAMPLER[sampler],
         prediction_type=r.prediction_type,
         clip_sample=r.clip_sample,
         clip_sample_range=r.clip_sample_range if r.clip_sample else 1.0,
@@ -392,4 +392,4 @@ def _check_schedule(r: ResolvedConfig, steps: int, ts: np.ndarray, sigmas: np.nd
         )
 
 
-assert set(_SOLVER) == set(SAMPLERS)
+assert set(_SOLVER_OF_SAMPLER) == set(SAMPLERS)

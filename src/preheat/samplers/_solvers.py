@@ -54,10 +54,10 @@ def step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax
          noise_fn: NoiseFn) -> SamplerState:
     """Advance ``state`` by step ``i`` of ``plan`` (``0 <= i < plan.n_steps``)."""
     try:
-        solver = _SOLVERS[spec.solver]
+        solver = _STEP_OF_SOLVER[spec.solver]
     except KeyError:
         raise InvalidArgumentError(
-            f"unknown solver {spec.solver!r} in SolverSpec; supported: {', '.join(_SOLVERS)}"
+            f"unknown solver {spec.solver!r} in SolverSpec; supported: {', '.join(_STEP_OF_SOLVER)}"
         ) from None
     return solver(spec, model, plan, state, jnp.asarray(i, jnp.int32), noise_fn)
 
@@ -255,7 +255,7 @@ def _dpmpp_2m_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerSta
     return SamplerState(x=x_new, x0_prev=x0)
 
 
-_SOLVERS = {
+_STEP_OF_SOLVER = {
     "ddpm": _ddpm_step,
     "ddim": _ddim_step,
     "euler": _euler_step,

@@ -3,7 +3,8 @@ Cog's and OpenAI's APIs.
 
     preheat.server.inputs   request parsing/validation, shared with the Runpod handler
     preheat.server.core     set-up (load + warm-up), the bounded queue, the batching worker
-    preheat.server.app      the FastAPI routes (thin) + auth / metrics guard
+    preheat.server.app      the FastAPI routes (module-level functions over one AppState per app)
+    preheat.server.guard    the outermost ASGI layer: auth, body limits, HTTP metrics
     preheat.server.serve    uvicorn with SIGTERM draining
 
 The click commands are ``preheat.cli.serve`` (``preheat serve``, also ``python -m preheat.server``)

@@ -37,10 +37,11 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
 from preheat.cache.warm import GUIDANCE_MODES, WarmSet, WarmSignature, buckets_for, resolve, run_signature, signatures
-from preheat.server.inputs import InputError, Job, Limits, input_model, parse_input, size_inputs
+from preheat.errors import InputError, NotAccepting, QueueFull
+from preheat.server.inputs import Job, Limits, input_model, parse_input, size_inputs
 from preheat.server.metrics import CoreMetrics
 
-__all__ = ["CoreConfig", "Core", "Prediction", "QueueFull", "NotAccepting", "buckets_for", "now_iso", "SHUT_DOWN"]
+__all__ = ["CoreConfig", "Core", "Prediction", "buckets_for", "now_iso", "SHUT_DOWN"]
 
 log = logging.getLogger("preheat.server")
 
@@ -53,22 +54,6 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-
-
-class QueueFull(Exception):
-    """The bounded queue is full; retry after ``retry_after`` seconds."""
-
-    def __init__(self, depth: int, retry_after: int):
-        self.depth, self.retry_after = depth, retry_after
-        super().__init__(f"queue full ({depth} predictions waiting); retry in {retry_after}s")
-
-
-class NotAccepting(Exception):
-    """Predictions are not accepted now: ``reason`` is "starting", "setup_failed" or "draining"."""
-
-    def __init__(self, reason: str, message: str):
-        self.reason = reason
-        super().__init__(message)
 
 
 @dataclass

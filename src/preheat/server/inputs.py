@@ -10,7 +10,7 @@ Runpod handler. Two layers:
    ``Pipeline.prepare`` (which raises one-line ``InvalidArgumentError`` /
    ``SchedulerConfigError``), mapped back to the input field that caused them.
 
-Both raise :class:`InputError`, which carries ``(field, message)`` pairs; surfaces turn it into
+Both raise :class:`preheat.errors.InputError`, which carries ``(field, message)`` pairs; surfaces turn it into
 HTTP 422 (naming the field) or a Runpod ``{"error": ...}``.
 """
 
@@ -22,9 +22,9 @@ from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
-from preheat.errors import InvalidArgumentError, SchedulerConfigError
+from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
 
-__all__ = ["Limits", "Job", "InputError", "input_model", "parse_input", "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int",
+__all__ = ["Limits", "Job", "input_model", "parse_input", "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int",
            "parse_sizes"]
 
 SEED_MAX = 2**32 - 1
@@ -44,14 +44,6 @@ JsonInt = Annotated[int, BeforeValidator(_json_integer)]
 def json_int(ge: int, le: int) -> Any:
     """JsonInt within [ge, le], with the bounds in the JSON schema (minimum/maximum)."""
     return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_json_integer)]
-
-
-class InputError(ValueError):
-    """Bad request input. ``errors`` is a list of ``(field, message)``; ``str()`` is one line."""
-
-    def __init__(self, errors: list[tuple[str, str]]):
-        self.errors = errors
-        super().__init__("; ".join(f"{f}: {m}" for f, m in errors))
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from preheat.cache.root import resolve_root
+from preheat.env import env_flag
 from preheat.errors import FetchError, ModelNotFoundError
+from preheat.files import sha256_and_size
 from preheat.store import _hf, _http
-from preheat.store._ingest import (adopt_file, build_snapshot, extract_tar, file_sha256, link_into_blobs,
+from preheat.store._ingest import (adopt_file, build_snapshot, extract_tar, link_into_blobs,
                                    scan_folder, snapshot_problems, write_blob)
 from preheat.store._layout import (HEX64, FileEntry, Ref, Source, Store, is_tar_name, now_iso, parse_ref,
                                    parse_source, snapshot_id, url_filename)
-
-_TRUE = ("1", "true", "yes", "on")
 
 
 def _store(root: str | os.PathLike[str] | None) -> Store:
@@ -107,7 +107,7 @@ def _pull_url(store: Store, src: Source, *, progress: bool, force: bool) -> Path
     tar = is_tar_name(url.split("?", 1)[0])
     name = None if tar else url_filename(url)
     part = _from_fleet_mirror(store, src) or _http.download(store, url, progress=progress)
-    sha, size = file_sha256(part)  # verify what is on disk, not what we think we wrote
+    sha, size = sha256_and_size(part)  # verify what is on disk, not what we think we wrote
     _share_with_fleet(sha, part)
     if src.sha256 and sha != src.sha256:
         _http.discard_partial(store, url)
@@ -162,9 +162,9 @@ def _pull_hf(store: Store, src: Source, *, progress: bool, force: bool) -> Path:
 def _offline_reason(src: Source, offline: bool | None) -> str | None:
     if offline is not None:
         return "offline=True" if offline else None
-    if os.environ.get("PREHEAT_OFFLINE", "").strip().lower() in _TRUE:
+    if env_flag("PREHEAT_OFFLINE"):
         return "PREHEAT_OFFLINE is set"
-    if src.kind == "hf" and os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE:
+    if src.kind == "hf" and env_flag("HF_HUB_OFFLINE"):
         return "HF_HUB_OFFLINE is set"
     return None
 
@@ -249,7 +249,7 @@ def verify_store(root: str | os.PathLike[str] | None = None) -> list[Problem]:
                 problems.append(Problem(p, "unexpected entry in blobs/ (not named by a sha256)"))
                 continue
             try:
-                sha, _ = file_sha256(p)
+                sha, _ = sha256_and_size(p)
             except OSError as exc:
                 problems.append(Problem(p, f"unreadable blob ({exc.strerror or exc})"))
                 continue

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from preheat._version import __version__
-from preheat.cache.atomic import atomic_write_bytes
+from preheat.files import atomic_write_bytes
 from preheat.errors import FetchError
 from preheat.store._layout import Store, one_line, sha256_hex
 

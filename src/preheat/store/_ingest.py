@@ -19,21 +19,11 @@ import uuid
 from pathlib import Path
 from typing import BinaryIO, Iterable
 
-from preheat.cache.atomic import fsync_dir
+from preheat.files import fsync_dir, sha256_and_size
 from preheat.errors import FetchError, ModelNotFoundError
 from preheat.store._layout import FileEntry, Store, check_relpath, one_line, snapshot_id
 
 CHUNK = 1 << 20
-
-
-def file_sha256(path: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
 
 
 def _fsync_file(path: Path) -> None:
@@ -55,7 +45,7 @@ def publish_blob(store: Store, tmp: Path, sha: str, size: int, *, check_existing
         st = final.stat()
     except FileNotFoundError:
         st = None
-    if st is not None and st.st_size == size and (not check_existing or file_sha256(final)[0] == sha):
+    if st is not None and st.st_size == size and (not check_existing or sha256_and_size(final)[0] == sha):
         tmp.unlink(missing_ok=True)
         return final
     try:
@@ -110,7 +100,7 @@ def adopt_file(store: Store, path: Path, sha: str, size: int, *, check_existing:
 def link_into_blobs(store: Store, path: Path, *, check_existing: bool = False) -> tuple[str, int]:
     """Store an immutable file (a Hugging Face cache blob): hash it, then hardlink it, else copy."""
     real = Path(os.path.realpath(path))
-    sha, size = file_sha256(real)
+    sha, size = sha256_and_size(real)
     final = store.blobs / sha
     if final.exists() and final.stat().st_size == size and not check_existing:
         return sha, size
@@ -150,7 +140,7 @@ def snapshot_problems(folder: Path, entries: Iterable[FileEntry], *, deep: bool 
         elif st.st_size != e.size:
             problems.append(f"{e.path} has {st.st_size} bytes, expected {e.size}")
         elif deep:
-            got, _ = file_sha256(f)
+            got, _ = sha256_and_size(f)
             if got != e.sha256:
                 problems.append(f"{e.path} has sha256 {got[:12]}..., expected {e.sha256[:12]}...")
     return problems

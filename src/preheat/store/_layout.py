@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from preheat.cache.atomic import atomic_write_bytes
+from preheat.files import atomic_write_bytes
 from preheat.errors import CacheError, InvalidArgumentError
 
 REF_FORMAT = 1

@@ -125,7 +125,7 @@ def train_digits(out: str | Path, *, steps: int = 3000, batch: int = 64, seed: i
 
 def write_digits_folder(out: str | Path, params: nnx.State, **training: object) -> Path:
     """The diffusers-format pipeline folder: model_index.json, unet/, scheduler/, README.md."""
-    from preheat.cache.atomic import atomic_write_bytes
+    from preheat.files import atomic_write_bytes
 
     out = Path(out)
     save_unet(DIGITS_UNET, params, out / "unet")

@@ -56,9 +56,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from preheat._version import __version__
-from preheat.cache.atomic import atomic_write_bytes
+from preheat.files import atomic_write_bytes
 from preheat.cache.entries import SCHEMA, Entry, LoadingMarker, checked_entry, publish_entry, quarantine
 from preheat.cache.root import resolve_root
+from preheat.env import installed_version
 from preheat.errors import CacheEntryError
 from preheat.timings import Timings
 
@@ -92,15 +93,6 @@ def _source_hash() -> str:
         h.update(name.encode())
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
-
-
-def _dist_version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def device_description(device: Any) -> dict[str, Any]:
@@ -176,7 +168,7 @@ def torch_key_fields(fingerprint: dict[str, Any], *, mode: str, dtype: str, devi
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "hip": getattr(torch.version, "hip", None),
-        "triton": _dist_version("triton") or _dist_version("pytorch-triton-rocm"),
+        "triton": installed_version("triton") or installed_version("pytorch-triton-rocm"),
         "diffusers": diffusers.__version__,
         "compile_options": options,
         "inductor_config": inductor_config_changes(),

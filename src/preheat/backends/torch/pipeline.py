@@ -51,14 +51,12 @@ from preheat.families.pixel import PIXEL
 from preheat.models.folders import class_count, image_size, pipeline_extras, resolve_unet_dir
 from preheat.models.weights import read_json
 from preheat.noise import initial_noise
-from preheat.samplers import SchedulerConfig, find_scheduler_config, load_scheduler_config
+from preheat.samplers import DETERMINISTIC_SAMPLERS, SchedulerConfig, find_scheduler_config, load_scheduler_config
 from preheat.timings import Timings
 
 __all__ = ["TorchPipeline", "load", "initial_noise", "COMPILE_MODES", "DETERMINISTIC_SAMPLERS"]  # initial_noise: re-exported
 
 COMPILE_MODES = ("none", "inductor", "aot", "regional")  # regional: the text-to-image pipelines
-# Samplers whose images agree across backends (given eta=0 for ddim): no per-step noise.
-DETERMINISTIC_SAMPLERS = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -14,13 +14,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from preheat.cache.atomic import fsync_dir
+from preheat.files import fsync_dir, sha256_and_size
 from preheat.cache.entries import MANIFEST
 from preheat.cache.remote.manifest import (
     KEY_RE,
     KINDS,
     MAX_MANIFEST_BYTES,
-    _sha256_and_size,
     check_kind_key,
     check_manifest,
     check_remote_manifest,
@@ -107,7 +106,7 @@ class CompileEntries(StorePolicy):
                     self._mark_down(str(err))
                     self._set(f"unreachable: {err}")
                     return False
-                sha, size = _sha256_and_size(dest)
+                sha, size = sha256_and_size(dest)
                 if size != meta["size"] or sha != meta["sha256"]:
                     self._refuse(kind, key, f"{name} does not match its manifest ({size} bytes, sha256 {sha[:12]})")
                     return False
@@ -156,7 +155,7 @@ class CompileEntries(StorePolicy):
         try:
             manifest = check_manifest(json.loads((entry_dir / MANIFEST).read_bytes()), kind, key)
             for name, meta in manifest["files"].items():  # never publish bytes we cannot vouch for
-                if _sha256_and_size(entry_dir / name) != (meta["sha256"], meta["size"]):
+                if sha256_and_size(entry_dir / name) != (meta["sha256"], meta["size"]):
                     raise CacheEntryError(f"local {name} does not match its manifest")
             if self.signing_key is not None:
                 manifest = sign(manifest, self.signing_key)
@@ -239,7 +238,7 @@ class CompileEntries(StorePolicy):
                                   deadline_s=self.timeout * 2 + meta["size"] / MIN_THROUGHPUT_BPS)
                 except FileNotFoundError:
                     return {"ok": False, "problem": f"payload object for {name} is missing"}
-                if _sha256_and_size(dest) != (meta["sha256"], meta["size"]):
+                if sha256_and_size(dest) != (meta["sha256"], meta["size"]):
                     return {"ok": False, "problem": f"{name} does not match its manifest"}
         return {"ok": True, "problem": ""}
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
-from preheat.cache.entries import MANIFEST, SCHEMA, STATS, LoadingMarker, sha256_file
+from preheat.cache.entries import MANIFEST, SCHEMA, STATS, LoadingMarker
 from preheat.cache.signing import verify
 from preheat.errors import CacheEntryError, InvalidArgumentError
 
@@ -87,6 +86,3 @@ def check_remote_manifest(raw: bytes, kind: str, key: str, signing_key: bytes | 
         verify(manifest, signing_key)
     return manifest
 
-
-def _sha256_and_size(path: Path) -> tuple[str, int]:
-    return sha256_file(path), path.stat().st_size

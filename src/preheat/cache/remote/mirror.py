@@ -7,8 +7,8 @@ import os
 import uuid
 from pathlib import Path
 
-from preheat.cache.atomic import fsync_dir
-from preheat.cache.entries import sha256_file
+from preheat.files import fsync_dir
+from preheat.files import sha256_file
 from preheat.cache.remote.manifest import check_blob_name
 from preheat.cache.remote.policy import MIN_THROUGHPUT_BPS, RemoteError, StorePolicy, _short, log
 from preheat.errors import InvalidArgumentError

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from preheat.cache.signing import ENV_KEY, signing_key_from_env
+from preheat.env import env_flag
 from preheat.errors import InvalidArgumentError
 
 __all__ = ["StorePolicy", "RemoteError", "ENV_URL", "ENV_TRUST", "ENV_TIMEOUT", "DEFAULT_TIMEOUT_S",
@@ -26,7 +27,6 @@ ENV_TIMEOUT = "PREHEAT_CACHE_REMOTE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 5.0
 DOWN_COOLDOWN_S = 60.0
 MIN_THROUGHPUT_BPS = 1_000_000  # a download's deadline grows by 1 s per MB
-_TRUE = ("1", "true", "yes", "on")
 
 T = TypeVar("T")
 
@@ -71,7 +71,7 @@ class StorePolicy:
         self.signing_key = signing_key_from_env() if signing_key == "env" else signing_key  # type: ignore[assignment]
         if isinstance(self.signing_key, str):
             self.signing_key = self.signing_key.encode()
-        self.trust = (os.environ.get(ENV_TRUST, "").lower() in _TRUE) if trust is None else trust
+        self.trust = env_flag(ENV_TRUST) if trust is None else trust
         self._down_until = 0.0
         self._down_reason = ""
         self._refused: set[tuple[str, str]] = set()

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from preheat.cache.atomic import fsync_dir
+from preheat.files import fsync_dir
 from preheat.cache.remote.compile_entries import CompileEntries
 from preheat.cache.remote.mirror import WeightsMirror
 from preheat.cache.remote.policy import RemoteError

@@ -43,9 +43,9 @@ def _on_runpod() -> bool:
 def _storage_check(
     check_id: str, title: str, path: Path, how: str, fix_var: str, fix_suffix: str, unwritable_status: str
 ) -> CheckResult:
-    from preheat.cache.root import PERSISTENT_MOUNTS
+    from preheat.cache.root import persistent_mounts
 
-    mounts = list(PERSISTENT_MOUNTS())
+    mounts = list(persistent_mounts())
     existing = [m for m in mounts if m.is_dir()]
     near = _nearest_existing(path)
     details: dict[str, Any] = {
@@ -109,10 +109,10 @@ def _check_cache_root(ctx: Context) -> CheckResult:
 
 def _preheat_suffix() -> str:
     # The same layout resolve_root uses on each volume.
-    from preheat.cache.root import PERSISTENT_MOUNTS
+    from preheat.cache.root import persistent_mounts
 
-    mounts = [m for m in PERSISTENT_MOUNTS() if m.is_dir()]
-    if mounts and mounts[0] == PERSISTENT_MOUNTS()[0]:
+    mounts = [m for m in persistent_mounts() if m.is_dir()]
+    if mounts and mounts[0] == persistent_mounts()[0]:
         return "/preheat"  # Runpod network volume
     return "/.cache/preheat"
 

@@ -1,4 +1,6 @@
-"""Atomic file writes: a unique temp name in the same folder, fsync, ``os.replace``, fsync the folder.
+"""File I/O shared by every package: atomic writes and sha256 of a file.
+
+Atomic file writes: a unique temp name in the same folder, fsync, ``os.replace``, fsync the folder.
 
 A reader sees either the old file or the complete new one, never a torn one, even if the writer is
 killed mid-write. ``flock`` is not used for correctness: it is unreliable on network filesystems
@@ -7,11 +9,14 @@ killed mid-write. ``flock`` is not used for correctness: it is unreliable on net
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "fsync_dir"]
+__all__ = ["atomic_write_bytes", "fsync_dir", "sha256_file", "sha256_and_size"]
+
+CHUNK = 1 << 20  # bytes read at a time while hashing
 
 
 def fsync_dir(directory: Path) -> None:
@@ -55,3 +60,18 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -
             pass
         raise
     fsync_dir(path.parent)
+
+
+def sha256_and_size(path: str | Path) -> tuple[str, int]:
+    """The file's sha256 (hex) and size, read in chunks (weights files are gigabytes)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+def sha256_file(path: str | Path) -> str:
+    return sha256_and_size(path)[0]
