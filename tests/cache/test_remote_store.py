@@ -201,7 +201,9 @@ def test_racing_writers_with_different_payloads_leave_one_verifying_entry(store_
     """Serialized executables need not be byte-identical: six writers, six payloads, one key."""
     srcs = [_entry(tmp_path / f"w{i}" / "compile" / "jax", payload=f"payload of writer {i}".encode() * 1000)
             for i in range(6)]
-    stores = [_store(store_url) for _ in srcs]
+    # seven clients at once against one local server: a generous hang bound, so a loaded CI box
+    # (seen: load 12 on 2 cores) cannot turn a slow answer into a failed push
+    stores = [_store(store_url, timeout=15.0) for _ in srcs]
     barrier = threading.Barrier(len(srcs))
     results = [""] * len(srcs)
 
@@ -214,7 +216,7 @@ def test_racing_writers_with_different_payloads_leave_one_verifying_entry(store_
     stop = threading.Event()
 
     def read() -> None:  # readers during the race see a miss or a verified entry, never a torn one
-        reader = _store(store_url)
+        reader = _store(store_url, timeout=15.0)
         n = 0
         while not stop.is_set() and n < 200:
             n += 1
