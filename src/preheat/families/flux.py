@@ -37,7 +37,6 @@ from preheat.samplers import MU_SIGMAS_SAMPLERS
 
 __all__ = ["FluxFamily", "FLUX", "load_flux", "flux_defaults"]
 
-CLIP_LENGTH = 77  # the CLIP tokenizer's model_max_length in every published Flux folder
 T5_LENGTH = 512  # FluxPipeline's max_sequence_length default
 
 
