@@ -26,7 +26,7 @@ sigma in [0, 1] (the pipeline passes ``t / 1000``; the model multiplies by 1000 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -89,22 +89,7 @@ class FluxTransformerConfig(JsonConfig):
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> "FluxTransformerConfig":
-        name = raw.get("_class_name", "FluxTransformer2DModel")
-        if name not in SUPPORTED["_class_name"]:
-            raise UnsupportedConfigError(
-                f"unsupported model class {name!r} in {source}; supported: 'FluxTransformer2DModel'")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(k for k in raw if not k.startswith("_") and k not in known)
-        if unknown:
-            raise UnsupportedConfigError(
-                f"unsupported FluxTransformer2DModel config key(s) {', '.join(unknown)} in {source}; "
-                f"supported keys: {', '.join(sorted(known))}")
-        values = {k: v for k, v in raw.items() if k in known}
-        if isinstance(values.get("axes_dims_rope"), list):
-            values["axes_dims_rope"] = tuple(values["axes_dims_rope"])
-        config = cls(**values)
-        config.validate(source)
-        return config
+        return cls.from_checked_dict(raw, source, "FluxTransformer2DModel")
 
     def validate(self, source: str = "config") -> None:
         for name, allowed in SUPPORTED.items():

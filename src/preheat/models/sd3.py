@@ -26,7 +26,7 @@ What is static (the compiled program) and what is data::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -86,21 +86,7 @@ class SD3TransformerConfig(JsonConfig):
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> "SD3TransformerConfig":
-        name = raw.get("_class_name", _CLASS)
-        if name not in SUPPORTED["_class_name"]:
-            raise UnsupportedConfigError(f"unsupported model class {name!r} in {source}; supported: {_CLASS!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(k for k in raw if not k.startswith("_") and k not in known)
-        if unknown:
-            raise UnsupportedConfigError(
-                f"unsupported {_CLASS} config key(s) {', '.join(unknown)} in {source}; "
-                f"supported keys: {', '.join(sorted(known))}")
-        values = {k: v for k, v in raw.items() if k in known}
-        if isinstance(values.get("dual_attention_layers"), list):
-            values["dual_attention_layers"] = tuple(values["dual_attention_layers"])
-        config = cls(**values)
-        config.validate(source)
-        return config
+        return cls.from_checked_dict(raw, source, _CLASS)
 
     def validate(self, source: str = "config") -> None:
         if self.qk_norm not in SUPPORTED["qk_norm"]:

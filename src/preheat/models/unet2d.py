@@ -50,6 +50,24 @@ _IGNORED_KEYS = {"sample_size", "dropout", "num_train_timesteps"}
 class JsonConfig:
     """Mixin for config dataclasses: ``to_dict`` gives diffusers' JSON shape (tuples as lists)."""
 
+    @classmethod
+    def from_checked_dict(cls, raw: Any, source: str, class_name: str) -> Any:
+        """A config from diffusers' ``config.json``: another ``_class_name`` or a key this dataclass
+        does not know is refused by name in one line; JSON lists become tuples; then ``validate``."""
+        name = raw.get("_class_name", class_name)
+        if name != class_name:
+            raise UnsupportedConfigError(f"unsupported model class {name!r} in {source}; supported: {class_name!r}")
+        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(k for k in raw if not k.startswith("_") and k not in known)
+        if unknown:
+            raise UnsupportedConfigError(
+                f"unsupported {class_name} config key(s) {', '.join(unknown)} in {source}; "
+                f"supported keys: {', '.join(sorted(known))}")
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in known}
+        config = cls(**values)
+        config.validate(source)  # type: ignore[attr-defined]
+        return config
+
     def to_dict(self) -> dict[str, Any]:
         out = {}
         for f in fields(self):  # type: ignore[arg-type]

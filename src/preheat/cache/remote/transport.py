@@ -191,26 +191,23 @@ class FsspecStore(RemoteStore):
             fs.invalidate_cache(self._p(rel))
         return bool(fs.exists(self._p(rel)))
 
-    def _list(self, rel: str) -> list[str]:
+    def _listing(self, rel: str) -> list[dict[str, Any]]:
+        """``ls`` of one folder, fresh (fsspec caches listings), [] when it does not exist."""
         fs = self.fs()
         if hasattr(fs, "invalidate_cache"):
             fs.invalidate_cache()
         try:
-            listing = fs.ls(self._p(rel), detail=True)
+            return fs.ls(self._p(rel), detail=True)
         except FileNotFoundError:
             return []
-        return [item["name"].rstrip("/").rsplit("/", 1)[-1] for item in listing if item.get("type") == "directory"]
+
+    def _list(self, rel: str) -> list[str]:
+        return [item["name"].rstrip("/").rsplit("/", 1)[-1] for item in self._listing(rel)
+                if item.get("type") == "directory"]
 
     def _files(self, rel: str) -> dict[str, tuple[int, float]]:
-        fs = self.fs()
-        if hasattr(fs, "invalidate_cache"):
-            fs.invalidate_cache()
-        try:
-            listing = fs.ls(self._p(rel), detail=True)
-        except FileNotFoundError:
-            return {}
         out = {}
-        for item in listing:
+        for item in self._listing(rel):
             name = item["name"].rstrip("/").rsplit("/", 1)[-1]
             if item.get("type") != "file" or ".tmp-" in name or name.startswith("."):
                 continue
