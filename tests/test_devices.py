@@ -21,11 +21,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh, PartitionSpec
 
 import preheat
 from preheat.errors import InvalidArgumentError
 from preheat.server.core import buckets_for
-from preheat.sharding import parse_devices, select_devices
+from preheat.sharding import FSDP_MIN_SIZE, parse_devices, select_devices, weight_spec
 from tests.families.sd_fixtures import save_tiny_sd
 from tests.reference import save_tiny_pipeline
 
@@ -64,11 +65,20 @@ PIXELS = """
             out["builtin4_layer"] = np.array(p.last.cache_layer)
             out["builtin4_programs"] = np.array(len(p._executables))
             out["builtin4_count"] = np.array(p.device_count)
+    f = preheat.load(None, devices=4, fsdp=4, cache="off")  # weights split over all four devices
+    out["fsdp4"] = f.generate(4, **call)
+    leaves = [x for x in __import__("jax").tree.leaves(f.params)]
+    out["fsdp4_shard_sizes"] = np.array([[x.size, x.addressable_shards[0].data.size] for x in leaves])
+    out["fsdp4_n3"] = f.generate(3, **{**call, "class_labels": [0, 1, 2]})
+    out["fsdp4_programs"] = np.array(len(f._executables))
     prompts = dict(prompt=["a red fox", "a boat", "snow"], negative_prompt="blurry", guidance=4.0, steps=2,
                    seed=11, sampler="ddim")
     for d in (1, 4):  # encode 6 -> 8 rows, denoise and decode 3 -> 4 on four devices
         q = preheat.load(sys.argv[2], devices=d, cache="off")
         out[f"sd{d}"] = q.generate(**prompts)
+    q = preheat.load(sys.argv[2], devices=4, fsdp=2, cache="off")  # a 2 x 2 (data, fsdp) mesh
+    out["sd_fsdp2"] = q.generate(**prompts)
+    out["sd_fsdp2_mesh"] = np.array([q.mesh.shape["data"], q.mesh.shape["fsdp"]])
     np.savez(sys.argv[1], **out)
 """
 
@@ -98,11 +108,50 @@ def test_text_model_same_pixels_on_1_and_4_devices(pixels):
     _close(pixels["sd1"], pixels["sd4"])
 
 
+def test_fsdp_splits_the_weights_and_gives_the_same_pixels(pixels):
+    sizes = pixels["fsdp4_shard_sizes"]  # (whole, one device's part) per weight
+    big = sizes[:, 0] >= FSDP_MIN_SIZE
+    assert big.any() and np.array_equal(sizes[big, 1] * 4, sizes[big, 0])  # every big weight split in four
+    assert np.array_equal(sizes[~big, 1], sizes[~big, 0])  # small ones kept whole
+    assert sizes[:, 1].sum() < 0.6 * sizes[:, 0].sum()
+    _close(pixels["builtin1"], pixels["fsdp4"])
+    _close(pixels["fsdp4_n3"], pixels["fsdp4"][:3])  # padded to the bucket: one program
+    assert int(pixels["fsdp4_programs"]) == 1
+
+
+def test_fsdp_on_a_two_by_two_mesh_runs_every_stage_of_a_text_model(pixels):
+    assert pixels["sd_fsdp2_mesh"].tolist() == [2, 2]
+    _close(pixels["sd1"], pixels["sd_fsdp2"])
+
+
+def test_weight_placement_rule():
+    data_only = Mesh(np.array(jax.local_devices()[:1]), ("data",))
+    assert weight_spec((3, 3, 128, 64), data_only) == PartitionSpec()  # data parallel: weights whole
+    fake = type("FakeMesh", (), {"axis_names": ("data", "fsdp"), "shape": {"data": 1, "fsdp": 4}})()  # 4 parts
+    assert weight_spec((3, 3, 128, 64), fake) == PartitionSpec(None, None, "fsdp", None)  # the largest dim
+    assert weight_spec((3, 3, 130, 64), fake) == PartitionSpec(None, None, None, "fsdp")  # the largest that divides
+    assert weight_spec((4096, 4096), fake) == PartitionSpec("fsdp", None)  # ties: the first
+    assert weight_spec((64,), fake) == PartitionSpec()  # small: whole
+    assert weight_spec((129, 131), fake) == PartitionSpec()  # nothing divides: whole
+
+
+@pytest.mark.parametrize("fsdp", [0, -2, 2.0, True, "2"])
+def test_bad_fsdp_is_a_one_line_error(fsdp):
+    with pytest.raises(InvalidArgumentError) as err:
+        preheat.load(None, fsdp=fsdp, cache="off")
+    assert "fsdp" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_fsdp_must_divide_the_device_count():
+    with pytest.raises(InvalidArgumentError, match="fsdp=.* must divide the device count"):
+        select_devices(1, fsdp=len(jax.local_devices()) + 1)
+
+
 # ------------------------------------------------------------------------------------ the cache
 
 SERVE = """
     import json, sys, numpy as np, preheat
-    p = preheat.load(sys.argv[1], devices=int(sys.argv[2]))
+    p = preheat.load(sys.argv[1], devices=int(sys.argv[2]), fsdp=int(sys.argv[4]))
     out = p.generate(4, steps=3, seed=7)
     np.save(sys.argv[3], out)
     print(json.dumps({"layer": p.last.cache_layer, "event": p.compiler.events[-1]}, default=str))
@@ -120,8 +169,9 @@ def test_sharded_executable_restarts_warm_and_is_not_used_on_two_devices(tmp_pat
     model = save_tiny_pipeline(tmp_path / "pipe")
     home = tmp_path / "home"
 
-    def serve(devices: int, host_devices: int, name: str) -> dict:
-        return json.loads(_run(SERVE, host_devices, home, str(model), str(devices), str(tmp_path / name)).splitlines()[-1])
+    def serve(devices: int, host_devices: int, name: str, fsdp: int = 1) -> dict:
+        return json.loads(_run(SERVE, host_devices, home, str(model), str(devices), str(tmp_path / name),
+                               str(fsdp)).splitlines()[-1])
 
     cold = serve(4, 4, "cold.npy")
     assert cold["layer"] == "none" and cold["event"]["store"] == "written"
@@ -135,6 +185,13 @@ def test_sharded_executable_restarts_warm_and_is_not_used_on_two_devices(tmp_pat
     two = serve(2, 2, "two.npy")
     assert two["layer"] == "none" and "mesh.axes.data" in two["event"]["miss"], two
     _close(np.load(tmp_path / "cold.npy"), np.load(tmp_path / "two.npy"))
+
+    split = serve(4, 4, "fsdp.npy", fsdp=2)  # the same devices, weights split: another program
+    assert split["layer"] == "none" and "mesh.axes" in split["event"]["miss"], split
+    again = serve(4, 4, "fsdp_warm.npy", fsdp=2)
+    assert again["layer"] == "aot" and again["event"]["trace_lower_s"] == 0.0
+    assert np.array_equal(np.load(tmp_path / "fsdp.npy"), np.load(tmp_path / "fsdp_warm.npy"))
+    _close(np.load(tmp_path / "cold.npy"), np.load(tmp_path / "fsdp.npy"))
 
 
 SERVER = """

@@ -169,13 +169,13 @@ class Pipeline:
     def __post_init__(self) -> None:
         own = {k: v for k, v in self.defaults.items() if k in ("sampler", "steps", "guidance")}
         self.defaults = {**self.family.defaults, **own}  # the family's defaults, overridden by the folder's
-        # weights replicated on every device once, not per call (getattr: the torch backend's
-        # pipelines share this method and have no mesh)
+        # weights placed on the devices once, not per call: replicated, or split over fsdp
+        # (getattr: the torch backend's pipelines share this method and have no mesh)
         if getattr(self, "mesh", None) is not None:
-            from preheat.sharding import replicate, replicate_components
+            from preheat.sharding import distribute, distribute_components
 
-            self.params = replicate(self.params, self.mesh)
-            self.components = replicate_components(self.components, self.mesh)
+            self.params = distribute(self.params, self.mesh)
+            self.components = distribute_components(self.components, self.mesh)
 
     @property
     def device_count(self) -> int:
@@ -343,7 +343,7 @@ class Pipeline:
 
         from preheat.sharding import batch_specs, pad_batch, padded, place
 
-        specs = batch_specs(args, range(1, len(args)) if batched is None else batched)
+        specs = batch_specs(args, range(1, len(args)) if batched is None else batched, self.mesh)
         to = padded(sig.batch, self.mesh)
         args = place(pad_batch(args, specs, sig.batch, to), specs, self.mesh)
         return (sig if to == sig.batch else replace(sig, batch=to)), args
@@ -363,7 +363,8 @@ class Pipeline:
             from preheat.sharding import batch_specs, shard_program
 
             program = shard_program(program, self.mesh,
-                                    batch_specs(args, range(1, len(args)) if batched is None else batched), outputs)
+                                    batch_specs(args, range(1, len(args)) if batched is None else batched,
+                                                self.mesh), outputs)
         if self.compiler is not None:
             compiled, timings = self.compiler.get_or_compile(fingerprint, sig, program, args, outputs=outputs)
         else:
@@ -521,7 +522,7 @@ def make_compiler(cache: str | None = None) -> Any:
 
 def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
          cache: str | None = None, variant: str | None = None, offload_encoders: bool = False,
-         devices: Any = None) -> Pipeline:
+         devices: Any = None, fsdp: int = 1) -> Pipeline:
     """A JAX sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
 
     ``model``: a diffusers-format folder, or a source for the weights store (``hf://org/repo[@rev]``,
@@ -538,12 +539,14 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     ``devices``: "all" (the default, or ``$PREHEAT_DEVICES``), a count N (the first N) or a list
     of local device ids: each batch is split over them, the weights replicated on each
     (``preheat.sharding``); the first device alone runs today's single-device program.
+    ``fsdp``: split each weight over this many of those devices instead of replicating it (for
+    weights that do not fit one device); it must divide the device count.
     ``preheat.load`` (``preheat.api``) adds ``backend="torch"``.
     """
     compiler = make_compiler(cache)  # first: JAX's cache must be configured before anything compiles
     from preheat.sharding import select_devices
 
-    mesh = select_devices(devices)  # a bad devices= fails before any weights are read
+    mesh = select_devices(devices, fsdp)  # a bad devices= or fsdp= fails before any weights are read
 
     from preheat.families import family_loader
     from preheat.models.weights import recording

@@ -13,11 +13,23 @@ A batch that does not split evenly is padded to the next multiple of the device 
 repeating its last image, and the padding is dropped from the outputs: on a pod those rows run
 on devices that would otherwise idle, so ``pipe("a fox")`` takes the same time on 8 GPUs as on
 one, and the default (all devices) accepts every ``n``.
+
+Weights that do not fit one device: ``fsdp=F`` makes the mesh two-dimensional,
+
+    Mesh(devices.reshape(N // F, F), ("data", "fsdp"))
+
+Each weight is split over ``fsdp`` on its largest dimension that F divides (small weights, under
+``FSDP_MIN_SIZE`` elements, stay whole), the batch is split over both axes, and the programs are
+plain ``jit`` programs that XLA's SPMD partitioner splits: it gathers each weight where an
+operation uses it and frees the gathered copy after, so a device holds about 1/F of the weights
+at rest. Sums over a split weight may be added in another order than on one device, so images
+agree with the single-device ones to float rounding, not bit for bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Callable, Sequence
 
@@ -27,17 +39,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["AXIS", "select_devices", "parse_devices", "replicate", "replicate_components", "batch_specs", "padded", "pad_batch",
-           "place", "shard_program"]
+__all__ = ["AXIS", "FSDP_AXIS", "FSDP_MIN_SIZE", "select_devices", "parse_devices", "is_fsdp", "weight_spec",
+           "distribute", "distribute_components", "batch_specs", "padded", "pad_batch", "place", "shard_program"]
 
 AXIS = "data"
+FSDP_AXIS = "fsdp"
+FSDP_MIN_SIZE = 2**14  # elements: smaller weights (norms, biases) are cheaper to keep whole than to gather
 Specs = Any  # a pytree of PartitionSpec shaped like a program's arguments
 
 
-def select_devices(devices: Any = None) -> Mesh | None:
+def select_devices(devices: Any = None, fsdp: int = 1) -> Mesh | None:
     """``"all"`` (the default: ``$PREHEAT_DEVICES`` or all), ``N`` (the first N) or a list of
     device ids of the default backend's local devices -> a 1-D ``data`` mesh, or None when the
-    choice is the first device alone (today's single-device program)."""
+    choice is the first device alone (today's single-device program). ``fsdp=F`` (> 1): a
+    ``(data, fsdp)`` mesh whose weights are split over F devices; F must divide the count."""
+    if isinstance(fsdp, bool) or not isinstance(fsdp, (int, np.integer)) or fsdp < 1:
+        raise InvalidArgumentError(f"fsdp={fsdp!r} must be a positive int (the devices each weight is split "
+                                   "over; 1: whole weights on every device)", argument="fsdp")
     if devices is None:
         devices = parse_devices(os.environ.get("PREHEAT_DEVICES") or "all", "PREHEAT_DEVICES")
     local = jax.local_devices()
@@ -65,6 +83,11 @@ def select_devices(devices: Any = None) -> Mesh | None:
     else:
         raise InvalidArgumentError(f"devices={devices!r} must be 'all', a positive int or a non-empty list of "
                                    "device ids", argument="devices")
+    if fsdp > 1:
+        if len(chosen) % fsdp:
+            raise InvalidArgumentError(f"fsdp={int(fsdp)} must divide the device count ({len(chosen)} "
+                                       f"{local[0].platform} device(s) chosen)", argument="fsdp")
+        return Mesh(np.array(chosen).reshape(len(chosen) // int(fsdp), int(fsdp)), (AXIS, FSDP_AXIS))
     if chosen == [local[0]]:
         return None
     return Mesh(np.array(chosen), (AXIS,))
@@ -81,18 +104,41 @@ def parse_devices(text: str | None, name: str = "devices") -> Any:
     return int(parts[0]) if len(parts) == 1 else [int(p) for p in parts]
 
 
-def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Every device-resident leaf replicated over the mesh; host arrays (offloaded encoders'
-    weights) stay on the host and travel only when their stage runs."""
-    everywhere = NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(lambda x: jax.device_put(x, everywhere) if isinstance(x, jax.Array) else x, tree)
+def is_fsdp(mesh: Mesh | None) -> bool:
+    """Whether ``mesh`` splits the weights (an ``fsdp`` axis) rather than replicating them."""
+    return mesh is not None and FSDP_AXIS in mesh.axis_names
 
 
-def replicate_components(components: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
-    """A family's components with the weights of each model in it (``.params``) replicated."""
+def weight_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+    """Where a weight of ``shape`` lives on ``mesh``: whole on every device (``P()``) on a data
+    mesh; on an fsdp mesh split over ``fsdp`` on its largest dimension the axis divides (ties: the
+    first), or whole when it is small or no dimension divides."""
+    if not is_fsdp(mesh) or math.prod(shape) < FSDP_MIN_SIZE:
+        return PartitionSpec()
+    parts = mesh.shape[FSDP_AXIS]
+    for dim in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
+        if shape[dim] % parts == 0:
+            return PartitionSpec(*[FSDP_AXIS if d == dim else None for d in range(len(shape))])
+    return PartitionSpec()
+
+
+def distribute(tree: Any, mesh: Mesh) -> Any:
+    """Every device-resident leaf put where ``mesh`` keeps weights (:func:`weight_spec`): replicated,
+    or split over ``fsdp``. Host arrays (offloaded encoders' weights) stay on the host and travel
+    only when their stage runs."""
+    def put(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        return jax.device_put(x, NamedSharding(mesh, weight_spec(x.shape, mesh)))
+
+    return jax.tree.map(put, tree)
+
+
+def distribute_components(components: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """A family's components with the weights of each model in it (``.params``) distributed."""
     def one(value: Any) -> Any:
         if dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "params"):
-            return dataclasses.replace(value, params=replicate(value.params, mesh))
+            return dataclasses.replace(value, params=distribute(value.params, mesh))
         if isinstance(value, (list, tuple)) and any(hasattr(v, "params") for v in value):
             return type(value)(one(v) for v in value)
         return value
@@ -100,12 +146,15 @@ def replicate_components(components: dict[str, Any], mesh: Mesh) -> dict[str, An
     return {name: one(value) for name, value in components.items()}
 
 
-def batch_specs(args: tuple, batched: Sequence[int]) -> Specs:
-    """``P("data")`` for every array leaf of the argument positions in ``batched`` (batch on axis
-    0), ``P()`` (replicated) for everything else and for scalars."""
+def batch_specs(args: tuple, batched: Sequence[int], mesh: Mesh) -> Specs:
+    """For every array leaf of the argument positions in ``batched`` (batch on axis 0), the batch
+    split over every axis of ``mesh`` (``P("data")``, or ``P(("data", "fsdp"))``); ``P()``
+    (replicated, or kept as placed) for everything else and for scalars."""
+    split_spec = PartitionSpec(AXIS) if not is_fsdp(mesh) else PartitionSpec((AXIS, FSDP_AXIS))
+
     def specs(position: int, arg: Any) -> Any:
         split = position in batched
-        return jax.tree.map(lambda x: PartitionSpec(AXIS) if split and np.ndim(x) >= 1 else PartitionSpec(), arg)
+        return jax.tree.map(lambda x: split_spec if split and np.ndim(x) >= 1 else PartitionSpec(), arg)
 
     return tuple(specs(i, a) for i, a in enumerate(args))
 
@@ -132,13 +181,23 @@ def pad_batch(args: tuple, specs: Specs, n: int, to: int) -> tuple:
 
 
 def place(args: tuple, specs: Specs, mesh: Mesh) -> tuple:
-    """Arguments on the mesh: batched leaves split over ``data``, the rest replicated (already
-    placed arrays, like the replicated weights, are not copied again)."""
-    return jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), args, specs)
+    """Arguments on the mesh: batched leaves split over the batch axes, the rest replicated --
+    except arrays already on this mesh (the distributed weights), which keep their placement and
+    are not copied again."""
+    def put(x: Any, spec: PartitionSpec) -> Any:
+        if spec == PartitionSpec() and isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) \
+                and x.sharding.mesh == mesh:
+            return x
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(put, args, specs)
 
 
 def shard_program(program: Callable[..., Any], mesh: Mesh, specs: Specs, outputs: int = 1) -> Callable[..., Any]:
-    """``program`` run by every device on its slice of the batch (``shard_map``); its outputs
-    (one array, or a k-tuple) are batched on axis 0."""
+    """``program`` as ``mesh`` runs it. Data parallel: every device runs it on its slice of the
+    batch (``shard_map``), its outputs (one array, or a k-tuple) batched on axis 0. fsdp: the
+    program itself, for XLA's SPMD partitioner to split by its arguments' placements."""
+    if is_fsdp(mesh):
+        return program
     out_specs = PartitionSpec(AXIS) if outputs == 1 else tuple(PartitionSpec(AXIS) for _ in range(outputs))
     return jax.shard_map(program, mesh=mesh, in_specs=specs, out_specs=out_specs)

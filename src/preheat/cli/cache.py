@@ -124,15 +124,17 @@ def verify_command(quarantine_bad: bool) -> None:
 @click.option("--steps", type=int)
 @click.option("--guidance", type=float)
 @click.option("--devices", "devices_text", metavar="all|N|ID,ID,...", help="The devices the call is split over.")
+@click.option("--fsdp", default=1, show_default=True, type=int, metavar="F",
+              help="The devices each weight is split over.")
 @one_line_errors
 def explain_command(model: str | None, n: int, sampler: str | None, steps: int | None, guidance: float | None,
-                    devices_text: str | None) -> None:
+                    devices_text: str | None, fsdp: int) -> None:
     """Would this call hit the cache? If not, which key fields differ from the nearest entry."""
     import preheat
     from preheat.cache.compile import key_fields, key_of, nearest_entry
     from preheat.sharding import parse_devices
 
-    pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"))
+    pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"), fsdp=fsdp)
     sig, args = pipe.prepare(n, sampler=sampler, steps=steps, guidance=guidance)
     fields = key_fields(pipe.fingerprint, sig, args)
     key = key_of(fields)

@@ -86,6 +86,9 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @click.option("--devices", "devices_text", metavar="all|N|ID,ID,...",
               help="JAX: the devices each batch is split over (default all; $PREHEAT_DEVICES); buckets are "
                    "then multiples of their count.")
+@click.option("--fsdp", default=1, show_default=True, type=int, metavar="F",
+              help="JAX: split each weight over F of those devices instead of copying it to each (for "
+                   "models that do not fit one device); F divides the device count.")
 @click.option("--batch-wait-ms", default=10.0, show_default=True, type=float,
               help="How long the oldest request waits for others to share its batch.")
 @click.option("--max-queue", default=64, show_default=True, type=int,
@@ -110,7 +113,7 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @one_line_errors
 def serve_command(model: Optional[str], host: str, port: int, backend: str, compile_mode: str, dtype: str,
                   max_batch_size: int,
-                  devices_text: Optional[str], batch_wait_ms: float, max_queue: int, max_steps: int,
+                  devices_text: Optional[str], fsdp: int, batch_wait_ms: float, max_queue: int, max_steps: int,
                   samplers_text: Optional[str], sizes_text: Optional[str], guidance_text: str, grace_s: float,
                   push_grace_s: float,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
@@ -134,8 +137,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     _check_backend(backend)
     if compile_mode != "none" and backend != "torch":
         raise InvalidArgumentError(f"--compile {compile_mode} applies to --backend torch")
-    if devices_text is not None and backend != "jax":
-        raise InvalidArgumentError("--devices applies to --backend jax")
+    if (devices_text is not None or fsdp != 1) and backend != "jax":
+        raise InvalidArgumentError("--devices and --fsdp apply to --backend jax")
     from preheat.sharding import parse_devices
 
     devices = parse_devices(devices_text, "--devices")
@@ -149,7 +152,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
 
     config = CoreConfig.from_warm_set(warm_set, backend=backend, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
                                       max_steps=max_steps, push_grace_s=push_grace_s, devices=devices,
-                                      compile=compile_mode)
+                                      fsdp=fsdp, compile=compile_mode)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,

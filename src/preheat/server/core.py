@@ -64,6 +64,7 @@ class CoreConfig:
     dtype: str = "float32"
     max_batch_size: int = 8
     devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
+    fsdp: int = 1  # jax: the devices each weight is split over (1: copied to each)
     batch_wait_ms: float = 10.0
     max_queue: int = 64  # predictions waiting (not running); more -> QueueFull
     max_steps: int = 200
@@ -142,7 +143,7 @@ def load_pipeline(config: CoreConfig) -> Any:
             raise InvalidArgumentError(f"--compile {config.compile} applies to --backend torch")
         import preheat
 
-        return preheat.load(config.model, dtype=config.dtype, devices=config.devices)
+        return preheat.load(config.model, dtype=config.dtype, devices=config.devices, fsdp=config.fsdp)
     if config.backend == "torch":
         try:
             import preheat.backends.torch as torch_backend
