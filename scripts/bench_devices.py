@@ -24,7 +24,8 @@ MEASURE = """
 import json, sys, time
 import numpy as np, preheat
 mode, runs = sys.argv[1], int(sys.argv[2])
-p = preheat.load(None, cache="off", **({} if mode == "base" else {"devices": int(mode)}))
+options = {} if mode == "base" else {"devices": int(mode.split("/")[0]), "fsdp": int((mode + "/1").split("/")[1])}
+p = preheat.load(None, cache="off", **options)
 call = dict(steps=20, sampler="euler", seed=0, class_labels=list(range(8)), guidance=3.0)
 p.generate(8, **call)  # compile
 wall, cpu = [], []
@@ -52,7 +53,7 @@ def main() -> None:
     parser.add_argument("--base", type=Path, help="another checkout's src: today's single-device path")
     args = parser.parse_args()
     here = Path(__file__).resolve().parent.parent / "src"
-    modes = (["base"] if args.base else []) + ["1", "2", "4"]
+    modes = (["base"] if args.base else []) + ["1", "2", "4", "4/4"]  # "4/4": 4 devices, weights split in 4
     results: dict[str, dict[str, list[float]]] = {m: {"wall": [], "cpu": []} for m in modes}
     for _ in range(args.rounds):
         for mode in modes:

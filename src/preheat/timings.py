@@ -10,14 +10,21 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
-__all__ = ["Timings", "LAYER_ORDER", "coldest", "process_age_s"]
+__all__ = ["Timings", "LAYER_ORDER", "coldest", "process_age_s", "now_iso"]
 
 _IMPORTED_AT = time.perf_counter()
 
 # Where an executable came from, coldest first: a call's layer is its coldest stage's.
 LAYER_ORDER = ("none", "xla", "mega", "aot", "memory")
+
+
+def now_iso() -> str:
+    """Now, as every timestamp preheat writes for people and other programs (predictions, store
+    refs): RFC 3339 in UTC with microseconds and a ``Z``, e.g. ``2026-11-30T19:06:42.123456Z``."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def coldest(a: str, b: str) -> str:

@@ -15,6 +15,7 @@ from preheat.errors import FetchError, InvalidArgumentError
 from preheat.store import list_refs, pull, resolve, source_id, verify_store
 from preheat.cli.pull import pull_command
 from tests.store._helpers import files_of, tar_bytes
+from tests.test_timestamps import assert_utc_timestamp
 
 
 def sha(data: bytes) -> str:
@@ -51,6 +52,7 @@ def test_pull_tarball_layout(server, root, model):
     assert ref["source"] == url and ref["snapshot"] == snap.name and ref["kind"] == "tar"
     assert {f["path"]: f["sha256"] for f in ref["files"]} == {p: sha(d) for p, d in want.items()}
     assert ref["download_sha256"] == sha(server.files["/m/tiny.tar.gz"])
+    assert_utc_timestamp(ref["created"])  # the one format the server's predictions use too
     assert listing(models / "downloads") == []
     assert [r.source for r in list_refs(root)] == [url]
 

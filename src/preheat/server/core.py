@@ -33,25 +33,21 @@ import time
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
 from preheat.cache.warm import GUIDANCE_MODES, WarmSet, WarmSignature, buckets_for, resolve, run_signature, signatures
 from preheat.errors import InputError, NotAccepting, QueueFull
 from preheat.server.inputs import Job, Limits, input_model, parse_input, size_inputs
 from preheat.server.metrics import CoreMetrics
+from preheat.timings import now_iso
 
-__all__ = ["CoreConfig", "Core", "Prediction", "buckets_for", "now_iso", "SHUT_DOWN"]
+__all__ = ["CoreConfig", "Core", "Prediction", "buckets_for", "SHUT_DOWN"]
 
 log = logging.getLogger("preheat.server")
 
 TERMINAL = ("succeeded", "failed", "canceled")
 Listener = Callable[[str, dict], None]  # (event, snapshot); event: "start" | "completed"
 SHUT_DOWN = "the server shut down before this prediction ran"  # the error of predictions dropped by close()
-
-
-def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat()
 
 
 

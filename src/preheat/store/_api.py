@@ -12,9 +12,10 @@ from preheat.env import env_flag
 from preheat.errors import FetchError, ModelNotFoundError
 from preheat.files import sha256_and_size
 from preheat.store import _hf, _http
+from preheat.timings import now_iso
 from preheat.store._ingest import (adopt_file, build_snapshot, extract_tar, link_into_blobs,
                                    scan_folder, snapshot_problems, write_blob)
-from preheat.store._layout import (HEX64, FileEntry, Ref, Source, Store, is_tar_name, now_iso, parse_ref,
+from preheat.store._layout import (HEX64, FileEntry, Ref, Source, Store, is_tar_name, parse_ref,
                                    parse_source, snapshot_id, url_filename)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import json
 import os
@@ -236,10 +235,6 @@ def parse_ref(source_id_: str, raw: bytes) -> Ref:
     extra = {k: v for k, v in doc.items() if k not in ("format", "source", "kind", "snapshot", "created", "files")}
     return Ref(source_id_, str(doc.get("source", "")), str(doc.get("kind", "")), snap, entries,
                str(doc.get("created", "")), extra)
-
-
-def now_iso() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # ---------------------------------------------------------------------------------------------
