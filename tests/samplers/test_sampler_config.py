@@ -13,7 +13,7 @@ import pytest
 import diffusers
 from preheat.errors import SchedulerConfigError
 from preheat.samplers import DIFFUSION_SAMPLERS, SchedulerConfig, make_plan, make_spec
-from preheat.samplers._config import CLASS_DEFAULTS, DIFFUSERS_CLASS
+from preheat.samplers._tables import CLASS_DEFAULTS, DIFFUSERS_CLASS
 
 
 @pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)

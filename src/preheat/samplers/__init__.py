@@ -77,7 +77,7 @@ steps to 1e-5 (rtol and atol); where float32 cancellation dominates (sigma-space
 sigma ~ 1e2 .. 2e4 down to O(1)) they agree to within diffusers' own float32 noise floor.
 tests/samplers measures both.
 
-Config keys: see ``_config.py``. Absent keys take the defaults of the diffusers class the
+Config keys: see ``_tables.py`` (what each class reads, with its defaults) and ``_config.py``. Absent keys take the defaults of the diffusers class the
 sampler maps to (so a DDIM-saved config used with "euler" behaves like
 ``EulerDiscreteScheduler.from_config``); values that change the math and are not implemented
 raise ``SchedulerConfigError`` with a one-line message naming the key.
@@ -85,11 +85,11 @@ raise ``SchedulerConfigError`` with a one-line message naming the key.
 
 from __future__ import annotations
 
-from preheat.samplers._config import (DETERMINISTIC_SAMPLERS, DIFFUSION_SAMPLERS, FLOW_SAMPLERS, SAMPLERS,
-                                      SchedulerConfig, config_kind, find_scheduler_config, load_scheduler_config)
+from preheat.samplers._config import SchedulerConfig, config_kind, find_scheduler_config, load_scheduler_config
 from preheat.samplers._plan import MU_SIGMAS_SAMPLERS, Plan, SolverSpec, flow_mu, make_plan, make_spec
 from preheat.samplers._schedules import flux_sigmas
 from preheat.samplers._solvers import Model, NoiseFn, SamplerState, init, run, step
+from preheat.samplers._tables import DETERMINISTIC_SAMPLERS, DIFFUSION_SAMPLERS, FLOW_SAMPLERS, SAMPLERS
 
 __all__ = [
     "SAMPLERS",

@@ -15,8 +15,9 @@ import numpy as np
 
 from preheat.errors import SchedulerConfigError
 from preheat.samplers import _schedules as S
-from preheat.samplers._config import (FLOW_SAMPLERS, SAMPLERS, ResolvedConfig, ResolvedFlowConfig, SchedulerConfig,
-                                      check_sampler, resolve, resolve_flow)
+from preheat.samplers._config import (ResolvedConfig, ResolvedFlowConfig, SchedulerConfig, check_sampler, resolve,
+                                      resolve_flow)
+from preheat.samplers._tables import FLOW_SAMPLERS, SAMPLERS
 
 __all__ = ["SolverSpec", "Plan", "make_spec", "make_plan", "flow_mu", "MU_SIGMAS_SAMPLERS"]
 

@@ -1,0 +1,203 @@
+"""What each sampler reproduces: its diffusers class, the config keys that class reads with their
+defaults, and the type of every key -- the tables that ``preheat.samplers._config`` parses configs
+and resolves them against (tests/samplers checks them against the installed diffusers).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+DIFFUSION_SAMPLERS: tuple[str, ...] = (
+    "ddpm",
+    "ddim",
+    "euler",
+    "euler_a",
+    "heun",
+    "dpmpp_2m",
+    "dpmpp_2m_karras",
+)
+# Samplers for flow-matching models (the model predicts the velocity ``noise - x0``).
+FLOW_SAMPLERS: tuple[str, ...] = ("flow_euler", "flow_heun")
+SAMPLERS: tuple[str, ...] = DIFFUSION_SAMPLERS + FLOW_SAMPLERS
+# Diffusion samplers that draw no noise per step (ddim given eta=0), so that two backends given the
+# same initial noise agree image for image (the torch backend's and bench compare's comparisons).
+DETERMINISTIC_SAMPLERS: tuple[str, ...] = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras", *FLOW_SAMPLERS)
+
+# The diffusers class each sampler reproduces (named in error messages).
+DIFFUSERS_CLASS: dict[str, str] = {
+    "ddpm": "DDPMScheduler",
+    "ddim": "DDIMScheduler",
+    "euler": "EulerDiscreteScheduler",
+    "euler_a": "EulerAncestralDiscreteScheduler",
+    "heun": "HeunDiscreteScheduler",
+    "dpmpp_2m": "DPMSolverMultistepScheduler",
+    "dpmpp_2m_karras": "DPMSolverMultistepScheduler",
+    "flow_euler": "FlowMatchEulerDiscreteScheduler",
+    "flow_heun": "FlowMatchHeunDiscreteScheduler",
+}
+
+BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
+PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")
+DDPM_VARIANCE_TYPES = ("fixed_small", "fixed_small_log", "fixed_large")
+TIME_SHIFT_TYPES = ("exponential", "linear")
+
+# Defaults of the diffusers class behind each sampler, for every key that class reads and
+# that changes the math (keys we refuse included, so that their defaults are known).
+# tests/samplers checks these against the installed diffusers signatures.
+_COMMON: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "beta_start": 0.0001,
+    "beta_end": 0.02,
+    "beta_schedule": "linear",
+    "trained_betas": None,
+    "prediction_type": "epsilon",
+    "steps_offset": 0,
+}
+_DPM: dict[str, Any] = {
+    **_COMMON,
+    "timestep_spacing": "linspace",
+    "thresholding": False,
+    "variance_type": None,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "use_lu_lambdas": False,
+    "use_flow_sigmas": False,
+    "final_sigmas_type": "zero",
+    "lambda_min_clipped": -math.inf,
+    "rescale_betas_zero_snr": False,
+    # Not __init__ parameters of DPMSolverMultistepScheduler, but its Karras conversion
+    # reads them from the config when a foreign (Euler) config carries them.
+    "sigma_min": None,
+    "sigma_max": None,
+}
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ddpm": {
+        **_COMMON,
+        "timestep_spacing": "leading",
+        "clip_sample": True,
+        "clip_sample_range": 1.0,
+        "variance_type": "fixed_small",
+        "thresholding": False,
+        "rescale_betas_zero_snr": False,
+    },
+    "ddim": {
+        **_COMMON,
+        "timestep_spacing": "leading",
+        "clip_sample": True,
+        "clip_sample_range": 1.0,
+        "set_alpha_to_one": True,
+        "thresholding": False,
+        "rescale_betas_zero_snr": False,
+    },
+    "euler": {
+        **_COMMON,
+        "timestep_spacing": "linspace",
+        "interpolation_type": "linear",
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "sigma_min": None,
+        "sigma_max": None,
+        "timestep_type": "discrete",
+        "final_sigmas_type": "zero",
+        "rescale_betas_zero_snr": False,
+    },
+    "euler_a": {
+        **_COMMON,
+        "timestep_spacing": "linspace",
+        "rescale_betas_zero_snr": False,
+    },
+    "heun": {
+        **_COMMON,
+        "beta_start": 0.00085,
+        "beta_end": 0.012,
+        "timestep_spacing": "linspace",
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "clip_sample": False,
+        "clip_sample_range": 1.0,
+        # read through the config by the Karras conversion, as for dpm++
+        "sigma_min": None,
+        "sigma_max": None,
+    },
+    "dpmpp_2m": _DPM,
+    "dpmpp_2m_karras": _DPM,
+    "flow_euler": {
+        "num_train_timesteps": 1000,
+        "shift": 1.0,
+        "use_dynamic_shifting": False,
+        "base_shift": 0.5,
+        "max_shift": 1.15,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 4096,
+        "invert_sigmas": False,
+        "shift_terminal": None,
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "time_shift_type": "exponential",
+        "stochastic_sampling": False,
+        # read through the config (hasattr) by the Karras/exponential conversions
+        "sigma_min": None,
+        "sigma_max": None,
+    },
+    # FlowMatchHeunDiscreteScheduler reads nothing else: no dynamic shifting, no custom
+    # sigmas, no mu (a Flux config's use_dynamic_shifting is ignored, as from_config does)
+    "flow_heun": {"num_train_timesteps": 1000, "shift": 1.0},
+}
+
+# Keys only the FlowMatch* classes read / only the diffusion classes read (config_kind).
+FLOW_KEYS: tuple[str, ...] = (
+    "shift", "use_dynamic_shifting", "base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len",
+    "invert_sigmas", "shift_terminal", "time_shift_type", "stochastic_sampling",
+)
+DIFFUSION_KEYS: tuple[str, ...] = (
+    "beta_start", "beta_end", "beta_schedule", "prediction_type", "timestep_spacing", "steps_offset",
+    "clip_sample", "clip_sample_range", "set_alpha_to_one", "variance_type", "interpolation_type",
+    "use_lu_lambdas", "use_flow_sigmas", "thresholding", "rescale_betas_zero_snr", "timestep_type",
+    "final_sigmas_type", "lambda_min_clipped",
+)
+
+KIND_BOOL = "bool"
+KIND_INT = "int"
+KIND_FLOAT = "float"
+KIND_STR = "str"
+FIELD_KIND: dict[str, str] = {
+    "num_train_timesteps": KIND_INT,
+    "beta_start": KIND_FLOAT,
+    "beta_end": KIND_FLOAT,
+    "beta_schedule": KIND_STR,
+    "prediction_type": KIND_STR,
+    "timestep_spacing": KIND_STR,
+    "steps_offset": KIND_INT,
+    "clip_sample": KIND_BOOL,
+    "clip_sample_range": KIND_FLOAT,
+    "set_alpha_to_one": KIND_BOOL,
+    "variance_type": KIND_STR,
+    "interpolation_type": KIND_STR,
+    "use_karras_sigmas": KIND_BOOL,
+    "use_exponential_sigmas": KIND_BOOL,
+    "use_beta_sigmas": KIND_BOOL,
+    "use_lu_lambdas": KIND_BOOL,
+    "use_flow_sigmas": KIND_BOOL,
+    "thresholding": KIND_BOOL,
+    "rescale_betas_zero_snr": KIND_BOOL,
+    "sigma_min": KIND_FLOAT,
+    "sigma_max": KIND_FLOAT,
+    "timestep_type": KIND_STR,
+    "final_sigmas_type": KIND_STR,
+    "lambda_min_clipped": KIND_FLOAT,
+    "shift": KIND_FLOAT,
+    "use_dynamic_shifting": KIND_BOOL,
+    "base_shift": KIND_FLOAT,
+    "max_shift": KIND_FLOAT,
+    "base_image_seq_len": KIND_INT,
+    "max_image_seq_len": KIND_INT,
+    "invert_sigmas": KIND_BOOL,
+    "shift_terminal": KIND_FLOAT,
+    "time_shift_type": KIND_STR,
+    "stochastic_sampling": KIND_BOOL,
+}
