@@ -50,6 +50,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
@@ -57,7 +58,7 @@ from ray import serve
 
 from preheat.errors import InvalidArgumentError, PreheatError
 
-__all__ = ["RayOptions", "Preheat", "build_app", "app", "health_error", "proxy_middlewares", "FORWARDED_ENV",
+__all__ = ["RayOptions", "Preheat", "build_app", "app", "run", "health_error", "proxy_middlewares", "FORWARDED_ENV",
            "forwarded_env", "REPLICA_HEADER"]
 
 log = logging.getLogger("preheat.server")
@@ -342,6 +343,48 @@ class RetryWhenLost:
                         "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
                                     (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
+
+
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+PROXY_CALLBACK = "preheat.integrations.ray:proxy_middlewares"
+
+
+def run(options: RayOptions, *, address: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
+        name: str = "preheat", announce: Any = print) -> int:
+    """``preheat serve --ray``: deploy on the cluster at ``address`` (None: start a local one on
+    this machine, on loopback unless ``host`` says otherwise), return once every replica is READY
+    after ``announce``-ing the URL, block until SIGINT/SIGTERM, then delete the application
+    (replicas drain: in-flight requests finish) and return 0."""
+    import signal
+    import threading
+
+    import ray
+
+    if address is None:
+        os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # read by the proxies this cluster starts
+        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1" if host in ("127.0.0.1", "localhost") else None)
+    else:
+        ray.init(address=address)
+        if os.environ.get(PROXY_CALLBACK_ENV) != PROXY_CALLBACK:
+            announce(f"note: a request whose replica dies gets an empty 500 unless the cluster was started with "
+                     f"{PROXY_CALLBACK_ENV}={PROXY_CALLBACK}")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        t0 = time.perf_counter()
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(asdict(options)), name=name, route_prefix="/", blocking=False)
+        announce(f"preheat serve --ray: READY on http://{host}:{port} after {time.perf_counter() - t0:.1f}s "
+                 f"({options.num_replicas or 'autoscaled'} replica(s)); Ctrl-C drains and stops")
+        stop.wait()
+        announce("preheat serve --ray: draining")
+        serve.delete(name)
+    finally:
+        if address is None:
+            serve.shutdown()
+        ray.shutdown()
+    return 0
 
 
 app = build_app(asdict(RayOptions.from_env()))
