@@ -134,7 +134,8 @@ def health_by_replica(c: Cluster, want: set[str]) -> dict[str, dict]:
 
 
 def body(seed: int, **extra: Any) -> dict:
-    return {"input": {"seed": seed, "class_label": seed % 10, "num_inference_steps": 2, **extra}}
+    # guidance_scale 1: the warmed program (OPTIONS warm guidance off only, to keep warm-up short)
+    return {"input": {"seed": seed, "class_label": seed % 10, "num_inference_steps": 2, "guidance_scale": 1, **extra}}
 
 
 async def _post_all(c: Cluster, bodies: list[dict], started: Any = None) -> list[httpx.Response]:
@@ -166,6 +167,7 @@ def test_64_concurrent_requests_each_answered_exactly_once(cluster: Cluster) -> 
     snaps = [r.json() for r in responses]
     assert [s["id"] for s in snaps] == [b["id"] for b in bodies]  # each request got its own answer
     assert all(s["status"] == "succeeded" and len(s["output"]) == 1 for s in snaps)
+    assert not any(s["metrics"]["compiled"] for s in snaps)  # hot replicas: traffic never compiles
     replicas = {r.headers["x-preheat-replica"] for r in responses}
     assert len(replicas) == 2, replicas  # both replicas served
     # requests i and i+32 ask for the same image: the same pixels whichever replica drew them
@@ -213,3 +215,66 @@ def test_killing_a_replica_mid_load_loses_no_accepted_request(cluster: Cluster) 
     if lost:
         retried = asyncio.run(_post_all(cluster, lost))
         assert [r.status_code for r in retried] == [200] * len(lost)
+
+
+# ---------------------------------------------------------------- no cluster needed
+
+
+def test_options_from_serve_run_args_and_one_line_errors() -> None:
+    from preheat.errors import InvalidArgumentError
+    from preheat.integrations.ray import RayOptions
+
+    o = RayOptions.from_args({"max_batch_size": "4", "sizes": "32x16", "devices": "2", "num_gpus": "1",
+                              "autoscaling": '{"min_replicas": 1, "max_replicas": 4}'})
+    assert (o.max_batch_size, o.sizes, o.devices, o.num_replicas) == (4, ((32, 16),), 2, None)
+    d = o.deployment_options()
+    assert d["ray_actor_options"]["num_gpus"] == 1.0 and d["autoscaling_config"]["max_replicas"] == 4
+    assert "num_replicas" not in d and d["max_ongoing_requests"] == 64 + 4
+    with pytest.raises(InvalidArgumentError, match="unknown option.*max_batch"):
+        RayOptions.from_args({"max_batch": 4})
+    with pytest.raises(InvalidArgumentError, match="max_batch_size='x'"):
+        RayOptions.from_args({"max_batch_size": "x"})
+
+
+def test_the_fleet_store_and_its_credentials_reach_every_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    from preheat.integrations.ray import RayOptions
+
+    monkeypatch.setenv("PREHEAT_CACHE_URL", "s3://b/p")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("UNRELATED_SECRET", "x")
+    env = RayOptions().deployment_options()["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert env["PREHEAT_CACHE_URL"] == "s3://b/p" and env["AWS_SECRET_ACCESS_KEY"] == "s"
+    assert "UNRELATED_SECRET" not in env
+
+
+def test_health_is_false_until_set_up_succeeded_and_while_the_worker_is_dead(pipe: Any) -> None:
+    from preheat.integrations.ray import health_error
+    from preheat.server.core import Core, CoreConfig
+
+    def fail(config: Any) -> Any:
+        raise RuntimeError("no weights")
+
+    failed = Core(CoreConfig(max_batch_size=1), loader=fail).start()
+    assert failed.wait_setup(60)
+    assert "set-up failed" in health_error(failed)
+    core = Core(CoreConfig(max_batch_size=1, guidance=("off",)), pipe=pipe)
+    assert "set-up starting" == health_error(core)
+    core.start()
+    assert core.wait_setup(120) and health_error(core) is None
+    core.close()
+    assert health_error(core) == "the batching worker is not running"
+
+
+def test_example_serve_config_is_valid_and_builds() -> None:
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from preheat.integrations.ray import build_app
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "ray_serve.yaml").read_text())
+    config = ServeDeploySchema.model_validate(raw)
+    app = config.applications[0]
+    assert app.import_path == "preheat.integrations.ray:build_app"
+    assert app.deployments[0].autoscaling_config["max_replicas"] >= app.deployments[0].autoscaling_config["min_replicas"]
+    assert "PREHEAT_CACHE_URL" in app.runtime_env["env_vars"]
+    build_app(app.args)  # every arg is an option
