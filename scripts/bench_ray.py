@@ -68,7 +68,7 @@ def main() -> None:
                "guidance": "off"}
     out: dict[str, Any] = {"options": options, "requests": args.requests, "concurrency": args.concurrency,
                            "steps": args.steps}
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8765})
 

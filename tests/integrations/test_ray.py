@@ -81,7 +81,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, session_c
         saved = dict(os.environ)
         # Serve's proxies answer 503 + Retry-After for a request whose replica died (read where they start)
         os.environ["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] = "preheat.integrations.ray:proxy_middlewares"
-        ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
                  _temp_dir=str(tmp / "ray"))
         try:
             # Set after ray.init: the replicas get these only through the deployment's runtime_env.

@@ -362,7 +362,7 @@ def run(options: RayOptions, *, address: Optional[str] = None, host: str = "127.
 
     if address is None:
         os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # read by the proxies this cluster starts
-        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1" if host in ("127.0.0.1", "localhost") else None)
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1" if host in ("127.0.0.1", "localhost") else None)
     else:
         ray.init(address=address)
         if os.environ.get(PROXY_CALLBACK_ENV) != PROXY_CALLBACK:
