@@ -230,6 +230,9 @@ def test_options_from_serve_run_args_and_one_line_errors() -> None:
     d = o.deployment_options()
     assert d["ray_actor_options"]["num_gpus"] == 1.0 and d["autoscaling_config"]["max_replicas"] == 4
     assert "num_replicas" not in d and d["max_ongoing_requests"] == 64 + 4
+    e = RayOptions.from_env({"PREHEAT_MODEL": "/m", "PREHEAT_MAX_BATCH_SIZE": "2", "PREHEAT_RAY_REPLICAS": "3",
+                             "PREHEAT_RAY_GPUS": "8", "PREHEAT_GUIDANCE": "off"})
+    assert (e.model, e.max_batch_size, e.num_replicas, e.num_gpus, e.guidance) == ("/m", 2, 3, 8.0, ("off",))
     with pytest.raises(InvalidArgumentError, match="unknown option.*max_batch"):
         RayOptions.from_args({"max_batch": 4})
     with pytest.raises(InvalidArgumentError, match="max_batch_size='x'"):

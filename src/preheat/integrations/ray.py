@@ -11,9 +11,10 @@ the same Cog (``/predictions``, ``/health-check``) and OpenAI (``/v1/images/gene
 the same refusals, ``/metrics`` per replica. Serve routes, queues, retries a replica that refused
 and autoscales; preheat makes each replica hot:
 
-- **READY before routed.** The replica's constructor returns only when warm-up has compiled (or
-  loaded) every program a request can reach, so Serve sends it no request before it is hot; a
-  set-up failure fails the replica (Serve then retries it, then marks the deployment unhealthy).
+- **READY before routed.** The replica's initialisation (its constructor starts the core; Serve
+  then asks it for its ASGI app) ends only when warm-up has compiled (or loaded) every program a
+  request can reach, so Serve sends it no request before it is hot; a set-up failure fails the
+  replica (Serve then retries it, then marks the deployment unhealthy).
 - **Health** (``check_health``): healthy only while set-up succeeded, the worker thread is alive
   and the core is not closed. A full queue (``BUSY``) stays healthy: restarting a loaded replica
   would drop its queue; Serve's router already sends the next request elsewhere.
@@ -261,7 +262,7 @@ def _log_to_stderr() -> None:
 @serve.deployment(name="Preheat")
 @serve.ingress()
 class Preheat:
-    """One replica: a started core, READY before the constructor returns, and preheat's app over it."""
+    """One replica: a core started by the constructor, and preheat's app over it once READY."""
 
     def __init__(self, options: dict[str, Any]) -> None:
         from preheat.server.core import Core
@@ -387,4 +388,10 @@ def run(options: RayOptions, *, address: Optional[str] = None, host: str = "127.
     return 0
 
 
-app = build_app(asdict(RayOptions.from_env()))
+def __getattr__(name: str) -> Any:
+    """``app``: the application built from ``PREHEAT_*`` (:meth:`RayOptions.from_env`) when first
+    asked for (``serve run preheat.integrations.ray:app``), not at import (replicas import this
+    module too)."""
+    if name == "app":
+        return build_app(asdict(RayOptions.from_env()))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
