@@ -15,7 +15,11 @@ no longer fits is recorded as skipped, never silently dropped. In order, most va
    images/s and the achieved fraction of that matrix rate: the "two numbers" of the device
    METHOD); ``xla only`` (JAX's persistent cache warm, executable layer off; after a priming run).
 3. ``preheat bench compare --quick`` on the built-in model (JAX vs torch eager / torch.compile).
-4. More fresh processes for the warm rows, while the budget lasts.
+4. Scaling over local devices (issue 16): ``SCALING_MODEL``'s images/s with the batch split over
+   1, 2, 4 and 8 devices (as many as are present; ``n`` images per device), and the efficiency
+   ``images/s on k / (k x images/s on 1)``; skipped (not failed) with one device. The dry run
+   forces two CPU devices, so the code runs before any GPU draw.
+5. More fresh processes for the warm rows, while the budget lasts.
 
 Writes under ``--out``: doctor.json, models.json, compare.json, summary.md, log.txt (with the
 shell's preflight.json: 6 files); the summary table is printed last. GPU_CHECK_SKIP=models or
@@ -93,15 +97,17 @@ MODELS = [
     # SDXL at 1024x1024 needs a random-weight SDXL writer in preheat.bench.random_models first.
 ]
 DRY_MODELS = [Model("ddpm-256-tiny", DDPM_256_TINY, n=2, steps=2)]
+SCALING_MODEL = {"gpu": "ddpm-256", "dry": "ddpm-256-tiny"}  # the model measured on 1, 2, 4, 8 devices
+SCALING_COUNTS = (1, 2, 4, 8)
 
 # Per mode: seconds a step may take at most / needs at least to be started, and sizes.
 GPU = dict(doctor=(90, 20), materialize=(120, 20), empty=(240, 60), warm=(90, 15), xla=(240, 60),
-           steady=(150, 30), compare=(240, 90), warm_repeats=2, matmul_n=8192, copy_mib=2048,
+           steady=(150, 30), compare=(240, 90), scaling=(300, 60), warm_repeats=2, matmul_n=8192, copy_mib=2048,
            ceiling_repeats=20, steady_repeats=5,
            compare_args=("--quick", "--paths", "jax,torch-eager,torch-inductor"))
 # Dry: the caps only catch a hang (a slow shared CI machine must not turn into a skipped step).
 DRY = dict(doctor=(300, 5), materialize=(300, 5), empty=(300, 5), warm=(300, 5), xla=(300, 5),
-           steady=(300, 5), compare=(600, 5), warm_repeats=1, matmul_n=256, copy_mib=8,
+           steady=(300, 5), compare=(600, 5), scaling=(300, 5), warm_repeats=1, matmul_n=256, copy_mib=8,
            ceiling_repeats=3, steady_repeats=2,
            compare_args=("--quick", "--paths", "jax,torch-eager", "--steps", "1", "--batch-sizes", "1",
                          "--steady-repeats", "1"))
@@ -371,6 +377,63 @@ def step_steady(r: Runner, m: Model, folder: str, home: Path) -> dict[str, Any]:
     return out
 
 
+def step_scaling(r: Runner, m: Model, folder: str, home: Path) -> dict[str, Any]:
+    """Images/s of ``m`` split over 1, 2, 4, 8 local devices (those present), in one fresh process."""
+    timeout = r.fits("scaling")
+    if timeout is None:
+        return {"skipped": "budget"}
+    spec = json.dumps({"folder": folder, "n_per_device": m.n, "steps": m.steps, "sampler": m.sampler,
+                       "dtype": m.dtype, "generate_kwargs": m.generate_kwargs, "counts": list(SCALING_COUNTS),
+                       "repeats": r.limits["steady_repeats"]})
+    # dry: two CPU devices, so that the measuring code runs (a CPU measures overhead, not speed-up)
+    env = {"PREHEAT_HOME": str(home)}
+    if r.mode == "dry":
+        env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    p = r.run(f"{m.name}: scaling over devices", [sys.executable, str(Path(__file__).resolve()), "scaling", spec],
+              timeout, env=env)
+    out = p.result()
+    if out is None:
+        return {"error": _fail(p) or "no result"}
+    out["seconds"] = p.seconds
+    if "skipped" in out:
+        r.say(f"{m.name}: scaling: skipped ({out['skipped']})")
+    else:
+        r.say(f"{m.name}: scaling: " + ", ".join(f"{k} device(s) {x['images_per_s']:.2f} images/s "
+                                                   f"({_pct(x['efficiency'])})" for k, x in out["devices"].items()))
+    return out
+
+
+def scaling_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """(child) For each device count k present: load with ``devices=k``, compile, then time
+    ``generate(k * n_per_device)``; efficiency = images/s on k / (k x images/s on 1)."""
+    import jax
+
+    import preheat
+
+    present = len(jax.devices())
+    counts = [k for k in spec["counts"] if k <= present]
+    out: dict[str, Any] = {"device_kind": jax.devices()[0].device_kind, "devices_present": present}
+    if len(counts) < 2:
+        return {**out, "skipped": f"{present} device present" if present == 1 else f"{present} devices present"}
+    kw = dict(steps=spec["steps"], sampler=spec["sampler"], **spec["generate_kwargs"])
+    rows: dict[str, Any] = {}
+    for k in counts:
+        pipe = preheat.load(spec["folder"], dtype=spec["dtype"], devices=k, cache="full")
+        n = k * spec["n_per_device"]
+        pipe.generate(n, seed=0, **kw)  # compile (or load) this mesh's program
+        times = []
+        for i in range(spec["repeats"]):
+            start = time.perf_counter()
+            pipe.generate(n, seed=i + 1, **kw)
+            times.append(time.perf_counter() - start)
+        ips = n / statistics.median(times)
+        rows[str(k)] = {"n": n, "call_s": _summary(times), "images_per_s": ips,
+                        "efficiency": ips / (k * rows["1"]["images_per_s"]) if rows else 1.0}
+        del pipe
+    out["devices"] = rows
+    return out
+
+
 def matrix_flops(jaxpr: Any) -> int:
     """FLOPs of the matrix work (dot_general, conv_general_dilated) in a jaxpr, sub-jaxprs included."""
     import math
@@ -583,6 +646,13 @@ def table(results: dict[str, Any]) -> str:
                         f"{st['gap_over_floor']:.1f}× it (copy {c['copy_gbps']:.3g} GB/s) |")
         elif st:
             rows.append(f"| {head}: steady state | – | {st.get('error') or 'skipped: ' + str(st.get('skipped'))} |")
+        sc = m.get("scaling") or {}
+        if "devices" in sc:
+            rows.append(f"| {head}: scaling over devices | {sc['seconds']:.0f} | " + "; ".join(
+                f"{k} × {sc['device_kind']}: {x['images_per_s']:.2f} images/s (batch {x['n']}, efficiency "
+                f"{_pct(x['efficiency'])})" for k, x in sc["devices"].items()) + " |")
+        elif sc:
+            rows.append(f"| {head}: scaling over devices | – | {sc.get('error') or 'skipped: ' + str(sc.get('skipped'))} |")
         for s in m.get("skipped", []):
             rows.append(f"| {head}: {s.split(':')[0]} | – | skipped ({s.split(':', 1)[-1].strip()}) |")
     cmp_ = results.get("compare", {})
@@ -649,12 +719,17 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
                 results["compare"] = {}
                 _guard(r, results["compare"], lambda: results["compare"].update(step_compare(r)))
             for mr in runs:
+                if mr.m.name == SCALING_MODEL[mode] and mr.folder is not None:
+                    _guard(r, mr.res, lambda mr=mr: mr.res.update(
+                        scaling=step_scaling(r, mr.m, str(mr.folder), mr.homes["full"])))
+            for mr in runs:
                 _guard(r, mr.res, mr.repeats)
             for mr in runs:
                 res = mr.res
                 results["models"].append(res)
                 failed |= bool(res.get("error") or res["skipped"] or any("error" in x for x in res["runs"])
-                               or "images_per_s" not in (res.get("steady") or {}))
+                               or "images_per_s" not in (res.get("steady") or {})
+                               or "error" in (res.get("scaling") or {}))  # one device: skipped, not failed
             failed |= bool(skip) or "paths" not in results["compare"] or any(
                 p.get("errors") for p in results["compare"]["paths"].values())
         else:
@@ -676,10 +751,12 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
 
 
 def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] in ("materialize", "steady"):
+    if len(sys.argv) == 3 and sys.argv[1] in ("materialize", "steady", "scaling"):
         spec = json.loads(sys.argv[2])
         if sys.argv[1] == "materialize":
             result = materialize(spec["arch"], spec["dtype"], Path(spec["out"]))
+        elif sys.argv[1] == "scaling":
+            result = scaling_child(spec)
         else:
             result = steady_child(spec)
         print(RESULT_TAG + json.dumps(result, default=str), flush=True)

@@ -216,6 +216,9 @@ def test_dry_run_in_a_clean_venv_without_network(env_wheels, tmp_path):
     steady = model["steady"]
     assert steady["first_call_layer"] == "aot" and steady["images_per_s"] > 0
     assert steady["matrix_flops_per_call"] > 0 and 0 < steady["matrix_fraction_of_peak"]
+    scaling = model["scaling"]["devices"]  # the dry run forces two CPU devices: the step's code runs
+    assert sorted(scaling) == ["1", "2"] and scaling["1"]["efficiency"] == 1.0
+    assert all(x["images_per_s"] > 0 for x in scaling.values())
     compare = json.loads((out / "compare.json").read_text())
     assert set(compare["paths"]) == {"jax", "torch-eager"}  # torch-eager needs the carried diffusers
     assert all(not p["errors"] and p["steady"] for p in compare["paths"].values())

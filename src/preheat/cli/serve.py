@@ -110,6 +110,14 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
               help="Let webhooks go to this host, address or CIDR whatever it is (repeat).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--ray", "on_ray", is_flag=True,
+              help="Serve on Ray Serve (the ray extra): replicas of this server behind Serve's proxy; "
+                   "PREHEAT_CACHE_URL and its credentials reach every replica.")
+@click.option("--address", metavar="auto|ray://HOST:PORT",
+              help="--ray: the cluster to deploy on (default: start one on this machine).")
+@click.option("--replicas", default=1, show_default=True, type=int, help="--ray: replicas.")
+@click.option("--gpus-per-replica", default=0.0, show_default=True, type=float,
+              help="--ray: GPUs each replica takes (1, or a pod's count; 0 on CPU).")
 @one_line_errors
 def serve_command(model: Optional[str], host: str, port: int, backend: str, compile_mode: str, dtype: str,
                   max_batch_size: int,
@@ -117,7 +125,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                   samplers_text: Optional[str], sizes_text: Optional[str], guidance_text: str, grace_s: float,
                   push_grace_s: float,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
-                  webhook_allow: tuple[str, ...], log_level: str) -> None:
+                  webhook_allow: tuple[str, ...], log_level: str, on_ray: bool = False,
+                  address: Optional[str] = None, replicas: int = 1, gpus_per_replica: float = 0.0) -> None:
     """Serve MODEL over HTTP (Cog's and OpenAI's APIs), batching concurrent requests.
 
     Warm-up compiles every program a request can reach (each offered sampler, guidance on and
@@ -147,6 +156,14 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         click.echo(f"warning: serving on {host} without PREHEAT_API_TOKEN; anyone who can reach it can use it", err=True)
     _setup_logging(log_level)
 
+    if address is not None or replicas != 1 or gpus_per_replica:
+        if not on_ray:
+            raise InvalidArgumentError("--address, --replicas and --gpus-per-replica apply to --ray")
+    if on_ray:
+        sys.exit(_serve_on_ray(warm_set, backend, devices, batch_wait_ms, max_queue, max_steps, grace_s,
+                               push_grace_s, host, port, address, replicas, gpus_per_replica, webhook_allow_private,
+                               webhook_allow))
+
     from preheat.server.core import CoreConfig
     from preheat.server.serve import serve
 
@@ -161,3 +178,32 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         raise InvalidArgumentError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     sys.exit(code)
 
+
+
+def _serve_on_ray(warm_set: Any, backend: str, devices: Any, batch_wait_ms: float, max_queue: int, max_steps: int,
+                  grace_s: float, push_grace_s: float, host: str, port: int, address: Optional[str], replicas: int,
+                  gpus_per_replica: float, webhook_allow_private: bool, webhook_allow: tuple[str, ...]) -> int:
+    """``--ray``: the same declaration and limits as one replica's options (preheat.integrations.ray)."""
+    from preheat.errors import InvalidArgumentError
+
+    if backend != "jax":
+        raise InvalidArgumentError("--ray serves --backend jax")
+    if webhook_allow_private or webhook_allow:
+        raise InvalidArgumentError("--webhook-allow(-private) is not passed to Ray replicas; they allow public "
+                                   "addresses only")
+    if replicas < 1:
+        raise InvalidArgumentError(f"--replicas {replicas} must be >= 1")
+    if gpus_per_replica < 0:
+        raise InvalidArgumentError(f"--gpus-per-replica {gpus_per_replica} must be >= 0")
+    try:
+        from preheat.integrations import ray as on_ray
+    except ImportError as err:
+        raise InvalidArgumentError(f"--ray needs the ray extra (pip install 'preheat[ray]'): {err}") from None
+    options = on_ray.RayOptions(model=warm_set.model, dtype=warm_set.dtype, max_batch_size=warm_set.max_batch_size,
+                                samplers=tuple(warm_set.samplers), sizes=tuple(warm_set.sizes),
+                                guidance=tuple(warm_set.guidance), devices=devices, batch_wait_ms=batch_wait_ms,
+                                max_queue=max_queue, max_steps=max_steps, grace_s=grace_s, push_grace_s=push_grace_s,
+                                num_replicas=replicas, num_gpus=gpus_per_replica)
+    options.check()
+    return on_ray.run(options, address=address, host=host, port=port,
+                      announce=lambda line: click.echo(line, err=True))

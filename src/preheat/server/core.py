@@ -478,6 +478,7 @@ class Core:
         self.limits = replace(self.limits, schedulers=self.samplers)  # parse refuses the others, naming these
         for sig in self.signatures():
             t0 = time.perf_counter()
+            events_before = len(getattr(compiler, "events", ()))
             run_signature(pipe, sig)
             sampler, guidance, bucket, size, negatives = sig.sampler, sig.guidance, sig.bucket, sig.size, sig.negatives
             layer = pipe.last.cache_layer
@@ -490,7 +491,9 @@ class Core:
             self.metrics.warmup_seconds.labels(bucket=str(bucket), sampler=sampler, guided=str(guided).lower(),
                                                cache_layer=layer).set(took)
             what = f" {size[0]}x{size[1]}{' +negative' if negatives else ''}" if size else ""
-            self._setup_log(f"warm-up: {sampler} batch {bucket}{what} guided={guided}: {took:.2f}s (cache: {layer})")
+            remote = _remote_status(getattr(compiler, "events", [])[events_before:])
+            self._setup_log(f"warm-up: {sampler} batch {bucket}{what} guided={guided}: {took:.2f}s (cache: {layer}"
+                            f"{f', remote: {remote}' if remote else ''})")
         if compiler is not None and hasattr(compiler, "push_missing"):
             compiler.push_missing()  # local entries the store lacks (queued: READY does not wait)
         total = time.perf_counter() - start
@@ -642,6 +645,16 @@ class Core:
         p.done.set()
         for fn in listeners:
             _call(fn, "completed", snap)
+
+
+def _remote_status(events: list[dict]) -> Optional[str]:
+    """The fleet store's part in one warm-up program (its stages' compile-cache events): "hit"
+    when every stage that asked the store was served by it, else the first other answer; None
+    when the store was not asked (no store, or a local hit)."""
+    answers = [e["remote"] for e in events if e.get("remote")]
+    if not answers:
+        return None
+    return next((a for a in answers if a != "hit"), "hit")
 
 
 def _call(fn: Listener, event: str, snap: dict) -> None:

@@ -1,0 +1,283 @@
+"""Ray Serve: a real local Ray cluster on 127.0.0.1 (started here, shut down at the end even on
+failure), preheat's deployment with the tiny class-conditional model on the CPU, and a real S3
+store (moto's server on loopback) shared by the replicas.
+
+Each replica gets its own local cache root (``cache_home`` with ``{replica}``), as replicas on
+separate nodes would have: what one compiles reaches another only through the store.
+
+One module-scoped cluster and one application; each test asks for the replica count it needs
+(:func:`scale`), so no test depends on another having run. Marked ``ray``: skip with
+``-m "not ray"``. Runtime: about 1-2 minutes on 2 cores, most of it Ray's start and the first
+replica's compile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+
+from tests.cache.s3_server import free_port, s3_server  # noqa: E402
+from tests.server.fixtures import wait_until  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+SIGNING_KEY = "ray-fleet-" + "0123456789abcdef" * 2
+APP = "preheat"
+OPTIONS = {"max_batch_size": 4, "batch_wait_ms": 20, "guidance": "off", "num_cpus": 0.5, "grace_s": 60,
+           "push_grace_s": 30}
+
+
+class Cluster:
+    def __init__(self, url: str, model: Path, homes: Path, store_url: str) -> None:
+        self.url, self.model, self.homes, self.store_url = url, model, homes, store_url
+        self.ready_s: dict[str, float] = {}
+
+    def deploy(self, replicas: int) -> float:
+        """``serve.run`` with ``replicas`` replicas (only the count changes: Serve scales in place);
+        returns the seconds until every replica is READY (serve.run returns then)."""
+        from preheat.integrations.ray import build_app
+
+        t0 = time.perf_counter()
+        serve.run(build_app({**OPTIONS, "model": str(self.model), "num_replicas": replicas,
+                             "cache_home": str(self.homes / "{replica}")}),
+                  name=APP, route_prefix="/", blocking=False)
+        wait_until(lambda: len(running_replicas()) == replicas, timeout=240, what=f"{replicas} running replicas")
+        return time.perf_counter() - t0
+
+
+def running_replicas() -> list[str]:
+    status = serve.status().applications.get(APP)
+    if status is None or status.status != "RUNNING":
+        return []
+    deployment = status.deployments["Preheat"]
+    return ["x"] * deployment.replica_states.get("RUNNING", 0)
+
+
+def replica_ids() -> list[str]:
+    """The replica actors alive now (Serve names them SERVE_REPLICA::<app>#<deployment>#<id>)."""
+    from ray.util import list_named_actors
+
+    names = [a["name"] for a in list_named_actors(all_namespaces=True) if a["namespace"] == "serve"]
+    return sorted(n.rsplit("#", 1)[1] for n in names if n.startswith(f"SERVE_REPLICA::{APP}#Preheat#"))
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, session_cache_root: None):
+    tmp = tmp_path_factory.mktemp("ray")
+    with s3_server() as s3:
+        bucket = s3.new_bucket()
+        saved = dict(os.environ)
+        # Serve's proxies answer 503 + Retry-After for a request whose replica died (read where they start)
+        os.environ["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] = "preheat.integrations.ray:proxy_middlewares"
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+                 _temp_dir=str(tmp / "ray"))
+        try:
+            # Set after ray.init: the replicas get these only through the deployment's runtime_env.
+            os.environ.update({**s3.env(), "PREHEAT_CACHE_URL": f"s3://{bucket}/fleet",
+                               "PREHEAT_CACHE_SIGNING_KEY": SIGNING_KEY})
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            c = Cluster(f"http://127.0.0.1:{port}", model_dir, tmp / "homes", os.environ["PREHEAT_CACHE_URL"])
+            c.ready_s["first (cold)"] = c.deploy(1)
+            first = replica_ids()
+            wait_until(lambda: _store_entries(c) >= 2, timeout=120, what="the first replica's uploads")
+            c.ready_s["second (remote warm)"] = c.deploy(2)
+            c.first, c.second = first[0], next(r for r in replica_ids() if r not in first)
+            print(f"\nray: READY after {c.ready_s}")
+            yield c
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+
+
+def _store_entries(c: Cluster) -> int:
+    """Entries the store holds (each pushed after its manifest verified)."""
+    from preheat.cache.remote import open_store
+
+    store = open_store(c.store_url, signing_key=SIGNING_KEY.encode(), timeout=5.0)
+    return sum(1 for row in store.verify("jax") if row.get("ok"))
+
+
+def scale(c: Cluster, replicas: int) -> None:
+    if len(replica_ids()) != replicas or len(running_replicas()) != replicas:
+        c.deploy(replicas)
+
+
+def health_by_replica(c: Cluster, want: set[str]) -> dict[str, dict]:
+    """``/health-check`` of each replica in ``want`` (Serve routes each call to one replica; the
+    ``X-Preheat-Replica`` header says which)."""
+    seen: dict[str, dict] = {}
+    with httpx.Client(base_url=c.url, timeout=30) as client:
+        def poll() -> bool:
+            r = client.get("/health-check")
+            seen[r.headers["x-preheat-replica"]] = r.json()
+            return want <= set(seen)
+
+        wait_until(poll, timeout=60, what=f"health-checks from {want}")
+    return seen
+
+
+def body(seed: int, **extra: Any) -> dict:
+    # guidance_scale 1: the warmed program (OPTIONS warm guidance off only, to keep warm-up short)
+    return {"input": {"seed": seed, "class_label": seed % 10, "num_inference_steps": 2, "guidance_scale": 1, **extra}}
+
+
+async def _post_all(c: Cluster, bodies: list[dict], started: Any = None) -> list[httpx.Response]:
+    limits = httpx.Limits(max_connections=len(bodies))
+    async with httpx.AsyncClient(base_url=c.url, timeout=180, limits=limits) as client:
+        tasks = [asyncio.create_task(client.put(f"/predictions/{b['id']}", json=b)) for b in bodies]
+        if started is not None:
+            await started(tasks)
+        return list(await asyncio.gather(*tasks))
+
+
+def test_second_replica_starts_from_the_store_with_an_aot_remote_hit(cluster: Cluster) -> None:
+    scale(cluster, 2)
+    health = health_by_replica(cluster, {cluster.second} | set(replica_ids()))
+    for replica, h in health.items():
+        assert h["status"] == "READY", h
+    first_logs = health.get(cluster.first, {}).get("setup", {}).get("logs", "")
+    warm = [line for line in health[cluster.second]["setup"]["logs"].splitlines() if line.startswith("warm-up:")]
+    assert warm and all("(cache: aot, remote: hit)" in line for line in warm), warm
+    if first_logs:  # the first replica (when still alive) compiled: nothing was in the store yet
+        assert all("cache: aot" not in line for line in first_logs.splitlines() if line.startswith("warm-up:"))
+
+
+def test_64_concurrent_requests_each_answered_exactly_once(cluster: Cluster) -> None:
+    scale(cluster, 2)
+    bodies = [{**body(i % 32), "id": f"c64-{i}"} for i in range(64)]
+    responses = asyncio.run(_post_all(cluster, bodies))
+    assert [r.status_code for r in responses] == [200] * 64, [r.text[:200] for r in responses if r.status_code != 200]
+    snaps = [r.json() for r in responses]
+    assert [s["id"] for s in snaps] == [b["id"] for b in bodies]  # each request got its own answer
+    assert all(s["status"] == "succeeded" and len(s["output"]) == 1 for s in snaps)
+    assert not any(s["metrics"]["compiled"] for s in snaps)  # hot replicas: traffic never compiles
+    replicas = {r.headers["x-preheat-replica"] for r in responses}
+    assert len(replicas) == 2, replicas  # both replicas served
+    # requests i and i+32 ask for the same image: the same pixels whichever replica drew them
+    import numpy as np
+    from PIL import Image
+
+    def pixels(snap: dict) -> Any:
+        return np.asarray(Image.open(io.BytesIO(base64.b64decode(snap["output"][0].partition(",")[2]))))
+
+    for i in range(32):
+        np.testing.assert_array_equal(pixels(snaps[i]), pixels(snaps[i + 32]))
+
+
+def test_scale_down_lets_in_flight_requests_finish(cluster: Cluster) -> None:
+    scale(cluster, 2)
+    bodies = [{**body(100 + i, num_inference_steps=8), "id": f"drain-{time.monotonic_ns()}-{i}"} for i in range(24)]
+
+    async def shrink(tasks: list) -> None:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # load flows; the rest is in flight
+        await asyncio.to_thread(cluster.deploy, 1)
+
+    responses = asyncio.run(_post_all(cluster, bodies, started=shrink))
+    assert [r.status_code for r in responses] == [200] * len(bodies), [r.text[:200] for r in responses]
+    assert len(replica_ids()) == 1
+
+
+def test_killing_a_replica_mid_load_loses_no_accepted_request(cluster: Cluster) -> None:
+    """Every request is answered: 200, or 503 with Retry-After for the ones the dead replica held
+    (see preheat.integrations.ray.proxy_middlewares); a retry of those succeeds."""
+    scale(cluster, 2)
+    victim = replica_ids()[0]
+    bodies = [{**body(200 + i, num_inference_steps=8), "id": f"kill-{time.monotonic_ns()}-{i}"} for i in range(32)]
+
+    async def kill_when_loaded(tasks: list) -> None:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # load flows; the rest is in flight
+        actor = ray.get_actor(f"SERVE_REPLICA::{APP}#Preheat#{victim}", namespace="serve")
+        ray.kill(actor, no_restart=True)
+
+    responses = asyncio.run(_post_all(cluster, bodies, started=kill_when_loaded))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503}, [(r.status_code, r.text[:200]) for r in responses]
+    lost = [b for b, r in zip(bodies, responses) if r.status_code == 503]
+    assert all(r.headers.get("retry-after") for r in responses if r.status_code == 503)
+    print(f"\nray kill: {codes.count(200)} answered, {len(lost)} retriable 503")
+    if lost:
+        retried = asyncio.run(_post_all(cluster, lost))
+        assert [r.status_code for r in retried] == [200] * len(lost)
+
+
+# ---------------------------------------------------------------- no cluster needed
+
+
+def test_options_from_serve_run_args_and_one_line_errors() -> None:
+    from preheat.errors import InvalidArgumentError
+    from preheat.integrations.ray import RayOptions
+
+    o = RayOptions.from_args({"max_batch_size": "4", "sizes": "32x16", "devices": "2", "num_gpus": "1",
+                              "autoscaling": '{"min_replicas": 1, "max_replicas": 4}'})
+    assert (o.max_batch_size, o.sizes, o.devices, o.num_replicas) == (4, ((32, 16),), 2, None)
+    d = o.deployment_options()
+    assert d["ray_actor_options"]["num_gpus"] == 1.0 and d["autoscaling_config"]["max_replicas"] == 4
+    assert "num_replicas" not in d and d["max_ongoing_requests"] == 64 + 4
+    e = RayOptions.from_env({"PREHEAT_MODEL": "/m", "PREHEAT_MAX_BATCH_SIZE": "2", "PREHEAT_RAY_REPLICAS": "3",
+                             "PREHEAT_RAY_GPUS": "8", "PREHEAT_GUIDANCE": "off"})
+    assert (e.model, e.max_batch_size, e.num_replicas, e.num_gpus, e.guidance) == ("/m", 2, 3, 8.0, ("off",))
+    with pytest.raises(InvalidArgumentError, match="unknown option.*max_batch"):
+        RayOptions.from_args({"max_batch": 4})
+    with pytest.raises(InvalidArgumentError, match="max_batch_size='x'"):
+        RayOptions.from_args({"max_batch_size": "x"})
+
+
+def test_the_fleet_store_and_its_credentials_reach_every_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    from preheat.integrations.ray import RayOptions
+
+    monkeypatch.setenv("PREHEAT_CACHE_URL", "s3://b/p")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("UNRELATED_SECRET", "x")
+    env = RayOptions().deployment_options()["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert env["PREHEAT_CACHE_URL"] == "s3://b/p" and env["AWS_SECRET_ACCESS_KEY"] == "s"
+    assert "UNRELATED_SECRET" not in env
+
+
+def test_health_is_false_until_set_up_succeeded_and_while_the_worker_is_dead(pipe: Any) -> None:
+    from preheat.integrations.ray import health_error
+    from preheat.server.core import Core, CoreConfig
+
+    def fail(config: Any) -> Any:
+        raise RuntimeError("no weights")
+
+    failed = Core(CoreConfig(max_batch_size=1), loader=fail).start()
+    assert failed.wait_setup(60)
+    assert "set-up failed" in health_error(failed)
+    core = Core(CoreConfig(max_batch_size=1, guidance=("off",)), pipe=pipe)
+    assert "set-up starting" == health_error(core)
+    core.start()
+    assert core.wait_setup(120) and health_error(core) is None
+    core.close()
+    assert health_error(core) == "the batching worker is not running"
+
+
+def test_example_serve_config_is_valid_and_builds() -> None:
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from preheat.integrations.ray import build_app
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "ray_serve.yaml").read_text())
+    config = ServeDeploySchema.model_validate(raw)
+    app = config.applications[0]
+    assert app.import_path == "preheat.integrations.ray:build_app"
+    assert app.deployments[0].autoscaling_config["max_replicas"] >= app.deployments[0].autoscaling_config["min_replicas"]
+    assert "PREHEAT_CACHE_URL" in app.runtime_env["env_vars"]
+    build_app(app.args)  # every arg is an option
