@@ -37,7 +37,9 @@ def buckets_for(max_batch_size: int, devices: int = 1) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class WarmSet:
     """The declared set: model, dtype, batch buckets (from ``max_batch_size``), samplers (() =
-    the model's default), sizes (text-to-image; () = the model's default) and guidance modes."""
+    the model's default), sizes (text-to-image; () = the model's default), guidance modes and
+    devices (``preheat.load(devices=...)``: a program is compiled for its devices, so a warm job
+    and a server must split batches over the same ones; None = load's default)."""
 
     model: Optional[str] = None  # a diffusers folder or store source; None = the built-in model
     dtype: str = "float32"
@@ -45,6 +47,7 @@ class WarmSet:
     samplers: tuple[str, ...] = ()
     sizes: tuple[tuple[int, int], ...] = ()
     guidance: tuple[str, ...] = GUIDANCE_MODES  # "off" and/or "on" ("on" only where the model can guide)
+    devices: Any = None  # "all", a count or device ids; None = preheat.load's default ($PREHEAT_DEVICES or all)
 
     def __post_init__(self) -> None:
         from preheat.errors import InvalidArgumentError

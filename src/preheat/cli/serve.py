@@ -83,9 +83,6 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @click.option("--compile", "compile_mode", default="none", show_default=True,
               type=click.Choice(["none", "inductor", "aot", "regional"]),
               help="--backend torch: eager, torch.compile, AOTInductor or regional (the repeated blocks).")
-@click.option("--devices", "devices_text", metavar="all|N|ID,ID,...",
-              help="JAX: the devices each batch is split over (default all; $PREHEAT_DEVICES); buckets are "
-                   "then multiples of their count.")
 @click.option("--batch-wait-ms", default=10.0, show_default=True, type=float,
               help="How long the oldest request waits for others to share its batch.")
 @click.option("--max-queue", default=64, show_default=True, type=int,
@@ -129,16 +126,14 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                   max_body_bytes)
     if push_grace_s < 0:
         raise InvalidArgumentError(f"--push-grace-s {push_grace_s} must be >= 0")
-    warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text)
+    warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
+                                     devices_text)
     webhooks = _webhook_policy(webhook_allow_private, webhook_allow)
     _check_backend(backend)
     if compile_mode != "none" and backend != "torch":
         raise InvalidArgumentError(f"--compile {compile_mode} applies to --backend torch")
     if devices_text is not None and backend != "jax":
         raise InvalidArgumentError("--devices applies to --backend jax")
-    from preheat.sharding import parse_devices
-
-    devices = parse_devices(devices_text, "--devices")
     token = os.environ.get("PREHEAT_API_TOKEN") or None
     if host not in _LOOPBACK and token is None:
         click.echo(f"warning: serving on {host} without PREHEAT_API_TOKEN; anyone who can reach it can use it", err=True)
@@ -148,7 +143,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     from preheat.server.serve import serve
 
     config = CoreConfig.from_warm_set(warm_set, backend=backend, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
-                                      max_steps=max_steps, push_grace_s=push_grace_s, devices=devices,
+                                      max_steps=max_steps, push_grace_s=push_grace_s,
                                       compile=compile_mode)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,

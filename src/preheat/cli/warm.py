@@ -19,7 +19,7 @@ __all__ = ["warm_command", "declaration_options", "warm_set_from_options"]
 
 
 def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """MODEL, --dtype, --max-batch-size, --samplers, --sizes, --guidance: the warm set."""
+    """MODEL, --dtype, --max-batch-size, --samplers, --sizes, --guidance, --devices: the warm set."""
     options = [
         click.argument("model", required=False),
         click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16."),
@@ -31,6 +31,9 @@ def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Text-to-image: sizes served (each compiled; a server refuses others). Default: the model's."),
         click.option("--guidance", "guidance_text", default="off,on", show_default=True, metavar="off,on",
                      help="Guidance modes compiled ('on' only where the model can guide)."),
+        click.option("--devices", "devices_text", metavar="all|N|ID,ID,...",
+                     help="JAX: the devices each batch is split over (default all; $PREHEAT_DEVICES); buckets are "
+                          "then multiples of their count, and programs are compiled for these devices."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -50,11 +53,12 @@ def samplers_from_text(text: Optional[str]) -> tuple[str, ...]:
 
 
 def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
-                          sizes_text: Optional[str], guidance_text: str) -> Any:
+                          sizes_text: Optional[str], guidance_text: str, devices_text: Optional[str] = None) -> Any:
     """The ``WarmSet`` the declaration options describe (one-line errors for bad values)."""
     from preheat.cache.warm import WarmSet
     from preheat.errors import InvalidArgumentError
     from preheat.server.inputs import parse_sizes
+    from preheat.sharding import parse_devices
 
     if max_batch_size < 1 or max_batch_size > 1024:
         raise InvalidArgumentError(f"--max-batch-size {max_batch_size} must be in 1..1024")
@@ -62,7 +66,7 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     if not guidance or any(g not in ("off", "on") for g in guidance):
         raise InvalidArgumentError(f"--guidance {guidance_text!r} must be off, on or off,on")
     return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers_from_text(samplers_text),
-                   sizes=parse_sizes(sizes_text), guidance=guidance)
+                   sizes=parse_sizes(sizes_text), guidance=guidance, devices=parse_devices(devices_text, "--devices"))
 
 
 @click.command("warm")
@@ -73,8 +77,8 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
               help="How long uploads to PREHEAT_CACHE_URL may take after the last compile.")
 @one_line_errors
 def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
-                 sizes_text: Optional[str], guidance_text: str, dry_run: bool, as_json: bool,
-                 push_timeout_s: float) -> None:
+                 sizes_text: Optional[str], guidance_text: str, devices_text: Optional[str], dry_run: bool,
+                 as_json: bool, push_timeout_s: float) -> None:
     """Compile MODEL's serving programs into the cache root ahead of time (and push them to
     PREHEAT_CACHE_URL when set), so `preheat serve` with the same options starts with no compile.
     MODEL: a diffusers folder or store source; nothing for the built-in model."""
@@ -83,8 +87,9 @@ def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers
     import preheat
     from preheat.cache import warm as warming
 
-    warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text)
-    pipe = preheat.load(warm_set.model, dtype=warm_set.dtype)
+    warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
+                                     devices_text)
+    pipe = preheat.load(warm_set.model, dtype=warm_set.dtype, devices=warm_set.devices)
     if dry_run:
         resolved = warming.resolve(pipe, warm_set)
         remote = pipe.compiler.remote if pipe.compiler is not None else None
