@@ -71,6 +71,7 @@ __all__ = [
     "deferred_fills",
     "DeferredFills",
     "build_abstract",
+    "param",
     "read_json",
     "check_dtype",
 ]
@@ -496,26 +497,51 @@ def expected_torch_shape(shape: tuple[int, ...], leaf: str) -> tuple[int, ...]:
 class OneKey:
     """Stands in for ``nnx.Rngs`` in an abstract build: the same key for every initialiser.
 
-    ``nnx.Rngs`` bumps a counter Variable per draw, and under ``eval_shape`` each bump costs time
-    linear in the program traced so far (flax's sharding check on a tracer): quadratic in the
-    tensor count, about a minute for SDXL's UNet. Values are never computed here, and preheat's
-    models draw only ``rngs.params()`` (no dropout streams).
+    ``nnx.Rngs`` bumps a counter Variable per draw, which costs time in an abstract build; values
+    are never computed there (``param``), and preheat's models draw only ``rngs.params()`` (no
+    dropout streams).
     """
 
     def __init__(self) -> None:
-        self.key = jax.random.key(0)
+        self.key: jax.Array | None = None  # made on the first draw: an abstract build never draws
 
     def params(self) -> jax.Array:
+        if self.key is None:
+            self.key = jax.random.key(0)
         return self.key
 
 
+_ABSTRACT = threading.local()
+
+
+def param(shape: tuple[int, ...], init: Callable[[], jax.Array]) -> nnx.Param:
+    """A float32 parameter of ``shape``: ``init()`` when a model is made for real, a
+    ``jax.ShapeDtypeStruct`` in an abstract build (``build_abstract``), where nothing is computed.
+
+    Why not ``nnx.eval_shape``: it traces every initialiser (random draws, scaling, zeros) into a
+    jaxpr, about 3 ms a parameter: more than reading the weights of a small UNet."""
+    if getattr(_ABSTRACT, "active", False):
+        return nnx.Param(jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
+    return nnx.Param(init())
+
+
 def build_abstract(make: Callable[[Any], nnx.Module]) -> tuple[nnx.GraphDef, nnx.State]:
-    """Graph definition and a State of ShapeDtypeStructs of ``make(rngs)``; no FLOPs, no memory."""
+    """Graph definition and a State of ShapeDtypeStructs of ``make(rngs)``; no FLOPs, no memory.
+
+    The module is constructed directly, its parameters made by ``param`` as shapes only; a
+    parameter made otherwise (a concrete array) is turned into its shape here."""
     t0 = time.perf_counter()
-    abstract = nnx.eval_shape(lambda: make(OneKey()))
-    out = nnx.split(abstract)
+    previous = getattr(_ABSTRACT, "active", False)
+    _ABSTRACT.active = True
+    try:
+        model = make(OneKey())
+    finally:
+        _ABSTRACT.active = previous
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(x.shape, x.dtype),
+                         state)
     _record(abstract_s=time.perf_counter() - t0)
-    return out
+    return graphdef, state
 
 
 def _meta(tensors: Mapping[str, Any], key: str) -> tuple[tuple[int, ...], np.dtype] | None:
