@@ -30,3 +30,28 @@ def test_bad_devices_fail_in_one_line_on_both_commands():
 def test_a_server_may_still_choose_its_own_devices():
     config = CoreConfig.from_warm_set(WarmSet(devices=2), devices=1)
     assert config.devices == 1
+
+
+@pytest.fixture(scope="module")
+def sd_pipe(tmp_path_factory):
+    import preheat
+    from tests.families.sd_fixtures import save_tiny_sd
+
+    return preheat.load(save_tiny_sd(tmp_path_factory.mktemp("sd") / "sd1", kind="sd1"))
+
+
+def test_dry_run_lists_every_program_of_a_text_family_and_compiles_nothing(sd_pipe):
+    """The listed keys are the keys a real call then compiles (encoders, denoise, decode). One
+    real call of the tiny SD pipeline (three small compiles, ~15 s on 2 shared cores): the only
+    independent reference for keys is the compile cache itself."""
+    from preheat.cache import warm as warming
+
+    pipe = sd_pipe
+    sig = warming.signatures(pipe, warming.resolve(pipe, WarmSet(max_batch_size=1, guidance=("off",))))[0]
+    listed = warming.programs(pipe, sig)
+    assert [p["stage"] for p in listed] == ["encode", "denoise", "decode"]
+    assert not pipe.compiler.events and not any(p["local"] for p in listed)  # nothing compiled, nothing cached
+    warming.run_signature(pipe, sig)
+    compiled = [(e["stage"], e["key"]) for e in pipe.compiler.events]
+    assert compiled == [(p["stage"], p["key"]) for p in listed]
+    assert all(p["local"] for p in warming.programs(pipe, sig))

@@ -94,19 +94,31 @@ def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers
         resolved = warming.resolve(pipe, warm_set)
         remote = pipe.compiler.remote if pipe.compiler is not None else None
         rows = []
+        def where(found: dict[str, Any]) -> dict[str, Any]:
+            return {"local": "cached" if found["local"] else "missing",
+                    "remote": None if remote is None else {True: "cached", False: "missing", None: "unknown"}[found["remote"]]}
+
         for sig in warming.signatures(pipe, resolved):
-            found = warming.status(pipe, sig, remote)
-            rows.append({"signature": sig.describe(), "key": found["key"],
-                         "local": "cached" if found["local"] else "missing",
-                         "remote": None if remote is None else {True: "cached", False: "missing", None: "unknown"}[found["remote"]]})
+            stages = warming.programs(pipe, sig, remote)  # encoders, denoise, decode: every program of the call
+            denoise = next(p for p in stages if p["stage"] == "denoise")
+            rows.append({"signature": sig.describe(), "key": denoise["key"], **where(denoise),
+                         "programs": [{"stage": p["stage"], "key": p["key"], **where(p)} for p in stages]})
         if as_json:
             click.echo(json.dumps({"signatures": rows}, indent=1))
             return
+
+        def line(row: dict[str, Any]) -> str:
+            return f"local {row['local']}" + (f", remote {row['remote']}" if row["remote"] is not None else "")
+
         for row in rows:
-            where = f"local {row['local']}" + (f", remote {row['remote']}" if row["remote"] is not None else "")
-            click.echo(f"{row['signature']}  key {row['key'][:12]}  {where}")
+            click.echo(f"{row['signature']}  key {row['key'][:12]}  {line(row)}")
+            for prog in row["programs"]:
+                if prog["stage"] != "denoise":  # the other programs the call runs (text families)
+                    click.echo(f"    + {prog['stage']} program {prog['key'][:12]}  {line(prog)}")
         missing = sum(row["local"] == "missing" for row in rows)
-        click.echo(f"{len(rows)} signature(s), {missing} missing locally")
+        others = sum(p["local"] == "missing" for row in rows for p in row["programs"] if p["stage"] != "denoise")
+        click.echo(f"{len(rows)} signature(s), {missing} missing locally"
+                   + (f"; {others} encoder/decoder program(s) missing locally" if others else ""))
         return
     result = warming.warm(warm_set, pipe=pipe, log=lambda line: click.echo(line, err=True), push_timeout_s=push_timeout_s)
     if as_json:
