@@ -84,7 +84,10 @@ def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt
     """Sample images from MODEL (a diffusers folder or hf://org/repo; default: the built-in digits model)."""
     from rich.console import Console
 
-    import preheat.engine  # noqa: F401  (jax, flax: counted as import time, not weight loading)
+    import preheat.engine  # noqa: F401  (jax: counted as import time, not weight loading)
+
+    if backend == "jax":
+        import flax.nnx  # noqa: F401  (the JAX models' library: import time too, not the model phase)
 
     started_at_age = process_age_s()  # interpreter start + imports, before any preheat work
     console = Console(stderr=True, quiet=quiet)
