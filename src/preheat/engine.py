@@ -44,12 +44,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from preheat.errors import InvalidArgumentError, SchedulerConfigError
+from preheat.errors import InvalidArgumentError, PreheatError, SchedulerConfigError
 from preheat.families.base import Family, LoadedModel, Request, StageSignature, check_int, to_pixels
 from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
 from preheat.samplers import (SAMPLERS, Plan, SchedulerConfig, SolverSpec, load_scheduler_config, make_plan, make_spec,
                               run)
-from preheat.timings import Timings
+from preheat.timings import Phases, Timings, now_s
 
 __all__ = ["Pipeline", "load", "BUILTIN_MODEL", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
            "build_program", "make_compiler"]
@@ -164,6 +164,7 @@ class Pipeline:
     last: Timings = field(default_factory=Timings)
     load_report: Any = None  # how the weights were read (preheat.models.weights.LoadReport); set by load()
     mesh: Any = None  # jax.sharding.Mesh with axis "data" (preheat.sharding); None: the default device alone
+    startup: Any = None  # preheat.timings.Phases of load() and the first call (set by load())
     _executables: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -242,11 +243,16 @@ class Pipeline:
 
     def generate(self, first: Any = None, /, **inputs: Any) -> np.ndarray:
         """Like ``__call__`` but returns uint8 pixels, (n, H, W, C)."""
+        first_call = self.startup is not None and "first_call" not in self.startup.spans
+        start = now_s()
         request, sig, args = self._prepare(first, inputs)
         out = self._run_denoise(sig, args)
         if not self.family.pixels_in_loop:
             out = self.family.finish(self, request, out)
-        return np.asarray(out)
+        out = np.asarray(out)
+        if first_call:
+            self.startup.add("first_call", start, now_s())
+        return out
 
     def validate(self, first: Any = None, /, **inputs: Any) -> Request:
         """Check a call's arguments (host-side only: nothing runs on the device) into a Request."""
@@ -522,7 +528,7 @@ def make_compiler(cache: str | None = None) -> Any:
 
 def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
          cache: str | None = None, variant: str | None = None, offload_encoders: bool = False,
-         devices: Any = None, fsdp: int = 1) -> Pipeline:
+         devices: Any = None, fsdp: int = 1, prefetch: Sequence[dict[str, Any]] | None = None) -> Pipeline:
     """A JAX sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
 
     ``model``: a diffusers-format folder, or a source for the weights store (``hf://org/repo[@rev]``,
@@ -541,15 +547,25 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     (``preheat.sharding``); the first device alone runs today's single-device program.
     ``fsdp``: split each weight over this many of those devices instead of replicating it (for
     weights that do not fit one device); it must divide the device count.
+    ``prefetch``: the calls expected first, as ``generate`` keywords (``[{"n": 4, "steps": 20}]``):
+    their executables are loaded (or pulled from ``PREHEAT_CACHE_URL``) on a background thread
+    while the weights are read, as soon as their cache keys are known (the keys need the weights'
+    shapes, never their values). Pixel families on one device; elsewhere it is ignored.
     ``preheat.load`` (``preheat.api``) adds ``backend="torch"``.
+
+    ``Pipeline.startup`` records each start-up phase and the critical path (``preheat.timings.Phases``).
     """
+    phases = Phases()
+    phases.add("import", 0.0, now_s())  # interpreter start, imports, everything before load()
     compiler = make_compiler(cache)  # first: JAX's cache must be configured before anything compiles
     from preheat.sharding import select_devices
 
     mesh = select_devices(devices, fsdp)  # a bad devices= or fsdp= fails before any weights are read
 
+    import contextlib
+
     from preheat.families import family_loader
-    from preheat.models.weights import recording
+    from preheat.models.weights import deferred_fills, recording
     from preheat.store import resolve
 
     # A local folder as it is; http(s):// and hf:// sources from the weights store (pulled once).
@@ -563,6 +579,38 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
             raise InvalidArgumentError(f"offload_encoders applies to text-to-image models; {root} has no text "
                                        "encoders", argument="offload_encoders")
         options["offload_encoders"] = True
+    # Prefetching: the loader checks every header and returns placeholder weights (shapes only),
+    # the executables load on a background thread, then the tensors are read here.
+    early = bool(prefetch) and compiler is not None and mesh is None and not offload_encoders
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component
-        loaded: LoadedModel = loader(root, scheduler=scheduler, dtype=dtype, variant=variant, **options)
-    return Pipeline(**vars(loaded), compiler=compiler, load_report=weights_read.total, mesh=mesh)
+        start = phases.spans["import"][1]
+        with deferred_fills() if early else contextlib.nullcontext() as pending:
+            loaded: LoadedModel = loader(root, scheduler=scheduler, dtype=dtype, variant=variant, **options)
+        if pending is not None:
+            phases.add("model", start, now_s())  # configs, abstract builds, every header checked
+            _prefetch(loaded, compiler, prefetch, phases)
+            with phases.phase("weights"):
+                pending.run()
+        else:
+            phases.add("weights", start, now_s())  # the model phase is inside: the loader did both
+    return Pipeline(**vars(loaded), compiler=compiler, load_report=weights_read.total, mesh=mesh, startup=phases)
+
+
+def _prefetch(loaded: LoadedModel, compiler: Any, calls: Sequence[dict[str, Any]], phases: Phases) -> None:
+    """Start loading the denoising executables of ``calls`` on a background thread. The keys are
+    computed here from a view of the pipeline whose weights are still placeholders; a family
+    whose conditioning runs its own weights (text encoders) cannot do that yet, and is skipped."""
+    if loaded.family.name != "pixel":
+        return
+    view = Pipeline(**vars(loaded))
+    items = []
+    for call in calls:
+        inputs = dict(call)
+        if inputs.get("lora"):
+            continue  # adapters are read per call: no key before then
+        try:
+            _, sig, args = view._prepare(inputs.pop("n", None), inputs)
+        except PreheatError:  # a bad call fails on its own, when it is made
+            continue
+        items.append((view.fingerprint, sig, args, 1))
+    compiler.prefetch(items, phases)

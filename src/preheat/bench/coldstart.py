@@ -12,8 +12,10 @@ with its own ``PREHEAT_HOME``:
 a warm root; every child with a new, empty TORCHINDUCTOR_CACHE_DIR.
 
 The floor is what no cache can remove: interpreter start + imports + weight read + one warm run
-(the child's second call). Goals: a warm cache removes >= 95% of trace + compile time, and
-process start to first image with a warm cache is <= 1.25x the floor.
+(the child's second call). Goals (issue 17): the executable hit removes >= 97% of trace + compile
+from the critical path (with ``preheat sample``'s prefetch the executable loads while the weights
+are read, so only the first call's wait for it counts), and process start to first image with a
+warm cache is <= 1.10x the floor. Each child's phases and critical path come from its report.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ def _result(model: str | None, n: int, steps: int | None, rows: dict[str, list[d
             "start_to_first_image_s": summary([r["process_start_to_first_image_s"] for r in runs]),
             "floor_s": summary(floor),
             **{p: summary([r[p] for r in runs]) for p in PHASES},
+            **_startup(runs),
             "runs": runs,
         }
     result["weights"] = weights_vs_bare_read(rows[warm_name])
@@ -133,6 +136,19 @@ def _result(model: str | None, n: int, steps: int | None, rows: dict[str, list[d
         "warm_over_floor": warm["start_to_first_image_s"]["median"] / warm["floor_s"]["median"],
     }
     return result
+
+
+def _startup(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The children's start-up phases (``--report``'s ``startup``): critical paths seen, how long
+    the weights and the background executable load overlapped, and each phase's duration."""
+    reports = [r["startup"] for r in runs if r.get("startup")]
+    if not reports:
+        return {}
+    names = sorted({name for rep in reports for name in rep["phases"]})
+    return {"critical_paths": sorted({" → ".join(rep["critical_path"]) for rep in reports}),
+            "overlap_s": summary([rep["weights_executable_overlap_s"] for rep in reports]),
+            "phase_s": {name: summary([rep["phases"][name]["seconds"] for rep in reports if name in rep["phases"]])
+                        for name in names}}
 
 
 def weights_vs_bare_read(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -162,9 +178,13 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {name} | {','.join(r['layers'])} | {fmt_summary(r['start_to_first_image_s'], digits=2)} | "
                      f"{fmt_summary(r['floor_s'], digits=2)} | " + " | ".join(
                          fmt_summary(r[p], digits=2) for p in PHASES) + " |")
+    paths = [f"{name}: {', '.join(r['critical_paths'])} (weights ∥ executable {fmt_summary(r['overlap_s'], digits=3)} s)"
+             for name, r in result["rows"].items() if r.get("critical_paths")]
+    if paths:
+        lines += ["", "Critical paths: " + "; ".join(paths) + "."]
     g = result["goals"]
-    lines += ["", f"Goals: warm cache removes {100 * g['trace_compile_removed']:.1f}% of trace + compile time (goal ≥ 95%); "
-                  f"warm start to first image = {g['warm_over_floor']:.2f}× the floor (goal ≤ 1.25×)."]
+    lines += ["", f"Goals: warm cache removes {100 * g['trace_compile_removed']:.1f}% of trace + compile time from the critical path (goal ≥ 97%); "
+                  f"warm start to first image = {g['warm_over_floor']:.2f}× the floor (goal ≤ 1.10×)."]
     if "warm_vs_cold_start" in g:
         lines.append(f"Warm vs cold compiled start: {-100 * g['warm_vs_cold_start']:+.0f}% (Replicate: -53% / -62%); "
                      f"warm start = {g['warm_over_eager_start']:.2f}× the eager start.")

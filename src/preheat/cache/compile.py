@@ -41,7 +41,7 @@ from preheat.cache.root import resolve_root
 from preheat.errors import CacheEntryError
 from preheat.timings import Timings
 
-__all__ = ["JaxCompiler", "key_fields", "key_of", "mesh_of", "configure_persistent_cache", "tracing_source_hash",
+__all__ = ["JaxCompiler", "Prefetch", "key_fields", "key_of", "mesh_of", "configure_persistent_cache", "tracing_source_hash",
            "traced_sources", "nearest_entry"]
 
 log = logging.getLogger("preheat.cache")
@@ -238,6 +238,7 @@ class JaxCompiler:
         self.remote = remote
         self.events: list[dict[str, Any]] = []  # one record per program: layer, timings, miss reason
         self.background: Any = None  # BackgroundPushes once defer_pushes() was called (a server)
+        self._prefetch: Prefetch | None = None  # executables loading on a background thread (prefetch())
         if mode in ("full", "xla"):
             configure_persistent_cache(self.root)
 
@@ -248,7 +249,15 @@ class JaxCompiler:
         fields = key_fields(fingerprint, sig, args)
         key = key_of(fields)
         record: dict[str, Any] = {"key": key, "stage": getattr(sig, "stage", "denoise")}
-        if self.mode == "full":
+        prefetched = self._take_prefetched(key, record)
+        if prefetched is not None:
+            compiled, waited = prefetched
+            if compiled is not None:  # loaded in the background: only the wait is on this thread's path
+                timings = Timings(trace_lower_s=0.0, compile_s=waited, cache_layer="aot")
+                self._note(record, timings)
+                return compiled, timings
+            # the background load missed or failed (quarantined): compile, as a miss here would
+        elif self.mode == "full":
             start = time.perf_counter()
             compiled = self._load(key, fields, args, record, outputs)
             if compiled is not None:
@@ -280,6 +289,41 @@ class JaxCompiler:
             self._store(key, fields, compiled, record)
         self._note(record, timings)
         return compiled, timings
+
+    def prefetch(self, items: list[tuple[dict[str, Any], Any, tuple, int]], phases: Any = None) -> "Prefetch":
+        """Start loading (or pulling) the executables of ``items`` -- (fingerprint, signature,
+        arguments, outputs), the arguments' shapes enough (``jax.ShapeDtypeStruct`` weights) --
+        on a background thread; ``get_or_compile`` takes a loaded one when its key comes up. A
+        failed load is quarantined as on the main path, and that key is compiled instead.
+        ``phases`` (``preheat.timings.Phases``): where the thread's phases are recorded."""
+        if self.mode != "full" or not items:
+            self._prefetch = None
+            return Prefetch(self, [], phases)
+        self._prefetch = Prefetch(self, items, phases)
+        self._prefetch.start()
+        return self._prefetch
+
+    def _take_prefetched(self, key: str, record: dict[str, Any]) -> tuple[Any, float] | None:
+        """(executable or None, seconds waited) when ``key`` was prefetched; None when it was not
+        (or the background thread failed unexpectedly: the normal path then runs)."""
+        job = self._prefetch
+        if job is None or key not in job.keys:
+            return None
+        from preheat.timings import now_s
+
+        start = now_s()
+        job.wait()
+        end = now_s()
+        if job.phases is not None:
+            job.phases.add("first_call.wait_executable", start, end)
+        result = job.results.pop(key, None)
+        if result is None:  # the thread died before this key: load it here
+            record["prefetch"] = f"failed: {job.error}" if job.error else "not reached"
+            return None
+        compiled, background = result
+        record.update({k: v for k, v in background.items() if k not in record}, prefetch="background",
+                      background_load_s=background.get("background_load_s"))
+        return compiled, end - start
 
     def defer_pushes(self) -> None:
         """From now on, uploads run on a background thread (a server: nothing waits on the store)."""
@@ -393,3 +437,48 @@ class JaxCompiler:
         if self.remote is not None and record.get("remote") == "hit":
             self.remote.distrust("jax", path.name)  # pulled entry failed here: stop trusting it; our push replaces it
         log.warning("preheat cache: entry %s quarantined (%s); recompiling", path.name[:12], reason)
+
+
+class Prefetch:
+    """Executables loading on a background thread (``JaxCompiler.prefetch``)."""
+
+    def __init__(self, compiler: JaxCompiler, items: list[tuple[dict[str, Any], Any, tuple, int]], phases: Any):
+        self.compiler, self.items, self.phases = compiler, items, phases
+        self.keys: dict[str, tuple] = {}
+        for fingerprint, sig, args, outputs in items:
+            fields = key_fields(fingerprint, sig, args)
+            self.keys[key_of(fields)] = (fields, args, outputs, getattr(sig, "stage", "denoise"))
+        self.results: dict[str, tuple[Any, dict[str, Any]]] = {}
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="preheat-executable-prefetch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread.is_alive() or self._thread.ident is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        from preheat.timings import now_s
+
+        start = now_s()
+        try:
+            for key, (fields, args, outputs, stage) in self.keys.items():
+                record: dict[str, Any] = {"key": key, "stage": stage}
+                t0 = time.perf_counter()
+                pulled = [now_s()]
+                compiled = self.compiler._load(key, fields, args, record, outputs)
+                record["background_load_s"] = time.perf_counter() - t0
+                if "remote_s" in record and self.phases is not None:
+                    self.phases.add("executable.pull", pulled[0], pulled[0] + record["remote_s"])
+                if compiled is None and "quarantined" not in record:
+                    record["miss"] = self.compiler._explain_miss(fields)
+                self.results[key] = (compiled, record)
+        except Exception as exc:  # never a crash: the first call loads or compiles on its own
+            self.error = f"{type(exc).__name__}: {str(exc)[:200]}"
+            log.warning("preheat cache: background executable load failed (%s); the first call loads or compiles",
+                        self.error)
+        finally:
+            if self.phases is not None:
+                self.phases.add("executable", start, now_s())

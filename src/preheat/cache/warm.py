@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
-__all__ = ["WarmSet", "WarmSignature", "buckets_for", "resolve", "signatures", "run_signature", "status", "warm"]
+__all__ = ["WarmSet", "WarmSignature", "buckets_for", "resolve", "signatures", "run_signature", "status", "programs",
+           "warm"]
 
 GUIDANCE_MODES = ("off", "on")
 
@@ -37,7 +38,9 @@ def buckets_for(max_batch_size: int, devices: int = 1) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class WarmSet:
     """The declared set: model, dtype, batch buckets (from ``max_batch_size``), samplers (() =
-    the model's default), sizes (text-to-image; () = the model's default) and guidance modes."""
+    the model's default), sizes (text-to-image; () = the model's default), guidance modes and
+    devices (``preheat.load(devices=..., fsdp=...)``: a program is compiled for its devices and
+    weight placement, so a warm job and a server must use the same ones; None = load's default)."""
 
     model: Optional[str] = None  # a diffusers folder or store source; None = the built-in model
     dtype: str = "float32"
@@ -45,6 +48,8 @@ class WarmSet:
     samplers: tuple[str, ...] = ()
     sizes: tuple[tuple[int, int], ...] = ()
     guidance: tuple[str, ...] = GUIDANCE_MODES  # "off" and/or "on" ("on" only where the model can guide)
+    devices: Any = None  # "all", a count or device ids; None = preheat.load's default ($PREHEAT_DEVICES or all)
+    fsdp: int = 1  # the devices each weight is split over (preheat.load(fsdp=...)): part of every program
 
     def __post_init__(self) -> None:
         from preheat.errors import InvalidArgumentError
@@ -149,6 +154,49 @@ def status(pipe: Any, sig: WarmSignature, remote: Any = None) -> dict[str, Any]:
     if remote is not None:
         out["remote"] = remote.has("jax", key)
     return out
+
+
+class _DryCompiler:
+    """Stands in for the compile cache in a dry run: records every program a call reaches (its
+    stage, key, and whether the local root and the store hold it) and compiles nothing. Each
+    "executable" returns zeros of the program's output shapes (``jax.eval_shape``: traced, never
+    compiled), so the next stage sees the arguments it would see for real."""
+
+    mode = "full"
+
+    def __init__(self, real: Any, remote: Any) -> None:
+        self.real, self.remote = real, remote
+        self.programs: list[dict[str, Any]] = []
+
+    def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: tuple,
+                       outputs: int = 1) -> tuple[Callable[..., Any], Any]:
+        import jax
+        import jax.numpy as jnp
+
+        from preheat.cache.compile import key_fields, key_of
+        from preheat.timings import Timings
+
+        key = key_of(key_fields(fingerprint, sig, args))
+        local = self.real is not None and (self.real.kind_dir / key / "manifest.json").is_file()
+        self.programs.append({"stage": getattr(sig, "stage", "denoise"), "key": key, "local": bool(local),
+                              "remote": None if self.remote is None else self.remote.has("jax", key)})
+        shapes = jax.eval_shape(program, *args)
+        return (lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)), Timings(cache_layer="none")
+
+
+def programs(pipe: Any, sig: WarmSignature, remote: Any = None) -> list[dict[str, Any]]:
+    """Every compiled program one signature's call runs -- a text family's encoders, its denoising
+    loop and its VAE decoder; a pixel family's loop -- as ``{"stage", "key", "local", "remote"}``
+    (``remote`` None without a store), in the order they run. Nothing is compiled or run on the
+    device (each program is traced once for its output shapes)."""
+    import copy
+
+    dry = copy.copy(pipe)  # the pipeline's weights and components, its own compiler and executables
+    dry.compiler = _DryCompiler(pipe.compiler, remote)
+    dry._executables = {}
+    dry.startup = None
+    dry.generate(sig.bucket, **call_inputs(pipe, sig))
+    return dry.compiler.programs
 
 
 def warm(warm_set: WarmSet, pipe: Any, log: Callable[[str], None] = lambda line: None,

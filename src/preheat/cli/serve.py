@@ -83,12 +83,6 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @click.option("--compile", "compile_mode", default="none", show_default=True,
               type=click.Choice(["none", "inductor", "aot", "regional"]),
               help="--backend torch: eager, torch.compile, AOTInductor or regional (the repeated blocks).")
-@click.option("--devices", "devices_text", metavar="all|N|ID,ID,...",
-              help="JAX: the devices each batch is split over (default all; $PREHEAT_DEVICES); buckets are "
-                   "then multiples of their count.")
-@click.option("--fsdp", default=1, show_default=True, type=int, metavar="F",
-              help="JAX: split each weight over F of those devices instead of copying it to each (for "
-                   "models that do not fit one device); F divides the device count.")
 @click.option("--batch-wait-ms", default=10.0, show_default=True, type=float,
               help="How long the oldest request waits for others to share its batch.")
 @click.option("--max-queue", default=64, show_default=True, type=int,
@@ -141,16 +135,14 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                   max_body_bytes)
     if push_grace_s < 0:
         raise InvalidArgumentError(f"--push-grace-s {push_grace_s} must be >= 0")
-    warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text)
+    warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
+                                     devices_text, fsdp)
     webhooks = _webhook_policy(webhook_allow_private, webhook_allow)
     _check_backend(backend)
     if compile_mode != "none" and backend != "torch":
         raise InvalidArgumentError(f"--compile {compile_mode} applies to --backend torch")
     if (devices_text is not None or fsdp != 1) and backend != "jax":
         raise InvalidArgumentError("--devices and --fsdp apply to --backend jax")
-    from preheat.sharding import parse_devices
-
-    devices = parse_devices(devices_text, "--devices")
     token = os.environ.get("PREHEAT_API_TOKEN") or None
     if host not in _LOOPBACK and token is None:
         click.echo(f"warning: serving on {host} without PREHEAT_API_TOKEN; anyone who can reach it can use it", err=True)
@@ -160,7 +152,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         if not on_ray:
             raise InvalidArgumentError("--address, --replicas and --gpus-per-replica apply to --ray")
     if on_ray:
-        sys.exit(_serve_on_ray(warm_set, backend, devices, batch_wait_ms, max_queue, max_steps, grace_s,
+        sys.exit(_serve_on_ray(warm_set, backend, batch_wait_ms, max_queue, max_steps, grace_s,
                                push_grace_s, host, port, address, replicas, gpus_per_replica, webhook_allow_private,
                                webhook_allow))
 
@@ -168,8 +160,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     from preheat.server.serve import serve
 
     config = CoreConfig.from_warm_set(warm_set, backend=backend, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
-                                      max_steps=max_steps, push_grace_s=push_grace_s, devices=devices,
-                                      fsdp=fsdp, compile=compile_mode)
+                                      max_steps=max_steps, push_grace_s=push_grace_s, compile=compile_mode)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
@@ -180,7 +171,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
 
 
 
-def _serve_on_ray(warm_set: Any, backend: str, devices: Any, batch_wait_ms: float, max_queue: int, max_steps: int,
+def _serve_on_ray(warm_set: Any, backend: str, batch_wait_ms: float, max_queue: int, max_steps: int,
                   grace_s: float, push_grace_s: float, host: str, port: int, address: Optional[str], replicas: int,
                   gpus_per_replica: float, webhook_allow_private: bool, webhook_allow: tuple[str, ...]) -> int:
     """``--ray``: the same declaration and limits as one replica's options (preheat.integrations.ray)."""
@@ -201,7 +192,8 @@ def _serve_on_ray(warm_set: Any, backend: str, devices: Any, batch_wait_ms: floa
         raise InvalidArgumentError(f"--ray needs the ray extra (pip install 'preheat[ray]'): {err}") from None
     options = on_ray.RayOptions(model=warm_set.model, dtype=warm_set.dtype, max_batch_size=warm_set.max_batch_size,
                                 samplers=tuple(warm_set.samplers), sizes=tuple(warm_set.sizes),
-                                guidance=tuple(warm_set.guidance), devices=devices, batch_wait_ms=batch_wait_ms,
+                                guidance=tuple(warm_set.guidance), devices=warm_set.devices, fsdp=warm_set.fsdp,
+                                batch_wait_ms=batch_wait_ms,
                                 max_queue=max_queue, max_steps=max_steps, grace_s=grace_s, push_grace_s=push_grace_s,
                                 num_replicas=replicas, num_gpus=gpus_per_replica)
     options.check()

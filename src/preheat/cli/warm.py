@@ -19,7 +19,7 @@ __all__ = ["warm_command", "declaration_options", "warm_set_from_options"]
 
 
 def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """MODEL, --dtype, --max-batch-size, --samplers, --sizes, --guidance: the warm set."""
+    """MODEL, --dtype, --max-batch-size, --samplers, --sizes, --guidance, --devices, --fsdp: the warm set."""
     options = [
         click.argument("model", required=False),
         click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16."),
@@ -31,6 +31,12 @@ def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Text-to-image: sizes served (each compiled; a server refuses others). Default: the model's."),
         click.option("--guidance", "guidance_text", default="off,on", show_default=True, metavar="off,on",
                      help="Guidance modes compiled ('on' only where the model can guide)."),
+        click.option("--devices", "devices_text", metavar="all|N|ID,ID,...",
+                     help="JAX: the devices each batch is split over (default all; $PREHEAT_DEVICES); buckets are "
+                          "then multiples of their count, and programs are compiled for these devices."),
+        click.option("--fsdp", default=1, show_default=True, type=int, metavar="F",
+                     help="JAX: split each weight over F of the devices instead of copying it to each (for "
+                          "models that do not fit one device); F divides the device count."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -50,11 +56,13 @@ def samplers_from_text(text: Optional[str]) -> tuple[str, ...]:
 
 
 def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
-                          sizes_text: Optional[str], guidance_text: str) -> Any:
+                          sizes_text: Optional[str], guidance_text: str, devices_text: Optional[str] = None,
+                          fsdp: int = 1) -> Any:
     """The ``WarmSet`` the declaration options describe (one-line errors for bad values)."""
     from preheat.cache.warm import WarmSet
     from preheat.errors import InvalidArgumentError
     from preheat.server.inputs import parse_sizes
+    from preheat.sharding import parse_devices
 
     if max_batch_size < 1 or max_batch_size > 1024:
         raise InvalidArgumentError(f"--max-batch-size {max_batch_size} must be in 1..1024")
@@ -62,7 +70,8 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     if not guidance or any(g not in ("off", "on") for g in guidance):
         raise InvalidArgumentError(f"--guidance {guidance_text!r} must be off, on or off,on")
     return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers_from_text(samplers_text),
-                   sizes=parse_sizes(sizes_text), guidance=guidance)
+                   sizes=parse_sizes(sizes_text), guidance=guidance, devices=parse_devices(devices_text, "--devices"),
+                   fsdp=fsdp)
 
 
 @click.command("warm")
@@ -73,8 +82,8 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
               help="How long uploads to PREHEAT_CACHE_URL may take after the last compile.")
 @one_line_errors
 def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
-                 sizes_text: Optional[str], guidance_text: str, dry_run: bool, as_json: bool,
-                 push_timeout_s: float) -> None:
+                 sizes_text: Optional[str], guidance_text: str, devices_text: Optional[str], fsdp: int, dry_run: bool,
+                 as_json: bool, push_timeout_s: float) -> None:
     """Compile MODEL's serving programs into the cache root ahead of time (and push them to
     PREHEAT_CACHE_URL when set), so `preheat serve` with the same options starts with no compile.
     MODEL: a diffusers folder or store source; nothing for the built-in model."""
@@ -83,25 +92,38 @@ def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers
     import preheat
     from preheat.cache import warm as warming
 
-    warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text)
-    pipe = preheat.load(warm_set.model, dtype=warm_set.dtype)
+    warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
+                                     devices_text, fsdp)
+    pipe = preheat.load(warm_set.model, dtype=warm_set.dtype, devices=warm_set.devices, fsdp=warm_set.fsdp)
     if dry_run:
         resolved = warming.resolve(pipe, warm_set)
         remote = pipe.compiler.remote if pipe.compiler is not None else None
         rows = []
+        def where(found: dict[str, Any]) -> dict[str, Any]:
+            return {"local": "cached" if found["local"] else "missing",
+                    "remote": None if remote is None else {True: "cached", False: "missing", None: "unknown"}[found["remote"]]}
+
         for sig in warming.signatures(pipe, resolved):
-            found = warming.status(pipe, sig, remote)
-            rows.append({"signature": sig.describe(), "key": found["key"],
-                         "local": "cached" if found["local"] else "missing",
-                         "remote": None if remote is None else {True: "cached", False: "missing", None: "unknown"}[found["remote"]]})
+            stages = warming.programs(pipe, sig, remote)  # encoders, denoise, decode: every program of the call
+            denoise = next(p for p in stages if p["stage"] == "denoise")
+            rows.append({"signature": sig.describe(), "key": denoise["key"], **where(denoise),
+                         "programs": [{"stage": p["stage"], "key": p["key"], **where(p)} for p in stages]})
         if as_json:
             click.echo(json.dumps({"signatures": rows}, indent=1))
             return
+
+        def line(row: dict[str, Any]) -> str:
+            return f"local {row['local']}" + (f", remote {row['remote']}" if row["remote"] is not None else "")
+
         for row in rows:
-            where = f"local {row['local']}" + (f", remote {row['remote']}" if row["remote"] is not None else "")
-            click.echo(f"{row['signature']}  key {row['key'][:12]}  {where}")
+            click.echo(f"{row['signature']}  key {row['key'][:12]}  {line(row)}")
+            for prog in row["programs"]:
+                if prog["stage"] != "denoise":  # the other programs the call runs (text families)
+                    click.echo(f"    + {prog['stage']} program {prog['key'][:12]}  {line(prog)}")
         missing = sum(row["local"] == "missing" for row in rows)
-        click.echo(f"{len(rows)} signature(s), {missing} missing locally")
+        others = sum(p["local"] == "missing" for row in rows for p in row["programs"] if p["stage"] != "denoise")
+        click.echo(f"{len(rows)} signature(s), {missing} missing locally"
+                   + (f"; {others} encoder/decoder program(s) missing locally" if others else ""))
         return
     result = warming.warm(warm_set, pipe=pipe, log=lambda line: click.echo(line, err=True), push_timeout_s=push_timeout_s)
     if as_json:

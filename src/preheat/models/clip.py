@@ -172,7 +172,8 @@ class _LinearNoBias(nnx.Module):
     """``nn.Linear(..., bias=False)``: CLIP's text_projection."""
 
     def __init__(self, cin: int, cout: int, *, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(jax.random.uniform(rngs.params(), (cin, cout), minval=-1, maxval=1) / math.sqrt(cin))
+        self.kernel = weights.param((cin, cout), lambda: jax.random.uniform(rngs.params(), (cin, cout), minval=-1, maxval=1)
+                                     / math.sqrt(cin))
 
     def __call__(self, x: Array) -> Array:  # (..., Cin) -> (..., Cout)
         return x @ self.kernel[...].astype(x.dtype)

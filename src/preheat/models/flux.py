@@ -185,7 +185,7 @@ class RMSNorm(nnx.Module):
     """``torch.nn.RMSNorm`` with a weight, over the last axis; float32 statistics."""
 
     def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,)))
+        self.scale = weights.param((dim,), lambda: jnp.ones((dim,)))
         self.eps = eps
 
     def __call__(self, x: Array) -> Array:  # (..., D) -> (..., D)

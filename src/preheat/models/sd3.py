@@ -164,7 +164,7 @@ class RMSNorm(nnx.Module):
     """diffusers' ``RMSNorm`` with a weight (the q/k norms of SD3.5); mean square in float32."""
 
     def __init__(self, dim: int, eps: float = _EPS):
-        self.weight = nnx.Param(jnp.ones((dim,)))
+        self.weight = weights.param((dim,), lambda: jnp.ones((dim,)))
         self.eps = eps
 
     def __call__(self, x: Array) -> Array:  # (..., Dh) -> (..., Dh)
@@ -311,7 +311,7 @@ class PatchEmbed(nnx.Module):
         self.proj = Conv2d(c.in_channels, c.inner_dim, c.patch_size, stride=c.patch_size, rngs=rngs)
         m = c.pos_embed_max_size
         # Filled from the checkpoint; never computed here (the build is abstract).
-        self.pos_embed = nnx.Param(jnp.zeros((1, m * m, c.inner_dim))) if m is not None else None
+        self.pos_embed = weights.param((1, m * m, c.inner_dim), lambda: jnp.zeros((1, m * m, c.inner_dim))) if m is not None else None
         self.patch_size, self.max_size = c.patch_size, m
         self.base_size = c.sample_size // c.patch_size
         self.dim = c.inner_dim

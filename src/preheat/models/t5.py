@@ -191,7 +191,7 @@ class T5LayerNorm(nnx.Module):
     """RMSNorm: no mean subtraction, no bias; the variance in float32, output in the weight's dtype."""
 
     def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,)))
+        self.scale = weights.param((dim,), lambda: jnp.ones((dim,)))
         self.eps = eps
 
     def __call__(self, x: Array) -> Array:  # (..., D) -> (..., D)

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
+from preheat.models.weights import param
 
 __all__ = ["UNet2DConfig", "UNet2DModel", "SUPPORTED", "LayerNorm", "JsonConfig"]
 
@@ -199,8 +200,9 @@ class Conv2d(nnx.Module):
 
     def __init__(self, cin: int, cout: int, k: int, *, stride: int = 1, padding: int = 0, rngs: nnx.Rngs):
         fan_in = cin * k * k
-        self.kernel = nnx.Param(jax.random.uniform(rngs.params(), (k, k, cin, cout), minval=-1, maxval=1) / math.sqrt(fan_in))
-        self.bias = nnx.Param(jnp.zeros((cout,)))
+        self.kernel = param((k, k, cin, cout), lambda: jax.random.uniform(rngs.params(), (k, k, cin, cout), minval=-1, maxval=1)
+                           / math.sqrt(fan_in))
+        self.bias = param((cout,), lambda: jnp.zeros((cout,)))
         self.stride = stride
         self.padding = padding
 
@@ -219,8 +221,8 @@ class Linear(nnx.Module):
     """``bias=False`` for torch's ``nn.Linear(..., bias=False)`` (e.g. cross-attention q/k/v)."""
 
     def __init__(self, cin: int, cout: int, *, bias: bool = True, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(jax.random.uniform(rngs.params(), (cin, cout), minval=-1, maxval=1) / math.sqrt(cin))
-        self.bias = nnx.Param(jnp.zeros((cout,))) if bias else None
+        self.kernel = param((cin, cout), lambda: jax.random.uniform(rngs.params(), (cin, cout), minval=-1, maxval=1) / math.sqrt(cin))
+        self.bias = param((cout,), lambda: jnp.zeros((cout,))) if bias else None
 
     def __call__(self, x: Array) -> Array:  # (..., Cin) -> (..., Cout)
         y = x @ self.kernel[...].astype(x.dtype)
@@ -234,8 +236,8 @@ class GroupNorm(nnx.Module):
     """GroupNorm over NHWC (or (B, L, C)); statistics in float32 whatever the activation dtype."""
 
     def __init__(self, groups: int, channels: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((channels,)))
-        self.bias = nnx.Param(jnp.zeros((channels,)))
+        self.scale = param((channels,), lambda: jnp.ones((channels,)))
+        self.bias = param((channels,), lambda: jnp.zeros((channels,)))
         self.groups = groups
         self.eps = eps
 
@@ -254,8 +256,8 @@ class LayerNorm(nnx.Module):
     """torch's ``nn.LayerNorm`` over the last axis; statistics in float32 whatever the activation dtype."""
 
     def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,)))
-        self.bias = nnx.Param(jnp.zeros((dim,)))
+        self.scale = param((dim,), lambda: jnp.ones((dim,)))
+        self.bias = param((dim,), lambda: jnp.zeros((dim,)))
         self.eps = eps
 
     def __call__(self, x: Array) -> Array:  # (..., D) -> (..., D)
@@ -269,7 +271,7 @@ class LayerNorm(nnx.Module):
 
 class Embedding(nnx.Module):
     def __init__(self, num: int, dim: int, *, rngs: nnx.Rngs):
-        self.embedding = nnx.Param(jax.random.normal(rngs.params(), (num, dim)))
+        self.embedding = param((num, dim), lambda: jax.random.normal(rngs.params(), (num, dim)))
 
     def __call__(self, ids: Array) -> Array:
         return jnp.take(self.embedding[...], ids, axis=0)
@@ -296,7 +298,7 @@ class GaussianFourierProjection(nnx.Module):
     """Fixed random Fourier features of log(sigma) (score-SDE style models)."""
 
     def __init__(self, size: int, *, rngs: nnx.Rngs):
-        self.weight = nnx.Param(jax.random.normal(rngs.params(), (size,)) * 16.0)
+        self.weight = param((size,), lambda: jax.random.normal(rngs.params(), (size,)) * 16.0)
 
     def __call__(self, t: Array) -> Array:  # (B,) -> (B, 2*size)
         proj = jnp.log(t.astype(jnp.float32))[:, None] * self.weight[...].astype(jnp.float32)[None, :] * 2 * math.pi

@@ -68,7 +68,10 @@ __all__ = [
     "to_torch_layout",
     "expected_torch_shape",
     "fill",
+    "deferred_fills",
+    "DeferredFills",
     "build_abstract",
+    "param",
     "read_json",
     "check_dtype",
 ]
@@ -494,26 +497,51 @@ def expected_torch_shape(shape: tuple[int, ...], leaf: str) -> tuple[int, ...]:
 class OneKey:
     """Stands in for ``nnx.Rngs`` in an abstract build: the same key for every initialiser.
 
-    ``nnx.Rngs`` bumps a counter Variable per draw, and under ``eval_shape`` each bump costs time
-    linear in the program traced so far (flax's sharding check on a tracer): quadratic in the
-    tensor count, about a minute for SDXL's UNet. Values are never computed here, and preheat's
-    models draw only ``rngs.params()`` (no dropout streams).
+    ``nnx.Rngs`` bumps a counter Variable per draw, which costs time in an abstract build; values
+    are never computed there (``param``), and preheat's models draw only ``rngs.params()`` (no
+    dropout streams).
     """
 
     def __init__(self) -> None:
-        self.key = jax.random.key(0)
+        self.key: jax.Array | None = None  # made on the first draw: an abstract build never draws
 
     def params(self) -> jax.Array:
+        if self.key is None:
+            self.key = jax.random.key(0)
         return self.key
 
 
+_ABSTRACT = threading.local()
+
+
+def param(shape: tuple[int, ...], init: Callable[[], jax.Array]) -> nnx.Param:
+    """A float32 parameter of ``shape``: ``init()`` when a model is made for real, a
+    ``jax.ShapeDtypeStruct`` in an abstract build (``build_abstract``), where nothing is computed.
+
+    Why not ``nnx.eval_shape``: it traces every initialiser (random draws, scaling, zeros) into a
+    jaxpr, about 3 ms a parameter: more than reading the weights of a small UNet."""
+    if getattr(_ABSTRACT, "active", False):
+        return nnx.Param(jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
+    return nnx.Param(init())
+
+
 def build_abstract(make: Callable[[Any], nnx.Module]) -> tuple[nnx.GraphDef, nnx.State]:
-    """Graph definition and a State of ShapeDtypeStructs of ``make(rngs)``; no FLOPs, no memory."""
+    """Graph definition and a State of ShapeDtypeStructs of ``make(rngs)``; no FLOPs, no memory.
+
+    The module is constructed directly, its parameters made by ``param`` as shapes only; a
+    parameter made otherwise (a concrete array) is turned into its shape here."""
     t0 = time.perf_counter()
-    abstract = nnx.eval_shape(lambda: make(OneKey()))
-    out = nnx.split(abstract)
+    previous = getattr(_ABSTRACT, "active", False)
+    _ABSTRACT.active = True
+    try:
+        model = make(OneKey())
+    finally:
+        _ABSTRACT.active = previous
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(x.shape, x.dtype),
+                         state)
     _record(abstract_s=time.perf_counter() - t0)
-    return out
+    return graphdef, state
 
 
 def _meta(tensors: Mapping[str, Any], key: str) -> tuple[tuple[int, ...], np.dtype] | None:
@@ -573,6 +601,41 @@ def _place(tensors: Mapping[str, Any], key: str, leaf: str, dtype: np.dtype, scr
     return scratch.used_by(jax.device_put(to_jax_layout(raw, leaf))), info.nbytes
 
 
+_DEFER = threading.local()
+
+
+class DeferredFills:
+    """The tensor reads that ``fill`` queued inside ``deferred_fills()``; ``run`` performs them.
+
+    Why: the compile cache's key needs only the parameters' shapes and dtypes, which are known
+    once every header is checked; deferring the reads lets a pipeline start loading its
+    executable (``preheat.load(prefetch=...)``) while the weights are read."""
+
+    def __init__(self) -> None:
+        self.jobs: list[Callable[[], None]] = []
+
+    def run(self) -> None:
+        """Read every queued tensor onto the device, in the order the fills were called; each
+        placeholder leaf of the returned States is set in place."""
+        jobs, self.jobs = self.jobs, []
+        for job in jobs:
+            job()
+
+
+@contextmanager
+def deferred_fills() -> Iterator[DeferredFills]:
+    """Inside (on this thread), ``fill`` checks every key, shape and dtype as usual but returns at
+    once: each leaf of its State holds a ``jax.ShapeDtypeStruct`` of the value to come, and the
+    reads wait for ``DeferredFills.run``. Code that uses the values before ``run`` fails loudly."""
+    pending = DeferredFills()
+    previous = getattr(_DEFER, "pending", None)
+    _DEFER.pending = pending
+    try:
+        yield pending
+    finally:
+        _DEFER.pending = previous
+
+
 def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, source: str, *,
          key_fn: Callable[[tuple[Any, ...]], str] = torch_key,
          ignore: Callable[[str], bool] | None = None,
@@ -584,26 +647,44 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
     is read, so a bad checkpoint costs no I/O and nothing half-loaded is returned.
     ``ignore(key)``: checkpoint keys that may be present without a parameter (e.g. buffers such
     as transformers' ``position_ids``). ``dtype_for(key)``: a per-tensor dtype override.
+    Inside ``deferred_fills()`` the reads are queued (see there).
     """
-    t0 = time.perf_counter()
-    window = _PeakWindow()
-    try:
-        state, report = _fill(abstract, tensors, dtype, source, key_fn, ignore, dtype_for)
-    finally:
-        before, peak, after, exact = window.close()
-    _record(replace(report, seconds=time.perf_counter() - t0, rss_before=before, peak_rss=peak, rss_after=after,
-                    peak_exact=exact))
+    flat, plan = _check(abstract, tensors, dtype, source, key_fn, ignore, dtype_for)
+    # one placeholder Variable per leaf, its value set in place when its tensor is placed
+    holders = {i: var.replace(jax.ShapeDtypeStruct(tuple(var.shape), want)) for i, _, var, _, _, want in plan}
+    state = nnx.from_flat_state([(flat[i][0], holders[i]) for i in sorted(holders)])
+
+    def job() -> None:
+        t0 = time.perf_counter()
+        window = _PeakWindow()
+        try:
+            report = _stream(plan, holders, tensors, source)
+        finally:
+            before, peak, after, exact = window.close()
+        _record(replace(report, seconds=time.perf_counter() - t0, rss_before=before, peak_rss=peak,
+                        rss_after=after, peak_exact=exact))
+
+    pending = getattr(_DEFER, "pending", None)
+    if pending is not None:
+        pending.jobs.append(job)
+    else:
+        job()
     return state
 
 
-def _fill(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: str,
-          key_fn: Callable[[tuple[Any, ...]], str], ignore: Callable[[str], bool] | None,
-          dtype_for: Callable[[str], Any] | None) -> tuple[nnx.State, LoadReport]:
+_Plan = list[tuple[int, tuple[Any, ...], Any, str, str, np.dtype]]
+
+
+def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: str,
+           key_fn: Callable[[tuple[Any, ...]], str], ignore: Callable[[str], bool] | None,
+           dtype_for: Callable[[str], Any] | None) -> tuple[list[Any], _Plan]:
+    """Headers only: every key, shape and dtype, all problems in one ``WeightsError``; returns
+    the flat abstract state and the plan (index, path, variable, leaf, key, dtype to place)."""
     flat = nnx.to_flat_state(abstract)
     problems: list[str] = []
-    plan: list[tuple[int, tuple[Any, ...], Any, str, str, np.dtype]] = []
+    plan: _Plan = []
     used = set()
-    for i, (path, var) in enumerate(flat):  # 1. headers only: every key, shape and dtype
+    for i, (path, var) in enumerate(flat):
         leaf = str(path[-1])
         key = key_fn(path)
         expected = expected_torch_shape(tuple(var.shape), leaf)
@@ -626,12 +707,15 @@ def _fill(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: s
     if problems:
         shown = "; ".join(problems[:6]) + (f"; (+{len(problems) - 6} more)" if len(problems) > 6 else "")
         raise WeightsError(f"{source} does not match its config: {shown}")
+    return flat, plan
 
+
+def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], source: str) -> LoadReport:
+    """Read, cast and place every planned tensor (file order), setting ``holders[i]``'s value."""
     lazy = isinstance(tensors, Checkpoint)
-    if lazy:  # 2. stream in file order (sequential reads; the OS reads ahead)
+    if lazy:  # stream in file order (sequential reads; the OS reads ahead)
         infos = {key: tensors.info(key) for _, _, _, _, key, _ in plan}
-        plan.sort(key=lambda p: (str(infos[p[4]].file), infos[p[4]].start) if infos[p[4]] else ("", p[0]))
-    placed: dict[int, Any] = {}
+        plan = sorted(plan, key=lambda p: (str(infos[p[4]].file), infos[p[4]].start) if infos[p[4]] else ("", p[0]))
     in_flight: deque[tuple[jax.Array, int]] = deque()
     waiting = bytes_read = placed_bytes = largest = 0
     scratch = _Scratch()
@@ -640,7 +724,7 @@ def _fill(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: s
         bytes_read += nbytes
         placed_bytes += value.nbytes
         largest = max(largest, nbytes)
-        placed[i] = var.replace(value)
+        holders[i].set_value(value)
         in_flight.append((value, nbytes))
         waiting += nbytes
         while waiting > IN_FLIGHT_BYTES:  # bound the host buffers still being copied
@@ -650,10 +734,9 @@ def _fill(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: s
     for value, _ in in_flight:
         value.block_until_ready()
     files = tuple(str(f) for f in tensors.files) if lazy else ()
-    report = LoadReport(source=source, files=files, tensors=len(plan), bytes_read=bytes_read,
-                        placed_bytes=placed_bytes, largest_tensor_bytes=largest,
-                        largest_file_bytes=max((Path(f).stat().st_size for f in files), default=0))
-    return nnx.from_flat_state([(flat[i][0], placed[i]) for i in sorted(placed)]), report
+    return LoadReport(source=source, files=files, tensors=len(plan), bytes_read=bytes_read,
+                      placed_bytes=placed_bytes, largest_tensor_bytes=largest,
+                      largest_file_bytes=max((Path(f).stat().st_size for f in files), default=0))
 
 
 def check_dtype(dtype: Any) -> jnp.dtype:

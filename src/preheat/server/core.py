@@ -74,11 +74,14 @@ class CoreConfig:
     def warm_set(self) -> WarmSet:
         """The declaration this server warms (the same object ``preheat warm`` compiles)."""
         return WarmSet(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size,
-                       samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance))
+                       samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
+                       devices=self.devices, fsdp=self.fsdp)
 
     @classmethod
     def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":
         """A server for the declared set; ``options``: the serving-only fields (queue, limits, ...)."""
+        options.setdefault("devices", warm.devices)
+        options.setdefault("fsdp", warm.fsdp)
         return cls(model=warm.model, dtype=warm.dtype, max_batch_size=warm.max_batch_size,
                    samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance), **options)
 

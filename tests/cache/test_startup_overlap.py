@@ -1,0 +1,160 @@
+"""Start-up overlap (issue 17): the executable loads on a background thread while the weights are
+read; the phases say so, and a failing background load falls back to a compile (same image).
+
+Delays are injected (a slow store, a slow weight read); the assertions are on the recorded phase
+intervals overlapping, never on how long anything took."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import preheat
+from preheat.cache.remote.compile_entries import CompileEntries
+from preheat.models import weights
+from tests.reference import save_tiny_pipeline
+
+CALL = dict(n=2, steps=3, sampler="euler", seed=7, class_labels=[1, 2])
+DELAY_S = 0.4  # injected: long enough that the two slow phases must overlap to finish together
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_pipeline(tmp_path_factory.mktemp("m") / "pipe")
+
+
+@pytest.fixture(scope="module")
+def published(model_dir, tmp_path_factory):
+    """(reference pixels, a local root holding the entry, a shared-folder store holding it too)."""
+    base = tmp_path_factory.mktemp("published")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PREHEAT_HOME", str(base / "home"))
+    mp.setenv("PREHEAT_CACHE_URL", str(base / "store"))
+    mp.setenv("PREHEAT_TRUST_REMOTE_CACHE", "1")
+    try:
+        pipe = preheat.load(model_dir)
+        pixels = pipe.generate(**CALL)
+        assert pipe.compiler.events[-1]["remote_push"] == "pushed", pipe.compiler.events
+    finally:
+        mp.undo()
+    return pixels, base / "home", base / "store"
+
+
+def _in_background() -> bool:
+    return threading.current_thread().name == "preheat-executable-prefetch"
+
+
+def test_slow_store_and_slow_weights_overlap(model_dir, published, tmp_path, monkeypatch):
+    pixels, _, store = published
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "fresh-pod"))  # empty: the entry comes from the store
+    monkeypatch.setenv("PREHEAT_CACHE_URL", str(store))
+    monkeypatch.setenv("PREHEAT_TRUST_REMOTE_CACHE", "1")
+    fetch, read = CompileEntries.fetch, weights._read_bytes
+    slow_read = []
+
+    def slow_fetch(self, *a, **k):
+        time.sleep(DELAY_S)
+        return fetch(self, *a, **k)
+
+    def slow_read_bytes(*a, **k):
+        if not slow_read:  # the first tensor only: one delay, a fast test
+            slow_read.append(True)
+            time.sleep(DELAY_S)
+        return read(*a, **k)
+
+    monkeypatch.setattr(CompileEntries, "fetch", slow_fetch)
+    monkeypatch.setattr(weights, "_read_bytes", slow_read_bytes)
+    pipe = preheat.load(model_dir, prefetch=[CALL])
+    assert np.array_equal(pipe.generate(**CALL), pixels)
+    event = pipe.compiler.events[-1]
+    assert event["layer"] == "aot" and event["remote"] == "hit" and event["prefetch"] == "background", event
+    spans = pipe.startup.spans
+    (pull_start, pull_end), (w_start, w_end) = spans["executable.pull"], spans["weights"]
+    assert pull_start < w_end and w_start < pull_end  # the two slow phases ran at the same time
+    assert pipe.startup.overlap_s("weights", "executable") > 0
+    report = pipe.startup.to_dict()
+    assert report["critical_path"][:2] == ["import", "model"] and report["critical_path"][-1] == "first_call"
+    assert report["critical_path"][2] in ("weights", "executable")
+    assert spans["first_call"][0] >= spans["weights"][1]
+
+
+def test_failing_background_load_falls_back_to_compile_same_image(model_dir, published, tmp_path, monkeypatch):
+    from jax.experimental import serialize_executable
+
+    pixels, home, _ = published
+    shutil.copytree(home, tmp_path / "home")
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("PREHEAT_CACHE_URL", raising=False)
+    load = serialize_executable.deserialize_and_load
+
+    def failing(*a, **k):
+        if _in_background():
+            raise RuntimeError("injected: cannot load this executable")
+        return load(*a, **k)
+
+    monkeypatch.setattr(serialize_executable, "deserialize_and_load", failing)
+    pipe = preheat.load(model_dir, prefetch=[CALL])
+    assert np.array_equal(pipe.generate(**CALL), pixels)
+    event = pipe.compiler.events[-1]
+    assert event["prefetch"] == "background" and "injected" in event["quarantined"], event
+    assert event["layer"] in ("none", "xla") and event["trace_lower_s"] > 0  # compiled afresh
+    assert "executable" in pipe.startup.spans
+
+
+def test_crashed_background_thread_loads_on_the_first_call(model_dir, published, tmp_path, monkeypatch):
+    from preheat.cache.compile import JaxCompiler
+
+    pixels, home, _ = published
+    shutil.copytree(home, tmp_path / "home")
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("PREHEAT_CACHE_URL", raising=False)
+    load = JaxCompiler._load
+
+    def crashing(self, *a, **k):
+        if _in_background():
+            raise MemoryError("injected")
+        return load(self, *a, **k)
+
+    monkeypatch.setattr(JaxCompiler, "_load", crashing)
+    pipe = preheat.load(model_dir, prefetch=[CALL])
+    assert np.array_equal(pipe.generate(**CALL), pixels)
+    event = pipe.compiler.events[-1]
+    assert event["layer"] == "aot" and "injected" in event["prefetch"], event  # loaded here instead
+
+
+def test_without_prefetch_the_phases_are_sequential(model_dir, published, tmp_path, monkeypatch):
+    _, home, _ = published
+    shutil.copytree(home, tmp_path / "home")
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("PREHEAT_CACHE_URL", raising=False)
+    pipe = preheat.load(model_dir)
+    pipe.generate(**CALL)
+    assert "executable" not in pipe.startup.spans
+    assert pipe.startup.critical_path() == ["import", "weights", "first_call"]
+
+
+def test_prefetched_weights_are_placeholders_until_read(model_dir):
+    """Inside deferred_fills the State holds shapes only; run() fills the same Variables in place."""
+    import jax
+    from flax import nnx
+
+    from preheat.models.loading import build_abstract, read_unet_config, resolve_unet_dir
+
+    unet_dir = resolve_unet_dir(Path(model_dir))
+    _, abstract = build_abstract(read_unet_config(unet_dir))
+    tensors = weights.read_tensors(weights.weight_files(unet_dir))
+    with weights.deferred_fills() as pending:
+        state = weights.fill(abstract, tensors, "float32", "test")
+    leaves = [v.get_value() for _, v in nnx.to_flat_state(state)]
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves) and len(pending.jobs) == 1
+    pending.run()
+    filled = [v.get_value() for _, v in nnx.to_flat_state(state)]
+    assert all(isinstance(x, jax.Array) for x in filled)
+    assert [(x.shape, x.dtype) for x in filled] == [(x.shape, x.dtype) for x in leaves]
+    direct = weights.fill(abstract, tensors, "float32", "test")
+    assert all(np.array_equal(a, b.get_value()) for a, (_, b) in zip(filled, nnx.to_flat_state(direct)))
