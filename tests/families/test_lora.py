@@ -383,7 +383,7 @@ def test_an_http_lora_is_pulled_once_then_served_offline(sd, tmp_path, monkeypat
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     entry = sd["sd1"]
     pipe = dataclasses.replace(entry["pipe"], components=dict(entry["pipe"].components))
-    pipe.components.pop("lora_files", None)
+    pipe.components.pop("lora_cache", None)
     call = dict(steps=2, seed=4, guidance=7.5)
     local = pipe.generate("a red fox", lora=entry["A"], **call)
     server = FileServer().start()
@@ -393,7 +393,7 @@ def test_an_http_lora_is_pulled_once_then_served_offline(sd, tmp_path, monkeypat
         np.testing.assert_array_equal(pipe.generate("a red fox", lora=url, **call), local)
     finally:
         server.stop()
-    pipe.components.pop("lora_files")  # forget the parsed file: the weights store must serve it now
+    pipe.components.pop("lora_cache")  # forget the parsed file: the weights store must serve it now
     np.testing.assert_array_equal(pipe.generate("a red fox", lora=(url, 1.0), **call), local)
 
 
