@@ -345,12 +345,16 @@ def warm_file(pipe: Any, rank: int) -> LoraFile:
     """A LoRA of ``rank`` whose factors are zeros, with a layer in each text encoder when the family
     has LoRA-able ones: what warm-up runs so that the rank bucket's programs (denoiser and text
     encoders with adapters) are compiled before any real LoRA arrives."""
+    held = pipe.components.setdefault("lora_warm", {})
+    if rank in held:  # the same file each time: its factors are built (and kept on the device) once
+        return held[rank]
     targets: LoraTargets = pipe.components["lora_targets"]
     layers: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
     for comp in ("denoiser", *pipe.components.get("lora_encoders", ())):
         path, (cin, cout) = next(iter(targets.layers[comp].items()))
         layers[comp] = {path: (np.zeros((rank, cin), np.float32), np.zeros((cout, rank), np.float32))}
-    return LoraFile(source=f"<warm-up, rank {rank}>", layers=layers, rank=rank)
+    held[rank] = LoraFile(source=f"<warm-up, rank {rank}>", layers=layers, rank=rank)
+    return held[rank]
 
 
 # --------------------------------------------------------------------------------------- requests

@@ -19,7 +19,7 @@ __all__ = ["warm_command", "declaration_options", "warm_set_from_options"]
 
 
 def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """MODEL, --dtype, --max-batch-size, --samplers, --sizes, --guidance: the warm set."""
+    """MODEL, --dtype, --max-batch-size, --samplers, --sizes, --guidance, --lora-ranks: the warm set."""
     options = [
         click.argument("model", required=False),
         click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16."),
@@ -31,6 +31,9 @@ def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Text-to-image: sizes served (each compiled; a server refuses others). Default: the model's."),
         click.option("--guidance", "guidance_text", default="off,on", show_default=True, metavar="off,on",
                      help="Guidance modes compiled ('on' only where the model can guide)."),
+        click.option("--lora-ranks", "lora_ranks_text", metavar="16,32,...",
+                     help="LoRA rank buckets compiled besides no LoRA (of 16, 32, 64, 128): a LoRA whose rank "
+                          "fits one then runs with no compile. Default: none."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -50,7 +53,7 @@ def samplers_from_text(text: Optional[str]) -> tuple[str, ...]:
 
 
 def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
-                          sizes_text: Optional[str], guidance_text: str) -> Any:
+                          sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str] = None) -> Any:
     """The ``WarmSet`` the declaration options describe (one-line errors for bad values)."""
     from preheat.cache.warm import WarmSet
     from preheat.errors import InvalidArgumentError
@@ -61,8 +64,14 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     guidance = tuple(dict.fromkeys(g.strip().lower() for g in guidance_text.split(",") if g.strip()))
     if not guidance or any(g not in ("off", "on") for g in guidance):
         raise InvalidArgumentError(f"--guidance {guidance_text!r} must be off, on or off,on")
+    ranks = []
+    for item in (lora_ranks_text or "").split(","):
+        if item.strip():
+            if not item.strip().isdigit():
+                raise InvalidArgumentError(f"--lora-ranks {item.strip()!r} must be rank buckets, e.g. 16,32")
+            ranks.append(int(item))
     return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers_from_text(samplers_text),
-                   sizes=parse_sizes(sizes_text), guidance=guidance)
+                   sizes=parse_sizes(sizes_text), guidance=guidance, lora_ranks=tuple(ranks))
 
 
 @click.command("warm")
@@ -73,8 +82,8 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
               help="How long uploads to PREHEAT_CACHE_URL may take after the last compile.")
 @one_line_errors
 def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
-                 sizes_text: Optional[str], guidance_text: str, dry_run: bool, as_json: bool,
-                 push_timeout_s: float) -> None:
+                 sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str], dry_run: bool,
+                 as_json: bool, push_timeout_s: float) -> None:
     """Compile MODEL's serving programs into the cache root ahead of time (and push them to
     PREHEAT_CACHE_URL when set), so `preheat serve` with the same options starts with no compile.
     MODEL: a diffusers folder or store source; nothing for the built-in model."""
@@ -83,7 +92,8 @@ def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers
     import preheat
     from preheat.cache import warm as warming
 
-    warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text)
+    warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
+                                     lora_ranks_text)
     pipe = preheat.load(warm_set.model, dtype=warm_set.dtype)
     if dry_run:
         resolved = warming.resolve(pipe, warm_set)
