@@ -477,12 +477,14 @@ def _factors(pipe: Any, request: LoraRequest, comp: str, layers: Mapping[str, tu
     out = _stack(slots)
     # the files are held too, so that their ids in the key stay theirs while the entry lives
     cache[key] = ([f for slot in request.slots for f, _ in slot], out, len(request.slots))
-    while len(cache) > 1 and sum(entry[2] for entry in cache.values()) > _STACK_SLOTS:
+    budget = pipe.components.get("lora_stack_slots", _STACK_SLOTS)
+    while len(cache) > 1 and sum(entry[2] for entry in cache.values()) > budget:
         cache.popitem(last=False)
     return out
 
 
-_STACK_SLOTS = 16  # slots held in stacked mixes per pipeline (a stack of K slots is K LoRAs' worth of memory)
+_STACK_SLOTS = 16  # slots held in stacked mixes per pipeline (a stack of K slots is K LoRAs' worth of memory;
+# components["lora_stack_slots"] overrides it)
 
 
 def _stack(slots: list[dict]) -> dict:

@@ -64,12 +64,9 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     guidance = tuple(dict.fromkeys(g.strip().lower() for g in guidance_text.split(",") if g.strip()))
     if not guidance or any(g not in ("off", "on") for g in guidance):
         raise InvalidArgumentError(f"--guidance {guidance_text!r} must be off, on or off,on")
-    ranks = []
-    for item in (lora_ranks_text or "").split(","):
-        if item.strip():
-            if not item.strip().isdigit():
-                raise InvalidArgumentError(f"--lora-ranks {item.strip()!r} must be rank buckets, e.g. 16,32")
-            ranks.append(int(item))
+    from preheat.server.inputs import parse_lora_ranks
+
+    ranks = parse_lora_ranks(lora_ranks_text)
     return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers_from_text(samplers_text),
                    sizes=parse_sizes(sizes_text), guidance=guidance, lora_ranks=tuple(ranks))
 

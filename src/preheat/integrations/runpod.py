@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 from preheat.errors import InputError, NotAccepting, QueueFull
 from preheat.server.core import Core, CoreConfig
-from preheat.server.inputs import parse_sizes
+from preheat.server.inputs import parse_lora_ranks, parse_sizes
 
 __all__ = ["handler", "concurrency_modifier", "get_core", "config_from_env", "main"]
 
@@ -53,7 +53,7 @@ def config_from_env(env: Optional[dict[str, str]] = None) -> CoreConfig:
                       max_queue=int(env.get("PREHEAT_MAX_QUEUE", "64")),
                       max_steps=int(env.get("PREHEAT_MAX_STEPS", "200")),
                       max_loras=int(env.get("PREHEAT_MAX_LORAS", "8")),
-                      lora_ranks=tuple(int(r) for r in (env.get("PREHEAT_LORA_RANKS") or "").split(",") if r.strip()),
+                      lora_ranks=parse_lora_ranks(env.get("PREHEAT_LORA_RANKS"), "PREHEAT_LORA_RANKS"),
                       samplers=tuple(n.strip() for n in env.get("PREHEAT_SAMPLERS", "").split(",") if n.strip()),
                       guidance=tuple(g.strip() for g in (env.get("PREHEAT_GUIDANCE") or "off,on").split(",") if g.strip()))
 

@@ -25,7 +25,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
 
 __all__ = ["Limits", "Job", "input_model", "parse_input", "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int",
-           "parse_sizes"]
+           "parse_sizes", "parse_lora_ranks"]
 
 SEED_MAX = 2**32 - 1
 MAX_LORA_SCALE = 4.0
@@ -314,6 +314,19 @@ def parse_sizes(text: Optional[str]) -> tuple[tuple[int, int], ...]:
         if not sep or not w.isdigit() or not h.isdigit() or int(w) <= 0 or int(h) <= 0:
             raise InvalidArgumentError(f"--sizes {item!r} must be WIDTHxHEIGHT, e.g. 512x512")
         out.append((int(w), int(h)))
+    return tuple(dict.fromkeys(out))
+
+
+def parse_lora_ranks(text: Optional[str], name: str = "--lora-ranks") -> tuple[int, ...]:
+    """``16,32`` -> (16, 32): ``--lora-ranks`` and Runpod's ``PREHEAT_LORA_RANKS`` (``WarmSet``
+    checks that each is a rank bucket). A malformed entry fails in one line."""
+    out = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if item:
+            if not item.isdigit():
+                raise InvalidArgumentError(f"{name} {item!r} must be rank buckets, e.g. 16,32")
+            out.append(int(item))
     return tuple(dict.fromkeys(out))
 
 
