@@ -34,6 +34,7 @@ import math
 import os
 import re
 import struct
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +44,8 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, WeightsError
 
-__all__ = ["BUCKETS", "LoraFile", "LoraTargets", "LoraRequest", "read_lora", "parse_request", "parse_cli", "bucket_for",
-           "denoiser_args", "encoder_adapters"]
+__all__ = ["BUCKETS", "LoraCache", "LoraFile", "LoraTargets", "LoraRequest", "read_lora", "parse_request", "parse_cli",
+           "bucket_for", "denoiser_args", "encoder_adapters", "warm_file"]
 
 BUCKETS = (16, 32, 64, 128)  # rank buckets: one compiled program per bucket (and slot count)
 _CACHE_SIZE = 8  # LoRA files, and stacked slot mixes, held per pipeline (least recently used out)
@@ -90,6 +91,9 @@ class LoraFile:
     source: str
     layers: Mapping[str, Mapping[str, tuple[np.ndarray, np.ndarray]]]  # comp -> path -> (A (r, in), B*alpha/r (out, r))
     rank: int  # the largest rank of any layer: the columns this LoRA takes in a slot
+    # (component, bucket, dtype) -> {layer: (down (in, R), up (R, out))} on the device: filled the
+    # first time the file is used alone in a slot, dropped with the file when an LRU lets it go
+    device: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -286,22 +290,71 @@ def read_lora(source: str | os.PathLike[str], targets: LoraTargets) -> LoraFile:
     return LoraFile(source=str(source), layers=layers, rank=rank)
 
 
+class LoraCache:
+    """The LoRAs held ready, least recently used out: each file read once, its padded factors kept
+    on the device with it (``LoraFile.device``). Counts hits, misses and evictions (a server's
+    ``/metrics``). Thread-safe: a server reads files while parsing, its worker while running."""
+
+    def __init__(self, max_size: int = _CACHE_SIZE) -> None:
+        if max_size < 1:
+            raise InvalidArgumentError(f"the LoRA cache size {max_size} must be >= 1", argument="max_loras")
+        self.max_size = max_size
+        self.hits = self.misses = self.evictions = 0
+        self._files: OrderedDict[tuple[str, int], LoraFile] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def get(self, source: str, targets: LoraTargets) -> LoraFile:
+        """The file for ``source`` (read on a miss; a local file changed on disk is read again)."""
+        try:
+            stamp = 0 if re.match(r"^(https?|hf)://", source, re.I) else os.stat(_local_file(source)).st_mtime_ns
+        except OSError:
+            stamp = 0
+        key = (source, stamp)
+        with self._lock:
+            hit = self._files.get(key)
+            if hit is not None:
+                self.hits += 1
+                self._files.move_to_end(key)
+                return hit
+        lora = read_lora(source, targets)  # outside the lock: a download must not stall the others
+        with self._lock:
+            self.misses += 1
+            self._files[key] = lora
+            self._files.move_to_end(key)
+            while len(self._files) > self.max_size:
+                self._files.popitem(last=False)
+                self.evictions += 1
+        return lora
+
+
 def cached_file(pipe: Any, source: Any, targets: LoraTargets) -> LoraFile:
-    """``read_lora`` through the pipeline's LRU of files (a file changed on disk is read again)."""
-    path = str(source)
-    try:
-        stamp = os.stat(_local_file(path)).st_mtime_ns if not re.match(r"^(https?|hf)://", path, re.I) else 0
-    except OSError:
-        stamp = 0
-    cache: OrderedDict = pipe.components.setdefault("lora_files", OrderedDict())
-    key = (path, stamp)
-    hit = cache.get(key)
-    if hit is None:
-        hit = cache[key] = read_lora(path, targets)
-        while len(cache) > _CACHE_SIZE:
-            cache.popitem(last=False)
-    cache.move_to_end(key)
-    return hit
+    """``read_lora`` through the pipeline's LRU (``components["lora_cache"]``, a :class:`LoraCache`);
+    a ``LoraFile`` already read is used as it is."""
+    if isinstance(source, LoraFile):
+        return source
+    cache = pipe.components.get("lora_cache")
+    if cache is None:
+        cache = pipe.components.setdefault("lora_cache", LoraCache())
+    return cache.get(str(source), targets)
+
+
+def warm_file(pipe: Any, rank: int) -> LoraFile:
+    """A LoRA of ``rank`` whose factors are zeros, with a layer in each text encoder when the family
+    has LoRA-able ones: what warm-up runs so that the rank bucket's programs (denoiser and text
+    encoders with adapters) are compiled before any real LoRA arrives."""
+    held = pipe.components.setdefault("lora_warm", {})
+    if rank in held:  # the same file each time: its factors are built (and kept on the device) once
+        return held[rank]
+    targets: LoraTargets = pipe.components["lora_targets"]
+    layers: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+    for comp in ("denoiser", *pipe.components.get("lora_encoders", ())):
+        path, (cin, cout) = next(iter(targets.layers[comp].items()))
+        layers[comp] = {path: (np.zeros((rank, cin), np.float32), np.zeros((cout, rank), np.float32))}
+    held[rank] = LoraFile(source=f"<warm-up, rank {rank}>", layers=layers, rank=rank)
+    return held[rank]
 
 
 # --------------------------------------------------------------------------------------- requests
@@ -319,14 +372,15 @@ def _entries(spec: Any, default: float) -> list[tuple[Any, float]]:
     """One image's adapters: a source, (source, scale), or a list of either -> [(source, scale)]."""
     if spec is None:
         return []
-    if isinstance(spec, (str, os.PathLike)):
+    if isinstance(spec, (str, os.PathLike, LoraFile)):
         return [(spec, default)]
-    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], (str, os.PathLike)):
+    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], (str, os.PathLike, LoraFile)):
         return [(spec[0], _scale(spec[1]))]
     if isinstance(spec, (list, tuple)):
         out: list[tuple[Any, float]] = []
         for item in spec:
-            if isinstance(item, (list, tuple)) and not (len(item) == 2 and isinstance(item[0], (str, os.PathLike))):
+            if isinstance(item, (list, tuple)) and not (len(item) == 2
+                                                        and isinstance(item[0], (str, os.PathLike, LoraFile))):
                 raise InvalidArgumentError(f"lora entry {item!r} must be a source or (source, scale)", argument="lora")
             out.extend(_entries(item, default))
         return out
@@ -363,7 +417,11 @@ def parse_request(pipe: Any, n: int, lora: Any, lora_scale: Any) -> LoraRequest 
     ``lora``: a source (path, http(s)://, hf://), ``(source, scale)``, a list of those (used
     together on every image), or -- one entry per image -- a list of n entries where at least one
     is None or a list: ``[["a.safetensors"], None, [("a.safetensors", .5), "b.safetensors"]]``.
-    ``lora_scale`` (default 1) is the scale of every source given without its own.
+    ``lora_scale`` (default 1) is the scale of every source given without its own. A source may
+    also be a ``LoraFile`` already read.
+
+    Slots: one for LoRAs given for every image; per image, the batch size rounded up to a power of
+    two, whatever the mix -- so that any mix of LoRAs on n images runs one program per bucket.
     """
     if lora is None:
         if lora_scale is not None:
@@ -373,7 +431,7 @@ def parse_request(pipe: Any, n: int, lora: Any, lora_scale: Any) -> LoraRequest 
     if targets is None:
         raise InvalidArgumentError(f"LoRAs are not supported for a {pipe.family.name} model", argument="lora")
     default = 1.0 if lora_scale is None else _scale(lora_scale)
-    per_image = (isinstance(lora, list) and len(lora) == n and n > 1
+    per_image = (isinstance(lora, list) and len(lora) == n
                  and any(item is None or isinstance(item, list) for item in lora))
     specs = [_entries(item, default) for item in lora] if per_image else [_entries(lora, default)] * n
     slots_of: list[tuple[tuple[LoraFile, float], ...]] = []
@@ -389,12 +447,12 @@ def parse_request(pipe: Any, n: int, lora: Any, lora_scale: Any) -> LoraRequest 
             distinct.append(slot)
         index.append(keys.index(key))
     k = 1
-    while k < len(distinct):
+    while k < (n if per_image else len(distinct)):
         k *= 2
     distinct += [()] * (k - len(distinct))  # padding slots: no adapter
     need = max(sum(f.rank for f, _ in slot) for slot in distinct)
     compiled = pipe.components.setdefault("lora_buckets", set())
-    bucket = bucket_for(need, sorted(compiled))
+    bucket = bucket_for(need, sorted(compiled.copy()))  # a copy: a server's worker may add to it meanwhile
     return LoraRequest(slots=tuple(distinct), index=np.asarray(index, np.int32), bucket=bucket)
 
 
@@ -402,35 +460,75 @@ def parse_request(pipe: Any, n: int, lora: Any, lora_scale: Any) -> LoraRequest 
 
 
 def _factors(pipe: Any, request: LoraRequest, comp: str, layers: Mapping[str, tuple[int, int]]) -> dict:
-    """{layer path: (down (K, in, R), up (K, R, out))} on the device, cached per (files, bucket)."""
-    import jax.numpy as jnp
+    """{layer path: (down (K, in, R), up (K, R, out))} on the device, cached per (files, bucket).
 
+    Built on the device from each slot's own padded factors: a slot of one file takes the file's
+    (kept with it, ``LoraFile.device``), so a new mix of files already held costs one stacking
+    program, not a host rebuild and upload of every slot."""
     cache: OrderedDict = pipe.components.setdefault("lora_stacks", OrderedDict())
     key = (comp, request.bucket, tuple(tuple(id(f) for f, _ in slot) for slot in request.slots))
     hit = cache.get(key)
     if hit is not None:
         cache.move_to_end(key)
         return hit[1]
-    k, r = len(request.slots), request.bucket
+    r = request.bucket
     dtype = pipe.dtype if comp == "denoiser" else str(pipe.components["text_encoders"][0].dtype)
+    slots = [_slot_factors(pipe, slot, comp, layers, r, dtype) for slot in request.slots]
+    out = _stack(slots)
+    # the files are held too, so that their ids in the key stay theirs while the entry lives
+    cache[key] = ([f for slot in request.slots for f, _ in slot], out, len(request.slots))
+    budget = pipe.components.get("lora_stack_slots", _STACK_SLOTS)
+    while len(cache) > 1 and sum(entry[2] for entry in cache.values()) > budget:
+        cache.popitem(last=False)
+    return out
+
+
+_STACK_SLOTS = 16  # slots held in stacked mixes per pipeline (a stack of K slots is K LoRAs' worth of memory;
+# components["lora_stack_slots"] overrides it)
+
+
+def _stack(slots: list[dict]) -> dict:
+    """K slots' {layer: (down (in, R), up (R, out))} -> {layer: (down (K, in, R), up (K, R, out))},
+    in one device program (cached by JAX per shapes)."""
+    import jax
+    import jax.numpy as jnp
+
+    global _STACKER
+    if _STACKER is None:
+        _STACKER = jax.jit(lambda xs: jax.tree.map(lambda *leaves: jnp.stack(leaves), *xs))
+    return _STACKER(slots)
+
+
+_STACKER: Any = None
+
+
+def _slot_factors(pipe: Any, slot: tuple[tuple[LoraFile, float], ...], comp: str,
+                  layers: Mapping[str, tuple[int, int]], r: int, dtype: str) -> dict:
+    """One slot's {layer: (down (in, R), up (R, out))} on the device: zeros for an empty slot (kept
+    per pipeline), a lone file's own (kept with the file), else built for this slot."""
+    import jax.numpy as jnp
+
+    if len(slot) == 1:
+        held = slot[0][0].device
+    else:
+        held = pipe.components.setdefault("lora_zeros", {}) if not slot else {}
+    hit = held.get((comp, r, dtype))
+    if hit is not None:
+        return hit
     out = {}
     for layer, (cin, cout) in layers.items():
-        down = np.zeros((k, cin, r), np.float32)
-        up = np.zeros((k, r, cout), np.float32)
-        for s, slot in enumerate(request.slots):
-            col = 0
-            for f, _ in slot:
-                pair = f.layers.get(comp, {}).get(layer)
-                if pair is not None:
-                    a, b = pair  # (rank, in), (out, rank)
-                    down[s, :, col:col + a.shape[0]] = a.T
-                    up[s, col:col + a.shape[0], :] = b.T
-                col += f.rank
+        down = np.zeros((cin, r), np.float32)
+        up = np.zeros((r, cout), np.float32)
+        col = 0
+        for f, _ in slot:
+            pair = f.layers.get(comp, {}).get(layer)
+            if pair is not None:
+                a, b = pair  # (rank, in), (out, rank)
+                down[:, col:col + a.shape[0]] = a.T
+                up[col:col + a.shape[0], :] = b.T
+            col += f.rank
         out[layer] = (jnp.asarray(down, dtype), jnp.asarray(up, dtype))
-    # the files are held too, so that their ids in the key stay theirs while the entry lives
-    cache[key] = ([f for slot in request.slots for f, _ in slot], out)
-    while len(cache) > _CACHE_SIZE:
-        cache.popitem(last=False)
+    held[(comp, r, dtype)] = out
     return out
 
 
@@ -452,14 +550,13 @@ def denoiser_args(pipe: Any, request: LoraRequest) -> tuple[dict, np.ndarray]:
 
 
 def encoder_adapters(pipe: Any, request: LoraRequest | None) -> tuple[Any, ...] | None:
-    """Per text encoder: (factors, scales) when any slot's file has layers for it, else None;
-    None overall when no encoder has any (the encode program stays the plain one)."""
+    """Per text encoder: (factors, scales), for every encoder as soon as any slot's file has layers
+    for one of them (zeros for the others: two encode programs per bucket, with and without, rather
+    than one per combination); None when no file has any (the encode program stays the plain one)."""
     if request is None:
         return None
     targets: LoraTargets = pipe.components["lora_targets"]
     names = pipe.components.get("lora_encoders", ())
-    out = []
-    for name in names:
-        used = any(name in f.layers for slot in request.slots for f, _ in slot)
-        out.append((_factors(pipe, request, name, targets.layers[name]), _scales(request)) if used else None)
-    return tuple(out) if any(o is not None for o in out) else None
+    if not any(name in f.layers for name in names for slot in request.slots for f, _ in slot):
+        return None
+    return tuple((_factors(pipe, request, name, targets.layers[name]), _scales(request)) for name in names)

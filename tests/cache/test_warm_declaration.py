@@ -1,4 +1,4 @@
-"""One warm declaration for `preheat warm` and `preheat serve`: devices included (issue 17)."""
+"""One warm declaration for `preheat warm` and `preheat serve`: devices and fsdp included (issue 17)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from preheat.server.core import CoreConfig
 
 @pytest.mark.parametrize("text, devices", [(None, None), ("all", "all"), ("2", 2), ("0,3", [0, 3])])
 def test_devices_are_part_of_the_declaration(text, devices):
-    warm_set = warm_set_from_options(None, "float32", 4, None, None, "off,on", text)
-    assert warm_set.devices == devices
+    warm_set = warm_set_from_options(None, "float32", 4, None, None, "off,on", None, text, 2)
+    assert warm_set.devices == devices and warm_set.fsdp == 2
     config = CoreConfig.from_warm_set(warm_set, batch_wait_ms=5.0)
-    assert config.devices == devices and config.warm_set() == warm_set  # the server warms what warm compiled
+    assert config.devices == devices and config.fsdp == 2
+    assert config.warm_set() == warm_set  # the server warms what warm compiled
 
 
 def test_bad_devices_fail_in_one_line_on_both_commands():

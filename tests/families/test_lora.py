@@ -383,7 +383,7 @@ def test_an_http_lora_is_pulled_once_then_served_offline(sd, tmp_path, monkeypat
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     entry = sd["sd1"]
     pipe = dataclasses.replace(entry["pipe"], components=dict(entry["pipe"].components))
-    pipe.components.pop("lora_files", None)
+    pipe.components.pop("lora_cache", None)
     call = dict(steps=2, seed=4, guidance=7.5)
     local = pipe.generate("a red fox", lora=entry["A"], **call)
     server = FileServer().start()
@@ -393,7 +393,7 @@ def test_an_http_lora_is_pulled_once_then_served_offline(sd, tmp_path, monkeypat
         np.testing.assert_array_equal(pipe.generate("a red fox", lora=url, **call), local)
     finally:
         server.stop()
-    pipe.components.pop("lora_files")  # forget the parsed file: the weights store must serve it now
+    pipe.components.pop("lora_cache")  # forget the parsed file: the weights store must serve it now
     np.testing.assert_array_equal(pipe.generate("a red fox", lora=(url, 1.0), **call), local)
 
 
@@ -471,3 +471,24 @@ def test_sdxl_kohya_original_layout_names_match_diffusers(sd, tmp_path, record_p
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(ours, plain) > 2
+
+
+SD3_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "ff.net.2", "norm1.linear"]
+
+
+def test_sd3_lora_matches_diffusers(tmp_path_factory, record_property):
+    """diffusers' SD3 LoRA names (``transformer.transformer_blocks.0.attn.to_q``) on the tiny SD3."""
+    base = tmp_path_factory.mktemp("lora-sd3")
+    folder = flow_fixtures.save_tiny_flow_model(base / "sd3", "sd3")
+    ref = flow_fixtures.reference_pipeline(folder)
+    a = _save(ref, base / "A", "transformer", {"transformer": _peft_layers(ref.transformer, SD3_TARGETS, 4, 8, seed=6)})
+    noise = np.random.default_rng(0).standard_normal((1, ref.transformer.config.in_channels, 16, 16)).astype(np.float32)
+    ref.load_lora_weights(str(a))
+    theirs = flow_fixtures.reference_pixels(ref, "a watercolor fox", noise, num_inference_steps=3, guidance_scale=5.0,
+                                            joint_attention_kwargs={"scale": 0.7})
+    pipe = preheat.load(folder, cache="off")
+    call = dict(noise=noise, steps=3, guidance=5.0, width=32, height=32)
+    ours = pipe.generate("a watercolor fox", lora=a, lora_scale=0.7, **call)
+    record_property("mean_abs_px", _diff(ours, theirs))
+    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
+    assert _diff(ours, pipe.generate("a watercolor fox", **call)) > 5

@@ -109,3 +109,10 @@ def test_worker_settings_come_from_the_environment() -> None:
 
     with pytest.raises(InvalidArgumentError, match="must be WIDTHxHEIGHT"):
         rp.config_from_env({"PREHEAT_SIZES": "512"})
+    lora = rp.config_from_env({"PREHEAT_LORA_RANKS": "16, 64", "PREHEAT_MAX_LORAS": "3"})
+    assert lora.lora_ranks == (16, 64) and lora.max_loras == 3 and lora.warm_set().lora_ranks == (16, 64)
+    assert rp.config_from_env({}).lora_ranks == () and rp.config_from_env({}).max_loras == 8
+    with pytest.raises(InvalidArgumentError, match="PREHEAT_LORA_RANKS 'x' must be rank buckets"):
+        rp.config_from_env({"PREHEAT_LORA_RANKS": "x"})
+    with pytest.raises(InvalidArgumentError, match="buckets: 16, 32, 64, 128"):
+        rp.config_from_env({"PREHEAT_LORA_RANKS": "8"}).warm_set()

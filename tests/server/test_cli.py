@@ -19,6 +19,9 @@ from preheat.cli.serve import serve_command
     (["--max-body-bytes", "0"], "--max-body-bytes 0 must be >= 1"),
     (["--webhook-allow", "10.0.0.0/99"], "--webhook-allow: webhook allow-list entry '10.0.0.0/99' is not a valid CIDR"),
     (["--compile", "regional"], "--compile regional applies to --backend torch"),
+    (["--max-loras", "0"], "--max-loras 0 must be >= 1"),
+    (["--lora-ranks", "16,24"], "LoRA rank bucket(s) 24 are not rank buckets; buckets: 16, 32, 64, 128"),
+    (["--lora-ranks", "x"], "--lora-ranks 'x' must be rank buckets"),
 ])
 def test_serve_rejects_bad_options_in_one_line(args: list[str], message: str) -> None:
     result = CliRunner().invoke(serve_command, args)

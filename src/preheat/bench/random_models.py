@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
-           "save_random_flux", "TEXT_ARCHITECTURES"]
+           "save_random_sd_small", "save_random_flux", "TEXT_ARCHITECTURES"]
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 _WORDS = ("a photo of the cat dog fox watercolor painting portrait city night forest red blue green "
@@ -71,7 +71,8 @@ FLUX_SCHEDULER: dict[str, Any] = dict(
 # folder, so that loading streams shard by shard as it would there.
 FLUX_SHARD = "1GB"
 
-TEXT_ARCHITECTURES = {"sd15-random": "save_random_sd15", "flux-random": "save_random_flux"}
+TEXT_ARCHITECTURES = {"sd15-random": "save_random_sd15", "flux-random": "save_random_flux",
+                      "sd-small-random": "save_random_sd_small"}
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -128,15 +129,33 @@ def write_clip_tokenizer(directory: Path, words: tuple[str, ...] = tuple(_WORDS)
 
 def save_random_sd15(out: Path, seed: int = 0) -> Path:
     """A full-size SD 1.5 folder with random weights (about 4 GB of float32)."""
+    return _save_sd(out, SD15_UNET, SD15_TEXT, SD15_VAE, seed)
+
+
+# A small SD 1.x (the LoRA benchmark on a CPU): SD 1.5's block layout and attention at a quarter of
+# its widths, a 4-layer CLIP of width 256, a narrower VAE; 256x256 images (32x32 latents).
+SD_SMALL_UNET: dict[str, Any] = {**SD15_UNET, "sample_size": 32, "block_out_channels": (64, 128, 256, 256),
+                                 "cross_attention_dim": 256}
+SD_SMALL_TEXT: dict[str, Any] = {**SD15_TEXT, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+                                 "num_attention_heads": 4, "projection_dim": 256}
+SD_SMALL_VAE: dict[str, Any] = {**SD15_VAE, "block_out_channels": (32, 64, 128, 128), "sample_size": 256}
+
+
+def save_random_sd_small(out: Path, seed: int = 0) -> Path:
+    """A small SD 1.x folder with random weights (``SD_SMALL_*``: about 90 MB of float32)."""
+    return _save_sd(out, SD_SMALL_UNET, SD_SMALL_TEXT, SD_SMALL_VAE, seed)
+
+
+def _save_sd(out: Path, unet: dict[str, Any], text: dict[str, Any], vae: dict[str, Any], seed: int) -> Path:
     import torch
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(seed)
     with torch.no_grad():
-        UNet2DConditionModel(**SD15_UNET).save_pretrained(out / "unet")
-        CLIPTextModel(CLIPTextConfig(**SD15_TEXT)).save_pretrained(out / "text_encoder")
-        AutoencoderKL(**SD15_VAE).save_pretrained(out / "vae")
+        UNet2DConditionModel(**unet).save_pretrained(out / "unet")
+        CLIPTextModel(CLIPTextConfig(**text)).save_pretrained(out / "text_encoder")
+        AutoencoderKL(**vae).save_pretrained(out / "vae")
     DDIMScheduler(**SD15_SCHEDULER).save_pretrained(out / "scheduler")
     write_clip_tokenizer(out / "tokenizer")
     index = {"_class_name": "StableDiffusionPipeline", "text_encoder": ["transformers", "CLIPTextModel"],

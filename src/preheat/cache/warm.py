@@ -7,7 +7,9 @@ the fleet store); ``preheat serve`` warms up the same set before READY (``Core``
 
 A signature is one serving program: sampler x guidance (off, and on when the model can guide)
 x batch bucket x served size (text-to-image) x negative prompts given or not (guided
-text-to-image). The step count is runtime data, so each is compiled with ``steps=1``.
+text-to-image) x LoRA (none, and each declared rank bucket: ``lora_ranks``). The step count
+is runtime data, so each is compiled with ``steps=1``; a LoRA bucket with a LoRA of zeros
+(``preheat.lora.warm_file``), since any LoRA of the bucket is data of the same program.
 """
 
 from __future__ import annotations
@@ -50,10 +52,17 @@ class WarmSet:
     guidance: tuple[str, ...] = GUIDANCE_MODES  # "off" and/or "on" ("on" only where the model can guide)
     devices: Any = None  # "all", a count or device ids; None = preheat.load's default ($PREHEAT_DEVICES or all)
     fsdp: int = 1  # the devices each weight is split over (preheat.load(fsdp=...)): part of every program
+    lora_ranks: tuple[int, ...] = ()  # LoRA rank buckets (``preheat.lora.BUCKETS``) warmed besides no LoRA
 
     def __post_init__(self) -> None:
         from preheat.errors import InvalidArgumentError
+        from preheat.lora import BUCKETS
 
+        wrong = [r for r in self.lora_ranks if r not in BUCKETS]
+        if wrong:
+            raise InvalidArgumentError(f"LoRA rank bucket(s) {', '.join(map(str, wrong))} are not rank buckets; "
+                                       f"buckets: {', '.join(map(str, BUCKETS))}")
+        object.__setattr__(self, "lora_ranks", tuple(sorted(set(self.lora_ranks))))  # smallest first (bucket_for)
         bad = [g for g in self.guidance if g not in GUIDANCE_MODES]
         if bad or not self.guidance:
             raise InvalidArgumentError(f"guidance {bad or '()'} must be among {', '.join(GUIDANCE_MODES)}")
@@ -72,11 +81,14 @@ class WarmSignature:
     bucket: int
     size: Optional[tuple[int, int]]  # text-to-image (width, height); None for pixel models
     negatives: bool  # negative prompts given (guided text-to-image)
+    lora: Optional[int] = None  # the LoRA rank bucket; None: no LoRA
 
     def describe(self) -> str:
         size = f" {self.size[0]}x{self.size[1]}" if self.size else ""
         neg = " +negative" if self.negatives else ""
-        return f"{self.sampler} batch {self.bucket}{size}{neg} guidance {'off' if self.guidance == 1.0 else self.guidance}"
+        lora = f" LoRA rank {self.lora}" if self.lora else ""
+        return (f"{self.sampler} batch {self.bucket}{size}{neg}{lora} "
+                f"guidance {'off' if self.guidance == 1.0 else self.guidance}")
 
 
 def _text(pipe: Any) -> bool:
@@ -93,6 +105,11 @@ def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
         sizes = sizes or ((pipe.sample_shape[1] * scale, pipe.sample_shape[0] * scale),)
         for size in sizes:
             pipe.check(1, prompt="", width=size[0], height=size[1], steps=1)
+    if warm_set.lora_ranks and getattr(pipe, "components", {}).get("lora_targets") is None:
+        from preheat.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"LoRA rank buckets {', '.join(map(str, warm_set.lora_ranks))} are declared, "
+                                   f"but LoRAs are not supported for a {pipe.family.name} model")
     return replace(warm_set, samplers=samplers, sizes=sizes)
 
 
@@ -118,7 +135,9 @@ def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
             negatives = (False, True) if text and g != 1.0 else (False,)
             for size in sizes:
                 for neg in negatives:
-                    out += [WarmSignature(sampler, g, bucket, size, neg) for bucket in buckets]
+                    for bucket in buckets:  # LoRA buckets smallest first: each is then compiled as itself
+                        out += [WarmSignature(sampler, g, bucket, size, neg, lora)
+                                for lora in (None, *warm_set.lora_ranks)]
     return out
 
 
@@ -134,6 +153,10 @@ def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
             inputs.update(width=sig.size[0], height=sig.size[1])
     elif pipe.num_classes is not None:
         inputs["class_labels"] = [0] * n
+    if sig.lora:  # per image, as a server's batches give it (the same slot count)
+        from preheat.lora import warm_file
+
+        inputs["lora"] = [[(warm_file(pipe, sig.lora), 1.0)]] * n
     return inputs
 
 

@@ -47,6 +47,35 @@ def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sam
     write_json(json_out, result)
 
 
+@bench_group.command("lora")
+@click.argument("model", required=False, default="sd-small-random")
+@click.option("--n", "n", default=8, show_default=True, type=int, help="Batch size (and number of LoRAs mixed).")
+@click.option("--steps", default=4, show_default=True, type=int)
+@click.option("--rank", default=16, show_default=True, type=int, help="The LoRAs' rank.")
+@click.option("--repeats", default=5, show_default=True, type=int, help="Rounds, each timing every condition once.")
+@click.option("--dtype", default="float32", show_default=True)
+@click.option("--width", type=int, help="Image width (default: the model's).")
+@click.option("--height", type=int, help="Image height (default: the model's).")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@one_line_errors
+def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype: str, width: int | None,
+                 height: int | None, json_out: Path | None) -> None:
+    """Images/s for a batch with a different LoRA per image vs the same LoRA vs no LoRA, and their
+    ratios, in one run (issue 15; goal mixed >= 0.8x same). MODEL: a text-to-image folder or
+    'sd-small-random' / 'sd15-random' / 'flux-random' (random weights)."""
+    from preheat.bench.common import write_json
+    from preheat.bench.lora import bench_lora, markdown
+    from preheat.errors import InvalidArgumentError
+
+    if n < 1 or steps < 1 or repeats < 1 or rank < 1:
+        raise InvalidArgumentError("--n, --steps, --rank and --repeats must be >= 1")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = bench_lora(model, n, steps, rank, repeats, Path(tmp), dtype=dtype,
+                            size=(width, height) if width and height else None)
+    click.echo(markdown(result))
+    write_json(json_out, result)
+
+
 @bench_group.command("coldstart")
 @click.argument("model", required=False)
 @click.option("--n", "n", default=8, show_default=True, type=int, help="Batch size.")

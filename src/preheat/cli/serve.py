@@ -88,6 +88,8 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @click.option("--max-queue", default=64, show_default=True, type=int,
               help="Predictions allowed to wait; beyond it, 409 (Cog) / 429 (OpenAI) with Retry-After.")
 @click.option("--max-steps", default=200, show_default=True, type=int, help="Largest num_inference_steps accepted.")
+@click.option("--max-loras", default=8, show_default=True, type=int,
+              help="LoRAs held ready (read, factors on the device), least recently used out; see /metrics.")
 @click.option("--grace-s", default=30.0, show_default=True, type=float,
               help="On SIGTERM, how long in-flight predictions may take to finish.")
 @click.option("--push-grace-s", default=30.0, show_default=True, type=float,
@@ -116,7 +118,8 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 def serve_command(model: Optional[str], host: str, port: int, backend: str, compile_mode: str, dtype: str,
                   max_batch_size: int,
                   devices_text: Optional[str], fsdp: int, batch_wait_ms: float, max_queue: int, max_steps: int,
-                  samplers_text: Optional[str], sizes_text: Optional[str], guidance_text: str, grace_s: float,
+                  samplers_text: Optional[str], sizes_text: Optional[str], guidance_text: str,
+                  lora_ranks_text: Optional[str], max_loras: int, grace_s: float,
                   push_grace_s: float,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
                   webhook_allow: tuple[str, ...], log_level: str, on_ray: bool = False,
@@ -135,8 +138,10 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                   max_body_bytes)
     if push_grace_s < 0:
         raise InvalidArgumentError(f"--push-grace-s {push_grace_s} must be >= 0")
+    if max_loras < 1:
+        raise InvalidArgumentError(f"--max-loras {max_loras} must be >= 1")
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
-                                     devices_text, fsdp)
+                                     lora_ranks_text, devices_text, fsdp)
     webhooks = _webhook_policy(webhook_allow_private, webhook_allow)
     _check_backend(backend)
     if compile_mode != "none" and backend != "torch":
@@ -160,7 +165,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     from preheat.server.serve import serve
 
     config = CoreConfig.from_warm_set(warm_set, backend=backend, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
-                                      max_steps=max_steps, push_grace_s=push_grace_s, compile=compile_mode)
+                                      max_steps=max_steps, push_grace_s=push_grace_s, compile=compile_mode,
+                                      max_loras=max_loras)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,

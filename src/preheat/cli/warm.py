@@ -19,7 +19,8 @@ __all__ = ["warm_command", "declaration_options", "warm_set_from_options"]
 
 
 def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """MODEL, --dtype, --max-batch-size, --samplers, --sizes, --guidance, --devices, --fsdp: the warm set."""
+    """MODEL, --dtype, --max-batch-size, --samplers, --sizes, --guidance, --lora-ranks, --devices, --fsdp: the
+    warm set."""
     options = [
         click.argument("model", required=False),
         click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16."),
@@ -31,6 +32,9 @@ def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Text-to-image: sizes served (each compiled; a server refuses others). Default: the model's."),
         click.option("--guidance", "guidance_text", default="off,on", show_default=True, metavar="off,on",
                      help="Guidance modes compiled ('on' only where the model can guide)."),
+        click.option("--lora-ranks", "lora_ranks_text", metavar="16,32,...",
+                     help="LoRA rank buckets compiled besides no LoRA (of 16, 32, 64, 128): a LoRA whose rank "
+                          "fits one then runs with no compile. Default: none."),
         click.option("--devices", "devices_text", metavar="all|N|ID,ID,...",
                      help="JAX: the devices each batch is split over (default all; $PREHEAT_DEVICES); buckets are "
                           "then multiples of their count, and programs are compiled for these devices."),
@@ -56,8 +60,8 @@ def samplers_from_text(text: Optional[str]) -> tuple[str, ...]:
 
 
 def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
-                          sizes_text: Optional[str], guidance_text: str, devices_text: Optional[str] = None,
-                          fsdp: int = 1) -> Any:
+                          sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str] = None,
+                          devices_text: Optional[str] = None, fsdp: int = 1) -> Any:
     """The ``WarmSet`` the declaration options describe (one-line errors for bad values)."""
     from preheat.cache.warm import WarmSet
     from preheat.errors import InvalidArgumentError
@@ -69,9 +73,12 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     guidance = tuple(dict.fromkeys(g.strip().lower() for g in guidance_text.split(",") if g.strip()))
     if not guidance or any(g not in ("off", "on") for g in guidance):
         raise InvalidArgumentError(f"--guidance {guidance_text!r} must be off, on or off,on")
+    from preheat.server.inputs import parse_lora_ranks
+
+    ranks = parse_lora_ranks(lora_ranks_text)
     return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers_from_text(samplers_text),
-                   sizes=parse_sizes(sizes_text), guidance=guidance, devices=parse_devices(devices_text, "--devices"),
-                   fsdp=fsdp)
+                   sizes=parse_sizes(sizes_text), guidance=guidance, lora_ranks=tuple(ranks),
+                   devices=parse_devices(devices_text, "--devices"), fsdp=fsdp)
 
 
 @click.command("warm")
@@ -82,7 +89,8 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
               help="How long uploads to PREHEAT_CACHE_URL may take after the last compile.")
 @one_line_errors
 def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
-                 sizes_text: Optional[str], guidance_text: str, devices_text: Optional[str], fsdp: int, dry_run: bool,
+                 sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str],
+                 devices_text: Optional[str], fsdp: int, dry_run: bool,
                  as_json: bool, push_timeout_s: float) -> None:
     """Compile MODEL's serving programs into the cache root ahead of time (and push them to
     PREHEAT_CACHE_URL when set), so `preheat serve` with the same options starts with no compile.
@@ -93,7 +101,7 @@ def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers
     from preheat.cache import warm as warming
 
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
-                                     devices_text, fsdp)
+                                     lora_ranks_text, devices_text, fsdp)
     pipe = preheat.load(warm_set.model, dtype=warm_set.dtype, devices=warm_set.devices, fsdp=warm_set.fsdp)
     if dry_run:
         resolved = warming.resolve(pipe, warm_set)

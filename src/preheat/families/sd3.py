@@ -114,7 +114,10 @@ def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "f
     supports them; with or without ``text_encoder_3``)."""
     import jax.numpy as jnp
 
+    from preheat.lora import LoraTargets
     from preheat.models.clip import load_clip_text
+    from preheat.models.lora import split as split_adapters
+    from preheat.models.lora import targets as lora_targets
     from preheat.models.sd3 import load_sd3_transformer
     from preheat.models.t5 import load_t5_encoder
     from preheat.models.t5_tokenizer import T5Tokenizer
@@ -169,7 +172,14 @@ def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "f
     vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
 
     def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
-        return transformer.apply(params, x, cond["context"].astype(x.dtype), cond["pooled"].astype(x.dtype), t)
+        params, lora = split_adapters(params, cond)
+        return transformer.apply(params, x, cond["context"].astype(x.dtype), cond["pooled"].astype(x.dtype), t,
+                                 lora=lora)
+
+    # LoRA: every Linear of the transformer takes an adapter (preheat.lora); diffusers' SD3 LoRA names
+    # ("transformer.transformer_blocks.0.attn.to_q") are the layers' own. Text-encoder parts are refused by name.
+    targets = LoraTargets(family=SD3.name, layers={"denoiser": lora_targets(transformer.graphdef, transformer.params)},
+                          prefixes={"transformer": "denoiser", "lora_transformer": "denoiser"}, path_prefix={})
 
     components = {
         "tokenizers": tokenizers,
@@ -181,6 +191,8 @@ def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "f
         "patch_size": cfg.patch_size,
         "joint_attention_dim": cfg.joint_attention_dim,
         "t5_length": T5_LENGTH,
+        "lora_targets": targets,
+        "lora_encoders": (),
         "encode_fingerprint": {"kind": "sd3-text", "clip": [e.config.architecture_dict() for e in encoders[:2]],
                                "t5": encoders[2].config.architecture_dict() if has_t5 else None,
                                "joint_attention_dim": cfg.joint_attention_dim, "dtype": str(dtype)},

@@ -8,7 +8,8 @@ or simply ``python -m preheat.integrations.runpod`` (also: ``--test_input '{"inp
 for the SDK's local test mode, which runs one job and exits 0 on success).
 
 A job's ``input`` takes Cog's input fields (``class_label``/``prompt``, ``num_outputs``,
-``num_inference_steps``, ``guidance_scale``, ``scheduler``, ``seed``, ``output_format``, ...).
+``num_inference_steps``, ``guidance_scale``, ``scheduler``, ``seed``, ``output_format``,
+``lora_weights`` (a path, http(s):// or hf:// LoRA) and ``lora_scale``, ...).
 The result is ``{"images": [data URLs], "seed": int, "metrics": {...}}``, or
 ``{"error": "<field>: <message>"}`` for bad input. ``handler`` is async, so with a concurrency
 modifier > 1 the SDK runs several jobs at once and the core batches them into one engine call.
@@ -18,7 +19,9 @@ The engine is loaded once per process (at ``python -m`` start, or on the first j
 ``PREHEAT_BATCH_WAIT_MS`` (10), ``PREHEAT_MAX_QUEUE`` (64), ``PREHEAT_MAX_STEPS`` (200),
 ``PREHEAT_SAMPLERS`` (comma-separated; default: the model's own, all compiled at start),
 ``PREHEAT_SIZES`` (text-to-image: ``512x512,768x512``; default: the model's size),
-``PREHEAT_GUIDANCE`` (guidance modes warmed: ``off,on``, as ``preheat warm --guidance``) and
+``PREHEAT_GUIDANCE`` (guidance modes warmed: ``off,on``, as ``preheat warm --guidance``),
+``PREHEAT_LORA_RANKS`` (LoRA rank buckets warmed, as ``--lora-ranks``: ``16,32``),
+``PREHEAT_MAX_LORAS`` (LoRAs held ready, 8) and
 ``PREHEAT_DTYPE`` (float32; ``bfloat16`` for a GPU worker). The
 compile cache lives on the network volume automatically (``/runpod-volume/preheat``, see
 ``preheat.cache.root``), so a cold worker with a warm volume starts hot.
@@ -33,7 +36,7 @@ from typing import Any, Optional
 
 from preheat.errors import InputError, NotAccepting, QueueFull
 from preheat.server.core import Core, CoreConfig
-from preheat.server.inputs import parse_sizes
+from preheat.server.inputs import parse_lora_ranks, parse_sizes
 
 __all__ = ["handler", "concurrency_modifier", "get_core", "config_from_env", "main"]
 
@@ -49,6 +52,8 @@ def config_from_env(env: Optional[dict[str, str]] = None) -> CoreConfig:
                       batch_wait_ms=float(env.get("PREHEAT_BATCH_WAIT_MS", "10")),
                       max_queue=int(env.get("PREHEAT_MAX_QUEUE", "64")),
                       max_steps=int(env.get("PREHEAT_MAX_STEPS", "200")),
+                      max_loras=int(env.get("PREHEAT_MAX_LORAS", "8")),
+                      lora_ranks=parse_lora_ranks(env.get("PREHEAT_LORA_RANKS"), "PREHEAT_LORA_RANKS"),
                       samplers=tuple(n.strip() for n in env.get("PREHEAT_SAMPLERS", "").split(",") if n.strip()),
                       guidance=tuple(g.strip() for g in (env.get("PREHEAT_GUIDANCE") or "off,on").split(",") if g.strip()))
 
@@ -92,7 +97,7 @@ async def handler(job: dict[str, Any]) -> dict[str, Any]:
         await asyncio.to_thread(core.wait_setup)
     raw = job.get("input")
     try:
-        parsed, given = core.parse(raw if raw is not None else {})
+        parsed, given = await core.parse_async(raw if raw is not None else {})
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 

@@ -454,16 +454,20 @@ class SD3Transformer:
         self._compiled_apply = jax.jit(self.apply, static_argnames=("skip_layers",))
 
     def apply(self, params: nnx.State, x: Array, encoder_hidden_states: Array, pooled_projections: Array,
-              timestep: Array, skip_layers: tuple[int, ...] = ()) -> Array:
+              timestep: Array, skip_layers: tuple[int, ...] = (), lora: Any = None) -> Array:
         """(B, h, w, C) latent, (B, T, joint_attention_dim), (B, pooled_projection_dim), (B,) float
         timestep in [0, 1000] (what diffusers' SD3 pipeline passes) -> (B, h, w, out_channels).
 
         ``skip_layers`` (diffusers' argument of the same name, for skip-layer guidance) is static:
-        close over it or mark it static under jit.
+        close over it or mark it static under jit. ``lora``: per-image low-rank adapters
+        (``preheat.models.lora.Adapters``), or None.
         """
+        from preheat.models.lora import attach
+
         x = jnp.asarray(x).astype(self.dtype)
-        return nnx.merge(self.graphdef, params)(x, jnp.asarray(encoder_hidden_states),
-                                                jnp.asarray(pooled_projections), timestep, tuple(skip_layers))
+        model = attach(nnx.merge(self.graphdef, params), lora)
+        return model(x, jnp.asarray(encoder_hidden_states), jnp.asarray(pooled_projections), timestep,
+                     tuple(skip_layers))
 
     def __call__(self, hidden_states: Any, encoder_hidden_states: Any, pooled_projections: Any,
                  timestep: Any, skip_layers: tuple[int, ...] = ()) -> Array:

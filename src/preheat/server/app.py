@@ -98,6 +98,9 @@ class ImageGenerationRequest(BaseModel):
     size: Optional[str] = Field(None, max_length=32, pattern=r"^(auto|[0-9]{1,5}x[0-9]{1,5})$")
     response_format: Literal["b64_json"] = "b64_json"
     seed: Optional[JsonInt] = None
+    # preheat's extra fields, named as on the Cog route (Replicate's flux-dev-lora)
+    lora_weights: Optional[str] = Field(None, max_length=2000)
+    lora_scale: Optional[float] = None  # bounds checked with the Cog input (one place)
 
 
 class ImageData(BaseModel):
@@ -306,7 +309,7 @@ async def predict(state: AppState, body: Any, prediction_id: Optional[str], pref
             return JSONResponse({"detail": _detail(err.errors)}, status_code=422)
         return await attach(core, existing, respond_async, request)
     try:
-        job, given = core.parse(body.input)
+        job, given = await core.parse_async(body.input)
     except InputError as err:
         return JSONResponse({"detail": _detail(err.errors)}, status_code=422)
     except NotAccepting as err:
@@ -470,11 +473,15 @@ async def images_generations(raw_request: Request, state: State, request: ImageG
         raw["prompt"] = request.prompt
     if request.seed is not None:
         raw["seed"] = request.seed
+    if request.lora_weights is not None:
+        raw["lora_weights"] = request.lora_weights
+    if request.lora_scale is not None:
+        raw["lora_scale"] = request.lora_scale
     if request.size is not None and request.size != "auto":
         w, h = (int(v) for v in request.size.split("x"))
         raw["width"], raw["height"] = w, h
     try:
-        job, given = core.parse(raw)
+        job, given = await core.parse_async(raw)
     except InputError as err:
         field_name, message = err.errors[0]
         param = _OPENAI_FIELDS.get(field_name, field_name)

@@ -70,12 +70,14 @@ class CoreConfig:
     keep_finished: int = 1000  # finished predictions kept for GET / PUT retries
     guidance: tuple[str, ...] = GUIDANCE_MODES  # warmed guidance modes ("on" only where the model can guide)
     push_grace_s: float = 30.0  # at close(), how long background uploads to the store may take
+    lora_ranks: tuple[int, ...] = ()  # LoRA rank buckets warmed (preheat.lora.BUCKETS); others compile on first use
+    max_loras: int = 8  # LoRAs held ready (read, and their factors on the device), least recently used out
 
     def warm_set(self) -> WarmSet:
         """The declaration this server warms (the same object ``preheat warm`` compiles)."""
         return WarmSet(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size,
                        samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
-                       devices=self.devices, fsdp=self.fsdp)
+                       devices=self.devices, fsdp=self.fsdp, lora_ranks=tuple(self.lora_ranks))
 
     @classmethod
     def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":
@@ -83,7 +85,8 @@ class CoreConfig:
         options.setdefault("devices", warm.devices)
         options.setdefault("fsdp", warm.fsdp)
         return cls(model=warm.model, dtype=warm.dtype, max_batch_size=warm.max_batch_size,
-                   samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance), **options)
+                   samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance),
+                   lora_ranks=tuple(warm.lora_ranks), **options)
 
 
 @dataclass
@@ -160,8 +163,9 @@ class Core:
 
     def __init__(self, config: CoreConfig, pipe: Any = None,
                  loader: Callable[[CoreConfig], Any] = load_pipeline) -> None:
-        if config.max_batch_size < 1 or config.max_queue < 1 or config.max_steps < 1 or config.batch_wait_ms < 0:
-            raise ValueError("max_batch_size, max_queue and max_steps must be >= 1 and batch_wait_ms >= 0")
+        if (config.max_batch_size < 1 or config.max_queue < 1 or config.max_steps < 1 or config.batch_wait_ms < 0
+                or config.max_loras < 1):
+            raise ValueError("max_batch_size, max_queue, max_steps and max_loras must be >= 1 and batch_wait_ms >= 0")
         self.config = config
         self.limits = Limits(max_batch_size=config.max_batch_size, max_steps=config.max_steps,
                              max_guidance=config.max_guidance, schedulers=tuple(config.samplers),
@@ -289,6 +293,16 @@ class Core:
         """Validate a Cog-style input (dict or ``self.input_model``); raises ``InputError``/``NotAccepting``."""
         self._check_accepting()
         return parse_input(raw, self.pipe, self.limits, self.input_model)
+
+    async def parse_async(self, raw: Any) -> tuple[Job, dict[str, Any]]:
+        """:meth:`parse` for a coroutine: in a worker thread when the input names a LoRA, whose first
+        read (a download, a large file) must not hold up the event loop."""
+        source = raw.get("lora_weights") if isinstance(raw, dict) else getattr(raw, "lora_weights", None)
+        if source:
+            import asyncio
+
+            return await asyncio.to_thread(self.parse, raw)
+        return self.parse(raw)
 
     def _check_accepting(self) -> None:
         if self._draining:
@@ -471,6 +485,11 @@ class Core:
         if default_steps > self.limits.max_steps:
             self._setup_log(f"warning: the model's default {default_steps} steps exceed --max-steps "
                             f"{self.limits.max_steps}; requests must then give num_inference_steps")
+        if getattr(pipe, "components", {}).get("lora_targets") is not None:  # this server's LRU of LoRAs
+            from preheat.lora import LoraCache
+
+            cache = pipe.components["lora_cache"] = LoraCache(self.config.max_loras)
+            self.metrics.watch_loras(cache)
         compiler = getattr(pipe, "compiler", None)
         if compiler is not None and hasattr(compiler, "defer_pushes"):
             compiler.defer_pushes()  # uploads never hold up READY or a request
@@ -494,6 +513,7 @@ class Core:
             self.metrics.warmup_seconds.labels(bucket=str(bucket), sampler=sampler, guided=str(guided).lower(),
                                                cache_layer=layer).set(took)
             what = f" {size[0]}x{size[1]}{' +negative' if negatives else ''}" if size else ""
+            what += f" LoRA rank {sig.lora}" if sig.lora else ""
             remote = _remote_status(getattr(compiler, "events", [])[events_before:])
             self._setup_log(f"warm-up: {sampler} batch {bucket}{what} guided={guided}: {took:.2f}s (cache: {layer}"
                             f"{f', remote: {remote}' if remote else ''})")

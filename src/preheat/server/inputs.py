@@ -25,9 +25,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
 
 __all__ = ["Limits", "Job", "input_model", "parse_input", "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int",
-           "parse_sizes"]
+           "parse_sizes", "parse_lora_ranks"]
 
 SEED_MAX = 2**32 - 1
+MAX_LORA_SCALE = 4.0
 OUTPUT_FORMATS: tuple[str, ...] = ("png", "webp", "jpg")
 
 
@@ -56,6 +57,7 @@ class Limits:
     schedulers: tuple[str, ...] = ()  # allowed sampler names; () = every sampler preheat has
     output_formats: tuple[str, ...] = OUTPUT_FORMATS
     sizes: tuple[tuple[int, int], ...] = ()  # text-to-image: served (width, height); () = the model's default
+    max_lora_scale: float = MAX_LORA_SCALE  # lora_scale within [-max, max]
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class Job:
     prompts: Optional[tuple[str, ...]] = None  # text-to-image: one prompt per image
     negative_prompts: Optional[tuple[str, ...]] = None  # text-to-image, guided only
     size: Optional[tuple[int, int]] = None  # text-to-image: (width, height), static (one program each)
+    lora: Optional[tuple[Any, float]] = None  # (preheat.lora.LoraFile, scale): read and checked at parse time
+    lora_bucket: Optional[int] = None  # its rank bucket: one program per bucket, any LoRA of it shares a batch
 
     @property
     def seeds(self) -> list[int]:
@@ -82,16 +86,22 @@ class Job:
         """Requests with equal keys can share one engine call (same programs and same runtime scalars).
         Whether negative prompts are given is part of it: SDXL's unconditional branch is zeros
         without them (a different text-encoding batch), the encoded negatives with them."""
-        return (self.sampler, self.steps, self.guidance, self.size, self.negative_prompts is not None)
+        return (self.sampler, self.steps, self.guidance, self.size, self.negative_prompts is not None,
+                self.lora_bucket)
 
     def engine_inputs(self) -> dict[str, Any]:
-        """This job's per-image family inputs, as ``Pipeline.generate`` keywords."""
+        """This job's per-image family inputs, as ``Pipeline.generate`` keywords (a LoRA per image,
+        so that jobs with different LoRAs of one bucket share an engine call)."""
+        out: dict[str, Any] = {}
         if self.prompts is not None:
-            out: dict[str, Any] = {"prompt": list(self.prompts)}
+            out["prompt"] = list(self.prompts)
             if self.negative_prompts is not None:
                 out["negative_prompt"] = list(self.negative_prompts)
-            return out
-        return {"class_labels": list(self.labels)} if self.labels is not None else {}
+        elif self.labels is not None:
+            out["class_labels"] = list(self.labels)
+        if self.lora is not None:
+            out["lora"] = [[self.lora]] * self.n
+        return out
 
 
 def _all_samplers() -> tuple[str, ...]:
@@ -136,6 +146,13 @@ def input_model(limits: Limits) -> type[BaseModel]:
                                               description="Must equal the model's height when given.")),
         "output_format": (Literal[tuple(formats)], Field(formats[0], json_schema_extra=order(9),  # type: ignore[misc]
                                                          description="Image encoding of the data URLs.")),
+        "lora_weights": (Optional[str], Field(None, max_length=2000, json_schema_extra=order(10),
+                                              description="A LoRA: a safetensors path, http(s):// or hf://org/repo"
+                                                          "[/file.safetensors] (diffusers/peft, kohya or BFL names). "
+                                                          "Empty = none.")),
+        "lora_scale": (float, Field(1.0, ge=-limits.max_lora_scale, le=limits.max_lora_scale, allow_inf_nan=False,
+                                    json_schema_extra=order(11),
+                                    description="How strongly the LoRA applies (ignored without lora_weights).")),
     }
     return create_model("Input", __config__=ConfigDict(extra="forbid"), **fields)
 
@@ -152,7 +169,8 @@ def validation_errors(err: ValidationError) -> list[tuple[str, str]]:
 # Pipeline.generate keyword -> Cog input field (InvalidArgumentError.argument names the keyword)
 ENGINE_FIELDS = {"steps": "num_inference_steps", "guidance": "guidance_scale", "sampler": "scheduler",
                  "seed": "seed", "class_labels": "class_label", "n": "num_outputs", "prompt": "prompt",
-                 "negative_prompt": "negative_prompt", "width": "width", "height": "height"}
+                 "negative_prompt": "negative_prompt", "width": "width", "height": "height", "lora": "lora_weights",
+                 "lora_scale": "lora_scale"}
 
 
 def _engine_field(message: str, is_scheduler_error: bool, argument: Optional[str] = None) -> str:
@@ -238,11 +256,13 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     if v["num_inference_steps"] is None and not 1 <= int(steps) <= limits.max_steps:
         errors.append(("num_inference_steps", f"the model default {steps} exceeds this server's max {limits.max_steps}"))
     guidance = v["guidance_scale"] if v["guidance_scale"] is not None else pipe.defaults.get("guidance")
+    lora, lora_bucket = _lora(pipe, v, errors)
     if errors:
         raise InputError(errors)
 
     job = Job(n=n, labels=labels, seed=int(seed), sampler=sampler, steps=int(steps), guidance=guidance,
-              output_format=v["output_format"], prompts=prompts, negative_prompts=negatives, size=size)
+              output_format=v["output_format"], prompts=prompts, negative_prompts=negatives, size=size,
+              lora=lora, lora_bucket=lora_bucket)
     try:  # the engine's own host-side checks (guidance without a null class, schedule, sizes, ...)
         pipe.check(n, steps=int(steps), sampler=sampler, guidance=guidance, seed=job.seeds,
                    **job.engine_inputs(), **size_inputs(job))
@@ -254,6 +274,32 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
         if guidance == 1.0:
             guidance = None  # the same program and the same pixels as "no guidance"
     return replace(job, guidance=guidance), given
+
+
+def _lora(pipe: Any, v: dict[str, Any], errors: list[tuple[str, str]]) -> tuple[Optional[tuple[Any, float]],
+                                                                                Optional[int]]:
+    """``lora_weights`` -> ((the file, read through the pipeline's LRU), its scale) and its rank bucket;
+    a file that is missing, corrupt, or does not fit the model is an error on ``lora_weights``."""
+    source = (v.get("lora_weights") or "").strip()
+    if not source:
+        return None, None
+    from preheat.errors import PreheatError
+    from preheat.lora import bucket_for, cached_file
+
+    targets = pipe.components.get("lora_targets") if hasattr(pipe, "components") else None
+    if targets is None:
+        errors.append(("lora_weights", f"LoRAs are not supported for a {pipe.family.name} model"))
+        return None, None
+    try:
+        lora = cached_file(pipe, source, targets)
+        bucket = bucket_for(lora.rank, sorted(pipe.components.get("lora_buckets", set()).copy()))
+    except PreheatError as err:
+        errors.append(("lora_weights", (str(err).splitlines() or [type(err).__name__])[0]))
+        return None, None
+    except (OSError, ValueError) as err:  # a file the safetensors reader itself refuses
+        errors.append(("lora_weights", f"cannot read {source}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"))
+        return None, None
+    return (lora, float(v["lora_scale"])), bucket
 
 
 def parse_sizes(text: Optional[str]) -> tuple[tuple[int, int], ...]:
@@ -268,6 +314,19 @@ def parse_sizes(text: Optional[str]) -> tuple[tuple[int, int], ...]:
         if not sep or not w.isdigit() or not h.isdigit() or int(w) <= 0 or int(h) <= 0:
             raise InvalidArgumentError(f"--sizes {item!r} must be WIDTHxHEIGHT, e.g. 512x512")
         out.append((int(w), int(h)))
+    return tuple(dict.fromkeys(out))
+
+
+def parse_lora_ranks(text: Optional[str], name: str = "--lora-ranks") -> tuple[int, ...]:
+    """``16,32`` -> (16, 32): ``--lora-ranks`` and Runpod's ``PREHEAT_LORA_RANKS`` (``WarmSet``
+    checks that each is a rank bucket). A malformed entry fails in one line."""
+    out = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if item:
+            if not item.isdigit():
+                raise InvalidArgumentError(f"{name} {item!r} must be rank buckets, e.g. 16,32")
+            out.append(int(item))
     return tuple(dict.fromkeys(out))
 
 

@@ -3,12 +3,13 @@ several cores and apps can live in one process (tests, the bench)."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["CoreMetrics", "HttpMetrics", "Forward"]
+__all__ = ["CoreMetrics", "HttpMetrics", "Forward", "LoraMetrics"]
 
 _IMAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -39,6 +40,30 @@ class CoreMetrics:
                                     ["bucket", "sampler", "guided", "cache_layer"], registry=r)
         self.ready = Gauge("preheat_ready", "1 when set-up succeeded and the server accepts predictions", registry=r)
         self.setup_seconds = Gauge("preheat_setup_seconds", "Model load + warm-up time", registry=r)
+
+    def watch_loras(self, cache: Any) -> None:
+        """Expose a ``preheat.lora.LoraCache``'s counts (once per registry)."""
+        if not getattr(self, "_loras", None):
+            self._loras = LoraMetrics(cache)
+            self.registry.register(self._loras)
+        self._loras.cache = cache
+
+
+class LoraMetrics(Collector):
+    """The LRU of LoRAs held ready (``--max-loras``): lookups that found the LoRA held (hits), that
+    read it (misses), LoRAs let go to make room (evictions), and how many are held now."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterable:
+        c = self.cache
+        for name, value, text in (("hits", c.hits, "LoRA requests whose LoRA was held ready"),
+                                  ("misses", c.misses, "LoRA requests whose LoRA was read (and checked) first"),
+                                  ("evictions", c.evictions, "LoRAs let go to make room (least recently used)")):
+            yield CounterMetricFamily(f"preheat_lora_cache_{name}", text, value=value)
+        yield GaugeMetricFamily("preheat_lora_cache_loras", "LoRAs held ready now", value=len(c))
+        yield GaugeMetricFamily("preheat_lora_cache_max_loras", "LoRAs that can be held (--max-loras)", value=c.max_size)
 
 
 class HttpMetrics:

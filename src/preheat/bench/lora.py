@@ -1,0 +1,147 @@
+"""`preheat bench lora`: images/s for one batch with a different LoRA per image vs the same LoRA on
+every image vs no LoRA (issue 15; goal: mixed >= 0.8x same), measured in one process, the
+conditions interleaved round by round so that a shared machine's load falls on all of them alike.
+
+Conditions, each one compiled program, every image the same prompt and steps:
+
+    none        no LoRA: the program without adapters
+    same        one LoRA given for the batch: 1 adapter slot
+    same/slots  the same LoRA per image, as a server's batch gives it: n slots, one used
+    mixed       n different LoRAs, one per image: n slots (each image gathers its own factors)
+
+The LoRAs are random, of one rank, on every target layer of the denoiser (the most a LoRA can
+touch: the upper bound of the per-image gather's cost). A whole ``generate`` call is timed
+(text encoding, denoising, decoding; the LoRA files read and their factors stacked once, before
+timing, as a server holding them would have them), and the denoising program alone.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from preheat.bench.common import machine_line, materialize_model, summary
+
+__all__ = ["bench_lora", "write_random_loras", "markdown"]
+
+CONDITIONS = ("none", "same", "same/slots", "mixed")
+
+
+def write_random_loras(pipe: Any, directory: Path, count: int, rank: int, seed: int = 0) -> list[Path]:
+    """``count`` random LoRA files of ``rank`` on every denoiser target layer, in diffusers' key names."""
+    from safetensors.numpy import save_file
+
+    prefix = "transformer" if "transformer" in pipe.components.get("lora_targets").prefixes else "unet"
+    layers = pipe.components["lora_targets"].layers["denoiser"]
+    directory.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(count):
+        rng = np.random.default_rng(seed + i)
+        tensors = {}
+        for name, (cin, cout) in layers.items():
+            tensors[f"{prefix}.{name}.lora_A.weight"] = (rng.standard_normal((rank, cin)) / np.sqrt(cin)).astype(np.float32)
+            tensors[f"{prefix}.{name}.lora_B.weight"] = (0.1 * rng.standard_normal((cout, rank)) / np.sqrt(rank)).astype(np.float32)
+        path = directory / f"lora-{i}.safetensors"
+        save_file(tensors, str(path))
+        out.append(path)
+    return out
+
+
+def _calls(n: int, files: list[Path]) -> dict[str, dict[str, Any]]:
+    return {"none": {}, "same": {"lora": str(files[0])},
+            "same/slots": {"lora": [[str(files[0])]] * n},
+            "mixed": {"lora": [[str(files[i % len(files)])] for i in range(n)]}}
+
+
+def bench_lora(model: str | None, n: int, steps: int, rank: int, repeats: int, workdir: Path,
+               dtype: str = "float32", size: tuple[int, int] | None = None) -> dict[str, Any]:
+    import jax
+
+    import preheat
+
+    pipe = preheat.load(materialize_model(model, workdir), cache="off", dtype=dtype)
+    if pipe.components.get("lora_targets") is None:
+        from preheat.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"LoRAs are not supported for a {pipe.family.name} model; bench a text-to-image "
+                                   "model (e.g. sd-small-random)")
+    from preheat.lora import LoraCache
+
+    files = write_random_loras(pipe, workdir / "loras", n, rank)
+    pipe.components["lora_cache"] = LoraCache(n + 1)  # every file held, as a server holding them would
+    pipe.components["lora_stack_slots"] = 4 * n  # every condition's stack held too
+    base: dict[str, Any] = {"steps": steps, "seed": 0}
+    if "prompt" in pipe.family.inputs:
+        base["prompt"] = ["a watercolor fox"] * n
+    if size is not None:
+        base.update(width=size[0], height=size[1])
+    calls = _calls(n, files)
+    programs = {}
+    first_s = {}
+    for name, extra in calls.items():  # compile (and read, stack) once, outside the timing
+        t0 = time.perf_counter()
+        pipe.generate(n, **base, **extra)
+        first_s[name] = time.perf_counter() - t0
+        sig, args = pipe.prepare(n, **base, **extra)
+        programs[name] = (pipe.executable(sig, args), args, sig)
+    call_s: dict[str, list[float]] = {name: [] for name in calls}
+    loop_s: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):  # round robin: each round times every condition once
+        for name, extra in calls.items():
+            t0 = time.perf_counter()
+            pipe.generate(n, **base, **extra)
+            call_s[name].append(time.perf_counter() - t0)
+            program, args, _ = programs[name]
+            t0 = time.perf_counter()
+            jax.block_until_ready(program(*args))
+            loop_s[name].append(time.perf_counter() - t0)
+    rows = []
+    for name in calls:
+        sig = programs[name][2]
+        rows.append({"condition": name, "slots": None if sig.lora is None else sig.lora[1],
+                     "bucket": None if sig.lora is None else sig.lora[0], "first_call_s": first_s[name],
+                     "call_s": summary(call_s[name]), "denoise_s": summary(loop_s[name]),
+                     "images_per_s": n / summary(call_s[name])["median"]})
+    by = {r["condition"]: r for r in rows}
+    ratios = {
+        "mixed_vs_same": by["mixed"]["images_per_s"] / by["same"]["images_per_s"],
+        "mixed_vs_same_slots": by["mixed"]["images_per_s"] / by["same/slots"]["images_per_s"],
+        "same_vs_none": by["same"]["images_per_s"] / by["none"]["images_per_s"],
+        "mixed_vs_none": by["mixed"]["images_per_s"] / by["none"]["images_per_s"],
+        "denoise_mixed_vs_same": by["same"]["denoise_s"]["median"] / by["mixed"]["denoise_s"]["median"],
+    }
+    try:
+        import os
+
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {"model": model or "built-in:digits", "family": pipe.family.name, "machine": machine_line(),
+            "load_average": load, "n": n, "steps": steps, "rank": rank, "dtype": dtype, "repeats": repeats,
+            "sampler": pipe.defaults["sampler"], "guided": bool(programs["none"][2].guided),
+            "sample_shape": list(programs["none"][2].sample_shape), "rows": rows, "ratios": ratios,
+            "goal_met": ratios["mixed_vs_same"] >= 0.8}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    from preheat.bench.common import fmt_summary
+
+    load = result["load_average"]
+    lines = [f"**{result['model']}** ({result['family']}), batch {result['n']}, {result['steps']} steps "
+             f"{result['sampler']}{' +cfg' if result['guided'] else ''}, latents {result['sample_shape']}, LoRA rank "
+             f"{result['rank']} on every target layer, {result['dtype']}, {result['repeats']} rounds — "
+             f"{result['machine']}" + (f"; load average {load[0]:.1f}" if load else ""), "",
+             "| condition | slots | call s, median (min–max) | denoise s, median (min–max) | images/s | first call s |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['condition']} | {r['slots'] or '-'} | {fmt_summary(r['call_s'])} | "
+                     f"{fmt_summary(r['denoise_s'])} | {r['images_per_s']:.2f} | {r['first_call_s']:.1f} |")
+    q = result["ratios"]
+    lines += ["", f"mixed / same: **{q['mixed_vs_same']:.2f}×** (goal ≥ 0.8: {'met' if result['goal_met'] else 'NOT met'}); "
+              f"mixed / same with the server's slot count: {q['mixed_vs_same_slots']:.2f}×; same / none: "
+              f"{q['same_vs_none']:.2f}×; mixed / none: {q['mixed_vs_none']:.2f}×; denoising alone, mixed / same: "
+              f"{q['denoise_mixed_vs_same']:.2f}×"]
+    return "\n".join(lines)
