@@ -233,6 +233,9 @@ def test_options_from_serve_run_args_and_one_line_errors() -> None:
     e = RayOptions.from_env({"PREHEAT_MODEL": "/m", "PREHEAT_MAX_BATCH_SIZE": "2", "PREHEAT_RAY_REPLICAS": "3",
                              "PREHEAT_RAY_GPUS": "8", "PREHEAT_GUIDANCE": "off"})
     assert (e.model, e.max_batch_size, e.num_replicas, e.num_gpus, e.guidance) == ("/m", 2, 3, 8.0, ("off",))
+    f = RayOptions.from_env({"PREHEAT_FSDP": "2", "PREHEAT_LORA_RANKS": "16,32", "PREHEAT_MAX_LORAS": "3"})
+    config = f.core_config()  # what each replica's server runs: the same declaration as serve/warm
+    assert (config.fsdp, config.lora_ranks, config.max_loras) == (2, (16, 32), 3)
     with pytest.raises(InvalidArgumentError, match="unknown option.*max_batch"):
         RayOptions.from_args({"max_batch": 4})
     with pytest.raises(InvalidArgumentError, match="max_batch_size='x'"):

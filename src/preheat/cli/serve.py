@@ -157,7 +157,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         if not on_ray:
             raise InvalidArgumentError("--address, --replicas and --gpus-per-replica apply to --ray")
     if on_ray:
-        sys.exit(_serve_on_ray(warm_set, backend, batch_wait_ms, max_queue, max_steps, grace_s,
+        sys.exit(_serve_on_ray(warm_set, backend, max_loras, batch_wait_ms, max_queue, max_steps, grace_s,
                                push_grace_s, host, port, address, replicas, gpus_per_replica, webhook_allow_private,
                                webhook_allow))
 
@@ -177,7 +177,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
 
 
 
-def _serve_on_ray(warm_set: Any, backend: str, batch_wait_ms: float, max_queue: int, max_steps: int,
+def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, batch_wait_ms: float, max_queue: int, max_steps: int,
                   grace_s: float, push_grace_s: float, host: str, port: int, address: Optional[str], replicas: int,
                   gpus_per_replica: float, webhook_allow_private: bool, webhook_allow: tuple[str, ...]) -> int:
     """``--ray``: the same declaration and limits as one replica's options (preheat.integrations.ray)."""
@@ -199,7 +199,7 @@ def _serve_on_ray(warm_set: Any, backend: str, batch_wait_ms: float, max_queue: 
     options = on_ray.RayOptions(model=warm_set.model, dtype=warm_set.dtype, max_batch_size=warm_set.max_batch_size,
                                 samplers=tuple(warm_set.samplers), sizes=tuple(warm_set.sizes),
                                 guidance=tuple(warm_set.guidance), devices=warm_set.devices, fsdp=warm_set.fsdp,
-                                batch_wait_ms=batch_wait_ms,
+                                lora_ranks=tuple(warm_set.lora_ranks), max_loras=max_loras, batch_wait_ms=batch_wait_ms,
                                 max_queue=max_queue, max_steps=max_steps, grace_s=grace_s, push_grace_s=push_grace_s,
                                 num_replicas=replicas, num_gpus=gpus_per_replica)
     options.check()
