@@ -339,7 +339,7 @@ def test_bench_coldstart_torch_gives_every_child_a_new_inductor_folder(monkeypat
     def fake_child(model, home, n, steps, cache, extra_env=None, args=()):
         calls.append(dict(home=Path(home).name, env=extra_env, args=args))
         compiled = "regional" in args
-        warm = compiled and Path(home).name == "warm-home" and len(calls) > 1
+        warm = compiled and Path(home).name.startswith("warm-home") and len(calls) > 1
         return {"import_s": 1.0, "weights_s": 1.0, "warm_run_s": 1.0, "first_run_s": 1.0,
                 "trace_lower_s": 1.0 if compiled else 0.0, "compile_or_load_s": 0.5 if warm else (9.0 if compiled else 0.0),
                 "cache_layer": "mega" if warm else "none",
@@ -355,3 +355,29 @@ def test_bench_coldstart_torch_gives_every_child_a_new_inductor_folder(monkeypat
     assert result["rows"]["regional warm"]["layers"] == ["mega"]
     assert result["goals"]["warm_vs_cold_start"] == pytest.approx(1 - 5 / 14)
     assert "Replicate" in coldstart.markdown(result)
+    assert result["goals"]["warm_over_eager_floor"] == pytest.approx(5 / 3)  # eager floor: 1 + 1 + 1 s
+
+
+def test_bench_coldstart_torch_measures_several_modes_against_one_eager_row(monkeypatch, tmp_path):
+    from preheat.bench import coldstart
+
+    calls = []
+
+    def fake_child(model, home, n, steps, cache, extra_env=None, args=()):
+        mode, name = args[-1], Path(home).name
+        calls.append((name, mode))
+        warm = name.startswith("warm-home") and (name, mode) in calls[:-1]
+        start = {"none": 4.0, "regional": 5.0 if warm else 14.0, "aot": 4.5 if warm else 20.0}[mode]
+        return {"import_s": 1.0, "weights_s": 1.0, "warm_run_s": 1.0, "first_run_s": 1.0, "trace_lower_s": 0.0,
+                "compile_or_load_s": 0.0 if mode == "none" else (0.5 if warm else 9.0),
+                "cache_layer": "none", "process_start_to_first_image_s": start}
+
+    monkeypatch.setattr(coldstart, "run_child", fake_child)
+    result = coldstart.bench_coldstart_torch(str(tmp_path), 1, 2, 1, tmp_path, ("regional", "aot"))
+    assert list(result["rows"]) == ["eager (no cache)", "regional cold", "regional warm", "aot cold", "aot warm"]
+    assert len(calls) == 2 + 5  # one priming run per mode, then five rows
+    by_mode = result["goals_by_mode"]
+    assert by_mode["aot"]["warm_vs_cold_start"] == pytest.approx(1 - 4.5 / 20)
+    assert by_mode["aot"]["warm_over_eager_floor"] == pytest.approx(4.5 / 3)
+    assert result["goals"] == by_mode["regional"]
+    assert "aot: warm vs cold" in coldstart.markdown(result)
