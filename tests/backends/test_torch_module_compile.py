@@ -125,6 +125,39 @@ def test_signature_keys_shapes_or_only_ranks():
     assert signature({"t": x, "n": None, "scale": 3.5}) == {"t": signature(x), "n": None, "scale": 3.5}
 
 
+def test_explain_says_which_torch_key_fields_differ(tmp_path):
+    """cache="explain" compiles nothing (the call runs eagerly) and says, per key, whether an entry
+    would serve it and, if not, which fields differ from the nearest entry."""
+    from preheat.backends.torch.compile_cache import TorchCompiler
+    from preheat.backends.torch.compiled import compile_with
+    from preheat.cache.compile import key_of
+    from preheat.cache.entries import publish_entry
+
+    x = torch.randn(2, 4)
+
+    def explained() -> dict:
+        net, compiler = _Net().eval(), TorchCompiler(root=tmp_path, mode="explain")
+        with torch.no_grad():
+            eager = net(x)
+            compile_with(net, "regional", False, compiler)
+            torch.testing.assert_close(net(x), eager, rtol=0, atol=0)  # eager: the very same numbers
+        (event,) = compiler.events
+        return event
+
+    first = explained()
+    assert first["explain"] == "miss" and first["nearest"] is None
+    fields = first["fields"]
+    kind_dir = tmp_path / "compile" / "torch"
+    other = json.loads(json.dumps(fields))
+    other.update(torch="0.0.1", triton="9.9")
+    other["shapes"]["args"][0]["shape"] = [3, 4]
+    publish_entry(kind_dir, key_of(other), {"mega.bin": b"x"}, other)
+    missed = explained()
+    assert missed["explain"] == "miss" and missed["differs"] == ["shapes.args", "torch", "triton"]
+    publish_entry(kind_dir, key_of(fields), {"mega.bin": b"x"}, fields)
+    assert explained()["explain"] == "hit"
+
+
 @pytest.mark.slow
 def test_full_dynamic_compiles_one_entry_for_every_batch(tmp_path, monkeypatch):
     """mode="full", dynamic=True: batch 2 compiles and stores one entry whose signature keeps
@@ -290,6 +323,28 @@ def test_load_backend_torch_compile_regional(cold, flux, tmp_path, monkeypatch):
     assert pipe.last.cache_layer == "memory"
     eager = preheat.load(flux, backend="torch").generate(**call)
     assert np.abs(pixels.astype(np.int32) - eager.astype(np.int32)).max() <= 1
+
+
+@pytest.mark.slow
+def test_cache_explain_backend_torch(cold, flux, tmp_path, monkeypatch):
+    """`preheat cache explain --backend torch`: a hit where process 1 stored the blocks; a miss
+    naming the input signature at another size."""
+    from click.testing import CliRunner
+
+    from preheat.cli.cache import explain_command
+
+    base, first = cold
+    home = _copy_home(base, tmp_path)
+    before = _entries(home)
+    monkeypatch.setenv("PREHEAT_HOME", str(home))
+    args = [str(flux), "--backend", "torch", "--prompt", "a photo of a cat", "--height", "32"]
+    result = CliRunner().invoke(explain_command, [*args, "--width", "32"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"hit: entry {first['events'][0]['key'][:12]}"), result.output
+    result = CliRunner().invoke(explain_command, [*args, "--width", "64"])
+    assert result.exit_code == 0, result.output
+    assert "miss" in result.output and "differs in: shapes.kwargs" in result.output, result.output
+    assert _entries(home) == before and not (home / "quarantine").exists()  # explaining writes nothing
 
 
 @pytest.fixture(scope="module")

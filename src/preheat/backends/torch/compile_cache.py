@@ -89,8 +89,10 @@ AOT_INDUCTOR_CONFIGS: dict[str, Any] = {"aot_inductor.package_constants_in_so": 
                                         "always_keep_tensor_constants": True}
 AOT_EXPORT_OPTIONS: dict[str, Any] = {"strict": False}
 
-# "full": preheat entries (+ torch's own local caches); "local": torch's own caches only; "off"
-CACHE_MODES = ("full", "local", "off")
+# "full": preheat entries (+ torch's own local caches); "local": torch's own caches only; "off";
+# "explain": compile nothing, run eagerly, and record for each key whether an entry would serve it
+# (``preheat cache explain --backend torch``)
+CACHE_MODES = ("full", "local", "off", "explain")
 
 
 def _source_hash() -> str:
@@ -383,6 +385,28 @@ class TorchCompiler:
     @staticmethod
     def device_type(fields: dict[str, Any]) -> str:
         return str(fields.get("device", "cpu"))
+
+    # ------------------------------------------------------------------ explain
+
+    @property
+    def explains(self) -> bool:
+        return self.mode == "explain"
+
+    def explain(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Would an entry serve ``fields``? Records (and returns) an event: ``explain`` "hit" or
+        "miss", and on a miss which key fields differ from the nearest local entry (torch /
+        triton / CUDA version, GPU kind, Inductor options, dynamic, the input signature, ...)."""
+        from preheat.cache.compile import key_of, nearest_entry
+
+        key = key_of(fields)
+        record: dict[str, Any] = {"key": key, "mode": fields.get("mode"), "fields": fields, "layer": "explain"}
+        if (self.kind_dir / key / "manifest.json").is_file():
+            record["explain"] = "hit"
+        else:
+            name, diff = nearest_entry(self.kind_dir, fields)
+            record.update(explain="miss", nearest=name, differs=diff)
+        self.events.append(record)
+        return record
 
     # ------------------------------------------------------------------ torch.compile (Inductor)
 

@@ -145,6 +145,7 @@ def _install(module: torch.nn.Module, mode: str, dynamic: bool, compiler: TorchC
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     forward = module.forward
     regions: list[str] = []
+    explain = compiler.explains  # compile nothing: the gate only says whether an entry would serve
     if mode == "regional":
         regions = region_classes(module)
         blocks = [sub for sub in module.modules() if type(sub).__name__ in regions]
@@ -152,9 +153,9 @@ def _install(module: torch.nn.Module, mode: str, dynamic: bool, compiler: TorchC
             raise InvalidArgumentError(f"mode='regional': {type(module).__name__} has no repeated blocks (no "
                                        "_repeated_blocks, no nn.ModuleList of one class); use mode='full'",
                                        argument="mode")
-        for block in blocks:
+        for block in blocks if not explain else ():
             block.compile(**options)
-    else:
+    elif not explain:
         forward = torch.compile(forward, **options)
     key_options = {**options, "scope": mode, "regions": regions, "duck_shape": not dynamic}
     gate = _Gate(forward=forward, fingerprint=module_fingerprint(module), options=key_options, compiler=compiler,
@@ -191,6 +192,10 @@ class _Gate:
             fields = torch_key_fields(self.fingerprint, mode="inductor", dtype=_param_dtype(self.module),
                                       device=_device_of(self.module, args, kwargs), shapes=json.loads(text),
                                       options=self.options)
+            if self.compiler.explains:
+                self.compiler.explain(fields)
+                self.warm.add(text)
+                return self._run(args, kwargs)
             self.last = self.compiler.warm_inductor(fields, lambda: out.append(self._run(args, kwargs)))
             self.warm.add(text)
             return out[-1]
@@ -259,6 +264,10 @@ class _AotBlock:
                                   device=_device_of(block, args, kwargs), shapes=json.loads(text),
                                   options={**AOT_INDUCTOR_CONFIGS, **AOT_EXPORT_OPTIONS, "scope": "aot",
                                            "regions": self.gate.regions})
+        if self.gate.compiler.explains:
+            self.gate.compiler.explain(fields)
+            runner = self.runners[text] = type(block).forward.__get__(block)  # eager: explain compiles nothing
+            return runner
         constants = {**dict(block.named_parameters()), **dict(block.named_buffers())}
         wrapper = block.__dict__.pop("forward")  # export the class's own forward, not this wrapper
         try:

@@ -125,6 +125,13 @@ class TorchTextPipeline(EngineArguments):
         denoiser = self.pipe.unet if hasattr(self.pipe, "unet") else self.pipe.transformer
         if self.compile in ("regional", "aot"):
             return self._prepare_regional(denoiser, key, call)
+        h, w, c = latent_shape
+        fields = torch_key_fields(self.fingerprint, mode="inductor", model_batch=model_batch, sample_chw=(c, h, w),
+                                  class_conditional=False, dtype=self.dtype, device=self.device)
+        if self.compiler is not None and self.compiler.explains:
+            self.compiler.explain(fields)  # compile nothing; this call runs eagerly
+            self._warm.add(key)
+            return Timings(cache_layer="explain")
         if not getattr(denoiser, "_preheat_compiled", False):
             try:
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -132,14 +139,11 @@ class TorchTextPipeline(EngineArguments):
                 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             denoiser.forward = torch.compile(denoiser.forward, **INDUCTOR_OPTIONS)
             denoiser._preheat_compiled = True
-        h, w, c = latent_shape
 
         def warm_up() -> None:
             with torch.no_grad():
                 self.pipe(**{**call, "num_inference_steps": 1, "output_type": "latent"})
 
-        fields = torch_key_fields(self.fingerprint, mode="inductor", model_batch=model_batch, sample_chw=(c, h, w),
-                                  class_conditional=False, dtype=self.dtype, device=self.device)
         timings = (self.compiler or TorchCompiler(mode="off")).warm_inductor(fields, warm_up)
         self._warm.add(key)
         return timings
