@@ -35,10 +35,12 @@ to stay equal); sizes other than 0 and 1 then share one entry.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
 import threading
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -313,16 +315,31 @@ def module_fingerprint(module: torch.nn.Module) -> dict[str, Any]:
         if kind.__module__.startswith("torch."):
             continue
         code.update(f"{kind.__module__}.{kind.__qualname__}".encode())
-        try:
-            code.update(inspect.getsource(kind).encode())
-        except (OSError, TypeError):  # classes without source: their name (and library version) stands
-            pass
+        code.update(_source_file_hash(kind).encode())
     fingerprint: dict[str, Any] = {"kind": f"{cls.__module__}.{cls.__qualname__}",
                                    "parameters": params.hexdigest()[:16], "code": code.hexdigest()[:16]}
     config = getattr(module, "config", None)
     if isinstance(config, dict):
         fingerprint["config"] = {k: v for k, v in dict(config).items() if not str(k).startswith("_")}
     return json.loads(json.dumps(fingerprint, default=str))
+
+
+@functools.lru_cache(maxsize=None)
+def _file_hash(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _source_file_hash(kind: type) -> str:
+    """The hash of the whole file that defines ``kind`` (read once per process): any change to
+    the class, or to the helpers beside it that it may call, changes the key. Hashing the file
+    rather than ``inspect.getsource(kind)`` keeps this to a read: getsource tokenizes the file
+    per class (seconds for diffusers' large model files on a loaded machine, at every start).
+    Classes without a source file: their name (and the library's version) stands."""
+    try:
+        path = inspect.getsourcefile(kind)
+        return _file_hash(path) if path else ""
+    except (OSError, TypeError):
+        return ""
 
 
 def _param_dtype(module: torch.nn.Module) -> str:
