@@ -125,6 +125,39 @@ def test_signature_keys_shapes_or_only_ranks():
     assert signature({"t": x, "n": None, "scale": 3.5}) == {"t": signature(x), "n": None, "scale": 3.5}
 
 
+def test_explain_says_which_torch_key_fields_differ(tmp_path):
+    """cache="explain" compiles nothing (the call runs eagerly) and says, per key, whether an entry
+    would serve it and, if not, which fields differ from the nearest entry."""
+    from preheat.backends.torch.compile_cache import TorchCompiler
+    from preheat.backends.torch.compiled import compile_with
+    from preheat.cache.compile import key_of
+    from preheat.cache.entries import publish_entry
+
+    x = torch.randn(2, 4)
+
+    def explained() -> dict:
+        net, compiler = _Net().eval(), TorchCompiler(root=tmp_path, mode="explain")
+        with torch.no_grad():
+            eager = net(x)
+            compile_with(net, "regional", False, compiler)
+            torch.testing.assert_close(net(x), eager, rtol=0, atol=0)  # eager: the very same numbers
+        (event,) = compiler.events
+        return event
+
+    first = explained()
+    assert first["explain"] == "miss" and first["nearest"] is None
+    fields = first["fields"]
+    kind_dir = tmp_path / "compile" / "torch"
+    other = json.loads(json.dumps(fields))
+    other.update(torch="0.0.1", triton="9.9")
+    other["shapes"]["args"][0]["shape"] = [3, 4]
+    publish_entry(kind_dir, key_of(other), {"mega.bin": b"x"}, other)
+    missed = explained()
+    assert missed["explain"] == "miss" and missed["differs"] == ["shapes.args", "torch", "triton"]
+    publish_entry(kind_dir, key_of(fields), {"mega.bin": b"x"}, fields)
+    assert explained()["explain"] == "hit"
+
+
 @pytest.mark.slow
 def test_full_dynamic_compiles_one_entry_for_every_batch(tmp_path, monkeypatch):
     """mode="full", dynamic=True: batch 2 compiles and stores one entry whose signature keeps
@@ -292,6 +325,28 @@ def test_load_backend_torch_compile_regional(cold, flux, tmp_path, monkeypatch):
     assert np.abs(pixels.astype(np.int32) - eager.astype(np.int32)).max() <= 1
 
 
+@pytest.mark.slow
+def test_cache_explain_backend_torch(cold, flux, tmp_path, monkeypatch):
+    """`preheat cache explain --backend torch`: a hit where process 1 stored the blocks; a miss
+    naming the input signature at another size."""
+    from click.testing import CliRunner
+
+    from preheat.cli.cache import explain_command
+
+    base, first = cold
+    home = _copy_home(base, tmp_path)
+    before = _entries(home)
+    monkeypatch.setenv("PREHEAT_HOME", str(home))
+    args = [str(flux), "--backend", "torch", "--prompt", "a photo of a cat", "--height", "32"]
+    result = CliRunner().invoke(explain_command, [*args, "--width", "32"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"hit: entry {first['events'][0]['key'][:12]}"), result.output
+    result = CliRunner().invoke(explain_command, [*args, "--width", "64"])
+    assert result.exit_code == 0, result.output
+    assert "miss" in result.output and "differs in: shapes.kwargs" in result.output, result.output
+    assert _entries(home) == before and not (home / "quarantine").exists()  # explaining writes nothing
+
+
 @pytest.fixture(scope="module")
 def flux_tuned(tmp_path_factory):
     """Same architecture as ``flux``, other weights: a fine-tune."""
@@ -339,7 +394,7 @@ def test_bench_coldstart_torch_gives_every_child_a_new_inductor_folder(monkeypat
     def fake_child(model, home, n, steps, cache, extra_env=None, args=()):
         calls.append(dict(home=Path(home).name, env=extra_env, args=args))
         compiled = "regional" in args
-        warm = compiled and Path(home).name == "warm-home" and len(calls) > 1
+        warm = compiled and Path(home).name.startswith("warm-home") and len(calls) > 1
         return {"import_s": 1.0, "weights_s": 1.0, "warm_run_s": 1.0, "first_run_s": 1.0,
                 "trace_lower_s": 1.0 if compiled else 0.0, "compile_or_load_s": 0.5 if warm else (9.0 if compiled else 0.0),
                 "cache_layer": "mega" if warm else "none",
@@ -355,3 +410,29 @@ def test_bench_coldstart_torch_gives_every_child_a_new_inductor_folder(monkeypat
     assert result["rows"]["regional warm"]["layers"] == ["mega"]
     assert result["goals"]["warm_vs_cold_start"] == pytest.approx(1 - 5 / 14)
     assert "Replicate" in coldstart.markdown(result)
+    assert result["goals"]["warm_over_eager_floor"] == pytest.approx(5 / 3)  # eager floor: 1 + 1 + 1 s
+
+
+def test_bench_coldstart_torch_measures_several_modes_against_one_eager_row(monkeypatch, tmp_path):
+    from preheat.bench import coldstart
+
+    calls = []
+
+    def fake_child(model, home, n, steps, cache, extra_env=None, args=()):
+        mode, name = args[-1], Path(home).name
+        calls.append((name, mode))
+        warm = name.startswith("warm-home") and (name, mode) in calls[:-1]
+        start = {"none": 4.0, "regional": 5.0 if warm else 14.0, "aot": 4.5 if warm else 20.0}[mode]
+        return {"import_s": 1.0, "weights_s": 1.0, "warm_run_s": 1.0, "first_run_s": 1.0, "trace_lower_s": 0.0,
+                "compile_or_load_s": 0.0 if mode == "none" else (0.5 if warm else 9.0),
+                "cache_layer": "none", "process_start_to_first_image_s": start}
+
+    monkeypatch.setattr(coldstart, "run_child", fake_child)
+    result = coldstart.bench_coldstart_torch(str(tmp_path), 1, 2, 1, tmp_path, ("regional", "aot"))
+    assert list(result["rows"]) == ["eager (no cache)", "regional cold", "regional warm", "aot cold", "aot warm"]
+    assert len(calls) == 2 + 5  # one priming run per mode, then five rows
+    by_mode = result["goals_by_mode"]
+    assert by_mode["aot"]["warm_vs_cold_start"] == pytest.approx(1 - 4.5 / 20)
+    assert by_mode["aot"]["warm_over_eager_floor"] == pytest.approx(4.5 / 3)
+    assert result["goals"] == by_mode["regional"]
+    assert "aot: warm vs cold" in coldstart.markdown(result)

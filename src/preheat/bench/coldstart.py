@@ -85,31 +85,48 @@ def bench_coldstart(model: str | None, n: int, steps: int | None, repeats: int, 
 
 
 def bench_coldstart_torch(model: str | None, n: int, steps: int | None, repeats: int, workdir: Path,
-                          compile: str = "regional", args: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The torch backend: eager (no cache), ``compile`` on an empty root, and ``compile`` on a warm
-    root. Every child gets a new, empty ``TORCHINDUCTOR_CACHE_DIR`` (a new pod): what a warm start
-    skips comes from preheat's entry alone, never from torch's local caches."""
+                          compile: str | tuple[str, ...] = "regional", args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The torch backend: eager (no cache), then for each ``compile`` mode that mode on an empty
+    root and on a warm root. Every child gets a new, empty ``TORCHINDUCTOR_CACHE_DIR`` (a new
+    pod): what a warm start skips comes from preheat's entry alone, never from torch's local
+    caches. Goals per mode (``goals_by_mode``; ``goals`` is the first mode's): the warm start
+    against the cold one (Replicate: -53% / -62%), against the eager start, and against the eager
+    floor (the eager children's import + weights + one eager-speed run; issue 14: <= 1.25x)."""
     model = materialize_model(model, workdir)
+    modes = (compile,) if isinstance(compile, str) else tuple(compile)
     count = iter(range(1 << 30))
 
     def child(home: Path, mode: str) -> dict[str, Any]:
         env = {"TORCHINDUCTOR_CACHE_DIR": str(workdir / f"inductor-{next(count)}")}
         return run_child(model, home, n, steps, "full", env, args=(*args, "--backend", "torch", "--compile", mode))
 
-    cold, warm = f"{compile} cold", f"{compile} warm"
-    rows: dict[str, list[dict[str, Any]]] = {"eager (no cache)": [], cold: [], warm: []}
-    warm_home = workdir / "warm-home"
-    child(warm_home, compile)  # prime preheat's entry
+    rows: dict[str, list[dict[str, Any]]] = {"eager (no cache)": []}
+    for mode in modes:
+        rows[f"{mode} cold"], rows[f"{mode} warm"] = [], []
+        child(workdir / f"warm-home-{mode}", mode)  # prime the entry
     for i in range(repeats):
         rows["eager (no cache)"].append(child(workdir / f"eager-{i}", "none"))
-        empty = workdir / f"empty-{i}"
-        rows[cold].append(child(empty, compile))
-        shutil.rmtree(empty, ignore_errors=True)
-        rows[warm].append(child(warm_home, compile))
-    result = _result(model, n, steps, rows, cold, warm)
+        for mode in modes:
+            empty = workdir / f"empty-{mode}-{i}"
+            rows[f"{mode} cold"].append(child(empty, mode))
+            shutil.rmtree(empty, ignore_errors=True)
+            rows[f"{mode} warm"].append(child(workdir / f"warm-home-{mode}", mode))
+    result = _result(model, n, steps, rows, f"{modes[0]} cold", f"{modes[0]} warm")
     start = {name: result["rows"][name]["start_to_first_image_s"]["median"] for name in rows}
-    result["goals"]["warm_vs_cold_start"] = 1 - start[warm] / start[cold]  # Replicate: -53% / -62%
-    result["goals"]["warm_over_eager_start"] = start[warm] / start["eager (no cache)"]
+    eager_floor = result["rows"]["eager (no cache)"]["floor_s"]["median"]
+    result["goals_by_mode"] = {}
+    for mode in modes:
+        cold, warm = result["rows"][f"{mode} cold"], result["rows"][f"{mode} warm"]
+        cold_tc = cold["trace_lower_s"]["median"] + cold["compile_or_load_s"]["median"]
+        warm_tc = warm["trace_lower_s"]["median"] + warm["compile_or_load_s"]["median"]
+        result["goals_by_mode"][mode] = {
+            "trace_compile_removed": 1 - warm_tc / cold_tc if cold_tc else float("nan"),
+            "warm_over_floor": warm["start_to_first_image_s"]["median"] / warm["floor_s"]["median"],
+            "warm_vs_cold_start": 1 - start[f"{mode} warm"] / start[f"{mode} cold"],  # Replicate: -53% / -62%
+            "warm_over_eager_start": start[f"{mode} warm"] / start["eager (no cache)"],
+            "warm_over_eager_floor": start[f"{mode} warm"] / eager_floor,
+        }
+    result["goals"] = dict(result["goals_by_mode"][modes[0]])
     return result
 
 
@@ -183,11 +200,17 @@ def markdown(result: dict[str, Any]) -> str:
     if paths:
         lines += ["", "Critical paths: " + "; ".join(paths) + "."]
     g = result["goals"]
-    lines += ["", f"Goals: warm cache removes {100 * g['trace_compile_removed']:.1f}% of trace + compile time from the critical path (goal ≥ 97%); "
-                  f"warm start to first image = {g['warm_over_floor']:.2f}× the floor (goal ≤ 1.10×)."]
-    if "warm_vs_cold_start" in g:
-        lines.append(f"Warm vs cold compiled start: {-100 * g['warm_vs_cold_start']:+.0f}% (Replicate: -53% / -62%); "
-                     f"warm start = {g['warm_over_eager_start']:.2f}× the eager start.")
+    if "goals_by_mode" not in result:  # JAX (issue 17's goals); the torch backend's are per compile mode
+        lines += ["", f"Goals: warm cache removes {100 * g['trace_compile_removed']:.1f}% of trace + compile time "
+                      f"from the critical path (goal ≥ 97%); warm start to first image = "
+                      f"{g['warm_over_floor']:.2f}× the floor (goal ≤ 1.10×)."]
+    else:
+        lines.append("")
+    for mode, g in result.get("goals_by_mode", {}).items():
+        lines.append(f"{mode}: warm vs cold compiled start {-100 * g['warm_vs_cold_start']:+.0f}% (Replicate: -53% / "
+                     f"-62%); warm start = {g['warm_over_eager_start']:.2f}× the eager start, "
+                     f"{g['warm_over_eager_floor']:.2f}× the eager floor (goal ≤ 1.25×); warm removes "
+                     f"{100 * g['trace_compile_removed']:.1f}% of trace + compile.")
     w = result.get("weights")
     if w:
         mb = 1e6

@@ -87,14 +87,14 @@ def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype:
 @click.option("--height", type=int, help="Text-to-image models: image height.")
 @click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True,
               help="torch: eager vs --compile cold vs warm, each child with an empty Inductor cache folder.")
-@click.option("--compile", "compile_mode", type=click.Choice(["regional", "inductor", "aot"]), default="regional",
-              show_default=True, help="--backend torch: the compile mode measured.")
+@click.option("--compile", "compile_mode", type=click.Choice(["regional", "inductor", "aot"]), multiple=True,
+              help="--backend torch: the compile mode measured (repeatable; default regional).")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
 @one_line_errors
 def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int, cache_url: str | None,
-                      prompt: str | None, width: int | None, height: int | None, backend: str, compile_mode: str,
-                      json_out: Path | None, png_out: Path | None) -> None:
+                      prompt: str | None, width: int | None, height: int | None, backend: str,
+                      compile_mode: tuple[str, ...], json_out: Path | None, png_out: Path | None) -> None:
     """Process start to first image, empty vs XLA-cache-only vs fully warm cache, in fresh processes."""
     from preheat.bench.coldstart import bench_coldstart, bench_coldstart_torch, markdown, plot
     from preheat.bench.common import write_json
@@ -111,7 +111,7 @@ def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int
         args += ("--prompt", "a watercolor fox")
     with tempfile.TemporaryDirectory() as tmp:
         if backend == "torch":
-            result = bench_coldstart_torch(model, n, steps, repeats, Path(tmp), compile_mode, args)
+            result = bench_coldstart_torch(model, n, steps, repeats, Path(tmp), compile_mode or ("regional",), args)
         else:
             result = bench_coldstart(model, n, steps, repeats, Path(tmp), cache_url, args)
     click.echo(markdown(result))

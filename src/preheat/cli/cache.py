@@ -126,13 +126,26 @@ def verify_command(quarantine_bad: bool) -> None:
 @click.option("--devices", "devices_text", metavar="all|N|ID,ID,...", help="The devices the call is split over.")
 @click.option("--fsdp", default=1, show_default=True, type=int, metavar="F",
               help="The devices each weight is split over.")
+@click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True,
+              help="torch: run the call once eagerly (one step) and say, for every compiled piece, whether an "
+                   "entry would serve it.")
+@click.option("--compile", "compile_mode", type=click.Choice(["regional", "inductor", "aot"]), default="regional",
+              show_default=True, help="--backend torch: the compile mode to explain.")
+@click.option("--prompt", help="Text-to-image models: the prompt.")
+@click.option("--width", type=int, help="Text-to-image models: image width.")
+@click.option("--height", type=int, help="Text-to-image models: image height.")
 @one_line_errors
 def explain_command(model: str | None, n: int, sampler: str | None, steps: int | None, guidance: float | None,
-                    devices_text: str | None, fsdp: int) -> None:
+                    devices_text: str | None, fsdp: int, backend: str, compile_mode: str, prompt: str | None,
+                    width: int | None, height: int | None) -> None:
     """Would this call hit the cache? If not, which key fields differ from the nearest entry."""
     import preheat
     from preheat.cache.compile import key_fields, key_of, nearest_entry
     from preheat.sharding import parse_devices
+
+    if backend == "torch":
+        _explain_torch(model, n, sampler, guidance, compile_mode, prompt, width, height)
+        return
 
     pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"), fsdp=fsdp)
     sig, args = pipe.prepare(n, sampler=sampler, steps=steps, guidance=guidance)
@@ -147,6 +160,29 @@ def explain_command(model: str | None, n: int, sampler: str | None, steps: int |
         click.echo(f"miss: key {key[:12]}; the cache has no entries to compare with")
     else:
         click.echo(f"miss: key {key[:12]}; nearest entry {name[:12]} differs in: {', '.join(diff)}")
+
+
+def _explain_torch(model: str | None, n: int, sampler: str | None, guidance: float | None, compile_mode: str,
+                   prompt: str | None, width: int | None, height: int | None) -> None:
+    """The torch key holds the denoiser's (or each block's) input signature, known only at its
+    first call: so the call runs once, eagerly and for one step, with every compile replaced by a
+    look-up of the key it would use."""
+    import preheat
+
+    pipe = preheat.load(model, backend="torch", compile=compile_mode, cache="explain")
+    inputs = {k: v for k, v in (("sampler", sampler), ("guidance", guidance), ("prompt", prompt), ("width", width),
+                                 ("height", height)) if v is not None}
+    pipe.generate(n, steps=1, **inputs)
+    for event in pipe.compiler.events:
+        fields = event["fields"]
+        what = f"{fields['mode']} {fields['model'].get('kind', '?')} {json.dumps(fields['shapes'], sort_keys=True)[:160]}"
+        if event["explain"] == "hit":
+            click.echo(f"hit: entry {event['key'][:12]} exists for {what}")
+        elif event["nearest"] is None:
+            click.echo(f"miss: key {event['key'][:12]} for {what}; the cache has no torch entries to compare with")
+        else:
+            click.echo(f"miss: key {event['key'][:12]} for {what}; nearest entry {event['nearest'][:12]} differs in: "
+                       f"{', '.join(event['differs'])}")
 
 
 @cache_group.command("prune")

@@ -7,7 +7,8 @@ read (``open_entry``), moved to ``<root>/quarantine/`` when bad (``quarantine``)
 a ``LoadingMarker`` while it is loaded, so a load that kills the process quarantines the entry
 on the next start. A bad entry means a recompile, never an error to the user. With
 ``PREHEAT_CACHE_URL`` set, a local miss is pulled from the fleet store (verified, signed) and
-every entry written is pushed to it, as on the JAX side (kind ``torch``).
+every entry written is pushed to it from a background thread, as on the JAX side (kind
+``torch``; see ``TorchCompiler.defer_pushes``).
 
 Two kinds of entry (``fields["mode"]``):
 
@@ -19,13 +20,18 @@ Two kinds of entry (``fields["mode"]``):
               still traces on a hit (``trace_lower_s`` stays); cache_layer ``"mega"``.
 ``aot``       ``model.pt2``: the UNet forward exported with ``torch.export`` (static shapes) and
               packaged by AOTInductor **without its weights**
-              (``aot_inductor.package_constants_in_so=False``); loaded with
-              ``aoti_load_package`` and bound to the pipeline's own parameters with
+              (``aot_inductor.package_constants_in_so=False``); loaded and bound to the
+              pipeline's own parameters with
               ``load_constants(..., user_managed=True)``. No Dynamo, no Inductor on a hit, and
               every fine-tune of one architecture shares one package; cache_layer ``"aot"``.
-              Plus ``kernels.tar`` on CPU: loading a package checks the CPU's instruction sets
-              by building small probe libraries in Inductor's cache folder (seconds of g++ in
-              a fresh process); they are bundled and restored like the Inductor kernels.
+              A hit loads the package with torch's C++ loader directly (``AotRunner``), not
+              ``aoti_load_package``: that one first compares the device with the package's
+              metadata, which on CPU means building and running instruction-set probe
+              libraries with g++ (27 s in a fresh process on the loaded 2-core box, 2.7 s with
+              the probes restored from a bundle), only to log a warning on a mismatch. The key
+              already holds the CPU's instruction sets (or the GPU's name and capability), so
+              the probe cannot disagree with a hit; loading takes milliseconds. (Entries
+              written before this held the probes as ``kernels.tar``; they are still read.)
 
 Bundled kernels are the ``.so`` files that appear in ``<TORCHINDUCTOR_CACHE_DIR>/<2 chars>/``
 during the compile (plus the ones Inductor loads). Where that folder already held them (a
@@ -43,6 +49,7 @@ its input signature as the shapes: see ``preheat.backends.torch.compiled``.)
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import io
@@ -52,6 +59,7 @@ import os
 import tarfile
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -81,8 +89,10 @@ AOT_INDUCTOR_CONFIGS: dict[str, Any] = {"aot_inductor.package_constants_in_so": 
                                         "always_keep_tensor_constants": True}
 AOT_EXPORT_OPTIONS: dict[str, Any] = {"strict": False}
 
-# "full": preheat entries (+ torch's own local caches); "local": torch's own caches only; "off"
-CACHE_MODES = ("full", "local", "off")
+# "full": preheat entries (+ torch's own local caches); "local": torch's own caches only; "off";
+# "explain": compile nothing, run eagerly, and record for each key whether an entry would serve it
+# (``preheat cache explain --backend torch``)
+CACHE_MODES = ("full", "local", "off", "explain")
 
 
 def _source_hash() -> str:
@@ -317,7 +327,7 @@ class TorchCompiler:
     ``mode``: "full" (preheat entries on top of torch's own caches), "local" (torch's own local
     caches only: no entries are read or written), "off" (torch's caches disabled too)."""
 
-    def __init__(self, root: Path | None = None, mode: str = "full", remote: Any = "env"):
+    def __init__(self, root: Path | None = None, mode: str = "full", remote: Any = "env", background: bool = True):
         self.mode = mode
         self.root = root or resolve_root().path
         self.kind_dir = self.root / "compile" / "torch"
@@ -327,6 +337,46 @@ class TorchCompiler:
 
             remote = remote_from_env() if mode == "full" else None
         self.remote = remote
+        self.background: Any = None  # BackgroundPushes: uploads off the compiling thread
+        if background:
+            self.defer_pushes()
+
+    # ------------------------------------------------------------------ the fleet store
+
+    def defer_pushes(self) -> None:
+        """Uploads to the fleet store run on a background thread (the JAX side's
+        ``BackgroundPushes``): a compile, a warm-up or a request never waits on the store. At
+        interpreter exit the process waits up to ``PUSH_GRACE_S`` for what is left (a server
+        waits its own ``push_grace_s`` at close); a push cut short leaves no manifest, so no
+        reader ever sees half an entry."""
+        if self.remote is not None and self.background is None:
+            from preheat.cache.remote.background import BackgroundPushes
+
+            self.background = BackgroundPushes(self.remote)
+            _AT_EXIT.add(self)
+
+    def wait_pushes(self, timeout: float | None = None) -> bool:
+        """Wait for background uploads (True when none is left); at once without a background."""
+        return True if self.background is None else self.background.wait(timeout)
+
+    def push_missing(self) -> None:
+        """Upload every local torch entry the store lacks (a push that failed, or an entry
+        compiled while the store was down or unset)."""
+        if self.remote is None or self.mode != "full":
+            return
+        from preheat.cache.entries import iter_entries
+
+        for path in iter_entries(self.kind_dir):
+            if (path / "manifest.json").is_file():
+                self._push(path)
+
+    def _push(self, path: Path) -> dict[str, Any]:
+        if self.background is not None:
+            self.background.submit("torch", path)
+            return {"remote_push": "queued"}
+        start = time.perf_counter()
+        self.remote.push("torch", path)  # never raises for store trouble
+        return {"remote_push": self.remote.last, "remote_push_s": time.perf_counter() - start}
 
     @property
     def uses_entries(self) -> bool:
@@ -335,6 +385,28 @@ class TorchCompiler:
     @staticmethod
     def device_type(fields: dict[str, Any]) -> str:
         return str(fields.get("device", "cpu"))
+
+    # ------------------------------------------------------------------ explain
+
+    @property
+    def explains(self) -> bool:
+        return self.mode == "explain"
+
+    def explain(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Would an entry serve ``fields``? Records (and returns) an event: ``explain`` "hit" or
+        "miss", and on a miss which key fields differ from the nearest local entry (torch /
+        triton / CUDA version, GPU kind, Inductor options, dynamic, the input signature, ...)."""
+        from preheat.cache.compile import key_of, nearest_entry
+
+        key = key_of(fields)
+        record: dict[str, Any] = {"key": key, "mode": fields.get("mode"), "fields": fields, "layer": "explain"}
+        if (self.kind_dir / key / "manifest.json").is_file():
+            record["explain"] = "hit"
+        else:
+            name, diff = nearest_entry(self.kind_dir, fields)
+            record.update(explain="miss", nearest=name, differs=diff)
+        self.events.append(record)
+        return record
 
     # ------------------------------------------------------------------ torch.compile (Inductor)
 
@@ -434,9 +506,7 @@ class TorchCompiler:
                 start = time.perf_counter()
                 try:
                     with LoadingMarker(entry.path):
-                        if KERNELS in entry.manifest["files"]:
-                            _restore_kernels(entry.file(KERNELS).read_bytes())
-                        runner = torch._inductor.aoti_load_package(str(entry.file(PACKAGE)))
+                        runner = AotRunner(entry.file(PACKAGE))
                         bind_constants(runner, constants)
                 except Exception as exc:
                     self._quarantine(entry.path, f"load failed: {type(exc).__name__}: {str(exc)[:200]}", record)
@@ -450,22 +520,18 @@ class TorchCompiler:
         with torch.no_grad():
             exported = torch.export.export(module, tuple(example), kwargs=example_kwargs, **AOT_EXPORT_OPTIONS)
         traced = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="preheat-aoti-") as tmp, _KernelRecorder() as recorder:
+        with tempfile.TemporaryDirectory(prefix="preheat-aoti-") as tmp:
             path = Path(tmp) / PACKAGE
             configs = dict(AOT_INDUCTOR_CONFIGS)
             if self.mode == "off":
                 configs["force_disable_caches"] = True
             torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
             payload = path.read_bytes()
-            runner = torch._inductor.aoti_load_package(str(path))
+            runner = AotRunner(path)
             bind_constants(runner, constants)
         timings = Timings(trace_lower_s=traced - start, compile_s=time.perf_counter() - traced, cache_layer="none")
         if self.uses_entries:
-            files = {PACKAGE: payload}
-            if self.device_type(fields) == "cpu":
-                files[KERNELS] = _pack_kernels(recorder.paths)
-                record["kernels"] = len(recorder.paths)
-            self._publish(key, files, fields, record)
+            self._publish(key, {PACKAGE: payload}, fields, record)
         self._note(record, timings)
         return runner, timings
 
@@ -493,9 +559,7 @@ class TorchCompiler:
             _, won = publish_entry(self.kind_dir, key, files, fields, extra={"preheat": __version__})
             record["store"] = "written" if won else "another process wrote it first"
             if won and self.remote is not None:  # share with the fleet; never raises
-                push_start = time.perf_counter()
-                self.remote.push("torch", self.kind_dir / key)
-                record.update(remote_push=self.remote.last, remote_push_s=time.perf_counter() - push_start)
+                record.update(self._push(self.kind_dir / key))
             from preheat.cache.manage import enforce_size_cap
 
             enforce_size_cap(self.root, keep={key})
@@ -522,6 +586,49 @@ class TorchCompiler:
         record.update(layer=timings.cache_layer, trace_lower_s=timings.trace_lower_s,
                       compile_or_load_s=timings.compile_s)
         self.events.append(record)
+
+
+class AotRunner:
+    """An AOTInductor package, callable like ``aoti_load_package``'s model, loaded by torch's C++
+    loader alone: no device probe (see the module docstring), no ``torch._inductor`` import, and
+    the call spec read once rather than on every call."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        import torch
+        import torch.utils._pytree as pytree
+
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(os.fspath(path), "model", False, 1, -1)
+        in_spec, out_spec = self.loader.get_call_spec()
+        self.in_spec, self.out_spec = pytree.treespec_loads(in_spec), pytree.treespec_loads(out_spec)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+        import torch.utils._pytree as pytree
+        from torch.export._tree_utils import reorder_kwargs
+
+        flat = pytree.tree_flatten((args, reorder_kwargs(kwargs, self.in_spec)))[0]
+        outputs = self.loader.boxed_run([x for x in flat if isinstance(x, torch.Tensor)])
+        return pytree.tree_unflatten(outputs, self.out_spec)
+
+    def get_constant_fqns(self) -> list[str]:
+        return self.loader.get_constant_fqns()
+
+    def load_constants(self, constants: dict[str, Any], *, check_full_update: bool, user_managed: bool = False) -> None:
+        self.loader.load_constants(constants, False, check_full_update, user_managed, False)
+
+
+# Compilers with background uploads: at interpreter exit each waits up to PUSH_GRACE_S for them.
+PUSH_GRACE_S = 30.0
+_AT_EXIT: "weakref.WeakSet[TorchCompiler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_for_pushes() -> None:
+    for compiler in list(_AT_EXIT):
+        if compiler.background is not None and compiler.background.pending:
+            log.info("preheat cache: waiting up to %.0f s for %d upload(s) to the shared cache", PUSH_GRACE_S,
+                     compiler.background.pending)
+            compiler.wait_pushes(PUSH_GRACE_S)
 
 
 def bind_constants(runner: Any, constants: dict[str, Any]) -> None:

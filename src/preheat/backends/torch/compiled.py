@@ -35,10 +35,12 @@ to stay equal); sizes other than 0 and 1 then share one entry.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
 import threading
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -145,6 +147,7 @@ def _install(module: torch.nn.Module, mode: str, dynamic: bool, compiler: TorchC
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     forward = module.forward
     regions: list[str] = []
+    explain = compiler.explains  # compile nothing: the gate only says whether an entry would serve
     if mode == "regional":
         regions = region_classes(module)
         blocks = [sub for sub in module.modules() if type(sub).__name__ in regions]
@@ -152,9 +155,9 @@ def _install(module: torch.nn.Module, mode: str, dynamic: bool, compiler: TorchC
             raise InvalidArgumentError(f"mode='regional': {type(module).__name__} has no repeated blocks (no "
                                        "_repeated_blocks, no nn.ModuleList of one class); use mode='full'",
                                        argument="mode")
-        for block in blocks:
+        for block in blocks if not explain else ():
             block.compile(**options)
-    else:
+    elif not explain:
         forward = torch.compile(forward, **options)
     key_options = {**options, "scope": mode, "regions": regions, "duck_shape": not dynamic}
     gate = _Gate(forward=forward, fingerprint=module_fingerprint(module), options=key_options, compiler=compiler,
@@ -191,6 +194,10 @@ class _Gate:
             fields = torch_key_fields(self.fingerprint, mode="inductor", dtype=_param_dtype(self.module),
                                       device=_device_of(self.module, args, kwargs), shapes=json.loads(text),
                                       options=self.options)
+            if self.compiler.explains:
+                self.compiler.explain(fields)
+                self.warm.add(text)
+                return self._run(args, kwargs)
             self.last = self.compiler.warm_inductor(fields, lambda: out.append(self._run(args, kwargs)))
             self.warm.add(text)
             return out[-1]
@@ -259,6 +266,10 @@ class _AotBlock:
                                   device=_device_of(block, args, kwargs), shapes=json.loads(text),
                                   options={**AOT_INDUCTOR_CONFIGS, **AOT_EXPORT_OPTIONS, "scope": "aot",
                                            "regions": self.gate.regions})
+        if self.gate.compiler.explains:
+            self.gate.compiler.explain(fields)
+            runner = self.runners[text] = type(block).forward.__get__(block)  # eager: explain compiles nothing
+            return runner
         constants = {**dict(block.named_parameters()), **dict(block.named_buffers())}
         wrapper = block.__dict__.pop("forward")  # export the class's own forward, not this wrapper
         try:
@@ -304,16 +315,31 @@ def module_fingerprint(module: torch.nn.Module) -> dict[str, Any]:
         if kind.__module__.startswith("torch."):
             continue
         code.update(f"{kind.__module__}.{kind.__qualname__}".encode())
-        try:
-            code.update(inspect.getsource(kind).encode())
-        except (OSError, TypeError):  # classes without source: their name (and library version) stands
-            pass
+        code.update(_source_file_hash(kind).encode())
     fingerprint: dict[str, Any] = {"kind": f"{cls.__module__}.{cls.__qualname__}",
                                    "parameters": params.hexdigest()[:16], "code": code.hexdigest()[:16]}
     config = getattr(module, "config", None)
     if isinstance(config, dict):
         fingerprint["config"] = {k: v for k, v in dict(config).items() if not str(k).startswith("_")}
     return json.loads(json.dumps(fingerprint, default=str))
+
+
+@functools.lru_cache(maxsize=None)
+def _file_hash(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _source_file_hash(kind: type) -> str:
+    """The hash of the whole file that defines ``kind`` (read once per process): any change to
+    the class, or to the helpers beside it that it may call, changes the key. Hashing the file
+    rather than ``inspect.getsource(kind)`` keeps this to a read: getsource tokenizes the file
+    per class (seconds for diffusers' large model files on a loaded machine, at every start).
+    Classes without a source file: their name (and the library's version) stands."""
+    try:
+        path = inspect.getsourcefile(kind)
+        return _file_hash(path) if path else ""
+    except (OSError, TypeError):
+        return ""
 
 
 def _param_dtype(module: torch.nn.Module) -> str:

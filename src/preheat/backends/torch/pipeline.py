@@ -181,7 +181,14 @@ class TorchPipeline(EngineArguments):
         if self._module is None:
             self._module = UNetCall(self.unet, self.num_classes is not None).eval()
         module = self._module
-        if self.compile == "none":
+        if self.compiler is not None and self.compiler.explains and self.compile != "none":
+            self.compiler.explain(self._fields(self.compile, model_batch))  # and run eagerly
+
+            def fn(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+                return module(x, t, y)
+
+            timings = Timings(cache_layer="explain")
+        elif self.compile == "none":
             def fn(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
                 return module(x, t, y)
 
@@ -268,7 +275,7 @@ def make_compiler(cache: str | None = None) -> TorchCompiler:
     """The torch compile cache for this process: ``cache`` (or ``$PREHEAT_CACHE``) is "full"
     (default: preheat entries), "xla" / "local" (torch's own local caches only) or "off"."""
     mode = cache or os.environ.get("PREHEAT_CACHE", "full")
-    if mode not in ("full", "xla", "local", "off"):
+    if mode not in ("full", "xla", "local", "off", "explain"):  # explain: for `preheat cache explain`
         raise InvalidArgumentError(f"cache mode {mode!r} is not supported; use full, xla or off")
     mode = "local" if mode == "xla" else mode
     assert mode in CACHE_MODES
