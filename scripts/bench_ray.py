@@ -5,7 +5,9 @@ same load (``--requests`` one-image ``PUT /predictions/<id>`` from ``--concurren
 
     PYTHONPATH=src python scripts/bench_ray.py [--model DIR] [--requests 256] [--concurrency 32]
 
-Prints one JSON object. Every request must be answered 200 "succeeded" exactly once, or it fails.
+The second replica is a redeploy of one replica: Serve rolls replicas on every code-based
+``serve.run``, and the new one has an empty local root (``cache_home`` per replica). Prints one
+JSON object. Every request must be answered 200 "succeeded" exactly once, or it fails.
 """
 
 from __future__ import annotations
@@ -82,8 +84,9 @@ def main() -> None:
         while not any(r.get("ok") for r in open_store(str(store)).verify("jax")) and time.monotonic() < deadline:
             time.sleep(0.5)
         time.sleep(5)  # the rest of the background uploads (bench only; the tests wait on the store)
-        out["ready_second_remote_warm_s"] = deploy(2)
-        deploy(1)
+        # Serve gives every code-based serve.run a new version: a rolling update, whose new replica
+        # (its local root empty, like one on a new node) starts from the store; the old one then stops
+        out["ready_second_remote_warm_s"] = deploy(1)
         out["ray_one_replica"] = asyncio.run(load("http://127.0.0.1:8765", args.requests, args.concurrency, "ray",
                                                   args.steps))
     finally:
