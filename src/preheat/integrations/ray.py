@@ -370,7 +370,8 @@ def run(options: RayOptions, *, address: Optional[str] = None, host: str = "127.
 
     if address is None:
         os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # read by the proxies this cluster starts
-        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1" if host in ("127.0.0.1", "localhost") else None)
+        loopback = host in ("127.0.0.1", "localhost")
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1" if loopback else None)
     else:
         ray.init(address=address)
         if os.environ.get(PROXY_CALLBACK_ENV) != PROXY_CALLBACK:
