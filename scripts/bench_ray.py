@@ -5,7 +5,9 @@ same load (``--requests`` one-image ``PUT /predictions/<id>`` from ``--concurren
 
     PYTHONPATH=src python scripts/bench_ray.py [--model DIR] [--requests 256] [--concurrency 32]
 
-Prints one JSON object. Every request must be answered 200 "succeeded" exactly once, or it fails.
+The second replica is a redeploy of one replica: Serve rolls replicas on every code-based
+``serve.run``, and the new one has an empty local root (``cache_home`` per replica). Prints one
+JSON object. Every request must be answered 200 "succeeded" exactly once, or it fails.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ async def load(url: str, n: int, concurrency: int, tag: str, steps: int) -> dict
         t0 = time.perf_counter()
         responses = await asyncio.gather(*(one(i) for i in range(n)))
         took = time.perf_counter() - t0
-    bad = [(r.status_code, r.text[:200]) for r in responses if r.status_code != 200 or r.json()["status"] != "succeeded"]
+    bad = [(r.status_code, r.text[:200]) for r in responses
+           if r.status_code != 200 or r.json()["status"] != "succeeded"]
     ids = [r.json()["id"] for r in responses if r.status_code == 200]
     if bad or sorted(ids) != sorted(f"{tag}-{i}" for i in range(n)):
         raise SystemExit(f"{tag}: {len(bad)} bad answers, e.g. {bad[:3]}")
@@ -64,8 +67,8 @@ def main() -> None:
     store = tmp / "store"
     os.environ.update({"PREHEAT_CACHE_URL": str(store), "PREHEAT_TRUST_REMOTE_CACHE": "1",
                        PROXY_CALLBACK_ENV: PROXY_CALLBACK})
-    options = {"model": args.model, "max_batch_size": args.max_batch_size, "cache_home": str(tmp / "homes" / "{replica}"),
-               "guidance": "off"}
+    options = {"model": args.model, "max_batch_size": args.max_batch_size, "guidance": "off",
+               "cache_home": str(tmp / "homes" / "{replica}")}
     out: dict[str, Any] = {"options": options, "requests": args.requests, "concurrency": args.concurrency,
                            "steps": args.steps}
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
@@ -82,8 +85,9 @@ def main() -> None:
         while not any(r.get("ok") for r in open_store(str(store)).verify("jax")) and time.monotonic() < deadline:
             time.sleep(0.5)
         time.sleep(5)  # the rest of the background uploads (bench only; the tests wait on the store)
-        out["ready_second_remote_warm_s"] = deploy(2)
-        deploy(1)
+        # Serve gives every code-based serve.run a new version: a rolling update, whose new replica
+        # (its local root empty, like one on a new node) starts from the store; the old one then stops
+        out["ready_second_remote_warm_s"] = deploy(1)
         out["ray_one_replica"] = asyncio.run(load("http://127.0.0.1:8765", args.requests, args.concurrency, "ray",
                                                   args.steps))
     finally:
@@ -93,7 +97,8 @@ def main() -> None:
     home = next((tmp / "homes").iterdir())
     cmd = ["--port", "0", "--host", "127.0.0.1", "--log-level", "warning", "--max-batch-size",
            str(args.max_batch_size), "--guidance", "off", *([args.model] if args.model else [])]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREHEAT_CACHE") and k != "PREHEAT_TRUST_REMOTE_CACHE"}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PREHEAT_CACHE") and k != "PREHEAT_TRUST_REMOTE_CACHE"}
     server = ServerProcess(cmd, env={**env, "PREHEAT_HOME": str(home), "JAX_PLATFORMS": "cpu"})
     try:
         server.wait_port(300)

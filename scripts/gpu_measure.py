@@ -652,7 +652,8 @@ def table(results: dict[str, Any]) -> str:
                 f"{k} × {sc['device_kind']}: {x['images_per_s']:.2f} images/s (batch {x['n']}, efficiency "
                 f"{_pct(x['efficiency'])})" for k, x in sc["devices"].items()) + " |")
         elif sc:
-            rows.append(f"| {head}: scaling over devices | – | {sc.get('error') or 'skipped: ' + str(sc.get('skipped'))} |")
+            why = sc.get("error") or f"skipped: {sc.get('skipped')}"
+            rows.append(f"| {head}: scaling over devices | – | {why} |")
         for s in m.get("skipped", []):
             rows.append(f"| {head}: {s.split(':')[0]} | – | skipped ({s.split(':', 1)[-1].strip()}) |")
     cmp_ = results.get("compare", {})

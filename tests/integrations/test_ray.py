@@ -5,6 +5,10 @@ store (moto's server on loopback) shared by the replicas.
 Each replica gets its own local cache root (``cache_home`` with ``{replica}``), as replicas on
 separate nodes would have: what one compiles reaches another only through the store.
 
+Serve gives every code-based ``serve.run`` a new deployment version, so each redeploy (here:
+each change of replica count) is a rolling update: new replicas start, the old ones are stopped
+gracefully. After the first, cold, replica every replica therefore starts from the store.
+
 One module-scoped cluster and one application; each test asks for the replica count it needs
 (:func:`scale`), so no test depends on another having run. Marked ``ray``: skip with
 ``-m "not ray"``. Runtime: about 1-2 minutes on 2 cores, most of it Ray's start and the first
@@ -66,7 +70,7 @@ def running_replicas() -> list[str]:
 
 
 def replica_ids() -> list[str]:
-    """The replica actors alive now (Serve names them SERVE_REPLICA::<app>#<deployment>#<id>)."""
+    """The replica actors named now (Serve names them SERVE_REPLICA::<app>#<deployment>#<id>)."""
     from ray.util import list_named_actors
 
     names = [a["name"] for a in list_named_actors(all_namespaces=True) if a["namespace"] == "serve"]
@@ -91,10 +95,10 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, session_c
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             c = Cluster(f"http://127.0.0.1:{port}", model_dir, tmp / "homes", os.environ["PREHEAT_CACHE_URL"])
             c.ready_s["first (cold)"] = c.deploy(1)
-            first = replica_ids()
+            c.first = health_by_replica(c, 1)
             wait_until(lambda: _store_entries(c) >= 2, timeout=120, what="the first replica's uploads")
-            c.ready_s["second (remote warm)"] = c.deploy(2)
-            c.first, c.second = first[0], next(r for r in replica_ids() if r not in first)
+            c.ready_s["second (remote warm)"] = c.deploy(1)  # a new replica, its local root empty
+            c.second = health_by_replica(c, 1, exclude=set(c.first))
             print(f"\nray: READY after {c.ready_s}")
             yield c
         finally:
@@ -115,21 +119,30 @@ def _store_entries(c: Cluster) -> int:
 
 
 def scale(c: Cluster, replicas: int) -> None:
-    if len(replica_ids()) != replicas or len(running_replicas()) != replicas:
+    if len(running_replicas()) != replicas:
         c.deploy(replicas)
 
 
-def health_by_replica(c: Cluster, want: set[str]) -> dict[str, dict]:
-    """``/health-check`` of each replica in ``want`` (Serve routes each call to one replica; the
-    ``X-Preheat-Replica`` header says which)."""
+def health_by_replica(c: Cluster, count: int, exclude: set[str] = frozenset()) -> dict[str, dict]:
+    """``/health-check`` of ``count`` replicas other than ``exclude`` (the ``X-Preheat-Replica``
+    header says which answered), in bursts of concurrent calls: Serve's router sends a lone request
+    to the same idle replica each time, but spreads requests that overlap."""
     seen: dict[str, dict] = {}
-    with httpx.Client(base_url=c.url, timeout=30) as client:
-        def poll() -> bool:
-            r = client.get("/health-check")
-            seen[r.headers["x-preheat-replica"]] = r.json()
-            return want <= set(seen)
 
-        wait_until(poll, timeout=60, what=f"health-checks from {want}")
+    async def burst() -> None:
+        async with httpx.AsyncClient(base_url=c.url, timeout=30, limits=httpx.Limits(max_connections=16)) as client:
+            for r in await asyncio.gather(*(client.get("/health-check") for _ in range(16))):
+                if r.headers["x-preheat-replica"] not in exclude:
+                    seen[r.headers["x-preheat-replica"]] = r.json()
+
+    def poll() -> bool:
+        asyncio.run(burst())
+        return len(seen) >= count
+
+    try:
+        wait_until(poll, timeout=60, what=f"health-checks from {count} replica(s)")
+    except AssertionError as err:
+        raise AssertionError(f"{err}; answered: {sorted(seen)}; named: {replica_ids()}") from None
     return seen
 
 
@@ -148,15 +161,13 @@ async def _post_all(c: Cluster, bodies: list[dict], started: Any = None) -> list
 
 
 def test_second_replica_starts_from_the_store_with_an_aot_remote_hit(cluster: Cluster) -> None:
-    scale(cluster, 2)
-    health = health_by_replica(cluster, {cluster.second} | set(replica_ids()))
-    for replica, h in health.items():
-        assert h["status"] == "READY", h
-    first_logs = health.get(cluster.first, {}).get("setup", {}).get("logs", "")
-    warm = [line for line in health[cluster.second]["setup"]["logs"].splitlines() if line.startswith("warm-up:")]
+    """The replicas' /health-check, taken when each became READY (the fixture)."""
+    ((_, first),), ((_, second),) = cluster.first.items(), cluster.second.items()
+    assert first["status"] == second["status"] == "READY"
+    warm = [line for line in second["setup"]["logs"].splitlines() if line.startswith("warm-up:")]
     assert warm and all("(cache: aot, remote: hit)" in line for line in warm), warm
-    if first_logs:  # the first replica (when still alive) compiled: nothing was in the store yet
-        assert all("cache: aot" not in line for line in first_logs.splitlines() if line.startswith("warm-up:"))
+    compiled = [line for line in first["setup"]["logs"].splitlines() if line.startswith("warm-up:")]
+    assert len(compiled) == len(warm) and not any("cache: aot" in line for line in compiled), compiled
 
 
 def test_64_concurrent_requests_each_answered_exactly_once(cluster: Cluster) -> None:
@@ -181,7 +192,9 @@ def test_64_concurrent_requests_each_answered_exactly_once(cluster: Cluster) -> 
         np.testing.assert_array_equal(pixels(snaps[i]), pixels(snaps[i + 32]))
 
 
-def test_scale_down_lets_in_flight_requests_finish(cluster: Cluster) -> None:
+def test_stopped_replicas_let_in_flight_requests_finish(cluster: Cluster) -> None:
+    """2 -> 1 replicas under load (a rolling update: both old replicas are stopped, as on a
+    scale-down): every accepted request is answered."""
     scale(cluster, 2)
     bodies = [{**body(100 + i, num_inference_steps=8), "id": f"drain-{time.monotonic_ns()}-{i}"} for i in range(24)]
 
@@ -191,19 +204,20 @@ def test_scale_down_lets_in_flight_requests_finish(cluster: Cluster) -> None:
 
     responses = asyncio.run(_post_all(cluster, bodies, started=shrink))
     assert [r.status_code for r in responses] == [200] * len(bodies), [r.text[:200] for r in responses]
-    assert len(replica_ids()) == 1
+    assert len({r.headers["x-preheat-replica"] for r in responses}) >= 2  # stopped replicas answered too
 
 
 def test_killing_a_replica_mid_load_loses_no_accepted_request(cluster: Cluster) -> None:
     """Every request is answered: 200, or 503 with Retry-After for the ones the dead replica held
     (see preheat.integrations.ray.proxy_middlewares); a retry of those succeeds."""
     scale(cluster, 2)
-    victim = replica_ids()[0]
+    victim: list[str] = []
     bodies = [{**body(200 + i, num_inference_steps=8), "id": f"kill-{time.monotonic_ns()}-{i}"} for i in range(32)]
 
     async def kill_when_loaded(tasks: list) -> None:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # load flows; the rest is in flight
-        actor = ray.get_actor(f"SERVE_REPLICA::{APP}#Preheat#{victim}", namespace="serve")
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # load flows; the rest in flight
+        victim.append(next(iter(done)).result().headers["x-preheat-replica"])  # alive, and loaded
+        actor = ray.get_actor(f"SERVE_REPLICA::{APP}#Preheat#{victim[0]}", namespace="serve")
         ray.kill(actor, no_restart=True)
 
     responses = asyncio.run(_post_all(cluster, bodies, started=kill_when_loaded))

@@ -152,6 +152,13 @@ class RayOptions:
         if self.num_gpus < 0 or self.num_cpus < 0:
             raise InvalidArgumentError("num_gpus and num_cpus must be >= 0")
 
+    def replica_args(self) -> dict[str, Any]:
+        """What a replica is constructed with: the core's options, ``grace_s`` and ``cache_home``;
+        the deployment's own settings (replicas, resources) go to ``Preheat.options``."""
+        deployment = {"num_replicas", "autoscaling", "num_gpus", "num_cpus", "max_ongoing_requests",
+                      "graceful_shutdown_timeout_s", "env"}
+        return {k: v for k, v in asdict(self).items() if k not in deployment}
+
     def core_config(self) -> Any:
         from preheat.server.core import CoreConfig
 
@@ -316,7 +323,7 @@ class Preheat:
 def build_app(args: Mapping[str, Any]) -> Any:
     """Serve's application builder (``serve run preheat.integrations.ray:build_app key=value ...``)."""
     options = RayOptions.from_args(dict(args))
-    return Preheat.options(**options.deployment_options()).bind(asdict(options))
+    return Preheat.options(**options.deployment_options()).bind(options.replica_args())
 
 
 def proxy_middlewares() -> list[Any]:
@@ -373,7 +380,8 @@ def run(options: RayOptions, *, address: Optional[str] = None, host: str = "127.
 
     if address is None:
         os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # read by the proxies this cluster starts
-        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1" if host in ("127.0.0.1", "localhost") else None)
+        loopback = host in ("127.0.0.1", "localhost")
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1" if loopback else None)
     else:
         ray.init(address=address)
         if os.environ.get(PROXY_CALLBACK_ENV) != PROXY_CALLBACK:
