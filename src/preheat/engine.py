@@ -581,7 +581,7 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
         options["offload_encoders"] = True
     # Prefetching: the loader checks every header and returns placeholder weights (shapes only),
     # the executables load on a background thread, then the tensors are read here.
-    early = bool(prefetch) and compiler is not None and mesh is None and not offload_encoders
+    early = bool(prefetch) and compiler is not None and mesh is None and loader.__module__ in PREFETCH_FAMILIES
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component
         start = phases.spans["import"][1]
         with deferred_fills() if early else contextlib.nullcontext() as pending:
@@ -596,12 +596,14 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     return Pipeline(**vars(loaded), compiler=compiler, load_report=weights_read.total, mesh=mesh, startup=phases)
 
 
+# Families whose denoising key is known from the weights' shapes alone (their conditioning runs no
+# weights): a text family's needs its encoders' outputs, so it loads its executables on first use.
+PREFETCH_FAMILIES = ("preheat.families.pixel",)
+
+
 def _prefetch(loaded: LoadedModel, compiler: Any, calls: Sequence[dict[str, Any]], phases: Phases) -> None:
     """Start loading the denoising executables of ``calls`` on a background thread. The keys are
-    computed here from a view of the pipeline whose weights are still placeholders; a family
-    whose conditioning runs its own weights (text encoders) cannot do that yet, and is skipped."""
-    if loaded.family.name != "pixel":
-        return
+    computed here from a view of the pipeline whose weights are still placeholders."""
     view = Pipeline(**vars(loaded))
     items = []
     for call in calls:

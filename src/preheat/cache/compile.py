@@ -307,7 +307,10 @@ class JaxCompiler:
         """(executable or None, seconds waited) when ``key`` was prefetched; None when it was not
         (or the background thread failed unexpectedly: the normal path then runs)."""
         job = self._prefetch
-        if job is None or key not in job.keys:
+        if job is None:
+            return None
+        job.keys_ready.wait()
+        if key not in job.keys:
             return None
         from preheat.timings import now_s
 
@@ -316,6 +319,7 @@ class JaxCompiler:
         end = now_s()
         if job.phases is not None:
             job.phases.add("first_call.wait_executable", start, end)
+        job.keys.pop(key, None)  # taken once: a later compile of this key (after reject()) is a normal one
         result = job.results.pop(key, None)
         if result is None:  # the thread died before this key: load it here
             record["prefetch"] = f"failed: {job.error}" if job.error else "not reached"
@@ -444,16 +448,16 @@ class Prefetch:
 
     def __init__(self, compiler: JaxCompiler, items: list[tuple[dict[str, Any], Any, tuple, int]], phases: Any):
         self.compiler, self.items, self.phases = compiler, items, phases
-        self.keys: dict[str, tuple] = {}
-        for fingerprint, sig, args, outputs in items:
-            fields = key_fields(fingerprint, sig, args)
-            self.keys[key_of(fields)] = (fields, args, outputs, getattr(sig, "stage", "denoise"))
+        self.keys: dict[str, tuple] = {}  # computed on the thread (hashing the traced sources is not free)
+        self.keys_ready = threading.Event()
         self.results: dict[str, tuple[Any, dict[str, Any]]] = {}
         self.error: str | None = None
         self._thread = threading.Thread(target=self._run, name="preheat-executable-prefetch", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+        if not self.items:
+            self.keys_ready.set()
 
     def wait(self) -> None:
         if self._thread.is_alive() or self._thread.ident is not None:
@@ -464,6 +468,12 @@ class Prefetch:
 
         start = now_s()
         try:
+            try:
+                for fingerprint, sig, args, outputs in self.items:
+                    fields = key_fields(fingerprint, sig, args)
+                    self.keys[key_of(fields)] = (fields, args, outputs, getattr(sig, "stage", "denoise"))
+            finally:
+                self.keys_ready.set()
             for key, (fields, args, outputs, stage) in self.keys.items():
                 record: dict[str, Any] = {"key": key, "stage": stage}
                 t0 = time.perf_counter()
