@@ -134,8 +134,8 @@ class RayOptions:
         env = os.environ if env is None else env
         names = {"model": "PREHEAT_MODEL", "dtype": "PREHEAT_DTYPE", "max_batch_size": "PREHEAT_MAX_BATCH_SIZE",
                  "samplers": "PREHEAT_SAMPLERS", "sizes": "PREHEAT_SIZES", "guidance": "PREHEAT_GUIDANCE",
-                 "devices": "PREHEAT_DEVICES", "fsdp": "PREHEAT_FSDP",
-                 "lora_ranks": "PREHEAT_LORA_RANKS", "max_loras": "PREHEAT_MAX_LORAS", "batch_wait_ms": "PREHEAT_BATCH_WAIT_MS",
+                 "devices": "PREHEAT_DEVICES", "fsdp": "PREHEAT_FSDP", "lora_ranks": "PREHEAT_LORA_RANKS",
+                 "max_loras": "PREHEAT_MAX_LORAS", "batch_wait_ms": "PREHEAT_BATCH_WAIT_MS",
                  "max_queue": "PREHEAT_MAX_QUEUE", "max_steps": "PREHEAT_MAX_STEPS",
                  "num_replicas": "PREHEAT_RAY_REPLICAS", "num_gpus": "PREHEAT_RAY_GPUS"}
         return cls.from_args({name: env[var] for name, var in names.items() if env.get(var)})
@@ -207,7 +207,7 @@ def _coerce(name: str, value: Any) -> Any:
         if name == "lora_ranks":
             from preheat.server.inputs import parse_lora_ranks
 
-            return parse_lora_ranks(value, "lora_ranks") if isinstance(value, str) else tuple(int(r) for r in value)
+            return parse_lora_ranks(value if isinstance(value, str) else ",".join(map(str, value)), "lora_ranks")
         if name in ("max_batch_size", "max_queue", "max_steps", "max_ongoing_requests", "fsdp", "max_loras"):
             return int(value)
         if name == "num_replicas":
