@@ -9,7 +9,7 @@ A signature is one serving program: sampler x guidance (off, and on when the mod
 x batch bucket x served size (text-to-image) x negative prompts given or not (guided
 text-to-image) x LoRA (none, and each declared rank bucket: ``lora_ranks``). The step count
 is runtime data, so each is compiled with ``steps=1``; a LoRA bucket with a LoRA of zeros
-(``preheat.lora.warm_file``), since any LoRA of the bucket is data of the same program.
+(``LoraTargets.zeros`` in ``preheat.lora``), since any LoRA of the bucket is data of the same program.
 """
 
 from __future__ import annotations
@@ -51,12 +51,8 @@ class WarmSet:
 
     def __post_init__(self) -> None:
         from preheat.errors import InvalidArgumentError
-        from preheat.lora import BUCKETS
 
-        wrong = [r for r in self.lora_ranks if r not in BUCKETS]
-        if wrong:
-            raise InvalidArgumentError(f"LoRA rank bucket(s) {', '.join(map(str, wrong))} are not rank buckets; "
-                                       f"buckets: {', '.join(map(str, BUCKETS))}")
+        # that each is one of preheat.lora.BUCKETS is checked by the surfaces (check_lora_ranks)
         object.__setattr__(self, "lora_ranks", tuple(sorted(set(self.lora_ranks))))  # smallest first (bucket_for)
         bad = [g for g in self.guidance if g not in GUIDANCE_MODES]
         if bad or not self.guidance:
@@ -148,10 +144,11 @@ def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
             inputs.update(width=sig.size[0], height=sig.size[1])
     elif pipe.num_classes is not None:
         inputs["class_labels"] = [0] * n
-    if sig.lora:  # per image, as a server's batches give it (the same slot count)
-        from preheat.lora import warm_file
-
-        inputs["lora"] = [[(warm_file(pipe, sig.lora), 1.0)]] * n
+    if sig.lora:  # per image, as a server's batches give it (the same slot count); one zeros LoRA per rank
+        held = pipe.components.setdefault("lora_warm", {})
+        if sig.lora not in held:
+            held[sig.lora] = pipe.components["lora_targets"].zeros(sig.lora, pipe.components.get("lora_encoders", ()))
+        inputs["lora"] = [[(held[sig.lora], 1.0)]] * n
     return inputs
 
 
