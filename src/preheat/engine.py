@@ -419,16 +419,6 @@ class Pipeline:
 
     # ------------------------------------------------------------------ argument checks
 
-    def lora_warm_file(self, rank: int) -> Any:
-        """A LoRA of rank bucket ``rank`` with zero factors (``preheat.lora.warm_file``): what warm-up
-        runs so that the bucket's programs are compiled before any real LoRA arrives."""
-        from preheat.lora import BUCKETS, warm_file
-
-        if rank not in BUCKETS:
-            raise InvalidArgumentError(f"LoRA rank bucket {rank} is not a rank bucket; buckets: "
-                                       f"{', '.join(map(str, BUCKETS))}", argument="lora_ranks")
-        return warm_file(self, rank)
-
     def class_index(self, c: Any) -> int:
         """A class given as an index or a label name -> its index; unknown -> one-line error."""
         from preheat.families.pixel import class_index

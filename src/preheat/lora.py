@@ -45,7 +45,7 @@ import numpy as np
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, WeightsError
 
 __all__ = ["BUCKETS", "LoraCache", "LoraFile", "LoraTargets", "LoraRequest", "read_lora", "parse_request", "parse_cli",
-           "bucket_for", "denoiser_args", "encoder_adapters", "warm_file"]
+           "bucket_for", "check_lora_ranks", "denoiser_args", "encoder_adapters"]
 
 BUCKETS = (16, 32, 64, 128)  # rank buckets: one compiled program per bucket (and slot count)
 _CACHE_SIZE = 8  # LoRA files, and stacked slot mixes, held per pipeline (least recently used out)
@@ -82,6 +82,16 @@ class LoraTargets:
     def __post_init__(self) -> None:
         kohya = {c: {p.replace(".", "_"): p for p in layers} for c, layers in self.layers.items()}
         object.__setattr__(self, "_kohya", kohya)
+
+    def zeros(self, rank: int, encoders: Sequence[str] = ()) -> "LoraFile":
+        """A LoRA of ``rank`` whose factors are zeros, with a layer in each of ``encoders`` too: what
+        warm-up runs (``preheat.cache.warm``) so that a rank bucket's programs -- the denoiser's and
+        the text encoders' with adapters -- are compiled before any real LoRA arrives."""
+        layers: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+        for comp in ("denoiser", *encoders):
+            path, (cin, cout) = next(iter(self.layers[comp].items()))
+            layers[comp] = {path: (np.zeros((rank, cin), np.float32), np.zeros((cout, rank), np.float32))}
+        return LoraFile(source=f"<zeros, rank {rank}>", layers=layers, rank=rank)
 
 
 @dataclass(frozen=True, eq=False)
@@ -341,20 +351,13 @@ def cached_file(pipe: Any, source: Any, targets: LoraTargets) -> LoraFile:
     return cache.get(str(source), targets)
 
 
-def warm_file(pipe: Any, rank: int) -> LoraFile:
-    """A LoRA of ``rank`` whose factors are zeros, with a layer in each text encoder when the family
-    has LoRA-able ones: what warm-up runs so that the rank bucket's programs (denoiser and text
-    encoders with adapters) are compiled before any real LoRA arrives."""
-    held = pipe.components.setdefault("lora_warm", {})
-    if rank in held:  # the same file each time: its factors are built (and kept on the device) once
-        return held[rank]
-    targets: LoraTargets = pipe.components["lora_targets"]
-    layers: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
-    for comp in ("denoiser", *pipe.components.get("lora_encoders", ())):
-        path, (cin, cout) = next(iter(targets.layers[comp].items()))
-        layers[comp] = {path: (np.zeros((rank, cin), np.float32), np.zeros((cout, rank), np.float32))}
-    held[rank] = LoraFile(source=f"<warm-up, rank {rank}>", layers=layers, rank=rank)
-    return held[rank]
+def check_lora_ranks(ranks: Sequence[int]) -> tuple[int, ...]:
+    """Declared LoRA rank buckets (``--lora-ranks``): each must be one of ``BUCKETS``; one-line error."""
+    wrong = [r for r in ranks if r not in BUCKETS]
+    if wrong:
+        raise InvalidArgumentError(f"LoRA rank bucket(s) {', '.join(map(str, wrong))} are not rank buckets; "
+                                   f"buckets: {', '.join(map(str, BUCKETS))}")
+    return tuple(ranks)
 
 
 # --------------------------------------------------------------------------------------- requests

@@ -120,7 +120,8 @@ def bench_lora(model: str | None, n: int, steps: int, rank: int, repeats: int, w
     except OSError:
         load = None
     return {"model": model or "built-in:digits", "family": pipe.family.name, "machine": machine_line(),
-            "load_average": load, "n": n, "steps": steps, "rank": rank, "dtype": dtype, "repeats": repeats,
+            "load_average": load, "n": n, "steps": steps, "rank": rank,
+            "target_layers": len(pipe.components["lora_targets"].layers["denoiser"]), "dtype": dtype, "repeats": repeats,
             "sampler": pipe.defaults["sampler"], "guided": bool(programs["none"][2].guided),
             "sample_shape": list(programs["none"][2].sample_shape), "rows": rows, "ratios": ratios,
             "goal_met": ratios["mixed_vs_same"] >= 0.8}
@@ -132,7 +133,7 @@ def markdown(result: dict[str, Any]) -> str:
     load = result["load_average"]
     lines = [f"**{result['model']}** ({result['family']}), batch {result['n']}, {result['steps']} steps "
              f"{result['sampler']}{' +cfg' if result['guided'] else ''}, latents {result['sample_shape']}, LoRA rank "
-             f"{result['rank']} on every target layer, {result['dtype']}, {result['repeats']} rounds — "
+             f"{result['rank']} on every target layer ({result['target_layers']}), {result['dtype']}, {result['repeats']} rounds — "
              f"{result['machine']}" + (f"; load average {load[0]:.1f}" if load else ""), "",
              "| condition | slots | call s, median (min–max) | denoise s, median (min–max) | images/s | first call s |",
              "|---|---|---|---|---|---|"]

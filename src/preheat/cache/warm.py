@@ -9,7 +9,7 @@ A signature is one serving program: sampler x guidance (off, and on when the mod
 x batch bucket x served size (text-to-image) x negative prompts given or not (guided
 text-to-image) x LoRA (none, and each declared rank bucket: ``lora_ranks``). The step count
 is runtime data, so each is compiled with ``steps=1``; a LoRA bucket with a LoRA of zeros
-(``Pipeline.lora_warm_file``), since any LoRA of the bucket is data of the same program.
+(``LoraTargets.zeros`` in ``preheat.lora``), since any LoRA of the bucket is data of the same program.
 """
 
 from __future__ import annotations
@@ -57,10 +57,7 @@ class WarmSet:
     def __post_init__(self) -> None:
         from preheat.errors import InvalidArgumentError
 
-        # which ranks are buckets is preheat.lora's to say (it sits above the cache):
-        # parse_lora_ranks checks them where a declaration is read, Pipeline.lora_warm_file when warmed
-        if any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in self.lora_ranks):
-            raise InvalidArgumentError(f"lora_ranks {self.lora_ranks!r} must be positive ints (rank buckets)")
+        # that each is one of preheat.lora.BUCKETS is checked by the surfaces (check_lora_ranks)
         object.__setattr__(self, "lora_ranks", tuple(sorted(set(self.lora_ranks))))  # smallest first (bucket_for)
         bad = [g for g in self.guidance if g not in GUIDANCE_MODES]
         if bad or not self.guidance:
@@ -152,8 +149,11 @@ def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
             inputs.update(width=sig.size[0], height=sig.size[1])
     elif pipe.num_classes is not None:
         inputs["class_labels"] = [0] * n
-    if sig.lora:  # per image, as a server's batches give it (the same slot count)
-        inputs["lora"] = [[(pipe.lora_warm_file(sig.lora), 1.0)]] * n
+    if sig.lora:  # per image, as a server's batches give it (the same slot count); one zeros LoRA per rank
+        held = pipe.components.setdefault("lora_warm", {})
+        if sig.lora not in held:
+            held[sig.lora] = pipe.components["lora_targets"].zeros(sig.lora, pipe.components.get("lora_encoders", ()))
+        inputs["lora"] = [[(held[sig.lora], 1.0)]] * n
     return inputs
 
 

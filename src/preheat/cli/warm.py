@@ -75,7 +75,9 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
         raise InvalidArgumentError(f"--guidance {guidance_text!r} must be off, on or off,on")
     from preheat.server.inputs import parse_lora_ranks
 
-    ranks = parse_lora_ranks(lora_ranks_text)
+    from preheat.lora import check_lora_ranks
+
+    ranks = check_lora_ranks(parse_lora_ranks(lora_ranks_text))
     return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers_from_text(samplers_text),
                    sizes=parse_sizes(sizes_text), guidance=guidance, lora_ranks=tuple(ranks),
                    devices=parse_devices(devices_text, "--devices"), fsdp=fsdp)

@@ -75,9 +75,11 @@ class CoreConfig:
 
     def warm_set(self) -> WarmSet:
         """The declaration this server warms (the same object ``preheat warm`` compiles)."""
+        from preheat.lora import check_lora_ranks
+
         return WarmSet(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size,
                        samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
-                       devices=self.devices, fsdp=self.fsdp, lora_ranks=tuple(self.lora_ranks))
+                       devices=self.devices, fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks))
 
     @classmethod
     def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":

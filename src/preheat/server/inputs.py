@@ -318,10 +318,8 @@ def parse_sizes(text: Optional[str]) -> tuple[tuple[int, int], ...]:
 
 
 def parse_lora_ranks(text: Optional[str], name: str = "--lora-ranks") -> tuple[int, ...]:
-    """``16,32`` -> (16, 32): ``--lora-ranks`` and Runpod's ``PREHEAT_LORA_RANKS``. A malformed
-    entry, or a rank that is not one of ``preheat.lora.BUCKETS``, fails in one line."""
-    from preheat.lora import BUCKETS
-
+    """``16,32`` -> (16, 32): ``--lora-ranks`` and Runpod's ``PREHEAT_LORA_RANKS`` (that each is a
+    rank bucket is ``preheat.lora.check_lora_ranks``'s to say). A malformed entry fails in one line."""
     out = []
     for item in (text or "").split(","):
         item = item.strip()
@@ -329,10 +327,6 @@ def parse_lora_ranks(text: Optional[str], name: str = "--lora-ranks") -> tuple[i
             if not item.isdigit():
                 raise InvalidArgumentError(f"{name} {item!r} must be rank buckets, e.g. 16,32")
             out.append(int(item))
-    wrong = [r for r in out if r not in BUCKETS]
-    if wrong:
-        raise InvalidArgumentError(f"LoRA rank bucket(s) {', '.join(map(str, wrong))} are not rank buckets; "
-                                   f"buckets: {', '.join(map(str, BUCKETS))}")
     return tuple(dict.fromkeys(out))
 
 
