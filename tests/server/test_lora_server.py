@@ -69,9 +69,9 @@ def loras(sd_pipe, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def core(sd_pipe):
+def core(sd_pipe, loras):
     core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=30, guidance=("on",), lora_ranks=(16,),
-                           max_loras=2), pipe=sd_pipe)
+                           max_loras=2, lora_dir=str(loras["A"].parent)), pipe=sd_pipe)
     core.start()
     assert core.wait_setup(900) and core.setup.status == "succeeded", core.setup.logs
     yield core
@@ -163,7 +163,11 @@ def test_bad_lora_input_is_a_one_line_422_and_the_server_keeps_serving(core, lor
         ({"lora_weights": str(loras["unknown"])}, "match no layer"),
         ({"lora_weights": str(loras["rank200"])}, "buckets: 16, 32, 64, 128"),
         ({"lora_weights": str(loras["torn"])}, "lora_weights"),
-        ({"lora_weights": str(tmp_path / "missing.safetensors")}, "does not exist"),
+        ({"lora_weights": str(loras["A"].parent / "missing.safetensors")}, "does not exist"),
+        ({"lora_weights": "missing.safetensors"}, "does not exist"),  # relative to --lora-dir
+        ({"lora_weights": str(tmp_path / "elsewhere.safetensors")}, "not under the server's --lora-dir"),
+        ({"lora_weights": "../" + loras["A"].parent.name + "x/a.safetensors"}, "not under the server's --lora-dir"),
+        ({"lora_weights": "file:///etc/hostname"}, "file:// is not a LoRA source"),
         ({"lora_weights": str(loras["A"]), "lora_scale": 5.0}, "lora_scale"),
         ({"lora_weights": str(loras["A"]), "lora_scale": "strong"}, "lora_scale"),
     ]
@@ -202,3 +206,21 @@ def test_runpod_takes_the_same_lora_fields_and_errors(core, loras, sd_pipe):
     np.testing.assert_array_equal(decode_data_url(result["images"][0]), want[0])  # bucket 1 both: bit-exact
     assert bad["error"].startswith("lora_weights") and "match no layer" in bad["error"] and "\n" not in bad["error"]
     assert "lora_scale" in nan["error"]
+
+
+def test_a_server_reads_local_lora_files_only_under_its_lora_dir(tmp_path):
+    from preheat.errors import InvalidArgumentError
+    from preheat.server.inputs import lora_source
+
+    inside = tmp_path / "loras"
+    inside.mkdir()
+    assert lora_source("style.safetensors", str(inside)) == str((inside / "style.safetensors").resolve())
+    assert lora_source(str(inside / "sub" / "x.safetensors"), str(inside)) == str(inside / "sub" / "x.safetensors")
+    for source in ("https://host/l.safetensors", "hf://org/repo/l.safetensors"):
+        assert lora_source(source, None) == source  # fetched through the weights store
+    (tmp_path / "loras-evil").mkdir()
+    for source, lora_dir, words in [("/etc/hostname", str(inside), "not under"), ("../loras-evil/x", str(inside), "not under"),
+                                    ("style.safetensors", None, "--lora-dir"), ("s3://b/k", str(inside), "s3://")]:
+        with pytest.raises(InvalidArgumentError, match=words) as err:
+            lora_source(source, lora_dir)
+        assert "\n" not in str(err.value) and err.value.argument == "lora_weights"

@@ -90,6 +90,9 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
 @click.option("--max-steps", default=200, show_default=True, type=int, help="Largest num_inference_steps accepted.")
 @click.option("--max-loras", default=8, show_default=True, type=int,
               help="LoRAs held ready (read, factors on the device), least recently used out; see /metrics.")
+@click.option("--lora-dir", type=click.Path(file_okay=False, exists=True), metavar="DIR",
+              help="Requests may name local LoRA files (lora_weights) under DIR only; without it, only "
+                   "http(s):// and hf:// sources.")
 @click.option("--grace-s", default=30.0, show_default=True, type=float,
               help="On SIGTERM, how long in-flight predictions may take to finish.")
 @click.option("--push-grace-s", default=30.0, show_default=True, type=float,
@@ -119,7 +122,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                   max_batch_size: int,
                   devices_text: Optional[str], fsdp: int, batch_wait_ms: float, max_queue: int, max_steps: int,
                   samplers_text: Optional[str], sizes_text: Optional[str], guidance_text: str,
-                  lora_ranks_text: Optional[str], max_loras: int, grace_s: float,
+                  lora_ranks_text: Optional[str], max_loras: int, lora_dir: Optional[str], grace_s: float,
                   push_grace_s: float,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
                   webhook_allow: tuple[str, ...], log_level: str, on_ray: bool = False,
@@ -157,7 +160,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         if not on_ray:
             raise InvalidArgumentError("--address, --replicas and --gpus-per-replica apply to --ray")
     if on_ray:
-        sys.exit(_serve_on_ray(warm_set, backend, max_loras, batch_wait_ms, max_queue, max_steps, grace_s,
+        sys.exit(_serve_on_ray(warm_set, backend, max_loras, lora_dir, batch_wait_ms, max_queue, max_steps, grace_s,
                                push_grace_s, host, port, address, replicas, gpus_per_replica, webhook_allow_private,
                                webhook_allow))
 
@@ -166,7 +169,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
 
     config = CoreConfig.from_warm_set(warm_set, backend=backend, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
                                       max_steps=max_steps, push_grace_s=push_grace_s, compile=compile_mode,
-                                      max_loras=max_loras)
+                                      max_loras=max_loras, lora_dir=lora_dir)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
@@ -177,7 +180,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
 
 
 
-def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, batch_wait_ms: float, max_queue: int, max_steps: int,
+def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optional[str], batch_wait_ms: float, max_queue: int, max_steps: int,
                   grace_s: float, push_grace_s: float, host: str, port: int, address: Optional[str], replicas: int,
                   gpus_per_replica: float, webhook_allow_private: bool, webhook_allow: tuple[str, ...]) -> int:
     """``--ray``: the same declaration and limits as one replica's options (preheat.integrations.ray)."""
@@ -199,7 +202,8 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, batch_wait_ms: fl
     options = on_ray.RayOptions(model=warm_set.model, dtype=warm_set.dtype, max_batch_size=warm_set.max_batch_size,
                                 samplers=tuple(warm_set.samplers), sizes=tuple(warm_set.sizes),
                                 guidance=tuple(warm_set.guidance), devices=warm_set.devices, fsdp=warm_set.fsdp,
-                                lora_ranks=tuple(warm_set.lora_ranks), max_loras=max_loras, batch_wait_ms=batch_wait_ms,
+                                lora_ranks=tuple(warm_set.lora_ranks), max_loras=max_loras, lora_dir=lora_dir,
+                                batch_wait_ms=batch_wait_ms,
                                 max_queue=max_queue, max_steps=max_steps, grace_s=grace_s, push_grace_s=push_grace_s,
                                 num_replicas=replicas, num_gpus=gpus_per_replica)
     options.check()

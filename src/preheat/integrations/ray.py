@@ -94,6 +94,7 @@ class RayOptions:
     fsdp: int = 1
     lora_ranks: tuple[int, ...] = ()
     max_loras: int = 8
+    lora_dir: Optional[str] = None
     batch_wait_ms: float = 10.0
     max_queue: int = 64
     max_steps: int = 200
@@ -129,13 +130,14 @@ class RayOptions:
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "RayOptions":
         """``PREHEAT_MODEL``, ``PREHEAT_DTYPE``, ``PREHEAT_MAX_BATCH_SIZE``, ``PREHEAT_SAMPLERS``,
         ``PREHEAT_SIZES``, ``PREHEAT_GUIDANCE``, ``PREHEAT_DEVICES``, ``PREHEAT_FSDP``, ``PREHEAT_LORA_RANKS``,
-        ``PREHEAT_MAX_LORAS``, ``PREHEAT_BATCH_WAIT_MS``,
+        ``PREHEAT_MAX_LORAS``, ``PREHEAT_LORA_DIR``, ``PREHEAT_BATCH_WAIT_MS``,
         ``PREHEAT_MAX_QUEUE``, ``PREHEAT_MAX_STEPS``, ``PREHEAT_RAY_REPLICAS``, ``PREHEAT_RAY_GPUS``."""
         env = os.environ if env is None else env
         names = {"model": "PREHEAT_MODEL", "dtype": "PREHEAT_DTYPE", "max_batch_size": "PREHEAT_MAX_BATCH_SIZE",
                  "samplers": "PREHEAT_SAMPLERS", "sizes": "PREHEAT_SIZES", "guidance": "PREHEAT_GUIDANCE",
                  "devices": "PREHEAT_DEVICES", "fsdp": "PREHEAT_FSDP", "lora_ranks": "PREHEAT_LORA_RANKS",
-                 "max_loras": "PREHEAT_MAX_LORAS", "batch_wait_ms": "PREHEAT_BATCH_WAIT_MS",
+                 "max_loras": "PREHEAT_MAX_LORAS",
+                 "lora_dir": "PREHEAT_LORA_DIR", "batch_wait_ms": "PREHEAT_BATCH_WAIT_MS",
                  "max_queue": "PREHEAT_MAX_QUEUE", "max_steps": "PREHEAT_MAX_STEPS",
                  "num_replicas": "PREHEAT_RAY_REPLICAS", "num_gpus": "PREHEAT_RAY_GPUS"}
         return cls.from_args({name: env[var] for name, var in names.items() if env.get(var)})
@@ -165,7 +167,7 @@ class RayOptions:
         return CoreConfig(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size,
                           samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
                           devices=self.devices, fsdp=self.fsdp, lora_ranks=tuple(self.lora_ranks),
-                          max_loras=self.max_loras, batch_wait_ms=self.batch_wait_ms, max_queue=self.max_queue,
+                          max_loras=self.max_loras, lora_dir=self.lora_dir, batch_wait_ms=self.batch_wait_ms, max_queue=self.max_queue,
                           max_steps=self.max_steps, push_grace_s=self.push_grace_s)
 
     def deployment_options(self) -> dict[str, Any]:

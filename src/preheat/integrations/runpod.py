@@ -21,7 +21,9 @@ The engine is loaded once per process (at ``python -m`` start, or on the first j
 ``PREHEAT_SIZES`` (text-to-image: ``512x512,768x512``; default: the model's size),
 ``PREHEAT_GUIDANCE`` (guidance modes warmed: ``off,on``, as ``preheat warm --guidance``),
 ``PREHEAT_LORA_RANKS`` (LoRA rank buckets warmed, as ``--lora-ranks``: ``16,32``),
-``PREHEAT_MAX_LORAS`` (LoRAs held ready, 8) and
+``PREHEAT_MAX_LORAS`` (LoRAs held ready, 8),
+``PREHEAT_LORA_DIR`` (the only folder a request's local ``lora_weights`` may name; unset: URLs
+and ``hf://`` only) and
 ``PREHEAT_DTYPE`` (float32; ``bfloat16`` for a GPU worker). The
 compile cache lives on the network volume automatically (``/runpod-volume/preheat``, see
 ``preheat.cache.root``), so a cold worker with a warm volume starts hot.
@@ -52,7 +54,7 @@ def config_from_env(env: Optional[dict[str, str]] = None) -> CoreConfig:
                       batch_wait_ms=float(env.get("PREHEAT_BATCH_WAIT_MS", "10")),
                       max_queue=int(env.get("PREHEAT_MAX_QUEUE", "64")),
                       max_steps=int(env.get("PREHEAT_MAX_STEPS", "200")),
-                      max_loras=int(env.get("PREHEAT_MAX_LORAS", "8")),
+                      max_loras=int(env.get("PREHEAT_MAX_LORAS", "8")), lora_dir=env.get("PREHEAT_LORA_DIR") or None,
                       lora_ranks=parse_lora_ranks(env.get("PREHEAT_LORA_RANKS"), "PREHEAT_LORA_RANKS"),
                       samplers=tuple(n.strip() for n in env.get("PREHEAT_SAMPLERS", "").split(",") if n.strip()),
                       guidance=tuple(g.strip() for g in (env.get("PREHEAT_GUIDANCE") or "off,on").split(",") if g.strip()))

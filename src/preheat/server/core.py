@@ -72,6 +72,7 @@ class CoreConfig:
     push_grace_s: float = 30.0  # at close(), how long background uploads to the store may take
     lora_ranks: tuple[int, ...] = ()  # LoRA rank buckets warmed (preheat.lora.BUCKETS); others compile on first use
     max_loras: int = 8  # LoRAs held ready (read, and their factors on the device), least recently used out
+    lora_dir: Optional[str] = None  # requests' local LoRA files only from under this folder (None: no local files)
 
     def warm_set(self) -> WarmSet:
         """The declaration this server warms (the same object ``preheat warm`` compiles)."""
@@ -171,7 +172,7 @@ class Core:
         self.config = config
         self.limits = Limits(max_batch_size=config.max_batch_size, max_steps=config.max_steps,
                              max_guidance=config.max_guidance, schedulers=tuple(config.samplers),
-                             sizes=tuple(config.sizes))
+                             sizes=tuple(config.sizes), lora_dir=config.lora_dir)
         self.input_model = input_model(self.limits)
         self.buckets = buckets_for(config.max_batch_size, getattr(pipe, "device_count", 1))
         self.metrics = CoreMetrics()

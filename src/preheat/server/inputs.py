@@ -17,6 +17,7 @@ HTTP 422 (naming the field) or a Runpod ``{"error": ...}``.
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
@@ -58,6 +59,7 @@ class Limits:
     output_formats: tuple[str, ...] = OUTPUT_FORMATS
     sizes: tuple[tuple[int, int], ...] = ()  # text-to-image: served (width, height); () = the model's default
     max_lora_scale: float = MAX_LORA_SCALE  # lora_scale within [-max, max]
+    lora_dir: Optional[str] = None  # local LoRA files only from under this folder; None: URLs and hf:// only
 
 
 @dataclass(frozen=True)
@@ -256,7 +258,7 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     if v["num_inference_steps"] is None and not 1 <= int(steps) <= limits.max_steps:
         errors.append(("num_inference_steps", f"the model default {steps} exceeds this server's max {limits.max_steps}"))
     guidance = v["guidance_scale"] if v["guidance_scale"] is not None else pipe.defaults.get("guidance")
-    lora, lora_bucket = _lora(pipe, v, errors)
+    lora, lora_bucket = _lora(pipe, v, errors, limits.lora_dir)
     if errors:
         raise InputError(errors)
 
@@ -276,12 +278,39 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     return replace(job, guidance=guidance), given
 
 
-def _lora(pipe: Any, v: dict[str, Any], errors: list[tuple[str, str]]) -> tuple[Optional[tuple[Any, float]],
-                                                                                Optional[int]]:
+def lora_source(source: str, lora_dir: Optional[str]) -> str:
+    """A client's ``lora_weights`` as the server may read it: ``http(s)://`` and ``hf://`` as they
+    are; a local path only under ``lora_dir`` (relative to it, or absolute inside it), so that a
+    client can never make the server read, or probe for, any other file on its disk. Raises
+    ``InvalidArgumentError`` (one line) otherwise."""
+    if "://" in source:
+        scheme = source.split("://", 1)[0].lower()
+        if scheme not in ("http", "https", "hf"):
+            raise InvalidArgumentError(f"{scheme}:// is not a LoRA source; use http(s)://, hf:// or a file under "
+                                       "the server's --lora-dir", argument="lora_weights")
+        return source
+    if lora_dir is None:
+        raise InvalidArgumentError("this server reads no local LoRA files (start it with --lora-dir DIR to serve "
+                                   "files under DIR); use http(s):// or hf://", argument="lora_weights")
+    base = Path(lora_dir).resolve()
+    path = (base / source).resolve()
+    if not path.is_relative_to(base):
+        raise InvalidArgumentError(f"{source} is not under the server's --lora-dir", argument="lora_weights")
+    return str(path)
+
+
+def _lora(pipe: Any, v: dict[str, Any], errors: list[tuple[str, str]],
+          lora_dir: Optional[str] = None) -> tuple[Optional[tuple[Any, float]], Optional[int]]:
     """``lora_weights`` -> ((the file, read through the pipeline's LRU), its scale) and its rank bucket;
-    a file that is missing, corrupt, or does not fit the model is an error on ``lora_weights``."""
+    a source the server does not serve (:func:`lora_source`), or a file that is missing, corrupt, or
+    does not fit the model, is an error on ``lora_weights``."""
     source = (v.get("lora_weights") or "").strip()
     if not source:
+        return None, None
+    try:
+        source = lora_source(source, lora_dir)
+    except InvalidArgumentError as err:
+        errors.append(("lora_weights", str(err)))
         return None, None
     from preheat.errors import PreheatError
     from preheat.lora import bucket_for, cached_file
