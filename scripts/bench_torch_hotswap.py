@@ -5,7 +5,7 @@ and how long a switch takes (a LoRA read from its file vs one already held in me
 
 Builds the tiny Flux test folder and peft LoRA files as the tests do, compiles the transformer's
 blocks (regional) with LoRA A loaded after ``enable_lora_hotswap(target_rank=8)``, then swaps in:
-B (same targets, rank 2), A again from memory, C (one more target module), D (rank 16 > 8). For
+B (same targets, rank 2), A again from memory, D (rank 16 > 8), C (one more target module). For
 each: the switch time, Dynamo frames compiled by the next call, and the error diffusers / peft
 raise, if any.
 """
@@ -72,8 +72,9 @@ def main(out: Path) -> None:
 
     swap("B: same targets, rank 2 (file)", files["B"])
     swap("A: same targets, rank 4 (held in memory: LRU hit)", held["A"])
-    swap("C: one more target module (file)", files["C"])
     swap("D: rank 16 > target_rank 8 (file)", files["D"])
+    swap("C: one more target module (file)", files["C"])  # last: a failed swap here removes the adapter
+    rows["after C failed"] = {"adapters": list(pipe.get_list_adapters().get("transformer", []))}
     result = {"torch": torch.__version__, "rows": rows}
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

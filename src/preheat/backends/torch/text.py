@@ -188,6 +188,8 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
     kwargs: dict[str, Any] = {"torch_dtype": dtypes[dtype]}
     if variant:
         kwargs["variant"] = variant
+    index = json.loads((root / "model_index.json").read_text())
+    kwargs.update({k: None for k, v in index.items() if v == [None, None]})  # e.g. SD3 saved without its T5
     if class_name == "StableDiffusionXLPipeline":
         kwargs["add_watermarker"] = False
     elif class_name == "StableDiffusionPipeline":
