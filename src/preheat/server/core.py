@@ -32,133 +32,22 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
-from preheat.cache.warm import GUIDANCE_MODES, WarmSet, WarmSignature, buckets_for, resolve, run_signature, signatures
+from preheat.cache.warm import WarmSignature, buckets_for, resolve, run_signature, signatures
 from preheat.errors import InputError, NotAccepting, QueueFull
 from preheat.server.inputs import Job, Limits, input_model, parse_input, size_inputs
+from preheat.server.config import CoreConfig, load_pipeline
 from preheat.server.metrics import CoreMetrics
+from preheat.server.predictions import Listener, Prediction, SetupInfo
 from preheat.timings import now_iso
 
 __all__ = ["CoreConfig", "Core", "Prediction", "buckets_for", "SHUT_DOWN"]
 
 log = logging.getLogger("preheat.server")
 
-TERMINAL = ("succeeded", "failed", "canceled")
-Listener = Callable[[str, dict], None]  # (event, snapshot); event: "start" | "completed"
 SHUT_DOWN = "the server shut down before this prediction ran"  # the error of predictions dropped by close()
-
-
-
-
-@dataclass
-class CoreConfig:
-    model: Optional[str] = None  # a diffusers folder; None = the built-in model
-    backend: str = "jax"
-    compile: str = "none"  # torch backend: none, inductor, aot or regional (preheat.torch.compile)
-    dtype: str = "float32"
-    max_batch_size: int = 8
-    devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
-    fsdp: int = 1  # jax: the devices each weight is split over (1: copied to each)
-    batch_wait_ms: float = 10.0
-    max_queue: int = 64  # predictions waiting (not running); more -> QueueFull
-    max_steps: int = 200
-    max_guidance: float = 50.0
-    samplers: tuple[str, ...] = ()  # offered (and warmed) samplers; () = the model's default only
-    sizes: tuple[tuple[int, int], ...] = ()  # text-to-image: served (width, height); () = the model's default
-    keep_finished: int = 1000  # finished predictions kept for GET / PUT retries
-    guidance: tuple[str, ...] = GUIDANCE_MODES  # warmed guidance modes ("on" only where the model can guide)
-    push_grace_s: float = 30.0  # at close(), how long background uploads to the store may take
-    lora_ranks: tuple[int, ...] = ()  # LoRA rank buckets warmed (preheat.lora.BUCKETS); others compile on first use
-    max_loras: int = 8  # LoRAs held ready (read, and their factors on the device), least recently used out
-    lora_dir: Optional[str] = None  # requests' local LoRA files only from under this folder (None: no local files)
-
-    def warm_set(self) -> WarmSet:
-        """The declaration this server warms (the same object ``preheat warm`` compiles)."""
-        from preheat.lora import check_lora_ranks
-
-        return WarmSet(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size,
-                       samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
-                       devices=self.devices, fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks))
-
-    @classmethod
-    def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":
-        """A server for the declared set; ``options``: the serving-only fields (queue, limits, ...)."""
-        options.setdefault("devices", warm.devices)
-        options.setdefault("fsdp", warm.fsdp)
-        return cls(model=warm.model, dtype=warm.dtype, max_batch_size=warm.max_batch_size,
-                   samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance),
-                   lora_ranks=tuple(warm.lora_ranks), **options)
-
-
-@dataclass
-class Prediction:
-    id: str
-    job: Job
-    input: dict[str, Any]
-    created_at: str = field(default_factory=now_iso)
-    status: str = "starting"
-    output: Any = None
-    error: Optional[str] = None
-    logs: list[str] = field(default_factory=list)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    started_at: Optional[str] = None
-    completed_at: Optional[str] = None
-    extra: dict[str, Any] = field(default_factory=dict)  # echoed fields: webhook, webhook_events_filter
-    enqueued: float = field(default_factory=time.monotonic)
-    cancel_requested: bool = False
-    respond_async: bool = False  # the client was answered at once (202): nobody's disconnect cancels it
-    waiters: int = 0  # clients holding a connection open for the result (see Core.abandon)
-    done: threading.Event = field(default_factory=threading.Event)
-    _listeners: list[Listener] = field(default_factory=list)
-
-    def snapshot(self) -> dict[str, Any]:
-        d = {"id": self.id, "status": self.status, "input": self.input, "output": self.output,
-             "error": self.error, "logs": "".join(line + "\n" for line in self.logs),
-             "metrics": dict(self.metrics), "created_at": self.created_at, "started_at": self.started_at,
-             "completed_at": self.completed_at}
-        d.update(self.extra)
-        return d
-
-    @property
-    def terminal(self) -> bool:
-        return self.status in TERMINAL
-
-
-@dataclass
-class SetupInfo:
-    started_at: Optional[str] = None
-    completed_at: Optional[str] = None
-    status: str = "starting"  # starting | succeeded | failed
-    logs: list[str] = field(default_factory=list)
-    error: Optional[str] = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"started_at": self.started_at, "completed_at": self.completed_at, "status": self.status,
-                "logs": "".join(line + "\n" for line in self.logs)}
-
-
-def load_pipeline(config: CoreConfig) -> Any:
-    """The engine for ``config.backend``; a one-line ``InvalidArgumentError`` for an unusable backend."""
-    from preheat.errors import InvalidArgumentError
-
-    if config.backend == "jax":
-        if config.compile != "none":
-            raise InvalidArgumentError(f"--compile {config.compile} applies to --backend torch")
-        import preheat
-
-        return preheat.load(config.model, dtype=config.dtype, devices=config.devices, fsdp=config.fsdp)
-    if config.backend == "torch":
-        try:
-            import preheat.backends.torch as torch_backend
-        except ImportError as err:
-            raise InvalidArgumentError(f"--backend torch needs the torch extra ({err})") from None
-        loader = getattr(torch_backend, "load", None)
-        if loader is None:
-            raise InvalidArgumentError("--backend torch: preheat.backends.torch provides no pipeline yet; use --backend jax")
-        return loader(config.model, dtype=config.dtype, compile=config.compile)
-    raise InvalidArgumentError(f"unknown backend {config.backend!r}; use jax or torch")
 
 
 class Core:
