@@ -342,7 +342,7 @@ def test_cache_explain_backend_torch(cold, flux, tmp_path, monkeypatch):
     def explained(width: str) -> list[str]:
         result = CliRunner().invoke(explain_command, [*args, "--width", width])
         assert result.exit_code == 0, result.output
-        return [line for line in result.stdout.splitlines() if line.startswith(("hit:", "miss:"))]  # not warnings
+        return [line for line in result.stdout.splitlines() if line.startswith(("hit:", "miss:"))]  # stdout: no progress bars
 
     (line,) = explained("32")
     assert line.startswith(f"hit: entry {first['events'][0]['key'][:12]}"), line
