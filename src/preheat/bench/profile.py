@@ -93,13 +93,16 @@ def _flops(ins: dict[str, Any], types: dict[str, str]) -> tuple[float, str | Non
 
 
 def classify_hlo(text: str) -> dict[str, dict[str, Any]]:
-    """Every top-level instruction of the entry computation that runs as a thunk -> its class,
-    FLOPs and bytes (operands + result)."""
+    """Every instruction that runs as a thunk (in the entry computation or a loop body, not inside
+    a fusion) -> its class, FLOPs and bytes (operands + result)."""
     comps, entry = hlo_instructions(text)
-    entry_types = {i["name"]: i["type"] for i in comps.get(entry, [])}
+    fused = {c for ins in (i for v in comps.values() for i in v)
+             for c in re.findall(r"calls=%([\w.\-]+)", ins["attrs"])}
+    scheduled = [name for name in comps if name not in fused]  # the entry and while/conditional bodies
     out: dict[str, dict[str, Any]] = {}
-    for ins in comps.get(entry, []):
-        if ins["op"] in ("parameter", "constant", "bitcast", "tuple", "get-tuple-element"):
+    for ins, entry_types in ((i, {j["name"]: j["type"] for j in comps[c]}) for c in scheduled for i in comps[c]):
+        if ins["op"] in ("parameter", "constant", "bitcast", "tuple", "get-tuple-element", "while", "conditional",
+                         "call"):
             continue
         called = re.findall(r"(?:calls|body|condition|to_apply)=%([\w.\-]+)", ins["attrs"])
         body = [j for c in called for j in comps.get(c, [])] or [ins]
