@@ -64,3 +64,20 @@ def test_auto_is_xla_convolution_and_unknown_is_refused(monkeypatch):
     monkeypatch.setenv("PREHEAT_CONV", "winograd")
     with pytest.raises(InvalidArgumentError, match="PREHEAT_CONV='winograd'"):
         conv_impl()
+
+
+def test_compile_cache_key_names_the_conv_impl(monkeypatch):
+    """A program traced with another implementation is another executable: never served for this one."""
+    from dataclasses import dataclass
+
+    from preheat.cache.compile import key_fields, key_of
+
+    @dataclass(frozen=True)
+    class Sig:
+        batch: int = 1
+
+    keys = set()
+    for impl in CONV_IMPLS:
+        monkeypatch.setenv("PREHEAT_CONV", impl)
+        keys.add(key_of(key_fields({"model": "m"}, Sig(), (np.zeros(2, np.float32),))))
+    assert len(keys) == len(CONV_IMPLS)
