@@ -14,7 +14,7 @@ from typing import Any
 
 from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary, timed
 
-__all__ = ["bench_sampler", "matmul_gflops", "markdown"]
+__all__ = ["bench_sampler", "bench_profile", "matmul_gflops", "markdown"]
 
 
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
@@ -50,14 +50,21 @@ def bench_sampler(model: str | None, batches: list[int], steps: int, sampler: st
         model_batch = 2 * b if sig.guided else b
         cond, uncond = args[3], args[4]
         model_cond = jax.tree.map(lambda c, u: jnp.concatenate([c, u]), cond, uncond) if sig.guided else cond
-        x = jnp.zeros((model_batch, *sig.sample_shape), sig.dtype)
-        t = jnp.full((model_batch,), 500.0, jnp.float32)
-        denoise = jax.jit(pipe.apply).lower(pipe.params, x, t, model_cond).compile()
-        one = timed(lambda: denoise(pipe.params, x, t, model_cond).block_until_ready(), repeats, warmup=2)
+        # Fed like the loop: noise at the plan's timesteps (a call's time depends on its data:
+        # zeros at one mid timestep ran up to 2x faster than noise at t=999 on the cifar model).
+        x = jax.random.normal(jax.random.key(0), (model_batch, *sig.sample_shape), sig.dtype)
+        ts = [jnp.full((model_batch,), args[1].timesteps[i], jnp.float32) for i in range(steps)]
+        denoise = jax.jit(pipe.apply).lower(pipe.params, x, ts[0], model_cond).compile()
+
+        def calls() -> None:
+            for t in ts:
+                for _ in range(calls_per_step):
+                    denoise(pipe.params, x, t, model_cond).block_until_ready()
+
         n_calls = steps * calls_per_step
         flops_per_call = float((denoise.cost_analysis() or {}).get("flops", float("nan")))
         loop_s = summary(loop)
-        calls_s = summary([n_calls * v for v in one])
+        calls_s = summary(timed(calls, repeats))
         row = {
             "batch": b, "steps": steps, "sampler": sampler, "guided": sig.guided,
             "sample_shape": list(sig.sample_shape),
@@ -79,6 +86,28 @@ def bench_sampler(model: str | None, batches: list[int], steps: int, sampler: st
         rows.append(row)
     return {"model": model or "built-in:digits", "machine": machine_line(), "matmul_gflops": matmul_gflops(),
             "rows": rows}
+
+
+def bench_profile(model: str | None, batch: int | None, workdir: Path) -> tuple[str, dict[str, Any]]:
+    """The per-op-class breakdown of one denoiser call (``preheat.bench.profile``); pixel models.
+    Default batch: a model batch of 16 (8 images under guidance)."""
+    import preheat
+    from preheat.bench import profile
+    from preheat.engine import BUILTIN_MODEL
+    from preheat.errors import InvalidArgumentError
+
+    folder = Path(materialize_model(model, workdir) or BUILTIN_MODEL)
+    unet_dir = folder / "unet" if (folder / "unet").is_dir() else folder
+    pipe = preheat.load(str(folder), cache="off")
+    if pipe.family.name != "pixel":
+        raise InvalidArgumentError(f"--profile measures pixel UNet models; {folder} is a {pipe.family.name} model")
+    if batch is None:
+        batch = 8 if pipe.prepare(1, steps=2, seed=0)[0].guided else 16
+    result = profile.profile_model(pipe, str(unet_dir), batch)
+    result["model"] = model or "built-in:digits"
+    result["machine"] = machine_line()
+    text = f"**{result['model']}** — {result['machine']}\n\n" + profile.markdown(result)
+    return text, result
 
 
 def markdown(result: dict[str, Any]) -> str:

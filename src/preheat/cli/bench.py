@@ -30,10 +30,13 @@ def bench_group() -> None:
 @click.option("--repeats", default=3, show_default=True, type=int)
 @click.option("--width", type=int, help="Text-to-image models: image width (default: the model's).")
 @click.option("--height", type=int, help="Text-to-image models: image height (default: the model's).")
+@click.option("--profile", is_flag=True,
+              help="Instead: where one denoiser call's time goes, per op class, JAX vs torch.compile (pixel "
+                   "models; model batch 16: batch 8 guided, else 16; --batch sets the images).")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
 @one_line_errors
 def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sampler: str | None, repeats: int,
-                    width: int | None, height: int | None, json_out: Path | None) -> None:
+                    width: int | None, height: int | None, profile: bool, json_out: Path | None) -> None:
     """Loop overhead, images/s and achieved GFLOP/s (and, for text-to-image models, the share of
     text encoding and VAE decoding). MODEL: a folder, 'ddpm-cifar10-32' or 'sd15-random' (random
     weights), or nothing for the built-in model."""
@@ -41,6 +44,14 @@ def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sam
     from preheat.bench.sampler import bench_sampler, markdown
 
     size = (width, height) if width and height else None
+    if profile:
+        from preheat.bench.sampler import bench_profile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            text, result = bench_profile(model, batches[0] if batches else None, Path(tmp))
+        click.echo(text)
+        write_json(json_out, result)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         result = bench_sampler(model, list(batches) or [1, 8, 32], steps, sampler, repeats, Path(tmp), size)
     click.echo(markdown(result))

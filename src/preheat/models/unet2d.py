@@ -16,6 +16,7 @@ Weights are never closed over: ``UNet2D.apply(params, ...)`` is a pure function 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
@@ -195,6 +196,51 @@ def _lift(v: Array, ndim: int) -> Array:
     return v.reshape((1,) * (ndim - 1) + v.shape)
 
 
+CONV_IMPLS = ("conv", "taps", "im2col", "dot1x1")
+
+
+def conv_impl() -> str:
+    """The convolution implementation for programs traced now: ``PREHEAT_CONV`` if set, else per
+    platform (``auto``): XLA's convolution everywhere (cuDNN's choice on GPUs)."""
+    impl = os.environ.get("PREHEAT_CONV", "auto")
+    if impl == "auto":
+        return "conv"
+    if impl not in CONV_IMPLS:
+        raise InvalidArgumentError(f"PREHEAT_CONV={impl!r}; supported: auto, {', '.join(CONV_IMPLS)}",
+                                   argument="PREHEAT_CONV")
+    return impl
+
+
+def conv2d(x: Array, kernel: Array, stride: int, padding: int, impl: str | None = None) -> Array:
+    """(B, H, W, Cin) * (k, k, Cin, Cout) -> (B, H', W', Cout), symmetric integer padding.
+
+    ``gemm``: one matrix product per kernel tap (a 1x1 convolution is one ``dot_general``; a k x k
+    one sums k*k products of shifted views), so that XLA:CPU runs its dot path instead of its
+    convolution path. Same sums in another order: agrees with ``conv`` to float rounding."""
+    impl = impl or conv_impl()
+    k = kernel.shape[0]
+    if k == 1 and stride == 1 and padding == 0 and impl != "conv":
+        return jax.lax.dot_general(x, kernel[0, 0], (((3,), (0,)), ((), ())))  # (B, H, W, Cout)
+    if impl in ("conv", "dot1x1"):
+        return jax.lax.conv_general_dilated(
+            x, kernel, window_strides=(stride, stride), padding=((padding, padding), (padding, padding)),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    if padding:
+        x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    b, h, w, cin = x.shape
+    ho, wo = (h - k) // stride + 1, (w - k) // stride + 1
+    taps = [jax.lax.slice(x, (0, i, j, 0), (b, i + (ho - 1) * stride + 1, j + (wo - 1) * stride + 1, cin),
+                          (1, stride, stride, 1)) for i in range(k) for j in range(k)]  # k*k x (B, H', W', Cin)
+    if impl == "im2col":
+        cols = jnp.concatenate(taps, axis=-1)  # (B, H', W', k*k*Cin), tap-major like the HWIO kernel
+        return jax.lax.dot_general(cols, kernel.reshape(k * k * cin, -1), (((3,), (0,)), ((), ())))
+    y = None
+    for n, tap in enumerate(taps):
+        part = jax.lax.dot_general(tap, kernel[n // k, n % k], (((3,), (0,)), ((), ())))  # (B, H', W', Cout)
+        y = part if y is None else y + part
+    return y
+
+
 class Conv2d(nnx.Module):
     """NHWC convolution with an HWIO kernel and symmetric integer padding."""
 
@@ -207,11 +253,7 @@ class Conv2d(nnx.Module):
         self.padding = padding
 
     def __call__(self, x: Array) -> Array:  # (B, H, W, Cin) -> (B, H', W', Cout)
-        p = self.padding
-        y = jax.lax.conv_general_dilated(
-            x, self.kernel[...].astype(x.dtype), window_strides=(self.stride, self.stride),
-            padding=((p, p), (p, p)), dimension_numbers=("NHWC", "HWIO", "NHWC"),
-        )
+        y = conv2d(x, self.kernel[...].astype(x.dtype), self.stride, self.padding)
         y = y + _lift(self.bias[...].astype(x.dtype), y.ndim)
         lora = getattr(self, "lora", None)  # a 1x1 conv's low-rank adapter (preheat.models.lora.attach)
         return y if lora is None else y + lora(x)

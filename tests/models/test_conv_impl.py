@@ -1,0 +1,83 @@
+"""The per-platform convolution switch (``PREHEAT_CONV``): every implementation computes the same
+convolution as XLA's, and the whole UNet keeps diffusers parity with each."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import preheat
+from preheat.errors import InvalidArgumentError
+from preheat.models.unet2d import CONV_IMPLS, conv2d, conv_impl
+from tests.reference import save_random_unet, torch_unet_output
+
+# Outputs are O(1) sums of k*k*Cin <= 144 products; the implementations add the same products in
+# another order, so they differ by float32 reassociation only: a few ulps of the partial sums,
+# measured <= 1.2e-6 here and on whole UNets. 1e-5 leaves room for other CPUs' kernels, and is
+# 100x below what a wrong tap, stride or padding gives (O(0.1-1)).
+IMPL_TOL = 1e-5
+FP32_TOL = 1e-4  # parity with diffusers, as tests/models/test_unet2d.py
+
+
+@pytest.mark.parametrize("impl", [i for i in CONV_IMPLS if i != "conv"])
+@pytest.mark.parametrize("k,stride,padding", [(3, 1, 1), (3, 2, 1), (3, 2, 0), (1, 1, 0)])
+def test_impls_agree_with_xla_convolution(impl, k, stride, padding):
+    rng = np.random.RandomState(0)
+    x = jnp.asarray(rng.randn(2, 9, 9, 16).astype(np.float32))  # odd size: stride 2 floors
+    kernel = jnp.asarray((rng.rand(k, k, 16, 24).astype(np.float32) * 2 - 1) / np.sqrt(k * k * 16))
+    ref = jax.lax.conv_general_dilated(x, kernel, (stride, stride), ((padding, padding),) * 2,
+                                       dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                       precision=jax.lax.Precision.HIGHEST)
+    out = jax.jit(conv2d, static_argnums=(2, 3, 4))(x, kernel, stride, padding, impl)
+    assert out.shape == ref.shape
+    assert float(jnp.abs(out - ref).max()) <= IMPL_TOL
+
+
+@pytest.fixture(scope="module")
+def unet_case(tmp_path_factory):
+    # Tiny, but with every conv kind: 3x3, stride-2 with the asymmetric pad, 1x1 shortcut (32 -> 64).
+    config = dict(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(32, 64),
+                  norm_num_groups=8, down_block_types=("DownBlock2D", "DownBlock2D"),
+                  up_block_types=("UpBlock2D", "UpBlock2D"), downsample_padding=0)
+    path = save_random_unet(config, tmp_path_factory.mktemp("conv-impl") / "m", perturb=0.02)
+    rng = np.random.RandomState(0)
+    x = rng.randn(2, 3, 8, 8).astype(np.float32)
+    t = np.array([3, 700], np.int64)
+    return path, x, t, torch_unet_output(path, x, t)
+
+
+@pytest.mark.parametrize("impl", CONV_IMPLS)
+def test_unet_parity_with_diffusers_for_each_impl(unet_case, impl, monkeypatch):
+    path, x, t, ref = unet_case
+    monkeypatch.setenv("PREHEAT_CONV", impl)
+    assert conv_impl() == impl
+    unet = preheat.load_unet(path)
+    out = np.asarray(jax.jit(unet.__call__)(x, t))  # a fresh bound method: traced under this setting
+    assert float(np.abs(out - ref).max()) <= FP32_TOL
+
+
+def test_auto_is_xla_convolution_and_unknown_is_refused(monkeypatch):
+    monkeypatch.delenv("PREHEAT_CONV", raising=False)
+    assert conv_impl() == "conv"
+    monkeypatch.setenv("PREHEAT_CONV", "winograd")
+    with pytest.raises(InvalidArgumentError, match="PREHEAT_CONV='winograd'"):
+        conv_impl()
+
+
+def test_compile_cache_key_names_the_conv_impl(monkeypatch):
+    """A program traced with another implementation is another executable: never served for this one."""
+    from dataclasses import dataclass
+
+    from preheat.cache.compile import key_fields, key_of
+
+    @dataclass(frozen=True)
+    class Sig:
+        batch: int = 1
+
+    keys = set()
+    for impl in CONV_IMPLS:
+        monkeypatch.setenv("PREHEAT_CONV", impl)
+        keys.add(key_of(key_fields({"model": "m"}, Sig(), (np.zeros(2, np.float32),))))
+    assert len(keys) == len(CONV_IMPLS)
