@@ -229,10 +229,10 @@ def materialize(arch: dict[str, Any] | str, dtype: str, out: Path) -> dict[str, 
         from flax import nnx
 
         from preheat.models.loading import save_unet
-        from preheat.models.unet2d import UNet2DConfig, UNet2DModel
+        from preheat.models.unet2d import UNet2DConfig, UNet2DModule
 
         config = UNet2DConfig.from_dict(arch)
-        model = UNet2DModel(config, rngs=nnx.Rngs(0))
+        model = UNet2DModule(config, rngs=nnx.Rngs(0))
         path = out / "model"
         save_unet(config, nnx.state(model), path / "unet",
                   dtype=ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))

@@ -10,11 +10,11 @@ from flax import nnx
 from preheat.models import weights
 from preheat.models.clip import CLIPTextConfig, CLIPTextModel
 from preheat.models.t5 import T5Config, T5EncoderModel
-from preheat.models.unet2d import UNet2DConfig, UNet2DModel
+from preheat.models.unet2d import UNet2DConfig, UNet2DModule
 from tests.reference import TINY_CLASS_CONDITIONAL
 
 CASES = {
-    "unet2d": lambda: (UNet2DModel, UNet2DConfig.from_dict(TINY_CLASS_CONDITIONAL)),
+    "unet2d": lambda: (UNet2DModule, UNet2DConfig.from_dict(TINY_CLASS_CONDITIONAL)),
     "clip": lambda: (CLIPTextModel, CLIPTextConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
                                                    projection_dim=8, num_hidden_layers=2, num_attention_heads=2,
                                                    max_position_embeddings=8, model_class="CLIPTextModelWithProjection")),
@@ -44,7 +44,7 @@ def test_abstract_build_draws_no_random_numbers(monkeypatch):
 
     monkeypatch.setattr(jax.random, "uniform", refuse)
     monkeypatch.setattr(jax.random, "normal", refuse)
-    weights.build_abstract(lambda rngs: UNet2DModel(UNet2DConfig.from_dict(TINY_CLASS_CONDITIONAL), rngs=rngs))
+    weights.build_abstract(lambda rngs: UNet2DModule(UNet2DConfig.from_dict(TINY_CLASS_CONDITIONAL), rngs=rngs))
 
 
 def test_outside_an_abstract_build_param_initialises():

@@ -48,10 +48,10 @@ def materialize_model(name_or_path: str | None, workdir: Path) -> str | None:
 
     from preheat.files import atomic_write_bytes
     from preheat.models.loading import save_unet
-    from preheat.models.unet2d import UNet2DConfig, UNet2DModel
+    from preheat.models.unet2d import UNet2DConfig, UNet2DModule
 
     config = UNet2DConfig.from_dict(ARCHITECTURES[name_or_path])
-    model = UNet2DModel(config, rngs=nnx.Rngs(0))
+    model = UNet2DModule(config, rngs=nnx.Rngs(0))
     save_unet(config, nnx.state(model), out / "unet")
     atomic_write_bytes(out / "scheduler" / "scheduler_config.json", json.dumps(_DDPM_SCHEDULER).encode())
     atomic_write_bytes(out / "model_index.json", json.dumps({"_class_name": "DDPMPipeline", "preheat": {

@@ -26,11 +26,11 @@ from flax import nnx
 from preheat.errors import UnsupportedConfigError
 from preheat.models import weights
 from preheat.models.folders import resolve_unet_dir
-from preheat.models.unet2d import UNet2DConfig, UNet2DModel
+from preheat.models.unet2d import UNet2DConfig, UNet2DModule
 from preheat.models.weights import (DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, to_torch_layout,
                                     torch_key, weight_files)
 
-__all__ = ["UNet2D", "load_unet", "resolve_unet_dir", "read_unet_config", "build_abstract", "torch_key"]
+__all__ = ["LoadedUNet2D", "load_unet", "resolve_unet_dir", "read_unet_config", "build_abstract", "torch_key"]
 
 WEIGHTS_NAME = f"{DIFFUSERS_STEM}.safetensors"
 
@@ -48,7 +48,7 @@ def read_unet_config(unet_dir: Path) -> UNet2DConfig:
 
 def build_abstract(config: UNet2DConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory."""
-    return weights.build_abstract(lambda rngs: UNet2DModel(config, rngs=rngs))
+    return weights.build_abstract(lambda rngs: UNet2DModule(config, rngs=rngs))
 
 
 def legacy_unet_key(key: str) -> str:
@@ -62,7 +62,7 @@ def legacy_unet_key(key: str) -> str:
 
 
 @dataclass
-class UNet2D:
+class LoadedUNet2D:
     """A loaded UNet: ``unet(sample, timestep, class_labels)`` in NCHW, like diffusers' ``.sample``.
 
     ``params`` is the weight pytree; ``apply`` is the pure NHWC function the sampler compiles,
@@ -88,7 +88,7 @@ class UNet2D:
         return jnp.transpose(out, (0, 3, 1, 2))  # NHWC -> NCHW
 
 
-def load_unet(path: str | Path, dtype: Any = jnp.float32, variant: str | None = None) -> UNet2D:
+def load_unet(path: str | Path, dtype: Any = jnp.float32, variant: str | None = None) -> LoadedUNet2D:
     """Load a diffusers UNet2DModel folder (or a pipeline folder's ``unet/``) into JAX.
     ``variant``: read ``diffusion_pytorch_model.<variant>.safetensors`` (e.g. "fp16")."""
     dtype = check_dtype(dtype)
@@ -97,7 +97,7 @@ def load_unet(path: str | Path, dtype: Any = jnp.float32, variant: str | None = 
     graphdef, abstract = build_abstract(config)
     tensors = read_tensors(weight_files(unet_dir, (DIFFUSERS_STEM,), variant), rename=legacy_unet_key)
     params = fill(abstract, tensors, dtype, str(unet_dir))
-    return UNet2D(config=config, graphdef=graphdef, params=params, dtype=dtype)
+    return LoadedUNet2D(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 
 def save_unet(config: UNet2DConfig, params: nnx.State, directory: str | Path, dtype: Any = np.float32) -> Path:

@@ -1,6 +1,6 @@
 """Diffusers' ``UNet2DModel`` in JAX (Flax NNX), numerically matching the torch original.
 
-Layout: NHWC inside (XLA's preferred layout on GPU and CPU); the public ``UNet2D.__call__``
+Layout: NHWC inside (XLA's preferred layout on GPU and CPU); the public ``LoadedUNet2D.__call__``
 takes and returns NCHW like diffusers, and transposes at the edges. Parameters are stored in
 the layout the math wants (conv kernels HWIO, linear kernels (in, out)); ``preheat.models.loading``
 converts diffusers' torch-layout tensors on load.
@@ -10,7 +10,7 @@ so that the parameter path of a leaf *is* the checkpoint key, modulo the leaf na
 
     kernel -> weight (transposed), bias -> bias, scale -> weight, embedding -> weight, weight -> weight
 
-Weights are never closed over: ``UNet2D.apply(params, ...)`` is a pure function of its arguments.
+Weights are never closed over: ``LoadedUNet2D.apply(params, ...)`` is a pure function of its arguments.
 """
 
 from __future__ import annotations
@@ -395,7 +395,7 @@ class ResnetBlock2D(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Spatial self-attention with residual (diffusers' Attention as used by UNet2D blocks)."""
+    """Spatial self-attention with residual (diffusers' Attention as used by UNet2DModel's blocks)."""
 
     def __init__(self, channels: int, head_dim: int | None, *, groups: int | None, eps: float,
                  rescale_output_factor: float, rngs: nnx.Rngs):
@@ -550,8 +550,9 @@ class MidBlock(nnx.Module):
 # ----------------------------------------------------------------------------------------------
 
 
-class UNet2DModel(nnx.Module):
-    """The network. ``__call__`` is NHWC; see ``preheat.models.loading.UNet2D`` for the NCHW wrapper."""
+class UNet2DModule(nnx.Module):
+    """diffusers' ``UNet2DModel`` as a Flax NNX module (the network; ``__call__`` is NHWC). See
+    ``preheat.models.loading.LoadedUNet2D`` for the loaded weights with the NCHW-facing call."""
 
     def __init__(self, config: UNet2DConfig, *, rngs: nnx.Rngs):
         c = config

@@ -35,7 +35,7 @@ from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json,
 
 __all__ = [
     "UNet2DConditionConfig",
-    "UNet2DConditionModel",
+    "UNet2DConditionModule",
     "UNet2DCondition",
     "SUPPORTED",
     "load_unet_condition",
@@ -338,8 +338,9 @@ class MidBlock(nnx.Module):
 # ----------------------------------------------------------------------------------------------
 
 
-class UNet2DConditionModel(nnx.Module):
-    """The network. ``__call__`` is NHWC; ``UNet2DCondition`` is the loaded, NCHW-facing wrapper."""
+class UNet2DConditionModule(nnx.Module):
+    """diffusers' ``UNet2DConditionModel`` as a Flax NNX module (the network; ``__call__`` is NHWC);
+    ``LoadedUNet2DCondition`` is the loaded, NCHW-facing wrapper."""
 
     def __init__(self, config: UNet2DConditionConfig, *, rngs: nnx.Rngs):
         c = config
@@ -458,7 +459,7 @@ def read_unet_condition_config(unet_dir: Path) -> UNet2DConditionConfig:
 
 def build_abstract(config: UNet2DConditionConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory."""
-    return weights.build_abstract(lambda rngs: UNet2DConditionModel(config, rngs=rngs))
+    return weights.build_abstract(lambda rngs: UNet2DConditionModule(config, rngs=rngs))
 
 
 def check_text_conditioning(config: UNet2DConditionConfig, context_width: int, pooled_width: int | None = None,
@@ -482,7 +483,7 @@ def check_text_conditioning(config: UNet2DConditionConfig, context_width: int, p
 
 
 @dataclass
-class UNet2DCondition:
+class LoadedUNet2DCondition:
     """A loaded text-conditioned UNet.
 
     ``apply`` is the pure NHWC function a sampler compiles, the weights an argument so that one
@@ -520,15 +521,15 @@ class UNet2DCondition:
 
 
 def build_unet_condition(config: UNet2DConditionConfig, tensors: Mapping[str, Any], dtype: Any = jnp.float32,
-                         source: str = "UNet2DConditionModel weights") -> UNet2DCondition:
+                         source: str = "UNet2DConditionModel weights") -> LoadedUNet2DCondition:
     """A loaded UNet from torch-layout tensors keyed like diffusers' state dict (numpy arrays)."""
     dtype = check_dtype(dtype)
     graphdef, abstract = build_abstract(config)
     params = fill(abstract, tensors, dtype, source)  # a Checkpoint streams
-    return UNet2DCondition(config=config, graphdef=graphdef, params=params, dtype=dtype)
+    return LoadedUNet2DCondition(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 
-def load_unet_condition(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None) -> UNet2DCondition:
+def load_unet_condition(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None) -> LoadedUNet2DCondition:
     """Load a diffusers UNet2DConditionModel folder (or a pipeline folder's ``unet/``) into JAX.
 
     ``variant="fp16"`` reads ``diffusion_pytorch_model.fp16.safetensors`` (or its shard index);

@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 from preheat.models.loading import save_unet
-from preheat.models.unet2d import UNet2DConfig, UNet2DModel
+from preheat.models.unet2d import UNet2DConfig, UNet2DModule
 
 __all__ = ["DIGITS_UNET", "DIGITS_SCHEDULER", "NULL_CLASS", "train_digits", "digits_dataset"]
 
@@ -81,7 +81,7 @@ def train_digits(out: str | Path, *, steps: int = 3000, batch: int = 64, seed: i
     # keeping this line keeps the shipped weights reproducible by the command in the model card.)
     c = DIGITS_SCHEDULER
     acp = jnp.asarray(np.cumprod(1 - np.linspace(c["beta_start"], c["beta_end"], c["num_train_timesteps"])), jnp.float32)
-    model = UNet2DModel(DIGITS_UNET, rngs=nnx.Rngs(seed))
+    model = UNet2DModule(DIGITS_UNET, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model)
     ema = params
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 200, steps, lr * 0.05)
