@@ -47,3 +47,52 @@ def _private_cache_root(tmp_path_factory, monkeypatch):
     """Each test starts on an empty cache root: no result depends on which test ran first.
     A test that wants a warm cache warms it itself."""
     _isolate(monkeypatch, tmp_path_factory.mktemp("preheat-home"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Balance under `pytest -n 2 --dist loadfile`: a file is the unit of work, and xdist by default
+# hands files out most-tests-first, so the few-test, compile-heavy files (parity runs, servers,
+# clean venvs) came last and one worker ran alone for minutes at the end. Hand out the heaviest
+# files first instead (longest-processing-time-first). A file's cost is its seconds in the last
+# run that ran it (kept in pytest's cache, .pytest_cache), else HEAVY_FILES (one measured run,
+# for a fresh clone); a file known to neither keeps pytest-randomly's place after the known ones'
+# head start, and the tests inside every file keep randomly's order. Only the schedule changes.
+HEAVY_FILES: dict[str, float] = {}
+_FILE_SECONDS_KEY = "preheat/file_seconds"
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist present: keep the file order below
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cost = dict(HEAVY_FILES)
+    cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
+    if cache is not None:
+        cost.update(cache.get(_FILE_SECONDS_KEY, {}))
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::", 1)[0], i)
+
+    def key(item: pytest.Item) -> tuple[float, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return (-cost.get(path, 0.0), first[path])
+
+    items.sort(key=key)  # stable: the order inside each file is untouched
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    cache = getattr(session.config, "cache", None)
+    if cache is None or hasattr(session.config, "workerinput") or not _file_seconds:
+        return  # the controller (or a run without xdist) records; workers only report
+    known = cache.get(_FILE_SECONDS_KEY, {})
+    known.update({path: round(seconds, 1) for path, seconds in _file_seconds.items()})
+    cache.set(_FILE_SECONDS_KEY, known)
