@@ -93,6 +93,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     cache = getattr(session.config, "cache", None)
     if cache is None or hasattr(session.config, "workerinput") or not _file_seconds:
         return  # the controller (or a run without xdist) records; workers only report
-    known = cache.get(_FILE_SECONDS_KEY, {})
+    root = session.config.rootpath
+    known = {path: s for path, s in cache.get(_FILE_SECONDS_KEY, {}).items() if (root / path).is_file()}
     known.update({path: round(seconds, 1) for path, seconds in _file_seconds.items()})
     cache.set(_FILE_SECONDS_KEY, known)
