@@ -47,3 +47,65 @@ def _private_cache_root(tmp_path_factory, monkeypatch):
     """Each test starts on an empty cache root: no result depends on which test ran first.
     A test that wants a warm cache warms it itself."""
     _isolate(monkeypatch, tmp_path_factory.mktemp("preheat-home"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Balance under `pytest -n 2 --dist loadfile`: a file is the unit of work, and xdist by default
+# hands files out most-tests-first, so the few-test, compile-heavy files (parity runs, servers,
+# clean venvs) came last and one worker ran alone for minutes at the end. Hand out the heaviest
+# files first instead (longest-processing-time-first). A file's cost is its seconds in the last
+# run that ran it (kept in pytest's cache, .pytest_cache), else HEAVY_FILES (one measured run,
+# for a fresh clone); a file known to neither keeps pytest-randomly's place after the known ones'
+# head start, and the tests inside every file keep randomly's order. Only the schedule changes.
+# Seconds per file, 2 workers at load average ~20 on 2 cores (2026-11-30; relative cost only).
+HEAVY_FILES: dict[str, float] = {
+    "tests/families/test_stable_diffusion.py": 1583, "tests/backends/test_torch_compile_cache.py": 1401,
+    "tests/backends/test_torch_module_compile.py": 987, "tests/cache/test_compile_cache.py": 781,
+    "tests/families/test_flow_families.py": 695, "tests/test_devices.py": 689, "tests/families/test_lora.py": 527,
+    "tests/test_engine.py": 429, "tests/models/test_unet2d.py": 415, "tests/models/test_unet2d_condition.py": 410,
+    "tests/backends/test_torch_backend.py": 410, "tests/cache/test_remote.py": 195, "tests/models/test_flux.py": 185,
+    "tests/models/test_t5.py": 138, "tests/models/test_sd3.py": 137, "tests/doctor/test_doctor_env.py": 113,
+    "tests/integrations/test_runpod.py": 102, "tests/samplers/test_sampler_parity.py": 101,
+    "tests/models/test_clip.py": 99, "tests/models/test_vae.py": 93, "tests/doctor/test_doctor_gpu.py": 92,
+    "tests/samplers/test_sampler_runtime.py": 90, "tests/server/test_text_to_image.py": 84,
+    "tests/server/test_server.py": 82, "tests/backends/test_bench_compare.py": 66, "tests/test_gpu_check_dry.py": 63,
+}
+_FILE_SECONDS_KEY = "preheat/file_seconds"
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist present: keep the file order below
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cost = dict(HEAVY_FILES)
+    cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
+    if cache is not None:
+        cost.update(cache.get(_FILE_SECONDS_KEY, {}))
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::", 1)[0], i)
+
+    def key(item: pytest.Item) -> tuple[float, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return (-cost.get(path, 0.0), first[path])
+
+    items.sort(key=key)  # stable: the order inside each file is untouched
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    cache = getattr(session.config, "cache", None)
+    if cache is None or hasattr(session.config, "workerinput") or not _file_seconds:
+        return  # the controller (or a run without xdist) records; workers only report
+    root = session.config.rootpath
+    known = {path: s for path, s in cache.get(_FILE_SECONDS_KEY, {}).items() if (root / path).is_file()}
+    known.update({path: round(seconds, 1) for path, seconds in _file_seconds.items()})
+    cache.set(_FILE_SECONDS_KEY, known)
