@@ -10,7 +10,7 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError
-from preheat.models.unet2d import CONV_IMPLS, conv2d, conv_impl
+from preheat.models.conv import CONV_IMPLS, conv2d, conv_impl
 from tests.reference import save_random_unet, torch_unet_output
 
 # Outputs are O(1) sums of k*k*Cin <= 144 products; the implementations add the same products in

@@ -16,7 +16,6 @@ Weights are never closed over: ``LoadedUNet2D.apply(params, ...)`` is a pure fun
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
@@ -26,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
+from preheat.models.conv import conv2d
 from preheat.models.weights import param
 
 __all__ = ["UNet2DConfig", "UNet2DModel", "SUPPORTED", "LayerNorm", "JsonConfig"]
@@ -194,51 +194,6 @@ def _activation(name: str) -> Callable[[Array], Array]:
 def _lift(v: Array, ndim: int) -> Array:
     """(C,) -> (1, ..., 1, C): explicit broadcasting (tests run with rank promotion raising)."""
     return v.reshape((1,) * (ndim - 1) + v.shape)
-
-
-CONV_IMPLS = ("conv", "taps", "im2col", "dot1x1")
-
-
-def conv_impl() -> str:
-    """The convolution implementation for programs traced now: ``PREHEAT_CONV`` if set, else per
-    platform (``auto``): XLA's convolution everywhere (cuDNN's choice on GPUs)."""
-    impl = os.environ.get("PREHEAT_CONV", "auto")
-    if impl == "auto":
-        return "conv"
-    if impl not in CONV_IMPLS:
-        raise InvalidArgumentError(f"PREHEAT_CONV={impl!r}; supported: auto, {', '.join(CONV_IMPLS)}",
-                                   argument="PREHEAT_CONV")
-    return impl
-
-
-def conv2d(x: Array, kernel: Array, stride: int, padding: int, impl: str | None = None) -> Array:
-    """(B, H, W, Cin) * (k, k, Cin, Cout) -> (B, H', W', Cout), symmetric integer padding.
-
-    ``gemm``: one matrix product per kernel tap (a 1x1 convolution is one ``dot_general``; a k x k
-    one sums k*k products of shifted views), so that XLA:CPU runs its dot path instead of its
-    convolution path. Same sums in another order: agrees with ``conv`` to float rounding."""
-    impl = impl or conv_impl()
-    k = kernel.shape[0]
-    if k == 1 and stride == 1 and padding == 0 and impl != "conv":
-        return jax.lax.dot_general(x, kernel[0, 0], (((3,), (0,)), ((), ())))  # (B, H, W, Cout)
-    if impl in ("conv", "dot1x1"):
-        return jax.lax.conv_general_dilated(
-            x, kernel, window_strides=(stride, stride), padding=((padding, padding), (padding, padding)),
-            dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    if padding:
-        x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
-    b, h, w, cin = x.shape
-    ho, wo = (h - k) // stride + 1, (w - k) // stride + 1
-    taps = [jax.lax.slice(x, (0, i, j, 0), (b, i + (ho - 1) * stride + 1, j + (wo - 1) * stride + 1, cin),
-                          (1, stride, stride, 1)) for i in range(k) for j in range(k)]  # k*k x (B, H', W', Cin)
-    if impl == "im2col":
-        cols = jnp.concatenate(taps, axis=-1)  # (B, H', W', k*k*Cin), tap-major like the HWIO kernel
-        return jax.lax.dot_general(cols, kernel.reshape(k * k * cin, -1), (((3,), (0,)), ((), ())))
-    y = None
-    for n, tap in enumerate(taps):
-        part = jax.lax.dot_general(tap, kernel[n // k, n % k], (((3,), (0,)), ((), ())))  # (B, H', W', Cout)
-        y = part if y is None else y + part
-    return y
 
 
 class Conv2d(nnx.Module):

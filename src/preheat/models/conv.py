@@ -1,0 +1,68 @@
+"""The UNets' and the VAE's 2-D convolution, behind one switch (``PREHEAT_CONV``).
+
+Why a switch: XLA:CPU's convolutions once ran well below its matrix products, so the same
+convolution can be written as matrix products (per tap, or im2col) and measured against XLA's own
+(``preheat bench sampler --profile``; docs/benchmarks.md, issue 21). ``auto`` is XLA's
+convolution on every platform, the fastest measured on CPU and what cuDNN wants on GPUs. The
+choice is part of the compile cache's key, so an executable traced with one is never served for
+another.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from preheat.errors import InvalidArgumentError
+
+__all__ = ["CONV_IMPLS", "conv_impl", "conv2d"]
+
+Array = jax.Array
+
+CONV_IMPLS = ("conv", "taps", "im2col", "dot1x1")
+
+
+def conv_impl() -> str:
+    """The convolution implementation for programs traced now: ``PREHEAT_CONV`` if set, else per
+    platform (``auto``): XLA's convolution everywhere (cuDNN's choice on GPUs)."""
+    impl = os.environ.get("PREHEAT_CONV", "auto")
+    if impl == "auto":
+        return "conv"
+    if impl not in CONV_IMPLS:
+        raise InvalidArgumentError(f"PREHEAT_CONV={impl!r}; supported: auto, {', '.join(CONV_IMPLS)}",
+                                   argument="PREHEAT_CONV")
+    return impl
+
+
+def conv2d(x: Array, kernel: Array, stride: int, padding: int, impl: str | None = None) -> Array:
+    """(B, H, W, Cin) * (k, k, Cin, Cout) -> (B, H', W', Cout), symmetric integer padding.
+
+    ``conv``: XLA's convolution. ``taps``: one matrix product per kernel tap (k*k products of
+    shifted views, summed); ``im2col``: the taps side by side and one product; ``dot1x1``: XLA's
+    convolution but a 1x1 one as a ``dot_general`` (every non-``conv`` choice does that). The
+    matrix forms run XLA:CPU's dot path instead of its convolution path; they are the same sums in
+    another order, so they agree with ``conv`` to float rounding."""
+    impl = impl or conv_impl()
+    k = kernel.shape[0]
+    if k == 1 and stride == 1 and padding == 0 and impl != "conv":
+        return jax.lax.dot_general(x, kernel[0, 0], (((3,), (0,)), ((), ())))  # (B, H, W, Cout)
+    if impl in ("conv", "dot1x1"):
+        return jax.lax.conv_general_dilated(
+            x, kernel, window_strides=(stride, stride), padding=((padding, padding), (padding, padding)),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    if padding:
+        x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    b, h, w, cin = x.shape
+    ho, wo = (h - k) // stride + 1, (w - k) // stride + 1
+    taps = [jax.lax.slice(x, (0, i, j, 0), (b, i + (ho - 1) * stride + 1, j + (wo - 1) * stride + 1, cin),
+                          (1, stride, stride, 1)) for i in range(k) for j in range(k)]  # k*k x (B, H', W', Cin)
+    if impl == "im2col":
+        cols = jnp.concatenate(taps, axis=-1)  # (B, H', W', k*k*Cin), tap-major like the HWIO kernel
+        return jax.lax.dot_general(cols, kernel.reshape(k * k * cin, -1), (((3,), (0,)), ((), ())))
+    y = None
+    for n, tap in enumerate(taps):
+        part = jax.lax.dot_general(tap, kernel[n // k, n % k], (((3,), (0,)), ((), ())))  # (B, H', W', Cout)
+        y = part if y is None else y + part
+    return y
