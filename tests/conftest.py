@@ -69,6 +69,9 @@ HEAVY_FILES: dict[str, float] = {
     "tests/models/test_clip.py": 99, "tests/models/test_vae.py": 93, "tests/doctor/test_doctor_gpu.py": 92,
     "tests/samplers/test_sampler_runtime.py": 90, "tests/server/test_text_to_image.py": 84,
     "tests/server/test_server.py": 82, "tests/backends/test_bench_compare.py": 66, "tests/test_gpu_check_dry.py": 63,
+    # added later, from a quiet run (x5 to match the loaded run above): few tests, heavy each
+    "tests/backends/test_torch_text_regional.py": 475, "tests/integrations/test_ray.py": 300,
+    "tests/server/test_lora_server.py": 105, "tests/backends/test_torch_lora_hotswap.py": 80,
 }
 _FILE_SECONDS_KEY = "preheat/file_seconds"
 _file_seconds: dict[str, float] = {}

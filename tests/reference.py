@@ -18,8 +18,10 @@ DDPM_CIFAR10_32: dict[str, Any] = dict(  # google/ddpm-cifar10-32 (35.7 M parame
     mid_block_scale_factor=1, time_embedding_type="positional",
 )
 DDPM_CHURCH_256_AT_32: dict[str, Any] = dict(  # google/ddpm-church-256 / celebahq-256, 6 levels, at 32 px
+    # its layout and options at a quarter of its widths (128 ... 512): ddpm-cifar10-32 is the
+    # full-width UNet2DModel check; what this one adds is the 6-level layout and church's options
     sample_size=32, in_channels=3, out_channels=3, layers_per_block=2,
-    block_out_channels=(128, 128, 256, 256, 512, 512),
+    block_out_channels=(32, 32, 64, 64, 128, 128),
     down_block_types=("DownBlock2D", "DownBlock2D", "DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
     up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D"),
     attention_head_dim=None, norm_eps=1e-6, norm_num_groups=32, act_fn="silu",
@@ -27,8 +29,10 @@ DDPM_CHURCH_256_AT_32: dict[str, Any] = dict(  # google/ddpm-church-256 / celeba
     mid_block_scale_factor=1, time_embedding_type="positional",
 )
 BUTTERFLIES_AT_32: dict[str, Any] = dict(  # diffusers training tutorial UNet (128 px), at 32 px
+    # its block layout at a quarter of its widths: what it adds to ddpm-church-256 (the same
+    # layout) is diffusers' defaults (eps, sin/cos order, shift, padding, heads)
     sample_size=32, in_channels=3, out_channels=3, layers_per_block=2,
-    block_out_channels=(128, 128, 256, 256, 512, 512),
+    block_out_channels=(32, 32, 64, 64, 128, 128),
     down_block_types=("DownBlock2D", "DownBlock2D", "DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
     up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D"),
 )

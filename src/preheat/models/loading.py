@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from preheat.errors import UnsupportedConfigError
 from preheat.models import weights
 from preheat.models.folders import resolve_unet_dir
 from preheat.models.unet2d import UNet2DConfig, UNet2DModule
@@ -39,11 +38,8 @@ _DEPRECATED_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_
 
 
 def read_unet_config(unet_dir: Path) -> UNet2DConfig:
-    raw = read_json(unet_dir / "config.json")
-    cls = raw.get("_class_name", "UNet2DModel")
-    if cls != "UNet2DModel":
-        raise UnsupportedConfigError(f"unsupported model class {cls!r} in {unet_dir / 'config.json'}; supported: 'UNet2DModel'")
-    return UNet2DConfig.from_dict(raw)
+    path = unet_dir / "config.json"
+    return UNet2DConfig.from_dict(read_json(path), str(path))
 
 
 def build_abstract(config: UNet2DConfig) -> tuple[nnx.GraphDef, nnx.State]:

@@ -112,31 +112,17 @@ class UNet2DConfig(JsonConfig):
     num_train_timesteps: int | None = None  # only used by the (unsupported) "learned" embedding
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "UNet2DConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(k for k in raw if not k.startswith("_") and k not in known)
-        if unknown:
-            raise UnsupportedConfigError(
-                f"unsupported UNet2DModel config key(s) {', '.join(unknown)}; supported keys: {', '.join(sorted(known))}"
-            )
-        values = {k: v for k, v in raw.items() if k in known}
-        for name in ("down_block_types", "up_block_types", "block_out_channels"):
-            if name in values:
-                values[name] = tuple(values[name])
-        if isinstance(values.get("sample_size"), list):
-            values["sample_size"] = tuple(values["sample_size"])
-        config = cls(**values)
-        config.validate()
-        return config
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "UNet2DConfig":
+        return cls.from_checked_dict(raw, source, "UNet2DModel")
 
     def architecture_dict(self) -> dict[str, Any]:
         """The fields that change the program (for cache keys): everything but bookkeeping."""
         return {k: v for k, v in self.to_dict().items() if k not in _IGNORED_KEYS}
 
-    def validate(self) -> None:
+    def validate(self, source: str = "config") -> None:
         def refuse(name: str, value: Any) -> None:
             allowed = ", ".join(repr(v) for v in SUPPORTED[name])
-            raise UnsupportedConfigError(f"unsupported {name} {value!r}; supported: {allowed}")
+            raise UnsupportedConfigError(f"unsupported {name} {value!r}; supported: {allowed} (in {source})")
 
         for name in ("down_block_types", "up_block_types"):
             for block in getattr(self, name):

@@ -29,7 +29,7 @@ Latent convention (diffusers' pipelines)::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,31 +88,17 @@ class AutoencoderKLConfig(JsonConfig):
     mid_block_add_attention: bool = True
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "AutoencoderKLConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(k for k in raw if not k.startswith("_") and k not in known)
-        if unknown:
-            raise UnsupportedConfigError(
-                f"unsupported AutoencoderKL config key(s) {', '.join(unknown)}; supported keys: {', '.join(sorted(known))}"
-            )
-        values = {k: v for k, v in raw.items() if k in known}
-        for name in ("down_block_types", "up_block_types", "block_out_channels", "latents_mean", "latents_std"):
-            if isinstance(values.get(name), list):
-                values[name] = tuple(values[name])
-        if isinstance(values.get("sample_size"), list):
-            values["sample_size"] = tuple(values["sample_size"])
-        config = cls(**values)
-        config.validate()
-        return config
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "AutoencoderKLConfig":
+        return cls.from_checked_dict(raw, source, "AutoencoderKL")
 
     def architecture_dict(self) -> dict[str, Any]:
         """The fields that change the program (for cache keys): not the latent statistics, which are data."""
         return {k: v for k, v in self.to_dict().items() if k not in _DATA_KEYS}
 
-    def validate(self) -> None:
+    def validate(self, source: str = "config") -> None:
         def refuse(name: str, value: Any) -> None:
             allowed = ", ".join(repr(v) for v in SUPPORTED[name])
-            raise UnsupportedConfigError(f"unsupported {name} {value!r}; supported: {allowed}")
+            raise UnsupportedConfigError(f"unsupported {name} {value!r}; supported: {allowed} (in {source})")
 
         for name in ("down_block_types", "up_block_types"):
             for block in getattr(self, name):
@@ -461,11 +447,7 @@ def resolve_vae_dir(path: str | Path) -> Path:
 
 def read_vae_config(vae_dir: Path) -> AutoencoderKLConfig:
     path = vae_dir / "config.json"
-    raw = read_json(path)
-    cls = raw.get("_class_name", "AutoencoderKL")
-    if cls != "AutoencoderKL":
-        raise UnsupportedConfigError(f"unsupported model class {cls!r} in {path}; supported: 'AutoencoderKL'")
-    return AutoencoderKLConfig.from_dict(raw)
+    return AutoencoderKLConfig.from_dict(read_json(path), str(path))
 
 
 def build_abstract(config: AutoencoderKLConfig) -> tuple[nnx.GraphDef, nnx.State]:
