@@ -36,8 +36,9 @@ to retry).
 
 Options (``build_app``'s args; ``app`` reads them from the environment): ``model``
 (``PREHEAT_MODEL``; default the built-in model), ``dtype``, ``max_batch_size``, ``samplers``,
-``sizes``, ``guidance``, ``devices`` (per replica; default all it was given), ``batch_wait_ms``,
-``max_queue``, ``max_steps``, ``grace_s``, ``push_grace_s``; deployment: ``num_replicas``
+``sizes``, ``guidance``, ``devices`` (per replica; default all it was given), ``fsdp``,
+``lora_ranks``, ``max_loras``, ``lora_dir``, ``batch_wait_ms``, ``max_queue``, ``max_steps``,
+``grace_s``, ``push_grace_s``; deployment: ``num_replicas``
 (``PREHEAT_RAY_REPLICAS``; or ``autoscaling``: ``min_replicas``/``max_replicas``/
 ``target_ongoing_requests``), ``num_gpus`` (per replica: 1, or a pod's count), ``num_cpus``,
 ``max_ongoing_requests``, ``graceful_shutdown_timeout_s``, ``cache_home`` (the replica's local
