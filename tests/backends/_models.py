@@ -1,7 +1,12 @@
-"""Model folders shared by the backend tests."""
+"""Model folders, and the fresh-process runner, shared by the backend tests."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from tests.reference import TINY_CLASS_CONDITIONAL
@@ -10,3 +15,19 @@ from tests.reference import TINY_CLASS_CONDITIONAL
 # one level, no attention. Inductor / AOTInductor compile C++ per kernel, so fewer blocks = faster tests.
 MICRO: dict[str, Any] = dict(TINY_CLASS_CONDITIONAL, block_out_channels=(8,), down_block_types=("DownBlock2D",),
                              up_block_types=("UpBlock2D",), add_attention=False)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_child(script: str, model: Path, home: Path, inductor_dir: Path, *flags: str) -> dict:
+    """``script`` in a fresh process (a new pod: its own cache root and Inductor folder); the JSON
+    it prints on its ``RESULT `` line."""
+    env = {**os.environ, "PREHEAT_HOME": str(home), "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    env.pop("PREHEAT_CACHE", None)
+    proc = subprocess.run([sys.executable, "-c", script, str(model), *flags], env=env, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +18,9 @@ import preheat  # noqa: E402
 import preheat.torch  # noqa: E402
 from preheat.backends.torch.compiled import signature  # noqa: E402
 from preheat.errors import InvalidArgumentError  # noqa: E402
+from tests.backends._models import run_child  # noqa: E402
 from tests.families.flow_fixtures import save_tiny_flow_model  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 # Inductor fuses ops and reorders float32 reductions; over two Flux steps and the VAE, compiled and
 # eager images (floats in [0, 1]) differ by rounding only: a few 1e-6 here, bounded at 1e-4.
 COMPILED_VS_EAGER_ATOL = 1e-4
@@ -224,14 +222,7 @@ print("RESULT " + json.dumps(result, default=str))
 
 
 def _child(model: Path, home: Path, inductor_dir: Path, *flags: str) -> dict:
-    env = {**os.environ, "PREHEAT_HOME": str(home), "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir),
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
-    env.pop("PREHEAT_CACHE", None)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(model), *flags], env=env, capture_output=True,
-                          text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return run_child(_CHILD, model, home, inductor_dir, *flags)
 
 
 def _entries(home: Path) -> list[Path]:

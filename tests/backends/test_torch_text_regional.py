@@ -6,10 +6,7 @@ with a fresh Inductor folder (a new pod) compiles nothing and gives the same ima
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +15,10 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
+from tests.backends._models import run_child  # noqa: E402
 from tests.families.flow_fixtures import save_tiny_flow_model  # noqa: E402
 from tests.families.sd_fixtures import save_tiny_sd  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 # Inductor fuses ops and reorders float32 reductions, so over two steps and the VAE the compiled
 # and eager images differ by rounding only: at most one level of 255 where a value sits on a
 # rounding edge.
@@ -59,14 +56,7 @@ print("RESULT " + json.dumps(result, default=str))
 
 
 def _child(model: Path, home: Path, inductor_dir: Path, *flags: str) -> dict:
-    env = {**os.environ, "PREHEAT_HOME": str(home), "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir),
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
-    env.pop("PREHEAT_CACHE", None)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(model), *flags], env=env, capture_output=True,
-                          text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return run_child(_CHILD, model, home, inductor_dir, *flags)
 
 
 @pytest.fixture(scope="module", params=["sdxl", "sd3"])
