@@ -31,3 +31,19 @@ def run_child(script: str, model: Path, home: Path, inductor_dir: Path, *flags: 
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
+
+
+def count_cpp_builds() -> list[int]:
+    """In a child process: from now on, one entry per C++ build Inductor runs (a warm start from
+    preheat's cache must run none)."""
+    import torch._inductor.cpp_builder as cpp_builder
+
+    builds: list[int] = []
+    build = cpp_builder.CppBuilder.build
+
+    def counted(self: Any) -> Any:
+        builds.append(1)
+        return build(self)
+
+    cpp_builder.CppBuilder.build = counted
+    return builds

@@ -185,7 +185,7 @@ _CHILD = r"""
 import json, sys
 import numpy as np, torch
 from torch._dynamo.utils import counters
-import torch._inductor.cpp_builder as cpp_builder
+from tests.backends._models import count_cpp_builds
 import preheat.torch
 from diffusers import DiffusionPipeline
 
@@ -202,12 +202,7 @@ def run(prompt="a photo of a cat"):
 result = {}
 if "eager" in flags:
     result["eager"] = run().tolist()
-builds = []
-build = cpp_builder.CppBuilder.build
-def counted(self):
-    builds.append(1)
-    return build(self)
-cpp_builder.CppBuilder.build = counted
+builds = count_cpp_builds()
 preheat.torch.compile(pipe, mode=mode)
 counters.clear()
 result["image"] = run().tolist()

@@ -28,7 +28,7 @@ _CHILD = r"""
 import json, sys
 import torch
 from torch._dynamo.utils import counters
-import torch._inductor.cpp_builder as cpp_builder
+from tests.backends._models import count_cpp_builds
 import preheat
 
 folder, flags = sys.argv[1], sys.argv[2:]
@@ -36,12 +36,7 @@ call = dict(prompt="a photo of a cat", height=32, width=32, steps=2, seed=0)
 result = {}
 if "eager" in flags:
     result["eager"] = preheat.load(folder, backend="torch").generate(**call).tolist()
-builds = []
-build = cpp_builder.CppBuilder.build
-def counted(self):
-    builds.append(1)
-    return build(self)
-cpp_builder.CppBuilder.build = counted
+builds = count_cpp_builds()
 pipe = preheat.load(folder, backend="torch", compile="regional")
 counters.clear()
 result["image"] = pipe.generate(**call).tolist()

@@ -205,3 +205,16 @@ def session_cache_root(tmp_path_factory):
         for key, value in _private_env(tmp_path_factory.getbasetemp()).items():
             mp.setenv(key, value)
         yield
+
+
+def runpod_jobs(core: Any, *jobs: dict) -> list[dict]:
+    """Each Runpod ``job`` through ``preheat.integrations.runpod.handler``, served by ``core``."""
+    import asyncio
+
+    import preheat.integrations.runpod as rp
+
+    rp.get_core(core)
+    try:
+        return [asyncio.run(rp.handler(job)) for job in jobs]
+    finally:
+        rp._core = None

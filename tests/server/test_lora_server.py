@@ -7,7 +7,6 @@ names from the model's own layer table (their parity with diffusers is tests/fam
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 from pathlib import Path
@@ -16,11 +15,10 @@ import numpy as np
 import pytest
 
 import preheat
-import preheat.integrations.runpod as rp
 from preheat.server.core import Core, CoreConfig
 from preheat.server.images import decode_data_url
 from tests.families.sd_fixtures import save_tiny_sd
-from tests.server.fixtures import metric, serving, wait_status, wait_until
+from tests.server.fixtures import metric, runpod_jobs, serving, wait_status, wait_until
 
 TRAFFIC = ("preheat_compiles_total", '{phase="traffic"}')
 
@@ -192,15 +190,11 @@ def test_bad_lora_input_is_a_one_line_422_and_the_server_keeps_serving(core, lor
 
 
 def test_runpod_takes_the_same_lora_fields_and_errors(core, loras, sd_pipe):
-    rp.get_core(core)
-    try:
-        job = {"prompt": "a photo of a cat", "num_inference_steps": 2, "seed": 3, "lora_weights": str(loras["B"]),
-               "lora_scale": 0.5}
-        result = asyncio.run(rp.handler({"id": "lora", "input": job}))
-        bad = asyncio.run(rp.handler({"id": "bad", "input": {**job, "lora_weights": str(loras["unknown"])}}))
-        nan = asyncio.run(rp.handler({"id": "nan", "input": {**job, "lora_scale": float("nan")}}))
-    finally:
-        rp._core = None
+    job = {"prompt": "a photo of a cat", "num_inference_steps": 2, "seed": 3, "lora_weights": str(loras["B"]),
+           "lora_scale": 0.5}
+    result, bad, nan = runpod_jobs(core, {"id": "lora", "input": job},
+                                   {"id": "bad", "input": {**job, "lora_weights": str(loras["unknown"])}},
+                                   {"id": "nan", "input": {**job, "lora_scale": float("nan")}})
     assert "error" not in result, result
     want = sd_pipe.generate("a photo of a cat", steps=2, seed=[3], lora=[[(str(loras["B"]), 0.5)]])
     np.testing.assert_array_equal(decode_data_url(result["images"][0]), want[0])  # bucket 1 both: bit-exact

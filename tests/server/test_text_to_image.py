@@ -4,17 +4,15 @@ same pixels as the engine. Real HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
-import asyncio
 
 import numpy as np
 import pytest
 
 import preheat
-import preheat.integrations.runpod as rp
 from preheat.server.core import Core, CoreConfig
 from preheat.server.images import decode_data_url
 from tests.families.sd_fixtures import save_tiny_sd
-from tests.server.fixtures import metric, serving, wait_status
+from tests.server.fixtures import metric, runpod_jobs, serving, wait_status
 
 SIZES = ((32, 32), (48, 32))
 
@@ -70,12 +68,8 @@ def test_cog_and_openai_routes_draw_what_the_engine_draws(core, sd_pipe):
 
 
 def test_runpod_handler_takes_the_same_fields(core, sd_pipe):
-    rp.get_core(core)
-    try:
-        result = asyncio.run(rp.handler({"id": "t2i", "input": {"prompt": "a photo of a cat", "seed": 3,
-                                                                "num_inference_steps": 2}}))
-    finally:
-        rp._core = None
+    (result,) = runpod_jobs(core, {"id": "t2i", "input": {"prompt": "a photo of a cat", "seed": 3,
+                                                          "num_inference_steps": 2}})
     assert "error" not in result, result
     got = decode_data_url(result["images"][0])
     np.testing.assert_array_equal(got, sd_pipe.generate("a photo of a cat", steps=2, seed=3)[0])
@@ -108,13 +102,9 @@ def test_every_text_family_serves_from_cog_openai_runpod_and_the_cli(kind, tmp_p
             np.testing.assert_array_equal(decode_data_url(r.json()["output"][0]), want[0])
             r = client.post("/v1/images/generations", json={"prompt": "a red fox", "size": "32x32", "seed": 2})
             assert r.status_code == 200 and len(r.json()["data"]) == 1, r.text
-        rp.get_core(core)
-        try:
-            result = asyncio.run(rp.handler({"id": kind, "input": {"prompt": "a red fox", "negative_prompt": "blurry",
-                                                                   "num_inference_steps": 2, "guidance_scale": 4.0,
-                                                                   "seed": 9}}))
-        finally:
-            rp._core = None
+        (result,) = runpod_jobs(core, {"id": kind, "input": {"prompt": "a red fox", "negative_prompt": "blurry",
+                                                             "num_inference_steps": 2, "guidance_scale": 4.0,
+                                                             "seed": 9}})
         assert "error" not in result, result
         np.testing.assert_array_equal(decode_data_url(result["images"][0]), want[0])
     finally:
@@ -164,11 +154,7 @@ def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_f
             if kind == "flux-schnell":  # no guidance input: a scale is refused, the server keeps serving
                 bad = client.post("/predictions", json={"input": {"prompt": "x", "guidance_scale": 3.5}})
                 assert bad.status_code == 422 and "takes no guidance" in bad.text
-        rp.get_core(core)
-        try:
-            result = asyncio.run(rp.handler({"id": kind, "input": {**fields, "width": 32, "height": 32}}))
-        finally:
-            rp._core = None
+        (result,) = runpod_jobs(core, {"id": kind, "input": {**fields, "width": 32, "height": 32}})
         assert "error" not in result, result
         np.testing.assert_array_equal(decode_data_url(result["images"][0]), want[0])
     finally:
