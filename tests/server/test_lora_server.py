@@ -209,7 +209,7 @@ def test_a_server_reads_local_lora_files_only_under_its_lora_dir(tmp_path):
     inside = tmp_path / "loras"
     inside.mkdir()
     assert lora_source("style.safetensors", str(inside)) == str((inside / "style.safetensors").resolve())
-    assert lora_source(str(inside / "sub" / "x.safetensors"), str(inside)) == str(inside / "sub" / "x.safetensors")
+    assert lora_source(str(inside / "sub" / "x.safetensors"), str(inside)) == str((inside / "sub" / "x.safetensors").resolve())
     for source in ("https://host/l.safetensors", "hf://org/repo/l.safetensors"):
         assert lora_source(source, None) == source  # fetched through the weights store
     (tmp_path / "loras-evil").mkdir()
