@@ -253,8 +253,13 @@ def test_streaming_holds_about_one_tensor_on_the_host(tmp_path, stored, target):
     for a clean resident set; the kernel's high-water mark, so no sampling and no timing)."""
     path = tmp_path / "stack.safetensors"
     src = str(Path(preheat.__file__).resolve().parents[1])
+    # glibc raises its mmap threshold after a large free, so later buffers may land in heap pages
+    # that are already resident and the resident set does not grow: pin the threshold (and trim
+    # eagerly) so every large buffer is its own mapping, counted when touched and returned when freed.
+    env = {**os.environ, "PYTHONPATH": src, "JAX_PLATFORMS": "cpu",
+           "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
     proc = subprocess.run([sys.executable, "-c", MEMORY_CHILD, stored, target, str(path)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": src, "JAX_PLATFORMS": "cpu"})
+                          text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     streamed, copied = r["streamed"], r["copied"]
