@@ -53,10 +53,14 @@ def clean_venv(root: Path, exclude: set[str]) -> Path:
 
 
 def offline_env(**extra: str) -> dict[str, str]:
-    """os.environ without pip settings, PYTHONPATH or XLA_FLAGS, with installs from the network off."""
+    """os.environ without pip settings, PYTHONPATH or XLA_FLAGS (the suite's fake devices), with
+    installs from the network off. The suite's XLA optimisation level stays (compile time only)."""
     drop = ("PYTHONPATH", "VIRTUAL_ENV", "XLA_FLAGS")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k not in drop
            and k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
+    level = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level")]
+    if level:
+        env["XLA_FLAGS"] = " ".join(level)
     env.update(PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1",
                HTTP_PROXY=_DEAD_PROXY, HTTPS_PROXY=_DEAD_PROXY, http_proxy=_DEAD_PROXY, https_proxy=_DEAD_PROXY,
                HF_HUB_OFFLINE="1")

@@ -35,7 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _run(script: str, devices: int, home: Path, *args: str) -> str:
     """Run ``script`` in a fresh process with ``devices`` fake CPU devices; its stdout."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
+    env = {**os.environ, "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
+           "JAX_PLATFORMS": "cpu",
            "PREHEAT_HOME": str(home), "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     env.pop("PREHEAT_DEVICES", None)  # the library's own default (all devices)
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], env=env, capture_output=True,
