@@ -21,7 +21,7 @@ from tests.store._helpers import files_of, tar_bytes
 
 
 class Feeder(threading.Thread):
-    """Writes ``data`` into the FIFO ``path`` once and counts what the reader took; then, until
+    """Writes ``data`` into the FIFO ``path`` once (``written``: what the pipe accepted); then, until
     ``release``, answers any reopening of the FIFO with an immediate end of file, so code that
     tries to read the archive again fails instead of waiting for a writer forever."""
 
@@ -72,7 +72,7 @@ def test_a_compressed_tarball_is_read_once(root, model, tmp_path, mode, suffix):
     finally:
         feeder.release()
     assert files_of(snap) == files_of(model)
-    # nearly all of it went through the pipe once (a compressor's trailer may be left unread)
+    # all of it went into the pipe, once (the reader may stop before a compressor's last few bytes)
     assert len(data) - 4096 <= feeder.written <= len(data)
     assert verify_store(root) == []
 
