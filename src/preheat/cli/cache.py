@@ -199,8 +199,8 @@ def prune_command(older_than_days: float | None, remote: bool, max_gb: float | N
     then weights (snapshots, blobs) that no pulled source names, older than an hour.
 
     With --remote: retire old entries of the shared store (and the oldest beyond --max-gb), then
-    delete the objects no manifest names, safely while other pods read (see
-    preheat.cache.remote.prune)."""
+    delete the objects no manifest names and the weight blobs no pod's ref names, safely while
+    other pods read and write (see preheat.cache.remote.prune)."""
     from preheat.errors import InvalidArgumentError
 
     if not remote:
@@ -235,9 +235,11 @@ def prune_command(older_than_days: float | None, remote: bool, max_gb: float | N
 
         raise CacheError(f"cannot prune {store.url}: {err}") from None
     verb = "would retire" if dry_run else "retired"
-    click.echo(f"{verb} {len(result['retired'])} entries, deleted {result['deleted_objects']} objects "
-               f"({_human(result['freed_bytes'])}); {len(result['kept_protected'])} kept (published within "
-               f"{protect_minutes:g} min); {_human(result['live_bytes'])} live")
+    click.echo(f"{verb} {len(result['retired'])} entries, deleted {result['deleted_objects']} objects and "
+               f"{result['deleted_blobs']} unreferenced weight blobs ({_human(result['freed_bytes'])}); "
+               f"{len(result['kept_protected'])} kept (published within {protect_minutes:g} min); "
+               f"{_human(result['live_bytes'])} live"
+               + (f"; no weight blob collected: {result['blobs_skipped']}" if result["blobs_skipped"] else ""))
 
 
 @cache_group.command("clear")

@@ -31,8 +31,8 @@ SOURCE kinds:
 * a local folder: copied into blobs (hidden entries such as ``.git`` / ``.cache`` skipped); a local
   ``.tar``/``.tar.gz``/``.tgz`` file is extracted; any other file is a one-file snapshot.
 * ``http(s)://.../x.tar.gz`` (``.tar``, ``.tgz``, ``.tar.bz2``, ``.tar.xz``): a tarball of a diffusers
-  folder, extracted safely (absolute names, ``..``, links leaving the archive and device files are
-  refused before anything is written; a single top-level folder is stripped).
+  folder, extracted safely in one streamed pass (absolute names, ``..``, links leaving the archive
+  and device files are refused before any blob is published; a single top-level folder is stripped).
   ``http(s)://.../name.safetensors`` (any other URL): a snapshot holding that one file.
   ``#sha256=<hex>`` on a URL: the downloaded file must have that sha256.
 * ``hf://org/repo[@revision]``: ``huggingface_hub.snapshot_download`` (json, safetensors, md, txt only).

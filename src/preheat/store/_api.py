@@ -109,7 +109,7 @@ def _pull_url(store: Store, src: Source, *, progress: bool, force: bool) -> Path
     name = None if tar else url_filename(url)
     part = _from_fleet_mirror(store, src) or _http.download(store, url, progress=progress)
     sha, size = sha256_and_size(part)  # verify what is on disk, not what we think we wrote
-    _share_with_fleet(sha, part)
+    _share_with_fleet(sha, part, src)
     if src.sha256 and sha != src.sha256:
         _http.discard_partial(store, url)
         raise FetchError(f"sha256 mismatch for {url}: expected {src.sha256}, got {sha} (download discarded)")
@@ -137,10 +137,12 @@ def _from_fleet_mirror(store: Store, src: Source) -> Path | None:
     return part if mirror_get(src.sha256, part) else None
 
 
-def _share_with_fleet(sha: str, path: Path) -> None:
+def _share_with_fleet(sha: str, path: Path, src: Source) -> None:
     from preheat.cache.remote import mirror_put
 
-    mirror_put(sha, path)  # no-op without a shared store; never raises for store problems
+    # no-op without a shared store; never raises for store problems. The ref records that this
+    # source uses the blob, so a remote prune keeps it (the URL's query, which may hold a token, is left out).
+    mirror_put(sha, path, ref=src.id, source=src.text.split("?", 1)[0])
 
 
 def _pull_hf(store: Store, src: Source, *, progress: bool, force: bool) -> Path:

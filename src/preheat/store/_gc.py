@@ -6,6 +6,10 @@ snapshot that no ref names may belong to a pull in progress. Only those older th
 go, their age taken from both mtime and ctime: hardlinking a blob into a snapshot bumps its ctime,
 so a blob a pull just reused is young again. Nothing is collected while any ref is unreadable
 (what it names is unknown); ``verify_store`` reports such a ref.
+
+Leftovers of a process killed mid-write (``blobs/.tmp-*`` files, ``blobs/.tmp-tar-*`` staging
+folders of a tar extraction, ``snapshots/.tmp-*`` folders being assembled) go too, once nothing in
+them has changed for ``grace_s``: a writer still at work keeps touching them.
 """
 
 from __future__ import annotations
@@ -25,10 +29,31 @@ def _age(path: Path, now: float) -> float:
     return now - max(st.st_mtime, st.st_ctime)
 
 
+def _age_tree(path: Path, now: float) -> float:
+    """The age of the youngest thing at or under ``path`` (a writer may be filling any of it)."""
+    age = _age(path, now)
+    if path.is_dir():
+        for dirpath, dirnames, filenames in os.walk(path):
+            for name in dirnames + filenames:
+                try:
+                    age = min(age, _age(Path(dirpath) / name, now))
+                except OSError:
+                    pass
+    return age
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def collect_orphans(root: str | os.PathLike[str], *, grace_s: float = 3600.0, now: float | None = None,
                     dry_run: bool = False) -> list[str]:
     """Delete (or, with ``dry_run``, list) the snapshots and blobs of ``<root>/models`` that no
-    ref names and that are older than ``grace_s``; returns their ``models/``-relative paths."""
+    ref names and that are older than ``grace_s``, and stale ``.tmp-*`` leftovers; returns their
+    ``models/``-relative paths."""
     store = Store(Path(root))
     now = time.time() if now is None else now
     snapshots, blobs = set(), set()
@@ -54,4 +79,16 @@ def collect_orphans(root: str | os.PathLike[str], *, grace_s: float = 3600.0, no
         if not dry_run:
             p.unlink(missing_ok=True)
         removed.append(f"blobs/{p.name}")
+    for folder in (store.blobs, store.snapshots):
+        if not folder.is_dir():
+            continue
+        for p in sorted(folder.iterdir()):
+            try:
+                stale = p.name.startswith(".tmp-") and _age_tree(p, now) > grace_s
+            except OSError:  # removed meanwhile by its writer
+                continue
+            if stale:
+                if not dry_run:
+                    _remove(p)
+                removed.append(f"{folder.name}/{p.name}")
     return removed

@@ -17,13 +17,14 @@ import tarfile
 import tempfile
 import uuid
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import BinaryIO, Iterable, TypeVar
 
 from preheat.files import fsync_dir, sha256_and_size
 from preheat.errors import FetchError, ModelNotFoundError
 from preheat.store._layout import FileEntry, Store, check_relpath, one_line, snapshot_id
 
 CHUNK = 1 << 20
+T = TypeVar("T")
 
 
 def _fsync_file(path: Path) -> None:
@@ -204,45 +205,42 @@ def _refuse(label: str, why: str) -> FetchError:
     return FetchError(f"refusing to extract {label}: {why}")
 
 
-def plan_tar(tf: tarfile.TarFile, label: str) -> list[tuple[str, tarfile.TarInfo]]:
-    """(snapshot path, regular member to read) for every file; refuses anything unsafe, before
-    anything is written.
+def _check_member(m: tarfile.TarInfo, label: str) -> tuple[str, str | None] | None:
+    """(snapshot path, link target or None for a regular file) of one member; None for a folder.
 
     Refused: absolute names, ``..`` components, links whose target is absolute or outside the
-    archive or not a file in it, device files and fifos. Links inside the archive become copies of
-    their target (snapshots hold files only). A single top-level folder is stripped.
-    """
-    regular: dict[str, tarfile.TarInfo] = {}
-    links: dict[str, str] = {}
-    for m in tf.getmembers():
-        if m.isdir() and all(part in ("", ".") for part in m.name.split("/")):
-            continue
+    archive, device files and fifos. Nothing here needs the members that come later."""
+    if m.isdir() and all(part in ("", ".") for part in m.name.split("/")):
+        return None
+    try:
+        rel = check_relpath(m.name)
+    except ValueError as exc:
+        raise _refuse(label, f"member {m.name!r} has an unsafe name ({exc}; path traversal)") from None
+    if m.isdir():
+        return None
+    if m.isreg():
+        return rel, None
+    if m.issym():
+        if m.linkname.startswith("/"):
+            raise _refuse(label, f"symlink {m.name!r} points to absolute path {m.linkname!r} (path traversal)")
+        target = posixpath.normpath(posixpath.join(posixpath.dirname(rel), m.linkname))
+        if target == ".." or target.startswith("../"):
+            raise _refuse(label, f"symlink {m.name!r} -> {m.linkname!r} points outside the archive (path traversal)")
+        return rel, target
+    if m.islnk():
         try:
-            rel = check_relpath(m.name)
+            return rel, check_relpath(m.linkname)
         except ValueError as exc:
-            raise _refuse(label, f"member {m.name!r} has an unsafe name ({exc}; path traversal)") from None
-        if m.isdir():
-            continue
-        if m.isreg():
-            regular[rel] = m
-            links.pop(rel, None)
-        elif m.issym():
-            if m.linkname.startswith("/"):
-                raise _refuse(label, f"symlink {m.name!r} points to absolute path {m.linkname!r} (path traversal)")
-            target = posixpath.normpath(posixpath.join(posixpath.dirname(rel), m.linkname))
-            if target == ".." or target.startswith("../"):
-                raise _refuse(label, f"symlink {m.name!r} -> {m.linkname!r} points outside the archive (path traversal)")
-            links[rel] = target
-            regular.pop(rel, None)
-        elif m.islnk():
-            try:
-                target = check_relpath(m.linkname)
-            except ValueError as exc:
-                raise _refuse(label, f"hard link {m.name!r} -> {m.linkname!r} points outside the archive ({exc}; path traversal)") from None
-            links[rel] = target
-            regular.pop(rel, None)
-        else:
-            raise _refuse(label, f"member {m.name!r} is a device, fifo or other special file")
+            raise _refuse(label, f"hard link {m.name!r} -> {m.linkname!r} points outside the archive ({exc}; path traversal)") from None
+    raise _refuse(label, f"member {m.name!r} is a device, fifo or other special file")
+
+
+def _resolve_tar(regular: dict[str, T], links: dict[str, str], label: str) -> list[tuple[str, T]]:
+    """(snapshot path, regular member) for every file, once the whole archive has been seen.
+
+    Links inside the archive become copies of their target (snapshots hold files only); a link to
+    anything but a file in the archive is refused. A single top-level folder is stripped; hidden
+    entries are skipped; a path that is both a file and a folder is refused."""
     files = dict(regular)
     for rel, target in links.items():
         seen = {rel}
@@ -267,6 +265,29 @@ def plan_tar(tf: tarfile.TarFile, label: str) -> list[tuple[str, tarfile.TarInfo
     return sorted(files.items())
 
 
+def plan_tar(tf: tarfile.TarFile, label: str) -> list[tuple[str, tarfile.TarInfo]]:
+    """(snapshot path, regular member to read) for every file of a seekable archive; refuses
+    anything unsafe (``_check_member``, ``_resolve_tar``) before anything is written."""
+    regular: dict[str, tarfile.TarInfo] = {}
+    links: dict[str, str] = {}
+    for m in tf.getmembers():
+        _table_add(regular, links, _check_member(m, label), m)
+    return _resolve_tar(regular, links, label)
+
+
+def _table_add(regular: dict[str, T], links: dict[str, str], checked: tuple[str, str | None] | None, value: T) -> None:
+    """Record one member; a later member of the same name replaces an earlier one (as tar does)."""
+    if checked is None:
+        return
+    rel, target = checked
+    if target is None:
+        regular[rel] = value
+        links.pop(rel, None)
+    else:
+        links[rel] = target
+        regular.pop(rel, None)
+
+
 def _check_no_file_dir_clash(paths: Iterable[str], label: str) -> None:
     paths = set(paths)
     for p in paths:
@@ -277,33 +298,69 @@ def _check_no_file_dir_clash(paths: Iterable[str], label: str) -> None:
             parent = posixpath.dirname(parent)
 
 
+def _stage(reader: BinaryIO, tmp: Path) -> tuple[str, int]:
+    """Copy ``reader`` to ``tmp`` (fsynced); returns (sha256, size)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(tmp, "wb") as out:
+        while chunk := reader.read(CHUNK):
+            h.update(chunk)
+            out.write(chunk)
+            size += len(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    return h.hexdigest(), size
+
+
 def extract_tar(store: Store, archive: Path, label: str, *, check_existing: bool = False) -> list[FileEntry]:
+    """Blobs for the files of a tar archive (plain, gzip, bzip2 or xz), read in ONE pass.
+
+    The archive is streamed (``r|*``): a compressed archive is decompressed once, and the file is
+    never seeked. Each regular member is hashed as it goes by into a private staging folder
+    (``blobs/.tmp-tar-*``); links are resolved from the table at the end, with every refusal of
+    ``_check_member`` / ``_resolve_tar``. Only then are the needed files published as blobs, so a
+    refused or damaged archive leaves nothing in ``blobs/`` (the staging folder is removed; one left
+    by a killed process is a ``.tmp-*`` entry that ``collect_orphans`` removes after its grace).
+    """
     try:
-        tf = tarfile.open(archive, "r:*")
-    except tarfile.ReadError:
-        raise FetchError(f"{label} is not a readable tar archive (no tar, gzip, bzip2 or xz header)") from None
-    except (tarfile.TarError, OSError) as exc:
+        fh = open(archive, "rb")
+    except OSError as exc:
         raise FetchError(f"cannot open {label} as a tar archive ({one_line(exc)})") from None
-    with tf:
-        try:
-            plan = plan_tar(tf, label)
-            # read each member once, in archive order: a compressed stream only seeks forward cheaply
-            by_offset: dict[int, tuple[tarfile.TarInfo, list[str]]] = {}
-            for rel, member in plan:
-                by_offset.setdefault(member.offset, (member, []))[1].append(rel)
-            entries = []
-            for _, (member, rels) in sorted(by_offset.items()):
-                fh = tf.extractfile(member)
-                if fh is None:  # pragma: no cover - plan_tar only keeps regular members
-                    raise FetchError(f"cannot read member {member.name!r} of {label}")
-                with fh:
-                    sha, size = write_blob(store, fh, check_existing=check_existing)
-                if size != member.size:
-                    raise FetchError(f"{label} is a damaged tar archive (member {member.name!r} is truncated)")
-                entries.extend(FileEntry(rel, sha, size) for rel in rels)
-        except (tarfile.TarError, EOFError, OSError) as exc:
-            raise FetchError(f"{label} is a damaged tar archive ({type(exc).__name__}: {one_line(exc)})") from None
-    return entries
+    staging = Path(tempfile.mkdtemp(prefix=".tmp-tar-", dir=store.blobs))
+    try:
+        with fh:
+            try:
+                tf = tarfile.open(fileobj=fh, mode="r|*")
+            except tarfile.ReadError:
+                raise FetchError(f"{label} is not a readable tar archive (no tar, gzip, bzip2 or xz header)") from None
+            except (tarfile.TarError, EOFError, OSError) as exc:
+                raise FetchError(f"cannot open {label} as a tar archive ({one_line(exc)})") from None
+            regular: dict[str, tuple[str, int]] = {}  # path -> (sha256, size) of what it held
+            links: dict[str, str] = {}
+            with tf:
+                try:
+                    for i, m in enumerate(tf):
+                        checked = _check_member(m, label)
+                        value: tuple[str, int] = ("", 0)
+                        if checked is not None and checked[1] is None:
+                            src = tf.extractfile(m)
+                            if src is None:  # pragma: no cover - a regular member always has a reader
+                                raise FetchError(f"cannot read member {m.name!r} of {label}")
+                            with src:
+                                sha, size = _stage(src, staging / str(i))
+                            if size != m.size:
+                                raise FetchError(f"{label} is a damaged tar archive (member {m.name!r} is truncated)")
+                            os.replace(staging / str(i), staging / sha)  # identical contents share one file
+                            value = (sha, size)
+                        _table_add(regular, links, checked, value)
+                except (tarfile.TarError, EOFError, OSError) as exc:
+                    raise FetchError(f"{label} is a damaged tar archive ({type(exc).__name__}: {one_line(exc)})") from None
+        plan = _resolve_tar(regular, links, label)
+        for sha, size in sorted({value for _, value in plan}):
+            publish_blob(store, staging / sha, sha, size, check_existing=check_existing)
+        return [FileEntry(rel, sha, size) for rel, (sha, size) in plan]
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------

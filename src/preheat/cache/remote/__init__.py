@@ -16,6 +16,7 @@ Layout under the URL::
     compile/<kind>/<key>/manifest.json          the local manifest (+ signature), published LAST
     compile/<kind>/<key>/objects/<sha256>       payload files, content-addressed
     blobs/<sha256>                              weight blobs (``mirror_get`` / ``mirror_put``)
+    refs/<source id>.json                       the blobs a mirrored source uses, written after them
 
 Reading (``fetch``, on a local miss): the manifest is read, checked (schema, kind, key, simple
 file names, 64-hex sha256s, size cap) and, with a signing key, its HMAC verified; each payload

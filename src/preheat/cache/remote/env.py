@@ -60,11 +60,12 @@ def mirror_get(name: str, local_path: str | os.PathLike[str]) -> bool:
     return store.mirror_get(name, local_path) if store is not None else False
 
 
-def mirror_put(name: str, local_path: str | os.PathLike[str]) -> None:
-    """Share blob ``local_path`` (whose sha256 is ``name``) with the fleet; no-op without a store."""
+def mirror_put(name: str, local_path: str | os.PathLike[str], *, ref: str | None = None, source: str = "") -> None:
+    """Share blob ``local_path`` (whose sha256 is ``name``) with the fleet, recorded as used by
+    source id ``ref`` when given; no-op without a store."""
     store = default_store()
     if store is not None:
-        store.mirror_put(name, local_path)
+        store.mirror_put(name, local_path, ref=ref, source=source)
 
 
 def child_env(cache_url: str) -> dict[str, str]:

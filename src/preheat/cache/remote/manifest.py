@@ -15,8 +15,9 @@ from preheat.cache.entries import MANIFEST, SCHEMA, STATS, LoadingMarker
 from preheat.cache.signing import verify
 from preheat.errors import CacheEntryError, InvalidArgumentError
 
-__all__ = ["KINDS", "KEY_RE", "SHA_RE", "NAME_RE", "MAX_MANIFEST_BYTES", "check_kind_key", "check_blob_name",
-           "check_file_name", "check_manifest", "check_remote_manifest"]
+__all__ = ["KINDS", "KEY_RE", "SHA_RE", "NAME_RE", "REF_RE", "MAX_MANIFEST_BYTES", "check_kind_key",
+           "check_blob_name", "check_ref_name", "check_file_name", "check_manifest", "check_remote_manifest",
+           "parse_blob_ref"]
 
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few KB; a bigger one is refused unread
 
@@ -24,6 +25,8 @@ KINDS = ("jax", "torch")
 KEY_RE = re.compile(r"[0-9a-f]{32}")  # compile keys: key_of() = 32 hex digits, nothing else
 SHA_RE = re.compile(r"[0-9a-f]{64}")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+REF_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")  # a weights source id (preheat.store's source_id)
+REF_FORMAT = 1
 _RESERVED = (MANIFEST, STATS)
 
 
@@ -37,6 +40,23 @@ def check_kind_key(kind: str, key: str) -> None:
 def check_blob_name(name: str) -> None:
     if not isinstance(name, str) or not SHA_RE.fullmatch(name):
         raise InvalidArgumentError(f"blob name {name!r} is not a sha256 (64 lowercase hex digits)")
+
+
+def check_ref_name(name: str) -> None:
+    if not isinstance(name, str) or not REF_RE.fullmatch(name):
+        raise InvalidArgumentError(f"weights ref name {name!r} is not a source id ([A-Za-z0-9._-], at most 200)")
+
+
+def parse_blob_ref(raw: bytes) -> set[str]:
+    """The blobs a ``refs/<id>.json`` record names; ValueError if it is not a well-formed record."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"not JSON ({type(exc).__name__})") from None
+    blobs = doc.get("blobs") if isinstance(doc, dict) and doc.get("format") == REF_FORMAT else None
+    if not isinstance(blobs, list) or not all(isinstance(b, str) and SHA_RE.fullmatch(b) for b in blobs):
+        raise ValueError(f"not a format-{REF_FORMAT} weights ref")
+    return set(blobs)
 
 
 def check_file_name(name: Any) -> None:

@@ -1,15 +1,23 @@
 """The weights mirror: blobs named by their sha256 under ``blobs/<sha256>``. They need no trust
-setting: the caller knows the sha256 from a trusted source, and every download is verified."""
+setting: the caller knows the sha256 from a trusted source, and every download is verified.
+
+A pod that mirrors a pulled source also records which blobs it uses: ``refs/<source id>.json``
+(``{"format": 1, "source": ..., "blobs": [sha256, ...]}``), written after the blob, in one atomic
+PUT (a temp file + rename on a shared folder), like a manifest. Remote prune collects only blobs
+that no such record names and that are older than its grace (``preheat.cache.remote.prune``).
+Because the record comes after the blob, the writer then checks the blob is still there and
+uploads it again if a prune took it meanwhile (it was old and unnamed until the record landed)."""
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from pathlib import Path
 
 from preheat.files import fsync_dir
 from preheat.files import sha256_file
-from preheat.cache.remote.manifest import check_blob_name
+from preheat.cache.remote.manifest import REF_FORMAT, check_blob_name, check_ref_name
 from preheat.cache.remote.policy import MIN_THROUGHPUT_BPS, RemoteError, StorePolicy, _short, log
 from preheat.errors import InvalidArgumentError
 
@@ -65,14 +73,19 @@ class WeightsMirror(StorePolicy):
         self._set("hit")
         return True
 
-    def mirror_put(self, name: str, local_path: str | os.PathLike[str]) -> None:
-        """Upload ``local_path`` as blob ``name`` unless the store has it. The file's sha256 must be
-        ``name`` (checked first; InvalidArgumentError otherwise). Never raises for store problems;
-        ``last`` says what happened."""
-        self._guarded("mirror put", self._mirror_put, name, local_path, default=None)
+    def mirror_put(self, name: str, local_path: str | os.PathLike[str], *, ref: str | None = None,
+                   source: str = "") -> None:
+        """Upload ``local_path`` as blob ``name`` unless the store has it; with ``ref`` (the pulled
+        source's id), then record ``refs/<ref>.json`` naming the blob, so remote prune keeps it.
+        The file's sha256 must be ``name`` (checked first; InvalidArgumentError otherwise). Never
+        raises for store problems; ``last`` says what happened."""
+        self._guarded("mirror put", self._mirror_put, name, local_path, ref, source, default=None)
 
-    def _mirror_put(self, name: str, local_path: str | os.PathLike[str]) -> None:
+    def _mirror_put(self, name: str, local_path: str | os.PathLike[str], ref: str | None = None,
+                    source: str = "") -> None:
         check_blob_name(name)
+        if ref is not None:
+            check_ref_name(ref)
         local_path = Path(local_path)
         down = self._down()
         if down:
@@ -81,12 +94,14 @@ class WeightsMirror(StorePolicy):
         try:
             if sha256_file(local_path) != name:
                 raise InvalidArgumentError(f"{local_path} does not have sha256 {name}")
-            if self._bounded(self._exists, f"blobs/{name}"):
-                self._set("exists")
-                return
-            size = local_path.stat().st_size
-            self._bounded(self._put_file, local_path, f"blobs/{name}",
-                          deadline_s=self.timeout * 2 + size / MIN_THROUGHPUT_BPS)
+            status = "exists" if self._bounded(self._exists, f"blobs/{name}") else self._upload_blob(name, local_path)
+            if ref is not None:
+                record = {"format": REF_FORMAT, "source": source, "blobs": [name]}
+                self._bounded(self._put_bytes, (json.dumps(record, indent=1) + "\n").encode(), f"refs/{ref}.json")
+                # a prune that listed the refs before this record landed may have taken the blob
+                # (it was old and unnamed): put it back, so the record never names a missing blob
+                if not self._bounded(self._exists, f"blobs/{name}"):
+                    status = self._upload_blob(name, local_path)
         except RemoteError as err:
             self._mark_down(str(err))
             self._set(f"failed: {err}")
@@ -95,5 +110,9 @@ class WeightsMirror(StorePolicy):
             log.warning("preheat cache: not mirroring %s: %s", local_path, err)
             self._set(f"failed: {_short(err)}")
             return
-        self._set("pushed")
+        self._set(status)
 
+    def _upload_blob(self, name: str, local_path: Path) -> str:
+        size = local_path.stat().st_size
+        self._bounded(self._put_file, local_path, f"blobs/{name}", deadline_s=self.timeout * 2 + size / MIN_THROUGHPUT_BPS)
+        return "pushed"

@@ -2,7 +2,7 @@
 
 Readers trust a manifest and then download the objects it names, so the store must never hold a
 manifest whose objects are gone, and objects must outlive their manifest long enough for a
-reader that read it just before to finish. Pruning is therefore in two steps, each guarded by
+reader that read it just before to finish. Pruning is therefore in steps, each guarded by
 the protection window ``protect_s`` (the store's own modification times, never this host's idea
 of when something happened elsewhere):
 
@@ -16,6 +16,26 @@ of when something happened elsewhere):
 
 An entry's age is its manifest's age (when it was last published): readers do not write, so the
 store knows nothing about use. A retired entry that a pod re-pushes is simply live again.
+
+3. **Weight blobs** (``blobs/<sha256>``) that no ``refs/<source id>.json`` names (see
+   ``mirror``: a pod records the blobs of a source it mirrors) and that are older than the same
+   window: a re-pulled source whose file changed leaves its old blob, a pod killed between the
+   blob and its ref leaves one unnamed. Nothing is collected while a ref is unreadable (what it
+   names is unknown), nor from a store with no refs at all (its pods predate refs).
+
+   The race: a pod uploads a blob, then writes the ref that names it, while a prune reads the refs
+   and then lists the blobs. The prune takes its clock (``now``) first, reads every ref, then
+   lists. A blob whose ref it did not see was named after the refs were read, so its upload ended
+   at most one request deadline before then: either it is not in the listing yet, or its store
+   time is within the window and it stays. The window (an hour by default) must exceed a pod's
+   upload time, since S3 dates a multipart object by when its upload began.
+
+   Not covered by the window: a pod naming a blob that was already old and unnamed (it found it
+   in the store and did not upload it). The prune may delete it, having listed it before the ref
+   landed; so after writing its ref the pod checks the blob and uploads it again if it is gone.
+   What is left is a delete that lands after that check: a reader of that blob then misses and
+   downloads from the origin (a miss costs time, never correctness: every mirrored blob is
+   verified by its sha256), and the next pod that downloads it uploads it again.
 """
 
 from __future__ import annotations
@@ -25,7 +45,7 @@ import time
 from typing import Any, Optional
 
 from preheat.cache.entries import MANIFEST
-from preheat.cache.remote.manifest import KEY_RE, KINDS, SHA_RE
+from preheat.cache.remote.manifest import KEY_RE, KINDS, MAX_MANIFEST_BYTES, REF_RE, SHA_RE, parse_blob_ref
 from preheat.cache.remote.policy import StorePolicy
 
 __all__ = ["RemotePrune", "RETIRED"]
@@ -61,15 +81,39 @@ class RemotePrune(StorePolicy):
                 "retired_t": top.get(RETIRED, (0, None))[1], "objects": objects,
                 "bytes": sum(size for size, _ in objects.values()) + top.get(MANIFEST, (0, 0))[0]}
 
+    def _collect_blobs(self, now: float, protect_s: float, dry_run: bool) -> dict[str, Any]:
+        """Step 3 (module docstring): refs first, then the blob listing."""
+        named: set[str] = set()
+        refs = sorted(n for n in self._bounded(self._files, "refs") if n.endswith(".json") and REF_RE.fullmatch(n[:-5]))
+        for name in refs:
+            raw = self._bounded(self._read, f"refs/{name}", MAX_MANIFEST_BYTES)
+            try:
+                named |= parse_blob_ref(raw or b"")
+            except ValueError:
+                return {"deleted_blobs": 0, "freed_bytes": 0, "blobs_skipped": f"refs/{name} is unreadable"}
+        if not refs:
+            return {"deleted_blobs": 0, "freed_bytes": 0, "blobs_skipped": "no refs/ records (pods predate them)"}
+        deleted = freed = 0
+        for sha, (size, t) in sorted(self._bounded(self._files, "blobs").items()):
+            if sha in named or not SHA_RE.fullmatch(sha) or _young(now, t, protect_s):
+                continue
+            if not dry_run:
+                self._bounded(self._delete, f"blobs/{sha}")
+            deleted += 1
+            freed += size
+        return {"deleted_blobs": deleted, "freed_bytes": freed, "blobs_skipped": None}
+
     def prune_remote(self, *, max_bytes: Optional[int] = None, older_than_s: Optional[float] = None,
                      protect_s: float = 3600.0, now: Optional[float] = None, dry_run: bool = False) -> dict[str, Any]:
         """Retire entries published more than ``older_than_s`` ago, then the oldest until the live
         entries fit ``max_bytes``, never one published within ``protect_s``; then collect objects
-        no manifest names (see the module docstring). ``now``: the store's clock (default: this
-        host's). Returns ``{"retired": [keys], "deleted_objects": n, "freed_bytes": n,
-        "kept_protected": [keys], "live_bytes": n}``. Raises RemoteError when the store cannot
-        be listed or written."""
+        no manifest names, and weight blobs no ref names (see the module docstring). ``now``: the
+        store's clock (default: this host's). Returns ``{"retired": [keys], "deleted_objects": n,
+        "deleted_blobs": n, "freed_bytes": n, "kept_protected": [keys], "live_bytes": n,
+        "blobs_skipped": None or why no blob was collected}``. Raises RemoteError when the store
+        cannot be listed or written."""
         now = time.time() if now is None else now
+        blobs = self._collect_blobs(now, protect_s, dry_run)
         entries = []
         for kind in KINDS:
             for key in sorted(self._bounded(self._list, f"compile/{kind}")):
@@ -83,7 +127,7 @@ class RemotePrune(StorePolicy):
             over = max_bytes is not None and live_bytes > max_bytes
             if not (old or over):
                 continue
-            if now - e["manifest_t"] <= protect_s:
+            if _young(now, e["manifest_t"], protect_s):
                 protected.append(e["key"])
                 continue
             retire.append(e)
@@ -96,11 +140,11 @@ class RemotePrune(StorePolicy):
         deleted = freed = 0
         for e in entries:
             settled_t = e["manifest_t"] if e["manifest_t"] is not None else e["retired_t"]
-            if settled_t is not None and now - settled_t <= protect_s:
+            if settled_t is not None and _young(now, settled_t, protect_s):
                 continue  # a reader may still hold the previous manifest: its objects stay
             left = 0
             for sha, (size, t) in e["objects"].items():
-                if sha in e["named"] or not SHA_RE.fullmatch(sha) or now - t <= protect_s:
+                if sha in e["named"] or not SHA_RE.fullmatch(sha) or _young(now, t, protect_s):
                     left += 1
                     continue
                 if not dry_run:
@@ -109,5 +153,11 @@ class RemotePrune(StorePolicy):
                 freed += size
             if e["manifest_t"] is None and e["retired_t"] is not None and left == 0 and not dry_run:
                 self._bounded(self._delete, f"{e['rel']}/{RETIRED}")
-        return {"retired": [e["key"] for e in retire], "deleted_objects": deleted, "freed_bytes": freed,
-                "kept_protected": protected, "live_bytes": live_bytes}
+        return {"retired": [e["key"] for e in retire], "deleted_objects": deleted,
+                "deleted_blobs": blobs["deleted_blobs"], "freed_bytes": freed + blobs["freed_bytes"],
+                "kept_protected": protected, "live_bytes": live_bytes, "blobs_skipped": blobs["blobs_skipped"]}
+
+
+def _young(now: float, t: float, protect_s: float) -> bool:
+    """Written (by the store's clock) within the protection window: never deleted, never retired."""
+    return now - t <= protect_s
