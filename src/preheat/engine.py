@@ -560,8 +560,7 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     loop, the VAE decoder -- is loaded (or pulled from ``PREHEAT_CACHE_URL``) on a background
     thread while the weights are read: each call is rehearsed on placeholder weights, which
     gives the cache keys (they need the weights' and the embeddings' shapes, never their
-    values), on one device or a mesh alike. Not with ``offload_encoders`` (the weights are then
-    read first); calls with a LoRA are left to load on first use.
+    values), on one device or a mesh alike. Calls with a LoRA are left to load on first use.
     ``preheat.load`` (``preheat.api``) adds ``backend="torch"``.
 
     ``Pipeline.startup`` records each start-up phase and the critical path (``preheat.timings.Phases``).
@@ -592,8 +591,7 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
         options["offload_encoders"] = True
     # Prefetching: the loader checks every header and returns placeholder weights (shapes only),
     # the executables load on a background thread, then the tensors are read here.
-    # (offload_encoders copies encoders' weights to the host while loading: they must be read then.)
-    early = bool(prefetch) and compiler is not None and not offload_encoders
+    early = bool(prefetch) and compiler is not None
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component
         start = phases.spans["import"][1]
         with deferred_fills() if early else contextlib.nullcontext() as pending:
@@ -627,7 +625,11 @@ def _prefetch(loaded: LoadedModel, mesh: Any, compiler: Any,
     view = Pipeline(**vars(loaded), compiler=Rehearsal(), mesh=mesh)
 
     def items() -> list[tuple[dict[str, Any], Any, tuple, int]]:
-        for call in (calls(view) if callable(calls) else calls):
+        try:
+            wanted = calls(view) if callable(calls) else calls
+        except PreheatError:  # a bad declaration fails on its own, where it is used
+            return []
+        for call in wanted:
             inputs = dict(call)
             if inputs.get("lora"):
                 continue  # adapters are read per call: no key before then
