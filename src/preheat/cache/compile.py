@@ -41,8 +41,8 @@ from preheat.cache.root import resolve_root
 from preheat.errors import CacheEntryError
 from preheat.timings import Timings
 
-__all__ = ["JaxCompiler", "Prefetch", "Rehearsal", "key_fields", "key_of", "mesh_of", "configure_persistent_cache", "tracing_source_hash",
-           "traced_sources", "nearest_entry"]
+__all__ = ["JaxCompiler", "Prefetch", "Rehearsal", "key_fields", "key_of", "mesh_of", "configure_persistent_cache",
+           "tracing_source_hash", "traced_sources", "nearest_entry"]
 
 log = logging.getLogger("preheat.cache")
 
