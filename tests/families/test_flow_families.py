@@ -164,6 +164,20 @@ def test_offloaded_encoders_deferred_reads_reach_the_host(folders, pipes):
     assert len(leaves) == len(direct) and all(np.array_equal(a, np.asarray(b)) for a, b in zip(leaves, direct))
 
 
+def test_a_restart_prefetches_every_stage_of_a_flow_model(folders):
+    """Issue 17: SD3's three encoders (T5 included), its flow loop and its decoder are loaded on the
+    background thread while the weights are read; the keys come from a rehearsal on placeholder
+    weights (no prompt needed: its words are data; the step count is data too). The image is the
+    first start's."""
+    call = dict(prompt="a fox", steps=2, seed=4)
+    cold = preheat.load(folders["sd3"])  # this test's own cache root (conftest): compiles and stores
+    want = cold.generate(**call)
+    warm = preheat.load(folders["sd3"], prefetch=[{"steps": 28}])
+    np.testing.assert_array_equal(warm.generate(**call), want)
+    got = [(e["stage"], e["layer"], e.get("prefetch")) for e in warm.compiler.events]
+    assert got == [(s, "aot", "background") for s in ("encode", "denoise", "decode")], warm.compiler.events
+
+
 def test_offload_encoders_is_refused_for_models_without_text():
     with pytest.raises(PreheatError, match="offload_encoders applies to text-to-image models"):
         preheat.load(None, cache="off", offload_encoders=True)
