@@ -153,7 +153,8 @@ def test_fsdp_must_divide_the_device_count():
 
 SERVE = """
     import json, sys, numpy as np, preheat
-    p = preheat.load(sys.argv[1], devices=int(sys.argv[2]), fsdp=int(sys.argv[4]))
+    prefetch = [{"n": 4, "steps": 3}] if sys.argv[5] == "prefetch" else None
+    p = preheat.load(sys.argv[1], devices=int(sys.argv[2]), fsdp=int(sys.argv[4]), prefetch=prefetch)
     out = p.generate(4, steps=3, seed=7)
     np.save(sys.argv[3], out)
     print(json.dumps({"layer": p.last.cache_layer, "event": p.compiler.events[-1]}, default=str))
@@ -171,14 +172,17 @@ def test_sharded_executable_restarts_warm_and_is_not_used_on_two_devices(tmp_pat
     model = save_tiny_pipeline(tmp_path / "pipe")
     home = tmp_path / "home"
 
-    def serve(devices: int, host_devices: int, name: str, fsdp: int = 1) -> dict:
+    def serve(devices: int, host_devices: int, name: str, fsdp: int = 1, prefetch: bool = False) -> dict:
         return json.loads(_run(SERVE, host_devices, home, str(model), str(devices), str(tmp_path / name),
-                               str(fsdp)).splitlines()[-1])
+                               str(fsdp), "prefetch" if prefetch else "-").splitlines()[-1])
 
     cold = serve(4, 4, "cold.npy")
     assert cold["layer"] == "none" and cold["event"]["store"] == "written"
-    warm = serve(4, 4, "warm.npy")  # a fresh process loads the 4-device executable
+    # a fresh process loads the 4-device executable, on the background thread while the weights
+    # are read: its key (mesh included) is known from placeholder weights placed as they will be
+    warm = serve(4, 4, "warm.npy", prefetch=True)
     assert warm["layer"] == "aot" and warm["event"]["trace_lower_s"] == 0.0
+    assert warm["event"]["prefetch"] == "background", warm
     assert np.array_equal(np.load(tmp_path / "cold.npy"), np.load(tmp_path / "warm.npy"))  # the same program
     assert _run(EXPLAIN, 4, home, str(model), "4").startswith("hit:")
 
@@ -190,8 +194,9 @@ def test_sharded_executable_restarts_warm_and_is_not_used_on_two_devices(tmp_pat
 
     split = serve(4, 4, "fsdp.npy", fsdp=2)  # the same devices, weights split: another program
     assert split["layer"] == "none" and "mesh.axes" in split["event"]["miss"], split
-    again = serve(4, 4, "fsdp_warm.npy", fsdp=2)
+    again = serve(4, 4, "fsdp_warm.npy", fsdp=2, prefetch=True)  # weights split: prefetched all the same
     assert again["layer"] == "aot" and again["event"]["trace_lower_s"] == 0.0
+    assert again["event"]["prefetch"] == "background", again
     assert np.array_equal(np.load(tmp_path / "fsdp.npy"), np.load(tmp_path / "fsdp_warm.npy"))
     _close(np.load(tmp_path / "cold.npy"), np.load(tmp_path / "fsdp.npy"))
 

@@ -86,6 +86,12 @@ class Signature:
     def class_conditional(self) -> bool:
         return "class_labels" in self.conditioning
 
+    @property
+    def output(self) -> jax.ShapeDtypeStruct:
+        """What the program returns (``build_program``): the final sample, as uint8 pixels when the
+        program converts them. Known without tracing, so a rehearsal (prefetch) never traces the loop."""
+        return jax.ShapeDtypeStruct((self.batch, *self.sample_shape), jnp.uint8 if self.pixels else jnp.float32)
+
 
 def build_program(sig: Signature, apply: Denoiser) -> Callable[..., jax.Array]:
     """The whole denoising call as one pure function of
@@ -547,10 +553,14 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     (``preheat.sharding``); the first device alone runs today's single-device program.
     ``fsdp``: split each weight over this many of those devices instead of replicating it (for
     weights that do not fit one device); it must divide the device count.
-    ``prefetch``: the calls expected first, as ``generate`` keywords (``[{"n": 4, "steps": 20}]``):
-    their executables are loaded (or pulled from ``PREHEAT_CACHE_URL``) on a background thread
-    while the weights are read, as soon as their cache keys are known (the keys need the weights'
-    shapes, never their values). Pixel families on one device; elsewhere it is ignored.
+    ``prefetch``: the calls expected first, as ``generate`` keywords (``[{"n": 4, "steps": 20}]``;
+    a text family's prompt may be left out: its words are data), or a function of the pipeline
+    being loaded that returns them (``preheat.cache.warm.prefetch_calls``: a server's warm
+    declaration). Every executable those calls run -- a text family's encoders, the denoising
+    loop, the VAE decoder -- is loaded (or pulled from ``PREHEAT_CACHE_URL``) on a background
+    thread while the weights are read: each call is rehearsed on placeholder weights, which
+    gives the cache keys (they need the weights' and the embeddings' shapes, never their
+    values), on one device or a mesh alike. Calls with a LoRA are left to load on first use.
     ``preheat.load`` (``preheat.api``) adds ``backend="torch"``.
 
     ``Pipeline.startup`` records each start-up phase and the critical path (``preheat.timings.Phases``).
@@ -581,14 +591,14 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
         options["offload_encoders"] = True
     # Prefetching: the loader checks every header and returns placeholder weights (shapes only),
     # the executables load on a background thread, then the tensors are read here.
-    early = bool(prefetch) and compiler is not None and mesh is None and loader.__module__ in PREFETCH_FAMILIES
+    early = bool(prefetch) and compiler is not None
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component
         start = phases.spans["import"][1]
         with deferred_fills() if early else contextlib.nullcontext() as pending:
             loaded: LoadedModel = loader(root, scheduler=scheduler, dtype=dtype, variant=variant, **options)
         if pending is not None:
             phases.add("model", start, now_s())  # configs, abstract builds, every header checked
-            _prefetch(loaded, compiler, prefetch, phases)
+            _prefetch(loaded, mesh, compiler, prefetch, phases)
             with phases.phase("weights"):
                 pending.run()
         else:
@@ -596,23 +606,39 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     return Pipeline(**vars(loaded), compiler=compiler, load_report=weights_read.total, mesh=mesh, startup=phases)
 
 
-# Families whose denoising key is known from the weights' shapes alone (their conditioning runs no
-# weights): a text family's needs its encoders' outputs, so it loads its executables on first use.
-PREFETCH_FAMILIES = ("preheat.families.pixel",)
+def _prefetch(loaded: LoadedModel, mesh: Any, compiler: Any,
+              calls: Sequence[dict[str, Any]] | Callable[[Pipeline], Sequence[dict[str, Any]]], phases: Phases) -> None:
+    """Start loading the executables of ``calls`` on a background thread.
 
+    Their keys come from a rehearsal of each call (``preheat.cache.compile.Rehearsal``) on a view
+    of the pipeline whose weights are still placeholders: every stage the call would run --
+    a text family's encoders, the denoising loop, the VAE decoder -- is recorded with the
+    arguments the real call will pass, shapes and placement alike. Stages run zeros of their
+    output shapes (the encoders traced for them, never compiled), so the conditioning has the
+    shapes the real embeddings will have: the key needs the weights' shapes, never their values.
+    The rehearsal itself runs on the thread, overlapping the weight reads.
+    """
+    from preheat.cache.compile import Rehearsal
 
-def _prefetch(loaded: LoadedModel, compiler: Any, calls: Sequence[dict[str, Any]], phases: Phases) -> None:
-    """Start loading the denoising executables of ``calls`` on a background thread. The keys are
-    computed here from a view of the pipeline whose weights are still placeholders."""
-    view = Pipeline(**vars(loaded))
-    items = []
-    for call in calls:
-        inputs = dict(call)
-        if inputs.get("lora"):
-            continue  # adapters are read per call: no key before then
+    # built here, before the reads: on a mesh the view's placeholders take the placement the
+    # weights will have (sharding.distribute), without touching a weight being read
+    view = Pipeline(**vars(loaded), compiler=Rehearsal(), mesh=mesh)
+
+    def items() -> list[tuple[dict[str, Any], Any, tuple, int]]:
         try:
-            _, sig, args = view._prepare(inputs.pop("n", None), inputs)
-        except PreheatError:  # a bad call fails on its own, when it is made
-            continue
-        items.append((view.fingerprint, sig, args, 1))
+            wanted = calls(view) if callable(calls) else calls
+        except PreheatError:  # a bad declaration fails on its own, where it is used
+            return []
+        for call in wanted:
+            inputs = dict(call)
+            if inputs.get("lora"):
+                continue  # adapters are read per call: no key before then
+            if "prompt" in view.family.inputs:
+                inputs.setdefault("prompt", "")  # the words are data: tokenizers pad to fixed lengths
+            try:
+                view.generate(inputs.pop("n", None), **inputs)
+            except PreheatError:  # a bad call fails on its own, when it is made
+                continue
+        return view.compiler.items
+
     compiler.prefetch(items, phases)

@@ -125,8 +125,11 @@ def weight_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
 def distribute(tree: Any, mesh: Mesh) -> Any:
     """Every device-resident leaf put where ``mesh`` keeps weights (:func:`weight_spec`): replicated,
     or split over ``fsdp``. Host arrays (offloaded encoders' weights) stay on the host and travel
-    only when their stage runs."""
+    only when their stage runs. Placeholders (``jax.ShapeDtypeStruct``: weights not read yet, see
+    ``preheat.load(prefetch=...)``) get the placement the weights will have."""
     def put(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, weight_spec(x.shape, mesh)))
         if not isinstance(x, jax.Array):
             return x
         return jax.device_put(x, NamedSharding(mesh, weight_spec(x.shape, mesh)))
@@ -182,11 +185,11 @@ def pad_batch(args: tuple, specs: Specs, n: int, to: int) -> tuple:
 
 def place(args: tuple, specs: Specs, mesh: Mesh) -> tuple:
     """Arguments on the mesh: batched leaves split over the batch axes, the rest replicated --
-    except arrays already on this mesh (the distributed weights), which keep their placement and
-    are not copied again."""
+    except arrays already on this mesh (the distributed weights, or their placeholders), which
+    keep their placement and are not copied again."""
     def put(x: Any, spec: PartitionSpec) -> Any:
-        if spec == PartitionSpec() and isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) \
-                and x.sharding.mesh == mesh:
+        if spec == PartitionSpec() and isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) \
+                and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
             return x
         return jax.device_put(x, NamedSharding(mesh, spec))
 

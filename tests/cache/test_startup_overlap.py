@@ -158,3 +158,25 @@ def test_prefetched_weights_are_placeholders_until_read(model_dir):
     assert [(x.shape, x.dtype) for x in filled] == [(x.shape, x.dtype) for x in leaves]
     direct = weights.fill(abstract, tensors, "float32", "test")
     assert all(np.array_equal(a, b.get_value()) for a, (_, b) in zip(filled, nnx.to_flat_state(direct)))
+
+
+def test_a_server_prefetches_its_warm_declaration(model_dir, published, tmp_path, monkeypatch):
+    """``preheat serve`` loads with its warm declaration as prefetch (``cache.warm.prefetch_calls``):
+    the warm-up finds every cached program loaded in the background; one not cached compiles."""
+    from preheat.server.core import Core, CoreConfig
+
+    _, home, _ = published
+    shutil.copytree(home, tmp_path / "home")
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("PREHEAT_CACHE_URL", raising=False)
+    # buckets 1 and 2, guided at the model's default: bucket 2 is CALL's program (labels, steps are data)
+    config = CoreConfig(model=str(model_dir), max_batch_size=2, samplers=("euler",), guidance=("on",), batch_wait_ms=0)
+    core = Core(config).start()  # the real loader (server.config.load_pipeline)
+    try:
+        assert core.wait_setup(300) and core.status == "READY", core.setup.logs
+        events = core.pipe.compiler.events
+        assert [e.get("prefetch") for e in events] == ["background", "background"], events
+        assert events[0]["layer"] in ("none", "xla") and "miss" in events[0]  # bucket 1: not cached, compiled
+        assert events[1]["layer"] == "aot" and events[1]["trace_lower_s"] == 0.0  # bucket 2: loaded in the background
+    finally:
+        core.close()

@@ -144,6 +144,40 @@ def test_offload_encoders_keeps_text_weights_on_the_host(folders, pipes):
     np.testing.assert_array_equal(pipe.generate("a fox", steps=2, seed=4), same)
 
 
+def test_offloaded_encoders_deferred_reads_reach_the_host(folders, pipes):
+    """With ``prefetch`` the reads wait (``weights.deferred_fills``): an offloaded encoder's weights
+    are placeholders until read, then on the host, equal to a direct load's."""
+    import jax
+
+    from preheat.families.sd3 import load_stable_diffusion_3
+    from preheat.models.weights import deferred_fills
+
+    with deferred_fills() as pending:
+        loaded = load_stable_diffusion_3(folders["sd3"], offload_encoders=True)
+    encoders = [te for te in loaded.components["text_encoders"] if te is not None]
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for te in encoders for leaf in jax.tree.leaves(te.params))
+    pending.run()
+    leaves = [leaf for te in encoders for leaf in jax.tree.leaves(te.params)]
+    direct = [leaf for te in pipes["sd3"].components["text_encoders"] if te is not None
+              for leaf in jax.tree.leaves(te.params)]
+    assert leaves and all(isinstance(leaf, np.ndarray) for leaf in leaves)
+    assert len(leaves) == len(direct) and all(np.array_equal(a, np.asarray(b)) for a, b in zip(leaves, direct))
+
+
+def test_a_restart_prefetches_every_stage_of_a_flow_model(folders):
+    """Issue 17: SD3's three encoders (T5 included), its flow loop and its decoder are loaded on the
+    background thread while the weights are read; the keys come from a rehearsal on placeholder
+    weights (no prompt needed: its words are data; the step count is data too). The image is the
+    first start's."""
+    call = dict(prompt="a fox", steps=2, seed=4)
+    cold = preheat.load(folders["sd3"])  # this test's own cache root (conftest): compiles and stores
+    want = cold.generate(**call)
+    warm = preheat.load(folders["sd3"], prefetch=[{"steps": 28}])
+    np.testing.assert_array_equal(warm.generate(**call), want)
+    got = [(e["stage"], e["layer"], e.get("prefetch")) for e in warm.compiler.events]
+    assert got == [(s, "aot", "background") for s in ("encode", "denoise", "decode")], warm.compiler.events
+
+
 def test_offload_encoders_is_refused_for_models_without_text():
     with pytest.raises(PreheatError, match="offload_encoders applies to text-to-image models"):
         preheat.load(None, cache="off", offload_encoders=True)

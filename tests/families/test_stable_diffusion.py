@@ -3,6 +3,8 @@ on the same tiny random-weight folders and the same initial latents."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -201,6 +203,41 @@ def test_every_stage_has_its_own_cache_entry_and_a_restart_loads_all_three(folde
                                                                          "decode": "aot"}
     assert second.last.trace_lower_s == 0.0
     np.testing.assert_array_equal(a, b)
+    _prefetched_restarts(folders["sd1"], tmp_path, a)
+
+
+def _prefetched_restarts(folder, root, want):
+    """Restarts that prefetch (issue 17): every stage's executable loads on the background thread
+    while the weights are read -- keys from a rehearsal on placeholder weights, the conditioning's
+    shapes from the encoders traced abstractly -- and a background load that fails (the encoder's,
+    injected) falls back to a compile of that stage alone; the image is the same each time."""
+    from jax.experimental import serialize_executable
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PREHEAT_HOME", str(root))
+        mp.delenv("PREHEAT_CACHE_URL", raising=False)
+        call = {"n": 1, "steps": 20}  # no prompt (its words are data), another step count (data): the same keys
+        third = preheat.load(folder, prefetch=[call])
+        np.testing.assert_array_equal(third.generate("a photo of a cat", steps=2, seed=0), want)
+        got = [(e["stage"], e["layer"], e.get("prefetch")) for e in third.compiler.events]
+        assert got == [(s, "aot", "background") for s in ("encode", "denoise", "decode")], third.compiler.events
+        assert third.last.trace_lower_s == 0.0 and "executable.keys" in third.startup.spans
+
+        load, failed = serialize_executable.deserialize_and_load, []
+
+        def fail_the_first_background_load(*a, **k):
+            if threading.current_thread().name == "preheat-executable-prefetch" and not failed:
+                failed.append(True)  # the first program the call runs: the encoder's
+                raise RuntimeError("injected: cannot load this executable")
+            return load(*a, **k)
+
+        mp.setattr(serialize_executable, "deserialize_and_load", fail_the_first_background_load)
+        fourth = preheat.load(folder, prefetch=[call])
+        np.testing.assert_array_equal(fourth.generate("a photo of a cat", steps=2, seed=0), want)
+        events = {e["stage"]: e for e in fourth.compiler.events}
+        assert "injected" in events["encode"]["quarantined"] and events["encode"]["layer"] in ("none", "xla")
+        assert events["encode"]["prefetch"] == "background" and events["encode"]["trace_lower_s"] > 0
+        assert [events[s]["layer"] for s in ("denoise", "decode")] == ["aot", "aot"], fourth.compiler.events
 
 
 def test_cli_samples_a_text_to_image_folder(folders, tmp_path):

@@ -41,8 +41,8 @@ from preheat.cache.root import resolve_root
 from preheat.errors import CacheEntryError
 from preheat.timings import Timings
 
-__all__ = ["JaxCompiler", "Prefetch", "key_fields", "key_of", "mesh_of", "configure_persistent_cache", "tracing_source_hash",
-           "traced_sources", "nearest_entry"]
+__all__ = ["JaxCompiler", "Prefetch", "Rehearsal", "key_fields", "key_of", "mesh_of", "configure_persistent_cache",
+           "tracing_source_hash", "traced_sources", "nearest_entry"]
 
 log = logging.getLogger("preheat.cache")
 
@@ -221,6 +221,33 @@ def nearest_entry(kind_dir: Path, fields: dict[str, Any]) -> tuple[str | None, l
     return best
 
 
+Items = list[tuple[dict[str, Any], Any, tuple, int]]  # (fingerprint, signature, arguments, outputs) per program
+
+
+class Rehearsal:
+    """Stands in for the compile cache while a call is rehearsed: records every program the call
+    reaches -- (fingerprint, signature, arguments, outputs), in the order they run, with the
+    arguments exactly as the real call passes them -- and compiles nothing. Each "executable"
+    returns zeros of the program's output shapes, so the next stage sees the arguments it would
+    see for real: a signature that knows them (``output``: the denoising loop's is its sample)
+    is taken at its word, any other program is traced for them (``jax.eval_shape``). What
+    ``preheat.load(prefetch=...)`` and ``preheat warm --dry-run`` know of a call before it runs."""
+
+    mode = "full"
+
+    def __init__(self) -> None:
+        self.items: Items = []
+
+    def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: tuple,
+                       outputs: int = 1) -> tuple[Callable[..., Any], Timings]:
+        import jax.numpy as jnp
+
+        self.items.append((fingerprint, sig, args, outputs))
+        known = getattr(sig, "output", None)
+        shapes = known if isinstance(known, jax.ShapeDtypeStruct) else jax.eval_shape(program, *args)
+        return (lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)), Timings(cache_layer="none")
+
+
 class JaxCompiler:
     """``get_or_compile``: the executable for a signature, from the aot layer when it can.
 
@@ -291,11 +318,13 @@ class JaxCompiler:
         self._note(record, timings)
         return compiled, timings
 
-    def prefetch(self, items: list[tuple[dict[str, Any], Any, tuple, int]], phases: Any = None) -> "Prefetch":
+    def prefetch(self, items: Items | Callable[[], Items], phases: Any = None) -> "Prefetch":
         """Start loading (or pulling) the executables of ``items`` -- (fingerprint, signature,
         arguments, outputs), the arguments' shapes enough (``jax.ShapeDtypeStruct`` weights) --
         on a background thread; ``get_or_compile`` takes a loaded one when its key comes up. A
         failed load is quarantined as on the main path, and that key is compiled instead.
+        ``items`` may be a function that returns them: it then runs on the thread too (a text
+        family traces its encoders for their output shapes: that overlaps the weight reads).
         ``phases`` (``preheat.timings.Phases``): where the thread's phases are recorded."""
         if self.mode != "full" or not items:
             self._prefetch = None
@@ -447,7 +476,7 @@ class JaxCompiler:
 class Prefetch:
     """Executables loading on a background thread (``JaxCompiler.prefetch``)."""
 
-    def __init__(self, compiler: JaxCompiler, items: list[tuple[dict[str, Any], Any, tuple, int]], phases: Any):
+    def __init__(self, compiler: JaxCompiler, items: Items | Callable[[], Items], phases: Any):
         self.compiler, self.items, self.phases = compiler, items, phases
         self.keys: dict[str, tuple] = {}  # computed on the thread (hashing the traced sources is not free)
         self.keys_ready = threading.Event()
@@ -470,7 +499,10 @@ class Prefetch:
         start = now_s()
         try:
             try:
-                for fingerprint, sig, args, outputs in self.items:
+                items = self.items() if callable(self.items) else self.items
+                if self.phases is not None and callable(self.items):
+                    self.phases.add("executable.keys", start, now_s())
+                for fingerprint, sig, args, outputs in items:
                     fields = key_fields(fingerprint, sig, args)
                     self.keys[key_of(fields)] = (fields, args, outputs, getattr(sig, "stage", "denoise"))
             finally:

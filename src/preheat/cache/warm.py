@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 __all__ = ["WarmSet", "WarmSignature", "buckets_for", "resolve", "signatures", "run_signature", "status", "programs",
-           "warm"]
+           "prefetch_calls", "warm"]
 
 GUIDANCE_MODES = ("off", "on")
 
@@ -176,47 +176,38 @@ def status(pipe: Any, sig: WarmSignature, remote: Any = None) -> dict[str, Any]:
     return out
 
 
-class _DryCompiler:
-    """Stands in for the compile cache in a dry run: records every program a call reaches (its
-    stage, key, and whether the local root and the store hold it) and compiles nothing. Each
-    "executable" returns zeros of the program's output shapes (``jax.eval_shape``: traced, never
-    compiled), so the next stage sees the arguments it would see for real."""
-
-    mode = "full"
-
-    def __init__(self, real: Any, remote: Any) -> None:
-        self.real, self.remote = real, remote
-        self.programs: list[dict[str, Any]] = []
-
-    def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: tuple,
-                       outputs: int = 1) -> tuple[Callable[..., Any], Any]:
-        import jax
-        import jax.numpy as jnp
-
-        from preheat.cache.compile import key_fields, key_of
-        from preheat.timings import Timings
-
-        key = key_of(key_fields(fingerprint, sig, args))
-        local = self.real is not None and (self.real.kind_dir / key / "manifest.json").is_file()
-        self.programs.append({"stage": getattr(sig, "stage", "denoise"), "key": key, "local": bool(local),
-                              "remote": None if self.remote is None else self.remote.has("jax", key)})
-        shapes = jax.eval_shape(program, *args)
-        return (lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)), Timings(cache_layer="none")
-
-
 def programs(pipe: Any, sig: WarmSignature, remote: Any = None) -> list[dict[str, Any]]:
     """Every compiled program one signature's call runs -- a text family's encoders, its denoising
     loop and its VAE decoder; a pixel family's loop -- as ``{"stage", "key", "local", "remote"}``
     (``remote`` None without a store), in the order they run. Nothing is compiled or run on the
-    device (each program is traced once for its output shapes)."""
+    device: the call is rehearsed (``preheat.cache.compile.Rehearsal``)."""
     import copy
 
+    from preheat.cache.compile import Rehearsal, key_fields, key_of
+
     dry = copy.copy(pipe)  # the pipeline's weights and components, its own compiler and executables
-    dry.compiler = _DryCompiler(pipe.compiler, remote)
+    dry.compiler = Rehearsal()
     dry._executables = {}
     dry.startup = None
     dry.generate(sig.bucket, **call_inputs(pipe, sig))
-    return dry.compiler.programs
+    out = []
+    for fingerprint, program_sig, args, _ in dry.compiler.items:
+        key = key_of(key_fields(fingerprint, program_sig, args))
+        local = pipe.compiler is not None and (pipe.compiler.kind_dir / key / "manifest.json").is_file()
+        out.append({"stage": getattr(program_sig, "stage", "denoise"), "key": key, "local": bool(local),
+                    "remote": None if remote is None else remote.has("jax", key)})
+    return out
+
+
+def prefetch_calls(warm_set: WarmSet) -> Callable[[Any], list[dict[str, Any]]]:
+    """``preheat.load(prefetch=...)`` for a declaration: given the pipeline being loaded (its
+    weights still placeholders), the ``generate`` keywords of every signature but the LoRA ones
+    (adapters are read per call), so that a server's warm-up finds its executables loaded."""
+    def calls(pipe: Any) -> list[dict[str, Any]]:
+        return [{"n": sig.bucket, **call_inputs(pipe, sig)} for sig in signatures(pipe, resolve(pipe, warm_set))
+                if sig.lora is None]
+
+    return calls
 
 
 def warm(warm_set: WarmSet, pipe: Any, log: Callable[[str], None] = lambda line: None,

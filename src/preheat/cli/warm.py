@@ -104,7 +104,9 @@ def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers
 
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp)
-    pipe = preheat.load(warm_set.model, dtype=warm_set.dtype, devices=warm_set.devices, fsdp=warm_set.fsdp)
+    # what is cached already loads while the weights are read (a dry run loads nothing)
+    pipe = preheat.load(warm_set.model, dtype=warm_set.dtype, devices=warm_set.devices, fsdp=warm_set.fsdp,
+                        prefetch=None if dry_run else warming.prefetch_calls(warm_set))
     if dry_run:
         resolved = warming.resolve(pipe, warm_set)
         remote = pipe.compiler.remote if pipe.compiler is not None else None

@@ -150,9 +150,17 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
 
 def offload(encoder: Any) -> Any:
     """``offload_encoders``: keep an encoder's weights in host memory, so that the device holds
-    them only while the encode stage runs (for GPUs that cannot hold encoders and denoiser)."""
-    import dataclasses
-
+    them only while the encode stage runs (for GPUs that cannot hold encoders and denoiser).
+    Each weight is moved once it is read (``weights.after_reads``: at once, or after the deferred
+    reads of ``preheat.load(prefetch=...)``), in place, so the encoder keeps its State."""
     import jax
+    from flax import nnx
 
-    return dataclasses.replace(encoder, params=jax.device_get(encoder.params))
+    from preheat.models.weights import after_reads
+
+    def to_host() -> None:
+        for _, var in nnx.to_flat_state(encoder.params):
+            var.set_value(jax.device_get(var.get_value()))
+
+    after_reads(to_host)
+    return encoder

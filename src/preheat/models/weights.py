@@ -72,6 +72,7 @@ __all__ = [
     "fill",
     "deferred_fills",
     "DeferredFills",
+    "after_reads",
     "build_abstract",
     "param",
     "read_json",
@@ -484,6 +485,16 @@ def deferred_fills() -> Iterator[DeferredFills]:
         yield pending
     finally:
         _DEFER.pending = previous
+
+
+def after_reads(job: Callable[[], None]) -> None:
+    """Run ``job`` once the weights ``fill`` was given so far are read: at once, or inside
+    ``deferred_fills()`` queued after their reads (e.g. moving an encoder's weights to the host)."""
+    pending = getattr(_DEFER, "pending", None)
+    if pending is not None:
+        pending.jobs.append(job)
+    else:
+        job()
 
 
 def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, source: str, *,

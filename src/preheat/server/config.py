@@ -61,8 +61,11 @@ def load_pipeline(config: CoreConfig) -> Any:
         if config.compile != "none":
             raise InvalidArgumentError(f"--compile {config.compile} applies to --backend torch")
         import preheat
+        from preheat.cache.warm import prefetch_calls
 
-        return preheat.load(config.model, dtype=config.dtype, devices=config.devices, fsdp=config.fsdp)
+        # the warm-up's executables load while the weights are read
+        return preheat.load(config.model, dtype=config.dtype, devices=config.devices, fsdp=config.fsdp,
+                            prefetch=prefetch_calls(config.warm_set()))
     if config.backend == "torch":
         try:
             import preheat.backends.torch as torch_backend
