@@ -118,7 +118,7 @@ def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int
     for flag, value in (("--prompt", prompt), ("--width", width), ("--height", height)):
         if value is not None:
             args += (flag, str(value))
-    if (width or height) and not prompt:
+    if not prompt and (width or height or _takes_a_prompt(model)):
         args += ("--prompt", "a watercolor fox")
     with tempfile.TemporaryDirectory() as tmp:
         if backend == "torch":
@@ -129,6 +129,16 @@ def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int
     write_json(json_out, result)
     if png_out:
         plot(result, png_out)
+
+
+def _takes_a_prompt(model: str | None) -> bool:
+    """A local folder of a text-to-image family (its children need a prompt); a store source is not
+    pulled here, so it needs ``--prompt``."""
+    if model is None or not Path(model).is_dir():
+        return False
+    from preheat.families import family_loader
+
+    return family_loader(Path(model)).__module__ != "preheat.families.pixel"
 
 
 def _parse_sizes(text: str) -> tuple[int, ...]:
