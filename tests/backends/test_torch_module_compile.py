@@ -207,6 +207,18 @@ def test_dynamic_serves_a_second_resolution_without_a_compile():
     torch.testing.assert_close(y_small, eager_small, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(y_other, eager_other, atol=1e-5, rtol=1e-5)
 
+    # A restart (Dynamo's caches emptied, a new instance) whose first size was never compiled:
+    # the one entry serves it, and Inductor compiles no graph.
+    torch._dynamo.reset()
+    counters.clear()
+    again = preheat.torch.compile(_ConvNet().eval(), mode="regional", dynamic=True)
+    again.load_state_dict(net.state_dict())
+    unseen = torch.randn(1, 4, 5, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(again(unseen), eager_net(net, unseen), atol=1e-5, rtol=1e-5)
+    (event,) = preheat.torch.events(again)
+    assert event["layer"] == "mega" and counters["inductor"].get("fxgraph_cache_miss", 0) == 0
+
     control = _ConvBlock(4).eval()  # what duck shapes do to the same sizes
     compiled = torch.compile(control, dynamic=True, backend="eager")  # Dynamo's guards alone decide
     torch._dynamo.reset()
@@ -215,6 +227,13 @@ def test_dynamic_serves_a_second_resolution_without_a_compile():
         compiled(small)
         compiled(other)
     assert counters["frames"]["total"] == 2
+
+
+def eager_net(net: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``net``'s blocks run eagerly (their classes' own forward), whatever was compiled."""
+    for block in net.blocks:
+        x = type(block).forward(block, x)
+    return x
 
 
 def test_dynamic_and_static_are_different_keys_and_explain_says_why(tmp_path):
