@@ -205,34 +205,38 @@ def _pooled(runs: dict[str, Any], setting: str, size: int, what: str) -> dict[st
 
 
 def _table(runs: dict[str, Any], resolutions: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Rows of (what, static, dynamic): numbers where a ratio means something."""
+    """Rows of (what, static, dynamic, note); ``ratio``: whether dynamic / static means something."""
     rows: list[dict[str, Any]] = []
 
-    def add(what: str, values: dict[str, Any], ratio: bool = True, note: str = "") -> None:
-        rows.append({"what": what, **values, "ratio": ratio, "note": note})
+    def add(what: str, values: dict[str, Any], note: str = "") -> None:
+        rows.append({"what": what, **values, "ratio": True, "note": note})
+
+    def both(phase: str, size: int, field: str) -> str:
+        """``field`` of the static and the dynamic child at ``size``, as "static / dynamic"."""
+        values = [runs[f"{s} {phase}"]["sizes"][str(size)][field] for s in SETTINGS]
+        return " / ".join(",".join(v) if isinstance(v, list) else str(v) for v in values)
 
     first, rest = resolutions[0], resolutions[1:]
     add(f"cold: first call's compile s at {first}²", {s: _extra(runs, s, "cold", first) for s in SETTINGS})
     for size in rest:
         add(f"cold: extra compile s at {size}²", {s: _extra(runs, s, "cold", size) for s in SETTINGS},
-            note="frames " + " / ".join(str(runs[f"{s} cold"]["sizes"][str(size)]["frames"]) for s in SETTINGS))
+            note="frames " + both("cold", size, "frames"))
     add("cold: frames compiled, all sizes",
         {s: sum(r["frames"] for r in runs[f"{s} cold"]["sizes"].values()) for s in SETTINGS})
+    eager = runs["static cold"].get("eager") or {}
     for size in resolutions:
         add(f"steady s / call at {size}² (pipeline)", {s: _pooled(runs, s, size, "calls") for s in SETTINGS})
         add(f"steady s / call at {size}² (denoiser)", {s: _pooled(runs, s, size, "denoiser_calls") for s in SETTINGS},
-            note="eager " + fmt_summary(runs["static cold"]["eager"][str(size)]["denoiser_s"], digits=3)
-            if runs["static cold"].get("eager") else "")
+            note="eager " + fmt_summary(eager[str(size)]["denoiser_s"], digits=3) if eager else "")
     add("warm: process start → first image s", {s: runs[f"{s} warm"]["start_to_first_image_s"] for s in SETTINGS},
         note="cold " + " / ".join(f"{runs[f'{s} cold']['start_to_first_image_s']:.1f}" for s in SETTINGS))
     for size in resolutions:
         add(f"warm: first call's load s at {size}²", {s: _extra(runs, s, "warm", size) for s in SETTINGS},
-            note="layers " + " / ".join(",".join(runs[f"{s} warm"]["sizes"][str(size)]["layers"]) for s in SETTINGS))
+            note="layers " + both("warm", size, "layers"))
     for size in rest:
         add(f"partial (only {first}² stored): first call s at {size}²",
             {s: _extra(runs, s, "partial", size) for s in SETTINGS},
-            note="layers " + " / ".join(",".join(runs[f"{s} partial"]["sizes"][str(size)]["layers"]) for s in SETTINGS)
-            + "; fxgraph miss " + " / ".join(str(runs[f"{s} partial"]["sizes"][str(size)]["fxgraph_miss"]) for s in SETTINGS))
+            note=f"layers {both('partial', size, 'layers')}; fxgraph miss {both('partial', size, 'fxgraph_miss')}")
     return rows
 
 
@@ -254,14 +258,16 @@ def markdown(result: dict[str, Any]) -> str:
              f"{result['machine']}"]
     for name, r in result["models"].items():
         loads = [f"{k} {v['load_average_1m'][0]:.1f}→{v['load_average_1m'][1]:.1f}" for k, v in r["runs"].items()]
-        lines += ["", f"**{name}** (entries stored: static {r['entries']['static']}, dynamic {r['entries']['dynamic']}; "
+        entries = r["entries"]
+        lines += ["", f"**{name}** (entries stored: static {entries['static']}, dynamic {entries['dynamic']}; "
                       f"load average per child: {', '.join(loads)})", "",
                   "| | static (per-resolution entries) | dynamic (duck shapes off) | dynamic ÷ static | |",
                   "|---|---|---|---|---|"]
         for row in r["table"]:
             s, d = _median(row["static"]), _median(row["dynamic"])
             ratio = f"{d / s:.2f}×" if row["ratio"] and s > 0 else "–"
-            lines.append(f"| {row['what']} | {_cell(row['static'])} | {_cell(row['dynamic'])} | {ratio} | {row['note']} |")
+            cells = [row["what"], _cell(row["static"]), _cell(row["dynamic"]), ratio, row["note"]]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
