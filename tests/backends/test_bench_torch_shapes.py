@@ -74,6 +74,7 @@ def test_children_and_table(monkeypatch, tmp_path):
     (["--resolutions", "32,x"], "distinct comma-separated positive ints"),
     (["--resolutions", "32,32"], "distinct comma-separated positive ints"),
     (["--repeats", "0"], "must be >= 1"),
+    (["/no/such/folder"], "neither a diffusers pipeline folder"),
 ])
 def test_bad_options_are_one_line_errors(args, message):
     result = CliRunner().invoke(torch_shapes_command, args)

@@ -160,6 +160,13 @@ def torch_shapes_command(models: tuple[str, ...], resolutions: str, mode: str, s
         raise InvalidArgumentError(f"--resolutions {resolutions!r} must be distinct comma-separated positive ints")
     if steps < 1 or repeats < 1 or (threads is not None and threads < 1):
         raise InvalidArgumentError("--steps, --repeats and --threads must be >= 1")
+    from preheat.bench.random_models import TEXT_ARCHITECTURES
+    from preheat.errors import ModelNotFoundError
+
+    for model in models:
+        if model not in TEXT_ARCHITECTURES and not (Path(model).expanduser() / "model_index.json").is_file():
+            raise ModelNotFoundError(f"{model} is neither a diffusers pipeline folder nor one of "
+                                     f"{', '.join(TEXT_ARCHITECTURES)}")
     with tempfile.TemporaryDirectory(prefix="preheat-shapes-") as tmp:
         result = bench_torch_shapes(models or MODELS, sizes, mode, steps, repeats, Path(tmp), timeout,
                                     threads, log=lambda line: click.echo(line, err=True))
