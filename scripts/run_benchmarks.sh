@@ -34,3 +34,6 @@ $B bench coldstart "$FLUX" --n 1 --steps 2 --repeats 2 "${T2I[@]}" --cache-url "
 $B bench compare "$FLUX" --quick --paths jax,torch-eager,torch-inductor --steps 2 --batch 1 --batch-sizes 1 \
   --steady-repeats 1 --sampler flow_euler "${T2I[@]}" --json-out $D/compare-flux.json --png-out $D/compare-flux.png \
   | tee $D/compare-flux.md
+
+# Resolutions on the torch side (issue 14): per-resolution entries vs dynamic=True, tiny Flux and SD 1.x.
+$B bench torch-shapes --resolutions 32,48,64 --repeats 5 --threads 1 --json-out $D/torch-shapes.json | tee $D/torch-shapes.md

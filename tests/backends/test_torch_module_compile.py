@@ -156,6 +156,114 @@ def test_explain_says_which_torch_key_fields_differ(tmp_path):
     assert explained()["explain"] == "hit"
 
 
+class _ConvBlock(torch.nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        return torch.nn.functional.silu(self.conv(x)) + x
+
+
+class _ConvNet(torch.nn.Module):
+    """Two repeated conv blocks: an image model in miniature, whose H and W are its resolution."""
+
+    def __init__(self, channels: int = 4):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_ConvBlock(channels), _ConvBlock(channels)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_dynamic_serves_a_second_resolution_without_a_compile():
+    """mode="regional", dynamic=True: the first resolution compiles the block graph once and stores
+    one entry; a second resolution (and aspect ratio) runs under error_on_recompile, with no new
+    entry. The first is 4x4 with 4 channels: with duck shapes on, H and W would share the channel
+    count's symbol, be specialised to 4 by the conv weight, and the second size would recompile
+    (the control below: plain torch.compile(dynamic=True) does)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    net = _ConvNet().eval()
+    small, other = torch.randn(1, 4, 4, 4), torch.randn(1, 4, 6, 10)
+    with torch.no_grad():
+        eager_small, eager_other = net(small), net(other)
+        preheat.torch.compile(net, mode="regional", dynamic=True)
+        torch._dynamo.reset()
+        counters.clear()
+        y_small = net(small)
+        assert counters["frames"]["total"] == 1  # one graph for the block class, both instances
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            y_other = net(other)
+        assert counters["frames"]["total"] == 1
+    (event,) = preheat.torch.events(net)
+    assert event["layer"] == "none" and event["store"] == "written"
+    (entry,) = _entries(Path(os.environ["PREHEAT_HOME"]))
+    fields = json.loads((entry / "manifest.json").read_text())["fields"]
+    assert fields["shapes"]["args"][0]["shape"] == [1, "s", "s", "s"]
+    torch.testing.assert_close(y_small, eager_small, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y_other, eager_other, atol=1e-5, rtol=1e-5)
+
+    # A restart (Dynamo's caches emptied, a new instance) whose first size was never compiled:
+    # the one entry serves it, and Inductor compiles no graph.
+    torch._dynamo.reset()
+    counters.clear()
+    again = preheat.torch.compile(_ConvNet().eval(), mode="regional", dynamic=True)
+    again.load_state_dict(net.state_dict())
+    unseen = torch.randn(1, 4, 5, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(again(unseen), eager_net(net, unseen), atol=1e-5, rtol=1e-5)
+    (event,) = preheat.torch.events(again)
+    assert event["layer"] == "mega" and counters["inductor"].get("fxgraph_cache_miss", 0) == 0
+
+    control = _ConvBlock(4).eval()  # what duck shapes do to the same sizes
+    compiled = torch.compile(control, dynamic=True, backend="eager")  # Dynamo's guards alone decide
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        compiled(small)
+        compiled(other)
+    assert counters["frames"]["total"] == 2
+
+
+def eager_net(net: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``net``'s blocks run eagerly (their classes' own forward), whatever was compiled."""
+    for block in net.blocks:
+        x = type(block).forward(block, x)
+    return x
+
+
+def test_dynamic_and_static_are_different_keys_and_explain_says_why(tmp_path):
+    """An entry compiled with dynamic=False does not serve dynamic=True (nor the reverse): the key
+    holds the setting and duck shapes, and the input signature keeps sizes or only ranks."""
+    from preheat.backends.torch.compile_cache import TorchCompiler
+    from preheat.backends.torch.compiled import compile_with
+    from preheat.cache.compile import key_of
+    from preheat.cache.entries import publish_entry
+
+    x = torch.randn(1, 4, 8, 8)
+
+    def explained(dynamic: bool) -> dict:
+        net, compiler = _ConvNet().eval(), TorchCompiler(root=tmp_path, mode="explain")
+        with torch.no_grad():
+            compile_with(net, "regional", dynamic, compiler)
+            net(x)
+        (event,) = compiler.events
+        return event
+
+    static = explained(False)
+    options = static["fields"]["compile_options"]
+    assert (options["dynamic"], options["duck_shape"]) == (False, True)
+    publish_entry(tmp_path / "compile" / "torch", key_of(static["fields"]), {"mega.bin": b"x"}, static["fields"])
+    dynamic = explained(True)
+    assert dynamic["explain"] == "miss" and dynamic["key"] != static["key"]
+    assert dynamic["differs"] == ["compile_options.duck_shape", "compile_options.dynamic", "shapes.args"]
+    assert explained(False)["explain"] == "hit"
+
+
 @pytest.mark.slow
 def test_full_dynamic_compiles_one_entry_for_every_batch(tmp_path, monkeypatch):
     """mode="full", dynamic=True: batch 2 compiles and stores one entry whose signature keeps

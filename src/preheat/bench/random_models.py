@@ -7,6 +7,11 @@ architecture's compile and run time. Its tokenizer is a small byte-level CLIP BP
 made here (the real 49k-token vocabulary cannot be downloaded); token ids stay below the
 encoder's vocab size, so every prompt encodes, and the compute is the real model's.
 
+``save_random_flux_tiny(out)`` / ``save_random_sd1_tiny(out)`` write the same pipelines at the
+scale of the test suite's tiny folders (``tests/families/*_fixtures.py``: one or two blocks of
+width 32, 32x32 images, 16x16 latents), for benchmarks of compile behaviour rather than of
+compute (``preheat bench torch-shapes``).
+
 ``save_random_flux(out)`` writes a ``FluxPipeline`` folder at FLUX.1-dev's published widths with
 fewer layers (a full 12-billion-parameter model does not fit this benchmark): the transformer
 with 1 double-stream + 1 single-stream block (of 19 + 38), T5 at T5-XXL widths with 2 layers (of
@@ -23,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
-           "save_random_sd_small", "save_random_flux", "TEXT_ARCHITECTURES"]
+           "save_random_sd_small", "save_random_flux", "save_random_flux_tiny", "save_random_sd1_tiny",
+           "TEXT_ARCHITECTURES"]
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 _WORDS = ("a photo of the cat dog fox watercolor painting portrait city night forest red blue green "
@@ -72,7 +78,8 @@ FLUX_SCHEDULER: dict[str, Any] = dict(
 FLUX_SHARD = "1GB"
 
 TEXT_ARCHITECTURES = {"sd15-random": "save_random_sd15", "flux-random": "save_random_flux",
-                      "sd-small-random": "save_random_sd_small"}
+                      "sd-small-random": "save_random_sd_small", "flux-tiny-random": "save_random_flux_tiny",
+                      "sd1-tiny-random": "save_random_sd1_tiny"}
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -144,6 +151,32 @@ SD_SMALL_VAE: dict[str, Any] = {**SD15_VAE, "block_out_channels": (32, 64, 128, 
 def save_random_sd_small(out: Path, seed: int = 0) -> Path:
     """A small SD 1.x folder with random weights (``SD_SMALL_*``: about 90 MB of float32)."""
     return _save_sd(out, SD_SMALL_UNET, SD_SMALL_TEXT, SD_SMALL_VAE, seed)
+
+
+# The test suite's tiny scale (tests/families/*_fixtures.py): a two-level VAE (x2: 32 px images,
+# 16 px latents), a 2-layer CLIP and T5 of width 32, one block of each kind.
+TINY_VAE: dict[str, Any] = dict(
+    in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 64), layers_per_block=1,
+    down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=8,
+    sample_size=32)
+TINY_CLIP: dict[str, Any] = {**SD15_TEXT, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "projection_dim": 32}
+TINY_SD1_UNET: dict[str, Any] = dict(
+    sample_size=16, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(32, 64),
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=32, attention_head_dim=2, norm_num_groups=8)
+TINY_FLUX_TRANSFORMER: dict[str, Any] = dict(
+    patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+    joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8), guidance_embeds=True)
+TINY_T5: dict[str, Any] = {**FLUX_T5, "d_model": 32, "d_kv": 8, "d_ff": 37, "num_heads": 4, "num_layers": 2,
+                           "relative_attention_num_buckets": 8}
+TINY_FLUX_VAE: dict[str, Any] = {**TINY_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159, "use_quant_conv": False,
+                                 "use_post_quant_conv": False}
+
+
+def save_random_sd1_tiny(out: Path, seed: int = 0) -> Path:
+    """An SD 1.x folder at the test suite's tiny scale (13 MB, most of it CLIP's 49408-token embedding)."""
+    return _save_sd(out, TINY_SD1_UNET, TINY_CLIP, TINY_VAE, seed)
 
 
 def _save_sd(out: Path, unet: dict[str, Any], text: dict[str, Any], vae: dict[str, Any], seed: int) -> Path:
@@ -225,10 +258,19 @@ def _fill_zeros(model: Any, std: float = 0.02) -> None:
                 p.normal_(0.0, std)
 
 
-def save_random_flux(out: Path, seed: int = 0) -> Path:
+def save_random_flux_tiny(out: Path, seed: int = 0) -> Path:
+    """A ``FluxPipeline`` folder at the test suite's tiny scale (14 MB, most of it the text encoders' embeddings)."""
+    return save_random_flux(out, seed, transformer=TINY_FLUX_TRANSFORMER, t5=TINY_T5, clip=TINY_CLIP,
+                            vae=TINY_FLUX_VAE)
+
+
+def save_random_flux(out: Path, seed: int = 0, *, transformer: dict[str, Any] = FLUX_TRANSFORMER,
+                     t5: dict[str, Any] = FLUX_T5, clip: dict[str, Any] = FLUX_CLIP,
+                     vae: dict[str, Any] = FLUX_VAE) -> Path:
     """A FLUX.1-dev-width ``FluxPipeline`` folder with few layers and random float32 weights (about
     4.5 GB: transformer 2.2 GB, T5 2.1 GB, CLIP 0.2 GB, VAE 0.3 GB). Components are built and
-    saved one at a time, so peak memory stays near the largest one."""
+    saved one at a time, so peak memory stays near the largest one. The keyword arguments
+    replace the configs (``save_random_flux_tiny``)."""
     import diffusers
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
@@ -236,15 +278,15 @@ def save_random_flux(out: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     with torch.no_grad():
-        model: Any = FluxTransformer2DModel(**FLUX_TRANSFORMER)
+        model: Any = FluxTransformer2DModel(**transformer)
         _fill_zeros(model)
         model.save_pretrained(out / "transformer", max_shard_size=FLUX_SHARD)
         del model
-        model = T5EncoderModel(T5Config(**FLUX_T5))
+        model = T5EncoderModel(T5Config(**t5))
         model.save_pretrained(out / "text_encoder_2", max_shard_size=FLUX_SHARD)
         del model
-        CLIPTextModel(CLIPTextConfig(**FLUX_CLIP)).save_pretrained(out / "text_encoder")
-        model = AutoencoderKL(**FLUX_VAE)
+        CLIPTextModel(CLIPTextConfig(**clip)).save_pretrained(out / "text_encoder")
+        model = AutoencoderKL(**vae)
         _fill_zeros(model)
         model.save_pretrained(out / "vae")
         del model

@@ -141,6 +141,49 @@ def _takes_a_prompt(model: str | None) -> bool:
     return family_loader(Path(model)).__module__ != "preheat.families.pixel"
 
 
+@bench_group.command("torch-shapes")
+@click.argument("models", nargs=-1)
+@click.option("--resolutions", default="32,48,64", show_default=True,
+              help="Square image sizes, comma-separated, in the order served (the first is stored alone for the "
+                   "partial row).")
+@click.option("--mode", type=click.Choice(["regional", "full"]), default="regional", show_default=True)
+@click.option("--steps", default=2, show_default=True, type=int)
+@click.option("--repeats", default=5, show_default=True, type=int, help="Steady-state calls per resolution.")
+@click.option("--threads", type=int, help="torch threads in the children (default: torch's own).")
+@click.option("--timeout", default=1800.0, show_default=True, type=float, help="Seconds per child process.")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@one_line_errors
+def torch_shapes_command(models: tuple[str, ...], resolutions: str, mode: str, steps: int, repeats: int,
+                         threads: int | None, timeout: float, json_out: Path | None) -> None:
+    """preheat.torch.compile per-resolution entries (dynamic=False) vs one symbolic-shape entry
+    (dynamic=True, duck shapes off): compile seconds per resolution, steady state, warm starts,
+    in fresh processes. MODELS: folders or 'flux-tiny-random' / 'sd1-tiny-random' (default both)."""
+    from preheat.bench.common import write_json
+    from preheat.bench.shapes import MODELS, bench_torch_shapes, markdown
+    from preheat.errors import InvalidArgumentError
+
+    try:
+        sizes = tuple(int(s) for s in resolutions.split(",") if s.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) <= 0 or len(set(sizes)) != len(sizes):
+        raise InvalidArgumentError(f"--resolutions {resolutions!r} must be distinct comma-separated positive ints")
+    if steps < 1 or repeats < 1 or (threads is not None and threads < 1):
+        raise InvalidArgumentError("--steps, --repeats and --threads must be >= 1")
+    from preheat.bench.random_models import TEXT_ARCHITECTURES
+    from preheat.errors import ModelNotFoundError
+
+    for model in models:
+        if model not in TEXT_ARCHITECTURES and not (Path(model).expanduser() / "model_index.json").is_file():
+            raise ModelNotFoundError(f"{model} is neither a diffusers pipeline folder nor one of "
+                                     f"{', '.join(TEXT_ARCHITECTURES)}")
+    with tempfile.TemporaryDirectory(prefix="preheat-shapes-") as tmp:
+        result = bench_torch_shapes(models or MODELS, sizes, mode, steps, repeats, Path(tmp), timeout,
+                                    threads, log=lambda line: click.echo(line, err=True))
+    click.echo(markdown(result))
+    write_json(json_out, result)
+
+
 def _parse_sizes(text: str) -> tuple[int, ...]:
     from preheat.errors import InvalidArgumentError
 

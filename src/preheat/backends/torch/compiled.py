@@ -28,9 +28,14 @@ diffusers versions, device (GPU kind; CPU model, instruction sets, threads), the
 input signature (tensor shapes, dtypes, devices, layouts; scalar values; grad and train mode).
 
 Shapes: ``dynamic=False`` (default) compiles one static graph per resolution and batch, each
-its own entry: the fastest code, no surprise recompiles once the served sizes are warm.
-``dynamic=True`` compiles symbolic shapes with duck shapes off (equal sizes are not assumed
-to stay equal); sizes other than 0 and 1 then share one entry.
+its own entry: no surprise recompiles once the served sizes are warm, and the cheaper restart
+for the few sizes a server warms up. ``dynamic=True`` compiles symbolic shapes with duck shapes
+off (``use_duck_shape`` patched to False around every call, so equal sizes are not tied to each
+other); sizes other than 0 and 1 then share one entry, and no new size ever compiles. Measured
+both ways by ``preheat bench torch-shapes`` (docs/benchmarks.md, issue 14): on the tiny Flux
+and SD 1.x, dynamic's one compile is 1.2-1.3x a static one, each further static size 7-15 s,
+and a dynamic warm first call 1.9-2.8x a static one (each block traced twice: a width equal to
+a weight's size is specialised after a restart).
 """
 
 from __future__ import annotations
