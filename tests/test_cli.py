@@ -41,8 +41,7 @@ def test_sample_writes_grid_images_and_report_then_hits_the_cache(model, tmp_pat
                      home=tmp_path / "home")
     assert second.returncode == 0, second.stderr
     rec2 = json.loads(report.read_text())
-    assert rec2["cache_layer"] == "aot" and rec2["trace_lower_s"] == 0.0
-    assert rec2["compile_or_load_s"] < rec["trace_lower_s"] + rec["compile_s"]
+    assert rec2["cache_layer"] == "aot" and rec2["trace_lower_s"] == 0.0  # loaded, not traced or compiled
 
 
 @pytest.mark.parametrize("args,needle", [

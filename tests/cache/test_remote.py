@@ -233,5 +233,5 @@ def test_store_down_start_up_succeeds_within_the_timeout(model_dir, reference_pi
     assert np.array_equal(np.load(tmp_path / "out.npy"), reference_pixels)
     assert event["remote"].startswith("unreachable") and "unavailable" in proc.stderr, event
     assert event["remote_s"] < 2 * timeout + 0.5, event  # one bounded deadline ...
-    assert event["remote_push"].startswith("unreachable") and event["remote_push_s"] < 0.1, event  # ... then skipped
+    assert event["remote_push"].startswith("unreachable") and event["remote_push_s"] < timeout, event  # ... then skipped (no second deadline)
     assert [p.name for p in (tmp_path / "pod" / "compile" / "jax").iterdir()] == [event["key"]]  # local cache works
