@@ -1,5 +1,6 @@
-"""The per-platform convolution switch (``PREHEAT_CONV``): every implementation computes the same
-convolution as XLA's, and the whole UNet keeps diffusers parity with each."""
+"""The per-platform model-code switches (``PREHEAT_CONV``, ``PREHEAT_GROUPNORM``): every
+implementation computes the same convolution as XLA's and the same GroupNorm as a float64
+reference, and the whole UNet keeps diffusers parity with each."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError
-from preheat.models.conv import CONV_IMPLS, conv2d, conv_impl
+from preheat.models.conv import CONV_IMPLS, GROUPNORM_IMPLS, conv2d, conv_impl, groupnorm_impl
+from preheat.models.unet2d import GroupNorm
 from tests.reference import save_random_unet, torch_unet_output
 
 # Outputs are O(1) sums of k*k*Cin <= 144 products; the implementations add the same products in
@@ -58,12 +60,49 @@ def test_unet_parity_with_diffusers_for_each_impl(unet_case, impl, monkeypatch):
     assert float(np.abs(out - ref).max()) <= FP32_TOL
 
 
+@pytest.mark.parametrize("impl", GROUPNORM_IMPLS)
+def test_unet_parity_with_diffusers_for_each_groupnorm(unet_case, impl, monkeypatch):
+    path, x, t, ref = unet_case
+    monkeypatch.setenv("PREHEAT_GROUPNORM", impl)
+    assert groupnorm_impl() == impl
+    unet = preheat.load_unet(path)
+    out = np.asarray(jax.jit(unet.__call__)(x, t))
+    assert float(np.abs(out - ref).max()) <= FP32_TOL
+
+
+@pytest.mark.parametrize("impl", GROUPNORM_IMPLS)
+@pytest.mark.parametrize("offset", [0.0, 1000.0])
+def test_groupnorm_matches_a_float64_reference_far_from_zero(impl, offset, monkeypatch):
+    """A group whose mean is 1000x its spread: E[x^2] - E[x]^2 in float32 would lose the variance
+    (its error ~ ulp(1e6) ~ 0.06 of a variance of 1); the shifted one-pass moments keep it."""
+    monkeypatch.setenv("PREHEAT_GROUPNORM", impl)
+    rng = np.random.RandomState(1)
+    x = (offset + rng.randn(2, 6, 5, 12)).astype(np.float32)  # (B, H, W, C), 4 groups of 3
+    norm = GroupNorm(4, 12, 1e-5)
+    norm.scale[...] = jnp.asarray(rng.rand(12).astype(np.float32) + 0.5)
+    norm.bias[...] = jnp.asarray(rng.randn(12).astype(np.float32))
+    xg = x.astype(np.float64).reshape(2, -1, 4, 3)
+    want = (xg - xg.mean(axis=(1, 3), keepdims=True)) / np.sqrt(xg.var(axis=(1, 3), keepdims=True) + 1e-5)
+    want = want.reshape(x.shape) * np.asarray(norm.scale[...]) + np.asarray(norm.bias[...])
+    got = np.asarray(jax.jit(lambda v: norm(v))(jnp.asarray(x)))
+    # float32 rounding of x itself at 1000 is ~6e-5 of the spread; 1e-3 is 60x below a lost variance
+    assert float(np.abs(got - want).max()) <= (1e-5 if offset == 0 else 1e-3)
+
+
 def test_auto_is_xla_convolution_and_unknown_is_refused(monkeypatch):
     monkeypatch.delenv("PREHEAT_CONV", raising=False)
     assert conv_impl() == "conv"
     monkeypatch.setenv("PREHEAT_CONV", "winograd")
     with pytest.raises(InvalidArgumentError, match="PREHEAT_CONV='winograd'"):
         conv_impl()
+
+
+def test_groupnorm_auto_is_one_pass_on_cpu_and_unknown_is_refused(monkeypatch):
+    monkeypatch.delenv("PREHEAT_GROUPNORM", raising=False)
+    assert groupnorm_impl() == ("one_pass" if jax.default_backend() == "cpu" else "two_pass")
+    monkeypatch.setenv("PREHEAT_GROUPNORM", "welford")
+    with pytest.raises(InvalidArgumentError, match="PREHEAT_GROUPNORM='welford'"):
+        groupnorm_impl()
 
 
 def test_compile_cache_key_names_the_conv_impl(monkeypatch):
@@ -81,3 +120,7 @@ def test_compile_cache_key_names_the_conv_impl(monkeypatch):
         monkeypatch.setenv("PREHEAT_CONV", impl)
         keys.add(key_of(key_fields({"model": "m"}, Sig(), (np.zeros(2, np.float32),))))
     assert len(keys) == len(CONV_IMPLS)
+    for impl in GROUPNORM_IMPLS:
+        monkeypatch.setenv("PREHEAT_GROUPNORM", impl)
+        keys.add(key_of(key_fields({"model": "m"}, Sig(), (np.zeros(2, np.float32),))))
+    assert len(keys) == len(CONV_IMPLS) + len(GROUPNORM_IMPLS)

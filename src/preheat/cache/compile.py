@@ -134,6 +134,7 @@ def key_fields(fingerprint: dict[str, Any], signature: Any, args: tuple) -> dict
         "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else _jaxlib_version(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "conv_impl": os.environ.get("PREHEAT_CONV", "auto"),  # preheat.models.conv.conv_impl: the traced convs
+        "groupnorm_impl": os.environ.get("PREHEAT_GROUPNORM", "auto"),  # ... and groupnorm_impl
         "x64": bool(jax.config.jax_enable_x64),
         "matmul_precision": str(jax.config.jax_default_matmul_precision),
         "preheat": __version__,

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
-from preheat.models.conv import conv2d
+from preheat.models.conv import conv2d, groupnorm_impl
 from preheat.models.weights import param
 
 __all__ = ["UNet2DConfig", "UNet2DModel", "SUPPORTED", "LayerNorm", "JsonConfig"]
@@ -216,7 +216,8 @@ class Linear(nnx.Module):
 
 
 class GroupNorm(nnx.Module):
-    """GroupNorm over NHWC (or (B, L, C)); statistics in float32 whatever the activation dtype."""
+    """GroupNorm over NHWC (or (B, L, C)); statistics in float32 whatever the activation dtype, in one
+    or two passes (``preheat.models.conv.groupnorm_impl``)."""
 
     def __init__(self, groups: int, channels: int, eps: float):
         self.scale = param((channels,), lambda: jnp.ones((channels,)))
@@ -228,6 +229,19 @@ class GroupNorm(nnx.Module):
         shape = x.shape
         c = shape[-1]
         xg = x.astype(jnp.float32).reshape(shape[0], -1, self.groups, c // self.groups)  # (B, HW, G, C/G)
+        if groupnorm_impl() == "one_pass":
+            # (B, 1, G, 1): the group's mean over its first position, so E[d] is of the spread's size and
+            # E[d^2] - E[d]^2 keeps the variance; a separate op (the barrier), so that the moments below
+            # stay one fused reduction over xg (a slice of xg fused into it measured slower than two passes)
+            shift = jax.lax.optimization_barrier(xg[:, :1].mean(axis=(1, 3), keepdims=True))
+            d = xg - shift
+            m1 = d.mean(axis=(1, 3), keepdims=True)  # both moments in one reduction over xg
+            m2 = jnp.square(d).mean(axis=(1, 3), keepdims=True)
+            inv = jax.lax.rsqrt(jnp.maximum(m2 - jnp.square(m1), 0.0) + self.eps)  # (B, 1, G, 1)
+            gc = (1, 1, self.groups, c // self.groups)
+            a = inv * self.scale[...].reshape(gc)  # (B, 1, G, C/G)
+            b = self.bias[...].reshape(gc) - (shift + m1) * a
+            return (xg * a + b).reshape(shape).astype(x.dtype)
         mean = xg.mean(axis=(1, 3), keepdims=True)
         var = jnp.square(xg - mean).mean(axis=(1, 3), keepdims=True)
         xg = (xg - mean) * jax.lax.rsqrt(var + self.eps)
