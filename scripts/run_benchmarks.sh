@@ -37,3 +37,15 @@ $B bench compare "$FLUX" --quick --paths jax,torch-eager,torch-inductor --steps 
 
 # Resolutions on the torch side (issue 14): per-resolution entries vs dynamic=True, tiny Flux and SD 1.x.
 $B bench torch-shapes --resolutions 32,48,64 --repeats 5 --threads 1 --json-out $D/torch-shapes.json | tee $D/torch-shapes.md
+
+# Steady state on the CPU (issue 21): where a denoiser call's time goes, and the model-code switches
+# side by side in one process (round-robin), then JAX vs torch.compile at batch 8.
+$B bench sampler --profile --json-out $D/profile-builtin.json | tee $D/profile-builtin.md
+$B bench sampler ddpm-cifar10-32 --profile --json-out $D/profile-cifar.json | tee $D/profile-cifar.md
+.venv/bin/python scripts/denoiser_ab.py --json-out $D/denoiser-ab-builtin.json | tee $D/denoiser-ab-builtin.txt
+.venv/bin/python scripts/denoiser_ab.py ddpm-cifar10-32 --rounds 7 --variant two_pass=groupnorm=two_pass \
+  --variant one_pass=groupnorm=one_pass --json-out $D/denoiser-ab-cifar.json | tee $D/denoiser-ab-cifar.txt
+$B bench compare --quick --xla-flags noynn=--xla_cpu_experimental_ynn_fusion_type= \
+  --json-out $D/compare-builtin-issue21.json | tee $D/compare-builtin-issue21.md
+$B bench compare ddpm-cifar10-32 --quick --paths jax,torch-inductor --batch-sizes 8 \
+  --json-out $D/compare-cifar-b8-issue21.json | tee $D/compare-cifar-b8-issue21.md
