@@ -29,17 +29,24 @@ def s3():
         yield server
 
 
-class GatedGets:
-    """Downloads of payload objects wait for ``gate``; ``entered`` says a reader got that far."""
+class Gated:
+    """A store whose held operations wait for ``gate``; ``entered`` says one got that far."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.gate = threading.Event()
         self.entered = threading.Event()
 
-    def _get_file(self, rel, local):
+    def hold(self):
         self.entered.set()
         assert self.gate.wait(120), "the test never opened the gate"
+
+
+class GatedGets(Gated):
+    """Downloads of payload objects are held: a reader stopped mid-pull."""
+
+    def _get_file(self, rel, local):
+        self.hold()
         super()._get_file(rel, local)
 
 
@@ -204,18 +211,12 @@ def test_prune_collects_old_unreferenced_blobs_only(stores, tmp_path):
     assert stopped["deleted_blobs"] == 0 and "unreadable" in stopped["blobs_skipped"] and store._exists(f"blobs/{stray}")
 
 
-class GatedRefs:
-    """A pod whose ref write waits for ``gate`` (after its blob step); ``entered`` says it got there."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.gate = threading.Event()
-        self.entered = threading.Event()
+class GatedRefs(Gated):
+    """A pod whose ref write is held (after its blob step)."""
 
     def _put_bytes(self, data, rel):
         if rel.startswith("refs/"):
-            self.entered.set()
-            assert self.gate.wait(120), "the test never opened the gate"
+            self.hold()
         super()._put_bytes(data, rel)
 
 

@@ -50,23 +50,17 @@ def unet_case(tmp_path_factory):
     return path, x, t, torch_unet_output(path, x, t)
 
 
-@pytest.mark.parametrize("impl", CONV_IMPLS)
-def test_unet_parity_with_diffusers_for_each_impl(unet_case, impl, monkeypatch):
+SWITCHES = {"PREHEAT_CONV": conv_impl, "PREHEAT_GROUPNORM": groupnorm_impl}
+
+
+@pytest.mark.parametrize("switch,impl", [("PREHEAT_CONV", i) for i in CONV_IMPLS]
+                         + [("PREHEAT_GROUPNORM", i) for i in GROUPNORM_IMPLS])
+def test_unet_parity_with_diffusers_for_each_setting(unet_case, switch, impl, monkeypatch):
     path, x, t, ref = unet_case
-    monkeypatch.setenv("PREHEAT_CONV", impl)
-    assert conv_impl() == impl
+    monkeypatch.setenv(switch, impl)
+    assert SWITCHES[switch]() == impl
     unet = preheat.load_unet(path)
     out = np.asarray(jax.jit(unet.__call__)(x, t))  # a fresh bound method: traced under this setting
-    assert float(np.abs(out - ref).max()) <= FP32_TOL
-
-
-@pytest.mark.parametrize("impl", GROUPNORM_IMPLS)
-def test_unet_parity_with_diffusers_for_each_groupnorm(unet_case, impl, monkeypatch):
-    path, x, t, ref = unet_case
-    monkeypatch.setenv("PREHEAT_GROUPNORM", impl)
-    assert groupnorm_impl() == impl
-    unet = preheat.load_unet(path)
-    out = np.asarray(jax.jit(unet.__call__)(x, t))
     assert float(np.abs(out - ref).max()) <= FP32_TOL
 
 

@@ -63,16 +63,8 @@ def write_blob(store: Store, reader: BinaryIO, *, check_existing: bool = False) 
     fd, name = tempfile.mkstemp(prefix=".tmp-", dir=store.blobs)
     tmp = Path(name)
     try:
-        h = hashlib.sha256()
-        size = 0
         with os.fdopen(fd, "wb") as out:
-            while chunk := reader.read(CHUNK):
-                h.update(chunk)
-                out.write(chunk)
-                size += len(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-        sha = h.hexdigest()
+            sha, size = _copy_hashed(reader, out)
         publish_blob(store, tmp, sha, size, check_existing=check_existing)
         return sha, size
     except BaseException:
@@ -300,15 +292,20 @@ def _check_no_file_dir_clash(paths: Iterable[str], label: str) -> None:
 
 def _stage(reader: BinaryIO, tmp: Path) -> tuple[str, int]:
     """Copy ``reader`` to ``tmp`` (fsynced); returns (sha256, size)."""
+    with open(tmp, "wb") as out:
+        return _copy_hashed(reader, out)
+
+
+def _copy_hashed(reader: BinaryIO, out: BinaryIO) -> tuple[str, int]:
+    """Copy ``reader`` into ``out`` in chunks, hashing as it goes, then fsync; (sha256, size)."""
     h = hashlib.sha256()
     size = 0
-    with open(tmp, "wb") as out:
-        while chunk := reader.read(CHUNK):
-            h.update(chunk)
-            out.write(chunk)
-            size += len(chunk)
-        out.flush()
-        os.fsync(out.fileno())
+    while chunk := reader.read(CHUNK):
+        h.update(chunk)
+        out.write(chunk)
+        size += len(chunk)
+    out.flush()
+    os.fsync(out.fileno())
     return h.hexdigest(), size
 
 
