@@ -99,7 +99,7 @@ def test_groupnorm_auto_is_one_pass_on_cpu_and_unknown_is_refused(monkeypatch):
         groupnorm_impl()
 
 
-def test_compile_cache_key_names_the_conv_impl(monkeypatch):
+def test_compile_cache_key_names_each_switch_setting(monkeypatch):
     """A program traced with another implementation is another executable: never served for this one."""
     from dataclasses import dataclass
 
