@@ -189,6 +189,50 @@ def test_bad_lora_input_is_a_one_line_422_and_the_server_keeps_serving(core, lor
         assert metric(client.get("/metrics").text, *TRAFFIC) == 0
 
 
+def test_a_lora_url_on_a_private_address_is_refused_before_any_request(core, loras):
+    """The client chose the URL: as for webhooks, the server fetches from public addresses only
+    (unless --lora-url-allow(-private) says otherwise), checked at connect time."""
+    import httpx
+
+    from tests.store._server import FileServer
+
+    files = FileServer().start()
+    files.files["/a.safetensors"] = loras["A"].read_bytes()
+    try:
+        with serving(core) as server, httpx.Client(base_url=server.url, timeout=300) as client:
+            wait_status(client, "READY")
+            for url in (files.url("a.safetensors"), files.url("a.safetensors").replace("127.0.0.1", "localhost")):
+                r = client.post("/predictions", json={"input": {"prompt": "x", "num_inference_steps": 1,
+                                                                "lora_weights": url}})
+                assert r.status_code == 422, r.text
+                (detail,) = r.json()["detail"]
+                assert detail["loc"][-1] == "lora_weights" and "\n" not in detail["msg"], detail
+                assert "is loopback; LoRA URLs are fetched from public addresses only" in detail["msg"], detail
+        assert files.hits == []  # refused before connecting: the file server saw no request
+    finally:
+        files.stop()
+
+
+def test_a_policy_that_admits_the_address_fetches_the_lora(sd_pipe, loras, tmp_path, monkeypatch):
+    """``--lora-url-allow 127.0.0.1`` (CoreConfig.lora_urls): the same URL is fetched, once."""
+    from preheat.server.inputs import _lora
+    from preheat.server.webhooks import WebhookPolicy
+    from tests.store._server import FileServer
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    files = FileServer().start()
+    files.files["/a.safetensors"] = loras["A"].read_bytes()
+    try:
+        errors: list = []
+        url = files.url("a.safetensors")
+        lora, bucket = _lora(sd_pipe, {"lora_weights": url, "lora_scale": 0.5}, errors, None,
+                             WebhookPolicy(allow=("127.0.0.1",)))
+        assert errors == [] and lora[1] == 0.5 and bucket == 16 and lora[0].rank == 4
+        assert [h.status for h in files.hits] == [200]
+    finally:
+        files.stop()
+
+
 def test_runpod_takes_the_same_lora_fields_and_errors(core, loras, sd_pipe):
     job = {"prompt": "a photo of a cat", "num_inference_steps": 2, "seed": 3, "lora_weights": str(loras["B"]),
            "lora_scale": 0.5}

@@ -3,7 +3,8 @@
 Serves in-memory files with ETag, ``Range: bytes=N-`` (206 / 416) and ``If-Range``, and can be
 told to misbehave: ignore ranges (always 200), cut the connection after N body bytes (for the
 next ``cut_times`` responses), throttle, or pause after N body bytes until released (so a client
-can be killed at a known point). Every request is recorded.
+can be killed at a known point). ``redirects`` maps a path to a 302's Location. Every request is
+recorded.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class FileServer(ThreadingHTTPServer):
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.files: dict[str, bytes] = {}
+        self.redirects: dict[str, str] = {}
         self.hits: list[Hit] = []
         self.lock = threading.Lock()
         self.support_range = True
@@ -82,6 +84,13 @@ class _Handler(BaseHTTPRequestHandler):
         hit = Hit(self.path, self.headers.get("Range"), self.headers.get("If-Range"))
         with srv.lock:
             srv.hits.append(hit)
+        if self.path in srv.redirects:
+            hit.status = 302
+            self.send_response(302)
+            self.send_header("Location", srv.redirects[self.path])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         data = srv.files.get(self.path)
         if data is None:
             hit.status = 404

@@ -229,3 +229,50 @@ def test_crash_after_download_before_publish_reuses_the_finished_download(server
     assert [(h.status, h.range, h.sent) for h in hits[1:]] == [(416, f"bytes={len(data)}-", 0)]  # nothing re-sent
     assert files_of(snap) == files_of(model)
     assert listing(models / "downloads") == []
+
+
+def _only(*admitted: str):
+    """An address check admitting ``admitted`` addresses only (as a server's policy would refuse
+    loopback), recording every (host, address) it was asked about."""
+    asked: list[tuple[str, str]] = []
+
+    def check(host, ip):
+        asked.append((host, str(ip)))
+        if str(ip) not in admitted:
+            raise FetchError(f"{host} ({ip}) is refused by the test's policy")
+
+    return check, asked
+
+
+def test_address_check_refuses_before_any_request_and_admits_what_it_allows(server, root):
+    from preheat.store import address_check
+
+    server.files["/l.safetensors"] = b"x" * 1000
+    url = server.url("l.safetensors")
+    refuse, asked = _only()
+    with address_check(refuse), pytest.raises(FetchError, match=r"127\.0\.0\.1 \(127\.0\.0\.1\) is refused") as err:
+        pull(url, root=root, progress=False)
+    assert "\n" not in str(err.value) and asked == [("127.0.0.1", "127.0.0.1")]
+    assert server.gets("l.safetensors") == []  # never connected: no request reached the server
+    admit, asked = _only("127.0.0.1")
+    with address_check(admit):
+        snap = pull(url, root=root, progress=False)
+    assert (snap / "l.safetensors").read_bytes() == b"x" * 1000 and asked == [("127.0.0.1", "127.0.0.1")]
+    assert len(server.gets("l.safetensors")) == 1
+    server.files["/m.safetensors"] = b"y" * 10
+    outside = pull(server.url("m.safetensors"), root=root, progress=False)  # outside the context: no check
+    assert (outside / "m.safetensors").read_bytes() == b"y" * 10 and len(asked) == 1
+
+
+def test_address_check_applies_to_redirects(server, root):
+    """An admitted host that redirects to a refused address gets no further: the redirect's
+    connection is checked too (127.0.0.2: loopback, not on the test's list)."""
+    from preheat.store import address_check
+
+    port = server.server_address[1]
+    server.redirects["/l.safetensors"] = f"http://127.0.0.2:{port}/elsewhere.safetensors"
+    admit, asked = _only("127.0.0.1")
+    with address_check(admit), pytest.raises(FetchError, match=r"127\.0\.0\.2 \(127\.0\.0\.2\) is refused"):
+        pull(server.url("l.safetensors"), root=root, progress=False)
+    assert asked == [("127.0.0.1", "127.0.0.1"), ("127.0.0.2", "127.0.0.2")]
+    assert [h.status for h in server.hits] == [302]

@@ -65,14 +65,15 @@ def _check_limits(max_batch_size: int, batch_wait_ms: float, max_queue: int, max
         raise InvalidArgumentError(f"--max-body-bytes {max_body_bytes} must be >= 1")
 
 
-def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
+def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--webhook-allow") -> Any:
+    """The address policy of webhooks or of requests' LoRA URLs; a bad CIDR names ``flag``."""
     from preheat.errors import InvalidArgumentError
     from preheat.server.webhooks import WebhookPolicy, WebhookRefused
 
     try:
         return WebhookPolicy(allow_private=allow_private, allow=tuple(allow))
     except WebhookRefused as err:
-        raise InvalidArgumentError(f"--webhook-allow: {err}") from None
+        raise InvalidArgumentError(f"{flag}: {err}") from None
 
 
 @click.command("serve")
@@ -107,6 +108,11 @@ def _webhook_policy(allow_private: bool, allow: tuple[str, ...]) -> Any:
               help="Let webhooks go to loopback/private/link-local addresses (never metadata ones).")
 @click.option("--webhook-allow", "webhook_allow", multiple=True, metavar="HOST|CIDR",
               help="Let webhooks go to this host, address or CIDR whatever it is (repeat).")
+@click.option("--lora-url-allow-private", is_flag=True,
+              help="Let requests' LoRA URLs be fetched from loopback/private/link-local addresses (never "
+                   "metadata ones).")
+@click.option("--lora-url-allow", "lora_url_allow", multiple=True, metavar="HOST|CIDR",
+              help="Let requests' LoRA URLs be fetched from this host, address or CIDR whatever it is (repeat).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--ray", "on_ray", is_flag=True,
@@ -125,7 +131,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                   lora_ranks_text: Optional[str], max_loras: int, lora_dir: Optional[str], grace_s: float,
                   push_grace_s: float,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
-                  webhook_allow: tuple[str, ...], log_level: str, on_ray: bool = False,
+                  webhook_allow: tuple[str, ...], lora_url_allow_private: bool, lora_url_allow: tuple[str, ...],
+                  log_level: str, on_ray: bool = False,
                   address: Optional[str] = None, replicas: int = 1, gpus_per_replica: float = 0.0) -> None:
     """Serve MODEL over HTTP (Cog's and OpenAI's APIs), batching concurrent requests.
 
@@ -145,7 +152,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         raise InvalidArgumentError(f"--max-loras {max_loras} must be >= 1")
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp)
-    webhooks = _webhook_policy(webhook_allow_private, webhook_allow)
+    webhooks = _address_policy(webhook_allow_private, webhook_allow)
+    lora_urls = _address_policy(lora_url_allow_private, lora_url_allow, "--lora-url-allow")
     _check_backend(backend)
     if compile_mode != "none" and backend != "torch":
         raise InvalidArgumentError(f"--compile {compile_mode} applies to --backend torch")
@@ -161,15 +169,15 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
             raise InvalidArgumentError("--address, --replicas and --gpus-per-replica apply to --ray")
     if on_ray:
         sys.exit(_serve_on_ray(warm_set, backend, max_loras, lora_dir, batch_wait_ms, max_queue, max_steps, grace_s,
-                               push_grace_s, host, port, address, replicas, gpus_per_replica, webhook_allow_private,
-                               webhook_allow))
+                               push_grace_s, host, port, address, replicas, gpus_per_replica,
+                               webhook_allow_private or lora_url_allow_private, webhook_allow + lora_url_allow))
 
     from preheat.server.core import CoreConfig
     from preheat.server.serve import serve
 
     config = CoreConfig.from_warm_set(warm_set, backend=backend, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
                                       max_steps=max_steps, push_grace_s=push_grace_s, compile=compile_mode,
-                                      max_loras=max_loras, lora_dir=lora_dir)
+                                      max_loras=max_loras, lora_dir=lora_dir, lora_urls=lora_urls)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
@@ -189,8 +197,8 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
     if backend != "jax":
         raise InvalidArgumentError("--ray serves --backend jax")
     if webhook_allow_private or webhook_allow:
-        raise InvalidArgumentError("--webhook-allow(-private) is not passed to Ray replicas; they allow public "
-                                   "addresses only")
+        raise InvalidArgumentError("--webhook-allow(-private) and --lora-url-allow(-private) are not passed to Ray "
+                                   "replicas; they allow public addresses only")
     if replicas < 1:
         raise InvalidArgumentError(f"--replicas {replicas} must be >= 1")
     if gpus_per_replica < 0:

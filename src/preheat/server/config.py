@@ -34,6 +34,7 @@ class CoreConfig:
     lora_ranks: tuple[int, ...] = ()  # LoRA rank buckets warmed (preheat.lora.BUCKETS); others compile on first use
     max_loras: int = 8  # LoRAs held ready (read, and their factors on the device), least recently used out
     lora_dir: Optional[str] = None  # requests' local LoRA files only from under this folder (None: no local files)
+    lora_urls: Any = None  # server.webhooks.WebhookPolicy for requests' http(s) LoRA URLs (None: public only)
 
     def warm_set(self) -> WarmSet:
         """The declaration this server warms (the same object ``preheat warm`` compiles)."""

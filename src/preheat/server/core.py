@@ -61,7 +61,8 @@ class Core:
         self.config = config
         self.limits = Limits(max_batch_size=config.max_batch_size, max_steps=config.max_steps,
                              max_guidance=config.max_guidance, schedulers=tuple(config.samplers),
-                             sizes=tuple(config.sizes), lora_dir=config.lora_dir)
+                             sizes=tuple(config.sizes), lora_dir=config.lora_dir,
+                             lora_urls=config.lora_urls)
         self.input_model = input_model(self.limits)
         self.buckets = buckets_for(config.max_batch_size, getattr(pipe, "device_count", 1))
         self.metrics = CoreMetrics()

@@ -1,4 +1,5 @@
-"""Webhook targets: which URLs the server will POST to, and how it reaches them.
+"""Webhook targets: which URLs the server will POST to, and how it reaches them. The same
+address policy guards the LoRA URLs a request names (``preheat.server.inputs``).
 
 A webhook URL comes from the client, so without a policy the server would POST wherever it is
 told (server-side request forgery: cloud metadata, databases on localhost, the private
@@ -111,18 +112,23 @@ class WebhookPolicy:
                 return True
         return False
 
+    def refusal(self, host: str, ip: IPAddress) -> Optional[str]:
+        """Why the policy refuses ``ip`` (resolved from ``host``), e.g. "10.0.0.1 is private"; None
+        when it admits it."""
+        if self._allowed(host, ip):
+            return None
+        kind = _kind(ip)
+        if kind is None or (self.allow_private and kind != "a cloud metadata address"):
+            return None
+        shown = host if host == str(ip) else f"{host} ({ip})"
+        return f"{shown} is {kind}"
+
     def check_address(self, host: str, ip: IPAddress) -> None:
         """Raise :class:`WebhookRefused` unless the policy admits ``ip`` (resolved from ``host``)."""
-        if self._allowed(host, ip):
-            return
-        kind = _kind(ip)
-        if kind is None:
-            return
-        if self.allow_private and kind != "a cloud metadata address":
-            return
-        shown = host if host == str(ip) else f"{host} ({ip})"
-        raise WebhookRefused(f"{shown} is {kind}; webhooks go to public addresses only "
-                             "(see --webhook-allow-private and --webhook-allow)")
+        why = self.refusal(host, ip)
+        if why is not None:
+            raise WebhookRefused(f"{why}; webhooks go to public addresses only "
+                                 "(see --webhook-allow-private and --webhook-allow)")
 
     async def resolve(self, url: str) -> Target:
         """Check ``url`` and pick the address to connect to; raises :class:`WebhookRefused`."""

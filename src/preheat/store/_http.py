@@ -8,12 +8,17 @@
   timeout) is resumed in-process, up to ``retries`` times without progress, then it fails with a
   one-line ``FetchError`` and the ``.incomplete`` stays for the next pull to continue.
 * Nothing here writes a blob or a ref; the caller hashes the finished file from disk.
+* A download a client asked for (a server's per-request LoRA URL) runs under
+  :func:`address_check`: every connection, redirects included, resolves its host once, has each
+  address checked, and connects to the checked address, so a second DNS answer cannot move it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import http.client
+import ipaddress
 import json
 import os
 import re
@@ -22,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from preheat._version import __version__
 from preheat.files import atomic_write_bytes
@@ -110,10 +115,76 @@ class _Bar:
             self.progress.advance(self.task, n)
 
 
+# (host, address) -> None, raising FetchError to refuse: set by address_check for this context only.
+_ADDRESS_CHECK: contextvars.ContextVar[Optional[Callable[[str, Any], None]]] = contextvars.ContextVar(
+    "preheat_address_check", default=None)
+
+
+@contextlib.contextmanager
+def address_check(check: Callable[[str, Any], None]) -> Iterator[None]:
+    """Downloads started inside (this thread or task) connect only where ``check(host, ip)``
+    does not raise; ``check`` raises a one-line :class:`FetchError` to refuse."""
+    token = _ADDRESS_CHECK.set(check)
+    try:
+        yield
+    finally:
+        _ADDRESS_CHECK.reset(token)
+
+
+def _checked_create_connection(check: Callable[[str, Any], None]) -> Callable[..., socket.socket]:
+    """``socket.create_connection`` that resolves once, checks every address, then connects to
+    the checked addresses in order (never resolving again)."""
+
+    def create(address: tuple[str, int], timeout: Any = socket._GLOBAL_DEFAULT_TIMEOUT,  # type: ignore[attr-defined]
+               source_address: Any = None, *args: Any, **kw: Any) -> socket.socket:
+        host, port = address[0], address[1]
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        for info in infos:
+            check(host, ipaddress.ip_address(str(info[4][0]).split("%")[0]))
+        error: OSError = OSError(f"no address for {host}")
+        for info in infos:  # as socket.create_connection, over the addresses already checked
+            try:
+                return socket.create_connection((info[4][0], port), timeout, source_address)
+            except OSError as exc:
+                error = exc
+        raise error
+
+    return create
+
+
+def _checked_opener(check: Callable[[str, Any], None]) -> urllib.request.OpenerDirector:
+    """A urllib opener whose HTTP and HTTPS connections (redirects too) go through ``check``."""
+    create = _checked_create_connection(check)
+
+    def checked(cls: type) -> Callable[..., Any]:
+        def make(*args: Any, **kw: Any) -> Any:
+            conn = cls(*args, **kw)
+            conn._create_connection = create  # the TCP connection only: TLS still checks the host's name
+            return conn
+        return make
+
+    class HTTPHandler(urllib.request.HTTPHandler):
+        def http_open(self, req: Any) -> Any:
+            return self.do_open(checked(http.client.HTTPConnection), req)
+
+    class HTTPSHandler(urllib.request.HTTPSHandler):
+        def https_open(self, req: Any) -> Any:
+            kw = {"context": self._context}  # type: ignore[attr-defined]
+            if hasattr(self, "_check_hostname"):  # Python < 3.12
+                kw["check_hostname"] = self._check_hostname
+            return self.do_open(checked(http.client.HTTPSConnection), req, **kw)
+
+    return urllib.request.build_opener(HTTPHandler, HTTPSHandler)
+
+
 @contextlib.contextmanager
 def _open(url: str, headers: dict[str, str], timeout: float) -> Iterator[Any]:
     req = urllib.request.Request(url, headers=headers)
-    resp = urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 - http(s) only, checked by the parser
+    check = _ADDRESS_CHECK.get()
+    if check is None:
+        resp = urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 - http(s) only, checked by the parser
+    else:
+        resp = _checked_opener(check).open(req, timeout=timeout)
     try:
         yield resp
     finally:
