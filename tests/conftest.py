@@ -61,21 +61,24 @@ def _private_cache_root(tmp_path_factory, monkeypatch):
 # run that ran it (kept in pytest's cache, .pytest_cache), else HEAVY_FILES (one measured run,
 # for a fresh clone); a file known to neither keeps pytest-randomly's place after the known ones'
 # head start, and the tests inside every file keep randomly's order. Only the schedule changes.
-# Seconds per file, 2 workers at load average ~20 on 2 cores (2026-11-30; relative cost only).
+# Seconds per file (>= 10 s), from `.ci/run` on a fresh clone, 2 workers on 2 quiet cores
+# (2026-12-01, 885 s in all; relative cost only).
 HEAVY_FILES: dict[str, float] = {
-    "tests/families/test_stable_diffusion.py": 1583, "tests/backends/test_torch_compile_cache.py": 1401,
-    "tests/backends/test_torch_module_compile.py": 987, "tests/cache/test_compile_cache.py": 781,
-    "tests/families/test_flow_families.py": 695, "tests/test_devices.py": 689, "tests/families/test_lora.py": 527,
-    "tests/test_engine.py": 429, "tests/models/test_unet2d.py": 415, "tests/models/test_unet2d_condition.py": 410,
-    "tests/backends/test_torch_backend.py": 410, "tests/cache/test_remote.py": 195, "tests/models/test_flux.py": 185,
-    "tests/models/test_t5.py": 138, "tests/models/test_sd3.py": 137, "tests/doctor/test_doctor_env.py": 113,
-    "tests/integrations/test_runpod.py": 102, "tests/samplers/test_sampler_parity.py": 101,
-    "tests/models/test_clip.py": 99, "tests/models/test_vae.py": 93, "tests/doctor/test_doctor_gpu.py": 92,
-    "tests/samplers/test_sampler_runtime.py": 90, "tests/server/test_text_to_image.py": 84,
-    "tests/server/test_server.py": 82, "tests/backends/test_bench_compare.py": 66, "tests/test_gpu_check_dry.py": 63,
-    # added later, from a quiet run (x5 to match the loaded run above): few tests, heavy each
-    "tests/backends/test_torch_text_regional.py": 475, "tests/integrations/test_ray.py": 300,
-    "tests/server/test_lora_server.py": 105, "tests/backends/test_torch_lora_hotswap.py": 80,
+    "tests/backends/test_torch_module_compile.py": 140, "tests/backends/test_torch_compile_cache.py": 116,
+    "tests/backends/test_torch_text_regional.py": 96, "tests/integrations/test_ray.py": 96,
+    "tests/families/test_stable_diffusion.py": 87, "tests/families/test_flow_families.py": 77,
+    "tests/families/test_lora.py": 76, "tests/models/test_unet2d_condition.py": 75, "tests/cache/test_remote.py": 70,
+    "tests/models/test_unet2d.py": 69, "tests/test_devices.py": 64, "tests/test_gpu_check_dry.py": 59,
+    "tests/cache/test_compile_cache.py": 59, "tests/test_builtin_model.py": 52,
+    "tests/server/test_text_to_image.py": 50, "tests/samplers/test_sampler_parity.py": 36,
+    "tests/test_engine.py": 31, "tests/models/test_sd3.py": 30, "tests/models/test_flux.py": 29,
+    "tests/backends/test_bench_compare.py": 25, "tests/backends/test_torch_backend.py": 24,
+    "tests/server/test_hardening.py": 22, "tests/integrations/test_runpod.py": 22, "tests/server/test_server.py": 22,
+    "tests/test_cli.py": 21, "tests/cache/test_warm.py": 21, "tests/server/test_lora_server.py": 21,
+    "tests/backends/test_torch_lora_hotswap.py": 19, "tests/models/test_t5.py": 18, "tests/models/test_vae.py": 17,
+    "tests/models/test_conv_impl.py": 16, "tests/cache/test_remote_store.py": 16,
+    "tests/doctor/test_doctor_gpu.py": 15, "tests/server/test_bench.py": 15, "tests/server/test_sigterm.py": 11,
+    "tests/models/test_clip.py": 10,
 }
 _FILE_SECONDS_KEY = "preheat/file_seconds"
 _file_seconds: dict[str, float] = {}
