@@ -128,11 +128,12 @@ def distribute(tree: Any, mesh: Mesh) -> Any:
     only when their stage runs. Placeholders (``jax.ShapeDtypeStruct``: weights not read yet, see
     ``preheat.load(prefetch=...)``) get the placement the weights will have."""
     def put(x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, weight_spec(x.shape, mesh)))
-        if not isinstance(x, jax.Array):
+        if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
             return x
-        return jax.device_put(x, NamedSharding(mesh, weight_spec(x.shape, mesh)))
+        sharding = NamedSharding(mesh, weight_spec(x.shape, mesh))
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return jax.device_put(x, sharding)
 
     return jax.tree.map(put, tree)
 

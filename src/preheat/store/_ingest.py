@@ -257,16 +257,6 @@ def _resolve_tar(regular: dict[str, T], links: dict[str, str], label: str) -> li
     return sorted(files.items())
 
 
-def plan_tar(tf: tarfile.TarFile, label: str) -> list[tuple[str, tarfile.TarInfo]]:
-    """(snapshot path, regular member to read) for every file of a seekable archive; refuses
-    anything unsafe (``_check_member``, ``_resolve_tar``) before anything is written."""
-    regular: dict[str, tarfile.TarInfo] = {}
-    links: dict[str, str] = {}
-    for m in tf.getmembers():
-        _table_add(regular, links, _check_member(m, label), m)
-    return _resolve_tar(regular, links, label)
-
-
 def _table_add(regular: dict[str, T], links: dict[str, str], checked: tuple[str, str | None] | None, value: T) -> None:
     """Record one member; a later member of the same name replaces an earlier one (as tar does)."""
     if checked is None:
