@@ -1,5 +1,8 @@
 # Front door: `make test` and `make run` work on a fresh clone (they create .venv when missing).
-PY ?= python3
+# The test path runs Python >= 3.12 with jax 0.11.2, the lent GPU machines' versions
+# (scripts/find_python.sh picks python3.12, python3.13 or pyenv's); where only an older Python
+# exists, `make run` still works on Python >= 3.10 with the jax that Python gets.
+PY ?= $(shell sh scripts/find_python.sh)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -11,8 +14,13 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
+# True when .venv's Python can run the test path (constraints-cpu.txt pins jax 0.11.2: Python >= 3.12).
+TESTABLE := $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'
+
 $(STAMP): $(BIN)/python pyproject.toml constraints-cpu.txt
-	$(PIP) install -q -c constraints-cpu.txt -e ".[test]"
+	@if $(TESTABLE); then $(PIP) install -q -c constraints-cpu.txt -e ".[test]"; \
+	else echo "$$($(BIN)/python -V): installing preheat alone (make run); make test needs Python >= 3.12"; \
+	$(PIP) install -q -e .; fi
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -21,6 +29,7 @@ install: $(STAMP)
 # `make test SEED=<seed>`.
 SEED ?= $(shell date +%s)
 test: $(STAMP)
+	@$(TESTABLE) || { echo "make test needs Python >= 3.12 (jax 0.11.2, as on the GPU machines); .venv has $$($(BIN)/python -V): install python3.12, then make clean test"; exit 2; }
 	@echo "test order: random, seed $(SEED) (replay: make test SEED=$(SEED))"
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q --randomly-seed=$(SEED)
 
