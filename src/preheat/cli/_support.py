@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Optional
 
 import click
 
 from preheat.errors import InvalidArgumentError, PreheatError, SchedulerConfigError
 
-__all__ = ["one_line_errors"]
+__all__ = ["one_line_errors", "resolve_model", "ResolvedModel"]
 
 
 def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -28,3 +29,27 @@ def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(130)
 
     return wrapper
+
+
+class ResolvedModel(NamedTuple):
+    """A MODEL argument as the library takes it, and the size a tiny random model defaults to."""
+
+    model: Optional[str]  # a folder, a store source, or None (the built-in model)
+    size: Optional[tuple[int, int]]  # (width, height) to use where none is given; None: the model's own
+
+
+def resolve_model(model: Optional[str], log: Callable[[str], None] = lambda line: None) -> ResolvedModel:
+    """``random:NAME`` -> its random-weight folder under the cache root (built once, then reused);
+    anything else unchanged."""
+    from preheat.bench.random_models import PREFIX, RANDOM_MODELS, build_random, random_name
+
+    if model is None or not model.startswith(PREFIX):
+        return ResolvedModel(model, None)
+    name = random_name(model)
+    assert name is not None
+    from preheat.cache.root import resolve_root
+
+    out = resolve_root().path / "random" / name
+    if not (out / "model_index.json").is_file():
+        log(f"{model}: writing a random-weight folder at {out} (once)")
+    return ResolvedModel(str(build_random(name, Path(out))), RANDOM_MODELS[name].size)

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from preheat.cli._support import one_line_errors
+from preheat.cli.options import CallOptions, call_options
 
 
 def _human(n: float) -> str:
@@ -118,37 +119,42 @@ def verify_command(quarantine_bad: bool) -> None:
 
 
 @cache_group.command("explain")
-@click.argument("model", required=False)
-@click.option("--n", "n", default=1, type=int)
-@click.option("--sampler")
-@click.option("--steps", type=int)
-@click.option("--guidance", type=float)
+@call_options
 @click.option("--devices", "devices_text", metavar="all|N|ID,ID,...", help="The devices the call is split over.")
 @click.option("--fsdp", default=1, show_default=True, type=int, metavar="F",
               help="The devices each weight is split over.")
-@click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True,
-              help="torch: run the call once eagerly (one step) and say, for every compiled piece, whether an "
-                   "entry would serve it.")
-@click.option("--compile", "compile_mode", type=click.Choice(["regional", "inductor", "aot"]), default="regional",
-              show_default=True, help="--backend torch: the compile mode to explain.")
-@click.option("--prompt", help="Text-to-image models: the prompt.")
-@click.option("--width", type=int, help="Text-to-image models: image width.")
-@click.option("--height", type=int, help="Text-to-image models: image height.")
 @one_line_errors
-def explain_command(model: str | None, n: int, sampler: str | None, steps: int | None, guidance: float | None,
-                    devices_text: str | None, fsdp: int, backend: str, compile_mode: str, prompt: str | None,
-                    width: int | None, height: int | None) -> None:
-    """Would this call hit the cache? If not, which key fields differ from the nearest entry."""
+def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int) -> None:
+    """Would `preheat sample` with these options hit the cache? If not, which key fields differ from
+    the nearest entry. Takes exactly sample's options, with its defaults; --backend torch (with
+    --compile regional, inductor or aot) runs the call once eagerly, one step, and says for every
+    compiled piece whether an entry would serve it."""
+    import dataclasses
+
     import preheat
     from preheat.cache.compile import key_fields, key_of, nearest_entry
+    from preheat.cli._support import resolve_model
+    from preheat.errors import InvalidArgumentError
     from preheat.sharding import parse_devices
 
-    if backend == "torch":
-        _explain_torch(model, n, sampler, guidance, compile_mode, prompt, width, height)
+    opts.check()
+    model, size = resolve_model(opts.model, log=lambda line: click.echo(line, err=True))
+    if size is not None and opts.width is None and opts.height is None:  # as sample: a tiny model's tiny size
+        opts = dataclasses.replace(opts, width=size[0], height=size[1])
+    if opts.backend == "torch":
+        if opts.compile_mode == "none":
+            raise InvalidArgumentError("--backend torch --compile none compiles nothing to explain; pass --compile "
+                                       "regional, inductor or aot", argument="--compile")
+        if devices_text is not None or fsdp != 1:
+            raise InvalidArgumentError("--devices and --fsdp apply to --backend jax", argument="--devices")
+        _explain_torch(model, opts)
         return
-
-    pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"), fsdp=fsdp)
-    sig, args = pipe.prepare(n, sampler=sampler, steps=steps, guidance=guidance)
+    if opts.compile_mode != "none":
+        raise InvalidArgumentError(f"--compile {opts.compile_mode} applies to --backend torch", argument="--compile")
+    load = {k: v for k, v in opts.load_options().items() if k not in ("backend", "compile")}
+    pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"), fsdp=fsdp, **load)
+    opts.check_against(pipe)
+    sig, args = pipe.prepare(opts.batch(pipe), **opts.call_inputs())
     fields = key_fields(pipe.fingerprint, sig, args)
     key = key_of(fields)
     kind_dir = pipe.compiler.root / "compile" / "jax" if pipe.compiler else None
@@ -162,17 +168,17 @@ def explain_command(model: str | None, n: int, sampler: str | None, steps: int |
         click.echo(f"miss: key {key[:12]}; nearest entry {name[:12]} differs in: {', '.join(diff)}")
 
 
-def _explain_torch(model: str | None, n: int, sampler: str | None, guidance: float | None, compile_mode: str,
-                   prompt: str | None, width: int | None, height: int | None) -> None:
+def _explain_torch(model: str | None, opts: CallOptions) -> None:
     """The torch key holds the denoiser's (or each block's) input signature, known only at its
     first call: so the call runs once, eagerly and for one step, with every compile replaced by a
     look-up of the key it would use."""
     import preheat
 
-    pipe = preheat.load(model, backend="torch", compile=compile_mode, cache="explain")
-    inputs = {k: v for k, v in (("sampler", sampler), ("guidance", guidance), ("prompt", prompt), ("width", width),
-                                 ("height", height)) if v is not None}
-    pipe.generate(n, steps=1, **inputs)
+    load = {k: v for k, v in opts.load_options().items() if k not in ("backend", "compile", "cache")}
+    pipe = preheat.load(model, backend="torch", compile=opts.compile_mode, cache="explain", **load)
+    opts.check_against(pipe)
+    inputs = {k: v for k, v in opts.call_inputs().items() if k != "steps" and v is not None}
+    pipe.generate(opts.batch(pipe), steps=1, **inputs)
     for event in pipe.compiler.events:
         fields = event["fields"]
         what = f"{fields['mode']} {fields['model'].get('kind', '?')} {json.dumps(fields['shapes'], sort_keys=True)[:160]}"
