@@ -53,6 +53,8 @@ class WarmSet:
     devices: Any = None  # "all", a count or device ids; None = preheat.load's default ($PREHEAT_DEVICES or all)
     fsdp: int = 1  # the devices each weight is split over (preheat.load(fsdp=...)): part of every program
     lora_ranks: tuple[int, ...] = ()  # LoRA rank buckets (``preheat.lora.BUCKETS``) warmed besides no LoRA
+    variant: Optional[str] = None  # weight files *.VARIANT.safetensors (preheat.load(variant=...))
+    cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off" (preheat.load(cache=...))
 
     def __post_init__(self) -> None:
         from preheat.errors import InvalidArgumentError

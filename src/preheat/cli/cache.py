@@ -70,21 +70,22 @@ def ls_command() -> None:
 @one_line_errors
 def info_command(as_json: bool) -> None:
     """Where the root is and why, and what it holds."""
-    from preheat.cache.manage import list_entries, max_bytes
+    from preheat.cache.manage import disk_usage, list_entries, max_bytes
     from preheat.cache.root import resolve_root
 
     root = resolve_root()
     entries = list_entries(root.path)
+    seen: set[tuple[int, int]] = set()  # hard-linked files (the store's snapshots and blobs) count once
 
     def du(p: Path) -> int:
-        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else 0
+        return disk_usage(p, seen)
 
     info = {
         "root": str(root.path), "reason": root.reason,
         "entries": {k: sum(1 for e in entries if e.kind == k) for k in ("jax", "torch")},
         "compile_bytes": sum(e.size for e in entries), "xla_bytes": du(root.path / "compile" / "xla"),
-        "models_bytes": du(root.path / "models"), "quarantined": len(list((root.path / "quarantine").glob("*")))
-        if (root.path / "quarantine").is_dir() else 0,
+        "models_bytes": du(root.path / "models"), "random_bytes": du(root.path / "random"),
+        "quarantined": len(list((root.path / "quarantine").glob("*"))) if (root.path / "quarantine").is_dir() else 0,
         "max_bytes": max_bytes(),
     }
     if as_json:
@@ -92,8 +93,9 @@ def info_command(as_json: bool) -> None:
         return
     click.echo(f"root: {info['root']} ({info['reason']})")
     click.echo(f"entries: {info['entries']['jax']} jax, {info['entries']['torch']} torch, {_human(info['compile_bytes'])} "
-               f"(cap {_human(info['max_bytes'])}); xla cache {_human(info['xla_bytes'])}; models {_human(info['models_bytes'])}; "
-               f"quarantined {info['quarantined']}")
+               f"(cap {_human(info['max_bytes'])}); xla cache {_human(info['xla_bytes'])}; models {_human(info['models_bytes'])}"
+               + (f"; random:NAME folders {_human(info['random_bytes'])}" if info["random_bytes"] else "")
+               + f"; quarantined {info['quarantined']}")
 
 
 @cache_group.command("verify")

@@ -19,6 +19,8 @@ class CoreConfig:
     backend: str = "jax"
     compile: str = "none"  # torch backend: none, inductor, aot or regional (preheat.torch.compile)
     dtype: str = "float32"
+    variant: Optional[str] = None  # weight files *.VARIANT.safetensors
+    cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off"
     max_batch_size: int = 8
     devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
     fsdp: int = 1  # jax: the devices each weight is split over (1: copied to each)
@@ -42,14 +44,16 @@ class CoreConfig:
 
         return WarmSet(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size,
                        samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
-                       devices=self.devices, fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks))
+                       devices=self.devices, fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks),
+                       variant=self.variant, cache=self.cache)
 
     @classmethod
     def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":
         """A server for the declared set; ``options``: the serving-only fields (queue, limits, ...)."""
         options.setdefault("devices", warm.devices)
         options.setdefault("fsdp", warm.fsdp)
-        return cls(model=warm.model, dtype=warm.dtype, max_batch_size=warm.max_batch_size,
+        return cls(model=warm.model, dtype=warm.dtype, variant=warm.variant, cache=warm.cache,
+                   max_batch_size=warm.max_batch_size,
                    samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance),
                    lora_ranks=tuple(warm.lora_ranks), **options)
 
@@ -65,8 +69,8 @@ def load_pipeline(config: CoreConfig) -> Any:
         from preheat.cache.warm import prefetch_calls
 
         # the warm-up's executables load while the weights are read
-        return preheat.load(config.model, dtype=config.dtype, devices=config.devices, fsdp=config.fsdp,
-                            prefetch=prefetch_calls(config.warm_set()))
+        return preheat.load(config.model, dtype=config.dtype, variant=config.variant, cache=config.cache,
+                            devices=config.devices, fsdp=config.fsdp, prefetch=prefetch_calls(config.warm_set()))
     if config.backend == "torch":
         try:
             import preheat.backends.torch as torch_backend
@@ -75,5 +79,6 @@ def load_pipeline(config: CoreConfig) -> Any:
         loader = getattr(torch_backend, "load", None)
         if loader is None:
             raise InvalidArgumentError("--backend torch: preheat.backends.torch provides no pipeline yet; use --backend jax")
-        return loader(config.model, dtype=config.dtype, compile=config.compile)
+        return loader(config.model, dtype=config.dtype, compile=config.compile, variant=config.variant,
+                      cache=config.cache)
     raise InvalidArgumentError(f"unknown backend {config.backend!r}; use jax or torch")
