@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from preheat.cli import main
-from tests.families.sd_fixtures import save_tiny_sd
-from tests.reference import save_tiny_pipeline
+from tests._support.sd_fixtures import save_tiny_sd
+from tests._support.reference import save_tiny_pipeline
 
 
 def run(*args):
