@@ -9,13 +9,14 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import click
 
-from preheat.errors import InvalidArgumentError, PreheatError, SchedulerConfigError
+from preheat.errors import InvalidArgumentError, MissingExtraError, PreheatError, SchedulerConfigError
 
 __all__ = ["one_line_errors", "resolve_model", "ResolvedModel"]
 
 
 def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn PreheatErrors into a one-line message and an exit code."""
+    """Turn PreheatErrors into a one-line message and an exit code; a module an optional extra
+    provides, missing, into the line naming its ``pip install``."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -24,6 +25,13 @@ def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except PreheatError as err:
             click.echo(f"error: {err}", err=True)
             sys.exit(2 if isinstance(err, (InvalidArgumentError, SchedulerConfigError)) else 1)
+        except ModuleNotFoundError as err:
+            ctx = click.get_current_context(silent=True)
+            missing = MissingExtraError.of(err, ctx.command_path if ctx is not None else "preheat")
+            if missing is None:
+                raise
+            click.echo(f"error: {missing}", err=True)
+            sys.exit(1)
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             sys.exit(130)

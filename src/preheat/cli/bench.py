@@ -13,6 +13,7 @@ import click
 
 from preheat.bench.compare import PATHS
 from preheat.cli._support import one_line_errors
+from preheat.cli.options import NON_NEGATIVE, POSITIVE, POSITIVE_SECONDS, SEED, sampler_option
 
 __all__ = ["bench_group"]
 
@@ -24,12 +25,12 @@ def bench_group() -> None:
 
 @bench_group.command("sampler")
 @click.argument("model", required=False)
-@click.option("--batch", "batches", multiple=True, type=int, help="Batch sizes (default 1, 8, 32).")
-@click.option("--steps", default=10, show_default=True, type=int)
-@click.option("--sampler")
-@click.option("--repeats", default=3, show_default=True, type=int)
-@click.option("--width", type=int, help="Text-to-image models: image width (default: the model's).")
-@click.option("--height", type=int, help="Text-to-image models: image height (default: the model's).")
+@click.option("--batch", "batches", multiple=True, type=POSITIVE, help="Batch sizes (default 1, 8, 32).")
+@click.option("--steps", default=10, show_default=True, type=POSITIVE)
+@sampler_option()
+@click.option("--repeats", default=3, show_default=True, type=POSITIVE)
+@click.option("--width", type=POSITIVE, help="Text-to-image models: image width (default: the model's).")
+@click.option("--height", type=POSITIVE, help="Text-to-image models: image height (default: the model's).")
 @click.option("--profile", is_flag=True,
               help="Instead: where one denoiser call's time goes, per op class, JAX vs torch.compile (pixel "
                    "models; model batch 16: batch 8 guided, else 16; --batch sets the images).")
@@ -65,8 +66,8 @@ def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sam
 @click.option("--rank", default=16, show_default=True, type=int, help="The LoRAs' rank.")
 @click.option("--repeats", default=5, show_default=True, type=int, help="Rounds, each timing every condition once.")
 @click.option("--dtype", default="float32", show_default=True)
-@click.option("--width", type=int, help="Image width (default: the model's).")
-@click.option("--height", type=int, help="Image height (default: the model's).")
+@click.option("--width", type=POSITIVE, help="Image width (default: the model's).")
+@click.option("--height", type=POSITIVE, help="Image height (default: the model's).")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
 @one_line_errors
 def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype: str, width: int | None,
@@ -89,13 +90,13 @@ def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype:
 
 @bench_group.command("coldstart")
 @click.argument("model", required=False)
-@click.option("--n", "n", default=8, show_default=True, type=int, help="Batch size.")
-@click.option("--steps", type=int, help="Steps (model default when absent).")
-@click.option("--repeats", default=3, show_default=True, type=int, help="Fresh processes per cache state.")
+@click.option("--n", "n", default=8, show_default=True, type=POSITIVE, help="Batch size.")
+@click.option("--steps", type=POSITIVE, help="Steps (model default when absent).")
+@click.option("--repeats", default=3, show_default=True, type=POSITIVE, help="Fresh processes per cache state.")
 @click.option("--cache-url", help="Also measure a fresh local root pulling from this shared store.")
 @click.option("--prompt", help="Text-to-image models: the prompt (default: a fixed one).")
-@click.option("--width", type=int, help="Text-to-image models: image width.")
-@click.option("--height", type=int, help="Text-to-image models: image height.")
+@click.option("--width", type=POSITIVE, help="Text-to-image models: image width.")
+@click.option("--height", type=POSITIVE, help="Text-to-image models: image height.")
 @click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True,
               help="torch: eager vs --compile cold vs warm, each child with an empty Inductor cache folder.")
 @click.option("--compile", "compile_mode", type=click.Choice(["regional", "inductor", "aot"]), multiple=True,
@@ -150,7 +151,7 @@ def _takes_a_prompt(model: str | None) -> bool:
 @click.option("--steps", default=2, show_default=True, type=int)
 @click.option("--repeats", default=5, show_default=True, type=int, help="Steady-state calls per resolution.")
 @click.option("--threads", type=int, help="torch threads in the children (default: torch's own).")
-@click.option("--timeout", default=1800.0, show_default=True, type=float, help="Seconds per child process.")
+@click.option("--timeout", default=1800.0, show_default=True, type=POSITIVE_SECONDS, help="Seconds per child process.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
 @one_line_errors
 def torch_shapes_command(models: tuple[str, ...], resolutions: str, mode: str, steps: int, repeats: int,
@@ -198,12 +199,12 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 
 @bench_group.command("compare")
 @click.argument("model", required=False)
-@click.option("--sampler", help="Sampler (default: the model's if deterministic, else ddim).")
+@sampler_option("(default: the model's if deterministic, else ddim).")
 @click.option("--steps", type=int, help="Steps (default: the model's; --quick: 4).")
 @click.option("--batch", type=int, help="Batch of the cold-start runs (default 8; --quick: 1).")
 @click.option("--batch-sizes", help="Steady-state batch sizes (default 1,8,32; --quick: 1,8).")
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--guidance", type=float, help="Guidance scale (default: the model's).")
+@click.option("--seed", default=0, show_default=True, type=SEED)
+@click.option("--guidance", type=NON_NEGATIVE, help="Guidance scale (default: the model's).")
 @click.option("--repeats", type=int, help="Fresh processes per cache state (default 3; --quick: 1).")
 @click.option("--steady-repeats", type=int, help="Timed calls per batch size (default 5; --quick: 2).")
 @click.option("--paths", "paths_opt", default=",".join(PATHS), show_default=True, help="Which paths to run.")
@@ -211,9 +212,9 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
               help="Also run JAX with these extra XLA_FLAGS, reported as jax[NAME]; repeatable.")
 @click.option("--quick", is_flag=True, help="Batch 1 and 8, 4 steps, one process per cache state.")
 @click.option("--prompt", help="Text-to-image models: the prompt (default: a fixed one).")
-@click.option("--width", type=int, help="Text-to-image models: image width.")
-@click.option("--height", type=int, help="Text-to-image models: image height.")
-@click.option("--timeout", default=1800.0, show_default=True, type=float, help="Seconds per child process.")
+@click.option("--width", type=POSITIVE, help="Text-to-image models: image width.")
+@click.option("--height", type=POSITIVE, help="Text-to-image models: image height.")
+@click.option("--timeout", default=1800.0, show_default=True, type=POSITIVE_SECONDS, help="Seconds per child process.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path),
@@ -315,7 +316,7 @@ class _Kept:
 @click.option("--requests", "n_requests", default=256, show_default=True, type=int, help="Requests to send in all.")
 @click.option("--concurrency", default=32, show_default=True, type=int, help="Concurrent clients.")
 @click.option("--max-batch-size", default=8, show_default=True, type=int)
-@click.option("--batch-wait-ms", default=10.0, show_default=True, type=float)
+@click.option("--batch-wait-ms", default=10.0, show_default=True, type=NON_NEGATIVE)
 @click.option("--steps", type=int, help="num_inference_steps per request (model default when absent).")
 @click.option("--timeout-s", default=600.0, show_default=True, type=float, help="Give up after this long in all.")
 @click.option("--offline-s", default=8.0, show_default=True, type=float,

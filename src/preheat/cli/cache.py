@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from preheat.cli._support import one_line_errors
-from preheat.cli.options import CallOptions, call_options
+from preheat.cli.options import NON_NEGATIVE, POSITIVE, CallOptions, call_options
 
 
 def _human(n: float) -> str:
@@ -123,7 +123,7 @@ def verify_command(quarantine_bad: bool) -> None:
 @cache_group.command("explain")
 @call_options
 @click.option("--devices", "devices_text", metavar="all|N|ID,ID,...", help="The devices the call is split over.")
-@click.option("--fsdp", default=1, show_default=True, type=int, metavar="F",
+@click.option("--fsdp", default=1, show_default=True, type=POSITIVE, metavar="F",
               help="The devices each weight is split over.")
 @one_line_errors
 def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int) -> None:
@@ -194,10 +194,10 @@ def _explain_torch(model: str | None, opts: CallOptions) -> None:
 
 
 @cache_group.command("prune")
-@click.option("--older-than-days", type=float, help="Also remove entries unused (remote: unpublished) for this long.")
+@click.option("--older-than-days", type=NON_NEGATIVE, help="Also remove entries unused (remote: unpublished) for this long.")
 @click.option("--remote", is_flag=True, help="Prune the shared store (PREHEAT_CACHE_URL / --cache-url) instead.")
-@click.option("--max-gb", type=float, help="--remote: retire the oldest entries until the store holds this much.")
-@click.option("--protect-minutes", default=60.0, show_default=True, type=float,
+@click.option("--max-gb", type=NON_NEGATIVE, help="--remote: retire the oldest entries until the store holds this much.")
+@click.option("--protect-minutes", default=60.0, show_default=True, type=NON_NEGATIVE,
               help="--remote: never retire an entry published, nor delete an object written, this recently.")
 @click.option("--dry-run", is_flag=True, help="--remote: say what would go; change nothing.")
 @one_line_errors

@@ -22,7 +22,8 @@ import click
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptions", "FLAGS"]
+__all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptions", "FLAGS", "SAMPLER",
+           "sampler_option", "POSITIVE", "SEED", "NON_NEGATIVE", "POSITIVE_SECONDS"]
 
 DTYPES = ("float32", "bfloat16", "float16")  # the denoiser dtypes the engine compiles for
 CACHE_LAYERS = ("full", "xla", "off")
@@ -33,15 +34,47 @@ FLAGS = {"class_labels": "--class", "prompt": "--prompt", "negative_prompt": "--
          "guidance": "--guidance", "seed": "--seed", "eta": "--eta", "lora": "--lora", "n": "--n"}
 
 
+# Numeric option types: click refuses a value out of range in one line, before anything runs.
+POSITIVE = click.IntRange(min=1)
+SEED = click.IntRange(0, 2**32 - 1)
+NON_NEGATIVE = click.FloatRange(min=0)
+POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)
+
+
+class _SamplerName(click.ParamType):
+    """A sampler's name, checked against preheat's samplers when the value is given (they import JAX)."""
+
+    name = "sampler"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
+        from preheat.samplers import SAMPLERS
+
+        if value not in SAMPLERS:
+            self.fail(f"unknown sampler {value!r}; supported: {', '.join(SAMPLERS)}", param, ctx)
+        return str(value)
+
+
+SAMPLER = _SamplerName()
+
+
 class _SamplerHelp(click.Option):
     """``--sampler``'s help lists every sampler preheat has, read when help is shown (the list
-    lives with the samplers, which import JAX)."""
+    lives with the samplers, which import JAX); ``help`` is what follows the list."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tail = self.help or ""
 
     def get_help_record(self, ctx: click.Context) -> Optional[tuple[str, str]]:
         from preheat.samplers import SAMPLERS
 
-        self.help = f"One of: {', '.join(SAMPLERS)} (default: the model's)."
+        self.help = f"One of: {', '.join(SAMPLERS)} {self.tail}".strip()
         return super().get_help_record(ctx)
+
+
+def sampler_option(help_text: str = "(default: the model's).") -> Callable[..., Any]:
+    """``--sampler``: checked when given; its help lists every sampler."""
+    return click.option("--sampler", cls=_SamplerHelp, type=SAMPLER, help=help_text)
 
 
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -143,7 +176,7 @@ def call_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--height", type=int, help="Image height (default: the model's)."),
         click.option("--class", "classes", multiple=True, help="Class index or label; repeat for one per image."),
         click.option("--steps", type=int, help="Denoising steps (default: the model's)."),
-        click.option("--sampler", cls=_SamplerHelp),
+        sampler_option(),
         click.option("--seed", default=0, show_default=True, type=int, help="Image i uses seed + i."),
         click.option("--guidance", type=float, help="Classifier-free guidance scale (1 = off)."),
         click.option("--eta", default=0.0, type=float, help="DDIM stochasticity."),

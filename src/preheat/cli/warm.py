@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import click
 
 from preheat.cli._support import one_line_errors
-from preheat.cli.options import model_options
+from preheat.cli.options import NON_NEGATIVE, model_options
 
 __all__ = ["warm_command", "declaration_options", "warm_set_from_options"]
 
@@ -96,7 +96,7 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
 @declaration_options
 @click.option("--dry-run", is_flag=True, help="List the signatures and where each is cached; compile nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--push-timeout-s", default=600.0, show_default=True, type=float,
+@click.option("--push-timeout-s", default=600.0, show_default=True, type=NON_NEGATIVE,
               help="How long uploads to PREHEAT_CACHE_URL may take after the last compile.")
 @one_line_errors
 def warm_command(model: Optional[str], dtype: str, variant: Optional[str], cache: Optional[str],
