@@ -563,7 +563,7 @@ def step_compare(r: Runner) -> dict[str, Any]:
     dest = r.out / "compare.json"
     child_timeout = max(30.0, 0.6 * timeout)  # one slow child (torch.compile, empty cache) may take most
     cmd = [sys.executable, "-m", "preheat", "bench", "compare", *r.limits["compare_args"],
-           "--timeout", f"{child_timeout:.0f}", "--json-out", str(dest)]
+           "--timeout", f"{child_timeout:.0f}", "--report", str(dest)]
     p = r.run("bench compare", cmd, timeout)
     if not dest.is_file():
         return {"error": _fail(p) or "no JSON written", "seconds": p.seconds}

@@ -13,7 +13,8 @@ import click
 
 from preheat.bench.compare import PATHS
 from preheat.cli._support import one_line_errors
-from preheat.cli.options import NON_NEGATIVE, POSITIVE, POSITIVE_SECONDS, SEED, sampler_option
+from preheat.cli.options import (NON_NEGATIVE, POSITIVE, POSITIVE_SECONDS, SEED, echo_result, output_options,
+                                 sampler_option)
 
 __all__ = ["bench_group"]
 
@@ -34,10 +35,10 @@ def bench_group() -> None:
 @click.option("--profile", is_flag=True,
               help="Instead: where one denoiser call's time goes, per op class, JAX vs torch.compile (pixel "
                    "models; model batch 16: batch 8 guided, else 16; --batch sets the images).")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@output_options()
 @one_line_errors
 def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sampler: str | None, repeats: int,
-                    width: int | None, height: int | None, profile: bool, json_out: Path | None) -> None:
+                    width: int | None, height: int | None, profile: bool, json_out: Path | None, as_json: bool) -> None:
     """Loop overhead, images/s and achieved GFLOP/s (and, for text-to-image models, the share of
     text encoding and VAE decoding). MODEL: a folder, 'ddpm-cifar10-32' or 'sd15-random' (random
     weights), or nothing for the built-in model."""
@@ -50,12 +51,12 @@ def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sam
 
         with tempfile.TemporaryDirectory() as tmp:
             text, result = bench_profile(model, batches[0] if batches else None, Path(tmp))
-        click.echo(text)
+        echo_result(result, text, as_json)
         write_json(json_out, result)
         return
     with tempfile.TemporaryDirectory() as tmp:
         result = bench_sampler(model, list(batches) or [1, 8, 32], steps, sampler, repeats, Path(tmp), size)
-    click.echo(markdown(result))
+    echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
 
 
@@ -68,10 +69,10 @@ def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sam
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--width", type=POSITIVE, help="Image width (default: the model's).")
 @click.option("--height", type=POSITIVE, help="Image height (default: the model's).")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@output_options()
 @one_line_errors
 def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype: str, width: int | None,
-                 height: int | None, json_out: Path | None) -> None:
+                 height: int | None, json_out: Path | None, as_json: bool) -> None:
     """Images/s for a batch with a different LoRA per image vs the same LoRA vs no LoRA, and their
     ratios, in one run (issue 15; goal mixed >= 0.8x same). MODEL: a text-to-image folder or
     'sd-small-random' / 'sd15-random' / 'flux-random' (random weights)."""
@@ -84,7 +85,7 @@ def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype:
     with tempfile.TemporaryDirectory() as tmp:
         result = bench_lora(model, n, steps, rank, repeats, Path(tmp), dtype=dtype,
                             size=(width, height) if width and height else None)
-    click.echo(markdown(result))
+    echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
 
 
@@ -101,12 +102,12 @@ def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype:
               help="torch: eager vs --compile cold vs warm, each child with an empty Inductor cache folder.")
 @click.option("--compile", "compile_mode", type=click.Choice(["regional", "inductor", "aot"]), multiple=True,
               help="--backend torch: the compile mode measured (repeatable; default regional).")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@output_options()
 @click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
 @one_line_errors
 def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int, cache_url: str | None,
                       prompt: str | None, width: int | None, height: int | None, backend: str,
-                      compile_mode: tuple[str, ...], json_out: Path | None, png_out: Path | None) -> None:
+                      compile_mode: tuple[str, ...], json_out: Path | None, as_json: bool, png_out: Path | None) -> None:
     """Process start to first image, empty vs XLA-cache-only vs fully warm cache, in fresh processes."""
     from preheat.bench.coldstart import bench_coldstart, bench_coldstart_torch, markdown, plot
     from preheat.bench.common import write_json
@@ -126,7 +127,7 @@ def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int
             result = bench_coldstart_torch(model, n, steps, repeats, Path(tmp), compile_mode or ("regional",), args)
         else:
             result = bench_coldstart(model, n, steps, repeats, Path(tmp), cache_url, args)
-    click.echo(markdown(result))
+    echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
     if png_out:
         plot(result, png_out)
@@ -152,10 +153,10 @@ def _takes_a_prompt(model: str | None) -> bool:
 @click.option("--repeats", default=5, show_default=True, type=int, help="Steady-state calls per resolution.")
 @click.option("--threads", type=int, help="torch threads in the children (default: torch's own).")
 @click.option("--timeout", default=1800.0, show_default=True, type=POSITIVE_SECONDS, help="Seconds per child process.")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@output_options()
 @one_line_errors
 def torch_shapes_command(models: tuple[str, ...], resolutions: str, mode: str, steps: int, repeats: int,
-                         threads: int | None, timeout: float, json_out: Path | None) -> None:
+                         threads: int | None, timeout: float, json_out: Path | None, as_json: bool) -> None:
     """preheat.torch.compile per-resolution entries (dynamic=False) vs one symbolic-shape entry
     (dynamic=True, duck shapes off): compile seconds per resolution, steady state, warm starts,
     in fresh processes. MODELS: folders or 'flux-tiny-random' / 'sd1-tiny-random' (default both)."""
@@ -181,7 +182,7 @@ def torch_shapes_command(models: tuple[str, ...], resolutions: str, mode: str, s
     with tempfile.TemporaryDirectory(prefix="preheat-shapes-") as tmp:
         result = bench_torch_shapes(models or MODELS, sizes, mode, steps, repeats, Path(tmp), timeout,
                                     threads, log=lambda line: click.echo(line, err=True))
-    click.echo(markdown(result))
+    echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
 
 
@@ -215,7 +216,7 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 @click.option("--width", type=POSITIVE, help="Text-to-image models: image width.")
 @click.option("--height", type=POSITIVE, help="Text-to-image models: image height.")
 @click.option("--timeout", default=1800.0, show_default=True, type=POSITIVE_SECONDS, help="Seconds per child process.")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@output_options()
 @click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path),
               help="Keep the work folder (cache roots, pixels) here instead of a temporary one.")
@@ -223,18 +224,18 @@ def compare_command(model: str | None, sampler: str | None, steps: int | None, b
                     batch_sizes: str | None, seed: int, guidance: float | None, repeats: int | None,
                     steady_repeats: int | None, paths_opt: str, xla_flags: tuple[str, ...], quick: bool,
                     prompt: str | None, width: int | None, height: int | None,
-                    timeout: float, json_out: Path | None, png_out: Path | None, keep: Path | None) -> None:
+                    timeout: float, json_out: Path | None, as_json: bool, png_out: Path | None, keep: Path | None) -> None:
     """JAX vs torch eager vs torch.compile vs AOTInductor on MODEL (default: the built-in model;
     also a random-weight architecture: ddpm-cifar10-32, sd15-random)."""
     inputs = {k: v for k, v in (("prompt", prompt), ("width", width), ("height", height)) if v is not None}
     one_line_errors(_compare)(model, sampler, steps, batch, batch_sizes, seed, guidance, repeats, steady_repeats,
-                              paths_opt, xla_flags, quick, timeout, json_out, png_out, keep, inputs)
+                              paths_opt, xla_flags, quick, timeout, json_out, png_out, keep, inputs, as_json)
 
 
 def _compare(model: str | None, sampler: str | None, steps: int | None, batch: int | None, batch_sizes: str | None,
              seed: int, guidance: float | None, repeats: int | None, steady_repeats: int | None, paths_opt: str,
              xla_flags: tuple[str, ...], quick: bool, timeout: float, json_out: Path | None, png_out: Path | None,
-             keep: Path | None, inputs: dict[str, Any] | None = None) -> None:
+             keep: Path | None, inputs: dict[str, Any] | None = None, as_json: bool = False) -> None:
     from preheat.bench.common import write_json
     from preheat.bench.compare import FULL, QUICK, bench_compare, markdown, plot
     from preheat.errors import InvalidArgumentError, SchedulerConfigError
@@ -294,7 +295,7 @@ def _compare(model: str | None, sampler: str | None, steps: int | None, batch: i
                                workdir=Path(work), timeout=timeout, log=log, inputs=inputs)
     result["wall_s"] = time.perf_counter() - started
     result["settings"]["quick"] = quick
-    click.echo(markdown(result))
+    echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
     if png_out:
         plot(result, png_out)
@@ -321,12 +322,11 @@ class _Kept:
 @click.option("--timeout-s", default=600.0, show_default=True, type=float, help="Give up after this long in all.")
 @click.option("--offline-s", default=8.0, show_default=True, type=float,
               help="Seconds to time the offline baseline (before and after the load).")
-@click.option("--json", "json_out", default="bench-serve.json", show_default=True,
-              type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
+@output_options(default_report="bench-serve.json")
 @one_line_errors
 def bench_serve_command(model: Optional[str], n_requests: int, concurrency: int, max_batch_size: int,
                         batch_wait_ms: float, steps: Optional[int], timeout_s: float, offline_s: float,
-                        json_out: Path) -> None:
+                        json_out: Path, as_json: bool) -> None:
     """Load-test `preheat serve` on 127.0.0.1: throughput vs offline batching, latency, exactly-once."""
     from preheat.errors import InvalidArgumentError
     from preheat.bench.serve import markdown, run_bench
@@ -339,7 +339,7 @@ def bench_serve_command(model: Optional[str], n_requests: int, concurrency: int,
                        batch_wait_ms=batch_wait_ms, steps=steps, timeout_s=timeout_s, offline_s=offline_s,
                        json_out=json_out,
                        log=lambda line: click.echo(line, err=True))
-    click.echo(markdown(result))
+    echo_result(result, markdown(result), as_json)
     click.echo(f"wrote {json_out}", err=True)
     if not result["exactly_once"] or result["server_exit_code"] != 0:
         sys.exit(1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import click
@@ -23,7 +24,7 @@ import click
 from preheat.errors import InvalidArgumentError
 
 __all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptions", "FLAGS", "SAMPLER",
-           "sampler_option", "POSITIVE", "SEED", "NON_NEGATIVE", "POSITIVE_SECONDS"]
+           "sampler_option", "output_options", "echo_result", "POSITIVE", "SEED", "NON_NEGATIVE", "POSITIVE_SECONDS"]
 
 DTYPES = ("float32", "bfloat16", "float16")  # the denoiser dtypes the engine compiles for
 CACHE_LAYERS = ("full", "xla", "off")
@@ -70,6 +71,39 @@ class _SamplerHelp(click.Option):
 
         self.help = f"One of: {', '.join(SAMPLERS)} {self.tail}".strip()
         return super().get_help_record(ctx)
+
+
+def output_options(default_report: Optional[str] = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The JSON convention of every command: ``--json`` prints the machine-readable result on
+    stdout (instead of the table), ``--report FILE`` writes it to FILE. The command receives
+    ``json_out`` (the report path) and ``as_json``. ``--json-out FILE``, the old spelling, still
+    works for one release, with a deprecation line."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, report: Optional[Path], old_json_out: Optional[Path], **kwargs: Any) -> Any:
+            if old_json_out is not None:
+                click.echo("warning: --json-out is deprecated; use --report FILE (or --json for stdout)", err=True)
+            return fn(*args, json_out=report if report is not None else old_json_out, **kwargs)
+
+        out: Callable[..., Any] = wrapper
+        for option in reversed([
+            click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout."),
+            click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=default_report,
+                         show_default=default_report is not None, help="Write the result as JSON to FILE."),
+            click.option("--json-out", "old_json_out", type=click.Path(dir_okay=False, path_type=Path), hidden=True),
+        ]):
+            out = option(out)
+        return out
+
+    return decorate
+
+
+def echo_result(result: Any, text: str, as_json: bool) -> None:
+    """``--json``: the result as JSON on stdout; else the human-readable ``text``."""
+    import json
+
+    click.echo(json.dumps(result, indent=2, default=str) if as_json else text)
 
 
 def sampler_option(help_text: str = "(default: the model's).") -> Callable[..., Any]:
