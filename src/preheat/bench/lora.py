@@ -67,7 +67,7 @@ def bench_lora(model: str | None, n: int, steps: int, rank: int, repeats: int, w
         from preheat.errors import InvalidArgumentError
 
         raise InvalidArgumentError(f"LoRAs are not supported for a {pipe.family.name} model; bench a text-to-image "
-                                   "model (e.g. sd-small-random)")
+                                   "model (e.g. random:sd-small)")
     from preheat.lora import LoraCache
 
     files = write_random_loras(pipe, workdir / "loras", n, rank)

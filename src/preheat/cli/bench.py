@@ -40,8 +40,8 @@ def bench_group() -> None:
 def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sampler: str | None, repeats: int,
                     width: int | None, height: int | None, profile: bool, json_out: Path | None, as_json: bool) -> None:
     """Loop overhead, images/s and achieved GFLOP/s (and, for text-to-image models, the share of
-    text encoding and VAE decoding). MODEL: a folder, 'ddpm-cifar10-32' or 'sd15-random' (random
-    weights), or nothing for the built-in model."""
+    text encoding and VAE decoding). MODEL: a folder, random:NAME (random weights: random:sd15,
+    random:ddpm-cifar10-32, ...), or nothing for the built-in model."""
     from preheat.bench.common import write_json
     from preheat.bench.sampler import bench_sampler, markdown
 
@@ -61,7 +61,7 @@ def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sam
 
 
 @bench_group.command("lora")
-@click.argument("model", required=False, default="sd-small-random")
+@click.argument("model", required=False, default="random:sd-small")
 @click.option("--n", "n", default=8, show_default=True, type=int, help="Batch size (and number of LoRAs mixed).")
 @click.option("--steps", default=4, show_default=True, type=int)
 @click.option("--rank", default=16, show_default=True, type=int, help="The LoRAs' rank.")
@@ -75,7 +75,7 @@ def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype:
                  height: int | None, json_out: Path | None, as_json: bool) -> None:
     """Images/s for a batch with a different LoRA per image vs the same LoRA vs no LoRA, and their
     ratios, in one run (issue 15; goal mixed >= 0.8x same). MODEL: a text-to-image folder or
-    'sd-small-random' / 'sd15-random' / 'flux-random' (random weights)."""
+    random:sd-small / random:sd15 / random:flux (random weights)."""
     from preheat.bench.common import write_json
     from preheat.bench.lora import bench_lora, markdown
     from preheat.errors import InvalidArgumentError
@@ -136,6 +136,11 @@ def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int
 def _takes_a_prompt(model: str | None) -> bool:
     """A local folder of a text-to-image family (its children need a prompt); a store source is not
     pulled here, so it needs ``--prompt``."""
+    from preheat.bench.random_models import RANDOM_MODELS, random_name
+
+    name = random_name(model)
+    if name is not None:
+        return RANDOM_MODELS[name].builder != "pixel"
     if model is None or not Path(model).is_dir():
         return False
     from preheat.families import family_loader
@@ -159,7 +164,7 @@ def torch_shapes_command(models: tuple[str, ...], resolutions: str, mode: str, s
                          threads: int | None, timeout: float, json_out: Path | None, as_json: bool) -> None:
     """preheat.torch.compile per-resolution entries (dynamic=False) vs one symbolic-shape entry
     (dynamic=True, duck shapes off): compile seconds per resolution, steady state, warm starts,
-    in fresh processes. MODELS: folders or 'flux-tiny-random' / 'sd1-tiny-random' (default both)."""
+    in fresh processes. MODELS: folders or random:flux-tiny / random:sd1-tiny (default both)."""
     from preheat.bench.common import write_json
     from preheat.bench.shapes import MODELS, bench_torch_shapes, markdown
     from preheat.errors import InvalidArgumentError
@@ -172,13 +177,13 @@ def torch_shapes_command(models: tuple[str, ...], resolutions: str, mode: str, s
         raise InvalidArgumentError(f"--resolutions {resolutions!r} must be distinct comma-separated positive ints")
     if steps < 1 or repeats < 1 or (threads is not None and threads < 1):
         raise InvalidArgumentError("--steps, --repeats and --threads must be >= 1")
-    from preheat.bench.random_models import TEXT_ARCHITECTURES
+    from preheat.bench.random_models import PREFIX, RANDOM_MODELS, random_name
     from preheat.errors import ModelNotFoundError
 
     for model in models:
-        if model not in TEXT_ARCHITECTURES and not (Path(model).expanduser() / "model_index.json").is_file():
+        if random_name(model) is None and not (Path(model).expanduser() / "model_index.json").is_file():
             raise ModelNotFoundError(f"{model} is neither a diffusers pipeline folder nor one of "
-                                     f"{', '.join(TEXT_ARCHITECTURES)}")
+                                     f"{', '.join(PREFIX + n for n in RANDOM_MODELS)}")
     with tempfile.TemporaryDirectory(prefix="preheat-shapes-") as tmp:
         result = bench_torch_shapes(models or MODELS, sizes, mode, steps, repeats, Path(tmp), timeout,
                                     threads, log=lambda line: click.echo(line, err=True))
@@ -226,7 +231,8 @@ def compare_command(model: str | None, sampler: str | None, steps: int | None, b
                     prompt: str | None, width: int | None, height: int | None,
                     timeout: float, json_out: Path | None, as_json: bool, png_out: Path | None, keep: Path | None) -> None:
     """JAX vs torch eager vs torch.compile vs AOTInductor on MODEL (default: the built-in model;
-    also a random-weight architecture: ddpm-cifar10-32, sd15-random)."""
+    also random:NAME, a random-weight folder: random:sd1-tiny, random:flux-tiny, random:sd15, ...).
+    A tiny random model runs at its tiny size (32x32) unless --width/--height say otherwise."""
     inputs = {k: v for k, v in (("prompt", prompt), ("width", width), ("height", height)) if v is not None}
     one_line_errors(_compare)(model, sampler, steps, batch, batch_sizes, seed, guidance, repeats, steady_repeats,
                               paths_opt, xla_flags, quick, timeout, json_out, png_out, keep, inputs, as_json)
@@ -241,17 +247,14 @@ def _compare(model: str | None, sampler: str | None, steps: int | None, batch: i
     from preheat.errors import InvalidArgumentError, SchedulerConfigError
     from preheat.samplers import SAMPLERS
 
-    from preheat.bench.common import ARCHITECTURES
+    from preheat.bench.random_models import random_name
     from preheat.engine import BUILTIN_MODEL
     from preheat.errors import ModelNotFoundError
+    from preheat.store import is_remote
 
     if model is None and not (BUILTIN_MODEL / "model_index.json").is_file():
         raise ModelNotFoundError(f"the built-in model is not installed ({BUILTIN_MODEL}); pass a model folder")
-    from preheat.store import is_remote
-
-    from preheat.bench.random_models import TEXT_ARCHITECTURES
-
-    if (model is not None and model not in ARCHITECTURES and model not in TEXT_ARCHITECTURES and not is_remote(model)
+    if (model is not None and random_name(model) is None and not is_remote(model)
             and not Path(model).expanduser().exists()):
         raise ModelNotFoundError(f"model path {model} does not exist")
     preset = QUICK if quick else FULL
