@@ -184,3 +184,11 @@ def test_cache_info_counts_hard_linked_weights_once(digits, tmp_path, monkeypatc
     info = json.loads(r.stdout)
     refs = sum(f.stat().st_size for f in (home / "models" / "refs").rglob("*") if f.is_file())
     assert on_disk <= info["models_bytes"] <= on_disk + refs + 4096
+
+
+def test_library_errors_name_the_flag(sd1, tmp_path):
+    """An argument error from the library (``argument="prompt"``) is printed under its flag."""
+    r = run("sample", sd1, "--steps", 2, "--out", tmp_path / "s.png", "--quiet")
+    assert r.exit_code == 2
+    assert r.stderr.strip().splitlines() == ["error: --prompt: prompt is required: a string or one string per image"]
+    assert not (tmp_path / "s.png").exists()

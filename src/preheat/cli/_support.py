@@ -14,6 +14,15 @@ from preheat.errors import InvalidArgumentError, MissingExtraError, PreheatError
 __all__ = ["one_line_errors", "resolve_model", "ResolvedModel"]
 
 
+def _in_flags(err: PreheatError) -> str:
+    """The message, led by the flag that sets the argument it names (``--class``, not the
+    engine's ``class_labels``), unless the message already names that flag."""
+    from preheat.cli.options import FLAGS
+
+    flag = FLAGS.get(getattr(err, "argument", None) or "")
+    return f"{flag}: {err}" if flag is not None and flag not in str(err) else str(err)
+
+
 def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn PreheatErrors into a one-line message and an exit code; a module an optional extra
     provides, missing, into the line naming its ``pip install``."""
@@ -23,7 +32,7 @@ def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except PreheatError as err:
-            click.echo(f"error: {err}", err=True)
+            click.echo(f"error: {_in_flags(err)}", err=True)
             sys.exit(2 if isinstance(err, (InvalidArgumentError, SchedulerConfigError)) else 1)
         except ModuleNotFoundError as err:
             ctx = click.get_current_context(silent=True)
