@@ -136,3 +136,9 @@ def test_a_missing_extra_names_the_pip_install(tmp_path):
     assert handler.returncode == 1 and handler.stderr.strip().splitlines() == [
         'error: the Runpod handler needs the serve extra: pip install ".[serve]" (No module named \'prometheus_client\')'
     ], handler.stderr
+
+
+@pytest.mark.parametrize("path", [p for p, _ in leaf_commands()], ids=" ".join)
+def test_every_command_has_help(path):
+    result = CliRunner().invoke(main, [*path, "--help"])
+    assert result.exit_code == 0 and "Usage:" in result.output, result.output

@@ -122,6 +122,11 @@ def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int
             args += (flag, str(value))
     if not prompt and (width or height or _takes_a_prompt(model)):
         args += ("--prompt", "a watercolor fox")
+    if width is None and height is None:  # the children get a folder: a tiny random model's size is said here
+        from preheat.bench.random_models import random_name, sized_inputs
+
+        for key, value in sized_inputs(random_name(model), {}).items():
+            args += (f"--{key}", str(value))
     with tempfile.TemporaryDirectory() as tmp:
         if backend == "torch":
             result = bench_coldstart_torch(model, n, steps, repeats, Path(tmp), compile_mode or ("regional",), args)
