@@ -294,13 +294,10 @@ def save_random_sdxl_tiny(out: Path, seed: int = 0) -> Path:
     EulerDiscreteScheduler(**SDXL_SCHEDULER).save_pretrained(out / "scheduler")
     write_clip_tokenizer(out / "tokenizer")
     write_clip_tokenizer(out / "tokenizer_2", pad_token="!")
-    index = {"_class_name": "StableDiffusionXLPipeline", "text_encoder": ["transformers", "CLIPTextModel"],
-             "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
-             "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "CLIPTokenizer"],
-             "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"],
-             "scheduler": ["diffusers", "EulerDiscreteScheduler"], "force_zeros_for_empty_prompt": True}
-    (out / "model_index.json").write_text(json.dumps(index, indent=2))  # written last: marks the folder complete
-    return out
+    return _write_index(out, "StableDiffusionXLPipeline", text_encoder="CLIPTextModel",
+                        text_encoder_2="CLIPTextModelWithProjection", tokenizer="CLIPTokenizer",
+                        tokenizer_2="CLIPTokenizer", unet="UNet2DConditionModel", vae="AutoencoderKL",
+                        scheduler="EulerDiscreteScheduler")
 
 
 TINY_SD3_TRANSFORMER: dict[str, Any] = dict(
@@ -314,7 +311,6 @@ TINY_SD3_VAE: dict[str, Any] = {**TINY_VAE, "scaling_factor": 1.5305, "shift_fac
 def save_random_sd3_tiny(out: Path, seed: int = 0) -> Path:
     """A ``StableDiffusion3Pipeline`` folder at the test suite's tiny scale: two CLIP encoders of
     width 32 and a T5 of width 64 (the transformer's joint width), 32x32 images."""
-    import diffusers
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
@@ -334,14 +330,23 @@ def save_random_sd3_tiny(out: Path, seed: int = 0) -> Path:
     write_clip_tokenizer(out / "tokenizer")
     write_clip_tokenizer(out / "tokenizer_2", pad_token="!")
     write_t5_tokenizer(out / "tokenizer_3")
-    index = {"_class_name": "StableDiffusion3Pipeline", "_diffusers_version": diffusers.__version__,
-             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-             "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
-             "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
-             "text_encoder_3": ["transformers", "T5EncoderModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
-             "tokenizer_2": ["transformers", "CLIPTokenizer"], "tokenizer_3": ["transformers", "T5TokenizerFast"],
-             "transformer": ["diffusers", "SD3Transformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}
-    (out / "model_index.json").write_text(json.dumps(index, indent=2))  # written last: marks the folder complete
+    return _write_index(out, "StableDiffusion3Pipeline", scheduler="FlowMatchEulerDiscreteScheduler",
+                        text_encoder="CLIPTextModelWithProjection", text_encoder_2="CLIPTextModelWithProjection",
+                        text_encoder_3="T5EncoderModel", tokenizer="CLIPTokenizer", tokenizer_2="CLIPTokenizer",
+                        tokenizer_3="T5TokenizerFast", transformer="SD3Transformer2DModel", vae="AutoencoderKL")
+
+
+def _write_index(out: Path, class_name: str, **components: str) -> Path:
+    """``model_index.json`` (written last: it marks the folder complete) naming each component's
+    class, in the library diffusers loads it with."""
+    import diffusers
+
+    def library(cls: str) -> str:
+        return "diffusers" if hasattr(diffusers, cls) else "transformers"
+
+    index = {"_class_name": class_name, "_diffusers_version": diffusers.__version__,
+             **{name: [library(cls), cls] for name, cls in components.items()}}
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
     return out
 
 
@@ -437,7 +442,6 @@ def save_random_flux(out: Path, seed: int = 0, *, transformer: dict[str, Any] = 
     4.5 GB: transformer 2.2 GB, T5 2.1 GB, CLIP 0.2 GB, VAE 0.3 GB). Components are built and
     saved one at a time, so peak memory stays near the largest one. The keyword arguments
     replace the configs (``save_random_flux_tiny``)."""
-    import diffusers
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
@@ -459,10 +463,6 @@ def save_random_flux(out: Path, seed: int = 0, *, transformer: dict[str, Any] = 
     FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER).save_pretrained(out / "scheduler")
     write_clip_tokenizer(out / "tokenizer")
     write_t5_tokenizer(out / "tokenizer_2")
-    index = {"_class_name": "FluxPipeline", "_diffusers_version": diffusers.__version__,
-             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-             "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
-             "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "T5TokenizerFast"],
-             "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}
-    (out / "model_index.json").write_text(json.dumps(index, indent=2))  # written last: marks the folder complete
-    return out
+    return _write_index(out, "FluxPipeline", scheduler="FlowMatchEulerDiscreteScheduler", text_encoder="CLIPTextModel",
+                        text_encoder_2="T5EncoderModel", tokenizer="CLIPTokenizer", tokenizer_2="T5TokenizerFast",
+                        transformer="FluxTransformer2DModel", vae="AutoencoderKL")
