@@ -26,7 +26,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
 
 __all__ = ["Limits", "Job", "input_model", "parse_input", "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int",
-           "parse_sizes", "parse_lora_ranks"]
+           "parse_sizes", "parse_lora_ranks", "JsonFloat"]
 
 SEED_MAX = 2**32 - 1
 MAX_LORA_SCALE = 4.0
@@ -41,6 +41,17 @@ def _json_integer(value: Any) -> Any:
 
 
 JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+
+
+def _json_number(value: Any) -> Any:
+    """JSON Schema's "number": 3 and 3.5 yes; true and "3" no (pydantic's lax float takes them).
+    The one coercion rule for every numeric field: a number is a JSON number, never a string or bool."""
+    if isinstance(value, (bool, str, bytes)):
+        raise ValueError("Input should be a valid number")
+    return value
+
+
+JsonFloat = Annotated[float, BeforeValidator(_json_number)]
 
 
 def json_int(ge: int, le: int) -> Any:
@@ -136,7 +147,7 @@ def input_model(limits: Limits) -> type[BaseModel]:
                                          description="Number of images.")),
         "num_inference_steps": (Optional[json_int(1, limits.max_steps)], Field(None, json_schema_extra=order(3),
                                                            description="Denoising steps (model default when absent).")),
-        "guidance_scale": (Optional[float], Field(None, ge=0, le=limits.max_guidance, allow_inf_nan=False,
+        "guidance_scale": (Optional[JsonFloat], Field(None, ge=0, le=limits.max_guidance, allow_inf_nan=False,
                                                   json_schema_extra=order(4),
                                                   description="Classifier-free guidance scale; 1 = off (model default when absent).")),
         "scheduler": (Optional[Literal[tuple(schedulers)]], Field(None, json_schema_extra=order(5),  # type: ignore[misc]
@@ -153,7 +164,7 @@ def input_model(limits: Limits) -> type[BaseModel]:
                                               description="A LoRA: a safetensors path, http(s):// or hf://org/repo"
                                                           "[/file.safetensors] (diffusers/peft, kohya or BFL names). "
                                                           "Empty = none.")),
-        "lora_scale": (float, Field(1.0, ge=-limits.max_lora_scale, le=limits.max_lora_scale, allow_inf_nan=False,
+        "lora_scale": (JsonFloat, Field(1.0, ge=-limits.max_lora_scale, le=limits.max_lora_scale, allow_inf_nan=False,
                                     json_schema_extra=order(11),
                                     description="How strongly the LoRA applies (ignored without lora_weights).")),
     }
@@ -293,10 +304,23 @@ def lora_source(source: str, lora_dir: Optional[str]) -> str:
     if lora_dir is None:
         raise InvalidArgumentError("this server reads no local LoRA files (start it with --lora-dir DIR to serve "
                                    "files under DIR); use http(s):// or hf://", argument="lora_weights")
+    bad = next((c for c in source if ord(c) < 32 or 127 <= ord(c) < 160), None)
+    if bad is not None:  # NUL would reach the OS as a ValueError; other controls are never a real name
+        raise InvalidArgumentError(f"a LoRA path may not hold the control character {bad!r}", argument="lora_weights")
     base = Path(lora_dir).resolve()
-    path = (base / source).resolve()
-    if not path.is_relative_to(base):
-        raise InvalidArgumentError(f"{source} is not under the server's --lora-dir", argument="lora_weights")
+    try:  # symlink loops (RuntimeError before Python 3.13, OSError after), names too long, ...
+        path = (base / source).resolve()
+        if not path.is_relative_to(base):
+            raise InvalidArgumentError(f"{source!r} is not under the server's --lora-dir", argument="lora_weights")
+        if path.is_dir():
+            return str(path)  # a folder holding one .safetensors file (preheat.lora's rule)
+        if path.exists() and not path.is_file():
+            raise InvalidArgumentError(f"{source!r} is not a regular file", argument="lora_weights")
+    except InvalidArgumentError:
+        raise
+    except (OSError, RuntimeError, ValueError) as err:
+        why = getattr(err, "strerror", None) or type(err).__name__
+        raise InvalidArgumentError(f"cannot use the LoRA path {source!r}: {why}", argument="lora_weights") from None
     return str(path)
 
 
@@ -347,7 +371,7 @@ def _lora(pipe: Any, v: dict[str, Any], errors: list[tuple[str, str]], lora_dir:
     except PreheatError as err:
         errors.append(("lora_weights", (str(err).splitlines() or [type(err).__name__])[0]))
         return None, None
-    except (OSError, ValueError) as err:  # a file the safetensors reader itself refuses
+    except (OSError, RuntimeError, ValueError) as err:  # a file the safetensors reader itself refuses
         errors.append(("lora_weights", f"cannot read {source}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"))
         return None, None
     return (lora, float(v["lora_scale"])), bucket
