@@ -36,10 +36,12 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from preheat.cache.warm import WarmSignature, buckets_for, resolve, run_signature, signatures
-from preheat.errors import InputError, NotAccepting, QueueFull
+from preheat.errors import InputError, NotAccepting, PreheatError, QueueFull
+from preheat.server.fetch import FetchConfig, Fetcher
 from preheat.server.inputs import Job, Limits, input_model, parse_input, size_inputs
 from preheat.server.config import CoreConfig, load_pipeline
-from preheat.server.metrics import CoreMetrics
+from preheat.server.metrics import CoreMetrics, FetchMetrics
+from preheat.store import is_remote
 from preheat.server.predictions import Listener, Prediction, SetupInfo
 from preheat.timings import now_iso
 
@@ -59,13 +61,15 @@ class Core:
                 or config.max_loras < 1):
             raise ValueError("max_batch_size, max_queue, max_steps and max_loras must be >= 1 and batch_wait_ms >= 0")
         self.config = config
+        self.metrics = CoreMetrics()
+        fetch = config.fetch if config.fetch is not None else FetchConfig()
+        self.fetcher = Fetcher(replace(fetch, policy=config.lora_urls) if config.lora_urls is not None else fetch,
+                               FetchMetrics(self.metrics.registry))
         self.limits = Limits(max_batch_size=config.max_batch_size, max_steps=config.max_steps,
                              max_guidance=config.max_guidance, schedulers=tuple(config.samplers),
-                             sizes=tuple(config.sizes), lora_dir=config.lora_dir,
-                             lora_urls=config.lora_urls)
+                             sizes=tuple(config.sizes), lora_dir=config.lora_dir, fetcher=self.fetcher)
         self.input_model = input_model(self.limits)
         self.buckets = buckets_for(config.max_batch_size, getattr(pipe, "device_count", 1))
-        self.metrics = CoreMetrics()
         self.setup = SetupInfo()
         self.pipe = pipe
         self._loader = loader
@@ -164,6 +168,7 @@ class Core:
             self._cond.notify_all()
         for p in left:
             self._finish(p, "failed", error=SHUT_DOWN)
+        self.fetcher.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self.closing_pushes.set()
@@ -191,11 +196,20 @@ class Core:
         """:meth:`parse` for a coroutine: in a worker thread when the input names a LoRA, whose first
         read (a download, a large file) must not hold up the event loop."""
         source = raw.get("lora_weights") if isinstance(raw, dict) else getattr(raw, "lora_weights", None)
-        if source:
-            import asyncio
+        if not source:
+            return self.parse(raw)
+        import asyncio
 
-            return await asyncio.to_thread(self.parse, raw)
-        return self.parse(raw)
+        self._check_accepting()
+        source = str(source).strip()
+        if is_remote(source) and not await asyncio.to_thread(self.fetcher.stored, source):
+            # the download on the fetcher's own threads: stalled hosts never hold the threads that
+            # read local files and stored entries. A refusal is an error on lora_weights (parse's).
+            try:
+                await asyncio.get_running_loop().run_in_executor(self.fetcher.pool, self.fetcher.lora, source)
+            except PreheatError as err:
+                raise InputError([("lora_weights", (str(err).splitlines() or [type(err).__name__])[0])]) from None
+        return await asyncio.to_thread(self.parse, raw)
 
     def _check_accepting(self) -> None:
         if self._draining:

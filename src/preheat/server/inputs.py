@@ -71,7 +71,7 @@ class Limits:
     sizes: tuple[tuple[int, int], ...] = ()  # text-to-image: served (width, height); () = the model's default
     max_lora_scale: float = MAX_LORA_SCALE  # lora_scale within [-max, max]
     lora_dir: Optional[str] = None  # local LoRA files only from under this folder; None: URLs and hf:// only
-    lora_urls: Any = None  # server.webhooks.WebhookPolicy for http(s) LoRA URLs; None: public addresses only
+    fetcher: Any = None  # server.fetch.Fetcher: every URL a request names goes through it; None: a default one
 
 
 @dataclass(frozen=True)
@@ -270,7 +270,7 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     if v["num_inference_steps"] is None and not 1 <= int(steps) <= limits.max_steps:
         errors.append(("num_inference_steps", f"the model default {steps} exceeds this server's max {limits.max_steps}"))
     guidance = v["guidance_scale"] if v["guidance_scale"] is not None else pipe.defaults.get("guidance")
-    lora, lora_bucket = _lora(pipe, v, errors, limits.lora_dir, limits.lora_urls)
+    lora, lora_bucket = _lora(pipe, v, errors, limits.lora_dir, limits.fetcher)
     if errors:
         raise InputError(errors)
 
@@ -324,29 +324,12 @@ def lora_source(source: str, lora_dir: Optional[str]) -> str:
     return str(path)
 
 
-def _url_check(policy: Any) -> Callable[[str, Any], None]:
-    """The address check for a request's LoRA URL: the client chose it, so, as for webhooks, the
-    server connects only to public addresses unless the policy admits more."""
-    from preheat.errors import FetchError
-    from preheat.server.webhooks import WebhookPolicy
-
-    policy = policy if policy is not None else WebhookPolicy()
-
-    def check(host: str, ip: Any) -> None:
-        why = policy.refusal(host, ip)
-        if why is not None:
-            raise FetchError(f"{why}; LoRA URLs are fetched from public addresses only (see --lora-url-allow-private "
-                             "and --lora-url-allow)")
-
-    return check
-
-
 def _lora(pipe: Any, v: dict[str, Any], errors: list[tuple[str, str]], lora_dir: Optional[str] = None,
-          lora_urls: Any = None) -> tuple[Optional[tuple[Any, float]], Optional[int]]:
+          fetcher: Any = None) -> tuple[Optional[tuple[Any, float]], Optional[int]]:
     """``lora_weights`` -> ((the file, read through the pipeline's LRU), its scale) and its rank bucket;
-    a source the server does not serve (:func:`lora_source`), a URL whose host the address policy
-    refuses (``lora_urls``, a ``WebhookPolicy``), or a file that is missing, corrupt, or does not
-    fit the model, is an error on ``lora_weights``."""
+    a source the server does not serve (:func:`lora_source`), a URL the fetch refuses
+    (``fetcher``, a ``server.fetch.Fetcher``: address policy, deadline, size, slots), or a file that
+    is missing, corrupt, or does not fit the model, is an error on ``lora_weights``."""
     source = (v.get("lora_weights") or "").strip()
     if not source:
         return None, None
@@ -362,11 +345,13 @@ def _lora(pipe: Any, v: dict[str, Any], errors: list[tuple[str, str]], lora_dir:
     if targets is None:
         errors.append(("lora_weights", f"LoRAs are not supported for a {pipe.family.name} model"))
         return None, None
-    from preheat.store import address_check
+    from preheat.server.fetch import Fetcher, default_fetcher
+    from preheat.store import is_remote
 
     try:
-        with address_check(_url_check(lora_urls)):
-            lora = cached_file(pipe, source, targets)
+        if is_remote(source) and not Fetcher.stored(source):  # not yet fetched (Core.parse_async fetches first)
+            (fetcher if fetcher is not None else default_fetcher()).lora(source)
+        lora = cached_file(pipe, source, targets)
         bucket = bucket_for(lora.rank, sorted(pipe.components.get("lora_buckets", set()).copy()))
     except PreheatError as err:
         errors.append(("lora_weights", (str(err).splitlines() or [type(err).__name__])[0]))
