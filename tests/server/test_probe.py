@@ -135,3 +135,81 @@ def test_a_body_without_content_type_is_415_like_other_non_json_types(client: ht
         assert r.status_code == 415, (path, r.status_code, r.text)
         message = r.json()["error"]["message"] if path.startswith("/v1/") else r.json()["detail"]
         assert "application/json" in message
+
+
+def _raw_request(url: str, head: bytes, chunk: int = 1 << 16) -> bytes:
+    """Send ``head`` (stopping when the server closes) and return what the server answered."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as s:
+        try:
+            for i in range(0, len(head), chunk):
+                s.sendall(head[i:i + chunk])
+        except OSError:  # closed by the server once the limit was passed
+            pass
+        out = b""
+        try:
+            while True:
+                piece = s.recv(65536)
+                if not piece:
+                    break
+                out += piece
+        except OSError:
+            pass
+        return out
+
+
+def _head(size: int = 0, lines: int = 0) -> bytes:
+    filler = b"".join(b"X-F%d: y\r\n" % i for i in range(lines))
+    return (b"GET /health-check HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + filler
+            + (b"X-Big: " + b"a" * size + b"\r\n" if size else b"") + b"\r\n")
+
+
+def test_request_heads_past_the_limits_get_431_before_the_token_check(core: Core) -> None:
+    with serving(core, token="s3cret") as server:
+        assert _raw_request(server.url, _head(size=60 << 10)).startswith(b"HTTP/1.1 200")  # under 64 KiB in all
+        assert _raw_request(server.url, _head(lines=95)).startswith(b"HTTP/1.1 200")
+        for head in (_head(size=70 << 10), _head(size=20 << 20), _head(lines=120)):
+            answer = _raw_request(server.url, head)
+            assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+            assert b"request headers over 65536 bytes or 100 lines" in answer
+        with httpx.Client(base_url=server.url) as c:  # the server is fine; keep-alive requests still counted apart
+            for _ in range(3):
+                assert c.get("/health-check", headers={"X-Pad": "a" * (40 << 10)}).status_code == 200
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_huge_headers_keep_no_memory(model_dir: Path) -> None:
+    """The probe's numbers: four 20 MB headers added 159 MB to RSS, which stayed. Now each is cut at
+    64 KiB; RSS after them is within a few MB of before."""
+    import threading
+
+    from tests.server.fixtures import ServerProcess
+
+    server = ServerProcess([str(model_dir), "--max-batch-size", "1"])
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            wait_status(c, "READY", timeout=240)
+        for _ in range(2):  # settle the allocator with the same kind of traffic first
+            _raw_request(server.url, _head(size=1 << 20))
+        before = _rss_kib(server.proc.pid)
+        answers: list = []
+        threads = [threading.Thread(target=lambda: answers.append(_raw_request(server.url, _head(size=20 << 20))))
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        after = _rss_kib(server.proc.pid)
+        assert len(answers) == 4 and all(a.startswith(b"HTTP/1.1 431") for a in answers), [a[:80] for a in answers]
+        assert after - before < 8 * 1024, (before, after)
+    finally:
+        server.kill()
