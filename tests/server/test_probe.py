@@ -213,3 +213,52 @@ def test_huge_headers_keep_no_memory(model_dir: Path) -> None:
         assert after - before < 8 * 1024, (before, after)
     finally:
         server.kill()
+
+
+class SlowPipe:
+    """The real pipeline, but each engine call after warm-up also takes ``extra_s`` (a gate that
+    opens on a timer): a fixed per-batch cost, as encoding and decoding are on a real model."""
+
+    def __init__(self, pipe: Any, extra_s: float) -> None:
+        self._pipe, self.extra_s, self.slow = pipe, extra_s, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        import time
+
+        out = self._pipe.generate(*args, **kwargs)
+        if self.slow:
+            time.sleep(self.extra_s)
+        return out
+
+
+def test_retry_after_is_within_2x_of_the_real_wait(pipe: Any) -> None:
+    """The probe: Retry-After said 16 s against a 4.3 s drain. Now it reads the measured batch time
+    and the queue ahead: a full queue's Retry-After is within 2x of how long the queue then took."""
+    import time
+
+    slow = SlowPipe(pipe, 0.7)
+    core = Core(CoreConfig(max_batch_size=1, max_queue=3, batch_wait_ms=0), pipe=slow).start()
+    try:
+        assert core.wait_setup(600) and core.setup.status == "succeeded"
+        slow.slow = True
+        body = {"input": {"seed": 1, "num_inference_steps": 8, "class_label": 1}}
+        with serving(core) as server, httpx.Client(base_url=server.url, timeout=120) as c:
+            for _ in range(2):  # the server measures its batches
+                assert c.post("/predictions", json=body).status_code == 200
+            core.pause()
+            ids = [c.post("/predictions", json=body, headers={"Prefer": "respond-async"}).json()["id"] for _ in range(3)]
+            full = c.post("/predictions", json=body)
+            assert full.status_code == 409, full.text
+            said = int(full.headers["retry-after"])
+            start = time.monotonic()
+            core.resume()
+            assert core.wait_idle(120)
+            real = time.monotonic() - start
+            assert all(c.get(f"/predictions/{i}").json()["status"] == "succeeded" for i in ids)
+        assert real / 2 <= said <= 2 * real, (said, real)
+    finally:
+        core.resume()
+        core.close()

@@ -87,6 +87,8 @@ class Core:
         self._running_since = 0.0
         self.samplers: tuple[str, ...] = tuple(config.samplers)  # resolved at set-up: what is offered
         self.seconds_per_step: Optional[float] = None  # engine seconds per step (warm-up, then each batch)
+        # measured seconds of one engine call (encoding included), per batch key: what Retry-After reads
+        self.batch_seconds: dict[tuple, float] = {}
         self._thread: Optional[threading.Thread] = None
         self._batch_ids = itertools.count(1)
         self.stats = {"batches": 0, "images": 0, "padded": 0, "traffic_compiles": 0}
@@ -316,20 +318,25 @@ class Core:
         return True
 
     def expected_drain_s(self) -> float:
-        """Seconds until the work now accepted is done: the running batch's remaining steps plus
-        every queued prediction, batched as the worker will batch it, at ``seconds_per_step``."""
+        """Seconds until the work now accepted is done: what is left of the running batch plus every
+        queued prediction, batched as the worker will batch it. A batch takes what the last ones
+        of its key took (``batch_seconds``: measured, fixed costs such as encoding included); a key
+        not run yet, its steps at ``seconds_per_step``."""
         per_step = self.seconds_per_step if self.seconds_per_step is not None else 1.0
+
+        def batch_s(key: tuple) -> float:
+            return self.batch_seconds.get(key, key[1] * per_step)
+
         with self._cond:
             total = 0.0
             if self._running:
-                left = self._running[0].job.steps * per_step - (time.monotonic() - self._running_since)
+                left = batch_s(self._running[0].job.batch_key) - (time.monotonic() - self._running_since)
                 total += max(0.0, left)
             images: dict[tuple, int] = {}
             for p in self._pending:
                 images[p.job.batch_key] = images.get(p.job.batch_key, 0) + p.job.n
             for key, count in images.items():
-                steps = key[1]
-                total += math.ceil(count / self.config.max_batch_size) * steps * per_step
+                total += math.ceil(count / self.config.max_batch_size) * batch_s(key)
         return total
 
     def retry_after(self) -> int:
@@ -525,6 +532,9 @@ class Core:
         took = time.perf_counter() - t0
         per_step = took / max(1, job0.steps)
         self.seconds_per_step = per_step if self.seconds_per_step is None else 0.8 * self.seconds_per_step + 0.2 * per_step
+        if not compiled:  # a compile is not what the next batch of this key will take
+            last = self.batch_seconds.get(job0.batch_key)
+            self.batch_seconds[job0.batch_key] = took if last is None else 0.5 * last + 0.5 * took
         m = self.metrics
         m.batches.inc()
         m.batch_images.observe(images)
