@@ -49,7 +49,7 @@ __all__ = ["CoreConfig", "Core", "Prediction", "buckets_for", "SHUT_DOWN"]
 
 log = logging.getLogger("preheat.server")
 
-SHUT_DOWN = "the server shut down before this prediction ran"  # the error of predictions dropped by close()
+SHUT_DOWN = "the server shut down before this prediction finished"  # the error of predictions dropped by close()
 
 
 class Core:
@@ -161,8 +161,19 @@ class Core:
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending and not self._running, timeout)
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the worker; predictions still waiting fail with a one-line error."""
+    def abort_running(self) -> int:
+        """Fail the predictions of the running batch now, as close() fails the queued ones (a
+        shutdown cut short); their batch's images, when it returns, are dropped. Returns how many."""
+        with self._cond:
+            self._draining = True
+            running = [p for p in self._running if not p.terminal]
+        for p in running:
+            self._finish(p, "failed", error=SHUT_DOWN)
+        return len(running)
+
+    def close(self, timeout: float = 5.0, wait_pushes: bool = True) -> None:
+        """Stop the worker; predictions still waiting fail with a one-line error. ``wait_pushes``:
+        give background uploads to the shared store ``push_grace_s`` (not when cut short)."""
         with self._cond:
             self._draining = True
             self._stopping = True
@@ -175,7 +186,7 @@ class Core:
             self._thread.join(timeout)
         self.closing_pushes.set()
         compiler = getattr(self.pipe, "compiler", None)
-        if compiler is not None and getattr(compiler, "background", None) is not None:
+        if wait_pushes and compiler is not None and getattr(compiler, "background", None) is not None:
             left = compiler.background.pending
             if left:
                 log.info("waiting up to %.0fs for %d upload(s) to the shared cache", self.config.push_grace_s, left)

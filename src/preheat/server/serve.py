@@ -2,7 +2,10 @@
 
 On the first signal the core stops accepting predictions (new ones get 503, health-check
 says BUSY with ``draining: true``), the ones already accepted finish (up to ``grace_s``), their
-responses and final webhooks go out, then the process exits 0. A second signal exits at once.
+responses and final webhooks go out, then the process exits 0. A second signal cuts the drain
+short: the running predictions fail as the queued ones do (``SHUT_DOWN``: each route's JSON answer
+for it, a 503 on OpenAI's), their responses go out, and the process exits 1 after one log line,
+without waiting for the engine call still running. A third signal exits (2) at once.
 
 Read timeouts: uvicorn closes idle keep-alive connections, but not a connection that trickles its
 headers (a slow-loris holds a slot forever). :func:`header_timeout` adds that to uvicorn's HTTP
@@ -15,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
+import sys
 import threading
 from typing import Any, Callable, Optional
 
@@ -140,19 +145,31 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.core = core
         self.grace_s = grace_s
-        self._drain_started = False
+        self.signals = 0
         self.drained: Optional[bool] = None  # True: every accepted prediction finished in time
+        self.cut_short = False  # a second signal ended the drain early
 
     def handle_exit(self, sig: int, frame: Any) -> None:  # called in the main thread by the signal
-        if self._drain_started:
-            self.should_exit = True
-            self.force_exit = True
+        self.signals += 1
+        if self.signals >= 3:
+            log.error("third signal: exiting now")
+            logging.shutdown()
+            os._exit(2)
+        if self.signals == 2:
+            self.cut_short = True
+            threading.Thread(target=self._cut, name="preheat-cut-drain", daemon=True).start()
             return
-        self._drain_started = True
         in_flight = self.core.in_flight  # counted at the signal, before the drain starts running them
         self.core.begin_drain()
         log.warning("draining: %d prediction(s) in flight, grace %.0fs", in_flight, self.grace_s)
         threading.Thread(target=self._drain, name="preheat-drain", daemon=True).start()
+
+    def _cut(self) -> None:
+        """The second signal: fail what runs and what waits (their answers go out), then stop."""
+        failed = self.core.abort_running() + self.core.queue_depth
+        self.core.close(timeout=0.0, wait_pushes=False)
+        log.warning("second signal: drain cut short; %d prediction(s) failed unfinished", failed)
+        self.should_exit = True
 
     def _drain(self) -> None:
         self.drained = self.core.wait_idle(self.grace_s)
@@ -178,6 +195,13 @@ def serve(config: CoreConfig, *, host: str = "127.0.0.1", port: int = 8000, grac
     bound_host, bound_port = sock.getsockname()[:2]
     announce(f"preheat serve: listening on http://{bound_host}:{bound_port} (status: STARTING until warm-up ends)")
     server.run(sockets=[sock])
+    if server.cut_short:
+        # the engine call still running is not waited for: leave now, before the interpreter's
+        # teardown could meet it (what made a second signal an abort)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     if not core.draining:  # stopped without a signal (e.g. lifespan failure)
         core.close(timeout=1.0)
     return 0
