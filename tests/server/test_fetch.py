@@ -6,7 +6,6 @@ cached LoRAs answered while every slot is stalled) are tests/server/test_lora_se
 
 from __future__ import annotations
 
-import socket
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -17,73 +16,13 @@ from preheat.errors import FetchError
 from preheat.server.fetch import FetchConfig, Fetcher
 from preheat.server.metrics import CoreMetrics, FetchMetrics
 from preheat.server.webhooks import WebhookPolicy
-from tests.server.fixtures import metric, wait_until
-from tests.store._server import FileServer
+from tests._support.fetch_servers import RawServer, drip, endless, stored_files, tarpit
+from tests._support.file_server import FileServer
+from tests._support.server_fixtures import metric, wait_until
 
 LOOPBACK = WebhookPolicy(allow=("127.0.0.0/8",))
 # a safetensors file: 8-byte header length, the JSON header, no tensors
 LORA = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"
-
-
-class RawServer:
-    """A TCP server on ``host`` whose every connection is handed to ``serve(conn)`` in a thread
-    (a tarpit: read nothing, answer nothing)."""
-
-    def __init__(self, serve, host: str = "127.0.0.1") -> None:
-        self.sock = socket.create_server((host, 0))
-        self.host, self.port = host, self.sock.getsockname()[1]
-        self.serve, self.conns, self.accepted = serve, [], 0
-        self.stopped = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def url(self, path: str) -> str:
-        return f"http://{self.host}:{self.port}/{path}"
-
-    def _accept(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            self.accepted += 1
-            threading.Thread(target=self.serve, args=(conn, self.stopped), daemon=True).start()
-
-    def stop(self) -> None:
-        self.stopped.set()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes accept(): a closed listener would still take connections
-        except OSError:
-            pass
-        self.sock.close()
-        for c in self.conns:
-            c.close()
-
-
-def tarpit(conn: socket.socket, stopped: threading.Event) -> None:
-    stopped.wait(120)
-
-
-def drip(conn: socket.socket, stopped: threading.Event) -> None:
-    """Headers at once, then one byte of a 10 kB body every 0.1 s."""
-    conn.recv(65536)
-    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10000\r\n\r\n")
-    while not stopped.wait(0.1):
-        try:
-            conn.sendall(b"x")
-        except OSError:
-            return
-
-
-def endless(conn: socket.socket, stopped: threading.Event) -> None:
-    """A body with no Content-Length that never ends (HTTP/1.0 style: until the close)."""
-    conn.recv(65536)
-    try:
-        conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: application/octet-stream\r\n\r\n")
-        while not stopped.is_set():
-            conn.sendall(b"\0" * 65536)
-    except OSError:
-        return
 
 
 @pytest.fixture
@@ -97,12 +36,6 @@ def files() -> Iterator[FileServer]:
     server = FileServer().start()
     yield server
     server.stop()
-
-
-def stored_files(home: Path) -> set[str]:
-    """Every file under the store but its lock files (taken by any pull, published or not)."""
-    root = home / "models"
-    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.parent.name != "locks"}
 
 
 def fetcher(**kw) -> tuple[Fetcher, CoreMetrics]:

@@ -276,8 +276,8 @@ def test_stalled_lora_urls_hold_only_the_fetch_slots(sd_pipe, loras, tmp_path, m
 
     from preheat.server.fetch import FetchConfig
     from preheat.server.webhooks import WebhookPolicy
-    from tests.server.test_fetch import RawServer, stored_files, tarpit
-    from tests.store._server import FileServer
+    from tests._support.fetch_servers import RawServer, stored_files, tarpit
+    from tests._support.file_server import FileServer
 
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     files = FileServer().start()

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from preheat.server.core import Core, CoreConfig
-from tests.server.fixtures import serving, wait_status
+from tests._support.server_fixtures import serving, wait_status
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,7 @@ def test_huge_headers_keep_no_memory(model_dir: Path) -> None:
     64 KiB; RSS after them is within a few MB of before."""
     import threading
 
-    from tests.server.fixtures import ServerProcess
+    from tests._support.server_fixtures import ServerProcess
 
     server = ServerProcess([str(model_dir), "--max-batch-size", "1"])
     try:
