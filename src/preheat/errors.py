@@ -91,7 +91,13 @@ class CacheEntryError(CacheError):
 
 
 class FetchError(PreheatError):
-    """A model source cannot be fetched into the store."""
+    """A model source cannot be fetched into the store. ``reason``, for a download a client asked
+    for, says which guard refused it (``address``, ``size``, ``deadline``, ``busy``, ``invalid``,
+    ``http``, ``network``): the server counts refusals by it."""
+
+    def __init__(self, message: str, *, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
 
 
 class InputError(PreheatError, ValueError):
