@@ -302,6 +302,8 @@ class JaxCompiler:
         self.events: list[dict[str, Any]] = []  # one record per program: layer, timings, miss reason
         self.background: Any = None  # BackgroundPushes once defer_pushes() was called (a server)
         self._prefetch: Prefetch | None = None  # executables loading on a background thread (prefetch())
+        self._early: Any = None  # preheat.cache.early.EarlyLoads: the last start's keys, deserialising
+        self._startup_id: str | None = None
         if mode in ("full", "xla"):
             configure_persistent_cache(self.root)
 
@@ -352,6 +354,19 @@ class JaxCompiler:
             self._store(key, fields, compiled, record)
         self._note(record, timings)
         return compiled, timings
+
+    def start_early(self, startup_id: str, mesh: Any = None) -> None:
+        """Begin deserialising the executables the last start with ``startup_id`` prefetched (see
+        ``preheat.cache.early``), before the model is built; the prefetch then remembers its keys."""
+        if self.mode != "full":
+            return
+        from preheat.cache.early import EarlyLoads, remembered
+
+        self._startup_id = startup_id
+        keys = [k for k in remembered(self.root, startup_id) if (self.kind_dir / k / "manifest.json").is_file()]
+        if keys:
+            devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+            self._early = EarlyLoads(self.kind_dir, keys, devices)
 
     def fields_for(self, fingerprint: dict[str, Any], sig: Any, args: tuple) -> dict[str, Any]:
         """The key fields of a program as this compiler compiles it (``key_fields``)."""
@@ -449,6 +464,13 @@ class JaxCompiler:
     def _load(self, key: str, fields: dict[str, Any], args: tuple, record: dict[str, Any], outputs: int = 1) -> Any:
         from jax.experimental.serialize_executable import deserialize_and_load
 
+        in_tree = jax.tree_util.tree_structure((tuple(args), {}))
+        out_tree = jax.tree_util.tree_structure(0 if outputs == 1 else tuple(range(outputs)))
+        if self._early is not None:  # deserialised at process start from the last start's guess
+            compiled = self._early.take(key, fields, in_tree, out_tree)
+            if compiled is not None:
+                record["early"] = True
+                return compiled
         path = self.kind_dir / key
         if not path.is_dir():
             # Local miss: pull the entry from the fleet's shared store. fetch() verifies it and
@@ -468,8 +490,6 @@ class JaxCompiler:
         if entry is None:
             return None
         payload = entry.file(EXECUTABLE).read_bytes()
-        in_tree = jax.tree_util.tree_structure((tuple(args), {}))
-        out_tree = jax.tree_util.tree_structure(0 if outputs == 1 else tuple(range(outputs)))
         mesh = mesh_of(args)  # the key's mesh field: the same device ids the entry was compiled for
         devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
         try:
@@ -610,6 +630,10 @@ class Prefetch:
                     self.keys[key_of(fields)] = (fields, args, outputs, getattr(sig, "stage", "denoise"))
             finally:
                 self.keys_ready.set()
+            if self.compiler._startup_id is not None:  # the next start's guess (preheat.cache.early)
+                from preheat.cache.early import remember
+
+                remember(self.compiler.root, self.compiler._startup_id, list(self.keys))
             for key, (fields, args, outputs, stage) in self.keys.items():
                 record: dict[str, Any] = {"key": key, "stage": stage}
                 t0 = time.perf_counter()
@@ -621,6 +645,8 @@ class Prefetch:
                 if compiled is None and "quarantined" not in record:
                     record["miss"] = self.compiler._explain_miss(fields)
                 self.results[key] = (compiled, record)
+            if self.compiler._early is not None:
+                self.compiler._early.drop()  # guesses nobody asked for
         except Exception as exc:  # never a crash: the first call loads or compiles on its own
             self.error = f"{type(exc).__name__}: {str(exc)[:200]}"
             log.warning("preheat cache: background executable load failed (%s); the first call loads or compiles",
