@@ -590,7 +590,7 @@ def on_device(args: tuple, device: Any) -> tuple:
     sharding = jax.sharding.SingleDeviceSharding(device)
 
     def one(leaf: Any) -> jax.ShapeDtypeStruct:
-        aval = jax.typeof(leaf)
+        aval = leaf if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf)
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type)
 
     return jax.tree.map(one, tuple(args))
