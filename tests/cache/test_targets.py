@@ -82,7 +82,7 @@ def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(tmp_pat
 
 
 def test_warm_target_on_a_tiny_sd1_folder_compiles_every_program_of_the_call(tmp_path):
-    from tests.families.sd_fixtures import save_tiny_sd
+    from tests._support.sd_fixtures import save_tiny_sd
 
     folder = save_tiny_sd(tmp_path / "sd1", kind="sd1")
     code, out = _warm(str(folder), "--target", "h200", "--max-batch-size", "1", "--guidance", "off")
