@@ -161,7 +161,7 @@ def _attention_hlo(head_dim: int, dtype: jnp.dtype, heads: int = 2, tokens: int 
     """The compiled H200 HLO of one cross-attention layer (transformer2d's, as SD UNets build it)."""
     from flax import nnx
 
-    from preheat.models.compile_target import compiling_for
+    from preheat.compile_target import compiling_for
     from preheat.models.transformer2d import CrossAttention
 
     layer = nnx.eval_shape(lambda: CrossAttention(heads * head_dim, 32, heads, head_dim, False, rngs=nnx.Rngs(0)))

@@ -564,7 +564,7 @@ class TargetCompiler(JaxCompiler):
 
     def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: tuple,
                        outputs: int = 1) -> tuple[Any, Timings]:
-        from preheat.models.compile_target import compiling_for
+        from preheat.compile_target import compiling_for
 
         fields = self.fields_for(fingerprint, sig, args)
         key = key_of(fields)

@@ -51,7 +51,7 @@ def groupnorm_impl() -> str:
     platform (``auto``): one pass on CPU, two passes elsewhere."""
     impl = os.environ.get("PREHEAT_GROUPNORM", "auto")
     if impl == "auto":
-        from preheat.models.compile_target import traced_target
+        from preheat.compile_target import traced_target
 
         return "one_pass" if traced_target()[0] == "cpu" else "two_pass"
     if impl not in GROUPNORM_IMPLS:
