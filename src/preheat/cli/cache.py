@@ -37,8 +37,11 @@ def _summary(fields: dict) -> str:
     model = fields.get("model", {})
     name = model.get("name") or model.get("kind", "?")
     shape = "x".join(str(s) for s in sig.get("sample_shape", [])) if isinstance(sig, dict) else ""
+    gpu = fields.get("gpu")
+    device = fields.get("device_kind", "") if not isinstance(gpu, dict) else \
+        f"sm_{''.join(map(str, gpu.get('compute_capability', [])))} x{gpu.get('core_count', '?')}"
     return (f"{name} {spec.get('solver', sig.get('mode', '?'))} b={sig.get('batch', '?')} {shape} {sig.get('dtype', '')} "
-            f"{fields.get('platform', '')}/{fields.get('device_kind', '')} jax {fields.get('jax', fields.get('torch', ''))}")
+            f"{fields.get('platform', '')}/{device} jax {fields.get('jax', fields.get('torch', ''))}")
 
 
 @click.group("cache")
@@ -58,10 +61,11 @@ def ls_command() -> None:
 
     root = resolve_root()
     table = Table(title=f"preheat cache: {root}")
-    for col in ("kind", "key", "size", "age", "used", "hits", "program"):
+    for col in ("kind", "key", "size", "age", "used", "hits", "target", "program"):
         table.add_column(col)
     for e in list_entries(root.path):
-        table.add_row(e.kind, e.key[:12], _human(e.size), _age(e.created), _age(e.last_used), str(e.hits), _summary(e.fields))
+        table.add_row(e.kind, e.key[:12], _human(e.size), _age(e.created), _age(e.last_used), str(e.hits), e.target,
+                      _summary(e.fields))
     Console().print(table)
 
 
@@ -125,8 +129,10 @@ def verify_command(quarantine_bad: bool) -> None:
 @click.option("--devices", "devices_text", metavar="all|N|ID,ID,...", help="The devices the call is split over.")
 @click.option("--fsdp", default=1, show_default=True, type=POSITIVE, metavar="F",
               help="The devices each weight is split over.")
+@click.option("--target", "target_spec", metavar="NAME|FILE",
+              help="JAX: explain the key of this GPU's program (`preheat warm --target`), not this machine's.")
 @one_line_errors
-def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int) -> None:
+def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, target_spec: str | None) -> None:
     """Would `preheat sample` with these options hit the cache? If not, which key fields differ from
     the nearest entry. Takes exactly sample's options, with its defaults; --backend torch (with
     --compile regional, inductor or aot) runs the call once eagerly, one step, and says for every
@@ -135,6 +141,7 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int) -> N
 
     import preheat
     from preheat.cache.compile import key_fields, key_of, nearest_entry
+    from preheat.cache.manage import target_label
     from preheat.cli._support import resolve_model
     from preheat.errors import InvalidArgumentError
     from preheat.sharding import parse_devices
@@ -147,27 +154,40 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int) -> N
         if opts.compile_mode == "none":
             raise InvalidArgumentError("--backend torch --compile none compiles nothing to explain; pass --compile "
                                        "regional, inductor or aot", argument="--compile")
-        if devices_text is not None or fsdp != 1:
-            raise InvalidArgumentError("--devices and --fsdp apply to --backend jax", argument="--devices")
+        if devices_text is not None or fsdp != 1 or target_spec is not None:
+            raise InvalidArgumentError("--devices, --fsdp and --target apply to --backend jax", argument="--devices")
         _explain_torch(model, opts)
         return
     if opts.compile_mode != "none":
         raise InvalidArgumentError(f"--compile {opts.compile_mode} applies to --backend torch", argument="--compile")
+    target = None
+    if target_spec is not None:
+        from preheat.cache.targets import resolve_target
+
+        target = resolve_target(target_spec)
     load = {k: v for k, v in opts.load_options().items() if k not in ("backend", "compile")}
     pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"), fsdp=fsdp, **load)
     opts.check_against(pipe)
     sig, args = pipe.prepare(opts.batch(pipe), **opts.call_inputs())
-    fields = key_fields(pipe.fingerprint, sig, args)
+    fields = key_fields(pipe.fingerprint, sig, args, target=target)
     key = key_of(fields)
     kind_dir = pipe.compiler.root / "compile" / "jax" if pipe.compiler else None
+
+    def labelled(name: str) -> str:  # an entry and its target ("local", or the GPU of a `warm --target` entry)
+        try:
+            manifest = json.loads((kind_dir / name / "manifest.json").read_text())
+        except (OSError, ValueError):
+            manifest = {}
+        return f"{name[:12]} (target {target_label(manifest)})"
+
     if kind_dir is not None and (kind_dir / key / "manifest.json").is_file():
-        click.echo(f"hit: entry {key[:12]} exists for this call")
+        click.echo(f"hit: entry {labelled(key)} exists for this call")
         return
     name, diff = nearest_entry(kind_dir, fields) if kind_dir is not None else (None, [])
     if name is None:
         click.echo(f"miss: key {key[:12]}; the cache has no entries to compare with")
     else:
-        click.echo(f"miss: key {key[:12]}; nearest entry {name[:12]} differs in: {', '.join(diff)}")
+        click.echo(f"miss: key {key[:12]}; nearest entry {labelled(name)} differs in: {', '.join(diff)}")
 
 
 def _explain_torch(model: str | None, opts: CallOptions) -> None:

@@ -37,6 +37,7 @@ class CoreConfig:
     max_loras: int = 8  # LoRAs held ready (read, and their factors on the device), least recently used out
     lora_dir: Optional[str] = None  # requests' local LoRA files only from under this folder (None: no local files)
     lora_urls: Any = None  # server.webhooks.WebhookPolicy for requests' http(s) LoRA URLs (None: public only)
+    fetch: Any = None  # server.fetch.FetchConfig: timeouts, size caps, slots of those fetches (None: defaults)
 
     def warm_set(self) -> WarmSet:
         """The declaration this server warms (the same object ``preheat warm`` compiles)."""
@@ -73,12 +74,9 @@ def load_pipeline(config: CoreConfig) -> Any:
                             devices=config.devices, fsdp=config.fsdp, prefetch=prefetch_calls(config.warm_set()))
     if config.backend == "torch":
         try:
-            import preheat.backends.torch as torch_backend
+            from preheat.backends.torch import load_torch_pipeline
         except ImportError as err:
             raise InvalidArgumentError(f"--backend torch needs the torch extra ({err})") from None
-        loader = getattr(torch_backend, "load", None)
-        if loader is None:
-            raise InvalidArgumentError("--backend torch: preheat.backends.torch provides no pipeline yet; use --backend jax")
-        return loader(config.model, dtype=config.dtype, compile=config.compile, variant=config.variant,
-                      cache=config.cache)
+        return load_torch_pipeline(config.model, dtype=config.dtype, compile=config.compile, variant=config.variant,
+                                   cache=config.cache)
     raise InvalidArgumentError(f"unknown backend {config.backend!r}; use jax or torch")
