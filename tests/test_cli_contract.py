@@ -82,7 +82,7 @@ def no_loading(monkeypatch, tmp_path):
         raise AssertionError("a bad argument reached model loading")
 
     monkeypatch.setattr(preheat, "load", refuse)
-    monkeypatch.setattr(preheat.engine, "load", refuse)
+    monkeypatch.setattr(preheat.engine, "load_jax_pipeline", refuse)
     monkeypatch.setattr(subprocess, "Popen", refuse)
     monkeypatch.chdir(tmp_path)
 
