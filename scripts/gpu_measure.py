@@ -55,7 +55,7 @@ class Model:
     """One model for the cold-start rows and the steady state.
 
     ``arch`` is a UNet2DModel config (random weights are written here in ``dtype``) or a name in
-    ``preheat.bench.common.ARCHITECTURES`` (written by ``materialize_model``, loaded in ``dtype``).
+    ``preheat.bench.random_models.ARCHITECTURES`` (written by ``materialize_model``, loaded in ``dtype``).
     ``sample_args`` are more ``preheat sample`` arguments and ``generate_kwargs`` the same for
     ``Pipeline.generate`` in the steady-state child (e.g. a prompt and a size for text-to-image).
     """

@@ -63,6 +63,7 @@ def test_preheat_samples_a_tiny_random_model_at_its_tiny_size(folders, home, nam
     assert "1 images of 32x32" in r.stderr and "upscaled 2x" in r.stderr
     record = json.loads(r.stdout)
     assert record["batch"] == 1 and record["steps"] == 1
+    assert record["image_size"] == [32, 32] and record["grid_upscale"] == 2
 
 
 def test_unknown_random_name_lists_the_names():

@@ -121,6 +121,8 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
         "family": pipe.family.name,
         "backend": backend if backend == "jax" else f"torch/{compile_mode}",
         "batch": n,
+        "image_size": list(images[0].size),  # (width, height) of each image
+        "grid_upscale": scale,  # the grid PNG's nearest-neighbour factor (1: none)
         "steps": resolved["steps"],
         "sampler": resolved["sampler"],
         "import_s": started_at_age,
