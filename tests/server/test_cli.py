@@ -38,16 +38,6 @@ def test_serve_rejects_bad_options_in_one_line(args: list[str], message: str) ->
     assert message in result.output
 
 
-def test_serve_backend_torch_needs_a_torch_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
-    import preheat.backends.torch as torch_backend
-
-    monkeypatch.delattr(torch_backend, "load")  # as before the torch backend had a pipeline
-    result = CliRunner().invoke(serve_command, ["--backend", "torch"])
-    assert result.exit_code == 2
-    assert result.output.strip() == ("error: --backend torch: preheat.backends.torch provides no pipeline yet; "
-                                     "use --backend jax")
-
-
 def test_bench_serve_rejects_bad_counts() -> None:
     result = CliRunner().invoke(bench_serve_command, ["--requests", "0"])
     assert result.exit_code == 2 and result.output.startswith("error: ")
@@ -58,6 +48,6 @@ def test_serve_compile_reaches_the_torch_loader(monkeypatch: pytest.MonkeyPatch)
     from preheat.server.core import CoreConfig, load_pipeline
 
     calls = []
-    monkeypatch.setattr(torch_backend, "load", lambda model, **kw: calls.append((model, kw)) or "pipe")
+    monkeypatch.setattr(torch_backend, "load_torch_pipeline", lambda model, **kw: calls.append((model, kw)) or "pipe")
     assert load_pipeline(CoreConfig(model="m", backend="torch", compile="regional")) == "pipe"
     assert calls == [("m", {"dtype": "float32", "compile": "regional"})]

@@ -58,9 +58,9 @@ def _load_pipe(spec: dict[str, Any]) -> Any:
         import preheat
 
         return preheat.load(spec["model"])
-    from preheat.backends.torch import load
+    from preheat.backends.torch import load_torch_pipeline
 
-    return load(spec["model"], compile=_TORCH_COMPILE[base])
+    return load_torch_pipeline(spec["model"], compile=_TORCH_COMPILE[base])
 
 
 def _device_peak_mb(spec: dict[str, Any]) -> float | None:

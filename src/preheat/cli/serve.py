@@ -36,11 +36,9 @@ def _check_backend(backend: str) -> None:
     if backend == "jax":
         return
     try:
-        import preheat.backends.torch as torch_backend
+        import preheat.backends.torch  # noqa: F401  (refuse before serving, not at set-up)
     except ImportError as err:
         raise InvalidArgumentError(f"--backend torch needs the torch extra: {err}") from None
-    if getattr(torch_backend, "load", None) is None:
-        raise InvalidArgumentError("--backend torch: preheat.backends.torch provides no pipeline yet; use --backend jax")
 
 
 def _check_limits(max_batch_size: int, batch_wait_ms: float, max_queue: int, max_steps: int, grace_s: float,

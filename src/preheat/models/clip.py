@@ -41,6 +41,7 @@ from preheat.errors import InvalidArgumentError, ModelNotFoundError, Unsupported
 from preheat.models import weights
 from preheat.models.unet2d import Embedding, LayerNorm, Linear
 from preheat.models.weights import TRANSFORMERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
+from preheat.models.attention import dot_product_attention
 
 __all__ = [
     "SUPPORTED",
@@ -198,7 +199,7 @@ class CLIPAttention(nnx.Module):
 
         q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
         # XLA's implementation takes the softmax in float32 for every input dtype.
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, L, nH, Dh)
+        out = dot_product_attention(q, k, v, is_causal=True)  # (B, L, nH, Dh)
         return self.out_proj(out.reshape(b, length, dim))
 
 

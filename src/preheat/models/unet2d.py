@@ -163,7 +163,8 @@ class UNet2DConfig(JsonConfig):
 
 # ----------------------------------------------------------------------------------------------
 # Leaf layers. Initialisers matter only for training (train-digits); loading never runs them
-# because the model is built abstractly with ``nnx.eval_shape`` and then filled.
+# because the model is built abstractly (``weights.build_abstract``: ``param`` makes shapes only)
+# and then filled.
 
 
 def _activation(name: str) -> Callable[[Array], Array]:

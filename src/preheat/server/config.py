@@ -70,11 +70,8 @@ def load_pipeline(config: CoreConfig) -> Any:
                             prefetch=prefetch_calls(config.warm_set()))
     if config.backend == "torch":
         try:
-            import preheat.backends.torch as torch_backend
+            from preheat.backends.torch import load_torch_pipeline
         except ImportError as err:
             raise InvalidArgumentError(f"--backend torch needs the torch extra ({err})") from None
-        loader = getattr(torch_backend, "load", None)
-        if loader is None:
-            raise InvalidArgumentError("--backend torch: preheat.backends.torch provides no pipeline yet; use --backend jax")
-        return loader(config.model, dtype=config.dtype, compile=config.compile)
+        return load_torch_pipeline(config.model, dtype=config.dtype, compile=config.compile)
     raise InvalidArgumentError(f"unknown backend {config.backend!r}; use jax or torch")

@@ -2,8 +2,8 @@
 
 Threads: ONE worker thread owns the model. It loads the pipeline, compiles every batch bucket
 (warm-up), then loops: take the oldest waiting prediction, wait up to ``batch_wait_ms`` (counted
-from that prediction's arrival) for others with the same batch key (sampler, steps, guidance
-scale), run them as one ``Pipeline.generate`` call padded to the next compiled bucket, split
+from that prediction's arrival) for others with the same batch key (``Job.batch_key``: sampler,
+steps, guidance scale, image size, whether negative prompts are given, LoRA rank bucket), run them as one ``Pipeline.generate`` call padded to the next compiled bucket, split
 the pixels, encode, complete. Callers (HTTP routes, the Runpod handler) only parse, enqueue and
 wait; they are told about progress through listeners called from the worker thread.
 
@@ -80,7 +80,6 @@ class Core:
         self._setup_done = threading.Event()
         self.closing_pushes = threading.Event()  # set when close() starts waiting for uploads
         self.warm = config.warm_set()  # resolved at set-up (the model's default sampler, sizes)
-        self._setup_listeners: list[Callable[[], None]] = []
         self._draining = False
         self._stopping = False
         self._paused = False
@@ -106,14 +105,6 @@ class Core:
     def wait_setup(self, timeout: Optional[float] = None) -> bool:
         """Block until set-up finished (either way); False on timeout."""
         return self._setup_done.wait(timeout)
-
-    def on_setup(self, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` (from the worker thread, or now) once set-up has finished."""
-        with self._cond:
-            if not self._setup_done.is_set():
-                self._setup_listeners.append(fn)
-                return
-        fn()
 
     @property
     def status(self) -> str:
@@ -386,12 +377,6 @@ class Core:
     def _fire_setup(self) -> None:
         with self._cond:
             self._setup_done.set()
-            listeners, self._setup_listeners = self._setup_listeners, []
-        for fn in listeners:
-            try:
-                fn()
-            except Exception:  # noqa: BLE001
-                log.exception("set-up listener failed")
 
     def _setup_log(self, line: str) -> None:
         self.setup.logs.append(line)

@@ -6,8 +6,8 @@ Runpod handler. Two layers:
 
 1. the schema (:func:`input_model`): a pydantic model built from the server's limits, so the
    OpenAPI document states the real bounds (``num_outputs <= max_batch_size`` ...);
-2. the model checks (:func:`parse_input`): class names, image size, and the engine's own
-   ``Pipeline.prepare`` (which raises one-line ``InvalidArgumentError`` /
+2. the model checks (:func:`parse_input`): class names, image size, LoRA sources, and the
+   engine's own host-side ``Pipeline.check`` (which raises one-line ``InvalidArgumentError`` /
    ``SchedulerConfigError``), mapped back to the input field that caused them.
 
 Both raise :class:`preheat.errors.InputError`, which carries ``(field, message)`` pairs; surfaces turn it into
