@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from preheat.models.unet2d import Conv2d, GroupNorm, LayerNorm, Linear
+from preheat.models.layers import Conv2d, GroupNorm, LayerNorm, Linear
 
 __all__ = ["CrossAttention", "GEGLU", "FeedForward", "BasicTransformerBlock", "Transformer2DModel"]
 
