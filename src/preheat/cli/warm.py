@@ -63,7 +63,7 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
                           sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str] = None,
                           devices_text: Optional[str] = None, fsdp: int = 1) -> Any:
     """The ``WarmSet`` the declaration options describe (one-line errors for bad values)."""
-    from preheat.cache.warm import WarmSet
+    from preheat.warm import WarmSet
     from preheat.errors import InvalidArgumentError
     from preheat.server.inputs import parse_sizes
     from preheat.sharding import parse_devices
@@ -100,7 +100,7 @@ def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers
     import sys
 
     import preheat
-    from preheat.cache import warm as warming
+    from preheat import warm as warming
 
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp)
