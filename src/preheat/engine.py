@@ -576,6 +576,14 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
 
     # A local folder as it is; http(s):// and hf:// sources from the weights store (pulled once).
     root = BUILTIN_MODEL if model is None else resolve(str(model))
+    early = bool(prefetch) and compiler is not None
+    if early:  # the last such start's executables deserialise while the model is built (preheat.cache.early)
+        from preheat.cache.early import startup_id
+
+        compiler.start_early(startup_id(root, {"dtype": str(dtype), "variant": variant, "fsdp": fsdp,
+                                               "offload_encoders": offload_encoders, "scheduler": scheduler,
+                                               "devices": None if mesh is None else
+                                               [int(d.id) for d in mesh.devices.flat]}), mesh)
     loader = family_loader(root)
     options: dict[str, Any] = {}
     if offload_encoders:
@@ -587,7 +595,6 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         options["offload_encoders"] = True
     # Prefetching: the loader checks every header and returns placeholder weights (shapes only),
     # the executables load on a background thread, then the tensors are read here.
-    early = bool(prefetch) and compiler is not None
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component
         start = phases.spans["import"][1]
         with deferred_fills() if early else contextlib.nullcontext() as pending:

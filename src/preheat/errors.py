@@ -12,7 +12,9 @@ problem (and, where there is one, the fix). Surfaces (CLI, server, Runpod handle
     │   └── WeightsError          missing / extra / mis-shaped / wrong-dtype tensors
     ├── SchedulerConfigError  a scheduler config or sampler choice is not supported
     ├── InvalidArgumentError  a bad call argument (n <= 0, unknown class, bad noise shape, ...);
-    │                         ``.argument`` names it
+    │   │                     ``.argument`` names it
+    │   └── TargetError           a GPU compile target cannot be used (``warm --target``): unknown
+    │                             name, malformed description, or no CUDA plugin; ``.reason`` says which
     ├── CacheError            the cache root or an entry cannot be used (entries are
     │   │                     quarantined and recompiled; this surfaces only for the root)
     │   └── CacheEntryError       one entry failed verification (caught internally)
@@ -35,6 +37,7 @@ __all__ = [
     "WeightsError",
     "SchedulerConfigError",
     "InvalidArgumentError",
+    "TargetError",
     "CacheError",
     "CacheEntryError",
     "FetchError",
@@ -82,6 +85,16 @@ class InvalidArgumentError(PreheatError, ValueError):
         self.argument = argument
 
 
+class TargetError(InvalidArgumentError):
+    """A GPU compile target (``preheat warm --target``) cannot be used. ``reason`` is "unknown"
+    (a name preheat has no description for), "malformed" (a description file that does not
+    parse) or "plugin" (no CUDA plugin for deviceless compiles)."""
+
+    def __init__(self, message: str, *, reason: str, argument: str = "target"):
+        super().__init__(message, argument=argument)
+        self.reason = reason
+
+
 class CacheError(PreheatError):
     """The cache root cannot be used."""
 
@@ -91,7 +104,13 @@ class CacheEntryError(CacheError):
 
 
 class FetchError(PreheatError):
-    """A model source cannot be fetched into the store."""
+    """A model source cannot be fetched into the store. ``reason``, for a download a client asked
+    for, says which guard refused it (``address``, ``size``, ``deadline``, ``busy``, ``invalid``,
+    ``http``, ``network``): the server counts refusals by it."""
+
+    def __init__(self, message: str, *, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
 
 
 class InputError(PreheatError, ValueError):

@@ -168,15 +168,22 @@ def run_signature(pipe: Any, sig: WarmSignature) -> None:
 def status(pipe: Any, sig: WarmSignature, remote: Any = None) -> dict[str, Any]:
     """The denoising program's cache key and whether it is cached locally and (with a store)
     remotely, without compiling. Text families run their text encoder once to know the shapes."""
-    from preheat.cache.compile import key_fields, key_of
+    from preheat.cache.compile import key_of
 
     prepared_sig, args = pipe.prepare(sig.bucket, **call_inputs(pipe, sig))
-    key = key_of(key_fields(pipe.fingerprint, prepared_sig, args))
+    key = key_of(_fields_for(pipe)(pipe.fingerprint, prepared_sig, args))
     local = pipe.compiler is not None and (pipe.compiler.kind_dir / key / "manifest.json").is_file()
     out: dict[str, Any] = {"key": key, "local": bool(local), "remote": None}
     if remote is not None:
         out["remote"] = remote.has("jax", key)
     return out
+
+
+def _fields_for(pipe: Any) -> Callable[..., dict[str, Any]]:
+    """How the pipeline's compiler keys a program (a ``--target`` compiler keys it for its GPU)."""
+    from preheat.cache.compile import key_fields
+
+    return pipe.compiler.fields_for if pipe.compiler is not None else key_fields
 
 
 def programs(pipe: Any, sig: WarmSignature, remote: Any = None) -> list[dict[str, Any]]:
@@ -186,8 +193,9 @@ def programs(pipe: Any, sig: WarmSignature, remote: Any = None) -> list[dict[str
     device: the call is rehearsed (``preheat.cache.compile.Rehearsal``)."""
     import copy
 
-    from preheat.cache.compile import Rehearsal, key_fields, key_of
+    from preheat.cache.compile import Rehearsal, key_of
 
+    fields_for = _fields_for(pipe)
     dry = copy.copy(pipe)  # the pipeline's weights and components, its own compiler and executables
     dry.compiler = Rehearsal()
     dry._executables = {}
@@ -195,7 +203,7 @@ def programs(pipe: Any, sig: WarmSignature, remote: Any = None) -> list[dict[str
     dry.generate(sig.bucket, **call_inputs(pipe, sig))
     out = []
     for fingerprint, program_sig, args, _ in dry.compiler.items:
-        key = key_of(key_fields(fingerprint, program_sig, args))
+        key = key_of(fields_for(fingerprint, program_sig, args))
         local = pipe.compiler is not None and (pipe.compiler.kind_dir / key / "manifest.json").is_file()
         out.append({"stage": getattr(program_sig, "stage", "denoise"), "key": key, "local": bool(local),
                     "remote": None if remote is None else remote.has("jax", key)})

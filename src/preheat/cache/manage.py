@@ -53,8 +53,17 @@ class EntryInfo:
     last_used: float
     hits: int
     fields: dict[str, Any]
+    target: str = "local"  # the GPU it was compiled for (``warm --target``), or "local": the devices that ran it
     ok: bool | None = None  # set by verify
     problem: str = ""
+
+
+def target_label(manifest: dict[str, Any]) -> str:
+    """An entry's target in a word: "h200 (not autotuned)" for a ``warm --target`` entry, else "local"."""
+    target = manifest.get("target")
+    if not isinstance(target, dict):
+        return "local"
+    return f"{target.get('name', '?')}" + (" (not autotuned)" if manifest.get("autotuned") is False else "")
 
 
 def list_entries(root: Path) -> list[EntryInfo]:
@@ -69,7 +78,8 @@ def list_entries(root: Path) -> list[EntryInfo]:
             stats = entry.stats()
             out.append(EntryInfo(kind=kind, key=path.name, path=path, size=entry_size(path),
                                  created=float(manifest.get("created", 0)), last_used=float(stats.get("last_used", 0)),
-                                 hits=int(stats.get("hits", 0)), fields=manifest.get("fields", {})))
+                                 hits=int(stats.get("hits", 0)), fields=manifest.get("fields", {}),
+                                 target=target_label(manifest)))
     return out
 
 

@@ -36,8 +36,11 @@ def _summary(fields: dict) -> str:
     model = fields.get("model", {})
     name = model.get("name") or model.get("kind", "?")
     shape = "x".join(str(s) for s in sig.get("sample_shape", [])) if isinstance(sig, dict) else ""
+    gpu = fields.get("gpu")
+    device = fields.get("device_kind", "") if not isinstance(gpu, dict) else \
+        f"sm_{''.join(map(str, gpu.get('compute_capability', [])))} x{gpu.get('core_count', '?')}"
     return (f"{name} {spec.get('solver', sig.get('mode', '?'))} b={sig.get('batch', '?')} {shape} {sig.get('dtype', '')} "
-            f"{fields.get('platform', '')}/{fields.get('device_kind', '')} jax {fields.get('jax', fields.get('torch', ''))}")
+            f"{fields.get('platform', '')}/{device} jax {fields.get('jax', fields.get('torch', ''))}")
 
 
 @click.group("cache")
@@ -57,10 +60,11 @@ def ls_command() -> None:
 
     root = resolve_root()
     table = Table(title=f"preheat cache: {root}")
-    for col in ("kind", "key", "size", "age", "used", "hits", "program"):
+    for col in ("kind", "key", "size", "age", "used", "hits", "target", "program"):
         table.add_column(col)
     for e in list_entries(root.path):
-        table.add_row(e.kind, e.key[:12], _human(e.size), _age(e.created), _age(e.last_used), str(e.hits), _summary(e.fields))
+        table.add_row(e.kind, e.key[:12], _human(e.size), _age(e.created), _age(e.last_used), str(e.hits), e.target,
+                      _summary(e.fields))
     Console().print(table)
 
 
@@ -134,32 +138,48 @@ def verify_command(quarantine_bad: bool) -> None:
 @click.option("--prompt", help="Text-to-image models: the prompt.")
 @click.option("--width", type=int, help="Text-to-image models: image width.")
 @click.option("--height", type=int, help="Text-to-image models: image height.")
+@click.option("--target", "target_spec", metavar="NAME|FILE",
+              help="JAX: explain the key of this GPU's program (`preheat warm --target`), not this machine's.")
 @one_line_errors
 def explain_command(model: str | None, n: int, sampler: str | None, steps: int | None, guidance: float | None,
                     devices_text: str | None, fsdp: int, backend: str, compile_mode: str, prompt: str | None,
-                    width: int | None, height: int | None) -> None:
+                    width: int | None, height: int | None, target_spec: str | None) -> None:
     """Would this call hit the cache? If not, which key fields differ from the nearest entry."""
     import preheat
     from preheat.cache.compile import key_fields, key_of, nearest_entry
+    from preheat.cache.manage import target_label
     from preheat.sharding import parse_devices
 
     if backend == "torch":
         _explain_torch(model, n, sampler, guidance, compile_mode, prompt, width, height)
         return
 
+    target = None
+    if target_spec is not None:
+        from preheat.cache.targets import resolve_target
+
+        target = resolve_target(target_spec)
     pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"), fsdp=fsdp)
     sig, args = pipe.prepare(n, sampler=sampler, steps=steps, guidance=guidance)
-    fields = key_fields(pipe.fingerprint, sig, args)
+    fields = key_fields(pipe.fingerprint, sig, args, target=target)
     key = key_of(fields)
     kind_dir = pipe.compiler.root / "compile" / "jax" if pipe.compiler else None
+
+    def labelled(name: str) -> str:  # an entry and its target ("local", or the GPU of a `warm --target` entry)
+        try:
+            manifest = json.loads((kind_dir / name / "manifest.json").read_text())
+        except (OSError, ValueError):
+            manifest = {}
+        return f"{name[:12]} (target {target_label(manifest)})"
+
     if kind_dir is not None and (kind_dir / key / "manifest.json").is_file():
-        click.echo(f"hit: entry {key[:12]} exists for this call")
+        click.echo(f"hit: entry {labelled(key)} exists for this call")
         return
     name, diff = nearest_entry(kind_dir, fields) if kind_dir is not None else (None, [])
     if name is None:
         click.echo(f"miss: key {key[:12]}; the cache has no entries to compare with")
     else:
-        click.echo(f"miss: key {key[:12]}; nearest entry {name[:12]} differs in: {', '.join(diff)}")
+        click.echo(f"miss: key {key[:12]}; nearest entry {labelled(name)} differs in: {', '.join(diff)}")
 
 
 def _explain_torch(model: str | None, n: int, sampler: str | None, guidance: float | None, compile_mode: str,

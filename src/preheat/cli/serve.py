@@ -63,6 +63,23 @@ def _check_limits(max_batch_size: int, batch_wait_ms: float, max_queue: int, max
         raise InvalidArgumentError(f"--max-body-bytes {max_body_bytes} must be >= 1")
 
 
+def _fetch_config(connect_timeout_s: float, deadline_s: float, max_lora_bytes: int, max_image_bytes: int,
+                  per_host: int, max_fetches: int) -> Any:
+    """The fetch limits; a bad one fails in one line naming its flag."""
+    from preheat.errors import InvalidArgumentError
+    from preheat.server.fetch import FetchConfig
+
+    flags = {"connect_timeout_s": "--fetch-connect-timeout-s", "deadline_s": "--fetch-deadline-s",
+             "max_lora_bytes": "--max-lora-bytes", "max_image_bytes": "--max-image-bytes",
+             "per_host": "--fetch-per-host", "max_fetches": "--max-fetches"}
+    try:
+        return FetchConfig(connect_timeout_s=connect_timeout_s, deadline_s=deadline_s, max_lora_bytes=max_lora_bytes,
+                           max_image_bytes=max_image_bytes, per_host=per_host, max_fetches=max_fetches)
+    except InvalidArgumentError as err:
+        flag = flags.get(err.argument or "", err.argument)
+        raise InvalidArgumentError(f"{flag} {str(err).split(' ', 1)[1]}", argument=err.argument) from None
+
+
 def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--webhook-allow") -> Any:
     """The address policy of webhooks or of requests' LoRA URLs; a bad CIDR names ``flag``."""
     from preheat.errors import InvalidArgumentError
@@ -111,6 +128,22 @@ def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--
                    "metadata ones).")
 @click.option("--lora-url-allow", "lora_url_allow", multiple=True, metavar="HOST|CIDR",
               help="Let requests' LoRA URLs be fetched from this host, address or CIDR whatever it is (repeat).")
+@click.option("--fetch-connect-timeout-s", default=10.0, show_default=True, type=float,
+              help="A URL a request names (lora_weights): its host must accept the connection within this.")
+@click.option("--fetch-deadline-s", default=120.0, show_default=True, type=float,
+              help="... and the whole download (waiting for a fetch slot included) must end within this; else 422.")
+@click.option("--max-lora-bytes", default=2 << 30, show_default=True, type=int,
+              help="Largest LoRA download (Content-Length, and the bytes as they stream); beyond it, 422.")
+@click.option("--max-image-bytes", default=32 << 20, show_default=True, type=int,
+              help="Largest image or mask a request names by URL.")
+@click.option("--fetch-per-host", default=2, show_default=True, type=int,
+              help="Downloads at once from one host (more wait for a slot, within --fetch-deadline-s).")
+@click.option("--max-fetches", default=4, show_default=True, type=int,
+              help="Downloads at once in all. Local LoRA files and ones already stored never wait for these.")
+@click.option("--max-header-bytes", default=64 << 10, show_default=True, type=int,
+              help="A request's headers in all (request line included); beyond it, 431 and the connection closed.")
+@click.option("--max-headers", default=100, show_default=True, type=int,
+              help="Header lines per request; beyond it, 431 and the connection closed.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--ray", "on_ray", is_flag=True,
@@ -130,6 +163,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                   push_grace_s: float,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
                   webhook_allow: tuple[str, ...], lora_url_allow_private: bool, lora_url_allow: tuple[str, ...],
+                  fetch_connect_timeout_s: float, fetch_deadline_s: float, max_lora_bytes: int, max_image_bytes: int,
+                  fetch_per_host: int, max_fetches: int, max_header_bytes: int, max_headers: int,
                   log_level: str, on_ray: bool = False,
                   address: Optional[str] = None, replicas: int = 1, gpus_per_replica: float = 0.0) -> None:
     """Serve MODEL over HTTP (Cog's and OpenAI's APIs), batching concurrent requests.
@@ -152,6 +187,11 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                                      lora_ranks_text, devices_text, fsdp)
     webhooks = _address_policy(webhook_allow_private, webhook_allow)
     lora_urls = _address_policy(lora_url_allow_private, lora_url_allow, "--lora-url-allow")
+    fetch = _fetch_config(fetch_connect_timeout_s, fetch_deadline_s, max_lora_bytes, max_image_bytes, fetch_per_host,
+                          max_fetches)
+    if max_header_bytes < 1024 or max_headers < 8:
+        raise InvalidArgumentError(f"--max-header-bytes {max_header_bytes} must be >= 1024 and --max-headers "
+                                   f"{max_headers} >= 8")
     _check_backend(backend)
     if compile_mode != "none" and backend != "torch":
         raise InvalidArgumentError(f"--compile {compile_mode} applies to --backend torch")
@@ -175,11 +215,12 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
 
     config = CoreConfig.from_warm_set(warm_set, backend=backend, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
                                       max_steps=max_steps, push_grace_s=push_grace_s, compile=compile_mode,
-                                      max_loras=max_loras, lora_dir=lora_dir, lora_urls=lora_urls)
+                                      max_loras=max_loras, lora_dir=lora_dir, lora_urls=lora_urls, fetch=fetch)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
-                     body_timeout_s=body_timeout_s, announce=lambda line: click.echo(line, err=True))
+                     body_timeout_s=body_timeout_s, max_header_bytes=max_header_bytes, max_headers=max_headers,
+                     announce=lambda line: click.echo(line, err=True))
     except OSError as err:
         raise InvalidArgumentError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     sys.exit(code)

@@ -89,11 +89,15 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--push-timeout-s", default=600.0, show_default=True, type=float,
               help="How long uploads to PREHEAT_CACHE_URL may take after the last compile.")
+@click.option("--target", "target_spec", metavar="NAME|FILE",
+              help="Compile for this GPU instead of this machine's devices (no GPU needed; needs the cuda13 "
+                   "extra's plugin): h200, h100-sxm, h100-pcie, a100-80, a100-40, b200, or a description file "
+                   "from `preheat doctor --save-target` (l40s, rtx4090 and other GPUs XLA does not describe).")
 @one_line_errors
 def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
                  sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str],
                  devices_text: Optional[str], fsdp: int, dry_run: bool,
-                 as_json: bool, push_timeout_s: float) -> None:
+                 as_json: bool, push_timeout_s: float, target_spec: Optional[str]) -> None:
     """Compile MODEL's serving programs into the cache root ahead of time (and push them to
     PREHEAT_CACHE_URL when set), so `preheat serve` with the same options starts with no compile.
     MODEL: a diffusers folder or store source; nothing for the built-in model."""
@@ -104,9 +108,16 @@ def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers
 
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp)
-    # what is cached already loads while the weights are read (a dry run loads nothing)
+    target = None
+    if target_spec is not None:
+        target, warm_set = _target_compiles(target_spec, warm_set)
+    # what is cached already loads while the weights are read (a dry run, or a --target one, loads nothing)
     pipe = preheat.load(warm_set.model, dtype=warm_set.dtype, devices=warm_set.devices, fsdp=warm_set.fsdp,
-                        prefetch=None if dry_run else warming.prefetch_calls(warm_set))
+                        prefetch=None if dry_run or target else warming.prefetch_calls(warm_set))
+    if target is not None:
+        from preheat.cache.compile import TargetCompiler
+
+        pipe.compiler = TargetCompiler(target)
     if dry_run:
         resolved = warming.resolve(pipe, warm_set)
         remote = pipe.compiler.remote if pipe.compiler is not None else None
@@ -148,3 +159,20 @@ def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers
                    + ("" if result["pushed"] else "; the store (PREHEAT_CACHE_URL) lacks some: see the warnings"))
     if not result["pushed"]:
         sys.exit(1)
+
+
+def _target_compiles(spec: str, warm_set: Any) -> tuple[Any, Any]:
+    """The target of ``--target`` (one line for an unknown name, a malformed file or no plugin,
+    before any weights are read) and the set, on one device: a target is one GPU."""
+    from dataclasses import replace
+
+    from preheat.cache.targets import resolve_target, target_device
+    from preheat.errors import InvalidArgumentError
+
+    target = resolve_target(spec)
+    target_device(target)
+    if warm_set.devices not in (None, 1, [0], (0,)) or warm_set.fsdp != 1:
+        raise InvalidArgumentError("--target compiles single-GPU programs; leave --devices and --fsdp unset",
+                                   argument="devices")
+    return target, replace(warm_set, devices=1)
+

@@ -42,6 +42,7 @@ from preheat.models import weights
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Embedding, LayerNorm, Linear
 from preheat.models.weights import TRANSFORMERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
+from preheat.models.attention import dot_product_attention
 
 __all__ = [
     "SUPPORTED",
@@ -197,7 +198,7 @@ class CLIPAttention(nnx.Module):
 
         q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
         # XLA's implementation takes the softmax in float32 for every input dtype.
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, L, nH, Dh)
+        out = dot_product_attention(q, k, v, is_causal=True)  # (B, L, nH, Dh)
         return self.out_proj(out.reshape(b, length, dim))
 
 

@@ -47,6 +47,7 @@ from preheat.models import weights
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Embedding, Linear
 from preheat.models.weights import TRANSFORMERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
+from preheat.models.attention import dot_product_attention
 
 __all__ = [
     "SUPPORTED",
@@ -235,7 +236,7 @@ class T5Attention(nnx.Module):
             # attention runs in float32 (an unusual dtype for T5, which is published in bf16/fp32).
             q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
         # XLA's implementation takes logits and softmax in float32 for every input dtype.
-        out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=1.0)  # (B, L, H, Dk)
+        out = dot_product_attention(q, k, v, bias=bias, mask=mask, scale=1.0)  # (B, L, H, Dk)
         return self.o(out.reshape(b, length, self.heads * self.head_dim).astype(x.dtype))
 
 

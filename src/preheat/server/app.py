@@ -36,8 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from preheat.errors import InputError, NotAccepting, QueueFull
 from preheat.server.core import SHUT_DOWN, Core, Prediction
-from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, openai_error
-from preheat.server.inputs import SEED_MAX, JsonInt, Limits, json_int
+from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, api_error, openai_error
+from preheat.server.inputs import SEED_MAX, JsonFloat, JsonInt, Limits, json_int
 from preheat.server.metrics import HttpMetrics
 from preheat.server.webhooks import WebhookPolicy, WebhookRefused, delivery_client
 
@@ -100,7 +100,7 @@ class ImageGenerationRequest(BaseModel):
     seed: Optional[JsonInt] = None
     # preheat's extra fields, named as on the Cog route (Replicate's flux-dev-lora)
     lora_weights: Optional[str] = Field(None, max_length=2000)
-    lora_scale: Optional[float] = None  # bounds checked with the Cog input (one place)
+    lora_scale: Optional[JsonFloat] = None  # bounds checked with the Cog input (one place)
 
 
 class ImageData(BaseModel):
@@ -176,12 +176,15 @@ async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONRe
     status = exc.status_code
     if status == 400 and "parsing the body" in str(exc.detail):  # undecodable JSON (e.g. huge ints)
         status = 422
-    return JSONResponse({"detail": exc.detail}, status_code=status, headers=getattr(exc, "headers", None))
+    headers = getattr(exc, "headers", None)
+    if request.url.path.startswith("/v1/"):
+        return api_error(request.scope, status, str(exc.detail), headers)
+    return JSONResponse({"detail": exc.detail}, status_code=status, headers=headers)
 
 
 async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
     log.exception("internal error on %s %s", request.method, request.url.path)
-    return JSONResponse({"detail": f"internal error: {type(exc).__name__}"}, status_code=500)
+    return api_error(request.scope, 500, f"internal error: {type(exc).__name__}")
 
 
 EXCEPTION_HANDLERS: tuple[tuple[type[Exception], Callable[..., Any]], ...] = (

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["CoreMetrics", "HttpMetrics", "Forward", "LoraMetrics"]
+__all__ = ["CoreMetrics", "HttpMetrics", "Forward", "LoraMetrics", "FetchMetrics"]
 
 _IMAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -47,6 +47,20 @@ class CoreMetrics:
             self._loras = LoraMetrics(cache)
             self.registry.register(self._loras)
         self._loras.cache = cache
+
+
+class FetchMetrics:
+    """The fetches of URLs that requests name (``preheat.server.fetch``), in the core's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.in_flight = Gauge("preheat_fetches_in_flight", "URL fetches holding a slot now", registry=r)
+        self.waiting = Gauge("preheat_fetches_waiting", "URL fetches waiting for a slot now", registry=r)
+        self.bytes = Counter("preheat_fetch_bytes", "Bytes downloaded for URLs that requests name", registry=r)
+        self.refusals = Counter("preheat_fetch_refusals", "URL fetches refused or failed, by reason (address, size, "
+                                "deadline, busy, invalid, http, network)", ["reason"], registry=r)
+        self.seconds = Histogram("preheat_fetch_seconds", "Time a URL fetch held its slot, by outcome (ok|refused)",
+                                 ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
 
 
 class LoraMetrics(Collector):
