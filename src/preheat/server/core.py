@@ -35,9 +35,9 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
-from preheat.cache.warm import WarmSignature, buckets_for, resolve, run_signature, signatures
 from preheat.errors import InputError, NotAccepting, PreheatError, QueueFull
 from preheat.server.fetch import FetchConfig, Fetcher
+from preheat.warm import WarmSignature, buckets_for, resolve, run_signature, signatures
 from preheat.server.inputs import Job, Limits, input_model, parse_input, size_inputs
 from preheat.server.config import CoreConfig, load_pipeline
 from preheat.server.metrics import CoreMetrics, FetchMetrics
@@ -434,7 +434,7 @@ class Core:
         self._setup_log(f"ready in {total:.2f}s; buckets {list(self.buckets)}; samplers {list(self.samplers)}")
 
     def signatures(self) -> list[WarmSignature]:
-        """Every program a valid request can reach (``preheat.cache.warm.signatures`` of the
+        """Every program a valid request can reach (``preheat.warm.signatures`` of the
         resolved declaration): what warm-up compiles and ``preheat warm`` compiles ahead of time."""
         return signatures(self.pipe, self.warm)
 
