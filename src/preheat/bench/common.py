@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["timed", "summary", "machine_line", "ARCHITECTURES", "materialize_model", "write_pixel_architecture", "fmt_summary", "write_json"]
+__all__ = ["timed", "summary", "machine_line", "ARCHITECTURES", "write_pixel_architecture", "fmt_summary", "write_json"]
 
 # Published architectures, for random-weight benchmark models (config.json of the checkpoint).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -27,18 +27,6 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 _DDPM_SCHEDULER = {"_class_name": "DDPMScheduler", "num_train_timesteps": 1000, "beta_schedule": "linear",
                    "beta_start": 0.0001, "beta_end": 0.02, "clip_sample": True, "variance_type": "fixed_large"}
-
-
-def materialize_model(name_or_path: str | None, workdir: Path) -> str | None:
-    """A model argument for preheat.load: a path, None (built-in), or the folder of a random model
-    (``random:NAME`` or an old bench name, see ``preheat.bench.random_models``) written once under
-    ``workdir``."""
-    from preheat.bench.random_models import build_random, random_name
-
-    name = random_name(name_or_path)
-    if name is None:
-        return name_or_path
-    return str(build_random(name, workdir / name))
 
 
 def write_pixel_architecture(name: str, out: Path) -> Path:

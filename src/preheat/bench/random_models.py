@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Optional
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["RANDOM_MODELS", "RandomModel", "random_name", "sized_inputs", "build_random", "OLD_NAMES", "bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
+__all__ = ["RANDOM_MODELS", "materialize_model", "RandomModel", "random_name", "sized_inputs", "build_random", "OLD_NAMES", "bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
            "save_random_sd_small", "save_random_flux", "save_random_flux_tiny", "save_random_sd1_tiny",
            "save_random_sdxl_tiny", "save_random_sd3_tiny", "TEXT_ARCHITECTURES"]
 
@@ -466,3 +466,13 @@ def save_random_flux(out: Path, seed: int = 0, *, transformer: dict[str, Any] = 
     return _write_index(out, "FluxPipeline", scheduler="FlowMatchEulerDiscreteScheduler", text_encoder="CLIPTextModel",
                         text_encoder_2="T5EncoderModel", tokenizer="CLIPTokenizer", tokenizer_2="T5TokenizerFast",
                         transformer="FluxTransformer2DModel", vae="AutoencoderKL")
+
+
+def materialize_model(name_or_path: str | None, workdir: Path) -> str | None:
+    """A model argument for preheat.load: a path, None (built-in), or the folder of a random model
+    (``random:NAME`` or an old bench name, see ``preheat.bench.random_models``) written once under
+    ``workdir``."""
+    name = random_name(name_or_path)
+    if name is None:
+        return name_or_path
+    return str(build_random(name, workdir / name))
