@@ -44,7 +44,7 @@ def test_docs_is_a_self_contained_page(client):
 
 
 def test_sizes_a_model_cannot_serve_fail_at_start(pipe, model_dir):
-    from preheat.cache.warm import WarmSet, resolve
+    from preheat.warm import WarmSet, resolve
     from preheat.errors import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match=r"^--sizes 33x33: width=33: this model makes 16x16 images only$"):

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from preheat.bench.common import machine_line, materialize_model, summary
+from preheat.bench.common import machine_line, summary
+from preheat.bench.random_models import materialize_model
 
 __all__ = ["bench_lora", "write_random_loras", "markdown"]
 

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Optional
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["RANDOM_MODELS", "ARCHITECTURES", "write_pixel_architecture", "RandomModel", "random_name", "sized_inputs", "build_random", "OLD_NAMES", "bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
+__all__ = ["RANDOM_MODELS", "materialize_model", "RandomModel", "random_name", "sized_inputs", "build_random", "OLD_NAMES", "bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
            "save_random_sd_small", "save_random_flux", "save_random_flux_tiny", "save_random_sd1_tiny",
            "save_random_sdxl_tiny", "save_random_sd3_tiny", "TEXT_ARCHITECTURES"]
 
@@ -154,6 +154,8 @@ def build_random(name: str, out: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
     try:
         if spec.builder == "pixel":
+            from preheat.bench.common import write_pixel_architecture
+
             write_pixel_architecture(name, tmp / "m")
         else:
             globals()[spec.builder](tmp / "m")
@@ -466,35 +468,11 @@ def save_random_flux(out: Path, seed: int = 0, *, transformer: dict[str, Any] = 
                         transformer="FluxTransformer2DModel", vae="AutoencoderKL")
 
 
-# Published architectures, for random-weight benchmark models (config.json of the checkpoint).
-ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "ddpm-cifar10-32": dict(  # google/ddpm-cifar10-32: 35.7 M parameters, 12.1 GFLOP / image / step
-        sample_size=32, in_channels=3, out_channels=3, layers_per_block=2,
-        block_out_channels=[128, 256, 256, 256],
-        down_block_types=["DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"],
-        up_block_types=["UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"],
-        attention_head_dim=None, norm_eps=1e-6, norm_num_groups=32, act_fn="silu",
-        flip_sin_to_cos=False, freq_shift=1, downsample_padding=0, center_input_sample=False,
-        mid_block_scale_factor=1, time_embedding_type="positional",
-    ),
-}
-_DDPM_SCHEDULER = {"_class_name": "DDPMScheduler", "num_train_timesteps": 1000, "beta_schedule": "linear",
-                   "beta_start": 0.0001, "beta_end": 0.02, "clip_sample": True, "variance_type": "fixed_large"}
-
-
-def write_pixel_architecture(name: str, out: Path) -> Path:
-    """A random-weight pixel pipeline folder of a published architecture (``ARCHITECTURES``), built
-    with JAX and saved in diffusers format."""
-    from flax import nnx
-
-    from preheat.files import atomic_write_bytes
-    from preheat.models.loading import save_unet
-    from preheat.models.unet2d import UNet2DConfig, UNet2DModule
-
-    config = UNet2DConfig.from_dict(ARCHITECTURES[name])
-    model = UNet2DModule(config, rngs=nnx.Rngs(0))
-    save_unet(config, nnx.state(model), out / "unet")
-    atomic_write_bytes(out / "scheduler" / "scheduler_config.json", json.dumps(_DDPM_SCHEDULER).encode())
-    atomic_write_bytes(out / "model_index.json", json.dumps({"_class_name": "DDPMPipeline", "preheat": {
-        "defaults": {"sampler": "ddim", "steps": 20}}}).encode())
-    return out
+def materialize_model(name_or_path: str | None, workdir: Path) -> str | None:
+    """A model argument for preheat.load: a path, None (built-in), or the folder of a random model
+    (``random:NAME`` or an old bench name, see ``preheat.bench.random_models``) written once under
+    ``workdir``."""
+    name = random_name(name_or_path)
+    if name is None:
+        return name_or_path
+    return str(build_random(name, workdir / name))

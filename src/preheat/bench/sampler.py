@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary, timed
+from preheat.bench.common import fmt_summary, machine_line, summary, timed
+from preheat.bench.random_models import materialize_model
 
 __all__ = ["bench_sampler", "bench_profile", "matmul_gflops", "markdown"]
 

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary
+from preheat.bench.common import fmt_summary, machine_line, summary
+from preheat.bench.random_models import materialize_model
 
 __all__ = ["bench_torch_shapes", "child_main", "markdown", "SETTINGS", "MODELS"]
 

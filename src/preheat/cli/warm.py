@@ -66,7 +66,7 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
                           cache: Optional[str] = None) -> Any:
     """The ``WarmSet`` the declaration options describe (one-line errors for bad values); a
     ``random:NAME`` model becomes its folder (a tiny one served at its tiny size by default)."""
-    from preheat.cache.warm import WarmSet
+    from preheat.warm import WarmSet
     from preheat.errors import InvalidArgumentError
     from preheat.server.inputs import parse_sizes
     from preheat.sharding import parse_devices
@@ -114,7 +114,7 @@ def warm_command(model: Optional[str], dtype: str, variant: Optional[str], cache
     import sys
 
     import preheat
-    from preheat.cache import warm as warming
+    from preheat import warm as warming
 
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp, variant, cache)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from preheat.cache.warm import GUIDANCE_MODES, WarmSet
+from preheat.warm import GUIDANCE_MODES, WarmSet
 
 __all__ = ["CoreConfig", "load_pipeline"]
 
@@ -67,7 +67,7 @@ def load_pipeline(config: CoreConfig) -> Any:
         if config.compile != "none":
             raise InvalidArgumentError(f"--compile {config.compile} applies to --backend torch")
         import preheat
-        from preheat.cache.warm import prefetch_calls
+        from preheat.warm import prefetch_calls
 
         # the warm-up's executables load while the weights are read
         return preheat.load(config.model, dtype=config.dtype, variant=config.variant, cache=config.cache,

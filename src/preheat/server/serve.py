@@ -199,8 +199,7 @@ def serve(config: CoreConfig, *, host: str = "127.0.0.1", port: int = 8000, grac
     bound_host, bound_port = sock.getsockname()[:2]
     announce(f"preheat serve: listening on http://{bound_host}:{bound_port} (status: STARTING until warm-up ends)")
 
-    def setup_finished() -> None:  # a thread of its own: waits for set-up to end, either way
-        core.wait_setup()
+    def setup_finished() -> None:  # the worker thread, once set-up has ended either way
         if core.setup.status != "failed":
             return
         announce(f"error: set-up failed: {core.setup.error}"
@@ -209,7 +208,7 @@ def serve(config: CoreConfig, *, host: str = "127.0.0.1", port: int = 8000, grac
         if not keep_alive_on_failure:
             server.should_exit = True
 
-    threading.Thread(target=setup_finished, name="preheat-setup-watch", daemon=True).start()
+    core.on_setup(setup_finished)
     server.run(sockets=[sock])
     if server.cut_short:
         # the engine call still running is not waited for: leave now, before the interpreter's

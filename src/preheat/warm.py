@@ -10,6 +10,9 @@ x batch bucket x served size (text-to-image) x negative prompts given or not (gu
 text-to-image) x LoRA (none, and each declared rank bucket: ``lora_ranks``). The step count
 is runtime data, so each is compiled with ``steps=1``; a LoRA bucket with a LoRA of zeros
 (``LoraTargets.zeros`` in ``preheat.lora``), since any LoRA of the bucket is data of the same program.
+
+It sits above the engine (it drives ``Pipeline.generate`` and ``prepare``) and below the surfaces
+that declare a set (``preheat warm``, ``preheat serve``); ``preheat.cache`` only stores what it compiles.
 """
 
 from __future__ import annotations
