@@ -96,7 +96,7 @@ class EntryCache:
     def _publish(self, key: str, files: dict[str, bytes], fields: dict[str, Any], record: dict[str, Any]) -> None:
         """Write an entry (atomically), share it, and keep the cache under its size cap."""
         try:
-            _, won = publish_entry(self.kind_dir, key, files, fields, extra={"preheat": __version__})
+            _, won = publish_entry(self.kind_dir, key, files, fields, extra=self.manifest_extra())
             record["store"] = "written" if won else "another process wrote it first"
             if won and self.remote is not None:
                 record.update(self._push(self.kind_dir / key))
@@ -106,6 +106,10 @@ class EntryCache:
         except OSError as exc:
             log.warning("preheat cache: could not write entry %s: %s", key[:12], exc)
             record["store"] = f"write failed: {exc}"
+
+    def manifest_extra(self) -> dict[str, Any]:
+        """What an entry's manifest records beside its key."""
+        return {"preheat": __version__}
 
     def _explain_miss(self, fields: dict[str, Any]) -> str:
         from preheat.cache.compile import nearest_entry
@@ -128,6 +132,10 @@ class EntryCache:
         self.events.append(record)
 
 
+# Both compilers register here (only the torch one did). Known gap: from Python 3.12 the
+# interpreter refuses new threads once it finalizes, and a store's bounded calls start one, so a
+# push still queued when this runs fails ("can't create new thread at interpreter shutdown")
+# instead of finishing; servers (push_grace_s) and `preheat warm` wait with wait_pushes before exit.
 _AT_EXIT: "weakref.WeakSet[EntryCache]" = weakref.WeakSet()
 
 
@@ -138,3 +146,4 @@ def _wait_for_pushes() -> None:
             log.info("preheat cache: waiting up to %.0f s for %d upload(s) to the shared cache", PUSH_GRACE_S,
                      cache.background.pending)
             cache.wait_pushes(PUSH_GRACE_S)
+
