@@ -78,6 +78,7 @@ class Core:
         self._running: list[Prediction] = []
         self._store: "OrderedDict[str, Prediction]" = OrderedDict()
         self._setup_done = threading.Event()
+        self._setup_listeners: list[Callable[[], None]] = []  # serve: exit on a set-up failure
         self.closing_pushes = threading.Event()  # set when close() starts waiting for uploads
         self.warm = config.warm_set()  # resolved at set-up (the model's default sampler, sizes)
         self._draining = False
@@ -374,9 +375,23 @@ class Core:
         self._fire_setup()
         self._serve()
 
+    def on_setup(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (from the worker thread, or now) once set-up has finished either way."""
+        with self._cond:
+            if not self._setup_done.is_set():
+                self._setup_listeners.append(fn)
+                return
+        fn()
+
     def _fire_setup(self) -> None:
         with self._cond:
             self._setup_done.set()
+            listeners, self._setup_listeners = self._setup_listeners, []
+        for fn in listeners:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a listener's failure must not kill the worker
+                log.exception("set-up listener failed")
 
     def _setup_log(self, line: str) -> None:
         self.setup.logs.append(line)
