@@ -28,14 +28,8 @@ from typing import Any, Callable, Iterator
 import jax
 
 from preheat._version import __version__
-from preheat.cache.entries import (
-    SCHEMA,
-    LoadingMarker,
-    checked_entry,
-    diff_fields,
-    iter_entries,
-)
-from preheat.cache.entry_cache import EntryCache
+from preheat.cache.entries import SCHEMA, LoadingMarker, checked_entry
+from preheat.cache.entry_cache import EntryCache, nearest_entry  # nearest_entry: re-exported (cli cache explain)
 from preheat.errors import CacheEntryError
 from preheat.timings import Timings
 
@@ -231,20 +225,6 @@ def _persistent_cache_disabled() -> Iterator[None]:
     finally:
         jax.config.update("jax_enable_compilation_cache", previous)
         reset_cache()
-
-
-def nearest_entry(kind_dir: Path, fields: dict[str, Any]) -> tuple[str | None, list[str]]:
-    """The entry whose key fields differ least from ``fields``, and which fields differ."""
-    best: tuple[str | None, list[str]] = (None, [])
-    for path in iter_entries(kind_dir):
-        try:
-            have = json.loads((path / "manifest.json").read_text()).get("fields", {})
-        except (OSError, ValueError):
-            continue
-        diff = diff_fields(have, fields)
-        if best[0] is None or len(diff) < len(best[1]):
-            best = (path.name, diff)
-    return best
 
 
 Items = list[tuple[dict[str, Any], Any, tuple, int]]  # (fingerprint, signature, arguments, outputs) per program

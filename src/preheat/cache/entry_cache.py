@@ -8,6 +8,7 @@ serialised and loaded.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import time
 import weakref
@@ -15,16 +16,30 @@ from pathlib import Path
 from typing import Any
 
 from preheat._version import __version__
-from preheat.cache.entries import iter_entries, publish_entry, quarantine
+from preheat.cache.entries import diff_fields, iter_entries, publish_entry, quarantine
 from preheat.cache.root import resolve_root
 
-__all__ = ["EntryCache", "PUSH_GRACE_S"]
+__all__ = ["EntryCache", "PUSH_GRACE_S", "nearest_entry"]
 
 log = logging.getLogger("preheat.cache")
 
 # At interpreter exit a compiler with background uploads waits up to this long for them (a server
 # waits its own push_grace_s at close, before this).
 PUSH_GRACE_S = 30.0
+
+
+def nearest_entry(kind_dir: Path, fields: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """The entry whose key fields differ least from ``fields``, and which fields differ."""
+    best: tuple[str | None, list[str]] = (None, [])
+    for path in iter_entries(kind_dir):
+        try:
+            have = json.loads((path / "manifest.json").read_text()).get("fields", {})
+        except (OSError, ValueError):
+            continue
+        diff = diff_fields(have, fields)
+        if best[0] is None or len(diff) < len(best[1]):
+            best = (path.name, diff)
+    return best
 
 
 class EntryCache:
@@ -112,8 +127,6 @@ class EntryCache:
         return {"preheat": __version__}
 
     def _explain_miss(self, fields: dict[str, Any]) -> str:
-        from preheat.cache.compile import nearest_entry
-
         name, diff = nearest_entry(self.kind_dir, fields)
         if name is None:
             return "no entries yet"
