@@ -28,16 +28,8 @@ from typing import Any, Callable, Iterator
 import jax
 
 from preheat._version import __version__
-from preheat.cache.entries import (
-    SCHEMA,
-    LoadingMarker,
-    checked_entry,
-    diff_fields,
-    iter_entries,
-    publish_entry,
-    quarantine,
-)
-from preheat.cache.root import resolve_root
+from preheat.cache.entries import SCHEMA, LoadingMarker, checked_entry
+from preheat.cache.entry_cache import EntryCache, nearest_entry  # nearest_entry: re-exported (cli cache explain)
 from preheat.errors import CacheEntryError
 from preheat.timings import Timings
 
@@ -235,20 +227,6 @@ def _persistent_cache_disabled() -> Iterator[None]:
         reset_cache()
 
 
-def nearest_entry(kind_dir: Path, fields: dict[str, Any]) -> tuple[str | None, list[str]]:
-    """The entry whose key fields differ least from ``fields``, and which fields differ."""
-    best: tuple[str | None, list[str]] = (None, [])
-    for path in iter_entries(kind_dir):
-        try:
-            have = json.loads((path / "manifest.json").read_text()).get("fields", {})
-        except (OSError, ValueError):
-            continue
-        diff = diff_fields(have, fields)
-        if best[0] is None or len(diff) < len(best[1]):
-            best = (path.name, diff)
-    return best
-
-
 Items = list[tuple[dict[str, Any], Any, tuple, int]]  # (fingerprint, signature, arguments, outputs) per program
 
 
@@ -283,24 +261,15 @@ def zeros_like_outputs(sig: Any, program: Callable[..., Any], args: tuple) -> Ca
     return lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-class JaxCompiler:
+class JaxCompiler(EntryCache):
     """``get_or_compile``: the executable for a signature, from the aot layer when it can.
 
-    ``mode``: "full" (aot + xla + compile), "xla" (JAX's persistent cache only), "off".
+    ``mode``: "full" (aot + xla + compile), "xla" (JAX's persistent cache only), "off". A fleet
+    store (``remote``: a RemoteStore, None, or "env" = $PREHEAT_CACHE_URL) shares the aot layer only.
     """
 
     def __init__(self, root: Path | None = None, mode: str = "full", remote: Any = "env"):
-        self.root = root or resolve_root().path
-        self.mode = mode
-        self.kind_dir = self.root / "compile" / "jax"
-        # A store shared by a fleet of machines: a RemoteStore, None, or "env" = $PREHEAT_CACHE_URL.
-        if isinstance(remote, str) and remote == "env":
-            from preheat.cache.remote import remote_from_env
-
-            remote = remote_from_env() if mode == "full" else None  # only the aot layer is shared
-        self.remote = remote
-        self.events: list[dict[str, Any]] = []  # one record per program: layer, timings, miss reason
-        self.background: Any = None  # BackgroundPushes once defer_pushes() was called (a server)
+        super().__init__("jax", root, mode, remote)
         self._prefetch: Prefetch | None = None  # executables loading on a background thread (prefetch())
         self._early: Any = None  # preheat.cache.early.EarlyLoads: the last start's keys, deserialising
         self._startup_id: str | None = None
@@ -418,30 +387,6 @@ class JaxCompiler:
                       background_load_s=background.get("background_load_s"))
         return compiled, end - start
 
-    def defer_pushes(self) -> None:
-        """From now on, uploads run on a background thread (a server: nothing waits on the store)."""
-        if self.remote is not None and self.background is None:
-            from preheat.cache.remote.background import BackgroundPushes
-
-            self.background = BackgroundPushes(self.remote)
-
-    def push_missing(self) -> None:
-        """Upload every local entry the store lacks (one whose push failed, or compiled while the
-        store was down or unset); entries the store already holds cost one manifest read each."""
-        if self.remote is None or self.mode != "full":
-            return
-        for path in iter_entries(self.kind_dir):
-            if not (path / "manifest.json").is_file():
-                continue
-            if self.background is not None:
-                self.background.submit("jax", path)
-            else:
-                self.remote.push("jax", path)
-
-    def wait_pushes(self, timeout: float | None = None) -> bool:
-        """Wait for background uploads (True when none is left); at once without a background."""
-        return True if self.background is None else self.background.wait(timeout)
-
     def reject(self, fingerprint: dict[str, Any], sig: Any, args: tuple, reason: str) -> None:
         """Quarantine the entry that served ``sig`` (it loaded but failed to run)."""
         key = key_of(self.fields_for(fingerprint, sig, args))
@@ -450,16 +395,6 @@ class JaxCompiler:
         self.events.append(record)
 
     # ------------------------------------------------------------------ internals
-
-    def _note(self, record: dict[str, Any], timings: Any) -> None:
-        record.update(layer=timings.cache_layer, trace_lower_s=timings.trace_lower_s, compile_or_load_s=timings.compile_s)
-        self.events.append(record)
-
-    def _explain_miss(self, fields: dict[str, Any]) -> str:
-        name, diff = nearest_entry(self.kind_dir, fields)
-        if name is None:
-            return "no entries yet"
-        return f"nearest entry {name[:12]} differs in {', '.join(diff[:6])}"
 
     def _load(self, key: str, fields: dict[str, Any], args: tuple, record: dict[str, Any], outputs: int = 1) -> Any:
         from jax.experimental.serialize_executable import deserialize_and_load
@@ -475,12 +410,7 @@ class JaxCompiler:
         if not path.is_dir():
             # Local miss: pull the entry from the fleet's shared store. fetch() verifies it and
             # publishes it locally with the same atomic rename; it never raises for store trouble.
-            if self.remote is None:
-                return None
-            pull_start = time.perf_counter()
-            hit = self.remote.fetch("jax", key, self.kind_dir)
-            record.update(remote=self.remote.last, remote_s=time.perf_counter() - pull_start)
-            if not hit:
+            if not self._pull(key, record):
                 return None
         try:
             entry = checked_entry(self.kind_dir, key, fields)
@@ -510,31 +440,7 @@ class JaxCompiler:
             log.warning("preheat cache: cannot serialise this executable (%s); only the XLA cache is used", exc)
             record["store"] = f"not serialisable: {exc}"
             return
-        try:
-            _, won = publish_entry(self.kind_dir, key, {EXECUTABLE: payload}, fields, extra=self.manifest_extra())
-            record["store"] = "written" if won else "another process wrote it first"
-            if won and self.remote is not None:  # share with the fleet; never raises (the entry is already local)
-                if self.background is not None:
-                    self.background.submit("jax", self.kind_dir / key)
-                    record.update(remote_push="queued")
-                else:
-                    push_start = time.perf_counter()
-                    self.remote.push("jax", self.kind_dir / key)
-                    record.update(remote_push=self.remote.last, remote_push_s=time.perf_counter() - push_start)
-            from preheat.cache.manage import enforce_size_cap
-
-            enforce_size_cap(self.root, keep={key})
-        except OSError as exc:
-            log.warning("preheat cache: could not write entry %s: %s", key[:12], exc)
-            record["store"] = f"write failed: {exc}"
-
-    def _quarantine(self, path: Path, reason: str, record: dict[str, Any]) -> None:
-        quarantine(self.root, path, reason)
-        record["quarantined"] = reason
-        if self.remote is not None and record.get("remote") == "hit":
-            self.remote.distrust("jax", path.name)  # pulled entry failed here: stop trusting it; our push replaces it
-        log.warning("preheat cache: entry %s quarantined (%s); recompiling", path.name[:12], reason)
-
+        self._publish(key, {EXECUTABLE: payload}, fields, record)
 
 class TargetCompiler(JaxCompiler):
     """Compiles each program for a GPU this machine does not have (``preheat warm --target``):

@@ -8,6 +8,7 @@ serialised and loaded.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import time
 import weakref
@@ -15,16 +16,30 @@ from pathlib import Path
 from typing import Any
 
 from preheat._version import __version__
-from preheat.cache.entries import iter_entries, publish_entry, quarantine
+from preheat.cache.entries import diff_fields, iter_entries, publish_entry, quarantine
 from preheat.cache.root import resolve_root
 
-__all__ = ["EntryCache", "PUSH_GRACE_S"]
+__all__ = ["EntryCache", "PUSH_GRACE_S", "nearest_entry"]
 
 log = logging.getLogger("preheat.cache")
 
 # At interpreter exit a compiler with background uploads waits up to this long for them (a server
 # waits its own push_grace_s at close, before this).
 PUSH_GRACE_S = 30.0
+
+
+def nearest_entry(kind_dir: Path, fields: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """The entry whose key fields differ least from ``fields``, and which fields differ."""
+    best: tuple[str | None, list[str]] = (None, [])
+    for path in iter_entries(kind_dir):
+        try:
+            have = json.loads((path / "manifest.json").read_text()).get("fields", {})
+        except (OSError, ValueError):
+            continue
+        diff = diff_fields(have, fields)
+        if best[0] is None or len(diff) < len(best[1]):
+            best = (path.name, diff)
+    return best
 
 
 class EntryCache:
@@ -96,7 +111,7 @@ class EntryCache:
     def _publish(self, key: str, files: dict[str, bytes], fields: dict[str, Any], record: dict[str, Any]) -> None:
         """Write an entry (atomically), share it, and keep the cache under its size cap."""
         try:
-            _, won = publish_entry(self.kind_dir, key, files, fields, extra={"preheat": __version__})
+            _, won = publish_entry(self.kind_dir, key, files, fields, extra=self.manifest_extra())
             record["store"] = "written" if won else "another process wrote it first"
             if won and self.remote is not None:
                 record.update(self._push(self.kind_dir / key))
@@ -107,9 +122,11 @@ class EntryCache:
             log.warning("preheat cache: could not write entry %s: %s", key[:12], exc)
             record["store"] = f"write failed: {exc}"
 
-    def _explain_miss(self, fields: dict[str, Any]) -> str:
-        from preheat.cache.compile import nearest_entry
+    def manifest_extra(self) -> dict[str, Any]:
+        """What an entry's manifest records beside its key."""
+        return {"preheat": __version__}
 
+    def _explain_miss(self, fields: dict[str, Any]) -> str:
         name, diff = nearest_entry(self.kind_dir, fields)
         if name is None:
             return "no entries yet"
@@ -128,6 +145,10 @@ class EntryCache:
         self.events.append(record)
 
 
+# Both compilers register here (only the torch one did). Known gap: from Python 3.12 the
+# interpreter refuses new threads once it finalizes, and a store's bounded calls start one, so a
+# push still queued when this runs fails ("can't create new thread at interpreter shutdown")
+# instead of finishing; servers (push_grace_s) and `preheat warm` wait with wait_pushes before exit.
 _AT_EXIT: "weakref.WeakSet[EntryCache]" = weakref.WeakSet()
 
 
@@ -138,3 +159,4 @@ def _wait_for_pushes() -> None:
             log.info("preheat cache: waiting up to %.0f s for %d upload(s) to the shared cache", PUSH_GRACE_S,
                      cache.background.pending)
             cache.wait_pushes(PUSH_GRACE_S)
+

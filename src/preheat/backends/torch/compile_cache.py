@@ -49,7 +49,6 @@ its input signature as the shapes: see ``preheat.backends.torch.compiled``.)
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import io
@@ -59,14 +58,13 @@ import os
 import tarfile
 import tempfile
 import time
-import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 from preheat._version import __version__
 from preheat.files import atomic_write_bytes
-from preheat.cache.entries import SCHEMA, Entry, LoadingMarker, checked_entry, publish_entry, quarantine
-from preheat.cache.root import resolve_root
+from preheat.cache.entries import SCHEMA, Entry, LoadingMarker, checked_entry
+from preheat.cache.entry_cache import EntryCache
 from preheat.env import installed_version
 from preheat.errors import CacheEntryError
 from preheat.timings import Timings
@@ -320,7 +318,7 @@ def _restore_kernels(data: bytes) -> int:
     return written
 
 
-class TorchCompiler:
+class TorchCompiler(EntryCache):
     """Loads and stores compiled UNets for a ``TorchPipeline``; ``events`` records one dict per
     compile or load (key, mode, layer, timings, miss reason, quarantine reason, store result).
 
@@ -328,55 +326,9 @@ class TorchCompiler:
     caches only: no entries are read or written), "off" (torch's caches disabled too)."""
 
     def __init__(self, root: Path | None = None, mode: str = "full", remote: Any = "env", background: bool = True):
-        self.mode = mode
-        self.root = root or resolve_root().path
-        self.kind_dir = self.root / "compile" / "torch"
-        self.events: list[dict[str, Any]] = []
-        if isinstance(remote, str) and remote == "env":  # the fleet store of $PREHEAT_CACHE_URL, as for JAX
-            from preheat.cache.remote import remote_from_env
-
-            remote = remote_from_env() if mode == "full" else None
-        self.remote = remote
-        self.background: Any = None  # BackgroundPushes: uploads off the compiling thread
-        if background:
+        super().__init__("torch", root, mode, remote)
+        if background:  # uploads off the compiling thread (``EntryCache.defer_pushes``)
             self.defer_pushes()
-
-    # ------------------------------------------------------------------ the fleet store
-
-    def defer_pushes(self) -> None:
-        """Uploads to the fleet store run on a background thread (the JAX side's
-        ``BackgroundPushes``): a compile, a warm-up or a request never waits on the store. At
-        interpreter exit the process waits up to ``PUSH_GRACE_S`` for what is left (a server
-        waits its own ``push_grace_s`` at close); a push cut short leaves no manifest, so no
-        reader ever sees half an entry."""
-        if self.remote is not None and self.background is None:
-            from preheat.cache.remote.background import BackgroundPushes
-
-            self.background = BackgroundPushes(self.remote)
-            _AT_EXIT.add(self)
-
-    def wait_pushes(self, timeout: float | None = None) -> bool:
-        """Wait for background uploads (True when none is left); at once without a background."""
-        return True if self.background is None else self.background.wait(timeout)
-
-    def push_missing(self) -> None:
-        """Upload every local torch entry the store lacks (a push that failed, or an entry
-        compiled while the store was down or unset)."""
-        if self.remote is None or self.mode != "full":
-            return
-        from preheat.cache.entries import iter_entries
-
-        for path in iter_entries(self.kind_dir):
-            if (path / "manifest.json").is_file():
-                self._push(path)
-
-    def _push(self, path: Path) -> dict[str, Any]:
-        if self.background is not None:
-            self.background.submit("torch", path)
-            return {"remote_push": "queued"}
-        start = time.perf_counter()
-        self.remote.push("torch", path)  # never raises for store trouble
-        return {"remote_push": self.remote.last, "remote_push_s": time.perf_counter() - start}
 
     @property
     def uses_entries(self) -> bool:
@@ -539,12 +491,8 @@ class TorchCompiler:
 
     def _open(self, key: str, fields: dict[str, Any], record: dict[str, Any]) -> Entry | None:
         path = self.kind_dir / key
-        if not path.is_dir() and self.remote is not None:
-            # Local miss: pull the entry from the fleet store; fetch() verifies it (sha256, signature)
-            # and publishes it locally with the same atomic rename; it never raises for store trouble.
-            pull_start = time.perf_counter()
-            self.remote.fetch("torch", key, self.kind_dir)
-            record.update(remote=self.remote.last, remote_s=time.perf_counter() - pull_start)
+        if not path.is_dir():
+            self._pull(key, record)  # a local miss: the fleet store's copy, verified
         if not path.is_dir():
             record["miss"] = self._explain_miss(fields)
             return None
@@ -553,40 +501,6 @@ class TorchCompiler:
         except CacheEntryError as err:
             self._quarantine(path, str(err), record)
             return None
-
-    def _publish(self, key: str, files: dict[str, bytes], fields: dict[str, Any], record: dict[str, Any]) -> None:
-        try:
-            _, won = publish_entry(self.kind_dir, key, files, fields, extra={"preheat": __version__})
-            record["store"] = "written" if won else "another process wrote it first"
-            if won and self.remote is not None:  # share with the fleet; never raises
-                record.update(self._push(self.kind_dir / key))
-            from preheat.cache.manage import enforce_size_cap
-
-            enforce_size_cap(self.root, keep={key})
-        except OSError as exc:
-            log.warning("preheat cache: could not write entry %s: %s", key[:12], exc)
-            record["store"] = f"write failed: {exc}"
-
-    def _explain_miss(self, fields: dict[str, Any]) -> str:
-        from preheat.cache.compile import nearest_entry
-
-        name, diff = nearest_entry(self.kind_dir, fields)
-        if name is None:
-            return "no entries yet"
-        return f"nearest entry {name[:12]} differs in {', '.join(diff[:6])}"
-
-    def _quarantine(self, path: Path, reason: str, record: dict[str, Any]) -> None:
-        quarantine(self.root, path, reason)
-        record["quarantined"] = reason
-        if self.remote is not None and record.get("remote") == "hit":
-            self.remote.distrust("torch", path.name)  # pulled entry failed here: our push replaces it
-        log.warning("preheat cache: entry %s quarantined (%s); recompiling", path.name[:12], reason)
-
-    def _note(self, record: dict[str, Any], timings: Any) -> None:
-        record.update(layer=timings.cache_layer, trace_lower_s=timings.trace_lower_s,
-                      compile_or_load_s=timings.compile_s)
-        self.events.append(record)
-
 
 class AotRunner:
     """An AOTInductor package, callable like ``aoti_load_package``'s model, loaded by torch's C++
@@ -615,20 +529,6 @@ class AotRunner:
 
     def load_constants(self, constants: dict[str, Any], *, check_full_update: bool, user_managed: bool = False) -> None:
         self.loader.load_constants(constants, False, check_full_update, user_managed, False)
-
-
-# Compilers with background uploads: at interpreter exit each waits up to PUSH_GRACE_S for them.
-PUSH_GRACE_S = 30.0
-_AT_EXIT: "weakref.WeakSet[TorchCompiler]" = weakref.WeakSet()
-
-
-@atexit.register
-def _wait_for_pushes() -> None:
-    for compiler in list(_AT_EXIT):
-        if compiler.background is not None and compiler.background.pending:
-            log.info("preheat cache: waiting up to %.0f s for %d upload(s) to the shared cache", PUSH_GRACE_S,
-                     compiler.background.pending)
-            compiler.wait_pushes(PUSH_GRACE_S)
 
 
 def bind_constants(runner: Any, constants: dict[str, Any]) -> None:
