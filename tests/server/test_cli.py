@@ -50,4 +50,4 @@ def test_serve_compile_reaches_the_torch_loader(monkeypatch: pytest.MonkeyPatch)
     calls = []
     monkeypatch.setattr(torch_backend, "load_torch_pipeline", lambda model, **kw: calls.append((model, kw)) or "pipe")
     assert load_pipeline(CoreConfig(model="m", backend="torch", compile="regional")) == "pipe"
-    assert calls == [("m", {"dtype": "float32", "compile": "regional"})]
+    assert calls == [("m", {"dtype": "float32", "compile": "regional", "variant": None, "cache": None})]
