@@ -65,8 +65,13 @@ def test_a_second_sigterm_cuts_the_drain_short_with_json_answers_and_exit_1(mode
                         "seed": i, "class_label": 1, "num_inference_steps": 200}}, timeout=120)
                 answers.append((i % 3 == 2, r))
 
+            # the Cog requests first, so that their batch heads the queue and is the one running
             threads = [threading.Thread(target=send, args=(i,)) for i in range(9)]
             for t in threads:
+                if threads.index(t) % 3 != 2:
+                    t.start()
+            wait_until(lambda: c.get("/health-check").json()["queue_depth"] == 6, what="the Cog requests to queue")
+            for t in threads[2::3]:
                 t.start()
             wait_until(lambda: c.get("/health-check").json()["queue_depth"] == 9, what="every request to queue")
         server.proc.send_signal(signal.SIGTERM)
