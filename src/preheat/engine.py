@@ -579,7 +579,7 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     from preheat.store import resolve
 
     # A local folder as it is; http(s):// and hf:// sources from the weights store (pulled once).
-    root = BUILTIN_MODEL if model is None else resolve(str(model))
+    root = BUILTIN_MODEL if model is None else resolve(str(model), variant=variant)  # hf://: that variant only
     loader = family_loader(root)
     options: dict[str, Any] = {}
     if offload_encoders:
