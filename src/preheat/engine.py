@@ -454,7 +454,7 @@ class Pipeline:
             raise InvalidArgumentError(f"guidance={g} must be a finite number >= 0", argument="guidance")
         if mode == "embedded":
             return False, g
-        if g == 1.0:
+        if g <= 1.0:  # as diffusers' pipelines (guidance_scale > 1 turns it on): turbo cards pass 0.0
             return False, 1.0
         why = self.family.guidance_error(self, values)
         if why:
