@@ -15,12 +15,13 @@ import pytest
 
 import preheat
 from preheat.noise import STEP_STREAM, image_keys, normal_per_image
-from tests.families import sd_fixtures
+from tests._support import sd_fixtures
 
 peft = pytest.importorskip("peft")
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 SEED = 7
+UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "ff.net.2"]  # the layers an LCM-LoRA adapts
 # the published turbo repositories' scheduler/scheduler_config.json (math-relevant keys)
 _TURBO = {"beta_end": 0.012, "beta_schedule": "scaled_linear", "beta_start": 0.00085, "clip_sample": False,
           "interpolation_type": "linear", "num_train_timesteps": 1000, "prediction_type": "epsilon",
@@ -41,7 +42,7 @@ def few(tmp_path_factory):
     the LCM-LoRA."""
     from diffusers import LCMScheduler
 
-    from tests.families.test_lora import UNET_TARGETS, _peft_layers, _save
+    from tests._support.lora_files import peft_layers, save_lora
 
     base = tmp_path_factory.mktemp("few")
     out = {}
@@ -54,7 +55,7 @@ def few(tmp_path_factory):
         old = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
         _with_scheduler(folder, json.loads(LCMScheduler.from_config(old).to_json_string()))
         ref = sd_fixtures.reference_pipeline(folder, "lcm")
-        lora = _save(ref, base / f"{name}-lora", "unet", {"unet": _peft_layers(ref.unet, UNET_TARGETS, 4, 8, seed=5)})
+        lora = save_lora(ref, base / f"{name}-lora", "unet", {"unet": peft_layers(ref.unet, UNET_TARGETS, 4, 8, seed=5)})
         out[name] = {"folder": folder, "lora": lora, "pipe": preheat.load(folder, cache="off")}
     return out
 

@@ -15,8 +15,8 @@ import pytest
 from preheat.errors import ModelFormatError, ModelNotFoundError
 from preheat.store import parse_source, plan_pull, pull, source_id
 from preheat.store._hf import RepoFile, select
-from tests.store._helpers import files_of
-from tests.store._hub import FakeHub
+from tests._support.store_fixtures import files_of
+from tests._support.hub_server import FakeHub
 
 REPO = "sd-legacy/stable-diffusion-v1-5"
 INDEX = {"_class_name": "StableDiffusionPipeline", "_diffusers_version": "0.6.0",
