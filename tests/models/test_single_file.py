@@ -31,6 +31,14 @@ def _to_ldm(folder) -> dict[str, np.ndarray]:
     res = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1", "norm2": "out_layers.0",
            "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
     out: dict[str, np.ndarray] = {}
+
+    def inner(kind: str, rest: str) -> str:
+        """A block's slot in its LDM sequential (0: the resnet, 1: the attention) and the leaf name."""
+        if kind != "resnets":
+            return f"1.{rest}"
+        leaf = rest.split(".")[0]
+        return f"0.{rest.replace(leaf, res.get(leaf, leaf), 1)}"
+
     for k, v in load_file(str(folder / "unet" / "diffusion_pytorch_model.safetensors")).items():
         m = re.match(r"down_blocks\.(\d+)\.(resnets|attentions|downsamplers)\.(\d+)\.(.*)", k)
         if m:
@@ -38,22 +46,16 @@ def _to_ldm(folder) -> dict[str, np.ndarray]:
             if kind == "downsamplers":
                 name = f"input_blocks.{1 + b * (L + 1) + L}.0.op.{rest.removeprefix('conv.')}"
             else:
-                leaf = rest.split(".")[0]
-                rest = rest.replace(leaf, res.get(leaf, leaf), 1) if kind == "resnets" else rest
-                name = f"input_blocks.{1 + b * (L + 1) + j}.{0 if kind == 'resnets' else 1}.{rest}"
+                name = f"input_blocks.{1 + b * (L + 1) + j}.{inner(kind, rest)}"
         elif m := re.match(r"up_blocks\.(\d+)\.(resnets|attentions|upsamplers)\.(\d+)\.(.*)", k):
             b, kind, j, rest = int(m[1]), m[2], int(m[3]), m[4]
             if kind == "upsamplers":
                 name = f"output_blocks.{b * (L + 1) + L}.{2 if attn_up[b] else 1}.{rest}"
             else:
-                leaf = rest.split(".")[0]
-                rest = rest.replace(leaf, res.get(leaf, leaf), 1) if kind == "resnets" else rest
-                name = f"output_blocks.{b * (L + 1) + j}.{0 if kind == 'resnets' else 1}.{rest}"
+                name = f"output_blocks.{b * (L + 1) + j}.{inner(kind, rest)}"
         elif m := re.match(r"mid_block\.(resnets|attentions)\.(\d+)\.(.*)", k):
             kind, j, rest = m[1], int(m[2]), m[3]
-            leaf = rest.split(".")[0]
-            rest = rest.replace(leaf, res.get(leaf, leaf), 1) if kind == "resnets" else rest
-            name = f"middle_block.{2 * j if kind == 'resnets' else 1}.{rest}"
+            name = f"middle_block.{2 * j if kind == 'resnets' else 1}.{inner(kind, rest)[2:]}"
         else:
             top = {"time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
                    "conv_in": "input_blocks.0.0", "conv_norm_out": "out.0", "conv_out": "out.2"}

@@ -187,6 +187,12 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
     from safetensors.numpy import save_file
 
     file, config = Path(file), Path(config)
+    if file.is_dir():  # a one-file snapshot of the weights store (hf://org/repo/file.safetensors, a URL)
+        inside = sorted(file.rglob("*.safetensors"))
+        if len(inside) != 1:
+            raise InvalidArgumentError(f"{file} holds {len(inside)} .safetensors files; a single-file checkpoint "
+                                       "with config= must be one file", argument="model")
+        file = inside[0]
     if not file.is_file():
         raise ModelNotFoundError(f"single file {file} does not exist")
     if not (config / "model_index.json").is_file():
