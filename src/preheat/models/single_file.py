@@ -11,8 +11,10 @@ folder's identity, so a restart reads it again without converting.
 
 Layouts:
 
-* ``ldm`` (SD 1.x / 2.x): ``model.diffusion_model.*`` (UNet), ``first_stage_model.*`` (VAE),
-  ``cond_stage_model.transformer.*`` (CLIP text encoder).
+* ``ldm`` (SD 1.x): ``model.diffusion_model.*`` (UNet), ``first_stage_model.*`` (VAE),
+  ``cond_stage_model.transformer.*`` (CLIP text encoder);
+* ``sgm`` (SDXL): the same UNet (plus ``label_emb``) and VAE, ``conditioner.embedders.0.transformer.*``
+  (CLIP-L) and ``conditioner.embedders.1.model.*`` (OpenCLIP bigG: q/k/v stacked, projection transposed).
 """
 
 from __future__ import annotations
@@ -120,19 +122,82 @@ def _ldm_table(configs: dict[str, dict[str, Any]]) -> dict[str, tuple[str, str]]
     return table
 
 
-def _ldm_name(table: dict[str, tuple[str, str]], key: str) -> tuple[str, str] | None:
-    """(component, diffusers name) of one LDM tensor, or None for tensors no component holds."""
-    if key.startswith("cond_stage_model.transformer."):
-        rest = key[len("cond_stage_model.transformer."):]
-        return "text_encoder", rest if rest.startswith("text_model.") else "text_model." + rest
-    # the longest matching prefix wins (a block's leaf rule over the block itself)
+class Place(NamedTuple):
+    """Where (part of) one original tensor goes: a component, its diffusers name, and the slice or
+    transpose that makes the diffusers tensor (None: the tensor as it is)."""
+
+    component: str
+    name: str
+    take: Callable[[np.ndarray], np.ndarray] | None = None
+
+
+def _by_prefix(table: dict[str, tuple[str, str]], key: str) -> list[Place]:
+    """The longest prefix of ``key`` in ``table`` wins (a block's leaf rule over the block itself)."""
     parts = key.split(".")
     for cut in range(len(parts) - 1, 0, -1):
         prefix = ".".join(parts[:cut]) + "."
         if prefix in table:
             component, target = table[prefix]
-            return component, target + ".".join(parts[cut:])
-    return None
+            return [Place(component, target + ".".join(parts[cut:]))]
+    return []
+
+
+def _clip(component: str, rest: str) -> list[Place]:
+    """An OpenAI-CLIP text model in transformers' names (``text_model.`` added where the file has none)."""
+    return [Place(component, rest if rest.startswith("text_model.") else "text_model." + rest)]
+
+
+_OPEN_CLIP_LEAVES = {"ln_1.": "layer_norm1.", "ln_2.": "layer_norm2.", "mlp.c_fc.": "mlp.fc1.",
+                     "mlp.c_proj.": "mlp.fc2.", "attn.out_proj.": "self_attn.out_proj."}
+
+
+def _open_clip(component: str, rest: str) -> list[Place]:
+    """An OpenCLIP text tower (SDXL's bigG) in transformers' CLIPTextModelWithProjection names."""
+    fixed = {"token_embedding.weight": "text_model.embeddings.token_embedding.weight",
+             "positional_embedding": "text_model.embeddings.position_embedding.weight",
+             "ln_final.weight": "text_model.final_layer_norm.weight", "ln_final.bias": "text_model.final_layer_norm.bias"}
+    if rest in fixed:
+        return [Place(component, fixed[rest])]
+    if rest == "text_projection":  # [D, P] applied as x @ W; transformers' Linear holds [P, D]
+        return [Place(component, "text_projection.weight", lambda t: t.T)]
+    block, sep, leaf = rest.partition(".")
+    if block != "transformer" or not leaf.startswith("resblocks."):
+        return []
+    _, i, leaf = leaf.split(".", 2)
+    layer = f"text_model.encoder.layers.{i}."
+    if leaf in ("attn.in_proj_weight", "attn.in_proj_bias"):  # q, k, v stacked on the first axis
+        kind = leaf.rsplit("_", 1)[1]
+        return [Place(component, f"{layer}self_attn.{n}_proj.{kind}",
+                      lambda t, j=j: t[j * (t.shape[0] // 3):(j + 1) * (t.shape[0] // 3)])
+                for j, n in enumerate("qkv")]
+    for src, dst in _OPEN_CLIP_LEAVES.items():
+        if leaf.startswith(src):
+            return [Place(component, layer + dst + leaf[len(src):])]
+    return []
+
+
+def _ldm_name(table: dict[str, tuple[str, str]], key: str) -> list[Place]:
+    """Where one LDM tensor goes ([] for tensors no component holds)."""
+    if key.startswith("cond_stage_model.transformer."):
+        return _clip("text_encoder", key[len("cond_stage_model.transformer."):])
+    return _by_prefix(table, key)
+
+
+def _sgm_table(configs: dict[str, dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """SGM (SDXL): the LDM UNet and VAE plus the size/pooled-text embedding (``label_emb``)."""
+    table = _ldm_table(configs)
+    table["model.diffusion_model.label_emb.0.0."] = ("unet", "add_embedding.linear_1.")
+    table["model.diffusion_model.label_emb.0.2."] = ("unet", "add_embedding.linear_2.")
+    return table
+
+
+def _sgm_name(table: dict[str, tuple[str, str]], key: str) -> list[Place]:
+    """Where one SGM tensor goes: embedder 0 is CLIP-L, embedder 1 OpenCLIP bigG."""
+    if key.startswith("conditioner.embedders.0.transformer."):
+        return _clip("text_encoder", key[len("conditioner.embedders.0.transformer."):])
+    if key.startswith("conditioner.embedders.1.model."):
+        return _open_clip("text_encoder_2", key[len("conditioner.embedders.1.model."):])
+    return _by_prefix(table, key)
 
 
 class Layout(NamedTuple):
@@ -142,16 +207,19 @@ class Layout(NamedTuple):
     marker: str  # a key prefix only this layout's files have
     components: tuple[str, ...]  # the diffusers folders it fills
     table: Callable[[dict[str, dict[str, Any]]], dict[str, tuple[str, str]]]
-    name_of: Callable[[dict[str, tuple[str, str]], str], "tuple[str, str] | None"]
+    place: Callable[[dict[str, tuple[str, str]], str], list[Place]]
 
 
+# most specific first: an SGM file holds the LDM UNet keys too
 LAYOUTS: tuple[Layout, ...] = (
+    Layout("sgm", "conditioner.embedders.", ("unet", "vae", "text_encoder", "text_encoder_2"), _sgm_table, _sgm_name),
     Layout("ldm", "model.diffusion_model.", ("unet", "vae", "text_encoder"), _ldm_table, _ldm_name),
 )
 # tensors of the original files that diffusers' folders do not hold (EMA copies, buffers)
 _DROPPED = ("model_ema.", "cond_stage_model.transformer.text_model.embeddings.position_ids",
-            "cond_stage_model.transformer.embeddings.position_ids", "alphas_cumprod", "betas", "posterior_",
-            "sqrt_", "log_one_minus", "logvar")
+            "cond_stage_model.transformer.embeddings.position_ids",
+            "conditioner.embedders.0.transformer.text_model.embeddings.position_ids", "conditioner.embedders.1.model.logit_scale",
+            "alphas_cumprod", "betas", "posterior_", "sqrt_", "log_one_minus", "logvar")
 
 
 def detect_layout(keys: list[str], path: Path) -> Layout:
@@ -208,22 +276,23 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
     with handle as f:
         keys = list(f.keys())
         layout = detect_layout(keys, file)
-        configs = {c: _read_config(config, c) for c in layout.components if c != "text_encoder"}
+        configs = {c: _read_config(config, c) for c in ("unet", "vae")}
         table = layout.table(configs)
         parts: dict[str, dict[str, np.ndarray]] = {c: {} for c in layout.components}
         unplaced = []
         for key in keys:
             if key.startswith(_DROPPED):
                 continue
-            where = layout.name_of(table, key)
-            if where is None:
+            places = layout.place(table, key)
+            if not places:
                 unplaced.append(key)
                 continue
-            component, name = where
             tensor = f.get_tensor(key)
-            if component == "vae" and ".attentions." in name and name.endswith(".weight") and tensor.ndim == 4:
-                tensor = tensor[:, :, 0, 0]  # [O, I, 1, 1] 1x1 conv -> [O, I] linear, as diffusers holds it
-            parts[component][name] = np.ascontiguousarray(tensor)
+            for component, name, take in places:
+                t = tensor if take is None else take(tensor)
+                if component == "vae" and ".attentions." in name and name.endswith(".weight") and t.ndim == 4:
+                    t = t[:, :, 0, 0]  # [O, I, 1, 1] 1x1 conv -> [O, I] linear, as diffusers holds it
+                parts[component][name] = np.ascontiguousarray(t)
     if unplaced:
         raise WeightsError(f"{file} ({layout.name} layout) has {len(unplaced)} tensors that do not fit the blocks of "
                            f"{config}'s configs, e.g. {', '.join(unplaced[:3])}")
@@ -236,7 +305,7 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(p, dst)
         for component, tensors in parts.items():
-            stem = "model" if component == "text_encoder" else "diffusion_pytorch_model"
+            stem = "model" if component.startswith("text_encoder") else "diffusion_pytorch_model"
             (tmp / component).mkdir(exist_ok=True)
             save_file(tensors, str(tmp / component / f"{stem}.safetensors"))
         try:
