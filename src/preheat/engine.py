@@ -51,7 +51,7 @@ from preheat.samplers import (SAMPLERS, Plan, SchedulerConfig, SolverSpec, load_
                               run)
 from preheat.timings import Phases, Timings, now_s
 
-__all__ = ["Pipeline", "load", "BUILTIN_MODEL", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
+__all__ = ["Pipeline", "load_jax_pipeline", "BUILTIN_MODEL", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
            "build_program", "make_compiler"]
 
 BUILTIN_MODEL = Path(__file__).parent / "assets" / "digits"
@@ -81,10 +81,6 @@ class Signature:
     conditioning: tuple[str, ...]  # the names of the conditioning leaves ((), ("class_labels",), ...)
     pixels: bool  # the program ends with the conversion to uint8
     lora: tuple[int, int] | None = None  # (rank bucket, adapter slots); None: the program without LoRA
-
-    @property
-    def class_conditional(self) -> bool:
-        return "class_labels" in self.conditioning
 
     @property
     def output(self) -> jax.ShapeDtypeStruct:
@@ -151,7 +147,7 @@ def _first_positional(first: Any, inputs: dict[str, Any], family: Family) -> int
 
 @dataclass
 class Pipeline:
-    """A model ready to sample. Build with :func:`load` or :meth:`Pipeline.from_denoiser`."""
+    """A model ready to sample. Build with :func:`preheat.load` or :meth:`Pipeline.from_denoiser`."""
 
     apply: Denoiser
     params: Any
@@ -532,7 +528,7 @@ def make_compiler(cache: str | None = None) -> Any:
     return JaxCompiler(mode=mode)
 
 
-def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
+def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
          cache: str | None = None, variant: str | None = None, config: str | Path | None = None,
          offload_encoders: bool = False,
          devices: Any = None, fsdp: int = 1, prefetch: Sequence[dict[str, Any]] | None = None) -> Pipeline:
@@ -558,7 +554,7 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     weights that do not fit one device); it must divide the device count.
     ``prefetch``: the calls expected first, as ``generate`` keywords (``[{"n": 4, "steps": 20}]``;
     a text family's prompt may be left out: its words are data), or a function of the pipeline
-    being loaded that returns them (``preheat.cache.warm.prefetch_calls``: a server's warm
+    being loaded that returns them (``preheat.warm.prefetch_calls``: a server's warm
     declaration). Every executable those calls run -- a text family's encoders, the denoising
     loop, the VAE decoder -- is loaded (or pulled from ``PREHEAT_CACHE_URL``) on a background
     thread while the weights are read: each call is rehearsed on placeholder weights, which
@@ -591,6 +587,14 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     elif Path(root).is_file() and Path(root).suffix == ".safetensors":
         raise InvalidArgumentError(f"{model} is a single .safetensors file; pass config=<the diffusers folder whose "
                                    "configs and tokenizers it goes with>", argument="config")
+    early = bool(prefetch) and compiler is not None
+    if early:  # the last such start's executables deserialise while the model is built (preheat.cache.early)
+        from preheat.cache.early import startup_id
+
+        compiler.start_early(startup_id(root, {"dtype": str(dtype), "variant": variant, "fsdp": fsdp,
+                                               "offload_encoders": offload_encoders, "scheduler": scheduler,
+                                               "devices": None if mesh is None else
+                                               [int(d.id) for d in mesh.devices.flat]}), mesh)
     loader = family_loader(root)
     options: dict[str, Any] = {}
     if offload_encoders:
@@ -602,7 +606,6 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
         options["offload_encoders"] = True
     # Prefetching: the loader checks every header and returns placeholder weights (shapes only),
     # the executables load on a background thread, then the tensors are read here.
-    early = bool(prefetch) and compiler is not None
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component
         start = phases.spans["import"][1]
         with deferred_fills() if early else contextlib.nullcontext() as pending:

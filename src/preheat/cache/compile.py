@@ -41,7 +41,7 @@ from preheat.cache.root import resolve_root
 from preheat.errors import CacheEntryError
 from preheat.timings import Timings
 
-__all__ = ["JaxCompiler", "Prefetch", "Rehearsal", "key_fields", "key_of", "mesh_of", "configure_persistent_cache",
+__all__ = ["JaxCompiler", "TargetCompiler", "Prefetch", "Rehearsal", "device_fields", "zeros_like_outputs", "key_fields", "key_of", "mesh_of", "configure_persistent_cache",
            "tracing_source_hash", "traced_sources", "nearest_entry"]
 
 log = logging.getLogger("preheat.cache")
@@ -51,7 +51,7 @@ EXECUTABLE = "executable.bin"
 # other module of preheat -- the engine, samplers, models, families, and any file added to them
 # later -- is part of the key, so a new model file cannot be left out of it by accident.
 _NOT_TRACED = ("cache", "store", "server", "bench", "backends", "integrations", "train", "doctor", "cli",
-               "__main__.py", "_version.py", "errors.py", "timings.py", "files.py", "env.py", "assets")
+               "warm.py", "__main__.py", "_version.py", "errors.py", "timings.py", "files.py", "env.py", "assets")
 
 
 def traced_sources() -> list[str]:
@@ -112,27 +112,25 @@ def mesh_of(args: tuple) -> Any:
     return None
 
 
-def key_fields(fingerprint: dict[str, Any], signature: Any, args: tuple) -> dict[str, Any]:
+def key_fields(fingerprint: dict[str, Any], signature: Any, args: tuple, target: Any = None) -> dict[str, Any]:
     """Every input that changes the compiled program, as JSON-able fields (the key's content).
 
     A program split over devices adds ``mesh``: its axes and the ids of its devices, in order. A
     serialized executable names the devices it runs on, so an entry loads back only onto that
     same assignment (loading a 4-device program onto 2 devices aborts XLA, so it must never be
-    tried); the single-device program's key has no such field."""
-    backend = jax.devices()[0].client
-    device = jax.devices()[0]
+    tried); the single-device program's key has no such field.
+
+    ``target`` (``preheat.cache.targets.Target``): the key of the program compiled for that GPU
+    on this machine (``preheat warm --target``), equal to the key a pod with that GPU computes
+    for itself (``device_fields``)."""
     fields = {
         "schema": SCHEMA,
         "model": fingerprint,
         "signature": json.loads(json.dumps(asdict(signature), default=str)),
         "arguments": hashlib.sha256(json.dumps(_abstract(args)).encode()).hexdigest()[:16],
-        "platform": device.platform,
-        "device_kind": device.device_kind,
-        "device_count": jax.device_count(),
-        "platform_version": backend.platform_version,
+        **device_fields(args, target),
         "jax": jax.__version__,
         "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else _jaxlib_version(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "conv_impl": os.environ.get("PREHEAT_CONV", "auto"),  # preheat.models.conv.conv_impl: the traced convs
         "groupnorm_impl": os.environ.get("PREHEAT_GROUPNORM", "auto"),  # ... and groupnorm_impl
         "x64": bool(jax.config.jax_enable_x64),
@@ -140,14 +138,43 @@ def key_fields(fingerprint: dict[str, Any], signature: Any, args: tuple) -> dict
         "preheat": __version__,
         "tracing_source": tracing_source_hash(),
     }
-    if device.platform == "cpu":
-        fields["host_cpu"] = _cpu_features()
     mesh = mesh_of(args)
     if mesh is not None:
         fields["mesh"] = {"axes": {str(k): int(v) for k, v in mesh.shape.items()},
                           "devices": [int(d.id) for d in mesh.devices.flat],
                           "device_kind": sorted({d.device_kind for d in mesh.devices.flat})}
     return fields
+
+
+# XLA flags that only XLA:CPU reads: a GPU program's key leaves them out, so that a CPU builder's
+# flags (a test suite's fake device count) do not make its GPU entries unreachable for a pod.
+_CPU_ONLY_FLAGS = ("--xla_force_host_platform_device_count", "--xla_cpu_")
+
+
+def _gpu_xla_flags() -> str:
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join(f for f in flags if not f.startswith(_CPU_ONLY_FLAGS))
+
+
+def device_fields(args: tuple, target: Any = None) -> dict[str, Any]:
+    """The key fields of the machine a program runs on. On a CPU: the device, the host's
+    instruction set, the backend's version. On a GPU -- a pod's own, or a ``target`` compiled for
+    elsewhere -- what decides the generated code (``preheat.cache.targets``), never the card's
+    name: its description's code fields, the CUDA plugin and cuDNN versions, the program's device
+    count and the XLA flags a GPU reads."""
+    from preheat.cache import targets
+
+    device = jax.devices()[0]
+    if target is None and device.platform != "gpu":
+        fields = {"platform": device.platform, "device_kind": device.device_kind, "device_count": jax.device_count(),
+                  "platform_version": device.client.platform_version, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+        if device.platform == "cpu":
+            fields["host_cpu"] = _cpu_features()
+        return fields
+    mesh = mesh_of(args)
+    return {"platform": "gpu", "gpu": target.gpu if target is not None else targets.device_gpu_fields(device),
+            "device_count": 1 if mesh is None else int(mesh.devices.size),
+            "cuda": targets.cuda_versions(), "xla_flags": _gpu_xla_flags()}
 
 
 def _jaxlib_version() -> str:
@@ -241,12 +268,19 @@ class Rehearsal:
 
     def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: tuple,
                        outputs: int = 1) -> tuple[Callable[..., Any], Timings]:
-        import jax.numpy as jnp
-
         self.items.append((fingerprint, sig, args, outputs))
-        known = getattr(sig, "output", None)
-        shapes = known if isinstance(known, jax.ShapeDtypeStruct) else jax.eval_shape(program, *args)
-        return (lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)), Timings(cache_layer="none")
+        return zeros_like_outputs(sig, program, args), Timings(cache_layer="none")
+
+
+def zeros_like_outputs(sig: Any, program: Callable[..., Any], args: tuple) -> Callable[..., Any]:
+    """A stand-in executable that returns zeros of the program's output shapes: a signature that
+    knows them (``output``: the denoising loop's is its sample) is taken at its word, any other
+    program is traced for them (``jax.eval_shape``)."""
+    import jax.numpy as jnp
+
+    known = getattr(sig, "output", None)
+    shapes = known if isinstance(known, jax.ShapeDtypeStruct) else jax.eval_shape(program, *args)
+    return lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 class JaxCompiler:
@@ -268,6 +302,8 @@ class JaxCompiler:
         self.events: list[dict[str, Any]] = []  # one record per program: layer, timings, miss reason
         self.background: Any = None  # BackgroundPushes once defer_pushes() was called (a server)
         self._prefetch: Prefetch | None = None  # executables loading on a background thread (prefetch())
+        self._early: Any = None  # preheat.cache.early.EarlyLoads: the last start's keys, deserialising
+        self._startup_id: str | None = None
         if mode in ("full", "xla"):
             configure_persistent_cache(self.root)
 
@@ -275,7 +311,7 @@ class JaxCompiler:
                        outputs: int = 1) -> tuple[Any, Timings]:
         """``fingerprint``: the model component's identity (architecture, never weights);
         ``outputs``: 1 when the program returns one array, k for a k-tuple of arrays."""
-        fields = key_fields(fingerprint, sig, args)
+        fields = self.fields_for(fingerprint, sig, args)
         key = key_of(fields)
         record: dict[str, Any] = {"key": key, "stage": getattr(sig, "stage", "denoise")}
         prefetched = self._take_prefetched(key, record)
@@ -318,6 +354,28 @@ class JaxCompiler:
             self._store(key, fields, compiled, record)
         self._note(record, timings)
         return compiled, timings
+
+    def start_early(self, startup_id: str, mesh: Any = None) -> None:
+        """Begin deserialising the executables the last start with ``startup_id`` prefetched (see
+        ``preheat.cache.early``), before the model is built; the prefetch then remembers its keys."""
+        if self.mode != "full":
+            return
+        from preheat.cache.early import EarlyLoads, remembered
+
+        self._startup_id = startup_id
+        keys = [k for k in remembered(self.root, startup_id) if (self.kind_dir / k / "manifest.json").is_file()]
+        if keys:
+            devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+            self._early = EarlyLoads(self.kind_dir, keys, devices)
+
+    def fields_for(self, fingerprint: dict[str, Any], sig: Any, args: tuple) -> dict[str, Any]:
+        """The key fields of a program as this compiler compiles it (``key_fields``)."""
+        return key_fields(fingerprint, sig, args)
+
+    def manifest_extra(self) -> dict[str, Any]:
+        """What an entry records beside its key: the target it was compiled for ("local": the
+        devices that ran the compile) and whether XLA autotuned it (GPUs autotune by default)."""
+        return {"preheat": __version__, "target": "local", "autotuned": jax.devices()[0].platform == "gpu"}
 
     def prefetch(self, items: Items | Callable[[], Items], phases: Any = None) -> "Prefetch":
         """Start loading (or pulling) the executables of ``items`` -- (fingerprint, signature,
@@ -386,7 +444,7 @@ class JaxCompiler:
 
     def reject(self, fingerprint: dict[str, Any], sig: Any, args: tuple, reason: str) -> None:
         """Quarantine the entry that served ``sig`` (it loaded but failed to run)."""
-        key = key_of(key_fields(fingerprint, sig, args))
+        key = key_of(self.fields_for(fingerprint, sig, args))
         record: dict[str, Any] = {"key": key, "stage": getattr(sig, "stage", "denoise")}
         self._quarantine(self.kind_dir / key, reason, record)
         self.events.append(record)
@@ -406,6 +464,13 @@ class JaxCompiler:
     def _load(self, key: str, fields: dict[str, Any], args: tuple, record: dict[str, Any], outputs: int = 1) -> Any:
         from jax.experimental.serialize_executable import deserialize_and_load
 
+        in_tree = jax.tree_util.tree_structure((tuple(args), {}))
+        out_tree = jax.tree_util.tree_structure(0 if outputs == 1 else tuple(range(outputs)))
+        if self._early is not None:  # deserialised at process start from the last start's guess
+            compiled = self._early.take(key, fields, in_tree, out_tree)
+            if compiled is not None:
+                record["early"] = True
+                return compiled
         path = self.kind_dir / key
         if not path.is_dir():
             # Local miss: pull the entry from the fleet's shared store. fetch() verifies it and
@@ -425,8 +490,6 @@ class JaxCompiler:
         if entry is None:
             return None
         payload = entry.file(EXECUTABLE).read_bytes()
-        in_tree = jax.tree_util.tree_structure((tuple(args), {}))
-        out_tree = jax.tree_util.tree_structure(0 if outputs == 1 else tuple(range(outputs)))
         mesh = mesh_of(args)  # the key's mesh field: the same device ids the entry was compiled for
         devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
         try:
@@ -448,8 +511,7 @@ class JaxCompiler:
             record["store"] = f"not serialisable: {exc}"
             return
         try:
-            _, won = publish_entry(self.kind_dir, key, {EXECUTABLE: payload}, fields,
-                                   extra={"preheat": __version__})
+            _, won = publish_entry(self.kind_dir, key, {EXECUTABLE: payload}, fields, extra=self.manifest_extra())
             record["store"] = "written" if won else "another process wrote it first"
             if won and self.remote is not None:  # share with the fleet; never raises (the entry is already local)
                 if self.background is not None:
@@ -472,6 +534,66 @@ class JaxCompiler:
         if self.remote is not None and record.get("remote") == "hit":
             self.remote.distrust("jax", path.name)  # pulled entry failed here: stop trusting it; our push replaces it
         log.warning("preheat cache: entry %s quarantined (%s); recompiling", path.name[:12], reason)
+
+
+class TargetCompiler(JaxCompiler):
+    """Compiles each program for a GPU this machine does not have (``preheat warm --target``):
+    lowered onto the target's compile-only device (``preheat.cache.targets.target_device``),
+    compiled there, serialised and stored -- and pushed to the fleet's store -- under the key a
+    pod with that GPU computes for itself. Nothing runs: like a rehearsal, each "executable"
+    returns zeros of the program's outputs, so the next stage of the call sees the arguments it
+    would see for real. Entries record their target and that XLA did not autotune them (a
+    deviceless compile cannot time kernels)."""
+
+    def __init__(self, target: Any, root: Path | None = None, remote: Any = "env"):
+        from preheat.cache.targets import target_device
+
+        self.target = target
+        self.device = target_device(target)  # no plugin / a description XLA refuses: one line, before any work
+        super().__init__(root=root, mode="full", remote=remote)
+
+    def fields_for(self, fingerprint: dict[str, Any], sig: Any, args: tuple) -> dict[str, Any]:
+        return key_fields(fingerprint, sig, args, target=self.target)
+
+    def manifest_extra(self) -> dict[str, Any]:
+        return {"preheat": __version__, "target": self.target.manifest(), "autotuned": False}
+
+    def prefetch(self, items: Items | Callable[[], Items], phases: Any = None) -> "Prefetch":
+        self._prefetch = None  # nothing is loaded here: the entries are for another machine
+        return Prefetch(self, [], phases)
+
+    def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: tuple,
+                       outputs: int = 1) -> tuple[Any, Timings]:
+        from preheat.compile_target import compiling_for
+
+        fields = self.fields_for(fingerprint, sig, args)
+        key = key_of(fields)
+        record: dict[str, Any] = {"key": key, "stage": getattr(sig, "stage", "denoise"), "target": self.target.name}
+        if (self.kind_dir / key / "manifest.json").is_file():
+            timings = Timings(trace_lower_s=0.0, compile_s=0.0, cache_layer="aot")
+        else:
+            start = time.perf_counter()
+            with compiling_for("gpu", tuple(self.target.gpu["compute_capability"])):  # the models' trace-time choices
+                lowered = jax.jit(program).lower(*on_device(args, self.device))
+            traced = time.perf_counter()
+            with _persistent_cache_disabled():
+                compiled = lowered.compile()
+            timings = Timings(trace_lower_s=traced - start, compile_s=time.perf_counter() - traced, cache_layer="none")
+            self._store(key, fields, compiled, record)
+        self._note(record, timings)
+        return zeros_like_outputs(sig, program, args), timings
+
+
+def on_device(args: tuple, device: Any) -> tuple:
+    """``args`` as abstract values placed on ``device`` (shapes, dtypes and weak types kept: the
+    executable's inputs must be what the pod will pass)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def one(leaf: Any) -> jax.ShapeDtypeStruct:
+        aval = leaf if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf)
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type)
+
+    return jax.tree.map(one, tuple(args))
 
 
 class Prefetch:
@@ -504,10 +626,14 @@ class Prefetch:
                 if self.phases is not None and callable(self.items):
                     self.phases.add("executable.keys", start, now_s())
                 for fingerprint, sig, args, outputs in items:
-                    fields = key_fields(fingerprint, sig, args)
+                    fields = self.compiler.fields_for(fingerprint, sig, args)
                     self.keys[key_of(fields)] = (fields, args, outputs, getattr(sig, "stage", "denoise"))
             finally:
                 self.keys_ready.set()
+            if self.compiler._startup_id is not None:  # the next start's guess (preheat.cache.early)
+                from preheat.cache.early import remember
+
+                remember(self.compiler.root, self.compiler._startup_id, list(self.keys))
             for key, (fields, args, outputs, stage) in self.keys.items():
                 record: dict[str, Any] = {"key": key, "stage": stage}
                 t0 = time.perf_counter()
@@ -519,6 +645,8 @@ class Prefetch:
                 if compiled is None and "quarantined" not in record:
                     record["miss"] = self.compiler._explain_miss(fields)
                 self.results[key] = (compiled, record)
+            if self.compiler._early is not None:
+                self.compiler._early.drop()  # guesses nobody asked for
         except Exception as exc:  # never a crash: the first call loads or compiles on its own
             self.error = f"{type(exc).__name__}: {str(exc)[:200]}"
             log.warning("preheat cache: background executable load failed (%s); the first call loads or compiles",

@@ -27,11 +27,31 @@ from typing import Any
 from preheat.cache.entries import Entry, entry_size, iter_entries, open_entry, quarantine
 from preheat.errors import CacheEntryError, InvalidArgumentError
 
-__all__ = ["EntryInfo", "list_entries", "verify_entries", "enforce_size_cap", "clear", "prune", "max_bytes",
+__all__ = ["EntryInfo", "disk_usage", "list_entries", "verify_entries", "enforce_size_cap", "clear", "prune", "max_bytes",
            "COMPILE_KINDS"]
 
 COMPILE_KINDS = ("jax", "torch")
 DEFAULT_MAX_GB = 20.0
+
+
+def disk_usage(folder: Path, seen: set[tuple[int, int]] | None = None) -> int:
+    """Bytes the files under ``folder`` take, each file once: the store's snapshots are hard links
+    to its blobs, so counting paths would count their bytes twice. ``seen`` (device, inode)
+    pairs are shared across calls, so that a file linked from two folders counts in the first."""
+    seen = set() if seen is None else seen
+    total = 0
+    if not folder.is_dir():
+        return 0
+    for path in folder.rglob("*"):
+        try:
+            st = path.lstat()
+        except OSError:  # removed while we walk (a prune, a pull's temp file)
+            continue
+        if not path.is_file() or path.is_symlink() or (st.st_dev, st.st_ino) in seen:
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        total += st.st_size
+    return total
 
 
 def max_bytes() -> int:
@@ -53,8 +73,17 @@ class EntryInfo:
     last_used: float
     hits: int
     fields: dict[str, Any]
+    target: str = "local"  # the GPU it was compiled for (``warm --target``), or "local": the devices that ran it
     ok: bool | None = None  # set by verify
     problem: str = ""
+
+
+def target_label(manifest: dict[str, Any]) -> str:
+    """An entry's target in a word: "h200 (not autotuned)" for a ``warm --target`` entry, else "local"."""
+    target = manifest.get("target")
+    if not isinstance(target, dict):
+        return "local"
+    return f"{target.get('name', '?')}" + (" (not autotuned)" if manifest.get("autotuned") is False else "")
 
 
 def list_entries(root: Path) -> list[EntryInfo]:
@@ -69,7 +98,8 @@ def list_entries(root: Path) -> list[EntryInfo]:
             stats = entry.stats()
             out.append(EntryInfo(kind=kind, key=path.name, path=path, size=entry_size(path),
                                  created=float(manifest.get("created", 0)), last_used=float(stats.get("last_used", 0)),
-                                 hits=int(stats.get("hits", 0)), fields=manifest.get("fields", {})))
+                                 hits=int(stats.get("hits", 0)), fields=manifest.get("fields", {}),
+                                 target=target_label(manifest)))
     return out
 
 

@@ -6,6 +6,8 @@ import json
 
 import click
 
+from preheat.cli._support import one_line_errors
+
 from preheat.doctor.render import _render
 from preheat.doctor.report import run_checks
 from preheat.doctor.results import FAIL, OK, WARN
@@ -16,13 +18,19 @@ __all__ = ["doctor_command"]
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (checks, summary, versions) instead of a table.")
 @click.option("--require-gpu", is_flag=True, help="Exit 1 unless JAX actually computes on a GPU.")
+@click.option("--save-target", "save_target_path", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Write this GPU's description (XLA's target config) to FILE, for `preheat warm --target FILE` "
+                   "on a machine without this GPU; run no checks.")
 @click.pass_context
-def doctor_command(ctx: click.Context, as_json: bool, require_gpu: bool) -> None:
+def doctor_command(ctx: click.Context, as_json: bool, require_gpu: bool, save_target_path: str | None) -> None:
     """Say what is wrong with this machine's GPU / JAX / torch / cache setup, and the exact fix.
 
     Exit status: 0 when no check fails, 1 when one does (or, with --require-gpu, when JAX is not
     computing on a GPU).
     """
+    if save_target_path is not None:
+        _save_target(save_target_path)
+        return
     try:
         report = run_checks(require_gpu=require_gpu)
     except Exception as exc:  # run_checks should not raise; never show a traceback anyway
@@ -38,3 +46,17 @@ def doctor_command(ctx: click.Context, as_json: bool, require_gpu: bool) -> None
     else:
         _render(report)
     ctx.exit(report.exit_code)
+
+
+@one_line_errors
+def _save_target(path: str) -> None:
+    """``--save-target FILE``: this machine's first GPU, described for ``warm --target FILE``."""
+    from pathlib import Path
+
+    from preheat.cache.targets import save_target
+
+    target = save_target(Path(path))
+    cc = ".".join(map(str, target.gpu["compute_capability"]))
+    click.echo(f"wrote {path}: {target.device_name or 'this GPU'}, compute capability {cc}, "
+               f"{target.gpu['core_count']} cores; use it as `preheat warm MODEL --target {path}`")
+

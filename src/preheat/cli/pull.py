@@ -26,19 +26,25 @@ def pull_command(source: str, revision: str | None, force: bool, quiet: bool, va
     """Put SOURCE into the store (under the cache root) and print its snapshot folder.
 
     SOURCE is a local folder or .tar(.gz) file, an http(s):// URL of a .tar/.tar.gz/.tgz of a
-    diffusers folder (or of one file; append #sha256=<hex> to check it), or hf://org/repo[@revision].
+    diffusers folder (or of one file; append #sha256=<hex> to check it), hf://org/repo[@revision],
+    or random:NAME (a random-weight folder, written once: random:sd1-tiny, random:sdxl-tiny,
+    random:sd3-tiny, random:flux-tiny, random:sd15, ...).
     Already-stored remote sources are not downloaded again; an interrupted download resumes.
     An hf:// pipeline pulls only model_index.json and, in the component folders it names, the
     configs, tokenizer files and one variant's safetensors; hf://org/repo/path/file.safetensors
     pulls that one file.
     """
+    from preheat.cli._support import resolve_model
     from preheat.store import plan_pull, pull
 
     try:
-        if dry_run:
+        if source.startswith("random:"):  # built here, once, under the cache root
+            path = resolve_model(source, log=lambda line: click.echo(line, err=True) if not quiet else None).model
+        elif dry_run:
             _print_plan(plan_pull(source, revision=revision, variant=variant))
             return
-        path = pull(source, revision=revision, progress=not quiet, force=force, variant=variant)
+        else:
+            path = pull(source, revision=revision, progress=not quiet, force=force, variant=variant)
     except PreheatError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2 if isinstance(err, InvalidArgumentError) else 1)

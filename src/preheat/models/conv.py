@@ -51,7 +51,9 @@ def groupnorm_impl() -> str:
     platform (``auto``): one pass on CPU, two passes elsewhere."""
     impl = os.environ.get("PREHEAT_GROUPNORM", "auto")
     if impl == "auto":
-        return "one_pass" if jax.default_backend() == "cpu" else "two_pass"
+        from preheat.compile_target import traced_target
+
+        return "one_pass" if traced_target()[0] == "cpu" else "two_pass"
     if impl not in GROUPNORM_IMPLS:
         raise InvalidArgumentError(f"PREHEAT_GROUPNORM={impl!r}; supported: auto, {', '.join(GROUPNORM_IMPLS)}",
                                    argument="PREHEAT_GROUPNORM")

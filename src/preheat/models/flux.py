@@ -38,8 +38,10 @@ from flax import nnx
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.models import weights
 from preheat.models.dit import AdaLayerNormContinuous, FeedForward, layer_norm, modulate, resolve_transformer_dir
-from preheat.models.unet2d import JsonConfig, Linear, TimestepEmbedding, _lift, sinusoidal_embedding
+from preheat.models.config import JsonConfig
+from preheat.models.layers import Linear, TimestepEmbedding, lift, sinusoidal_embedding
 from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
+from preheat.models.attention import dot_product_attention
 
 __all__ = [
     "SUPPORTED",
@@ -191,7 +193,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: Array) -> Array:  # (..., D) -> (..., D)
         h = x.astype(jnp.float32)
         h = h * jax.lax.rsqrt(jnp.square(h).mean(axis=-1, keepdims=True) + self.eps)
-        return (h * _lift(self.scale[...].astype(jnp.float32), h.ndim)).astype(x.dtype)
+        return (h * lift(self.scale[...].astype(jnp.float32), h.ndim)).astype(x.dtype)
 
 
 class AdaLayerNormZero(nnx.Module):
@@ -260,7 +262,7 @@ class FluxAttention(nnx.Module):
             k = jnp.concatenate([self.norm_added_k(self._heads(self.add_k_proj(context))), k], axis=1)
             v = jnp.concatenate([self._heads(self.add_v_proj(context)), v], axis=1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = jax.nn.dot_product_attention(q, k, v)  # (B, L, nH, Dh); scale 1/sqrt(Dh)
+        out = dot_product_attention(q, k, v)  # (B, L, nH, Dh); scale 1/sqrt(Dh)
         out = out.astype(x.dtype).reshape(out.shape[0], out.shape[1], self.heads * self.head_dim)
         if not self.joint:
             return out

@@ -38,8 +38,10 @@ from flax import nnx
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.models import weights
 from preheat.models.dit import AdaLayerNormContinuous, FeedForward, layer_norm, modulate, resolve_transformer_dir
-from preheat.models.unet2d import Conv2d, JsonConfig, Linear, TimestepEmbedding, _lift, sinusoidal_embedding
+from preheat.models.config import JsonConfig
+from preheat.models.layers import Conv2d, Linear, TimestepEmbedding, lift, sinusoidal_embedding
 from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, torch_key, weight_files
+from preheat.models.attention import dot_product_attention
 
 __all__ = [
     "SUPPORTED",
@@ -170,7 +172,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: Array) -> Array:  # (..., Dh) -> (..., Dh)
         h = x.astype(jnp.float32)
         h = h * jax.lax.rsqrt(jnp.square(h).mean(axis=-1, keepdims=True) + self.eps)
-        return h.astype(x.dtype) * _lift(self.weight[...].astype(x.dtype), x.ndim)
+        return h.astype(x.dtype) * lift(self.weight[...].astype(x.dtype), x.ndim)
 
 
 class AdaLayerNormZero(nnx.Module):
@@ -248,7 +250,7 @@ class JointAttention(nnx.Module):
             q = jnp.concatenate([q, cq], axis=1)  # (B, N+T, nH, Dh): image tokens first
             k = jnp.concatenate([k, ck], axis=1)
             v = jnp.concatenate([v, cv], axis=1)
-        out = jax.nn.dot_product_attention(q, k, v)  # (B, N(+T), nH, Dh); scale 1/sqrt(Dh)
+        out = dot_product_attention(q, k, v)  # (B, N(+T), nH, Dh); scale 1/sqrt(Dh)
         out = out.astype(x.dtype).reshape(b, out.shape[1], self.heads * self.head_dim)
         image = self.to_out[0](out[:, :n])
         if context is None:

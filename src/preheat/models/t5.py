@@ -32,7 +32,7 @@ What is static (the compiled program) and what is data::
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
@@ -44,8 +44,10 @@ from flax import nnx
 
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
 from preheat.models import weights
-from preheat.models.unet2d import Embedding, Linear
+from preheat.models.config import JsonConfig
+from preheat.models.layers import Embedding, Linear
 from preheat.models.weights import TRANSFORMERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
+from preheat.models.attention import dot_product_attention
 
 __all__ = [
     "SUPPORTED",
@@ -82,7 +84,7 @@ _BOOKKEEPING = {"pad_token_id", "eos_token_id", "decoder_start_token_id", "dropo
 
 
 @dataclass(frozen=True)
-class T5Config:
+class T5Config(JsonConfig):
     """transformers' ``T5Config`` fields an encoder reads (same names, same defaults); the rest is ignored."""
 
     vocab_size: int = 32128  # V, rows of ``shared`` (T5 v1.1: 32128, more than the tokenizer's 32100)
@@ -113,13 +115,11 @@ class T5Config:
             raise UnsupportedConfigError(
                 f"unsupported architectures {archs!r} in {source}; supported: 'T5EncoderModel' "
                 "(a diffusers pipeline's text_encoder_2 / text_encoder_3 folder)")
-        values: dict[str, Any] = {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
+        values = dict(raw)
         eos = values.get("eos_token_id")
         if isinstance(eos, list):  # transformers allows a list; only bookkeeping here
             values["eos_token_id"] = eos[0] if eos else None
-        config = cls(**values)
-        config.validate(source)
-        return config
+        return cls.from_checked_dict(values, source, None, strict=False)
 
     def validate(self, source: str = "config") -> None:
         for name in ("feed_forward_proj", "is_decoder"):
@@ -236,7 +236,7 @@ class T5Attention(nnx.Module):
             # attention runs in float32 (an unusual dtype for T5, which is published in bf16/fp32).
             q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
         # XLA's implementation takes logits and softmax in float32 for every input dtype.
-        out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=1.0)  # (B, L, H, Dk)
+        out = dot_product_attention(q, k, v, bias=bias, mask=mask, scale=1.0)  # (B, L, H, Dk)
         return self.o(out.reshape(b, length, self.heads * self.head_dim).astype(x.dtype))
 
 

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from preheat.models.unet2d import Conv2d, GroupNorm, LayerNorm, Linear
+from preheat.models.attention import dot_product_attention
+from preheat.models.layers import Conv2d, GroupNorm, LayerNorm, Linear
 
 __all__ = ["CrossAttention", "GEGLU", "FeedForward", "BasicTransformerBlock", "Transformer2DModel"]
 
@@ -46,7 +47,7 @@ class CrossAttention(nnx.Module):
         v = self.to_v(ctx).reshape(b, m, self.heads, self.head_dim)
         if self.upcast:
             q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
-        out = jax.nn.dot_product_attention(q, k, v)  # (B, L, nH, Dh); scale 1/sqrt(Dh)
+        out = dot_product_attention(q, k, v)  # (B, L, nH, Dh); scale 1/sqrt(Dh)
         out = out.astype(x.dtype).reshape(b, n, self.heads * self.head_dim)
         return self.to_out[0](out)
 

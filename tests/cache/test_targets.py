@@ -1,0 +1,205 @@
+"""`preheat warm --target`: GPU programs compiled on this CPU-only machine (jax-cuda13-plugin's
+deviceless compiles; no GPU, no driver), keyed as a pod with that GPU keys its own.
+
+The independent reference for the key is XLA itself: a "pod" here is the compile-only device
+of the same description, whose description the pod path asks XLA for
+(``get_topology_for_devices(...).target_config``, re-emitted by XLA, not the file we shipped).
+The attention choice is checked in the compiled HLO for the H200.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import preheat
+from preheat.cache import compile as compile_mod
+from preheat.cache import targets
+from preheat.cache.compile import TargetCompiler, key_fields, key_of, on_device
+from preheat.cache.targets import resolve_target, target_device
+from preheat.cli import main
+from preheat.errors import TargetError
+
+pytestmark = pytest.mark.skipif(not any(k.startswith("jax-cuda") for k in targets.cuda_versions()),
+                                reason="needs the test extra's jax-cuda13-plugin")
+
+
+def _manifests(root: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((root / "compile" / "jax").glob("*/manifest.json"))]
+
+
+def _warm(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["warm", *args])
+    return result.exit_code, result.output
+
+
+def _root() -> Path:
+    from preheat.cache.root import resolve_root
+
+    return resolve_root().path
+
+
+def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(tmp_path, monkeypatch):
+    store = tmp_path / "fleet"
+    monkeypatch.setenv("PREHEAT_CACHE_URL", str(store))
+    monkeypatch.setenv("PREHEAT_CACHE_SIGNING_KEY", "target-test-" + "0123456789abcdef" * 2)
+    code, out = _warm("--target", "h200", "--max-batch-size", "1", "--guidance", "off", "--dtype", "bfloat16",
+                      "--json")
+    assert code == 0, out
+    result = json.loads(out[out.index("{"):])
+    assert [row["cache_layer"] for row in result["signatures"]] == ["none"] and result["pushed"] is True
+    gpu = _manifests(_root())
+    assert len(gpu) == 1
+    entry = gpu[0]
+    assert entry["target"]["name"] == "h200" and entry["target"]["device"] == "NVIDIA H200 141GB HBM3e"
+    assert entry["autotuned"] is False
+    assert entry["fields"]["platform"] == "gpu" and entry["fields"]["gpu"]["compute_capability"] == [9, 0]
+    assert "device_kind" not in entry["fields"]  # never the marketing name
+    from preheat.cache.remote import open_store
+
+    assert open_store(str(store)).has("jax", entry["key"])  # pushed to the fleet store, like any entry
+
+    # the same root, a CPU process: it never picks the GPU entry, compiles its own, then hits it
+    monkeypatch.delenv("PREHEAT_CACHE_URL")
+    for expected in ("none", "aot"):
+        pipe = preheat.load(None, dtype="bfloat16")
+        pipe.generate(1, steps=1, seed=0)
+        assert pipe.last.cache_layer == expected
+    kinds = sorted(m["fields"]["platform"] for m in _manifests(_root()))
+    assert kinds == ["cpu", "gpu"]
+
+    # a second warm finds its entry (no compile), and `cache ls` names each entry's target
+    code, out = _warm("--target", "h200", "--max-batch-size", "1", "--guidance", "off", "--dtype", "bfloat16")
+    assert code == 0 and "1 aot" in out, out
+    listing = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "250"}).output
+    assert "h200 (not autotuned)" in listing and "local" in listing, listing
+
+
+def test_warm_target_on_a_tiny_sd1_folder_compiles_every_program_of_the_call(tmp_path):
+    from tests._support.sd_fixtures import save_tiny_sd
+
+    folder = save_tiny_sd(tmp_path / "sd1", kind="sd1")
+    code, out = _warm(str(folder), "--target", "h200", "--max-batch-size", "1", "--guidance", "off")
+    assert code == 0, out
+    stages = sorted(m["fields"]["signature"].get("stage", "denoise") for m in _manifests(_root()))
+    assert len(stages) == 3 and "denoise" in stages, stages  # text encoder, denoising loop, VAE decoder
+    assert all(m["target"]["name"] == "h200" and m["fields"]["platform"] == "gpu" for m in _manifests(_root()))
+
+
+def _pod(monkeypatch, device) -> None:
+    """This process as a pod whose one GPU is ``device``: what jax.devices() reports there."""
+    monkeypatch.setattr(compile_mod.jax, "devices", lambda *a, **k: [device])
+    targets._DEVICE_FIELDS.clear()
+
+
+def test_the_deviceless_key_is_the_key_a_pod_with_that_gpu_computes(monkeypatch):
+    pipe = preheat.load(None, cache="off")
+    sig, args = pipe.prepare(2, steps=1)
+    h200, a100 = resolve_target("h200"), resolve_target("a100-80")
+    built = key_of(key_fields(pipe.fingerprint, sig, args, target=h200))
+    cpu = key_of(key_fields(pipe.fingerprint, sig, args))
+    _pod(monkeypatch, target_device(h200))
+    assert key_of(key_fields(pipe.fingerprint, sig, args)) == built  # the pod's first start finds it
+    _pod(monkeypatch, target_device(a100))
+    assert key_of(key_fields(pipe.fingerprint, sig, args)) != built  # another chip: another program
+    assert cpu != built  # and a CPU never picks a GPU entry, nor a GPU a CPU's
+
+
+def test_a_saved_description_keys_like_the_published_one(tmp_path, monkeypatch):
+    """`doctor --save-target` on a "pod" writes what XLA reports for its device; warm --target FILE
+    then keys exactly as the shipped name does."""
+    h200 = resolve_target("h200")
+    _pod(monkeypatch, target_device(h200))
+    path = tmp_path / "mygpu.txtpb"
+    result = CliRunner().invoke(main, ["doctor", "--save-target", str(path)])
+    assert result.exit_code == 0 and "compute capability 9.0" in result.output, result.output
+    saved = resolve_target(str(path))
+    assert saved.gpu == h200.gpu and saved.name == str(path)
+    target_device(saved)  # XLA takes the saved text back
+
+
+def test_doctor_save_target_without_a_gpu_is_one_line(tmp_path):
+    result = CliRunner().invoke(main, ["doctor", "--save-target", str(tmp_path / "x.txtpb")])
+    assert result.exit_code != 0 and not (tmp_path / "x.txtpb").exists()
+    assert len(result.output.strip().splitlines()) == 1 and result.output.startswith("error:")
+
+
+@pytest.mark.parametrize("spec, reason", [("h300", "unknown"), ("l40s", "unknown"), ("{bad}", "malformed"),
+                                          ("plugin", "plugin")])
+def test_target_errors_are_one_line(spec, reason, tmp_path, monkeypatch):
+    if spec == "{bad}":
+        spec = str(tmp_path / "bad.txtpb")
+        Path(spec).write_text("gpu_device_info {\n  core_count: 132\n  cuda_compute_capability {\n    major: 9\n")
+    if spec == "plugin":
+        spec = "h200"
+        monkeypatch.setattr(targets, "cuda_versions", lambda: {})
+    with pytest.raises(TargetError) as err:
+        target_device(resolve_target(spec))
+    assert err.value.reason == reason and err.value.argument == "target"
+    code, out = _warm("--target", spec, "--max-batch-size", "1")
+    assert code == 2 and len(out.strip().splitlines()) == 1 and out.startswith("error:"), out
+    assert not (_root() / "compile" / "jax").is_dir() or not _manifests(_root())
+
+
+@pytest.mark.parametrize("text", ["", "gpu_device_info { core_count: 132 }", "name: \"x\" }",
+                                  "gpu_device_info { cuda_compute_capability { major: nine } core_count: 1 }"])
+def test_malformed_descriptions_fail_in_one_line(text, tmp_path):
+    path = tmp_path / "t.txtpb"
+    path.write_text(text)
+    with pytest.raises(TargetError) as err:
+        resolve_target(str(path))
+    assert err.value.reason == "malformed" and "\n" not in str(err.value)
+
+
+def _attention_hlo(head_dim: int, dtype: jnp.dtype, heads: int = 2, tokens: int = 64, context: int = 77) -> str:
+    """The compiled H200 HLO of one cross-attention layer (transformer2d's, as SD UNets build it)."""
+    from flax import nnx
+
+    from preheat.compile_target import compiling_for
+    from preheat.models.transformer2d import CrossAttention
+
+    layer = nnx.eval_shape(lambda: CrossAttention(heads * head_dim, 32, heads, head_dim, False, rngs=nnx.Rngs(0)))
+    graph, state = nnx.split(layer)
+    x = jax.ShapeDtypeStruct((2, tokens, heads * head_dim), dtype)
+    ctx = jax.ShapeDtypeStruct((2, context, 32), dtype)
+    state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), state)
+
+    def run(state, x, ctx):
+        return nnx.merge(graph, state)(x, ctx)
+
+    device = target_device(resolve_target("h200"))
+    with compiling_for("gpu", (9, 0)):
+        lowered = jax.jit(run).lower(*on_device((state, x, ctx), device))
+    return lowered.compile().as_text()
+
+
+@pytest.mark.skipif(not targets.cudnn_available(), reason="needs a cuDNN package (nvidia-cudnn-cu13)")
+def test_attention_on_the_h200_fuses_sdxl_heads_and_compiles_every_other_head():
+    assert "__cudnn$fmha" in _attention_hlo(64, jnp.bfloat16)  # SDXL's 64-wide heads: cuDNN's fused attention
+    for head_dim in (80,):  # SD 1.5's middle blocks: fused too
+        assert "__cudnn$fmha" in _attention_hlo(head_dim, jnp.bfloat16)
+    assert "__cudnn$fmha" not in _attention_hlo(160, jnp.bfloat16)  # SD 1.5's deepest: XLA's path, compiles
+    assert "__cudnn$fmha" not in _attention_hlo(64, jnp.float32)  # float32: XLA's path
+
+
+def test_the_cpu_trace_is_unchanged():
+    from preheat.models.attention import implementation_for
+
+    assert jax.devices()[0].platform == "cpu"
+    assert implementation_for(jnp.bfloat16, 64) is None  # jax's default: the CPU program as before
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 8, 2, 16)), jnp.float32)
+    from preheat.models.attention import dot_product_attention
+
+    np.testing.assert_array_equal(np.asarray(dot_product_attention(q, q, q)),
+                                  np.asarray(jax.nn.dot_product_attention(q, q, q)))
+
+
+def test_a_target_compiler_never_prefetches(tmp_path):
+    compiler = TargetCompiler(resolve_target("h200"), root=tmp_path, remote=None)
+    assert compiler.prefetch([({}, None, (), 1)]).items == []
