@@ -30,6 +30,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, WeightsError
+from preheat.files import publish_folder
 
 __all__ = ["LAYOUTS", "detect_layout", "materialize"]
 
@@ -308,11 +309,7 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
             stem = "model" if component.startswith("text_encoder") else "diffusion_pytorch_model"
             (tmp / component).mkdir(exist_ok=True)
             save_file(tensors, str(tmp / component / f"{stem}.safetensors"))
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another process converted it first
-            if not (out / "model_index.json").is_file():
-                raise
+        publish_folder(tmp, out)  # another process may have converted it first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
