@@ -450,7 +450,7 @@ class Pipeline:
             raise InvalidArgumentError(f"guidance={g} must be a finite number >= 0", argument="guidance")
         if mode == "embedded":
             return False, g
-        if g == 1.0:
+        if g <= 1.0:  # as diffusers' pipelines (guidance_scale > 1 turns it on): turbo cards pass 0.0
             return False, 1.0
         why = self.family.guidance_error(self, values)
         if why:
@@ -529,7 +529,8 @@ def make_compiler(cache: str | None = None) -> Any:
 
 
 def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
-         cache: str | None = None, variant: str | None = None, offload_encoders: bool = False,
+         cache: str | None = None, variant: str | None = None, config: str | Path | None = None,
+         offload_encoders: bool = False,
          devices: Any = None, fsdp: int = 1, prefetch: Sequence[dict[str, Any]] | None = None) -> Pipeline:
     """A JAX sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
 
@@ -541,6 +542,8 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     ``scheduler``: a scheduler_config.json path or dict, for a bare UNet folder without one.
     ``dtype``: the denoiser's dtype (float32, bfloat16, float16); a VAE that asks for it stays float32.
     ``variant``: weight files ``*.{variant}.safetensors`` (e.g. "fp16").
+    ``config``: with ``model`` a single ``.safetensors`` file in an original layout (LDM SD 1.x/2.x),
+    the diffusers folder whose configs and tokenizers it is read with (``preheat.models.single_file``).
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
     ``offload_encoders``: text families keep their text encoders' weights in host memory and
     move them to the device only while prompts are encoded (for GPUs that cannot hold it all).
@@ -575,7 +578,15 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     from preheat.store import resolve
 
     # A local folder as it is; http(s):// and hf:// sources from the weights store (pulled once).
-    root = BUILTIN_MODEL if model is None else resolve(str(model))
+    root = BUILTIN_MODEL if model is None else resolve(str(model), variant=variant)  # hf://: that variant only
+    if config is not None:
+        from preheat.cache.root import resolve_root
+        from preheat.models.single_file import materialize
+
+        root = materialize(root, resolve(str(config)), resolve_root().path)  # converted once, then reused
+    elif Path(root).is_file() and Path(root).suffix == ".safetensors":
+        raise InvalidArgumentError(f"{model} is a single .safetensors file; pass config=<the diffusers folder whose "
+                                   "configs and tokenizers it goes with>", argument="config")
     early = bool(prefetch) and compiler is not None
     if early:  # the last such start's executables deserialise while the model is built (preheat.cache.early)
         from preheat.cache.early import startup_id

@@ -75,3 +75,16 @@ def sha256_and_size(path: str | Path) -> tuple[str, int]:
 
 def sha256_file(path: str | Path) -> str:
     return sha256_and_size(path)[0]
+
+
+def publish_folder(tmp: str | Path, out: str | Path, marker: str = "model_index.json") -> None:
+    """Rename the finished folder ``tmp`` to ``out`` in one step, so a reader sees all of it or none.
+
+    Two processes may build the same folder at once: the loser's rename fails, which is fine when
+    the winner's ``out`` is complete (holds ``marker``); ``tmp`` is the caller's to remove.
+    """
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if not (Path(out) / marker).is_file():
+            raise

@@ -129,11 +129,9 @@ def _local_file(source: str) -> Path:
         from preheat.store import resolve
 
         inside = ""
-        if text.lower().startswith("hf://"):  # hf://org/repo[/file.safetensors][@rev]: the store pulls the repo
-            repo, at, rev = text[len("hf://"):].partition("@")
-            parts = repo.strip("/").split("/")
-            if len(parts) > 2:
-                text, inside = "hf://" + "/".join(parts[:2]) + at + rev, "/".join(parts[2:])
+        if text.lower().startswith("hf://"):  # hf://org/repo[/file.safetensors][@rev]: the store pulls that file
+            parts = text[len("hf://"):].partition("@")[0].strip("/").split("/")
+            inside = "/".join(parts[2:])  # the snapshot keeps the file at its repository path
         path = Path(resolve(text))
         if inside:
             path = path / inside

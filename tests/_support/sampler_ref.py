@@ -18,6 +18,7 @@ from diffusers.schedulers import (
     scheduling_ddim,
     scheduling_ddpm,
     scheduling_euler_ancestral_discrete,
+    scheduling_lcm,
 )
 
 from preheat.samplers import Plan, SamplerState, SchedulerConfig, SolverSpec, _schedules
@@ -36,9 +37,10 @@ DIFFUSERS_CLASS = {
     "heun": diffusers.HeunDiscreteScheduler,
     "dpmpp_2m": diffusers.DPMSolverMultistepScheduler,
     "dpmpp_2m_karras": diffusers.DPMSolverMultistepScheduler,
+    "lcm": diffusers.LCMScheduler,
 }
 # modules whose ``randn_tensor`` we replace so diffusers draws our noise table
-RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete)
+RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm)
 
 
 # --- the fake denoiser, identical math in jax and torch -------------------------------------------
@@ -156,7 +158,7 @@ def run_diffusers(sampler: str, cfg: dict[str, Any], steps: int, x_t: np.ndarray
                 xs.append(x.numpy().copy())
     return Trajectory(
         timesteps=ts_ours.numpy().astype(np.float64),
-        sigmas=None if sig_ours is None or sampler in ("ddpm", "ddim") else sig_ours.numpy(),
+        sigmas=None if sig_ours is None or sampler in ("ddpm", "ddim", "lcm") else sig_ours.numpy(),
         init_noise_sigma=float(torch.as_tensor(sched.init_noise_sigma).to(torch.float32)),
         x_init=x_init,
         xs=xs,

@@ -16,7 +16,8 @@ def make_model(folder: Path, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     (folder / "unet").mkdir(parents=True)
     (folder / "scheduler").mkdir()
-    (folder / "model_index.json").write_text(json.dumps({"_class_name": "DDPMPipeline", "unet": ["diffusers", "UNet2DModel"]}))
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "DDPMPipeline", "unet": ["diffusers", "UNet2DModel"],
+                                                              "scheduler": ["diffusers", "DDPMScheduler"]}))
     (folder / "unet" / "config.json").write_text(json.dumps({"_class_name": "UNet2DModel", "sample_size": 8}))
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps({"_class_name": "DDPMScheduler"}))
     # random float32: incompressible, so the tarball stays ~260 KB and downloads take several reads

@@ -69,6 +69,9 @@ EXTRAS: dict[str, list[dict[str, Any]]] = {
     "euler_a": [],
     "dpmpp_2m": [],
     "dpmpp_2m_karras": [],
+    # spacing and offset are not read by LCMScheduler: the grid still crosses them (ignored alike)
+    "lcm": [{"original_inference_steps": 25}, {"timestep_scaling": 4.0, "clip_sample": True},
+            {"original_inference_steps": 20}],  # 20 steps: the whole grid
 }
 
 
@@ -110,7 +113,7 @@ def test_negative_controls(sampler: str, monkeypatch) -> None:
 
     if sampler == "ddim":
         bad = plan._replace(eta=np.float32(0.0))
-    elif sampler == "ddpm":
+    elif sampler in ("ddpm", "lcm"):
         ab_prev = plan.alpha_bar_prev.copy()
         ab_prev[2] *= 1.0001
         bad = plan._replace(alpha_bar_prev=ab_prev)

@@ -91,7 +91,7 @@ def test_model_calls_and_noise_draws(sampler: str) -> None:
     assert counts["model"] == (2 * n - 1 if sampler == "heun" else n)
     assert spec.max_model_calls_per_step == (2 if sampler == "heun" else 1)
     assert counts["noise"] == n * spec.noise_draws_per_step
-    assert spec.noise_draws_per_step == (1 if sampler in ("ddpm", "ddim", "euler_a") else 0)
+    assert spec.noise_draws_per_step == (1 if sampler in ("ddpm", "ddim", "euler_a", "lcm") else 0)
 
 
 @pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
@@ -105,7 +105,7 @@ def test_init_scales_noise_and_sets_history(sampler: str) -> None:
             assert state.x0_prev is not None and not np.any(np.asarray(state.x0_prev))
         else:
             assert state.x0_prev is None
-        expect_one = sampler in ("ddpm", "ddim") or sampler.startswith("dpmpp")
+        expect_one = sampler in ("ddpm", "ddim", "lcm") or sampler.startswith("dpmpp")
         assert (plan.init_noise_sigma == 1.0) == expect_one
 
 

@@ -117,7 +117,8 @@ def test_karras_sigmas_match_diffusers() -> None:
 @pytest.mark.parametrize("sampler", SAMPLERS)
 def test_plan_shapes_do_not_depend_on_steps(sampler: str) -> None:
     """Every leaf has the same shape and dtype whatever the step count: one compiled program."""
-    config = SchedulerConfig.from_dict({"num_train_timesteps": 1000})
+    grid = {"original_inference_steps": 1000} if sampler == "lcm" else {}  # lcm picks steps from this grid
+    config = SchedulerConfig.from_dict({"num_train_timesteps": 1000, **grid})
     plans = [make_plan(config, sampler, n) for n in (1, 7, 20, 999)]
     ref = [(np.shape(x), np.asarray(x).dtype) for x in plans[0]]
     for plan in plans[1:]:
@@ -145,3 +146,14 @@ def test_trailing_spacing_extra_timestep_quirk() -> None:
     """diffusers' 'trailing' spacing yields 62 timesteps, the last -1, for 61 of 1000 steps."""
     ts = S.spaced_timesteps("trailing", 1000, 61, 0)
     assert len(ts) == 62 and ts[-1] == -1
+
+
+def test_lcm_steps_beyond_its_grid_are_one_line() -> None:
+    from preheat.errors import SchedulerConfigError
+
+    cfg = SchedulerConfig.from_dict({"_class_name": "LCMScheduler", "original_inference_steps": 8})
+    assert int(make_plan(cfg, "lcm", 8).n_steps) == 8
+    with pytest.raises(SchedulerConfigError, match=r"steps=9 .* original_inference_steps \(8\)"):
+        make_plan(cfg, "lcm", 9)
+    with pytest.raises(SchedulerConfigError, match="timestep_scaling=0.0"):
+        SchedulerConfig.from_dict({"timestep_scaling": 0})

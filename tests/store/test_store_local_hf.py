@@ -171,7 +171,7 @@ def test_hf_pull_from_cache_then_resolve_without_network(root, model, hf_offline
     files["unet/diffusion_pytorch_model.bin"] = b"torch pickle, never fetched nor stored"
     _fake_hf_cache(root / "models" / "hf", "org/tiny", commit, files)
 
-    snap = pull("hf://org/tiny", root=root, progress=False)  # the real snapshot_download, offline
+    snap = pull("hf://org/tiny", root=root, progress=False)  # offline: planned from the cache
     assert files_of(snap) == files_of(model)  # *.bin filtered out
     ref = json.loads((root / "models" / "refs" / source_id("hf://org/tiny")).read_text())
     assert ref["kind"] == "hf" and ref["repo_id"] == "org/tiny" and ref["commit"] == commit
@@ -185,8 +185,12 @@ def test_hf_pull_from_cache_then_resolve_without_network(root, model, hf_offline
         raise AssertionError("network used")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", no_network)
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.delenv("HF_HUB_OFFLINE")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     assert resolve("hf://org/tiny", root=root) == snap
     assert resolve("hf://org/tiny", root=root, offline=False, verify=True) == snap
     assert pull("hf://org/tiny", root=root, progress=False) == snap

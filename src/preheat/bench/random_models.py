@@ -150,6 +150,8 @@ def build_random(name: str, out: Path) -> Path:
     import shutil
     import tempfile
 
+    from preheat.files import publish_folder
+
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
     try:
@@ -159,11 +161,7 @@ def build_random(name: str, out: Path) -> Path:
             write_pixel_architecture(name, tmp / "m")
         else:
             globals()[spec.builder](tmp / "m")
-        try:
-            (tmp / "m").rename(out)
-        except OSError:  # another process built it first
-            if not (out / "model_index.json").is_file():
-                raise
+        publish_folder(tmp / "m", out)  # another process may have built it first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from preheat.errors import InvalidArgumentError, PreheatError
+
+if TYPE_CHECKING:
+    from preheat.store import HfPlan
 
 __all__ = ["pull_command"]
 
@@ -16,7 +20,9 @@ __all__ = ["pull_command"]
 @click.option("--revision", default=None, help="hf:// only: branch, tag or commit (same as SOURCE@REVISION).")
 @click.option("--force", is_flag=True, help="Fetch again even if already stored; re-checks every blob (repairs).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the snapshot path.")
-def pull_command(source: str, revision: str | None, force: bool, quiet: bool) -> None:
+@click.option("--variant", default=None, help="hf:// pipelines: pull this weight variant (e.g. fp16) instead of the default weights.")
+@click.option("--dry-run", is_flag=True, help="hf:// only: list the files and bytes a pull would fetch; download nothing.")
+def pull_command(source: str, revision: str | None, force: bool, quiet: bool, variant: str | None, dry_run: bool) -> None:
     """Put SOURCE into the store (under the cache root) and print its snapshot folder.
 
     SOURCE is a local folder or .tar(.gz) file, an http(s):// URL of a .tar/.tar.gz/.tgz of a
@@ -24,15 +30,21 @@ def pull_command(source: str, revision: str | None, force: bool, quiet: bool) ->
     or random:NAME (a random-weight folder, written once: random:sd1-tiny, random:sdxl-tiny,
     random:sd3-tiny, random:flux-tiny, random:sd15, ...).
     Already-stored remote sources are not downloaded again; an interrupted download resumes.
+    An hf:// pipeline pulls only model_index.json and, in the component folders it names, the
+    configs, tokenizer files and one variant's safetensors; hf://org/repo/path/file.safetensors
+    pulls that one file.
     """
     from preheat.cli._support import resolve_model
-    from preheat.store import pull
+    from preheat.store import plan_pull, pull
 
     try:
         if source.startswith("random:"):  # built here, once, under the cache root
             path = resolve_model(source, log=lambda line: click.echo(line, err=True) if not quiet else None).model
+        elif dry_run:
+            _print_plan(plan_pull(source, revision=revision, variant=variant))
+            return
         else:
-            path = pull(source, revision=revision, progress=not quiet, force=force)
+            path = pull(source, revision=revision, progress=not quiet, force=force, variant=variant)
     except PreheatError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2 if isinstance(err, InvalidArgumentError) else 1)
@@ -40,3 +52,12 @@ def pull_command(source: str, revision: str | None, force: bool, quiet: bool) ->
         click.echo("error: interrupted (run the same pull again to resume)", err=True)
         sys.exit(130)
     click.echo(str(path))
+
+
+def _print_plan(plan: "HfPlan") -> None:
+    """One line per file (bytes, path), then the total against the whole repository."""
+    for f in plan.files:
+        click.echo(f"{f.size:>15,d}  {f.path}")
+    skipped = len(plan.repo_files) - len(plan.files)
+    click.echo(f"{plan.bytes:>15,d}  total: {len(plan.files)} files of {plan.source.key} at {plan.commit} "
+               f"({skipped} files, {plan.repo_bytes - plan.bytes:,d} bytes of the repository left out)")

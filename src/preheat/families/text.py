@@ -56,6 +56,7 @@ SAMPLER_OF_SCHEDULER = {
     "DDPMScheduler": "ddpm",
     "HeunDiscreteScheduler": "heun",
     "DPMSolverMultistepScheduler": "dpmpp_2m",
+    "LCMScheduler": "lcm",
     "FlowMatchEulerDiscreteScheduler": "flow_euler",
     "FlowMatchHeunDiscreteScheduler": "flow_heun",
 }

@@ -8,7 +8,7 @@ noise is supplied explicitly by the caller.
 Public API::
 
     SAMPLERS: tuple[str, ...]                 # DIFFUSION_SAMPLERS + FLOW_SAMPLERS
-    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras
+    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm
     FLOW_SAMPLERS: tuple[str, ...]            # ("flow_euler", "flow_heun")
     DETERMINISTIC_SAMPLERS: tuple[str, ...]   # samplers without per-step noise (flow ones included)
     MU_SIGMAS_SAMPLERS: tuple[str, ...]       # samplers whose make_plan takes mu / sigmas
@@ -43,6 +43,8 @@ count need a recompile)::
     dpmpp_2m         DPMSolverMultistepScheduler (dpmsolver++, order 2, 1                  no
                      midpoint, lower_order_final)
     dpmpp_2m_karras  same, use_karras_sigmas=True                       1                  no
+    lcm              LCMScheduler (original_inference_steps,            1                  no
+                     timestep_scaling; re-noised between steps)
     flow_euler       FlowMatchEulerDiscreteScheduler (shift, dynamic     1                  no
                      shifting with mu, custom sigmas, invert_sigmas,
                      shift_terminal, Karras / exponential sigmas)

@@ -82,6 +82,8 @@ class SchedulerConfig:
     timestep_type: str | None = None
     final_sigmas_type: str | None = None
     lambda_min_clipped: float | None = None
+    original_inference_steps: int | None = None  # LCMScheduler: the distillation's step grid
+    timestep_scaling: float | None = None  # LCMScheduler: the consistency boundary's time scale
     # FlowMatchEulerDiscreteScheduler / FlowMatchHeunDiscreteScheduler
     shift: float | None = None
     use_dynamic_shifting: bool | None = None
@@ -175,10 +177,12 @@ class SchedulerConfig:
             raise SchedulerConfigError(
                 f"shift_terminal={self.shift_terminal} is not supported; it must be in [0, 1) (0 = off)"
             )
-        for key in ("base_image_seq_len", "max_image_seq_len"):
+        for key in ("base_image_seq_len", "max_image_seq_len", "original_inference_steps"):
             v = getattr(self, key)
             if v is not None and v < 1:
                 raise SchedulerConfigError(f"{key}={v} is not supported; it must be >= 1")
+        if self.timestep_scaling is not None and not self.timestep_scaling > 0:
+            raise SchedulerConfigError(f"timestep_scaling={self.timestep_scaling} is not supported; it must be > 0")
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,8 @@ class ResolvedConfig:
     sigma_min: float | None  # Karras endpoints; None = the schedule's own
     sigma_max: float | None
     lambda_min_clipped: float  # dpm++ only
+    original_inference_steps: int = 0  # lcm only
+    timestep_scaling: float = 0.0  # lcm only
 
 
 @dataclass(frozen=True)
@@ -382,12 +388,14 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
         steps_offset=int(get("steps_offset")),
         clip_sample=bool(get("clip_sample")) if has_clip else False,
         clip_sample_range=float(get("clip_sample_range")) if has_clip else 1.0,
-        set_alpha_to_one=bool(get("set_alpha_to_one")) if sampler == "ddim" else True,
+        set_alpha_to_one=bool(get("set_alpha_to_one")) if sampler in ("ddim", "lcm") else True,
         variance_type=variance_type,
         use_karras_sigmas=use_karras,
         sigma_min=_opt_float(get("sigma_min")) if "sigma_min" in defaults else None,
         sigma_max=_opt_float(get("sigma_max")) if "sigma_max" in defaults else None,
         lambda_min_clipped=lambda_min_clipped,
+        original_inference_steps=int(get("original_inference_steps")) if sampler == "lcm" else 0,
+        timestep_scaling=float(get("timestep_scaling")) if sampler == "lcm" else 0.0,
     )
 
 

@@ -32,6 +32,7 @@ _SOLVER_OF_SAMPLER = {
     "heun": "heun",
     "dpmpp_2m": "dpmpp_2m",
     "dpmpp_2m_karras": "dpmpp_2m",
+    "lcm": "lcm",
     # flow matching: the same Euler / Heun updates in sigma, fed the model's velocity
     # (SolverSpec.prediction_type == "flow") instead of a derivative from an x0 estimate
     "flow_euler": "euler",
@@ -40,7 +41,7 @@ _SOLVER_OF_SAMPLER = {
 # Samplers whose diffusers ``set_timesteps`` takes ``mu`` and ``sigmas`` (and so make_plan).
 MU_SIGMAS_SAMPLERS: tuple[str, ...] = ("flow_euler",)
 _SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras")
-_NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1}
+_NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1, "lcm": 1}
 
 
 @dataclass(frozen=True)
@@ -51,17 +52,19 @@ class SolverSpec:
     model and solver share one compiled loop whatever their step count or schedule.
     """
 
-    solver: str  # "ddpm" | "ddim" | "euler" | "euler_a" | "heun" | "dpmpp_2m"
+    solver: str  # "ddpm" | "ddim" | "euler" | "euler_a" | "heun" | "dpmpp_2m" | "lcm"
     prediction_type: str  # "epsilon" | "v_prediction" | "sample" | "flow" (velocity; euler/heun only)
-    clip_sample: bool = False  # clamp the x0 prediction (ddpm, ddim, heun only)
+    clip_sample: bool = False  # clamp the x0 prediction (ddpm, ddim, heun, lcm only)
     clip_sample_range: float = 1.0
     variance_type: str = ""  # ddpm: "fixed_small" | "fixed_small_log" | "fixed_large"
+    timestep_scaling: float = 0.0  # lcm: t scale of the boundary condition c_skip(t), c_out(t)
 
     @property
     def noise_draws_per_step(self) -> int:
         """How many ``noise_fn(i, k)`` draws one step makes (k = 0 .. n - 1).
 
-        ddim draws even at ``eta == 0`` (eta is runtime data) and multiplies the draw by 0.
+        ddim draws even at ``eta == 0`` (eta is runtime data) and multiplies the draw by 0;
+        lcm draws on its last step too and drops the draw there (the step count is data).
         """
         return _NOISE_DRAWS.get(self.solver, 0)
 
@@ -82,8 +85,8 @@ class Plan(NamedTuple):
     n_steps: np.ndarray  # int32 []: steps to run (a traced trip count)
     timesteps: np.ndarray  # float32 [L]: the t the model sees at step i
     sigmas: np.ndarray  # float32 [L]: sigma_i (sigma-space samplers); sigmas[n_steps] = 0 (1: invert_sigmas)
-    alpha_bar: np.ndarray  # float32 [L]: alphas_cumprod at t_i (ddpm, ddim)
-    alpha_bar_prev: np.ndarray  # float32 [L]: alphas_cumprod at the step's target (ddpm, ddim)
+    alpha_bar: np.ndarray  # float32 [L]: alphas_cumprod at t_i (ddpm, ddim, lcm)
+    alpha_bar_prev: np.ndarray  # float32 [L]: alphas_cumprod at the step's target (ddpm, ddim, lcm)
     order: np.ndarray  # int32 [L]: dpm++ order of step i (1 or 2)
     init_noise_sigma: np.ndarray  # float32 []: scale of the standard-normal start noise
     eta: np.ndarray  # float32 []: ddim stochasticity (0 = deterministic)
@@ -102,6 +105,7 @@ def make_spec(config: SchedulerConfig, sampler: str) -> SolverSpec:
         clip_sample=r.clip_sample,
         clip_sample_range=r.clip_sample_range if r.clip_sample else 1.0,
         variance_type=r.variance_type,
+        timestep_scaling=r.timestep_scaling,
     )
 
 
@@ -137,6 +141,8 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
     alpha_bar_train = S.alphas_cumprod(S.betas(r.beta_schedule, r.beta_start, r.beta_end, T))
     if sampler in ("ddpm", "ddim"):
         rows = _discrete_rows(r, steps, alpha_bar_train)
+    elif sampler == "lcm":
+        rows = _lcm_rows(r, steps, alpha_bar_train)
     elif sampler.startswith("dpmpp"):
         rows = _dpm_rows(r, steps, alpha_bar_train)
     else:
@@ -234,6 +240,19 @@ def _discrete_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -
         final = _F32(1.0) if r.set_alpha_to_one else alpha_bar_train[0]
     ab_prev = np.where(prev >= 0, alpha_bar_train[np.maximum(prev, 0)], final).astype(_F32)
     return ts_int.astype(_F32), np.zeros(0, _F32), ab, ab_prev, np.ones(n, np.int32), _F32(1.0)
+
+
+def _lcm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:
+    """lcm: integer timesteps from the distillation grid; each step re-noises to the next one.
+
+    The last step returns the consistency estimate itself (its alpha_bar_prev is unused:
+    diffusers points it at the step's own timestep).
+    """
+    ts_int = S.lcm_timesteps(r.num_train_timesteps, r.original_inference_steps, steps)
+    n = len(ts_int)
+    ab = alpha_bar_train[ts_int]
+    ab_prev = alpha_bar_train[np.append(ts_int[1:], ts_int[-1])]
+    return ts_int.astype(_F32), np.zeros(0, _F32), ab, ab_prev.astype(_F32), np.ones(n, np.int32), _F32(1.0)
 
 
 def _sigma_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:

@@ -140,6 +140,21 @@ def spaced_timesteps(
     return np.ascontiguousarray(ts, dtype=np.float64)
 
 
+def lcm_timesteps(num_train: int, original_steps: int, steps: int) -> np.ndarray:
+    """LCMScheduler's descending int64 timesteps: ``steps`` evenly spaced indices into the
+    distillation grid ``k - 1, 2k - 1, .., original_steps * k - 1`` (``k = num_train // original_steps``)."""
+    if original_steps > num_train:
+        raise SchedulerConfigError(f"original_inference_steps={original_steps} is not supported; it must be <= "
+                                   f"num_train_timesteps ({num_train})")
+    if steps > original_steps:
+        raise SchedulerConfigError(f"steps={steps} is not supported for sampler 'lcm'; it must be <= "
+                                   f"original_inference_steps ({original_steps}), the grid it picks steps from")
+    k = num_train // original_steps
+    grid = (np.arange(1, original_steps + 1) * k - 1)[::-1]  # [original_steps] descending
+    picks = np.floor(np.linspace(0, len(grid), num=steps, endpoint=False)).astype(np.int64)
+    return grid[picks].astype(np.int64)
+
+
 def interp_sigmas(timesteps: np.ndarray, sigmas_train: np.ndarray) -> np.ndarray:
     """float64 sigmas at (possibly fractional) timesteps, linear in t as diffusers does."""
     return np.interp(timesteps, np.arange(0, len(sigmas_train)), sigmas_train)

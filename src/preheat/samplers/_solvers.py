@@ -255,6 +255,23 @@ def _dpmpp_2m_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerSta
     return SamplerState(x=x_new, x0_prev=x0)
 
 
+def _lcm_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+              noise_fn: NoiseFn) -> SamplerState:
+    """Latent consistency (Luo et al. 2023): the boundary-conditioned x0 estimate
+    ``c_skip(t) x + c_out(t) x0``, re-noised to the next timestep except on the last step."""
+    x, t = state.x, _at(plan.timesteps, i)
+    ab, ab_prev = _at(plan.alpha_bar, i), _at(plan.alpha_bar_prev, i)
+    x0, _ = _denoise(spec, model, x, t, 1.0, jnp.sqrt(ab), jnp.sqrt(1.0 - ab))
+    scaled = t * spec.timestep_scaling
+    sigma_data2 = 0.25  # sigma_data = 0.5, as diffusers' LCMScheduler
+    c_skip = sigma_data2 / (scaled * scaled + sigma_data2)
+    c_out = scaled / jnp.sqrt(scaled * scaled + sigma_data2)
+    denoised = c_out * x0 + c_skip * x  # [*S]
+    renoised = jnp.sqrt(ab_prev) * denoised + jnp.sqrt(1.0 - ab_prev) * noise_fn(i, 0)
+    last = i == jnp.asarray(plan.n_steps, jnp.int32) - 1
+    return state._replace(x=jnp.where(last, denoised, renoised))
+
+
 _STEP_OF_SOLVER = {
     "ddpm": _ddpm_step,
     "ddim": _ddim_step,
@@ -262,4 +279,5 @@ _STEP_OF_SOLVER = {
     "euler_a": _euler_a_step,
     "heun": _heun_step,
     "dpmpp_2m": _dpmpp_2m_step,
+    "lcm": _lcm_step,
 }

@@ -16,6 +16,7 @@ DIFFUSION_SAMPLERS: tuple[str, ...] = (
     "heun",
     "dpmpp_2m",
     "dpmpp_2m_karras",
+    "lcm",
 )
 # Samplers for flow-matching models (the model predicts the velocity ``noise - x0``).
 FLOW_SAMPLERS: tuple[str, ...] = ("flow_euler", "flow_heun")
@@ -33,6 +34,7 @@ DIFFUSERS_CLASS: dict[str, str] = {
     "heun": "HeunDiscreteScheduler",
     "dpmpp_2m": "DPMSolverMultistepScheduler",
     "dpmpp_2m_karras": "DPMSolverMultistepScheduler",
+    "lcm": "LCMScheduler",
     "flow_euler": "FlowMatchEulerDiscreteScheduler",
     "flow_heun": "FlowMatchHeunDiscreteScheduler",
 }
@@ -125,6 +127,22 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "dpmpp_2m": _DPM,
     "dpmpp_2m_karras": _DPM,
+    # latent consistency models (and LCM-LoRAs): the timesteps are a subset of a fixed
+    # original_inference_steps grid, whatever timestep_spacing / steps_offset say (not read)
+    "lcm": {
+        **_COMMON,
+        "beta_start": 0.00085,
+        "beta_end": 0.012,
+        "beta_schedule": "scaled_linear",
+        "timestep_spacing": "leading",
+        "original_inference_steps": 50,
+        "clip_sample": False,
+        "clip_sample_range": 1.0,
+        "set_alpha_to_one": True,
+        "thresholding": False,
+        "timestep_scaling": 10.0,
+        "rescale_betas_zero_snr": False,
+    },
     "flow_euler": {
         "num_train_timesteps": 1000,
         "shift": 1.0,
@@ -158,7 +176,7 @@ DIFFUSION_KEYS: tuple[str, ...] = (
     "beta_start", "beta_end", "beta_schedule", "prediction_type", "timestep_spacing", "steps_offset",
     "clip_sample", "clip_sample_range", "set_alpha_to_one", "variance_type", "interpolation_type",
     "use_lu_lambdas", "use_flow_sigmas", "thresholding", "rescale_betas_zero_snr", "timestep_type",
-    "final_sigmas_type", "lambda_min_clipped",
+    "final_sigmas_type", "lambda_min_clipped", "original_inference_steps", "timestep_scaling",
 )
 
 KIND_BOOL = "bool"
@@ -190,6 +208,8 @@ FIELD_KIND: dict[str, str] = {
     "timestep_type": KIND_STR,
     "final_sigmas_type": KIND_STR,
     "lambda_min_clipped": KIND_FLOAT,
+    "original_inference_steps": KIND_INT,
+    "timestep_scaling": KIND_FLOAT,
     "shift": KIND_FLOAT,
     "use_dynamic_shifting": KIND_BOOL,
     "base_shift": KIND_FLOAT,

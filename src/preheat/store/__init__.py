@@ -35,7 +35,11 @@ SOURCE kinds:
   and device files are refused before any blob is published; a single top-level folder is stripped).
   ``http(s)://.../name.safetensors`` (any other URL): a snapshot holding that one file.
   ``#sha256=<hex>`` on a URL: the downloaded file must have that sha256.
-* ``hf://org/repo[@revision]``: ``huggingface_hub.snapshot_download`` (json, safetensors, md, txt only).
+* ``hf://org/repo[@revision]``: only what the pipeline needs -- ``model_index.json``, then in each
+  component folder it names the configs, tokenizer files and the safetensors of one variant
+  (``variant="fp16"``; default: none), through ``huggingface_hub`` (see ``_hf``); a repository
+  without ``model_index.json``: its json, safetensors, md and txt files. ``plan_pull`` lists them and
+  their bytes first. ``hf://org/repo/path/file.safetensors``: that one file, at its path.
 
 Integrity: every blob is a fsynced temp file renamed to ``blobs/<sha256>`` after hashing; a
 snapshot is assembled in a temp folder and renamed; the ref is written LAST, atomically. A pull
@@ -50,13 +54,17 @@ missing or damaged source a one-line ``FetchError`` instead of a download. HTTP 
 
 from __future__ import annotations
 
-from preheat.store._api import Problem, list_refs, pull, resolve, verify_store
+from preheat.store._api import Problem, list_refs, plan_pull, pull, resolve, verify_store
+from preheat.store._hf import HfPlan, RepoFile
 from preheat.store._gc import collect_orphans
 from preheat.store._http import DownloadLimits, address_check, download_limits
 from preheat.store._layout import FileEntry, Ref, Source, is_remote, parse_source, snapshot_id, source_id
 
 __all__ = [
     "pull",
+    "plan_pull",
+    "HfPlan",
+    "RepoFile",
     "resolve",
     "address_check",
     "download_limits",

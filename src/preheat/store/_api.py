@@ -10,7 +10,7 @@ from typing import Callable
 
 from preheat.cache.root import resolve_root
 from preheat.env import env_flag
-from preheat.errors import FetchError, ModelNotFoundError
+from preheat.errors import FetchError, InvalidArgumentError, ModelNotFoundError
 from preheat.files import sha256_and_size
 from preheat.store import _hf, _http
 from preheat.timings import now_iso
@@ -41,17 +41,19 @@ def _one_line(problems: list[str]) -> str:
 
 
 def pull(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None, progress: bool = True,
-         revision: str | None = None, force: bool = False, check: Callable[[Path], None] | None = None) -> Path:
+         revision: str | None = None, force: bool = False, variant: str | None = None,
+         check: Callable[[Path], None] | None = None) -> Path:
     """Put ``source`` into ``<root>/models`` and return its snapshot folder.
 
     A remote source already pulled (and whose files still have their recorded sizes) is returned
     without any network access; ``force=True`` fetches it again and re-checks every existing blob
     by sha256 (this repairs a damaged store). A local folder is always re-read (it may have
     changed); unchanged files cost a hash and no space (blobs are deduplicated).
+    ``variant``: an hf:// pipeline pulls that weight variant's files ("fp16"; ``None``: the default ones).
     ``check`` (http(s) files only) is called with the downloaded file before anything is
     published; when it raises, the download is discarded and the store holds nothing new.
     """
-    src = parse_source(source, revision)
+    src = parse_source(source, revision, variant)
     store = _store(root)
     store.ensure()
 
@@ -82,7 +84,7 @@ def _publish(store: Store, src: Source, kind: str, entries: list[FileEntry], *, 
     """Snapshot first, ref LAST: until the ref is written nothing counts as pulled."""
     snap = build_snapshot(store, entries, deep=force)
     entries = sorted(entries, key=lambda e: e.path)
-    ref = Ref(src.id, src.text, kind, snapshot_id(entries), entries, now_iso(),
+    ref = Ref(src.id, src.key, kind, snapshot_id(entries), entries, now_iso(),
               {k: v for k, v in extra.items() if v is not None})
     store.write_ref(ref)
     return snap
@@ -155,17 +157,30 @@ def _share_with_fleet(sha: str, path: Path, src: Source) -> None:
     mirror_put(sha, path, ref=src.id, source=src.text.split("?", 1)[0])
 
 
+def plan_pull(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None,
+              revision: str | None = None, variant: str | None = None) -> _hf.HfPlan:
+    """What ``pull`` would fetch for an hf:// source, and what its repository holds (no download)."""
+    src = parse_source(source, revision, variant)
+    if src.kind != "hf":
+        raise InvalidArgumentError(f"a pull plan lists hf:// sources; {src.text} is {src.kind} and is pulled whole",
+                                   argument="source")
+    return _hf.plan_hf(_store(root), src)
+
+
 def _pull_hf(store: Store, src: Source, *, progress: bool, force: bool) -> Path:
-    folder, commit = _hf.download_hf(store, src, progress=progress)
-    entries = []
-    for rel, f in scan_folder(folder, src.text):
-        if _hf.wanted(rel):
-            sha, size = link_into_blobs(store, f, check_existing=force)
-            entries.append(FileEntry(rel, sha, size))
-    if not entries:
+    plan = _hf.plan_hf(store, src)
+    if not plan.files:
         raise FetchError(f"{src.text} has no *.json / *.safetensors files (preheat reads safetensors only)")
+    folder = _hf.download_hf(store, plan, progress=progress)
+    entries = []
+    for want in plan.files:  # only the plan's files: the cache's snapshot may hold other variants too
+        f = folder / want.path
+        if not f.is_file():
+            raise FetchError(f"cannot pull {src.text}: {want.path} is missing from the Hugging Face cache {folder}")
+        sha, size = link_into_blobs(store, f, check_existing=force)
+        entries.append(FileEntry(want.path, sha, size))
     return _publish(store, src, "hf", entries, force=force, repo_id=src.repo_id, revision=src.revision,
-                    commit=commit if len(commit) == 40 else None)
+                    commit=plan.commit, variant=src.variant, file=src.filename)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,7 +198,8 @@ def _offline_reason(src: Source, offline: bool | None) -> str | None:
 
 
 def resolve(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None,
-            offline: bool | None = None, verify: bool = False, progress: bool = True) -> Path:
+            offline: bool | None = None, verify: bool = False, progress: bool = True,
+            variant: str | None = None) -> Path:
     """The local folder for ``source``; never touches the network for something already stored.
 
     * a local folder that exists: returned as given (no copy); one that no longer exists but was
@@ -192,8 +208,11 @@ def resolve(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | No
       recorded size (``verify=True``: and sha256); otherwise it is pulled — unless offline
       (``offline=True``, ``$PREHEAT_OFFLINE=1``, or for hf:// ``$HF_HUB_OFFLINE=1``), which raises
       a one-line ``FetchError``.
+    ``variant``: as for ``pull`` (hf:// pipelines only; a one-file hf:// source ignores it).
     """
     src = parse_source(source)
+    if variant is not None and src.kind == "hf" and src.filename is None:
+        src = parse_source(source, variant=variant)
     if src.kind == "local":
         assert src.path is not None
         given = Path(os.fspath(source)).expanduser() if not str(source).lower().startswith("file:") else src.path
@@ -219,7 +238,7 @@ def resolve(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | No
             raise FetchError(f"stored copy of {src.text} is damaged ({_one_line(problems)}) and {why}; "
                              f"run `preheat pull --force {src.given}` with network")
         raise FetchError(f"{src.text} is not in the store ({store.models}) and {why}; run `preheat pull {src.given}` first")
-    return pull(src.given, root=store.root, progress=progress, force=ref is not None)
+    return pull(src.given, root=store.root, progress=progress, force=ref is not None, variant=src.variant)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,12 +18,13 @@ from preheat.errors import CacheError, InvalidArgumentError
 
 REF_FORMAT = 1
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
-HF_PATTERNS = ["*.json", "*.safetensors", "*.md", "*.txt"]
+HF_PATTERNS = ["*.json", "*.safetensors", "*.md", "*.txt"]  # a repository without model_index.json
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 REMOTE_SCHEMES = ("http://", "https://", "hf://")
 
 _HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
 _HF_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$")
+_VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _SOURCE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -74,10 +75,17 @@ class Source:
     repo_id: str | None = None
     revision: str | None = None
     path: Path | None = None  # absolute local path
+    filename: str | None = None  # hf://org/repo/<filename>: that one file of the repository
+    variant: str | None = None  # hf:// pipelines: the weight variant pulled ("fp16"); None: the default
+
+    @property
+    def key(self) -> str:
+        """What is stored: the canonical text, plus the variant (a different variant is a different pull)."""
+        return self.text if self.variant is None else f"{self.text}#variant={self.variant}"
 
     @property
     def id(self) -> str:
-        return source_id(self.text)
+        return source_id(self.key)
 
 
 def is_remote(source: str | os.PathLike[str]) -> bool:
@@ -87,8 +95,11 @@ def is_remote(source: str | os.PathLike[str]) -> bool:
     return source[:8].lower().startswith(REMOTE_SCHEMES)
 
 
-def parse_source(source: str | os.PathLike[str], revision: str | None = None) -> Source:
-    """Parse a SOURCE string; ``InvalidArgumentError`` (one line) if it is malformed."""
+def parse_source(source: str | os.PathLike[str], revision: str | None = None, variant: str | None = None) -> Source:
+    """Parse a SOURCE string; ``InvalidArgumentError`` (one line) if it is malformed.
+
+    ``variant`` selects what an hf:// pipeline pulls; other sources are stored whole, so it does not
+    change what they are (the loader picks the variant's files from the folder)."""
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     if not isinstance(source, str):
@@ -97,8 +108,10 @@ def parse_source(source: str | os.PathLike[str], revision: str | None = None) ->
         raise InvalidArgumentError("empty model source")
     m = _SCHEME.match(source)
     scheme = m.group(1).lower() if m else None
+    if variant is not None and (not isinstance(variant, str) or not _VARIANT.match(variant)):
+        raise InvalidArgumentError(f"invalid weight variant {variant!r}; expected a name such as fp16", argument="variant")
     if scheme == "hf":
-        return _parse_hf(source, revision)
+        return _parse_hf(source, revision, variant)
     if revision is not None:
         raise InvalidArgumentError(f"a revision applies only to hf:// sources, not {source!r}")
     if scheme in ("http", "https"):
@@ -117,10 +130,24 @@ def parse_source(source: str | os.PathLike[str], revision: str | None = None) ->
     return Source(kind="local", text=str(path), given=source, path=path)
 
 
-def _parse_hf(source: str, revision: str | None) -> Source:
+def _parse_hf(source: str, revision: str | None, variant: str | None) -> Source:
     rest = source[len("hf://"):]
     repo, at, rev = rest.partition("@")
     repo = repo.rstrip("/")
+    filename = None
+    parts = repo.split("/")
+    if len(parts) > 2:  # hf://org/repo/path/to/file.safetensors: one file
+        repo, filename = "/".join(parts[:2]), "/".join(parts[2:])
+        try:
+            ok = check_relpath(filename) == filename and filename.endswith(".safetensors")
+        except ValueError:
+            ok = False
+        if not ok:
+            raise InvalidArgumentError(f"{source!r}: a path after hf://org/repo/ names one .safetensors file of the "
+                                       "repository (preheat reads safetensors only)")
+        if variant is not None:
+            raise InvalidArgumentError(f"a variant selects a pipeline's weights; {source!r} names one file",
+                                       argument="variant")
     if at and not rev:
         raise InvalidArgumentError(f"empty revision after '@' in {source!r}")
     if rev and revision is not None and rev != revision:
@@ -130,8 +157,8 @@ def _parse_hf(source: str, revision: str | None) -> Source:
         raise InvalidArgumentError(f"{source!r} is not a valid Hugging Face source; expected hf://org/repo[@revision]")
     if rev is not None and (not _HF_REVISION.match(rev) or ".." in rev or "//" in rev or rev.endswith("/")):
         raise InvalidArgumentError(f"invalid revision {rev!r} in {source!r}")
-    text = f"hf://{repo}" + (f"@{rev}" if rev else "")
-    return Source(kind="hf", text=text, given=source, repo_id=repo, revision=rev)
+    text = f"hf://{repo}" + (f"/{filename}" if filename else "") + (f"@{rev}" if rev else "")
+    return Source(kind="hf", text=text, given=source, repo_id=repo, revision=rev, filename=filename, variant=variant)
 
 
 def _parse_url(source: str, scheme: str) -> Source:

@@ -1,0 +1,315 @@
+"""Single-file checkpoints in the original layouts, read through a diffusers folder's configs.
+
+    preheat.load("model.safetensors", config="<diffusers folder>")
+
+A community fine-tune ships as one ``.safetensors`` in the layout of the code that trained it.
+Its tensors are renamed to diffusers' names by one table per layout (``LAYOUTS``), written once
+and built from the config folder's block structure, then written as a diffusers folder (the
+config folder's configs and tokenizer files, the renamed weights) that every loader reads as it
+is. The folder is kept under ``<cache root>/models/single/``, named by the file's and the config
+folder's identity, so a restart reads it again without converting.
+
+Layouts:
+
+* ``ldm`` (SD 1.x): ``model.diffusion_model.*`` (UNet), ``first_stage_model.*`` (VAE),
+  ``cond_stage_model.transformer.*`` (CLIP text encoder);
+* ``sgm`` (SDXL): the same UNet (plus ``label_emb``) and VAE, ``conditioner.embedders.0.transformer.*``
+  (CLIP-L) and ``conditioner.embedders.1.model.*`` (OpenCLIP bigG: q/k/v stacked, projection transposed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, WeightsError
+from preheat.files import publish_folder
+
+__all__ = ["LAYOUTS", "detect_layout", "materialize"]
+
+
+class Rule(NamedTuple):
+    """Tensors whose original name starts with ``source`` go to ``component`` as ``target`` + rest."""
+
+    source: str
+    component: str
+    target: str
+
+
+# Leaf renames inside one block, original -> diffusers (the rest of the name is kept).
+_UNET_RESNET = (("in_layers.0.", "norm1."), ("in_layers.2.", "conv1."), ("emb_layers.1.", "time_emb_proj."),
+                ("out_layers.0.", "norm2."), ("out_layers.3.", "conv2."), ("skip_connection.", "conv_shortcut."))
+_VAE_RESNET = (("nin_shortcut.", "conv_shortcut."),)
+_VAE_ATTENTION = (("norm.", "group_norm."), ("q.", "to_q."), ("k.", "to_k."), ("v.", "to_v."),
+                  ("proj_out.", "to_out.0."))
+
+
+def _unet_rules(cfg: dict[str, Any]) -> list[tuple[str, str, tuple[tuple[str, str], ...]]]:
+    """(original prefix, diffusers prefix, leaf renames) for every block of an LDM UNet."""
+    layers = int(cfg.get("layers_per_block", 2))
+    down = list(cfg["down_block_types"])
+    up = list(cfg["up_block_types"])
+    out: list[tuple[str, str, tuple[tuple[str, str], ...]]] = [
+        ("time_embed.0.", "time_embedding.linear_1.", ()), ("time_embed.2.", "time_embedding.linear_2.", ()),
+        ("input_blocks.0.0.", "conv_in.", ()), ("out.0.", "conv_norm_out.", ()), ("out.2.", "conv_out.", ()),
+        ("middle_block.0.", "mid_block.resnets.0.", _UNET_RESNET), ("middle_block.1.", "mid_block.attentions.0.", ()),
+        ("middle_block.2.", "mid_block.resnets.1.", _UNET_RESNET),
+    ]
+    index = 1
+    for b, kind in enumerate(down):
+        for j in range(layers):
+            out.append((f"input_blocks.{index}.0.", f"down_blocks.{b}.resnets.{j}.", _UNET_RESNET))
+            if "CrossAttn" in kind:
+                out.append((f"input_blocks.{index}.1.", f"down_blocks.{b}.attentions.{j}.", ()))
+            index += 1
+        if b < len(down) - 1:
+            out.append((f"input_blocks.{index}.0.op.", f"down_blocks.{b}.downsamplers.0.conv.", ()))
+            index += 1
+    index = 0
+    for b, kind in enumerate(up):
+        for j in range(layers + 1):
+            out.append((f"output_blocks.{index}.0.", f"up_blocks.{b}.resnets.{j}.", _UNET_RESNET))
+            place = 1
+            if "CrossAttn" in kind:
+                out.append((f"output_blocks.{index}.1.", f"up_blocks.{b}.attentions.{j}.", ()))
+                place = 2
+            if j == layers and b < len(up) - 1:
+                out.append((f"output_blocks.{index}.{place}.conv.", f"up_blocks.{b}.upsamplers.0.conv.", ()))
+            index += 1
+    return out
+
+
+def _vae_rules(cfg: dict[str, Any]) -> list[tuple[str, str, tuple[tuple[str, str], ...]]]:
+    """The same for an LDM autoencoder (its decoder lists its levels bottom-up, diffusers top-down)."""
+    n = len(cfg.get("block_out_channels", (128, 256, 512, 512)))
+    layers = int(cfg.get("layers_per_block", 2))
+    out: list[tuple[str, str, tuple[tuple[str, str], ...]]] = []
+    for part in ("encoder", "decoder"):
+        out += [(f"{part}.conv_in.", f"{part}.conv_in.", ()), (f"{part}.conv_out.", f"{part}.conv_out.", ()),
+                (f"{part}.norm_out.", f"{part}.conv_norm_out.", ()),
+                (f"{part}.mid.block_1.", f"{part}.mid_block.resnets.0.", _VAE_RESNET),
+                (f"{part}.mid.attn_1.", f"{part}.mid_block.attentions.0.", _VAE_ATTENTION),
+                (f"{part}.mid.block_2.", f"{part}.mid_block.resnets.1.", _VAE_RESNET)]
+    for i in range(n):
+        for j in range(layers):
+            out.append((f"encoder.down.{i}.block.{j}.", f"encoder.down_blocks.{i}.resnets.{j}.", _VAE_RESNET))
+        if i < n - 1:
+            out.append((f"encoder.down.{i}.downsample.conv.", f"encoder.down_blocks.{i}.downsamplers.0.conv.", ()))
+        level = n - 1 - i  # diffusers' up block i is the original's level n - 1 - i
+        for j in range(layers + 1):
+            out.append((f"decoder.up.{level}.block.{j}.", f"decoder.up_blocks.{i}.resnets.{j}.", _VAE_RESNET))
+        if i < n - 1:
+            out.append((f"decoder.up.{level}.upsample.conv.", f"decoder.up_blocks.{i}.upsamplers.0.conv.", ()))
+    out += [("quant_conv.", "quant_conv.", ()), ("post_quant_conv.", "post_quant_conv.", ())]
+    return out
+
+
+def _ldm_table(configs: dict[str, dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """LDM layout: every original tensor name the configs imply -> (component, diffusers name)."""
+    table: dict[str, tuple[str, str]] = {}
+    for component, top, rules in (("unet", "model.diffusion_model.", _unet_rules(configs["unet"])),
+                                  ("vae", "first_stage_model.", _vae_rules(configs["vae"]))):
+        for src, dst, leaves in rules:
+            table[top + src] = (component, dst)
+            for leaf_src, leaf_dst in leaves:
+                table[top + src + leaf_src] = (component, dst + leaf_dst)
+    return table
+
+
+class Place(NamedTuple):
+    """Where (part of) one original tensor goes: a component, its diffusers name, and the slice or
+    transpose that makes the diffusers tensor (None: the tensor as it is)."""
+
+    component: str
+    name: str
+    take: Callable[[np.ndarray], np.ndarray] | None = None
+
+
+def _by_prefix(table: dict[str, tuple[str, str]], key: str) -> list[Place]:
+    """The longest prefix of ``key`` in ``table`` wins (a block's leaf rule over the block itself)."""
+    parts = key.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:cut]) + "."
+        if prefix in table:
+            component, target = table[prefix]
+            return [Place(component, target + ".".join(parts[cut:]))]
+    return []
+
+
+def _clip(component: str, rest: str) -> list[Place]:
+    """An OpenAI-CLIP text model in transformers' names (``text_model.`` added where the file has none)."""
+    return [Place(component, rest if rest.startswith("text_model.") else "text_model." + rest)]
+
+
+_OPEN_CLIP_LEAVES = {"ln_1.": "layer_norm1.", "ln_2.": "layer_norm2.", "mlp.c_fc.": "mlp.fc1.",
+                     "mlp.c_proj.": "mlp.fc2.", "attn.out_proj.": "self_attn.out_proj."}
+
+
+def _open_clip(component: str, rest: str) -> list[Place]:
+    """An OpenCLIP text tower (SDXL's bigG) in transformers' CLIPTextModelWithProjection names."""
+    fixed = {"token_embedding.weight": "text_model.embeddings.token_embedding.weight",
+             "positional_embedding": "text_model.embeddings.position_embedding.weight",
+             "ln_final.weight": "text_model.final_layer_norm.weight", "ln_final.bias": "text_model.final_layer_norm.bias"}
+    if rest in fixed:
+        return [Place(component, fixed[rest])]
+    if rest == "text_projection":  # [D, P] applied as x @ W; transformers' Linear holds [P, D]
+        return [Place(component, "text_projection.weight", lambda t: t.T)]
+    block, sep, leaf = rest.partition(".")
+    if block != "transformer" or not leaf.startswith("resblocks."):
+        return []
+    _, i, leaf = leaf.split(".", 2)
+    layer = f"text_model.encoder.layers.{i}."
+    if leaf in ("attn.in_proj_weight", "attn.in_proj_bias"):  # q, k, v stacked on the first axis
+        kind = leaf.rsplit("_", 1)[1]
+        return [Place(component, f"{layer}self_attn.{n}_proj.{kind}",
+                      lambda t, j=j: t[j * (t.shape[0] // 3):(j + 1) * (t.shape[0] // 3)])
+                for j, n in enumerate("qkv")]
+    for src, dst in _OPEN_CLIP_LEAVES.items():
+        if leaf.startswith(src):
+            return [Place(component, layer + dst + leaf[len(src):])]
+    return []
+
+
+def _ldm_name(table: dict[str, tuple[str, str]], key: str) -> list[Place]:
+    """Where one LDM tensor goes ([] for tensors no component holds)."""
+    if key.startswith("cond_stage_model.transformer."):
+        return _clip("text_encoder", key[len("cond_stage_model.transformer."):])
+    return _by_prefix(table, key)
+
+
+def _sgm_table(configs: dict[str, dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """SGM (SDXL): the LDM UNet and VAE plus the size/pooled-text embedding (``label_emb``)."""
+    table = _ldm_table(configs)
+    table["model.diffusion_model.label_emb.0.0."] = ("unet", "add_embedding.linear_1.")
+    table["model.diffusion_model.label_emb.0.2."] = ("unet", "add_embedding.linear_2.")
+    return table
+
+
+def _sgm_name(table: dict[str, tuple[str, str]], key: str) -> list[Place]:
+    """Where one SGM tensor goes: embedder 0 is CLIP-L, embedder 1 OpenCLIP bigG."""
+    if key.startswith("conditioner.embedders.0.transformer."):
+        return _clip("text_encoder", key[len("conditioner.embedders.0.transformer."):])
+    if key.startswith("conditioner.embedders.1.model."):
+        return _open_clip("text_encoder_2", key[len("conditioner.embedders.1.model."):])
+    return _by_prefix(table, key)
+
+
+class Layout(NamedTuple):
+    """One original layout: how to recognise it and its name table."""
+
+    name: str
+    marker: str  # a key prefix only this layout's files have
+    components: tuple[str, ...]  # the diffusers folders it fills
+    table: Callable[[dict[str, dict[str, Any]]], dict[str, tuple[str, str]]]
+    place: Callable[[dict[str, tuple[str, str]], str], list[Place]]
+
+
+# most specific first: an SGM file holds the LDM UNet keys too
+LAYOUTS: tuple[Layout, ...] = (
+    Layout("sgm", "conditioner.embedders.", ("unet", "vae", "text_encoder", "text_encoder_2"), _sgm_table, _sgm_name),
+    Layout("ldm", "model.diffusion_model.", ("unet", "vae", "text_encoder"), _ldm_table, _ldm_name),
+)
+# tensors of the original files that diffusers' folders do not hold (EMA copies, buffers)
+_DROPPED = ("model_ema.", "cond_stage_model.transformer.text_model.embeddings.position_ids",
+            "cond_stage_model.transformer.embeddings.position_ids",
+            "conditioner.embedders.0.transformer.text_model.embeddings.position_ids", "conditioner.embedders.1.model.logit_scale",
+            "alphas_cumprod", "betas", "posterior_", "sqrt_", "log_one_minus", "logvar")
+
+
+def detect_layout(keys: list[str], path: Path) -> Layout:
+    """The layout whose marker the file's keys carry; a one-line ModelFormatError otherwise."""
+    for layout in LAYOUTS:
+        if any(k.startswith(layout.marker) for k in keys):
+            return layout
+    seen = ", ".join(sorted(keys)[:4]) or "no tensors"
+    tried = ", ".join(f"{lay.name} ({lay.marker}*)" for lay in LAYOUTS)
+    raise ModelFormatError(f"{path} is a single file of unknown layout: tried {tried}; its keys start {seen}")
+
+
+def _read_config(folder: Path, component: str) -> dict[str, Any]:
+    path = folder / component / "config.json"
+    if not path.is_file():
+        raise ModelNotFoundError(f"config folder {folder} has no {component}/config.json")
+    return json.loads(path.read_text())
+
+
+def _identity(file: Path, config: Path) -> str:
+    """What the converted folder is named by: the file (path, size, mtime) and the config folder's files."""
+    st = file.stat()
+    h = hashlib.sha256(f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    for p in sorted(config.rglob("*")):
+        if p.is_file() and not p.name.endswith((".safetensors", ".bin")):
+            h.update(p.relative_to(config).as_posix().encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], root: Path) -> Path:
+    """The diffusers folder for single ``file`` under ``config``'s configs (converted once, under ``root``)."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    file, config = Path(file), Path(config)
+    if file.is_dir():  # a one-file snapshot of the weights store (hf://org/repo/file.safetensors, a URL)
+        inside = sorted(file.rglob("*.safetensors"))
+        if len(inside) != 1:
+            raise InvalidArgumentError(f"{file} holds {len(inside)} .safetensors files; a single-file checkpoint "
+                                       "with config= must be one file", argument="model")
+        file = inside[0]
+    if not file.is_file():
+        raise ModelNotFoundError(f"single file {file} does not exist")
+    if not (config / "model_index.json").is_file():
+        raise InvalidArgumentError(f"config={str(config)!r} must be a diffusers folder with model_index.json",
+                                   argument="config")
+    out = root / "models" / "single" / _identity(file, config)
+    if (out / "model_index.json").is_file():
+        return out
+    try:
+        handle = safe_open(str(file), "np")
+    except Exception as exc:  # safetensors' own errors: torn header, not safetensors
+        raise ModelFormatError(f"{file} is not a readable safetensors file ({str(exc).splitlines()[0]})") from None
+    with handle as f:
+        keys = list(f.keys())
+        layout = detect_layout(keys, file)
+        configs = {c: _read_config(config, c) for c in ("unet", "vae")}
+        table = layout.table(configs)
+        parts: dict[str, dict[str, np.ndarray]] = {c: {} for c in layout.components}
+        unplaced = []
+        for key in keys:
+            if key.startswith(_DROPPED):
+                continue
+            places = layout.place(table, key)
+            if not places:
+                unplaced.append(key)
+                continue
+            tensor = f.get_tensor(key)
+            for component, name, take in places:
+                t = tensor if take is None else take(tensor)
+                if component == "vae" and ".attentions." in name and name.endswith(".weight") and t.ndim == 4:
+                    t = t[:, :, 0, 0]  # [O, I, 1, 1] 1x1 conv -> [O, I] linear, as diffusers holds it
+                parts[component][name] = np.ascontiguousarray(t)
+    if unplaced:
+        raise WeightsError(f"{file} ({layout.name} layout) has {len(unplaced)} tensors that do not fit the blocks of "
+                           f"{config}'s configs, e.g. {', '.join(unplaced[:3])}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    try:
+        for p in sorted(config.rglob("*")):  # configs and tokenizer files; the folder's own weights are not used
+            if p.is_file() and not p.name.endswith((".safetensors", ".bin", ".ckpt")):
+                dst = tmp / p.relative_to(config)
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(p, dst)
+        for component, tensors in parts.items():
+            stem = "model" if component.startswith("text_encoder") else "diffusion_pytorch_model"
+            (tmp / component).mkdir(exist_ok=True)
+            save_file(tensors, str(tmp / component / f"{stem}.safetensors"))
+        publish_folder(tmp, out)  # another process may have converted it first
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,222 @@
+"""Single-file checkpoints (issue 28 item 1): tiny SD 1.x and SDXL folders written back in the
+original LDM layout (``model.diffusion_model.*``, ``first_stage_model.*``,
+``cond_stage_model.transformer.*``) and SGM layout (the same plus ``conditioner.embedders.0/1.*``); diffusers' own ``from_single_file(path, config=folder)``
+loads that file to the folder's image (so the file is real), and ``preheat.load(path,
+config=folder)`` gives diffusers' image from the folder."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+import preheat
+from preheat.errors import InvalidArgumentError, ModelFormatError, WeightsError
+from tests._support.sd_fixtures import reference_pipeline, reference_pixels, save_tiny_sd
+
+MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
+
+
+def _to_original(folder, layout: str) -> dict[str, np.ndarray]:
+    """The folder's weights under the original LDM (SD 1.x) or SGM (SDXL) names, written out by hand
+    from the original code's module structure (the test's own inverse; diffusers' loader checks it)."""
+    from safetensors.numpy import load_file
+
+    unet_cfg = json.loads((folder / "unet" / "config.json").read_text())
+    vae_cfg = json.loads((folder / "vae" / "config.json").read_text())
+    L = unet_cfg["layers_per_block"]
+    attn_up = ["CrossAttn" in t for t in unet_cfg["up_block_types"]]
+    res = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1", "norm2": "out_layers.0",
+           "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
+    out: dict[str, np.ndarray] = {}
+
+    def inner(kind: str, rest: str) -> str:
+        """A block's slot in its LDM sequential (0: the resnet, 1: the attention) and the leaf name."""
+        if kind != "resnets":
+            return f"1.{rest}"
+        leaf = rest.split(".")[0]
+        return f"0.{rest.replace(leaf, res.get(leaf, leaf), 1)}"
+
+    for k, v in load_file(str(folder / "unet" / "diffusion_pytorch_model.safetensors")).items():
+        m = re.match(r"down_blocks\.(\d+)\.(resnets|attentions|downsamplers)\.(\d+)\.(.*)", k)
+        if m:
+            b, kind, j, rest = int(m[1]), m[2], int(m[3]), m[4]
+            if kind == "downsamplers":
+                name = f"input_blocks.{1 + b * (L + 1) + L}.0.op.{rest.removeprefix('conv.')}"
+            else:
+                name = f"input_blocks.{1 + b * (L + 1) + j}.{inner(kind, rest)}"
+        elif m := re.match(r"up_blocks\.(\d+)\.(resnets|attentions|upsamplers)\.(\d+)\.(.*)", k):
+            b, kind, j, rest = int(m[1]), m[2], int(m[3]), m[4]
+            if kind == "upsamplers":
+                name = f"output_blocks.{b * (L + 1) + L}.{2 if attn_up[b] else 1}.{rest}"
+            else:
+                name = f"output_blocks.{b * (L + 1) + j}.{inner(kind, rest)}"
+        elif m := re.match(r"mid_block\.(resnets|attentions)\.(\d+)\.(.*)", k):
+            kind, j, rest = m[1], int(m[2]), m[3]
+            name = f"middle_block.{2 * j if kind == 'resnets' else 1}.{inner(kind, rest)[2:]}"
+        else:
+            top = {"time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
+                   "conv_in": "input_blocks.0.0", "conv_norm_out": "out.0", "conv_out": "out.2",
+                   "add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2"}
+            head, _, tail = k.rpartition(".")
+            name = f"{top[head]}.{tail}"
+        out["model.diffusion_model." + name] = v
+    n = len(vae_cfg["block_out_channels"])
+    att = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
+    for k, v in load_file(str(folder / "vae" / "diffusion_pytorch_model.safetensors")).items():
+        name = k.replace("conv_norm_out", "norm_out").replace("conv_shortcut", "nin_shortcut")
+        name = re.sub(r"encoder\.down_blocks\.(\d+)\.resnets\.", r"encoder.down.\1.block.", name)
+        name = re.sub(r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample.", name)
+        name = re.sub(r"decoder\.up_blocks\.(\d+)\.resnets\.", lambda m: f"decoder.up.{n - 1 - int(m[1])}.block.", name)
+        name = re.sub(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.", lambda m: f"decoder.up.{n - 1 - int(m[1])}.upsample.",
+                      name)
+        name = name.replace("mid_block.resnets.0.", "mid.block_1.").replace("mid_block.resnets.1.", "mid.block_2.")
+        if "mid_block.attentions.0." in name:
+            pre, rest = name.split("mid_block.attentions.0.")
+            layer, _, tail = rest.rpartition(".")
+            name = f"{pre}mid.attn_1.{att[layer]}.{tail}"
+            if tail == "weight" and v.ndim == 2:
+                v = v[:, :, None, None]  # the original's 1x1 convolutions
+        out["first_stage_model." + name] = v
+    clip_l = "cond_stage_model.transformer." if layout == "ldm" else "conditioner.embedders.0.transformer."
+    for k, v in load_file(str(folder / "text_encoder" / "model.safetensors")).items():
+        # transformers 5 saves CLIPTextModel without the text_model. prefix; the original files have it
+        out[clip_l + (k if k.startswith("text_model.") else "text_model." + k)] = v
+    if layout == "sgm":
+        out.update(_open_clip(load_file(str(folder / "text_encoder_2" / "model.safetensors"))))
+    return out
+
+
+def _open_clip(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """SDXL's second text encoder in OpenCLIP's names (``conditioner.embedders.1.model.*``)."""
+    top = "conditioner.embedders.1.model."
+    leaf = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",
+            "self_attn.out_proj": "attn.out_proj"}
+    out, qkv = {}, {}
+    for k, v in tensors.items():
+        k = k.removeprefix("text_model.")
+        if k == "text_projection.weight":
+            out[top + "text_projection"] = np.ascontiguousarray(v.T)
+        elif k in ("embeddings.token_embedding.weight", "embeddings.position_embedding.weight"):
+            out[top + ("token_embedding.weight" if "token" in k else "positional_embedding")] = v
+        elif k.startswith("final_layer_norm."):
+            out[top + "ln_final." + k.rsplit(".", 1)[1]] = v
+        elif m := re.match(r"encoder\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)", k):
+            qkv.setdefault((m[1], m[3]), {})[m[2]] = v
+        elif m := re.match(r"encoder\.layers\.(\d+)\.(.*)\.(weight|bias)", k):
+            out[f"{top}transformer.resblocks.{m[1]}.{leaf[m[2]]}.{m[3]}"] = v
+        elif k != "embeddings.position_ids":
+            raise AssertionError(f"unexpected CLIPTextModelWithProjection tensor {k}")
+    for (i, kind), parts in qkv.items():
+        out[f"{top}transformer.resblocks.{i}.attn.in_proj_{kind}"] = np.concatenate([parts[c] for c in "qkv"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """{kind: (folder, single file)}: SD 1.x in the LDM layout, SDXL in the SGM layout."""
+    from safetensors.numpy import save_file
+
+    base = tmp_path_factory.mktemp("single")
+    out = {}
+    for kind, layout in (("sd1", "ldm"), ("sdxl", "sgm")):
+        folder = save_tiny_sd(base / kind, kind=kind)
+        path = base / f"tiny-{kind}-{layout}.safetensors"
+        save_file(_to_original(folder, layout), str(path))
+        out[kind] = (folder, path)
+    return out
+
+
+@pytest.fixture
+def single(files):
+    return files["sd1"]
+
+
+def _diffusers_open_clip(folder, path):
+    """SDXL's second text encoder, read from the file by diffusers' own OpenCLIP conversion.
+
+    ``from_single_file`` tells SDXL's two embedders apart by their widths alone; the tiny folder's
+    are both 16 wide, so it would read embedder 0 twice. Its conversion of embedder 1 is called
+    directly instead, on the same file."""
+    from diffusers.loaders.single_file_utils import convert_open_clip_checkpoint
+    from safetensors.torch import load_file
+    from transformers import CLIPTextModelWithProjection
+
+    model = CLIPTextModelWithProjection.from_pretrained(folder / "text_encoder_2")
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    converted = convert_open_clip_checkpoint(model, load_file(str(path)), prefix="conditioner.embedders.1.model.")
+    assert sorted(converted) == sorted(k for k in expected if not k.endswith("position_ids"))
+    model.load_state_dict(converted, strict=False)
+    assert all(torch_equal(model.state_dict()[k], expected[k]) for k in converted)  # the file holds the folder's
+    return model
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+def _noise() -> np.ndarray:
+    return np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["sd1", "sdxl"])
+def test_single_file_matches_the_folder_it_was_converted_from(files, kind, tmp_path, monkeypatch, record_property):
+    import torch
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    folder, path = files[kind]
+    cls = StableDiffusionXLPipeline if kind == "sdxl" else StableDiffusionPipeline
+    sampler = "euler" if kind == "sdxl" else "ddim"
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    call = dict(num_inference_steps=3, guidance_scale=5.0, height=32, width=32)
+    theirs = reference_pixels(reference_pipeline(folder, sampler), "a lighthouse at dusk", _noise(), **call)
+
+    # diffusers reads the same file back to the folder's image: the file is a real original checkpoint
+    extra = {"text_encoder_2": _diffusers_open_clip(folder, path)} if kind == "sdxl" else {"safety_checker": None}
+    ref = cls.from_single_file(str(path), config=str(folder), torch_dtype=torch.float32, **extra)
+    ref.scheduler = reference_pipeline(folder, sampler).scheduler
+    ref.set_progress_bar_config(disable=True)
+    from_file = reference_pixels(ref, "a lighthouse at dusk", _noise(), **call)
+    assert np.abs(from_file.astype(int) - theirs.astype(int)).mean() <= MEAN_TOL
+
+    pipe = preheat.load(path, config=folder, cache="off")
+    ours = pipe.generate("a lighthouse at dusk", noise=_noise(), steps=3, sampler=sampler, guidance=5.0,
+                         width=32, height=32)
+    diff = float(np.abs(ours.astype(np.int32) - theirs.astype(np.int32)).mean())
+    record_property("mean_abs_px", diff)
+    assert diff <= MEAN_TOL, diff
+    assert ours.std() > 5
+    converted = list((tmp_path / "home" / "models" / "single").iterdir())
+    assert len(converted) == 1  # converted once ...
+    again = preheat.load(path, config=folder, cache="off")  # ... and read again as it is
+    assert list((tmp_path / "home" / "models" / "single").iterdir()) == converted
+    assert np.array_equal(again.generate("a lighthouse at dusk", noise=_noise(), steps=3, sampler=sampler,
+                                         guidance=5.0, width=32, height=32), ours)
+
+
+def test_bad_single_files_are_one_line(single, tmp_path, monkeypatch):
+    from safetensors.numpy import load_file, save_file
+
+    folder, path = single
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    with pytest.raises(InvalidArgumentError) as err:
+        preheat.load(path, cache="off")
+    assert err.value.argument == "config" and "\n" not in str(err.value)
+
+    odd = tmp_path / "odd.safetensors"
+    save_file({"double_blocks.0.img_attn.qkv.weight": np.zeros((2, 2), np.float32)}, str(odd))
+    with pytest.raises(ModelFormatError, match=r"unknown layout: tried sgm \(conditioner\.embedders\.\*\), ldm "
+                                               r"\(model\.diffusion_model\.\*\); its keys start double_blocks"):
+        preheat.load(odd, config=folder, cache="off")
+
+    tensors = load_file(str(path))
+    tensors["model.diffusion_model.input_blocks.9.0.in_layers.0.weight"] = np.zeros(4, np.float32)  # no such block
+    extra = tmp_path / "extra.safetensors"
+    save_file(tensors, str(extra))
+    with pytest.raises(WeightsError, match="do not fit the blocks") as err:
+        preheat.load(extra, config=folder, cache="off")
+    assert "\n" not in str(err.value)
