@@ -28,7 +28,7 @@ import torch
 
 from preheat.backends.torch.compile_cache import INDUCTOR_OPTIONS, TorchCompiler, torch_key_fields
 from preheat.backends.torch.sampling import make_scheduler
-from preheat.backends.torch.pipeline import EngineArguments
+from preheat.backends.torch.arguments import EngineArguments
 from preheat.noise import initial_noise
 from preheat.samplers import SchedulerConfig, load_scheduler_config
 from preheat.timings import Timings
