@@ -431,7 +431,7 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     ``fsdp``: split each weight over this many of those devices instead of replicating it (for
     weights that do not fit one device); it must divide the device count.
     ``prefetch``: the calls expected first, as ``generate`` keywords (``[{"n": 4, "steps": 20}]``;
-    a text family's prompt may be left out: its words are data), or a function of the pipeline
+    a family's data inputs may be left out, like a prompt: its words are data; ``InputSpec.warm``), or a function of the pipeline
     being loaded that returns them (``preheat.cache.warm.prefetch_calls``: a server's warm
     declaration). Every executable those calls run -- a text family's encoders, the denoising
     loop, the VAE decoder -- is loaded (or pulled from ``PREHEAT_CACHE_URL``) on a background
@@ -502,16 +502,19 @@ def _prefetch(loaded: LoadedModel, mesh: Any, compiler: Any,
     view = Pipeline(**vars(loaded), compiler=Rehearsal(), mesh=mesh)
 
     def items() -> list[tuple[dict[str, Any], Any, tuple, int]]:
+        from preheat.families.inputs import warm_variants
+
         try:
             wanted = calls(view) if callable(calls) else calls
         except PreheatError:  # a bad declaration fails on its own, where it is used
             return []
+        placeholders = warm_variants(view.family.input_specs(view), guided=False)[0]
         for call in wanted:
             inputs = dict(call)
             if inputs.get("lora"):
                 continue  # adapters are read per call: no key before then
-            if "prompt" in view.family.inputs:
-                inputs.setdefault("prompt", "")  # the words are data: tokenizers pad to fixed lengths
+            for name, value in placeholders.items():  # e.g. a prompt: its words are data
+                inputs.setdefault(name, value)
             try:
                 view.generate(inputs.pop("n", None), **inputs)
             except PreheatError:  # a bad call fails on its own, when it is made

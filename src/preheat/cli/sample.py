@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from preheat.cli._support import one_line_errors
+from preheat.cli.family_options import FamilyInputsCommand, family_values, flag_errors, parse_flags
 from preheat.errors import InvalidArgumentError
 from preheat.timings import process_age_s
 
@@ -50,14 +51,9 @@ def save_png(image: Any, path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-@click.command("sample")
+@click.command("sample", cls=FamilyInputsCommand)
 @click.argument("model", required=False)
 @click.option("--n", "n", type=int, help="Number of images (default: 16 for class models, 1 for text-to-image).")
-@click.option("--prompt", help="Text-to-image models: the prompt.")
-@click.option("--negative-prompt", help="Text-to-image models: what to steer away from (needs guidance).")
-@click.option("--width", type=int, help="Text-to-image models: image width (default: the model's).")
-@click.option("--height", type=int, help="Text-to-image models: image height (default: the model's).")
-@click.option("--class", "classes", multiple=True, help="Class index or label; repeat for one per image.")
 @click.option("--steps", type=int, help="Denoising steps (model default when absent).")
 @click.option("--sampler", help="ddpm, ddim, euler, euler_a, heun, dpmpp_2m, dpmpp_2m_karras.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Image i uses seed + i.")
@@ -75,13 +71,14 @@ def save_png(image: Any, path: Path) -> None:
 @click.option("--compile", "compile_mode", type=click.Choice(["none", "inductor", "aot", "regional"]), default="none",
               show_default=True, help="torch backend: eager, torch.compile, AOTInductor, or regional (repeated blocks).")
 @click.option("--quiet", is_flag=True, help="No progress or summary.")
+@click.pass_context
 @one_line_errors
-def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt: str | None, width: int | None,
-           height: int | None, classes: tuple[str, ...], steps: int | None, sampler: str | None,
+def sample(ctx: click.Context, model: str | None, n: int | None, steps: int | None, sampler: str | None,
            seed: int, guidance: float | None, eta: float, loras: tuple[str, ...], out: Path, save_images: Path | None,
            report: Path | None, dtype: str, variant: str | None, cache: str | None, backend: str, compile_mode: str,
            quiet: bool) -> None:
-    """Sample images from MODEL (a diffusers folder or hf://org/repo; default: the built-in digits model)."""
+    """Sample images from MODEL (a diffusers folder or hf://org/repo; default: the built-in digits model).
+    The model's own inputs (--prompt, --class, --width, ...) are listed below."""
     from rich.console import Console
 
     import preheat.engine  # noqa: F401  (jax: counted as import time, not weight loading)
@@ -97,21 +94,19 @@ def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt
         raise InvalidArgumentError(f"--steps {steps} must be a positive int")
     if out.suffix.lower() != ".png":
         raise InvalidArgumentError(f"--out {out} must end in .png")
+    flags = parse_flags(ctx.args)  # the family's inputs, typed once the model's specs are known
 
-    labels: Any = None
-    if classes:
-        labels = list(classes) if len(classes) > 1 else classes[0]
-    family_inputs = dict(class_labels=labels, prompt=prompt, negative_prompt=negative_prompt, width=width,
-                         height=height)
-    kwargs = dict(steps=steps, sampler=sampler, guidance=guidance, seed=seed, eta=eta,
-                  **{k: v for k, v in family_inputs.items() if v is not None})
+    kwargs = dict(steps=steps, sampler=sampler, guidance=guidance, seed=seed, eta=eta)
     if loras:
         from preheat.lora import parse_cli
 
         kwargs["lora"] = [parse_cli(spec) for spec in loras]
-    # the first call, known before the model is: its executable loads while the weights are read
-    # (pixel families only, whose default n is 16; a text family ignores it)
-    options: dict[str, Any] = {"prefetch": [{"n": n or 16, **kwargs}]} if backend == "jax" and not loras else {}
+
+    def first_call(view: Any) -> list[dict[str, Any]]:
+        return [{"n": n or view.family.preview_n, **kwargs, **family_values(view, flags)}]
+
+    # the first call, known before the weights are: its executables load while they are read
+    options: dict[str, Any] = {"prefetch": first_call} if backend == "jax" and not loras else {}
     with console.status("loading model…"):
         t0 = time.perf_counter()
         import preheat
@@ -119,9 +114,9 @@ def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt
         pipe = preheat.load(model, dtype=dtype, cache=cache, backend=backend, compile=compile_mode, variant=variant,
                             **options)
         load_s = time.perf_counter() - t0
-    text = "prompt" in pipe.family.inputs
-    n = n or (1 if text else 16)
-    with console.status("compiling and sampling (first call)…"):
+    kwargs.update(family_values(pipe, flags))
+    n = n or pipe.family.preview_n
+    with console.status("compiling and sampling (first call)…"), flag_errors(pipe):
         t0 = time.perf_counter()
         images = pipe(n, **kwargs)
         first_call_s = time.perf_counter() - t0
@@ -164,10 +159,10 @@ def sample(model: str | None, n: int | None, prompt: str | None, negative_prompt
         "guided": pipe.is_guided(guidance),
         "stages": first.to_dict().get("stages", {}),
     }
-    startup = getattr(pipe, "startup", None)  # the JAX engine's phases (preheat.timings.Phases)
+    startup = pipe.startup  # the JAX engine's phases (preheat.timings.Phases); None for torch
     if startup is not None:
         record["startup"] = startup.to_dict()
-    weights_load = getattr(pipe, "load_report", None)  # the JAX engine's (preheat.models.weights.LoadReport)
+    weights_load = pipe.load_report  # the JAX engine's (preheat.models.weights.LoadReport); None for torch
     if weights_load is not None:
         record.update(weights_read_s=weights_load.seconds, abstract_s=weights_load.abstract_s,
                       weights_bytes=weights_load.bytes_read, peak_host_bytes=weights_load.peak_host_bytes,

@@ -60,6 +60,8 @@ class Text:
         if not isinstance(value, str):
             raise InvalidArgumentError(f"{name} must be a string or a list of strings, not {type(value).__name__}",
                                        argument=name)
+        if len(value) > self.max_length:
+            raise InvalidArgumentError(f"{name} has {len(value)} characters; at most {self.max_length}", argument=name)
         return value
 
     def schema(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 from preheat.cache.warm import WarmSignature, buckets_for, resolve, run_signature, signatures
 from preheat.errors import InputError, NotAccepting, QueueFull
-from preheat.server.inputs import Job, Limits, input_model, parse_input, size_inputs
+from preheat.server.inputs import Job, Limits, input_model, parse_input
 from preheat.server.config import CoreConfig, load_pipeline
 from preheat.server.metrics import CoreMetrics
 from preheat.server.predictions import Listener, Prediction, SetupInfo
@@ -388,14 +388,13 @@ class Core:
             compiler.defer_pushes()  # uploads never hold up READY or a request
         self.warm = resolve(pipe, self.warm)  # refuses an unusable --sizes entry before READY, in one line
         self.samplers = self.warm.samplers
-        if "prompt" in pipe.family.inputs:
-            self.limits = replace(self.limits, sizes=self.warm.sizes)
+        self.limits = replace(self.limits, sizes=self.warm.sizes)  # () where the model makes its own size only
         self.limits = replace(self.limits, schedulers=self.samplers)  # parse refuses the others, naming these
         for sig in self.signatures():
             t0 = time.perf_counter()
             events_before = len(getattr(compiler, "events", ()))
             run_signature(pipe, sig)
-            sampler, guidance, bucket, size, negatives = sig.sampler, sig.guidance, sig.bucket, sig.size, sig.negatives
+            sampler, guidance, bucket, size = sig.sampler, sig.guidance, sig.bucket, sig.size
             layer = pipe.last.cache_layer
             run_s = pipe.last.run_s
             took = time.perf_counter() - t0
@@ -405,7 +404,7 @@ class Core:
             self.metrics.warmup_programs.labels(cache_layer=layer).inc()
             self.metrics.warmup_seconds.labels(bucket=str(bucket), sampler=sampler, guided=str(guided).lower(),
                                                cache_layer=layer).set(took)
-            what = f" {size[0]}x{size[1]}{' +negative' if negatives else ''}" if size else ""
+            what = (f" {size[0]}x{size[1]}" if size else "") + "".join(f" +{name}" for name in sig.variant)
             what += f" LoRA rank {sig.lora}" if sig.lora else ""
             remote = _remote_status(getattr(compiler, "events", [])[events_before:])
             self._setup_log(f"warm-up: {sampler} batch {bucket}{what} guided={guided}: {took:.2f}s (cache: {layer}"
@@ -480,19 +479,22 @@ class Core:
         bucket = next(b for b in self.buckets if b >= images)
         pad = bucket - images
         seeds: list[int] = [s for p in batch for s in p.job.seeds] + [0] * pad
-        # per-image family inputs, concatenated over the batch; padding slots repeat the first image's
-        inputs: dict[str, list[Any]] = {}
+        # per-image inputs (and LoRAs), concatenated over the batch; padding slots repeat the first
+        # image's; per-call ones are the batch key's, so equal in every job
+        per_image = set(job0.per_image) | ({"lora"} if job0.lora_bucket is not None else set())
+        inputs: dict[str, Any] = {k: v for k, v in job0.engine_inputs().items() if k not in per_image}
         for p in batch:
             for key, values in p.job.engine_inputs().items():
-                inputs.setdefault(key, []).extend(values)
-        inputs = {key: values + values[:1] * pad for key, values in inputs.items()}
+                if key in per_image:
+                    inputs.setdefault(key, []).extend(values)
+        inputs = {key: values + values[:1] * pad if key in per_image else values for key, values in inputs.items()}
         batch_id = next(self._batch_ids)
         t0 = time.perf_counter()
         try:
             pipe = self.pipe
             pixels = pipe.generate(bucket, steps=job0.steps, sampler=job0.sampler,
                                    guidance=1.0 if job0.guidance is None else job0.guidance, seed=seeds,
-                                   **inputs, **size_inputs(job0))
+                                   **inputs)
             compiled = pipe.last.cache_layer != "memory"
             run_s = time.perf_counter() - t0
             outputs = []
