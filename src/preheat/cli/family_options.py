@@ -51,15 +51,22 @@ def _size_specs() -> tuple[Any, ...]:
     return size_specs(0, 0, 1, 0)
 
 
-def parse_flags(args: Sequence[str]) -> dict[str, list[str]]:
-    """``["--prompt", "a fox", "--class=3", "--class", "4"]`` -> {"--prompt": ["a fox"], "--class": ["3", "4"]}."""
+def parse_flags(args: Sequence[str]) -> tuple[str | None, dict[str, list[str]]]:
+    """The command's MODEL and its family flags, from what click left over:
+    ``["m", "--prompt", "a fox", "--class=3", "--class", "4"]`` -> ("m", {"--prompt": ["a fox"],
+    "--class": ["3", "4"]}). A flag always takes a value, so the one bare word is MODEL."""
     out: dict[str, list[str]] = {}
+    model: str | None = None
     items = list(args)
     i = 0
     while i < len(items):
         token = items[i]
         if not token.startswith("--") or token == "--":
-            raise InvalidArgumentError(f"unexpected argument {token!r}", argument=token)
+            if model is not None:
+                raise InvalidArgumentError(f"unexpected argument {token!r} (MODEL is {model!r})", argument=token)
+            model = token
+            i += 1
+            continue
         flag, eq, value = token.partition("=")
         if not eq:
             if i + 1 >= len(items):
@@ -68,7 +75,7 @@ def parse_flags(args: Sequence[str]) -> dict[str, list[str]]:
             i += 1
         out.setdefault(flag, []).append(value)
         i += 1
-    return out
+    return model, out
 
 
 def family_values(pipe: Any, flags: dict[str, list[str]]) -> dict[str, Any]:

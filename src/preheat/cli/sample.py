@@ -51,8 +51,7 @@ def save_png(image: Any, path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-@click.command("sample", cls=FamilyInputsCommand)
-@click.argument("model", required=False)
+@click.command("sample", cls=FamilyInputsCommand, options_metavar="[MODEL] [OPTIONS]")
 @click.option("--n", "n", type=int, help="Number of images (default: 16 for class models, 1 for text-to-image).")
 @click.option("--steps", type=int, help="Denoising steps (model default when absent).")
 @click.option("--sampler", help="ddpm, ddim, euler, euler_a, heun, dpmpp_2m, dpmpp_2m_karras.")
@@ -73,7 +72,7 @@ def save_png(image: Any, path: Path) -> None:
 @click.option("--quiet", is_flag=True, help="No progress or summary.")
 @click.pass_context
 @one_line_errors
-def sample(ctx: click.Context, model: str | None, n: int | None, steps: int | None, sampler: str | None,
+def sample(ctx: click.Context, n: int | None, steps: int | None, sampler: str | None,
            seed: int, guidance: float | None, eta: float, loras: tuple[str, ...], out: Path, save_images: Path | None,
            report: Path | None, dtype: str, variant: str | None, cache: str | None, backend: str, compile_mode: str,
            quiet: bool) -> None:
@@ -94,7 +93,7 @@ def sample(ctx: click.Context, model: str | None, n: int | None, steps: int | No
         raise InvalidArgumentError(f"--steps {steps} must be a positive int")
     if out.suffix.lower() != ".png":
         raise InvalidArgumentError(f"--out {out} must end in .png")
-    flags = parse_flags(ctx.args)  # the family's inputs, typed once the model's specs are known
+    model, flags = parse_flags(ctx.args)  # MODEL, and the family's inputs (typed once its specs are known)
 
     kwargs = dict(steps=steps, sampler=sampler, guidance=guidance, seed=seed, eta=eta)
     if loras:
