@@ -34,7 +34,7 @@ import numpy as np
 from preheat.errors import InvalidArgumentError
 
 __all__ = ["InputSpec", "Text", "Int", "Float", "Choice", "Pair", "Label", "COMMON_SPECS", "common_spec",
-           "check_int", "unknown_input", "size_specs", "warm_variants", "field_of"]
+           "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "field_of"]
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
@@ -249,6 +249,7 @@ class InputSpec:
     flag: str | None = None  # its command-line flag, where that is not --name-with-dashes
     needs_guidance: bool = False  # refused unless classifier-free guidance runs (a negative prompt)
     default_doc: str = ""  # what an absent value means, when ``default`` cannot say it
+    example: Any = None  # a realistic value (a bench's prompt); None: the first warm value
 
     @property
     def surface_name(self) -> str:
@@ -349,6 +350,11 @@ def warm_variants(specs: Sequence[InputSpec], guided: bool) -> list[dict[str, An
         values = spec.warm if guided or not spec.needs_guidance else spec.warm[:1]
         variants = [{**v, spec.name: value} for v in variants for value in values]
     return [{k: v for k, v in variant.items() if v is not None} for variant in variants]
+
+
+def example_inputs(specs: Sequence[InputSpec]) -> dict[str, Any]:
+    """A call's required inputs at their example values (what a benchmark draws): keyword -> value."""
+    return {s.name: s.example if s.example is not None else s.warm[0] for s in specs if s.required}
 
 
 def field_of(specs: Sequence[InputSpec]) -> dict[str, str]:

@@ -68,7 +68,7 @@ SAMPLER_OF_SCHEDULER = {
 # warm: the words are data (tokenizers pad to fixed lengths); a negative prompt given or not are two
 # programs for SDXL (zeros or the encoded negatives), so warm-up compiles both
 PROMPT = InputSpec("prompt", Text(), "What to draw: one prompt for all images, or one per image.", per_image=True,
-                   required=True, warm=("",))
+                   required=True, warm=("",), example="a watercolor fox")
 NEGATIVE_PROMPT = InputSpec("negative_prompt", Text(), "What to steer away from (needs guidance).", per_image=True,
                             needs_guidance=True, warm=(None, ""))
 
