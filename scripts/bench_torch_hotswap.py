@@ -22,8 +22,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import preheat.torch
-from tests.families.flow_fixtures import reference_pipeline, save_tiny_flow_model
-from tests.families.test_lora import _peft_layers, _save
+from tests._support.flow_fixtures import reference_pipeline, save_tiny_flow_model
+from tests._support.lora_files import peft_layers, save_lora
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_mlp", "ff.net.2"]
 
@@ -33,11 +33,11 @@ def main(out: Path) -> None:
     folder = save_tiny_flow_model(tmp / "flux", kind="flux-dev")
     ref = reference_pipeline(folder)
     files = {
-        "A": _save(ref, tmp / "A", "transformer", {"transformer": _peft_layers(ref.transformer, TARGETS, 4, 4, 1)}),
-        "B": _save(ref, tmp / "B", "transformer", {"transformer": _peft_layers(ref.transformer, TARGETS, 2, 4, 2)}),
-        "C": _save(ref, tmp / "C", "transformer", {"transformer": _peft_layers(ref.transformer, [*TARGETS, "add_k_proj"],
+        "A": save_lora(ref, tmp / "A", "transformer", {"transformer": peft_layers(ref.transformer, TARGETS, 4, 4, 1)}),
+        "B": save_lora(ref, tmp / "B", "transformer", {"transformer": peft_layers(ref.transformer, TARGETS, 2, 4, 2)}),
+        "C": save_lora(ref, tmp / "C", "transformer", {"transformer": peft_layers(ref.transformer, [*TARGETS, "add_k_proj"],
                                                                                4, 4, 3)}),
-        "D": _save(ref, tmp / "D", "transformer", {"transformer": _peft_layers(ref.transformer, TARGETS, 16, 16, 4)}),
+        "D": save_lora(ref, tmp / "D", "transformer", {"transformer": peft_layers(ref.transformer, TARGETS, 16, 16, 4)}),
     }
     pipe = reference_pipeline(folder)
 

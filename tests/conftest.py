@@ -85,6 +85,11 @@ _file_seconds: dict[str, float] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # A renamed or deleted file would silently lose its place in a fresh clone's schedule: refuse.
+    missing = sorted(path for path in HEAVY_FILES if not (config.rootpath / path).is_file())
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py's HEAVY_FILES lists files that do not exist: {', '.join(missing)}; "
+                                "rename or drop them")
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist present: keep the file order below
         config.option.loadscopereorder = False
 

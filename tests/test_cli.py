@@ -10,7 +10,7 @@ import sys
 import pytest
 from PIL import Image
 
-from tests.reference import save_tiny_pipeline
+from tests._support.reference import save_tiny_pipeline
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ import preheat
 from preheat.errors import InvalidArgumentError
 from preheat.server.core import buckets_for
 from preheat.sharding import FSDP_MIN_SIZE, parse_devices, select_devices, weight_spec
-from tests.families.sd_fixtures import save_tiny_sd
-from tests.reference import save_tiny_pipeline
+from tests._support.sd_fixtures import save_tiny_sd
+from tests._support.reference import save_tiny_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,7 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError, SchedulerConfigError
-from tests.reference import TINY_CLASS_CONDITIONAL, save_random_unet, save_tiny_pipeline
+from tests._support.reference import TINY_CLASS_CONDITIONAL, save_random_unet, save_tiny_pipeline
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.numerics import assert_within_ulps, correctly_rounded_f32, ulp_distance
+from tests._support.numerics import assert_within_ulps, correctly_rounded_f32, ulp_distance
 
 
 def test_ulp_distance_counts_float32_steps_across_zero():

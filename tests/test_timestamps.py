@@ -4,20 +4,11 @@ predictions use it."""
 
 from __future__ import annotations
 
-import re
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
 from preheat.server.core import Prediction
 from preheat.timings import now_iso
-
-FORMAT = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
-
-
-def assert_utc_timestamp(text: str) -> None:
-    """``text`` is in the one format and is a moment within a day of now (a real clock reading)."""
-    assert FORMAT.fullmatch(text), text
-    moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    assert moment.tzinfo == timezone.utc and abs(datetime.now(timezone.utc) - moment) < timedelta(days=1)
+from tests._support.timestamps import assert_utc_timestamp
 
 
 def test_now_iso_is_rfc3339_utc_with_microseconds():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.clean_env import clean_venv, offline_env
+from tests._support.clean_env import clean_venv, offline_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "preheat"

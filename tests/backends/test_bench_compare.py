@@ -12,8 +12,8 @@ pytest.importorskip("diffusers")
 
 from preheat.bench.compare import PATHS, markdown, plot  # noqa: E402
 from preheat.cli.bench import compare_command  # noqa: E402
-from tests.backends._models import MICRO  # noqa: E402
-from tests.reference import save_tiny_pipeline  # noqa: E402
+from tests._support.torch_models import MICRO  # noqa: E402
+from tests._support.reference import save_tiny_pipeline  # noqa: E402
 
 
 def _stat(v: float) -> dict:

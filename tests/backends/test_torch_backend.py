@@ -15,7 +15,7 @@ from preheat import engine, noise  # noqa: E402
 from preheat.backends.torch import TorchPipeline, initial_noise  # noqa: E402
 from preheat.backends.torch import load as torch_load  # noqa: E402
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, PreheatError, UnsupportedConfigError  # noqa: E402
-from tests.reference import TINY_CLASS_CONDITIONAL, save_tiny_pipeline  # noqa: E402
+from tests._support.reference import TINY_CLASS_CONDITIONAL, save_tiny_pipeline  # noqa: E402
 
 # mean |Δ| over all pixels must stay within one uint8 level (1/255)
 MEAN_TOL = 1.0

@@ -20,8 +20,8 @@ from preheat.backends.torch import load as torch_load  # noqa: E402
 from preheat.backends.torch.compile_cache import TorchCompiler, torch_key_fields  # noqa: E402
 from preheat.cache.compile import key_of  # noqa: E402
 from preheat.cache.entries import LoadingMarker, open_entry, publish_entry  # noqa: E402
-from tests.backends._models import MICRO  # noqa: E402
-from tests.reference import save_tiny_pipeline  # noqa: E402
+from tests._support.torch_models import MICRO  # noqa: E402
+from tests._support.reference import save_tiny_pipeline  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 # guided (the model default, scale 2): the UNet sees batch 4
@@ -197,7 +197,7 @@ def test_bad_entries_are_quarantined(tmp_path, mode, damage):
 def test_entries_go_to_the_fleet_store_in_the_background(tmp_path):
     """A written entry is queued for the fleet store, not pushed on the compiling thread; the
     bounded wait reports what is left; once pushed, a new machine (empty root) pulls it."""
-    from tests.cache.test_warm import GatedStore
+    from tests._support.gated import GatedStore
 
     store = GatedStore(tmp_path / "store")
     fields = torch_key_fields({"kind": "test"}, mode="inductor", model_batch=2, sample_chw=(1, 8, 8),
@@ -223,7 +223,7 @@ _CHILD = """
 import json, sys
 import numpy as np
 from preheat.backends.torch import load
-from tests.backends._models import count_cpp_builds
+from tests._support.torch_models import count_cpp_builds
 builds = count_cpp_builds()
 pipe = load(sys.argv[1], compile="inductor")
 pixels = pipe.generate(2, sampler="ddim", steps=3, seed=[1, 2], class_labels=[3, 4])

@@ -14,8 +14,8 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 import preheat.torch  # noqa: E402
-from tests.families.flow_fixtures import reference_pipeline, save_tiny_flow_model  # noqa: E402
-from tests.families.test_lora import _peft_layers, _save  # noqa: E402  (the LoRA files of issue 15's tests)
+from tests._support.flow_fixtures import reference_pipeline, save_tiny_flow_model  # noqa: E402
+from tests._support.lora_files import peft_layers, save_lora  # noqa: E402  (the LoRA files of issue 15's tests)
 
 # Inside the repeated blocks only: what regional compilation traces.
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_mlp", "ff.net.2"]
@@ -30,8 +30,8 @@ def loras(tmp_path_factory):
     base = tmp_path_factory.mktemp("hotswap")
     folder = save_tiny_flow_model(base / "flux", kind="flux-dev")
     ref = reference_pipeline(folder)
-    a = _save(ref, base / "A", "transformer", {"transformer": _peft_layers(ref.transformer, TARGETS, 4, 4, seed=1)})
-    b = _save(ref, base / "B", "transformer", {"transformer": _peft_layers(ref.transformer, TARGETS, 2, 4, seed=2)})
+    a = save_lora(ref, base / "A", "transformer", {"transformer": peft_layers(ref.transformer, TARGETS, 4, 4, seed=1)})
+    b = save_lora(ref, base / "B", "transformer", {"transformer": peft_layers(ref.transformer, TARGETS, 2, 4, seed=2)})
     return folder, a, b
 
 

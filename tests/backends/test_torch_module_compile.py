@@ -18,8 +18,8 @@ import preheat  # noqa: E402
 import preheat.torch  # noqa: E402
 from preheat.backends.torch.compiled import signature  # noqa: E402
 from preheat.errors import InvalidArgumentError  # noqa: E402
-from tests.backends._models import run_child  # noqa: E402
-from tests.families.flow_fixtures import save_tiny_flow_model  # noqa: E402
+from tests._support.torch_models import run_child  # noqa: E402
+from tests._support.flow_fixtures import save_tiny_flow_model  # noqa: E402
 
 # Inductor fuses ops and reorders float32 reductions; over two Flux steps and the VAE, compiled and
 # eager images (floats in [0, 1]) differ by rounding only: a few 1e-6 here, bounded at 1e-4.
@@ -293,7 +293,7 @@ _CHILD = r"""
 import json, sys
 import numpy as np, torch
 from torch._dynamo.utils import counters
-from tests.backends._models import count_cpp_builds
+from tests._support.torch_models import count_cpp_builds
 import preheat.torch
 from diffusers import DiffusionPipeline
 
@@ -476,8 +476,8 @@ def test_aot_blocks_cold_then_warm_then_a_fine_tune(flux, flux_tuned, tmp_path):
 
 
 def test_load_regional_is_refused_for_a_unet2d_model(tmp_path):
-    from tests.backends._models import MICRO
-    from tests.reference import save_tiny_pipeline
+    from tests._support.torch_models import MICRO
+    from tests._support.reference import save_tiny_pipeline
 
     with pytest.raises(InvalidArgumentError, match="text-to-image pipelines"):
         preheat.load(save_tiny_pipeline(tmp_path / "micro", config=MICRO), backend="torch", compile="regional")

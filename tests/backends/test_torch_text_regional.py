@@ -15,9 +15,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
-from tests.backends._models import run_child  # noqa: E402
-from tests.families.flow_fixtures import save_tiny_flow_model  # noqa: E402
-from tests.families.sd_fixtures import save_tiny_sd  # noqa: E402
+from tests._support.torch_models import run_child  # noqa: E402
+from tests._support.flow_fixtures import save_tiny_flow_model  # noqa: E402
+from tests._support.sd_fixtures import save_tiny_sd  # noqa: E402
 
 # Inductor fuses ops and reorders float32 reductions, so over two steps and the VAE the compiled
 # and eager images differ by rounding only: at most one level of 255 where a value sits on a
@@ -28,7 +28,7 @@ _CHILD = r"""
 import json, sys
 import torch
 from torch._dynamo.utils import counters
-from tests.backends._models import count_cpp_builds
+from tests._support.torch_models import count_cpp_builds
 import preheat
 
 folder, flags = sys.argv[1], sys.argv[2:]

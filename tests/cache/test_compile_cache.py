@@ -14,7 +14,7 @@ import pytest
 
 import preheat
 from preheat.cache.compile import JaxCompiler, key_fields, key_of
-from tests.reference import TINY_CLASS_CONDITIONAL, save_tiny_pipeline
+from tests._support.reference import TINY_CLASS_CONDITIONAL, save_tiny_pipeline
 
 CALL = dict(n=2, steps=3, sampler="euler", seed=7, class_labels=[1, 2])
 

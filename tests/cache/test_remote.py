@@ -22,8 +22,8 @@ import pytest
 
 import preheat
 from preheat.cache.remote import open_store
-from tests.cache.s3_server import free_port, s3_server
-from tests.reference import save_tiny_pipeline
+from tests._support.s3_server import free_port, s3_server
+from tests._support.reference import save_tiny_pipeline
 
 CALL = dict(n=2, steps=3, sampler="euler", seed=7, class_labels=[1, 2])
 SIGNING_KEY = "fleet-secret-" + "0123456789abcdef" * 2

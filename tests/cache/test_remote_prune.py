@@ -18,7 +18,8 @@ from click.testing import CliRunner
 from preheat.cache.entries import checked_entry, publish_entry
 from preheat.cache.remote import FsspecStore, LocalDirStore
 from preheat.cli import main
-from tests.cache.s3_server import s3_server
+from tests._support.gated import Gated
+from tests._support.s3_server import s3_server
 
 A, B = "aa" * 16, "bb" * 16
 
@@ -27,19 +28,6 @@ A, B = "aa" * 16, "bb" * 16
 def s3():
     with s3_server() as server:
         yield server
-
-
-class Gated:
-    """A store whose held operations wait for ``gate``; ``entered`` says one got that far."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-
-    def hold(self):
-        self.entered.set()
-        assert self.gate.wait(120), "the test never opened the gate"
 
 
 class GatedGets(Gated):
@@ -263,7 +251,7 @@ def test_a_pod_mirroring_during_a_prune_never_leaves_a_ref_without_its_blob(stor
 def test_a_pull_records_its_ref_and_the_cli_reports_blobs(tmp_path, monkeypatch):
     from preheat.store import pull
     from preheat.store._layout import parse_source
-    from tests.store._server import FileServer
+    from tests._support.file_server import FileServer
 
     data = b"weights" * 3000
     sha = hashlib.sha256(data).hexdigest()

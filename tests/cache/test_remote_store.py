@@ -22,7 +22,7 @@ from preheat.cache.entries import open_entry, publish_entry
 from preheat.cache.remote import LocalDirStore, open_store
 from preheat.cache.signing import SignatureError, canonical, sign, verify
 from preheat.errors import InvalidArgumentError
-from tests.cache.s3_server import free_port, s3_server
+from tests._support.s3_server import free_port, s3_server
 
 KEY = "ab" * 16
 SIGNING_KEY = b"k" * 32

@@ -17,7 +17,7 @@ import pytest
 import preheat
 from preheat.cache.remote.compile_entries import CompileEntries
 from preheat.models import weights
-from tests.reference import save_tiny_pipeline
+from tests._support.reference import save_tiny_pipeline
 
 CALL = dict(n=2, steps=3, sampler="euler", seed=7, class_labels=[1, 2])
 DELAY_S = 0.4  # injected: long enough that the two slow phases must overlap to finish together

@@ -21,12 +21,13 @@ from click.testing import CliRunner
 import preheat
 from preheat.cache.compile import JaxCompiler
 from preheat.cache.entries import publish_entry
-from preheat.cache.remote import LocalDirStore, open_store
+from preheat.cache.remote import open_store
 from preheat.cache.remote.background import BackgroundPushes
 from preheat.cache.warm import WarmSet
 from preheat.cli import main
 from preheat.server.core import Core, CoreConfig
-from tests.cache.s3_server import s3_server
+from tests._support.gated import GatedStore
+from tests._support.s3_server import s3_server
 
 SRC = str(Path(preheat.__file__).resolve().parents[1])
 
@@ -92,20 +93,6 @@ def test_warm_then_serve_from_the_store_compiles_nothing(s3, tmp_path, monkeypat
         assert not reg.get_sample_value("preheat_compiles_total", {"phase": "traffic"})
     finally:
         core.close()
-
-
-class GatedStore(LocalDirStore):
-    """A shared folder whose manifest writes wait for ``gate`` (``entered`` says one is waiting)."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path, trust=True, timeout=120)
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-
-    def _put_bytes(self, data: bytes, rel: str) -> None:
-        self.entered.set()
-        assert self.gate.wait(300), "the test never opened the gate"
-        super()._put_bytes(data, rel)
 
 
 def test_uploads_run_in_the_background_and_close_waits_for_them(tmp_path):

@@ -36,7 +36,7 @@ def test_a_server_may_still_choose_its_own_devices():
 @pytest.fixture(scope="module")
 def sd_pipe(tmp_path_factory):
     import preheat
-    from tests.families.sd_fixtures import save_tiny_sd
+    from tests._support.sd_fixtures import save_tiny_sd
 
     return preheat.load(save_tiny_sd(tmp_path_factory.mktemp("sd") / "sd1", kind="sd1"))
 

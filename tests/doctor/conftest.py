@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.doctor.helpers import Machine
+from tests._support.doctor_fixtures import Machine
 
 
 @pytest.fixture

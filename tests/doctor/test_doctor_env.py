@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from preheat.doctor import dists
-from tests.doctor.helpers import check, jax_gpu
-from tests.doctor.sites import fake_site
+from tests._support.doctor_fixtures import check, jax_gpu
+from tests._support.doctor_sites import fake_site
 
 BUSY = "2 other process(es) use 20390 MiB of 24564 MiB (pid 2714 /usr/bin/python3 18342 MiB, pid 3120 /opt/conda/bin/python 2048 MiB)"
 

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from preheat.doctor import dists
-from tests.doctor.helpers import JAX_CPU, check, jax_gpu
-from tests.doctor.sites import fake_site
+from tests._support.doctor_fixtures import JAX_CPU, check, jax_gpu
+from tests._support.doctor_sites import fake_site
 
 
 def test_no_gpu_real_jax_and_torch_ok(machine):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from preheat.doctor import report
 from preheat.doctor.checks.cuda_libs import LD_LIBRARY_PATH
-from tests.doctor.helpers import JAX_CPU, check
+from tests._support.doctor_fixtures import JAX_CPU, check
 
 CHECK_IDS = ["accelerator", "jax", "torch", "cuda_libs", "ld_library_path", "gpu_memory", "storage_cache", "storage_hf", "cache_health"]
 

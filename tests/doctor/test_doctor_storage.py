@@ -7,7 +7,7 @@ import types
 from collections import namedtuple
 
 from preheat.doctor.checks import cache_health, storage
-from tests.doctor.helpers import check
+from tests._support.doctor_fixtures import check
 
 Usage = namedtuple("Usage", "total used free")
 

@@ -27,7 +27,7 @@ import preheat
 from preheat.errors import InvalidArgumentError
 from preheat.families.inputs import Choice, Float, InputSpec, Int, Label, Pair, Text
 from preheat.server.images import decode_data_url
-from tests.server.fixtures import runpod_jobs, serving, wait_status
+from tests._support.server_fixtures import runpod_jobs, serving, wait_status
 
 KINDS = ("pixel", "sd1", "sdxl", "sd3", "flux-dev")
 CHEAP = {"steps": 1, "guidance": 1.0, "seed": 3}  # the warmed program: guidance off (1 = off everywhere)
@@ -61,10 +61,10 @@ def _folder(kind: str, root: Path) -> Path | None:
     if kind == "pixel":
         return None  # the built-in digits model
     if kind.startswith("sd") and kind != "sd3":
-        from tests.families.sd_fixtures import save_tiny_sd
+        from tests._support.sd_fixtures import save_tiny_sd
 
         return save_tiny_sd(root / kind, kind)
-    from tests.families.flow_fixtures import save_tiny_flow_model
+    from tests._support.flow_fixtures import save_tiny_flow_model
 
     return save_tiny_flow_model(root / kind, kind)
 

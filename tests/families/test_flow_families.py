@@ -11,7 +11,7 @@ import pytest
 import preheat
 from preheat.errors import InvalidArgumentError, PreheatError, SchedulerConfigError
 from preheat.families.request import plan
-from tests.families.flow_fixtures import reference_pipeline, reference_pixels, save_tiny_flow_model
+from tests._support.flow_fixtures import reference_pipeline, reference_pixels, save_tiny_flow_model
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255 (1/255 on the [0, 1] scale)
 FOLDERS = {"flux-schnell": ("flux-schnell", True), "flux-dev": ("flux-dev", True), "sd3": ("sd3", True),

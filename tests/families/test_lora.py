@@ -4,7 +4,6 @@ same tensors; zero retraces across LoRAs, scales and mixes; per-image adapters i
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -14,7 +13,8 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, PreheatError, WeightsError
-from tests.families import flow_fixtures, sd_fixtures
+from tests._support import flow_fixtures, sd_fixtures
+from tests._support.lora_files import peft_layers, save_lora
 
 peft = pytest.importorskip("peft")
 
@@ -24,32 +24,6 @@ FLUX_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", 
                 "norm1.linear", "x_embedder", "proj_out", "norm_out.linear"]
 TE_TARGETS = ["q_proj", "v_proj", "fc1"]
 MISSING_WIDTH = 32  # tiny Flux: the width of a fused part a LoRA leaves out (2 heads x 16)
-
-
-def _peft_layers(module, targets: list[str], rank: int, alpha: float, seed: int) -> tuple[dict, dict]:
-    """(peft state dict, adapter config) of a random LoRA on a copy of ``module``."""
-    import torch
-    from peft import LoraConfig, inject_adapter_in_model
-    from peft.utils import get_peft_model_state_dict
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
-    model = inject_adapter_in_model(config, copy.deepcopy(module))
-    with torch.no_grad():  # peft's non-default init is small; make the effect clearly visible
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(2.0)
-    return get_peft_model_state_dict(model), config.to_dict()
-
-
-def _save(pipe, directory: Path, denoiser: str, parts: dict[str, tuple[dict, dict]]) -> Path:
-    """A diffusers LoRA file (``pytorch_lora_weights.safetensors``) with peft's metadata."""
-    kwargs = {}
-    for name, (layers, config) in parts.items():
-        kwargs[f"{name}_lora_layers"] = layers
-        kwargs[f"{name}_lora_adapter_metadata"] = config
-    type(pipe).save_lora_weights(directory, **kwargs)
-    return directory / "pytorch_lora_weights.safetensors"
 
 
 def _kohya(src: Path, dst: Path) -> Path:
@@ -84,10 +58,10 @@ def sd(tmp_path_factory):
         folder = sd_fixtures.save_tiny_sd(base / kind, kind=kind)
         ref = sd_fixtures.reference_pipeline(folder, "euler")
         te = "text_encoder_2" if kind == "sdxl" else "text_encoder"
-        a = _save(ref, base / f"{kind}-A", "unet", {
-            "unet": _peft_layers(ref.unet, UNET_TARGETS, 4, 8, seed=1),
-            te: _peft_layers(getattr(ref, te), TE_TARGETS, 4, 4, seed=2)})
-        b = _save(ref, base / f"{kind}-B", "unet", {"unet": _peft_layers(ref.unet, ["to_k", "to_v", "ff.net.0.proj"],
+        a = save_lora(ref, base / f"{kind}-A", "unet", {
+            "unet": peft_layers(ref.unet, UNET_TARGETS, 4, 8, seed=1),
+            te: peft_layers(getattr(ref, te), TE_TARGETS, 4, 4, seed=2)})
+        b = save_lora(ref, base / f"{kind}-B", "unet", {"unet": peft_layers(ref.unet, ["to_k", "to_v", "ff.net.0.proj"],
                                                                          8, 8, seed=3)})
         out[kind] = {"folder": folder, "A": a, "B": b, "pipe": preheat.load(folder, cache="off")}
     out["sd1"]["kohya"] = _kohya(out["sd1"]["A"], base / "sd1-A-kohya.safetensors")
@@ -176,9 +150,9 @@ def flux(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora-flux")
     folder = flow_fixtures.save_tiny_flow_model(base / "flux-dev", "flux-dev")
     ref = flow_fixtures.reference_pipeline(folder)
-    a = _save(ref, base / "A", "transformer", {
-        "transformer": _peft_layers(ref.transformer, FLUX_TARGETS, 4, 4, seed=4),
-        "text_encoder": _peft_layers(ref.text_encoder, TE_TARGETS, 4, 8, seed=5)})
+    a = save_lora(ref, base / "A", "transformer", {
+        "transformer": peft_layers(ref.transformer, FLUX_TARGETS, 4, 4, seed=4),
+        "text_encoder": peft_layers(ref.text_encoder, TE_TARGETS, 4, 8, seed=5)})
     return {"folder": folder, "A": a, "pipe": preheat.load(folder, cache="off"),
             "bfl": _flux_fused(a, base / "A-bfl.safetensors", "bfl"),
             "xlabs": _flux_fused(a, base / "A-xlabs.safetensors", "xlabs")}
@@ -378,7 +352,7 @@ def test_models_without_lora_support_refuse_it(sd):
 
 
 def test_an_http_lora_is_pulled_once_then_served_offline(sd, tmp_path, monkeypatch):
-    from tests.store._server import FileServer
+    from tests._support.file_server import FileServer
 
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     entry = sd["sd1"]
@@ -481,7 +455,7 @@ def test_sd3_lora_matches_diffusers(tmp_path_factory, record_property):
     base = tmp_path_factory.mktemp("lora-sd3")
     folder = flow_fixtures.save_tiny_flow_model(base / "sd3", "sd3")
     ref = flow_fixtures.reference_pipeline(folder)
-    a = _save(ref, base / "A", "transformer", {"transformer": _peft_layers(ref.transformer, SD3_TARGETS, 4, 8, seed=6)})
+    a = save_lora(ref, base / "A", "transformer", {"transformer": peft_layers(ref.transformer, SD3_TARGETS, 4, 8, seed=6)})
     noise = np.random.default_rng(0).standard_normal((1, ref.transformer.config.in_channels, 16, 16)).astype(np.float32)
     ref.load_lora_weights(str(a))
     theirs = flow_fixtures.reference_pixels(ref, "a watercolor fox", noise, num_inference_steps=3, guidance_scale=5.0,

@@ -10,7 +10,7 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, PreheatError, UnsupportedConfigError
-from tests.families.sd_fixtures import KINDS, reference_pipeline, reference_pixels, save_tiny_sd
+from tests._support.sd_fixtures import KINDS, reference_pipeline, reference_pixels, save_tiny_sd
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255 (1/255 on the [0, 1] scale)
 

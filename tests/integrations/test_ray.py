@@ -34,8 +34,8 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
-from tests.cache.s3_server import free_port, s3_server  # noqa: E402
-from tests.server.fixtures import wait_until  # noqa: E402
+from tests._support.s3_server import free_port, s3_server  # noqa: E402
+from tests._support.server_fixtures import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

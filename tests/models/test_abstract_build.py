@@ -11,7 +11,7 @@ from preheat.models import weights
 from preheat.models.clip import CLIPTextConfig, CLIPTextModel
 from preheat.models.t5 import T5Config, T5EncoderModel
 from preheat.models.unet2d import UNet2DConfig, UNet2DModule
-from tests.reference import TINY_CLASS_CONDITIONAL
+from tests._support.reference import TINY_CLASS_CONDITIONAL
 
 CASES = {
     "unet2d": lambda: (UNet2DModule, UNet2DConfig.from_dict(TINY_CLASS_CONDITIONAL)),

@@ -15,7 +15,7 @@ from preheat.errors import ModelNotFoundError, UnsupportedConfigError, WeightsEr
 from preheat.models import clip as clip_mod
 from preheat.models.clip import CLIPTextConfig, load_clip_text
 from preheat.models.weights import expected_torch_shape, torch_key
-from tests.models.text_fixtures import clip_reference, save_tiny_clip, tiny_clip_config
+from tests._support.text_fixtures import clip_reference, save_tiny_clip, tiny_clip_config
 
 FP32_TOL = 1e-4
 EOS_ID = tiny_clip_config()["eos_token_id"]  # the tiny vocab's <|endoftext|>: its highest id, as CLIP's 49407
@@ -278,7 +278,7 @@ def test_tokenizer_output_feeds_the_encoder_like_diffusers(tmp_path, pad, eos, p
     import transformers
 
     from preheat.models.tokenizer import CLIPTokenizer
-    from tests.models.text_fixtures import save_tiny_tokenizer
+    from tests._support.text_fixtures import save_tiny_tokenizer
 
     tok_dir = save_tiny_tokenizer(tmp_path / "tok", pad_token=pad)
     overrides = {} if eos is None else {"eos_token_id": eos}

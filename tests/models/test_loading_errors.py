@@ -10,7 +10,7 @@ from safetensors.numpy import load_file, save_file
 
 import preheat
 from preheat.errors import ModelFormatError, ModelNotFoundError, UnsupportedConfigError, WeightsError
-from tests.reference import save_random_unet
+from tests._support.reference import save_random_unet
 
 TINY = dict(sample_size=8, in_channels=1, out_channels=1, layers_per_block=1, block_out_channels=(8, 16),
             norm_num_groups=4, down_block_types=("DownBlock2D", "AttnDownBlock2D"),

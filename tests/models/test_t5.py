@@ -20,7 +20,7 @@ from preheat.models.t5 import T5Config, load_t5_encoder, relative_position_bucke
 from preheat.models.t5_tokenizer import T5Tokenizer
 from preheat.models.tokenizer import PromptTruncatedWarning
 from preheat.models.weights import expected_torch_shape, torch_key
-from tests.models.t5_fixtures import save_tiny_t5_encoder, save_tiny_t5_tokenizer, t5_reference
+from tests._support.t5_fixtures import save_tiny_t5_encoder, save_tiny_t5_tokenizer, t5_reference
 
 PROMPTS = [
     "a photo of a cat",

@@ -12,7 +12,7 @@ import pytest
 
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedConfigError
 from preheat.models.tokenizer import CLIPTokenizer, PromptTruncatedWarning
-from tests.models.text_fixtures import EOS, save_tiny_tokenizer, tiny_vocab_and_merges
+from tests._support.text_fixtures import EOS, save_tiny_tokenizer, tiny_vocab_and_merges
 
 PROMPTS = [
     "a photo of a cat",
@@ -174,7 +174,7 @@ def test_prompt_that_is_not_a_string(tmp_path, prompts):
 
 def test_no_torch_or_transformers_at_run_time(tmp_path):
     """Tokenizing and loading an encoder in a fresh process import neither torch nor transformers."""
-    from tests.models.text_fixtures import save_tiny_clip
+    from tests._support.text_fixtures import save_tiny_clip
 
     tok_dir = save_tiny_tokenizer(tmp_path / "tok", pad_token="!")
     clip_dir = save_tiny_clip(tmp_path / "enc", with_projection=True, num_hidden_layers=1)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import preheat
-from tests.reference import (
+from tests._support.reference import (
     BUTTERFLIES_AT_32,
     CLASS_CONDITIONAL,
     DDPM_CHURCH_256_AT_32,

@@ -15,7 +15,7 @@ from preheat.errors import InvalidArgumentError, ModelFormatError, PreheatError,
 from preheat.models.unet2d_condition import (UNet2DConditionConfig, build_abstract, build_unet_condition,
                                              check_text_conditioning, load_unet_condition)
 from preheat.models.weights import expected_torch_shape, torch_key
-from tests.models.unet_condition_fixtures import (SD15_UNET, SD21_UNET, SDXL_BASE_UNET, TINY_POOLED_WIDTH, jax_output,
+from tests._support.unet_condition_fixtures import (SD15_UNET, SD21_UNET, SDXL_BASE_UNET, TINY_POOLED_WIDTH, jax_output,
                                                   save_tiny_unet_condition, tiny_config, tiny_inputs, torch_output)
 
 FP32_TOL = 1e-4

@@ -14,7 +14,7 @@ import pytest
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError, WeightsError
 from preheat.models.vae import AutoencoderKLConfig, LatentStat, build_abstract, load_vae
 from preheat.models.weights import expected_torch_shape, torch_key
-from tests.models.vae_fixtures import nchw, nhwc, save_tiny_vae, torch_vae
+from tests._support.vae_fixtures import nchw, nhwc, save_tiny_vae, torch_vae
 
 FP32_TOL = 1e-4
 

@@ -36,7 +36,7 @@ from preheat.errors import SchedulerConfigError
 from preheat.samplers import (DIFFUSION_SAMPLERS, FLOW_SAMPLERS, MU_SIGMAS_SAMPLERS, SAMPLERS, Plan, SchedulerConfig,
                               SolverSpec, config_kind, flow_mu, flux_sigmas, make_plan, make_spec, run)
 from preheat.samplers._tables import CLASS_DEFAULTS, DIFFUSERS_CLASS
-from tests.samplers._sampler_ref import SHAPE, fake_model_jax, fake_model_torch, max_errors, run_ours
+from tests._support.sampler_ref import SHAPE, fake_model_jax, fake_model_torch, max_errors, run_ours
 
 EULER = "FlowMatchEulerDiscreteScheduler"
 HEUN = "FlowMatchHeunDiscreteScheduler"

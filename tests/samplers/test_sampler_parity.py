@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from preheat.samplers import DIFFUSION_SAMPLERS
-from tests.samplers._sampler_ref import check_parity, ours_for
+from tests._support.sampler_ref import check_parity, ours_for
 
 BETAS = {
     "linear": {"beta_schedule": "linear", "beta_start": 0.0001, "beta_end": 0.02},

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from preheat.samplers import DIFFUSION_SAMPLERS, Plan, SchedulerConfig, SolverSpec, init, make_plan, make_spec, run, step
-from tests.samplers._sampler_ref import SHAPE, fake_model_jax, noise_for, run_ours
+from tests._support.sampler_ref import SHAPE, fake_model_jax, noise_for, run_ours
 
 CFG = SchedulerConfig.from_dict({"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012})
 ROWS = 1001  # plan length for num_train_timesteps = 1000

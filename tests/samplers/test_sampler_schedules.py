@@ -11,8 +11,8 @@ import torch
 import diffusers
 from preheat.samplers import SAMPLERS, SchedulerConfig, make_plan
 from preheat.samplers import _schedules as S
-from tests.numerics import assert_within_ulps, correctly_rounded_f32
-from tests.samplers._sampler_ref import torch_train_sigmas
+from tests._support.numerics import assert_within_ulps, correctly_rounded_f32
+from tests._support.sampler_ref import torch_train_sigmas
 
 SCHEDULES = [
     ("linear", 0.0001, 0.02),

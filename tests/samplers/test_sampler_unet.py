@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import diffusers
-from tests.samplers._sampler_ref import SHAPE, check_parity
+from tests._support.sampler_ref import SHAPE, check_parity
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from preheat.errors import NotAccepting
 from preheat.server.core import SHUT_DOWN, Core, CoreConfig, buckets_for
-from tests.server.fixtures import GatedPipe
+from tests._support.server_fixtures import GatedPipe
 
 
 def _wait(pred: Any, status: str, timeout: float = 60) -> None:

@@ -20,7 +20,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis.generation.modes import GenerationMode
 
 from preheat.server.core import Core, CoreConfig
-from tests.server.fixtures import serving
+from tests._support.server_fixtures import serving
 
 EXAMPLES = 15
 

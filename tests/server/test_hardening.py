@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from preheat.server.core import SHUT_DOWN, Core, CoreConfig
-from tests.server.fixtures import GatedPipe, ServerProcess, metric, serving, wait_status, wait_until
+from tests._support.server_fixtures import GatedPipe, ServerProcess, metric, serving, wait_status, wait_until
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ import pytest
 import preheat
 from preheat.server.core import Core, CoreConfig
 from preheat.server.images import decode_data_url
-from tests.families.sd_fixtures import save_tiny_sd
-from tests.server.fixtures import metric, runpod_jobs, serving, wait_status, wait_until
+from tests._support.sd_fixtures import save_tiny_sd
+from tests._support.server_fixtures import metric, runpod_jobs, serving, wait_status, wait_until
 
 TRAFFIC = ("preheat_compiles_total", '{phase="traffic"}')
 
@@ -194,7 +194,7 @@ def test_a_lora_url_on_a_private_address_is_refused_before_any_request(core, lor
     (unless --lora-url-allow(-private) says otherwise), checked at connect time."""
     import httpx
 
-    from tests.store._server import FileServer
+    from tests._support.file_server import FileServer
 
     files = FileServer().start()
     files.files["/a.safetensors"] = loras["A"].read_bytes()
@@ -217,7 +217,7 @@ def test_a_policy_that_admits_the_address_fetches_the_lora(sd_pipe, loras, tmp_p
     """``--lora-url-allow 127.0.0.1`` (CoreConfig.lora_urls): the same URL is fetched, once."""
     from preheat.server.inputs import _lora
     from preheat.server.webhooks import WebhookPolicy
-    from tests.store._server import FileServer
+    from tests._support.file_server import FileServer
 
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     files = FileServer().start()

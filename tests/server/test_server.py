@@ -21,7 +21,7 @@ import pytest
 
 from preheat.server.core import Core, CoreConfig
 from preheat.server.images import decode_data_url
-from tests.server.fixtures import local_webhooks, metric, serving, wait_status, wait_until
+from tests._support.server_fixtures import local_webhooks, metric, serving, wait_status, wait_until
 
 MAX_STEPS = 20
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from tests.server.fixtures import ServerProcess, wait_status, wait_until
+from tests._support.server_fixtures import ServerProcess, wait_status, wait_until
 
 
 def test_sigterm_finishes_in_flight_and_exits_0(model_dir: Path) -> None:

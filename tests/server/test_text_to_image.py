@@ -11,8 +11,8 @@ import pytest
 import preheat
 from preheat.server.core import Core, CoreConfig
 from preheat.server.images import decode_data_url
-from tests.families.sd_fixtures import save_tiny_sd
-from tests.server.fixtures import metric, runpod_jobs, serving, wait_status
+from tests._support.sd_fixtures import save_tiny_sd
+from tests._support.server_fixtures import metric, runpod_jobs, serving, wait_status
 
 SIZES = ((32, 32), (48, 32))
 
@@ -129,7 +129,7 @@ def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_f
     from click.testing import CliRunner
 
     from preheat.cli import main
-    from tests.families.flow_fixtures import save_tiny_flow_model
+    from tests._support.flow_fixtures import save_tiny_flow_model
 
     folder = save_tiny_flow_model(tmp_path_factory.mktemp(f"serve-{kind}") / kind, kind)
     pipe = preheat.load(folder, cache="off")

@@ -18,7 +18,7 @@ import pytest
 
 from preheat.server.core import Core, CoreConfig
 from preheat.server.webhooks import WebhookPolicy, WebhookRefused, delivery_client
-from tests.server.fixtures import metric, serving
+from tests._support.server_fixtures import metric, serving
 
 REFUSED = [
     ("http://169.254.169.254/latest/meta-data/", "metadata"),

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.store._helpers import make_model
-from tests.store._server import FileServer
+from tests._support.store_fixtures import make_model
+from tests._support.file_server import FileServer
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from preheat.store import collect_orphans, pull, verify_store
-from tests.store._helpers import make_model
+from tests._support.store_fixtures import make_model
 
 
 def test_orphans_of_a_re_pull_are_collected_after_the_grace_period(tmp_path):

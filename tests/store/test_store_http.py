@@ -14,8 +14,8 @@ from safetensors.numpy import load_file
 from preheat.errors import FetchError, InvalidArgumentError
 from preheat.store import list_refs, pull, resolve, source_id, verify_store
 from preheat.cli.pull import pull_command
-from tests.store._helpers import files_of, tar_bytes
-from tests.test_timestamps import assert_utc_timestamp
+from tests._support.store_fixtures import files_of, tar_bytes
+from tests._support.timestamps import assert_utc_timestamp
 
 
 def sha(data: bytes) -> str:

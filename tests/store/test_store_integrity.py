@@ -13,7 +13,7 @@ import pytest
 
 from preheat.errors import FetchError
 from preheat.store import pull, resolve, source_id, verify_store
-from tests.store._helpers import files_of, tar_bytes
+from tests._support.store_fixtures import files_of, tar_bytes
 
 
 def _flip_byte(path, offset=-10):

@@ -11,7 +11,7 @@ import time
 from preheat.store import pull, resolve, verify_store
 from preheat.store._http import partial_paths
 from preheat.store._layout import Store
-from tests.store._helpers import files_of, tar_bytes
+from tests._support.store_fixtures import files_of, tar_bytes
 
 PULL = "import sys; from preheat.store import pull; pull(sys.argv[1], root=sys.argv[2], progress=False)"
 PAUSE_AT = 100_000

@@ -14,7 +14,7 @@ import preheat
 from preheat.models.loading import build_abstract, torch_key
 from preheat.models.unet2d import UNet2DConfig
 from preheat.store import pull, resolve
-from tests.store._helpers import tar_bytes
+from tests._support.store_fixtures import tar_bytes
 
 TINY = dict(_class_name="UNet2DModel", sample_size=8, in_channels=1, out_channels=1, layers_per_block=1,
             block_out_channels=[8, 16], norm_num_groups=4, down_block_types=["DownBlock2D", "DownBlock2D"],

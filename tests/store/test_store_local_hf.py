@@ -15,7 +15,7 @@ import pytest
 from preheat.errors import FetchError, InvalidArgumentError, ModelNotFoundError
 from preheat.store import is_remote, parse_source, pull, resolve, source_id, verify_store
 from preheat.store._layout import Store
-from tests.store._helpers import files_of, tar_bytes
+from tests._support.store_fixtures import files_of, tar_bytes
 
 SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 
 from preheat.store import pull
-from tests.store._helpers import files_of, tar_bytes
+from tests._support.store_fixtures import files_of, tar_bytes
 
 
 def test_second_pod_pulls_a_pinned_checkpoint_from_the_fleet_mirror(server, tmp_path, model, monkeypatch):

@@ -17,7 +17,7 @@ import pytest
 
 from preheat.errors import FetchError
 from preheat.store import collect_orphans, pull, verify_store
-from tests.store._helpers import files_of, tar_bytes
+from tests._support.store_fixtures import files_of, tar_bytes
 
 
 class Feeder(threading.Thread):

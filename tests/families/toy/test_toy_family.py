@@ -20,7 +20,7 @@ import preheat
 from preheat.engine import BUILTIN_MODEL
 from preheat.errors import InvalidArgumentError
 from preheat.server.images import decode_data_url
-from tests.server.fixtures import serving, wait_status
+from tests._support.server_fixtures import serving, wait_status
 
 
 @pytest.fixture()

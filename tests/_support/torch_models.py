@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.reference import TINY_CLASS_CONDITIONAL
+from tests._support.reference import TINY_CLASS_CONDITIONAL
 
 # The smallest UNet2DModel that still has every part (class embedding, resnets, skip connections):
 # one level, no attention. Inductor / AOTInductor compile C++ per kernel, so fewer blocks = faster tests.

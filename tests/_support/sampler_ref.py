@@ -22,7 +22,7 @@ from diffusers.schedulers import (
 
 from preheat.samplers import Plan, SamplerState, SchedulerConfig, SolverSpec, _schedules
 from preheat.samplers import init, make_plan, make_spec, step
-from tests.numerics import assert_within_ulps, correctly_rounded_f32
+from tests._support.numerics import assert_within_ulps, correctly_rounded_f32
 
 SHAPE = (2, 3, 8, 8)
 RTOL = ATOL = 1e-5

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from tests.models.t5_fixtures import save_tiny_t5_encoder, save_tiny_t5_tokenizer
-from tests.models.text_fixtures import save_tiny_clip, save_tiny_tokenizer
-from tests.models.vae_fixtures import save_tiny_vae
+from tests._support.t5_fixtures import save_tiny_t5_encoder, save_tiny_t5_tokenizer
+from tests._support.text_fixtures import save_tiny_clip, save_tiny_tokenizer
+from tests._support.vae_fixtures import save_tiny_vae
 
 KINDS = ("flux-schnell", "flux-dev", "sd3")
 FLUX_SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,

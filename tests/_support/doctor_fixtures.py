@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "doctor" / "fixtures"  # the machines the doctor tests fake
 
 _FAKE_SMI = r"""#!/bin/sh
 D='{data}'

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from tests.models.text_fixtures import save_tiny_clip, save_tiny_tokenizer
-from tests.models.unet_condition_fixtures import save_tiny_unet_condition
-from tests.models.vae_fixtures import save_tiny_vae
+from tests._support.text_fixtures import save_tiny_clip, save_tiny_tokenizer
+from tests._support.unet_condition_fixtures import save_tiny_unet_condition
+from tests._support.vae_fixtures import save_tiny_vae
 
 KINDS = ("sd1", "sd2", "sdxl")
 SCHEDULER = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_start": 0.00085,

@@ -1,0 +1,77 @@
+"""The test tree's own layout: shared helpers live in ``tests/_support``, and no test module imports
+another test module (a helper buried in a test file drags that file's fixtures and collection into
+every importer, and breaks when the file is renamed). Read from the source, including the child
+programs that tests run from a string (``python -c``)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+SUPPORT = "tests._support"
+_IN_TEXT = re.compile(r"^\s*(?:from\s+(tests(?:\.\w+)*)\s+import|import\s+(tests(?:\.\w+)*))", re.M)
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, root: Path = TESTS.parent) -> list[tuple[int, str]]:
+    """(line, module) for every ``tests...`` module this file imports, in code or in a child's source."""
+    module = module_name(path, root)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "tests"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this file's package
+                base = module.split(".")[: -node.level] if path.name != "__init__.py" else module.split(".")
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source == "tests" or (node.level and not node.module):  # from tests / . import x: x is a module
+                found += [(node.lineno, f"{source}.{a.name}") for a in node.names]
+            elif source.startswith("tests."):
+                found.append((node.lineno, source))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for m in _IN_TEXT.finditer(node.value):
+                found.append((node.lineno, m.group(1) or m.group(2)))
+    return found
+
+
+def bad_imports() -> list[str]:
+    out = []
+    for path in sorted(TESTS.rglob("*.py")):
+        if path == Path(__file__).resolve():  # its probe below is text, not imports
+            continue
+        for line, imported in imports_of(path):
+            if imported != SUPPORT and not imported.startswith(SUPPORT + "."):
+                out.append(f"{path.relative_to(TESTS.parent)}:{line}: imports {imported}")
+    return out
+
+
+def test_test_modules_import_only_the_support_package():
+    bad = bad_imports()
+    assert not bad, "move shared helpers into tests/_support and import them from there:\n" + "\n".join(bad)
+
+
+def test_the_reader_sees_every_kind_of_import(tmp_path):
+    """Each form a test could use to reach another test module is found (else the check proves nothing)."""
+    pkg = tmp_path / "tests" / "pkg"
+    pkg.mkdir(parents=True)
+    probe = pkg / "test_probe.py"
+    probe.write_text("import tests.a\nfrom tests.b import x\nfrom tests import c\nfrom . import d\nfrom .e import y\n"
+                     "def f():\n    from tests._support.g import z\n"
+                     "CHILD = '''\nimport sys\nfrom tests.h import w\n'''\n")
+    assert [m for _, m in imports_of(probe, tmp_path)] == ["tests.a", "tests.b", "tests.c", "tests.pkg.d", "tests.pkg.e",
+                                                   "tests._support.g", "tests.h"]
+
+
+def test_helpers_are_not_test_modules():
+    """The support package holds no tests (pytest would collect them under a helper's name)."""
+    named = sorted(p.name for p in (TESTS / "_support").glob("test_*.py"))
+    assert not named, f"tests/_support holds test files: {named}"
