@@ -502,13 +502,11 @@ def _prefetch(loaded: LoadedModel, mesh: Any, compiler: Any,
     view = Pipeline(**vars(loaded), compiler=Rehearsal(), mesh=mesh)
 
     def items() -> list[tuple[dict[str, Any], Any, tuple, int]]:
-        from preheat.families.inputs import warm_variants
-
         try:
             wanted = calls(view) if callable(calls) else calls
         except PreheatError:  # a bad declaration fails on its own, where it is used
             return []
-        placeholders = warm_variants(view.family.input_specs(view), guided=False)[0]
+        placeholders = view.family.warm_inputs(view, guided=False)[0]
         for call in wanted:
             inputs = dict(call)
             if inputs.get("lora"):

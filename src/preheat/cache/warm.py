@@ -102,13 +102,11 @@ def _sized(pipe: Any) -> bool:
 def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
     """The set with the model's defaults filled in (samplers, sizes); an unusable size fails
     here, in one line, before anything compiles."""
-    from preheat.families.inputs import warm_variants
-
     samplers = tuple(warm_set.samplers) or (pipe.defaults["sampler"],)
     sizes = tuple(warm_set.sizes)
     if _sized(pipe):
         sizes = sizes or (pipe.family.native_size(pipe),)  # the model's native (width, height) by default
-        placeholder = warm_variants(_specs(pipe), guided=False)[0]
+        placeholder = pipe.family.warm_inputs(pipe, guided=False)[0]
         for size in sizes:
             pipe.check(1, width=size[0], height=size[1], steps=1, **placeholder)
     if warm_set.lora_ranks and pipe.components.get("lora_targets") is None:
@@ -122,7 +120,6 @@ def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
 def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
     """Every program of a resolved set (see the module docstring for the product)."""
     from preheat.errors import InvalidArgumentError
-    from preheat.families.inputs import warm_variants
 
     default = pipe.defaults.get("guidance")
     scales = [1.0] if "off" in warm_set.guidance else []
@@ -135,13 +132,12 @@ def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
             pass
     sizes: tuple[Optional[tuple[int, int]], ...] = warm_set.sizes if _sized(pipe) else (None,)
     buckets = buckets_for(warm_set.max_batch_size, pipe.device_count)  # every device gets a slice
-    specs = _specs(pipe)
-    base = warm_variants(specs, guided=False)[0]
+    base = pipe.family.warm_inputs(pipe, guided=False)[0]
     out = []
     for sampler in warm_set.samplers:
         for g in scales:
             for size in sizes:
-                for variant in warm_variants(specs, guided=g != 1.0):
+                for variant in pipe.family.warm_inputs(pipe, guided=g != 1.0):
                     given = tuple(sorted(variant.items()))
                     beyond = tuple(k for k, v in given if k not in base or base[k] != v)
                     for bucket in buckets:  # LoRA buckets smallest first: each is then compiled as itself

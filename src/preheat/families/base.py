@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Protocol
 import numpy as np
 
 from preheat.errors import InvalidArgumentError
-from preheat.families.inputs import InputSpec, check_int, size_specs, unknown_input
+from preheat.families.inputs import InputSpec, check_int, size_specs, unknown_input, warm_variants
 from preheat.samplers import DIFFUSION_SAMPLERS
 from preheat.timings import Timings
 
@@ -150,6 +150,11 @@ class Family:
         """The specs with what depends on the loaded model resolved (sizes, class names)."""
         multiple, high, fixed = self.size_rule(pipe)
         return (*self.specs, *size_specs(*self.native_size(pipe), multiple, high, fixed=fixed))
+
+    def warm_inputs(self, pipe: "EngineView", guided: bool) -> list[dict[str, Any]]:
+        """The data inputs of each program variant warm-up compiles (``InputSpec.warm``); the
+        first is what any call needs (a placeholder prompt: the words are data)."""
+        return warm_variants(self.input_specs(pipe), guided)
 
     def check_inputs(self, pipe: "EngineView", n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         """Validate the family's own inputs (host-side, no device work) into normalised values:
