@@ -219,9 +219,14 @@ class Pipeline:
 
     def generate(self, first: Any = None, /, **inputs: Any) -> np.ndarray:
         """Like ``__call__`` but returns uint8 pixels, (n, H, W, C)."""
+        return self.run(self.validate(first, **inputs))
+
+    def run(self, request: Request) -> np.ndarray:
+        """Sample a validated request (``validate``, or ``preheat.families.request.concat`` of
+        several): uint8 pixels (n, H, W, C). What a server's worker calls for a batch."""
         first_call = self.startup is not None and "first_call" not in self.startup.spans
         start = now_s()
-        request, sig, args = self._prepare(first, inputs)
+        sig, args = self._prepare_request(request)
         out = self._run_denoise(sig, args)
         if not self.family.pixels_in_loop:
             out = self.family.finish(self, request, out)
@@ -250,6 +255,9 @@ class Pipeline:
 
     def _prepare(self, first: Any, inputs: dict[str, Any]) -> tuple[Request, Signature, tuple]:
         request = self.validate(first, **inputs)
+        return (request, *self._prepare_request(request))
+
+    def _prepare_request(self, request: Request) -> tuple[Signature, tuple]:
         self.last = Timings()
         spec = make_spec(self.scheduler_config, request.sampler)
         plan = request_of.plan(self, request)
@@ -268,7 +276,7 @@ class Pipeline:
             sig = dataclasses.replace(sig, lora=request.lora.signature, conditioning=tuple(sorted(cond)))
             self.components.setdefault("lora_buckets", set()).add(request.lora.bucket)
         args = (params, plan, request.seeds, cond, uncond, np.float32(request.guidance), noise)
-        return request, sig, args
+        return sig, args
 
     def _run_denoise(self, sig: Signature, args: tuple) -> Any:
         return self.run_stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args,

@@ -143,7 +143,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
 
         out["torch_threads"] = torch.get_num_threads()
     out["device_peak_mb"] = _device_peak_mb(spec)
-    events = getattr(getattr(pipe, "compiler", None), "events", None)
+    events = pipe.compiler.events if pipe.compiler is not None else None
     if events:
         out["cache_events"] = [{k: v for k, v in e.items() if k in ("mode", "layer", "miss", "quarantined", "store")}
                                for e in events]

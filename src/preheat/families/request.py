@@ -10,11 +10,16 @@ is checked with the same words, defaults and bounds whichever backend runs it.
     check(pipe, first, inputs)      validate + the sampler's schedule for that step count
     plan(pipe, request)             the schedule (``preheat.samplers.make_plan``)
     guidance(pipe, g, values)       (classifier-free guidance on?, the scale)
+    concat(pipe, requests, pad)     validated requests of one batch key -> one Request (a
+                                    server's batch: validated once, at parse time)
     images(pixels)                  uint8 (n, H, W, C) -> PIL images
+
+Surfaces (server, CLI, warm, bench) see any pipeline as a :class:`SamplingPipeline`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -24,7 +29,7 @@ from preheat.families.base import Family, Request
 from preheat.families.inputs import COMMON_SPECS, common_spec
 from preheat.samplers import SAMPLERS, Plan, SchedulerConfig, make_plan, make_spec
 
-__all__ = ["ArgumentView", "validate", "check", "plan", "guidance", "initial_noise", "seeds_for", "images",
+__all__ = ["ArgumentView", "SamplingPipeline", "validate", "concat", "check", "plan", "guidance", "initial_noise", "seeds_for", "images",
            "resolved_defaults", "COMMON_INPUTS"]
 
 COMMON_INPUTS = tuple(s.name for s in COMMON_SPECS)
@@ -42,6 +47,34 @@ class ArgumentView(Protocol):
     null_class: int | None
     labels: tuple[str, ...]
     components: dict[str, Any]
+
+
+class SamplingPipeline(ArgumentView, Protocol):
+    """What every surface uses of a pipeline, the JAX engine's and both torch ones alike: no
+    surface probes for an attribute (``getattr``/``hasattr``); where a backend has no such thing
+    it is None (``startup``, ``load_report``, ``compiler`` when not caching)."""
+
+    compiler: Any
+    last: Any  # preheat.timings.Timings of the last call
+    startup: Any  # preheat.timings.Phases of load() and the first call; None on torch
+    load_report: Any  # preheat.models.weights.LoadReport; None on torch
+
+    @property
+    def device_count(self) -> int: ...
+
+    def __call__(self, first: Any = None, /, **inputs: Any) -> list: ...
+
+    def generate(self, first: Any = None, /, **inputs: Any) -> np.ndarray: ...
+
+    def run(self, request: Request) -> np.ndarray: ...
+
+    def validate(self, first: Any = None, /, **inputs: Any) -> Request: ...
+
+    def check(self, first: Any = None, /, **inputs: Any) -> Request: ...
+
+    def is_guided(self, guidance: float | None = None, **inputs: Any) -> bool: ...
+
+    def class_index(self, c: Any) -> int: ...
 
 
 def resolved_defaults(family: Family, own: Mapping[str, Any]) -> dict[str, Any]:
@@ -191,3 +224,32 @@ def images(pixels: np.ndarray) -> list:
     if mode is None:
         raise InvalidArgumentError(f"cannot make images from {pixels.shape[-1]} channels; use generate() for arrays")
     return [Image.fromarray(p[..., 0] if mode == "L" else p, mode) for p in pixels]
+
+
+def concat(pipe: ArgumentView, requests: Sequence[Request], pad: int = 0) -> Request:
+    """Requests that share a batch key (one program, the same per-call values) -> one Request of
+    their images, then ``pad`` copies of the first image (a batch bucket's padding). Nothing is
+    validated again: per-image values (each declared ``per_image`` input, the seeds, each image's
+    LoRAs) are concatenated; every other value is the first request's (equal by the key)."""
+    from preheat.lora import parse_request
+
+    first = requests[0]
+    per_image = {s.name for s in pipe.family.input_specs(pipe) if s.per_image}
+
+    def joined(parts: list[Any]) -> Any:
+        if isinstance(parts[0], np.ndarray):
+            out = np.concatenate(parts)
+            return np.concatenate([out, np.repeat(out[:1], pad, axis=0)]) if pad else out
+        out = [v for p in parts for v in p]
+        return out + out[:1] * pad
+
+    values = {k: (joined([r.values[k] for r in requests]) if k in per_image and v is not None else v)
+              for k, v in first.values.items()}
+    n = sum(r.n for r in requests) + pad
+    seeds = np.concatenate([*(r.seeds for r in requests), np.zeros(pad, np.uint32)])
+    noise = None if first.noise is None else joined([r.noise for r in requests])
+    lora = None
+    if first.lora is not None:  # each image's adapters, re-slotted for the whole batch (files already read)
+        adapters = [list(r.lora.slots[int(i)]) for r in requests for i in r.lora.index]
+        lora = parse_request(pipe, n, adapters + adapters[:1] * pad, None)
+    return dataclasses.replace(first, n=n, seeds=seeds, noise=noise, values=values, lora=lora)

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 
 from preheat.cache.warm import WarmSignature, buckets_for, resolve, run_signature, signatures
 from preheat.errors import InputError, NotAccepting, QueueFull
+from preheat.families import request as request_of
 from preheat.server.inputs import Job, Limits, input_model, parse_input
 from preheat.server.config import CoreConfig, load_pipeline
 from preheat.server.metrics import CoreMetrics
@@ -64,7 +65,7 @@ class Core:
                              sizes=tuple(config.sizes), lora_dir=config.lora_dir,
                              lora_urls=config.lora_urls)
         self.input_model = input_model(self.limits)
-        self.buckets = buckets_for(config.max_batch_size, getattr(pipe, "device_count", 1))
+        self.buckets = buckets_for(config.max_batch_size, pipe.device_count if pipe is not None else 1)
         self.metrics = CoreMetrics()
         self.setup = SetupInfo()
         self.pipe = pipe
@@ -167,7 +168,7 @@ class Core:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self.closing_pushes.set()
-        compiler = getattr(self.pipe, "compiler", None)
+        compiler = self.pipe.compiler if self.pipe is not None else None
         if compiler is not None and getattr(compiler, "background", None) is not None:
             left = compiler.background.pending
             if left:
@@ -177,7 +178,8 @@ class Core:
     @property
     def pending_pushes(self) -> int:
         """Uploads to the shared store queued or running (background, after compiles)."""
-        background = getattr(getattr(self.pipe, "compiler", None), "background", None)
+        compiler = self.pipe.compiler if self.pipe is not None else None
+        background = getattr(compiler, "background", None)  # the torch compiler pushes nothing in the background
         return 0 if background is None else background.pending
 
     # ------------------------------------------------------------------ requests
@@ -371,19 +373,19 @@ class Core:
             self._setup_log(f"loading model {self.config.model or 'built-in'} ({self.config.backend})")
             self.pipe = self._loader(self.config)
         pipe = self.pipe
-        self.buckets = buckets_for(self.config.max_batch_size, getattr(pipe, "device_count", 1))
+        self.buckets = buckets_for(self.config.max_batch_size, pipe.device_count)
         self._setup_log(f"model loaded in {time.perf_counter() - start:.2f}s; image {pipe.sample_shape}, "
                         f"classes {pipe.num_classes}, defaults {pipe.defaults}")
         default_steps = int(pipe.defaults["steps"])
         if default_steps > self.limits.max_steps:
             self._setup_log(f"warning: the model's default {default_steps} steps exceed --max-steps "
                             f"{self.limits.max_steps}; requests must then give num_inference_steps")
-        if getattr(pipe, "components", {}).get("lora_targets") is not None:  # this server's LRU of LoRAs
+        if pipe.components.get("lora_targets") is not None:  # this server's LRU of LoRAs
             from preheat.lora import LoraCache
 
             cache = pipe.components["lora_cache"] = LoraCache(self.config.max_loras)
             self.metrics.watch_loras(cache)
-        compiler = getattr(pipe, "compiler", None)
+        compiler = pipe.compiler
         if compiler is not None and hasattr(compiler, "defer_pushes"):
             compiler.defer_pushes()  # uploads never hold up READY or a request
         self.warm = resolve(pipe, self.warm)  # refuses an unusable --sizes entry before READY, in one line
@@ -478,23 +480,12 @@ class Core:
         images = sum(p.job.n for p in batch)
         bucket = next(b for b in self.buckets if b >= images)
         pad = bucket - images
-        seeds: list[int] = [s for p in batch for s in p.job.seeds] + [0] * pad
-        # per-image inputs (and LoRAs), concatenated over the batch; padding slots repeat the first
-        # image's; per-call ones are the batch key's, so equal in every job
-        per_image = set(job0.per_image) | ({"lora"} if job0.lora_bucket is not None else set())
-        inputs: dict[str, Any] = {k: v for k, v in job0.engine_inputs().items() if k not in per_image}
-        for p in batch:
-            for key, values in p.job.engine_inputs().items():
-                if key in per_image:
-                    inputs.setdefault(key, []).extend(values)
-        inputs = {key: values + values[:1] * pad if key in per_image else values for key, values in inputs.items()}
         batch_id = next(self._batch_ids)
         t0 = time.perf_counter()
         try:
             pipe = self.pipe
-            pixels = pipe.generate(bucket, steps=job0.steps, sampler=job0.sampler,
-                                   guidance=1.0 if job0.guidance is None else job0.guidance, seed=seeds,
-                                   **inputs)
+            # the jobs' requests, validated at parse time, as one (padding repeats the first image)
+            pixels = pipe.run(request_of.concat(pipe, [p.job.request for p in batch], pad))
             compiled = pipe.last.cache_layer != "memory"
             run_s = time.perf_counter() - t0
             outputs = []

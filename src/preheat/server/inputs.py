@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import secrets
 from pathlib import Path
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Callable, Literal, Mapping, Optional, Union
 
 import numpy as np
@@ -85,6 +85,7 @@ class Job:
     per_image: frozenset[str] = frozenset()  # which of ``values`` are per image
     lora: Optional[tuple[Any, float]] = None  # (preheat.lora.LoraFile, scale): read and checked at parse time
     lora_bucket: Optional[int] = None  # its rank bucket: one program per bucket, any LoRA of it shares a batch
+    request: Any = field(default=None, compare=False, repr=False)  # the engine's validated Request (the worker's)
 
     @property
     def seeds(self) -> list[int]:
@@ -311,7 +312,8 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     # prompt_2 that is the prompt): the job's images stay the same whatever shares their batch
     resolved = {s.name: _per_image(request.values[s.name]) for s in specs
                 if s.per_image and request.values.get(s.name) is not None}
-    job = replace(job, values=tuple(sorted({**per_call, **resolved}.items())), per_image=frozenset(resolved))
+    job = replace(job, values=tuple(sorted({**per_call, **resolved}.items())), per_image=frozenset(resolved),
+                  request=request)
     if guidance is not None:
         guidance = float(guidance)
         if guidance == 1.0:

@@ -17,7 +17,7 @@ __all__ = ["EngineArguments"]
 
 class EngineArguments:
     """Mixed into ``TorchPipeline`` and ``TorchTextPipeline`` (dataclasses with the fields of
-    ``preheat.families.request.ArgumentView`` and a ``generate``)."""
+    ``preheat.families.request.ArgumentView`` and a ``run(request)``)."""
 
     # what the JAX pipeline has and a torch one does not: one device, no start-up phases, no load report
     mesh: Any = None
@@ -33,7 +33,11 @@ class EngineArguments:
 
     def __call__(self, first: Any = None, /, **inputs: Any) -> list:
         """Sample images; returns ``list[PIL.Image]`` (see ``preheat.engine.Pipeline.__call__``)."""
-        return request_of.images(self.generate(first, **inputs))  # type: ignore[attr-defined]
+        return request_of.images(self.generate(first, **inputs))
+
+    def generate(self, first: Any = None, /, **inputs: Any) -> Any:
+        """Like ``__call__`` but returns uint8 pixels, (n, H, W, C)."""
+        return self.run(self.validate(first, **inputs))  # type: ignore[attr-defined]
 
     def validate(self, first: Any = None, /, **inputs: Any) -> Request:
         return request_of.validate(self, first, inputs)  # type: ignore[arg-type]

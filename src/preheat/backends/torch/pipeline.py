@@ -46,6 +46,7 @@ import torch
 from preheat.backends.torch.compile_cache import TorchCompiler, make_compiler, torch_key_fields
 from preheat.backends.torch.sampling import make_scheduler, sample_loop
 from preheat.backends.torch.arguments import EngineArguments
+from preheat.families.base import Request
 from preheat.engine import BUILTIN_MODEL
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families.pixel import PIXEL
@@ -129,9 +130,8 @@ class TorchPipeline(EngineArguments):
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
-    def generate(self, first: Any = None, /, **inputs: Any) -> np.ndarray:
-        """Like ``__call__`` but returns uint8 pixels, (n, H, W, C)."""
-        request = self.validate(first, **inputs)
+    def run(self, request: Request) -> np.ndarray:
+        """Sample a validated request: uint8 pixels (n, H, W, C)."""
         labels = request.values["class_labels"]
         n = request.n
 
