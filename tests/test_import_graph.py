@@ -202,13 +202,7 @@ def test_only_the_command_line_imports_click():
 
 # Each cycle that remains, as the sorted set of its modules (one strongly connected component),
 # with what removes it. A new cycle fails the test; so does a listed one that is gone (delete it).
-ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    # The torch backend borrows the engine's validation: the compiled pipeline subclasses the eager
-    # one, whose text path builds compiled denoisers. Issue 26 item 4 (engineer `inputs`) moves the
-    # validation into a backend-neutral module, which removes it.
-    frozenset({"preheat.backends.torch.compiled", "preheat.backends.torch.pipeline",
-               "preheat.backends.torch.text"}): "issue 26 item 4: backend-neutral request validation",
-}
+ALLOWED_CYCLES: dict[frozenset[str], str] = {}  # none left: a cycle that must stay would be listed here, with why
 
 
 def modules() -> dict[str, Path]:

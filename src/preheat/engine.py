@@ -44,10 +44,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from preheat.errors import InvalidArgumentError, PreheatError, SchedulerConfigError
-from preheat.families.base import Family, LoadedModel, Request, StageSignature, check_int, to_pixels
+from preheat.errors import InvalidArgumentError, PreheatError
+from preheat.families import request as request_of
+from preheat.families.base import Family, LoadedModel, Request, StageSignature, to_pixels
 from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
-from preheat.samplers import (SAMPLERS, Plan, SchedulerConfig, SolverSpec, load_scheduler_config, make_plan, make_spec,
+from preheat.samplers import (Plan, SchedulerConfig, SolverSpec, load_scheduler_config, make_spec,
                               run)
 from preheat.timings import Phases, Timings, now_s
 
@@ -60,7 +61,6 @@ Denoiser = Callable[[Any, jax.Array, jax.Array, Any], jax.Array]
 """``fn(params, x, t, cond) -> prediction``: x (B, *sample_shape), t (B,) float32, cond a pytree
 batched on axis 0 (``{}`` for unconditional models)."""
 
-COMMON_INPUTS = ("n", "steps", "sampler", "guidance", "seed", "noise", "eta", "lora", "lora_scale")
 # the denoising program's arguments split over the devices (the rest, weights first, are replicated):
 # (params, plan, seeds*, cond*, uncond*, guidance, noise*); LoRA factors ride in params (replicated),
 # each image's adapter slot in cond (split)
@@ -123,28 +123,6 @@ def build_program(sig: Signature, apply: Denoiser) -> Callable[..., jax.Array]:
     return program
 
 
-def _first_positional(first: Any, inputs: dict[str, Any], family: Family) -> int:
-    """``pipe(8, ...)`` (n) or, for prompt families, ``pipe("a fox", ...)`` / ``pipe([...])``."""
-    if isinstance(first, str) or (isinstance(first, (list, tuple)) and first and all(isinstance(p, str) for p in first)):
-        if "prompt" not in family.inputs:
-            raise InvalidArgumentError(f"a {family.name} model takes no prompt; call it with n (an int)",
-                                       argument="prompt")
-        if "prompt" in inputs:
-            raise InvalidArgumentError("prompt given twice", argument="prompt")
-        inputs["prompt"] = first
-        n = inputs.pop("n", None)
-        if n is None:
-            return 1 if isinstance(first, str) else len(first)
-        return n
-    if first is not None and "n" in inputs:
-        raise InvalidArgumentError("n given twice", argument="n")
-    n = inputs.pop("n", None) if first is None else first
-    if n is None:
-        prompt = inputs.get("prompt")
-        return len(prompt) if isinstance(prompt, (list, tuple)) else 1
-    return n
-
-
 @dataclass
 class Pipeline:
     """A model ready to sample. Build with :func:`preheat.load` or :meth:`Pipeline.from_denoiser`."""
@@ -170,11 +148,9 @@ class Pipeline:
     _executables: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        own = {k: v for k, v in self.defaults.items() if k in ("sampler", "steps", "guidance")}
-        self.defaults = {**self.family.defaults, **own}  # the family's defaults, overridden by the folder's
+        self.defaults = request_of.resolved_defaults(self.family, self.defaults)
         # weights placed on the devices once, not per call: replicated, or split over fsdp
-        # (getattr: the torch backend's pipelines share this method and have no mesh)
-        if getattr(self, "mesh", None) is not None:
+        if self.mesh is not None:
             from preheat.sharding import distribute, distribute_components
 
             self.params = distribute(self.params, self.mesh)
@@ -235,19 +211,18 @@ class Pipeline:
         or one seed per image. ``lora="style.safetensors", lora_scale=0.8`` (or
         ``lora=[(src, scale), ...]``, or one entry per image) adds LoRAs as data: see ``preheat.lora``.
         """
-        from PIL import Image
-
-        pixels = self.generate(first, **inputs)
-        mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(pixels.shape[-1])
-        if mode is None:
-            raise InvalidArgumentError(f"cannot make images from {pixels.shape[-1]} channels; use generate() for arrays")
-        return [Image.fromarray(p[..., 0] if mode == "L" else p, mode) for p in pixels]
+        return request_of.images(self.generate(first, **inputs))
 
     def generate(self, first: Any = None, /, **inputs: Any) -> np.ndarray:
         """Like ``__call__`` but returns uint8 pixels, (n, H, W, C)."""
+        return self.run(self.validate(first, **inputs))
+
+    def run(self, request: Request) -> np.ndarray:
+        """Sample a validated request (``validate``, or ``preheat.families.request.concat`` of
+        several): uint8 pixels (n, H, W, C). What a server's worker calls for a batch."""
         first_call = self.startup is not None and "first_call" not in self.startup.spans
         start = now_s()
-        request, sig, args = self._prepare(first, inputs)
+        sig, args = self._prepare_request(request)
         out = self._run_denoise(sig, args)
         if not self.family.pixels_in_loop:
             out = self.family.finish(self, request, out)
@@ -258,49 +233,12 @@ class Pipeline:
 
     def validate(self, first: Any = None, /, **inputs: Any) -> Request:
         """Check a call's arguments (host-side only: nothing runs on the device) into a Request."""
-        inputs = dict(inputs)
-        n = _first_positional(first, inputs, self.family)
-        common = {k: inputs.pop(k) for k in COMMON_INPUTS if k in inputs}
-        n = check_int("n", n, 1)
-        sampler = common.get("sampler") or self.defaults["sampler"]
-        accepted = self.family.samplers
-        if sampler not in SAMPLERS:
-            raise SchedulerConfigError(f"unknown sampler {sampler!r}; supported: {', '.join(accepted)}")
-        if sampler not in accepted:
-            raise SchedulerConfigError(f"sampler {sampler!r} is not for a {self.family.name} model; "
-                                       f"use one of: {', '.join(accepted)}")
-        steps = self.defaults["steps"] if common.get("steps") is None else common["steps"]
-        steps = check_int("steps", steps, 1)
-        values = self.family.check_inputs(self, n, inputs)
-        shape = self.family.sample_shape(self, values)
-        guided, scale = self._guidance(common.get("guidance"), values)
-        if not guided:
-            self.family.check_unguided(self, values)
-        seeds = seeds_for(n, 0 if common.get("seed") is None else common["seed"])
-        noise = common.get("noise")
-        noise_arr = self._noise(n, noise, shape) if noise is not None else None
-        eta = common.get("eta", 0.0)
-        try:
-            eta = float(eta)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"eta={eta!r} must be a number", argument="eta") from None
-        from preheat.lora import parse_request
-
-        lora = parse_request(self, n, common.get("lora"), common.get("lora_scale"))
-        return Request(n=n, sampler=sampler, steps=steps, guided=guided, guidance=scale, seeds=seeds,
-                       noise=noise_arr, eta=eta, sample_shape=shape, values=values, lora=lora)
+        return request_of.validate(self, first, inputs)
 
     def check(self, first: Any = None, /, **inputs: Any) -> Request:
         """Every host-side check of a call (``validate`` plus the sampler's schedule for this step
         count), with no device work: what a server runs before it accepts a request."""
-        request = self.validate(first, **inputs)
-        make_spec(self.scheduler_config, request.sampler)
-        self._plan(request)
-        return request
-
-    def _plan(self, request: Request) -> Plan:
-        return make_plan(self.scheduler_config, request.sampler, request.steps, eta=request.eta,
-                         **self.family.plan_options(self, request))
+        return request_of.check(self, first, inputs)
 
     def prepare(self, first: Any = None, /, **inputs: Any) -> tuple[Signature, tuple]:
         """Validate a call and turn it into (the denoising program's signature, its arguments).
@@ -313,9 +251,12 @@ class Pipeline:
 
     def _prepare(self, first: Any, inputs: dict[str, Any]) -> tuple[Request, Signature, tuple]:
         request = self.validate(first, **inputs)
+        return (request, *self._prepare_request(request))
+
+    def _prepare_request(self, request: Request) -> tuple[Signature, tuple]:
         self.last = Timings()
         spec = make_spec(self.scheduler_config, request.sampler)
-        plan = self._plan(request)
+        plan = request_of.plan(self, request)
         conditioning = self.family.condition(self, request)
         sig = Signature(family=self.family.name, spec=spec, batch=request.n, sample_shape=request.sample_shape,
                         dtype=self.dtype, guided=request.guided, user_noise=request.noise is not None,
@@ -331,7 +272,7 @@ class Pipeline:
             sig = dataclasses.replace(sig, lora=request.lora.signature, conditioning=tuple(sorted(cond)))
             self.components.setdefault("lora_buckets", set()).add(request.lora.bucket)
         args = (params, plan, request.seeds, cond, uncond, np.float32(request.guidance), noise)
-        return request, sig, args
+        return sig, args
 
     def _run_denoise(self, sig: Signature, args: tuple) -> Any:
         return self.run_stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args,
@@ -429,63 +370,7 @@ class Pipeline:
 
     def is_guided(self, guidance: float | None = None, **inputs: Any) -> bool:
         """Whether a call with this ``guidance`` (None = the model's default) runs guided."""
-        return self._guidance(guidance, inputs)[0]
-
-    def _guidance(self, guidance: float | None, values: dict[str, Any]) -> tuple[bool, float]:
-        """(classifier-free guidance on?, the scale). An "embedded" scale is data, never a second branch."""
-        mode = self.family.guidance_mode(self)
-        if mode == "none":  # 1 means "off" everywhere in preheat, so it is accepted here too
-            if guidance is not None and not (isinstance(guidance, (int, float)) and float(guidance) == 1.0):
-                raise InvalidArgumentError(f"guidance={guidance!r}: this {self.family.name} model takes no guidance "
-                                           "(it has no guidance input); leave it unset", argument="guidance")
-            return False, 1.0
-        g = self.defaults.get("guidance") if guidance is None else guidance
-        if g is None:
-            return False, 1.0
-        try:
-            g = float(g)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"guidance={guidance!r} must be a number", argument="guidance") from None
-        if not np.isfinite(g) or g < 0:
-            raise InvalidArgumentError(f"guidance={g} must be a finite number >= 0", argument="guidance")
-        if mode == "embedded":
-            return False, g
-        if g <= 1.0:  # as diffusers' pipelines (guidance_scale > 1 turns it on): turbo cards pass 0.0
-            return False, 1.0
-        why = self.family.guidance_error(self, values)
-        if why:
-            raise InvalidArgumentError(f"guidance={g} {why}", argument="guidance")
-        return True, g
-
-    def _noise(self, n: int, noise: Any, shape: tuple[int, ...]) -> np.ndarray:
-        try:
-            arr = np.asarray(noise, dtype=np.float32)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError("noise must be an array of floats", argument="noise") from None
-        h, w, c = shape
-        want = (n, c, h, w) if self.layout == "NCHW" else (n, h, w, c)
-        if arr.shape != want:
-            raise InvalidArgumentError(f"noise has shape {arr.shape}, expected {want} ({self.layout}, n={n})",
-                                       argument="noise")
-        return arr.transpose(0, 2, 3, 1) if self.layout == "NCHW" else arr
-
-
-def seeds_for(n: int, seed: int | Sequence[int]) -> np.ndarray:
-    """Per-image uint32 seeds: ``seed + i`` from an int, or one given per image."""
-    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-        seeds = [int(seed) + i for i in range(n)]
-    elif isinstance(seed, (list, tuple, np.ndarray)):
-        try:
-            seeds = [int(s) for s in seed]
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"seed={seed!r} must be an int or a list of ints", argument="seed") from None
-        if len(seeds) != n:
-            raise InvalidArgumentError(f"got {len(seeds)} seeds for n={n}; give one int or one per image", argument="seed")
-    else:
-        raise InvalidArgumentError(f"seed={seed!r} must be an int or a list of ints", argument="seed")
-    if any(not 0 <= s < 2**32 for s in seeds):
-        raise InvalidArgumentError(f"seeds must be in [0, 2**32); got {min(seeds)}..{max(seeds)}", argument="seed")
-    return np.asarray(seeds, np.uint32)
+        return request_of.guidance(self, guidance, inputs)[0]
 
 
 def _lowered_fingerprint(fn: Callable, params: Any, shape: tuple[int, ...], dtype: str, labels: bool) -> str:
@@ -553,7 +438,7 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     ``fsdp``: split each weight over this many of those devices instead of replicating it (for
     weights that do not fit one device); it must divide the device count.
     ``prefetch``: the calls expected first, as ``generate`` keywords (``[{"n": 4, "steps": 20}]``;
-    a text family's prompt may be left out: its words are data), or a function of the pipeline
+    a family's data inputs may be left out, like a prompt: its words are data; ``InputSpec.warm``), or a function of the pipeline
     being loaded that returns them (``preheat.warm.prefetch_calls``: a server's warm
     declaration). Every executable those calls run -- a text family's encoders, the denoising
     loop, the VAE decoder -- is loaded (or pulled from ``PREHEAT_CACHE_URL``) on a background
@@ -643,12 +528,13 @@ def _prefetch(loaded: LoadedModel, mesh: Any, compiler: Any,
             wanted = calls(view) if callable(calls) else calls
         except PreheatError:  # a bad declaration fails on its own, where it is used
             return []
+        placeholders = view.family.warm_inputs(view, guided=False)[0]
         for call in wanted:
             inputs = dict(call)
             if inputs.get("lora"):
                 continue  # adapters are read per call: no key before then
-            if "prompt" in view.family.inputs:
-                inputs.setdefault("prompt", "")  # the words are data: tokenizers pad to fixed lengths
+            for name, value in placeholders.items():  # e.g. a prompt: its words are data
+                inputs.setdefault(name, value)
             try:
                 view.generate(inputs.pop("n", None), **inputs)
             except PreheatError:  # a bad call fails on its own, when it is made

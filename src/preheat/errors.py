@@ -75,7 +75,12 @@ class WeightsError(ModelError, ValueError):
 
 
 class SchedulerConfigError(PreheatError, ValueError):
-    """A scheduler config value or sampler choice that is not supported."""
+    """A scheduler config value or sampler choice that is not supported (``argument``: the call's
+    keyword it is about, when one is: ``"sampler"``, ``"steps"``)."""
+
+    def __init__(self, message: str, *, argument: str | None = None):
+        super().__init__(message)
+        self.argument = argument
 
 
 class InvalidArgumentError(PreheatError, ValueError):

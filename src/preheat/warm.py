@@ -6,8 +6,9 @@ the fleet store); ``preheat serve`` warms up the same set before READY (``Core``
 ``resolve`` and ``signatures``), so the two agree and a pod's first request never compiles.
 
 A signature is one serving program: sampler x guidance (off, and on when the model can guide)
-x batch bucket x served size (text-to-image) x negative prompts given or not (guided
-text-to-image) x LoRA (none, and each declared rank bucket: ``lora_ranks``). The step count
+x batch bucket x served size (models that take more than their native one) x each variant of
+the family's data inputs that warm-up must compile (``InputSpec.warm``: negative prompts given
+or not, guided only) x LoRA (none, and each declared rank bucket: ``lora_ranks``). The step count
 is runtime data, so each is compiled with ``steps=1``; a LoRA bucket with a LoRA of zeros
 (``LoraTargets.zeros`` in ``preheat.lora``), since any LoRA of the bucket is data of the same program.
 
@@ -80,20 +81,27 @@ class WarmSignature:
     sampler: str
     guidance: float  # 1.0 = off
     bucket: int
-    size: Optional[tuple[int, int]]  # text-to-image (width, height); None for pixel models
-    negatives: bool  # negative prompts given (guided text-to-image)
+    size: Optional[tuple[int, int]]  # (width, height); None where the model makes one size only
+    given: tuple[tuple[str, Any], ...] = ()  # the data inputs of this variant (``InputSpec.warm``)
     lora: Optional[int] = None  # the LoRA rank bucket; None: no LoRA
+    variant: tuple[str, ...] = ()  # the inputs this variant gives beyond the base one (for describe)
 
     def describe(self) -> str:
         size = f" {self.size[0]}x{self.size[1]}" if self.size else ""
-        neg = " +negative" if self.negatives else ""
+        extra = "".join(f" +{name}" for name in self.variant)
         lora = f" LoRA rank {self.lora}" if self.lora else ""
-        return (f"{self.sampler} batch {self.bucket}{size}{neg}{lora} "
+        return (f"{self.sampler} batch {self.bucket}{size}{extra}{lora} "
                 f"guidance {'off' if self.guidance == 1.0 else self.guidance}")
 
 
-def _text(pipe: Any) -> bool:
-    return "prompt" in pipe.family.inputs
+def _specs(pipe: Any) -> tuple[Any, ...]:
+    return tuple(pipe.family.input_specs(pipe))
+
+
+def _sized(pipe: Any) -> bool:
+    """Whether the model serves more than its native size (width and height are then static choices)."""
+    multiple, high, fixed = pipe.family.size_rule(pipe)
+    return not fixed
 
 
 def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
@@ -103,16 +111,15 @@ def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
 
     samplers = tuple(warm_set.samplers) or (pipe.defaults["sampler"],)
     sizes = tuple(warm_set.sizes)
-    text = _text(pipe)
-    if text:
-        scale = pipe.components["vae_scale"]  # the model's native (width, height) by default
-        sizes = sizes or ((pipe.sample_shape[1] * scale, pipe.sample_shape[0] * scale),)
+    if _sized(pipe):
+        sizes = sizes or (pipe.family.native_size(pipe),)  # the model's native (width, height) by default
+    placeholder = pipe.family.warm_inputs(pipe, guided=False)[0]
     for size in sizes:  # a size the model cannot make fails here (a pixel model's too), never silently
         try:
-            pipe.check(1, **({"prompt": ""} if text else {}), width=size[0], height=size[1], steps=1)
+            pipe.check(1, width=size[0], height=size[1], steps=1, **placeholder)
         except InvalidArgumentError as err:
             raise InvalidArgumentError(f"--sizes {size[0]}x{size[1]}: {err}", argument="sizes") from None
-    if warm_set.lora_ranks and getattr(pipe, "components", {}).get("lora_targets") is None:
+    if warm_set.lora_ranks and pipe.components.get("lora_targets") is None:
         raise InvalidArgumentError(f"LoRA rank buckets {', '.join(map(str, warm_set.lora_ranks))} are declared, "
                                    f"but LoRAs are not supported for a {pipe.family.name} model")
     return replace(warm_set, samplers=samplers, sizes=sizes)
@@ -131,17 +138,18 @@ def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
                 scales.append(on)
         except InvalidArgumentError:  # no null class: guided requests are refused at parse time
             pass
-    text = _text(pipe)
-    sizes: tuple[Optional[tuple[int, int]], ...] = warm_set.sizes if text else (None,)
-    buckets = buckets_for(warm_set.max_batch_size, getattr(pipe, "device_count", 1))  # every device gets a slice
+    sizes: tuple[Optional[tuple[int, int]], ...] = warm_set.sizes if _sized(pipe) else (None,)
+    buckets = buckets_for(warm_set.max_batch_size, pipe.device_count)  # every device gets a slice
+    base = pipe.family.warm_inputs(pipe, guided=False)[0]
     out = []
     for sampler in warm_set.samplers:
         for g in scales:
-            negatives = (False, True) if text and g != 1.0 else (False,)
             for size in sizes:
-                for neg in negatives:
+                for variant in pipe.family.warm_inputs(pipe, guided=g != 1.0):
+                    given = tuple(sorted(variant.items()))
+                    beyond = tuple(k for k, v in given if k not in base or base[k] != v)
                     for bucket in buckets:  # LoRA buckets smallest first: each is then compiled as itself
-                        out += [WarmSignature(sampler, g, bucket, size, neg, lora)
+                        out += [WarmSignature(sampler, g, bucket, size, given, lora, beyond)
                                 for lora in (None, *warm_set.lora_ranks)]
     return out
 
@@ -150,14 +158,10 @@ def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
     """``Pipeline.generate`` keywords for one signature (steps=1: the serving program, run cheaply)."""
     n = sig.bucket
     inputs: dict[str, Any] = {"steps": 1, "sampler": sig.sampler, "guidance": sig.guidance, "seed": list(range(n))}
-    if _text(pipe):
-        inputs["prompt"] = [""] * n
-        if sig.negatives:
-            inputs["negative_prompt"] = [""] * n
-        if sig.size is not None:
-            inputs.update(width=sig.size[0], height=sig.size[1])
-    elif pipe.num_classes is not None:
-        inputs["class_labels"] = [0] * n
+    per_image = {s.name for s in _specs(pipe) if s.per_image}
+    inputs.update({name: [value] * n if name in per_image else value for name, value in sig.given})
+    if sig.size is not None:
+        inputs.update(width=sig.size[0], height=sig.size[1])
     if sig.lora:  # per image, as a server's batches give it (the same slot count); one zeros LoRA per rank
         held = pipe.components.setdefault("lora_warm", {})
         if sig.lora not in held:

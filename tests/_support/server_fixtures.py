@@ -91,7 +91,7 @@ def wait_until(predicate: Any, timeout: float = 60.0, what: str = "condition") -
 
 
 class GatedPipe:
-    """The real pipeline, but generate() waits for ``gate`` (to hold a batch 'running')."""
+    """The real pipeline, but generate() and run() wait for ``gate`` (to hold a batch 'running')."""
 
     def __init__(self, pipe: Any) -> None:
         self._pipe = pipe
@@ -108,12 +108,20 @@ class GatedPipe:
         self.entered.clear()
         self.gate.clear()
 
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
+    def _enter(self) -> None:
         self.entered.set()
         assert self.gate.wait(120)
         if self.fail:
             raise RuntimeError("device lost\nsecond line")
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self._enter()
         return self._pipe.generate(*args, **kwargs)
+
+    def run(self, request: Any) -> Any:
+        """A server batch: its requests, validated at parse time, concatenated."""
+        self._enter()
+        return self._pipe.run(request)
 
 
 def local_webhooks() -> Any:

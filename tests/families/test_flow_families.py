@@ -10,6 +10,7 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError, PreheatError, SchedulerConfigError
+from preheat.families.request import plan
 from tests._support.flow_fixtures import reference_pipeline, reference_pixels, save_tiny_flow_model
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255 (1/255 on the [0, 1] scale)
@@ -130,8 +131,8 @@ def test_flux_resolution_is_static_and_shifts_the_schedule(pipes):
     pipe = pipes["flux-dev"]
     wide = pipe.generate("a fox", width=48, height=32, steps=2, seed=1)
     assert wide.shape == (1, 32, 48, 3)
-    small = pipe._plan(pipe.validate("a fox", width=32, height=32, steps=2))
-    large = pipe._plan(pipe.validate("a fox", width=64, height=64, steps=2))
+    small = plan(pipe, pipe.validate("a fox", width=32, height=32, steps=2))
+    large = plan(pipe, pipe.validate("a fox", width=64, height=64, steps=2))
     assert large.sigmas[1] > small.sigmas[1]  # more tokens: more shift toward noise
 
 

@@ -64,7 +64,9 @@ def test_cog_and_openai_routes_draw_what_the_engine_draws(core, sd_pipe):
         schema = client.get("/openapi.json").json()
         props = schema["components"]["schemas"]["Input"]["properties"]
         assert props["width"]["anyOf"][0]["enum"] == [32, 48]
-        assert "negative_prompt" in props and "text-to-image" in props["class_label"]["description"]
+        # the family's declared inputs, and only those: a text model names no class label
+        assert "negative_prompt" in props and "class_label" not in props
+        assert schema["components"]["schemas"]["Input"]["additionalProperties"] is False
 
 
 def test_runpod_handler_takes_the_same_fields(core, sd_pipe):

@@ -89,11 +89,12 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     pipe = _load_pipe(spec)
     out["load_s"] = time.perf_counter() - t0
 
+    from preheat.families.inputs import example_inputs
+
     def call(n: int) -> Any:
         labels = None if pipe.num_classes is None else [i % pipe.num_classes for i in range(n)]
         inputs = {k: v for k, v in (spec.get("inputs") or {}).items() if k in pipe.family.inputs}
-        if "prompt" in pipe.family.inputs:
-            inputs.setdefault("prompt", "a watercolor fox")
+        inputs = {**example_inputs(pipe.family.input_specs(pipe)), **inputs}  # a prompt where one is required
         return pipe.generate(n, class_labels=labels, steps=spec["steps"], sampler=spec["sampler"],
                              guidance=spec["guidance"], seed=spec["seed"], **inputs)
 
@@ -142,7 +143,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
 
         out["torch_threads"] = torch.get_num_threads()
     out["device_peak_mb"] = _device_peak_mb(spec)
-    events = getattr(getattr(pipe, "compiler", None), "events", None)
+    events = pipe.compiler.events if pipe.compiler is not None else None
     if events:
         out["cache_events"] = [{k: v for k, v in e.items() if k in ("mode", "layer", "miss", "quarantined", "store")}
                                for e in events]

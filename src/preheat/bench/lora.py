@@ -75,8 +75,9 @@ def bench_lora(model: str | None, n: int, steps: int, rank: int, repeats: int, w
     pipe.components["lora_cache"] = LoraCache(n + 1)  # every file held, as a server holding them would
     pipe.components["lora_stack_slots"] = 4 * n  # every condition's stack held too
     base: dict[str, Any] = {"steps": steps, "seed": 0}
-    if "prompt" in pipe.family.inputs:
-        base["prompt"] = ["a watercolor fox"] * n
+    from preheat.families.inputs import example_inputs
+
+    base.update(example_inputs(pipe.family.input_specs(pipe)))
     if size is not None:
         base.update(width=size[0], height=size[1])
     calls = _calls(n, files)

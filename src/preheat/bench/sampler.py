@@ -38,7 +38,9 @@ def bench_sampler(model: str | None, batches: list[int], steps: int, sampler: st
 
     pipe = preheat.load(materialize_model(model, workdir), cache="off")
     sampler = sampler or pipe.defaults["sampler"]
-    inputs: dict[str, Any] = {"prompt": "a watercolor fox"} if "prompt" in pipe.family.inputs else {}
+    from preheat.families.inputs import example_inputs
+
+    inputs: dict[str, Any] = example_inputs(pipe.family.input_specs(pipe))
     if size is not None:
         inputs.update(width=size[0], height=size[1])
     else:  # a tiny random model at its tiny size

@@ -30,7 +30,6 @@ from preheat.server.process import ServerProcess
 __all__ = ["run_bench", "markdown", "offline_throughput"]
 
 
-BENCH_PROMPT = "a watercolor fox"  # text-to-image models: every request draws this prompt
 
 def offline_throughput(model: Optional[str], batch: int, steps: Optional[int], min_time_s: float = 8.0,
                        max_runs: int = 200, pipe: Any = None) -> dict[str, Any]:
@@ -40,8 +39,9 @@ def offline_throughput(model: Optional[str], batch: int, steps: Optional[int], m
 
         pipe = preheat.load(model)
     steps = steps or int(pipe.defaults["steps"])
-    labels = None if pipe.num_classes is None else [i % pipe.num_classes for i in range(batch)]
-    inputs = {"prompt": BENCH_PROMPT} if "prompt" in pipe.family.inputs else {"class_labels": labels}
+    from preheat.families.inputs import example_inputs
+
+    inputs = example_inputs(pipe.family.input_specs(pipe))  # a class model: the engine's tour of its classes
     t0 = time.perf_counter()
     pipe.generate(batch, steps=steps, seed=list(range(batch)), **inputs)  # compile (or cache) + run
     first_s = time.perf_counter() - t0
@@ -52,7 +52,9 @@ def offline_throughput(model: Optional[str], batch: int, steps: Optional[int], m
     elapsed = time.perf_counter() - start
     return {"steps": steps, "batch": batch, "runs": runs, "seconds": elapsed, "first_call_s": first_s,
             "images_per_s": runs * batch / elapsed, "sampler": pipe.defaults["sampler"],
-            "num_classes": pipe.num_classes, "text": "prompt" in pipe.family.inputs, "pipe": pipe}
+            "num_classes": pipe.num_classes, "pipe": pipe,
+            # every request's family fields, by their Cog names
+            "fields": {s.surface_name: inputs[s.name] for s in pipe.family.input_specs(pipe) if s.name in inputs}}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -65,7 +67,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def _load(base: str, token: str, n_requests: int, concurrency: int, steps: int,
-                num_classes: Optional[int], deadline: float, text: bool = False) -> dict[str, Any]:
+                num_classes: Optional[int], deadline: float, fields: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     import httpx
 
     answers: dict[str, list[dict[str, Any]]] = {f"bench-{i}": [] for i in range(n_requests)}
@@ -81,8 +83,7 @@ async def _load(base: str, token: str, n_requests: int, concurrency: int, steps:
             body: dict[str, Any] = {"input": {"num_outputs": 1, "seed": i, "num_inference_steps": steps}}
             if num_classes:
                 body["input"]["class_label"] = i % num_classes
-            if text:
-                body["input"]["prompt"] = BENCH_PROMPT
+            body["input"].update(fields or {})
             pid = f"bench-{i}"
             t0 = time.perf_counter()
             try:
@@ -145,7 +146,7 @@ def run_bench(model: Optional[str] = None, *, n_requests: int = 256, concurrency
         ready_s = time.monotonic() - t_start
         log(f"server READY after {ready_s:.1f}s; {n_requests} requests from {concurrency} clients ...")
         load = asyncio.run(_load(base, token, n_requests, concurrency, steps, offline["num_classes"], deadline,
-                                 offline["text"]))
+                                 offline["fields"]))
         metrics_text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10).text
     finally:
         exit_code = server.stop()

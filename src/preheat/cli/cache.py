@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from preheat.cli._support import one_line_errors
+from preheat.cli.family_options import FamilyInputsCommand, flag_errors
 from preheat.cli.options import NON_NEGATIVE, POSITIVE, CallOptions, call_options
 
 
@@ -124,7 +125,7 @@ def verify_command(quarantine_bad: bool) -> None:
     sys.exit(1 if bad or store_problems else 0)
 
 
-@cache_group.command("explain")
+@cache_group.command("explain", cls=FamilyInputsCommand, options_metavar="[MODEL] [OPTIONS]")
 @call_options
 @click.option("--devices", "devices_text", metavar="all|N|ID,ID,...", help="The devices the call is split over.")
 @click.option("--fsdp", default=1, show_default=True, type=POSITIVE, metavar="F",
@@ -137,8 +138,6 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
     the nearest entry. Takes exactly sample's options, with its defaults; --backend torch (with
     --compile regional, inductor or aot) runs the call once eagerly, one step, and says for every
     compiled piece whether an entry would serve it."""
-    import dataclasses
-
     import preheat
     from preheat.cache.compile import key_fields, key_of, nearest_entry
     from preheat.cache.manage import target_label
@@ -148,8 +147,7 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
 
     opts.check()
     model, size = resolve_model(opts.model, log=lambda line: click.echo(line, err=True))
-    if size is not None and opts.width is None and opts.height is None:  # as sample: a tiny model's tiny size
-        opts = dataclasses.replace(opts, width=size[0], height=size[1])
+    opts = opts.sized(size)  # as sample: a tiny random model's tiny size
     if opts.backend == "torch":
         if opts.compile_mode == "none":
             raise InvalidArgumentError("--backend torch --compile none compiles nothing to explain; pass --compile "
@@ -167,8 +165,8 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
         target = resolve_target(target_spec)
     load = {k: v for k, v in opts.load_options().items() if k not in ("backend", "compile")}
     pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"), fsdp=fsdp, **load)
-    opts.check_against(pipe)
-    sig, args = pipe.prepare(opts.batch(pipe), **opts.call_inputs())
+    with flag_errors(pipe):
+        sig, args = pipe.prepare(opts.batch(pipe), **opts.call_inputs(pipe))
     fields = key_fields(pipe.fingerprint, sig, args, target=target)
     key = key_of(fields)
     kind_dir = pipe.compiler.root / "compile" / "jax" if pipe.compiler else None
@@ -198,9 +196,9 @@ def _explain_torch(model: str | None, opts: CallOptions) -> None:
 
     load = {k: v for k, v in opts.load_options().items() if k not in ("backend", "compile", "cache")}
     pipe = preheat.load(model, backend="torch", compile=opts.compile_mode, cache="explain", **load)
-    opts.check_against(pipe)
-    inputs = {k: v for k, v in opts.call_inputs().items() if k != "steps" and v is not None}
-    pipe.generate(opts.batch(pipe), steps=1, **inputs)
+    with flag_errors(pipe):
+        inputs = {k: v for k, v in opts.call_inputs(pipe).items() if k != "steps" and v is not None}
+        pipe.generate(opts.batch(pipe), steps=1, **inputs)
     for event in pipe.compiler.events:
         fields = event["fields"]
         what = f"{fields['mode']} {fields['model'].get('kind', '?')} {json.dumps(fields['shapes'], sort_keys=True)[:160]}"

@@ -15,7 +15,7 @@ Importing this module is cheap: the sampler list for ``--help`` is read only whe
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -29,10 +29,10 @@ __all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptio
 DTYPES = ("float32", "bfloat16", "float16")  # the denoiser dtypes the engine compiles for
 CACHE_LAYERS = ("full", "xla", "off")
 
-# The engine's keyword -> the CLI flag that sets it: errors on the CLI name the flag.
-FLAGS = {"class_labels": "--class", "prompt": "--prompt", "negative_prompt": "--negative-prompt",
-         "width": "--width", "height": "--height", "steps": "--steps", "sampler": "--sampler",
-         "guidance": "--guidance", "seed": "--seed", "eta": "--eta", "lora": "--lora", "n": "--n"}
+# The engine's common keyword -> the CLI flag that sets it: errors on the CLI name the flag. A
+# family's own inputs are named by their declared specs (``cli.family_options.flag_errors``).
+FLAGS = {"steps": "--steps", "sampler": "--sampler", "guidance": "--guidance", "seed": "--seed", "eta": "--eta",
+         "lora": "--lora", "lora_scale": "--lora", "n": "--n"}
 
 
 # Numeric option types: click refuses a value out of range in one line, before anything runs.
@@ -126,15 +126,13 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 @dataclass(frozen=True)
 class CallOptions:
-    """One call's options as the flags gave them (None: the model's default)."""
+    """One call's options as the flags gave them (None: the model's default). The family's own
+    inputs (``--prompt``, ``--class``, ``--width``, ``--original-size``, ...) are ``flags``, as
+    text: the loaded model's declared specs type them (``cli.family_options``)."""
 
     model: Optional[str]
+    flags: dict[str, list[str]]  # family input flag -> its values as given (one per repeat)
     n: Optional[int]
-    prompt: Optional[str]
-    negative_prompt: Optional[str]
-    width: Optional[int]
-    height: Optional[int]
-    classes: tuple[str, ...]
     steps: Optional[int]
     sampler: Optional[str]
     seed: int
@@ -149,8 +147,7 @@ class CallOptions:
 
     def check(self) -> None:
         """The checks that need no model (one line each, naming the flag)."""
-        for flag, value in (("--n", self.n), ("--steps", self.steps), ("--width", self.width),
-                            ("--height", self.height)):
+        for flag, value in (("--n", self.n), ("--steps", self.steps)):
             if value is not None and value <= 0:
                 raise InvalidArgumentError(f"{flag} {value} must be a positive int", argument=flag)
         if self.guidance is not None and self.guidance < 0:
@@ -160,55 +157,45 @@ class CallOptions:
         if self.seed < 0 or self.seed >= 2**32:
             raise InvalidArgumentError(f"--seed {self.seed} must be in 0..{2**32 - 1}", argument="--seed")
 
-    def family_inputs(self) -> dict[str, Any]:
-        """The family's inputs the flags set (engine keywords)."""
-        labels: Any = None
-        if self.classes:
-            labels = list(self.classes) if len(self.classes) > 1 else self.classes[0]
-        values = dict(class_labels=labels, prompt=self.prompt, negative_prompt=self.negative_prompt,
-                      width=self.width, height=self.height)
-        return {k: v for k, v in values.items() if v is not None}
+    def sized(self, size: Optional[tuple[int, int]]) -> "CallOptions":
+        """``size`` (a tiny random model's (width, height)) where the flags give neither."""
+        if size is None or "--width" in self.flags or "--height" in self.flags:
+            return self
+        return replace(self, flags={**self.flags, "--width": [str(size[0])], "--height": [str(size[1])]})
 
-    def call_inputs(self) -> dict[str, Any]:
-        """``pipe(n, **call_inputs())``: the family's inputs, the sampler's settings and the LoRAs."""
+    def common_inputs(self) -> dict[str, Any]:
+        """The sampler's settings and the LoRAs, as ``generate`` keywords."""
         kwargs: dict[str, Any] = dict(steps=self.steps, sampler=self.sampler, guidance=self.guidance, seed=self.seed,
-                                      eta=self.eta, **self.family_inputs())
+                                      eta=self.eta)
         if self.loras:
             from preheat.lora import parse_cli
 
             kwargs["lora"] = [parse_cli(spec) for spec in self.loras]
         return kwargs
 
+    def call_inputs(self, pipe: Any) -> dict[str, Any]:
+        """``pipe(n, **call_inputs(pipe))``: the family's inputs, typed by ``pipe``'s specs (a flag
+        the model does not declare fails naming those it does), and the common ones."""
+        from preheat.cli.family_options import family_values
+
+        return {**self.common_inputs(), **family_values(pipe, self.flags)}
+
     def load_options(self) -> dict[str, Any]:
         """``preheat.load(model, **load_options())``."""
         return dict(dtype=self.dtype, cache=self.cache, backend=self.backend, compile=self.compile_mode,
                     variant=self.variant)
 
-    def check_against(self, pipe: Any) -> None:
-        """A flag the model does not take fails naming the flags it does take."""
-        unknown = [k for k in self.family_inputs() if k not in pipe.family.inputs]
-        if unknown:
-            takes = ", ".join(FLAGS.get(k, f"--{k.replace('_', '-')}") for k in pipe.family.inputs) or "none"
-            raise InvalidArgumentError(f"{FLAGS[unknown[0]]} does not apply to a {pipe.family.name} model; "
-                                       f"its inputs are: {takes}", argument=FLAGS[unknown[0]])
-
     def batch(self, pipe: Any) -> int:
-        """``--n``, or ``sample``'s default: 16 for a class model, 1 for text-to-image."""
-        if self.n is not None:
-            return self.n
-        return 1 if "prompt" in pipe.family.inputs else 16
+        """``--n``, or the family's preview count (16 for a class model, 1 for text-to-image)."""
+        return self.n if self.n is not None else pipe.family.preview_n
 
 
 def call_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """MODEL and every option of one call; the command receives them as ``opts: CallOptions``."""
+    """MODEL and every option of one call; the command receives them as ``opts: CallOptions``.
+    The command must be a ``cli.family_options.FamilyInputsCommand`` (``cls=``): what it does not
+    declare (MODEL and the family's input flags) arrives in ``ctx.args``."""
     options = [
-        click.argument("model", required=False),
         click.option("--n", "n", type=int, help="Number of images (default: 16 for class models, 1 for text-to-image)."),
-        click.option("--prompt", help="Text-to-image models: the prompt."),
-        click.option("--negative-prompt", help="Text-to-image models: what to steer away from (needs guidance)."),
-        click.option("--width", type=int, help="Image width (default: the model's)."),
-        click.option("--height", type=int, help="Image height (default: the model's)."),
-        click.option("--class", "classes", multiple=True, help="Class index or label; repeat for one per image."),
         click.option("--steps", type=int, help="Denoising steps (default: the model's)."),
         sampler_option(),
         click.option("--seed", default=0, show_default=True, type=int, help="Image i uses seed + i."),
@@ -222,11 +209,14 @@ def call_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      default="none", show_default=True,
                      help="torch backend: eager, torch.compile, AOTInductor, or regional (repeated blocks)."),
     ]
-    names = [f.name for f in CallOptions.__dataclass_fields__.values()]
+    names = [f.name for f in CallOptions.__dataclass_fields__.values() if f.name not in ("model", "flags")]
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opts = CallOptions(**{name: kwargs.pop(name) for name in names})
+        from preheat.cli.family_options import parse_flags
+
+        model, flags = parse_flags(click.get_current_context().args)
+        opts = CallOptions(model=model, flags=flags, **{name: kwargs.pop(name) for name in names})
         return fn(*args, opts=opts, **kwargs)
 
     out: Callable[..., Any] = wrapper

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -12,6 +11,7 @@ from typing import Any
 import click
 
 from preheat.cli._support import one_line_errors, resolve_model
+from preheat.cli.family_options import FamilyInputsCommand, flag_errors
 from preheat.cli.options import CallOptions, call_options
 from preheat.errors import InvalidArgumentError
 from preheat.timings import process_age_s
@@ -55,7 +55,7 @@ def save_png(image: Any, path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-@click.command("sample")
+@click.command("sample", cls=FamilyInputsCommand, options_metavar="[MODEL] [OPTIONS]")
 @call_options
 @click.option("--out", default="samples.png", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--save-images", type=click.Path(file_okay=False, path_type=Path), help="Also write each image here.")
@@ -66,7 +66,7 @@ def save_png(image: Any, path: Path) -> None:
 def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path | None, as_json: bool,
            quiet: bool) -> None:
     """Sample images from MODEL (a diffusers folder, hf://org/repo, or random:NAME; default: the built-in
-    digits model)."""
+    digits model). The model's own inputs (--prompt, --class, --width, ...) are listed below."""
     from rich.console import Console
 
     import preheat.engine  # noqa: F401  (jax: counted as import time, not weight loading)
@@ -80,25 +80,25 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
     if out.suffix.lower() != ".png":
         raise InvalidArgumentError(f"--out {out} must end in .png", argument="--out")
     model, size = resolve_model(opts.model, log=lambda line: console.print(line, soft_wrap=True))
-    if size is not None and opts.width is None and opts.height is None:  # a tiny random model: its tiny size
-        opts = dataclasses.replace(opts, width=size[0], height=size[1])
-    kwargs = opts.call_inputs()
-    n = opts.n
+    opts = opts.sized(size)  # a tiny random model: its tiny size, unless the flags give one
     backend, compile_mode = opts.backend, opts.compile_mode
     steps, sampler, guidance = opts.steps, opts.sampler, opts.guidance
-    # the first call, known before the model is: its executable loads while the weights are read
-    # (pixel families only, whose default n is 16; a text family ignores it)
-    options: dict[str, Any] = ({"prefetch": [{"n": n or 16, **kwargs}]}
-                               if backend == "jax" and not opts.loras else {})
+
+    def first_call(view: Any) -> list[dict[str, Any]]:
+        return [{"n": opts.batch(view), **opts.call_inputs(view)}]
+
+    # the first call, known before the weights are: its executables load while they are read
+    options: dict[str, Any] = {"prefetch": first_call} if backend == "jax" and not opts.loras else {}
     with console.status("loading model…"):
         t0 = time.perf_counter()
         import preheat
 
         pipe = preheat.load(model, **opts.load_options(), **options)
         load_s = time.perf_counter() - t0
-    opts.check_against(pipe)
+    with flag_errors(pipe):
+        kwargs = opts.call_inputs(pipe)
     n = opts.batch(pipe)
-    with console.status("compiling and sampling (first call)…"):
+    with console.status("compiling and sampling (first call)…"), flag_errors(pipe):
         t0 = time.perf_counter()
         images = pipe(n, **kwargs)
         first_call_s = time.perf_counter() - t0
@@ -143,10 +143,10 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
         "guided": pipe.is_guided(guidance),
         "stages": first.to_dict().get("stages", {}),
     }
-    startup = getattr(pipe, "startup", None)  # the JAX engine's phases (preheat.timings.Phases)
+    startup = pipe.startup  # the JAX engine's phases (preheat.timings.Phases); None for torch
     if startup is not None:
         record["startup"] = startup.to_dict()
-    weights_load = getattr(pipe, "load_report", None)  # the JAX engine's (preheat.models.weights.LoadReport)
+    weights_load = pipe.load_report  # the JAX engine's (preheat.models.weights.LoadReport); None for torch
     if weights_load is not None:
         record.update(weights_read_s=weights_load.seconds, abstract_s=weights_load.abstract_s,
                       weights_bytes=weights_load.bytes_read, peak_host_bytes=weights_load.peak_host_bytes,

@@ -23,7 +23,7 @@ from preheat.errors import ModelNotFoundError, UnsupportedConfigError
 from preheat.families.base import Conditioning, EngineView, Family, LoadedModel, Request, StageSignature
 
 __all__ = ["Family", "Conditioning", "EngineView", "LoadedModel", "Request", "StageSignature", "family_loader",
-           "FAMILY_OF_CLASS", "class_name_of"]
+           "FAMILY_OF_CLASS", "class_name_of", "declared_families"]
 
 # _class_name -> (module, loader function)
 FAMILY_OF_CLASS: dict[str, tuple[str, str]] = {
@@ -71,3 +71,16 @@ def family_loader(root: Path) -> Callable[..., Any]:
             f"unsupported model class {name!r} in {root}; supported: {', '.join(sorted(FAMILY_OF_CLASS))}")
     module, attr = FAMILY_OF_CLASS[name]
     return getattr(importlib.import_module(module), attr)
+
+
+def declared_families() -> list[Family]:
+    """Every family instance the modules of ``FAMILY_OF_CLASS`` define (imports them all: for
+    help texts and schemas that list every family's inputs, never on a call's path)."""
+    import importlib
+
+    found: list[Family] = []
+    for module in dict.fromkeys(m for m, _ in FAMILY_OF_CLASS.values()):
+        for value in vars(importlib.import_module(module)).values():
+            if isinstance(value, Family) and all(value is not f for f in found):
+                found.append(value)
+    return found

@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Protocol
 import numpy as np
 
 from preheat.errors import InvalidArgumentError
+from preheat.families.inputs import InputSpec, check_int, size_specs, unknown_input, warm_variants
 from preheat.samplers import DIFFUSION_SAMPLERS
 from preheat.timings import Timings
 
@@ -112,40 +113,55 @@ class Conditioning:
     uncond: Cond
 
 
-def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
-    """An int in [low, high], or a one-line InvalidArgumentError naming ``name``."""
-    bound = f"an int in [{low}, {high}]" if high is not None else ("a positive int" if low == 1 else f"an int >= {low}")
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
-            low <= int(value) and (high is None or int(value) <= high)):
-        raise InvalidArgumentError(f"{name}={value!r} must be {bound}{what}", argument=name)
-    return int(value)
-
-
 @dataclass(frozen=True)
 class Family:
     """Base of every family. Subclasses override the hooks below; the engine calls nothing else.
 
     ``defaults``: the one place a family's sampler, step count and guidance default live (a
     model folder's ``model_index.json`` may override them for itself).
-    ``inputs``: the family-specific keywords of ``Pipeline.generate``, besides the engine's
-    ``COMMON_INPUTS`` (n / steps / sampler / guidance / seed / noise / eta / lora / lora_scale).
+    ``specs``: the family's own inputs of ``Pipeline.generate``, declared once
+    (``preheat.families.inputs``); width and height come from :meth:`native_size` and
+    :meth:`size_rule`. The common ones (n / steps / sampler / ...) are ``COMMON_SPECS``.
+    ``positional``: the input a string first argument fills (``pipe("a fox")``), if any.
     """
 
     name: str = "family"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "ddpm", "steps": 50, "guidance": None})
-    inputs: tuple[str, ...] = ()
+    specs: tuple[InputSpec, ...] = ()
+    positional: str | None = None
+    preview_n: int = 16  # how many images ``preheat sample`` makes when not told (a grid of classes)
     pixels_in_loop: bool = True  # the denoising program ends with the conversion to uint8
     samplers: tuple[str, ...] = DIFFUSION_SAMPLERS  # the samplers this family's models were trained for
 
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The family's own keywords (its specs' names, then width and height)."""
+        return (*(s.name for s in self.specs), "width", "height")
+
+    def native_size(self, pipe: "EngineView") -> tuple[int, int]:
+        """The model's own (width, height) in pixels: what a call without a size makes."""
+        return pipe.sample_shape[1], pipe.sample_shape[0]
+
+    def size_rule(self, pipe: "EngineView") -> tuple[int, int, bool]:
+        """(multiple, largest side, native size only?) for width and height."""
+        return 1, 0, True
+
+    def input_specs(self, pipe: "EngineView") -> tuple[InputSpec, ...]:
+        """The specs with what depends on the loaded model resolved (sizes, class names)."""
+        multiple, high, fixed = self.size_rule(pipe)
+        return (*self.specs, *size_specs(*self.native_size(pipe), multiple, high, fixed=fixed))
+
+    def warm_inputs(self, pipe: "EngineView", guided: bool) -> list[dict[str, Any]]:
+        """The data inputs of each program variant warm-up compiles (``InputSpec.warm``); the
+        first is what any call needs (a placeholder prompt: the words are data)."""
+        return warm_variants(self.input_specs(pipe), guided)
+
     def check_inputs(self, pipe: "EngineView", n: int, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Validate the family's own inputs (host-side, no device work) into normalised values."""
-        unknown = sorted(k for k, v in inputs.items() if v is not None and k not in self.inputs)
-        if unknown:
-            accepted = ", ".join(self.inputs) or "none"
-            raise InvalidArgumentError(
-                f"unexpected argument {unknown[0]!r} for a {self.name} model; its inputs are: {accepted}",
-                argument=unknown[0])
-        return {k: v for k, v in inputs.items() if k in self.inputs}
+        """Validate the family's own inputs (host-side, no device work) into normalised values:
+        each spec's check, in declaration order; subclasses derive what follows from them."""
+        specs = self.input_specs(pipe)
+        unknown_input(self.name, specs, inputs)
+        return {s.name: s.check(inputs.get(s.name), n) for s in specs}
 
     def sample_shape(self, pipe: "EngineView", values: dict[str, Any]) -> tuple[int, ...]:
         """One sample's shape (H, W, C), NHWC, for these inputs (resolution is static)."""
@@ -170,7 +186,11 @@ class Family:
         return None
 
     def check_unguided(self, pipe: "EngineView", values: dict[str, Any]) -> None:
-        """Inputs that make sense only with guidance (a negative prompt) are refused here."""
+        """Inputs that make sense only with guidance (``needs_guidance``: a negative prompt) are refused here."""
+        for spec in self.specs:
+            if spec.needs_guidance and values.get(spec.name) is not None:
+                raise InvalidArgumentError(f"{spec.name} needs classifier-free guidance; use a guidance scale other "
+                                           "than 1", argument=spec.name)
 
     def condition(self, pipe: "EngineView", request: "Request") -> Conditioning:
         """The denoiser's ``cond``/``uncond`` pytrees for a validated request (may run a stage)."""

@@ -31,7 +31,8 @@ import numpy as np
 
 from preheat.errors import UnsupportedConfigError
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
-from preheat.families.text import TextToImageFamily, component, default_sampler, encode, offload, prompts
+from preheat.families.inputs import InputSpec, Text
+from preheat.families.text import PROMPT, TextToImageFamily, component, default_sampler, encode, offload
 from preheat.lora import encoder_adapters
 from preheat.samplers import MU_SIGMAS_SAMPLERS
 
@@ -45,7 +46,9 @@ class FluxFamily(TextToImageFamily):
     name: str = "flux"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 28,
                                                                   "guidance": 3.5})
-    inputs: tuple[str, ...] = ("prompt", "prompt_2", "width", "height")
+    specs: tuple[InputSpec, ...] = (PROMPT, InputSpec(
+        "prompt_2", Text(), "The T5 encoder's prompt (the prompt when absent), one for all or one per image.",
+        per_image=True, default_doc="the prompt"))
     # FluxPipeline passes its own sigmas and mu to set_timesteps: only flow_euler's scheduler takes them
     samplers: tuple[str, ...] = MU_SIGMAS_SAMPLERS
     max_size: int = 4096
@@ -54,10 +57,10 @@ class FluxFamily(TextToImageFamily):
         return "embedded" if pipe.components["guidance_embeds"] else "none"
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
-        inputs = super().check_inputs(pipe, n, inputs)
-        first = prompts("prompt", inputs.get("prompt"), n, required=True)
-        second = prompts("prompt_2", inputs.get("prompt_2"), n, required=False)
-        return {"prompt": first, "prompt_2": second if second is not None else first, **self.check_size(pipe, inputs)}
+        values = super().check_inputs(pipe, n, inputs)
+        if values["prompt_2"] is None:
+            values["prompt_2"] = values["prompt"]
+        return values
 
     def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
         from preheat.samplers import flow_mu, flux_sigmas

@@ -8,33 +8,43 @@ sample is converted to uint8 inside the denoising program (no separate decode st
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import numpy as np
 
 from preheat.errors import InvalidArgumentError
 from preheat.families.base import Conditioning, EngineView, Family, LoadedModel, Request
+from preheat.families.inputs import InputSpec, Label
 
 
 __all__ = ["PixelFamily", "PIXEL"]
+
+
+CLASS_LABELS = InputSpec("class_labels", Label(None), "Class index or label name, one for all images or one per image "
+                         "(class-conditional models; a tour of the classes when absent).", per_image=True,
+                         field="class_label", aliases=("prompt",), flag="--class")
 
 
 @dataclass(frozen=True)
 class PixelFamily(Family):
     name: str = "pixel"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "ddpm", "steps": 50, "guidance": None})
-    inputs: tuple[str, ...] = ("class_labels", "width", "height")
+    specs: tuple[InputSpec, ...] = (CLASS_LABELS,)
     pixels_in_loop: bool = True
 
+    def input_specs(self, pipe: EngineView) -> tuple[InputSpec, ...]:
+        label = replace(CLASS_LABELS, type=Label(pipe.num_classes, tuple(pipe.labels)),
+                        warm=() if pipe.num_classes is None else (0,))
+        return tuple(label if s.name == "class_labels" else s for s in super().input_specs(pipe))
+
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
-        inputs = super().check_inputs(pipe, n, inputs)
-        h, w = pipe.sample_shape[0], pipe.sample_shape[1]
-        for name, native in (("width", w), ("height", h)):
-            value = inputs.get(name)
-            if value is not None and value != native:
-                raise InvalidArgumentError(f"{name}={value!r}: this model makes {w}x{h} images only", argument=name)
-        return {"class_labels": labels_for(pipe, n, inputs.get("class_labels"))}
+        values = super().check_inputs(pipe, n, inputs)
+        labels = values["class_labels"]
+        if labels is None and pipe.num_classes is not None:
+            labels = list(np.arange(n) % pipe.num_classes)  # a tour of the classes
+        values["class_labels"] = None if labels is None else np.asarray(labels, np.int32)
+        return values
 
     def guidance_error(self, pipe: EngineView, values: dict[str, Any]) -> str | None:
         if pipe.null_class is None:
@@ -49,39 +59,11 @@ class PixelFamily(Family):
         return Conditioning(cond={"class_labels": labels}, uncond={"class_labels": null})
 
 
-def labels_for(pipe: EngineView, n: int, class_labels: Any) -> np.ndarray | None:
-    """Class indices for n images: one per image, one for all, or a tour of the classes (None)."""
-    if pipe.num_classes is None:
-        if class_labels is not None:
-            raise InvalidArgumentError("class_labels given, but this model is not class-conditional",
-                                       argument="class_labels")
-        return None
-    if class_labels is None:
-        return (np.arange(n) % pipe.num_classes).astype(np.int32)  # a tour of the classes
-    if isinstance(class_labels, (int, str, np.integer)):
-        class_labels = [class_labels] * n
-    class_labels = list(class_labels)
-    if len(class_labels) != n:
-        raise InvalidArgumentError(f"got {len(class_labels)} class_labels for n={n}; give one per image or one for all",
-                                   argument="class_labels")
-    return np.asarray([class_index(pipe, c) for c in class_labels], np.int32)
-
-
 def class_index(pipe: EngineView, c: Any) -> int:
     """A class given as an index or a label name -> its index; unknown -> one-line error."""
     if pipe.num_classes is None:
         raise InvalidArgumentError("this model is not class-conditional", argument="class_labels")
-    if isinstance(c, str):
-        if c in pipe.labels:
-            return pipe.labels.index(c)
-        if c.strip().lstrip("-").isascii() and c.strip().lstrip("-").isdigit():  # not "٧" or "７"
-            c = int(c)
-        else:
-            known = ", ".join(pipe.labels) or f"0..{pipe.num_classes - 1}"
-            raise InvalidArgumentError(f"unknown class {c!r}; known classes: {known}", argument="class_labels")
-    if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= int(c) < pipe.num_classes:
-        raise InvalidArgumentError(f"unknown class {c!r}; classes are 0..{pipe.num_classes - 1}", argument="class_labels")
-    return int(c)
+    return Label(pipe.num_classes, tuple(pipe.labels)).check("class_labels", c)
 
 
 PIXEL = PixelFamily()

@@ -22,7 +22,9 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
-from preheat.families.text import TextToImageFamily, component, default_sampler, encode, offload, prompts
+from preheat.families.inputs import InputSpec
+from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, default_sampler, encode,
+                                   offload)
 from preheat.samplers import FLOW_SAMPLERS
 
 __all__ = ["SD3Family", "SD3", "load_stable_diffusion_3"]
@@ -35,20 +37,9 @@ class SD3Family(TextToImageFamily):
     name: str = "stable-diffusion-3"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 28,
                                                                   "guidance": 7.0})
-    inputs: tuple[str, ...] = ("prompt", "negative_prompt", "width", "height")
+    specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT)
     samplers: tuple[str, ...] = FLOW_SAMPLERS
     max_size: int = 4096
-
-    def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
-        inputs = super().check_inputs(pipe, n, inputs)
-        return {"prompt": prompts("prompt", inputs.get("prompt"), n, required=True),
-                "negative_prompt": prompts("negative_prompt", inputs.get("negative_prompt"), n, required=False),
-                **self.check_size(pipe, inputs)}
-
-    def check_unguided(self, pipe: EngineView, values: dict[str, Any]) -> None:
-        if values["negative_prompt"] is not None:
-            raise InvalidArgumentError("negative_prompt needs classifier-free guidance; use a guidance scale other "
-                                       "than 1", argument="negative_prompt")
 
     def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
         from preheat.samplers import MU_SIGMAS_SAMPLERS, flow_mu

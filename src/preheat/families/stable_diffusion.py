@@ -29,38 +29,39 @@ import numpy as np
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.lora import encoder_adapters
-from preheat.families.text import (SAMPLER_OF_SCHEDULER, TextToImageFamily, component, default_sampler, encode, offload,
-                                   prompts)
+from preheat.families.inputs import InputSpec, Pair
+from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, SAMPLER_OF_SCHEDULER, TextToImageFamily, component,
+                                   default_sampler, encode, offload)
 
 
 __all__ = ["StableDiffusionFamily", "SD", "SDXL", "load_stable_diffusion", "load_stable_diffusion_xl",
            "SAMPLER_OF_SCHEDULER"]
 
-SDXL_SIZE_INPUTS = ("original_size", "crops_coords_top_left", "target_size")
+# SDXL's micro-conditioning (diffusers' names and defaults): data, (height, width) pairs
+SDXL_SIZE_SPECS = (
+    InputSpec("original_size", Pair(), "SDXL: the (height, width) the image is conditioned as coming from.",
+              default_doc="(height, width)"),
+    InputSpec("crops_coords_top_left", Pair(), "SDXL: the (top, left) crop the image is conditioned on.",
+              default_doc="(0, 0)"),
+    InputSpec("target_size", Pair(), "SDXL: the (height, width) the image is conditioned to target.",
+              default_doc="(height, width)"),
+)
 
 
 @dataclass(frozen=True)
 class StableDiffusionFamily(TextToImageFamily):
     name: str = "stable-diffusion"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "dpmpp_2m", "steps": 30, "guidance": 7.5})
-    inputs: tuple[str, ...] = ("prompt", "negative_prompt", "width", "height")
+    specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT)
     xl: bool = False
 
     # ------------------------------------------------------------------ inputs
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
-        inputs = super().check_inputs(pipe, n, inputs)
-        positives = prompts("prompt", inputs.get("prompt"), n, required=True)
-        negatives = prompts("negative_prompt", inputs.get("negative_prompt"), n, required=False)
-        values = {"prompt": positives, "negative_prompt": negatives, **self.check_size(pipe, inputs)}
+        values = super().check_inputs(pipe, n, inputs)
         if self.xl:
-            values["time_ids"] = _time_ids(inputs, values["height"], values["width"])
+            values["time_ids"] = _time_ids(values)
         return values
-
-    def check_unguided(self, pipe: EngineView, values: dict[str, Any]) -> None:
-        if values["negative_prompt"] is not None:
-            raise InvalidArgumentError("negative_prompt needs classifier-free guidance; use a guidance scale other "
-                                       "than 1", argument="negative_prompt")
 
     # ------------------------------------------------------------------ stages
 
@@ -100,7 +101,7 @@ class StableDiffusionFamily(TextToImageFamily):
 SD = StableDiffusionFamily()
 SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
                              defaults={"sampler": "euler", "steps": 30, "guidance": 5.0},
-                             inputs=("prompt", "negative_prompt", "width", "height", *SDXL_SIZE_INPUTS))
+                             specs=(PROMPT, NEGATIVE_PROMPT, *SDXL_SIZE_SPECS))
 
 
 def _encode_program(encoders: Sequence[Any], xl: bool, lora: bool = False) -> Any:
@@ -127,20 +128,12 @@ def _encode_program(encoders: Sequence[Any], xl: bool, lora: bool = False) -> An
 # --------------------------------------------------------------------------------------- checks
 
 
-def _pair(name: str, value: Any, default: tuple[int, int]) -> tuple[int, int]:
-    if value is None:
-        return default
-    if (not isinstance(value, (list, tuple)) or len(value) != 2
-            or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0 for v in value)):
-        raise InvalidArgumentError(f"{name} must be two non-negative ints (height, width), got {value!r}", argument=name)
-    return int(value[0]), int(value[1])
-
-
-def _time_ids(inputs: dict[str, Any], height: int, width: int) -> np.ndarray:
+def _time_ids(values: dict[str, Any]) -> np.ndarray:
     """SDXL's micro-conditioning (6,): original_size + crops_coords_top_left + target_size, as diffusers."""
-    original = _pair("original_size", inputs.get("original_size"), (height, width))
-    crops = _pair("crops_coords_top_left", inputs.get("crops_coords_top_left"), (0, 0))
-    target = _pair("target_size", inputs.get("target_size"), (height, width))
+    size = (values["height"], values["width"])
+    original = values["original_size"] or size
+    crops = values["crops_coords_top_left"] or (0, 0)
+    target = values["target_size"] or size
     return np.asarray([*original, *crops, *target], np.float32)
 
 

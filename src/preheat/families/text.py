@@ -10,14 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from preheat.errors import InvalidArgumentError, ModelNotFoundError
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from preheat.families.base import EngineView, Family, Request, StageSignature, check_int, to_pixels
+from preheat.errors import ModelNotFoundError
+from preheat.families.base import EngineView, Family, Request, StageSignature, to_pixels
+from preheat.families.inputs import InputSpec, Text
 
-__all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "prompts", "size", "component", "default_sampler", "decode_program", "encode", "offload"]
+__all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROMPT", "component", "default_sampler",
+           "decode_program", "encode", "offload"]
 
 @dataclass(frozen=True)
 class TextToImageFamily(Family):
@@ -27,15 +29,17 @@ class TextToImageFamily(Family):
     ``decode_fingerprint``.
     """
 
+    positional: str | None = "prompt"
+    preview_n: int = 1
     pixels_in_loop: bool = False
     max_size: int = 2048
 
-    def check_size(self, pipe: EngineView, inputs: dict[str, Any]) -> dict[str, int]:
-        """{"width", "height"} in pixels: the model's default or a multiple of ``size_multiple``."""
-        multiple = pipe.components["size_multiple"]
-        h_default, w_default = (s * pipe.components["vae_scale"] for s in pipe.sample_shape[:2])
-        return {"width": size("width", inputs.get("width"), w_default, multiple, self.max_size),
-                "height": size("height", inputs.get("height"), h_default, multiple, self.max_size)}
+    def native_size(self, pipe: EngineView) -> tuple[int, int]:
+        scale = pipe.components["vae_scale"]
+        return pipe.sample_shape[1] * scale, pipe.sample_shape[0] * scale
+
+    def size_rule(self, pipe: EngineView) -> tuple[int, int, bool]:
+        return pipe.components["size_multiple"], self.max_size, False
 
     def sample_shape(self, pipe: EngineView, values: dict[str, Any]) -> tuple[int, ...]:
         scale = pipe.components["vae_scale"]
@@ -62,31 +66,12 @@ SAMPLER_OF_SCHEDULER = {
 }
 
 
-def prompts(name: str, value: Any, n: int, *, required: bool) -> list[str] | None:
-    """One string per image from a string or a list of n strings (None when optional and absent)."""
-    if value is None:
-        if required:
-            raise InvalidArgumentError(f"{name} is required: a string or one string per image", argument=name)
-        return None
-    if isinstance(value, str):
-        return [value] * n
-    if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
-        if len(value) != n:
-            raise InvalidArgumentError(f"got {len(value)} {name}s for n={n}; give one string or one per image",
-                                       argument=name)
-        return list(value)
-    raise InvalidArgumentError(f"{name} must be a string or a list of strings, not {type(value).__name__}",
-                               argument=name)
-
-
-def size(name: str, value: Any, default: int, multiple: int, high: int) -> int:
-    """A width or height: a multiple of what the model's latent grid (and patching) needs."""
-    if value is None:
-        return default
-    value = check_int(name, value, multiple, high)
-    if value % multiple:
-        raise InvalidArgumentError(f"{name}={value} must be a multiple of {multiple} for this model", argument=name)
-    return value
+# warm: the words are data (tokenizers pad to fixed lengths); a negative prompt given or not are two
+# programs for SDXL (zeros or the encoded negatives), so warm-up compiles both
+PROMPT = InputSpec("prompt", Text(), "What to draw: one prompt for all images, or one per image.", per_image=True,
+                   required=True, warm=("",), example="a watercolor fox")
+NEGATIVE_PROMPT = InputSpec("negative_prompt", Text(), "What to steer away from (needs guidance).", per_image=True,
+                            needs_guidance=True, warm=(None, ""))
 
 
 def component(root: Path, index: dict[str, Any], name: str) -> Path:

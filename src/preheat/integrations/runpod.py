@@ -7,9 +7,11 @@
 or simply ``python -m preheat.integrations.runpod`` (also: ``--test_input '{"input": {...}}'``
 for the SDK's local test mode, which runs one job and exits 0 on success).
 
-A job's ``input`` takes Cog's input fields (``class_label``/``prompt``, ``num_outputs``,
-``num_inference_steps``, ``guidance_scale``, ``scheduler``, ``seed``, ``output_format``,
-``lora_weights`` (a path, http(s):// or hf:// LoRA) and ``lora_scale``, ...).
+A job's ``input`` takes Cog's input fields: the served family's declared inputs by their Cog
+names (``prompt``, ``negative_prompt``, ``class_label``, ``width``, SDXL's ``original_size``, ...:
+``Family.input_specs``), ``num_outputs``, ``num_inference_steps``, ``guidance_scale``,
+``scheduler``, ``seed``, ``output_format``, ``lora_weights`` (a path, http(s):// or hf:// LoRA)
+and ``lora_scale`` (``preheat.server.inputs.parse_input``, the same parse as Cog's route).
 The result is ``{"images": [data URLs], "seed": int, "metrics": {...}}``, or
 ``{"error": "<field>: <message>"}`` for bad input. ``handler`` is async, so with a concurrency
 modifier > 1 the SDK runs several jobs at once and the core batches them into one engine call.

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from preheat.errors import InputError, NotAccepting, QueueFull
 from preheat.server.core import SHUT_DOWN, Core, Prediction
 from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, api_error, openai_error
-from preheat.server.inputs import SEED_MAX, JsonFloat, JsonInt, Limits, json_int
+from preheat.server.inputs import SEED_MAX, JsonFloat, JsonInt, Limits, family_model, json_int, served_sizes
 from preheat.server.metrics import HttpMetrics
 from preheat.server.webhooks import WebhookPolicy, WebhookRefused, delivery_client
 
@@ -48,6 +48,9 @@ log = logging.getLogger("preheat.server")
 
 WEBHOOK_EVENTS = ("start", "output", "logs", "completed")
 _OPENAI_FIELDS = {"num_outputs": "n", "width": "size", "height": "size"}
+# Cog input fields an OpenAI body may carry as extras, by the Cog names (every other extra OpenAI
+# clients send -- model, quality, style, user -- is ignored)
+_OPENAI_EXTRAS = ("num_inference_steps", "guidance_scale", "scheduler")
 
 
 def _detail(errors: list[tuple[str, str]], prefix: tuple[str, ...] = ("body", "input")) -> list[dict[str, Any]]:
@@ -92,7 +95,9 @@ class PredictionResponse(BaseModel):
 class ImageGenerationRequest(BaseModel):
     # OpenAI's body. ``n`` <= the largest batch, and ``seed`` leaves room for seed + i: this app's
     # version of the class states both bounds (request_models).
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send model/quality/style/user ...
+    # OpenAI clients send model/quality/style/user ...: ignored; the served family's own inputs
+    # (its declared specs, by their Cog names) are taken as extra fields
+    model_config = ConfigDict(extra="allow")
     prompt: Optional[str] = Field(None, max_length=1000)
     n: JsonInt = 1
     size: Optional[str] = Field(None, max_length=32, pattern=r"^(auto|[0-9]{1,5}x[0-9]{1,5})$")
@@ -491,13 +496,16 @@ async def images_generations(raw_request: Request, state: State, request: ImageG
     if request.size is not None and request.size != "auto":
         w, h = (int(v) for v in request.size.split("x"))
         raw["width"], raw["height"] = w, h
+    if core.setup.status == "succeeded":  # the family's inputs and the Cog route's step/guidance/sampler
+        accepted = {*family_model(tuple(core.pipe.family.input_specs(core.pipe))).model_fields, *_OPENAI_EXTRAS}
+        raw.update({k: v for k, v in (request.model_extra or {}).items() if k in accepted and k not in raw})
     try:
         job, given = await core.parse_async(raw)
     except InputError as err:
         field_name, message = err.errors[0]
         param = _OPENAI_FIELDS.get(field_name, field_name)
         if param == "size":
-            sizes = ", ".join(f"{w}x{h}" for w, h in _served_sizes(core.pipe, core.limits))
+            sizes = ", ".join(f"{w}x{h}" for w, h in served_sizes(core.pipe, core.limits))
             message = f"size must be one of {sizes}"
         return openai_error(422, f"{param}: {message}", param)
     except NotAccepting as err:
@@ -569,53 +577,53 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _served_sizes(pipe: Any, limits: Any) -> tuple[tuple[int, int], ...]:
-    """(width, height) pairs a request may ask for: the served sizes, or the model's only size."""
-    if "prompt" in pipe.family.inputs:
-        from preheat.server.inputs import default_size
+def _title(name: str) -> str:
+    return name.replace("_", " ").title()
 
-        return tuple(limits.sizes) or (default_size(pipe),)
-    return ((pipe.sample_shape[1], pipe.sample_shape[0]),)
+
+def _nullable(schema: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """An optional input's schema: its type or null; description and default at the top."""
+    schema = dict(schema)
+    top = {k: schema.pop(k) for k in ("description", "default") if k in schema}
+    return {"anyOf": [schema, {"type": "null"}], **top, **extra}
 
 
 def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] = (), limits: Any = None) -> None:
+    """The served family's declared inputs (``Family.input_specs``) in the schema: each one's type,
+    bounds and description, served sizes as enums, so that schema-valid input is accepted input."""
     schemas = spec.get("components", {}).get("schemas", {})
-    sizes = _served_sizes(pipe, limits)
-    widths = sorted({w for w, _ in sizes})
-    heights = sorted({h for _, h in sizes})
-    null = {"type": "null"}
-    text = "prompt" in pipe.family.inputs
-    negative: dict[str, Any] = {"anyOf": [null], "description": "Not used: the model has no text encoder."}
-    if text:
-        class_label = {"anyOf": [null], "description": "Not used: this is a text-to-image model."}
-        prompt = {"anyOf": [{"type": "string", "maxLength": 2000}], "description": "What to draw (required)."}
-        negative = {"anyOf": [{"type": "string", "maxLength": 2000}, null],
-                    "description": "What to steer away from (needs guidance_scale != 1)."}
-    elif pipe.num_classes is not None:
-        names = list(pipe.labels) or [str(i) for i in range(pipe.num_classes)]
-        class_label = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": pipe.num_classes - 1},
-                                 {"type": "string", "enum": names}, null]}
-        prompt = {"anyOf": [{"type": "string", "enum": names}, null],
-                  "description": "The class to draw, by name (this model is class-conditional)."}
-    else:
-        class_label = {"anyOf": [null], "description": "Not used: the model is unconditional."}
-        prompt = {"anyOf": [{"type": "string", "enum": [""]}, null], "description": "Not used: the model is unconditional."}
-    model_input = schemas.get("Input", {}).get("properties", {})
-    if model_input:
-        model_input["class_label"] = {**class_label, "title": "Class Label", "x-order": 1}
-        model_input["prompt"] = {**prompt, "title": "Prompt", "x-order": 0}
-        model_input["negative_prompt"] = {**negative, "title": "Negative Prompt", "x-order": 1}
-        model_input["width"] = {"anyOf": [{"type": "integer", "enum": widths}, null], "title": "Width", "x-order": 7}
-        model_input["height"] = {"anyOf": [{"type": "integer", "enum": heights}, null], "title": "Height", "x-order": 8}
+    specs = tuple(pipe.family.input_specs(pipe))
+    sizes = served_sizes(pipe, limits)
+    served = {"width": sorted({w for w, _ in sizes}), "height": sorted({h for _, h in sizes})}
+    props: dict[str, Any] = {}
+    for order, s in enumerate(specs):
+        schema = s.schema()
+        if s.name in served:
+            schema = {"type": "integer", "enum": served[s.name], "description": s.description}
+        if s.required:
+            schema["description"] = f"{schema.get('description', '')} Required.".strip()
+            props[s.surface_name] = {**schema, "title": _title(s.surface_name), "x-order": order}
+        else:
+            props[s.surface_name] = _nullable(schema, title=_title(s.surface_name), **{"x-order": order})
+        for alias in s.aliases:
+            alias_schema = {**s.schema(), "description": f"Another way to give {s.surface_name}: {s.description}"}
+            props.setdefault(alias, _nullable(alias_schema, title=_title(alias), **{"x-order": order}))
+    model_input = schemas.get("Input", {})
+    if model_input.get("properties") is not None:
+        model_input["properties"].update(props)
+        model_input["additionalProperties"] = False
         if samplers:  # what warm-up compiled; every other sampler is refused
-            model_input["scheduler"] = {"anyOf": [{"type": "string", "enum": list(samplers)}, null],
-                                        "title": "Scheduler", "x-order": 5,
-                                        "description": "Sampler (the model's default when absent)."}
-    openai = schemas.get("ImageGenerationRequest", {}).get("properties", {})
-    if openai:
-        openai["prompt"] = {**prompt, "title": "Prompt"}
-        openai["size"] = {"anyOf": [{"type": "string", "enum": [*(f"{w}x{h}" for w, h in sizes), "auto"]}, null],
-                          "title": "Size"}
+            model_input["properties"]["scheduler"] = {"anyOf": [{"type": "string", "enum": list(samplers)},
+                                                                {"type": "null"}],
+                                                      "title": "Scheduler", "x-order": 23,
+                                                      "description": "Sampler (the model's default when absent)."}
+    openai = schemas.get("ImageGenerationRequest", {}).get("properties")
+    if openai is not None:
+        for name, prop in props.items():
+            if name not in ("width", "height"):  # OpenAI's size says both
+                openai[name] = {k: v for k, v in prop.items() if k != "x-order"}
+        openai["size"] = {"anyOf": [{"type": "string", "enum": [*(f"{w}x{h}" for w, h in sizes), "auto"]},
+                                    {"type": "null"}], "title": "Size"}
 
 
 def _version() -> str:

@@ -36,9 +36,10 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from preheat.errors import InputError, NotAccepting, PreheatError, QueueFull
+from preheat.families import request as request_of
 from preheat.server.fetch import FetchConfig, Fetcher
 from preheat.warm import WarmSignature, buckets_for, resolve, run_signature, signatures
-from preheat.server.inputs import Job, Limits, input_model, parse_input, size_inputs
+from preheat.server.inputs import Job, Limits, input_model, parse_input
 from preheat.server.config import CoreConfig, load_pipeline
 from preheat.server.metrics import CoreMetrics, FetchMetrics
 from preheat.store import is_remote
@@ -69,7 +70,7 @@ class Core:
                              max_guidance=config.max_guidance, schedulers=tuple(config.samplers),
                              sizes=tuple(config.sizes), lora_dir=config.lora_dir, fetcher=self.fetcher)
         self.input_model = input_model(self.limits)
-        self.buckets = buckets_for(config.max_batch_size, getattr(pipe, "device_count", 1))
+        self.buckets = buckets_for(config.max_batch_size, pipe.device_count if pipe is not None else 1)
         self.setup = SetupInfo()
         self.pipe = pipe
         self._loader = loader
@@ -177,7 +178,7 @@ class Core:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self.closing_pushes.set()
-        compiler = getattr(self.pipe, "compiler", None)
+        compiler = self.pipe.compiler if self.pipe is not None else None
         if wait_pushes and compiler is not None and getattr(compiler, "background", None) is not None:
             left = compiler.background.pending
             if left:
@@ -187,7 +188,8 @@ class Core:
     @property
     def pending_pushes(self) -> int:
         """Uploads to the shared store queued or running (background, after compiles)."""
-        background = getattr(getattr(self.pipe, "compiler", None), "background", None)
+        compiler = self.pipe.compiler if self.pipe is not None else None
+        background = getattr(compiler, "background", None)  # the torch compiler pushes nothing in the background
         return 0 if background is None else background.pending
 
     # ------------------------------------------------------------------ requests
@@ -403,31 +405,30 @@ class Core:
             self._setup_log(f"loading model {self.config.model or 'built-in'} ({self.config.backend})")
             self.pipe = self._loader(self.config)
         pipe = self.pipe
-        self.buckets = buckets_for(self.config.max_batch_size, getattr(pipe, "device_count", 1))
+        self.buckets = buckets_for(self.config.max_batch_size, pipe.device_count)
         self._setup_log(f"model loaded in {time.perf_counter() - start:.2f}s; image {pipe.sample_shape}, "
                         f"classes {pipe.num_classes}, defaults {pipe.defaults}")
         default_steps = int(pipe.defaults["steps"])
         if default_steps > self.limits.max_steps:
             self._setup_log(f"warning: the model's default {default_steps} steps exceed --max-steps "
                             f"{self.limits.max_steps}; requests must then give num_inference_steps")
-        if getattr(pipe, "components", {}).get("lora_targets") is not None:  # this server's LRU of LoRAs
+        if pipe.components.get("lora_targets") is not None:  # this server's LRU of LoRAs
             from preheat.lora import LoraCache
 
             cache = pipe.components["lora_cache"] = LoraCache(self.config.max_loras)
             self.metrics.watch_loras(cache)
-        compiler = getattr(pipe, "compiler", None)
+        compiler = pipe.compiler
         if compiler is not None and hasattr(compiler, "defer_pushes"):
             compiler.defer_pushes()  # uploads never hold up READY or a request
         self.warm = resolve(pipe, self.warm)  # refuses an unusable --sizes entry before READY, in one line
         self.samplers = self.warm.samplers
-        if "prompt" in pipe.family.inputs:
-            self.limits = replace(self.limits, sizes=self.warm.sizes)
+        self.limits = replace(self.limits, sizes=self.warm.sizes)  # () where the model makes its own size only
         self.limits = replace(self.limits, schedulers=self.samplers)  # parse refuses the others, naming these
         for sig in self.signatures():
             t0 = time.perf_counter()
             events_before = len(getattr(compiler, "events", ()))
             run_signature(pipe, sig)
-            sampler, guidance, bucket, size, negatives = sig.sampler, sig.guidance, sig.bucket, sig.size, sig.negatives
+            sampler, guidance, bucket, size = sig.sampler, sig.guidance, sig.bucket, sig.size
             layer = pipe.last.cache_layer
             run_s = pipe.last.run_s
             took = time.perf_counter() - t0
@@ -437,7 +438,7 @@ class Core:
             self.metrics.warmup_programs.labels(cache_layer=layer).inc()
             self.metrics.warmup_seconds.labels(bucket=str(bucket), sampler=sampler, guided=str(guided).lower(),
                                                cache_layer=layer).set(took)
-            what = f" {size[0]}x{size[1]}{' +negative' if negatives else ''}" if size else ""
+            what = (f" {size[0]}x{size[1]}" if size else "") + "".join(f" +{name}" for name in sig.variant)
             what += f" LoRA rank {sig.lora}" if sig.lora else ""
             remote = _remote_status(getattr(compiler, "events", [])[events_before:])
             self._setup_log(f"warm-up: {sampler} batch {bucket}{what} guided={guided}: {took:.2f}s (cache: {layer}"
@@ -511,20 +512,12 @@ class Core:
         images = sum(p.job.n for p in batch)
         bucket = next(b for b in self.buckets if b >= images)
         pad = bucket - images
-        seeds: list[int] = [s for p in batch for s in p.job.seeds] + [0] * pad
-        # per-image family inputs, concatenated over the batch; padding slots repeat the first image's
-        inputs: dict[str, list[Any]] = {}
-        for p in batch:
-            for key, values in p.job.engine_inputs().items():
-                inputs.setdefault(key, []).extend(values)
-        inputs = {key: values + values[:1] * pad for key, values in inputs.items()}
         batch_id = next(self._batch_ids)
         t0 = time.perf_counter()
         try:
             pipe = self.pipe
-            pixels = pipe.generate(bucket, steps=job0.steps, sampler=job0.sampler,
-                                   guidance=1.0 if job0.guidance is None else job0.guidance, seed=seeds,
-                                   **inputs, **size_inputs(job0))
+            # the jobs' requests, validated at parse time, as one (padding repeats the first image)
+            pixels = pipe.run(request_of.concat(pipe, [p.job.request for p in batch], pad))
             compiled = pipe.last.cache_layer != "memory"
             run_s = time.perf_counter() - t0
             outputs = []

@@ -4,11 +4,13 @@ Every surface goes through :func:`parse_input`: the HTTP server (Cog's ``POST /p
 and the OpenAI route, which first rewrites its body into the same input fields) and the
 Runpod handler. Two layers:
 
-1. the schema (:func:`input_model`): a pydantic model built from the server's limits, so the
-   OpenAPI document states the real bounds (``num_outputs <= max_batch_size`` ...);
-2. the model checks (:func:`parse_input`): class names, image size, LoRA sources, and the
-   engine's own host-side ``Pipeline.check`` (which raises one-line ``InvalidArgumentError`` /
-   ``SchedulerConfigError``), mapped back to the input field that caused them.
+1. the schema: :func:`input_model`, the common inputs bounded by the server's limits, so the
+   OpenAPI document states the real bounds (``num_outputs <= max_batch_size`` ...), and
+   :func:`family_model`, the served family's declared inputs (``Family.input_specs``: a new
+   input of a family is a new field here with no code of its own);
+2. the model checks (:func:`parse_input`): served sizes, and the engine's own ``Pipeline.check``
+   (which raises one-line ``InvalidArgumentError`` / ``SchedulerConfigError``), mapped back to
+   the input field by the error's ``argument`` (:func:`surface_fields`), never by its text.
 
 Both raise :class:`preheat.errors.InputError`, which carries ``(field, message)`` pairs; surfaces turn it into
 HTTP 422 (naming the field) or a Runpod ``{"error": ...}``.
@@ -16,17 +18,21 @@ HTTP 422 (naming the field) or a Runpod ``{"error": ...}``.
 
 from __future__ import annotations
 
+import functools
 import secrets
 from pathlib import Path
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Callable, Literal, Mapping, Optional, Union
 
+import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
+from preheat.families.inputs import (COMMON_SPECS, Choice, Float, InputSpec, Int, Label, Pair, Text, common_spec,
+                                     field_of)
 
-__all__ = ["Limits", "Job", "input_model", "parse_input", "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int",
-           "parse_sizes", "parse_lora_ranks", "JsonFloat"]
+__all__ = ["Limits", "Job", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields",
+           "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "parse_sizes", "parse_lora_ranks", "JsonFloat"]
 
 SEED_MAX = 2**32 - 1
 MAX_LORA_SCALE = 4.0
@@ -79,40 +85,43 @@ class Job:
     """One validated request, in engine terms. ``seeds`` are per image: image i uses ``seed + i``."""
 
     n: int
-    labels: Optional[tuple[int, ...]]  # one class index per image; None for unconditional / text models
     seed: int
     sampler: str
     steps: int
     guidance: Optional[float]  # resolved scale; None or 1.0 = no classifier-free guidance
     output_format: str = "png"
-    prompts: Optional[tuple[str, ...]] = None  # text-to-image: one prompt per image
-    negative_prompts: Optional[tuple[str, ...]] = None  # text-to-image, guided only
-    size: Optional[tuple[int, int]] = None  # text-to-image: (width, height), static (one program each)
+    # the family's inputs as ``Pipeline.generate`` keywords, sorted by name: a per-image one as a
+    # tuple of n values, a per-call one as its value (width, height, SDXL's size pairs)
+    values: tuple[tuple[str, Any], ...] = ()
+    per_image: frozenset[str] = frozenset()  # which of ``values`` are per image
     lora: Optional[tuple[Any, float]] = None  # (preheat.lora.LoraFile, scale): read and checked at parse time
     lora_bucket: Optional[int] = None  # its rank bucket: one program per bucket, any LoRA of it shares a batch
+    request: Any = field(default=None, compare=False, repr=False)  # the engine's validated Request (the worker's)
 
     @property
     def seeds(self) -> list[int]:
         return [self.seed + i for i in range(self.n)]
 
     @property
+    def size(self) -> Optional[tuple[int, int]]:
+        """(width, height) as served, when the family takes them."""
+        given = dict(self.values)
+        return (given["width"], given["height"]) if "width" in given and "height" in given else None
+
+    @property
     def batch_key(self) -> tuple:
-        """Requests with equal keys can share one engine call (same programs and same runtime scalars).
-        Whether negative prompts are given is part of it: SDXL's unconditional branch is zeros
-        without them (a different text-encoding batch), the encoded negatives with them."""
-        return (self.sampler, self.steps, self.guidance, self.size, self.negative_prompts is not None,
-                self.lora_bucket)
+        """Requests with equal keys can share one engine call (the same programs and the same
+        per-call values): the sampler, steps, guidance, every per-call input (static ones like the
+        size select the program; data ones are one value per call), which per-image inputs are
+        given (SDXL's unconditional branch is zeros without negative prompts: another encode
+        batch), and the LoRA rank bucket."""
+        per_call = tuple((k, v) for k, v in self.values if k not in self.per_image)
+        return (self.sampler, self.steps, self.guidance, per_call, tuple(sorted(self.per_image)), self.lora_bucket)
 
     def engine_inputs(self) -> dict[str, Any]:
-        """This job's per-image family inputs, as ``Pipeline.generate`` keywords (a LoRA per image,
-        so that jobs with different LoRAs of one bucket share an engine call)."""
-        out: dict[str, Any] = {}
-        if self.prompts is not None:
-            out["prompt"] = list(self.prompts)
-            if self.negative_prompts is not None:
-                out["negative_prompt"] = list(self.negative_prompts)
-        elif self.labels is not None:
-            out["class_labels"] = list(self.labels)
+        """This job's family inputs, as ``Pipeline.generate`` keywords (per-image ones as lists; a
+        LoRA per image, so that jobs with different LoRAs of one bucket share an engine call)."""
+        out: dict[str, Any] = {k: list(v) if k in self.per_image else v for k, v in self.values}
         if self.lora is not None:
             out["lora"] = [[self.lora]] * self.n
         return out
@@ -126,49 +135,70 @@ def _all_samplers() -> tuple[str, ...]:
     return tuple(SAMPLERS)
 
 
+def _described(name: str) -> str:
+    return common_spec(name).description
+
+
 def input_model(limits: Limits) -> type[BaseModel]:
-    """The pydantic model of Cog's ``input`` object for these limits (unknown fields are refused)."""
+    """The pydantic model of Cog's ``input`` object for these limits: the common inputs
+    (``COMMON_SPECS``, bounded by the limits) and the server's own ``output_format``. The served
+    family's inputs are extra fields, checked by :func:`family_model` once the model is known
+    (and named in the OpenAPI document then); any other field is refused."""
     schedulers = limits.schedulers or _all_samplers()
     formats = limits.output_formats or OUTPUT_FORMATS
 
     def order(i: int, **extra: Any) -> dict[str, Any]:
-        return {"x-order": i, **extra}  # Cog's field order hint
+        return {"x-order": i, **extra}  # Cog's field order hint (the family's inputs come first)
 
     fields: dict[str, Any] = {
-        "prompt": (Optional[str], Field(None, max_length=2000, json_schema_extra=order(0),
-                                        description="Text-to-image models: the prompt. Class-conditional models: "
-                                                    "a class name or index, e.g. \"7\".")),
-        "negative_prompt": (Optional[str], Field(None, max_length=2000, json_schema_extra=order(1),
-                                                 description="Text-to-image models: what to steer away from "
-                                                             "(needs guidance).")),
-        "class_label": (Optional[Union[JsonInt, str]], Field(None, json_schema_extra=order(1),
-                                                               description="Class index or label (class-conditional models).")),
-        "num_outputs": (json_int(1, limits.max_batch_size), Field(1, json_schema_extra=order(2),
-                                         description="Number of images.")),
-        "num_inference_steps": (Optional[json_int(1, limits.max_steps)], Field(None, json_schema_extra=order(3),
-                                                           description="Denoising steps (model default when absent).")),
+        "num_outputs": (json_int(1, limits.max_batch_size), Field(1, json_schema_extra=order(20),
+                                                                  description=_described("n"))),
+        "num_inference_steps": (Optional[json_int(1, limits.max_steps)], Field(None, json_schema_extra=order(21),
+                                                                              description=_described("steps"))),
         "guidance_scale": (Optional[JsonFloat], Field(None, ge=0, le=limits.max_guidance, allow_inf_nan=False,
-                                                  json_schema_extra=order(4),
-                                                  description="Classifier-free guidance scale; 1 = off (model default when absent).")),
-        "scheduler": (Optional[Literal[tuple(schedulers)]], Field(None, json_schema_extra=order(5),  # type: ignore[misc]
-                                                                   description="Sampler (model default when absent).")),
-        "seed": (Optional[json_int(0, SEED_MAX - (limits.max_batch_size - 1))], Field(None, json_schema_extra=order(6),
-                                            description="Image i uses seed + i; random when absent.")),
-        "width": (Optional[json_int(1, 65536)], Field(None, json_schema_extra=order(7),
-                                             description="Must equal the model's width when given.")),
-        "height": (Optional[json_int(1, 65536)], Field(None, json_schema_extra=order(8),
-                                              description="Must equal the model's height when given.")),
-        "output_format": (Literal[tuple(formats)], Field(formats[0], json_schema_extra=order(9),  # type: ignore[misc]
+                                                  json_schema_extra=order(22), description=_described("guidance"))),
+        "scheduler": (Optional[Literal[tuple(schedulers)]], Field(None, json_schema_extra=order(23),  # type: ignore[misc]
+                                                                   description=_described("sampler"))),
+        "seed": (Optional[json_int(0, SEED_MAX - (limits.max_batch_size - 1))], Field(
+            None, json_schema_extra=order(24), description="Image i uses seed + i; random when absent.")),
+        "output_format": (Literal[tuple(formats)], Field(formats[0], json_schema_extra=order(25),  # type: ignore[misc]
                                                          description="Image encoding of the data URLs.")),
-        "lora_weights": (Optional[str], Field(None, max_length=2000, json_schema_extra=order(10),
-                                              description="A LoRA: a safetensors path, http(s):// or hf://org/repo"
-                                                          "[/file.safetensors] (diffusers/peft, kohya or BFL names). "
-                                                          "Empty = none.")),
+        "lora_weights": (Optional[str], Field(None, max_length=2000, json_schema_extra=order(26),
+                                              description=_described("lora") + " Empty = none.")),
         "lora_scale": (JsonFloat, Field(1.0, ge=-limits.max_lora_scale, le=limits.max_lora_scale, allow_inf_nan=False,
-                                    json_schema_extra=order(11),
-                                    description="How strongly the LoRA applies (ignored without lora_weights).")),
+                                    json_schema_extra=order(27), description=_described("lora_scale"))),
     }
-    return create_model("Input", __config__=ConfigDict(extra="forbid"), **fields)
+    return create_model("Input", __config__=ConfigDict(extra="allow"), **fields)
+
+
+def _annotation(spec: InputSpec) -> Any:
+    """A spec's type as a pydantic annotation (one value per request: a surface's images share it)."""
+    t = spec.type
+    if isinstance(t, Text):
+        return Annotated[str, Field(max_length=t.max_length)]
+    if isinstance(t, Int):
+        return json_int(t.low, t.high if t.high is not None else 2**31 - 1)
+    if isinstance(t, Float):
+        return Annotated[float, Field(ge=t.low, le=t.high, allow_inf_nan=False), BeforeValidator(_json_number)]
+    if isinstance(t, Choice):
+        return Literal[tuple(t.options)]  # type: ignore[misc]
+    if isinstance(t, Pair):
+        return tuple[JsonInt, JsonInt]
+    if isinstance(t, Label):
+        return Union[JsonInt, str]
+    raise TypeError(f"no surface type for {type(t).__name__}")
+
+
+@functools.lru_cache(maxsize=8)
+def family_model(specs: tuple[InputSpec, ...]) -> type[BaseModel]:
+    """The pydantic model of a family's inputs, by their surface names (all optional here: a
+    required one is refused by its spec, naming it); unknown fields are refused."""
+    fields: dict[str, Any] = {s.surface_name: (Optional[_annotation(s)], Field(None, description=s.description))
+                              for s in specs}
+    for s in specs:
+        for alias in s.aliases:
+            fields.setdefault(alias, (Optional[str], Field(None, description=s.description)))
+    return create_model("FamilyInput", __config__=ConfigDict(extra="forbid"), **fields)
 
 
 def _field_of(loc: tuple) -> str:
@@ -180,34 +210,64 @@ def validation_errors(err: ValidationError) -> list[tuple[str, str]]:
     return [(_field_of(e.get("loc", ())), e.get("msg", "invalid")) for e in err.errors()]
 
 
-# Pipeline.generate keyword -> Cog input field (InvalidArgumentError.argument names the keyword)
-ENGINE_FIELDS = {"steps": "num_inference_steps", "guidance": "guidance_scale", "sampler": "scheduler",
-                 "seed": "seed", "class_labels": "class_label", "n": "num_outputs", "prompt": "prompt",
-                 "negative_prompt": "negative_prompt", "width": "width", "height": "height", "lora": "lora_weights",
-                 "lora_scale": "lora_scale"}
+def surface_fields(specs: tuple[InputSpec, ...]) -> dict[str, str]:
+    """``Pipeline.generate`` keyword -> the input field a client sends (the common inputs and the
+    family's): where an error's ``argument`` points. Errors are never matched on their text."""
+    return {**field_of(COMMON_SPECS), **field_of(specs)}
 
 
-def _engine_field(message: str, is_scheduler_error: bool, argument: Optional[str] = None) -> str:
-    """Which input field an engine error is about: its ``argument`` when it names one, else the
-    message's first word (scheduler errors name no argument)."""
-    if argument in ENGINE_FIELDS:
-        return ENGINE_FIELDS[argument]
-    if is_scheduler_error or message.startswith("unknown sampler"):
-        return "scheduler"
-    for prefix, name in (("guidance", "guidance_scale"), ("steps", "num_inference_steps"),
-                         ("seed", "seed"), ("got", "class_label"), ("unknown class", "class_label"),
-                         ("class_labels", "class_label"), ("n=", "num_outputs")):
-        if message.startswith(prefix):
-            return name
-    return "input"
+def _error_field(err: Exception, fields: dict[str, str], aliased: dict[str, str]) -> str:
+    argument = getattr(err, "argument", None)
+    if argument in aliased:
+        return aliased[argument]
+    if argument in fields:
+        return fields[argument]
+    return "scheduler" if isinstance(err, SchedulerConfigError) else "input"
 
 
-def _class_from_prompt(pipe: Any, prompt: str) -> int:
-    text = prompt.strip()
-    lowered = {label.lower(): i for i, label in enumerate(pipe.labels)}
-    if text.lower() in lowered:
-        return lowered[text.lower()]
-    return pipe.class_index(text)
+def served_sizes(pipe: Any, limits: Limits) -> tuple[tuple[int, int], ...]:
+    """(width, height) pairs a request may ask for: the served sizes, or the model's own size."""
+    return tuple(limits.sizes) or (pipe.family.native_size(pipe),)
+
+
+def _family_values(pipe: Any, extra: dict[str, Any], n: int, limits: Limits,
+                   errors: list[tuple[str, str]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The family's inputs a request gave (by surface name) -> ``generate`` keywords, and which
+    came through an alias (keyword -> that field). Sizes must be served ones."""
+    specs = tuple(pipe.family.input_specs(pipe))
+    try:
+        given = family_model(specs).model_validate(extra).model_dump(exclude_none=True)
+    except ValidationError as err:
+        errors.extend(validation_errors(err))
+        return {}, {}
+    values: dict[str, Any] = {}
+    aliased: dict[str, str] = {}
+    for spec in specs:
+        value = given.get(spec.surface_name)
+        for alias in spec.aliases:
+            other = given.get(alias)
+            if other is None or not other.strip():
+                continue
+            if value is not None and str(value) != other.strip():
+                errors.append((alias, f"names {other.strip()!r}, but {spec.surface_name} is {value!r}"))
+            elif value is None:
+                value, aliased[spec.name] = other.strip(), alias
+        if value is not None:
+            values[spec.name] = value
+    if "width" in {s.name for s in specs}:
+        served = served_sizes(pipe, limits)
+        size = (values.get("width", served[0][0]), values.get("height", served[0][1]))
+        if size not in served:
+            allowed = ", ".join(f"{sw}x{sh}" for sw, sh in served)
+            field = "width" if "width" in values and values["width"] not in {sw for sw, _ in served} else "height"
+            errors.append((field, f"{size[0]}x{size[1]} is not served here; sizes: {allowed}"))
+        values["width"], values["height"] = size
+    return values, aliased
+
+
+def _per_image(values: Any) -> tuple:
+    """A normalised per-image value (a list, or an array of class indices) as a tuple of plain values."""
+    return tuple(np.asarray(values).tolist()) if isinstance(values, np.ndarray) else tuple(values)
 
 
 def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | None = None) -> tuple[Job, dict[str, Any]]:
@@ -225,36 +285,10 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
             raise InputError(validation_errors(err)) from None
     given = values.model_dump(exclude_unset=True)
     v = values.model_dump()
+    extra = dict(values.model_extra or {})
     errors: list[tuple[str, str]] = []
     n = v["num_outputs"]
-
-    labels: Optional[tuple[int, ...]] = None
-    prompts: Optional[tuple[str, ...]] = None
-    negatives: Optional[tuple[str, ...]] = None
-    size: Optional[tuple[int, int]] = None
-    if "prompt" in pipe.family.inputs:  # text-to-image
-        if v["class_label"] is not None:
-            errors.append(("class_label", "this model takes a prompt, not a class label"))
-        if v["prompt"] is None:
-            errors.append(("prompt", "is required for a text-to-image model"))
-        prompts = tuple([v["prompt"] or ""] * n)
-        if v["negative_prompt"] is not None:
-            negatives = tuple([v["negative_prompt"]] * n)
-        served = limits.sizes or (default_size(pipe),)
-        size = (v["width"] or served[0][0], v["height"] or served[0][1])
-        if size not in served:
-            allowed = ", ".join(f"{sw}x{sh}" for sw, sh in served)
-            field = "width" if v["width"] is not None and v["width"] not in {sw for sw, _ in served} else "height"
-            errors.append((field, f"{size[0]}x{size[1]} is not served here; sizes: {allowed}"))
-    else:
-        h, w = pipe.sample_shape[0], pipe.sample_shape[1]
-        if v["width"] is not None and v["width"] != w:
-            errors.append(("width", f"must be {w}: the model makes {w}x{h} images"))
-        if v["height"] is not None and v["height"] != h:
-            errors.append(("height", f"must be {h}: the model makes {w}x{h} images"))
-        if v["negative_prompt"] is not None:
-            errors.append(("negative_prompt", "this model takes no negative prompt (it has no text encoder)"))
-        labels = _class_labels(pipe, v, n, errors)
+    family, aliased = _family_values(pipe, extra, n, limits, errors)
 
     seed = v["seed"]
     if seed is None:
@@ -274,15 +308,23 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     if errors:
         raise InputError(errors)
 
-    job = Job(n=n, labels=labels, seed=int(seed), sampler=sampler, steps=int(steps), guidance=guidance,
-              output_format=v["output_format"], prompts=prompts, negative_prompts=negatives, size=size,
-              lora=lora, lora_bucket=lora_bucket)
+    specs = tuple(pipe.family.input_specs(pipe))
+    per_call = {k: v for k, v in family.items() if not any(s.name == k and s.per_image for s in specs)}
+    per_image = {k: [v] * n for k, v in family.items() if k not in per_call}
+    job = Job(n=n, seed=int(seed), sampler=sampler, steps=int(steps), guidance=guidance,
+              output_format=v["output_format"], lora=lora, lora_bucket=lora_bucket,
+              values=tuple(sorted({**per_call, **per_image}.items())), per_image=frozenset(per_image))
     try:  # the engine's own host-side checks (guidance without a null class, schedule, sizes, ...)
-        pipe.check(n, steps=int(steps), sampler=sampler, guidance=guidance, seed=job.seeds,
-                   **job.engine_inputs(), **size_inputs(job))
+        request = pipe.check(n, steps=int(steps), sampler=sampler, guidance=guidance, seed=job.seeds,
+                             **job.engine_inputs())
     except (InvalidArgumentError, SchedulerConfigError) as err:
-        field = _engine_field(str(err), isinstance(err, SchedulerConfigError), getattr(err, "argument", None))
-        raise InputError([(field, str(err))]) from None
+        raise InputError([(_error_field(err, surface_fields(specs), aliased), str(err))]) from None
+    # every per-image input as the engine resolved it for this request alone (a class tour, a
+    # prompt_2 that is the prompt): the job's images stay the same whatever shares their batch
+    resolved = {s.name: _per_image(request.values[s.name]) for s in specs
+                if s.per_image and request.values.get(s.name) is not None}
+    job = replace(job, values=tuple(sorted({**per_call, **resolved}.items())), per_image=frozenset(resolved),
+                  request=request)
     if guidance is not None:
         guidance = float(guidance)
         if guidance == 1.0:
@@ -341,7 +383,7 @@ def _lora(pipe: Any, v: dict[str, Any], errors: list[tuple[str, str]], lora_dir:
     from preheat.errors import PreheatError
     from preheat.lora import bucket_for, cached_file
 
-    targets = pipe.components.get("lora_targets") if hasattr(pipe, "components") else None
+    targets = pipe.components.get("lora_targets")
     if targets is None:
         errors.append(("lora_weights", f"LoRAs are not supported for a {pipe.family.name} model"))
         return None, None
@@ -388,40 +430,3 @@ def parse_lora_ranks(text: Optional[str], name: str = "--lora-ranks") -> tuple[i
                 raise InvalidArgumentError(f"{name} {item!r} must be rank buckets, e.g. 16,32")
             out.append(int(item))
     return tuple(dict.fromkeys(out))
-
-
-def default_size(pipe: Any) -> tuple[int, int]:
-    """A text-to-image model's native (width, height)."""
-    scale = pipe.components["vae_scale"]
-    return pipe.sample_shape[1] * scale, pipe.sample_shape[0] * scale
-
-
-def size_inputs(job: Job) -> dict[str, int]:
-    return {} if job.size is None else {"width": job.size[0], "height": job.size[1]}
-
-
-def _class_labels(pipe: Any, v: dict[str, Any], n: int, errors: list[tuple[str, str]]) -> Optional[tuple[int, ...]]:
-    """Class indices from class_label / prompt (a class name), for pixel models."""
-    prompt = v["prompt"] if v["prompt"] is not None and v["prompt"].strip() else None
-    if pipe.num_classes is None:
-        if v["class_label"] is not None:
-            errors.append(("class_label", "this model is not class-conditional"))
-        if prompt is not None:
-            errors.append(("prompt", "this model takes no prompt (it is unconditional)"))
-        return None
-    index: Optional[int] = None
-    try:
-        if v["class_label"] is not None:
-            index = pipe.class_index(v["class_label"])
-    except InvalidArgumentError as err:
-        errors.append(("class_label", str(err)))
-    if prompt is not None:
-        try:
-            from_prompt = _class_from_prompt(pipe, prompt)
-            if index is not None and from_prompt != index:
-                errors.append(("prompt", f"names class {from_prompt}, but class_label is {index}"))
-            index = from_prompt if index is None else index
-        except InvalidArgumentError as err:
-            errors.append(("prompt", f"{err} (a prompt must name a class)"))
-    # No class given: a tour of the classes, fixed per request (not per batch position).
-    return tuple([index] * n) if index is not None else tuple(i % pipe.num_classes for i in range(n))

@@ -66,10 +66,10 @@ from preheat.files import atomic_write_bytes
 from preheat.cache.entries import SCHEMA, Entry, LoadingMarker, checked_entry
 from preheat.cache.entry_cache import EntryCache
 from preheat.env import installed_version
-from preheat.errors import CacheEntryError
+from preheat.errors import CacheEntryError, InvalidArgumentError
 from preheat.timings import Timings
 
-__all__ = ["TorchCompiler", "torch_key_fields", "inductor_config_changes", "INDUCTOR_OPTIONS", "AOT_INDUCTOR_CONFIGS", "CACHE_MODES"]
+__all__ = ["TorchCompiler", "make_compiler", "torch_key_fields", "inductor_config_changes", "INDUCTOR_OPTIONS", "AOT_INDUCTOR_CONFIGS", "CACHE_MODES"]
 
 log = logging.getLogger("preheat.cache")
 
@@ -539,3 +539,13 @@ def bind_constants(runner: Any, constants: dict[str, Any]) -> None:
         raise CacheEntryError(f"package needs constants the model does not have: {', '.join(missing[:3])}")
     runner.load_constants({name: constants[name] for name in wanted}, check_full_update=True, user_managed=True)
 
+
+def make_compiler(cache: str | None = None) -> TorchCompiler:
+    """The torch compile cache for this process: ``cache`` (or ``$PREHEAT_CACHE``) is "full"
+    (default: preheat entries), "xla" / "local" (torch's own local caches only) or "off"."""
+    mode = cache or os.environ.get("PREHEAT_CACHE", "full")
+    if mode not in ("full", "xla", "local", "off", "explain"):  # explain: for `preheat cache explain`
+        raise InvalidArgumentError(f"cache mode {mode!r} is not supported; use full, xla or off", argument="cache")
+    mode = "local" if mode == "xla" else mode
+    assert mode in CACHE_MODES
+    return TorchCompiler(mode=mode)

@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 import torch
 
-from preheat.backends.torch.compile_cache import INDUCTOR_OPTIONS, TorchCompiler, torch_key_fields
+from preheat.backends.torch.compile_cache import INDUCTOR_OPTIONS, TorchCompiler, make_compiler, torch_key_fields
 from preheat.errors import InvalidArgumentError
 from preheat.timings import Timings
 
@@ -79,8 +79,6 @@ def compile(target: Any, mode: str = "regional", *, dynamic: bool = False, cache
         raise InvalidArgumentError(f"dynamic={dynamic!r} must be True or False", argument="dynamic")
     if mode == "aot" and dynamic:
         raise InvalidArgumentError("mode='aot' builds static-shape packages; use dynamic=False", argument="dynamic")
-    from preheat.backends.torch.pipeline import make_compiler
-
     return compile_with(target, mode, dynamic, make_compiler(cache))
 
 

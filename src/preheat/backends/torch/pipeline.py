@@ -6,9 +6,9 @@
     images = pipe(8)                                                 # list[PIL.Image]
     pipe.last                                                        # Timings of the last call
 
-Arguments are validated by the JAX ``Pipeline``'s own code (``EngineArguments`` borrows its
-``validate``, ``check`` and their helpers rather than copying them), so both backends take the same arguments and raise the same one-line
-errors; defaults (sampler, steps, guidance, null class, labels) come from the same
+Arguments are validated by the same backend-neutral functions as the JAX ``Pipeline``'s
+(``preheat.families.request``, through ``backends.torch.arguments``), so both backends take the
+same arguments and raise the same one-line errors; defaults (sampler, steps, guidance, null class, labels) come from the same
 ``model_index.json``.
 
 Same seeds, same noise: seeds are per image, and unless ``noise`` is given the initial noise
@@ -44,9 +44,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from preheat.backends.torch.compile_cache import CACHE_MODES, TorchCompiler, torch_key_fields
+from preheat.backends.torch.compile_cache import TorchCompiler, make_compiler, torch_key_fields
 from preheat.backends.torch.sampling import make_scheduler, sample_loop
-from preheat.engine import BUILTIN_MODEL, Pipeline
+from preheat.backends.torch.arguments import EngineArguments
+from preheat.families.base import Request
+from preheat.engine import BUILTIN_MODEL
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families.pixel import PIXEL
 from preheat.models.folders import class_count, image_size, pipeline_extras, resolve_unet_dir
@@ -99,21 +101,6 @@ class _Denoiser:
 # The pipeline
 
 
-class EngineArguments:
-    """The JAX Pipeline's argument handling, shared rather than copied by both torch pipelines:
-    the same checks, the same defaults, the same one-line errors."""
-
-    __call__ = Pipeline.__call__
-    __post_init__ = Pipeline.__post_init__
-    validate = Pipeline.validate
-    check = Pipeline.check
-    _plan = Pipeline._plan
-    class_index = Pipeline.class_index
-    _guidance = Pipeline._guidance
-    is_guided = Pipeline.is_guided
-    _noise = Pipeline._noise
-
-
 @dataclass
 class TorchPipeline(EngineArguments):
     """A diffusers UNet ready to sample with preheat's call API. Build with :func:`load_torch_pipeline`."""
@@ -133,6 +120,7 @@ class TorchPipeline(EngineArguments):
     compiler: TorchCompiler | None = None
     layout: str = "NCHW"  # user-facing arrays (noise) are NCHW, as for diffusers
     family: Any = field(default_factory=lambda: PIXEL)
+    components: dict[str, Any] = field(default_factory=dict)  # none: no encoders, no LoRA targets
     last: Timings = field(default_factory=Timings)
     _runners: dict[int, Callable[..., torch.Tensor]] = field(default_factory=dict, repr=False)
     _module: Any = field(default=None, repr=False)
@@ -143,9 +131,8 @@ class TorchPipeline(EngineArguments):
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
-    def generate(self, first: Any = None, /, **inputs: Any) -> np.ndarray:
-        """Like ``__call__`` but returns uint8 pixels, (n, H, W, C)."""
-        request = self.validate(first, **inputs)
+    def run(self, request: Request) -> np.ndarray:
+        """Sample a validated request: uint8 pixels (n, H, W, C)."""
         labels = request.values["class_labels"]
         n = request.n
 
@@ -270,17 +257,6 @@ def _scheduler_dict(source: Any) -> dict[str, Any]:
     if path.is_dir():
         path = path / "scheduler_config.json"
     return json.loads(path.read_text())
-
-
-def make_compiler(cache: str | None = None) -> TorchCompiler:
-    """The torch compile cache for this process: ``cache`` (or ``$PREHEAT_CACHE``) is "full"
-    (default: preheat entries), "xla" / "local" (torch's own local caches only) or "off"."""
-    mode = cache or os.environ.get("PREHEAT_CACHE", "full")
-    if mode not in ("full", "xla", "local", "off", "explain"):  # explain: for `preheat cache explain`
-        raise InvalidArgumentError(f"cache mode {mode!r} is not supported; use full, xla or off")
-    mode = "local" if mode == "xla" else mode
-    assert mode in CACHE_MODES
-    return TorchCompiler(mode=mode)
 
 
 def load_torch_pipeline(model: str | Path | None = None, *, compile: str = "none", dtype: Any = "float32",

@@ -28,7 +28,8 @@ import torch
 
 from preheat.backends.torch.compile_cache import INDUCTOR_OPTIONS, TorchCompiler, torch_key_fields
 from preheat.backends.torch.sampling import make_scheduler
-from preheat.backends.torch.pipeline import EngineArguments
+from preheat.backends.torch.arguments import EngineArguments
+from preheat.families.base import Request
 from preheat.noise import initial_noise
 from preheat.samplers import SchedulerConfig, load_scheduler_config
 from preheat.timings import Timings
@@ -67,9 +68,8 @@ class TorchTextPipeline(EngineArguments):
     last: Timings = field(default_factory=Timings)
     _warm: set = field(default_factory=set, repr=False)
 
-    def generate(self, first: Any = None, /, **inputs: Any) -> np.ndarray:
-        """Like ``__call__`` but returns uint8 pixels, (n, H, W, 3)."""
-        request = self.validate(first, **inputs)
+    def run(self, request: Request) -> np.ndarray:
+        """Sample a validated request: uint8 pixels (n, H, W, C)."""
         v = request.values
         n = request.n
         self.last = Timings(cache_layer="memory")

@@ -1,0 +1,108 @@
+"""A family's declared inputs as command-line options, with no hand-written option per input.
+
+``preheat sample`` (and any command sharing its option set, like ``cache explain``) uses
+:class:`FamilyInputsCommand`: every flag it does not declare itself is a family input
+(``InputSpec.cli_flag``: ``--prompt``, ``--negative-prompt``, ``--class``, ``--width``,
+``--original-size 1024,1024``, ...), repeated for one value per image. The flags are read as
+text when the command line is parsed and typed by the loaded model's own specs
+(``Family.input_specs``), so parsing imports no family; ``--help`` lists every declared
+family's inputs (importing them, which only help pays).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import click
+
+from preheat.errors import InvalidArgumentError
+
+__all__ = ["FamilyInputsCommand", "parse_flags", "family_values", "flag_errors"]
+
+
+class FamilyInputsCommand(click.Command):
+    """A click command whose unknown ``--flag VALUE`` pairs are family inputs (``ctx.args``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        settings = dict(kwargs.pop("context_settings", None) or {})
+        settings.update(ignore_unknown_options=True, allow_extra_args=True)
+        super().__init__(*args, context_settings=settings, **kwargs)
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_options(ctx, formatter)
+        from preheat.families import declared_families
+
+        rows: dict[str, tuple[str, list[str]]] = {}
+        for family in declared_families():
+            for spec in (*family.specs, *_size_specs()):
+                flag = spec.cli_flag
+                help_text, names = rows.get(flag, (spec.description, []))
+                names.append(family.name)
+                rows[flag] = (help_text, names)
+        with formatter.section("Model inputs (each family's declared inputs; repeat a flag for one per image)"):
+            formatter.write_dl([(flag, f"{text} [{', '.join(dict.fromkeys(names))}]")
+                                for flag, (text, names) in rows.items()])
+
+
+def _size_specs() -> tuple[Any, ...]:
+    from preheat.families.inputs import size_specs
+
+    return size_specs(0, 0, 1, 0)
+
+
+def parse_flags(args: Sequence[str]) -> tuple[str | None, dict[str, list[str]]]:
+    """The command's MODEL and its family flags, from what click left over:
+    ``["m", "--prompt", "a fox", "--class=3", "--class", "4"]`` -> ("m", {"--prompt": ["a fox"],
+    "--class": ["3", "4"]}). A flag always takes a value, so the one bare word is MODEL."""
+    out: dict[str, list[str]] = {}
+    model: str | None = None
+    items = list(args)
+    i = 0
+    while i < len(items):
+        token = items[i]
+        if not token.startswith("--") or token == "--":
+            if model is not None:
+                raise InvalidArgumentError(f"unexpected argument {token!r} (MODEL is {model!r})", argument=token)
+            model = token
+            i += 1
+            continue
+        flag, eq, value = token.partition("=")
+        if not eq:
+            if i + 1 >= len(items):
+                raise InvalidArgumentError(f"{flag} needs a value", argument=flag)
+            value = items[i + 1]
+            i += 1
+        out.setdefault(flag, []).append(value)
+        i += 1
+    return model, out
+
+
+def family_values(pipe: Any, flags: dict[str, list[str]]) -> dict[str, Any]:
+    """The flags as ``generate`` keywords, typed by the model's specs (one value for all images,
+    or a list: one per image). A flag the model does not declare fails naming those it does."""
+    specs = {s.cli_flag: s for s in pipe.family.input_specs(pipe)}
+    values: dict[str, Any] = {}
+    for flag, texts in flags.items():
+        spec = specs.get(flag)
+        if spec is None:
+            takes = ", ".join(specs) or "none"
+            raise InvalidArgumentError(f"{flag} does not apply to a {pipe.family.name} model; its inputs are: {takes}",
+                                       argument=flag)
+        typed = [spec.type.from_text(flag, t) for t in texts]
+        if len(typed) > 1 and not spec.per_image:
+            raise InvalidArgumentError(f"{flag} is given {len(typed)} times; it takes one value", argument=flag)
+        values[spec.name] = typed if len(typed) > 1 else typed[0]
+    return values
+
+
+@contextlib.contextmanager
+def flag_errors(pipe: Any) -> Iterator[None]:
+    """An engine error about a family input names the flag that set it (``--class: unknown class 12``)."""
+    try:
+        yield
+    except InvalidArgumentError as err:
+        flags = {s.name: s.cli_flag for s in pipe.family.input_specs(pipe)}
+        if err.argument not in flags:
+            raise
+        raise InvalidArgumentError(f"{flags[err.argument]}: {err}", argument=flags[err.argument]) from None

@@ -1,0 +1,364 @@
+"""Declared inputs: each family says once what it takes, and every surface derives its view.
+
+An :class:`InputSpec` is one keyword of ``Pipeline.generate``: its name, its type (one of the
+small frozen types below, which carry the bounds and choices), whether it is given per image or
+per call, whether it is *static* (a new value selects another compiled program, like a size) or
+*data*, its default, the values warm-up must compile, and a one-line description. A family lists
+its specs in ``Family.specs``; ``Family.input_specs(pipe)`` resolves what depends on the loaded
+model (a native size, a size multiple, class names). The common inputs every family takes
+(n, steps, sampler, ...) are :data:`COMMON_SPECS`.
+
+    type      Python value                       normalised to        JSON schema
+    --------  ---------------------------------  -------------------  -----------------------
+    Text      str (per image: str or n strs)     str / list[str]      string, maxLength
+    Int       int in [low, high], a multiple     int                  integer, min/max
+    Float     finite number in [low, high]       float                number, min/max
+    Choice    one of ``options``                 str                  string, enum
+    Pair      two non-negative ints              (int, int)           array of 2 integers
+    Label     a class index or label name        int (per image)      integer or enum string
+
+A new type is one more class with ``check`` (value -> normalised, or a one-line
+``InvalidArgumentError`` naming the input), ``schema``, ``from_text`` (a command-line value)
+and ``python`` (what a pydantic field holds). Surfaces read only these fields: none tests a family's kind by its
+input names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from preheat.errors import InvalidArgumentError
+
+__all__ = ["InputSpec", "Text", "Int", "Float", "Choice", "Pair", "Label", "COMMON_SPECS", "common_spec",
+           "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "field_of"]
+
+
+def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
+    """An int in [low, high], or a one-line InvalidArgumentError naming ``name``."""
+    bound = f"an int in [{low}, {high}]" if high is not None else ("a positive int" if low == 1 else f"an int >= {low}")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+            low <= int(value) and (high is None or int(value) <= high)):
+        raise InvalidArgumentError(f"{name}={value!r} must be {bound}{what}", argument=name)
+    return int(value)
+
+
+# ------------------------------------------------------------------------------------ types
+
+
+@dataclass(frozen=True)
+class Text:
+    """A string (a prompt)."""
+
+    max_length: int = 2000
+    python = str
+
+    def check(self, name: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise InvalidArgumentError(f"{name} must be a string or a list of strings, not {type(value).__name__}",
+                                       argument=name)
+        if len(value) > self.max_length:
+            raise InvalidArgumentError(f"{name} has {len(value)} characters; at most {self.max_length}", argument=name)
+        return value
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "string", "maxLength": self.max_length}
+
+    def from_text(self, name: str, text: str) -> str:
+        return text
+
+
+@dataclass(frozen=True)
+class Int:
+    """An int in [low, high] (None: unbounded), a multiple of ``multiple``."""
+
+    low: int = 0
+    high: int | None = None
+    multiple: int = 1
+    python = int
+
+    def check(self, name: str, value: Any) -> int:
+        if self.low == self.high and value != self.low:
+            raise InvalidArgumentError(f"{name}={value!r}: this model makes {self.low} only", argument=name)
+        value = check_int(name, value, self.low, self.high)
+        if value % self.multiple:
+            raise InvalidArgumentError(f"{name}={value} must be a multiple of {self.multiple} for this model",
+                                       argument=name)
+        return value
+
+    def schema(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": "integer", "minimum": self.low}
+        if self.high is not None:
+            out["maximum"] = self.high
+        if self.multiple > 1:
+            out["multipleOf"] = self.multiple
+        return out
+
+    def from_text(self, name: str, text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise InvalidArgumentError(f"{name} {text!r} must be an int", argument=name) from None
+
+
+@dataclass(frozen=True)
+class Float:
+    """A finite number in [low, high] (None: unbounded)."""
+
+    low: float | None = None
+    high: float | None = None
+    python = float
+
+    def check(self, name: str, value: Any) -> float:
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"{name}={value!r} must be a number", argument=name) from None
+        if isinstance(value, bool) or not math.isfinite(f) or (self.low is not None and f < self.low) or (
+                self.high is not None and f > self.high):
+            raise InvalidArgumentError(f"{name}={value!r} must be a finite number{self._bounds()}", argument=name)
+        return f
+
+    def _bounds(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f" in [{self.low:g}, {self.high:g}]"
+        return f" >= {self.low:g}" if self.low is not None else (f" <= {self.high:g}" if self.high is not None else "")
+
+    def schema(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": "number"}
+        if self.low is not None:
+            out["minimum"] = self.low
+        if self.high is not None:
+            out["maximum"] = self.high
+        return out
+
+    def from_text(self, name: str, text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise InvalidArgumentError(f"{name} {text!r} must be a number", argument=name) from None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of ``options`` (strings)."""
+
+    options: tuple[str, ...]
+    python = str
+
+    def check(self, name: str, value: Any) -> str:
+        if value not in self.options:
+            raise InvalidArgumentError(f"{name}={value!r} is not one of: {', '.join(self.options)}", argument=name)
+        return str(value)
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "string", "enum": list(self.options)}
+
+    def from_text(self, name: str, text: str) -> str:
+        return text
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Two ints in [low, high] (SDXL's (height, width) micro-conditioning)."""
+
+    low: int = 0
+    high: int | None = None
+    python = tuple
+
+    def check(self, name: str, value: Any) -> tuple[int, int]:
+        if (not isinstance(value, (list, tuple)) or len(value) != 2
+                or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < self.low
+                       or (self.high is not None and v > self.high) for v in value)):
+            raise InvalidArgumentError(f"{name} must be two non-negative ints (height, width), got {value!r}",
+                                       argument=name)
+        return int(value[0]), int(value[1])
+
+    def schema(self) -> dict[str, Any]:
+        item: dict[str, Any] = {"type": "integer", "minimum": self.low}
+        if self.high is not None:
+            item["maximum"] = self.high
+        return {"type": "array", "items": item, "minItems": 2, "maxItems": 2}
+
+    def from_text(self, name: str, text: str) -> tuple[int, int]:
+        """"1024,768" (or 1024x768) -> (1024, 768)."""
+        parts = text.replace("x", ",").split(",")
+        try:
+            first, second = (int(p) for p in parts)
+        except ValueError:
+            raise InvalidArgumentError(f"{name} {text!r} must be two ints, e.g. 1024,768", argument=name) from None
+        return first, second
+
+
+@dataclass(frozen=True)
+class Label:
+    """A class of a class-conditional model: its index, or its label name (``count`` None: the
+    model is unconditional and takes none)."""
+
+    count: int | None
+    names: tuple[str, ...] = ()
+    python = str  # a surface passes it on as given ("7" or "seven"); check turns it into the index
+
+    def check(self, name: str, value: Any) -> int:
+        if self.count is None:
+            raise InvalidArgumentError(f"{name} given, but this model is not class-conditional", argument=name)
+        if isinstance(value, str):
+            if value in self.names:
+                return self.names.index(value)
+            digits = value.strip().lstrip("-")
+            if not (digits.isascii() and digits.isdigit()):  # ASCII digits only: not "٧" or "７
+                known = ", ".join(self.names) or f"0..{self.count - 1}"
+                raise InvalidArgumentError(f"unknown class {value!r}; known classes: {known}", argument=name)
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) < self.count:
+            raise InvalidArgumentError(f"unknown class {value!r}; classes are 0..{self.count - 1}", argument=name)
+        return int(value)
+
+    def schema(self) -> dict[str, Any]:
+        if self.count is None:
+            return {"not": {}}
+        names = list(self.names) or [str(i) for i in range(self.count)]
+        return {"anyOf": [{"type": "integer", "minimum": 0, "maximum": self.count - 1}, {"type": "string", "enum": names}]}
+
+    def from_text(self, name: str, text: str) -> str:
+        return text
+
+
+InputType = Text | Int | Float | Choice | Pair | Label
+
+
+# ------------------------------------------------------------------------------------ the spec
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One declared input of ``Pipeline.generate`` (see the module docstring)."""
+
+    name: str
+    type: InputType
+    description: str  # one line: the CLI's --help, the OpenAPI description
+    per_image: bool = False  # one value per image (a list of n), or one value for all of them
+    static: bool = False  # a new value selects another compiled program (part of the batching key)
+    default: Any = None  # None: absent (optional), or the family fills it in (``default_doc`` says how)
+    required: bool = False
+    warm: tuple[Any, ...] = ()  # the values warm-up compiles (static inputs; () = the default only)
+    field: str | None = None  # its name in Cog / OpenAI / Runpod inputs, where that differs
+    aliases: tuple[str, ...] = ()  # other surface fields that may carry it (a class model's "prompt": a class name)
+    flag: str | None = None  # its command-line flag, where that is not --name-with-dashes
+    needs_guidance: bool = False  # refused unless classifier-free guidance runs (a negative prompt)
+    default_doc: str = ""  # what an absent value means, when ``default`` cannot say it
+    example: Any = None  # a realistic value (a bench's prompt); None: the first warm value
+
+    @property
+    def surface_name(self) -> str:
+        """The Cog / OpenAI / Runpod field name."""
+        return self.field or self.name
+
+    @property
+    def cli_flag(self) -> str:
+        """The ``preheat sample`` flag (repeat it for one value per image)."""
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    def check(self, value: Any, n: int) -> Any:
+        """A given value -> its normalised form (per image: a list of n); absent -> the default
+        (None when optional), or a one-line error naming the input when required."""
+        if value is None:
+            if self.required:
+                what = "a string or one string per image" if isinstance(self.type, Text) and self.per_image else \
+                    "a value"
+                raise InvalidArgumentError(f"{self.name} is required: {what}", argument=self.name)
+            value = self.default
+            if value is None:
+                return None
+        if not self.per_image:
+            return self.type.check(self.name, value)
+        if isinstance(value, (list, tuple, np.ndarray)) and not isinstance(self.type, Pair):
+            items = list(value)
+            if len(items) != n:
+                plural = self.name if self.name.endswith("s") else f"{self.name}s"
+                give = "one string or one per image" if isinstance(self.type, Text) else "one per image or one for all"
+                raise InvalidArgumentError(f"got {len(items)} {plural} for n={n}; give {give}", argument=self.name)
+            return [self.type.check(self.name, v) for v in items]
+        return [self.type.check(self.name, value)] * n
+
+    def schema(self) -> dict[str, Any]:
+        """Its JSON schema (one value: a surface takes one value per request for all its images)."""
+        out = {**self.type.schema(), "description": self.description}
+        if self.default is not None and not isinstance(self.default, tuple):
+            out["default"] = self.default
+        return out
+
+
+def unknown_input(family: str, specs: Sequence[InputSpec], inputs: dict[str, Any]) -> None:
+    """A one-line error naming the first given keyword that no spec declares."""
+    names = {s.name for s in specs}
+    unknown = sorted(k for k, v in inputs.items() if v is not None and k not in names)
+    if unknown:
+        accepted = ", ".join(s.name for s in specs) or "none"
+        raise InvalidArgumentError(f"unexpected argument {unknown[0]!r} for a {family} model; its inputs are: "
+                                   f"{accepted}", argument=unknown[0])
+
+
+# ------------------------------------------------------------------------------------ common
+
+SEED_MAX = 2**32 - 1
+
+COMMON_SPECS: tuple[InputSpec, ...] = (
+    InputSpec("n", Int(1), "Number of images.", field="num_outputs", default_doc="1 per prompt, 16 for class models"),
+    InputSpec("steps", Int(1), "Denoising steps (the model's default when absent).", field="num_inference_steps"),
+    InputSpec("sampler", Choice(()), "Sampler (the model's default when absent).", static=True, field="scheduler"),
+    InputSpec("guidance", Float(0.0), "Classifier-free guidance scale; 1 = off (the model's default when absent).",
+              field="guidance_scale"),
+    InputSpec("seed", Int(0, SEED_MAX), "Image i uses seed + i (or one seed per image).", default=0),
+    InputSpec("noise", Float(), "The initial noise, (n, C, H, W) floats (replaces the seeds' draw)."),
+    InputSpec("eta", Float(0.0), "DDIM stochasticity.", default=0.0),
+    InputSpec("lora", Text(), "A LoRA: a safetensors path, http(s):// or hf://org/repo[/file.safetensors].",
+              field="lora_weights"),
+    InputSpec("lora_scale", Float(), "How strongly the LoRA applies.", default=1.0),
+)
+
+
+def common_spec(name: str) -> InputSpec:
+    """One of :data:`COMMON_SPECS` by its keyword."""
+    for spec in COMMON_SPECS:
+        if spec.name == name:
+            return spec
+    raise KeyError(name)
+
+
+def size_specs(width: int, height: int, multiple: int, high: int, *, fixed: bool = False) -> tuple[InputSpec, ...]:
+    """width and height as static ints: the native size by default, a multiple of what the latent
+    grid needs (``fixed``: the model makes its native size only)."""
+    def one(name: str, native: int) -> InputSpec:
+        kind = Int(native, native) if fixed else Int(multiple, high, multiple)
+        return InputSpec(name, kind, f"Image {name} in pixels (the model's {native} when absent).", static=True,
+                         default=native)
+
+    return one("width", width), one("height", height)
+
+
+def warm_variants(specs: Sequence[InputSpec], guided: bool) -> list[dict[str, Any]]:
+    """The data inputs warm-up passes, one dict per program variant: each spec's first ``warm``
+    value, then every other one (None: the input left out) -- a ``needs_guidance`` input only
+    when ``guided``. Static inputs (sizes) are the caller's: they come from the served set."""
+    variants: list[dict[str, Any]] = [{}]
+    for spec in specs:
+        if spec.static or not spec.warm:
+            continue
+        values = spec.warm if guided or not spec.needs_guidance else spec.warm[:1]
+        variants = [{**v, spec.name: value} for v in variants for value in values]
+    return [{k: v for k, v in variant.items() if v is not None} for variant in variants]
+
+
+def example_inputs(specs: Sequence[InputSpec]) -> dict[str, Any]:
+    """A call's required inputs at their example values (what a benchmark draws): keyword -> value."""
+    return {s.name: s.example if s.example is not None else s.warm[0] for s in specs if s.required}
+
+
+def field_of(specs: Sequence[InputSpec]) -> dict[str, str]:
+    """keyword -> surface field, for mapping an error's ``argument`` back to the field a client sent."""
+    return {s.name: s.surface_name for s in specs}
+

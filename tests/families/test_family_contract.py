@@ -1,0 +1,188 @@
+"""The family contract: every family's declared inputs reach every surface, with one meaning.
+
+Like the sampler contract suite (``tests/samplers/``), this runs the same checks on every family
+-- pixel (the built-in model), SD 1.x, SDXL, SD3, Flux -- through every surface: the Python call,
+``preheat sample``, Cog's ``POST /predictions`` and OpenAI's ``/v1/images/generations`` over real
+HTTP on 127.0.0.1, and the Runpod handler. For each declared input (``Family.input_specs``):
+
+* its default is accepted, and the image equals the Python call's;
+* a value out of its declared bounds is refused: a one-line ``InvalidArgumentError`` naming it
+  (Python), exit 2 naming its flag (CLI), a 422 naming its field (Cog, OpenAI), an error naming
+  it (Runpod).
+
+The bad values come from the specs themselves (:func:`out_of_bounds`), so a new input is covered
+by its declaration. One compile per family: every accepted call is the program the server warmed
+(batch 1, guidance off, the native size; steps are data).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import preheat
+from preheat.errors import InvalidArgumentError
+from preheat.families.inputs import Choice, Float, InputSpec, Int, Label, Pair, Text
+from preheat.server.images import decode_data_url
+from tests._support.server_fixtures import runpod_jobs, serving, wait_status
+
+KINDS = ("pixel", "sd1", "sdxl", "sd3", "flux-dev")
+CHEAP = {"steps": 1, "guidance": 1.0, "seed": 3}  # the warmed program: guidance off (1 = off everywhere)
+COG_CHEAP = {"num_inference_steps": 1, "guidance_scale": 1.0, "seed": 3}
+
+
+def out_of_bounds(spec: InputSpec) -> Any:
+    """A value the spec's own bounds refuse (one value for all images, as every surface takes)."""
+    t = spec.type
+    if isinstance(t, Text):
+        return "x" * (t.max_length + 1)
+    if isinstance(t, Int):
+        return (t.high + t.multiple) if t.high is not None else t.low - 1
+    if isinstance(t, Float):
+        return (t.high + 1.0) if t.high is not None else t.low - 1.0
+    if isinstance(t, Choice):
+        return "not-" + "-".join(t.options)
+    if isinstance(t, Pair):
+        return [t.low - 1, t.low - 1]
+    if isinstance(t, Label):
+        return t.count if t.count is not None else 0
+    raise AssertionError(f"no out-of-bounds value for {type(t).__name__}")
+
+
+def accepted_inputs(pipe: Any) -> dict[str, Any]:
+    """The family's inputs at their defaults: required ones get their first warm value."""
+    return {s.name: s.warm[0] for s in pipe.family.input_specs(pipe) if s.required}
+
+
+def _folder(kind: str, root: Path) -> Path | None:
+    if kind == "pixel":
+        return None  # the built-in digits model
+    if kind.startswith("sd") and kind != "sd3":
+        from tests._support.sd_fixtures import save_tiny_sd
+
+        return save_tiny_sd(root / kind, kind)
+    from tests._support.flow_fixtures import save_tiny_flow_model
+
+    return save_tiny_flow_model(root / kind, kind)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def served(request, tmp_path_factory):
+    """(kind, folder, pipe, core, base url): one family, its warmed server, for the whole module."""
+    import httpx
+
+    from preheat.server.config import CoreConfig
+    from preheat.server.core import Core
+
+    kind = request.param
+    folder = _folder(kind, tmp_path_factory.mktemp(f"contract-{kind}"))
+    pipe = preheat.load(folder, cache="off")
+    core = Core(CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=50, guidance=("off",)), pipe=pipe)
+    core.start()
+    try:
+        assert core.wait_setup(900) and core.setup.status == "succeeded", core.setup.logs
+        with serving(core) as server, httpx.Client(base_url=server.url, timeout=300) as client:
+            wait_status(client, "READY")
+            yield kind, folder, pipe, core, client
+    finally:
+        core.close()
+
+
+def _specs(pipe: Any) -> tuple[InputSpec, ...]:
+    return tuple(pipe.family.input_specs(pipe))
+
+
+def _cog(spec: InputSpec, value: Any) -> dict[str, Any]:
+    return {spec.surface_name: value}
+
+
+def test_every_declared_default_is_accepted_on_every_surface(served, monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from preheat.cli import main
+
+    kind, folder, pipe, core, client = served
+    inputs = accepted_inputs(pipe)
+    want = pipe.generate(1, **CHEAP, **inputs)  # Python: the reference image
+
+    cog = {s.surface_name: v for s, v in ((s, inputs[s.name]) for s in _specs(pipe) if s.name in inputs)}
+    r = client.post("/predictions", json={"input": {**cog, **COG_CHEAP}})
+    assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
+    np.testing.assert_array_equal(decode_data_url(r.json()["output"][0]), want[0])
+
+    body = {"n": 1, "seed": 3, "num_inference_steps": 1, "guidance_scale": 1.0,
+            **({"prompt": inputs["prompt"]} if "prompt" in inputs else {})}
+    r = client.post("/v1/images/generations", json=body)
+    assert r.status_code == 200 and len(r.json()["data"]) == 1, r.text
+
+    (result,) = runpod_jobs(core, {"id": kind, "input": {**cog, **COG_CHEAP}})
+    assert "error" not in result, result
+    np.testing.assert_array_equal(decode_data_url(result["images"][0]), want[0])
+
+    # the CLI, on the pipeline already loaded (the family compiles once per session)
+    monkeypatch.setattr(preheat, "load", lambda *a, **k: pipe)
+    flags = [x for s in _specs(pipe) if s.name in inputs for x in (s.cli_flag, str(inputs[s.name]))]
+    out = tmp_path / "a.png"
+    result = CliRunner().invoke(main, ["sample", *([str(folder)] if folder else []), "--n", "1", "--steps", "1",
+                                       "--guidance", "1", "--seed", "3", *flags, "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert out.is_file()
+
+
+def test_every_declared_input_out_of_bounds_is_refused_naming_it(served, monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from preheat.cli import main
+
+    kind, folder, pipe, core, client = served
+    base = accepted_inputs(pipe)
+    monkeypatch.setattr(preheat, "load", lambda *a, **k: pipe)
+    for spec in _specs(pipe):
+        bad = out_of_bounds(spec)
+        # Python
+        with pytest.raises(InvalidArgumentError) as err:
+            pipe.check(1, **CHEAP, **{**base, spec.name: bad})
+        assert err.value.argument == spec.name and len(str(err.value).splitlines()) == 1, (spec.name, err.value)
+        # Cog over HTTP
+        r = client.post("/predictions", json={"input": {**{s.surface_name: base[s.name] for s in _specs(pipe)
+                                                            if s.name in base}, **COG_CHEAP, **_cog(spec, bad)}})
+        assert r.status_code == 422, (spec.name, r.text)
+        assert any(spec.surface_name in e["loc"] for e in r.json()["detail"]), (spec.name, r.json())
+        # Runpod
+        (result,) = runpod_jobs(core, {"id": kind, "input": {**{s.surface_name: base[s.name] for s in _specs(pipe)
+                                                                  if s.name in base}, **_cog(spec, bad)}})
+        assert result.get("error", "").startswith(f"{spec.surface_name}: "), (spec.name, result)
+        # OpenAI over HTTP (a size is OpenAI's "size"; every other input an extra field)
+        body: dict[str, Any] = {"n": 1, **({"prompt": base["prompt"]} if "prompt" in base else {})}
+        if spec.name in ("width", "height"):
+            w, h = pipe.family.native_size(pipe)
+            body["size"] = f"{bad}x{h}" if spec.name == "width" else f"{w}x{bad}"
+            param = "size"
+        else:
+            body[spec.surface_name] = bad
+            param = spec.surface_name
+        r = client.post("/v1/images/generations", json=body)
+        assert r.status_code == 422 and r.json()["error"]["param"] == param, (spec.name, r.text)
+        # the CLI
+        value = ",".join(map(str, bad)) if isinstance(bad, list) else str(bad)
+        others = [x for s in _specs(pipe) if s.name in base and s.name != spec.name
+                  for x in (s.cli_flag, str(base[s.name]))]
+        result = CliRunner().invoke(main, ["sample", *([str(folder)] if folder else []), "--n", "1", "--steps", "1",
+                                           *others, f"{spec.cli_flag}={value}", "--out", str(tmp_path / "b.png")])
+        assert result.exit_code == 2, (spec.name, result.output)
+        assert len(result.output.strip().splitlines()) == 1 and spec.cli_flag in result.output, (
+            spec.name, result.output)
+
+
+def test_the_schemas_state_every_declared_input(served):
+    kind, folder, pipe, core, client = served
+    schema = client.get("/openapi.json").json()["components"]["schemas"]
+    cog, openai = schema["Input"]["properties"], schema["ImageGenerationRequest"]["properties"]
+    for spec in _specs(pipe):
+        assert spec.surface_name in cog, (spec.name, sorted(cog))
+        if spec.name not in ("width", "height"):  # OpenAI's size states both
+            assert spec.surface_name in openai, (spec.name, sorted(openai))
+    assert schema["Input"]["additionalProperties"] is False
