@@ -11,6 +11,10 @@
               cond = {"context", "pooled"[, "guidance"]}
     decode    latents / scaling_factor + shift_factor -> VAE -> uint8        batch, size
 
+Inputs: ``prompt`` feeds CLIP (the pooled vector), ``prompt_2`` feeds T5 (the context); an absent
+or empty ``prompt_2`` is ``prompt``, as diffusers. Both are data (token ids); width and height
+are static (one program per resolution).
+
 Guidance: FLUX.1-dev is guidance-distilled -- the scale is an input of the transformer
 (``guidance_embeds``), so it is conditioning data: one branch, no recompile for a new scale.
 FLUX.1-schnell has no guidance input and refuses a scale. Neither runs classifier-free guidance
@@ -31,7 +35,8 @@ import numpy as np
 
 from preheat.errors import UnsupportedConfigError
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
-from preheat.families.text import TextToImageFamily, component, default_sampler, encode, offload, prompts
+from preheat.families.text import (TextToImageFamily, component, default_sampler, encode, offload, prompts,
+                                   second_prompts)
 from preheat.lora import encoder_adapters
 from preheat.samplers import MU_SIGMAS_SAMPLERS
 
@@ -56,8 +61,8 @@ class FluxFamily(TextToImageFamily):
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         inputs = super().check_inputs(pipe, n, inputs)
         first = prompts("prompt", inputs.get("prompt"), n, required=True)
-        second = prompts("prompt_2", inputs.get("prompt_2"), n, required=False)
-        return {"prompt": first, "prompt_2": second if second is not None else first, **self.check_size(pipe, inputs)}
+        second = second_prompts("prompt_2", inputs.get("prompt_2"), first, n)  # the T5 prompt; CLIP reads prompt
+        return {"prompt": first, "prompt_2": second, **self.check_size(pipe, inputs)}
 
     def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
         from preheat.samplers import flow_mu, flux_sigmas

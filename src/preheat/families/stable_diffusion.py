@@ -3,19 +3,38 @@
     stage     program                                                        one executable per
     --------  -------------------------------------------------------------  ---------------------
     encode    token ids (2B or B, 77) -> CLIP embeddings                      batch
-              SD:   last_hidden_state                          (B, 77, D)
-              SDXL: both encoders' penultimate states, concat  (B, 77, D1+D2)
+              SD:   hidden_states[-(k+1)] + final norm         (B, 77, D)
+                    (k = clip_skip; 0: last_hidden_state)
+              SDXL: both encoders' hidden_states[-(k+2)],      (B, 77, D1+D2)
+                    concat (0: the penultimate states)
                     + the second encoder's pooled projection   (B, P)
     denoise   the engine's loop over UNet2DConditionModel                     sampler, batch, size,
               cond = {"context"[, "text_embeds", "time_ids"]}                 guidance on/off
     decode    latents / scaling_factor (+ shift) -> VAE decoder -> uint8      batch, size
 
-Prompts are tokenized on the host (the folder's own tokenizer files, padded to 77), so a new
-prompt, a negative prompt, the guidance scale, the step count, the seeds and SDXL's
-``original_size`` / ``crops_coords_top_left`` / ``target_size`` are all runtime data. The
-unconditional branch is the empty prompt's embedding (SD) or, for SDXL folders with
+Prompts are tokenized on the host (the folder's own tokenizer files, padded to 77). What each
+input of ``generate`` is::
+
+    input                                 SD  SDXL  static / data     reaches
+    ------------------------------------  --  ----  ----------------  -------------------------------
+    prompt, negative_prompt               x   x     data (token ids)  encode; both encoders on SDXL
+    prompt_2, negative_prompt_2               x     data (token ids)  the second encoder (diffusers:
+                                                                      absent or "" -> prompt / negative)
+    clip_skip (int, or one per image)     x   x     data (B,) int32   encode: SD hidden_states[-(k+1)]
+                                                                      + final norm; SDXL [-(k+2)]
+    original_size, crops_coords_top_left,     x     data (time_ids)   the UNet's added time embedding
+      target_size
+    negative_original_size, _crops_..,        x     data (time_ids)   the unconditional branch only
+      negative_target_size                                            (both sizes, as diffusers)
+    width, height                         x   x     static            one program per resolution
+    guidance, steps, seed                 x   x     data              the denoising loop
+
+``clip_skip`` is data because every layer's state is computed anyway: the encode program picks
+each text's state with a chain of selects, so one program serves every value and a batch may mix
+them. Like diffusers, it shapes the prompt's embedding only; the negative's is the default one.
+The unconditional branch is the empty prompt's embedding (SD) or, for SDXL folders with
 ``force_zeros_for_empty_prompt``, zeros -- exactly what diffusers' pipelines use -- unless a
-negative prompt is given. Width and height are static (one program per resolution).
+negative prompt is given.
 """
 
 from __future__ import annotations
@@ -27,23 +46,25 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
-from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
+from preheat.families.base import Conditioning, EngineView, LoadedModel, Request, check_int
 from preheat.lora import encoder_adapters
 from preheat.families.text import (SAMPLER_OF_SCHEDULER, TextToImageFamily, component, default_sampler, encode, offload,
-                                   prompts)
+                                   prompts, second_prompts)
 
 
 __all__ = ["StableDiffusionFamily", "SD", "SDXL", "load_stable_diffusion", "load_stable_diffusion_xl",
            "SAMPLER_OF_SCHEDULER"]
 
 SDXL_SIZE_INPUTS = ("original_size", "crops_coords_top_left", "target_size")
+# the unconditional branch's own ids: diffusers uses them only when both sizes are given
+SDXL_NEGATIVE_SIZE_INPUTS = ("negative_original_size", "negative_crops_coords_top_left", "negative_target_size")
 
 
 @dataclass(frozen=True)
 class StableDiffusionFamily(TextToImageFamily):
     name: str = "stable-diffusion"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "dpmpp_2m", "steps": 30, "guidance": 7.5})
-    inputs: tuple[str, ...] = ("prompt", "negative_prompt", "width", "height")
+    inputs: tuple[str, ...] = ("prompt", "negative_prompt", "width", "height", "clip_skip")
     xl: bool = False
 
     # ------------------------------------------------------------------ inputs
@@ -52,45 +73,78 @@ class StableDiffusionFamily(TextToImageFamily):
         inputs = super().check_inputs(pipe, n, inputs)
         positives = prompts("prompt", inputs.get("prompt"), n, required=True)
         negatives = prompts("negative_prompt", inputs.get("negative_prompt"), n, required=False)
-        values = {"prompt": positives, "negative_prompt": negatives, **self.check_size(pipe, inputs)}
+        values = {"prompt": positives, "negative_prompt": negatives, **self.check_size(pipe, inputs),
+                  "clip_skip": self._clip_skip(pipe, n, inputs.get("clip_skip"))}
         if self.xl:
+            values["prompt_2"] = second_prompts("prompt_2", inputs.get("prompt_2"), positives, n)
+            values["negative_prompt_2"] = second_prompts("negative_prompt_2", inputs.get("negative_prompt_2"),
+                                                         negatives, n)
+            if negatives is None and values["negative_prompt_2"] is not None and pipe.components["force_zeros"]:
+                raise InvalidArgumentError("negative_prompt_2 needs negative_prompt on this model: its folder sets "
+                                           "force_zeros_for_empty_prompt, so without negative_prompt the "
+                                           "unconditional branch is zeros", argument="negative_prompt_2")
             values["time_ids"] = _time_ids(inputs, values["height"], values["width"])
+            values["negative_time_ids"] = _negative_time_ids(inputs)
         return values
 
+    def _clip_skip(self, pipe: EngineView, n: int, value: Any) -> list[int]:
+        """One clip_skip per image (an int for all, or one per image); 0 is the default embedding."""
+        layers = pipe.components["clip_layers"]
+        high = layers - 1 if self.xl else layers  # SDXL counts from the penultimate state
+        what = f" (this model's text encoder has {layers} layers)"
+        if value is None:
+            return [0] * n
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise InvalidArgumentError(f"got {len(value)} clip_skip values for n={n}; give one int or one per "
+                                           "image", argument="clip_skip")
+            return [check_int("clip_skip", v, 0, high, what) for v in value]
+        return [check_int("clip_skip", value, 0, high, what)] * n
+
     def check_unguided(self, pipe: EngineView, values: dict[str, Any]) -> None:
-        if values["negative_prompt"] is not None:
-            raise InvalidArgumentError("negative_prompt needs classifier-free guidance; use a guidance scale other "
-                                       "than 1", argument="negative_prompt")
+        names = ["negative_prompt"] + (["negative_prompt_2", "negative_time_ids"] if self.xl else [])
+        for name in names:
+            if values[name] is not None:
+                shown = "negative_original_size" if name == "negative_time_ids" else name
+                raise InvalidArgumentError(f"{shown} needs classifier-free guidance; use a guidance scale other "
+                                           "than 1", argument=shown)
 
     # ------------------------------------------------------------------ stages
 
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         values, n = request.values, request.n
-        positives: list[str] = values["prompt"]
         negatives = values["negative_prompt"]
         zeros_uncond = request.guided and negatives is None and self.xl and pipe.components["force_zeros"]
-        texts = list(positives)
+        texts = [list(values["prompt"])] + ([list(values["prompt_2"])] if self.xl else [])
+        skips = list(values["clip_skip"])
         if request.guided and not zeros_uncond:
-            texts += negatives if negatives is not None else [""] * n
+            first = negatives if negatives is not None else [""] * n
+            texts[0] += first
+            if self.xl:  # diffusers: negative_prompt_2 = negative_prompt_2 or negative_prompt (or "")
+                texts[1] += values["negative_prompt_2"] or first
+            skips += [0] * n  # diffusers applies clip_skip to the prompt's embedding, never the negative's
         encoders = pipe.components["text_encoders"]
         adapters = encoder_adapters(pipe, request.lora)
         lora = None
         if adapters is not None:  # text-encoder LoRAs: each text takes its image's slot (negatives too)
-            index = np.concatenate([request.lora.index] * (len(texts) // n))
+            index = np.concatenate([request.lora.index] * (len(skips) // n))
             lora = (adapters, index, request.lora.signature)
-        out = encode(pipe, [texts] * len(encoders), lambda: _encode_program(encoders, self.xl, lora is not None),
-                     outputs=2 if self.xl else 1, extra=(("xl", self.xl),), lora=lora)
+        out = encode(pipe, texts, lambda: _encode_program(encoders, self.xl, lora is not None),
+                     outputs=2 if self.xl else 1, extra=(("xl", self.xl),), lora=lora,
+                     data=(np.asarray(skips, np.int32),))
         if self.xl:
             context, pooled = np.asarray(out[0]), np.asarray(out[1])
             time_ids = np.repeat(values["time_ids"][None], n, axis=0)  # (n, 6)
             cond = {"context": context[:n], "text_embeds": pooled[:n], "time_ids": time_ids}
             if not request.guided:
                 return Conditioning(cond=cond, uncond={})
+            negative_ids = values["negative_time_ids"]
+            uncond_ids = time_ids if negative_ids is None else np.repeat(negative_ids[None], n, axis=0)  # (n, 6)
             if zeros_uncond:
                 uncond = {"context": np.zeros_like(cond["context"]), "text_embeds": np.zeros_like(cond["text_embeds"]),
-                          "time_ids": time_ids}
+                          "time_ids": uncond_ids}
             else:
-                uncond = {"context": context[n:], "text_embeds": pooled[n:], "time_ids": time_ids}
+                uncond = {"context": context[n:], "text_embeds": pooled[n:], "time_ids": uncond_ids}
             return Conditioning(cond=cond, uncond=uncond)
         context = np.asarray(out)
         cond = {"context": context[:n]}
@@ -100,25 +154,31 @@ class StableDiffusionFamily(TextToImageFamily):
 SD = StableDiffusionFamily()
 SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
                              defaults={"sampler": "euler", "steps": 30, "guidance": 5.0},
-                             inputs=("prompt", "negative_prompt", "width", "height", *SDXL_SIZE_INPUTS))
+                             inputs=("prompt", "prompt_2", "negative_prompt", "negative_prompt_2", "width", "height",
+                                     "clip_skip", *SDXL_SIZE_INPUTS, *SDXL_NEGATIVE_SIZE_INPUTS))
 
 
 def _encode_program(encoders: Sequence[Any], xl: bool, lora: bool = False) -> Any:
-    """(params per encoder, ids per encoder) -> context (B, 77, D) [, pooled (B, P)].
-    With ``lora``: ((params, adapters per encoder), (ids, each text's slot (B,)))."""
+    """(params per encoder, ids per encoder, clip_skip (B,)) -> context (B, 77, D) [, pooled (B, P)].
+    With ``lora``: ((params, adapters per encoder), (ids, each text's slot (B,)), clip_skip).
+
+    ``clip_skip`` is data, as diffusers defines it: SD takes hidden_states[-(skip + 1)] through the
+    final layer norm (0: last_hidden_state); SDXL takes each encoder's hidden_states[-(skip + 2)]
+    (0: the penultimate state); the pooled projection is the last layer's either way."""
     import jax.numpy as jnp
 
+    from preheat.models.clip import hidden_state_from_end
     from preheat.models.lora import Adapters
 
-    def program(params: tuple, ids: tuple) -> Any:
+    def program(params: tuple, ids: tuple, skip: Any) -> Any:
         adapters: Sequence[Any] = [None] * len(encoders)
         if lora:
             (params, tes), (ids, index) = params, ids
             adapters = [None if a is None else Adapters(a[0], a[1], index) for a in tes]
         outs = [te.apply(p, i, a) for te, p, i, a in zip(encoders, params, ids, adapters)]
         if not xl:
-            return outs[0].last_hidden_state.astype(jnp.float32)
-        context = jnp.concatenate([o.hidden_states[-2] for o in outs], axis=-1)  # (B, 77, D1 + D2)
+            return encoders[0].clip_skip(params[0], outs[0], skip).astype(jnp.float32)  # (B, 77, D)
+        context = jnp.concatenate([hidden_state_from_end(o, skip + 2) for o in outs], axis=-1)  # (B, 77, D1 + D2)
         return context.astype(jnp.float32), outs[-1].text_embeds.astype(jnp.float32)
 
     return program
@@ -127,7 +187,7 @@ def _encode_program(encoders: Sequence[Any], xl: bool, lora: bool = False) -> An
 # --------------------------------------------------------------------------------------- checks
 
 
-def _pair(name: str, value: Any, default: tuple[int, int]) -> tuple[int, int]:
+def _pair(name: str, value: Any, default: tuple[int, int] | None) -> tuple[int, int] | None:
     if value is None:
         return default
     if (not isinstance(value, (list, tuple)) or len(value) != 2
@@ -142,6 +202,26 @@ def _time_ids(inputs: dict[str, Any], height: int, width: int) -> np.ndarray:
     crops = _pair("crops_coords_top_left", inputs.get("crops_coords_top_left"), (0, 0))
     target = _pair("target_size", inputs.get("target_size"), (height, width))
     return np.asarray([*original, *crops, *target], np.float32)
+
+
+def _negative_time_ids(inputs: dict[str, Any]) -> np.ndarray | None:
+    """The unconditional branch's ids (6,), or None (it shares the prompt's). diffusers uses them
+    only when both negative_original_size and negative_target_size are given; a lone one is refused
+    here rather than ignored."""
+    original = _pair("negative_original_size", inputs.get("negative_original_size"), None)
+    target = _pair("negative_target_size", inputs.get("negative_target_size"), None)
+    crops = _pair("negative_crops_coords_top_left", inputs.get("negative_crops_coords_top_left"), None)
+    if original is None and target is None:
+        if crops is not None:
+            raise InvalidArgumentError("negative_crops_coords_top_left needs negative_original_size and "
+                                       "negative_target_size", argument="negative_crops_coords_top_left")
+        return None
+    if original is None or target is None:
+        given, missing = (("negative_original_size", "negative_target_size") if target is None
+                          else ("negative_target_size", "negative_original_size"))
+        raise InvalidArgumentError(f"{given} needs {missing} too (the negative branch's size ids take both)",
+                                   argument=given)
+    return np.asarray([*original, *(crops or (0, 0)), *target], np.float32)
 
 
 # --------------------------------------------------------------------------------------- loading
@@ -240,6 +320,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         "vae_scale": vae_scale,
         "size_multiple": vae_scale,  # odd latent sides are fine: the UNet upsamples to each skip's size
         "force_zeros": bool(index.get("force_zeros_for_empty_prompt", True)),
+        "clip_layers": min(te.config.num_hidden_layers for te in encoders),  # bounds clip_skip
         "lora_targets": targets,
         "lora_encoders": te_names,
         "encode_fingerprint": {"kind": "clip-text", "encoders": [te.config.architecture_dict() for te in encoders],

@@ -17,7 +17,7 @@ import numpy as np
 
 from preheat.families.base import EngineView, Family, Request, StageSignature, check_int, to_pixels
 
-__all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "prompts", "size", "component", "default_sampler", "decode_program", "encode", "offload"]
+__all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "prompts", "second_prompts", "size", "component", "default_sampler", "decode_program", "encode", "offload"]
 
 @dataclass(frozen=True)
 class TextToImageFamily(Family):
@@ -78,6 +78,14 @@ def prompts(name: str, value: Any, n: int, *, required: bool) -> list[str] | Non
                                argument=name)
 
 
+def second_prompts(name: str, value: Any, first: list[str] | None, n: int) -> list[str] | None:
+    """A second encoder's prompts (``prompt_2``, ``negative_prompt_2``): like :func:`prompts`, and
+    absent or "" means ``first``, as diffusers' ``prompt_2 = prompt_2 or prompt``."""
+    if value is None or (isinstance(value, str) and not value):
+        return first
+    return prompts(name, value, n, required=False)
+
+
 def size(name: str, value: Any, default: int, multiple: int, high: int) -> int:
     """A width or height: a multiple of what the model's latent grid (and patching) needs."""
     if value is None:
@@ -120,7 +128,8 @@ def decode_program(vae: Any) -> Any:
 
 
 def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Callable], outputs: int,
-           extra: tuple[tuple[str, Any], ...] = (), lora: tuple[Any, Any, Any] | None = None) -> Any:
+           extra: tuple[tuple[str, Any], ...] = (), lora: tuple[Any, Any, Any] | None = None,
+           data: tuple[np.ndarray, ...] = ()) -> Any:
     """Tokenize on the host (``texts[i]`` for the i-th tokenizer) and run the encode stage.
 
     The stage's executable is chosen by the batch and every tokenizer's padded length, so a new
@@ -131,7 +140,8 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
 
     ``lora``: (per-encoder (factors, scales) or None, each text's slot (B,), the signature's
     (bucket, slots)) for text-encoder LoRAs: the program then gets ``(params, adapters)`` and
-    ``(ids, index)`` (``preheat.lora.encoder_adapters``).
+    ``(ids, index)`` (``preheat.lora.encoder_adapters``). ``data``: more per-text arrays (B, ...),
+    passed after the ids (SD's ``clip_skip``).
     """
     tokenizers = pipe.components["tokenizers"]
     ids = tuple(tok.encode(list(t)) for tok, t in zip(tokenizers, texts))  # each (B, L_i) int32
@@ -145,7 +155,8 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
         used = tuple(a is not None for a in adapters)
         sig = replace(sig, extra=(*sig.extra, ("lora", (*lora_sig, used))))
         args = ((params, adapters), (ids, index))
-    return pipe.run_stage("encode", pipe.components["encode_fingerprint"], sig, program, args, outputs=outputs)
+    return pipe.run_stage("encode", pipe.components["encode_fingerprint"], sig, program, (*args, *data),
+                          outputs=outputs)
 
 
 def offload(encoder: Any) -> Any:
