@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("lora",),  # LoRA files -> runtime adapters (reads through the store and the models' loader)
     ("families",),  # per-family loading over the models
     ("engine",),  # Pipeline and preheat.load
-    ("backends",),  # the torch comparison backend, built on the engine's Pipeline
+    ("backends", "warm"),  # the torch comparison backend; the warm declaration, which drives generate
     ("api", "torch"),  # preheat.load: dispatches to the engine or the torch backend; preheat.torch.compile
     ("doctor", "train"),  # surfaces below the command line
     ("server",),

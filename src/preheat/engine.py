@@ -551,7 +551,7 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     weights that do not fit one device); it must divide the device count.
     ``prefetch``: the calls expected first, as ``generate`` keywords (``[{"n": 4, "steps": 20}]``;
     a text family's prompt may be left out: its words are data), or a function of the pipeline
-    being loaded that returns them (``preheat.cache.warm.prefetch_calls``: a server's warm
+    being loaded that returns them (``preheat.warm.prefetch_calls``: a server's warm
     declaration). Every executable those calls run -- a text family's encoders, the denoising
     loop, the VAE decoder -- is loaded (or pulled from ``PREHEAT_CACHE_URL``) on a background
     thread while the weights are read: each call is rehearsed on placeholder weights, which

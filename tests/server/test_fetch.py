@@ -183,3 +183,21 @@ def test_slots_per_host_and_in_all_and_the_waiting_line_is_bounded(home: Path, f
     finally:
         for pit in pits:
             pit.stop()
+
+
+def test_an_image_url_is_read_under_the_same_guards_and_never_stored(home: Path, files: FileServer) -> None:
+    png = b"\x89PNG\r\n\x1a\n" + b"\0" * 5000
+    files.files["/i.png"] = png
+    files.files["/big.png"] = png * 100
+    f, metrics = fetcher(max_image_bytes=100_000)
+    assert f.image(files.url("i.png")) == png
+    with pytest.raises(FetchError, match="over the 100000-byte limit") as err:
+        f.image(files.url("big.png"))
+    assert err.value.reason == "size"
+    with pytest.raises(FetchError, match="images are fetched from http"):
+        f.image("file:///etc/passwd")
+    strict = Fetcher(FetchConfig())  # the default policy: public addresses only
+    with pytest.raises(FetchError, match="is loopback") as err:
+        strict.image(files.url("i.png"))
+    assert err.value.reason == "address"
+    assert stored_files(home) == set() and [h.path for h in files.hits] == ["/i.png", "/big.png"]

@@ -93,3 +93,30 @@ def test_a_second_sigterm_cuts_the_drain_short_with_json_answers_and_exit_1(mode
         assert len(cut) == 1 and "drain cut short" in cut[0], server.lines[-30:]
     finally:
         server.kill()
+
+
+def test_a_third_signal_exits_at_once(model_dir: Path) -> None:
+    """While the shutdown waits for a request whose body is still arriving (held by state: the
+    body timeout is 30 s), the second signal cuts the drain and the third exits 2 at once."""
+    import signal
+    import socket
+    import time
+
+    server = ServerProcess([str(model_dir), "--grace-s", "60"])
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            wait_until(lambda: c.get("/health-check").status_code == 200, what="uvicorn to answer")
+        slow = socket.create_connection((server.host, server.port), timeout=30)
+        slow.sendall(b"POST /predictions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"input\": ")
+        for n in (1, 2):
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)  # each signal handled on its own (pending signals of one kind coalesce)
+            assert server.proc.poll() is None, f"exited after signal {n}: " + "\n".join(server.lines[-20:])
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(10) == 2, "\n".join(server.lines[-30:])
+        wait_until(lambda: any("third signal: exiting now" in line for line in server.lines), timeout=10,
+                   what="the third signal's log line")
+        slow.close()
+    finally:
+        server.kill()

@@ -51,7 +51,7 @@ EXECUTABLE = "executable.bin"
 # other module of preheat -- the engine, samplers, models, families, and any file added to them
 # later -- is part of the key, so a new model file cannot be left out of it by accident.
 _NOT_TRACED = ("cache", "store", "server", "bench", "backends", "integrations", "train", "doctor", "cli",
-               "__main__.py", "_version.py", "errors.py", "timings.py", "files.py", "env.py", "assets")
+               "warm.py", "__main__.py", "_version.py", "errors.py", "timings.py", "files.py", "env.py", "assets")
 
 
 def traced_sources() -> list[str]:

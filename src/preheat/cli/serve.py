@@ -94,7 +94,8 @@ def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--
 @click.command("serve")
 @declaration_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback unless told).")
-@click.option("--port", default=8000, show_default=True, type=int, help="Port (0 = any free port, printed at start).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="Port (0 = any free port, printed at start).")
 @click.option("--backend", default="jax", show_default=True, type=click.Choice(["jax", "torch"]))
 @click.option("--compile", "compile_mode", default="none", show_default=True,
               type=click.Choice(["none", "inductor", "aot", "regional"]),
@@ -128,6 +129,9 @@ def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--
                    "metadata ones).")
 @click.option("--lora-url-allow", "lora_url_allow", multiple=True, metavar="HOST|CIDR",
               help="Let requests' LoRA URLs be fetched from this host, address or CIDR whatever it is (repeat).")
+@click.option("--keep-alive-on-failure", is_flag=True,
+              help="If the model cannot be set up, stay up answering SETUP_FAILED on /health-check (as Cog does) "
+                   "instead of exiting 1.")
 @click.option("--fetch-connect-timeout-s", default=10.0, show_default=True, type=float,
               help="A URL a request names (lora_weights): its host must accept the connection within this.")
 @click.option("--fetch-deadline-s", default=120.0, show_default=True, type=float,
@@ -156,7 +160,7 @@ def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--
               help="--ray: GPUs each replica takes (1, or a pod's count; 0 on CPU).")
 @one_line_errors
 def serve_command(model: Optional[str], host: str, port: int, backend: str, compile_mode: str, dtype: str,
-                  max_batch_size: int,
+                  variant: Optional[str], cache: Optional[str], max_batch_size: int,
                   devices_text: Optional[str], fsdp: int, batch_wait_ms: float, max_queue: int, max_steps: int,
                   samplers_text: Optional[str], sizes_text: Optional[str], guidance_text: str,
                   lora_ranks_text: Optional[str], max_loras: int, lora_dir: Optional[str], grace_s: float,
@@ -165,7 +169,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                   webhook_allow: tuple[str, ...], lora_url_allow_private: bool, lora_url_allow: tuple[str, ...],
                   fetch_connect_timeout_s: float, fetch_deadline_s: float, max_lora_bytes: int, max_image_bytes: int,
                   fetch_per_host: int, max_fetches: int, max_header_bytes: int, max_headers: int,
-                  log_level: str, on_ray: bool = False,
+                  keep_alive_on_failure: bool, log_level: str, on_ray: bool = False,
                   address: Optional[str] = None, replicas: int = 1, gpus_per_replica: float = 0.0) -> None:
     """Serve MODEL over HTTP (Cog's and OpenAI's APIs), batching concurrent requests.
 
@@ -184,7 +188,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     if max_loras < 1:
         raise InvalidArgumentError(f"--max-loras {max_loras} must be >= 1")
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
-                                     lora_ranks_text, devices_text, fsdp)
+                                     lora_ranks_text, devices_text, fsdp, variant, cache)
     webhooks = _address_policy(webhook_allow_private, webhook_allow)
     lora_urls = _address_policy(lora_url_allow_private, lora_url_allow, "--lora-url-allow")
     fetch = _fetch_config(fetch_connect_timeout_s, fetch_deadline_s, max_lora_bytes, max_image_bytes, fetch_per_host,
@@ -220,7 +224,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
                      body_timeout_s=body_timeout_s, max_header_bytes=max_header_bytes, max_headers=max_headers,
-                     announce=lambda line: click.echo(line, err=True))
+                     announce=lambda line: click.echo(line, err=True), keep_alive_on_failure=keep_alive_on_failure)
     except OSError as err:
         raise InvalidArgumentError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     sys.exit(code)
@@ -235,6 +239,8 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
 
     if backend != "jax":
         raise InvalidArgumentError("--ray serves --backend jax")
+    if warm_set.variant is not None or warm_set.cache is not None:
+        raise InvalidArgumentError("--variant and --cache are not passed to Ray replicas yet", argument="--variant")
     if webhook_allow_private or webhook_allow:
         raise InvalidArgumentError("--webhook-allow(-private) and --lora-url-allow(-private) are not passed to Ray "
                                    "replicas; they allow public addresses only")

@@ -415,6 +415,14 @@ async def root() -> dict[str, Any]:
     return {"docs_url": "/docs", "openapi_url": "/openapi.json"}
 
 
+@routes.get("/docs", include_in_schema=False)
+async def docs(request: Request) -> Response:
+    """The API reference, self-contained (works offline; see preheat.server.docs_page)."""
+    from preheat.server.docs_page import render
+
+    return Response(render(openapi(request.app)), media_type="text/html; charset=utf-8")
+
+
 @routes.get("/health-check", summary="Health check (never needs a token)")
 async def health_check(state: State) -> dict[str, Any]:
     core = state.core
@@ -538,7 +546,7 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
     """A FastAPI app (wrapped in the auth/limits/metrics guard) serving ``core``. ``token``: when
     set, every endpoint but ``/health-check`` needs ``Authorization: Bearer <token>``.
     ``webhooks``: which webhook URLs are accepted (default: public addresses only)."""
-    app = FastAPI(title="preheat", version=_version(), lifespan=lifespan,
+    app = FastAPI(title="preheat", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Diffusion sampling server (Cog- and OpenAI-compatible). Starts hot, batches requests.")
     app.state.preheat = AppState(core, webhooks, grace_s, HttpMetrics(core.metrics.registry))
     for exc_class, handler in EXCEPTION_HANDLERS:

@@ -35,9 +35,9 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
-from preheat.cache.warm import WarmSignature, buckets_for, resolve, run_signature, signatures
 from preheat.errors import InputError, NotAccepting, PreheatError, QueueFull
 from preheat.server.fetch import FetchConfig, Fetcher
+from preheat.warm import WarmSignature, buckets_for, resolve, run_signature, signatures
 from preheat.server.inputs import Job, Limits, input_model, parse_input, size_inputs
 from preheat.server.config import CoreConfig, load_pipeline
 from preheat.server.metrics import CoreMetrics, FetchMetrics
@@ -78,6 +78,7 @@ class Core:
         self._running: list[Prediction] = []
         self._store: "OrderedDict[str, Prediction]" = OrderedDict()
         self._setup_done = threading.Event()
+        self._setup_listeners: list[Callable[[], None]] = []  # serve: exit on a set-up failure
         self.closing_pushes = threading.Event()  # set when close() starts waiting for uploads
         self.warm = config.warm_set()  # resolved at set-up (the model's default sampler, sizes)
         self._draining = False
@@ -374,9 +375,23 @@ class Core:
         self._fire_setup()
         self._serve()
 
+    def on_setup(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (from the worker thread, or now) once set-up has finished either way."""
+        with self._cond:
+            if not self._setup_done.is_set():
+                self._setup_listeners.append(fn)
+                return
+        fn()
+
     def _fire_setup(self) -> None:
         with self._cond:
             self._setup_done.set()
+            listeners, self._setup_listeners = self._setup_listeners, []
+        for fn in listeners:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a listener's failure must not kill the worker
+                log.exception("set-up listener failed")
 
     def _setup_log(self, line: str) -> None:
         self.setup.logs.append(line)
@@ -434,7 +449,7 @@ class Core:
         self._setup_log(f"ready in {total:.2f}s; buckets {list(self.buckets)}; samplers {list(self.samplers)}")
 
     def signatures(self) -> list[WarmSignature]:
-        """Every program a valid request can reach (``preheat.cache.warm.signatures`` of the
+        """Every program a valid request can reach (``preheat.warm.signatures`` of the
         resolved declaration): what warm-up compiles and ``preheat warm`` compiles ahead of time."""
         return signatures(self.pipe, self.warm)
 

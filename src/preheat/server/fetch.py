@@ -1,5 +1,6 @@
 """One guarded fetch for every URL a request names: a LoRA's ``http(s)://`` / ``hf://`` source
-today, image and mask URLs next. Nothing a client names is fetched any other way.
+(:meth:`Fetcher.lora`, into the store) and an image or mask (:meth:`Fetcher.image`, bytes, never
+stored). Nothing a client names is fetched any other way.
 
 Every fetch, through :class:`Fetcher`:
 
@@ -117,6 +118,21 @@ def _store_source(source: str) -> str:
     return "hf://" + "/".join(parts[:2]) + at + rev if len(parts) > 2 else source
 
 
+def _read_download(url: str) -> bytes:
+    """``url``'s body, through the store's downloads folder (so that the guards of ``store._http``
+    apply), removed once read."""
+    from preheat.cache.root import resolve_root
+    from preheat.store._http import discard_partial, download
+    from preheat.store._layout import Store
+
+    store = Store(resolve_root().path)
+    store.ensure()
+    try:
+        return download(store, url, progress=False).read_bytes()
+    finally:
+        discard_partial(store, url)
+
+
 _DEFAULT: Optional["Fetcher"] = None
 _DEFAULT_LOCK = threading.Lock()
 
@@ -167,6 +183,14 @@ class Fetcher:
         source = _store_source(source)
         return self._once("lora", source, self.config.max_lora_bytes,
                           lambda: pull(source, progress=False, check=check_safetensors))
+
+    def image(self, url: str) -> bytes:
+        """The bytes of an image or mask a request names by URL (``max_image_bytes``), under every
+        guard (blocking). Never stored: the download is read, then removed."""
+        if not url.lower().startswith(("http://", "https://")):
+            raise self._refused(FetchError(f"cannot fetch {url[:100]!r}: images are fetched from http(s):// URLs only",
+                                           reason="invalid"))
+        return self._once("image", url, self.config.max_image_bytes, lambda: _read_download(url))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -11,6 +11,9 @@ from prometheus_client.registry import Collector
 
 __all__ = ["CoreMetrics", "HttpMetrics", "Forward", "LoraMetrics", "FetchMetrics"]
 
+COMPILE_PHASES = ("traffic",)  # programs compiled after READY (warm-up's are preheat_warmup_programs)
+PREDICTION_STATUSES = ("succeeded", "failed", "canceled")  # Cog's final statuses (predictions.TERMINAL)
+CACHE_LAYERS = ("memory", "aot", "xla", "none")  # where an executable came from (preheat.timings)
 _IMAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -40,6 +43,14 @@ class CoreMetrics:
                                     ["bucket", "sampler", "guided", "cache_layer"], registry=r)
         self.ready = Gauge("preheat_ready", "1 when set-up succeeded and the server accepts predictions", registry=r)
         self.setup_seconds = Gauge("preheat_setup_seconds", "Model load + warm-up time", registry=r)
+        # every labelled series a scrape can expect exists from the start, at zero (a dashboard's
+        # rate() needs the zero; a series that appears only on the first compile has no "before")
+        for phase in COMPILE_PHASES:
+            self.compiles.labels(phase=phase)
+        for status in PREDICTION_STATUSES:
+            self.predictions.labels(status=status)
+        for layer in CACHE_LAYERS:
+            self.warmup_programs.labels(cache_layer=layer)
 
     def watch_loras(self, cache: Any) -> None:
         """Expose a ``preheat.lora.LoraCache``'s counts (once per registry)."""

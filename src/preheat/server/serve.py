@@ -183,8 +183,12 @@ def serve(config: CoreConfig, *, host: str = "127.0.0.1", port: int = 8000, grac
           token: Optional[str] = None, log_level: str = "info", webhooks: WebhookPolicy = WebhookPolicy(),
           max_body_bytes: int = MAX_BODY_BYTES, header_timeout_s: float = HEADER_TIMEOUT_S,
           body_timeout_s: float = BODY_TIMEOUT_S, max_header_bytes: int = MAX_HEADER_BYTES,
-          max_headers: int = MAX_HEADERS, announce: Callable[[str], None] = print) -> int:
-    """Start the core (set-up in the background) and serve HTTP until a signal; returns 0."""
+          max_headers: int = MAX_HEADERS, announce: Callable[[str], None] = print,
+          keep_alive_on_failure: bool = False) -> int:
+    """Start the core (set-up in the background) and serve HTTP until a signal; returns 0, or 1
+    when set-up failed. A set-up failure is announced in one line; the server then exits, or,
+    with ``keep_alive_on_failure``, stays up answering SETUP_FAILED (as Cog does, for a platform
+    that reads the health check)."""
     sock = bind_socket(host, port)
     core = Core(config).start()
     app = create_app(core, token=token, grace_s=grace_s, webhooks=webhooks, max_body_bytes=max_body_bytes,
@@ -194,6 +198,17 @@ def serve(config: CoreConfig, *, host: str = "127.0.0.1", port: int = 8000, grac
     server = DrainingServer(uv_config, core, grace_s)
     bound_host, bound_port = sock.getsockname()[:2]
     announce(f"preheat serve: listening on http://{bound_host}:{bound_port} (status: STARTING until warm-up ends)")
+
+    def setup_finished() -> None:  # the worker thread, once set-up has ended either way
+        if core.setup.status != "failed":
+            return
+        announce(f"error: set-up failed: {core.setup.error}"
+                 + ("; staying up (--keep-alive-on-failure): /health-check says SETUP_FAILED"
+                    if keep_alive_on_failure else ""))
+        if not keep_alive_on_failure:
+            server.should_exit = True
+
+    core.on_setup(setup_finished)
     server.run(sockets=[sock])
     if server.cut_short:
         # the engine call still running is not waited for: leave now, before the interpreter's
@@ -204,4 +219,4 @@ def serve(config: CoreConfig, *, host: str = "127.0.0.1", port: int = 8000, grac
         os._exit(1)
     if not core.draining:  # stopped without a signal (e.g. lifespan failure)
         core.close(timeout=1.0)
-    return 0
+    return 1 if core.setup.status == "failed" else 0
