@@ -76,8 +76,10 @@ def reference_pipeline(folder: Path, sampler: str) -> Any:
     from diffusers import DiffusionPipeline
 
     from preheat.backends.torch.sampling import make_scheduler
+    from preheat.backends.torch.text import restore_text_model
 
     pipe = DiffusionPipeline.from_pretrained(folder)
+    restore_text_model(pipe)  # diffusers' SD clip_skip on transformers >= 5.6 (diffusers#14124)
     config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
     pipe.scheduler = make_scheduler(sampler, config)
     pipe.set_progress_bar_config(disable=True)

@@ -107,6 +107,16 @@ def test_clip_skip_is_diffusers_penultimate_with_final_norm(case):
     assert _err(model.clip_skip(model.params, out, 1), ref) <= FP32_TOL
     with pytest.raises(Exception, match="clip_skip"):
         model.clip_skip(model.params, out, len(out.hidden_states))
+    # one skip per row, as data: row b gets hidden_states[-(skip[b] + 1)] through the norm
+    skips = np.arange(len(ids)) % len(out.hidden_states)  # (B,)
+    with torch.no_grad():
+        per_row = np.stack([text_model.final_layer_norm(hidden[-(k + 1)][b]).numpy() for b, k in enumerate(skips)])
+    assert _err(jax.jit(lambda o, s: model.clip_skip(model.params, o, s))(out, jnp.asarray(skips)), per_row) <= FP32_TOL
+    sdxl = np.stack([hidden[-(k + 2) if k + 2 <= len(hidden) else -2][b].numpy() for b, k in enumerate(skips)])
+    backs = np.asarray([k + 2 if k + 2 <= len(hidden) else 2 for k in skips])
+    np.testing.assert_array_equal(np.asarray(clip_mod.hidden_state_from_end(out, jnp.asarray(backs))),
+                                  np.asarray([out.hidden_states[-int(k)][b] for b, k in enumerate(backs)]))
+    assert _err(clip_mod.hidden_state_from_end(out, jnp.asarray(backs)), sdxl) <= FP32_TOL
 
 
 def test_bf16_runs_close_to_fp32_reference(tmp_path):

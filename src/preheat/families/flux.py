@@ -11,6 +11,10 @@
               cond = {"context", "pooled"[, "guidance"]}
     decode    latents / scaling_factor + shift_factor -> VAE -> uint8        batch, size
 
+Inputs: ``prompt`` feeds CLIP (the pooled vector), ``prompt_2`` feeds T5 (the context); an absent
+or empty ``prompt_2`` is ``prompt``, as diffusers. Both are data (token ids); width and height
+are static (one program per resolution).
+
 Guidance: FLUX.1-dev is guidance-distilled -- the scale is an input of the transformer
 (``guidance_embeds``), so it is conditioning data: one branch, no recompile for a new scale.
 FLUX.1-schnell has no guidance input and refuses a scale. Neither runs classifier-free guidance
@@ -58,8 +62,8 @@ class FluxFamily(TextToImageFamily):
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         values = super().check_inputs(pipe, n, inputs)
-        if values["prompt_2"] is None:
-            values["prompt_2"] = values["prompt"]
+        if values["prompt_2"] is None or all(p == "" for p in values["prompt_2"]):
+            values["prompt_2"] = values["prompt"]  # diffusers: prompt_2 = prompt_2 or prompt (T5; CLIP reads prompt)
         return values
 
     def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:

@@ -3,19 +3,38 @@
     stage     program                                                        one executable per
     --------  -------------------------------------------------------------  ---------------------
     encode    token ids (2B or B, 77) -> CLIP embeddings                      batch
-              SD:   last_hidden_state                          (B, 77, D)
-              SDXL: both encoders' penultimate states, concat  (B, 77, D1+D2)
+              SD:   hidden_states[-(k+1)] + final norm         (B, 77, D)
+                    (k = clip_skip; 0: last_hidden_state)
+              SDXL: both encoders' hidden_states[-(k+2)],      (B, 77, D1+D2)
+                    concat (0: the penultimate states)
                     + the second encoder's pooled projection   (B, P)
     denoise   the engine's loop over UNet2DConditionModel                     sampler, batch, size,
               cond = {"context"[, "text_embeds", "time_ids"]}                 guidance on/off
     decode    latents / scaling_factor (+ shift) -> VAE decoder -> uint8      batch, size
 
-Prompts are tokenized on the host (the folder's own tokenizer files, padded to 77), so a new
-prompt, a negative prompt, the guidance scale, the step count, the seeds and SDXL's
-``original_size`` / ``crops_coords_top_left`` / ``target_size`` are all runtime data. The
-unconditional branch is the empty prompt's embedding (SD) or, for SDXL folders with
+Prompts are tokenized on the host (the folder's own tokenizer files, padded to 77). What each
+input of ``generate`` is::
+
+    input                                 SD  SDXL  static / data     reaches
+    ------------------------------------  --  ----  ----------------  -------------------------------
+    prompt, negative_prompt               x   x     data (token ids)  encode; both encoders on SDXL
+    prompt_2, negative_prompt_2               x     data (token ids)  the second encoder (diffusers:
+                                                                      absent or "" -> prompt / negative)
+    clip_skip (int, or one per image)     x   x     data (B,) int32   encode: SD hidden_states[-(k+1)]
+                                                                      + final norm; SDXL [-(k+2)]
+    original_size, crops_coords_top_left,     x     data (time_ids)   the UNet's added time embedding
+      target_size
+    negative_original_size, _crops_..,        x     data (time_ids)   the unconditional branch only
+      negative_target_size                                            (both sizes, as diffusers)
+    width, height                         x   x     static            one program per resolution
+    guidance, steps, seed                 x   x     data              the denoising loop
+
+``clip_skip`` is data because every layer's state is computed anyway: the encode program picks
+each text's state with a chain of selects, so one program serves every value and a batch may mix
+them. Like diffusers, it shapes the prompt's embedding only; the negative's is the default one.
+The unconditional branch is the empty prompt's embedding (SD) or, for SDXL folders with
 ``force_zeros_for_empty_prompt``, zeros -- exactly what diffusers' pipelines use -- unless a
-negative prompt is given. Width and height are static (one program per resolution).
+negative prompt is given.
 """
 
 from __future__ import annotations
@@ -29,7 +48,7 @@ import numpy as np
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.lora import encoder_adapters
-from preheat.families.inputs import InputSpec, Pair
+from preheat.families.inputs import InputSpec, Int, Pair, Text
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, SAMPLER_OF_SCHEDULER, TextToImageFamily, component,
                                    default_sampler, encode, offload)
 
@@ -46,6 +65,27 @@ SDXL_SIZE_SPECS = (
     InputSpec("target_size", Pair(), "SDXL: the (height, width) the image is conditioned to target.",
               default_doc="(height, width)"),
 )
+# the unconditional branch's own ids: diffusers uses them only when both sizes are given
+SDXL_NEGATIVE_SIZE_SPECS = (
+    InputSpec("negative_original_size", Pair(), "SDXL: original_size for the unconditional branch (with "
+              "negative_target_size).", needs_guidance=True),
+    InputSpec("negative_crops_coords_top_left", Pair(), "SDXL: crops_coords_top_left for the unconditional branch.",
+              needs_guidance=True),
+    InputSpec("negative_target_size", Pair(), "SDXL: target_size for the unconditional branch (with "
+              "negative_original_size).", needs_guidance=True),
+)
+# SDXL's second text encoder: absent or "" means the first one's prompt, as diffusers
+PROMPT_2 = InputSpec("prompt_2", Text(), "SDXL: the second text encoder's prompt (the prompt when absent).",
+                     per_image=True, default_doc="the prompt")
+NEGATIVE_PROMPT_2 = InputSpec("negative_prompt_2", Text(), "SDXL: the second text encoder's negative prompt "
+                              "(the negative prompt when absent).", per_image=True, needs_guidance=True,
+                              default_doc="the negative prompt")
+
+
+def clip_skip_spec(high: int) -> InputSpec:
+    """diffusers' clip_skip, bounded by the loaded model's text encoder depth."""
+    return InputSpec("clip_skip", Int(0, high), "CLIP layers to skip from the end for the prompt's embedding "
+                     "(0: the model's default), one for all or one per image.", per_image=True, default=0)
 
 
 @dataclass(frozen=True)
@@ -57,41 +97,60 @@ class StableDiffusionFamily(TextToImageFamily):
 
     # ------------------------------------------------------------------ inputs
 
+    def input_specs(self, pipe: EngineView) -> tuple[InputSpec, ...]:
+        layers = pipe.components["clip_layers"]
+        return (*super().input_specs(pipe), clip_skip_spec(layers - 1 if self.xl else layers))  # SDXL: from the penultimate
+
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         values = super().check_inputs(pipe, n, inputs)
         if self.xl:
+            values["prompt_2"] = _or_first(values["prompt_2"], values["prompt"])
+            values["negative_prompt_2"] = _or_first(values["negative_prompt_2"], values["negative_prompt"])
+            if (values["negative_prompt"] is None and values["negative_prompt_2"] is not None
+                    and pipe.components["force_zeros"]):
+                raise InvalidArgumentError("negative_prompt_2 needs negative_prompt on this model: its folder sets "
+                                           "force_zeros_for_empty_prompt, so without negative_prompt the "
+                                           "unconditional branch is zeros", argument="negative_prompt_2")
             values["time_ids"] = _time_ids(values)
+            values["negative_time_ids"] = _negative_time_ids(values)
         return values
 
     # ------------------------------------------------------------------ stages
 
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         values, n = request.values, request.n
-        positives: list[str] = values["prompt"]
         negatives = values["negative_prompt"]
         zeros_uncond = request.guided and negatives is None and self.xl and pipe.components["force_zeros"]
-        texts = list(positives)
+        texts = [list(values["prompt"])] + ([list(values["prompt_2"])] if self.xl else [])
+        skips = list(values["clip_skip"])
         if request.guided and not zeros_uncond:
-            texts += negatives if negatives is not None else [""] * n
+            first = negatives if negatives is not None else [""] * n
+            texts[0] += first
+            if self.xl:  # diffusers: negative_prompt_2 = negative_prompt_2 or negative_prompt (or "")
+                texts[1] += values["negative_prompt_2"] or first
+            skips += [0] * n  # diffusers applies clip_skip to the prompt's embedding, never the negative's
         encoders = pipe.components["text_encoders"]
         adapters = encoder_adapters(pipe, request.lora)
         lora = None
         if adapters is not None:  # text-encoder LoRAs: each text takes its image's slot (negatives too)
-            index = np.concatenate([request.lora.index] * (len(texts) // n))
+            index = np.concatenate([request.lora.index] * (len(skips) // n))
             lora = (adapters, index, request.lora.signature)
-        out = encode(pipe, [texts] * len(encoders), lambda: _encode_program(encoders, self.xl, lora is not None),
-                     outputs=2 if self.xl else 1, extra=(("xl", self.xl),), lora=lora)
+        out = encode(pipe, texts, lambda: _encode_program(encoders, self.xl, lora is not None),
+                     outputs=2 if self.xl else 1, extra=(("xl", self.xl),), lora=lora,
+                     data=(np.asarray(skips, np.int32),))
         if self.xl:
             context, pooled = np.asarray(out[0]), np.asarray(out[1])
             time_ids = np.repeat(values["time_ids"][None], n, axis=0)  # (n, 6)
             cond = {"context": context[:n], "text_embeds": pooled[:n], "time_ids": time_ids}
             if not request.guided:
                 return Conditioning(cond=cond, uncond={})
+            negative_ids = values["negative_time_ids"]
+            uncond_ids = time_ids if negative_ids is None else np.repeat(negative_ids[None], n, axis=0)  # (n, 6)
             if zeros_uncond:
                 uncond = {"context": np.zeros_like(cond["context"]), "text_embeds": np.zeros_like(cond["text_embeds"]),
-                          "time_ids": time_ids}
+                          "time_ids": uncond_ids}
             else:
-                uncond = {"context": context[n:], "text_embeds": pooled[n:], "time_ids": time_ids}
+                uncond = {"context": context[n:], "text_embeds": pooled[n:], "time_ids": uncond_ids}
             return Conditioning(cond=cond, uncond=uncond)
         context = np.asarray(out)
         cond = {"context": context[:n]}
@@ -101,31 +160,42 @@ class StableDiffusionFamily(TextToImageFamily):
 SD = StableDiffusionFamily()
 SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
                              defaults={"sampler": "euler", "steps": 30, "guidance": 5.0},
-                             specs=(PROMPT, NEGATIVE_PROMPT, *SDXL_SIZE_SPECS))
+                             specs=(PROMPT, PROMPT_2, NEGATIVE_PROMPT, NEGATIVE_PROMPT_2, *SDXL_SIZE_SPECS,
+                                    *SDXL_NEGATIVE_SIZE_SPECS))
 
 
 def _encode_program(encoders: Sequence[Any], xl: bool, lora: bool = False) -> Any:
-    """(params per encoder, ids per encoder) -> context (B, 77, D) [, pooled (B, P)].
-    With ``lora``: ((params, adapters per encoder), (ids, each text's slot (B,)))."""
+    """(params per encoder, ids per encoder, clip_skip (B,)) -> context (B, 77, D) [, pooled (B, P)].
+    With ``lora``: ((params, adapters per encoder), (ids, each text's slot (B,)), clip_skip).
+
+    ``clip_skip`` is data, as diffusers defines it: SD takes hidden_states[-(skip + 1)] through the
+    final layer norm (0: last_hidden_state); SDXL takes each encoder's hidden_states[-(skip + 2)]
+    (0: the penultimate state); the pooled projection is the last layer's either way."""
     import jax.numpy as jnp
 
+    from preheat.models.clip import hidden_state_from_end
     from preheat.models.lora import Adapters
 
-    def program(params: tuple, ids: tuple) -> Any:
+    def program(params: tuple, ids: tuple, skip: Any) -> Any:
         adapters: Sequence[Any] = [None] * len(encoders)
         if lora:
             (params, tes), (ids, index) = params, ids
             adapters = [None if a is None else Adapters(a[0], a[1], index) for a in tes]
         outs = [te.apply(p, i, a) for te, p, i, a in zip(encoders, params, ids, adapters)]
         if not xl:
-            return outs[0].last_hidden_state.astype(jnp.float32)
-        context = jnp.concatenate([o.hidden_states[-2] for o in outs], axis=-1)  # (B, 77, D1 + D2)
+            return encoders[0].clip_skip(params[0], outs[0], skip).astype(jnp.float32)  # (B, 77, D)
+        context = jnp.concatenate([hidden_state_from_end(o, skip + 2) for o in outs], axis=-1)  # (B, 77, D1 + D2)
         return context.astype(jnp.float32), outs[-1].text_embeds.astype(jnp.float32)
 
     return program
 
 
 # --------------------------------------------------------------------------------------- checks
+
+
+def _or_first(second: list[str] | None, first: list[str] | None) -> list[str] | None:
+    """A second encoder's prompts: absent or "" means the first's, as diffusers' ``prompt_2 or prompt``."""
+    return first if second is None or all(p == "" for p in second) else second
 
 
 def _time_ids(values: dict[str, Any]) -> np.ndarray:
@@ -135,6 +205,25 @@ def _time_ids(values: dict[str, Any]) -> np.ndarray:
     crops = values["crops_coords_top_left"] or (0, 0)
     target = values["target_size"] or size
     return np.asarray([*original, *crops, *target], np.float32)
+
+
+def _negative_time_ids(values: dict[str, Any]) -> np.ndarray | None:
+    """The unconditional branch's ids (6,), or None (it shares the prompt's). diffusers uses them
+    only when both negative_original_size and negative_target_size are given; a lone one is refused
+    here rather than ignored."""
+    original, target = values["negative_original_size"], values["negative_target_size"]
+    crops = values["negative_crops_coords_top_left"]
+    if original is None and target is None:
+        if crops is not None:
+            raise InvalidArgumentError("negative_crops_coords_top_left needs negative_original_size and "
+                                       "negative_target_size", argument="negative_crops_coords_top_left")
+        return None
+    if original is None or target is None:
+        given, missing = (("negative_original_size", "negative_target_size") if target is None
+                          else ("negative_target_size", "negative_original_size"))
+        raise InvalidArgumentError(f"{given} needs {missing} too (the negative branch's size ids take both)",
+                                   argument=given)
+    return np.asarray([*original, *(crops or (0, 0)), *target], np.float32)
 
 
 # --------------------------------------------------------------------------------------- loading
@@ -233,6 +322,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         "vae_scale": vae_scale,
         "size_multiple": vae_scale,  # odd latent sides are fine: the UNet upsamples to each skip's size
         "force_zeros": bool(index.get("force_zeros_for_empty_prompt", True)),
+        "clip_layers": min(te.config.num_hidden_layers for te in encoders),  # bounds clip_skip
         "lora_targets": targets,
         "lora_encoders": te_names,
         "encode_fingerprint": {"kind": "clip-text", "encoders": [te.config.architecture_dict() for te in encoders],

@@ -106,7 +106,8 @@ def decode_program(vae: Any) -> Any:
 
 
 def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Callable], outputs: int,
-           extra: tuple[tuple[str, Any], ...] = (), lora: tuple[Any, Any, Any] | None = None) -> Any:
+           extra: tuple[tuple[str, Any], ...] = (), lora: tuple[Any, Any, Any] | None = None,
+           data: tuple[np.ndarray, ...] = ()) -> Any:
     """Tokenize on the host (``texts[i]`` for the i-th tokenizer) and run the encode stage.
 
     The stage's executable is chosen by the batch and every tokenizer's padded length, so a new
@@ -117,7 +118,8 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
 
     ``lora``: (per-encoder (factors, scales) or None, each text's slot (B,), the signature's
     (bucket, slots)) for text-encoder LoRAs: the program then gets ``(params, adapters)`` and
-    ``(ids, index)`` (``preheat.lora.encoder_adapters``).
+    ``(ids, index)`` (``preheat.lora.encoder_adapters``). ``data``: more per-text arrays (B, ...),
+    passed after the ids (SD's ``clip_skip``).
     """
     tokenizers = pipe.components["tokenizers"]
     ids = tuple(tok.encode(list(t)) for tok, t in zip(tokenizers, texts))  # each (B, L_i) int32
@@ -131,7 +133,8 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
         used = tuple(a is not None for a in adapters)
         sig = replace(sig, extra=(*sig.extra, ("lora", (*lora_sig, used))))
         args = ((params, adapters), (ids, index))
-    return pipe.run_stage("encode", pipe.components["encode_fingerprint"], sig, program, args, outputs=outputs)
+    return pipe.run_stage("encode", pipe.components["encode_fingerprint"], sig, program, (*args, *data),
+                          outputs=outputs)
 
 
 def offload(encoder: Any) -> Any:

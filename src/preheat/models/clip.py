@@ -56,6 +56,7 @@ __all__ = [
     "read_clip_config",
     "build_abstract",
     "checkpoint_key",
+    "hidden_state_from_end",
     "LEGACY_EOS_TOKEN_ID",
 ]
 
@@ -283,6 +284,22 @@ class CLIPTextModel(nnx.Module):
         return CLIPTextOutput(last, states, pooled, embeds)
 
 
+def hidden_state_from_end(output: CLIPTextOutput, back: int | Array) -> Array:
+    """``output.hidden_states[-back]``, with ``back`` an int or one per row (B,) int array (>= 1).
+
+    Each row's state is picked by a chain of selects, so ``back`` is data: every layer's state
+    is computed anyway, and no value compiles a new program.
+    """
+    states = output.hidden_states  # L + 1 of (B, S, D)
+    if isinstance(back, int):
+        return states[-back]
+    index = len(states) - jnp.asarray(back, jnp.int32)  # (B,) position in states
+    chosen = states[-1]
+    for i, state in enumerate(states[:-1]):
+        chosen = jnp.where((index == i)[:, None, None], state, chosen)  # (B, S, D)
+    return chosen
+
+
 # ----------------------------------------------------------------------------------------------
 # Loading
 
@@ -334,16 +351,18 @@ class CLIPText:
         """transformers' ``text_model.final_layer_norm`` on any (B, L, D) state."""
         return nnx.merge(self.graphdef, params).text_model.final_layer_norm(hidden)
 
-    def clip_skip(self, params: nnx.State, output: CLIPTextOutput, skip: int) -> Array:
+    def clip_skip(self, params: nnx.State, output: CLIPTextOutput, skip: int | Array) -> Array:
         """diffusers' SD ``clip_skip``: hidden_states[-(skip + 1)] through the final layer norm.
 
+        ``skip``: an int, or one per row (B,) int array -- data, so one program serves every value.
         ``skip=0`` is ``last_hidden_state``. (SDXL instead takes hidden_states[-(skip + 2)] without
-        the norm: index ``output.hidden_states`` directly.)
+        the norm: :func:`hidden_state_from_end` with ``skip + 2``.)
         """
-        n = len(output.hidden_states)
-        if not 0 <= skip < n:
-            raise InvalidArgumentError(f"clip_skip must be in [0, {n - 1}], got {skip}")
-        return self.final_layer_norm(params, output.hidden_states[-(skip + 1)])
+        if isinstance(skip, int):
+            n = len(output.hidden_states)
+            if isinstance(skip, bool) or not 0 <= skip < n:
+                raise InvalidArgumentError(f"clip_skip must be in [0, {n - 1}], got {skip}", argument="clip_skip")
+        return self.final_layer_norm(params, hidden_state_from_end(output, skip + 1))
 
     def __call__(self, input_ids: Any) -> CLIPTextOutput:
         return self.apply(self.params, jnp.asarray(input_ids, jnp.int32))

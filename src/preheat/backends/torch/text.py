@@ -29,12 +29,13 @@ import torch
 from preheat.backends.torch.compile_cache import INDUCTOR_OPTIONS, TorchCompiler, torch_key_fields
 from preheat.backends.torch.sampling import make_scheduler
 from preheat.backends.torch.arguments import EngineArguments
+from preheat.errors import InvalidArgumentError
 from preheat.families.base import Request
 from preheat.noise import initial_noise
 from preheat.samplers import SchedulerConfig, load_scheduler_config
 from preheat.timings import Timings
 
-__all__ = ["TorchTextPipeline", "load_text", "TEXT_FAMILIES"]
+__all__ = ["TorchTextPipeline", "load_text", "TEXT_FAMILIES", "restore_text_model"]
 
 # model_index.json's _class_name -> (families module, family object)
 TEXT_FAMILIES = {
@@ -89,10 +90,7 @@ class TorchTextPipeline(EngineArguments):
                           guidance_scale=request.guidance if request.guided else 1.0)
         if self.family.name.startswith("stable-diffusion") and self.family.name != "stable-diffusion-3":
             kwargs["eta"] = request.eta  # the flow pipelines take no eta
-        if "time_ids" in v:
-            ids = [int(x) for x in v["time_ids"]]
-            kwargs.update(original_size=tuple(ids[0:2]), crops_coords_top_left=tuple(ids[2:4]),
-                          target_size=tuple(ids[4:6]))
+        kwargs.update(_second_encoder(v))
         self.pipe.scheduler = make_scheduler(request.sampler, self.scheduler_dict)
         timings = self._prepare_denoiser(n * (2 if request.guided else 1), latent_shape, kwargs)
         events = self.compiler.events if self.compiler is not None else []
@@ -161,6 +159,44 @@ class TorchTextPipeline(EngineArguments):
         return Timings(cache_layer="memory")
 
 
+def restore_text_model(pipe: Any) -> None:
+    """Let diffusers' SD ``clip_skip`` run on transformers >= 5.6.
+
+    transformers 5.6 flattened ``CLIPTextModel`` (no ``text_model`` submodule), but diffusers' SD
+    ``encode_prompt`` still reads ``text_encoder.text_model.final_layer_norm`` when clip_skip is
+    set (diffusers#14124, open). Point the old name at the model itself -- the same final norm --
+    outside torch's module registry, so nothing else (state dict, ``.to``) sees it.
+    """
+    encoder = getattr(pipe, "text_encoder", None)
+    if encoder is not None and not hasattr(encoder, "text_model") and hasattr(encoder, "final_layer_norm"):
+        object.__setattr__(encoder, "text_model", encoder)
+
+
+def _second_encoder(v: dict[str, Any]) -> dict[str, Any]:
+    """SD/SDXL's clip_skip, SDXL's second prompts and size ids, as diffusers' keywords."""
+    kwargs: dict[str, Any] = {}
+    if "negative_prompt_2" in v:  # SDXL's second encoder (Flux's prompt_2 is passed with its guidance)
+        kwargs.update(prompt_2=v["prompt_2"], negative_prompt_2=v["negative_prompt_2"])
+    if v.get("negative_time_ids") is not None and len(v["prompt"]) > 1:
+        # diffusers repeats cat([negative ids, ids]) per image, against embeddings laid out as all
+        # negatives then all prompts: with two or more images it pairs the ids with the wrong branch
+        raise InvalidArgumentError("the torch backend takes negative_original_size / negative_target_size for one "
+                                   "image per call (diffusers pairs them with the wrong images for n > 1)",
+                                   argument="negative_original_size")
+    for key, prefix in (("time_ids", ""), ("negative_time_ids", "negative_")):
+        if v.get(key) is not None:
+            ids = [int(x) for x in v[key]]
+            kwargs.update({f"{prefix}original_size": tuple(ids[0:2]), f"{prefix}crops_coords_top_left": tuple(ids[2:4]),
+                           f"{prefix}target_size": tuple(ids[4:6])})
+    skips = set(v.get("clip_skip") or ())
+    if len(skips) > 1:
+        raise InvalidArgumentError("the torch backend takes one clip_skip per call (diffusers' pipeline does)",
+                                   argument="clip_skip")
+    if skips and skips != {0}:  # 0 is diffusers' default embedding: leave the keyword out
+        kwargs["clip_skip"] = skips.pop()
+    return kwargs
+
+
 def _loaded_in_call(events: list[dict[str, Any]], elapsed: float) -> Timings:
     """A call's Timings when blocks were loaded or compiled inside it (one event per block kind
     or signature): their trace and compile/load seconds summed, the rest of the call as run_s."""
@@ -207,6 +243,7 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
         for lib in quiet:
             lib.enable_progress_bar()
     pipe.set_progress_bar_config(disable=True)
+    restore_text_model(pipe)
     sched_source = scheduler if scheduler is not None else root / "scheduler"
     sched = load_scheduler_config(sched_source)
     sched_dict = dict(scheduler) if isinstance(scheduler, dict) else json.loads(
@@ -223,6 +260,10 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
         defaults.update(flux_defaults(bool(cfg.guidance_embeds)))
     elif class_name == "StableDiffusion3Pipeline":
         components.update(size_multiple=vae_scale * cfg.patch_size, patch_size=cfg.patch_size)
+    else:  # SD / SDXL: what the family's clip_skip and negative_prompt_2 checks read, as the JAX loader's
+        encoders = [e for e in (pipe.text_encoder, getattr(pipe, "text_encoder_2", None)) if e is not None]
+        components.update(clip_layers=min(e.config.num_hidden_layers for e in encoders),
+                          force_zeros=bool(pipe.config.get("force_zeros_for_empty_prompt", True)))
     latent = (size, size) if isinstance(size, int) else tuple(size)
     architecture = {k: v for k, v in dict(cfg).items() if not k.startswith("_")}
     fingerprint = json.loads(json.dumps({"kind": f"diffusers.{type(denoiser).__name__}", "config": architecture},
