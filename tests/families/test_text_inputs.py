@@ -155,7 +155,7 @@ def test_clip_skip_per_image_is_each_images_own(pipes):
     ("sd1", dict(clip_skip=-1), "clip_skip", "must be an int in [0, 2]"),
     ("sd1", dict(clip_skip=True), "clip_skip", "must be an int"),
     ("sd1", dict(clip_skip=1.0), "clip_skip", "must be an int"),
-    ("sd1", dict(clip_skip=[1], n=2), "clip_skip", "got 1 clip_skip values for n=2"),
+    ("sd1", dict(clip_skip=[1], n=2), "clip_skip", "got 1 clip_skips for n=2"),
     ("sd1", dict(prompt_2="x"), "prompt_2", "unexpected argument 'prompt_2'"),
     ("sdxl", dict(clip_skip=2), "clip_skip", "must be an int in [0, 1]"),  # SDXL counts from the penultimate
     ("sdxl", dict(prompt_2=3), "prompt_2", "prompt_2 must be a string"),

@@ -225,13 +225,18 @@ class SlowPipe:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pipe, name)
 
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
+    def _slowed(self, out: Any) -> Any:
         import time
 
-        out = self._pipe.generate(*args, **kwargs)
         if self.slow:
             time.sleep(self.extra_s)
         return out
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        return self._slowed(self._pipe.generate(*args, **kwargs))
+
+    def run(self, request: Any) -> Any:  # the server worker runs validated requests
+        return self._slowed(self._pipe.run(request))
 
 
 def test_retry_after_is_within_2x_of_the_real_wait(pipe: Any) -> None:

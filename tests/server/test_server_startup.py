@@ -47,11 +47,11 @@ def test_sizes_a_model_cannot_serve_fail_at_start(pipe, model_dir):
     from preheat.warm import WarmSet, resolve
     from preheat.errors import InvalidArgumentError
 
-    with pytest.raises(InvalidArgumentError, match=r"^--sizes 33x33: width=33: this model makes 16x16 images only$"):
+    with pytest.raises(InvalidArgumentError, match=r"^--sizes 33x33: width=33: this model makes width 16 only$"):
         resolve(pipe, WarmSet(sizes=((33, 33),)))
     assert resolve(pipe, WarmSet(sizes=((16, 16),))).sizes == ((16, 16),)  # its own size is fine
     from preheat.cli import main
 
     r = CliRunner().invoke(main, ["warm", str(model_dir), "--sizes", "33x33", "--dry-run"])
     assert r.exit_code == 2
-    assert r.stderr.strip().splitlines() == ["error: --sizes 33x33: width=33: this model makes 16x16 images only"]
+    assert r.stderr.strip().splitlines() == ["error: --sizes 33x33: width=33: this model makes width 16 only"]

@@ -82,7 +82,7 @@ class Int:
 
     def check(self, name: str, value: Any) -> int:
         if self.low == self.high and value != self.low:
-            raise InvalidArgumentError(f"{name}={value!r}: this model makes {self.low} only", argument=name)
+            raise InvalidArgumentError(f"{name}={value!r}: this model makes {name} {self.low} only", argument=name)
         value = check_int(name, value, self.low, self.high)
         if value % self.multiple:
             raise InvalidArgumentError(f"{name}={value} must be a multiple of {self.multiple} for this model",
