@@ -79,6 +79,8 @@ def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(tmp_pat
     assert code == 0 and "1 aot" in out, out
     listing = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "250"}).output
     assert "h200 (not autotuned)" in listing and "local" in listing, listing
+    explained = CliRunner().invoke(main, ["cache", "explain", "--n", "1", "--target", "h200"]).output
+    assert "target h200 (not autotuned)" in explained, explained  # the nearest (or hit) entry's target
 
 
 def test_warm_target_on_a_tiny_sd1_folder_compiles_every_program_of_the_call(tmp_path):
