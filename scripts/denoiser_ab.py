@@ -74,7 +74,7 @@ def main() -> None:
     import numpy as np
 
     import preheat
-    from preheat.bench.common import materialize_model
+    from preheat.bench.random_models import materialize_model
     from preheat.bench.profile import torch_breakdown
     from preheat.engine import BUILTIN_MODEL
 

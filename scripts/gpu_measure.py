@@ -55,7 +55,7 @@ class Model:
     """One model for the cold-start rows and the steady state.
 
     ``arch`` is a UNet2DModel config (random weights are written here in ``dtype``) or a name in
-    ``preheat.bench.common.ARCHITECTURES`` (written by ``materialize_model``, loaded in ``dtype``).
+    ``preheat.bench.common.ARCHITECTURES`` (written by ``random_models.materialize_model``, loaded in ``dtype``).
     ``sample_args`` are more ``preheat sample`` arguments and ``generate_kwargs`` the same for
     ``Pipeline.generate`` in the steady-state child (e.g. a prompt and a size for text-to-image).
     """
@@ -221,7 +221,7 @@ def materialize(arch: dict[str, Any] | str, dtype: str, out: Path) -> dict[str, 
     import numpy as np
 
     if isinstance(arch, str):
-        from preheat.bench.common import materialize_model
+        from preheat.bench.random_models import materialize_model
 
         path = Path(materialize_model(arch, out))
     else:
@@ -563,7 +563,7 @@ def step_compare(r: Runner) -> dict[str, Any]:
     dest = r.out / "compare.json"
     child_timeout = max(30.0, 0.6 * timeout)  # one slow child (torch.compile, empty cache) may take most
     cmd = [sys.executable, "-m", "preheat", "bench", "compare", *r.limits["compare_args"],
-           "--timeout", f"{child_timeout:.0f}", "--json-out", str(dest)]
+           "--timeout", f"{child_timeout:.0f}", "--report", str(dest)]
     p = r.run("bench compare", cmd, timeout)
     if not dest.is_file():
         return {"error": _fail(p) or "no JSON written", "seconds": p.seconds}

@@ -17,6 +17,9 @@ from typing import Any
 
 from preheat import errors
 from preheat._version import __version__
+from preheat.env import quiet_gpu_plugin_failure
+
+quiet_gpu_plugin_failure()  # a GPU plugin with no usable GPU is one logged line, not a traceback
 
 __all__ = ["load_unet", "load", "Pipeline", "errors", "__version__"]
 

@@ -15,21 +15,21 @@ __all__ = ["load"]
 
 
 def load(model: str | Path | None = None, *, backend: str = "jax", compile: str = "none", **options: Any) -> Any:
-    """A sampling pipeline for ``model`` (``None`` = the built-in model); see :func:`preheat.engine.load`
+    """A sampling pipeline for ``model`` (``None`` = the built-in model); see :func:`preheat.engine.load_jax_pipeline`
     for ``scheduler``, ``dtype``, ``cache`` and ``variant``.
 
     ``backend="torch"`` returns the same call API on diffusers' own models and pipelines, with
     ``compile`` = "none" (eager), "inductor" (torch.compile) or "aot" (AOTInductor).
     """
     if backend == "torch":
-        from preheat.backends.torch import load as load_torch
+        from preheat.backends.torch import load_torch_pipeline
 
-        return load_torch(model, compile=compile, **options)
+        return load_torch_pipeline(model, compile=compile, **options)
     if backend != "jax":
         raise InvalidArgumentError(f"backend={backend!r} is not supported; use 'jax' or 'torch'", argument="backend")
     if compile != "none":
         raise InvalidArgumentError(f"compile={compile!r} applies to backend='torch'; the JAX loop is always compiled",
                                    argument="compile")
-    from preheat.engine import load as load_jax
+    from preheat.engine import load_jax_pipeline
 
-    return load_jax(model, **options)
+    return load_jax_pipeline(model, **options)

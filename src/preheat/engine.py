@@ -51,7 +51,7 @@ from preheat.samplers import (SAMPLERS, Plan, SchedulerConfig, SolverSpec, load_
                               run)
 from preheat.timings import Phases, Timings, now_s
 
-__all__ = ["Pipeline", "load", "BUILTIN_MODEL", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
+__all__ = ["Pipeline", "load_jax_pipeline", "BUILTIN_MODEL", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
            "build_program", "make_compiler"]
 
 BUILTIN_MODEL = Path(__file__).parent / "assets" / "digits"
@@ -81,10 +81,6 @@ class Signature:
     conditioning: tuple[str, ...]  # the names of the conditioning leaves ((), ("class_labels",), ...)
     pixels: bool  # the program ends with the conversion to uint8
     lora: tuple[int, int] | None = None  # (rank bucket, adapter slots); None: the program without LoRA
-
-    @property
-    def class_conditional(self) -> bool:
-        return "class_labels" in self.conditioning
 
     @property
     def output(self) -> jax.ShapeDtypeStruct:
@@ -151,7 +147,7 @@ def _first_positional(first: Any, inputs: dict[str, Any], family: Family) -> int
 
 @dataclass
 class Pipeline:
-    """A model ready to sample. Build with :func:`load` or :meth:`Pipeline.from_denoiser`."""
+    """A model ready to sample. Build with :func:`preheat.load` or :meth:`Pipeline.from_denoiser`."""
 
     apply: Denoiser
     params: Any
@@ -532,7 +528,7 @@ def make_compiler(cache: str | None = None) -> Any:
     return JaxCompiler(mode=mode)
 
 
-def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
+def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
          cache: str | None = None, variant: str | None = None, offload_encoders: bool = False,
          devices: Any = None, fsdp: int = 1, prefetch: Sequence[dict[str, Any]] | None = None) -> Pipeline:
     """A JAX sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
@@ -555,7 +551,7 @@ def load(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any =
     weights that do not fit one device); it must divide the device count.
     ``prefetch``: the calls expected first, as ``generate`` keywords (``[{"n": 4, "steps": 20}]``;
     a text family's prompt may be left out: its words are data), or a function of the pipeline
-    being loaded that returns them (``preheat.cache.warm.prefetch_calls``: a server's warm
+    being loaded that returns them (``preheat.warm.prefetch_calls``: a server's warm
     declaration). Every executable those calls run -- a text family's encoders, the denoising
     loop, the VAE decoder -- is loaded (or pulled from ``PREHEAT_CACHE_URL``) on a background
     thread while the weights are read: each call is rehearsed on placeholder weights, which

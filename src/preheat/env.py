@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
-__all__ = ["TRUE_VALUES", "env_flag", "installed_version"]
+__all__ = ["TRUE_VALUES", "env_flag", "installed_version", "quiet_gpu_plugin_failure"]
 
 TRUE_VALUES = ("1", "true", "yes", "on")  # case- and whitespace-insensitive; anything else is off
 
@@ -23,3 +24,28 @@ def installed_version(dist: str) -> str | None:
         return metadata.version(dist)
     except Exception:  # PackageNotFoundError, or broken metadata: reported as not installed
         return None
+
+
+class _PluginFailureFilter(logging.Filter):
+    """JAX logs a GPU plugin that cannot start (the CUDA plugin on a machine with no usable driver,
+    as on a CPU builder that compiles for a GPU with ``preheat warm --target``) as a full
+    traceback, then runs on the CPU. Keep it visible, as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith("Jax plugin configuration error: Exception when calling jax_plugins."):
+            return True
+        cause = record.exc_info[1] if record.exc_info else None
+        why = (str(cause).splitlines() or [type(cause).__name__])[0].split("; ")[0] if cause is not None else "unknown"
+        plugin = message.split("jax_plugins.", 1)[1].split(".", 1)[0]
+        record.msg = (f"JAX's {plugin} plugin did not start ({why[:160]}); JAX runs without it "
+                      "(`preheat doctor` says why)")
+        record.args, record.exc_info, record.exc_text = (), None, None
+        return True
+
+
+def quiet_gpu_plugin_failure() -> None:
+    """Install the one-line form of JAX's plugin start-up failure (idempotent; before JAX starts)."""
+    logger = logging.getLogger("jax._src.xla_bridge")
+    if not any(isinstance(f, _PluginFailureFilter) for f in logger.filters):
+        logger.addFilter(_PluginFailureFilter())

@@ -19,6 +19,7 @@ problem (and, where there is one, the fix). Surfaces (CLI, server, Runpod handle
     │   │                     quarantined and recompiled; this surfaces only for the root)
     │   └── CacheEntryError       one entry failed verification (caught internally)
     ├── FetchError            a model source cannot be fetched (pull)
+    ├── MissingExtraError     an optional extra is not installed; ``.extra`` names it
     ├── InputError            a server request's input is invalid; ``.errors`` names each field
     │                         (HTTP 422, a Runpod ``{"error": ...}``)
     └── ServingError          the server cannot take a prediction now
@@ -41,6 +42,7 @@ __all__ = [
     "CacheError",
     "CacheEntryError",
     "FetchError",
+    "MissingExtraError",
     "InputError",
     "ServingError",
     "QueueFull",
@@ -104,7 +106,35 @@ class CacheEntryError(CacheError):
 
 
 class FetchError(PreheatError):
-    """A model source cannot be fetched into the store."""
+    """A model source cannot be fetched into the store. ``reason``, for a download a client asked
+    for, says which guard refused it (``address``, ``size``, ``deadline``, ``busy``, ``invalid``,
+    ``http``, ``network``): the server counts refusals by it."""
+
+    def __init__(self, message: str, *, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
+
+
+# The top-level module -> the extra of pyproject.toml that installs it.
+EXTRA_OF_MODULE = {"fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "httpx": "serve",
+                   "runpod": "runpod", "ray": "ray", "torch": "torch", "diffusers": "torch",
+                   "transformers": "torch", "huggingface_hub": "hub", "fsspec": "remote", "s3fs": "remote",
+                   "sklearn": "train", "matplotlib": "bench", "psutil": "bench"}
+
+
+class MissingExtraError(PreheatError, ImportError):
+    """An optional extra is not installed: one line naming the ``pip install`` that provides it."""
+
+    def __init__(self, extra: str, what: str, module: str):
+        self.extra = extra
+        super().__init__(f'{what} needs the {extra} extra: pip install ".[{extra}]" (No module named {module!r})')
+
+    @classmethod
+    def of(cls, err: ModuleNotFoundError, what: str) -> "MissingExtraError | None":
+        """The error for ``err`` if an extra provides its module; None for any other missing module."""
+        module = (err.name or "").split(".")[0]
+        extra = EXTRA_OF_MODULE.get(module)
+        return None if extra is None else cls(extra, what, module)
 
 
 class InputError(PreheatError, ValueError):

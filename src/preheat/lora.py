@@ -85,7 +85,7 @@ class LoraTargets:
 
     def zeros(self, rank: int, encoders: Sequence[str] = ()) -> "LoraFile":
         """A LoRA of ``rank`` whose factors are zeros, with a layer in each of ``encoders`` too: what
-        warm-up runs (``preheat.cache.warm``) so that a rank bucket's programs -- the denoiser's and
+        warm-up runs (``preheat.warm``) so that a rank bucket's programs -- the denoiser's and
         the text encoders' with adapters -- are compiled before any real LoRA arrives."""
         layers: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
         for comp in ("denoiser", *encoders):

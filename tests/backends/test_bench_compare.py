@@ -68,7 +68,7 @@ def test_quick_compare_on_a_micro_model(tmp_path):
     result = CliRunner().invoke(compare_command, [str(model), "--quick", "--repeats", "1", "--steps", "2",
                                                   "--batch-sizes", "1", "--steady-repeats", "1",
                                                   "--paths", ",".join(paths),
-                                                  "--json-out", str(out), "--png-out", str(png)])
+                                                  "--report", str(out), "--png-out", str(png)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert set(data["paths"]) == set(paths)

@@ -13,7 +13,7 @@ pytest.importorskip("diffusers")
 import preheat  # noqa: E402
 from preheat import engine, noise  # noqa: E402
 from preheat.backends.torch import TorchPipeline, initial_noise  # noqa: E402
-from preheat.backends.torch import load as torch_load  # noqa: E402
+from preheat.backends.torch import load_torch_pipeline as torch_load  # noqa: E402
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, PreheatError, UnsupportedConfigError  # noqa: E402
 from tests._support.reference import TINY_CLASS_CONDITIONAL, save_tiny_pipeline  # noqa: E402
 

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
-from preheat.backends.torch import load as torch_load  # noqa: E402
+from preheat.backends.torch import load_torch_pipeline as torch_load  # noqa: E402
 from preheat.backends.torch.compile_cache import TorchCompiler, torch_key_fields  # noqa: E402
 from preheat.cache.compile import key_of  # noqa: E402
 from preheat.cache.entries import LoadingMarker, open_entry, publish_entry  # noqa: E402
@@ -222,10 +222,10 @@ def test_entries_go_to_the_fleet_store_in_the_background(tmp_path):
 _CHILD = """
 import json, sys
 import numpy as np
-from preheat.backends.torch import load
+from preheat.backends.torch import load_torch_pipeline
 from tests._support.torch_models import count_cpp_builds
 builds = count_cpp_builds()
-pipe = load(sys.argv[1], compile="inductor")
+pipe = load_torch_pipeline(sys.argv[1], compile="inductor")
 pixels = pipe.generate(2, sampler="ddim", steps=3, seed=[1, 2], class_labels=[3, 4])
 print("RESULT " + json.dumps({"layer": pipe.last.cache_layer, "trace": pipe.last.trace_lower_s,
                                "compile": pipe.last.compile_s, "builds": len(builds), "events": pipe.compiler.events,

@@ -431,7 +431,7 @@ def test_cache_explain_backend_torch(cold, flux, tmp_path, monkeypatch):
     home = _copy_home(base, tmp_path)
     before = _entries(home)
     monkeypatch.setenv("PREHEAT_HOME", str(home))
-    args = [str(flux), "--backend", "torch", "--prompt", "a photo of a cat", "--height", "32"]
+    args = [str(flux), "--backend", "torch", "--compile", "regional", "--prompt", "a photo of a cat", "--height", "32"]
 
     def explained(width: str) -> list[str]:
         result = CliRunner().invoke(explain_command, [*args, "--width", width])

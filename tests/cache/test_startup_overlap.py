@@ -161,7 +161,7 @@ def test_prefetched_weights_are_placeholders_until_read(model_dir):
 
 
 def test_a_server_prefetches_its_warm_declaration(model_dir, published, tmp_path, monkeypatch):
-    """``preheat serve`` loads with its warm declaration as prefetch (``cache.warm.prefetch_calls``):
+    """``preheat serve`` loads with its warm declaration as prefetch (``preheat.warm.prefetch_calls``):
     the warm-up finds every cached program loaded in the background; one not cached compiles."""
     from preheat.server.core import Core, CoreConfig
 

@@ -163,7 +163,7 @@ def _attention_hlo(head_dim: int, dtype: jnp.dtype, heads: int = 2, tokens: int 
     """The compiled H200 HLO of one cross-attention layer (transformer2d's, as SD UNets build it)."""
     from flax import nnx
 
-    from preheat.models.compile_target import compiling_for
+    from preheat.compile_target import compiling_for
     from preheat.models.transformer2d import CrossAttention
 
     layer = nnx.eval_shape(lambda: CrossAttention(heads * head_dim, 32, heads, head_dim, False, rngs=nnx.Rngs(0)))
@@ -211,7 +211,7 @@ def test_a_target_compiler_never_prefetches(tmp_path):
 def test_one_function_traced_for_the_cpu_and_the_target_gets_each_its_own_program():
     """The target is part of jit's caches: the CPU's trace is never reused for the GPU, nor the reverse."""
     from preheat.models.attention import dot_product_attention
-    from preheat.models.compile_target import compiling_for
+    from preheat.compile_target import compiling_for
 
     def attend(q):  # (B, L, nH, Dh)
         return dot_product_attention(q, q, q)

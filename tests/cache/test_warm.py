@@ -23,7 +23,7 @@ from preheat.cache.compile import JaxCompiler
 from preheat.cache.entries import publish_entry
 from preheat.cache.remote import open_store
 from preheat.cache.remote.background import BackgroundPushes
-from preheat.cache.warm import WarmSet
+from preheat.warm import WarmSet
 from preheat.cli import main
 from preheat.server.core import Core, CoreConfig
 from tests._support.gated import GatedStore

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from preheat.cache.warm import WarmSet
+from preheat.warm import WarmSet
 from preheat.cli.warm import warm_set_from_options
 from preheat.server.core import CoreConfig
 
@@ -45,7 +45,7 @@ def test_dry_run_lists_every_program_of_a_text_family_and_compiles_nothing(sd_pi
     """The listed keys are the keys a real call then compiles (encoders, denoise, decode). One
     real call of the tiny SD pipeline (three small compiles, ~15 s on 2 shared cores): the only
     independent reference for keys is the compile cache itself."""
-    from preheat.cache import warm as warming
+    from preheat import warm as warming
 
     pipe = sd_pipe
     sig = warming.signatures(pipe, warming.resolve(pipe, WarmSet(max_batch_size=1, guidance=("off",))))[0]

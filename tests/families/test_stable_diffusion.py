@@ -164,7 +164,7 @@ def test_unknown_pipeline_class_is_named(folders, tmp_path):
 
 @pytest.mark.parametrize("kind,sampler", [("sd1", "dpmpp_2m"), ("sdxl", "euler")])
 def test_torch_backend_runs_the_same_folder_with_the_same_latents(folders, pipes, kind, sampler):
-    from preheat.backends.torch import load as torch_load
+    from preheat.backends.torch import load_torch_pipeline as torch_load
 
     torch_pipe = torch_load(folders[kind], cache="off")
     call = dict(steps=3, sampler=sampler, guidance=5.0, seed=[4, 5], negative_prompt="blurry")

@@ -12,7 +12,7 @@ import pytest
 import preheat
 from preheat.errors import InvalidArgumentError
 from preheat.models.conv import CONV_IMPLS, GROUPNORM_IMPLS, conv2d, conv_impl, groupnorm_impl
-from preheat.models.unet2d import GroupNorm
+from preheat.models.layers import GroupNorm
 from tests._support.reference import save_random_unet, torch_unet_output
 
 # Outputs are O(1) sums of k*k*Cin <= 144 products; the implementations add the same products in

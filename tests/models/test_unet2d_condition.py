@@ -90,11 +90,11 @@ def test_nearest_resize_picks_torchs_rows(n_in, n_out):
     """Upsample2D to an explicit size takes the rows torch's ``interpolate(mode="nearest")`` takes."""
     import torch
 
-    from preheat.models.unet2d import _nearest_index
+    from preheat.models.layers import nearest_index
 
     rows = torch.arange(n_in, dtype=torch.float32).reshape(1, 1, n_in, 1)
     ref = torch.nn.functional.interpolate(rows, size=(n_out, 1), mode="nearest").reshape(-1).numpy()
-    np.testing.assert_array_equal(_nearest_index(n_in, n_out), ref.astype(np.int32))
+    np.testing.assert_array_equal(nearest_index(n_in, n_out), ref.astype(np.int32))
 
 
 def test_num_attention_heads_wins_over_attention_head_dim(tiny, tmp_path):

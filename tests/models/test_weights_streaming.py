@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import preheat
-from preheat.engine import load
+from preheat.engine import load_jax_pipeline
 from preheat.errors import ModelFormatError, WeightsError
 from preheat.models import loading, weights
 from preheat.models.weights import (DIFFUSERS_STEM, Checkpoint, expected_torch_shape, fill, read_tensors, recording,
@@ -197,7 +197,7 @@ def test_a_shard_cut_while_streaming_is_one_line_and_returns_nothing(tmp_path, a
 
 def test_recording_reports_every_component_of_a_pipeline_load(tmp_path):
     with recording() as rec:
-        pipe = load(None)
+        pipe = load_jax_pipeline(None)
     total = pipe.load_report
     assert total is not None and rec.total is not None and rec.total.tensors == total.tensors
     files = [Path(f) for f in total.files]

@@ -14,7 +14,7 @@ def test_bench_serve_small(model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(bench_serve_command, [str(model_dir), "--requests", "24", "--concurrency", "6",
                                                       "--max-batch-size", "2", "--steps", "2", "--timeout-s", "240", "--offline-s", "0.5",
-                                                      "--json", str(out)])
+                                                      "--report", str(out)])
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
     assert record["exactly_once"] and record["succeeded"] == 24 and record["server_predictions_succeeded"] == 24

@@ -24,22 +24,18 @@ from preheat.cli.serve import serve_command
     (["--max-loras", "0"], "--max-loras 0 must be >= 1"),
     (["--lora-ranks", "16,24"], "LoRA rank bucket(s) 24 are not rank buckets; buckets: 16, 32, 64, 128"),
     (["--lora-ranks", "x"], "--lora-ranks 'x' must be rank buckets"),
+    (["--fetch-deadline-s", "0"], "--fetch-deadline-s 0.0 must be > 0"),
+    (["--fetch-connect-timeout-s", "-1"], "--fetch-connect-timeout-s -1.0 must be > 0"),
+    (["--max-lora-bytes", "0"], "--max-lora-bytes 0 must be >= 1"),
+    (["--max-fetches", "0"], "--max-fetches 0 must be >= 1"),
+    (["--fetch-per-host", "0"], "--fetch-per-host 0 must be >= 1"),
+    (["--max-header-bytes", "10"], "--max-header-bytes 10 must be >= 1024"),
 ])
 def test_serve_rejects_bad_options_in_one_line(args: list[str], message: str) -> None:
     result = CliRunner().invoke(serve_command, args)
     assert result.exit_code == 2, result.output
     assert result.output.strip().splitlines() == [f"error: {result.output.strip()[7:]}"]
     assert message in result.output
-
-
-def test_serve_backend_torch_needs_a_torch_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
-    import preheat.backends.torch as torch_backend
-
-    monkeypatch.delattr(torch_backend, "load")  # as before the torch backend had a pipeline
-    result = CliRunner().invoke(serve_command, ["--backend", "torch"])
-    assert result.exit_code == 2
-    assert result.output.strip() == ("error: --backend torch: preheat.backends.torch provides no pipeline yet; "
-                                     "use --backend jax")
 
 
 def test_bench_serve_rejects_bad_counts() -> None:
@@ -52,6 +48,6 @@ def test_serve_compile_reaches_the_torch_loader(monkeypatch: pytest.MonkeyPatch)
     from preheat.server.core import CoreConfig, load_pipeline
 
     calls = []
-    monkeypatch.setattr(torch_backend, "load", lambda model, **kw: calls.append((model, kw)) or "pipe")
+    monkeypatch.setattr(torch_backend, "load_torch_pipeline", lambda model, **kw: calls.append((model, kw)) or "pipe")
     assert load_pipeline(CoreConfig(model="m", backend="torch", compile="regional")) == "pipe"
-    assert calls == [("m", {"dtype": "float32", "compile": "regional"})]
+    assert calls == [("m", {"dtype": "float32", "compile": "regional", "variant": None, "cache": None})]

@@ -2,8 +2,8 @@
 
 Bounded by count, not time: per operation, 15 schema-valid and 15 schema-invalid examples
 (hypothesis via schemathesis' strategies), a server whose limits keep every accepted prediction
-tiny (<= 2 images, <= 4 steps, one sampler), and webhooks stripped (they would send traffic off
-this machine).
+tiny (<= 2 images, <= 4 steps, one sampler), a --lora-dir whose files are the bad path shapes
+(loops, a FIFO, a folder), and webhooks stripped (they would send traffic off this machine).
 
 (schemathesis' own pytest plugin, ``schemathesis.pytest.from_fixture``, does not run under
 pytest 9 - it reads ``request.node._nodeid`` - so the strategies are driven directly.)
@@ -37,8 +37,19 @@ def _hypothesis_home(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(pipe: Any):
-    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=4, samplers=("dpmpp_2m",)), pipe=pipe).start()
+def fuzz_server(pipe: Any, tmp_path_factory: pytest.TempPathFactory):
+    # a --lora-dir holding the path shapes that once reached the OS unchecked (issue 31), so that
+    # generated lora_weights strings meet the path checks; any URL gets a short fetch deadline
+    import os
+
+    from preheat.server.fetch import FetchConfig
+
+    loras = tmp_path_factory.mktemp("fuzz-loras")
+    (loras / "loop.safetensors").symlink_to(loras / "loop.safetensors")
+    os.mkfifo(loras / "fifo.safetensors")
+    (loras / "dir").mkdir()
+    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=4, samplers=("dpmpp_2m",), lora_dir=str(loras),
+                           fetch=FetchConfig(connect_timeout_s=1, deadline_s=3)), pipe=pipe).start()
     assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
     with serving(core) as srv:
         yield srv

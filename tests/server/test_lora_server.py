@@ -215,6 +215,7 @@ def test_a_lora_url_on_a_private_address_is_refused_before_any_request(core, lor
 
 def test_a_policy_that_admits_the_address_fetches_the_lora(sd_pipe, loras, tmp_path, monkeypatch):
     """``--lora-url-allow 127.0.0.1`` (CoreConfig.lora_urls): the same URL is fetched, once."""
+    from preheat.server.fetch import FetchConfig, Fetcher
     from preheat.server.inputs import _lora
     from preheat.server.webhooks import WebhookPolicy
     from tests._support.file_server import FileServer
@@ -226,7 +227,7 @@ def test_a_policy_that_admits_the_address_fetches_the_lora(sd_pipe, loras, tmp_p
         errors: list = []
         url = files.url("a.safetensors")
         lora, bucket = _lora(sd_pipe, {"lora_weights": url, "lora_scale": 0.5}, errors, None,
-                             WebhookPolicy(allow=("127.0.0.1",)))
+                             Fetcher(FetchConfig(policy=WebhookPolicy(allow=("127.0.0.1",)))))
         assert errors == [] and lora[1] == 0.5 and bucket == 16 and lora[0].rank == 4
         assert [h.status for h in files.hits] == [200]
     finally:
@@ -262,3 +263,63 @@ def test_a_server_reads_local_lora_files_only_under_its_lora_dir(tmp_path):
         with pytest.raises(InvalidArgumentError, match=words) as err:
             lora_source(source, lora_dir)
         assert "\n" not in str(err.value) and err.value.argument == "lora_weights"
+
+
+def test_stalled_lora_urls_hold_only_the_fetch_slots(sd_pipe, loras, tmp_path, monkeypatch):
+    """The probe's finding: 8 URLs to hosts that accept and never answer held every worker thread,
+    and a LoRA from --lora-dir then got no answer. Now they hold the fetch slots only: requests
+    without a LoRA, a local LoRA and a URL LoRA already stored are answered while every slot (and
+    the waiting line) is still stalled, and nothing the tarpits sent is left in the store."""
+    import asyncio
+
+    import httpx
+
+    from preheat.server.fetch import FetchConfig
+    from preheat.server.webhooks import WebhookPolicy
+    from tests._support.fetch_servers import RawServer, stored_files, tarpit
+    from tests._support.file_server import FileServer
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    files = FileServer().start()
+    files.files["/c.safetensors"] = loras["C"].read_bytes()
+    pits = [RawServer(tarpit, f"127.0.0.{i}") for i in (2, 3, 4)]
+    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=30, guidance=("on",), lora_ranks=(16,),
+                           lora_dir=str(loras["A"].parent), lora_urls=WebhookPolicy(allow=("127.0.0.0/8",)),
+                           fetch=FetchConfig(per_host=2, max_fetches=4, max_waiting=4, deadline_s=300)),
+                pipe=sd_pipe)
+    core.start()
+    try:
+        assert core.wait_setup(900) and core.setup.status == "succeeded", core.setup.logs
+        base = {"prompt": "a cat", "num_inference_steps": 1, "seed": 1}
+        with serving(core) as server, httpx.Client(base_url=server.url, timeout=300) as client:
+            wait_status(client, "READY")
+            stored_url = files.url("c.safetensors")
+            assert client.post("/predictions", json={"input": {**base, "lora_weights": stored_url}}).status_code == 200
+            before = stored_files(tmp_path / "home")
+
+            async def stall() -> list:
+                async with httpx.AsyncClient(base_url=server.url, timeout=300) as ac:
+                    return await asyncio.gather(*[ac.post("/predictions", json={"input": {
+                        **base, "lora_weights": pits[i % 3].url(f"{i}.safetensors")}}) for i in range(8)])
+
+            stalled: dict = {}
+            t = threading.Thread(target=lambda: stalled.update(r=asyncio.run(stall())))
+            t.start()
+            wait_until(lambda: core.fetcher.in_flight == 4 and core.fetcher._waiting == 4, what="every slot stalled")
+            answers = _post_all(client, [{"input": base}, {"input": {**base, "lora_weights": "a.safetensors"}},
+                                         {"input": {**base, "lora_weights": stored_url}}] * 2)
+            assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers]
+            assert core.fetcher.in_flight == 4 and t.is_alive()  # answered while the tarpits still held every slot
+            for pit in pits:
+                pit.stop()
+            t.join(120)
+            codes = [r.status_code for r in stalled["r"]]
+            assert codes == [422] * 8, [r.text for r in stalled["r"]]
+            assert all(r.json()["detail"][0]["loc"][-1] == "lora_weights" for r in stalled["r"])
+            assert stored_files(tmp_path / "home") == before
+            assert [h.status for h in files.hits] == [200]  # the stored LoRA was fetched once
+    finally:
+        for pit in pits:
+            pit.stop()
+        files.stop()
+        core.close()

@@ -30,7 +30,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary
+from preheat.bench.common import fmt_summary, machine_line, summary
+from preheat.bench.random_models import materialize_model
 
 __all__ = ["run_child", "bench_coldstart", "bench_coldstart_torch", "weights_vs_bare_read", "markdown", "plot"]
 

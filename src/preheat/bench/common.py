@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["timed", "summary", "machine_line", "ARCHITECTURES", "materialize_model", "fmt_summary", "write_json"]
+__all__ = ["timed", "summary", "machine_line", "ARCHITECTURES", "write_pixel_architecture", "fmt_summary", "write_json"]
 
 # Published architectures, for random-weight benchmark models (config.json of the checkpoint).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -29,35 +29,22 @@ _DDPM_SCHEDULER = {"_class_name": "DDPMScheduler", "num_train_timesteps": 1000, 
                    "beta_start": 0.0001, "beta_end": 0.02, "clip_sample": True, "variance_type": "fixed_large"}
 
 
-def materialize_model(name_or_path: str | None, workdir: Path) -> str | None:
-    """A model argument for preheat.load: a path, None (built-in), or a random-weight folder of a
-    named architecture written once under ``workdir`` (JAX init, saved in diffusers format)."""
-    from preheat.bench.random_models import TEXT_ARCHITECTURES
-
-    if name_or_path is None or name_or_path not in (*ARCHITECTURES, *TEXT_ARCHITECTURES):
-        return name_or_path
-    out = workdir / name_or_path
-    if (out / "model_index.json").is_file():
-        return str(out)
-    if name_or_path in TEXT_ARCHITECTURES:
-        from preheat.bench import random_models
-
-        return str(getattr(random_models, TEXT_ARCHITECTURES[name_or_path])(out))
-    import jax
+def write_pixel_architecture(name: str, out: Path) -> Path:
+    """A random-weight pixel pipeline folder of a published architecture (``ARCHITECTURES``), built
+    with JAX and saved in diffusers format."""
     from flax import nnx
 
     from preheat.files import atomic_write_bytes
     from preheat.models.loading import save_unet
     from preheat.models.unet2d import UNet2DConfig, UNet2DModule
 
-    config = UNet2DConfig.from_dict(ARCHITECTURES[name_or_path])
+    config = UNet2DConfig.from_dict(ARCHITECTURES[name])
     model = UNet2DModule(config, rngs=nnx.Rngs(0))
     save_unet(config, nnx.state(model), out / "unet")
     atomic_write_bytes(out / "scheduler" / "scheduler_config.json", json.dumps(_DDPM_SCHEDULER).encode())
     atomic_write_bytes(out / "model_index.json", json.dumps({"_class_name": "DDPMPipeline", "preheat": {
         "defaults": {"sampler": "ddim", "steps": 20}}}).encode())
-    del jax
-    return str(out)
+    return out
 
 
 def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:

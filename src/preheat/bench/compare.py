@@ -58,9 +58,9 @@ def _load_pipe(spec: dict[str, Any]) -> Any:
         import preheat
 
         return preheat.load(spec["model"])
-    from preheat.backends.torch import load
+    from preheat.backends.torch import load_torch_pipeline
 
-    return load(spec["model"], compile=_TORCH_COMPILE[base])
+    return load_torch_pipeline(spec["model"], compile=_TORCH_COMPILE[base])
 
 
 def _device_peak_mb(spec: dict[str, Any]) -> float | None:
@@ -211,8 +211,10 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
                   repeats: int = 3, steady_repeats: int = 5, paths: tuple[str, ...] = PATHS,
                   xla_variants: dict[str, str] | None = None, workdir: Path, timeout: float = 1800.0,
                   log: Callable[[str], None] = lambda s: None, inputs: dict[str, Any] | None = None) -> dict[str, Any]:
-    from preheat.bench.common import materialize_model
+    from preheat.bench.random_models import materialize_model
+    from preheat.bench.random_models import random_name, sized_inputs
 
+    inputs = sized_inputs(random_name(model), inputs)  # a tiny random model runs at its tiny size
     model = materialize_model(model, workdir)
     if model is not None:
         from preheat.store import is_remote, resolve

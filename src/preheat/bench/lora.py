@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from preheat.bench.common import machine_line, materialize_model, summary
+from preheat.bench.common import machine_line, summary
+from preheat.bench.random_models import materialize_model
 
 __all__ = ["bench_lora", "write_random_loras", "markdown"]
 
@@ -67,7 +68,7 @@ def bench_lora(model: str | None, n: int, steps: int, rank: int, repeats: int, w
         from preheat.errors import InvalidArgumentError
 
         raise InvalidArgumentError(f"LoRAs are not supported for a {pipe.family.name} model; bench a text-to-image "
-                                   "model (e.g. sd-small-random)")
+                                   "model (e.g. random:sd-small)")
     from preheat.lora import LoraCache
 
     files = write_random_loras(pipe, workdir / "loras", n, rank)

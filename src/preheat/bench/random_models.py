@@ -25,11 +25,13 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
-__all__ = ["bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
+from preheat.errors import InvalidArgumentError
+
+__all__ = ["RANDOM_MODELS", "materialize_model", "RandomModel", "random_name", "sized_inputs", "build_random", "OLD_NAMES", "bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
            "save_random_sd_small", "save_random_flux", "save_random_flux_tiny", "save_random_sd1_tiny",
-           "TEXT_ARCHITECTURES"]
+           "save_random_sdxl_tiny", "save_random_sd3_tiny", "TEXT_ARCHITECTURES"]
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 _WORDS = ("a photo of the cat dog fox watercolor painting portrait city night forest red blue green "
@@ -77,9 +79,94 @@ FLUX_SCHEDULER: dict[str, Any] = dict(
 # folder, so that loading streams shard by shard as it would there.
 FLUX_SHARD = "1GB"
 
-TEXT_ARCHITECTURES = {"sd15-random": "save_random_sd15", "flux-random": "save_random_flux",
-                      "sd-small-random": "save_random_sd_small", "flux-tiny-random": "save_random_flux_tiny",
-                      "sd1-tiny-random": "save_random_sd1_tiny"}
+class RandomModel(NamedTuple):
+    """One random-weight folder offered as ``random:NAME``."""
+
+    builder: str  # the save_random_* function of this module (or "pixel": bench.common's JAX-built UNet)
+    size: Optional[tuple[int, int]]  # (width, height) it defaults to where the family's default is not tiny
+    about: str
+
+
+# ``random:NAME`` on every command (sample, pull, warm, serve, bench). "Tiny" ones are the test
+# suite's scale and default to their tiny size (32x32 images).
+RANDOM_MODELS: dict[str, RandomModel] = {
+    "sd1-tiny": RandomModel("save_random_sd1_tiny", (32, 32), "SD 1.x at the test suite's scale (13 MB)"),
+    "sdxl-tiny": RandomModel("save_random_sdxl_tiny", (32, 32), "SDXL at the test suite's scale"),
+    "sd3-tiny": RandomModel("save_random_sd3_tiny", (32, 32), "SD3 at the test suite's scale"),
+    "flux-tiny": RandomModel("save_random_flux_tiny", (32, 32), "FLUX.1-dev at the test suite's scale (14 MB)"),
+    "sd-small": RandomModel("save_random_sd_small", None, "SD 1.x at a quarter of its widths (90 MB, 256x256)"),
+    "sd15": RandomModel("save_random_sd15", None, "SD 1.5 at full size (4 GB, 512x512)"),
+    "flux": RandomModel("save_random_flux", None, "FLUX.1-dev widths, 1+1 blocks (4.5 GB, 1024x1024)"),
+    "ddpm-cifar10-32": RandomModel("pixel", None, "google/ddpm-cifar10-32's UNet2DModel (36 M parameters)"),
+}
+# The names bench used before ``random:NAME``; still accepted.
+OLD_NAMES = {"sd15-random": "sd15", "flux-random": "flux", "sd-small-random": "sd-small",
+             "flux-tiny-random": "flux-tiny", "sd1-tiny-random": "sd1-tiny"}
+TEXT_ARCHITECTURES = {old: RANDOM_MODELS[new].builder for old, new in OLD_NAMES.items()}
+PREFIX = "random:"
+
+
+def random_name(model: Optional[str]) -> Optional[str]:
+    """``random:NAME`` (or an old bench name) -> NAME; anything else -> None. An unknown
+    ``random:`` name fails naming the ones there are."""
+    if model is None:
+        return None
+    if model in OLD_NAMES:
+        return OLD_NAMES[model]
+    if model == "ddpm-cifar10-32":
+        return model
+    if not model.startswith(PREFIX):
+        return None
+    name = model[len(PREFIX):]
+    if name not in RANDOM_MODELS:
+        raise InvalidArgumentError(f"unknown random model {model!r}; choose from "
+                                   f"{', '.join(PREFIX + n for n in RANDOM_MODELS)}", argument="model")
+    return name
+
+
+def sized_inputs(name: Optional[str], inputs: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """``inputs`` with a tiny random model's width and height where they are not given (a tiny
+    FLUX folder would otherwise run at the family's 128-latent default: 256x256)."""
+    inputs = dict(inputs or {})
+    size = RANDOM_MODELS[name].size if name in RANDOM_MODELS else None
+    if size is not None and "width" not in inputs and "height" not in inputs:
+        inputs.update(width=size[0], height=size[1])
+    return inputs
+
+
+def build_random(name: str, out: Path) -> Path:
+    """Write ``random:NAME``'s folder at ``out`` (once; assembled beside it and renamed, so that a
+    folder at ``out`` is always complete). Needs torch, diffusers and transformers (the torch extra)."""
+    if (out / "model_index.json").is_file():
+        return out
+    spec = RANDOM_MODELS[name]
+    if spec.builder != "pixel":
+        for module in ("torch", "diffusers", "transformers"):
+            try:
+                __import__(module)
+            except ImportError:
+                raise InvalidArgumentError(f"random:{name} is built with {module}: pip install \".[torch]\"",
+                                           argument="model") from None
+    import shutil
+    import tempfile
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    try:
+        if spec.builder == "pixel":
+            from preheat.bench.common import write_pixel_architecture
+
+            write_pixel_architecture(name, tmp / "m")
+        else:
+            globals()[spec.builder](tmp / "m")
+        try:
+            (tmp / "m").rename(out)
+        except OSError:  # another process built it first
+            if not (out / "model_index.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -179,6 +266,90 @@ def save_random_sd1_tiny(out: Path, seed: int = 0) -> Path:
     return _save_sd(out, TINY_SD1_UNET, TINY_CLIP, TINY_VAE, seed)
 
 
+TINY_SDXL_UNET: dict[str, Any] = dict(
+    sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    cross_attention_dim=32, attention_head_dim=(2, 4), use_linear_projection=True, transformer_layers_per_block=(1, 2),
+    addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=16 + 6 * 8,
+    norm_num_groups=8)
+TINY_SDXL_CLIP: dict[str, Any] = {**TINY_CLIP, "hidden_size": 16, "num_attention_heads": 2, "projection_dim": 16}
+SDXL_SCHEDULER: dict[str, Any] = dict(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085,
+                                      beta_end=0.012, steps_offset=1, timestep_spacing="leading")
+
+
+def save_random_sdxl_tiny(out: Path, seed: int = 0) -> Path:
+    """An SDXL folder at the test suite's tiny scale: two CLIP encoders of width 16 (their hidden
+    states concatenated: the UNet's 32), the text_time embedding, 32x32 images."""
+    import torch
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        UNet2DConditionModel(**TINY_SDXL_UNET).save_pretrained(out / "unet")
+        CLIPTextModel(CLIPTextConfig(**TINY_SDXL_CLIP)).save_pretrained(out / "text_encoder")
+        CLIPTextModelWithProjection(CLIPTextConfig(**{**TINY_SDXL_CLIP, "hidden_act": "gelu"})).save_pretrained(
+            out / "text_encoder_2")
+        AutoencoderKL(**TINY_VAE).save_pretrained(out / "vae")
+    EulerDiscreteScheduler(**SDXL_SCHEDULER).save_pretrained(out / "scheduler")
+    write_clip_tokenizer(out / "tokenizer")
+    write_clip_tokenizer(out / "tokenizer_2", pad_token="!")
+    return _write_index(out, "StableDiffusionXLPipeline", text_encoder="CLIPTextModel",
+                        text_encoder_2="CLIPTextModelWithProjection", tokenizer="CLIPTokenizer",
+                        tokenizer_2="CLIPTokenizer", unet="UNet2DConditionModel", vae="AutoencoderKL",
+                        scheduler="EulerDiscreteScheduler")
+
+
+TINY_SD3_TRANSFORMER: dict[str, Any] = dict(
+    sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+    caption_projection_dim=32, joint_attention_dim=64, pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16)
+TINY_SD3_CLIP: dict[str, Any] = {**TINY_CLIP, "hidden_act": "gelu"}  # two of width 32: pooled 64
+TINY_SD3_VAE: dict[str, Any] = {**TINY_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609, "use_quant_conv": False,
+                                "use_post_quant_conv": False}
+
+
+def save_random_sd3_tiny(out: Path, seed: int = 0) -> Path:
+    """A ``StableDiffusion3Pipeline`` folder at the test suite's tiny scale: two CLIP encoders of
+    width 32 and a T5 of width 64 (the transformer's joint width), 32x32 images."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model: Any = SD3Transformer2DModel(**TINY_SD3_TRANSFORMER)
+        _fill_zeros(model)
+        model.save_pretrained(out / "transformer")
+        CLIPTextModelWithProjection(CLIPTextConfig(**TINY_SD3_CLIP)).save_pretrained(out / "text_encoder")
+        CLIPTextModelWithProjection(CLIPTextConfig(**TINY_SD3_CLIP)).save_pretrained(out / "text_encoder_2")
+        T5EncoderModel(T5Config(**{**TINY_T5, "d_model": 64})).save_pretrained(out / "text_encoder_3")
+        model = AutoencoderKL(**TINY_SD3_VAE)
+        _fill_zeros(model)
+        model.save_pretrained(out / "vae")
+    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0).save_pretrained(out / "scheduler")
+    write_clip_tokenizer(out / "tokenizer")
+    write_clip_tokenizer(out / "tokenizer_2", pad_token="!")
+    write_t5_tokenizer(out / "tokenizer_3")
+    return _write_index(out, "StableDiffusion3Pipeline", scheduler="FlowMatchEulerDiscreteScheduler",
+                        text_encoder="CLIPTextModelWithProjection", text_encoder_2="CLIPTextModelWithProjection",
+                        text_encoder_3="T5EncoderModel", tokenizer="CLIPTokenizer", tokenizer_2="CLIPTokenizer",
+                        tokenizer_3="T5TokenizerFast", transformer="SD3Transformer2DModel", vae="AutoencoderKL")
+
+
+def _write_index(out: Path, class_name: str, **components: str) -> Path:
+    """``model_index.json`` (written last: it marks the folder complete) naming each component's
+    class, in the library diffusers loads it with."""
+    import diffusers
+
+    def library(cls: str) -> str:
+        return "diffusers" if hasattr(diffusers, cls) else "transformers"
+
+    index = {"_class_name": class_name, "_diffusers_version": diffusers.__version__,
+             **{name: [library(cls), cls] for name, cls in components.items()}}
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    return out
+
+
 def _save_sd(out: Path, unet: dict[str, Any], text: dict[str, Any], vae: dict[str, Any], seed: int) -> Path:
     import torch
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
@@ -271,7 +442,6 @@ def save_random_flux(out: Path, seed: int = 0, *, transformer: dict[str, Any] = 
     4.5 GB: transformer 2.2 GB, T5 2.1 GB, CLIP 0.2 GB, VAE 0.3 GB). Components are built and
     saved one at a time, so peak memory stays near the largest one. The keyword arguments
     replace the configs (``save_random_flux_tiny``)."""
-    import diffusers
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
@@ -293,10 +463,16 @@ def save_random_flux(out: Path, seed: int = 0, *, transformer: dict[str, Any] = 
     FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER).save_pretrained(out / "scheduler")
     write_clip_tokenizer(out / "tokenizer")
     write_t5_tokenizer(out / "tokenizer_2")
-    index = {"_class_name": "FluxPipeline", "_diffusers_version": diffusers.__version__,
-             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-             "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
-             "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "T5TokenizerFast"],
-             "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}
-    (out / "model_index.json").write_text(json.dumps(index, indent=2))  # written last: marks the folder complete
-    return out
+    return _write_index(out, "FluxPipeline", scheduler="FlowMatchEulerDiscreteScheduler", text_encoder="CLIPTextModel",
+                        text_encoder_2="T5EncoderModel", tokenizer="CLIPTokenizer", tokenizer_2="T5TokenizerFast",
+                        transformer="FluxTransformer2DModel", vae="AutoencoderKL")
+
+
+def materialize_model(name_or_path: str | None, workdir: Path) -> str | None:
+    """A model argument for preheat.load: a path, None (built-in), or the folder of a random model
+    (``random:NAME`` or an old bench name, see ``preheat.bench.random_models``) written once under
+    ``workdir``."""
+    name = random_name(name_or_path)
+    if name is None:
+        return name_or_path
+    return str(build_random(name, workdir / name))

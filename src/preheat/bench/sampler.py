@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary, timed
+from preheat.bench.common import fmt_summary, machine_line, summary, timed
+from preheat.bench.random_models import materialize_model
 
 __all__ = ["bench_sampler", "bench_profile", "matmul_gflops", "markdown"]
 
@@ -40,6 +41,10 @@ def bench_sampler(model: str | None, batches: list[int], steps: int, sampler: st
     inputs: dict[str, Any] = {"prompt": "a watercolor fox"} if "prompt" in pipe.family.inputs else {}
     if size is not None:
         inputs.update(width=size[0], height=size[1])
+    else:  # a tiny random model at its tiny size
+        from preheat.bench.random_models import random_name, sized_inputs
+
+        inputs.update(sized_inputs(random_name(model), {}))
     rows = []
     for b in batches:
         sig, args = pipe.prepare(b, steps=steps, sampler=sampler, seed=0, **inputs)

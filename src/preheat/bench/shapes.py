@@ -32,12 +32,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from preheat.bench.common import fmt_summary, machine_line, materialize_model, summary
+from preheat.bench.common import fmt_summary, machine_line, summary
+from preheat.bench.random_models import materialize_model
 
 __all__ = ["bench_torch_shapes", "child_main", "markdown", "SETTINGS", "MODELS"]
 
 SETTINGS = {"static": False, "dynamic": True}
-MODELS = ("flux-tiny-random", "sd1-tiny-random")
+MODELS = ("random:flux-tiny", "random:sd1-tiny")
 RESULT_TAG = "PREHEAT_SHAPES_RESULT "
 PROMPT = "a photo of a cat"
 
@@ -162,7 +163,7 @@ def _keep_only(home: Path, keys: list[str]) -> Path:
 def bench_torch_shapes(models: tuple[str, ...], resolutions: tuple[int, ...], mode: str, steps: int, repeats: int,
                        workdir: Path, timeout: float = 1800.0, threads: int | None = None,
                        log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    """For each model (a folder, or 'flux-tiny-random' / 'sd1-tiny-random'), static and dynamic:
+    """For each model (a folder, or random:flux-tiny / random:sd1-tiny), static and dynamic:
     cold, warm and partial children (see the module docstring). Returns per model the children's
     reports and the dynamic / static ratios."""
     result: dict[str, Any] = {"machine": machine_line(), "mode": mode, "steps": steps, "repeats": repeats,

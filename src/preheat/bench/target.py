@@ -56,7 +56,7 @@ def _unet_row(name: str, config: dict[str, Any], batch: int, latent: int, dtype:
 
     from preheat.cache.compile import on_device
     from preheat.cache.targets import target_device
-    from preheat.models.compile_target import compiling_for
+    from preheat.compile_target import compiling_for
     from preheat.models.unet2d_condition import UNet2DConditionConfig, build_abstract
 
     cfg = UNet2DConditionConfig.from_dict(config)

@@ -51,7 +51,7 @@ EXECUTABLE = "executable.bin"
 # other module of preheat -- the engine, samplers, models, families, and any file added to them
 # later -- is part of the key, so a new model file cannot be left out of it by accident.
 _NOT_TRACED = ("cache", "store", "server", "bench", "backends", "integrations", "train", "doctor", "cli",
-               "__main__.py", "_version.py", "errors.py", "timings.py", "files.py", "env.py", "assets")
+               "warm.py", "__main__.py", "_version.py", "errors.py", "timings.py", "files.py", "env.py", "assets")
 
 
 def traced_sources() -> list[str]:
@@ -564,7 +564,7 @@ class TargetCompiler(JaxCompiler):
 
     def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: tuple,
                        outputs: int = 1) -> tuple[Any, Timings]:
-        from preheat.models.compile_target import compiling_for
+        from preheat.compile_target import compiling_for
 
         fields = self.fields_for(fingerprint, sig, args)
         key = key_of(fields)

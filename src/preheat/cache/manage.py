@@ -27,11 +27,31 @@ from typing import Any
 from preheat.cache.entries import Entry, entry_size, iter_entries, open_entry, quarantine
 from preheat.errors import CacheEntryError, InvalidArgumentError
 
-__all__ = ["EntryInfo", "list_entries", "verify_entries", "enforce_size_cap", "clear", "prune", "max_bytes",
+__all__ = ["EntryInfo", "disk_usage", "list_entries", "verify_entries", "enforce_size_cap", "clear", "prune", "max_bytes",
            "COMPILE_KINDS"]
 
 COMPILE_KINDS = ("jax", "torch")
 DEFAULT_MAX_GB = 20.0
+
+
+def disk_usage(folder: Path, seen: set[tuple[int, int]] | None = None) -> int:
+    """Bytes the files under ``folder`` take, each file once: the store's snapshots are hard links
+    to its blobs, so counting paths would count their bytes twice. ``seen`` (device, inode)
+    pairs are shared across calls, so that a file linked from two folders counts in the first."""
+    seen = set() if seen is None else seen
+    total = 0
+    if not folder.is_dir():
+        return 0
+    for path in folder.rglob("*"):
+        try:
+            st = path.lstat()
+        except OSError:  # removed while we walk (a prune, a pull's temp file)
+            continue
+        if not path.is_file() or path.is_symlink() or (st.st_dev, st.st_ino) in seen:
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        total += st.st_size
+    return total
 
 
 def max_bytes() -> int:

@@ -20,6 +20,8 @@ Importing a command module is cheap: JAX, torch, FastAPI and the model code load
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import click
 
 from preheat._version import __version__
@@ -35,7 +37,32 @@ from preheat.cli.warm import warm_command
 __all__ = ["main"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLineUsageErrors(click.Group):
+    """Click's usage errors (a bad or missing option value) as one line, like every other error:
+    ``error: Invalid value for '--port': 99999 is not in the range 0<=x<=65535. (preheat serve --help)``."""
+
+    def main(self, args: Any = None, prog_name: Optional[str] = None, complete_var: Optional[str] = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        import sys
+
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as err:
+            where = f" ({err.ctx.command_path} --help)" if err.ctx is not None else ""
+            click.echo(f"error: {err.format_message()}{where}", err=True)
+            sys.exit(err.exit_code)
+        except click.ClickException as err:
+            click.echo(f"error: {err.format_message()}", err=True)
+            sys.exit(err.exit_code)
+        except click.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_OneLineUsageErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="preheat")
 @click.option("--cache-url", envvar="PREHEAT_CACHE_URL",
               help="Shared compile cache for a fleet: s3://bucket/prefix, any fsspec URL, or a shared folder.")

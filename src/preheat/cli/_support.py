@@ -4,27 +4,69 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Optional
 
 import click
 
-from preheat.errors import InvalidArgumentError, PreheatError, SchedulerConfigError
+from preheat.errors import InvalidArgumentError, MissingExtraError, PreheatError, SchedulerConfigError
 
-__all__ = ["one_line_errors"]
+__all__ = ["one_line_errors", "resolve_model", "ResolvedModel"]
+
+
+def _in_flags(err: PreheatError) -> str:
+    """The message, led by the flag that sets the argument it names (``--class``, not the
+    engine's ``class_labels``), unless the message already names that flag."""
+    from preheat.cli.options import FLAGS
+
+    flag = FLAGS.get(getattr(err, "argument", None) or "")
+    return f"{flag}: {err}" if flag is not None and flag not in str(err) else str(err)
 
 
 def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn PreheatErrors into a one-line message and an exit code."""
+    """Turn PreheatErrors into a one-line message and an exit code; a module an optional extra
+    provides, missing, into the line naming its ``pip install``."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except PreheatError as err:
-            click.echo(f"error: {err}", err=True)
+            click.echo(f"error: {_in_flags(err)}", err=True)
             sys.exit(2 if isinstance(err, (InvalidArgumentError, SchedulerConfigError)) else 1)
+        except ModuleNotFoundError as err:
+            ctx = click.get_current_context(silent=True)
+            missing = MissingExtraError.of(err, ctx.command_path if ctx is not None else "preheat")
+            if missing is None:
+                raise
+            click.echo(f"error: {missing}", err=True)
+            sys.exit(1)
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             sys.exit(130)
 
     return wrapper
+
+
+class ResolvedModel(NamedTuple):
+    """A MODEL argument as the library takes it, and the size a tiny random model defaults to."""
+
+    model: Optional[str]  # a folder, a store source, or None (the built-in model)
+    size: Optional[tuple[int, int]]  # (width, height) to use where none is given; None: the model's own
+
+
+def resolve_model(model: Optional[str], log: Callable[[str], None] = lambda line: None) -> ResolvedModel:
+    """``random:NAME`` -> its random-weight folder under the cache root (built once, then reused);
+    anything else unchanged."""
+    from preheat.bench.random_models import PREFIX, RANDOM_MODELS, build_random, random_name
+
+    if model is None or not model.startswith(PREFIX):
+        return ResolvedModel(model, None)
+    name = random_name(model)
+    assert name is not None
+    from preheat.cache.root import resolve_root
+
+    out = resolve_root().path / "random" / name
+    if not (out / "model_index.json").is_file():
+        log(f"{model}: writing a random-weight folder at {out} (once)")
+    return ResolvedModel(str(build_random(name, Path(out))), RANDOM_MODELS[name].size)

@@ -13,6 +13,8 @@ import click
 
 from preheat.bench.compare import PATHS
 from preheat.cli._support import one_line_errors
+from preheat.cli.options import (NON_NEGATIVE, POSITIVE, POSITIVE_SECONDS, SEED, echo_result, output_options,
+                                 sampler_option)
 
 __all__ = ["bench_group"]
 
@@ -24,22 +26,22 @@ def bench_group() -> None:
 
 @bench_group.command("sampler")
 @click.argument("model", required=False)
-@click.option("--batch", "batches", multiple=True, type=int, help="Batch sizes (default 1, 8, 32).")
-@click.option("--steps", default=10, show_default=True, type=int)
-@click.option("--sampler")
-@click.option("--repeats", default=3, show_default=True, type=int)
-@click.option("--width", type=int, help="Text-to-image models: image width (default: the model's).")
-@click.option("--height", type=int, help="Text-to-image models: image height (default: the model's).")
+@click.option("--batch", "batches", multiple=True, type=POSITIVE, help="Batch sizes (default 1, 8, 32).")
+@click.option("--steps", default=10, show_default=True, type=POSITIVE)
+@sampler_option()
+@click.option("--repeats", default=3, show_default=True, type=POSITIVE)
+@click.option("--width", type=POSITIVE, help="Text-to-image models: image width (default: the model's).")
+@click.option("--height", type=POSITIVE, help="Text-to-image models: image height (default: the model's).")
 @click.option("--profile", is_flag=True,
               help="Instead: where one denoiser call's time goes, per op class, JAX vs torch.compile (pixel "
                    "models; model batch 16: batch 8 guided, else 16; --batch sets the images).")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@output_options()
 @one_line_errors
 def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sampler: str | None, repeats: int,
-                    width: int | None, height: int | None, profile: bool, json_out: Path | None) -> None:
+                    width: int | None, height: int | None, profile: bool, json_out: Path | None, as_json: bool) -> None:
     """Loop overhead, images/s and achieved GFLOP/s (and, for text-to-image models, the share of
-    text encoding and VAE decoding). MODEL: a folder, 'ddpm-cifar10-32' or 'sd15-random' (random
-    weights), or nothing for the built-in model."""
+    text encoding and VAE decoding). MODEL: a folder, random:NAME (random weights: random:sd15,
+    random:ddpm-cifar10-32, ...), or nothing for the built-in model."""
     from preheat.bench.common import write_json
     from preheat.bench.sampler import bench_sampler, markdown
 
@@ -49,31 +51,31 @@ def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sam
 
         with tempfile.TemporaryDirectory() as tmp:
             text, result = bench_profile(model, batches[0] if batches else None, Path(tmp))
-        click.echo(text)
+        echo_result(result, text, as_json)
         write_json(json_out, result)
         return
     with tempfile.TemporaryDirectory() as tmp:
         result = bench_sampler(model, list(batches) or [1, 8, 32], steps, sampler, repeats, Path(tmp), size)
-    click.echo(markdown(result))
+    echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
 
 
 @bench_group.command("lora")
-@click.argument("model", required=False, default="sd-small-random")
+@click.argument("model", required=False, default="random:sd-small")
 @click.option("--n", "n", default=8, show_default=True, type=int, help="Batch size (and number of LoRAs mixed).")
 @click.option("--steps", default=4, show_default=True, type=int)
 @click.option("--rank", default=16, show_default=True, type=int, help="The LoRAs' rank.")
 @click.option("--repeats", default=5, show_default=True, type=int, help="Rounds, each timing every condition once.")
 @click.option("--dtype", default="float32", show_default=True)
-@click.option("--width", type=int, help="Image width (default: the model's).")
-@click.option("--height", type=int, help="Image height (default: the model's).")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--width", type=POSITIVE, help="Image width (default: the model's).")
+@click.option("--height", type=POSITIVE, help="Image height (default: the model's).")
+@output_options()
 @one_line_errors
 def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype: str, width: int | None,
-                 height: int | None, json_out: Path | None) -> None:
+                 height: int | None, json_out: Path | None, as_json: bool) -> None:
     """Images/s for a batch with a different LoRA per image vs the same LoRA vs no LoRA, and their
     ratios, in one run (issue 15; goal mixed >= 0.8x same). MODEL: a text-to-image folder or
-    'sd-small-random' / 'sd15-random' / 'flux-random' (random weights)."""
+    random:sd-small / random:sd15 / random:flux (random weights)."""
     from preheat.bench.common import write_json
     from preheat.bench.lora import bench_lora, markdown
     from preheat.errors import InvalidArgumentError
@@ -83,29 +85,29 @@ def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype:
     with tempfile.TemporaryDirectory() as tmp:
         result = bench_lora(model, n, steps, rank, repeats, Path(tmp), dtype=dtype,
                             size=(width, height) if width and height else None)
-    click.echo(markdown(result))
+    echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
 
 
 @bench_group.command("coldstart")
 @click.argument("model", required=False)
-@click.option("--n", "n", default=8, show_default=True, type=int, help="Batch size.")
-@click.option("--steps", type=int, help="Steps (model default when absent).")
-@click.option("--repeats", default=3, show_default=True, type=int, help="Fresh processes per cache state.")
+@click.option("--n", "n", default=8, show_default=True, type=POSITIVE, help="Batch size.")
+@click.option("--steps", type=POSITIVE, help="Steps (model default when absent).")
+@click.option("--repeats", default=3, show_default=True, type=POSITIVE, help="Fresh processes per cache state.")
 @click.option("--cache-url", help="Also measure a fresh local root pulling from this shared store.")
 @click.option("--prompt", help="Text-to-image models: the prompt (default: a fixed one).")
-@click.option("--width", type=int, help="Text-to-image models: image width.")
-@click.option("--height", type=int, help="Text-to-image models: image height.")
+@click.option("--width", type=POSITIVE, help="Text-to-image models: image width.")
+@click.option("--height", type=POSITIVE, help="Text-to-image models: image height.")
 @click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True,
               help="torch: eager vs --compile cold vs warm, each child with an empty Inductor cache folder.")
 @click.option("--compile", "compile_mode", type=click.Choice(["regional", "inductor", "aot"]), multiple=True,
               help="--backend torch: the compile mode measured (repeatable; default regional).")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@output_options()
 @click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
 @one_line_errors
 def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int, cache_url: str | None,
                       prompt: str | None, width: int | None, height: int | None, backend: str,
-                      compile_mode: tuple[str, ...], json_out: Path | None, png_out: Path | None) -> None:
+                      compile_mode: tuple[str, ...], json_out: Path | None, as_json: bool, png_out: Path | None) -> None:
     """Process start to first image, empty vs XLA-cache-only vs fully warm cache, in fresh processes."""
     from preheat.bench.coldstart import bench_coldstart, bench_coldstart_torch, markdown, plot
     from preheat.bench.common import write_json
@@ -120,12 +122,17 @@ def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int
             args += (flag, str(value))
     if not prompt and (width or height or _takes_a_prompt(model)):
         args += ("--prompt", "a watercolor fox")
+    if width is None and height is None:  # the children get a folder: a tiny random model's size is said here
+        from preheat.bench.random_models import random_name, sized_inputs
+
+        for key, value in sized_inputs(random_name(model), {}).items():
+            args += (f"--{key}", str(value))
     with tempfile.TemporaryDirectory() as tmp:
         if backend == "torch":
             result = bench_coldstart_torch(model, n, steps, repeats, Path(tmp), compile_mode or ("regional",), args)
         else:
             result = bench_coldstart(model, n, steps, repeats, Path(tmp), cache_url, args)
-    click.echo(markdown(result))
+    echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
     if png_out:
         plot(result, png_out)
@@ -134,6 +141,11 @@ def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int
 def _takes_a_prompt(model: str | None) -> bool:
     """A local folder of a text-to-image family (its children need a prompt); a store source is not
     pulled here, so it needs ``--prompt``."""
+    from preheat.bench.random_models import RANDOM_MODELS, random_name
+
+    name = random_name(model)
+    if name is not None:
+        return RANDOM_MODELS[name].builder != "pixel"
     if model is None or not Path(model).is_dir():
         return False
     from preheat.families import family_loader
@@ -167,14 +179,14 @@ def target_command(target_name: str, no_full_size: bool, json_out: Path | None) 
 @click.option("--steps", default=2, show_default=True, type=int)
 @click.option("--repeats", default=5, show_default=True, type=int, help="Steady-state calls per resolution.")
 @click.option("--threads", type=int, help="torch threads in the children (default: torch's own).")
-@click.option("--timeout", default=1800.0, show_default=True, type=float, help="Seconds per child process.")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--timeout", default=1800.0, show_default=True, type=POSITIVE_SECONDS, help="Seconds per child process.")
+@output_options()
 @one_line_errors
 def torch_shapes_command(models: tuple[str, ...], resolutions: str, mode: str, steps: int, repeats: int,
-                         threads: int | None, timeout: float, json_out: Path | None) -> None:
+                         threads: int | None, timeout: float, json_out: Path | None, as_json: bool) -> None:
     """preheat.torch.compile per-resolution entries (dynamic=False) vs one symbolic-shape entry
     (dynamic=True, duck shapes off): compile seconds per resolution, steady state, warm starts,
-    in fresh processes. MODELS: folders or 'flux-tiny-random' / 'sd1-tiny-random' (default both)."""
+    in fresh processes. MODELS: folders or random:flux-tiny / random:sd1-tiny (default both)."""
     from preheat.bench.common import write_json
     from preheat.bench.shapes import MODELS, bench_torch_shapes, markdown
     from preheat.errors import InvalidArgumentError
@@ -187,17 +199,17 @@ def torch_shapes_command(models: tuple[str, ...], resolutions: str, mode: str, s
         raise InvalidArgumentError(f"--resolutions {resolutions!r} must be distinct comma-separated positive ints")
     if steps < 1 or repeats < 1 or (threads is not None and threads < 1):
         raise InvalidArgumentError("--steps, --repeats and --threads must be >= 1")
-    from preheat.bench.random_models import TEXT_ARCHITECTURES
+    from preheat.bench.random_models import PREFIX, RANDOM_MODELS, random_name
     from preheat.errors import ModelNotFoundError
 
     for model in models:
-        if model not in TEXT_ARCHITECTURES and not (Path(model).expanduser() / "model_index.json").is_file():
+        if random_name(model) is None and not (Path(model).expanduser() / "model_index.json").is_file():
             raise ModelNotFoundError(f"{model} is neither a diffusers pipeline folder nor one of "
-                                     f"{', '.join(TEXT_ARCHITECTURES)}")
+                                     f"{', '.join(PREFIX + n for n in RANDOM_MODELS)}")
     with tempfile.TemporaryDirectory(prefix="preheat-shapes-") as tmp:
         result = bench_torch_shapes(models or MODELS, sizes, mode, steps, repeats, Path(tmp), timeout,
                                     threads, log=lambda line: click.echo(line, err=True))
-    click.echo(markdown(result))
+    echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
 
 
@@ -215,12 +227,12 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 
 @bench_group.command("compare")
 @click.argument("model", required=False)
-@click.option("--sampler", help="Sampler (default: the model's if deterministic, else ddim).")
+@sampler_option("(default: the model's if deterministic, else ddim).")
 @click.option("--steps", type=int, help="Steps (default: the model's; --quick: 4).")
 @click.option("--batch", type=int, help="Batch of the cold-start runs (default 8; --quick: 1).")
 @click.option("--batch-sizes", help="Steady-state batch sizes (default 1,8,32; --quick: 1,8).")
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--guidance", type=float, help="Guidance scale (default: the model's).")
+@click.option("--seed", default=0, show_default=True, type=SEED)
+@click.option("--guidance", type=NON_NEGATIVE, help="Guidance scale (default: the model's).")
 @click.option("--repeats", type=int, help="Fresh processes per cache state (default 3; --quick: 1).")
 @click.option("--steady-repeats", type=int, help="Timed calls per batch size (default 5; --quick: 2).")
 @click.option("--paths", "paths_opt", default=",".join(PATHS), show_default=True, help="Which paths to run.")
@@ -228,10 +240,10 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
               help="Also run JAX with these extra XLA_FLAGS, reported as jax[NAME]; repeatable.")
 @click.option("--quick", is_flag=True, help="Batch 1 and 8, 4 steps, one process per cache state.")
 @click.option("--prompt", help="Text-to-image models: the prompt (default: a fixed one).")
-@click.option("--width", type=int, help="Text-to-image models: image width.")
-@click.option("--height", type=int, help="Text-to-image models: image height.")
-@click.option("--timeout", default=1800.0, show_default=True, type=float, help="Seconds per child process.")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--width", type=POSITIVE, help="Text-to-image models: image width.")
+@click.option("--height", type=POSITIVE, help="Text-to-image models: image height.")
+@click.option("--timeout", default=1800.0, show_default=True, type=POSITIVE_SECONDS, help="Seconds per child process.")
+@output_options()
 @click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path),
               help="Keep the work folder (cache roots, pixels) here instead of a temporary one.")
@@ -239,34 +251,32 @@ def compare_command(model: str | None, sampler: str | None, steps: int | None, b
                     batch_sizes: str | None, seed: int, guidance: float | None, repeats: int | None,
                     steady_repeats: int | None, paths_opt: str, xla_flags: tuple[str, ...], quick: bool,
                     prompt: str | None, width: int | None, height: int | None,
-                    timeout: float, json_out: Path | None, png_out: Path | None, keep: Path | None) -> None:
+                    timeout: float, json_out: Path | None, as_json: bool, png_out: Path | None, keep: Path | None) -> None:
     """JAX vs torch eager vs torch.compile vs AOTInductor on MODEL (default: the built-in model;
-    also a random-weight architecture: ddpm-cifar10-32, sd15-random)."""
+    also random:NAME, a random-weight folder: random:sd1-tiny, random:flux-tiny, random:sd15, ...).
+    A tiny random model runs at its tiny size (32x32) unless --width/--height say otherwise."""
     inputs = {k: v for k, v in (("prompt", prompt), ("width", width), ("height", height)) if v is not None}
     one_line_errors(_compare)(model, sampler, steps, batch, batch_sizes, seed, guidance, repeats, steady_repeats,
-                              paths_opt, xla_flags, quick, timeout, json_out, png_out, keep, inputs)
+                              paths_opt, xla_flags, quick, timeout, json_out, png_out, keep, inputs, as_json)
 
 
 def _compare(model: str | None, sampler: str | None, steps: int | None, batch: int | None, batch_sizes: str | None,
              seed: int, guidance: float | None, repeats: int | None, steady_repeats: int | None, paths_opt: str,
              xla_flags: tuple[str, ...], quick: bool, timeout: float, json_out: Path | None, png_out: Path | None,
-             keep: Path | None, inputs: dict[str, Any] | None = None) -> None:
+             keep: Path | None, inputs: dict[str, Any] | None = None, as_json: bool = False) -> None:
     from preheat.bench.common import write_json
     from preheat.bench.compare import FULL, QUICK, bench_compare, markdown, plot
     from preheat.errors import InvalidArgumentError, SchedulerConfigError
     from preheat.samplers import SAMPLERS
 
-    from preheat.bench.common import ARCHITECTURES
+    from preheat.bench.random_models import random_name
     from preheat.engine import BUILTIN_MODEL
     from preheat.errors import ModelNotFoundError
+    from preheat.store import is_remote
 
     if model is None and not (BUILTIN_MODEL / "model_index.json").is_file():
         raise ModelNotFoundError(f"the built-in model is not installed ({BUILTIN_MODEL}); pass a model folder")
-    from preheat.store import is_remote
-
-    from preheat.bench.random_models import TEXT_ARCHITECTURES
-
-    if (model is not None and model not in ARCHITECTURES and model not in TEXT_ARCHITECTURES and not is_remote(model)
+    if (model is not None and random_name(model) is None and not is_remote(model)
             and not Path(model).expanduser().exists()):
         raise ModelNotFoundError(f"model path {model} does not exist")
     preset = QUICK if quick else FULL
@@ -310,7 +320,7 @@ def _compare(model: str | None, sampler: str | None, steps: int | None, batch: i
                                workdir=Path(work), timeout=timeout, log=log, inputs=inputs)
     result["wall_s"] = time.perf_counter() - started
     result["settings"]["quick"] = quick
-    click.echo(markdown(result))
+    echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
     if png_out:
         plot(result, png_out)
@@ -332,17 +342,16 @@ class _Kept:
 @click.option("--requests", "n_requests", default=256, show_default=True, type=int, help="Requests to send in all.")
 @click.option("--concurrency", default=32, show_default=True, type=int, help="Concurrent clients.")
 @click.option("--max-batch-size", default=8, show_default=True, type=int)
-@click.option("--batch-wait-ms", default=10.0, show_default=True, type=float)
+@click.option("--batch-wait-ms", default=10.0, show_default=True, type=NON_NEGATIVE)
 @click.option("--steps", type=int, help="num_inference_steps per request (model default when absent).")
 @click.option("--timeout-s", default=600.0, show_default=True, type=float, help="Give up after this long in all.")
 @click.option("--offline-s", default=8.0, show_default=True, type=float,
               help="Seconds to time the offline baseline (before and after the load).")
-@click.option("--json", "json_out", default="bench-serve.json", show_default=True,
-              type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
+@output_options(default_report="bench-serve.json")
 @one_line_errors
 def bench_serve_command(model: Optional[str], n_requests: int, concurrency: int, max_batch_size: int,
                         batch_wait_ms: float, steps: Optional[int], timeout_s: float, offline_s: float,
-                        json_out: Path) -> None:
+                        json_out: Path, as_json: bool) -> None:
     """Load-test `preheat serve` on 127.0.0.1: throughput vs offline batching, latency, exactly-once."""
     from preheat.errors import InvalidArgumentError
     from preheat.bench.serve import markdown, run_bench
@@ -355,7 +364,7 @@ def bench_serve_command(model: Optional[str], n_requests: int, concurrency: int,
                        batch_wait_ms=batch_wait_ms, steps=steps, timeout_s=timeout_s, offline_s=offline_s,
                        json_out=json_out,
                        log=lambda line: click.echo(line, err=True))
-    click.echo(markdown(result))
+    echo_result(result, markdown(result), as_json)
     click.echo(f"wrote {json_out}", err=True)
     if not result["exactly_once"] or result["server_exit_code"] != 0:
         sys.exit(1)

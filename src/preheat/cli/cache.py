@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from preheat.cli._support import one_line_errors
+from preheat.cli.options import NON_NEGATIVE, POSITIVE, CallOptions, call_options
 
 
 def _human(n: float) -> str:
@@ -73,21 +74,22 @@ def ls_command() -> None:
 @one_line_errors
 def info_command(as_json: bool) -> None:
     """Where the root is and why, and what it holds."""
-    from preheat.cache.manage import list_entries, max_bytes
+    from preheat.cache.manage import disk_usage, list_entries, max_bytes
     from preheat.cache.root import resolve_root
 
     root = resolve_root()
     entries = list_entries(root.path)
+    seen: set[tuple[int, int]] = set()  # hard-linked files (the store's snapshots and blobs) count once
 
     def du(p: Path) -> int:
-        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else 0
+        return disk_usage(p, seen)
 
     info = {
         "root": str(root.path), "reason": root.reason,
         "entries": {k: sum(1 for e in entries if e.kind == k) for k in ("jax", "torch")},
         "compile_bytes": sum(e.size for e in entries), "xla_bytes": du(root.path / "compile" / "xla"),
-        "models_bytes": du(root.path / "models"), "quarantined": len(list((root.path / "quarantine").glob("*")))
-        if (root.path / "quarantine").is_dir() else 0,
+        "models_bytes": du(root.path / "models"), "random_bytes": du(root.path / "random"),
+        "quarantined": len(list((root.path / "quarantine").glob("*"))) if (root.path / "quarantine").is_dir() else 0,
         "max_bytes": max_bytes(),
     }
     if as_json:
@@ -95,8 +97,9 @@ def info_command(as_json: bool) -> None:
         return
     click.echo(f"root: {info['root']} ({info['reason']})")
     click.echo(f"entries: {info['entries']['jax']} jax, {info['entries']['torch']} torch, {_human(info['compile_bytes'])} "
-               f"(cap {_human(info['max_bytes'])}); xla cache {_human(info['xla_bytes'])}; models {_human(info['models_bytes'])}; "
-               f"quarantined {info['quarantined']}")
+               f"(cap {_human(info['max_bytes'])}); xla cache {_human(info['xla_bytes'])}; models {_human(info['models_bytes'])}"
+               + (f"; random:NAME folders {_human(info['random_bytes'])}" if info["random_bytes"] else "")
+               + f"; quarantined {info['quarantined']}")
 
 
 @cache_group.command("verify")
@@ -122,45 +125,50 @@ def verify_command(quarantine_bad: bool) -> None:
 
 
 @cache_group.command("explain")
-@click.argument("model", required=False)
-@click.option("--n", "n", default=1, type=int)
-@click.option("--sampler")
-@click.option("--steps", type=int)
-@click.option("--guidance", type=float)
+@call_options
 @click.option("--devices", "devices_text", metavar="all|N|ID,ID,...", help="The devices the call is split over.")
-@click.option("--fsdp", default=1, show_default=True, type=int, metavar="F",
+@click.option("--fsdp", default=1, show_default=True, type=POSITIVE, metavar="F",
               help="The devices each weight is split over.")
-@click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True,
-              help="torch: run the call once eagerly (one step) and say, for every compiled piece, whether an "
-                   "entry would serve it.")
-@click.option("--compile", "compile_mode", type=click.Choice(["regional", "inductor", "aot"]), default="regional",
-              show_default=True, help="--backend torch: the compile mode to explain.")
-@click.option("--prompt", help="Text-to-image models: the prompt.")
-@click.option("--width", type=int, help="Text-to-image models: image width.")
-@click.option("--height", type=int, help="Text-to-image models: image height.")
 @click.option("--target", "target_spec", metavar="NAME|FILE",
               help="JAX: explain the key of this GPU's program (`preheat warm --target`), not this machine's.")
 @one_line_errors
-def explain_command(model: str | None, n: int, sampler: str | None, steps: int | None, guidance: float | None,
-                    devices_text: str | None, fsdp: int, backend: str, compile_mode: str, prompt: str | None,
-                    width: int | None, height: int | None, target_spec: str | None) -> None:
-    """Would this call hit the cache? If not, which key fields differ from the nearest entry."""
+def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, target_spec: str | None) -> None:
+    """Would `preheat sample` with these options hit the cache? If not, which key fields differ from
+    the nearest entry. Takes exactly sample's options, with its defaults; --backend torch (with
+    --compile regional, inductor or aot) runs the call once eagerly, one step, and says for every
+    compiled piece whether an entry would serve it."""
+    import dataclasses
+
     import preheat
     from preheat.cache.compile import key_fields, key_of, nearest_entry
     from preheat.cache.manage import target_label
+    from preheat.cli._support import resolve_model
+    from preheat.errors import InvalidArgumentError
     from preheat.sharding import parse_devices
 
-    if backend == "torch":
-        _explain_torch(model, n, sampler, guidance, compile_mode, prompt, width, height)
+    opts.check()
+    model, size = resolve_model(opts.model, log=lambda line: click.echo(line, err=True))
+    if size is not None and opts.width is None and opts.height is None:  # as sample: a tiny model's tiny size
+        opts = dataclasses.replace(opts, width=size[0], height=size[1])
+    if opts.backend == "torch":
+        if opts.compile_mode == "none":
+            raise InvalidArgumentError("--backend torch --compile none compiles nothing to explain; pass --compile "
+                                       "regional, inductor or aot", argument="--compile")
+        if devices_text is not None or fsdp != 1 or target_spec is not None:
+            raise InvalidArgumentError("--devices, --fsdp and --target apply to --backend jax", argument="--devices")
+        _explain_torch(model, opts)
         return
-
+    if opts.compile_mode != "none":
+        raise InvalidArgumentError(f"--compile {opts.compile_mode} applies to --backend torch", argument="--compile")
     target = None
     if target_spec is not None:
         from preheat.cache.targets import resolve_target
 
         target = resolve_target(target_spec)
-    pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"), fsdp=fsdp)
-    sig, args = pipe.prepare(n, sampler=sampler, steps=steps, guidance=guidance)
+    load = {k: v for k, v in opts.load_options().items() if k not in ("backend", "compile")}
+    pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"), fsdp=fsdp, **load)
+    opts.check_against(pipe)
+    sig, args = pipe.prepare(opts.batch(pipe), **opts.call_inputs())
     fields = key_fields(pipe.fingerprint, sig, args, target=target)
     key = key_of(fields)
     kind_dir = pipe.compiler.root / "compile" / "jax" if pipe.compiler else None
@@ -182,17 +190,17 @@ def explain_command(model: str | None, n: int, sampler: str | None, steps: int |
         click.echo(f"miss: key {key[:12]}; nearest entry {labelled(name)} differs in: {', '.join(diff)}")
 
 
-def _explain_torch(model: str | None, n: int, sampler: str | None, guidance: float | None, compile_mode: str,
-                   prompt: str | None, width: int | None, height: int | None) -> None:
+def _explain_torch(model: str | None, opts: CallOptions) -> None:
     """The torch key holds the denoiser's (or each block's) input signature, known only at its
     first call: so the call runs once, eagerly and for one step, with every compile replaced by a
     look-up of the key it would use."""
     import preheat
 
-    pipe = preheat.load(model, backend="torch", compile=compile_mode, cache="explain")
-    inputs = {k: v for k, v in (("sampler", sampler), ("guidance", guidance), ("prompt", prompt), ("width", width),
-                                 ("height", height)) if v is not None}
-    pipe.generate(n, steps=1, **inputs)
+    load = {k: v for k, v in opts.load_options().items() if k not in ("backend", "compile", "cache")}
+    pipe = preheat.load(model, backend="torch", compile=opts.compile_mode, cache="explain", **load)
+    opts.check_against(pipe)
+    inputs = {k: v for k, v in opts.call_inputs().items() if k != "steps" and v is not None}
+    pipe.generate(opts.batch(pipe), steps=1, **inputs)
     for event in pipe.compiler.events:
         fields = event["fields"]
         what = f"{fields['mode']} {fields['model'].get('kind', '?')} {json.dumps(fields['shapes'], sort_keys=True)[:160]}"
@@ -206,10 +214,10 @@ def _explain_torch(model: str | None, n: int, sampler: str | None, guidance: flo
 
 
 @cache_group.command("prune")
-@click.option("--older-than-days", type=float, help="Also remove entries unused (remote: unpublished) for this long.")
+@click.option("--older-than-days", type=NON_NEGATIVE, help="Also remove entries unused (remote: unpublished) for this long.")
 @click.option("--remote", is_flag=True, help="Prune the shared store (PREHEAT_CACHE_URL / --cache-url) instead.")
-@click.option("--max-gb", type=float, help="--remote: retire the oldest entries until the store holds this much.")
-@click.option("--protect-minutes", default=60.0, show_default=True, type=float,
+@click.option("--max-gb", type=NON_NEGATIVE, help="--remote: retire the oldest entries until the store holds this much.")
+@click.option("--protect-minutes", default=60.0, show_default=True, type=NON_NEGATIVE,
               help="--remote: never retire an entry published, nor delete an object written, this recently.")
 @click.option("--dry-run", is_flag=True, help="--remote: say what would go; change nothing.")
 @one_line_errors

@@ -20,13 +20,19 @@ def pull_command(source: str, revision: str | None, force: bool, quiet: bool) ->
     """Put SOURCE into the store (under the cache root) and print its snapshot folder.
 
     SOURCE is a local folder or .tar(.gz) file, an http(s):// URL of a .tar/.tar.gz/.tgz of a
-    diffusers folder (or of one file; append #sha256=<hex> to check it), or hf://org/repo[@revision].
+    diffusers folder (or of one file; append #sha256=<hex> to check it), hf://org/repo[@revision],
+    or random:NAME (a random-weight folder, written once: random:sd1-tiny, random:sdxl-tiny,
+    random:sd3-tiny, random:flux-tiny, random:sd15, ...).
     Already-stored remote sources are not downloaded again; an interrupted download resumes.
     """
+    from preheat.cli._support import resolve_model
     from preheat.store import pull
 
     try:
-        path = pull(source, revision=revision, progress=not quiet, force=force)
+        if source.startswith("random:"):  # built here, once, under the cache root
+            path = resolve_model(source, log=lambda line: click.echo(line, err=True) if not quiet else None).model
+        else:
+            path = pull(source, revision=revision, progress=not quiet, force=force)
     except PreheatError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2 if isinstance(err, InvalidArgumentError) else 1)

@@ -36,11 +36,9 @@ def _check_backend(backend: str) -> None:
     if backend == "jax":
         return
     try:
-        import preheat.backends.torch as torch_backend
+        import preheat.backends.torch  # noqa: F401  (refuse before serving, not at set-up)
     except ImportError as err:
         raise InvalidArgumentError(f"--backend torch needs the torch extra: {err}") from None
-    if getattr(torch_backend, "load", None) is None:
-        raise InvalidArgumentError("--backend torch: preheat.backends.torch provides no pipeline yet; use --backend jax")
 
 
 def _check_limits(max_batch_size: int, batch_wait_ms: float, max_queue: int, max_steps: int, grace_s: float,
@@ -65,6 +63,23 @@ def _check_limits(max_batch_size: int, batch_wait_ms: float, max_queue: int, max
         raise InvalidArgumentError(f"--max-body-bytes {max_body_bytes} must be >= 1")
 
 
+def _fetch_config(connect_timeout_s: float, deadline_s: float, max_lora_bytes: int, max_image_bytes: int,
+                  per_host: int, max_fetches: int) -> Any:
+    """The fetch limits; a bad one fails in one line naming its flag."""
+    from preheat.errors import InvalidArgumentError
+    from preheat.server.fetch import FetchConfig
+
+    flags = {"connect_timeout_s": "--fetch-connect-timeout-s", "deadline_s": "--fetch-deadline-s",
+             "max_lora_bytes": "--max-lora-bytes", "max_image_bytes": "--max-image-bytes",
+             "per_host": "--fetch-per-host", "max_fetches": "--max-fetches"}
+    try:
+        return FetchConfig(connect_timeout_s=connect_timeout_s, deadline_s=deadline_s, max_lora_bytes=max_lora_bytes,
+                           max_image_bytes=max_image_bytes, per_host=per_host, max_fetches=max_fetches)
+    except InvalidArgumentError as err:
+        flag = flags.get(err.argument or "", err.argument)
+        raise InvalidArgumentError(f"{flag} {str(err).split(' ', 1)[1]}", argument=err.argument) from None
+
+
 def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--webhook-allow") -> Any:
     """The address policy of webhooks or of requests' LoRA URLs; a bad CIDR names ``flag``."""
     from preheat.errors import InvalidArgumentError
@@ -79,7 +94,8 @@ def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--
 @click.command("serve")
 @declaration_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback unless told).")
-@click.option("--port", default=8000, show_default=True, type=int, help="Port (0 = any free port, printed at start).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="Port (0 = any free port, printed at start).")
 @click.option("--backend", default="jax", show_default=True, type=click.Choice(["jax", "torch"]))
 @click.option("--compile", "compile_mode", default="none", show_default=True,
               type=click.Choice(["none", "inductor", "aot", "regional"]),
@@ -113,6 +129,25 @@ def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--
                    "metadata ones).")
 @click.option("--lora-url-allow", "lora_url_allow", multiple=True, metavar="HOST|CIDR",
               help="Let requests' LoRA URLs be fetched from this host, address or CIDR whatever it is (repeat).")
+@click.option("--keep-alive-on-failure", is_flag=True,
+              help="If the model cannot be set up, stay up answering SETUP_FAILED on /health-check (as Cog does) "
+                   "instead of exiting 1.")
+@click.option("--fetch-connect-timeout-s", default=10.0, show_default=True, type=float,
+              help="A URL a request names (lora_weights): its host must accept the connection within this.")
+@click.option("--fetch-deadline-s", default=120.0, show_default=True, type=float,
+              help="... and the whole download (waiting for a fetch slot included) must end within this; else 422.")
+@click.option("--max-lora-bytes", default=2 << 30, show_default=True, type=int,
+              help="Largest LoRA download (Content-Length, and the bytes as they stream); beyond it, 422.")
+@click.option("--max-image-bytes", default=32 << 20, show_default=True, type=int,
+              help="Largest image or mask a request names by URL.")
+@click.option("--fetch-per-host", default=2, show_default=True, type=int,
+              help="Downloads at once from one host (more wait for a slot, within --fetch-deadline-s).")
+@click.option("--max-fetches", default=4, show_default=True, type=int,
+              help="Downloads at once in all. Local LoRA files and ones already stored never wait for these.")
+@click.option("--max-header-bytes", default=64 << 10, show_default=True, type=int,
+              help="A request's headers in all (request line included); beyond it, 431 and the connection closed.")
+@click.option("--max-headers", default=100, show_default=True, type=int,
+              help="Header lines per request; beyond it, 431 and the connection closed.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--ray", "on_ray", is_flag=True,
@@ -125,14 +160,16 @@ def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--
               help="--ray: GPUs each replica takes (1, or a pod's count; 0 on CPU).")
 @one_line_errors
 def serve_command(model: Optional[str], host: str, port: int, backend: str, compile_mode: str, dtype: str,
-                  max_batch_size: int,
+                  variant: Optional[str], cache: Optional[str], max_batch_size: int,
                   devices_text: Optional[str], fsdp: int, batch_wait_ms: float, max_queue: int, max_steps: int,
                   samplers_text: Optional[str], sizes_text: Optional[str], guidance_text: str,
                   lora_ranks_text: Optional[str], max_loras: int, lora_dir: Optional[str], grace_s: float,
                   push_grace_s: float,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
                   webhook_allow: tuple[str, ...], lora_url_allow_private: bool, lora_url_allow: tuple[str, ...],
-                  log_level: str, on_ray: bool = False,
+                  fetch_connect_timeout_s: float, fetch_deadline_s: float, max_lora_bytes: int, max_image_bytes: int,
+                  fetch_per_host: int, max_fetches: int, max_header_bytes: int, max_headers: int,
+                  keep_alive_on_failure: bool, log_level: str, on_ray: bool = False,
                   address: Optional[str] = None, replicas: int = 1, gpus_per_replica: float = 0.0) -> None:
     """Serve MODEL over HTTP (Cog's and OpenAI's APIs), batching concurrent requests.
 
@@ -151,9 +188,14 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     if max_loras < 1:
         raise InvalidArgumentError(f"--max-loras {max_loras} must be >= 1")
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
-                                     lora_ranks_text, devices_text, fsdp)
+                                     lora_ranks_text, devices_text, fsdp, variant, cache)
     webhooks = _address_policy(webhook_allow_private, webhook_allow)
     lora_urls = _address_policy(lora_url_allow_private, lora_url_allow, "--lora-url-allow")
+    fetch = _fetch_config(fetch_connect_timeout_s, fetch_deadline_s, max_lora_bytes, max_image_bytes, fetch_per_host,
+                          max_fetches)
+    if max_header_bytes < 1024 or max_headers < 8:
+        raise InvalidArgumentError(f"--max-header-bytes {max_header_bytes} must be >= 1024 and --max-headers "
+                                   f"{max_headers} >= 8")
     _check_backend(backend)
     if compile_mode != "none" and backend != "torch":
         raise InvalidArgumentError(f"--compile {compile_mode} applies to --backend torch")
@@ -177,11 +219,12 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
 
     config = CoreConfig.from_warm_set(warm_set, backend=backend, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
                                       max_steps=max_steps, push_grace_s=push_grace_s, compile=compile_mode,
-                                      max_loras=max_loras, lora_dir=lora_dir, lora_urls=lora_urls)
+                                      max_loras=max_loras, lora_dir=lora_dir, lora_urls=lora_urls, fetch=fetch)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
-                     body_timeout_s=body_timeout_s, announce=lambda line: click.echo(line, err=True))
+                     body_timeout_s=body_timeout_s, max_header_bytes=max_header_bytes, max_headers=max_headers,
+                     announce=lambda line: click.echo(line, err=True), keep_alive_on_failure=keep_alive_on_failure)
     except OSError as err:
         raise InvalidArgumentError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     sys.exit(code)
@@ -196,6 +239,8 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
 
     if backend != "jax":
         raise InvalidArgumentError("--ray serves --backend jax")
+    if warm_set.variant is not None or warm_set.cache is not None:
+        raise InvalidArgumentError("--variant and --cache are not passed to Ray replicas yet", argument="--variant")
     if webhook_allow_private or webhook_allow:
         raise InvalidArgumentError("--webhook-allow(-private) and --lora-url-allow(-private) are not passed to Ray "
                                    "replicas; they allow public addresses only")

@@ -14,16 +14,17 @@ from typing import Any, Callable, Optional
 import click
 
 from preheat.cli._support import one_line_errors
+from preheat.cli.options import NON_NEGATIVE, model_options
 
 __all__ = ["warm_command", "declaration_options", "warm_set_from_options"]
 
 
 def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """MODEL, --dtype, --max-batch-size, --samplers, --sizes, --guidance, --lora-ranks, --devices, --fsdp: the
-    warm set."""
+    """MODEL, --dtype, --variant, --cache, --max-batch-size, --samplers, --sizes, --guidance, --lora-ranks,
+    --devices, --fsdp: the warm set."""
     options = [
         click.argument("model", required=False),
-        click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16."),
+        model_options,
         click.option("--max-batch-size", default=8, show_default=True, type=int,
                      help="Largest engine batch; buckets 1, 2, 4 ... up to it are compiled."),
         click.option("--samplers", "samplers_text", metavar="A,B,...",
@@ -38,7 +39,7 @@ def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--devices", "devices_text", metavar="all|N|ID,ID,...",
                      help="JAX: the devices each batch is split over (default all; $PREHEAT_DEVICES); buckets are "
                           "then multiples of their count, and programs are compiled for these devices."),
-        click.option("--fsdp", default=1, show_default=True, type=int, metavar="F",
+        click.option("--fsdp", default=1, show_default=True, type=click.IntRange(min=1), metavar="F",
                      help="JAX: split each weight over F of the devices instead of copying it to each (for "
                           "models that do not fit one device); F divides the device count."),
     ]
@@ -61,9 +62,11 @@ def samplers_from_text(text: Optional[str]) -> tuple[str, ...]:
 
 def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
                           sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str] = None,
-                          devices_text: Optional[str] = None, fsdp: int = 1) -> Any:
-    """The ``WarmSet`` the declaration options describe (one-line errors for bad values)."""
-    from preheat.cache.warm import WarmSet
+                          devices_text: Optional[str] = None, fsdp: int = 1, variant: Optional[str] = None,
+                          cache: Optional[str] = None) -> Any:
+    """The ``WarmSet`` the declaration options describe (one-line errors for bad values); a
+    ``random:NAME`` model becomes its folder (a tiny one served at its tiny size by default)."""
+    from preheat.warm import WarmSet
     from preheat.errors import InvalidArgumentError
     from preheat.server.inputs import parse_sizes
     from preheat.sharding import parse_devices
@@ -78,23 +81,30 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     from preheat.lora import check_lora_ranks
 
     ranks = check_lora_ranks(parse_lora_ranks(lora_ranks_text))
-    return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers_from_text(samplers_text),
-                   sizes=parse_sizes(sizes_text), guidance=guidance, lora_ranks=tuple(ranks),
-                   devices=parse_devices(devices_text, "--devices"), fsdp=fsdp)
+    samplers, sizes, devices = samplers_from_text(samplers_text), parse_sizes(sizes_text), parse_devices(devices_text, "--devices")
+    from preheat.cli._support import resolve_model
+
+    model, size = resolve_model(model, log=lambda line: click.echo(line, err=True))
+    if size is not None and not sizes:
+        sizes = (size,)
+    return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers, sizes=sizes,
+                   guidance=guidance, lora_ranks=tuple(ranks), devices=devices, fsdp=fsdp, variant=variant,
+                   cache=cache)
 
 
 @click.command("warm")
 @declaration_options
 @click.option("--dry-run", is_flag=True, help="List the signatures and where each is cached; compile nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--push-timeout-s", default=600.0, show_default=True, type=float,
+@click.option("--push-timeout-s", default=600.0, show_default=True, type=NON_NEGATIVE,
               help="How long uploads to PREHEAT_CACHE_URL may take after the last compile.")
 @click.option("--target", "target_spec", metavar="NAME|FILE",
               help="Compile for this GPU instead of this machine's devices (no GPU needed; needs the cuda13 "
                    "extra's plugin): h200, h100-sxm, h100-pcie, a100-80, a100-40, b200, or a description file "
                    "from `preheat doctor --save-target` (l40s, rtx4090 and other GPUs XLA does not describe).")
 @one_line_errors
-def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
+def warm_command(model: Optional[str], dtype: str, variant: Optional[str], cache: Optional[str],
+                 max_batch_size: int, samplers_text: Optional[str],
                  sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str],
                  devices_text: Optional[str], fsdp: int, dry_run: bool,
                  as_json: bool, push_timeout_s: float, target_spec: Optional[str]) -> None:
@@ -104,15 +114,16 @@ def warm_command(model: Optional[str], dtype: str, max_batch_size: int, samplers
     import sys
 
     import preheat
-    from preheat.cache import warm as warming
+    from preheat import warm as warming
 
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
-                                     lora_ranks_text, devices_text, fsdp)
+                                     lora_ranks_text, devices_text, fsdp, variant, cache)
     target = None
     if target_spec is not None:
         target, warm_set = _target_compiles(target_spec, warm_set)
     # what is cached already loads while the weights are read (a dry run, or a --target one, loads nothing)
-    pipe = preheat.load(warm_set.model, dtype=warm_set.dtype, devices=warm_set.devices, fsdp=warm_set.fsdp,
+    pipe = preheat.load(warm_set.model, dtype=warm_set.dtype, variant=warm_set.variant, cache=warm_set.cache,
+                        devices=warm_set.devices, fsdp=warm_set.fsdp,
                         prefetch=None if dry_run or target else warming.prefetch_calls(warm_set))
     if target is not None:
         from preheat.cache.compile import TargetCompiler

@@ -127,8 +127,8 @@ class Family:
 
     ``defaults``: the one place a family's sampler, step count and guidance default live (a
     model folder's ``model_index.json`` may override them for itself).
-    ``inputs``: the family-specific keywords of ``Pipeline.generate`` (besides the common
-    n / steps / sampler / guidance / seed / noise / eta).
+    ``inputs``: the family-specific keywords of ``Pipeline.generate``, besides the engine's
+    ``COMMON_INPUTS`` (n / steps / sampler / guidance / seed / noise / eta / lora / lora_scale).
     """
 
     name: str = "family"

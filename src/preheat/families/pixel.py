@@ -74,7 +74,7 @@ def class_index(pipe: EngineView, c: Any) -> int:
     if isinstance(c, str):
         if c in pipe.labels:
             return pipe.labels.index(c)
-        if c.strip().lstrip("-").isdigit():
+        if c.strip().lstrip("-").isascii() and c.strip().lstrip("-").isdigit():  # not "٧" or "７"
             c = int(c)
         else:
             known = ", ".join(pipe.labels) or f"0..{pipe.num_classes - 1}"

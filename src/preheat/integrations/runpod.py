@@ -36,9 +36,15 @@ import os
 import threading
 from typing import Any, Optional
 
-from preheat.errors import InputError, NotAccepting, QueueFull
-from preheat.server.core import Core, CoreConfig
-from preheat.server.inputs import parse_lora_ranks, parse_sizes
+from preheat.errors import InputError, MissingExtraError, NotAccepting, QueueFull
+
+try:
+    from preheat.server.core import Core, CoreConfig
+    from preheat.server.inputs import parse_lora_ranks, parse_sizes
+except ModuleNotFoundError as _err:  # python -m without the serve extra: one line, never a traceback
+    if __name__ != "__main__" or MissingExtraError.of(_err, "the Runpod handler") is None:
+        raise
+    raise SystemExit(f"error: {MissingExtraError.of(_err, 'the Runpod handler')}") from None
 
 __all__ = ["handler", "concurrency_modifier", "get_core", "config_from_env", "main"]
 
@@ -122,7 +128,13 @@ async def handler(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    import runpod
+    try:
+        import runpod
+    except ModuleNotFoundError as err:
+        missing = MissingExtraError.of(err, "the Runpod handler")
+        if missing is None:
+            raise
+        raise SystemExit(f"error: {missing}") from None
 
     core = get_core()
     core.wait_setup()

@@ -3,7 +3,7 @@ XLA's attention elsewhere -- chosen per layer, at trace time.
 
 The choice reads the *target's* compute capability: a deviceless compile (``preheat warm
 --target``) traces on the CPU for a GPU it does not have, so the running backend says nothing
-(``preheat.models.compile_target.compiling_for`` names the target for the duration; a pod's own trace reads its device).
+(``preheat.compile_target.compiling_for`` names the target for the duration; a pod's own trace reads its device).
 cuDNN's fused attention takes bf16/fp16 in BTNH layout with a head dim that is a multiple of
 8 and at most 128, and needs a cuDNN package on the compiling machine. Hopper (9.x) would take
 heads up to 256, but jax checks that limit against the *running* backend, which in a
@@ -19,7 +19,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from preheat.models.compile_target import traced_target
+from preheat.compile_target import traced_target
 
 __all__ = ["dot_product_attention", "implementation_for"]
 

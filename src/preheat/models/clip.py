@@ -29,7 +29,7 @@ What is static (the compiled program) and what is data::
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -39,7 +39,8 @@ from flax import nnx
 
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
 from preheat.models import weights
-from preheat.models.unet2d import Embedding, LayerNorm, Linear
+from preheat.models.config import JsonConfig
+from preheat.models.layers import Embedding, LayerNorm, Linear
 from preheat.models.weights import TRANSFORMERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
 from preheat.models.attention import dot_product_attention
 
@@ -76,7 +77,7 @@ _BOOKKEEPING = {"bos_token_id", "pad_token_id"}
 
 
 @dataclass(frozen=True)
-class CLIPTextConfig:
+class CLIPTextConfig(JsonConfig):
     """transformers' ``CLIPTextConfig`` (same names, same defaults); other keys are bookkeeping."""
 
     vocab_size: int = 49408
@@ -104,15 +105,13 @@ class CLIPTextConfig:
             raise UnsupportedConfigError(
                 f"unsupported model class {raw['_class_name']!r} in {source}; supported: "
                 + ", ".join(repr(a) for a in SUPPORTED["architectures"]))
-        values: dict[str, Any] = {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
+        values = dict(raw)
         archs = raw.get("architectures")
         if archs is not None:
             if not isinstance(archs, list) or len(archs) != 1:
                 raise UnsupportedConfigError(f"{source}: 'architectures' must name one class, got {archs!r}")
             values["model_class"] = archs[0]
-        config = cls(**values)
-        config.validate(source)
-        return config
+        return cls.from_checked_dict(values, source, None, strict=False)
 
     def validate(self, source: str = "config") -> None:
         if self.model_class not in SUPPORTED["architectures"]:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from preheat.errors import InvalidArgumentError
-from preheat.models.compile_target import traced_target
+from preheat.compile_target import traced_target
 
 __all__ = ["CONV_IMPLS", "GROUPNORM_IMPLS", "conv_impl", "conv2d", "groupnorm_impl"]
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from preheat.errors import ModelNotFoundError
-from preheat.models.unet2d import Linear
+from preheat.models.layers import Linear
 
 __all__ = ["NORM_EPS", "layer_norm", "modulate", "AdaLayerNormContinuous", "GELU", "FeedForward",
            "resolve_transformer_dir"]

@@ -38,7 +38,8 @@ from flax import nnx
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.models import weights
 from preheat.models.dit import AdaLayerNormContinuous, FeedForward, layer_norm, modulate, resolve_transformer_dir
-from preheat.models.unet2d import JsonConfig, Linear, TimestepEmbedding, _lift, sinusoidal_embedding
+from preheat.models.config import JsonConfig
+from preheat.models.layers import Linear, TimestepEmbedding, lift, sinusoidal_embedding
 from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
 from preheat.models.attention import dot_product_attention
 
@@ -192,7 +193,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: Array) -> Array:  # (..., D) -> (..., D)
         h = x.astype(jnp.float32)
         h = h * jax.lax.rsqrt(jnp.square(h).mean(axis=-1, keepdims=True) + self.eps)
-        return (h * _lift(self.scale[...].astype(jnp.float32), h.ndim)).astype(x.dtype)
+        return (h * lift(self.scale[...].astype(jnp.float32), h.ndim)).astype(x.dtype)
 
 
 class AdaLayerNormZero(nnx.Module):

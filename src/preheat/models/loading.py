@@ -1,6 +1,6 @@
 """Load diffusers-format UNet2DModel folders into JAX, without torch and without random init.
 
-The module is built abstractly (``nnx.eval_shape``: shapes only, no computation), every
+The module is built abstractly (``weights.build_abstract``: shapes only, no initialiser runs), every
 parameter leaf is then filled from the safetensors file, converted from torch layout.
 Nothing is returned until every tensor has been checked, so a bad checkpoint never yields a
 half-loaded model.

@@ -90,7 +90,7 @@ def split(params: Any, cond: Mapping[str, Any]) -> tuple[Any, Adapters | None]:
 def targets(graphdef: nnx.GraphDef, params: Any) -> dict[str, tuple[int, int]]:
     """The fixed target set of a model: every ``Linear`` and 1x1 ``Conv2d`` (the layers that take an
     adapter), as ``{layer path: (in, out)}`` -- a path is the checkpoint key without ``.weight``."""
-    from preheat.models.unet2d import Conv2d, Linear
+    from preheat.models.layers import Conv2d, Linear
 
     out: dict[str, tuple[int, int]] = {}
     for path, module in nnx.iter_graph(nnx.merge(graphdef, params)):

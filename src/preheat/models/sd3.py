@@ -38,7 +38,8 @@ from flax import nnx
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.models import weights
 from preheat.models.dit import AdaLayerNormContinuous, FeedForward, layer_norm, modulate, resolve_transformer_dir
-from preheat.models.unet2d import Conv2d, JsonConfig, Linear, TimestepEmbedding, _lift, sinusoidal_embedding
+from preheat.models.config import JsonConfig
+from preheat.models.layers import Conv2d, Linear, TimestepEmbedding, lift, sinusoidal_embedding
 from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, torch_key, weight_files
 from preheat.models.attention import dot_product_attention
 
@@ -171,7 +172,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: Array) -> Array:  # (..., Dh) -> (..., Dh)
         h = x.astype(jnp.float32)
         h = h * jax.lax.rsqrt(jnp.square(h).mean(axis=-1, keepdims=True) + self.eps)
-        return h.astype(x.dtype) * _lift(self.weight[...].astype(x.dtype), x.ndim)
+        return h.astype(x.dtype) * lift(self.weight[...].astype(x.dtype), x.ndim)
 
 
 class AdaLayerNormZero(nnx.Module):

@@ -32,7 +32,7 @@ What is static (the compiled program) and what is data::
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
@@ -44,7 +44,8 @@ from flax import nnx
 
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
 from preheat.models import weights
-from preheat.models.unet2d import Embedding, Linear
+from preheat.models.config import JsonConfig
+from preheat.models.layers import Embedding, Linear
 from preheat.models.weights import TRANSFORMERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
 from preheat.models.attention import dot_product_attention
 
@@ -83,7 +84,7 @@ _BOOKKEEPING = {"pad_token_id", "eos_token_id", "decoder_start_token_id", "dropo
 
 
 @dataclass(frozen=True)
-class T5Config:
+class T5Config(JsonConfig):
     """transformers' ``T5Config`` fields an encoder reads (same names, same defaults); the rest is ignored."""
 
     vocab_size: int = 32128  # V, rows of ``shared`` (T5 v1.1: 32128, more than the tokenizer's 32100)
@@ -114,13 +115,11 @@ class T5Config:
             raise UnsupportedConfigError(
                 f"unsupported architectures {archs!r} in {source}; supported: 'T5EncoderModel' "
                 "(a diffusers pipeline's text_encoder_2 / text_encoder_3 folder)")
-        values: dict[str, Any] = {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
+        values = dict(raw)
         eos = values.get("eos_token_id")
         if isinstance(eos, list):  # transformers allows a list; only bookkeeping here
             values["eos_token_id"] = eos[0] if eos else None
-        config = cls(**values)
-        config.validate(source)
-        return config
+        return cls.from_checked_dict(values, source, None, strict=False)
 
     def validate(self, source: str = "config") -> None:
         for name in ("feed_forward_proj", "is_decoder"):

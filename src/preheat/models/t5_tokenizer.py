@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedConfigError
-from preheat.models.tokenizer import _added_token, _token_content, named_and_added_tokens, prompt_list, warn_truncated
+from preheat.models.tokenizer import added_token, token_content, named_and_added_tokens, prompt_list, warn_truncated
 from preheat.models.weights import read_json
 
 __all__ = ["T5Tokenizer", "T5_UNK_ID"]
@@ -125,7 +125,7 @@ class T5Tokenizer:
         # without it, special_tokens_map.json and tokenizer.json's list. Then the named tokens and the
         # <extra_id_N> sentinels that are not there yet, as special, un-normalized tokens.
         entries, added = named_and_added_tokens(folder, config, config_file, raw, _NAMED)
-        named = _DEFAULTS | {k: _token_content(v, str(folder)) for k, v in entries.items()}
+        named = _DEFAULTS | {k: token_content(v, str(folder)) for k, v in entries.items()}
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens")
         if extra is None:
             extra_ids = config.get("extra_ids", 0)
@@ -134,8 +134,8 @@ class T5Tokenizer:
             raise ModelFormatError(f"{config_file}: extra_special_tokens must be a list")
         seen = {str(t.content) for t in added}
         for token in [entries.get(k, named[k]) for k in _NAMED] + extra:
-            if _token_content(token, str(config_file)) not in seen:
-                added.append(_added_token(token, str(config_file), special=True))
+            if token_content(token, str(config_file)) not in seen:
+                added.append(added_token(token, str(config_file), special=True))
                 seen.add(str(added[-1].content))
         backend.add_tokens(added)
 

@@ -69,7 +69,7 @@ def warn_truncated(count: int, max_length: int, dropped: str) -> None:
                   f"{dropped!r}", PromptTruncatedWarning, stacklevel=3)
 
 
-def _token_content(value: Any, where: str) -> str:
+def token_content(value: Any, where: str) -> str:
     """A named token as tokenizer files hold it: a string or an AddedToken dict."""
     if isinstance(value, str):
         return value
@@ -78,12 +78,12 @@ def _token_content(value: Any, where: str) -> str:
     raise ModelFormatError(f"{where}: a token must be a string or an object with 'content', got {value!r}")
 
 
-def _added_token(entry: Any, where: str, special: bool | None = None) -> Any:
+def added_token(entry: Any, where: str, special: bool | None = None) -> Any:
     from tokenizers import AddedToken
 
     if isinstance(entry, str):
         return AddedToken(entry, special=True, normalized=False)
-    content = _token_content(entry, where)
+    content = token_content(entry, where)
     flags = {k: entry[k] for k in _ADDED_TOKEN_FIELDS[1:] if k in entry}
     if special is not None:
         flags["special"] = special
@@ -102,7 +102,7 @@ def named_and_added_tokens(folder: Path, config: dict[str, Any], config_file: Pa
         decoder = config["added_tokens_decoder"]
         if not isinstance(decoder, dict):
             raise ModelFormatError(f"{config_file}: added_tokens_decoder must be an object")
-        added = [_added_token(decoder[i], str(config_file)) for i in sorted(decoder, key=int)]
+        added = [added_token(decoder[i], str(config_file)) for i in sorted(decoder, key=int)]
     else:
         special_file = folder / "special_tokens_map.json"
         if special_file.is_file():
@@ -110,7 +110,7 @@ def named_and_added_tokens(folder: Path, config: dict[str, Any], config_file: Pa
             entries |= {k: special_map[k] for k in names if special_map.get(k) is not None}
         if tokenizer_json is not None:
             where = str(folder / "tokenizer.json")
-            added = [_added_token(t, where) for t in tokenizer_json.get("added_tokens", [])]
+            added = [added_token(t, where) for t in tokenizer_json.get("added_tokens", [])]
     return entries, added
 
 
@@ -167,7 +167,7 @@ class CLIPTokenizer:
                     f"unsupported {side} {config[side]!r} in {config_file}; supported: 'right'")
 
         entries, added = named_and_added_tokens(folder, config, config_file, tokenizer_json, _NAMED)
-        named = _DEFAULTS | {k: _token_content(v, str(folder)) for k, v in entries.items()}
+        named = _DEFAULTS | {k: token_content(v, str(folder)) for k, v in entries.items()}
 
         try:
             backend = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
@@ -186,7 +186,7 @@ class CLIPTokenizer:
         # string: not normalized). Whether "<|ENDOFTEXT|>" in a prompt is matched depends on this.
         final = {str(t.content): t for t in added}
         for k in _NAMED:
-            final[named[k]] = next((t for t in added if str(t.content) == named[k]), None) or _added_token(
+            final[named[k]] = next((t for t in added if str(t.content) == named[k]), None) or added_token(
                 entries.get(k, named[k]), str(folder), special=True)
         backend.add_tokens(list(final.values()))
 

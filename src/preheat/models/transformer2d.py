@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from preheat.models.unet2d import Conv2d, GroupNorm, LayerNorm, Linear
 from preheat.models.attention import dot_product_attention
+from preheat.models.layers import Conv2d, GroupNorm, LayerNorm, Linear
 
 __all__ = ["CrossAttention", "GEGLU", "FeedForward", "BasicTransformerBlock", "Transformer2DModel"]
 

@@ -17,7 +17,7 @@ width is then ``block_out_channels[i] // heads[i]``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -29,8 +29,9 @@ from preheat.errors import InvalidArgumentError, ModelFormatError, UnsupportedCo
 from preheat.models import weights
 from preheat.models.folders import resolve_unet_dir
 from preheat.models.transformer2d import Transformer2DModel
-from preheat.models.unet2d import (Conv2d, Downsample2D, GroupNorm, JsonConfig, ResnetBlock2D, TimestepEmbedding,
-                                   Upsample2D, _activation, sinusoidal_embedding)
+from preheat.models.config import JsonConfig
+from preheat.models.layers import (Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, TimestepEmbedding, Upsample2D,
+                                   activation, sinusoidal_embedding)
 from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
 
 __all__ = [
@@ -79,10 +80,6 @@ SUPPORTED: dict[str, tuple[Any, ...]] = {
 # Config keys that do not change inference math (bookkeeping, training, or used only by
 # unsupported options) and are accepted as they are.
 _IGNORED_KEYS = {"sample_size", "dropout", "addition_embed_type_num_heads"}
-
-_SEQUENCES = ("down_block_types", "up_block_types", "block_out_channels", "layers_per_block", "attention_head_dim",
-              "num_attention_heads", "transformer_layers_per_block", "cross_attention_dim", "only_cross_attention",
-              "sample_size")
 
 
 @dataclass(frozen=True)
@@ -140,20 +137,8 @@ class UNet2DConditionConfig(JsonConfig):
     addition_embed_type_num_heads: int = 64  # used only by addition_embed_type "text" (unsupported)
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "UNet2DConditionConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(k for k in raw if not k.startswith("_") and k not in known)
-        if unknown:
-            raise UnsupportedConfigError(
-                f"unsupported UNet2DConditionModel config key(s) {', '.join(unknown)}; "
-                f"supported keys: {', '.join(sorted(known))}")
-        values = {k: v for k, v in raw.items() if k in known}
-        for name in _SEQUENCES:
-            if isinstance(values.get(name), list):
-                values[name] = tuple(tuple(v) if isinstance(v, list) else v for v in values[name])
-        config = cls(**values)
-        config.validate()
-        return config
+    def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> "UNet2DConditionConfig":
+        return cls.from_checked_dict(raw, source, "UNet2DConditionModel")
 
     def architecture_dict(self) -> dict[str, Any]:
         """The fields that change the program (for cache keys): everything but bookkeeping."""
@@ -189,10 +174,11 @@ class UNet2DConditionConfig(JsonConfig):
     def time_embed_dim(self) -> int:
         return self.time_embedding_dim or self.block_out_channels[0] * 4
 
-    def validate(self) -> None:
+    def validate(self, source: str = "config") -> None:
         def refuse(name: str, value: Any) -> None:
             allowed = ", ".join(repr(v) for v in SUPPORTED[name])
-            raise UnsupportedConfigError(f"unsupported UNet2DConditionModel {name} {value!r}; supported: {allowed}")
+            raise UnsupportedConfigError(f"unsupported UNet2DConditionModel {name} {value!r} in {source}; "
+                                         f"supported: {allowed}")
 
         for name in ("down_block_types", "up_block_types"):
             for block in getattr(self, name):
@@ -430,7 +416,7 @@ class UNet2DConditionModule(nnx.Module):
             add = jnp.concatenate([added["text_embeds"].astype(jnp.float32), id_feat], axis=-1).astype(dtype)
             emb = emb + self.add_embedding(add)
         context = context.astype(dtype)
-        act = _activation(c.act_fn)
+        act = activation(c.act_fn)
 
         h = self.conv_in(x)
         skips = [h]
@@ -449,12 +435,7 @@ class UNet2DConditionModule(nnx.Module):
 
 
 def read_unet_condition_config(unet_dir: Path) -> UNet2DConditionConfig:
-    raw = read_json(unet_dir / "config.json")
-    cls = raw.get("_class_name", "UNet2DConditionModel")
-    if cls != "UNet2DConditionModel":
-        raise UnsupportedConfigError(
-            f"unsupported model class {cls!r} in {unet_dir / 'config.json'}; supported: 'UNet2DConditionModel'")
-    return UNet2DConditionConfig.from_dict(raw)
+    return UNet2DConditionConfig.from_dict(read_json(unet_dir / "config.json"), str(unet_dir / "config.json"))
 
 
 def build_abstract(config: UNet2DConditionConfig) -> tuple[nnx.GraphDef, nnx.State]:

@@ -41,8 +41,9 @@ from flax import nnx
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
 from preheat.models import weights
 from preheat.models.loading import legacy_unet_key
-from preheat.models.unet2d import (Conv2d, DownBlock, GroupNorm, JsonConfig, MidBlock, ResnetBlock2D, Upsample2D, _BlockSpec,
-                                   _lift)
+from preheat.models.config import JsonConfig
+from preheat.models.layers import Conv2d, GroupNorm, ResnetBlock2D, Upsample2D, lift
+from preheat.models.unet_blocks import BlockSpec, DownBlock, MidBlock
 from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
 
 __all__ = ["AutoencoderKLConfig", "AutoencoderKL", "VAE", "LatentStat", "SUPPORTED", "load_vae", "read_vae_config",
@@ -173,7 +174,7 @@ class LatentStat(nnx.Variable):
 class UpDecoderBlock2D(nnx.Module):
     """Resnets (no skip connections, no time embedding), then an optional nearest x2 upsampler."""
 
-    def __init__(self, cin: int, cout: int, layers: int, upsample: bool, s: _BlockSpec, *, rngs: nnx.Rngs):
+    def __init__(self, cin: int, cout: int, layers: int, upsample: bool, s: BlockSpec, *, rngs: nnx.Rngs):
         self.resnets = nnx.List([
             ResnetBlock2D(cin if i == 0 else cout, cout, None, groups=s.groups, eps=s.eps, act=s.act,
                           scale_shift=False, output_scale_factor=1.0, rngs=rngs)
@@ -189,7 +190,7 @@ class UpDecoderBlock2D(nnx.Module):
         return x
 
 
-def _mid_block(c: AutoencoderKLConfig, s: _BlockSpec, rngs: nnx.Rngs) -> MidBlock:
+def _mid_block(c: AutoencoderKLConfig, s: BlockSpec, rngs: nnx.Rngs) -> MidBlock:
     # One attention head spanning all channels, normed with the resnets' groups.
     ch = c.block_out_channels[-1]
     return MidBlock(ch, ch, c.mid_block_add_attention, c.norm_num_groups, 1.0, s, rngs=rngs)
@@ -198,7 +199,7 @@ def _mid_block(c: AutoencoderKLConfig, s: _BlockSpec, rngs: nnx.Rngs) -> MidBloc
 class Encoder(nnx.Module):
     """Image -> 2 * latent_channels moments (mean, logvar) at 1/downscale resolution."""
 
-    def __init__(self, c: AutoencoderKLConfig, s: _BlockSpec, *, rngs: nnx.Rngs):
+    def __init__(self, c: AutoencoderKLConfig, s: BlockSpec, *, rngs: nnx.Rngs):
         chans = c.block_out_channels
         self.conv_in = Conv2d(c.in_channels, chans[0], 3, padding=1, rngs=rngs)
         blocks = []
@@ -224,7 +225,7 @@ class Encoder(nnx.Module):
 class Decoder(nnx.Module):
     """Latent -> image at downscale x the resolution."""
 
-    def __init__(self, c: AutoencoderKLConfig, s: _BlockSpec, *, rngs: nnx.Rngs):
+    def __init__(self, c: AutoencoderKLConfig, s: BlockSpec, *, rngs: nnx.Rngs):
         rev = list(reversed(c.block_out_channels))
         self.conv_in = Conv2d(c.latent_channels, rev[0], 3, padding=1, rngs=rngs)
         self.mid_block = _mid_block(c, s, rngs)
@@ -251,7 +252,7 @@ class AutoencoderKL(nnx.Module):
         c = config
         c.validate()
         self.config = c
-        spec = _BlockSpec(c.norm_num_groups, _EPS, c.act_fn, False, None)
+        spec = BlockSpec(c.norm_num_groups, _EPS, c.act_fn, False, None)
         self.encoder = Encoder(c, spec, rngs=rngs)
         self.decoder = Decoder(c, spec, rngs=rngs)
         lat = c.latent_channels
@@ -278,12 +279,12 @@ class AutoencoderKL(nnx.Module):
     def unscale(self, latents: Array) -> Array:
         """Diffusion latents -> raw latents (float32 math): ``latents * scale + shift``."""
         nd = latents.ndim
-        return latents.astype(jnp.float32) * _lift(self.latent_scale[...], nd) + _lift(self.latent_shift[...], nd)
+        return latents.astype(jnp.float32) * lift(self.latent_scale[...], nd) + lift(self.latent_shift[...], nd)
 
     def scale(self, z: Array) -> Array:
         """Raw latents -> diffusion latents, the inverse of ``unscale``."""
         nd = z.ndim
-        return (z.astype(jnp.float32) - _lift(self.latent_shift[...], nd)) / _lift(self.latent_scale[...], nd)
+        return (z.astype(jnp.float32) - lift(self.latent_shift[...], nd)) / lift(self.latent_scale[...], nd)
 
 
 # ----------------------------------------------------------------------------------------------

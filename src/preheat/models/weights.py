@@ -1,8 +1,9 @@
 """Reading diffusers/transformers safetensors into an abstract NNX model, for every model family.
 
 One loader serves every component (UNet, CLIP text encoder, VAE, ...): the module is built
-abstractly (``nnx.eval_shape``: shapes only, no FLOPs, no memory), then each parameter leaf is
-filled from the checkpoint tensor whose key is the leaf's path, converted from torch layout.
+abstractly (``build_abstract``: constructed directly, each parameter made by ``param`` as its shape
+only; no initialiser runs, no FLOPs, no memory), then each parameter leaf is filled from the
+checkpoint tensor whose key is the leaf's path, converted from torch layout.
 Nothing is returned until every tensor has been checked, so a bad checkpoint never yields a
 half-loaded model.
 

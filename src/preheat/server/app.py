@@ -36,8 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from preheat.errors import InputError, NotAccepting, QueueFull
 from preheat.server.core import SHUT_DOWN, Core, Prediction
-from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, openai_error
-from preheat.server.inputs import SEED_MAX, JsonInt, Limits, json_int
+from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, api_error, openai_error
+from preheat.server.inputs import SEED_MAX, JsonFloat, JsonInt, Limits, json_int
 from preheat.server.metrics import HttpMetrics
 from preheat.server.webhooks import WebhookPolicy, WebhookRefused, delivery_client
 
@@ -100,7 +100,7 @@ class ImageGenerationRequest(BaseModel):
     seed: Optional[JsonInt] = None
     # preheat's extra fields, named as on the Cog route (Replicate's flux-dev-lora)
     lora_weights: Optional[str] = Field(None, max_length=2000)
-    lora_scale: Optional[float] = None  # bounds checked with the Cog input (one place)
+    lora_scale: Optional[JsonFloat] = None  # bounds checked with the Cog input (one place)
 
 
 class ImageData(BaseModel):
@@ -176,12 +176,15 @@ async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONRe
     status = exc.status_code
     if status == 400 and "parsing the body" in str(exc.detail):  # undecodable JSON (e.g. huge ints)
         status = 422
-    return JSONResponse({"detail": exc.detail}, status_code=status, headers=getattr(exc, "headers", None))
+    headers = getattr(exc, "headers", None)
+    if request.url.path.startswith("/v1/"):
+        return api_error(request.scope, status, str(exc.detail), headers)
+    return JSONResponse({"detail": exc.detail}, status_code=status, headers=headers)
 
 
 async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
     log.exception("internal error on %s %s", request.method, request.url.path)
-    return JSONResponse({"detail": f"internal error: {type(exc).__name__}"}, status_code=500)
+    return api_error(request.scope, 500, f"internal error: {type(exc).__name__}")
 
 
 EXCEPTION_HANDLERS: tuple[tuple[type[Exception], Callable[..., Any]], ...] = (
@@ -412,6 +415,14 @@ async def root() -> dict[str, Any]:
     return {"docs_url": "/docs", "openapi_url": "/openapi.json"}
 
 
+@routes.get("/docs", include_in_schema=False)
+async def docs(request: Request) -> Response:
+    """The API reference, self-contained (works offline; see preheat.server.docs_page)."""
+    from preheat.server.docs_page import render
+
+    return Response(render(openapi(request.app)), media_type="text/html; charset=utf-8")
+
+
 @routes.get("/health-check", summary="Health check (never needs a token)")
 async def health_check(state: State) -> dict[str, Any]:
     core = state.core
@@ -535,7 +546,7 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
     """A FastAPI app (wrapped in the auth/limits/metrics guard) serving ``core``. ``token``: when
     set, every endpoint but ``/health-check`` needs ``Authorization: Bearer <token>``.
     ``webhooks``: which webhook URLs are accepted (default: public addresses only)."""
-    app = FastAPI(title="preheat", version=_version(), lifespan=lifespan,
+    app = FastAPI(title="preheat", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Diffusion sampling server (Cog- and OpenAI-compatible). Starts hot, batches requests.")
     app.state.preheat = AppState(core, webhooks, grace_s, HttpMetrics(core.metrics.registry))
     for exc_class, handler in EXCEPTION_HANDLERS:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from preheat.cache.warm import GUIDANCE_MODES, WarmSet
+from preheat.warm import GUIDANCE_MODES, WarmSet
 
 __all__ = ["CoreConfig", "load_pipeline"]
 
@@ -19,6 +19,8 @@ class CoreConfig:
     backend: str = "jax"
     compile: str = "none"  # torch backend: none, inductor, aot or regional (preheat.torch.compile)
     dtype: str = "float32"
+    variant: Optional[str] = None  # weight files *.VARIANT.safetensors
+    cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off"
     max_batch_size: int = 8
     devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
     fsdp: int = 1  # jax: the devices each weight is split over (1: copied to each)
@@ -35,6 +37,7 @@ class CoreConfig:
     max_loras: int = 8  # LoRAs held ready (read, and their factors on the device), least recently used out
     lora_dir: Optional[str] = None  # requests' local LoRA files only from under this folder (None: no local files)
     lora_urls: Any = None  # server.webhooks.WebhookPolicy for requests' http(s) LoRA URLs (None: public only)
+    fetch: Any = None  # server.fetch.FetchConfig: timeouts, size caps, slots of those fetches (None: defaults)
 
     def warm_set(self) -> WarmSet:
         """The declaration this server warms (the same object ``preheat warm`` compiles)."""
@@ -42,14 +45,16 @@ class CoreConfig:
 
         return WarmSet(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size,
                        samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
-                       devices=self.devices, fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks))
+                       devices=self.devices, fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks),
+                       variant=self.variant, cache=self.cache)
 
     @classmethod
     def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":
         """A server for the declared set; ``options``: the serving-only fields (queue, limits, ...)."""
         options.setdefault("devices", warm.devices)
         options.setdefault("fsdp", warm.fsdp)
-        return cls(model=warm.model, dtype=warm.dtype, max_batch_size=warm.max_batch_size,
+        return cls(model=warm.model, dtype=warm.dtype, variant=warm.variant, cache=warm.cache,
+                   max_batch_size=warm.max_batch_size,
                    samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance),
                    lora_ranks=tuple(warm.lora_ranks), **options)
 
@@ -62,18 +67,16 @@ def load_pipeline(config: CoreConfig) -> Any:
         if config.compile != "none":
             raise InvalidArgumentError(f"--compile {config.compile} applies to --backend torch")
         import preheat
-        from preheat.cache.warm import prefetch_calls
+        from preheat.warm import prefetch_calls
 
         # the warm-up's executables load while the weights are read
-        return preheat.load(config.model, dtype=config.dtype, devices=config.devices, fsdp=config.fsdp,
-                            prefetch=prefetch_calls(config.warm_set()))
+        return preheat.load(config.model, dtype=config.dtype, variant=config.variant, cache=config.cache,
+                            devices=config.devices, fsdp=config.fsdp, prefetch=prefetch_calls(config.warm_set()))
     if config.backend == "torch":
         try:
-            import preheat.backends.torch as torch_backend
+            from preheat.backends.torch import load_torch_pipeline
         except ImportError as err:
             raise InvalidArgumentError(f"--backend torch needs the torch extra ({err})") from None
-        loader = getattr(torch_backend, "load", None)
-        if loader is None:
-            raise InvalidArgumentError("--backend torch: preheat.backends.torch provides no pipeline yet; use --backend jax")
-        return loader(config.model, dtype=config.dtype, compile=config.compile)
+        return load_torch_pipeline(config.model, dtype=config.dtype, compile=config.compile, variant=config.variant,
+                                   cache=config.cache)
     raise InvalidArgumentError(f"unknown backend {config.backend!r}; use jax or torch")

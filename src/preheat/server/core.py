@@ -2,8 +2,8 @@
 
 Threads: ONE worker thread owns the model. It loads the pipeline, compiles every batch bucket
 (warm-up), then loops: take the oldest waiting prediction, wait up to ``batch_wait_ms`` (counted
-from that prediction's arrival) for others with the same batch key (sampler, steps, guidance
-scale), run them as one ``Pipeline.generate`` call padded to the next compiled bucket, split
+from that prediction's arrival) for others with the same batch key (``Job.batch_key``: sampler,
+steps, guidance scale, image size, whether negative prompts are given, LoRA rank bucket), run them as one ``Pipeline.generate`` call padded to the next compiled bucket, split
 the pixels, encode, complete. Callers (HTTP routes, the Runpod handler) only parse, enqueue and
 wait; they are told about progress through listeners called from the worker thread.
 
@@ -35,11 +35,13 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
-from preheat.cache.warm import WarmSignature, buckets_for, resolve, run_signature, signatures
-from preheat.errors import InputError, NotAccepting, QueueFull
+from preheat.errors import InputError, NotAccepting, PreheatError, QueueFull
+from preheat.server.fetch import FetchConfig, Fetcher
+from preheat.warm import WarmSignature, buckets_for, resolve, run_signature, signatures
 from preheat.server.inputs import Job, Limits, input_model, parse_input, size_inputs
 from preheat.server.config import CoreConfig, load_pipeline
-from preheat.server.metrics import CoreMetrics
+from preheat.server.metrics import CoreMetrics, FetchMetrics
+from preheat.store import is_remote
 from preheat.server.predictions import Listener, Prediction, SetupInfo
 from preheat.timings import now_iso
 
@@ -47,7 +49,7 @@ __all__ = ["CoreConfig", "Core", "Prediction", "buckets_for", "SHUT_DOWN"]
 
 log = logging.getLogger("preheat.server")
 
-SHUT_DOWN = "the server shut down before this prediction ran"  # the error of predictions dropped by close()
+SHUT_DOWN = "the server shut down before this prediction finished"  # the error of predictions dropped by close()
 
 
 class Core:
@@ -59,13 +61,15 @@ class Core:
                 or config.max_loras < 1):
             raise ValueError("max_batch_size, max_queue, max_steps and max_loras must be >= 1 and batch_wait_ms >= 0")
         self.config = config
+        self.metrics = CoreMetrics()
+        fetch = config.fetch if config.fetch is not None else FetchConfig()
+        self.fetcher = Fetcher(replace(fetch, policy=config.lora_urls) if config.lora_urls is not None else fetch,
+                               FetchMetrics(self.metrics.registry))
         self.limits = Limits(max_batch_size=config.max_batch_size, max_steps=config.max_steps,
                              max_guidance=config.max_guidance, schedulers=tuple(config.samplers),
-                             sizes=tuple(config.sizes), lora_dir=config.lora_dir,
-                             lora_urls=config.lora_urls)
+                             sizes=tuple(config.sizes), lora_dir=config.lora_dir, fetcher=self.fetcher)
         self.input_model = input_model(self.limits)
         self.buckets = buckets_for(config.max_batch_size, getattr(pipe, "device_count", 1))
-        self.metrics = CoreMetrics()
         self.setup = SetupInfo()
         self.pipe = pipe
         self._loader = loader
@@ -74,15 +78,17 @@ class Core:
         self._running: list[Prediction] = []
         self._store: "OrderedDict[str, Prediction]" = OrderedDict()
         self._setup_done = threading.Event()
+        self._setup_listeners: list[Callable[[], None]] = []  # serve: exit on a set-up failure
         self.closing_pushes = threading.Event()  # set when close() starts waiting for uploads
         self.warm = config.warm_set()  # resolved at set-up (the model's default sampler, sizes)
-        self._setup_listeners: list[Callable[[], None]] = []
         self._draining = False
         self._stopping = False
         self._paused = False
         self._running_since = 0.0
         self.samplers: tuple[str, ...] = tuple(config.samplers)  # resolved at set-up: what is offered
         self.seconds_per_step: Optional[float] = None  # engine seconds per step (warm-up, then each batch)
+        # measured seconds of one engine call (encoding included), per batch key: what Retry-After reads
+        self.batch_seconds: dict[tuple, float] = {}
         self._thread: Optional[threading.Thread] = None
         self._batch_ids = itertools.count(1)
         self.stats = {"batches": 0, "images": 0, "padded": 0, "traffic_compiles": 0}
@@ -100,14 +106,6 @@ class Core:
     def wait_setup(self, timeout: Optional[float] = None) -> bool:
         """Block until set-up finished (either way); False on timeout."""
         return self._setup_done.wait(timeout)
-
-    def on_setup(self, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` (from the worker thread, or now) once set-up has finished."""
-        with self._cond:
-            if not self._setup_done.is_set():
-                self._setup_listeners.append(fn)
-                return
-        fn()
 
     @property
     def status(self) -> str:
@@ -155,8 +153,19 @@ class Core:
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending and not self._running, timeout)
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the worker; predictions still waiting fail with a one-line error."""
+    def abort_running(self) -> int:
+        """Fail the predictions of the running batch now, as close() fails the queued ones (a
+        shutdown cut short); their batch's images, when it returns, are dropped. Returns how many."""
+        with self._cond:
+            self._draining = True
+            running = [p for p in self._running if not p.terminal]
+        for p in running:
+            self._finish(p, "failed", error=SHUT_DOWN)
+        return len(running)
+
+    def close(self, timeout: float = 5.0, wait_pushes: bool = True) -> None:
+        """Stop the worker; predictions still waiting fail with a one-line error. ``wait_pushes``:
+        give background uploads to the shared store ``push_grace_s`` (not when cut short)."""
         with self._cond:
             self._draining = True
             self._stopping = True
@@ -164,11 +173,12 @@ class Core:
             self._cond.notify_all()
         for p in left:
             self._finish(p, "failed", error=SHUT_DOWN)
+        self.fetcher.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self.closing_pushes.set()
         compiler = getattr(self.pipe, "compiler", None)
-        if compiler is not None and getattr(compiler, "background", None) is not None:
+        if wait_pushes and compiler is not None and getattr(compiler, "background", None) is not None:
             left = compiler.background.pending
             if left:
                 log.info("waiting up to %.0fs for %d upload(s) to the shared cache", self.config.push_grace_s, left)
@@ -191,11 +201,20 @@ class Core:
         """:meth:`parse` for a coroutine: in a worker thread when the input names a LoRA, whose first
         read (a download, a large file) must not hold up the event loop."""
         source = raw.get("lora_weights") if isinstance(raw, dict) else getattr(raw, "lora_weights", None)
-        if source:
-            import asyncio
+        if not source:
+            return self.parse(raw)
+        import asyncio
 
-            return await asyncio.to_thread(self.parse, raw)
-        return self.parse(raw)
+        self._check_accepting()
+        source = str(source).strip()
+        if is_remote(source) and not await asyncio.to_thread(self.fetcher.stored, source):
+            # the download on the fetcher's own threads: stalled hosts never hold the threads that
+            # read local files and stored entries. A refusal is an error on lora_weights (parse's).
+            try:
+                await asyncio.get_running_loop().run_in_executor(self.fetcher.pool, self.fetcher.lora, source)
+            except PreheatError as err:
+                raise InputError([("lora_weights", (str(err).splitlines() or [type(err).__name__])[0])]) from None
+        return await asyncio.to_thread(self.parse, raw)
 
     def _check_accepting(self) -> None:
         if self._draining:
@@ -302,20 +321,25 @@ class Core:
         return True
 
     def expected_drain_s(self) -> float:
-        """Seconds until the work now accepted is done: the running batch's remaining steps plus
-        every queued prediction, batched as the worker will batch it, at ``seconds_per_step``."""
+        """Seconds until the work now accepted is done: what is left of the running batch plus every
+        queued prediction, batched as the worker will batch it. A batch takes what the last ones
+        of its key took (``batch_seconds``: measured, fixed costs such as encoding included); a key
+        not run yet, its steps at ``seconds_per_step``."""
         per_step = self.seconds_per_step if self.seconds_per_step is not None else 1.0
+
+        def batch_s(key: tuple) -> float:
+            return self.batch_seconds.get(key, key[1] * per_step)
+
         with self._cond:
             total = 0.0
             if self._running:
-                left = self._running[0].job.steps * per_step - (time.monotonic() - self._running_since)
+                left = batch_s(self._running[0].job.batch_key) - (time.monotonic() - self._running_since)
                 total += max(0.0, left)
             images: dict[tuple, int] = {}
             for p in self._pending:
                 images[p.job.batch_key] = images.get(p.job.batch_key, 0) + p.job.n
             for key, count in images.items():
-                steps = key[1]
-                total += math.ceil(count / self.config.max_batch_size) * steps * per_step
+                total += math.ceil(count / self.config.max_batch_size) * batch_s(key)
         return total
 
     def retry_after(self) -> int:
@@ -351,6 +375,14 @@ class Core:
         self._fire_setup()
         self._serve()
 
+    def on_setup(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (from the worker thread, or now) once set-up has finished either way."""
+        with self._cond:
+            if not self._setup_done.is_set():
+                self._setup_listeners.append(fn)
+                return
+        fn()
+
     def _fire_setup(self) -> None:
         with self._cond:
             self._setup_done.set()
@@ -358,7 +390,7 @@ class Core:
         for fn in listeners:
             try:
                 fn()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a listener's failure must not kill the worker
                 log.exception("set-up listener failed")
 
     def _setup_log(self, line: str) -> None:
@@ -417,7 +449,7 @@ class Core:
         self._setup_log(f"ready in {total:.2f}s; buckets {list(self.buckets)}; samplers {list(self.samplers)}")
 
     def signatures(self) -> list[WarmSignature]:
-        """Every program a valid request can reach (``preheat.cache.warm.signatures`` of the
+        """Every program a valid request can reach (``preheat.warm.signatures`` of the
         resolved declaration): what warm-up compiles and ``preheat warm`` compiles ahead of time."""
         return signatures(self.pipe, self.warm)
 
@@ -511,6 +543,9 @@ class Core:
         took = time.perf_counter() - t0
         per_step = took / max(1, job0.steps)
         self.seconds_per_step = per_step if self.seconds_per_step is None else 0.8 * self.seconds_per_step + 0.2 * per_step
+        if not compiled:  # a compile is not what the next batch of this key will take
+            last = self.batch_seconds.get(job0.batch_key)
+            self.batch_seconds[job0.batch_key] = took if last is None else 0.5 * last + 0.5 * took
         m = self.metrics
         m.batches.inc()
         m.batch_images.observe(images)

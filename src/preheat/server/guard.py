@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from preheat.server.metrics import HttpMetrics
 
-__all__ = ["Guard", "MAX_BODY_BYTES", "BODY_TIMEOUT_S", "openai_error"]
+__all__ = ["Guard", "MAX_BODY_BYTES", "BODY_TIMEOUT_S", "api_error", "openai_error"]
 
 MAX_BODY_BYTES = 1 << 20
 BODY_TIMEOUT_S = 30.0
@@ -114,7 +114,7 @@ class Guard:
                 if body.refusal is not None and not sent["started"]:
                     status, message = body.refusal
                     # Stop reading: the rest of the body is never read; the connection closes.
-                    await _error(scope, status, message, {"Connection": "close"})(scope, receive, send_out)
+                    await api_error(scope, status, message, {"Connection": "close"})(scope, receive, send_out)
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or ("unmatched" if code["status"] in (404, 405) else "other")
@@ -128,28 +128,30 @@ class Guard:
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if not (scheme.lower() == b"bearer" and hmac.compare_digest(b"Bearer " + token.strip(), self.expected)):
-                return JSONResponse({"detail": "missing or invalid bearer token"}, status_code=401,
-                                    headers={"WWW-Authenticate": "Bearer"})
+                return api_error(scope, 401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length")
         has_body = b"transfer-encoding" in headers
         if length is not None:
             try:
                 size = int(length)
             except ValueError:
-                return _error(scope, 400, "invalid Content-Length")
+                return api_error(scope, 400, "invalid Content-Length")
             if size > self.max_body_bytes:
-                return _error(scope, 413, f"request body over {self.max_body_bytes} bytes", {"Connection": "close"})
+                return api_error(scope, 413, f"request body over {self.max_body_bytes} bytes", {"Connection": "close"})
             has_body = has_body or size > 0
         content_type = headers.get(b"content-type")
+        if has_body and content_type is None:  # as any other non-JSON type: the body is not read
+            return api_error(scope, 415, "a request body needs Content-Type: application/json")
         if has_body and content_type is not None and not _is_json(content_type):
-            return _error(scope, 415, f"Content-Type {content_type.decode('latin-1')[:100]!r} is not supported; "
-                                      "send application/json")
+            return api_error(scope, 415, f"Content-Type {content_type.decode('latin-1')[:100]!r} is not supported; "
+                                         "send application/json")
         return None
 
 
-def _error(scope: dict, status: int, message: str, headers: Optional[dict[str, str]] = None) -> JSONResponse:
+def api_error(scope: dict, status: int, message: str, headers: Optional[dict[str, str]] = None) -> JSONResponse:
     """An error in the shape of the route's API: OpenAI's under /v1/, Cog's (FastAPI's) elsewhere."""
     if str(scope.get("path", "")).startswith("/v1/"):
         kind = "invalid_request_error" if status < 500 else "server_error"
+        kind = "authentication_error" if status == 401 else kind
         return openai_error(status, message, kind=kind, headers=headers)
     return JSONResponse({"detail": message}, status_code=status, headers=headers)

@@ -6,8 +6,8 @@ Runpod handler. Two layers:
 
 1. the schema (:func:`input_model`): a pydantic model built from the server's limits, so the
    OpenAPI document states the real bounds (``num_outputs <= max_batch_size`` ...);
-2. the model checks (:func:`parse_input`): class names, image size, and the engine's own
-   ``Pipeline.prepare`` (which raises one-line ``InvalidArgumentError`` /
+2. the model checks (:func:`parse_input`): class names, image size, LoRA sources, and the
+   engine's own host-side ``Pipeline.check`` (which raises one-line ``InvalidArgumentError`` /
    ``SchedulerConfigError``), mapped back to the input field that caused them.
 
 Both raise :class:`preheat.errors.InputError`, which carries ``(field, message)`` pairs; surfaces turn it into
@@ -26,7 +26,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
 
 __all__ = ["Limits", "Job", "input_model", "parse_input", "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int",
-           "parse_sizes", "parse_lora_ranks"]
+           "parse_sizes", "parse_lora_ranks", "JsonFloat"]
 
 SEED_MAX = 2**32 - 1
 MAX_LORA_SCALE = 4.0
@@ -41,6 +41,17 @@ def _json_integer(value: Any) -> Any:
 
 
 JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+
+
+def _json_number(value: Any) -> Any:
+    """JSON Schema's "number": 3 and 3.5 yes; true and "3" no (pydantic's lax float takes them).
+    The one coercion rule for every numeric field: a number is a JSON number, never a string or bool."""
+    if isinstance(value, (bool, str, bytes)):
+        raise ValueError("Input should be a valid number")
+    return value
+
+
+JsonFloat = Annotated[float, BeforeValidator(_json_number)]
 
 
 def json_int(ge: int, le: int) -> Any:
@@ -60,7 +71,7 @@ class Limits:
     sizes: tuple[tuple[int, int], ...] = ()  # text-to-image: served (width, height); () = the model's default
     max_lora_scale: float = MAX_LORA_SCALE  # lora_scale within [-max, max]
     lora_dir: Optional[str] = None  # local LoRA files only from under this folder; None: URLs and hf:// only
-    lora_urls: Any = None  # server.webhooks.WebhookPolicy for http(s) LoRA URLs; None: public addresses only
+    fetcher: Any = None  # server.fetch.Fetcher: every URL a request names goes through it; None: a default one
 
 
 @dataclass(frozen=True)
@@ -136,7 +147,7 @@ def input_model(limits: Limits) -> type[BaseModel]:
                                          description="Number of images.")),
         "num_inference_steps": (Optional[json_int(1, limits.max_steps)], Field(None, json_schema_extra=order(3),
                                                            description="Denoising steps (model default when absent).")),
-        "guidance_scale": (Optional[float], Field(None, ge=0, le=limits.max_guidance, allow_inf_nan=False,
+        "guidance_scale": (Optional[JsonFloat], Field(None, ge=0, le=limits.max_guidance, allow_inf_nan=False,
                                                   json_schema_extra=order(4),
                                                   description="Classifier-free guidance scale; 1 = off (model default when absent).")),
         "scheduler": (Optional[Literal[tuple(schedulers)]], Field(None, json_schema_extra=order(5),  # type: ignore[misc]
@@ -153,7 +164,7 @@ def input_model(limits: Limits) -> type[BaseModel]:
                                               description="A LoRA: a safetensors path, http(s):// or hf://org/repo"
                                                           "[/file.safetensors] (diffusers/peft, kohya or BFL names). "
                                                           "Empty = none.")),
-        "lora_scale": (float, Field(1.0, ge=-limits.max_lora_scale, le=limits.max_lora_scale, allow_inf_nan=False,
+        "lora_scale": (JsonFloat, Field(1.0, ge=-limits.max_lora_scale, le=limits.max_lora_scale, allow_inf_nan=False,
                                     json_schema_extra=order(11),
                                     description="How strongly the LoRA applies (ignored without lora_weights).")),
     }
@@ -259,7 +270,7 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     if v["num_inference_steps"] is None and not 1 <= int(steps) <= limits.max_steps:
         errors.append(("num_inference_steps", f"the model default {steps} exceeds this server's max {limits.max_steps}"))
     guidance = v["guidance_scale"] if v["guidance_scale"] is not None else pipe.defaults.get("guidance")
-    lora, lora_bucket = _lora(pipe, v, errors, limits.lora_dir, limits.lora_urls)
+    lora, lora_bucket = _lora(pipe, v, errors, limits.lora_dir, limits.fetcher)
     if errors:
         raise InputError(errors)
 
@@ -293,36 +304,32 @@ def lora_source(source: str, lora_dir: Optional[str]) -> str:
     if lora_dir is None:
         raise InvalidArgumentError("this server reads no local LoRA files (start it with --lora-dir DIR to serve "
                                    "files under DIR); use http(s):// or hf://", argument="lora_weights")
+    bad = next((c for c in source if ord(c) < 32 or 127 <= ord(c) < 160), None)
+    if bad is not None:  # NUL would reach the OS as a ValueError; other controls are never a real name
+        raise InvalidArgumentError(f"a LoRA path may not hold the control character {bad!r}", argument="lora_weights")
     base = Path(lora_dir).resolve()
-    path = (base / source).resolve()
-    if not path.is_relative_to(base):
-        raise InvalidArgumentError(f"{source} is not under the server's --lora-dir", argument="lora_weights")
+    try:  # symlink loops (RuntimeError before Python 3.13, OSError after), names too long, ...
+        path = (base / source).resolve()
+        if not path.is_relative_to(base):
+            raise InvalidArgumentError(f"{source!r} is not under the server's --lora-dir", argument="lora_weights")
+        if path.is_dir():
+            return str(path)  # a folder holding one .safetensors file (preheat.lora's rule)
+        if path.exists() and not path.is_file():
+            raise InvalidArgumentError(f"{source!r} is not a regular file", argument="lora_weights")
+    except InvalidArgumentError:
+        raise
+    except (OSError, RuntimeError, ValueError) as err:
+        why = getattr(err, "strerror", None) or type(err).__name__
+        raise InvalidArgumentError(f"cannot use the LoRA path {source!r}: {why}", argument="lora_weights") from None
     return str(path)
 
 
-def _url_check(policy: Any) -> Callable[[str, Any], None]:
-    """The address check for a request's LoRA URL: the client chose it, so, as for webhooks, the
-    server connects only to public addresses unless the policy admits more."""
-    from preheat.errors import FetchError
-    from preheat.server.webhooks import WebhookPolicy
-
-    policy = policy if policy is not None else WebhookPolicy()
-
-    def check(host: str, ip: Any) -> None:
-        why = policy.refusal(host, ip)
-        if why is not None:
-            raise FetchError(f"{why}; LoRA URLs are fetched from public addresses only (see --lora-url-allow-private "
-                             "and --lora-url-allow)")
-
-    return check
-
-
 def _lora(pipe: Any, v: dict[str, Any], errors: list[tuple[str, str]], lora_dir: Optional[str] = None,
-          lora_urls: Any = None) -> tuple[Optional[tuple[Any, float]], Optional[int]]:
+          fetcher: Any = None) -> tuple[Optional[tuple[Any, float]], Optional[int]]:
     """``lora_weights`` -> ((the file, read through the pipeline's LRU), its scale) and its rank bucket;
-    a source the server does not serve (:func:`lora_source`), a URL whose host the address policy
-    refuses (``lora_urls``, a ``WebhookPolicy``), or a file that is missing, corrupt, or does not
-    fit the model, is an error on ``lora_weights``."""
+    a source the server does not serve (:func:`lora_source`), a URL the fetch refuses
+    (``fetcher``, a ``server.fetch.Fetcher``: address policy, deadline, size, slots), or a file that
+    is missing, corrupt, or does not fit the model, is an error on ``lora_weights``."""
     source = (v.get("lora_weights") or "").strip()
     if not source:
         return None, None
@@ -338,16 +345,18 @@ def _lora(pipe: Any, v: dict[str, Any], errors: list[tuple[str, str]], lora_dir:
     if targets is None:
         errors.append(("lora_weights", f"LoRAs are not supported for a {pipe.family.name} model"))
         return None, None
-    from preheat.store import address_check
+    from preheat.server.fetch import Fetcher, default_fetcher
+    from preheat.store import is_remote
 
     try:
-        with address_check(_url_check(lora_urls)):
-            lora = cached_file(pipe, source, targets)
+        if is_remote(source) and not Fetcher.stored(source):  # not yet fetched (Core.parse_async fetches first)
+            (fetcher if fetcher is not None else default_fetcher()).lora(source)
+        lora = cached_file(pipe, source, targets)
         bucket = bucket_for(lora.rank, sorted(pipe.components.get("lora_buckets", set()).copy()))
     except PreheatError as err:
         errors.append(("lora_weights", (str(err).splitlines() or [type(err).__name__])[0]))
         return None, None
-    except (OSError, ValueError) as err:  # a file the safetensors reader itself refuses
+    except (OSError, RuntimeError, ValueError) as err:  # a file the safetensors reader itself refuses
         errors.append(("lora_weights", f"cannot read {source}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"))
         return None, None
     return (lora, float(v["lora_scale"])), bucket

@@ -9,8 +9,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["CoreMetrics", "HttpMetrics", "Forward", "LoraMetrics"]
+__all__ = ["CoreMetrics", "HttpMetrics", "Forward", "LoraMetrics", "FetchMetrics"]
 
+COMPILE_PHASES = ("traffic",)  # programs compiled after READY (warm-up's are preheat_warmup_programs)
+PREDICTION_STATUSES = ("succeeded", "failed", "canceled")  # Cog's final statuses (predictions.TERMINAL)
+CACHE_LAYERS = ("memory", "aot", "xla", "none")  # where an executable came from (preheat.timings)
 _IMAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -40,6 +43,14 @@ class CoreMetrics:
                                     ["bucket", "sampler", "guided", "cache_layer"], registry=r)
         self.ready = Gauge("preheat_ready", "1 when set-up succeeded and the server accepts predictions", registry=r)
         self.setup_seconds = Gauge("preheat_setup_seconds", "Model load + warm-up time", registry=r)
+        # every labelled series a scrape can expect exists from the start, at zero (a dashboard's
+        # rate() needs the zero; a series that appears only on the first compile has no "before")
+        for phase in COMPILE_PHASES:
+            self.compiles.labels(phase=phase)
+        for status in PREDICTION_STATUSES:
+            self.predictions.labels(status=status)
+        for layer in CACHE_LAYERS:
+            self.warmup_programs.labels(cache_layer=layer)
 
     def watch_loras(self, cache: Any) -> None:
         """Expose a ``preheat.lora.LoraCache``'s counts (once per registry)."""
@@ -47,6 +58,20 @@ class CoreMetrics:
             self._loras = LoraMetrics(cache)
             self.registry.register(self._loras)
         self._loras.cache = cache
+
+
+class FetchMetrics:
+    """The fetches of URLs that requests name (``preheat.server.fetch``), in the core's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.in_flight = Gauge("preheat_fetches_in_flight", "URL fetches holding a slot now", registry=r)
+        self.waiting = Gauge("preheat_fetches_waiting", "URL fetches waiting for a slot now", registry=r)
+        self.bytes = Counter("preheat_fetch_bytes", "Bytes downloaded for URLs that requests name", registry=r)
+        self.refusals = Counter("preheat_fetch_refusals", "URL fetches refused or failed, by reason (address, size, "
+                                "deadline, busy, invalid, http, network)", ["reason"], registry=r)
+        self.seconds = Histogram("preheat_fetch_seconds", "Time a URL fetch held its slot, by outcome (ok|refused)",
+                                 ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
 
 
 class LoraMetrics(Collector):

@@ -52,13 +52,15 @@ from __future__ import annotations
 
 from preheat.store._api import Problem, list_refs, pull, resolve, verify_store
 from preheat.store._gc import collect_orphans
-from preheat.store._http import address_check
+from preheat.store._http import DownloadLimits, address_check, download_limits
 from preheat.store._layout import FileEntry, Ref, Source, is_remote, parse_source, snapshot_id, source_id
 
 __all__ = [
     "pull",
     "resolve",
     "address_check",
+    "download_limits",
+    "DownloadLimits",
     "is_remote",
     "verify_store",
     "collect_orphans",

@@ -6,6 +6,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from preheat.cache.root import resolve_root
 from preheat.env import env_flag
@@ -40,13 +41,15 @@ def _one_line(problems: list[str]) -> str:
 
 
 def pull(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None, progress: bool = True,
-         revision: str | None = None, force: bool = False) -> Path:
+         revision: str | None = None, force: bool = False, check: Callable[[Path], None] | None = None) -> Path:
     """Put ``source`` into ``<root>/models`` and return its snapshot folder.
 
     A remote source already pulled (and whose files still have their recorded sizes) is returned
     without any network access; ``force=True`` fetches it again and re-checks every existing blob
     by sha256 (this repairs a damaged store). A local folder is always re-read (it may have
     changed); unchanged files cost a hash and no space (blobs are deduplicated).
+    ``check`` (http(s) files only) is called with the downloaded file before anything is
+    published; when it raises, the download is discarded and the store holds nothing new.
     """
     src = parse_source(source, revision)
     store = _store(root)
@@ -71,7 +74,7 @@ def pull(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | None 
             assert ref is not None
             return store.snapshot_dir(ref.snapshot)
         if src.kind == "url":
-            return _pull_url(store, src, progress=progress, force=force)
+            return _pull_url(store, src, progress=progress, force=force, check=check)
         return _pull_hf(store, src, progress=progress, force=force)
 
 
@@ -102,12 +105,19 @@ def _pull_local(store: Store, src: Source, *, force: bool) -> Path:
     return _publish(store, src, "file", [FileEntry(path.name, sha, size)], force=force)
 
 
-def _pull_url(store: Store, src: Source, *, progress: bool, force: bool) -> Path:
+def _pull_url(store: Store, src: Source, *, progress: bool, force: bool,
+              check: Callable[[Path], None] | None = None) -> Path:
     url = src.url
     assert url is not None
     tar = is_tar_name(url.split("?", 1)[0])
     name = None if tar else url_filename(url)
     part = _from_fleet_mirror(store, src) or _http.download(store, url, progress=progress)
+    if check is not None:
+        try:
+            check(part)
+        except BaseException:
+            _http.discard_partial(store, url)
+            raise
     sha, size = sha256_and_size(part)  # verify what is on disk, not what we think we wrote
     _share_with_fleet(sha, part, src)
     if src.sha256 and sha != src.sha256:

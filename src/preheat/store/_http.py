@@ -11,6 +11,11 @@
 * A download a client asked for (a server's per-request LoRA URL) runs under
   :func:`address_check`: every connection, redirects included, resolves its host once, has each
   address checked, and connects to the checked address, so a second DNS answer cannot move it.
+* ... and under :func:`download_limits` (``preheat.server.fetch`` sets both): a connect timeout,
+  a total deadline (each read waits at most what is left of it, so a slow drip ends on time too),
+  a size cap checked against ``Content-Length`` / ``Content-Range`` before the body and against
+  the bytes while they stream, and no resume: a download that fails for any reason removes its
+  partial file, so a refused download leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 from preheat._version import __version__
 from preheat.files import atomic_write_bytes
@@ -120,6 +125,32 @@ _ADDRESS_CHECK: contextvars.ContextVar[Optional[Callable[[str, Any], None]]] = c
     "preheat_address_check", default=None)
 
 
+class DownloadLimits(NamedTuple):
+    """What a download a client asked for must keep to."""
+
+    connect_timeout_s: float  # each TCP connect (redirects included)
+    deadline: float  # time.monotonic() by which the whole download (every retry and redirect) ends
+    max_bytes: Optional[int]  # the body's size cap; None = none
+    on_bytes: Optional[Callable[[int], None]] = None  # called with each chunk's size (metrics)
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+_LIMITS: contextvars.ContextVar[Optional[DownloadLimits]] = contextvars.ContextVar("preheat_download_limits",
+                                                                                  default=None)
+
+
+@contextlib.contextmanager
+def download_limits(limits: DownloadLimits) -> Iterator[None]:
+    """Downloads started inside (this thread or task) keep to ``limits`` and never resume."""
+    token = _LIMITS.set(limits)
+    try:
+        yield
+    finally:
+        _LIMITS.reset(token)
+
+
 @contextlib.contextmanager
 def address_check(check: Callable[[str, Any], None]) -> Iterator[None]:
     """Downloads started inside (this thread or task) connect only where ``check(host, ip)``
@@ -131,9 +162,11 @@ def address_check(check: Callable[[str, Any], None]) -> Iterator[None]:
         _ADDRESS_CHECK.reset(token)
 
 
-def _checked_create_connection(check: Callable[[str, Any], None]) -> Callable[..., socket.socket]:
+def _checked_create_connection(check: Callable[[str, Any], None],
+                               connect_timeout_s: Optional[float] = None) -> Callable[..., socket.socket]:
     """``socket.create_connection`` that resolves once, checks every address, then connects to
-    the checked addresses in order (never resolving again)."""
+    the checked addresses in order (never resolving again); with ``connect_timeout_s``, the
+    connect waits that long and the socket then reads with the caller's timeout."""
 
     def create(address: tuple[str, int], timeout: Any = socket._GLOBAL_DEFAULT_TIMEOUT,  # type: ignore[attr-defined]
                source_address: Any = None, *args: Any, **kw: Any) -> socket.socket:
@@ -144,7 +177,15 @@ def _checked_create_connection(check: Callable[[str, Any], None]) -> Callable[..
         error: OSError = OSError(f"no address for {host}")
         for info in infos:  # as socket.create_connection, over the addresses already checked
             try:
-                return socket.create_connection((info[4][0], port), timeout, source_address)
+                if connect_timeout_s is None:
+                    return socket.create_connection((info[4][0], port), timeout, source_address)
+                try:
+                    sock = socket.create_connection((info[4][0], port), connect_timeout_s, source_address)
+                except socket.timeout:
+                    raise FetchError(f"cannot connect to {host}: no answer within {connect_timeout_s:g}s",
+                                     reason="deadline") from None
+                sock.settimeout(timeout)
+                return sock
             except OSError as exc:
                 error = exc
         raise error
@@ -152,9 +193,14 @@ def _checked_create_connection(check: Callable[[str, Any], None]) -> Callable[..
     return create
 
 
-def _checked_opener(check: Callable[[str, Any], None]) -> urllib.request.OpenerDirector:
+def _any_address(host: str, ip: Any) -> None:
+    """The check of a download that keeps to limits but has no address policy."""
+
+
+def _checked_opener(check: Callable[[str, Any], None],
+                    connect_timeout_s: Optional[float] = None) -> urllib.request.OpenerDirector:
     """A urllib opener whose HTTP and HTTPS connections (redirects too) go through ``check``."""
-    create = _checked_create_connection(check)
+    create = _checked_create_connection(check, connect_timeout_s)
 
     def checked(cls: type) -> Callable[..., Any]:
         def make(*args: Any, **kw: Any) -> Any:
@@ -180,15 +226,23 @@ def _checked_opener(check: Callable[[str, Any], None]) -> urllib.request.OpenerD
 @contextlib.contextmanager
 def _open(url: str, headers: dict[str, str], timeout: float) -> Iterator[Any]:
     req = urllib.request.Request(url, headers=headers)
-    check = _ADDRESS_CHECK.get()
-    if check is None:
+    check, limits = _ADDRESS_CHECK.get(), _LIMITS.get()
+    if check is None and limits is None:
         resp = urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 - http(s) only, checked by the parser
     else:
-        resp = _checked_opener(check).open(req, timeout=timeout)
+        connect = None if limits is None else limits.connect_timeout_s
+        resp = _checked_opener(check or _any_address, connect).open(req, timeout=timeout)
     try:
         yield resp
     finally:
         resp.close()
+
+
+def _read_timeout(resp: Any, seconds: float) -> None:
+    """Set the socket timeout of an open ``http.client`` response (its next read waits at most that)."""
+    sock = getattr(getattr(getattr(resp, "fp", None), "raw", None), "_sock", None)
+    if sock is not None:
+        sock.settimeout(seconds)
 
 
 def _fatal_connect_error(exc: BaseException) -> bool:
@@ -199,9 +253,37 @@ def _fatal_connect_error(exc: BaseException) -> bool:
 
 def download(store: Store, url: str, *, progress: bool = True, timeout: float | None = None,
              retries: int = DEFAULT_RETRIES, label: str | None = None) -> Path:
-    """Download ``url`` to its ``.incomplete`` file, resuming it; returns the finished file."""
+    """Download ``url`` to its ``.incomplete`` file, resuming it; returns the finished file.
+    Under :func:`download_limits` a failure removes the partial file instead."""
+    limits = _LIMITS.get()
+    if limits is None:
+        return _download(store, url, progress=progress, timeout=timeout, retries=retries, label=label)
+    discard_partial(store, url)  # a client's download starts from nothing: no resume of another's bytes
+    try:
+        return _download(store, url, progress=progress, timeout=timeout, retries=retries, label=label, limits=limits)
+    except BaseException:
+        discard_partial(store, url)
+        raise
+
+
+def _over(url: str, size: int, limits: DownloadLimits) -> FetchError:
+    return FetchError(f"cannot download {url}: {size} bytes is over the {limits.max_bytes}-byte limit", reason="size")
+
+
+def _download(store: Store, url: str, *, progress: bool, timeout: float | None, retries: int, label: str | None,
+              limits: Optional[DownloadLimits] = None) -> Path:
     part, meta_path = partial_paths(store, url)
     timeout = timeout_s() if timeout is None else timeout
+    base_timeout = timeout
+
+    def time_left() -> float:
+        """The socket timeout for the next wait: what is left of the deadline, at most ``timeout``."""
+        if limits is None:
+            return base_timeout
+        left = limits.left_s()
+        if left <= 0:
+            raise FetchError(f"cannot download {url}: not finished within the deadline", reason="deadline")
+        return min(base_timeout, left)
     label = label or url.rsplit("/", 1)[-1] or url
     failures = 0
     best = 0  # the largest partial size reached so far: a retry that does not beat it made no progress
@@ -210,9 +292,12 @@ def download(store: Store, url: str, *, progress: bool = True, timeout: float | 
         nonlocal failures
         failures = 0 if made_progress else failures + 1
         if failures > retries:
-            raise FetchError(message)
+            raise FetchError(message, reason="network")
         if not made_progress:
-            time.sleep(min(BACKOFF_S * 2 ** (failures - 1), 8.0))
+            pause = min(BACKOFF_S * 2 ** (failures - 1), 8.0)
+            if limits is not None and pause >= limits.left_s():
+                raise FetchError(f"{message} (and no time is left for a retry)", reason="deadline")
+            time.sleep(pause)
 
     with _Bar(progress, label) as bar:
         while True:
@@ -229,7 +314,7 @@ def download(store: Store, url: str, *, progress: bool = True, timeout: float | 
                 if validator:
                     headers["If-Range"] = validator
             try:
-                with _open(url, headers, timeout) as resp:
+                with _open(url, headers, time_left()) as resp:
                     status = resp.status
                     if status == 206:
                         start, _end, total = _content_range(resp.headers.get("Content-Range"))
@@ -243,7 +328,10 @@ def download(store: Store, url: str, *, progress: bool = True, timeout: float | 
                         total = int(length) if length and length.isdigit() else None
                         have, mode = 0, "wb"
                     else:
-                        raise FetchError(f"cannot download {url}: unexpected HTTP status {status}")
+                        raise FetchError(f"cannot download {url}: unexpected HTTP status {status}", reason="http")
+                    if limits is not None and limits.max_bytes is not None and total is not None \
+                            and total > limits.max_bytes:
+                        raise _over(url, total, limits)  # before a byte of the body is read
                     atomic_write_bytes(meta_path, json.dumps({
                         "url": url, "etag": resp.headers.get("ETag"),
                         "last_modified": resp.headers.get("Last-Modified"), "total": total,
@@ -252,7 +340,10 @@ def download(store: Store, url: str, *, progress: bool = True, timeout: float | 
                     cut = None
                     try:
                         with open(part, mode, buffering=0) as out:
+                            size = have
                             while True:
+                                if limits is not None:
+                                    _read_timeout(resp, time_left())  # a slow drip ends on time
                                 try:
                                     chunk = resp.read1(READ_SIZE)
                                 except (OSError, http.client.HTTPException) as exc:  # reset, timeout
@@ -260,6 +351,12 @@ def download(store: Store, url: str, *, progress: bool = True, timeout: float | 
                                     break
                                 if not chunk:
                                     break
+                                size += len(chunk)
+                                if limits is not None:
+                                    if limits.on_bytes is not None:
+                                        limits.on_bytes(len(chunk))
+                                    if limits.max_bytes is not None and size > limits.max_bytes:
+                                        raise _over(url, size, limits)
                                 view = memoryview(chunk)
                                 while view:
                                     view = view[out.write(view):]
@@ -280,11 +377,14 @@ def download(store: Store, url: str, *, progress: bool = True, timeout: float | 
                 if exc.code >= 500 or exc.code in (408, 429):
                     retry_or_fail(message, False)
                     continue
-                raise FetchError(message) from None
+                raise FetchError(message, reason="http") from None
             except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+                inner = getattr(exc, "reason", None)
+                if isinstance(inner, FetchError):  # the address check or the connect timeout, under urllib
+                    raise inner from None
                 message = f"cannot download {url}: {_short(exc)}"
                 if _fatal_connect_error(exc):
-                    raise FetchError(message) from None
+                    raise FetchError(message, reason="network") from None
                 retry_or_fail(message, False)
                 continue
             size = part.stat().st_size

@@ -1,12 +1,13 @@
-"""``TorchPipeline``: the JAX ``Pipeline``'s call API on diffusers' own UNet2DModel and schedulers.
+"""``TorchPipeline``: the JAX ``Pipeline``'s call API on diffusers' own UNet2DModel and schedulers
+(text-to-image folders go to ``TorchTextPipeline``, ``preheat.backends.torch.text``).
 
-    pipe = preheat.backends.torch.load(model, compile="none" | "inductor" | "aot")
+    pipe = preheat.load(model, backend="torch", compile="none" | "inductor" | "aot")
     pixels = pipe.generate(8, sampler="ddim", steps=20, seed=0)      # uint8 (n, H, W, C)
     images = pipe(8)                                                 # list[PIL.Image]
     pipe.last                                                        # Timings of the last call
 
-Arguments are validated by the JAX ``Pipeline``'s own code (``prepare`` and its helpers are
-borrowed, not copied), so both backends take the same arguments and raise the same one-line
+Arguments are validated by the JAX ``Pipeline``'s own code (``EngineArguments`` borrows its
+``validate``, ``check`` and their helpers rather than copying them), so both backends take the same arguments and raise the same one-line
 errors; defaults (sampler, steps, guidance, null class, labels) come from the same
 ``model_index.json``.
 
@@ -54,7 +55,7 @@ from preheat.noise import initial_noise
 from preheat.samplers import DETERMINISTIC_SAMPLERS, SchedulerConfig, find_scheduler_config, load_scheduler_config
 from preheat.timings import Timings
 
-__all__ = ["TorchPipeline", "load", "initial_noise", "COMPILE_MODES", "DETERMINISTIC_SAMPLERS"]  # initial_noise: re-exported
+__all__ = ["TorchPipeline", "load_torch_pipeline", "initial_noise", "COMPILE_MODES", "DETERMINISTIC_SAMPLERS"]  # initial_noise: re-exported
 
 COMPILE_MODES = ("none", "inductor", "aot", "regional")  # regional: the text-to-image pipelines
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -115,7 +116,7 @@ class EngineArguments:
 
 @dataclass
 class TorchPipeline(EngineArguments):
-    """A diffusers UNet ready to sample with preheat's call API. Build with :func:`load`."""
+    """A diffusers UNet ready to sample with preheat's call API. Build with :func:`load_torch_pipeline`."""
 
     unet: Any  # diffusers UNet2DModel, eval mode, on ``device``
     scheduler_config: SchedulerConfig  # validates sampler choices exactly like the JAX side
@@ -282,10 +283,11 @@ def make_compiler(cache: str | None = None) -> TorchCompiler:
     return TorchCompiler(mode=mode)
 
 
-def load(model: str | Path | None = None, *, compile: str = "none", dtype: Any = "float32",
-         device: str | None = None, scheduler: Any = None, cache: str | None = None,
-         variant: str | None = None) -> Any:
-    """A ``TorchPipeline`` for ``model``; ``None`` = the built-in model.
+def load_torch_pipeline(model: str | Path | None = None, *, compile: str = "none", dtype: Any = "float32",
+                        device: str | None = None, scheduler: Any = None, cache: str | None = None,
+                        variant: str | None = None) -> Any:
+    """A ``TorchPipeline`` for a UNet2DModel ``model`` (``None`` = the built-in model), or a
+    ``TorchTextPipeline`` (``preheat.backends.torch.text``) for an SD, SDXL, SD3 or Flux folder.
 
     ``model``: a diffusers-format folder, or a weights-store source (``hf://org/repo[@rev]``, an
     ``http(s)://`` tarball), resolved exactly as :func:`preheat.load` does.

@@ -10,6 +10,9 @@ x batch bucket x served size (text-to-image) x negative prompts given or not (gu
 text-to-image) x LoRA (none, and each declared rank bucket: ``lora_ranks``). The step count
 is runtime data, so each is compiled with ``steps=1``; a LoRA bucket with a LoRA of zeros
 (``LoraTargets.zeros`` in ``preheat.lora``), since any LoRA of the bucket is data of the same program.
+
+It sits above the engine (it drives ``Pipeline.generate`` and ``prepare``) and below the surfaces
+that declare a set (``preheat warm``, ``preheat serve``); ``preheat.cache`` only stores what it compiles.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class WarmSet:
     devices: Any = None  # "all", a count or device ids; None = preheat.load's default ($PREHEAT_DEVICES or all)
     fsdp: int = 1  # the devices each weight is split over (preheat.load(fsdp=...)): part of every program
     lora_ranks: tuple[int, ...] = ()  # LoRA rank buckets (``preheat.lora.BUCKETS``) warmed besides no LoRA
+    variant: Optional[str] = None  # weight files *.VARIANT.safetensors (preheat.load(variant=...))
+    cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off" (preheat.load(cache=...))
 
     def __post_init__(self) -> None:
         from preheat.errors import InvalidArgumentError
@@ -94,16 +99,20 @@ def _text(pipe: Any) -> bool:
 def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
     """The set with the model's defaults filled in (samplers, sizes); an unusable size fails
     here, in one line, before anything compiles."""
+    from preheat.errors import InvalidArgumentError
+
     samplers = tuple(warm_set.samplers) or (pipe.defaults["sampler"],)
     sizes = tuple(warm_set.sizes)
-    if _text(pipe):
+    text = _text(pipe)
+    if text:
         scale = pipe.components["vae_scale"]  # the model's native (width, height) by default
         sizes = sizes or ((pipe.sample_shape[1] * scale, pipe.sample_shape[0] * scale),)
-        for size in sizes:
-            pipe.check(1, prompt="", width=size[0], height=size[1], steps=1)
+    for size in sizes:  # a size the model cannot make fails here (a pixel model's too), never silently
+        try:
+            pipe.check(1, **({"prompt": ""} if text else {}), width=size[0], height=size[1], steps=1)
+        except InvalidArgumentError as err:
+            raise InvalidArgumentError(f"--sizes {size[0]}x{size[1]}: {err}", argument="sizes") from None
     if warm_set.lora_ranks and getattr(pipe, "components", {}).get("lora_targets") is None:
-        from preheat.errors import InvalidArgumentError
-
         raise InvalidArgumentError(f"LoRA rank buckets {', '.join(map(str, warm_set.lora_ranks))} are declared, "
                                    f"but LoRAs are not supported for a {pipe.family.name} model")
     return replace(warm_set, samplers=samplers, sizes=sizes)

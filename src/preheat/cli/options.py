@@ -1,0 +1,235 @@
+"""The options every command that loads a model or describes a call shares, built in one place.
+
+``model_options``: ``--dtype`` (a choice), ``--variant``, ``--cache``: how a model is loaded
+(``sample``, ``cache explain``, ``warm``, ``serve``).
+
+``call_options``: everything that selects the compiled program of one ``preheat sample`` call
+(the count, the family's inputs, the sampler and steps, guidance, LoRAs, the backend), with
+``sample``'s defaults. ``preheat sample`` and ``preheat cache explain`` both take exactly these,
+so that ``explain`` describes the call ``sample`` would make with the same flags. The values
+arrive as one ``CallOptions``.
+
+Importing this module is cheap: the sampler list for ``--help`` is read only when help is shown.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import click
+
+from preheat.errors import InvalidArgumentError
+
+__all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptions", "FLAGS", "SAMPLER",
+           "sampler_option", "output_options", "echo_result", "POSITIVE", "SEED", "NON_NEGATIVE", "POSITIVE_SECONDS"]
+
+DTYPES = ("float32", "bfloat16", "float16")  # the denoiser dtypes the engine compiles for
+CACHE_LAYERS = ("full", "xla", "off")
+
+# The engine's keyword -> the CLI flag that sets it: errors on the CLI name the flag.
+FLAGS = {"class_labels": "--class", "prompt": "--prompt", "negative_prompt": "--negative-prompt",
+         "width": "--width", "height": "--height", "steps": "--steps", "sampler": "--sampler",
+         "guidance": "--guidance", "seed": "--seed", "eta": "--eta", "lora": "--lora", "n": "--n"}
+
+
+# Numeric option types: click refuses a value out of range in one line, before anything runs.
+POSITIVE = click.IntRange(min=1)
+SEED = click.IntRange(0, 2**32 - 1)
+NON_NEGATIVE = click.FloatRange(min=0)
+POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)
+
+
+class _SamplerName(click.ParamType):
+    """A sampler's name, checked against preheat's samplers when the value is given (they import JAX)."""
+
+    name = "sampler"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
+        from preheat.samplers import SAMPLERS
+
+        if value not in SAMPLERS:
+            self.fail(f"unknown sampler {value!r}; supported: {', '.join(SAMPLERS)}", param, ctx)
+        return str(value)
+
+
+SAMPLER = _SamplerName()
+
+
+class _SamplerHelp(click.Option):
+    """``--sampler``'s help lists every sampler preheat has, read when help is shown (the list
+    lives with the samplers, which import JAX); ``help`` is what follows the list."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tail = self.help or ""
+
+    def get_help_record(self, ctx: click.Context) -> Optional[tuple[str, str]]:
+        from preheat.samplers import SAMPLERS
+
+        self.help = f"One of: {', '.join(SAMPLERS)} {self.tail}".strip()
+        return super().get_help_record(ctx)
+
+
+def output_options(default_report: Optional[str] = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The JSON convention of every command: ``--json`` prints the machine-readable result on
+    stdout (instead of the table), ``--report FILE`` writes it to FILE. The command receives
+    ``json_out`` (the report path) and ``as_json``. ``--json-out FILE``, the old spelling, still
+    works for one release, with a deprecation line."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, report: Optional[Path], old_json_out: Optional[Path], **kwargs: Any) -> Any:
+            if old_json_out is not None:
+                click.echo("warning: --json-out is deprecated; use --report FILE (or --json for stdout)", err=True)
+            return fn(*args, json_out=report if report is not None else old_json_out, **kwargs)
+
+        out: Callable[..., Any] = wrapper
+        for option in reversed([
+            click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout."),
+            click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=default_report,
+                         show_default=default_report is not None, help="Write the result as JSON to FILE."),
+            click.option("--json-out", "old_json_out", type=click.Path(dir_okay=False, path_type=Path), hidden=True),
+        ]):
+            out = option(out)
+        return out
+
+    return decorate
+
+
+def echo_result(result: Any, text: str, as_json: bool) -> None:
+    """``--json``: the result as JSON on stdout; else the human-readable ``text``."""
+    import json
+
+    click.echo(json.dumps(result, indent=2, default=str) if as_json else text)
+
+
+def sampler_option(help_text: str = "(default: the model's).") -> Callable[..., Any]:
+    """``--sampler``: checked when given; its help lists every sampler."""
+    return click.option("--sampler", cls=_SamplerHelp, type=SAMPLER, help=help_text)
+
+
+def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--dtype, --variant, --cache: how the model is loaded."""
+    options = [
+        click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES),
+                     help="The denoiser's dtype."),
+        click.option("--variant", help="Weight files *.VARIANT.safetensors (e.g. fp16)."),
+        click.option("--cache", type=click.Choice(CACHE_LAYERS), help="Compile cache layers (default: full)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """One call's options as the flags gave them (None: the model's default)."""
+
+    model: Optional[str]
+    n: Optional[int]
+    prompt: Optional[str]
+    negative_prompt: Optional[str]
+    width: Optional[int]
+    height: Optional[int]
+    classes: tuple[str, ...]
+    steps: Optional[int]
+    sampler: Optional[str]
+    seed: int
+    guidance: Optional[float]
+    eta: float
+    loras: tuple[str, ...]
+    dtype: str
+    variant: Optional[str]
+    cache: Optional[str]
+    backend: str
+    compile_mode: str
+
+    def check(self) -> None:
+        """The checks that need no model (one line each, naming the flag)."""
+        for flag, value in (("--n", self.n), ("--steps", self.steps), ("--width", self.width),
+                            ("--height", self.height)):
+            if value is not None and value <= 0:
+                raise InvalidArgumentError(f"{flag} {value} must be a positive int", argument=flag)
+        if self.guidance is not None and self.guidance < 0:
+            raise InvalidArgumentError(f"--guidance {self.guidance:g} must be >= 0", argument="--guidance")
+        if self.eta < 0:
+            raise InvalidArgumentError(f"--eta {self.eta:g} must be >= 0", argument="--eta")
+        if self.seed < 0 or self.seed >= 2**32:
+            raise InvalidArgumentError(f"--seed {self.seed} must be in 0..{2**32 - 1}", argument="--seed")
+
+    def family_inputs(self) -> dict[str, Any]:
+        """The family's inputs the flags set (engine keywords)."""
+        labels: Any = None
+        if self.classes:
+            labels = list(self.classes) if len(self.classes) > 1 else self.classes[0]
+        values = dict(class_labels=labels, prompt=self.prompt, negative_prompt=self.negative_prompt,
+                      width=self.width, height=self.height)
+        return {k: v for k, v in values.items() if v is not None}
+
+    def call_inputs(self) -> dict[str, Any]:
+        """``pipe(n, **call_inputs())``: the family's inputs, the sampler's settings and the LoRAs."""
+        kwargs: dict[str, Any] = dict(steps=self.steps, sampler=self.sampler, guidance=self.guidance, seed=self.seed,
+                                      eta=self.eta, **self.family_inputs())
+        if self.loras:
+            from preheat.lora import parse_cli
+
+            kwargs["lora"] = [parse_cli(spec) for spec in self.loras]
+        return kwargs
+
+    def load_options(self) -> dict[str, Any]:
+        """``preheat.load(model, **load_options())``."""
+        return dict(dtype=self.dtype, cache=self.cache, backend=self.backend, compile=self.compile_mode,
+                    variant=self.variant)
+
+    def check_against(self, pipe: Any) -> None:
+        """A flag the model does not take fails naming the flags it does take."""
+        unknown = [k for k in self.family_inputs() if k not in pipe.family.inputs]
+        if unknown:
+            takes = ", ".join(FLAGS.get(k, f"--{k.replace('_', '-')}") for k in pipe.family.inputs) or "none"
+            raise InvalidArgumentError(f"{FLAGS[unknown[0]]} does not apply to a {pipe.family.name} model; "
+                                       f"its inputs are: {takes}", argument=FLAGS[unknown[0]])
+
+    def batch(self, pipe: Any) -> int:
+        """``--n``, or ``sample``'s default: 16 for a class model, 1 for text-to-image."""
+        if self.n is not None:
+            return self.n
+        return 1 if "prompt" in pipe.family.inputs else 16
+
+
+def call_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """MODEL and every option of one call; the command receives them as ``opts: CallOptions``."""
+    options = [
+        click.argument("model", required=False),
+        click.option("--n", "n", type=int, help="Number of images (default: 16 for class models, 1 for text-to-image)."),
+        click.option("--prompt", help="Text-to-image models: the prompt."),
+        click.option("--negative-prompt", help="Text-to-image models: what to steer away from (needs guidance)."),
+        click.option("--width", type=int, help="Image width (default: the model's)."),
+        click.option("--height", type=int, help="Image height (default: the model's)."),
+        click.option("--class", "classes", multiple=True, help="Class index or label; repeat for one per image."),
+        click.option("--steps", type=int, help="Denoising steps (default: the model's)."),
+        sampler_option(),
+        click.option("--seed", default=0, show_default=True, type=int, help="Image i uses seed + i."),
+        click.option("--guidance", type=float, help="Classifier-free guidance scale (1 = off)."),
+        click.option("--eta", default=0.0, type=float, help="DDIM stochasticity."),
+        click.option("--lora", "loras", multiple=True, metavar="SRC[:SCALE]",
+                     help="A LoRA (path, http(s)://, hf://org/repo/file) and its scale (default 1); repeat to combine."),
+        model_options,
+        click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True),
+        click.option("--compile", "compile_mode", type=click.Choice(["none", "inductor", "aot", "regional"]),
+                     default="none", show_default=True,
+                     help="torch backend: eager, torch.compile, AOTInductor, or regional (repeated blocks)."),
+    ]
+    names = [f.name for f in CallOptions.__dataclass_fields__.values()]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opts = CallOptions(**{name: kwargs.pop(name) for name in names})
+        return fn(*args, opts=opts, **kwargs)
+
+    out: Callable[..., Any] = wrapper
+    for option in reversed(options):
+        out = option(out)
+    return out

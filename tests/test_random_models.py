@@ -1,0 +1,83 @@
+"""`random:NAME` folders: one set of names for sample, pull, warm, serve and bench; each folder is a
+standard diffusers pipeline (diffusers loads and runs it) that preheat serves at its tiny size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from preheat.cli import main
+
+TINY = ("sd1-tiny", "sdxl-tiny", "sd3-tiny", "flux-tiny")
+CLASSES = {"sd1-tiny": "StableDiffusionPipeline", "sdxl-tiny": "StableDiffusionXLPipeline",
+           "sd3-tiny": "StableDiffusion3Pipeline", "flux-tiny": "FluxPipeline"}
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("random-home")
+
+
+@pytest.fixture(scope="module")
+def folders(home):
+    """`preheat pull random:NAME` for each tiny one: the folder's path on stdout, built once."""
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PREHEAT_HOME", str(home))
+        for name in TINY:
+            r = CliRunner().invoke(main, ["pull", f"random:{name}", "--quiet"])
+            assert r.exit_code == 0, r.output
+            out[name] = Path(r.stdout.strip().splitlines()[-1])
+            again = CliRunner().invoke(main, ["pull", f"random:{name}", "--quiet"])
+            assert again.stdout.strip().splitlines()[-1] == str(out[name])  # reused, not rebuilt
+    return out
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_a_tiny_random_folder_is_a_diffusers_pipeline(folders, name):
+    import torch
+    from diffusers import DiffusionPipeline
+
+    folder = folders[name]
+    assert folder.parent.name == "random" and json.loads((folder / "model_index.json").read_text())["_class_name"] == CLASSES[name]
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    assert type(pipe).__name__ == CLASSES[name]
+    with torch.no_grad():
+        image = pipe("a photo of a cat", num_inference_steps=1, width=32, height=32, output_type="np",
+                     generator=torch.Generator().manual_seed(0)).images[0]
+    assert image.shape == (32, 32, 3) and np.isfinite(image).all()
+
+
+@pytest.mark.parametrize("name", ["sd3-tiny"])
+def test_preheat_samples_a_tiny_random_model_at_its_tiny_size(folders, home, name, tmp_path, monkeypatch):
+    """`preheat sample random:NAME` with no --width/--height: 32x32 (the family default would be
+    the published model's), the grid's upscaling stated."""
+    monkeypatch.setenv("PREHEAT_HOME", str(home))
+    r = CliRunner().invoke(main, ["sample", f"random:{name}", "--prompt", "a fox", "--steps", "1", "--out",
+                                  str(tmp_path / "s.png"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert "1 images of 32x32" in r.stderr and "upscaled 2x" in r.stderr
+    record = json.loads(r.stdout)
+    assert record["batch"] == 1 and record["steps"] == 1
+
+
+def test_unknown_random_name_lists_the_names():
+    r = CliRunner().invoke(main, ["sample", "random:sd9", "--out", "x.png"])
+    assert r.exit_code == 2
+    assert r.stderr.strip() == ("error: unknown random model 'random:sd9'; choose from random:sd1-tiny, "
+                                "random:sdxl-tiny, random:sd3-tiny, random:flux-tiny, random:sd-small, random:sd15, "
+                                "random:flux, random:ddpm-cifar10-32")
+
+
+def test_serve_and_warm_take_random_names_at_their_tiny_size(folders, home, monkeypatch):
+    from preheat.cli.warm import warm_set_from_options
+
+    monkeypatch.setenv("PREHEAT_HOME", str(home))
+    ws = warm_set_from_options("random:flux-tiny", "float32", 2, None, None, "off,on")
+    assert ws.model == str(folders["flux-tiny"]) and ws.sizes == ((32, 32),)
+    ws = warm_set_from_options("random:flux-tiny", "float32", 2, None, "64x32", "off,on")
+    assert ws.sizes == ((64, 32),)
