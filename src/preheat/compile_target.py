@@ -8,31 +8,28 @@ program the pod would trace for itself.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Iterator, Optional
 
 import jax
 
 __all__ = ["compiling_for", "traced_target"]
 
-# (platform, (major, minor)) of the device a trace compiles for, when it is not the running one.
-_TARGET: contextvars.ContextVar[Optional[tuple[str, Optional[tuple[int, int]]]]] = contextvars.ContextVar(
-    "preheat_compile_target", default=None)
+# (platform, (major, minor)) of the device a trace compiles for, when it is not the running one. A
+# jax user context, not a plain context variable: its value is part of jit's tracing and lowering
+# caches, so a function traced for the target is never reused for the CPU, nor the reverse.
+_TARGET = jax.make_user_context(default_value=None)
 
 
 @contextlib.contextmanager
 def compiling_for(platform: str, capability: Optional[tuple[int, int]]) -> Iterator[None]:
     """Trace for ``platform`` at compute ``capability`` (a deviceless compile), not the running backend."""
-    token = _TARGET.set((platform, capability))
-    try:
+    with _TARGET((platform, None if capability is None else tuple(capability))):
         yield
-    finally:
-        _TARGET.reset(token)
 
 
 def traced_target() -> tuple[str, Optional[tuple[int, int]]]:
     """(platform, compute capability or None) of the device the program traced now is compiled for."""
-    chosen = _TARGET.get()
+    chosen = _TARGET.value
     if chosen is not None:
         return chosen
     device = jax.devices()[0]

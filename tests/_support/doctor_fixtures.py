@@ -116,6 +116,7 @@ class Machine:
         monkeypatch.setenv("PREHEAT_RUNPOD_VOLUME", str(self.runpod_volume))
         self.jax(JAX_CPU)
         self.torch(TORCH_CPU)
+        _hide_host_gpu_plugins(monkeypatch)
 
     # -- hardware ---------------------------------------------------------------------------
     def gpu(self, fixture: str, *, dev_nodes: bool = True, hang: bool = False) -> Path:
@@ -158,6 +159,26 @@ class Machine:
 
         result = CliRunner(env={"COLUMNS": "250"}).invoke(main, ["doctor", *args], catch_exceptions=False)
         return result.exit_code, result.stdout
+
+
+def _hide_host_gpu_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulated machine has the JAX GPU plugins its test installs (a fake site), never the
+    test host's own: the test extra brings jax-cuda13-plugin for `warm --target`'s deviceless
+    compiles, and a doctor test must not see it, as it never sees the host's nvidia-smi."""
+    import sysconfig
+
+    from preheat.doctor import dists
+    from preheat.doctor.checks import cuda_libs
+
+    host_sites = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+    real = dists._distributions
+
+    def simulated() -> dict:
+        return {name: d for name, d in real().items()
+                if not (dists._JAX_GPU_PLUGIN_RE.match(name) and Path(d.locate_file("")).resolve() in host_sites)}
+
+    monkeypatch.setattr(dists, "_distributions", simulated)
+    monkeypatch.setattr(cuda_libs, "_distributions", simulated)
 
 
 def check(report: dict, check_id: str) -> dict:

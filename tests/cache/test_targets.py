@@ -79,6 +79,8 @@ def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(tmp_pat
     assert code == 0 and "1 aot" in out, out
     listing = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "250"}).output
     assert "h200 (not autotuned)" in listing and "local" in listing, listing
+    explained = CliRunner().invoke(main, ["cache", "explain", "--n", "1", "--target", "h200"]).output
+    assert "target h200 (not autotuned)" in explained, explained  # the nearest (or hit) entry's target
 
 
 def test_warm_target_on_a_tiny_sd1_folder_compiles_every_program_of_the_call(tmp_path):
@@ -203,3 +205,21 @@ def test_the_cpu_trace_is_unchanged():
 def test_a_target_compiler_never_prefetches(tmp_path):
     compiler = TargetCompiler(resolve_target("h200"), root=tmp_path, remote=None)
     assert compiler.prefetch([({}, None, (), 1)]).items == []
+
+
+@pytest.mark.skipif(not targets.cudnn_available(), reason="needs a cuDNN package (nvidia-cudnn-cu13)")
+def test_one_function_traced_for_the_cpu_and_the_target_gets_each_its_own_program():
+    """The target is part of jit's caches: the CPU's trace is never reused for the GPU, nor the reverse."""
+    from preheat.models.attention import dot_product_attention
+    from preheat.compile_target import compiling_for
+
+    def attend(q):  # (B, L, nH, Dh)
+        return dot_product_attention(q, q, q)
+
+    x = jax.ShapeDtypeStruct((1, 16, 2, 64), jnp.bfloat16)
+    device = target_device(resolve_target("h200"))
+    fn = jax.jit(attend)
+    assert "cudnn" not in fn.lower(x).compile().as_text()  # the CPU first
+    with compiling_for("gpu", (9, 0)):
+        assert "__cudnn$fmha" in fn.lower(*on_device((x,), device)).compile().as_text()
+    assert "cudnn" not in fn.lower(x).compile().as_text()  # and the CPU again

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from preheat.errors import InvalidArgumentError
+from preheat.compile_target import traced_target
 
 __all__ = ["CONV_IMPLS", "GROUPNORM_IMPLS", "conv_impl", "conv2d", "groupnorm_impl"]
 
@@ -51,8 +52,6 @@ def groupnorm_impl() -> str:
     platform (``auto``): one pass on CPU, two passes elsewhere."""
     impl = os.environ.get("PREHEAT_GROUPNORM", "auto")
     if impl == "auto":
-        from preheat.compile_target import traced_target
-
         return "one_pass" if traced_target()[0] == "cpu" else "two_pass"
     if impl not in GROUPNORM_IMPLS:
         raise InvalidArgumentError(f"PREHEAT_GROUPNORM={impl!r}; supported: auto, {', '.join(GROUPNORM_IMPLS)}",
