@@ -162,9 +162,10 @@ class Machine:
 
 
 def _hide_host_gpu_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The simulated machine has the JAX GPU plugins its test installs (a fake site), never the
-    test host's own: the test extra brings jax-cuda13-plugin for `warm --target`'s deviceless
-    compiles, and a doctor test must not see it, as it never sees the host's nvidia-smi."""
+    """The simulated machine has the JAX GPU plugins and NVIDIA library wheels its test installs
+    (a fake site), never the test host's own: the test extra brings jax-cuda13-plugin for `warm
+    --target`'s deviceless compiles, and on Python 3.12 torch's CUDA build brings nvidia-cudnn /
+    -cublas wheels; a doctor test must not see them, as it never sees the host's nvidia-smi."""
     import sysconfig
 
     from preheat.doctor import dists
@@ -175,7 +176,8 @@ def _hide_host_gpu_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def simulated() -> dict:
         return {name: d for name, d in real().items()
-                if not (dists._JAX_GPU_PLUGIN_RE.match(name) and Path(d.locate_file("")).resolve() in host_sites)}
+                if not ((dists._JAX_GPU_PLUGIN_RE.match(name) or name.startswith("nvidia-"))
+                        and Path(d.locate_file("")).resolve() in host_sites)}
 
     monkeypatch.setattr(dists, "_distributions", simulated)
     monkeypatch.setattr(cuda_libs, "_distributions", simulated)

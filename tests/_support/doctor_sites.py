@@ -14,6 +14,9 @@ def fake_site(root: Path, dists: dict[str, tuple[str, list[str], list[str]]]) ->
         meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
         meta += [f"Requires-Dist: {r}" for r in requires]
         (info / "METADATA").write_text("\n".join(meta) + "\n")
+        for f in files:  # the files exist: Python 3.12's importlib.metadata lists only files that do
+            (root / f).parent.mkdir(parents=True, exist_ok=True)
+            (root / f).touch()
         record = [f"{f},," for f in files] + [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,"]
         (info / "RECORD").write_text("\n".join(record) + "\n")
     return root
