@@ -40,7 +40,7 @@ def test_a_new_input_reaches_every_surface(toy, tmp_path):
     import httpx
     from click.testing import CliRunner
 
-    from preheat.cache.warm import WarmSet, resolve, signatures
+    from preheat.warm import WarmSet, resolve, signatures
     from preheat.cli import main
     from preheat.server.config import CoreConfig
     from preheat.server.core import Core
