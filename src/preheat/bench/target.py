@@ -37,7 +37,9 @@ def _pipeline_rows(name: str, model: str | None, dtype: str, target: Any) -> lis
             pipe = preheat.load(model, dtype=dtype, cache="off")
             pipe.compiler = (TargetCompiler(target, root=Path(tmp), remote=None) if side == "target"
                              else JaxCompiler(root=Path(tmp), remote=None))
-            pipe.generate(1, steps=1, seed=0, **({"prompt": "a fox"} if "prompt" in pipe.family.inputs else {}))
+            from preheat.families.inputs import example_inputs
+
+            pipe.generate(1, steps=1, seed=0, **example_inputs(pipe.family.input_specs(pipe)))  # a prompt where required
             for event in pipe.compiler.events:
                 exe = Path(tmp) / "compile" / "jax" / event["key"] / "executable.bin"
                 row = out.setdefault(event["stage"], {"model": name, "stage": event["stage"], "dtype": dtype})
