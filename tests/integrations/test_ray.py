@@ -244,6 +244,40 @@ def test_killing_a_replica_mid_load_loses_no_accepted_request(cluster: Cluster) 
 # ---------------------------------------------------------------- no cluster needed
 
 
+def test_a_replica_lost_between_headers_and_body_still_gets_a_clean_503() -> None:
+    """The proxy middleware holds a sized response until its last byte: a replica that died after
+    the headers (the cut connection seen under load) or before them both give 503 + Retry-After;
+    whole and streamed responses pass through unchanged."""
+    from preheat.integrations.ray import RetryWhenLost
+
+    def app(kind: str) -> Any:
+        async def asgi(scope: dict, receive: Any, send: Any) -> None:
+            sized = [(b"content-length", b"5")] if kind != "streamed" else []
+            if kind == "lost before headers":
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": sized})
+            if kind == "lost after headers":
+                return
+            if kind == "raised after headers":
+                raise RuntimeError("replica actor died")
+            await send({"type": "http.response.body", "body": b"he", "more_body": True})
+            await send({"type": "http.response.body", "body": b"llo"})
+        return asgi
+
+    async def get(kind: str) -> httpx.Response:
+        transport = httpx.ASGITransport(app=RetryWhenLost(app(kind)))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.get("/")
+
+    for kind in ("lost before headers", "lost after headers", "raised after headers"):
+        r = asyncio.run(get(kind))
+        assert (r.status_code, r.headers["retry-after"]) == (503, "1"), kind
+        assert "went away" in r.json()["detail"], kind
+    for kind in ("whole", "streamed"):
+        r = asyncio.run(get(kind))
+        assert (r.status_code, r.content) == (200, b"hello"), kind
+
+
 def test_options_from_serve_run_args_and_one_line_errors() -> None:
     from preheat.errors import InvalidArgumentError
     from preheat.integrations.ray import RayOptions

@@ -190,8 +190,8 @@ def test_a_200mb_chunked_body_is_cut_off_at_the_limit_with_flat_memory(tmp_path:
     import psutil
 
     # Set-up fails at once (no model), so no weights or compiles move the RSS; the HTTP layer and
-    # its limits run as ever.
-    server = ServerProcess([str(tmp_path / "no-such-model")])
+    # its limits run as ever. The server stays up after the failure only when asked to.
+    server = ServerProcess([str(tmp_path / "no-such-model"), "--keep-alive-on-failure"])
     sent = {"bytes": 0}
     size = 200 << 20
 

@@ -339,8 +339,12 @@ def proxy_middlewares() -> list[Any]:
 
 
 class RetryWhenLost:
-    """ASGI middleware: a request the app returned from without any response (Serve's proxy does
-    this when the replica died) gets ``503`` with ``Retry-After: 1``."""
+    """ASGI middleware: a request the app returned from without a whole response (Serve's proxy
+    does this when the replica died) gets ``503`` with ``Retry-After: 1``.
+
+    A response of known length is held until its last byte, so that a replica dying between the
+    headers and the body still gives a clean 503 rather than a cut connection; a streamed one
+    (no ``content-length``) passes through as it comes."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -349,16 +353,28 @@ class RetryWhenLost:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        held: list[dict] = []  # a sized response's messages, until its body is complete
+        streaming = complete = False
 
         async def watch(message: dict) -> None:
-            nonlocal started
+            nonlocal streaming, complete
             if message["type"] == "http.response.start":
-                started = True
-            await send(message)
+                streaming = not any(name.lower() == b"content-length" for name, _ in message.get("headers", ()))
+            if streaming:
+                await send(message)
+                return
+            held.append(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
+                for m in held:
+                    await send(m)
 
-        await self.app(scope, receive, watch)
-        if not started:
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            if streaming or complete:
+                raise
+        if not (streaming or complete):
             body = b'{"detail": "the replica serving this request went away; retry"}'
             await send({"type": "http.response.start", "status": 503,
                         "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
