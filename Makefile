@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip
 
-.PHONY: install test run bench clean
+.PHONY: install test run bench clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,12 +23,23 @@ $(STAMP): $(BIN)/python pyproject.toml constraints-cpu.txt
 	$(PIP) install -q -e .; fi
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) browser
+
+# The playground page's tests drive headless Chromium (Debian's chromium + chromium-driver). Installed
+# here when missing and running as root with apt; otherwise those tests skip, saying why.
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	echo "installing chromium and chromium-driver (apt) for the playground page's browser tests"; \
+	{ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1; }; } || \
+	echo "could not apt-get install chromium chromium-driver: the browser tests will skip"; \
+	else echo "no chromium/chromedriver and no root apt-get: the browser tests will skip"; fi
 
 # Random order (pytest-randomly); the seed is printed so that a failing order can be replayed with
 # `make test SEED=<seed>`.
 SEED ?= $(shell date +%s)
-test: $(STAMP)
+test: $(STAMP) browser
 	@$(TESTABLE) || { echo "make test needs Python >= 3.12 (jax 0.11.2, as on the GPU machines); .venv has $$($(BIN)/python -V): install python3.12, then make clean test"; exit 2; }
 	@echo "test order: random, seed $(SEED) (replay: make test SEED=$(SEED))"
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q --randomly-seed=$(SEED)

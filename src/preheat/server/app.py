@@ -29,7 +29,7 @@ import httpx
 from fastapi import Body, Depends, FastAPI, Header, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.params import Body as BodyParam
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -416,8 +416,16 @@ PREDICTION_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 @routes.get("/", include_in_schema=False)
-async def root() -> dict[str, Any]:
-    return {"docs_url": "/docs", "openapi_url": "/openapi.json"}
+async def root() -> Response:
+    return RedirectResponse("/playground", status_code=307)
+
+
+@routes.get("/playground", include_in_schema=False)
+async def playground() -> Response:
+    """A page to try the model in a browser (self-contained; see preheat.server.playground)."""
+    from preheat.server.playground import HEADERS, PAGE
+
+    return Response(PAGE, media_type="text/html; charset=utf-8", headers=HEADERS)
 
 
 @routes.get("/docs", include_in_schema=False)
@@ -607,7 +615,8 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
             props[s.surface_name] = _nullable(schema, title=_title(s.surface_name), **{"x-order": order})
         for alias in s.aliases:
             alias_schema = {**s.schema(), "description": f"Another way to give {s.surface_name}: {s.description}"}
-            props.setdefault(alias, _nullable(alias_schema, title=_title(alias), **{"x-order": order}))
+            props.setdefault(alias, _nullable(alias_schema, title=_title(alias),
+                                              **{"x-order": order, "x-alias-of": s.surface_name}))
     model_input = schemas.get("Input", {})
     if model_input.get("properties") is not None:
         model_input["properties"].update(props)
@@ -617,6 +626,11 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
                                                                 {"type": "null"}],
                                                       "title": "Scheduler", "x-order": 23,
                                                       "description": "Sampler (the model's default when absent)."}
+        lora = model_input["properties"].get("lora_weights")
+        if lora is not None and limits is not None and limits.lora_dir is not None:  # what --lora-dir serves
+            from preheat.server.playground import lora_choices
+
+            lora["examples"] = lora_choices(limits.lora_dir)
     openai = schemas.get("ImageGenerationRequest", {}).get("properties")
     if openai is not None:
         for name, prop in props.items():

@@ -18,6 +18,9 @@ from preheat.server.metrics import HttpMetrics
 __all__ = ["Guard", "MAX_BODY_BYTES", "BODY_TIMEOUT_S", "api_error", "openai_error"]
 
 MAX_BODY_BYTES = 1 << 20
+# Served without the token: health, and the playground page (a constant that holds nothing of the
+# model; it asks for the token itself) and the redirect to it.
+OPEN_PATHS = ("/health-check", "/playground", "/")
 BODY_TIMEOUT_S = 30.0
 
 
@@ -124,7 +127,7 @@ class Guard:
             self.metrics.latency.labels(route=label, method=scope.get("method", "")).observe(time.perf_counter() - start)
 
     def _refuse(self, scope: dict, headers: dict) -> Optional[Response]:
-        if self.expected is not None and scope.get("path") != "/health-check":
+        if self.expected is not None and scope.get("path") not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if not (scheme.lower() == b"bearer" and hmac.compare_digest(b"Bearer " + token.strip(), self.expected)):
