@@ -232,24 +232,27 @@ def prefetch_calls(warm_set: WarmSet) -> Callable[[Any], list[dict[str, Any]]]:
 
 
 def warm(warm_set: WarmSet, pipe: Any, log: Callable[[str], None] = lambda line: None,
-         push_timeout_s: float = 600.0) -> dict[str, Any]:
+         push_timeout_s: float = 600.0, done: Callable[[int, int], None] = lambda k, total: None) -> dict[str, Any]:
     """Compile every signature of ``warm_set`` with ``pipe`` (``preheat.load(warm_set.model,
     dtype=warm_set.dtype)``) into its cache root, and upload every local entry the store lacks
     when it has one (``PREHEAT_CACHE_URL``). Returns ``{"signatures": [{"signature",
     "cache_layer", "seconds", "remote"}], "pushed": bool}``; with a store, ``remote`` says whether
     it holds the signature's denoising program afterwards (None: it could not be asked or is not
-    trusted), and ``pushed`` is False unless it holds every one."""
+    trusted), and ``pushed`` is False unless it holds every one. ``done(k, total)``: called as
+    each signature is ready (``preheat warm``'s progress bar)."""
     import time
 
     resolved = resolve(pipe, warm_set)
     rows = []
     sigs = signatures(pipe, resolved)
+    done(0, len(sigs))
     for sig in sigs:
         t0 = time.perf_counter()
         run_signature(pipe, sig)
         layer = pipe.last.cache_layer
         rows.append({"signature": sig.describe(), "cache_layer": layer, "seconds": time.perf_counter() - t0})
         log(f"{sig.describe()}: {rows[-1]['seconds']:.2f}s (cache: {layer})")
+        done(len(rows), len(sigs))
     compiler = pipe.compiler
     pushed = True
     if compiler is not None and compiler.remote is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from preheat.errors import FetchError, InvalidArgumentError
 from preheat.store import list_refs, pull, resolve, source_id, verify_store
 from preheat.cli.pull import pull_command
 from tests._support.store_fixtures import files_of, tar_bytes
+from tests._support.terminal import run_on_terminal
 from tests._support.timestamps import assert_utc_timestamp
 
 
@@ -186,11 +189,20 @@ def test_single_file_url_is_a_one_file_snapshot(server, root, model):
     assert verify_store(root) == []
 
 
-def test_progress_bar_goes_to_stderr(server, root, model, capfd):
+def test_progress_bar_on_a_terminal_only(server, root, model, capfd):
+    """On a terminal: bytes, rate and time left, on stderr; a pipe (here) gets none of it."""
     server.files["/p.tar.gz"] = tar_bytes(model)
     pull(server.url("p.tar.gz"), root=root, progress=True)
     out, err = capfd.readouterr()
-    assert out == "" and "p.tar.gz" in err
+    assert out == "" and err == ""
+    server.files["/t.tar.gz"] = server.files["/p.tar.gz"]
+    shown = run_on_terminal([sys.executable, "-m", "preheat", "pull", server.url("t.tar.gz")],
+                            env={**os.environ, "PREHEAT_HOME": str(root)}, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert os.path.isdir(shown.stdout.strip())  # stdout: the snapshot folder only
+    bar = shown.plain_stderr
+    assert "t.tar.gz" in bar and re.search(r"[0-9.]+/[0-9.]+ [kMG]?B", bar) and re.search(r"[0-9.]+ [kMG]?B/s", bar)
+    assert re.search(r"[0-9]+:[0-9]{2}:[0-9]{2}", bar)  # time left
 
 
 def test_cli_pull_prints_path_and_one_line_errors(server, root, model, monkeypatch):

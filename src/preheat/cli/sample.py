@@ -13,6 +13,7 @@ import click
 from preheat.cli._support import one_line_errors, resolve_model
 from preheat.cli.family_options import FamilyInputsCommand, flag_errors
 from preheat.cli.options import CallOptions, call_options
+from preheat.terminal import Phases, shown
 from preheat.errors import InvalidArgumentError
 from preheat.timings import process_age_s
 
@@ -89,26 +90,27 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
 
     # the first call, known before the weights are: its executables load while they are read
     options: dict[str, Any] = {"prefetch": first_call} if backend == "jax" and not opts.loras else {}
-    with console.status("loading model…"):
-        t0 = time.perf_counter()
-        import preheat
+    with Phases(shown(quiet)) as phases:  # a spinner naming the phase, with its elapsed time (a terminal only)
+        with phases.phase("loading model"):
+            t0 = time.perf_counter()
+            import preheat
 
-        pipe = preheat.load(model, **opts.load_options(), **options)
-        load_s = time.perf_counter() - t0
-    with flag_errors(pipe):
-        kwargs = opts.call_inputs(pipe)
-    n = opts.batch(pipe)
-    with console.status("compiling and sampling (first call)…"), flag_errors(pipe):
-        t0 = time.perf_counter()
-        images = pipe(n, **kwargs)
-        first_call_s = time.perf_counter() - t0
-        first = pipe.last
-        to_first_image = process_age_s()
-    with console.status("sampling again (second call)…"):
-        t0 = time.perf_counter()
-        pipe(n, **kwargs)
-        second_call_s = time.perf_counter() - t0
-        warm_run_s = pipe.last.run_s
+            pipe = preheat.load(model, **opts.load_options(), **options)
+            load_s = time.perf_counter() - t0
+        with flag_errors(pipe):
+            kwargs = opts.call_inputs(pipe)
+        n = opts.batch(pipe)
+        with phases.phase("first call", jax_steps=backend == "jax"), flag_errors(pipe):
+            t0 = time.perf_counter()
+            images = pipe(n, **kwargs)
+            first_call_s = time.perf_counter() - t0
+            first = pipe.last
+            to_first_image = process_age_s()
+        with phases.phase("second call (warm)"):
+            t0 = time.perf_counter()
+            pipe(n, **kwargs)
+            second_call_s = time.perf_counter() - t0
+            warm_run_s = pipe.last.run_s
 
     scale = save_grid(images, out)
     if save_images:

@@ -102,12 +102,13 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
               help="Compile for this GPU instead of this machine's devices (no GPU needed; needs the cuda13 "
                    "extra's plugin): h200, h100-sxm, h100-pcie, a100-80, a100-40, b200, or a description file "
                    "from `preheat doctor --save-target` (l40s, rtx4090 and other GPUs XLA does not describe).")
+@click.option("--quiet", is_flag=True, help="No progress bar (it is drawn only when stderr is a terminal).")
 @one_line_errors
 def warm_command(model: Optional[str], dtype: str, variant: Optional[str], cache: Optional[str],
                  max_batch_size: int, samplers_text: Optional[str],
                  sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str],
                  devices_text: Optional[str], fsdp: int, dry_run: bool,
-                 as_json: bool, push_timeout_s: float, target_spec: Optional[str]) -> None:
+                 as_json: bool, push_timeout_s: float, target_spec: Optional[str], quiet: bool) -> None:
     """Compile MODEL's serving programs into the cache root ahead of time (and push them to
     PREHEAT_CACHE_URL when set), so `preheat serve` with the same options starts with no compile.
     MODEL: a diffusers folder or store source; nothing for the built-in model."""
@@ -159,7 +160,11 @@ def warm_command(model: Optional[str], dtype: str, variant: Optional[str], cache
         click.echo(f"{len(rows)} signature(s), {missing} missing locally"
                    + (f"; {others} encoder/decoder program(s) missing locally" if others else ""))
         return
-    result = warming.warm(warm_set, pipe=pipe, log=lambda line: click.echo(line, err=True), push_timeout_s=push_timeout_s)
+    from preheat.terminal import Count, shown
+
+    with Count(shown(quiet), "warm: signatures") as bar:  # signatures done of total, above their log lines
+        result = warming.warm(warm_set, pipe=pipe, log=bar.print, push_timeout_s=push_timeout_s,
+                              done=lambda k, total: bar.update(k, total))
     if as_json:
         click.echo(json.dumps(result, indent=1))
     else:

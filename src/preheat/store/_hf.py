@@ -224,8 +224,11 @@ def download_hf(store: Store, plan: HfPlan, *, progress: bool) -> Path:
     hub = _hub()
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
+    from preheat.terminal import shown
+
     src = plan.source
     was_disabled = are_progress_bars_disabled()
+    progress = progress and shown()  # bytes, rate, time left: on a terminal only
     if not progress:
         disable_progress_bars()
     try:

@@ -91,7 +91,9 @@ class _Bar:
         self.progress = None
         self.task = None
         self.started = False
-        if enabled:
+        from preheat.terminal import shown
+
+        if enabled and shown():  # a terminal only: a log file or a pipe gets no redraws
             from rich.console import Console
             from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                        TransferSpeedColumn)
