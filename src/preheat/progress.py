@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional
 import jax
 import numpy as np
 
-__all__ = ["Progress", "Reporter", "reporting", "report_step", "current", "ignore", "host_report", "iter_active"]
+__all__ = ["Progress", "Reporter", "Stop", "reporting", "report_step", "current", "ignore", "host_report", "iter_active"]
 
 Progress = Callable[[int, int], None]
 """``progress(step, total)``: called after step ``step`` (1-based) of ``total`` finished."""
@@ -42,6 +42,10 @@ _lock = threading.Lock()
 _ids = itertools.count(1)  # 0 is "nobody": a program run without a reporter
 _active: dict[int, "Reporter"] = {}
 _local = threading.local()
+
+
+class Stop(Exception):
+    """A progress callback raises this to end its call at this step (``SamplingStopped``)."""
 
 
 class _Stopped(Exception):
@@ -75,6 +79,9 @@ class Reporter:
             raise _Stopped(f"call {self.id} stopped at step {step}/{total}")
         try:
             self.callback(step, total)
+        except Stop:
+            self.stopped = True
+            raise _Stopped(f"call {self.id} stopped at step {step}/{total}") from None
         except Exception as err:  # noqa: BLE001 - a broken callback must not abort the program
             self.error = err
 
