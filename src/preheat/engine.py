@@ -38,15 +38,16 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from preheat.errors import InvalidArgumentError, PreheatError
+from preheat.errors import InvalidArgumentError, PreheatError, SamplingStopped
 from preheat.families import request as request_of
 from preheat.families.base import Family, LoadedModel, Request, StageSignature, to_pixels
+from preheat.progress import Progress, Reporter, current, reporting
 from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
 from preheat.samplers import (Plan, SchedulerConfig, SolverSpec, load_scheduler_config, make_spec,
                               run)
@@ -81,6 +82,7 @@ class Signature:
     conditioning: tuple[str, ...]  # the names of the conditioning leaves ((), ("class_labels",), ...)
     pixels: bool  # the program ends with the conversion to uint8
     lora: tuple[int, int] | None = None  # (rank bucket, adapter slots); None: the program without LoRA
+    progress: bool = False  # the loop reports each step to the host (preheat.progress: why it is static)
 
     @property
     def output(self) -> jax.ShapeDtypeStruct:
@@ -117,7 +119,7 @@ def build_program(sig: Signature, apply: Denoiser) -> Callable[..., jax.Array]:
         def noise_fn(i: jax.Array, k: int) -> jax.Array:
             return normal_per_image(keys, STEP_STREAM, i * draws + k, sig.sample_shape)
 
-        x0 = run(spec, model, plan, x_t, noise_fn)
+        x0 = run(spec, model, plan, x_t, noise_fn, progress=sig.progress)
         return to_pixels(x0) if sig.pixels else x0
 
     return program
@@ -146,6 +148,7 @@ class Pipeline:
     mesh: Any = None  # jax.sharding.Mesh with axis "data" (preheat.sharding); None: the default device alone
     startup: Any = None  # preheat.timings.Phases of load() and the first call (set by load())
     _executables: dict[Any, Any] = field(default_factory=dict, repr=False)
+    reports_progress: ClassVar[bool] = True  # run(..., progress=) and generate(..., progress=) are honoured
 
     def __post_init__(self) -> None:
         self.defaults = request_of.resolved_defaults(self.family, self.defaults)
@@ -210,20 +213,29 @@ class Pipeline:
         images of one prompt) for text families. ``seed``: an int (image i gets ``seed + i``)
         or one seed per image. ``lora="style.safetensors", lora_scale=0.8`` (or
         ``lora=[(src, scale), ...]``, or one entry per image) adds LoRAs as data: see ``preheat.lora``.
+        ``progress=fn``: ``fn(step, total)`` after each finished step (``preheat.progress``).
         """
         return request_of.images(self.generate(first, **inputs))
 
-    def generate(self, first: Any = None, /, **inputs: Any) -> np.ndarray:
+    def generate(self, first: Any = None, /, progress: Progress | None = None, **inputs: Any) -> np.ndarray:
         """Like ``__call__`` but returns uint8 pixels, (n, H, W, C)."""
-        return self.run(self.validate(first, **inputs))
+        return self.run(self.validate(first, **inputs), progress=progress)
 
-    def run(self, request: Request) -> np.ndarray:
+    def run(self, request: Request, progress: Progress | None = None) -> np.ndarray:
         """Sample a validated request (``validate``, or ``preheat.families.request.concat`` of
-        several): uint8 pixels (n, H, W, C). What a server's worker calls for a batch."""
+        several): uint8 pixels (n, H, W, C). What a server's worker calls for a batch.
+        ``progress(step, total)``: called after each finished step; raises ``SamplingStopped``
+        when its reporter was stopped (``preheat.progress``)."""
         first_call = self.startup is not None and "first_call" not in self.startup.spans
         start = now_s()
-        sig, args = self._prepare_request(request)
-        out = self._run_denoise(sig, args)
+        with reporting(progress) as reporter:
+            sig, args = self._prepare_request(request, reporter)
+            try:
+                out = self._run_denoise(sig, args)
+            except jax.errors.JaxRuntimeError:
+                if reporter is not None and reporter.stopped:
+                    raise SamplingStopped(f"stopped at step {reporter.step}") from None
+                raise
         if not self.family.pixels_in_loop:
             out = self.family.finish(self, request, out)
         out = np.asarray(out)
@@ -240,11 +252,14 @@ class Pipeline:
         count), with no device work: what a server runs before it accepts a request."""
         return request_of.check(self, first, inputs)
 
-    def prepare(self, first: Any = None, /, **inputs: Any) -> tuple[Signature, tuple]:
+    def prepare(self, first: Any = None, /, progress: Progress | None = None,
+                **inputs: Any) -> tuple[Signature, tuple]:
         """Validate a call and turn it into (the denoising program's signature, its arguments).
         For text families this runs the text-encoding stage (the embeddings are arguments).
         On several devices the arguments are placed (and padded) as the program takes them."""
         _, sig, args = self._prepare(first, inputs)
+        if progress is not None:  # the program that reports (the call's id is data: any id keys it)
+            sig = dataclasses.replace(sig, progress=True)
         if self.mesh is not None:
             sig, args = self.place(sig, args, DENOISE_BATCHED)
         return sig, args
@@ -253,14 +268,17 @@ class Pipeline:
         request = self.validate(first, **inputs)
         return (request, *self._prepare_request(request))
 
-    def _prepare_request(self, request: Request) -> tuple[Signature, tuple]:
+    def _prepare_request(self, request: Request, reporter: Reporter | None = None) -> tuple[Signature, tuple]:
         self.last = Timings()
         spec = make_spec(self.scheduler_config, request.sampler)
         plan = request_of.plan(self, request)
+        if reporter is not None:  # the call's id is data: every call shares the progress program
+            plan = plan._replace(progress_id=np.int32(reporter.id))
         conditioning = self.family.condition(self, request)
         sig = Signature(family=self.family.name, spec=spec, batch=request.n, sample_shape=request.sample_shape,
                         dtype=self.dtype, guided=request.guided, user_noise=request.noise is not None,
-                        conditioning=tuple(sorted(conditioning.cond)), pixels=self.family.pixels_in_loop)
+                        conditioning=tuple(sorted(conditioning.cond)), pixels=self.family.pixels_in_loop,
+                        progress=reporter is not None)
         noise = request.noise if request.noise is not None else np.zeros((), np.float32)
         params, cond, uncond = self.params, conditioning.cond, conditioning.uncond
         if request.lora is not None:  # adapters are data: weights + factors, each image's slot in cond
@@ -349,7 +367,8 @@ class Pipeline:
         try:
             out = jax.block_until_ready(executable(*args))
         except jax.errors.JaxRuntimeError as exc:
-            if self.last.stages[stage].cache_layer != "aot" or self.compiler is None:
+            stopped = current() is not None and current().stopped  # a cancel, not a bad entry
+            if self.last.stages[stage].cache_layer != "aot" or self.compiler is None or stopped:
                 raise
             self.compiler.reject(fingerprint, sig, args, f"failed on its first run: {str(exc)[:200]}")
             self._executables.pop(sig, None)

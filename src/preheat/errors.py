@@ -39,6 +39,7 @@ __all__ = [
     "SchedulerConfigError",
     "InvalidArgumentError",
     "TargetError",
+    "SamplingStopped",
     "CacheError",
     "CacheEntryError",
     "FetchError",
@@ -100,6 +101,10 @@ class TargetError(InvalidArgumentError):
     def __init__(self, message: str, *, reason: str, argument: str = "target"):
         super().__init__(message, argument=argument)
         self.reason = reason
+
+
+class SamplingStopped(PreheatError):
+    """A call's progress reporter was stopped (``preheat.progress``): the loop ended early."""
 
 
 class CacheError(PreheatError):

@@ -162,6 +162,10 @@ def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
     inputs.update({name: [value] * n if name in per_image else value for name, value in sig.given})
     if sig.size is not None:
         inputs.update(width=sig.size[0], height=sig.size[1])
+    if getattr(pipe, "reports_progress", False):  # a server streams every step: its program reports them
+        from preheat.progress import ignore
+
+        inputs["progress"] = ignore
     if sig.lora:  # per image, as a server's batches give it (the same slot count); one zeros LoRA per rank
         held = pipe.components.setdefault("lora_warm", {})
         if sig.lora not in held:

@@ -118,10 +118,10 @@ class GatedPipe:
         self._enter()
         return self._pipe.generate(*args, **kwargs)
 
-    def run(self, request: Any) -> Any:
+    def run(self, request: Any, **kwargs: Any) -> Any:
         """A server batch: its requests, validated at parse time, concatenated."""
         self._enter()
-        return self._pipe.run(request)
+        return self._pipe.run(request, **kwargs)
 
 
 def local_webhooks() -> Any:

@@ -12,7 +12,6 @@ import io
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -22,6 +21,7 @@ import pytest
 from preheat.server.core import Core, CoreConfig
 from preheat.server.images import decode_data_url
 from tests._support.server_fixtures import local_webhooks, metric, serving, wait_status, wait_until
+from tests._support.webhook_receiver import Receiver
 
 MAX_STEPS = 20
 
@@ -254,42 +254,8 @@ def test_openai_images_generations(client: httpx.Client, pipe: Any) -> None:
         assert r.json()["error"]["param"] == param, r.json()
 
 
-class _Receiver:
-    """A tiny webhook receiver on 127.0.0.1 recording every JSON body POSTed to it."""
-
-    def __init__(self) -> None:
-        bodies: list[dict] = []
-        cond = threading.Condition()
-        self.bodies, self.cond = bodies, cond
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                data = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with cond:
-                    bodies.append(data)
-                    cond.notify_all()
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def wait(self, count: int, timeout: float = 60) -> list[dict]:
-        with self.cond:
-            assert self.cond.wait_for(lambda: len(self.bodies) >= count, timeout), self.bodies
-            return list(self.bodies)
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def test_async_prediction_posts_webhooks_to_a_local_receiver(client: httpx.Client) -> None:
-    receiver = _Receiver()
+    receiver = Receiver()
     try:
         r = client.post("/predictions", headers={"Prefer": "respond-async"},
                         json={"input": {"seed": 11, "class_label": "2"}, "webhook": receiver.url,

@@ -5,6 +5,9 @@
 - images/s at each batch size.
 - achieved GFLOP/s (XLA's cost analysis of one denoiser call x calls) against the measured
   matmul rate of this machine.
+- progress cost: the same loop compiled with step progress (``preheat.progress``: a host
+  callback per step, to a registered no-op callback), timed interleaved with the loop without
+  it. Goal: <= 1% of a call; above it, progress stays a static switch (``Signature.progress``).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def bench_sampler(model: str | None, batches: list[int], steps: int, sampler: st
     for b in batches:
         sig, args = pipe.prepare(b, steps=steps, sampler=sampler, seed=0, **inputs)
         program = pipe.executable(sig, args)
-        loop = timed(lambda: np.asarray(program(*args)), repeats)
+        loop, loop_progress = _with_and_without_progress(pipe, program, b, repeats,
+                                                          dict(steps=steps, sampler=sampler, seed=0, **inputs))
         # The same model work, one separately compiled call at a time.
         calls_per_step = sig.spec.max_model_calls_per_step
         model_batch = 2 * b if sig.guided else b
@@ -71,11 +75,14 @@ def bench_sampler(model: str | None, batches: list[int], steps: int, sampler: st
         n_calls = steps * calls_per_step
         flops_per_call = float((denoise.cost_analysis() or {}).get("flops", float("nan")))
         loop_s = summary(loop)
+        progress_s = summary(loop_progress)
         calls_s = summary(timed(calls, repeats))
         row = {
             "batch": b, "steps": steps, "sampler": sampler, "guided": sig.guided,
             "sample_shape": list(sig.sample_shape),
-            "loop_s": loop_s, "separate_calls_s": calls_s,
+            "loop_s": loop_s, "separate_calls_s": calls_s, "progress_loop_s": progress_s,
+            "progress_cost": progress_s["median"] / loop_s["median"] - 1.0,
+            "progress_per_step_s": (progress_s["median"] - loop_s["median"]) / steps,
             "loop_overhead": loop_s["median"] / calls_s["median"] - 1.0,
             "images_per_s": b / loop_s["median"],
             "gflop_per_image_per_step": flops_per_call * calls_per_step / b / 1e9,
@@ -93,6 +100,33 @@ def bench_sampler(model: str | None, batches: list[int], steps: int, sampler: st
         rows.append(row)
     return {"model": model or "built-in:digits", "machine": machine_line(), "matmul_gflops": matmul_gflops(),
             "rows": rows}
+
+
+def _with_and_without_progress(pipe: Any, program: Any, b: int, repeats: int,
+                               inputs: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """Run times of the loop without and with step progress, alternating (one under the same load
+    as the other): the progress program reports to a registered callback that does nothing."""
+    import time
+
+    import numpy as np
+
+    from preheat.progress import ignore, reporting
+
+    psig, pargs = pipe.prepare(b, progress=ignore, **inputs)
+    sig, args = pipe.prepare(b, **inputs)
+    with reporting(ignore) as reporter:
+        pargs = (pargs[0], pargs[1]._replace(progress_id=np.int32(reporter.id)), *pargs[2:])
+        with_progress = pipe.executable(psig, pargs)
+        np.asarray(with_progress(*pargs)), np.asarray(program(*args))  # warm both
+        times: tuple[list[float], list[float]] = ([], [])
+        for _ in range(repeats):
+            for out, (fn, a) in zip(times, ((program, args), (with_progress, pargs))):
+                start = time.perf_counter()
+                np.asarray(fn(*a))
+                out.append(time.perf_counter() - start)
+        if reporter.step != inputs["steps"]:
+            raise RuntimeError(f"the progress program reported {reporter.step} of {inputs['steps']} steps")
+    return times
 
 
 def bench_profile(model: str | None, batch: int | None, workdir: Path) -> tuple[str, dict[str, Any]]:
@@ -121,8 +155,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"**{result['model']}** — {result['machine']}; measured f32 matmul rate "
              f"{result['matmul_gflops']:.1f} GFLOP/s", "",
              "| batch | steps | sampler | loop s, median (min–max) | N separate calls s | loop overhead | images/s | "
-             "GFLOP/img/step | achieved GFLOP/s (% of matmul) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "GFLOP/img/step | achieved GFLOP/s (% of matmul) | with progress s | progress cost (per step) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     shares = []
     for r in result["rows"]:
         pct = 100 * r["achieved_gflops"] / result["matmul_gflops"]
@@ -134,7 +168,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['batch']} | {r['steps']} | {r['sampler']}{' +cfg' if r['guided'] else ''} | "
                      f"{fmt_summary(r['loop_s'])} | {fmt_summary(r['separate_calls_s'])} | "
                      f"{100 * r['loop_overhead']:+.1f}% | {r['images_per_s']:.2f} | {r['gflop_per_image_per_step']:.3f} | "
-                     f"{r['achieved_gflops']:.1f} ({pct:.0f}%) |")
+                     f"{r['achieved_gflops']:.1f} ({pct:.0f}%) | {fmt_summary(r['progress_loop_s'])} | "
+                     f"{100 * r['progress_cost']:+.1f}% ({1e6 * r['progress_per_step_s']:+.0f} µs) |")
     if shares:
         lines += [""] + [f"- {line}" for line in shares]
     return "\n".join(lines)

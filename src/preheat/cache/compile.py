@@ -397,7 +397,7 @@ class JaxCompiler(EntryCache):
     # ------------------------------------------------------------------ internals
 
     def _load(self, key: str, fields: dict[str, Any], args: tuple, record: dict[str, Any], outputs: int = 1) -> Any:
-        from jax.experimental.serialize_executable import deserialize_and_load
+        from preheat.cache.serialized import deserialize_and_load  # jax's, keeping the step reports
 
         in_tree = jax.tree_util.tree_structure((tuple(args), {}))
         out_tree = jax.tree_util.tree_structure(0 if outputs == 1 else tuple(range(outputs)))
@@ -432,10 +432,10 @@ class JaxCompiler(EntryCache):
         return compiled
 
     def _store(self, key: str, fields: dict[str, Any], compiled: Any, record: dict[str, Any]) -> None:
-        from jax.experimental.serialize_executable import serialize
+        from preheat.cache.serialized import serialize  # jax's, keeping the step reports
 
         try:
-            payload, _, _ = serialize(compiled)
+            payload = serialize(compiled)
         except Exception as exc:  # some backends cannot serialise; the xla layer still helps
             log.warning("preheat cache: cannot serialise this executable (%s); only the XLA cache is used", exc)
             record["store"] = f"not serialisable: {exc}"

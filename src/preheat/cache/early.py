@@ -99,7 +99,7 @@ class EarlyLoads:
                 self._done[key].set()
 
     def _one(self, key: str) -> Optional[Preloaded]:
-        from jax.experimental.serialize_executable import _JaxPjrtUnpickler  # the deserialiser, without its trees
+        from preheat.cache.serialized import Unpickler  # jax's deserialiser (step reports kept), without its trees
 
         try:
             entry = checked_entry(self.kind_dir, key)
@@ -110,8 +110,7 @@ class EarlyLoads:
         payload = entry.file(EXECUTABLE).read_bytes()
         backend = self.devices[0].client
         with LoadingMarker(entry.path):
-            unloaded, args_info_flat, no_kwargs = _JaxPjrtUnpickler(io.BytesIO(payload), backend,
-                                                                     self.devices).load()
+            unloaded, args_info_flat, no_kwargs = Unpickler(io.BytesIO(payload), backend, self.devices).load()
             executable = unloaded.load()
         return Preloaded(entry.manifest.get("fields"), executable, args_info_flat, no_kwargs, entry)
 

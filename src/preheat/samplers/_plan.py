@@ -90,6 +90,7 @@ class Plan(NamedTuple):
     order: np.ndarray  # int32 [L]: dpm++ order of step i (1 or 2)
     init_noise_sigma: np.ndarray  # float32 []: scale of the standard-normal start noise
     eta: np.ndarray  # float32 []: ddim stochasticity (0 = deterministic)
+    progress_id: np.ndarray = np.int32(0)  # int32 []: whose call the step reports are (preheat.progress)
 
 
 def make_spec(config: SchedulerConfig, sampler: str) -> SolverSpec:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from preheat.errors import InvalidArgumentError
+from preheat.progress import report_step
 from preheat.samplers._plan import Plan, SolverSpec
 
 __all__ = ["SamplerState", "Model", "NoiseFn", "init", "step", "run"]
@@ -62,19 +63,23 @@ def step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax
     return solver(spec, model, plan, state, jnp.asarray(i, jnp.int32), noise_fn)
 
 
-def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: NoiseFn) -> jax.Array:
+def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: NoiseFn,
+        progress: bool = False) -> jax.Array:
     """The whole denoising loop: ``init`` then ``plan.n_steps`` steps; returns the final sample.
 
-    The trip count is traced, so one compiled program serves every step count.
+    The trip count is traced, so one compiled program serves every step count. ``progress``
+    (static): report each finished step to the host, for the call ``plan.progress_id``
+    (``preheat.progress``).
     """
-    state = init(spec, plan, noise)
-    state = jax.lax.fori_loop(
-        0,
-        jnp.asarray(plan.n_steps, jnp.int32),
-        lambda i, s: step(spec, model, plan, s, i, noise_fn),
-        state,
-    )
-    return state.x
+    n_steps = jnp.asarray(plan.n_steps, jnp.int32)
+
+    def body(i: jax.Array, s: SamplerState) -> SamplerState:
+        s = step(spec, model, plan, s, i, noise_fn)
+        if progress:
+            report_step(jnp.asarray(plan.progress_id, jnp.int32), i + 1, n_steps, s.x)
+        return s
+
+    return jax.lax.fori_loop(0, n_steps, body, init(spec, plan, noise)).x
 
 
 # --- shared pieces ----------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from preheat.server.core import SHUT_DOWN, Core, Prediction
 from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, api_error, openai_error
 from preheat.server.inputs import SEED_MAX, JsonFloat, JsonInt, Limits, family_model, json_int, served_sizes
 from preheat.server.metrics import HttpMetrics
+from preheat.server.stream import stream_prediction, wants_stream
 from preheat.server.webhooks import WebhookPolicy, WebhookRefused, delivery_client
 
 __all__ = ["create_app", "AppState", "request_models", "PredictionRequest", "PredictionResponse",
@@ -47,6 +48,7 @@ __all__ = ["create_app", "AppState", "request_models", "PredictionRequest", "Pre
 log = logging.getLogger("preheat.server")
 
 WEBHOOK_EVENTS = ("start", "output", "logs", "completed")
+LOGS_INTERVAL_S = 0.5  # at most one "logs" webhook per this many seconds (Cog's throttle)
 _OPENAI_FIELDS = {"num_outputs": "n", "width": "size", "height": "size"}
 # Cog input fields an OpenAI body may carry as extras, by the Cog names (every other extra OpenAI
 # clients send -- model, quality, style, user -- is ignored)
@@ -248,11 +250,16 @@ def webhook_listener(state: AppState, url: str, events: set[str]) -> Any:
     queue: asyncio.Queue = asyncio.Queue()
 
     async def deliver() -> None:
+        last_logs = float("-inf")
         while True:
             event, snap = await queue.get()
             if event == "abort":  # the prediction was never created
                 return
             if event == "start" and events & {"start", "logs"}:
+                await post_webhook(state, url, snap, attempts=1)
+            # Cog throttles "logs" webhooks to one per 500 ms; "completed" carries the last lines
+            if event == "log" and "logs" in events and time.monotonic() - last_logs >= LOGS_INTERVAL_S:
+                last_logs = time.monotonic()
                 await post_webhook(state, url, snap, attempts=1)
             if event == "completed":
                 if events & {"completed", "output", "logs"}:
@@ -297,6 +304,8 @@ def same_input(core: Core, existing: Prediction, body: Any) -> bool:
 async def attach(core: Core, pred: Prediction, respond_async: bool, request: Request) -> Response:
     if respond_async:
         return JSONResponse(core.snapshot(pred), status_code=202)
+    if wants_stream(request.headers.get("accept")):  # Cog's server-sent events (preheat.server.stream)
+        return stream_prediction(core, pred)
     snap = await wait_completed(core, pred, request)
     if snap is None:
         return JSONResponse({"detail": "the client went away"}, status_code=499)
@@ -445,6 +454,8 @@ async def health_check(state: State) -> dict[str, Any]:
         out["error"] = core.setup.error
     if core.draining:
         out["draining"] = True
+    if status == "DEFUNCT":
+        out["error"] = core.defunct
     out["queue_depth"] = core.queue_depth
     return out
 

@@ -11,9 +11,11 @@ Warm-up compiles every program a request can reach: each offered sampler (``samp
 default only the model's own), guidance on and off (on only when the model has a null class),
 every bucket. Other samplers are refused at parse time, so traffic never compiles.
 
-Cancelling: a waiting prediction is dropped at once (its slot frees); a running batch cannot be
-interrupted without cost, so it finishes and a canceled member's images are dropped. A client
-that goes away (:meth:`Core.abandon`) cancels its prediction only while it is still waiting.
+Cancelling: a waiting prediction is dropped at once (its slot frees); a running batch ends at
+its next step once every member is canceled (the step callback stops it: ``preheat.progress``),
+else it finishes and a canceled member's images are dropped. A client that goes away
+(:meth:`Core.abandon`) cancels its prediction while it is still waiting (a stream's, running too).
+Progress: every step of a batch adds ``step k/N`` to each member's logs and a "log" event.
 
 Images are per-request exact: a request with ``seed=s`` and n images puts seeds s..s+n-1 in
 the batch, and the engine draws every image's noise from its own seed only. Padding slots get
@@ -35,7 +37,8 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
-from preheat.errors import InputError, NotAccepting, PreheatError, QueueFull
+from preheat.errors import InputError, NotAccepting, PreheatError, QueueFull, SamplingStopped
+from preheat.progress import Stop
 from preheat.families import request as request_of
 from preheat.server.fetch import FetchConfig, Fetcher
 from preheat.warm import WarmSignature, buckets_for, resolve, run_signature, signatures
@@ -93,6 +96,17 @@ class Core:
         self._thread: Optional[threading.Thread] = None
         self._batch_ids = itertools.count(1)
         self.stats = {"batches": 0, "images": 0, "padded": 0, "traffic_compiles": 0}
+        self._died: Optional[str] = None  # why the worker thread died after set-up (DEFUNCT)
+
+    @property
+    def defunct(self) -> Optional[str]:
+        """Why the worker thread is gone while the server still runs (None while it serves)."""
+        if self._died is not None:
+            return self._died
+        thread = self._thread
+        if thread is not None and not thread.is_alive() and not self._stopping and self._setup_done.is_set():
+            return "the worker thread exited"
+        return None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -110,11 +124,14 @@ class Core:
 
     @property
     def status(self) -> str:
-        """Cog's health states: STARTING, READY, BUSY (queue full or draining), SETUP_FAILED."""
+        """Cog's health states: STARTING, READY, BUSY (queue full or draining), SETUP_FAILED, and
+        DEFUNCT when the worker thread has died (nothing will run: a load balancer replaces the pod)."""
         if self.setup.status == "failed":
             return "SETUP_FAILED"
         if self.setup.status != "succeeded":
             return "STARTING"
+        if self.defunct is not None:
+            return "DEFUNCT"
         if self._draining or len(self._pending) >= self.config.max_queue:
             return "BUSY"
         return "READY"
@@ -219,6 +236,8 @@ class Core:
         return await asyncio.to_thread(self.parse, raw)
 
     def _check_accepting(self) -> None:
+        if self.setup.status == "succeeded" and self.defunct is not None:
+            raise NotAccepting("defunct", f"the worker thread died ({self.defunct}); this server cannot run predictions")
         if self._draining:
             raise NotAccepting("draining", "the server is shutting down; not accepting predictions")
         if self.setup.status == "failed":
@@ -310,13 +329,17 @@ class Core:
         with self._cond:
             pred.waiters -= 1
 
-    def abandon(self, pred: Prediction) -> bool:
+    def abandon(self, pred: Prediction, running: bool = False) -> bool:
         """A client waiting for ``pred`` went away. When nobody else waits for it and it was not
         submitted asynchronously, a prediction that is still queued is canceled and its slot freed
-        (True); a running one finishes. Returns whether it was canceled."""
+        (True); a running one finishes, unless ``running`` (a stream's client): then it is
+        canceled too, and a batch whose predictions are all canceled ends at its next step.
+        Returns whether it was canceled."""
         with self._cond:
             pred.waiters -= 1
-            if pred.waiters > 0 or pred.respond_async or pred not in self._pending:
+            if pred.waiters > 0 or pred.respond_async or pred.terminal:
+                return False
+            if pred not in self._pending and not (running and pred in self._running):
                 return False
         log.info("prediction %s: the client went away; canceled while queued", pred.id)
         self.cancel(pred.id)
@@ -375,7 +398,17 @@ class Core:
         self.setup.completed_at = now_iso()
         self.metrics.ready.set(1)
         self._fire_setup()
-        self._serve()
+        try:
+            self._serve()
+        except BaseException as err:  # noqa: BLE001 - recorded (DEFUNCT, logged), its predictions failed
+            self._died = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}".rstrip(": ")
+            log.error("the worker thread died\n%s", traceback.format_exc())
+            self.metrics.ready.set(0)
+            with self._cond:
+                left = [p for p in self._pending + self._running if not p.terminal]
+                self._pending = []
+            for p in left:
+                self._finish(p, "failed", error=f"the worker thread died: {self._died}")
 
     def on_setup(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` (from the worker thread, or now) once set-up has finished either way."""
@@ -477,6 +510,7 @@ class Core:
                     self._pending.remove(p)
                     p.status = "processing"
                     p.started_at = now_iso()
+                    p.metrics["queue_wait"] = time.monotonic() - p.enqueued
                 self._running = batch
                 self._running_since = time.monotonic()
                 self.metrics.queue_depth.set(len(self._pending))
@@ -517,7 +551,11 @@ class Core:
         try:
             pipe = self.pipe
             # the jobs' requests, validated at parse time, as one (padding repeats the first image)
-            pixels = pipe.run(request_of.concat(pipe, [p.job.request for p in batch], pad))
+            request = request_of.concat(pipe, [p.job.request for p in batch], pad)
+            if getattr(pipe, "reports_progress", False):
+                pixels = pipe.run(request, progress=self._progress(batch))
+            else:
+                pixels = pipe.run(request)
             compiled = pipe.last.cache_layer != "memory"
             run_s = time.perf_counter() - t0
             outputs = []
@@ -527,6 +565,10 @@ class Core:
             for p in batch:
                 outputs.append([data_url(pixels[offset + i], p.job.output_format) for i in range(p.job.n)])
                 offset += p.job.n
+        except SamplingStopped:  # every prediction of the batch was canceled: it ended within a step
+            for p in batch:
+                self._finish(p, "canceled")
+            return
         except Exception as err:  # noqa: BLE001 - a failed batch fails its predictions, never the server
             log.error("batch %d failed\n%s", batch_id, traceback.format_exc())
             message = (str(err).splitlines() or [type(err).__name__])[0]
@@ -555,11 +597,30 @@ class Core:
         for p, out in zip(batch, outputs):
             with self._cond:
                 self._record(p, took, run_s, batch_id, images, bucket, offset, len(batch), compiled, job0)
+                p.metrics.update(cache_layer=pipe.last.cache_layer, seconds_per_image=took / images)
             offset += p.job.n
             if p.cancel_requested:
                 self._finish(p, "canceled")
             else:
                 self._finish(p, "succeeded", output=out)
+
+    def _progress(self, batch: list[Prediction]) -> Callable[[int, int], None]:
+        """The batch's step callback: a ``step k/N`` log line (as Cog models print) and a "log"
+        event for every prediction in it; when every one is canceled, the call ends (``Stop``)."""
+        def on_step(step: int, total: int) -> None:
+            line = f"step {step}/{total}"
+            with self._cond:
+                for p in batch:
+                    p.logs.append(line)
+                events = [(p.snapshot(), list(p._listeners)) for p in batch if not p.terminal]
+                stop = all(p.cancel_requested or p.terminal for p in batch)
+            for snap, listeners in events:
+                for fn in listeners:
+                    _call(fn, "log", snap)
+            if stop:
+                raise Stop(f"every prediction of the batch was canceled at step {step}/{total}")
+
+        return on_step
 
     @staticmethod
     def _record(p: Prediction, took: float, run_s: float, batch_id: int, images: int, bucket: int, offset: int,

@@ -14,7 +14,7 @@ from preheat.timings import now_iso
 __all__ = ["Prediction", "SetupInfo", "Listener", "TERMINAL"]
 
 TERMINAL = ("succeeded", "failed", "canceled")
-Listener = Callable[[str, dict], None]  # (event, snapshot); event: "start" | "completed"
+Listener = Callable[[str, dict], None]  # (event, snapshot); event: "start" | "log" (a step) | "completed"
 
 
 @dataclass
