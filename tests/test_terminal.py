@@ -1,4 +1,5 @@
-"""Progress on the terminal: `preheat sample` names its phases with a spinner and the elapsed time,
+"""Progress on the terminal: `preheat sample` names its phases with a spinner and the elapsed time
+and draws a bar over the steps (the call's progress callback),
 `preheat warm` counts signatures done of total; a pipe or `--quiet` gets none of it.
 
 Run as a person runs them: a subprocess whose stderr is a pseudo-terminal (tests/_support/terminal).
@@ -41,6 +42,7 @@ def test_sample_names_its_phases_on_a_terminal_and_not_in_a_pipe(model: Path, tm
     text = shown.plain_stderr
     for phase in ("loading model", "first call: tracing", "first call: compiling (XLA)", "second call (warm)"):
         assert re.search(rf"{SPINNER.pattern} {re.escape(phase)} {ELAPSED.pattern}", text), phase
+    assert re.search(r"first call.* 2/2 steps", text) and re.search(r"second call \(warm\).* 2/2 steps", text)
     assert "\x1b[" in shown.stderr and "wrote" in text
     assert shown.stdout == ""  # nothing of it on stdout
 

@@ -6,7 +6,8 @@ and a log file or a pipe must not fill with redraws. ``--quiet`` turns all of it
 - :class:`Phases`: a spinner with the elapsed time that names the phase (``loading model``, then,
   inside a first call, what JAX is doing: tracing, lowering, compiling, running; JAX reports each
   of these as it ends through ``jax.monitoring``, so the label follows the real work without any
-  hook in the engine).
+  hook in the engine), and a bar over the denoising steps (:meth:`Phases.step`, the call's
+  ``progress`` callback).
 - :class:`Count`: ``done/total`` with a bar and the time left (``preheat warm``'s signatures).
 Downloads draw their own bar (bytes, rate, time left) when :func:`shown`: ``preheat.store._http``
 (and huggingface_hub's, for hf://).
@@ -55,9 +56,10 @@ class Phases:
 
     def __enter__(self) -> "Phases":
         if self.on:
-            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
             self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                                      BarColumn(bar_width=30), TextColumn("{task.fields[count]}"),
                                       console=_console(), transient=True)
             self._progress.start()
         return self
@@ -73,6 +75,13 @@ class Phases:
             if self._progress is not None and self._task is not None:
                 self._progress.update(self._task, description=text, refresh=True)  # seen, however short
 
+    def step(self, step: int, total: int) -> None:
+        """A progress callback (``pipe(..., progress=phases.step)``): the bar over the steps."""
+        with self._lock:
+            if self._progress is not None and self._task is not None:
+                self._progress.update(self._task, completed=step, total=total, count=f"{step}/{total} steps",
+                                      refresh=step in (1, total))  # the rest at rich's own pace
+
     @contextmanager
     def phase(self, text: str, jax_steps: bool = False) -> Iterator[None]:
         """A phase with its own clock; ``jax_steps``: follow JAX's tracing/lowering/compiling inside it."""
@@ -80,7 +89,7 @@ class Phases:
             yield
             return
         with self._lock:
-            self._task = self._progress.add_task(text, total=None)
+            self._task = self._progress.add_task(text, total=None, count="")
         listener = None
         if jax_steps:
             import jax.monitoring

@@ -85,12 +85,19 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
     backend, compile_mode = opts.backend, opts.compile_mode
     steps, sampler, guidance = opts.steps, opts.sampler, opts.guidance
 
+    draw = shown(quiet)  # progress on stderr: a terminal only
+
     def first_call(view: Any) -> list[dict[str, Any]]:
-        return [{"n": opts.batch(view), **opts.call_inputs(view)}]
+        call = {"n": opts.batch(view), **opts.call_inputs(view)}
+        if draw and getattr(view, "reports_progress", False):  # the program the bar's call runs
+            from preheat.progress import ignore
+
+            call["progress"] = ignore
+        return [call]
 
     # the first call, known before the weights are: its executables load while they are read
     options: dict[str, Any] = {"prefetch": first_call} if backend == "jax" and not opts.loras else {}
-    with Phases(shown(quiet)) as phases:  # a spinner naming the phase, with its elapsed time (a terminal only)
+    with Phases(draw) as phases:  # a spinner naming the phase, with its elapsed time (a terminal only)
         with phases.phase("loading model"):
             t0 = time.perf_counter()
             import preheat
@@ -100,6 +107,8 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
         with flag_errors(pipe):
             kwargs = opts.call_inputs(pipe)
         n = opts.batch(pipe)
+        if phases.on and getattr(pipe, "reports_progress", False):  # the bar over the steps (a terminal only:
+            kwargs["progress"] = phases.step  # a pipe's runs, benchmarks' included, keep the program without it)
         with phases.phase("first call", jax_steps=backend == "jax"), flag_errors(pipe):
             t0 = time.perf_counter()
             images = pipe(n, **kwargs)
