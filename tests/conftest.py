@@ -84,6 +84,8 @@ HEAVY_FILES: dict[str, float] = {
     "tests/families/test_text_inputs.py": 90, "tests/families/test_family_contract.py": 80,
     "tests/cache/test_targets.py": 90, "tests/families/test_few_step.py": 60, "tests/test_random_models.py": 50,
     "tests/test_cli_contract.py": 30,
+    # issue 30's playground and terminal files, estimated as above
+    "tests/server/test_playground.py": 50, "tests/test_terminal.py": 60,
 }
 _FILE_SECONDS_KEY = "preheat/file_seconds"
 _file_seconds: dict[str, float] = {}

@@ -46,8 +46,9 @@ def core(pipe: Any, gate: threading.Event, lora_dir: Path):
         assert gate.wait(120)
         return pipe
 
-    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_queue=16, max_steps=20, lora_dir=str(lora_dir)),
-                loader=held).start()
+    # guidance on only: the model's default (2.0), what every run here uses; fewer programs to warm
+    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_queue=16, max_steps=20, guidance=("on",),
+                           lora_dir=str(lora_dir)), loader=held).start()
     yield core
     gate.set()
     core.close()
