@@ -405,7 +405,7 @@ class Core:
             log.error("the worker thread died\n%s", traceback.format_exc())
             self.metrics.ready.set(0)
             with self._cond:
-                left = [p for p in self._pending + self._running if not p.terminal]
+                left = [p for p in self._store.values() if not p.terminal]  # queued and the batch it died in
                 self._pending = []
             for p in left:
                 self._finish(p, "failed", error=f"the worker thread died: {self._died}")
