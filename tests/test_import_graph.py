@@ -28,7 +28,8 @@ SRC = Path(preheat.__file__).resolve().parent
 # Lowest tier first. A unit is a top-level module (``engine`` for preheat/engine.py) or package
 # (``cache`` for preheat/cache/).
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "_version", "timings", "noise", "files", "env", "compile_target", "progress"),  # leaves: import nothing of preheat
+    # leaves: import nothing of preheat
+    ("errors", "_version", "timings", "noise", "files", "env", "compile_target", "progress", "terminal"),
     ("sharding",),  # the device mesh and data parallelism (imports errors only)
     ("cache",),  # the cache root, the compile cache, the shared remote store
     ("store", "models", "samplers"),  # the weights store; model code; pure samplers
