@@ -39,6 +39,12 @@ class Receiver:
             assert self.cond.wait_for(lambda: len(self.bodies) >= count, timeout), self.bodies
             return list(self.bodies)
 
+    def wait_for(self, done: Any, timeout: float = 60) -> list[dict]:
+        """Every body received once ``done(bodies)`` holds (e.g. the last one is the completed one)."""
+        with self.cond:
+            assert self.cond.wait_for(lambda: done(self.bodies), timeout), self.bodies
+            return list(self.bodies)
+
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()

@@ -235,8 +235,8 @@ class SlowPipe:
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         return self._slowed(self._pipe.generate(*args, **kwargs))
 
-    def run(self, request: Any) -> Any:  # the server worker runs validated requests
-        return self._slowed(self._pipe.run(request))
+    def run(self, request: Any, **kwargs: Any) -> Any:  # the server worker runs validated requests
+        return self._slowed(self._pipe.run(request, **kwargs))
 
 
 def test_retry_after_is_within_2x_of_the_real_wait(pipe: Any) -> None:
