@@ -172,8 +172,12 @@ def test_image_inputs_need_an_image_and_inpainting_models_need_both(pipes):
         pipes("sd1-inpaint").validate("a cat", image=image_fixtures.sample_image())
     assert info.value.argument == "mask_image"
     with pytest.raises(SchedulerConfigError) as info:  # int(5 * 0.1) = 0 steps: diffusers has nothing to run
-        pipes("sd1").generate("a cat", image=image_fixtures.sample_image(), strength=0.1, steps=5)
+        pipes("sd1").check("a cat", image=image_fixtures.sample_image(), strength=0.1, steps=5)  # host side only
     assert info.value.argument == "strength"
+    with pytest.raises(InvalidArgumentError) as info:  # Heun's two model calls per step: no blend between them
+        pipes("sd1").check("a cat", image=image_fixtures.sample_image(), mask_image=image_fixtures.sample_mask(),
+                           sampler="heun")
+    assert info.value.argument == "sampler"
 
 
 def test_img2img_size_is_the_images_rounded():

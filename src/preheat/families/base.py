@@ -192,6 +192,11 @@ class Family:
                 raise InvalidArgumentError(f"{spec.name} needs classifier-free guidance; use a guidance scale other "
                                            "than 1", argument=spec.name)
 
+    def check_start(self, pipe: "EngineView", request: "Request") -> int | None:
+        """Host-side check of where an image-conditioned call starts (its start step; None: from
+        noise): what ``check`` runs so that a server refuses a strength that runs no step up front."""
+        return None
+
     def image_start(self, pipe: "EngineView", request: "Request", plan: Any) -> Any:
         """Where an image-conditioned call begins (``preheat.samplers.Start``: the start step of
         ``plan``, the encoded image, the mask to blend; may run the encode_image stage), or None:

@@ -186,6 +186,22 @@ class StableDiffusionFamily(TextToImageFamily):
         uncond = {**conditioning.uncond, **extra} if request.guided else conditioning.uncond
         return Conditioning(cond={**conditioning.cond, **extra}, uncond=uncond)
 
+    def check_start(self, pipe: EngineView, request: Request) -> int | None:
+        """The start step of an image-conditioned call (None: from noise), or a one-line error:
+        a strength that leaves no step, a sampler that cannot blend a base model's mask."""
+        values = request.values
+        if values.get("image") is None:
+            return None
+        from preheat.samplers import BLEND_SOLVERS, make_spec, strength_start
+
+        index = strength_start(request.steps, values["strength"], "sd")
+        blend = values["mask_image"] is not None and not pipe.components["inpaint"]
+        if blend and make_spec(pipe.scheduler_config, request.sampler).solver not in BLEND_SOLVERS:
+            raise InvalidArgumentError(f"sampler {request.sampler!r} cannot blend an inpainting mask on this model "
+                                       "(diffusers blends between its two model calls per step); use another",
+                                       argument="sampler")
+        return index
+
     def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
         """img2img and inpainting begin as diffusers' pipelines: at ``get_timesteps(strength)``'s
         step, from the encoded image noised there -- or, inpainting at strength 1 (diffusers'
@@ -193,17 +209,13 @@ class StableDiffusionFamily(TextToImageFamily):
         values, n = request.values, request.n
         if values.get("image") is None:
             return None
-        from preheat.samplers import BLEND_SOLVERS, Start, make_spec, strength_start
+        from preheat.samplers import Start
 
         w, h = values["width"], values["height"]
         strength, mask_image = values["strength"], values["mask_image"]
-        index = strength_start(request.steps, strength, "sd")
+        index = self.check_start(pipe, request)
         pure = mask_image is not None and strength == 1.0
         blend = mask_image is not None and not pipe.components["inpaint"]
-        if blend and make_spec(pipe.scheduler_config, request.sampler).solver not in BLEND_SOLVERS:
-            raise InvalidArgumentError(f"sampler {request.sampler!r} cannot blend an inpainting mask on this model "
-                                       "(diffusers blends between its two model calls per step); use another",
-                                       argument="sampler")
         if pure and not blend:  # the image reaches the model only through the mask channels
             x0 = np.zeros((n, *request.sample_shape), np.float32)
         else:
