@@ -192,6 +192,17 @@ class Family:
                 raise InvalidArgumentError(f"{spec.name} needs classifier-free guidance; use a guidance scale other "
                                            "than 1", argument=spec.name)
 
+    def check_start(self, pipe: "EngineView", request: "Request") -> int | None:
+        """Host-side check of where an image-conditioned call starts (its start step; None: from
+        noise): what ``check`` runs so that a server refuses a strength that runs no step up front."""
+        return None
+
+    def image_start(self, pipe: "EngineView", request: "Request", plan: Any) -> Any:
+        """Where an image-conditioned call begins (``preheat.samplers.Start``: the start step of
+        ``plan``, the encoded image, the mask to blend; may run the encode_image stage), or None:
+        the loop starts from noise. Families that take an ``image`` override it."""
+        return None
+
     def condition(self, pipe: "EngineView", request: "Request") -> Conditioning:
         """The denoiser's ``cond``/``uncond`` pytrees for a validated request (may run a stage)."""
         raise NotImplementedError

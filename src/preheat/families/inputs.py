@@ -16,6 +16,8 @@ model (a native size, a size multiple, class names). The common inputs every fam
     Choice    one of ``options``                 str                  string, enum
     Pair      two non-negative ints              (int, int)           array of 2 integers
     Label     a class index or label name        int (per image)      integer or enum string
+    Image     PIL image, uint8 array, path, bytes  uint8 (H, W, 3)      string (URL or data URI)
+              (``mask``: one channel, white = repaint)  (H, W)
 
 A new type is one more class with ``check`` (value -> normalised, or a one-line
 ``InvalidArgumentError`` naming the input), ``schema``, ``from_text`` (a command-line value)
@@ -33,7 +35,7 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["InputSpec", "Text", "Int", "Float", "Choice", "Pair", "Label", "COMMON_SPECS", "common_spec",
+__all__ = ["InputSpec", "Text", "Int", "Float", "Choice", "Pair", "Label", "Image", "COMMON_SPECS", "common_spec",
            "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "field_of"]
 
 
@@ -227,7 +229,29 @@ class Label:
         return text
 
 
-InputType = Text | Int | Float | Choice | Pair | Label
+@dataclass(frozen=True)
+class Image:
+    """An image a call passes in (img2img's init image, an inpainting mask, a Kontext reference):
+    read and checked by ``preheat.image_input.read_image`` (formats, size limit before decoding,
+    EXIF orientation, RGB / one-channel conversion). A server fetches a URL or decodes a data URI
+    to bytes before this check (``preheat.server.fetch``); the CLI passes a path."""
+
+    mask: bool = False
+    python = str  # a surface's value: an http(s) URL or a data: URI
+
+    def check(self, name: str, value: Any) -> np.ndarray:
+        from preheat.image_input import read_image
+
+        return read_image(value, name, mask=self.mask)
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "string", "format": "uri"}
+
+    def from_text(self, name: str, text: str) -> str:
+        return text  # a path; read_image reads it
+
+
+InputType = Text | Int | Float | Choice | Pair | Label | Image
 
 
 # ------------------------------------------------------------------------------------ the spec

@@ -143,6 +143,7 @@ def check(pipe: ArgumentView, first: Any, inputs: Mapping[str, Any]) -> Request:
     request = validate(pipe, first, inputs)
     make_spec(pipe.scheduler_config, request.sampler)
     plan(pipe, request)
+    pipe.family.check_start(pipe, request)  # img2img: a strength that leaves a step to run
     return request
 
 

@@ -1,0 +1,156 @@
+"""Images a call passes in (img2img's ``image``, inpainting's ``mask_image``, Kontext's reference):
+one reader for every surface, so a bad file gets the same one-line error from Python, the CLI and
+the server.
+
+What it takes: a PIL image, a uint8 array (H, W), (H, W, 1), (H, W, 3) or (H, W, 4), a path, the
+encoded bytes of a file, or a ``data:`` URI (what a server's client sends; http(s) URLs are
+fetched by the server's guarded fetch first, ``preheat.server.fetch``, and arrive here as bytes).
+
+What it guarantees, before any pixel is decoded:
+- the format is PNG, JPEG or WebP (read from the file's header, never from its name);
+- width x height is at most ``max_pixels`` (default 4096², :func:`set_max_pixels`), so a
+  decompression bomb -- a small file that declares a huge image -- is refused from its header.
+  PIL's own ``Image.MAX_IMAGE_PIXELS`` is set from the same number.
+Then, as diffusers' ``load_image`` and image processors do: EXIF orientation is applied, and the
+image becomes RGB (``convert("RGB")``: RGBA, LA, P and L included) or, for a mask, one channel
+(``convert("L")``). A truncated file is refused.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from preheat.errors import InvalidArgumentError
+
+__all__ = ["MAX_IMAGE_PIXELS", "FORMATS", "read_image", "set_max_pixels", "max_pixels"]
+
+MAX_IMAGE_PIXELS = 4096 * 4096
+FORMATS = ("PNG", "JPEG", "WEBP")
+_limit = {"pixels": MAX_IMAGE_PIXELS}
+
+
+def set_max_pixels(pixels: int) -> None:
+    """The process's limit on width x height (a server's ``--max-image-pixels``); PIL's
+    decompression-bomb limit follows it."""
+    from PIL import Image
+
+    if isinstance(pixels, bool) or not isinstance(pixels, int) or pixels < 1:
+        raise InvalidArgumentError(f"max image pixels {pixels!r} must be a positive int", argument="max_image_pixels")
+    _limit["pixels"] = pixels
+    Image.MAX_IMAGE_PIXELS = pixels
+
+
+def max_pixels() -> int:
+    """The limit :func:`read_image` applies (:func:`set_max_pixels`)."""
+    return _limit["pixels"]
+
+
+def read_image(value: Any, name: str = "image", *, mask: bool = False, limit: int | None = None) -> np.ndarray:
+    """``value`` -> uint8 pixels: (H, W, 3) RGB, or (H, W) for a ``mask`` (white = repaint).
+    Anything wrong is one ``InvalidArgumentError`` naming ``name``."""
+    from PIL import Image
+
+    limit = max_pixels() if limit is None else limit
+    if isinstance(value, Image.Image):
+        image = value
+        _check_size(name, image.size, limit)
+    elif isinstance(value, np.ndarray):
+        image = _from_array(name, value, limit)
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        image = _decode(name, bytes(value), limit)
+    elif isinstance(value, str) and value.startswith("data:"):
+        image = _decode(name, _data_uri(name, value), limit)
+    elif isinstance(value, (str, Path)):
+        path = Path(value)
+        if str(value).startswith(("http://", "https://")):
+            raise InvalidArgumentError(f"{name} is a URL; pass a path, bytes or an image (a server fetches URLs "
+                                       "through its guarded fetch)", argument=name)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise InvalidArgumentError(f"{name} {str(value)!r} does not exist", argument=name) from None
+        except (IsADirectoryError, PermissionError, OSError) as exc:
+            raise InvalidArgumentError(f"{name} {str(value)!r} cannot be read: {exc.strerror or exc}",
+                                       argument=name) from None
+        image = _decode(name, data, limit)
+    else:
+        raise InvalidArgumentError(f"{name} must be a PIL image, a uint8 (H, W[, C]) array, a path or image bytes, "
+                                   f"not {type(value).__name__}", argument=name)
+    return _normalise(name, image, mask)
+
+
+def _check_size(name: str, size: tuple[int, int], limit: int) -> None:
+    width, height = size
+    if width < 1 or height < 1:
+        raise InvalidArgumentError(f"{name} is empty ({width}x{height})", argument=name)
+    if width * height > limit:
+        raise InvalidArgumentError(f"{name} is {width}x{height} = {width * height} pixels; at most {limit} "
+                                   f"(--max-image-pixels)", argument=name)
+
+
+def _from_array(name: str, array: np.ndarray, limit: int) -> Any:
+    from PIL import Image
+
+    if array.dtype != np.uint8:
+        raise InvalidArgumentError(f"{name} is a {array.dtype} array; pass uint8 pixels (H, W, C)", argument=name)
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    if not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))):
+        raise InvalidArgumentError(f"{name} has shape {array.shape}; expected (H, W), (H, W, 1), (H, W, 3) or "
+                                   "(H, W, 4)", argument=name)
+    _check_size(name, (array.shape[1], array.shape[0]), limit)
+    return Image.fromarray(np.ascontiguousarray(array))
+
+
+def _data_uri(name: str, uri: str) -> bytes:
+    header, comma, payload = uri.partition(",")
+    if not comma or not header.endswith(";base64"):
+        raise InvalidArgumentError(f"{name} is a data URI without base64 data (data:image/png;base64,...)",
+                                   argument=name)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgumentError(f"{name}'s data URI is not valid base64", argument=name) from None
+
+
+def _decode(name: str, data: bytes, limit: int) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))  # reads the header only
+    except UnidentifiedImageError:
+        raise InvalidArgumentError(f"{name} is not an image PIL can read; send PNG, JPEG or WebP",
+                                   argument=name) from None
+    except Image.DecompressionBombError:
+        raise InvalidArgumentError(f"{name} declares more than {limit} pixels (--max-image-pixels)",
+                                   argument=name) from None
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise InvalidArgumentError(f"{name} cannot be read: {exc}", argument=name) from None
+    if image.format not in FORMATS:
+        raise InvalidArgumentError(f"{name} is {image.format}; send PNG, JPEG or WebP", argument=name)
+    _check_size(name, image.size, limit)  # before a single pixel is decoded
+    try:
+        image.load()
+    except Image.DecompressionBombError:
+        raise InvalidArgumentError(f"{name} declares more than {limit} pixels (--max-image-pixels)",
+                                   argument=name) from None
+    except (OSError, SyntaxError, ValueError) as exc:  # "image file is truncated", a broken stream
+        raise InvalidArgumentError(f"{name} is truncated or corrupt ({image.format}: {exc})", argument=name) from None
+    return image
+
+
+def _normalise(name: str, image: Any, mask: bool) -> np.ndarray:
+    from PIL import ImageOps
+
+    try:
+        image = ImageOps.exif_transpose(image)  # a phone's portrait JPEG is stored sideways
+        return np.asarray(image.convert("L" if mask else "RGB"), dtype=np.uint8)
+    except (OSError, ValueError) as exc:
+        raise InvalidArgumentError(f"{name} cannot be converted to {'L' if mask else 'RGB'}: {exc}",
+                                   argument=name) from None
