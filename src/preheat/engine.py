@@ -459,7 +459,7 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     import contextlib
 
     from preheat.families import family_loader
-    from preheat.models.weights import deferred_fills, recording
+    from preheat.models.weights import DeferredFills, LoadOptions, recording
     from preheat.store import resolve
 
     # A local folder as it is; http(s):// and hf:// sources from the weights store (pulled once).
@@ -493,8 +493,9 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     # the executables load on a background thread, then the tensors are read here.
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component
         start = phases.spans["import"][1]
-        with deferred_fills() if early else contextlib.nullcontext() as pending:
-            loaded: LoadedModel = loader(root, scheduler=scheduler, dtype=dtype, variant=variant, **options)
+        pending = DeferredFills() if early else None
+        loaded: LoadedModel = loader(root, scheduler=scheduler, dtype=dtype, variant=variant,
+                                     options=LoadOptions(pending=pending), **options)
         if pending is not None:
             phases.add("model", start, now_s())  # configs, abstract builds, every header checked
             _prefetch(loaded, mesh, compiler, prefetch, phases)
