@@ -511,7 +511,7 @@ def build_flux_transformer(config: FluxTransformerConfig, tensors: Mapping[str, 
     dtype = check_dtype(dtype)
     graphdef, abstract = build_abstract(config)
     # a Checkpoint streams (dict() would read it all); weights_dtype: the layers diffusers' layerwise casting casts
-    params = fill(abstract, tensors, dtype, source, options=options, low=layerwise(("pos_embed", "norm")))
+    params = fill(abstract, tensors, dtype, source, options=options, low=layerwise(("pos_embed", "norm"), options))
     return FluxTransformer(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 

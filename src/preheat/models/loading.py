@@ -94,7 +94,7 @@ def load_unet(path: str | Path, dtype: Any = jnp.float32, variant: str | None = 
     config = read_unet_config(unet_dir)
     graphdef, abstract = build_abstract(config)
     tensors = read_tensors(weight_files(unet_dir, (DIFFUSERS_STEM,), variant), rename=legacy_unet_key)
-    params = fill(abstract, tensors, dtype, str(unet_dir), options=options, low=layerwise(("norm",)))
+    params = fill(abstract, tensors, dtype, str(unet_dir), options=options, low=layerwise(("norm",), options))
     return LoadedUNet2D(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 

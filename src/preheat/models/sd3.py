@@ -490,7 +490,7 @@ def build_sd3_transformer(config: SD3TransformerConfig, tensors: Mapping[str, An
     dtype = check_dtype(dtype)
     graphdef, abstract = build_abstract(config)
     params = fill(abstract, tensors, dtype, source, key_fn=checkpoint_key, options=options,  # a Checkpoint streams
-                  low=layerwise(("pos_embed", "norm")))  # diffusers' SD3Transformer2DModel skips these too
+                  low=layerwise(("pos_embed", "norm"), options))  # diffusers' SD3Transformer2DModel skips these too
     return SD3Transformer(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 

@@ -509,7 +509,7 @@ def build_unet_condition(config: UNet2DConditionConfig, tensors: Mapping[str, An
     """A loaded UNet from torch-layout tensors keyed like diffusers' state dict (numpy arrays)."""
     dtype = check_dtype(dtype)
     graphdef, abstract = build_abstract(config)
-    params = fill(abstract, tensors, dtype, source, options=options, low=layerwise(("norm",)))  # a Checkpoint streams
+    params = fill(abstract, tensors, dtype, source, options=options, low=layerwise(("norm",), options))  # a Checkpoint streams
     return LoadedUNet2DCondition(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 

@@ -73,6 +73,7 @@ __all__ = [
     "DeferredFills",
     "LoadOptions",
     "DEFAULT_OPTIONS",
+    "dtype_plan",
     "after_reads",
     "build_abstract",
     "param",
@@ -481,10 +482,13 @@ class LoadOptions:
     ``weights_dtype``: the storage dtype of the layers a denoiser's loader names (``fill``'s
     ``low``), e.g. ``"float8_e4m3fn"``; upcast at use (``preheat.models.storage``). None: every
     weight is placed in the compute dtype. Encoders and VAEs never pass ``low``, so it leaves them be.
+    ``weights_layers``: which layers: "layerwise" (diffusers' ``enable_layerwise_casting`` set)
+    or "linear" (its Linear layers inside norm modules too: ``storage.layerwise``).
     """
 
     pending: DeferredFills | None = None
     weights_dtype: str | None = None
+    weights_layers: str = "layerwise"
 
 
 DEFAULT_OPTIONS = LoadOptions()
@@ -515,12 +519,7 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
     placed in ``options.weights_dtype`` when that is set (a denoiser's layerwise-cast weights).
     """
     options = options or DEFAULT_OPTIONS
-    if options.weights_dtype is not None and low is not None:  # the layers stored low, the rest as before
-        stored, rest = jnp.dtype(options.weights_dtype), dtype_for
-        layers = {key_fn(path) for path, _ in nnx.to_flat_state(abstract) if str(path[-1]) in ("kernel", "embedding")}
-
-        def dtype_for(key: str) -> Any:  # Linear/Conv/Embedding weights that ``low`` names; the rest as asked
-            return stored if key in layers and low(key) else (rest(key) if rest is not None else dtype)
+    dtype_for = dtype_plan(abstract, dtype, key_fn=key_fn, dtype_for=dtype_for, options=options, low=low)
     flat, plan = _check(abstract, tensors, dtype, source, key_fn, ignore, dtype_for)
     # one placeholder Variable per leaf, its value set in place when its tensor is placed
     holders = {i: var.replace(jax.ShapeDtypeStruct(tuple(var.shape), want)) for i, _, var, _, _, want in plan}
@@ -538,6 +537,23 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
 
     after_reads(job, options)
     return state
+
+
+def dtype_plan(abstract: nnx.State, dtype: Any, *, key_fn: Callable[[tuple[Any, ...]], str] = torch_key,
+               dtype_for: Callable[[str], Any] | None = None, options: LoadOptions | None = None,
+               low: Callable[[str], bool] | None = None) -> Callable[[str], Any] | None:
+    """``fill``'s per-key dtype: ``options.weights_dtype`` for the Linear/Conv/Embedding weights
+    (``kernel``/``embedding`` leaves) that ``low`` names, else ``dtype_for`` (or ``dtype``). What
+    a load would place is known from it and the abstract shapes alone (the fp8 memory benchmark)."""
+    if options is None or options.weights_dtype is None or low is None:
+        return dtype_for
+    stored, rest = jnp.dtype(options.weights_dtype), dtype_for
+    layers = {key_fn(path) for path, _ in nnx.to_flat_state(abstract) if str(path[-1]) in ("kernel", "embedding")}
+
+    def planned(key: str) -> Any:
+        return stored if key in layers and low(key) else (rest(key) if rest is not None else dtype)
+
+    return planned
 
 
 _Plan = list[tuple[int, tuple[Any, ...], Any, str, str, np.dtype]]
@@ -565,7 +581,7 @@ def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: 
         if shape != expected:
             problems.append(f"{key} has shape {shape}, expected {expected}")
             continue
-        if not np.issubdtype(src_dtype, np.floating) and src_dtype.name != "bfloat16":
+        if not jnp.issubdtype(src_dtype, jnp.floating):  # bf16 and fp8 (ml_dtypes) included
             problems.append(f"{key} has dtype {src_dtype}, expected a floating-point dtype")
             continue
         want = dtype_for(key) if dtype_for is not None else dtype
