@@ -190,3 +190,22 @@ def test_bad_fp8_requests_are_one_line(folders, monkeypatch):
     with pytest.raises(ModelFormatError, match="cannot hold float8_e4m3fn weights: UNIMPLEMENTED") as exc:
         preheat.load(None, weights_dtype=FP8, cache="off")
     assert "\n" not in str(exc.value)
+
+
+def test_the_upcast_runs_inside_the_sampling_loop():
+    """The compiled program converts each fp8 weight inside the loop's body (per step, where it is
+    used), not once before the loop, which would hold a full-precision copy of every weight."""
+    import re
+
+    import jax
+
+    from preheat.engine import build_program
+
+    pipe = preheat.load(None, weights_dtype=FP8, cache="off")
+    sig, args = pipe.prepare(2, steps=4)
+    hlo = jax.jit(build_program(sig, pipe.apply)).lower(*args).compile().as_text()
+    bodies = {m.group(1) for m in re.finditer(r" while\(.*?body=(%[\w.\-]+)", hlo)}
+    comps = {c.split(" ", 1)[0]: c for c in re.split(r"\n(?=%)", hlo) if c.startswith("%")}
+    called = {m.group(1) for name in bodies for m in re.finditer(r"calls=(%[\w.\-]+)", comps.get(name, ""))}
+    fp8_reads = [name for name in called if "f8e4m3fn" in comps.get(name, "").split("\n", 1)[0]]
+    assert bodies and len(fp8_reads) > 10, (bodies, len(fp8_reads))

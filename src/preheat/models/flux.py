@@ -490,7 +490,7 @@ class FluxTransformer:
         """
         from preheat.models.lora import attach
 
-        model = attach(nnx.merge(self.graphdef, upcast(params, self.dtype)), lora)  # fp8-stored weights upcast here
+        model = attach(nnx.merge(self.graphdef, upcast(params, self.dtype, tie=hidden_states)), lora)  # fp8-stored weights upcast here
 
         def act(v: Any) -> Array:
             return jnp.asarray(v).astype(self.dtype)

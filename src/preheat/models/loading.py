@@ -73,7 +73,7 @@ class LoadedUNet2D:
 
     def apply(self, params: nnx.State, x: jax.Array, t: jax.Array, class_labels: jax.Array | None = None) -> jax.Array:
         """Pure NHWC forward: (B,H,W,C), (B,) -> (B,H,W,C)."""
-        return nnx.merge(self.graphdef, upcast(params, self.dtype))(x, t, class_labels)  # fp8-stored weights upcast
+        return nnx.merge(self.graphdef, upcast(params, self.dtype, tie=x))(x, t, class_labels)  # fp8-stored weights upcast
 
     def __call__(self, sample: jax.Array, timestep: Any, class_labels: Any = None) -> jax.Array:
         x = jnp.transpose(jnp.asarray(sample, self.dtype), (0, 2, 3, 1))  # NCHW -> NHWC

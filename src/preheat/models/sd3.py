@@ -468,7 +468,7 @@ class SD3Transformer:
         from preheat.models.lora import attach
 
         x = jnp.asarray(x).astype(self.dtype)
-        model = attach(nnx.merge(self.graphdef, upcast(params, self.dtype)), lora)  # fp8-stored weights upcast here
+        model = attach(nnx.merge(self.graphdef, upcast(params, self.dtype, tie=x)), lora)  # fp8-stored weights upcast here
         return model(x, jnp.asarray(encoder_hidden_states), jnp.asarray(pooled_projections), timestep,
                      tuple(skip_layers))
 

@@ -72,9 +72,18 @@ def is_low(dtype: Any) -> bool:
     return np.dtype(dtype) in _LOW
 
 
-def upcast(params: Any, dtype: Any) -> Any:
+def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     """``params`` with every fp8 leaf converted to ``dtype`` (the compute dtype); the rest as they
-    are. Called inside the jitted apply, so the device keeps fp8 and XLA places the converts."""
+    are. Called inside the jitted apply, so the device keeps fp8 and XLA places the converts.
+
+    ``tie``: a value of this step (the sample). Without it XLA's loop-invariant code motion hoists
+    every convert out of the sampling loop (seen in the compiled HLO on CPU), so a call would hold
+    a full-precision copy of every weight; an optimization barrier shared with ``tie`` makes the
+    weights a value of the step, so each is converted where it is used, step by step."""
+    if not any(is_low(leaf.dtype) for leaf in jax.tree.leaves(params)):
+        return params
+    if tie is not None:
+        params, _ = jax.lax.optimization_barrier((params, tie))
     return jax.tree.map(lambda x: x.astype(dtype) if is_low(x.dtype) else x, params)
 
 

@@ -484,7 +484,7 @@ class LoadedUNet2DCondition:
         ``lora``: per-image low-rank adapters (``preheat.models.lora.Adapters``), or None."""
         from preheat.models.lora import attach
 
-        model = attach(nnx.merge(self.graphdef, upcast(params, self.dtype)), lora)  # fp8-stored weights upcast here
+        model = attach(nnx.merge(self.graphdef, upcast(params, self.dtype, tie=x)), lora)  # fp8-stored weights upcast here
         return model(x, t, context, added)
 
     def check_text_conditioning(self, context_width: int, pooled_width: int | None = None) -> None:
