@@ -103,7 +103,7 @@ def test_fp8_is_part_of_the_compile_key(pipes):
     from preheat.cache.compile import key_fields, key_of
 
     full, low = pipes[("sd", False)], pipes[("sd", True)]
-    assert low.fingerprint == {**full.fingerprint, "weights_dtype": FP8}
+    assert low.fingerprint == {**full.fingerprint, "weights_dtype": FP8, "weights_layers": "layerwise"}
     keys = []
     for pipe in (full, low):
         sig, args = pipe.prepare("a fox", steps=2, width=32, height=32)
