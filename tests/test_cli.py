@@ -51,6 +51,8 @@ def test_sample_writes_grid_images_and_report_then_hits_the_cache(model, tmp_pat
     (["--class", "11"], "unknown class 11"),
     (["--class", "giraffe"], "unknown class 'giraffe'"),
     (["--out", "x.jpg"], "must end in .png"),
+    (["--weights-dtype", "float8_e5m3"], "--weights-dtype"),
+    (["--weights-dtype", "float8_e4m3fn", "--backend", "torch"], "applies to backend='jax'"),
 ])
 def test_bad_arguments_exit_with_one_line_and_no_file(model, tmp_path, args, needle):
     r = preheat("sample", model, *args, "--out" if "--out" not in args else "--quiet",
@@ -59,6 +61,14 @@ def test_bad_arguments_exit_with_one_line_and_no_file(model, tmp_path, args, nee
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("error: "), r.stderr
     assert not (tmp_path / "s.png").exists() and not (tmp_path / "x.jpg").exists()
+
+
+def test_sample_stores_the_weights_in_fp8(model, tmp_path):
+    out, report = tmp_path / "s.png", tmp_path / "r.json"
+    r = preheat("sample", model, "--n", 2, "--steps", 2, "--weights-dtype", "float8_e4m3fn", "--out", out,
+                "--report", report, home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr
+    assert out.is_file() and json.loads(report.read_text())
 
 
 def test_unreadable_model_path(tmp_path):

@@ -139,7 +139,7 @@ def test_without_prefetch_the_phases_are_sequential(model_dir, published, tmp_pa
 
 
 def test_prefetched_weights_are_placeholders_until_read(model_dir):
-    """Inside deferred_fills the State holds shapes only; run() fills the same Variables in place."""
+    """With LoadOptions(pending=...) the State holds shapes only; run() fills the same Variables in place."""
     import jax
     from flax import nnx
 
@@ -148,8 +148,8 @@ def test_prefetched_weights_are_placeholders_until_read(model_dir):
     unet_dir = resolve_unet_dir(Path(model_dir))
     _, abstract = build_abstract(read_unet_config(unet_dir))
     tensors = weights.read_tensors(weights.weight_files(unet_dir))
-    with weights.deferred_fills() as pending:
-        state = weights.fill(abstract, tensors, "float32", "test")
+    pending = weights.DeferredFills()
+    state = weights.fill(abstract, tensors, "float32", "test", options=weights.LoadOptions(pending=pending))
     leaves = [v.get_value() for _, v in nnx.to_flat_state(state)]
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves) and len(pending.jobs) == 1
     pending.run()

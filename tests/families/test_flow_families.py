@@ -146,15 +146,15 @@ def test_offload_encoders_keeps_text_weights_on_the_host(folders, pipes):
 
 
 def test_offloaded_encoders_deferred_reads_reach_the_host(folders, pipes):
-    """With ``prefetch`` the reads wait (``weights.deferred_fills``): an offloaded encoder's weights
+    """With ``prefetch`` the reads wait (``weights.LoadOptions.pending``): an offloaded encoder's weights
     are placeholders until read, then on the host, equal to a direct load's."""
     import jax
 
     from preheat.families.sd3 import load_stable_diffusion_3
-    from preheat.models.weights import deferred_fills
+    from preheat.models.weights import DeferredFills, LoadOptions
 
-    with deferred_fills() as pending:
-        loaded = load_stable_diffusion_3(folders["sd3"], offload_encoders=True)
+    pending = DeferredFills()
+    loaded = load_stable_diffusion_3(folders["sd3"], offload_encoders=True, options=LoadOptions(pending=pending))
     encoders = [te for te in loaded.components["text_encoders"] if te is not None]
     assert all(isinstance(leaf, jax.ShapeDtypeStruct) for te in encoders for leaf in jax.tree.leaves(te.params))
     pending.run()

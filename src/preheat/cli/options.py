@@ -1,6 +1,6 @@
 """The options every command that loads a model or describes a call shares, built in one place.
 
-``model_options``: ``--dtype`` (a choice), ``--variant``, ``--cache``: how a model is loaded
+``model_options``: ``--dtype`` (a choice), ``--weights-dtype``, ``--variant``, ``--cache``: how a model is loaded
 (``sample``, ``cache explain``, ``warm``, ``serve``).
 
 ``call_options``: everything that selects the compiled program of one ``preheat sample`` call
@@ -32,7 +32,8 @@ CACHE_LAYERS = ("full", "xla", "off")
 # The engine's common keyword -> the CLI flag that sets it: errors on the CLI name the flag. A
 # family's own inputs are named by their declared specs (``cli.family_options.flag_errors``).
 FLAGS = {"steps": "--steps", "sampler": "--sampler", "guidance": "--guidance", "seed": "--seed", "eta": "--eta",
-         "lora": "--lora", "lora_scale": "--lora", "n": "--n"}
+         "lora": "--lora", "lora_scale": "--lora", "n": "--n", "weights_dtype": "--weights-dtype",
+         "weights_layers": "--weights-layers"}
 
 
 # Numeric option types: click refuses a value out of range in one line, before anything runs.
@@ -112,10 +113,16 @@ def sampler_option(help_text: str = "(default: the model's).") -> Callable[..., 
 
 
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--dtype, --variant, --cache: how the model is loaded."""
+    """--dtype, --weights-dtype, --variant, --cache: how the model is loaded."""
     options = [
         click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES),
                      help="The denoiser's dtype."),
+        click.option("--weights-dtype", metavar="DTYPE",
+                     help="Store the denoiser's weights in DTYPE (float8_e4m3fn), upcast to --dtype at use "
+                          "(JAX backend; default: all in --dtype)."),
+        click.option("--weights-layers", type=click.Choice(["layerwise", "linear"]), default="layerwise",
+                     show_default=True, help="With --weights-dtype: diffusers' layerwise-casting layers, or every "
+                                             "Linear (AdaLN modulation too; FLUX.1-dev 0.51x of bf16)."),
         click.option("--variant", help="Weight files *.VARIANT.safetensors (e.g. fp16)."),
         click.option("--cache", type=click.Choice(CACHE_LAYERS), help="Compile cache layers (default: full)."),
     ]
@@ -140,6 +147,8 @@ class CallOptions:
     eta: float
     loras: tuple[str, ...]
     dtype: str
+    weights_dtype: Optional[str]
+    weights_layers: str
     variant: Optional[str]
     cache: Optional[str]
     backend: str
@@ -183,7 +192,7 @@ class CallOptions:
     def load_options(self) -> dict[str, Any]:
         """``preheat.load(model, **load_options())``."""
         return dict(dtype=self.dtype, cache=self.cache, backend=self.backend, compile=self.compile_mode,
-                    variant=self.variant)
+                    variant=self.variant, weights_dtype=self.weights_dtype, weights_layers=self.weights_layers)
 
     def batch(self, pipe: Any) -> int:
         """``--n``, or the family's preview count (16 for a class model, 1 for text-to-image)."""

@@ -104,7 +104,8 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
                    "from `preheat doctor --save-target` (l40s, rtx4090 and other GPUs XLA does not describe).")
 @click.option("--quiet", is_flag=True, help="No progress bar (it is drawn only when stderr is a terminal).")
 @one_line_errors
-def warm_command(model: Optional[str], dtype: str, variant: Optional[str], cache: Optional[str],
+def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str], weights_layers: str,
+                 variant: Optional[str], cache: Optional[str],
                  max_batch_size: int, samplers_text: Optional[str],
                  sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str],
                  devices_text: Optional[str], fsdp: int, dry_run: bool,
@@ -124,7 +125,8 @@ def warm_command(model: Optional[str], dtype: str, variant: Optional[str], cache
         target, warm_set = _target_compiles(target_spec, warm_set)
     # what is cached already loads while the weights are read (a dry run, or a --target one, loads nothing)
     pipe = preheat.load(warm_set.model, dtype=warm_set.dtype, variant=warm_set.variant, cache=warm_set.cache,
-                        devices=warm_set.devices, fsdp=warm_set.fsdp,
+                        devices=warm_set.devices, fsdp=warm_set.fsdp, weights_dtype=weights_dtype,
+                        weights_layers=weights_layers,
                         prefetch=None if dry_run or target else warming.prefetch_calls(warm_set))
     if target is not None:
         from preheat.cache.compile import TargetCompiler

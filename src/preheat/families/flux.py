@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
@@ -39,6 +39,9 @@ from preheat.families.inputs import InputSpec, Text
 from preheat.families.text import PROMPT, TextToImageFamily, component, default_sampler, encode, offload
 from preheat.lora import encoder_adapters
 from preheat.samplers import MU_SIGMAS_SAMPLERS
+
+if TYPE_CHECKING:
+    from preheat.models.weights import LoadOptions
 
 __all__ = ["FluxFamily", "FLUX", "load_flux", "flux_defaults"]
 
@@ -175,7 +178,7 @@ def bfl_lora_names(layers: Mapping[str, tuple[int, int]]) -> dict[str, tuple[tup
 
 
 def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
-              offload_encoders: bool = False) -> LoadedModel:
+              offload_encoders: bool = False, options: LoadOptions | None = None) -> LoadedModel:
     """A ``FluxPipeline`` folder (FLUX.1-schnell, FLUX.1-dev and fine-tunes of them)."""
     import jax.numpy as jnp
 
@@ -196,12 +199,12 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     index = read_json(root / "model_index.json", "pipeline index")
     tokenizers = [CLIPTokenizer.from_folder(component(root, index, "tokenizer")),
                   T5Tokenizer.from_folder(component(root, index, "tokenizer_2"), max_length=T5_LENGTH)]
-    encoders = [load_clip_text(component(root, index, "text_encoder"), dtype=dtype, variant=variant),
-                load_t5_encoder(component(root, index, "text_encoder_2"), dtype=dtype, variant=variant)]
+    encoders = [load_clip_text(component(root, index, "text_encoder"), dtype=dtype, variant=variant, options=options),
+                load_t5_encoder(component(root, index, "text_encoder_2"), dtype=dtype, variant=variant, options=options)]
     if offload_encoders:
-        encoders = [offload(e) for e in encoders]
-    transformer = load_flux_transformer(component(root, index, "transformer"), dtype=dtype, variant=variant)
-    vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant)
+        encoders = [offload(e, options) for e in encoders]
+    transformer = load_flux_transformer(component(root, index, "transformer"), dtype=dtype, variant=variant, options=options)
+    vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant, options=options)
     sched = load_scheduler_config(scheduler if scheduler is not None else component(root, index, "scheduler"))
 
     cfg = transformer.config

@@ -9,13 +9,16 @@ sample is converted to uint8 inside the denoising program (no separate decode st
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
 from preheat.errors import InvalidArgumentError
 from preheat.families.base import Conditioning, EngineView, Family, LoadedModel, Request
 from preheat.families.inputs import InputSpec, Label
+
+if TYPE_CHECKING:
+    from preheat.models.weights import LoadOptions
 
 
 __all__ = ["PixelFamily", "PIXEL"]
@@ -69,7 +72,8 @@ def class_index(pipe: EngineView, c: Any) -> int:
 PIXEL = PixelFamily()
 
 
-def load_pixel(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None) -> LoadedModel:
+def load_pixel(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
+               options: LoadOptions | None = None) -> LoadedModel:
     """A pixel-space UNet2DModel folder (a pipeline folder with ``unet/`` or a bare UNet)."""
     import jax.numpy as jnp
 
@@ -79,7 +83,7 @@ def load_pixel(root: Any, *, scheduler: Any = None, dtype: Any = "float32", vari
 
     unet_dir = resolve_unet_dir(root)
     sched = load_scheduler_config(scheduler if scheduler is not None else find_scheduler_config(root, unet_dir))
-    unet = load_unet(unet_dir, dtype=jnp.dtype(dtype), variant=variant)
+    unet = load_unet(unet_dir, dtype=jnp.dtype(dtype), variant=variant, options=options)
     cfg = unet.config
     extra = pipeline_extras(root)
     h, w = image_size(cfg.sample_size, unet_dir)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from preheat.families.inputs import InputSpec
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, default_sampler, encode,
                                    offload)
 from preheat.samplers import FLOW_SAMPLERS
+
+if TYPE_CHECKING:
+    from preheat.models.weights import LoadOptions
 
 __all__ = ["SD3Family", "SD3", "load_stable_diffusion_3"]
 
@@ -100,7 +103,7 @@ class _ZeroTokens:
 
 
 def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
-                            offload_encoders: bool = False) -> LoadedModel:
+                            offload_encoders: bool = False, options: LoadOptions | None = None) -> LoadedModel:
     """A ``StableDiffusion3Pipeline`` folder (SD3-medium, SD3.5-large/-medium as far as the transformer
     supports them; with or without ``text_encoder_3``)."""
     import jax.numpy as jnp
@@ -126,19 +129,19 @@ def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "f
         tokenizers.append(CLIPTokenizer.from_folder(component(root, index, tok_name)))
         entry = index.get(te_name)
         model_class = entry[1] if isinstance(entry, (list, tuple)) and len(entry) == 2 else None
-        encoders.append(load_clip_text(component(root, index, te_name), dtype=dtype, variant=variant,
+        encoders.append(load_clip_text(component(root, index, te_name), dtype=dtype, variant=variant, options=options,
                                        model_class=model_class))
     has_t5 = isinstance(index.get("text_encoder_3"), (list, tuple)) and index["text_encoder_3"][0] is not None
     if has_t5:
         tokenizers.append(T5Tokenizer.from_folder(component(root, index, "tokenizer_3"), max_length=T5_LENGTH))
-        encoders.append(load_t5_encoder(component(root, index, "text_encoder_3"), dtype=dtype, variant=variant))
+        encoders.append(load_t5_encoder(component(root, index, "text_encoder_3"), dtype=dtype, variant=variant, options=options))
     else:
         tokenizers.append(_ZeroTokens(T5_LENGTH))
         encoders.append(None)
     if offload_encoders:
-        encoders = [offload(e) if e is not None else None for e in encoders]
-    transformer = load_sd3_transformer(component(root, index, "transformer"), dtype=dtype, variant=variant)
-    vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant)
+        encoders = [offload(e, options) if e is not None else None for e in encoders]
+    transformer = load_sd3_transformer(component(root, index, "transformer"), dtype=dtype, variant=variant, options=options)
+    vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant, options=options)
     sched = load_scheduler_config(scheduler if scheduler is not None else component(root, index, "scheduler"))
 
     cfg = transformer.config

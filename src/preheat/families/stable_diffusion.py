@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
@@ -59,6 +59,9 @@ from preheat.lora import encoder_adapters
 from preheat.families.inputs import InputSpec, Int, Pair, Text
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, SAMPLER_OF_SCHEDULER, TextToImageFamily, component,
                                    default_sampler, encode, offload)
+
+if TYPE_CHECKING:
+    from preheat.models.weights import LoadOptions
 
 
 __all__ = ["StableDiffusionFamily", "SD", "SDXL", "load_stable_diffusion", "load_stable_diffusion_xl",
@@ -326,7 +329,7 @@ def sgm_lora_names(cfg: Any, layers: Mapping[str, tuple[int, int]]) -> dict[str,
 
 
 def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: Any,
-          variant: str | None, offload_encoders: bool) -> LoadedModel:
+          variant: str | None, offload_encoders: bool, options: LoadOptions | None) -> LoadedModel:
     import jax.numpy as jnp
 
     from preheat.samplers import load_scheduler_config
@@ -348,11 +351,11 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         tokenizers.append(CLIPTokenizer.from_folder(component(root, index, tok_name)))
         entry = index.get(te_name)
         model_class = entry[1] if isinstance(entry, (list, tuple)) and len(entry) == 2 else None
-        encoder = load_clip_text(component(root, index, te_name), dtype=dtype, variant=variant,
+        encoder = load_clip_text(component(root, index, te_name), dtype=dtype, variant=variant, options=options,
                                  model_class=model_class)
-        encoders.append(offload(encoder) if offload_encoders else encoder)
-    unet = load_unet_condition(component(root, index, "unet"), dtype=dtype, variant=variant)
-    vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant)
+        encoders.append(offload(encoder, options) if offload_encoders else encoder)
+    unet = load_unet_condition(component(root, index, "unet"), dtype=dtype, variant=variant, options=options)
+    vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant, options=options)
     sched_source = scheduler if scheduler is not None else component(root, index, "scheduler")
     sched = load_scheduler_config(sched_source)
 
@@ -418,13 +421,16 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
 
 
 def load_stable_diffusion(root: Any, *, scheduler: Any = None, dtype: Any = "float32",
-                          variant: str | None = None, offload_encoders: bool = False) -> LoadedModel:
+                          variant: str | None = None, offload_encoders: bool = False,
+                          options: LoadOptions | None = None) -> LoadedModel:
     """A ``StableDiffusionPipeline`` folder (SD 1.x, 2.x; epsilon or v-prediction)."""
-    return _load(Path(root), SD, scheduler=scheduler, dtype=dtype, variant=variant, offload_encoders=offload_encoders)
+    return _load(Path(root), SD, scheduler=scheduler, dtype=dtype, variant=variant, offload_encoders=offload_encoders,
+                 options=options)
 
 
 def load_stable_diffusion_xl(root: Any, *, scheduler: Any = None, dtype: Any = "float32",
-                             variant: str | None = None, offload_encoders: bool = False) -> LoadedModel:
+                             variant: str | None = None, offload_encoders: bool = False,
+                          options: LoadOptions | None = None) -> LoadedModel:
     """A ``StableDiffusionXLPipeline`` folder (base)."""
     return _load(Path(root), SDXL, scheduler=scheduler, dtype=dtype, variant=variant,
-                 offload_encoders=offload_encoders)
+                 offload_encoders=offload_encoders, options=options)

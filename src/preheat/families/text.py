@@ -137,11 +137,12 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
                           outputs=outputs)
 
 
-def offload(encoder: Any) -> Any:
+def offload(encoder: Any, options: Any = None) -> Any:
     """``offload_encoders``: keep an encoder's weights in host memory, so that the device holds
     them only while the encode stage runs (for GPUs that cannot hold encoders and denoiser).
     Each weight is moved once it is read (``weights.after_reads``: at once, or after the deferred
-    reads of ``preheat.load(prefetch=...)``), in place, so the encoder keeps its State."""
+    reads of ``preheat.load(prefetch=...)``: ``options``, a ``weights.LoadOptions``), in place, so
+    the encoder keeps its State."""
     import jax
     from flax import nnx
 
@@ -151,5 +152,5 @@ def offload(encoder: Any) -> Any:
         for _, var in nnx.to_flat_state(encoder.params):
             var.set_value(jax.device_get(var.get_value()))
 
-    after_reads(to_host)
+    after_reads(to_host, options)
     return encoder

@@ -41,7 +41,7 @@ from preheat.errors import InvalidArgumentError, ModelNotFoundError, Unsupported
 from preheat.models import weights
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Embedding, LayerNorm, Linear
-from preheat.models.weights import TRANSFORMERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
+from preheat.models.weights import TRANSFORMERS_STEM, LoadOptions, check_dtype, fill, read_json, read_tensors, weight_files
 from preheat.models.attention import dot_product_attention
 
 __all__ = [
@@ -369,7 +369,7 @@ class CLIPText:
 
 
 def load_clip_text(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None,
-                   model_class: str | None = None) -> CLIPText:
+                   model_class: str | None = None, options: LoadOptions | None = None) -> CLIPText:
     """Load a transformers CLIP text-encoder folder (``config.json`` + ``model[.variant].safetensors``).
 
     ``model_class``: the class a pipeline's ``model_index.json`` names for this component; like
@@ -385,5 +385,5 @@ def load_clip_text(folder: str | Path, dtype: Any = jnp.float32, variant: str | 
         config.validate(f"{folder} (model class from model_index.json)")
     graphdef, abstract = build_abstract(config)
     tensors = read_tensors(weight_files(folder, (TRANSFORMERS_STEM,), variant), rename=checkpoint_key)
-    params = fill(abstract, tensors, dtype, str(folder), ignore=_is_buffer)
+    params = fill(abstract, tensors, dtype, str(folder), ignore=_is_buffer, options=options)
     return CLIPText(config=config, graphdef=graphdef, params=params, dtype=dtype)

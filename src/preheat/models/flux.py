@@ -40,7 +40,8 @@ from preheat.models import weights
 from preheat.models.dit import AdaLayerNormContinuous, FeedForward, layer_norm, modulate, resolve_transformer_dir
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Linear, TimestepEmbedding, lift, sinusoidal_embedding
-from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
+from preheat.models.storage import layerwise, upcast
+from preheat.models.weights import DIFFUSERS_STEM, LoadOptions, check_dtype, fill, read_json, read_tensors, weight_files
 from preheat.models.attention import dot_product_attention
 
 __all__ = [
@@ -489,7 +490,7 @@ class FluxTransformer:
         """
         from preheat.models.lora import attach
 
-        model = attach(nnx.merge(self.graphdef, params), lora)
+        model = attach(nnx.merge(self.graphdef, upcast(params, self.dtype, tie=hidden_states)), lora)  # fp8-stored weights upcast here
 
         def act(v: Any) -> Array:
             return jnp.asarray(v).astype(self.dtype)
@@ -504,15 +505,18 @@ class FluxTransformer:
 
 
 def build_flux_transformer(config: FluxTransformerConfig, tensors: Mapping[str, Any], dtype: Any = jnp.float32,
-                           source: str = "FluxTransformer2DModel weights") -> FluxTransformer:
+                           source: str = "FluxTransformer2DModel weights",
+                           options: LoadOptions | None = None) -> FluxTransformer:
     """A loaded transformer from torch-layout tensors keyed like diffusers' state dict (numpy arrays)."""
     dtype = check_dtype(dtype)
     graphdef, abstract = build_abstract(config)
-    params = fill(abstract, tensors, dtype, source)  # a Checkpoint streams; dict() would read it all
+    # a Checkpoint streams (dict() would read it all); weights_dtype: the layers diffusers' layerwise casting casts
+    params = fill(abstract, tensors, dtype, source, options=options, low=layerwise(("pos_embed", "norm"), options))
     return FluxTransformer(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 
-def load_flux_transformer(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None) -> FluxTransformer:
+def load_flux_transformer(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None,
+                          options: LoadOptions | None = None) -> FluxTransformer:
     """Load a diffusers ``FluxTransformer2DModel`` folder (or a pipeline folder's ``transformer/``).
 
     Reads ``diffusion_pytorch_model[.variant].safetensors`` or its shard index (the published
@@ -522,4 +526,4 @@ def load_flux_transformer(folder: str | Path, dtype: Any = jnp.float32, variant:
     path = resolve_transformer_dir(folder, "FluxTransformer2DModel")
     config = read_flux_config(path)
     tensors = read_tensors(weight_files(path, (DIFFUSERS_STEM,), variant=variant))
-    return build_flux_transformer(config, tensors, dtype, str(path))
+    return build_flux_transformer(config, tensors, dtype, str(path), options)

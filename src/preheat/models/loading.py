@@ -25,6 +25,7 @@ from flax import nnx
 
 from preheat.models import weights
 from preheat.models.folders import resolve_unet_dir
+from preheat.models.storage import layerwise, upcast
 from preheat.models.unet2d import UNet2DConfig, UNet2DModule
 from preheat.models.weights import (DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, to_torch_layout,
                                     torch_key, weight_files)
@@ -72,7 +73,7 @@ class LoadedUNet2D:
 
     def apply(self, params: nnx.State, x: jax.Array, t: jax.Array, class_labels: jax.Array | None = None) -> jax.Array:
         """Pure NHWC forward: (B,H,W,C), (B,) -> (B,H,W,C)."""
-        return nnx.merge(self.graphdef, params)(x, t, class_labels)
+        return nnx.merge(self.graphdef, upcast(params, self.dtype, tie=x))(x, t, class_labels)  # fp8-stored weights upcast
 
     def __call__(self, sample: jax.Array, timestep: Any, class_labels: Any = None) -> jax.Array:
         x = jnp.transpose(jnp.asarray(sample, self.dtype), (0, 2, 3, 1))  # NCHW -> NHWC
@@ -84,7 +85,8 @@ class LoadedUNet2D:
         return jnp.transpose(out, (0, 3, 1, 2))  # NHWC -> NCHW
 
 
-def load_unet(path: str | Path, dtype: Any = jnp.float32, variant: str | None = None) -> LoadedUNet2D:
+def load_unet(path: str | Path, dtype: Any = jnp.float32, variant: str | None = None,
+              options: weights.LoadOptions | None = None) -> LoadedUNet2D:
     """Load a diffusers UNet2DModel folder (or a pipeline folder's ``unet/``) into JAX.
     ``variant``: read ``diffusion_pytorch_model.<variant>.safetensors`` (e.g. "fp16")."""
     dtype = check_dtype(dtype)
@@ -92,7 +94,7 @@ def load_unet(path: str | Path, dtype: Any = jnp.float32, variant: str | None = 
     config = read_unet_config(unet_dir)
     graphdef, abstract = build_abstract(config)
     tensors = read_tensors(weight_files(unet_dir, (DIFFUSERS_STEM,), variant), rename=legacy_unet_key)
-    params = fill(abstract, tensors, dtype, str(unet_dir))
+    params = fill(abstract, tensors, dtype, str(unet_dir), options=options, low=layerwise(("norm",), options))
     return LoadedUNet2D(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 

@@ -40,7 +40,8 @@ from preheat.models import weights
 from preheat.models.dit import AdaLayerNormContinuous, FeedForward, layer_norm, modulate, resolve_transformer_dir
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Conv2d, Linear, TimestepEmbedding, lift, sinusoidal_embedding
-from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, torch_key, weight_files
+from preheat.models.storage import layerwise, upcast
+from preheat.models.weights import DIFFUSERS_STEM, LoadOptions, check_dtype, fill, read_json, read_tensors, torch_key, weight_files
 from preheat.models.attention import dot_product_attention
 
 __all__ = [
@@ -467,7 +468,7 @@ class SD3Transformer:
         from preheat.models.lora import attach
 
         x = jnp.asarray(x).astype(self.dtype)
-        model = attach(nnx.merge(self.graphdef, params), lora)
+        model = attach(nnx.merge(self.graphdef, upcast(params, self.dtype, tie=x)), lora)  # fp8-stored weights upcast here
         return model(x, jnp.asarray(encoder_hidden_states), jnp.asarray(pooled_projections), timestep,
                      tuple(skip_layers))
 
@@ -484,15 +485,17 @@ class SD3Transformer:
 
 
 def build_sd3_transformer(config: SD3TransformerConfig, tensors: Mapping[str, Any], dtype: Any = jnp.float32,
-                          source: str = f"{_CLASS} weights") -> SD3Transformer:
+                          source: str = f"{_CLASS} weights", options: LoadOptions | None = None) -> SD3Transformer:
     """A loaded transformer from torch-layout tensors keyed like diffusers' state dict (numpy arrays)."""
     dtype = check_dtype(dtype)
     graphdef, abstract = build_abstract(config)
-    params = fill(abstract, tensors, dtype, source, key_fn=checkpoint_key)  # a Checkpoint streams
+    params = fill(abstract, tensors, dtype, source, key_fn=checkpoint_key, options=options,  # a Checkpoint streams
+                  low=layerwise(("pos_embed", "norm"), options))  # diffusers' SD3Transformer2DModel skips these too
     return SD3Transformer(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 
-def load_sd3_transformer(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None) -> SD3Transformer:
+def load_sd3_transformer(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None,
+                         options: LoadOptions | None = None) -> SD3Transformer:
     """Load a diffusers ``SD3Transformer2DModel`` folder (or a pipeline folder's ``transformer/``).
 
     One safetensors file or a shard index with its shards; ``variant="fp16"`` reads
@@ -502,4 +505,4 @@ def load_sd3_transformer(folder: str | Path, dtype: Any = jnp.float32, variant: 
     folder = resolve_transformer_dir(folder, _CLASS)
     config = read_sd3_transformer_config(folder)
     tensors = read_tensors(weight_files(folder, (DIFFUSERS_STEM,), variant=variant))
-    return build_sd3_transformer(config, tensors, dtype, str(folder))
+    return build_sd3_transformer(config, tensors, dtype, str(folder), options)

@@ -46,7 +46,7 @@ from preheat.errors import InvalidArgumentError, ModelNotFoundError, Unsupported
 from preheat.models import weights
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Embedding, Linear
-from preheat.models.weights import TRANSFORMERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
+from preheat.models.weights import TRANSFORMERS_STEM, LoadOptions, check_dtype, fill, read_json, read_tensors, weight_files
 from preheat.models.attention import dot_product_attention
 
 __all__ = [
@@ -394,7 +394,8 @@ class T5Encoder:
         return self.apply(self.params, jnp.asarray(input_ids, jnp.int32), mask)
 
 
-def load_t5_encoder(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None) -> T5Encoder:
+def load_t5_encoder(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None,
+                    options: LoadOptions | None = None) -> T5Encoder:
     """Load a transformers ``T5EncoderModel`` folder (``config.json`` + ``model[.variant].safetensors``,
     single or sharded with ``model.safetensors.index.json``)."""
     dtype = check_dtype(dtype)
@@ -404,5 +405,5 @@ def load_t5_encoder(folder: str | Path, dtype: Any = jnp.float32, variant: str |
     config = read_t5_config(folder)
     graphdef, abstract = build_abstract(config)
     tensors = _untie(read_tensors(weight_files(folder, (TRANSFORMERS_STEM,), variant)))
-    params = fill(abstract, tensors, dtype, str(folder), dtype_for=_dtype_for(dtype))
+    params = fill(abstract, tensors, dtype, str(folder), dtype_for=_dtype_for(dtype), options=options)
     return T5Encoder(config=config, graphdef=graphdef, params=params, dtype=dtype)

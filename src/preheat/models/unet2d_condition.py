@@ -32,7 +32,8 @@ from preheat.models.transformer2d import Transformer2DModel
 from preheat.models.config import JsonConfig
 from preheat.models.layers import (Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, TimestepEmbedding, Upsample2D,
                                    activation, sinusoidal_embedding)
-from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
+from preheat.models.storage import layerwise, upcast
+from preheat.models.weights import DIFFUSERS_STEM, LoadOptions, check_dtype, fill, read_json, read_tensors, weight_files
 
 __all__ = [
     "UNet2DConditionConfig",
@@ -483,7 +484,8 @@ class LoadedUNet2DCondition:
         ``lora``: per-image low-rank adapters (``preheat.models.lora.Adapters``), or None."""
         from preheat.models.lora import attach
 
-        return attach(nnx.merge(self.graphdef, params), lora)(x, t, context, added)
+        model = attach(nnx.merge(self.graphdef, upcast(params, self.dtype, tie=x)), lora)  # fp8-stored weights upcast here
+        return model(x, t, context, added)
 
     def check_text_conditioning(self, context_width: int, pooled_width: int | None = None) -> None:
         check_text_conditioning(self.config, context_width, pooled_width)
@@ -502,15 +504,17 @@ class LoadedUNet2DCondition:
 
 
 def build_unet_condition(config: UNet2DConditionConfig, tensors: Mapping[str, Any], dtype: Any = jnp.float32,
-                         source: str = "UNet2DConditionModel weights") -> LoadedUNet2DCondition:
+                         source: str = "UNet2DConditionModel weights",
+                         options: LoadOptions | None = None) -> LoadedUNet2DCondition:
     """A loaded UNet from torch-layout tensors keyed like diffusers' state dict (numpy arrays)."""
     dtype = check_dtype(dtype)
     graphdef, abstract = build_abstract(config)
-    params = fill(abstract, tensors, dtype, source)  # a Checkpoint streams
+    params = fill(abstract, tensors, dtype, source, options=options, low=layerwise(("norm",), options))  # a Checkpoint streams
     return LoadedUNet2DCondition(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 
-def load_unet_condition(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None) -> LoadedUNet2DCondition:
+def load_unet_condition(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None,
+                        options: LoadOptions | None = None) -> LoadedUNet2DCondition:
     """Load a diffusers UNet2DConditionModel folder (or a pipeline folder's ``unet/``) into JAX.
 
     ``variant="fp16"`` reads ``diffusion_pytorch_model.fp16.safetensors`` (or its shard index);
@@ -522,4 +526,4 @@ def load_unet_condition(folder: str | Path, dtype: Any = jnp.float32, variant: s
     unet_dir = resolve_unet_dir(folder)
     config = read_unet_condition_config(unet_dir)
     tensors = read_tensors(weight_files(unet_dir, (DIFFUSERS_STEM,), variant=variant))
-    return build_unet_condition(config, tensors, dtype, str(unet_dir))
+    return build_unet_condition(config, tensors, dtype, str(unet_dir), options)

@@ -44,7 +44,7 @@ from preheat.models.loading import legacy_unet_key
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Conv2d, GroupNorm, ResnetBlock2D, Upsample2D, lift
 from preheat.models.unet_blocks import BlockSpec, DownBlock, MidBlock
-from preheat.models.weights import DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, weight_files
+from preheat.models.weights import DIFFUSERS_STEM, LoadOptions, check_dtype, fill, read_json, read_tensors, weight_files
 
 __all__ = ["AutoencoderKLConfig", "AutoencoderKL", "VAE", "LatentStat", "SUPPORTED", "load_vae", "read_vae_config",
            "resolve_vae_dir", "build_abstract", "effective_dtype"]
@@ -469,7 +469,8 @@ def effective_dtype(config: AutoencoderKLConfig, dtype: Any) -> jnp.dtype:
     return dt
 
 
-def load_vae(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None) -> VAE:
+def load_vae(folder: str | Path, dtype: Any = jnp.float32, variant: str | None = None,
+             options: LoadOptions | None = None) -> VAE:
     """Load a diffusers AutoencoderKL folder (or a pipeline folder's ``vae/``) into JAX.
 
     ``variant="fp16"`` reads ``diffusion_pytorch_model.fp16.safetensors`` (or its shard index).
@@ -482,7 +483,7 @@ def load_vae(folder: str | Path, dtype: Any = jnp.float32, variant: str | None =
     graphdef, abstract = build_abstract(config)
     weight_abstract, stat_abstract = nnx.split_state(abstract, nnx.Param, LatentStat)
     tensors = read_tensors(weight_files(vae_dir, (DIFFUSERS_STEM,), variant), rename=legacy_unet_key)
-    filled = fill(weight_abstract, tensors, dt, str(vae_dir))
+    filled = fill(weight_abstract, tensors, dt, str(vae_dir), options=options)
     scale, shift = config.latent_affine()
     stats = nnx.from_flat_state([
         (path, var.replace(jnp.asarray(scale if str(path[-1]) == "latent_scale" else shift)))

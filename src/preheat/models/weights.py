@@ -38,7 +38,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -71,8 +70,10 @@ __all__ = [
     "to_torch_layout",
     "expected_torch_shape",
     "fill",
-    "deferred_fills",
     "DeferredFills",
+    "LoadOptions",
+    "DEFAULT_OPTIONS",
+    "dtype_plan",
     "after_reads",
     "build_abstract",
     "param",
@@ -453,11 +454,8 @@ def _place(tensors: Mapping[str, Any], key: str, leaf: str, dtype: np.dtype, scr
     return scratch.used_by(jax.device_put(to_jax_layout(raw, leaf))), info.nbytes
 
 
-_DEFER = threading.local()
-
-
 class DeferredFills:
-    """The tensor reads that ``fill`` queued inside ``deferred_fills()``; ``run`` performs them.
+    """The tensor reads that ``fill`` queued (``LoadOptions(pending=...)``); ``run`` performs them.
 
     Why: the compile cache's key needs only the parameters' shapes and dtypes, which are known
     once every header is checked; deferring the reads lets a pipeline start loading its
@@ -474,26 +472,33 @@ class DeferredFills:
             job()
 
 
-@contextmanager
-def deferred_fills() -> Iterator[DeferredFills]:
-    """Inside (on this thread), ``fill`` checks every key, shape and dtype as usual but returns at
-    once: each leaf of its State holds a ``jax.ShapeDtypeStruct`` of the value to come, and the
-    reads wait for ``DeferredFills.run``. Code that uses the values before ``run`` fails loudly."""
-    pending = DeferredFills()
-    previous = getattr(_DEFER, "pending", None)
-    _DEFER.pending = pending
-    try:
-        yield pending
-    finally:
-        _DEFER.pending = previous
+@dataclass(frozen=True)
+class LoadOptions:
+    """How one load places its weights, passed explicitly from ``preheat.load`` down to ``fill``
+    (rather than set around it on the thread, so a loader sees all that changes what it does).
+
+    ``pending``: queue the reads there (``DeferredFills``) instead of reading at once: each leaf
+    of the States ``fill`` returns holds a ``jax.ShapeDtypeStruct`` until ``pending.run()``.
+    ``weights_dtype``: the storage dtype of the layers a denoiser's loader names (``fill``'s
+    ``low``), e.g. ``"float8_e4m3fn"``; upcast at use (``preheat.models.storage``). None: every
+    weight is placed in the compute dtype. Encoders and VAEs never pass ``low``, so it leaves them be.
+    ``weights_layers``: which layers: "layerwise" (diffusers' ``enable_layerwise_casting`` set)
+    or "linear" (its Linear layers inside norm modules too: ``storage.layerwise``).
+    """
+
+    pending: DeferredFills | None = None
+    weights_dtype: str | None = None
+    weights_layers: str = "layerwise"
 
 
-def after_reads(job: Callable[[], None]) -> None:
-    """Run ``job`` once the weights ``fill`` was given so far are read: at once, or inside
-    ``deferred_fills()`` queued after their reads (e.g. moving an encoder's weights to the host)."""
-    pending = getattr(_DEFER, "pending", None)
-    if pending is not None:
-        pending.jobs.append(job)
+DEFAULT_OPTIONS = LoadOptions()
+
+
+def after_reads(job: Callable[[], None], options: LoadOptions | None = None) -> None:
+    """Run ``job`` once the weights ``fill`` was given so far are read: at once, or, with
+    ``options.pending``, queued after their reads (e.g. moving an encoder's weights to the host)."""
+    if options is not None and options.pending is not None:
+        options.pending.jobs.append(job)
     else:
         job()
 
@@ -501,7 +506,8 @@ def after_reads(job: Callable[[], None]) -> None:
 def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, source: str, *,
          key_fn: Callable[[tuple[Any, ...]], str] = torch_key,
          ignore: Callable[[str], bool] | None = None,
-         dtype_for: Callable[[str], Any] | None = None) -> nnx.State:
+         dtype_for: Callable[[str], Any] | None = None, options: LoadOptions | None = None,
+         low: Callable[[str], bool] | None = None) -> nnx.State:
     """Fill ``abstract`` from ``tensors``; every problem is listed in one ``WeightsError``.
 
     ``tensors``: a ``Checkpoint`` (from ``read_tensors``: streamed, one tensor on the host at a
@@ -509,8 +515,11 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
     is read, so a bad checkpoint costs no I/O and nothing half-loaded is returned.
     ``ignore(key)``: checkpoint keys that may be present without a parameter (e.g. buffers such
     as transformers' ``position_ids``). ``dtype_for(key)``: a per-tensor dtype override.
-    Inside ``deferred_fills()`` the reads are queued (see there).
+    ``options.pending``: the reads are queued there (``LoadOptions``). ``low(key)``: the tensors
+    placed in ``options.weights_dtype`` when that is set (a denoiser's layerwise-cast weights).
     """
+    options = options or DEFAULT_OPTIONS
+    dtype_for = dtype_plan(abstract, dtype, key_fn=key_fn, dtype_for=dtype_for, options=options, low=low)
     flat, plan = _check(abstract, tensors, dtype, source, key_fn, ignore, dtype_for)
     # one placeholder Variable per leaf, its value set in place when its tensor is placed
     holders = {i: var.replace(jax.ShapeDtypeStruct(tuple(var.shape), want)) for i, _, var, _, _, want in plan}
@@ -526,12 +535,25 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
         record_load(replace(report, seconds=time.perf_counter() - t0, rss_before=before, peak_rss=peak,
                         rss_after=after, peak_exact=exact))
 
-    pending = getattr(_DEFER, "pending", None)
-    if pending is not None:
-        pending.jobs.append(job)
-    else:
-        job()
+    after_reads(job, options)
     return state
+
+
+def dtype_plan(abstract: nnx.State, dtype: Any, *, key_fn: Callable[[tuple[Any, ...]], str] = torch_key,
+               dtype_for: Callable[[str], Any] | None = None, options: LoadOptions | None = None,
+               low: Callable[[str], bool] | None = None) -> Callable[[str], Any] | None:
+    """``fill``'s per-key dtype: ``options.weights_dtype`` for the Linear/Conv/Embedding weights
+    (``kernel``/``embedding`` leaves) that ``low`` names, else ``dtype_for`` (or ``dtype``). What
+    a load would place is known from it and the abstract shapes alone (the fp8 memory benchmark)."""
+    if options is None or options.weights_dtype is None or low is None:
+        return dtype_for
+    stored, rest = jnp.dtype(options.weights_dtype), dtype_for
+    layers = {key_fn(path) for path, _ in nnx.to_flat_state(abstract) if str(path[-1]) in ("kernel", "embedding")}
+
+    def planned(key: str) -> Any:
+        return stored if key in layers and low(key) else (rest(key) if rest is not None else dtype)
+
+    return planned
 
 
 _Plan = list[tuple[int, tuple[Any, ...], Any, str, str, np.dtype]]
@@ -559,7 +581,7 @@ def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: 
         if shape != expected:
             problems.append(f"{key} has shape {shape}, expected {expected}")
             continue
-        if not np.issubdtype(src_dtype, np.floating) and src_dtype.name != "bfloat16":
+        if not jnp.issubdtype(src_dtype, jnp.floating):  # bf16 and fp8 (ml_dtypes) included
             problems.append(f"{key} has dtype {src_dtype}, expected a floating-point dtype")
             continue
         want = dtype_for(key) if dtype_for is not None else dtype

@@ -1,0 +1,135 @@
+"""fp8 weight storage: which layers of a denoiser are kept in fp8, and their upcast at use.
+
+    preheat.load(model, weights_dtype="float8_e4m3fn")
+
+The layers are the ones diffusers' ``enable_layerwise_casting(storage_dtype=float8_e4m3fn)``
+casts, so a model stored here matches diffusers' own fp8 storage: every Linear, Conv and
+Embedding weight, unless a module on its path matches one of the skip patterns (``re.search``
+on each dotted prefix of the module's name, as diffusers walks ``named_children``):
+
+    DEFAULT_SKIP   pos_embed, patch_embed, norm, ^proj_in$, ^proj_out$   (every model)
+    + the model's own ``_skip_layerwise_casting_patterns`` (``extra``)
+
+``^proj_in$`` and ``^proj_out$`` are anchored, so only the top-level projections stay at full
+precision; an attention block's inner ``proj_in``/``proj_out`` is cast. Biases stay in the
+compute dtype (diffusers casts them too; they are a rounding error of the bytes).
+
+``weights_layers="linear"`` (not the default) drops the ``norm`` pattern: the Linear layers
+inside norm modules -- Flux's and SD3's AdaLN modulation (``norm1.linear``, ``norm.linear``,
+``norm_out.linear``), a quarter of FLUX.1-dev's weights -- are stored in fp8 too, as the fp8
+single files deployers ship hold them. Norm weights themselves are never Linear, so stay.
+
+The weights are placed in fp8 by ``weights.fill`` (``LoadOptions.weights_dtype`` with ``low``)
+and stay so on the device; the model's ``apply`` calls ``upcast`` inside the jitted program, so
+each weight is converted to the compute dtype where it is used. A tensor already stored as
+``F8_E4M3`` is placed as it is (no cast on the host).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from preheat.errors import InvalidArgumentError, ModelFormatError
+
+__all__ = ["FLOAT8", "WEIGHTS_DTYPES", "DEFAULT_SKIP", "layerwise", "upcast", "is_low", "check_weights_dtype",
+           "stored_low", "placed_bytes"]
+
+FLOAT8 = "float8_e4m3fn"
+WEIGHTS_DTYPES = (FLOAT8,)  # what weights_dtype= takes
+WEIGHTS_LAYERS = ("layerwise", "linear")  # diffusers' layerwise-casting set; every Linear/Conv/Embedding
+DEFAULT_SKIP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")  # diffusers' DEFAULT_SKIP_MODULES_PATTERN
+_LOW = (jnp.dtype(jnp.float8_e4m3fn),)
+
+
+def layerwise(extra: Sequence[str] = (), options: Any = None) -> Callable[[str], bool]:
+    """``low(key)`` for ``weights.fill``: True for a weight (torch key ``<module>.weight``) whose
+    module no skip pattern matches on any prefix of its dotted name. ``fill`` asks only about the
+    weights of Linear, Conv and Embedding layers (its ``kernel`` and ``embedding`` leaves).
+    ``extra``: the model's own patterns; ``options.weights_layers == "linear"``: no ``norm`` pattern."""
+    skip = (*DEFAULT_SKIP, *extra)
+    if options is not None and options.weights_layers == "linear":
+        skip = tuple(p for p in skip if p != "norm")
+    patterns = [re.compile(p) for p in dict.fromkeys(skip)]
+
+    def low(key: str) -> bool:
+        module, _, leaf = key.rpartition(".")
+        if leaf != "weight" or not module:
+            return False
+        parts = module.split(".")
+        prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        return not any(p.search(prefix) for prefix in prefixes for p in patterns)
+
+    return low
+
+
+def is_low(dtype: Any) -> bool:
+    """Whether ``dtype`` is a storage dtype that ``upcast`` converts."""
+    return np.dtype(dtype) in _LOW
+
+
+def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
+    """``params`` with every fp8 leaf converted to ``dtype`` (the compute dtype); the rest as they
+    are. Called inside the jitted apply, so the device keeps fp8 and XLA places the converts.
+
+    ``tie``: a value of this step (the sample). Without it XLA's loop-invariant code motion hoists
+    every convert out of the sampling loop (seen in the compiled HLO on CPU), so a call would hold
+    a full-precision copy of every weight; an optimization barrier shared with ``tie`` makes the
+    weights a value of the step, so each is converted where it is used, step by step."""
+    if not any(is_low(leaf.dtype) for leaf in jax.tree.leaves(params)):
+        return params
+    if tie is not None:
+        params, _ = jax.lax.optimization_barrier((params, tie))
+    return jax.tree.map(lambda x: x.astype(dtype) if is_low(x.dtype) else x, params)
+
+
+def check_weights_dtype(weights_dtype: str, mesh: Any = None, weights_layers: str = "layerwise") -> None:
+    """A one-line error for a ``weights_dtype`` preheat does not store, or one the devices cannot
+    hold: a tiny array of it is placed on each device and upcast by a compiled program, as the
+    denoiser's weights will be (before any weight is read)."""
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise InvalidArgumentError(f"weights_dtype={weights_dtype!r} is not supported; use {', '.join(WEIGHTS_DTYPES)} "
+                                   "(or leave it out: the weights in dtype)", argument="weights_dtype")
+    if weights_layers not in WEIGHTS_LAYERS:
+        raise InvalidArgumentError(f"weights_layers={weights_layers!r} is not one of {', '.join(WEIGHTS_LAYERS)}",
+                                   argument="weights_layers")
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    for device in devices:
+        try:
+            probe = jax.device_put(np.zeros((2,), jnp.dtype(weights_dtype)), device)
+            jax.block_until_ready(jax.jit(lambda x: x.astype(jnp.float32) * 2)(probe))
+        except Exception as exc:  # the runtime's own refusal, whatever its type
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ModelFormatError(f"weights_dtype={weights_dtype}: device {device} ({device.platform}) cannot hold "
+                                   f"{weights_dtype} weights: {reason[:160]}") from None
+
+
+def stored_low(params: Any, weights_dtype: str, source: Any) -> None:
+    """A one-line error when a load asked for ``weights_dtype`` but no weight was stored in it
+    (a denoiser whose loader names no layers): never a silent full-precision load."""
+    want = jnp.dtype(weights_dtype)
+    if not any(np.dtype(leaf.dtype) == want for leaf in jax.tree.leaves(params)):
+        raise ModelFormatError(f"{source}: weights_dtype={weights_dtype} was asked for, but this model's denoiser "
+                               f"stores no layer in it")
+
+
+def placed_bytes(abstract: Any, dtype: Any, weights_dtype: str | None = None, extra: Sequence[str] = (),
+                 weights_layers: str = "layerwise") -> int:
+    """Device bytes a load of ``abstract`` (an abstract State, torch-keyed) would place: in
+    ``dtype``, or with ``weights_dtype`` for the layers ``layerwise(extra)`` names, by the same
+    plan ``weights.fill`` follows. Shapes only: nothing is read or allocated."""
+    from flax import nnx
+
+    from preheat.models.weights import LoadOptions, dtype_plan, torch_key
+
+    options = LoadOptions(weights_dtype=weights_dtype, weights_layers=weights_layers)
+    plan = dtype_plan(abstract, dtype, options=options, low=layerwise(extra, options))
+    total = 0
+    for path, var in nnx.to_flat_state(abstract):
+        want = jnp.dtype(plan(torch_key(path)) if plan is not None else dtype)
+        total += int(np.prod(var.shape, dtype=np.int64)) * want.itemsize
+    return total

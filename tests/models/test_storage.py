@@ -1,0 +1,211 @@
+"""fp8 weight storage (``weights_dtype="float8_e4m3fn"``) against diffusers' layerwise casting.
+
+Tiny random Flux-dev and SD 1.x folders written by diffusers, fp32 compute: the layers stored in
+fp8 are the ones ``enable_layerwise_casting`` casts (by name), the image matches diffusers' from
+the same latents, differs from the full-precision one, and a file stored as ``F8_E4M3`` loads
+without a cast. The full-size FLUX.1-dev transformer is measured abstractly (nothing allocated).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import preheat
+from preheat.errors import InvalidArgumentError, ModelFormatError
+from tests._support.flow_fixtures import reference_pipeline as flow_reference
+from tests._support.flow_fixtures import reference_pixels as flow_pixels
+from tests._support.flow_fixtures import save_tiny_flow_model
+from tests._support.sd_fixtures import reference_pipeline as sd_reference
+from tests._support.sd_fixtures import reference_pixels as sd_pixels
+from tests._support.sd_fixtures import save_tiny_sd
+
+FP8 = "float8_e4m3fn"
+MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
+CALLS = {"flux": dict(prompt="a watercolor fox", guidance=3.5), "sd": dict(prompt="a photo of a cat", guidance=5.0)}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fp8")
+    return {"flux": save_tiny_flow_model(base / "flux", "flux-dev"), "sd": save_tiny_sd(base / "sd", "sd1")}
+
+
+@pytest.fixture(scope="module")
+def pipes(folders):
+    return {(name, low): preheat.load(folder, cache="off", weights_dtype=FP8 if low else None)
+            for name, folder in folders.items() for low in (False, True)}
+
+
+def _noise(n: int = 1) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((n, 4, 16, 16)).astype(np.float32)
+
+
+def _reference(folders, name: str):
+    """diffusers' pipeline with its denoiser under ``enable_layerwise_casting`` (fp8 storage, fp32 compute)."""
+    import torch
+
+    ref = flow_reference(folders[name], "flow_euler") if name == "flux" else sd_reference(folders[name], "ddim")
+    denoiser = ref.transformer if name == "flux" else ref.unet
+    denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    return ref, denoiser
+
+
+def _ours(pipes, name: str, low: bool) -> np.ndarray:
+    call = CALLS[name]
+    return pipes[(name, low)].generate(call["prompt"], noise=_noise(), steps=3, guidance=call["guidance"],
+                                       sampler="flow_euler" if name == "flux" else "ddim", width=32, height=32)
+
+
+def _stored_low(params) -> set[str]:
+    """Module names (torch style) of the weights a pipeline holds in fp8."""
+    from flax import nnx
+
+    return {".".join(str(p) for p in path[:-1]) for path, var in nnx.to_flat_state(params)
+            if np.dtype(var.get_value().dtype) == np.dtype(FP8)}
+
+
+@pytest.mark.parametrize("name", ["flux", "sd"])
+def test_the_fp8_layers_are_the_ones_diffusers_casts(folders, pipes, name):
+    import torch
+
+    _, denoiser = _reference(folders, name)
+    theirs = {n for n, m in denoiser.named_modules()
+              if getattr(m, "weight", None) is not None and m.weight.dtype == torch.float8_e4m3fn}
+    ours = _stored_low(pipes[(name, True)].params)
+    assert ours == theirs and len(ours) > 5
+    top = {n.split(".")[0] for n in ours}
+    assert "proj_out" not in top and not any("norm" in n for n in ours)  # top-level proj_out and norms stay full
+    if name == "sd":  # the anchored patterns: an attention block's inner proj_in/proj_out is cast
+        assert {"down_blocks.0.attentions.0.proj_in", "down_blocks.0.attentions.0.proj_out"} <= ours
+
+
+@pytest.mark.parametrize("name", ["flux", "sd"])
+def test_fp8_matches_diffusers_layerwise_casting(folders, pipes, name):
+    ref, _ = _reference(folders, name)
+    call = CALLS[name]
+    pixels = flow_pixels if name == "flux" else sd_pixels
+    size = {} if name == "flux" else dict(height=32, width=32)
+    theirs = pixels(ref, call["prompt"], _noise(), num_inference_steps=3, guidance_scale=call["guidance"], **size)
+    ours = _ours(pipes, name, True)
+    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    print(f"{name} fp8: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= MEAN_TOL and ours.std() > 5
+    full = _ours(pipes, name, False)  # the storage really is fp8: the image moves
+    moved = np.abs(full.astype(np.int32) - ours.astype(np.int32)).mean()
+    print(f"{name} fp8 vs full precision: mean |Δpx| {moved:.4f}")
+    assert moved > 2 * diff.mean() and moved > 0.1
+
+
+def test_fp8_is_part_of_the_compile_key(pipes):
+    from preheat.cache.compile import key_fields, key_of
+
+    full, low = pipes[("sd", False)], pipes[("sd", True)]
+    assert low.fingerprint == {**full.fingerprint, "weights_dtype": FP8, "weights_layers": "layerwise"}
+    keys = []
+    for pipe in (full, low):
+        sig, args = pipe.prepare("a fox", steps=2, width=32, height=32)
+        keys.append(key_of(key_fields(pipe.fingerprint, sig, args)))
+    assert keys[0] != keys[1]
+
+
+def test_an_f8_e4m3_file_loads_as_it_is_stored(folders, pipes, tmp_path):
+    """A transformer file whose cast layers are stored F8_E4M3 (as fp8 checkpoints ship) places
+    those bytes unchanged, and draws the image of the fp32 folder loaded as fp8."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from preheat.models.storage import layerwise
+
+    folder = tmp_path / "flux-f8"
+    shutil.copytree(folders["flux"], folder)
+    path = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    low = layerwise(("pos_embed", "norm"))
+    tensors = {k: (v.to(torch.float8_e4m3fn) if v.ndim == 2 and low(k) else v) for k, v in load_file(path).items()}
+    save_file(tensors, path)
+    header = json.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])
+    stored = {k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F8_E4M3"}
+    pipe = preheat.load(folder, cache="off", weights_dtype=FP8)
+    assert {f"{m}.weight" for m in _stored_low(pipe.params)} == stored and stored
+    read, placed = pipe.load_report.parts[-2].bytes_read, pipe.load_report.parts[-2].placed_bytes
+    assert "transformer" in pipe.load_report.parts[-2].source and read == placed  # no cast on the way
+    from flax import nnx
+
+    values = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(pipe.params)}
+    key = sorted(stored)[0]
+    np.testing.assert_array_equal(np.asarray(values[key[:-len("weight")] + "kernel"]).T.view(np.uint8),
+                                  tensors[key].view(torch.uint8).numpy())
+    np.testing.assert_array_equal(_ours({("flux", True): pipe}, "flux", True), _ours(pipes, "flux", True))
+
+
+def test_a_full_size_flux_dev_places_at_most_055_of_its_bf16_bytes():
+    """FLUX.1-dev's published transformer config, built abstractly: the bytes each load would place."""
+    import jax.numpy as jnp
+
+    from preheat.models.flux import FluxTransformerConfig, build_abstract
+    from preheat.models.storage import placed_bytes
+
+    config = FluxTransformerConfig.from_dict(
+        {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+         "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
+         "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}, "FLUX.1-dev")
+    _, abstract = build_abstract(config)
+    bf16 = placed_bytes(abstract, jnp.bfloat16)
+    layerwise = placed_bytes(abstract, jnp.bfloat16, FP8, ("pos_embed", "norm"))
+    linear = placed_bytes(abstract, jnp.bfloat16, FP8, ("pos_embed", "norm"), weights_layers="linear")
+    print(f"FLUX.1-dev transformer: bf16 {bf16 / 1e9:.2f} GB, fp8 layerwise {layerwise / 1e9:.2f} GB "
+          f"({layerwise / bf16:.3f}x), fp8 linear {linear / 1e9:.2f} GB ({linear / bf16:.3f}x)")
+    assert 23.0 < bf16 / 1e9 < 24.5  # 11.9 B parameters
+    # diffusers' set keeps the AdaLN modulation ("norm*.linear", a quarter of the weights) in bf16
+    assert 0.6 < layerwise / bf16 < 0.65
+    assert linear <= 0.55 * bf16
+
+
+def test_weights_layers_linear_stores_the_modulation_layers_too(folders):
+    pipe = preheat.load(folders["flux"], cache="off", weights_dtype=FP8, weights_layers="linear")
+    low = _stored_low(pipe.params)
+    assert {"transformer_blocks.0.norm1.linear", "single_transformer_blocks.0.norm.linear", "norm_out.linear"} <= low
+    assert "proj_out" not in low and pipe.fingerprint["weights_layers"] == "linear"
+
+
+def test_bad_fp8_requests_are_one_line(folders, monkeypatch):
+    with pytest.raises(InvalidArgumentError, match="weights_dtype='float8_e5m3'") as bad:
+        preheat.load(None, weights_dtype="float8_e5m3", cache="off")
+    assert bad.value.argument == "weights_dtype"
+    with pytest.raises(InvalidArgumentError, match="backend='jax'"):
+        preheat.load(folders["sd"], backend="torch", weights_dtype=FP8)
+    import jax
+
+    def refuse(x, *args, **kwargs):  # a runtime without fp8 buffers refuses the transfer
+        if np.dtype(getattr(x, "dtype", np.float32)) == np.dtype(FP8):
+            raise jax.errors.JaxRuntimeError("UNIMPLEMENTED: float8_e4m3fn buffers are not supported")
+        return real(x, *args, **kwargs)
+
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", refuse)
+    with pytest.raises(ModelFormatError, match="cannot hold float8_e4m3fn weights: UNIMPLEMENTED") as exc:
+        preheat.load(None, weights_dtype=FP8, cache="off")
+    assert "\n" not in str(exc.value)
+
+
+def test_the_upcast_runs_inside_the_sampling_loop():
+    """The compiled program converts each fp8 weight inside the loop's body (per step, where it is
+    used), not once before the loop, which would hold a full-precision copy of every weight."""
+    import re
+
+    import jax
+
+    from preheat.engine import build_program
+
+    pipe = preheat.load(None, weights_dtype=FP8, cache="off")
+    sig, args = pipe.prepare(2, steps=4)
+    hlo = jax.jit(build_program(sig, pipe.apply)).lower(*args).compile().as_text()
+    bodies = {m.group(1) for m in re.finditer(r" while\(.*?body=(%[\w.\-]+)", hlo)}
+    comps = {c.split(" ", 1)[0]: c for c in re.split(r"\n(?=%)", hlo) if c.startswith("%")}
+    called = {m.group(1) for name in bodies for m in re.finditer(r"calls=(%[\w.\-]+)", comps.get(name, ""))}
+    fp8_reads = [name for name in called if "f8e4m3fn" in comps.get(name, "").split("\n", 1)[0]]
+    assert bodies and len(fp8_reads) > 10, (bodies, len(fp8_reads))
