@@ -203,7 +203,7 @@ def train_unet(config: TextDigitsConfig, latents: np.ndarray, labels: np.ndarray
 def train_text_digits(out: str | Path, config: TextDigitsConfig = TextDigitsConfig(),
                       log: Callable[[str], None] = print) -> Path:
     """Train every component and write the pipeline folder at ``out`` (see the module docstring)."""
-    from preheat.bench.random_models import BOS, EOS, bpe_vocab, write_clip_tokenizer
+    from preheat.models.bpe_files import BOS, EOS, bpe_vocab, write_clip_tokenizer
 
     out = Path(out)
     ink, labels = digit_images()
