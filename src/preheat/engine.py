@@ -73,6 +73,11 @@ def model_root(model: Any, variant: str | None = None) -> Path:
         if name not in BUILTIN_MODELS:
             raise InvalidArgumentError(f"unknown built-in model {text!r}; choose from "
                                        f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)}", argument="model")
+        if not (BUILTIN_MODELS[name] / "model_index.json").is_file():
+            from preheat.errors import ModelNotFoundError
+
+            raise ModelNotFoundError(f"{text} is not installed ({BUILTIN_MODELS[name]}); "
+                                     f"`preheat train-{name} --out DIR` trains it, then pass DIR")
         return BUILTIN_MODELS[name]
     from preheat.store import resolve
 

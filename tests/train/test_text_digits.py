@@ -22,6 +22,13 @@ FOLDER = BUILTIN_MODELS["text-digits"]
 NAMES = "zero one two three four five six seven eight nine".split()
 
 
+# Shipped only if the classifier gate passes (issue 32): until the folder is in the package, the
+# tests of the shipped model have nothing to test and say so; the trainer's test always runs.
+shipped = pytest.mark.skipif(not (FOLDER / "model_index.json").is_file(),
+                             reason="builtin:text-digits is not shipped: `preheat train-text-digits --out "
+                                    "src/preheat/assets/text_digits` trains it and scores it")
+
+
 @pytest.fixture(scope="module")
 def pipe():
     return preheat.load("builtin:text-digits", cache="off")
@@ -33,6 +40,7 @@ def _digits_8x8(images: np.ndarray) -> np.ndarray:
     return grey.reshape(len(grey), 8, 2, 8, 2).mean((2, 4)).reshape(len(grey), 64) * 16.0
 
 
+@shipped
 def test_ships_in_the_package_as_a_stable_diffusion_folder_under_10_mb():
     files = [p for p in FOLDER.rglob("*") if p.is_file()]
     names = {p.relative_to(FOLDER).as_posix() for p in files}
@@ -46,6 +54,7 @@ def test_ships_in_the_package_as_a_stable_diffusion_folder_under_10_mb():
     assert "preheat train-text-digits" in card and "load_digits" in card and "frozen" in card
 
 
+@shipped
 def test_an_independent_classifier_reads_the_prompted_digit_in_90_of_100_samples(pipe):
     """The ship gate: an SVC trained on the real 8x8 digits, 100 samples over the 10 digits
     ("a 7" and "a seven" alike), fixed seeds."""
@@ -65,12 +74,14 @@ def test_an_independent_classifier_reads_the_prompted_digit_in_90_of_100_samples
     assert claimed and abs(int(claimed.group(1)) / 100 - agreement) <= 0.05  # the card says what is measured
 
 
+@shipped
 def test_bold_draws_more_ink_than_plain_and_thin_less(pipe):
     ink = {style: pipe.generate([f"a {style} {d}".replace("  ", " ") for d in range(10)], seed=3).mean()
            for style in ("bold", "", "thin")}
     assert ink["bold"] > ink[""] > ink["thin"], ink
 
 
+@shipped
 def test_diffusers_loads_it_and_draws_the_same_pixels(pipe):
     import torch
     from diffusers import StableDiffusionPipeline

@@ -29,7 +29,7 @@ def train_digits_command(out: Path, steps: int, batch: int, seed: int, lr: float
 @click.command("train-text-digits")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--vae-steps", default=400, show_default=True, type=click.IntRange(min=1))
-@click.option("--unet-steps", default=3000, show_default=True, type=click.IntRange(min=1))
+@click.option("--unet-steps", default=1000, show_default=True, type=click.IntRange(min=1))
 @click.option("--batch", default=32, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**31 - 4))
 @click.option("--lr", default=2e-3, show_default=True, type=click.FloatRange(min=0, min_open=True))

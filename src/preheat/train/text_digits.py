@@ -67,7 +67,7 @@ class TextDigitsConfig(NamedTuple):
     """What a run trains; ``TINY`` is a few-step run for tests of the command."""
 
     vae_steps: int = 400
-    unet_steps: int = 3000
+    unet_steps: int = 1000
     batch: int = 32
     seed: int = 0
     lr: float = 2e-3
