@@ -57,10 +57,36 @@ from preheat.samplers import (Plan, SchedulerConfig, SolverSpec, Start, load_sch
                               run)
 from preheat.timings import Phases, Timings, now_s
 
-__all__ = ["Pipeline", "load_jax_pipeline", "BUILTIN_MODEL", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
+__all__ = ["Pipeline", "load_jax_pipeline", "BUILTIN_MODEL", "BUILTIN_MODELS", "model_root", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
            "build_program", "make_compiler"]
 
 BUILTIN_MODEL = Path(__file__).parent / "assets" / "digits"
+# ``builtin:NAME``: the models shipped in the package (trained by ``preheat train-digits`` and
+# ``preheat train-text-digits``); no name at all is the digits one.
+BUILTIN_MODELS = {"digits": BUILTIN_MODEL, "text-digits": Path(__file__).parent / "assets" / "text_digits"}
+BUILTIN_PREFIX = "builtin:"
+
+
+def model_root(model: Any, variant: str | None = None) -> Path:
+    """The local folder of a model argument: None and ``builtin:NAME`` are the shipped models; a
+    folder as it is; http(s):// and hf:// sources from the weights store (pulled once)."""
+    if model is None:
+        return BUILTIN_MODEL
+    text = str(model)
+    if text.startswith(BUILTIN_PREFIX):
+        name = text[len(BUILTIN_PREFIX):]
+        if name not in BUILTIN_MODELS:
+            raise InvalidArgumentError(f"unknown built-in model {text!r}; choose from "
+                                       f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)}", argument="model")
+        if not (BUILTIN_MODELS[name] / "model_index.json").is_file():
+            from preheat.errors import ModelNotFoundError
+
+            raise ModelNotFoundError(f"{text} is not installed ({BUILTIN_MODELS[name]}); "
+                                     f"`preheat train-{name} --out DIR` trains it, then pass DIR")
+        return BUILTIN_MODELS[name]
+    from preheat.store import resolve
+
+    return resolve(text, variant=variant)
 
 Denoiser = Callable[[Any, jax.Array, jax.Array, Any], jax.Array]
 """``fn(params, x, t, cond) -> prediction``: x (B, *sample_shape), t (B,) float32, cond a pytree
@@ -505,8 +531,7 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     from preheat.models.weights import DeferredFills, LoadOptions, recording
     from preheat.store import resolve
 
-    # A local folder as it is; http(s):// and hf:// sources from the weights store (pulled once).
-    root = BUILTIN_MODEL if model is None else resolve(str(model), variant=variant)  # hf://: that variant only
+    root = model_root(model, variant)  # hf://: that variant only
     if config is not None:
         from preheat.cache.root import resolve_root
         from preheat.models.single_file import materialize

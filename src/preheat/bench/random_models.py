@@ -23,7 +23,6 @@ SentencePiece-style Unigram written here with ``tokenizers`` (ids far below T5's
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -33,7 +32,8 @@ __all__ = ["RANDOM_MODELS", "materialize_model", "RandomModel", "random_name", "
            "save_random_sd_small", "save_random_flux", "save_random_flux_tiny", "save_random_sd1_tiny",
            "save_random_sdxl_tiny", "save_random_sd3_tiny", "TEXT_ARCHITECTURES"]
 
-BOS, EOS = "<|startoftext|>", "<|endoftext|>"
+from preheat.models import bpe_files
+from preheat.models.bpe_files import BOS, EOS, bpe_vocab, bytes_to_unicode  # noqa: F401 (re-exported)
 _WORDS = ("a photo of the cat dog fox watercolor painting portrait city night forest red blue green "
           "astronaut riding horse blurry low quality high detailed").split()
 
@@ -167,56 +167,9 @@ def build_random(name: str, out: Path) -> Path:
     return out
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """CLIP's (GPT-2's) byte -> printable unicode character table, in CLIP's vocab order."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
-@lru_cache(maxsize=8)
-def bpe_vocab(words: tuple[str, ...]) -> tuple[dict[str, int], tuple[str, ...]]:
-    """A CLIP-style byte-level BPE vocab: 256 bytes, the same with ``</w>``, merges that make each
-    of ``words`` one token, then ``<|startoftext|>`` and ``<|endoftext|>`` (the last ids, as in CLIP)."""
-    table = bytes_to_unicode()
-    vocab: dict[str, int] = {}
-    for c in table.values():
-        vocab[c] = len(vocab)
-    for c in table.values():
-        vocab[c + "</w>"] = len(vocab)
-    merges: list[str] = []
-    for word in words:
-        symbols = [table[b] for b in word.encode("utf-8")]
-        symbols[-1] += "</w>"
-        left = symbols[0]
-        for right in symbols[1:]:
-            if left + right not in vocab:
-                vocab[left + right] = len(vocab)
-                merges.append(f"{left} {right}")
-            left = left + right
-    vocab[BOS] = len(vocab)
-    vocab[EOS] = len(vocab)
-    return vocab, tuple(merges)
-
-
 def write_clip_tokenizer(directory: Path, words: tuple[str, ...] = tuple(_WORDS), pad_token: str = EOS) -> Path:
-    """The four tokenizer files published diffusers folders hold."""
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab, merges = bpe_vocab(words)
-    (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-    (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
-    (directory / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "pad_token": pad_token, "unk_token": EOS}))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "pad_token": pad_token, "unk_token": EOS, "do_lower_case": True,
-         "model_max_length": 77, "tokenizer_class": "CLIPTokenizer", "errors": "replace"}))
-    return directory
+    """The four tokenizer files published diffusers folders hold (``bpe_files``), over the benchmark's words."""
+    return bpe_files.write_clip_tokenizer(directory, words, pad_token)
 
 
 def save_random_sd15(out: Path, seed: int = 0) -> Path:

@@ -6,7 +6,7 @@ traceback, never a partial output file.
 
     preheat.cli           the ``preheat`` group and its global options (``main``: the console script)
     preheat.cli.sample    ``preheat sample``
-    preheat.cli.train     ``preheat train-digits``
+    preheat.cli.train     ``preheat train-digits``, ``preheat train-text-digits``
     preheat.cli.pull      ``preheat pull``
     preheat.cli.cache     ``preheat cache ls | info | verify | explain | prune | clear``
     preheat.cli.doctor    ``preheat doctor``
@@ -31,7 +31,7 @@ from preheat.cli.doctor import doctor_command
 from preheat.cli.pull import pull_command
 from preheat.cli.sample import sample
 from preheat.cli.serve import serve_command
-from preheat.cli.train import train_digits_command
+from preheat.cli.train import train_digits_command, train_text_digits_command
 from preheat.cli.warm import warm_command
 
 __all__ = ["main"]
@@ -81,6 +81,7 @@ def main(cache_url: str | None, trust_remote_cache: bool) -> None:
 
 main.add_command(sample, "sample")
 main.add_command(train_digits_command, "train-digits")
+main.add_command(train_text_digits_command, "train-text-digits")
 main.add_command(doctor_command, "doctor")
 main.add_command(cache_group, "cache")
 main.add_command(pull_command, "pull")

@@ -30,7 +30,7 @@ from preheat.models.unet2d import UNet2DConfig, UNet2DModule
 from preheat.models.weights import (DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, to_torch_layout,
                                     torch_key, weight_files)
 
-__all__ = ["LoadedUNet2D", "load_unet", "resolve_unet_dir", "read_unet_config", "build_abstract", "torch_key"]
+__all__ = ["LoadedUNet2D", "load_unet", "save_unet", "save_weights", "save_component", "resolve_unet_dir", "read_unet_config", "build_abstract", "torch_key"]
 
 WEIGHTS_NAME = f"{DIFFUSERS_STEM}.safetensors"
 
@@ -98,22 +98,37 @@ def load_unet(path: str | Path, dtype: Any = jnp.float32, variant: str | None = 
     return LoadedUNet2D(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 
-def save_unet(config: UNet2DConfig, params: nnx.State, directory: str | Path, dtype: Any = np.float32) -> Path:
-    """Write a diffusers-format UNet folder (config.json + safetensors) that torch diffusers loads."""
+def save_weights(params: nnx.State, path: str | Path, dtype: Any = np.float32) -> Path:
+    """One safetensors file of ``params`` under torch's key names and layouts (the checkpoint
+    diffusers or transformers reads for the module these parameter paths mirror)."""
     from safetensors.numpy import save_file
 
     from preheat.files import atomic_write_bytes
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {
-        torch_key(path): np.ascontiguousarray(to_torch_layout(np.asarray(var.get_value(), dtype=dtype), str(path[-1])))
-        for path, var in nnx.to_flat_state(params)
+        torch_key(key): np.ascontiguousarray(to_torch_layout(np.asarray(var.get_value(), dtype=dtype), str(key[-1])))
+        for key, var in nnx.to_flat_state(params)
     }
-    tmp = directory / f".{WEIGHTS_NAME}.tmp"
+    tmp = path.parent / f".{path.name}.tmp"
     save_file(tensors, str(tmp))
-    atomic_write_bytes(directory / WEIGHTS_NAME, tmp.read_bytes())
+    atomic_write_bytes(path, tmp.read_bytes())
     tmp.unlink()
-    raw = {"_class_name": "UNet2DModel", **config.to_dict()}
-    atomic_write_bytes(directory / "config.json", (json.dumps(raw, indent=2) + "\n").encode())
+    return path
+
+
+def save_component(params: nnx.State, directory: str | Path, config: dict[str, Any], *,
+                   weights_name: str = WEIGHTS_NAME, dtype: Any = np.float32) -> Path:
+    """A component folder: ``config.json`` (``config`` as given) + the weights file."""
+    from preheat.files import atomic_write_bytes
+
+    directory = Path(directory)
+    save_weights(params, directory / weights_name, dtype)
+    atomic_write_bytes(directory / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     return directory
+
+
+def save_unet(config: UNet2DConfig, params: nnx.State, directory: str | Path, dtype: Any = np.float32) -> Path:
+    """Write a diffusers-format UNet folder (config.json + safetensors) that torch diffusers loads."""
+    return save_component(params, directory, {"_class_name": "UNet2DModel", **config.to_dict()}, dtype=dtype)

@@ -48,7 +48,7 @@ from preheat.backends.torch.compile_cache import TorchCompiler, make_compiler, t
 from preheat.backends.torch.sampling import make_scheduler, sample_loop
 from preheat.backends.torch.arguments import EngineArguments
 from preheat.families.base import Request
-from preheat.engine import BUILTIN_MODEL
+from preheat.engine import model_root
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families.pixel import PIXEL
 from preheat.models.folders import class_count, image_size, pipeline_extras, resolve_unet_dir
@@ -292,10 +292,7 @@ def load_torch_pipeline(model: str | Path | None = None, *, compile: str = "none
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     compiler = make_compiler(cache) if compile != "none" else None
 
-    from preheat.store import resolve
-
-    # As preheat.load: a local folder as it is; http(s):// and hf:// sources from the weights store.
-    root = BUILTIN_MODEL if model is None else resolve(str(model))
+    root = model_root(model)  # as preheat.load: builtin:NAME, a folder, or a store source
     from preheat.families import class_name_of
 
     class_name = class_name_of(root)
