@@ -81,6 +81,8 @@ class Signature:
     conditioning: tuple[str, ...]  # the names of the conditioning leaves ((), ("class_labels",), ...)
     pixels: bool  # the program ends with the conversion to uint8
     lora: tuple[int, int] | None = None  # (rank bucket, adapter slots); None: the program without LoRA
+    # each conditioning leaf's shape past the batch: a Kontext reference image's latent size selects a program
+    cond_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def output(self) -> jax.ShapeDtypeStruct:
@@ -271,6 +273,7 @@ class Pipeline:
             uncond = {**uncond, "lora_index": request.lora.index} if request.guided else uncond
             sig = dataclasses.replace(sig, lora=request.lora.signature, conditioning=tuple(sorted(cond)))
             self.components.setdefault("lora_buckets", set()).add(request.lora.bucket)
+        sig = dataclasses.replace(sig, cond_shapes=tuple(tuple(np.shape(c)[1:]) for c in jax.tree.leaves(cond)))
         args = (params, plan, request.seeds, cond, uncond, np.float32(request.guidance), noise)
         return sig, args
 

@@ -19,12 +19,13 @@ from tests._support.t5_fixtures import save_tiny_t5_encoder, save_tiny_t5_tokeni
 from tests._support.text_fixtures import save_tiny_clip, save_tiny_tokenizer
 from tests._support.vae_fixtures import save_tiny_vae
 
-KINDS = ("flux-schnell", "flux-dev", "sd3")
+KINDS = ("flux-schnell", "flux-dev", "flux-kontext", "sd3")
 FLUX_SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
                   "num_train_timesteps": 1000}
 SCHEDULERS = {
     "flux-schnell": {**FLUX_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False},
     "flux-dev": {**FLUX_SCHEDULER, "shift": 3.0, "use_dynamic_shifting": True},
+    "flux-kontext": {**FLUX_SCHEDULER, "shift": 3.0, "use_dynamic_shifting": True},
     "sd3": {"num_train_timesteps": 1000, "shift": 3.0},
 }
 # the latent statistics of the published 16-channel VAEs (FLUX.1: 0.3611 / 0.1159; SD3: 1.5305 / 0.0609)
@@ -33,11 +34,11 @@ VAE_STATS = {"flux": dict(scaling_factor=0.3611, shift_factor=0.1159),
 
 
 def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: int = 0, t5: bool = True) -> Path:
-    """A whole tiny pipeline folder of ``kind`` ("flux-schnell", "flux-dev", "sd3"; ``t5=False``: an
-    SD3 folder without its third encoder)."""
+    """A whole tiny pipeline folder of ``kind`` ("flux-schnell", "flux-dev", "flux-kontext": a
+    ``FluxKontextPipeline``, "sd3"; ``t5=False``: an SD3 folder without its third encoder)."""
     import torch
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
-                           SD3Transformer2DModel, StableDiffusion3Pipeline)
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline,
+                           FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline)
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
     directory = Path(directory)
@@ -56,9 +57,9 @@ def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: in
         transformer = FluxTransformer2DModel(
             patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
-            guidance_embeds=kind == "flux-dev")
+            guidance_embeds=kind != "flux-schnell")
         _perturb(transformer)
-        pipe = FluxPipeline(
+        pipe = (FluxKontextPipeline if kind == "flux-kontext" else FluxPipeline)(
             scheduler=scheduler, vae=AutoencoderKL.from_pretrained(parts / "vae"),
             text_encoder=CLIPTextModel.from_pretrained(parts / "te"),
             tokenizer=CLIPTokenizer.from_pretrained(str(parts / "tok")),
@@ -121,7 +122,7 @@ def reference_pixels(pipe: Any, prompt: Any, noise: np.ndarray, **kwargs: Any) -
     import torch
 
     latents = torch.from_numpy(noise)
-    if type(pipe).__name__ == "FluxPipeline":
+    if type(pipe).__name__.startswith("Flux"):
         b, c, h, w = latents.shape
         latents = pipe._pack_latents(latents, b, c, h, w)
     with torch.no_grad():

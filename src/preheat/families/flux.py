@@ -175,8 +175,9 @@ def bfl_lora_names(layers: Mapping[str, tuple[int, int]]) -> dict[str, tuple[tup
 
 
 def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
-              offload_encoders: bool = False) -> LoadedModel:
-    """A ``FluxPipeline`` folder (FLUX.1-schnell, FLUX.1-dev and fine-tunes of them)."""
+              offload_encoders: bool = False, family: FluxFamily = FLUX) -> LoadedModel:
+    """A ``FluxPipeline`` folder (FLUX.1-schnell, FLUX.1-dev and fine-tunes of them); ``family``:
+    a Flux-derived family whose folders hold the same parts (``families.kontext``)."""
     import jax.numpy as jnp
 
     from preheat.lora import LoraTargets
@@ -223,14 +224,20 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
         params, lora = split_adapters(params, cond)
         b, h, w, _ = x.shape  # (B, h, w, C) latents; h, w even (size_multiple)
-        tokens = pack_latents(x)  # (B, hw/4, 4C)
+        tokens = pack_latents(x)  # (B, S, 4C), S = hw/4
+        ids = latent_image_ids(h, w)  # (S, 3)
+        reference = cond.get("image_latents")  # Kontext: (B, rh, rw, C), the encoded reference image
+        if reference is not None:  # its tokens sit after the noise tokens, ids [1, row, col]
+            rh, rw = reference.shape[1:3]
+            tokens = jnp.concatenate([tokens, pack_latents(reference.astype(x.dtype))], axis=1)  # (B, S + R, 4C)
+            ids = np.concatenate([ids, latent_image_ids(rh, rw, index=1)])  # (S + R, 3)
         txt_ids = jnp.zeros((cond["context"].shape[1], 3), jnp.float32)  # FluxPipeline's text ids are zeros
         out = transformer.apply(params, tokens, cond["context"].astype(x.dtype), cond["pooled"].astype(x.dtype),
-                                t / 1000, latent_image_ids(h, w), txt_ids, cond.get("guidance"), lora)
-        return unpack_latents(out, h, w)  # (B, h, w, C)
+                                t / 1000, ids, txt_ids, cond.get("guidance"), lora)
+        return unpack_latents(out[:, :(h // 2) * (w // 2)], h, w)  # (B, h, w, C): the noise tokens' velocity
 
     # LoRA: every Linear of the transformer and of the CLIP encoder takes an adapter (preheat.lora)
-    targets = LoraTargets(family=FLUX.name,
+    targets = LoraTargets(family=family.name,
                           layers={"denoiser": lora_targets(transformer.graphdef, transformer.params),
                                   "text_encoder": lora_targets(encoders[0].graphdef, encoders[0].params)},
                           prefixes={"transformer": "denoiser", "lora_transformer": "denoiser",
@@ -256,8 +263,8 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     }
     defaults = {**default_sampler(root), **flux_defaults(guidance_embeds)}
     # diffusers' FluxPipeline: default_sample_size 128 latents per side (1024 px with an 8x VAE)
-    fingerprint = {"kind": "flux-transformer", "family": FLUX.name, "config": cfg.architecture_dict()}
+    fingerprint = {"kind": "flux-transformer", "family": family.name, "config": cfg.architecture_dict()}
     return LoadedModel(apply=apply, params=transformer.params, sample_shape=(128, 128, latent_channels),
-                       scheduler_config=sched, fingerprint=fingerprint, family=FLUX, defaults=defaults,
+                       scheduler_config=sched, fingerprint=fingerprint, family=family, defaults=defaults,
                        dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)
 
