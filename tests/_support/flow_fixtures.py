@@ -93,6 +93,15 @@ def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: in
     return directory
 
 
+def picture(width: int, height: int, seed: int = 0) -> np.ndarray:
+    """A smooth uint8 (H, W, 3) picture to start from or edit: gradients, a wave and a little noise
+    (a VAE sees structure, not white noise)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.stack([x / width, y / height, 0.5 + 0.5 * np.sin((x + y) / 5)], axis=-1) * 255
+    return np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+
+
 def _perturb(model: Any, scale: float = 0.05) -> None:
     """Noise on every weight: zero-initialised AdaLN and output layers would hide a mapping bug."""
     import torch

@@ -10,7 +10,7 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError
-from tests._support.flow_fixtures import reference_pipeline, reference_pixels, save_tiny_flow_model
+from tests._support.flow_fixtures import picture, reference_pipeline, reference_pixels, save_tiny_flow_model
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 MAX_TOL = 8
@@ -29,14 +29,6 @@ def pipe(folder):
 @pytest.fixture(scope="module")
 def reference(folder):
     return reference_pipeline(folder)
-
-
-def picture(width: int, height: int, seed: int = 0) -> np.ndarray:
-    """A smooth uint8 (H, W, 3) test picture: gradients plus a little noise (a VAE sees structure)."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    base = np.stack([x / width, y / height, 0.5 + 0.5 * np.sin((x + y) / 5)], axis=-1) * 255
-    return np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
 
 
 def _noise(n: int, h: int, w: int, seed: int = 0) -> np.ndarray:
@@ -149,3 +141,14 @@ def test_bad_input_is_one_line(pipe, kwargs, argument, needle):
         pipe.check("x", steps=2, **call)
     assert err.value.argument == argument and needle in str(err.value)
     assert len(str(err.value).splitlines()) == 1
+
+
+def test_torch_backend_draws_the_same_images(folder, pipe):
+    """backend="torch" runs diffusers' FluxKontextPipeline on the reference preheat resized and the same seeds."""
+    torch_pipe = preheat.load(folder, backend="torch")
+    assert torch_pipe.defaults == pipe.defaults and torch_pipe.family is pipe.family
+    call = dict(image=picture(50, 34, seed=2), image_resize="none", steps=3, seed=[4, 5], guidance=3.0)
+    theirs = torch_pipe.generate(["a red fox", "a cat"], **call)
+    ours = pipe.generate(["a red fox", "a cat"], **call)
+    assert ours.shape == (2, 32, 48, 3)
+    _compare(ours, theirs)
