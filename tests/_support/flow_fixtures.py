@@ -33,9 +33,14 @@ VAE_STATS = {"flux": dict(scaling_factor=0.3611, shift_factor=0.1159),
              "sd3": dict(scaling_factor=1.5305, shift_factor=0.0609)}
 
 
-def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: int = 0, t5: bool = True) -> Path:
+def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: int = 0, t5: bool = True,
+                         quiet_posterior: bool = False) -> Path:
     """A whole tiny pipeline folder of ``kind`` ("flux-schnell", "flux-dev", "flux-kontext": a
-    ``FluxKontextPipeline``, "sd3"; ``t5=False``: an SD3 folder without its third encoder)."""
+    ``FluxKontextPipeline``, "sd3"; ``t5=False``: an SD3 folder without its third encoder).
+
+    ``quiet_posterior``: the VAE posterior's variance is negligible (the encoder's logvar half:
+    weight 0, bias -30, so std = e^-15), so that diffusers' img2img, which samples it with its
+    generator, and preheat, with its seeds, both give the mean; how either samples is unchanged."""
     import torch
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline,
                            FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline)
@@ -47,6 +52,8 @@ def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: in
     vae_overrides = dict(latent_channels=4, use_quant_conv=False, use_post_quant_conv=False,
                          **VAE_STATS["flux" if flux else "sd3"])
     save_tiny_vae(parts / "vae", seed=seed, **vae_overrides)
+    if quiet_posterior:
+        _quiet_posterior(parts / "vae")
     save_tiny_tokenizer(parts / "tok")
     save_tiny_t5_tokenizer(parts / "tok_t5", layout="hub")
     scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULERS[kind])
@@ -100,6 +107,33 @@ def picture(width: int, height: int, seed: int = 0) -> np.ndarray:
     y, x = np.mgrid[0:height, 0:width].astype(np.float32)
     base = np.stack([x / width, y / height, 0.5 + 0.5 * np.sin((x + y) / 5)], axis=-1) * 255
     return np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+
+
+def _quiet_posterior(folder: Path) -> None:
+    import torch
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(folder)
+    half = vae.config.latent_channels
+    moments = vae.quant_conv if vae.quant_conv is not None else vae.encoder.conv_out  # -> (mean, logvar)
+    with torch.no_grad():
+        moments.weight[half:] = 0.0
+        moments.bias[half:] = -30.0
+    vae.save_pretrained(folder)
+
+
+def replayed_noise(shape: tuple[int, ...], seeds: Any, draws_before: int = 1) -> np.ndarray:
+    """The ε (n, C, h, w) diffusers' img2img draws from one generator per seed after
+    ``draws_before`` draws of ``shape`` (1: the image's posterior sample)."""
+    import torch
+
+    out = []
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(int(seed))
+        for _ in range(draws_before):
+            torch.randn(shape, generator=gen)
+        out.append(torch.randn(shape, generator=gen).numpy())
+    return np.concatenate(out) if out else np.zeros((0, *shape[1:]), np.float32)
 
 
 def _perturb(model: Any, scale: float = 0.05) -> None:

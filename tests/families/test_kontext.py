@@ -10,6 +10,7 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError
+from preheat.families.image import pixels
 from tests._support.flow_fixtures import picture, reference_pipeline, reference_pixels, save_tiny_flow_model
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
@@ -87,10 +88,12 @@ def test_preferred_resize_snaps_the_reference_as_diffusers(pipe, reference, imag
     finally:
         reference.vae.encode = vae_encode
     request = pipe.validate("x", image=image, width=32, height=32)
-    ours = request.values["image"]
-    theirs = np.round((seen["x"][0].transpose(1, 2, 0) + 1) / 2 * 255)
-    assert ours.shape == theirs.shape and ours.shape[:2][::-1] in pipe.family.served_sizes(pipe)
-    np.testing.assert_array_equal(ours, theirs.astype(np.uint8))
+    size = request.values["reference_size"]
+    assert size in pipe.family.served_sizes(pipe)
+    ours = pixels(request.values["image"], *size)  # what the encode_image stage gets, (H', W', 3) in [-1, 1]
+    theirs = seen["x"][0].transpose(1, 2, 0)
+    assert ours.shape == theirs.shape
+    np.testing.assert_allclose(ours, theirs, atol=1e-6)
     assert request.sample_shape == (16, 16, 4)  # the output is what was asked, whatever the reference's size
 
 

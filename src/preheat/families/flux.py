@@ -13,7 +13,10 @@
 
 Inputs: ``prompt`` feeds CLIP (the pooled vector), ``prompt_2`` feeds T5 (the context); an absent
 or empty ``prompt_2`` is ``prompt``, as diffusers. Both are data (token ids); width and height
-are static (one program per resolution).
+are static (one program per resolution). ``image`` and ``strength``: img2img as
+``FluxImg2ImgPipeline`` -- the image encoded (``encode_image`` stage), the loop begun at step
+``int(n - n strength)`` from ``scale_noise`` of it (``families.image``); strength and the image's
+content are data, its size static.
 
 Guidance: FLUX.1-dev is guidance-distilled -- the scale is an input of the transformer
 (``guidance_embeds``), so it is conditioning data: one branch, no recompile for a new scale.
@@ -34,7 +37,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from preheat.errors import UnsupportedConfigError
+from preheat.families import image as image_input
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
+from preheat.families.image import IMAGE, STRENGTH
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.text import PROMPT, TextToImageFamily, component, default_sampler, encode, offload
 from preheat.lora import encoder_adapters
@@ -43,6 +48,8 @@ from preheat.samplers import MU_SIGMAS_SAMPLERS
 __all__ = ["FluxFamily", "FLUX", "load_flux", "flux_defaults"]
 
 T5_LENGTH = 512  # FluxPipeline's max_sequence_length default
+PROMPT_2 = InputSpec("prompt_2", Text(), "The T5 encoder's prompt (the prompt when absent), one for all or one per image.",
+                     per_image=True, default_doc="the prompt")
 
 
 @dataclass(frozen=True)
@@ -50,9 +57,7 @@ class FluxFamily(TextToImageFamily):
     name: str = "flux"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 28,
                                                                   "guidance": 3.5})
-    specs: tuple[InputSpec, ...] = (PROMPT, InputSpec(
-        "prompt_2", Text(), "The T5 encoder's prompt (the prompt when absent), one for all or one per image.",
-        per_image=True, default_doc="the prompt"))
+    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, IMAGE, STRENGTH)
     # FluxPipeline passes its own sigmas and mu to set_timesteps: only flow_euler's scheduler takes them
     samplers: tuple[str, ...] = MU_SIGMAS_SAMPLERS
     max_size: int = 4096
@@ -64,7 +69,17 @@ class FluxFamily(TextToImageFamily):
         values = super().check_inputs(pipe, n, inputs)
         if values["prompt_2"] is None or all(p == "" for p in values["prompt_2"]):
             values["prompt_2"] = values["prompt"]  # diffusers: prompt_2 = prompt_2 or prompt (T5; CLIP reads prompt)
+        self.check_images(pipe, values, inputs)
         return values
+
+    def check_images(self, pipe: EngineView, values: dict[str, Any], inputs: dict[str, Any]) -> None:
+        """img2img (``FluxImg2ImgPipeline``): strength defaults to its 0.6; the output is the image's
+        size unless width/height are given (diffusers' default would be the native size)."""
+        image_input.check_image_inputs(pipe, values, inputs, inpaint_model=False, default_strength=(0.6, 0.6),
+                                       max_size=self.max_size)
+
+    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
+        return image_input.img2img_start(pipe, request, "flow")  # int(n - n s), scale_noise
 
     def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
         from preheat.samplers import flow_mu, flux_sigmas

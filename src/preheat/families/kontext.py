@@ -31,10 +31,12 @@ from typing import Any
 import numpy as np
 
 from preheat.errors import InvalidArgumentError
+from preheat.families import image as image_input
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
-from preheat.families.flux import FluxFamily, load_flux
-from preheat.families.inputs import Choice, Image, InputSpec
-from preheat.families.text import encode_image
+from preheat.families.flux import PROMPT_2, FluxFamily, load_flux
+from preheat.families.image import IMAGE
+from preheat.families.inputs import Choice, InputSpec
+from preheat.families.text import PROMPT
 
 __all__ = ["FluxKontextFamily", "KONTEXT", "PREFERRED_KONTEXT_RESOLUTIONS", "reference_size", "load_flux_kontext"]
 
@@ -44,8 +46,7 @@ PREFERRED_KONTEXT_RESOLUTIONS: tuple[tuple[int, int], ...] = (
     (1024, 1024), (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752), (1456, 720), (1504, 688),
     (1568, 672))
 
-IMAGE = InputSpec("image", Image(), "The reference image to edit (a path, PIL image or uint8 array; a URL on a server).",
-                  required=True)
+REFERENCE = dataclasses.replace(IMAGE, description="The reference image to edit.", required=True)
 IMAGE_RESIZE = InputSpec("image_resize", Choice(("preferred", "none")),
                          "preferred: snap the reference to the nearest of Kontext's trained resolutions; none: keep "
                          "its size (rounded down to the latent grid).", default="preferred")
@@ -64,19 +65,10 @@ def reference_size(width: int, height: int, mode: str, multiple: int) -> tuple[i
     return w // multiple * multiple, h // multiple * multiple
 
 
-def resize(image: np.ndarray, width: int, height: int) -> np.ndarray:
-    """uint8 (H, W, 3) -> (height, width, 3), with PIL's Lanczos as diffusers' image processor."""
-    if image.shape[:2] == (height, width):
-        return image
-    from PIL import Image as PILImage
-
-    return np.asarray(PILImage.fromarray(image).resize((width, height), resample=PILImage.LANCZOS))
-
-
 @dataclass(frozen=True)
 class FluxKontextFamily(FluxFamily):
     name: str = "flux-kontext"
-    specs: tuple[InputSpec, ...] = (*FluxFamily().specs, IMAGE, IMAGE_RESIZE)
+    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, REFERENCE, IMAGE_RESIZE)
 
     def input_specs(self, pipe: EngineView) -> tuple[InputSpec, ...]:
         """Width and height default to the reference's size (not the native size)."""
@@ -101,20 +93,26 @@ class FluxKontextFamily(FluxFamily):
         if inputs.get("image") is None:
             raise InvalidArgumentError("image is required: a FLUX.1 Kontext model edits a reference image",
                                        argument="image")
-        values = super().check_inputs(pipe, n, inputs)
-        image = values["image"]  # uint8 (H, W, 3)
-        w, h = reference_size(image.shape[1], image.shape[0], values["image_resize"], pipe.components["size_multiple"])
-        values["image"] = resize(image, w, h)
+        return super().check_inputs(pipe, n, inputs)
+
+    def check_images(self, pipe: EngineView, values: dict[str, Any], inputs: dict[str, Any]) -> None:
+        """The reference's resized size (``reference_size``); the output's unless width/height are given."""
+        image = values["image"]  # uint8 (H, W, 3), as given
+        size = reference_size(image.shape[1], image.shape[0], values["image_resize"], pipe.components["size_multiple"])
+        values["reference_size"] = size
         if values["width"] is None:
-            values["width"] = w
+            values["width"] = size[0]
         if values["height"] is None:
-            values["height"] = h
-        return values
+            values["height"] = size[1]
+
+    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
+        return None  # the loop starts from noise; the reference is conditioning
 
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         conditioning = super().condition(pipe, request)
-        latents = encode_image(pipe, request.values["image"][None])  # (1, h', w', C): one reference for all
-        conditioning.cond["image_latents"] = np.repeat(latents, request.n, axis=0)  # (n, h', w', C)
+        x = image_input.pixels(request.values["image"], *request.values["reference_size"])  # (H', W', 3), Lanczos
+        latents = image_input.encode_images(pipe, x[None], request.seeds[:1], 0, mode=True)  # (1, h', w', C)
+        conditioning.cond["image_latents"] = np.repeat(latents, request.n, axis=0)  # (n, h', w', C): one for all
         return conditioning
 
 

@@ -19,7 +19,7 @@ from preheat.families.base import EngineView, Family, Request, StageSignature, t
 from preheat.families.inputs import InputSpec, Text
 
 __all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROMPT", "component", "default_sampler",
-           "decode_program", "encode", "encode_image", "offload"]
+           "decode_program", "encode", "offload"]
 
 @dataclass(frozen=True)
 class TextToImageFamily(Family):
@@ -103,21 +103,6 @@ def decode_program(vae: Any) -> Any:
         return to_pixels(vae.latents_to_images(params, latents.astype(vae.dtype)).astype("float32"))
 
     return program
-
-
-def encode_image(pipe: Any, pixels: np.ndarray) -> np.ndarray:
-    """uint8 images (B, H, W, 3) -> diffusion latents (B, H/f, W/f, C) float32, through the VAE's
-    encoder as a compiled stage of its own (one executable per batch and size, any image's
-    content is data): the posterior's mode, with the pipelines' scaling and shift applied."""
-    vae = pipe.components["vae"]
-    sig = StageSignature("encode_image", batch=pixels.shape[0], shape=tuple(pixels.shape[1:]), dtype=str(vae.dtype))
-    fingerprint = {"kind": "vae-encode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)}
-
-    def program(params: Any, images: Any) -> Any:
-        x = images.astype("float32") / 255 * 2 - 1  # diffusers' VaeImageProcessor: [0, 1] then normalize
-        return vae.images_to_latents(params, x)
-
-    return np.asarray(pipe.run_stage("encode_image", fingerprint, sig, lambda: program, (vae.params, pixels)))
 
 
 def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Callable], outputs: int,

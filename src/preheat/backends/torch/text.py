@@ -86,10 +86,10 @@ class TorchTextPipeline(EngineArguments):
             b, c, h, w = latents.shape
             kwargs.update(prompt_2=v["prompt_2"], guidance_scale=request.guidance,
                           latents=self.pipe._pack_latents(latents, b, c, h, w))
-            if v.get("image") is not None:  # Kontext: the reference preheat resized, the output size exactly
-                from PIL import Image
+            if v.get("reference_size") is not None:  # Kontext: diffusers resizes the reference itself;
+                from PIL import Image  # the output is width x height exactly (max_area fits it)
 
-                kwargs.update(image=Image.fromarray(v["image"]), _auto_resize=False,
+                kwargs.update(image=Image.fromarray(v["image"]), _auto_resize=v["image_resize"] == "preferred",
                               max_area=v["width"] * v["height"])
         else:
             kwargs.update(negative_prompt=v["negative_prompt"], latents=latents,
