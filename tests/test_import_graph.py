@@ -29,7 +29,8 @@ SRC = Path(preheat.__file__).resolve().parent
 # (``cache`` for preheat/cache/).
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "_version", "timings", "noise", "files", "env", "compile_target"),  # leaves: import nothing of preheat
-    ("sharding",),  # the device mesh and data parallelism (imports errors only)
+    ("sharding", "image_input"),  # the device mesh and data parallelism; reading an image a call passes in
+    #   (both import errors only)
     ("cache",),  # the cache root, the compile cache, the shared remote store
     ("store", "models", "samplers"),  # the weights store; model code; pure samplers
     ("lora",),  # LoRA files -> runtime adapters (reads through the store and the models' loader)

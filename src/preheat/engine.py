@@ -10,6 +10,8 @@ A call runs up to three compiled stages, each with its own executable (and cache
                classifier-free guidance; pixel families also
                convert to uint8 here
     decode     latents -> uint8 pixels (VAE families)             samplers, step counts, prompts
+    encode_    an image the call passes in -> latents (a          samplers, strengths, prompts,
+    image      posterior sample per image; ``families.image``)     image content
 
 What is static (changes a program) and what is data (does not), for the denoising program:
 
@@ -23,6 +25,8 @@ What is static (changes a program) and what is data (does not), for the denoisin
     the device mesh (load(devices=...))
     LoRA: rank bucket, adapter slots      LoRA factors, scales, each image's adapter
                                           (``preheat.lora``; no LoRA = the program without)
+    from noise / an image / + mask blend  img2img / inpainting: the start step (strength),
+      (Signature.image)                   the image's latents, the mask (``samplers.Start``)
 
 Seeds are per image: image ``b`` draws all its randomness from ``key(seed_b)``
 (``preheat.noise``), so it is the same whatever else shares its batch -- or however many devices

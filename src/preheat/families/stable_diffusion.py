@@ -28,6 +28,12 @@ input of ``generate`` is::
       negative_target_size                                            (both sizes, as diffusers)
     width, height                         x   x     static            one program per resolution
     guidance, steps, seed                 x   x     data              the denoising loop
+    image (img2img: its size, rounded)    x   x     data (size:       encode_image -> the loop's start
+                                                      static)           (``samplers.Start``)
+    mask_image (white = repaint)          x   x     data              9-channel UNets: mask + masked
+                                                                      latents beside the sample; base
+                                                                      UNets: blended after each step
+    strength                              x   x     data              the start step (get_timesteps)
 
 ``clip_skip`` is data because every layer's state is computed anyway: the encode program picks
 each text's state with a chain of selects, so one program serves every value and a batch may mix

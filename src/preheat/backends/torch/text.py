@@ -41,6 +41,10 @@ __all__ = ["TorchTextPipeline", "load_text", "TEXT_FAMILIES", "restore_text_mode
 TEXT_FAMILIES = {
     "StableDiffusionPipeline": ("stable_diffusion", "SD"),
     "StableDiffusionXLPipeline": ("stable_diffusion", "SDXL"),
+    "StableDiffusionImg2ImgPipeline": ("stable_diffusion", "SD"),
+    "StableDiffusionInpaintPipeline": ("stable_diffusion", "SD"),
+    "StableDiffusionXLImg2ImgPipeline": ("stable_diffusion", "SDXL"),
+    "StableDiffusionXLInpaintPipeline": ("stable_diffusion", "SDXL"),
     "StableDiffusion3Pipeline": ("sd3", "SD3"),
     "FluxPipeline": ("flux", "FLUX"),
     "FluxKontextPipeline": ("kontext", "KONTEXT"),
@@ -69,6 +73,7 @@ class TorchTextPipeline(EngineArguments):
     layout: str = "NCHW"
     last: Timings = field(default_factory=Timings)
     _warm: set = field(default_factory=set, repr=False)
+    _image_pipes: dict = field(default_factory=dict, repr=False)  # (family, inpaint) -> diffusers pipeline
 
     def run(self, request: Request) -> np.ndarray:
         """Sample a validated request: uint8 pixels (n, H, W, C)."""
@@ -101,10 +106,17 @@ class TorchTextPipeline(EngineArguments):
         timings = self._prepare_denoiser(n * (2 if request.guided else 1), latent_shape, kwargs)
         events = self.compiler.events if self.compiler is not None else []
         seen = len(events)
+        pipe = self.pipe
+        if v.get("image") is not None:  # diffusers' img2img / inpaint pipeline, noised with the same ε
+            from preheat.backends.torch.image import image_kwargs, image_pipeline, same_noise
+
+            pipe = image_pipeline(self.pipe, self.family.name, v["mask_image"] is not None, self._image_pipes)
+            kwargs = image_kwargs(v, kwargs, latents)
+            same_noise(pipe.scheduler, latents)
 
         start = time.perf_counter()
         with torch.no_grad():
-            images = self.pipe(**kwargs).images
+            images = pipe(**kwargs).images
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         timings.run_s = time.perf_counter() - start
@@ -232,9 +244,9 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
         kwargs["variant"] = variant
     index = json.loads((root / "model_index.json").read_text())
     kwargs.update({k: None for k, v in index.items() if v == [None, None]})  # e.g. SD3 saved without its T5
-    if class_name == "StableDiffusionXLPipeline":
+    if class_name.startswith("StableDiffusionXL"):
         kwargs["add_watermarker"] = False
-    elif class_name == "StableDiffusionPipeline":
+    elif class_name.startswith("StableDiffusion") and class_name != "StableDiffusion3Pipeline":
         kwargs.update(safety_checker=None, requires_safety_checker=False)
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
@@ -248,6 +260,10 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
     finally:
         for lib in quiet:
             lib.enable_progress_bar()
+    if class_name.endswith("Img2ImgPipeline"):  # text-to-image calls run the text pipeline (image_pipeline the rest)
+        import diffusers
+
+        pipe = getattr(diffusers, class_name.replace("Img2Img", "")).from_pipe(pipe)
     pipe.set_progress_bar_config(disable=True)
     restore_text_model(pipe)
     sched_source = scheduler if scheduler is not None else root / "scheduler"
@@ -269,7 +285,9 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
     else:  # SD / SDXL: what the family's clip_skip and negative_prompt_2 checks read, as the JAX loader's
         encoders = [e for e in (pipe.text_encoder, getattr(pipe, "text_encoder_2", None)) if e is not None]
         components.update(clip_layers=min(e.config.num_hidden_layers for e in encoders),
-                          force_zeros=bool(pipe.config.get("force_zeros_for_empty_prompt", True)))
+                          force_zeros=bool(pipe.config.get("force_zeros_for_empty_prompt", True)),
+                          inpaint=channels == 2 * pipe.vae.config.latent_channels + 1)
+        channels = pipe.vae.config.latent_channels  # an inpainting UNet's extra channels are the mask's
     latent = (size, size) if isinstance(size, int) else tuple(size)
     architecture = {k: v for k, v in dict(cfg).items() if not k.startswith("_")}
     fingerprint = json.loads(json.dumps({"kind": f"diffusers.{type(denoiser).__name__}", "config": architecture},

@@ -1,0 +1,77 @@
+"""The torch backend's image-conditioned calls: diffusers' own img2img and inpaint pipelines.
+
+A call with ``image`` (and ``mask_image``) runs ``StableDiffusion[XL]Img2ImgPipeline`` or
+``...InpaintPipeline``, built once from the loaded pipeline's components (``from_pipe``: no
+weights copied). The same ε as the JAX engine: diffusers draws its own noise and hands it to the
+scheduler's ``add_noise`` (the start, and an inpaint loop's blending); :func:`same_noise` makes
+that call use preheat's ε instead -- at inpainting's strength 1 (``is_strength_max``) the ε is
+passed as ``latents``, which diffusers then takes as the noise. What still differs: diffusers
+samples the VAE posterior from its generator, the JAX engine from the seeds' keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["image_pipeline", "image_kwargs", "same_noise"]
+
+_CLASSES = {("stable-diffusion", False): "StableDiffusionImg2ImgPipeline",
+            ("stable-diffusion", True): "StableDiffusionInpaintPipeline",
+            ("stable-diffusion-xl", False): "StableDiffusionXLImg2ImgPipeline",
+            ("stable-diffusion-xl", True): "StableDiffusionXLInpaintPipeline"}
+
+
+def image_pipeline(pipe: Any, family: str, inpaint: bool, cache: dict) -> Any:
+    """diffusers' img2img / inpaint pipeline sharing ``pipe``'s components (built once per kind)."""
+    key = (family, inpaint)
+    if key not in cache:
+        import diffusers
+
+        if key not in _CLASSES:
+            from preheat.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"the torch backend has no image pipeline for a {family} model",
+                                       argument="image")
+        cls = getattr(diffusers, _CLASSES[key])
+        extra = {"requires_safety_checker": False} if family == "stable-diffusion" else {}
+        built = cls.from_pipe(pipe, **extra)
+        built.set_progress_bar_config(disable=True)
+        cache[key] = built
+    out = cache[key]
+    out.scheduler = pipe.scheduler  # this call's sampler
+    return out
+
+
+def image_kwargs(values: dict[str, Any], kwargs: dict[str, Any], latents: torch.Tensor) -> dict[str, Any]:
+    """A text-to-image call's keywords -> the image pipeline's: the image (and mask) as PIL, the
+    strength; img2img takes no size (it is the image's) and no latents (its ε is drawn)."""
+    from PIL import Image
+
+    out = dict(kwargs)
+    out.pop("latents", None)
+    out.update(image=Image.fromarray(values["image"]), strength=values["strength"])
+    if values["mask_image"] is None:
+        out.pop("height", None)
+        out.pop("width", None)
+    else:
+        out["mask_image"] = Image.fromarray(values["mask_image"])
+        if values["strength"] == 1.0:  # is_strength_max: given latents are the noise
+            out["latents"] = latents
+    return out
+
+
+def same_noise(scheduler: Any, eps: torch.Tensor) -> None:
+    """Make ``scheduler.add_noise`` use ``eps`` for the noise diffusers drew (same shape), so both
+    backends noise the image alike; a scheduler made for this call only (``make_scheduler``)."""
+    add_noise = scheduler.add_noise
+
+    def substituted(original: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        if tuple(noise.shape) != tuple(eps.shape):
+            raise ValueError(f"diffusers' noise is {tuple(noise.shape)}, preheat's {tuple(eps.shape)}")
+        return add_noise(original, eps.to(noise.device, noise.dtype), timesteps)
+
+    scheduler.add_noise = substituted
+
