@@ -122,3 +122,16 @@ def test_bad_input_is_one_line(pipes, kwargs, argument, needle):
             pipes[name].check("x", **call)
         assert err.value.argument == argument and needle in str(err.value), str(err.value)
         assert len(str(err.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("name,guidance", [("flux-dev", 3.5), ("sd3", 5.0)])
+def test_torch_backend_draws_the_same_images(folders, pipes, name, guidance):
+    """backend="torch" runs diffusers' own img2img pipeline, its scale_noise given the JAX engine's ε."""
+    torch_pipe = preheat.load(folders[name], backend="torch")
+    call = dict(image=picture(40, 36, seed=4), strength=0.6, steps=4, seed=[4, 5], guidance=guidance,
+                width=32, height=32)
+    theirs = torch_pipe.generate(["a red fox", "a cat"], **call)
+    ours = pipes[name].generate(["a red fox", "a cat"], **call)
+    assert ours.shape == theirs.shape == (2, 32, 32, 3)
+    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    assert diff.mean() <= MEAN_TOL and diff.max() <= MAX_TOL, (diff.mean(), diff.max())

@@ -107,11 +107,11 @@ class TorchTextPipeline(EngineArguments):
         events = self.compiler.events if self.compiler is not None else []
         seen = len(events)
         pipe = self.pipe
-        if v.get("image") is not None:  # diffusers' img2img / inpaint pipeline, noised with the same ε
+        if v.get("strength") is not None:  # diffusers' img2img / inpaint pipeline, noised with the same ε
             from preheat.backends.torch.image import image_kwargs, image_pipeline, same_noise
 
-            pipe = image_pipeline(self.pipe, self.family.name, v["mask_image"] is not None, self._image_pipes)
-            kwargs = image_kwargs(v, kwargs, latents)
+            pipe = image_pipeline(self.pipe, self.family.name, v.get("mask_image") is not None, self._image_pipes)
+            kwargs = image_kwargs(v, kwargs, latents, self.family.name)
             same_noise(pipe.scheduler, latents)
 
         start = time.perf_counter()
