@@ -116,6 +116,8 @@ class Signature:
     progress: bool = False  # the loop reports each step to the host (preheat.progress: why it is static)
     image: str = ""  # "": from noise; "img2img": from an image at a start step (samplers.Start);
     #                  "blend": that, and the unmasked region put back after every step (inpainting)
+    # each conditioning leaf's shape past the batch: a Kontext reference image's latent size selects a program
+    cond_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def output(self) -> jax.ShapeDtypeStruct:
@@ -326,6 +328,7 @@ class Pipeline:
             uncond = {**uncond, "lora_index": request.lora.index} if request.guided else uncond
             sig = dataclasses.replace(sig, lora=request.lora.signature, conditioning=tuple(sorted(cond)))
             self.components.setdefault("lora_buckets", set()).add(request.lora.bucket)
+        sig = dataclasses.replace(sig, cond_shapes=tuple(tuple(np.shape(c)[1:]) for c in jax.tree.leaves(cond)))
         args = (params, plan, request.seeds, cond, uncond, np.float32(request.guidance), noise)
         start = self.family.image_start(self, request, plan)
         if start is not None:  # img2img / inpainting: the start step and the image are data

@@ -112,7 +112,7 @@ def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
     samplers = tuple(warm_set.samplers) or (pipe.defaults["sampler"],)
     sizes = tuple(warm_set.sizes)
     if _sized(pipe):
-        sizes = sizes or (pipe.family.native_size(pipe),)  # the model's native (width, height) by default
+        sizes = sizes or pipe.family.served_sizes(pipe)  # the family's buckets: its native (width, height)
     placeholder = pipe.family.warm_inputs(pipe, guided=False)[0]
     for size in sizes:  # a size the model cannot make fails here (a pixel model's too), never silently
         try:

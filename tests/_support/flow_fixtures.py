@@ -19,12 +19,13 @@ from tests._support.t5_fixtures import save_tiny_t5_encoder, save_tiny_t5_tokeni
 from tests._support.text_fixtures import save_tiny_clip, save_tiny_tokenizer
 from tests._support.vae_fixtures import save_tiny_vae
 
-KINDS = ("flux-schnell", "flux-dev", "sd3")
+KINDS = ("flux-schnell", "flux-dev", "flux-kontext", "sd3")
 FLUX_SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
                   "num_train_timesteps": 1000}
 SCHEDULERS = {
     "flux-schnell": {**FLUX_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False},
     "flux-dev": {**FLUX_SCHEDULER, "shift": 3.0, "use_dynamic_shifting": True},
+    "flux-kontext": {**FLUX_SCHEDULER, "shift": 3.0, "use_dynamic_shifting": True},
     "sd3": {"num_train_timesteps": 1000, "shift": 3.0},
 }
 # the latent statistics of the published 16-channel VAEs (FLUX.1: 0.3611 / 0.1159; SD3: 1.5305 / 0.0609)
@@ -32,12 +33,17 @@ VAE_STATS = {"flux": dict(scaling_factor=0.3611, shift_factor=0.1159),
              "sd3": dict(scaling_factor=1.5305, shift_factor=0.0609)}
 
 
-def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: int = 0, t5: bool = True) -> Path:
-    """A whole tiny pipeline folder of ``kind`` ("flux-schnell", "flux-dev", "sd3"; ``t5=False``: an
-    SD3 folder without its third encoder)."""
+def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: int = 0, t5: bool = True,
+                         quiet_posterior: bool = False) -> Path:
+    """A whole tiny pipeline folder of ``kind`` ("flux-schnell", "flux-dev", "flux-kontext": a
+    ``FluxKontextPipeline``, "sd3"; ``t5=False``: an SD3 folder without its third encoder).
+
+    ``quiet_posterior``: the VAE posterior's variance is negligible (the encoder's logvar half:
+    weight 0, bias -30, so std = e^-15), so that diffusers' img2img, which samples it with its
+    generator, and preheat, with its seeds, both give the mean; how either samples is unchanged."""
     import torch
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
-                           SD3Transformer2DModel, StableDiffusion3Pipeline)
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline,
+                           FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline)
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
     directory = Path(directory)
@@ -46,6 +52,8 @@ def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: in
     vae_overrides = dict(latent_channels=4, use_quant_conv=False, use_post_quant_conv=False,
                          **VAE_STATS["flux" if flux else "sd3"])
     save_tiny_vae(parts / "vae", seed=seed, **vae_overrides)
+    if quiet_posterior:
+        _quiet_posterior(parts / "vae")
     save_tiny_tokenizer(parts / "tok")
     save_tiny_t5_tokenizer(parts / "tok_t5", layout="hub")
     scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULERS[kind])
@@ -56,9 +64,9 @@ def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: in
         transformer = FluxTransformer2DModel(
             patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
-            guidance_embeds=kind == "flux-dev")
+            guidance_embeds=kind != "flux-schnell")
         _perturb(transformer)
-        pipe = FluxPipeline(
+        pipe = (FluxKontextPipeline if kind == "flux-kontext" else FluxPipeline)(
             scheduler=scheduler, vae=AutoencoderKL.from_pretrained(parts / "vae"),
             text_encoder=CLIPTextModel.from_pretrained(parts / "te"),
             tokenizer=CLIPTokenizer.from_pretrained(str(parts / "tok")),
@@ -92,6 +100,42 @@ def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: in
     return directory
 
 
+def picture(width: int, height: int, seed: int = 0) -> np.ndarray:
+    """A smooth uint8 (H, W, 3) picture to start from or edit: gradients, a wave and a little noise
+    (a VAE sees structure, not white noise)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.stack([x / width, y / height, 0.5 + 0.5 * np.sin((x + y) / 5)], axis=-1) * 255
+    return np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+
+
+def _quiet_posterior(folder: Path) -> None:
+    import torch
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(folder)
+    half = vae.config.latent_channels
+    moments = vae.quant_conv if vae.quant_conv is not None else vae.encoder.conv_out  # -> (mean, logvar)
+    with torch.no_grad():
+        moments.weight[half:] = 0.0
+        moments.bias[half:] = -30.0
+    vae.save_pretrained(folder)
+
+
+def replayed_noise(shape: tuple[int, ...], seeds: Any, draws_before: int = 1) -> np.ndarray:
+    """The ε (n, C, h, w) diffusers' img2img draws from one generator per seed after
+    ``draws_before`` draws of ``shape`` (1: the image's posterior sample)."""
+    import torch
+
+    out = []
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(int(seed))
+        for _ in range(draws_before):
+            torch.randn(shape, generator=gen)
+        out.append(torch.randn(shape, generator=gen).numpy())
+    return np.concatenate(out) if out else np.zeros((0, *shape[1:]), np.float32)
+
+
 def _perturb(model: Any, scale: float = 0.05) -> None:
     """Noise on every weight: zero-initialised AdaLN and output layers would hide a mapping bug."""
     import torch
@@ -121,7 +165,7 @@ def reference_pixels(pipe: Any, prompt: Any, noise: np.ndarray, **kwargs: Any) -
     import torch
 
     latents = torch.from_numpy(noise)
-    if type(pipe).__name__ == "FluxPipeline":
+    if type(pipe).__name__.startswith("Flux"):
         b, c, h, w = latents.shape
         latents = pipe._pack_latents(latents, b, c, h, w)
     with torch.no_grad():

@@ -8,6 +8,7 @@
     StableDiffusion[XL]Img2ImgPipeline, ...InpaintPipeline (9-ch UNet) the same families, image in
     StableDiffusion3Pipeline                                           stable-diffusion-3 (3, 3.5)
     FluxPipeline                                                       flux (FLUX.1 schnell, dev)
+    FluxKontextPipeline                                                flux-kontext (FLUX.1 Kontext dev)
 
 Each family module has a ``load_<family>(root, *, scheduler, dtype, variant[, offload_encoders])`` that returns a
 ``LoadedModel`` (the engine builds its ``Pipeline`` from it); ``families.base`` says what a family
@@ -40,6 +41,7 @@ FAMILY_OF_CLASS: dict[str, tuple[str, str]] = {
     "StableDiffusionXLInpaintPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion_xl"),
     "StableDiffusion3Pipeline": ("preheat.families.sd3", "load_stable_diffusion_3"),
     "FluxPipeline": ("preheat.families.flux", "load_flux"),
+    "FluxKontextPipeline": ("preheat.families.kontext", "load_flux_kontext"),
 }
 
 

@@ -142,6 +142,11 @@ class Family:
         """The model's own (width, height) in pixels: what a call without a size makes."""
         return pipe.sample_shape[1], pipe.sample_shape[0]
 
+    def served_sizes(self, pipe: "EngineView") -> tuple[tuple[int, int], ...]:
+        """The (width, height) buckets a server and warm-up offer when not told: the native size
+        (FLUX.1 Kontext: its preferred resolutions)."""
+        return (self.native_size(pipe),)
+
     def size_rule(self, pipe: "EngineView") -> tuple[int, int, bool]:
         """(multiple, largest side, native size only?) for width and height."""
         return 1, 0, True

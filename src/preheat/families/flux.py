@@ -13,7 +13,10 @@
 
 Inputs: ``prompt`` feeds CLIP (the pooled vector), ``prompt_2`` feeds T5 (the context); an absent
 or empty ``prompt_2`` is ``prompt``, as diffusers. Both are data (token ids); width and height
-are static (one program per resolution).
+are static (one program per resolution). ``image`` and ``strength``: img2img as
+``FluxImg2ImgPipeline`` -- the image encoded (``encode_image`` stage), the loop begun at step
+``int(n - n strength)`` from ``scale_noise`` of it (``families.image``); strength and the image's
+content are data, its size static.
 
 Guidance: FLUX.1-dev is guidance-distilled -- the scale is an input of the transformer
 (``guidance_embeds``), so it is conditioning data: one branch, no recompile for a new scale.
@@ -34,7 +37,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from preheat.errors import UnsupportedConfigError
+from preheat.families import image as image_input
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
+from preheat.families.image import IMAGE, STRENGTH
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.text import PROMPT, TextToImageFamily, component, default_sampler, encode, offload
 from preheat.lora import encoder_adapters
@@ -46,6 +51,8 @@ if TYPE_CHECKING:
 __all__ = ["FluxFamily", "FLUX", "load_flux", "flux_defaults"]
 
 T5_LENGTH = 512  # FluxPipeline's max_sequence_length default
+PROMPT_2 = InputSpec("prompt_2", Text(), "The T5 encoder's prompt (the prompt when absent), one for all or one per image.",
+                     per_image=True, default_doc="the prompt")
 
 
 @dataclass(frozen=True)
@@ -53,9 +60,7 @@ class FluxFamily(TextToImageFamily):
     name: str = "flux"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 28,
                                                                   "guidance": 3.5})
-    specs: tuple[InputSpec, ...] = (PROMPT, InputSpec(
-        "prompt_2", Text(), "The T5 encoder's prompt (the prompt when absent), one for all or one per image.",
-        per_image=True, default_doc="the prompt"))
+    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, IMAGE, STRENGTH)
     # FluxPipeline passes its own sigmas and mu to set_timesteps: only flow_euler's scheduler takes them
     samplers: tuple[str, ...] = MU_SIGMAS_SAMPLERS
     max_size: int = 4096
@@ -67,7 +72,17 @@ class FluxFamily(TextToImageFamily):
         values = super().check_inputs(pipe, n, inputs)
         if values["prompt_2"] is None or all(p == "" for p in values["prompt_2"]):
             values["prompt_2"] = values["prompt"]  # diffusers: prompt_2 = prompt_2 or prompt (T5; CLIP reads prompt)
+        self.check_images(pipe, values, inputs)
         return values
+
+    def check_images(self, pipe: EngineView, values: dict[str, Any], inputs: dict[str, Any]) -> None:
+        """img2img (``FluxImg2ImgPipeline``): strength defaults to its 0.6; the output is the image's
+        size unless width/height are given (diffusers' default would be the native size)."""
+        image_input.check_image_inputs(pipe, values, inputs, inpaint_model=False, default_strength=(0.6, 0.6),
+                                       max_size=self.max_size)
+
+    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
+        return image_input.img2img_start(pipe, request, "flow")  # int(n - n s), scale_noise
 
     def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
         from preheat.samplers import flow_mu, flux_sigmas
@@ -178,8 +193,10 @@ def bfl_lora_names(layers: Mapping[str, tuple[int, int]]) -> dict[str, tuple[tup
 
 
 def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
-              offload_encoders: bool = False, options: LoadOptions | None = None) -> LoadedModel:
-    """A ``FluxPipeline`` folder (FLUX.1-schnell, FLUX.1-dev and fine-tunes of them)."""
+              offload_encoders: bool = False, options: LoadOptions | None = None,
+              family: FluxFamily = FLUX) -> LoadedModel:
+    """A ``FluxPipeline`` folder (FLUX.1-schnell, FLUX.1-dev and fine-tunes of them); ``family``:
+    a Flux-derived family whose folders hold the same parts (``families.kontext``)."""
     import jax.numpy as jnp
 
     from preheat.lora import LoraTargets
@@ -226,14 +243,20 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
         params, lora = split_adapters(params, cond)
         b, h, w, _ = x.shape  # (B, h, w, C) latents; h, w even (size_multiple)
-        tokens = pack_latents(x)  # (B, hw/4, 4C)
+        tokens = pack_latents(x)  # (B, S, 4C), S = hw/4
+        ids = latent_image_ids(h, w)  # (S, 3)
+        reference = cond.get("image_latents")  # Kontext: (B, rh, rw, C), the encoded reference image
+        if reference is not None:  # its tokens sit after the noise tokens, ids [1, row, col]
+            rh, rw = reference.shape[1:3]
+            tokens = jnp.concatenate([tokens, pack_latents(reference.astype(x.dtype))], axis=1)  # (B, S + R, 4C)
+            ids = np.concatenate([ids, latent_image_ids(rh, rw, index=1)])  # (S + R, 3)
         txt_ids = jnp.zeros((cond["context"].shape[1], 3), jnp.float32)  # FluxPipeline's text ids are zeros
         out = transformer.apply(params, tokens, cond["context"].astype(x.dtype), cond["pooled"].astype(x.dtype),
-                                t / 1000, latent_image_ids(h, w), txt_ids, cond.get("guidance"), lora)
-        return unpack_latents(out, h, w)  # (B, h, w, C)
+                                t / 1000, ids, txt_ids, cond.get("guidance"), lora)
+        return unpack_latents(out[:, :(h // 2) * (w // 2)], h, w)  # (B, h, w, C): the noise tokens' velocity
 
     # LoRA: every Linear of the transformer and of the CLIP encoder takes an adapter (preheat.lora)
-    targets = LoraTargets(family=FLUX.name,
+    targets = LoraTargets(family=family.name,
                           layers={"denoiser": lora_targets(transformer.graphdef, transformer.params),
                                   "text_encoder": lora_targets(encoders[0].graphdef, encoders[0].params)},
                           prefixes={"transformer": "denoiser", "lora_transformer": "denoiser",
@@ -259,8 +282,8 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     }
     defaults = {**default_sampler(root), **flux_defaults(guidance_embeds)}
     # diffusers' FluxPipeline: default_sample_size 128 latents per side (1024 px with an 8x VAE)
-    fingerprint = {"kind": "flux-transformer", "family": FLUX.name, "config": cfg.architecture_dict()}
+    fingerprint = {"kind": "flux-transformer", "family": family.name, "config": cfg.architecture_dict()}
     return LoadedModel(apply=apply, params=transformer.params, sample_shape=(128, 128, latent_channels),
-                       scheduler_config=sched, fingerprint=fingerprint, family=FLUX, defaults=defaults,
+                       scheduler_config=sched, fingerprint=fingerprint, family=family, defaults=defaults,
                        dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)
 

@@ -38,7 +38,7 @@ from preheat.families.base import EngineView, StageSignature
 from preheat.families.inputs import Float, Image, InputSpec
 
 __all__ = ["IMAGE", "MASK_IMAGE", "STRENGTH", "Strength", "image_size", "check_image_inputs", "pixels", "mask",
-           "latent_mask", "masked", "encode_images", "encode_image_program"]
+           "latent_mask", "masked", "encode_images", "encode_image_program", "img2img_start"]
 
 
 @dataclass(frozen=True)
@@ -141,14 +141,17 @@ def masked(x: np.ndarray, m: np.ndarray) -> np.ndarray:
     return x * (m < 0.5)[..., None].astype(np.float32)
 
 
-def encode_image_program(vae: Any) -> Any:
+def encode_image_program(vae: Any, mode: bool = False) -> Any:
     """(params, images (B, H, W, 3) in [-1, 1], seeds (B,), index []) -> latents (B, h, w, C) float32:
-    a posterior sample per image from its seed, scaled (and shifted) as the pipelines do."""
+    a posterior sample per image from its seed, scaled (and shifted) as the pipelines do
+    (``mode``: the posterior's mode instead, as FLUX.1 Kontext's ``sample_mode="argmax"``)."""
     import jax.numpy as jnp
 
     from preheat.noise import IMAGE_STREAM, image_keys, normal_per_image
 
     def program(params: Any, images: Any, seeds: Any, index: Any) -> Any:
+        if mode:
+            return vae.images_to_latents(params, images.astype(jnp.float32))
         f = vae.downscale
         shape = (images.shape[1] // f, images.shape[2] // f, vae.latent_channels)
         draw = normal_per_image(image_keys(seeds), IMAGE_STREAM, index, shape)  # (B, h, w, C)
@@ -157,11 +160,27 @@ def encode_image_program(vae: Any) -> Any:
     return program
 
 
-def encode_images(pipe: EngineView, images: np.ndarray, seeds: np.ndarray, index: int) -> np.ndarray:
-    """Run the ``encode_image`` stage: (B, H, W, 3) float32 in [-1, 1] -> (B, h, w, C) latents."""
+def encode_images(pipe: EngineView, images: np.ndarray, seeds: np.ndarray, index: int,
+                  mode: bool = False) -> np.ndarray:
+    """Run the ``encode_image`` stage: (B, H, W, 3) float32 in [-1, 1] -> (B, h, w, C) latents
+    (``mode``: the posterior's mode, not a sample)."""
     vae = pipe.components["vae"]
     sig = StageSignature("encode_image", batch=int(images.shape[0]), shape=tuple(images.shape[1:3]),
-                         dtype=str(vae.dtype))
+                         dtype=str(vae.dtype), extra=(("mode", True),) if mode else ())
     fingerprint = {**pipe.components["decode_fingerprint"], "kind": "vae-encode"}
-    return np.asarray(pipe.run_stage("encode_image", fingerprint, sig, lambda: encode_image_program(vae),
+    return np.asarray(pipe.run_stage("encode_image", fingerprint, sig, lambda: encode_image_program(vae, mode),
                                      (vae.params, images.astype(np.float32), seeds, np.int32(index))))
+
+
+def img2img_start(pipe: EngineView, request: Any, rule: str) -> Any:
+    """Where an img2img call of a family without masks begins (Flux, SD3: ``rule`` "flow"): at
+    ``get_timesteps(strength)``'s step, from the encoded image noised there (None: no image)."""
+    values, n = request.values, request.n
+    if values.get("image") is None:
+        return None
+    from preheat.samplers import Start, strength_start
+
+    index = strength_start(request.steps, values["strength"], rule)
+    x = np.repeat(pixels(values["image"], values["width"], values["height"])[None], n, axis=0)  # (n, H, W, 3)
+    x0 = encode_images(pipe, x, request.seeds, 0)  # (n, h, w, C)
+    return Start(index=np.int32(index), x0=x0, pure_noise=np.bool_(False))

@@ -10,6 +10,9 @@
     denoise   the engine's flow-matching loop over SD3Transformer2DModel,    sampler, batch, size,
               classifier-free guidance with "" or the negative prompt        guidance on/off
     decode    latents / scaling_factor + shift_factor -> VAE -> uint8        batch, size
+
+``image`` and ``strength``: img2img as ``StableDiffusion3Img2ImgPipeline`` (``families.image``:
+the ``encode_image`` stage, the loop begun at ``int(n - n strength)`` from ``scale_noise``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
+from preheat.families import image as image_input
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
+from preheat.families.image import IMAGE, STRENGTH
 from preheat.families.inputs import InputSpec
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, default_sampler, encode,
                                    offload)
@@ -40,9 +45,20 @@ class SD3Family(TextToImageFamily):
     name: str = "stable-diffusion-3"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 28,
                                                                   "guidance": 7.0})
-    specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT)
+    specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT, IMAGE, STRENGTH)
     samplers: tuple[str, ...] = FLOW_SAMPLERS
     max_size: int = 4096
+
+    def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
+        """img2img (``StableDiffusion3Img2ImgPipeline``): strength defaults to its 0.6; the output is
+        the image's size unless width/height are given (diffusers' default would be the native size)."""
+        values = super().check_inputs(pipe, n, inputs)
+        image_input.check_image_inputs(pipe, values, inputs, inpaint_model=False, default_strength=(0.6, 0.6),
+                                       max_size=self.max_size)
+        return values
+
+    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
+        return image_input.img2img_start(pipe, request, "flow")  # its get_timesteps: int(n - n s); scale_noise
 
     def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
         from preheat.samplers import MU_SIGMAS_SAMPLERS, flow_mu

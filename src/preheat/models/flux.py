@@ -447,10 +447,11 @@ def unpack_latents(tokens: Array, h: int, w: int) -> Array:
     return x.transpose(0, 1, 4, 2, 5, 3).reshape(b, h, w, c4 // 4)  # (B, i, di, j, dj, C)
 
 
-def latent_image_ids(h: int, w: int) -> np.ndarray:
-    """(h/2 * w/2, 3) float32 ids [0, row, col] of the packed tokens of an h x w latent."""
+def latent_image_ids(h: int, w: int, index: int = 0) -> np.ndarray:
+    """(h/2 * w/2, 3) float32 ids [index, row, col] of the packed tokens of an h x w latent
+    (``index`` 1: a Kontext reference image's tokens, as ``FluxKontextPipeline.prepare_latents``)."""
     _check_even(h, w, "latent_image_ids")
-    ids = np.zeros((h // 2, w // 2, 3), np.float32)
+    ids = np.full((h // 2, w // 2, 3), index, np.float32)
     ids[..., 1] = np.arange(h // 2, dtype=np.float32)[:, None]
     ids[..., 2] = np.arange(w // 2, dtype=np.float32)[None, :]
     return ids.reshape(-1, 3)

@@ -227,7 +227,7 @@ def _error_field(err: Exception, fields: dict[str, str], aliased: dict[str, str]
 
 def served_sizes(pipe: Any, limits: Limits) -> tuple[tuple[int, int], ...]:
     """(width, height) pairs a request may ask for: the served sizes, or the model's own size."""
-    return tuple(limits.sizes) or (pipe.family.native_size(pipe),)
+    return tuple(limits.sizes) or pipe.family.served_sizes(pipe)
 
 
 def _family_values(pipe: Any, extra: dict[str, Any], n: int, limits: Limits,

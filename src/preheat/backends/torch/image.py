@@ -1,4 +1,5 @@
-"""The torch backend's image-conditioned calls: diffusers' own img2img and inpaint pipelines.
+"""The torch backend's image-conditioned calls: diffusers' own img2img and inpaint pipelines
+(SD, SDXL; Flux and SD3 img2img).
 
 A call with ``image`` (and ``mask_image``) runs ``StableDiffusion[XL]Img2ImgPipeline`` or
 ``...InpaintPipeline``, built once from the loaded pipeline's components (``from_pipe``: no
@@ -21,7 +22,11 @@ __all__ = ["image_pipeline", "image_kwargs", "same_noise"]
 _CLASSES = {("stable-diffusion", False): "StableDiffusionImg2ImgPipeline",
             ("stable-diffusion", True): "StableDiffusionInpaintPipeline",
             ("stable-diffusion-xl", False): "StableDiffusionXLImg2ImgPipeline",
-            ("stable-diffusion-xl", True): "StableDiffusionXLInpaintPipeline"}
+            ("stable-diffusion-xl", True): "StableDiffusionXLInpaintPipeline",
+            ("stable-diffusion-3", False): "StableDiffusion3Img2ImgPipeline",
+            ("flux", False): "FluxImg2ImgPipeline"}
+# img2img pipelines that take width/height (the image is resized to them) rather than the image's size
+_SIZED = ("stable-diffusion-3", "flux")
 
 
 def image_pipeline(pipe: Any, family: str, inpaint: bool, cache: dict) -> Any:
@@ -45,17 +50,22 @@ def image_pipeline(pipe: Any, family: str, inpaint: bool, cache: dict) -> Any:
     return out
 
 
-def image_kwargs(values: dict[str, Any], kwargs: dict[str, Any], latents: torch.Tensor) -> dict[str, Any]:
+def image_kwargs(values: dict[str, Any], kwargs: dict[str, Any], latents: torch.Tensor,
+                 family: str = "") -> dict[str, Any]:
     """A text-to-image call's keywords -> the image pipeline's: the image (and mask) as PIL, the
-    strength; img2img takes no size (it is the image's) and no latents (its ε is drawn)."""
+    strength; SD img2img takes no size (it is the image's; Flux and SD3 resize the image to
+    width x height) and no latents (its ε is drawn)."""
     from PIL import Image
 
     out = dict(kwargs)
     out.pop("latents", None)
     out.update(image=Image.fromarray(values["image"]), strength=values["strength"])
-    if values["mask_image"] is None:
-        out.pop("height", None)
-        out.pop("width", None)
+    if family in _SIZED:  # the image once per prompt: SD3's img2img cannot spread one over a list of generators
+        out["image"] = [out["image"]] * len(values["prompt"])
+    if values.get("mask_image") is None:
+        if family not in _SIZED:
+            out.pop("height", None)
+            out.pop("width", None)
     else:
         out["mask_image"] = Image.fromarray(values["mask_image"])
         if values["strength"] == 1.0:  # is_strength_max: given latents are the noise
@@ -64,14 +74,17 @@ def image_kwargs(values: dict[str, Any], kwargs: dict[str, Any], latents: torch.
 
 
 def same_noise(scheduler: Any, eps: torch.Tensor) -> None:
-    """Make ``scheduler.add_noise`` use ``eps`` for the noise diffusers drew (same shape), so both
-    backends noise the image alike; a scheduler made for this call only (``make_scheduler``)."""
-    add_noise = scheduler.add_noise
-
-    def substituted(original: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+    """Make ``scheduler.add_noise`` (flow schedulers: ``scale_noise``) use ``eps`` for the noise
+    diffusers drew (same shape), so both backends noise the image alike; a scheduler made for this
+    call only (``make_scheduler``)."""
+    def ours(noise: torch.Tensor) -> torch.Tensor:
         if tuple(noise.shape) != tuple(eps.shape):
             raise ValueError(f"diffusers' noise is {tuple(noise.shape)}, preheat's {tuple(eps.shape)}")
-        return add_noise(original, eps.to(noise.device, noise.dtype), timesteps)
+        return eps.to(noise.device, noise.dtype)
 
-    scheduler.add_noise = substituted
-
+    if hasattr(scheduler, "scale_noise"):  # flow: scale_noise(sample, timestep, noise)
+        scale_noise = scheduler.scale_noise
+        scheduler.scale_noise = lambda sample, timestep, noise: scale_noise(sample, timestep, ours(noise))
+    else:  # add_noise(original, noise, timesteps)
+        add_noise = scheduler.add_noise
+        scheduler.add_noise = lambda original, noise, timesteps: add_noise(original, ours(noise), timesteps)

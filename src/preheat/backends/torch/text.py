@@ -1,4 +1,4 @@
-"""``TorchTextPipeline``: SD 1.x/2.x, SDXL, SD3 and Flux folders through diffusers' own pipeline classes.
+"""``TorchTextPipeline``: SD 1.x/2.x, SDXL, SD3, Flux and FLUX.1 Kontext folders through diffusers' own pipeline classes.
 
 The same call API and argument checks as the JAX ``Pipeline`` (borrowed, not copied), the same
 initial latents (``latents=``, drawn from the same per-image seeds by ``preheat.noise``) and the
@@ -47,6 +47,7 @@ TEXT_FAMILIES = {
     "StableDiffusionXLInpaintPipeline": ("stable_diffusion", "SDXL"),
     "StableDiffusion3Pipeline": ("sd3", "SD3"),
     "FluxPipeline": ("flux", "FLUX"),
+    "FluxKontextPipeline": ("kontext", "KONTEXT"),
 }
 
 
@@ -86,10 +87,15 @@ class TorchTextPipeline(EngineArguments):
         kwargs: dict[str, Any] = dict(
             prompt=v["prompt"], height=v["height"], width=v["width"], num_inference_steps=request.steps,
             generator=[torch.Generator("cpu").manual_seed(int(s)) for s in request.seeds], output_type="np")
-        if self.family.name == "flux":  # embedded guidance; FluxPipeline takes packed latents
+        if self.family.name.startswith("flux"):  # embedded guidance; FluxPipeline takes packed latents
             b, c, h, w = latents.shape
             kwargs.update(prompt_2=v["prompt_2"], guidance_scale=request.guidance,
                           latents=self.pipe._pack_latents(latents, b, c, h, w))
+            if v.get("reference_size") is not None:  # Kontext: diffusers resizes the reference itself;
+                from PIL import Image  # the output is width x height exactly (max_area fits it)
+
+                kwargs.update(image=Image.fromarray(v["image"]), _auto_resize=v["image_resize"] == "preferred",
+                              max_area=v["width"] * v["height"])
         else:
             kwargs.update(negative_prompt=v["negative_prompt"], latents=latents,
                           guidance_scale=request.guidance if request.guided else 1.0)
@@ -101,11 +107,11 @@ class TorchTextPipeline(EngineArguments):
         events = self.compiler.events if self.compiler is not None else []
         seen = len(events)
         pipe = self.pipe
-        if v.get("image") is not None:  # diffusers' img2img / inpaint pipeline, noised with the same ε
+        if v.get("strength") is not None:  # diffusers' img2img / inpaint pipeline, noised with the same ε
             from preheat.backends.torch.image import image_kwargs, image_pipeline, same_noise
 
-            pipe = image_pipeline(self.pipe, self.family.name, v["mask_image"] is not None, self._image_pipes)
-            kwargs = image_kwargs(v, kwargs, latents)
+            pipe = image_pipeline(self.pipe, self.family.name, v.get("mask_image") is not None, self._image_pipes)
+            kwargs = image_kwargs(v, kwargs, latents, self.family.name)
             same_noise(pipe.scheduler, latents)
 
         start = time.perf_counter()
@@ -270,7 +276,7 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
     components: dict[str, Any] = {"vae_scale": vae_scale, "size_multiple": vae_scale}
     defaults = default_sampler(root)
     channels, size = cfg.in_channels, cfg.get("sample_size")
-    if class_name == "FluxPipeline":  # as the JAX loader: packed 2x2 tokens, 128-latent default side
+    if class_name in ("FluxPipeline", "FluxKontextPipeline"):  # as the JAX loader: packed 2x2 tokens, 128-latent default side
         channels, size = cfg.in_channels // 4, 128
         components.update(size_multiple=2 * vae_scale, guidance_embeds=bool(cfg.guidance_embeds))
         defaults.update(flux_defaults(bool(cfg.guidance_embeds)))

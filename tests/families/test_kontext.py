@@ -1,0 +1,157 @@
+"""FLUX.1 Kontext through preheat.load, against diffusers' own ``FluxKontextPipeline`` on a tiny
+random-weight folder, the same reference image and the same initial latents."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import preheat
+from preheat.errors import InvalidArgumentError
+from preheat.families.image import pixels
+from tests._support.flow_fixtures import picture, reference_pipeline, reference_pixels, save_tiny_flow_model
+
+MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
+MAX_TOL = 8
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_flow_model(tmp_path_factory.mktemp("kontext") / "kontext", "flux-kontext")
+
+
+@pytest.fixture(scope="module")
+def pipe(folder):
+    return preheat.load(folder, cache="off")
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    return reference_pipeline(folder)
+
+
+def _noise(n: int, h: int, w: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 4, h, w)).astype(np.float32)
+
+
+def _compare(ours: np.ndarray, theirs: np.ndarray) -> None:
+    assert ours.shape == theirs.shape and ours.dtype == np.uint8
+    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    print(f"mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= MEAN_TOL and diff.max() <= MAX_TOL, (diff.mean(), diff.max())
+    assert ours.std() > 5  # not a flat image
+
+
+@pytest.mark.parametrize("image_size,size,prompt,guidance", [
+    ((50, 34), (32, 32), "make it a watercolor", 3.5),  # reference 48x32 (rounded down, Lanczos), output given
+    ((40, 40), None, ["a red fox", "city at night"], 2.5),  # output = the reference's size, two images
+])
+def test_matches_diffusers_from_the_same_latents(pipe, reference, image_size, size, prompt, guidance):
+    from PIL import Image
+
+    image = picture(*image_size)
+    w, h = size or (image_size[0] // 4 * 4, image_size[1] // 4 * 4)
+    n = len(prompt) if isinstance(prompt, list) else 1
+    noise = _noise(n, h // 2, w // 2)
+    steps = 3
+    theirs = reference_pixels(reference, prompt, noise, image=Image.fromarray(image), num_inference_steps=steps,
+                              guidance_scale=guidance, max_area=w * h, _auto_resize=False)
+    ours = pipe.generate(prompt, image=image, image_resize="none", noise=noise, steps=steps, guidance=guidance,
+                         **({} if size is None else dict(width=w, height=h)))
+    assert ours.shape == (n, h, w, 3)
+    _compare(ours, theirs)
+
+
+@pytest.mark.parametrize("image_size", [(40, 20), (20, 40), (33, 31), (64, 48)])
+def test_preferred_resize_snaps_the_reference_as_diffusers(pipe, reference, image_size):
+    """``image_resize="preferred"`` (the default): the reference diffusers would encode, to the pixel."""
+    from PIL import Image
+
+    image = picture(*image_size, seed=3)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def encode(x, *args, **kwargs):
+        seen["x"] = x.numpy()  # (1, 3, H, W) in [-1, 1]
+        raise Stop
+
+    vae_encode = reference.vae.encode
+    reference.vae.encode = encode
+    try:
+        with pytest.raises(Stop):
+            reference(prompt="x", image=Image.fromarray(image), num_inference_steps=1, height=32, width=32,
+                      max_area=32 * 32)
+    finally:
+        reference.vae.encode = vae_encode
+    request = pipe.validate("x", image=image, width=32, height=32)
+    size = request.values["reference_size"]
+    assert size in pipe.family.served_sizes(pipe)
+    ours = pixels(request.values["image"], *size)  # what the encode_image stage gets, (H', W', 3) in [-1, 1]
+    theirs = seen["x"][0].transpose(1, 2, 0)
+    assert ours.shape == theirs.shape
+    np.testing.assert_allclose(ours, theirs, atol=1e-6)
+    assert request.sample_shape == (16, 16, 4)  # the output is what was asked, whatever the reference's size
+
+
+def test_preferred_resolutions_are_the_served_sizes(pipe):
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+    from preheat.server.inputs import Limits, served_sizes
+
+    assert pipe.family.served_sizes(pipe) == tuple(PREFERRED_KONTEXT_RESOLUTIONS)
+    assert served_sizes(pipe, Limits()) == tuple(PREFERRED_KONTEXT_RESOLUTIONS)
+    assert served_sizes(pipe, Limits(sizes=((32, 32),))) == ((32, 32),)
+
+
+def test_image_prompt_guidance_and_seed_are_data(pipe):
+    """One denoising program (and one image encoder) serve every reference of a size, prompt,
+    guidance scale and seed; another reference size is another program."""
+    pipe = dataclasses.replace(pipe, _executables={})
+    traces = []
+    apply = pipe.apply
+
+    def counting(*args):
+        traces.append(1)
+        return apply(*args)
+
+    pipe.apply = counting
+    call = dict(image_resize="none", steps=2, width=32, height=32)
+    first = pipe.generate("a fox", image=picture(32, 32), guidance=3.5, seed=0, **call)
+    traced, compiled = len(traces), len(pipe._executables)
+    outs = [pipe.generate("a fox", image=picture(32, 32, seed=1), guidance=3.5, seed=0, **call),
+            pipe.generate("a cat", image=picture(32, 32), guidance=2.0, seed=0, **call),
+            pipe.generate("a fox", image=picture(32, 32), guidance=3.5, seed=5, **call)]
+    assert len(traces) == traced and len(pipe._executables) == compiled
+    assert all(not np.array_equal(first, o) for o in outs)
+    pipe.generate("a fox", image=picture(48, 32), seed=0, **call)  # a wider reference: more tokens
+    assert len(traces) > traced
+
+
+@pytest.mark.parametrize("kwargs,argument,needle", [
+    (dict(image=None), "image", "image is required"),
+    (dict(mask_image=np.zeros((32, 32), np.uint8)), "mask_image", "takes no mask"),
+    (dict(image_resize="bogus"), "image_resize", "not one of: preferred, none"),
+    (dict(image=np.zeros((2, 2, 3), np.uint8)), "image", "at least 4x4"),
+    (dict(width=30), "width", "multiple of 4"),
+])
+def test_bad_input_is_one_line(pipe, kwargs, argument, needle):
+    call = {"image": picture(32, 32), **kwargs}
+    with pytest.raises(InvalidArgumentError) as err:
+        pipe.check("x", steps=2, **call)
+    assert err.value.argument == argument and needle in str(err.value)
+    assert len(str(err.value).splitlines()) == 1
+
+
+def test_torch_backend_draws_the_same_images(folder, pipe):
+    """backend="torch" runs diffusers' FluxKontextPipeline on the reference preheat resized and the same seeds."""
+    torch_pipe = preheat.load(folder, backend="torch")
+    assert torch_pipe.defaults == pipe.defaults and torch_pipe.family is pipe.family
+    call = dict(image=picture(50, 34, seed=2), image_resize="none", steps=3, seed=[4, 5], guidance=3.0)
+    theirs = torch_pipe.generate(["a red fox", "a cat"], **call)
+    ours = pipe.generate(["a red fox", "a cat"], **call)
+    assert ours.shape == (2, 32, 48, 3)
+    _compare(ours, theirs)
