@@ -8,7 +8,8 @@ the fleet store); ``preheat serve`` warms up the same set before READY (``Core``
 A signature is one serving program: sampler x guidance (off, and on when the model can guide)
 x batch bucket x served size (models that take more than their native one) x each variant of
 the family's data inputs that warm-up must compile (``InputSpec.warm``: negative prompts given
-or not, guided only) x LoRA (none, and each declared rank bucket: ``lora_ranks``). The step count
+or not, guided only; an image given or not, a mask with it -- the image a placeholder of the
+served size, so that the VAE encoder is compiled for every size a request can reach) x LoRA (none, and each declared rank bucket: ``lora_ranks``). The step count
 is runtime data, so each is compiled with ``steps=1``; a LoRA bucket with a LoRA of zeros
 (``LoraTargets.zeros`` in ``preheat.lora``), since any LoRA of the bucket is data of the same program.
 
@@ -155,11 +156,20 @@ def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
 
 
 def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
-    """``Pipeline.generate`` keywords for one signature (steps=1: the serving program, run cheaply)."""
+    """``Pipeline.generate`` keywords for one signature (steps=1: the serving program, run cheaply).
+    An image input is a placeholder image of the signature's size: each served size is then also
+    an image size the VAE encoder is compiled for."""
+    from preheat.families.inputs import Image
+
     n = sig.bucket
     inputs: dict[str, Any] = {"steps": 1, "sampler": sig.sampler, "guidance": sig.guidance, "seed": list(range(n))}
-    per_image = {s.name for s in _specs(pipe) if s.per_image}
-    inputs.update({name: [value] * n if name in per_image else value for name, value in sig.given})
+    specs = {s.name: s for s in _specs(pipe)}
+    width, height = sig.size if sig.size is not None else pipe.family.native_size(pipe)
+    for name, value in sig.given:
+        kind = specs[name].type
+        if isinstance(kind, Image):  # an image input (WARM_IMAGE): a placeholder of the served size
+            value = kind.placeholder(width, height)
+        inputs[name] = [value] * n if specs[name].per_image else value
     if sig.size is not None:
         inputs.update(width=sig.size[0], height=sig.size[1])
     if sig.lora:  # per image, as a server's batches give it (the same slot count); one zeros LoRA per rank
