@@ -62,6 +62,10 @@ class Core:
                 or config.max_loras < 1):
             raise ValueError("max_batch_size, max_queue, max_steps and max_loras must be >= 1 and batch_wait_ms >= 0")
         self.config = config
+        if config.max_image_pixels is not None:  # the process's limit (and PIL's bomb limit): set before any request
+            from preheat.image_input import set_max_pixels
+
+            set_max_pixels(config.max_image_pixels)
         self.metrics = CoreMetrics()
         fetch = config.fetch if config.fetch is not None else FetchConfig()
         self.fetcher = Fetcher(replace(fetch, policy=config.lora_urls) if config.lora_urls is not None else fetch,
