@@ -26,19 +26,3 @@ def toy_folder(out: Path, monkeypatch: pytest.MonkeyPatch, class_name: str = "To
         (out / "model_index.json").write_text(json.dumps({**index, "_class_name": class_name}))
     return out
 
-
-def png(pixels, fmt: str = "PNG") -> bytes:
-    """uint8 pixels (H, W[, C]) encoded as a file."""
-    import io
-
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def data_uri(data: bytes, mime: str = "image/png") -> str:
-    import base64
-
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"

@@ -16,7 +16,8 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError
-from tests._support.toy_models import png, toy_folder
+from tests._support.image_files import png
+from tests._support.toy_models import toy_folder
 
 GREY = np.full((16, 16, 3), 200, np.uint8)
 BLACK = np.zeros((16, 16), np.uint8)
