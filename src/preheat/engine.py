@@ -48,7 +48,7 @@ from preheat.errors import InvalidArgumentError, PreheatError
 from preheat.families import request as request_of
 from preheat.families.base import Family, LoadedModel, Request, StageSignature, to_pixels
 from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
-from preheat.samplers import (Plan, SchedulerConfig, SolverSpec, load_scheduler_config, make_spec,
+from preheat.samplers import (Plan, SchedulerConfig, SolverSpec, Start, load_scheduler_config, make_spec,
                               run)
 from preheat.timings import Phases, Timings, now_s
 
@@ -62,9 +62,10 @@ Denoiser = Callable[[Any, jax.Array, jax.Array, Any], jax.Array]
 batched on axis 0 (``{}`` for unconditional models)."""
 
 # the denoising program's arguments split over the devices (the rest, weights first, are replicated):
-# (params, plan, seeds*, cond*, uncond*, guidance, noise*); LoRA factors ride in params (replicated),
-# each image's adapter slot in cond (split)
-DENOISE_BATCHED = (2, 3, 4, 6)
+# (params, plan, seeds*, cond*, uncond*, guidance, noise*[, start*]); LoRA factors ride in params
+# (replicated), each image's adapter slot in cond (split); an image-conditioned call's Start last
+# (its latents and mask split, its start index and flag -- scalars -- replicated)
+DENOISE_BATCHED = (2, 3, 4, 6, 7)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ class Signature:
     conditioning: tuple[str, ...]  # the names of the conditioning leaves ((), ("class_labels",), ...)
     pixels: bool  # the program ends with the conversion to uint8
     lora: tuple[int, int] | None = None  # (rank bucket, adapter slots); None: the program without LoRA
+    image: str = ""  # "": from noise; "img2img": from an image at a start step (samplers.Start);
+    #                  "blend": that, and the unmasked region put back after every step (inpainting)
 
     @property
     def output(self) -> jax.ShapeDtypeStruct:
@@ -91,12 +94,16 @@ class Signature:
 
 def build_program(sig: Signature, apply: Denoiser) -> Callable[..., jax.Array]:
     """The whole denoising call as one pure function of
-    (params, plan, seeds, cond, uncond, guidance, noise)."""
+    (params, plan, seeds, cond, uncond, guidance, noise[, start]).
+
+    ``start`` (``preheat.samplers.Start``, only when ``sig.image``): the loop begins at its step
+    index from the encoded image, noised with the same ε the text-to-image call would start from
+    (the user's ``noise``, or the seeds' draw) -- every family's img2img and inpainting start here."""
     spec = sig.spec
     draws = max(spec.noise_draws_per_step, 1)
 
     def program(params: Any, plan: Plan, seeds: jax.Array, cond: Any, uncond: Any, guidance: jax.Array,
-                noise: jax.Array) -> jax.Array:
+                noise: jax.Array, start: Start | None = None) -> jax.Array:
         b = seeds.shape[0]  # sig.batch, or each device's slice of it under data parallelism
         keys = image_keys(seeds)
         if sig.user_noise:
@@ -117,7 +124,7 @@ def build_program(sig: Signature, apply: Denoiser) -> Callable[..., jax.Array]:
         def noise_fn(i: jax.Array, k: int) -> jax.Array:
             return normal_per_image(keys, STEP_STREAM, i * draws + k, sig.sample_shape)
 
-        x0 = run(spec, model, plan, x_t, noise_fn)
+        x0 = run(spec, model, plan, x_t, noise_fn, start if sig.image else None)
         return to_pixels(x0) if sig.pixels else x0
 
     return program
@@ -272,6 +279,10 @@ class Pipeline:
             sig = dataclasses.replace(sig, lora=request.lora.signature, conditioning=tuple(sorted(cond)))
             self.components.setdefault("lora_buckets", set()).add(request.lora.bucket)
         args = (params, plan, request.seeds, cond, uncond, np.float32(request.guidance), noise)
+        start = self.family.image_start(self, request, plan)
+        if start is not None:  # img2img / inpainting: the start step and the image are data
+            sig = dataclasses.replace(sig, image="img2img" if start.keep is None else "blend")
+            args = (*args, start)
         return sig, args
 
     def _run_denoise(self, sig: Signature, args: tuple) -> Any:

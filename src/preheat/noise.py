@@ -1,7 +1,7 @@
 """Per-image randomness, drawn the same way by every backend and every family.
 
 Image ``b`` draws all its randomness from ``key(seed_b)``: its initial noise is stream 0, index 0;
-a sampler's per-step draws are stream 1. So an image is the same whatever else shares its batch,
+a sampler's per-step draws are stream 1; the VAE posterior's draws when an image goes in, stream 2. So an image is the same whatever else shares its batch,
 and the torch backend can reproduce the JAX engine's starting noise exactly.
 """
 
@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["INIT_STREAM", "STEP_STREAM", "image_keys", "normal_per_image", "initial_noise"]
+__all__ = ["INIT_STREAM", "STEP_STREAM", "IMAGE_STREAM", "image_keys", "normal_per_image", "initial_noise"]
 
 INIT_STREAM, STEP_STREAM = 0, 1
+IMAGE_STREAM = 2  # the VAE posterior's samples of an image the call passes in (index: which image)
 
 
 def image_keys(seeds: jax.Array) -> jax.Array:

@@ -5,6 +5,7 @@
     DDPMPipeline, DDIMPipeline, (bare) UNet2DModel, preheat's digits   pixel (``families.pixel``)
     StableDiffusionPipeline                                            stable-diffusion (1.x, 2.x)
     StableDiffusionXLPipeline                                          stable-diffusion-xl
+    StableDiffusion[XL]Img2ImgPipeline, ...InpaintPipeline (9-ch UNet) the same families, image in
     StableDiffusion3Pipeline                                           stable-diffusion-3 (3, 3.5)
     FluxPipeline                                                       flux (FLUX.1 schnell, dev)
 
@@ -32,6 +33,11 @@ FAMILY_OF_CLASS: dict[str, tuple[str, str]] = {
     "DDIMPipeline": ("preheat.families.pixel", "load_pixel"),
     "StableDiffusionPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion"),
     "StableDiffusionXLPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion_xl"),
+    # the same folders saved by the image pipelines; an inpainting one has a 9-channel UNet
+    "StableDiffusionImg2ImgPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion"),
+    "StableDiffusionInpaintPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion"),
+    "StableDiffusionXLImg2ImgPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion_xl"),
+    "StableDiffusionXLInpaintPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion_xl"),
     "StableDiffusion3Pipeline": ("preheat.families.sd3", "load_stable_diffusion_3"),
     "FluxPipeline": ("preheat.families.flux", "load_flux"),
 }

@@ -195,6 +195,12 @@ class Family:
                 raise InvalidArgumentError(f"{spec.name} needs classifier-free guidance; use a guidance scale other "
                                            "than 1", argument=spec.name)
 
+    def image_start(self, pipe: "EngineView", request: "Request", plan: Any) -> Any:
+        """Where an image-conditioned call begins (``preheat.samplers.Start``: the start step of
+        ``plan``, the encoded image, the mask to blend; may run the encode_image stage), or None:
+        the loop starts from noise. Families that take an ``image`` override it."""
+        return None
+
     def condition(self, pipe: "EngineView", request: "Request") -> Conditioning:
         """The denoiser's ``cond``/``uncond`` pytrees for a validated request (may run a stage)."""
         raise NotImplementedError

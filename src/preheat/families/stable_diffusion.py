@@ -39,14 +39,16 @@ negative prompt is given.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
+from preheat.families import image as image_input
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
+from preheat.families.image import IMAGE, MASK_IMAGE, STRENGTH
 from preheat.lora import encoder_adapters
 from preheat.families.inputs import InputSpec, Int, Pair, Text
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, SAMPLER_OF_SCHEDULER, TextToImageFamily, component,
@@ -92,17 +94,23 @@ def clip_skip_spec(high: int) -> InputSpec:
 class StableDiffusionFamily(TextToImageFamily):
     name: str = "stable-diffusion"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "dpmpp_2m", "steps": 30, "guidance": 7.5})
-    specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT)
+    specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT, IMAGE, MASK_IMAGE, STRENGTH)
     xl: bool = False
+    strength: tuple[float, float] = (0.8, 1.0)  # diffusers' default strength: (img2img, inpainting)
 
     # ------------------------------------------------------------------ inputs
 
     def input_specs(self, pipe: EngineView) -> tuple[InputSpec, ...]:
         layers = pipe.components["clip_layers"]
-        return (*super().input_specs(pipe), clip_skip_spec(layers - 1 if self.xl else layers))  # SDXL: from the penultimate
+        specs = super().input_specs(pipe)
+        if pipe.components["inpaint"]:  # a 9-channel UNet repaints: it needs both
+            specs = tuple(replace(s, required=True) if s.name in ("image", "mask_image") else s for s in specs)
+        return (*specs, clip_skip_spec(layers - 1 if self.xl else layers))  # SDXL: from the penultimate
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         values = super().check_inputs(pipe, n, inputs)
+        image_input.check_image_inputs(pipe, values, inputs, inpaint_model=pipe.components["inpaint"],
+                                       default_strength=self.strength, max_size=self.max_size)
         if self.xl:
             values["prompt_2"] = _or_first(values["prompt_2"], values["prompt"])
             values["negative_prompt_2"] = _or_first(values["negative_prompt_2"], values["negative_prompt"])
@@ -143,7 +151,7 @@ class StableDiffusionFamily(TextToImageFamily):
             time_ids = np.repeat(values["time_ids"][None], n, axis=0)  # (n, 6)
             cond = {"context": context[:n], "text_embeds": pooled[:n], "time_ids": time_ids}
             if not request.guided:
-                return Conditioning(cond=cond, uncond={})
+                return self._with_mask(pipe, request, Conditioning(cond=cond, uncond={}))
             negative_ids = values["negative_time_ids"]
             uncond_ids = time_ids if negative_ids is None else np.repeat(negative_ids[None], n, axis=0)  # (n, 6)
             if zeros_uncond:
@@ -151,17 +159,62 @@ class StableDiffusionFamily(TextToImageFamily):
                           "time_ids": uncond_ids}
             else:
                 uncond = {"context": context[n:], "text_embeds": pooled[n:], "time_ids": uncond_ids}
-            return Conditioning(cond=cond, uncond=uncond)
+            return self._with_mask(pipe, request, Conditioning(cond=cond, uncond=uncond))
         context = np.asarray(out)
         cond = {"context": context[:n]}
-        return Conditioning(cond=cond, uncond={"context": context[n:]} if request.guided else {})
+        return self._with_mask(pipe, request, Conditioning(cond=cond, uncond={"context": context[n:]}
+                                                           if request.guided else {}))
+
+    def _with_mask(self, pipe: EngineView, request: Request, conditioning: Conditioning) -> Conditioning:
+        """A 9-channel (inpainting) UNet's extra input channels, beside the sample: the latent-grid
+        mask and the masked image's latents (the same for both guidance branches, as diffusers)."""
+        if not pipe.components["inpaint"]:
+            return conditioning
+        values, n = request.values, request.n
+        w, h = values["width"], values["height"]
+        x = image_input.pixels(values["image"], w, h)  # (H, W, 3)
+        m = image_input.mask(values["mask_image"], w, h)  # (H, W)
+        masked = np.repeat(image_input.masked(x, m)[None], n, axis=0)  # (n, H, W, 3)
+        extra = {"mask": np.repeat(image_input.latent_mask(m, pipe.components["vae_scale"])[None], n, axis=0),
+                 "masked_image_latents": image_input.encode_images(pipe, masked, request.seeds, 1)}
+        uncond = {**conditioning.uncond, **extra} if request.guided else conditioning.uncond
+        return Conditioning(cond={**conditioning.cond, **extra}, uncond=uncond)
+
+    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
+        """img2img and inpainting begin as diffusers' pipelines: at ``get_timesteps(strength)``'s
+        step, from the encoded image noised there -- or, inpainting at strength 1 (diffusers'
+        ``is_strength_max``), from noise alone; a base model's 4 channels blend the mask after each step."""
+        values, n = request.values, request.n
+        if values.get("image") is None:
+            return None
+        from preheat.samplers import BLEND_SOLVERS, Start, make_spec, strength_start
+
+        w, h = values["width"], values["height"]
+        strength, mask_image = values["strength"], values["mask_image"]
+        index = strength_start(request.steps, strength, "sd")
+        pure = mask_image is not None and strength == 1.0
+        blend = mask_image is not None and not pipe.components["inpaint"]
+        if blend and make_spec(pipe.scheduler_config, request.sampler).solver not in BLEND_SOLVERS:
+            raise InvalidArgumentError(f"sampler {request.sampler!r} cannot blend an inpainting mask on this model "
+                                       "(diffusers blends between its two model calls per step); use another",
+                                       argument="sampler")
+        if pure and not blend:  # the image reaches the model only through the mask channels
+            x0 = np.zeros((n, *request.sample_shape), np.float32)
+        else:
+            x = np.repeat(image_input.pixels(values["image"], w, h)[None], n, axis=0)  # (n, H, W, 3)
+            x0 = image_input.encode_images(pipe, x, request.seeds, 0)  # (n, h, w, C)
+        keep = None
+        if blend:
+            m = image_input.latent_mask(image_input.mask(mask_image, w, h), pipe.components["vae_scale"])
+            keep = np.repeat(m[None], n, axis=0)  # (n, h, w, 1)
+        return Start(index=np.int32(index), x0=x0, pure_noise=np.bool_(pure), keep=keep)
 
 
 SD = StableDiffusionFamily()
 SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
-                             defaults={"sampler": "euler", "steps": 30, "guidance": 5.0},
+                             defaults={"sampler": "euler", "steps": 30, "guidance": 5.0}, strength=(0.3, 0.9999),
                              specs=(PROMPT, PROMPT_2, NEGATIVE_PROMPT, NEGATIVE_PROMPT_2, *SDXL_SIZE_SPECS,
-                                    *SDXL_NEGATIVE_SIZE_SPECS))
+                                    *SDXL_NEGATIVE_SIZE_SPECS, IMAGE, MASK_IMAGE, STRENGTH))
 
 
 def _encode_program(encoders: Sequence[Any], xl: bool, lora: bool = False) -> Any:
@@ -292,15 +345,23 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
                                      f"got {cfg.addition_embed_type!r}")
     # the UNet's own check: cross_attention_dim vs the encoders' width (and SDXL's pooled + 6 ids)
     unet.check_text_conditioning(width, encoders[-1].config.projection_dim if family.xl else None)
-    if vae.config.latent_channels != cfg.in_channels:
-        raise UnsupportedConfigError(f"{root}: the VAE has {vae.config.latent_channels} latent channels, the UNet "
-                                     f"takes {cfg.in_channels}")
+    latent_channels = vae.config.latent_channels
+    # an inpainting UNet (StableDiffusion[XL]InpaintPipeline) takes the sample, the mask and the masked image's latents
+    inpaint = cfg.in_channels == 2 * latent_channels + 1
+    if cfg.in_channels != latent_channels and not inpaint:
+        raise UnsupportedConfigError(f"{root}: the VAE has {latent_channels} latent channels, the UNet takes "
+                                     f"{cfg.in_channels} (an inpainting UNet takes {2 * latent_channels + 1})")
+    if family.xl and index.get("requires_aesthetics_score"):
+        raise UnsupportedConfigError(f"{root}: requires_aesthetics_score (an SDXL refiner's aesthetic-score "
+                                     "micro-conditioning) is not supported")
     vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
     latent = cfg.sample_size if isinstance(cfg.sample_size, (list, tuple)) else (cfg.sample_size, cfg.sample_size)
 
     def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
         params, lora = split_adapters(params, cond)
         added = {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]} if family.xl else None
+        if inpaint:  # (B, h, w, C + 1 + C): after the scheduler's input scaling, as diffusers concatenates
+            x = jnp.concatenate([x, cond["mask"].astype(x.dtype), cond["masked_image_latents"].astype(x.dtype)], -1)
         return unet.apply(params, x, t, cond["context"], added, lora)
 
     # LoRA: every Linear / 1x1 conv of the UNet and the text encoders takes an adapter (preheat.lora)
@@ -321,6 +382,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         "vae": vae,
         "vae_scale": vae_scale,
         "size_multiple": vae_scale,  # odd latent sides are fine: the UNet upsamples to each skip's size
+        "inpaint": inpaint,
         "force_zeros": bool(index.get("force_zeros_for_empty_prompt", True)),
         "clip_layers": min(te.config.num_hidden_layers for te in encoders),  # bounds clip_skip
         "lora_targets": targets,
@@ -332,7 +394,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     }
     fingerprint = {"kind": "unet2d-condition", "family": family.name, "config": cfg.architecture_dict()}
     return LoadedModel(apply=apply, params=unet.params,
-                       sample_shape=(int(latent[0]), int(latent[1]), cfg.in_channels), scheduler_config=sched,
+                       sample_shape=(int(latent[0]), int(latent[1]), latent_channels), scheduler_config=sched,
                        fingerprint=fingerprint, family=family, defaults=default_sampler(root),
                        dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)
 

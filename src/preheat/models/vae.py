@@ -351,13 +351,18 @@ class VAE:
         """
         return self.decode(params, self.unscale(params, latents))
 
-    def images_to_latents(self, params: nnx.State, x: Array, key: Array | None = None) -> Array:
-        """Images -> diffusion latents (float32): the posterior mean, or a sample of it when ``key`` is given."""
+    def images_to_latents(self, params: nnx.State, x: Array, key: Array | None = None,
+                          noise: Array | None = None) -> Array:
+        """Images -> diffusion latents (float32): the posterior mean, or a sample of it when ``key``
+        (one draw for the batch) or ``noise`` (a standard-normal draw of the latent shape, e.g. one
+        per image from its seed) is given -- diffusers' pipelines sample (``retrieve_latents``)."""
         model = self._model(params)
         mean, logvar = model.encode(jnp.asarray(x).astype(self.dtype))
         z = mean.astype(jnp.float32)
         if key is not None:
-            z = z + jnp.exp(0.5 * logvar.astype(jnp.float32)) * jax.random.normal(key, z.shape, jnp.float32)
+            noise = jax.random.normal(key, z.shape, jnp.float32)
+        if noise is not None:
+            z = z + jnp.exp(0.5 * logvar.astype(jnp.float32)) * noise.astype(jnp.float32)
         return model.scale(z)
 
     def tile_sizes(self, tile_latent_min_size: int | None = None,

@@ -24,7 +24,10 @@ Public API::
     config_kind(config) -> "flow" | "diffusion" | None
     init(spec, plan, noise) -> SamplerState
     step(spec, model, plan, state, i, noise_fn) -> SamplerState
-    run(spec, model, plan, noise, noise_fn) -> x0                   # init + lax.fori_loop
+    run(spec, model, plan, noise, noise_fn, start=None) -> x0       # init + lax.fori_loop
+    Start(index, x0, pure_noise, keep=None)   # img2img / inpainting: begin at step index from x0
+    noised(spec, plan, x0, noise, i) -> x_i   # diffusers' add_noise / scale_noise at step i
+    strength_start(steps, strength, rule) -> index   # the pipeline's get_timesteps(strength)
 
     model(x_in, t) -> raw output   # x_in shaped like the sample, t a float32 scalar timestep
     noise_fn(i, k) -> noise        # standard normal, shaped like the sample; draw k of step i
@@ -88,9 +91,10 @@ raise ``SchedulerConfigError`` with a one-line message naming the key.
 from __future__ import annotations
 
 from preheat.samplers._config import SchedulerConfig, config_kind, find_scheduler_config, load_scheduler_config
-from preheat.samplers._plan import MU_SIGMAS_SAMPLERS, Plan, SolverSpec, flow_mu, make_plan, make_spec
+from preheat.samplers._plan import (MU_SIGMAS_SAMPLERS, Plan, SolverSpec, flow_mu, make_plan, make_spec,
+                                   strength_start)
 from preheat.samplers._schedules import flux_sigmas
-from preheat.samplers._solvers import Model, NoiseFn, SamplerState, init, run, step
+from preheat.samplers._solvers import BLEND_SOLVERS, Model, NoiseFn, SamplerState, Start, init, noised, run, step
 from preheat.samplers._tables import DETERMINISTIC_SAMPLERS, DIFFUSION_SAMPLERS, FLOW_SAMPLERS, SAMPLERS
 
 __all__ = [
@@ -106,6 +110,8 @@ __all__ = [
     "SolverSpec",
     "Plan",
     "SamplerState",
+    "Start",
+    "BLEND_SOLVERS",
     "Model",
     "NoiseFn",
     "make_spec",
@@ -115,4 +121,6 @@ __all__ = [
     "init",
     "step",
     "run",
+    "noised",
+    "strength_start",
 ]

@@ -19,7 +19,7 @@ from preheat.samplers._config import (ResolvedConfig, ResolvedFlowConfig, Schedu
                                       resolve_flow)
 from preheat.samplers._tables import FLOW_SAMPLERS, SAMPLERS
 
-__all__ = ["SolverSpec", "Plan", "make_spec", "make_plan", "flow_mu", "MU_SIGMAS_SAMPLERS"]
+__all__ = ["SolverSpec", "Plan", "make_spec", "make_plan", "flow_mu", "strength_start", "MU_SIGMAS_SAMPLERS"]
 
 _F32 = np.float32
 
@@ -171,6 +171,26 @@ def flow_mu(config: SchedulerConfig, image_seq_len: int) -> float:
     m = (fr.max_shift - fr.base_shift) / (max_seq_len - base_seq_len)
     b = fr.base_shift - m * base_seq_len
     return int(image_seq_len) * m + b
+
+
+def strength_start(steps: int, strength: float, rule: str = "sd") -> int:
+    """The first step an img2img call runs: diffusers' ``get_timesteps(steps, strength)``, whose
+    ``t_start * scheduler.order`` is this step of a ``Plan`` (Heun's two calls are one step here).
+
+    "sd" (SD 1.x/2.x, SDXL): ``steps - min(int(steps * strength), steps)``; "flow" (Flux, SD3):
+    ``int(steps - min(steps * strength, steps))`` -- the cast after the subtraction, not before.
+    A start that leaves no step to run is refused (diffusers would index an empty schedule).
+    """
+    if rule == "sd":
+        start = max(steps - min(int(steps * strength), steps), 0)
+    elif rule == "flow":
+        start = int(max(steps - min(steps * strength, steps), 0))
+    else:
+        raise SchedulerConfigError(f"unknown strength rule {rule!r}; use 'sd' or 'flow'")
+    if start >= steps:
+        raise SchedulerConfigError(f"strength={strength} with steps={steps} runs no step; raise strength or steps",
+                                   argument="strength")
+    return start
 
 
 def _check_steps(steps: object, T: int) -> int:

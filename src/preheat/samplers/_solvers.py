@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from preheat.errors import InvalidArgumentError
 from preheat.samplers._plan import Plan, SolverSpec
 
-__all__ = ["SamplerState", "Model", "NoiseFn", "init", "step", "run"]
+__all__ = ["SamplerState", "Start", "Model", "NoiseFn", "init", "step", "run", "noised", "BLEND_SOLVERS"]
 
 Model = Callable[[jax.Array, jax.Array], jax.Array]
 """``model(x_in, t)``: raw network output (epsilon / v / x0) for input ``x_in`` at float32 scalar ``t``."""
@@ -41,6 +41,26 @@ class SamplerState(NamedTuple):
 
     x: jax.Array  # [*S] float32: the current sample
     x0_prev: jax.Array | None = None  # [*S] float32: previous x0 prediction (dpm++ only)
+
+
+class Start(NamedTuple):
+    """Where an image-conditioned call begins (img2img, inpainting; a pytree of data).
+
+    diffusers' img2img / inpaint pipelines cut the schedule at ``t_start`` (``get_timesteps``) and
+    put the encoded image at that step's noise level (``add_noise``; flow: ``scale_noise``); step
+    ``index`` of the same padded ``Plan`` is that start here, so a strength never recompiles.
+    """
+
+    index: jax.Array  # int32 []: the first step run (the pipeline's t_start)
+    x0: jax.Array  # [*S] float32: the clean latents (the encoded image) the noise goes onto
+    pure_noise: jax.Array  # bool []: begin from the noise alone, scaled by init_noise_sigma
+    #   (diffusers' inpainting at strength 1 does; its img2img noises the image even then)
+    keep: jax.Array | None = None  # [*S] (or broadcastable) float32, 1 = repaint: after every step the
+    #   rest is put back as x0 noised to the next level (mask blending on a base model's 4 channels)
+
+
+# Mask blending needs one blend per scheduler call; Heun's two calls per step are one step here.
+BLEND_SOLVERS: tuple[str, ...] = ("ddpm", "ddim", "euler", "euler_a", "dpmpp_2m", "lcm")
 
 
 def init(spec: SolverSpec, plan: Plan, noise: jax.Array) -> SamplerState:
@@ -62,19 +82,54 @@ def step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax
     return solver(spec, model, plan, state, jnp.asarray(i, jnp.int32), noise_fn)
 
 
-def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: NoiseFn) -> jax.Array:
+def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: NoiseFn,
+        start: Start | None = None) -> jax.Array:
     """The whole denoising loop: ``init`` then ``plan.n_steps`` steps; returns the final sample.
 
-    The trip count is traced, so one compiled program serves every step count.
+    The trip count is traced, so one compiled program serves every step count. With ``start``
+    the loop runs steps ``start.index .. n_steps - 1`` from ``start.x0`` noised with ``noise``
+    to step ``start.index``'s level (the index is traced too: one program for every strength).
     """
-    state = init(spec, plan, noise)
-    state = jax.lax.fori_loop(
-        0,
-        jnp.asarray(plan.n_steps, jnp.int32),
-        lambda i, s: step(spec, model, plan, s, i, noise_fn),
-        state,
-    )
+    first = jnp.int32(0)
+    if start is None:
+        state = init(spec, plan, noise)
+    else:
+        first = jnp.asarray(start.index, jnp.int32)
+        if spec.solver == "dpmpp_2m":  # no history at the first step run: first order, as diffusers
+            plan = plan._replace(order=jnp.asarray(plan.order).at[first].set(1))
+        state = init(spec, plan, noise)
+        x = jnp.where(start.pure_noise, state.x, noised(spec, plan, start.x0, noise, first))
+        state = state._replace(x=x)
+
+    def body(i: jax.Array, s: SamplerState) -> SamplerState:
+        s = step(spec, model, plan, s, i, noise_fn)
+        if start is None or start.keep is None:
+            return s
+        # diffusers' inpaint loop: the kept region is x0 at the next step's level (x0 itself at the end)
+        last = i == jnp.asarray(plan.n_steps, jnp.int32) - 1
+        kept = jnp.where(last, start.x0, noised(spec, plan, start.x0, noise, i + 1))
+        return s._replace(x=(1.0 - start.keep) * kept + start.keep * s.x)
+
+    state = jax.lax.fori_loop(first, jnp.asarray(plan.n_steps, jnp.int32), body, state)
     return state.x
+
+
+def noised(spec: SolverSpec, plan: Plan, x0: jax.Array, noise: jax.Array, i: jax.Array | int) -> jax.Array:
+    """``x0`` at step ``i``'s noise level in the solver's own state, as the diffusers scheduler's
+    ``add_noise`` (flow: ``scale_noise``) puts it: VE ``x0 + sigma eps``; dpm++ ``alpha(sigma) x0 +
+    sigma_vp eps`` from its sigmas; ddpm/ddim/lcm ``sqrt(ab) x0 + sqrt(1 - ab) eps`` at ``t_i``."""
+    i = jnp.asarray(i, jnp.int32)
+    x0, noise = jnp.asarray(x0, jnp.float32), jnp.asarray(noise, jnp.float32)
+    if spec.prediction_type == "flow":
+        sigma = _at(plan.sigmas, i)
+        return sigma * noise + (1.0 - sigma) * x0
+    if spec.solver in ("euler", "euler_a", "heun"):
+        return x0 + noise * _at(plan.sigmas, i)
+    if spec.solver == "dpmpp_2m":
+        alpha, sigma = _vp(_at(plan.sigmas, i))
+        return alpha * x0 + sigma * noise
+    ab = _at(plan.alpha_bar, i)
+    return jnp.sqrt(ab) * x0 + jnp.sqrt(1.0 - ab) * noise
 
 
 # --- shared pieces ----------------------------------------------------------------------------

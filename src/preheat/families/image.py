@@ -1,0 +1,167 @@
+"""An image goes in: img2img and inpainting inputs, shared by the latent families.
+
+What diffusers' img2img / inpaint pipelines do before their loop, host side unless marked::
+
+    step                                     diffusers                            here
+    ---------------------------------------  -----------------------------------  --------------------------
+    output size (img2img)                    the image's, rounded down to a       the same (a static bucket,
+                                             multiple of the VAE factor           like width/height)
+    output size (inpainting)                 width/height, else the UNet's native the same
+    image -> [-1, 1]                         VaeImageProcessor: PIL lanczos       ``pixels``
+                                             resize when the size differs, /255,
+                                             2x - 1
+    mask -> {0, 1}                           mask processor: grayscale, resize,   ``mask``
+                                             /255, binarize at 0.5
+    mask -> latent grid                      F.interpolate nearest: pixel (s i,   ``latent_mask``
+                                             s j)
+    masked image                             image * (mask < 0.5)                 ``masked``
+    image -> latents (device)                vae.encode -> posterior sample ->    the ``encode_image`` stage
+                                             scaling (and shift)                  (``encode_images``)
+    start step                               get_timesteps(strength)              ``samplers.strength_start``
+    start sample (device)                    scheduler.add_noise(latents, ε, t)   ``samplers.Start`` in the
+                                                                                  denoising program
+
+The ``encode_image`` stage is one program per (batch, image size): shared by every sampler,
+strength, prompt and image content. Its posterior samples are each image's own (``noise``
+stream 2, index 0 for the image, 1 for a masked image), as the denoising noise is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from preheat.errors import InvalidArgumentError
+from preheat.families.base import EngineView, StageSignature
+from preheat.families.inputs import Float, Image, InputSpec
+
+__all__ = ["IMAGE", "MASK_IMAGE", "STRENGTH", "Strength", "image_size", "check_image_inputs", "pixels", "mask",
+           "latent_mask", "masked", "encode_images", "encode_image_program"]
+
+
+@dataclass(frozen=True)
+class Strength(Float):
+    """img2img's strength: a number in (0, 1] (0 would run no step)."""
+
+    low: float | None = 0.0
+    high: float | None = 1.0
+
+    def check(self, name: str, value: Any) -> float:
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"{name}={value!r} must be a number in (0, 1]", argument=name) from None
+        if isinstance(value, bool) or not np.isfinite(f) or not 0.0 < f <= 1.0:
+            raise InvalidArgumentError(f"{name}={value!r} is outside (0, 1]", argument=name)
+        return f
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0}
+
+
+IMAGE = InputSpec("image", Image(), "The image to start from (img2img), or to repaint where the mask is white.",
+                  example=None)
+MASK_IMAGE = InputSpec("mask_image", Image(mask=True), "Inpainting: where to repaint (white) and keep (black); "
+                       "the image's size.", field="mask")
+STRENGTH = InputSpec("strength", Strength(), "How far from the image to go, in (0, 1]: the share of the steps "
+                     "that run (1: from noise).", default_doc="the pipeline's own (SD 0.8, SDXL 0.3; inpainting "
+                     "SD 1.0, SDXL 0.9999)")
+
+
+def image_size(image: np.ndarray, multiple: int) -> tuple[int, int]:
+    """(width, height) of an img2img output: the image's own, rounded down to ``multiple`` as
+    diffusers' ``get_default_height_width``."""
+    h, w = image.shape[:2]
+    width, height = w - w % multiple, h - h % multiple
+    if width < multiple or height < multiple:
+        raise InvalidArgumentError(f"image is {w}x{h}; it must be at least {multiple}x{multiple}", argument="image")
+    return width, height
+
+
+def check_image_inputs(pipe: EngineView, values: dict[str, Any], inputs: dict[str, Any], *, inpaint_model: bool,
+                       default_strength: tuple[float, float], max_size: int) -> None:
+    """Cross-input checks and the output size, in ``values``: a mask needs an image of its size,
+    strength needs an image, an inpainting model needs both; img2img sizes from the image unless
+    width/height are given. ``default_strength``: (img2img, inpainting), the pipelines' defaults."""
+    image, mask_image, strength = values.get("image"), values.get("mask_image"), values.get("strength")
+    if image is None:
+        if inpaint_model:
+            raise InvalidArgumentError("image is required: this is an inpainting model (give image and mask_image)",
+                                       argument="image")
+        for name in ("mask_image", "strength"):
+            if values.get(name) is not None:
+                raise InvalidArgumentError(f"{name} needs image", argument=name)
+        return
+    if mask_image is None and inpaint_model:
+        raise InvalidArgumentError("mask_image is required: this is an inpainting model", argument="mask_image")
+    if mask_image is not None and mask_image.shape[:2] != image.shape[:2]:
+        (mh, mw), (h, w) = mask_image.shape[:2], image.shape[:2]
+        raise InvalidArgumentError(f"mask_image is {mw}x{mh} but image is {w}x{h}; they must be the same size",
+                                   argument="mask_image")
+    if strength is None:
+        values["strength"] = default_strength[0 if mask_image is None else 1]
+    if mask_image is None and inputs.get("width") is None and inputs.get("height") is None:
+        width, height = image_size(image, pipe.components["size_multiple"])
+        if max(width, height) > max_size:
+            raise InvalidArgumentError(f"image is {width}x{height}; at most {max_size} a side for this model "
+                                       "(give width/height to resize it)", argument="image")
+        values["width"], values["height"] = width, height
+
+
+def _resized(array: np.ndarray, width: int, height: int) -> np.ndarray:
+    """PIL's lanczos resize when the size differs, as diffusers' ``VaeImageProcessor.resize``."""
+    if array.shape[1] == width and array.shape[0] == height:
+        return array
+    from PIL import Image as PILImage
+
+    return np.asarray(PILImage.fromarray(array).resize((width, height), resample=PILImage.LANCZOS))
+
+
+def pixels(image: np.ndarray, width: int, height: int) -> np.ndarray:
+    """uint8 (H, W, 3) -> float32 (height, width, 3) in [-1, 1], as diffusers preprocesses."""
+    x = _resized(image, width, height).astype(np.float32) / 255.0
+    return 2.0 * x - 1.0
+
+
+def mask(mask_image: np.ndarray, width: int, height: int) -> np.ndarray:
+    """uint8 (H, W) -> float32 (height, width) in {0, 1} (1 = repaint): resized, /255, binarized at 0.5."""
+    m = _resized(mask_image, width, height).astype(np.float32) / 255.0
+    return np.where(m < 0.5, 0.0, 1.0).astype(np.float32)
+
+
+def latent_mask(m: np.ndarray, scale: int) -> np.ndarray:
+    """(H, W) -> (H/s, W/s, 1): nearest as ``F.interpolate`` picks it, pixel (s i, s j)."""
+    return np.ascontiguousarray(m[::scale, ::scale, None])
+
+
+def masked(x: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """The image with the region to repaint zeroed (diffusers' ``image * (mask < 0.5)``)."""
+    return x * (m < 0.5)[..., None].astype(np.float32)
+
+
+def encode_image_program(vae: Any) -> Any:
+    """(params, images (B, H, W, 3) in [-1, 1], seeds (B,), index []) -> latents (B, h, w, C) float32:
+    a posterior sample per image from its seed, scaled (and shifted) as the pipelines do."""
+    import jax.numpy as jnp
+
+    from preheat.noise import IMAGE_STREAM, image_keys, normal_per_image
+
+    def program(params: Any, images: Any, seeds: Any, index: Any) -> Any:
+        f = vae.downscale
+        shape = (images.shape[1] // f, images.shape[2] // f, vae.latent_channels)
+        draw = normal_per_image(image_keys(seeds), IMAGE_STREAM, index, shape)  # (B, h, w, C)
+        return vae.images_to_latents(params, images.astype(jnp.float32), noise=draw)
+
+    return program
+
+
+def encode_images(pipe: EngineView, images: np.ndarray, seeds: np.ndarray, index: int) -> np.ndarray:
+    """Run the ``encode_image`` stage: (B, H, W, 3) float32 in [-1, 1] -> (B, h, w, C) latents."""
+    vae = pipe.components["vae"]
+    sig = StageSignature("encode_image", batch=int(images.shape[0]), shape=tuple(images.shape[1:3]),
+                         dtype=str(vae.dtype))
+    fingerprint = {**pipe.components["decode_fingerprint"], "kind": "vae-encode"}
+    return np.asarray(pipe.run_stage("encode_image", fingerprint, sig, lambda: encode_image_program(vae),
+                                     (vae.params, images.astype(np.float32), seeds, np.int32(index))))

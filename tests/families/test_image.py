@@ -1,0 +1,180 @@
+"""An image goes in (``preheat.families.image``): SD 1.x / SDXL img2img and inpainting against
+diffusers' own pipelines from the same ε, the inputs that are data, and the one-line refusals.
+
+Each parity case is diffusers' ``StableDiffusion[XL]Img2ImgPipeline`` / ``...InpaintPipeline`` on a
+tiny folder whose VAE posterior has negligible variance (``tests/_support/image_fixtures``), seeded
+by a generator; preheat gets the ε that generator adds (replayed), so from the same start both
+must agree within mean |Δ| <= 1 level and max <= 8 levels of 255.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import preheat
+from preheat.errors import InvalidArgumentError, SchedulerConfigError
+from preheat.families import image as image_input
+from tests._support import image_fixtures
+
+MEAN_TOL, MAX_TOL = 1.0, 8
+STEPS = 5
+SHAPE = (1, 4, 16, 16)  # one image's latents, NCHW (32x32 pixels, VAE factor 2)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    base = tmp_path_factory.mktemp("image-inputs")
+    return {"sd1": image_fixtures.save_image_sd(base / "sd1", "sd1"),
+            "sdxl": image_fixtures.save_image_sd(base / "sdxl", "sdxl"),
+            "sd1-inpaint": image_fixtures.save_image_sd(base / "sd1-inpaint", "sd1", inpaint=True),
+            "sdxl-inpaint": image_fixtures.save_image_sd(base / "sdxl-inpaint", "sdxl", inpaint=True)}
+
+
+@pytest.fixture(scope="module")
+def pipes(folders):
+    loaded: dict = {}
+
+    def get(name: str):
+        if name not in loaded:
+            loaded[name] = preheat.load(folders[name], cache="off")
+        return loaded[name]
+
+    return get
+
+
+def _pil(array: np.ndarray):
+    from PIL import Image
+
+    return Image.fromarray(array)
+
+
+def _compare(ours: np.ndarray, theirs: np.ndarray) -> None:
+    assert ours.shape == theirs.shape == (1, 32, 32, 3)
+    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    print(f"mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= MEAN_TOL and diff.max() <= MAX_TOL, (diff.mean(), diff.max())
+    assert ours.std() > 5  # not a flat image
+
+
+IMG2IMG = [("sd1", "ddim"), ("sd1", "euler"), ("sd1", "dpmpp_2m"), ("sd1", "heun"), ("sdxl", "euler")]
+
+
+@pytest.mark.parametrize("kind,sampler", IMG2IMG, ids=[f"{k}-{s}" for k, s in IMG2IMG])
+def test_img2img_matches_diffusers(folders, pipes, kind, sampler):
+    """From step n - int(n s), the image noised with diffusers' ε by the scheduler's own add_noise;
+    dpm++ starts first order without history and Heun on its first-order call, as diffusers."""
+    image = image_fixtures.sample_image()
+    ref = image_fixtures.reference(folders[kind], kind, sampler, inpaint=False)
+    call = dict(strength=0.6, num_inference_steps=STEPS, guidance_scale=6.0, negative_prompt="blurry")
+    theirs = image_fixtures.reference_pixels(ref, "a watercolor fox", 3, image=_pil(image), **call)
+    eps = image_fixtures.replayed_noise(SHAPE, 3, draws_before=1)  # after the image's posterior sample
+    ours = pipes(kind).generate("a watercolor fox", image=image, strength=0.6, steps=STEPS, guidance=6.0,
+                                negative_prompt="blurry", sampler=sampler, noise=eps)
+    _compare(ours, theirs)
+    from_noise = pipes(kind).generate("a watercolor fox", steps=STEPS, guidance=6.0, negative_prompt="blurry",
+                                      sampler=sampler, noise=eps)
+    assert np.abs(ours.astype(np.int32) - from_noise.astype(np.int32)).mean() > 4 * MEAN_TOL  # the image counts
+
+
+INPAINT = [("sd1-inpaint", "ddim", 1.0), ("sdxl-inpaint", "euler", 1.0), ("sd1", "ddim", 0.6), ("sd1", "euler", 1.0)]
+
+
+@pytest.mark.parametrize("name,sampler,strength", INPAINT, ids=[f"{n}-{s}-{x}" for n, s, x in INPAINT])
+def test_inpainting_matches_diffusers(folders, pipes, name, sampler, strength):
+    """9-channel UNets take the mask and the masked image's latents beside the sample; a base
+    folder's 4 channels get diffusers' mask blending after every step. At strength 1 the start is
+    the noise alone (diffusers' is_strength_max), given to diffusers as latents."""
+    kind = name.split("-")[0]
+    image, mask = image_fixtures.sample_image(seed=1), image_fixtures.sample_mask()
+    ref = image_fixtures.reference(folders[name], kind, sampler, inpaint=True)
+    call = dict(image=_pil(image), mask_image=_pil(mask), strength=strength, num_inference_steps=STEPS,
+                guidance_scale=5.0, height=32, width=32)
+    if strength == 1.0:
+        import torch
+
+        eps = np.random.default_rng(4).standard_normal(SHAPE).astype(np.float32)
+        theirs = image_fixtures.reference_pixels(ref, "a red boat", 5, latents=torch.from_numpy(eps), **call)
+    else:  # a base folder encodes the image first (its posterior sample), then draws ε
+        theirs = image_fixtures.reference_pixels(ref, "a red boat", 5, **call)
+        eps = image_fixtures.replayed_noise(SHAPE, 5, draws_before=1)
+    ours = pipes(name).generate("a red boat", image=image, mask_image=mask, strength=strength, steps=STEPS,
+                                guidance=5.0, sampler=sampler, noise=eps)
+    _compare(ours, theirs)
+
+
+def test_mask_processing_is_diffusers():
+    """Binarized at 0.5 after /255, resized with PIL's lanczos, downsampled nearest at (s i, s j)."""
+    import torch
+    from diffusers.image_processor import VaeImageProcessor
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (48, 40), dtype=np.uint8)
+    processor = VaeImageProcessor(vae_scale_factor=8, do_normalize=False, do_binarize=True, do_convert_grayscale=True)
+    theirs = processor.preprocess(_pil(raw), height=32, width=24)  # (1, 1, 32, 24)
+    ours = image_input.mask(raw, 24, 32)
+    np.testing.assert_array_equal(ours, theirs[0, 0].numpy())
+    down = torch.nn.functional.interpolate(theirs, size=(4, 3))[0, 0].numpy()
+    np.testing.assert_array_equal(image_input.latent_mask(ours, 8)[..., 0], down)
+    rgb = rng.integers(0, 256, (48, 40, 3), dtype=np.uint8)
+    pixels = VaeImageProcessor(vae_scale_factor=8).preprocess(_pil(rgb), height=32, width=24)[0].numpy()
+    np.testing.assert_allclose(image_input.pixels(rgb, 24, 32), pixels.transpose(1, 2, 0), atol=1e-6)
+
+
+def test_strength_image_mask_prompt_and_seed_are_data(pipes):
+    """One denoising program (and one encode_image program) serves every strength, image, mask,
+    prompt and seed; each of them really changes the image."""
+    pipe = dataclasses.replace(pipes("sd1"), _executables={})
+    traces: list[int] = []
+    apply = pipe.apply
+
+    def counting(*args):
+        traces.append(1)  # runs only while JAX traces the denoiser
+        return apply(*args)
+
+    pipe.apply = counting
+    image, other = image_fixtures.sample_image(seed=0), image_fixtures.sample_image(seed=9)[::-1].copy()
+    mask = image_fixtures.sample_mask()
+    common = dict(steps=4, guidance=5.0, sampler="ddim")
+    first = pipe.generate("a cat", image=image, strength=0.6, seed=0, **common)
+    masked = pipe.generate("a cat", image=image, mask_image=mask, strength=0.6, seed=0, **common)
+    traced, compiled = len(traces), len(pipe._executables)
+    assert traced >= 2
+    outs = [pipe.generate("a cat", image=image, strength=0.9, seed=0, **common),
+            pipe.generate("a cat", image=other, strength=0.6, seed=0, **common),
+            pipe.generate("a dog", image=image, strength=0.6, seed=0, **common),
+            pipe.generate("a cat", image=image, strength=0.6, seed=7, **common)]
+    moved = pipe.generate("a cat", image=image, mask_image=255 - mask, strength=0.6, seed=0, **common)
+    assert len(traces) == traced and len(pipe._executables) == compiled  # no retrace, nothing compiled
+    assert all(not np.array_equal(first, o) for o in outs) and not np.array_equal(masked, moved)
+
+
+@pytest.mark.parametrize("inputs,argument,words", [
+    (dict(strength=0.0), "strength", "outside (0, 1]"),
+    (dict(strength=1.5), "strength", "outside (0, 1]"),
+    (dict(mask_image=np.zeros((16, 32), np.uint8)), "mask_image", "same size"),
+])
+def test_bad_image_inputs_are_one_line_errors(pipes, inputs, argument, words):
+    with pytest.raises(InvalidArgumentError) as info:
+        pipes("sd1").validate("a cat", image=image_fixtures.sample_image(), **inputs)
+    assert info.value.argument == argument and words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_image_inputs_need_an_image_and_inpainting_models_need_both(pipes):
+    for inputs, argument in ((dict(strength=0.5), "strength"), (dict(mask_image=image_fixtures.sample_mask()),
+                                                               "mask_image")):
+        with pytest.raises(InvalidArgumentError) as info:
+            pipes("sd1").validate("a cat", **inputs)
+        assert info.value.argument == argument
+    with pytest.raises(InvalidArgumentError) as info:
+        pipes("sd1-inpaint").validate("a cat", image=image_fixtures.sample_image())
+    assert info.value.argument == "mask_image"
+    with pytest.raises(SchedulerConfigError) as info:  # int(5 * 0.1) = 0 steps: diffusers has nothing to run
+        pipes("sd1").generate("a cat", image=image_fixtures.sample_image(), strength=0.1, steps=5)
+    assert info.value.argument == "strength"
+
+
+def test_img2img_size_is_the_images_rounded():
+    assert image_input.image_size(np.zeros((37, 50, 3), np.uint8), 8) == (48, 32)
