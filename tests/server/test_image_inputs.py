@@ -81,7 +81,7 @@ def pixels(response: Any) -> np.ndarray:
 
 def test_warm_up_compiled_the_image_variants(served) -> None:
     core = served[0]
-    assert {sig.variant for sig in core.signatures()} == {(), ("image",), ("image", "mask_image")}
+    assert {sig.variant for sig in core.signatures()} == {(), ("image", "strength"), ("image", "mask_image", "strength")}
     assert any("+image +mask_image" in line for line in core.setup.logs)
 
 
@@ -145,7 +145,7 @@ def test_the_openapi_schemas_state_the_image_fields(client) -> None:
     spec = client.get("/openapi.json").json()
     cog = spec["components"]["schemas"]["Input"]["properties"]
     assert cog["image"]["anyOf"][0] == {"type": "string", "format": "uri"}
-    assert "white = repaint" in cog["mask"]["description"]
+    assert "repaint (white)" in cog["mask"]["description"]
     assert cog["strength"]["anyOf"][0] == {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0}
     form = spec["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert form["properties"]["image"]["format"] == "binary" and "strength" in form["properties"]

@@ -19,9 +19,10 @@ model (a native size, a size multiple, class names). The common inputs every fam
     Image     PIL image, uint8 array, path, bytes  uint8 (H, W, 3)      string (URL or data URI)
               (``mask``: one channel, white = repaint)  (H, W)
 
-The image inputs every image-conditioned family declares (:data:`IMAGE`, :data:`MASK_IMAGE`,
-:data:`STRENGTH`; diffusers' names) live here once, so that the surfaces' field names and flags
-(Cog's ``image`` / ``mask``, ``--image`` / ``--mask`` / ``--strength``) are the same for every family.
+The image inputs every image-conditioned family declares (``IMAGE``, ``MASK_IMAGE``, ``STRENGTH``;
+diffusers' names) live once in ``preheat.families.image``, so that the surfaces' field names and
+flags (Cog's ``image`` / ``mask``, ``--image`` / ``--mask`` / ``--strength``) are the same for every
+family; an ``Image`` spec's warm value :data:`WARM_IMAGE` is a placeholder of each served size.
 
 A new type is one more class with ``check`` (value -> normalised, or a one-line
 ``InvalidArgumentError`` naming the input), ``schema``, ``from_text`` (a command-line value)
@@ -41,7 +42,7 @@ from preheat.errors import InvalidArgumentError
 
 __all__ = ["InputSpec", "Text", "Int", "Float", "Choice", "Pair", "Label", "Image", "COMMON_SPECS", "common_spec",
            "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "field_of", "check_needs",
-           "IMAGE", "MASK_IMAGE", "STRENGTH", "WARM_IMAGE"]
+           "WARM_IMAGE"]
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
@@ -389,8 +390,14 @@ def warm_variants(specs: Sequence[InputSpec], guided: bool) -> list[dict[str, An
         values = spec.warm if guided or not spec.needs_guidance else spec.warm[:1]
         variants = [{**v, spec.name: value} for v in variants for value in values]
     needs = {s.name: s.needs for s in specs}
-    variants = [{k: v for k, v in variant.items() if v is not None} for variant in variants]
-    return [v for v in variants if all(other in v for name in v for other in needs.get(name, ()))]
+    out: list[dict[str, Any]] = []
+    for variant in variants:
+        given = {k: v for k, v in variant.items() if v is not None}
+        # an input whose needs are absent is left out (a mask or a strength without an image)
+        given = {k: v for k, v in given.items() if all(other in given for other in needs.get(k, ()))}
+        if given not in out and all(s.name in given for s in specs if s.required and s.warm and not s.static):
+            out.append(given)
+    return out
 
 
 def check_needs(specs: Sequence[InputSpec], given: dict[str, Any], values: dict[str, Any]) -> None:
@@ -425,10 +432,3 @@ def field_of(specs: Sequence[InputSpec]) -> dict[str, str]:
 # ------------------------------------------------------------------------------------ images
 
 WARM_IMAGE = "placeholder"  # an Image spec's warm value: ``Image.placeholder`` at each served size
-
-IMAGE = InputSpec("image", Image(), "The image to start from (img2img, inpainting) or to edit: an http(s) URL or a "
-                  "data URI (a path on the command line).", warm=(None, WARM_IMAGE))
-MASK_IMAGE = InputSpec("mask_image", Image(mask=True), "Inpainting mask, the image's size: white = repaint, black = "
-                       "keep.", field="mask", flag="--mask", needs=("image",), warm=(None, WARM_IMAGE))
-STRENGTH = InputSpec("strength", Float(0.0, 1.0, low_open=True), "How much of the image to repaint, in (0, 1]: 1 = "
-                     "all of it, from pure noise (the start step follows it).", default=0.8)

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from preheat.families.base import EngineView, LoadedModel, Request, to_pixels
-from preheat.families.inputs import IMAGE, MASK_IMAGE, STRENGTH, Float, InputSpec
+from preheat.families.image import IMAGE, MASK_IMAGE, STRENGTH
+from preheat.families.inputs import Float, InputSpec
 from preheat.families.pixel import CLASS_LABELS, PixelFamily, load_pixel
 
 BRIGHTNESS = InputSpec("brightness", Float(0.0, 1.0), "How much to lift the image before it becomes pixels.",
@@ -71,7 +72,8 @@ class ToyImageFamily(PixelFamily):
         base = fit(image, "L" if c == 1 else "RGB") * 2 - 1  # (h, w, c) in [-1, 1]
         mask = request.values["mask_image"]
         keep = 1.0 if mask is None else fit(mask, "L")
-        mixed = base + keep * request.values["strength"] * (sample - base)  # (n, h, w, c)
+        strength = 1.0 if request.values["strength"] is None else request.values["strength"]
+        mixed = base + keep * strength * (sample - base)  # (n, h, w, c)
         return np.asarray(to_pixels(mixed))
 
 

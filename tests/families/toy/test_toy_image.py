@@ -81,8 +81,8 @@ def test_warm_up_compiles_every_image_variant_at_every_served_size(toy) -> None:
 
     _, pipe = toy
     sigs = signatures(pipe, resolve(pipe, WarmSet(max_batch_size=2, guidance=("off",))))
-    assert sorted({s.variant for s in sigs}) == [(), ("image",), ("image", "mask_image")]
+    assert {s.variant for s in sigs} == {(), ("image", "strength"), ("image", "mask_image", "strength")}
     assert len(sigs) == 3 * 2  # x buckets 1, 2
-    inputs = call_inputs(pipe, next(s for s in sigs if s.variant == ("image", "mask_image")))
+    inputs = call_inputs(pipe, next(s for s in sigs if s.variant == ("image", "mask_image", "strength")))
     assert inputs["image"].shape == (16, 16, 3) and inputs["mask_image"].shape == (16, 16)
     pipe.check(inputs.pop("seed").__len__(), **inputs)  # a placeholder is a valid call
