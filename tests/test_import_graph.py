@@ -29,6 +29,7 @@ SRC = Path(preheat.__file__).resolve().parent
 # (``cache`` for preheat/cache/).
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "_version", "timings", "noise", "files", "env", "compile_target"),  # leaves: import nothing of preheat
+    ("image_input",),  # images a call passes in (imports errors only)
     ("sharding",),  # the device mesh and data parallelism (imports errors only)
     ("cache",),  # the cache root, the compile cache, the shared remote store
     ("store", "models", "samplers"),  # the weights store; model code; pure samplers
