@@ -28,7 +28,7 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["MAX_IMAGE_PIXELS", "FORMATS", "read_image", "set_max_pixels", "max_pixels"]
+__all__ = ["MAX_IMAGE_PIXELS", "FORMATS", "read_image", "set_max_pixels", "max_pixels", "transparent_mask"]
 
 MAX_IMAGE_PIXELS = 4096 * 4096
 FORMATS = ("PNG", "JPEG", "WEBP")
@@ -154,3 +154,17 @@ def _normalise(name: str, image: Any, mask: bool) -> np.ndarray:
     except (OSError, ValueError) as exc:
         raise InvalidArgumentError(f"{name} cannot be converted to {'L' if mask else 'RGB'}: {exc}",
                                    argument=name) from None
+
+
+def transparent_mask(data: bytes, name: str = "mask") -> np.ndarray | None:
+    """OpenAI's mask convention (a PNG whose fully transparent pixels, alpha 0, are what to edit)
+    -> preheat's: (H, W) uint8, 255 (white: repaint) where alpha is 0 and 0 (black: keep)
+    elsewhere. None when the file has no transparency at all. The file passes the same checks as
+    :func:`read_image` (format, pixel limit before decoding, truncation, EXIF orientation)."""
+    from PIL import ImageOps
+
+    image = ImageOps.exif_transpose(_decode(name, bytes(data), max_pixels()))
+    if not image.has_transparency_data:
+        return None
+    alpha = np.asarray(image.convert("RGBA").getchannel("A"))  # (H, W)
+    return np.where(alpha == 0, 255, 0).astype(np.uint8)

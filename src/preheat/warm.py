@@ -8,7 +8,8 @@ the fleet store); ``preheat serve`` warms up the same set before READY (``Core``
 A signature is one serving program: sampler x guidance (off, and on when the model can guide)
 x batch bucket x served size (models that take more than their native one) x each variant of
 the family's data inputs that warm-up must compile (``InputSpec.warm``: negative prompts given
-or not, guided only) x LoRA (none, and each declared rank bucket: ``lora_ranks``). The step count
+or not, guided only; an image given or not, a mask with it -- the image a placeholder of the
+served size, so that the VAE encoder is compiled for every size a request can reach) x LoRA (none, and each declared rank bucket: ``lora_ranks``). The step count
 is runtime data, so each is compiled with ``steps=1``; a LoRA bucket with a LoRA of zeros
 (``LoraTargets.zeros`` in ``preheat.lora``), since any LoRA of the bucket is data of the same program.
 
@@ -113,10 +114,10 @@ def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
     sizes = tuple(warm_set.sizes)
     if _sized(pipe):
         sizes = sizes or pipe.family.served_sizes(pipe)  # the family's buckets: its native (width, height)
-    placeholder = pipe.family.warm_inputs(pipe, guided=False)[0]
+    placeholder = tuple(sorted(pipe.family.warm_inputs(pipe, guided=False)[0].items()))
     for size in sizes:  # a size the model cannot make fails here (a pixel model's too), never silently
         try:
-            pipe.check(1, width=size[0], height=size[1], steps=1, **placeholder)
+            pipe.check(1, width=size[0], height=size[1], steps=1, **given_inputs(pipe, placeholder, size))
         except InvalidArgumentError as err:
             raise InvalidArgumentError(f"--sizes {size[0]}x{size[1]}: {err}", argument="sizes") from None
     if warm_set.lora_ranks and pipe.components.get("lora_targets") is None:
@@ -147,6 +148,8 @@ def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
             for size in sizes:
                 for variant in pipe.family.warm_inputs(pipe, guided=g != 1.0):
                     given = tuple(sorted(variant.items()))
+                    if not _served(pipe, sampler, g, size, given):
+                        continue
                     beyond = tuple(k for k, v in given if k not in base or base[k] != v)
                     for bucket in buckets:  # LoRA buckets smallest first: each is then compiled as itself
                         out += [WarmSignature(sampler, g, bucket, size, given, lora, beyond)
@@ -154,12 +157,52 @@ def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
     return out
 
 
+def _served(pipe: Any, sampler: str, guidance: float, size: Optional[tuple[int, int]],
+            given: tuple[tuple[str, Any], ...]) -> bool:
+    """Whether the model takes this variant with this sampler (an image variant it refuses for a
+    sampler -- a mask it cannot blend -- is refused at parse time too, so there is nothing to warm)."""
+    from preheat.errors import InvalidArgumentError
+
+    if not any(name in _image_inputs(pipe) for name, _ in given):
+        return True  # text-to-image variants: resolve() has checked them
+    sized = {} if size is None else {"width": size[0], "height": size[1]}
+    try:
+        pipe.check(1, sampler=sampler, guidance=guidance, steps=1, **sized, **given_inputs(pipe, given, size))
+    except InvalidArgumentError:
+        return False
+    return True
+
+
+def _image_inputs(pipe: Any) -> set[str]:
+    from preheat.families.inputs import Image
+
+    return {s.name for s in _specs(pipe) if isinstance(s.type, Image)}
+
+
+def given_inputs(pipe: Any, given: tuple[tuple[str, Any], ...], size: Optional[tuple[int, int]],
+                 n: Optional[int] = None) -> dict[str, Any]:
+    """A variant's data inputs as ``generate`` keywords: an image input (``WARM_IMAGE``) a
+    placeholder of ``size`` (the model's own when None), a per-image one repeated ``n`` times."""
+    from preheat.families.inputs import Image
+
+    specs = {s.name: s for s in _specs(pipe)}
+    width, height = size if size is not None else pipe.family.native_size(pipe)
+    out = {}
+    for name, value in given:
+        kind = specs[name].type
+        if isinstance(kind, Image):  # its content is data; its size selects the program
+            value = kind.placeholder(width, height)
+        out[name] = [value] * n if n is not None and specs[name].per_image else value
+    return out
+
+
 def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
-    """``Pipeline.generate`` keywords for one signature (steps=1: the serving program, run cheaply)."""
+    """``Pipeline.generate`` keywords for one signature (steps=1: the serving program, run cheaply).
+    An image input is a placeholder image of the signature's size: each served size is then also
+    an image size the VAE encoder is compiled for."""
     n = sig.bucket
-    inputs: dict[str, Any] = {"steps": 1, "sampler": sig.sampler, "guidance": sig.guidance, "seed": list(range(n))}
-    per_image = {s.name for s in _specs(pipe) if s.per_image}
-    inputs.update({name: [value] * n if name in per_image else value for name, value in sig.given})
+    inputs: dict[str, Any] = {"steps": 1, "sampler": sig.sampler, "guidance": sig.guidance, "seed": list(range(n)),
+                              **given_inputs(pipe, sig.given, sig.size, n)}
     if sig.size is not None:
         inputs.update(width=sig.size[0], height=sig.size[1])
     if getattr(pipe, "reports_progress", False):  # a server streams every step: its program reports them

@@ -25,8 +25,9 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError
-from preheat.families.inputs import Choice, Float, InputSpec, Int, Label, Pair, Text
+from preheat.families.inputs import Choice, Float, Image, InputSpec, Int, Label, Pair, Text
 from preheat.server.images import decode_data_url
+from tests._support.image_files import data_uri, encoded
 from tests._support.server_fixtures import runpod_jobs, serving, wait_status
 
 KINDS = ("pixel", "sd1", "sdxl", "sd3", "flux-dev")
@@ -49,6 +50,8 @@ def out_of_bounds(spec: InputSpec) -> Any:
         return [t.low - 1, t.low - 1]
     if isinstance(t, Label):
         return t.count if t.count is not None else 0
+    if isinstance(t, Image):  # a format no surface takes, as a data URI (a server's, and read_image's)
+        return data_uri(encoded(np.zeros((8, 8, 3), np.uint8), "GIF"))
     raise AssertionError(f"no out-of-bounds value for {type(t).__name__}")
 
 

@@ -112,7 +112,7 @@ def test_redirect_chains_are_followed_and_each_hop_is_checked(home: Path, files:
     strict = Fetcher(FetchConfig(policy=WebhookPolicy(allow=("127.0.0.1",))))
     files.redirects["/away"] = files.url("l.safetensors").replace("127.0.0.1", "127.0.0.2")
     before = stored_files(home)
-    with pytest.raises(FetchError, match="LoRA URLs are fetched from public addresses only") as err:
+    with pytest.raises(FetchError, match="LoRA and image URLs are fetched from public addresses only") as err:
         strict.lora(files.url("away"))
     assert err.value.reason == "address"
     # an endless chain ends (urllib's hop limit), refused

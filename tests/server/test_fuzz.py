@@ -4,6 +4,9 @@ Bounded by count, not time: per operation, 15 schema-valid and 15 schema-invalid
 (hypothesis via schemathesis' strategies), a server whose limits keep every accepted prediction
 tiny (<= 2 images, <= 4 steps, one sampler), a --lora-dir whose files are the bad path shapes
 (loops, a FIFO, a folder), and webhooks stripped (they would send traffic off this machine).
+A second server serves the toy image family (``tests/families/toy/family.py``), so that the
+image fields (``image``, ``mask``, ``strength``: URIs, bounds) and the multipart
+``/v1/images/edits`` form are fuzzed with a model that takes them.
 
 (schemathesis' own pytest plugin, ``schemathesis.pytest.from_fixture``, does not run under
 pytest 9 - it reads ``request.node._nodeid`` - so the strategies are driven directly.)
@@ -11,7 +14,8 @@ pytest 9 - it reads ``request.node._nodeid`` - so the strategies are driven dire
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import pytest
 import schemathesis
@@ -38,6 +42,23 @@ def _hypothesis_home(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def fuzz_server(pipe: Any, tmp_path_factory: pytest.TempPathFactory):
+    with _fuzz_serving(pipe, tmp_path_factory) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def image_fuzz_server(tmp_path_factory: pytest.TempPathFactory):
+    import preheat
+    from tests._support.toy_models import toy_folder
+
+    with pytest.MonkeyPatch.context() as mp:
+        pipe = preheat.load(toy_folder(tmp_path_factory.mktemp("toy") / "toy-image", mp), cache="off")
+        with _fuzz_serving(pipe, tmp_path_factory) as srv:
+            yield srv
+
+
+@contextlib.contextmanager
+def _fuzz_serving(pipe: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # a --lora-dir holding the path shapes that once reached the OS unchecked (issue 31), so that
     # generated lora_weights strings meet the path checks; any URL gets a short fetch deadline
     import os
@@ -50,10 +71,12 @@ def fuzz_server(pipe: Any, tmp_path_factory: pytest.TempPathFactory):
     (loras / "dir").mkdir()
     core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=4, samplers=("dpmpp_2m",), lora_dir=str(loras),
                            fetch=FetchConfig(connect_timeout_s=1, deadline_s=3)), pipe=pipe).start()
-    assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
-    with serving(core) as srv:
-        yield srv
-    core.close()
+    try:
+        assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+        with serving(core) as srv:
+            yield srv
+    finally:
+        core.close()
 
 
 def _fuzz(op: Any, mode: GenerationMode, url: str, codes: dict) -> None:
@@ -80,7 +103,7 @@ def test_no_server_errors(fuzz_server: Any) -> None:
     operations = [r.ok() for r in schema.get_all_operations()]
     assert {f"{op.method.upper()} {op.path}" for op in operations} >= {
         "POST /predictions", "PUT /predictions/{prediction_id}", "POST /predictions/{prediction_id}/cancel",
-        "GET /health-check", "POST /v1/images/generations", "GET /metrics"}
+        "GET /health-check", "POST /v1/images/generations", "POST /v1/images/edits", "GET /metrics"}
     for op in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             _fuzz(op, mode, fuzz_server.url, seen.setdefault(f"{op.method.upper()} {op.path} {mode.value}", {}))
@@ -88,3 +111,18 @@ def test_no_server_errors(fuzz_server: Any) -> None:
     # the valid examples reached the engine, not only the validators
     for operation in ("POST /predictions positive", "POST /v1/images/generations positive"):
         assert seen[operation].get(200, 0) > 0, seen[operation]
+
+
+def test_no_server_errors_with_image_inputs(image_fuzz_server: Any) -> None:
+    schema = schemathesis.openapi.from_url(f"{image_fuzz_server.url}/openapi.json")
+    seen: dict[str, dict] = {}
+    wanted = {"POST /predictions", "POST /v1/images/generations", "POST /v1/images/edits"}
+    operations = [op for op in (r.ok() for r in schema.get_all_operations()) if f"{op.method.upper()} {op.path}" in wanted]
+    assert len(operations) == len(wanted)
+    properties = schema.raw_schema["components"]["schemas"]["Input"]["properties"]
+    assert {"image", "mask", "strength"} <= set(properties)
+    for op in operations:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            _fuzz(op, mode, image_fuzz_server.url, seen.setdefault(f"{op.method.upper()} {op.path} {mode.value}", {}))
+    print(seen)
+    assert seen["POST /predictions positive"].get(200, 0) > 0, seen

@@ -207,7 +207,7 @@ def test_a_lora_url_on_a_private_address_is_refused_before_any_request(core, lor
                 assert r.status_code == 422, r.text
                 (detail,) = r.json()["detail"]
                 assert detail["loc"][-1] == "lora_weights" and "\n" not in detail["msg"], detail
-                assert "is loopback; LoRA URLs are fetched from public addresses only" in detail["msg"], detail
+                assert "is loopback; LoRA and image URLs are fetched from public addresses only" in detail["msg"], detail
         assert files.hits == []  # refused before connecting: the file server saw no request
     finally:
         files.stop()

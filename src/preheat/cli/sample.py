@@ -20,10 +20,11 @@ from preheat.timings import process_age_s
 __all__ = ["sample", "save_grid", "save_png"]
 
 
-def save_grid(images: list, path: Path, upscale: int | None = None) -> int:
+def save_grid(images: list, path: Path, upscale: int | None = None, inputs: list | None = None) -> int:
     """A square-ish grid PNG, written atomically (never a partial file). Images under 64 px are
     upscaled (nearest neighbour) so that they can be seen; returns the factor (1: none), which
-    the caller states."""
+    the caller states. ``inputs`` (the images a call was given: an init image, a mask) make a
+    first row, left to right, above the outputs: input -> output, each fitted to the output size."""
     import io
 
     from PIL import Image
@@ -34,10 +35,15 @@ def save_grid(images: list, path: Path, upscale: int | None = None) -> int:
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
     w, h = images[0].size
+    lead = [im.convert(images[0].mode).resize((w, h), Image.BILINEAR) for im in inputs or ()]
+    top = 1 if lead else 0
+    cols = max(cols, len(lead))
     scale = upscale or max(1, 64 // max(w, h))
-    grid = Image.new(images[0].mode, (cols * w, rows * h))
+    grid = Image.new(images[0].mode, (cols * w, (rows + top) * h))
+    for i, im in enumerate(lead):
+        grid.paste(im, (i * w, 0))
     for i, im in enumerate(images):
-        grid.paste(im, ((i % cols) * w, (i // cols) * h))
+        grid.paste(im, ((i % cols) * w, (i // cols + top) * h))
     if scale > 1:
         grid = grid.resize((grid.width * scale, grid.height * scale), Image.NEAREST)
     buf = io.BytesIO()
@@ -56,6 +62,16 @@ def save_png(image: Any, path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def _given_images(pipe: Any, kwargs: dict[str, Any]) -> list:
+    """The images the call was given (its ``Image`` inputs, in declaration order) as PIL images."""
+    from PIL import Image as PILImage
+
+    from preheat.families.inputs import Image
+
+    return [PILImage.fromarray(s.check(kwargs[s.name], 1)) for s in pipe.family.input_specs(pipe)
+            if isinstance(s.type, Image) and kwargs.get(s.name) is not None]
+
+
 @click.command("sample", cls=FamilyInputsCommand, options_metavar="[MODEL] [OPTIONS]")
 @call_options
 @click.option("--out", default="samples.png", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
@@ -67,7 +83,9 @@ def save_png(image: Any, path: Path) -> None:
 def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path | None, as_json: bool,
            quiet: bool) -> None:
     """Sample images from MODEL (a diffusers folder, hf://org/repo, or random:NAME; default: the built-in
-    digits model). The model's own inputs (--prompt, --class, --width, ...) are listed below."""
+    digits model). The model's own inputs (--prompt, --class, --width, ...) are listed below; an
+    image-conditioned model takes --image PATH [--mask PATH] [--strength S], and the grid then
+    shows the input images on its first row, the outputs below."""
     from rich.console import Console
 
     import preheat.engine  # noqa: F401  (jax: counted as import time, not weight loading)
@@ -121,7 +139,7 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
             second_call_s = time.perf_counter() - t0
             warm_run_s = pipe.last.run_s
 
-    scale = save_grid(images, out)
+    scale = save_grid(images, out, inputs=_given_images(pipe, kwargs))
     if save_images:
         save_images.mkdir(parents=True, exist_ok=True)
         for i, im in enumerate(images):

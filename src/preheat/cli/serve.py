@@ -125,10 +125,11 @@ def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--
 @click.option("--webhook-allow", "webhook_allow", multiple=True, metavar="HOST|CIDR",
               help="Let webhooks go to this host, address or CIDR whatever it is (repeat).")
 @click.option("--lora-url-allow-private", is_flag=True,
-              help="Let requests' LoRA URLs be fetched from loopback/private/link-local addresses (never "
+              help="Let requests' LoRA and image URLs be fetched from loopback/private/link-local addresses (never "
                    "metadata ones).")
 @click.option("--lora-url-allow", "lora_url_allow", multiple=True, metavar="HOST|CIDR",
-              help="Let requests' LoRA URLs be fetched from this host, address or CIDR whatever it is (repeat).")
+              help="Let requests' LoRA and image URLs be fetched from this host, address or CIDR whatever it is "
+                   "(repeat).")
 @click.option("--keep-alive-on-failure", is_flag=True,
               help="If the model cannot be set up, stay up answering SETUP_FAILED on /health-check (as Cog does) "
                    "instead of exiting 1.")
@@ -140,6 +141,9 @@ def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--
               help="Largest LoRA download (Content-Length, and the bytes as they stream); beyond it, 422.")
 @click.option("--max-image-bytes", default=32 << 20, show_default=True, type=int,
               help="Largest image or mask a request names by URL.")
+@click.option("--max-image-pixels", default=4096 * 4096, show_default=True, type=int,
+              help="Largest width x height of a request's image or mask, read from the file's header before any "
+                   "pixel is decoded (PIL's decompression-bomb limit follows it); beyond it, 422.")
 @click.option("--fetch-per-host", default=2, show_default=True, type=int,
               help="Downloads at once from one host (more wait for a slot, within --fetch-deadline-s).")
 @click.option("--max-fetches", default=4, show_default=True, type=int,
@@ -168,7 +172,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
                   webhook_allow: tuple[str, ...], lora_url_allow_private: bool, lora_url_allow: tuple[str, ...],
                   fetch_connect_timeout_s: float, fetch_deadline_s: float, max_lora_bytes: int, max_image_bytes: int,
-                  fetch_per_host: int, max_fetches: int, max_header_bytes: int, max_headers: int,
+                  max_image_pixels: int, fetch_per_host: int, max_fetches: int, max_header_bytes: int, max_headers: int,
                   keep_alive_on_failure: bool, log_level: str, on_ray: bool = False,
                   address: Optional[str] = None, replicas: int = 1, gpus_per_replica: float = 0.0) -> None:
     """Serve MODEL over HTTP (Cog's and OpenAI's APIs), batching concurrent requests.
@@ -187,6 +191,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         raise InvalidArgumentError(f"--push-grace-s {push_grace_s} must be >= 0")
     if max_loras < 1:
         raise InvalidArgumentError(f"--max-loras {max_loras} must be >= 1")
+    if max_image_pixels < 1:
+        raise InvalidArgumentError(f"--max-image-pixels {max_image_pixels} must be >= 1", argument="--max-image-pixels")
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp, variant, cache)
     webhooks = _address_policy(webhook_allow_private, webhook_allow)
@@ -212,14 +218,16 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     if on_ray:
         sys.exit(_serve_on_ray(warm_set, backend, max_loras, lora_dir, batch_wait_ms, max_queue, max_steps, grace_s,
                                push_grace_s, host, port, address, replicas, gpus_per_replica,
-                               webhook_allow_private or lora_url_allow_private, webhook_allow + lora_url_allow))
+                               webhook_allow_private or lora_url_allow_private, webhook_allow + lora_url_allow,
+                               max_image_pixels))
 
     from preheat.server.core import CoreConfig
     from preheat.server.serve import serve
 
     config = CoreConfig.from_warm_set(warm_set, backend=backend, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
                                       max_steps=max_steps, push_grace_s=push_grace_s, compile=compile_mode,
-                                      max_loras=max_loras, lora_dir=lora_dir, lora_urls=lora_urls, fetch=fetch)
+                                      max_loras=max_loras, lora_dir=lora_dir, lora_urls=lora_urls, fetch=fetch,
+                                      max_image_pixels=max_image_pixels)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
@@ -233,7 +241,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
 
 def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optional[str], batch_wait_ms: float, max_queue: int, max_steps: int,
                   grace_s: float, push_grace_s: float, host: str, port: int, address: Optional[str], replicas: int,
-                  gpus_per_replica: float, webhook_allow_private: bool, webhook_allow: tuple[str, ...]) -> int:
+                  gpus_per_replica: float, webhook_allow_private: bool, webhook_allow: tuple[str, ...],
+                  max_image_pixels: Optional[int] = None) -> int:
     """``--ray``: the same declaration and limits as one replica's options (preheat.integrations.ray)."""
     from preheat.errors import InvalidArgumentError
 
@@ -256,7 +265,7 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
                                 samplers=tuple(warm_set.samplers), sizes=tuple(warm_set.sizes),
                                 guidance=tuple(warm_set.guidance), devices=warm_set.devices, fsdp=warm_set.fsdp,
                                 lora_ranks=tuple(warm_set.lora_ranks), max_loras=max_loras, lora_dir=lora_dir,
-                                batch_wait_ms=batch_wait_ms,
+                                max_image_pixels=max_image_pixels, batch_wait_ms=batch_wait_ms,
                                 max_queue=max_queue, max_steps=max_steps, grace_s=grace_s, push_grace_s=push_grace_s,
                                 num_replicas=replicas, num_gpus=gpus_per_replica)
     options.check()

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Protocol
 import numpy as np
 
 from preheat.errors import InvalidArgumentError
-from preheat.families.inputs import InputSpec, check_int, size_specs, unknown_input, warm_variants
+from preheat.families.inputs import InputSpec, check_int, check_needs, size_specs, unknown_input, warm_variants
 from preheat.samplers import DIFFUSION_SAMPLERS
 from preheat.timings import Timings
 
@@ -163,10 +163,13 @@ class Family:
 
     def check_inputs(self, pipe: "EngineView", n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         """Validate the family's own inputs (host-side, no device work) into normalised values:
-        each spec's check, in declaration order; subclasses derive what follows from them."""
+        each spec's check, in declaration order, then their relations (``InputSpec.needs``: a
+        mask needs its image, of its size); subclasses derive what follows from them."""
         specs = self.input_specs(pipe)
         unknown_input(self.name, specs, inputs)
-        return {s.name: s.check(inputs.get(s.name), n) for s in specs}
+        values = {s.name: s.check(inputs.get(s.name), n) for s in specs}
+        check_needs(specs, inputs, values)
+        return values
 
     def sample_shape(self, pipe: "EngineView", values: dict[str, Any]) -> tuple[int, ...]:
         """One sample's shape (H, W, C), NHWC, for these inputs (resolution is static)."""

@@ -35,7 +35,7 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError
 from preheat.families.base import EngineView, StageSignature
-from preheat.families.inputs import Float, Image, InputSpec
+from preheat.families.inputs import WARM_IMAGE, Float, Image, InputSpec
 
 __all__ = ["IMAGE", "MASK_IMAGE", "STRENGTH", "Strength", "image_size", "check_image_inputs", "pixels", "mask",
            "latent_mask", "masked", "encode_images", "encode_image_program", "img2img_start"]
@@ -47,6 +47,7 @@ class Strength(Float):
 
     low: float | None = 0.0
     high: float | None = 1.0
+    low_open: bool = True  # what the surfaces' validators read (pydantic's gt)
 
     def check(self, name: str, value: Any) -> float:
         try:
@@ -61,13 +62,18 @@ class Strength(Float):
         return {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0}
 
 
-IMAGE = InputSpec("image", Image(), "The image to start from (img2img), or to repaint where the mask is white.",
-                  example=None)
+# the surfaces derive from these: Cog's ``image`` / ``mask`` fields, ``--image`` / ``--mask`` /
+# ``--strength``; warm-up compiles each variant (no image, an image, an image and its mask) at every
+# served size (``WARM_IMAGE``: a placeholder of that size); ``needs``: a mask needs its image
+IMAGE = InputSpec("image", Image(), "The image to start from (img2img), or to repaint where the mask is white: an "
+                  "http(s) URL or a data URI on a server, a path on the command line.", example=None,
+                  warm=(None, WARM_IMAGE))
 MASK_IMAGE = InputSpec("mask_image", Image(mask=True), "Inpainting: where to repaint (white) and keep (black); "
-                       "the image's size.", field="mask")
+                       "the image's size.", field="mask", flag="--mask", needs=("image",), warm=(None, WARM_IMAGE))
 STRENGTH = InputSpec("strength", Strength(), "How far from the image to go, in (0, 1]: the share of the steps "
                      "that run (1: from noise).", default_doc="the pipeline's own (SD 0.8, SDXL 0.3; inpainting "
-                     "SD 1.0, SDXL 0.9999)")
+                     "SD 1.0, SDXL 0.9999)", needs=("image",),
+                     warm=(1.0,))  # any strength is one program (data); 1.0 runs a step at warm-up's steps=1
 
 
 def image_size(image: np.ndarray, multiple: int) -> tuple[int, int]:

@@ -19,6 +19,11 @@ model (a native size, a size multiple, class names). The common inputs every fam
     Image     PIL image, uint8 array, path, bytes  uint8 (H, W, 3)      string (URL or data URI)
               (``mask``: one channel, white = repaint)  (H, W)
 
+The image inputs every image-conditioned family declares (``IMAGE``, ``MASK_IMAGE``, ``STRENGTH``;
+diffusers' names) live once in ``preheat.families.image``, so that the surfaces' field names and
+flags (Cog's ``image`` / ``mask``, ``--image`` / ``--mask`` / ``--strength``) are the same for every
+family; an ``Image`` spec's warm value :data:`WARM_IMAGE` is a placeholder of each served size.
+
 A new type is one more class with ``check`` (value -> normalised, or a one-line
 ``InvalidArgumentError`` naming the input), ``schema``, ``from_text`` (a command-line value)
 and ``python`` (what a pydantic field holds). Surfaces read only these fields: none tests a family's kind by its
@@ -36,7 +41,8 @@ import numpy as np
 from preheat.errors import InvalidArgumentError
 
 __all__ = ["InputSpec", "Text", "Int", "Float", "Choice", "Pair", "Label", "Image", "COMMON_SPECS", "common_spec",
-           "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "field_of"]
+           "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "field_of", "check_needs",
+           "WARM_IMAGE"]
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
@@ -108,10 +114,12 @@ class Int:
 
 @dataclass(frozen=True)
 class Float:
-    """A finite number in [low, high] (None: unbounded)."""
+    """A finite number in [low, high] (None: unbounded); ``low_open``: low itself is refused,
+    (low, high] (img2img's strength: 0 would denoise nothing)."""
 
     low: float | None = None
     high: float | None = None
+    low_open: bool = False
     python = float
 
     def check(self, name: str, value: Any) -> float:
@@ -119,20 +127,21 @@ class Float:
             f = float(value)
         except (TypeError, ValueError):
             raise InvalidArgumentError(f"{name}={value!r} must be a number", argument=name) from None
-        if isinstance(value, bool) or not math.isfinite(f) or (self.low is not None and f < self.low) or (
-                self.high is not None and f > self.high):
+        if isinstance(value, bool) or not math.isfinite(f) or (self.low is not None and (
+                f < self.low or (self.low_open and f == self.low))) or (self.high is not None and f > self.high):
             raise InvalidArgumentError(f"{name}={value!r} must be a finite number{self._bounds()}", argument=name)
         return f
 
     def _bounds(self) -> str:
         if self.low is not None and self.high is not None:
-            return f" in [{self.low:g}, {self.high:g}]"
-        return f" >= {self.low:g}" if self.low is not None else (f" <= {self.high:g}" if self.high is not None else "")
+            return f" in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+        low = f" {'>' if self.low_open else '>='} {self.low:g}" if self.low is not None else ""
+        return low or (f" <= {self.high:g}" if self.high is not None else "")
 
     def schema(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": "number"}
         if self.low is not None:
-            out["minimum"] = self.low
+            out["exclusiveMinimum" if self.low_open else "minimum"] = self.low
         if self.high is not None:
             out["maximum"] = self.high
         return out
@@ -250,6 +259,11 @@ class Image:
     def from_text(self, name: str, text: str) -> str:
         return text  # a path; read_image reads it
 
+    def placeholder(self, width: int, height: int) -> np.ndarray:
+        """What warm-up passes for :data:`WARM_IMAGE` at a served size: its content is data, its
+        size selects the program (mid grey; a mask all white: repaint everything)."""
+        return np.full((height, width), 255, np.uint8) if self.mask else np.full((height, width, 3), 128, np.uint8)
+
 
 InputType = Text | Int | Float | Choice | Pair | Label | Image
 
@@ -273,6 +287,7 @@ class InputSpec:
     aliases: tuple[str, ...] = ()  # other surface fields that may carry it (a class model's "prompt": a class name)
     flag: str | None = None  # its command-line flag, where that is not --name-with-dashes
     needs_guidance: bool = False  # refused unless classifier-free guidance runs (a negative prompt)
+    needs: tuple[str, ...] = ()  # refused unless these inputs are given too (a mask needs its image)
     default_doc: str = ""  # what an absent value means, when ``default`` cannot say it
     example: Any = None  # a realistic value (a bench's prompt); None: the first warm value
 
@@ -374,7 +389,33 @@ def warm_variants(specs: Sequence[InputSpec], guided: bool) -> list[dict[str, An
             continue
         values = spec.warm if guided or not spec.needs_guidance else spec.warm[:1]
         variants = [{**v, spec.name: value} for v in variants for value in values]
-    return [{k: v for k, v in variant.items() if v is not None} for variant in variants]
+    needs = {s.name: s.needs for s in specs}
+    out: list[dict[str, Any]] = []
+    for variant in variants:
+        given = {k: v for k, v in variant.items() if v is not None}
+        # an input whose needs are absent is left out (a mask or a strength without an image)
+        given = {k: v for k, v in given.items() if all(other in given for other in needs.get(k, ()))}
+        if given not in out and all(s.name in given for s in specs if s.required and s.warm and not s.static):
+            out.append(given)
+    return out
+
+
+def check_needs(specs: Sequence[InputSpec], given: dict[str, Any], values: dict[str, Any]) -> None:
+    """The relations between a call's ``given`` inputs (``values``: as checked): each given spec's
+    ``needs`` are given too, and a mask has the size of the image it needs (``Image(mask=True)``).
+    One-line errors naming the dependent input."""
+    for spec in specs:
+        if given.get(spec.name) is None:
+            continue
+        for other in spec.needs:
+            if given.get(other) is None:
+                raise InvalidArgumentError(f"{spec.name} needs {other}; give both", argument=spec.name)
+            mine, theirs = values[spec.name], values[other]
+            if isinstance(spec.type, Image) and spec.type.mask and isinstance(mine, np.ndarray) and \
+                    isinstance(theirs, np.ndarray) and mine.shape[:2] != theirs.shape[:2]:
+                raise InvalidArgumentError(f"{spec.name} is {mine.shape[1]}x{mine.shape[0]} but {other} is "
+                                           f"{theirs.shape[1]}x{theirs.shape[0]}; they must be the same size",
+                                           argument=spec.name)
 
 
 def example_inputs(specs: Sequence[InputSpec]) -> dict[str, Any]:
@@ -386,3 +427,8 @@ def field_of(specs: Sequence[InputSpec]) -> dict[str, str]:
     """keyword -> surface field, for mapping an error's ``argument`` back to the field a client sent."""
     return {s.name: s.surface_name for s in specs}
 
+
+
+# ------------------------------------------------------------------------------------ images
+
+WARM_IMAGE = "placeholder"  # an Image spec's warm value: ``Image.placeholder`` at each served size

@@ -37,7 +37,7 @@ to retry).
 Options (``build_app``'s args; ``app`` reads them from the environment): ``model``
 (``PREHEAT_MODEL``; default the built-in model), ``dtype``, ``max_batch_size``, ``samplers``,
 ``sizes``, ``guidance``, ``devices`` (per replica; default all it was given), ``fsdp``,
-``lora_ranks``, ``max_loras``, ``lora_dir``, ``batch_wait_ms``, ``max_queue``, ``max_steps``,
+``lora_ranks``, ``max_loras``, ``lora_dir``, ``max_image_pixels``, ``batch_wait_ms``, ``max_queue``, ``max_steps``,
 ``grace_s``, ``push_grace_s``; deployment: ``num_replicas``
 (``PREHEAT_RAY_REPLICAS``; or ``autoscaling``: ``min_replicas``/``max_replicas``/
 ``target_ongoing_requests``), ``num_gpus`` (per replica: 1, or a pod's count), ``num_cpus``,
@@ -96,6 +96,7 @@ class RayOptions:
     lora_ranks: tuple[int, ...] = ()
     max_loras: int = 8
     lora_dir: Optional[str] = None
+    max_image_pixels: Optional[int] = None  # width x height of a request's image (None: 4096²)
     batch_wait_ms: float = 10.0
     max_queue: int = 64
     max_steps: int = 200
@@ -131,13 +132,13 @@ class RayOptions:
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "RayOptions":
         """``PREHEAT_MODEL``, ``PREHEAT_DTYPE``, ``PREHEAT_MAX_BATCH_SIZE``, ``PREHEAT_SAMPLERS``,
         ``PREHEAT_SIZES``, ``PREHEAT_GUIDANCE``, ``PREHEAT_DEVICES``, ``PREHEAT_FSDP``, ``PREHEAT_LORA_RANKS``,
-        ``PREHEAT_MAX_LORAS``, ``PREHEAT_LORA_DIR``, ``PREHEAT_BATCH_WAIT_MS``,
+        ``PREHEAT_MAX_LORAS``, ``PREHEAT_LORA_DIR``, ``PREHEAT_MAX_IMAGE_PIXELS``, ``PREHEAT_BATCH_WAIT_MS``,
         ``PREHEAT_MAX_QUEUE``, ``PREHEAT_MAX_STEPS``, ``PREHEAT_RAY_REPLICAS``, ``PREHEAT_RAY_GPUS``."""
         env = os.environ if env is None else env
         names = {"model": "PREHEAT_MODEL", "dtype": "PREHEAT_DTYPE", "max_batch_size": "PREHEAT_MAX_BATCH_SIZE",
                  "samplers": "PREHEAT_SAMPLERS", "sizes": "PREHEAT_SIZES", "guidance": "PREHEAT_GUIDANCE",
                  "devices": "PREHEAT_DEVICES", "fsdp": "PREHEAT_FSDP", "lora_ranks": "PREHEAT_LORA_RANKS",
-                 "max_loras": "PREHEAT_MAX_LORAS",
+                 "max_loras": "PREHEAT_MAX_LORAS", "max_image_pixels": "PREHEAT_MAX_IMAGE_PIXELS",
                  "lora_dir": "PREHEAT_LORA_DIR", "batch_wait_ms": "PREHEAT_BATCH_WAIT_MS",
                  "max_queue": "PREHEAT_MAX_QUEUE", "max_steps": "PREHEAT_MAX_STEPS",
                  "num_replicas": "PREHEAT_RAY_REPLICAS", "num_gpus": "PREHEAT_RAY_GPUS"}
@@ -169,7 +170,8 @@ class RayOptions:
                           samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
                           devices=self.devices, fsdp=self.fsdp, lora_ranks=tuple(self.lora_ranks),
                           max_loras=self.max_loras, lora_dir=self.lora_dir, batch_wait_ms=self.batch_wait_ms, max_queue=self.max_queue,
-                          max_steps=self.max_steps, push_grace_s=self.push_grace_s)
+                          max_steps=self.max_steps, push_grace_s=self.push_grace_s,
+                          max_image_pixels=self.max_image_pixels)
 
     def deployment_options(self) -> dict[str, Any]:
         """``Preheat.options(...)``: replicas, resources, concurrency, the shutdown budget and the
@@ -211,7 +213,8 @@ def _coerce(name: str, value: Any) -> Any:
             from preheat.server.inputs import parse_lora_ranks
 
             return parse_lora_ranks(value if isinstance(value, str) else ",".join(map(str, value)), "lora_ranks")
-        if name in ("max_batch_size", "max_queue", "max_steps", "max_ongoing_requests", "fsdp", "max_loras"):
+        if name in ("max_batch_size", "max_queue", "max_steps", "max_ongoing_requests", "fsdp", "max_loras",
+                    "max_image_pixels"):
             return int(value)
         if name == "num_replicas":
             return None if value in (None, "auto") else int(value)

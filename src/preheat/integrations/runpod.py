@@ -8,8 +8,9 @@ or simply ``python -m preheat.integrations.runpod`` (also: ``--test_input '{"inp
 for the SDK's local test mode, which runs one job and exits 0 on success).
 
 A job's ``input`` takes Cog's input fields: the served family's declared inputs by their Cog
-names (``prompt``, ``negative_prompt``, ``class_label``, ``width``, SDXL's ``original_size``, ...:
-``Family.input_specs``), ``num_outputs``, ``num_inference_steps``, ``guidance_scale``,
+names (``prompt``, ``negative_prompt``, ``class_label``, ``width``, SDXL's ``original_size``, an
+image-conditioned model's ``image`` / ``mask`` / ``strength``, ...: ``Family.input_specs``; images
+as http(s) URLs, fetched through the guarded fetch, or data URIs), ``num_outputs``, ``num_inference_steps``, ``guidance_scale``,
 ``scheduler``, ``seed``, ``output_format``, ``lora_weights`` (a path, http(s):// or hf:// LoRA)
 and ``lora_scale`` (``preheat.server.inputs.parse_input``, the same parse as Cog's route).
 The result is ``{"images": [data URLs], "seed": int, "metrics": {...}}``, or
@@ -25,7 +26,8 @@ The engine is loaded once per process (at ``python -m`` start, or on the first j
 ``PREHEAT_LORA_RANKS`` (LoRA rank buckets warmed, as ``--lora-ranks``: ``16,32``),
 ``PREHEAT_MAX_LORAS`` (LoRAs held ready, 8),
 ``PREHEAT_LORA_DIR`` (the only folder a request's local ``lora_weights`` may name; unset: URLs
-and ``hf://`` only) and
+and ``hf://`` only), ``PREHEAT_MAX_IMAGE_PIXELS`` (width x height of a request's ``image`` /
+``mask``, as ``--max-image-pixels``; default 4096²) and
 ``PREHEAT_DTYPE`` (float32; ``bfloat16`` for a GPU worker). The
 compile cache lives on the network volume automatically (``/runpod-volume/preheat``, see
 ``preheat.cache.root``), so a cold worker with a warm volume starts hot.
@@ -63,6 +65,7 @@ def config_from_env(env: Optional[dict[str, str]] = None) -> CoreConfig:
                       max_queue=int(env.get("PREHEAT_MAX_QUEUE", "64")),
                       max_steps=int(env.get("PREHEAT_MAX_STEPS", "200")),
                       max_loras=int(env.get("PREHEAT_MAX_LORAS", "8")), lora_dir=env.get("PREHEAT_LORA_DIR") or None,
+                      max_image_pixels=int(env["PREHEAT_MAX_IMAGE_PIXELS"]) if env.get("PREHEAT_MAX_IMAGE_PIXELS") else None,
                       lora_ranks=parse_lora_ranks(env.get("PREHEAT_LORA_RANKS"), "PREHEAT_LORA_RANKS"),
                       samplers=tuple(n.strip() for n in env.get("PREHEAT_SAMPLERS", "").split(",") if n.strip()),
                       guidance=tuple(g.strip() for g in (env.get("PREHEAT_GUIDANCE") or "off,on").split(",") if g.strip()))

@@ -1,8 +1,9 @@
 """The HTTP surface: thin FastAPI routes over a :class:`~preheat.server.core.Core`.
 
 Cog's contract (``/health-check``, ``/predictions``, ``PUT /predictions/{id}``,
-``/predictions/{id}/cancel``, ``Prefer: respond-async`` + webhooks), an OpenAI-style
-``/v1/images/generations``, Prometheus ``/metrics``. No ``from __future__ import annotations``
+``/predictions/{id}/cancel``, ``Prefer: respond-async`` + webhooks), OpenAI-style
+``/v1/images/generations`` and ``/v1/images/edits`` (multipart: ``preheat.server.edits``),
+Prometheus ``/metrics``. No ``from __future__ import annotations``
 here: FastAPI reads the route annotations.
 
 The routes are module-level functions, written as in FastAPI's examples, over one
@@ -35,7 +36,9 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from preheat.errors import InputError, NotAccepting, QueueFull
+from preheat.families.inputs import Image
 from preheat.server.core import SHUT_DOWN, Core, Prediction
+from preheat.server.edits import EDITS_PATH, edits_input, edits_openapi
 from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, api_error, openai_error
 from preheat.server.inputs import SEED_MAX, JsonFloat, JsonInt, Limits, family_model, json_int, served_sizes
 from preheat.server.metrics import HttpMetrics
@@ -518,6 +521,29 @@ async def images_generations(raw_request: Request, state: State, request: ImageG
     if core.setup.status == "succeeded":  # the family's inputs and the Cog route's step/guidance/sampler
         accepted = {*family_model(tuple(core.pipe.family.input_specs(core.pipe))).model_fields, *_OPENAI_EXTRAS}
         raw.update({k: v for k, v in (request.model_extra or {}).items() if k in accepted and k not in raw})
+    return await openai_run(core, raw, raw_request)
+
+
+@routes.post(EDITS_PATH, summary="OpenAI-style image edit (multipart/form-data)", response_model=None,
+             openapi_extra=edits_openapi(),
+             responses={200: {"model": ImagesResponse}, 408: {"description": "The body did not arrive in time"},
+                        413: {"description": "Body too large"}, 415: {"description": "Body is not multipart"},
+                        422: {"description": "Invalid request"}, 429: {"description": "Queue full; see Retry-After"},
+                        503: {"description": "Not ready, or shutting down"}})
+async def images_edits(raw_request: Request, state: State) -> Response:
+    core = state.core
+    specs = tuple(core.pipe.family.input_specs(core.pipe)) if core.setup.status == "succeeded" else ()
+    try:
+        raw = await edits_input(raw_request, specs)
+    except InputError as err:
+        field_name, message = err.errors[0]
+        return openai_error(422, f"{field_name}: {message}", field_name)
+    return await openai_run(core, raw, raw_request)
+
+
+async def openai_run(core: Core, raw: dict[str, Any], raw_request: Request) -> Response:
+    """An OpenAI route's call, as a Cog-style input: parsed, queued, waited for, answered in
+    OpenAI's shapes (errors name OpenAI's field: ``n``, ``size``)."""
     try:
         job, given = await core.parse_async(raw)
     except InputError as err:
@@ -643,10 +669,15 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
 
             lora["examples"] = lora_choices(limits.lora_dir)
     openai = schemas.get("ImageGenerationRequest", {}).get("properties")
+    edits = spec.get("paths", {}).get(EDITS_PATH, {}).get("post", {}).get("requestBody", {}).get("content", {})
+    edit_form = edits.get("multipart/form-data", {}).get("schema", {}).get("properties")
+    for target, own in ((openai, ()), (edit_form, tuple(edit_form or ()))):
+        for name, prop in props.items() if target is not None else ():
+            if name not in ("width", "height", *own):  # OpenAI's size says both; the form's files stay files
+                target[name] = {k: v for k, v in prop.items() if k != "x-order"}
+    if edit_form is not None and not any(isinstance(s.type, Image) and s.surface_name == "image" for s in specs):
+        edit_form["image"]["description"] = "This model takes no image: every edit is refused (422)."
     if openai is not None:
-        for name, prop in props.items():
-            if name not in ("width", "height"):  # OpenAI's size says both
-                openai[name] = {k: v for k, v in prop.items() if k != "x-order"}
         openai["size"] = {"anyOf": [{"type": "string", "enum": [*(f"{w}x{h}" for w, h in sizes), "auto"]},
                                     {"type": "null"}], "title": "Size"}
 

@@ -38,6 +38,7 @@ class CoreConfig:
     lora_dir: Optional[str] = None  # requests' local LoRA files only from under this folder (None: no local files)
     lora_urls: Any = None  # server.webhooks.WebhookPolicy for requests' http(s) LoRA URLs (None: public only)
     fetch: Any = None  # server.fetch.FetchConfig: timeouts, size caps, slots of those fetches (None: defaults)
+    max_image_pixels: Optional[int] = None  # width x height of a request's image (None: image_input's 4096²)
 
     def warm_set(self) -> WarmSet:
         """The declaration this server warms (the same object ``preheat warm`` compiles)."""

@@ -42,7 +42,7 @@ from preheat.progress import Stop
 from preheat.families import request as request_of
 from preheat.server.fetch import FetchConfig, Fetcher
 from preheat.warm import WarmSignature, buckets_for, resolve, run_signature, signatures
-from preheat.server.inputs import Job, Limits, input_model, parse_input
+from preheat.server.inputs import Job, Limits, image_urls, input_model, parse_input
 from preheat.server.config import CoreConfig, load_pipeline
 from preheat.server.metrics import CoreMetrics, FetchMetrics
 from preheat.store import is_remote
@@ -65,6 +65,10 @@ class Core:
                 or config.max_loras < 1):
             raise ValueError("max_batch_size, max_queue, max_steps and max_loras must be >= 1 and batch_wait_ms >= 0")
         self.config = config
+        if config.max_image_pixels is not None:  # the process's limit (and PIL's bomb limit): set before any request
+            from preheat.image_input import set_max_pixels
+
+            set_max_pixels(config.max_image_pixels)
         self.metrics = CoreMetrics()
         fetch = config.fetch if config.fetch is not None else FetchConfig()
         self.fetcher = Fetcher(replace(fetch, policy=config.lora_urls) if config.lora_urls is not None else fetch,
@@ -217,23 +221,53 @@ class Core:
         return parse_input(raw, self.pipe, self.limits, self.input_model)
 
     async def parse_async(self, raw: Any) -> tuple[Job, dict[str, Any]]:
-        """:meth:`parse` for a coroutine: in a worker thread when the input names a LoRA, whose first
-        read (a download, a large file) must not hold up the event loop."""
+        """:meth:`parse` for a coroutine: in a worker thread when the input names a LoRA or an image,
+        whose first read (a download, a large file, decoding) must not hold up the event loop.
+        Image URLs are fetched first, each on the fetcher's own threads (``Fetcher.image``)."""
         source = raw.get("lora_weights") if isinstance(raw, dict) else getattr(raw, "lora_weights", None)
-        if not source:
+        images = self._image_fields(raw)
+        if not source and not images:
             return self.parse(raw)
         import asyncio
 
         self._check_accepting()
-        source = str(source).strip()
-        if is_remote(source) and not await asyncio.to_thread(self.fetcher.stored, source):
+        loop = asyncio.get_running_loop()
+        source = str(source or "").strip()
+        if source and is_remote(source) and not await asyncio.to_thread(self.fetcher.stored, source):
             # the download on the fetcher's own threads: stalled hosts never hold the threads that
             # read local files and stored entries. A refusal is an error on lora_weights (parse's).
             try:
-                await asyncio.get_running_loop().run_in_executor(self.fetcher.pool, self.fetcher.lora, source)
+                await loop.run_in_executor(self.fetcher.pool, self.fetcher.lora, source)
             except PreheatError as err:
                 raise InputError([("lora_weights", (str(err).splitlines() or [type(err).__name__])[0])]) from None
-        return await asyncio.to_thread(self.parse, raw)
+        fetched: dict[str, bytes] = {}
+        urls = {url: field for field, url in image_urls(images, raw).items()}
+        reads = [loop.run_in_executor(self.fetcher.pool, self.fetcher.image, url) for url in urls]
+        errors = []
+        for url, result in zip(urls, await asyncio.gather(*reads, return_exceptions=True)):
+            if isinstance(result, PreheatError):
+                errors.append((urls[url], (str(result).splitlines() or [type(result).__name__])[0]))
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                fetched[url] = result
+        if errors:
+            raise InputError(errors)
+        return await asyncio.to_thread(self._parse_fetched, raw, fetched)
+
+    def _image_fields(self, raw: Any) -> tuple[Any, ...]:
+        """The served family's image specs (``Image`` inputs) this input gives a value for."""
+        if self.pipe is None or self.setup.status != "succeeded":
+            return ()
+        from preheat.families.inputs import Image
+
+        extra = raw if isinstance(raw, dict) else (getattr(raw, "model_extra", None) or {})
+        return tuple(s for s in self.pipe.family.input_specs(self.pipe)
+                     if isinstance(s.type, Image) and extra.get(s.surface_name) is not None)
+
+    def _parse_fetched(self, raw: Any, fetched: dict[str, bytes]) -> tuple[Job, dict[str, Any]]:
+        self._check_accepting()
+        return parse_input(raw, self.pipe, self.limits, self.input_model, fetched)
 
     def _check_accepting(self) -> None:
         if self.setup.status == "succeeded" and self.defunct is not None:

@@ -86,7 +86,7 @@ def address_check(policy: Any) -> Callable[[str, Any], None]:
     def check(host: str, ip: Any) -> None:
         why = policy.refusal(host, ip)
         if why is not None:
-            raise FetchError(f"{why}; LoRA URLs are fetched from public addresses only (see --lora-url-allow-private "
+            raise FetchError(f"{why}; LoRA and image URLs are fetched from public addresses only (see --lora-url-allow-private "
                              "and --lora-url-allow)", reason="address")
 
     return check

@@ -2,7 +2,8 @@
 
 Limits enforced here, for every transfer encoding: the body is counted while it streams in and
 reading stops at ``max_body_bytes`` (413); a body must arrive within ``body_timeout_s`` of the
-request's first read (408); a body that is not JSON is refused (415). Header read timeouts live
+request's first read (408); a body that is not JSON is refused (415), but for the multipart
+routes (``MULTIPART_PATHS``: OpenAI's edits), which take only multipart/form-data. Header read timeouts live
 in the protocol (``preheat.server.serve``).
 """
 
@@ -66,6 +67,9 @@ class _Body:
             if not message.get("more_body", False):
                 self.complete = True
         return message
+
+
+MULTIPART_PATHS = ("/v1/images/edits",)  # routes whose body is multipart/form-data (preheat.server.edits)
 
 
 def _is_json(content_type: bytes) -> bool:
@@ -143,6 +147,10 @@ class Guard:
                 return api_error(scope, 413, f"request body over {self.max_body_bytes} bytes", {"Connection": "close"})
             has_body = has_body or size > 0
         content_type = headers.get(b"content-type")
+        if scope.get("path") in MULTIPART_PATHS:  # OpenAI's edits: a form with files, never JSON
+            if has_body and (content_type or b"").split(b";")[0].strip().lower() != b"multipart/form-data":
+                return api_error(scope, 415, "this route takes Content-Type: multipart/form-data")
+            return None
         if has_body and content_type is None:  # as any other non-JSON type: the body is not read
             return api_error(scope, 415, "a request body needs Content-Type: application/json")
         if has_body and content_type is not None and not _is_json(content_type):

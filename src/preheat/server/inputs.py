@@ -12,6 +12,14 @@ Runpod handler. Two layers:
    (which raises one-line ``InvalidArgumentError`` / ``SchedulerConfigError``), mapped back to
    the input field by the error's ``argument`` (:func:`surface_fields`), never by its text.
 
+Image inputs (``Image`` specs: img2img's ``image``, inpainting's ``mask``) are http(s) URLs or
+``data:`` URIs. A URL is fetched through the server's one guarded fetch (``Limits.fetcher``,
+``Fetcher.image``: address policy, deadline, size cap, per-host slots, nothing stored) --
+``Core.parse_async`` fetches them first, off the event loop, and hands the bytes in as
+``fetched``; any other string (a path) is refused, so that a client never makes the server read
+its own disk. The job keeps a digest of the decoded pixels, not the pixels: equal images share
+a batch key, and a retry of the same request is the same job.
+
 Both raise :class:`preheat.errors.InputError`, which carries ``(field, message)`` pairs; surfaces turn it into
 HTTP 422 (naming the field) or a Runpod ``{"error": ...}``.
 """
@@ -28,11 +36,12 @@ import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
-from preheat.families.inputs import (COMMON_SPECS, Choice, Float, InputSpec, Int, Label, Pair, Text, common_spec,
-                                     field_of)
+from preheat.families.inputs import (COMMON_SPECS, Choice, Float, Image, InputSpec, Int, Label, Pair, Text,
+                                     common_spec, field_of)
 
 __all__ = ["Limits", "Job", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields",
-           "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "parse_sizes", "parse_lora_ranks", "JsonFloat"]
+           "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "parse_sizes", "parse_lora_ranks", "JsonFloat",
+           "image_urls"]
 
 SEED_MAX = 2**32 - 1
 MAX_LORA_SCALE = 4.0
@@ -179,13 +188,16 @@ def _annotation(spec: InputSpec) -> Any:
     if isinstance(t, Int):
         return json_int(t.low, t.high if t.high is not None else 2**31 - 1)
     if isinstance(t, Float):
-        return Annotated[float, Field(ge=t.low, le=t.high, allow_inf_nan=False), BeforeValidator(_json_number)]
+        low = {"gt" if t.low_open else "ge": t.low}
+        return Annotated[float, Field(**low, le=t.high, allow_inf_nan=False), BeforeValidator(_json_number)]
     if isinstance(t, Choice):
         return Literal[tuple(t.options)]  # type: ignore[misc]
     if isinstance(t, Pair):
         return tuple[JsonInt, JsonInt]
     if isinstance(t, Label):
         return Union[JsonInt, str]
+    if isinstance(t, Image):
+        return str  # an http(s) URL or a data: URI (the body's size limit bounds it)
     raise TypeError(f"no surface type for {type(t).__name__}")
 
 
@@ -230,10 +242,52 @@ def served_sizes(pipe: Any, limits: Limits) -> tuple[tuple[int, int], ...]:
     return tuple(limits.sizes) or pipe.family.served_sizes(pipe)
 
 
+def image_urls(specs: tuple[InputSpec, ...], raw: Any) -> dict[str, str]:
+    """The image fields of a raw input that name an http(s) URL: field -> URL (what to fetch)."""
+    get = raw.get if isinstance(raw, Mapping) else (lambda name: (getattr(raw, "model_extra", None) or {}).get(name))
+    out = {}
+    for spec in specs:
+        value = get(spec.surface_name) if isinstance(spec.type, Image) else None
+        if isinstance(value, str) and value.strip().lower().startswith(("http://", "https://")):
+            out[spec.surface_name] = value.strip()
+    return out
+
+
+def _image_value(spec: InputSpec, value: str, fetched: Mapping[str, bytes], limits: Limits) -> Any:
+    """An image field's string -> what ``Image.check`` reads: a URL's bytes (fetched before, or
+    now through the guarded fetch), a data URI as it is. Anything else is refused: a server
+    reads no path a client names."""
+    from preheat.errors import PreheatError
+
+    text = value.strip()
+    if text.lower().startswith(("http://", "https://")):
+        if text in fetched:
+            return fetched[text]
+        from preheat.server.fetch import default_fetcher
+
+        try:
+            return (limits.fetcher if limits.fetcher is not None else default_fetcher()).image(text)
+        except PreheatError as err:
+            raise InvalidArgumentError((str(err).splitlines() or [type(err).__name__])[0], argument=spec.name) from None
+    if text.startswith("data:"):
+        return text
+    raise InvalidArgumentError(f"{spec.surface_name} must be an http(s) URL or a data: URI "
+                               "(data:image/png;base64,...)", argument=spec.name)
+
+
+def _image_digest(pixels: np.ndarray) -> str:
+    """A decoded image as a job holds it: its size and a hash of its pixels."""
+    import hashlib
+
+    return f"{'x'.join(map(str, pixels.shape))}:{hashlib.sha256(np.ascontiguousarray(pixels)).hexdigest()}"
+
+
 def _family_values(pipe: Any, extra: dict[str, Any], n: int, limits: Limits,
-                   errors: list[tuple[str, str]]) -> tuple[dict[str, Any], dict[str, str]]:
+                   errors: list[tuple[str, str]],
+                   fetched: Mapping[str, bytes] = {}) -> tuple[dict[str, Any], dict[str, str]]:
     """The family's inputs a request gave (by surface name) -> ``generate`` keywords, and which
-    came through an alias (keyword -> that field). Sizes must be served ones."""
+    came through an alias (keyword -> that field). Sizes must be served ones; images are bytes
+    or data URIs (:func:`_image_value`)."""
     specs = tuple(pipe.family.input_specs(pipe))
     try:
         given = family_model(specs).model_validate(extra).model_dump(exclude_none=True)
@@ -252,6 +306,12 @@ def _family_values(pipe: Any, extra: dict[str, Any], n: int, limits: Limits,
                 errors.append((alias, f"names {other.strip()!r}, but {spec.surface_name} is {value!r}"))
             elif value is None:
                 value, aliased[spec.name] = other.strip(), alias
+        if value is not None and isinstance(spec.type, Image):
+            try:
+                value = _image_value(spec, value, fetched, limits)
+            except InvalidArgumentError as err:
+                errors.append((spec.surface_name, str(err)))
+                continue
         if value is not None:
             values[spec.name] = value
     if "width" in {s.name for s in specs}:
@@ -270,9 +330,11 @@ def _per_image(values: Any) -> tuple:
     return tuple(np.asarray(values).tolist()) if isinstance(values, np.ndarray) else tuple(values)
 
 
-def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | None = None) -> tuple[Job, dict[str, Any]]:
+def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | None = None,
+                fetched: Mapping[str, bytes] = {}) -> tuple[Job, dict[str, Any]]:
     """Validate a Cog-style input (a dict or an instance of :func:`input_model`) against the limits
-    and the loaded pipeline. Returns the job and the input as given (unset fields left out)."""
+    and the loaded pipeline (``fetched``: image URLs already read, URL -> bytes). Returns the job
+    and the input as given (unset fields left out)."""
     model = model or input_model(limits)
     if isinstance(raw, model):
         values = raw
@@ -288,7 +350,7 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     extra = dict(values.model_extra or {})
     errors: list[tuple[str, str]] = []
     n = v["num_outputs"]
-    family, aliased = _family_values(pipe, extra, n, limits, errors)
+    family, aliased = _family_values(pipe, extra, n, limits, errors, fetched)
 
     seed = v["seed"]
     if seed is None:
@@ -323,6 +385,8 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     # prompt_2 that is the prompt): the job's images stay the same whatever shares their batch
     resolved = {s.name: _per_image(request.values[s.name]) for s in specs
                 if s.per_image and request.values.get(s.name) is not None}
+    per_call.update({s.name: _image_digest(request.values[s.name]) for s in specs
+                     if isinstance(s.type, Image) and s.name in per_call})
     job = replace(job, values=tuple(sorted({**per_call, **resolved}.items())), per_image=frozenset(resolved),
                   request=request)
     if guidance is not None:
