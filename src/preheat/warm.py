@@ -60,6 +60,12 @@ class WarmSet:
     lora_ranks: tuple[int, ...] = ()  # LoRA rank buckets (``preheat.lora.BUCKETS``) warmed besides no LoRA
     variant: Optional[str] = None  # weight files *.VARIANT.safetensors (preheat.load(variant=...))
     cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off" (preheat.load(cache=...))
+    weights_dtype: Optional[str] = None  # the denoiser's weights stored in this dtype (preheat.load(weights_dtype=...))
+    weights_layers: str = "layerwise"  # which layers weights_dtype stores (preheat.load(weights_layers=...))
+    # the loop reports each step to the host (a server's step events; ``preheat.progress``): a static
+    # switch, so a server and its warm job must agree. A deviceless GPU compile cannot hold the host
+    # callback (lowering it needs the GPU's runtime), so ``warm --target`` declares it off.
+    progress: bool = True
 
     def __post_init__(self) -> None:
         from preheat.errors import InvalidArgumentError
@@ -86,6 +92,7 @@ class WarmSignature:
     given: tuple[tuple[str, Any], ...] = ()  # the data inputs of this variant (``InputSpec.warm``)
     lora: Optional[int] = None  # the LoRA rank bucket; None: no LoRA
     variant: tuple[str, ...] = ()  # the inputs this variant gives beyond the base one (for describe)
+    progress: bool = True  # the program reports each step (``WarmSet.progress``)
 
     def describe(self) -> str:
         size = f" {self.size[0]}x{self.size[1]}" if self.size else ""
@@ -152,7 +159,7 @@ def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
                         continue
                     beyond = tuple(k for k, v in given if k not in base or base[k] != v)
                     for bucket in buckets:  # LoRA buckets smallest first: each is then compiled as itself
-                        out += [WarmSignature(sampler, g, bucket, size, given, lora, beyond)
+                        out += [WarmSignature(sampler, g, bucket, size, given, lora, beyond, warm_set.progress)
                                 for lora in (None, *warm_set.lora_ranks)]
     return out
 
@@ -205,7 +212,7 @@ def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
                               **given_inputs(pipe, sig.given, sig.size, n)}
     if sig.size is not None:
         inputs.update(width=sig.size[0], height=sig.size[1])
-    if getattr(pipe, "reports_progress", False):  # a server streams every step: its program reports them
+    if sig.progress and getattr(pipe, "reports_progress", False):  # a server streams every step
         from preheat.progress import ignore
 
         inputs["progress"] = ignore

@@ -116,8 +116,8 @@ def test_real_crash_during_load_does_not_crash_loop(model_dir, reference_pixels,
     _pipe(model_dir, tmp_path).generate(**CALL)
     script = textwrap.dedent(f"""
         import os, signal
-        import jax.experimental.serialize_executable as se
-        se.deserialize_and_load = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        import preheat.cache.serialized as se
+        se.load_executable = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
         import preheat
         p = preheat.load({str(model_dir)!r})
         p.generate(**{CALL!r})

@@ -170,10 +170,10 @@ def test_bad_remote_entry_is_refused_logged_recompiled_same_image(model_dir, ref
 
 
 BROKEN_LOAD = textwrap.dedent("""
-    import jax.experimental.serialize_executable as se
+    import preheat.cache.serialized as se
     def broken(*a, **k):
         raise RuntimeError("simulated: this executable does not load here")
-    se.deserialize_and_load = broken
+    se.load_executable = broken
 """) + CHILD
 
 

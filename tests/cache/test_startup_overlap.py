@@ -84,20 +84,20 @@ def test_slow_store_and_slow_weights_overlap(model_dir, published, tmp_path, mon
 
 
 def test_failing_background_load_falls_back_to_compile_same_image(model_dir, published, tmp_path, monkeypatch):
-    from jax.experimental import serialize_executable
+    from preheat.cache import serialized
 
     pixels, home, _ = published
     shutil.copytree(home, tmp_path / "home")
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("PREHEAT_CACHE_URL", raising=False)
-    load = serialize_executable.deserialize_and_load
+    load = serialized.load_executable
 
     def failing(*a, **k):
         if _in_background():
             raise RuntimeError("injected: cannot load this executable")
         return load(*a, **k)
 
-    monkeypatch.setattr(serialize_executable, "deserialize_and_load", failing)
+    monkeypatch.setattr(serialized, "load_executable", failing)
     pipe = preheat.load(model_dir, prefetch=[CALL])
     assert np.array_equal(pipe.generate(**CALL), pixels)
     event = pipe.compiler.events[-1]
@@ -169,8 +169,10 @@ def test_a_server_prefetches_its_warm_declaration(model_dir, published, tmp_path
     shutil.copytree(home, tmp_path / "home")
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("PREHEAT_CACHE_URL", raising=False)
-    # buckets 1 and 2, guided at the model's default: bucket 2 is CALL's program (labels, steps are data)
-    config = CoreConfig(model=str(model_dir), max_batch_size=2, samplers=("euler",), guidance=("on",), batch_wait_ms=0)
+    # buckets 1 and 2, guided at the model's default: bucket 2 is CALL's program (labels, steps are data;
+    # CALL ran without a progress callback, so the server declares programs without step progress)
+    config = CoreConfig(model=str(model_dir), max_batch_size=2, samplers=("euler",), guidance=("on",), batch_wait_ms=0,
+                        progress=False)
     core = Core(config).start()  # the real loader (server.config.load_pipeline)
     try:
         assert core.wait_setup(300) and core.status == "READY", core.setup.logs

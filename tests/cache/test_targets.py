@@ -35,8 +35,9 @@ def _manifests(root: Path) -> list[dict]:
 
 
 def _warm(*args: str) -> tuple[int, str]:
+    """The exit code, and stdout (``--json``: the result alone) where it exits 0, else all it printed."""
     result = CliRunner().invoke(main, ["warm", *args])
-    return result.exit_code, result.output
+    return result.exit_code, result.stdout if result.exit_code == 0 else result.output
 
 
 def _root() -> Path:
@@ -52,7 +53,7 @@ def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(tmp_pat
     code, out = _warm("--target", "h200", "--max-batch-size", "1", "--guidance", "off", "--dtype", "bfloat16",
                       "--json")
     assert code == 0, out
-    result = json.loads(out[out.index("{"):])
+    result = json.loads(out)
     assert [row["cache_layer"] for row in result["signatures"]] == ["none"] and result["pushed"] is True
     gpu = _manifests(_root())
     assert len(gpu) == 1
@@ -90,7 +91,9 @@ def test_warm_target_on_a_tiny_sd1_folder_compiles_every_program_of_the_call(tmp
     code, out = _warm(str(folder), "--target", "h200", "--max-batch-size", "1", "--guidance", "off")
     assert code == 0, out
     stages = sorted(m["fields"]["signature"].get("stage", "denoise") for m in _manifests(_root()))
-    assert len(stages) == 3 and "denoise" in stages, stages  # text encoder, denoising loop, VAE decoder
+    # the text encoder, the VAE decoder and image encoder, and a denoising loop each for text-to-image,
+    # img2img and mask blending (the image variants a base SD folder serves)
+    assert stages == ["decode", "denoise", "denoise", "denoise", "encode", "encode_image"], stages
     assert all(m["target"]["name"] == "h200" and m["fields"]["platform"] == "gpu" for m in _manifests(_root()))
 
 

@@ -213,7 +213,7 @@ def _prefetched_restarts(folder, root, want):
     while the weights are read -- keys from a rehearsal on placeholder weights, the conditioning's
     shapes from the encoders traced abstractly -- and a background load that fails (the encoder's,
     injected) falls back to a compile of that stage alone; the image is the same each time."""
-    from jax.experimental import serialize_executable
+    from preheat.cache import serialized
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PREHEAT_HOME", str(root))
@@ -225,7 +225,7 @@ def _prefetched_restarts(folder, root, want):
         assert got == [(s, "aot", "background") for s in ("encode", "denoise", "decode")], third.compiler.events
         assert third.last.trace_lower_s == 0.0 and "executable.keys" in third.startup.spans
 
-        load, failed = serialize_executable.deserialize_and_load, []
+        load, failed = serialized.load_executable, []
 
         def fail_the_first_background_load(*a, **k):
             if threading.current_thread().name == "preheat-executable-prefetch" and not failed:
@@ -233,7 +233,7 @@ def _prefetched_restarts(folder, root, want):
                 raise RuntimeError("injected: cannot load this executable")
             return load(*a, **k)
 
-        mp.setattr(serialize_executable, "deserialize_and_load", fail_the_first_background_load)
+        mp.setattr(serialized, "load_executable", fail_the_first_background_load)
         # the prefetch thread's load is what this fault is for: forget the keys the third start
         # remembered, so that no executable is deserialised early (tests/cache/test_early.py)
         shutil.rmtree(third.compiler.root / "compile" / "recent", ignore_errors=True)

@@ -18,7 +18,6 @@ off the critical path, and any failure here just leaves the normal load to do it
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import threading
@@ -99,7 +98,7 @@ class EarlyLoads:
                 self._done[key].set()
 
     def _one(self, key: str) -> Optional[Preloaded]:
-        from preheat.cache.serialized import Unpickler  # jax's deserialiser (step reports kept), without its trees
+        from preheat.cache import serialized  # jax's deserialiser (step reports kept), without its trees
 
         try:
             entry = checked_entry(self.kind_dir, key)
@@ -108,10 +107,8 @@ class EarlyLoads:
         if entry is None:
             return None
         payload = entry.file(EXECUTABLE).read_bytes()
-        backend = self.devices[0].client
         with LoadingMarker(entry.path):
-            unloaded, args_info_flat, no_kwargs = Unpickler(io.BytesIO(payload), backend, self.devices).load()
-            executable = unloaded.load()
+            executable, args_info_flat, no_kwargs = serialized.load_executable(payload, self.devices)
         return Preloaded(entry.manifest.get("fields"), executable, args_info_flat, no_kwargs, entry)
 
     def take(self, key: str, fields: dict[str, Any], in_tree: Any, out_tree: Any) -> Any:

@@ -20,7 +20,7 @@ from jax._src.lib import _jax, xla_client as xc
 
 from preheat.progress import host_report
 
-__all__ = ["Relay", "Unpickler", "serialize", "deserialize_and_load"]
+__all__ = ["Relay", "Unpickler", "serialize", "load_executable", "deserialize_and_load"]
 
 _EXEC = "preheat-exec+callbacks"  # a persistent id: the executable and its relays' token flags
 
@@ -120,8 +120,16 @@ def serialize(compiled: Any) -> bytes:
         unloaded.host_callbacks = callbacks
 
 
-def deserialize_and_load(payload: bytes, in_tree: Any, out_tree: Any, execution_devices: Sequence[Any]) -> Any:
-    """``jax.experimental.serialize_executable.deserialize_and_load`` for :func:`serialize`'s bytes."""
+def load_executable(payload: bytes, execution_devices: Sequence[Any]) -> tuple[Any, list[Any], bool]:
+    """:func:`serialize`'s bytes as a loaded XLA executable, before its pytrees are known:
+    ``(executable, args_info_flat, no_kwargs)``. The one place bytes become a program, for the
+    normal load and the early one at process start (``preheat.cache.early``) alike."""
     backend = execution_devices[0].client
     unloaded, args_info_flat, no_kwargs = Unpickler(io.BytesIO(payload), backend, execution_devices).load()
-    return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info_flat), out_tree, no_kwargs=no_kwargs)
+    return unloaded.load(), args_info_flat, no_kwargs
+
+
+def deserialize_and_load(payload: bytes, in_tree: Any, out_tree: Any, execution_devices: Sequence[Any]) -> Any:
+    """``jax.experimental.serialize_executable.deserialize_and_load`` for :func:`serialize`'s bytes."""
+    executable, args_info_flat, no_kwargs = load_executable(payload, execution_devices)
+    return jax.stages.Compiled(executable, [], in_tree.unflatten(args_info_flat), out_tree, no_kwargs=no_kwargs)

@@ -164,8 +164,9 @@ def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--
               help="--ray: GPUs each replica takes (1, or a pod's count; 0 on CPU).")
 @one_line_errors
 def serve_command(model: Optional[str], host: str, port: int, backend: str, compile_mode: str, dtype: str,
-                  variant: Optional[str], cache: Optional[str], max_batch_size: int,
-                  devices_text: Optional[str], fsdp: int, batch_wait_ms: float, max_queue: int, max_steps: int,
+                  weights_dtype: Optional[str], weights_layers: str, variant: Optional[str], cache: Optional[str],
+                  max_batch_size: int, devices_text: Optional[str], fsdp: int, progress: Optional[bool],
+                  batch_wait_ms: float, max_queue: int, max_steps: int,
                   samplers_text: Optional[str], sizes_text: Optional[str], guidance_text: str,
                   lora_ranks_text: Optional[str], max_loras: int, lora_dir: Optional[str], grace_s: float,
                   push_grace_s: float,
@@ -194,7 +195,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     if max_image_pixels < 1:
         raise InvalidArgumentError(f"--max-image-pixels {max_image_pixels} must be >= 1", argument="--max-image-pixels")
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
-                                     lora_ranks_text, devices_text, fsdp, variant, cache)
+                                     lora_ranks_text, devices_text, fsdp, variant, cache, weights_dtype,
+                                     weights_layers, progress)
     webhooks = _address_policy(webhook_allow_private, webhook_allow)
     lora_urls = _address_policy(lora_url_allow_private, lora_url_allow, "--lora-url-allow")
     fetch = _fetch_config(fetch_connect_timeout_s, fetch_deadline_s, max_lora_bytes, max_image_bytes, fetch_per_host,
@@ -205,6 +207,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     _check_backend(backend)
     if compile_mode != "none" and backend != "torch":
         raise InvalidArgumentError(f"--compile {compile_mode} applies to --backend torch")
+    if weights_dtype is not None and backend != "jax":
+        raise InvalidArgumentError("--weights-dtype applies to --backend jax", argument="--weights-dtype")
     if (devices_text is not None or fsdp != 1) and backend != "jax":
         raise InvalidArgumentError("--devices and --fsdp apply to --backend jax")
     token = os.environ.get("PREHEAT_API_TOKEN") or None
@@ -248,8 +252,9 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
 
     if backend != "jax":
         raise InvalidArgumentError("--ray serves --backend jax")
-    if warm_set.variant is not None or warm_set.cache is not None:
-        raise InvalidArgumentError("--variant and --cache are not passed to Ray replicas yet", argument="--variant")
+    if warm_set.variant is not None or warm_set.cache is not None or warm_set.weights_dtype is not None:
+        raise InvalidArgumentError("--variant, --cache and --weights-dtype are not passed to Ray replicas yet",
+                                   argument="--variant")
     if webhook_allow_private or webhook_allow:
         raise InvalidArgumentError("--webhook-allow(-private) and --lora-url-allow(-private) are not passed to Ray "
                                    "replicas; they allow public addresses only")

@@ -39,6 +39,10 @@ def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--devices", "devices_text", metavar="all|N|ID,ID,...",
                      help="JAX: the devices each batch is split over (default all; $PREHEAT_DEVICES); buckets are "
                           "then multiples of their count, and programs are compiled for these devices."),
+        click.option("--progress/--no-progress", "progress", default=None,
+                     help="Programs that report each step (a server's streamed step events; default on, off with "
+                          "--target: a GPU compiled for without a GPU cannot call the host). A server and its warm "
+                          "job must agree: `serve --no-progress` runs what `warm --target` compiled."),
         click.option("--fsdp", default=1, show_default=True, type=click.IntRange(min=1), metavar="F",
                      help="JAX: split each weight over F of the devices instead of copying it to each (for "
                           "models that do not fit one device); F divides the device count."),
@@ -63,7 +67,8 @@ def samplers_from_text(text: Optional[str]) -> tuple[str, ...]:
 def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
                           sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str] = None,
                           devices_text: Optional[str] = None, fsdp: int = 1, variant: Optional[str] = None,
-                          cache: Optional[str] = None) -> Any:
+                          cache: Optional[str] = None, weights_dtype: Optional[str] = None,
+                          weights_layers: str = "layerwise", progress: Optional[bool] = None) -> Any:
     """The ``WarmSet`` the declaration options describe (one-line errors for bad values); a
     ``random:NAME`` model becomes its folder (a tiny one served at its tiny size by default)."""
     from preheat.warm import WarmSet
@@ -89,7 +94,8 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
         sizes = (size,)
     return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers, sizes=sizes,
                    guidance=guidance, lora_ranks=tuple(ranks), devices=devices, fsdp=fsdp, variant=variant,
-                   cache=cache)
+                   cache=cache, weights_dtype=weights_dtype, weights_layers=weights_layers,
+                   progress=True if progress is None else progress)
 
 
 @click.command("warm")
@@ -108,7 +114,7 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
                  variant: Optional[str], cache: Optional[str],
                  max_batch_size: int, samplers_text: Optional[str],
                  sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str],
-                 devices_text: Optional[str], fsdp: int, dry_run: bool,
+                 devices_text: Optional[str], fsdp: int, progress: Optional[bool], dry_run: bool,
                  as_json: bool, push_timeout_s: float, target_spec: Optional[str], quiet: bool) -> None:
     """Compile MODEL's serving programs into the cache root ahead of time (and push them to
     PREHEAT_CACHE_URL when set), so `preheat serve` with the same options starts with no compile.
@@ -119,14 +125,15 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
     from preheat import warm as warming
 
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
-                                     lora_ranks_text, devices_text, fsdp, variant, cache)
+                                     lora_ranks_text, devices_text, fsdp, variant, cache, weights_dtype,
+                                     weights_layers, progress)
     target = None
     if target_spec is not None:
-        target, warm_set = _target_compiles(target_spec, warm_set)
+        target, warm_set = _target_compiles(target_spec, warm_set, progress)
     # what is cached already loads while the weights are read (a dry run, or a --target one, loads nothing)
     pipe = preheat.load(warm_set.model, dtype=warm_set.dtype, variant=warm_set.variant, cache=warm_set.cache,
-                        devices=warm_set.devices, fsdp=warm_set.fsdp, weights_dtype=weights_dtype,
-                        weights_layers=weights_layers,
+                        devices=warm_set.devices, fsdp=warm_set.fsdp, weights_dtype=warm_set.weights_dtype,
+                        weights_layers=warm_set.weights_layers,
                         prefetch=None if dry_run or target else warming.prefetch_calls(warm_set))
     if target is not None:
         from preheat.cache.compile import TargetCompiler
@@ -179,9 +186,10 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
         sys.exit(1)
 
 
-def _target_compiles(spec: str, warm_set: Any) -> tuple[Any, Any]:
+def _target_compiles(spec: str, warm_set: Any, progress: Optional[bool]) -> tuple[Any, Any]:
     """The target of ``--target`` (one line for an unknown name, a malformed file or no plugin,
-    before any weights are read) and the set, on one device: a target is one GPU."""
+    before any weights are read) and the set, on one device (a target is one GPU) and without
+    step progress (its host callback needs the GPU's runtime to be lowered)."""
     from dataclasses import replace
 
     from preheat.cache.targets import resolve_target, target_device
@@ -192,5 +200,9 @@ def _target_compiles(spec: str, warm_set: Any) -> tuple[Any, Any]:
     if warm_set.devices not in (None, 1, [0], (0,)) or warm_set.fsdp != 1:
         raise InvalidArgumentError("--target compiles single-GPU programs; leave --devices and --fsdp unset",
                                    argument="devices")
-    return target, replace(warm_set, devices=1)
+    if progress:
+        raise InvalidArgumentError("--progress cannot be compiled for a --target (the step callback needs the GPU's "
+                                   "runtime); warm with --no-progress and serve with --no-progress",
+                                   argument="--progress")
+    return target, replace(warm_set, devices=1, progress=False)
 

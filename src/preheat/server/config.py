@@ -21,6 +21,9 @@ class CoreConfig:
     dtype: str = "float32"
     variant: Optional[str] = None  # weight files *.VARIANT.safetensors
     cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off"
+    weights_dtype: Optional[str] = None  # jax: the denoiser's weights stored in this dtype (float8_e4m3fn)
+    weights_layers: str = "layerwise"  # jax: which layers weights_dtype stores
+    progress: bool = True  # the programs report each step (streamed step events); off: as `warm --target` compiles
     max_batch_size: int = 8
     devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
     fsdp: int = 1  # jax: the devices each weight is split over (1: copied to each)
@@ -47,7 +50,8 @@ class CoreConfig:
         return WarmSet(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size,
                        samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
                        devices=self.devices, fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks),
-                       variant=self.variant, cache=self.cache)
+                       variant=self.variant, cache=self.cache, weights_dtype=self.weights_dtype,
+                       weights_layers=self.weights_layers, progress=self.progress)
 
     @classmethod
     def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":
@@ -55,6 +59,7 @@ class CoreConfig:
         options.setdefault("devices", warm.devices)
         options.setdefault("fsdp", warm.fsdp)
         return cls(model=warm.model, dtype=warm.dtype, variant=warm.variant, cache=warm.cache,
+                   weights_dtype=warm.weights_dtype, weights_layers=warm.weights_layers, progress=warm.progress,
                    max_batch_size=warm.max_batch_size,
                    samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance),
                    lora_ranks=tuple(warm.lora_ranks), **options)
@@ -72,8 +77,11 @@ def load_pipeline(config: CoreConfig) -> Any:
 
         # the warm-up's executables load while the weights are read
         return preheat.load(config.model, dtype=config.dtype, variant=config.variant, cache=config.cache,
+                            weights_dtype=config.weights_dtype, weights_layers=config.weights_layers,
                             devices=config.devices, fsdp=config.fsdp, prefetch=prefetch_calls(config.warm_set()))
     if config.backend == "torch":
+        if config.weights_dtype is not None:
+            raise InvalidArgumentError("--weights-dtype applies to --backend jax", argument="--weights-dtype")
         try:
             from preheat.backends.torch import load_torch_pipeline
         except ImportError as err:

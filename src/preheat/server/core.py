@@ -586,7 +586,7 @@ class Core:
             pipe = self.pipe
             # the jobs' requests, validated at parse time, as one (padding repeats the first image)
             request = request_of.concat(pipe, [p.job.request for p in batch], pad)
-            if getattr(pipe, "reports_progress", False):
+            if self.config.progress and getattr(pipe, "reports_progress", False):
                 pixels = pipe.run(request, progress=self._progress(batch))
             else:
                 pixels = pipe.run(request)
