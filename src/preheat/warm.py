@@ -212,7 +212,7 @@ def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
                               **given_inputs(pipe, sig.given, sig.size, n)}
     if sig.size is not None:
         inputs.update(width=sig.size[0], height=sig.size[1])
-    if sig.progress and getattr(pipe, "reports_progress", False):  # a server streams every step
+    if sig.progress and pipe.reports_progress:  # a server streams every step
         from preheat.progress import ignore
 
         inputs["progress"] = ignore

@@ -107,7 +107,7 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
 
     def first_call(view: Any) -> list[dict[str, Any]]:
         call = {"n": opts.batch(view), **opts.call_inputs(view)}
-        if draw and getattr(view, "reports_progress", False):  # the program the bar's call runs
+        if draw and view.reports_progress:  # the program the bar's call runs
             from preheat.progress import ignore
 
             call["progress"] = ignore
@@ -125,7 +125,7 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
         with flag_errors(pipe):
             kwargs = opts.call_inputs(pipe)
         n = opts.batch(pipe)
-        if phases.on and getattr(pipe, "reports_progress", False):  # the bar over the steps (a terminal only:
+        if phases.on and pipe.reports_progress:  # the bar over the steps (a terminal only:
             kwargs["progress"] = phases.step  # a pipe's runs, benchmarks' included, keep the program without it)
         with phases.phase("first call", jax_steps=backend == "jax"), flag_errors(pipe):
             t0 = time.perf_counter()

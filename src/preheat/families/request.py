@@ -58,6 +58,7 @@ class SamplingPipeline(ArgumentView, Protocol):
     last: Any  # preheat.timings.Timings of the last call
     startup: Any  # preheat.timings.Phases of load() and the first call; None on torch
     load_report: Any  # preheat.models.weights.LoadReport; None on torch
+    reports_progress: bool  # run(..., progress=) / generate(..., progress=) report steps (False on torch)
 
     @property
     def device_count(self) -> int: ...

@@ -46,7 +46,7 @@ from preheat.server.inputs import Job, Limits, image_urls, input_model, parse_in
 from preheat.server.config import CoreConfig, load_pipeline
 from preheat.server.metrics import CoreMetrics, FetchMetrics
 from preheat.store import is_remote
-from preheat.server.predictions import Listener, Prediction, SetupInfo
+from preheat.server.predictions import BatchRun, Listener, Prediction, SetupInfo
 from preheat.timings import now_iso
 
 __all__ = ["CoreConfig", "Core", "Prediction", "buckets_for", "SHUT_DOWN"]
@@ -586,7 +586,7 @@ class Core:
             pipe = self.pipe
             # the jobs' requests, validated at parse time, as one (padding repeats the first image)
             request = request_of.concat(pipe, [p.job.request for p in batch], pad)
-            if self.config.progress and getattr(pipe, "reports_progress", False):
+            if self.config.progress and pipe.reports_progress:
                 pixels = pipe.run(request, progress=self._progress(batch))
             else:
                 pixels = pipe.run(request)
@@ -630,8 +630,8 @@ class Core:
         offset = 0
         for p, out in zip(batch, outputs):
             with self._cond:
-                self._record(p, took, run_s, batch_id, images, bucket, offset, len(batch), compiled, job0)
-                p.metrics.update(cache_layer=pipe.last.cache_layer, seconds_per_image=took / images)
+                p.record_batch(BatchRun(batch_id, len(batch), images, bucket, job0.sampler, job0.steps, took, run_s,
+                                        compiled, pipe.last.cache_layer), offset)
             offset += p.job.n
             if p.cancel_requested:
                 self._finish(p, "canceled")
@@ -655,15 +655,6 @@ class Core:
                 raise Stop(f"every prediction of the batch was canceled at step {step}/{total}")
 
         return on_step
-
-    @staticmethod
-    def _record(p: Prediction, took: float, run_s: float, batch_id: int, images: int, bucket: int, offset: int,
-                requests: int, compiled: bool, job0: Job) -> None:
-        p.metrics.update({"predict_time": took, "run_time": run_s, "batch_id": batch_id, "batch_size": images,
-                          "batch_bucket": bucket, "batch_offset": offset, "batch_requests": requests,
-                          "compiled": compiled})
-        p.logs.append(f"batch {batch_id}: {requests} request(s), {images} image(s) in bucket {bucket}, "
-                      f"{job0.sampler} {job0.steps} steps, {took:.3f}s")
 
     def _finish(self, p: Prediction, status: str, output: Any = None, error: Optional[str] = None) -> None:
         with self._cond:

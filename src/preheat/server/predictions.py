@@ -6,15 +6,30 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from preheat.server.inputs import Job
 from preheat.timings import now_iso
 
-__all__ = ["Prediction", "SetupInfo", "Listener", "TERMINAL"]
+__all__ = ["Prediction", "BatchRun", "SetupInfo", "Listener", "TERMINAL"]
 
 TERMINAL = ("succeeded", "failed", "canceled")
 Listener = Callable[[str, dict], None]  # (event, snapshot); event: "start" | "log" (a step) | "completed"
+
+
+class BatchRun(NamedTuple):
+    """One engine call of the batcher, as each of its predictions reports it."""
+
+    batch_id: int
+    requests: int
+    images: int  # the requests' images (before padding)
+    bucket: int  # the compiled batch size it ran in
+    sampler: str
+    steps: int
+    took_s: float  # the batch's predict time (encoding the outputs included)
+    run_s: float  # the engine call alone
+    compiled: bool  # it compiled (or loaded) a program instead of running one held in memory
+    cache_layer: str
 
 
 @dataclass
@@ -45,6 +60,15 @@ class Prediction:
              "completed_at": self.completed_at}
         d.update(self.extra)
         return d
+
+    def record_batch(self, run: BatchRun, offset: int) -> None:
+        """The batch this prediction ran in, at image ``offset`` of it: Cog's metrics and a log line."""
+        self.metrics.update({"predict_time": run.took_s, "run_time": run.run_s, "batch_id": run.batch_id,
+                             "batch_size": run.images, "batch_bucket": run.bucket, "batch_offset": offset,
+                             "batch_requests": run.requests, "compiled": run.compiled, "cache_layer": run.cache_layer,
+                             "seconds_per_image": run.took_s / run.images})
+        self.logs.append(f"batch {run.batch_id}: {run.requests} request(s), {run.images} image(s) in bucket "
+                         f"{run.bucket}, {run.sampler} {run.steps} steps, {run.took_s:.3f}s")
 
     @property
     def terminal(self) -> bool:

@@ -23,6 +23,7 @@ class EngineArguments:
     mesh: Any = None
     startup: Any = None
     load_report: Any = None
+    reports_progress = False  # run() takes no progress callback: diffusers' loop is not ours to report from
 
     @property
     def device_count(self) -> int:
