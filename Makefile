@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip
 
-.PHONY: install test run bench clean browser
+.PHONY: install test test-slow run bench clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,12 +37,20 @@ browser:
 	else echo "no chromium/chromedriver and no root apt-get: the browser tests will skip"; fi
 
 # Random order (pytest-randomly); the seed is printed so that a failing order can be replayed with
-# `make test SEED=<seed>`.
+# `make test SEED=<seed>`. `make test` is the suite a developer runs (under 20 minutes on 2 cores);
+# `make test-slow` runs the rest, the tests marked slow or ray (a Ray cluster, fresh-process torch
+# compile caches, a clean venv, full-size layers, multi-process races); CI (.ci/run) runs both.
 SEED ?= $(shell date +%s)
+PYTEST := $(BIN)/python -m pytest -n 2 --dist loadfile -q --randomly-seed=$(SEED)
 test: $(STAMP) browser
 	@$(TESTABLE) || { echo "make test needs Python >= 3.12 (jax 0.11.2, as on the GPU machines); .venv has $$($(BIN)/python -V): install python3.12, then make clean test"; exit 2; }
 	@echo "test order: random, seed $(SEED) (replay: make test SEED=$(SEED))"
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q --randomly-seed=$(SEED)
+	$(PYTEST) -m "not slow and not ray"
+
+test-slow: $(STAMP) browser
+	@$(TESTABLE) || { echo "make test-slow needs Python >= 3.12 (jax 0.11.2, as on the GPU machines); .venv has $$($(BIN)/python -V): install python3.12, then make clean test"; exit 2; }
+	@echo "slow tests, order: random, seed $(SEED) (replay: make test-slow SEED=$(SEED))"
+	$(PYTEST) -m "slow or ray"
 
 # The main job: sample a grid of digits with the built-in model.
 run: $(STAMP)

@@ -39,6 +39,7 @@ def _classifier():
     return SVC(gamma=0.001, C=10.0).fit(digits.data, digits.target)
 
 
+@pytest.mark.slow
 def test_quality_an_independent_classifier_agrees_with_the_requested_class(pipe):
     per_class = 10
     labels = np.repeat(np.arange(10), per_class)

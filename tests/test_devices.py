@@ -93,6 +93,7 @@ def pixels(tmp_path_factory):
     return dict(np.load(base / "out.npz"))
 
 
+@pytest.mark.slow
 def test_builtin_model_same_pixels_on_1_2_4_devices(pixels):
     _close(pixels["builtin1"], pixels["builtin2"])
     _close(pixels["builtin1"], pixels["builtin4"])
@@ -168,6 +169,7 @@ EXPLAIN = """
 """
 
 
+@pytest.mark.slow
 def test_sharded_executable_restarts_warm_and_is_not_used_on_two_devices(tmp_path):
     model = save_tiny_pipeline(tmp_path / "pipe")
     home = tmp_path / "home"

@@ -170,6 +170,7 @@ def test_key_is_stable_across_processes(model_dir):
     assert len(keys) == 1 and key_of(_fields(model_dir)) in keys
 
 
+@pytest.mark.slow
 def test_six_concurrent_cold_starts_share_one_entry(model_dir, reference_pixels, tmp_path):
     script = textwrap.dedent(f"""
         import numpy as np, preheat

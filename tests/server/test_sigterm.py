@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests._support.server_fixtures import ServerProcess, wait_status, wait_until
 
@@ -41,6 +42,7 @@ def test_sigterm_finishes_in_flight_and_exits_0(model_dir: Path) -> None:
         server.kill()
 
 
+@pytest.mark.slow
 def test_a_second_sigterm_cuts_the_drain_short_with_json_answers_and_exit_1(model_dir: Path) -> None:
     """The probe: a second SIGTERM gave in-flight requests a plain-text 500 and the process
     aborted (134). Now the running prediction fails as the queued ones do (Cog: its JSON with the

@@ -24,7 +24,8 @@ def sd_pipe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def core(sd_pipe):
-    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=30, sizes=SIZES), pipe=sd_pipe)
+    # guided programs only: every request below is guided but the one refused at parse time
+    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=30, sizes=SIZES, guidance=("on",)), pipe=sd_pipe)
     core.start()
     assert core.wait_setup(900) and core.setup.status == "succeeded", core.setup.logs
     yield core

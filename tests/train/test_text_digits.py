@@ -105,6 +105,7 @@ def test_unknown_builtin_name_is_one_line_naming_the_choices():
         preheat.load("builtin:cats")
 
 
+@pytest.mark.slow
 def test_train_text_digits_command_writes_a_folder_diffusers_and_preheat_load(tmp_path):
     from diffusers import StableDiffusionPipeline
 
