@@ -151,7 +151,7 @@ def test_a_run_streams_progress_to_n_of_n_and_shows_the_images(browser: Any, ser
     assert "predict_time" in browser.find_element("css selector", ".run .timings").text
     shot = tmp_path / "playground.png"
     assert browser.save_screenshot(str(shot)) and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    if os.environ.get("PREHEAT_PLAYGROUND_SCREENSHOT"):  # the README's picture: docs/playground.png
+    if os.environ.get("PREHEAT_PLAYGROUND_SCREENSHOT"):  # docs/serving.md's picture: docs/playground.png
         shutil.copyfile(shot, os.environ["PREHEAT_PLAYGROUND_SCREENSHOT"])
 
 
