@@ -36,4 +36,5 @@ def test_bench_serve_stream_small(model_dir: Path, tmp_path: Path) -> None:
     assert record["stream_exactly_once"] and record["stream_succeeded"] == 8 and record["stream_distinct_ids"] == 8
     assert record["stream_server_predictions_succeeded"] == 8 and record["stream_steps_logged_min"] == 2
     assert record["stream_ratio"] > 0 and record["server_exit_code"] == 0
+    assert 1 <= record["stream_mean_batch_images"] <= 2
     assert "| streamed / JSON served |" in result.output

@@ -288,6 +288,10 @@ def run_bench(model: Optional[str] = None, *, n_requests: int = 256, concurrency
     if stream:
         summary = _stream_summary(stream_load, n_requests, server_succeeded,
                                   _metric(stream_metrics_text, "preheat_predictions_total", '{status="succeeded"}'))
+        stream_batches = _metric(stream_metrics_text, "preheat_batches_total") - batches
+        stream_images = _metric(stream_metrics_text, "preheat_batch_images_sum") - images
+        summary.update(stream_server_batches=stream_batches,
+                       stream_mean_batch_images=stream_images / stream_batches if stream_batches else 0.0)
         result.update(summary)
         result["stream_ratio"] = (summary["stream_served_images_per_s"] / served_ips) if served_ips else 0.0
     if json_out is not None:
@@ -318,6 +322,8 @@ def markdown(r: dict[str, Any]) -> str:
         rows += [
             ("streamed latency p50 / p99", f"{r['stream_latency_p50_s'] * 1000:.0f} / "
                                            f"{r['stream_latency_p99_s'] * 1000:.0f} ms"),
+            ("streamed batches (mean images per batch)", f"{r['stream_server_batches']:.0f} "
+                                                         f"({r['stream_mean_batch_images']:.2f})"),
             ("streamed answered exactly once", f"{'yes' if r['stream_exactly_once'] else 'NO'} "
                                                f"({r['stream_succeeded']}/{r['requests']}, "
                                                f"{r['stream_distinct_ids']} distinct ids, "
