@@ -22,3 +22,19 @@ def test_bench_serve_small(model_dir: Path, tmp_path: Path) -> None:
     assert record["served_images_per_s"] > 0 and record["offline_images_per_s"] > 0
     assert 1 <= record["mean_batch_images"] <= 2
     assert "| served / offline |" in result.output
+
+
+def test_bench_serve_stream_small(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(bench_serve_command, [str(model_dir), "--stream", "--requests", "8", "--concurrency", "4",
+                                                      "--max-batch-size", "2", "--steps", "2", "--timeout-s", "240", "--offline-s", "0.5",
+                                                      "--report", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    assert record["exactly_once"] and record["succeeded"] == 8
+    # the streamed load, on the same server: every request's completed event succeeded with one image
+    assert record["stream_exactly_once"] and record["stream_succeeded"] == 8 and record["stream_distinct_ids"] == 8
+    assert record["stream_server_predictions_succeeded"] == 8 and record["stream_steps_logged_min"] == 2
+    assert record["stream_ratio"] > 0 and record["server_exit_code"] == 0
+    assert 1 <= record["stream_mean_batch_images"] <= 2
+    assert "| streamed / JSON served |" in result.output

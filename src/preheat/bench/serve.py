@@ -9,9 +9,15 @@
    ``PUT /predictions/bench-<i>``; every request is answered once or the bench says so.
 4. Check: each id got exactly one 200 "succeeded" answer with one image, and the server's own
    ``preheat_predictions_total{status="succeeded"}`` equals ``n_requests`` (no request ran twice).
-5. SIGTERM the server; it must exit 0.
+5. With ``stream``: the same server takes a second load of the same size, each client POSTing
+   ``/predictions`` with ``Accept: text/event-stream`` and reading the server-sent events to the
+   end. A streamed request succeeded when its ``completed`` event says succeeded with one output;
+   its id is the server's, so exactly-once counts completions: one ``completed`` per request, no
+   id twice, and the server's succeeded counter up by ``n_requests`` again.
+6. SIGTERM the server; it must exit 0.
 Throughput is reported as served images/s over the offline images/s (1.0 = as fast as
-batching by hand in-process at the largest batch).
+batching by hand in-process at the largest batch); with ``stream``, also streamed over JSON
+served images/s (``stream_ratio``), both loads on the one server process.
 """
 
 from __future__ import annotations
@@ -66,35 +72,84 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def _body(i: int, steps: int, num_classes: Optional[int], fields: Optional[dict[str, Any]]) -> dict[str, Any]:
+    body: dict[str, Any] = {"input": {"num_outputs": 1, "seed": i, "num_inference_steps": steps}}
+    if num_classes:
+        body["input"]["class_label"] = i % num_classes
+    body["input"].update(fields or {})
+    return body
+
+
+async def _read_events(response: Any) -> list[tuple[str, str]]:
+    """(event, data) of a server-sent event stream, read to its end; data lines joined by newlines."""
+    events: list[tuple[str, str]] = []
+    event: Optional[str] = None
+    data: list[str] = []
+    async for line in response.aiter_lines():
+        if line == "":
+            if event is not None:
+                events.append((event, "\n".join(data)))
+            event, data = None, []
+        elif line.startswith("event:"):
+            event = line[len("event:"):].strip()
+        elif line.startswith("data:"):
+            data.append(line[len("data:"):].removeprefix(" "))
+    if event is not None:
+        events.append((event, "\n".join(data)))
+    return events
+
+
+async def _put_json(http: Any, i: int, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, dict[str, Any]]:
+    pid = f"bench-{i}"
+    r = await http.put(f"/predictions/{pid}", json=body, headers=headers)
+    payload = r.json()
+    return pid, {"code": r.status_code, "status": payload.get("status"), "id": payload.get("id"),
+                 "outputs": len(payload.get("output") or []), "batch": payload.get("metrics", {}).get("batch_size")}
+
+
+async def _post_stream(http: Any, i: int, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, dict[str, Any]]:
+    async with http.stream("POST", "/predictions", json=body,
+                           headers=dict(headers, Accept="text/event-stream")) as r:
+        if not r.headers.get("content-type", "").startswith("text/event-stream"):
+            await r.aread()
+            return f"stream-{i}", {"code": r.status_code, "error": f"not an event stream: {r.text[:200]}"}
+        events = await _read_events(r)
+    names = [name for name, _ in events]
+    completed = [json.loads(data) for name, data in events if name == "completed"]
+    last = completed[-1] if completed else {}
+    return f"stream-{i}", {"code": r.status_code, "status": last.get("status"), "id": last.get("id"),
+                           "outputs": len(last.get("output") or []), "completed_events": len(completed),
+                           "steps_logged": sum(1 for name, data in events if name == "log" and data.startswith("step ")),
+                           "events": len(names), "batch": (last.get("metrics") or {}).get("batch_size")}
+
+
 async def _load(base: str, token: str, n_requests: int, concurrency: int, steps: int,
-                num_classes: Optional[int], deadline: float, fields: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                num_classes: Optional[int], deadline: float, fields: Optional[dict[str, Any]] = None,
+                stream: bool = False) -> dict[str, Any]:
+    """One load: ``n_requests`` from ``concurrency`` clients, JSON (``PUT /predictions/bench-<i>``)
+    or streamed (``POST /predictions``, server-sent events). ``answers`` is keyed by the client's
+    request (``bench-<i>`` or ``stream-<i>``), each a list of the answers it got."""
     import httpx
 
-    answers: dict[str, list[dict[str, Any]]] = {f"bench-{i}": [] for i in range(n_requests)}
+    key = "stream" if stream else "bench"
+    answers: dict[str, list[dict[str, Any]]] = {f"{key}-{i}": [] for i in range(n_requests)}
     latencies: list[float] = []
     next_index = iter(range(n_requests))
     headers = {"Authorization": f"Bearer {token}"}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    send = _post_stream if stream else _put_json
 
     async def client(http: Any) -> None:
         for i in next_index:
             if time.monotonic() > deadline:
                 return
-            body: dict[str, Any] = {"input": {"num_outputs": 1, "seed": i, "num_inference_steps": steps}}
-            if num_classes:
-                body["input"]["class_label"] = i % num_classes
-            body["input"].update(fields or {})
-            pid = f"bench-{i}"
             t0 = time.perf_counter()
             try:
-                r = await http.put(f"/predictions/{pid}", json=body, headers=headers)
-                payload = r.json()
-                record = {"code": r.status_code, "status": payload.get("status"), "id": payload.get("id"),
-                          "outputs": len(payload.get("output") or []), "batch": payload.get("metrics", {}).get("batch_size")}
+                request_key, record = await send(http, i, _body(i, steps, num_classes, fields), headers)
             except Exception as err:  # noqa: BLE001 - counted as a failed request
-                record = {"code": None, "error": f"{type(err).__name__}: {err}"}
+                request_key, record = f"{key}-{i}", {"code": None, "error": f"{type(err).__name__}: {err}"}
             latencies.append(time.perf_counter() - t0)
-            answers[pid].append(record)
+            answers[request_key].append(record)
 
     timeout = max(5.0, deadline - time.monotonic())
     async with httpx.AsyncClient(base_url=base, limits=limits, timeout=timeout) as http:
@@ -104,6 +159,33 @@ async def _load(base: str, token: str, n_requests: int, concurrency: int, steps:
     return {"answers": answers, "latencies": latencies, "wall_s": wall}
 
 
+def _stream_summary(load: dict[str, Any], n_requests: int, succeeded_before: float,
+                    succeeded_after: float) -> dict[str, Any]:
+    """The streamed load's counts: a request succeeded when its one ``completed`` event says
+    succeeded with one output; exactly once when every request did, no prediction id came back
+    twice, and the server counted ``n_requests`` more successes."""
+    records = [got[0] for got in load["answers"].values() if len(got) == 1]
+    ok = [r for r in records if r["code"] == 200 and r.get("completed_events") == 1
+          and r["status"] == "succeeded" and r["outputs"] == 1]
+    ids = [r["id"] for r in ok]
+    server_counted = succeeded_after - succeeded_before
+    lat = load["latencies"]
+    served = len(ok) / load["wall_s"] if load["wall_s"] > 0 else 0.0
+    return {
+        "stream_served_images_per_s": served,
+        "stream_succeeded": len(ok),
+        "stream_unanswered": sum(1 for got in load["answers"].values() if not got),
+        "stream_distinct_ids": len(set(ids)),
+        "stream_server_predictions_succeeded": server_counted,
+        "stream_exactly_once": len(ok) == n_requests and len(set(ids)) == n_requests and server_counted == n_requests,
+        "stream_steps_logged_min": min((r.get("steps_logged", 0) for r in ok), default=0),
+        "stream_latency_p50_s": _percentile(lat, 0.5),
+        "stream_latency_p99_s": _percentile(lat, 0.99),
+        "stream_wall_s": load["wall_s"],
+        "stream_errors": sorted({r.get("error", r.get("status")) for r in records if r not in ok}, key=str)[:5],
+    }
+
+
 def _metric(text: str, name: str, labels: str = "") -> float:
     m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+\-]+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
@@ -111,7 +193,8 @@ def _metric(text: str, name: str, labels: str = "") -> float:
 
 def run_bench(model: Optional[str] = None, *, n_requests: int = 256, concurrency: int = 32, max_batch_size: int = 8,
               batch_wait_ms: float = 10.0, steps: Optional[int] = None, timeout_s: float = 600.0,
-              offline_s: float = 8.0, json_out: Optional[Path] = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+              offline_s: float = 8.0, json_out: Optional[Path] = None, stream: bool = False,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
     import httpx
 
     began = time.monotonic()
@@ -129,6 +212,8 @@ def run_bench(model: Optional[str] = None, *, n_requests: int = 256, concurrency
                                          "--log-level", "warning", "--grace-s", "30"]
     server = ServerProcess(args, env)
     exit_code: Optional[int] = None
+    stream_load: dict[str, Any] = {}
+    stream_metrics_text = ""
     try:
         port = server.wait_port(max(1.0, deadline - time.monotonic()))
         base = f"http://127.0.0.1:{port}"
@@ -148,6 +233,12 @@ def run_bench(model: Optional[str] = None, *, n_requests: int = 256, concurrency
         load = asyncio.run(_load(base, token, n_requests, concurrency, steps, offline["num_classes"], deadline,
                                  offline["fields"]))
         metrics_text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10).text
+        if stream:
+            log(f"streamed: {n_requests} requests from {concurrency} clients (Accept: text/event-stream) ...")
+            stream_load = asyncio.run(_load(base, token, n_requests, concurrency, steps, offline["num_classes"],
+                                            deadline, offline["fields"], stream=True))
+            stream_metrics_text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {token}"},
+                                            timeout=10).text
     finally:
         exit_code = server.stop()
     # Again after the load, so that drift in the machine's speed (other jobs) shows up.
@@ -192,7 +283,17 @@ def run_bench(model: Optional[str] = None, *, n_requests: int = 256, concurrency
         "mean_batch_images": images / batches if batches else 0.0,
         "exactly_once": len(ok) == n_requests and server_succeeded == n_requests,
         "server_exit_code": exit_code,
+        "stream": stream,
     }
+    if stream:
+        summary = _stream_summary(stream_load, n_requests, server_succeeded,
+                                  _metric(stream_metrics_text, "preheat_predictions_total", '{status="succeeded"}'))
+        stream_batches = _metric(stream_metrics_text, "preheat_batches_total") - batches
+        stream_images = _metric(stream_metrics_text, "preheat_batch_images_sum") - images
+        summary.update(stream_server_batches=stream_batches,
+                       stream_mean_batch_images=stream_images / stream_batches if stream_batches else 0.0)
+        result.update(summary)
+        result["stream_ratio"] = (summary["stream_served_images_per_s"] / served_ips) if served_ips else 0.0
     if json_out is not None:
         Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -215,5 +316,18 @@ def markdown(r: dict[str, Any]) -> str:
                                   f"server counted {r['server_predictions_succeeded']:.0f})"),
         ("server READY after / exit code", f"{r['server_ready_s']:.1f} s / {r['server_exit_code']}"),
     ]
+    if r.get("stream"):
+        rows[6:6] = [("served, streamed (text/event-stream)", f"{r['stream_served_images_per_s']:.1f} img/s"),
+                     ("streamed / JSON served", f"{r['stream_ratio']:.2f}")]
+        rows += [
+            ("streamed latency p50 / p99", f"{r['stream_latency_p50_s'] * 1000:.0f} / "
+                                           f"{r['stream_latency_p99_s'] * 1000:.0f} ms"),
+            ("streamed batches (mean images per batch)", f"{r['stream_server_batches']:.0f} "
+                                                         f"({r['stream_mean_batch_images']:.2f})"),
+            ("streamed answered exactly once", f"{'yes' if r['stream_exactly_once'] else 'NO'} "
+                                               f"({r['stream_succeeded']}/{r['requests']}, "
+                                               f"{r['stream_distinct_ids']} distinct ids, "
+                                               f"server counted {r['stream_server_predictions_succeeded']:.0f})"),
+        ]
     lines = ["| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines)

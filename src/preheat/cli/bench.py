@@ -347,12 +347,17 @@ class _Kept:
 @click.option("--timeout-s", default=600.0, show_default=True, type=float, help="Give up after this long in all.")
 @click.option("--offline-s", default=8.0, show_default=True, type=float,
               help="Seconds to time the offline baseline (before and after the load).")
+@click.option("--stream", is_flag=True,
+              help="Then a second load of the same size on the same server, each client POSTing /predictions "
+                   "with Accept: text/event-stream and reading the events to the end; reports streamed / JSON "
+                   "served images/s.")
 @output_options(default_report="bench-serve.json")
 @one_line_errors
 def bench_serve_command(model: Optional[str], n_requests: int, concurrency: int, max_batch_size: int,
                         batch_wait_ms: float, steps: Optional[int], timeout_s: float, offline_s: float,
-                        json_out: Path, as_json: bool) -> None:
-    """Load-test `preheat serve` on 127.0.0.1: throughput vs offline batching, latency, exactly-once."""
+                        stream: bool, json_out: Path, as_json: bool) -> None:
+    """Load-test `preheat serve` on 127.0.0.1: throughput vs offline batching, latency, exactly-once
+    (with --stream, streamed clients too: their served images/s over the JSON clients')."""
     from preheat.errors import InvalidArgumentError
     from preheat.bench.serve import markdown, run_bench
 
@@ -362,9 +367,9 @@ def bench_serve_command(model: Optional[str], n_requests: int, concurrency: int,
         raise InvalidArgumentError(f"--steps {steps} must be a positive int")
     result = run_bench(model, n_requests=n_requests, concurrency=concurrency, max_batch_size=max_batch_size,
                        batch_wait_ms=batch_wait_ms, steps=steps, timeout_s=timeout_s, offline_s=offline_s,
-                       json_out=json_out,
+                       json_out=json_out, stream=stream,
                        log=lambda line: click.echo(line, err=True))
     echo_result(result, markdown(result), as_json)
     click.echo(f"wrote {json_out}", err=True)
-    if not result["exactly_once"] or result["server_exit_code"] != 0:
+    if not result["exactly_once"] or result["server_exit_code"] != 0 or (stream and not result["stream_exactly_once"]):
         sys.exit(1)
