@@ -152,6 +152,14 @@ def test_target_errors_are_one_line(spec, reason, tmp_path, monkeypatch):
     assert not (_root() / "compile" / "jax").is_dir() or not _manifests(_root())
 
 
+def test_step_progress_cannot_be_compiled_for_a_target():
+    """The step callback is lowered against the running GPU's runtime, which a deviceless compile lacks:
+    --progress with --target is one line naming the flag, before anything compiles."""
+    code, out = _warm("--target", "h200", "--max-batch-size", "1", "--progress")
+    assert code == 2 and len(out.strip().splitlines()) == 1 and "--progress" in out and "--no-progress" in out, out
+    assert not (_root() / "compile" / "jax").is_dir() or not _manifests(_root())
+
+
 @pytest.mark.parametrize("text", ["", "gpu_device_info { core_count: 132 }", "name: \"x\" }",
                                   "gpu_device_info { cuda_compute_capability { major: nine } core_count: 1 }"])
 def test_malformed_descriptions_fail_in_one_line(text, tmp_path):

@@ -20,6 +20,8 @@ from preheat.cli.serve import serve_command
     (["--webhook-allow", "10.0.0.0/99"], "--webhook-allow: webhook allow-list entry '10.0.0.0/99' is not a valid CIDR"),
     (["--lora-url-allow", "10.0.0.0/99"], "--lora-url-allow: webhook allow-list entry '10.0.0.0/99' is not a valid CIDR"),
     (["--ray", "--lora-url-allow-private"], "--lora-url-allow(-private) are not passed to Ray replicas"),
+    (["--ray", "--no-progress"], "--no-progress is not passed to Ray replicas yet"),
+    (["--backend", "torch", "--weights-dtype", "float8_e4m3fn"], "--weights-dtype applies to --backend jax"),
     (["--compile", "regional"], "--compile regional applies to --backend torch"),
     (["--max-loras", "0"], "--max-loras 0 must be >= 1"),
     (["--lora-ranks", "16,24"], "LoRA rank bucket(s) 24 are not rank buckets; buckets: 16, 32, 64, 128"),

@@ -255,6 +255,9 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
     if warm_set.variant is not None or warm_set.cache is not None or warm_set.weights_dtype is not None:
         raise InvalidArgumentError("--variant, --cache and --weights-dtype are not passed to Ray replicas yet",
                                    argument="--variant")
+    if not warm_set.progress:
+        raise InvalidArgumentError("--no-progress is not passed to Ray replicas yet (they compile with step progress)",
+                                   argument="--progress")
     if webhook_allow_private or webhook_allow:
         raise InvalidArgumentError("--webhook-allow(-private) and --lora-url-allow(-private) are not passed to Ray "
                                    "replicas; they allow public addresses only")
