@@ -157,16 +157,16 @@ def _takes_a_prompt(model: str | None) -> bool:
 @click.option("--target", "target_name", default="h200", show_default=True, metavar="NAME|FILE",
               help="The GPU compiled for (as `preheat warm --target`).")
 @click.option("--no-full-size", is_flag=True, help="Leave out the full-size SD 1.5 and SDXL UNets.")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@output_options()
 @one_line_errors
-def target_command(target_name: str, no_full_size: bool, json_out: Path | None) -> None:
+def target_command(target_name: str, no_full_size: bool, json_out: Path | None, as_json: bool) -> None:
     """Deviceless GPU compile time per stage against the same programs' CPU compile, and bytes."""
     from preheat.bench.common import write_json
     from preheat.bench.target import bench_target, markdown
 
     with tempfile.TemporaryDirectory() as tmp:
         result = bench_target(target_name, Path(tmp), full_size=not no_full_size)
-    click.echo(markdown(result))
+    echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
 
 
