@@ -641,15 +641,19 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
     sizes = served_sizes(pipe, limits)
     served = {"width": sorted({w for w, _ in sizes}), "height": sorted({h for _, h in sizes})}
     props: dict[str, Any] = {}
+    by_name = {s.name: s for s in specs}
     for order, s in enumerate(specs):
         schema = s.schema()
         if s.name in served:
             schema = {"type": "integer", "enum": served[s.name], "description": s.description}
+        hints: dict[str, Any] = {"x-order": order}
+        if isinstance(s.type, Image) and s.type.mask and s.needs:  # the image it masks (the page draws on it)
+            hints["x-mask-of"] = by_name[s.needs[0]].surface_name
         if s.required:
             schema["description"] = f"{schema.get('description', '')} Required.".strip()
-            props[s.surface_name] = {**schema, "title": _title(s.surface_name), "x-order": order}
+            props[s.surface_name] = {**schema, "title": _title(s.surface_name), **hints}
         else:
-            props[s.surface_name] = _nullable(schema, title=_title(s.surface_name), **{"x-order": order})
+            props[s.surface_name] = _nullable(schema, title=_title(s.surface_name), **hints)
         for alias in s.aliases:
             alias_schema = {**s.schema(), "description": f"Another way to give {s.surface_name}: {s.description}"}
             props.setdefault(alias, _nullable(alias_schema, title=_title(alias),
