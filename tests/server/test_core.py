@@ -166,3 +166,27 @@ def test_torch_backend_serves_through_the_same_core(model_dir: Any, pipe: Any) -
         assert np.abs(got.astype(int) - jax_pixels.astype(int)).mean() < 2.0
     finally:
         core.close()
+
+
+def test_every_prediction_of_a_batch_gets_every_step(pipe: Any) -> None:
+    """Step progress fans out: two requests batched into one engine call each get a "log" event and
+    a ``step k/N`` log line for every step of that call."""
+    steps = 3
+    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0), pipe=pipe).start()
+    try:
+        assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+        core.pause()  # both queued before the worker collects: one batch of two
+        preds = [core.submit(*core.parse({"seed": s, "num_inference_steps": steps}))[0] for s in (1, 2)]
+        seen: dict[str, list[str]] = {p.id: [] for p in preds}
+        for p in preds:
+            core.subscribe(p, lambda event, snap: seen[snap["id"]].append(event))
+        core.resume()
+        assert all(p.done.wait(60) and p.status == "succeeded" for p in preds)
+        assert [p.metrics["batch_requests"] for p in preds] == [2, 2]
+        assert preds[0].metrics["batch_id"] == preds[1].metrics["batch_id"]
+        for p in preds:
+            assert seen[p.id].count("log") == steps and seen[p.id][-1] == "completed", seen[p.id]
+            assert [line for line in p.logs if line.startswith("step ")] == [f"step {k}/{steps}"
+                                                                               for k in range(1, steps + 1)]
+    finally:
+        core.close()
