@@ -169,6 +169,20 @@ def serving(core: Any, header_timeout_s: Optional[float] = None, **app_kwargs: A
         server.stop()
 
 
+@contextlib.contextmanager
+def started_server(config: Any, pipe: Any, setup_s: float = 600.0) -> Iterator[ServerThread]:
+    """A Core for ``config`` on ``pipe``, set up (warm-up done), served on 127.0.0.1; closed after."""
+    from preheat.server.core import Core
+
+    core = Core(config, pipe=pipe).start()
+    try:
+        assert core.wait_setup(setup_s) and core.setup.status == "succeeded", core.setup.logs
+        with serving(core) as srv:
+            yield srv
+    finally:
+        core.close()
+
+
 def wait_status(client: Any, want: str, timeout: float = 120.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.generation.modes import GenerationMode
 
-from preheat.server.core import Core, CoreConfig
-from tests._support.server_fixtures import serving
+from preheat.server.core import CoreConfig
+from tests._support.server_fixtures import started_server
 
 EXAMPLES = 15
 
@@ -71,14 +71,10 @@ def _fuzz_serving(pipe: Any, tmp_path_factory: pytest.TempPathFactory, max_steps
     (loras / "loop.safetensors").symlink_to(loras / "loop.safetensors")
     os.mkfifo(loras / "fifo.safetensors")
     (loras / "dir").mkdir()
-    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=max_steps, samplers=("dpmpp_2m",), lora_dir=str(loras),
-                           fetch=FetchConfig(connect_timeout_s=1, deadline_s=3)), pipe=pipe).start()
-    try:
-        assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
-        with serving(core) as srv:
-            yield srv
-    finally:
-        core.close()
+    config = CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=max_steps, samplers=("dpmpp_2m",),
+                        lora_dir=str(loras), fetch=FetchConfig(connect_timeout_s=1, deadline_s=3))
+    with started_server(config, pipe) as srv:
+        yield srv
 
 
 def _fuzz(op: Any, mode: GenerationMode, url: str, codes: dict) -> None:

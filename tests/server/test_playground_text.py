@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from preheat.server.core import Core, CoreConfig
+from preheat.server.core import CoreConfig
 from tests._support.browser import chromium, visible_text, wait_for
-from tests._support.server_fixtures import serving
+from tests._support.server_fixtures import started_server
 
 STEPS = 3
 
@@ -32,13 +32,8 @@ def sd_pipe(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def server(sd_pipe: Any):
     # one bucket, guided (the model's default, what the page sends): the programs a run here can reach
-    core = Core(CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=10, guidance=("on",)), pipe=sd_pipe).start()
-    try:
-        assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
-        with serving(core) as srv:
-            yield srv
-    finally:
-        core.close()
+    with started_server(CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=10, guidance=("on",)), sd_pipe) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
