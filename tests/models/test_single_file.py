@@ -220,3 +220,37 @@ def test_bad_single_files_are_one_line(single, tmp_path, monkeypatch):
     with pytest.raises(WeightsError, match="do not fit the blocks") as err:
         preheat.load(extra, config=folder, cache="off")
     assert "\n" not in str(err.value)
+
+
+def test_every_surface_takes_a_single_file_with_its_config(single, tmp_path, monkeypatch):
+    """``--config`` on the CLI (sample; warm and serve share the declaration), ``PREHEAT_CONFIG`` on
+    Runpod: the single file is read with the folder's configs, the image is the Python call's."""
+    from click.testing import CliRunner
+    from PIL import Image
+
+    from preheat.cli import main
+    from preheat.integrations.runpod import config_from_env
+
+    folder, path = single
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    want = preheat.load(path, config=folder, cache="off").generate("a fox", steps=2, seed=3)[0]
+    out = tmp_path / "fox.png"
+    result = CliRunner().invoke(main, ["sample", str(path), "--config", str(folder), "--prompt", "a fox", "--steps",
+                                       "2", "--seed", "3", "--cache", "off", "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    got = np.asarray(Image.open(out).convert("RGB"))
+    assert got.shape[:2] in ((32, 32), (64, 64))  # the grid of one image, maybe upscaled for viewing
+    step = got.shape[0] // 32
+    np.testing.assert_array_equal(got[::step, ::step], want)
+
+    dry = CliRunner().invoke(main, ["warm", str(path), "--config", str(folder), "--max-batch-size", "1",
+                                    "--guidance", "off", "--dry-run"])
+    assert dry.exit_code == 0 and "signature(s), " in dry.output, dry.output  # the folder's programs, listed
+    missing = CliRunner().invoke(main, ["sample", str(path), "--prompt", "a fox", "--cache", "off", "--quiet",
+                                        "--out", str(tmp_path / "x.png")])
+    assert missing.exit_code != 0 and "config" in missing.output and len(missing.output.strip().splitlines()) == 1
+    torch_side = CliRunner().invoke(main, ["serve", str(path), "--config", str(folder), "--backend", "torch"])
+    assert torch_side.exit_code == 2 and "--config applies to --backend jax" in torch_side.output
+
+    runpod = config_from_env({"PREHEAT_MODEL": str(path), "PREHEAT_CONFIG": str(folder)})
+    assert runpod.config == str(folder) and runpod.warm_set().config == str(folder)

@@ -113,7 +113,7 @@ def sampler_option(help_text: str = "(default: the model's).") -> Callable[..., 
 
 
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--dtype, --weights-dtype, --variant, --cache: how the model is loaded."""
+    """--dtype, --weights-dtype, --variant, --cache, --config: how the model is loaded."""
     options = [
         click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES),
                      help="The denoiser's dtype."),
@@ -125,6 +125,9 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                                              "Linear (AdaLN modulation too; FLUX.1-dev 0.51x of bf16)."),
         click.option("--variant", help="Weight files *.VARIANT.safetensors (e.g. fp16)."),
         click.option("--cache", type=click.Choice(CACHE_LAYERS), help="Compile cache layers (default: full)."),
+        click.option("--config", metavar="FOLDER|hf://ORG/REPO",
+                     help="MODEL is a single .safetensors file in an original layout (LDM SD 1.x, SGM SDXL): the "
+                          "diffusers folder or repository whose configs and tokenizers read it (JAX backend)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -151,6 +154,7 @@ class CallOptions:
     weights_layers: str
     variant: Optional[str]
     cache: Optional[str]
+    config: Optional[str]
     backend: str
     compile_mode: str
 
@@ -191,8 +195,9 @@ class CallOptions:
 
     def load_options(self) -> dict[str, Any]:
         """``preheat.load(model, **load_options())``."""
-        return dict(dtype=self.dtype, cache=self.cache, backend=self.backend, compile=self.compile_mode,
-                    variant=self.variant, weights_dtype=self.weights_dtype, weights_layers=self.weights_layers)
+        options = dict(dtype=self.dtype, cache=self.cache, backend=self.backend, compile=self.compile_mode,
+                       variant=self.variant, weights_dtype=self.weights_dtype, weights_layers=self.weights_layers)
+        return options if self.config is None else {**options, "config": self.config}
 
     def batch(self, pipe: Any) -> int:
         """``--n``, or the family's preview count (16 for a class model, 1 for text-to-image)."""

@@ -165,6 +165,7 @@ def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--
 @one_line_errors
 def serve_command(model: Optional[str], host: str, port: int, backend: str, compile_mode: str, dtype: str,
                   weights_dtype: Optional[str], weights_layers: str, variant: Optional[str], cache: Optional[str],
+                  config: Optional[str],
                   max_batch_size: int, devices_text: Optional[str], fsdp: int, progress: Optional[bool],
                   batch_wait_ms: float, max_queue: int, max_steps: int,
                   samplers_text: Optional[str], sizes_text: Optional[str], guidance_text: str,
@@ -196,7 +197,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         raise InvalidArgumentError(f"--max-image-pixels {max_image_pixels} must be >= 1", argument="--max-image-pixels")
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp, variant, cache, weights_dtype,
-                                     weights_layers, progress)
+                                     weights_layers, progress, config)
     webhooks = _address_policy(webhook_allow_private, webhook_allow)
     lora_urls = _address_policy(lora_url_allow_private, lora_url_allow, "--lora-url-allow")
     fetch = _fetch_config(fetch_connect_timeout_s, fetch_deadline_s, max_lora_bytes, max_image_bytes, fetch_per_host,
@@ -209,6 +210,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         raise InvalidArgumentError(f"--compile {compile_mode} applies to --backend torch")
     if weights_dtype is not None and backend != "jax":
         raise InvalidArgumentError("--weights-dtype applies to --backend jax", argument="--weights-dtype")
+    if config is not None and backend != "jax":
+        raise InvalidArgumentError("--config applies to --backend jax", argument="--config")
     if (devices_text is not None or fsdp != 1) and backend != "jax":
         raise InvalidArgumentError("--devices and --fsdp apply to --backend jax")
     token = os.environ.get("PREHEAT_API_TOKEN") or None
@@ -252,8 +255,9 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
 
     if backend != "jax":
         raise InvalidArgumentError("--ray serves --backend jax")
-    if warm_set.variant is not None or warm_set.cache is not None or warm_set.weights_dtype is not None:
-        raise InvalidArgumentError("--variant, --cache and --weights-dtype are not passed to Ray replicas yet",
+    if (warm_set.variant is not None or warm_set.cache is not None or warm_set.weights_dtype is not None
+            or warm_set.config is not None):
+        raise InvalidArgumentError("--variant, --cache, --weights-dtype and --config are not passed to Ray replicas yet",
                                    argument="--variant")
     if not warm_set.progress:
         raise InvalidArgumentError("--no-progress is not passed to Ray replicas yet (they compile with step progress)",

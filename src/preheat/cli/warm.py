@@ -68,7 +68,8 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
                           sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str] = None,
                           devices_text: Optional[str] = None, fsdp: int = 1, variant: Optional[str] = None,
                           cache: Optional[str] = None, weights_dtype: Optional[str] = None,
-                          weights_layers: str = "layerwise", progress: Optional[bool] = None) -> Any:
+                          weights_layers: str = "layerwise", progress: Optional[bool] = None,
+                          config: Optional[str] = None) -> Any:
     """The ``WarmSet`` the declaration options describe (one-line errors for bad values); a
     ``random:NAME`` model becomes its folder (a tiny one served at its tiny size by default)."""
     from preheat.warm import WarmSet
@@ -95,7 +96,7 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers, sizes=sizes,
                    guidance=guidance, lora_ranks=tuple(ranks), devices=devices, fsdp=fsdp, variant=variant,
                    cache=cache, weights_dtype=weights_dtype, weights_layers=weights_layers,
-                   progress=True if progress is None else progress)
+                   progress=True if progress is None else progress, config=config)
 
 
 @click.command("warm")
@@ -111,7 +112,7 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
 @click.option("--quiet", is_flag=True, help="No progress bar (it is drawn only when stderr is a terminal).")
 @one_line_errors
 def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str], weights_layers: str,
-                 variant: Optional[str], cache: Optional[str],
+                 variant: Optional[str], cache: Optional[str], config: Optional[str],
                  max_batch_size: int, samplers_text: Optional[str],
                  sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str],
                  devices_text: Optional[str], fsdp: int, progress: Optional[bool], dry_run: bool,
@@ -126,7 +127,7 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
 
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp, variant, cache, weights_dtype,
-                                     weights_layers, progress)
+                                     weights_layers, progress, config)
     target = None
     if target_spec is not None:
         target, warm_set = _target_compiles(target_spec, warm_set, progress)
@@ -134,6 +135,7 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
     pipe = preheat.load(warm_set.model, dtype=warm_set.dtype, variant=warm_set.variant, cache=warm_set.cache,
                         devices=warm_set.devices, fsdp=warm_set.fsdp, weights_dtype=warm_set.weights_dtype,
                         weights_layers=warm_set.weights_layers,
+                        **({} if warm_set.config is None else {"config": warm_set.config}),
                         prefetch=None if dry_run or target else warming.prefetch_calls(warm_set))
     if target is not None:
         from preheat.cache.compile import TargetCompiler

@@ -28,7 +28,9 @@ The engine is loaded once per process (at ``python -m`` start, or on the first j
 ``PREHEAT_LORA_DIR`` (the only folder a request's local ``lora_weights`` may name; unset: URLs
 and ``hf://`` only), ``PREHEAT_MAX_IMAGE_PIXELS`` (width x height of a request's ``image`` /
 ``mask``, as ``--max-image-pixels``; default 4096²) and
-``PREHEAT_DTYPE`` (float32; ``bfloat16`` for a GPU worker). The
+``PREHEAT_DTYPE`` (float32; ``bfloat16`` for a GPU worker), ``PREHEAT_CONFIG`` (with a single
+``.safetensors`` as ``PREHEAT_MODEL``: the diffusers folder or ``hf://`` repository whose configs
+read it, as ``--config``). The
 compile cache lives on the network volume automatically (``/runpod-volume/preheat``, see
 ``preheat.cache.root``), so a cold worker with a warm volume starts hot.
 """
@@ -59,6 +61,7 @@ _lock = threading.Lock()
 def config_from_env(env: Optional[dict[str, str]] = None) -> CoreConfig:
     env = dict(os.environ if env is None else env)
     return CoreConfig(model=env.get("PREHEAT_MODEL") or None, dtype=env.get("PREHEAT_DTYPE") or "float32",
+                      config=env.get("PREHEAT_CONFIG") or None,
                       sizes=parse_sizes(env.get("PREHEAT_SIZES")),
                       max_batch_size=int(env.get("PREHEAT_MAX_BATCH_SIZE", "8")),
                       batch_wait_ms=float(env.get("PREHEAT_BATCH_WAIT_MS", "10")),

@@ -23,6 +23,7 @@ class CoreConfig:
     cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off"
     weights_dtype: Optional[str] = None  # jax: the denoiser's weights stored in this dtype (float8_e4m3fn)
     weights_layers: str = "layerwise"  # jax: which layers weights_dtype stores
+    config: Optional[str] = None  # jax: ``model`` a single .safetensors file, read with this folder's configs
     progress: bool = True  # the programs report each step (streamed step events); off: as `warm --target` compiles
     max_batch_size: int = 8
     devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
@@ -51,7 +52,7 @@ class CoreConfig:
                        samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
                        devices=self.devices, fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks),
                        variant=self.variant, cache=self.cache, weights_dtype=self.weights_dtype,
-                       weights_layers=self.weights_layers, progress=self.progress)
+                       weights_layers=self.weights_layers, progress=self.progress, config=self.config)
 
     @classmethod
     def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":
@@ -60,6 +61,7 @@ class CoreConfig:
         options.setdefault("fsdp", warm.fsdp)
         return cls(model=warm.model, dtype=warm.dtype, variant=warm.variant, cache=warm.cache,
                    weights_dtype=warm.weights_dtype, weights_layers=warm.weights_layers, progress=warm.progress,
+                   config=warm.config,
                    max_batch_size=warm.max_batch_size,
                    samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance),
                    lora_ranks=tuple(warm.lora_ranks), **options)
@@ -78,10 +80,12 @@ def load_pipeline(config: CoreConfig) -> Any:
         # the warm-up's executables load while the weights are read
         return preheat.load(config.model, dtype=config.dtype, variant=config.variant, cache=config.cache,
                             weights_dtype=config.weights_dtype, weights_layers=config.weights_layers,
+                            **({} if config.config is None else {"config": config.config}),
                             devices=config.devices, fsdp=config.fsdp, prefetch=prefetch_calls(config.warm_set()))
     if config.backend == "torch":
-        if config.weights_dtype is not None:
-            raise InvalidArgumentError("--weights-dtype applies to --backend jax", argument="--weights-dtype")
+        if config.weights_dtype is not None or config.config is not None:
+            raise InvalidArgumentError("--weights-dtype and --config apply to --backend jax",
+                                       argument="--weights-dtype" if config.config is None else "--config")
         try:
             from preheat.backends.torch import load_torch_pipeline
         except ImportError as err:
