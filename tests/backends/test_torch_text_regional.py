@@ -1,6 +1,7 @@
-"""SDXL and SD3 through ``preheat.load(..., backend="torch", compile="regional")``, in fresh
-processes: a cold start compiles the repeated blocks (SDXL: the UNet's BasicTransformerBlock,
-declared by diffusers; SD3: the JointTransformerBlock, found) and stores them; a warm start
+"""SDXL, SD3 and FLUX.1 Kontext through ``preheat.load(..., backend="torch", compile="regional")``,
+in fresh processes: a cold start compiles the repeated blocks (SDXL: the UNet's BasicTransformerBlock,
+declared by diffusers; SD3: the JointTransformerBlock, found; Kontext: diffusers' FluxKontextPipeline
+with the Flux transformer's declared blocks, a reference image in every call) and stores them; a warm start
 with a fresh Inductor folder (a new pod) compiles nothing and gives the same image."""
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ import preheat
 
 folder, flags = sys.argv[1], sys.argv[2:]
 call = dict(prompt="a photo of a cat", height=32, width=32, steps=2, seed=0)
+if "kontext" in flags:  # an edit of a reference image, kept at its own size
+    import numpy as np
+    call.update(image=np.random.RandomState(0).randint(0, 256, (32, 32, 3), dtype=np.uint8), image_resize="none")
 result = {}
 if "eager" in flags:
     result["eager"] = preheat.load(folder, backend="torch").generate(**call).tolist()
@@ -54,21 +58,28 @@ def _child(model: Path, home: Path, inductor_dir: Path, *flags: str) -> dict:
     return run_child(_CHILD, model, home, inductor_dir, *flags)
 
 
-@pytest.fixture(scope="module", params=["sdxl", "sd3"])
+@pytest.fixture(scope="module", params=["sdxl", "sd3", "flux-kontext"])
 def cold(request, tmp_path_factory):
     """Per family: its tiny folder, and process 1 on an empty cache (eager, then regional)."""
     base = tmp_path_factory.mktemp(request.param)
     if request.param == "sdxl":
         folder = save_tiny_sd(base / "model", kind="sdxl")
-    else:
+    elif request.param == "sd3":
         folder = save_tiny_flow_model(base / "model", kind="sd3", t5=False)
-    return request.param, folder, base, _child(folder, base / "home", base / "inductor", "eager")
+    else:
+        folder = save_tiny_flow_model(base / "model", kind="flux-kontext")
+    return request.param, folder, base, _child(folder, base / "home", base / "inductor", *_flags(request.param, "eager"))
+
+
+def _flags(kind: str, *flags: str) -> tuple[str, ...]:
+    return (*flags, "kontext") if kind == "flux-kontext" else flags
 
 
 @pytest.mark.slow
 def test_cold_then_warm_in_a_fresh_process_compiles_nothing(cold, tmp_path):
     kind, folder, base, first = cold
-    regions = {"sdxl": ["BasicTransformerBlock"], "sd3": ["JointTransformerBlock"]}[kind]
+    regions = {"sdxl": ["BasicTransformerBlock"], "sd3": ["JointTransformerBlock"],
+               "flux-kontext": ["FluxTransformerBlock", "FluxSingleTransformerBlock"]}[kind]
     assert first["layer"] == "none" and first["events"][0]["store"] == "written"
     assert first["counters"]["inductor"].get("fxgraph_cache_miss", 0) > 0  # the counters do see compiles
     entries = [p for p in (base / "home" / "compile" / "torch").iterdir() if not p.name.startswith(".")]
@@ -80,7 +91,7 @@ def test_cold_then_warm_in_a_fresh_process_compiles_nothing(cold, tmp_path):
 
     home = tmp_path / "home"
     shutil.copytree(base / "home", home)
-    warm = _child(folder, home, tmp_path / "inductor")  # a new process, an empty Inductor folder
+    warm = _child(folder, home, tmp_path / "inductor", *_flags(kind))  # a new process, an empty Inductor folder
     assert warm["layer"] == "mega" and warm["events"][0]["key"] == first["events"][0]["key"]
     counts = warm["counters"]
     assert counts["inductor"].get("fxgraph_cache_miss", 0) == 0, counts
