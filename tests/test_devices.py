@@ -138,6 +138,37 @@ def test_weight_placement_rule():
     assert weight_spec((129, 131), fake) == PartitionSpec()  # nothing divides: whole
 
 
+def test_what_is_split_is_named_by_each_stage_argument():
+    """``BATCHED`` field names, not positions: seeds, conditioning, noise and a Start's arrays are
+    split; weights, the plan, the guidance scale, a LoRA's factors and a Start's scalars are not,
+    and a LoRA's slots are (its own ``BATCHED``)."""
+    from preheat.families.stages import DenoiseArgs, EncodeArgs, LoraArgs
+    from preheat.samplers import Start
+    from preheat.sharding import batch_specs
+
+    mesh = Mesh(np.array(jax.local_devices()[:1]), ("data",))
+    split, whole = PartitionSpec("data"), PartitionSpec()
+    b = np.zeros((4,), np.float32)
+    lora = LoraArgs(factors={"a": (np.zeros((2, 8, 4)), np.zeros((2, 4, 8)))}, scales=np.zeros((2, 4)),
+                    slots=np.zeros((4,), np.int32))
+    args = DenoiseArgs(params={"w": np.zeros((8, 8))}, plan={"timesteps": np.zeros((11,))}, seeds=b,
+                       cond={"context": np.zeros((4, 7, 8))}, uncond={}, guidance=np.float32(3), noise=np.zeros(()),
+                       start=Start(index=np.int32(1), x0=np.zeros((4, 2, 2, 1)), pure_noise=np.bool_(False)),
+                       lora=lora)
+    specs = batch_specs(args, mesh)
+    assert isinstance(specs, DenoiseArgs) and isinstance(specs.lora, LoraArgs)
+    assert specs.params["w"] == whole and specs.plan["timesteps"] == whole and specs.guidance == whole
+    assert specs.seeds == split and specs.cond["context"] == split and specs.noise == whole  # a () placeholder
+    assert (specs.start.x0, specs.start.index, specs.start.pure_noise) == (split, whole, whole)
+    assert specs.lora.factors["a"] == (whole, whole) and specs.lora.scales == whole and specs.lora.slots == split
+    bare = batch_specs(args._replace(start=None, lora=None), mesh)
+    assert bare.start is None and bare.lora is None
+    encode = batch_specs(EncodeArgs(params=({"w": np.zeros((8, 8))}, None), ids=(np.zeros((4, 77), np.int32),),
+                                    lora=(lora, None), clip_skip=np.zeros((4,), np.int32)), mesh)
+    assert encode.params == ({"w": whole}, None) and encode.ids == (split,) and encode.clip_skip == split
+    assert encode.lora[0].slots == split and encode.lora[0].scales == whole and encode.lora[1] is None
+
+
 @pytest.mark.parametrize("fsdp", [0, -2, 2.0, True, "2"])
 def test_bad_fsdp_is_a_one_line_error(fsdp):
     with pytest.raises(InvalidArgumentError) as err:

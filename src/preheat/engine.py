@@ -28,6 +28,11 @@ What is static (changes a program) and what is data (does not), for the denoisin
     from noise / an image / + mask blend  img2img / inpainting: the start step (strength),
       (Signature.image)                   the image's latents, the mask (``samplers.Start``)
 
+Each stage's program takes one argument, a NamedTuple of named fields (``EncodeArgs``,
+``DenoiseArgs``, ``DecodeArgs``, ``EncodeImageArgs``: ``preheat.families.stages``), whose
+``BATCHED`` names what is split over devices; a LoRA's factors and each image's adapter slot
+are fields of their own (``LoraArgs``), never part of the weights or the conditioning.
+
 Seeds are per image: image ``b`` draws all its randomness from ``key(seed_b)``
 (``preheat.noise``), so it is the same whatever else shares its batch -- or however many devices
 split it: with ``load(devices=...)`` every stage runs data parallel, the batch split over a mesh
@@ -51,14 +56,14 @@ import numpy as np
 from preheat.errors import InvalidArgumentError, PreheatError, SamplingStopped
 from preheat.families import request as request_of
 from preheat.families.base import Family, LoadedModel, Request, StageSignature, to_pixels
+from preheat.families.stages import DenoiseArgs, LoraArgs
 from preheat.progress import Progress, Reporter, current, reporting
 from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
-from preheat.samplers import (Plan, SchedulerConfig, SolverSpec, Start, load_scheduler_config, make_spec,
-                              run)
+from preheat.samplers import SchedulerConfig, SolverSpec, load_scheduler_config, make_spec, run
 from preheat.timings import Phases, Timings, now_s
 
 __all__ = ["Pipeline", "load_jax_pipeline", "BUILTIN_MODEL", "BUILTIN_MODELS", "model_root", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
-           "build_program", "make_compiler"]
+           "DenoiseArgs", "build_program", "make_compiler"]
 
 BUILTIN_MODEL = Path(__file__).parent / "assets" / "digits"
 # ``builtin:NAME``: the models shipped in the package (trained by ``preheat train-digits`` and
@@ -88,15 +93,14 @@ def model_root(model: Any, variant: str | None = None) -> Path:
 
     return resolve(text, variant=variant)
 
-Denoiser = Callable[[Any, jax.Array, jax.Array, Any], jax.Array]
-"""``fn(params, x, t, cond) -> prediction``: x (B, *sample_shape), t (B,) float32, cond a pytree
-batched on axis 0 (``{}`` for unconditional models)."""
+Denoiser = Callable[..., jax.Array]
+"""``fn(params, x, t, cond, lora=None) -> prediction``: x (B, *sample_shape), t (B,) float32, cond a
+pytree batched on axis 0 (``{}`` for unconditional models), lora the denoiser's adapters for this
+batch (``preheat.models.lora.Adapters``: factors, scales, each image's slot (B,)) or None.
 
-# the denoising program's arguments split over the devices (the rest, weights first, are replicated):
-# (params, plan, seeds*, cond*, uncond*, guidance, noise*[, start*]); LoRA factors ride in params
-# (replicated), each image's adapter slot in cond (split); an image-conditioned call's Start last
-# (its latents and mask split, its start index and flag -- scalars -- replicated)
-DENOISE_BATCHED = (2, 3, 4, 6, 7)
+The denoising program's one argument is a ``DenoiseArgs`` (``preheat.families.stages``): its
+``BATCHED`` fields are split over the devices, the rest (weights, schedule, guidance scale, LoRA
+factors) replicated."""
 
 
 @dataclass(frozen=True)
@@ -126,39 +130,44 @@ class Signature:
         return jax.ShapeDtypeStruct((self.batch, *self.sample_shape), jnp.uint8 if self.pixels else jnp.float32)
 
 
-def build_program(sig: Signature, apply: Denoiser) -> Callable[..., jax.Array]:
-    """The whole denoising call as one pure function of
-    (params, plan, seeds, cond, uncond, guidance, noise[, start]).
+def build_program(sig: Signature, apply: Denoiser) -> Callable[[DenoiseArgs], jax.Array]:
+    """The whole denoising call as one pure function of a ``DenoiseArgs``.
 
-    ``start`` (``preheat.samplers.Start``, only when ``sig.image``): the loop begins at its step
-    index from the encoded image, noised with the same ε the text-to-image call would start from
-    (the user's ``noise``, or the seeds' draw) -- every family's img2img and inpainting start here."""
+    ``args.start`` (``preheat.samplers.Start``, only when ``sig.image``): the loop begins at its
+    step index from the encoded image, noised with the same ε the text-to-image call would start
+    from (the user's ``noise``, or the seeds' draw) -- every family's img2img and inpainting start
+    here. ``args.lora`` (only when ``sig.lora``): the denoiser's adapters, each image's slot
+    repeated for the unconditional half of a guided batch."""
     spec = sig.spec
     draws = max(spec.noise_draws_per_step, 1)
 
-    def program(params: Any, plan: Plan, seeds: jax.Array, cond: Any, uncond: Any, guidance: jax.Array,
-                noise: jax.Array, start: Start | None = None) -> jax.Array:
-        b = seeds.shape[0]  # sig.batch, or each device's slice of it under data parallelism
-        keys = image_keys(seeds)
+    def program(args: DenoiseArgs) -> jax.Array:
+        params, cond, guidance = args.params, args.cond, args.guidance
+        b = args.seeds.shape[0]  # sig.batch, or each device's slice of it under data parallelism
+        keys = image_keys(args.seeds)
         if sig.user_noise:
-            x_t = noise.astype(jnp.float32)  # (B, H, W, C)
+            x_t = args.noise.astype(jnp.float32)  # (B, H, W, C)
         else:
             x_t = normal_per_image(keys, INIT_STREAM, jnp.int32(0), sig.sample_shape)
-        both_cond = jax.tree.map(lambda c, u: jnp.concatenate([c, u]), cond, uncond) if sig.guided else None
+        both_cond = jax.tree.map(lambda c, u: jnp.concatenate([c, u]), cond, args.uncond) if sig.guided else None
+        lora = None  # (B,) slots, or (2B,) for the conditional and unconditional halves
+        if sig.lora is not None:
+            lora = args.lora.adapters(repeat=2 if sig.guided else 1)
 
         def model(x: jax.Array, t: jax.Array) -> jax.Array:
             x = x.astype(sig.dtype)
             tb = jnp.broadcast_to(t.astype(jnp.float32), (b,))
             if not sig.guided:
-                return apply(params, x, tb, cond).astype(jnp.float32)
-            both = apply(params, jnp.concatenate([x, x]), jnp.concatenate([tb, tb]), both_cond).astype(jnp.float32)
+                return apply(params, x, tb, cond, lora).astype(jnp.float32)
+            both = apply(params, jnp.concatenate([x, x]), jnp.concatenate([tb, tb]), both_cond,
+                         lora).astype(jnp.float32)
             c, u = both[:b], both[b:]  # (B, H, W, C) each
             return u + guidance.astype(jnp.float32) * (c - u)
 
         def noise_fn(i: jax.Array, k: int) -> jax.Array:
             return normal_per_image(keys, STEP_STREAM, i * draws + k, sig.sample_shape)
 
-        x0 = run(spec, model, plan, x_t, noise_fn, start if sig.image else None, progress=sig.progress)
+        x0 = run(spec, model, args.plan, x_t, noise_fn, args.start if sig.image else None, progress=sig.progress)
         return to_pixels(x0) if sig.pixels else x0
 
     return program
@@ -230,8 +239,8 @@ class Pipeline:
             def user_fn(p: Any, x: jax.Array, t: jax.Array, y: Any) -> jax.Array:  # the engine is NHWC inside
                 return jnp.transpose(fn(p, jnp.transpose(x, (0, 3, 1, 2)), t, y), (0, 2, 3, 1))
 
-        def apply(p: Any, x: jax.Array, t: jax.Array, cond: Any) -> jax.Array:
-            return user_fn(p, x, t, cond.get("class_labels"))
+        def apply(p: Any, x: jax.Array, t: jax.Array, cond: Any, lora: Any = None) -> jax.Array:
+            return user_fn(p, x, t, cond.get("class_labels"))  # no LoRA targets: lora is always None
 
         leaves = jax.tree.leaves(params)
         dtype = str(leaves[0].dtype) if leaves else "float32"
@@ -292,22 +301,23 @@ class Pipeline:
         return request_of.check(self, first, inputs)
 
     def prepare(self, first: Any = None, /, progress: Progress | None = None,
-                **inputs: Any) -> tuple[Signature, tuple]:
-        """Validate a call and turn it into (the denoising program's signature, its arguments).
-        For text families this runs the text-encoding stage (the embeddings are arguments).
-        On several devices the arguments are placed (and padded) as the program takes them."""
+                **inputs: Any) -> tuple[Signature, DenoiseArgs]:
+        """Validate a call and turn it into (the denoising program's signature, its one argument:
+        ``executable(sig, args)(args)`` runs it). For text families this runs the text-encoding
+        stage (the embeddings are arguments). On several devices the arguments are placed (and
+        padded) as the program takes them."""
         _, sig, args = self._prepare(first, inputs)
         if progress is not None:  # the program that reports (the call's id is data: any id keys it)
             sig = dataclasses.replace(sig, progress=True)
         if self.mesh is not None:
-            sig, args = self.place(sig, args, DENOISE_BATCHED)
+            sig, args = self.place(sig, args)
         return sig, args
 
-    def _prepare(self, first: Any, inputs: dict[str, Any]) -> tuple[Request, Signature, tuple]:
+    def _prepare(self, first: Any, inputs: dict[str, Any]) -> tuple[Request, Signature, DenoiseArgs]:
         request = self.validate(first, **inputs)
         return (request, *self._prepare_request(request))
 
-    def _prepare_request(self, request: Request, reporter: Reporter | None = None) -> tuple[Signature, tuple]:
+    def _prepare_request(self, request: Request, reporter: Reporter | None = None) -> tuple[Signature, DenoiseArgs]:
         self.last = Timings()
         spec = make_spec(self.scheduler_config, request.sampler)
         plan = request_of.plan(self, request)
@@ -319,50 +329,48 @@ class Pipeline:
                         conditioning=tuple(sorted(conditioning.cond)), pixels=self.family.pixels_in_loop,
                         progress=reporter is not None)
         noise = request.noise if request.noise is not None else np.zeros((), np.float32)
-        params, cond, uncond = self.params, conditioning.cond, conditioning.uncond
-        if request.lora is not None:  # adapters are data: weights + factors, each image's slot in cond
+        cond, lora = conditioning.cond, None
+        if request.lora is not None:  # adapters are data: factors and scales, each image's slot
             from preheat.lora import denoiser_args
 
-            params = (self.params, denoiser_args(self, request.lora))
-            cond = {**cond, "lora_index": request.lora.index}
-            uncond = {**uncond, "lora_index": request.lora.index} if request.guided else uncond
-            sig = dataclasses.replace(sig, lora=request.lora.signature, conditioning=tuple(sorted(cond)))
+            factors, scales = denoiser_args(self, request.lora)
+            lora = LoraArgs(factors=factors, scales=scales, slots=request.lora.index)
+            sig = dataclasses.replace(sig, lora=request.lora.signature)
             self.components.setdefault("lora_buckets", set()).add(request.lora.bucket)
         sig = dataclasses.replace(sig, cond_shapes=tuple(tuple(np.shape(c)[1:]) for c in jax.tree.leaves(cond)))
-        args = (params, plan, request.seeds, cond, uncond, np.float32(request.guidance), noise)
         start = self.family.image_start(self, request, plan)
         if start is not None:  # img2img / inpainting: the start step and the image are data
             sig = dataclasses.replace(sig, image="img2img" if start.keep is None else "blend")
-            args = (*args, start)
+        args = DenoiseArgs(params=self.params, plan=plan, seeds=request.seeds, cond=cond, uncond=conditioning.uncond,
+                           guidance=np.float32(request.guidance), noise=noise, start=start, lora=lora)
         return sig, args
 
-    def _run_denoise(self, sig: Signature, args: tuple) -> Any:
-        return self.run_stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args,
-                              batched=DENOISE_BATCHED)
+    def _run_denoise(self, sig: Signature, args: DenoiseArgs) -> Any:
+        return self.run_stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args)
 
-    def executable(self, sig: Signature, args: tuple) -> Callable[..., Any]:
+    def executable(self, sig: Signature, args: DenoiseArgs) -> Callable[[DenoiseArgs], Any]:
         """The compiled denoising program for ``sig`` (and the arguments ``prepare`` returned):
-        from memory, the compile cache, or a fresh compile."""
-        return self.compiled_stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args,
-                                   batched=DENOISE_BATCHED)
+        from memory, the compile cache, or a fresh compile. Call it with the one ``args``."""
+        return self.compiled_stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args)
 
-    def place(self, sig: Any, args: tuple, batched: Sequence[int] | None = None) -> tuple[Any, tuple]:
+    def place(self, sig: Any, args: Any) -> tuple[Any, Any]:
         """(sig, args) as the mesh runs them: the batch padded to a multiple of the device count,
-        batched arguments split over ``data``, the rest replicated. ``batched``: the argument
-        positions batched on axis 0 (None: all but the first, the weights)."""
+        the fields ``args`` names in its ``BATCHED`` split over ``data``, the rest replicated
+        (``preheat.families.stages``, ``preheat.sharding.batch_specs``)."""
         from dataclasses import replace
 
         from preheat.sharding import batch_specs, pad_batch, padded, place
 
-        specs = batch_specs(args, range(1, len(args)) if batched is None else batched, self.mesh)
+        specs = batch_specs(args, self.mesh)
         to = padded(sig.batch, self.mesh)
         args = place(pad_batch(args, specs, sig.batch, to), specs, self.mesh)
         return (sig if to == sig.batch else replace(sig, batch=to)), args
 
     def compiled_stage(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
-                       args: tuple, outputs: int = 1, batched: Sequence[int] | None = None) -> Callable[..., Any]:
+                       args: Any, outputs: int = 1) -> Callable[..., Any]:
         """One stage's executable (memory, then the compile cache, then a compile); its timings
-        are recorded in ``last.stages[stage]``. ``outputs``: 1 (an array) or k (a k-tuple).
+        are recorded in ``last.stages[stage]``. ``args``: the program's one argument, a stage's
+        NamedTuple (``preheat.families.stages``); ``outputs``: 1 (an array) or k (a k-tuple).
         On several devices ``args`` are placed ones (:meth:`place`) and the program is split
         over the batch (``preheat.sharding.shard_program``)."""
         hit = self._executables.get(sig)
@@ -373,14 +381,12 @@ class Pipeline:
         if self.mesh is not None:
             from preheat.sharding import batch_specs, shard_program
 
-            program = shard_program(program, self.mesh,
-                                    batch_specs(args, range(1, len(args)) if batched is None else batched,
-                                                self.mesh), outputs)
+            program = shard_program(program, self.mesh, batch_specs(args, self.mesh), outputs)
         if self.compiler is not None:
             compiled, timings = self.compiler.get_or_compile(fingerprint, sig, program, args, outputs=outputs)
         else:
             start = time.perf_counter()
-            lowered = jax.jit(program).lower(*args)
+            lowered = jax.jit(program).lower(args)
             traced = time.perf_counter()
             compiled = lowered.compile()
             timings = Timings(trace_lower_s=traced - start, compile_s=time.perf_counter() - traced, cache_layer="none")
@@ -389,36 +395,37 @@ class Pipeline:
         return compiled
 
     def run_stage(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
-                  args: tuple, outputs: int = 1, batched: Sequence[int] | None = None) -> Any:
-        """Compile (or fetch) and run one stage, timing its run. ``batched``: the argument
-        positions batched on axis 0, split over the devices (None: all but the first, the weights).
+                  args: Any, outputs: int = 1) -> Any:
+        """Compile (or fetch) and run one stage, timing its run. ``make_program()`` returns the
+        program of one argument, ``args`` (a stage's NamedTuple, ``preheat.families.stages``,
+        whose ``BATCHED`` fields are split over the devices).
 
         A cached executable that loads but fails on its first run (seen on XLA:CPU: "Function ...
         not found") is a bad entry like any other: it is quarantined, compiled afresh, run again.
         """
         n = sig.batch
         if self.mesh is not None:
-            sig, args = self.place(sig, args, batched)
-        out = self._run_placed(stage, fingerprint, sig, make_program, args, outputs, batched)
+            sig, args = self.place(sig, args)
+        out = self._run_placed(stage, fingerprint, sig, make_program, args, outputs)
         if sig.batch != n:  # drop the padding rows
             out = jax.tree.map(lambda o: o[:n], out)
         return out
 
     def _run_placed(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
-                    args: tuple, outputs: int, batched: Sequence[int] | None) -> Any:
-        executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs, batched)
+                    args: Any, outputs: int) -> Any:
+        executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs)
         start = time.perf_counter()
         try:
-            out = jax.block_until_ready(executable(*args))
+            out = jax.block_until_ready(executable(args))
         except jax.errors.JaxRuntimeError as exc:
             stopped = current() is not None and current().stopped  # a cancel, not a bad entry
             if self.last.stages[stage].cache_layer != "aot" or self.compiler is None or stopped:
                 raise
             self.compiler.reject(fingerprint, sig, args, f"failed on its first run: {str(exc)[:200]}")
             self._executables.pop(sig, None)
-            executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs, batched)
+            executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs)
             start = time.perf_counter()
-            out = jax.block_until_ready(executable(*args))
+            out = jax.block_until_ready(executable(args))
         self.last.stages[stage].run_s = run_s = time.perf_counter() - start
         self.last.run_s += run_s
         return out

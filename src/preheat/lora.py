@@ -545,7 +545,8 @@ def _scales(request: LoraRequest) -> np.ndarray:
 
 
 def denoiser_args(pipe: Any, request: LoraRequest) -> tuple[dict, np.ndarray]:
-    """The denoiser's adapters for a call: (factors, scales); the index travels in ``cond``."""
+    """The denoiser's adapters for a call: (factors, scales); with each image's slot they make the
+    denoising program's ``DenoiseArgs.lora`` (``preheat.families.stages.LoraArgs``)."""
     layers = pipe.components["lora_targets"].layers["denoiser"]
     return _factors(pipe, request, "denoiser", layers), _scales(request)
 

@@ -4,7 +4,8 @@
 
 With a mesh, every stage's program (encode, denoise, decode) is wrapped in ``shard_map``: each
 device runs the single-device program on its slice of the batch -- seeds, the user's noise,
-conditioning, token ids, latents -- while the weights and the schedule are replicated. Every
+conditioning, token ids, latents: the fields each stage's argument names in its ``BATCHED``
+(``preheat.families.stages``) -- while the weights and the schedule are replicated. Every
 stage is per image (seeds, group norms and attention never mix images), so no device talks to
 another, and classifier-free guidance doubles each device's own slice. ``None`` (one device,
 the default device) keeps the single-device program and cache key exactly as they were.
@@ -150,17 +151,26 @@ def distribute_components(components: dict[str, Any], mesh: Mesh) -> dict[str, A
     return {name: one(value) for name, value in components.items()}
 
 
-def batch_specs(args: tuple, batched: Sequence[int], mesh: Mesh) -> Specs:
-    """For every array leaf of the argument positions in ``batched`` (batch on axis 0), the batch
-    split over every axis of ``mesh`` (``P("data")``, or ``P(("data", "fsdp"))``); ``P()``
-    (replicated, or kept as placed) for everything else and for scalars."""
+def batch_specs(args: Any, mesh: Mesh) -> Specs:
+    """A stage's arguments (``preheat.families.stages``: a NamedTuple whose ``BATCHED`` names
+    its fields batched on axis 0) -> a PartitionSpec per leaf: the batch split over every axis of
+    ``mesh`` (``P("data")``, or ``P(("data", "fsdp"))``) for the array leaves of a batched field;
+    ``P()`` (replicated, or kept as placed) for everything else and for scalars. A field that is
+    itself such a NamedTuple (a LoRA's factors and slots) is split by its own ``BATCHED``."""
     split_spec = PartitionSpec(AXIS) if not is_fsdp(mesh) else PartitionSpec((AXIS, FSDP_AXIS))
 
-    def specs(position: int, arg: Any) -> Any:
-        split = position in batched
-        return jax.tree.map(lambda x: split_spec if split and np.ndim(x) >= 1 else PartitionSpec(), arg)
+    def declares(node: Any) -> bool:
+        return isinstance(node, tuple) and hasattr(node, "_fields") and hasattr(type(node), "BATCHED")
 
-    return tuple(specs(i, a) for i, a in enumerate(args))
+    def specs(tree: Any, split: bool) -> Any:
+        if split:
+            return jax.tree.map(lambda x: split_spec if np.ndim(x) >= 1 else PartitionSpec(), tree)
+        return jax.tree.map(lambda node: named(node) if declares(node) else PartitionSpec(), tree, is_leaf=declares)
+
+    def named(node: Any) -> Any:
+        return type(node)(**{f: specs(getattr(node, f), f in type(node).BATCHED) for f in node._fields})
+
+    return specs(args, False)
 
 
 def padded(n: int, mesh: Mesh) -> int:
@@ -168,7 +178,7 @@ def padded(n: int, mesh: Mesh) -> int:
     return -(-n // mesh.size) * mesh.size
 
 
-def pad_batch(args: tuple, specs: Specs, n: int, to: int) -> tuple:
+def pad_batch(args: Any, specs: Specs, n: int, to: int) -> Any:
     """Batched leaves of ``n`` rows grown to ``to`` by repeating the last row (dropped later)."""
     if to == n:
         return args
@@ -184,7 +194,7 @@ def pad_batch(args: tuple, specs: Specs, n: int, to: int) -> tuple:
     return jax.tree.map(pad, args, specs)
 
 
-def place(args: tuple, specs: Specs, mesh: Mesh) -> tuple:
+def place(args: Any, specs: Specs, mesh: Mesh) -> Any:
     """Arguments on the mesh: batched leaves split over the batch axes, the rest replicated --
     except arrays already on this mesh (the distributed weights, or their placeholders), which
     keep their placement and are not copied again."""
@@ -198,10 +208,11 @@ def place(args: tuple, specs: Specs, mesh: Mesh) -> tuple:
 
 
 def shard_program(program: Callable[..., Any], mesh: Mesh, specs: Specs, outputs: int = 1) -> Callable[..., Any]:
-    """``program`` as ``mesh`` runs it. Data parallel: every device runs it on its slice of the
-    batch (``shard_map``), its outputs (one array, or a k-tuple) batched on axis 0. fsdp: the
-    program itself, for XLA's SPMD partitioner to split by its arguments' placements."""
+    """``program`` (of one argument, a stage's NamedTuple; ``specs``: :func:`batch_specs` of it) as
+    ``mesh`` runs it. Data parallel: every device runs it on its slice of the batch
+    (``shard_map``), its outputs (one array, or a k-tuple) batched on axis 0. fsdp: the program
+    itself, for XLA's SPMD partitioner to split by its arguments' placements."""
     if is_fsdp(mesh):
         return program
     out_specs = PartitionSpec(AXIS) if outputs == 1 else tuple(PartitionSpec(AXIS) for _ in range(outputs))
-    return jax.shard_map(program, mesh=mesh, in_specs=specs, out_specs=out_specs)
+    return jax.shard_map(program, mesh=mesh, in_specs=(specs,), out_specs=out_specs)

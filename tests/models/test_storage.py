@@ -203,7 +203,7 @@ def test_the_upcast_runs_inside_the_sampling_loop():
 
     pipe = preheat.load(None, weights_dtype=FP8, cache="off")
     sig, args = pipe.prepare(2, steps=4)
-    hlo = jax.jit(build_program(sig, pipe.apply)).lower(*args).compile().as_text()
+    hlo = jax.jit(build_program(sig, pipe.apply)).lower(args).compile().as_text()
     bodies = {m.group(1) for m in re.finditer(r" while\(.*?body=(%[\w.\-]+)", hlo)}
     comps = {c.split(" ", 1)[0]: c for c in re.split(r"\n(?=%)", hlo) if c.startswith("%")}
     called = {m.group(1) for name in bodies for m in re.finditer(r"calls=(%[\w.\-]+)", comps.get(name, ""))}

@@ -98,7 +98,7 @@ def bench_lora(model: str | None, n: int, steps: int, rank: int, repeats: int, w
             call_s[name].append(time.perf_counter() - t0)
             program, args, _ = programs[name]
             t0 = time.perf_counter()
-            jax.block_until_ready(program(*args))
+            jax.block_until_ready(program(args))
             loop_s[name].append(time.perf_counter() - t0)
     rows = []
     for name in calls:

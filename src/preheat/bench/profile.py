@@ -278,9 +278,9 @@ def profile_model(pipe: Any, unet_dir: str, batch: int, calls: int = 5, ratio_re
 
     sig, args = pipe.prepare(batch, steps=2, seed=0)
     n = 2 * batch if sig.guided else batch
-    cond = args[3]
+    cond = args.cond
     if sig.guided:
-        cond = jax.tree.map(lambda c, u: jnp.concatenate([c, u]), args[3], args[4])
+        cond = jax.tree.map(lambda c, u: jnp.concatenate([c, u]), args.cond, args.uncond)
     x = jax.random.normal(jax.random.key(0), (n, *sig.sample_shape), sig.dtype)
     t = jnp.full((n,), 500.0, jnp.float32)
     rates = machine_rates()

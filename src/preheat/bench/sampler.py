@@ -59,12 +59,12 @@ def bench_sampler(model: str | None, batches: list[int], steps: int, sampler: st
         # The same model work, one separately compiled call at a time.
         calls_per_step = sig.spec.max_model_calls_per_step
         model_batch = 2 * b if sig.guided else b
-        cond, uncond = args[3], args[4]
+        cond, uncond = args.cond, args.uncond
         model_cond = jax.tree.map(lambda c, u: jnp.concatenate([c, u]), cond, uncond) if sig.guided else cond
         # Fed like the loop: noise at the plan's timesteps (a call's time depends on its data:
         # zeros at one mid timestep ran up to 2x faster than noise at t=999 on the cifar model).
         x = jax.random.normal(jax.random.key(0), (model_batch, *sig.sample_shape), sig.dtype)
-        ts = [jnp.full((model_batch,), args[1].timesteps[i], jnp.float32) for i in range(steps)]
+        ts = [jnp.full((model_batch,), args.plan.timesteps[i], jnp.float32) for i in range(steps)]
         denoise = jax.jit(pipe.apply).lower(pipe.params, x, ts[0], model_cond).compile()
 
         def calls() -> None:
@@ -115,14 +115,14 @@ def _with_and_without_progress(pipe: Any, program: Any, b: int, repeats: int,
     psig, pargs = pipe.prepare(b, progress=ignore, **inputs)
     sig, args = pipe.prepare(b, **inputs)
     with reporting(ignore) as reporter:
-        pargs = (pargs[0], pargs[1]._replace(progress_id=np.int32(reporter.id)), *pargs[2:])
+        pargs = pargs._replace(plan=pargs.plan._replace(progress_id=np.int32(reporter.id)))
         with_progress = pipe.executable(psig, pargs)
-        np.asarray(with_progress(*pargs)), np.asarray(program(*args))  # warm both
+        np.asarray(with_progress(pargs)), np.asarray(program(args))  # warm both
         times: tuple[list[float], list[float]] = ([], [])
         for _ in range(repeats):
             for out, (fn, a) in zip(times, ((program, args), (with_progress, pargs))):
                 start = time.perf_counter()
-                np.asarray(fn(*a))
+                np.asarray(fn(a))
                 out.append(time.perf_counter() - start)
         if reporter.step != inputs["steps"]:
             raise RuntimeError(f"the progress program reported {reporter.step} of {inputs['steps']} steps")

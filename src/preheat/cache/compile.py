@@ -94,7 +94,7 @@ def _abstract(tree: Any) -> list[list[Any]]:
     return out
 
 
-def mesh_of(args: tuple) -> Any:
+def mesh_of(args: Any) -> Any:
     """The device mesh a program's arguments are placed on (``preheat.sharding``), or None for
     the single-device program (arguments on the default device or on the host)."""
     for leaf in jax.tree.leaves(args):
@@ -104,7 +104,7 @@ def mesh_of(args: tuple) -> Any:
     return None
 
 
-def key_fields(fingerprint: dict[str, Any], signature: Any, args: tuple, target: Any = None) -> dict[str, Any]:
+def key_fields(fingerprint: dict[str, Any], signature: Any, args: Any, target: Any = None) -> dict[str, Any]:
     """Every input that changes the compiled program, as JSON-able fields (the key's content).
 
     A program split over devices adds ``mesh``: its axes and the ids of its devices, in order. A
@@ -148,7 +148,7 @@ def _gpu_xla_flags() -> str:
     return " ".join(f for f in flags if not f.startswith(_CPU_ONLY_FLAGS))
 
 
-def device_fields(args: tuple, target: Any = None) -> dict[str, Any]:
+def device_fields(args: Any, target: Any = None) -> dict[str, Any]:
     """The key fields of the machine a program runs on. On a CPU: the device, the host's
     instruction set, the backend's version. On a GPU -- a pod's own, or a ``target`` compiled for
     elsewhere -- what decides the generated code (``preheat.cache.targets``), never the card's
@@ -227,7 +227,7 @@ def _persistent_cache_disabled() -> Iterator[None]:
         reset_cache()
 
 
-Items = list[tuple[dict[str, Any], Any, tuple, int]]  # (fingerprint, signature, arguments, outputs) per program
+Items = list[tuple[dict[str, Any], Any, Any, int]]  # (fingerprint, signature, arguments, outputs) per program
 
 
 class Rehearsal:
@@ -244,20 +244,20 @@ class Rehearsal:
     def __init__(self) -> None:
         self.items: Items = []
 
-    def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: tuple,
+    def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: Any,
                        outputs: int = 1) -> tuple[Callable[..., Any], Timings]:
         self.items.append((fingerprint, sig, args, outputs))
         return zeros_like_outputs(sig, program, args), Timings(cache_layer="none")
 
 
-def zeros_like_outputs(sig: Any, program: Callable[..., Any], args: tuple) -> Callable[..., Any]:
+def zeros_like_outputs(sig: Any, program: Callable[..., Any], args: Any) -> Callable[..., Any]:
     """A stand-in executable that returns zeros of the program's output shapes: a signature that
     knows them (``output``: the denoising loop's is its sample) is taken at its word, any other
     program is traced for them (``jax.eval_shape``)."""
     import jax.numpy as jnp
 
     known = getattr(sig, "output", None)
-    shapes = known if isinstance(known, jax.ShapeDtypeStruct) else jax.eval_shape(program, *args)
+    shapes = known if isinstance(known, jax.ShapeDtypeStruct) else jax.eval_shape(program, args)
     return lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
@@ -276,9 +276,10 @@ class JaxCompiler(EntryCache):
         if mode in ("full", "xla"):
             configure_persistent_cache(self.root)
 
-    def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: tuple,
+    def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: Any,
                        outputs: int = 1) -> tuple[Any, Timings]:
         """``fingerprint``: the model component's identity (architecture, never weights);
+        ``program(args)``: one argument, a stage's NamedTuple (``preheat.families.stages``);
         ``outputs``: 1 when the program returns one array, k for a k-tuple of arrays."""
         fields = self.fields_for(fingerprint, sig, args)
         key = key_of(fields)
@@ -301,7 +302,7 @@ class JaxCompiler(EntryCache):
             record["miss"] = self._explain_miss(fields)
 
         start = time.perf_counter()
-        lowered = jax.jit(program).lower(*args)
+        lowered = jax.jit(program).lower(args)
         traced = time.perf_counter()
         hits_before = getattr(_xla_hits, "count", 0)
         if self.mode == "full":
@@ -337,7 +338,7 @@ class JaxCompiler(EntryCache):
             devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
             self._early = EarlyLoads(self.kind_dir, keys, devices)
 
-    def fields_for(self, fingerprint: dict[str, Any], sig: Any, args: tuple) -> dict[str, Any]:
+    def fields_for(self, fingerprint: dict[str, Any], sig: Any, args: Any) -> dict[str, Any]:
         """The key fields of a program as this compiler compiles it (``key_fields``)."""
         return key_fields(fingerprint, sig, args)
 
@@ -387,7 +388,7 @@ class JaxCompiler(EntryCache):
                       background_load_s=background.get("background_load_s"))
         return compiled, end - start
 
-    def reject(self, fingerprint: dict[str, Any], sig: Any, args: tuple, reason: str) -> None:
+    def reject(self, fingerprint: dict[str, Any], sig: Any, args: Any, reason: str) -> None:
         """Quarantine the entry that served ``sig`` (it loaded but failed to run)."""
         key = key_of(self.fields_for(fingerprint, sig, args))
         record: dict[str, Any] = {"key": key, "stage": getattr(sig, "stage", "denoise")}
@@ -396,10 +397,10 @@ class JaxCompiler(EntryCache):
 
     # ------------------------------------------------------------------ internals
 
-    def _load(self, key: str, fields: dict[str, Any], args: tuple, record: dict[str, Any], outputs: int = 1) -> Any:
+    def _load(self, key: str, fields: dict[str, Any], args: Any, record: dict[str, Any], outputs: int = 1) -> Any:
         from preheat.cache.serialized import deserialize_and_load  # jax's, keeping the step reports
 
-        in_tree = jax.tree_util.tree_structure((tuple(args), {}))
+        in_tree = jax.tree_util.tree_structure(((args,), {}))  # program(args): one positional argument
         out_tree = jax.tree_util.tree_structure(0 if outputs == 1 else tuple(range(outputs)))
         if self._early is not None:  # deserialised at process start from the last start's guess
             compiled = self._early.take(key, fields, in_tree, out_tree)
@@ -458,7 +459,7 @@ class TargetCompiler(JaxCompiler):
         self.device = target_device(target)  # no plugin / a description XLA refuses: one line, before any work
         super().__init__(root=root, mode="full", remote=remote)
 
-    def fields_for(self, fingerprint: dict[str, Any], sig: Any, args: tuple) -> dict[str, Any]:
+    def fields_for(self, fingerprint: dict[str, Any], sig: Any, args: Any) -> dict[str, Any]:
         return key_fields(fingerprint, sig, args, target=self.target)
 
     def manifest_extra(self) -> dict[str, Any]:
@@ -468,7 +469,7 @@ class TargetCompiler(JaxCompiler):
         self._prefetch = None  # nothing is loaded here: the entries are for another machine
         return Prefetch(self, [], phases)
 
-    def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: tuple,
+    def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: Any,
                        outputs: int = 1) -> tuple[Any, Timings]:
         from preheat.compile_target import compiling_for
 
@@ -480,7 +481,7 @@ class TargetCompiler(JaxCompiler):
         else:
             start = time.perf_counter()
             with compiling_for("gpu", tuple(self.target.gpu["compute_capability"])):  # the models' trace-time choices
-                lowered = jax.jit(program).lower(*on_device(args, self.device))
+                lowered = jax.jit(program).lower(on_device(args, self.device))
             traced = time.perf_counter()
             with _persistent_cache_disabled():
                 compiled = lowered.compile()
@@ -490,8 +491,8 @@ class TargetCompiler(JaxCompiler):
         return zeros_like_outputs(sig, program, args), timings
 
 
-def on_device(args: tuple, device: Any) -> tuple:
-    """``args`` as abstract values placed on ``device`` (shapes, dtypes and weak types kept: the
+def on_device(args: Any, device: Any) -> Any:
+    """``args`` (any pytree) as abstract values placed on ``device`` (shapes, dtypes and weak types kept: the
     executable's inputs must be what the pod will pass)."""
     sharding = jax.sharding.SingleDeviceSharding(device)
 
@@ -499,7 +500,7 @@ def on_device(args: tuple, device: Any) -> tuple:
         aval = leaf if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf)
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type)
 
-    return jax.tree.map(one, tuple(args))
+    return jax.tree.map(one, args)
 
 
 class Prefetch:

@@ -1,8 +1,9 @@
 """What a model family tells the engine: its inputs, its conditioning, its sample shape, its decoding.
 
 The engine (``preheat.engine``) knows one thing about models: a denoiser
-``apply(params, x, t, cond) -> prediction`` whose conditioning ``cond`` is a pytree batched on
-axis 0. Everything else -- which request inputs a family takes, how they become ``cond`` (a
+``apply(params, x, t, cond, lora) -> prediction`` whose conditioning ``cond`` is a pytree batched on
+axis 0 and ``lora`` the batch's adapters (``preheat.models.lora.Adapters``) or None. The stages'
+arguments are named (``preheat.families.stages``). Everything else -- which request inputs a family takes, how they become ``cond`` (a
 class label, text embeddings, SDXL's size ids), what the unconditional branch of classifier-free
 guidance is (a null class, an empty or negative prompt: always runtime data), the latent shape
 for a width x height, and how a final sample becomes pixels -- is the family's.
@@ -76,14 +77,14 @@ class EngineView(Protocol):
     last: Timings
 
     def run_stage(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
-                  args: tuple, outputs: int = 1) -> Any: ...
+                  args: Any, outputs: int = 1) -> Any: ...  # args: the program's one argument (families.stages)
 
 
 @dataclass
 class LoadedModel:
     """What a family's loader returns: everything ``preheat.engine.Pipeline`` is built from."""
 
-    apply: Callable[..., Any]  # apply(params, x, t, cond) -> prediction, NHWC
+    apply: Callable[..., Any]  # apply(params, x, t, cond, lora=None) -> prediction, NHWC
     params: Any
     sample_shape: tuple[int, ...]  # (H, W, C) of one sample at the default size (latent for VAE families)
     scheduler_config: Any

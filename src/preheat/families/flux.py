@@ -41,6 +41,7 @@ from preheat.families import image as image_input
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, STRENGTH
 from preheat.families.inputs import InputSpec, Text
+from preheat.families.stages import EncodeArgs
 from preheat.families.text import PROMPT, TextToImageFamily, component, default_sampler, encode, offload
 from preheat.lora import encoder_adapters
 from preheat.samplers import MU_SIGMAS_SAMPLERS
@@ -119,19 +120,15 @@ def flux_defaults(guidance_embeds: bool) -> dict[str, Any]:
 
 
 def _encode_program(components: dict[str, Any], lora: bool = False) -> Any:
-    """(params, (clip ids (B, 77), t5 ids (B, L))) -> (context (B, L, D) f32, pooled (B, P) f32).
-    With ``lora``: ((params, (clip adapters,)), (ids, each prompt's slot (B,)))."""
+    """``EncodeArgs``: params and ids (clip (B, 77), t5 (B, L)) -> (context (B, L, D) f32, pooled
+    (B, P) f32). With ``lora``: ``args.lora`` holds the CLIP encoder's ``LoraArgs``."""
     import jax.numpy as jnp
-
-    from preheat.models.lora import Adapters
 
     clip, t5 = components["text_encoders"]
 
-    def program(params: tuple, ids: tuple) -> Any:
-        adapter = None
-        if lora:
-            (params, tes), (ids, index) = params, ids
-            adapter = Adapters(tes[0][0], tes[0][1], index)
+    def program(args: EncodeArgs) -> Any:
+        params, ids = args.params, args.ids
+        adapter = args.lora[0].adapters() if lora else None
         pooled = clip.apply(params[0], ids[0], adapter).pooled  # diffusers: CLIPTextModel's pooler_output
         context = t5.apply(params[1], ids[1])
         return context.astype(jnp.float32), pooled.astype(jnp.float32)
@@ -201,7 +198,6 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
 
     from preheat.lora import LoraTargets
     from preheat.models.clip import load_clip_text
-    from preheat.models.lora import split as split_adapters
     from preheat.models.lora import targets as lora_targets
     from preheat.models.flux import latent_image_ids, load_flux_transformer, pack_latents, unpack_latents
     from preheat.models.t5 import load_t5_encoder
@@ -240,8 +236,7 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
     guidance_embeds = bool(cfg.guidance_embeds)
 
-    def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
-        params, lora = split_adapters(params, cond)
+    def apply(params: Any, x: Any, t: Any, cond: dict[str, Any], lora: Any = None) -> Any:
         b, h, w, _ = x.shape  # (B, h, w, C) latents; h, w even (size_multiple)
         tokens = pack_latents(x)  # (B, S, 4C), S = hw/4
         ids = latent_image_ids(h, w)  # (S, 3)

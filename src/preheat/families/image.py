@@ -36,6 +36,7 @@ import numpy as np
 from preheat.errors import InvalidArgumentError
 from preheat.families.base import EngineView, StageSignature
 from preheat.families.inputs import WARM_IMAGE, Float, Image, InputSpec
+from preheat.families.stages import EncodeImageArgs
 
 __all__ = ["IMAGE", "MASK_IMAGE", "STRENGTH", "Strength", "image_size", "check_image_inputs", "pixels", "mask",
            "latent_mask", "masked", "encode_images", "encode_image_program", "img2img_start"]
@@ -148,14 +149,15 @@ def masked(x: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 
 def encode_image_program(vae: Any, mode: bool = False) -> Any:
-    """(params, images (B, H, W, 3) in [-1, 1], seeds (B,), index []) -> latents (B, h, w, C) float32:
-    a posterior sample per image from its seed, scaled (and shifted) as the pipelines do
+    """``EncodeImageArgs``: (params, images (B, H, W, 3) in [-1, 1], seeds (B,), index []) -> latents
+    (B, h, w, C) float32: a posterior sample per image from its seed, scaled (and shifted) as the pipelines do
     (``mode``: the posterior's mode instead, as FLUX.1 Kontext's ``sample_mode="argmax"``)."""
     import jax.numpy as jnp
 
     from preheat.noise import IMAGE_STREAM, image_keys, normal_per_image
 
-    def program(params: Any, images: Any, seeds: Any, index: Any) -> Any:
+    def program(args: EncodeImageArgs) -> Any:
+        params, images, seeds, index = args.params, args.images, args.seeds, args.index
         if mode:
             return vae.images_to_latents(params, images.astype(jnp.float32))
         f = vae.downscale
@@ -175,7 +177,8 @@ def encode_images(pipe: EngineView, images: np.ndarray, seeds: np.ndarray, index
                          dtype=str(vae.dtype), extra=(("mode", True),) if mode else ())
     fingerprint = {**pipe.components["decode_fingerprint"], "kind": "vae-encode"}
     return np.asarray(pipe.run_stage("encode_image", fingerprint, sig, lambda: encode_image_program(vae, mode),
-                                     (vae.params, images.astype(np.float32), seeds, np.int32(index))))
+                                     EncodeImageArgs(params=vae.params, images=images.astype(np.float32),
+                                                     seeds=seeds, index=np.int32(index))))
 
 
 def img2img_start(pipe: EngineView, request: Any, rule: str) -> Any:

@@ -91,7 +91,7 @@ def load_pixel(root: Any, *, scheduler: Any = None, dtype: Any = "float32", vari
     num_classes = class_count(cfg.num_class_embeds, cfg.class_embed_type, null_class)
     fingerprint = {"kind": "unet2d", "config": cfg.architecture_dict(), "sample_size": [h, w]}
 
-    def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
+    def apply(params: Any, x: Any, t: Any, cond: dict[str, Any], lora: Any = None) -> Any:  # no LoRA targets
         return unet.apply(params, x, t, cond.get("class_labels"))
 
     return LoadedModel(apply=apply, params=unet.params, sample_shape=(h, w, cfg.in_channels), scheduler_config=sched,

@@ -28,6 +28,7 @@ from preheat.families import image as image_input
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, STRENGTH
 from preheat.families.inputs import InputSpec
+from preheat.families.stages import EncodeArgs
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, default_sampler, encode,
                                    offload)
 from preheat.samplers import FLOW_SAMPLERS
@@ -87,13 +88,15 @@ SD3 = SD3Family()
 
 
 def _encode_program(components: dict[str, Any]) -> Any:
-    """(params, ids) of CLIP-L, CLIP-G, T5 -> (context (B, 77 + L, D) f32, pooled (B, P_l + P_g) f32)."""
+    """``EncodeArgs``: params and ids of CLIP-L, CLIP-G, T5 -> (context (B, 77 + L, D) f32, pooled
+    (B, P_l + P_g) f32)."""
     import jax.numpy as jnp
 
     clip_l, clip_g, t5 = components["text_encoders"]
     width, t5_length = components["joint_attention_dim"], components["t5_length"]
 
-    def program(params: tuple, ids: tuple) -> Any:
+    def program(args: EncodeArgs) -> Any:
+        params, ids = args.params, args.ids
         out_l, out_g = clip_l.apply(params[0], ids[0]), clip_g.apply(params[1], ids[1])
         clip = jnp.concatenate([out_l.hidden_states[-2], out_g.hidden_states[-2]], axis=-1)  # (B, 77, D_l + D_g)
         clip = jnp.pad(clip.astype(jnp.float32), ((0, 0), (0, 0), (0, width - clip.shape[-1])))  # (B, 77, D)
@@ -126,7 +129,6 @@ def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "f
 
     from preheat.lora import LoraTargets
     from preheat.models.clip import load_clip_text
-    from preheat.models.lora import split as split_adapters
     from preheat.models.lora import targets as lora_targets
     from preheat.models.sd3 import load_sd3_transformer
     from preheat.models.t5 import load_t5_encoder
@@ -181,8 +183,7 @@ def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "f
                                      f"transformer takes {cfg.in_channels}")
     vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
 
-    def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
-        params, lora = split_adapters(params, cond)
+    def apply(params: Any, x: Any, t: Any, cond: dict[str, Any], lora: Any = None) -> Any:
         return transformer.apply(params, x, cond["context"].astype(x.dtype), cond["pooled"].astype(x.dtype), t,
                                  lora=lora)
 

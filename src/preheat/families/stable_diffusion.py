@@ -57,6 +57,7 @@ from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, STRENGTH
 from preheat.lora import encoder_adapters
 from preheat.families.inputs import InputSpec, Int, Pair, Text
+from preheat.families.stages import EncodeArgs
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, SAMPLER_OF_SCHEDULER, TextToImageFamily, component,
                                    default_sampler, encode, offload)
 
@@ -154,7 +155,7 @@ class StableDiffusionFamily(TextToImageFamily):
             lora = (adapters, index, request.lora.signature)
         out = encode(pipe, texts, lambda: _encode_program(encoders, self.xl, lora is not None),
                      outputs=2 if self.xl else 1, extra=(("xl", self.xl),), lora=lora,
-                     data=(np.asarray(skips, np.int32),))
+                     clip_skip=np.asarray(skips, np.int32))
         if self.xl:
             context, pooled = np.asarray(out[0]), np.asarray(out[1])
             time_ids = np.repeat(values["time_ids"][None], n, axis=0)  # (n, 6)
@@ -239,8 +240,8 @@ SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
 
 
 def _encode_program(encoders: Sequence[Any], xl: bool, lora: bool = False) -> Any:
-    """(params per encoder, ids per encoder, clip_skip (B,)) -> context (B, 77, D) [, pooled (B, P)].
-    With ``lora``: ((params, adapters per encoder), (ids, each text's slot (B,)), clip_skip).
+    """``EncodeArgs``: params and ids per encoder, clip_skip (B,) -> context (B, 77, D) [, pooled (B, P)].
+    With ``lora``: ``args.lora`` holds a ``LoraArgs`` (or None) per encoder, each text's slot in it.
 
     ``clip_skip`` is data, as diffusers defines it: SD takes hidden_states[-(skip + 1)] through the
     final layer norm (0: last_hidden_state); SDXL takes each encoder's hidden_states[-(skip + 2)]
@@ -248,13 +249,11 @@ def _encode_program(encoders: Sequence[Any], xl: bool, lora: bool = False) -> An
     import jax.numpy as jnp
 
     from preheat.models.clip import hidden_state_from_end
-    from preheat.models.lora import Adapters
-
-    def program(params: tuple, ids: tuple, skip: Any) -> Any:
+    def program(args: EncodeArgs) -> Any:
+        params, ids, skip = args.params, args.ids, args.clip_skip
         adapters: Sequence[Any] = [None] * len(encoders)
         if lora:
-            (params, tes), (ids, index) = params, ids
-            adapters = [None if a is None else Adapters(a[0], a[1], index) for a in tes]
+            adapters = [None if a is None else a.adapters() for a in args.lora]
         outs = [te.apply(p, i, a) for te, p, i, a in zip(encoders, params, ids, adapters)]
         if not xl:
             return encoders[0].clip_skip(params[0], outs[0], skip).astype(jnp.float32)  # (B, 77, D)
@@ -335,7 +334,6 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     from preheat.samplers import load_scheduler_config
     from preheat.lora import LoraTargets
     from preheat.models.clip import load_clip_text
-    from preheat.models.lora import split as split_adapters
     from preheat.models.lora import targets as lora_targets
     from preheat.models.tokenizer import CLIPTokenizer
     from preheat.models.unet2d_condition import load_unet_condition
@@ -378,8 +376,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
     latent = cfg.sample_size if isinstance(cfg.sample_size, (list, tuple)) else (cfg.sample_size, cfg.sample_size)
 
-    def apply(params: Any, x: Any, t: Any, cond: dict[str, Any]) -> Any:
-        params, lora = split_adapters(params, cond)
+    def apply(params: Any, x: Any, t: Any, cond: dict[str, Any], lora: Any = None) -> Any:
         added = {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]} if family.xl else None
         if inpaint:  # (B, h, w, C + 1 + C): after the scheduler's input scaling, as diffusers concatenates
             x = jnp.concatenate([x, cond["mask"].astype(x.dtype), cond["masked_image_latents"].astype(x.dtype)], -1)

@@ -17,6 +17,7 @@ import numpy as np
 from preheat.errors import ModelNotFoundError
 from preheat.families.base import EngineView, Family, Request, StageSignature, to_pixels
 from preheat.families.inputs import InputSpec, Text
+from preheat.families.stages import DecodeArgs, EncodeArgs, LoraArgs
 
 __all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROMPT", "component", "default_sampler",
            "decode_program", "encode", "offload"]
@@ -49,7 +50,7 @@ class TextToImageFamily(Family):
         vae = pipe.components["vae"]
         sig = StageSignature("decode", batch=request.n, shape=tuple(request.sample_shape), dtype=str(vae.dtype))
         return np.asarray(pipe.run_stage("decode", pipe.components["decode_fingerprint"], sig,
-                                         lambda: decode_program(vae), (vae.params, out)))
+                                         lambda: decode_program(vae), DecodeArgs(params=vae.params, latents=out)))
 
 
 # The folder's scheduler class -> the sampler a diffusers pipeline would run by default.
@@ -98,28 +99,28 @@ def default_sampler(root: Path) -> dict[str, Any]:
 
 
 def decode_program(vae: Any) -> Any:
-    """latents (B, h, w, C) float32 -> uint8 pixels (B, H, W, 3), through the VAE's own scaling/shift."""
-    def program(params: Any, latents: Any) -> Any:
-        return to_pixels(vae.latents_to_images(params, latents.astype(vae.dtype)).astype("float32"))
+    """``DecodeArgs``: latents (B, h, w, C) float32 -> uint8 pixels (B, H, W, 3), through the VAE's
+    own scaling/shift."""
+    def program(args: DecodeArgs) -> Any:
+        return to_pixels(vae.latents_to_images(args.params, args.latents.astype(vae.dtype)).astype("float32"))
 
     return program
 
 
 def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Callable], outputs: int,
            extra: tuple[tuple[str, Any], ...] = (), lora: tuple[Any, Any, Any] | None = None,
-           data: tuple[np.ndarray, ...] = ()) -> Any:
+           clip_skip: np.ndarray | None = None) -> Any:
     """Tokenize on the host (``texts[i]`` for the i-th tokenizer) and run the encode stage.
 
     The stage's executable is chosen by the batch and every tokenizer's padded length, so a new
     prompt is data; the encoders' weights are arguments (``components["text_encoders"]``; an
     absent encoder, like SD3 without T5, is None and gets no weights).
 
-        texts: one list of B strings per tokenizer; program: () -> fn(params, ids)
+        texts: one list of B strings per tokenizer; program: () -> fn(EncodeArgs)
 
     ``lora``: (per-encoder (factors, scales) or None, each text's slot (B,), the signature's
-    (bucket, slots)) for text-encoder LoRAs: the program then gets ``(params, adapters)`` and
-    ``(ids, index)`` (``preheat.lora.encoder_adapters``). ``data``: more per-text arrays (B, ...),
-    passed after the ids (SD's ``clip_skip``).
+    (bucket, slots)) for text-encoder LoRAs: the program's ``args.lora`` then holds a ``LoraArgs``
+    per encoder (``preheat.lora.encoder_adapters``). ``clip_skip``: (B,) int32, SD's.
     """
     tokenizers = pipe.components["tokenizers"]
     ids = tuple(tok.encode(list(t)) for tok, t in zip(tokenizers, texts))  # each (B, L_i) int32
@@ -127,14 +128,14 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
                          extra=extra)
     # with offload_encoders the weights are host arrays: they reach the device for this call only
     params = tuple(te.params if te is not None else None for te in pipe.components["text_encoders"])
-    args: tuple = (params, ids)
+    args = EncodeArgs(params=params, ids=ids, clip_skip=clip_skip)
     if lora is not None:
         adapters, index, lora_sig = lora
         used = tuple(a is not None for a in adapters)
         sig = replace(sig, extra=(*sig.extra, ("lora", (*lora_sig, used))))
-        args = ((params, adapters), (ids, index))
-    return pipe.run_stage("encode", pipe.components["encode_fingerprint"], sig, program, (*args, *data),
-                          outputs=outputs)
+        args = args._replace(lora=tuple(None if a is None else LoraArgs(factors=a[0], scales=a[1], slots=index)
+                                        for a in adapters))
+    return pipe.run_stage("encode", pipe.components["encode_fingerprint"], sig, program, args, outputs=outputs)
 
 
 def offload(encoder: Any, options: Any = None) -> Any:

@@ -16,7 +16,9 @@ S-LoRA/Punica do for language models)::
 
 A new LoRA, a new scale or a new mix is new data of the same shapes: no retrace. ``attach`` hangs
 the factors on the layers of a model just merged inside a traced call (``nnx.merge``); with
-nothing attached the layers run exactly the program they ran before LoRA support existed.
+nothing attached the layers run exactly the program they ran before LoRA support existed. The
+engine passes them as a stage argument of their own (``preheat.families.stages.LoraArgs``),
+never inside the weights or the conditioning.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Adapters", "LowRank", "attach", "split", "targets"]
+__all__ = ["Adapters", "LowRank", "attach", "targets"]
 
 Array = jax.Array
 
@@ -76,15 +78,6 @@ def attach(model: nnx.Module, adapters: Adapters | None) -> nnx.Module:
             # a plain attribute, set on a module that lives for one trace only (never split again)
             object.__setattr__(module, "lora", LowRank(pair[0], pair[1], adapters.scales, adapters.index))
     return model
-
-
-def split(params: Any, cond: Mapping[str, Any]) -> tuple[Any, Adapters | None]:
-    """A denoiser's arguments -> (its weights, its adapters or None). With adapters the engine passes
-    ``params = (weights, (factors, scales))`` and each image's slot as ``cond["lora_index"]``."""
-    if "lora_index" not in cond:
-        return params, None
-    weights, (factors, scales) = params
-    return weights, Adapters(factors, scales, cond["lora_index"])
 
 
 def targets(graphdef: nnx.GraphDef, params: Any) -> dict[str, tuple[int, int]]:

@@ -1,0 +1,95 @@
+"""The compiled stages' arguments, by name: what the engine passes each program, and what is split.
+
+Each stage's program takes one argument, a NamedTuple below (a pytree, so ``jit``, ``shard_map``
+and the compile cache see its leaves as before). Its ``BATCHED`` names the fields batched on axis
+0 -- split over the devices' ``data`` axis on a mesh (``preheat.sharding.batch_specs``), padded
+with the batch -- and every other field is replicated (weights: kept where ``sharding.distribute``
+put them). A field that is itself such a NamedTuple (``LoraArgs``) declares its own. Inside a
+batched field only arrays of rank >= 1 are split: a ``Start``'s step index and flag stay whole.
+
+    stage         argument        batched (split over devices)         replicated
+    ------------  --------------  -----------------------------------  -------------------------
+    encode        EncodeArgs      ids, clip_skip, lora.slots           params, lora.factors/scales
+    denoise       DenoiseArgs     seeds, cond, uncond, noise, start,   params, plan, guidance,
+                                  lora.slots                           lora.factors/scales
+    decode        DecodeArgs      latents                              params
+    encode_image  EncodeImageArgs images, seeds                        params, index
+
+A new argument is a new field with a default: no other stage's call changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+__all__ = ["LoraArgs", "EncodeArgs", "DenoiseArgs", "DecodeArgs", "EncodeImageArgs"]
+
+
+class LoraArgs(NamedTuple):
+    """One model's LoRA adapters for a call (``preheat.lora``; how a layer uses them:
+    ``preheat.models.lora``): K slots padded to a rank bucket R, and each image's slot."""
+
+    factors: Any  # {layer path: (down (K, in, R), up (K, R, out))}, replicated
+    scales: Any  # (K, R) float32: each rank column's user scale, replicated
+    slots: Any  # (B,) int32: each image's (or text's) slot, split with the batch
+
+    BATCHED = frozenset({"slots"})
+
+    def adapters(self, repeat: int = 1) -> Any:
+        """As the model's layers take them (``preheat.models.lora.Adapters``), for a batch that
+        runs ``repeat`` times over (2: classifier-free guidance's conditional and unconditional
+        halves, each image keeping its slot in both)."""
+        import jax.numpy as jnp
+
+        from preheat.models.lora import Adapters
+
+        slots = self.slots if repeat == 1 else jnp.concatenate([self.slots] * repeat)
+        return Adapters(self.factors, self.scales, slots)
+
+
+class EncodeArgs(NamedTuple):
+    """The text-encode stage (``families.text.encode``): B texts through every encoder."""
+
+    params: tuple  # one entry per encoder: its weights (None: an absent encoder, like SD3 without T5)
+    ids: tuple  # one entry per tokenizer: (B, L_i) int32 token ids
+    lora: tuple | None = None  # text-encoder LoRAs: one LoraArgs (or None) per encoder; None: none at all
+    clip_skip: Any = None  # (B,) int32: Stable Diffusion's clip_skip per text (None: families without it)
+
+    BATCHED = frozenset({"ids", "clip_skip"})
+
+
+class DenoiseArgs(NamedTuple):
+    """The denoising program (``preheat.engine.build_program``): the whole sampling loop."""
+
+    params: Any  # the denoiser's weights (replicated, or split over fsdp)
+    plan: Any  # preheat.samplers.Plan: the padded schedule of this step count
+    seeds: Any  # (B,) uint32: each image's seed (preheat.noise)
+    cond: Any  # the conditioning pytree, every leaf (B, ...) ({} for unconditional models)
+    uncond: Any  # the unconditional branch's, same structure (guided calls; {} otherwise)
+    guidance: Any  # () float32: the guidance scale
+    noise: Any  # (B, H, W, C) float32: the user's initial noise (NHWC); () zeros when drawn from the seeds
+    start: Any = None  # preheat.samplers.Start: img2img / inpainting (its latents and mask split,
+    #                    its step index and flag replicated); None: from noise
+    lora: LoraArgs | None = None  # the denoiser's LoRA adapters; None: the program without LoRA
+
+    BATCHED = frozenset({"seeds", "cond", "uncond", "noise", "start"})
+
+
+class DecodeArgs(NamedTuple):
+    """The VAE decode stage (``families.text.decode_program``)."""
+
+    params: Any  # the VAE's weights
+    latents: Any  # (B, h, w, C) float32: the final samples
+
+    BATCHED = frozenset({"latents"})
+
+
+class EncodeImageArgs(NamedTuple):
+    """The VAE encode stage (``families.image.encode_image_program``): images a call passes in."""
+
+    params: Any  # the VAE's weights
+    images: Any  # (B, H, W, 3) float32 in [-1, 1]
+    seeds: Any  # (B,) uint32: each image's posterior sample is drawn from its seed
+    index: Any  # () int32: which draw of the image stream (preheat.noise.IMAGE_STREAM)
+
+    BATCHED = frozenset({"images", "seeds"})
