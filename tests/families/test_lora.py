@@ -168,8 +168,9 @@ def _diff(a: np.ndarray, b: np.ndarray) -> float:
 
 def _fresh(pipe):
     """The same pipeline with an empty program table and a trace counter on its denoiser."""
-    fresh = dataclasses.replace(pipe, _executables={}, components=dict(pipe.components))
-    fresh.components.pop("lora_buckets", None)
+    from preheat.lora import LoraRuntime
+
+    fresh = dataclasses.replace(pipe, _executables={}, lora_runtime=LoraRuntime.of(pipe.components))
     traces = []
     apply = pipe.apply
 
@@ -356,8 +357,9 @@ def test_an_http_lora_is_pulled_once_then_served_offline(sd, tmp_path, monkeypat
 
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     entry = sd["sd1"]
-    pipe = dataclasses.replace(entry["pipe"], components=dict(entry["pipe"].components))
-    pipe.components.pop("lora_cache", None)
+    from preheat.lora import LoraRuntime
+
+    pipe = dataclasses.replace(entry["pipe"], lora_runtime=LoraRuntime.of(entry["pipe"].components))
     call = dict(steps=2, seed=4, guidance=7.5)
     local = pipe.generate("a red fox", lora=entry["A"], **call)
     server = FileServer().start()
@@ -367,7 +369,7 @@ def test_an_http_lora_is_pulled_once_then_served_offline(sd, tmp_path, monkeypat
         np.testing.assert_array_equal(pipe.generate("a red fox", lora=url, **call), local)
     finally:
         server.stop()
-    pipe.components.pop("lora_cache")  # forget the parsed file: the weights store must serve it now
+    pipe.lora_runtime.hold(max_loras=8)  # forget the parsed file: the weights store must serve it now
     np.testing.assert_array_equal(pipe.generate("a red fox", lora=(url, 1.0), **call), local)
 
 

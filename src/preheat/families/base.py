@@ -70,6 +70,7 @@ class EngineView(Protocol):
     scheduler_config: Any
     dtype: str
     components: dict[str, Any]
+    lora_runtime: Any  # preheat.lora.LoraRuntime; None when the model takes no LoRA
     num_classes: int | None
     null_class: int | None
     labels: tuple[str, ...]

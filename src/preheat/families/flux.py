@@ -98,7 +98,7 @@ class FluxFamily(TextToImageFamily):
 
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         values, n = request.values, request.n
-        adapters = encoder_adapters(pipe, request.lora)  # CLIP LoRA layers, when a file has them
+        adapters = encoder_adapters(pipe.lora_runtime, request.lora, str(pipe.components["text_encoders"][0].dtype))  # CLIP LoRA layers, when a file has them
         lora = None if adapters is None else (adapters, request.lora.index, request.lora.signature)
         out = encode(pipe, [values["prompt"], values["prompt_2"]],
                      lambda: _encode_program(pipe.components, lora is not None), outputs=2,

@@ -47,6 +47,7 @@ class ArgumentView(Protocol):
     null_class: int | None
     labels: tuple[str, ...]
     components: dict[str, Any]
+    lora_runtime: Any  # preheat.lora.LoraRuntime; None when the model takes no LoRA (always on torch)
 
 
 class SamplingPipeline(ArgumentView, Protocol):

@@ -147,7 +147,7 @@ class StableDiffusionFamily(TextToImageFamily):
                 texts[1] += values["negative_prompt_2"] or first
             skips += [0] * n  # diffusers applies clip_skip to the prompt's embedding, never the negative's
         encoders = pipe.components["text_encoders"]
-        adapters = encoder_adapters(pipe, request.lora)
+        adapters = encoder_adapters(pipe.lora_runtime, request.lora, str(encoders[0].dtype))
         lora = None
         if adapters is not None:  # text-encoder LoRAs: each text takes its image's slot (negatives too)
             index = np.concatenate([request.lora.index] * (len(skips) // n))
