@@ -51,6 +51,7 @@ import numpy as np
 from preheat.errors import InvalidArgumentError, PreheatError, SamplingStopped
 from preheat.families import request as request_of
 from preheat.families.base import Family, LoadedModel, Request, StageSignature, to_pixels
+from preheat.families.components import Components, PixelComponents
 from preheat.lora import LoraRuntime
 from preheat.progress import Progress, Reporter, current, reporting
 from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
@@ -181,7 +182,7 @@ class Pipeline:
     defaults: dict[str, Any] = field(default_factory=dict)  # sampler / steps / guidance (complete)
     dtype: str = "float32"
     layout: str = "NCHW"  # layout of user-facing arrays (noise); the engine is NHWC inside
-    components: dict[str, Any] = field(default_factory=dict)  # a family's other parts (encoders, VAE, ...)
+    components: Components = field(default_factory=PixelComponents)  # a family's other parts (encoders, VAE, ...)
     # the run-time LoRA state (files held, stacks, rank buckets run); None: the model takes no LoRA.
     # Made from the components' lora_targets when not given (dataclasses.replace shares it).
     lora_runtime: LoraRuntime | None = None

@@ -361,10 +361,11 @@ class LoraRuntime:
         self._warm: dict[int, LoraFile] = {}
 
     @classmethod
-    def of(cls, components: Mapping[str, Any]) -> "LoraRuntime | None":
-        """The runtime for a model's components (None when they offer no LoRA target layers)."""
-        targets = components.get("lora_targets")
-        return None if targets is None else cls(targets, components.get("lora_encoders", ()))
+    def of(cls, components: Any) -> "LoraRuntime | None":
+        """The runtime for a model's components (``preheat.families.components.Components``; None
+        when they offer no LoRA target layers)."""
+        targets = components.lora_targets
+        return None if targets is None else cls(targets, components.lora_encoders)
 
     def hold(self, max_loras: int | None = None, stack_slots: int | None = None) -> LoraCache:
         """A fresh LRU of ``max_loras`` files (a server's ``--max-loras``) and/or a budget of

@@ -468,3 +468,38 @@ def test_sd3_lora_matches_diffusers(tmp_path_factory, record_property):
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(ours, pipe.generate("a watercolor fox", **call)) > 5
+
+
+def test_lora_runtime_holds_the_run_time_state(tmp_path):
+    """Pipeline.lora_runtime: files through one LRU, rank buckets run, warm-up zeros, one lock for all."""
+    import threading
+
+    from safetensors.numpy import save_file
+
+    from preheat.families.components import PixelComponents
+    from preheat.lora import LoraRuntime, LoraTargets
+
+    targets = LoraTargets(family="toy", layers={"denoiser": {"blk.to_q": (4, 6)}, "text_encoder": {"q": (3, 5)}},
+                          prefixes={"unet": "denoiser"}, path_prefix={})
+    runtime = LoraRuntime(targets, ("text_encoder",))
+    assert runtime.buckets == () and runtime.bucket_for(10) == 16
+    runtime.compiled(64)
+    assert runtime.buckets == (64,) and runtime.bucket_for(10) == 64 and runtime.bucket_for(100) == 128
+    zeros = runtime.warm_zeros(16)
+    assert runtime.warm_zeros(16) is zeros and set(zeros.layers) == {"denoiser", "text_encoder"}
+    assert runtime.file(zeros) is zeros  # a file already read is used as it is
+    path = tmp_path / "a.safetensors"
+    save_file({"unet.blk.to_q.lora_A.weight": np.ones((2, 4), np.float32),
+               "unet.blk.to_q.lora_B.weight": np.ones((6, 2), np.float32)}, str(path))
+    first = runtime.file(str(path))
+    assert runtime.file(str(path)) is first and (runtime.cache.hits, runtime.cache.misses) == (1, 1)
+    cache = runtime.hold(max_loras=3, stack_slots=5)  # a server's --max-loras: a fresh LRU, what /metrics watches
+    assert cache is runtime.cache and cache.max_size == 3 and len(cache) == 0 and runtime.stack_slots == 5
+    assert runtime.file(str(path)) is not first and cache.misses == 1
+    threads = [threading.Thread(target=runtime.compiled, args=(b,)) for b in (16, 32, 128) * 4]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert runtime.buckets == (16, 32, 64, 128)
+    assert LoraRuntime.of(PixelComponents()) is None

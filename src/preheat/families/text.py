@@ -25,8 +25,8 @@ __all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROM
 class TextToImageFamily(Family):
     """A latent text-to-image family: a VAE decode stage after the loop, sizes in pixels.
 
-    ``components`` must hold ``vae``, ``vae_scale`` (pixels per latent), ``size_multiple`` and a
-    ``decode_fingerprint``.
+    ``components`` is a ``preheat.families.components.TextComponents`` (its ``vae``, ``vae_scale``
+    (pixels per latent), ``size_multiple`` and ``decode_fingerprint`` are read here).
     """
 
     positional: str | None = "prompt"
@@ -35,20 +35,20 @@ class TextToImageFamily(Family):
     max_size: int = 2048
 
     def native_size(self, pipe: EngineView) -> tuple[int, int]:
-        scale = pipe.components["vae_scale"]
+        scale = pipe.components.vae_scale
         return pipe.sample_shape[1] * scale, pipe.sample_shape[0] * scale
 
     def size_rule(self, pipe: EngineView) -> tuple[int, int, bool]:
-        return pipe.components["size_multiple"], self.max_size, False
+        return pipe.components.size_multiple, self.max_size, False
 
     def sample_shape(self, pipe: EngineView, values: dict[str, Any]) -> tuple[int, ...]:
-        scale = pipe.components["vae_scale"]
+        scale = pipe.components.vae_scale
         return (values["height"] // scale, values["width"] // scale, pipe.sample_shape[2])
 
     def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
-        vae = pipe.components["vae"]
+        vae = pipe.components.vae
         sig = StageSignature("decode", batch=request.n, shape=tuple(request.sample_shape), dtype=str(vae.dtype))
-        return np.asarray(pipe.run_stage("decode", pipe.components["decode_fingerprint"], sig,
+        return np.asarray(pipe.run_stage("decode", pipe.components.decode_fingerprint, sig,
                                          lambda: decode_program(vae), (vae.params, out)))
 
 
@@ -111,7 +111,7 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
     """Tokenize on the host (``texts[i]`` for the i-th tokenizer) and run the encode stage.
 
     The stage's executable is chosen by the batch and every tokenizer's padded length, so a new
-    prompt is data; the encoders' weights are arguments (``components["text_encoders"]``; an
+    prompt is data; the encoders' weights are arguments (``components.text_encoders``; an
     absent encoder, like SD3 without T5, is None and gets no weights).
 
         texts: one list of B strings per tokenizer; program: () -> fn(params, ids)
@@ -121,19 +121,19 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
     ``(ids, index)`` (``preheat.lora.encoder_adapters``). ``data``: more per-text arrays (B, ...),
     passed after the ids (SD's ``clip_skip``).
     """
-    tokenizers = pipe.components["tokenizers"]
+    tokenizers = pipe.components.tokenizers
     ids = tuple(tok.encode(list(t)) for tok, t in zip(tokenizers, texts))  # each (B, L_i) int32
     sig = StageSignature("encode", batch=len(texts[0]), shape=tuple(i.shape[1] for i in ids), dtype=pipe.dtype,
                          extra=extra)
     # with offload_encoders the weights are host arrays: they reach the device for this call only
-    params = tuple(te.params if te is not None else None for te in pipe.components["text_encoders"])
+    params = tuple(te.params if te is not None else None for te in pipe.components.text_encoders)
     args: tuple = (params, ids)
     if lora is not None:
         adapters, index, lora_sig = lora
         used = tuple(a is not None for a in adapters)
         sig = replace(sig, extra=(*sig.extra, ("lora", (*lora_sig, used))))
         args = ((params, adapters), (ids, index))
-    return pipe.run_stage("encode", pipe.components["encode_fingerprint"], sig, program, (*args, *data),
+    return pipe.run_stage("encode", pipe.components.encode_fingerprint, sig, program, (*args, *data),
                           outputs=outputs)
 
 
