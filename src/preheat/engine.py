@@ -56,7 +56,9 @@ import numpy as np
 from preheat.errors import InvalidArgumentError, PreheatError, SamplingStopped
 from preheat.families import request as request_of
 from preheat.families.base import Family, LoadedModel, Request, StageSignature, to_pixels
+from preheat.families.components import Components, PixelComponents
 from preheat.families.stages import DenoiseArgs, LoraArgs
+from preheat.lora import LoraRuntime
 from preheat.progress import Progress, Reporter, current, reporting
 from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
 from preheat.samplers import SchedulerConfig, SolverSpec, load_scheduler_config, make_spec, run
@@ -189,7 +191,10 @@ class Pipeline:
     defaults: dict[str, Any] = field(default_factory=dict)  # sampler / steps / guidance (complete)
     dtype: str = "float32"
     layout: str = "NCHW"  # layout of user-facing arrays (noise); the engine is NHWC inside
-    components: dict[str, Any] = field(default_factory=dict)  # a family's other parts (encoders, VAE, ...)
+    components: Components = field(default_factory=PixelComponents)  # a family's other parts (encoders, VAE, ...)
+    # the run-time LoRA state (files held, stacks, rank buckets run); None: the model takes no LoRA.
+    # Made from the components' lora_targets when not given (dataclasses.replace shares it).
+    lora_runtime: LoraRuntime | None = None
     compiler: Any = None  # preheat.cache's compiler; None = compile in memory only
     last: Timings = field(default_factory=Timings)
     load_report: Any = None  # how the weights were read (preheat.models.weights.LoadReport); set by load()
@@ -200,6 +205,8 @@ class Pipeline:
 
     def __post_init__(self) -> None:
         self.defaults = request_of.resolved_defaults(self.family, self.defaults)
+        if self.lora_runtime is None:
+            self.lora_runtime = LoraRuntime.of(self.components)
         # weights placed on the devices once, not per call: replicated, or split over fsdp
         if self.mesh is not None:
             from preheat.sharding import distribute, distribute_components
@@ -336,7 +343,7 @@ class Pipeline:
             factors, scales = denoiser_args(self, request.lora)
             lora = LoraArgs(factors=factors, scales=scales, slots=request.lora.index)
             sig = dataclasses.replace(sig, lora=request.lora.signature)
-            self.components.setdefault("lora_buckets", set()).add(request.lora.bucket)
+            self.lora_runtime.compiled(request.lora.bucket)
         sig = dataclasses.replace(sig, cond_shapes=tuple(tuple(np.shape(c)[1:]) for c in jax.tree.leaves(cond)))
         start = self.family.image_start(self, request, plan)
         if start is not None:  # img2img / inpainting: the start step and the image are data

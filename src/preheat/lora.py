@@ -44,7 +44,7 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, WeightsError
 
-__all__ = ["BUCKETS", "LoraCache", "LoraFile", "LoraTargets", "LoraRequest", "read_lora", "parse_request", "parse_cli",
+__all__ = ["BUCKETS", "LoraCache", "LoraRuntime", "LoraFile", "LoraTargets", "LoraRequest", "read_lora", "parse_request", "parse_cli",
            "bucket_for", "check_lora_ranks", "denoiser_args", "encoder_adapters"]
 
 BUCKETS = (16, 32, 64, 128)  # rank buckets: one compiled program per bucket (and slot count)
@@ -303,13 +303,13 @@ class LoraCache:
     on the device with it (``LoraFile.device``). Counts hits, misses and evictions (a server's
     ``/metrics``). Thread-safe: a server reads files while parsing, its worker while running."""
 
-    def __init__(self, max_size: int = _CACHE_SIZE) -> None:
+    def __init__(self, max_size: int = _CACHE_SIZE, lock: Any = None) -> None:
         if max_size < 1:
             raise InvalidArgumentError(f"the LoRA cache size {max_size} must be >= 1", argument="max_loras")
         self.max_size = max_size
         self.hits = self.misses = self.evictions = 0
         self._files: OrderedDict[tuple[str, int], LoraFile] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock() if lock is None else lock  # a LoraRuntime's own, when it holds the cache
 
     def __len__(self) -> int:
         return len(self._files)
@@ -338,15 +338,130 @@ class LoraCache:
         return lora
 
 
-def cached_file(pipe: Any, source: Any, targets: LoraTargets) -> LoraFile:
-    """``read_lora`` through the pipeline's LRU (``components["lora_cache"]``, a :class:`LoraCache`);
-    a ``LoraFile`` already read is used as it is."""
-    if isinstance(source, LoraFile):
-        return source
-    cache = pipe.components.get("lora_cache")
-    if cache is None:
-        cache = pipe.components.setdefault("lora_cache", LoraCache())
-    return cache.get(str(source), targets)
+class LoraRuntime:
+    """A pipeline's run-time LoRA state (``Pipeline.lora_runtime``; None for a model that takes no
+    LoRA): the files held (a :class:`LoraCache`), the stacked slot mixes on the device, the zeros of
+    empty slots, the rank buckets compiled so far and the zeros LoRAs warm-up runs -- all behind one
+    lock, since a server parses requests (reading files, picking buckets) on its event loop's
+    threads while its worker runs batches.
+
+    ``targets``: the model's target layers; ``encoders``: the text encoders that take adapters
+    (their names in ``targets.layers``)."""
+
+    def __init__(self, targets: LoraTargets, encoders: Sequence[str] = (), max_loras: int = _CACHE_SIZE,
+                 stack_slots: int | None = None) -> None:
+        self.targets = targets
+        self.encoders = tuple(encoders)
+        self._lock = threading.RLock()
+        self.cache = LoraCache(max_loras, lock=self._lock)
+        self.stack_slots = _STACK_SLOTS if stack_slots is None else stack_slots
+        self._stacks: OrderedDict[tuple, tuple[list, dict, int]] = OrderedDict()
+        self._zeros: dict[tuple[str, int, str], dict] = {}
+        self._buckets: set[int] = set()
+        self._warm: dict[int, LoraFile] = {}
+
+    @classmethod
+    def of(cls, components: Any) -> "LoraRuntime | None":
+        """The runtime for a model's components (``preheat.families.components.Components``; None
+        when they offer no LoRA target layers)."""
+        targets = components.lora_targets
+        return None if targets is None else cls(targets, components.lora_encoders)
+
+    def hold(self, max_loras: int | None = None, stack_slots: int | None = None) -> LoraCache:
+        """A fresh LRU of ``max_loras`` files (a server's ``--max-loras``) and/or a budget of
+        ``stack_slots`` slots in stacked mixes; returns the cache (what ``/metrics`` watches)."""
+        with self._lock:
+            if max_loras is not None:
+                self.cache = LoraCache(max_loras, lock=self._lock)
+            if stack_slots is not None:
+                self.stack_slots = stack_slots
+            return self.cache
+
+    def file(self, source: Any) -> LoraFile:
+        """``read_lora`` through the LRU; a ``LoraFile`` already read is used as it is."""
+        if isinstance(source, LoraFile):
+            return source
+        with self._lock:
+            cache = self.cache
+        return cache.get(str(source), self.targets)
+
+    # ---------------------------------------------------------------- rank buckets
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The rank buckets whose programs have run (sorted)."""
+        with self._lock:
+            return tuple(sorted(self._buckets))
+
+    def compiled(self, bucket: int) -> None:
+        """Note that a program of ``bucket`` has run (later requests prefer a bucket already compiled)."""
+        with self._lock:
+            self._buckets.add(bucket)
+
+    def bucket_for(self, rank: int) -> int:
+        """``bucket_for(rank, the buckets compiled so far)``."""
+        return bucket_for(rank, self.buckets)
+
+    def forget_buckets(self) -> None:
+        with self._lock:
+            self._buckets.clear()
+
+    # ---------------------------------------------------------------- warm-up
+
+    def warm_zeros(self, rank: int) -> LoraFile:
+        """The zeros LoRA of ``rank`` warm-up runs (one per rank, kept: its device factors with it)."""
+        with self._lock:
+            held = self._warm.get(rank)
+            if held is None:
+                held = self._warm[rank] = self.targets.zeros(rank, self.encoders)
+            return held
+
+    # ---------------------------------------------------------------- device factors
+
+    def factors(self, request: LoraRequest, comp: str, dtype: str) -> dict:
+        """{layer path: (down (K, in, R), up (K, R, out))} on the device for ``comp``, cached per
+        (files, bucket): the stacked slot mixes, least recently used out past ``stack_slots`` slots.
+
+        Built on the device from each slot's own padded factors: a slot of one file takes the file's
+        (kept with it, ``LoraFile.device``), so a new mix of files already held costs one stacking
+        program, not a host rebuild and upload of every slot."""
+        key = (comp, request.bucket, tuple(tuple(id(f) for f, _ in slot) for slot in request.slots))
+        with self._lock:
+            hit = self._stacks.get(key)
+            if hit is not None:
+                self._stacks.move_to_end(key)
+                return hit[1]
+        layers = self.targets.layers[comp]
+        out = _stack([self._slot_factors(slot, comp, layers, request.bucket, dtype) for slot in request.slots])
+        with self._lock:
+            # the files are held too, so that their ids in the key stay theirs while the entry lives
+            self._stacks[key] = ([f for slot in request.slots for f, _ in slot], out, len(request.slots))
+            self._stacks.move_to_end(key)
+            while len(self._stacks) > 1 and sum(entry[2] for entry in self._stacks.values()) > self.stack_slots:
+                self._stacks.popitem(last=False)
+        return out
+
+    def _slot_factors(self, slot: tuple[tuple[LoraFile, float], ...], comp: str,
+                      layers: Mapping[str, tuple[int, int]], r: int, dtype: str) -> dict:
+        """One slot's {layer: (down (in, R), up (R, out))} on the device: zeros for an empty slot
+        (kept here), a lone file's own (kept with the file), else built for this slot."""
+        if len(slot) == 1:
+            held = slot[0][0].device
+        else:
+            held = self._zeros if not slot else {}
+        with self._lock:
+            hit = held.get((comp, r, dtype))
+        if hit is not None:
+            return hit
+        out = _slot_arrays(slot, comp, layers, r, dtype)
+        with self._lock:
+            return held.setdefault((comp, r, dtype), out)
+
+    @property
+    def stacks_held(self) -> int:
+        """Stacked mixes held now."""
+        with self._lock:
+            return len(self._stacks)
 
 
 def check_lora_ranks(ranks: Sequence[int]) -> tuple[int, ...]:
@@ -428,8 +543,8 @@ def parse_request(pipe: Any, n: int, lora: Any, lora_scale: Any) -> LoraRequest 
         if lora_scale is not None:
             raise InvalidArgumentError("lora_scale is given but no lora", argument="lora_scale")
         return None
-    targets: LoraTargets | None = pipe.components.get("lora_targets")
-    if targets is None:
+    runtime: LoraRuntime | None = pipe.lora_runtime
+    if runtime is None:
         raise InvalidArgumentError(f"LoRAs are not supported for a {pipe.family.name} model", argument="lora")
     default = 1.0 if lora_scale is None else _scale(lora_scale)
     per_image = (isinstance(lora, list) and len(lora) == n
@@ -437,7 +552,7 @@ def parse_request(pipe: Any, n: int, lora: Any, lora_scale: Any) -> LoraRequest 
     specs = [_entries(item, default) for item in lora] if per_image else [_entries(lora, default)] * n
     slots_of: list[tuple[tuple[LoraFile, float], ...]] = []
     for entries in specs:
-        slots_of.append(tuple((cached_file(pipe, src, targets), s) for src, s in entries))
+        slots_of.append(tuple((runtime.file(src), s) for src, s in entries))
     distinct: list[tuple[tuple[LoraFile, float], ...]] = []
     keys: list[tuple] = []
     index = []
@@ -452,40 +567,15 @@ def parse_request(pipe: Any, n: int, lora: Any, lora_scale: Any) -> LoraRequest 
         k *= 2
     distinct += [()] * (k - len(distinct))  # padding slots: no adapter
     need = max(sum(f.rank for f, _ in slot) for slot in distinct)
-    compiled = pipe.components.setdefault("lora_buckets", set())
-    bucket = bucket_for(need, sorted(compiled.copy()))  # a copy: a server's worker may add to it meanwhile
+    bucket = runtime.bucket_for(need)
     return LoraRequest(slots=tuple(distinct), index=np.asarray(index, np.int32), bucket=bucket)
 
 
 # --------------------------------------------------------------------------------------- device arguments
 
 
-def _factors(pipe: Any, request: LoraRequest, comp: str, layers: Mapping[str, tuple[int, int]]) -> dict:
-    """{layer path: (down (K, in, R), up (K, R, out))} on the device, cached per (files, bucket).
-
-    Built on the device from each slot's own padded factors: a slot of one file takes the file's
-    (kept with it, ``LoraFile.device``), so a new mix of files already held costs one stacking
-    program, not a host rebuild and upload of every slot."""
-    cache: OrderedDict = pipe.components.setdefault("lora_stacks", OrderedDict())
-    key = (comp, request.bucket, tuple(tuple(id(f) for f, _ in slot) for slot in request.slots))
-    hit = cache.get(key)
-    if hit is not None:
-        cache.move_to_end(key)
-        return hit[1]
-    r = request.bucket
-    dtype = pipe.dtype if comp == "denoiser" else str(pipe.components["text_encoders"][0].dtype)
-    slots = [_slot_factors(pipe, slot, comp, layers, r, dtype) for slot in request.slots]
-    out = _stack(slots)
-    # the files are held too, so that their ids in the key stay theirs while the entry lives
-    cache[key] = ([f for slot in request.slots for f, _ in slot], out, len(request.slots))
-    budget = pipe.components.get("lora_stack_slots", _STACK_SLOTS)
-    while len(cache) > 1 and sum(entry[2] for entry in cache.values()) > budget:
-        cache.popitem(last=False)
-    return out
-
-
 _STACK_SLOTS = 16  # slots held in stacked mixes per pipeline (a stack of K slots is K LoRAs' worth of memory;
-# components["lora_stack_slots"] overrides it)
+# LoraRuntime.hold(stack_slots=) changes it)
 
 
 def _stack(slots: list[dict]) -> dict:
@@ -503,19 +593,11 @@ def _stack(slots: list[dict]) -> dict:
 _STACKER: Any = None
 
 
-def _slot_factors(pipe: Any, slot: tuple[tuple[LoraFile, float], ...], comp: str,
-                  layers: Mapping[str, tuple[int, int]], r: int, dtype: str) -> dict:
-    """One slot's {layer: (down (in, R), up (R, out))} on the device: zeros for an empty slot (kept
-    per pipeline), a lone file's own (kept with the file), else built for this slot."""
+def _slot_arrays(slot: tuple[tuple[LoraFile, float], ...], comp: str, layers: Mapping[str, tuple[int, int]],
+                 r: int, dtype: str) -> dict:
+    """One slot's {layer: (down (in, R), up (R, out))}, put on the device (zeros where no file has the layer)."""
     import jax.numpy as jnp
 
-    if len(slot) == 1:
-        held = slot[0][0].device
-    else:
-        held = pipe.components.setdefault("lora_zeros", {}) if not slot else {}
-    hit = held.get((comp, r, dtype))
-    if hit is not None:
-        return hit
     out = {}
     for layer, (cin, cout) in layers.items():
         down = np.zeros((cin, r), np.float32)
@@ -529,7 +611,6 @@ def _slot_factors(pipe: Any, slot: tuple[tuple[LoraFile, float], ...], comp: str
                 up[col:col + a.shape[0], :] = b.T
             col += f.rank
         out[layer] = (jnp.asarray(down, dtype), jnp.asarray(up, dtype))
-    held[(comp, r, dtype)] = out
     return out
 
 
@@ -547,18 +628,17 @@ def _scales(request: LoraRequest) -> np.ndarray:
 def denoiser_args(pipe: Any, request: LoraRequest) -> tuple[dict, np.ndarray]:
     """The denoiser's adapters for a call: (factors, scales); with each image's slot they make the
     denoising program's ``DenoiseArgs.lora`` (``preheat.families.stages.LoraArgs``)."""
-    layers = pipe.components["lora_targets"].layers["denoiser"]
-    return _factors(pipe, request, "denoiser", layers), _scales(request)
+    return pipe.lora_runtime.factors(request, "denoiser", pipe.dtype), _scales(request)
 
 
-def encoder_adapters(pipe: Any, request: LoraRequest | None) -> tuple[Any, ...] | None:
+def encoder_adapters(runtime: LoraRuntime | None, request: LoraRequest | None, dtype: str) -> tuple[Any, ...] | None:
     """Per text encoder: (factors, scales), for every encoder as soon as any slot's file has layers
     for one of them (zeros for the others: two encode programs per bucket, with and without, rather
-    than one per combination); None when no file has any (the encode program stays the plain one)."""
-    if request is None:
+    than one per combination); None when no file has any (the encode program stays the plain one).
+    ``dtype``: the text encoders' weights'."""
+    if request is None or runtime is None:
         return None
-    targets: LoraTargets = pipe.components["lora_targets"]
-    names = pipe.components.get("lora_encoders", ())
+    names = runtime.encoders
     if not any(name in f.layers for name in names for slot in request.slots for f, _ in slot):
         return None
-    return tuple((_factors(pipe, request, name, targets.layers[name]), _scales(request)) for name in names)
+    return tuple((runtime.factors(request, name, dtype), _scales(request)) for name in names)

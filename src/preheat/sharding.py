@@ -139,8 +139,9 @@ def distribute(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(put, tree)
 
 
-def distribute_components(components: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
-    """A family's components with the weights of each model in it (``.params``) distributed."""
+def distribute_components(components: Any, mesh: Mesh) -> Any:
+    """A family's components (a frozen dataclass, ``preheat.families.components``) with the weights
+    of each model in it (``.params``) distributed: a new object (``dataclasses.replace``)."""
     def one(value: Any) -> Any:
         if dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "params"):
             return dataclasses.replace(value, params=distribute(value.params, mesh))
@@ -148,7 +149,8 @@ def distribute_components(components: dict[str, Any], mesh: Mesh) -> dict[str, A
             return type(value)(one(v) for v in value)
         return value
 
-    return {name: one(value) for name, value in components.items()}
+    return dataclasses.replace(components, **{f.name: one(getattr(components, f.name))
+                                              for f in dataclasses.fields(components) if f.init})
 
 
 def batch_specs(args: Any, mesh: Mesh) -> Specs:

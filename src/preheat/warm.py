@@ -128,7 +128,7 @@ def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
             pipe.check(1, width=size[0], height=size[1], steps=1, **given_inputs(pipe, placeholder, size))
         except InvalidArgumentError as err:
             raise InvalidArgumentError(f"--sizes {size[0]}x{size[1]}: {err}", argument="sizes") from None
-    if warm_set.lora_ranks and pipe.components.get("lora_targets") is None:
+    if warm_set.lora_ranks and pipe.lora_runtime is None:
         raise InvalidArgumentError(f"LoRA rank buckets {', '.join(map(str, warm_set.lora_ranks))} are declared, "
                                    f"but LoRAs are not supported for a {pipe.family.name} model")
     return replace(warm_set, samplers=samplers, sizes=sizes)
@@ -218,10 +218,7 @@ def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
 
         inputs["progress"] = ignore
     if sig.lora:  # per image, as a server's batches give it (the same slot count); one zeros LoRA per rank
-        held = pipe.components.setdefault("lora_warm", {})
-        if sig.lora not in held:
-            held[sig.lora] = pipe.components["lora_targets"].zeros(sig.lora, pipe.components.get("lora_encoders", ()))
-        inputs["lora"] = [[(held[sig.lora], 1.0)]] * n
+        inputs["lora"] = [[(pipe.lora_runtime.warm_zeros(sig.lora), 1.0)]] * n
     return inputs
 
 

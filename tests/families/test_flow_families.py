@@ -138,7 +138,7 @@ def test_flux_resolution_is_static_and_shifts_the_schedule(pipes):
 
 def test_offload_encoders_keeps_text_weights_on_the_host(folders, pipes):
     pipe = preheat.load(folders["sd3"], cache="off", offload_encoders=True)
-    leaves = [leaf for te in pipe.components["text_encoders"] for leaf in
+    leaves = [leaf for te in pipe.components.text_encoders for leaf in
               __import__("jax").tree.leaves(te.params)]
     assert leaves and all(isinstance(leaf, np.ndarray) for leaf in leaves)
     same = pipes["sd3"].generate("a fox", steps=2, seed=4)
@@ -155,11 +155,11 @@ def test_offloaded_encoders_deferred_reads_reach_the_host(folders, pipes):
 
     pending = DeferredFills()
     loaded = load_stable_diffusion_3(folders["sd3"], offload_encoders=True, options=LoadOptions(pending=pending))
-    encoders = [te for te in loaded.components["text_encoders"] if te is not None]
+    encoders = [te for te in loaded.components.text_encoders if te is not None]
     assert all(isinstance(leaf, jax.ShapeDtypeStruct) for te in encoders for leaf in jax.tree.leaves(te.params))
     pending.run()
     leaves = [leaf for te in encoders for leaf in jax.tree.leaves(te.params)]
-    direct = [leaf for te in pipes["sd3"].components["text_encoders"] if te is not None
+    direct = [leaf for te in pipes["sd3"].components.text_encoders if te is not None
               for leaf in jax.tree.leaves(te.params)]
     assert leaves and all(isinstance(leaf, np.ndarray) for leaf in leaves)
     assert len(leaves) == len(direct) and all(np.array_equal(a, np.asarray(b)) for a, b in zip(leaves, direct))

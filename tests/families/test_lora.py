@@ -168,8 +168,9 @@ def _diff(a: np.ndarray, b: np.ndarray) -> float:
 
 def _fresh(pipe):
     """The same pipeline with an empty program table and a trace counter on its denoiser."""
-    fresh = dataclasses.replace(pipe, _executables={}, components=dict(pipe.components))
-    fresh.components.pop("lora_buckets", None)
+    from preheat.lora import LoraRuntime
+
+    fresh = dataclasses.replace(pipe, _executables={}, lora_runtime=LoraRuntime.of(pipe.components))
     traces = []
     apply = pipe.apply
 
@@ -356,8 +357,9 @@ def test_an_http_lora_is_pulled_once_then_served_offline(sd, tmp_path, monkeypat
 
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     entry = sd["sd1"]
-    pipe = dataclasses.replace(entry["pipe"], components=dict(entry["pipe"].components))
-    pipe.components.pop("lora_cache", None)
+    from preheat.lora import LoraRuntime
+
+    pipe = dataclasses.replace(entry["pipe"], lora_runtime=LoraRuntime.of(entry["pipe"].components))
     call = dict(steps=2, seed=4, guidance=7.5)
     local = pipe.generate("a red fox", lora=entry["A"], **call)
     server = FileServer().start()
@@ -367,7 +369,7 @@ def test_an_http_lora_is_pulled_once_then_served_offline(sd, tmp_path, monkeypat
         np.testing.assert_array_equal(pipe.generate("a red fox", lora=url, **call), local)
     finally:
         server.stop()
-    pipe.components.pop("lora_cache")  # forget the parsed file: the weights store must serve it now
+    pipe.lora_runtime.hold(max_loras=8)  # forget the parsed file: the weights store must serve it now
     np.testing.assert_array_equal(pipe.generate("a red fox", lora=(url, 1.0), **call), local)
 
 
@@ -466,3 +468,38 @@ def test_sd3_lora_matches_diffusers(tmp_path_factory, record_property):
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(ours, pipe.generate("a watercolor fox", **call)) > 5
+
+
+def test_lora_runtime_holds_the_run_time_state(tmp_path):
+    """Pipeline.lora_runtime: files through one LRU, rank buckets run, warm-up zeros, one lock for all."""
+    import threading
+
+    from safetensors.numpy import save_file
+
+    from preheat.families.components import PixelComponents
+    from preheat.lora import LoraRuntime, LoraTargets
+
+    targets = LoraTargets(family="toy", layers={"denoiser": {"blk.to_q": (4, 6)}, "text_encoder": {"q": (3, 5)}},
+                          prefixes={"unet": "denoiser"}, path_prefix={})
+    runtime = LoraRuntime(targets, ("text_encoder",))
+    assert runtime.buckets == () and runtime.bucket_for(10) == 16
+    runtime.compiled(64)
+    assert runtime.buckets == (64,) and runtime.bucket_for(10) == 64 and runtime.bucket_for(100) == 128
+    zeros = runtime.warm_zeros(16)
+    assert runtime.warm_zeros(16) is zeros and set(zeros.layers) == {"denoiser", "text_encoder"}
+    assert runtime.file(zeros) is zeros  # a file already read is used as it is
+    path = tmp_path / "a.safetensors"
+    save_file({"unet.blk.to_q.lora_A.weight": np.ones((2, 4), np.float32),
+               "unet.blk.to_q.lora_B.weight": np.ones((6, 2), np.float32)}, str(path))
+    first = runtime.file(str(path))
+    assert runtime.file(str(path)) is first and (runtime.cache.hits, runtime.cache.misses) == (1, 1)
+    cache = runtime.hold(max_loras=3, stack_slots=5)  # a server's --max-loras: a fresh LRU, what /metrics watches
+    assert cache is runtime.cache and cache.max_size == 3 and len(cache) == 0 and runtime.stack_slots == 5
+    assert runtime.file(str(path)) is not first and cache.misses == 1
+    threads = [threading.Thread(target=runtime.compiled, args=(b,)) for b in (16, 32, 128) * 4]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert runtime.buckets == (16, 32, 64, 128)
+    assert LoraRuntime.of(PixelComponents()) is None

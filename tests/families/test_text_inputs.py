@@ -101,7 +101,7 @@ def test_clip_skip_0_and_an_empty_prompt_2_are_the_defaults(pipes):
 def _counting_encoders(pipe, monkeypatch) -> list[int]:
     """Count traces of the encode program: its encoders' ``apply`` runs only while JAX traces it."""
     traces: list[int] = []
-    for encoder in pipe.components["text_encoders"]:
+    for encoder in pipe.components.text_encoders:
         apply = encoder.apply
 
         def counting(*args, _apply=apply, **kwargs):

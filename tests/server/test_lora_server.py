@@ -28,7 +28,7 @@ def _write_lora(pipe, path: Path, rank: int, seed: int, every: int = 3, encoder:
     """A random LoRA on every ``every``-th UNet layer (and one text-encoder layer), diffusers' names."""
     from safetensors.numpy import save_file
 
-    targets = pipe.components["lora_targets"]
+    targets = pipe.lora_runtime.targets
     rng = np.random.default_rng(seed)
     tensors = {}
     parts = [("unet", list(targets.layers["denoiser"].items())[::every])]
@@ -55,7 +55,7 @@ def loras(sd_pipe, tmp_path_factory):
            "B": _write_lora(sd_pipe, base / "b.safetensors", 8, 2, every=2)}
     for name, seed in (("C", 3), ("D", 4), ("E", 5)):
         out[name] = _write_lora(sd_pipe, base / f"{name.lower()}.safetensors", 4, seed)
-    cin, cout = next(iter(sd_pipe.components["lora_targets"].layers["denoiser"].values()))
+    cin, cout = next(iter(sd_pipe.lora_runtime.targets.layers["denoiser"].values()))
     out["unknown"] = _write_lora(sd_pipe, base / "unknown.safetensors", 4, 6, extra={
         "unet.no_such_block.to_q.lora_A.weight": np.zeros((4, cin), np.float32),
         "unet.no_such_block.to_q.lora_B.weight": np.zeros((cout, 4), np.float32)})

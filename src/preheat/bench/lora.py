@@ -35,8 +35,9 @@ def write_random_loras(pipe: Any, directory: Path, count: int, rank: int, seed: 
     """``count`` random LoRA files of ``rank`` on every denoiser target layer, in diffusers' key names."""
     from safetensors.numpy import save_file
 
-    prefix = "transformer" if "transformer" in pipe.components.get("lora_targets").prefixes else "unet"
-    layers = pipe.components["lora_targets"].layers["denoiser"]
+    targets = pipe.lora_runtime.targets
+    prefix = "transformer" if "transformer" in targets.prefixes else "unet"
+    layers = targets.layers["denoiser"]
     directory.mkdir(parents=True, exist_ok=True)
     out = []
     for i in range(count):
@@ -64,16 +65,14 @@ def bench_lora(model: str | None, n: int, steps: int, rank: int, repeats: int, w
     import preheat
 
     pipe = preheat.load(materialize_model(model, workdir), cache="off", dtype=dtype)
-    if pipe.components.get("lora_targets") is None:
+    if pipe.lora_runtime is None:
         from preheat.errors import InvalidArgumentError
 
         raise InvalidArgumentError(f"LoRAs are not supported for a {pipe.family.name} model; bench a text-to-image "
                                    "model (e.g. random:sd-small)")
-    from preheat.lora import LoraCache
-
     files = write_random_loras(pipe, workdir / "loras", n, rank)
-    pipe.components["lora_cache"] = LoraCache(n + 1)  # every file held, as a server holding them would
-    pipe.components["lora_stack_slots"] = 4 * n  # every condition's stack held too
+    # every file held, as a server holding them would, and every condition's stack too
+    pipe.lora_runtime.hold(max_loras=n + 1, stack_slots=4 * n)
     base: dict[str, Any] = {"steps": steps, "seed": 0}
     from preheat.families.inputs import example_inputs
 
@@ -123,7 +122,7 @@ def bench_lora(model: str | None, n: int, steps: int, rank: int, repeats: int, w
         load = None
     return {"model": model or "built-in:digits", "family": pipe.family.name, "machine": machine_line(),
             "load_average": load, "n": n, "steps": steps, "rank": rank,
-            "target_layers": len(pipe.components["lora_targets"].layers["denoiser"]), "dtype": dtype, "repeats": repeats,
+            "target_layers": len(pipe.lora_runtime.targets.layers["denoiser"]), "dtype": dtype, "repeats": repeats,
             "sampler": pipe.defaults["sampler"], "guided": bool(programs["none"][2].guided),
             "sample_shape": list(programs["none"][2].sample_shape), "rows": rows, "ratios": ratios,
             "goal_met": ratios["mixed_vs_same"] >= 0.8}

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Protocol
 import numpy as np
 
 from preheat.errors import InvalidArgumentError
+from preheat.families.components import Components, PixelComponents
 from preheat.families.inputs import InputSpec, check_int, check_needs, size_specs, unknown_input, warm_variants
 from preheat.samplers import DIFFUSION_SAMPLERS
 from preheat.timings import Timings
@@ -70,7 +71,8 @@ class EngineView(Protocol):
     sample_shape: tuple[int, ...]
     scheduler_config: Any
     dtype: str
-    components: dict[str, Any]
+    components: Components  # the family's typed parts (preheat.families.components)
+    lora_runtime: Any  # preheat.lora.LoraRuntime; None when the model takes no LoRA
     num_classes: int | None
     null_class: int | None
     labels: tuple[str, ...]
@@ -96,7 +98,7 @@ class LoadedModel:
     defaults: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
     layout: str = "NCHW"
-    components: dict[str, Any] = field(default_factory=dict)
+    components: Components = field(default_factory=PixelComponents)  # the family's own (preheat.families.components)
 
 
 def to_pixels(x: Any) -> Any:

@@ -38,6 +38,7 @@ import numpy as np
 
 from preheat.errors import UnsupportedConfigError
 from preheat.families import image as image_input
+from preheat.families.components import FluxComponents
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, STRENGTH
 from preheat.families.inputs import InputSpec, Text
@@ -67,7 +68,7 @@ class FluxFamily(TextToImageFamily):
     max_size: int = 4096
 
     def guidance_mode(self, pipe: EngineView) -> str:
-        return "embedded" if pipe.components["guidance_embeds"] else "none"
+        return "embedded" if pipe.components.guidance_embeds else "none"
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         values = super().check_inputs(pipe, n, inputs)
@@ -99,13 +100,14 @@ class FluxFamily(TextToImageFamily):
 
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         values, n = request.values, request.n
-        adapters = encoder_adapters(pipe, request.lora)  # CLIP LoRA layers, when a file has them
+        clip_dtype = str(pipe.components.text_encoders[0].dtype)
+        adapters = encoder_adapters(pipe.lora_runtime, request.lora, clip_dtype)  # CLIP LoRA layers, when a file has them
         lora = None if adapters is None else (adapters, request.lora.index, request.lora.signature)
         out = encode(pipe, [values["prompt"], values["prompt_2"]],
                      lambda: _encode_program(pipe.components, lora is not None), outputs=2,
                      extra=(("family", self.name),), lora=lora)
         cond = {"context": np.asarray(out[0]), "pooled": np.asarray(out[1])}
-        if pipe.components["guidance_embeds"]:
+        if pipe.components.guidance_embeds:
             cond["guidance"] = np.full((n,), request.guidance, np.float32)
         return Conditioning(cond=cond, uncond={})
 
@@ -119,12 +121,12 @@ def flux_defaults(guidance_embeds: bool) -> dict[str, Any]:
     return {"steps": 28, "guidance": 3.5} if guidance_embeds else {"steps": 4, "guidance": None}
 
 
-def _encode_program(components: dict[str, Any], lora: bool = False) -> Any:
+def _encode_program(components: FluxComponents, lora: bool = False) -> Any:
     """``EncodeArgs``: params and ids (clip (B, 77), t5 (B, L)) -> (context (B, L, D) f32, pooled
     (B, P) f32). With ``lora``: ``args.lora`` holds the CLIP encoder's ``LoraArgs``."""
     import jax.numpy as jnp
 
-    clip, t5 = components["text_encoders"]
+    clip, t5 = components.text_encoders
 
     def program(args: EncodeArgs) -> Any:
         params, ids = args.params, args.ids
@@ -261,20 +263,20 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
                           aliases=bfl_lora_names(lora_targets(transformer.graphdef, transformer.params)),
                           alias_prefixes=("lora_unet_", "diffusion_model.", "transformer."))
 
-    components = {
-        "tokenizers": tokenizers,
-        "text_encoders": encoders,
-        "offload_encoders": offload_encoders,
-        "vae": vae,
-        "vae_scale": vae_scale,
-        "size_multiple": 2 * vae_scale,  # latents pack into 2x2 tokens
-        "guidance_embeds": guidance_embeds,
-        "lora_targets": targets,
-        "lora_encoders": ("text_encoder",),
-        "encode_fingerprint": {"kind": "flux-text", "clip": encoders[0].config.architecture_dict(),
+    components = FluxComponents(
+        tokenizers=tuple(tokenizers),
+        text_encoders=tuple(encoders),
+        offload_encoders=offload_encoders,
+        vae=vae,
+        vae_scale=vae_scale,
+        size_multiple=2 * vae_scale,  # latents pack into 2x2 tokens
+        guidance_embeds=guidance_embeds,
+        lora_targets=targets,
+        lora_encoders=("text_encoder",),
+        encode_fingerprint={"kind": "flux-text", "clip": encoders[0].config.architecture_dict(),
                                "t5": encoders[1].config.architecture_dict(), "dtype": str(dtype)},
-        "decode_fingerprint": {"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
-    }
+        decode_fingerprint={"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
+    )
     defaults = {**default_sampler(root), **flux_defaults(guidance_embeds)}
     # diffusers' FluxPipeline: default_sample_size 128 latents per side (1024 px with an 8x VAE)
     fingerprint = {"kind": "flux-transformer", "family": family.name, "config": cfg.architecture_dict()}

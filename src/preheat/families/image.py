@@ -110,7 +110,7 @@ def check_image_inputs(pipe: EngineView, values: dict[str, Any], inputs: dict[st
     if strength is None:
         values["strength"] = default_strength[0 if mask_image is None else 1]
     if mask_image is None and inputs.get("width") is None and inputs.get("height") is None:
-        width, height = image_size(image, pipe.components["size_multiple"])
+        width, height = image_size(image, pipe.components.size_multiple)
         if max(width, height) > max_size:
             raise InvalidArgumentError(f"image is {width}x{height}; at most {max_size} a side for this model "
                                        "(give width/height to resize it)", argument="image")
@@ -172,10 +172,10 @@ def encode_images(pipe: EngineView, images: np.ndarray, seeds: np.ndarray, index
                   mode: bool = False) -> np.ndarray:
     """Run the ``encode_image`` stage: (B, H, W, 3) float32 in [-1, 1] -> (B, h, w, C) latents
     (``mode``: the posterior's mode, not a sample)."""
-    vae = pipe.components["vae"]
+    vae = pipe.components.vae
     sig = StageSignature("encode_image", batch=int(images.shape[0]), shape=tuple(images.shape[1:3]),
                          dtype=str(vae.dtype), extra=(("mode", True),) if mode else ())
-    fingerprint = {**pipe.components["decode_fingerprint"], "kind": "vae-encode"}
+    fingerprint = {**pipe.components.decode_fingerprint, "kind": "vae-encode"}
     return np.asarray(pipe.run_stage("encode_image", fingerprint, sig, lambda: encode_image_program(vae, mode),
                                      EncodeImageArgs(params=vae.params, images=images.astype(np.float32),
                                                      seeds=seeds, index=np.int32(index))))

@@ -98,7 +98,7 @@ class FluxKontextFamily(FluxFamily):
     def check_images(self, pipe: EngineView, values: dict[str, Any], inputs: dict[str, Any]) -> None:
         """The reference's resized size (``reference_size``); the output's unless width/height are given."""
         image = values["image"]  # uint8 (H, W, 3), as given
-        size = reference_size(image.shape[1], image.shape[0], values["image_resize"], pipe.components["size_multiple"])
+        size = reference_size(image.shape[1], image.shape[0], values["image_resize"], pipe.components.size_multiple)
         values["reference_size"] = size
         if values["width"] is None:
             values["width"] = size[0]

@@ -46,7 +46,8 @@ class ArgumentView(Protocol):
     num_classes: int | None
     null_class: int | None
     labels: tuple[str, ...]
-    components: dict[str, Any]
+    components: Any  # preheat.families.components.Components (typed, frozen)
+    lora_runtime: Any  # preheat.lora.LoraRuntime; None when the model takes no LoRA (always on torch)
 
 
 class SamplingPipeline(ArgumentView, Protocol):

@@ -25,6 +25,7 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families import image as image_input
+from preheat.families.components import SD3Components
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, STRENGTH
 from preheat.families.inputs import InputSpec
@@ -67,7 +68,7 @@ class SD3Family(TextToImageFamily):
         if not pipe.scheduler_config.use_dynamic_shifting or request.sampler not in MU_SIGMAS_SAMPLERS:
             return {}  # (make_plan names the problem if the sampler cannot shift dynamically)
         h, w, _ = request.sample_shape
-        patch = pipe.components["patch_size"]
+        patch = pipe.components.patch_size
         return {"mu": flow_mu(pipe.scheduler_config, (h // patch) * (w // patch))}
 
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
@@ -87,13 +88,13 @@ class SD3Family(TextToImageFamily):
 SD3 = SD3Family()
 
 
-def _encode_program(components: dict[str, Any]) -> Any:
+def _encode_program(components: SD3Components) -> Any:
     """``EncodeArgs``: params and ids of CLIP-L, CLIP-G, T5 -> (context (B, 77 + L, D) f32, pooled
     (B, P_l + P_g) f32)."""
     import jax.numpy as jnp
 
-    clip_l, clip_g, t5 = components["text_encoders"]
-    width, t5_length = components["joint_attention_dim"], components["t5_length"]
+    clip_l, clip_g, t5 = components.text_encoders
+    width, t5_length = components.joint_attention_dim, components.t5_length
 
     def program(args: EncodeArgs) -> Any:
         params, ids = args.params, args.ids
@@ -192,23 +193,23 @@ def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "f
     targets = LoraTargets(family=SD3.name, layers={"denoiser": lora_targets(transformer.graphdef, transformer.params)},
                           prefixes={"transformer": "denoiser", "lora_transformer": "denoiser"}, path_prefix={})
 
-    components = {
-        "tokenizers": tokenizers,
-        "text_encoders": encoders,
-        "offload_encoders": offload_encoders,
-        "vae": vae,
-        "vae_scale": vae_scale,
-        "size_multiple": vae_scale * cfg.patch_size,
-        "patch_size": cfg.patch_size,
-        "joint_attention_dim": cfg.joint_attention_dim,
-        "t5_length": T5_LENGTH,
-        "lora_targets": targets,
-        "lora_encoders": (),
-        "encode_fingerprint": {"kind": "sd3-text", "clip": [e.config.architecture_dict() for e in encoders[:2]],
+    components = SD3Components(
+        tokenizers=tuple(tokenizers),
+        text_encoders=tuple(encoders),
+        offload_encoders=offload_encoders,
+        vae=vae,
+        vae_scale=vae_scale,
+        size_multiple=vae_scale * cfg.patch_size,
+        patch_size=cfg.patch_size,
+        joint_attention_dim=cfg.joint_attention_dim,
+        t5_length=T5_LENGTH,
+        lora_targets=targets,
+        lora_encoders=(),
+        encode_fingerprint={"kind": "sd3-text", "clip": [e.config.architecture_dict() for e in encoders[:2]],
                                "t5": encoders[2].config.architecture_dict() if has_t5 else None,
                                "joint_attention_dim": cfg.joint_attention_dim, "dtype": str(dtype)},
-        "decode_fingerprint": {"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
-    }
+        decode_fingerprint={"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
+    )
     fingerprint = {"kind": "sd3-transformer", "family": SD3.name, "config": cfg.architecture_dict()}
     side = int(cfg.sample_size)  # diffusers: default_sample_size = transformer.config.sample_size (latents)
     return LoadedModel(apply=apply, params=transformer.params, sample_shape=(side, side, cfg.in_channels),

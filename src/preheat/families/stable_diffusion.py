@@ -53,6 +53,7 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families import image as image_input
+from preheat.families.components import SDComponents
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, STRENGTH
 from preheat.lora import encoder_adapters
@@ -111,21 +112,21 @@ class StableDiffusionFamily(TextToImageFamily):
     # ------------------------------------------------------------------ inputs
 
     def input_specs(self, pipe: EngineView) -> tuple[InputSpec, ...]:
-        layers = pipe.components["clip_layers"]
+        layers = pipe.components.clip_layers
         specs = super().input_specs(pipe)
-        if pipe.components["inpaint"]:  # a 9-channel UNet repaints: it needs both
+        if pipe.components.inpaint:  # a 9-channel UNet repaints: it needs both
             specs = tuple(replace(s, required=True) if s.name in ("image", "mask_image") else s for s in specs)
         return (*specs, clip_skip_spec(layers - 1 if self.xl else layers))  # SDXL: from the penultimate
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         values = super().check_inputs(pipe, n, inputs)
-        image_input.check_image_inputs(pipe, values, inputs, inpaint_model=pipe.components["inpaint"],
+        image_input.check_image_inputs(pipe, values, inputs, inpaint_model=pipe.components.inpaint,
                                        default_strength=self.strength, max_size=self.max_size)
         if self.xl:
             values["prompt_2"] = _or_first(values["prompt_2"], values["prompt"])
             values["negative_prompt_2"] = _or_first(values["negative_prompt_2"], values["negative_prompt"])
             if (values["negative_prompt"] is None and values["negative_prompt_2"] is not None
-                    and pipe.components["force_zeros"]):
+                    and pipe.components.force_zeros):
                 raise InvalidArgumentError("negative_prompt_2 needs negative_prompt on this model: its folder sets "
                                            "force_zeros_for_empty_prompt, so without negative_prompt the "
                                            "unconditional branch is zeros", argument="negative_prompt_2")
@@ -138,7 +139,7 @@ class StableDiffusionFamily(TextToImageFamily):
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         values, n = request.values, request.n
         negatives = values["negative_prompt"]
-        zeros_uncond = request.guided and negatives is None and self.xl and pipe.components["force_zeros"]
+        zeros_uncond = request.guided and negatives is None and self.xl and pipe.components.force_zeros
         texts = [list(values["prompt"])] + ([list(values["prompt_2"])] if self.xl else [])
         skips = list(values["clip_skip"])
         if request.guided and not zeros_uncond:
@@ -147,8 +148,8 @@ class StableDiffusionFamily(TextToImageFamily):
             if self.xl:  # diffusers: negative_prompt_2 = negative_prompt_2 or negative_prompt (or "")
                 texts[1] += values["negative_prompt_2"] or first
             skips += [0] * n  # diffusers applies clip_skip to the prompt's embedding, never the negative's
-        encoders = pipe.components["text_encoders"]
-        adapters = encoder_adapters(pipe, request.lora)
+        encoders = pipe.components.text_encoders
+        adapters = encoder_adapters(pipe.lora_runtime, request.lora, str(encoders[0].dtype))
         lora = None
         if adapters is not None:  # text-encoder LoRAs: each text takes its image's slot (negatives too)
             index = np.concatenate([request.lora.index] * (len(skips) // n))
@@ -178,14 +179,14 @@ class StableDiffusionFamily(TextToImageFamily):
     def _with_mask(self, pipe: EngineView, request: Request, conditioning: Conditioning) -> Conditioning:
         """A 9-channel (inpainting) UNet's extra input channels, beside the sample: the latent-grid
         mask and the masked image's latents (the same for both guidance branches, as diffusers)."""
-        if not pipe.components["inpaint"]:
+        if not pipe.components.inpaint:
             return conditioning
         values, n = request.values, request.n
         w, h = values["width"], values["height"]
         x = image_input.pixels(values["image"], w, h)  # (H, W, 3)
         m = image_input.mask(values["mask_image"], w, h)  # (H, W)
         masked = np.repeat(image_input.masked(x, m)[None], n, axis=0)  # (n, H, W, 3)
-        extra = {"mask": np.repeat(image_input.latent_mask(m, pipe.components["vae_scale"])[None], n, axis=0),
+        extra = {"mask": np.repeat(image_input.latent_mask(m, pipe.components.vae_scale)[None], n, axis=0),
                  "masked_image_latents": image_input.encode_images(pipe, masked, request.seeds, 1)}
         uncond = {**conditioning.uncond, **extra} if request.guided else conditioning.uncond
         return Conditioning(cond={**conditioning.cond, **extra}, uncond=uncond)
@@ -199,7 +200,7 @@ class StableDiffusionFamily(TextToImageFamily):
         from preheat.samplers import BLEND_SOLVERS, make_spec, strength_start
 
         index = strength_start(request.steps, values["strength"], "sd")
-        blend = values["mask_image"] is not None and not pipe.components["inpaint"]
+        blend = values["mask_image"] is not None and not pipe.components.inpaint
         if blend and make_spec(pipe.scheduler_config, request.sampler).solver not in BLEND_SOLVERS:
             raise InvalidArgumentError(f"sampler {request.sampler!r} cannot blend an inpainting mask on this model "
                                        "(diffusers blends between its two model calls per step); use another",
@@ -219,7 +220,7 @@ class StableDiffusionFamily(TextToImageFamily):
         strength, mask_image = values["strength"], values["mask_image"]
         index = self.check_start(pipe, request)
         pure = mask_image is not None and strength == 1.0
-        blend = mask_image is not None and not pipe.components["inpaint"]
+        blend = mask_image is not None and not pipe.components.inpaint
         if pure and not blend:  # the image reaches the model only through the mask channels
             x0 = np.zeros((n, *request.sample_shape), np.float32)
         else:
@@ -227,7 +228,7 @@ class StableDiffusionFamily(TextToImageFamily):
             x0 = image_input.encode_images(pipe, x, request.seeds, 0)  # (n, h, w, C)
         keep = None
         if blend:
-            m = image_input.latent_mask(image_input.mask(mask_image, w, h), pipe.components["vae_scale"])
+            m = image_input.latent_mask(image_input.mask(mask_image, w, h), pipe.components.vae_scale)
             keep = np.repeat(m[None], n, axis=0)  # (n, h, w, 1)
         return Start(index=np.int32(index), x0=x0, pure_noise=np.bool_(pure), keep=keep)
 
@@ -394,22 +395,22 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
                           path_prefix={name: "text_model." for name in te_names},
                           aliases=sgm_lora_names(cfg, layers["denoiser"]), alias_prefixes=("lora_unet_",))
 
-    components = {
-        "tokenizers": tokenizers,
-        "text_encoders": encoders,
-        "vae": vae,
-        "vae_scale": vae_scale,
-        "size_multiple": vae_scale,  # odd latent sides are fine: the UNet upsamples to each skip's size
-        "inpaint": inpaint,
-        "force_zeros": bool(index.get("force_zeros_for_empty_prompt", True)),
-        "clip_layers": min(te.config.num_hidden_layers for te in encoders),  # bounds clip_skip
-        "lora_targets": targets,
-        "lora_encoders": te_names,
-        "encode_fingerprint": {"kind": "clip-text", "encoders": [te.config.architecture_dict() for te in encoders],
+    components = SDComponents(
+        tokenizers=tuple(tokenizers),
+        text_encoders=tuple(encoders),
+        vae=vae,
+        vae_scale=vae_scale,
+        size_multiple=vae_scale,  # odd latent sides are fine: the UNet upsamples to each skip's size
+        inpaint=inpaint,
+        force_zeros=bool(index.get("force_zeros_for_empty_prompt", True)),
+        clip_layers=min(te.config.num_hidden_layers for te in encoders),  # bounds clip_skip
+        lora_targets=targets,
+        lora_encoders=te_names,
+        encode_fingerprint={"kind": "clip-text", "encoders": [te.config.architecture_dict() for te in encoders],
                                "dtype": str(dtype), "xl": family.xl},
         # scaling/shift factors live in the VAE's params (data), not in the program
-        "decode_fingerprint": {"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
-    }
+        decode_fingerprint={"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
+    )
     fingerprint = {"kind": "unet2d-condition", "family": family.name, "config": cfg.architecture_dict()}
     return LoadedModel(apply=apply, params=unet.params,
                        sample_shape=(int(latent[0]), int(latent[1]), latent_channels), scheduler_config=sched,

@@ -26,8 +26,8 @@ __all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROM
 class TextToImageFamily(Family):
     """A latent text-to-image family: a VAE decode stage after the loop, sizes in pixels.
 
-    ``components`` must hold ``vae``, ``vae_scale`` (pixels per latent), ``size_multiple`` and a
-    ``decode_fingerprint``.
+    ``components`` is a ``preheat.families.components.TextComponents`` (its ``vae``, ``vae_scale``
+    (pixels per latent), ``size_multiple`` and ``decode_fingerprint`` are read here).
     """
 
     positional: str | None = "prompt"
@@ -36,20 +36,20 @@ class TextToImageFamily(Family):
     max_size: int = 2048
 
     def native_size(self, pipe: EngineView) -> tuple[int, int]:
-        scale = pipe.components["vae_scale"]
+        scale = pipe.components.vae_scale
         return pipe.sample_shape[1] * scale, pipe.sample_shape[0] * scale
 
     def size_rule(self, pipe: EngineView) -> tuple[int, int, bool]:
-        return pipe.components["size_multiple"], self.max_size, False
+        return pipe.components.size_multiple, self.max_size, False
 
     def sample_shape(self, pipe: EngineView, values: dict[str, Any]) -> tuple[int, ...]:
-        scale = pipe.components["vae_scale"]
+        scale = pipe.components.vae_scale
         return (values["height"] // scale, values["width"] // scale, pipe.sample_shape[2])
 
     def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
-        vae = pipe.components["vae"]
+        vae = pipe.components.vae
         sig = StageSignature("decode", batch=request.n, shape=tuple(request.sample_shape), dtype=str(vae.dtype))
-        return np.asarray(pipe.run_stage("decode", pipe.components["decode_fingerprint"], sig,
+        return np.asarray(pipe.run_stage("decode", pipe.components.decode_fingerprint, sig,
                                          lambda: decode_program(vae), DecodeArgs(params=vae.params, latents=out)))
 
 
@@ -113,7 +113,7 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
     """Tokenize on the host (``texts[i]`` for the i-th tokenizer) and run the encode stage.
 
     The stage's executable is chosen by the batch and every tokenizer's padded length, so a new
-    prompt is data; the encoders' weights are arguments (``components["text_encoders"]``; an
+    prompt is data; the encoders' weights are arguments (``components.text_encoders``; an
     absent encoder, like SD3 without T5, is None and gets no weights).
 
         texts: one list of B strings per tokenizer; program: () -> fn(EncodeArgs)
@@ -122,12 +122,12 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
     (bucket, slots)) for text-encoder LoRAs: the program's ``args.lora`` then holds a ``LoraArgs``
     per encoder (``preheat.lora.encoder_adapters``). ``clip_skip``: (B,) int32, SD's.
     """
-    tokenizers = pipe.components["tokenizers"]
+    tokenizers = pipe.components.tokenizers
     ids = tuple(tok.encode(list(t)) for tok, t in zip(tokenizers, texts))  # each (B, L_i) int32
     sig = StageSignature("encode", batch=len(texts[0]), shape=tuple(i.shape[1] for i in ids), dtype=pipe.dtype,
                          extra=extra)
     # with offload_encoders the weights are host arrays: they reach the device for this call only
-    params = tuple(te.params if te is not None else None for te in pipe.components["text_encoders"])
+    params = tuple(te.params if te is not None else None for te in pipe.components.text_encoders)
     args = EncodeArgs(params=params, ids=ids, clip_skip=clip_skip)
     if lora is not None:
         adapters, index, lora_sig = lora
@@ -135,7 +135,7 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
         sig = replace(sig, extra=(*sig.extra, ("lora", (*lora_sig, used))))
         args = args._replace(lora=tuple(None if a is None else LoraArgs(factors=a[0], scales=a[1], slots=index)
                                         for a in adapters))
-    return pipe.run_stage("encode", pipe.components["encode_fingerprint"], sig, program, args, outputs=outputs)
+    return pipe.run_stage("encode", pipe.components.encode_fingerprint, sig, program, args, outputs=outputs)
 
 
 def offload(encoder: Any, options: Any = None) -> Any:

@@ -445,10 +445,9 @@ def _lora(pipe: Any, v: dict[str, Any], errors: list[tuple[str, str]], lora_dir:
         errors.append(("lora_weights", str(err)))
         return None, None
     from preheat.errors import PreheatError
-    from preheat.lora import bucket_for, cached_file
 
-    targets = pipe.components.get("lora_targets")
-    if targets is None:
+    runtime = pipe.lora_runtime
+    if runtime is None:
         errors.append(("lora_weights", f"LoRAs are not supported for a {pipe.family.name} model"))
         return None, None
     from preheat.server.fetch import Fetcher, default_fetcher
@@ -457,8 +456,8 @@ def _lora(pipe: Any, v: dict[str, Any], errors: list[tuple[str, str]], lora_dir:
     try:
         if is_remote(source) and not Fetcher.stored(source):  # not yet fetched (Core.parse_async fetches first)
             (fetcher if fetcher is not None else default_fetcher()).lora(source)
-        lora = cached_file(pipe, source, targets)
-        bucket = bucket_for(lora.rank, sorted(pipe.components.get("lora_buckets", set()).copy()))
+        lora = runtime.file(source)
+        bucket = runtime.bucket_for(lora.rank)
     except PreheatError as err:
         errors.append(("lora_weights", (str(err).splitlines() or [type(err).__name__])[0]))
         return None, None

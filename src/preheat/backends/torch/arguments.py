@@ -23,6 +23,7 @@ class EngineArguments:
     mesh: Any = None
     startup: Any = None
     load_report: Any = None
+    lora_runtime: Any = None  # no LoRAs on torch
     reports_progress = False  # run() takes no progress callback: diffusers' loop is not ours to report from
 
     @property

@@ -48,6 +48,7 @@ from preheat.backends.torch.compile_cache import TorchCompiler, make_compiler, t
 from preheat.backends.torch.sampling import make_scheduler, sample_loop
 from preheat.backends.torch.arguments import EngineArguments
 from preheat.families.base import Request
+from preheat.families.components import PixelComponents
 from preheat.engine import model_root
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families.pixel import PIXEL
@@ -120,7 +121,7 @@ class TorchPipeline(EngineArguments):
     compiler: TorchCompiler | None = None
     layout: str = "NCHW"  # user-facing arrays (noise) are NCHW, as for diffusers
     family: Any = field(default_factory=lambda: PIXEL)
-    components: dict[str, Any] = field(default_factory=dict)  # none: no encoders, no LoRA targets
+    components: PixelComponents = field(default_factory=PixelComponents)  # none: no encoders, no LoRA targets
     last: Timings = field(default_factory=Timings)
     _runners: dict[int, Callable[..., torch.Tensor]] = field(default_factory=dict, repr=False)
     _module: Any = field(default=None, repr=False)

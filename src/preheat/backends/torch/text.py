@@ -31,6 +31,7 @@ from preheat.backends.torch.sampling import make_scheduler
 from preheat.backends.torch.arguments import EngineArguments
 from preheat.errors import InvalidArgumentError
 from preheat.families.base import Request
+from preheat.families.components import FluxComponents, SD3Components, SDComponents, TextComponents
 from preheat.noise import initial_noise
 from preheat.samplers import SchedulerConfig, load_scheduler_config
 from preheat.timings import Timings
@@ -60,7 +61,7 @@ class TorchTextPipeline(EngineArguments):
     scheduler_config: SchedulerConfig
     scheduler_dict: dict[str, Any]
     sample_shape: tuple[int, ...]  # default latent (h, w, C)
-    components: dict[str, Any]  # vae_scale, size_multiple (what the family's checks read)
+    components: TextComponents  # vae_scale, size_multiple, the family's own (what the family's checks read)
     fingerprint: dict[str, Any]
     defaults: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
@@ -273,20 +274,23 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
     denoiser = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
     cfg = denoiser.config
     vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-    components: dict[str, Any] = {"vae_scale": vae_scale, "size_multiple": vae_scale}
+    components: TextComponents
     defaults = default_sampler(root)
     channels, size = cfg.in_channels, cfg.get("sample_size")
     if class_name in ("FluxPipeline", "FluxKontextPipeline"):  # as the JAX loader: packed 2x2 tokens, 128-latent default side
         channels, size = cfg.in_channels // 4, 128
-        components.update(size_multiple=2 * vae_scale, guidance_embeds=bool(cfg.guidance_embeds))
+        components = FluxComponents(vae_scale=vae_scale, size_multiple=2 * vae_scale,
+                                    guidance_embeds=bool(cfg.guidance_embeds))
         defaults.update(flux_defaults(bool(cfg.guidance_embeds)))
     elif class_name == "StableDiffusion3Pipeline":
-        components.update(size_multiple=vae_scale * cfg.patch_size, patch_size=cfg.patch_size)
+        components = SD3Components(vae_scale=vae_scale, size_multiple=vae_scale * cfg.patch_size,
+                                   patch_size=cfg.patch_size)
     else:  # SD / SDXL: what the family's clip_skip and negative_prompt_2 checks read, as the JAX loader's
         encoders = [e for e in (pipe.text_encoder, getattr(pipe, "text_encoder_2", None)) if e is not None]
-        components.update(clip_layers=min(e.config.num_hidden_layers for e in encoders),
-                          force_zeros=bool(pipe.config.get("force_zeros_for_empty_prompt", True)),
-                          inpaint=channels == 2 * pipe.vae.config.latent_channels + 1)
+        components = SDComponents(vae_scale=vae_scale, size_multiple=vae_scale,
+                                  clip_layers=min(e.config.num_hidden_layers for e in encoders),
+                                  force_zeros=bool(pipe.config.get("force_zeros_for_empty_prompt", True)),
+                                  inpaint=channels == 2 * pipe.vae.config.latent_channels + 1)
         channels = pipe.vae.config.latent_channels  # an inpainting UNet's extra channels are the mask's
     latent = (size, size) if isinstance(size, int) else tuple(size)
     architecture = {k: v for k, v in dict(cfg).items() if not k.startswith("_")}
