@@ -104,7 +104,10 @@ def test_starting_until_ready_then_the_token_prompt(browser: Any, server: Any, f
     assert first_load["starting"] == "STARTING"
     assert first_load["form_while_starting"] == "" and first_load["token_form_while_starting"] == ""
     assert first_load["status_after"] == "READY"
-    # a wrong token is refused and asked again; the right one builds the form
+    # a fresh page (the tests run in any order; the token is forgotten on reload): a wrong token is
+    # refused and asked again; the right one builds the form
+    browser.get(server.url + "/playground")
+    wait_for(browser, lambda d: visible_text(d, "token-form"), "the token prompt")
     browser.find_element("id", "token").send_keys("wrong")
     browser.find_element("css selector", "#token-form button").click()
     wait_for(browser, lambda d: "refused" in visible_text(d, "token-error"), "the refused-token message")
