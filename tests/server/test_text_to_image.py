@@ -110,6 +110,23 @@ def test_every_text_family_serves_from_cog_openai_runpod_and_the_cli(kind, tmp_p
                                                              "seed": 9}})
         assert "error" not in result, result
         np.testing.assert_array_equal(decode_data_url(result["images"][0]), want[0])
+        # issue 26's proof inputs reach the image through Cog and Runpod as extra fields, as in Python
+        extra = {"prompt_2": "a blue bird", "negative_prompt_2": "dark", "clip_skip": 1, "original_size": [48, 40],
+                 "target_size": [32, 32], "crops_coords_top_left": [4, 2]}
+        call = {**extra, **{k: tuple(v) for k, v in extra.items() if isinstance(v, list)}}
+        proof = pipe.generate("a red fox", negative_prompt="blurry", steps=2, guidance=4.0, seed=9, **call)
+        assert not np.array_equal(proof, want)  # the fields change the image
+        with serving(core) as server, httpx.Client(base_url=server.url, timeout=300) as client:
+            r = client.post("/predictions", json={"input": {"prompt": "a red fox", "negative_prompt": "blurry",
+                                                            "num_inference_steps": 2, "guidance_scale": 4.0,
+                                                            "seed": 9, **extra}})
+            assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
+            np.testing.assert_array_equal(decode_data_url(r.json()["output"][0]), proof[0])
+        (result,) = runpod_jobs(core, {"id": f"{kind}-proof", "input": {"prompt": "a red fox", "negative_prompt": "blurry",
+                                                                        "num_inference_steps": 2, "guidance_scale": 4.0,
+                                                                        "seed": 9, **extra}})
+        assert "error" not in result, result
+        np.testing.assert_array_equal(decode_data_url(result["images"][0]), proof[0])
     finally:
         core.close()
 
