@@ -237,7 +237,9 @@ MEMORY_CHILD = textwrap.dedent("""
 
     # control first, everything kept alive, so that neither load reuses memory the other freed
     with recording() as copied:  # the whole file on the host first (what reading into a dict did)
-        everything = dict(read_tensors([path]))
+        # a real copy of every tensor, as safe_open's get_tensor made (a lazy or memory-mapped view
+        # may leave pages untouched, and the control would then see less than the file)
+        everything = {k: np.array(v, copy=True) for k, v in read_tensors([path]).items()}
         kept = fill(abstract, everything, jnp.dtype(target), "stack")
     with recording() as streamed:
         params = fill(abstract, read_tensors([path]), jnp.dtype(target), "stack")
