@@ -274,5 +274,6 @@ def test_streaming_holds_about_one_tensor_on_the_host(tmp_path, stored, target):
     # is the transient, and beyond the weights the growth is a few tensors, not a second copy.
     assert streamed["transient_host_bytes"] < 0.5 * file_bytes
     assert streamed["peak_host_bytes"] - r["placed"] < 0.5 * file_bytes
-    # the measurement sees a second copy when there is one
-    assert copied["peak_host_bytes"] - r["placed"] > 0.9 * file_bytes
+    # the measurement sees a second copy when there is one: well above the streamed bound of 0.5x (it
+    # measures 0.88-1.0x of the file here; a few MB of the copy can land in pages already resident)
+    assert copied["peak_host_bytes"] - r["placed"] > 0.75 * file_bytes
