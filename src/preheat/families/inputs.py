@@ -373,7 +373,8 @@ def size_specs(width: int, height: int, multiple: int, high: int, *, fixed: bool
     grid needs (``fixed``: the model makes its native size only)."""
     def one(name: str, native: int) -> InputSpec:
         kind = Int(native, native) if fixed else Int(multiple, high, multiple)
-        return InputSpec(name, kind, f"Image {name} in pixels (the model's {native} when absent).", static=True,
+        default = f"the model's {native}" if native else "the model's native size"  # 0: the CLI's model-free help
+        return InputSpec(name, kind, f"Image {name} in pixels ({default} when absent).", static=True,
                          default=native)
 
     return one("width", width), one("height", height)
