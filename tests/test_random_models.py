@@ -12,9 +12,9 @@ from click.testing import CliRunner
 
 from preheat.cli import main
 
-TINY = ("sd1-tiny", "sdxl-tiny", "sd3-tiny", "flux-tiny")
+TINY = ("sd1-tiny", "sdxl-tiny", "sd3-tiny", "flux-tiny", "kontext-tiny")
 CLASSES = {"sd1-tiny": "StableDiffusionPipeline", "sdxl-tiny": "StableDiffusionXLPipeline",
-           "sd3-tiny": "StableDiffusion3Pipeline", "flux-tiny": "FluxPipeline"}
+           "sd3-tiny": "StableDiffusion3Pipeline", "flux-tiny": "FluxPipeline", "kontext-tiny": "FluxKontextPipeline"}
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +46,14 @@ def test_a_tiny_random_folder_is_a_diffusers_pipeline(folders, name):
     assert folder.parent.name == "random" and json.loads((folder / "model_index.json").read_text())["_class_name"] == CLASSES[name]
     pipe = DiffusionPipeline.from_pretrained(folder)
     assert type(pipe).__name__ == CLASSES[name]
+    # Kontext: a reference kept at its size, and diffusers' max_area (1024**2 by default) at the tiny size
+    from PIL import Image
+
+    edit = dict(image=Image.new("RGB", (32, 32), (128, 128, 128)), max_area=32 * 32, _auto_resize=False) \
+        if name == "kontext-tiny" else {}
     with torch.no_grad():
-        image = pipe("a photo of a cat", num_inference_steps=1, width=32, height=32, output_type="np",
-                     generator=torch.Generator().manual_seed(0)).images[0]
+        image = pipe(prompt="a photo of a cat", num_inference_steps=1, width=32, height=32, output_type="np",
+                     generator=torch.Generator().manual_seed(0), **edit).images[0]
     assert image.shape == (32, 32, 3) and np.isfinite(image).all()
 
 
@@ -70,7 +75,8 @@ def test_unknown_random_name_lists_the_names():
     r = CliRunner().invoke(main, ["sample", "random:sd9", "--out", "x.png"])
     assert r.exit_code == 2
     assert r.stderr.strip() == ("error: unknown random model 'random:sd9'; choose from random:sd1-tiny, "
-                                "random:sdxl-tiny, random:sd3-tiny, random:flux-tiny, random:sd-small, random:sd15, "
+                                "random:sdxl-tiny, random:sd3-tiny, random:flux-tiny, random:kontext-tiny, random:sd-small, "
+                                "random:sd15, "
                                 "random:flux, random:ddpm-cifar10-32")
 
 
@@ -82,3 +88,26 @@ def test_serve_and_warm_take_random_names_at_their_tiny_size(folders, home, monk
     assert ws.model == str(folders["flux-tiny"]) and ws.sizes == ((32, 32),)
     ws = warm_set_from_options("random:flux-tiny", "float32", 2, None, "64x32", "off,on")
     assert ws.sizes == ((64, 32),)
+
+
+def test_bench_children_get_the_inputs_a_family_declares_required(folders, home, tmp_path, monkeypatch):
+    """`bench coldstart`'s parent reads no weight: it gives each child the required inputs the
+    folder's family declares, at their example values (a Kontext folder: a prompt and a reference
+    image it writes), and the children's command line runs."""
+    from PIL import Image
+
+    from preheat.cli.bench import required_example_args
+
+    kontext = required_example_args(str(folders["kontext-tiny"]), ("--width", "32", "--height", "24"), tmp_path)
+    assert kontext[:3] == ("--prompt", "a watercolor fox", "--image")
+    assert Image.open(kontext[3]).size == (32, 24)
+    assert required_example_args(str(folders["sd1-tiny"]), (), tmp_path) == ("--prompt", "a watercolor fox")
+    assert required_example_args(str(folders["sd1-tiny"]), ("--prompt", "a cat"), tmp_path) == ()
+    assert required_example_args(None, (), tmp_path) == ()  # the built-in model: class labels have a default
+    assert required_example_args("hf://org/repo", (), tmp_path) == ()  # not pulled here: the caller's to give
+
+    monkeypatch.setenv("PREHEAT_HOME", str(home))  # random:kontext-tiny: 32x32 and the reference kept at its size
+    r = CliRunner().invoke(main, ["sample", "random:kontext-tiny", *kontext, "--steps", "1", "--out",
+                                  str(tmp_path / "k.png"), "--json", "--cache", "off"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["image_size"] == [32, 32]

@@ -59,7 +59,7 @@ def run_child(model: str | None, home: Path, n: int, steps: int | None, cache: s
 def bench_coldstart(model: str | None, n: int, steps: int | None, repeats: int, workdir: Path,
                     cache_url: str | None = None, args: tuple[str, ...] = ()) -> dict[str, Any]:
     """``args``: extra ``preheat sample`` arguments for every child (e.g. --prompt, --width)."""
-    model = materialize_model(model, workdir)
+    label, model = model, materialize_model(model, workdir)
     child = functools.partial(run_child, args=args)
 
     rows: dict[str, list[dict[str, Any]]] = {"empty": [], "xla only": [], "full warm": []}
@@ -82,7 +82,7 @@ def bench_coldstart(model: str | None, n: int, steps: int | None, repeats: int, 
             fresh = workdir / f"remote-{i}"
             rows["remote warm"].append(child(model, fresh, n, steps, "full", env))
             shutil.rmtree(fresh, ignore_errors=True)
-    return _result(model, n, steps, rows, "empty", "full warm")
+    return _result(label, n, steps, rows, "empty", "full warm")
 
 
 def bench_coldstart_torch(model: str | None, n: int, steps: int | None, repeats: int, workdir: Path,
@@ -93,7 +93,7 @@ def bench_coldstart_torch(model: str | None, n: int, steps: int | None, repeats:
     caches. Goals per mode (``goals_by_mode``; ``goals`` is the first mode's): the warm start
     against the cold one (Replicate: -53% / -62%), against the eager start, and against the eager
     floor (the eager children's import + weights + one eager-speed run; issue 14: <= 1.25x)."""
-    model = materialize_model(model, workdir)
+    label, model = model, materialize_model(model, workdir)
     modes = (compile,) if isinstance(compile, str) else tuple(compile)
     count = iter(range(1 << 30))
 
@@ -112,7 +112,7 @@ def bench_coldstart_torch(model: str | None, n: int, steps: int | None, repeats:
             rows[f"{mode} cold"].append(child(empty, mode))
             shutil.rmtree(empty, ignore_errors=True)
             rows[f"{mode} warm"].append(child(workdir / f"warm-home-{mode}", mode))
-    result = _result(model, n, steps, rows, f"{modes[0]} cold", f"{modes[0]} warm")
+    result = _result(label, n, steps, rows, f"{modes[0]} cold", f"{modes[0]} warm")
     start = {name: result["rows"][name]["start_to_first_image_s"]["median"] for name in rows}
     eager_floor = result["rows"]["eager (no cache)"]["floor_s"]["median"]
     result["goals_by_mode"] = {}

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Optional
 from preheat.errors import InvalidArgumentError
 
 __all__ = ["RANDOM_MODELS", "materialize_model", "RandomModel", "random_name", "sized_inputs", "build_random", "OLD_NAMES", "bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
-           "save_random_sd_small", "save_random_flux", "save_random_flux_tiny", "save_random_sd1_tiny",
+           "save_random_sd_small", "save_random_flux", "save_random_flux_tiny", "save_random_kontext_tiny", "save_random_sd1_tiny",
            "save_random_sdxl_tiny", "save_random_sd3_tiny", "TEXT_ARCHITECTURES"]
 
 from preheat.models import bpe_files
@@ -85,6 +85,7 @@ class RandomModel(NamedTuple):
     builder: str  # the save_random_* function of this module (or "pixel": bench.common's JAX-built UNet)
     size: Optional[tuple[int, int]]  # (width, height) it defaults to where the family's default is not tiny
     about: str
+    inputs: tuple[tuple[str, Any], ...] = ()  # other defaults its tiny scale needs (keyword, value)
 
 
 # ``random:NAME`` on every command (sample, pull, warm, serve, bench). "Tiny" ones are the test
@@ -94,6 +95,9 @@ RANDOM_MODELS: dict[str, RandomModel] = {
     "sdxl-tiny": RandomModel("save_random_sdxl_tiny", (32, 32), "SDXL at the test suite's scale"),
     "sd3-tiny": RandomModel("save_random_sd3_tiny", (32, 32), "SD3 at the test suite's scale"),
     "flux-tiny": RandomModel("save_random_flux_tiny", (32, 32), "FLUX.1-dev at the test suite's scale (14 MB)"),
+    # the reference keeps its own size: Kontext's preferred resolutions start at 672 pixels
+    "kontext-tiny": RandomModel("save_random_kontext_tiny", (32, 32), "FLUX.1 Kontext at the test suite's scale "
+                                "(flux-tiny's components, a FluxKontextPipeline)", (("image_resize", "none"),)),
     "sd-small": RandomModel("save_random_sd_small", None, "SD 1.x at a quarter of its widths (90 MB, 256x256)"),
     "sd15": RandomModel("save_random_sd15", None, "SD 1.5 at full size (4 GB, 512x512)"),
     "flux": RandomModel("save_random_flux", None, "FLUX.1-dev widths, 1+1 blocks (4.5 GB, 1024x1024)"),
@@ -126,12 +130,15 @@ def random_name(model: Optional[str]) -> Optional[str]:
 
 def sized_inputs(name: Optional[str], inputs: Optional[dict[str, Any]]) -> dict[str, Any]:
     """``inputs`` with a tiny random model's width and height where they are not given (a tiny
-    FLUX folder would otherwise run at the family's 128-latent default: 256x256)."""
+    FLUX folder would otherwise run at the family's 128-latent default: 256x256), and its other
+    tiny-scale defaults (``RandomModel.inputs``)."""
     inputs = dict(inputs or {})
-    size = RANDOM_MODELS[name].size if name in RANDOM_MODELS else None
-    if size is not None and "width" not in inputs and "height" not in inputs:
-        inputs.update(width=size[0], height=size[1])
-    return inputs
+    spec = RANDOM_MODELS.get(name) if name else None
+    if spec is None:
+        return inputs
+    if spec.size is not None and "width" not in inputs and "height" not in inputs:
+        inputs.update(width=spec.size[0], height=spec.size[1])
+    return {**dict(spec.inputs), **inputs}
 
 
 def build_random(name: str, out: Path) -> Path:
@@ -384,6 +391,15 @@ def save_random_flux_tiny(out: Path, seed: int = 0) -> Path:
     """A ``FluxPipeline`` folder at the test suite's tiny scale (14 MB, most of it the text encoders' embeddings)."""
     return save_random_flux(out, seed, transformer=TINY_FLUX_TRANSFORMER, t5=TINY_T5, clip=TINY_CLIP,
                             vae=TINY_FLUX_VAE)
+
+
+def save_random_kontext_tiny(out: Path, seed: int = 0) -> Path:
+    """A ``FluxKontextPipeline`` folder: flux-tiny's components (Kontext is FLUX.1-dev's
+    transformer reading reference tokens beside the noise)."""
+    save_random_flux_tiny(out, seed)
+    return _write_index(out, "FluxKontextPipeline", scheduler="FlowMatchEulerDiscreteScheduler",
+                        text_encoder="CLIPTextModel", text_encoder_2="T5EncoderModel", tokenizer="CLIPTokenizer",
+                        tokenizer_2="T5TokenizerFast", transformer="FluxTransformer2DModel", vae="AutoencoderKL")
 
 
 def save_random_flux(out: Path, seed: int = 0, *, transformer: dict[str, Any] = FLUX_TRANSFORMER,

@@ -49,10 +49,11 @@ def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class ResolvedModel(NamedTuple):
-    """A MODEL argument as the library takes it, and the size a tiny random model defaults to."""
+    """A MODEL argument as the library takes it, and what a tiny random model defaults to."""
 
     model: Optional[str]  # a folder, a store source, or None (the built-in model)
     size: Optional[tuple[int, int]]  # (width, height) to use where none is given; None: the model's own
+    inputs: tuple[tuple[str, Any], ...] = ()  # other inputs' defaults at its tiny scale (keyword, value)
 
 
 def resolve_model(model: Optional[str], log: Callable[[str], None] = lambda line: None) -> ResolvedModel:
@@ -69,4 +70,5 @@ def resolve_model(model: Optional[str], log: Callable[[str], None] = lambda line
     out = resolve_root().path / "random" / name
     if not (out / "model_index.json").is_file():
         log(f"{model}: writing a random-weight folder at {out} (once)")
-    return ResolvedModel(str(build_random(name, Path(out))), RANDOM_MODELS[name].size)
+    spec = RANDOM_MODELS[name]
+    return ResolvedModel(str(build_random(name, Path(out))), spec.size, spec.inputs)

@@ -120,14 +120,15 @@ def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int
     for flag, value in (("--prompt", prompt), ("--width", width), ("--height", height)):
         if value is not None:
             args += (flag, str(value))
-    if not prompt and (width or height or _takes_a_prompt(model)):
-        args += ("--prompt", "a watercolor fox")
-    if width is None and height is None:  # the children get a folder: a tiny random model's size is said here
+    if width is None and height is None:  # the children get a folder: a tiny random model's defaults are said here
         from preheat.bench.random_models import random_name, sized_inputs
 
         for key, value in sized_inputs(random_name(model), {}).items():
-            args += (f"--{key}", str(value))
+            args += (f"--{key.replace('_', '-')}", str(value))
     with tempfile.TemporaryDirectory() as tmp:
+        from preheat.bench.random_models import materialize_model
+
+        args += required_example_args(materialize_model(model, Path(tmp)), args, Path(tmp))
         if backend == "torch":
             result = bench_coldstart_torch(model, n, steps, repeats, Path(tmp), compile_mode or ("regional",), args)
         else:
@@ -138,19 +139,38 @@ def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int
         plot(result, png_out)
 
 
-def _takes_a_prompt(model: str | None) -> bool:
-    """A local folder of a text-to-image family (its children need a prompt); a store source is not
-    pulled here, so it needs ``--prompt``."""
-    from preheat.bench.random_models import RANDOM_MODELS, random_name
+def required_example_args(folder: str | None, args: tuple[str, ...], workdir: Path) -> tuple[str, ...]:
+    """``preheat sample`` flags for the inputs the folder's family declares required and ``args``
+    lacks, at their declared example values (a prompt: "a watercolor fox"; an image: a mid-grey
+    placeholder of the call's size, written under ``workdir``). A store source is not pulled here:
+    its required inputs are the caller's to give."""
+    from preheat.families import declared_family
+    from preheat.families.inputs import Image, example_inputs
 
-    name = random_name(model)
-    if name is not None:
-        return RANDOM_MODELS[name].builder != "pixel"
-    if model is None or not Path(model).is_dir():
-        return False
-    from preheat.families import family_loader
+    if folder is None or not Path(folder).is_dir():
+        return ()
+    family = declared_family(Path(folder))
+    if family is None:
+        return ()
 
-    return family_loader(Path(model)).__module__ != "preheat.families.pixel"
+    def given(flag: str) -> str | None:
+        return args[args.index(flag) + 1] if flag in args[:-1] else None
+
+    out: tuple[str, ...] = ()
+    for spec in family.specs:
+        if not spec.required or given(spec.cli_flag) is not None:
+            continue
+        if isinstance(spec.type, Image):
+            from PIL import Image as PILImage
+
+            size = (int(given("--width") or 64), int(given("--height") or 64))
+            path = workdir / f"example-{spec.name}.png"
+            PILImage.fromarray(spec.type.placeholder(*size)).save(path)
+            value: object = path
+        else:
+            value = example_inputs((spec,))[spec.name]
+        out += (spec.cli_flag, str(value))
+    return out
 
 
 @bench_group.command("target")

@@ -146,8 +146,8 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
     from preheat.sharding import parse_devices
 
     opts.check()
-    model, size = resolve_model(opts.model, log=lambda line: click.echo(line, err=True))
-    opts = opts.sized(size)  # as sample: a tiny random model's tiny size
+    resolved = resolve_model(opts.model, log=lambda line: click.echo(line, err=True))
+    model, opts = resolved.model, opts.sized(resolved)  # as sample: a tiny random model's tiny size
     if opts.backend == "torch":
         if opts.compile_mode == "none":
             raise InvalidArgumentError("--backend torch --compile none compiles nothing to explain; pass --compile "

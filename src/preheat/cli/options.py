@@ -17,11 +17,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import click
 
 from preheat.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from preheat.cli._support import ResolvedModel
 
 __all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptions", "FLAGS", "SAMPLER",
            "sampler_option", "output_options", "echo_result", "POSITIVE", "SEED", "NON_NEGATIVE", "POSITIVE_SECONDS"]
@@ -170,11 +173,15 @@ class CallOptions:
         if self.seed < 0 or self.seed >= 2**32:
             raise InvalidArgumentError(f"--seed {self.seed} must be in 0..{2**32 - 1}", argument="--seed")
 
-    def sized(self, size: Optional[tuple[int, int]]) -> "CallOptions":
-        """``size`` (a tiny random model's (width, height)) where the flags give neither."""
-        if size is None or "--width" in self.flags or "--height" in self.flags:
-            return self
-        return replace(self, flags={**self.flags, "--width": [str(size[0])], "--height": [str(size[1])]})
+    def sized(self, resolved: ResolvedModel) -> CallOptions:
+        """A tiny random model's defaults where the flags give none: its (width, height) unless
+        either is given, and its other inputs (``RandomModel.inputs``) one by one."""
+        flags = dict(self.flags)
+        if resolved.size is not None and "--width" not in flags and "--height" not in flags:
+            flags.update({"--width": [str(resolved.size[0])], "--height": [str(resolved.size[1])]})
+        for name, value in resolved.inputs:
+            flags.setdefault("--" + name.replace("_", "-"), [str(value)])
+        return replace(self, flags=flags)
 
     def common_inputs(self) -> dict[str, Any]:
         """The sampler's settings and the LoRAs, as ``generate`` keywords."""

@@ -90,7 +90,7 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     samplers, sizes, devices = samplers_from_text(samplers_text), parse_sizes(sizes_text), parse_devices(devices_text, "--devices")
     from preheat.cli._support import resolve_model
 
-    model, size = resolve_model(model, log=lambda line: click.echo(line, err=True))
+    model, size, _ = resolve_model(model, log=lambda line: click.echo(line, err=True))
     if size is not None and not sizes:
         sizes = (size,)
     return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers, sizes=sizes,

@@ -19,29 +19,38 @@ contributes to the engine. Families never import the engine: they see a pipeline
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Optional
 
 from preheat.errors import ModelNotFoundError, UnsupportedConfigError
 from preheat.families.base import Conditioning, EngineView, Family, LoadedModel, Request, StageSignature
 
 __all__ = ["Family", "Conditioning", "EngineView", "LoadedModel", "Request", "StageSignature", "family_loader",
-           "FAMILY_OF_CLASS", "class_name_of", "declared_families"]
+           "FamilyEntry", "FAMILY_OF_CLASS", "class_name_of", "declared_families", "declared_family"]
 
-# _class_name -> (module, loader function)
-FAMILY_OF_CLASS: dict[str, tuple[str, str]] = {
-    "UNet2DModel": ("preheat.families.pixel", "load_pixel"),
-    "DDPMPipeline": ("preheat.families.pixel", "load_pixel"),
-    "DDIMPipeline": ("preheat.families.pixel", "load_pixel"),
-    "StableDiffusionPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion"),
-    "StableDiffusionXLPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion_xl"),
+
+class FamilyEntry(NamedTuple):
+    """Where a ``_class_name``'s family lives."""
+
+    module: str
+    loader: str  # the module's load_<family> function
+    family: str = ""  # the module's Family instance: the folder's declared inputs before any weight is read
+
+
+_SD, _FLUX = "preheat.families.stable_diffusion", "preheat.families.flux"
+FAMILY_OF_CLASS: dict[str, FamilyEntry] = {
+    "UNet2DModel": FamilyEntry("preheat.families.pixel", "load_pixel", "PIXEL"),
+    "DDPMPipeline": FamilyEntry("preheat.families.pixel", "load_pixel", "PIXEL"),
+    "DDIMPipeline": FamilyEntry("preheat.families.pixel", "load_pixel", "PIXEL"),
+    "StableDiffusionPipeline": FamilyEntry(_SD, "load_stable_diffusion", "SD"),
+    "StableDiffusionXLPipeline": FamilyEntry(_SD, "load_stable_diffusion_xl", "SDXL"),
     # the same folders saved by the image pipelines; an inpainting one has a 9-channel UNet
-    "StableDiffusionImg2ImgPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion"),
-    "StableDiffusionInpaintPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion"),
-    "StableDiffusionXLImg2ImgPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion_xl"),
-    "StableDiffusionXLInpaintPipeline": ("preheat.families.stable_diffusion", "load_stable_diffusion_xl"),
-    "StableDiffusion3Pipeline": ("preheat.families.sd3", "load_stable_diffusion_3"),
-    "FluxPipeline": ("preheat.families.flux", "load_flux"),
-    "FluxKontextPipeline": ("preheat.families.kontext", "load_flux_kontext"),
+    "StableDiffusionImg2ImgPipeline": FamilyEntry(_SD, "load_stable_diffusion", "SD"),
+    "StableDiffusionInpaintPipeline": FamilyEntry(_SD, "load_stable_diffusion", "SD"),
+    "StableDiffusionXLImg2ImgPipeline": FamilyEntry(_SD, "load_stable_diffusion_xl", "SDXL"),
+    "StableDiffusionXLInpaintPipeline": FamilyEntry(_SD, "load_stable_diffusion_xl", "SDXL"),
+    "StableDiffusion3Pipeline": FamilyEntry("preheat.families.sd3", "load_stable_diffusion_3", "SD3"),
+    "FluxPipeline": FamilyEntry(_FLUX, "load_flux", "FLUX"),
+    "FluxKontextPipeline": FamilyEntry("preheat.families.kontext", "load_flux_kontext", "KONTEXT"),
 }
 
 
@@ -77,8 +86,23 @@ def family_loader(root: Path) -> Callable[..., Any]:
     if name not in FAMILY_OF_CLASS:
         raise UnsupportedConfigError(
             f"unsupported model class {name!r} in {root}; supported: {', '.join(sorted(FAMILY_OF_CLASS))}")
-    module, attr = FAMILY_OF_CLASS[name]
-    return getattr(importlib.import_module(module), attr)
+    entry = FAMILY_OF_CLASS[name]
+    return getattr(importlib.import_module(entry[0]), entry[1])
+
+
+def declared_family(root: Path) -> Optional[Family]:
+    """The folder's family as its module declares it, without reading a weight (a process that
+    only passes the folder on: a bench's parent); None when the entry names no instance."""
+    import importlib
+
+    name = class_name_of(root)
+    if name not in FAMILY_OF_CLASS:
+        family_loader(root)  # the one-line error naming the supported classes
+    entry = FAMILY_OF_CLASS[name]
+    if len(entry) < 3 or not entry[2]:
+        return None
+    family = getattr(importlib.import_module(entry[0]), entry[2])
+    return family if isinstance(family, Family) else None
 
 
 def declared_families() -> list[Family]:
@@ -87,7 +111,7 @@ def declared_families() -> list[Family]:
     import importlib
 
     found: list[Family] = []
-    for module in dict.fromkeys(m for m, _ in FAMILY_OF_CLASS.values()):
+    for module in dict.fromkeys(entry[0] for entry in FAMILY_OF_CLASS.values()):
         for value in vars(importlib.import_module(module)).values():
             if isinstance(value, Family) and all(value is not f for f in found):
                 found.append(value)
