@@ -1,8 +1,9 @@
-"""Single-file checkpoints (issue 28 item 1): tiny SD 1.x and SDXL folders written back in the
-original LDM layout (``model.diffusion_model.*``, ``first_stage_model.*``,
-``cond_stage_model.transformer.*``) and SGM layout (the same plus ``conditioner.embedders.0/1.*``); diffusers' own ``from_single_file(path, config=folder)``
-loads that file to the folder's image (so the file is real), and ``preheat.load(path,
-config=folder)`` gives diffusers' image from the folder."""
+"""Single-file checkpoints (issue 28 item 1): tiny SD 1.x, SD 2.x and SDXL folders written back in
+the original LDM layout (``model.diffusion_model.*``, ``first_stage_model.*``, SD 1.x's
+``cond_stage_model.transformer.*`` or SD 2.x's OpenCLIP ``cond_stage_model.model.*``) and SGM layout
+(the same UNet and VAE plus ``conditioner.embedders.0/1.*``); diffusers' own
+``from_single_file(path, config=folder)`` loads that file to the folder's image (so the file is
+real), and ``preheat.load(path, config=folder)`` gives diffusers' image from the folder."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from tests._support.sd_fixtures import reference_pipeline, reference_pixels, sav
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 
 
-def _to_original(folder, layout: str) -> dict[str, np.ndarray]:
-    """The folder's weights under the original LDM (SD 1.x) or SGM (SDXL) names, written out by hand
-    from the original code's module structure (the test's own inverse; diffusers' loader checks it)."""
+def _to_original(folder, model: str) -> dict[str, np.ndarray]:
+    """The folder's weights under the original names -- LDM for SD 1.x and SD 2.x, SGM for SDXL --
+    written out by hand from the original code's module structure (the test's own inverse;
+    diffusers' loader checks it)."""
     from safetensors.numpy import load_file
 
     unet_cfg = json.loads((folder / "unet" / "config.json").read_text())
@@ -80,18 +82,41 @@ def _to_original(folder, layout: str) -> dict[str, np.ndarray]:
             if tail == "weight" and v.ndim == 2:
                 v = v[:, :, None, None]  # the original's 1x1 convolutions
         out["first_stage_model." + name] = v
-    clip_l = "cond_stage_model.transformer." if layout == "ldm" else "conditioner.embedders.0.transformer."
-    for k, v in load_file(str(folder / "text_encoder" / "model.safetensors")).items():
+    text = load_file(str(folder / "text_encoder" / "model.safetensors"))
+    if model == "sd2":  # OpenCLIP ViT-H, with the last block and the projection diffusers' folder leaves out
+        out.update(_open_clip(text, "cond_stage_model.model.", _past_the_penultimate(text)))
+        return out
+    clip_l = "cond_stage_model.transformer." if model == "sd1" else "conditioner.embedders.0.transformer."
+    for k, v in text.items():
         # transformers 5 saves CLIPTextModel without the text_model. prefix; the original files have it
         out[clip_l + (k if k.startswith("text_model.") else "text_model." + k)] = v
-    if layout == "sgm":
-        out.update(_open_clip(load_file(str(folder / "text_encoder_2" / "model.safetensors"))))
+    if model == "sdxl":
+        out.update(_open_clip(load_file(str(folder / "text_encoder_2" / "model.safetensors")),
+                              "conditioner.embedders.1.model."))
     return out
 
 
-def _open_clip(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """SDXL's second text encoder in OpenCLIP's names (``conditioner.embedders.1.model.*``)."""
-    top = "conditioner.embedders.1.model."
+def _past_the_penultimate(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What an SD 2.x file holds beyond diffusers' CLIPTextModel: OpenCLIP's last block (SD 2.x
+    conditions on the penultimate block's output, so diffusers' config stops before it) and the
+    [D, P] text projection; random, so a preheat that used them would give another image."""
+    rng = np.random.default_rng(7)
+    last = max(int(m[1]) for k in tensors if (m := re.match(r"(?:text_model\.)?encoder\.layers\.(\d+)\.", k)))
+    out = {}
+    for k, v in tensors.items():
+        if m := re.match(r"((?:text_model\.)?encoder\.layers\.)(\d+)(\..*)", k):
+            if int(m[2]) == last:
+                out[f"{m[1]}{last + 1}{m[3]}"] = rng.standard_normal(v.shape).astype(v.dtype)
+    width = tensors[next(k for k in tensors if k.endswith("final_layer_norm.weight"))].shape[0]
+    out["text_projection.weight"] = rng.standard_normal((width, width)).astype(np.float32)  # transformers' [P, D]
+    return out
+
+
+def _open_clip(tensors: dict[str, np.ndarray], top: str,
+               extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """A CLIP text encoder in OpenCLIP's names under ``top`` (SDXL's second encoder; SD 2.x's only
+    one, with ``extra`` tensors in transformers' names)."""
+    tensors = {**tensors, **(extra or {})}
     leaf = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",
             "self_attn.out_proj": "attn.out_proj"}
     out, qkv = {}, {}
@@ -108,7 +133,7 @@ def _open_clip(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         elif m := re.match(r"encoder\.layers\.(\d+)\.(.*)\.(weight|bias)", k):
             out[f"{top}transformer.resblocks.{m[1]}.{leaf[m[2]]}.{m[3]}"] = v
         elif k != "embeddings.position_ids":
-            raise AssertionError(f"unexpected CLIPTextModelWithProjection tensor {k}")
+            raise AssertionError(f"unexpected CLIP text encoder tensor {k}")
     for (i, kind), parts in qkv.items():
         out[f"{top}transformer.resblocks.{i}.attn.in_proj_{kind}"] = np.concatenate([parts[c] for c in "qkv"])
     return out
@@ -116,15 +141,15 @@ def _open_clip(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """{kind: (folder, single file)}: SD 1.x in the LDM layout, SDXL in the SGM layout."""
+    """{kind: (folder, single file)}: SD 1.x and SD 2.x in the LDM layout, SDXL in the SGM layout."""
     from safetensors.numpy import save_file
 
     base = tmp_path_factory.mktemp("single")
     out = {}
-    for kind, layout in (("sd1", "ldm"), ("sdxl", "sgm")):
+    for kind, layout in (("sd1", "ldm"), ("sd2", "ldm"), ("sdxl", "sgm")):
         folder = save_tiny_sd(base / kind, kind=kind)
         path = base / f"tiny-{kind}-{layout}.safetensors"
-        save_file(_to_original(folder, layout), str(path))
+        save_file(_to_original(folder, kind), str(path))
         out[kind] = (folder, path)
     return out
 
@@ -163,7 +188,7 @@ def _noise() -> np.ndarray:
     return np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32)
 
 
-@pytest.mark.parametrize("kind", ["sd1", "sdxl"])
+@pytest.mark.parametrize("kind", ["sd1", "sd2", "sdxl"])
 def test_single_file_matches_the_folder_it_was_converted_from(files, kind, tmp_path, monkeypatch, record_property):
     import torch
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
@@ -196,6 +221,26 @@ def test_single_file_matches_the_folder_it_was_converted_from(files, kind, tmp_p
     assert list((tmp_path / "home" / "models" / "single").iterdir()) == converted
     assert np.array_equal(again.generate("a lighthouse at dusk", noise=_noise(), steps=3, sampler=sampler,
                                          guidance=5.0, width=32, height=32), ours)
+
+
+def test_sd2_projections_stored_as_convolutions_give_the_config_s_linear_layers(files, tmp_path):
+    """Some SD 2.x files hold the UNet's transformer ``proj_in``/``proj_out`` as 1x1 convolutions
+    ([O, I, 1, 1]); the tiny SD 2.x config has linear ones (``use_linear_projection``), which get the
+    folder's own weights either way."""
+    from safetensors.numpy import load_file, save_file
+
+    from preheat.models.single_file import materialize
+
+    folder, path = files["sd2"]
+    tensors = load_file(str(path))
+    projections = [k for k in tensors if k.startswith("model.diffusion_model.") and re.search(r"\.proj_(in|out)\.weight$", k)]
+    assert projections and all(tensors[k].ndim == 2 for k in projections)  # SD 2.x files: linear
+    conv = tmp_path / "conv.safetensors"
+    save_file({k: v[:, :, None, None] if k in projections else v for k, v in tensors.items()}, str(conv))
+    want = load_file(str(folder / "unet" / "diffusion_pytorch_model.safetensors"))
+    for single in (path, conv):
+        got = load_file(str(materialize(single, folder, tmp_path / "home") / "unet" / "diffusion_pytorch_model.safetensors"))
+        assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
 
 
 def test_bad_single_files_are_one_line(single, tmp_path, monkeypatch):
