@@ -1,9 +1,10 @@
 """Single-file checkpoints (issue 28 item 1): tiny SD 1.x, SD 2.x and SDXL folders written back in
 the original LDM layout (``model.diffusion_model.*``, ``first_stage_model.*``, SD 1.x's
 ``cond_stage_model.transformer.*`` or SD 2.x's OpenCLIP ``cond_stage_model.model.*``) and SGM layout
-(the same UNet and VAE plus ``conditioner.embedders.0/1.*``); diffusers' own
-``from_single_file(path, config=folder)`` loads that file to the folder's image (so the file is
-real), and ``preheat.load(path, config=folder)`` gives diffusers' image from the folder."""
+(the same UNet and VAE plus ``conditioner.embedders.0/1.*``), and a tiny FLUX.1-dev transformer in
+BFL's layout (``double_blocks.*``, ...); diffusers' own ``from_single_file(path, config=folder)``
+loads that file to the folder's image or weights (so the file is real), and ``preheat.load(path,
+config=folder)`` gives diffusers' image from the folder."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import numpy as np
 import pytest
 
 import preheat
-from preheat.errors import InvalidArgumentError, ModelFormatError, WeightsError
+from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, WeightsError
+from tests._support import flow_fixtures
+from tests._support.bfl_files import to_bfl
 from tests._support.sd_fixtures import reference_pipeline, reference_pixels, save_tiny_sd
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
@@ -252,10 +255,11 @@ def test_bad_single_files_are_one_line(single, tmp_path, monkeypatch):
         preheat.load(path, cache="off")
     assert err.value.argument == "config" and "\n" not in str(err.value)
 
-    odd = tmp_path / "odd.safetensors"
-    save_file({"double_blocks.0.img_attn.qkv.weight": np.zeros((2, 2), np.float32)}, str(odd))
-    with pytest.raises(ModelFormatError, match=r"unknown layout: tried sgm \(conditioner\.embedders\.\*\), ldm "
-                                               r"\(model\.diffusion_model\.\*\); its keys start double_blocks"):
+    odd = tmp_path / "odd.safetensors"  # SD3's original MMDiT
+    save_file({"joint_blocks.0.x_block.attn.qkv.weight": np.zeros((2, 2), np.float32)}, str(odd))
+    with pytest.raises(ModelFormatError, match=r"unknown layout: tried sgm \(conditioner\.embedders\.\*\), bfl "
+                                               r"\(double_blocks\.\*, model\.diffusion_model\.double_blocks\.\*\), "
+                                               r"ldm \(model\.diffusion_model\.\*\); its keys start joint_blocks"):
         preheat.load(odd, config=folder, cache="off")
 
     tensors = load_file(str(path))
@@ -265,6 +269,112 @@ def test_bad_single_files_are_one_line(single, tmp_path, monkeypatch):
     with pytest.raises(WeightsError, match="do not fit the blocks") as err:
         preheat.load(extra, config=folder, cache="off")
     assert "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def flux_file(tmp_path_factory):
+    """(folder, file): a tiny FLUX.1-dev folder and its transformer in BFL's original layout."""
+    from safetensors.numpy import load_file, save_file
+
+    base = tmp_path_factory.mktemp("bfl")
+    folder = flow_fixtures.save_tiny_flow_model(base / "flux-dev", "flux-dev")
+    path = base / "flux1-tiny.safetensors"
+    save_file(to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))), str(path))
+    return folder, path
+
+
+def _diffusers_bfl_transformer(folder, path, monkeypatch):
+    """diffusers' ``FluxTransformer2DModel.from_single_file(path, config=folder, subfolder="transformer")``.
+
+    Its BFL conversion cuts a single block's ``linear1`` at FLUX.1's widths (``inner_dim = 3072`` is
+    written into it), which the tiny model's 224 rows cannot take; for that one cut ``torch.split``
+    gets the tiny widths (q, k, v: heads x head_dim, the MLP 4x that), everything else is diffusers' own."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    cfg = json.loads((folder / "transformer" / "config.json").read_text())
+    inner = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    split = torch.split
+
+    def tiny_split(tensor, sizes, dim=0):
+        if isinstance(sizes, (list, tuple)) and tuple(sizes) == (3072, 3072, 3072, 12288):
+            sizes = (inner, inner, inner, 4 * inner)
+        return split(tensor, sizes, dim)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "split", tiny_split)
+        return FluxTransformer2DModel.from_single_file(str(path), config=str(folder), subfolder="transformer",
+                                                       torch_dtype=torch.float32)
+
+
+def test_bfl_flux_file_matches_the_folder_it_was_converted_from(flux_file, tmp_path, monkeypatch, record_property):
+    from safetensors.numpy import load_file, save_file
+
+    from preheat.models.single_file import materialize
+
+    folder, path = flux_file
+    want = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    # diffusers reads the file back to the folder's transformer: the file is a real BFL checkpoint
+    theirs_from_file = _diffusers_bfl_transformer(folder, path, monkeypatch).state_dict()
+    assert sorted(theirs_from_file) == sorted(want)
+    assert all(np.array_equal(theirs_from_file[k].numpy(), want[k]) for k in want)
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    prompt, call = "a watercolor fox", dict(num_inference_steps=3, guidance_scale=3.5)
+    theirs = flow_fixtures.reference_pixels(flow_fixtures.reference_pipeline(folder), prompt, _noise(), **call)
+    ours = preheat.load(path, config=folder, cache="off").generate(prompt, noise=_noise(), steps=3,
+                                                                   sampler="flow_euler", guidance=3.5, width=32, height=32)
+    diff = float(np.abs(ours.astype(np.int32) - theirs.astype(np.int32)).mean())
+    record_property("mean_abs_px", diff)
+    assert diff <= MEAN_TOL, diff
+    assert ours.std() > 5
+    (converted,) = (tmp_path / "home" / "models" / "single").iterdir()
+    assert not (converted / "transformer" / "diffusion_pytorch_model.safetensors").is_symlink()  # from the file
+    for part in ("vae/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors",
+                 "text_encoder_2/model.safetensors"):  # the folder's own, linked rather than copied
+        assert (converted / part).resolve() == (folder / part).resolve()
+
+    # ComfyUI's files put the same names under model.diffusion_model.
+    prefixed = tmp_path / "prefixed.safetensors"
+    save_file({f"model.diffusion_model.{k}": v for k, v in load_file(str(path)).items()}, str(prefixed))
+    got = load_file(str(materialize(prefixed, folder, tmp_path / "other") / "transformer" /
+                        "diffusion_pytorch_model.safetensors"))
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_bfl_files_that_do_not_fit_the_config_are_one_line(flux_file, single, tmp_path, monkeypatch):
+    from safetensors.numpy import load_file, save_file
+
+    folder, path = flux_file
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    tensors = load_file(str(path))
+
+    def variant(name: str, **changed: np.ndarray):
+        out = tmp_path / f"{name}.safetensors"
+        save_file({**tensors, **changed}, str(out))
+        return out
+
+    # a fused q/k/v cut by the config's widths: 3 x 32 rows, not 3 x 31
+    short = variant("short", **{"double_blocks.0.img_attn.qkv.weight": np.zeros((93, 32), np.float32)})
+    with pytest.raises(WeightsError, match=r"double_blocks\.0\.img_attn\.qkv\.weight has 93 rows; the blocks of .* "
+                                           r"transformer config make 96") as err:
+        preheat.load(short, config=folder, cache="off")
+    assert "\n" not in str(err.value)
+    # any other shape: the loader's check, naming the single file; the conversion is not kept
+    wide = variant("wide", **{"img_in.weight": np.zeros((32, 8), np.float32)})
+    with pytest.raises(WeightsError, match=rf"single file {re.escape(str(wide))} does not fit the configs of .*"
+                                           r"x_embedder\.weight has shape \(32, 8\), expected \(32, 16\)") as err:
+        preheat.load(wide, config=folder, cache="off")
+    assert "\n" not in str(err.value) and not list((tmp_path / "home" / "models" / "single").iterdir())
+    # a block the config does not have
+    extra = variant("extra", **{"single_blocks.7.linear2.weight": np.zeros((32, 160), np.float32)})
+    with pytest.raises(WeightsError, match=r"1 tensors that do not fit the blocks .* single_blocks\.7\.linear2"):
+        preheat.load(extra, config=folder, cache="off")
+    # a Flux file with an SD folder's configs, and the other way round
+    with pytest.raises(ModelNotFoundError, match=r"has no transformer/config\.json, which a file of the bfl layout needs"):
+        preheat.load(path, config=single[0], cache="off")
+    with pytest.raises(ModelNotFoundError, match=r"has no unet/config\.json, which a file of the ldm layout needs"):
+        preheat.load(single[1], config=folder, cache="off")
 
 
 def test_every_surface_takes_a_single_file_with_its_config(single, tmp_path, monkeypatch):

@@ -3,7 +3,7 @@
     preheat.load("model.safetensors", config="<diffusers folder>")
 
 A community fine-tune ships as one ``.safetensors`` in the layout of the code that trained it.
-Its tensors are renamed to diffusers' names by one table per layout (``LAYOUTS``), written once
+Its tensors are renamed to diffusers' names by one placer per layout (``LAYOUTS``), written once
 and built from the config folder's block structure, then written as a diffusers folder (the
 config folder's configs and tokenizer files, the renamed weights) that every loader reads as it
 is. The folder is kept under ``<cache root>/models/single/``, named by the file's and the config
@@ -16,7 +16,13 @@ Layouts:
   ViT-H under ``cond_stage_model.model.*`` (q/k/v stacked; SD 2.x reads the penultimate layer, so the
   blocks past the config's ``num_hidden_layers`` and the projection are dropped, as diffusers does);
 * ``sgm`` (SDXL): the same UNet (plus ``label_emb``) and VAE, ``conditioner.embedders.0.transformer.*``
-  (CLIP-L) and ``conditioner.embedders.1.model.*`` (OpenCLIP bigG: q/k/v stacked, projection transposed).
+  (CLIP-L) and ``conditioner.embedders.1.model.*`` (OpenCLIP bigG: q/k/v stacked, projection transposed);
+* ``bfl`` (FLUX.1): Black Forest Labs' transformer alone (``double_blocks.*``, ``single_blocks.*``,
+  ``img_in``, ``txt_in``, ``time_in``, ``vector_in``, ``guidance_in``, ``final_layer``; also under
+  ``model.diffusion_model.``), renamed by ``preheat.models.bfl``'s table (the one LoRA files use).
+  The VAE and text encoders are the config folder's own weights.
+
+Components a file does not fill keep the config folder's weights (linked, not copied).
 
 A UNet's transformer ``proj_in``/``proj_out`` are 1x1 convolutions ([O, I, 1, 1]) in SD 1.x files and
 linear layers ([O, I]) in SD 2.x / SDXL files; either is written as the config's
@@ -30,15 +36,17 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, WeightsError
 from preheat.files import publish_folder
+from preheat.models.bfl import Piece, bfl_modules, flux_widths
 
-__all__ = ["LAYOUTS", "detect_layout", "materialize"]
+__all__ = ["LAYOUTS", "detect_layout", "materialize", "reading_converted"]
 
 
 class Rule(NamedTuple):
@@ -136,6 +144,7 @@ class Place(NamedTuple):
     component: str
     name: str
     take: Callable[[np.ndarray], np.ndarray] | None = None
+    rows: int | None = None  # a fused tensor's first axis as the config's widths make it (checked)
 
 
 # What a layout's ``place`` says about one original tensor: its places, [] for a tensor the
@@ -168,7 +177,7 @@ def _fit_projections(places: list[Place] | None, linear_unet: bool) -> list[Plac
     whatever the config's ``use_linear_projection`` says (SD 1.x files: conv; SD 2.x, SDXL: linear)."""
     if not places:
         return places
-    component, name, _ = places[0]
+    component, name = places[0].component, places[0].name
     if component == "vae" and ".attentions." in name and name.endswith(".weight"):
         return [Place(component, name, _as_linear)]
     if component == "unet" and name.endswith((".proj_in.weight", ".proj_out.weight")) and ".attentions." in name:
@@ -248,6 +257,33 @@ def _sgm_placer(configs: dict[str, dict[str, Any]]) -> Placer:
     return place
 
 
+def _cut(piece: Piece) -> Callable[[np.ndarray], np.ndarray] | None:
+    """A BFL tensor -> the piece diffusers holds: a row range, or the two halves swapped."""
+    if piece.swap:
+        return lambda t: np.concatenate([t[t.shape[0] // 2:], t[:t.shape[0] // 2]])
+    if piece.start is None:
+        return None
+    return lambda t: t[piece.start:piece.stop]
+
+
+def _bfl_placer(configs: dict[str, dict[str, Any]]) -> Placer:
+    """BFL (FLUX.1's transformer): the shared BFL table for the config's blocks and widths."""
+    cfg = configs["transformer"]
+    modules = bfl_modules(range(int(cfg["num_layers"])), range(int(cfg["num_single_layers"])),
+                          flux_widths(int(cfg["num_attention_heads"]), int(cfg["attention_head_dim"])))
+
+    def place(key: str) -> list[Place] | None:
+        module, _, leaf = key.removeprefix("model.diffusion_model.").rpartition(".")
+        pieces = modules.get(module)
+        if pieces is None:
+            return None
+        leaf = "weight" if leaf == "scale" else leaf  # BFL's RMSNorm scale is diffusers' weight
+        rows = pieces[-1].stop if len(pieces) > 1 else None
+        return [Place("transformer", f"{p.path}.{leaf}", _cut(p), rows) for p in pieces]
+
+    return place
+
+
 class Layout(NamedTuple):
     """One original layout: how to recognise it, the diffusers folders it fills, and its placer."""
 
@@ -257,9 +293,10 @@ class Layout(NamedTuple):
     placer: Callable[[dict[str, dict[str, Any]]], Placer]
 
 
-# most specific first: an SGM file holds the LDM UNet keys too
+# most specific first: SGM and prefixed BFL files hold model.diffusion_model.* keys too
 LAYOUTS: tuple[Layout, ...] = (
     Layout("sgm", ("conditioner.embedders.",), ("unet", "vae", "text_encoder", "text_encoder_2"), _sgm_placer),
+    Layout("bfl", ("double_blocks.", "model.diffusion_model.double_blocks."), ("transformer",), _bfl_placer),
     Layout("ldm", ("model.diffusion_model.",), ("unet", "vae", "text_encoder"), _ldm_placer),
 )
 # tensors of the original files that diffusers' folders do not hold (EMA copies, buffers)
@@ -287,12 +324,15 @@ def _read_config(folder: Path, component: str, layout: Layout) -> dict[str, Any]
     return json.loads(path.read_text())
 
 
+_WEIGHTS = (".safetensors", ".bin", ".ckpt")  # a config folder's weight files (its configs are the rest)
+
+
 def _identity(file: Path, config: Path) -> str:
     """What the converted folder is named by: the file (path, size, mtime) and the config folder's files."""
     st = file.stat()
     h = hashlib.sha256(f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     for p in sorted(config.rglob("*")):
-        if p.is_file() and not p.name.endswith((".safetensors", ".bin")):
+        if p.is_file() and not p.name.endswith(_WEIGHTS):
             h.update(p.relative_to(config).as_posix().encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:32]
 
@@ -335,7 +375,10 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
                 unplaced.append(key)
                 continue
             tensor = f.get_tensor(key) if places else None
-            for component, name, take in places:
+            for component, name, take, rows in places:
+                if rows is not None and tensor.shape[0] != rows:
+                    raise WeightsError(f"{file} ({layout.name} layout): {key} has {tensor.shape[0]} rows; the blocks "
+                                       f"of {config}'s {component} config make {rows}")
                 t = tensor if take is None else take(tensor)
                 parts[component][name] = np.ascontiguousarray(t)
     if unplaced:
@@ -344,10 +387,18 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
     try:
-        for p in sorted(config.rglob("*")):  # configs and tokenizer files; the folder's own weights are not used
-            if p.is_file() and not p.name.endswith((".safetensors", ".bin", ".ckpt")):
-                dst = tmp / p.relative_to(config)
-                dst.parent.mkdir(parents=True, exist_ok=True)
+        for p in sorted(config.rglob("*")):
+            if not p.is_file():
+                continue
+            rel = p.relative_to(config)
+            weights = p.name.endswith(_WEIGHTS) or p.name.endswith(".index.json")
+            if weights and (len(rel.parts) < 2 or rel.parts[0] in parts):
+                continue  # the file's components are written below; a checkpoint beside the configs is not used
+            dst = tmp / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if weights:  # a component the file does not hold (Flux: the VAE, the text encoders)
+                dst.symlink_to(p.resolve())
+            else:  # configs and tokenizer files
                 shutil.copyfile(p, dst)
         for component, tensors in parts.items():
             stem = "model" if component.startswith("text_encoder") else "diffusion_pytorch_model"
@@ -357,3 +408,15 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+@contextmanager
+def reading_converted(file: Any, config: Any, converted: Path) -> Iterator[None]:
+    """Around loading a converted folder: tensors that do not fit the config's model (a shape, a
+    missing or extra tensor: the loader's ``WeightsError``) are the single file's fault, so the
+    one-line error names it, and the conversion is not kept."""
+    try:
+        yield
+    except WeightsError as exc:
+        shutil.rmtree(converted, ignore_errors=True)
+        raise WeightsError(f"single file {file} does not fit the configs of {config}: {exc}") from None
