@@ -549,11 +549,14 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     from preheat.store import resolve
 
     root = model_root(model, variant)  # hf://: that variant only
+    reading: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if config is not None:
         from preheat.cache.root import resolve_root
-        from preheat.models.single_file import materialize
+        from preheat.models.single_file import materialize, reading_converted
 
-        root = materialize(root, resolve(str(config)), resolve_root().path)  # converted once, then reused
+        converted = materialize(root, resolve(str(config)), resolve_root().path)  # converted once, then reused
+        reading = reading_converted(model, config, converted)  # a misfit names the file, not the folder
+        root = converted
     elif Path(root).is_file() and Path(root).suffix == ".safetensors":
         raise InvalidArgumentError(f"{model} is a single .safetensors file; pass config=<the diffusers folder whose "
                                    "configs and tokenizers it goes with>", argument="config")
@@ -580,9 +583,10 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component
         start = phases.spans["import"][1]
         pending = DeferredFills() if early else None
-        loaded: LoadedModel = loader(root, scheduler=scheduler, dtype=dtype, variant=variant,
-                                     options=LoadOptions(pending=pending, weights_dtype=weights_dtype,
-                                                         weights_layers=weights_layers), **options)
+        with reading:
+            loaded: LoadedModel = loader(root, scheduler=scheduler, dtype=dtype, variant=variant,
+                                         options=LoadOptions(pending=pending, weights_dtype=weights_dtype,
+                                                             weights_layers=weights_layers), **options)
         if weights_dtype is not None:  # part of the denoiser's identity: its program takes fp8 weights
             from preheat.models.storage import stored_low
 

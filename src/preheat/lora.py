@@ -43,6 +43,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, WeightsError
+from preheat.models.bfl import Piece
 
 __all__ = ["BUCKETS", "LoraCache", "LoraRuntime", "LoraFile", "LoraTargets", "LoraRequest", "read_lora", "parse_request", "parse_cli",
            "bucket_for", "check_lora_ranks", "denoiser_args", "encoder_adapters"]
@@ -76,7 +77,7 @@ class LoraTargets:
     path_prefix: Mapping[str, str]  # component -> prefix of its layer paths a file may leave out
     # the denoiser's other names (Flux: BFL / XLabs), with "_" for ".": name -> pieces of
     # (layer path, first row, end row of the file's B factor, swap its halves)
-    aliases: Mapping[str, tuple[tuple[str, int, int, bool], ...]] = field(default_factory=dict)
+    aliases: Mapping[str, tuple[Piece, ...]] = field(default_factory=dict)
     alias_prefixes: tuple[str, ...] = ()  # prefixes stripped before an alias is looked up
 
     def __post_init__(self) -> None:
@@ -191,9 +192,6 @@ def _split_key(key: str) -> tuple[str, str] | None:
     return None
 
 
-Piece = tuple[str, int | None, int | None, bool]  # (layer path, B rows start, end, swap halves)
-
-
 def _locate(module: str, targets: LoraTargets) -> tuple[str, tuple[Piece, ...], str] | None:
     """A file's module name -> (component, the layers it feeds, metadata prefix), or None.
     Most names feed one layer; a fused one (Flux's BFL ``qkv``) feeds several, one row range each."""
@@ -210,7 +208,7 @@ def _locate(module: str, targets: LoraTargets) -> tuple[str, tuple[Piece, ...], 
     if found is None:
         return None
     comp, path, prefix = found
-    return comp, ((path, None, None, False),) if path else (), prefix
+    return comp, (Piece(path),) if path else (), prefix
 
 
 def _locate_one(module: str, targets: LoraTargets) -> tuple[str, str, str] | None:

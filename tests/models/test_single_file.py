@@ -1,7 +1,9 @@
-"""Single-file checkpoints (issue 28 item 1): tiny SD 1.x and SDXL folders written back in the
-original LDM layout (``model.diffusion_model.*``, ``first_stage_model.*``,
-``cond_stage_model.transformer.*``) and SGM layout (the same plus ``conditioner.embedders.0/1.*``); diffusers' own ``from_single_file(path, config=folder)``
-loads that file to the folder's image (so the file is real), and ``preheat.load(path,
+"""Single-file checkpoints (issue 28 item 1): tiny SD 1.x, SD 2.x and SDXL folders written back in
+the original LDM layout (``model.diffusion_model.*``, ``first_stage_model.*``, SD 1.x's
+``cond_stage_model.transformer.*`` or SD 2.x's OpenCLIP ``cond_stage_model.model.*``) and SGM layout
+(the same UNet and VAE plus ``conditioner.embedders.0/1.*``), and a tiny FLUX.1-dev transformer in
+BFL's layout (``double_blocks.*``, ...); diffusers' own ``from_single_file(path, config=folder)``
+loads that file to the folder's image or weights (so the file is real), and ``preheat.load(path,
 config=folder)`` gives diffusers' image from the folder."""
 
 from __future__ import annotations
@@ -13,15 +15,18 @@ import numpy as np
 import pytest
 
 import preheat
-from preheat.errors import InvalidArgumentError, ModelFormatError, WeightsError
+from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, WeightsError
+from tests._support import flow_fixtures
+from tests._support.bfl_files import to_bfl
 from tests._support.sd_fixtures import reference_pipeline, reference_pixels, save_tiny_sd
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 
 
-def _to_original(folder, layout: str) -> dict[str, np.ndarray]:
-    """The folder's weights under the original LDM (SD 1.x) or SGM (SDXL) names, written out by hand
-    from the original code's module structure (the test's own inverse; diffusers' loader checks it)."""
+def _to_original(folder, model: str) -> dict[str, np.ndarray]:
+    """The folder's weights under the original names -- LDM for SD 1.x and SD 2.x, SGM for SDXL --
+    written out by hand from the original code's module structure (the test's own inverse;
+    diffusers' loader checks it)."""
     from safetensors.numpy import load_file
 
     unet_cfg = json.loads((folder / "unet" / "config.json").read_text())
@@ -80,18 +85,41 @@ def _to_original(folder, layout: str) -> dict[str, np.ndarray]:
             if tail == "weight" and v.ndim == 2:
                 v = v[:, :, None, None]  # the original's 1x1 convolutions
         out["first_stage_model." + name] = v
-    clip_l = "cond_stage_model.transformer." if layout == "ldm" else "conditioner.embedders.0.transformer."
-    for k, v in load_file(str(folder / "text_encoder" / "model.safetensors")).items():
+    text = load_file(str(folder / "text_encoder" / "model.safetensors"))
+    if model == "sd2":  # OpenCLIP ViT-H, with the last block and the projection diffusers' folder leaves out
+        out.update(_open_clip(text, "cond_stage_model.model.", _past_the_penultimate(text)))
+        return out
+    clip_l = "cond_stage_model.transformer." if model == "sd1" else "conditioner.embedders.0.transformer."
+    for k, v in text.items():
         # transformers 5 saves CLIPTextModel without the text_model. prefix; the original files have it
         out[clip_l + (k if k.startswith("text_model.") else "text_model." + k)] = v
-    if layout == "sgm":
-        out.update(_open_clip(load_file(str(folder / "text_encoder_2" / "model.safetensors"))))
+    if model == "sdxl":
+        out.update(_open_clip(load_file(str(folder / "text_encoder_2" / "model.safetensors")),
+                              "conditioner.embedders.1.model."))
     return out
 
 
-def _open_clip(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """SDXL's second text encoder in OpenCLIP's names (``conditioner.embedders.1.model.*``)."""
-    top = "conditioner.embedders.1.model."
+def _past_the_penultimate(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What an SD 2.x file holds beyond diffusers' CLIPTextModel: OpenCLIP's last block (SD 2.x
+    conditions on the penultimate block's output, so diffusers' config stops before it) and the
+    [D, P] text projection; random, so a preheat that used them would give another image."""
+    rng = np.random.default_rng(7)
+    last = max(int(m[1]) for k in tensors if (m := re.match(r"(?:text_model\.)?encoder\.layers\.(\d+)\.", k)))
+    out = {}
+    for k, v in tensors.items():
+        if m := re.match(r"((?:text_model\.)?encoder\.layers\.)(\d+)(\..*)", k):
+            if int(m[2]) == last:
+                out[f"{m[1]}{last + 1}{m[3]}"] = rng.standard_normal(v.shape).astype(v.dtype)
+    width = tensors[next(k for k in tensors if k.endswith("final_layer_norm.weight"))].shape[0]
+    out["text_projection.weight"] = rng.standard_normal((width, width)).astype(np.float32)  # transformers' [P, D]
+    return out
+
+
+def _open_clip(tensors: dict[str, np.ndarray], top: str,
+               extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """A CLIP text encoder in OpenCLIP's names under ``top`` (SDXL's second encoder; SD 2.x's only
+    one, with ``extra`` tensors in transformers' names)."""
+    tensors = {**tensors, **(extra or {})}
     leaf = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",
             "self_attn.out_proj": "attn.out_proj"}
     out, qkv = {}, {}
@@ -108,7 +136,7 @@ def _open_clip(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         elif m := re.match(r"encoder\.layers\.(\d+)\.(.*)\.(weight|bias)", k):
             out[f"{top}transformer.resblocks.{m[1]}.{leaf[m[2]]}.{m[3]}"] = v
         elif k != "embeddings.position_ids":
-            raise AssertionError(f"unexpected CLIPTextModelWithProjection tensor {k}")
+            raise AssertionError(f"unexpected CLIP text encoder tensor {k}")
     for (i, kind), parts in qkv.items():
         out[f"{top}transformer.resblocks.{i}.attn.in_proj_{kind}"] = np.concatenate([parts[c] for c in "qkv"])
     return out
@@ -116,15 +144,15 @@ def _open_clip(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """{kind: (folder, single file)}: SD 1.x in the LDM layout, SDXL in the SGM layout."""
+    """{kind: (folder, single file)}: SD 1.x and SD 2.x in the LDM layout, SDXL in the SGM layout."""
     from safetensors.numpy import save_file
 
     base = tmp_path_factory.mktemp("single")
     out = {}
-    for kind, layout in (("sd1", "ldm"), ("sdxl", "sgm")):
+    for kind, layout in (("sd1", "ldm"), ("sd2", "ldm"), ("sdxl", "sgm")):
         folder = save_tiny_sd(base / kind, kind=kind)
         path = base / f"tiny-{kind}-{layout}.safetensors"
-        save_file(_to_original(folder, layout), str(path))
+        save_file(_to_original(folder, kind), str(path))
         out[kind] = (folder, path)
     return out
 
@@ -163,7 +191,7 @@ def _noise() -> np.ndarray:
     return np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32)
 
 
-@pytest.mark.parametrize("kind", ["sd1", "sdxl"])
+@pytest.mark.parametrize("kind", ["sd1", "sd2", "sdxl"])
 def test_single_file_matches_the_folder_it_was_converted_from(files, kind, tmp_path, monkeypatch, record_property):
     import torch
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
@@ -198,6 +226,26 @@ def test_single_file_matches_the_folder_it_was_converted_from(files, kind, tmp_p
                                          guidance=5.0, width=32, height=32), ours)
 
 
+def test_sd2_projections_stored_as_convolutions_give_the_config_s_linear_layers(files, tmp_path):
+    """Some SD 2.x files hold the UNet's transformer ``proj_in``/``proj_out`` as 1x1 convolutions
+    ([O, I, 1, 1]); the tiny SD 2.x config has linear ones (``use_linear_projection``), which get the
+    folder's own weights either way."""
+    from safetensors.numpy import load_file, save_file
+
+    from preheat.models.single_file import materialize
+
+    folder, path = files["sd2"]
+    tensors = load_file(str(path))
+    projections = [k for k in tensors if k.startswith("model.diffusion_model.") and re.search(r"\.proj_(in|out)\.weight$", k)]
+    assert projections and all(tensors[k].ndim == 2 for k in projections)  # SD 2.x files: linear
+    conv = tmp_path / "conv.safetensors"
+    save_file({k: v[:, :, None, None] if k in projections else v for k, v in tensors.items()}, str(conv))
+    want = load_file(str(folder / "unet" / "diffusion_pytorch_model.safetensors"))
+    for single in (path, conv):
+        got = load_file(str(materialize(single, folder, tmp_path / "home") / "unet" / "diffusion_pytorch_model.safetensors"))
+        assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+
+
 def test_bad_single_files_are_one_line(single, tmp_path, monkeypatch):
     from safetensors.numpy import load_file, save_file
 
@@ -207,10 +255,11 @@ def test_bad_single_files_are_one_line(single, tmp_path, monkeypatch):
         preheat.load(path, cache="off")
     assert err.value.argument == "config" and "\n" not in str(err.value)
 
-    odd = tmp_path / "odd.safetensors"
-    save_file({"double_blocks.0.img_attn.qkv.weight": np.zeros((2, 2), np.float32)}, str(odd))
-    with pytest.raises(ModelFormatError, match=r"unknown layout: tried sgm \(conditioner\.embedders\.\*\), ldm "
-                                               r"\(model\.diffusion_model\.\*\); its keys start double_blocks"):
+    odd = tmp_path / "odd.safetensors"  # SD3's original MMDiT
+    save_file({"joint_blocks.0.x_block.attn.qkv.weight": np.zeros((2, 2), np.float32)}, str(odd))
+    with pytest.raises(ModelFormatError, match=r"unknown layout: tried sgm \(conditioner\.embedders\.\*\), bfl "
+                                               r"\(double_blocks\.\*, model\.diffusion_model\.double_blocks\.\*\), "
+                                               r"ldm \(model\.diffusion_model\.\*\); its keys start joint_blocks"):
         preheat.load(odd, config=folder, cache="off")
 
     tensors = load_file(str(path))
@@ -220,6 +269,112 @@ def test_bad_single_files_are_one_line(single, tmp_path, monkeypatch):
     with pytest.raises(WeightsError, match="do not fit the blocks") as err:
         preheat.load(extra, config=folder, cache="off")
     assert "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def flux_file(tmp_path_factory):
+    """(folder, file): a tiny FLUX.1-dev folder and its transformer in BFL's original layout."""
+    from safetensors.numpy import load_file, save_file
+
+    base = tmp_path_factory.mktemp("bfl")
+    folder = flow_fixtures.save_tiny_flow_model(base / "flux-dev", "flux-dev")
+    path = base / "flux1-tiny.safetensors"
+    save_file(to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))), str(path))
+    return folder, path
+
+
+def _diffusers_bfl_transformer(folder, path, monkeypatch):
+    """diffusers' ``FluxTransformer2DModel.from_single_file(path, config=folder, subfolder="transformer")``.
+
+    Its BFL conversion cuts a single block's ``linear1`` at FLUX.1's widths (``inner_dim = 3072`` is
+    written into it), which the tiny model's 224 rows cannot take; for that one cut ``torch.split``
+    gets the tiny widths (q, k, v: heads x head_dim, the MLP 4x that), everything else is diffusers' own."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    cfg = json.loads((folder / "transformer" / "config.json").read_text())
+    inner = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    split = torch.split
+
+    def tiny_split(tensor, sizes, dim=0):
+        if isinstance(sizes, (list, tuple)) and tuple(sizes) == (3072, 3072, 3072, 12288):
+            sizes = (inner, inner, inner, 4 * inner)
+        return split(tensor, sizes, dim)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "split", tiny_split)
+        return FluxTransformer2DModel.from_single_file(str(path), config=str(folder), subfolder="transformer",
+                                                       torch_dtype=torch.float32)
+
+
+def test_bfl_flux_file_matches_the_folder_it_was_converted_from(flux_file, tmp_path, monkeypatch, record_property):
+    from safetensors.numpy import load_file, save_file
+
+    from preheat.models.single_file import materialize
+
+    folder, path = flux_file
+    want = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    # diffusers reads the file back to the folder's transformer: the file is a real BFL checkpoint
+    theirs_from_file = _diffusers_bfl_transformer(folder, path, monkeypatch).state_dict()
+    assert sorted(theirs_from_file) == sorted(want)
+    assert all(np.array_equal(theirs_from_file[k].numpy(), want[k]) for k in want)
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    prompt, call = "a watercolor fox", dict(num_inference_steps=3, guidance_scale=3.5)
+    theirs = flow_fixtures.reference_pixels(flow_fixtures.reference_pipeline(folder), prompt, _noise(), **call)
+    ours = preheat.load(path, config=folder, cache="off").generate(prompt, noise=_noise(), steps=3,
+                                                                   sampler="flow_euler", guidance=3.5, width=32, height=32)
+    diff = float(np.abs(ours.astype(np.int32) - theirs.astype(np.int32)).mean())
+    record_property("mean_abs_px", diff)
+    assert diff <= MEAN_TOL, diff
+    assert ours.std() > 5
+    (converted,) = (tmp_path / "home" / "models" / "single").iterdir()
+    assert not (converted / "transformer" / "diffusion_pytorch_model.safetensors").is_symlink()  # from the file
+    for part in ("vae/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors",
+                 "text_encoder_2/model.safetensors"):  # the folder's own, linked rather than copied
+        assert (converted / part).resolve() == (folder / part).resolve()
+
+    # ComfyUI's files put the same names under model.diffusion_model.
+    prefixed = tmp_path / "prefixed.safetensors"
+    save_file({f"model.diffusion_model.{k}": v for k, v in load_file(str(path)).items()}, str(prefixed))
+    got = load_file(str(materialize(prefixed, folder, tmp_path / "other") / "transformer" /
+                        "diffusion_pytorch_model.safetensors"))
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_bfl_files_that_do_not_fit_the_config_are_one_line(flux_file, single, tmp_path, monkeypatch):
+    from safetensors.numpy import load_file, save_file
+
+    folder, path = flux_file
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    tensors = load_file(str(path))
+
+    def variant(name: str, **changed: np.ndarray):
+        out = tmp_path / f"{name}.safetensors"
+        save_file({**tensors, **changed}, str(out))
+        return out
+
+    # a fused q/k/v cut by the config's widths: 3 x 32 rows, not 3 x 31
+    short = variant("short", **{"double_blocks.0.img_attn.qkv.weight": np.zeros((93, 32), np.float32)})
+    with pytest.raises(WeightsError, match=r"double_blocks\.0\.img_attn\.qkv\.weight has 93 rows; the blocks of .* "
+                                           r"transformer config make 96") as err:
+        preheat.load(short, config=folder, cache="off")
+    assert "\n" not in str(err.value)
+    # any other shape: the loader's check, naming the single file; the conversion is not kept
+    wide = variant("wide", **{"img_in.weight": np.zeros((32, 8), np.float32)})
+    with pytest.raises(WeightsError, match=rf"single file {re.escape(str(wide))} does not fit the configs of .*"
+                                           r"x_embedder\.weight has shape \(32, 8\), expected \(32, 16\)") as err:
+        preheat.load(wide, config=folder, cache="off")
+    assert "\n" not in str(err.value) and not list((tmp_path / "home" / "models" / "single").iterdir())
+    # a block the config does not have
+    extra = variant("extra", **{"single_blocks.7.linear2.weight": np.zeros((32, 160), np.float32)})
+    with pytest.raises(WeightsError, match=r"1 tensors that do not fit the blocks .* single_blocks\.7\.linear2"):
+        preheat.load(extra, config=folder, cache="off")
+    # a Flux file with an SD folder's configs, and the other way round
+    with pytest.raises(ModelNotFoundError, match=r"has no transformer/config\.json, which a file of the bfl layout needs"):
+        preheat.load(path, config=single[0], cache="off")
+    with pytest.raises(ModelNotFoundError, match=r"has no unet/config\.json, which a file of the ldm layout needs"):
+        preheat.load(single[1], config=folder, cache="off")
 
 
 def test_every_surface_takes_a_single_file_with_its_config(single, tmp_path, monkeypatch):

@@ -45,6 +45,7 @@ from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import EncodeArgs
 from preheat.families.text import PROMPT, TextToImageFamily, component, default_sampler, encode, offload
 from preheat.lora import encoder_adapters
+from preheat.models.bfl import Piece, bfl_modules
 from preheat.samplers import MU_SIGMAS_SAMPLERS
 
 if TYPE_CHECKING:
@@ -138,56 +139,24 @@ def _encode_program(components: FluxComponents, lora: bool = False) -> Any:
     return program
 
 
-def bfl_lora_names(layers: Mapping[str, tuple[int, int]]) -> dict[str, tuple[tuple[str, int, int, bool], ...]]:
+def bfl_lora_names(layers: Mapping[str, tuple[int, int]]) -> dict[str, tuple[Piece, ...]]:
     """Flux LoRA layer names of the original (BFL) code -- kohya's ``lora_unet_double_blocks_0_img_attn_qkv``,
     ComfyUI's ``diffusion_model.double_blocks.0.img_attn.qkv`` -- and XLabs' ``double_blocks.0.processor.qkv_lora1``,
-    with "_" for ".", -> the diffusers layers they feed: (path, first row, end row of B, swap halves).
-    A fused ``qkv`` (and a single block's ``linear1``: q, k, v, mlp) shares A and splits B's rows."""
-    def piece(path: str, start: int | None = None, stop: int | None = None, swap: bool = False) -> tuple:
-        return (path, start, stop, swap)
-
-    def fused(*paths: str) -> tuple:
-        out, row = [], 0
-        for p in paths:
-            width = layers[p][1]
-            out.append(piece(p, row, row + width))
-            row += width
-        return tuple(out)
-
-    names: dict[str, tuple] = {}
+    with "_" for ".", -> the diffusers layers they feed (``preheat.models.bfl``'s table, the one
+    single files use). A fused ``qkv`` (and a single block's ``linear1``: q, k, v, mlp) shares A
+    and splits B's rows; ``layers``: the model's LoRA targets, path -> (in, out)."""
     doubles = sorted({int(p.split(".")[1]) for p in layers if p.startswith("transformer_blocks.")})
     singles = sorted({int(p.split(".")[1]) for p in layers if p.startswith("single_transformer_blocks.")})
-    for i in doubles:
-        d = f"transformer_blocks.{i}"
-        qkv = fused(f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v")
-        add_qkv = fused(f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj")
-        for bfl, target in (("img_attn_qkv", qkv), ("txt_attn_qkv", add_qkv),
-                            ("processor_qkv_lora1", qkv), ("processor_qkv_lora2", add_qkv)):
-            names[f"double_blocks_{i}_{bfl}"] = target
-        for bfl, path in (("img_attn_proj", "attn.to_out.0"), ("img_mlp_0", "ff.net.0.proj"), ("img_mlp_2", "ff.net.2"),
-                          ("img_mod_lin", "norm1.linear"), ("txt_attn_proj", "attn.to_add_out"),
-                          ("txt_mlp_0", "ff_context.net.0.proj"), ("txt_mlp_2", "ff_context.net.2"),
-                          ("txt_mod_lin", "norm1_context.linear"), ("processor_proj_lora1", "attn.to_out.0"),
-                          ("processor_proj_lora2", "attn.to_add_out")):
-            names[f"double_blocks_{i}_{bfl}"] = (piece(f"{d}.{path}"),)
+    modules = bfl_modules(doubles, singles, lambda path: layers[path][1])
+    # LoRA targets are linear layers: the table's norms (and guidance_in for schnell) have none
+    names = {bfl.replace(".", "_"): pieces for bfl, pieces in modules.items() if all(p.path in layers for p in pieces)}
+    for i in doubles:  # XLabs' names for the attention's fused and output layers
+        for xlabs, bfl in (("processor_qkv_lora1", "img_attn.qkv"), ("processor_qkv_lora2", "txt_attn.qkv"),
+                           ("processor_proj_lora1", "img_attn.proj"), ("processor_proj_lora2", "txt_attn.proj")):
+            names[f"double_blocks_{i}_{xlabs}"] = modules[f"double_blocks.{i}.{bfl}"]
     for i in singles:
-        s = f"single_transformer_blocks.{i}"
-        names[f"single_blocks_{i}_linear1"] = fused(f"{s}.attn.to_q", f"{s}.attn.to_k", f"{s}.attn.to_v",
-                                                   f"{s}.proj_mlp")
-        names[f"single_blocks_{i}_processor_qkv_lora"] = fused(f"{s}.attn.to_q", f"{s}.attn.to_k", f"{s}.attn.to_v")
-        for bfl, path in (("linear2", "proj_out"), ("modulation_lin", "norm.linear"), ("processor_proj_lora", "proj_out")):
-            names[f"single_blocks_{i}_{bfl}"] = (piece(f"{s}.{path}"),)
-    for bfl, path in (("img_in", "x_embedder"), ("txt_in", "context_embedder"),
-                      ("time_in_in_layer", "time_text_embed.timestep_embedder.linear_1"),
-                      ("time_in_out_layer", "time_text_embed.timestep_embedder.linear_2"),
-                      ("vector_in_in_layer", "time_text_embed.text_embedder.linear_1"),
-                      ("vector_in_out_layer", "time_text_embed.text_embedder.linear_2"),
-                      ("guidance_in_in_layer", "time_text_embed.guidance_embedder.linear_1"),
-                      ("guidance_in_out_layer", "time_text_embed.guidance_embedder.linear_2"),
-                      ("final_layer_linear", "proj_out")):
-        if path in layers:
-            names[bfl] = (piece(path),)
-    names["final_layer_adaLN_modulation_1"] = (piece("norm_out.linear", swap=True),)
+        names[f"single_blocks_{i}_processor_qkv_lora"] = modules[f"single_blocks.{i}.linear1"][:3]  # q, k, v
+        names[f"single_blocks_{i}_processor_proj_lora"] = modules[f"single_blocks.{i}.linear2"]
     return names
 
 

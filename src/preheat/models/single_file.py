@@ -3,7 +3,7 @@
     preheat.load("model.safetensors", config="<diffusers folder>")
 
 A community fine-tune ships as one ``.safetensors`` in the layout of the code that trained it.
-Its tensors are renamed to diffusers' names by one table per layout (``LAYOUTS``), written once
+Its tensors are renamed to diffusers' names by one placer per layout (``LAYOUTS``), written once
 and built from the config folder's block structure, then written as a diffusers folder (the
 config folder's configs and tokenizer files, the renamed weights) that every loader reads as it
 is. The folder is kept under ``<cache root>/models/single/``, named by the file's and the config
@@ -11,10 +11,22 @@ folder's identity, so a restart reads it again without converting.
 
 Layouts:
 
-* ``ldm`` (SD 1.x): ``model.diffusion_model.*`` (UNet), ``first_stage_model.*`` (VAE),
-  ``cond_stage_model.transformer.*`` (CLIP text encoder);
+* ``ldm`` (SD 1.x, SD 2.x): ``model.diffusion_model.*`` (UNet), ``first_stage_model.*`` (VAE), and
+  the text encoder: SD 1.x's OpenAI CLIP under ``cond_stage_model.transformer.*``, SD 2.x's OpenCLIP
+  ViT-H under ``cond_stage_model.model.*`` (q/k/v stacked; SD 2.x reads the penultimate layer, so the
+  blocks past the config's ``num_hidden_layers`` and the projection are dropped, as diffusers does);
 * ``sgm`` (SDXL): the same UNet (plus ``label_emb``) and VAE, ``conditioner.embedders.0.transformer.*``
-  (CLIP-L) and ``conditioner.embedders.1.model.*`` (OpenCLIP bigG: q/k/v stacked, projection transposed).
+  (CLIP-L) and ``conditioner.embedders.1.model.*`` (OpenCLIP bigG: q/k/v stacked, projection transposed);
+* ``bfl`` (FLUX.1): Black Forest Labs' transformer alone (``double_blocks.*``, ``single_blocks.*``,
+  ``img_in``, ``txt_in``, ``time_in``, ``vector_in``, ``guidance_in``, ``final_layer``; also under
+  ``model.diffusion_model.``), renamed by ``preheat.models.bfl``'s table (the one LoRA files use).
+  The VAE and text encoders are the config folder's own weights.
+
+Components a file does not fill keep the config folder's weights (linked, not copied).
+
+A UNet's transformer ``proj_in``/``proj_out`` are 1x1 convolutions ([O, I, 1, 1]) in SD 1.x files and
+linear layers ([O, I]) in SD 2.x / SDXL files; either is written as the config's
+``use_linear_projection`` holds it (the same map either way).
 """
 
 from __future__ import annotations
@@ -24,15 +36,17 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, WeightsError
 from preheat.files import publish_folder
+from preheat.models.bfl import Piece, bfl_modules, flux_widths
 
-__all__ = ["LAYOUTS", "detect_layout", "materialize"]
+__all__ = ["LAYOUTS", "detect_layout", "materialize", "reading_converted"]
 
 
 class Rule(NamedTuple):
@@ -125,14 +139,20 @@ def _ldm_table(configs: dict[str, dict[str, Any]]) -> dict[str, tuple[str, str]]
 
 class Place(NamedTuple):
     """Where (part of) one original tensor goes: a component, its diffusers name, and the slice or
-    transpose that makes the diffusers tensor (None: the tensor as it is)."""
+    reshape that makes the diffusers tensor (None: the tensor as it is)."""
 
     component: str
     name: str
     take: Callable[[np.ndarray], np.ndarray] | None = None
+    rows: int | None = None  # a fused tensor's first axis as the config's widths make it (checked)
 
 
-def _by_prefix(table: dict[str, tuple[str, str]], key: str) -> list[Place]:
+# What a layout's ``place`` says about one original tensor: its places, [] for a tensor the
+# diffusers folder deliberately does not hold, None for one that fits no block of the configs.
+Placer = Callable[[str], "list[Place] | None"]
+
+
+def _by_prefix(table: dict[str, tuple[str, str]], key: str) -> list[Place] | None:
     """The longest prefix of ``key`` in ``table`` wins (a block's leaf rule over the block itself)."""
     parts = key.split(".")
     for cut in range(len(parts) - 1, 0, -1):
@@ -140,7 +160,29 @@ def _by_prefix(table: dict[str, tuple[str, str]], key: str) -> list[Place]:
         if prefix in table:
             component, target = table[prefix]
             return [Place(component, target + ".".join(parts[cut:]))]
-    return []
+    return None
+
+
+def _as_linear(t: np.ndarray) -> np.ndarray:
+    return t.reshape(t.shape[:2]) if t.ndim == 4 else t  # [O, I, 1, 1] 1x1 convolution -> [O, I]
+
+
+def _as_conv(t: np.ndarray) -> np.ndarray:
+    return t.reshape(*t.shape, 1, 1) if t.ndim == 2 else t  # [O, I] -> [O, I, 1, 1]
+
+
+def _fit_projections(places: list[Place] | None, linear_unet: bool) -> list[Place] | None:
+    """1x1 convolutions and linear layers are one map in two shapes: the VAE's attention is linear
+    in diffusers (a convolution in the original), the UNet's transformer ``proj_in``/``proj_out``
+    whatever the config's ``use_linear_projection`` says (SD 1.x files: conv; SD 2.x, SDXL: linear)."""
+    if not places:
+        return places
+    component, name = places[0].component, places[0].name
+    if component == "vae" and ".attentions." in name and name.endswith(".weight"):
+        return [Place(component, name, _as_linear)]
+    if component == "unet" and name.endswith((".proj_in.weight", ".proj_out.weight")) and ".attentions." in name:
+        return [Place(component, name, _as_linear if linear_unet else _as_conv)]
+    return places
 
 
 def _clip(component: str, rest: str) -> list[Place]:
@@ -152,19 +194,23 @@ _OPEN_CLIP_LEAVES = {"ln_1.": "layer_norm1.", "ln_2.": "layer_norm2.", "mlp.c_fc
                      "mlp.c_proj.": "mlp.fc2.", "attn.out_proj.": "self_attn.out_proj."}
 
 
-def _open_clip(component: str, rest: str) -> list[Place]:
-    """An OpenCLIP text tower (SDXL's bigG) in transformers' CLIPTextModelWithProjection names."""
+def _open_clip(component: str, rest: str, runs: int | None = None, projection: bool = True) -> list[Place] | None:
+    """An OpenCLIP text tower in transformers' CLIP names: SDXL's bigG (CLIPTextModelWithProjection,
+    every block), or SD 2.x's ViT-H as diffusers holds it (CLIPTextModel: ``runs`` blocks, the ones
+    before the penultimate output SD 2.x conditions on, and no projection)."""
     fixed = {"token_embedding.weight": "text_model.embeddings.token_embedding.weight",
              "positional_embedding": "text_model.embeddings.position_embedding.weight",
              "ln_final.weight": "text_model.final_layer_norm.weight", "ln_final.bias": "text_model.final_layer_norm.bias"}
     if rest in fixed:
         return [Place(component, fixed[rest])]
     if rest == "text_projection":  # [D, P] applied as x @ W; transformers' Linear holds [P, D]
-        return [Place(component, "text_projection.weight", lambda t: t.T)]
+        return [Place(component, "text_projection.weight", lambda t: t.T)] if projection else []
     block, sep, leaf = rest.partition(".")
     if block != "transformer" or not leaf.startswith("resblocks."):
-        return []
+        return None
     _, i, leaf = leaf.split(".", 2)
+    if runs is not None and int(i) >= runs:
+        return []  # past the layer the pipeline reads (SD 2.x: the last block)
     layer = f"text_model.encoder.layers.{i}."
     if leaf in ("attn.in_proj_weight", "attn.in_proj_bias"):  # q, k, v stacked on the first axis
         kind = leaf.rsplit("_", 1)[1]
@@ -174,51 +220,88 @@ def _open_clip(component: str, rest: str) -> list[Place]:
     for src, dst in _OPEN_CLIP_LEAVES.items():
         if leaf.startswith(src):
             return [Place(component, layer + dst + leaf[len(src):])]
-    return []
+    return None
 
 
-def _ldm_name(table: dict[str, tuple[str, str]], key: str) -> list[Place]:
-    """Where one LDM tensor goes ([] for tensors no component holds)."""
-    if key.startswith("cond_stage_model.transformer."):
-        return _clip("text_encoder", key[len("cond_stage_model.transformer."):])
-    return _by_prefix(table, key)
+def _ldm_placer(configs: dict[str, dict[str, Any]]) -> Placer:
+    """LDM (SD 1.x, SD 2.x): the UNet and VAE by the configs' block table, the text encoder by its kind."""
+    table = _ldm_table(configs)
+    linear = bool(configs["unet"].get("use_linear_projection", False))
+    runs = int(configs["text_encoder"]["num_hidden_layers"])
+
+    def place(key: str) -> list[Place] | None:
+        if key.startswith("cond_stage_model.transformer."):
+            return _clip("text_encoder", key[len("cond_stage_model.transformer."):])
+        if key.startswith("cond_stage_model.model."):
+            return _open_clip("text_encoder", key[len("cond_stage_model.model."):], runs=runs, projection=False)
+        return _fit_projections(_by_prefix(table, key), linear)
+
+    return place
 
 
-def _sgm_table(configs: dict[str, dict[str, Any]]) -> dict[str, tuple[str, str]]:
-    """SGM (SDXL): the LDM UNet and VAE plus the size/pooled-text embedding (``label_emb``)."""
+def _sgm_placer(configs: dict[str, dict[str, Any]]) -> Placer:
+    """SGM (SDXL): the LDM UNet and VAE plus the size/pooled-text embedding (``label_emb``);
+    embedder 0 is CLIP-L, embedder 1 OpenCLIP bigG."""
     table = _ldm_table(configs)
     table["model.diffusion_model.label_emb.0.0."] = ("unet", "add_embedding.linear_1.")
     table["model.diffusion_model.label_emb.0.2."] = ("unet", "add_embedding.linear_2.")
-    return table
+    linear = bool(configs["unet"].get("use_linear_projection", False))
+
+    def place(key: str) -> list[Place] | None:
+        if key.startswith("conditioner.embedders.0.transformer."):
+            return _clip("text_encoder", key[len("conditioner.embedders.0.transformer."):])
+        if key.startswith("conditioner.embedders.1.model."):
+            return _open_clip("text_encoder_2", key[len("conditioner.embedders.1.model."):])
+        return _fit_projections(_by_prefix(table, key), linear)
+
+    return place
 
 
-def _sgm_name(table: dict[str, tuple[str, str]], key: str) -> list[Place]:
-    """Where one SGM tensor goes: embedder 0 is CLIP-L, embedder 1 OpenCLIP bigG."""
-    if key.startswith("conditioner.embedders.0.transformer."):
-        return _clip("text_encoder", key[len("conditioner.embedders.0.transformer."):])
-    if key.startswith("conditioner.embedders.1.model."):
-        return _open_clip("text_encoder_2", key[len("conditioner.embedders.1.model."):])
-    return _by_prefix(table, key)
+def _cut(piece: Piece) -> Callable[[np.ndarray], np.ndarray] | None:
+    """A BFL tensor -> the piece diffusers holds: a row range, or the two halves swapped."""
+    if piece.swap:
+        return lambda t: np.concatenate([t[t.shape[0] // 2:], t[:t.shape[0] // 2]])
+    if piece.start is None:
+        return None
+    return lambda t: t[piece.start:piece.stop]
+
+
+def _bfl_placer(configs: dict[str, dict[str, Any]]) -> Placer:
+    """BFL (FLUX.1's transformer): the shared BFL table for the config's blocks and widths."""
+    cfg = configs["transformer"]
+    modules = bfl_modules(range(int(cfg["num_layers"])), range(int(cfg["num_single_layers"])),
+                          flux_widths(int(cfg["num_attention_heads"]), int(cfg["attention_head_dim"])))
+
+    def place(key: str) -> list[Place] | None:
+        module, _, leaf = key.removeprefix("model.diffusion_model.").rpartition(".")
+        pieces = modules.get(module)
+        if pieces is None:
+            return None
+        leaf = "weight" if leaf == "scale" else leaf  # BFL's RMSNorm scale is diffusers' weight
+        rows = pieces[-1].stop if len(pieces) > 1 else None
+        return [Place("transformer", f"{p.path}.{leaf}", _cut(p), rows) for p in pieces]
+
+    return place
 
 
 class Layout(NamedTuple):
-    """One original layout: how to recognise it and its name table."""
+    """One original layout: how to recognise it, the diffusers folders it fills, and its placer."""
 
     name: str
-    marker: str  # a key prefix only this layout's files have
-    components: tuple[str, ...]  # the diffusers folders it fills
-    table: Callable[[dict[str, dict[str, Any]]], dict[str, tuple[str, str]]]
-    place: Callable[[dict[str, tuple[str, str]], str], list[Place]]
+    markers: tuple[str, ...]  # key prefixes only this layout's files have
+    components: tuple[str, ...]  # the diffusers folders it fills (their configs build the placer)
+    placer: Callable[[dict[str, dict[str, Any]]], Placer]
 
 
-# most specific first: an SGM file holds the LDM UNet keys too
+# most specific first: SGM and prefixed BFL files hold model.diffusion_model.* keys too
 LAYOUTS: tuple[Layout, ...] = (
-    Layout("sgm", "conditioner.embedders.", ("unet", "vae", "text_encoder", "text_encoder_2"), _sgm_table, _sgm_name),
-    Layout("ldm", "model.diffusion_model.", ("unet", "vae", "text_encoder"), _ldm_table, _ldm_name),
+    Layout("sgm", ("conditioner.embedders.",), ("unet", "vae", "text_encoder", "text_encoder_2"), _sgm_placer),
+    Layout("bfl", ("double_blocks.", "model.diffusion_model.double_blocks."), ("transformer",), _bfl_placer),
+    Layout("ldm", ("model.diffusion_model.",), ("unet", "vae", "text_encoder"), _ldm_placer),
 )
 # tensors of the original files that diffusers' folders do not hold (EMA copies, buffers)
 _DROPPED = ("model_ema.", "cond_stage_model.transformer.text_model.embeddings.position_ids",
-            "cond_stage_model.transformer.embeddings.position_ids",
+            "cond_stage_model.transformer.embeddings.position_ids", "cond_stage_model.model.logit_scale",
             "conditioner.embedders.0.transformer.text_model.embeddings.position_ids", "conditioner.embedders.1.model.logit_scale",
             "alphas_cumprod", "betas", "posterior_", "sqrt_", "log_one_minus", "logvar")
 
@@ -226,18 +309,22 @@ _DROPPED = ("model_ema.", "cond_stage_model.transformer.text_model.embeddings.po
 def detect_layout(keys: list[str], path: Path) -> Layout:
     """The layout whose marker the file's keys carry; a one-line ModelFormatError otherwise."""
     for layout in LAYOUTS:
-        if any(k.startswith(layout.marker) for k in keys):
+        if any(k.startswith(layout.markers) for k in keys):
             return layout
     seen = ", ".join(sorted(keys)[:4]) or "no tensors"
-    tried = ", ".join(f"{lay.name} ({lay.marker}*)" for lay in LAYOUTS)
+    tried = ", ".join(f"{lay.name} ({', '.join(m + '*' for m in lay.markers)})" for lay in LAYOUTS)
     raise ModelFormatError(f"{path} is a single file of unknown layout: tried {tried}; its keys start {seen}")
 
 
-def _read_config(folder: Path, component: str) -> dict[str, Any]:
+def _read_config(folder: Path, component: str, layout: Layout) -> dict[str, Any]:
     path = folder / component / "config.json"
     if not path.is_file():
-        raise ModelNotFoundError(f"config folder {folder} has no {component}/config.json")
+        raise ModelNotFoundError(f"config folder {folder} has no {component}/config.json, which a file of the "
+                                 f"{layout.name} layout needs (it fills {', '.join(layout.components)})")
     return json.loads(path.read_text())
+
+
+_WEIGHTS = (".safetensors", ".bin", ".ckpt")  # a config folder's weight files (its configs are the rest)
 
 
 def _identity(file: Path, config: Path) -> str:
@@ -245,7 +332,7 @@ def _identity(file: Path, config: Path) -> str:
     st = file.stat()
     h = hashlib.sha256(f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     for p in sorted(config.rglob("*")):
-        if p.is_file() and not p.name.endswith((".safetensors", ".bin")):
+        if p.is_file() and not p.name.endswith(_WEIGHTS):
             h.update(p.relative_to(config).as_posix().encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:32]
 
@@ -277,22 +364,22 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
     with handle as f:
         keys = list(f.keys())
         layout = detect_layout(keys, file)
-        configs = {c: _read_config(config, c) for c in ("unet", "vae")}
-        table = layout.table(configs)
+        place = layout.placer({c: _read_config(config, c, layout) for c in layout.components})
         parts: dict[str, dict[str, np.ndarray]] = {c: {} for c in layout.components}
         unplaced = []
         for key in keys:
             if key.startswith(_DROPPED):
                 continue
-            places = layout.place(table, key)
-            if not places:
+            places = place(key)
+            if places is None:
                 unplaced.append(key)
                 continue
-            tensor = f.get_tensor(key)
-            for component, name, take in places:
+            tensor = f.get_tensor(key) if places else None
+            for component, name, take, rows in places:
+                if rows is not None and tensor.shape[0] != rows:
+                    raise WeightsError(f"{file} ({layout.name} layout): {key} has {tensor.shape[0]} rows; the blocks "
+                                       f"of {config}'s {component} config make {rows}")
                 t = tensor if take is None else take(tensor)
-                if component == "vae" and ".attentions." in name and name.endswith(".weight") and t.ndim == 4:
-                    t = t[:, :, 0, 0]  # [O, I, 1, 1] 1x1 conv -> [O, I] linear, as diffusers holds it
                 parts[component][name] = np.ascontiguousarray(t)
     if unplaced:
         raise WeightsError(f"{file} ({layout.name} layout) has {len(unplaced)} tensors that do not fit the blocks of "
@@ -300,10 +387,18 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
     try:
-        for p in sorted(config.rglob("*")):  # configs and tokenizer files; the folder's own weights are not used
-            if p.is_file() and not p.name.endswith((".safetensors", ".bin", ".ckpt")):
-                dst = tmp / p.relative_to(config)
-                dst.parent.mkdir(parents=True, exist_ok=True)
+        for p in sorted(config.rglob("*")):
+            if not p.is_file():
+                continue
+            rel = p.relative_to(config)
+            weights = p.name.endswith(_WEIGHTS) or p.name.endswith(".index.json")
+            if weights and (len(rel.parts) < 2 or rel.parts[0] in parts):
+                continue  # the file's components are written below; a checkpoint beside the configs is not used
+            dst = tmp / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if weights:  # a component the file does not hold (Flux: the VAE, the text encoders)
+                dst.symlink_to(p.resolve())
+            else:  # configs and tokenizer files
                 shutil.copyfile(p, dst)
         for component, tensors in parts.items():
             stem = "model" if component.startswith("text_encoder") else "diffusion_pytorch_model"
@@ -313,3 +408,15 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+@contextmanager
+def reading_converted(file: Any, config: Any, converted: Path) -> Iterator[None]:
+    """Around loading a converted folder: tensors that do not fit the config's model (a shape, a
+    missing or extra tensor: the loader's ``WeightsError``) are the single file's fault, so the
+    one-line error names it, and the conversion is not kept."""
+    try:
+        yield
+    except WeightsError as exc:
+        shutil.rmtree(converted, ignore_errors=True)
+        raise WeightsError(f"single file {file} does not fit the configs of {config}: {exc}") from None
