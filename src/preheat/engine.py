@@ -98,7 +98,7 @@ def model_root(model: Any, variant: str | None = None) -> Path:
 Denoiser = Callable[..., jax.Array]
 """``fn(params, x, t, cond, lora=None) -> prediction``: x (B, *sample_shape), t (B,) float32, cond a
 pytree batched on axis 0 (``{}`` for unconditional models), lora the denoiser's adapters for this
-batch (``preheat.models.lora.Adapters``: factors, scales, each image's slot (B,)) or None.
+batch (``preheat.models.adapters.Adapters``: factors, scales, each image's slot (B,)) or None.
 
 The denoising program's one argument is a ``DenoiseArgs`` (``preheat.families.stages``): its
 ``BATCHED`` fields are split over the devices, the rest (weights, schedule, guidance scale, LoRA

@@ -173,10 +173,10 @@ def test_select_rules():
 
 
 def test_lora_from_hf_pulls_only_its_file(root, hub, monkeypatch):
-    from preheat.lora import _local_file
+    from preheat.lora.files import local_file
 
     monkeypatch.setenv("PREHEAT_HOME", str(root))
     name = "unet/diffusion_pytorch_model.non_ema.safetensors"  # any one safetensors file of a repository
-    path = _local_file(f"hf://{REPO}/{name}")
+    path = local_file(f"hf://{REPO}/{name}")
     assert path.read_bytes() == FILES[name] and path.is_relative_to(root)
     assert hub.downloaded() == {name: len(FILES[name])}

@@ -2,7 +2,7 @@
 
 The engine (``preheat.engine``) knows one thing about models: a denoiser
 ``apply(params, x, t, cond, lora) -> prediction`` whose conditioning ``cond`` is a pytree batched on
-axis 0 and ``lora`` the batch's adapters (``preheat.models.lora.Adapters``) or None. The stages'
+axis 0 and ``lora`` the batch's adapters (``preheat.models.adapters.Adapters``) or None. The stages'
 arguments are named (``preheat.families.stages``). Everything else -- which request inputs a family takes, how they become ``cond`` (a
 class label, text embeddings, SDXL's size ids), what the unconditional branch of classifier-free
 guidance is (a null class, an empty or negative prompt: always runtime data), the latent shape

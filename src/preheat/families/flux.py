@@ -169,7 +169,7 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
 
     from preheat.lora import LoraTargets
     from preheat.models.clip import load_clip_text
-    from preheat.models.lora import targets as lora_targets
+    from preheat.models.adapters import targets as lora_targets
     from preheat.models.flux import latent_image_ids, load_flux_transformer, pack_latents, unpack_latents
     from preheat.models.t5 import load_t5_encoder
     from preheat.models.t5_tokenizer import T5Tokenizer

@@ -130,7 +130,7 @@ def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "f
 
     from preheat.lora import LoraTargets
     from preheat.models.clip import load_clip_text
-    from preheat.models.lora import targets as lora_targets
+    from preheat.models.adapters import targets as lora_targets
     from preheat.models.sd3 import load_sd3_transformer
     from preheat.models.t5 import load_t5_encoder
     from preheat.models.t5_tokenizer import T5Tokenizer

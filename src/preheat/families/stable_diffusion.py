@@ -335,7 +335,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     from preheat.samplers import load_scheduler_config
     from preheat.lora import LoraTargets
     from preheat.models.clip import load_clip_text
-    from preheat.models.lora import targets as lora_targets
+    from preheat.models.adapters import targets as lora_targets
     from preheat.models.tokenizer import CLIPTokenizer
     from preheat.models.unet2d_condition import load_unet_condition
     from preheat.models.vae import load_vae

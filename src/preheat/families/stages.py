@@ -27,7 +27,7 @@ __all__ = ["LoraArgs", "EncodeArgs", "DenoiseArgs", "DecodeArgs", "EncodeImageAr
 
 class LoraArgs(NamedTuple):
     """One model's LoRA adapters for a call (``preheat.lora``; how a layer uses them:
-    ``preheat.models.lora``): K slots padded to a rank bucket R, and each image's slot."""
+    ``preheat.models.adapters``): K slots padded to a rank bucket R, and each image's slot."""
 
     factors: Any  # {layer path: (down (K, in, R), up (K, R, out))}, replicated
     scales: Any  # (K, R) float32: each rank column's user scale, replicated
@@ -36,12 +36,12 @@ class LoraArgs(NamedTuple):
     BATCHED = frozenset({"slots"})
 
     def adapters(self, repeat: int = 1) -> Any:
-        """As the model's layers take them (``preheat.models.lora.Adapters``), for a batch that
+        """As the model's layers take them (``preheat.models.adapters.Adapters``), for a batch that
         runs ``repeat`` times over (2: classifier-free guidance's conditional and unconditional
         halves, each image keeping its slot in both)."""
         import jax.numpy as jnp
 
-        from preheat.models.lora import Adapters
+        from preheat.models.adapters import Adapters
 
         slots = self.slots if repeat == 1 else jnp.concatenate([self.slots] * repeat)
         return Adapters(self.factors, self.scales, slots)

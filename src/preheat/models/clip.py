@@ -336,14 +336,14 @@ class CLIPText:
     def apply(self, params: nnx.State, input_ids: Array, lora: Any = None) -> CLIPTextOutput:
         """(B, L) int token ids, L <= max_position_embeddings -> CLIPTextOutput.
 
-        ``lora``: per-prompt low-rank adapters (``preheat.models.lora.Adapters``), or None."""
+        ``lora``: per-prompt low-rank adapters (``preheat.models.adapters.Adapters``), or None."""
         if input_ids.ndim != 2:
             raise InvalidArgumentError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         if input_ids.shape[1] > self.config.max_position_embeddings:
             raise InvalidArgumentError(
                 f"input_ids has length {input_ids.shape[1]}, more than max_position_embeddings "
                 f"{self.config.max_position_embeddings}")
-        from preheat.models.lora import attach
+        from preheat.models.adapters import attach
 
         return attach(nnx.merge(self.graphdef, params), lora)(input_ids, self.dtype)
 

@@ -487,9 +487,9 @@ class FluxTransformer:
         (B,) sigma (the pipeline's t / 1000), (S, 3), (T, 3), (B,) guidance scale or None -> (B, S, out_channels).
 
         Activations run in ``self.dtype``; the timestep and guidance sinusoids and rotary angles in float32.
-        ``lora``: per-image low-rank adapters (``preheat.models.lora.Adapters``), or None.
+        ``lora``: per-image low-rank adapters (``preheat.models.adapters.Adapters``), or None.
         """
-        from preheat.models.lora import attach
+        from preheat.models.adapters import attach
 
         model = attach(nnx.merge(self.graphdef, upcast(params, self.dtype, tie=hidden_states)), lora)  # fp8-stored weights upcast here
 

@@ -58,7 +58,7 @@ class Conv2d(nnx.Module):
     def __call__(self, x: Array) -> Array:  # (B, H, W, Cin) -> (B, H', W', Cout)
         y = conv2d(x, self.kernel[...].astype(x.dtype), self.stride, self.padding)
         y = y + lift(self.bias[...].astype(x.dtype), y.ndim)
-        lora = getattr(self, "lora", None)  # a 1x1 conv's low-rank adapter (preheat.models.lora.attach)
+        lora = getattr(self, "lora", None)  # a 1x1 conv's low-rank adapter (preheat.models.adapters.attach)
         return y if lora is None else y + lora(x)
 
 
@@ -73,7 +73,7 @@ class Linear(nnx.Module):
         y = x @ self.kernel[...].astype(x.dtype)
         if self.bias is not None:
             y = y + lift(self.bias[...].astype(x.dtype), y.ndim)
-        lora = getattr(self, "lora", None)  # a low-rank adapter set for one traced call (preheat.models.lora.attach)
+        lora = getattr(self, "lora", None)  # a low-rank adapter set for one traced call (preheat.models.adapters.attach)
         return y if lora is None else y + lora(x)
 
 

@@ -463,9 +463,9 @@ class SD3Transformer:
 
         ``skip_layers`` (diffusers' argument of the same name, for skip-layer guidance) is static:
         close over it or mark it static under jit. ``lora``: per-image low-rank adapters
-        (``preheat.models.lora.Adapters``), or None.
+        (``preheat.models.adapters.Adapters``), or None.
         """
-        from preheat.models.lora import attach
+        from preheat.models.adapters import attach
 
         x = jnp.asarray(x).astype(self.dtype)
         model = attach(nnx.merge(self.graphdef, upcast(params, self.dtype, tie=x)), lora)  # fp8-stored weights upcast here

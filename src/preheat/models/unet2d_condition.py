@@ -481,8 +481,8 @@ class LoadedUNet2DCondition:
               added: Mapping[str, Array] | None = None, lora: Any = None) -> Array:
         """(B, H, W, C), (B,), (B, L, D), {"text_embeds": (B, P), "time_ids": (B, 6)} -> (B, H, W, C).
 
-        ``lora``: per-image low-rank adapters (``preheat.models.lora.Adapters``), or None."""
-        from preheat.models.lora import attach
+        ``lora``: per-image low-rank adapters (``preheat.models.adapters.Adapters``), or None."""
+        from preheat.models.adapters import attach
 
         model = attach(nnx.merge(self.graphdef, upcast(params, self.dtype, tie=x)), lora)  # fp8-stored weights upcast here
         return model(x, t, context, added)
