@@ -147,7 +147,7 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
 
     opts.check()
     resolved = resolve_model(opts.model, log=lambda line: click.echo(line, err=True))
-    model, opts = resolved.model, opts.sized(resolved)  # as sample: a tiny random model's tiny size
+    model, opts = resolved.model, opts.sized(resolved.size, resolved.inputs)  # as sample: a tiny random model's tiny size
     if opts.backend == "torch":
         if opts.compile_mode == "none":
             raise InvalidArgumentError("--backend torch --compile none compiles nothing to explain; pass --compile "

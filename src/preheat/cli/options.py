@@ -17,14 +17,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import click
 
 from preheat.errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from preheat.cli._support import ResolvedModel
 
 __all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptions", "FLAGS", "SAMPLER",
            "sampler_option", "output_options", "echo_result", "POSITIVE", "SEED", "NON_NEGATIVE", "POSITIVE_SECONDS"]
@@ -173,13 +170,13 @@ class CallOptions:
         if self.seed < 0 or self.seed >= 2**32:
             raise InvalidArgumentError(f"--seed {self.seed} must be in 0..{2**32 - 1}", argument="--seed")
 
-    def sized(self, resolved: ResolvedModel) -> CallOptions:
-        """A tiny random model's defaults where the flags give none: its (width, height) unless
-        either is given, and its other inputs (``RandomModel.inputs``) one by one."""
+    def sized(self, size: Optional[tuple[int, int]], inputs: tuple[tuple[str, Any], ...] = ()) -> CallOptions:
+        """A tiny random model's defaults (``ResolvedModel``) where the flags give none: its
+        ``size`` (width, height) unless either is given, and its other ``inputs`` one by one."""
         flags = dict(self.flags)
-        if resolved.size is not None and "--width" not in flags and "--height" not in flags:
-            flags.update({"--width": [str(resolved.size[0])], "--height": [str(resolved.size[1])]})
-        for name, value in resolved.inputs:
+        if size is not None and "--width" not in flags and "--height" not in flags:
+            flags.update({"--width": [str(size[0])], "--height": [str(size[1])]})
+        for name, value in inputs:
             flags.setdefault("--" + name.replace("_", "-"), [str(value)])
         return replace(self, flags=flags)
 
