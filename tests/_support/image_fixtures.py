@@ -75,18 +75,23 @@ def replayed_noise(shape: tuple[int, ...], seed: int, draws_before: int) -> np.n
 
 
 def reference_pixels(pipe: Any, prompt: str, seed: int, **kwargs: Any) -> np.ndarray:
-    """diffusers' images (uint8, NHWC) from a call seeded with ``seed``."""
+    """diffusers' images (uint8, NHWC) from a call seeded with ``seed`` (PIL images when the call
+    has ``padding_mask_crop``: diffusers pastes the crop back into PIL outputs only)."""
     import torch
 
+    pil = kwargs.get("padding_mask_crop") is not None
     with torch.no_grad():
-        out = pipe(prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="np", **kwargs).images
+        out = pipe(prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="pil" if pil else "np",
+                   **kwargs).images
+    if pil:
+        return np.stack([np.asarray(image) for image in out])
     return (np.asarray(out) * 255).round().astype(np.uint8)
 
 
-def sample_image(size: int = 32, seed: int = 0) -> np.ndarray:
-    """A smooth uint8 RGB image (H, W, 3): gradients a VAE keeps, plus a little texture."""
+def sample_image(size: int = 32, seed: int = 0, width: int | None = None) -> np.ndarray:
+    """A smooth uint8 RGB image (size, width or size, 3): gradients a VAE keeps, plus a little texture."""
     rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:size, 0:size] / size
+    yy, xx = np.mgrid[0:size, 0:width or size] / size
     base = np.stack([xx, yy, (xx + yy) / 2], -1) * 200 + 20
     return np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
 
@@ -96,4 +101,13 @@ def sample_mask(size: int = 32) -> np.ndarray:
     m = np.zeros((size, size), np.uint8)
     m[size // 4: 3 * size // 4, size // 4: 3 * size // 4] = 255
     m[size // 4: 3 * size // 4, 3 * size // 4] = 140  # >= 0.5 after /255: repaint
+    return m
+
+
+def corner_mask(height: int = 32, width: int = 48) -> np.ndarray:
+    """A uint8 mask (H, W) white in a small box by the bottom edge, right of centre, with a soft
+    edge: padding_mask_crop's box around it runs past the image and is shifted back inside."""
+    m = np.zeros((height, width), np.uint8)
+    m[height - 6: height - 1, width - 14: width - 6] = 255
+    m[height - 6: height - 1, width - 6] = 100  # < 0.5 after /255: kept, yet inside the crop box
     return m

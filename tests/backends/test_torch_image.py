@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import preheat
+from preheat.errors import InvalidArgumentError
 from tests._support import image_fixtures
 
 STEPS = 4
@@ -19,10 +20,11 @@ def folder(tmp_path_factory):
 
 CASES = [dict(strength=0.6, sampler="euler"),  # img2img: the start's add_noise
          dict(strength=0.6, sampler="ddim", mask=True),  # blending: add_noise after every step too
-         dict(strength=1.0, sampler="ddim", mask=True)]  # is_strength_max: the ε as latents
+         dict(strength=1.0, sampler="ddim", mask=True),  # is_strength_max: the ε as latents
+         dict(strength=0.6, sampler="ddim", mask=True, padding_mask_crop=2)]  # diffusers' own crop and paste
 
 
-@pytest.mark.parametrize("case", CASES, ids=["img2img", "blend", "blend-strength-1"])
+@pytest.mark.parametrize("case", CASES, ids=["img2img", "blend", "blend-strength-1", "blend-crop"])
 def test_torch_image_calls_match_the_jax_engine(folder, case):
     case = dict(case)
     extra = {"mask_image": image_fixtures.sample_mask()} if case.pop("mask", False) else {}
@@ -34,3 +36,7 @@ def test_torch_image_calls_match_the_jax_engine(folder, case):
     diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
     assert diff.mean() <= 1.0 and diff.max() <= 8, (diff.mean(), diff.max())
     assert ours.std() > 5
+    if "padding_mask_crop" in call:  # diffusers crops once per call: one padding for all images
+        with pytest.raises(InvalidArgumentError) as info:
+            torch_pipe.generate("a lighthouse", **{**call, "n": 2, "padding_mask_crop": [2, 3]})
+        assert info.value.argument == "padding_mask_crop" and "\n" not in str(info.value)

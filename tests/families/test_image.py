@@ -4,7 +4,8 @@ diffusers' own pipelines from the same ε, the inputs that are data, and the one
 Each parity case is diffusers' ``StableDiffusion[XL]Img2ImgPipeline`` / ``...InpaintPipeline`` on a
 tiny folder whose VAE posterior has negligible variance (``tests/_support/image_fixtures``), seeded
 by a generator; preheat gets the ε that generator adds (replayed), so from the same start both
-must agree within mean |Δ| <= 1 level and max <= 8 levels of 255.
+must agree within mean |Δ| <= 1 level and max <= 8 levels of 255. ``padding_mask_crop`` calls are
+compared the same way, on the image's size (a crop inpainted and pasted back).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import preheat
 from preheat.errors import InvalidArgumentError, SchedulerConfigError
 from preheat.families import image as image_input
+from preheat.families.request import concat
 from tests._support import image_fixtures
 
 MEAN_TOL, MAX_TOL = 1.0, 8
@@ -51,8 +53,8 @@ def _pil(array: np.ndarray):
     return Image.fromarray(array)
 
 
-def _compare(ours: np.ndarray, theirs: np.ndarray) -> None:
-    assert ours.shape == theirs.shape == (1, 32, 32, 3)
+def _compare(ours: np.ndarray, theirs: np.ndarray, shape: tuple[int, ...] = (1, 32, 32, 3)) -> None:
+    assert ours.shape == theirs.shape == shape
     diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
     print(f"mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert diff.mean() <= MEAN_TOL and diff.max() <= MAX_TOL, (diff.mean(), diff.max())
@@ -82,27 +84,90 @@ def test_img2img_matches_diffusers(folders, pipes, kind, sampler):
 INPAINT = [("sd1-inpaint", "ddim", 1.0), ("sdxl-inpaint", "euler", 1.0), ("sd1", "ddim", 0.6), ("sd1", "euler", 1.0)]
 
 
-@pytest.mark.parametrize("name,sampler,strength", INPAINT, ids=[f"{n}-{s}-{x}" for n, s, x in INPAINT])
-def test_inpainting_matches_diffusers(folders, pipes, name, sampler, strength):
-    """9-channel UNets take the mask and the masked image's latents beside the sample; a base
-    folder's 4 channels get diffusers' mask blending after every step. At strength 1 the start is
-    the noise alone (diffusers' is_strength_max), given to diffusers as latents."""
+def _inpainted(folders, pipes, name: str, sampler: str, strength: float, image: np.ndarray, mask: np.ndarray,
+               **extra) -> tuple[np.ndarray, np.ndarray]:
+    """(preheat's, diffusers') 32x32 inpainting of ``image`` from the same ε (``extra``: keywords
+    both take). At strength 1 the start is the noise alone (diffusers' is_strength_max), given to
+    diffusers as latents; below it a base folder encodes the image first, then draws ε."""
     kind = name.split("-")[0]
-    image, mask = image_fixtures.sample_image(seed=1), image_fixtures.sample_mask()
     ref = image_fixtures.reference(folders[name], kind, sampler, inpaint=True)
     call = dict(image=_pil(image), mask_image=_pil(mask), strength=strength, num_inference_steps=STEPS,
-                guidance_scale=5.0, height=32, width=32)
+                guidance_scale=5.0, height=32, width=32, **extra)
     if strength == 1.0:
         import torch
 
         eps = np.random.default_rng(4).standard_normal(SHAPE).astype(np.float32)
         theirs = image_fixtures.reference_pixels(ref, "a red boat", 5, latents=torch.from_numpy(eps), **call)
-    else:  # a base folder encodes the image first (its posterior sample), then draws ε
+    else:
         theirs = image_fixtures.reference_pixels(ref, "a red boat", 5, **call)
         eps = image_fixtures.replayed_noise(SHAPE, 5, draws_before=1)
     ours = pipes(name).generate("a red boat", image=image, mask_image=mask, strength=strength, steps=STEPS,
-                                guidance=5.0, sampler=sampler, noise=eps)
-    _compare(ours, theirs)
+                                guidance=5.0, sampler=sampler, noise=eps, **extra)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("name,sampler,strength", INPAINT, ids=[f"{n}-{s}-{x}" for n, s, x in INPAINT])
+def test_inpainting_matches_diffusers(folders, pipes, name, sampler, strength):
+    """9-channel UNets take the mask and the masked image's latents beside the sample; a base
+    folder's 4 channels get diffusers' mask blending after every step."""
+    image, mask = image_fixtures.sample_image(seed=1), image_fixtures.sample_mask()
+    _compare(*_inpainted(folders, pipes, name, sampler, strength, image, mask))
+
+
+CROP = [("sd1-inpaint", "ddim", 1.0), ("sd1", "ddim", 0.6), ("sdxl-inpaint", "euler", 1.0)]
+
+
+@pytest.mark.parametrize("name,sampler,strength", CROP, ids=[f"{n}-{s}-{x}" for n, s, x in CROP])
+def test_padding_mask_crop_matches_diffusers(folders, pipes, name, sampler, strength):
+    """A small mask by the edge of a 48x32 image, padding_mask_crop=2, output 32x32: diffusers'
+    box (padded, grown to square, shifted back inside), the crop filled to 32x32 and inpainted,
+    then pasted back -- the image's size, within a level of diffusers' on average over the image
+    and over the box, the kept pixels the image's own."""
+    image, mask = image_fixtures.sample_image(seed=1, width=48), image_fixtures.corner_mask(32, 48)
+    ours, theirs = _inpainted(folders, pipes, name, sampler, strength, image, mask, padding_mask_crop=2)
+    _compare(ours, theirs, shape=(1, 32, 48, 3))
+    left, top, right, bottom = image_input.crop_regions({"padding_mask_crop": [2], "mask_image": mask,
+                                                         "width": 32, "height": 32})[0]
+    assert (right - left, bottom - top) == (13, 13) and bottom == 32  # grown to square and shifted up
+    box = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))[0, top:bottom, left:right]
+    print(f"in the box: mean |Δpx| {box.mean():.4f}, max {box.max()}")
+    assert box.mean() <= MEAN_TOL
+    np.testing.assert_array_equal(ours[0][mask == 0], image[mask == 0])
+
+
+def test_padding_mask_crop_repaints_the_box_and_keeps_the_rest(pipes):
+    """The same call without the crop repaints the mask at 32x32 from the whole image and returns
+    the VAE's round trip of every kept pixel; with it the mask's box fills the 32x32, so the
+    repainted pixels differ, and every kept pixel is the image's own."""
+    image, mask = image_fixtures.sample_image(seed=1), image_fixtures.sample_mask()
+    call = dict(image=image, mask_image=mask, steps=STEPS, guidance=5.0, sampler="ddim", seed=5)
+    plain = pipes("sd1-inpaint").generate("a red boat", **call)
+    cropped = pipes("sd1-inpaint").generate("a red boat", padding_mask_crop=2, **call)
+    assert plain.shape == cropped.shape == (1, 32, 32, 3)
+    repaint, kept = mask >= 128, mask == 0
+    assert np.abs(cropped.astype(np.int32) - plain.astype(np.int32))[0][repaint].mean() > 4 * MEAN_TOL
+    np.testing.assert_array_equal(cropped[0][kept], image[kept])
+    assert not np.array_equal(plain[0][kept], image[kept])
+
+
+def test_each_image_of_a_batch_has_its_own_crop(pipes):
+    """A server's batch (``concat``) of two requests whose padding differs: each image is inpainted
+    from its own box (its own start latents, masked-image latents and mask) and pasted back there,
+    as each request alone."""
+    pipe = pipes("sd1-inpaint")
+    image, mask = image_fixtures.sample_image(seed=1, width=48), image_fixtures.corner_mask(32, 48)
+    call = dict(image=image, mask_image=mask, strength=0.6, steps=STEPS, guidance=5.0, sampler="ddim")
+    requests = [pipe.validate("a red boat", padding_mask_crop=2, seed=3, **call),
+                pipe.validate("a red boat", padding_mask_crop=[12], seed=4, **call)]
+    boxes = [image_input.crop_regions(r.values)[0] for r in requests]
+    assert boxes[0] != boxes[1]
+    together = pipe.run(concat(pipe, requests))
+    alone = np.concatenate([pipe.run(r) for r in requests])
+    assert together.shape == alone.shape == (2, 32, 48, 3)
+    diff = np.abs(together.astype(np.int32) - alone.astype(np.int32))
+    print(f"batched vs alone: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.max() <= 2, diff.max()
+    assert np.abs(alone[0].astype(np.int32) - alone[1].astype(np.int32)).mean() > MEAN_TOL  # the boxes count
 
 
 def test_mask_processing_is_diffusers():
@@ -147,14 +212,21 @@ def test_strength_image_mask_prompt_and_seed_are_data(pipes):
             pipe.generate("a dog", image=image, strength=0.6, seed=0, **common),
             pipe.generate("a cat", image=image, strength=0.6, seed=7, **common)]
     moved = pipe.generate("a cat", image=image, mask_image=255 - mask, strength=0.6, seed=0, **common)
+    cropped = pipe.generate("a cat", image=image, mask_image=mask, strength=0.6, seed=0, padding_mask_crop=2,
+                            **common)  # the crop is resized to the call's size: the same programs
     assert len(traces) == traced and len(pipe._executables) == compiled  # no retrace, nothing compiled
     assert all(not np.array_equal(first, o) for o in outs) and not np.array_equal(masked, moved)
+    assert not np.array_equal(masked, cropped)
 
 
 @pytest.mark.parametrize("inputs,argument,words", [
     (dict(strength=0.0), "strength", "outside (0, 1]"),
     (dict(strength=1.5), "strength", "outside (0, 1]"),
     (dict(mask_image=np.zeros((16, 32), np.uint8)), "mask_image", "same size"),
+    (dict(padding_mask_crop=2), "padding_mask_crop", "needs mask_image"),
+    (dict(mask_image=image_fixtures.sample_mask(), padding_mask_crop=-1), "padding_mask_crop", ">= 0"),
+    (dict(mask_image=image_fixtures.sample_mask(), padding_mask_crop=[1, 2]), "padding_mask_crop", "one per image"),
+    (dict(mask_image=np.zeros((32, 32), np.uint8), padding_mask_crop=2), "padding_mask_crop", "all black"),
 ])
 def test_bad_image_inputs_are_one_line_errors(pipes, inputs, argument, words):
     with pytest.raises(InvalidArgumentError) as info:

@@ -1,7 +1,9 @@
 """A real image-conditioned family behind the server: a tiny SD 1.x folder (img2img and mask
 blending from ``preheat.families.image``'s declarations) served at two sizes. Warm-up compiles
 the VAE encoder and each image variant at every served size, so image requests never compile,
-and what the server returns is what ``Pipeline.generate`` makes from the same inputs."""
+and what the server returns is what ``Pipeline.generate`` makes from the same inputs -- an
+inpainting call's ``padding_mask_crop`` too (a field derived from its declaration, on Cog and
+Runpod: the crop runs the warmed programs, and the output is the image's size)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import preheat
 from preheat.server.images import decode_data_url
 from tests._support import image_fixtures
 from tests._support.image_files import data_uri, png
-from tests._support.server_fixtures import serving, wait_status
+from tests._support.server_fixtures import runpod_jobs, serving, wait_status
 
 SIZES = ((32, 32), (48, 32))
 
@@ -56,14 +58,20 @@ def test_image_requests_run_without_compiling_and_match_the_python_call(served) 
             "height": 32, "strength": 0.6}
     with httpx.Client(base_url=url, timeout=300) as client:
         wait_status(client, "READY")
-        for extra, kwargs in [({}, {}), ({"mask": data_uri(png(mask))}, {"mask_image": mask})]:
+        mask_uri = data_uri(png(mask))
+        for extra, kwargs in [({}, {}), ({"mask": mask_uri}, {"mask_image": mask}),
+                              ({"mask": mask_uri, "padding_mask_crop": 2}, {"mask_image": mask, "padding_mask_crop": 2})]:
             r = client.post("/predictions", json={"input": {**call, "image": data_uri(png(image)), **extra}})
             assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
             got = decode_data_url(r.json()["output"][0])
             want = pipe.generate("a red boat", steps=2, guidance=1.0, seed=3, width=48, height=32, strength=0.6,
                                  image=image, **kwargs)[0]
-            assert got.shape == (32, 48, 3)
+            assert got.shape == ((32, 32, 3) if "padding_mask_crop" in extra else (32, 48, 3))  # the image's size
             np.testing.assert_array_equal(got, want)
+        (job,) = runpod_jobs(core, {"id": "crop", "input": {**call, "image": data_uri(png(image)), **extra}})
+        np.testing.assert_array_equal(decode_data_url(job["images"][0]), want)
         r = client.post("/predictions", json={"input": {**call, "strength": 0}})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "strength", r.text
+        r = client.post("/predictions", json={"input": {**call, "image": data_uri(png(image)), "padding_mask_crop": 2}})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "padding_mask_crop", r.text
     assert core.stats["traffic_compiles"] == 0

@@ -15,6 +15,10 @@ What diffusers' img2img / inpaint pipelines do before their loop, host side unle
     mask -> latent grid                      F.interpolate nearest: pixel (s i,   ``latent_mask``
                                              s j)
     masked image                             image * (mask < 0.5)                 ``masked``
+    padding_mask_crop (inpainting)           get_crop_region, crop, resize_mode   ``crop_regions``,
+                                             "fill"; after decoding,              ``inpaint_images``,
+                                             apply_overlay                        ``pasted_back``
+                                                                                  (``mask_crop``)
     image -> latents (device)                vae.encode -> posterior sample ->    the ``encode_image`` stage
                                              scaling (and shift)                  (``encode_images``)
     start step                               get_timesteps(strength)              ``samplers.strength_start``
@@ -24,22 +28,30 @@ What diffusers' img2img / inpaint pipelines do before their loop, host side unle
 The ``encode_image`` stage is one program per (batch, image size): shared by every sampler,
 strength, prompt and image content. Its posterior samples are each image's own (``noise``
 stream 2, index 0 for the image, 1 for a masked image), as the denoising noise is.
+
+``padding_mask_crop`` is data too: each image's crop of the image and mask is resized to the
+call's width x height, the size its programs take, and the output goes back into the image on the
+host. It is given per image, so each image of a batch (a server's batch of requests) may have its
+own crop box.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
 from preheat.errors import InvalidArgumentError
+from preheat.families import mask_crop
 from preheat.families.base import EngineView, StageSignature
-from preheat.families.inputs import WARM_IMAGE, Float, Image, InputSpec
+from preheat.families.inputs import WARM_IMAGE, Float, Image, InputSpec, Int
+from preheat.families.mask_crop import CropRegion
 from preheat.families.stages import EncodeImageArgs
 
-__all__ = ["IMAGE", "MASK_IMAGE", "STRENGTH", "Strength", "image_size", "check_image_inputs", "pixels", "mask",
-           "latent_mask", "masked", "encode_images", "encode_image_program", "img2img_start"]
+__all__ = ["IMAGE", "MASK_IMAGE", "STRENGTH", "PADDING_MASK_CROP", "Strength", "InpaintImages", "image_size",
+           "check_image_inputs", "pixels", "mask", "crop_regions", "inpaint_images", "pasted_back", "latent_mask",
+           "masked", "encode_images", "encode_image_program", "img2img_start"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,11 @@ STRENGTH = InputSpec("strength", Strength(), "How far from the image to go, in (
                      "that run (1: from noise).", default_doc="the pipeline's own (SD 0.8, SDXL 0.3; inpainting "
                      "SD 1.0, SDXL 0.9999)", needs=("image",),
                      warm=(1.0,))  # any strength is one program (data); 1.0 runs a step at warm-up's steps=1
+# not warmed: a crop is resized to the call's size, so it runs the programs an uncropped mask runs
+PADDING_MASK_CROP = InputSpec("padding_mask_crop", Int(0), "Inpainting: repaint only a box around the mask, this "
+                              "many pixels wider on each side (grown to the output's aspect), at width x height, "
+                              "and paste it back; the output is the image's size. One for all or one per image.",
+                              per_image=True, needs=("mask_image",), default_doc="no crop")
 
 
 def image_size(image: np.ndarray, multiple: int) -> tuple[int, int]:
@@ -107,6 +124,7 @@ def check_image_inputs(pipe: EngineView, values: dict[str, Any], inputs: dict[st
         (mh, mw), (h, w) = mask_image.shape[:2], image.shape[:2]
         raise InvalidArgumentError(f"mask_image is {mw}x{mh} but image is {w}x{h}; they must be the same size",
                                    argument="mask_image")
+    crop_regions(values)  # an all-black mask has no box to crop: refused before any device work
     if strength is None:
         values["strength"] = default_strength[0 if mask_image is None else 1]
     if mask_image is None and inputs.get("width") is None and inputs.get("height") is None:
@@ -117,8 +135,13 @@ def check_image_inputs(pipe: EngineView, values: dict[str, Any], inputs: dict[st
         values["width"], values["height"] = width, height
 
 
-def _resized(array: np.ndarray, width: int, height: int) -> np.ndarray:
-    """PIL's lanczos resize when the size differs, as diffusers' ``VaeImageProcessor.resize``."""
+def _resized(array: np.ndarray, width: int, height: int, region: CropRegion | None = None) -> np.ndarray:
+    """PIL's lanczos resize when the size differs, as diffusers' ``VaeImageProcessor.resize``; with
+    a ``region``, that box of the array fitted and filled (``resize_mode="fill"``), as diffusers
+    preprocesses a padding_mask_crop call."""
+    if region is not None:
+        left, top, right, bottom = region
+        return mask_crop.fill_resized(array[top:bottom, left:right], width, height)
     if array.shape[1] == width and array.shape[0] == height:
         return array
     from PIL import Image as PILImage
@@ -126,25 +149,65 @@ def _resized(array: np.ndarray, width: int, height: int) -> np.ndarray:
     return np.asarray(PILImage.fromarray(array).resize((width, height), resample=PILImage.LANCZOS))
 
 
-def pixels(image: np.ndarray, width: int, height: int) -> np.ndarray:
-    """uint8 (H, W, 3) -> float32 (height, width, 3) in [-1, 1], as diffusers preprocesses."""
-    x = _resized(image, width, height).astype(np.float32) / 255.0
+def pixels(image: np.ndarray, width: int, height: int, region: CropRegion | None = None) -> np.ndarray:
+    """uint8 (H, W, 3) (or its ``region``) -> float32 (height, width, 3) in [-1, 1], as diffusers preprocesses."""
+    x = _resized(image, width, height, region).astype(np.float32) / 255.0
     return 2.0 * x - 1.0
 
 
-def mask(mask_image: np.ndarray, width: int, height: int) -> np.ndarray:
-    """uint8 (H, W) -> float32 (height, width) in {0, 1} (1 = repaint): resized, /255, binarized at 0.5."""
-    m = _resized(mask_image, width, height).astype(np.float32) / 255.0
+def mask(mask_image: np.ndarray, width: int, height: int, region: CropRegion | None = None) -> np.ndarray:
+    """uint8 (H, W) (or its ``region``) -> float32 (height, width) in {0, 1} (1 = repaint): resized,
+    /255, binarized at 0.5."""
+    m = _resized(mask_image, width, height, region).astype(np.float32) / 255.0
     return np.where(m < 0.5, 0.0, 1.0).astype(np.float32)
 
 
+def crop_regions(values: Mapping[str, Any]) -> tuple[CropRegion, ...] | None:
+    """Each image's padding_mask_crop box in the image (None: the call crops nothing). Images that
+    share a padding share a box."""
+    pads = values.get("padding_mask_crop")
+    if pads is None:
+        return None
+    boxes = {pad: mask_crop.crop_region(values["mask_image"], values["width"], values["height"], pad)
+             for pad in set(pads)}
+    return tuple(boxes[pad] for pad in pads)
+
+
+class InpaintImages(NamedTuple):
+    """What each image of an inpainting call starts from, at the output size: its image and mask,
+    or their crops (``padding_mask_crop``)."""
+
+    pixels: np.ndarray  # (n, height, width, 3) float32 in [-1, 1]
+    mask: np.ndarray  # (n, height, width) float32 in {0, 1}, 1 = repaint
+
+
+def inpaint_images(values: Mapping[str, Any], n: int) -> InpaintImages:
+    """The image and mask of a call with ``mask_image``, per image (each crop box prepared once)."""
+    w, h = values["width"], values["height"]
+    regions = crop_regions(values) or (None,) * n
+    prepared = {region: (pixels(values["image"], w, h, region), mask(values["mask_image"], w, h, region))
+                for region in set(regions)}
+    return InpaintImages(pixels=np.stack([prepared[r][0] for r in regions]),
+                         mask=np.stack([prepared[r][1] for r in regions]))
+
+
+def pasted_back(images: np.ndarray, values: Mapping[str, Any]) -> np.ndarray:
+    """A call's decoded uint8 (n, height, width, 3) -> with padding_mask_crop, each pasted back into
+    the image through the mask (``mask_crop.overlay``): (n, H, W, 3), the image's size; else as is."""
+    regions = crop_regions(values)
+    if regions is None:
+        return images
+    image, mask_image = values["image"], values["mask_image"]
+    return np.stack([mask_crop.overlay(out, image, mask_image, region) for out, region in zip(images, regions)])
+
+
 def latent_mask(m: np.ndarray, scale: int) -> np.ndarray:
-    """(H, W) -> (H/s, W/s, 1): nearest as ``F.interpolate`` picks it, pixel (s i, s j)."""
-    return np.ascontiguousarray(m[::scale, ::scale, None])
+    """([n,] H, W) -> ([n,] H/s, W/s, 1): nearest as ``F.interpolate`` picks it, pixel (s i, s j)."""
+    return np.ascontiguousarray(m[..., ::scale, ::scale, None])
 
 
 def masked(x: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """The image with the region to repaint zeroed (diffusers' ``image * (mask < 0.5)``)."""
+    """The image with the region to repaint zeroed (diffusers' ``image * (mask < 0.5)``); batched or not."""
     return x * (m < 0.5)[..., None].astype(np.float32)
 
 

@@ -34,6 +34,9 @@ input of ``generate`` is::
                                                                       latents beside the sample; base
                                                                       UNets: blended after each step
     strength                              x   x     data              the start step (get_timesteps)
+    padding_mask_crop (one, or per image) x   x     data (host)       the image and mask cropped around
+                                                                      the mask, resized to width x
+                                                                      height; the output pasted back
 
 ``clip_skip`` is data because every layer's state is computed anyway: the encode program picks
 each text's state with a chain of selects, so one program serves every value and a batch may mix
@@ -55,7 +58,7 @@ from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families import image as image_input
 from preheat.families.components import SDComponents
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
-from preheat.families.image import IMAGE, MASK_IMAGE, STRENGTH
+from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
 from preheat.lora import encoder_adapters
 from preheat.families.inputs import InputSpec, Int, Pair, Text
 from preheat.families.stages import EncodeArgs
@@ -105,7 +108,7 @@ def clip_skip_spec(high: int) -> InputSpec:
 class StableDiffusionFamily(TextToImageFamily):
     name: str = "stable-diffusion"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "dpmpp_2m", "steps": 30, "guidance": 7.5})
-    specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT, IMAGE, MASK_IMAGE, STRENGTH)
+    specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP)
     xl: bool = False
     strength: tuple[float, float] = (0.8, 1.0)  # diffusers' default strength: (img2img, inpainting)
 
@@ -181,12 +184,9 @@ class StableDiffusionFamily(TextToImageFamily):
         mask and the masked image's latents (the same for both guidance branches, as diffusers)."""
         if not pipe.components.inpaint:
             return conditioning
-        values, n = request.values, request.n
-        w, h = values["width"], values["height"]
-        x = image_input.pixels(values["image"], w, h)  # (H, W, 3)
-        m = image_input.mask(values["mask_image"], w, h)  # (H, W)
-        masked = np.repeat(image_input.masked(x, m)[None], n, axis=0)  # (n, H, W, 3)
-        extra = {"mask": np.repeat(image_input.latent_mask(m, pipe.components.vae_scale)[None], n, axis=0),
+        images = image_input.inpaint_images(request.values, request.n)  # (n, H, W, 3), (n, H, W)
+        masked = image_input.masked(images.pixels, images.mask)
+        extra = {"mask": image_input.latent_mask(images.mask, pipe.components.vae_scale),
                  "masked_image_latents": image_input.encode_images(pipe, masked, request.seeds, 1)}
         uncond = {**conditioning.uncond, **extra} if request.guided else conditioning.uncond
         return Conditioning(cond={**conditioning.cond, **extra}, uncond=uncond)
@@ -216,28 +216,34 @@ class StableDiffusionFamily(TextToImageFamily):
             return None
         from preheat.samplers import Start
 
-        w, h = values["width"], values["height"]
         strength, mask_image = values["strength"], values["mask_image"]
         index = self.check_start(pipe, request)
         pure = mask_image is not None and strength == 1.0
         blend = mask_image is not None and not pipe.components.inpaint
+        keep = None
         if pure and not blend:  # the image reaches the model only through the mask channels
             x0 = np.zeros((n, *request.sample_shape), np.float32)
         else:
-            x = np.repeat(image_input.pixels(values["image"], w, h)[None], n, axis=0)  # (n, H, W, 3)
+            if mask_image is None:
+                x = np.repeat(image_input.pixels(values["image"], values["width"], values["height"])[None], n, axis=0)
+            else:  # each image's own crop, with padding_mask_crop
+                images = image_input.inpaint_images(values, n)
+                x = images.pixels  # (n, H, W, 3)
+                if blend:
+                    keep = image_input.latent_mask(images.mask, pipe.components.vae_scale)  # (n, h, w, 1)
             x0 = image_input.encode_images(pipe, x, request.seeds, 0)  # (n, h, w, C)
-        keep = None
-        if blend:
-            m = image_input.latent_mask(image_input.mask(mask_image, w, h), pipe.components.vae_scale)
-            keep = np.repeat(m[None], n, axis=0)  # (n, h, w, 1)
         return Start(index=np.int32(index), x0=x0, pure_noise=np.bool_(pure), keep=keep)
+
+    def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
+        """Decoded pixels; a padding_mask_crop call's pasted back into its image, host side."""
+        return image_input.pasted_back(super().finish(pipe, request, out), request.values)
 
 
 SD = StableDiffusionFamily()
 SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
                              defaults={"sampler": "euler", "steps": 30, "guidance": 5.0}, strength=(0.3, 0.9999),
                              specs=(PROMPT, PROMPT_2, NEGATIVE_PROMPT, NEGATIVE_PROMPT_2, *SDXL_SIZE_SPECS,
-                                    *SDXL_NEGATIVE_SIZE_SPECS, IMAGE, MASK_IMAGE, STRENGTH))
+                                    *SDXL_NEGATIVE_SIZE_SPECS, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP))
 
 
 def _encode_program(encoders: Sequence[Any], xl: bool, lora: bool = False) -> Any:

@@ -8,6 +8,7 @@ scheduler's ``add_noise`` (the start, and an inpaint loop's blending); :func:`sa
 that call use preheat's ε instead -- at inpainting's strength 1 (``is_strength_max``) the ε is
 passed as ``latents``, which diffusers then takes as the noise. What still differs: diffusers
 samples the VAE posterior from its generator, the JAX engine from the seeds' keys.
+``padding_mask_crop`` is diffusers' own keyword here (one per call, as its pipelines take it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["image_pipeline", "image_kwargs", "same_noise"]
+__all__ = ["image_pipeline", "image_kwargs", "same_noise", "pixels_of"]
 
 _CLASSES = {("stable-diffusion", False): "StableDiffusionImg2ImgPipeline",
             ("stable-diffusion", True): "StableDiffusionInpaintPipeline",
@@ -70,7 +71,25 @@ def image_kwargs(values: dict[str, Any], kwargs: dict[str, Any], latents: torch.
         out["mask_image"] = Image.fromarray(values["mask_image"])
         if values["strength"] == 1.0:  # is_strength_max: given latents are the noise
             out["latents"] = latents
+        pads = set(values.get("padding_mask_crop") or ())
+        if len(pads) > 1:
+            from preheat.errors import InvalidArgumentError
+
+            raise InvalidArgumentError("the torch backend takes one padding_mask_crop per call (diffusers' "
+                                       "pipelines crop once)", argument="padding_mask_crop")
+        if pads:  # diffusers pastes the crop back into PIL outputs only
+            out.update(padding_mask_crop=pads.pop(), output_type="pil")
     return out
+
+
+def pixels_of(images: Any) -> np.ndarray:
+    """A diffusers pipeline's images -> uint8 (n, H, W, 3): floats in [0, 1] rounded as its
+    ``numpy_to_pil`` does, PIL images (a padding_mask_crop call's) as they are."""
+    from PIL import Image
+
+    if isinstance(images, list) and images and isinstance(images[0], Image.Image):
+        return np.stack([np.asarray(image.convert("RGB")) for image in images])
+    return (np.asarray(images, np.float32) * 255).round().astype(np.uint8)
 
 
 def same_noise(scheduler: Any, eps: torch.Tensor) -> None:

@@ -124,7 +124,9 @@ class TorchTextPipeline(EngineArguments):
         if len(events) > seen:  # regional / aot: the blocks were loaded or compiled inside this call
             timings = _loaded_in_call(events[seen:], timings.run_s)
         self.last = timings
-        return (np.asarray(images, np.float32) * 255).round().astype(np.uint8)  # diffusers' numpy_to_pil rounding
+        from preheat.backends.torch.image import pixels_of
+
+        return pixels_of(images)
 
     @property
     def torch_dtype(self) -> torch.dtype:
