@@ -17,6 +17,12 @@ from tests._support.server_fixtures import metric, runpod_jobs, serving, wait_st
 SIZES = ((32, 32), (48, 32))
 
 
+def openai_image(body: dict) -> np.ndarray:
+    """The one image of an OpenAI images response (b64_json PNG) as uint8 HWC."""
+    (item,) = body["data"]
+    return decode_data_url("data:image/png;base64," + item["b64_json"])
+
+
 @pytest.fixture(scope="module")
 def sd_pipe(tmp_path_factory):
     return preheat.load(save_tiny_sd(tmp_path_factory.mktemp("sd-server") / "sd1", kind="sd1"), cache="off")
@@ -122,6 +128,12 @@ def test_every_text_family_serves_from_cog_openai_runpod_and_the_cli(kind, tmp_p
                                                             "seed": 9, **extra}})
             assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
             np.testing.assert_array_equal(decode_data_url(r.json()["output"][0]), proof[0])
+            # ... and through OpenAI's body, as extra fields by the same names
+            r = client.post("/v1/images/generations", json={"prompt": "a red fox", "negative_prompt": "blurry",
+                                                             "num_inference_steps": 2, "guidance_scale": 4.0,
+                                                             "seed": 9, **extra})
+            assert r.status_code == 200, r.text
+            np.testing.assert_array_equal(openai_image(r.json()), proof[0])
         (result,) = runpod_jobs(core, {"id": f"{kind}-proof", "input": {"prompt": "a red fox", "negative_prompt": "blurry",
                                                                         "num_inference_steps": 2, "guidance_scale": 4.0,
                                                                         "seed": 9, **extra}})
@@ -177,6 +189,21 @@ def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_f
         (result,) = runpod_jobs(core, {"id": kind, "input": {**fields, "width": 32, "height": 32}})
         assert "error" not in result, result
         np.testing.assert_array_equal(decode_data_url(result["images"][0]), want[0])
+        if kind.startswith("flux"):  # issue 26's proof input: Flux's prompt_2 (T5's prompt) through every surface
+            proof = pipe.generate("a red fox", prompt_2="a blue bird", steps=2, seed=9, width=32, height=32, **call)
+            assert not np.array_equal(proof, want)
+            proof_fields = {**fields, "width": 32, "height": 32, "prompt_2": "a blue bird"}
+            with serving(core) as server, httpx.Client(base_url=server.url, timeout=300) as client:
+                r = client.post("/predictions", json={"input": proof_fields})
+                assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
+                np.testing.assert_array_equal(decode_data_url(r.json()["output"][0]), proof[0])
+                r = client.post("/v1/images/generations", json={**{k: v for k, v in proof_fields.items()
+                                                                   if k not in ("width", "height")}, "size": "32x32"})
+                assert r.status_code == 200, r.text
+                np.testing.assert_array_equal(openai_image(r.json()), proof[0])
+            (result,) = runpod_jobs(core, {"id": f"{kind}-proof", "input": proof_fields})
+            assert "error" not in result, result
+            np.testing.assert_array_equal(decode_data_url(result["images"][0]), proof[0])
     finally:
         core.close()
 
