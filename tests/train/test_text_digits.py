@@ -51,7 +51,7 @@ def test_ships_in_the_package_as_a_stable_diffusion_folder_under_10_mb():
     assert sum(p.stat().st_size for p in files) <= 10 * 1024 * 1024
     assert json.loads((FOLDER / "model_index.json").read_text())["_class_name"] == "StableDiffusionPipeline"
     card = (FOLDER / "README.md").read_text()
-    assert "preheat train-text-digits" in card and "load_digits" in card and "frozen" in card
+    assert "preheat train-text-digits" in card and "load_digits" in card and "with the UNet" in card
 
 
 @shipped
@@ -118,3 +118,17 @@ def test_train_text_digits_command_writes_a_folder_diffusers_and_preheat_load(tm
     StableDiffusionPipeline.from_pretrained(out)  # every component in diffusers' layout
     images = preheat.load(out, cache="off").generate(["a 7", "a thin two"], steps=2, seed=0)
     assert images.shape == (2, 16, 16, 3)
+
+
+def test_the_command_s_defaults_are_the_shipped_run_s():
+    """`preheat train-text-digits --out DIR` with no other flag reproduces the shipped model's run
+    (the card's command): the CLI states TextDigitsConfig's defaults without importing jax."""
+    from preheat.cli.train import train_text_digits_command
+    from preheat.train.text_digits import TextDigitsConfig
+
+    defaults = {p.name: p.default for p in train_text_digits_command.params}
+    config = TextDigitsConfig()
+    assert {k: defaults[k] for k in ("vae_steps", "unet_steps", "batch", "seed", "lr")} == \
+        {k: getattr(config, k) for k in ("vae_steps", "unet_steps", "batch", "seed", "lr")}
+    card = (FOLDER / "README.md").read_text() if (FOLDER / "README.md").is_file() else ""
+    assert not card or f"--unet-steps {config.unet_steps} " in card
