@@ -52,9 +52,13 @@ test-slow: $(STAMP) browser
 	@echo "slow tests, order: random, seed $(SEED) (replay: make test-slow SEED=$(SEED))"
 	$(PYTEST) -m "slow or ray"
 
-# The main job: sample a grid of digits with the built-in model.
+# The main job: a grid of digits from the built-in class model, then prompts -> digits from the
+# built-in text-to-image model (a tiny StableDiffusionPipeline trained by preheat train-text-digits).
 run: $(STAMP)
 	$(BIN)/preheat sample --n 16 --out samples.png
+	$(BIN)/preheat sample builtin:text-digits --n 10 --out prompts.png --prompt "a zero" --prompt "a one" \
+	  --prompt "a two" --prompt "a 3" --prompt "a bold four" --prompt "a thin five" --prompt "a six" \
+	  --prompt "a 7" --prompt "an eight" --prompt "a bold nine"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

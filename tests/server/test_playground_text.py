@@ -92,3 +92,31 @@ def test_a_prompt_an_upload_and_a_drawn_mask_run_to_an_image(browser: Any, serve
     given = {"strength": float(sent["strength"])} if sent.get("strength") not in (None, "") else {}  # else the default
     want = sd_pipe.generate("a red fox in the snow", image=image, mask_image=mask, steps=STEPS, seed=4, **given)[0]
     np.testing.assert_array_equal(decode_data_url(src), want)
+
+
+@pytest.mark.slow  # a second server: the built-in text model's guided programs (16x16: seconds)
+@pytest.mark.skipif(not (Path(__file__).parents[2] / "src/preheat/assets/text_digits/model_index.json").is_file(),
+                    reason="builtin:text-digits is not shipped")
+def test_the_built_in_text_model_has_a_prompt_box_that_draws_the_digit(browser: Any) -> None:
+    """Offline, with no folder of one's own: `preheat serve builtin:text-digits` and its page. A
+    prompt typed in the box reaches the image the engine draws for it."""
+    import preheat
+    from preheat.server.images import decode_data_url
+
+    pipe = preheat.load("builtin:text-digits", cache="off")
+    config = CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=10, guidance=("on",))
+    with started_server(config, pipe) as srv:
+        browser.get(srv.url + "/playground")
+        wait_for(browser, lambda d: visible_text(d, "status") == "READY", "READY")
+        prompt = wait_for(browser, lambda d: d.find_element("id", "f-prompt"), "the prompt box")
+        prompt.send_keys("a bold seven")
+        for field, value in (("f-num_inference_steps", str(STEPS)), ("f-seed", "4")):
+            box = browser.find_element("id", field)
+            box.clear()
+            box.send_keys(value)
+        browser.find_element("id", "run").click()
+        src = wait_for(browser, lambda d: d.execute_script(
+            "const im = document.querySelector('.run figure img');"
+            "return im && im.complete && im.naturalWidth === 16 ? im.src : null"), "a 16x16 image")
+        assert browser.find_element("css selector", ".run .state").text == "succeeded"
+    np.testing.assert_array_equal(decode_data_url(src), pipe.generate("a bold seven", steps=STEPS, seed=4)[0])
