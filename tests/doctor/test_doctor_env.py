@@ -163,7 +163,7 @@ def test_cudnn_cu12_from_torch_and_cu13_from_jax_warns(machine, monkeypatch, tmp
     )
     assert libs["fix"] == (
         "keep CUDA 13 only: pip uninstall -y nvidia-cudnn-cu12 && "
-        "pip install -U --force-reinstall torch --index-url https://download.pytorch.org/whl/cu130 && "
+        "pip install -U --force-reinstall torch --index-url $PYTORCH_INDEX_URL/cu130 && "
         "pip install --force-reinstall --no-deps nvidia-cudnn-cu13"
     )
 

@@ -215,7 +215,7 @@ def test_torch_cuda_build_without_gpu_warns(machine):
     t = check(rep, "torch")
     assert t["status"] == "warn"
     assert t["finding"] == "torch 2.8.0+cu128 is a CUDA 12.8 build with no usable GPU (torch.cuda.is_available() is False; no GPU on this machine)"
-    assert "--index-url https://download.pytorch.org/whl/cpu" in t["fix"]
+    assert "--index-url $PYTORCH_INDEX_URL/cpu" in t["fix"]
     assert code == 0
 
 
@@ -226,7 +226,7 @@ def test_torch_cpu_build_on_gpu_machine_warns_with_index(machine):
     t = check(rep, "torch")
     assert t["status"] == "warn"
     assert "is a CPU build: the torch side runs on CPU although a GPU is present" in t["finding"]
-    assert t["fix"] == "pip install -U --force-reinstall torch --index-url https://download.pytorch.org/whl/cu128"
+    assert t["fix"] == "pip install -U --force-reinstall torch --index-url $PYTORCH_INDEX_URL/cu128"
     assert code == 0
 
 
@@ -241,7 +241,7 @@ def test_torch_too_new_for_driver_reports_torch_warning(machine):
     t = check(rep, "torch")
     assert t["status"] == "warn"
     assert "is a CUDA 13.0 build but torch.cuda.is_available() is False although a GPU is present: CUDA initialization: The NVIDIA driver on your system is too old" in t["finding"]
-    assert t["fix"].endswith("--index-url https://download.pytorch.org/whl/cu128")
+    assert t["fix"].endswith("--index-url $PYTORCH_INDEX_URL/cu128")
 
 
 def test_torch_cuda_ok_on_580(machine):
@@ -284,3 +284,13 @@ def test_old_style_cuda_jaxlib_is_not_called_cpu_only(machine, monkeypatch):
     assert "the CUDA jaxlib (0.4.23+cuda12.cudnn89) is installed but not used" in jax["finding"]
     assert "CPU-only" not in jax["finding"]
     assert jax["fix"] == 'pip install -U "jax[cuda12]"'
+
+
+def test_torch_fixes_take_the_index_from_pytorch_index_url(machine, monkeypatch):
+    """preheat names no package host: a fix prints $PYTORCH_INDEX_URL for the shell, or its value
+    (a mirror, or the index PyTorch's install selector names) when it is set."""
+    monkeypatch.setenv("PYTORCH_INDEX_URL", "http://127.0.0.1:9/whl/")
+    machine.gpu("a100_535")
+    machine.jax(jax_gpu("NVIDIA A100-SXM4-80GB"))
+    code, rep = machine.run()
+    assert check(rep, "torch")["fix"] == "pip install -U --force-reinstall torch --index-url http://127.0.0.1:9/whl/cu128"

@@ -3,6 +3,7 @@ this driver and GPU; small helpers the checks share."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterable
 
 from preheat.doctor.runner import _timeouts
@@ -13,7 +14,14 @@ DRIVER_MIN_CUDA13 = 580
 DRIVER_MIN_CUDA12 = 525
 # Oldest GPU architecture each build supports (SM = compute capability).
 SM_MIN = {"cuda13": (7, 5), "cuda12": (5, 2)}
-_TORCH_INDEX = "https://download.pytorch.org/whl"
+TORCH_INDEX_VAR = "PYTORCH_INDEX_URL"
+
+
+def torch_index() -> str:
+    """The base of PyTorch's wheel indexes as the fixes print it (``<base>/cu128``): the value of
+    $PYTORCH_INDEX_URL when set (the index PyTorch's install selector names, or a mirror of it),
+    else the variable itself, for the shell to expand. preheat names no package host itself."""
+    return os.environ.get(TORCH_INDEX_VAR, "").strip().rstrip("/") or "$" + TORCH_INDEX_VAR
 
 
 class _FactError(Exception):

@@ -9,7 +9,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from preheat.doctor.context import _TORCH_INDEX, Context, _FactError, _pip_jax
+from preheat.doctor.context import Context, _FactError, _pip_jax, torch_index
 from preheat.doctor.dists import _distributions, _norm
 from preheat.doctor.results import OK, WARN, Check, CheckResult
 
@@ -176,7 +176,7 @@ def _family_fix(
         steps.append(_pip_jax(f"cuda{keep}"))
     if "torch" in users:
         index = "cu130" if keep == "13" else "cu128"
-        steps.append(f"pip install -U --force-reinstall torch --index-url {_TORCH_INDEX}/{index}")
+        steps.append(f"pip install -U --force-reinstall torch --index-url {torch_index()}/{index}")
     steps.append(f"pip install --force-reinstall --no-deps {' '.join(kept)}")
     return f"keep CUDA {keep} only: " + " && ".join(steps)
 

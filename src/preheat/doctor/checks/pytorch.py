@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from preheat.doctor import dists
-from preheat.doctor.context import _DRIVER_FIX, _TORCH_INDEX, DRIVER_MIN_CUDA12, DRIVER_MIN_CUDA13, Context, _count, _FactError
+from preheat.doctor.context import _DRIVER_FIX, DRIVER_MIN_CUDA12, DRIVER_MIN_CUDA13, Context, _count, _FactError, torch_index
 from preheat.doctor.probe import ProbeResult, _first_relevant_line, _signal_name
 from preheat.doctor.results import OK, WARN, Check, CheckResult
 from preheat.doctor.runner import _fmt_s
@@ -19,7 +19,7 @@ def _torch_index_for(ctx: Context) -> str | None:
     major = plan.get("driver_major")
     if major is None or major < DRIVER_MIN_CUDA12:
         return None
-    return f"{_TORCH_INDEX}/cu130" if major >= DRIVER_MIN_CUDA13 else f"{_TORCH_INDEX}/cu128"
+    return f"{torch_index()}/cu130" if major >= DRIVER_MIN_CUDA13 else f"{torch_index()}/cu128"
 
 
 def _torch_cuda_fix(ctx: Context) -> str:
@@ -31,7 +31,7 @@ def _torch_cuda_fix(ctx: Context) -> str:
             return _DRIVER_FIX
     except _FactError:
         pass
-    return f"pip install -U --force-reinstall torch --index-url {_TORCH_INDEX}/cu128 (driver >= 525; cu130 needs >= 580)"
+    return f"pip install -U --force-reinstall torch --index-url {torch_index()}/cu128 (driver >= 525; cu130 needs >= 580)"
 
 
 def _check_torch(ctx: Context) -> CheckResult:
@@ -83,7 +83,7 @@ def _check_torch(ctx: Context) -> CheckResult:
         return res(
             WARN,
             f"torch {v} is a {build} with no usable GPU (torch.cuda.is_available() is False; no GPU on this machine){reason}",
-            f"nothing to fix on a GPU pod; on a CPU-only machine the CPU build is smaller: pip install -U --force-reinstall torch --index-url {_TORCH_INDEX}/cpu",
+            f"nothing to fix on a GPU pod; on a CPU-only machine the CPU build is smaller: pip install -U --force-reinstall torch --index-url {torch_index()}/cpu",
         )
     if gpu:
         return res(WARN, f"torch {v} is a {build}: the torch side runs on CPU although a GPU is present", _torch_cuda_fix(ctx))
