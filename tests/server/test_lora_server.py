@@ -131,12 +131,16 @@ def test_different_loras_share_a_batch_and_each_image_is_what_it_is_alone(core, 
         assert metric(client.get("/metrics").text, *TRAFFIC) == 0
 
 
-def test_the_lru_of_loras_counts_hits_misses_and_evictions(core, loras):
+def test_the_lru_of_loras_counts_hits_misses_and_evictions(core, loras, sd_pipe):
+    """/metrics counts the LRU the pipeline uses now. Other tests here serve the same pipeline from
+    Cores of their own, and each Core's set-up holds a fresh LRU of its --max-loras: this one holds
+    its core's again (a stale count of a replaced LRU was the CI failure this test caught)."""
     import httpx
 
     names = ("hits", "misses", "evictions")
     with serving(core) as server, httpx.Client(base_url=server.url, timeout=300) as client:
         wait_status(client, "READY")
+        sd_pipe.lora_runtime.hold(max_loras=core.config.max_loras)
         text = client.get("/metrics").text
         before = {n: metric(text, f"preheat_lora_cache_{n}_total") for n in names}
         held = metric(text, "preheat_lora_cache_loras")

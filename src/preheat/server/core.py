@@ -480,7 +480,8 @@ class Core:
             self._setup_log(f"warning: the model's default {default_steps} steps exceed --max-steps "
                             f"{self.limits.max_steps}; requests must then give num_inference_steps")
         if pipe.lora_runtime is not None:  # this server's LRU of LoRAs
-            self.metrics.watch_loras(pipe.lora_runtime.hold(max_loras=self.config.max_loras))
+            pipe.lora_runtime.hold(max_loras=self.config.max_loras)
+            self.metrics.watch_loras(pipe.lora_runtime)
         compiler = pipe.compiler
         if compiler is not None and hasattr(compiler, "defer_pushes"):
             compiler.defer_pushes()  # uploads never hold up READY or a request

@@ -52,12 +52,13 @@ class CoreMetrics:
         for layer in CACHE_LAYERS:
             self.warmup_programs.labels(cache_layer=layer)
 
-    def watch_loras(self, cache: Any) -> None:
-        """Expose a ``preheat.lora.LoraCache``'s counts (once per registry)."""
+    def watch_loras(self, runtime: Any) -> None:
+        """Expose a ``preheat.lora.LoraRuntime``'s LRU counts (once per registry). The runtime, not
+        its cache, is watched: another server on the same pipeline (``hold``) replaces the cache."""
         if not getattr(self, "_loras", None):
-            self._loras = LoraMetrics(cache)
+            self._loras = LoraMetrics(runtime)
             self.registry.register(self._loras)
-        self._loras.cache = cache
+        self._loras.runtime = runtime
 
 
 class FetchMetrics:
@@ -78,11 +79,11 @@ class LoraMetrics(Collector):
     """The LRU of LoRAs held ready (``--max-loras``): lookups that found the LoRA held (hits), that
     read it (misses), LoRAs let go to make room (evictions), and how many are held now."""
 
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
 
     def collect(self) -> Iterable:
-        c = self.cache
+        c = self.runtime.cache  # the LRU held now (a fresh one after a hold: a counter reset)
         for name, value, text in (("hits", c.hits, "LoRA requests whose LoRA was held ready"),
                                   ("misses", c.misses, "LoRA requests whose LoRA was read (and checked) first"),
                                   ("evictions", c.evictions, "LoRAs let go to make room (least recently used)")):
