@@ -36,6 +36,7 @@ __all__ = [
     "ModelFormatError",
     "UnsupportedConfigError",
     "WeightsError",
+    "CheckpointMismatchError",
     "SchedulerConfigError",
     "InvalidArgumentError",
     "TargetError",
@@ -73,6 +74,11 @@ class UnsupportedConfigError(ModelError, ValueError):
 
 class WeightsError(ModelError, ValueError):
     """Checkpoint tensors do not match the architecture (missing, extra, shape, dtype)."""
+
+
+class CheckpointMismatchError(ModelFormatError, WeightsError):
+    """A single-file checkpoint whose tensors do not fit the config it is read with: a
+    ``ModelFormatError`` to whoever passed the file, a ``WeightsError`` to the loader's callers."""
 
 
 class SchedulerConfigError(PreheatError, ValueError):

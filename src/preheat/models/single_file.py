@@ -42,7 +42,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, WeightsError
+from preheat.errors import (CheckpointMismatchError, InvalidArgumentError, ModelFormatError, ModelNotFoundError,
+                            WeightsError)
 from preheat.files import publish_folder
 from preheat.models.bfl import Piece, bfl_modules, flux_widths
 
@@ -377,12 +378,12 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
             tensor = f.get_tensor(key) if places else None
             for component, name, take, rows in places:
                 if rows is not None and tensor.shape[0] != rows:
-                    raise WeightsError(f"{file} ({layout.name} layout): {key} has {tensor.shape[0]} rows; the blocks "
+                    raise CheckpointMismatchError(f"{file} ({layout.name} layout): {key} has {tensor.shape[0]} rows; the blocks "
                                        f"of {config}'s {component} config make {rows}")
                 t = tensor if take is None else take(tensor)
                 parts[component][name] = np.ascontiguousarray(t)
     if unplaced:
-        raise WeightsError(f"{file} ({layout.name} layout) has {len(unplaced)} tensors that do not fit the blocks of "
+        raise CheckpointMismatchError(f"{file} ({layout.name} layout) has {len(unplaced)} tensors that do not fit the blocks of "
                            f"{config}'s configs, e.g. {', '.join(unplaced[:3])}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
@@ -419,4 +420,4 @@ def reading_converted(file: Any, config: Any, converted: Path) -> Iterator[None]
         yield
     except WeightsError as exc:
         shutil.rmtree(converted, ignore_errors=True)
-        raise WeightsError(f"single file {file} does not fit the configs of {config}: {exc}") from None
+        raise CheckpointMismatchError(f"single file {file} does not fit the configs of {config}: {exc}") from None
