@@ -96,7 +96,7 @@ def test_bench_children_get_the_inputs_a_family_declares_required(folders, home,
     image it writes), and the children's command line runs."""
     from PIL import Image
 
-    from preheat.cli.bench import required_example_args
+    from preheat.cli.bench import declared_args, required_example_args
 
     kontext = required_example_args(str(folders["kontext-tiny"]), ("--width", "32", "--height", "24"), tmp_path)
     assert kontext[:3] == ("--prompt", "a watercolor fox", "--image")
@@ -105,6 +105,10 @@ def test_bench_children_get_the_inputs_a_family_declares_required(folders, home,
     assert required_example_args(str(folders["sd1-tiny"]), ("--prompt", "a cat"), tmp_path) == ()
     assert required_example_args(None, (), tmp_path) == ()  # the built-in model: class labels have a default
     assert required_example_args("hf://org/repo", (), tmp_path) == ()  # not pulled here: the caller's to give
+    # a random model's tiny-scale inputs go to the children under the flags their specs declare
+    assert declared_args(str(folders["kontext-tiny"]), {"image_resize": "none", "width": 32}) == \
+        ("--image-resize", "none", "--width", "32")
+    assert declared_args(str(folders["sd1-tiny"]), {"mask_image": "m.png"}) == ("--mask", "m.png")
 
     monkeypatch.setenv("PREHEAT_HOME", str(home))  # random:kontext-tiny: 32x32 and the reference kept at its size
     r = CliRunner().invoke(main, ["sample", "random:kontext-tiny", *kontext, "--steps", "1", "--out",

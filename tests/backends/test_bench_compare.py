@@ -83,3 +83,39 @@ def test_quick_compare_on_a_micro_model(tmp_path):
     assert layers["jax"] == (["none"], ["aot"]) and layers["torch-eager"] == (["none"], ["none"])
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "| torch-eager |" in result.output and "| jax |" in result.output
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_family_s_flags_reach_every_path_typed_by_its_declared_inputs(tmp_path, monkeypatch):
+    """`bench compare MODEL --image P --strength S` (image calls on both backends, issue 27): the
+    model's own flags are `preheat sample`'s, typed in the parent by the folder's declared family
+    (no weight read), and every path's child gets the same keywords; a bad one is one line before
+    any child starts."""
+    from PIL import Image
+
+    from preheat.bench import compare
+
+    specs = []
+
+    def child(spec, *args, **kwargs):
+        specs.append(spec)
+        raise _Stop
+
+    monkeypatch.setattr(compare, "_run_child", child)
+    image = tmp_path / "in.png"
+    Image.new("RGB", (32, 32), (200, 90, 40)).save(image)
+    work = ["--quick", "--paths", "jax,torch-eager", "--keep", str(tmp_path / "work")]
+    r = CliRunner().invoke(compare_command, ["random:sd1-tiny", *work, "--image", str(image), "--strength", "0.6",
+                                             "--prompt", "a fox"])
+    assert isinstance(r.exception, _Stop), r.output
+    assert specs[-1]["inputs"] == {"image": str(image), "strength": 0.6, "prompt": "a fox", "width": 32, "height": 32}
+    for args, words in [(["--strength", "much"], "--strength 'much' must be a number"),
+                        (["--class", "3"], "--class does not apply to a"),
+                        (["--prompt", "a", "--prompt", "b", "--guidance-rescale", "x"], "--guidance-rescale"),
+                        (["--width"], "--width needs a value")]:
+        r = CliRunner().invoke(compare_command, ["random:sd1-tiny", *work, *args])
+        assert r.exit_code == 2 and words in r.output and len(r.output.strip().splitlines()) == 1, (args, r.output)
+    assert len(specs) == 1  # no child ran for them

@@ -211,17 +211,23 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
                   batch_sizes: tuple[int, ...] = (1, 8, 32), seed: int = 0, guidance: float | None = None,
                   repeats: int = 3, steady_repeats: int = 5, paths: tuple[str, ...] = PATHS,
                   xla_variants: dict[str, str] | None = None, workdir: Path, timeout: float = 1800.0,
-                  log: Callable[[str], None] = lambda s: None, inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+                  log: Callable[[str], None] = lambda s: None, inputs: dict[str, Any] | None = None,
+                  flags: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """Every path in fresh processes on the same model and inputs: ``inputs`` as ``generate``
+    keywords, or ``flags`` as `preheat sample`'s family flags (typed here by the folder's declared
+    family, so a bad one is a one-line error before any child starts)."""
     from preheat.bench.random_models import materialize_model
     from preheat.bench.random_models import random_name, sized_inputs
 
-    inputs = sized_inputs(random_name(model), inputs)  # a tiny random model runs at its tiny size
+    name = random_name(model)
     model = materialize_model(model, workdir)
     if model is not None:
         from preheat.store import is_remote, resolve
 
         if is_remote(model):  # pulled once here; the children (private cache roots) read the snapshot
             model = str(resolve(model))
+    inputs = {**(inputs or {}), **declared_values(model, flags or {})}
+    inputs = sized_inputs(name, inputs)  # a tiny random model runs at its tiny size
     settings = {"model": model or "built-in:digits", "batch": batch, "batch_sizes": list(batch_sizes),
                 "seed": seed, "repeats": repeats, "steady_repeats": steady_repeats,
                 **_resolve_defaults(model, sampler, steps, guidance)}
@@ -267,6 +273,24 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
         result["paths"][p] = _summarize(p, runs[p], batch_sizes, workdir, settings)
     result["goals"] = _goals(result)
     return result
+
+
+def declared_values(folder: str | None, flags: dict[str, list[str]]) -> dict[str, Any]:
+    """`preheat sample`'s family flags as ``generate`` keywords in a process that reads no weight
+    (the bench's parent): typed by the folder's declared family (None: the built-in model's) and
+    the size flags. Bounds that depend on the loaded model are the children's calls to check."""
+    from preheat.engine import BUILTIN_MODEL
+    from preheat.families import declared_family
+    from preheat.errors import InvalidArgumentError
+    from preheat.families.inputs import size_specs, typed_flags
+
+    if not flags:
+        return {}
+    family = declared_family(BUILTIN_MODEL if folder is None else Path(folder))
+    if family is None:
+        raise InvalidArgumentError(f"{folder}'s family declares no inputs: {', '.join(flags)} cannot be given",
+                                   argument=next(iter(flags)))
+    return typed_flags((*family.specs, *size_specs(0, 0, 1, 0)), family.name, flags)
 
 
 def _brief(r: dict[str, Any]) -> str:
@@ -396,6 +420,9 @@ def markdown(result: dict[str, Any]) -> str:
     head = (f"**{st['model']}**: {st['sampler']}, {st['steps']} steps, guidance {st['guidance']}, seed {st['seed']}; "
             f"cold starts at batch {st['batch']}, {st['repeats']} fresh processes per cache state; "
             f"steady state {st['steady_repeats']} timed calls per batch. Values: median (min–max).")
+    given = {k: v for k, v in (st.get("inputs") or {}).items() if k not in ("width", "height")}
+    if given:  # what each call was given beyond the size (an image: its path), so a row says what it measured
+        head += " Inputs: " + ", ".join(f"{k}={v}" for k, v in given.items()) + "."
     cols = ["path", "start → 1st image, empty cache s", "… warm cache s", "trace+compile empty s", "… warm s",
             "first call (empty) s", *[f"ms/image b={b}" for b in sizes], f"images/s b={sizes[-1]}",
             "peak RSS MB", "vs eager mean / max |Δpx|"]

@@ -13,6 +13,7 @@ import click
 
 from preheat.bench.compare import PATHS
 from preheat.cli._support import one_line_errors
+from preheat.cli.family_options import FamilyInputsCommand
 from preheat.cli.options import (NON_NEGATIVE, POSITIVE, POSITIVE_SECONDS, SEED, echo_result, output_options,
                                  sampler_option)
 
@@ -120,15 +121,13 @@ def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int
     for flag, value in (("--prompt", prompt), ("--width", width), ("--height", height)):
         if value is not None:
             args += (flag, str(value))
-    if width is None and height is None:  # the children get a folder: a tiny random model's defaults are said here
-        from preheat.bench.random_models import random_name, sized_inputs
-
-        for key, value in sized_inputs(random_name(model), {}).items():
-            args += (f"--{key.replace('_', '-')}", str(value))
     with tempfile.TemporaryDirectory() as tmp:
-        from preheat.bench.random_models import materialize_model
+        from preheat.bench.random_models import materialize_model, random_name, sized_inputs
 
-        args += required_example_args(materialize_model(model, Path(tmp)), args, Path(tmp))
+        folder = materialize_model(model, Path(tmp))
+        if width is None and height is None:  # the children get a folder: a tiny random model's defaults are said here
+            args += declared_args(folder, sized_inputs(random_name(model), {}))
+        args += required_example_args(folder, args, Path(tmp))
         if backend == "torch":
             result = bench_coldstart_torch(model, n, steps, repeats, Path(tmp), compile_mode or ("regional",), args)
         else:
@@ -137,6 +136,19 @@ def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int
     write_json(json_out, result)
     if png_out:
         plot(result, png_out)
+
+
+def declared_args(folder: str | None, values: dict[str, Any]) -> tuple[str, ...]:
+    """``preheat sample`` flags for ``values``, each under the flag its family's spec declares
+    (``InputSpec.cli_flag``; --width/--height, and a name no spec declares, as --name-with-dashes)."""
+    from preheat.families import declared_family
+
+    family = declared_family(Path(folder)) if folder is not None and Path(folder).is_dir() else None
+    flags = {s.name: s.cli_flag for s in family.specs} if family is not None else {}
+    out: tuple[str, ...] = ()
+    for name, value in values.items():
+        out += (flags.get(name, "--" + name.replace("_", "-")), str(value))
+    return out
 
 
 def required_example_args(folder: str | None, args: tuple[str, ...], workdir: Path) -> tuple[str, ...]:
@@ -245,8 +257,7 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-@bench_group.command("compare")
-@click.argument("model", required=False)
+@bench_group.command("compare", cls=FamilyInputsCommand, options_metavar="[MODEL] [OPTIONS]")
 @sampler_option("(default: the model's if deterministic, else ddim).")
 @click.option("--steps", type=int, help="Steps (default: the model's; --quick: 4).")
 @click.option("--batch", type=int, help="Batch of the cold-start runs (default 8; --quick: 1).")
@@ -259,31 +270,34 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 @click.option("--xla-flags", "xla_flags", multiple=True, metavar="NAME=FLAGS",
               help="Also run JAX with these extra XLA_FLAGS, reported as jax[NAME]; repeatable.")
 @click.option("--quick", is_flag=True, help="Batch 1 and 8, 4 steps, one process per cache state.")
-@click.option("--prompt", help="Text-to-image models: the prompt (default: a fixed one).")
-@click.option("--width", type=POSITIVE, help="Text-to-image models: image width.")
-@click.option("--height", type=POSITIVE, help="Text-to-image models: image height.")
 @click.option("--timeout", default=1800.0, show_default=True, type=POSITIVE_SECONDS, help="Seconds per child process.")
 @output_options()
 @click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path),
               help="Keep the work folder (cache roots, pixels) here instead of a temporary one.")
-def compare_command(model: str | None, sampler: str | None, steps: int | None, batch: int | None,
+def compare_command(sampler: str | None, steps: int | None, batch: int | None,
                     batch_sizes: str | None, seed: int, guidance: float | None, repeats: int | None,
                     steady_repeats: int | None, paths_opt: str, xla_flags: tuple[str, ...], quick: bool,
-                    prompt: str | None, width: int | None, height: int | None,
                     timeout: float, json_out: Path | None, as_json: bool, png_out: Path | None, keep: Path | None) -> None:
     """JAX vs torch eager vs torch.compile vs AOTInductor on MODEL (default: the built-in model;
     also random:NAME, a random-weight folder: random:sd1-tiny, random:flux-tiny, random:sd15, ...).
-    A tiny random model runs at its tiny size (32x32) unless --width/--height say otherwise."""
-    inputs = {k: v for k, v in (("prompt", prompt), ("width", width), ("height", height)) if v is not None}
-    one_line_errors(_compare)(model, sampler, steps, batch, batch_sizes, seed, guidance, repeats, steady_repeats,
-                              paths_opt, xla_flags, quick, timeout, json_out, png_out, keep, inputs, as_json)
+    The model's own inputs are `preheat sample`'s flags (--prompt, --width, --image PATH --strength S,
+    --mask PATH, ...; see `preheat sample --help`): every path gets the same ones. A tiny random
+    model runs at its tiny size (32x32) unless --width/--height say otherwise."""
+    from preheat.cli.family_options import parse_flags
+
+    def run() -> None:
+        model, flags = parse_flags(click.get_current_context().args)
+        _compare(model, sampler, steps, batch, batch_sizes, seed, guidance, repeats, steady_repeats, paths_opt,
+                 xla_flags, quick, timeout, json_out, png_out, keep, flags=flags, as_json=as_json)
+
+    one_line_errors(run)()
 
 
 def _compare(model: str | None, sampler: str | None, steps: int | None, batch: int | None, batch_sizes: str | None,
              seed: int, guidance: float | None, repeats: int | None, steady_repeats: int | None, paths_opt: str,
              xla_flags: tuple[str, ...], quick: bool, timeout: float, json_out: Path | None, png_out: Path | None,
-             keep: Path | None, inputs: dict[str, Any] | None = None, as_json: bool = False) -> None:
+             keep: Path | None, flags: dict[str, list[str]] | None = None, as_json: bool = False) -> None:
     from preheat.bench.common import write_json
     from preheat.bench.compare import FULL, QUICK, bench_compare, markdown, plot
     from preheat.errors import InvalidArgumentError, SchedulerConfigError
@@ -337,7 +351,7 @@ def _compare(model: str | None, sampler: str | None, steps: int | None, batch: i
         result = bench_compare(model, sampler=sampler, steps=steps or preset["steps"], batch=batch,
                                batch_sizes=sizes, seed=seed, guidance=guidance, repeats=repeats,
                                steady_repeats=steady_repeats, paths=paths, xla_variants=variants,
-                               workdir=Path(work), timeout=timeout, log=log, inputs=inputs)
+                               workdir=Path(work), timeout=timeout, log=log, flags=flags)
     result["wall_s"] = time.perf_counter() - started
     result["settings"]["quick"] = quick
     echo_result(result, markdown(result), as_json)

@@ -81,19 +81,9 @@ def parse_flags(args: Sequence[str]) -> tuple[str | None, dict[str, list[str]]]:
 def family_values(pipe: Any, flags: dict[str, list[str]]) -> dict[str, Any]:
     """The flags as ``generate`` keywords, typed by the model's specs (one value for all images,
     or a list: one per image). A flag the model does not declare fails naming those it does."""
-    specs = {s.cli_flag: s for s in pipe.family.input_specs(pipe)}
-    values: dict[str, Any] = {}
-    for flag, texts in flags.items():
-        spec = specs.get(flag)
-        if spec is None:
-            takes = ", ".join(specs) or "none"
-            raise InvalidArgumentError(f"{flag} does not apply to a {pipe.family.name} model; its inputs are: {takes}",
-                                       argument=flag)
-        typed = [spec.type.from_text(flag, t) for t in texts]
-        if len(typed) > 1 and not spec.per_image:
-            raise InvalidArgumentError(f"{flag} is given {len(typed)} times; it takes one value", argument=flag)
-        values[spec.name] = typed if len(typed) > 1 else typed[0]
-    return values
+    from preheat.families.inputs import typed_flags
+
+    return typed_flags(pipe.family.input_specs(pipe), pipe.family.name, flags)
 
 
 @contextlib.contextmanager

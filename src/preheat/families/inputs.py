@@ -41,8 +41,8 @@ import numpy as np
 from preheat.errors import InvalidArgumentError
 
 __all__ = ["InputSpec", "Text", "Int", "Float", "Choice", "Pair", "Label", "Image", "COMMON_SPECS", "common_spec",
-           "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "field_of", "check_needs",
-           "WARM_IMAGE"]
+           "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "typed_flags", "field_of",
+           "check_needs", "WARM_IMAGE"]
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
@@ -422,6 +422,25 @@ def check_needs(specs: Sequence[InputSpec], given: dict[str, Any], values: dict[
 def example_inputs(specs: Sequence[InputSpec]) -> dict[str, Any]:
     """A call's required inputs at their example values (what a benchmark draws): keyword -> value."""
     return {s.name: s.example if s.example is not None else s.warm[0] for s in specs if s.required}
+
+
+def typed_flags(declared: Sequence[InputSpec], family: str, flags: dict[str, list[str]]) -> dict[str, Any]:
+    """Command-line flags (flag -> its texts, as given) as ``generate`` keywords, typed by the
+    ``declared`` specs of ``family`` (one value for all images, or a list: one per image). A flag
+    no spec declares fails naming those that are."""
+    specs = {s.cli_flag: s for s in declared}
+    values: dict[str, Any] = {}
+    for flag, texts in flags.items():
+        spec = specs.get(flag)
+        if spec is None:
+            takes = ", ".join(specs) or "none"
+            raise InvalidArgumentError(f"{flag} does not apply to a {family} model; its inputs are: {takes}",
+                                       argument=flag)
+        typed = [spec.type.from_text(flag, t) for t in texts]
+        if len(typed) > 1 and not spec.per_image:
+            raise InvalidArgumentError(f"{flag} is given {len(typed)} times; it takes one value", argument=flag)
+        values[spec.name] = typed if len(typed) > 1 else typed[0]
+    return values
 
 
 def field_of(specs: Sequence[InputSpec]) -> dict[str, str]:
