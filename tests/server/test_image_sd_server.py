@@ -2,8 +2,8 @@
 blending from ``preheat.families.image``'s declarations) served at two sizes. Warm-up compiles
 the VAE encoder and each image variant at every served size, so image requests never compile,
 and what the server returns is what ``Pipeline.generate`` makes from the same inputs -- an
-inpainting call's ``padding_mask_crop`` too (a field derived from its declaration, on Cog and
-Runpod: the crop runs the warmed programs, and the output is the image's size)."""
+inpainting call's ``padding_mask_crop`` too (a field derived from its declaration, on Cog, Runpod
+and OpenAI's edits form: the crop runs the warmed programs, and the output is the image's size)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,18 @@ def test_image_requests_run_without_compiling_and_match_the_python_call(served) 
             np.testing.assert_array_equal(got, want)
         (job,) = runpod_jobs(core, {"id": "crop", "input": {**call, "image": data_uri(png(image)), **extra}})
         np.testing.assert_array_equal(decode_data_url(job["images"][0]), want)
+        # OpenAI's edits form takes it as a declared field too; its mask is transparent = edit
+        binary = np.where(mask >= 128, 255, 0).astype(np.uint8)
+        rgba = np.dstack([np.full(mask.shape + (3,), 90, np.uint8), np.where(binary == 255, 0, 255).astype(np.uint8)])
+        form = {"prompt": "a red boat", "num_inference_steps": "2", "guidance_scale": "1", "seed": "3",
+                "size": "48x32", "strength": "0.6", "padding_mask_crop": "2"}
+        r = client.post("/v1/images/edits", data=form, files=[("image", ("i.png", png(image), "image/png")),
+                                                              ("mask", ("m.png", png(rgba), "image/png"))])
+        assert r.status_code == 200, r.text
+        got = decode_data_url("data:image/png;base64," + r.json()["data"][0]["b64_json"])
+        want = pipe.generate("a red boat", steps=2, guidance=1.0, seed=3, width=48, height=32, strength=0.6,
+                             image=image, mask_image=binary, padding_mask_crop=2)[0]
+        np.testing.assert_array_equal(got, want)
         r = client.post("/predictions", json={"input": {**call, "strength": 0}})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "strength", r.text
         r = client.post("/predictions", json={"input": {**call, "image": data_uri(png(image)), "padding_mask_crop": 2}})
