@@ -5,14 +5,27 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["TRUE_VALUES", "env_flag", "installed_version", "quiet_gpu_plugin_failure"]
+__all__ = ["TRUE_VALUES", "FALSE_VALUES", "env_flag", "on_off", "installed_version", "quiet_gpu_plugin_failure"]
 
 TRUE_VALUES = ("1", "true", "yes", "on")  # case- and whitespace-insensitive; anything else is off
+FALSE_VALUES = ("0", "false", "no", "off")  # what on_off accepts as off
 
 
 def env_flag(name: str) -> bool:
     """Whether the switch ``name`` is on (``PREHEAT_OFFLINE=1``, ``=true`` ...); unset is off."""
     return os.environ.get(name, "").strip().lower() in TRUE_VALUES
+
+
+def on_off(value: object, name: str) -> bool:
+    """A switch's value given as text (an environment variable, a ``key=value`` option) or a bool:
+    :data:`TRUE_VALUES` are on, :data:`FALSE_VALUES` off; anything else is a ValueError naming
+    ``name`` (a typo must not silently pick one; callers raise it as their one-line error)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in TRUE_VALUES or text in FALSE_VALUES:
+        return text in TRUE_VALUES
+    raise ValueError(f"{name} {value!r} must be on or off (1/0, true/false, yes/no)")
 
 
 def installed_version(dist: str) -> str | None:

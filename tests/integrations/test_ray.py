@@ -294,6 +294,12 @@ def test_options_from_serve_run_args_and_one_line_errors() -> None:
     f = RayOptions.from_env({"PREHEAT_FSDP": "2", "PREHEAT_LORA_RANKS": "16,32", "PREHEAT_MAX_LORAS": "3"})
     config = f.core_config()  # what each replica's server runs: the same declaration as serve/warm
     assert (config.fsdp, config.lora_ranks, config.max_loras) == (2, (16, 32), 3)
+    g = RayOptions.from_env({"PREHEAT_MODEL": "/m.safetensors", "PREHEAT_CONFIG": "/folder", "PREHEAT_PROGRESS": "off",
+                             "PREHEAT_VARIANT": "fp16", "PREHEAT_WEIGHTS_DTYPE": "float8_e4m3fn"}).core_config()
+    assert (g.config, g.progress, g.variant, g.weights_dtype) == ("/folder", False, "fp16", "float8_e4m3fn")
+    assert RayOptions.from_args({"progress": "1"}).progress is True and RayOptions().progress is True
+    with pytest.raises(InvalidArgumentError, match="progress 'maybe' must be on or off"):
+        RayOptions.from_args({"progress": "maybe"})
     with pytest.raises(InvalidArgumentError, match="unknown option.*max_batch"):
         RayOptions.from_args({"max_batch": 4})
     with pytest.raises(InvalidArgumentError, match="max_batch_size='x'"):

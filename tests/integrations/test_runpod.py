@@ -109,6 +109,12 @@ def test_worker_settings_come_from_the_environment() -> None:
 
     with pytest.raises(InvalidArgumentError, match="must be WIDTHxHEIGHT"):
         rp.config_from_env({"PREHEAT_SIZES": "512"})
+    loaded = rp.config_from_env({"PREHEAT_VARIANT": "fp16", "PREHEAT_WEIGHTS_DTYPE": "float8_e4m3fn",
+                                 "PREHEAT_PROGRESS": "off"})
+    assert (loaded.variant, loaded.weights_dtype, loaded.progress) == ("fp16", "float8_e4m3fn", False)
+    assert rp.config_from_env({}).progress is True and rp.config_from_env({"PREHEAT_PROGRESS": "TRUE"}).progress
+    with pytest.raises(InvalidArgumentError, match="PREHEAT_PROGRESS 'sometimes' must be on or off"):
+        rp.config_from_env({"PREHEAT_PROGRESS": "sometimes"})
     lora = rp.config_from_env({"PREHEAT_LORA_RANKS": "16, 64", "PREHEAT_MAX_LORAS": "3"})
     assert lora.lora_ranks == (16, 64) and lora.max_loras == 3 and lora.warm_set().lora_ranks == (16, 64)
     assert rp.config_from_env({}).lora_ranks == () and rp.config_from_env({}).max_loras == 8

@@ -20,7 +20,6 @@ from preheat.cli.serve import serve_command
     (["--webhook-allow", "10.0.0.0/99"], "--webhook-allow: webhook allow-list entry '10.0.0.0/99' is not a valid CIDR"),
     (["--lora-url-allow", "10.0.0.0/99"], "--lora-url-allow: webhook allow-list entry '10.0.0.0/99' is not a valid CIDR"),
     (["--ray", "--lora-url-allow-private"], "--lora-url-allow(-private) are not passed to Ray replicas"),
-    (["--ray", "--no-progress"], "--no-progress is not passed to Ray replicas yet"),
     (["--backend", "torch", "--weights-dtype", "float8_e4m3fn"], "--weights-dtype applies to --backend jax"),
     (["--compile", "regional"], "--compile regional applies to --backend torch"),
     (["--max-loras", "0"], "--max-loras 0 must be >= 1"),
@@ -53,3 +52,21 @@ def test_serve_compile_reaches_the_torch_loader(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torch_backend, "load_torch_pipeline", lambda model, **kw: calls.append((model, kw)) or "pipe")
     assert load_pipeline(CoreConfig(model="m", backend="torch", compile="regional")) == "pipe"
     assert calls == [("m", {"dtype": "float32", "compile": "regional", "variant": None, "cache": None})]
+
+
+def test_serve_ray_passes_the_load_options_to_every_replica(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """`serve --ray` once refused --variant, --cache, --weights-dtype, --config and --no-progress;
+    now each replica's core gets them, as a local `serve` does."""
+    pytest.importorskip("ray.serve")
+    import preheat.integrations.ray as on_ray
+
+    seen = []
+    monkeypatch.setattr(on_ray, "run", lambda options, **kw: seen.append(options) or 0)
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"")  # never read: run() is replaced
+    result = CliRunner().invoke(serve_command, [str(file), "--ray", "--config", str(tmp_path), "--variant", "fp16",
+                                                "--cache", "xla", "--weights-dtype", "float8_e4m3fn", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    config = seen[0].core_config()  # what each replica's server runs
+    assert (config.model, config.config, config.variant, config.cache, config.weights_dtype, config.progress) == \
+        (str(file), str(tmp_path), "fp16", "xla", "float8_e4m3fn", False)

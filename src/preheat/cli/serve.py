@@ -255,13 +255,6 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
 
     if backend != "jax":
         raise InvalidArgumentError("--ray serves --backend jax")
-    if (warm_set.variant is not None or warm_set.cache is not None or warm_set.weights_dtype is not None
-            or warm_set.config is not None):
-        raise InvalidArgumentError("--variant, --cache, --weights-dtype and --config are not passed to Ray replicas yet",
-                                   argument="--variant")
-    if not warm_set.progress:
-        raise InvalidArgumentError("--no-progress is not passed to Ray replicas yet (they compile with step progress)",
-                                   argument="--progress")
     if webhook_allow_private or webhook_allow:
         raise InvalidArgumentError("--webhook-allow(-private) and --lora-url-allow(-private) are not passed to Ray "
                                    "replicas; they allow public addresses only")
@@ -273,7 +266,10 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
         from preheat.integrations import ray as on_ray
     except ImportError as err:
         raise InvalidArgumentError(f"--ray needs the ray extra (pip install 'preheat[ray]'): {err}") from None
-    options = on_ray.RayOptions(model=warm_set.model, dtype=warm_set.dtype, max_batch_size=warm_set.max_batch_size,
+    options = on_ray.RayOptions(model=warm_set.model, dtype=warm_set.dtype, variant=warm_set.variant,
+                                cache=warm_set.cache, weights_dtype=warm_set.weights_dtype,
+                                weights_layers=warm_set.weights_layers, config=warm_set.config,
+                                progress=warm_set.progress, max_batch_size=warm_set.max_batch_size,
                                 samplers=tuple(warm_set.samplers), sizes=tuple(warm_set.sizes),
                                 guidance=tuple(warm_set.guidance), devices=warm_set.devices, fsdp=warm_set.fsdp,
                                 lora_ranks=tuple(warm_set.lora_ranks), max_loras=max_loras, lora_dir=lora_dir,

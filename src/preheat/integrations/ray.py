@@ -87,6 +87,12 @@ class RayOptions:
 
     model: Optional[str] = None
     dtype: str = "float32"
+    variant: Optional[str] = None  # weight files *.VARIANT.safetensors
+    cache: Optional[str] = None  # compile cache layers: full (None), xla or off
+    weights_dtype: Optional[str] = None  # the denoiser's weights stored in this dtype (float8_e4m3fn)
+    weights_layers: str = "layerwise"
+    config: Optional[str] = None  # with a single .safetensors as model: the folder or hf:// repo whose configs read it
+    progress: bool = True  # the programs report each step (off: as `preheat serve --no-progress`)
     max_batch_size: int = 8
     samplers: tuple[str, ...] = ()
     sizes: tuple[tuple[int, int], ...] = ()
@@ -130,12 +136,15 @@ class RayOptions:
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "RayOptions":
-        """``PREHEAT_MODEL``, ``PREHEAT_DTYPE``, ``PREHEAT_MAX_BATCH_SIZE``, ``PREHEAT_SAMPLERS``,
+        """``PREHEAT_MODEL``, ``PREHEAT_DTYPE``, ``PREHEAT_VARIANT``, ``PREHEAT_WEIGHTS_DTYPE``,
+        ``PREHEAT_CONFIG``, ``PREHEAT_PROGRESS``, ``PREHEAT_MAX_BATCH_SIZE``, ``PREHEAT_SAMPLERS``,
         ``PREHEAT_SIZES``, ``PREHEAT_GUIDANCE``, ``PREHEAT_DEVICES``, ``PREHEAT_FSDP``, ``PREHEAT_LORA_RANKS``,
         ``PREHEAT_MAX_LORAS``, ``PREHEAT_LORA_DIR``, ``PREHEAT_MAX_IMAGE_PIXELS``, ``PREHEAT_BATCH_WAIT_MS``,
         ``PREHEAT_MAX_QUEUE``, ``PREHEAT_MAX_STEPS``, ``PREHEAT_RAY_REPLICAS``, ``PREHEAT_RAY_GPUS``."""
         env = os.environ if env is None else env
-        names = {"model": "PREHEAT_MODEL", "dtype": "PREHEAT_DTYPE", "max_batch_size": "PREHEAT_MAX_BATCH_SIZE",
+        names = {"model": "PREHEAT_MODEL", "dtype": "PREHEAT_DTYPE", "variant": "PREHEAT_VARIANT",
+                 "weights_dtype": "PREHEAT_WEIGHTS_DTYPE", "config": "PREHEAT_CONFIG", "progress": "PREHEAT_PROGRESS",
+                 "max_batch_size": "PREHEAT_MAX_BATCH_SIZE",
                  "samplers": "PREHEAT_SAMPLERS", "sizes": "PREHEAT_SIZES", "guidance": "PREHEAT_GUIDANCE",
                  "devices": "PREHEAT_DEVICES", "fsdp": "PREHEAT_FSDP", "lora_ranks": "PREHEAT_LORA_RANKS",
                  "max_loras": "PREHEAT_MAX_LORAS", "max_image_pixels": "PREHEAT_MAX_IMAGE_PIXELS",
@@ -166,7 +175,9 @@ class RayOptions:
     def core_config(self) -> Any:
         from preheat.server.core import CoreConfig
 
-        return CoreConfig(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size,
+        return CoreConfig(model=self.model, dtype=self.dtype, variant=self.variant, cache=self.cache,
+                          weights_dtype=self.weights_dtype, weights_layers=self.weights_layers, config=self.config,
+                          progress=self.progress, max_batch_size=self.max_batch_size,
                           samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
                           devices=self.devices, fsdp=self.fsdp, lora_ranks=tuple(self.lora_ranks),
                           max_loras=self.max_loras, lora_dir=self.lora_dir, batch_wait_ms=self.batch_wait_ms, max_queue=self.max_queue,
@@ -195,6 +206,7 @@ class RayOptions:
 
 def _coerce(name: str, value: Any) -> Any:
     """A typed value for option ``name`` from a string (``serve run`` args) or a typed one."""
+    from preheat.env import on_off
     from preheat.server.inputs import parse_sizes
 
     if value is None:
@@ -220,6 +232,8 @@ def _coerce(name: str, value: Any) -> Any:
             return None if value in (None, "auto") else int(value)
         if name in ("batch_wait_ms", "grace_s", "push_grace_s", "num_gpus", "num_cpus", "graceful_shutdown_timeout_s"):
             return float(value)
+        if name == "progress":
+            return on_off(value, name)
         if name in ("autoscaling", "env"):
             if isinstance(value, str):
                 import json

@@ -30,7 +30,9 @@ and ``hf://`` only), ``PREHEAT_MAX_IMAGE_PIXELS`` (width x height of a request's
 ``mask``, as ``--max-image-pixels``; default 4096²) and
 ``PREHEAT_DTYPE`` (float32; ``bfloat16`` for a GPU worker), ``PREHEAT_CONFIG`` (with a single
 ``.safetensors`` as ``PREHEAT_MODEL``: the diffusers folder or ``hf://`` repository whose configs
-read it, as ``--config``). The
+read it, as ``--config``), ``PREHEAT_VARIANT`` (``fp16``: weight files ``*.fp16.safetensors``),
+``PREHEAT_WEIGHTS_DTYPE`` (``float8_e4m3fn``: the denoiser's weights stored in fp8) and
+``PREHEAT_PROGRESS`` (``off``: programs without step progress, as ``serve --no-progress``). The
 compile cache lives on the network volume automatically (``/runpod-volume/preheat``, see
 ``preheat.cache.root``), so a cold worker with a warm volume starts hot.
 """
@@ -59,9 +61,17 @@ _lock = threading.Lock()
 
 
 def config_from_env(env: Optional[dict[str, str]] = None) -> CoreConfig:
+    from preheat.env import on_off
+    from preheat.errors import InvalidArgumentError
+
     env = dict(os.environ if env is None else env)
+    try:
+        progress = on_off(env.get("PREHEAT_PROGRESS") or "on", "PREHEAT_PROGRESS")
+    except ValueError as err:
+        raise InvalidArgumentError(str(err), argument="PREHEAT_PROGRESS") from None
     return CoreConfig(model=env.get("PREHEAT_MODEL") or None, dtype=env.get("PREHEAT_DTYPE") or "float32",
-                      config=env.get("PREHEAT_CONFIG") or None,
+                      config=env.get("PREHEAT_CONFIG") or None, variant=env.get("PREHEAT_VARIANT") or None,
+                      weights_dtype=env.get("PREHEAT_WEIGHTS_DTYPE") or None, progress=progress,
                       sizes=parse_sizes(env.get("PREHEAT_SIZES")),
                       max_batch_size=int(env.get("PREHEAT_MAX_BATCH_SIZE", "8")),
                       batch_wait_ms=float(env.get("PREHEAT_BATCH_WAIT_MS", "10")),
