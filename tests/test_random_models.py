@@ -12,9 +12,10 @@ from click.testing import CliRunner
 
 from preheat.cli import main
 
-TINY = ("sd1-tiny", "sdxl-tiny", "sd3-tiny", "flux-tiny", "kontext-tiny")
+TINY = ("sd1-tiny", "sdxl-tiny", "sd3-tiny", "flux-tiny", "kontext-tiny", "fill-tiny")
 CLASSES = {"sd1-tiny": "StableDiffusionPipeline", "sdxl-tiny": "StableDiffusionXLPipeline",
-           "sd3-tiny": "StableDiffusion3Pipeline", "flux-tiny": "FluxPipeline", "kontext-tiny": "FluxKontextPipeline"}
+           "sd3-tiny": "StableDiffusion3Pipeline", "flux-tiny": "FluxPipeline", "kontext-tiny": "FluxKontextPipeline",
+           "fill-tiny": "FluxFillPipeline"}
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +50,9 @@ def test_a_tiny_random_folder_is_a_diffusers_pipeline(folders, name):
     # Kontext: a reference kept at its size, and diffusers' max_area (1024**2 by default) at the tiny size
     from PIL import Image
 
-    edit = dict(image=Image.new("RGB", (32, 32), (128, 128, 128)), max_area=32 * 32, _auto_resize=False) \
-        if name == "kontext-tiny" else {}
+    grey = Image.new("RGB", (32, 32), (128, 128, 128))
+    edit = {"kontext-tiny": dict(image=grey, max_area=32 * 32, _auto_resize=False),
+            "fill-tiny": dict(image=grey, mask_image=Image.new("L", (32, 32), 255))}.get(name, {})
     with torch.no_grad():
         image = pipe(prompt="a photo of a cat", num_inference_steps=1, width=32, height=32, output_type="np",
                      generator=torch.Generator().manual_seed(0), **edit).images[0]
@@ -75,8 +77,8 @@ def test_unknown_random_name_lists_the_names():
     r = CliRunner().invoke(main, ["sample", "random:sd9", "--out", "x.png"])
     assert r.exit_code == 2
     assert r.stderr.strip() == ("error: unknown random model 'random:sd9'; choose from random:sd1-tiny, "
-                                "random:sdxl-tiny, random:sd3-tiny, random:flux-tiny, random:kontext-tiny, random:sd-small, "
-                                "random:sd15, "
+                                "random:sdxl-tiny, random:sd3-tiny, random:flux-tiny, random:kontext-tiny, random:fill-tiny, "
+                                "random:sd-small, random:sd15, "
                                 "random:flux, random:ddpm-cifar10-32")
 
 

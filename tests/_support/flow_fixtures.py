@@ -26,6 +26,7 @@ SCHEDULERS = {
     "flux-schnell": {**FLUX_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False},
     "flux-dev": {**FLUX_SCHEDULER, "shift": 3.0, "use_dynamic_shifting": True},
     "flux-kontext": {**FLUX_SCHEDULER, "shift": 3.0, "use_dynamic_shifting": True},
+    "flux-fill": {**FLUX_SCHEDULER, "shift": 3.0, "use_dynamic_shifting": True},
     "sd3": {"num_train_timesteps": 1000, "shift": 3.0},
 }
 # the latent statistics of the published 16-channel VAEs (FLUX.1: 0.3611 / 0.1159; SD3: 1.5305 / 0.0609)
@@ -36,14 +37,16 @@ VAE_STATS = {"flux": dict(scaling_factor=0.3611, shift_factor=0.1159),
 def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: int = 0, t5: bool = True,
                          quiet_posterior: bool = False) -> Path:
     """A whole tiny pipeline folder of ``kind`` ("flux-schnell", "flux-dev", "flux-kontext": a
-    ``FluxKontextPipeline``, "sd3"; ``t5=False``: an SD3 folder without its third encoder).
+    ``FluxKontextPipeline``, "flux-fill": a ``FluxFillPipeline``, whose transformer takes the
+    masked image's and the mask's channels too, "sd3"; ``t5=False``: an SD3 folder without its
+    third encoder).
 
     ``quiet_posterior``: the VAE posterior's variance is negligible (the encoder's logvar half:
     weight 0, bias -30, so std = e^-15), so that diffusers' img2img, which samples it with its
     generator, and preheat, with its seeds, both give the mean; how either samples is unchanged."""
     import torch
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline,
-                           FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline)
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxFillPipeline, FluxKontextPipeline,
+                           FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline)
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
     directory = Path(directory)
@@ -61,12 +64,14 @@ def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: in
     if flux:
         save_tiny_clip(parts / "te", seed=seed, hidden_act="gelu")  # hidden 32 = pooled_projection_dim
         save_tiny_t5_encoder(parts / "t5", seed=seed + 1)  # d_model 32 = joint_attention_dim
+        # Fill: 4 x (4 noise + 4 masked-image + 2 x 2 mask) channels in, the noise's 16 out (the VAE's factor is 2)
+        fill = dict(in_channels=48, out_channels=16) if kind == "flux-fill" else dict(in_channels=16)
         transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            patch_size=1, num_layers=1, num_single_layers=1, attention_head_dim=16, **fill,
             num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
             guidance_embeds=kind != "flux-schnell")
         _perturb(transformer)
-        pipe = (FluxKontextPipeline if kind == "flux-kontext" else FluxPipeline)(
+        pipe = {"flux-kontext": FluxKontextPipeline, "flux-fill": FluxFillPipeline}.get(kind, FluxPipeline)(
             scheduler=scheduler, vae=AutoencoderKL.from_pretrained(parts / "vae"),
             text_encoder=CLIPTextModel.from_pretrained(parts / "te"),
             tokenizer=CLIPTokenizer.from_pretrained(str(parts / "tok")),

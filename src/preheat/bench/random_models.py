@@ -29,7 +29,8 @@ from typing import Any, NamedTuple, Optional
 from preheat.errors import InvalidArgumentError
 
 __all__ = ["RANDOM_MODELS", "materialize_model", "RandomModel", "random_name", "sized_inputs", "build_random", "OLD_NAMES", "bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
-           "save_random_sd_small", "save_random_flux", "save_random_flux_tiny", "save_random_kontext_tiny", "save_random_sd1_tiny",
+           "save_random_sd_small", "save_random_flux", "save_random_flux_tiny", "save_random_kontext_tiny",
+           "save_random_fill_tiny", "save_random_sd1_tiny",
            "save_random_sdxl_tiny", "save_random_sd3_tiny", "TEXT_ARCHITECTURES"]
 
 from preheat.models import bpe_files
@@ -98,6 +99,8 @@ RANDOM_MODELS: dict[str, RandomModel] = {
     # the reference keeps its own size: Kontext's preferred resolutions start at 672 pixels
     "kontext-tiny": RandomModel("save_random_kontext_tiny", (32, 32), "FLUX.1 Kontext at the test suite's scale "
                                 "(flux-tiny's components, a FluxKontextPipeline)", (("image_resize", "none"),)),
+    "fill-tiny": RandomModel("save_random_fill_tiny", (32, 32), "FLUX.1 Fill at the test suite's scale (flux-tiny's "
+                             "encoders and VAE, a FluxFillPipeline whose transformer takes the masked image and mask)"),
     "sd-small": RandomModel("save_random_sd_small", None, "SD 1.x at a quarter of its widths (90 MB, 256x256)"),
     "sd15": RandomModel("save_random_sd15", None, "SD 1.5 at full size (4 GB, 512x512)"),
     "flux": RandomModel("save_random_flux", None, "FLUX.1-dev widths, 1+1 blocks (4.5 GB, 1024x1024)"),
@@ -398,6 +401,16 @@ def save_random_kontext_tiny(out: Path, seed: int = 0) -> Path:
     transformer reading reference tokens beside the noise)."""
     save_random_flux_tiny(out, seed)
     return _write_index(out, "FluxKontextPipeline", scheduler="FlowMatchEulerDiscreteScheduler",
+                        text_encoder="CLIPTextModel", text_encoder_2="T5EncoderModel", tokenizer="CLIPTokenizer",
+                        tokenizer_2="T5TokenizerFast", transformer="FluxTransformer2DModel", vae="AutoencoderKL")
+
+
+def save_random_fill_tiny(out: Path, seed: int = 0) -> Path:
+    """A ``FluxFillPipeline`` folder: flux-tiny's encoders and VAE; the transformer takes 4 x (4
+    noise + 4 masked-image + 2² mask) channels per token and gives the noise's 16."""
+    save_random_flux(out, seed, transformer={**TINY_FLUX_TRANSFORMER, "in_channels": 48, "out_channels": 16},
+                     t5=TINY_T5, clip=TINY_CLIP, vae=TINY_FLUX_VAE)
+    return _write_index(out, "FluxFillPipeline", scheduler="FlowMatchEulerDiscreteScheduler",
                         text_encoder="CLIPTextModel", text_encoder_2="T5EncoderModel", tokenizer="CLIPTokenizer",
                         tokenizer_2="T5TokenizerFast", transformer="FluxTransformer2DModel", vae="AutoencoderKL")
 

@@ -51,6 +51,7 @@ FAMILY_OF_CLASS: dict[str, FamilyEntry] = {
     "StableDiffusion3Pipeline": FamilyEntry("preheat.families.sd3", "load_stable_diffusion_3", "SD3"),
     "FluxPipeline": FamilyEntry(_FLUX, "load_flux", "FLUX"),
     "FluxKontextPipeline": FamilyEntry("preheat.families.kontext", "load_flux_kontext", "KONTEXT"),
+    "FluxFillPipeline": FamilyEntry("preheat.families.fill", "load_flux_fill", "FILL"),
 }
 
 

@@ -71,6 +71,15 @@ class FluxFamily(TextToImageFamily):
     def guidance_mode(self, pipe: EngineView) -> str:
         return "embedded" if pipe.components.guidance_embeds else "none"
 
+    def condition_channels(self, latent_channels: int, vae_scale: int) -> int:
+        """Channels per latent pixel that ride beside the noise in every token (``cond["fill"]``,
+        packed with it): none for Flux; FLUX.1 Fill's masked image and mask (``families.fill``)."""
+        return 0
+
+    def model_defaults(self, guidance_embeds: bool) -> dict[str, Any]:
+        """The folder's steps and guidance (``flux_defaults``)."""
+        return flux_defaults(guidance_embeds)
+
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         values = super().check_inputs(pipe, n, inputs)
         if values["prompt_2"] is None or all(p == "" for p in values["prompt_2"]):
@@ -201,15 +210,21 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
         raise UnsupportedConfigError(f"{root}: the T5 encoder's width is {t5_width}, the transformer's "
                                      f"joint_attention_dim is {cfg.joint_attention_dim}")
     latent_channels = vae.config.latent_channels
-    if cfg.in_channels != 4 * latent_channels:
-        raise UnsupportedConfigError(f"{root}: the transformer takes {cfg.in_channels} channels per token, the VAE's "
-                                     f"{latent_channels} latent channels pack into {4 * latent_channels}")
     vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    extra = family.condition_channels(latent_channels, vae_scale)  # FLUX.1 Fill: the masked image and the mask
+    if cfg.in_channels != 4 * (latent_channels + extra) or cfg.output_channels != 4 * latent_channels:
+        packed = f"{4 * latent_channels}" + (f" + {4 * extra} of {family.name} conditioning" if extra else "")
+        raise UnsupportedConfigError(f"{root}: the transformer takes {cfg.in_channels} channels per token and gives "
+                                     f"{cfg.output_channels}; the VAE's {latent_channels} latent channels pack into "
+                                     f"{packed} in, {4 * latent_channels} out")
     guidance_embeds = bool(cfg.guidance_embeds)
 
     def apply(params: Any, x: Any, t: Any, cond: dict[str, Any], lora: Any = None) -> Any:
         b, h, w, _ = x.shape  # (B, h, w, C) latents; h, w even (size_multiple)
         tokens = pack_latents(x)  # (B, S, 4C), S = hw/4
+        fill = cond.get("fill")  # FLUX.1 Fill: (B, h, w, C + s²), the masked image's latents and the folded mask
+        if fill is not None:
+            tokens = jnp.concatenate([tokens, pack_latents(fill.astype(x.dtype))], axis=-1)  # (B, S, 4C + 4C + 4s²)
         ids = latent_image_ids(h, w)  # (S, 3)
         reference = cond.get("image_latents")  # Kontext: (B, rh, rw, C), the encoded reference image
         if reference is not None:  # its tokens sit after the noise tokens, ids [1, row, col]
@@ -246,7 +261,7 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
                                "t5": encoders[1].config.architecture_dict(), "dtype": str(dtype)},
         decode_fingerprint={"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
     )
-    defaults = {**default_sampler(root), **flux_defaults(guidance_embeds)}
+    defaults = {**default_sampler(root), **family.model_defaults(guidance_embeds)}
     # diffusers' FluxPipeline: default_sample_size 128 latents per side (1024 px with an 8x VAE)
     fingerprint = {"kind": "flux-transformer", "family": family.name, "config": cfg.architecture_dict()}
     return LoadedModel(apply=apply, params=transformer.params, sample_shape=(128, 128, latent_channels),

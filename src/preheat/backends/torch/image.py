@@ -25,9 +25,10 @@ _CLASSES = {("stable-diffusion", False): "StableDiffusionImg2ImgPipeline",
             ("stable-diffusion-xl", False): "StableDiffusionXLImg2ImgPipeline",
             ("stable-diffusion-xl", True): "StableDiffusionXLInpaintPipeline",
             ("stable-diffusion-3", False): "StableDiffusion3Img2ImgPipeline",
-            ("flux", False): "FluxImg2ImgPipeline"}
+            ("flux", False): "FluxImg2ImgPipeline",
+            ("flux-fill", True): "FluxFillPipeline"}  # a Fill folder's own pipeline
 # img2img pipelines that take width/height (the image is resized to them) rather than the image's size
-_SIZED = ("stable-diffusion-3", "flux")
+_SIZED = ("stable-diffusion-3", "flux", "flux-fill")
 
 
 def image_pipeline(pipe: Any, family: str, inpaint: bool, cache: dict) -> Any:
@@ -51,15 +52,14 @@ def image_pipeline(pipe: Any, family: str, inpaint: bool, cache: dict) -> Any:
     return out
 
 
-def image_kwargs(values: dict[str, Any], kwargs: dict[str, Any], latents: torch.Tensor,
-                 family: str = "") -> dict[str, Any]:
+def image_kwargs(values: dict[str, Any], kwargs: dict[str, Any], family: str = "") -> dict[str, Any]:
     """A text-to-image call's keywords -> the image pipeline's: the image (and mask) as PIL, the
     strength; SD img2img takes no size (it is the image's; Flux and SD3 resize the image to
     width x height) and no latents (its ε is drawn)."""
     from PIL import Image
 
     out = dict(kwargs)
-    out.pop("latents", None)
+    given = out.pop("latents", None)  # as the text pipeline takes them (Flux: packed)
     out.update(image=Image.fromarray(values["image"]), strength=values["strength"])
     if family in _SIZED:  # the image once per prompt: SD3's img2img cannot spread one over a list of generators
         out["image"] = [out["image"]] * len(values["prompt"])
@@ -70,7 +70,7 @@ def image_kwargs(values: dict[str, Any], kwargs: dict[str, Any], latents: torch.
     else:
         out["mask_image"] = Image.fromarray(values["mask_image"])
         if values["strength"] == 1.0:  # is_strength_max: given latents are the noise
-            out["latents"] = latents
+            out["latents"] = given
         pads = set(values.get("padding_mask_crop") or ())
         if len(pads) > 1:
             from preheat.errors import InvalidArgumentError

@@ -49,6 +49,7 @@ TEXT_FAMILIES = {
     "StableDiffusion3Pipeline": ("sd3", "SD3"),
     "FluxPipeline": ("flux", "FLUX"),
     "FluxKontextPipeline": ("kontext", "KONTEXT"),
+    "FluxFillPipeline": ("fill", "FILL"),
 }
 
 
@@ -112,7 +113,7 @@ class TorchTextPipeline(EngineArguments):
             from preheat.backends.torch.image import image_kwargs, image_pipeline, same_noise
 
             pipe = image_pipeline(self.pipe, self.family.name, v.get("mask_image") is not None, self._image_pipes)
-            kwargs = image_kwargs(v, kwargs, latents, self.family.name)
+            kwargs = image_kwargs(v, kwargs, self.family.name)
             same_noise(pipe.scheduler, latents)
 
         start = time.perf_counter()
@@ -235,7 +236,6 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
 
     from diffusers import DiffusionPipeline
 
-    from preheat.families.flux import flux_defaults
     from preheat.families.text import default_sampler
 
     module, name = TEXT_FAMILIES[class_name]
@@ -279,11 +279,11 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
     components: TextComponents
     defaults = default_sampler(root)
     channels, size = cfg.in_channels, cfg.get("sample_size")
-    if class_name in ("FluxPipeline", "FluxKontextPipeline"):  # as the JAX loader: packed 2x2 tokens, 128-latent default side
-        channels, size = cfg.in_channels // 4, 128
+    if class_name.startswith("Flux"):  # as the JAX loader: packed 2x2 tokens out (Fill takes more in), 128-latent side
+        channels, size = (cfg.out_channels or cfg.in_channels) // 4, 128
         components = FluxComponents(vae_scale=vae_scale, size_multiple=2 * vae_scale,
                                     guidance_embeds=bool(cfg.guidance_embeds))
-        defaults.update(flux_defaults(bool(cfg.guidance_embeds)))
+        defaults.update(family.model_defaults(bool(cfg.guidance_embeds)))
     elif class_name == "StableDiffusion3Pipeline":
         components = SD3Components(vae_scale=vae_scale, size_multiple=vae_scale * cfg.patch_size,
                                    patch_size=cfg.patch_size)
