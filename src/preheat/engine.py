@@ -44,6 +44,7 @@ described in ``preheat.families``.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,6 +202,9 @@ class Pipeline:
     mesh: Any = None  # jax.sharding.Mesh with axis "data" (preheat.sharding); None: the default device alone
     startup: Any = None  # preheat.timings.Phases of load() and the first call (set by load())
     _executables: dict[Any, Any] = field(default_factory=dict, repr=False)
+    # each thread's call in progress records into its own Timings (``last`` is whichever call began
+    # last: concurrent calls must not write into, or read stages from, each other's)
+    _calls: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
     reports_progress: ClassVar[bool] = True  # run(..., progress=) and generate(..., progress=) are honoured
 
     def __post_init__(self) -> None:
@@ -325,7 +329,7 @@ class Pipeline:
         return (request, *self._prepare_request(request))
 
     def _prepare_request(self, request: Request, reporter: Reporter | None = None) -> tuple[Signature, DenoiseArgs]:
-        self.last = Timings()
+        self.last = self._calls.timings = Timings()
         spec = make_spec(self.scheduler_config, request.sampler)
         plan = request_of.plan(self, request)
         if reporter is not None:  # the call's id is data: every call shares the progress program
@@ -382,7 +386,7 @@ class Pipeline:
         over the batch (``preheat.sharding.shard_program``)."""
         hit = self._executables.get(sig)
         if hit is not None:
-            self.last.add(stage, Timings(cache_layer="memory"))
+            self._timings().add(stage, Timings(cache_layer="memory"))
             return hit
         program = make_program()
         if self.mesh is not None:
@@ -397,9 +401,13 @@ class Pipeline:
             traced = time.perf_counter()
             compiled = lowered.compile()
             timings = Timings(trace_lower_s=traced - start, compile_s=time.perf_counter() - traced, cache_layer="none")
-        self.last.add(stage, timings)
+        self._timings().add(stage, timings)
         self._executables[sig] = compiled
         return compiled
+
+    def _timings(self) -> Timings:
+        """The Timings of this thread's call in progress (``last`` outside a call)."""
+        return getattr(self._calls, "timings", None) or self.last
 
     def run_stage(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
                   args: Any, outputs: int = 1) -> Any:
@@ -426,15 +434,16 @@ class Pipeline:
             out = jax.block_until_ready(executable(args))
         except jax.errors.JaxRuntimeError as exc:
             stopped = current() is not None and current().stopped  # a cancel, not a bad entry
-            if self.last.stages[stage].cache_layer != "aot" or self.compiler is None or stopped:
+            if self._timings().stages[stage].cache_layer != "aot" or self.compiler is None or stopped:
                 raise
             self.compiler.reject(fingerprint, sig, args, f"failed on its first run: {str(exc)[:200]}")
             self._executables.pop(sig, None)
             executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs)
             start = time.perf_counter()
             out = jax.block_until_ready(executable(args))
-        self.last.stages[stage].run_s = run_s = time.perf_counter() - start
-        self.last.run_s += run_s
+        timings = self._timings()
+        timings.stages[stage].run_s = run_s = time.perf_counter() - start
+        timings.run_s += run_s
         return out
 
     # ------------------------------------------------------------------ argument checks
