@@ -46,3 +46,33 @@ def correctly_rounded_f32(exact_f64) -> np.ndarray:
     """The float32 nearest a float64 value. For sqrt of a float32 input this *is* the correctly
     rounded float32 sqrt: float64 carries more than 2 * 24 + 2 bits, so no double rounding."""
     return np.asarray(exact_f64, dtype=np.float64).astype(np.float32)
+
+
+def assert_pixels_close(ours: np.ndarray, theirs: np.ndarray, mean_tol: float = 1.0, max_tol: int = 8,
+                        shape: tuple[int, ...] | None = None) -> None:
+    """uint8 images within the parity suites' bound of a reference (mean |Δ| <= ``mean_tol`` levels
+    of 255, max <= ``max_tol``), and not a flat image (a bound a blank output would also meet)."""
+    assert ours.shape == theirs.shape and ours.dtype == np.uint8, (ours.shape, theirs.shape, ours.dtype)
+    if shape is not None:
+        assert ours.shape == shape, ours.shape
+    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    print(f"mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= mean_tol and diff.max() <= max_tol, (diff.mean(), diff.max())
+    assert ours.std() > 5  # not a flat image
+
+
+def counting_traces(pipe):
+    """(a copy of ``pipe`` with no executables, the list its denoiser's traces append to): a call
+    that reuses a program adds nothing; one that needs a new program adds a trace."""
+    import dataclasses
+
+    pipe = dataclasses.replace(pipe, _executables={})
+    traces: list[int] = []
+    apply = pipe.apply
+
+    def counting(*args):
+        traces.append(1)
+        return apply(*args)
+
+    pipe.apply = counting
+    return pipe, traces

@@ -4,17 +4,13 @@ diffusers' generator-drawn sample of the masked image and preheat's seeded one a
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError
 from tests._support.flow_fixtures import picture, reference_pipeline, reference_pixels, save_tiny_flow_model
-
-MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
-MAX_TOL = 8
+from tests._support.numerics import assert_pixels_close, counting_traces
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +37,6 @@ def _mask(width: int, height: int, soft: bool = True) -> np.ndarray:
     return m
 
 
-def _compare(ours: np.ndarray, theirs: np.ndarray) -> None:
-    assert ours.shape == theirs.shape and ours.dtype == np.uint8
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
-    print(f"mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
-    assert diff.mean() <= MEAN_TOL and diff.max() <= MAX_TOL, (diff.mean(), diff.max())
-    assert ours.std() > 5  # not a flat image
-
-
 @pytest.mark.parametrize("image_size,prompt,guidance", [
     ((32, 32), "a red boat", 30.0),  # the image at the output size
     ((40, 36), ["a fox", "city at night"], 12.0),  # resized (Lanczos) to 32x32, two images
@@ -63,8 +51,7 @@ def test_matches_diffusers_from_the_same_latents(pipe, reference, image_size, pr
                               mask_image=Image.fromarray(mask), num_inference_steps=3, guidance_scale=guidance)
     ours = pipe.generate(prompt, image=image, mask_image=mask, noise=noise, steps=3, guidance=guidance,
                          width=32, height=32)
-    assert ours.shape == (n, 32, 32, 3)
-    _compare(ours, theirs)
+    assert_pixels_close(ours, theirs, shape=(n, 32, 32, 3))
 
 
 def test_the_mask_folds_into_channels_as_diffusers_packs_it(pipe, reference):
@@ -107,15 +94,7 @@ def test_the_torch_backend_runs_diffusers_fill_pipeline(folder, reference):
 def test_image_mask_strength_prompt_and_seed_are_data(pipe):
     """One denoising program (and one image encoder) serve every image, mask, strength, prompt and
     seed of a size; another size is another program."""
-    pipe = dataclasses.replace(pipe, _executables={})
-    traces = []
-    apply = pipe.apply
-
-    def counting(*args):
-        traces.append(1)
-        return apply(*args)
-
-    pipe.apply = counting
+    pipe, traces = counting_traces(pipe)
     call = dict(steps=2, width=32, height=32, guidance=30.0)
     first = pipe.generate("a fox", image=picture(32, 32), mask_image=_mask(32, 32), seed=0, **call)
     traced, compiled = len(traces), len(pipe._executables)

@@ -3,8 +3,6 @@ random-weight folder, the same reference image and the same initial latents."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -12,9 +10,8 @@ import preheat
 from preheat.errors import InvalidArgumentError
 from preheat.families.image import pixels
 from tests._support.flow_fixtures import picture, reference_pipeline, reference_pixels, save_tiny_flow_model
+from tests._support.numerics import assert_pixels_close, counting_traces
 
-MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
-MAX_TOL = 8
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +33,6 @@ def _noise(n: int, h: int, w: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, 4, h, w)).astype(np.float32)
 
 
-def _compare(ours: np.ndarray, theirs: np.ndarray) -> None:
-    assert ours.shape == theirs.shape and ours.dtype == np.uint8
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
-    print(f"mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
-    assert diff.mean() <= MEAN_TOL and diff.max() <= MAX_TOL, (diff.mean(), diff.max())
-    assert ours.std() > 5  # not a flat image
-
-
 @pytest.mark.parametrize("image_size,size,prompt,guidance", [
     ((50, 34), (32, 32), "make it a watercolor", 3.5),  # reference 48x32 (rounded down, Lanczos), output given
     ((40, 40), None, ["a red fox", "city at night"], 2.5),  # output = the reference's size, two images
@@ -61,7 +50,7 @@ def test_matches_diffusers_from_the_same_latents(pipe, reference, image_size, si
     ours = pipe.generate(prompt, image=image, image_resize="none", noise=noise, steps=steps, guidance=guidance,
                          **({} if size is None else dict(width=w, height=h)))
     assert ours.shape == (n, h, w, 3)
-    _compare(ours, theirs)
+    assert_pixels_close(ours, theirs)
 
 
 @pytest.mark.parametrize("image_size", [(40, 20), (20, 40), (33, 31), (64, 48)])
@@ -110,15 +99,7 @@ def test_preferred_resolutions_are_the_served_sizes(pipe):
 def test_image_prompt_guidance_and_seed_are_data(pipe):
     """One denoising program (and one image encoder) serve every reference of a size, prompt,
     guidance scale and seed; another reference size is another program."""
-    pipe = dataclasses.replace(pipe, _executables={})
-    traces = []
-    apply = pipe.apply
-
-    def counting(*args):
-        traces.append(1)
-        return apply(*args)
-
-    pipe.apply = counting
+    pipe, traces = counting_traces(pipe)
     call = dict(image_resize="none", steps=2, width=32, height=32)
     first = pipe.generate("a fox", image=picture(32, 32), guidance=3.5, seed=0, **call)
     traced, compiled = len(traces), len(pipe._executables)
@@ -154,4 +135,4 @@ def test_torch_backend_draws_the_same_images(folder, pipe):
     theirs = torch_pipe.generate(["a red fox", "a cat"], **call)
     ours = pipe.generate(["a red fox", "a cat"], **call)
     assert ours.shape == (2, 32, 48, 3)
-    _compare(ours, theirs)
+    assert_pixels_close(ours, theirs)
