@@ -99,6 +99,15 @@ def test_sdk_local_test_mode_runs_a_job_offline(model_dir: Path, tmp_path: Path)
     assert "num_outputs: Input should be less than or equal to 1" in out
 
 
+def test_a_malformed_setting_stops_the_worker_in_one_line(tmp_path: Path) -> None:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PREHEAT_MAX_BATCH_SIZE="x")
+    env.pop("RUNPOD_WEBHOOK_GET_JOB", None)
+    run = subprocess.run([sys.executable, "-m", "preheat.integrations.runpod"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == "error: PREHEAT_MAX_BATCH_SIZE 'x' must be an int"
+
+
 def test_worker_settings_come_from_the_environment() -> None:
     config = rp.config_from_env({"PREHEAT_MODEL": "hf://org/sd", "PREHEAT_SIZES": "512x512, 768x512",
                                  "PREHEAT_DTYPE": "bfloat16", "PREHEAT_SAMPLERS": "euler,dpmpp_2m"})
@@ -115,6 +124,11 @@ def test_worker_settings_come_from_the_environment() -> None:
     assert rp.config_from_env({}).progress is True and rp.config_from_env({"PREHEAT_PROGRESS": "TRUE"}).progress
     with pytest.raises(InvalidArgumentError, match="PREHEAT_PROGRESS 'sometimes' must be on or off"):
         rp.config_from_env({"PREHEAT_PROGRESS": "sometimes"})
+    for name, text, what in [("PREHEAT_MAX_BATCH_SIZE", "x", "an int"), ("PREHEAT_BATCH_WAIT_MS", "soon", "a number"),
+                             ("PREHEAT_MAX_IMAGE_PIXELS", "4k", "an int")]:
+        with pytest.raises(InvalidArgumentError, match=f"{name} '{text}' must be {what}"):
+            rp.config_from_env({name: text})
+    assert rp.config_from_env({"PREHEAT_MAX_IMAGE_PIXELS": "1048576"}).max_image_pixels == 1048576
     lora = rp.config_from_env({"PREHEAT_LORA_RANKS": "16, 64", "PREHEAT_MAX_LORAS": "3"})
     assert lora.lora_ranks == (16, 64) and lora.max_loras == 3 and lora.warm_set().lora_ranks == (16, 64)
     assert rp.config_from_env({}).lora_ranks == () and rp.config_from_env({}).max_loras == 8

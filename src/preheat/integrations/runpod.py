@@ -44,7 +44,7 @@ import os
 import threading
 from typing import Any, Optional
 
-from preheat.errors import InputError, MissingExtraError, NotAccepting, QueueFull
+from preheat.errors import InputError, MissingExtraError, NotAccepting, PreheatError, QueueFull
 
 try:
     from preheat.server.core import Core, CoreConfig
@@ -69,16 +69,25 @@ def config_from_env(env: Optional[dict[str, str]] = None) -> CoreConfig:
         progress = on_off(env.get("PREHEAT_PROGRESS") or "on", "PREHEAT_PROGRESS")
     except ValueError as err:
         raise InvalidArgumentError(str(err), argument="PREHEAT_PROGRESS") from None
+
+    def number(name: str, default: str, kind: type = int) -> Any:
+        text = env.get(name) or default
+        try:
+            return kind(text)
+        except ValueError:
+            what = "an int" if kind is int else "a number"
+            raise InvalidArgumentError(f"{name} {text!r} must be {what}", argument=name) from None
+
     return CoreConfig(model=env.get("PREHEAT_MODEL") or None, dtype=env.get("PREHEAT_DTYPE") or "float32",
                       config=env.get("PREHEAT_CONFIG") or None, variant=env.get("PREHEAT_VARIANT") or None,
                       weights_dtype=env.get("PREHEAT_WEIGHTS_DTYPE") or None, progress=progress,
                       sizes=parse_sizes(env.get("PREHEAT_SIZES")),
-                      max_batch_size=int(env.get("PREHEAT_MAX_BATCH_SIZE", "8")),
-                      batch_wait_ms=float(env.get("PREHEAT_BATCH_WAIT_MS", "10")),
-                      max_queue=int(env.get("PREHEAT_MAX_QUEUE", "64")),
-                      max_steps=int(env.get("PREHEAT_MAX_STEPS", "200")),
-                      max_loras=int(env.get("PREHEAT_MAX_LORAS", "8")), lora_dir=env.get("PREHEAT_LORA_DIR") or None,
-                      max_image_pixels=int(env["PREHEAT_MAX_IMAGE_PIXELS"]) if env.get("PREHEAT_MAX_IMAGE_PIXELS") else None,
+                      max_batch_size=number("PREHEAT_MAX_BATCH_SIZE", "8"),
+                      batch_wait_ms=number("PREHEAT_BATCH_WAIT_MS", "10", float),
+                      max_queue=number("PREHEAT_MAX_QUEUE", "64"),
+                      max_steps=number("PREHEAT_MAX_STEPS", "200"),
+                      max_loras=number("PREHEAT_MAX_LORAS", "8"), lora_dir=env.get("PREHEAT_LORA_DIR") or None,
+                      max_image_pixels=number("PREHEAT_MAX_IMAGE_PIXELS", "0") or None,
                       lora_ranks=parse_lora_ranks(env.get("PREHEAT_LORA_RANKS"), "PREHEAT_LORA_RANKS"),
                       samplers=tuple(n.strip() for n in env.get("PREHEAT_SAMPLERS", "").split(",") if n.strip()),
                       guidance=tuple(g.strip() for g in (env.get("PREHEAT_GUIDANCE") or "off,on").split(",") if g.strip()))
@@ -154,7 +163,10 @@ def main() -> None:
             raise
         raise SystemExit(f"error: {missing}") from None
 
-    core = get_core()
+    try:
+        core = get_core()
+    except PreheatError as err:  # a malformed PREHEAT_* setting: one line, never a traceback
+        raise SystemExit(f"error: {err}") from None
     core.wait_setup()
     if core.setup.status == "failed":
         print(f"preheat: set-up failed: {core.setup.error}", flush=True)
