@@ -146,7 +146,9 @@ def health_by_replica(c: Cluster, count: int, exclude: set[str] = frozenset()) -
         return len(seen) >= count
 
     try:
-        wait_until(poll, timeout=60, what=f"health-checks from {count} replica(s)")
+        # a replica Serve starts in place of a killed one imports JAX, loads and warms before it is
+        # routable: on 2 busy cores (the other test worker compiling) that took over 60 s once
+        wait_until(poll, timeout=240, what=f"health-checks from {count} replica(s)")
     except AssertionError as err:
         raise AssertionError(f"{err}; answered: {sorted(seen)}; named: {replica_ids()}") from None
     return seen
