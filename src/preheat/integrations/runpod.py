@@ -44,7 +44,7 @@ import os
 import threading
 from typing import Any, Optional
 
-from preheat.errors import InputError, MissingExtraError, NotAccepting, PreheatError, QueueFull
+from preheat.errors import InputError, InvalidArgumentError, MissingExtraError, NotAccepting, PreheatError, QueueFull
 
 try:
     from preheat.server.core import Core, CoreConfig
@@ -62,7 +62,6 @@ _lock = threading.Lock()
 
 def config_from_env(env: Optional[dict[str, str]] = None) -> CoreConfig:
     from preheat.env import on_off
-    from preheat.errors import InvalidArgumentError
 
     env = dict(os.environ if env is None else env)
     try:
