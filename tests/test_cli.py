@@ -89,3 +89,24 @@ def test_cache_cli_lists_verifies_and_explains(model, tmp_path):
     (entry / "executable.bin").write_bytes(b"garbage")
     bad = preheat("cache", "verify", home=home)
     assert bad.returncode == 1 and "BAD  jax/" in bad.stdout
+
+
+# What a pixel model's start must not import: other commands' modules, downloads, LoRA, the fleet
+# store (none configured) and GPU targets. Each was on `preheat sample`'s path and cost import time.
+NOT_ON_A_PIXEL_START = ("preheat.cli.bench", "preheat.cli.serve", "preheat.cli.doctor", "preheat.doctor",
+                        "preheat.server", "preheat.bench.", "preheat.store._http", "preheat.store._hf",
+                        "preheat.lora", "preheat.cache.remote", "preheat.cache.targets")
+
+
+def test_sample_on_the_builtin_model_imports_only_its_own_path(tmp_path):
+    code = ("import json, sys\nfrom preheat.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    env = {k: v for k, v in os.environ.items() if k != "PREHEAT_CACHE_URL"}
+    env["PREHEAT_HOME"] = str(tmp_path / "home")
+    r = subprocess.run([sys.executable, "-c", code, "sample", "--n", "1", "--steps", "2", "--quiet", "--out",
+                        str(tmp_path / "s.png")], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    loaded = set(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert "preheat.engine" in loaded and "preheat.cli.sample" in loaded  # it did run the sample
+    assert not {m for m in loaded if m.startswith(NOT_ON_A_PIXEL_START)}

@@ -36,8 +36,9 @@ NOT_BEFORE_LOADING = {"--class", "--lora", "--host", "--address", "--cache-url",
 
 def leaf_commands(cmd: click.Command = main, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], click.Command]]:
     if isinstance(cmd, click.Group):
-        for name, sub in sorted(cmd.commands.items()):
-            yield from leaf_commands(sub, (*path, name))
+        ctx = click.Context(cmd)
+        for name in cmd.list_commands(ctx):  # the top group imports its commands lazily
+            yield from leaf_commands(cmd.get_command(ctx, name), (*path, name))
     else:
         yield path, cmd
 

@@ -48,7 +48,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,11 +59,13 @@ from preheat.families import request as request_of
 from preheat.families.base import Family, LoadedModel, Request, StageSignature, to_pixels
 from preheat.families.components import Components, PixelComponents
 from preheat.families.stages import DenoiseArgs, LoraArgs
-from preheat.lora import LoraRuntime
 from preheat.progress import Progress, Reporter, current, reporting
 from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
 from preheat.samplers import SchedulerConfig, SolverSpec, load_scheduler_config, make_spec, run
 from preheat.timings import Phases, Timings, now_s
+
+if TYPE_CHECKING:
+    from preheat.lora import LoraRuntime  # imported by the models that take LoRAs (a pixel model never does)
 
 __all__ = ["Pipeline", "load_jax_pipeline", "BUILTIN_MODEL", "BUILTIN_MODELS", "model_root", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
            "DenoiseArgs", "build_program", "make_compiler"]
@@ -209,7 +211,9 @@ class Pipeline:
 
     def __post_init__(self) -> None:
         self.defaults = request_of.resolved_defaults(self.family, self.defaults)
-        if self.lora_runtime is None:
+        if self.lora_runtime is None and self.components.lora_targets is not None:
+            from preheat.lora import LoraRuntime
+
             self.lora_runtime = LoraRuntime.of(self.components)
         # weights placed on the devices once, not per call: replicated, or split over fsdp
         if self.mesh is not None:

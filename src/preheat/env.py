@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["TRUE_VALUES", "FALSE_VALUES", "env_flag", "on_off", "installed_version", "quiet_gpu_plugin_failure"]
+__all__ = ["CACHE_URL_ENV", "TRUE_VALUES", "FALSE_VALUES", "env_flag", "on_off", "installed_version", "quiet_gpu_plugin_failure"]
 
 TRUE_VALUES = ("1", "true", "yes", "on")  # case- and whitespace-insensitive; anything else is off
 FALSE_VALUES = ("0", "false", "no", "off")  # what on_off accepts as off
+CACHE_URL_ENV = "PREHEAT_CACHE_URL"  # the fleet's shared compile cache (here so that a process
+# without one can tell so without importing preheat.cache.remote)
 
 
 def env_flag(name: str) -> bool:

@@ -33,6 +33,7 @@ __all__ = ["RANDOM_MODELS", "materialize_model", "RandomModel", "random_name", "
            "save_random_fill_tiny", "save_random_sd1_tiny",
            "save_random_sdxl_tiny", "save_random_sd3_tiny", "TEXT_ARCHITECTURES"]
 
+from preheat.bench import RANDOM_PREFIX
 from preheat.models import bpe_files
 from preheat.models.bpe_files import BOS, EOS, bpe_vocab, bytes_to_unicode  # noqa: F401 (re-exported)
 _WORDS = ("a photo of the cat dog fox watercolor painting portrait city night forest red blue green "
@@ -110,7 +111,7 @@ RANDOM_MODELS: dict[str, RandomModel] = {
 OLD_NAMES = {"sd15-random": "sd15", "flux-random": "flux", "sd-small-random": "sd-small",
              "flux-tiny-random": "flux-tiny", "sd1-tiny-random": "sd1-tiny"}
 TEXT_ARCHITECTURES = {old: RANDOM_MODELS[new].builder for old, new in OLD_NAMES.items()}
-PREFIX = "random:"
+PREFIX = RANDOM_PREFIX
 
 
 def random_name(model: Optional[str]) -> Optional[str]:

@@ -154,8 +154,6 @@ def device_fields(args: Any, target: Any = None) -> dict[str, Any]:
     elsewhere -- what decides the generated code (``preheat.cache.targets``), never the card's
     name: its description's code fields, the CUDA plugin and cuDNN versions, the program's device
     count and the XLA flags a GPU reads."""
-    from preheat.cache import targets
-
     device = jax.devices()[0]
     if target is None and device.platform != "gpu":
         fields = {"platform": device.platform, "device_kind": device.device_kind, "device_count": jax.device_count(),
@@ -163,6 +161,8 @@ def device_fields(args: Any, target: Any = None) -> dict[str, Any]:
         if device.platform == "cpu":
             fields["host_cpu"] = _cpu_features()
         return fields
+    from preheat.cache import targets  # GPU keys only (a CPU process need not import it)
+
     mesh = mesh_of(args)
     return {"platform": "gpu", "gpu": target.gpu if target is not None else targets.device_gpu_fields(device),
             "device_count": 1 if mesh is None else int(mesh.devices.size),

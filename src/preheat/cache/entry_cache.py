@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import time
 import weakref
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 from preheat._version import __version__
 from preheat.cache.entries import diff_fields, iter_entries, publish_entry, quarantine
 from preheat.cache.root import resolve_root
+from preheat.env import CACHE_URL_ENV
 
 __all__ = ["EntryCache", "PUSH_GRACE_S", "nearest_entry"]
 
@@ -55,9 +57,11 @@ class EntryCache:
         self.root = root or resolve_root().path
         self.kind_dir = self.root / "compile" / kind
         if isinstance(remote, str) and remote == "env":
-            from preheat.cache.remote import remote_from_env
+            remote = None
+            if mode == "full" and os.environ.get(CACHE_URL_ENV, "").strip():  # no store: no import
+                from preheat.cache.remote import remote_from_env
 
-            remote = remote_from_env() if mode == "full" else None
+                remote = remote_from_env()
         self.remote = remote
         self.events: list[dict[str, Any]] = []
         self.background: Any = None  # BackgroundPushes once defer_pushes() was called

@@ -25,21 +25,39 @@ from typing import Any, Optional
 import click
 
 from preheat._version import __version__
-from preheat.cli.bench import bench_group
-from preheat.cli.cache import cache_group
-from preheat.cli.doctor import doctor_command
-from preheat.cli.pull import pull_command
-from preheat.cli.sample import sample
-from preheat.cli.serve import serve_command
-from preheat.cli.train import train_digits_command, train_text_digits_command
-from preheat.cli.warm import warm_command
 
 __all__ = ["main"]
+
+# Each command's module, imported when the command runs (or when --help lists them): `preheat
+# sample` does not pay for the doctor's, the server's or the benches' imports.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "sample": ("preheat.cli.sample", "sample"),
+    "train-digits": ("preheat.cli.train", "train_digits_command"),
+    "train-text-digits": ("preheat.cli.train", "train_text_digits_command"),
+    "doctor": ("preheat.cli.doctor", "doctor_command"),
+    "cache": ("preheat.cli.cache", "cache_group"),
+    "pull": ("preheat.cli.pull", "pull_command"),
+    "serve": ("preheat.cli.serve", "serve_command"),
+    "warm": ("preheat.cli.warm", "warm_command"),
+    "bench": ("preheat.cli.bench", "bench_group"),
+}
 
 
 class _OneLineUsageErrors(click.Group):
     """Click's usage errors (a bad or missing option value) as one line, like every other error:
-    ``error: Invalid value for '--port': 99999 is not in the range 0<=x<=65535. (preheat serve --help)``."""
+    ``error: Invalid value for '--port': 99999 is not in the range 0<=x<=65535. (preheat serve --help)``.
+    Subcommands come from ``COMMANDS``, each imported on first use (click's lazy-group pattern)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> Optional[click.Command]:
+        if cmd_name not in COMMANDS:
+            return None
+        import importlib
+
+        module, attr = COMMANDS[cmd_name]
+        return getattr(importlib.import_module(module), attr)
 
     def main(self, args: Any = None, prog_name: Optional[str] = None, complete_var: Optional[str] = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
@@ -78,13 +96,3 @@ def main(cache_url: str | None, trust_remote_cache: bool) -> None:
     if trust_remote_cache:
         os.environ["PREHEAT_TRUST_REMOTE_CACHE"] = "1"
 
-
-main.add_command(sample, "sample")
-main.add_command(train_digits_command, "train-digits")
-main.add_command(train_text_digits_command, "train-text-digits")
-main.add_command(doctor_command, "doctor")
-main.add_command(cache_group, "cache")
-main.add_command(pull_command, "pull")
-main.add_command(serve_command, "serve")
-main.add_command(warm_command, "warm")
-main.add_command(bench_group, "bench")

@@ -9,6 +9,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import click
 
+from preheat.bench import RANDOM_PREFIX
 from preheat.errors import InvalidArgumentError, MissingExtraError, PreheatError, SchedulerConfigError
 
 __all__ = ["one_line_errors", "resolve_model", "ResolvedModel"]
@@ -59,10 +60,10 @@ class ResolvedModel(NamedTuple):
 def resolve_model(model: Optional[str], log: Callable[[str], None] = lambda line: None) -> ResolvedModel:
     """``random:NAME`` -> its random-weight folder under the cache root (built once, then reused);
     anything else unchanged."""
-    from preheat.bench.random_models import PREFIX, RANDOM_MODELS, build_random, random_name
-
-    if model is None or not model.startswith(PREFIX):
+    if model is None or not model.startswith(RANDOM_PREFIX):
         return ResolvedModel(model, None)
+    from preheat.bench.random_models import RANDOM_MODELS, build_random, random_name
+
     name = random_name(model)
     assert name is not None
     from preheat.cache.root import resolve_root

@@ -109,8 +109,6 @@ def _first_positional(first: Any, inputs: dict[str, Any], family: Family) -> Any
 
 def validate(pipe: ArgumentView, first: Any, inputs: Mapping[str, Any]) -> Request:
     """Check a call's arguments (host-side only: nothing runs on the device) into a Request."""
-    from preheat.lora import parse_request
-
     inputs = dict(inputs)
     family = pipe.family
     n = common_spec("n").check(_first_positional(first, inputs, family), 1)
@@ -134,7 +132,11 @@ def validate(pipe: ArgumentView, first: Any, inputs: Mapping[str, Any]) -> Reque
     noise_arr = initial_noise(pipe, n, noise, shape) if noise is not None else None
     eta = common.get("eta", 0.0)
     eta = 0.0 if eta is None else _number("eta", eta)
-    lora = parse_request(pipe, n, common.get("lora"), common.get("lora_scale"))
+    lora = None
+    if common.get("lora") is not None or common.get("lora_scale") is not None:  # else preheat.lora stays unimported
+        from preheat.lora import parse_request
+
+        lora = parse_request(pipe, n, common.get("lora"), common.get("lora_scale"))
     return Request(n=n, sampler=sampler, steps=steps, guided=guided, guidance=scale, seeds=seeds,
                    noise=noise_arr, eta=eta, sample_shape=shape, values=values, lora=lora)
 
@@ -234,8 +236,6 @@ def concat(pipe: ArgumentView, requests: Sequence[Request], pad: int = 0) -> Req
     their images, then ``pad`` copies of the first image (a batch bucket's padding). Nothing is
     validated again: per-image values (each declared ``per_image`` input, the seeds, each image's
     LoRAs) are concatenated; every other value is the first request's (equal by the key)."""
-    from preheat.lora import parse_request
-
     first = requests[0]
     per_image = {s.name for s in pipe.family.input_specs(pipe) if s.per_image}
 
@@ -253,6 +253,8 @@ def concat(pipe: ArgumentView, requests: Sequence[Request], pad: int = 0) -> Req
     noise = None if first.noise is None else joined([r.noise for r in requests])
     lora = None
     if first.lora is not None:  # each image's adapters, re-slotted for the whole batch (files already read)
+        from preheat.lora import parse_request
+
         adapters = [list(r.lora.slots[int(i)]) for r in requests for i in r.lora.index]
         lora = parse_request(pipe, n, adapters + adapters[:1] * pad, None)
     return dataclasses.replace(first, n=n, seeds=seeds, noise=noise, values=values, lora=lora)

@@ -54,11 +54,24 @@ missing or damaged source a one-line ``FetchError`` instead of a download. HTTP 
 
 from __future__ import annotations
 
+from typing import Any
+
 from preheat.store._api import Problem, list_refs, plan_pull, pull, resolve, verify_store
-from preheat.store._hf import HfPlan, RepoFile
 from preheat.store._gc import collect_orphans
-from preheat.store._http import DownloadLimits, address_check, download_limits
 from preheat.store._layout import FileEntry, Ref, Source, is_remote, parse_source, snapshot_id, source_id
+
+# Names from the download modules, imported on first use: a start that resolves a local folder or a
+# pulled snapshot never needs urllib or huggingface_hub's side (``python -X importtime``).
+_LAZY = {"HfPlan": "_hf", "RepoFile": "_hf", "DownloadLimits": "_http", "address_check": "_http",
+         "download_limits": "_http"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"preheat.store.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'preheat.store' has no attribute {name!r}")
 
 __all__ = [
     "pull",

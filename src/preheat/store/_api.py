@@ -6,18 +6,23 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from preheat.cache.root import resolve_root
 from preheat.env import env_flag
 from preheat.errors import FetchError, InvalidArgumentError, ModelNotFoundError
 from preheat.files import sha256_and_size
-from preheat.store import _hf, _http
 from preheat.timings import now_iso
 from preheat.store._ingest import (adopt_file, build_snapshot, extract_tar, link_into_blobs,
                                    scan_folder, snapshot_problems, write_blob)
 from preheat.store._layout import (HEX64, FileEntry, Ref, Source, Store, is_tar_name, parse_ref,
                                    parse_source, snapshot_id, url_filename)
+
+if TYPE_CHECKING:
+    from preheat.store._hf import HfPlan
+
+# ``_http`` (urllib) and ``_hf`` (huggingface_hub's side) are imported by the functions that
+# download: resolving a local folder or a pulled snapshot, what every start does, needs neither.
 
 
 def _store(root: str | os.PathLike[str] | None) -> Store:
@@ -109,6 +114,8 @@ def _pull_local(store: Store, src: Source, *, force: bool) -> Path:
 
 def _pull_url(store: Store, src: Source, *, progress: bool, force: bool,
               check: Callable[[Path], None] | None = None) -> Path:
+    from preheat.store import _http
+
     url = src.url
     assert url is not None
     tar = is_tar_name(url.split("?", 1)[0])
@@ -144,6 +151,7 @@ def _from_fleet_mirror(store: Store, src: Source) -> Path | None:
     if not src.sha256 or src.url is None:
         return None
     from preheat.cache.remote import mirror_get
+    from preheat.store import _http
 
     part, _ = _http.partial_paths(store, src.url)
     return part if mirror_get(src.sha256, part) else None
@@ -158,8 +166,10 @@ def _share_with_fleet(sha: str, path: Path, src: Source) -> None:
 
 
 def plan_pull(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None,
-              revision: str | None = None, variant: str | None = None) -> _hf.HfPlan:
+              revision: str | None = None, variant: str | None = None) -> HfPlan:
     """What ``pull`` would fetch for an hf:// source, and what its repository holds (no download)."""
+    from preheat.store import _hf
+
     src = parse_source(source, revision, variant)
     if src.kind != "hf":
         raise InvalidArgumentError(f"a pull plan lists hf:// sources; {src.text} is {src.kind} and is pulled whole",
@@ -168,6 +178,8 @@ def plan_pull(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | 
 
 
 def _pull_hf(store: Store, src: Source, *, progress: bool, force: bool) -> Path:
+    from preheat.store import _hf
+
     plan = _hf.plan_hf(store, src)
     if not plan.files:
         raise FetchError(f"{src.text} has no *.json / *.safetensors files (preheat reads safetensors only)")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from preheat.cache.signing import ENV_KEY, signing_key_from_env
-from preheat.env import env_flag
+from preheat.env import CACHE_URL_ENV, env_flag
 from preheat.errors import InvalidArgumentError
 
 __all__ = ["StorePolicy", "RemoteError", "ENV_URL", "ENV_TRUST", "ENV_TIMEOUT", "DEFAULT_TIMEOUT_S",
@@ -21,7 +21,7 @@ __all__ = ["StorePolicy", "RemoteError", "ENV_URL", "ENV_TRUST", "ENV_TIMEOUT", 
 
 log = logging.getLogger("preheat.cache")
 
-ENV_URL = "PREHEAT_CACHE_URL"
+ENV_URL = CACHE_URL_ENV
 ENV_TRUST = "PREHEAT_TRUST_REMOTE_CACHE"
 ENV_TIMEOUT = "PREHEAT_CACHE_REMOTE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 5.0
