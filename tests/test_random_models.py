@@ -117,3 +117,27 @@ def test_bench_children_get_the_inputs_a_family_declares_required(folders, home,
                                   str(tmp_path / "k.png"), "--json", "--cache", "off"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["image_size"] == [32, 32]
+
+
+def test_bench_coldstart_passes_the_family_flags_to_every_child_and_refuses_others(folders, tmp_path, monkeypatch):
+    """`bench coldstart`'s model inputs are `preheat sample`'s family flags: given to each child as
+    they are (plus the required ones at their example values); a flag the family does not declare
+    is one line before any child starts."""
+    import preheat.bench.coldstart as coldstart
+
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setattr(coldstart, "bench_coldstart", lambda *a, **k: calls.append(a[-1]) or {})
+    monkeypatch.setattr(coldstart, "markdown", lambda result: "")
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), (90, 120, 150)).save(tmp_path / "in.png")
+    sd1 = str(folders["sd1-tiny"])
+    r = CliRunner().invoke(main, ["bench", "coldstart", sd1, "--n", "1", "--prompt", "a cat", "--width", "32",
+                                  "--height", "32", "--strength", "0.5", "--image", str(tmp_path / "in.png")])
+    assert r.exit_code == 0, r.output
+    assert calls == [("--prompt", "a cat", "--width", "32", "--height", "32", "--strength", "0.5",
+                      "--image", str(tmp_path / "in.png"))]
+    r = CliRunner().invoke(main, ["bench", "coldstart", sd1, "--class", "3"])
+    assert r.exit_code != 0 and len(calls) == 1
+    (line,) = [x for x in r.stderr.splitlines() if x.strip()]
+    assert line.startswith("error: ") and "--class" in line, line

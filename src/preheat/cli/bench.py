@@ -90,42 +90,47 @@ def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype:
     write_json(json_out, result)
 
 
-@bench_group.command("coldstart")
-@click.argument("model", required=False)
+@bench_group.command("coldstart", cls=FamilyInputsCommand, options_metavar="[MODEL] [OPTIONS]")
 @click.option("--n", "n", default=8, show_default=True, type=POSITIVE, help="Batch size.")
 @click.option("--steps", type=POSITIVE, help="Steps (model default when absent).")
 @click.option("--repeats", default=3, show_default=True, type=POSITIVE, help="Fresh processes per cache state.")
 @click.option("--cache-url", help="Also measure a fresh local root pulling from this shared store.")
-@click.option("--prompt", help="Text-to-image models: the prompt (default: a fixed one).")
-@click.option("--width", type=POSITIVE, help="Text-to-image models: image width.")
-@click.option("--height", type=POSITIVE, help="Text-to-image models: image height.")
 @click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True,
               help="torch: eager vs --compile cold vs warm, each child with an empty Inductor cache folder.")
 @click.option("--compile", "compile_mode", type=click.Choice(["regional", "inductor", "aot"]), multiple=True,
               help="--backend torch: the compile mode measured (repeatable; default regional).")
 @output_options()
 @click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
-@one_line_errors
-def coldstart_command(model: str | None, n: int, steps: int | None, repeats: int, cache_url: str | None,
-                      prompt: str | None, width: int | None, height: int | None, backend: str,
+def coldstart_command(n: int, steps: int | None, repeats: int, cache_url: str | None, backend: str,
                       compile_mode: tuple[str, ...], json_out: Path | None, as_json: bool, png_out: Path | None) -> None:
-    """Process start to first image, empty vs XLA-cache-only vs fully warm cache, in fresh processes."""
+    """Process start to first image, empty vs XLA-cache-only vs fully warm cache, in fresh processes.
+    The model's own inputs are `preheat sample`'s flags (--prompt, --width, --image PATH, ...), given to
+    every child; a required one not given runs at its declared example value."""
+    from preheat.cli.family_options import parse_flags
+
+    def run() -> None:
+        model, flags = parse_flags(click.get_current_context().args)
+        _coldstart(model, flags, n, steps, repeats, cache_url, backend, compile_mode, json_out, as_json, png_out)
+
+    one_line_errors(run)()
+
+
+def _coldstart(model: str | None, flags: dict[str, list[str]], n: int, steps: int | None, repeats: int,
+               cache_url: str | None, backend: str, compile_mode: tuple[str, ...], json_out: Path | None,
+               as_json: bool, png_out: Path | None) -> None:
     from preheat.bench.coldstart import bench_coldstart, bench_coldstart_torch, markdown, plot
     from preheat.bench.common import write_json
+    from preheat.bench.compare import declared_values
+    from preheat.bench.random_models import materialize_model, random_name, sized_inputs
     from preheat.errors import InvalidArgumentError
 
     if backend == "torch" and cache_url:
         raise InvalidArgumentError("--cache-url is measured for --backend jax only")
-
-    args: tuple[str, ...] = ()
-    for flag, value in (("--prompt", prompt), ("--width", width), ("--height", height)):
-        if value is not None:
-            args += (flag, str(value))
+    args = tuple(item for flag, values in flags.items() for value in values for item in (flag, value))
     with tempfile.TemporaryDirectory() as tmp:
-        from preheat.bench.random_models import materialize_model, random_name, sized_inputs
-
         folder = materialize_model(model, Path(tmp))
-        if width is None and height is None:  # the children get a folder: a tiny random model's defaults are said here
+        declared_values(folder, flags)  # a flag the model does not take: one line before any child starts
+        if "--width" not in flags and "--height" not in flags:  # a tiny random model's defaults, said here
             args += declared_args(folder, sized_inputs(random_name(model), {}))
         args += required_example_args(folder, args, Path(tmp))
         if backend == "torch":
