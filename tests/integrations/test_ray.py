@@ -304,7 +304,7 @@ def test_options_from_serve_run_args_and_one_line_errors() -> None:
         RayOptions.from_args({"progress": "maybe"})
     with pytest.raises(InvalidArgumentError, match="unknown option.*max_batch"):
         RayOptions.from_args({"max_batch": 4})
-    with pytest.raises(InvalidArgumentError, match="max_batch_size='x'"):
+    with pytest.raises(InvalidArgumentError, match="max_batch_size 'x' must be an int"):
         RayOptions.from_args({"max_batch_size": "x"})
 
 

@@ -99,6 +99,28 @@ def test_sdk_local_test_mode_runs_a_job_offline(model_dir: Path, tmp_path: Path)
     assert "num_outputs: Input should be less than or equal to 1" in out
 
 
+def test_runpod_and_ray_read_every_setting_from_one_table() -> None:
+    """Each ``PREHEAT_<SETTING>`` reaches the server's config, the same on Runpod and on a Ray replica
+    (they used to keep two lists, and neither read PREHEAT_WEIGHTS_LAYERS)."""
+    pytest.importorskip("ray.serve")
+    from preheat.integrations.ray import RayOptions
+    from preheat.server.config import ENV_SETTINGS, env_var
+
+    given = {"model": "/m", "dtype": "bfloat16", "variant": "fp16", "cache": "xla", "weights_dtype": "float8_e4m3fn",
+             "weights_layers": "linear", "config": "/c", "progress": "off", "max_batch_size": "3",
+             "samplers": "ddim,euler", "sizes": "64x32", "guidance": "on", "devices": "2", "fsdp": "2",
+             "lora_ranks": "16", "max_loras": "5", "lora_dir": "/l", "max_image_pixels": "4096",
+             "batch_wait_ms": "2.5", "max_queue": "9", "max_steps": "7"}
+    assert set(given) == set(ENV_SETTINGS)
+    env = {env_var(name): text for name, text in given.items()}
+    runpod, ray = rp.config_from_env(env), RayOptions.from_env(env).core_config()
+    assert runpod == ray
+    default = CoreConfig()
+    assert [name for name in ENV_SETTINGS if getattr(runpod, name) == getattr(default, name)] == []
+    assert (runpod.sizes, runpod.samplers, runpod.progress, runpod.batch_wait_ms) == (((64, 32),), ("ddim", "euler"),
+                                                                                     False, 2.5)
+
+
 def test_a_malformed_setting_stops_the_worker_in_one_line(tmp_path: Path) -> None:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PREHEAT_MAX_BATCH_SIZE="x")
     env.pop("RUNPOD_WEBHOOK_GET_JOB", None)

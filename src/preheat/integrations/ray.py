@@ -69,6 +69,7 @@ REPLICA_HEADER = "x-preheat-replica"
 
 # Copied from the deploying process into every replica (runtime_env env_vars): the fleet store, its
 # trust and deadline, its credentials (the standard AWS / fsspec variables) and the API token.
+RAY_ENV = {"num_replicas": "PREHEAT_RAY_REPLICAS", "num_gpus": "PREHEAT_RAY_GPUS"}  # the deployment's settings
 FORWARDED_ENV = ("PREHEAT_CACHE_URL", "PREHEAT_CACHE_SIGNING_KEY", "PREHEAT_TRUST_REMOTE_CACHE",
                  "PREHEAT_CACHE_REMOTE_TIMEOUT", "PREHEAT_API_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                  "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE", "AWS_ENDPOINT_URL",
@@ -136,22 +137,13 @@ class RayOptions:
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "RayOptions":
-        """``PREHEAT_MODEL``, ``PREHEAT_DTYPE``, ``PREHEAT_VARIANT``, ``PREHEAT_WEIGHTS_DTYPE``,
-        ``PREHEAT_CONFIG``, ``PREHEAT_PROGRESS``, ``PREHEAT_MAX_BATCH_SIZE``, ``PREHEAT_SAMPLERS``,
-        ``PREHEAT_SIZES``, ``PREHEAT_GUIDANCE``, ``PREHEAT_DEVICES``, ``PREHEAT_FSDP``, ``PREHEAT_LORA_RANKS``,
-        ``PREHEAT_MAX_LORAS``, ``PREHEAT_LORA_DIR``, ``PREHEAT_MAX_IMAGE_PIXELS``, ``PREHEAT_BATCH_WAIT_MS``,
-        ``PREHEAT_MAX_QUEUE``, ``PREHEAT_MAX_STEPS``, ``PREHEAT_RAY_REPLICAS``, ``PREHEAT_RAY_GPUS``."""
+        """The core's settings from ``PREHEAT_<SETTING>`` (``preheat.server.config.ENV_SETTINGS``,
+        as Runpod reads them), and the deployment's from ``PREHEAT_RAY_REPLICAS`` / ``PREHEAT_RAY_GPUS``."""
+        from preheat.server.config import settings_from_env
+
         env = os.environ if env is None else env
-        names = {"model": "PREHEAT_MODEL", "dtype": "PREHEAT_DTYPE", "variant": "PREHEAT_VARIANT",
-                 "weights_dtype": "PREHEAT_WEIGHTS_DTYPE", "config": "PREHEAT_CONFIG", "progress": "PREHEAT_PROGRESS",
-                 "max_batch_size": "PREHEAT_MAX_BATCH_SIZE",
-                 "samplers": "PREHEAT_SAMPLERS", "sizes": "PREHEAT_SIZES", "guidance": "PREHEAT_GUIDANCE",
-                 "devices": "PREHEAT_DEVICES", "fsdp": "PREHEAT_FSDP", "lora_ranks": "PREHEAT_LORA_RANKS",
-                 "max_loras": "PREHEAT_MAX_LORAS", "max_image_pixels": "PREHEAT_MAX_IMAGE_PIXELS",
-                 "lora_dir": "PREHEAT_LORA_DIR", "batch_wait_ms": "PREHEAT_BATCH_WAIT_MS",
-                 "max_queue": "PREHEAT_MAX_QUEUE", "max_steps": "PREHEAT_MAX_STEPS",
-                 "num_replicas": "PREHEAT_RAY_REPLICAS", "num_gpus": "PREHEAT_RAY_GPUS"}
-        return cls.from_args({name: env[var] for name, var in names.items() if env.get(var)})
+        deployment = {name: env[var] for name, var in RAY_ENV.items() if env.get(var, "").strip()}
+        return cls.from_args({**settings_from_env(env), **deployment})
 
     def check(self) -> None:
         if self.max_batch_size < 1 or self.max_queue < 1 or self.max_steps < 1 or self.batch_wait_ms < 0:
@@ -175,14 +167,8 @@ class RayOptions:
     def core_config(self) -> Any:
         from preheat.server.core import CoreConfig
 
-        return CoreConfig(model=self.model, dtype=self.dtype, variant=self.variant, cache=self.cache,
-                          weights_dtype=self.weights_dtype, weights_layers=self.weights_layers, config=self.config,
-                          progress=self.progress, max_batch_size=self.max_batch_size,
-                          samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
-                          devices=self.devices, fsdp=self.fsdp, lora_ranks=tuple(self.lora_ranks),
-                          max_loras=self.max_loras, lora_dir=self.lora_dir, batch_wait_ms=self.batch_wait_ms, max_queue=self.max_queue,
-                          max_steps=self.max_steps, push_grace_s=self.push_grace_s,
-                          max_image_pixels=self.max_image_pixels)
+        shared = {f.name for f in fields(CoreConfig)} & {f.name for f in fields(self)}
+        return CoreConfig(**{name: getattr(self, name) for name in shared})
 
     def deployment_options(self) -> dict[str, Any]:
         """``Preheat.options(...)``: replicas, resources, concurrency, the shutdown budget and the
@@ -205,35 +191,21 @@ class RayOptions:
 
 
 def _coerce(name: str, value: Any) -> Any:
-    """A typed value for option ``name`` from a string (``serve run`` args) or a typed one."""
-    from preheat.env import on_off
-    from preheat.server.inputs import parse_sizes
+    """A typed value for option ``name`` from a string (``serve run`` args) or a typed one: the
+    core's settings as Runpod types them (``typed_setting``), then the deployment's own."""
+    from preheat.server.config import ENV_SETTINGS, typed_setting
 
     if value is None:
         return None
+    if name in ENV_SETTINGS:
+        return typed_setting(name, value)
     try:
-        if name in ("samplers", "guidance"):
-            items = value.split(",") if isinstance(value, str) else list(value)
-            return tuple(str(v).strip() for v in items if str(v).strip())
-        if name == "sizes":
-            return parse_sizes(value) if isinstance(value, str) else tuple(tuple(int(x) for x in s) for s in value)
-        if name == "devices":
-            from preheat.sharding import parse_devices
-
-            return parse_devices(value, "devices") if isinstance(value, str) else value
-        if name == "lora_ranks":
-            from preheat.server.inputs import parse_lora_ranks
-
-            return parse_lora_ranks(value if isinstance(value, str) else ",".join(map(str, value)), "lora_ranks")
-        if name in ("max_batch_size", "max_queue", "max_steps", "max_ongoing_requests", "fsdp", "max_loras",
-                    "max_image_pixels"):
+        if name in ("max_ongoing_requests",):
             return int(value)
         if name == "num_replicas":
             return None if value in (None, "auto") else int(value)
-        if name in ("batch_wait_ms", "grace_s", "push_grace_s", "num_gpus", "num_cpus", "graceful_shutdown_timeout_s"):
+        if name in ("grace_s", "push_grace_s", "num_gpus", "num_cpus", "graceful_shutdown_timeout_s"):
             return float(value)
-        if name == "progress":
-            return on_off(value, name)
         if name in ("autoscaling", "env"):
             if isinstance(value, str):
                 import json

@@ -18,21 +18,12 @@ The result is ``{"images": [data URLs], "seed": int, "metrics": {...}}``, or
 modifier > 1 the SDK runs several jobs at once and the core batches them into one engine call.
 
 The engine is loaded once per process (at ``python -m`` start, or on the first job), from
-``$PREHEAT_MODEL`` (default: the built-in model). Knobs: ``PREHEAT_MAX_BATCH_SIZE`` (8),
-``PREHEAT_BATCH_WAIT_MS`` (10), ``PREHEAT_MAX_QUEUE`` (64), ``PREHEAT_MAX_STEPS`` (200),
-``PREHEAT_SAMPLERS`` (comma-separated; default: the model's own, all compiled at start),
-``PREHEAT_SIZES`` (text-to-image: ``512x512,768x512``; default: the model's size),
-``PREHEAT_GUIDANCE`` (guidance modes warmed: ``off,on``, as ``preheat warm --guidance``),
-``PREHEAT_LORA_RANKS`` (LoRA rank buckets warmed, as ``--lora-ranks``: ``16,32``),
-``PREHEAT_MAX_LORAS`` (LoRAs held ready, 8),
-``PREHEAT_LORA_DIR`` (the only folder a request's local ``lora_weights`` may name; unset: URLs
-and ``hf://`` only), ``PREHEAT_MAX_IMAGE_PIXELS`` (width x height of a request's ``image`` /
-``mask``, as ``--max-image-pixels``; default 4096²) and
-``PREHEAT_DTYPE`` (float32; ``bfloat16`` for a GPU worker), ``PREHEAT_CONFIG`` (with a single
-``.safetensors`` as ``PREHEAT_MODEL``: the diffusers folder or ``hf://`` repository whose configs
-read it, as ``--config``), ``PREHEAT_VARIANT`` (``fp16``: weight files ``*.fp16.safetensors``),
-``PREHEAT_WEIGHTS_DTYPE`` (``float8_e4m3fn``: the denoiser's weights stored in fp8) and
-``PREHEAT_PROGRESS`` (``off``: programs without step progress, as ``serve --no-progress``). The
+``$PREHEAT_MODEL`` (default: the built-in model). The other knobs are the server's settings,
+each as ``PREHEAT_<SETTING>`` (``preheat.server.config.ENV_SETTINGS``: ``PREHEAT_DTYPE``,
+``PREHEAT_SIZES`` = ``512x512,768x512``, ``PREHEAT_SAMPLERS``, ``PREHEAT_GUIDANCE`` = ``off,on``,
+``PREHEAT_MAX_BATCH_SIZE``, ``PREHEAT_LORA_RANKS``, ``PREHEAT_LORA_DIR``, ``PREHEAT_CONFIG`` for a
+single file, ``PREHEAT_WEIGHTS_DTYPE``, ``PREHEAT_PROGRESS`` = ``off`` as ``serve --no-progress``, ...;
+docs/serving.md lists them all); a malformed one stops the worker with one line naming it. The
 compile cache lives on the network volume automatically (``/runpod-volume/preheat``, see
 ``preheat.cache.root``), so a cold worker with a warm volume starts hot.
 """
@@ -42,13 +33,13 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-from preheat.errors import InputError, InvalidArgumentError, MissingExtraError, NotAccepting, PreheatError, QueueFull
+from preheat.errors import InputError, MissingExtraError, NotAccepting, PreheatError, QueueFull
 
 try:
+    from preheat.server.config import env_var, settings_from_env, typed_setting
     from preheat.server.core import Core, CoreConfig
-    from preheat.server.inputs import parse_lora_ranks, parse_sizes
 except ModuleNotFoundError as _err:  # python -m without the serve extra: one line, never a traceback
     if __name__ != "__main__" or MissingExtraError.of(_err, "the Runpod handler") is None:
         raise
@@ -60,36 +51,12 @@ _core: Optional[Core] = None
 _lock = threading.Lock()
 
 
-def config_from_env(env: Optional[dict[str, str]] = None) -> CoreConfig:
-    from preheat.env import on_off
-
-    env = dict(os.environ if env is None else env)
-    try:
-        progress = on_off(env.get("PREHEAT_PROGRESS") or "on", "PREHEAT_PROGRESS")
-    except ValueError as err:
-        raise InvalidArgumentError(str(err), argument="PREHEAT_PROGRESS") from None
-
-    def number(name: str, default: str, kind: type = int) -> Any:
-        text = env.get(name) or default
-        try:
-            return kind(text)
-        except ValueError:
-            what = "an int" if kind is int else "a number"
-            raise InvalidArgumentError(f"{name} {text!r} must be {what}", argument=name) from None
-
-    return CoreConfig(model=env.get("PREHEAT_MODEL") or None, dtype=env.get("PREHEAT_DTYPE") or "float32",
-                      config=env.get("PREHEAT_CONFIG") or None, variant=env.get("PREHEAT_VARIANT") or None,
-                      weights_dtype=env.get("PREHEAT_WEIGHTS_DTYPE") or None, progress=progress,
-                      sizes=parse_sizes(env.get("PREHEAT_SIZES")),
-                      max_batch_size=number("PREHEAT_MAX_BATCH_SIZE", "8"),
-                      batch_wait_ms=number("PREHEAT_BATCH_WAIT_MS", "10", float),
-                      max_queue=number("PREHEAT_MAX_QUEUE", "64"),
-                      max_steps=number("PREHEAT_MAX_STEPS", "200"),
-                      max_loras=number("PREHEAT_MAX_LORAS", "8"), lora_dir=env.get("PREHEAT_LORA_DIR") or None,
-                      max_image_pixels=number("PREHEAT_MAX_IMAGE_PIXELS", "0") or None,
-                      lora_ranks=parse_lora_ranks(env.get("PREHEAT_LORA_RANKS"), "PREHEAT_LORA_RANKS"),
-                      samplers=tuple(n.strip() for n in env.get("PREHEAT_SAMPLERS", "").split(",") if n.strip()),
-                      guidance=tuple(g.strip() for g in (env.get("PREHEAT_GUIDANCE") or "off,on").split(",") if g.strip()))
+def config_from_env(env: Optional[Mapping[str, str]] = None) -> CoreConfig:
+    """The worker's CoreConfig from ``PREHEAT_<SETTING>`` (``preheat.server.config.ENV_SETTINGS``); a
+    malformed value is one line naming its variable."""
+    env = os.environ if env is None else env
+    return CoreConfig(**{name: typed_setting(name, text, env_var(name))
+                         for name, text in settings_from_env(env).items()})
 
 
 def get_core(core: Optional[Core] = None) -> Core:

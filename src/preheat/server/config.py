@@ -6,11 +6,12 @@ that the Ray and Runpod surfaces can build and check a configuration without the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Mapping, Optional
 
+from preheat.errors import InvalidArgumentError
 from preheat.warm import GUIDANCE_MODES, WarmSet
 
-__all__ = ["CoreConfig", "load_pipeline"]
+__all__ = ["CoreConfig", "load_pipeline", "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting"]
 
 
 @dataclass
@@ -66,6 +67,64 @@ class CoreConfig:
                    samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance),
                    lora_ranks=tuple(warm.lora_ranks), **options)
 
+
+
+# The CoreConfig fields a deployment sets from its environment, each as ``PREHEAT_<FIELD>``: Runpod's
+# handler and Ray's replicas read this one table, so neither misses a setting the other takes.
+ENV_SETTINGS: tuple[str, ...] = (
+    "model", "dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "progress", "max_batch_size",
+    "samplers", "sizes", "guidance", "devices", "fsdp", "lora_ranks", "max_loras", "lora_dir", "max_image_pixels",
+    "batch_wait_ms", "max_queue", "max_steps")
+_INTS = ("max_batch_size", "fsdp", "max_loras", "max_image_pixels", "max_queue", "max_steps")
+_FLOATS = ("batch_wait_ms",)
+_LISTS = ("samplers", "guidance")
+
+
+def env_var(name: str) -> str:
+    """The environment variable of setting ``name``: ``max_batch_size`` -> ``PREHEAT_MAX_BATCH_SIZE``."""
+    return "PREHEAT_" + name.upper()
+
+
+def settings_from_env(env: Mapping[str, str], names: Iterable[str] = ENV_SETTINGS) -> dict[str, str]:
+    """The settings of ``names`` that ``env`` gives (set and not blank), as text keyed by name."""
+    return {name: env[env_var(name)] for name in names if env.get(env_var(name), "").strip()}
+
+
+def typed_setting(name: str, value: Any, label: Optional[str] = None) -> Any:
+    """A CoreConfig setting from text (an environment variable, ``serve run key=value``) or an
+    already typed value. A malformed one is a one-line InvalidArgumentError naming ``label``
+    (default ``name``: the variable or option the user wrote)."""
+    from preheat.env import on_off
+    from preheat.server.inputs import parse_lora_ranks, parse_sizes
+
+    label = label or name
+    if value is None:
+        return None
+    if name in _LISTS:
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return tuple(str(v).strip() for v in items if str(v).strip())
+    if name == "sizes":
+        return parse_sizes(value) if isinstance(value, str) else tuple(tuple(int(x) for x in s) for s in value)
+    if name == "devices":
+        from preheat.sharding import parse_devices
+
+        return parse_devices(value, label) if isinstance(value, str) else value
+    if name == "lora_ranks":
+        return parse_lora_ranks(value if isinstance(value, str) else ",".join(map(str, value)), label)
+    if name == "progress":
+        try:
+            return on_off(value, label)
+        except ValueError as err:
+            raise InvalidArgumentError(str(err), argument=label) from None
+    if name in _INTS or name in _FLOATS:
+        kind = int if name in _INTS else float
+        try:
+            number = kind(value)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"{label} {value!r} must be {'an int' if kind is int else 'a number'}",
+                                       argument=label) from None
+        return (number or None) if name == "max_image_pixels" else number  # 0: the default cap
+    return str(value)
 
 def load_pipeline(config: CoreConfig) -> Any:
     """The engine for ``config.backend``; a one-line ``InvalidArgumentError`` for an unusable backend."""
