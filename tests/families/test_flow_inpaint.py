@@ -155,3 +155,15 @@ def test_defaults_and_inputs(pipes):
         pipes["flux-dev"])  # an inpainting call's size: width x height, else the native size
     names = {s.name for s in pipes["sd3"].family.input_specs(pipes["sd3"])}
     assert {"image", "mask_image", "strength", "padding_mask_crop"} <= names
+
+
+@pytest.mark.parametrize("name,strength,guidance", [("flux-dev", 0.6, 3.5), ("sd3", 1.0, 5.0)])
+def test_torch_backend_runs_diffusers_inpaint_pipeline(folders, pipes, name, strength, guidance):
+    """backend="torch": FluxInpaintPipeline / StableDiffusion3InpaintPipeline, their scale_noise
+    (at the start and in every blend) given the JAX engine's ε; SD3's decode given the VAE's shift."""
+    torch_pipe = preheat.load(folders[name], backend="torch")
+    call = dict(image=picture(40, 36, seed=4), mask_image=mask_of(40, 36), strength=strength, steps=3, seed=[4, 5],
+                guidance=guidance, width=32, height=32)
+    theirs = torch_pipe.generate(["a red fox", "a cat"], **call)
+    ours = pipes[name].generate(["a red fox", "a cat"], **call)
+    assert_pixels_close(ours, theirs, shape=(2, 32, 32, 3))

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from preheat.errors import InvalidArgumentError, UnsupportedConfigError
+from preheat.errors import UnsupportedConfigError
 from preheat.families import image as image_input
 from preheat.families.components import SD3Components
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
