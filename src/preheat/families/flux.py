@@ -16,7 +16,9 @@ or empty ``prompt_2`` is ``prompt``, as diffusers. Both are data (token ids); wi
 are static (one program per resolution). ``image`` and ``strength``: img2img as
 ``FluxImg2ImgPipeline`` -- the image encoded (``encode_image`` stage), the loop begun at step
 ``int(n - n strength)`` from ``scale_noise`` of it (``families.image``); strength and the image's
-content are data, its size static.
+content are data, its size static. ``mask_image`` (and ``padding_mask_crop``): inpainting on this
+base folder as ``FluxInpaintPipeline`` -- after each step the kept (black) region is put back as
+the encoded image at the next step's sigma (``samplers.Start.keep``); the mask's content is data.
 
 Guidance: FLUX.1-dev is guidance-distilled -- the scale is an input of the transformer
 (``guidance_embeds``), so it is conditioning data: one branch, no recompile for a new scale.

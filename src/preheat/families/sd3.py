@@ -13,6 +13,10 @@
 
 ``image`` and ``strength``: img2img as ``StableDiffusion3Img2ImgPipeline`` (``families.image``:
 the ``encode_image`` stage, the loop begun at ``int(n - n strength)`` from ``scale_noise``).
+``mask_image`` (and ``padding_mask_crop``): inpainting as ``StableDiffusion3InpaintPipeline`` with a
+base transformer -- from the noise alone at strength 1, and after each step the kept (black) region
+put back as the encoded image at the next step's sigma. Its decode is the other SD3 pipelines'
+(``latents / scaling_factor + shift_factor``; diffusers' inpaint pipeline drops the shift).
 """
 
 from __future__ import annotations
