@@ -153,8 +153,11 @@ def test_defaults_and_inputs(pipes):
     assert request.values["strength"] == 0.6  # FluxInpaintPipeline's
     assert (request.values["width"], request.values["height"]) == pipes["flux-dev"].family.native_size(
         pipes["flux-dev"])  # an inpainting call's size: width x height, else the native size
-    names = {s.name for s in pipes["sd3"].family.input_specs(pipes["sd3"])}
-    assert {"image", "mask_image", "strength", "padding_mask_crop"} <= names
+    for pipe in pipes.values():  # declared inputs: every surface and warm-up derive them
+        names = {s.name for s in pipe.family.input_specs(pipe)}
+        assert {"image", "mask_image", "strength", "padding_mask_crop"} <= names
+        variants = {tuple(sorted(v)) for v in pipe.family.warm_inputs(pipe, guided=False)}
+        assert ("image", "mask_image", "prompt", "strength") in variants, variants
 
 
 @pytest.mark.parametrize("name,strength,guidance", [("flux-dev", 0.6, 3.5), ("sd3", 1.0, 5.0)])
