@@ -63,7 +63,7 @@ class FluxFillFamily(FluxFamily):
     name: str = "flux-fill"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 50,
                                                                   "guidance": 30.0})
-    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, FILL_IMAGE, FILL_MASK, FILL_STRENGTH)
+    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, FILL_IMAGE, FILL_MASK, FILL_STRENGTH)  # no padding_mask_crop
 
     def condition_channels(self, latent_channels: int, vae_scale: int) -> int:
         """The masked image's latents and the mask's s² channels, per latent pixel (before packing)."""
@@ -77,6 +77,10 @@ class FluxFillFamily(FluxFamily):
         width x height, else the native size (an inpainting model's rule)."""
         image_input.check_image_inputs(pipe, values, inputs, inpaint_model=True, default_strength=(1.0, 1.0),
                                        max_size=self.max_size)
+
+    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
+        """The image noised at the start step, as Flux img2img: the mask rides in the tokens, not blended."""
+        return image_input.img2img_start(pipe, request)
 
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         conditioning = super().condition(pipe, request)

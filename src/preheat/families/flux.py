@@ -16,7 +16,9 @@ or empty ``prompt_2`` is ``prompt``, as diffusers. Both are data (token ids); wi
 are static (one program per resolution). ``image`` and ``strength``: img2img as
 ``FluxImg2ImgPipeline`` -- the image encoded (``encode_image`` stage), the loop begun at step
 ``int(n - n strength)`` from ``scale_noise`` of it (``families.image``); strength and the image's
-content are data, its size static.
+content are data, its size static. ``mask_image`` (and ``padding_mask_crop``): inpainting on this
+base folder as ``FluxInpaintPipeline`` -- after each step the kept (black) region is put back as
+the encoded image at the next step's sigma (``samplers.Start.keep``); the mask's content is data.
 
 Guidance: FLUX.1-dev is guidance-distilled -- the scale is an input of the transformer
 (``guidance_embeds``), so it is conditioning data: one branch, no recompile for a new scale.
@@ -40,7 +42,7 @@ from preheat.errors import UnsupportedConfigError
 from preheat.families import image as image_input
 from preheat.families.components import FluxComponents
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
-from preheat.families.image import IMAGE, STRENGTH
+from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import EncodeArgs
 from preheat.families.text import PROMPT, TextToImageFamily, component, default_sampler, encode, offload
@@ -63,7 +65,7 @@ class FluxFamily(TextToImageFamily):
     name: str = "flux"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 28,
                                                                   "guidance": 3.5})
-    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, IMAGE, STRENGTH)
+    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP)
     # FluxPipeline passes its own sigmas and mu to set_timesteps: only flow_euler's scheduler takes them
     samplers: tuple[str, ...] = MU_SIGMAS_SAMPLERS
     max_size: int = 4096
@@ -89,12 +91,22 @@ class FluxFamily(TextToImageFamily):
 
     def check_images(self, pipe: EngineView, values: dict[str, Any], inputs: dict[str, Any]) -> None:
         """img2img (``FluxImg2ImgPipeline``): strength defaults to its 0.6; the output is the image's
-        size unless width/height are given (diffusers' default would be the native size)."""
+        size unless width/height are given (diffusers' default would be the native size). With a
+        mask (``FluxInpaintPipeline``, strength 0.6 too): width x height, else the native size."""
         image_input.check_image_inputs(pipe, values, inputs, inpaint_model=False, default_strength=(0.6, 0.6),
                                        max_size=self.max_size)
 
+    def check_start(self, pipe: EngineView, request: Request) -> int | None:
+        return image_input.flow_start(pipe, request)
+
     def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
-        return image_input.img2img_start(pipe, request, "flow")  # int(n - n s), scale_noise
+        """img2img (``FluxImg2ImgPipeline``), or with a mask ``FluxInpaintPipeline``'s blend after
+        each step: int(n - n s), ``scale_noise`` (also at strength 1)."""
+        return image_input.img2img_start(pipe, request, blend=True)
+
+    def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
+        """Decoded pixels; a padding_mask_crop call's pasted back into its image, host side."""
+        return image_input.pasted_back(super().finish(pipe, request, out), request.values)
 
     def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
         from preheat.samplers import flow_mu, flux_sigmas

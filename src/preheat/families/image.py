@@ -51,7 +51,7 @@ from preheat.families.stages import EncodeImageArgs
 
 __all__ = ["IMAGE", "MASK_IMAGE", "STRENGTH", "PADDING_MASK_CROP", "Strength", "InpaintImages", "image_size",
            "check_image_inputs", "pixels", "mask", "crop_regions", "inpaint_images", "pasted_back", "latent_mask",
-           "masked", "encode_images", "encode_image_program", "img2img_start"]
+           "masked", "encode_images", "encode_image_program", "img2img_start", "flow_start"]
 
 
 @dataclass(frozen=True)
@@ -244,15 +244,46 @@ def encode_images(pipe: EngineView, images: np.ndarray, seeds: np.ndarray, index
                                                      seeds=seeds, index=np.int32(index))))
 
 
-def img2img_start(pipe: EngineView, request: Any, rule: str) -> Any:
-    """Where an img2img call of a family without masks begins (Flux, SD3: ``rule`` "flow"): at
-    ``get_timesteps(strength)``'s step, from the encoded image noised there (None: no image)."""
+def img2img_start(pipe: EngineView, request: Any, *, blend: bool = False, pure_at_max: bool = False) -> Any:
+    """Where an img2img call of a flow family begins (Flux, SD3; ``flow_start``): at
+    ``get_timesteps(strength)``'s step, from the encoded image noised there (None: no image).
+
+    ``blend``: a ``mask_image`` is blended after each step, as ``FluxInpaintPipeline`` and
+    ``StableDiffusion3InpaintPipeline`` do with a base transformer: the image (each image's crop,
+    with padding_mask_crop) is encoded whole, and the latent-grid mask (pixel (s i, s j) of the
+    binarized mask) keeps the rest at the next step's level. ``pure_at_max``: at strength 1 the
+    loop begins from the noise alone (SD3's ``is_strength_max``; Flux noises the image even then,
+    which at sigma 1 is the noise too)."""
     values, n = request.values, request.n
     if values.get("image") is None:
         return None
-    from preheat.samplers import Start, strength_start
+    from preheat.samplers import Start
 
-    index = strength_start(request.steps, values["strength"], rule)
-    x = np.repeat(pixels(values["image"], values["width"], values["height"])[None], n, axis=0)  # (n, H, W, 3)
+    index = flow_start(pipe, request, blend)
+    keep = None
+    if blend and values.get("mask_image") is not None:
+        images = inpaint_images(values, n)
+        x = images.pixels  # (n, H, W, 3)
+        keep = latent_mask(images.mask, pipe.components.vae_scale)  # (n, h, w, 1), 1 = repaint
+    else:
+        x = np.repeat(pixels(values["image"], values["width"], values["height"])[None], n, axis=0)  # (n, H, W, 3)
     x0 = encode_images(pipe, x, request.seeds, 0)  # (n, h, w, C)
-    return Start(index=np.int32(index), x0=x0, pure_noise=np.bool_(False))
+    pure = keep is not None and pure_at_max and values["strength"] == 1.0
+    return Start(index=np.int32(index), x0=x0, pure_noise=np.bool_(pure), keep=keep)
+
+
+def flow_start(pipe: EngineView, request: Any, blend: bool = True) -> int | None:
+    """The start step of a flow family's image call (None: from noise), or a one-line error: a
+    strength that leaves no step, a sampler that cannot blend a mask (Heun: two model calls a step)."""
+    values = request.values
+    if values.get("image") is None:
+        return None
+    from preheat.samplers import BLEND_SOLVERS, make_spec, strength_start
+
+    index = strength_start(request.steps, values["strength"], "flow")  # int(n - n s)
+    if blend and values.get("mask_image") is not None and \
+            make_spec(pipe.scheduler_config, request.sampler).solver not in BLEND_SOLVERS:
+        raise InvalidArgumentError(f"sampler {request.sampler!r} cannot blend an inpainting mask on this model "
+                                   "(diffusers blends after each scheduler step); use flow_euler",
+                                   argument="sampler")
+    return index

@@ -105,6 +105,9 @@ class FluxKontextFamily(FluxFamily):
         if values["height"] is None:
             values["height"] = size[1]
 
+    def check_start(self, pipe: EngineView, request: Request) -> int | None:
+        return None  # from noise: no strength
+
     def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
         return None  # the loop starts from noise; the reference is conditioning
 

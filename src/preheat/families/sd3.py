@@ -13,6 +13,10 @@
 
 ``image`` and ``strength``: img2img as ``StableDiffusion3Img2ImgPipeline`` (``families.image``:
 the ``encode_image`` stage, the loop begun at ``int(n - n strength)`` from ``scale_noise``).
+``mask_image`` (and ``padding_mask_crop``): inpainting as ``StableDiffusion3InpaintPipeline`` with a
+base transformer -- from the noise alone at strength 1, and after each step the kept (black) region
+put back as the encoded image at the next step's sigma. Its decode is the other SD3 pipelines'
+(``latents / scaling_factor + shift_factor``; diffusers' inpaint pipeline drops the shift).
 """
 
 from __future__ import annotations
@@ -23,11 +27,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from preheat.errors import InvalidArgumentError, UnsupportedConfigError
+from preheat.errors import UnsupportedConfigError
 from preheat.families import image as image_input
 from preheat.families.components import SD3Components
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
-from preheat.families.image import IMAGE, STRENGTH
+from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
 from preheat.families.inputs import InputSpec
 from preheat.families.stages import EncodeArgs
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, default_sampler, encode,
@@ -47,20 +51,31 @@ class SD3Family(TextToImageFamily):
     name: str = "stable-diffusion-3"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 28,
                                                                   "guidance": 7.0})
-    specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT, IMAGE, STRENGTH)
+    specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP)
     samplers: tuple[str, ...] = FLOW_SAMPLERS
     max_size: int = 4096
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         """img2img (``StableDiffusion3Img2ImgPipeline``): strength defaults to its 0.6; the output is
-        the image's size unless width/height are given (diffusers' default would be the native size)."""
+        the image's size unless width/height are given (diffusers' default would be the native size).
+        With a mask (``StableDiffusion3InpaintPipeline``, strength 0.6 too): width x height, else the
+        native size."""
         values = super().check_inputs(pipe, n, inputs)
         image_input.check_image_inputs(pipe, values, inputs, inpaint_model=False, default_strength=(0.6, 0.6),
                                        max_size=self.max_size)
         return values
 
+    def check_start(self, pipe: EngineView, request: Request) -> int | None:
+        return image_input.flow_start(pipe, request)
+
     def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
-        return image_input.img2img_start(pipe, request, "flow")  # its get_timesteps: int(n - n s); scale_noise
+        """img2img, or with a mask ``StableDiffusion3InpaintPipeline``'s blend after each step: its
+        get_timesteps, int(n - n s); ``scale_noise``; at strength 1 the noise alone (``is_strength_max``)."""
+        return image_input.img2img_start(pipe, request, blend=True, pure_at_max=True)
+
+    def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
+        """Decoded pixels; a padding_mask_crop call's pasted back into its image, host side."""
+        return image_input.pasted_back(super().finish(pipe, request, out), request.values)
 
     def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
         from preheat.samplers import MU_SIGMAS_SAMPLERS, flow_mu

@@ -1,5 +1,5 @@
 """The torch backend's image-conditioned calls: diffusers' own img2img and inpaint pipelines
-(SD, SDXL; Flux and SD3 img2img).
+(SD, SDXL, Flux and SD3; FLUX.1 Fill).
 
 A call with ``image`` (and ``mask_image``) runs ``StableDiffusion[XL]Img2ImgPipeline`` or
 ``...InpaintPipeline``, built once from the loaded pipeline's components (``from_pipe``: no
@@ -9,6 +9,9 @@ that call use preheat's ε instead -- at inpainting's strength 1 (``is_strength_
 passed as ``latents``, which diffusers then takes as the noise. What still differs: diffusers
 samples the VAE posterior from its generator, the JAX engine from the seeds' keys.
 ``padding_mask_crop`` is diffusers' own keyword here (one per call, as its pipelines take it).
+``StableDiffusion3InpaintPipeline`` decodes ``latents / scaling_factor``, without the VAE's
+``shift_factor`` that every other SD3 pipeline adds (diffusers issue 13611, item 1): a last-step
+callback adds it back, so both backends decode alike.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ _CLASSES = {("stable-diffusion", False): "StableDiffusionImg2ImgPipeline",
             ("stable-diffusion-xl", False): "StableDiffusionXLImg2ImgPipeline",
             ("stable-diffusion-xl", True): "StableDiffusionXLInpaintPipeline",
             ("stable-diffusion-3", False): "StableDiffusion3Img2ImgPipeline",
+            ("stable-diffusion-3", True): "StableDiffusion3InpaintPipeline",
             ("flux", False): "FluxImg2ImgPipeline",
+            ("flux", True): "FluxInpaintPipeline",
             ("flux-fill", True): "FluxFillPipeline"}  # a Fill folder's own pipeline
 # img2img pipelines that take width/height (the image is resized to them) rather than the image's size
 _SIZED = ("stable-diffusion-3", "flux", "flux-fill")
@@ -69,17 +74,29 @@ def image_kwargs(values: dict[str, Any], kwargs: dict[str, Any], family: str = "
             out.pop("width", None)
     else:
         out["mask_image"] = Image.fromarray(values["mask_image"])
-        if values["strength"] == 1.0:  # is_strength_max: given latents are the noise
-            out["latents"] = given
+        if values["strength"] == 1.0 and family != "flux":  # is_strength_max: given latents are the noise
+            out["latents"] = given  # (FluxInpaintPipeline noises the image at sigma 1: same_noise's ε)
+        if family == "stable-diffusion-3":
+            out.update(callback_on_step_end=_sd3_shift, callback_on_step_end_tensor_inputs=["latents"])
         pads = set(values.get("padding_mask_crop") or ())
         if len(pads) > 1:
             from preheat.errors import InvalidArgumentError
 
             raise InvalidArgumentError("the torch backend takes one padding_mask_crop per call (diffusers' "
                                        "pipelines crop once)", argument="padding_mask_crop")
-        if pads:  # diffusers pastes the crop back into PIL outputs only
-            out.update(padding_mask_crop=pads.pop(), output_type="pil")
+        if pads:  # diffusers pastes the crop back into PIL outputs only, into one original image
+            out.update(padding_mask_crop=pads.pop(), output_type="pil", image=Image.fromarray(values["image"]))
     return out
+
+
+def _sd3_shift(pipe: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+    """At SD3 inpainting's last step: latents + shift_factor x scaling_factor, which its decode of
+    ``latents / scaling_factor`` turns into the ``latents / scaling_factor + shift_factor`` of
+    every other SD3 pipeline."""
+    if i < pipe.num_timesteps - 1:
+        return {}
+    config = pipe.vae.config
+    return {"latents": tensors["latents"] + config.shift_factor * config.scaling_factor}
 
 
 def pixels_of(images: Any) -> np.ndarray:
@@ -97,6 +114,11 @@ def same_noise(scheduler: Any, eps: torch.Tensor) -> None:
     diffusers drew (same shape), so both backends noise the image alike; a scheduler made for this
     call only (``make_scheduler``)."""
     def ours(noise: torch.Tensor) -> torch.Tensor:
+        if noise.ndim == 3 and eps.ndim == 4:  # FluxInpaintPipeline's loop blends with packed noise
+            b, c, h, w = eps.shape
+            packed = eps.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, c * 4)
+            if tuple(noise.shape) == tuple(packed.shape):
+                return packed.to(noise.device, noise.dtype)
         if tuple(noise.shape) != tuple(eps.shape):
             raise ValueError(f"diffusers' noise is {tuple(noise.shape)}, preheat's {tuple(eps.shape)}")
         return eps.to(noise.device, noise.dtype)
