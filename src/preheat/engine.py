@@ -567,8 +567,12 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         reading = reading_converted(model, config, converted)  # a misfit names the file, not the folder
         root = converted
     elif Path(root).is_file() and Path(root).suffix == ".safetensors":
-        raise InvalidArgumentError(f"{model} is a single .safetensors file; pass config=<the diffusers folder whose "
-                                   "configs and tokenizers it goes with>", argument="config")
+        from preheat.models.published import infer_file
+
+        published = infer_file(root)  # a file of no published model: one line naming every model tried
+        raise InvalidArgumentError(f"{model} is a {published.title} single file ({published.layout} layout); preheat "
+                                   f"ships its configs but not its tokenizer files: pass config=<a {published.title} "
+                                   f"diffusers folder, e.g. hf://{published.repo}>", argument="config")
     early = bool(prefetch) and compiler is not None
     if early:  # the last such start's executables deserialise while the model is built (preheat.cache.early)
         from preheat.cache.early import startup_id
