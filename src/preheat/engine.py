@@ -563,7 +563,12 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         from preheat.cache.root import resolve_root
         from preheat.models.single_file import materialize, reading_converted
 
-        converted = materialize(root, resolve(str(config)), resolve_root().path)  # converted once, then reused
+        configs = Path(resolve(str(config)))
+        if Path(root).is_file() and configs.is_dir() and not (configs / "model_index.json").is_file():
+            from preheat.models.published import with_tokenizers
+
+            configs = with_tokenizers(root, configs, resolve_root().path)  # tokenizers only: the shipped configs
+        converted = materialize(root, configs, resolve_root().path)  # converted once, then reused
         reading = reading_converted(model, config, converted)  # a misfit names the file, not the folder
         root = converted
     elif Path(root).is_file() and Path(root).suffix == ".safetensors":

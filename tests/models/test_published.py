@@ -191,3 +191,47 @@ def test_the_shipped_configs_load_into_their_classes(name):
             older = {"architectures", "torch_dtype", "dropout", "output_past", "decoder_start_token_id"}
             assert set(config) - known <= older, (component, set(config) - known)
         assert len(_meta_state(name, component)) > 10
+
+
+def test_config_may_be_a_folder_of_tokenizers_only(tmp_path, monkeypatch):
+    """``config=`` a folder holding only ``tokenizer/``: the shipped configs of the inferred model
+    are used with it. Tiny files are no published model, so a tiny SD 1.x stands in for one (its
+    configs shipped in a stand-in assets folder); it loads, and converts to the very files the whole
+    folder as config= gives."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from preheat.models import published as module
+    from tests._support.sd_fixtures import save_tiny_sd
+
+    folder = save_tiny_sd(tmp_path / "sd1", kind="sd1")
+    path = tmp_path / "tiny-sd1.safetensors"
+    save_file(_to_original(folder, "sd1"), str(path))
+    assets = tmp_path / "assets"
+    shutil.copytree(folder, assets / "tiny-sd1", ignore=shutil.ignore_patterns("*.safetensors", "tokenizer"))
+    tiny = module.Published("tiny-sd1", "tiny SD 1.x", "example/tiny-sd1", "ldm", "any file", lambda shapes: True)
+    monkeypatch.setattr(module, "CONFIGS", assets)
+    monkeypatch.setattr(module, "PUBLISHED", (tiny,))
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    tokenizers = tmp_path / "tokenizers"
+    shutil.copytree(folder / "tokenizer", tokenizers / "tokenizer")
+
+    pipe = preheat.load(path, config=tokenizers, cache="off")  # loads (not sampled: the same files as below)
+    assert pipe.family.name == "stable-diffusion"
+    (made,) = (tmp_path / "home" / "models" / "single-configs").iterdir()
+    assert sorted(p.name for p in made.iterdir()) == sorted(p.name for p in folder.iterdir())
+    # the same converted folder as with the whole folder as config= (whose image test_single_file checks)
+    from preheat.models.single_file import materialize
+
+    (ours,) = (tmp_path / "home" / "models" / "single").iterdir()
+    theirs = materialize(path, folder, tmp_path / "other")
+    for part in ("unet/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
+                 "text_encoder/model.safetensors", "tokenizer/vocab.json", "scheduler/scheduler_config.json"):
+        assert (ours / part).read_bytes() == (theirs / part).read_bytes(), part
+
+    with pytest.raises(InvalidArgumentError, match=r"is a tiny SD 1\.x single file; config=.* has no tokenizer/: "
+                                                   r"pass a folder with tokenizer/, or a tiny SD 1\.x diffusers folder, "
+                                                   r"e\.g\. hf://example/tiny-sd1") as err:
+        preheat.load(path, config=tmp_path / "assets", cache="off")
+    assert err.value.argument == "config" and "\n" not in str(err.value)

@@ -24,18 +24,25 @@ naming every model tried.
 The published configs (``model_index.json`` and each component's ``config.json`` /
 ``scheduler_config.json``, as diffusers publishes them) ship under
 ``preheat/assets/single_file_configs/<name>/``. Their tokenizer files are too large to ship, so a
-load still needs a folder that has them (``config=``); the one-line error names the model inferred.
+load still needs a folder that has them: ``config=`` a whole diffusers folder, or a folder holding
+only the tokenizer folders the model's ``model_index.json`` names (``tokenizer/``, ``tokenizer_2/``,
+...), which ``with_tokenizers`` puts beside the shipped configs. Without either, the one-line error
+names the model inferred and its published repository.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable, Mapping, NamedTuple
 
-from preheat.errors import ModelFormatError
+from preheat.errors import InvalidArgumentError, ModelFormatError
 
-__all__ = ["Published", "PUBLISHED", "infer", "infer_file", "config_folder", "CONFIGS"]
+__all__ = ["Published", "PUBLISHED", "infer", "infer_file", "config_folder", "with_tokenizers", "CONFIGS"]
 
 CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "single_file_configs"
 Shapes = Mapping[str, tuple[int, ...]]
@@ -138,3 +145,53 @@ def infer_file(path: str | Path) -> Published:
 def config_folder(published: Published) -> Path:
     """The shipped configs of ``published`` (model_index.json and each component's config)."""
     return CONFIGS / published.name
+
+
+def _holds(layout: str) -> tuple[str, ...]:
+    """The diffusers components a single file of ``layout`` fills (its weights); mmdit: SD3's transformer."""
+    from preheat.models.single_file import LAYOUTS
+
+    return next((lay.components for lay in LAYOUTS if lay.name == layout), ("transformer",))
+
+
+def with_tokenizers(file: str | Path, tokenizers: str | Path, root: Path) -> Path:
+    """A config folder for single ``file`` when ``config=`` is a folder of tokenizer folders only:
+    the shipped configs of the model ``file`` is inferred to be, with ``tokenizers``' folders
+    beside them (kept under ``<root>/models/single-configs/``, named by their content). One line
+    names the model when a tokenizer folder is missing, or when the file does not hold every
+    component's weights (a FLUX.1 or SD3 transformer file: the VAE and text encoders are not in it)."""
+    published = infer_file(file)
+    tokenizers = Path(tokenizers)
+    shipped = config_folder(published)
+    index = json.loads((shipped / "model_index.json").read_text())
+    named = sorted(k for k, v in index.items() if isinstance(v, list) and None not in v and not k.startswith("_"))
+    wanted = [k for k in named if k.startswith("tokenizer")]
+    hint = f"a {published.title} diffusers folder, e.g. hf://{published.repo}"
+    missing = [k for k in wanted if not (tokenizers / k).is_dir()]
+    if missing:
+        raise InvalidArgumentError(f"{file} is a {published.title} single file; config={tokenizers} has no "
+                                   f"{', '.join(m + '/' for m in missing)}: pass a folder with "
+                                   f"{', '.join(k + '/' for k in wanted)}, or {hint}", argument="config")
+    weights = [k for k in named if k not in wanted and k not in ("scheduler", "feature_extractor", "safety_checker")]
+    elsewhere = [k for k in weights if k not in _holds(published.layout)]
+    if elsewhere:
+        raise InvalidArgumentError(f"{file} is a {published.title} single file ({published.layout} layout) without "
+                                   f"the weights of {', '.join(elsewhere)}: pass config=<{hint}>", argument="config")
+    h = hashlib.sha256(published.name.encode())
+    for p in sorted(q for k in wanted for q in (tokenizers / k).rglob("*") if q.is_file()):
+        h.update(p.relative_to(tokenizers).as_posix().encode() + b"\0" + p.read_bytes())
+    out = root / "models" / "single-configs" / f"{published.name}-{h.hexdigest()[:16]}"
+    if (out / "model_index.json").is_file():
+        return out
+    from preheat.files import publish_folder
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    try:
+        shutil.copytree(shipped, tmp, dirs_exist_ok=True)
+        for k in wanted:
+            shutil.copytree(tokenizers / k, tmp / k)
+        publish_folder(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
