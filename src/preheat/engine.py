@@ -513,8 +513,10 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     ``scheduler``: a scheduler_config.json path or dict, for a bare UNet folder without one.
     ``dtype``: the denoiser's dtype (float32, bfloat16, float16); a VAE that asks for it stays float32.
     ``variant``: weight files ``*.{variant}.safetensors`` (e.g. "fp16").
-    ``config``: with ``model`` a single ``.safetensors`` file in an original layout (LDM SD 1.x/2.x),
-    the diffusers folder whose configs and tokenizers it is read with (``preheat.models.single_file``).
+    ``config``: with ``model`` a single ``.safetensors`` file in an original layout (LDM SD 1.x/2.x,
+    SGM SDXL, BFL FLUX.1), the diffusers folder whose configs and tokenizers it is read with
+    (``preheat.models.single_file``), or a folder of its tokenizer folders only, beside the shipped
+    configs of the published model the file is inferred to be (``preheat.models.published``).
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
     ``weights_dtype``: "float8_e4m3fn" keeps the denoiser's weights in fp8 on the device (the
     layers diffusers' ``enable_layerwise_casting`` casts), upcast to ``dtype`` where they are
