@@ -517,8 +517,10 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     ``scheduler``: a scheduler_config.json path or dict, for a bare UNet folder without one.
     ``dtype``: the denoiser's dtype (float32, bfloat16, float16); a VAE that asks for it stays float32.
     ``variant``: weight files ``*.{variant}.safetensors`` (e.g. "fp16").
-    ``config``: with ``model`` a single ``.safetensors`` file in an original layout (LDM SD 1.x/2.x),
-    the diffusers folder whose configs and tokenizers it is read with (``preheat.models.single_file``).
+    ``config``: with ``model`` a single ``.safetensors`` file in an original layout (LDM SD 1.x/2.x,
+    SGM SDXL, BFL FLUX.1), the diffusers folder whose configs and tokenizers it is read with
+    (``preheat.models.single_file``), or a folder of its tokenizer folders only, beside the shipped
+    configs of the published model the file is inferred to be (``preheat.models.published``).
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
     ``weights_dtype``: "float8_e4m3fn" keeps the denoiser's weights in fp8 on the device (the
     layers diffusers' ``enable_layerwise_casting`` casts), upcast to ``dtype`` where they are
@@ -567,12 +569,21 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         from preheat.cache.root import resolve_root
         from preheat.models.single_file import materialize, reading_converted
 
-        converted = materialize(root, resolve(str(config)), resolve_root().path)  # converted once, then reused
+        configs = Path(resolve(str(config)))
+        if Path(root).is_file() and configs.is_dir() and not (configs / "model_index.json").is_file():
+            from preheat.models.published import with_tokenizers
+
+            configs = with_tokenizers(root, configs, resolve_root().path)  # tokenizers only: the shipped configs
+        converted = materialize(root, configs, resolve_root().path)  # converted once, then reused
         reading = reading_converted(model, config, converted)  # a misfit names the file, not the folder
         root = converted
     elif Path(root).is_file() and Path(root).suffix == ".safetensors":
-        raise InvalidArgumentError(f"{model} is a single .safetensors file; pass config=<the diffusers folder whose "
-                                   "configs and tokenizers it goes with>", argument="config")
+        from preheat.models.published import infer_file
+
+        published = infer_file(root)  # a file of no published model: one line naming every model tried
+        raise InvalidArgumentError(f"{model} is a {published.title} single file ({published.layout} layout); preheat "
+                                   f"ships its configs but not its tokenizer files: pass config=<a {published.title} "
+                                   f"diffusers folder, e.g. hf://{published.repo}>", argument="config")
     early = bool(prefetch) and compiler is not None
     if early:  # the last such start's executables deserialise while the model is built (preheat.cache.early)
         from preheat.cache.early import startup_id

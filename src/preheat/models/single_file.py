@@ -46,6 +46,8 @@ from preheat.errors import (CheckpointMismatchError, InvalidArgumentError, Model
                             WeightsError)
 from preheat.files import publish_folder
 from preheat.models.bfl import Piece, bfl_modules, flux_widths
+from preheat.models.scaled_fp8 import with_scales
+from preheat.models.weights import read_tensors
 
 __all__ = ["LAYOUTS", "detect_layout", "materialize", "reading_converted"]
 
@@ -340,7 +342,6 @@ def _identity(file: Path, config: Path) -> str:
 
 def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], root: Path) -> Path:
     """The diffusers folder for single ``file`` under ``config``'s configs (converted once, under ``root``)."""
-    from safetensors import safe_open
     from safetensors.numpy import save_file
 
     file, config = Path(file), Path(config)
@@ -358,14 +359,10 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
     out = root / "models" / "single" / _identity(file, config)
     if (out / "model_index.json").is_file():
         return out
-    try:
-        handle = safe_open(str(file), "np")
-    except Exception as exc:  # safetensors' own errors: torn header, not safetensors
-        raise ModelFormatError(f"{file} is not a readable safetensors file ({str(exc).splitlines()[0]})") from None
-    with handle as f:
-        keys = list(f.keys())
+    with read_tensors([file]) as f:  # headers checked (a torn file is one line); F8_E4M3 through ml_dtypes
+        keys = list(f)
         layout = detect_layout(keys, file)
-        place = layout.placer({c: _read_config(config, c, layout) for c in layout.components})
+        place = with_scales(layout.placer({c: _read_config(config, c, layout) for c in layout.components}))
         parts: dict[str, dict[str, np.ndarray]] = {c: {} for c in layout.components}
         unplaced = []
         for key in keys:
@@ -375,7 +372,7 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
             if places is None:
                 unplaced.append(key)
                 continue
-            tensor = f.get_tensor(key) if places else None
+            tensor = f[key] if places else None
             for component, name, take, rows in places:
                 if rows is not None and tensor.shape[0] != rows:
                     raise CheckpointMismatchError(f"{file} ({layout.name} layout): {key} has {tensor.shape[0]} rows; the blocks "

@@ -51,6 +51,7 @@ from flax import nnx
 from preheat.errors import ModelFormatError, ModelNotFoundError, UnsupportedConfigError, WeightsError
 from preheat.models.load_report import LoadRecording, LoadReport, PeakWindow, recording
 from preheat.models.load_report import record as record_load
+from preheat.models.scaled_fp8 import dequantise, ignored, weight_scales
 
 __all__ = [
     "DIFFUSERS_STEM",
@@ -289,6 +290,12 @@ class Checkpoint(MutableMapping[str, np.ndarray]):
     def __len__(self) -> int:
         return len(self._info) + len(self._held)
 
+    def __enter__(self) -> "Checkpoint":  # as safetensors' safe_open is used; nothing is held open
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
     def __repr__(self) -> str:
         return f"Checkpoint({len(self)} tensors, {self.nbytes} bytes, files={[f.name for f in self.files]})"
 
@@ -517,10 +524,14 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
     as transformers' ``position_ids``). ``dtype_for(key)``: a per-tensor dtype override.
     ``options.pending``: the reads are queued there (``LoadOptions``). ``low(key)``: the tensors
     placed in ``options.weights_dtype`` when that is set (a denoiser's layerwise-cast weights).
+    A scaled fp8 checkpoint's weights (``X.weight`` with ``X.scale_weight``) are dequantised as
+    they are placed, and its scales and marker match no parameter (``preheat.models.scaled_fp8``).
     """
     options = options or DEFAULT_OPTIONS
     dtype_for = dtype_plan(abstract, dtype, key_fn=key_fn, dtype_for=dtype_for, options=options, low=low)
-    flat, plan = _check(abstract, tensors, dtype, source, key_fn, ignore, dtype_for)
+    scales = weight_scales(tensors)  # a scaled fp8 file's weights: dequantised as they are placed
+    skip = lambda k: ignored(k, tensors) or (ignore is not None and ignore(k))  # noqa: E731 (scales, the marker)
+    flat, plan = _check(abstract, tensors, dtype, source, key_fn, skip, dtype_for)
     # one placeholder Variable per leaf, its value set in place when its tensor is placed
     holders = {i: var.replace(jax.ShapeDtypeStruct(tuple(var.shape), want)) for i, _, var, _, _, want in plan}
     state = nnx.from_flat_state([(flat[i][0], holders[i]) for i in sorted(holders)])
@@ -529,7 +540,7 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
         t0 = time.perf_counter()
         window = PeakWindow()
         try:
-            report = _stream(plan, holders, tensors, source)
+            report = _stream(plan, holders, tensors, source, scales)
         finally:
             before, peak, after, exact = window.close()
         record_load(replace(report, seconds=time.perf_counter() - t0, rss_before=before, peak_rss=peak,
@@ -594,7 +605,8 @@ def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: 
     return flat, plan
 
 
-def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], source: str) -> LoadReport:
+def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], source: str,
+            scales: Mapping[str, str] | None = None) -> LoadReport:
     """Read, cast and place every planned tensor (file order), setting ``holders[i]``'s value."""
     lazy = isinstance(tensors, Checkpoint)
     if lazy:  # stream in file order (sequential reads; the OS reads ahead)
@@ -604,7 +616,12 @@ def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], so
     waiting = bytes_read = placed_bytes = largest = 0
     scratch = _Scratch()
     for i, path, var, leaf, key, want in plan:
-        value, nbytes = _place(tensors, key, leaf, want, scratch)
+        if scales and key in scales:  # fp8 times its scale, then the planned dtype (preheat.models.scaled_fp8)
+            host = dequantise(tensors, key, scales[key]).astype(want)
+            value = jax.device_put(to_jax_layout(host, leaf), donate=True)
+            nbytes = host.size * _meta(tensors, key)[1].itemsize + 4  # the stored weight and its scale
+        else:
+            value, nbytes = _place(tensors, key, leaf, want, scratch)
         bytes_read += nbytes
         placed_bytes += value.nbytes
         largest = max(largest, nbytes)

@@ -1,0 +1,74 @@
+"""Scaled fp8 checkpoints: fp8 weights with a float32 scale each, as ComfyUI ships them.
+
+A "scaled fp8" file (e.g. ComfyUI's FLUX.1 fp8-scaled files) stores a layer's weight ``X.weight``
+as ``F8_E4M3`` beside a float32 scalar ``X.scale_weight``; the real weight is
+``X.weight.astype(float32) * X.scale_weight`` (the scale is usually ``amax / 448``, so the fp8
+range is used whole). ``X.scale_input`` (a scale for fp8 matmul inputs) and the top-level marker
+tensor ``scaled_fp8`` may be present too; weight-only storage does not use them.
+
+preheat dequantises such a weight **at load**, on the host, one tensor at a time: the fp8 bytes
+times the scale in float32, then cast to the dtype the load places it in (``weights.fill``'s
+plan): the compute dtype, or, with ``weights_dtype="float8_e4m3fn"``, fp8 again for the layers
+fp8 storage names (as any full-precision weight: the per-tensor scale is not kept on the device,
+since the parameter trees hold one array per weight).
+
+    weight_scales(tensors)      {"X.weight": "X.scale_weight"} for every scaled weight
+    ignored(key, tensors)       the scale and marker tensors, which match no parameter
+    dequantise(tensors, w, s)   the real weight (float32, torch layout)
+    with_scales(place)          a single-file placer that also places the scales beside their weights
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+__all__ = ["MARKER", "weight_scales", "ignored", "dequantise", "with_scales"]
+
+MARKER = "scaled_fp8"  # ComfyUI's marker tensor (top level, or under model.diffusion_model.)
+_SCALE, _INPUT = "scale_weight", "scale_input"
+
+
+def _sibling(key: str, leaf: str) -> str:
+    return f"{key.rpartition('.')[0]}.{leaf}"
+
+
+def weight_scales(tensors: Mapping[str, Any]) -> dict[str, str]:
+    """{weight key: its scale's key} for every ``X.scale_weight`` whose ``X.weight`` is present."""
+    return {w: k for k in tensors if k.endswith("." + _SCALE) and (w := _sibling(k, "weight")) in tensors}
+
+
+def ignored(key: str, tensors: Mapping[str, Any]) -> bool:
+    """The marker, and a scale (weight or input) whose weight is present: no parameter takes them."""
+    if key == MARKER or key.endswith("." + MARKER):
+        return True
+    return key.endswith(("." + _SCALE, "." + _INPUT)) and _sibling(key, "weight") in tensors
+
+
+def dequantise(tensors: Mapping[str, Any], key: str, scale_key: str) -> np.ndarray:
+    """``tensors[key]`` times its per-tensor scale, in float32 (torch layout)."""
+    scale = np.asarray(tensors[scale_key], np.float32)
+    if scale.size != 1:
+        from preheat.errors import ModelFormatError
+
+        raise ModelFormatError(f"{scale_key} has shape {scale.shape}; a scaled fp8 file holds one scale per weight")
+    return np.asarray(tensors[key]).astype(np.float32) * scale.reshape(())
+
+
+def with_scales(place: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A single-file placer (``single_file.Placer``) that also takes a scaled fp8 file's extra
+    tensors: ``X.scale_weight`` goes beside every piece ``X.weight`` goes to (a fused weight's one
+    scale serves each of its pieces), ``X.scale_input`` and the marker are dropped."""
+
+    def placed(key: str) -> Any:
+        if key == MARKER or key.endswith("." + MARKER) or key.endswith("." + _INPUT):
+            return []
+        if not key.endswith("." + _SCALE):
+            return place(key)
+        pieces = place(_sibling(key, "weight"))
+        if not pieces:
+            return pieces
+        return [p._replace(name=_sibling(p.name, _SCALE), take=None, rows=None) for p in pieces]
+
+    return placed

@@ -1,0 +1,237 @@
+"""Inferring the published model of a single file without ``config=`` (issue 28 item 1), and the
+published configs preheat ships for it (``preheat/assets/single_file_configs``).
+
+Tiny random files cannot have the published shapes, so inference is tested on abstract key/shape
+tables: every shipped config is built by diffusers' (or transformers') own model class on torch's
+meta device (no memory), and its state dict's shapes are written back in the original layout by
+the tests' inverse tables (``test_single_file._to_original`` for LDM/SGM, ``bfl_files.to_bfl``
+for FLUX.1). SD3's original MMDiT layout has no inverse table here: the names inference reads are
+derived from diffusers' module shapes by hand (``_mmdit_names``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import numpy as np
+import pytest
+
+import preheat
+from preheat.errors import InvalidArgumentError, ModelFormatError
+from preheat.models.published import CONFIGS, PUBLISHED, config_folder, infer, infer_file
+from tests._support.bfl_files import to_bfl
+from tests.models.test_single_file import _to_original
+
+NAMES = [p.name for p in PUBLISHED]
+KIND = {"stable-diffusion-v1-5": "sd1", "stable-diffusion-2-1": "sd2", "stable-diffusion-xl-base-1.0": "sdxl"}
+
+
+class Abstract:
+    """A tensor's shape and dtype only: what the inverse tables slice, transpose, split and stack."""
+
+    def __init__(self, shape, dtype=np.float32):
+        self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def T(self) -> "Abstract":
+        return Abstract(self.shape[::-1], self.dtype)
+
+    def _view(self) -> np.ndarray:  # zero strides: no memory, whatever the shape
+        return np.broadcast_to(np.zeros((), np.int8), self.shape)
+
+    def __getitem__(self, index) -> "Abstract":
+        return Abstract(self._view()[index].shape, self.dtype)
+
+    def __array_function__(self, func, types, args, kwargs):
+        if func is np.concatenate:
+            parts, axis = args[0], kwargs.get("axis", 0)
+            first = list(parts[0].shape)
+            first[axis] = sum(p.shape[axis] for p in parts)
+            return Abstract(first, parts[0].dtype)
+        if func is np.split:
+            return [Abstract(v.shape, self.dtype) for v in np.split(self._view(), *args[1:], **kwargs)]
+        if func is np.ascontiguousarray:
+            return self
+        return NotImplemented
+
+
+def _config(name: str, component: str) -> dict:
+    folder = config_folder(next(p for p in PUBLISHED if p.name == name)) / component
+    return json.loads(next(folder.glob("*.json")).read_text())
+
+
+def _meta_state(name: str, component: str) -> dict[str, Abstract]:
+    """A shipped component built on the meta device by its own library: {name: Abstract}."""
+    return _built(json.dumps(_config(name, component), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _built(text: str) -> dict[str, Abstract]:  # the encoders several models share are built once
+    import diffusers
+    import torch
+    import transformers
+
+    config = json.loads(text)
+    with torch.device("meta"):
+        if "_class_name" in config:
+            model = getattr(diffusers, config["_class_name"]).from_config(config)
+        else:
+            cls = getattr(transformers, config["architectures"][0])
+            model = cls(cls.config_class.from_dict(config))
+    return {k: Abstract(v.shape) for k, v in model.state_dict().items()}
+
+
+def _mmdit_names(state: dict[str, Abstract], config: dict) -> dict[str, tuple[int, ...]]:
+    """The SD3 original names inference reads: the patch embedding, the position table, each block's
+    fused q/k/v and context modulation (and SD3.5 medium's second attention)."""
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    out = {"x_embedder.proj.weight": state["pos_embed.proj.weight"].shape,
+           "pos_embed": (1, config["pos_embed_max_size"] ** 2, width)}
+    for key, value in state.items():
+        if m := re.match(r"transformer_blocks\.(\d+)\.(attn2?)\.to_q\.weight$", key):
+            out[f"joint_blocks.{m[1]}.x_block.{m[2]}.qkv.weight"] = (3 * value.shape[0], value.shape[1])
+        elif m := re.match(r"transformer_blocks\.(\d+)\.norm1_context\.linear\.weight$", key):
+            out[f"joint_blocks.{m[1]}.context_block.adaLN_modulation.1.weight"] = value.shape
+    return out
+
+
+def _original_shapes(name: str, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """{original name: shape} of the published model ``name``, as its single file holds it."""
+    published = next(p for p in PUBLISHED if p.name == name)
+    if published.layout in ("ldm", "sgm"):
+        def load(path):
+            return _meta_state(name, str(path).split("/")[-2])
+        return {k: v.shape for k, v in _to_original(config_folder(published), KIND[name], load).items()}
+    state = _meta_state(name, "transformer")
+    if published.layout == "bfl":
+        return {k: v.shape for k, v in to_bfl(state, prefix).items()}
+    return {prefix + k: v for k, v in _mmdit_names(state, _config(name, "transformer")).items()}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_published_model_is_told_apart_by_its_shapes(name):
+    shapes = _original_shapes(name)
+    assert infer(shapes).name == name
+    if not name.startswith("stable-diffusion-") or "3" in name:  # transformers: ComfyUI's prefix too
+        assert infer(_original_shapes(name, "model.diffusion_model.")).name == name
+
+
+def test_a_file_of_no_published_model_names_every_model_tried(tmp_path):
+    shapes = _original_shapes("stable-diffusion-v1-5")
+    inpainting = {**shapes, "model.diffusion_model.input_blocks.0.0.weight": (320, 9, 3, 3)}  # 9 input channels
+    with pytest.raises(ModelFormatError) as err:
+        infer(inpainting, "sd15-inpainting.safetensors")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("sd15-inpainting.safetensors: cannot tell which published model")
+    for published in PUBLISHED:
+        assert published.title in message
+    assert "its keys start cond_stage_model." in message and "pass config=" in message
+
+
+def test_load_without_config_names_the_inferred_model(tmp_path, monkeypatch):
+    """A file with FLUX.1 dev's names and shapes (only the ones inference reads: small) is refused
+    in one line naming the model and its published repository, before anything is converted."""
+    from safetensors.numpy import save_file
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    shapes = _original_shapes("FLUX.1-dev")
+    read = ["img_in.weight", "guidance_in.in_layer.weight"]
+    read += [k for k in shapes if re.match(r"(double|single)_blocks\.\d+\.linear2?\.bias$|double_blocks\.\d+\.img_mlp\.0\.bias$", k)]
+    path = tmp_path / "flux1-dev.safetensors"
+    save_file({k: np.zeros(shapes[k], np.float16) for k in read}, str(path))
+    assert infer_file(path).name == "FLUX.1-dev"
+    with pytest.raises(InvalidArgumentError, match=r"is a FLUX\.1 dev single file \(bfl layout\); .*pass "
+                                                   r"config=<a FLUX\.1 dev diffusers folder, e\.g\. "
+                                                   r"hf://black-forest-labs/FLUX\.1-dev>") as err:
+        preheat.load(path, cache="off")
+    assert err.value.argument == "config" and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_shipped_configs_load_into_their_classes(name):
+    """Every component config names only its class's own fields and builds it (meta device); every
+    component model_index.json names has a config, except the tokenizers and the safety checker."""
+    import diffusers
+    import transformers
+
+    folder = CONFIGS / name
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["_class_name"] in ("StableDiffusionPipeline", "StableDiffusionXLPipeline",
+                                    "StableDiffusion3Pipeline", "FluxPipeline")
+    for component, entry in index.items():
+        if component.startswith("_") or not isinstance(entry, list) or None in entry:
+            continue
+        if component.startswith(("tokenizer", "feature_extractor", "safety_checker")):
+            assert not (folder / component).exists()  # not shipped (too large, or not used)
+            continue
+        config = _config(name, component)
+        if component == "scheduler":
+            cls = getattr(diffusers, entry[1])
+            assert config["_class_name"] == entry[1]
+            _, unused, _ = cls.extract_init_dict(config)
+            assert not {k for k in unused if not k.startswith("_")}, (component, unused)
+            cls.from_config(config)
+            continue
+        if entry[0] == "diffusers":
+            cls = getattr(diffusers, entry[1])
+            assert config["_class_name"] == entry[1]
+            _, unused, _ = cls.extract_init_dict(config)
+            assert not {k for k in unused if not k.startswith("_")}, (component, unused)
+        else:
+            cls = getattr(transformers, entry[1])
+            assert config["architectures"] == [entry[1]]
+            known = set(cls.config_class().to_dict())
+            # what the published files carry from the transformers versions that wrote them
+            older = {"architectures", "torch_dtype", "dropout", "output_past", "decoder_start_token_id"}
+            assert set(config) - known <= older, (component, set(config) - known)
+        assert len(_meta_state(name, component)) > 10
+
+
+def test_config_may_be_a_folder_of_tokenizers_only(tmp_path, monkeypatch):
+    """``config=`` a folder holding only ``tokenizer/``: the shipped configs of the inferred model
+    are used with it. Tiny files are no published model, so a tiny SD 1.x stands in for one (its
+    configs shipped in a stand-in assets folder); it loads, and converts to the very files the whole
+    folder as config= gives."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from preheat.models import published as module
+    from tests._support.sd_fixtures import save_tiny_sd
+
+    folder = save_tiny_sd(tmp_path / "sd1", kind="sd1")
+    path = tmp_path / "tiny-sd1.safetensors"
+    save_file(_to_original(folder, "sd1"), str(path))
+    assets = tmp_path / "assets"
+    shutil.copytree(folder, assets / "tiny-sd1", ignore=shutil.ignore_patterns("*.safetensors", "tokenizer"))
+    tiny = module.Published("tiny-sd1", "tiny SD 1.x", "example/tiny-sd1", "ldm", "any file", lambda shapes: True)
+    monkeypatch.setattr(module, "CONFIGS", assets)
+    monkeypatch.setattr(module, "PUBLISHED", (tiny,))
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    tokenizers = tmp_path / "tokenizers"
+    shutil.copytree(folder / "tokenizer", tokenizers / "tokenizer")
+
+    pipe = preheat.load(path, config=tokenizers, cache="off")  # loads (not sampled: the same files as below)
+    assert pipe.family.name == "stable-diffusion"
+    (made,) = (tmp_path / "home" / "models" / "single-configs").iterdir()
+    assert sorted(p.name for p in made.iterdir()) == sorted(p.name for p in folder.iterdir())
+    # the same converted folder as with the whole folder as config= (whose image test_single_file checks)
+    from preheat.models.single_file import materialize
+
+    (ours,) = (tmp_path / "home" / "models" / "single").iterdir()
+    theirs = materialize(path, folder, tmp_path / "other")
+    for part in ("unet/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
+                 "text_encoder/model.safetensors", "tokenizer/vocab.json", "scheduler/scheduler_config.json"):
+        assert (ours / part).read_bytes() == (theirs / part).read_bytes(), part
+
+    with pytest.raises(InvalidArgumentError, match=r"is a tiny SD 1\.x single file; config=.* has no tokenizer/: "
+                                                   r"pass a folder with tokenizer/, or a tiny SD 1\.x diffusers folder, "
+                                                   r"e\.g\. hf://example/tiny-sd1") as err:
+        preheat.load(path, config=tmp_path / "assets", cache="off")
+    assert err.value.argument == "config" and "\n" not in str(err.value)
