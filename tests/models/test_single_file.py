@@ -257,11 +257,12 @@ def test_bad_single_files_are_one_line(single, tmp_path, monkeypatch):
         preheat.load(path, cache="off")  # no config: a tiny file is no published model (tests/models/test_published.py)
     assert "\n" not in str(err.value)
 
-    odd = tmp_path / "odd.safetensors"  # SD3's original MMDiT
-    save_file({"joint_blocks.0.x_block.attn.qkv.weight": np.zeros((2, 2), np.float32)}, str(odd))
-    with pytest.raises(ModelFormatError, match=r"unknown layout: tried sgm \(conditioner\.embedders\.\*\), bfl "
+    odd = tmp_path / "odd.safetensors"  # AuraFlow's original layout
+    save_file({"double_layers.0.attn.w2q.weight": np.zeros((2, 2), np.float32)}, str(odd))
+    with pytest.raises(ModelFormatError, match=r"unknown layout: tried sgm \(conditioner\.embedders\.\*\), sd3 "
+                                               r"\(joint_blocks\.\*, model\.diffusion_model\.joint_blocks\.\*\), bfl "
                                                r"\(double_blocks\.\*, model\.diffusion_model\.double_blocks\.\*\), "
-                                               r"ldm \(model\.diffusion_model\.\*\); its keys start joint_blocks"):
+                                               r"ldm \(model\.diffusion_model\.\*\); its keys start double_layers"):
         preheat.load(odd, config=folder, cache="off")
 
     tensors = load_file(str(path))
