@@ -306,26 +306,30 @@ _TEXT_ENCODERS = {"sd3": {"clip_l": "text_encoder", "clip_g": "text_encoder_2", 
                   "bfl": {"clip_l": "text_encoder", "t5xxl": "text_encoder_2"}}
 
 
-def _bundled(configs: dict[str, dict[str, Any]], encoders: dict[str, str], key: str,
-             clip_l_projection: bool) -> list[Place] | None:
-    """A bundled VAE or text encoder tensor (None: neither). SD3 pools CLIP-L's output unprojected
-    (as diffusers does, its ``text_projection`` is the identity, whatever the file holds);
-    FLUX.1's CLIP-L has no projection."""
-    for top in _VAE_TOPS:
-        if key.startswith(top) and "vae" in configs:
-            return _fit_projections(_by_prefix(_vae_table(configs["vae"], top), key), False)
-    name, _, rest = key.removeprefix("text_encoders.").partition(".transformer.")
-    if not key.startswith("text_encoders.") or name not in encoders:
-        return None
-    component = encoders[name]
-    if name == "t5xxl":
-        return [Place(component, rest)]
-    if rest.startswith("text_projection."):
-        return [] if name == "clip_l" else [Place(component, rest)]
-    places = _clip(component, rest)
-    if name == "clip_l" and clip_l_projection and rest.endswith("final_layer_norm.weight"):
-        places.append(Place(component, "text_projection.weight", lambda t: np.eye(t.shape[0], dtype=t.dtype)))
-    return places
+def _bundled(configs: dict[str, dict[str, Any]], encoders: dict[str, str], clip_l_projection: bool) -> Placer:
+    """A bundle's VAE and text encoder tensors (None: neither). SD3 pools CLIP-L's output unprojected
+    (as in diffusers, its ``text_projection`` is the identity, whatever the file holds); FLUX.1's
+    CLIP-L has no projection."""
+    vae = {top: _vae_table(configs["vae"], top) for top in _VAE_TOPS} if "vae" in configs else {}
+
+    def place(key: str) -> list[Place] | None:
+        top = next((t for t in vae if key.startswith(t)), None)
+        if top is not None:
+            return _fit_projections(_by_prefix(vae[top], key), False)
+        name, _, rest = key.removeprefix("text_encoders.").partition(".transformer.")
+        if not key.startswith("text_encoders.") or name not in encoders:
+            return None
+        component = encoders[name]
+        if name == "t5xxl":
+            return [Place(component, rest)]
+        if rest.startswith("text_projection."):
+            return [] if name == "clip_l" else [Place(component, rest)]
+        places = _clip(component, rest)
+        if name == "clip_l" and clip_l_projection and rest.endswith("final_layer_norm.weight"):
+            places.append(Place(component, "text_projection.weight", lambda t: np.eye(t.shape[0], dtype=t.dtype)))
+        return places
+
+    return place
 
 
 def _bfl_placer(configs: dict[str, dict[str, Any]]) -> Placer:
@@ -334,9 +338,10 @@ def _bfl_placer(configs: dict[str, dict[str, Any]]) -> Placer:
     cfg = configs["transformer"]
     modules = bfl_modules(range(int(cfg["num_layers"])), range(int(cfg["num_single_layers"])),
                           flux_widths(int(cfg["num_attention_heads"]), int(cfg["attention_head_dim"])))
+    bundled = _bundled(configs, _TEXT_ENCODERS["bfl"], clip_l_projection=False)
 
     def place(key: str) -> list[Place] | None:
-        found = _bundled(configs, _TEXT_ENCODERS["bfl"], key, clip_l_projection=False)
+        found = bundled(key)
         return found if found is not None else _pieces(modules, key.removeprefix("model.diffusion_model."))
 
     return place
@@ -344,11 +349,12 @@ def _bfl_placer(configs: dict[str, dict[str, Any]]) -> Placer:
 
 def _sd3_placer(configs: dict[str, dict[str, Any]]) -> Placer:
     """SD3 / SD3.5 (MMDiT): the transformer by ``mmdit_modules`` for the config's blocks, norms and
-    dual-attention blocks; the bundled VAE and text encoders (CLIP-L, CLIP-G, T5) besides."""
+    dual-attention blocks; a bundle's VAE and text encoders (CLIP-L, CLIP-G, T5) besides."""
     modules = mmdit_modules(configs["transformer"])
+    bundled = _bundled(configs, _TEXT_ENCODERS["sd3"], clip_l_projection=True)
 
     def place(key: str) -> list[Place] | None:
-        found = _bundled(configs, _TEXT_ENCODERS["sd3"], key, clip_l_projection=True)
+        found = bundled(key)
         return found if found is not None else _pieces(modules, key.removeprefix("model.diffusion_model."),
                                                         MMDIT_PARAMS)
 
