@@ -101,5 +101,5 @@ def text_file(folder: Path, layout: str) -> dict[str, np.ndarray]:
 def bundle(folder: Path, layout: str, vae_top: str = "first_stage_model.") -> dict[str, np.ndarray]:
     """A ComfyUI checkpoint: the transformer under ``model.diffusion_model.``, the VAE under
     ``vae_top``, the text encoders under ``text_encoders.``."""
-    transformer = mmdit_file(folder) if layout == "sd3" else bfl_file(folder)
+    transformer = mmdit_file(folder) if layout == "mmdit" else bfl_file(folder)
     return {**transformer, **vae_file(folder, vae_top), **text_file(folder, layout)}

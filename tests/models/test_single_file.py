@@ -259,7 +259,7 @@ def test_bad_single_files_are_one_line(single, tmp_path, monkeypatch):
 
     odd = tmp_path / "odd.safetensors"  # AuraFlow's original layout
     save_file({"double_layers.0.attn.w2q.weight": np.zeros((2, 2), np.float32)}, str(odd))
-    with pytest.raises(ModelFormatError, match=r"unknown layout: tried sgm \(conditioner\.embedders\.\*\), sd3 "
+    with pytest.raises(ModelFormatError, match=r"unknown layout: tried sgm \(conditioner\.embedders\.\*\), mmdit "
                                                r"\(joint_blocks\.\*, model\.diffusion_model\.joint_blocks\.\*\), bfl "
                                                r"\(double_blocks\.\*, model\.diffusion_model\.double_blocks\.\*\), "
                                                r"ldm \(model\.diffusion_model\.\*\); its keys start double_layers"):

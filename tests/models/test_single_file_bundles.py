@@ -142,7 +142,7 @@ def test_sd3_bundle_replaces_every_component_of_the_config_folder(sd3, tmp_path,
     from diffusers import StableDiffusion3Pipeline
 
     path = tmp_path / "sd3-bundle.safetensors"
-    _save(bundle(sd3["a"], "sd3"), path)
+    _save(bundle(sd3["a"], "mmdit"), path)
     call = dict(num_inference_steps=3, guidance_scale=5.0)
     theirs = flow_fixtures.reference_pixels(flow_fixtures.reference_pipeline(sd3["a"]), PROMPT, _noise(), **call)
 
@@ -269,21 +269,21 @@ def test_bad_sd3_and_bundle_files_are_one_line(sd3, flux, tmp_path, monkeypatch)
     # a fused q/k/v cut by the config's widths (4 heads x 8: 3 x 32 rows), named
     short = variant("short", tensors, **{"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight":
                                          np.zeros((93, 32), np.float32)})
-    refused(short, sd3["a"], r"\(sd3 layout\): model\.diffusion_model\.joint_blocks\.0\.x_block\.attn\.qkv\.weight "
+    refused(short, sd3["a"], r"\(mmdit layout\): model\.diffusion_model\.joint_blocks\.0\.x_block\.attn\.qkv\.weight "
                              r"has 93 rows; the blocks of .* transformer config make 96")
     # another shape: the loader's check, naming the tensor
     wide = variant("wide", tensors, **{"model.diffusion_model.context_embedder.weight": np.zeros((32, 8), np.float32)})
     refused(wide, sd3["a"], r"does not fit the configs of .*context_embedder\.weight has shape \(32, 8\)")
     # SD3.5's q/k norms and second attention under an SD3 config: tensors no block of it has
     refused(variant("sd35", mmdit_file(sd3["sd35"])), sd3["a"],
-            r"\(sd3 layout\) has \d+ tensors that do not fit the blocks .* e\.g\. .*(ln_q|ln_k|attn2)")
+            r"\(mmdit layout\) has \d+ tensors that do not fit the blocks .* e\.g\. .*(ln_q|ln_k|attn2)")
     # a text encoder FLUX.1 does not have, bundled with a Flux transformer
-    clip_g = {k: v for k, v in bundle(sd3["a"], "sd3").items() if k.startswith("text_encoders.clip_g.")}
+    clip_g = {k: v for k, v in bundle(sd3["a"], "mmdit").items() if k.startswith("text_encoders.clip_g.")}
     refused(variant("flux-clip-g", bundle(flux["a"], "bfl", vae_top="vae."), **clip_g), flux["a"],
             r"\(bfl layout\) has \d+ tensors that do not fit .* text_encoders\.clip_g\.")
     # an SD3 file with a Flux folder's configs, and with configs that describe no transformer at all
-    refused(variant("sd3-under-flux", tensors), flux["a"], r"\(sd3 layout\) has \d+ tensors that do not fit the blocks")
+    refused(variant("sd3-under-flux", tensors), flux["a"], r"\(mmdit layout\) has \d+ tensors that do not fit the blocks")
     odd = _other_weights(sd3["a"], tmp_path / "odd-config")
     (odd / "transformer" / "config.json").write_text(json.dumps({"_class_name": "SD3Transformer2DModel"}))
-    refused(variant("sd3-odd", tensors), odd, r"configs of .*odd-config do not fit a file of the sd3 layout "
+    refused(variant("sd3-odd", tensors), odd, r"configs of .*odd-config do not fit a file of the mmdit layout "
                                               r"\(transformer/config\.json has no 'num_layers'\)")

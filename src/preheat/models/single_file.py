@@ -20,12 +20,12 @@ Layouts:
 * ``bfl`` (FLUX.1): Black Forest Labs' transformer alone (``double_blocks.*``, ``single_blocks.*``,
   ``img_in``, ``txt_in``, ``time_in``, ``vector_in``, ``guidance_in``, ``final_layer``; also under
   ``model.diffusion_model.``), renamed by ``preheat.models.bfl``'s table (the one LoRA files use);
-* ``sd3`` (SD3, SD3.5): Stability's MMDiT (``joint_blocks.N.x_block/context_block``, ``x_embedder``,
+* ``mmdit`` (SD3, SD3.5): Stability's MMDiT (``joint_blocks.N.x_block/context_block``, ``x_embedder``,
   ``context_embedder``, ``t_embedder``, ``y_embedder``, ``final_layer``, ``pos_embed``; SD3.5's q/k
   norms and ``x_block.attn2``), usually under ``model.diffusion_model.``, renamed by
   ``preheat.models.mmdit``'s table.
 
-ComfyUI's checkpoints bundle the rest of the pipeline with an ``sd3`` or ``bfl`` transformer: the
+ComfyUI's checkpoints bundle the rest of the pipeline with an ``mmdit`` or ``bfl`` transformer: the
 VAE in the LDM layout (``first_stage_model.*``, or ``vae.*`` in ComfyUI's Flux files such as
 ``flux1-dev-fp8``) and the text encoders in transformers' names under
 ``text_encoders.{clip_l,clip_g,t5xxl}.transformer.*`` (SD3: CLIP-L, CLIP-G, T5; FLUX.1: CLIP-L, T5).
@@ -302,7 +302,7 @@ def _pieces(modules: dict[str, tuple[Piece, ...]], key: str, params: dict[str, s
 # ComfyUI's bundles: text encoders in transformers' names under text_encoders.<name>.transformer.,
 # the VAE in the LDM layout under first_stage_model. or vae.
 _VAE_TOPS = ("first_stage_model.", "vae.")
-_TEXT_ENCODERS = {"sd3": {"clip_l": "text_encoder", "clip_g": "text_encoder_2", "t5xxl": "text_encoder_3"},
+_TEXT_ENCODERS = {"mmdit": {"clip_l": "text_encoder", "clip_g": "text_encoder_2", "t5xxl": "text_encoder_3"},
                   "bfl": {"clip_l": "text_encoder", "t5xxl": "text_encoder_2"}}
 
 
@@ -347,11 +347,11 @@ def _bfl_placer(configs: dict[str, dict[str, Any]]) -> Placer:
     return place
 
 
-def _sd3_placer(configs: dict[str, dict[str, Any]]) -> Placer:
+def _mmdit_placer(configs: dict[str, dict[str, Any]]) -> Placer:
     """SD3 / SD3.5 (MMDiT): the transformer by ``mmdit_modules`` for the config's blocks, norms and
     dual-attention blocks; a bundle's VAE and text encoders (CLIP-L, CLIP-G, T5) besides."""
     modules = mmdit_modules(configs["transformer"])
-    bundled = _bundled(configs, _TEXT_ENCODERS["sd3"], clip_l_projection=True)
+    bundled = _bundled(configs, _TEXT_ENCODERS["mmdit"], clip_l_projection=True)
 
     def place(key: str) -> list[Place] | None:
         found = bundled(key)
@@ -374,7 +374,7 @@ class Layout(NamedTuple):
 # most specific first: SGM, SD3 and prefixed BFL files hold model.diffusion_model.* keys too
 LAYOUTS: tuple[Layout, ...] = (
     Layout("sgm", ("conditioner.embedders.",), ("unet", "vae", "text_encoder", "text_encoder_2"), _sgm_placer),
-    Layout("sd3", ("joint_blocks.", "model.diffusion_model.joint_blocks."), ("transformer",), _sd3_placer, ("vae",)),
+    Layout("mmdit", ("joint_blocks.", "model.diffusion_model.joint_blocks."), ("transformer",), _mmdit_placer, ("vae",)),
     Layout("bfl", ("double_blocks.", "model.diffusion_model.double_blocks."), ("transformer",), _bfl_placer, ("vae",)),
     Layout("ldm", ("model.diffusion_model.",), ("unet", "vae", "text_encoder"), _ldm_placer),
 )
