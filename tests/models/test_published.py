@@ -153,6 +153,36 @@ def test_load_without_config_names_the_inferred_model(tmp_path, monkeypatch):
     assert err.value.argument == "config" and "\n" not in str(err.value)
 
 
+def test_a_comfyui_bundle_needs_only_the_tokenizers(tmp_path):
+    """FLUX.1 dev's transformer (the names inference reads) bundled as ComfyUI ships it, with a VAE
+    under ``vae.`` and CLIP-L and T5 under ``text_encoders.``: a tokenizers-only ``config=`` folder
+    is enough (the shipped configs go beside it); the transformer alone is still refused, naming
+    the components it lacks."""
+    from safetensors.numpy import save_file
+
+    from preheat.models.published import with_tokenizers
+
+    shapes = _original_shapes("FLUX.1-dev", "model.diffusion_model.")
+    read = [k for k in shapes if re.match(r"model\.diffusion_model\.(img_in\.weight|guidance_in\.in_layer\.weight|"
+                                          r"(double|single)_blocks\.\d+\.linear2?\.bias|double_blocks\.\d+\.img_mlp\.0\.bias)$", k)]
+    transformer = {k: np.zeros(shapes[k], np.float16) for k in read}
+    bundled = {"vae.decoder.conv_in.weight": np.zeros((1,), np.float16),
+               "text_encoders.clip_l.transformer.text_model.final_layer_norm.weight": np.zeros((1,), np.float16),
+               "text_encoders.t5xxl.transformer.shared.weight": np.zeros((1,), np.float16)}
+    tokenizers = tmp_path / "tokenizers"
+    for name in ("tokenizer", "tokenizer_2"):
+        (tokenizers / name).mkdir(parents=True)
+        (tokenizers / name / "vocab.json").write_text("{}")
+    alone, bundle = tmp_path / "flux1-dev.safetensors", tmp_path / "flux1-dev-comfy.safetensors"
+    save_file(transformer, str(alone))
+    save_file({**transformer, **bundled}, str(bundle))
+    with pytest.raises(InvalidArgumentError, match=r"\(bfl layout\) without the weights of text_encoder, "
+                                                   r"text_encoder_2, vae"):
+        with_tokenizers(alone, tokenizers, tmp_path / "root")
+    folder = with_tokenizers(bundle, tokenizers, tmp_path / "root")
+    assert (folder / "transformer" / "config.json").is_file() and (folder / "tokenizer_2" / "vocab.json").is_file()
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_the_shipped_configs_load_into_their_classes(name):
     """Every component config names only its class's own fields and builds it (meta device); every

@@ -58,7 +58,7 @@ from preheat.models.mmdit import MMDIT_PARAMS, mmdit_modules
 from preheat.models.scaled_fp8 import with_scales
 from preheat.models.weights import read_tensors
 
-__all__ = ["LAYOUTS", "detect_layout", "materialize", "reading_converted"]
+__all__ = ["LAYOUTS", "detect_layout", "held_components", "materialize", "reading_converted"]
 
 
 class Rule(NamedTuple):
@@ -395,6 +395,18 @@ def detect_layout(keys: list[str], path: Path) -> Layout:
     seen = ", ".join(sorted(keys)[:4]) or "no tensors"
     tried = ", ".join(f"{lay.name} ({', '.join(m + '*' for m in lay.markers)})" for lay in LAYOUTS)
     raise ModelFormatError(f"{path} is a single file of unknown layout: tried {tried}; its keys start {seen}")
+
+
+def held_components(keys: list[str], layout: Layout) -> tuple[str, ...]:
+    """The diffusers components a file of ``layout`` holds weights for, by its keys' prefixes (no
+    config needed): an LDM or SGM checkpoint all of them; a transformer file its transformer, plus
+    what a ComfyUI bundle adds (the VAE, the text encoders)."""
+    encoders = _TEXT_ENCODERS.get(layout.name)
+    if encoders is None:
+        return layout.components
+    held = ["transformer"] + (["vae"] if any(k.startswith(_VAE_TOPS) for k in keys) else [])
+    held += [c for name, c in encoders.items() if any(k.startswith(f"text_encoders.{name}.transformer.") for k in keys)]
+    return tuple(held)
 
 
 def _read_config(folder: Path, component: str, layout: Layout) -> dict[str, Any]:
