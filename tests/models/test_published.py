@@ -4,7 +4,7 @@ published configs preheat ships for it (``preheat/assets/single_file_configs``).
 Tiny random files cannot have the published shapes, so inference is tested on abstract key/shape
 tables: every shipped config is built by diffusers' (or transformers') own model class on torch's
 meta device (no memory), and its state dict's shapes are written back in the original layout by
-the tests' inverse tables (``test_single_file._to_original`` for LDM/SGM, ``bfl_files.to_bfl``
+the tests' inverse tables (``ldm_files.to_original`` for LDM/SGM, ``bfl_files.to_bfl``
 for FLUX.1). SD3's original MMDiT layout has no inverse table here: the names inference reads are
 derived from diffusers' module shapes by hand (``_mmdit_names``).
 """
@@ -22,7 +22,7 @@ import preheat
 from preheat.errors import InvalidArgumentError, ModelFormatError
 from preheat.models.published import CONFIGS, PUBLISHED, config_folder, infer, infer_file
 from tests._support.bfl_files import to_bfl
-from tests.models.test_single_file import _to_original
+from tests._support.ldm_files import to_original
 
 NAMES = [p.name for p in PUBLISHED]
 KIND = {"stable-diffusion-v1-5": "sd1", "stable-diffusion-2-1": "sd2", "stable-diffusion-xl-base-1.0": "sdxl"}
@@ -107,7 +107,7 @@ def _original_shapes(name: str, prefix: str = "") -> dict[str, tuple[int, ...]]:
     if published.layout in ("ldm", "sgm"):
         def load(path):
             return _meta_state(name, str(path).split("/")[-2])
-        return {k: v.shape for k, v in _to_original(config_folder(published), KIND[name], load).items()}
+        return {k: v.shape for k, v in to_original(config_folder(published), KIND[name], load).items()}
     state = _meta_state(name, "transformer")
     if published.layout == "bfl":
         return {k: v.shape for k, v in to_bfl(state, prefix).items()}
@@ -237,7 +237,7 @@ def test_config_may_be_a_folder_of_tokenizers_only(tmp_path, monkeypatch):
 
     folder = save_tiny_sd(tmp_path / "sd1", kind="sd1")
     path = tmp_path / "tiny-sd1.safetensors"
-    save_file(_to_original(folder, "sd1"), str(path))
+    save_file(to_original(folder, "sd1"), str(path))
     assets = tmp_path / "assets"
     shutil.copytree(folder, assets / "tiny-sd1", ignore=shutil.ignore_patterns("*.safetensors", "tokenizer"))
     tiny = module.Published("tiny-sd1", "tiny SD 1.x", "example/tiny-sd1", "ldm", "any file", lambda shapes: True)
