@@ -4,7 +4,7 @@ published configs preheat ships for it (``preheat/assets/single_file_configs``).
 Tiny random files cannot have the published shapes, so inference is tested on abstract key/shape
 tables: every shipped config is built by diffusers' (or transformers') own model class on torch's
 meta device (no memory), and its state dict's shapes are written back in the original layout by
-the tests' inverse tables (``test_single_file._to_original`` for LDM/SGM, ``bfl_files.to_bfl``
+the tests' inverse tables (``ldm_files.to_original`` for LDM/SGM, ``bfl_files.to_bfl``
 for FLUX.1). SD3's original MMDiT layout has no inverse table here: the names inference reads are
 derived from diffusers' module shapes by hand (``_mmdit_names``).
 """
@@ -22,7 +22,7 @@ import preheat
 from preheat.errors import InvalidArgumentError, ModelFormatError
 from preheat.models.published import CONFIGS, PUBLISHED, config_folder, infer, infer_file
 from tests._support.bfl_files import to_bfl
-from tests.models.test_single_file import _to_original
+from tests._support.ldm_files import to_original
 
 NAMES = [p.name for p in PUBLISHED]
 KIND = {"stable-diffusion-v1-5": "sd1", "stable-diffusion-2-1": "sd2", "stable-diffusion-xl-base-1.0": "sdxl"}
@@ -107,7 +107,7 @@ def _original_shapes(name: str, prefix: str = "") -> dict[str, tuple[int, ...]]:
     if published.layout in ("ldm", "sgm"):
         def load(path):
             return _meta_state(name, str(path).split("/")[-2])
-        return {k: v.shape for k, v in _to_original(config_folder(published), KIND[name], load).items()}
+        return {k: v.shape for k, v in to_original(config_folder(published), KIND[name], load).items()}
     state = _meta_state(name, "transformer")
     if published.layout == "bfl":
         return {k: v.shape for k, v in to_bfl(state, prefix).items()}
@@ -151,6 +151,36 @@ def test_load_without_config_names_the_inferred_model(tmp_path, monkeypatch):
                                                    r"hf://black-forest-labs/FLUX\.1-dev>") as err:
         preheat.load(path, cache="off")
     assert err.value.argument == "config" and "\n" not in str(err.value)
+
+
+def test_a_comfyui_bundle_needs_only_the_tokenizers(tmp_path):
+    """FLUX.1 dev's transformer (the names inference reads) bundled as ComfyUI ships it, with a VAE
+    under ``vae.`` and CLIP-L and T5 under ``text_encoders.``: a tokenizers-only ``config=`` folder
+    is enough (the shipped configs go beside it); the transformer alone is still refused, naming
+    the components it lacks."""
+    from safetensors.numpy import save_file
+
+    from preheat.models.published import with_tokenizers
+
+    shapes = _original_shapes("FLUX.1-dev", "model.diffusion_model.")
+    read = [k for k in shapes if re.match(r"model\.diffusion_model\.(img_in\.weight|guidance_in\.in_layer\.weight|"
+                                          r"(double|single)_blocks\.\d+\.linear2?\.bias|double_blocks\.\d+\.img_mlp\.0\.bias)$", k)]
+    transformer = {k: np.zeros(shapes[k], np.float16) for k in read}
+    bundled = {"vae.decoder.conv_in.weight": np.zeros((1,), np.float16),
+               "text_encoders.clip_l.transformer.text_model.final_layer_norm.weight": np.zeros((1,), np.float16),
+               "text_encoders.t5xxl.transformer.shared.weight": np.zeros((1,), np.float16)}
+    tokenizers = tmp_path / "tokenizers"
+    for name in ("tokenizer", "tokenizer_2"):
+        (tokenizers / name).mkdir(parents=True)
+        (tokenizers / name / "vocab.json").write_text("{}")
+    alone, bundle = tmp_path / "flux1-dev.safetensors", tmp_path / "flux1-dev-comfy.safetensors"
+    save_file(transformer, str(alone))
+    save_file({**transformer, **bundled}, str(bundle))
+    with pytest.raises(InvalidArgumentError, match=r"\(bfl layout\) without the weights of text_encoder, "
+                                                   r"text_encoder_2, vae"):
+        with_tokenizers(alone, tokenizers, tmp_path / "root")
+    folder = with_tokenizers(bundle, tokenizers, tmp_path / "root")
+    assert (folder / "transformer" / "config.json").is_file() and (folder / "tokenizer_2" / "vocab.json").is_file()
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -207,7 +237,7 @@ def test_config_may_be_a_folder_of_tokenizers_only(tmp_path, monkeypatch):
 
     folder = save_tiny_sd(tmp_path / "sd1", kind="sd1")
     path = tmp_path / "tiny-sd1.safetensors"
-    save_file(_to_original(folder, "sd1"), str(path))
+    save_file(to_original(folder, "sd1"), str(path))
     assets = tmp_path / "assets"
     shutil.copytree(folder, assets / "tiny-sd1", ignore=shutil.ignore_patterns("*.safetensors", "tokenizer"))
     tiny = module.Published("tiny-sd1", "tiny SD 1.x", "example/tiny-sd1", "ldm", "any file", lambda shapes: True)

@@ -147,11 +147,14 @@ def config_folder(published: Published) -> Path:
     return CONFIGS / published.name
 
 
-def _holds(layout: str) -> tuple[str, ...]:
-    """The diffusers components a single file of ``layout`` fills (its weights); mmdit: SD3's transformer."""
-    from preheat.models.single_file import LAYOUTS
+def _holds(file: str | Path, layout: str) -> tuple[str, ...]:
+    """The diffusers components single ``file`` of ``layout`` fills (its weights): a FLUX.1 or SD3
+    transformer file only the transformer, a ComfyUI bundle its VAE and text encoders too."""
+    from preheat.models.single_file import LAYOUTS, held_components
+    from preheat.models.weights import read_header
 
-    return next((lay.components for lay in LAYOUTS if lay.name == layout), ("transformer",))
+    found = next((lay for lay in LAYOUTS if lay.name == layout), None)
+    return ("transformer",) if found is None else held_components(list(read_header(Path(file))), found)
 
 
 def with_tokenizers(file: str | Path, tokenizers: str | Path, root: Path) -> Path:
@@ -173,7 +176,7 @@ def with_tokenizers(file: str | Path, tokenizers: str | Path, root: Path) -> Pat
                                    f"{', '.join(m + '/' for m in missing)}: pass a folder with "
                                    f"{', '.join(k + '/' for k in wanted)}, or {hint}", argument="config")
     weights = [k for k in named if k not in wanted and k not in ("scheduler", "feature_extractor", "safety_checker")]
-    elsewhere = [k for k in weights if k not in _holds(published.layout)]
+    elsewhere = [k for k in weights if k not in _holds(file, published.layout)]
     if elsewhere:
         raise InvalidArgumentError(f"{file} is a {published.title} single file ({published.layout} layout) without "
                                    f"the weights of {', '.join(elsewhere)}: pass config=<{hint}>", argument="config")

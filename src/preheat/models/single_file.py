@@ -19,10 +19,18 @@ Layouts:
   (CLIP-L) and ``conditioner.embedders.1.model.*`` (OpenCLIP bigG: q/k/v stacked, projection transposed);
 * ``bfl`` (FLUX.1): Black Forest Labs' transformer alone (``double_blocks.*``, ``single_blocks.*``,
   ``img_in``, ``txt_in``, ``time_in``, ``vector_in``, ``guidance_in``, ``final_layer``; also under
-  ``model.diffusion_model.``), renamed by ``preheat.models.bfl``'s table (the one LoRA files use).
-  The VAE and text encoders are the config folder's own weights.
+  ``model.diffusion_model.``), renamed by ``preheat.models.bfl``'s table (the one LoRA files use);
+* ``mmdit`` (SD3, SD3.5): Stability's MMDiT (``joint_blocks.N.x_block/context_block``, ``x_embedder``,
+  ``context_embedder``, ``t_embedder``, ``y_embedder``, ``final_layer``, ``pos_embed``; SD3.5's q/k
+  norms and ``x_block.attn2``), usually under ``model.diffusion_model.``, renamed by
+  ``preheat.models.mmdit``'s table.
 
-Components a file does not fill keep the config folder's weights (linked, not copied).
+ComfyUI's checkpoints bundle the rest of the pipeline with an ``mmdit`` or ``bfl`` transformer: the
+VAE in the LDM layout (``first_stage_model.*``, or ``vae.*`` in ComfyUI's Flux files such as
+``flux1-dev-fp8``) and the text encoders in transformers' names under
+``text_encoders.{clip_l,clip_g,t5xxl}.transformer.*`` (SD3: CLIP-L, CLIP-G, T5; FLUX.1: CLIP-L, T5).
+Components a file does not fill keep the config folder's weights (linked, not copied), so a
+transformer-only file, or an SD3 file without T5, reads the rest from the folder.
 
 A UNet's transformer ``proj_in``/``proj_out`` are 1x1 convolutions ([O, I, 1, 1]) in SD 1.x files and
 linear layers ([O, I]) in SD 2.x / SDXL files; either is written as the config's
@@ -46,10 +54,11 @@ from preheat.errors import (CheckpointMismatchError, InvalidArgumentError, Model
                             WeightsError)
 from preheat.files import publish_folder
 from preheat.models.bfl import Piece, bfl_modules, flux_widths
+from preheat.models.mmdit import MMDIT_PARAMS, mmdit_modules
 from preheat.models.scaled_fp8 import with_scales
 from preheat.models.weights import read_tensors
 
-__all__ = ["LAYOUTS", "detect_layout", "materialize", "reading_converted"]
+__all__ = ["LAYOUTS", "detect_layout", "held_components", "materialize", "reading_converted"]
 
 
 class Rule(NamedTuple):
@@ -128,15 +137,22 @@ def _vae_rules(cfg: dict[str, Any]) -> list[tuple[str, str, tuple[tuple[str, str
     return out
 
 
+def _vae_table(cfg: dict[str, Any], top: str) -> dict[str, tuple[str, str]]:
+    """An LDM autoencoder under ``top``: every original prefix -> ("vae", diffusers prefix)."""
+    table: dict[str, tuple[str, str]] = {}
+    for src, dst, leaves in _vae_rules(cfg):
+        table[top + src] = ("vae", dst)
+        table.update({top + src + leaf_src: ("vae", dst + leaf_dst) for leaf_src, leaf_dst in leaves})
+    return table
+
+
 def _ldm_table(configs: dict[str, dict[str, Any]]) -> dict[str, tuple[str, str]]:
     """LDM layout: every original tensor name the configs imply -> (component, diffusers name)."""
-    table: dict[str, tuple[str, str]] = {}
-    for component, top, rules in (("unet", "model.diffusion_model.", _unet_rules(configs["unet"])),
-                                  ("vae", "first_stage_model.", _vae_rules(configs["vae"]))):
-        for src, dst, leaves in rules:
-            table[top + src] = (component, dst)
-            for leaf_src, leaf_dst in leaves:
-                table[top + src + leaf_src] = (component, dst + leaf_dst)
+    table = _vae_table(configs["vae"], "first_stage_model.")
+    for src, dst, leaves in _unet_rules(configs["unet"]):
+        table["model.diffusion_model." + src] = ("unet", dst)
+        for leaf_src, leaf_dst in leaves:
+            table["model.diffusion_model." + src + leaf_src] = ("unet", dst + leaf_dst)
     return table
 
 
@@ -261,7 +277,7 @@ def _sgm_placer(configs: dict[str, dict[str, Any]]) -> Placer:
 
 
 def _cut(piece: Piece) -> Callable[[np.ndarray], np.ndarray] | None:
-    """A BFL tensor -> the piece diffusers holds: a row range, or the two halves swapped."""
+    """An original tensor -> the piece diffusers holds: a row range, or the two halves swapped."""
     if piece.swap:
         return lambda t: np.concatenate([t[t.shape[0] // 2:], t[:t.shape[0] // 2]])
     if piece.start is None:
@@ -269,20 +285,78 @@ def _cut(piece: Piece) -> Callable[[np.ndarray], np.ndarray] | None:
     return lambda t: t[piece.start:piece.stop]
 
 
+def _pieces(modules: dict[str, tuple[Piece, ...]], key: str, params: dict[str, str] | None = None) -> list[Place] | None:
+    """A transformer tensor by a module table (``bfl_modules``, ``mmdit_modules``): its module's
+    pieces with the leaf kept (a norm's ``scale`` is diffusers' ``weight``), or a bare parameter."""
+    if params and key in params:
+        return [Place("transformer", params[key])]
+    module, _, leaf = key.rpartition(".")
+    pieces = modules.get(module)
+    if pieces is None:
+        return None
+    leaf = "weight" if leaf == "scale" else leaf  # BFL's RMSNorm scale is diffusers' weight
+    rows = pieces[-1].stop if len(pieces) > 1 else None
+    return [Place("transformer", f"{p.path}.{leaf}", _cut(p), rows) for p in pieces]
+
+
+# ComfyUI's bundles: text encoders in transformers' names under text_encoders.<name>.transformer.,
+# the VAE in the LDM layout under first_stage_model. or vae.
+_VAE_TOPS = ("first_stage_model.", "vae.")
+_TEXT_ENCODERS = {"mmdit": {"clip_l": "text_encoder", "clip_g": "text_encoder_2", "t5xxl": "text_encoder_3"},
+                  "bfl": {"clip_l": "text_encoder", "t5xxl": "text_encoder_2"}}
+
+
+def _bundled(configs: dict[str, dict[str, Any]], encoders: dict[str, str], clip_l_projection: bool) -> Placer:
+    """A bundle's VAE and text encoder tensors (None: neither). SD3 pools CLIP-L's output unprojected
+    (as in diffusers, its ``text_projection`` is the identity, whatever the file holds); FLUX.1's
+    CLIP-L has no projection."""
+    vae = {top: _vae_table(configs["vae"], top) for top in _VAE_TOPS} if "vae" in configs else {}
+
+    def place(key: str) -> list[Place] | None:
+        top = next((t for t in vae if key.startswith(t)), None)
+        if top is not None:
+            return _fit_projections(_by_prefix(vae[top], key), False)
+        name, _, rest = key.removeprefix("text_encoders.").partition(".transformer.")
+        if not key.startswith("text_encoders.") or name not in encoders:
+            return None
+        component = encoders[name]
+        if name == "t5xxl":
+            return [Place(component, rest)]
+        if rest.startswith("text_projection."):
+            return [] if name == "clip_l" else [Place(component, rest)]
+        places = _clip(component, rest)
+        if name == "clip_l" and clip_l_projection and rest.endswith("final_layer_norm.weight"):
+            places.append(Place(component, "text_projection.weight", lambda t: np.eye(t.shape[0], dtype=t.dtype)))
+        return places
+
+    return place
+
+
 def _bfl_placer(configs: dict[str, dict[str, Any]]) -> Placer:
-    """BFL (FLUX.1's transformer): the shared BFL table for the config's blocks and widths."""
+    """BFL (FLUX.1's transformer): the shared BFL table for the config's blocks and widths; a
+    ComfyUI bundle's VAE and text encoders (CLIP-L, T5) besides."""
     cfg = configs["transformer"]
     modules = bfl_modules(range(int(cfg["num_layers"])), range(int(cfg["num_single_layers"])),
                           flux_widths(int(cfg["num_attention_heads"]), int(cfg["attention_head_dim"])))
+    bundled = _bundled(configs, _TEXT_ENCODERS["bfl"], clip_l_projection=False)
 
     def place(key: str) -> list[Place] | None:
-        module, _, leaf = key.removeprefix("model.diffusion_model.").rpartition(".")
-        pieces = modules.get(module)
-        if pieces is None:
-            return None
-        leaf = "weight" if leaf == "scale" else leaf  # BFL's RMSNorm scale is diffusers' weight
-        rows = pieces[-1].stop if len(pieces) > 1 else None
-        return [Place("transformer", f"{p.path}.{leaf}", _cut(p), rows) for p in pieces]
+        found = bundled(key)
+        return found if found is not None else _pieces(modules, key.removeprefix("model.diffusion_model."))
+
+    return place
+
+
+def _mmdit_placer(configs: dict[str, dict[str, Any]]) -> Placer:
+    """SD3 / SD3.5 (MMDiT): the transformer by ``mmdit_modules`` for the config's blocks, norms and
+    dual-attention blocks; a bundle's VAE and text encoders (CLIP-L, CLIP-G, T5) besides."""
+    modules = mmdit_modules(configs["transformer"])
+    bundled = _bundled(configs, _TEXT_ENCODERS["mmdit"], clip_l_projection=True)
+
+    def place(key: str) -> list[Place] | None:
+        found = bundled(key)
+        return found if found is not None else _pieces(modules, key.removeprefix("model.diffusion_model."),
+                                                        MMDIT_PARAMS)
 
     return place
 
@@ -292,21 +366,25 @@ class Layout(NamedTuple):
 
     name: str
     markers: tuple[str, ...]  # key prefixes only this layout's files have
-    components: tuple[str, ...]  # the diffusers folders it fills (their configs build the placer)
+    components: tuple[str, ...]  # the diffusers folders whose configs build the placer
     placer: Callable[[dict[str, dict[str, Any]]], Placer]
+    optional: tuple[str, ...] = ()  # configs read where the folder has them (a bundle's VAE)
 
 
-# most specific first: SGM and prefixed BFL files hold model.diffusion_model.* keys too
+# most specific first: SGM, SD3 and prefixed BFL files hold model.diffusion_model.* keys too
 LAYOUTS: tuple[Layout, ...] = (
     Layout("sgm", ("conditioner.embedders.",), ("unet", "vae", "text_encoder", "text_encoder_2"), _sgm_placer),
-    Layout("bfl", ("double_blocks.", "model.diffusion_model.double_blocks."), ("transformer",), _bfl_placer),
+    Layout("mmdit", ("joint_blocks.", "model.diffusion_model.joint_blocks."), ("transformer",), _mmdit_placer, ("vae",)),
+    Layout("bfl", ("double_blocks.", "model.diffusion_model.double_blocks."), ("transformer",), _bfl_placer, ("vae",)),
     Layout("ldm", ("model.diffusion_model.",), ("unet", "vae", "text_encoder"), _ldm_placer),
 )
 # tensors of the original files that diffusers' folders do not hold (EMA copies, buffers)
 _DROPPED = ("model_ema.", "cond_stage_model.transformer.text_model.embeddings.position_ids",
             "cond_stage_model.transformer.embeddings.position_ids", "cond_stage_model.model.logit_scale",
             "conditioner.embedders.0.transformer.text_model.embeddings.position_ids", "conditioner.embedders.1.model.logit_scale",
-            "alphas_cumprod", "betas", "posterior_", "sqrt_", "log_one_minus", "logvar")
+            "alphas_cumprod", "betas", "posterior_", "sqrt_", "log_one_minus", "logvar",
+            *(f"text_encoders.{name}.logit_scale" for name in ("clip_l", "clip_g", "t5xxl")),
+            *(f"text_encoders.{name}.transformer.text_model.embeddings.position_ids" for name in ("clip_l", "clip_g")))
 
 
 def detect_layout(keys: list[str], path: Path) -> Layout:
@@ -319,11 +397,23 @@ def detect_layout(keys: list[str], path: Path) -> Layout:
     raise ModelFormatError(f"{path} is a single file of unknown layout: tried {tried}; its keys start {seen}")
 
 
+def held_components(keys: list[str], layout: Layout) -> tuple[str, ...]:
+    """The diffusers components a file of ``layout`` holds weights for, by its keys' prefixes (no
+    config needed): an LDM or SGM checkpoint all of them; a transformer file its transformer, plus
+    what a ComfyUI bundle adds (the VAE, the text encoders)."""
+    encoders = _TEXT_ENCODERS.get(layout.name)
+    if encoders is None:
+        return layout.components
+    held = ["transformer"] + (["vae"] if any(k.startswith(_VAE_TOPS) for k in keys) else [])
+    held += [c for name, c in encoders.items() if any(k.startswith(f"text_encoders.{name}.transformer.") for k in keys)]
+    return tuple(held)
+
+
 def _read_config(folder: Path, component: str, layout: Layout) -> dict[str, Any]:
     path = folder / component / "config.json"
     if not path.is_file():
         raise ModelNotFoundError(f"config folder {folder} has no {component}/config.json, which a file of the "
-                                 f"{layout.name} layout needs (it fills {', '.join(layout.components)})")
+                                 f"{layout.name} layout needs (its placer reads {', '.join(layout.components)})")
     return json.loads(path.read_text())
 
 
@@ -362,8 +452,16 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
     with read_tensors([file]) as f:  # headers checked (a torn file is one line); F8_E4M3 through ml_dtypes
         keys = list(f)
         layout = detect_layout(keys, file)
-        place = with_scales(layout.placer({c: _read_config(config, c, layout) for c in layout.components}))
-        parts: dict[str, dict[str, np.ndarray]] = {c: {} for c in layout.components}
+        configs = {c: _read_config(config, c, layout) for c in layout.components}
+        configs.update({c: _read_config(config, c, layout) for c in layout.optional
+                        if (config / c / "config.json").is_file()})
+        try:
+            place = with_scales(layout.placer(configs))
+        except KeyError as exc:  # a config of another kind of model (the placers read its block structure)
+            where = next((f"{c}/config.json" for c, cfg in configs.items() if exc.args[0] not in cfg), "a config")
+            raise CheckpointMismatchError(f"the configs of {config} do not fit a file of the {layout.name} layout "
+                                          f"({where} has no {exc.args[0]!r})") from None
+        parts: dict[str, dict[str, np.ndarray]] = {}  # the components the file fills
         unplaced = []
         for key in keys:
             if key.startswith(_DROPPED):
@@ -378,7 +476,7 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
                     raise CheckpointMismatchError(f"{file} ({layout.name} layout): {key} has {tensor.shape[0]} rows; the blocks "
                                        f"of {config}'s {component} config make {rows}")
                 t = tensor if take is None else take(tensor)
-                parts[component][name] = np.ascontiguousarray(t)
+                parts.setdefault(component, {})[name] = np.ascontiguousarray(t)
     if unplaced:
         raise CheckpointMismatchError(f"{file} ({layout.name} layout) has {len(unplaced)} tensors that do not fit the blocks of "
                            f"{config}'s configs, e.g. {', '.join(unplaced[:3])}")
