@@ -1,3 +1,3 @@
-from preheat.cli import main
+from preheat.cli import run
 
-main()
+run()

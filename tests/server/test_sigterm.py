@@ -7,6 +7,7 @@ Refusing new work during a drain is tested in-process (tests/server/test_server.
 
 from __future__ import annotations
 
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -125,5 +126,21 @@ def test_a_third_signal_exits_at_once(model_dir: Path) -> None:
         wait_until(lambda: any("third signal: exiting now" in line for line in server.lines), timeout=10,
                    what="the third signal's log line")
         slow.close()
+    finally:
+        server.kill()
+
+
+def test_a_signal_during_warm_up_exits_0(tmp_path: Path) -> None:
+    """Stopped while a warm-up program compiles (a thread inside XLA): the process ended with a
+    segmentation fault (exit 139) or "FATAL: exception not rethrown" (134) at the interpreter's
+    finalisation; it now ends after the atexit handlers (``preheat.cli.run``), exit 0."""
+    server = ServerProcess(["builtin:text-digits"], env={"PREHEAT_HOME": str(tmp_path / "home")})
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            wait_until(lambda: "warm-up:" in c.get("/health-check").json()["setup"]["logs"],
+                       what="the first warm-up program", timeout=240)
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(120) == 0, "\n".join(server.lines[-30:])
+        assert not any("FATAL" in line for line in server.lines), server.lines[-30:]
     finally:
         server.kill()
