@@ -475,6 +475,36 @@ def test_aot_blocks_cold_then_warm_then_a_fine_tune(flux, flux_tuned, tmp_path):
     assert np.abs(tuned_image - image).max() > 0.01  # its own weights, not the first model's
 
 
+@pytest.fixture(scope="module")
+def kontext(tmp_path_factory):
+    return save_tiny_flow_model(tmp_path_factory.mktemp("kontext") / "kontext", kind="flux-kontext")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["regional", "aot"])
+def test_compile_on_a_kontext_pipeline_matches_eager_then_loads_its_entries(kontext, mode, tmp_path, monkeypatch):
+    """preheat.torch.compile (``load(..., backend="torch", compile=MODE)``) on diffusers'
+    FluxKontextPipeline: the reference's tokens ride beside the noise's, so the blocks see a
+    sequence twice as long as Flux's. The compiled image agrees with eager torch; a second pipeline
+    on the same root loads the stored blocks instead of compiling them."""
+    from tests._support.flow_fixtures import picture
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    call = dict(prompt="a red fox", image=picture(32, 32, seed=2), image_resize="none", steps=2, seed=0,
+                guidance=3.0)
+    compiled = preheat.load(kontext, backend="torch", compile=mode)
+    pixels = compiled.generate(**call)
+    first = list(compiled.compiler.events)
+    assert first and all(e["layer"] == "none" and e["store"] == "written" for e in first), first
+    eager = preheat.load(kontext, backend="torch").generate(**call)
+    assert pixels.shape == eager.shape == (1, 32, 32, 3)
+    assert np.abs(pixels.astype(np.int32) - eager.astype(np.int32)).max() <= 1
+    again = preheat.load(kontext, backend="torch", compile=mode)
+    np.testing.assert_array_equal(again.generate(**call), pixels)
+    assert [e["layer"] for e in again.compiler.events] == [{"regional": "mega", "aot": "aot"}[mode]] * len(first)
+
+
 def test_load_regional_is_refused_for_a_unet2d_model(tmp_path):
     from tests._support.torch_models import MICRO
     from tests._support.reference import save_tiny_pipeline
