@@ -119,6 +119,12 @@ def test_runpod_and_ray_read_every_setting_from_one_table() -> None:
     assert [name for name in ENV_SETTINGS if getattr(runpod, name) == getattr(default, name)] == []
     assert (runpod.sizes, runpod.samplers, runpod.progress, runpod.batch_wait_ms) == (((64, 32),), ("ddim", "euler"),
                                                                                      False, 2.5)
+    from preheat.errors import InvalidArgumentError
+    from preheat.server.config import typed_setting
+
+    with pytest.raises(InvalidArgumentError, match="sizes 5: .*not iterable"):  # a typed value of the wrong shape
+        RayOptions.from_args({"sizes": 5})
+    assert typed_setting("max_image_pixels", "0") is None  # 0: the default cap, as before
 
 
 def test_a_malformed_setting_stops_the_worker_in_one_line(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
-from preheat.errors import InvalidArgumentError
+from preheat.errors import InvalidArgumentError, PreheatError
 from preheat.warm import GUIDANCE_MODES, WarmSet
 
 __all__ = ["CoreConfig", "load_pipeline", "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting"]
@@ -94,12 +94,21 @@ def typed_setting(name: str, value: Any, label: Optional[str] = None) -> Any:
     """A CoreConfig setting from text (an environment variable, ``serve run key=value``) or an
     already typed value. A malformed one is a one-line InvalidArgumentError naming ``label``
     (default ``name``: the variable or option the user wrote)."""
-    from preheat.env import on_off
-    from preheat.server.inputs import parse_lora_ranks, parse_sizes
-
     label = label or name
     if value is None:
         return None
+    try:
+        return _typed(name, value, label)
+    except PreheatError:
+        raise
+    except (TypeError, ValueError) as err:  # a typed value of the wrong shape (Ray's serve run args)
+        raise InvalidArgumentError(f"{label} {value!r}: {err}", argument=label) from None
+
+
+def _typed(name: str, value: Any, label: str) -> Any:
+    from preheat.env import on_off
+    from preheat.server.inputs import parse_lora_ranks, parse_sizes
+
     if name in _LISTS:
         items = value.split(",") if isinstance(value, str) else list(value)
         return tuple(str(v).strip() for v in items if str(v).strip())
@@ -125,6 +134,7 @@ def typed_setting(name: str, value: Any, label: Optional[str] = None) -> Any:
                                        argument=label) from None
         return (number or None) if name == "max_image_pixels" else number  # 0: the default cap
     return str(value)
+
 
 def load_pipeline(config: CoreConfig) -> Any:
     """The engine for ``config.backend``; a one-line ``InvalidArgumentError`` for an unusable backend."""
