@@ -11,7 +11,9 @@ result is what checks them::
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -103,3 +105,25 @@ def bundle(folder: Path, layout: str, vae_top: str = "first_stage_model.") -> di
     ``vae_top``, the text encoders under ``text_encoders.``."""
     transformer = mmdit_file(folder) if layout == "mmdit" else bfl_file(folder)
     return {**transformer, **vae_file(folder, vae_top), **text_file(folder, layout)}
+
+
+@contextmanager
+def diffusers_bfl_at_tiny_widths(folder: Path, monkeypatch: Any) -> Iterator[None]:
+    """diffusers' BFL conversion (``from_single_file`` of a FLUX.1 file) cuts a single block's
+    ``linear1`` at FLUX.1's widths (``inner_dim = 3072`` is written into it), which a tiny model's
+    rows cannot take; inside this block ``torch.split`` gets the tiny widths for that one cut (q, k,
+    v: heads x head_dim, the MLP 4x that), and everything else is diffusers' own."""
+    import torch
+
+    cfg = _config(folder, "transformer")
+    inner = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    split = torch.split
+
+    def tiny_split(tensor: Any, sizes: Any, dim: int = 0) -> Any:
+        if isinstance(sizes, (list, tuple)) and tuple(sizes) == (3072, 3072, 3072, 12288):
+            sizes = (inner, inner, inner, 4 * inner)
+        return split(tensor, sizes, dim)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "split", tiny_split)
+        yield

@@ -8,7 +8,6 @@ config=folder)`` gives diffusers' image from the folder."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import numpy as np
@@ -20,6 +19,7 @@ from tests._support import flow_fixtures
 from tests._support.bfl_files import to_bfl
 from tests._support.ldm_files import to_original
 from tests._support.sd_fixtures import reference_pipeline, reference_pixels, save_tiny_sd
+from tests._support.single_files import diffusers_bfl_at_tiny_widths
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 
@@ -167,25 +167,12 @@ def flux_file(tmp_path_factory):
 
 
 def _diffusers_bfl_transformer(folder, path, monkeypatch):
-    """diffusers' ``FluxTransformer2DModel.from_single_file(path, config=folder, subfolder="transformer")``.
-
-    Its BFL conversion cuts a single block's ``linear1`` at FLUX.1's widths (``inner_dim = 3072`` is
-    written into it), which the tiny model's 224 rows cannot take; for that one cut ``torch.split``
-    gets the tiny widths (q, k, v: heads x head_dim, the MLP 4x that), everything else is diffusers' own."""
+    """diffusers' ``FluxTransformer2DModel.from_single_file(path, config=folder, subfolder="transformer")``
+    (at the tiny widths: ``single_files.diffusers_bfl_at_tiny_widths``)."""
     import torch
     from diffusers import FluxTransformer2DModel
 
-    cfg = json.loads((folder / "transformer" / "config.json").read_text())
-    inner = cfg["num_attention_heads"] * cfg["attention_head_dim"]
-    split = torch.split
-
-    def tiny_split(tensor, sizes, dim=0):
-        if isinstance(sizes, (list, tuple)) and tuple(sizes) == (3072, 3072, 3072, 12288):
-            sizes = (inner, inner, inner, 4 * inner)
-        return split(tensor, sizes, dim)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(torch, "split", tiny_split)
+    with diffusers_bfl_at_tiny_widths(folder, monkeypatch):
         return FluxTransformer2DModel.from_single_file(str(path), config=str(folder), subfolder="transformer",
                                                        torch_dtype=torch.float32)
 

@@ -19,7 +19,7 @@ import preheat
 from preheat.errors import ModelFormatError
 from tests._support import flow_fixtures
 from tests._support.numerics import assert_pixels_close
-from tests._support.single_files import bundle, mmdit_file
+from tests._support.single_files import bundle, diffusers_bfl_at_tiny_widths, mmdit_file
 
 PROMPT = "a lighthouse at dusk"
 
@@ -204,21 +204,11 @@ def flux(tmp_path_factory):
 
 def _diffusers_flux_bundle(path, config, monkeypatch):
     """diffusers' ``FluxPipeline.from_single_file(path, config=folder)``, with its BFL conversion's
-    ``linear1`` cut at the tiny widths (it writes FLUX.1's 3072 in; see test_single_file.py)."""
+    ``linear1`` cut at the tiny widths (``single_files.diffusers_bfl_at_tiny_widths``)."""
     import torch
     from diffusers import FluxPipeline
 
-    cfg = json.loads((config / "transformer" / "config.json").read_text())
-    inner = cfg["num_attention_heads"] * cfg["attention_head_dim"]
-    split = torch.split
-
-    def tiny_split(tensor, sizes, dim=0):
-        if isinstance(sizes, (list, tuple)) and tuple(sizes) == (3072, 3072, 3072, 12288):
-            sizes = (inner, inner, inner, 4 * inner)
-        return split(tensor, sizes, dim)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(torch, "split", tiny_split)
+    with diffusers_bfl_at_tiny_widths(config, monkeypatch):
         pipe = FluxPipeline.from_single_file(str(path), config=str(config), torch_dtype=torch.float32)
     pipe.scheduler = _scheduler(config)
     assert pipe.text_encoder_2.training  # as SD3's T5 above: diffusers 0.42 leaves it in training mode
