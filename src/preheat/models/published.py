@@ -147,14 +147,14 @@ def config_folder(published: Published) -> Path:
     return CONFIGS / published.name
 
 
-def _holds(file: str | Path, layout: str) -> tuple[str, ...]:
-    """The diffusers components single ``file`` of ``layout`` fills (its weights): a FLUX.1 or SD3
-    transformer file only the transformer, a ComfyUI bundle its VAE and text encoders too."""
+def _holds(keys: list[str], layout: str) -> tuple[str, ...]:
+    """The diffusers components a single file of ``layout`` with tensors ``keys`` fills (its
+    weights): a FLUX.1 or SD3 transformer file only the transformer, a ComfyUI bundle its VAE and
+    text encoders too."""
     from preheat.models.single_file import LAYOUTS, held_components
-    from preheat.models.weights import read_header
 
     found = next((lay for lay in LAYOUTS if lay.name == layout), None)
-    return ("transformer",) if found is None else held_components(list(read_header(Path(file))), found)
+    return ("transformer",) if found is None else held_components(keys, found)
 
 
 def with_tokenizers(file: str | Path, tokenizers: str | Path, root: Path) -> Path:
@@ -163,7 +163,10 @@ def with_tokenizers(file: str | Path, tokenizers: str | Path, root: Path) -> Pat
     beside them (kept under ``<root>/models/single-configs/``, named by their content). One line
     names the model when a tokenizer folder is missing, or when the file does not hold every
     component's weights (a FLUX.1 or SD3 transformer file: the VAE and text encoders are not in it)."""
-    published = infer_file(file)
+    from preheat.models.weights import read_header
+
+    header = read_header(Path(file))  # read once: which model, and which components it holds
+    published = infer({k: info.shape for k, info in header.items()}, str(file))
     tokenizers = Path(tokenizers)
     shipped = config_folder(published)
     index = json.loads((shipped / "model_index.json").read_text())
@@ -176,7 +179,7 @@ def with_tokenizers(file: str | Path, tokenizers: str | Path, root: Path) -> Pat
                                    f"{', '.join(m + '/' for m in missing)}: pass a folder with "
                                    f"{', '.join(k + '/' for k in wanted)}, or {hint}", argument="config")
     weights = [k for k in named if k not in wanted and k not in ("scheduler", "feature_extractor", "safety_checker")]
-    elsewhere = [k for k in weights if k not in _holds(file, published.layout)]
+    elsewhere = [k for k in weights if k not in _holds(list(header), published.layout)]
     if elsewhere:
         raise InvalidArgumentError(f"{file} is a {published.title} single file ({published.layout} layout) without "
                                    f"the weights of {', '.join(elsewhere)}: pass config=<{hint}>", argument="config")

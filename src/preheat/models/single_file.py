@@ -137,23 +137,25 @@ def _vae_rules(cfg: dict[str, Any]) -> list[tuple[str, str, tuple[tuple[str, str
     return out
 
 
-def _vae_table(cfg: dict[str, Any], top: str) -> dict[str, tuple[str, str]]:
-    """An LDM autoencoder under ``top``: every original prefix -> ("vae", diffusers prefix)."""
+def _rules_table(component: str, top: str,
+                 rules: list[tuple[str, str, tuple[tuple[str, str], ...]]]) -> dict[str, tuple[str, str]]:
+    """Block rules under ``top``: every original prefix (and leaf) -> (component, diffusers name)."""
     table: dict[str, tuple[str, str]] = {}
-    for src, dst, leaves in _vae_rules(cfg):
-        table[top + src] = ("vae", dst)
-        table.update({top + src + leaf_src: ("vae", dst + leaf_dst) for leaf_src, leaf_dst in leaves})
+    for src, dst, leaves in rules:
+        table[top + src] = (component, dst)
+        table.update({top + src + leaf_src: (component, dst + leaf_dst) for leaf_src, leaf_dst in leaves})
     return table
+
+
+def _vae_table(cfg: dict[str, Any], top: str) -> dict[str, tuple[str, str]]:
+    """An LDM autoencoder under ``top`` (``first_stage_model.``, or a ComfyUI bundle's ``vae.``)."""
+    return _rules_table("vae", top, _vae_rules(cfg))
 
 
 def _ldm_table(configs: dict[str, dict[str, Any]]) -> dict[str, tuple[str, str]]:
     """LDM layout: every original tensor name the configs imply -> (component, diffusers name)."""
-    table = _vae_table(configs["vae"], "first_stage_model.")
-    for src, dst, leaves in _unet_rules(configs["unet"]):
-        table["model.diffusion_model." + src] = ("unet", dst)
-        for leaf_src, leaf_dst in leaves:
-            table["model.diffusion_model." + src + leaf_src] = ("unet", dst + leaf_dst)
-    return table
+    return {**_vae_table(configs["vae"], "first_stage_model."),
+            **_rules_table("unet", "model.diffusion_model.", _unet_rules(configs["unet"]))}
 
 
 class Place(NamedTuple):
