@@ -58,7 +58,7 @@ from preheat.models.mmdit import MMDIT_PARAMS, mmdit_modules
 from preheat.models.scaled_fp8 import with_scales
 from preheat.models.weights import read_tensors
 
-__all__ = ["LAYOUTS", "detect_layout", "held_components", "materialize", "reading_converted"]
+__all__ = ["LAYOUTS", "detect_layout", "held_components", "materialize", "reading_converted", "single_file_path"]
 
 
 class Rule(NamedTuple):
@@ -430,6 +430,19 @@ def _identity(file: Path, config: Path) -> str:
         if p.is_file() and not p.name.endswith(_WEIGHTS):
             h.update(p.relative_to(config).as_posix().encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:32]
+
+
+def single_file_path(path: str | os.PathLike[str]) -> Path | None:
+    """``path`` as a single-file checkpoint: a ``.safetensors`` file, or the file of a one-file
+    snapshot of the weights store (``hf://org/repo/file.safetensors``, a URL: a folder holding that
+    file and no config); None for anything else (a diffusers folder)."""
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix == ".safetensors" else None
+    if not path.is_dir() or (path / "model_index.json").exists() or (path / "config.json").exists():
+        return None
+    inside = [p for p in path.iterdir() if p.is_file()]
+    return inside[0] if len(inside) == 1 and inside[0].suffix == ".safetensors" else None
 
 
 def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], root: Path) -> Path:
