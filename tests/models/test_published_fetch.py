@@ -238,3 +238,6 @@ def test_pull_dry_run_of_a_single_file_lists_exactly_what_it_fetches(sd1, publis
     hub.hits.clear()
     preheat.load(path, cache="off")  # then the load needs no request
     assert hub.hits == []
+
+    out = CliRunner().invoke(pull_command, [str(path), "--dry-run", "--config", "nosuch"])
+    assert out.exit_code == 2 and out.output == "error: --config names a published model (tiny-sd1); not 'nosuch'\n"

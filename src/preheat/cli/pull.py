@@ -93,12 +93,16 @@ def _single_file(source: str, config: str | None) -> "Path | None":
     from pathlib import Path
 
     from preheat.errors import ModelFormatError
-    from preheat.models.published import infer_file
+    from preheat.models.published import PUBLISHED, infer_file, named
     from preheat.store import is_remote
 
     if is_remote(source) or not source.endswith(".safetensors") or not Path(source).is_file():
         return None
     if config is not None:
+        if named(config) is None:
+            names = ", ".join(p.name for p in PUBLISHED)
+            raise InvalidArgumentError(f"--config names a published model ({names}); not {config!r}",
+                                       argument="config")
         return Path(source)
     try:
         infer_file(source)
