@@ -549,7 +549,7 @@ def single_file_config(file: Path, config: str | Path | None, variant: str | Non
 
     needs = _published_needs(file, config)
     if needs is None:
-        configs = Path(resolve(str(config), variant=variant))
+        configs = Path(resolve(str(config)))
         if configs.is_dir() and not (configs / "model_index.json").is_file():  # the lacking folders only
             return with_components(file, configs, resolve_root().path, needed(file))
         return configs
@@ -586,9 +586,10 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     ``dtype``: the denoiser's dtype (float32, bfloat16, float16); a VAE that asks for it stays float32.
     ``variant``: weight files ``*.{variant}.safetensors`` (e.g. "fp16").
     ``config``: with ``model`` a single ``.safetensors`` file in an original layout (LDM SD 1.x/2.x,
-    SGM SDXL, BFL FLUX.1), the diffusers folder whose configs and tokenizers it is read with
-    (``preheat.models.single_file``), or a folder of its tokenizer folders only, beside the shipped
-    configs of the published model the file is inferred to be (``preheat.models.published``).
+    SGM SDXL, BFL FLUX.1, MMDiT SD3), the diffusers folder whose configs and tokenizers it is read
+    with (``preheat.models.single_file``), a folder of only the component folders it lacks, or a
+    published model's name (``"stable-diffusion-2-1-base"``); None: the published model is inferred
+    from the file and what it lacks is pulled from its repository (``single_file_config``).
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
     ``weights_dtype``: "float8_e4m3fn" keeps the denoiser's weights in fp8 on the device (the
     layers diffusers' ``enable_layerwise_casting`` casts), upcast to ``dtype`` where they are
