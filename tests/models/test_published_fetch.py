@@ -96,10 +96,13 @@ def test_an_ldm_file_without_config_fetches_only_its_tokenizer(sd1, published, h
     published(assets, entry)
     hub = hub_of(entry.repo, _repo_files(folder, path))
 
-    ours = _draw(preheat.load(path, cache="off"))
+    ours = _draw(preheat.load(path))
     tokenizer = {p: len(b) for p, b in hub.files.items() if p.startswith("tokenizer/")}
     assert "tokenizer/vocab.json" in tokenizer and hub.downloaded() == tokenizer  # no model_index.json, no weights, no top-level file
-    with_folder = _draw(preheat.load(path, config=folder, cache="off"))
+    # the folder as config= is another conversion (its own weights beside the configs), run by the
+    # program just compiled (the weights are its arguments)
+    with_folder = _draw(preheat.load(path, config=folder))
+    assert len(list((tmp_path / "home" / "models" / "single").iterdir())) == 2
     assert np.array_equal(ours, with_folder) and ours.std() > 5  # the same weights, tokenizer and configs
 
     hub.hits.clear()  # stored: a restart sends no request, even offline

@@ -422,13 +422,21 @@ def _read_config(folder: Path, component: str, layout: Layout) -> dict[str, Any]
 _WEIGHTS = (".safetensors", ".bin", ".ckpt")  # a config folder's weight files (its configs are the rest)
 
 
+def _where(path: Path) -> bytes:
+    """A file by where it is (resolved path, size, mtime): what names it without reading it."""
+    st = path.stat()
+    return f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()
+
+
 def _identity(file: Path, config: Path) -> str:
-    """What the converted folder is named by: the file (path, size, mtime) and the config folder's files."""
-    st = file.stat()
-    h = hashlib.sha256(f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    """What the converted folder is named by: the file and the config folder's weights by where
+    they are (the converted folder links the weights of the components the file lacks, so other
+    weights are another folder), the config folder's other files by their content."""
+    h = hashlib.sha256(_where(file))
     for p in sorted(config.rglob("*")):
-        if p.is_file() and not p.name.endswith(_WEIGHTS):
-            h.update(p.relative_to(config).as_posix().encode() + b"\0" + p.read_bytes())
+        if p.is_file():
+            body = _where(p) if p.name.endswith(_WEIGHTS) else p.read_bytes()
+            h.update(p.relative_to(config).as_posix().encode() + b"\0" + body)
     return h.hexdigest()[:32]
 
 
