@@ -193,11 +193,15 @@ def test_sd2_is_the_768_v_model_unless_the_base_is_named(tmp_path, published, hu
     v = _stand_in(assets, folder, "tiny-sd2", "example/tiny-sd2", "ldm")
     base = _stand_in(assets, folder, "tiny-sd2-base", "example/tiny-sd2-base", "ldm", prediction_type="epsilon")
     published(assets, v, base)
-    hub_of(base.repo, _repo_files(folder, path))
+    hub = hub_of(base.repo, _repo_files(folder, path))
 
     assert module.infer_file(path) == v  # the first that fits
     pipe = preheat.load(path, config="tiny-sd2-base", cache="off")
     assert pipe.scheduler_config.prediction_type == "epsilon"
+    assert sorted(hub.downloaded()) == sorted(p for p in hub.files if p.startswith("tokenizer/"))
+    hub.hits.clear()  # the repository as config= is the same model: what the file lacks, already stored
+    assert preheat.load(path, config=f"hf://{base.repo}", cache="off").scheduler_config.prediction_type == "epsilon"
+    assert hub.hits == []
     for spelling in ("tiny-sd2-base", "example/tiny-sd2-base", "hf://example/tiny-sd2-base"):
         assert module.named(spelling) == base
     assert module.named("example/tiny-sd2") == v and module.named(str(folder)) is None
