@@ -278,8 +278,9 @@ def test_config_may_be_a_folder_of_tokenizers_only(tmp_path, monkeypatch):
 
 def test_sd2_base_is_the_768_model_but_for_its_scheduler_and_sizes():
     """SD 2.1 base's shipped configs are SD 2.1's but for what makes it the 512 px epsilon model:
-    its scheduler (PNDM, epsilon), the UNet's sample size, the VAE's, and fp32 attention (upcast
-    only in the 768 px model); its published repository by each spelling ``config=`` takes."""
+    its scheduler (PNDM, epsilon), the UNet's sample size and fp32 attention (upcast only in the
+    768 px model); the VAE's config is the same (its sample_size 768 too, as published); its
+    published repository by each spelling ``config=`` takes."""
     def configs(name):
         folder = CONFIGS / name
         return {p.relative_to(folder).as_posix(): json.loads(p.read_text()) for p in folder.rglob("*.json")}
@@ -290,8 +291,7 @@ def test_sd2_base_is_the_768_model_but_for_its_scheduler_and_sizes():
     assert changed == {("model_index.json", "scheduler"): (["diffusers", "DDIMScheduler"], ["diffusers", "PNDMScheduler"]),
                        ("scheduler/scheduler_config.json", "_class_name"): ("DDIMScheduler", "PNDMScheduler"),
                        ("scheduler/scheduler_config.json", "prediction_type"): ("v_prediction", "epsilon"),
-                       ("unet/config.json", "sample_size"): (96, 64), ("unet/config.json", "upcast_attention"): (True, False),
-                       ("vae/config.json", "sample_size"): (768, 512)}
+                       ("unet/config.json", "sample_size"): (96, 64), ("unet/config.json", "upcast_attention"): (True, False)}
     for spelling in ("stable-diffusion-2-1-base", "stabilityai/stable-diffusion-2-1-base",
                      "hf://stabilityai/stable-diffusion-2-1-base"):
         assert named(spelling).name == "stable-diffusion-2-1-base"
