@@ -172,11 +172,13 @@ HEAD_TO_HEAD = {
 
 # Per mode: seconds a step may take at most / needs at least to be started, and sizes.
 # Row 2: t_sample/t_steady/t_retune; rows 3-5: h2h_weights (random weights) and h2h (bench compare).
-# The minimum for h2h is what a cold compile of each path needs at that size (a guess before any
-# run, see docs/gpu.md): SDXL ~4 min, FLUX.1-dev ~8; a row that cannot start with it is skipped.
+# The minimum for h2h is what a cold and a warm start of each path need at that size (a guess
+# before any run, see docs/gpu.md): SDXL ~4 min, FLUX.1-dev ~6.5 with its weights; a row that
+# cannot start with it is skipped, saying so. FLUX.1-dev therefore fits only a call of its own
+# (GPU_CHECK_ROWS=doctor,flux), Kontext likewise.
 GPU = dict(doctor=(90, 20), t_sample=(120, 20), t_steady=(90, 15), t_retune=(150, 30),
-           h2h_weights={"sdxl": (150, 40), "flux": (300, 150), "kontext": (300, 150)},
-           h2h={"sdxl": (330, 200), "flux": (540, 420), "kontext": (540, 420)}, flops=(90, 30),
+           h2h_weights={"sdxl": (150, 40), "flux": (240, 90), "kontext": (240, 90)},
+           h2h={"sdxl": (330, 200), "flux": (450, 300), "kontext": (450, 300)}, flops=(90, 30),
            materialize=(120, 20), empty=(240, 60), warm=(90, 15), xla=(240, 60),
            steady=(150, 30), compare=(240, 90), scaling=(300, 60), warm_repeats=2, matmul_n=8192, copy_mib=2048,
            ceiling_repeats=20, steady_repeats=5,
@@ -517,6 +519,18 @@ def scaling_child(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _jaxpr_with_xla_attention(fn: Any, args: tuple) -> Any:
+    """``fn``'s jaxpr traced as for a CPU: attention as XLA's matrix products, which
+    ``matrix_flops`` counts (on a GPU the trace would hold cuDNN's fused attention, one opaque
+    call); the arithmetic is the same."""
+    import jax
+
+    from preheat.compile_target import compiling_for
+
+    with compiling_for("cpu", None):
+        return jax.make_jaxpr(fn)(*args).jaxpr
+
+
 def matrix_flops(jaxpr: Any) -> int:
     """FLOPs of the matrix work (dot_general, conv_general_dilated) in a jaxpr, sub-jaxprs included."""
     import math
@@ -608,7 +622,7 @@ def steady_child(spec: dict[str, Any]) -> dict[str, Any]:
     args = (jax.tree.map(sds, pipe.params), jax.ShapeDtypeStruct((model_batch, h, w, c), jnp.dtype(pipe.dtype)),
             jax.ShapeDtypeStruct((model_batch,), jnp.float32), jax.tree.map(sds, model_cond))
     try:
-        flops = matrix_flops(jax.make_jaxpr(pipe.apply)(*args).jaxpr)
+        flops = matrix_flops(_jaxpr_with_xla_attention(pipe.apply, args))
     except Exception as exc:  # a bug here must not cost the rest of the run: say so, keep the rest
         out["flops_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         flops = None
@@ -774,8 +788,9 @@ def step_target(r: Runner, carried: Path) -> dict[str, Any]:
         out["skipped"].append("retune: budget")
     else:
         retune_home = home("retune", copy=True)
+        # the set's guided programs only (or its only ones): each costs an autotuned compile here
         cmd = [sys.executable, "-m", "preheat", "warm", "--dtype", ts.dtype, "--max-batch-size",
-               str(ts.max_batch_size), "--guidance", ts.guidance, "--no-progress", "--json", "--quiet"]
+               str(ts.max_batch_size), "--guidance", ts.guidance.split(",")[-1], "--no-progress", "--json", "--quiet"]
         p = r.run("target: preheat warm (autotune and replace)", cmd, timeout, env={"PREHEAT_HOME": str(retune_home)})
         err = _fail(p)
         try:
@@ -815,7 +830,7 @@ def flops_child(spec: dict[str, Any]) -> dict[str, Any]:
     model_cond = jax.tree.map(lambda a, b: np.concatenate([a, b]), cond, uncond) if sig.guided else cond
     args = (jax.tree.map(sds, pipe.params), jax.ShapeDtypeStruct((batch, h, w, c), jnp.dtype(pipe.dtype)),
             jax.ShapeDtypeStruct((batch,), jnp.float32), jax.tree.map(sds, model_cond))
-    per_call = matrix_flops(jax.make_jaxpr(pipe.apply)(*args).jaxpr)
+    per_call = matrix_flops(_jaxpr_with_xla_attention(pipe.apply, args))
     calls = spec["steps"] * sig.spec.max_model_calls_per_step
     return {"ceilings": ceilings, "matrix_flops_per_model_call": per_call, "model_calls_per_image": calls,
             "matrix_flops_per_image": per_call * calls, "guided": sig.guided}
@@ -831,7 +846,17 @@ def _write_image(path: Path, size: int) -> None:
 
 def step_head_to_head(r: Runner, h: HeadToHead) -> dict[str, Any]:
     """One of rows 3-5: random weights in a child, then ``preheat bench compare`` (JAX against
-    torch.compile: cold and warm start -> first image, s/image), then the matrix-peak fraction."""
+    torch.compile: cold and warm start -> first image, s/image), then the matrix-peak fraction.
+    The weights are deleted after the row (FLUX.1-dev's 33 GB twice would not fit the disk)."""
+    import shutil
+
+    try:
+        return _head_to_head(r, h)
+    finally:
+        shutil.rmtree(r.work / h.row, ignore_errors=True)
+
+
+def _head_to_head(r: Runner, h: HeadToHead) -> dict[str, Any]:
     out: dict[str, Any] = {"title": h.title, "model": h.model}
     need = r.needs("h2h_weights", h.row) + r.needs("h2h", h.row)
     if r.left() < need:
