@@ -79,7 +79,7 @@ def test_unknown_random_name_lists_the_names():
     assert r.stderr.strip() == ("error: unknown random model 'random:sd9'; choose from random:sd1-tiny, "
                                 "random:sdxl-tiny, random:sd3-tiny, random:flux-tiny, random:kontext-tiny, random:fill-tiny, "
                                 "random:sd-small, random:sd15, "
-                                "random:flux, random:ddpm-cifar10-32")
+                                "random:flux, random:ddpm-cifar10-32, random:sdxl, random:flux-dev, random:kontext-dev")
 
 
 def test_serve_and_warm_take_random_names_at_their_tiny_size(folders, home, monkeypatch):
