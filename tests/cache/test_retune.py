@@ -202,3 +202,14 @@ def test_replacing_an_entry_is_atomic_wherever_it_is_killed(tmp_path, where):
     leftovers = [p.name for p in kind_dir.iterdir() if p.name != key]
     assert all(name.startswith(".tmp-") for name in leftovers)
     assert bool(leftovers) is (not where.startswith("completes"))
+
+
+def test_warm_says_what_retuning_did():
+    from preheat.warm import _retune_note
+
+    tuned = {"deviceless_s": 0.0125, "autotuned_s": 0.0101, "replaced": True, "at": 0}
+    assert _retune_note([tuned]) == "; replaced by the autotuned compile: 12.5 -> 10.1 ms"
+    assert _retune_note([{**tuned, "autotuned_s": 0.0130, "replaced": False}]) == \
+        "; kept (the autotuned compile is not faster): 12.5 -> 13 ms"
+    assert _retune_note(["skipped: gpu compiles do not autotune"]) == "; skipped: gpu compiles do not autotune"
+    assert _retune_note([]) == ""

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, Optional
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["RANDOM_MODELS", "materialize_model", "RandomModel", "random_name", "sized_inputs", "build_random", "OLD_NAMES", "bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
+__all__ = ["RANDOM_MODELS", "BOS", "materialize_model", "RandomModel", "random_name", "sized_inputs", "build_random", "OLD_NAMES", "bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
            "save_random_sd_small", "save_random_flux", "save_random_flux_tiny", "save_random_kontext_tiny",
            "save_random_fill_tiny", "save_random_sd1_tiny",
            "save_random_sdxl_tiny", "save_random_sd3_tiny", "save_random_sdxl", "save_random_flux_dev",
