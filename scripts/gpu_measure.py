@@ -178,7 +178,7 @@ HEAD_TO_HEAD = {
 # (GPU_CHECK_ROWS=doctor,flux), Kontext likewise.
 GPU = dict(doctor=(90, 20), t_sample=(120, 20), t_steady=(90, 15), t_retune=(150, 30),
            h2h_weights={"sdxl": (150, 40), "flux": (240, 90), "kontext": (240, 90)},
-           h2h={"sdxl": (330, 200), "flux": (450, 300), "kontext": (450, 300)}, flops=(90, 30),
+           h2h={"sdxl": (330, 200), "flux": (450, 300), "kontext": (450, 300)}, flops=(150, 30),
            materialize=(120, 20), empty=(240, 60), warm=(90, 15), xla=(240, 60),
            steady=(150, 30), compare=(240, 90), scaling=(300, 60), warm_repeats=2, matmul_n=8192, copy_mib=2048,
            ceiling_repeats=20, steady_repeats=5,

@@ -23,7 +23,7 @@ import pytest
 
 from preheat.cache import retune
 from preheat.cache.compile import EXECUTABLE, JaxCompiler
-from preheat.cache.entries import iter_entries, open_entry, publish_entry
+from preheat.cache.entries import iter_entries, open_entry, publish_entry, rewrite_manifest
 from preheat.cache.manage import target_label
 from preheat.cache.serialized import serialize
 from tests._support.clean_env import offline_env
@@ -100,6 +100,7 @@ def _timer(seconds: dict[int, float]):
 
 def test_a_faster_compile_replaces_the_entry_and_records_both_timings(entry):
     path, served, args, expected, before = entry
+    rewrite_manifest(path, {**before, "signature": {"mac": "0" * 64}})  # as a pulled, signed entry has
     tuned = jax.jit(same_program).lower(args).compile()
     payload = serialize(tuned)
     assert payload != (path / EXECUTABLE).read_bytes()  # so that the swap is visible
@@ -112,6 +113,7 @@ def test_a_faster_compile_replaces_the_entry_and_records_both_timings(entry):
     assert after.manifest["autotuned"] is True
     assert after.manifest["retune"] == result._asdict()
     assert after.manifest["fields"] == before["fields"] and after.manifest["target"] == before["target"]
+    assert "signature" not in after.manifest
     assert (path / EXECUTABLE).read_bytes() == payload
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # nothing left beside it
 
@@ -125,6 +127,7 @@ def test_a_faster_compile_replaces_the_entry_and_records_both_timings(entry):
 @pytest.mark.parametrize("tuned_s", [0.0125, 0.0124, 0.0200])  # equal, within the margin, slower
 def test_an_autotuned_compile_that_is_not_faster_leaves_the_executable_alone(entry, tuned_s):
     path, served, args, expected, before = entry
+    rewrite_manifest(path, {**before, "signature": {"mac": "0" * 64}})  # as a pulled, signed entry has
     bytes_before = (path / EXECUTABLE).read_bytes()
     tuned = jax.jit(same_program).lower(args).compile()
 
@@ -133,7 +136,8 @@ def test_an_autotuned_compile_that_is_not_faster_leaves_the_executable_alone(ent
     assert chosen is served and not result.replaced
     assert (path / EXECUTABLE).read_bytes() == bytes_before
     after = open_entry(path.parent, path.name, before["fields"])
-    assert after.manifest == {**before, "retune": result._asdict()}  # the timings recorded, nothing else changed
+    # the timings recorded, the store's signature (of the manifest as it was) dropped, nothing else changed
+    assert after.manifest == {**before, "retune": result._asdict()}
     assert not retune.needs_retune({**after.manifest, "fields": {"platform": "gpu"}})  # retuned once
     np.testing.assert_array_equal(np.asarray(chosen(args)), expected)
 

@@ -349,13 +349,14 @@ class JaxCompiler(EntryCache):
         from preheat.cache.serialized import serialize
 
         start = time.perf_counter()
-        with _persistent_cache_disabled():
-            autotuned = jax.jit(program).lower(args).compile()
-        compile_s = time.perf_counter() - start
         try:
+            with _persistent_cache_disabled():
+                autotuned = jax.jit(program).lower(args).compile()
+            compile_s = time.perf_counter() - start
             chosen, result = retune.retune_entry(path, served, autotuned, {EXECUTABLE: serialize(autotuned)}, args)
-        except (OSError, ValueError) as exc:  # the entry keeps serving as it is
+        except Exception as exc:  # a retune is an optimisation: the entry keeps serving as it is
             record["retune"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            log.warning("preheat cache: retuning entry %s failed (%s); it serves as it is", key[:12], exc)
             return served
         record["retune"] = {**result._asdict(), "compile_s": compile_s}
         return chosen

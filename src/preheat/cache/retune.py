@@ -36,6 +36,9 @@ __all__ = ["MARGIN", "Retune", "needs_retune", "autotunes_here", "decide", "time
 MARGIN = 0.02
 TIMED_CALLS = 5
 _CORE = ("schema", "kind", "key", "fields", "files", "created")  # manifest fields replace_entry writes
+# A pulled entry's manifest keeps the fleet store's signature (``preheat.cache.signing``), which
+# covers the manifest as it was: a changed one must not carry it (a push signs afresh).
+_STALE = ("signature",)
 
 
 class Retune(NamedTuple):
@@ -96,11 +99,12 @@ def retune_entry(path: Path, served: Any, autotuned: Any, files: dict[str, bytes
     result = Retune(deviceless_s=old_s, autotuned_s=new_s, replaced=decide(old_s, new_s), at=time.time())
     record = result._asdict()
     if result.replaced:
-        extra = {k: v for k, v in manifest.items() if k not in _CORE}
+        extra = {k: v for k, v in manifest.items() if k not in _CORE + _STALE}
         extra.update(autotuned=True, retune=record)
         replace_entry(path.parent, path.name, files, manifest["fields"], extra=extra)
         return autotuned, result
-    rewrite_manifest(path, {**manifest, "retune": record})  # the executable stays; retuned once
+    kept = {k: v for k, v in manifest.items() if k not in _STALE}
+    rewrite_manifest(path, {**kept, "retune": record})  # the executable stays; retuned once
     return served, result
 
 
