@@ -6,15 +6,19 @@
 #      stops here, naming what is missing, before any device time goes to measuring
 #   2. installs the carried wheels (preheat + diffusers) with --no-deps --no-index into a
 #      private folder on PYTHONPATH: no registry is ever asked
-#   3. scripts/gpu_measure.py: doctor, cold start + steady state of the largest model, the
-#      executable round trip, bench compare --quick; JSON under $OUT, the table printed last
+#   3. scripts/gpu_measure.py: the rows of issue 29 in its order -- doctor; the executables compiled
+#      on the CPU builder for the H200 (.gpu-targets, carried) loaded here, against an on-device
+#      compile, and autotune-and-replace; SDXL, FLUX.1-dev and Kontext, JAX against torch.compile --
+#      each under a deadline from one budget; JSON under $OUT, the table printed last
 #
-# On the GPU (through the device tool, .gpu-wheels carried):  bash scripts/gpu_check.sh
+# On the GPU (through the device tool, .gpu-wheels and .gpu-targets carried):  bash scripts/gpu_check.sh
 # The CPU dry run (same script, CPU devices, tiny sizes):     GPU_CHECK_DRY=1 bash scripts/gpu_check.sh
-# Settings: OUT (default gpu-results), GPU_WHEELS_DIR (default .gpu-wheels), PYTHON (default
-# python3), GPU_CHECK_BUDGET_S (seconds for the whole run, install included; default 420 on the
-# GPU; 900 dry, where it only guards against a hang), GPU_CHECK_SKIP (models and/or compare,
-# comma-separated: a targeted rerun).
+# Settings: OUT (default gpu-results), GPU_WHEELS_DIR (default .gpu-wheels), GPU_TARGETS_DIR (default
+# .gpu-targets), PYTHON (default python3), GPU_CHECK_BUDGET_S (seconds for the whole run, install
+# included; default 540 on the GPU, so that a call with timeout_s 590 ends inside the device's
+# 10-minute limit; 900 dry, where it only guards against a hang), GPU_CHECK_ROWS (comma-separated:
+# doctor, target, sdxl, flux, kontext, models, compare, scaling; default on the GPU the first five,
+# dry all), GPU_CHECK_SKIP (rows to leave out: a targeted rerun).
 # Exit status: 0 all steps ran; 1 a step failed or was skipped; 2 preflight or install failed.
 set -uo pipefail
 STARTED=$(date +%s.%N)
@@ -26,7 +30,7 @@ if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
   MODE=dry; BUDGET=${GPU_CHECK_BUDGET_S:-900}  # dry: only a guard against a hang
   export JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=""
 else
-  MODE=gpu; BUDGET=${GPU_CHECK_BUDGET_S:-420}
+  MODE=gpu; BUDGET=${GPU_CHECK_BUDGET_S:-540}
 fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)

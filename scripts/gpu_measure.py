@@ -2,30 +2,33 @@
 
 Everything heavy runs in fresh child processes (the parent never imports JAX or torch, so it
 holds no GPU memory), each under a deadline taken from one budget for the whole run; a step that
-no longer fits is recorded as skipped, never silently dropped. In order, most valuable first:
+no longer fits is recorded as skipped, with its reason, never silently dropped. The rows, in the
+order of issue 29 (the first minutes give the most important ones):
 
-1. ``preheat doctor --json`` (with ``--require-gpu`` on the GPU: without a GPU backend the rest is
-   skipped, since it would measure the CPU).
-2. Per model in ``MODELS`` (random weights at the real resolution, in the model's dtype), fresh
-   ``preheat sample`` processes, each with its own ``PREHEAT_HOME``:
-   ``empty`` (trace + lower + compile; writes the executable), then ``full warm`` (that
-   serialized executable loaded back in a fresh process: whether preheat's executable layer works
-   on this device at all, its pixels compared with the compiled run's); the steady state in one
-   more process (the measured ceilings, bf16 matrix-product rate and device copy bandwidth, then
-   images/s and the achieved fraction of that matrix rate: the "two numbers" of the device
-   METHOD); ``xla only`` (JAX's persistent cache warm, executable layer off; after a priming run).
-3. ``preheat bench compare --quick`` on the built-in model (JAX vs torch eager / torch.compile).
-4. Scaling over local devices (issue 16): ``SCALING_MODEL``'s images/s with the batch split over
-   1, 2, 4 and 8 devices (as many as are present; ``n`` images per device), and the efficiency
-   ``images/s on k / (k x images/s on 1)``; skipped (not failed) with one device. The dry run
-   forces two CPU devices, so the code runs before any GPU draw.
-5. More fresh processes for the warm rows, while the budget lasts.
+1. ``doctor``: ``preheat doctor --json`` (with ``--require-gpu`` on the GPU: without a GPU
+   backend the rest is skipped, since it would measure the CPU).
+2. ``target``: the built-in model's serving programs compiled on the CPU builder for XLA's H200
+   description (``prepare``, below; carried in ``.gpu-targets``), loaded here: the first call's
+   layer (``aot`` = the hit, no trace, no compile), its pixels against an on-device compile, the
+   images/s of both executables, and ``preheat warm`` on a copy of the carried root, which
+   recompiles each not-autotuned entry autotuned and keeps the faster (both timings recorded).
+3. ``sdxl``: SDXL base 1.0 (random weights, written here by diffusers from the published configs)
+   at 1024x1024, 30 steps, CFG, batch 1, bf16: ``preheat bench compare`` of JAX against
+   ``torch.compile`` (s/image, start -> first image cold and warm), and the fraction of the
+   measured bf16 matrix peak that JAX's s/image means (the UNet's matrix FLOPs counted from its jaxpr).
+4. ``flux``: the FLUX.1-dev architecture (12 B parameters, random, bf16) at 1024x1024, 28 steps: the same.
+5. ``kontext``: FLUX.1 Kontext [dev] (flux-dev's components) with a 1024x1024 reference image: the same.
+6. Older rows, not in the default set (``GPU_CHECK_ROWS=models,compare,scaling``): per model in
+   ``MODELS`` the cold-start rows, executable round trip and steady state; ``bench compare --quick``
+   on the built-in model; scaling over local devices.
 
-Writes under ``--out``: doctor.json, models.json, compare.json, summary.md, log.txt (with the
-shell's preflight.json: 6 files); the summary table is printed last. GPU_CHECK_SKIP=models or
-=compare (comma-separated) leaves those steps out, for a targeted rerun.
+``GPU_CHECK_ROWS`` (comma-separated) picks rows (default on the GPU: doctor,target,sdxl,flux,kontext;
+in the dry run: every row, at tiny sizes); ``GPU_CHECK_SKIP`` leaves rows out. Writes under
+``--out``: doctor.json, rows.json (rows 2-5), models.json, compare.json, summary.md, log.txt (with
+the shell's preflight.json: 7 files); the summary table is printed last.
 
     python scripts/gpu_measure.py run --out DIR --mode gpu|dry [--budget S] [--started-at EPOCH]
+    python scripts/gpu_measure.py prepare --out .gpu-targets --mode gpu|dry   (on the CPU builder)
 """
 
 from __future__ import annotations
@@ -100,13 +103,91 @@ DRY_MODELS = [Model("ddpm-256-tiny", DDPM_256_TINY, n=2, steps=2)]
 SCALING_MODEL = {"gpu": "ddpm-256", "dry": "ddpm-256-tiny"}  # the model measured on 1, 2, 4, 8 devices
 SCALING_COUNTS = (1, 2, 4, 8)
 
+ROWS = ("doctor", "target", "sdxl", "flux", "kontext", "models", "compare", "scaling")
+DEFAULT_ROWS = {"gpu": ("doctor", "target", "sdxl", "flux", "kontext"), "dry": ROWS}
+
+
+@dataclass(frozen=True)
+class TargetSet:
+    """Row 2: what ``prepare`` compiles on the CPU builder (``preheat warm --target``) and the
+    ``preheat sample`` call on the GPU that must hit it (the built-in model; the call's program
+    is one of the warmed signatures: batch ``n`` is a bucket of ``max_batch_size``, steps are data)."""
+
+    target: str
+    dtype: str
+    max_batch_size: int
+    guidance: str  # warm's --guidance: "off,on" (the sample's default guidance 2 is "on") or "off"
+    n: int
+    steps: int
+    sample_args: tuple[str, ...] = ()
+
+
+TARGET_SETS = {
+    # batch buckets 1, 2, 4, 8 x guidance off/on: 8 programs, about 4 MB (measured by prepare)
+    "gpu": TargetSet("h200", "bfloat16", 8, "off,on", n=8, steps=20),
+    "dry": TargetSet("h200", "bfloat16", 1, "off", n=1, steps=2, sample_args=("--guidance", "1")),
+}
+TARGETS_DIR_ENV = "GPU_TARGETS_DIR"  # default .gpu-targets, in the repository root
+
+
+@dataclass(frozen=True)
+class HeadToHead:
+    """Rows 3-5: a random-weight folder (``random:NAME``, written by diffusers in a child) and
+    ``preheat bench compare`` of JAX against torch.compile on it, with ``args``."""
+
+    row: str
+    title: str
+    model: str  # random:NAME
+    args: tuple[str, ...]
+    image: int | None = None  # a reference image of this size (Kontext), written here
+    count_flops: bool = False  # also the fraction of the measured bf16 matrix peak (JAX's s/image)
+
+
+_H2H_COMMON = ("--batch", "1", "--batch-sizes", "1", "--repeats", "1", "--steady-repeats", "3", "--dtype", "bfloat16",
+               "--paths", "jax,torch-inductor", "--prompt", _PROMPT)
+HEAD_TO_HEAD = {
+    "gpu": [
+        HeadToHead("sdxl", "SDXL 1024², 30 steps, CFG 5, batch 1, bf16", "random:sdxl",
+                   ("--width", "1024", "--height", "1024", "--steps", "30", "--guidance", "5", *_H2H_COMMON),
+                   count_flops=True),
+        HeadToHead("flux", "FLUX.1-dev 1024², 28 steps, bf16", "random:flux-dev",
+                   ("--width", "1024", "--height", "1024", "--steps", "28", *_H2H_COMMON), count_flops=True),
+        HeadToHead("kontext", "FLUX.1 Kontext [dev] 1024² (1024² reference), 28 steps, bf16", "random:kontext-dev",
+                   ("--width", "1024", "--height", "1024", "--steps", "28", "--image-resize", "none", *_H2H_COMMON),
+                   image=1024),
+    ],
+    # the dry run: the test suite's tiny folders of the same pipelines, torch eager for torch.compile
+    "dry": [
+        HeadToHead("sdxl", "SDXL (tiny) 32², 2 steps, CFG 5", "random:sdxl-tiny",
+                   ("--width", "32", "--height", "32", "--steps", "2", "--guidance", "5", *_H2H_COMMON[:-4],
+                    "--paths", "jax,torch-eager", "--prompt", _PROMPT), count_flops=True),
+        HeadToHead("flux", "FLUX.1 (tiny) 32², 2 steps", "random:flux-tiny",
+                   ("--width", "32", "--height", "32", "--steps", "2", *_H2H_COMMON[:-4], "--paths",
+                    "jax,torch-eager", "--prompt", _PROMPT), count_flops=True),
+        HeadToHead("kontext", "FLUX.1 Kontext (tiny) 32² (32² reference), 2 steps", "random:kontext-tiny",
+                   ("--width", "32", "--height", "32", "--steps", "2", "--image-resize", "none", *_H2H_COMMON[:-4],
+                    "--paths", "jax,torch-eager", "--prompt", _PROMPT), image=32),
+    ],
+}
+
 # Per mode: seconds a step may take at most / needs at least to be started, and sizes.
-GPU = dict(doctor=(90, 20), materialize=(120, 20), empty=(240, 60), warm=(90, 15), xla=(240, 60),
+# Row 2: t_sample/t_steady/t_retune; rows 3-5: h2h_weights (random weights) and h2h (bench compare).
+# The minimum for h2h is what a cold and a warm start of each path need at that size (a guess
+# before any run, see docs/gpu.md): SDXL ~4 min, FLUX.1-dev ~6.5 with its weights; a row that
+# cannot start with it is skipped, saying so. FLUX.1-dev therefore fits only a call of its own
+# (GPU_CHECK_ROWS=doctor,flux), Kontext likewise.
+GPU = dict(doctor=(90, 20), t_sample=(120, 20), t_steady=(90, 15), t_retune=(150, 30),
+           h2h_weights={"sdxl": (150, 40), "flux": (240, 90), "kontext": (240, 90)},
+           h2h={"sdxl": (330, 200), "flux": (450, 300), "kontext": (450, 300)}, flops=(150, 30),
+           materialize=(120, 20), empty=(240, 60), warm=(90, 15), xla=(240, 60),
            steady=(150, 30), compare=(240, 90), scaling=(300, 60), warm_repeats=2, matmul_n=8192, copy_mib=2048,
            ceiling_repeats=20, steady_repeats=5,
            compare_args=("--quick", "--paths", "jax,torch-eager,torch-inductor"))
 # Dry: the caps only catch a hang (a slow shared CI machine must not turn into a skipped step).
-DRY = dict(doctor=(300, 5), materialize=(300, 5), empty=(300, 5), warm=(300, 5), xla=(300, 5),
+DRY = dict(doctor=(300, 5), t_sample=(300, 5), t_steady=(300, 5), t_retune=(300, 5),
+           h2h_weights={"sdxl": (300, 5), "flux": (300, 5), "kontext": (300, 5)},
+           h2h={"sdxl": (600, 5), "flux": (600, 5), "kontext": (600, 5)}, flops=(300, 5),
+           materialize=(300, 5), empty=(300, 5), warm=(300, 5), xla=(300, 5),
            steady=(300, 5), compare=(600, 5), scaling=(300, 5), warm_repeats=1, matmul_n=256, copy_mib=8,
            ceiling_repeats=3, steady_repeats=2,
            compare_args=("--quick", "--paths", "jax,torch-eager", "--steps", "1", "--batch-sizes", "1",
@@ -148,11 +229,15 @@ class Runner:
     def left(self) -> float:
         return self.deadline - time.time() - END_RESERVE_S
 
-    def fits(self, step: str) -> float | None:
-        """The timeout for ``step``, or None when its minimum no longer fits the budget."""
-        cap, need = self.limits[step]
+    def fits(self, step: str, row: str | None = None) -> float | None:
+        """The timeout for ``step`` (``row``'s, where the step's limits are per row), or None when
+        its minimum no longer fits the budget."""
+        cap, need = self.limits[step] if row is None else self.limits[step][row]
         left = self.left()
         return None if left < need else min(cap, left)
+
+    def needs(self, step: str, row: str | None = None) -> float:
+        return (self.limits[step] if row is None else self.limits[step][row])[1]
 
     def say(self, line: str) -> None:
         stamp = f"[{time.strftime('%H:%M:%S')}] {line}"
@@ -434,6 +519,18 @@ def scaling_child(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _jaxpr_with_xla_attention(fn: Any, args: tuple) -> Any:
+    """``fn``'s jaxpr traced as for a CPU: attention as XLA's matrix products, which
+    ``matrix_flops`` counts (on a GPU the trace would hold cuDNN's fused attention, one opaque
+    call); the arithmetic is the same."""
+    import jax
+
+    from preheat.compile_target import compiling_for
+
+    with compiling_for("cpu", None):
+        return jax.make_jaxpr(fn)(*args).jaxpr
+
+
 def matrix_flops(jaxpr: Any) -> int:
     """FLOPs of the matrix work (dot_general, conv_general_dilated) in a jaxpr, sub-jaxprs included."""
     import math
@@ -525,7 +622,7 @@ def steady_child(spec: dict[str, Any]) -> dict[str, Any]:
     args = (jax.tree.map(sds, pipe.params), jax.ShapeDtypeStruct((model_batch, h, w, c), jnp.dtype(pipe.dtype)),
             jax.ShapeDtypeStruct((model_batch,), jnp.float32), jax.tree.map(sds, model_cond))
     try:
-        flops = matrix_flops(jax.make_jaxpr(pipe.apply)(*args).jaxpr)
+        flops = matrix_flops(_jaxpr_with_xla_attention(pipe.apply, args))
     except Exception as exc:  # a bug here must not cost the rest of the run: say so, keep the rest
         out["flops_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         flops = None
@@ -549,6 +646,280 @@ def steady_child(spec: dict[str, Any]) -> dict[str, Any]:
                gap_over_floor=per_call / max(floor_flops_s or 0, floor_bytes_s))
     stats = jax.devices()[0].memory_stats() or {}
     out["device_peak_mib"] = stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Row 2: executables compiled on the CPU builder for the H200, loaded here
+
+
+def prepare(out: Path, mode: str) -> int:
+    """(on the CPU builder) ``preheat warm --target`` of ``TARGET_SETS[mode]`` into ``out/home``,
+    with preheat from this tree (the wheel the GPU installs is built from the same files, so the
+    traced sources' hash in the key agrees); ``out/prepare.json`` says what was compiled, how
+    long it took and how many bytes travel."""
+    import shutil
+
+    ts = TARGET_SETS[mode]
+    repo = Path(__file__).resolve().parents[1]
+    shutil.rmtree(out, ignore_errors=True)
+    home = out / "home"
+    home.mkdir(parents=True)
+    env = {**os.environ, "PREHEAT_HOME": str(home), "PYTHONPATH": str(repo / "src"), "JAX_PLATFORMS": "cpu"}
+    env.pop("PREHEAT_CACHE_URL", None)  # these entries travel in the tree, not through a store
+    cmd = [sys.executable, "-m", "preheat", "warm", "--target", ts.target, "--dtype", ts.dtype, "--max-batch-size",
+           str(ts.max_batch_size), "--guidance", ts.guidance, "--json", "--quiet"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
+        print(f"gpu_measure prepare: `preheat warm --target {ts.target}` failed (exit {proc.returncode})",
+              file=sys.stderr)
+        return 2
+    entries = sorted((home / "compile" / "jax").glob("*/manifest.json"))
+    manifests = [json.loads(m.read_text()) for m in entries]
+    files = [f for f in out.rglob("*") if f.is_file()]
+    info = {"mode": mode, "set": ts.__dict__, "command": " ".join(cmd[1:]), "seconds": seconds,
+            "warm": json.loads(proc.stdout), "entries": len(manifests),
+            "executable_bytes": sum(m["files"]["executable.bin"]["size"] for m in manifests),
+            "bytes": sum(f.stat().st_size for f in files), "targets": sorted({m["target"]["name"] for m in manifests}),
+            "autotuned": sorted({m["autotuned"] for m in manifests}), "cuda": manifests[0]["fields"]["cuda"]}
+    (out / "prepare.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(f"gpu_measure prepare: {len(manifests)} entries for {ts.target} in {seconds:.0f} s; {out} holds "
+          f"{info['bytes'] / 2**20:.2f} MiB (executables {info['executable_bytes'] / 2**20:.2f} MiB)")
+    return 0
+
+
+def images_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """(child) The built-in model from this process's cache root: the first call's layer, then
+    images/s of ``generate`` (uint8 pixels on the host, median of ``repeats``)."""
+    import preheat
+
+    pipe = preheat.load(None, dtype=spec["dtype"], cache="full")
+    kw = dict(steps=spec["steps"], seed=0, **spec["kwargs"])
+    start = time.perf_counter()
+    pipe.generate(spec["n"], **kw)
+    first_s, layer = time.perf_counter() - start, pipe.last.cache_layer
+    pipe.generate(spec["n"], **kw)
+    times = []
+    for _ in range(spec["repeats"]):
+        start = time.perf_counter()
+        pipe.generate(spec["n"], **kw)
+        times.append(time.perf_counter() - start)
+    return {"first_call_s": first_s, "first_call_layer": layer, "call_s": _summary(times),
+            "images_per_s": spec["n"] / statistics.median(times)}
+
+
+def _manifests(home: Path) -> list[dict[str, Any]]:
+    return [json.loads(m.read_text()) for m in sorted((home / "compile" / "jax").glob("*/manifest.json"))]
+
+
+def step_target(r: Runner, carried: Path) -> dict[str, Any]:
+    """Row 2 (see the module docstring). Each part runs on its own copy of the carried root, so
+    none sees what another wrote; the parts that no longer fit the budget are named."""
+    import shutil
+
+    if not (carried / "prepare.json").is_file():
+        return {"skipped": f"no prepared entries in {carried}: run `python scripts/gpu_measure.py prepare` here "
+                           "before the call and carry the folder (docs/gpu.md)"}
+    out: dict[str, Any] = {"mode": r.mode, "prepared": json.loads((carried / "prepare.json").read_text()),
+                           "skipped": []}
+    # the call that must hit: the set prepare compiled (whatever mode prepared it)
+    ts = TargetSet(**{k: tuple(v) if k == "sample_args" else v for k, v in out["prepared"]["set"].items()})
+    base = r.work / "target"
+    base.mkdir()
+
+    def home(name: str, copy: bool) -> Path:
+        path = base / name
+        if copy:
+            shutil.copytree(carried / "home", path)
+        else:
+            path.mkdir()
+        return path
+
+    def sample(tag: str, cache_home: Path) -> dict[str, Any] | None:
+        timeout = r.fits("t_sample")
+        if timeout is None:
+            out["skipped"].append(f"{tag}: budget")
+            return None
+        png, report = base / f"{tag}.png", base / f"{tag}.json"
+        cmd = [sys.executable, "-m", "preheat", "sample", "--n", str(ts.n), "--steps", str(ts.steps), "--dtype",
+               ts.dtype, "--seed", "0", "--out", str(png), "--report", str(report), "--quiet", "--cache", "full",
+               *ts.sample_args]
+        p = r.run(f"target: {tag}", cmd, timeout, env={"PREHEAT_HOME": str(cache_home)})
+        err = _fail(p)
+        if err or not report.is_file():
+            return {"error": err or "no report"}
+        rep = json.loads(report.read_text())
+        events = [{k: v for k, v in e.items() if k in ("stage", "layer", "miss", "quarantined", "store", "early")}
+                  for e in rep.get("cache_events", [])]
+        row = {"layer": rep.get("cache_layer"), "png": str(png), "cache_events": events,
+               **{k: rep.get(k) for k in ROW_KEYS}}
+        r.say(f"target: {tag}: layer {row['layer']}, first image at {row['process_start_to_first_image_s']:.1f}s")
+        return row
+
+    carried_home = home("carried", copy=True)
+    out["carried"] = sample("carried", carried_home)  # the hit: layer aot, no trace, no compile
+    device_home = home("device", copy=False)
+    out["device_compile"] = sample("device-compile", device_home)  # the same call compiled here (autotuned)
+    a, b = out["carried"], out["device_compile"]
+    if a and b and "error" not in a and "error" not in b:
+        out["pixels_vs_device_compile"] = _pixels_delta(Path(a["png"]), Path(b["png"]))
+
+    kwargs: dict[str, Any] = {}
+    if ts.sample_args[:1] == ("--guidance",):
+        kwargs["guidance"] = float(ts.sample_args[1])
+    out["images_per_s"] = {}
+    for tag, cache_home in (("carried", carried_home), ("device", device_home)):
+        timeout = r.fits("t_steady")
+        if timeout is None:
+            out["skipped"].append(f"images/s {tag}: budget")
+            continue
+        spec = json.dumps({"dtype": ts.dtype, "n": ts.n, "steps": ts.steps, "kwargs": kwargs,
+                           "repeats": r.limits["steady_repeats"]})
+        p = r.run(f"target: images/s ({tag})", [sys.executable, str(Path(__file__).resolve()), "images", spec],
+                  timeout, env={"PREHEAT_HOME": str(cache_home)})
+        out["images_per_s"][tag] = p.result() or {"error": _fail(p) or "no result"}
+
+    # autotune-and-replace: `preheat warm` on the pod over a fresh copy of the carried entries
+    timeout = r.fits("t_retune")
+    if timeout is None:
+        out["skipped"].append("retune: budget")
+    else:
+        retune_home = home("retune", copy=True)
+        # the set's guided programs only (or its only ones): each costs an autotuned compile here
+        cmd = [sys.executable, "-m", "preheat", "warm", "--dtype", ts.dtype, "--max-batch-size",
+               str(ts.max_batch_size), "--guidance", ts.guidance.split(",")[-1], "--no-progress", "--json", "--quiet"]
+        p = r.run("target: preheat warm (autotune and replace)", cmd, timeout, env={"PREHEAT_HOME": str(retune_home)})
+        err = _fail(p)
+        try:
+            warm = json.loads(p.stdout)
+        except ValueError:
+            warm = None
+        out["retune"] = {"seconds": p.seconds, "error": err if warm is None else None,
+                         "signatures": (warm or {}).get("signatures"),
+                         "entries": [{"key": m["key"][:12], "target": (m.get("target") or {}).get("name")
+                                      if isinstance(m.get("target"), dict) else m.get("target"),
+                                      "autotuned": m.get("autotuned"), "retune": m.get("retune")}
+                                     for m in _manifests(retune_home)]}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows 3-5: JAX against torch.compile on full-size random-weight folders
+
+
+def flops_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """(child) The measured bf16 matrix rate, and the denoiser's matrix FLOPs per image for one
+    call of ``spec`` (counted from the jaxpr of one model call, times the model calls per image)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import preheat
+
+    pipe = preheat.load(spec["folder"], dtype=spec["dtype"], cache="off")
+    ceilings = _ceilings(spec["matmul_n"], spec["copy_mib"], spec["ceiling_repeats"])
+    kw = dict(steps=spec["steps"], seed=0, **spec["kwargs"])
+    sig, prepared = pipe.prepare(1, **kw)
+    h, w, c = sig.sample_shape
+    batch = 2 if sig.guided else 1
+    sds = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype)  # noqa: E731
+    cond, uncond = prepared[3], prepared[4]
+    model_cond = jax.tree.map(lambda a, b: np.concatenate([a, b]), cond, uncond) if sig.guided else cond
+    args = (jax.tree.map(sds, pipe.params), jax.ShapeDtypeStruct((batch, h, w, c), jnp.dtype(pipe.dtype)),
+            jax.ShapeDtypeStruct((batch,), jnp.float32), jax.tree.map(sds, model_cond))
+    per_call = matrix_flops(_jaxpr_with_xla_attention(pipe.apply, args))
+    calls = spec["steps"] * sig.spec.max_model_calls_per_step
+    return {"ceilings": ceilings, "matrix_flops_per_model_call": per_call, "model_calls_per_image": calls,
+            "matrix_flops_per_image": per_call * calls, "guided": sig.guided}
+
+
+def _write_image(path: Path, size: int) -> None:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+
+
+def step_head_to_head(r: Runner, h: HeadToHead) -> dict[str, Any]:
+    """One of rows 3-5: random weights in a child, then ``preheat bench compare`` (JAX against
+    torch.compile: cold and warm start -> first image, s/image), then the matrix-peak fraction.
+    The weights are deleted after the row (FLUX.1-dev's 33 GB twice would not fit the disk)."""
+    import shutil
+
+    try:
+        return _head_to_head(r, h)
+    finally:
+        shutil.rmtree(r.work / h.row, ignore_errors=True)
+
+
+def _head_to_head(r: Runner, h: HeadToHead) -> dict[str, Any]:
+    out: dict[str, Any] = {"title": h.title, "model": h.model}
+    need = r.needs("h2h_weights", h.row) + r.needs("h2h", h.row)
+    if r.left() < need:
+        return {**out, "skipped": f"budget: needs at least {need:.0f} s (random weights + one cold compile "
+                                  f"per path), {max(0.0, r.left()):.0f} s left"}
+    base = r.work / h.row
+    base.mkdir()
+    timeout = r.fits("h2h_weights", h.row)
+    spec = json.dumps({"arch": h.model, "dtype": "bfloat16", "out": str(base)})
+    p = r.run(f"{h.row}: random weights", [sys.executable, str(Path(__file__).resolve()), "materialize", spec],
+              timeout or 1, env={"JAX_PLATFORMS": "cpu"})  # torch writes them (on the GPU when it has one)
+    made = p.result()
+    if made is None:
+        return {**out, "error": f"random weights: {_fail(p) or 'no result'}"}
+    out.update(params=made["params"], weights_bytes=made["weights_bytes"], weights_s=p.seconds)
+    args = list(h.args)
+    if h.image:
+        image = base / "reference.png"
+        _write_image(image, h.image)
+        args += ["--image", str(image)]
+    timeout = r.fits("h2h", h.row)
+    if timeout is None:
+        return {**out, "skipped": "budget (after the random weights)"}
+    dest = base / "compare.json"
+    cmd = [sys.executable, "-m", "preheat", "bench", "compare", made["path"], *args,
+           "--timeout", f"{max(30.0, 0.45 * timeout):.0f}", "--report", str(dest)]
+    p = r.run(f"{h.row}: bench compare", cmd, timeout)
+    if not dest.is_file():
+        return {**out, "error": _fail(p) or "no JSON written", "seconds": p.seconds}
+    data = json.loads(dest.read_text())
+    out.update(seconds=p.seconds, settings=data.get("settings"), goals=data.get("goals"), paths={})
+    for name, path in data.get("paths", {}).items():
+        steady = (path.get("steady") or {}).get("1") or {}
+        start = {state: (path[state].get("process_start_to_first_image_s") or {}).get("median")
+                 for state in ("empty", "warm")}
+        s_per_image = (steady.get("per_image_s") or {}).get("median")
+        out["paths"][name] = {"s_per_image": s_per_image, "images_per_s": steady.get("images_per_s"),
+                              "empty_start_s": start["empty"], "warm_start_s": start["warm"],
+                              "errors": path.get("errors"), "agreement": path.get("agreement_vs_torch_eager")}
+    if h.count_flops:
+        timeout = r.fits("flops")
+        if timeout is None:
+            out["flops"] = {"skipped": "budget"}
+        else:
+            settings = data.get("settings") or {}
+            kwargs = {k: v for k, v in (settings.get("inputs") or {}).items() if k in ("prompt", "width", "height")}
+            kwargs.update(sampler=settings.get("sampler"), guidance=settings.get("guidance"))
+            lim = r.limits
+            fspec = json.dumps({"folder": made["path"], "dtype": "bfloat16", "steps": settings.get("steps"),
+                                "kwargs": kwargs, "matmul_n": lim["matmul_n"], "copy_mib": lim["copy_mib"],
+                                "ceiling_repeats": lim["ceiling_repeats"]})
+            fp = r.run(f"{h.row}: matrix FLOPs and the bf16 peak",
+                       [sys.executable, str(Path(__file__).resolve()), "flops", fspec], timeout)
+            flops = fp.result() or {"error": _fail(fp) or "no result"}
+            jax_s = (out["paths"].get("jax") or {}).get("s_per_image")
+            if "ceilings" in flops and jax_s:
+                peak = flops["ceilings"]["bf16_matmul_tflops"] * 1e12
+                flops["jax_matrix_fraction_of_peak"] = flops["matrix_flops_per_image"] / jax_s / peak
+            out["flops"] = flops
+    jax_s = (out["paths"].get("jax") or {}).get("s_per_image")
+    torch_s = next((p["s_per_image"] for n, p in out["paths"].items() if n != "jax" and p.get("s_per_image")), None)
+    if jax_s and torch_s:
+        out["torch_over_jax_s_per_image"] = torch_s / jax_s
     return out
 
 
@@ -592,6 +963,96 @@ def _med(s: dict[str, float] | None, digits: int = 1) -> str:
     return "–" if not s else f"{s['median']:.{digits}f}"
 
 
+def _s(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def _target_rows(t: dict[str, Any] | None) -> list[str]:
+    """Row 2's lines: the hit, pixels, images/s, and what autotune-and-replace measured."""
+    name = "executables compiled on the CPU for h200"
+    if t is None:
+        return []
+    if t.get("error") or (isinstance(t.get("skipped"), str)):
+        return [f"| {name} | – | {t.get('error') or 'skipped: ' + t['skipped']} |"]
+    prep = t.get("prepared") or {}
+    ts = prep.get("set") or {}
+    head = (f"{name} ({prep.get('entries', '?')} entries, {(prep.get('bytes') or 0) / 2**20:.2f} MiB carried; "
+            f"built-in model, batch {ts.get('n')}, {ts.get('steps')} steps, {ts.get('dtype')})")
+    out = []
+    a, b = t.get("carried"), t.get("device_compile")
+    if a:
+        if "error" in a:
+            out.append(f"| {head}: load | – | FAILED: {a['error']} |")
+        else:
+            hit = "HIT (no trace, no compile)" if a["layer"] == "aot" else \
+                "MISS" + (" (expected: a CPU never loads a GPU entry)" if t.get("mode") == "dry" else "")
+            why = "; ".join(e.get("miss") or e.get("quarantined") or "" for e in a["cache_events"]
+                            if e.get("miss") or e.get("quarantined"))
+            out.append(f"| {head}: load | {_s(a.get('process_start_to_first_image_s'), 1)} | layer {a['layer']}: {hit}; "
+                       f"load {_s(a.get('compile_or_load_s'), 3)} s, start → first image "
+                       f"{_s(a.get('process_start_to_first_image_s'))} s" + (f"; {why[:300]}" if why else "") + " |")
+    if b:
+        detail = b.get("error") or (f"layer {b['layer']}; trace+lower {_s(b.get('trace_lower_s'))} s, compile "
+                                    f"{_s(b.get('compile_or_load_s'))} s, start → first image "
+                                    f"{_s(b.get('process_start_to_first_image_s'))} s")
+        out.append(f"| {name}: the same call compiled on this device | "
+                   f"{_s(b.get('process_start_to_first_image_s'), 1)} | {detail} |")
+    px = t.get("pixels_vs_device_compile")
+    if px:
+        same = "identical" if px.get("identical") else \
+            f"differ: max {px.get('max_abs')} levels, mean {px.get('mean_abs', 0):.3f}"
+        out.append(f"| {name}: pixels against the on-device compile | – | {same} |")
+    ips = t.get("images_per_s") or {}
+    if ips:
+        parts = [f"{tag} {x['images_per_s']:.2f} images/s (first call layer {x['first_call_layer']})"
+                 if "images_per_s" in x else f"{tag}: {x.get('error')}" for tag, x in ips.items()]
+        c, d = (ips.get("carried") or {}).get("images_per_s"), (ips.get("device") or {}).get("images_per_s")
+        ratio = f"; carried / on-device {c / d:.3f}×" if c and d else ""
+        out.append(f"| {name}: images/s | – | {'; '.join(parts)}{ratio} |")
+    rt = t.get("retune")
+    if rt:
+        tuned = [e for e in rt.get("entries") or [] if isinstance(e.get("retune"), dict)]
+        if rt.get("error"):
+            detail = f"FAILED: {rt['error']}"
+        elif tuned:
+            detail = "; ".join(f"{e['key']}: {1e3 * e['retune']['deviceless_s']:.3g} ms deviceless, "
+                               f"{1e3 * e['retune']['autotuned_s']:.3g} ms autotuned → "
+                               f"{'replaced' if e['retune']['replaced'] else 'kept'}" for e in tuned)
+        else:
+            detail = "no entry retuned (" + ", ".join(sorted({str(e.get('target')) for e in rt.get('entries') or []})) + \
+                     " entries; a CPU does not autotune)"
+        out.append(f"| {name}: `preheat warm` here, autotune and replace | {rt['seconds']:.0f} | {detail} |")
+    for part in t.get("skipped") or []:
+        out.append(f"| {name}: {part.split(':')[0]} | – | skipped ({part.split(':', 1)[-1].strip()}) |")
+    return out
+
+
+def _head_to_head_rows(h: HeadToHead, res: dict[str, Any] | None) -> list[str]:
+    if res is None:
+        return []
+    head = h.title
+    if res.get("skipped") or res.get("error"):
+        return [f"| {head} | – | {('FAILED: ' + res['error']) if res.get('error') else 'skipped: ' + res['skipped']} |"]
+    parts = []
+    for name, p in res.get("paths", {}).items():
+        err = f" ({len(p['errors'])} failed)" if p.get("errors") else ""
+        parts.append(f"{name} {_s(p['s_per_image'], 3)} s/image, start → first image cold "
+                     f"{_s(p['empty_start_s'], 1)} s, warm {_s(p['warm_start_s'], 1)} s{err}")
+    ratio = res.get("torch_over_jax_s_per_image")
+    if ratio:
+        parts.append(f"torch / JAX s/image {ratio:.2f}×")
+    fl = res.get("flops") or {}
+    if "jax_matrix_fraction_of_peak" in fl:
+        parts.append(f"JAX at {_pct(fl['jax_matrix_fraction_of_peak'])} of the measured bf16 peak "
+                     f"{fl['ceilings']['bf16_matmul_tflops']:.3g} TFLOP/s ({fl['matrix_flops_per_image'] / 1e12:.3g} "
+                     "TFLOP of denoiser matrix work per image)")
+    elif fl:
+        parts.append(f"peak fraction: {fl.get('error') or fl.get('skipped')}")
+    params = f"{res['params'] / 1e6:,.1f} M params, weights written in {res.get('weights_s', 0):.0f} s; " \
+        if res.get("params") else ""
+    return [f"| {head} | {res.get('seconds', 0):.0f} | {params}{'; '.join(parts)} |"]
+
+
 def table(results: dict[str, Any]) -> str:
     rows = ["| step | s | result |", "|---|---|---|"]
     pre = results.get("preflight") or {}
@@ -609,6 +1070,9 @@ def table(results: dict[str, Any]) -> str:
         rows.append(f"| doctor | {d.get('seconds', 0):.0f} | exit {d.get('exit')}: {s.get('ok', '?')} ok, "
                     f"{s.get('warn', '?')} warn, {s.get('fail', '?')} fail; {d.get('jax') or d.get('error')}"
                     + (f" — {bad[:300]}" if bad else "") + " |")
+    rows += _target_rows(results.get("rows", {}).get("target"))
+    for h in HEAD_TO_HEAD[results["mode"]]:
+        rows += _head_to_head_rows(h, results.get("rows", {}).get(h.row))
     if results.get("models_skipped"):
         rows.append("| models: cold start, executable round trip, steady state | – | "
                     f"skipped: {results['models_skipped']} |")
@@ -667,10 +1131,11 @@ def table(results: dict[str, Any]) -> str:
         if ratio:
             parts.append("JAX / torch.compile " + ", ".join(f"b={b}: {x:.2f}×" for b, x in ratio.items()))
         rows.append(f"| bench compare --quick (built-in model) | {cmp_['seconds']:.0f} | {'; '.join(parts)} |")
-    elif cmp_:
+    elif cmp_ and cmp_.get("skipped") != "not selected":
         why = cmp_.get("error") or f"skipped: {cmp_.get('skipped')}"
         rows.append(f"| bench compare --quick (built-in model) | – | {why} |")
     skipped = f"; left out: {', '.join(results['skipped_steps'])}" if results.get("skipped_steps") else ""
+    skipped += f"; rows: {', '.join(results['rows_run'])}" if results.get("rows_run") else ""
     rows.append(f"| total | {results.get('total_s', 0):.0f} | mode {results['mode']}; "
                 f"budget {results['budget_s']:.0f} s{skipped} |")
     return "\n".join(rows)
@@ -692,35 +1157,58 @@ def _guard(r: Runner, record: dict[str, Any], fn: Any) -> None:
         r.say(record["error"])
 
 
+def _rows_selected(mode: str, r: Runner) -> tuple[list[str], list[str]]:
+    """(rows to run, rows GPU_CHECK_SKIP left out) from GPU_CHECK_ROWS (default ``DEFAULT_ROWS``)
+    and GPU_CHECK_SKIP; unknown names are said. A row left out by GPU_CHECK_SKIP counts as not
+    run (exit 1), one that GPU_CHECK_ROWS does not name was not asked for."""
+    def names(var: str) -> set[str]:
+        return {x.strip() for x in os.environ.get(var, "").split(",") if x.strip()}
+
+    chosen, skip = names("GPU_CHECK_ROWS") or set(DEFAULT_ROWS[mode]), names("GPU_CHECK_SKIP")
+    unknown = (chosen | skip) - set(ROWS)
+    if unknown:
+        r.say(f"GPU_CHECK_ROWS/GPU_CHECK_SKIP: unknown row(s) {', '.join(sorted(unknown))}; known: {', '.join(ROWS)}")
+    rows = [x for x in ROWS if x in chosen and x not in skip]
+    return rows, sorted(skip & set(ROWS))
+
+
 def run(out: Path, mode: str, budget: float, started_at: float) -> int:
     out.mkdir(parents=True, exist_ok=True)
     deadline = started_at + budget
     results: dict[str, Any] = {"mode": mode, "budget_s": budget, "setup_s": time.time() - started_at}
     pre = out / "preflight.json"
     results["preflight"] = json.loads(pre.read_text()) if pre.is_file() else None
+    repo = Path(__file__).resolve().parents[1]
+    carried = Path(os.environ.get(TARGETS_DIR_ENV) or repo / ".gpu-targets").resolve()
     failed = False
     with tempfile.TemporaryDirectory(prefix="preheat-gpu-") as tmp:
         r = Runner(out, Path(tmp), mode, deadline)
-        results["doctor"] = step_doctor(r)
+        rows, results["skipped_steps"] = _rows_selected(mode, r)
+        results["rows_run"] = rows
+        results["doctor"] = step_doctor(r) if "doctor" in rows else {"skipped": "not selected"}
         gpu_ok = mode != "gpu" or results["doctor"].get("gpu_backend") is True
         failed |= results["doctor"].get("exit") not in (0, None) or "skipped" in results["doctor"]
         models = MODELS if mode == "gpu" else DRY_MODELS
         results["models"] = []
-        skip = {s.strip() for s in os.environ.get("GPU_CHECK_SKIP", "").split(",") if s.strip()}
-        results["skipped_steps"] = sorted(skip)
-        if skip - {"models", "compare"}:
-            r.say(f"GPU_CHECK_SKIP: unknown step(s) {', '.join(sorted(skip - {'models', 'compare'}))}; "
-                  "known: models, compare")
+        results["rows"] = {}
         if gpu_ok:
-            runs = [ModelRun(r, m) for m in models] if "models" not in skip else []
+            if "target" in rows:  # 2.
+                results["rows"]["target"] = {}
+                _guard(r, results["rows"]["target"],
+                       lambda: results["rows"]["target"].update(step_target(r, carried)))
+            for h in HEAD_TO_HEAD[mode]:  # 3.-5.
+                if h.row in rows:
+                    results["rows"][h.row] = {}
+                    _guard(r, results["rows"][h.row], lambda h=h: results["rows"][h.row].update(step_head_to_head(r, h)))
+            runs = [ModelRun(r, m) for m in models] if "models" in rows else []
             for mr in runs:
                 _guard(r, mr.res, mr.first)
-            results["compare"] = {"skipped": "GPU_CHECK_SKIP"}
-            if "compare" not in skip:
+            results["compare"] = {"skipped": "not selected"}
+            if "compare" in rows:
                 results["compare"] = {}
                 _guard(r, results["compare"], lambda: results["compare"].update(step_compare(r)))
             for mr in runs:
-                if mr.m.name == SCALING_MODEL[mode] and mr.folder is not None:
+                if "scaling" in rows and mr.m.name == SCALING_MODEL[mode] and mr.folder is not None:
                     _guard(r, mr.res, lambda mr=mr: mr.res.update(
                         scaling=step_scaling(r, mr.m, str(mr.folder), mr.homes["full"])))
             for mr in runs:
@@ -731,19 +1219,25 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
                 failed |= bool(res.get("error") or res["skipped"] or any("error" in x for x in res["runs"])
                                or "images_per_s" not in (res.get("steady") or {})
                                or "error" in (res.get("scaling") or {}))  # one device: skipped, not failed
-            failed |= bool(skip) or "paths" not in results["compare"] or any(
-                p.get("errors") for p in results["compare"]["paths"].values())
+            for name, row in results["rows"].items():
+                failed |= bool(row.get("error") or (row.get("skipped") and name != "target") or
+                               (name == "target" and (row.get("skipped") or not row.get("carried"))))
+            failed |= bool(results["skipped_steps"]) or ("compare" in rows and (
+                "paths" not in results["compare"] or any(p.get("errors") for p in results["compare"]["paths"].values())))
         else:
             r.say("JAX does not compute on a GPU (doctor above): the GPU measurements are skipped")
             results["models_skipped"] = "no GPU backend"
             results["compare"] = {"skipped": "no GPU backend"}
+            results["rows"] = {x: {"skipped": "no GPU backend"} for x in rows if x in ("target", "sdxl", "flux",
+                                                                                        "kontext")}
         results["total_s"] = time.time() - started_at
         (out / "models.json").write_text(json.dumps(results["models"], indent=2, default=str) + "\n")
+        (out / "rows.json").write_text(json.dumps(results["rows"], indent=2, default=str) + "\n")
         try:
             text = table(results)
         except Exception as exc:  # the JSON is written; never end without a last word
             failed = True
-            text = f"(no table: {type(exc).__name__}: {exc}; see models.json, compare.json, log.txt)"
+            text = f"(no table: {type(exc).__name__}: {exc}; see rows.json, models.json, compare.json, log.txt)"
         (out / "summary.md").write_text(text + "\n")
         r.say(f"done: {'some steps failed or were skipped' if failed else 'all steps ran'}; files in {out}")
         r.log.close()
@@ -752,23 +1246,21 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
 
 
 def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] in ("materialize", "steady", "scaling"):
-        spec = json.loads(sys.argv[2])
-        if sys.argv[1] == "materialize":
-            result = materialize(spec["arch"], spec["dtype"], Path(spec["out"]))
-        elif sys.argv[1] == "scaling":
-            result = scaling_child(spec)
-        else:
-            result = steady_child(spec)
+    children = {"steady": steady_child, "scaling": scaling_child, "images": images_child, "flops": flops_child,
+                "materialize": lambda spec: materialize(spec["arch"], spec["dtype"], Path(spec["out"]))}
+    if len(sys.argv) == 3 and sys.argv[1] in children:
+        result = children[sys.argv[1]](json.loads(sys.argv[2]))
         print(RESULT_TAG + json.dumps(result, default=str), flush=True)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("command", choices=("run",))
+    ap.add_argument("command", choices=("run", "prepare"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--mode", choices=("gpu", "dry"), required=True)
-    ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check, setup included")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole check, setup included")
     ap.add_argument("--started-at", type=float, default=None, help="epoch seconds the check started")
     args = ap.parse_args()
+    if args.command == "prepare":
+        return prepare(args.out.resolve(), args.mode)
     return run(args.out, args.mode, args.budget, args.started_at or time.time())
 
 

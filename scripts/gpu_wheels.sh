@@ -13,6 +13,9 @@
 # GPU_WHEELS_FROM_ENV=1 takes diffusers from this Python's environment instead (repacked by
 # scripts/gpu_repack.py; no registry): what the CPU dry run in CI uses.
 # GPU_WHEELS_DIR=DIR writes elsewhere; PYTHON=... picks the interpreter (default: .venv's, else python3).
+# Then, unless GPU_TARGETS=0, the GPU check's row 2 (docs/gpu.md): `python scripts/gpu_measure.py
+# prepare` compiles the built-in model's serving programs for the H200 here, on the CPU (`preheat warm
+# --target h200`, a few minutes), into the ignored folder .gpu-targets/ (GPU_TARGETS_DIR), carried too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${GPU_WHEELS_DIR:-.gpu-wheels}
@@ -57,3 +60,8 @@ fi
 
 ls -l "$DEST" | awk 'NR > 1 {printf "  %-50s %6.2f MiB\n", $9, $5 / 1048576}'
 du -sb "$DEST" | awk '{printf "gpu_wheels: %s holds %.2f MiB\n", $2, $1 / 1048576}'
+
+if [ "${GPU_TARGETS:-1}" != 0 ]; then
+  "$PYTHON" scripts/gpu_measure.py prepare --mode gpu --out "${GPU_TARGETS_DIR:-.gpu-targets}"
+  du -sb "${GPU_TARGETS_DIR:-.gpu-targets}" "$DEST" | awk '{t += $1} END {printf "gpu_wheels: the carried folders hold %.2f MiB\n", t / 1048576}'
+fi

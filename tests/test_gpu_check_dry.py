@@ -1,7 +1,9 @@
 """scripts/gpu_check.sh cannot rot between GPU draws: its dry run (same script, CPU devices, tiny
 sizes) passes in a clean venv that looks like the GPU machine (this environment's packages minus
-preheat, diffusers and FastAPI) with installs from the network off; its preflight stops with one
-line naming what is missing; and its FLOP count agrees with XLA's."""
+preheat, diffusers and FastAPI) with installs from the network off -- issue 29's rows (the
+executables compiled here for the H200 by ``prepare``, autotune-and-replace, SDXL / FLUX.1 /
+Kontext against torch) as well as the older ones; its preflight stops with one line naming what
+is missing; a row that does not fit the budget is named; and its FLOP count agrees with XLA's."""
 
 from __future__ import annotations
 
@@ -151,7 +153,8 @@ def env_wheels(tmp_path_factory) -> Path:
     """The wheel folder, filled offline from this environment (the GPU run downloads diffusers)."""
     wheels = tmp_path_factory.mktemp("gpu-wheels") / "wheels"
     fill = subprocess.run(["bash", str(SCRIPTS / "gpu_wheels.sh")], capture_output=True, text=True, timeout=300,
-                          env=offline_env(PYTHON=sys.executable, GPU_WHEELS_FROM_ENV="1", GPU_WHEELS_DIR=str(wheels)))
+                          env=offline_env(PYTHON=sys.executable, GPU_WHEELS_FROM_ENV="1", GPU_WHEELS_DIR=str(wheels),
+                                          GPU_TARGETS="0"))  # (the targets: prepared_targets, below)
     assert fill.returncode == 0, fill.stderr[-3000:]
     assert sorted(p.name.split("-")[0] for p in wheels.glob("*.whl")) == ["diffusers", "preheat"]
     return wheels
@@ -168,46 +171,126 @@ def test_a_stale_preheat_wheel_is_rebuilt_and_a_step_that_does_not_fit_the_budge
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh")], capture_output=True, text=True, timeout=300,
                           env=offline_env(PYTHON=sys.executable, OUT=str(out), GPU_WHEELS_DIR=str(wheels),
-                                          GPU_CHECK_DRY="1", GPU_CHECK_BUDGET_S="1", TMPDIR=str(tmp_path)))
+                                          GPU_CHECK_DRY="1", GPU_CHECK_BUDGET_S="1", TMPDIR=str(tmp_path),
+                                          GPU_TARGETS_DIR=str(tmp_path / "no-targets")))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "STALE preheat wheel: 1 file(s) differ from src/preheat (first: engine.py)" in proc.stdout
     pre = json.loads((out / "preflight.json").read_text())
     assert pre["preheat_wheel_rebuilt_from_tree"] and pre["problems"] == []
     table = (out / "summary.md").read_text()
     assert "| doctor | – | skipped (budget) |" in table
+    assert (f"| executables compiled on the CPU for h200 | – | skipped: no prepared entries in "
+            f"{tmp_path / 'no-targets'}: run `python scripts/gpu_measure.py prepare`") in table
+    for title in ("SDXL (tiny) 32², 2 steps, CFG 5", "FLUX.1 (tiny) 32², 2 steps",
+                  "FLUX.1 Kontext (tiny) 32² (32² reference), 2 steps"):  # rows 3-5, each named with its reason
+        assert f"| {title} | – | skipped: budget: needs at least 10 s (random weights + one cold compile" in table
     assert "everything | – | skipped (budget) |" in table
     assert "| bench compare --quick (built-in model) | – | skipped: budget |" in table
     assert proc.stdout.rstrip().endswith(table.strip())
     assert not (out / "doctor.json").exists() and json.loads((out / "models.json").read_text())[0]["runs"] == []
 
 
-@pytest.mark.slow
-def test_dry_run_in_a_clean_venv_without_network(env_wheels, tmp_path):
-    python = clean_venv(tmp_path, exclude=NOT_ON_GPU)
+@pytest.fixture(scope="module")
+def clean_python(tmp_path_factory) -> Path:
+    """A venv like the GPU machine's: this environment's packages minus what is carried there."""
+    python = clean_venv(tmp_path_factory.mktemp("clean-venv"), exclude=NOT_ON_GPU)
     for module in ("diffusers", "preheat"):  # the GPU machine's situation: carried, not installed
         assert subprocess.run([str(python), "-c", f"import {module}"], capture_output=True,
                               env=offline_env(), timeout=120).returncode != 0
+    return python
 
+
+def _dry_run(python: Path, wheels: Path, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "out"
-    env = offline_env(PYTHON=str(python), OUT=str(out), GPU_WHEELS_DIR=str(env_wheels), GPU_CHECK_DRY="1",
-                      PREHEAT_HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path))
     proc = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh")], capture_output=True, text=True, timeout=900,
-                          env=env)
+                          env=offline_env(PYTHON=str(python), OUT=str(out), GPU_WHEELS_DIR=str(wheels),
+                                          GPU_CHECK_DRY="1", PREHEAT_HOME=str(tmp_path / "home"),
+                                          TMPDIR=str(tmp_path), **env))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-
     files = sorted(out.iterdir())
-    assert [f.name for f in files] == ["compare.json", "doctor.json", "log.txt", "models.json", "preflight.json",
-                                       "summary.md"]
+    expected = {"doctor.json", "log.txt", "models.json", "preflight.json", "rows.json", "summary.md"}
+    if "compare" in env["GPU_CHECK_ROWS"]:
+        expected.add("compare.json")  # 7 at most: the device returns at most 8
+    assert [f.name for f in files] == sorted(expected)
     assert all(f.stat().st_size < 16 * 2**20 for f in files)
-    summary = (out / "summary.md").read_text().strip()
-    assert proc.stdout.rstrip().endswith(summary)  # the table comes last
-
+    assert proc.stdout.rstrip().endswith((out / "summary.md").read_text().strip())  # the table comes last
     pre = json.loads((out / "preflight.json").read_text())
     assert pre["executable"] == str(python)  # the clean venv's interpreter, not this environment's
     assert pre["problems"] == [] and set(pre["wheels"]) == {"preheat", "diffusers"}
-    assert {"numpy", "torch", "jax", "huggingface-hub"} <= set(pre["requirements"])
-
     assert json.loads((out / "doctor.json").read_text())["summary"]["fail"] == 0
+    assert not any(p.name.startswith("preheat-gpu") for p in tmp_path.iterdir())  # work folders removed
+    return proc, out
+
+
+@pytest.fixture(scope="module")
+def prepared_targets(tmp_path_factory) -> Path:
+    """Row 2's carried folder, as `gpu_measure.py prepare` writes it on a CPU builder (the dry set:
+    one program of the built-in model, compiled for XLA's H200 description)."""
+    if not any(k.startswith("jax-cuda") for k in _cuda_versions()):
+        pytest.skip("needs the test extra's jax-cuda13-plugin (deviceless GPU compiles)")
+    out = tmp_path_factory.mktemp("targets") / ".gpu-targets"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_measure.py"), "prepare", "--mode", "dry", "--out",
+                           str(out)], capture_output=True, text=True, timeout=600, env=offline_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _cuda_versions() -> dict:
+    from preheat.cache.targets import cuda_versions
+
+    return cuda_versions()
+
+
+@pytest.mark.slow
+def test_prepare_compiles_the_h200_set_here(prepared_targets):
+    info = json.loads((prepared_targets / "prepare.json").read_text())
+    assert info["entries"] == 1 and info["targets"] == ["h200"] and info["autotuned"] == [False]
+    assert 0 < info["executable_bytes"] <= info["bytes"] < 64 * 2**20  # inside the device's carry
+    manifests = list((prepared_targets / "home" / "compile" / "jax").glob("*/manifest.json"))
+    fields = json.loads(manifests[0].read_text())["fields"]
+    assert fields["platform"] == "gpu" and fields["gpu"]["compute_capability"] == [9, 0]
+
+
+@pytest.mark.slow
+def test_dry_run_of_issue_29_rows_in_a_clean_venv(clean_python, env_wheels, prepared_targets, tmp_path):
+    """Rows 2-5 at tiny sizes: every code path the GPU runs, but the hit (a CPU never loads a GPU
+    entry: the row must say so) and torch.compile (torch eager stands in: same children)."""
+    proc, out = _dry_run(clean_python, env_wheels, tmp_path, GPU_TARGETS_DIR=str(prepared_targets),
+                         GPU_CHECK_ROWS="doctor,target,sdxl,flux,kontext")
+    rows = json.loads((out / "rows.json").read_text())
+    assert sorted(rows) == ["flux", "kontext", "sdxl", "target"]
+    t = rows["target"]
+    assert t["skipped"] == [] and t["prepared"]["targets"] == ["h200"]
+    assert t["carried"]["layer"] == "none"  # a CPU process never picks the GPU entry ...
+    assert "differs in" in t["carried"]["cache_events"][-1]["miss"]  # ... and names why
+    assert t["device_compile"]["layer"] == "none"
+    assert t["pixels_vs_device_compile"]["identical"]  # the same program compiled twice here
+    assert all(x["images_per_s"] > 0 and x["first_call_layer"] == "aot" for x in t["images_per_s"].values())
+    assert t["retune"]["error"] is None and len(t["retune"]["signatures"]) == 1
+    assert {e["target"] for e in t["retune"]["entries"]} == {"h200", "local"}
+    assert all(e["retune"] is None for e in t["retune"]["entries"])  # nothing autotunes on a CPU
+    for name in ("sdxl", "flux", "kontext"):
+        row = rows[name]
+        assert "error" not in row and "skipped" not in row, row
+        assert set(row["paths"]) == {"jax", "torch-eager"}
+        assert all(p["s_per_image"] > 0 and not p["errors"] and p["empty_start_s"] > 0 and p["warm_start_s"] > 0
+                   for p in row["paths"].values())
+        assert row["settings"]["dtype"] == "bfloat16" and row["params"] > 0
+        assert row["torch_over_jax_s_per_image"] > 0
+    for name in ("sdxl", "flux"):
+        flops = rows[name]["flops"]
+        assert flops["matrix_flops_per_image"] > 0 and 0 < flops["jax_matrix_fraction_of_peak"]
+    assert rows["sdxl"]["flops"]["guided"] and rows["sdxl"]["settings"]["guidance"] == 5.0
+    table = (out / "summary.md").read_text()
+    assert "MISS (expected: a CPU never loads a GPU entry)" in table
+    assert "rows: doctor, target, sdxl, flux, kontext" in table
+
+
+@pytest.mark.slow
+def test_dry_run_in_a_clean_venv_without_network(clean_python, env_wheels, tmp_path):
+    proc, out = _dry_run(clean_python, env_wheels, tmp_path, GPU_CHECK_ROWS="doctor,models,compare,scaling")
+    pre = json.loads((out / "preflight.json").read_text())
+    assert {"numpy", "torch", "jax", "huggingface-hub"} <= set(pre["requirements"])
     (model,) = json.loads((out / "models.json").read_text())
     assert {name: row["layers"] for name, row in model["rows"].items()} == {
         "empty": ["none"], "full warm": ["aot"], "xla only": ["xla"]}
@@ -222,4 +305,3 @@ def test_dry_run_in_a_clean_venv_without_network(env_wheels, tmp_path):
     compare = json.loads((out / "compare.json").read_text())
     assert set(compare["paths"]) == {"jax", "torch-eager"}  # torch-eager needs the carried diffusers
     assert all(not p["errors"] and p["steady"] for p in compare["paths"].values())
-    assert not any(p.name.startswith("preheat-gpu") for p in tmp_path.iterdir())  # work folders removed

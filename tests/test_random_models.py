@@ -79,7 +79,7 @@ def test_unknown_random_name_lists_the_names():
     assert r.stderr.strip() == ("error: unknown random model 'random:sd9'; choose from random:sd1-tiny, "
                                 "random:sdxl-tiny, random:sd3-tiny, random:flux-tiny, random:kontext-tiny, random:fill-tiny, "
                                 "random:sd-small, random:sd15, "
-                                "random:flux, random:ddpm-cifar10-32")
+                                "random:flux, random:ddpm-cifar10-32, random:sdxl, random:flux-dev, random:kontext-dev")
 
 
 def test_serve_and_warm_take_random_names_at_their_tiny_size(folders, home, monkeypatch):
@@ -141,3 +141,43 @@ def test_bench_coldstart_passes_the_family_flags_to_every_child_and_refuses_othe
     assert r.exit_code != 0 and len(calls) == 1
     (line,) = [x for x in r.stderr.splitlines() if x.strip()]
     assert line.startswith("error: ") and "--class" in line, line
+
+
+def test_full_size_architectures_have_the_published_parameter_counts():
+    """random:sdxl, random:flux-dev and random:kontext-dev (the GPU check's rows 3-5) are the whole
+    published models: their configs, built on torch's meta device (no memory), give the parameter
+    counts of stabilityai/stable-diffusion-xl-base-1.0 and black-forest-labs/FLUX.1-dev."""
+    import torch
+    from diffusers import AutoencoderKL, FluxTransformer2DModel, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from preheat.bench import random_models as rm
+
+    def count(model: torch.nn.Module) -> int:
+        return sum(p.numel() for p in model.parameters())
+
+    with torch.device("meta"):
+        assert count(UNet2DConditionModel(**rm.SDXL_UNET)) == 2_567_463_684
+        assert count(CLIPTextModel(CLIPTextConfig(**rm.SDXL_CLIP))) == 123_060_480
+        assert count(CLIPTextModelWithProjection(CLIPTextConfig(**rm.SDXL_CLIP_G))) == 694_659_840
+        assert count(AutoencoderKL(**rm.SDXL_VAE)) == 83_653_863
+        assert count(FluxTransformer2DModel(**rm.FLUX_DEV_TRANSFORMER)) == 11_901_408_320
+        assert count(T5EncoderModel(T5Config(**rm.FLUX_DEV_T5))) == 4_762_310_656
+        assert count(CLIPTextModel(CLIPTextConfig(**rm.FLUX_DEV_CLIP))) == 123_060_480
+
+
+def test_the_full_size_sdxl_writer_at_tiny_widths_writes_a_bfloat16_pipeline(tmp_path):
+    """save_random_sdxl's code path (the GPU writes it at full size), with the tiny configs, on the CPU."""
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+    from safetensors import safe_open
+
+    from preheat.bench import random_models as rm
+
+    folder = rm.save_random_sdxl(tmp_path / "sdxl", dtype="bfloat16", device="cpu", unet=rm.TINY_SDXL_UNET,
+                                 clip=rm.TINY_SDXL_CLIP, clip_g={**rm.TINY_SDXL_CLIP, "hidden_act": "gelu"},
+                                 vae=rm.TINY_VAE)
+    with safe_open(str(folder / "unet" / "diffusion_pytorch_model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    pipe = StableDiffusionXLPipeline.from_pretrained(folder, dtype=torch.bfloat16)
+    assert pipe.unet.dtype == torch.bfloat16 and pipe.text_encoder_2.config.hidden_act == "gelu"

@@ -297,15 +297,21 @@ def warm(warm_set: WarmSet, pipe: Any, log: Callable[[str], None] = lambda line:
     resolved = resolve(pipe, warm_set)
     rows = []
     sigs = signatures(pipe, resolved)
+    compiler = pipe.compiler
+    if compiler is not None and hasattr(compiler, "retune"):  # on a GPU: entries compiled without one get autotuned
+        compiler.retune = True
     done(0, len(sigs))
     for sig in sigs:
         t0 = time.perf_counter()
+        seen = len(compiler.events) if compiler is not None else 0
         run_signature(pipe, sig)
         layer = pipe.last.cache_layer
         rows.append({"signature": sig.describe(), "cache_layer": layer, "seconds": time.perf_counter() - t0})
-        log(f"{sig.describe()}: {rows[-1]['seconds']:.2f}s (cache: {layer})")
+        tuned = [e["retune"] for e in (compiler.events[seen:] if compiler is not None else []) if "retune" in e]
+        if tuned:
+            rows[-1]["retune"] = tuned
+        log(f"{sig.describe()}: {rows[-1]['seconds']:.2f}s (cache: {layer}){_retune_note(tuned)}")
         done(len(rows), len(sigs))
-    compiler = pipe.compiler
     pushed = True
     if compiler is not None and compiler.remote is not None:
         compiler.push_missing()  # entries compiled earlier, that the store lacks
@@ -314,3 +320,15 @@ def warm(warm_set: WarmSet, pipe: Any, log: Callable[[str], None] = lambda line:
             row["remote"] = status(pipe, sig, compiler.remote)["remote"]
         pushed = pushed and all(row["remote"] for row in rows)
     return {"signatures": rows, "pushed": pushed}
+
+
+def _retune_note(tuned: list[Any]) -> str:
+    """``preheat warm``'s words for what retuning did to a signature's programs (``preheat.cache.retune``)."""
+    parts = []
+    for t in tuned:
+        if isinstance(t, dict):
+            verb = "replaced by the autotuned compile" if t["replaced"] else "kept (the autotuned compile is not faster)"
+            parts.append(f"{verb}: {1e3 * t['deviceless_s']:.3g} -> {1e3 * t['autotuned_s']:.3g} ms")
+        else:
+            parts.append(str(t))
+    return "".join(f"; {p}" for p in parts)

@@ -119,3 +119,18 @@ def test_a_family_s_flags_reach_every_path_typed_by_its_declared_inputs(tmp_path
         r = CliRunner().invoke(compare_command, ["random:sd1-tiny", *work, *args])
         assert r.exit_code == 2 and words in r.output and len(r.output.strip().splitlines()) == 1, (args, r.output)
     assert len(specs) == 1  # no child ran for them
+
+
+@pytest.mark.parametrize("path", ["jax", "torch-eager"])
+def test_dtype_reaches_every_path(path):
+    """`--dtype bfloat16` (the GPU check's SDXL/FLUX rows): each path's child loads in that dtype,
+    and without it each backend keeps its own default (float32)."""
+    from preheat.bench.compare import _load_pipe
+
+    assert str(_load_pipe({"path": path, "model": None, "dtype": "bfloat16"}).dtype).endswith("bfloat16")
+    assert str(_load_pipe({"path": path, "model": None}).dtype).endswith("float32")
+
+
+def test_an_unknown_dtype_is_a_one_line_error():
+    result = CliRunner().invoke(compare_command, ["--dtype", "float64"])
+    assert result.exit_code == 2 and "'float64' is not one of" in result.output and "Traceback" not in result.output

@@ -54,13 +54,14 @@ FULL = {"repeats": 3, "steady_repeats": 5, "batch_sizes": (1, 8, 32), "steps": N
 
 def _load_pipe(spec: dict[str, Any]) -> Any:
     base = spec["path"].split("[", 1)[0]
+    dtype = {"dtype": spec["dtype"]} if spec.get("dtype") else {}  # every path the same, where one is asked
     if base == "jax":
         import preheat
 
-        return preheat.load(spec["model"])
+        return preheat.load(spec["model"], **dtype)
     from preheat.backends.torch import load_torch_pipeline
 
-    return load_torch_pipeline(spec["model"], compile=_TORCH_COMPILE[base])
+    return load_torch_pipeline(spec["model"], compile=_TORCH_COMPILE[base], **dtype)
 
 
 def _device_peak_mb(spec: dict[str, Any]) -> float | None:
@@ -212,7 +213,7 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
                   repeats: int = 3, steady_repeats: int = 5, paths: tuple[str, ...] = PATHS,
                   xla_variants: dict[str, str] | None = None, workdir: Path, timeout: float = 1800.0,
                   log: Callable[[str], None] = lambda s: None, inputs: dict[str, Any] | None = None,
-                  flags: dict[str, list[str]] | None = None) -> dict[str, Any]:
+                  flags: dict[str, list[str]] | None = None, dtype: str | None = None) -> dict[str, Any]:
     """Every path in fresh processes on the same model and inputs: ``inputs`` as ``generate``
     keywords, or ``flags`` as `preheat sample`'s family flags (typed here by the folder's declared
     family, so a bad one is a one-line error before any child starts)."""
@@ -238,7 +239,8 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
     names = list(envs)
     prime = [b for b in batch_sizes if b != batch]
     settings["inputs"] = dict(inputs or {})
-    common = {"model": model, "sampler": settings["sampler"], "steps": settings["steps"],
+    settings["dtype"] = dtype
+    common = {"model": model, "dtype": dtype, "sampler": settings["sampler"], "steps": settings["steps"],
               "guidance": settings["guidance"], "seed": seed, "batch": batch, "steady_repeats": steady_repeats,
               "inputs": settings["inputs"]}
     scratch = workdir / "scratch"

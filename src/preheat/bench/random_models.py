@@ -18,6 +18,12 @@ with 1 double-stream + 1 single-stream block (of 19 + 38), T5 at T5-XXL widths w
 24), CLIP-L with 2 layers (of 12), the whole 16-channel FLUX VAE and FLUX.1-dev's scheduler.
 Per layer, per token and per pixel the compute is the real model's. Its T5 tokenizer is a small
 SentencePiece-style Unigram written here with ``tokenizers`` (ids far below T5's 32128).
+
+``save_random_sdxl(out)``, ``save_random_flux_dev(out)`` and ``save_random_kontext_dev(out)``
+write the whole published architectures (SDXL base 1.0: 2.6 B UNet parameters, CLIP-L and
+OpenCLIP bigG; FLUX.1-dev: 19 + 38 blocks, 12 B parameters, T5-XXL's 24 layers), in bfloat16,
+built on a CUDA device when torch has one (initialising 12 B parameters on a CPU takes minutes):
+the GPU check's head-to-head rows (``scripts/gpu_measure.py``), not a CPU's.
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ from typing import Any, NamedTuple, Optional
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["RANDOM_MODELS", "materialize_model", "RandomModel", "random_name", "sized_inputs", "build_random", "OLD_NAMES", "bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
+__all__ = ["RANDOM_MODELS", "BOS", "materialize_model", "RandomModel", "random_name", "sized_inputs", "build_random", "OLD_NAMES", "bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
            "save_random_sd_small", "save_random_flux", "save_random_flux_tiny", "save_random_kontext_tiny",
            "save_random_fill_tiny", "save_random_sd1_tiny",
-           "save_random_sdxl_tiny", "save_random_sd3_tiny", "TEXT_ARCHITECTURES"]
+           "save_random_sdxl_tiny", "save_random_sd3_tiny", "save_random_sdxl", "save_random_flux_dev",
+           "save_random_kontext_dev", "TEXT_ARCHITECTURES"]
 
 from preheat.bench import RANDOM_PREFIX
 from preheat.models import bpe_files
@@ -106,6 +113,11 @@ RANDOM_MODELS: dict[str, RandomModel] = {
     "sd15": RandomModel("save_random_sd15", None, "SD 1.5 at full size (4 GB, 512x512)"),
     "flux": RandomModel("save_random_flux", None, "FLUX.1-dev widths, 1+1 blocks (4.5 GB, 1024x1024)"),
     "ddpm-cifar10-32": RandomModel("pixel", None, "google/ddpm-cifar10-32's UNet2DModel (36 M parameters)"),
+    # whole published architectures in bfloat16 (built on a GPU where torch has one): the GPU check's
+    "sdxl": RandomModel("save_random_sdxl", None, "SDXL base 1.0 at full size (7 GB of bfloat16, 1024x1024)"),
+    "flux-dev": RandomModel("save_random_flux_dev", None, "FLUX.1-dev at full size (33 GB of bfloat16, 1024x1024)"),
+    "kontext-dev": RandomModel("save_random_kontext_dev", None, "FLUX.1 Kontext [dev] at full size (flux-dev's "
+                               "components, a FluxKontextPipeline)"),
 }
 # The names bench used before ``random:NAME``; still accepted.
 OLD_NAMES = {"sd15-random": "sd15", "flux-random": "flux", "sd-small-random": "sd-small",
@@ -237,6 +249,58 @@ TINY_SDXL_UNET: dict[str, Any] = dict(
 TINY_SDXL_CLIP: dict[str, Any] = {**TINY_CLIP, "hidden_size": 16, "num_attention_heads": 2, "projection_dim": 16}
 SDXL_SCHEDULER: dict[str, Any] = dict(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085,
                                       beta_end=0.012, steps_offset=1, timestep_spacing="leading")
+
+
+# stabilityai/stable-diffusion-xl-base-1.0: unet/, text_encoder/ (CLIP-L), text_encoder_2/ (OpenCLIP
+# bigG with projection) and vae/ config.json
+SDXL_UNET: dict[str, Any] = dict(
+    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=2048,
+    attention_head_dim=(5, 10, 20), use_linear_projection=True, transformer_layers_per_block=(1, 2, 10),
+    addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
+    norm_num_groups=32, norm_eps=1e-5, act_fn="silu", flip_sin_to_cos=True, freq_shift=0)
+SDXL_CLIP: dict[str, Any] = {**SD15_TEXT, "projection_dim": 768}
+SDXL_CLIP_G: dict[str, Any] = {**SD15_TEXT, "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+                               "num_attention_heads": 20, "hidden_act": "gelu", "projection_dim": 1280}
+SDXL_VAE: dict[str, Any] = {**SD15_VAE, "sample_size": 1024, "scaling_factor": 0.13025, "force_upcast": True}
+
+
+def _built(cls: Any, dtype: str, device: Optional[str], *args: Any, **config: Any) -> Any:
+    """A random-weight model built on ``device`` (default: CUDA when torch has it), in ``dtype``."""
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    with torch.device(device):
+        model = cls(*args, **config)
+    return model.to(getattr(torch, dtype))
+
+
+def save_random_sdxl(out: Path, seed: int = 0, *, dtype: str = "bfloat16", device: Optional[str] = None,
+                     unet: dict[str, Any] = SDXL_UNET, clip: dict[str, Any] = SDXL_CLIP,
+                     clip_g: dict[str, Any] = SDXL_CLIP_G, vae: dict[str, Any] = SDXL_VAE) -> Path:
+    """A full-size SDXL base 1.0 folder with random ``dtype`` weights (about 7 GB in bfloat16);
+    the keyword arguments replace the configs (a smaller one for a CPU's dry run)."""
+    import torch
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for cls, config, folder in ((UNet2DConditionModel, unet, "unet"), (AutoencoderKL, vae, "vae")):
+            model = _built(cls, dtype, device, **config)
+            model.save_pretrained(out / folder)
+            del model
+        _built(CLIPTextModel, dtype, device, CLIPTextConfig(**clip)).save_pretrained(out / "text_encoder")
+        _built(CLIPTextModelWithProjection, dtype, device, CLIPTextConfig(**clip_g)).save_pretrained(
+            out / "text_encoder_2")
+    EulerDiscreteScheduler(**SDXL_SCHEDULER).save_pretrained(out / "scheduler")
+    write_clip_tokenizer(out / "tokenizer")
+    write_clip_tokenizer(out / "tokenizer_2", pad_token="!")
+    return _write_index(out, "StableDiffusionXLPipeline", text_encoder="CLIPTextModel",
+                        text_encoder_2="CLIPTextModelWithProjection", tokenizer="CLIPTokenizer",
+                        tokenizer_2="CLIPTokenizer", unet="UNet2DConditionModel", vae="AutoencoderKL",
+                        scheduler="EulerDiscreteScheduler")
 
 
 def save_random_sdxl_tiny(out: Path, seed: int = 0) -> Path:
@@ -418,26 +482,27 @@ def save_random_fill_tiny(out: Path, seed: int = 0) -> Path:
 
 def save_random_flux(out: Path, seed: int = 0, *, transformer: dict[str, Any] = FLUX_TRANSFORMER,
                      t5: dict[str, Any] = FLUX_T5, clip: dict[str, Any] = FLUX_CLIP,
-                     vae: dict[str, Any] = FLUX_VAE) -> Path:
+                     vae: dict[str, Any] = FLUX_VAE, dtype: str = "float32", device: Optional[str] = "cpu") -> Path:
     """A FLUX.1-dev-width ``FluxPipeline`` folder with few layers and random float32 weights (about
     4.5 GB: transformer 2.2 GB, T5 2.1 GB, CLIP 0.2 GB, VAE 0.3 GB). Components are built and
     saved one at a time, so peak memory stays near the largest one. The keyword arguments
-    replace the configs (``save_random_flux_tiny``)."""
+    replace the configs (``save_random_flux_tiny``, ``save_random_flux_dev``); ``device`` None:
+    CUDA when torch has it."""
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
     with torch.no_grad():
-        model: Any = FluxTransformer2DModel(**transformer)
+        model: Any = _built(FluxTransformer2DModel, dtype, device, **transformer)
         _fill_zeros(model)
         model.save_pretrained(out / "transformer", max_shard_size=FLUX_SHARD)
         del model
-        model = T5EncoderModel(T5Config(**t5))
+        model = _built(T5EncoderModel, dtype, device, T5Config(**t5))
         model.save_pretrained(out / "text_encoder_2", max_shard_size=FLUX_SHARD)
         del model
-        CLIPTextModel(CLIPTextConfig(**clip)).save_pretrained(out / "text_encoder")
-        model = AutoencoderKL(**vae)
+        _built(CLIPTextModel, dtype, device, CLIPTextConfig(**clip)).save_pretrained(out / "text_encoder")
+        model = _built(AutoencoderKL, dtype, device, **vae)
         _fill_zeros(model)
         model.save_pretrained(out / "vae")
         del model
@@ -447,6 +512,27 @@ def save_random_flux(out: Path, seed: int = 0, *, transformer: dict[str, Any] = 
     return _write_index(out, "FluxPipeline", scheduler="FlowMatchEulerDiscreteScheduler", text_encoder="CLIPTextModel",
                         text_encoder_2="T5EncoderModel", tokenizer="CLIPTokenizer", tokenizer_2="T5TokenizerFast",
                         transformer="FluxTransformer2DModel", vae="AutoencoderKL")
+
+
+# FLUX.1-dev's published layer counts (FLUX_* above keep its widths with fewer layers)
+FLUX_DEV_TRANSFORMER: dict[str, Any] = {**FLUX_TRANSFORMER, "num_layers": 19, "num_single_layers": 38}
+FLUX_DEV_T5: dict[str, Any] = {**FLUX_T5, "num_layers": 24}
+FLUX_DEV_CLIP: dict[str, Any] = {**FLUX_CLIP, "num_hidden_layers": 12}
+
+
+def save_random_flux_dev(out: Path, seed: int = 0) -> Path:
+    """FLUX.1-dev at full size with random bfloat16 weights (transformer 23.8 GB, T5-XXL 9.5 GB),
+    built on the GPU when torch has one."""
+    return save_random_flux(out, seed, transformer=FLUX_DEV_TRANSFORMER, t5=FLUX_DEV_T5, clip=FLUX_DEV_CLIP,
+                            dtype="bfloat16", device=None)
+
+
+def save_random_kontext_dev(out: Path, seed: int = 0) -> Path:
+    """FLUX.1 Kontext [dev] at full size: flux-dev's components under a ``FluxKontextPipeline``."""
+    save_random_flux_dev(out, seed)
+    return _write_index(out, "FluxKontextPipeline", scheduler="FlowMatchEulerDiscreteScheduler",
+                        text_encoder="CLIPTextModel", text_encoder_2="T5EncoderModel", tokenizer="CLIPTokenizer",
+                        tokenizer_2="T5TokenizerFast", transformer="FluxTransformer2DModel", vae="AutoencoderKL")
 
 
 def materialize_model(name_or_path: str | None, workdir: Path) -> str | None:

@@ -273,6 +273,9 @@ class JaxCompiler(EntryCache):
         self._prefetch: Prefetch | None = None  # executables loading on a background thread (prefetch())
         self._early: Any = None  # preheat.cache.early.EarlyLoads: the last start's keys, deserialising
         self._startup_id: str | None = None
+        # ``preheat warm`` on a GPU sets this: an entry compiled without autotuning that it hits is
+        # compiled again here, autotuned, and replaced if faster (``preheat.cache.retune``)
+        self.retune = False
         if mode in ("full", "xla"):
             configure_persistent_cache(self.root)
 
@@ -290,7 +293,7 @@ class JaxCompiler(EntryCache):
             if compiled is not None:  # loaded in the background: only the wait is on this thread's path
                 timings = Timings(trace_lower_s=0.0, compile_s=waited, cache_layer="aot")
                 self._note(record, timings)
-                return compiled, timings
+                return self._maybe_retune(key, program, args, compiled, record), timings
             # the background load missed or failed (quarantined): compile, as a miss here would
         elif self.mode == "full":
             start = time.perf_counter()
@@ -298,7 +301,7 @@ class JaxCompiler(EntryCache):
             if compiled is not None:
                 timings = Timings(trace_lower_s=0.0, compile_s=time.perf_counter() - start, cache_layer="aot")
                 self._note(record, timings)
-                return compiled, timings
+                return self._maybe_retune(key, program, args, compiled, record), timings
             record["miss"] = self._explain_miss(fields)
 
         start = time.perf_counter()
@@ -324,6 +327,39 @@ class JaxCompiler(EntryCache):
             self._store(key, fields, compiled, record)
         self._note(record, timings)
         return compiled, timings
+
+    def _maybe_retune(self, key: str, program: Callable[..., Any], args: Any, served: Any,
+                      record: dict[str, Any]) -> Any:
+        """With ``retune`` on, on a backend that autotunes: an entry that was not autotuned gets an
+        autotuned compile, and the faster of the two serves and stays (``preheat.cache.retune``)."""
+        if not self.retune:
+            return served
+        from preheat.cache import retune
+
+        path = self.kind_dir / key
+        try:
+            manifest = json.loads((path / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return served
+        if not retune.needs_retune(manifest):
+            return served
+        if not retune.autotunes_here():
+            record["retune"] = f"skipped: {jax.devices()[0].platform} compiles do not autotune"
+            return served
+        from preheat.cache.serialized import serialize
+
+        start = time.perf_counter()
+        try:
+            with _persistent_cache_disabled():
+                autotuned = jax.jit(program).lower(args).compile()
+            compile_s = time.perf_counter() - start
+            chosen, result = retune.retune_entry(path, served, autotuned, {EXECUTABLE: serialize(autotuned)}, args)
+        except Exception as exc:  # a retune is an optimisation: the entry keeps serving as it is
+            record["retune"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            log.warning("preheat cache: retuning entry %s failed (%s); it serves as it is", key[:12], exc)
+            return served
+        record["retune"] = {**result._asdict(), "compile_s": compile_s}
+        return chosen
 
     def start_early(self, startup_id: str, mesh: Any = None) -> None:
         """Begin deserialising the executables the last start with ``startup_id`` prefetched (see

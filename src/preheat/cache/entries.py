@@ -16,12 +16,21 @@ Crash-loop protection: deserialising an executable can kill the process (jax #28
 before loading and removes it after. A marker whose process is gone (or whose pid was reused by a
 newer process: containers restart as pid 1) means that load crashed: the entry is quarantined.
 
+Replacing (``replace_entry``: a faster executable for the same key, ``preheat.cache.retune``): the
+new entry is written complete into a sibling temp folder, then swapped with the old one in one
+``renameat2(RENAME_EXCHANGE)``; where the filesystem cannot exchange, the old entry is renamed
+aside first, so a reader between the two renames sees a miss (it compiles), never a mix. Killed
+at any point, the key holds the old entry, the new one, or nothing; leftovers are ``.tmp-*``
+folders, which no reader opens and ``preheat cache prune`` removes.
+
 Quarantine: a bad entry is renamed into ``<root>/quarantine/`` (kept for inspection, pruned by
 ``preheat cache prune``) and the caller recompiles. It never raises to the user.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -36,7 +45,7 @@ from typing import Any, Iterator
 from preheat.files import atomic_write_bytes, fsync_dir, sha256_file
 from preheat.errors import CacheEntryError
 
-__all__ = ["Entry", "publish_entry", "open_entry", "checked_entry", "quarantine", "iter_entries", "LoadingMarker", "SCHEMA",
+__all__ = ["Entry", "publish_entry", "replace_entry", "rewrite_manifest", "open_entry", "checked_entry", "quarantine", "iter_entries", "LoadingMarker", "SCHEMA",
            "entry_size"]
 
 SCHEMA = 1
@@ -86,20 +95,7 @@ def publish_entry(kind_dir: Path, key: str, files: dict[str, bytes], fields: dic
     tmp = kind_dir / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        listing = {}
-        for name, data in files.items():
-            with open(tmp / name, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            listing[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-        manifest = {"schema": SCHEMA, "kind": kind_dir.name, "key": key, "fields": fields, "files": listing,
-                    "created": time.time(), **(extra or {})}
-        with open(tmp / MANIFEST, "w") as f:
-            f.write(json.dumps(manifest, indent=1, sort_keys=True))
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
+        manifest = _write_complete(tmp, kind_dir.name, key, files, fields, extra)
         try:
             os.rename(tmp, final)  # atomic publish; fails if `final` exists and is not empty
         except OSError:
@@ -112,6 +108,80 @@ def publish_entry(kind_dir: Path, key: str, files: dict[str, bytes], fields: dic
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _write_complete(folder: Path, kind: str, key: str, files: dict[str, bytes], fields: dict[str, Any],
+                    extra: dict[str, Any] | None) -> dict[str, Any]:
+    """Write an entry's payload files and then its manifest into ``folder``, each fsynced."""
+    listing = {}
+    for name, data in files.items():
+        with open(folder / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        listing[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    manifest = {"schema": SCHEMA, "kind": kind, "key": key, "fields": fields, "files": listing,
+                "created": time.time(), **(extra or {})}
+    with open(folder / MANIFEST, "w") as f:
+        f.write(json.dumps(manifest, indent=1, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(folder)
+    return manifest
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``, glibc >= 2.28); False
+    where the system or the filesystem cannot (the caller then renames in two steps)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_entry(kind_dir: Path, key: str, files: dict[str, bytes], fields: dict[str, Any],
+                  extra: dict[str, Any] | None = None) -> Entry:
+    """Put a new entry in place of ``key``'s (see the module docstring: one exchange, else a
+    miss between two renames, never a mix of old and new files)."""
+    kind_dir.mkdir(parents=True, exist_ok=True)
+    final = kind_dir / key
+    tmp = kind_dir / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        manifest = _write_complete(tmp, kind_dir.name, key, files, fields, extra)
+        if final.is_dir() and _exchange(tmp, final):
+            pass  # ``tmp`` now holds the old entry
+        elif final.is_dir():
+            aside = kind_dir / f".tmp-{key}-{uuid.uuid4().hex[:8]}-old"
+            os.rename(final, aside)  # from here until the next rename, the key is a miss
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                os.rename(aside, final)  # the old entry back
+                raise
+            tmp = aside
+        else:
+            os.rename(tmp, final)
+        fsync_dir(kind_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Entry(final, manifest)
+
+
+def rewrite_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Replace an entry's manifest atomically (its payload unchanged: ``files`` must still match)."""
+    atomic_write_bytes(path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
 
 
 def open_entry(kind_dir: Path, key: str, expected_fields: dict[str, Any] | None = None) -> Entry | None:

@@ -79,11 +79,18 @@ class EntryInfo:
 
 
 def target_label(manifest: dict[str, Any]) -> str:
-    """An entry's target in a word: "h200 (not autotuned)" for a ``warm --target`` entry, else "local"."""
+    """An entry's target in a word: "h200 (not autotuned)" for a ``warm --target`` entry, else
+    "local"; after a retune on the pod (``preheat.cache.retune``) its two timings and outcome."""
     target = manifest.get("target")
     if not isinstance(target, dict):
         return "local"
-    return f"{target.get('name', '?')}" + (" (not autotuned)" if manifest.get("autotuned") is False else "")
+    label = f"{target.get('name', '?')}"
+    tune = manifest.get("retune")
+    if isinstance(tune, dict):
+        times = f"{1e3 * float(tune.get('deviceless_s', 0)):.3g} ms deviceless, " \
+                f"{1e3 * float(tune.get('autotuned_s', 0)):.3g} ms autotuned"
+        return f"{label} ({'autotuned here' if tune.get('replaced') else 'kept'}: {times})"
+    return label + (" (not autotuned)" if manifest.get("autotuned") is False else "")
 
 
 def list_entries(root: Path) -> list[EntryInfo]:

@@ -14,8 +14,8 @@ import click
 from preheat.bench.compare import PATHS
 from preheat.cli._support import one_line_errors
 from preheat.cli.family_options import FamilyInputsCommand
-from preheat.cli.options import (NON_NEGATIVE, POSITIVE, POSITIVE_SECONDS, SEED, echo_result, output_options,
-                                 sampler_option)
+from preheat.cli.options import (DTYPES, NON_NEGATIVE, POSITIVE, POSITIVE_SECONDS, SEED, echo_result,
+                                 output_options, sampler_option)
 
 __all__ = ["bench_group"]
 
@@ -269,6 +269,7 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 @click.option("--batch-sizes", help="Steady-state batch sizes (default 1,8,32; --quick: 1,8).")
 @click.option("--seed", default=0, show_default=True, type=SEED)
 @click.option("--guidance", type=NON_NEGATIVE, help="Guidance scale (default: the model's).")
+@click.option("--dtype", type=click.Choice(DTYPES), help="Every path's dtype (default: each backend's own, float32).")
 @click.option("--repeats", type=int, help="Fresh processes per cache state (default 3; --quick: 1).")
 @click.option("--steady-repeats", type=int, help="Timed calls per batch size (default 5; --quick: 2).")
 @click.option("--paths", "paths_opt", default=",".join(PATHS), show_default=True, help="Which paths to run.")
@@ -281,7 +282,8 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path),
               help="Keep the work folder (cache roots, pixels) here instead of a temporary one.")
 def compare_command(sampler: str | None, steps: int | None, batch: int | None,
-                    batch_sizes: str | None, seed: int, guidance: float | None, repeats: int | None,
+                    batch_sizes: str | None, seed: int, guidance: float | None, dtype: str | None,
+                    repeats: int | None,
                     steady_repeats: int | None, paths_opt: str, xla_flags: tuple[str, ...], quick: bool,
                     timeout: float, json_out: Path | None, as_json: bool, png_out: Path | None, keep: Path | None) -> None:
     """JAX vs torch eager vs torch.compile vs AOTInductor on MODEL (default: the built-in model;
@@ -294,7 +296,7 @@ def compare_command(sampler: str | None, steps: int | None, batch: int | None,
     def run() -> None:
         model, flags = parse_flags(click.get_current_context().args)
         _compare(model, sampler, steps, batch, batch_sizes, seed, guidance, repeats, steady_repeats, paths_opt,
-                 xla_flags, quick, timeout, json_out, png_out, keep, flags=flags, as_json=as_json)
+                 xla_flags, quick, timeout, json_out, png_out, keep, flags=flags, as_json=as_json, dtype=dtype)
 
     one_line_errors(run)()
 
@@ -302,7 +304,8 @@ def compare_command(sampler: str | None, steps: int | None, batch: int | None,
 def _compare(model: str | None, sampler: str | None, steps: int | None, batch: int | None, batch_sizes: str | None,
              seed: int, guidance: float | None, repeats: int | None, steady_repeats: int | None, paths_opt: str,
              xla_flags: tuple[str, ...], quick: bool, timeout: float, json_out: Path | None, png_out: Path | None,
-             keep: Path | None, flags: dict[str, list[str]] | None = None, as_json: bool = False) -> None:
+             keep: Path | None, flags: dict[str, list[str]] | None = None, as_json: bool = False,
+             dtype: str | None = None) -> None:
     from preheat.bench.common import write_json
     from preheat.bench.compare import FULL, QUICK, bench_compare, markdown, plot
     from preheat.errors import InvalidArgumentError, SchedulerConfigError
@@ -356,7 +359,7 @@ def _compare(model: str | None, sampler: str | None, steps: int | None, batch: i
         result = bench_compare(model, sampler=sampler, steps=steps or preset["steps"], batch=batch,
                                batch_sizes=sizes, seed=seed, guidance=guidance, repeats=repeats,
                                steady_repeats=steady_repeats, paths=paths, xla_variants=variants,
-                               workdir=Path(work), timeout=timeout, log=log, flags=flags)
+                               workdir=Path(work), timeout=timeout, log=log, flags=flags, dtype=dtype)
     result["wall_s"] = time.perf_counter() - started
     result["settings"]["quick"] = quick
     echo_result(result, markdown(result), as_json)
