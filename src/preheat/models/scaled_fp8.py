@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-__all__ = ["MARKER", "weight_scales", "ignored", "dequantise", "with_scales"]
+__all__ = ["MARKER", "weight_scales", "ignored", "scale_of", "dequantise", "with_scales"]
 
 MARKER = "scaled_fp8"  # ComfyUI's marker tensor (top level, or under model.diffusion_model.)
 _SCALE, _INPUT = "scale_weight", "scale_input"
@@ -46,14 +46,21 @@ def ignored(key: str, tensors: Mapping[str, Any]) -> bool:
     return key.endswith(("." + _SCALE, "." + _INPUT)) and _sibling(key, "weight") in tensors
 
 
-def dequantise(tensors: Mapping[str, Any], key: str, scale_key: str) -> np.ndarray:
-    """``tensors[key]`` times its per-tensor scale, in float32 (torch layout)."""
-    scale = np.asarray(tensors[scale_key], np.float32)
-    if scale.size != 1:
+def scale_of(tensors: Mapping[str, Any], scale_key: str) -> np.ndarray:
+    """A weight's per-tensor scale as a float32 scalar (shape ()); a scale of more than one
+    element is a one-line error (checked from the header where ``tensors`` has one)."""
+    meta = tensors.meta(scale_key) if hasattr(tensors, "meta") else None
+    shape = meta[0] if meta is not None else np.shape(tensors[scale_key])
+    if int(np.prod(shape, dtype=np.int64)) != 1:
         from preheat.errors import ModelFormatError
 
-        raise ModelFormatError(f"{scale_key} has shape {scale.shape}; a scaled fp8 file holds one scale per weight")
-    return np.asarray(tensors[key]).astype(np.float32) * scale.reshape(())
+        raise ModelFormatError(f"{scale_key} has shape {tuple(shape)}; a scaled fp8 file holds one scale per weight")
+    return np.asarray(tensors[scale_key], np.float32).reshape(())
+
+
+def dequantise(tensors: Mapping[str, Any], key: str, scale_key: str) -> np.ndarray:
+    """``tensors[key]`` times its per-tensor scale, in float32 (torch layout)."""
+    return np.asarray(tensors[key]).astype(np.float32) * scale_of(tensors, scale_key)
 
 
 def with_scales(place: Callable[[str], Any]) -> Callable[[str], Any]:

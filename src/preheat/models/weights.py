@@ -51,7 +51,8 @@ from flax import nnx
 from preheat.errors import ModelFormatError, ModelNotFoundError, UnsupportedConfigError, WeightsError
 from preheat.models.load_report import LoadRecording, LoadReport, PeakWindow, recording
 from preheat.models.load_report import record as record_load
-from preheat.models.scaled_fp8 import dequantise, ignored, weight_scales
+from preheat.models.scaled_fp8 import dequantise, ignored, scale_of, weight_scales
+from preheat.models.storage import FLOAT8, Quantised, holds, is_low
 
 __all__ = [
     "DIFFUSERS_STEM",
@@ -487,8 +488,10 @@ class LoadOptions:
     ``pending``: queue the reads there (``DeferredFills``) instead of reading at once: each leaf
     of the States ``fill`` returns holds a ``jax.ShapeDtypeStruct`` until ``pending.run()``.
     ``weights_dtype``: the storage dtype of the layers a denoiser's loader names (``fill``'s
-    ``low``), e.g. ``"float8_e4m3fn"``; upcast at use (``preheat.models.storage``). None: every
-    weight is placed in the compute dtype. Encoders and VAEs never pass ``low``, so it leaves them be.
+    ``low``), e.g. ``"float8_e4m3fn"``; upcast at use (``preheat.models.storage``). None: a
+    denoiser's layers the checkpoint stores in fp8 stay fp8 (a scaled fp8 file's with their
+    scales), every other weight is placed in the compute dtype. Encoders and VAEs never pass
+    ``low`` (their programs do not upcast), so it leaves them be.
     ``weights_layers``: which layers: "layerwise" (diffusers' ``enable_layerwise_casting`` set)
     or "linear" (its Linear layers inside norm modules too: ``storage.layerwise``).
     """
@@ -523,24 +526,40 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
     ``ignore(key)``: checkpoint keys that may be present without a parameter (e.g. buffers such
     as transformers' ``position_ids``). ``dtype_for(key)``: a per-tensor dtype override.
     ``options.pending``: the reads are queued there (``LoadOptions``). ``low(key)``: the tensors
-    placed in ``options.weights_dtype`` when that is set (a denoiser's layerwise-cast weights).
-    A scaled fp8 checkpoint's weights (``X.weight`` with ``X.scale_weight``) are dequantised as
-    they are placed, and its scales and marker match no parameter (``preheat.models.scaled_fp8``).
+    placed in ``options.weights_dtype`` when that is set (a denoiser's layerwise-cast weights);
+    without it, the ones the checkpoint stores in fp8 (``dtype_plan``).
+    A scaled fp8 checkpoint's weight (``X.weight`` with ``X.scale_weight``) planned in fp8 is
+    placed as it is stored with its scale, a ``storage.Quantised`` that the apply expands at use;
+    one planned in another dtype (a layer fp8 storage keeps at full precision, an encoder's) is
+    dequantised on the host as it is placed. The scales and the marker match no parameter
+    (``preheat.models.scaled_fp8``).
     """
     options = options or DEFAULT_OPTIONS
-    dtype_for = dtype_plan(abstract, dtype, key_fn=key_fn, dtype_for=dtype_for, options=options, low=low)
-    scales = weight_scales(tensors)  # a scaled fp8 file's weights: dequantised as they are placed
+    stored = (lambda k: (_meta(tensors, k) or ((), None))[1]) if low is not None else None  # noqa: E731
+    dtype_for = dtype_plan(abstract, dtype, key_fn=key_fn, dtype_for=dtype_for, options=options, low=low,
+                           stored=stored)
+    scales = weight_scales(tensors)  # a scaled fp8 file's weights: kept scaled, or dequantised as placed
     skip = lambda k: ignored(k, tensors) or (ignore is not None and ignore(k))  # noqa: E731 (scales, the marker)
     flat, plan = _check(abstract, tensors, dtype, source, key_fn, skip, dtype_for)
+    # kept scaled on the device: planned fp8 and stored fp8 (the bytes as they are, beside their scale)
+    kept = {key: scales[key] for _, _, _, _, key, want in plan
+            if key in scales and is_low(want) and is_low(_meta(tensors, key)[1])}
+    for key, scale_key in kept.items():
+        scale_of(tensors, scale_key)  # one per tensor, checked before any tensor is read
+
+    def placeholder(var: Any, key: str, want: np.dtype) -> Any:
+        values = jax.ShapeDtypeStruct(tuple(var.shape), want)
+        return Quantised(values, jax.ShapeDtypeStruct((), np.float32)) if key in kept else values
+
     # one placeholder Variable per leaf, its value set in place when its tensor is placed
-    holders = {i: var.replace(jax.ShapeDtypeStruct(tuple(var.shape), want)) for i, _, var, _, _, want in plan}
+    holders = {i: var.replace(placeholder(var, key, want)) for i, _, var, _, key, want in plan}
     state = nnx.from_flat_state([(flat[i][0], holders[i]) for i in sorted(holders)])
 
     def job() -> None:
         t0 = time.perf_counter()
         window = PeakWindow()
         try:
-            report = _stream(plan, holders, tensors, source, scales)
+            report = _stream(plan, holders, tensors, source, scales, kept)
         finally:
             before, peak, after, exact = window.close()
         record_load(replace(report, seconds=time.perf_counter() - t0, rss_before=before, peak_rss=peak,
@@ -552,17 +571,29 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
 
 def dtype_plan(abstract: nnx.State, dtype: Any, *, key_fn: Callable[[tuple[Any, ...]], str] = torch_key,
                dtype_for: Callable[[str], Any] | None = None, options: LoadOptions | None = None,
-               low: Callable[[str], bool] | None = None) -> Callable[[str], Any] | None:
-    """``fill``'s per-key dtype: ``options.weights_dtype`` for the Linear/Conv/Embedding weights
-    (``kernel``/``embedding`` leaves) that ``low`` names, else ``dtype_for`` (or ``dtype``). What
-    a load would place is known from it and the abstract shapes alone (the fp8 memory benchmark)."""
-    if options is None or options.weights_dtype is None or low is None:
+               low: Callable[[str], bool] | None = None,
+               stored: Callable[[str], Any] | None = None) -> Callable[[str], Any] | None:
+    """``fill``'s per-key dtype for a denoiser (``low`` given): ``options.weights_dtype`` for the
+    Linear/Conv/Embedding weights (``kernel``/``embedding`` leaves) that ``low`` names; without
+    ``weights_dtype``, fp8 for those the checkpoint stores in fp8 (``stored(key)``: its dtype), as
+    ComfyUI keeps an fp8 file's weights, when the device holds fp8 (``storage.holds``); the rest
+    ``dtype_for`` (or ``dtype``). With ``weights_dtype``, what a load would place is known from the
+    plan and the abstract shapes alone (the fp8 memory benchmark)."""
+    if options is None or low is None or (options.weights_dtype is None and stored is None):
         return dtype_for
-    stored, rest = jnp.dtype(options.weights_dtype), dtype_for
+    rest = dtype_for
     layers = {key_fn(path) for path, _ in nnx.to_flat_state(abstract) if str(path[-1]) in ("kernel", "embedding")}
+    if options.weights_dtype is not None:
+        want, chosen = jnp.dtype(options.weights_dtype), low
+    else:  # the checkpoint decides: a layer stored in fp8 stays fp8
+        want = jnp.dtype(FLOAT8)
+        fp8 = {key for key in layers if stored(key) is not None and np.dtype(stored(key)) == want}
+        if not fp8 or not holds(want):
+            return dtype_for
+        chosen = fp8.__contains__
 
     def planned(key: str) -> Any:
-        return stored if key in layers and low(key) else (rest(key) if rest is not None else dtype)
+        return want if key in layers and chosen(key) else (rest(key) if rest is not None else dtype)
 
     return planned
 
@@ -606,8 +637,10 @@ def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: 
 
 
 def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], source: str,
-            scales: Mapping[str, str] | None = None) -> LoadReport:
-    """Read, cast and place every planned tensor (file order), setting ``holders[i]``'s value."""
+            scales: Mapping[str, str] | None = None, kept: Mapping[str, str] | None = None) -> LoadReport:
+    """Read, cast and place every planned tensor (file order), setting ``holders[i]``'s value.
+    ``kept``: the scaled fp8 weights placed as stored beside their scale; the rest of ``scales``
+    are dequantised on the host."""
     lazy = isinstance(tensors, Checkpoint)
     if lazy:  # stream in file order (sequential reads; the OS reads ahead)
         infos = {key: tensors.info(key) for _, _, _, _, key, _ in plan}
@@ -616,7 +649,11 @@ def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], so
     waiting = bytes_read = placed_bytes = largest = 0
     scratch = _Scratch()
     for i, path, var, leaf, key, want in plan:
-        if scales and key in scales:  # fp8 times its scale, then the planned dtype (preheat.models.scaled_fp8)
+        if kept and key in kept:  # the fp8 bytes as they are, and their float32 scale: expanded at use
+            values, nbytes = _place(tensors, key, leaf, want, scratch)
+            value = Quantised(values, jax.device_put(scale_of(tensors, kept[key])))
+            nbytes += 4
+        elif scales and key in scales:  # fp8 times its scale, then the planned dtype (preheat.models.scaled_fp8)
             host = dequantise(tensors, key, scales[key]).astype(want)
             value = jax.device_put(to_jax_layout(host, leaf), donate=True)
             nbytes = host.size * _meta(tensors, key)[1].itemsize + 4  # the stored weight and its scale
@@ -630,10 +667,10 @@ def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], so
         waiting += nbytes
         while waiting > IN_FLIGHT_BYTES:  # bound the host buffers still being copied
             done, n = in_flight.popleft()
-            done.block_until_ready()
+            jax.block_until_ready(done)
             waiting -= n
     for value, _ in in_flight:
-        value.block_until_ready()
+        jax.block_until_ready(value)
     files = tuple(str(f) for f in tensors.files) if lazy else ()
     return LoadReport(source=source, files=files, tensors=len(plan), bytes_read=bytes_read,
                       placed_bytes=placed_bytes, largest_tensor_bytes=largest,
