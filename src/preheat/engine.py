@@ -524,7 +524,8 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
     ``weights_dtype``: "float8_e4m3fn" keeps the denoiser's weights in fp8 on the device (the
     layers diffusers' ``enable_layerwise_casting`` casts), upcast to ``dtype`` where they are
-    used, inside the compiled program (``preheat.models.storage``); None: all in ``dtype``.
+    used, inside the compiled program (``preheat.models.storage``); None: the denoiser's layers a
+    checkpoint stores in fp8 stay fp8 (a scaled fp8 file's beside their scales), the rest in ``dtype``.
     ``weights_layers``: "linear" stores the Linear layers inside norm modules (AdaLN modulation) in
     fp8 too (FLUX.1-dev: 0.51x of bf16, against 0.64x for diffusers' set).
     ``offload_encoders``: text families keep their text encoders' weights in host memory and

@@ -6,15 +6,19 @@ as ``F8_E4M3`` beside a float32 scalar ``X.scale_weight``; the real weight is
 range is used whole). ``X.scale_input`` (a scale for fp8 matmul inputs) and the top-level marker
 tensor ``scaled_fp8`` may be present too; weight-only storage does not use them.
 
-preheat dequantises such a weight **at load**, on the host, one tensor at a time: the fp8 bytes
-times the scale in float32, then cast to the dtype the load places it in (``weights.fill``'s
-plan): the compute dtype, or, with ``weights_dtype="float8_e4m3fn"``, fp8 again for the layers
-fp8 storage names (as any full-precision weight: the per-tensor scale is not kept on the device,
-since the parameter trees hold one array per weight).
+preheat keeps such a weight **scaled on the device** where the load stores that layer in fp8 (a
+denoiser's fp8 layers without ``weights_dtype``; the layers ``weights_dtype="float8_e4m3fn"``
+names with it): the fp8 bytes as they are, beside the float32 scale, one ``storage.Quantised``
+that the compiled apply expands to ``fp8 * scale`` where it is used (``weights.fill``). Every
+other scaled weight (a layer fp8 storage keeps at full precision; a bundle's text encoders and
+VAE, whose programs do not upcast) is **dequantised on the host** as it is placed, one tensor at
+a time: the fp8 bytes times the scale in float32, then the dtype the load places it in. Both are
+the same float32 products, so both give the same weights.
 
     weight_scales(tensors)      {"X.weight": "X.scale_weight"} for every scaled weight
     ignored(key, tensors)       the scale and marker tensors, which match no parameter
-    dequantise(tensors, w, s)   the real weight (float32, torch layout)
+    scale_of(tensors, s)        a weight's scale, float32 shape () (one per tensor, or one line)
+    dequantise(tensors, w, s)   the real weight (float32, torch layout), for the host path
     with_scales(place)          a single-file placer that also places the scales beside their weights
 """
 

@@ -1,0 +1,108 @@
+"""Scaled fp8 kept on the device against the same weights dequantised on the host (issue 28 item 2).
+
+A tiny random FLUX.1-dev folder (the test suite's ``save_tiny_flow_model``), its transformer
+written in BFL's layout as a ComfyUI-style scaled fp8 file (``amax / 448`` per-tensor scales) and
+as the same weights dequantised to float32; both loaded with ``config=`` the folder. Prints the
+denoiser's device bytes and images/s of each (timed round-robin, so drifting load hits both
+alike), then the device bytes a full-size FLUX.1-dev scaled fp8 file would place (abstract build,
+nothing allocated). The numbers behind docs/benchmarks.md, "Scaled fp8 kept on the device".
+
+    PYTHONPATH=src:. python scripts/bench_quantised.py [--rounds 5] [--n 4] [--steps 4] [--size 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+FP8_MAX = 448.0
+
+
+def _files(base: Path) -> tuple[Path, dict[str, Path]]:
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    from tests._support.bfl_files import to_bfl
+    from tests._support.flow_fixtures import save_tiny_flow_model
+
+    folder = save_tiny_flow_model(base / "flux-dev", "flux-dev")
+    bfl = to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors")))
+    scaled, plain = {"scaled_fp8": np.zeros((0,), ml_dtypes.float8_e4m3fn)}, {}
+    for key, value in bfl.items():
+        if value.ndim != 2 or not key.endswith(".weight"):
+            scaled[key] = plain[key] = value
+            continue
+        scale = np.float32(np.abs(value).max() / FP8_MAX)
+        scaled[key] = (value / scale).astype(ml_dtypes.float8_e4m3fn)
+        scaled[key[:-len("weight")] + "scale_weight"] = np.array(scale, np.float32)
+        plain[key] = scaled[key].astype(np.float32) * scale
+    files = {}
+    for name, tensors in (("scaled fp8, kept on the device", scaled), ("dequantised on the host (float32)", plain)):
+        files[name] = base / f"{len(files)}.safetensors"
+        save_file(tensors, str(files[name]))
+    return folder, files
+
+
+def _full_size() -> None:
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from preheat.models.flux import FluxTransformerConfig, build_abstract
+    from preheat.models.storage import layerwise, placed_bytes
+
+    config = FluxTransformerConfig.from_dict(
+        {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+         "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
+         "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}, "FLUX.1-dev")
+    _, abstract = build_abstract(config)
+    bf16 = placed_bytes(abstract, jnp.bfloat16)
+    fp8 = placed_bytes(abstract, jnp.bfloat16, "float8_e4m3fn", ("pos_embed", "norm"), weights_layers="linear")
+    low = layerwise(("pos_embed", "norm"), type("O", (), {"weights_layers": "linear"})())
+    scales = sum(1 for path, _ in nnx.to_flat_state(abstract)
+                 if str(path[-1]) == "kernel" and low(".".join(map(str, path[:-1])) + ".weight"))
+    print(f"full-size FLUX.1-dev transformer: bf16 {bf16 / 1e9:.2f} GB; every Linear in fp8 with its scale "
+          f"{(fp8 + 4 * scales) / 1e9:.2f} GB ({(fp8 + 4 * scales) / bf16:.3f}x; {scales} scales, {4 * scales} B)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--size", type=int, default=64)
+    args = parser.parse_args()
+    import os
+
+    import preheat
+    from preheat.models.storage import device_bytes
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["PREHEAT_HOME"] = str(Path(tmp) / "home")
+        folder, files = _files(Path(tmp))
+        pipes = {name: preheat.load(f, config=folder, cache="off") for name, f in files.items()}
+        call = dict(prompt="a watercolor fox", n=args.n, steps=args.steps, sampler="flow_euler", guidance=3.5,
+                    width=args.size, height=args.size, seed=0)
+        images = {name: pipe.generate(**call) for name, pipe in pipes.items()}  # compiles
+        times: dict[str, list[float]] = {name: [] for name in pipes}
+        for _ in range(args.rounds):
+            for name, pipe in pipes.items():
+                t0 = time.perf_counter()
+                pipe.generate(**call)
+                times[name].append(time.perf_counter() - t0)
+        a, b = images.values()
+        print(f"{args.n} images {args.size}x{args.size}, {args.steps} steps, float32 compute, {args.rounds} rounds; "
+              f"images equal: {np.array_equal(a, b)}")
+        for name, pipe in pipes.items():
+            med = statistics.median(times[name])
+            print(f"  {name}: denoiser {device_bytes(pipe.params)} B on the device, "
+                  f"{args.n / med:.2f} images/s (median {med * 1e3:.0f} ms, min {min(times[name]) * 1e3:.0f} ms)")
+    _full_size()
+
+
+if __name__ == "__main__":
+    main()
