@@ -518,7 +518,7 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     ``dtype``: the denoiser's dtype (float32, bfloat16, float16); a VAE that asks for it stays float32.
     ``variant``: weight files ``*.{variant}.safetensors`` (e.g. "fp16").
     ``config``: with ``model`` a single ``.safetensors`` file in an original layout (LDM SD 1.x/2.x,
-    SGM SDXL, BFL FLUX.1), the diffusers folder whose configs and tokenizers it is read with
+    SGM SDXL, BFL FLUX.1) or a FLUX.1 GGUF file (``preheat.models.gguf_file``), the diffusers folder whose configs and tokenizers it is read with
     (``preheat.models.single_file``), or a folder of its tokenizer folders only, beside the shipped
     configs of the published model the file is inferred to be (``preheat.models.published``).
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
@@ -578,6 +578,9 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         converted = materialize(root, configs, resolve_root().path)  # converted once, then reused
         reading = reading_converted(model, config, converted)  # a misfit names the file, not the folder
         root = converted
+    elif Path(root).is_file() and Path(root).suffix.lower() == ".gguf":  # transformer weights only, no configs
+        raise InvalidArgumentError(f"{model} is a GGUF file (a transformer's weights, no configs): pass "
+                                   "config=<the model's diffusers folder>", argument="config")
     elif Path(root).is_file() and Path(root).suffix == ".safetensors":
         from preheat.models.published import infer_file
 

@@ -17,7 +17,7 @@ the same float32 products, so both give the same weights.
 
     weight_scales(tensors)      {"X.weight": "X.scale_weight"} for every scaled weight
     ignored(key, tensors)       the scale and marker tensors, which match no parameter
-    scale_of(tensors, s)        a weight's scale, float32 shape () (one per tensor, or one line)
+    scale_of(tensors, w, s)     a weight's scale: float32 () per tensor, or per block as stored
     dequantise(tensors, w, s)   the real weight (float32, torch layout), for the host path
     with_scales(place)          a single-file placer that also places the scales beside their weights
 """
@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-__all__ = ["MARKER", "weight_scales", "ignored", "scale_of", "dequantise", "with_scales"]
+__all__ = ["MARKER", "weight_scales", "ignored", "scale_shape", "scale_of", "dequantise", "with_scales"]
 
 MARKER = "scaled_fp8"  # ComfyUI's marker tensor (top level, or under model.diffusion_model.)
 _SCALE, _INPUT = "scale_weight", "scale_input"
@@ -50,27 +50,55 @@ def ignored(key: str, tensors: Mapping[str, Any]) -> bool:
     return key.endswith(("." + _SCALE, "." + _INPUT)) and _sibling(key, "weight") in tensors
 
 
-def scale_of(tensors: Mapping[str, Any], scale_key: str) -> np.ndarray:
-    """A weight's per-tensor scale as a float32 scalar (shape ()); a scale of more than one
-    element is a one-line error (checked from the header where ``tensors`` has one)."""
-    meta = tensors.meta(scale_key) if hasattr(tensors, "meta") else None
-    shape = meta[0] if meta is not None else np.shape(tensors[scale_key])
-    if int(np.prod(shape, dtype=np.int64)) != 1:
+def _shape(tensors: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    meta = tensors.meta(key) if hasattr(tensors, "meta") else None  # a Checkpoint: from its header
+    return tuple(meta[0]) if meta is not None else tuple(np.shape(tensors[key]))
+
+
+def scale_shape(tensors: Mapping[str, Any], key: str, scale_key: str) -> tuple[int, ...]:
+    """The shape ``scale_of`` gives (torch layout): () for one scale per tensor, else the scale's
+    own (blocks: the weight's rank, each axis dividing the weight's). Any other shape is a
+    one-line error, found from the headers before a tensor is read."""
+    weight, scale = _shape(tensors, key), _shape(tensors, scale_key)
+    if int(np.prod(scale, dtype=np.int64)) == 1:
+        return ()
+    if len(scale) != len(weight) or any(m == 0 or n % m for n, m in zip(weight, scale)):
         from preheat.errors import ModelFormatError
 
-        raise ModelFormatError(f"{scale_key} has shape {tuple(shape)}; a scaled fp8 file holds one scale per weight")
-    return np.asarray(tensors[scale_key], np.float32).reshape(())
+        raise ModelFormatError(f"{scale_key} has shape {scale}; a scale is one per weight {key} {weight}, or one "
+                               f"per block of it (the weight's rank, each axis dividing the weight's)")
+    return scale
+
+
+def scale_of(tensors: Mapping[str, Any], key: str, scale_key: str) -> np.ndarray:
+    """``key``'s scale (torch layout): one per tensor as a float32 scalar, or one per block as
+    stored (a GGUF Q8_0 weight's float16 scales, ``preheat.models.gguf_file``)."""
+    shape = scale_shape(tensors, key, scale_key)
+    scale = np.asarray(tensors[scale_key])
+    return scale.astype(np.float32).reshape(()) if shape == () else scale
 
 
 def dequantise(tensors: Mapping[str, Any], key: str, scale_key: str) -> np.ndarray:
-    """``tensors[key]`` times its per-tensor scale, in float32 (torch layout)."""
-    return np.asarray(tensors[key]).astype(np.float32) * scale_of(tensors, scale_key)
+    """``tensors[key]`` times its scale, in float32 (torch layout): ``storage.Quantised``'s
+    arithmetic, on the host."""
+    from preheat.models.storage import Quantised
+
+    return np.asarray(Quantised(np.asarray(tensors[key]), scale_of(tensors, key, scale_key)).expand(np.float32))
+
+
+def _rows_of(take: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+    """A weight piece's cut, applied to its scale: a per-tensor scale (one element) serves every
+    piece as it is; per-block scales have the weight's rows, so take the same rows."""
+    if take is None:
+        return None
+    return lambda scale: scale if np.size(scale) == 1 else take(scale)
 
 
 def with_scales(place: Callable[[str], Any]) -> Callable[[str], Any]:
     """A single-file placer (``single_file.Placer``) that also takes a scaled fp8 file's extra
     tensors: ``X.scale_weight`` goes beside every piece ``X.weight`` goes to (a fused weight's one
-    scale serves each of its pieces), ``X.scale_input`` and the marker are dropped."""
+    scale serves each of its pieces; per-block scales are cut as the weight's rows are),
+    ``X.scale_input`` and the marker are dropped."""
 
     def placed(key: str) -> Any:
         if key == MARKER or key.endswith("." + MARKER) or key.endswith("." + _INPUT):
@@ -80,6 +108,6 @@ def with_scales(place: Callable[[str], Any]) -> Callable[[str], Any]:
         pieces = place(_sibling(key, "weight"))
         if not pieces:
             return pieces
-        return [p._replace(name=_sibling(p.name, _SCALE), take=None, rows=None) for p in pieces]
+        return [p._replace(name=_sibling(p.name, _SCALE), take=_rows_of(p.take), rows=None) for p in pieces]
 
     return placed

@@ -51,7 +51,7 @@ from flax import nnx
 from preheat.errors import ModelFormatError, ModelNotFoundError, UnsupportedConfigError, WeightsError
 from preheat.models.load_report import LoadRecording, LoadReport, PeakWindow, recording
 from preheat.models.load_report import record as record_load
-from preheat.models.scaled_fp8 import dequantise, ignored, scale_of, weight_scales
+from preheat.models.scaled_fp8 import dequantise, ignored, scale_of, scale_shape, weight_scales
 from preheat.models.storage import FLOAT8, Quantised, holds, is_low
 
 __all__ = [
@@ -528,10 +528,11 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
     ``options.pending``: the reads are queued there (``LoadOptions``). ``low(key)``: the tensors
     placed in ``options.weights_dtype`` when that is set (a denoiser's layerwise-cast weights);
     without it, the ones the checkpoint stores in fp8 (``dtype_plan``).
-    A scaled fp8 checkpoint's weight (``X.weight`` with ``X.scale_weight``) planned in fp8 is
-    placed as it is stored with its scale, a ``storage.Quantised`` that the apply expands at use;
-    one planned in another dtype (a layer fp8 storage keeps at full precision, an encoder's) is
-    dequantised on the host as it is placed. The scales and the marker match no parameter
+    A scaled checkpoint's weight (``X.weight`` with ``X.scale_weight``: a scaled fp8 file's, or a
+    GGUF Q8_0 weight's int8 values and per-block scales) stored and planned compact (fp8, int8)
+    is placed as it is stored with its scale, a ``storage.Quantised`` that the apply expands at
+    use; one planned in another dtype (a layer fp8 storage keeps at full precision, an encoder's)
+    is dequantised on the host as it is placed. The scales and the marker match no parameter
     (``preheat.models.scaled_fp8``).
     """
     options = options or DEFAULT_OPTIONS
@@ -540,16 +541,23 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
                            stored=stored)
     scales = weight_scales(tensors)  # a scaled fp8 file's weights: kept scaled, or dequantised as placed
     skip = lambda k: ignored(k, tensors) or (ignore is not None and ignore(k))  # noqa: E731 (scales, the marker)
-    flat, plan = _check(abstract, tensors, dtype, source, key_fn, skip, dtype_for)
-    # kept scaled on the device: planned fp8 and stored fp8 (the bytes as they are, beside their scale)
+    flat, plan = _check(abstract, tensors, dtype, source, key_fn, skip, dtype_for, scales)
+    # kept scaled on the device: planned and stored compact (the bytes as they are, beside their scale)
     kept = {key: scales[key] for _, _, _, _, key, want in plan
-            if key in scales and is_low(want) and is_low(_meta(tensors, key)[1])}
-    for key, scale_key in kept.items():
-        scale_of(tensors, scale_key)  # one per tensor, checked before any tensor is read
+            if key in scales and _compact(want) and _compact(_meta(tensors, key)[1])}
+    scale_shapes = {key: scale_shape(tensors, key, scales[key])  # checked before any tensor is read
+                    for _, _, _, _, key, _ in plan if key in scales}
 
     def placeholder(var: Any, key: str, want: np.dtype) -> Any:
-        values = jax.ShapeDtypeStruct(tuple(var.shape), want)
-        return Quantised(values, jax.ShapeDtypeStruct((), np.float32)) if key in kept else values
+        if key not in kept:
+            return jax.ShapeDtypeStruct(tuple(var.shape), want)
+        shape = scale_shapes[key]  # (): one float32 per tensor; else blocks, as stored, in the kernel's layout
+        scale_dtype = np.float32 if shape == () else _meta(tensors, kept[key])[1]
+        layout = to_jax_layout(np.broadcast_to(np.zeros((), np.uint8), shape), str(var_leaf[key])).shape
+        return Quantised(jax.ShapeDtypeStruct(tuple(var.shape), _meta(tensors, key)[1]),
+                         jax.ShapeDtypeStruct(layout, scale_dtype))
+
+    var_leaf = {key: leaf for _, _, _, leaf, key, _ in plan}
 
     # one placeholder Variable per leaf, its value set in place when its tensor is placed
     holders = {i: var.replace(placeholder(var, key, want)) for i, _, var, _, key, want in plan}
@@ -575,8 +583,9 @@ def dtype_plan(abstract: nnx.State, dtype: Any, *, key_fn: Callable[[tuple[Any, 
                stored: Callable[[str], Any] | None = None) -> Callable[[str], Any] | None:
     """``fill``'s per-key dtype for a denoiser (``low`` given): ``options.weights_dtype`` for the
     Linear/Conv/Embedding weights (``kernel``/``embedding`` leaves) that ``low`` names; without
-    ``weights_dtype``, fp8 for those the checkpoint stores in fp8 (``stored(key)``: its dtype), as
-    ComfyUI keeps an fp8 file's weights, when the device holds fp8 (``storage.holds``); the rest
+    ``weights_dtype``, the stored dtype for those the checkpoint stores compact (``stored(key)``:
+    fp8, as ComfyUI keeps an fp8 file's weights, when the device holds fp8 (``storage.holds``);
+    a GGUF Q8_0 weight's int8 values, which ``fill`` keeps beside their scales); the rest
     ``dtype_for`` (or ``dtype``). With ``weights_dtype``, what a load would place is known from the
     plan and the abstract shapes alone (the fp8 memory benchmark)."""
     if options is None or low is None or (options.weights_dtype is None and stored is None):
@@ -585,17 +594,27 @@ def dtype_plan(abstract: nnx.State, dtype: Any, *, key_fn: Callable[[tuple[Any, 
     layers = {key_fn(path) for path, _ in nnx.to_flat_state(abstract) if str(path[-1]) in ("kernel", "embedding")}
     if options.weights_dtype is not None:
         want, chosen = jnp.dtype(options.weights_dtype), low
-    else:  # the checkpoint decides: a layer stored in fp8 stays fp8
-        want = jnp.dtype(FLOAT8)
-        fp8 = {key for key in layers if stored(key) is not None and np.dtype(stored(key)) == want}
-        if not fp8 or not holds(want):
+    else:  # the checkpoint decides: a layer stored compact (fp8; GGUF Q8_0's int8) stays so
+        compact = {key: np.dtype(stored(key)) for key in layers if _compact(stored(key))}
+        if any(is_low(d) for d in compact.values()) and not holds(FLOAT8):
+            compact = {k: d for k, d in compact.items() if not is_low(d)}  # fp8 upcast on the host instead
+        if not compact:
             return dtype_for
-        chosen = fp8.__contains__
+        chosen, want = compact.__contains__, None
 
     def planned(key: str) -> Any:
-        return want if key in layers and chosen(key) else (rest(key) if rest is not None else dtype)
+        if key in layers and chosen(key):
+            return want if want is not None else compact[key]
+        return rest(key) if rest is not None else dtype
 
     return planned
+
+
+_COMPACT = (np.dtype(FLOAT8), np.dtype(np.int8))  # what a scaled weight may stay as on the device
+
+
+def _compact(dtype: Any) -> bool:
+    return dtype is not None and np.dtype(dtype) in _COMPACT
 
 
 _Plan = list[tuple[int, tuple[Any, ...], Any, str, str, np.dtype]]
@@ -603,9 +622,10 @@ _Plan = list[tuple[int, tuple[Any, ...], Any, str, str, np.dtype]]
 
 def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: str,
            key_fn: Callable[[tuple[Any, ...]], str], ignore: Callable[[str], bool] | None,
-           dtype_for: Callable[[str], Any] | None) -> tuple[list[Any], _Plan]:
+           dtype_for: Callable[[str], Any] | None, scales: Mapping[str, str] = {}) -> tuple[list[Any], _Plan]:
     """Headers only: every key, shape and dtype, all problems in one ``WeightsError``; returns
-    the flat abstract state and the plan (index, path, variable, leaf, key, dtype to place)."""
+    the flat abstract state and the plan (index, path, variable, leaf, key, dtype to place).
+    A weight with a scale (``scales``) may be stored as int8 (GGUF Q8_0's values)."""
     flat = nnx.to_flat_state(abstract)
     problems: list[str] = []
     plan: _Plan = []
@@ -623,7 +643,7 @@ def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: 
         if shape != expected:
             problems.append(f"{key} has shape {shape}, expected {expected}")
             continue
-        if not jnp.issubdtype(src_dtype, jnp.floating):  # bf16 and fp8 (ml_dtypes) included
+        if not jnp.issubdtype(src_dtype, jnp.floating) and not (key in scales and src_dtype == np.int8):
             problems.append(f"{key} has dtype {src_dtype}, expected a floating-point dtype")
             continue
         want = dtype_for(key) if dtype_for is not None else dtype
@@ -649,10 +669,11 @@ def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], so
     waiting = bytes_read = placed_bytes = largest = 0
     scratch = _Scratch()
     for i, path, var, leaf, key, want in plan:
-        if kept and key in kept:  # the fp8 bytes as they are, and their float32 scale: expanded at use
-            values, nbytes = _place(tensors, key, leaf, want, scratch)
-            value = Quantised(values, jax.device_put(scale_of(tensors, kept[key])))
-            nbytes += 4
+        if kept and key in kept:  # the stored bytes as they are, and their scale: expanded at use
+            values, nbytes = _place(tensors, key, leaf, holders[i].get_value().values.dtype, scratch)
+            scale = scale_of(tensors, key, kept[key])
+            value = Quantised(values, jax.device_put(to_jax_layout(scale, leaf)))
+            nbytes += scale.nbytes
         elif scales and key in scales:  # fp8 times its scale, then the planned dtype (preheat.models.scaled_fp8)
             host = dequantise(tensors, key, scales[key]).astype(want)
             value = jax.device_put(to_jax_layout(host, leaf), donate=True)
