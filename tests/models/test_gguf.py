@@ -5,7 +5,7 @@ A tiny random FLUX.1-dev folder's transformer is written as such a file by the t
 own writer and Q8_0 quantiser); preheat's image from ``preheat.load(file, config=folder)`` is
 diffusers' image with ``FluxTransformer2DModel.from_single_file(file, GGUFQuantizationConfig(
 compute_dtype=float32))`` in the folder's pipeline. The Q8_0 weights stay int8 + float16 on the
-device (``storage.Quantised``), and any other quantisation type is one line."""
+device (``quantised.Quantised``), and any other quantisation type is one line."""
 
 from __future__ import annotations
 
@@ -101,7 +101,8 @@ def test_q8_0_weights_stay_int8_with_their_block_scales(files, pipe, record_prop
     from flax import nnx
 
     from preheat.models.gguf_file import GGUFTensors, split_q8_0
-    from preheat.models.storage import Quantised, device_bytes
+    from preheat.models.quantised import Quantised
+    from preheat.models.storage import device_bytes
 
     leaves = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(pipe.params)}
     kept = {k: v for k, v in leaves.items() if isinstance(v, Quantised)}

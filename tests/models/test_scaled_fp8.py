@@ -2,7 +2,7 @@
 Linear weights are stored ``F8_E4M3`` with a float32 ``scale_weight`` each (``amax / 448``), a
 ``scale_input`` each and the top-level ``scaled_fp8`` marker, as ComfyUI writes them.
 
-The fp8 bytes go to the device as they are, each beside its scale (``storage.Quantised``), and the
+The fp8 bytes go to the device as they are, each beside its scale (``quantised.Quantised``), and the
 compiled program multiplies at use: the same float32 arithmetic a host dequantisation does, so the
 image is exactly the image of the same weights dequantised and stored in float32. The scales
 matter: the same fp8 bytes without them give another image, and another byte count."""
@@ -83,7 +83,7 @@ def pipes(files, tmp_path_factory):
 
 
 def _leaves(pipe) -> dict[str, object]:
-    """{torch-style parameter path: its device value (an array, or a storage.Quantised)}."""
+    """{torch-style parameter path: its device value (an array, or a quantised.Quantised)}."""
     from flax import nnx
 
     return {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(pipe.params)}
@@ -110,7 +110,8 @@ def test_the_device_holds_the_fp8_bytes_and_their_scales(files, pipes, record_pr
     minus 3 bytes per fp8 element plus 4 per scale (a fused BFL weight's pieces each hold it)."""
     import ml_dtypes
 
-    from preheat.models.storage import Quantised, device_bytes
+    from preheat.models.quantised import Quantised
+    from preheat.models.storage import device_bytes
     from preheat.models.weights import read_tensors
 
     leaves, plain = _leaves(pipes["scaled"]), _leaves(pipes["plain"])
@@ -138,7 +139,7 @@ def test_fp8_storage_keeps_the_scaled_layers_and_dequantises_the_others(pipes):
     them (fp8 and scale), the ones it keeps at full precision (the AdaLN modulation, under ``norm``)
     are dequantised on the host. Nothing is rounded again, so the image is still exactly the
     dequantised weights' image (before, the dequantised weights were cast to fp8 again, unscaled)."""
-    from preheat.models.storage import Quantised
+    from preheat.models.quantised import Quantised
 
     leaves = _leaves(pipes["scaled-fp8"])
     kept = {k for k, v in leaves.items() if isinstance(v, Quantised)}
@@ -167,7 +168,8 @@ def test_quantised_expands_per_tensor_and_per_block():
     import jax.numpy as jnp
     import ml_dtypes
 
-    from preheat.models.storage import Quantised, upcast
+    from preheat.models.quantised import Quantised
+    from preheat.models.storage import upcast
 
     rng = np.random.default_rng(0)
     fp8 = rng.standard_normal((64, 3)).astype(ml_dtypes.float8_e4m3fn)
@@ -181,12 +183,17 @@ def test_quantised_expands_per_tensor_and_per_block():
     np.testing.assert_array_equal(np.asarray(got["b"]), np.ones(3))
 
 
-def test_a_scale_of_more_than_one_element_is_one_line():
+def test_a_scale_that_is_neither_per_tensor_nor_per_block_is_one_line():
     from preheat.errors import ModelFormatError
 
-    tensors = {"a.weight": np.zeros((2, 2), np.float32), "a.scale_weight": np.ones((2,), np.float32)}
-    with pytest.raises(ModelFormatError, match=r"a.scale_weight has shape \(2,\); a scaled fp8 file holds one"):
-        scaled_fp8.scale_of(tensors, "a.scale_weight")
+    tensors = {"a.weight": np.zeros((4, 64), np.float32), "a.scale_weight": np.ones((3,), np.float32)}
+    with pytest.raises(ModelFormatError, match=r"a.scale_weight has shape \(3,\); a scale is one per weight") as exc:
+        scaled_fp8.scale_of(tensors, "a.weight", "a.scale_weight")
+    assert "\n" not in str(exc.value)
+    tensors["a.scale_weight"] = np.full((4, 2), 2, np.float16)  # one per block of 32: as stored
+    assert scaled_fp8.scale_of(tensors, "a.weight", "a.scale_weight").dtype == np.float16
+    tensors["a.scale_weight"] = np.full((1,), 2, np.float16)  # one per tensor: a float32 scalar
+    assert scaled_fp8.scale_of(tensors, "a.weight", "a.scale_weight").shape == ()
 
 
 def test_scales_and_the_marker_are_not_parameters(files):

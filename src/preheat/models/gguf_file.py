@@ -13,7 +13,7 @@ treat a scaled fp8 file (``preheat.models.scaled_fp8``): no dequantisation on th
                      ``X.weight``       int8     (out, in)        the values
                      ``X.scale_weight`` float16  (out, in / 32)   one scale per block
 
-A Q8_0 weight then stays int8 + float16 on the device (``storage.Quantised``) and the compiled
+A Q8_0 weight then stays int8 + float16 on the device (``quantised.Quantised``) and the compiled
 program expands ``values * scale`` in float32 where the weight is used, as diffusers' GGUF
 quantizer does in its compute dtype. Any other GGML type (Q4_K, Q5_0, ...) is one
 ``ModelFormatError`` naming it and the types read here. The file is memory-mapped by ``gguf``'s

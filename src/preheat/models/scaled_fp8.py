@@ -8,7 +8,7 @@ tensor ``scaled_fp8`` may be present too; weight-only storage does not use them.
 
 preheat keeps such a weight **scaled on the device** where the load stores that layer in fp8 (a
 denoiser's fp8 layers without ``weights_dtype``; the layers ``weights_dtype="float8_e4m3fn"``
-names with it): the fp8 bytes as they are, beside the float32 scale, one ``storage.Quantised``
+names with it): the fp8 bytes as they are, beside the float32 scale, one ``quantised.Quantised``
 that the compiled apply expands to ``fp8 * scale`` where it is used (``weights.fill``). Every
 other scaled weight (a layer fp8 storage keeps at full precision; a bundle's text encoders and
 VAE, whose programs do not upcast) is **dequantised on the host** as it is placed, one tensor at
@@ -27,6 +27,8 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 import numpy as np
+
+from preheat.models.quantised import Quantised
 
 __all__ = ["MARKER", "weight_scales", "ignored", "scale_shape", "scale_of", "dequantise", "with_scales"]
 
@@ -79,10 +81,8 @@ def scale_of(tensors: Mapping[str, Any], key: str, scale_key: str) -> np.ndarray
 
 
 def dequantise(tensors: Mapping[str, Any], key: str, scale_key: str) -> np.ndarray:
-    """``tensors[key]`` times its scale, in float32 (torch layout): ``storage.Quantised``'s
+    """``tensors[key]`` times its scale, in float32 (torch layout): ``quantised.Quantised``'s
     arithmetic, on the host."""
-    from preheat.models.storage import Quantised
-
     return np.asarray(Quantised(np.asarray(tensors[key]), scale_of(tensors, key, scale_key)).expand(np.float32))
 
 

@@ -26,17 +26,15 @@ each weight is converted to the compute dtype where it is used. A tensor already
 
 A weight stored in a compact form with scales (a scaled fp8 file's ``F8_E4M3`` weight and its
 float32 per-tensor scale; a GGUF ``Q8_0`` weight's int8 values and per-block scales) is one
-``Quantised`` value on the device: a pytree of the stored values and their scale, which
-``upcast`` expands to ``values * scale`` in the compute dtype, in the same place it converts a
-plain fp8 weight. Every other path (placement on a mesh, compile keys, placeholders for prefetch)
-sees its two arrays as it sees any leaves.
+``preheat.models.quantised.Quantised`` value on the device: a pytree of the stored values and
+their scale, which ``upcast`` expands to ``values * scale`` in the compute dtype, in the same
+place it converts a plain fp8 weight. Every other path (placement on a mesh, compile keys,
+placeholders for prefetch) sees its two arrays as it sees any leaves.
 """
 
 from __future__ import annotations
 
-import functools
 import re
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
@@ -44,15 +42,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError
+from preheat.models.quantised import FLOAT8, Quantised, is_low, is_quantised, refusal
 
-__all__ = ["FLOAT8", "WEIGHTS_DTYPES", "DEFAULT_SKIP", "Quantised", "layerwise", "upcast", "is_low", "holds",
-           "check_weights_dtype", "stored_low", "placed_bytes", "device_bytes"]
+__all__ = ["WEIGHTS_DTYPES", "DEFAULT_SKIP", "layerwise", "upcast", "check_weights_dtype", "stored_low",
+           "placed_bytes", "device_bytes"]
 
-FLOAT8 = "float8_e4m3fn"
 WEIGHTS_DTYPES = (FLOAT8,)  # what weights_dtype= takes
 WEIGHTS_LAYERS = ("layerwise", "linear")  # diffusers' layerwise-casting set; every Linear/Conv/Embedding
 DEFAULT_SKIP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")  # diffusers' DEFAULT_SKIP_MODULES_PATTERN
-_LOW = (jnp.dtype(jnp.float8_e4m3fn),)
 
 
 def layerwise(extra: Sequence[str] = (), options: Any = None) -> Callable[[str], bool]:
@@ -76,60 +73,6 @@ def layerwise(extra: Sequence[str] = (), options: Any = None) -> Callable[[str],
     return low
 
 
-@dataclass(frozen=True)
-class Quantised:
-    """A weight kept on the device as stored, expanded where it is used (``upcast``, inside the
-    jitted apply): ``values * scale``, with one scale per tensor or per block of ``values``.
-
-    ``scale`` has the rank of ``values`` and divides its shape axis by axis (each scale covers a
-    block ``values.shape[i] // scale.shape[i]`` long on axis i), or is a scalar (one per tensor)::
-
-        scaled fp8   values (in, out) float8_e4m3fn   scale ()            float32
-        GGUF Q8_0    values (in, out) int8            scale (in/32, out)  float16
-
-    A pytree (its two arrays are leaves), so it is placed, sharded, keyed and traced like any
-    parameter; ``shape`` and ``dtype`` are the stored values' (what a layer's ``kernel.shape`` reads).
-    """
-
-    values: Any  # the stored elements, in the parameter's (jax) layout
-    scale: Any  # () per tensor, or values' rank with each axis dividing values'
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.values.shape)
-
-    @property
-    def dtype(self) -> Any:
-        return self.values.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.values.nbytes) + int(self.scale.nbytes)
-
-    def expand(self, dtype: Any) -> Any:
-        """``values * scale`` in float32 (the arithmetic a host dequantisation does), then ``dtype``."""
-        values = self.values.astype(jnp.float32)
-        scale = self.scale.astype(jnp.float32)
-        if scale.ndim == 0:
-            return (values * scale).astype(dtype)
-        blocks = [n // m for n, m in zip(values.shape, scale.shape)]
-        split = [d for m, b in zip(scale.shape, blocks) for d in (m, b)]  # (s0, b0, s1, b1, ...)
-        spread = [d for m in scale.shape for d in (m, 1)]  # (s0, 1, s1, 1, ...)
-        return (values.reshape(split) * scale.reshape(spread)).reshape(values.shape).astype(dtype)
-
-
-jax.tree_util.register_dataclass(Quantised, data_fields=["values", "scale"], meta_fields=[])
-
-
-def _is_quantised(x: Any) -> bool:
-    return isinstance(x, Quantised)
-
-
-def is_low(dtype: Any) -> bool:
-    """Whether ``dtype`` is a storage dtype that ``upcast`` converts."""
-    return np.dtype(dtype) in _LOW
-
-
 def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     """``params`` with every fp8 leaf converted to ``dtype`` (the compute dtype); the rest as they
     are. Called inside the jitted apply, so the device keeps fp8 and XLA places the converts.
@@ -141,7 +84,7 @@ def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     def stored(x: Any) -> bool:
         return isinstance(x, Quantised) or is_low(x.dtype)
 
-    if not any(stored(leaf) for leaf in jax.tree.leaves(params, is_leaf=_is_quantised)):
+    if not any(stored(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantised)):
         return params
     if tie is not None:
         params, _ = jax.lax.optimization_barrier((params, tie))
@@ -151,7 +94,7 @@ def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
             return x.expand(dtype)
         return x.astype(dtype) if is_low(x.dtype) else x
 
-    return jax.tree.map(expand, params, is_leaf=_is_quantised)
+    return jax.tree.map(expand, params, is_leaf=is_quantised)
 
 
 def check_weights_dtype(weights_dtype: str, mesh: Any = None, weights_layers: str = "layerwise") -> None:
@@ -166,32 +109,10 @@ def check_weights_dtype(weights_dtype: str, mesh: Any = None, weights_layers: st
                                    argument="weights_layers")
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     for device in devices:
-        reason = _refusal(device, weights_dtype)
+        reason = refusal(device, weights_dtype)
         if reason is not None:
             raise ModelFormatError(f"weights_dtype={weights_dtype}: device {device} ({device.platform}) cannot hold "
                                    f"{weights_dtype} weights: {reason[:160]}")
-
-
-def _refusal(device: Any, dtype: str) -> str | None:
-    """Why ``device`` cannot hold ``dtype`` weights and upcast them in a compiled program, or None:
-    a tiny array of it is placed there and upcast, as a denoiser's weights will be."""
-    try:
-        probe = jax.device_put(np.zeros((2,), jnp.dtype(dtype)), device)
-        jax.block_until_ready(jax.jit(lambda x: x.astype(jnp.float32) * 2)(probe))
-    except Exception as exc:  # the runtime's own refusal, whatever its type
-        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return None
-
-
-@functools.cache
-def _holds(device: Any, dtype: str) -> bool:
-    return _refusal(device, dtype) is None
-
-
-def holds(dtype: Any) -> bool:
-    """Whether the default device holds ``dtype`` weights (probed once per device and dtype): a
-    file's fp8 weights stay fp8 there without ``weights_dtype``, or are upcast on the host."""
-    return _holds(jax.devices()[0], jnp.dtype(dtype).name)
 
 
 def stored_low(params: Any, weights_dtype: str, source: Any) -> None:

@@ -51,8 +51,8 @@ from flax import nnx
 from preheat.errors import ModelFormatError, ModelNotFoundError, UnsupportedConfigError, WeightsError
 from preheat.models.load_report import LoadRecording, LoadReport, PeakWindow, recording
 from preheat.models.load_report import record as record_load
+from preheat.models.quantised import FLOAT8, Quantised, holds, is_low
 from preheat.models.scaled_fp8 import dequantise, ignored, scale_of, scale_shape, weight_scales
-from preheat.models.storage import FLOAT8, Quantised, holds, is_low
 
 __all__ = [
     "DIFFUSERS_STEM",
@@ -530,7 +530,7 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
     without it, the ones the checkpoint stores in fp8 (``dtype_plan``).
     A scaled checkpoint's weight (``X.weight`` with ``X.scale_weight``: a scaled fp8 file's, or a
     GGUF Q8_0 weight's int8 values and per-block scales) stored and planned compact (fp8, int8)
-    is placed as it is stored with its scale, a ``storage.Quantised`` that the apply expands at
+    is placed as it is stored with its scale, a ``quantised.Quantised`` that the apply expands at
     use; one planned in another dtype (a layer fp8 storage keeps at full precision, an encoder's)
     is dequantised on the host as it is placed. The scales and the marker match no parameter
     (``preheat.models.scaled_fp8``).
@@ -584,7 +584,7 @@ def dtype_plan(abstract: nnx.State, dtype: Any, *, key_fn: Callable[[tuple[Any, 
     """``fill``'s per-key dtype for a denoiser (``low`` given): ``options.weights_dtype`` for the
     Linear/Conv/Embedding weights (``kernel``/``embedding`` leaves) that ``low`` names; without
     ``weights_dtype``, the stored dtype for those the checkpoint stores compact (``stored(key)``:
-    fp8, as ComfyUI keeps an fp8 file's weights, when the device holds fp8 (``storage.holds``);
+    fp8, as ComfyUI keeps an fp8 file's weights, when the device holds fp8 (``quantised.holds``);
     a GGUF Q8_0 weight's int8 values, which ``fill`` keeps beside their scales); the rest
     ``dtype_for`` (or ``dtype``). With ``weights_dtype``, what a load would place is known from the
     plan and the abstract shapes alone (the fp8 memory benchmark)."""
