@@ -1,13 +1,15 @@
-"""Scaled fp8 kept on the device against the same weights dequantised on the host (issue 28 item 2).
+"""Weights kept compact on the device (issue 28 items 2 and 3): scaled fp8 and GGUF Q8_0 against
+the same weights at full precision.
 
 A tiny random FLUX.1-dev folder (the test suite's ``save_tiny_flow_model``), its transformer
-written in BFL's layout as a ComfyUI-style scaled fp8 file (``amax / 448`` per-tensor scales) and
-as the same weights dequantised to float32; both loaded with ``config=`` the folder. Prints the
-denoiser's device bytes and images/s of each (timed round-robin, so drifting load hits both
-alike), then the device bytes a full-size FLUX.1-dev scaled fp8 file would place (abstract build,
-nothing allocated). The numbers behind docs/benchmarks.md, "Scaled fp8 kept on the device".
+written in BFL's layout as a ComfyUI-style scaled fp8 file (``amax / 448`` per-tensor scales), as
+the same weights dequantised to float32 (loaded in float32 and in bfloat16), and (``--gguf``) as
+a Q8_0 GGUF file; each loaded with ``config=`` the folder. Prints the denoiser's device bytes and
+images/s of each (timed round-robin, so drifting load hits all alike), then the device bytes of
+the full-size FLUX.1-dev transformer each way (abstract build, nothing allocated). The numbers
+behind docs/benchmarks.md, "Scaled fp8 kept on the device" and "GGUF Q8_0 kept on the device".
 
-    PYTHONPATH=src:. python scripts/bench_quantised.py [--rounds 5] [--n 4] [--steps 4] [--size 64]
+    PYTHONPATH=src:. python scripts/bench_quantised.py [--rounds 5] [--n 4] [--steps 4] [--size 64] [--gguf]
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 FP8_MAX = 448.0
 
 
-def _files(base: Path) -> tuple[Path, dict[str, Path]]:
+def _files(base: Path, with_gguf: bool) -> tuple[Path, dict[str, tuple[Path, dict[str, str]]]]:
     import ml_dtypes
     from safetensors.numpy import load_file, save_file
 
@@ -43,8 +45,25 @@ def _files(base: Path) -> tuple[Path, dict[str, Path]]:
         plain[key] = scaled[key].astype(np.float32) * scale
     files = {}
     for name, tensors in (("scaled fp8, kept on the device", scaled), ("dequantised on the host (float32)", plain)):
-        files[name] = base / f"{len(files)}.safetensors"
-        save_file(tensors, str(files[name]))
+        files[name] = (base / f"{len(files)}.safetensors", {})
+        save_file(tensors, str(files[name][0]))
+    files["dequantised on the host (bfloat16)"] = (files["dequantised on the host (float32)"][0], {"dtype": "bfloat16"})
+    if with_gguf:  # city96's layout: 2-D weights in Q8_0 where their rows are blocks of 32, F16 else, 1-D F32
+        import gguf
+
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        writer = gguf.GGUFWriter(str(base / "q8.gguf"), arch="flux")
+        for key, value in bfl.items():
+            value = np.asarray(value, np.float32)
+            if value.ndim == 2 and value.shape[-1] % 32 == 0:
+                writer.add_tensor(key, gguf.quants.quantize(value, q8), raw_dtype=q8)
+            else:
+                writer.add_tensor(key, value.astype(np.float16) if value.ndim >= 2 else value)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        files["GGUF Q8_0, kept on the device"] = (base / "q8.gguf", {})
     return folder, files
 
 
@@ -67,6 +86,12 @@ def _full_size() -> None:
                  if str(path[-1]) == "kernel" and low(".".join(map(str, path[:-1])) + ".weight"))
     print(f"full-size FLUX.1-dev transformer: bf16 {bf16 / 1e9:.2f} GB; every Linear in fp8 with its scale "
           f"{(fp8 + 4 * scales) / 1e9:.2f} GB ({(fp8 + 4 * scales) / bf16:.3f}x; {scales} scales, {4 * scales} B)")
+    linear = sum(int(np.prod(v.shape)) for path, v in nnx.to_flat_state(abstract)
+                 if str(path[-1]) == "kernel" and low(".".join(map(str, path[:-1])) + ".weight"))
+    rest = bf16 - 2 * linear
+    q8_0 = linear * 34 // 32 + rest  # Q8_0: 34 bytes per 32 values; the rest (biases, norms, img_in's odd rows) bf16
+    print(f"full-size FLUX.1-dev transformer: every Linear in Q8_0 (34 B per 32), the rest bf16: "
+          f"{q8_0 / 1e9:.2f} GB ({q8_0 / bf16:.3f}x)")
 
 
 def main() -> None:
@@ -75,6 +100,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--gguf", action="store_true", help="a GGUF Q8_0 file too (needs the gguf package)")
     args = parser.parse_args()
     import os
 
@@ -83,8 +109,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["PREHEAT_HOME"] = str(Path(tmp) / "home")
-        folder, files = _files(Path(tmp))
-        pipes = {name: preheat.load(f, config=folder, cache="off") for name, f in files.items()}
+        folder, files = _files(Path(tmp), args.gguf)
+        pipes = {name: preheat.load(f, config=folder, cache="off", **load) for name, (f, load) in files.items()}
         call = dict(prompt="a watercolor fox", n=args.n, steps=args.steps, sampler="flow_euler", guidance=3.5,
                     width=args.size, height=args.size, seed=0)
         images = {name: pipe.generate(**call) for name, pipe in pipes.items()}  # compiles
@@ -94,9 +120,10 @@ def main() -> None:
                 t0 = time.perf_counter()
                 pipe.generate(**call)
                 times[name].append(time.perf_counter() - t0)
-        a, b = images.values()
-        print(f"{args.n} images {args.size}x{args.size}, {args.steps} steps, float32 compute, {args.rounds} rounds; "
-              f"images equal: {np.array_equal(a, b)}")
+        ref = images["dequantised on the host (float32)"].astype(np.int32)
+        print(f"{args.n} images {args.size}x{args.size}, {args.steps} steps, {args.rounds} rounds; mean |Δpx| against "
+              f"the float32 load: " + ", ".join(f"{name} {np.abs(im.astype(np.int32) - ref).mean():.4f}"
+                                                for name, im in images.items()))
         for name, pipe in pipes.items():
             med = statistics.median(times[name])
             print(f"  {name}: denoiser {device_bytes(pipe.params)} B on the device, "

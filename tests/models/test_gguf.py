@@ -154,3 +154,14 @@ def test_a_gguf_file_without_config_is_one_line(files, tmp_path, monkeypatch):
     with pytest.raises(InvalidArgumentError, match="is a GGUF file .*pass config=") as exc:
         preheat.load(files["q8"], cache="off")
     assert "\n" not in str(exc.value) and exc.value.argument == "config"
+
+
+def test_without_the_gguf_extra_it_is_one_line(files, monkeypatch):
+    import sys
+
+    from preheat.errors import MissingExtraError
+    from preheat.models.gguf_file import GGUFTensors
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if the package were not installed
+    with pytest.raises(MissingExtraError, match=r'GGUF file .* needs the gguf extra: pip install "\.\[gguf\]"'):
+        GGUFTensors(files["q8"])

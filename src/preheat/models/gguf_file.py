@@ -29,7 +29,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from preheat.errors import ModelFormatError
+from preheat.errors import MissingExtraError, ModelFormatError
 
 __all__ = ["SUPPORTED", "BLOCK", "GGUFTensors", "is_gguf", "split_q8_0"]
 
@@ -60,9 +60,8 @@ class GGUFTensors(Mapping[str, np.ndarray]):
     def __init__(self, path: str | Path):
         try:
             from gguf import GGMLQuantizationType, GGUFReader
-        except ImportError:
-            raise ModelFormatError(f"{path} is a GGUF file; reading it needs the gguf package "
-                                   "(pip install 'preheat[gguf]')") from None
+        except ModuleNotFoundError as exc:
+            raise (MissingExtraError.of(exc, f"reading the GGUF file {path}") or exc) from None
         self.path = Path(path)
         try:
             reader = GGUFReader(str(path))
