@@ -129,6 +129,28 @@ def test_q8_0_weights_stay_int8_with_their_block_scales(files, pipe, record_prop
     assert sorted(GGUFTensors(files["q8"])) == sorted([*files["types"], *(k[:-len("weight")] + "scale_weight" for k in q8)])
 
 
+def test_fp8_storage_of_a_q8_0_file_keeps_q8_0_and_dequantises_the_full_precision_layers(files, pipe, tmp_path,
+                                                                                          monkeypatch):
+    """weights_dtype=float8_e4m3fn: the Q8_0 layers of its set stay Q8_0 (a cast to fp8 would only
+    lose precision), the Q8_0 layers it keeps at full precision (the AdaLN modulation) are
+    dequantised on the host with the same float32 products; the file's one F16 weight in the set
+    (``img_in``, 16 wide: no Q8_0 blocks) is cast to fp8 like any full-precision weight."""
+    from flax import nnx
+
+    from preheat.models.quantised import Quantised
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    low = preheat.load(files["q8"], config=files["folder"], cache="off", weights_dtype="float8_e4m3fn")
+    leaves = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(low.params)}
+    assert isinstance(leaves["transformer_blocks.0.attn.to_q.kernel"], Quantised)
+    assert leaves["transformer_blocks.0.norm1.linear.kernel"].dtype == np.float32
+    call = dict(noise=_noise(), steps=STEPS, sampler="flow_euler", guidance=GUIDANCE, width=32, height=32)
+    assert leaves["x_embedder.kernel"].dtype == np.dtype("float8_e4m3fn")
+    diff = np.abs(low.generate(PROMPT, **call).astype(np.int32) - pipe.generate(PROMPT, **call).astype(np.int32))
+    print(f"GGUF Q8_0 with weights_dtype=float8_e4m3fn vs without: mean |Δpx| {diff.mean():.4f}")
+    assert diff.mean() <= MEAN_TOL
+
+
 def test_another_quantisation_type_is_one_line(files, tmp_path, monkeypatch):
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     with pytest.raises(ModelFormatError) as exc:

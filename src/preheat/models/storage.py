@@ -117,9 +117,11 @@ def check_weights_dtype(weights_dtype: str, mesh: Any = None, weights_layers: st
 
 def stored_low(params: Any, weights_dtype: str, source: Any) -> None:
     """A one-line error when a load asked for ``weights_dtype`` but no weight was stored in it
-    (a denoiser whose loader names no layers): never a silent full-precision load."""
+    (a denoiser whose loader names no layers): never a silent full-precision load. A layer kept
+    ``Quantised`` (GGUF Q8_0's int8 and scales: more compact than a cast to fp8) counts as stored."""
     want = jnp.dtype(weights_dtype)
-    if not any(np.dtype(leaf.dtype) == want for leaf in jax.tree.leaves(params)):  # a Quantised's values included
+    leaves = jax.tree.leaves(params, is_leaf=is_quantised)
+    if not any(isinstance(leaf, Quantised) or np.dtype(leaf.dtype) == want for leaf in leaves):
         raise ModelFormatError(f"{source}: weights_dtype={weights_dtype} was asked for, but this model's denoiser "
                                f"stores no layer in it")
 
