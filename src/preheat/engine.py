@@ -518,7 +518,8 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     ``dtype``: the denoiser's dtype (float32, bfloat16, float16); a VAE that asks for it stays float32.
     ``variant``: weight files ``*.{variant}.safetensors`` (e.g. "fp16").
     ``config``: with ``model`` a single ``.safetensors`` file in an original layout (LDM SD 1.x/2.x,
-    SGM SDXL, BFL FLUX.1) or a FLUX.1 GGUF file (``preheat.models.gguf_file``), the diffusers folder whose configs and tokenizers it is read with
+    SGM SDXL, BFL FLUX.1) or a FLUX.1 GGUF file (``preheat.models.gguf_file``), the diffusers folder
+    whose configs and tokenizers it is read with
     (``preheat.models.single_file``), or a folder of its tokenizer folders only, beside the shipped
     configs of the published model the file is inferred to be (``preheat.models.published``).
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.

@@ -62,14 +62,9 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipe(files, tmp_path_factory):
-    import os
-
-    before = os.environ.get("PREHEAT_HOME")
-    os.environ["PREHEAT_HOME"] = str(tmp_path_factory.mktemp("home"))  # the converted folder's root
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREHEAT_HOME", str(tmp_path_factory.mktemp("home")))  # the converted folder's root
         return preheat.load(files["q8"], config=files["folder"], cache="off")
-    finally:
-        os.environ.pop("PREHEAT_HOME") if before is None else os.environ.__setitem__("PREHEAT_HOME", before)
 
 
 def _noise() -> np.ndarray:
@@ -126,7 +121,8 @@ def test_q8_0_weights_stay_int8_with_their_block_scales(files, pipe, record_prop
     print(f"denoiser on the device: {device_bytes(pipe.params)} B ({elements + 2 * elements // 32} B of Q8_0 "
           f"weights, {rest} B of float32 rest)")
     q8 = [k for k, t in files["types"].items() if t == "Q8_0"]  # the reader adds a scale per Q8_0 weight
-    assert sorted(GGUFTensors(files["q8"])) == sorted([*files["types"], *(k[:-len("weight")] + "scale_weight" for k in q8)])
+    scales = [k[:-len("weight")] + "scale_weight" for k in q8]
+    assert sorted(GGUFTensors(files["q8"])) == sorted([*files["types"], *scales])
 
 
 def test_fp8_storage_of_a_q8_0_file_keeps_q8_0_and_dequantises_the_full_precision_layers(files, pipe, tmp_path,

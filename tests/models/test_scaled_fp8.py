@@ -56,29 +56,23 @@ def files(tmp_path_factory):
     return out
 
 
-def _image(files, name: str, pipe=None, **load) -> np.ndarray:
-    pipe = pipe or preheat.load(files[name], config=files["folder"], cache="off", **load)
+def _image(pipe) -> np.ndarray:
     return pipe.generate(**CALL)
 
 
-CALL = dict(prompt="a watercolor fox", noise=np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32),
-            steps=3, sampler="flow_euler", guidance=3.5, width=32, height=32)
+NOISE = np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32)
+CALL = dict(prompt="a watercolor fox", noise=NOISE, steps=3, sampler="flow_euler", guidance=3.5, width=32, height=32)
 
 
 @pytest.fixture(scope="module")
 def pipes(files, tmp_path_factory):
     """The three files loaded once each (no weights_dtype), and the scaled one with fp8 storage."""
-    import os
-
-    home, before = tmp_path_factory.mktemp("home"), os.environ.get("PREHEAT_HOME")
-    os.environ["PREHEAT_HOME"] = str(home)  # the converted folders live in the cache root
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREHEAT_HOME", str(tmp_path_factory.mktemp("home")))  # the converted folders' root
         out = {name: preheat.load(files[name], config=files["folder"], cache="off")
                for name in ("scaled", "plain", "unscaled")}
         out["scaled-fp8"] = preheat.load(files["scaled"], config=files["folder"], cache="off",
                                          weights_dtype="float8_e4m3fn")
-    finally:
-        os.environ.pop("PREHEAT_HOME") if before is None else os.environ.__setitem__("PREHEAT_HOME", before)
     return out
 
 
@@ -92,13 +86,13 @@ def _leaves(pipe) -> dict[str, object]:
 def test_a_scaled_fp8_file_draws_its_dequantised_weights_image_exactly(pipes, record_property):
     """Without weights_dtype the file's fp8 weights stay fp8 on the device (as ComfyUI keeps them),
     with their scales; the image is bit for bit the float32 dequantised weights' image."""
-    plain, scaled = _image(None, "plain", pipes["plain"]), _image(None, "scaled", pipes["scaled"])
+    plain, scaled = _image(pipes["plain"]), _image(pipes["scaled"])
     diff = float(np.abs(scaled.astype(np.int32) - plain.astype(np.int32)).mean())
     record_property("mean_abs_px", diff)
     print(f"scaled fp8 kept on the device vs its dequantised weights: mean |Δpx| {diff:.4f}")
     assert plain.std() > 5
     np.testing.assert_array_equal(scaled, plain)  # exact: the same float32 products, where they are used
-    unscaled = _image(None, "unscaled", pipes["unscaled"])  # the same fp8 bytes read as plain F8_E4M3
+    unscaled = _image(pipes["unscaled"])  # the same fp8 bytes read as plain F8_E4M3
     moved = float(np.abs(unscaled.astype(np.int32) - plain.astype(np.int32)).mean())
     print(f"scales ignored: mean |Δpx| {moved:.4f}")
     assert moved > 1.0
@@ -147,7 +141,7 @@ def test_fp8_storage_keeps_the_scaled_layers_and_dequantises_the_others(pipes):
     assert "transformer_blocks.0.attn.to_q.kernel" in kept and "transformer_blocks.0.norm1.linear.kernel" in full
     assert all("norm" in k or k == "proj_out.kernel" for k in full) and len(kept) > 10
     assert all(leaves[k].dtype == np.float32 for k in full)
-    np.testing.assert_array_equal(_image(None, "scaled", pipes["scaled-fp8"]), _image(None, "plain", pipes["plain"]))
+    np.testing.assert_array_equal(_image(pipes["scaled-fp8"]), _image(pipes["plain"]))
 
 
 def test_kept_scales_survive_the_compile_cache_and_prefetch(files, tmp_path, monkeypatch):

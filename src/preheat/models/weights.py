@@ -37,7 +37,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Container, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -548,19 +548,17 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
     scale_shapes = {key: scale_shape(tensors, key, scales[key])  # checked before any tensor is read
                     for _, _, _, _, key, _ in plan if key in scales}
 
-    def placeholder(var: Any, key: str, want: np.dtype) -> Any:
+    def placeholder(var: Any, leaf: str, key: str, want: np.dtype) -> Any:
         if key not in kept:
             return jax.ShapeDtypeStruct(tuple(var.shape), want)
         shape = scale_shapes[key]  # (): one float32 per tensor; else blocks, as stored, in the kernel's layout
         scale_dtype = np.float32 if shape == () else _meta(tensors, kept[key])[1]
-        layout = to_jax_layout(np.broadcast_to(np.zeros((), np.uint8), shape), str(var_leaf[key])).shape
+        layout = to_jax_layout(np.broadcast_to(np.zeros((), np.uint8), shape), leaf).shape
         return Quantised(jax.ShapeDtypeStruct(tuple(var.shape), _meta(tensors, key)[1]),
                          jax.ShapeDtypeStruct(layout, scale_dtype))
 
-    var_leaf = {key: leaf for _, _, _, leaf, key, _ in plan}
-
     # one placeholder Variable per leaf, its value set in place when its tensor is placed
-    holders = {i: var.replace(placeholder(var, key, want)) for i, _, var, _, key, want in plan}
+    holders = {i: var.replace(placeholder(var, leaf, key, want)) for i, _, var, leaf, key, want in plan}
     state = nnx.from_flat_state([(flat[i][0], holders[i]) for i in sorted(holders)])
 
     def job() -> None:
@@ -590,7 +588,7 @@ def dtype_plan(abstract: nnx.State, dtype: Any, *, key_fn: Callable[[tuple[Any, 
     plan and the abstract shapes alone (the fp8 memory benchmark)."""
     if options is None or low is None or (options.weights_dtype is None and stored is None):
         return dtype_for
-    rest = dtype_for
+    rest, compact = dtype_for, {}
     layers = {key_fn(path) for path, _ in nnx.to_flat_state(abstract) if str(path[-1]) in ("kernel", "embedding")}
     if options.weights_dtype is not None:
         want, chosen = jnp.dtype(options.weights_dtype), low
@@ -622,7 +620,7 @@ _Plan = list[tuple[int, tuple[Any, ...], Any, str, str, np.dtype]]
 
 def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: str,
            key_fn: Callable[[tuple[Any, ...]], str], ignore: Callable[[str], bool] | None,
-           dtype_for: Callable[[str], Any] | None, scales: Mapping[str, str] = {}) -> tuple[list[Any], _Plan]:
+           dtype_for: Callable[[str], Any] | None, scales: Container[str] = ()) -> tuple[list[Any], _Plan]:
     """Headers only: every key, shape and dtype, all problems in one ``WeightsError``; returns
     the flat abstract state and the plan (index, path, variable, leaf, key, dtype to place).
     A weight with a scale (``scales``) may be stored as int8 (GGUF Q8_0's values)."""
@@ -659,8 +657,8 @@ def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: 
 def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], source: str,
             scales: Mapping[str, str] | None = None, kept: Mapping[str, str] | None = None) -> LoadReport:
     """Read, cast and place every planned tensor (file order), setting ``holders[i]``'s value.
-    ``kept``: the scaled fp8 weights placed as stored beside their scale; the rest of ``scales``
-    are dequantised on the host."""
+    ``kept``: the scaled weights (fp8, Q8_0) placed as stored beside their scale; the rest of
+    ``scales`` are dequantised on the host."""
     lazy = isinstance(tensors, Checkpoint)
     if lazy:  # stream in file order (sequential reads; the OS reads ahead)
         infos = {key: tensors.info(key) for _, _, _, _, key, _ in plan}
@@ -677,7 +675,8 @@ def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], so
         elif scales and key in scales:  # fp8 times its scale, then the planned dtype (preheat.models.scaled_fp8)
             host = dequantise(tensors, key, scales[key]).astype(want)
             value = jax.device_put(to_jax_layout(host, leaf), donate=True)
-            nbytes = host.size * _meta(tensors, key)[1].itemsize + 4  # the stored weight and its scale
+            scale_shape_, scale_dtype = _meta(tensors, scales[key])
+            nbytes = host.size * _meta(tensors, key)[1].itemsize + int(np.prod(scale_shape_)) * scale_dtype.itemsize
         else:
             value, nbytes = _place(tensors, key, leaf, want, scratch)
         bytes_read += nbytes
