@@ -183,3 +183,35 @@ def test_without_the_gguf_extra_it_is_one_line(files, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # as if the package were not installed
     with pytest.raises(MissingExtraError, match=r'GGUF file .* needs the gguf extra: pip install "\.\[gguf\]"'):
         GGUFTensors(files["q8"])
+
+
+def test_every_supported_type_reads_as_gguf_dequantises_it(tmp_path):
+    """F32, F16 and BF16 as they are, Q8_0 as values and scales whose product is gguf's own
+    dequantisation, all in torch's axis order."""
+    from preheat.models.gguf_file import GGUFTensors
+
+    rng = np.random.default_rng(0)
+    tensors = {"a.weight": rng.standard_normal((3, 64)).astype(np.float32), "b.bias": rng.standard_normal(5)}
+    path, kinds = tmp_path / "types.gguf", {"a.weight": "Q8_0", "b.bias": "F32", "c.weight": "F16", "d.weight": "BF16"}
+    writer = gguf.GGUFWriter(str(path), arch="flux")
+    q8, bf16 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.BF16
+    writer.add_tensor("a.weight", gguf.quants.quantize(tensors["a.weight"], q8), raw_dtype=q8)
+    writer.add_tensor("b.bias", tensors["b.bias"].astype(np.float32))
+    writer.add_tensor("c.weight", tensors["a.weight"][:, :5].astype(np.float16))
+    writer.add_tensor("d.weight", gguf.quants.quantize(tensors["a.weight"][:2], bf16), raw_dtype=bf16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    read = GGUFTensors(path)
+    raw = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    assert {k: raw[k].tensor_type.name for k in kinds} == kinds
+    for key in kinds:
+        want = gguf.quants.dequantize(raw[key].data, raw[key].tensor_type)
+        if key == "a.weight":
+            assert read[key].dtype == np.int8 and read["a.scale_weight"].dtype == np.float16
+            got = read[key].astype(np.float32) * np.repeat(read["a.scale_weight"].astype(np.float32), 32, axis=1)
+        else:
+            got = read[key].astype(np.float32)
+        assert got.shape == want.shape == tuple(reversed(raw[key].shape.tolist()))
+        np.testing.assert_array_equal(got, want, err_msg=key)
