@@ -127,9 +127,9 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--cache", type=click.Choice(CACHE_LAYERS), help="Compile cache layers (default: full)."),
         click.option("--config", metavar="FOLDER|hf://ORG/REPO",
                      help="MODEL is a single .safetensors file in an original layout (LDM SD 1.x/2.x, SGM SDXL, "
-                          "BFL FLUX.1) or a FLUX.1 GGUF file: the diffusers folder or repository whose configs and tokenizers read it, or "
-                          "a folder of its tokenizer folders only (the configs of the published model it is "
-                          "inferred to be ship with preheat) (JAX backend)."),
+                          "BFL FLUX.1) or a FLUX.1 GGUF file: the diffusers folder or repository whose configs "
+                          "and tokenizers read it, or a folder of its tokenizer folders only (the configs of the "
+                          "published model it is inferred to be ship with preheat) (JAX backend)."),
     ]
     for option in reversed(options):
         fn = option(fn)
