@@ -144,6 +144,20 @@ def test_fp8_storage_keeps_the_scaled_layers_and_dequantises_the_others(pipes):
     np.testing.assert_array_equal(_image(pipes["scaled-fp8"]), _image(pipes["plain"]))
 
 
+def test_a_lora_on_kept_scaled_layers_draws_the_dequantised_weights_lora_image(files, pipes, tmp_path):
+    """A LoRA's low-rank path runs beside layers kept scaled as beside any layer: the same image as
+    on the dequantised float32 weights, and not the image without it."""
+    from tests._support.lora_files import peft_layers, save_lora
+
+    ref = flow_fixtures.reference_pipeline(files["folder"], "flow_euler")
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "proj_mlp", "ff.net.2"]
+    lora = save_lora(ref, tmp_path / "lora", "transformer",
+                     {"transformer": peft_layers(ref.transformer, targets, 4, 4, seed=4)})
+    with_lora = {name: pipes[name].generate(**CALL, lora=str(lora)) for name in ("scaled", "plain")}
+    np.testing.assert_array_equal(with_lora["scaled"], with_lora["plain"])
+    assert np.abs(with_lora["scaled"].astype(np.int32) - _image(pipes["scaled"]).astype(np.int32)).mean() > 1.0
+
+
 def test_kept_scales_survive_the_compile_cache_and_prefetch(files, tmp_path, monkeypatch):
     """Placeholders of a prefetching load are (values, scale) shapes too: the executable the first
     load compiled is the one the second load fetches while the weights are read (``aot``)."""
