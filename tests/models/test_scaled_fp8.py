@@ -158,6 +158,22 @@ def test_a_lora_on_kept_scaled_layers_draws_the_dequantised_weights_lora_image(f
     assert np.abs(with_lora["scaled"].astype(np.int32) - _image(pipes["scaled"]).astype(np.int32)).mean() > 1.0
 
 
+def test_kept_scales_are_placed_on_a_mesh_like_any_weight(files, pipes, tmp_path, monkeypatch):
+    """Two devices (the suite's fake CPU devices), a batch split over them: each device holds the
+    fp8 values and scales (``sharding.distribute`` sees two leaves), and the images are the
+    single-device float32 load's (to XLA's rounding at another batch size per program)."""
+    from preheat.models.quantised import Quantised
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    pipe = preheat.load(files["scaled"], config=files["folder"], cache="off", devices=2)
+    q = next(v for v in _leaves(pipe).values() if isinstance(v, Quantised))
+    assert len(q.values.sharding.device_set) == len(q.scale.sharding.device_set) == 2
+    noise = np.concatenate([NOISE, -NOISE])
+    call = {**CALL, "noise": noise, "n": 2}
+    diff = np.abs(pipe.generate(**call).astype(np.int32) - pipes["plain"].generate(**call).astype(np.int32))
+    assert diff.mean() <= MEAN_TOL / 10 and diff.max() <= 1  # one image per device against two on one: XLA's rounding
+
+
 def test_kept_scales_survive_the_compile_cache_and_prefetch(files, tmp_path, monkeypatch):
     """Placeholders of a prefetching load are (values, scale) shapes too: the executable the first
     load compiled is the one the second load fetches while the weights are read (``aot``)."""
