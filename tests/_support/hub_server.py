@@ -7,7 +7,9 @@ at ``hub.base``.
 * ``HEAD|GET /{repo}/resolve/{rev}/{path}``: a file (``X-Repo-Commit``, ``ETag``, ``Content-Length``).
 
 Each request is recorded (``hits``: method and path), so a test can assert which files' bodies
-were sent and how many bytes.
+were sent and how many bytes. ``gated=True`` answers file downloads as a gated repository does to a
+caller without access (401, ``X-Error-Code: GatedRepo``); its listing stays public, as the Hub's.
+``pointed_at(monkeypatch, base)`` points this process's huggingface_hub at a stand-in.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import unquote, urlsplit
 
 
@@ -30,9 +32,9 @@ class Hit(NamedTuple):
 class FakeHub(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, repo: str, files: dict[str, bytes], commit: str = "ab" * 20) -> None:
+    def __init__(self, repo: str, files: dict[str, bytes], commit: str = "ab" * 20, gated: bool = False) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
-        self.repo, self.files, self.commit = repo, files, commit
+        self.repo, self.files, self.commit, self.gated = repo, files, commit, gated
         self.hits: list[Hit] = []
         self.lock = threading.Lock()
 
@@ -52,6 +54,17 @@ class FakeHub(ThreadingHTTPServer):
     def stop(self) -> None:
         self.shutdown()
         self.server_close()
+
+
+def pointed_at(monkeypatch: Any, base: str) -> None:
+    """huggingface_hub in this process talks to ``base`` (a stand-in, or a closed port), online."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", base)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", base + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
 
 
 def _etag(data: bytes, path: str) -> str:
@@ -102,6 +115,9 @@ class _Handler(BaseHTTPRequestHandler):
                     entry["lfs"] = {"oid": _etag(data, p), "size": len(data), "pointerSize": 134}
                 entries.append(entry)
             return self._send(200, json.dumps(entries).encode(), json_headers, body, path)
+        if resolve and hub.gated:
+            error = {"X-Error-Code": "GatedRepo", "X-Error-Message": f"Access to model {hub.repo} is restricted."}
+            return self._send(401, b'{"error": "gated"}', {**json_headers, **error}, body, path)
         if resolve and resolve["rev"] in ("main", hub.commit) and resolve["file"] in hub.files:
             name = resolve["file"]
             data = hub.files[name]

@@ -19,13 +19,15 @@ import numpy as np
 import pytest
 
 import preheat
-from preheat.errors import InvalidArgumentError, ModelFormatError
-from preheat.models.published import CONFIGS, PUBLISHED, config_folder, infer, infer_file
+from preheat.errors import FetchError, InvalidArgumentError, ModelFormatError
+from preheat.models.published import CONFIGS, PUBLISHED, config_folder, infer, infer_file, named
 from tests._support.bfl_files import to_bfl
 from tests._support.ldm_files import to_original
 
 NAMES = [p.name for p in PUBLISHED]
-KIND = {"stable-diffusion-v1-5": "sd1", "stable-diffusion-2-1": "sd2", "stable-diffusion-xl-base-1.0": "sdxl"}
+KIND = {"stable-diffusion-v1-5": "sd1", "stable-diffusion-2-1": "sd2", "stable-diffusion-2-1-base": "sd2",
+        "stable-diffusion-xl-base-1.0": "sdxl"}
+SAME_TENSORS = {"stable-diffusion-2-1-base": "stable-diffusion-2-1"}  # told apart by name only (docs/models.md)
 
 
 class Abstract:
@@ -117,7 +119,8 @@ def _original_shapes(name: str, prefix: str = "") -> dict[str, tuple[int, ...]]:
 @pytest.mark.parametrize("name", NAMES)
 def test_every_published_model_is_told_apart_by_its_shapes(name):
     shapes = _original_shapes(name)
-    assert infer(shapes).name == name
+    assert infer(shapes).name == SAME_TENSORS.get(name, name)
+    assert named(name).fits(shapes)  # config=<its name> reads the file as that model
     if not name.startswith("stable-diffusion-") or "3" in name:  # transformers: ComfyUI's prefix too
         assert infer(_original_shapes(name, "model.diffusion_model.")).name == name
 
@@ -135,22 +138,27 @@ def test_a_file_of_no_published_model_names_every_model_tried(tmp_path):
 
 
 def test_load_without_config_names_the_inferred_model(tmp_path, monkeypatch):
-    """A file with FLUX.1 dev's names and shapes (only the ones inference reads: small) is refused
-    in one line naming the model and its published repository, before anything is converted."""
+    """A file with FLUX.1 dev's names and shapes (only the ones inference reads: small), offline: one
+    line naming the model, the folders it lacks, its published repository and config=, before
+    anything is converted (tests/models/test_published_fetch.py fetches them from a stand-in Hub)."""
     from safetensors.numpy import save_file
 
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     shapes = _original_shapes("FLUX.1-dev")
     read = ["img_in.weight", "guidance_in.in_layer.weight"]
     read += [k for k in shapes if re.match(r"(double|single)_blocks\.\d+\.linear2?\.bias$|double_blocks\.\d+\.img_mlp\.0\.bias$", k)]
     path = tmp_path / "flux1-dev.safetensors"
     save_file({k: np.zeros(shapes[k], np.float16) for k in read}, str(path))
     assert infer_file(path).name == "FLUX.1-dev"
-    with pytest.raises(InvalidArgumentError, match=r"is a FLUX\.1 dev single file \(bfl layout\); .*pass "
-                                                   r"config=<a FLUX\.1 dev diffusers folder, e\.g\. "
-                                                   r"hf://black-forest-labs/FLUX\.1-dev>") as err:
+    with pytest.raises(FetchError, match=r"is a FLUX\.1 dev single file; it needs text_encoder/, text_encoder_2/, "
+                                         r"tokenizer/, tokenizer_2/, vae/ from hf://black-forest-labs/FLUX\.1-dev, .*"
+                                         r"HF_HUB_OFFLINE is set.*; or pass config=<a folder holding text_encoder/, "
+                                         r"text_encoder_2/, tokenizer/, tokenizer_2/, vae/, or a FLUX\.1 dev diffusers "
+                                         r"folder, e\.g\. hf://black-forest-labs/FLUX\.1-dev>$") as err:
         preheat.load(path, cache="off")
-    assert err.value.argument == "config" and "\n" not in str(err.value)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "home" / "models" / "single").exists()  # nothing converted
 
 
 def test_a_comfyui_bundle_needs_only_the_tokenizers(tmp_path):
@@ -160,7 +168,7 @@ def test_a_comfyui_bundle_needs_only_the_tokenizers(tmp_path):
     the components it lacks."""
     from safetensors.numpy import save_file
 
-    from preheat.models.published import with_tokenizers
+    from preheat.models.published import needed, with_components
 
     shapes = _original_shapes("FLUX.1-dev", "model.diffusion_model.")
     read = [k for k in shapes if re.match(r"model\.diffusion_model\.(img_in\.weight|guidance_in\.in_layer\.weight|"
@@ -178,8 +186,9 @@ def test_a_comfyui_bundle_needs_only_the_tokenizers(tmp_path):
     save_file({**transformer, **bundled}, str(bundle))
     with pytest.raises(InvalidArgumentError, match=r"\(bfl layout\) without the weights of text_encoder, "
                                                    r"text_encoder_2, vae"):
-        with_tokenizers(alone, tokenizers, tmp_path / "root")
-    folder = with_tokenizers(bundle, tokenizers, tmp_path / "root")
+        with_components(alone, tokenizers, tmp_path / "root", needed(alone))
+    assert needed(bundle).components == ("tokenizer", "tokenizer_2")
+    folder = with_components(bundle, tokenizers, tmp_path / "root", needed(bundle))
     assert (folder / "transformer" / "config.json").is_file() and (folder / "tokenizer_2" / "vocab.json").is_file()
 
 
@@ -265,3 +274,25 @@ def test_config_may_be_a_folder_of_tokenizers_only(tmp_path, monkeypatch):
                                                    r"e\.g\. hf://example/tiny-sd1") as err:
         preheat.load(path, config=tmp_path / "assets", cache="off")
     assert err.value.argument == "config" and "\n" not in str(err.value)
+
+
+def test_sd2_base_is_the_768_model_but_for_its_scheduler_and_sizes():
+    """SD 2.1 base's shipped configs are SD 2.1's but for what makes it the 512 px epsilon model:
+    its scheduler (PNDM, epsilon), the UNet's sample size and fp32 attention (upcast only in the
+    768 px model); the VAE's config is the same (its sample_size 768 too, as published); its
+    published repository by each spelling ``config=`` takes."""
+    def configs(name):
+        folder = CONFIGS / name
+        return {p.relative_to(folder).as_posix(): json.loads(p.read_text()) for p in folder.rglob("*.json")}
+
+    v, base = configs("stable-diffusion-2-1"), configs("stable-diffusion-2-1-base")
+    assert sorted(v) == sorted(base)
+    changed = {(f, k): (v[f].get(k), base[f].get(k)) for f in v for k in set(v[f]) | set(base[f]) if v[f].get(k) != base[f].get(k)}
+    assert changed == {("model_index.json", "scheduler"): (["diffusers", "DDIMScheduler"], ["diffusers", "PNDMScheduler"]),
+                       ("scheduler/scheduler_config.json", "_class_name"): ("DDIMScheduler", "PNDMScheduler"),
+                       ("scheduler/scheduler_config.json", "prediction_type"): ("v_prediction", "epsilon"),
+                       ("unet/config.json", "sample_size"): (96, 64), ("unet/config.json", "upcast_attention"): (True, False)}
+    for spelling in ("stable-diffusion-2-1-base", "stabilityai/stable-diffusion-2-1-base",
+                     "hf://stabilityai/stable-diffusion-2-1-base"):
+        assert named(spelling).name == "stable-diffusion-2-1-base"
+    assert named("hf://stabilityai/stable-diffusion-2-1").name == "stable-diffusion-2-1" and named("./sd2") is None

@@ -212,6 +212,23 @@ def test_bfl_flux_file_matches_the_folder_it_was_converted_from(flux_file, tmp_p
     assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
 
 
+def test_other_weights_beside_the_same_configs_are_another_conversion(flux_file, tmp_path):
+    """A transformer file's converted folder links the config folder's VAE and text encoders: a
+    folder with the same configs and other weights (another fine-tune's text encoder) gets its own."""
+    import shutil
+
+    from preheat.models.single_file import materialize
+
+    folder, path = flux_file
+    other = tmp_path / "other-te"
+    shutil.copytree(folder, other)
+    te = other / "text_encoder" / "model.safetensors"  # the same configs and bytes: only where the weights are differs
+    ours, theirs = materialize(path, folder, tmp_path / "home"), materialize(path, other, tmp_path / "home")
+    assert ours != theirs
+    assert (theirs / "text_encoder" / "model.safetensors").resolve() == te.resolve()
+    assert materialize(path, other, tmp_path / "home") == theirs  # and reused as before
+
+
 def test_bfl_files_that_do_not_fit_the_config_are_one_line(flux_file, single, tmp_path, monkeypatch):
     from safetensors.numpy import load_file, save_file
 

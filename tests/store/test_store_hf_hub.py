@@ -12,11 +12,11 @@ import sys
 import numpy as np
 import pytest
 
-from preheat.errors import ModelFormatError, ModelNotFoundError
+from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError
 from preheat.store import parse_source, plan_pull, pull, source_id
 from preheat.store._hf import RepoFile, select
 from tests._support.store_fixtures import files_of
-from tests._support.hub_server import FakeHub
+from tests._support.hub_server import FakeHub, pointed_at
 
 REPO = "sd-legacy/stable-diffusion-v1-5"
 INDEX = {"_class_name": "StableDiffusionPipeline", "_diffusers_version": "0.6.0",
@@ -57,13 +57,8 @@ FP16 = sorted(CONFIGS + [n.replace(".safetensors", ".fp16.safetensors") for n in
 
 @pytest.fixture
 def hub(monkeypatch):
-    from huggingface_hub import constants
-
     srv = FakeHub(REPO, FILES).start()
-    monkeypatch.setattr(constants, "ENDPOINT", srv.base)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", srv.base + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    pointed_at(monkeypatch, srv.base)
     try:
         yield srv
     finally:
@@ -170,6 +165,28 @@ def test_select_rules():
         select(parse_source("hf://o/r", variant="bf16"), listing, idx)
     lora = (RepoFile("README.md", 1), RepoFile("pytorch_lora_weights.safetensors", 5), RepoFile("x.bin", 9))
     assert [f.path for f in select(src, lora, None)] == ["README.md", "pytorch_lora_weights.safetensors"]
+
+
+def test_components_pull_only_those_folders(root, hub):
+    """What a single file lacks (``components=``): those folders' configs, tokenizer files and
+    default weights; no model_index.json, no other folder; another pull than the whole pipeline's."""
+    snap = pull(f"hf://{REPO}", root=root, progress=False, components=["tokenizer", "text_encoder"])
+    wanted = sorted(n for n in DEFAULT if n.startswith(("tokenizer/", "text_encoder/")))
+    assert sorted(hub.downloaded()) == wanted and sorted(files_of(snap)) == wanted
+    src = parse_source(f"hf://{REPO}", components=["tokenizer", "text_encoder"])
+    assert src.key == f"hf://{REPO}#components=text_encoder,tokenizer" and src.id != source_id(f"hf://{REPO}")
+    assert parse_source(f"hf://{REPO}", variant="fp16", components=["vae"]).key == f"hf://{REPO}#variant=fp16&components=vae"
+    ref = json.loads((root / "models" / "refs" / src.id).read_text())
+    assert ref["components"] == ["text_encoder", "tokenizer"]
+
+    plan = plan_pull(f"hf://{REPO}", root=root, components=["tokenizer"], variant="fp16")
+    assert [f.path for f in plan.files] == [n for n in FP16 if n.startswith("tokenizer/")]
+    with pytest.raises(ModelNotFoundError, match=r"stable-diffusion-v1-5 has no tokenizer_2/ folder$"):
+        plan_pull(f"hf://{REPO}", root=root, components=["tokenizer_2", "tokenizer"])
+    with pytest.raises(InvalidArgumentError, match="components of .*: '../x' is not a component folder name"):
+        parse_source(f"hf://{REPO}", components=["../x"])
+    with pytest.raises(InvalidArgumentError, match="components apply only to hf:// pipelines"):
+        parse_source("/tmp/folder", components=["tokenizer"])
 
 
 def test_lora_from_hf_pulls_only_its_file(root, hub, monkeypatch):

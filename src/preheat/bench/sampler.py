@@ -35,7 +35,6 @@ def bench_sampler(model: str | None, batches: list[int], steps: int, sampler: st
                   workdir: Path, size: tuple[int, int] | None = None) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     import preheat
 

@@ -125,11 +125,13 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                                              "Linear (AdaLN modulation too; FLUX.1-dev 0.51x of bf16)."),
         click.option("--variant", help="Weight files *.VARIANT.safetensors (e.g. fp16)."),
         click.option("--cache", type=click.Choice(CACHE_LAYERS), help="Compile cache layers (default: full)."),
-        click.option("--config", metavar="FOLDER|hf://ORG/REPO",
+        click.option("--config", metavar="FOLDER|hf://ORG/REPO|NAME",
                      help="MODEL is a single .safetensors file in an original layout (LDM SD 1.x/2.x, SGM SDXL, "
-                          "BFL FLUX.1) or a FLUX.1 GGUF file: the diffusers folder or repository whose configs "
-                          "and tokenizers read it, or a folder of its tokenizer folders only (the configs of the "
-                          "published model it is inferred to be ship with preheat) (JAX backend)."),
+                          "BFL FLUX.1, MMDiT SD3) or a FLUX.1 GGUF file: the diffusers folder or repository whose "
+                          "configs and tokenizers read it; a folder of only the component folders it lacks; or a "
+                          "published model's name (stable-diffusion-2-1-base: the 512 px epsilon SD 2.1). Without "
+                          "it the published model is inferred and what the file lacks is pulled from its "
+                          "repository (a GGUF file needs it) (JAX backend)."),
     ]
     for option in reversed(options):
         fn = option(fn)

@@ -10,6 +10,8 @@ import click
 from preheat.errors import InvalidArgumentError, PreheatError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from preheat.store import HfPlan
 
 __all__ = ["pull_command"]
@@ -21,8 +23,13 @@ __all__ = ["pull_command"]
 @click.option("--force", is_flag=True, help="Fetch again even if already stored; re-checks every blob (repairs).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the snapshot path.")
 @click.option("--variant", default=None, help="hf:// pipelines: pull this weight variant (e.g. fp16) instead of the default weights.")
-@click.option("--dry-run", is_flag=True, help="hf:// only: list the files and bytes a pull would fetch; download nothing.")
-def pull_command(source: str, revision: str | None, force: bool, quiet: bool, variant: str | None, dry_run: bool) -> None:
+@click.option("--dry-run", is_flag=True, help="hf:// and single files: list the files and bytes a pull would fetch; "
+                                               "download nothing.")
+@click.option("--config", default=None, metavar="NAME",
+              help="A single file: the published model to read it as (stable-diffusion-2-1-base); default: inferred "
+                   "from its tensors.")
+def pull_command(source: str, revision: str | None, force: bool, quiet: bool, variant: str | None, dry_run: bool,
+                 config: str | None) -> None:
     """Put SOURCE into the store (under the cache root) and print its snapshot folder.
 
     SOURCE is a local folder or .tar(.gz) file, an http(s):// URL of a .tar/.tar.gz/.tgz of a
@@ -33,6 +40,10 @@ def pull_command(source: str, revision: str | None, force: bool, quiet: bool, va
     An hf:// pipeline pulls only model_index.json and, in the component folders it names, the
     configs, tokenizer files and one variant's safetensors; hf://org/repo/path/file.safetensors
     pulls that one file.
+
+    SOURCE a local single-file checkpoint (.safetensors) of a published model: it is stored, and
+    the folders it lacks (its tokenizers; a transformer file's VAE and text encoders) are pulled
+    from that model's published repository, nothing else; --dry-run lists them.
     """
     from preheat.cli._support import resolve_model
     from preheat.store import plan_pull, pull
@@ -40,6 +51,19 @@ def pull_command(source: str, revision: str | None, force: bool, quiet: bool, va
     try:
         if source.startswith("random:"):  # built here, once, under the cache root
             path = resolve_model(source, log=lambda line: click.echo(line, err=True) if not quiet else None).model
+        elif (single := _single_file(source, config)) is not None:
+            from preheat.engine import single_file_config, single_file_plan
+
+            if dry_run:
+                plan, needs = single_file_plan(single, config, variant)
+                click.echo(f"{single} is a {needs.published.title} single file; it needs these files of "
+                           f"{plan.source.text}:")
+                _print_plan(plan)
+                return
+            path = pull(source, progress=not quiet, force=force)
+            folder = single_file_config(single, config, variant)
+            if not quiet:
+                click.echo(f"configs and the folders it lacks: {folder}", err=True)
         elif dry_run:
             _print_plan(plan_pull(source, revision=revision, variant=variant))
             return
@@ -61,3 +85,27 @@ def _print_plan(plan: "HfPlan") -> None:
     skipped = len(plan.repo_files) - len(plan.files)
     click.echo(f"{plan.bytes:>15,d}  total: {len(plan.files)} files of {plan.source.key} at {plan.commit} "
                f"({skipped} files, {plan.repo_bytes - plan.bytes:,d} bytes of the repository left out)")
+
+
+def _single_file(source: str, config: str | None) -> "Path | None":
+    """A local ``.safetensors`` SOURCE that is pulled with what it lacks: one of a published model
+    (inferred, or ``--config`` NAME); None for anything else (pulled as it is: a LoRA, a folder)."""
+    from pathlib import Path
+
+    from preheat.errors import ModelFormatError
+    from preheat.models.published import PUBLISHED, infer_file, named
+    from preheat.store import is_remote
+
+    if is_remote(source) or not source.endswith(".safetensors") or not Path(source).is_file():
+        return None
+    if config is not None:
+        if named(config) is None:
+            names = ", ".join(p.name for p in PUBLISHED)
+            raise InvalidArgumentError(f"--config names a published model ({names}); not {config!r}",
+                                       argument="config")
+        return Path(source)
+    try:
+        infer_file(source)
+    except ModelFormatError:
+        return None  # no published model: stored as one file, as before
+    return Path(source)

@@ -7,7 +7,6 @@ job and a server agree on what "warm" means.
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any, Callable, Optional
 

@@ -10,6 +10,7 @@ shapes that tell the published models apart:
 
     SD 1.5           LDM UNet, cross-attention width 768, 4 input channels
     SD 2.1           LDM UNet, cross-attention width 1024 (the 768 px v-prediction model)
+    SD 2.1 base      the same tensors (512 px, epsilon): never inferred, chosen by name (below)
     SDXL base 1.0    SGM: OpenCLIP bigG under conditioner.embedders.1.model.*, label_emb of 2816
     SD3 medium       MMDiT (joint_blocks.*): 24 blocks of 1536, pos_embed of 192 x 192
     SD3.5 medium     24 blocks of 1536, pos_embed of 384 x 384, dual attention (x_block.attn2)
@@ -21,13 +22,21 @@ Transformer names may sit under ComfyUI's ``model.diffusion_model.``. A file tha
 (an inpainting UNet, an SDXL refiner, FLUX.1 Fill, another width) is one ``ModelFormatError``
 naming every model tried.
 
+SD 2.x: the 512 px base model (epsilon) and the 768 px model (v-prediction) have the same tensor
+names and shapes, and a safetensors file carries no training step to tell them apart (diffusers'
+``from_single_file`` guesses from a ``.ckpt``'s ``global_step``; for safetensors it takes
+stabilityai/stable-diffusion-2-1, the 768 px v-prediction model). preheat takes the same default,
+and ``config="stable-diffusion-2-1-base"`` (a published name, its repository id, or
+``hf://<repository>``: ``named``) picks the other.
+
 The published configs (``model_index.json`` and each component's ``config.json`` /
 ``scheduler_config.json``, as diffusers publishes them) ship under
-``preheat/assets/single_file_configs/<name>/``. Their tokenizer files are too large to ship, so a
-load still needs a folder that has them: ``config=`` a whole diffusers folder, or a folder holding
-only the tokenizer folders the model's ``model_index.json`` names (``tokenizer/``, ``tokenizer_2/``,
-...), which ``with_tokenizers`` puts beside the shipped configs. Without either, the one-line error
-names the model inferred and its published repository.
+``preheat/assets/single_file_configs/<name>/``. What a file still lacks (``needed``) is its
+tokenizer folders (too large to ship) and the weights of any component it does not hold (a
+FLUX.1 transformer file: the VAE and text encoders). ``preheat.load`` fetches exactly those
+folders from the published repository (``preheat.engine``, through the weights store), or takes
+them from ``config=`` a folder holding them; ``with_components`` puts them beside the shipped
+configs.
 """
 
 from __future__ import annotations
@@ -42,7 +51,8 @@ from typing import Callable, Mapping, NamedTuple
 
 from preheat.errors import InvalidArgumentError, ModelFormatError
 
-__all__ = ["Published", "PUBLISHED", "infer", "infer_file", "config_folder", "with_tokenizers", "CONFIGS"]
+__all__ = ["Published", "PUBLISHED", "Needed", "infer", "infer_file", "named", "needed", "config_folder",
+           "with_components", "CONFIGS"]
 
 CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "single_file_configs"
 Shapes = Mapping[str, tuple[int, ...]]
@@ -105,6 +115,9 @@ PUBLISHED: tuple[Published, ...] = (
               "LDM UNet, attn2.to_k (320, 768)", lambda s: _ldm_unet(s, 768)),
     Published("stable-diffusion-2-1", "SD 2.1 (768 px, v-prediction)", "stabilityai/stable-diffusion-2-1", "ldm",
               "LDM UNet, attn2.to_k (320, 1024)", lambda s: _ldm_unet(s, 1024)),
+    # the same tensors: infer() never reaches it (the entry above fits first); chosen by name only
+    Published("stable-diffusion-2-1-base", "SD 2.1 base (512 px, epsilon)", "stabilityai/stable-diffusion-2-1-base",
+              "ldm", "as SD 2.1: named only", lambda s: _ldm_unet(s, 1024)),
     Published("stable-diffusion-xl-base-1.0", "SDXL base 1.0", "stabilityai/stable-diffusion-xl-base-1.0", "sgm",
               "SGM, conditioner.embedders.1.model.*, label_emb (1280, 2816)", _sdxl),
     Published("stable-diffusion-3-medium", "SD3 medium", "stabilityai/stable-diffusion-3-medium-diffusers", "mmdit",
@@ -147,6 +160,50 @@ def config_folder(published: Published) -> Path:
     return CONFIGS / published.name
 
 
+def named(text: str | Path) -> Published | None:
+    """The published model ``text`` names: its name here, its repository id or ``hf://<repository>``
+    (``config="stable-diffusion-2-1-base"``); None for anything else (a folder, another repository)."""
+    text = str(text).removeprefix("hf://").rstrip("/")
+    return next((p for p in PUBLISHED if text in (p.name, p.repo)), None)
+
+
+class Needed(NamedTuple):
+    """What a single file of a published model needs besides itself: the component folders its
+    published repository holds and the file does not."""
+
+    published: Published
+    tokenizers: tuple[str, ...]  # tokenizer folders: never in a single file, too large to ship
+    weights: tuple[str, ...]  # components whose weights the file lacks (a FLUX.1 transformer file: VAE, text encoders)
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return tuple(sorted(self.tokenizers + self.weights))
+
+    @property
+    def hint(self) -> str:
+        return f"a {self.published.title} diffusers folder, e.g. hf://{self.published.repo}"
+
+
+def needed(file: str | Path, as_model: Published | None = None) -> Needed:
+    """What single ``file`` needs from its published repository (its header read once: no tensor).
+    ``as_model``: the model the caller named (``named``), checked to fit; None: inferred."""
+    from preheat.models.weights import read_header
+
+    header = read_header(Path(file))  # read once: which model, and which components it holds
+    shapes = {k: info.shape for k, info in header.items()}
+    published = infer(shapes, str(file)) if as_model is None else as_model
+    if as_model is not None and not as_model.fits({k: tuple(v) for k, v in shapes.items()}):
+        raise ModelFormatError(f"{file} is not a {as_model.title} single file (that model has {as_model.signs}); "
+                               f"pass config=<its diffusers folder>")
+    index = json.loads((config_folder(published) / "model_index.json").read_text())
+    listed = sorted(k for k, v in index.items() if isinstance(v, list) and None not in v and not k.startswith("_"))
+    tokenizers = tuple(k for k in listed if k.startswith("tokenizer"))
+    held = _holds(list(header), published.layout)
+    weights = tuple(k for k in listed if k not in tokenizers and k not in held
+                    and k not in ("scheduler", "feature_extractor", "safety_checker"))
+    return Needed(published, tokenizers, weights)
+
+
 def _holds(keys: list[str], layout: str) -> tuple[str, ...]:
     """The diffusers components a single file of ``layout`` with tensors ``keys`` fills (its
     weights): a FLUX.1 or SD3 transformer file only the transformer, a ComfyUI bundle its VAE and
@@ -157,35 +214,35 @@ def _holds(keys: list[str], layout: str) -> tuple[str, ...]:
     return ("transformer",) if found is None else held_components(keys, found)
 
 
-def with_tokenizers(file: str | Path, tokenizers: str | Path, root: Path) -> Path:
-    """A config folder for single ``file`` when ``config=`` is a folder of tokenizer folders only:
-    the shipped configs of the model ``file`` is inferred to be, with ``tokenizers``' folders
-    beside them (kept under ``<root>/models/single-configs/``, named by their content). One line
-    names the model when a tokenizer folder is missing, or when the file does not hold every
-    component's weights (a FLUX.1 or SD3 transformer file: the VAE and text encoders are not in it)."""
-    from preheat.models.weights import read_header
+_WEIGHTS = (".safetensors", ".bin")
 
-    header = read_header(Path(file))  # read once: which model, and which components it holds
-    published = infer({k: info.shape for k, info in header.items()}, str(file))
-    tokenizers = Path(tokenizers)
-    shipped = config_folder(published)
-    index = json.loads((shipped / "model_index.json").read_text())
-    named = sorted(k for k, v in index.items() if isinstance(v, list) and None not in v and not k.startswith("_"))
-    wanted = [k for k in named if k.startswith("tokenizer")]
-    hint = f"a {published.title} diffusers folder, e.g. hf://{published.repo}"
-    missing = [k for k in wanted if not (tokenizers / k).is_dir()]
+
+def with_components(file: str | Path, folder: str | Path, root: Path, needs: Needed) -> Path:
+    """A config folder for single ``file`` (``needs = needed(file)``): the shipped configs of its
+    published model, with ``folder``'s copies of the components it lacks beside them (their weights
+    linked, not copied), kept under ``<root>/models/single-configs/`` and named by their content.
+    One line names the model when ``folder`` lacks a tokenizer folder, or the weights of a
+    component the file does not hold (a FLUX.1 or SD3 transformer file: the VAE, text encoders)."""
+    published, folder = needs.published, Path(folder)
+    missing = [k for k in needs.tokenizers if not (folder / k).is_dir()]
     if missing:
-        raise InvalidArgumentError(f"{file} is a {published.title} single file; config={tokenizers} has no "
+        raise InvalidArgumentError(f"{file} is a {published.title} single file; config={folder} has no "
                                    f"{', '.join(m + '/' for m in missing)}: pass a folder with "
-                                   f"{', '.join(k + '/' for k in wanted)}, or {hint}", argument="config")
-    weights = [k for k in named if k not in wanted and k not in ("scheduler", "feature_extractor", "safety_checker")]
-    elsewhere = [k for k in weights if k not in _holds(list(header), published.layout)]
+                                   f"{', '.join(k + '/' for k in needs.components)}, or {needs.hint}",
+                                   argument="config")
+    elsewhere = [k for k in needs.weights if not (folder / k).is_dir()]
     if elsewhere:
         raise InvalidArgumentError(f"{file} is a {published.title} single file ({published.layout} layout) without "
-                                   f"the weights of {', '.join(elsewhere)}: pass config=<{hint}>", argument="config")
+                                   f"the weights of {', '.join(elsewhere)}: pass config=<a folder with "
+                                   f"{', '.join(k + '/' for k in needs.components)}, or {needs.hint}>",
+                                   argument="config")
+    files = sorted(q for k in needs.components for q in (folder / k).rglob("*") if q.is_file())
     h = hashlib.sha256(published.name.encode())
-    for p in sorted(q for k in wanted for q in (tokenizers / k).rglob("*") if q.is_file()):
-        h.update(p.relative_to(tokenizers).as_posix().encode() + b"\0" + p.read_bytes())
+    for p in files:  # small files by content; weights by where they are (a store's blobs never change)
+        st = p.stat()
+        body = (f"{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode() if p.name.endswith(_WEIGHTS)
+                else p.read_bytes())
+        h.update(p.relative_to(folder).as_posix().encode() + b"\0" + body)
     out = root / "models" / "single-configs" / f"{published.name}-{h.hexdigest()[:16]}"
     if (out / "model_index.json").is_file():
         return out
@@ -194,9 +251,15 @@ def with_tokenizers(file: str | Path, tokenizers: str | Path, root: Path) -> Pat
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
     try:
-        shutil.copytree(shipped, tmp, dirs_exist_ok=True)
-        for k in wanted:
-            shutil.copytree(tokenizers / k, tmp / k)
+        shutil.copytree(config_folder(published), tmp, dirs_exist_ok=True)
+        for p in files:  # the folder's configs of a component replace the shipped ones: they came with its weights
+            dst = tmp / p.relative_to(folder)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.unlink(missing_ok=True)
+            if p.name.endswith(_WEIGHTS):
+                dst.symlink_to(p.resolve())
+            else:
+                shutil.copyfile(p, dst)
         publish_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -62,7 +62,7 @@ from preheat.models.mmdit import MMDIT_PARAMS, mmdit_modules
 from preheat.models.scaled_fp8 import with_scales
 from preheat.models.weights import read_tensors
 
-__all__ = ["LAYOUTS", "detect_layout", "held_components", "materialize", "reading_converted"]
+__all__ = ["LAYOUTS", "detect_layout", "held_components", "materialize", "reading_converted", "single_file_path"]
 
 
 class Rule(NamedTuple):
@@ -426,14 +426,35 @@ def _read_config(folder: Path, component: str, layout: Layout) -> dict[str, Any]
 _WEIGHTS = (".safetensors", ".bin", ".ckpt")  # a config folder's weight files (its configs are the rest)
 
 
+def _where(path: Path) -> bytes:
+    """A file by where it is (resolved path, size, mtime): what names it without reading it."""
+    st = path.stat()
+    return f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()
+
+
 def _identity(file: Path, config: Path) -> str:
-    """What the converted folder is named by: the file (path, size, mtime) and the config folder's files."""
-    st = file.stat()
-    h = hashlib.sha256(f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    """What the converted folder is named by: the file and the config folder's weights by where
+    they are (the converted folder links the weights of the components the file lacks, so other
+    weights are another folder), the config folder's other files by their content."""
+    h = hashlib.sha256(_where(file))
     for p in sorted(config.rglob("*")):
-        if p.is_file() and not p.name.endswith(_WEIGHTS):
-            h.update(p.relative_to(config).as_posix().encode() + b"\0" + p.read_bytes())
+        if p.is_file():
+            body = _where(p) if p.name.endswith(_WEIGHTS) else p.read_bytes()
+            h.update(p.relative_to(config).as_posix().encode() + b"\0" + body)
     return h.hexdigest()[:32]
+
+
+def single_file_path(path: str | os.PathLike[str]) -> Path | None:
+    """``path`` as a single-file checkpoint: a ``.safetensors`` file, or the file of a one-file
+    snapshot of the weights store (``hf://org/repo/file.safetensors``, a URL: a folder holding that
+    file and no config); None for anything else (a diffusers folder)."""
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix == ".safetensors" else None
+    if not path.is_dir() or (path / "model_index.json").exists() or (path / "config.json").exists():
+        return None
+    inside = [p for p in path.iterdir() if p.is_file()]
+    return inside[0] if len(inside) == 1 and inside[0].suffix == ".safetensors" else None
 
 
 def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], root: Path) -> Path:

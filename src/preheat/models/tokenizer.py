@@ -22,7 +22,6 @@ Files read, in the layouts found in diffusers folders::
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path

@@ -38,7 +38,6 @@ from preheat.models.weights import DIFFUSERS_STEM, LoadOptions, check_dtype, fil
 __all__ = [
     "UNet2DConditionConfig",
     "UNet2DConditionModule",
-    "UNet2DCondition",
     "SUPPORTED",
     "load_unet_condition",
     "read_unet_condition_config",

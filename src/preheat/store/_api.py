@@ -6,7 +6,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from preheat.cache.root import resolve_root
 from preheat.env import env_flag
@@ -47,7 +47,7 @@ def _one_line(problems: list[str]) -> str:
 
 def pull(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None, progress: bool = True,
          revision: str | None = None, force: bool = False, variant: str | None = None,
-         check: Callable[[Path], None] | None = None) -> Path:
+         check: Callable[[Path], None] | None = None, components: Sequence[str] | None = None) -> Path:
     """Put ``source`` into ``<root>/models`` and return its snapshot folder.
 
     A remote source already pulled (and whose files still have their recorded sizes) is returned
@@ -55,10 +55,11 @@ def pull(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | None 
     by sha256 (this repairs a damaged store). A local folder is always re-read (it may have
     changed); unchanged files cost a hash and no space (blobs are deduplicated).
     ``variant``: an hf:// pipeline pulls that weight variant's files ("fp16"; ``None``: the default ones).
+    ``components``: an hf:// pipeline pulls only those component folders (what a single file lacks).
     ``check`` (http(s) files only) is called with the downloaded file before anything is
     published; when it raises, the download is discarded and the store holds nothing new.
     """
-    src = parse_source(source, revision, variant)
+    src = parse_source(source, revision, variant, components)
     store = _store(root)
     store.ensure()
 
@@ -166,11 +167,12 @@ def _share_with_fleet(sha: str, path: Path, src: Source) -> None:
 
 
 def plan_pull(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None,
-              revision: str | None = None, variant: str | None = None) -> HfPlan:
+              revision: str | None = None, variant: str | None = None,
+              components: Sequence[str] | None = None) -> HfPlan:
     """What ``pull`` would fetch for an hf:// source, and what its repository holds (no download)."""
     from preheat.store import _hf
 
-    src = parse_source(source, revision, variant)
+    src = parse_source(source, revision, variant, components)
     if src.kind != "hf":
         raise InvalidArgumentError(f"a pull plan lists hf:// sources; {src.text} is {src.kind} and is pulled whole",
                                    argument="source")
@@ -192,7 +194,8 @@ def _pull_hf(store: Store, src: Source, *, progress: bool, force: bool) -> Path:
         sha, size = link_into_blobs(store, f, check_existing=force)
         entries.append(FileEntry(want.path, sha, size))
     return _publish(store, src, "hf", entries, force=force, repo_id=src.repo_id, revision=src.revision,
-                    commit=plan.commit, variant=src.variant, file=src.filename)
+                    commit=plan.commit, variant=src.variant, file=src.filename,
+                    components=None if src.components is None else list(src.components))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +214,7 @@ def _offline_reason(src: Source, offline: bool | None) -> str | None:
 
 def resolve(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None,
             offline: bool | None = None, verify: bool = False, progress: bool = True,
-            variant: str | None = None) -> Path:
+            variant: str | None = None, components: Sequence[str] | None = None) -> Path:
     """The local folder for ``source``; never touches the network for something already stored.
 
     * a local folder that exists: returned as given (no copy); one that no longer exists but was
@@ -220,11 +223,12 @@ def resolve(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | No
       recorded size (``verify=True``: and sha256); otherwise it is pulled — unless offline
       (``offline=True``, ``$PREHEAT_OFFLINE=1``, or for hf:// ``$HF_HUB_OFFLINE=1``), which raises
       a one-line ``FetchError``.
-    ``variant``: as for ``pull`` (hf:// pipelines only; a one-file hf:// source ignores it).
+    ``variant``, ``components``: as for ``pull`` (hf:// pipelines only; a one-file hf:// source
+    ignores the variant).
     """
     src = parse_source(source)
-    if variant is not None and src.kind == "hf" and src.filename is None:
-        src = parse_source(source, variant=variant)
+    if (variant is not None or components is not None) and src.kind == "hf" and src.filename is None:
+        src = parse_source(source, variant=variant, components=components)
     if src.kind == "local":
         assert src.path is not None
         given = Path(os.fspath(source)).expanduser() if not str(source).lower().startswith("file:") else src.path
@@ -250,7 +254,8 @@ def resolve(source: str | os.PathLike[str], *, root: str | os.PathLike[str] | No
             raise FetchError(f"stored copy of {src.text} is damaged ({_one_line(problems)}) and {why}; "
                              f"run `preheat pull --force {src.given}` with network")
         raise FetchError(f"{src.text} is not in the store ({store.models}) and {why}; run `preheat pull {src.given}` first")
-    return pull(src.given, root=store.root, progress=progress, force=ref is not None, variant=src.variant)
+    return pull(src.given, root=store.root, progress=progress, force=ref is not None, variant=src.variant,
+                components=src.components)
 
 
 # ---------------------------------------------------------------------------------------------

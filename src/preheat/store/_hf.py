@@ -11,7 +11,10 @@ its ``model_index.json``, then keeps only
   variant asked for (``<stem>[.<variant>][-00001-of-0000N].safetensors``; ``None``: no variant).
 
 A repository without ``model_index.json`` (one model, a LoRA) keeps ``HF_PATTERNS``;
-``hf://org/repo/path/file.safetensors`` keeps that one file. The plan is what ``preheat pull
+``hf://org/repo/path/file.safetensors`` keeps that one file. A source narrowed to some components
+(``parse_source(..., components=)``: what a single file of a published model lacks, such as its
+tokenizer folders) keeps the same files of those folders only, and skips ``model_index.json``
+(the shipped configs have it). The plan is what ``preheat pull
 --dry-run`` prints; ``download_hf`` then hands exactly its paths to ``snapshot_download``.
 
 huggingface_hub keeps its own cache under ``<root>/models/hf`` (``models--org--repo/{blobs,
@@ -90,12 +93,18 @@ def select(src: Source, listing: tuple[RepoFile, ...], model_index: dict[str, An
         if not one:
             raise ModelNotFoundError(f"{src.text}: the repository has no file {src.filename}")
         return tuple(one)
-    if model_index is None:
+    if src.components is not None:  # a single file's missing parts: those folders, no model_index.json
+        absent = [c for c in src.components if not any(posixpath.dirname(f.path) == c for f in listing)]
+        if absent:
+            raise ModelNotFoundError(f"{src.text} has no {', '.join(c + '/' for c in absent)} folder")
+        keep, names = [], list(src.components)
+    elif model_index is None:
         return tuple(f for f in listing if any(fnmatch.fnmatch(posixpath.basename(f.path), p) for p in HF_PATTERNS))
-    keep = [f for f in listing if f.path == "model_index.json"]
+    else:
+        keep, names = [f for f in listing if f.path == "model_index.json"], _components(model_index)
     lacking: dict[str, set[str]] = {}  # component -> the variants it has, when it lacks the one asked for
     seen: set[str] = set()
-    for comp in _components(model_index):
+    for comp in names:
         inside = [f for f in listing if posixpath.dirname(f.path) == comp]
         keep += [f for f in inside if any(fnmatch.fnmatch(posixpath.basename(f.path), p) for p in COMPONENT_FILES)]
         weights = [f for f in inside if f.path.endswith(".safetensors")]
@@ -178,7 +187,8 @@ def _plan_cached(store: Store, src: Source, exc: BaseException) -> HfPlan:
     listing = tuple(sorted(RepoFile(p.relative_to(folder).as_posix(), p.stat().st_size)
                            for p in folder.rglob("*") if p.is_file()))
     index = folder / "model_index.json"
-    model_index = _read_index(src, index.read_bytes()) if index.is_file() and src.filename is None else None
+    wanted = src.filename is None and src.components is None
+    model_index = _read_index(src, index.read_bytes()) if index.is_file() and wanted else None
     return HfPlan(src, folder.name, select(src, listing, model_index), listing, folder)
 
 
@@ -207,7 +217,7 @@ def plan_hf(store: Store, src: Source) -> HfPlan:
         listing = tuple(sorted(RepoFile(f.path, int(f.size)) for f in api.list_repo_tree(
             src.repo_id, recursive=True, revision=commit) if isinstance(f, HubFile)))
         model_index = None
-        if src.filename is None and any(f.path == "model_index.json" for f in listing):
+        if src.filename is None and src.components is None and any(f.path == "model_index.json" for f in listing):
             index = hub.hf_hub_download(src.repo_id, "model_index.json", revision=commit, cache_dir=store.hf)
             model_index = _read_index(src, Path(index).read_bytes())
     except Exception as exc:  # huggingface_hub, httpx and OSError all land here

@@ -8,9 +8,9 @@ import json
 import os
 import posixpath
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from preheat.files import atomic_write_bytes
@@ -77,11 +77,17 @@ class Source:
     path: Path | None = None  # absolute local path
     filename: str | None = None  # hf://org/repo/<filename>: that one file of the repository
     variant: str | None = None  # hf:// pipelines: the weight variant pulled ("fp16"); None: the default
+    # hf:// pipelines: only these component folders (what a single file lacks); None: every one
+    # model_index.json names
+    components: tuple[str, ...] | None = None
 
     @property
     def key(self) -> str:
-        """What is stored: the canonical text, plus the variant (a different variant is a different pull)."""
-        return self.text if self.variant is None else f"{self.text}#variant={self.variant}"
+        """What is stored: the canonical text, plus the variant and the components (a different
+        choice of files is a different pull)."""
+        parts = ([f"variant={self.variant}"] if self.variant is not None else []) + (
+            [f"components={','.join(self.components)}"] if self.components is not None else [])
+        return self.text if not parts else f"{self.text}#{'&'.join(parts)}"
 
     @property
     def id(self) -> str:
@@ -95,11 +101,14 @@ def is_remote(source: str | os.PathLike[str]) -> bool:
     return source[:8].lower().startswith(REMOTE_SCHEMES)
 
 
-def parse_source(source: str | os.PathLike[str], revision: str | None = None, variant: str | None = None) -> Source:
+def parse_source(source: str | os.PathLike[str], revision: str | None = None, variant: str | None = None,
+                 components: Iterable[str] | None = None) -> Source:
     """Parse a SOURCE string; ``InvalidArgumentError`` (one line) if it is malformed.
 
     ``variant`` selects what an hf:// pipeline pulls; other sources are stored whole, so it does not
-    change what they are (the loader picks the variant's files from the folder)."""
+    change what they are (the loader picks the variant's files from the folder). ``components``
+    (hf:// pipelines only) narrows the pull to those component folders, with no model_index.json:
+    what a single file of a published model lacks (``preheat.models.published.needed``)."""
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     if not isinstance(source, str):
@@ -111,7 +120,10 @@ def parse_source(source: str | os.PathLike[str], revision: str | None = None, va
     if variant is not None and (not isinstance(variant, str) or not _VARIANT.match(variant)):
         raise InvalidArgumentError(f"invalid weight variant {variant!r}; expected a name such as fp16", argument="variant")
     if scheme == "hf":
-        return _parse_hf(source, revision, variant)
+        src = _parse_hf(source, revision, variant)
+        return src if components is None else _with_components(src, components)
+    if components is not None:
+        raise InvalidArgumentError(f"components apply only to hf:// pipelines, not {source!r}", argument="components")
     if revision is not None:
         raise InvalidArgumentError(f"a revision applies only to hf:// sources, not {source!r}")
     if scheme in ("http", "https"):
@@ -159,6 +171,17 @@ def _parse_hf(source: str, revision: str | None, variant: str | None) -> Source:
         raise InvalidArgumentError(f"invalid revision {rev!r} in {source!r}")
     text = f"hf://{repo}" + (f"/{filename}" if filename else "") + (f"@{rev}" if rev else "")
     return Source(kind="hf", text=text, given=source, repo_id=repo, revision=rev, filename=filename, variant=variant)
+
+
+def _with_components(src: Source, components: Iterable[str]) -> Source:
+    """``src`` narrowed to some component folders (sorted, each a plain folder name)."""
+    names = tuple(sorted(set(components)))
+    bad = [c for c in names if not _VARIANT.match(c)]
+    if src.filename is not None or not names or bad:
+        why = f"{bad[0]!r} is not a component folder name" if bad else (
+            "it names one file" if src.filename is not None else "none given")
+        raise InvalidArgumentError(f"components of {src.text}: {why}", argument="components")
+    return replace(src, components=names)
 
 
 def _parse_url(source: str, scheme: str) -> Source:

@@ -1,0 +1,250 @@
+"""A single file loaded with no ``config=`` fetches only what it lacks from its published repository
+(issue 28, items 1 and 5): the tokenizer folders of an LDM file, and a FLUX.1 transformer file's
+text encoders, VAE and tokenizers, through the weights store (``hf://`` with ``components=``),
+against a stand-in for the Hub on 127.0.0.1 (``tests/_support/hub_server.py``).
+
+Tiny random files are no published model, so tiny stand-ins take the published models' place
+(``Published`` entries whose shipped configs are the tiny folder's, as in ``test_published``), and
+the stand-in Hub serves the tiny folder as their "published repository", laid out as published:
+every component's weights and configs, plus a top-level single file that must not be fetched.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import preheat
+from preheat.errors import FetchError, ModelFormatError
+from preheat.models import published as module
+from tests._support import flow_fixtures
+from tests._support.bfl_files import to_bfl
+from tests._support.hub_server import FakeHub, pointed_at
+from tests._support.ldm_files import to_original
+from tests._support.sd_fixtures import save_tiny_sd
+
+
+def _repo_files(folder: Path, single: Path) -> dict[str, bytes]:
+    """The folder as a published repository holds it, with the single file at its top level."""
+    files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    files[single.name] = single.read_bytes()
+    return files
+
+
+def _stand_in(base: Path, folder: Path, name: str, repo: str, layout: str, **scheduler: str) -> module.Published:
+    """A published model whose shipped configs are ``folder``'s (no weights, no tokenizers), under ``base``."""
+    shutil.copytree(folder, base / name, ignore=shutil.ignore_patterns("*.safetensors", "tokenizer*"))
+    if scheduler:
+        path = base / name / "scheduler" / "scheduler_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **scheduler}))
+    return module.Published(name, name, repo, layout, "any file", lambda shapes: True)
+
+
+@pytest.fixture(scope="module")
+def sd1(tmp_path_factory):
+    """(folder, LDM single file, stand-in assets, stand-in entry) of a tiny SD 1.x."""
+    from safetensors.numpy import save_file
+
+    base = tmp_path_factory.mktemp("sd1")
+    folder = save_tiny_sd(base / "sd1", kind="sd1")
+    path = base / "tiny-sd1.safetensors"
+    save_file(to_original(folder, "sd1"), str(path))
+    entry = _stand_in(base / "assets", folder, "tiny-sd1", "example/tiny-sd1", "ldm")
+    return folder, path, base / "assets", entry
+
+
+@pytest.fixture
+def published(monkeypatch, tmp_path):
+    """Installs stand-in published models: ``published(assets, *entries)``."""
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+
+    def install(assets: Path, *entries: module.Published) -> None:
+        monkeypatch.setattr(module, "CONFIGS", assets)
+        monkeypatch.setattr(module, "PUBLISHED", entries)
+
+    return install
+
+
+@pytest.fixture
+def hub_of(monkeypatch):
+    """Starts a stand-in Hub for one repository and points huggingface_hub at it."""
+    servers = []
+
+    def start(repo: str, files: dict[str, bytes], gated: bool = False) -> FakeHub:
+        srv = FakeHub(repo, files, gated=gated).start()
+        servers.append(srv)
+        pointed_at(monkeypatch, srv.base)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.stop()
+
+
+def _draw(pipe) -> np.ndarray:
+    noise = np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32)
+    return pipe.generate("a lighthouse at dusk", noise=noise, steps=3, sampler="ddim", guidance=5.0,
+                         width=32, height=32)
+
+
+def test_an_ldm_file_without_config_fetches_only_its_tokenizer(sd1, published, hub_of, tmp_path, monkeypatch):
+    folder, path, assets, entry = sd1
+    published(assets, entry)
+    hub = hub_of(entry.repo, _repo_files(folder, path))
+
+    ours = _draw(preheat.load(path))
+    tokenizer = {p: len(b) for p, b in hub.files.items() if p.startswith("tokenizer/")}
+    assert "tokenizer/vocab.json" in tokenizer and hub.downloaded() == tokenizer  # no model_index.json, no weights, no top-level file
+    # the folder as config= is another conversion (its own weights beside the configs), run by the
+    # program just compiled (the weights are its arguments)
+    with_folder = _draw(preheat.load(path, config=folder))
+    assert len(list((tmp_path / "home" / "models" / "single").iterdir())) == 2
+    assert np.array_equal(ours, with_folder) and ours.std() > 5  # the same weights, tokenizer and configs
+
+    hub.hits.clear()  # stored: a restart sends no request, even offline
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert preheat.load(path, cache="off").family.name == "stable-diffusion"
+    assert hub.hits == []
+
+
+def test_a_flux_transformer_file_fetches_the_encoders_vae_and_tokenizers(published, hub_of, tmp_path):
+    """A BFL transformer-only file lacks the text encoders, the VAE and the tokenizers: those are
+    fetched, the repository's transformer weights (and its top-level files) are not; the converted
+    folder reads the very weights that ``config=<folder>`` gives."""
+    from safetensors.numpy import load_file, save_file
+
+    from preheat.models.single_file import materialize
+
+    folder = flow_fixtures.save_tiny_flow_model(tmp_path / "flux-dev", "flux-dev")
+    path = tmp_path / "flux1-tiny.safetensors"
+    save_file(to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))), str(path))
+    entry = _stand_in(tmp_path / "assets", folder, "tiny-flux", "example/tiny-flux", "bfl")
+    published(tmp_path / "assets", entry)
+    files = _repo_files(folder, path)
+    files["ae.safetensors"] = (folder / "vae" / "diffusion_pytorch_model.safetensors").read_bytes()
+    hub = hub_of(entry.repo, files)
+
+    pipe = preheat.load(path, cache="off")
+    assert pipe.family.name == "flux"
+    wanted = ("text_encoder/", "text_encoder_2/", "tokenizer/", "tokenizer_2/", "vae/")
+    assert hub.downloaded() == {p: len(b) for p, b in files.items() if p.startswith(wanted)}
+    assert not any(p.startswith("transformer/") or "/" not in p for p in hub.downloaded())
+
+    (ours,) = (tmp_path / "home" / "models" / "single").iterdir()
+    theirs = materialize(path, folder, tmp_path / "other")
+    parts = sorted(p.relative_to(theirs).as_posix() for p in theirs.rglob("*") if p.is_file())
+    assert parts == sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*") if p.is_file())
+    assert "text_encoder_2/model.safetensors" in parts and "tokenizer_2/tokenizer_config.json" in parts
+    for part in parts:  # every weight, config and tokenizer file the same
+        assert (ours / part).read_bytes() == (theirs / part).read_bytes(), part
+
+
+def _one_line(err: pytest.ExceptionInfo, *parts: str) -> str:
+    message = str(err.value)
+    assert "\n" not in message, message
+    for part in parts:
+        assert part in message, (part, message)
+    return message
+
+
+def test_what_cannot_be_fetched_is_one_line_naming_the_folders_and_config(sd1, published, hub_of, monkeypatch, tmp_path):
+    folder, path, assets, entry = sd1
+    published(assets, entry)
+    needs = ("tiny-sd1.safetensors is a tiny-sd1 single file; it needs tokenizer/ from hf://example/tiny-sd1",
+             "pass config=<a folder holding tokenizer/, or a tiny-sd1 diffusers folder")
+
+    hub = hub_of(entry.repo, _repo_files(folder, path), gated=True)
+    with pytest.raises(FetchError) as err:
+        preheat.load(path, cache="off")
+    _one_line(err, *needs, "is gated", "HF_TOKEN")
+    assert hub.downloaded() == {}
+
+    pointed_at(monkeypatch, "http://127.0.0.1:9")  # nothing listens: the Hub is unreachable
+    with pytest.raises(FetchError) as err:
+        preheat.load(path, cache="off")
+    _one_line(err, *needs, "unreachable")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FetchError) as err:
+        preheat.load(path, cache="off")
+    _one_line(err, *needs, "HF_HUB_OFFLINE is set")
+    assert not (tmp_path / "home" / "models" / "refs").is_dir() or not any((tmp_path / "home" / "models" / "refs").iterdir())
+
+    hub = hub_of(entry.repo, {p: b for p, b in _repo_files(folder, path).items() if not p.startswith("tokenizer/")})
+    with pytest.raises(FetchError) as err:  # a repository without the folder
+        preheat.load(path, cache="off")
+    _one_line(err, *needs, "has no tokenizer/ folder")
+
+
+def test_sd2_is_the_768_v_model_unless_the_base_is_named(tmp_path, published, hub_of):
+    """The two SD 2.x models have the same tensors: a file is taken as the 768 px v-prediction one,
+    as diffusers' ``from_single_file`` does; ``config=`` the base model's name reads it as the 512 px
+    epsilon one, fetching only the tokenizer from that model's repository."""
+    from safetensors.numpy import save_file
+
+    folder = save_tiny_sd(tmp_path / "sd2", kind="sd2")  # its scheduler: v-prediction
+    path = tmp_path / "tiny-sd2.safetensors"
+    save_file(to_original(folder, "sd2"), str(path))
+    assets = tmp_path / "assets"
+    v = _stand_in(assets, folder, "tiny-sd2", "example/tiny-sd2", "ldm")
+    base = _stand_in(assets, folder, "tiny-sd2-base", "example/tiny-sd2-base", "ldm", prediction_type="epsilon")
+    published(assets, v, base)
+    hub = hub_of(base.repo, _repo_files(folder, path))
+
+    assert module.infer_file(path) == v  # the first that fits
+    pipe = preheat.load(path, config="tiny-sd2-base", cache="off")
+    assert pipe.scheduler_config.prediction_type == "epsilon"
+    assert sorted(hub.downloaded()) == sorted(p for p in hub.files if p.startswith("tokenizer/"))
+    hub.hits.clear()  # the repository as config= is the same model: what the file lacks, already stored
+    assert preheat.load(path, config=f"hf://{base.repo}", cache="off").scheduler_config.prediction_type == "epsilon"
+    assert hub.hits == []
+    for spelling in ("tiny-sd2-base", "example/tiny-sd2-base", "hf://example/tiny-sd2-base"):
+        assert module.named(spelling) == base
+    assert module.named("example/tiny-sd2") == v and module.named(str(folder)) is None
+
+    hub_of(v.repo, _repo_files(folder, path))
+    assert preheat.load(path, cache="off").scheduler_config.prediction_type == "v_prediction"
+
+
+def test_a_named_model_the_file_does_not_fit_is_one_line(sd1, published):
+    folder, path, assets, entry = sd1
+    other = module.Published("tiny-other", "tiny other", "example/other", "ldm", "a cross-attention width of 77",
+                             lambda shapes: False)
+    published(assets, entry, other)
+    with pytest.raises(ModelFormatError) as err:
+        preheat.load(path, config="tiny-other", cache="off")
+    _one_line(err, "tiny-sd1.safetensors is not a tiny other single file (that model has a cross-attention width of 77)")
+
+
+def test_pull_dry_run_of_a_single_file_lists_exactly_what_it_fetches(sd1, published, hub_of, tmp_path):
+    from click.testing import CliRunner
+
+    from preheat.cli.pull import pull_command
+
+    folder, path, assets, entry = sd1
+    published(assets, entry)
+    hub = hub_of(entry.repo, _repo_files(folder, path))
+    tokenizer = {p: len(b) for p, b in hub.files.items() if p.startswith("tokenizer/")}
+
+    out = CliRunner().invoke(pull_command, [str(path), "--dry-run"])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0] == f"{path} is a tiny-sd1 single file; it needs these files of hf://example/tiny-sd1:"
+    listed = {ln.split()[1]: int(ln.split()[0].replace(",", "")) for ln in lines[1:-1]}
+    assert listed == tokenizer
+    assert lines[-1].split()[0] == f"{sum(tokenizer.values()):,d}" and f"{len(tokenizer)} files" in lines[-1]
+    assert hub.downloaded() == {}  # listed, not fetched
+
+    out = CliRunner().invoke(pull_command, [str(path), "--quiet"])  # the pull: the file, and what it lacks
+    assert out.exit_code == 0, out.output
+    assert hub.downloaded() == tokenizer
+    hub.hits.clear()
+    preheat.load(path, cache="off")  # then the load needs no request
+    assert hub.hits == []
+
+    out = CliRunner().invoke(pull_command, [str(path), "--dry-run", "--config", "nosuch"])
+    assert out.exit_code == 2 and out.output == "error: --config names a published model (tiny-sd1); not 'nosuch'\n"
