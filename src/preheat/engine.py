@@ -589,11 +589,13 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     SGM SDXL, BFL FLUX.1, MMDiT SD3), the diffusers folder whose configs and tokenizers it is read
     with (``preheat.models.single_file``), a folder of only the component folders it lacks, or a
     published model's name (``"stable-diffusion-2-1-base"``); None: the published model is inferred
-    from the file and what it lacks is pulled from its repository (``single_file_config``).
+    from the file and what it lacks is pulled from its repository (``single_file_config``). A FLUX.1
+    GGUF file (``preheat.models.gguf_file``) needs ``config``: the model's diffusers folder.
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
     ``weights_dtype``: "float8_e4m3fn" keeps the denoiser's weights in fp8 on the device (the
     layers diffusers' ``enable_layerwise_casting`` casts), upcast to ``dtype`` where they are
-    used, inside the compiled program (``preheat.models.storage``); None: all in ``dtype``.
+    used, inside the compiled program (``preheat.models.storage``); None: the denoiser's layers a
+    checkpoint stores in fp8 stay fp8 (a scaled fp8 file's beside their scales), the rest in ``dtype``.
     ``weights_layers``: "linear" stores the Linear layers inside norm modules (AdaLN modulation) in
     fp8 too (FLUX.1-dev: 0.51x of bf16, against 0.64x for diffusers' set).
     ``offload_encoders``: text families keep their text encoders' weights in host memory and
@@ -643,6 +645,9 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         converted = materialize(root, configs, resolve_root().path)  # converted once, then reused
         reading = reading_converted(model, config if config is not None else configs, converted)
         root = converted  # a misfit names the file, not the folder
+    elif Path(root).is_file() and Path(root).suffix.lower() == ".gguf":  # transformer weights only, no configs
+        raise InvalidArgumentError(f"{model} is a GGUF file (a transformer's weights, no configs): pass "
+                                   "config=<the model's diffusers folder>", argument="config")
     early = bool(prefetch) and compiler is not None
     if early:  # the last such start's executables deserialise while the model is built (preheat.cache.early)
         from preheat.cache.early import startup_id

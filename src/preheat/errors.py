@@ -135,7 +135,7 @@ class FetchError(PreheatError):
 EXTRA_OF_MODULE = {"fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "httpx": "serve",
                    "runpod": "runpod", "ray": "ray", "torch": "torch", "diffusers": "torch",
                    "transformers": "torch", "huggingface_hub": "hub", "fsspec": "remote", "s3fs": "remote",
-                   "sklearn": "train", "matplotlib": "bench", "psutil": "bench"}
+                   "sklearn": "train", "matplotlib": "bench", "psutil": "bench", "gguf": "gguf"}
 
 
 class MissingExtraError(PreheatError, ImportError):

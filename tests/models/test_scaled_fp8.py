@@ -1,8 +1,11 @@
 """Scaled fp8 single files (issue 28 item 2): a tiny FLUX.1-dev transformer in BFL's layout whose
 Linear weights are stored ``F8_E4M3`` with a float32 ``scale_weight`` each (``amax / 448``), a
-``scale_input`` each and the top-level ``scaled_fp8`` marker, as ComfyUI writes them. preheat's
-image from it is the image of the same dequantised weights stored plainly, and the scales matter:
-the same fp8 bytes without them give another image."""
+``scale_input`` each and the top-level ``scaled_fp8`` marker, as ComfyUI writes them.
+
+The fp8 bytes go to the device as they are, each beside its scale (``quantised.Quantised``), and the
+compiled program multiplies at use: the same float32 arithmetic a host dequantisation does, so the
+image is exactly the image of the same weights dequantised and stored in float32. The scales
+matter: the same fp8 bytes without them give another image, and another byte count."""
 
 from __future__ import annotations
 
@@ -53,41 +56,168 @@ def files(tmp_path_factory):
     return out
 
 
-def _image(files, name: str, **load) -> np.ndarray:
-    pipe = preheat.load(files[name], config=files["folder"], cache="off", **load)
-    noise = np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32)
-    return pipe.generate("a watercolor fox", noise=noise, steps=3, sampler="flow_euler", guidance=3.5,
-                         width=32, height=32)
+def _image(pipe) -> np.ndarray:
+    return pipe.generate(**CALL)
 
 
-def test_a_scaled_fp8_file_draws_its_dequantised_weights_image(files, tmp_path, monkeypatch, record_property):
-    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
-    plain, scaled = _image(files, "plain"), _image(files, "scaled")
-    diff = float(np.abs(scaled.astype(np.int32) - plain.astype(np.int32)).mean())
-    record_property("mean_abs_px", diff)
-    print(f"scaled fp8 vs its dequantised weights: mean |Δpx| {diff:.4f}")
-    assert diff <= MEAN_TOL and plain.std() > 5
-    unscaled = _image(files, "unscaled")  # the same fp8 bytes read as plain F8_E4M3: the scales matter
-    moved = float(np.abs(unscaled.astype(np.int32) - plain.astype(np.int32)).mean())
-    print(f"scales ignored: mean |Δpx| {moved:.4f}")
-    assert moved > 10 * max(diff, 0.1)
+NOISE = np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32)
+CALL = dict(prompt="a watercolor fox", noise=NOISE, steps=3, sampler="flow_euler", guidance=3.5, width=32, height=32)
 
 
-def test_fp8_storage_of_a_scaled_file_is_that_of_its_dequantised_weights(files, tmp_path, monkeypatch):
-    """With weights_dtype=float8_e4m3fn the dequantised weights are stored in fp8 as any
-    full-precision weights are: the same device bytes, so the same image."""
+@pytest.fixture(scope="module")
+def pipes(files, tmp_path_factory):
+    """The three files loaded once each (no weights_dtype), and the scaled one with fp8 storage."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREHEAT_HOME", str(tmp_path_factory.mktemp("home")))  # the converted folders' root
+        out = {name: preheat.load(files[name], config=files["folder"], cache="off")
+               for name in ("scaled", "plain", "unscaled")}
+        out["scaled-fp8"] = preheat.load(files["scaled"], config=files["folder"], cache="off",
+                                         weights_dtype="float8_e4m3fn")
+    return out
+
+
+def _leaves(pipe) -> dict[str, object]:
+    """{torch-style parameter path: its device value (an array, or a quantised.Quantised)}."""
     from flax import nnx
 
+    return {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(pipe.params)}
+
+
+def test_a_scaled_fp8_file_draws_its_dequantised_weights_image_exactly(pipes, record_property):
+    """Without weights_dtype the file's fp8 weights stay fp8 on the device (as ComfyUI keeps them),
+    with their scales; the image is bit for bit the float32 dequantised weights' image."""
+    plain, scaled = _image(pipes["plain"]), _image(pipes["scaled"])
+    diff = float(np.abs(scaled.astype(np.int32) - plain.astype(np.int32)).mean())
+    record_property("mean_abs_px", diff)
+    print(f"scaled fp8 kept on the device vs its dequantised weights: mean |Δpx| {diff:.4f}")
+    assert plain.std() > 5
+    np.testing.assert_array_equal(scaled, plain)  # exact: the same float32 products, where they are used
+    unscaled = _image(pipes["unscaled"])  # the same fp8 bytes read as plain F8_E4M3
+    moved = float(np.abs(unscaled.astype(np.int32) - plain.astype(np.int32)).mean())
+    print(f"scales ignored: mean |Δpx| {moved:.4f}")
+    assert moved > 1.0
+
+
+def test_the_device_holds_the_fp8_bytes_and_their_scales(files, pipes, record_property):
+    """Every scaled Linear weight is placed as the file stores it (the fp8 bytes, transposed to the
+    kernel's layout) beside its float32 scale: the denoiser's device bytes are the plain load's
+    minus 3 bytes per fp8 element plus 4 per scale (a fused BFL weight's pieces each hold it)."""
+    import ml_dtypes
+
+    from preheat.models.quantised import Quantised
+    from preheat.models.storage import device_bytes
+    from preheat.models.weights import read_tensors
+
+    leaves, plain = _leaves(pipes["scaled"]), _leaves(pipes["plain"])
+    kept = {k: v for k, v in leaves.items() if isinstance(v, Quantised)}
+    assert len(kept) > 10 and kept.keys() == {k for k in plain if k.endswith(".kernel")}
+    for key, q in kept.items():
+        assert q.values.dtype == ml_dtypes.float8_e4m3fn and q.scale.dtype == np.float32 and q.scale.shape == ()
+        np.testing.assert_array_equal(np.asarray(q.values).astype(np.float32) * np.asarray(q.scale),
+                                      np.asarray(plain[key]), err_msg=key)
+    file = read_tensors([files["scaled"]])  # F8_E4M3 through ml_dtypes
+    q = kept["transformer_blocks.0.ff.net.2.kernel"]  # BFL's double_blocks.0.img_mlp.2, one to one
+    np.testing.assert_array_equal(np.asarray(q.values).T.view(np.uint8),
+                                  file["double_blocks.0.img_mlp.2.weight"].view(np.uint8))
+    assert np.asarray(q.scale) == file["double_blocks.0.img_mlp.2.scale_weight"]
+    elements = sum(int(np.prod(q.shape)) for q in kept.values())
+    full, ours = device_bytes(pipes["plain"].params), device_bytes(pipes["scaled"].params)
+    record_property("device_bytes", {"scaled_kept": ours, "dequantised_fp32": full})
+    print(f"denoiser on the device: scaled fp8 kept {ours} B, dequantised float32 {full} B ({ours / full:.3f}x)")
+    assert ours == full - 3 * elements + 4 * len(kept)
+    assert pipes["scaled"].load_report.parts[-2].placed_bytes == ours  # the load's own count agrees
+
+
+def test_fp8_storage_keeps_the_scaled_layers_and_dequantises_the_others(pipes):
+    """weights_dtype=float8_e4m3fn names diffusers' layerwise set: its layers stay as the file stores
+    them (fp8 and scale), the ones it keeps at full precision (the AdaLN modulation, under ``norm``)
+    are dequantised on the host. Nothing is rounded again, so the image is still exactly the
+    dequantised weights' image (before, the dequantised weights were cast to fp8 again, unscaled)."""
+    from preheat.models.quantised import Quantised
+
+    leaves = _leaves(pipes["scaled-fp8"])
+    kept = {k for k, v in leaves.items() if isinstance(v, Quantised)}
+    full = {k for k, v in leaves.items() if k.endswith(".kernel") and not isinstance(v, Quantised)}
+    assert "transformer_blocks.0.attn.to_q.kernel" in kept and "transformer_blocks.0.norm1.linear.kernel" in full
+    assert all("norm" in k or k == "proj_out.kernel" for k in full) and len(kept) > 10
+    assert all(leaves[k].dtype == np.float32 for k in full)
+    np.testing.assert_array_equal(_image(pipes["scaled-fp8"]), _image(pipes["plain"]))
+
+
+def test_a_lora_on_kept_scaled_layers_draws_the_dequantised_weights_lora_image(files, pipes, tmp_path):
+    """A LoRA's low-rank path runs beside layers kept scaled as beside any layer: the same image as
+    on the dequantised float32 weights, and not the image without it."""
+    from tests._support.lora_files import peft_layers, save_lora
+
+    ref = flow_fixtures.reference_pipeline(files["folder"], "flow_euler")
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "proj_mlp", "ff.net.2"]
+    lora = save_lora(ref, tmp_path / "lora", "transformer",
+                     {"transformer": peft_layers(ref.transformer, targets, 4, 4, seed=4)})
+    with_lora = {name: pipes[name].generate(**CALL, lora=str(lora)) for name in ("scaled", "plain")}
+    np.testing.assert_array_equal(with_lora["scaled"], with_lora["plain"])
+    assert np.abs(with_lora["scaled"].astype(np.int32) - _image(pipes["scaled"]).astype(np.int32)).mean() > 1.0
+
+
+def test_kept_scales_are_placed_on_a_mesh_like_any_weight(files, pipes, tmp_path, monkeypatch):
+    """Two devices (the suite's fake CPU devices), a batch split over them: each device holds the
+    fp8 values and scales (``sharding.distribute`` sees two leaves), and the images are the
+    single-device float32 load's (to XLA's rounding at another batch size per program)."""
+    from preheat.models.quantised import Quantised
+
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
-    pipes = {name: preheat.load(files[name], config=files["folder"], cache="off", weights_dtype="float8_e4m3fn")
-             for name in ("scaled", "plain")}
-    leaves = {name: {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(pipe.params)}
-              for name, pipe in pipes.items()}
-    assert leaves["scaled"].keys() == leaves["plain"].keys()
-    low = [k for k, v in leaves["plain"].items() if v.dtype == np.dtype("float8_e4m3fn")]
-    assert len(low) > 5
-    for key, value in leaves["plain"].items():
-        np.testing.assert_array_equal(leaves["scaled"][key].view(np.uint8), value.view(np.uint8), err_msg=key)
+    pipe = preheat.load(files["scaled"], config=files["folder"], cache="off", devices=2)
+    q = next(v for v in _leaves(pipe).values() if isinstance(v, Quantised))
+    assert len(q.values.sharding.device_set) == len(q.scale.sharding.device_set) == 2
+    noise = np.concatenate([NOISE, -NOISE])
+    call = {**CALL, "noise": noise, "n": 2}
+    diff = np.abs(pipe.generate(**call).astype(np.int32) - pipes["plain"].generate(**call).astype(np.int32))
+    assert diff.mean() <= MEAN_TOL / 10 and diff.max() <= 1  # one image per device against two on one: XLA's rounding
+
+
+def test_kept_scales_survive_the_compile_cache_and_prefetch(files, tmp_path, monkeypatch):
+    """Placeholders of a prefetching load are (values, scale) shapes too: the executable the first
+    load compiled is the one the second load fetches while the weights are read (``aot``)."""
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    call = {k: v for k, v in CALL.items() if k not in ("prompt", "noise")}
+    images = []
+    for _ in range(2):
+        pipe = preheat.load(files["scaled"], config=files["folder"], prefetch=[{"n": 1, **call}])
+        images.append(pipe.generate(**CALL))
+    assert pipe.last.cache_layer == "aot"
+    np.testing.assert_array_equal(images[0], images[1])
+
+
+def test_quantised_expands_per_tensor_and_per_block():
+    """``Quantised.expand``: one scale for the tensor, or one per block (a Q8_0 kernel's 32 rows)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from preheat.models.quantised import Quantised
+    from preheat.models.storage import upcast
+
+    rng = np.random.default_rng(0)
+    fp8 = rng.standard_normal((64, 3)).astype(ml_dtypes.float8_e4m3fn)
+    one = Quantised(jnp.asarray(fp8), jnp.float32(0.25)).expand(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(one), fp8.astype(np.float32) * np.float32(0.25))
+    q = rng.integers(-127, 128, (64, 3)).astype(np.int8)  # (in, out): two blocks of 32 rows per column
+    d = rng.standard_normal((2, 3)).astype(np.float16)
+    want = q.astype(np.float32) * np.repeat(d.astype(np.float32), 32, axis=0)
+    got = upcast({"w": Quantised(jnp.asarray(q), jnp.asarray(d)), "b": jnp.ones(3)}, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got["w"]), want)
+    np.testing.assert_array_equal(np.asarray(got["b"]), np.ones(3))
+
+
+def test_a_scale_that_is_neither_per_tensor_nor_per_block_is_one_line():
+    from preheat.errors import ModelFormatError
+
+    tensors = {"a.weight": np.zeros((4, 64), np.float32), "a.scale_weight": np.ones((3,), np.float32)}
+    with pytest.raises(ModelFormatError, match=r"a.scale_weight has shape \(3,\); a scale is one per weight") as exc:
+        scaled_fp8.scale_of(tensors, "a.weight", "a.scale_weight")
+    assert "\n" not in str(exc.value)
+    tensors["a.scale_weight"] = np.full((4, 2), 2, np.float16)  # one per block of 32: as stored
+    assert scaled_fp8.scale_of(tensors, "a.weight", "a.scale_weight").dtype == np.float16
+    tensors["a.scale_weight"] = np.full((1,), 2, np.float16)  # one per tensor: a float32 scalar
+    assert scaled_fp8.scale_of(tensors, "a.weight", "a.scale_weight").shape == ()
 
 
 def test_scales_and_the_marker_are_not_parameters(files):

@@ -127,10 +127,11 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--cache", type=click.Choice(CACHE_LAYERS), help="Compile cache layers (default: full)."),
         click.option("--config", metavar="FOLDER|hf://ORG/REPO|NAME",
                      help="MODEL is a single .safetensors file in an original layout (LDM SD 1.x/2.x, SGM SDXL, "
-                          "BFL FLUX.1, MMDiT SD3): the diffusers folder or repository whose configs and tokenizers "
-                          "read it; a folder of only the component folders it lacks; or a published model's name "
-                          "(stable-diffusion-2-1-base: the 512 px epsilon SD 2.1). Without it the published model is "
-                          "inferred and what the file lacks is pulled from its repository (JAX backend)."),
+                          "BFL FLUX.1, MMDiT SD3) or a FLUX.1 GGUF file: the diffusers folder or repository whose "
+                          "configs and tokenizers read it; a folder of only the component folders it lacks; or a "
+                          "published model's name (stable-diffusion-2-1-base: the 512 px epsilon SD 2.1). Without "
+                          "it the published model is inferred and what the file lacks is pulled from its "
+                          "repository (a GGUF file needs it) (JAX backend)."),
     ]
     for option in reversed(options):
         fn = option(fn)

@@ -25,6 +25,9 @@ Layouts:
   norms and ``x_block.attn2``), usually under ``model.diffusion_model.``, renamed by
   ``preheat.models.mmdit``'s table.
 
+A FLUX.1 GGUF file (``.gguf``, BFL's keys) is read by ``preheat.models.gguf_file`` (Q8_0 weights as
+int8 values beside their per-block scales, kept so on the device) and converted like a ``bfl`` file.
+
 ComfyUI's checkpoints bundle the rest of the pipeline with an ``mmdit`` or ``bfl`` transformer: the
 VAE in the LDM layout (``first_stage_model.*``, or ``vae.*`` in ComfyUI's Flux files such as
 ``flux1-dev-fp8``) and the text encoders in transformers' names under
@@ -54,6 +57,7 @@ from preheat.errors import (CheckpointMismatchError, InvalidArgumentError, Model
                             WeightsError)
 from preheat.files import publish_folder
 from preheat.models.bfl import Piece, bfl_modules, flux_widths
+from preheat.models.gguf_file import GGUFTensors, is_gguf
 from preheat.models.mmdit import MMDIT_PARAMS, mmdit_modules
 from preheat.models.scaled_fp8 import with_scales
 from preheat.models.weights import read_tensors
@@ -472,7 +476,8 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
     out = root / "models" / "single" / _identity(file, config)
     if (out / "model_index.json").is_file():
         return out
-    with read_tensors([file]) as f:  # headers checked (a torn file is one line); F8_E4M3 through ml_dtypes
+    reader = GGUFTensors(file) if is_gguf(file) else read_tensors([file])  # GGUF: Q8_0 as values + scales
+    with reader as f:  # headers checked (a torn file is one line); F8_E4M3 through ml_dtypes
         keys = list(f)
         layout = detect_layout(keys, file)
         configs = {c: _read_config(config, c, layout) for c in layout.components}

@@ -23,6 +23,13 @@ The weights are placed in fp8 by ``weights.fill`` (``LoadOptions.weights_dtype``
 and stay so on the device; the model's ``apply`` calls ``upcast`` inside the jitted program, so
 each weight is converted to the compute dtype where it is used. A tensor already stored as
 ``F8_E4M3`` is placed as it is (no cast on the host).
+
+A weight stored in a compact form with scales (a scaled fp8 file's ``F8_E4M3`` weight and its
+float32 per-tensor scale; a GGUF ``Q8_0`` weight's int8 values and per-block scales) is one
+``preheat.models.quantised.Quantised`` value on the device: a pytree of the stored values and
+their scale, which ``upcast`` expands to ``values * scale`` in the compute dtype, in the same
+place it converts a plain fp8 weight. Every other path (placement on a mesh, compile keys,
+placeholders for prefetch) sees its two arrays as it sees any leaves.
 """
 
 from __future__ import annotations
@@ -35,15 +42,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError
+from preheat.models.quantised import FLOAT8, Quantised, is_low, is_quantised, refusal
 
-__all__ = ["FLOAT8", "WEIGHTS_DTYPES", "DEFAULT_SKIP", "layerwise", "upcast", "is_low", "check_weights_dtype",
-           "stored_low", "placed_bytes"]
+__all__ = ["WEIGHTS_DTYPES", "DEFAULT_SKIP", "layerwise", "upcast", "check_weights_dtype", "stored_low",
+           "placed_bytes", "device_bytes"]
 
-FLOAT8 = "float8_e4m3fn"
 WEIGHTS_DTYPES = (FLOAT8,)  # what weights_dtype= takes
 WEIGHTS_LAYERS = ("layerwise", "linear")  # diffusers' layerwise-casting set; every Linear/Conv/Embedding
 DEFAULT_SKIP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")  # diffusers' DEFAULT_SKIP_MODULES_PATTERN
-_LOW = (jnp.dtype(jnp.float8_e4m3fn),)
 
 
 def layerwise(extra: Sequence[str] = (), options: Any = None) -> Callable[[str], bool]:
@@ -67,11 +73,6 @@ def layerwise(extra: Sequence[str] = (), options: Any = None) -> Callable[[str],
     return low
 
 
-def is_low(dtype: Any) -> bool:
-    """Whether ``dtype`` is a storage dtype that ``upcast`` converts."""
-    return np.dtype(dtype) in _LOW
-
-
 def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     """``params`` with every fp8 leaf converted to ``dtype`` (the compute dtype); the rest as they
     are. Called inside the jitted apply, so the device keeps fp8 and XLA places the converts.
@@ -80,11 +81,20 @@ def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     every convert out of the sampling loop (seen in the compiled HLO on CPU), so a call would hold
     a full-precision copy of every weight; an optimization barrier shared with ``tie`` makes the
     weights a value of the step, so each is converted where it is used, step by step."""
-    if not any(is_low(leaf.dtype) for leaf in jax.tree.leaves(params)):
+    def stored(x: Any) -> bool:
+        return isinstance(x, Quantised) or is_low(x.dtype)
+
+    if not any(stored(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantised)):
         return params
     if tie is not None:
         params, _ = jax.lax.optimization_barrier((params, tie))
-    return jax.tree.map(lambda x: x.astype(dtype) if is_low(x.dtype) else x, params)
+
+    def expand(x: Any) -> Any:
+        if isinstance(x, Quantised):
+            return x.expand(dtype)
+        return x.astype(dtype) if is_low(x.dtype) else x
+
+    return jax.tree.map(expand, params, is_leaf=is_quantised)
 
 
 def check_weights_dtype(weights_dtype: str, mesh: Any = None, weights_layers: str = "layerwise") -> None:
@@ -99,20 +109,19 @@ def check_weights_dtype(weights_dtype: str, mesh: Any = None, weights_layers: st
                                    argument="weights_layers")
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     for device in devices:
-        try:
-            probe = jax.device_put(np.zeros((2,), jnp.dtype(weights_dtype)), device)
-            jax.block_until_ready(jax.jit(lambda x: x.astype(jnp.float32) * 2)(probe))
-        except Exception as exc:  # the runtime's own refusal, whatever its type
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        reason = refusal(device, weights_dtype)
+        if reason is not None:
             raise ModelFormatError(f"weights_dtype={weights_dtype}: device {device} ({device.platform}) cannot hold "
-                                   f"{weights_dtype} weights: {reason[:160]}") from None
+                                   f"{weights_dtype} weights: {reason[:160]}")
 
 
 def stored_low(params: Any, weights_dtype: str, source: Any) -> None:
     """A one-line error when a load asked for ``weights_dtype`` but no weight was stored in it
-    (a denoiser whose loader names no layers): never a silent full-precision load."""
+    (a denoiser whose loader names no layers): never a silent full-precision load. A layer kept
+    ``Quantised`` (GGUF Q8_0's int8 and scales: more compact than a cast to fp8) counts as stored."""
     want = jnp.dtype(weights_dtype)
-    if not any(np.dtype(leaf.dtype) == want for leaf in jax.tree.leaves(params)):
+    leaves = jax.tree.leaves(params, is_leaf=is_quantised)
+    if not any(isinstance(leaf, Quantised) or np.dtype(leaf.dtype) == want for leaf in leaves):
         raise ModelFormatError(f"{source}: weights_dtype={weights_dtype} was asked for, but this model's denoiser "
                                f"stores no layer in it")
 
@@ -133,3 +142,8 @@ def placed_bytes(abstract: Any, dtype: Any, weights_dtype: str | None = None, ex
         want = jnp.dtype(plan(torch_key(path)) if plan is not None else dtype)
         total += int(np.prod(var.shape, dtype=np.int64)) * want.itemsize
     return total
+
+
+def device_bytes(params: Any) -> int:
+    """Bytes ``params`` hold on the device: every array, a ``Quantised`` weight's values and scale."""
+    return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(params))

@@ -37,7 +37,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Container, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -51,7 +51,8 @@ from flax import nnx
 from preheat.errors import ModelFormatError, ModelNotFoundError, UnsupportedConfigError, WeightsError
 from preheat.models.load_report import LoadRecording, LoadReport, PeakWindow, recording
 from preheat.models.load_report import record as record_load
-from preheat.models.scaled_fp8 import dequantise, ignored, weight_scales
+from preheat.models.quantised import FLOAT8, Quantised, holds, is_low
+from preheat.models.scaled_fp8 import dequantise, ignored, scale_of, scale_shape, weight_scales
 
 __all__ = [
     "DIFFUSERS_STEM",
@@ -487,8 +488,10 @@ class LoadOptions:
     ``pending``: queue the reads there (``DeferredFills``) instead of reading at once: each leaf
     of the States ``fill`` returns holds a ``jax.ShapeDtypeStruct`` until ``pending.run()``.
     ``weights_dtype``: the storage dtype of the layers a denoiser's loader names (``fill``'s
-    ``low``), e.g. ``"float8_e4m3fn"``; upcast at use (``preheat.models.storage``). None: every
-    weight is placed in the compute dtype. Encoders and VAEs never pass ``low``, so it leaves them be.
+    ``low``), e.g. ``"float8_e4m3fn"``; upcast at use (``preheat.models.storage``). None: a
+    denoiser's layers the checkpoint stores in fp8 stay fp8 (a scaled fp8 file's with their
+    scales), every other weight is placed in the compute dtype. Encoders and VAEs never pass
+    ``low`` (their programs do not upcast), so it leaves them be.
     ``weights_layers``: which layers: "layerwise" (diffusers' ``enable_layerwise_casting`` set)
     or "linear" (its Linear layers inside norm modules too: ``storage.layerwise``).
     """
@@ -523,24 +526,46 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
     ``ignore(key)``: checkpoint keys that may be present without a parameter (e.g. buffers such
     as transformers' ``position_ids``). ``dtype_for(key)``: a per-tensor dtype override.
     ``options.pending``: the reads are queued there (``LoadOptions``). ``low(key)``: the tensors
-    placed in ``options.weights_dtype`` when that is set (a denoiser's layerwise-cast weights).
-    A scaled fp8 checkpoint's weights (``X.weight`` with ``X.scale_weight``) are dequantised as
-    they are placed, and its scales and marker match no parameter (``preheat.models.scaled_fp8``).
+    placed in ``options.weights_dtype`` when that is set (a denoiser's layerwise-cast weights);
+    without it, the ones the checkpoint stores in fp8 (``dtype_plan``).
+    A scaled checkpoint's weight (``X.weight`` with ``X.scale_weight``: a scaled fp8 file's, or a
+    GGUF Q8_0 weight's int8 values and per-block scales) stored and planned compact (fp8, int8)
+    is placed as it is stored with its scale, a ``quantised.Quantised`` that the apply expands at
+    use; one planned in another dtype (a layer fp8 storage keeps at full precision, an encoder's)
+    is dequantised on the host as it is placed. The scales and the marker match no parameter
+    (``preheat.models.scaled_fp8``).
     """
     options = options or DEFAULT_OPTIONS
-    dtype_for = dtype_plan(abstract, dtype, key_fn=key_fn, dtype_for=dtype_for, options=options, low=low)
-    scales = weight_scales(tensors)  # a scaled fp8 file's weights: dequantised as they are placed
+    stored = (lambda k: (_meta(tensors, k) or ((), None))[1]) if low is not None else None  # noqa: E731
+    dtype_for = dtype_plan(abstract, dtype, key_fn=key_fn, dtype_for=dtype_for, options=options, low=low,
+                           stored=stored)
+    scales = weight_scales(tensors)  # a scaled fp8 file's weights: kept scaled, or dequantised as placed
     skip = lambda k: ignored(k, tensors) or (ignore is not None and ignore(k))  # noqa: E731 (scales, the marker)
-    flat, plan = _check(abstract, tensors, dtype, source, key_fn, skip, dtype_for)
+    flat, plan = _check(abstract, tensors, dtype, source, key_fn, skip, dtype_for, scales)
+    # kept scaled on the device: planned and stored compact (the bytes as they are, beside their scale)
+    kept = {key: scales[key] for _, _, _, _, key, want in plan
+            if key in scales and _compact(want) and _compact(_meta(tensors, key)[1])}
+    scale_shapes = {key: scale_shape(tensors, key, scales[key])  # checked before any tensor is read
+                    for _, _, _, _, key, _ in plan if key in scales}
+
+    def placeholder(var: Any, leaf: str, key: str, want: np.dtype) -> Any:
+        if key not in kept:
+            return jax.ShapeDtypeStruct(tuple(var.shape), want)
+        shape = scale_shapes[key]  # (): one float32 per tensor; else blocks, as stored, in the kernel's layout
+        scale_dtype = np.float32 if shape == () else _meta(tensors, kept[key])[1]
+        layout = to_jax_layout(np.broadcast_to(np.zeros((), np.uint8), shape), leaf).shape
+        return Quantised(jax.ShapeDtypeStruct(tuple(var.shape), _meta(tensors, key)[1]),
+                         jax.ShapeDtypeStruct(layout, scale_dtype))
+
     # one placeholder Variable per leaf, its value set in place when its tensor is placed
-    holders = {i: var.replace(jax.ShapeDtypeStruct(tuple(var.shape), want)) for i, _, var, _, _, want in plan}
+    holders = {i: var.replace(placeholder(var, leaf, key, want)) for i, _, var, leaf, key, want in plan}
     state = nnx.from_flat_state([(flat[i][0], holders[i]) for i in sorted(holders)])
 
     def job() -> None:
         t0 = time.perf_counter()
         window = PeakWindow()
         try:
-            report = _stream(plan, holders, tensors, source, scales)
+            report = _stream(plan, holders, tensors, source, scales, kept)
         finally:
             before, peak, after, exact = window.close()
         record_load(replace(report, seconds=time.perf_counter() - t0, rss_before=before, peak_rss=peak,
@@ -552,19 +577,42 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
 
 def dtype_plan(abstract: nnx.State, dtype: Any, *, key_fn: Callable[[tuple[Any, ...]], str] = torch_key,
                dtype_for: Callable[[str], Any] | None = None, options: LoadOptions | None = None,
-               low: Callable[[str], bool] | None = None) -> Callable[[str], Any] | None:
-    """``fill``'s per-key dtype: ``options.weights_dtype`` for the Linear/Conv/Embedding weights
-    (``kernel``/``embedding`` leaves) that ``low`` names, else ``dtype_for`` (or ``dtype``). What
-    a load would place is known from it and the abstract shapes alone (the fp8 memory benchmark)."""
-    if options is None or options.weights_dtype is None or low is None:
+               low: Callable[[str], bool] | None = None,
+               stored: Callable[[str], Any] | None = None) -> Callable[[str], Any] | None:
+    """``fill``'s per-key dtype for a denoiser (``low`` given): ``options.weights_dtype`` for the
+    Linear/Conv/Embedding weights (``kernel``/``embedding`` leaves) that ``low`` names; without
+    ``weights_dtype``, the stored dtype for those the checkpoint stores compact (``stored(key)``:
+    fp8, as ComfyUI keeps an fp8 file's weights, when the device holds fp8 (``quantised.holds``);
+    a GGUF Q8_0 weight's int8 values, which ``fill`` keeps beside their scales); the rest
+    ``dtype_for`` (or ``dtype``). With ``weights_dtype``, what a load would place is known from the
+    plan and the abstract shapes alone (the fp8 memory benchmark)."""
+    if options is None or low is None or (options.weights_dtype is None and stored is None):
         return dtype_for
-    stored, rest = jnp.dtype(options.weights_dtype), dtype_for
+    rest, compact = dtype_for, {}
     layers = {key_fn(path) for path, _ in nnx.to_flat_state(abstract) if str(path[-1]) in ("kernel", "embedding")}
+    if options.weights_dtype is not None:
+        want, chosen = jnp.dtype(options.weights_dtype), low
+    else:  # the checkpoint decides: a layer stored compact (fp8; GGUF Q8_0's int8) stays so
+        compact = {key: np.dtype(stored(key)) for key in layers if _compact(stored(key))}
+        if any(is_low(d) for d in compact.values()) and not holds(FLOAT8):
+            compact = {k: d for k, d in compact.items() if not is_low(d)}  # fp8 upcast on the host instead
+        if not compact:
+            return dtype_for
+        chosen, want = compact.__contains__, None
 
     def planned(key: str) -> Any:
-        return stored if key in layers and low(key) else (rest(key) if rest is not None else dtype)
+        if key in layers and chosen(key):
+            return want if want is not None else compact[key]
+        return rest(key) if rest is not None else dtype
 
     return planned
+
+
+_COMPACT = (np.dtype(FLOAT8), np.dtype(np.int8))  # what a scaled weight may stay as on the device
+
+
+def _compact(dtype: Any) -> bool:
+    return dtype is not None and np.dtype(dtype) in _COMPACT
 
 
 _Plan = list[tuple[int, tuple[Any, ...], Any, str, str, np.dtype]]
@@ -572,9 +620,10 @@ _Plan = list[tuple[int, tuple[Any, ...], Any, str, str, np.dtype]]
 
 def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: str,
            key_fn: Callable[[tuple[Any, ...]], str], ignore: Callable[[str], bool] | None,
-           dtype_for: Callable[[str], Any] | None) -> tuple[list[Any], _Plan]:
+           dtype_for: Callable[[str], Any] | None, scales: Container[str] = ()) -> tuple[list[Any], _Plan]:
     """Headers only: every key, shape and dtype, all problems in one ``WeightsError``; returns
-    the flat abstract state and the plan (index, path, variable, leaf, key, dtype to place)."""
+    the flat abstract state and the plan (index, path, variable, leaf, key, dtype to place).
+    A weight with a scale (``scales``) may be stored as int8 (GGUF Q8_0's values)."""
     flat = nnx.to_flat_state(abstract)
     problems: list[str] = []
     plan: _Plan = []
@@ -592,7 +641,7 @@ def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: 
         if shape != expected:
             problems.append(f"{key} has shape {shape}, expected {expected}")
             continue
-        if not jnp.issubdtype(src_dtype, jnp.floating):  # bf16 and fp8 (ml_dtypes) included
+        if not jnp.issubdtype(src_dtype, jnp.floating) and not (key in scales and src_dtype == np.int8):
             problems.append(f"{key} has dtype {src_dtype}, expected a floating-point dtype")
             continue
         want = dtype_for(key) if dtype_for is not None else dtype
@@ -606,8 +655,10 @@ def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: 
 
 
 def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], source: str,
-            scales: Mapping[str, str] | None = None) -> LoadReport:
-    """Read, cast and place every planned tensor (file order), setting ``holders[i]``'s value."""
+            scales: Mapping[str, str] | None = None, kept: Mapping[str, str] | None = None) -> LoadReport:
+    """Read, cast and place every planned tensor (file order), setting ``holders[i]``'s value.
+    ``kept``: the scaled weights (fp8, Q8_0) placed as stored beside their scale; the rest of
+    ``scales`` are dequantised on the host."""
     lazy = isinstance(tensors, Checkpoint)
     if lazy:  # stream in file order (sequential reads; the OS reads ahead)
         infos = {key: tensors.info(key) for _, _, _, _, key, _ in plan}
@@ -616,10 +667,16 @@ def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], so
     waiting = bytes_read = placed_bytes = largest = 0
     scratch = _Scratch()
     for i, path, var, leaf, key, want in plan:
-        if scales and key in scales:  # fp8 times its scale, then the planned dtype (preheat.models.scaled_fp8)
+        if kept and key in kept:  # the stored bytes as they are, and their scale: expanded at use
+            values, nbytes = _place(tensors, key, leaf, holders[i].get_value().values.dtype, scratch)
+            scale = scale_of(tensors, key, kept[key])
+            value = Quantised(values, jax.device_put(to_jax_layout(scale, leaf)))
+            nbytes += scale.nbytes
+        elif scales and key in scales:  # fp8 times its scale, then the planned dtype (preheat.models.scaled_fp8)
             host = dequantise(tensors, key, scales[key]).astype(want)
             value = jax.device_put(to_jax_layout(host, leaf), donate=True)
-            nbytes = host.size * _meta(tensors, key)[1].itemsize + 4  # the stored weight and its scale
+            scale_shape_, scale_dtype = _meta(tensors, scales[key])
+            nbytes = host.size * _meta(tensors, key)[1].itemsize + int(np.prod(scale_shape_)) * scale_dtype.itemsize
         else:
             value, nbytes = _place(tensors, key, leaf, want, scratch)
         bytes_read += nbytes
@@ -630,10 +687,10 @@ def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], so
         waiting += nbytes
         while waiting > IN_FLIGHT_BYTES:  # bound the host buffers still being copied
             done, n = in_flight.popleft()
-            done.block_until_ready()
+            jax.block_until_ready(done)
             waiting -= n
     for value, _ in in_flight:
-        value.block_until_ready()
+        jax.block_until_ready(value)
     files = tuple(str(f) for f in tensors.files) if lazy else ()
     return LoadReport(source=source, files=files, tensors=len(plan), bytes_read=bytes_read,
                       placed_bytes=placed_bytes, largest_tensor_bytes=largest,

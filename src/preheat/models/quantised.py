@@ -1,0 +1,101 @@
+"""Weights kept on the device in a compact form: fp8, and values with scales (``Quantised``).
+
+Below ``weights`` (which places them) and ``storage`` (which chooses fp8 layers and upcasts them
+inside the jitted apply), so both read one definition:
+
+    FLOAT8        the fp8 storage dtype (float8_e4m3fn)
+    is_low(dtype) a storage dtype that the apply converts (fp8)
+    Quantised     stored values and their scale, expanded to ``values * scale`` at use
+    holds(dtype)  whether the default device holds such weights (probed once)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["FLOAT8", "Quantised", "is_quantised", "is_low", "refusal", "holds"]
+
+FLOAT8 = "float8_e4m3fn"
+_LOW = (jnp.dtype(jnp.float8_e4m3fn),)
+
+
+@dataclass(frozen=True)
+class Quantised:
+    """A weight kept on the device as stored, expanded where it is used (``upcast``, inside the
+    jitted apply): ``values * scale``, with one scale per tensor or per block of ``values``.
+
+    ``scale`` has the rank of ``values`` and divides its shape axis by axis (each scale covers a
+    block ``values.shape[i] // scale.shape[i]`` long on axis i), or is a scalar (one per tensor)::
+
+        scaled fp8   values (in, out) float8_e4m3fn   scale ()            float32
+        GGUF Q8_0    values (in, out) int8            scale (in/32, out)  float16
+
+    A pytree (its two arrays are leaves), so it is placed, sharded, keyed and traced like any
+    parameter; ``shape`` and ``dtype`` are the stored values' (what a layer's ``kernel.shape`` reads).
+    """
+
+    values: Any  # the stored elements, in the parameter's (jax) layout
+    scale: Any  # () per tensor, or values' rank with each axis dividing values'
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.values.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.values.nbytes) + int(self.scale.nbytes)
+
+    def expand(self, dtype: Any) -> Any:
+        """``values * scale`` in float32 (the arithmetic a host dequantisation does), then ``dtype``."""
+        values = self.values.astype(jnp.float32)
+        scale = self.scale.astype(jnp.float32)
+        if scale.ndim == 0:
+            return (values * scale).astype(dtype)
+        blocks = [n // m for n, m in zip(values.shape, scale.shape)]
+        split = [d for m, b in zip(scale.shape, blocks) for d in (m, b)]  # (s0, b0, s1, b1, ...)
+        spread = [d for m in scale.shape for d in (m, 1)]  # (s0, 1, s1, 1, ...)
+        return (values.reshape(split) * scale.reshape(spread)).reshape(values.shape).astype(dtype)
+
+
+jax.tree_util.register_dataclass(Quantised, data_fields=["values", "scale"], meta_fields=[])
+
+
+def is_quantised(x: Any) -> bool:
+    return isinstance(x, Quantised)
+
+
+def is_low(dtype: Any) -> bool:
+    """Whether ``dtype`` is a storage dtype that ``upcast`` converts."""
+    return np.dtype(dtype) in _LOW
+
+
+def refusal(device: Any, dtype: str) -> str | None:
+    """Why ``device`` cannot hold ``dtype`` weights and upcast them in a compiled program, or None:
+    a tiny array of it is placed there and upcast, as a denoiser's weights will be."""
+    try:
+        probe = jax.device_put(np.zeros((2,), jnp.dtype(dtype)), device)
+        jax.block_until_ready(jax.jit(lambda x: x.astype(jnp.float32) * 2)(probe))
+    except Exception as exc:  # the runtime's own refusal, whatever its type
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None
+
+
+@functools.cache
+def _holds(device: Any, dtype: str) -> bool:
+    return refusal(device, dtype) is None
+
+
+def holds(dtype: Any) -> bool:
+    """Whether the default device holds ``dtype`` weights (probed once per device and dtype): a
+    file's fp8 weights stay fp8 there without ``weights_dtype``, or are upcast on the host."""
+    return _holds(jax.devices()[0], jnp.dtype(dtype).name)
