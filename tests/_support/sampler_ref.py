@@ -19,6 +19,7 @@ from diffusers.schedulers import (
     scheduling_ddpm,
     scheduling_euler_ancestral_discrete,
     scheduling_lcm,
+    scheduling_tcd,
 )
 
 from preheat.samplers import Plan, SamplerState, SchedulerConfig, SolverSpec, _schedules
@@ -38,9 +39,10 @@ DIFFUSERS_CLASS = {
     "dpmpp_2m": diffusers.DPMSolverMultistepScheduler,
     "dpmpp_2m_karras": diffusers.DPMSolverMultistepScheduler,
     "lcm": diffusers.LCMScheduler,
+    "tcd": diffusers.TCDScheduler,
 }
 # modules whose ``randn_tensor`` we replace so diffusers draws our noise table
-RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm)
+RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd)
 
 
 # --- the fake denoiser, identical math in jax and torch -------------------------------------------
@@ -152,13 +154,13 @@ def run_diffusers(sampler: str, cfg: dict[str, Any], steps: int, x_t: np.ndarray
             if emulate_sample:
                 sigma = sched.sigmas[sched.step_index]
                 out = (x - out) / sigma  # epsilon with the same x0 = out
-            kwargs = {"eta": eta} if sampler == "ddim" else {}
+            kwargs = {"eta": eta} if sampler in ("ddim", "tcd") else {}  # tcd's own default is 0.3
             x = sched.step(out, t, x, **kwargs).prev_sample
             if sampler != "heun" or call % 2 == 1 or call == n_calls - 1:
                 xs.append(x.numpy().copy())
     return Trajectory(
         timesteps=ts_ours.numpy().astype(np.float64),
-        sigmas=None if sig_ours is None or sampler in ("ddpm", "ddim", "lcm") else sig_ours.numpy(),
+        sigmas=None if sig_ours is None or sampler in ("ddpm", "ddim", "lcm", "tcd") else sig_ours.numpy(),
         init_noise_sigma=float(torch.as_tensor(sched.init_noise_sigma).to(torch.float32)),
         x_init=x_init,
         xs=xs,

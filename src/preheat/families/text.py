@@ -62,6 +62,7 @@ SAMPLER_OF_SCHEDULER = {
     "HeunDiscreteScheduler": "heun",
     "DPMSolverMultistepScheduler": "dpmpp_2m",
     "LCMScheduler": "lcm",
+    "TCDScheduler": "tcd",
     "FlowMatchEulerDiscreteScheduler": "flow_euler",
     "FlowMatchHeunDiscreteScheduler": "flow_heun",
 }

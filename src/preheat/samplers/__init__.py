@@ -8,13 +8,14 @@ noise is supplied explicitly by the caller.
 Public API::
 
     SAMPLERS: tuple[str, ...]                 # DIFFUSION_SAMPLERS + FLOW_SAMPLERS
-    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm
+    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm, tcd
     FLOW_SAMPLERS: tuple[str, ...]            # ("flow_euler", "flow_heun")
     DETERMINISTIC_SAMPLERS: tuple[str, ...]   # samplers without per-step noise (flow ones included)
     MU_SIGMAS_SAMPLERS: tuple[str, ...]       # samplers whose make_plan takes mu / sigmas
     SchedulerConfig.from_dict(d: Mapping) -> SchedulerConfig      # diffusers scheduler_config.json
     SchedulerConfig.from_file(path) -> SchedulerConfig
     load_scheduler_config(config | dict | file | folder) -> SchedulerConfig
+    with_overrides(config, sampler, {key: value}) -> SchedulerConfig   # Class.from_config(config, key=value)
     find_scheduler_config(pipeline_root, model_dir) -> path of scheduler_config.json
     make_spec(config, sampler: str) -> SolverSpec                   # static: jit static argument
     make_plan(config, sampler: str, steps: int, *, eta: float = 0.0,
@@ -48,6 +49,8 @@ count need a recompile)::
     dpmpp_2m_karras  same, use_karras_sigmas=True                       1                  no
     lcm              LCMScheduler (original_inference_steps,            1                  no
                      timestep_scaling; re-noised between steps)
+    tcd              TCDScheduler (original_inference_steps; eta =      1                  no
+                     gamma is runtime data in the Plan)
     flow_euler       FlowMatchEulerDiscreteScheduler (shift, dynamic     1                  no
                      shifting with mu, custom sigmas, invert_sigmas,
                      shift_terminal, Karras / exponential sigmas)
@@ -90,7 +93,8 @@ raise ``SchedulerConfigError`` with a one-line message naming the key.
 
 from __future__ import annotations
 
-from preheat.samplers._config import SchedulerConfig, config_kind, find_scheduler_config, load_scheduler_config
+from preheat.samplers._config import (SchedulerConfig, config_kind, find_scheduler_config, load_scheduler_config,
+                                     with_overrides)
 from preheat.samplers._plan import (MU_SIGMAS_SAMPLERS, Plan, SolverSpec, flow_mu, make_plan, make_spec,
                                    strength_start)
 from preheat.samplers._schedules import flux_sigmas
@@ -106,6 +110,7 @@ __all__ = [
     "SchedulerConfig",
     "config_kind",
     "load_scheduler_config",
+    "with_overrides",
     "find_scheduler_config",
     "SolverSpec",
     "Plan",
