@@ -1,6 +1,10 @@
 """Few-step models (issue 28 item 4) against diffusers on tiny random folders: SD-Turbo and
 SDXL-Turbo (their published scheduler configs: Euler / Euler ancestral, trailing spacing, 1-4
-steps, guidance off) and LCM-LoRA on SD 1.x and SDXL (``LCMScheduler`` -> the ``lcm`` sampler).
+steps, guidance off), LCM-LoRA on SD 1.x and SDXL (``LCMScheduler`` -> the ``lcm`` sampler), and
+the distilled LoRAs run as their model cards say, each card's diffusers lines run as written on
+the reference side: SDXL-Lightning (a kohya-named LoRA, Euler with trailing spacing, guidance 0),
+Hyper-SD (DDIM with trailing spacing; the 1-step LoRA with ``TCDScheduler`` and eta 1) and
+Hyper-FLUX.1-dev (the LoRA fused at scale 0.125, the pipeline's own scheduler, guidance 3.5).
 
 The stochastic samplers (euler_a, lcm) draw fresh noise every step: diffusers' draws are replaced
 by the engine's own per-step draws (``preheat.noise``), so both sides see the same noise."""
@@ -15,7 +19,7 @@ import pytest
 
 import preheat
 from preheat.noise import STEP_STREAM, image_keys, normal_per_image
-from tests._support import sd_fixtures
+from tests._support import flow_fixtures, sd_fixtures
 
 peft = pytest.importorskip("peft")
 
@@ -66,7 +70,7 @@ def _noise(seed: int = 0) -> np.ndarray:
 
 def _engine_step_noise(monkeypatch, draws_per_step: int = 1) -> None:
     """diffusers' schedulers draw what the engine draws for image SEED at step i (NCHW)."""
-    from diffusers.schedulers import scheduling_euler_ancestral_discrete, scheduling_lcm
+    from diffusers.schedulers import scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd
 
     calls = {"i": 0}
 
@@ -79,7 +83,7 @@ def _engine_step_noise(monkeypatch, draws_per_step: int = 1) -> None:
         calls["i"] += 1
         return torch.from_numpy(np.ascontiguousarray(nhwc.transpose(0, 3, 1, 2))).to(dtype or torch.float32)
 
-    for mod in (scheduling_euler_ancestral_discrete, scheduling_lcm):
+    for mod in (scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd):
         monkeypatch.setattr(mod, "randn_tensor", randn)
 
 
@@ -128,3 +132,128 @@ def test_lcm_lora_matches_diffusers(few, name, steps, guidance, monkeypatch, rec
         other = pipe.generate("a photo of an owl", noise=noise, seed=SEED + 1, steps=steps, guidance=guidance,
                               lora=entry["lora"], width=32, height=32)
         assert _diff(ours, other) > 1
+
+
+# ------------------------------------------------------------------ distilled LoRAs, as their cards run them
+
+FLUX_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "proj_mlp", "ff.net.2"]
+
+
+@pytest.fixture(scope="module")
+def cards(tmp_path_factory):
+    """Base folders as published (SD 1.x: DDIM, SDXL: Euler, both "leading"; FLUX.1-dev:
+    FlowMatchEuler) and random UNet/transformer LoRAs standing in for the distilled ones: SDXL's
+    in kohya's original-layout names (``lora_unet_input_blocks_…``, as SDXL-Lightning's files),
+    the others as diffusers/peft writes them. Hyper-FLUX's is strong (alpha 64, rank 4), since the
+    card fuses it at 0.125."""
+    from tests._support.lora_files import kohya_sgm_names, peft_layers, save_lora
+
+    base = tmp_path_factory.mktemp("cards")
+    out = {}
+    for kind in ("sd1", "sdxl"):
+        folder = sd_fixtures.save_tiny_sd(base / kind, kind=kind)
+        ref = sd_fixtures.reference_pipeline(folder, "euler")
+        lora = save_lora(ref, base / f"{kind}-lora", "unet", {"unet": peft_layers(ref.unet, UNET_TARGETS, 4, 8, seed=11)})
+        out[kind] = {"folder": folder, "lora": lora, "pipe": preheat.load(folder, cache="off")}
+    out["sdxl"]["kohya"] = kohya_sgm_names(out["sdxl"]["lora"], base / "sdxl-kohya.safetensors", layers=(1, 1))
+    folder = flow_fixtures.save_tiny_flow_model(base / "flux-dev", "flux-dev")
+    ref = flow_fixtures.reference_pipeline(folder)
+    lora = save_lora(ref, base / "flux-lora", "transformer",
+                     {"transformer": peft_layers(ref.transformer, FLUX_TARGETS, 4, 64, seed=12)})
+    out["flux"] = {"folder": folder, "lora": lora, "pipe": preheat.load(folder, cache="off")}
+    return out
+
+
+def _card_reference(folder, scheduler_line, lora):
+    """diffusers' pipeline for ``folder`` as a card sets it up: ``scheduler_line(config)`` builds the
+    scheduler from the folder's (``Class.from_config(pipe.scheduler.config, ...)``), the LoRA loaded."""
+    from diffusers import DiffusionPipeline
+
+    from preheat.backends.torch.text import restore_text_model
+
+    ref = DiffusionPipeline.from_pretrained(folder)
+    restore_text_model(ref)
+    ref.scheduler = scheduler_line(ref.scheduler.config)
+    ref.set_progress_bar_config(disable=True)
+    ref.load_lora_weights(str(lora))
+    return ref
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+def test_lightning_lora_euler_trailing_matches_diffusers(cards, steps, record_property):
+    """SDXL-Lightning's card: ``EulerDiscreteScheduler.from_config(config, timestep_spacing="trailing")``,
+    the kohya-named LoRA, guidance 0; preheat: ``sampler="euler", timestep_spacing="trailing"``."""
+    from diffusers import EulerDiscreteScheduler
+
+    entry, prompt, noise = cards["sdxl"], "a girl smiling", _noise(2)
+    ref = _card_reference(entry["folder"], lambda c: EulerDiscreteScheduler.from_config(c, timestep_spacing="trailing"),
+                          entry["kohya"])
+    theirs = sd_fixtures.reference_pixels(ref, prompt, noise, num_inference_steps=steps, guidance_scale=0.0,
+                                          height=32, width=32)
+    pipe = entry["pipe"]
+    card = dict(noise=noise, steps=steps, guidance=0.0, sampler="euler")
+    ours = pipe.generate(prompt, timestep_spacing="trailing", lora=entry["kohya"], **card)
+    record_property("mean_abs_px", _diff(ours, theirs))
+    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
+    assert _diff(ours, pipe.generate(prompt, timestep_spacing="trailing", **card)) > 5  # the LoRA counts
+    assert _diff(ours, pipe.generate(prompt, lora=entry["kohya"], **card)) > 5  # the folder's "leading" differs
+
+
+@pytest.mark.parametrize("kind,steps", [("sd1", 2), ("sdxl", 4)])
+def test_hyper_lora_ddim_trailing_matches_diffusers(cards, kind, steps, record_property):
+    """Hyper-SD's N-step LoRAs: ``DDIMScheduler.from_config(config, timestep_spacing="trailing")``,
+    guidance 0; preheat: ``sampler="ddim", timestep_spacing="trailing"``."""
+    from diffusers import DDIMScheduler
+
+    entry, prompt, noise = cards[kind], "a photo of a cat", _noise(3)
+    ref = _card_reference(entry["folder"], lambda c: DDIMScheduler.from_config(c, timestep_spacing="trailing"),
+                          entry["lora"])
+    theirs = sd_fixtures.reference_pixels(ref, prompt, noise, num_inference_steps=steps, guidance_scale=0.0,
+                                          height=32, width=32)
+    pipe = entry["pipe"]
+    card = dict(noise=noise, steps=steps, guidance=0.0, sampler="ddim")
+    ours = pipe.generate(prompt, timestep_spacing="trailing", lora=entry["lora"], **card)
+    record_property("mean_abs_px", _diff(ours, theirs))
+    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
+    assert _diff(ours, pipe.generate(prompt, timestep_spacing="trailing", **card)) > 5
+    assert _diff(ours, pipe.generate(prompt, lora=entry["lora"], **card)) > 5
+
+
+@pytest.mark.parametrize("steps,eta", [(1, 1.0), (4, 0.3)])
+def test_hyper_tcd_lora_matches_diffusers(cards, steps, eta, monkeypatch, record_property):
+    """Hyper-SD's 1-step LoRA: ``TCDScheduler.from_config(config)``, guidance 0, ``eta=1.0`` (the card
+    also passes ``timesteps=[800]``, which preheat does not take: both sides run TCD's own
+    1-step schedule, t = 999); and a 4-step TCD call with the scheduler's own eta 0.3 (fresh noise
+    between steps: diffusers draws the engine's)."""
+    from diffusers import TCDScheduler
+
+    _engine_step_noise(monkeypatch)
+    entry, prompt, noise = cards["sdxl"], "a photo of an owl", _noise(4)
+    ref = _card_reference(entry["folder"], TCDScheduler.from_config, entry["lora"])
+    theirs = sd_fixtures.reference_pixels(ref, prompt, noise, num_inference_steps=steps, guidance_scale=0.0, eta=eta,
+                                          height=32, width=32)
+    pipe = entry["pipe"]
+    card = dict(noise=noise, seed=SEED, steps=steps, guidance=0.0)
+    ours = pipe.generate(prompt, sampler="tcd", eta=eta, lora=entry["lora"], **card)
+    record_property("mean_abs_px", _diff(ours, theirs))
+    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
+    assert _diff(ours, pipe.generate(prompt, sampler="tcd", eta=eta, **card)) > 5
+    assert _diff(ours, pipe.generate(prompt, lora=entry["lora"], **card)) > 5  # the folder's euler differs
+
+
+def test_hyper_flux_lora_at_an_eighth_matches_diffusers(cards, record_property):
+    """Hyper-FLUX.1-dev's 8-step LoRA: loaded, ``fuse_lora(lora_scale=0.125)``, the pipeline's own
+    scheduler, guidance 3.5; preheat: ``lora_scale=0.125`` (applied as data, the same sum)."""
+    entry, prompt, steps = cards["flux"], "a watercolor fox", 8
+    noise = np.random.default_rng(5).standard_normal((1, 4, 16, 16)).astype(np.float32)
+    ref = flow_fixtures.reference_pipeline(entry["folder"])
+    ref.load_lora_weights(str(entry["lora"]))
+    ref.fuse_lora(lora_scale=0.125)
+    theirs = flow_fixtures.reference_pixels(ref, prompt, noise, num_inference_steps=steps, guidance_scale=3.5)
+    pipe = entry["pipe"]
+    card = dict(noise=noise, steps=steps, guidance=3.5, width=32, height=32)
+    ours = pipe.generate(prompt, lora=entry["lora"], lora_scale=0.125, **card)
+    record_property("mean_abs_px", _diff(ours, theirs))
+    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
+    assert _diff(ours, pipe.generate(prompt, **card)) > 2  # the LoRA counts at an eighth
+    assert _diff(ours, pipe.generate(prompt, lora=entry["lora"], lora_scale=1.0, **card)) > 2  # and so does the scale

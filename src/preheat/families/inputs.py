@@ -3,7 +3,8 @@
 An :class:`InputSpec` is one keyword of ``Pipeline.generate``: its name, its type (one of the
 small frozen types below, which carry the bounds and choices), whether it is given per image or
 per call, whether it is *static* (a new value selects another compiled program, like a size) or
-*data*, its default, the values warm-up must compile, and a one-line description. A family lists
+*data*, its default, the values warm-up must compile, and a one-line description; a
+``scheduler_key`` input sets that key of the folder's scheduler config for the call. A family lists
 its specs in ``Family.specs``; ``Family.input_specs(pipe)`` resolves what depends on the loaded
 model (a native size, a size multiple, class names). The common inputs every family takes
 (n, steps, sampler, ...) are :data:`COMMON_SPECS`.
@@ -290,6 +291,8 @@ class InputSpec:
     needs: tuple[str, ...] = ()  # refused unless these inputs are given too (a mask needs its image)
     default_doc: str = ""  # what an absent value means, when ``default`` cannot say it
     example: Any = None  # a realistic value (a bench's prompt); None: the first warm value
+    scheduler_key: bool = False  # a key of the folder's scheduler config this call overrides, as a card's
+    #   ``Class.from_config(config, key=value)`` does (``preheat.families.request.scheduler_config``)
 
     @property
     def surface_name(self) -> str:

@@ -12,6 +12,7 @@ Public API::
     FLOW_SAMPLERS: tuple[str, ...]            # ("flow_euler", "flow_heun")
     DETERMINISTIC_SAMPLERS: tuple[str, ...]   # samplers without per-step noise (flow ones included)
     MU_SIGMAS_SAMPLERS: tuple[str, ...]       # samplers whose make_plan takes mu / sigmas
+    TIMESTEP_SPACINGS: tuple[str, ...]        # ("leading", "linspace", "trailing")
     SchedulerConfig.from_dict(d: Mapping) -> SchedulerConfig      # diffusers scheduler_config.json
     SchedulerConfig.from_file(path) -> SchedulerConfig
     load_scheduler_config(config | dict | file | folder) -> SchedulerConfig
@@ -99,7 +100,8 @@ from preheat.samplers._plan import (MU_SIGMAS_SAMPLERS, Plan, SolverSpec, flow_m
                                    strength_start)
 from preheat.samplers._schedules import flux_sigmas
 from preheat.samplers._solvers import BLEND_SOLVERS, Model, NoiseFn, SamplerState, Start, init, noised, run, step
-from preheat.samplers._tables import DETERMINISTIC_SAMPLERS, DIFFUSION_SAMPLERS, FLOW_SAMPLERS, SAMPLERS
+from preheat.samplers._tables import (DETERMINISTIC_SAMPLERS, DIFFUSION_SAMPLERS, FLOW_SAMPLERS, SAMPLERS,
+                                     TIMESTEP_SPACINGS)
 
 __all__ = [
     "SAMPLERS",
@@ -107,6 +109,7 @@ __all__ = [
     "FLOW_SAMPLERS",
     "DETERMINISTIC_SAMPLERS",
     "MU_SIGMAS_SAMPLERS",
+    "TIMESTEP_SPACINGS",
     "SchedulerConfig",
     "config_kind",
     "load_scheduler_config",
