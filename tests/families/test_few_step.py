@@ -257,3 +257,69 @@ def test_hyper_flux_lora_at_an_eighth_matches_diffusers(cards, record_property):
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(ours, pipe.generate(prompt, **card)) > 2  # the LoRA counts at an eighth
     assert _diff(ours, pipe.generate(prompt, lora=entry["lora"], lora_scale=1.0, **card)) > 2  # and so does the scale
+
+
+# ------------------------------------------------------------------ the card's scheduler line on every surface
+
+
+def test_timestep_spacing_reaches_every_surface(cards, tmp_path):
+    """``timestep_spacing`` is a declared input (a data one: no new program), so the CLI flag, the
+    server's field and its batch key come from the declaration; a value the sampler ignores, an
+    unknown value and a family that has no such schedule are one line each."""
+    from click.testing import CliRunner
+    from PIL import Image
+
+    from preheat.cli import main
+    from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
+    from preheat.families.inputs import typed_flags
+    from preheat.server.inputs import Limits, parse_input
+
+    entry = cards["sd1"]
+    pipe = entry["pipe"]
+    specs = pipe.family.input_specs(pipe)
+    assert typed_flags(specs, pipe.family.name, {"--timestep-spacing": ["trailing"]}) == {"timestep_spacing": "trailing"}
+
+    images = tmp_path / "images"
+    result = CliRunner().invoke(main, ["sample", str(entry["folder"]), "--prompt", "a red fox", "--steps", "2",
+                                       "--sampler", "euler", "--timestep-spacing", "trailing", "--guidance", "0",
+                                       "--cache", "off", "--out", str(tmp_path / "fox.png"), "--save-images",
+                                       str(images)])
+    assert result.exit_code == 0, result.output
+    call = dict(steps=2, seed=0, sampler="euler", guidance=0.0)
+    want = pipe.generate("a red fox", timestep_spacing="trailing", **call)
+    np.testing.assert_array_equal(np.asarray(Image.open(images / "0000.png")), want[0])
+    assert _diff(want, pipe.generate("a red fox", **call)) > 5  # the folder's "leading" is another image
+
+    raw = {"prompt": "a red fox", "num_inference_steps": 2, "scheduler": "euler", "seed": 1}
+    trailing, _ = parse_input({**raw, "timestep_spacing": "trailing"}, pipe, Limits())
+    leading, _ = parse_input(raw, pipe, Limits())
+    assert trailing.batch_key != leading.batch_key  # never batched together: one schedule per call
+    assert trailing.request.values["timestep_spacing"] == "trailing"
+    with pytest.raises(InputError) as bad:
+        parse_input({**raw, "timestep_spacing": "sideways"}, pipe, Limits())
+    assert bad.value.errors[0][0] == "timestep_spacing"
+    with pytest.raises(InputError) as bad:
+        parse_input({**raw, "scheduler": "lcm", "timestep_spacing": "trailing"}, pipe, Limits())
+    assert bad.value.errors[0][0] == "timestep_spacing" and "does not apply to sampler 'lcm'" in bad.value.errors[0][1]
+
+    with pytest.raises(SchedulerConfigError, match="timestep_spacing does not apply to sampler 'tcd'") as err:
+        pipe.check("x", sampler="tcd", timestep_spacing="trailing")
+    assert err.value.argument == "timestep_spacing" and "\n" not in str(err.value)
+    with pytest.raises(InvalidArgumentError, match="timestep_spacing='sideways' is not one of"):
+        pipe.check("x", timestep_spacing="sideways")
+    flux = cards["flux"]["pipe"]
+    with pytest.raises(InvalidArgumentError, match="unexpected argument 'timestep_spacing' for a flux model"):
+        flux.check("x", timestep_spacing="trailing")
+
+
+def test_torch_backend_takes_the_same_spacing(cards, record_property):
+    """``backend="torch"`` builds its diffusers scheduler from the folder's config with the call's
+    overrides: the same image as the JAX engine's (within a level), not the folder's spacing."""
+    entry = cards["sdxl"]
+    torch_pipe = preheat.load(entry["folder"], backend="torch", cache="off")
+    call = dict(noise=_noise(6), steps=2, sampler="euler", guidance=0.0)
+    theirs = torch_pipe.generate("a red fox", timestep_spacing="trailing", **call)
+    ours = entry["pipe"].generate("a red fox", timestep_spacing="trailing", **call)
+    record_property("mean_abs_px", _diff(ours, theirs))
+    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
+    assert _diff(theirs, torch_pipe.generate("a red fox", **call)) > 5
