@@ -3,7 +3,8 @@ SDXL-Turbo (their published scheduler configs: Euler / Euler ancestral, trailing
 steps, guidance off), LCM-LoRA on SD 1.x and SDXL (``LCMScheduler`` -> the ``lcm`` sampler), and
 the distilled LoRAs run as their model cards say, each card's diffusers lines run as written on
 the reference side: SDXL-Lightning (a kohya-named LoRA, Euler with trailing spacing, guidance 0),
-Hyper-SD (DDIM with trailing spacing; the 1-step LoRA with ``TCDScheduler`` and eta 1) and
+Hyper-SD (DDIM with trailing spacing; the 1-step LoRA with ``TCDScheduler``, eta 1 and the card's
+``timesteps=[800]``) and
 Hyper-FLUX.1-dev (the LoRA fused at scale 0.125, the pipeline's own scheduler, guidance 3.5).
 
 The stochastic samplers (euler_a, lcm) draw fresh noise every step: diffusers' draws are replaced
@@ -179,6 +180,17 @@ def _card_reference(folder, scheduler_line, lora):
     return ref
 
 
+def _without_lora(ref, prompt, noise, **kwargs):
+    """diffusers' image with the LoRA switched off: the negative control. Ours matches the card's
+    image within a level, so it could not have left out what changes this one by more than that
+    (checked on diffusers' side, so that the control costs no second compiled program)."""
+    ref.disable_lora()
+    try:
+        return sd_fixtures.reference_pixels(ref, prompt, noise, **kwargs)
+    finally:
+        ref.enable_lora()
+
+
 @pytest.mark.parametrize("steps", [2, 4])
 def test_lightning_lora_euler_trailing_matches_diffusers(cards, steps, record_property):
     """SDXL-Lightning's card: ``EulerDiscreteScheduler.from_config(config, timestep_spacing="trailing")``,
@@ -188,14 +200,14 @@ def test_lightning_lora_euler_trailing_matches_diffusers(cards, steps, record_pr
     entry, prompt, noise = cards["sdxl"], "a girl smiling", _noise(2)
     ref = _card_reference(entry["folder"], lambda c: EulerDiscreteScheduler.from_config(c, timestep_spacing="trailing"),
                           entry["kohya"])
-    theirs = sd_fixtures.reference_pixels(ref, prompt, noise, num_inference_steps=steps, guidance_scale=0.0,
-                                          height=32, width=32)
+    call = dict(num_inference_steps=steps, guidance_scale=0.0, height=32, width=32)
+    theirs = sd_fixtures.reference_pixels(ref, prompt, noise, **call)
     pipe = entry["pipe"]
     card = dict(noise=noise, steps=steps, guidance=0.0, sampler="euler")
     ours = pipe.generate(prompt, timestep_spacing="trailing", lora=entry["kohya"], **card)
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
-    assert _diff(ours, pipe.generate(prompt, timestep_spacing="trailing", **card)) > 5  # the LoRA counts
+    assert _diff(theirs, _without_lora(ref, prompt, noise, **call)) > 5  # the LoRA counts
     assert _diff(ours, pipe.generate(prompt, lora=entry["kohya"], **card)) > 5  # the folder's "leading" differs
 
 
@@ -208,37 +220,42 @@ def test_hyper_lora_ddim_trailing_matches_diffusers(cards, kind, steps, record_p
     entry, prompt, noise = cards[kind], "a photo of a cat", _noise(3)
     ref = _card_reference(entry["folder"], lambda c: DDIMScheduler.from_config(c, timestep_spacing="trailing"),
                           entry["lora"])
-    theirs = sd_fixtures.reference_pixels(ref, prompt, noise, num_inference_steps=steps, guidance_scale=0.0,
-                                          height=32, width=32)
+    call = dict(num_inference_steps=steps, guidance_scale=0.0, height=32, width=32)
+    theirs = sd_fixtures.reference_pixels(ref, prompt, noise, **call)
     pipe = entry["pipe"]
     card = dict(noise=noise, steps=steps, guidance=0.0, sampler="ddim")
     ours = pipe.generate(prompt, timestep_spacing="trailing", lora=entry["lora"], **card)
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
-    assert _diff(ours, pipe.generate(prompt, timestep_spacing="trailing", **card)) > 5
-    assert _diff(ours, pipe.generate(prompt, lora=entry["lora"], **card)) > 5
+    assert _diff(theirs, _without_lora(ref, prompt, noise, **call)) > 5
+    assert _diff(ours, pipe.generate(prompt, lora=entry["lora"], **card)) > 5  # the folder's "leading" differs
 
 
-@pytest.mark.parametrize("steps,eta", [(1, 1.0), (4, 0.3)])
-def test_hyper_tcd_lora_matches_diffusers(cards, steps, eta, monkeypatch, record_property):
-    """Hyper-SD's 1-step LoRA: ``TCDScheduler.from_config(config)``, guidance 0, ``eta=1.0`` (the card
-    also passes ``timesteps=[800]``, which preheat does not take: both sides run TCD's own
-    1-step schedule, t = 999); and a 4-step TCD call with the scheduler's own eta 0.3 (fresh noise
-    between steps: diffusers draws the engine's)."""
-    from diffusers import TCDScheduler
+@pytest.mark.parametrize("steps,eta,timesteps", [(1, 1.0, [800]), (4, 0.3, None)])
+def test_hyper_tcd_lora_matches_diffusers(cards, steps, eta, timesteps, monkeypatch, record_property):
+    """Hyper-SD's 1-step LoRA: ``TCDScheduler.from_config(config)``, guidance 0, ``eta=1.0``,
+    ``timesteps=[800]``; preheat: ``sampler="tcd", eta=1.0, timesteps=[800], steps=1``. And a 4-step
+    TCD call with the scheduler's own eta 0.3 (fresh noise between steps: diffusers draws the engine's)."""
+    from diffusers import EulerDiscreteScheduler, TCDScheduler
 
     _engine_step_noise(monkeypatch)
     entry, prompt, noise = cards["sdxl"], "a photo of an owl", _noise(4)
     ref = _card_reference(entry["folder"], TCDScheduler.from_config, entry["lora"])
-    theirs = sd_fixtures.reference_pixels(ref, prompt, noise, num_inference_steps=steps, guidance_scale=0.0, eta=eta,
-                                          height=32, width=32)
+    given = {} if timesteps is None else {"timesteps": timesteps}
+    call = dict(num_inference_steps=steps, guidance_scale=0.0, eta=eta, height=32, width=32, **given)
+    theirs = sd_fixtures.reference_pixels(ref, prompt, noise, **call)
     pipe = entry["pipe"]
-    card = dict(noise=noise, seed=SEED, steps=steps, guidance=0.0)
-    ours = pipe.generate(prompt, sampler="tcd", eta=eta, lora=entry["lora"], **card)
+    card = dict(noise=noise, seed=SEED, steps=steps, guidance=0.0, sampler="tcd", eta=eta)
+    ours = pipe.generate(prompt, lora=entry["lora"], **card, **given)
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
-    assert _diff(ours, pipe.generate(prompt, sampler="tcd", eta=eta, **card)) > 5
-    assert _diff(ours, pipe.generate(prompt, lora=entry["lora"], **card)) > 5  # the folder's euler differs
+    assert _diff(theirs, _without_lora(ref, prompt, noise, **call)) > 5
+    if timesteps is None:  # several steps: the folder's own sampler (Euler) is another image
+        ref.scheduler = EulerDiscreteScheduler.from_config(ref.scheduler.config)
+        assert _diff(theirs, sd_fixtures.reference_pixels(ref, prompt, noise, **{**call, "eta": 0.0})) > 5
+    else:  # one step from t = 800 is the x0 estimate whatever the class (Euler's is within 0.1 level of
+        # TCD's, which re-noises it to t = 0's level); the card's list is what counts: t = 999 differs
+        assert _diff(ours, pipe.generate(prompt, lora=entry["lora"], **card)) > 2
 
 
 def test_hyper_flux_lora_at_an_eighth_matches_diffusers(cards, record_property):
@@ -247,6 +264,7 @@ def test_hyper_flux_lora_at_an_eighth_matches_diffusers(cards, record_property):
     entry, prompt, steps = cards["flux"], "a watercolor fox", 8
     noise = np.random.default_rng(5).standard_normal((1, 4, 16, 16)).astype(np.float32)
     ref = flow_fixtures.reference_pipeline(entry["folder"])
+    plain = flow_fixtures.reference_pixels(ref, prompt, noise, num_inference_steps=steps, guidance_scale=3.5)
     ref.load_lora_weights(str(entry["lora"]))
     ref.fuse_lora(lora_scale=0.125)
     theirs = flow_fixtures.reference_pixels(ref, prompt, noise, num_inference_steps=steps, guidance_scale=3.5)
@@ -255,7 +273,7 @@ def test_hyper_flux_lora_at_an_eighth_matches_diffusers(cards, record_property):
     ours = pipe.generate(prompt, lora=entry["lora"], lora_scale=0.125, **card)
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
-    assert _diff(ours, pipe.generate(prompt, **card)) > 2  # the LoRA counts at an eighth
+    assert _diff(theirs, plain) > 2  # the LoRA counts at an eighth
     assert _diff(ours, pipe.generate(prompt, lora=entry["lora"], lora_scale=1.0, **card)) > 2  # and so does the scale
 
 
@@ -278,6 +296,7 @@ def test_timestep_spacing_reaches_every_surface(cards, tmp_path):
     pipe = entry["pipe"]
     specs = pipe.family.input_specs(pipe)
     assert typed_flags(specs, pipe.family.name, {"--timestep-spacing": ["trailing"]}) == {"timestep_spacing": "trailing"}
+    assert typed_flags(specs, pipe.family.name, {"--timesteps": ["999,499"]}) == {"timesteps": (999, 499)}
 
     images = tmp_path / "images"
     result = CliRunner().invoke(main, ["sample", str(entry["folder"]), "--prompt", "a red fox", "--steps", "2",
@@ -301,6 +320,14 @@ def test_timestep_spacing_reaches_every_surface(cards, tmp_path):
     with pytest.raises(InputError) as bad:
         parse_input({**raw, "scheduler": "lcm", "timestep_spacing": "trailing"}, pipe, Limits())
     assert bad.value.errors[0][0] == "timestep_spacing" and "does not apply to sampler 'lcm'" in bad.value.errors[0][1]
+    tcd, _ = parse_input({**raw, "scheduler": "tcd", "num_inference_steps": 1, "timesteps": [800]}, pipe, Limits())
+    assert tcd.request.values["timesteps"] == (800,) and ("timesteps", (800,)) in tcd.batch_key[3]
+    with pytest.raises(InputError) as bad:  # steps must be their count; euler takes no list
+        parse_input({**raw, "scheduler": "tcd", "timesteps": [800]}, pipe, Limits())
+    assert bad.value.errors[0] == ("timesteps", "timesteps has 1 entries but steps=2; pass steps=1")
+    with pytest.raises(InputError) as bad:
+        parse_input({**raw, "num_inference_steps": 1, "timesteps": [800]}, pipe, Limits())
+    assert bad.value.errors[0][0] == "timesteps" and "not supported for sampler 'euler'" in bad.value.errors[0][1]
 
     with pytest.raises(SchedulerConfigError, match="timestep_spacing does not apply to sampler 'tcd'") as err:
         pipe.check("x", sampler="tcd", timestep_spacing="trailing")
@@ -314,7 +341,8 @@ def test_timestep_spacing_reaches_every_surface(cards, tmp_path):
 
 def test_torch_backend_takes_the_same_spacing(cards, record_property):
     """``backend="torch"`` builds its diffusers scheduler from the folder's config with the call's
-    overrides: the same image as the JAX engine's (within a level), not the folder's spacing."""
+    overrides and passes the call's timesteps on: the same images as the JAX engine's (within a
+    level), not the folder's spacing or TCD's own 1-step schedule."""
     entry = cards["sdxl"]
     torch_pipe = preheat.load(entry["folder"], backend="torch", cache="off")
     call = dict(noise=_noise(6), steps=2, sampler="euler", guidance=0.0)
@@ -323,3 +351,7 @@ def test_torch_backend_takes_the_same_spacing(cards, record_property):
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(theirs, torch_pipe.generate("a red fox", **call)) > 5
+    card = dict(noise=_noise(6), steps=1, sampler="tcd", guidance=0.0, eta=1.0)  # diffusers' pipeline takes the list
+    theirs = torch_pipe.generate("a red fox", timesteps=[800], **card)
+    assert _diff(entry["pipe"].generate("a red fox", timesteps=[800], **card), theirs) <= MEAN_TOL
+    assert _diff(theirs, torch_pipe.generate("a red fox", **card)) > 2

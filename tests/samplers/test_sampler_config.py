@@ -200,6 +200,22 @@ def test_eta() -> None:
             make_plan(cfg, sampler, 10, eta=1.5)
 
 
+def test_custom_timesteps_bad_input_is_one_line() -> None:
+    cfg = SchedulerConfig()
+    assert make_plan(cfg, "tcd", 2, timesteps=[800, 400]).timesteps[:2].tolist() == [800.0, 400.0]
+    for sampler, steps, timesteps, text in [
+        ("euler", 1, [800], "timesteps is not supported for sampler 'euler'; only lcm, tcd take it"),
+        ("tcd", 2, [800], "timesteps has 1 entries but steps=2; pass steps=1"),
+        ("tcd", 2, [400, 800], "must strictly decrease within \\[0, 999\\]"),
+        ("lcm", 1, [1000], "must strictly decrease within"),
+        ("lcm", 1, [-1], "must strictly decrease within"),
+        ("tcd", 1, [8.5], "must be a list of ints"),
+    ]:
+        with pytest.raises(SchedulerConfigError, match=text) as e:
+            make_plan(cfg, sampler, steps, timesteps=timesteps)
+        assert e.value.argument == "timesteps" and "\n" not in str(e.value)
+
+
 def test_overrides_are_from_config_with_keys() -> None:
     """``with_overrides``: a card's ``Class.from_config(config, timestep_spacing="trailing")``; the
     folder's other keys stay, a value is checked like the file's, and a key the sampler's class

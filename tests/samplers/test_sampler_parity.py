@@ -133,6 +133,21 @@ def test_negative_controls(sampler: str, monkeypatch) -> None:
         check_parity(sampler, cfg, 7, eta, monkeypatch, plan_override=bad)
 
 
+@pytest.mark.parametrize("sampler,timesteps,eta", [
+    ("tcd", [800], 1.0),  # Hyper-SD's 1-step LoRA card
+    ("lcm", [800], 0.0),  # Hyper-SDXL's 1-step UNet card
+    ("tcd", [999, 750, 420, 111], 0.3),  # off the distillation grid: a warning in diffusers, the same steps here
+    ("lcm", [979, 639, 259], 0.0),
+])
+def test_custom_timesteps_match_diffusers(sampler: str, timesteps: list[int], eta: float, monkeypatch) -> None:
+    """``make_plan(timesteps=...)`` is ``set_timesteps(timesteps=...)``: the list itself, one step each."""
+    cfg = {**BETAS["scaled"], "prediction_type": "epsilon"}
+    check_parity(sampler, cfg, len(timesteps), eta, monkeypatch, timesteps=timesteps)
+    with pytest.raises(AssertionError):  # sharp: the default schedule for that step count is another
+        check_parity(sampler, cfg, len(timesteps), eta, monkeypatch, timesteps=timesteps,
+                     plan_override=ours_for(cfg, sampler, len(timesteps), eta)[1])
+
+
 def test_karras_repeated_first_timestep(monkeypatch) -> None:
     """dpm++ Karras on squaredcos_cap_v2 repeats its first (truncated) timestep; diffusers'
     pipeline loop then crashes at the end. We run the intended schedule: it matches diffusers

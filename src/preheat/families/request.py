@@ -9,6 +9,7 @@ is checked with the same words, defaults and bounds whichever backend runs it.
                                     noise, eta, the family's values, the LoRA request)
     check(pipe, first, inputs)      validate + the sampler's schedule for that step count
     plan(pipe, request)             the schedule (``preheat.samplers.make_plan``)
+    plan_inputs(pipe, r)            the call's own set_timesteps arguments (``plan_key`` inputs)
     scheduler_overrides(pipe, r)    the scheduler config keys the call sets (``scheduler_key`` inputs)
     scheduler_config(pipe, r)       the folder's scheduler config with them (what plan and spec read)
     guidance(pipe, g, values)       (classifier-free guidance on?, the scale)
@@ -31,8 +32,9 @@ from preheat.families.base import Family, Request
 from preheat.families.inputs import COMMON_SPECS, common_spec
 from preheat.samplers import SAMPLERS, Plan, SchedulerConfig, make_plan, make_spec, with_overrides
 
-__all__ = ["ArgumentView", "SamplingPipeline", "validate", "concat", "check", "plan", "scheduler_overrides",
-           "scheduler_config", "guidance", "initial_noise", "seeds_for", "images", "resolved_defaults", "COMMON_INPUTS"]
+__all__ = ["ArgumentView", "SamplingPipeline", "validate", "concat", "check", "plan", "plan_inputs",
+           "scheduler_overrides", "scheduler_config", "guidance", "initial_noise", "seeds_for", "images",
+           "resolved_defaults", "COMMON_INPUTS"]
 
 COMMON_INPUTS = tuple(s.name for s in COMMON_SPECS)
 
@@ -156,9 +158,17 @@ def check(pipe: ArgumentView, first: Any, inputs: Mapping[str, Any]) -> Request:
 
 
 def plan(pipe: ArgumentView, request: Request) -> Plan:
-    """The request's schedule (host-side; the family adds flow models' ``mu`` / ``sigmas``)."""
+    """The request's schedule (host-side; the family adds flow models' ``mu`` / ``sigmas``, the call's
+    ``plan_key`` inputs their own keywords)."""
     return make_plan(scheduler_config(pipe, request), request.sampler, request.steps, eta=request.eta,
-                     **pipe.family.plan_options(pipe, request))
+                     **pipe.family.plan_options(pipe, request), **plan_inputs(pipe, request))
+
+
+def plan_inputs(pipe: ArgumentView, request: Request) -> dict[str, Any]:
+    """The call's given ``plan_key`` inputs: what it passes to ``set_timesteps`` (a card's
+    ``timesteps=[800]``); the torch backend hands them to diffusers' pipeline as they are."""
+    return {s.name: request.values[s.name] for s in pipe.family.input_specs(pipe)
+            if s.plan_key and request.values.get(s.name) is not None}
 
 
 def scheduler_overrides(pipe: ArgumentView, request: Request) -> dict[str, Any]:

@@ -9,7 +9,7 @@ hashable ``SolverSpec`` (a static argument).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from preheat.samplers._config import (ResolvedConfig, ResolvedFlowConfig, Schedu
 from preheat.samplers._tables import FLOW_SAMPLERS, SAMPLERS
 
 __all__ = ["SolverSpec", "Plan", "make_spec", "make_plan", "flow_mu", "strength_start", "MU_SIGMAS_SAMPLERS",
-           "ETA_SAMPLERS"]
+           "ETA_SAMPLERS", "TIMESTEPS_SAMPLERS"]
 
 _F32 = np.float32
 
@@ -44,6 +44,9 @@ _SOLVER_OF_SAMPLER = {
 MU_SIGMAS_SAMPLERS: tuple[str, ...] = ("flow_euler",)
 _SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras")
 _NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1, "lcm": 1, "tcd": 1}
+# Samplers whose make_plan takes a custom descending ``timesteps`` list (their diffusers
+# ``set_timesteps(timesteps=...)``: Hyper-SD's 1-step cards pass ``[800]``).
+TIMESTEPS_SAMPLERS: tuple[str, ...] = ("lcm", "tcd")
 # Samplers whose stochasticity ``eta`` is runtime data (ddim's eta, tcd's gamma).
 ETA_SAMPLERS: tuple[str, ...] = ("ddim", "tcd")
 
@@ -117,16 +120,21 @@ def make_spec(config: SchedulerConfig, sampler: str) -> SolverSpec:
 
 
 def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float = 0.0, mu: float | None = None,
-              sigmas: "np.ndarray | list[float] | None" = None) -> Plan:
+              sigmas: "np.ndarray | list[float] | None" = None,
+              timesteps: "np.ndarray | Sequence[int] | None" = None) -> Plan:
     """Schedule ``steps`` steps of ``sampler``, with diffusers' numbers, into a padded ``Plan``.
 
     ``mu`` and ``sigmas`` are what a pipeline passes to ``set_timesteps`` (flow_euler only,
     as only FlowMatchEulerDiscreteScheduler takes them): ``mu`` is required with
     ``use_dynamic_shifting`` (see :func:`flow_mu`) and ignored without it, as diffusers does;
     ``sigmas`` are custom sigmas in (0, 1], one per step (Flux passes ``flux_sigmas(steps)``),
-    shifted like the default ones.
+    shifted like the default ones. ``timesteps`` (lcm, tcd: :data:`TIMESTEPS_SAMPLERS`) are custom
+    descending training timesteps, one per step, used as given (``set_timesteps(timesteps=...)``).
     """
     check_sampler(config, sampler)
+    if timesteps is not None and sampler not in TIMESTEPS_SAMPLERS:
+        raise SchedulerConfigError(f"timesteps is not supported for sampler {sampler!r}; only "
+                                   f"{', '.join(TIMESTEPS_SAMPLERS)} take it", argument="timesteps")
     if sampler not in MU_SIGMAS_SAMPLERS:
         for name, value in (("mu", mu), ("sigmas", sigmas)):
             if value is not None:
@@ -149,7 +157,7 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
     if sampler in ("ddpm", "ddim"):
         rows = _discrete_rows(r, steps, alpha_bar_train)
     elif sampler in ("lcm", "tcd"):
-        rows = _lcm_rows(r, steps, alpha_bar_train)
+        rows = _lcm_rows(r, steps, alpha_bar_train, timesteps)
     elif sampler.startswith("dpmpp"):
         rows = _dpm_rows(r, steps, alpha_bar_train)
     else:
@@ -273,17 +281,37 @@ def _discrete_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -
     return ts_int.astype(_F32), np.zeros(0, _F32), ab, ab_prev, np.ones(n, np.int32), _F32(1.0)
 
 
-def _lcm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:
+def _lcm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray,
+              custom: "np.ndarray | Sequence[int] | None" = None) -> _Rows:
     """lcm, tcd: integer timesteps from the distillation grid; each step re-noises to the next one.
 
     The last step returns the step's own estimate (its alpha_bar_prev is unused: lcm points it
     at the step's own timestep, as diffusers does).
     """
-    ts_int = S.lcm_timesteps(r.num_train_timesteps, r.original_inference_steps, steps, r.sampler)
+    if custom is None:
+        ts_int = S.lcm_timesteps(r.num_train_timesteps, r.original_inference_steps, steps, r.sampler)
+    else:
+        ts_int = _custom_timesteps(custom, steps, r.num_train_timesteps)
     n = len(ts_int)
     ab = alpha_bar_train[ts_int]
     ab_prev = alpha_bar_train[np.append(ts_int[1:], ts_int[-1])]
     return ts_int.astype(_F32), np.zeros(0, _F32), ab, ab_prev.astype(_F32), np.ones(n, np.int32), _F32(1.0)
+
+
+def _custom_timesteps(custom: "np.ndarray | Sequence[int]", steps: int, T: int) -> np.ndarray:
+    """A card's ``timesteps=[...]`` as int64: one per step, strictly descending, in [0, T - 1]
+    (diffusers raises on the order and on t >= T; a negative t would index from the end)."""
+    arr = np.asarray(custom)
+    if arr.ndim != 1 or len(arr) == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise SchedulerConfigError(f"timesteps must be a list of ints, got {list(np.atleast_1d(arr))!r}",
+                                   argument="timesteps")
+    if len(arr) != steps:
+        raise SchedulerConfigError(f"timesteps has {len(arr)} entries but steps={steps}; pass steps={len(arr)}",
+                                   argument="timesteps")
+    if arr.min() < 0 or arr.max() > T - 1 or np.any(np.diff(arr) >= 0):
+        raise SchedulerConfigError(f"timesteps={arr.tolist()} must strictly decrease within [0, {T - 1}]",
+                                   argument="timesteps")
+    return arr.astype(np.int64)
 
 
 def _tcd_mid(timesteps: np.ndarray, eta: float, alpha_bar_train: np.ndarray) -> np.ndarray:
