@@ -154,7 +154,8 @@ def cards(tmp_path_factory):
     for kind in ("sd1", "sdxl"):
         folder = sd_fixtures.save_tiny_sd(base / kind, kind=kind)
         ref = sd_fixtures.reference_pipeline(folder, "euler")
-        lora = save_lora(ref, base / f"{kind}-lora", "unet", {"unet": peft_layers(ref.unet, UNET_TARGETS, 4, 8, seed=11)})
+        layers = peft_layers(ref.unet, UNET_TARGETS, 4, 8, seed=11)
+        lora = save_lora(ref, base / f"{kind}-lora", "unet", {"unet": layers})
         out[kind] = {"folder": folder, "lora": lora, "pipe": preheat.load(folder, cache="off")}
     out["sdxl"]["kohya"] = kohya_sgm_names(out["sdxl"]["lora"], base / "sdxl-kohya.safetensors", layers=(1, 1))
     folder = flow_fixtures.save_tiny_flow_model(base / "flux-dev", "flux-dev")
@@ -295,7 +296,8 @@ def test_timestep_spacing_reaches_every_surface(cards, tmp_path):
     entry = cards["sd1"]
     pipe = entry["pipe"]
     specs = pipe.family.input_specs(pipe)
-    assert typed_flags(specs, pipe.family.name, {"--timestep-spacing": ["trailing"]}) == {"timestep_spacing": "trailing"}
+    flags = {"--timestep-spacing": ["trailing"]}
+    assert typed_flags(specs, pipe.family.name, flags) == {"timestep_spacing": "trailing"}
     assert typed_flags(specs, pipe.family.name, {"--timesteps": ["999,499"]}) == {"timesteps": (999, 499)}
 
     images = tmp_path / "images"

@@ -106,7 +106,8 @@ class TorchTextPipeline(EngineArguments):
             kwargs["eta"] = request.eta  # the flow pipelines take no eta
         kwargs.update(_second_encoder(v))
         kwargs.update({k: list(t) for k, t in plan_inputs(self, request).items()})  # set_timesteps(timesteps=...)
-        self.pipe.scheduler = make_scheduler(request.sampler, {**self.scheduler_dict, **scheduler_overrides(self, request)})
+        overrides = scheduler_overrides(self, request)  # a card's from_config(config, timestep_spacing=...)
+        self.pipe.scheduler = make_scheduler(request.sampler, {**self.scheduler_dict, **overrides})
         timings = self._prepare_denoiser(n * (2 if request.guided else 1), latent_shape, kwargs)
         events = self.compiler.events if self.compiler is not None else []
         seen = len(events)
