@@ -30,7 +30,7 @@ import functools
 import secrets
 from pathlib import Path
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Callable, Literal, Mapping, Optional, Union
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
