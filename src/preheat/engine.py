@@ -337,7 +337,7 @@ class Pipeline:
 
     def _prepare_request(self, request: Request, reporter: Reporter | None = None) -> tuple[Signature, DenoiseArgs]:
         self.last = self._calls.timings = Timings()
-        spec = make_spec(self.scheduler_config, request.sampler)
+        spec = make_spec(request_of.scheduler_config(self, request), request.sampler)
         plan = request_of.plan(self, request)
         if reporter is not None:  # the call's id is data: every call shares the progress program
             plan = plan._replace(progress_id=np.int32(reporter.id))

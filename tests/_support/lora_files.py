@@ -1,5 +1,6 @@
 """LoRA files made with peft on a diffusers pipeline: the references the LoRA tests (JAX and torch)
-and the hot-swap benchmark load."""
+and the hot-swap benchmark load; the same tensors under kohya's names (diffusers-layout and SDXL's
+original-layout module names), as community and distilled LoRAs (SDXL-Lightning) ship."""
 
 from __future__ import annotations
 
@@ -31,3 +32,61 @@ def save_lora(pipe, directory: Path, denoiser: str, parts: dict[str, tuple[dict,
         kwargs[f"{name}_lora_adapter_metadata"] = config
     type(pipe).save_lora_weights(directory, **kwargs)
     return directory / "pytorch_lora_weights.safetensors"
+
+
+def kohya_names(src: Path, dst: Path) -> Path:
+    """The same tensors under kohya / A1111 names (``lora_unet_…``, ``lora_te_…``, ``.alpha``)."""
+    import json
+
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    with safe_open(str(src), "np") as f:
+        meta = json.loads(f.metadata()["lora_adapter_metadata"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    out = {}
+    for key, value in tensors.items():
+        prefix, rest = key.split(".", 1)
+        module, role = rest.rsplit(".lora_", 1)
+        kohya = {"unet": "lora_unet", "text_encoder": "lora_te"}[prefix]
+        if prefix == "text_encoder" and not module.startswith("text_model."):
+            module = "text_model." + module
+        name = f"{kohya}_{module}".replace(".", "_")
+        out[f"{name}.lora_{'down' if role.startswith('A') else 'up'}.weight"] = value
+        out[f"{name}.alpha"] = np.asarray(meta[f"{prefix}.lora_alpha"], np.float32)
+    save_file(out, str(dst))
+    return dst
+
+
+def kohya_sgm_names(src: Path, dst: Path, layers: tuple[int, ...]) -> Path:
+    """An SDXL LoRA's UNet part in kohya's original-layout names (``lora_unet_input_blocks_4_1_…``),
+    written by hand from the LDM layout: level l's transformers are input blocks after l levels of
+    (layers + 1) blocks, output blocks count (layers + 1) per level."""
+    import json
+
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    down_start = np.cumsum([1] + [n + 1 for n in layers])
+    up_start = np.cumsum([0] + [n + 1 for n in reversed(layers)])
+    with safe_open(str(src), "np") as f:
+        meta = json.loads(f.metadata()["lora_adapter_metadata"])
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith("unet.")}
+    out = {}
+    for key, value in tensors.items():
+        module, role = key[len("unet."):].rsplit(".lora_", 1)
+        parts = module.split(".")
+        if parts[0] == "mid_block":
+            name, rest = "middle_block_1", parts[3:]
+        else:
+            level, j = int(parts[1]), int(parts[3])
+            block = "input_blocks" if parts[0] == "down_blocks" else "output_blocks"
+            start = (down_start if block == "input_blocks" else up_start)[level]
+            name, rest = f"{block}_{start + j}_1", parts[4:]
+        name = "lora_unet_" + "_".join([name, *rest])
+        out[f"{name}.lora_{'down' if role.startswith('A') else 'up'}.weight"] = value
+        out[f"{name}.alpha"] = np.asarray(meta["unet.lora_alpha"], np.float32)
+    save_file(out, str(dst))
+    return dst

@@ -19,6 +19,7 @@ from diffusers.schedulers import (
     scheduling_ddpm,
     scheduling_euler_ancestral_discrete,
     scheduling_lcm,
+    scheduling_tcd,
 )
 
 from preheat.samplers import Plan, SamplerState, SchedulerConfig, SolverSpec, _schedules
@@ -38,9 +39,10 @@ DIFFUSERS_CLASS = {
     "dpmpp_2m": diffusers.DPMSolverMultistepScheduler,
     "dpmpp_2m_karras": diffusers.DPMSolverMultistepScheduler,
     "lcm": diffusers.LCMScheduler,
+    "tcd": diffusers.TCDScheduler,
 }
 # modules whose ``randn_tensor`` we replace so diffusers draws our noise table
-RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm)
+RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd)
 
 
 # --- the fake denoiser, identical math in jax and torch -------------------------------------------
@@ -98,7 +100,8 @@ def _nudge(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 def run_diffusers(sampler: str, cfg: dict[str, Any], steps: int, x_t: np.ndarray, table: np.ndarray,
                   monkeypatch, *, eta: float = 0.0, nudge_seed: int | None = None,
-                  model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = fake_model_torch) -> Trajectory:
+                  model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = fake_model_torch,
+                  timesteps: list[int] | None = None) -> Trajectory:
     """Run diffusers like its pipelines do, recording the sample after each of *our* steps.
 
     ``randn_tensor`` is replaced so that step ``i``'s k-th draw is ``table[i, k]``.
@@ -106,12 +109,18 @@ def run_diffusers(sampler: str, cfg: dict[str, Any], steps: int, x_t: np.ndarray
     scheduler runs with "epsilon" and is fed the epsilon equivalent of the model's x0.
     With ``nudge_seed``, the sample entering every call and every model output are moved by
     one ulp: the spread this causes is the float32 rounding noise floor of the trajectory.
+    ``timesteps``: a custom list, given to ``set_timesteps(timesteps=...)`` instead of ``steps``.
     """
     gen = None if nudge_seed is None else torch.Generator().manual_seed(nudge_seed)
     pred = cfg.get("prediction_type", "epsilon")
     emulate_sample = sampler == "euler_a" and pred == "sample"
     sched = diffusers_scheduler(sampler, {**cfg, "prediction_type": "epsilon"} if emulate_sample else cfg)
-    sched.set_timesteps(steps)
+    if timesteps is None:
+        sched.set_timesteps(steps)
+    else:
+        with warnings.catch_warnings():  # a list off the distillation grid is a warning in diffusers
+            warnings.simplefilter("ignore")
+            sched.set_timesteps(timesteps=timesteps)
     ts = sched.timesteps
     sig = getattr(sched, "sigmas", None)
     if sampler == "heun":  # diffusers lists [t0, t1, t1, t2, t2, ...]: one entry per model call
@@ -152,13 +161,13 @@ def run_diffusers(sampler: str, cfg: dict[str, Any], steps: int, x_t: np.ndarray
             if emulate_sample:
                 sigma = sched.sigmas[sched.step_index]
                 out = (x - out) / sigma  # epsilon with the same x0 = out
-            kwargs = {"eta": eta} if sampler == "ddim" else {}
+            kwargs = {"eta": eta} if sampler in ("ddim", "tcd") else {}  # tcd's own default is 0.3
             x = sched.step(out, t, x, **kwargs).prev_sample
             if sampler != "heun" or call % 2 == 1 or call == n_calls - 1:
                 xs.append(x.numpy().copy())
     return Trajectory(
         timesteps=ts_ours.numpy().astype(np.float64),
-        sigmas=None if sig_ours is None or sampler in ("ddpm", "ddim", "lcm") else sig_ours.numpy(),
+        sigmas=None if sig_ours is None or sampler in ("ddpm", "ddim", "lcm", "tcd") else sig_ours.numpy(),
         init_noise_sigma=float(torch.as_tensor(sched.init_noise_sigma).to(torch.float32)),
         x_init=x_init,
         xs=xs,
@@ -236,9 +245,10 @@ def check_init_noise_sigma(plan: Plan, theirs: float, *, spec_sampler: str) -> N
     assert_within_ulps(ours, np.float32(theirs), 1, "init_noise_sigma")
 
 
-def ours_for(cfg: dict[str, Any], sampler: str, steps: int, eta: float = 0.0) -> tuple[SolverSpec, Plan]:
+def ours_for(cfg: dict[str, Any], sampler: str, steps: int, eta: float = 0.0,
+             timesteps: list[int] | None = None) -> tuple[SolverSpec, Plan]:
     config = SchedulerConfig.from_dict(cfg)
-    return make_spec(config, sampler), make_plan(config, sampler, steps, eta=eta)
+    return make_spec(config, sampler), make_plan(config, sampler, steps, eta=eta, timesteps=timesteps)
 
 
 def max_errors(ours: list[np.ndarray], theirs: list[np.ndarray]) -> tuple[float, float]:
@@ -250,15 +260,15 @@ def max_errors(ours: list[np.ndarray], theirs: list[np.ndarray]) -> tuple[float,
 
 def check_parity(sampler: str, cfg: dict[str, Any], steps: int, eta: float, monkeypatch, *,
                  plan_override: Plan | None = None, jax_model=fake_model_jax,
-                 torch_model=fake_model_torch) -> tuple[float, float]:
+                 torch_model=fake_model_torch, timesteps: list[int] | None = None) -> tuple[float, float]:
     """Run ours and diffusers on the same inputs; assert bitwise schedules and close samples
     (the criterion is explained in test_sampler_parity). Returns the max (abs, relative) error."""
     inject_torch_tables(monkeypatch)
-    spec, plan = ours_for(cfg, sampler, steps, eta)
+    spec, plan = ours_for(cfg, sampler, steps, eta, timesteps)
     if plan_override is not None:
         plan = plan_override
     x_t, table = noise_for(steps, plan.timesteps.shape[0])
-    ref = run_diffusers(sampler, cfg, steps, x_t, table, monkeypatch, eta=eta, model=torch_model)
+    ref = run_diffusers(sampler, cfg, steps, x_t, table, monkeypatch, eta=eta, model=torch_model, timesteps=timesteps)
     n = int(plan.n_steps)
 
     # schedules: bitwise (float64 casts of int64 / float32 values are exact)
@@ -274,7 +284,7 @@ def check_parity(sampler: str, cfg: dict[str, Any], steps: int, eta: float, monk
     np.testing.assert_array_equal(ref.x_init, x_t * np.float32(ref.init_noise_sigma))
 
     nudged = run_diffusers(sampler, cfg, steps, x_t, table, monkeypatch, eta=eta, nudge_seed=steps + 1,
-                           model=torch_model)
+                           model=torch_model, timesteps=timesteps)
     for i, (ours, theirs, theirs_nudged) in enumerate(zip(xs, ref.xs, nudged.xs)):
         floor = float(np.max(np.abs(theirs - theirs_nudged)))
         np.testing.assert_allclose(

@@ -25,7 +25,7 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError
-from preheat.families.inputs import Choice, Float, Image, InputSpec, Int, Label, Pair, Text
+from preheat.families.inputs import Choice, Float, Image, InputSpec, Int, Ints, Label, Pair, Text
 from preheat.server.images import decode_data_url
 from tests._support.image_files import data_uri, encoded
 from tests._support.server_fixtures import runpod_jobs, serving, wait_status
@@ -48,6 +48,8 @@ def out_of_bounds(spec: InputSpec) -> Any:
         return "not-" + "-".join(t.options)
     if isinstance(t, Pair):
         return [t.low - 1, t.low - 1]
+    if isinstance(t, Ints):
+        return [t.low - 1]
     if isinstance(t, Label):
         return t.count if t.count is not None else 0
     if isinstance(t, Image):  # a format no surface takes, as a data URI (a server's, and read_image's)

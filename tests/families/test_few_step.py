@@ -1,6 +1,11 @@
 """Few-step models (issue 28 item 4) against diffusers on tiny random folders: SD-Turbo and
 SDXL-Turbo (their published scheduler configs: Euler / Euler ancestral, trailing spacing, 1-4
-steps, guidance off) and LCM-LoRA on SD 1.x and SDXL (``LCMScheduler`` -> the ``lcm`` sampler).
+steps, guidance off), LCM-LoRA on SD 1.x and SDXL (``LCMScheduler`` -> the ``lcm`` sampler), and
+the distilled LoRAs run as their model cards say, each card's diffusers lines run as written on
+the reference side: SDXL-Lightning (a kohya-named LoRA, Euler with trailing spacing, guidance 0),
+Hyper-SD (DDIM with trailing spacing; the 1-step LoRA with ``TCDScheduler``, eta 1 and the card's
+``timesteps=[800]``) and
+Hyper-FLUX.1-dev (the LoRA fused at scale 0.125, the pipeline's own scheduler, guidance 3.5).
 
 The stochastic samplers (euler_a, lcm) draw fresh noise every step: diffusers' draws are replaced
 by the engine's own per-step draws (``preheat.noise``), so both sides see the same noise."""
@@ -15,7 +20,7 @@ import pytest
 
 import preheat
 from preheat.noise import STEP_STREAM, image_keys, normal_per_image
-from tests._support import sd_fixtures
+from tests._support import flow_fixtures, sd_fixtures
 
 peft = pytest.importorskip("peft")
 
@@ -66,7 +71,7 @@ def _noise(seed: int = 0) -> np.ndarray:
 
 def _engine_step_noise(monkeypatch, draws_per_step: int = 1) -> None:
     """diffusers' schedulers draw what the engine draws for image SEED at step i (NCHW)."""
-    from diffusers.schedulers import scheduling_euler_ancestral_discrete, scheduling_lcm
+    from diffusers.schedulers import scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd
 
     calls = {"i": 0}
 
@@ -79,7 +84,7 @@ def _engine_step_noise(monkeypatch, draws_per_step: int = 1) -> None:
         calls["i"] += 1
         return torch.from_numpy(np.ascontiguousarray(nhwc.transpose(0, 3, 1, 2))).to(dtype or torch.float32)
 
-    for mod in (scheduling_euler_ancestral_discrete, scheduling_lcm):
+    for mod in (scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd):
         monkeypatch.setattr(mod, "randn_tensor", randn)
 
 
@@ -128,3 +133,227 @@ def test_lcm_lora_matches_diffusers(few, name, steps, guidance, monkeypatch, rec
         other = pipe.generate("a photo of an owl", noise=noise, seed=SEED + 1, steps=steps, guidance=guidance,
                               lora=entry["lora"], width=32, height=32)
         assert _diff(ours, other) > 1
+
+
+# ------------------------------------------------------------------ distilled LoRAs, as their cards run them
+
+FLUX_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "proj_mlp", "ff.net.2"]
+
+
+@pytest.fixture(scope="module")
+def cards(tmp_path_factory):
+    """Base folders as published (SD 1.x: DDIM, SDXL: Euler, both "leading"; FLUX.1-dev:
+    FlowMatchEuler) and random UNet/transformer LoRAs standing in for the distilled ones: SDXL's
+    in kohya's original-layout names (``lora_unet_input_blocks_…``, as SDXL-Lightning's files),
+    the others as diffusers/peft writes them. Hyper-FLUX's is strong (alpha 64, rank 4), since the
+    card fuses it at 0.125."""
+    from tests._support.lora_files import kohya_sgm_names, peft_layers, save_lora
+
+    base = tmp_path_factory.mktemp("cards")
+    out = {}
+    for kind in ("sd1", "sdxl"):
+        folder = sd_fixtures.save_tiny_sd(base / kind, kind=kind)
+        ref = sd_fixtures.reference_pipeline(folder, "euler")
+        layers = peft_layers(ref.unet, UNET_TARGETS, 4, 8, seed=11)
+        lora = save_lora(ref, base / f"{kind}-lora", "unet", {"unet": layers})
+        out[kind] = {"folder": folder, "lora": lora, "pipe": preheat.load(folder, cache="off")}
+    out["sdxl"]["kohya"] = kohya_sgm_names(out["sdxl"]["lora"], base / "sdxl-kohya.safetensors", layers=(1, 1))
+    folder = flow_fixtures.save_tiny_flow_model(base / "flux-dev", "flux-dev")
+    ref = flow_fixtures.reference_pipeline(folder)
+    lora = save_lora(ref, base / "flux-lora", "transformer",
+                     {"transformer": peft_layers(ref.transformer, FLUX_TARGETS, 4, 64, seed=12)})
+    out["flux"] = {"folder": folder, "lora": lora, "pipe": preheat.load(folder, cache="off")}
+    return out
+
+
+def _card_reference(folder, scheduler_line, lora):
+    """diffusers' pipeline for ``folder`` as a card sets it up: ``scheduler_line(config)`` builds the
+    scheduler from the folder's (``Class.from_config(pipe.scheduler.config, ...)``), the LoRA loaded."""
+    from diffusers import DiffusionPipeline
+
+    from preheat.backends.torch.text import restore_text_model
+
+    ref = DiffusionPipeline.from_pretrained(folder)
+    restore_text_model(ref)
+    ref.scheduler = scheduler_line(ref.scheduler.config)
+    ref.set_progress_bar_config(disable=True)
+    ref.load_lora_weights(str(lora))
+    return ref
+
+
+def _without_lora(ref, prompt, noise, **kwargs):
+    """diffusers' image with the LoRA switched off: the negative control. Ours matches the card's
+    image within a level, so it could not have left out what changes this one by more than that
+    (checked on diffusers' side, so that the control costs no second compiled program)."""
+    ref.disable_lora()
+    try:
+        return sd_fixtures.reference_pixels(ref, prompt, noise, **kwargs)
+    finally:
+        ref.enable_lora()
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+def test_lightning_lora_euler_trailing_matches_diffusers(cards, steps, record_property):
+    """SDXL-Lightning's card: ``EulerDiscreteScheduler.from_config(config, timestep_spacing="trailing")``,
+    the kohya-named LoRA, guidance 0; preheat: ``sampler="euler", timestep_spacing="trailing"``."""
+    from diffusers import EulerDiscreteScheduler
+
+    entry, prompt, noise = cards["sdxl"], "a girl smiling", _noise(2)
+    ref = _card_reference(entry["folder"], lambda c: EulerDiscreteScheduler.from_config(c, timestep_spacing="trailing"),
+                          entry["kohya"])
+    call = dict(num_inference_steps=steps, guidance_scale=0.0, height=32, width=32)
+    theirs = sd_fixtures.reference_pixels(ref, prompt, noise, **call)
+    pipe = entry["pipe"]
+    card = dict(noise=noise, steps=steps, guidance=0.0, sampler="euler")
+    ours = pipe.generate(prompt, timestep_spacing="trailing", lora=entry["kohya"], **card)
+    record_property("mean_abs_px", _diff(ours, theirs))
+    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
+    assert _diff(theirs, _without_lora(ref, prompt, noise, **call)) > 5  # the LoRA counts
+    assert _diff(ours, pipe.generate(prompt, lora=entry["kohya"], **card)) > 5  # the folder's "leading" differs
+
+
+@pytest.mark.parametrize("kind,steps", [("sd1", 2), ("sdxl", 4)])
+def test_hyper_lora_ddim_trailing_matches_diffusers(cards, kind, steps, record_property):
+    """Hyper-SD's N-step LoRAs: ``DDIMScheduler.from_config(config, timestep_spacing="trailing")``,
+    guidance 0; preheat: ``sampler="ddim", timestep_spacing="trailing"``."""
+    from diffusers import DDIMScheduler
+
+    entry, prompt, noise = cards[kind], "a photo of a cat", _noise(3)
+    ref = _card_reference(entry["folder"], lambda c: DDIMScheduler.from_config(c, timestep_spacing="trailing"),
+                          entry["lora"])
+    call = dict(num_inference_steps=steps, guidance_scale=0.0, height=32, width=32)
+    theirs = sd_fixtures.reference_pixels(ref, prompt, noise, **call)
+    pipe = entry["pipe"]
+    card = dict(noise=noise, steps=steps, guidance=0.0, sampler="ddim")
+    ours = pipe.generate(prompt, timestep_spacing="trailing", lora=entry["lora"], **card)
+    record_property("mean_abs_px", _diff(ours, theirs))
+    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
+    assert _diff(theirs, _without_lora(ref, prompt, noise, **call)) > 5
+    assert _diff(ours, pipe.generate(prompt, lora=entry["lora"], **card)) > 5  # the folder's "leading" differs
+
+
+@pytest.mark.parametrize("steps,eta,timesteps", [(1, 1.0, [800]), (4, 0.3, None)])
+def test_hyper_tcd_lora_matches_diffusers(cards, steps, eta, timesteps, monkeypatch, record_property):
+    """Hyper-SD's 1-step LoRA: ``TCDScheduler.from_config(config)``, guidance 0, ``eta=1.0``,
+    ``timesteps=[800]``; preheat: ``sampler="tcd", eta=1.0, timesteps=[800], steps=1``. And a 4-step
+    TCD call with the scheduler's own eta 0.3 (fresh noise between steps: diffusers draws the engine's)."""
+    from diffusers import EulerDiscreteScheduler, TCDScheduler
+
+    _engine_step_noise(monkeypatch)
+    entry, prompt, noise = cards["sdxl"], "a photo of an owl", _noise(4)
+    ref = _card_reference(entry["folder"], TCDScheduler.from_config, entry["lora"])
+    given = {} if timesteps is None else {"timesteps": timesteps}
+    call = dict(num_inference_steps=steps, guidance_scale=0.0, eta=eta, height=32, width=32, **given)
+    theirs = sd_fixtures.reference_pixels(ref, prompt, noise, **call)
+    pipe = entry["pipe"]
+    card = dict(noise=noise, seed=SEED, steps=steps, guidance=0.0, sampler="tcd", eta=eta)
+    ours = pipe.generate(prompt, lora=entry["lora"], **card, **given)
+    record_property("mean_abs_px", _diff(ours, theirs))
+    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
+    assert _diff(theirs, _without_lora(ref, prompt, noise, **call)) > 5
+    if timesteps is None:  # several steps: the folder's own sampler (Euler) is another image
+        ref.scheduler = EulerDiscreteScheduler.from_config(ref.scheduler.config)
+        assert _diff(theirs, sd_fixtures.reference_pixels(ref, prompt, noise, **{**call, "eta": 0.0})) > 5
+    else:  # one step from t = 800 is the x0 estimate whatever the class (Euler's is within 0.1 level of
+        # TCD's, which re-noises it to t = 0's level); the card's list is what counts: t = 999 differs
+        assert _diff(ours, pipe.generate(prompt, lora=entry["lora"], **card)) > 2
+
+
+def test_hyper_flux_lora_at_an_eighth_matches_diffusers(cards, record_property):
+    """Hyper-FLUX.1-dev's 8-step LoRA: loaded, ``fuse_lora(lora_scale=0.125)``, the pipeline's own
+    scheduler, guidance 3.5; preheat: ``lora_scale=0.125`` (applied as data, the same sum)."""
+    entry, prompt, steps = cards["flux"], "a watercolor fox", 8
+    noise = np.random.default_rng(5).standard_normal((1, 4, 16, 16)).astype(np.float32)
+    ref = flow_fixtures.reference_pipeline(entry["folder"])
+    plain = flow_fixtures.reference_pixels(ref, prompt, noise, num_inference_steps=steps, guidance_scale=3.5)
+    ref.load_lora_weights(str(entry["lora"]))
+    ref.fuse_lora(lora_scale=0.125)
+    theirs = flow_fixtures.reference_pixels(ref, prompt, noise, num_inference_steps=steps, guidance_scale=3.5)
+    pipe = entry["pipe"]
+    card = dict(noise=noise, steps=steps, guidance=3.5, width=32, height=32)
+    ours = pipe.generate(prompt, lora=entry["lora"], lora_scale=0.125, **card)
+    record_property("mean_abs_px", _diff(ours, theirs))
+    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
+    assert _diff(theirs, plain) > 2  # the LoRA counts at an eighth
+    assert _diff(ours, pipe.generate(prompt, lora=entry["lora"], lora_scale=1.0, **card)) > 2  # and so does the scale
+
+
+# ------------------------------------------------------------------ the card's scheduler line on every surface
+
+
+def test_timestep_spacing_reaches_every_surface(cards, tmp_path):
+    """``timestep_spacing`` is a declared input (a data one: no new program), so the CLI flag, the
+    server's field and its batch key come from the declaration; a value the sampler ignores, an
+    unknown value and a family that has no such schedule are one line each."""
+    from click.testing import CliRunner
+    from PIL import Image
+
+    from preheat.cli import main
+    from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
+    from preheat.families.inputs import typed_flags
+    from preheat.server.inputs import Limits, parse_input
+
+    entry = cards["sd1"]
+    pipe = entry["pipe"]
+    specs = pipe.family.input_specs(pipe)
+    flags = {"--timestep-spacing": ["trailing"]}
+    assert typed_flags(specs, pipe.family.name, flags) == {"timestep_spacing": "trailing"}
+    assert typed_flags(specs, pipe.family.name, {"--timesteps": ["999,499"]}) == {"timesteps": (999, 499)}
+
+    images = tmp_path / "images"
+    result = CliRunner().invoke(main, ["sample", str(entry["folder"]), "--prompt", "a red fox", "--steps", "2",
+                                       "--sampler", "euler", "--timestep-spacing", "trailing", "--guidance", "0",
+                                       "--cache", "off", "--out", str(tmp_path / "fox.png"), "--save-images",
+                                       str(images)])
+    assert result.exit_code == 0, result.output
+    call = dict(steps=2, seed=0, sampler="euler", guidance=0.0)
+    want = pipe.generate("a red fox", timestep_spacing="trailing", **call)
+    np.testing.assert_array_equal(np.asarray(Image.open(images / "0000.png")), want[0])
+    assert _diff(want, pipe.generate("a red fox", **call)) > 5  # the folder's "leading" is another image
+
+    raw = {"prompt": "a red fox", "num_inference_steps": 2, "scheduler": "euler", "seed": 1}
+    trailing, _ = parse_input({**raw, "timestep_spacing": "trailing"}, pipe, Limits())
+    leading, _ = parse_input(raw, pipe, Limits())
+    assert trailing.batch_key != leading.batch_key  # never batched together: one schedule per call
+    assert trailing.request.values["timestep_spacing"] == "trailing"
+    with pytest.raises(InputError) as bad:
+        parse_input({**raw, "timestep_spacing": "sideways"}, pipe, Limits())
+    assert bad.value.errors[0][0] == "timestep_spacing"
+    with pytest.raises(InputError) as bad:
+        parse_input({**raw, "scheduler": "lcm", "timestep_spacing": "trailing"}, pipe, Limits())
+    assert bad.value.errors[0][0] == "timestep_spacing" and "does not apply to sampler 'lcm'" in bad.value.errors[0][1]
+    tcd, _ = parse_input({**raw, "scheduler": "tcd", "num_inference_steps": 1, "timesteps": [800]}, pipe, Limits())
+    assert tcd.request.values["timesteps"] == (800,) and ("timesteps", (800,)) in tcd.batch_key[3]
+    with pytest.raises(InputError) as bad:  # steps must be their count; euler takes no list
+        parse_input({**raw, "scheduler": "tcd", "timesteps": [800]}, pipe, Limits())
+    assert bad.value.errors[0] == ("timesteps", "timesteps has 1 entries but steps=2; pass steps=1")
+    with pytest.raises(InputError) as bad:
+        parse_input({**raw, "num_inference_steps": 1, "timesteps": [800]}, pipe, Limits())
+    assert bad.value.errors[0][0] == "timesteps" and "not supported for sampler 'euler'" in bad.value.errors[0][1]
+
+    with pytest.raises(SchedulerConfigError, match="timestep_spacing does not apply to sampler 'tcd'") as err:
+        pipe.check("x", sampler="tcd", timestep_spacing="trailing")
+    assert err.value.argument == "timestep_spacing" and "\n" not in str(err.value)
+    with pytest.raises(InvalidArgumentError, match="timestep_spacing='sideways' is not one of"):
+        pipe.check("x", timestep_spacing="sideways")
+    flux = cards["flux"]["pipe"]
+    with pytest.raises(InvalidArgumentError, match="unexpected argument 'timestep_spacing' for a flux model"):
+        flux.check("x", timestep_spacing="trailing")
+
+
+def test_torch_backend_takes_the_same_spacing(cards, record_property):
+    """``backend="torch"`` builds its diffusers scheduler from the folder's config with the call's
+    overrides and passes the call's timesteps on: the same images as the JAX engine's (within a
+    level), not the folder's spacing or TCD's own 1-step schedule."""
+    entry = cards["sdxl"]
+    torch_pipe = preheat.load(entry["folder"], backend="torch", cache="off")
+    call = dict(noise=_noise(6), steps=2, sampler="euler", guidance=0.0)
+    theirs = torch_pipe.generate("a red fox", timestep_spacing="trailing", **call)
+    ours = entry["pipe"].generate("a red fox", timestep_spacing="trailing", **call)
+    record_property("mean_abs_px", _diff(ours, theirs))
+    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
+    assert _diff(theirs, torch_pipe.generate("a red fox", **call)) > 5
+    card = dict(noise=_noise(6), steps=1, sampler="tcd", guidance=0.0, eta=1.0)  # diffusers' pipeline takes the list
+    theirs = torch_pipe.generate("a red fox", timesteps=[800], **card)
+    assert _diff(entry["pipe"].generate("a red fox", timesteps=[800], **card), theirs) <= MEAN_TOL
+    assert _diff(theirs, torch_pipe.generate("a red fox", **card)) > 2

@@ -14,7 +14,7 @@ import pytest
 import preheat
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, PreheatError, WeightsError
 from tests._support import flow_fixtures, sd_fixtures
-from tests._support.lora_files import peft_layers, save_lora
+from tests._support.lora_files import kohya_names, kohya_sgm_names, peft_layers, save_lora
 
 peft = pytest.importorskip("peft")
 
@@ -24,28 +24,6 @@ FLUX_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", 
                 "norm1.linear", "x_embedder", "proj_out", "norm_out.linear"]
 TE_TARGETS = ["q_proj", "v_proj", "fc1"]
 MISSING_WIDTH = 32  # tiny Flux: the width of a fused part a LoRA leaves out (2 heads x 16)
-
-
-def _kohya(src: Path, dst: Path) -> Path:
-    """The same tensors under kohya / A1111 names (``lora_unet_…``, ``lora_te_…``, ``.alpha``)."""
-    from safetensors import safe_open
-    from safetensors.numpy import save_file
-
-    with safe_open(str(src), "np") as f:
-        meta = json.loads(f.metadata()["lora_adapter_metadata"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    out = {}
-    for key, value in tensors.items():
-        prefix, rest = key.split(".", 1)
-        module, role = rest.rsplit(".lora_", 1)
-        kohya = {"unet": "lora_unet", "text_encoder": "lora_te"}[prefix]
-        if prefix == "text_encoder" and not module.startswith("text_model."):
-            module = "text_model." + module
-        name = f"{kohya}_{module}".replace(".", "_")
-        out[f"{name}.lora_{'down' if role.startswith('A') else 'up'}.weight"] = value
-        out[f"{name}.alpha"] = np.asarray(meta[f"{prefix}.lora_alpha"], np.float32)
-    save_file(out, str(dst))
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +42,7 @@ def sd(tmp_path_factory):
         b = save_lora(ref, base / f"{kind}-B", "unet", {"unet": peft_layers(ref.unet, ["to_k", "to_v", "ff.net.0.proj"],
                                                                          8, 8, seed=3)})
         out[kind] = {"folder": folder, "A": a, "B": b, "pipe": preheat.load(folder, cache="off")}
-    out["sd1"]["kohya"] = _kohya(out["sd1"]["A"], base / "sd1-A-kohya.safetensors")
+    out["sd1"]["kohya"] = kohya_names(out["sd1"]["A"], base / "sd1-A-kohya.safetensors")
     return out
 
 
@@ -403,39 +381,9 @@ def test_cli_sample_takes_repeated_loras(sd, tmp_path):
     assert bad.exit_code != 0 and "does not exist" in bad.output and len(bad.output.strip().splitlines()) == 1
 
 
-def _sgm(src: Path, dst: Path, layers: tuple[int, ...]) -> Path:
-    """An SDXL LoRA's UNet part in kohya's original-layout names (``lora_unet_input_blocks_4_1_…``),
-    written by hand from the LDM layout: level l's transformers are input blocks after l levels of
-    (layers + 1) blocks, output blocks count (layers + 1) per level."""
-    from safetensors import safe_open
-    from safetensors.numpy import save_file
-
-    down_start = np.cumsum([1] + [n + 1 for n in layers])
-    up_start = np.cumsum([0] + [n + 1 for n in reversed(layers)])
-    with safe_open(str(src), "np") as f:
-        meta = json.loads(f.metadata()["lora_adapter_metadata"])
-        tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith("unet.")}
-    out = {}
-    for key, value in tensors.items():
-        module, role = key[len("unet."):].rsplit(".lora_", 1)
-        parts = module.split(".")
-        if parts[0] == "mid_block":
-            name, rest = "middle_block_1", parts[3:]
-        else:
-            level, j = int(parts[1]), int(parts[3])
-            block = "input_blocks" if parts[0] == "down_blocks" else "output_blocks"
-            start = (down_start if block == "input_blocks" else up_start)[level]
-            name, rest = f"{block}_{start + j}_1", parts[4:]
-        name = "lora_unet_" + "_".join([name, *rest])
-        out[f"{name}.lora_{'down' if role.startswith('A') else 'up'}.weight"] = value
-        out[f"{name}.alpha"] = np.asarray(meta["unet.lora_alpha"], np.float32)
-    save_file(out, str(dst))
-    return dst
-
-
 def test_sdxl_kohya_original_layout_names_match_diffusers(sd, tmp_path, record_property):
     entry = sd["sdxl"]
-    lora = _sgm(entry["A"], tmp_path / "sgm.safetensors", layers=(1, 1))  # tiny SDXL: one layer per block
+    lora = kohya_sgm_names(entry["A"], tmp_path / "sgm.safetensors", layers=(1, 1))  # tiny SDXL: one layer per block
     noise, steps = _noise(1), 3
     ref = sd_fixtures.reference_pipeline(entry["folder"], "euler")
     ref.load_lora_weights(str(lora))

@@ -331,7 +331,7 @@ def test_exact_velocity_lands_on_the_data(sampler: str) -> None:
 
 def test_sampler_lists() -> None:
     assert FLOW_SAMPLERS == ("flow_euler", "flow_heun")
-    assert SAMPLERS == DIFFUSION_SAMPLERS + FLOW_SAMPLERS and len(DIFFUSION_SAMPLERS) == 8
+    assert SAMPLERS == DIFFUSION_SAMPLERS + FLOW_SAMPLERS and len(DIFFUSION_SAMPLERS) == 9
 
 
 @pytest.mark.parametrize("d,kind", [
@@ -388,7 +388,7 @@ REFUSED: list[tuple[dict[str, Any], str, dict[str, Any], str]] = [
     (SD3, "flow_euler", {"sigmas": np.linspace(2.0, 0.1, 10)}, "sigmas must lie in (0, 1]"),
     (SD3, "flow_euler", {"sigmas": np.linspace(1.0, 0.0, 10)}, "sigmas must lie in (0, 1]"),
     (SD3, "flow_euler", {"sigmas": [1.0, 0.5, 0.5, 0.4, 0.3, 0.2, 0.1, 0.08, 0.05, 0.01]}, "not strictly monotone"),
-    (SD3, "flow_euler", {"eta": 0.5}, "eta=0.5 is only supported for sampler 'ddim'"),
+    (SD3, "flow_euler", {"eta": 0.5}, "eta=0.5 is only supported for samplers 'ddim', 'tcd'"),
     ({**SD3, "stochastic_sampling": True}, "flow_euler", {}, "stochastic_sampling"),
     ({**SD3, "use_beta_sigmas": True}, "flow_euler", {}, "use_beta_sigmas"),
     ({**SD3, "use_karras_sigmas": True, "use_exponential_sigmas": True}, "flow_euler", {}, "use_exponential_sigmas"),

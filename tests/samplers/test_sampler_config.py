@@ -192,10 +192,55 @@ def test_step_count_edges() -> None:
 def test_eta() -> None:
     cfg = SchedulerConfig()
     assert float(make_plan(cfg, "ddim", 10, eta=0.5).eta) == 0.5
-    with pytest.raises(SchedulerConfigError, match="eta=0.5 is only supported for sampler 'ddim'"):
+    assert float(make_plan(cfg, "tcd", 10, eta=1.0).eta) == 1.0  # TCD's gamma
+    with pytest.raises(SchedulerConfigError, match="eta=0.5 is only supported for samplers 'ddim', 'tcd'"):
         make_plan(cfg, "euler", 10, eta=0.5)
-    with pytest.raises(SchedulerConfigError, match="eta"):
-        make_plan(cfg, "ddim", 10, eta=1.5)
+    for sampler in ("ddim", "tcd"):
+        with pytest.raises(SchedulerConfigError, match="eta"):
+            make_plan(cfg, sampler, 10, eta=1.5)
+
+
+def test_custom_timesteps_bad_input_is_one_line() -> None:
+    cfg = SchedulerConfig()
+    assert make_plan(cfg, "tcd", 2, timesteps=[800, 400]).timesteps[:2].tolist() == [800.0, 400.0]
+    for sampler, steps, timesteps, text in [
+        ("euler", 1, [800], "timesteps is not supported for sampler 'euler'; only lcm, tcd take it"),
+        ("tcd", 2, [800], "timesteps has 1 entries but steps=2; pass steps=1"),
+        ("tcd", 2, [400, 800], "must strictly decrease within \\[0, 999\\]"),
+        ("lcm", 1, [1000], "must strictly decrease within"),
+        ("lcm", 1, [-1], "must strictly decrease within"),
+        ("tcd", 1, [8.5], "must be a list of ints"),
+    ]:
+        with pytest.raises(SchedulerConfigError, match=text) as e:
+            make_plan(cfg, sampler, steps, timesteps=timesteps)
+        assert e.value.argument == "timesteps" and "\n" not in str(e.value)
+
+
+def test_overrides_are_from_config_with_keys() -> None:
+    """``with_overrides``: a card's ``Class.from_config(config, timestep_spacing="trailing")``; the
+    folder's other keys stay, a value is checked like the file's, and a key the sampler's class
+    does not read (or whose schedule ignores it) is one line naming it."""
+    from preheat.samplers import with_overrides
+
+    folder = SchedulerConfig.from_dict({"_class_name": "PNDMScheduler", "beta_schedule": "scaled_linear",
+                                        "beta_start": 0.00085, "beta_end": 0.012, "steps_offset": 1,
+                                        "timestep_spacing": "leading"})
+    trailing = with_overrides(folder, "euler", {"timestep_spacing": "trailing"})
+    assert trailing.timestep_spacing == "trailing" and trailing.beta_schedule == "scaled_linear"
+    assert with_overrides(folder, "euler", {}) is folder
+    expect = make_plan(SchedulerConfig.from_dict({**{k: getattr(folder, k) for k in ("beta_schedule", "beta_start",
+                                                                                    "beta_end", "steps_offset")},
+                                                  "timestep_spacing": "trailing"}), "euler", 4)
+    assert np.array_equal(make_plan(trailing, "euler", 4).timesteps, expect.timesteps)
+    assert not np.array_equal(make_plan(folder, "euler", 4).timesteps, expect.timesteps)
+    with pytest.raises(SchedulerConfigError, match="timestep_spacing='sideways' is not supported"):
+        with_overrides(folder, "ddim", {"timestep_spacing": "sideways"})
+    for sampler in ("lcm", "tcd"):
+        with pytest.raises(SchedulerConfigError, match=f"timestep_spacing does not apply to sampler '{sampler}'") as e:
+            with_overrides(folder, sampler, {"timestep_spacing": "trailing"})
+        assert e.value.argument == "timestep_spacing" and "\n" not in str(e.value)
+    with pytest.raises(SchedulerConfigError, match="shift does not apply to sampler 'euler'"):
+        with_overrides(folder, "euler", {"shift": 3.0})
 
 
 def test_karras_bounds_must_decrease() -> None:

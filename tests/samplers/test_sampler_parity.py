@@ -72,6 +72,10 @@ EXTRAS: dict[str, list[dict[str, Any]]] = {
     # spacing and offset are not read by LCMScheduler: the grid still crosses them (ignored alike)
     "lcm": [{"original_inference_steps": 25}, {"timestep_scaling": 4.0, "clip_sample": True},
             {"original_inference_steps": 20}],  # 20 steps: the whole grid
+    # eta (gamma) 0.3 is TCDScheduler.step's own default, 1.0 the Hyper-SD card's; clip_sample is
+    # not read by its step (ignored alike)
+    "tcd": [{"eta": 0.3}, {"eta": 1.0}, {"eta": 0.7, "original_inference_steps": 25},
+            {"eta": 0.5, "original_inference_steps": 20, "clip_sample": True}],
 }
 
 
@@ -102,7 +106,7 @@ def test_negative_controls(sampler: str, monkeypatch) -> None:
     """The parity check is sharp: it fails for a plan whose model timesteps are off by one, and
     for a 1e-4 relative error in one schedule value (ddim: eta 0 instead of 0.5)."""
     cfg = {**BETAS["scaled"], "prediction_type": "epsilon"}
-    eta = 0.5 if sampler == "ddim" else 0.0
+    eta = 0.5 if sampler in ("ddim", "tcd") else 0.0
     _, plan = ours_for(cfg, sampler, 7, eta)
     n = int(plan.n_steps)
 
@@ -117,12 +121,31 @@ def test_negative_controls(sampler: str, monkeypatch) -> None:
         ab_prev = plan.alpha_bar_prev.copy()
         ab_prev[2] *= 1.0001
         bad = plan._replace(alpha_bar_prev=ab_prev)
+    elif sampler == "tcd":  # the intermediate s of step 2 (eta 0.5: not the next timestep)
+        mid = plan.alpha_bar_mid.copy()
+        mid[2] *= 1.0001
+        bad = plan._replace(alpha_bar_mid=mid)
     else:
         sigmas = plan.sigmas.copy()
         sigmas[2] *= 1.0001
         bad = plan._replace(sigmas=sigmas)
     with pytest.raises(AssertionError):
         check_parity(sampler, cfg, 7, eta, monkeypatch, plan_override=bad)
+
+
+@pytest.mark.parametrize("sampler,timesteps,eta", [
+    ("tcd", [800], 1.0),  # Hyper-SD's 1-step LoRA card
+    ("lcm", [800], 0.0),  # Hyper-SDXL's 1-step UNet card
+    ("tcd", [999, 750, 420, 111], 0.3),  # off the distillation grid: a warning in diffusers, the same steps here
+    ("lcm", [979, 639, 259], 0.0),
+])
+def test_custom_timesteps_match_diffusers(sampler: str, timesteps: list[int], eta: float, monkeypatch) -> None:
+    """``make_plan(timesteps=...)`` is ``set_timesteps(timesteps=...)``: the list itself, one step each."""
+    cfg = {**BETAS["scaled"], "prediction_type": "epsilon"}
+    check_parity(sampler, cfg, len(timesteps), eta, monkeypatch, timesteps=timesteps)
+    with pytest.raises(AssertionError):  # sharp: the default schedule for that step count is another
+        check_parity(sampler, cfg, len(timesteps), eta, monkeypatch, timesteps=timesteps,
+                     plan_override=ours_for(cfg, sampler, len(timesteps), eta)[1])
 
 
 def test_karras_repeated_first_timestep(monkeypatch) -> None:

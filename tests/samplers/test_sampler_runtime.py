@@ -31,7 +31,7 @@ def make_run_jit():
 
 
 def _eta(sampler: str) -> float:
-    return 0.5 if sampler == "ddim" else 0.0
+    return 0.5 if sampler in ("ddim", "tcd") else 0.0
 
 
 @pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
@@ -91,7 +91,7 @@ def test_model_calls_and_noise_draws(sampler: str) -> None:
     assert counts["model"] == (2 * n - 1 if sampler == "heun" else n)
     assert spec.max_model_calls_per_step == (2 if sampler == "heun" else 1)
     assert counts["noise"] == n * spec.noise_draws_per_step
-    assert spec.noise_draws_per_step == (1 if sampler in ("ddpm", "ddim", "euler_a", "lcm") else 0)
+    assert spec.noise_draws_per_step == (1 if sampler in ("ddpm", "ddim", "euler_a", "lcm", "tcd") else 0)
 
 
 @pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
@@ -105,13 +105,14 @@ def test_init_scales_noise_and_sets_history(sampler: str) -> None:
             assert state.x0_prev is not None and not np.any(np.asarray(state.x0_prev))
         else:
             assert state.x0_prev is None
-        expect_one = sampler in ("ddpm", "ddim", "lcm") or sampler.startswith("dpmpp")
+        expect_one = sampler in ("ddpm", "ddim", "lcm", "tcd") or sampler.startswith("dpmpp")
         assert (plan.init_noise_sigma == 1.0) == expect_one
 
 
 @pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
 def test_final_sample_is_in_data_space(sampler: str) -> None:
-    """With a model that always predicts the same clean image, every sampler must end on it."""
+    """With a model that always predicts the same clean image, every sampler must end on it
+    (tcd: at timestep 0's noise level, ``sqrt(ab_0) x0 + sqrt(1 - ab_0) eps``, as TCDScheduler ends)."""
     cfg = SchedulerConfig.from_dict({
         "beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
         "prediction_type": "sample", "clip_sample": False,
@@ -121,6 +122,13 @@ def test_final_sample_is_in_data_space(sampler: str) -> None:
     noise = np.random.default_rng(1).standard_normal(SHAPE, dtype=np.float32)
     x = run(spec, lambda x, t: jnp.broadcast_to(target, x.shape), plan, noise,
             lambda i, k: jax.random.normal(jax.random.fold_in(jax.random.key(1), i), SHAPE))
+    if sampler == "tcd":
+        ab0 = np.float32(plan.alpha_bar_mid[int(plan.n_steps) - 1])  # the last step's s is 0
+        assert ab0 == np.float32(1 - 0.00085)  # alphas_cumprod[0] = 1 - beta_0
+        eps = (np.asarray(x) - np.sqrt(ab0) * np.asarray(target)) / np.sqrt(1 - ab0)
+        assert np.abs(eps).max() < 6  # a noise draw's size: x is the target at t = 0's level
+        assert np.abs(np.asarray(x) - np.asarray(target)).mean() < 0.05
+        return
     np.testing.assert_allclose(np.asarray(x), np.asarray(target), atol=1e-4)
 
 

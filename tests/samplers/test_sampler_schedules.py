@@ -117,7 +117,7 @@ def test_karras_sigmas_match_diffusers() -> None:
 @pytest.mark.parametrize("sampler", SAMPLERS)
 def test_plan_shapes_do_not_depend_on_steps(sampler: str) -> None:
     """Every leaf has the same shape and dtype whatever the step count: one compiled program."""
-    grid = {"original_inference_steps": 1000} if sampler == "lcm" else {}  # lcm picks steps from this grid
+    grid = {"original_inference_steps": 1000} if sampler in ("lcm", "tcd") else {}  # they pick steps from this grid
     config = SchedulerConfig.from_dict({"num_train_timesteps": 1000, **grid})
     plans = [make_plan(config, sampler, n) for n in (1, 7, 20, 999)]
     ref = [(np.shape(x), np.asarray(x).dtype) for x in plans[0]]

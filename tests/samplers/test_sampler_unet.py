@@ -59,6 +59,8 @@ CASES = [
     ("heun", {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
               "prediction_type": "epsilon"}, 4, 0.0),
     ("dpmpp_2m_karras", {"beta_schedule": "linear", "prediction_type": "epsilon"}, 6, 0.0),
+    ("tcd", {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
+             "prediction_type": "epsilon"}, 4, 0.3),
 ]
 
 

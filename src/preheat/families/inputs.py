@@ -3,7 +3,9 @@
 An :class:`InputSpec` is one keyword of ``Pipeline.generate``: its name, its type (one of the
 small frozen types below, which carry the bounds and choices), whether it is given per image or
 per call, whether it is *static* (a new value selects another compiled program, like a size) or
-*data*, its default, the values warm-up must compile, and a one-line description. A family lists
+*data*, its default, the values warm-up must compile, and a one-line description; a
+``scheduler_key`` input sets that key of the folder's scheduler config for the call, a ``plan_key``
+input is passed to the schedule (``make_plan``) as ``set_timesteps`` would be given it. A family lists
 its specs in ``Family.specs``; ``Family.input_specs(pipe)`` resolves what depends on the loaded
 model (a native size, a size multiple, class names). The common inputs every family takes
 (n, steps, sampler, ...) are :data:`COMMON_SPECS`.
@@ -15,6 +17,7 @@ model (a native size, a size multiple, class names). The common inputs every fam
     Float     finite number in [low, high]       float                number, min/max
     Choice    one of ``options``                 str                  string, enum
     Pair      two non-negative ints              (int, int)           array of 2 integers
+    Ints      ints in [low, high] (a list)       tuple[int, ...]      array of integers
     Label     a class index or label name        int (per image)      integer or enum string
     Image     PIL image, uint8 array, path, bytes  uint8 (H, W, 3)      string (URL or data URI)
               (``mask``: one channel, white = repaint)  (H, W)
@@ -40,7 +43,8 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["InputSpec", "Text", "Int", "Float", "Choice", "Pair", "Label", "Image", "COMMON_SPECS", "common_spec",
+__all__ = ["InputSpec", "Text", "Int", "Float", "Choice", "Pair", "Ints", "Label", "Image", "COMMON_SPECS",
+           "common_spec",
            "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "typed_flags", "field_of",
            "check_needs", "WARM_IMAGE"]
 
@@ -205,6 +209,39 @@ class Pair:
 
 
 @dataclass(frozen=True)
+class Ints:
+    """One or more ints in [low, high] (a scheduler's custom timesteps); a tuple, so a surface's
+    batch key can hold it."""
+
+    low: int = 0
+    high: int | None = None
+    python = tuple
+
+    def check(self, name: str, value: Any) -> tuple[int, ...]:
+        items = list(value) if isinstance(value, (list, tuple, np.ndarray)) else None
+        if not items or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < self.low
+                            or (self.high is not None and v > self.high) for v in items):
+            bound = f"in [{self.low}, {self.high}]" if self.high is not None else f">= {self.low}"
+            raise InvalidArgumentError(f"{name} must be a list of one or more ints {bound}, got {value!r}",
+                                       argument=name)
+        return tuple(int(v) for v in items)
+
+    def schema(self) -> dict[str, Any]:
+        item: dict[str, Any] = {"type": "integer", "minimum": self.low}
+        if self.high is not None:
+            item["maximum"] = self.high
+        return {"type": "array", "items": item, "minItems": 1}
+
+    def from_text(self, name: str, text: str) -> tuple[int, ...]:
+        """"999,499" -> (999, 499)."""
+        try:
+            return tuple(int(p) for p in text.split(","))
+        except ValueError:
+            raise InvalidArgumentError(f"{name} {text!r} must be ints separated by commas, e.g. 999,499",
+                                       argument=name) from None
+
+
+@dataclass(frozen=True)
 class Label:
     """A class of a class-conditional model: its index, or its label name (``count`` None: the
     model is unconditional and takes none)."""
@@ -265,7 +302,7 @@ class Image:
         return np.full((height, width), 255, np.uint8) if self.mask else np.full((height, width, 3), 128, np.uint8)
 
 
-InputType = Text | Int | Float | Choice | Pair | Label | Image
+InputType = Text | Int | Float | Choice | Pair | Ints | Label | Image
 
 
 # ------------------------------------------------------------------------------------ the spec
@@ -290,6 +327,10 @@ class InputSpec:
     needs: tuple[str, ...] = ()  # refused unless these inputs are given too (a mask needs its image)
     default_doc: str = ""  # what an absent value means, when ``default`` cannot say it
     example: Any = None  # a realistic value (a bench's prompt); None: the first warm value
+    scheduler_key: bool = False  # a key of the folder's scheduler config this call overrides, as a card's
+    #   ``Class.from_config(config, key=value)`` does (``preheat.families.request.scheduler_config``)
+    plan_key: bool = False  # a keyword of ``preheat.samplers.make_plan`` (what a pipeline passes to
+    #   ``set_timesteps``: a card's custom ``timesteps=[800]``; ``preheat.families.request.plan``)
 
     @property
     def surface_name(self) -> str:

@@ -9,6 +9,9 @@ is checked with the same words, defaults and bounds whichever backend runs it.
                                     noise, eta, the family's values, the LoRA request)
     check(pipe, first, inputs)      validate + the sampler's schedule for that step count
     plan(pipe, request)             the schedule (``preheat.samplers.make_plan``)
+    plan_inputs(pipe, r)            the call's own set_timesteps arguments (``plan_key`` inputs)
+    scheduler_overrides(pipe, r)    the scheduler config keys the call sets (``scheduler_key`` inputs)
+    scheduler_config(pipe, r)       the folder's scheduler config with them (what plan and spec read)
     guidance(pipe, g, values)       (classifier-free guidance on?, the scale)
     concat(pipe, requests, pad)     validated requests of one batch key -> one Request (a
                                     server's batch: validated once, at parse time)
@@ -27,9 +30,10 @@ import numpy as np
 from preheat.errors import InvalidArgumentError, SchedulerConfigError
 from preheat.families.base import Family, Request
 from preheat.families.inputs import COMMON_SPECS, common_spec
-from preheat.samplers import SAMPLERS, Plan, SchedulerConfig, make_plan, make_spec
+from preheat.samplers import SAMPLERS, Plan, SchedulerConfig, make_plan, make_spec, with_overrides
 
-__all__ = ["ArgumentView", "SamplingPipeline", "validate", "concat", "check", "plan", "guidance", "initial_noise", "seeds_for", "images",
+__all__ = ["ArgumentView", "SamplingPipeline", "validate", "concat", "check", "plan", "plan_inputs",
+           "scheduler_overrides", "scheduler_config", "guidance", "initial_noise", "seeds_for", "images",
            "resolved_defaults", "COMMON_INPUTS"]
 
 COMMON_INPUTS = tuple(s.name for s in COMMON_SPECS)
@@ -137,24 +141,47 @@ def validate(pipe: ArgumentView, first: Any, inputs: Mapping[str, Any]) -> Reque
         from preheat.lora import parse_request
 
         lora = parse_request(pipe, n, common.get("lora"), common.get("lora_scale"))
-    return Request(n=n, sampler=sampler, steps=steps, guided=guided, guidance=scale, seeds=seeds,
-                   noise=noise_arr, eta=eta, sample_shape=shape, values=values, lora=lora)
+    request = Request(n=n, sampler=sampler, steps=steps, guided=guided, guidance=scale, seeds=seeds,
+                      noise=noise_arr, eta=eta, sample_shape=shape, values=values, lora=lora)
+    scheduler_config(pipe, request)  # a key the sampler does not read: one line naming the input
+    return request
 
 
 def check(pipe: ArgumentView, first: Any, inputs: Mapping[str, Any]) -> Request:
     """Every host-side check of a call (``validate`` plus the sampler's schedule for this step
     count), with no device work: what a server runs before it accepts a request."""
     request = validate(pipe, first, inputs)
-    make_spec(pipe.scheduler_config, request.sampler)
+    make_spec(scheduler_config(pipe, request), request.sampler)
     plan(pipe, request)
     pipe.family.check_start(pipe, request)  # img2img: a strength that leaves a step to run
     return request
 
 
 def plan(pipe: ArgumentView, request: Request) -> Plan:
-    """The request's schedule (host-side; the family adds flow models' ``mu`` / ``sigmas``)."""
-    return make_plan(pipe.scheduler_config, request.sampler, request.steps, eta=request.eta,
-                     **pipe.family.plan_options(pipe, request))
+    """The request's schedule (host-side; the family adds flow models' ``mu`` / ``sigmas``, the call's
+    ``plan_key`` inputs their own keywords)."""
+    return make_plan(scheduler_config(pipe, request), request.sampler, request.steps, eta=request.eta,
+                     **pipe.family.plan_options(pipe, request), **plan_inputs(pipe, request))
+
+
+def plan_inputs(pipe: ArgumentView, request: Request) -> dict[str, Any]:
+    """The call's given ``plan_key`` inputs: what it passes to ``set_timesteps`` (a card's
+    ``timesteps=[800]``); the torch backend hands them to diffusers' pipeline as they are."""
+    return {s.name: request.values[s.name] for s in pipe.family.input_specs(pipe)
+            if s.plan_key and request.values.get(s.name) is not None}
+
+
+def scheduler_overrides(pipe: ArgumentView, request: Request) -> dict[str, Any]:
+    """The folder's scheduler config keys this call sets: its given ``scheduler_key`` inputs (a
+    card's ``timestep_spacing="trailing"``). The torch backend merges them into the config dict
+    its diffusers scheduler is built from; the JAX engine reads :func:`scheduler_config`."""
+    return {s.name: request.values[s.name] for s in pipe.family.input_specs(pipe)
+            if s.scheduler_key and request.values.get(s.name) is not None}
+
+
+def scheduler_config(pipe: ArgumentView, request: Request) -> SchedulerConfig:
+    """The scheduler config this call samples with: the folder's, with the call's overrides."""
+    return with_overrides(pipe.scheduler_config, request.sampler, scheduler_overrides(pipe, request))
 
 
 def _number(name: str, value: Any) -> float:

@@ -8,17 +8,21 @@ noise is supplied explicitly by the caller.
 Public API::
 
     SAMPLERS: tuple[str, ...]                 # DIFFUSION_SAMPLERS + FLOW_SAMPLERS
-    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm
+    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm, tcd
     FLOW_SAMPLERS: tuple[str, ...]            # ("flow_euler", "flow_heun")
     DETERMINISTIC_SAMPLERS: tuple[str, ...]   # samplers without per-step noise (flow ones included)
     MU_SIGMAS_SAMPLERS: tuple[str, ...]       # samplers whose make_plan takes mu / sigmas
+    TIMESTEPS_SAMPLERS: tuple[str, ...]       # samplers whose make_plan takes custom timesteps (lcm, tcd)
+    TIMESTEP_SPACINGS: tuple[str, ...]        # ("leading", "linspace", "trailing")
     SchedulerConfig.from_dict(d: Mapping) -> SchedulerConfig      # diffusers scheduler_config.json
     SchedulerConfig.from_file(path) -> SchedulerConfig
     load_scheduler_config(config | dict | file | folder) -> SchedulerConfig
+    with_overrides(config, sampler, {key: value}) -> SchedulerConfig   # Class.from_config(config, key=value)
     find_scheduler_config(pipeline_root, model_dir) -> path of scheduler_config.json
     make_spec(config, sampler: str) -> SolverSpec                   # static: jit static argument
     make_plan(config, sampler: str, steps: int, *, eta: float = 0.0,
-              mu: float | None = None, sigmas: array | None = None) -> Plan   # runtime pytree
+              mu: float | None = None, sigmas: array | None = None,
+              timesteps: ints | None = None) -> Plan      # runtime pytree
     flow_mu(config, image_seq_len: int) -> float    # mu for use_dynamic_shifting (calculate_shift)
     flux_sigmas(steps: int) -> np.ndarray          # the custom sigmas FluxPipeline passes
     config_kind(config) -> "flow" | "diffusion" | None
@@ -48,6 +52,8 @@ count need a recompile)::
     dpmpp_2m_karras  same, use_karras_sigmas=True                       1                  no
     lcm              LCMScheduler (original_inference_steps,            1                  no
                      timestep_scaling; re-noised between steps)
+    tcd              TCDScheduler (original_inference_steps; eta =      1                  no
+                     gamma is runtime data in the Plan)
     flow_euler       FlowMatchEulerDiscreteScheduler (shift, dynamic     1                  no
                      shifting with mu, custom sigmas, invert_sigmas,
                      shift_terminal, Karras / exponential sigmas)
@@ -90,12 +96,14 @@ raise ``SchedulerConfigError`` with a one-line message naming the key.
 
 from __future__ import annotations
 
-from preheat.samplers._config import SchedulerConfig, config_kind, find_scheduler_config, load_scheduler_config
-from preheat.samplers._plan import (MU_SIGMAS_SAMPLERS, Plan, SolverSpec, flow_mu, make_plan, make_spec,
-                                   strength_start)
+from preheat.samplers._config import (SchedulerConfig, config_kind, find_scheduler_config, load_scheduler_config,
+                                     with_overrides)
+from preheat.samplers._plan import (MU_SIGMAS_SAMPLERS, TIMESTEPS_SAMPLERS, Plan, SolverSpec, flow_mu, make_plan,
+                                   make_spec, strength_start)
 from preheat.samplers._schedules import flux_sigmas
 from preheat.samplers._solvers import BLEND_SOLVERS, Model, NoiseFn, SamplerState, Start, init, noised, run, step
-from preheat.samplers._tables import DETERMINISTIC_SAMPLERS, DIFFUSION_SAMPLERS, FLOW_SAMPLERS, SAMPLERS
+from preheat.samplers._tables import (DETERMINISTIC_SAMPLERS, DIFFUSION_SAMPLERS, FLOW_SAMPLERS, SAMPLERS,
+                                     TIMESTEP_SPACINGS)
 
 __all__ = [
     "SAMPLERS",
@@ -103,9 +111,12 @@ __all__ = [
     "FLOW_SAMPLERS",
     "DETERMINISTIC_SAMPLERS",
     "MU_SIGMAS_SAMPLERS",
+    "TIMESTEPS_SAMPLERS",
+    "TIMESTEP_SPACINGS",
     "SchedulerConfig",
     "config_kind",
     "load_scheduler_config",
+    "with_overrides",
     "find_scheduler_config",
     "SolverSpec",
     "Plan",

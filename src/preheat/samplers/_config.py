@@ -31,6 +31,7 @@ sampler of the other family in one line naming the accepted samplers:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -41,10 +42,10 @@ from preheat.errors import SchedulerConfigError
 from preheat.samplers._tables import (BETA_SCHEDULES, CLASS_DEFAULTS, DDPM_VARIANCE_TYPES, DIFFUSERS_CLASS,
                                       DIFFUSION_KEYS, DIFFUSION_SAMPLERS, FIELD_KIND, FLOW_KEYS, FLOW_SAMPLERS,
                                       KIND_BOOL, KIND_FLOAT, KIND_INT, KIND_STR, PREDICTION_TYPES, SAMPLERS,
-                                      TIME_SHIFT_TYPES, TIMESTEP_SPACINGS)
+                                      TIME_SHIFT_TYPES, TIMESTEP_SPACINGS, UNREAD_KEYS)
 
 __all__ = ["SchedulerConfig", "ResolvedConfig", "ResolvedFlowConfig", "resolve", "resolve_flow", "config_kind",
-           "check_sampler", "load_scheduler_config", "find_scheduler_config"]
+           "check_sampler", "with_overrides", "load_scheduler_config", "find_scheduler_config"]
 
 
 
@@ -205,7 +206,7 @@ class ResolvedConfig:
     sigma_min: float | None  # Karras endpoints; None = the schedule's own
     sigma_max: float | None
     lambda_min_clipped: float  # dpm++ only
-    original_inference_steps: int = 0  # lcm only
+    original_inference_steps: int = 0  # lcm, tcd only
     timestep_scaling: float = 0.0  # lcm only
 
 
@@ -265,6 +266,26 @@ def check_sampler(config: SchedulerConfig, sampler: str) -> None:
             f"sampler {sampler!r} is for flow-matching models, but the scheduler config is diffusion "
             f"({what}); supported: {', '.join(DIFFUSION_SAMPLERS)}"
         )
+
+
+def with_overrides(config: SchedulerConfig, sampler: str, overrides: Mapping[str, Any]) -> SchedulerConfig:
+    """``config`` with some keys set for one call: what ``Class.from_config(config, **overrides)``
+    gives the sampler's diffusers class (a model card's ``timestep_spacing="trailing"``).
+
+    A key the sampler's class does not read (or reads and ignores, as lcm's grid ignores the
+    spacing) is refused in one line naming it: it would change nothing.
+    """
+    if not overrides:
+        return config
+    check_sampler(config, sampler)
+    values: dict[str, Any] = {}
+    for key, value in overrides.items():
+        kind = FIELD_KIND.get(key)
+        if kind is None or key not in CLASS_DEFAULTS[sampler] or key in UNREAD_KEYS.get(sampler, ()):
+            raise SchedulerConfigError(f"{key} does not apply to sampler {sampler!r}: {DIFFUSERS_CLASS[sampler]} does "
+                                       "not read it", argument=key)
+        values[key] = _coerce(key, value, kind)
+    return dataclasses.replace(config, **values)  # __post_init__ checks the new values
 
 
 def resolve_flow(config: SchedulerConfig, sampler: str) -> ResolvedFlowConfig:
@@ -394,7 +415,7 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
         sigma_min=_opt_float(get("sigma_min")) if "sigma_min" in defaults else None,
         sigma_max=_opt_float(get("sigma_max")) if "sigma_max" in defaults else None,
         lambda_min_clipped=lambda_min_clipped,
-        original_inference_steps=int(get("original_inference_steps")) if sampler == "lcm" else 0,
+        original_inference_steps=int(get("original_inference_steps")) if sampler in ("lcm", "tcd") else 0,
         timestep_scaling=float(get("timestep_scaling")) if sampler == "lcm" else 0.0,
     )
 

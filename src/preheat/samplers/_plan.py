@@ -9,7 +9,7 @@ hashable ``SolverSpec`` (a static argument).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -19,7 +19,8 @@ from preheat.samplers._config import (ResolvedConfig, ResolvedFlowConfig, Schedu
                                       resolve_flow)
 from preheat.samplers._tables import FLOW_SAMPLERS, SAMPLERS
 
-__all__ = ["SolverSpec", "Plan", "make_spec", "make_plan", "flow_mu", "strength_start", "MU_SIGMAS_SAMPLERS"]
+__all__ = ["SolverSpec", "Plan", "make_spec", "make_plan", "flow_mu", "strength_start", "MU_SIGMAS_SAMPLERS",
+           "ETA_SAMPLERS", "TIMESTEPS_SAMPLERS"]
 
 _F32 = np.float32
 
@@ -33,6 +34,7 @@ _SOLVER_OF_SAMPLER = {
     "dpmpp_2m": "dpmpp_2m",
     "dpmpp_2m_karras": "dpmpp_2m",
     "lcm": "lcm",
+    "tcd": "tcd",
     # flow matching: the same Euler / Heun updates in sigma, fed the model's velocity
     # (SolverSpec.prediction_type == "flow") instead of a derivative from an x0 estimate
     "flow_euler": "euler",
@@ -41,7 +43,12 @@ _SOLVER_OF_SAMPLER = {
 # Samplers whose diffusers ``set_timesteps`` takes ``mu`` and ``sigmas`` (and so make_plan).
 MU_SIGMAS_SAMPLERS: tuple[str, ...] = ("flow_euler",)
 _SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras")
-_NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1, "lcm": 1}
+_NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1, "lcm": 1, "tcd": 1}
+# Samplers whose make_plan takes a custom descending ``timesteps`` list (their diffusers
+# ``set_timesteps(timesteps=...)``: Hyper-SD's 1-step cards pass ``[800]``).
+TIMESTEPS_SAMPLERS: tuple[str, ...] = ("lcm", "tcd")
+# Samplers whose stochasticity ``eta`` is runtime data (ddim's eta, tcd's gamma).
+ETA_SAMPLERS: tuple[str, ...] = ("ddim", "tcd")
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,7 @@ class SolverSpec:
     model and solver share one compiled loop whatever their step count or schedule.
     """
 
-    solver: str  # "ddpm" | "ddim" | "euler" | "euler_a" | "heun" | "dpmpp_2m" | "lcm"
+    solver: str  # "ddpm" | "ddim" | "euler" | "euler_a" | "heun" | "dpmpp_2m" | "lcm" | "tcd"
     prediction_type: str  # "epsilon" | "v_prediction" | "sample" | "flow" (velocity; euler/heun only)
     clip_sample: bool = False  # clamp the x0 prediction (ddpm, ddim, heun, lcm only)
     clip_sample_range: float = 1.0
@@ -64,7 +71,8 @@ class SolverSpec:
         """How many ``noise_fn(i, k)`` draws one step makes (k = 0 .. n - 1).
 
         ddim draws even at ``eta == 0`` (eta is runtime data) and multiplies the draw by 0;
-        lcm draws on its last step too and drops the draw there (the step count is data).
+        lcm and tcd draw on their last step too and drop the draw there (the step count is data;
+        tcd at ``eta == 0`` drops every draw).
         """
         return _NOISE_DRAWS.get(self.solver, 0)
 
@@ -85,11 +93,12 @@ class Plan(NamedTuple):
     n_steps: np.ndarray  # int32 []: steps to run (a traced trip count)
     timesteps: np.ndarray  # float32 [L]: the t the model sees at step i
     sigmas: np.ndarray  # float32 [L]: sigma_i (sigma-space samplers); sigmas[n_steps] = 0 (1: invert_sigmas)
-    alpha_bar: np.ndarray  # float32 [L]: alphas_cumprod at t_i (ddpm, ddim, lcm)
-    alpha_bar_prev: np.ndarray  # float32 [L]: alphas_cumprod at the step's target (ddpm, ddim, lcm)
+    alpha_bar: np.ndarray  # float32 [L]: alphas_cumprod at t_i (ddpm, ddim, lcm, tcd)
+    alpha_bar_prev: np.ndarray  # float32 [L]: alphas_cumprod at the step's target (ddpm, ddim, lcm, tcd)
     order: np.ndarray  # int32 [L]: dpm++ order of step i (1 or 2)
     init_noise_sigma: np.ndarray  # float32 []: scale of the standard-normal start noise
-    eta: np.ndarray  # float32 []: ddim stochasticity (0 = deterministic)
+    eta: np.ndarray  # float32 []: ddim / tcd stochasticity (0 = deterministic)
+    alpha_bar_mid: np.ndarray  # float32 [L]: tcd: alphas_cumprod at s_i = floor((1 - eta) * t_next) (else 1)
     progress_id: np.ndarray = np.int32(0)  # int32 []: whose call the step reports are (preheat.progress)
 
 
@@ -111,16 +120,21 @@ def make_spec(config: SchedulerConfig, sampler: str) -> SolverSpec:
 
 
 def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float = 0.0, mu: float | None = None,
-              sigmas: "np.ndarray | list[float] | None" = None) -> Plan:
+              sigmas: "np.ndarray | list[float] | None" = None,
+              timesteps: "np.ndarray | Sequence[int] | None" = None) -> Plan:
     """Schedule ``steps`` steps of ``sampler``, with diffusers' numbers, into a padded ``Plan``.
 
     ``mu`` and ``sigmas`` are what a pipeline passes to ``set_timesteps`` (flow_euler only,
     as only FlowMatchEulerDiscreteScheduler takes them): ``mu`` is required with
     ``use_dynamic_shifting`` (see :func:`flow_mu`) and ignored without it, as diffusers does;
     ``sigmas`` are custom sigmas in (0, 1], one per step (Flux passes ``flux_sigmas(steps)``),
-    shifted like the default ones.
+    shifted like the default ones. ``timesteps`` (lcm, tcd: :data:`TIMESTEPS_SAMPLERS`) are custom
+    descending training timesteps, one per step, used as given (``set_timesteps(timesteps=...)``).
     """
     check_sampler(config, sampler)
+    if timesteps is not None and sampler not in TIMESTEPS_SAMPLERS:
+        raise SchedulerConfigError(f"timesteps is not supported for sampler {sampler!r}; only "
+                                   f"{', '.join(TIMESTEPS_SAMPLERS)} take it", argument="timesteps")
     if sampler not in MU_SIGMAS_SAMPLERS:
         for name, value in (("mu", mu), ("sigmas", sigmas)):
             if value is not None:
@@ -142,15 +156,16 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
     alpha_bar_train = S.alphas_cumprod(S.betas(r.beta_schedule, r.beta_start, r.beta_end, T))
     if sampler in ("ddpm", "ddim"):
         rows = _discrete_rows(r, steps, alpha_bar_train)
-    elif sampler == "lcm":
-        rows = _lcm_rows(r, steps, alpha_bar_train)
+    elif sampler in ("lcm", "tcd"):
+        rows = _lcm_rows(r, steps, alpha_bar_train, timesteps)
     elif sampler.startswith("dpmpp"):
         rows = _dpm_rows(r, steps, alpha_bar_train)
     else:
         rows = _sigma_rows(r, steps, alpha_bar_train)
     timesteps, sched_sigmas = rows[0], rows[1]
     _check_schedule(r, steps, timesteps, sched_sigmas if sampler in _SIGMA_SAMPLERS else None)
-    return _pad(T, rows, eta)
+    mid = _tcd_mid(timesteps, eta, alpha_bar_train) if sampler == "tcd" else None
+    return _pad(T, rows, eta, mid)
 
 
 def flow_mu(config: SchedulerConfig, image_seq_len: int) -> float:
@@ -204,14 +219,16 @@ def _check_steps(steps: object, T: int) -> int:
 
 
 def _check_eta(sampler: str, eta: float) -> None:
-    if sampler != "ddim" and eta != 0.0:
-        raise SchedulerConfigError(f"eta={eta} is only supported for sampler 'ddim'; use eta=0.0 for {sampler!r}")
+    if sampler not in ETA_SAMPLERS and eta != 0.0:
+        raise SchedulerConfigError(f"eta={eta} is only supported for samplers {', '.join(map(repr, ETA_SAMPLERS))}; "
+                                   f"use eta=0.0 for {sampler!r}", argument="eta")
     if not 0.0 <= eta <= 1.0:
         raise SchedulerConfigError(f"eta={eta} is not supported; it must be in [0, 1]")
 
 
-def _pad(T: int, rows: "_Rows", eta: float) -> Plan:
-    """The padded ``Plan`` (``T + 1`` rows whatever the step count) of one schedule."""
+def _pad(T: int, rows: "_Rows", eta: float, mid: np.ndarray | None = None) -> Plan:
+    """The padded ``Plan`` (``T + 1`` rows whatever the step count) of one schedule (``mid``:
+    tcd's alpha_bar_mid rows)."""
     timesteps, sigmas, ab, ab_prev, order, init_sigma = rows
     L = T + 1
 
@@ -229,6 +246,7 @@ def _pad(T: int, rows: "_Rows", eta: float) -> Plan:
         order=pad(order, 1, np.int32),
         init_noise_sigma=np.asarray(init_sigma, dtype=_F32),
         eta=np.asarray(eta, dtype=_F32),
+        alpha_bar_mid=pad(np.ones(0, _F32) if mid is None else mid, 1.0, _F32),
     )
 
 
@@ -263,17 +281,46 @@ def _discrete_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -
     return ts_int.astype(_F32), np.zeros(0, _F32), ab, ab_prev, np.ones(n, np.int32), _F32(1.0)
 
 
-def _lcm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:
-    """lcm: integer timesteps from the distillation grid; each step re-noises to the next one.
+def _lcm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray,
+              custom: "np.ndarray | Sequence[int] | None" = None) -> _Rows:
+    """lcm, tcd: integer timesteps from the distillation grid; each step re-noises to the next one.
 
-    The last step returns the consistency estimate itself (its alpha_bar_prev is unused:
-    diffusers points it at the step's own timestep).
+    The last step returns the step's own estimate (its alpha_bar_prev is unused: lcm points it
+    at the step's own timestep, as diffusers does).
     """
-    ts_int = S.lcm_timesteps(r.num_train_timesteps, r.original_inference_steps, steps)
+    if custom is None:
+        ts_int = S.lcm_timesteps(r.num_train_timesteps, r.original_inference_steps, steps, r.sampler)
+    else:
+        ts_int = _custom_timesteps(custom, steps, r.num_train_timesteps)
     n = len(ts_int)
     ab = alpha_bar_train[ts_int]
     ab_prev = alpha_bar_train[np.append(ts_int[1:], ts_int[-1])]
     return ts_int.astype(_F32), np.zeros(0, _F32), ab, ab_prev.astype(_F32), np.ones(n, np.int32), _F32(1.0)
+
+
+def _custom_timesteps(custom: "np.ndarray | Sequence[int]", steps: int, T: int) -> np.ndarray:
+    """A card's ``timesteps=[...]`` as int64: one per step, strictly descending, in [0, T - 1]
+    (diffusers raises on the order and on t >= T; a negative t would index from the end)."""
+    arr = np.asarray(custom)
+    if arr.ndim != 1 or len(arr) == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise SchedulerConfigError(f"timesteps must be a list of ints, got {list(np.atleast_1d(arr))!r}",
+                                   argument="timesteps")
+    if len(arr) != steps:
+        raise SchedulerConfigError(f"timesteps has {len(arr)} entries but steps={steps}; pass steps={len(arr)}",
+                                   argument="timesteps")
+    if arr.min() < 0 or arr.max() > T - 1 or np.any(np.diff(arr) >= 0):
+        raise SchedulerConfigError(f"timesteps={arr.tolist()} must strictly decrease within [0, {T - 1}]",
+                                   argument="timesteps")
+    return arr.astype(np.int64)
+
+
+def _tcd_mid(timesteps: np.ndarray, eta: float, alpha_bar_train: np.ndarray) -> np.ndarray:
+    """tcd: alphas_cumprod at each step's intermediate ``s = floor((1 - eta) * t_next)`` (``t_next``
+    = 0 after the last step), float32 ``[n]``. TCDScheduler computes ``s`` in torch float32 (the
+    Python float ``1 - eta`` times an int64 timestep), so we round the same way before flooring."""
+    t_next = np.append(timesteps[1:], 0).astype(_F32)  # [n]
+    s = np.floor(_F32(1.0 - eta) * t_next).astype(np.int64)  # float32 product, as torch
+    return alpha_bar_train[s].astype(_F32)
 
 
 def _sigma_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:

@@ -140,14 +140,15 @@ def spaced_timesteps(
     return np.ascontiguousarray(ts, dtype=np.float64)
 
 
-def lcm_timesteps(num_train: int, original_steps: int, steps: int) -> np.ndarray:
-    """LCMScheduler's descending int64 timesteps: ``steps`` evenly spaced indices into the
-    distillation grid ``k - 1, 2k - 1, .., original_steps * k - 1`` (``k = num_train // original_steps``)."""
+def lcm_timesteps(num_train: int, original_steps: int, steps: int, sampler: str = "lcm") -> np.ndarray:
+    """LCMScheduler's (and TCDScheduler's) descending int64 timesteps: ``steps`` evenly spaced
+    indices into the distillation grid ``k - 1, 2k - 1, .., original_steps * k - 1``
+    (``k = num_train // original_steps``)."""
     if original_steps > num_train:
         raise SchedulerConfigError(f"original_inference_steps={original_steps} is not supported; it must be <= "
                                    f"num_train_timesteps ({num_train})")
     if steps > original_steps:
-        raise SchedulerConfigError(f"steps={steps} is not supported for sampler 'lcm'; it must be <= "
+        raise SchedulerConfigError(f"steps={steps} is not supported for sampler {sampler!r}; it must be <= "
                                    f"original_inference_steps ({original_steps}), the grid it picks steps from")
     k = num_train // original_steps
     grid = (np.arange(1, original_steps + 1) * k - 1)[::-1]  # [original_steps] descending

@@ -61,7 +61,7 @@ class Start(NamedTuple):
 
 
 # Mask blending needs one blend per scheduler call; Heun's two calls per step are one step here.
-BLEND_SOLVERS: tuple[str, ...] = ("ddpm", "ddim", "euler", "euler_a", "dpmpp_2m", "lcm")
+BLEND_SOLVERS: tuple[str, ...] = ("ddpm", "ddim", "euler", "euler_a", "dpmpp_2m", "lcm", "tcd")
 
 
 def init(spec: SolverSpec, plan: Plan, noise: jax.Array) -> SamplerState:
@@ -123,7 +123,7 @@ def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: 
 def noised(spec: SolverSpec, plan: Plan, x0: jax.Array, noise: jax.Array, i: jax.Array | int) -> jax.Array:
     """``x0`` at step ``i``'s noise level in the solver's own state, as the diffusers scheduler's
     ``add_noise`` (flow: ``scale_noise``) puts it: VE ``x0 + sigma eps``; dpm++ ``alpha(sigma) x0 +
-    sigma_vp eps`` from its sigmas; ddpm/ddim/lcm ``sqrt(ab) x0 + sqrt(1 - ab) eps`` at ``t_i``."""
+    sigma_vp eps`` from its sigmas; ddpm/ddim/lcm/tcd ``sqrt(ab) x0 + sqrt(1 - ab) eps`` at ``t_i``."""
     i = jnp.asarray(i, jnp.int32)
     x0, noise = jnp.asarray(x0, jnp.float32), jnp.asarray(noise, jnp.float32)
     if spec.prediction_type == "flow":
@@ -333,6 +333,22 @@ def _lcm_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i
     return state._replace(x=jnp.where(last, denoised, renoised))
 
 
+def _tcd_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+              noise_fn: NoiseFn) -> SamplerState:
+    """Trajectory consistency (Zheng et al. 2024, TCDScheduler): the x0 / eps estimate moved
+    DDIM-like to the intermediate ``s``, then (not on the last step) fresh noise up to the next
+    timestep; ``eta`` (gamma) places ``s`` between the next timestep (0: deterministic) and 0."""
+    x, t = state.x, _at(plan.timesteps, i)
+    ab, ab_prev, ab_s = _at(plan.alpha_bar, i), _at(plan.alpha_bar_prev, i), _at(plan.alpha_bar_mid, i)
+    x0, eps = _denoise(spec, model, x, t, 1.0, jnp.sqrt(ab), jnp.sqrt(1.0 - ab))
+    noised_s = jnp.sqrt(ab_s) * x0 + jnp.sqrt(1.0 - ab_s) * eps  # [*S] the estimate at s
+    ratio = ab_prev / ab_s
+    renoised = jnp.sqrt(ratio) * noised_s + jnp.sqrt(1.0 - ratio) * noise_fn(i, 0)
+    last = i == jnp.asarray(plan.n_steps, jnp.int32) - 1
+    keep = last | (jnp.asarray(plan.eta, jnp.float32) <= 0.0)  # diffusers adds no noise at eta == 0
+    return state._replace(x=jnp.where(keep, noised_s, renoised))
+
+
 _STEP_OF_SOLVER = {
     "ddpm": _ddpm_step,
     "ddim": _ddim_step,
@@ -341,4 +357,5 @@ _STEP_OF_SOLVER = {
     "heun": _heun_step,
     "dpmpp_2m": _dpmpp_2m_step,
     "lcm": _lcm_step,
+    "tcd": _tcd_step,
 }

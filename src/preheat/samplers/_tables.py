@@ -17,6 +17,7 @@ DIFFUSION_SAMPLERS: tuple[str, ...] = (
     "dpmpp_2m",
     "dpmpp_2m_karras",
     "lcm",
+    "tcd",
 )
 # Samplers for flow-matching models (the model predicts the velocity ``noise - x0``).
 FLOW_SAMPLERS: tuple[str, ...] = ("flow_euler", "flow_heun")
@@ -35,6 +36,7 @@ DIFFUSERS_CLASS: dict[str, str] = {
     "dpmpp_2m": "DPMSolverMultistepScheduler",
     "dpmpp_2m_karras": "DPMSolverMultistepScheduler",
     "lcm": "LCMScheduler",
+    "tcd": "TCDScheduler",
     "flow_euler": "FlowMatchEulerDiscreteScheduler",
     "flow_heun": "FlowMatchHeunDiscreteScheduler",
 }
@@ -143,6 +145,19 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
         "timestep_scaling": 10.0,
         "rescale_betas_zero_snr": False,
     },
+    # trajectory consistency distillation (TCD LoRAs, Hyper-SD's 1-step LoRA): LCM's grid, then a
+    # DDIM-like jump to s = floor((1 - eta) * t_next) and fresh noise up to t_next; its step
+    # reads neither clip_sample, thresholding nor timestep_scaling (not listed), and like lcm's
+    # its grid ignores timestep_spacing / steps_offset (listed: the class takes them)
+    "tcd": {
+        **_COMMON,
+        "beta_start": 0.00085,
+        "beta_end": 0.012,
+        "beta_schedule": "scaled_linear",
+        "timestep_spacing": "leading",
+        "original_inference_steps": 50,
+        "rescale_betas_zero_snr": False,
+    },
     "flow_euler": {
         "num_train_timesteps": 1000,
         "shift": 1.0,
@@ -165,6 +180,13 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     # FlowMatchHeunDiscreteScheduler reads nothing else: no dynamic shifting, no custom
     # sigmas, no mu (a Flux config's use_dynamic_shifting is ignored, as from_config does)
     "flow_heun": {"num_train_timesteps": 1000, "shift": 1.0},
+}
+
+# Keys a sampler's class takes but its schedule ignores: a call that overrides one for that
+# sampler is refused (``_config.with_overrides``) rather than silently changing nothing.
+UNREAD_KEYS: dict[str, tuple[str, ...]] = {
+    "lcm": ("timestep_spacing", "steps_offset"),  # the original_inference_steps grid decides
+    "tcd": ("timestep_spacing", "steps_offset"),
 }
 
 # Keys only the FlowMatch* classes read / only the diffusion classes read (config_kind).

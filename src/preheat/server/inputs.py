@@ -36,7 +36,7 @@ import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
-from preheat.families.inputs import (COMMON_SPECS, Choice, Float, Image, InputSpec, Int, Label, Pair, Text,
+from preheat.families.inputs import (COMMON_SPECS, Choice, Float, Image, InputSpec, Int, Ints, Label, Pair, Text,
                                      common_spec, field_of)
 
 __all__ = ["Limits", "Job", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields",
@@ -194,6 +194,9 @@ def _annotation(spec: InputSpec) -> Any:
         return Literal[tuple(t.options)]  # type: ignore[misc]
     if isinstance(t, Pair):
         return tuple[JsonInt, JsonInt]
+    if isinstance(t, Ints):
+        return Annotated[tuple[json_int(t.low, t.high if t.high is not None else 2**31 - 1), ...],  # type: ignore[misc]
+                         Field(min_length=1)]
     if isinstance(t, Label):
         return Union[JsonInt, str]
     if isinstance(t, Image):

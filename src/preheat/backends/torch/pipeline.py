@@ -48,6 +48,7 @@ from preheat.backends.torch.compile_cache import TorchCompiler, make_compiler, t
 from preheat.backends.torch.sampling import make_scheduler, sample_loop
 from preheat.backends.torch.arguments import EngineArguments
 from preheat.families.base import Request
+from preheat.families.request import scheduler_overrides
 from preheat.families.components import PixelComponents
 from preheat.engine import model_root
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
@@ -147,7 +148,7 @@ class TorchPipeline(EngineArguments):
         x = torch.from_numpy(np.array(nchw, np.float32, order="C")).to(self.device)
         y = torch.from_numpy(labels.astype(np.int64)).to(self.device) if labels is not None else None
         generators = [torch.Generator("cpu").manual_seed(int(s)) for s in request.seeds]
-        scheduler = make_scheduler(request.sampler, self.scheduler_dict)
+        scheduler = make_scheduler(request.sampler, {**self.scheduler_dict, **scheduler_overrides(self, request)})
         pixels = sample_loop(_Denoiser(self), scheduler, x, request.steps, class_labels=y,
                              guidance=request.guidance if request.guided else None, null_class=self.null_class,
                              eta=request.eta, generator=generators)

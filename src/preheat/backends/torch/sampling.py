@@ -19,6 +19,7 @@ DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "dpmpp_2m_karras": ("DPMSolverMultistepScheduler",
                         {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True}),
     "lcm": ("LCMScheduler", {}),
+    "tcd": ("TCDScheduler", {}),
     "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}),
     "flow_heun": ("FlowMatchHeunDiscreteScheduler", {}),
 }

@@ -31,6 +31,7 @@ from preheat.backends.torch.sampling import make_scheduler
 from preheat.backends.torch.arguments import EngineArguments
 from preheat.errors import InvalidArgumentError
 from preheat.families.base import Request
+from preheat.families.request import plan_inputs, scheduler_overrides
 from preheat.families.components import FluxComponents, SD3Components, SDComponents, TextComponents
 from preheat.noise import initial_noise
 from preheat.samplers import SchedulerConfig, load_scheduler_config
@@ -104,7 +105,9 @@ class TorchTextPipeline(EngineArguments):
         if self.family.name.startswith("stable-diffusion") and self.family.name != "stable-diffusion-3":
             kwargs["eta"] = request.eta  # the flow pipelines take no eta
         kwargs.update(_second_encoder(v))
-        self.pipe.scheduler = make_scheduler(request.sampler, self.scheduler_dict)
+        kwargs.update({k: list(t) for k, t in plan_inputs(self, request).items()})  # set_timesteps(timesteps=...)
+        overrides = scheduler_overrides(self, request)  # a card's from_config(config, timestep_spacing=...)
+        self.pipe.scheduler = make_scheduler(request.sampler, {**self.scheduler_dict, **overrides})
         timings = self._prepare_denoiser(n * (2 if request.guided else 1), latent_shape, kwargs)
         events = self.compiler.events if self.compiler is not None else []
         seen = len(events)
