@@ -209,3 +209,42 @@ def test_the_upcast_runs_inside_the_sampling_loop():
     called = {m.group(1) for name in bodies for m in re.finditer(r"calls=(%[\w.\-]+)", comps.get(name, ""))}
     fp8_reads = [name for name in called if "f8e4m3fn" in comps.get(name, "").split("\n", 1)[0]]
     assert bodies and len(fp8_reads) > 10, (bodies, len(fp8_reads))
+
+
+def test_on_the_h200_the_gemm_reads_the_fp8_weight_itself():
+    """Issue 28 asks which happens on a Hopper GPU: the compiled HLO for XLA's H200 description
+    (a deviceless compile on this CPU, not autotuned). The weight's f8 -> bf16 convert is fused
+    into the GEMM's own kernel (a Triton GEMM fusion whose parameter is the fp8 weight), so no
+    bf16 copy of the weight is written to memory; the dot inside runs on bf16 operands
+    (weight-only fp8 storage, not fp8 math: the activations are bf16)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from preheat.cache import targets
+    from preheat.cache.compile import on_device
+    from preheat.compile_target import compiling_for
+    from preheat.models.storage import upcast
+
+    if not any(k.startswith("jax-cuda") for k in targets.cuda_versions()):
+        pytest.skip("needs the test extra's jax-cuda13-plugin")
+    device = targets.target_device(targets.resolve_target("h200"))
+
+    def dense(params, x):  # x (tokens, in) @ kernel (in, out), as a Linear layer applies it
+        return x @ upcast(params, jnp.bfloat16, tie=x)["kernel"]
+
+    args = ({"kernel": jax.ShapeDtypeStruct((3072, 3072), jnp.float8_e4m3fn)},
+            jax.ShapeDtypeStruct((4096, 3072), jnp.bfloat16))  # FLUX.1's hidden width, 4096 image tokens
+    with compiling_for("gpu", (9, 0)):
+        hlo = jax.jit(dense).lower(*on_device(args, device)).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    fusions = re.findall(r"= \S+ fusion\(.*?kind=(k\w+), calls=(%[\w.\-]+)", entry)
+    assert [kind for kind, _ in fusions] == ["kCustom"], fusions  # one kernel: no separate convert fusion
+    gemm = next(c for c in re.split(r"\n(?=%)", hlo) if c.startswith(fusions[0][1] + " "))
+    header = gemm.split("\n", 1)[0]
+    assert "f8e4m3fn[3072,3072]" in header and "gemm" in header, header  # the fusion reads the fp8 weight
+    dots = re.findall(r"= (\w+)\[[\d,]*\]\{[\d,]*\} dot\(", gemm)
+    assert dots == ["bf16"], dots
+    operands = re.findall(r"(\w+)\[[\d,]+\]\{[\d,]+\} (?:convert|parameter)", gemm)
+    assert "bf16" in operands and "f8e4m3fn" in operands, operands
