@@ -15,6 +15,7 @@ behind docs/benchmarks.md, "Scaled fp8 kept on the device" and "GGUF Q8_0 kept o
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -72,12 +73,11 @@ def _full_size() -> None:
     from flax import nnx
 
     from preheat.models.flux import FluxTransformerConfig, build_abstract
+    from preheat.models.published import CONFIGS
     from preheat.models.storage import layerwise, placed_bytes
 
-    config = FluxTransformerConfig.from_dict(
-        {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
-         "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
-         "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}, "FLUX.1-dev")
+    config = FluxTransformerConfig.from_dict(  # the published config preheat ships for single files
+        json.loads((CONFIGS / "FLUX.1-dev" / "transformer" / "config.json").read_text()), "FLUX.1-dev")
     _, abstract = build_abstract(config)
     bf16 = placed_bytes(abstract, jnp.bfloat16)
     fp8 = placed_bytes(abstract, jnp.bfloat16, "float8_e4m3fn", ("pos_embed", "norm"), weights_layers="linear")

@@ -192,44 +192,37 @@ def _without_lora(ref, prompt, noise, **kwargs):
         ref.enable_lora()
 
 
-@pytest.mark.parametrize("steps", [2, 4])
-def test_lightning_lora_euler_trailing_matches_diffusers(cards, steps, record_property):
-    """SDXL-Lightning's card: ``EulerDiscreteScheduler.from_config(config, timestep_spacing="trailing")``,
-    the kohya-named LoRA, guidance 0; preheat: ``sampler="euler", timestep_spacing="trailing"``."""
-    from diffusers import EulerDiscreteScheduler
+# (card, folder kind, diffusers scheduler class, preheat sampler, LoRA file, steps, prompt, noise seed)
+_TRAILING_CARDS = [
+    ("lightning", "sdxl", "EulerDiscreteScheduler", "euler", "kohya", 2, "a girl smiling", 2),
+    ("lightning", "sdxl", "EulerDiscreteScheduler", "euler", "kohya", 4, "a girl smiling", 2),
+    ("hyper", "sd1", "DDIMScheduler", "ddim", "lora", 2, "a photo of a cat", 3),
+    ("hyper", "sdxl", "DDIMScheduler", "ddim", "lora", 4, "a photo of a cat", 3),
+]
 
-    entry, prompt, noise = cards["sdxl"], "a girl smiling", _noise(2)
-    ref = _card_reference(entry["folder"], lambda c: EulerDiscreteScheduler.from_config(c, timestep_spacing="trailing"),
-                          entry["kohya"])
+
+@pytest.mark.parametrize("card,kind,scheduler,sampler,lora,steps,prompt,seed", _TRAILING_CARDS,
+                         ids=[f"{c[0]}-{c[1]}-{c[5]}" for c in _TRAILING_CARDS])
+def test_trailing_spacing_lora_cards_match_diffusers(cards, card, kind, scheduler, sampler, lora, steps, prompt, seed,
+                                                     record_property):
+    """SDXL-Lightning's card (``EulerDiscreteScheduler.from_config(config, timestep_spacing="trailing")``,
+    the kohya-named LoRA) and Hyper-SD's N-step cards (``DDIMScheduler``, trailing), guidance 0;
+    preheat: ``sampler="euler"|"ddim", timestep_spacing="trailing"``."""
+    import diffusers
+
+    entry, noise = cards[kind], _noise(seed)
+    scheduler_class = getattr(diffusers, scheduler)
+    ref = _card_reference(entry["folder"], lambda c: scheduler_class.from_config(c, timestep_spacing="trailing"),
+                          entry[lora])
     call = dict(num_inference_steps=steps, guidance_scale=0.0, height=32, width=32)
     theirs = sd_fixtures.reference_pixels(ref, prompt, noise, **call)
     pipe = entry["pipe"]
-    card = dict(noise=noise, steps=steps, guidance=0.0, sampler="euler")
-    ours = pipe.generate(prompt, timestep_spacing="trailing", lora=entry["kohya"], **card)
+    ours_call = dict(noise=noise, steps=steps, guidance=0.0, sampler=sampler, lora=entry[lora])
+    ours = pipe.generate(prompt, timestep_spacing="trailing", **ours_call)
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(theirs, _without_lora(ref, prompt, noise, **call)) > 5  # the LoRA counts
-    assert _diff(ours, pipe.generate(prompt, lora=entry["kohya"], **card)) > 5  # the folder's "leading" differs
-
-
-@pytest.mark.parametrize("kind,steps", [("sd1", 2), ("sdxl", 4)])
-def test_hyper_lora_ddim_trailing_matches_diffusers(cards, kind, steps, record_property):
-    """Hyper-SD's N-step LoRAs: ``DDIMScheduler.from_config(config, timestep_spacing="trailing")``,
-    guidance 0; preheat: ``sampler="ddim", timestep_spacing="trailing"``."""
-    from diffusers import DDIMScheduler
-
-    entry, prompt, noise = cards[kind], "a photo of a cat", _noise(3)
-    ref = _card_reference(entry["folder"], lambda c: DDIMScheduler.from_config(c, timestep_spacing="trailing"),
-                          entry["lora"])
-    call = dict(num_inference_steps=steps, guidance_scale=0.0, height=32, width=32)
-    theirs = sd_fixtures.reference_pixels(ref, prompt, noise, **call)
-    pipe = entry["pipe"]
-    card = dict(noise=noise, steps=steps, guidance=0.0, sampler="ddim")
-    ours = pipe.generate(prompt, timestep_spacing="trailing", lora=entry["lora"], **card)
-    record_property("mean_abs_px", _diff(ours, theirs))
-    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
-    assert _diff(theirs, _without_lora(ref, prompt, noise, **call)) > 5
-    assert _diff(ours, pipe.generate(prompt, lora=entry["lora"], **card)) > 5  # the folder's "leading" differs
+    assert _diff(ours, pipe.generate(prompt, **ours_call)) > 5  # the folder's "leading" spacing differs
 
 
 @pytest.mark.parametrize("steps,eta,timesteps", [(1, 1.0, [800]), (4, 0.3, None)])

@@ -147,12 +147,11 @@ def test_a_full_size_flux_dev_places_at_most_055_of_its_bf16_bytes():
     import jax.numpy as jnp
 
     from preheat.models.flux import FluxTransformerConfig, build_abstract
+    from preheat.models.published import CONFIGS
     from preheat.models.storage import placed_bytes
 
-    config = FluxTransformerConfig.from_dict(
-        {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
-         "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
-         "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}, "FLUX.1-dev")
+    config = FluxTransformerConfig.from_dict(  # the published config preheat ships for single files
+        json.loads((CONFIGS / "FLUX.1-dev" / "transformer" / "config.json").read_text()), "FLUX.1-dev")
     _, abstract = build_abstract(config)
     bf16 = placed_bytes(abstract, jnp.bfloat16)
     layerwise = placed_bytes(abstract, jnp.bfloat16, FP8, ("pos_embed", "norm"))

@@ -282,7 +282,7 @@ def save_random_sdxl(out: Path, seed: int = 0, *, dtype: str = "bfloat16", devic
     """A full-size SDXL base 1.0 folder with random ``dtype`` weights (about 7 GB in bfloat16);
     the keyword arguments replace the configs (a smaller one for a CPU's dry run)."""
     import torch
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
+    from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     torch.manual_seed(seed)
@@ -294,6 +294,13 @@ def save_random_sdxl(out: Path, seed: int = 0, *, dtype: str = "bfloat16", devic
         _built(CLIPTextModel, dtype, device, CLIPTextConfig(**clip)).save_pretrained(out / "text_encoder")
         _built(CLIPTextModelWithProjection, dtype, device, CLIPTextConfig(**clip_g)).save_pretrained(
             out / "text_encoder_2")
+    return _finish_sdxl(out)
+
+
+def _finish_sdxl(out: Path) -> Path:
+    """An SDXL folder's scheduler, two tokenizers and model_index.json, beside its saved models."""
+    from diffusers import EulerDiscreteScheduler
+
     EulerDiscreteScheduler(**SDXL_SCHEDULER).save_pretrained(out / "scheduler")
     write_clip_tokenizer(out / "tokenizer")
     write_clip_tokenizer(out / "tokenizer_2", pad_token="!")
@@ -307,7 +314,7 @@ def save_random_sdxl_tiny(out: Path, seed: int = 0) -> Path:
     """An SDXL folder at the test suite's tiny scale: two CLIP encoders of width 16 (their hidden
     states concatenated: the UNet's 32), the text_time embedding, 32x32 images."""
     import torch
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
+    from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     torch.manual_seed(seed)
@@ -317,13 +324,7 @@ def save_random_sdxl_tiny(out: Path, seed: int = 0) -> Path:
         CLIPTextModelWithProjection(CLIPTextConfig(**{**TINY_SDXL_CLIP, "hidden_act": "gelu"})).save_pretrained(
             out / "text_encoder_2")
         AutoencoderKL(**TINY_VAE).save_pretrained(out / "vae")
-    EulerDiscreteScheduler(**SDXL_SCHEDULER).save_pretrained(out / "scheduler")
-    write_clip_tokenizer(out / "tokenizer")
-    write_clip_tokenizer(out / "tokenizer_2", pad_token="!")
-    return _write_index(out, "StableDiffusionXLPipeline", text_encoder="CLIPTextModel",
-                        text_encoder_2="CLIPTextModelWithProjection", tokenizer="CLIPTokenizer",
-                        tokenizer_2="CLIPTokenizer", unet="UNet2DConditionModel", vae="AutoencoderKL",
-                        scheduler="EulerDiscreteScheduler")
+    return _finish_sdxl(out)
 
 
 TINY_SD3_TRANSFORMER: dict[str, Any] = dict(
