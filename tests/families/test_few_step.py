@@ -350,3 +350,7 @@ def test_torch_backend_takes_the_same_spacing(cards, record_property):
     theirs = torch_pipe.generate("a red fox", timesteps=[800], **card)
     assert _diff(entry["pipe"].generate("a red fox", timesteps=[800], **card), theirs) <= MEAN_TOL
     assert _diff(theirs, torch_pipe.generate("a red fox", **card)) > 2
+    # eta reaches diffusers' pipeline: TCD's gamma 0.3 against 0 (diffusers draws its own per-step noise
+    # from the seeds' generators, so this is not compared with the engine's image)
+    four = dict(noise=_noise(6), steps=4, sampler="tcd", guidance=0.0)
+    assert _diff(torch_pipe.generate("a red fox", eta=0.3, **four), torch_pipe.generate("a red fox", eta=0.0, **four)) > 2

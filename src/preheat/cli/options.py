@@ -222,7 +222,7 @@ def call_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         sampler_option(),
         click.option("--seed", default=0, show_default=True, type=int, help="Image i uses seed + i."),
         click.option("--guidance", type=float, help="Classifier-free guidance scale (1 = off)."),
-        click.option("--eta", default=0.0, type=float, help="DDIM stochasticity."),
+        click.option("--eta", default=0.0, type=float, help="Stochasticity: DDIM's eta, TCD's gamma."),
         click.option("--lora", "loras", multiple=True, metavar="SRC[:SCALE]",
                      help="A LoRA (path, http(s)://, hf://org/repo/file) and its scale (default 1); repeat to combine."),
         model_options,

@@ -394,7 +394,7 @@ COMMON_SPECS: tuple[InputSpec, ...] = (
               field="guidance_scale"),
     InputSpec("seed", Int(0, SEED_MAX), "Image i uses seed + i (or one seed per image).", default=0),
     InputSpec("noise", Float(), "The initial noise, (n, C, H, W) floats (replaces the seeds' draw)."),
-    InputSpec("eta", Float(0.0), "DDIM stochasticity.", default=0.0),
+    InputSpec("eta", Float(0.0), "Stochasticity: DDIM's eta, TCD's gamma.", default=0.0),
     InputSpec("lora", Text(), "A LoRA: a safetensors path, http(s):// or hf://org/repo[/file.safetensors].",
               field="lora_weights"),
     InputSpec("lora_scale", Float(), "How strongly the LoRA applies.", default=1.0),

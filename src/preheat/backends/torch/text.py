@@ -17,6 +17,7 @@ noise from a ``torch.Generator`` per image, not from JAX's keys.
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from dataclasses import dataclass, field
@@ -102,8 +103,8 @@ class TorchTextPipeline(EngineArguments):
         else:
             kwargs.update(negative_prompt=v["negative_prompt"], latents=latents,
                           guidance_scale=request.guidance if request.guided else 1.0)
-        if self.family.name.startswith("stable-diffusion") and self.family.name != "stable-diffusion-3":
-            kwargs["eta"] = request.eta  # the flow pipelines take no eta
+        if "eta" in inspect.signature(type(self.pipe).__call__).parameters:  # the flow pipelines take none
+            kwargs["eta"] = request.eta
         kwargs.update(_second_encoder(v))
         kwargs.update({k: list(t) for k, t in plan_inputs(self, request).items()})  # set_timesteps(timesteps=...)
         overrides = scheduler_overrides(self, request)  # a card's from_config(config, timestep_spacing=...)
