@@ -34,7 +34,8 @@ LAYERS: list[tuple[str, ...]] = [
     #   (both import errors only)
     ("cache",),  # the cache root, the compile cache, the shared remote store
     ("store", "models", "samplers"),  # the weights store; model code; pure samplers
-    ("lora",),  # LoRA files -> runtime adapters (reads through the store and the models' loader)
+    ("lora", "file_configs"),  # LoRA files -> runtime adapters (reads through the store and the models' loader);
+    #   the config folder a single checkpoint file is read with (the store pulls what it lacks)
     ("families",),  # per-family loading over the models
     ("engine",),  # Pipeline and preheat.load
     ("backends", "warm"),  # the torch comparison backend; the warm declaration, which drives generate

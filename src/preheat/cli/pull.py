@@ -52,7 +52,7 @@ def pull_command(source: str, revision: str | None, force: bool, quiet: bool, va
         if source.startswith("random:"):  # built here, once, under the cache root
             path = resolve_model(source, log=lambda line: click.echo(line, err=True) if not quiet else None).model
         elif (single := _single_file(source, config)) is not None:
-            from preheat.engine import single_file_config, single_file_plan
+            from preheat.file_configs import single_file_config, single_file_plan
 
             if dry_run:
                 plan, needs = single_file_plan(single, config, variant)

@@ -1,0 +1,91 @@
+"""The config folder a single checkpoint file is read with (``preheat.models.single_file``).
+
+A single ``.safetensors`` file of an original layout holds some of a pipeline's components; the
+rest (configs, tokenizers, and for a transformer-only file its VAE and text encoders) come from
+``config=``: a diffusers folder or source, a folder of only the components the file lacks, a
+published model's name, or nothing (the published model inferred from the file's header). For the
+last two, exactly the folders the file lacks are pulled from the published repository through the
+weights store, once, and kept beside the shipped configs (``preheat.models.published``).
+
+    single_file_config(file, config)   the folder to read ``file`` with (pulling what it lacks)
+    single_file_plan(file, config)     what that would pull: ``preheat pull --dry-run FILE``
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from preheat.errors import FetchError, InvalidArgumentError, ModelError
+
+if TYPE_CHECKING:
+    from preheat.models.published import Needed
+    from preheat.store import HfPlan
+
+__all__ = ["single_file_config", "single_file_plan"]
+
+
+def _published_needs(file: Path, config: str | Path | None) -> Needed | None:
+    """What single ``file`` needs from its published repository when ``config`` is None (the model
+    inferred) or names a published model (``published.named``); None when ``config`` is a folder or
+    source to read the file with."""
+    from preheat.models.published import named, needed
+
+    as_model = None if config is None or Path(str(config)).exists() else named(config)
+    if config is not None and as_model is None:
+        return None
+    return needed(file, as_model)  # a file of no published model: one line naming every model tried
+
+
+@contextlib.contextmanager
+def _fetching(file: Path, needs: Needed) -> Iterator[str]:
+    """The published repository's source; a fetch that fails (offline, unreachable, gated, a folder
+    it lacks) is one line naming the folders and how to pass ``config=`` instead."""
+    source = f"hf://{needs.published.repo}"
+    try:
+        yield source
+    except (FetchError, ModelError) as exc:
+        folders = ", ".join(c + "/" for c in needs.components)
+        raise FetchError(f"{file} is a {needs.published.title} single file; it needs {folders} from {source}, which "
+                         f"could not be fetched ({exc}); or pass config=<a folder holding {folders}, or "
+                         f"{needs.hint}>") from None
+
+
+def single_file_config(file: Path, config: str | Path | None, variant: str | None = None) -> Path:
+    """The config folder single ``file`` is read with (``preheat.models.single_file``).
+
+    ``config``: a diffusers folder or source (its configs and tokenizers); a folder holding only
+    the components the file lacks (``preheat.models.published.with_components``); a published
+    model's name or repository (``published.named``: ``"stable-diffusion-2-1-base"``); or None:
+    the model inferred from the file's header. For the last two, exactly the folders the file lacks
+    (``published.needed``: its tokenizers; a transformer file's VAE and text encoders too) are
+    pulled from the published repository through the weights store, once, and put beside the
+    shipped configs.
+    """
+    from preheat.cache.root import resolve_root
+    from preheat.models.published import needed, with_components
+    from preheat.store import resolve
+
+    needs = _published_needs(file, config)
+    if needs is None:
+        configs = Path(resolve(str(config)))
+        if configs.is_dir() and not (configs / "model_index.json").is_file():  # the lacking folders only
+            return with_components(file, configs, resolve_root().path, needed(file))
+        return configs
+    with _fetching(file, needs) as source:
+        fetched = resolve(source, variant=variant, components=needs.components)
+    return with_components(file, fetched, resolve_root().path, needs)
+
+
+def single_file_plan(file: Path, config: str | Path | None = None, variant: str | None = None) -> tuple[HfPlan, Needed]:
+    """What ``single_file_config`` would pull for ``file`` (the store's plan: files and bytes, no
+    download; ``preheat pull --dry-run FILE``), and why."""
+    from preheat.store import plan_pull
+
+    needs = _published_needs(file, config)
+    if needs is None:
+        raise InvalidArgumentError(f"config={config} is a folder or source to read {file} with: nothing is "
+                                   "pulled for it", argument="config")
+    with _fetching(file, needs) as source:
+        return plan_pull(source, variant=variant, components=needs.components), needs
