@@ -97,6 +97,25 @@ def test_warm_target_on_a_tiny_sd1_folder_compiles_every_program_of_the_call(tmp
     assert all(m["target"]["name"] == "h200" and m["fields"]["platform"] == "gpu" for m in _manifests(_root()))
 
 
+def test_warm_target_works_in_a_fresh_process_with_no_platform_chosen(tmp_path):
+    """A CPU builder as CI runs it: JAX_PLATFORMS unset, the CUDA plugin installed and no driver.
+    The plugin's driver check would keep it from registering, and the deviceless topology with it
+    (``topology not implemented for cuda``); the command itself must not need the variable."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PREHEAT_HOME"] = str(tmp_path / "home")
+    proc = subprocess.run([sys.executable, "-m", "preheat", "warm", "--target", "h200", "--max-batch-size", "1",
+                           "--guidance", "off", "--dtype", "bfloat16", "--json"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [row["cache_layer"] for row in json.loads(proc.stdout)["signatures"]] == ["none"]
+    entries = _manifests(tmp_path / "home")
+    assert [m["fields"]["platform"] for m in entries] == ["gpu"], entries
+
+
 def _pod(monkeypatch, device) -> None:
     """This process as a pod whose one GPU is ``device``: what jax.devices() reports there."""
     monkeypatch.setattr(compile_mod.jax, "devices", lambda *a, **k: [device])

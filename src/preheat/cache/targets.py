@@ -30,7 +30,7 @@ from typing import Any, Optional
 from preheat.errors import TargetError
 
 __all__ = ["Target", "NAMES", "resolve_target", "parse_description", "gpu_fields", "local_description",
-           "target_device", "save_target", "cuda_versions", "device_gpu_fields",
+           "target_device", "compile_only_platforms", "save_target", "cuda_versions", "device_gpu_fields",
            "cudnn_available"]
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "gpu_targets"
@@ -212,6 +212,22 @@ def device_gpu_fields(device: Any) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
+def compile_only_platforms() -> None:
+    """Let the CUDA plugin register on a machine with no usable GPU (a CPU builder).
+
+    Unless the platforms are chosen, the plugin checks the CUDA driver when it registers and, on a
+    builder with no driver, does not register at all -- and with it goes the topology a deviceless
+    compile needs ("topology not implemented for cuda"). A process that compiles for a target
+    runs nothing on a GPU of its own, so when the user chose no platforms and JAX has not started
+    yet, it runs on the CPU: the plugin then registers without that check, as in jax's own
+    deviceless tests. Called before JAX starts (``warm --target``, ``bench target``)."""
+    import jax
+    from jax._src import xla_bridge
+
+    if not jax.config.jax_platforms and not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+
+
 def _compile_only_device(text: str) -> Any:
     from jax.experimental import topologies
 
@@ -225,11 +241,15 @@ def target_device(target: Target) -> Any:
         raise TargetError("--target needs the CUDA plugin for deviceless GPU compiles: pip install "
                           "'preheat[cuda13]' (jax-cuda13-plugin and jax-cuda13-pjrt, the jax version's own)",
                           reason="plugin")
+    compile_only_platforms()
     try:
         return _compile_only_device(target.text)
-    except (ImportError, NotImplementedError) as exc:
+    except ImportError as exc:
         raise TargetError(f"--target: this jax cannot compile for an absent GPU ({type(exc).__name__}); "
                           "jax/jaxlib 0.11.2 with jax-cuda13-plugin can", reason="plugin") from None
+    except NotImplementedError:  # the plugin did not register: JAX started first, with no usable GPU here
+        raise TargetError("--target: JAX's CUDA plugin did not register in this process (no usable GPU, and JAX "
+                          "started before the target was set); run it with JAX_PLATFORMS=cpu", reason="plugin") from None
     except Exception as exc:  # XLA refused the description (a field of another XLA version, a bad value)
         first = (str(exc).splitlines() or [""])[0][:200]
         raise TargetError(f"--target {target.name}: XLA cannot use this description ({first})",
