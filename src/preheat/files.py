@@ -41,8 +41,12 @@ def _read_umask() -> int:
 _UMASK = _read_umask()
 
 
-def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> None:
-    """Write ``data`` to ``path`` atomically; ``mode`` defaults to 0666 less the umask."""
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically; ``mode`` defaults to 0666 less the umask.
+
+    ``durable=False`` skips the two fsyncs: readers still see the old bytes or the new ones,
+    never a mix, but a power loss may lose the write. For bookkeeping on a hot path (an
+    entry's hit count is written on every warm start's first call)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -50,8 +54,9 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -
         os.fchmod(fd, (0o666 & ~_UMASK) if mode is None else mode)  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -59,7 +64,8 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -
         except FileNotFoundError:
             pass
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def sha256_and_size(path: str | Path) -> tuple[str, int]:

@@ -76,7 +76,8 @@ class Entry:
         stats["hits"] = int(stats.get("hits", 0)) + 1
         stats["last_used"] = time.time()
         try:
-            atomic_write_bytes(self.path / STATS, json.dumps(stats).encode())
+            # no fsync: a hit count lost to a power cut costs nothing, and this is on the first call's path
+            atomic_write_bytes(self.path / STATS, json.dumps(stats).encode(), durable=False)
         except OSError:
             pass  # bookkeeping only
 
@@ -279,8 +280,11 @@ class LoadingMarker:
         self.path = entry_dir / f"{self.PREFIX}{socket.gethostname()}.{pid}.{_process_start_ticks(pid) or 0}"
 
     def __enter__(self) -> "LoadingMarker":
+        # No fsync: the marker must outlive a process that dies while loading, and the page
+        # cache does that; a machine that loses power loses only the marker, which then blames
+        # no entry. A sync here sat on every warm start's critical path (~10 ms locally, more
+        # on a network volume).
         self.path.write_text(str(time.time()))
-        fsync_dir(self.entry_dir)
         return self
 
     def __exit__(self, *exc: Any) -> None:
