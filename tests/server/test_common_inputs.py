@@ -153,3 +153,47 @@ def test_the_cli_takes_eta_and_timesteps_without_steps(model_dir: Path, pipe: An
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.exit_code != 0 and len(lines) == 1, result.output
     assert lines[0].startswith("error: --timesteps: timesteps has 2 entries but steps=3"), lines
+
+
+def test_the_cli_options_are_the_declared_common_inputs() -> None:
+    """Every common input the CLI takes is an option of ``preheat sample`` with its declared flag,
+    text and bounds; one it does not take (``noise``, an array; ``lora_scale``, inside
+    ``--lora SRC[:SCALE]``) is not."""
+    import click
+
+    from preheat.cli import main
+    from preheat.families.inputs import Float, Int
+
+    sample = main.get_command(click.Context(main), "sample")
+    options = {o.opts[0]: o for o in sample.params if isinstance(o, click.Option)}
+    for spec in COMMON_SPECS:
+        if "cli" not in spec.surfaces:
+            assert spec.cli_flag not in options, spec.name
+            continue
+        option = options[spec.cli_flag]
+        assert option.help.endswith(spec.describe("cli")), (spec.name, option.help)
+        if isinstance(spec.type, (Int, Float)):
+            assert (option.type.min, option.type.max) == (spec.type.low, spec.type.high), spec.name
+    assert "--noise" not in options and "--lora-scale" not in options and options["--eta"].default == 0.0
+
+
+def test_an_input_a_surface_does_not_take_is_refused_there() -> None:
+    """``InputSpec.surfaces`` decides which surfaces take an input, for a family's inputs as for the
+    common ones: the server's fields and the CLI's flags leave out one declared for Python only."""
+    from dataclasses import replace
+
+    from pydantic import ValidationError
+
+    from preheat.errors import InvalidArgumentError
+    from preheat.families.inputs import InputSpec, Text, typed_flags
+    from preheat.server.inputs import family_model
+
+    shown = InputSpec("caption", Text(), "A caption.")
+    hidden = replace(shown, name="secret", surfaces=("python",))
+    model = family_model((shown, hidden))
+    assert model.model_validate({"caption": "x"}).caption == "x"
+    with pytest.raises(ValidationError):
+        model.model_validate({"secret": "x"})
+    assert typed_flags((shown, hidden), "toy", {"--caption": ["x"]}) == {"caption": "x"}
+    with pytest.raises(InvalidArgumentError, match="--secret does not apply to a toy model; its inputs are: --caption"):
+        typed_flags((shown, hidden), "toy", {"--secret": ["x"]})

@@ -492,8 +492,8 @@ def example_inputs(specs: Sequence[InputSpec]) -> dict[str, Any]:
 def typed_flags(declared: Sequence[InputSpec], family: str, flags: dict[str, list[str]]) -> dict[str, Any]:
     """Command-line flags (flag -> its texts, as given) as ``generate`` keywords, typed by the
     ``declared`` specs of ``family`` (one value for all images, or a list: one per image). A flag
-    no spec declares fails naming those that are."""
-    specs = {s.cli_flag: s for s in declared}
+    no spec declares for the CLI fails naming those that are."""
+    specs = {s.cli_flag: s for s in declared if "cli" in s.surfaces}
     values: dict[str, Any] = {}
     for flag, texts in flags.items():
         spec = specs.get(flag)

@@ -642,7 +642,7 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
     """The served family's declared inputs (``Family.input_specs``) in the schema: each one's type,
     bounds and description, served sizes as enums, so that schema-valid input is accepted input."""
     schemas = spec.get("components", {}).get("schemas", {})
-    specs = tuple(pipe.family.input_specs(pipe))
+    specs = tuple(s for s in pipe.family.input_specs(pipe) if "server" in s.surfaces)
     sizes = served_sizes(pipe, limits)
     served = {"width": sorted({w for w, _ in sizes}), "height": sorted({h for _, h in sizes})}
     props: dict[str, Any] = {}

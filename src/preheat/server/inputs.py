@@ -224,9 +224,11 @@ def _annotation(spec: InputSpec) -> Any:
 
 @functools.lru_cache(maxsize=8)
 def family_model(specs: tuple[InputSpec, ...]) -> type[BaseModel]:
-    """The pydantic model of a family's inputs, by their surface names (all optional here: a
-    required one is refused by its spec, naming it); unknown fields are refused."""
-    fields: dict[str, Any] = {s.surface_name: (Optional[_annotation(s)], Field(None, description=s.description))
+    """The pydantic model of a family's inputs a server takes (``"server"`` in their surfaces), by
+    their surface names (all optional here: a required one is refused by its spec, naming it);
+    unknown fields are refused."""
+    specs = tuple(s for s in specs if "server" in s.surfaces)
+    fields: dict[str, Any] = {s.surface_name: (Optional[_annotation(s)], Field(None, description=s.describe("server")))
                               for s in specs}
     for s in specs:
         for alias in s.aliases:
@@ -392,7 +394,7 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     specs = tuple(pipe.family.input_specs(pipe))
     per_call = {k: v for k, v in family.items() if not any(s.name == k and s.per_image for s in specs)}
     per_image = {k: [v] * n for k, v in family.items() if k not in per_call}
-    job = Job(n=n, seed=int(seed), sampler=sampler, steps=0, guidance=guidance, eta=float(v["eta"]),
+    job = Job(n=n, seed=int(seed), sampler=sampler, steps=0, guidance=guidance, eta=float(v["eta"]),  # steps: below
               output_format=v["output_format"], lora=lora, lora_bucket=lora_bucket,
               values=tuple(sorted({**per_call, **per_image}.items())), per_image=frozenset(per_image))
     try:  # the engine's own host-side checks (guidance without a null class, schedule, sizes, ...)
