@@ -47,8 +47,8 @@ def test_sample_writes_grid_images_and_report_then_hits_the_cache(model, tmp_pat
 
 @pytest.mark.parametrize("args,needle", [
     (["--sampler", "plms"], "unknown sampler 'plms'"),
-    (["--steps", "0"], "--steps 0 must be a positive int"),
-    (["--n", "0"], "--n 0 must be a positive int"),
+    (["--steps", "0"], "'--steps': 0 is not in the range x>=1"),  # the declared Int(1)
+    (["--n", "0"], "'--n': 0 is not in the range x>=1"),
     (["--class", "11"], "unknown class 11"),
     (["--class", "giraffe"], "unknown class 'giraffe'"),
     (["--out", "x.jpg"], "must end in .png"),
@@ -125,7 +125,8 @@ def test_the_process_ends_after_atexit_with_the_command_s_code(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(marker)], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PREHEAT_HOME": str(tmp_path / "home")})
     assert r.returncode == 2 and marker.read_text() == "ran", (r.returncode, r.stderr)
-    assert r.stderr.strip().splitlines()[-1] == "error: --steps 0 must be a positive int"
+    assert r.stderr.strip().splitlines()[-1] == ("error: Invalid value for '--steps': 0 is not in the range x>=1. "
+                                                 "(preheat sample --help)")
     import preheat
 
     main_module = Path(preheat.__file__).with_name("__main__.py").read_text()

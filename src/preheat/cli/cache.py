@@ -145,7 +145,6 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
     from preheat.errors import InvalidArgumentError
     from preheat.sharding import parse_devices
 
-    opts.check()
     resolved = resolve_model(opts.model, log=lambda line: click.echo(line, err=True))
     model, opts = resolved.model, opts.sized(resolved.size, resolved.inputs)  # as sample: a tiny random model's tiny size
     if opts.backend == "torch":

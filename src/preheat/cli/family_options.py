@@ -35,9 +35,9 @@ class FamilyInputsCommand(click.Command):
 
         rows: dict[str, tuple[str, list[str]]] = {}
         for family in declared_families():
-            for spec in (*family.specs, *_size_specs()):
+            for spec in (s for s in (*family.specs, *_size_specs()) if "cli" in s.surfaces):
                 flag = spec.cli_flag
-                help_text, names = rows.get(flag, (spec.description, []))
+                help_text, names = rows.get(flag, (spec.describe("cli"), []))
                 names.append(family.name)
                 rows[flag] = (help_text, names)
         with formatter.section("Model inputs (each family's declared inputs; repeat a flag for one per image)"):

@@ -5,7 +5,10 @@
 
 ``call_options``: everything that selects the compiled program of one ``preheat sample`` call
 (the count, the family's inputs, the sampler and steps, guidance, LoRAs, the backend), with
-``sample``'s defaults. ``preheat sample`` and ``preheat cache explain`` both take exactly these,
+``sample``'s defaults. The common inputs' options (``--n``, ``--steps``, ``--guidance``,
+``--sampler``, ``--seed``, ``--eta``, ``--lora``) are derived from their declarations
+(``preheat.families.inputs.COMMON_SPECS`` with ``"cli"`` in their surfaces: flag, type and
+bounds, default, help text), as a family's own inputs are (``cli.family_options``). ``preheat sample`` and ``preheat cache explain`` both take exactly these,
 so that ``explain`` describes the call ``sample`` would make with the same flags. The values
 arrive as one ``CallOptions``.
 
@@ -21,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import click
 
-from preheat.errors import InvalidArgumentError
+from preheat.families.inputs import COMMON_SPECS, Choice, Float, InputSpec, Int
 
 __all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptions", "FLAGS", "SAMPLER",
            "sampler_option", "output_options", "echo_result", "POSITIVE", "SEED", "NON_NEGATIVE", "POSITIVE_SECONDS"]
@@ -29,11 +32,11 @@ __all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptio
 DTYPES = ("float32", "bfloat16", "float16")  # the denoiser dtypes the engine compiles for
 CACHE_LAYERS = ("full", "xla", "off")
 
-# The engine's common keyword -> the CLI flag that sets it: errors on the CLI name the flag. A
-# family's own inputs are named by their declared specs (``cli.family_options.flag_errors``).
-FLAGS = {"steps": "--steps", "sampler": "--sampler", "guidance": "--guidance", "seed": "--seed", "eta": "--eta",
-         "lora": "--lora", "lora_scale": "--lora", "n": "--n", "weights_dtype": "--weights-dtype",
-         "weights_layers": "--weights-layers"}
+# The engine's common keyword -> the CLI flag that sets it: errors on the CLI name the flag (a
+# LoRA's scale is given inside --lora SRC[:SCALE]). A family's own inputs are named by their
+# declared specs (``cli.family_options.flag_errors``).
+FLAGS = {**{s.name: s.cli_flag for s in COMMON_SPECS if "cli" in s.surfaces}, "lora_scale": "--lora",
+         "weights_dtype": "--weights-dtype", "weights_layers": "--weights-layers"}
 
 
 # Numeric option types: click refuses a value out of range in one line, before anything runs.
@@ -162,18 +165,6 @@ class CallOptions:
     backend: str
     compile_mode: str
 
-    def check(self) -> None:
-        """The checks that need no model (one line each, naming the flag)."""
-        for flag, value in (("--n", self.n), ("--steps", self.steps)):
-            if value is not None and value <= 0:
-                raise InvalidArgumentError(f"{flag} {value} must be a positive int", argument=flag)
-        if self.guidance is not None and self.guidance < 0:
-            raise InvalidArgumentError(f"--guidance {self.guidance:g} must be >= 0", argument="--guidance")
-        if self.eta < 0:
-            raise InvalidArgumentError(f"--eta {self.eta:g} must be >= 0", argument="--eta")
-        if self.seed < 0 or self.seed >= 2**32:
-            raise InvalidArgumentError(f"--seed {self.seed} must be in 0..{2**32 - 1}", argument="--seed")
-
     def sized(self, size: Optional[tuple[int, int]], inputs: tuple[tuple[str, Any], ...] = ()) -> CallOptions:
         """A tiny random model's defaults (``ResolvedModel``) where the flags give none: its
         ``size`` (width, height) unless either is given, and its other ``inputs`` one by one."""
@@ -186,8 +177,7 @@ class CallOptions:
 
     def common_inputs(self) -> dict[str, Any]:
         """The sampler's settings and the LoRAs, as ``generate`` keywords."""
-        kwargs: dict[str, Any] = dict(steps=self.steps, sampler=self.sampler, guidance=self.guidance, seed=self.seed,
-                                      eta=self.eta)
+        kwargs: dict[str, Any] = {s.name: getattr(self, s.name) for s in _cli_specs() if s.name not in ("n", "lora")}
         if self.loras:
             from preheat.lora import parse_cli
 
@@ -212,19 +202,38 @@ class CallOptions:
         return self.n if self.n is not None else pipe.family.preview_n
 
 
+def _cli_specs() -> tuple[InputSpec, ...]:
+    """The common inputs ``preheat sample`` takes (``"cli"`` in their surfaces), in their declared order."""
+    return tuple(s for s in COMMON_SPECS if "cli" in s.surfaces)
+
+
+def spec_option(spec: InputSpec) -> Callable[..., Any]:
+    """A common input's option, from its declaration: its flag, its type's bounds (click refuses a
+    value out of them in one line, before anything loads), its default and its CLI text. Two
+    declared types have a command-line form of their own: a Choice whose options the model
+    resolves (the sampler: preheat's sampler names, listed when --help is shown) and the LoRA's
+    Text (``SRC[:SCALE]``, repeated: the LoRAs and their scales, ``preheat.lora.parse_cli``)."""
+    kind, text = spec.type, spec.describe("cli")
+    if isinstance(kind, Choice) and not kind.options:
+        return click.option(spec.cli_flag, spec.name, cls=_SamplerHelp, type=SAMPLER, help=text)
+    if spec.name == "lora":  # CallOptions.loras: each SRC[:SCALE] as given
+        return click.option(spec.cli_flag, "loras", multiple=True, metavar="SRC[:SCALE]", help=text)
+    if isinstance(kind, Int):
+        ptype: click.ParamType = click.IntRange(kind.low, kind.high)
+    elif isinstance(kind, Float):
+        ptype = click.FloatRange(kind.low, kind.high, min_open=kind.low_open)
+    else:
+        ptype = click.STRING
+    return click.option(spec.cli_flag, spec.name, type=ptype, default=spec.default,
+                        show_default=spec.default is not None, help=text)
+
+
 def call_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """MODEL and every option of one call; the command receives them as ``opts: CallOptions``.
     The command must be a ``cli.family_options.FamilyInputsCommand`` (``cls=``): what it does not
     declare (MODEL and the family's input flags) arrives in ``ctx.args``."""
     options = [
-        click.option("--n", "n", type=int, help="Number of images (default: 16 for class models, 1 for text-to-image)."),
-        click.option("--steps", type=int, help="Denoising steps (default: the model's)."),
-        sampler_option(),
-        click.option("--seed", default=0, show_default=True, type=int, help="Image i uses seed + i."),
-        click.option("--guidance", type=float, help="Classifier-free guidance scale (1 = off)."),
-        click.option("--eta", default=0.0, type=float, help="Stochasticity: DDIM's eta, TCD's gamma."),
-        click.option("--lora", "loras", multiple=True, metavar="SRC[:SCALE]",
-                     help="A LoRA (path, http(s)://, hf://org/repo/file) and its scale (default 1); repeat to combine."),
+        *(spec_option(s) for s in _cli_specs()),
         model_options,
         click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True),
         click.option("--compile", "compile_mode", type=click.Choice(["none", "inductor", "aot", "regional"]),

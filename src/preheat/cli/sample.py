@@ -95,7 +95,6 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
 
     started_at_age = process_age_s()  # interpreter start + imports, before any preheat work
     console = Console(stderr=True, quiet=quiet)
-    opts.check()
     if out.suffix.lower() != ".png":
         raise InvalidArgumentError(f"--out {out} must end in .png", argument="--out")
     resolved = resolve_model(opts.model, log=lambda line: console.print(line, soft_wrap=True))

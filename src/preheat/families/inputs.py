@@ -46,7 +46,7 @@ from preheat.errors import InvalidArgumentError
 __all__ = ["InputSpec", "Text", "Int", "Float", "Choice", "Pair", "Ints", "Label", "Image", "COMMON_SPECS",
            "common_spec",
            "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "typed_flags", "field_of",
-           "check_needs", "WARM_IMAGE"]
+           "check_needs", "WARM_IMAGE", "SURFACES", "SEED_MAX"]
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
@@ -307,6 +307,10 @@ InputType = Text | Int | Float | Choice | Pair | Ints | Label | Image
 
 # ------------------------------------------------------------------------------------ the spec
 
+# Where an input can be given: ``pipe(...)``, ``preheat sample``'s flags, a server's input fields
+# (Cog's ``POST /predictions``, the OpenAI routes and the Runpod handler share one parse).
+SURFACES: tuple[str, ...] = ("python", "cli", "server")
+
 
 @dataclass(frozen=True)
 class InputSpec:
@@ -331,6 +335,15 @@ class InputSpec:
     #   ``Class.from_config(config, key=value)`` does (``preheat.families.request.scheduler_config``)
     plan_key: bool = False  # a keyword of ``preheat.samplers.make_plan`` (what a pipeline passes to
     #   ``set_timesteps``: a card's custom ``timesteps=[800]``; ``preheat.families.request.plan``)
+    counts_steps: bool = False  # a list whose length is the step count (diffusers' set_timesteps(timesteps=)
+    #   sets num_inference_steps = len(timesteps)): the steps when a call gives none; other steps are refused
+    surfaces: tuple[str, ...] = SURFACES  # the surfaces that take it (``noise``, an array: Python only)
+    docs: tuple[tuple[str, str], ...] = ()  # (surface, its text) where a surface words it otherwise: its own
+    #   default (the server's random seed, the CLI's seed 0) or its own syntax (the CLI's --lora SRC[:SCALE])
+
+    def describe(self, surface: str) -> str:
+        """The one-line text ``surface`` shows (--help, the OpenAPI description)."""
+        return dict(self.docs).get(surface, self.description)
 
     @property
     def surface_name(self) -> str:
@@ -386,18 +399,29 @@ def unknown_input(family: str, specs: Sequence[InputSpec], inputs: dict[str, Any
 
 SEED_MAX = 2**32 - 1
 
+# In the order the surfaces list them (the server's x-order, the CLI's --help).
 COMMON_SPECS: tuple[InputSpec, ...] = (
-    InputSpec("n", Int(1), "Number of images.", field="num_outputs", default_doc="1 per prompt, 16 for class models"),
-    InputSpec("steps", Int(1), "Denoising steps (the model's default when absent).", field="num_inference_steps"),
-    InputSpec("sampler", Choice(()), "Sampler (the model's default when absent).", static=True, field="scheduler"),
+    InputSpec("n", Int(1), "Number of images.", field="num_outputs", default_doc="1 per prompt, 16 for class models",
+              docs=(("cli", "Number of images (default: 16 for class models, 1 for text-to-image)."),)),
+    InputSpec("steps", Int(1), "Denoising steps (the model's default when absent).", field="num_inference_steps",
+              docs=(("cli", "Denoising steps (default: the model's)."),)),
     InputSpec("guidance", Float(0.0), "Classifier-free guidance scale; 1 = off (the model's default when absent).",
-              field="guidance_scale"),
-    InputSpec("seed", Int(0, SEED_MAX), "Image i uses seed + i (or one seed per image).", default=0),
-    InputSpec("noise", Float(), "The initial noise, (n, C, H, W) floats (replaces the seeds' draw)."),
+              field="guidance_scale", docs=(("cli", "Classifier-free guidance scale (1 = off)."),)),
+    InputSpec("sampler", Choice(()), "Sampler (the model's default when absent).", static=True, field="scheduler",
+              docs=(("cli", "(default: the model's)."),)),  # the CLI's help lists the samplers before it
+    InputSpec("seed", Int(0, SEED_MAX), "Image i uses seed + i (or one seed per image).", default=0,
+              docs=(("cli", "Image i uses seed + i."), ("server", "Image i uses seed + i; random when absent."))),
+    InputSpec("noise", Float(), "The initial noise, (n, C, H, W) floats (replaces the seeds' draw).",
+              surfaces=("python",)),
     InputSpec("eta", Float(0.0), "Stochasticity: DDIM's eta, TCD's gamma.", default=0.0),
     InputSpec("lora", Text(), "A LoRA: a safetensors path, http(s):// or hf://org/repo[/file.safetensors].",
-              field="lora_weights"),
-    InputSpec("lora_scale", Float(), "How strongly the LoRA applies.", default=1.0),
+              field="lora_weights", flag="--lora", docs=(
+                  ("server", "A LoRA: a safetensors path, http(s):// or hf://org/repo[/file.safetensors]. "
+                             "Empty = none."),
+                  ("cli", "A LoRA (path, http(s)://, hf://org/repo/file) and its scale (default 1); repeat to "
+                          "combine."))),
+    # the CLI gives a LoRA's scale inside --lora SRC[:SCALE], one per LoRA
+    InputSpec("lora_scale", Float(), "How strongly the LoRA applies.", default=1.0, surfaces=("python", "server")),
 )
 
 
@@ -468,8 +492,8 @@ def example_inputs(specs: Sequence[InputSpec]) -> dict[str, Any]:
 def typed_flags(declared: Sequence[InputSpec], family: str, flags: dict[str, list[str]]) -> dict[str, Any]:
     """Command-line flags (flag -> its texts, as given) as ``generate`` keywords, typed by the
     ``declared`` specs of ``family`` (one value for all images, or a list: one per image). A flag
-    no spec declares fails naming those that are."""
-    specs = {s.cli_flag: s for s in declared}
+    no spec declares for the CLI fails naming those that are."""
+    specs = {s.cli_flag: s for s in declared if "cli" in s.surfaces}
     values: dict[str, Any] = {}
     for flag, texts in flags.items():
         spec = specs.get(flag)

@@ -16,6 +16,7 @@ import numpy as np
 from preheat.errors import InvalidArgumentError
 from preheat.families.base import Conditioning, EngineView, Family, LoadedModel, Request
 from preheat.families.inputs import InputSpec, Label
+from preheat.families.schedule import SCHEDULE_SPECS
 
 if TYPE_CHECKING:
     from preheat.models.weights import LoadOptions
@@ -33,7 +34,9 @@ CLASS_LABELS = InputSpec("class_labels", Label(None), "Class index or label name
 class PixelFamily(Family):
     name: str = "pixel"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "ddpm", "steps": 50, "guidance": None})
-    specs: tuple[InputSpec, ...] = (CLASS_LABELS,)
+    # a card's schedule (timestep_spacing, custom timesteps): the samplers are the same discrete
+    # schedules as SD's, and DDPMPipeline runs whatever its scheduler is configured to
+    specs: tuple[InputSpec, ...] = (CLASS_LABELS, *SCHEDULE_SPECS)
     pixels_in_loop: bool = True
 
     def input_specs(self, pipe: EngineView) -> tuple[InputSpec, ...]:

@@ -125,8 +125,8 @@ def validate(pipe: ArgumentView, first: Any, inputs: Mapping[str, Any]) -> Reque
     if sampler not in accepted:
         raise SchedulerConfigError(f"sampler {sampler!r} is not for a {family.name} model; "
                                    f"use one of: {', '.join(accepted)}", argument="sampler")
-    steps = common_spec("steps").check(pipe.defaults["steps"] if common.get("steps") is None else common["steps"], n)
     values = family.check_inputs(pipe, n, inputs)
+    steps = _steps(pipe, common.get("steps"), values)
     shape = family.sample_shape(pipe, values)
     guided, scale = guidance(pipe, common.get("guidance"), values)
     if not guided:
@@ -145,6 +145,22 @@ def validate(pipe: ArgumentView, first: Any, inputs: Mapping[str, Any]) -> Reque
                       noise=noise_arr, eta=eta, sample_shape=shape, values=values, lora=lora)
     scheduler_config(pipe, request)  # a key the sampler does not read: one line naming the input
     return request
+
+
+def _steps(pipe: ArgumentView, given: Any, values: Mapping[str, Any]) -> int:
+    """The call's step count: ``given``; else the length of a given ``counts_steps`` input (custom
+    timesteps: diffusers' ``set_timesteps(timesteps=)`` makes ``num_inference_steps`` their count);
+    else the model's default. A given count that is not that length is one line naming both."""
+    counted = [(s.name, len(values[s.name])) for s in pipe.family.input_specs(pipe)
+               if s.counts_steps and values.get(s.name) is not None]
+    if given is None:
+        return common_spec("steps").check(counted[0][1] if counted else pipe.defaults["steps"], 1)
+    steps = common_spec("steps").check(given, 1)
+    for name, count in counted:
+        if steps != count:
+            raise InvalidArgumentError(f"{name} has {count} entries but steps={steps}; leave steps out or give "
+                                       f"steps={count}", argument=name)
+    return steps
 
 
 def check(pipe: ArgumentView, first: Any, inputs: Mapping[str, Any]) -> Request:

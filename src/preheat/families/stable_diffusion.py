@@ -61,9 +61,10 @@ from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
 from preheat.lora import encoder_adapters
 from preheat.families.inputs import InputSpec, Int, Pair, Text
+from preheat.families.schedule import SCHEDULE_SPECS
 from preheat.families.stages import EncodeArgs
-from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, SAMPLER_OF_SCHEDULER, TIMESTEP_SPACING, TIMESTEPS,
-                                   TextToImageFamily, component, default_sampler, encode, offload)
+from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, SAMPLER_OF_SCHEDULER, TextToImageFamily, component,
+                                   default_sampler, encode, offload)
 
 if TYPE_CHECKING:
     from preheat.models.weights import LoadOptions
@@ -109,7 +110,7 @@ class StableDiffusionFamily(TextToImageFamily):
     name: str = "stable-diffusion"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "dpmpp_2m", "steps": 30, "guidance": 7.5})
     specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP,
-                                    TIMESTEP_SPACING, TIMESTEPS)
+                                    *SCHEDULE_SPECS)
     xl: bool = False
     strength: tuple[float, float] = (0.8, 1.0)  # diffusers' default strength: (img2img, inpainting)
 
@@ -245,7 +246,7 @@ SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
                              defaults={"sampler": "euler", "steps": 30, "guidance": 5.0}, strength=(0.3, 0.9999),
                              specs=(PROMPT, PROMPT_2, NEGATIVE_PROMPT, NEGATIVE_PROMPT_2, *SDXL_SIZE_SPECS,
                                     *SDXL_NEGATIVE_SIZE_SPECS, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP,
-                                    TIMESTEP_SPACING, TIMESTEPS))
+                                    *SCHEDULE_SPECS))
 
 
 def _encode_program(encoders: Sequence[Any], xl: bool, lora: bool = False) -> Any:

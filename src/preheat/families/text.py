@@ -16,8 +16,7 @@ import numpy as np
 
 from preheat.errors import ModelNotFoundError
 from preheat.families.base import EngineView, Family, Request, StageSignature, to_pixels
-from preheat.families.inputs import Choice, InputSpec, Ints, Text
-from preheat.samplers import TIMESTEP_SPACINGS
+from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import DecodeArgs, EncodeArgs, LoraArgs
 
 __all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROMPT", "component", "default_sampler",
@@ -73,14 +72,6 @@ SAMPLER_OF_SCHEDULER = {
 # programs for SDXL (zeros or the encoded negatives), so warm-up compiles both
 PROMPT = InputSpec("prompt", Text(), "What to draw: one prompt for all images, or one per image.", per_image=True,
                    required=True, warm=("",), example="a watercolor fox")
-# A model card's ``Scheduler.from_config(pipe.scheduler.config, timestep_spacing="trailing")`` (SDXL-Lightning,
-# Hyper-SD): the schedule is data, so a call may set it (None: the folder's config says)
-TIMESTEP_SPACING = InputSpec("timestep_spacing", Choice(TIMESTEP_SPACINGS), "The sampler's timestep spacing, as "
-                             "from_config(..., timestep_spacing=...) sets it (the folder's scheduler config when "
-                             "absent).", scheduler_key=True)
-# Hyper-SD's 1-step cards: ``pipe(..., timesteps=[800])`` (set_timesteps' own list; lcm and tcd take it)
-TIMESTEPS = InputSpec("timesteps", Ints(0), "Custom timesteps, strictly decreasing, as set_timesteps(timesteps=...) "
-                      "takes them (samplers lcm, tcd); steps must be their count.", plan_key=True)
 NEGATIVE_PROMPT = InputSpec("negative_prompt", Text(), "What to steer away from (needs guidance).", per_image=True,
                             needs_guidance=True, warm=(None, ""))
 

@@ -11,8 +11,9 @@ A job's ``input`` takes Cog's input fields: the served family's declared inputs 
 names (``prompt``, ``negative_prompt``, ``class_label``, ``width``, SDXL's ``original_size``, an
 image-conditioned model's ``image`` / ``mask`` / ``strength``, ...: ``Family.input_specs``; images
 as http(s) URLs, fetched through the guarded fetch, or data URIs), ``num_outputs``, ``num_inference_steps``, ``guidance_scale``,
-``scheduler``, ``seed``, ``output_format``, ``lora_weights`` (a path, http(s):// or hf:// LoRA)
-and ``lora_scale`` (``preheat.server.inputs.parse_input``, the same parse as Cog's route).
+``scheduler``, ``seed``, ``eta``, ``output_format``, ``lora_weights`` (a path, http(s):// or hf:// LoRA)
+and ``lora_scale`` (the common inputs a server takes, ``preheat.server.inputs.served_specs``;
+``preheat.server.inputs.parse_input``, the same parse as Cog's route).
 The result is ``{"images": [data URLs], "seed": int, "metrics": {...}}``, or
 ``{"error": "<field>: <message>"}`` for bad input. ``handler`` is async, so with a concurrency
 modifier > 1 the SDK runs several jobs at once and the core batches them into one engine call.

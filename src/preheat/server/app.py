@@ -40,7 +40,8 @@ from preheat.families.inputs import Image
 from preheat.server.core import SHUT_DOWN, Core, Prediction
 from preheat.server.edits import EDITS_PATH, edits_input, edits_openapi
 from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, api_error, openai_error
-from preheat.server.inputs import SEED_MAX, JsonFloat, JsonInt, Limits, family_model, json_int, served_sizes
+from preheat.server.inputs import (SEED_MAX, JsonFloat, JsonInt, Limits, family_model, json_int, served_sizes,
+                                   served_specs)
 from preheat.server.metrics import HttpMetrics
 from preheat.server.stream import stream_prediction, wants_stream
 from preheat.server.webhooks import WebhookPolicy, WebhookRefused, delivery_client
@@ -53,9 +54,6 @@ log = logging.getLogger("preheat.server")
 WEBHOOK_EVENTS = ("start", "output", "logs", "completed")
 LOGS_INTERVAL_S = 0.5  # at most one "logs" webhook per this many seconds (Cog's throttle)
 _OPENAI_FIELDS = {"num_outputs": "n", "width": "size", "height": "size"}
-# Cog input fields an OpenAI body may carry as extras, by the Cog names (every other extra OpenAI
-# clients send -- model, quality, style, user -- is ignored)
-_OPENAI_EXTRAS = ("num_inference_steps", "guidance_scale", "scheduler")
 
 
 def _detail(errors: list[tuple[str, str]], prefix: tuple[str, ...] = ("body", "input")) -> list[dict[str, Any]]:
@@ -111,6 +109,13 @@ class ImageGenerationRequest(BaseModel):
     # preheat's extra fields, named as on the Cog route (Replicate's flux-dev-lora)
     lora_weights: Optional[str] = Field(None, max_length=2000)
     lora_scale: Optional[JsonFloat] = None  # bounds checked with the Cog input (one place)
+
+
+# Cog input fields an OpenAI body may carry as extras, by the Cog names: the common inputs a server
+# takes that OpenAI's body does not name itself (steps, guidance, scheduler, eta); every other extra
+# OpenAI clients send -- model, quality, style, user -- is ignored
+_OPENAI_EXTRAS = tuple(s.surface_name for s in served_specs()
+                       if s.surface_name not in {*ImageGenerationRequest.model_fields, *_OPENAI_FIELDS})
 
 
 class ImageData(BaseModel):
@@ -637,7 +642,7 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
     """The served family's declared inputs (``Family.input_specs``) in the schema: each one's type,
     bounds and description, served sizes as enums, so that schema-valid input is accepted input."""
     schemas = spec.get("components", {}).get("schemas", {})
-    specs = tuple(pipe.family.input_specs(pipe))
+    specs = tuple(s for s in pipe.family.input_specs(pipe) if "server" in s.surfaces)
     sizes = served_sizes(pipe, limits)
     served = {"width": sorted({w for w, _ in sizes}), "height": sorted({h for _, h in sizes})}
     props: dict[str, Any] = {}
@@ -662,11 +667,9 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
     if model_input.get("properties") is not None:
         model_input["properties"].update(props)
         model_input["additionalProperties"] = False
-        if samplers:  # what warm-up compiled; every other sampler is refused
-            model_input["properties"]["scheduler"] = {"anyOf": [{"type": "string", "enum": list(samplers)},
-                                                                {"type": "null"}],
-                                                      "title": "Scheduler", "x-order": 23,
-                                                      "description": "Sampler (the model's default when absent)."}
+        scheduler = model_input["properties"].get("scheduler")
+        if samplers and scheduler is not None:  # what warm-up compiled; every other sampler is refused
+            scheduler["anyOf"] = [{"type": "string", "enum": list(samplers)}, {"type": "null"}]
         lora = model_input["properties"].get("lora_weights")
         if lora is not None and limits is not None and limits.lora_dir is not None:  # what --lora-dir serves
             from preheat.server.playground import lora_choices

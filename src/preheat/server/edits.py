@@ -2,9 +2,10 @@
 
 Fields, as OpenAI names them: ``image`` (a file; or an http(s) URL / data URI as text), ``mask``,
 ``prompt``, ``n``, ``size``, ``response_format`` (``b64_json``), ``seed``; the served family's
-other declared inputs by their Cog names (``strength``, ``negative_prompt`` ...) and the Cog
-route's ``num_inference_steps`` / ``guidance_scale`` / ``scheduler``, each typed by its
-declaration (``InputSpec.type.from_text``). Other fields OpenAI clients send (``model``,
+other declared inputs by their Cog names (``strength``, ``negative_prompt`` ...) and the common
+inputs a server takes (``num_inference_steps``, ``guidance_scale``, ``scheduler``, ``eta``,
+``lora_weights`` ...: ``server.inputs.served_specs``), each typed by its declaration
+(``InputSpec.type.from_text``). Other fields OpenAI clients send (``model``,
 ``quality``, ``user`` ...) are ignored.
 
 The mask. OpenAI's convention is *transparent = edit*: the mask is a PNG whose fully transparent
@@ -26,8 +27,6 @@ from preheat.errors import InputError, InvalidArgumentError
 __all__ = ["EDITS_PATH", "edits_input", "edits_openapi"]
 
 EDITS_PATH = "/v1/images/edits"
-_COMMON = {"num_inference_steps": int, "guidance_scale": float, "scheduler": str, "seed": int, "lora_weights": str,
-           "lora_scale": float}
 _OPENAI = ("image", "mask", "prompt", "n", "size", "response_format")
 
 
@@ -57,6 +56,7 @@ async def edits_input(request: Any, specs: Sequence[Any]) -> dict[str, Any]:
     inputs; () before set-up, when parsing refuses the call anyway). Raises ``InputError``."""
     from preheat.families.inputs import Image
     from preheat.image_input import transparent_mask
+    from preheat.server.inputs import served_specs
 
     form = await request.form(max_files=4, max_fields=64)
     raw: dict[str, Any] = {"output_format": "png"}
@@ -98,17 +98,15 @@ async def edits_input(request: Any, specs: Sequence[Any]) -> dict[str, Any]:
         if not (sep and w.isdigit() and h.isdigit()) or len(size) > 11:
             raise InputError([("size", f"{size[:32]!r} must be WIDTHxHEIGHT or auto")])
         raw["width"], raw["height"] = int(w), int(h)
-    family = {s.surface_name: s for s in specs if not isinstance(s.type, Image) and s.name not in ("width", "height")}
+    typed = {**{s.surface_name: s for s in served_specs()},  # the common inputs (num_outputs is OpenAI's n)
+             **{s.surface_name: s for s in specs if not isinstance(s.type, Image) and s.name not in ("width", "height")}}
     for name, value in text.items():
-        if name in _OPENAI or name in raw:
+        if name in _OPENAI or name in raw or name not in typed:
             continue
-        if name in _COMMON:
-            raw[name] = _typed(name, value, _COMMON[name])
-        elif name in family:
-            try:
-                raw[name] = family[name].type.from_text(name, value)
-            except InvalidArgumentError as err:
-                raise InputError([(name, str(err))]) from None
+        try:
+            raw[name] = typed[name].type.from_text(name, value)
+        except InvalidArgumentError as err:
+            raise InputError([(name, str(err))]) from None
     return raw
 
 

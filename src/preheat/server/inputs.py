@@ -36,14 +36,13 @@ import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
-from preheat.families.inputs import (COMMON_SPECS, Choice, Float, Image, InputSpec, Int, Ints, Label, Pair, Text,
-                                     common_spec, field_of)
+from preheat.families.inputs import (COMMON_SPECS, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints, Label,
+                                     Pair, Text, field_of)
 
 __all__ = ["Limits", "Job", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields",
            "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "parse_sizes", "parse_lora_ranks", "JsonFloat",
-           "image_urls"]
+           "image_urls", "served_specs", "served_type", "SERVER_DEFAULTS"]
 
-SEED_MAX = 2**32 - 1
 MAX_LORA_SCALE = 4.0
 OUTPUT_FORMATS: tuple[str, ...] = ("png", "webp", "jpg")
 
@@ -99,6 +98,7 @@ class Job:
     steps: int
     guidance: Optional[float]  # resolved scale; None or 1.0 = no classifier-free guidance
     output_format: str = "png"
+    eta: float = 0.0  # DDIM's eta / TCD's gamma: one value per call (the schedule's), so part of the batch key
     # the family's inputs as ``Pipeline.generate`` keywords, sorted by name: a per-image one as a
     # tuple of n values, a per-call one as its value (width, height, SDXL's size pairs)
     values: tuple[tuple[str, Any], ...] = ()
@@ -120,12 +120,13 @@ class Job:
     @property
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one engine call (the same programs and the same
-        per-call values): the sampler, steps, guidance, every per-call input (static ones like the
+        per-call values): the sampler, steps, guidance, eta, every per-call input (static ones like the
         size select the program; data ones are one value per call), which per-image inputs are
         given (SDXL's unconditional branch is zeros without negative prompts: another encode
         batch), and the LoRA rank bucket."""
         per_call = tuple((k, v) for k, v in self.values if k not in self.per_image)
-        return (self.sampler, self.steps, self.guidance, per_call, tuple(sorted(self.per_image)), self.lora_bucket)
+        return (self.sampler, self.steps, self.guidance, per_call, tuple(sorted(self.per_image)), self.lora_bucket,
+                self.eta)
 
     def engine_inputs(self) -> dict[str, Any]:
         """This job's family inputs, as ``Pipeline.generate`` keywords (per-image ones as lists; a
@@ -144,39 +145,56 @@ def _all_samplers() -> tuple[str, ...]:
     return tuple(SAMPLERS)
 
 
-def _described(name: str) -> str:
-    return common_spec(name).description
+# Where a request's default is not the Python call's: one image unless it asks for more; a random
+# seed (which the response reports), not seed 0.
+SERVER_DEFAULTS: dict[str, Any] = {"n": 1, "seed": None}
+X_ORDER = 20  # Cog's field order hint of the first common input (the family's inputs come first)
+
+
+def served_specs() -> tuple[InputSpec, ...]:
+    """The common inputs a server takes (``"server"`` in their ``surfaces``), in their declared order."""
+    return tuple(s for s in COMMON_SPECS if "server" in s.surfaces)
+
+
+def _narrowed(kind: Any, low: Any, high: Any) -> Any:
+    """An Int / Float type within [low, high] as well as its own bounds (None: no bound of the server's)."""
+    def tighter(mine: Any, theirs: Any, pick: Any) -> Any:
+        return theirs if mine is None else mine if theirs is None else pick(mine, theirs)
+
+    return replace(kind, low=tighter(kind.low, low, max), high=tighter(kind.high, high, min))
+
+
+def served_type(spec: InputSpec, limits: Limits) -> Any:
+    """A common input's type on this server: its declared bounds within the server's limits, so
+    that the OpenAPI document states the real ones (``num_outputs <= max_batch_size``, a seed that
+    leaves room for seed + i, the samplers served)."""
+    bounds = {"n": (None, limits.max_batch_size), "steps": (None, limits.max_steps),
+              "guidance": (None, limits.max_guidance), "seed": (None, SEED_MAX - (limits.max_batch_size - 1)),
+              "lora_scale": (-limits.max_lora_scale, limits.max_lora_scale)}
+    if isinstance(spec.type, Choice) and not spec.type.options:  # the sampler: what this server serves
+        return Choice(tuple(limits.schedulers or _all_samplers()))
+    if spec.name in bounds and isinstance(spec.type, (Int, Float)):
+        return _narrowed(spec.type, *bounds[spec.name])
+    return spec.type
 
 
 def input_model(limits: Limits) -> type[BaseModel]:
     """The pydantic model of Cog's ``input`` object for these limits: the common inputs
-    (``COMMON_SPECS``, bounded by the limits) and the server's own ``output_format``. The served
-    family's inputs are extra fields, checked by :func:`family_model` once the model is known
-    (and named in the OpenAPI document then); any other field is refused."""
-    schedulers = limits.schedulers or _all_samplers()
+    (``COMMON_SPECS`` a server takes, typed by :func:`served_type`, described as for the
+    ``"server"`` surface) and the server's own ``output_format``. The served family's inputs
+    are extra fields, checked by :func:`family_model` once the model is known (and named in the
+    OpenAPI document then); any other field is refused."""
     formats = limits.output_formats or OUTPUT_FORMATS
-
-    def order(i: int, **extra: Any) -> dict[str, Any]:
-        return {"x-order": i, **extra}  # Cog's field order hint (the family's inputs come first)
-
-    fields: dict[str, Any] = {
-        "num_outputs": (json_int(1, limits.max_batch_size), Field(1, json_schema_extra=order(20),
-                                                                  description=_described("n"))),
-        "num_inference_steps": (Optional[json_int(1, limits.max_steps)], Field(None, json_schema_extra=order(21),
-                                                                              description=_described("steps"))),
-        "guidance_scale": (Optional[JsonFloat], Field(None, ge=0, le=limits.max_guidance, allow_inf_nan=False,
-                                                  json_schema_extra=order(22), description=_described("guidance"))),
-        "scheduler": (Optional[Literal[tuple(schedulers)]], Field(None, json_schema_extra=order(23),  # type: ignore[misc]
-                                                                   description=_described("sampler"))),
-        "seed": (Optional[json_int(0, SEED_MAX - (limits.max_batch_size - 1))], Field(
-            None, json_schema_extra=order(24), description="Image i uses seed + i; random when absent.")),
-        "output_format": (Literal[tuple(formats)], Field(formats[0], json_schema_extra=order(25),  # type: ignore[misc]
-                                                         description="Image encoding of the data URLs.")),
-        "lora_weights": (Optional[str], Field(None, max_length=2000, json_schema_extra=order(26),
-                                              description=_described("lora") + " Empty = none.")),
-        "lora_scale": (JsonFloat, Field(1.0, ge=-limits.max_lora_scale, le=limits.max_lora_scale, allow_inf_nan=False,
-                                    json_schema_extra=order(27), description=_described("lora_scale"))),
-    }
+    fields: dict[str, Any] = {}
+    specs = served_specs()
+    for order, spec in enumerate(specs, X_ORDER):
+        default = SERVER_DEFAULTS.get(spec.name, spec.default)
+        annotation = _annotation(replace(spec, type=served_type(spec, limits)))
+        fields[spec.surface_name] = (annotation if default is not None else Optional[annotation],
+                                     Field(default, json_schema_extra={"x-order": order},
+                                           description=spec.describe("server")))
+    fields["output_format"] = (Literal[tuple(formats)], Field(  # type: ignore[misc]
+        formats[0], json_schema_extra={"x-order": X_ORDER + len(specs)}, description="Image encoding of the data URLs."))
     return create_model("Input", __config__=ConfigDict(extra="allow"), **fields)
 
 
@@ -206,9 +224,11 @@ def _annotation(spec: InputSpec) -> Any:
 
 @functools.lru_cache(maxsize=8)
 def family_model(specs: tuple[InputSpec, ...]) -> type[BaseModel]:
-    """The pydantic model of a family's inputs, by their surface names (all optional here: a
-    required one is refused by its spec, naming it); unknown fields are refused."""
-    fields: dict[str, Any] = {s.surface_name: (Optional[_annotation(s)], Field(None, description=s.description))
+    """The pydantic model of a family's inputs a server takes (``"server"`` in their surfaces), by
+    their surface names (all optional here: a required one is refused by its spec, naming it);
+    unknown fields are refused."""
+    specs = tuple(s for s in specs if "server" in s.surfaces)
+    fields: dict[str, Any] = {s.surface_name: (Optional[_annotation(s)], Field(None, description=s.describe("server")))
                               for s in specs}
     for s in specs:
         for alias in s.aliases:
@@ -365,9 +385,7 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     allowed = limits.schedulers or _all_samplers()
     if sampler not in allowed:  # the model's default sampler may be outside the allowed list
         errors.append(("scheduler", f"{sampler!r} is not served here; choose one of {', '.join(allowed)}"))
-    steps = v["num_inference_steps"] if v["num_inference_steps"] is not None else pipe.defaults["steps"]
-    if v["num_inference_steps"] is None and not 1 <= int(steps) <= limits.max_steps:
-        errors.append(("num_inference_steps", f"the model default {steps} exceeds this server's max {limits.max_steps}"))
+    steps = v["num_inference_steps"]  # None: the engine's (the model's default, or the custom timesteps' count)
     guidance = v["guidance_scale"] if v["guidance_scale"] is not None else pipe.defaults.get("guidance")
     lora, lora_bucket = _lora(pipe, v, errors, limits.lora_dir, limits.fetcher)
     if errors:
@@ -376,22 +394,27 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     specs = tuple(pipe.family.input_specs(pipe))
     per_call = {k: v for k, v in family.items() if not any(s.name == k and s.per_image for s in specs)}
     per_image = {k: [v] * n for k, v in family.items() if k not in per_call}
-    job = Job(n=n, seed=int(seed), sampler=sampler, steps=int(steps), guidance=guidance,
+    job = Job(n=n, seed=int(seed), sampler=sampler, steps=0, guidance=guidance, eta=float(v["eta"]),  # steps: below
               output_format=v["output_format"], lora=lora, lora_bucket=lora_bucket,
               values=tuple(sorted({**per_call, **per_image}.items())), per_image=frozenset(per_image))
     try:  # the engine's own host-side checks (guidance without a null class, schedule, sizes, ...)
-        request = pipe.check(n, steps=int(steps), sampler=sampler, guidance=guidance, seed=job.seeds,
+        request = pipe.check(n, steps=steps, sampler=sampler, guidance=guidance, seed=job.seeds, eta=job.eta,
                              **job.engine_inputs())
     except (InvalidArgumentError, SchedulerConfigError) as err:
         raise InputError([(_error_field(err, surface_fields(specs), aliased), str(err))]) from None
+    if steps is None and request.steps > limits.max_steps:  # a default the server's max does not allow
+        counted = next((s for s in specs if s.counts_steps and request.values.get(s.name) is not None), None)
+        field_name, what = (counted.surface_name, f"{counted.surface_name} has {request.steps} entries") \
+            if counted is not None else ("num_inference_steps", f"the model default {request.steps}")
+        raise InputError([(field_name, f"{what}: more steps than this server's max {limits.max_steps}")])
     # every per-image input as the engine resolved it for this request alone (a class tour, a
     # prompt_2 that is the prompt): the job's images stay the same whatever shares their batch
     resolved = {s.name: _per_image(request.values[s.name]) for s in specs
                 if s.per_image and request.values.get(s.name) is not None}
     per_call.update({s.name: _image_digest(request.values[s.name]) for s in specs
                      if isinstance(s.type, Image) and s.name in per_call})
-    job = replace(job, values=tuple(sorted({**per_call, **resolved}.items())), per_image=frozenset(resolved),
-                  request=request)
+    job = replace(job, steps=request.steps, values=tuple(sorted({**per_call, **resolved}.items())),
+                  per_image=frozenset(resolved), request=request)
     if guidance is not None:
         guidance = float(guidance)
         if guidance == 1.0:

@@ -48,7 +48,7 @@ from preheat.backends.torch.compile_cache import TorchCompiler, make_compiler, t
 from preheat.backends.torch.sampling import make_scheduler, sample_loop
 from preheat.backends.torch.arguments import EngineArguments
 from preheat.families.base import Request
-from preheat.families.request import scheduler_overrides
+from preheat.families.request import plan_inputs, scheduler_overrides
 from preheat.families.components import PixelComponents
 from preheat.engine import model_root
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
@@ -151,7 +151,8 @@ class TorchPipeline(EngineArguments):
         scheduler = make_scheduler(request.sampler, {**self.scheduler_dict, **scheduler_overrides(self, request)})
         pixels = sample_loop(_Denoiser(self), scheduler, x, request.steps, class_labels=y,
                              guidance=request.guidance if request.guided else None, null_class=self.null_class,
-                             eta=request.eta, generator=generators)
+                             eta=request.eta, generator=generators,
+                             timesteps={k: list(v) for k, v in plan_inputs(self, request).items()})
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         timings.run_s = time.perf_counter() - start

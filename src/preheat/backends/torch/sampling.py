@@ -41,18 +41,20 @@ def make_scheduler(sampler: str, config: dict[str, Any]) -> Any:
 
 def sample_loop(unet: Any, scheduler: Any, noise: Any, steps: int, *, class_labels: Any = None,
                 guidance: float | None = None, null_class: int | None = None, eta: float = 0.0,
-                generator: Any = None) -> np.ndarray:
+                generator: Any = None, timesteps: dict[str, Any] | None = None) -> np.ndarray:
     """Denoise ``noise`` (NCHW torch tensor, standard normal) -> uint8 pixels (B, H, W, C).
 
     The loop diffusers' pipelines run: ``set_timesteps``, ``init_noise_sigma``, and per step
-    ``scale_model_input`` + model (+ classifier-free guidance) + ``step``.
+    ``scale_model_input`` + model (+ classifier-free guidance) + ``step``. ``timesteps``: the
+    call's own ``set_timesteps`` keywords (a card's custom ``timesteps=[...]``, which diffusers
+    takes instead of the step count, as its pipelines' ``retrieve_timesteps`` passes them).
     """
     import inspect
 
     import torch
 
     guided = guidance is not None and guidance != 1.0
-    scheduler.set_timesteps(steps)
+    scheduler.set_timesteps(**(timesteps or {"num_inference_steps": steps}))
     x = noise * scheduler.init_noise_sigma
     labels = class_labels
     if guided:

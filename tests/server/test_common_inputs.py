@@ -1,0 +1,199 @@
+"""The common inputs (``COMMON_SPECS``) on every surface, derived from their declarations: ``eta``
+over Cog's route, the OpenAI route, the Runpod handler and the CLI draws what the Python call's
+``eta=`` draws; custom ``timesteps`` without a step count use their count everywhere, and a
+different count is one line naming both. Real HTTP on 127.0.0.1, on the session's tiny
+class-conditional pixel model (which declares ``timesteps``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from preheat.families.inputs import COMMON_SPECS, common_spec
+from preheat.server.core import Core, CoreConfig
+from preheat.server.images import decode_data_url
+from tests._support.server_fixtures import runpod_jobs, serving, wait_status
+
+MAX_STEPS = 30
+CALL = dict(class_labels=3, steps=3, seed=4)  # the Python call
+BODY = {"class_label": 3, "num_inference_steps": 3, "seed": 4}  # the same, as a server's input fields
+
+
+@pytest.fixture(scope="module")
+def core(pipe: Any) -> Iterator[Core]:
+    config = CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=MAX_STEPS, samplers=("ddim", "tcd"),
+                        guidance=("on",))
+    core = Core(config, pipe=pipe).start()
+    assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+    yield core
+    core.close()
+
+
+@pytest.fixture(scope="module")
+def client(core: Core) -> Iterator[httpx.Client]:
+    with serving(core) as server, httpx.Client(base_url=server.url, timeout=300) as client:
+        wait_status(client, "READY")
+        yield client
+
+
+def predicted(client: httpx.Client, inputs: dict) -> np.ndarray:
+    r = client.post("/predictions", json={"input": inputs})
+    assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
+    (url,) = r.json()["output"]
+    return decode_data_url(url)
+
+
+def one_error(r: httpx.Response) -> dict:
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert "\n" not in error["msg"], error
+    return error
+
+
+@pytest.mark.parametrize("sampler", ["ddim", "tcd"])
+def test_eta_over_every_surface_draws_what_python_draws(client: httpx.Client, core: Core, pipe: Any,
+                                                        sampler: str) -> None:
+    want = pipe.generate(1, sampler=sampler, eta=0.7, **CALL)
+    plain = pipe.generate(1, sampler=sampler, **CALL)
+    assert np.abs(want.astype(int) - plain).mean() > 1  # eta (DDIM's eta, TCD's gamma) changes the image
+    body = {**BODY, "scheduler": sampler}
+    np.testing.assert_array_equal(predicted(client, {**body, "eta": 0.7}), want[0])  # one bucket: bit-exact
+    np.testing.assert_array_equal(predicted(client, body), plain[0])  # absent: 0, as in Python
+
+    r = client.post("/v1/images/generations", json={"prompt": "3", "n": 1, "seed": 4, "scheduler": sampler,
+                                                    "num_inference_steps": 3, "eta": 0.7})
+    assert r.status_code == 200, r.text
+    (item,) = r.json()["data"]
+    np.testing.assert_array_equal(decode_data_url("data:image/png;base64," + item["b64_json"]), want[0])
+
+    (result,) = runpod_jobs(core, {"id": "eta", "input": {**body, "eta": 0.7}})
+    assert "error" not in result, result
+    np.testing.assert_array_equal(decode_data_url(result["images"][0]), want[0])
+
+
+def test_requests_with_other_etas_are_never_one_batch(core: Core) -> None:
+    """eta is one value per call (its schedule's): part of the batch key."""
+    a, _ = core.parse({**BODY, "scheduler": "ddim", "eta": 0.5})
+    b, _ = core.parse({**BODY, "scheduler": "ddim"})
+    assert a.batch_key != b.batch_key and a.request.eta == 0.5 and b.request.eta == 0.0
+
+
+@pytest.mark.parametrize("eta", [-0.5, "lots", True, None])
+def test_a_bad_eta_is_one_line_422_naming_it(client: httpx.Client, eta: Any) -> None:
+    error = one_error(client.post("/predictions", json={"input": {**BODY, "eta": eta}}))
+    assert error["loc"][-1] == "eta", error
+    r = client.post("/v1/images/generations", json={"prompt": "3", "eta": eta})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "eta", r.text
+    assert "\n" not in r.json()["error"]["message"]
+
+
+def test_openapi_lists_every_common_input_a_server_takes(client: httpx.Client) -> None:
+    props = client.get("/openapi.json").json()["components"]["schemas"]["Input"]["properties"]
+    eta = props["eta"]
+    assert eta["description"] == common_spec("eta").description and eta["minimum"] == 0 and eta["default"] == 0
+    served = [s.surface_name for s in COMMON_SPECS if "server" in s.surfaces]
+    assert "noise" not in props and set(served) <= set(props)
+    # Cog's order: the family's inputs first, then the common ones in their declared order, then output_format
+    orders = [props[name]["x-order"] for name in (*served, "output_format")]
+    assert orders == sorted(orders) and min(orders) > props["class_label"]["x-order"]
+    assert props["num_outputs"]["maximum"] == 1 and props["num_inference_steps"]["anyOf"][0]["maximum"] == MAX_STEPS
+    assert props["guidance_scale"]["anyOf"][0] == {"type": "number", "minimum": 0.0, "maximum": 50.0}
+    assert props["scheduler"]["anyOf"][0]["enum"] == ["ddim", "tcd"] and props["scheduler"]["x-order"] == \
+        20 + served.index("scheduler")
+
+
+def test_timesteps_without_steps_use_their_count(client: httpx.Client, core: Core, pipe: Any) -> None:
+    call = dict(class_labels=3, seed=4, sampler="tcd")
+    want = pipe.generate(1, timesteps=[999, 499], **call)
+    np.testing.assert_array_equal(want, pipe.generate(1, timesteps=[999, 499], steps=2, **call))
+    assert np.abs(want.astype(int) - pipe.generate(1, timesteps=[999, 699], **call)).mean() > 1  # the list counts
+    body = {"class_label": 3, "seed": 4, "scheduler": "tcd", "timesteps": [999, 499]}
+    np.testing.assert_array_equal(predicted(client, body), want[0])
+    job, _ = core.parse(body)
+    assert job.steps == 2  # the batch key's steps are the list's count, not the model's default (4)
+    (result,) = runpod_jobs(core, {"id": "ts", "input": body})
+    assert "error" not in result, result
+    np.testing.assert_array_equal(decode_data_url(result["images"][0]), want[0])
+
+
+def test_timesteps_and_another_step_count_is_one_line(client: httpx.Client) -> None:
+    body = {"class_label": 3, "scheduler": "tcd", "timesteps": [999, 499]}
+    error = one_error(client.post("/predictions", json={"input": {**body, "num_inference_steps": 3}}))
+    assert error["loc"][-1] == "timesteps" and "timesteps has 2 entries but steps=3" in error["msg"], error
+    too_many = list(range(999, 999 - 10 * (MAX_STEPS + 1), -10))
+    error = one_error(client.post("/predictions", json={"input": {**body, "timesteps": too_many}}))
+    assert error["loc"][-1] == "timesteps" and f"this server's max {MAX_STEPS}" in error["msg"], error
+
+
+def test_the_cli_takes_eta_and_timesteps_without_steps(model_dir: Path, pipe: Any, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+    from PIL import Image
+
+    from preheat.cli import main
+
+    def sample(*flags: str) -> Any:
+        images = tmp_path / "images"
+        result = CliRunner().invoke(main, ["sample", str(model_dir), "--n", "1", "--class", "3", "--seed", "4",
+                                           *flags, "--quiet", "--out", str(tmp_path / "s.png"), "--save-images",
+                                           str(images)])
+        return result, (np.asarray(Image.open(images / "0000.png")) if result.exit_code == 0 else None)
+
+    result, got = sample("--sampler", "ddim", "--steps", "3", "--eta", "0.7")
+    assert result.exit_code == 0, result.output
+    np.testing.assert_array_equal(got, pipe.generate(1, sampler="ddim", eta=0.7, **CALL)[0][..., 0])
+    result, got = sample("--sampler", "tcd", "--timesteps", "999,499")
+    assert result.exit_code == 0, result.output
+    np.testing.assert_array_equal(got, pipe.generate(1, class_labels=3, seed=4, sampler="tcd",
+                                                     timesteps=[999, 499])[0][..., 0])
+    result, _ = sample("--sampler", "tcd", "--timesteps", "999,499", "--steps", "3")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code != 0 and len(lines) == 1, result.output
+    assert lines[0].startswith("error: --timesteps: timesteps has 2 entries but steps=3"), lines
+
+
+def test_the_cli_options_are_the_declared_common_inputs() -> None:
+    """Every common input the CLI takes is an option of ``preheat sample`` with its declared flag,
+    text and bounds; one it does not take (``noise``, an array; ``lora_scale``, inside
+    ``--lora SRC[:SCALE]``) is not."""
+    import click
+
+    from preheat.cli import main
+    from preheat.families.inputs import Float, Int
+
+    sample = main.get_command(click.Context(main), "sample")
+    options = {o.opts[0]: o for o in sample.params if isinstance(o, click.Option)}
+    for spec in COMMON_SPECS:
+        if "cli" not in spec.surfaces:
+            assert spec.cli_flag not in options, spec.name
+            continue
+        option = options[spec.cli_flag]
+        assert option.help.endswith(spec.describe("cli")), (spec.name, option.help)
+        if isinstance(spec.type, (Int, Float)):
+            assert (option.type.min, option.type.max) == (spec.type.low, spec.type.high), spec.name
+    assert "--noise" not in options and "--lora-scale" not in options and options["--eta"].default == 0.0
+
+
+def test_an_input_a_surface_does_not_take_is_refused_there() -> None:
+    """``InputSpec.surfaces`` decides which surfaces take an input, for a family's inputs as for the
+    common ones: the server's fields and the CLI's flags leave out one declared for Python only."""
+    from dataclasses import replace
+
+    from pydantic import ValidationError
+
+    from preheat.errors import InvalidArgumentError
+    from preheat.families.inputs import InputSpec, Text, typed_flags
+    from preheat.server.inputs import family_model
+
+    shown = InputSpec("caption", Text(), "A caption.")
+    hidden = replace(shown, name="secret", surfaces=("python",))
+    model = family_model((shown, hidden))
+    assert model.model_validate({"caption": "x"}).caption == "x"
+    with pytest.raises(ValidationError):
+        model.model_validate({"secret": "x"})
+    assert typed_flags((shown, hidden), "toy", {"--caption": ["x"]}) == {"caption": "x"}
+    with pytest.raises(InvalidArgumentError, match="--secret does not apply to a toy model; its inputs are: --caption"):
+        typed_flags((shown, hidden), "toy", {"--secret": ["x"]})
