@@ -444,17 +444,20 @@ def _identity(file: Path, config: Path) -> str:
     return h.hexdigest()[:32]
 
 
+_SINGLE = (".safetensors", ".gguf")  # what a single checkpoint file is named (a GGUF: a FLUX.1 transformer)
+
+
 def single_file_path(path: str | os.PathLike[str]) -> Path | None:
-    """``path`` as a single-file checkpoint: a ``.safetensors`` file, or the file of a one-file
-    snapshot of the weights store (``hf://org/repo/file.safetensors``, a URL: a folder holding that
-    file and no config); None for anything else (a diffusers folder)."""
+    """``path`` as a single-file checkpoint: a ``.safetensors`` or ``.gguf`` file, or the file of a
+    one-file snapshot of the weights store (``hf://org/repo/file.safetensors`` or ``.gguf``, a
+    URL: a folder holding that file and no config); None for anything else (a diffusers folder)."""
     path = Path(path)
     if path.is_file():
-        return path if path.suffix == ".safetensors" else None
+        return path if path.suffix.lower() in _SINGLE else None
     if not path.is_dir() or (path / "model_index.json").exists() or (path / "config.json").exists():
         return None
-    inside = [p for p in path.iterdir() if p.is_file()]
-    return inside[0] if len(inside) == 1 and inside[0].suffix == ".safetensors" else None
+    inside = [p for p in path.rglob("*") if p.is_file()]  # hf://org/repo/sub/file keeps its path
+    return inside[0] if len(inside) == 1 and inside[0].suffix.lower() in _SINGLE else None
 
 
 def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], root: Path) -> Path:
@@ -463,10 +466,10 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
 
     file, config = Path(file), Path(config)
     if file.is_dir():  # a one-file snapshot of the weights store (hf://org/repo/file.safetensors, a URL)
-        inside = sorted(file.rglob("*.safetensors"))
+        inside = sorted(p for p in file.rglob("*") if p.suffix.lower() in _SINGLE and p.is_file())
         if len(inside) != 1:
-            raise InvalidArgumentError(f"{file} holds {len(inside)} .safetensors files; a single-file checkpoint "
-                                       "with config= must be one file", argument="model")
+            raise InvalidArgumentError(f"{file} holds {len(inside)} .safetensors / .gguf files; a single-file "
+                                       "checkpoint with config= must be one file", argument="model")
         file = inside[0]
     if not file.is_file():
         raise ModelNotFoundError(f"single file {file} does not exist")
