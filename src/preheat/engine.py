@@ -583,10 +583,10 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
 
             configs = single_file_config(single, config, variant)
         else:
-            configs = Path(resolve(str(config)))
-        converted = materialize(root, configs, resolve_root().path)  # converted once, then reused
+            configs = Path(resolve(str(config), variant=variant))
+        converted = materialize(root, configs, resolve_root().path, variant)  # converted once, then reused
         reading = reading_converted(model, config if config is not None else configs, converted)
-        root = converted  # a misfit names the file, not the folder
+        root, variant = converted, None  # a misfit names the file, not the folder; its files have no variant
     early = bool(prefetch) and compiler is not None
     if early:  # the last such start's executables deserialise while the model is built (preheat.cache.early)
         from preheat.cache.early import startup_id
