@@ -55,7 +55,7 @@ import numpy as np
 
 from preheat.errors import (CheckpointMismatchError, InvalidArgumentError, ModelFormatError, ModelNotFoundError,
                             WeightsError)
-from preheat.files import publish_folder
+from preheat.files import MADE_FROM, publish_folder, write_made_from
 from preheat.models.bfl import Piece, bfl_modules, flux_widths
 from preheat.models.gguf_file import GGUFTensors, is_gguf
 from preheat.models.mmdit import MMDIT_PARAMS, mmdit_modules
@@ -568,7 +568,7 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
     try:
         for p in sorted(config.rglob("*")):
-            if p.is_file() and not _is_weights(p.name):  # configs and tokenizer files
+            if p.is_file() and not _is_weights(p.name) and p.name != MADE_FROM:  # configs and tokenizer files
                 dst = tmp / p.relative_to(config)
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(p, dst)
@@ -579,6 +579,7 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
             stem = "model" if component.startswith("text_encoder") else "diffusion_pytorch_model"
             (tmp / component).mkdir(exist_ok=True)
             save_file(tensors, str(tmp / component / f"{stem}.safetensors"))
+        write_made_from(tmp, [file, *(src for src, _ in taken)])  # the store's gc collects it with them
         publish_folder(tmp, out)  # another process may have converted it first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
