@@ -314,3 +314,46 @@ def test_gc_keeps_a_live_conversion_and_collects_one_no_load_reaches(published, 
         assert collect_orphans(tmp_path / "home", grace_s=3600, now=later) == []
     finally:
         hub2.stop()
+
+
+def test_a_variant_fetches_that_variant_of_what_a_transformer_file_lacks(published, hub_of, tmp_path):
+    """``variant="fp16"`` with no ``config=``: what the file lacks is fetched in that variant only
+    (``pull --dry-run --variant fp16`` lists it), and the converted folder links those weights under
+    the default names (the file's own weights are what it holds)."""
+    from click.testing import CliRunner
+    from safetensors.numpy import load_file, save_file
+
+    from preheat.cli.pull import pull_command
+    from preheat.file_configs import single_file_config
+    from preheat.models.single_file import materialize
+
+    folder = flow_fixtures.save_tiny_flow_model(tmp_path / "flux-dev", "flux-dev")
+    path = tmp_path / "flux1-tiny.safetensors"
+    save_file(to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))), str(path))
+    entry = _stand_in(tmp_path / "assets", folder, "tiny-flux", "example/tiny-flux", "bfl")
+    published(tmp_path / "assets", entry)
+    files = _repo_files(folder, path)
+    for name in [p for p in files if p.endswith(".safetensors") and "/" in p]:  # every component's fp16 weights
+        tensors = load_file(str(folder / name))
+        half = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()}
+        save_file(half, str(tmp_path / "half.safetensors"))
+        files[name.replace(".safetensors", ".fp16.safetensors")] = (tmp_path / "half.safetensors").read_bytes()
+    hub = hub_of(entry.repo, files)
+    lacked = ("text_encoder/", "text_encoder_2/", "vae/")
+    fp16 = {p: len(b) for p, b in files.items() if p.startswith(lacked) and p.endswith(".fp16.safetensors")}
+    assert len(fp16) == 3
+
+    out = CliRunner().invoke(pull_command, [str(path), "--dry-run", "--variant", "fp16"])
+    assert out.exit_code == 0, out.output
+    listed = {ln.split()[1] for ln in out.output.splitlines()[1:-1]}
+    assert set(fp16) <= listed and not any(p.endswith(".safetensors") and p not in fp16 for p in listed)
+    assert hub.downloaded() == {}
+
+    configs = single_file_config(path, None, "fp16")
+    got = hub.downloaded()
+    assert {p: n for p, n in got.items() if p.endswith(".safetensors")} == fp16  # no default weights
+    converted = materialize(path, configs, tmp_path / "home", "fp16")
+    for name in fp16:
+        default = converted / name.replace(".fp16.safetensors", ".safetensors")
+        assert default.read_bytes() == files[name], name  # the variant's weights, under the default name
+    assert not [p for p in converted.rglob("*") if ".fp16." in p.name]
