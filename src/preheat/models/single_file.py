@@ -33,7 +33,10 @@ VAE in the LDM layout (``first_stage_model.*``, or ``vae.*`` in ComfyUI's Flux f
 ``flux1-dev-fp8``) and the text encoders in transformers' names under
 ``text_encoders.{clip_l,clip_g,t5xxl}.transformer.*`` (SD3: CLIP-L, CLIP-G, T5; FLUX.1: CLIP-L, T5).
 Components a file does not fill keep the config folder's weights (linked, not copied), so a
-transformer-only file, or an SD3 file without T5, reads the rest from the folder.
+transformer-only file, or an SD3 file without T5, reads the rest from the folder; ``variant``
+picks which of the folder's weights (``_taken``), linked under the default names, so the
+converted folder has no variants. It records what it was made from (``preheat.files.MADE_FROM``):
+the store's garbage collection removes it with the snapshot it links once no ref names that.
 
 A UNet's transformer ``proj_in``/``proj_out`` are 1x1 convolutions ([O, I, 1, 1]) in SD 1.x files and
 linear layers ([O, I]) in SD 2.x / SDXL files; either is written as the config's
