@@ -64,12 +64,15 @@ def single_file_config(file: Path, config: str | Path | None, variant: str | Non
     shipped configs.
     """
     from preheat.cache.root import resolve_root
+    from preheat.models.gguf_file import is_gguf
     from preheat.models.published import needed, with_components
     from preheat.store import resolve
 
+    if is_gguf(file):  # a FLUX.1 transformer's GGUF: no published model inferred from it; its folder
+        return Path(resolve(str(config), variant=variant))
     needs = _published_needs(file, config)
     if needs is None:
-        configs = Path(resolve(str(config)))
+        configs = Path(resolve(str(config), variant=variant))
         if configs.is_dir() and not (configs / "model_index.json").is_file():  # the lacking folders only
             return with_components(file, configs, resolve_root().path, needed(file))
         return configs

@@ -1,4 +1,5 @@
-"""File I/O shared by every package: atomic writes and sha256 of a file.
+"""File I/O shared by every package: atomic writes, sha256 of a file, and the record of what a
+derived folder was made from.
 
 Atomic file writes: a unique temp name in the same folder, fsync, ``os.replace``, fsync the folder.
 
@@ -10,11 +11,13 @@ killed mid-write. ``flock`` is not used for correctness: it is unreliable on net
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "fsync_dir", "sha256_file", "sha256_and_size"]
+__all__ = ["atomic_write_bytes", "fsync_dir", "sha256_file", "sha256_and_size", "publish_folder", "MADE_FROM",
+           "write_made_from", "read_made_from"]
 
 CHUNK = 1 << 20  # bytes read at a time while hashing
 
@@ -94,3 +97,25 @@ def publish_folder(tmp: str | Path, out: str | Path, marker: str = "model_index.
     except OSError:
         if not (Path(out) / marker).is_file():
             raise
+
+
+# A folder made from other files and kept beside the weights store (``<root>/models/<kind>/<name>/``:
+# a single file converted to a diffusers folder, its config folder) names them here, so that the
+# store's garbage collection (``preheat.store.collect_orphans``) collects it with them: a folder
+# made from a snapshot no ref names any more is one no load can reach again.
+MADE_FROM = ".made-from.json"
+
+
+def write_made_from(folder: str | Path, inputs: "list[Path]") -> None:
+    """Record the files ``folder`` was made from (their resolved paths: a link's target)."""
+    paths = sorted({str(Path(p).resolve()) for p in inputs})
+    (Path(folder) / MADE_FROM).write_text(json.dumps({"inputs": paths}, indent=1) + "\n")
+
+
+def read_made_from(folder: str | Path) -> list[Path] | None:
+    """The files ``folder`` was made from; None when it has no (readable) record."""
+    try:
+        raw = json.loads((Path(folder) / MADE_FROM).read_text())
+        return [Path(p) for p in raw["inputs"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

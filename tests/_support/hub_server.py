@@ -67,8 +67,11 @@ def pointed_at(monkeypatch: Any, base: str) -> None:
     monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
 
 
+_LFS = (".safetensors", ".gguf")  # weight files: stored in LFS on the Hub (a sha256 ETag and oid)
+
+
 def _etag(data: bytes, path: str) -> str:
-    return hashlib.sha256(data).hexdigest() if path.endswith(".safetensors") else hashlib.sha1(data).hexdigest()
+    return hashlib.sha256(data).hexdigest() if path.endswith(_LFS) else hashlib.sha1(data).hexdigest()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -111,7 +114,7 @@ class _Handler(BaseHTTPRequestHandler):
             entries = []
             for p, data in sorted(hub.files.items()):
                 entry = {"type": "file", "path": p, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
-                if p.endswith(".safetensors"):
+                if p.endswith(_LFS):
                     entry["lfs"] = {"oid": _etag(data, p), "size": len(data), "pointerSize": 134}
                 entries.append(entry)
             return self._send(200, json.dumps(entries).encode(), json_headers, body, path)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import preheat
-from preheat.errors import CheckpointMismatchError, ModelFormatError
+from preheat.errors import CheckpointMismatchError, InvalidArgumentError, ModelFormatError
 from tests._support import flow_fixtures
 from tests._support.bfl_files import to_bfl
 from tests._support.single_files import diffusers_bfl_at_tiny_widths
@@ -215,3 +215,36 @@ def test_every_supported_type_reads_as_gguf_dequantises_it(tmp_path):
             got = read[key].astype(np.float32)
         assert got.shape == want.shape == tuple(reversed(raw[key].shape.tolist()))
         np.testing.assert_array_equal(got, want, err_msg=key)
+
+
+def test_a_gguf_file_of_a_hub_repository_loads_by_its_hf_path(files, pipe, tmp_path, monkeypatch):
+    """``hf://org/repo/path/file.gguf`` is one file of the repository, fetched through the store from
+    the stand-in Hub (only that file's bytes), then read as the local file is: the same image.
+    ``preheat pull --dry-run`` lists exactly it and fetches nothing."""
+    from click.testing import CliRunner
+
+    from preheat.cli.pull import pull_command
+    from tests._support.hub_server import FakeHub, pointed_at
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    body = files["q8"].read_bytes()
+    repo = {"README.md": b"# tiny", "flux1-dev-Q8_0.gguf": body, "q4/flux1-dev-Q4_0.gguf": files["q4"].read_bytes()}
+    hub = FakeHub("example/tiny-flux-gguf", repo).start()
+    try:
+        pointed_at(monkeypatch, hub.base)
+        out = CliRunner().invoke(pull_command, ["hf://example/tiny-flux-gguf/flux1-dev-Q8_0.gguf", "--dry-run"])
+        assert out.exit_code == 0, out.output
+        lines = out.output.splitlines()
+        assert lines[0].split() == [f"{len(body):,d}", "flux1-dev-Q8_0.gguf"] and "total: 1 files" in lines[-1]
+        assert hub.downloaded() == {}  # listed, not fetched
+
+        call = dict(noise=_noise(), steps=STEPS, sampler="flow_euler", guidance=GUIDANCE, width=32, height=32)
+        remote = preheat.load("hf://example/tiny-flux-gguf/flux1-dev-Q8_0.gguf", config=files["folder"], cache="off")
+        assert hub.downloaded() == {"flux1-dev-Q8_0.gguf": len(body)}  # that one file, not its neighbours
+        np.testing.assert_array_equal(remote.generate(PROMPT, **call), pipe.generate(PROMPT, **call))
+        with pytest.raises(ModelFormatError, match="is GGUF type Q4_0"):  # a file in a folder of the repository
+            preheat.load("hf://example/tiny-flux-gguf/q4/flux1-dev-Q4_0.gguf", config=files["folder"], cache="off")
+        with pytest.raises(InvalidArgumentError, match="is a GGUF file .*pass config="):
+            preheat.load("hf://example/tiny-flux-gguf/flux1-dev-Q8_0.gguf", cache="off")
+    finally:
+        hub.stop()

@@ -117,6 +117,7 @@ def test_a_flux_transformer_file_fetches_the_encoders_vae_and_tokenizers(publish
     folder reads the very weights that ``config=<folder>`` gives."""
     from safetensors.numpy import load_file, save_file
 
+    from preheat.files import MADE_FROM
     from preheat.models.single_file import materialize
 
     folder = flow_fixtures.save_tiny_flow_model(tmp_path / "flux-dev", "flux-dev")
@@ -139,8 +140,9 @@ def test_a_flux_transformer_file_fetches_the_encoders_vae_and_tokenizers(publish
     parts = sorted(p.relative_to(theirs).as_posix() for p in theirs.rglob("*") if p.is_file())
     assert parts == sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*") if p.is_file())
     assert "text_encoder_2/model.safetensors" in parts and "tokenizer_2/tokenizer_config.json" in parts
-    for part in parts:  # every weight, config and tokenizer file the same
-        assert (ours / part).read_bytes() == (theirs / part).read_bytes(), part
+    for part in parts:  # every weight, config and tokenizer file the same; what each was made from, its own
+        assert (ours / part).read_bytes() == (theirs / part).read_bytes() or part == MADE_FROM, part
+    assert str((folder / "vae" / "diffusion_pytorch_model.safetensors").resolve()) in (theirs / MADE_FROM).read_text()
 
 
 def _one_line(err: pytest.ExceptionInfo, *parts: str) -> str:
@@ -248,3 +250,110 @@ def test_pull_dry_run_of_a_single_file_lists_exactly_what_it_fetches(sd1, publis
 
     out = CliRunner().invoke(pull_command, [str(path), "--dry-run", "--config", "nosuch"])
     assert out.exit_code == 2 and out.output == "error: --config names a published model (tiny-sd1); not 'nosuch'\n"
+
+
+def test_gc_keeps_a_live_conversion_and_collects_one_no_load_reaches(published, hub_of, tmp_path, monkeypatch):
+    """A FLUX.1 transformer file's converted folder links the VAE and text encoders of the snapshot
+    the store fetched. ``collect_orphans`` (``preheat cache prune``) keeps it and that snapshot
+    while a ref names it: the next load sends no request and converts nothing. Once a re-pull of
+    the repository's new commit moves the ref, the old snapshot, the old converted folder and its
+    config folder go together (no link left dangling), and the next load converts against the
+    new snapshot, still with no request."""
+    import os
+    import time
+
+    from safetensors.numpy import load_file, save_file
+
+    from preheat.cache.manage import disk_usage
+    from preheat.store import collect_orphans, pull
+    from tests._support.hub_server import FakeHub
+
+    folder = flow_fixtures.save_tiny_flow_model(tmp_path / "flux-dev", "flux-dev")
+    path = tmp_path / "flux1-tiny.safetensors"
+    save_file(to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))), str(path))
+    entry = _stand_in(tmp_path / "assets", folder, "tiny-flux", "example/tiny-flux", "bfl")
+    published(tmp_path / "assets", entry)
+    files = _repo_files(folder, path)
+    hub = hub_of(entry.repo, files)
+    models = tmp_path / "home" / "models"
+    call = dict(noise=np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32), steps=2,
+                sampler="flow_euler", guidance=3.5, width=32, height=32)
+
+    first = preheat.load(path, cache="off").generate("a watercolor fox", **call)
+    (converted,) = (models / "single").iterdir()
+    made = (converted / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_mtime_ns
+    later = time.time() + 7200  # past the grace period
+    assert collect_orphans(tmp_path / "home", grace_s=3600, now=later) == []  # all of it named by a ref
+    hub.hits.clear()
+    again = preheat.load(path, cache="off").generate("a watercolor fox", **call)
+    assert hub.hits == [] and np.array_equal(again, first)  # no request, the same image
+    assert list((models / "single").iterdir()) == [converted]  # read as it was: not converted again
+    assert (converted / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_mtime_ns == made
+
+    # the repository's next commit rewrites a tokenizer config (the same tokenizer), and what the file
+    # lacks is pulled again: the ref moves to a new snapshot
+    changed = {**files, "tokenizer/tokenizer_config.json": files["tokenizer/tokenizer_config.json"] + b"\n"}
+    hub2 = FakeHub(entry.repo, changed, commit="cd" * 20).start()
+    try:
+        pointed_at(monkeypatch, hub2.base)
+        pull(f"hf://{entry.repo}", components=module.needed(path).components, force=True, progress=False)
+        (old_configs,) = (models / "single-configs").iterdir()
+        before = disk_usage(models)
+        removed = collect_orphans(tmp_path / "home", grace_s=3600, now=later)
+        assert f"single/{converted.name}" in removed and f"single-configs/{old_configs.name}" in removed
+        assert sum(r.startswith("snapshots/") for r in removed) == 1  # the old snapshot
+        assert not converted.exists() and not old_configs.exists()
+        assert [p for p in models.rglob("*") if p.is_symlink() and not os.path.exists(p)] == []
+        freed = before - disk_usage(models)
+        print(f"gc after the re-pull: {len(removed)} paths, {freed} bytes freed of {before}")
+        assert freed >= os.path.getsize(path)  # at least the converted transformer
+
+        hub2.hits.clear()
+        third = preheat.load(path, cache="off").generate("a watercolor fox", **call)
+        assert hub2.hits == [] and np.array_equal(third, first)  # stored: converted again, nothing fetched
+        assert collect_orphans(tmp_path / "home", grace_s=3600, now=later) == []
+    finally:
+        hub2.stop()
+
+
+def test_a_variant_fetches_that_variant_of_what_a_transformer_file_lacks(published, hub_of, tmp_path):
+    """``variant="fp16"`` with no ``config=``: what the file lacks is fetched in that variant only
+    (``pull --dry-run --variant fp16`` lists it), and the converted folder links those weights under
+    the default names (the file's own weights are what it holds)."""
+    from click.testing import CliRunner
+    from safetensors.numpy import load_file, save_file
+
+    from preheat.cli.pull import pull_command
+    from preheat.file_configs import single_file_config
+    from preheat.models.single_file import materialize
+
+    folder = flow_fixtures.save_tiny_flow_model(tmp_path / "flux-dev", "flux-dev")
+    path = tmp_path / "flux1-tiny.safetensors"
+    save_file(to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))), str(path))
+    entry = _stand_in(tmp_path / "assets", folder, "tiny-flux", "example/tiny-flux", "bfl")
+    published(tmp_path / "assets", entry)
+    files = _repo_files(folder, path)
+    for name in [p for p in files if p.endswith(".safetensors") and "/" in p]:  # every component's fp16 weights
+        tensors = load_file(str(folder / name))
+        half = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()}
+        save_file(half, str(tmp_path / "half.safetensors"))
+        files[name.replace(".safetensors", ".fp16.safetensors")] = (tmp_path / "half.safetensors").read_bytes()
+    hub = hub_of(entry.repo, files)
+    lacked = ("text_encoder/", "text_encoder_2/", "vae/")
+    fp16 = {p: len(b) for p, b in files.items() if p.startswith(lacked) and p.endswith(".fp16.safetensors")}
+    assert len(fp16) == 3
+
+    out = CliRunner().invoke(pull_command, [str(path), "--dry-run", "--variant", "fp16"])
+    assert out.exit_code == 0, out.output
+    listed = {ln.split()[1] for ln in out.output.splitlines()[1:-1]}
+    assert set(fp16) <= listed and not any(p.endswith(".safetensors") and p not in fp16 for p in listed)
+    assert hub.downloaded() == {}
+
+    configs = single_file_config(path, None, "fp16")
+    got = hub.downloaded()
+    assert {p: n for p, n in got.items() if p.endswith(".safetensors")} == fp16  # no default weights
+    converted = materialize(path, configs, tmp_path / "home", "fp16")
+    for name in fp16:
+        default = converted / name.replace(".fp16.safetensors", ".safetensors")
+        assert default.read_bytes() == files[name], name  # the variant's weights, under the default name
+    assert not [p for p in converted.rglob("*") if ".fp16." in p.name]

@@ -296,3 +296,45 @@ def test_every_surface_takes_a_single_file_with_its_config(single, tmp_path, mon
 
     runpod = config_from_env({"PREHEAT_MODEL": str(path), "PREHEAT_CONFIG": str(folder)})
     assert runpod.config == str(folder) and runpod.warm_set().config == str(folder)
+
+
+def test_a_variant_picks_the_weights_a_transformer_file_lacks(flux_file, tmp_path, monkeypatch):
+    """``variant="fp16"`` with a single file, as diffusers' ``from_single_file`` takes it: the file's
+    own weights are what it holds; the variant picks the config folder's weights of the components
+    it lacks (a FLUX.1 transformer file: the VAE, the text encoders). The converted folder has no
+    variants, so the load reads it as it is: the image is the folder's own with that variant.
+    A config folder without that variant is one line naming it."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder, path = flux_file
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    variants = tmp_path / "variants"
+    shutil.copytree(folder, variants)
+    for comp, stem in (("transformer", "diffusion_pytorch_model"), ("vae", "diffusion_pytorch_model"),
+                       ("text_encoder", "model"), ("text_encoder_2", "model")):  # "fp16" is only a name here:
+        tensors = load_file(str(folder / comp / f"{stem}.safetensors"))  # the same weights, but the VAE's
+        if comp == "vae":  # last bias shifted, so that the image tells which VAE was read
+            tensors["decoder.conv_out.bias"] = tensors["decoder.conv_out.bias"] + np.float32(0.3)
+        save_file(tensors, str(variants / comp / f"{stem}.fp16.safetensors"))
+    prompt = "a watercolor fox"
+    call = dict(noise=_noise(), steps=2, sampler="flow_euler", guidance=3.5, width=32, height=32)
+
+    ours = preheat.load(path, config=variants, variant="fp16", cache="off").generate(prompt, **call)
+    want = preheat.load(variants, variant="fp16", cache="off").generate(prompt, **call)
+    np.testing.assert_array_equal(ours, want)
+    default = preheat.load(path, config=variants, cache="off").generate(prompt, **call)  # another conversion
+    assert np.abs(default.astype(int) - ours.astype(int)).mean() > 3  # the shifted VAE's image is another
+    fp16, plain = sorted((tmp_path / "home" / "models" / "single").iterdir(),
+                         key=lambda p: "fp16" not in str((p / "vae" / "diffusion_pytorch_model.safetensors").resolve()))
+    assert (fp16 / "vae" / "diffusion_pytorch_model.safetensors").samefile(
+        variants / "vae" / "diffusion_pytorch_model.fp16.safetensors")
+    assert (plain / "vae" / "diffusion_pytorch_model.safetensors").samefile(
+        variants / "vae" / "diffusion_pytorch_model.safetensors")
+    assert not [p for p in fp16.rglob("*") if ".fp16." in p.name]  # a folder without variants
+
+    with pytest.raises(ModelNotFoundError, match=r"flux1-tiny\.safetensors lacks (text_encoder|vae).*, whose 'fp16' "
+                                                 r"weights config .* does not have: .*variant 'fp16'") as err:
+        preheat.load(path, config=folder, variant="fp16", cache="off")
+    assert "\n" not in str(err.value)

@@ -40,3 +40,36 @@ def test_an_unreadable_ref_stops_collection(tmp_path):
     ref = next((root / "models" / "refs").iterdir())
     ref.write_text("{not json")
     assert collect_orphans(root, grace_s=0, now=time.time() + 10) == []
+
+
+def test_folders_made_from_the_store_go_with_what_they_were_made_from(tmp_path):
+    """A folder beside the store (``models/<kind>/<name>``) that names its inputs
+    (``preheat.files.MADE_FROM``, or links for a folder without a record) stays while they do and
+    their snapshot is named by a ref; made from a file that is gone, it goes after the grace period,
+    as does a stale ``.tmp-*`` folder of a conversion killed mid-write."""
+    import os
+
+    from preheat.files import write_made_from
+
+    root = tmp_path / "root"
+    snap = pull(make_model(tmp_path / "model"), root=root, progress=False)
+    vae = snap / "unet" / "diffusion_pytorch_model.safetensors"  # a snapshot file a ref names
+    gone = tmp_path / "gone.safetensors"
+    gone.write_bytes(b"x")
+    kind = root / "models" / "single"
+    live, dead, linked, tmp = kind / "live", kind / "dead", kind / "linked", kind / ".tmp-abc"
+    for folder in (live, dead, linked, tmp):
+        folder.mkdir(parents=True)
+    write_made_from(live, [vae, tmp_path / "model" / "model_index.json"])
+    write_made_from(dead, [gone, vae])
+    (linked / "vae.safetensors").symlink_to(vae)  # no record: its links are what it was made from
+    gone.unlink()
+    later = time.time() + 7200
+
+    assert collect_orphans(root, grace_s=3600) == []  # young
+    assert collect_orphans(root, grace_s=3600, now=later) == ["single/.tmp-abc", "single/dead"]
+    assert live.is_dir() and linked.is_dir() and not dead.exists() and not tmp.exists()
+    os.unlink(linked / "vae.safetensors")
+    (linked / "vae.safetensors").symlink_to(tmp_path / "nowhere")
+    assert collect_orphans(root, grace_s=3600, now=later) == ["single/linked"]
+    assert verify_store(root) == []

@@ -246,7 +246,7 @@ def with_components(file: str | Path, folder: str | Path, root: Path, needs: Nee
     out = root / "models" / "single-configs" / f"{published.name}-{h.hexdigest()[:16]}"
     if (out / "model_index.json").is_file():
         return out
-    from preheat.files import publish_folder
+    from preheat.files import publish_folder, write_made_from
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
@@ -260,6 +260,7 @@ def with_components(file: str | Path, folder: str | Path, root: Path, needs: Nee
                 dst.symlink_to(p.resolve())
             else:
                 shutil.copyfile(p, dst)
+        write_made_from(tmp, [p for p in files if p.name.endswith(_WEIGHTS)])  # collected with them (store gc)
         publish_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -33,7 +33,10 @@ VAE in the LDM layout (``first_stage_model.*``, or ``vae.*`` in ComfyUI's Flux f
 ``flux1-dev-fp8``) and the text encoders in transformers' names under
 ``text_encoders.{clip_l,clip_g,t5xxl}.transformer.*`` (SD3: CLIP-L, CLIP-G, T5; FLUX.1: CLIP-L, T5).
 Components a file does not fill keep the config folder's weights (linked, not copied), so a
-transformer-only file, or an SD3 file without T5, reads the rest from the folder.
+transformer-only file, or an SD3 file without T5, reads the rest from the folder; ``variant``
+picks which of the folder's weights (``_taken``), linked under the default names, so the
+converted folder has no variants. It records what it was made from (``preheat.files.MADE_FROM``):
+the store's garbage collection removes it with the snapshot it links once no ref names that.
 
 A UNet's transformer ``proj_in``/``proj_out`` are 1x1 convolutions ([O, I, 1, 1]) in SD 1.x files and
 linear layers ([O, I]) in SD 2.x / SDXL files; either is written as the config's
@@ -55,12 +58,12 @@ import numpy as np
 
 from preheat.errors import (CheckpointMismatchError, InvalidArgumentError, ModelFormatError, ModelNotFoundError,
                             WeightsError)
-from preheat.files import publish_folder
+from preheat.files import MADE_FROM, publish_folder, write_made_from
 from preheat.models.bfl import Piece, bfl_modules, flux_widths
 from preheat.models.gguf_file import GGUFTensors, is_gguf
 from preheat.models.mmdit import MMDIT_PARAMS, mmdit_modules
 from preheat.models.scaled_fp8 import with_scales
-from preheat.models.weights import read_tensors
+from preheat.models.weights import DIFFUSERS_STEM, TRANSFORMERS_STEM, read_tensors, weight_files
 
 __all__ = ["LAYOUTS", "detect_layout", "held_components", "materialize", "reading_converted", "single_file_path"]
 
@@ -432,11 +435,12 @@ def _where(path: Path) -> bytes:
     return f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()
 
 
-def _identity(file: Path, config: Path) -> str:
+def _identity(file: Path, config: Path, variant: str | None) -> str:
     """What the converted folder is named by: the file and the config folder's weights by where
     they are (the converted folder links the weights of the components the file lacks, so other
-    weights are another folder), the config folder's other files by their content."""
-    h = hashlib.sha256(_where(file))
+    weights are another folder), the config folder's other files by their content, and the
+    variant whose weights of those components it links."""
+    h = hashlib.sha256(_where(file) + f"\0variant={variant or ''}".encode())
     for p in sorted(config.rglob("*")):
         if p.is_file():
             body = _where(p) if p.name.endswith(_WEIGHTS) else p.read_bytes()
@@ -444,36 +448,90 @@ def _identity(file: Path, config: Path) -> str:
     return h.hexdigest()[:32]
 
 
+def _is_weights(name: str) -> bool:
+    return name.endswith(_WEIGHTS) or name.endswith(".index.json")
+
+
+def _variant_weights(folder: Path, variant: str | None) -> list[tuple[Path, str]]:
+    """One component's weights in ``variant`` (None: the default ones) -> the names a folder without
+    variants gives them: ``<stem>.<variant>.safetensors`` as ``<stem>.safetensors``; a sharded
+    variant's index as ``<stem>.safetensors.index.json`` (its shards keep the names it lists).
+    None found: ``weight_files``' one line, naming what was looked for."""
+    for stem in (DIFFUSERS_STEM, TRANSFORMERS_STEM):
+        base = f"{stem}.{variant}" if variant else stem
+        one = folder / f"{base}.safetensors"
+        if one.is_file():
+            return [(one, f"{stem}.safetensors")]
+        indexes = [folder / f"{stem}.safetensors.index.{variant}.json"] if variant else []
+        index = next((i for i in [*indexes, folder / f"{base}.safetensors.index.json"] if i.is_file()), None)
+        if index is not None:
+            shards = weight_files(folder, (stem,), variant)  # every shard it lists is there
+            return [(index, f"{stem}.safetensors.index.json"), *((s, s.name) for s in shards)]
+    weight_files(folder, variant=variant)  # raises: nothing of that variant
+    return []
+
+
+def _taken(config: Path, held: set[str], variant: str | None, file: Path) -> list[tuple[Path, str]]:
+    """The weights the converted folder takes from ``config``: for each component folder with
+    weights that the file does not fill, those of ``variant`` (``_variant_weights``), as
+    (source, path in the converted folder). A component ``model_index.json`` names (the safety
+    checker aside: never read) without them is one line; other folders' weights are left out."""
+    index = json.loads((config / "model_index.json").read_text())
+    used = {k for k, v in index.items() if isinstance(v, list) and None not in v and k != "safety_checker"}
+    folders = sorted({p.parent for p in config.glob("*/*") if p.is_file() and _is_weights(p.name)})
+    out: list[tuple[Path, str]] = []
+    for folder in folders:
+        if folder.name in held:
+            continue
+        try:
+            out += [(src, f"{folder.name}/{name}") for src, name in _variant_weights(folder, variant)]
+        except (ModelNotFoundError, ModelFormatError) as exc:
+            if folder.name in used:
+                what = f"{variant!r} weights" if variant else "weights without a variant"
+                raise ModelNotFoundError(f"single file {file} lacks {folder.name}/, whose {what} config "
+                                         f"{config} does not have: {exc}") from None
+    return out
+
+
+_SINGLE = (".safetensors", ".gguf")  # what a single checkpoint file is named (a GGUF: a FLUX.1 transformer)
+
+
 def single_file_path(path: str | os.PathLike[str]) -> Path | None:
-    """``path`` as a single-file checkpoint: a ``.safetensors`` file, or the file of a one-file
-    snapshot of the weights store (``hf://org/repo/file.safetensors``, a URL: a folder holding that
-    file and no config); None for anything else (a diffusers folder)."""
+    """``path`` as a single-file checkpoint: a ``.safetensors`` or ``.gguf`` file, or the file of a
+    one-file snapshot of the weights store (``hf://org/repo/file.safetensors`` or ``.gguf``, a
+    URL: a folder holding that file and no config); None for anything else (a diffusers folder)."""
     path = Path(path)
     if path.is_file():
-        return path if path.suffix == ".safetensors" else None
+        return path if path.suffix.lower() in _SINGLE else None
     if not path.is_dir() or (path / "model_index.json").exists() or (path / "config.json").exists():
         return None
-    inside = [p for p in path.iterdir() if p.is_file()]
-    return inside[0] if len(inside) == 1 and inside[0].suffix == ".safetensors" else None
+    inside = [p for p in path.rglob("*") if p.is_file()]  # hf://org/repo/sub/file keeps its path
+    return inside[0] if len(inside) == 1 and inside[0].suffix.lower() in _SINGLE else None
 
 
-def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], root: Path) -> Path:
-    """The diffusers folder for single ``file`` under ``config``'s configs (converted once, under ``root``)."""
+def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], root: Path,
+                variant: str | None = None) -> Path:
+    """The diffusers folder for single ``file`` under ``config``'s configs (converted once, under ``root``).
+
+    ``variant`` (``"fp16"``) picks the config folder's weights of the components the file lacks
+    (a FLUX.1 transformer file's VAE and text encoders), as diffusers' ``from_single_file`` does:
+    the file's own weights are what it holds. The folder has no variants (its files have the
+    default names), so it is read with ``variant=None``."""
     from safetensors.numpy import save_file
 
     file, config = Path(file), Path(config)
     if file.is_dir():  # a one-file snapshot of the weights store (hf://org/repo/file.safetensors, a URL)
-        inside = sorted(file.rglob("*.safetensors"))
+        inside = sorted(p for p in file.rglob("*") if p.suffix.lower() in _SINGLE and p.is_file())
         if len(inside) != 1:
-            raise InvalidArgumentError(f"{file} holds {len(inside)} .safetensors files; a single-file checkpoint "
-                                       "with config= must be one file", argument="model")
+            raise InvalidArgumentError(f"{file} holds {len(inside)} .safetensors / .gguf files; a single-file "
+                                       "checkpoint with config= must be one file", argument="model")
         file = inside[0]
     if not file.is_file():
         raise ModelNotFoundError(f"single file {file} does not exist")
     if not (config / "model_index.json").is_file():
         raise InvalidArgumentError(f"config={str(config)!r} must be a diffusers folder with model_index.json",
                                    argument="config")
-    out = root / "models" / "single" / _identity(file, config)
+    out = root / "models" / "single" / _identity(file, config, variant)
     if (out / "model_index.json").is_file():
         return out
     reader = GGUFTensors(file) if is_gguf(file) else read_tensors([file])  # GGUF: Q8_0 as values + scales
@@ -508,26 +566,23 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
     if unplaced:
         raise CheckpointMismatchError(f"{file} ({layout.name} layout) has {len(unplaced)} tensors that do not fit the blocks of "
                            f"{config}'s configs, e.g. {', '.join(unplaced[:3])}")
+    taken = _taken(config, set(parts), variant, file)  # checked before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
     try:
         for p in sorted(config.rglob("*")):
-            if not p.is_file():
-                continue
-            rel = p.relative_to(config)
-            weights = p.name.endswith(_WEIGHTS) or p.name.endswith(".index.json")
-            if weights and (len(rel.parts) < 2 or rel.parts[0] in parts):
-                continue  # the file's components are written below; a checkpoint beside the configs is not used
-            dst = tmp / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            if weights:  # a component the file does not hold (Flux: the VAE, the text encoders)
-                dst.symlink_to(p.resolve())
-            else:  # configs and tokenizer files
+            if p.is_file() and not _is_weights(p.name) and p.name != MADE_FROM:  # configs and tokenizer files
+                dst = tmp / p.relative_to(config)
+                dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(p, dst)
+        for src, rel in taken:  # the components the file does not hold (Flux: the VAE, the text encoders)
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).symlink_to(src.resolve())
         for component, tensors in parts.items():
             stem = "model" if component.startswith("text_encoder") else "diffusion_pytorch_model"
             (tmp / component).mkdir(exist_ok=True)
             save_file(tensors, str(tmp / component / f"{stem}.safetensors"))
+        write_made_from(tmp, [file, *(src for src, _ in taken)])  # the store's gc collects it with them
         publish_folder(tmp, out)  # another process may have converted it first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -39,7 +39,7 @@ SOURCE kinds:
   component folder it names the configs, tokenizer files and the safetensors of one variant
   (``variant="fp16"``; default: none), through ``huggingface_hub`` (see ``_hf``); a repository
   without ``model_index.json``: its json, safetensors, md and txt files. ``plan_pull`` lists them and
-  their bytes first. ``hf://org/repo/path/file.safetensors``: that one file, at its path.
+  their bytes first. ``hf://org/repo/path/file.safetensors`` (or ``.gguf``): that one file, at its path.
 
 Integrity: every blob is a fsynced temp file renamed to ``blobs/<sha256>`` after hashing; a
 snapshot is assembled in a temp folder and renamed; the ref is written LAST, atomically. A pull

@@ -11,7 +11,7 @@ its ``model_index.json``, then keeps only
   variant asked for (``<stem>[.<variant>][-00001-of-0000N].safetensors``; ``None``: no variant).
 
 A repository without ``model_index.json`` (one model, a LoRA) keeps ``HF_PATTERNS``;
-``hf://org/repo/path/file.safetensors`` keeps that one file. A source narrowed to some components
+``hf://org/repo/path/file.safetensors`` (or ``.gguf``) keeps that one file. A source narrowed to some components
 (``parse_source(..., components=)``: what a single file of a published model lacks, such as its
 tokenizer folders) keeps the same files of those folders only, and skips ``model_index.json``
 (the shipped configs have it). The plan is what ``preheat pull

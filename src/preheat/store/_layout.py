@@ -19,6 +19,7 @@ from preheat.errors import CacheError, InvalidArgumentError
 REF_FORMAT = 1
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 HF_PATTERNS = ["*.json", "*.safetensors", "*.md", "*.txt"]  # a repository without model_index.json
+ONE_FILE_SUFFIXES = (".safetensors", ".gguf")  # hf://org/repo/path/file: a single checkpoint file
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 REMOTE_SCHEMES = ("http://", "https://", "hf://")
 
@@ -148,15 +149,15 @@ def _parse_hf(source: str, revision: str | None, variant: str | None) -> Source:
     repo = repo.rstrip("/")
     filename = None
     parts = repo.split("/")
-    if len(parts) > 2:  # hf://org/repo/path/to/file.safetensors: one file
+    if len(parts) > 2:  # hf://org/repo/path/to/file.safetensors (or .gguf): one file
         repo, filename = "/".join(parts[:2]), "/".join(parts[2:])
         try:
-            ok = check_relpath(filename) == filename and filename.endswith(".safetensors")
+            ok = check_relpath(filename) == filename and filename.lower().endswith(ONE_FILE_SUFFIXES)
         except ValueError:
             ok = False
         if not ok:
-            raise InvalidArgumentError(f"{source!r}: a path after hf://org/repo/ names one .safetensors file of the "
-                                       "repository (preheat reads safetensors only)")
+            raise InvalidArgumentError(f"{source!r}: a path after hf://org/repo/ names one .safetensors or .gguf file "
+                                       "of the repository (the weights preheat reads)")
         if variant is not None:
             raise InvalidArgumentError(f"a variant selects a pipeline's weights; {source!r} names one file",
                                        argument="variant")
