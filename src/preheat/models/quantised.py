@@ -30,12 +30,14 @@ _LOW = (jnp.dtype(jnp.float8_e4m3fn),)
 @dataclass(frozen=True)
 class Quantised:
     """A weight kept on the device as stored, expanded where it is used (``upcast``, inside the
-    jitted apply): ``values * scale``, with one scale per tensor or per block of ``values``.
+    jitted apply): ``values * scale``, with one scale per tensor or per block of ``values``; a
+    Linear's weight with a per-output scale instead scales the product (``product``).
 
     ``scale`` has the rank of ``values`` and divides its shape axis by axis (each scale covers a
     block ``values.shape[i] // scale.shape[i]`` long on axis i), or is a scalar (one per tensor)::
 
         scaled fp8   values (in, out) float8_e4m3fn   scale ()            float32
+                     (per output channel)             scale (1, out)      float32
         GGUF Q8_0    values (in, out) int8            scale (in/32, out)  float16
 
     A pytree (its two arrays are leaves), so it is placed, sharded, keyed and traced like any
