@@ -67,7 +67,7 @@ class Quantised:
         ``(in/32, out)``) does not."""
         return all(m == 1 for m in self.scale.shape[:-1])
 
-    def converted(self, dtype: Any) -> "Quantised":
+    def converted(self, dtype: Any) -> Quantised:
         """The values in ``dtype`` (the compute dtype), the scale as it is: what ``product`` takes."""
         return Quantised(self.values.astype(dtype), self.scale)
 

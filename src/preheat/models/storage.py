@@ -33,8 +33,9 @@ output channel is not expanded: ``upcast`` converts its values and keeps the sca
 scales the matmul's output (``Quantised.product``: ``(x @ values) * scale``, the scale in the
 GEMM's epilogue), so on a GPU the GEMM reads the fp8 values itself, as it reads a plain fp8
 weight, instead of a separate kernel writing a scaled bf16 copy of every weight at every step.
-Block scales along the input (GGUF Q8_0) and Conv / Embedding weights are expanded as before. Every other path (placement on a mesh, compile keys,
-placeholders for prefetch) sees its two arrays as it sees any leaves.
+Block scales along the input (GGUF Q8_0) and Conv / Embedding weights are expanded as before.
+Every other path (placement on a mesh, compile keys, placeholders for prefetch) sees its two
+arrays as it sees any leaves.
 """
 
 from __future__ import annotations
