@@ -210,6 +210,35 @@ def test_the_upcast_runs_inside_the_sampling_loop():
     assert bodies and len(fp8_reads) > 10, (bodies, len(fp8_reads))
 
 
+def _h200_hlo(fn, *args) -> str:
+    """``fn`` compiled for XLA's H200 description on this CPU (deviceless, not autotuned): its HLO text."""
+    import jax
+
+    from preheat.cache import targets
+    from preheat.cache.compile import on_device
+    from preheat.compile_target import compiling_for
+
+    if not any(k.startswith("jax-cuda") for k in targets.cuda_versions()):
+        pytest.skip("needs the test extra's jax-cuda13-plugin")
+    device = targets.target_device(targets.resolve_target("h200"))
+    with compiling_for("gpu", (9, 0)):
+        return jax.jit(fn).lower(*on_device(args, device)).compile().as_text()
+
+
+def _kernels(hlo: str) -> list[tuple[str, str, str]]:
+    """The entry computation's fusions (one GPU kernel each): (output type, kind, called computation)."""
+    import re
+
+    entry = hlo[hlo.index("\nENTRY"):]
+    return re.findall(r"= (\S+) fusion\(.*?kind=(k\w+), calls=(%[\w.\-]+)", entry)
+
+
+def _computation(hlo: str, name: str) -> str:
+    import re
+
+    return next(c for c in re.split(r"\n(?=%)", hlo) if c.startswith(name + " "))
+
+
 def test_on_the_h200_the_gemm_reads_the_fp8_weight_itself():
     """Issue 28 asks which happens on a Hopper GPU: the compiled HLO for XLA's H200 description
     (a deviceless compile on this CPU, not autotuned). The weight's f8 -> bf16 convert is fused
@@ -221,29 +250,69 @@ def test_on_the_h200_the_gemm_reads_the_fp8_weight_itself():
     import jax
     import jax.numpy as jnp
 
-    from preheat.cache import targets
-    from preheat.cache.compile import on_device
-    from preheat.compile_target import compiling_for
     from preheat.models.storage import upcast
-
-    if not any(k.startswith("jax-cuda") for k in targets.cuda_versions()):
-        pytest.skip("needs the test extra's jax-cuda13-plugin")
-    device = targets.target_device(targets.resolve_target("h200"))
 
     def dense(params, x):  # x (tokens, in) @ kernel (in, out), as a Linear layer applies it
         return x @ upcast(params, jnp.bfloat16, tie=x)["kernel"]
 
-    args = ({"kernel": jax.ShapeDtypeStruct((3072, 3072), jnp.float8_e4m3fn)},
-            jax.ShapeDtypeStruct((4096, 3072), jnp.bfloat16))  # FLUX.1's hidden width, 4096 image tokens
-    with compiling_for("gpu", (9, 0)):
-        hlo = jax.jit(dense).lower(*on_device(args, device)).compile().as_text()
-    entry = hlo[hlo.index("\nENTRY"):]
-    fusions = re.findall(r"= \S+ fusion\(.*?kind=(k\w+), calls=(%[\w.\-]+)", entry)
-    assert [kind for kind, _ in fusions] == ["kCustom"], fusions  # one kernel: no separate convert fusion
-    gemm = next(c for c in re.split(r"\n(?=%)", hlo) if c.startswith(fusions[0][1] + " "))
+    hlo = _h200_hlo(dense, {"kernel": jax.ShapeDtypeStruct((3072, 3072), jnp.float8_e4m3fn)},
+                    jax.ShapeDtypeStruct((4096, 3072), jnp.bfloat16))  # FLUX.1's hidden width, 4096 image tokens
+    fusions = _kernels(hlo)
+    assert [kind for _, kind, _ in fusions] == ["kCustom"], fusions  # one kernel: no separate convert fusion
+    gemm = _computation(hlo, fusions[0][2])
     header = gemm.split("\n", 1)[0]
     assert "f8e4m3fn[3072,3072]" in header and "gemm" in header, header  # the fusion reads the fp8 weight
     dots = re.findall(r"= (\w+)\[[\d,]*\]\{[\d,]*\} dot\(", gemm)
     assert dots == ["bf16"], dots
     operands = re.findall(r"(\w+)\[[\d,]+\]\{[\d,]+\} (?:convert|parameter)", gemm)
     assert "bf16" in operands and "f8e4m3fn" in operands, operands
+
+
+@pytest.mark.parametrize("scale", [None, (), (1, 3072)], ids=["plain", "per-tensor", "per-channel"])
+def test_on_the_h200_a_scaled_fp8_linear_is_one_gemm_on_the_fp8_weight(scale):
+    """A scaled fp8 weight (``quantised.Quantised``: fp8 values and a float32 scale per tensor or per
+    output channel) in a real ``layers.Linear`` with a bias, after ``storage.upcast``, as a denoiser
+    applies it: one kernel, the Triton GEMM, which reads the fp8 weight and its scale itself (the
+    scale multiplies the product in the GEMM's epilogue, then the bias). No kernel writes a
+    (3072, 3072) weight-shaped copy. The same layer with the scale put back on the weight
+    (``values * scale`` before the product, the path before) compiles to two kernels, the first
+    writing a bf16 copy of the weight: that is what this test refuses. A plain fp8 weight's layer is
+    one kernel too: its bias, outside ``upcast``'s optimization barrier, is added in the epilogue (it
+    was a second kernel re-reading the product while the barrier held every parameter)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from preheat.models.layers import Linear
+    from preheat.models.quantised import Quantised
+    from preheat.models.storage import upcast
+    from preheat.models.weights import build_abstract
+
+    n = 3072  # FLUX.1's hidden width
+    graphdef, abstract = build_abstract(lambda rngs: Linear(n, n, rngs=rngs))
+    fp8 = jax.ShapeDtypeStruct((n, n), jnp.float8_e4m3fn)
+    abstract["kernel"].set_value(fp8 if scale is None else Quantised(fp8, jax.ShapeDtypeStruct(scale, jnp.float32)))
+    abstract["bias"].set_value(jax.ShapeDtypeStruct((n,), jnp.bfloat16))
+    x = jax.ShapeDtypeStruct((4096, n), jnp.bfloat16)  # 4096 image tokens
+
+    def layer(params, x):  # (tokens, in) -> (tokens, out)
+        return nnx.merge(graphdef, upcast(params, jnp.bfloat16, tie=x))(x)
+
+    hlo = _h200_hlo(layer, abstract, x)
+    fusions = _kernels(hlo)
+    assert [kind for _, kind, _ in fusions] == ["kCustom"], fusions  # one kernel: the GEMM
+    header = _computation(hlo, fusions[0][2]).split("\n", 1)[0]
+    assert "gemm" in header and f"f8e4m3fn[{n},{n}]" in header, header  # it reads the fp8 weight itself
+    assert not [f for f in fusions if f[0].endswith(f"[{n},{n}]{{1,0}}")], fusions  # no weight-sized output
+    if scale is None:
+        return
+    assert ("f32[]" if scale == () else f"f32[{n}]") in header, header  # and the scale, in its epilogue
+
+    def on_weight(params, x):  # the control: the scale on the weight, before the product
+        params = upcast(params, jnp.bfloat16, tie=x)
+        q = params["kernel"].get_value()
+        params["kernel"].set_value(q.expand(jnp.bfloat16) if isinstance(q, Quantised) else q)
+        return nnx.merge(graphdef, params)(x)
+
+    before = _kernels(_h200_hlo(on_weight, abstract, x))
+    assert len(before) == 2 and before[0][0].startswith(f"bf16[{n},{n}]"), before  # a bf16 weight copy, written

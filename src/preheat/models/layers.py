@@ -15,6 +15,7 @@ from flax import nnx
 
 from preheat.errors import InvalidArgumentError
 from preheat.models.conv import conv2d, groupnorm_impl
+from preheat.models.quantised import Quantised
 from preheat.models.weights import param
 
 __all__ = ["activation", "lift", "Conv2d", "Linear", "GroupNorm", "LayerNorm", "Embedding", "sinusoidal_embedding",
@@ -70,7 +71,11 @@ class Linear(nnx.Module):
         self.bias = param((cout,), lambda: jnp.zeros((cout,))) if bias else None
 
     def __call__(self, x: Array) -> Array:  # (..., Cin) -> (..., Cout)
-        y = x @ self.kernel[...].astype(x.dtype)
+        kernel = self.kernel.get_value()
+        if isinstance(kernel, Quantised):  # stored values and a scale kept by storage.upcast: scaled on the output
+            y = kernel.product(x)
+        else:
+            y = x @ kernel.astype(x.dtype)
         if self.bias is not None:
             y = y + lift(self.bias[...].astype(x.dtype), y.ndim)
         lora = getattr(self, "lora", None)  # a low-rank adapter set for one traced call (preheat.models.adapters.attach)

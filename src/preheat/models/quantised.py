@@ -5,7 +5,9 @@ inside the jitted apply), so both read one definition:
 
     FLOAT8        the fp8 storage dtype (float8_e4m3fn)
     is_low(dtype) a storage dtype that the apply converts (fp8)
-    Quantised     stored values and their scale, expanded to ``values * scale`` at use
+    Quantised     stored values and their scale: expanded to ``values * scale`` at use, or, where
+                  the scale is per tensor or per output channel, applied to a matmul's output
+                  (``product``), so that the GEMM reads the stored values itself
     holds(dtype)  whether the default device holds such weights (probed once)
 """
 
@@ -28,12 +30,14 @@ _LOW = (jnp.dtype(jnp.float8_e4m3fn),)
 @dataclass(frozen=True)
 class Quantised:
     """A weight kept on the device as stored, expanded where it is used (``upcast``, inside the
-    jitted apply): ``values * scale``, with one scale per tensor or per block of ``values``.
+    jitted apply): ``values * scale``, with one scale per tensor or per block of ``values``; a
+    Linear's weight with a per-output scale instead scales the product (``product``).
 
     ``scale`` has the rank of ``values`` and divides its shape axis by axis (each scale covers a
     block ``values.shape[i] // scale.shape[i]`` long on axis i), or is a scalar (one per tensor)::
 
         scaled fp8   values (in, out) float8_e4m3fn   scale ()            float32
+                     (per output channel)             scale (1, out)      float32
         GGUF Q8_0    values (in, out) int8            scale (in/32, out)  float16
 
     A pytree (its two arrays are leaves), so it is placed, sharded, keyed and traced like any
@@ -54,6 +58,33 @@ class Quantised:
     @property
     def nbytes(self) -> int:
         return int(self.values.nbytes) + int(self.scale.nbytes)
+
+    @property
+    def per_output(self) -> bool:
+        """Whether the scale varies along the last (output) axis only: one per tensor, or one per
+        output channel (a scaled fp8 file's ``(out, 1)`` scales, ``(1, out)`` here). Such a scale
+        commutes with a product over the other axes; a block scale along the input (GGUF Q8_0's
+        ``(in/32, out)``) does not."""
+        return all(m == 1 for m in self.scale.shape[:-1])
+
+    def converted(self, dtype: Any) -> Quantised:
+        """The values in ``dtype`` (the compute dtype), the scale as it is: what ``product`` takes."""
+        return Quantised(self.values.astype(dtype), self.scale)
+
+    def product(self, x: Any) -> Any:
+        """``x @ (values * scale)`` for a 2-D weight, in ``x.dtype``. With a per-output scale it is
+        ``(x @ values) * scale``: the scale multiplies the float32 accumulator in the GEMM's epilogue,
+        so the values' convert fuses into the GEMM's operand read and no scaled copy of the weight is
+        written (seen in the HLO compiled for an H200: one kernel, against two with the scale on the
+        weight; a bf16 product before the scale left a second kernel for per-channel scales). Any
+        other scale is expanded onto the weight first."""
+        if not self.per_output:
+            return x @ self.expand(x.dtype)
+        y = jnp.matmul(x, self.values.astype(x.dtype), preferred_element_type=jnp.float32)  # (..., out)
+        scale = self.scale.astype(jnp.float32)
+        if scale.ndim:
+            scale = scale.reshape((1,) * (y.ndim - 1) + (-1,))  # (1, ..., 1, out): no rank promotion
+        return (y * scale).astype(x.dtype)
 
     def expand(self, dtype: Any) -> Any:
         """``values * scale`` in float32 (the arithmetic a host dequantisation does), then ``dtype``."""

@@ -28,8 +28,14 @@ A weight stored in a compact form with scales (a scaled fp8 file's ``F8_E4M3`` w
 float32 per-tensor scale; a GGUF ``Q8_0`` weight's int8 values and per-block scales) is one
 ``preheat.models.quantised.Quantised`` value on the device: a pytree of the stored values and
 their scale, which ``upcast`` expands to ``values * scale`` in the compute dtype, in the same
-place it converts a plain fp8 weight. Every other path (placement on a mesh, compile keys,
-placeholders for prefetch) sees its two arrays as it sees any leaves.
+place it converts a plain fp8 weight. A Linear layer's weight whose scale is per tensor or per
+output channel is not expanded: ``upcast`` converts its values and keeps the scale, and the layer
+scales the matmul's output (``Quantised.product``: ``(x @ values) * scale``, the scale in the
+GEMM's epilogue), so on a GPU the GEMM reads the fp8 values itself, as it reads a plain fp8
+weight, instead of a separate kernel writing a scaled bf16 copy of every weight at every step.
+Block scales along the input (GGUF Q8_0) and Conv / Embedding weights are expanded as before.
+Every other path (placement on a mesh, compile keys, placeholders for prefetch) sees its two
+arrays as it sees any leaves.
 """
 
 from __future__ import annotations
@@ -75,26 +81,44 @@ def layerwise(extra: Sequence[str] = (), options: Any = None) -> Callable[[str],
 
 def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     """``params`` with every fp8 leaf converted to ``dtype`` (the compute dtype); the rest as they
-    are. Called inside the jitted apply, so the device keeps fp8 and XLA places the converts.
+    are. Called inside the jitted apply, so the device keeps fp8 and XLA places the converts. A
+    ``Quantised`` Linear weight with a per-tensor or per-output-channel scale stays ``Quantised``
+    (its values converted, its scale as it is) for the layer to scale its product; any other is
+    expanded to ``values * scale``.
 
     ``tie``: a value of this step (the sample). Without it XLA's loop-invariant code motion hoists
     every convert out of the sampling loop (seen in the compiled HLO on CPU), so a call would hold
     a full-precision copy of every weight; an optimization barrier shared with ``tie`` makes the
-    weights a value of the step, so each is converted where it is used, step by step."""
+    weights a value of the step, so each is converted where it is used, step by step. Only the
+    stored values go through it: a bias or scale that did was no longer fused into the GEMM's
+    epilogue on the GPU (the H200 HLO: a second kernel per layer re-reading the GEMM's output)."""
     def stored(x: Any) -> bool:
         return isinstance(x, Quantised) or is_low(x.dtype)
 
-    if not any(stored(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantised)):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_quantised)
+    picks = [i for i, (_, x) in enumerate(flat) if stored(x)]
+    if not picks:
         return params
+    values = [flat[i][1].values if isinstance(flat[i][1], Quantised) else flat[i][1] for i in picks]
     if tie is not None:
-        params, _ = jax.lax.optimization_barrier((params, tie))
+        values, _ = jax.lax.optimization_barrier((values, tie))
+    out = [x for _, x in flat]
+    for i, v in zip(picks, values):
+        path, x = flat[i]
+        if not isinstance(x, Quantised):
+            out[i] = v.astype(dtype)
+        elif _linear_kernel(path, x) and x.per_output:
+            out[i] = Quantised(v, x.scale).converted(dtype)  # the Linear scales its product (Quantised.product)
+        else:
+            out[i] = Quantised(v, x.scale).expand(dtype)
+    return jax.tree_util.tree_unflatten(treedef, out)
 
-    def expand(x: Any) -> Any:
-        if isinstance(x, Quantised):
-            return x.expand(dtype)
-        return x.astype(dtype) if is_low(x.dtype) else x
 
-    return jax.tree.map(expand, params, is_leaf=is_quantised)
+def _linear_kernel(path: Any, x: Quantised) -> bool:
+    """Whether a leaf is a Linear layer's weight: a 2-D ``kernel`` (the convention ``weights`` maps
+    torch keys by), which ``layers.Linear`` applies. Conv kernels (4-D) and embeddings are expanded."""
+    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return bool(names) and names[-1] == "kernel" and len(x.shape) == 2
 
 
 def check_weights_dtype(weights_dtype: str, mesh: Any = None, weights_layers: str = "layerwise") -> None:
