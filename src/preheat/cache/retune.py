@@ -194,8 +194,10 @@ class IdleRetuner:
         self.timer = timer
         self.repeats = repeats
         self._cond = lock
-        self._candidates: list[Candidate] = []  # the compiler's list (appended on the worker thread)
-        self._taken = 0  # how many of them were taken
+        # the compiler's list: appended on the worker thread (aot hits), taken from the front here
+        # (taken ones are dropped: the old executable and its arguments are not held after)
+        self._candidates: list[Candidate] = []
+        self._seen: set[str] = set()  # keys taken (two signatures may share an entry: retuned once)
         self._executables: dict[Any, Any] = {}
         self._compile: Optional[Callable[[Callable[[Any], Any], Any], tuple[Any, dict[str, bytes]]]] = None
         self._work: Optional[_Work] = None
@@ -211,7 +213,7 @@ class IdleRetuner:
     @property
     def waiting(self) -> int:
         """Candidates not yet retuned (the one in progress included)."""
-        return len(self._candidates) - self._taken + (self._work is not None)
+        return len({c.key for c in self._candidates} - self._seen) + (self._work is not None)
 
     @property
     def busy(self) -> bool:
@@ -227,10 +229,12 @@ class IdleRetuner:
             return None
         work = self._work
         if work is None:
-            if self._taken >= len(self._candidates) or idle_for < self.idle_s:
+            self._skip_seen()
+            if not self._candidates or idle_for < self.idle_s:
                 return None
-            work = self._work = _Work(self._candidates[self._taken])
-            self._taken += 1
+            candidate = self._candidates.pop(0)
+            self._seen.add(candidate.key)
+            work = self._work = _Work(candidate)
             work.thread = threading.Thread(target=self._compile_on_thread, args=(work,),
                                            name="preheat-retune-compile", daemon=True)
             work.thread.start()
@@ -244,9 +248,14 @@ class IdleRetuner:
         until notified, e.g. by the compile finishing)."""
         if self._canceled or self._compile is None or self._work is not None:
             return None
-        if self._taken >= len(self._candidates):
+        self._skip_seen()
+        if not self._candidates:
             return None
         return max(0.0, self.idle_s - idle_for)
+
+    def _skip_seen(self) -> None:
+        while self._candidates and self._candidates[0].key in self._seen:
+            self._candidates.pop(0)
 
     def cancel(self) -> None:
         """Drop what is pending (the lock held or not): a compile in flight finishes on its thread
@@ -268,6 +277,9 @@ class IdleRetuner:
         c = work.candidate
         start = time.perf_counter()
         try:
+            if not needs_retune(_read_manifest(c.path)):  # another process on this root retuned it first
+                self._drop(work, f"entry {c.key[:12]} was retuned elsewhere meanwhile; left as it is")
+                return
             work.autotuned, work.files = self._compile(c.program, c.args)
         except Exception as exc:  # noqa: BLE001 - a retune is an optimisation: never a crash
             self._fail(work, exc)
@@ -301,7 +313,7 @@ class IdleRetuner:
             if self._work is not work:  # canceled meanwhile
                 return
         if not needs_retune(_read_manifest(c.path)):  # another process on this root retuned it first
-            self._done(work, "kept", f"entry {c.key[:12]}: retuned elsewhere meanwhile; left as it is")
+            self._drop(work, f"entry {c.key[:12]} was retuned elsewhere meanwhile; left as it is")
             return
         old_s, new_s = statistics.median(work.times["old"]), statistics.median(work.times["new"])
         chosen, result = retune_entry(c.path, c.served, work.autotuned, work.files, c.args,
@@ -326,6 +338,15 @@ class IdleRetuner:
             self._cond.notify_all()
         log.info("preheat cache: idle retune: %s", line)
         self.on_outcome(outcome)
+
+    def _drop(self, work: _Work, line: str) -> None:
+        """End ``work`` with no outcome of its own (the entry changed under it)."""
+        with self._cond:
+            if self._work is not work:
+                return
+            self._work = None
+            self._cond.notify_all()
+        log.info("preheat cache: idle retune: %s", line)
 
     def _fail(self, work: _Work, exc: BaseException) -> None:
         message = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
