@@ -234,7 +234,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         sys.exit(_serve_on_ray(warm_set, backend, max_loras, lora_dir, batch_wait_ms, max_queue, max_steps, grace_s,
                                push_grace_s, host, port, address, replicas, gpus_per_replica,
                                webhook_allow_private or lora_url_allow_private, webhook_allow + lora_url_allow,
-                               max_image_pixels))
+                               max_image_pixels, retune_idle_s))
 
     from preheat.server.core import CoreConfig
     from preheat.server.serve import serve
@@ -257,7 +257,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
 def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optional[str], batch_wait_ms: float, max_queue: int, max_steps: int,
                   grace_s: float, push_grace_s: float, host: str, port: int, address: Optional[str], replicas: int,
                   gpus_per_replica: float, webhook_allow_private: bool, webhook_allow: tuple[str, ...],
-                  max_image_pixels: Optional[int] = None) -> int:
+                  max_image_pixels: Optional[int] = None, retune_idle_s: Optional[float] = 30.0) -> int:
     """``--ray``: the same declaration and limits as one replica's options (preheat.integrations.ray)."""
     from preheat.errors import InvalidArgumentError
 
@@ -283,7 +283,7 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
                                 lora_ranks=tuple(warm_set.lora_ranks), max_loras=max_loras, lora_dir=lora_dir,
                                 max_image_pixels=max_image_pixels, batch_wait_ms=batch_wait_ms,
                                 max_queue=max_queue, max_steps=max_steps, grace_s=grace_s, push_grace_s=push_grace_s,
-                                num_replicas=replicas, num_gpus=gpus_per_replica)
+                                num_replicas=replicas, num_gpus=gpus_per_replica, retune_idle_s=retune_idle_s)
     options.check()
     return on_ray.run(options, address=address, host=host, port=port,
                       announce=lambda line: click.echo(line, err=True))
