@@ -277,7 +277,12 @@ class IdleRetuner:
         c = work.candidate
         start = time.perf_counter()
         try:
-            if not needs_retune(_read_manifest(c.path)):  # another process on this root retuned it first
+            try:
+                current = _read_manifest(c.path)
+            except OSError:  # quarantined or pruned since it was loaded: nothing to retune
+                self._drop(work, f"entry {c.key[:12]} is gone; not retuned")
+                return
+            if not needs_retune(current):  # another process on this root retuned it first
                 self._drop(work, f"entry {c.key[:12]} was retuned elsewhere meanwhile; left as it is")
                 return
             work.autotuned, work.files = self._compile(c.program, c.args)

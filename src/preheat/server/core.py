@@ -172,8 +172,9 @@ class Core:
         with self._cond:
             self._draining = True
             self._cond.notify_all()
-        if self.retuner is not None:
-            self.retuner.cancel()
+        retuner = self.retuner  # set-up may switch it off (None) meanwhile
+        if retuner is not None:
+            retuner.cancel()
 
     def pause(self) -> None:
         """Hold batching: predictions queue up, none starts until :meth:`resume` (tests, maintenance).
@@ -211,8 +212,9 @@ class Core:
             self._cond.notify_all()
         for p in left:
             self._finish(p, "failed", error=SHUT_DOWN)
-        if self.retuner is not None:
-            self.retuner.cancel()
+        retuner = self.retuner  # set-up may switch it off (None) meanwhile
+        if retuner is not None:
+            retuner.cancel()
         self.fetcher.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
