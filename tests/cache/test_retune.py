@@ -74,6 +74,9 @@ def test_cache_ls_label_shows_both_timings():
     assert target_label({"target": target, "autotuned": False, "retune": kept}) == \
         "h200 (kept: 12.5 ms deviceless, 12.7 ms autotuned)"
     assert target_label({"autotuned": False}) == "local"
+    failed = {"failed": "RuntimeError: out of memory", "at": 0}  # a server's idle retune failed
+    assert target_label({"target": target, "autotuned": False, "retune": failed}) == \
+        "h200 (not autotuned; retune failed: RuntimeError: out of memory)"
 
 
 @pytest.fixture()
@@ -253,7 +256,7 @@ def test_idle_retuner_waits_for_idle_retunes_each_entry_once_and_swaps_between_c
         assert retuner.wait_s(idle_for=1.0) == 4.0 and retuner.next_task(idle_for=1.0) is None
         assert retuner.next_task(idle_for=5.0) is None  # the compile starts, on its own thread
         assert retuner.busy and retuner.wait_s(idle_for=5.0) is None  # until it notifies
-        assert lock.wait_for(lambda: retuner._work.ready, 120)
+        assert lock.wait_for(lambda: retuner.compiled, 120)
     jobs = 0
     while retuner.busy:
         with lock:

@@ -216,8 +216,7 @@ def test_requests_are_served_while_the_retune_compiles_and_its_timed_calls_wait_
     thread.start()
     wait_until(lambda: core.queue_depth == 1, 60, "the queued request")
     s.compiles.gate.set()
-    wait_until(lambda: s.compiles.left.is_set() and core.retuner._work is not None and core.retuner._work.ready,
-               120, "the compile")
+    wait_until(lambda: core.retuner.compiled, 120, "the compile")
     time.sleep(0.3)  # room for a worker that took a timed call with a request waiting (none may)
     assert s.timer.batches_seen == []
     batches = core.stats["batches"]

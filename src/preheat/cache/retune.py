@@ -216,6 +216,12 @@ class IdleRetuner:
         return len({c.key for c in self._candidates} - self._seen) + (self._work is not None)
 
     @property
+    def compiled(self) -> bool:
+        """The retune in progress has its autotuned executable: its timed calls are next."""
+        work = self._work
+        return work is not None and work.ready
+
+    @property
     def busy(self) -> bool:
         """A retune is in progress (compiling, or between its timed calls)."""
         return self._work is not None
