@@ -74,6 +74,9 @@ def test_cache_ls_label_shows_both_timings():
     assert target_label({"target": target, "autotuned": False, "retune": kept}) == \
         "h200 (kept: 12.5 ms deviceless, 12.7 ms autotuned)"
     assert target_label({"autotuned": False}) == "local"
+    failed = {"failed": "RuntimeError: out of memory", "at": 0}  # a server's idle retune failed
+    assert target_label({"target": target, "autotuned": False, "retune": failed}) == \
+        "h200 (not autotuned; retune failed: RuntimeError: out of memory)"
 
 
 @pytest.fixture()
@@ -217,3 +220,55 @@ def test_warm_says_what_retuning_did():
         "; kept (the autotuned compile is not faster): 12.5 -> 13 ms"
     assert _retune_note(["skipped: gpu compiles do not autotune"]) == "; skipped: gpu compiles do not autotune"
     assert _retune_note([]) == ""
+
+
+def test_idle_retuner_waits_for_idle_retunes_each_entry_once_and_swaps_between_calls(entry, monkeypatch):
+    """The server's scheduler (``IdleRetuner``) without a server: nothing starts before the idle
+    time; two signatures served from one entry are retuned once; each job is one call; the
+    winner replaces the entry and the served executable. (Its own check that the entry still
+    needs a retune is told that a CPU entry does: it never would.)"""
+    import threading
+
+    monkeypatch.setattr(retune, "needs_retune", lambda m: m.get("autotuned") is False and "retune" not in m)
+
+    path, served, args, expected, before = entry
+    compiler = JaxCompiler(root=path.parents[2], remote=None)
+    lock = threading.Condition()
+    made = []
+
+    def compile_autotuned(program_, args_):
+        executable, files = compiler.compile_autotuned(program_, args_)
+        made.append(executable)
+        return executable, files
+
+    calls = []
+
+    def timer(executable, args_):
+        calls.append(executable)
+        return 0.0100 if executable in made else 0.0125
+
+    retuner = retune.IdleRetuner(idle_s=5.0, lock=lock, timer=timer, repeats=3)
+    executables = {Sig(): served, Sig(batch=8): served}
+    candidates = [retune.Candidate(path.name, path, sig, program, args, served) for sig in executables]
+    retuner.bind(candidates, executables, compile_autotuned)
+    assert retuner.waiting == 1  # one entry
+    with lock:
+        assert retuner.wait_s(idle_for=1.0) == 4.0 and retuner.next_task(idle_for=1.0) is None
+        assert retuner.next_task(idle_for=5.0) is None  # the compile starts, on its own thread
+        assert retuner.busy and retuner.wait_s(idle_for=5.0) is None  # until it notifies
+        assert lock.wait_for(lambda: retuner.compiled, 120)
+    jobs = 0
+    while retuner.busy:
+        with lock:
+            task = retuner.next_task(idle_for=0.0)  # once compiled, a job needs no idle time
+        task()
+        jobs += 1
+    assert jobs == 2 + 2 * 3 + 1 and len(calls) == 2 + 2 * 3  # the untimed pair, 3 timed pairs, the decision
+    assert retuner.stats == {"replaced": 1, "kept": 0, "failed": 0, "canceled": 0}
+    assert executables[Sig()] is made[0] and executables[Sig(batch=8)] is served  # the one it was taken for
+    assert retuner.waiting == 0
+    with lock:
+        assert retuner.next_task(idle_for=60.0) is None and len(made) == 1
+    assert candidates == []  # the second signature's candidate: the same entry, dropped (and not held)
+    assert json.loads((path / "manifest.json").read_text())["retune"]["replaced"] is True
+    np.testing.assert_array_equal(np.asarray(executables[Sig()](args)), expected)

@@ -31,6 +31,8 @@ from preheat.cli.serve import serve_command
     (["--max-fetches", "0"], "--max-fetches 0 must be >= 1"),
     (["--fetch-per-host", "0"], "--fetch-per-host 0 must be >= 1"),
     (["--max-header-bytes", "10"], "--max-header-bytes 10 must be >= 1024"),
+    (["--retune-idle-s", "soon"], "--retune-idle-s 'soon' must be seconds (a number) or off"),
+    (["--retune-idle-s", "-1"], "--retune-idle-s '-1' must be >= 0 seconds, or off"),
 ])
 def test_serve_rejects_bad_options_in_one_line(args: list[str], message: str) -> None:
     result = CliRunner().invoke(serve_command, args)
@@ -65,8 +67,9 @@ def test_serve_ray_passes_the_load_options_to_every_replica(monkeypatch: pytest.
     file = tmp_path / "model.safetensors"
     file.write_bytes(b"")  # never read: run() is replaced
     result = CliRunner().invoke(serve_command, [str(file), "--ray", "--config", str(tmp_path), "--variant", "fp16",
-                                                "--cache", "xla", "--weights-dtype", "float8_e4m3fn", "--no-progress"])
+                                                "--cache", "xla", "--weights-dtype", "float8_e4m3fn", "--no-progress",
+                                                "--retune-idle-s", "off"])
     assert result.exit_code == 0, result.output
     config = seen[0].core_config()  # what each replica's server runs
-    assert (config.model, config.config, config.variant, config.cache, config.weights_dtype, config.progress) == \
-        (str(file), str(tmp_path), "fp16", "xla", "float8_e4m3fn", False)
+    assert (config.model, config.config, config.variant, config.cache, config.weights_dtype, config.progress,
+            config.retune_idle_s) == (str(file), str(tmp_path), "fp16", "xla", "float8_e4m3fn", False, None)

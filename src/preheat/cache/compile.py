@@ -224,17 +224,32 @@ def _persistent_cache_disabled() -> Iterator[None]:
     JAX decides once per process whether the cache is used (``is_cache_used`` latches), so the
     config flag alone does nothing after the first compile: ``reset_cache`` (the public
     ``jax.experimental.compilation_cache`` API) makes it look again, before and after.
+
+    Threads (a server's idle retune compiles beside its worker): the first to enter switches the
+    cache off, the last to leave restores it, so overlapping uses never leave it off.
     """
     from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
-    previous = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    reset_cache()
+    global _disabled_by, _enabled_before
+    with _disable_lock:
+        if _disabled_by == 0:
+            _enabled_before = jax.config.jax_enable_compilation_cache
+            jax.config.update("jax_enable_compilation_cache", False)
+            reset_cache()
+        _disabled_by += 1
     try:
         yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", previous)
-        reset_cache()
+        with _disable_lock:
+            _disabled_by -= 1
+            if _disabled_by == 0:
+                jax.config.update("jax_enable_compilation_cache", _enabled_before)
+                reset_cache()
+
+
+_disable_lock = threading.Lock()
+_disabled_by = 0  # threads inside _persistent_cache_disabled
+_enabled_before = False
 
 
 Items = list[tuple[dict[str, Any], Any, Any, int]]  # (fingerprint, signature, arguments, outputs) per program
@@ -286,6 +301,10 @@ class JaxCompiler(EntryCache):
         # ``preheat warm`` on a GPU sets this: an entry compiled without autotuning that it hits is
         # compiled again here, autotuned, and replaced if faster (``preheat.cache.retune``)
         self.retune = False
+        # ``preheat serve`` on a GPU sets this instead: such hits are served as they are and
+        # collected, for the server to retune while idle (``retune.IdleRetuner``)
+        self.retune_later = False
+        self.retune_candidates: list[Any] = []  # preheat.cache.retune.Candidate, in the order hit
         if mode in ("full", "xla"):
             configure_persistent_cache(self.root)
 
@@ -303,7 +322,7 @@ class JaxCompiler(EntryCache):
             if compiled is not None:  # loaded in the background: only the wait is on this thread's path
                 timings = Timings(trace_lower_s=0.0, compile_s=waited, cache_layer="aot")
                 self._note(record, timings)
-                return self._maybe_retune(key, program, args, compiled, record), timings
+                return self._maybe_retune(key, sig, program, args, compiled, record), timings
             # the background load missed or failed (quarantined): compile, as a miss here would
         elif self.mode == "full":
             start = time.perf_counter()
@@ -311,7 +330,7 @@ class JaxCompiler(EntryCache):
             if compiled is not None:
                 timings = Timings(trace_lower_s=0.0, compile_s=time.perf_counter() - start, cache_layer="aot")
                 self._note(record, timings)
-                return self._maybe_retune(key, program, args, compiled, record), timings
+                return self._maybe_retune(key, sig, program, args, compiled, record), timings
             record["miss"] = self._explain_miss(fields)
 
         start = time.perf_counter()
@@ -338,11 +357,12 @@ class JaxCompiler(EntryCache):
         self._note(record, timings)
         return compiled, timings
 
-    def _maybe_retune(self, key: str, program: Callable[..., Any], args: Any, served: Any,
+    def _maybe_retune(self, key: str, sig: Any, program: Callable[..., Any], args: Any, served: Any,
                       record: dict[str, Any]) -> Any:
         """With ``retune`` on, on a backend that autotunes: an entry that was not autotuned gets an
-        autotuned compile, and the faster of the two serves and stays (``preheat.cache.retune``)."""
-        if not self.retune:
+        autotuned compile, and the faster of the two serves and stays (``preheat.cache.retune``).
+        With ``retune_later`` on, such an entry serves as it is and is remembered for later."""
+        if not (self.retune or self.retune_later):
             return served
         from preheat.cache import retune
 
@@ -353,23 +373,32 @@ class JaxCompiler(EntryCache):
             return served
         if not retune.needs_retune(manifest):
             return served
+        if not self.retune:
+            self.retune_candidates.append(retune.Candidate(key, path, sig, program, args, served))
+            return served
         if not retune.autotunes_here():
             record["retune"] = f"skipped: {jax.devices()[0].platform} compiles do not autotune"
             return served
-        from preheat.cache.serialized import serialize
-
         start = time.perf_counter()
         try:
-            with _persistent_cache_disabled():
-                autotuned = jax.jit(program).lower(args).compile()
+            autotuned, files = self.compile_autotuned(program, args)
             compile_s = time.perf_counter() - start
-            chosen, result = retune.retune_entry(path, served, autotuned, {EXECUTABLE: serialize(autotuned)}, args)
+            chosen, result = retune.retune_entry(path, served, autotuned, files, args)
         except Exception as exc:  # a retune is an optimisation: the entry keeps serving as it is
             record["retune"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
             log.warning("preheat cache: retuning entry %s failed (%s); it serves as it is", key[:12], exc)
             return served
         record["retune"] = {**result._asdict(), "compile_s": compile_s}
         return chosen
+
+    def compile_autotuned(self, program: Callable[..., Any], args: Any) -> tuple[Any, dict[str, bytes]]:
+        """``program`` compiled afresh on the local devices (where XLA autotunes), never from JAX's
+        persistent cache, and its entry's files (the serialized executable)."""
+        from preheat.cache.serialized import serialize
+
+        with _persistent_cache_disabled():
+            autotuned = jax.jit(program).lower(args).compile()
+        return autotuned, {EXECUTABLE: serialize(autotuned)}
 
     def start_early(self, startup_id: str, mesh: Any = None) -> None:
         """Begin deserialising the executables the last start with ``startup_id`` prefetched (see

@@ -86,6 +86,8 @@ def target_label(manifest: dict[str, Any]) -> str:
         return "local"
     label = f"{target.get('name', '?')}"
     tune = manifest.get("retune")
+    if isinstance(tune, dict) and "failed" in tune:  # the idle retune of a server failed: it serves as it was
+        return f"{label} (not autotuned; retune failed: {tune['failed']})"
     if isinstance(tune, dict):
         times = f"{1e3 * float(tune.get('deviceless_s', 0)):.3g} ms deviceless, " \
                 f"{1e3 * float(tune.get('autotuned_s', 0)):.3g} ms autotuned"

@@ -114,6 +114,11 @@ def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--
               help="On SIGTERM, how long in-flight predictions may take to finish.")
 @click.option("--push-grace-s", default=30.0, show_default=True, type=float,
               help="At shutdown, how long uploads to PREHEAT_CACHE_URL (run in the background) may take.")
+@click.option("--retune-idle-s", "retune_idle_s_text", default="30", show_default=True, metavar="SECONDS|off",
+              help="On a GPU: after this long without a request, executables served from entries compiled without "
+                   "autotuning (warm --target) are compiled again, autotuned, in the background, timed against the "
+                   "served ones between requests, and swapped in (and their entries replaced) when faster. "
+                   "0 or off: never.")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=int,
               help="Largest request body (any transfer encoding); beyond it, 413.")
 @click.option("--header-timeout-s", default=10.0, show_default=True, type=float,
@@ -170,7 +175,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                   batch_wait_ms: float, max_queue: int, max_steps: int,
                   samplers_text: Optional[str], sizes_text: Optional[str], guidance_text: str,
                   lora_ranks_text: Optional[str], max_loras: int, lora_dir: Optional[str], grace_s: float,
-                  push_grace_s: float,
+                  push_grace_s: float, retune_idle_s_text: str,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
                   webhook_allow: tuple[str, ...], lora_url_allow_private: bool, lora_url_allow: tuple[str, ...],
                   fetch_connect_timeout_s: float, fetch_deadline_s: float, max_lora_bytes: int, max_image_bytes: int,
@@ -191,6 +196,9 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                   max_body_bytes)
     if push_grace_s < 0:
         raise InvalidArgumentError(f"--push-grace-s {push_grace_s} must be >= 0")
+    from preheat.server.config import parse_idle_s
+
+    retune_idle_s = parse_idle_s(retune_idle_s_text)
     if max_loras < 1:
         raise InvalidArgumentError(f"--max-loras {max_loras} must be >= 1")
     if max_image_pixels < 1:
@@ -226,7 +234,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         sys.exit(_serve_on_ray(warm_set, backend, max_loras, lora_dir, batch_wait_ms, max_queue, max_steps, grace_s,
                                push_grace_s, host, port, address, replicas, gpus_per_replica,
                                webhook_allow_private or lora_url_allow_private, webhook_allow + lora_url_allow,
-                               max_image_pixels))
+                               max_image_pixels, retune_idle_s))
 
     from preheat.server.core import CoreConfig
     from preheat.server.serve import serve
@@ -234,7 +242,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     config = CoreConfig.from_warm_set(warm_set, backend=backend, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
                                       max_steps=max_steps, push_grace_s=push_grace_s, compile=compile_mode,
                                       max_loras=max_loras, lora_dir=lora_dir, lora_urls=lora_urls, fetch=fetch,
-                                      max_image_pixels=max_image_pixels)
+                                      max_image_pixels=max_image_pixels, retune_idle_s=retune_idle_s)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
@@ -249,7 +257,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
 def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optional[str], batch_wait_ms: float, max_queue: int, max_steps: int,
                   grace_s: float, push_grace_s: float, host: str, port: int, address: Optional[str], replicas: int,
                   gpus_per_replica: float, webhook_allow_private: bool, webhook_allow: tuple[str, ...],
-                  max_image_pixels: Optional[int] = None) -> int:
+                  max_image_pixels: Optional[int] = None, retune_idle_s: Optional[float] = 30.0) -> int:
     """``--ray``: the same declaration and limits as one replica's options (preheat.integrations.ray)."""
     from preheat.errors import InvalidArgumentError
 
@@ -275,7 +283,7 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
                                 lora_ranks=tuple(warm_set.lora_ranks), max_loras=max_loras, lora_dir=lora_dir,
                                 max_image_pixels=max_image_pixels, batch_wait_ms=batch_wait_ms,
                                 max_queue=max_queue, max_steps=max_steps, grace_s=grace_s, push_grace_s=push_grace_s,
-                                num_replicas=replicas, num_gpus=gpus_per_replica)
+                                num_replicas=replicas, num_gpus=gpus_per_replica, retune_idle_s=retune_idle_s)
     options.check()
     return on_ray.run(options, address=address, host=host, port=port,
                       announce=lambda line: click.echo(line, err=True))

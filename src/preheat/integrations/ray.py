@@ -107,6 +107,7 @@ class RayOptions:
     batch_wait_ms: float = 10.0
     max_queue: int = 64
     max_steps: int = 200
+    retune_idle_s: Optional[float] = 30.0  # preheat.server.config.RETUNE_IDLE_S (None: off)
     grace_s: float = 30.0
     push_grace_s: float = 30.0
     cache_home: Optional[str] = None

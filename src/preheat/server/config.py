@@ -11,7 +11,24 @@ from typing import Any, Iterable, Mapping, Optional
 from preheat.errors import InvalidArgumentError, PreheatError
 from preheat.warm import GUIDANCE_MODES, WarmSet
 
-__all__ = ["CoreConfig", "load_pipeline", "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting"]
+__all__ = ["CoreConfig", "load_pipeline", "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting",
+           "RETUNE_IDLE_S", "parse_idle_s"]
+
+RETUNE_IDLE_S = 30.0  # the default --retune-idle-s: a lull, not the gap between two requests of a burst
+
+
+def parse_idle_s(value: Any, label: str = "--retune-idle-s") -> Optional[float]:
+    """``--retune-idle-s`` / ``PREHEAT_RETUNE_IDLE_S``: seconds >= 0, or "off" (0 is off too) -> None."""
+    text = str(value).strip().lower()
+    if text in ("off", "none", "false", "no"):
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise InvalidArgumentError(f"{label} {value!r} must be seconds (a number) or off", argument=label) from None
+    if not seconds >= 0 or seconds == float("inf"):
+        raise InvalidArgumentError(f"{label} {value!r} must be >= 0 seconds, or off", argument=label)
+    return seconds or None
 
 
 @dataclass
@@ -44,6 +61,9 @@ class CoreConfig:
     lora_urls: Any = None  # server.webhooks.WebhookPolicy for requests' http(s) LoRA URLs (None: public only)
     fetch: Any = None  # server.fetch.FetchConfig: timeouts, size caps, slots of those fetches (None: defaults)
     max_image_pixels: Optional[int] = None  # width x height of a request's image (None: image_input's 4096²)
+    # on a GPU, executables served from entries compiled without autotuning (`warm --target`) are
+    # compiled again, autotuned, after this long without a request, and swapped if faster (None: off)
+    retune_idle_s: Optional[float] = RETUNE_IDLE_S
 
     def warm_set(self) -> WarmSet:
         """The declaration this server warms (the same object ``preheat warm`` compiles)."""
@@ -74,7 +94,7 @@ class CoreConfig:
 ENV_SETTINGS: tuple[str, ...] = (
     "model", "dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "progress", "max_batch_size",
     "samplers", "sizes", "guidance", "devices", "fsdp", "lora_ranks", "max_loras", "lora_dir", "max_image_pixels",
-    "batch_wait_ms", "max_queue", "max_steps")
+    "batch_wait_ms", "max_queue", "max_steps", "retune_idle_s")
 _INTS = ("max_batch_size", "fsdp", "max_loras", "max_image_pixels", "max_queue", "max_steps")
 _FLOATS = ("batch_wait_ms",)
 _LISTS = ("samplers", "guidance")
@@ -125,6 +145,8 @@ def _typed(name: str, value: Any, label: str) -> Any:
             return on_off(value, label)
         except ValueError as err:
             raise InvalidArgumentError(str(err), argument=label) from None
+    if name == "retune_idle_s":
+        return parse_idle_s(value, label)
     if name in _INTS or name in _FLOATS:
         kind = int if name in _INTS else float
         try:

@@ -17,6 +17,12 @@ else it finishes and a canceled member's images are dropped. A client that goes 
 (:meth:`Core.abandon`) cancels its prediction while it is still waiting (a stream's, running too).
 Progress: every step of a batch adds ``step k/N`` to each member's logs and a "log" event.
 
+Idle retune (``retune_idle_s``; on a GPU only): executables the warm-up loaded from entries that
+were compiled without autotuning (``preheat warm --target``) are compiled again, autotuned, on a
+thread of their own once the server has been idle that long; the worker then takes the timed
+calls that compare the two one at a time, only while no prediction waits, and swaps the faster
+one in between batches (``preheat.cache.retune.IdleRetuner``).
+
 Images are per-request exact: a request with ``seed=s`` and n images puts seeds s..s+n-1 in
 the batch, and the engine draws every image's noise from its own seed only. Padding slots get
 seed 0 / class 0 and are dropped. The same bucket size gives bit-identical pixels to
@@ -101,6 +107,14 @@ class Core:
         self._batch_ids = itertools.count(1)
         self.stats = {"batches": 0, "images": 0, "padded": 0, "traffic_compiles": 0}
         self._died: Optional[str] = None  # why the worker thread died after set-up (DEFUNCT)
+        self._idle_since = time.monotonic()  # when the last batch ended (or set-up did)
+        # the idle retune of not-autotuned entries (None: off, or this backend does not autotune)
+        self.retuner: Any = None
+        if config.retune_idle_s is not None:
+            from preheat.cache.retune import IdleRetuner
+
+            self.retuner = IdleRetuner(config.retune_idle_s, self._cond)
+            self.retuner.on_outcome = lambda outcome: self.metrics.retunes.labels(outcome=outcome).inc()
 
     @property
     def defunct(self) -> Optional[str]:
@@ -154,10 +168,13 @@ class Core:
             return len(self._pending) + len(self._running)
 
     def begin_drain(self) -> None:
-        """Refuse new predictions from now on; accepted ones still run."""
+        """Refuse new predictions from now on; accepted ones still run. A pending retune is dropped."""
         with self._cond:
             self._draining = True
             self._cond.notify_all()
+        retuner = self.retuner  # set-up may switch it off (None) meanwhile
+        if retuner is not None:
+            retuner.cancel()
 
     def pause(self) -> None:
         """Hold batching: predictions queue up, none starts until :meth:`resume` (tests, maintenance).
@@ -195,6 +212,9 @@ class Core:
             self._cond.notify_all()
         for p in left:
             self._finish(p, "failed", error=SHUT_DOWN)
+        retuner = self.retuner  # set-up may switch it off (None) meanwhile
+        if retuner is not None:
+            retuner.cancel()
         self.fetcher.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
@@ -485,6 +505,7 @@ class Core:
         compiler = pipe.compiler
         if compiler is not None and hasattr(compiler, "defer_pushes"):
             compiler.defer_pushes()  # uploads never hold up READY or a request
+        self._prepare_retune(pipe)
         self.warm = resolve(pipe, self.warm)  # refuses an unusable --sizes entry before READY, in one line
         self.samplers = self.warm.samplers
         self.limits = replace(self.limits, sizes=self.warm.sizes)  # () where the model makes its own size only
@@ -512,7 +533,33 @@ class Core:
             compiler.push_missing()  # local entries the store lacks (queued: READY does not wait)
         total = time.perf_counter() - start
         self.metrics.setup_seconds.set(total)
+        if self.retuner is not None and self.retuner.waiting:
+            self._setup_log(f"{self.retuner.waiting} executable(s) served from entries compiled without autotuning; "
+                            f"each is retuned after {self.config.retune_idle_s:g}s idle")
         self._setup_log(f"ready in {total:.2f}s; buckets {list(self.buckets)}; samplers {list(self.samplers)}")
+
+    def _prepare_retune(self, pipe: Any) -> None:
+        """Before warm-up: have the compile cache collect the executables it serves from
+        not-autotuned entries, where this backend autotunes (a GPU); elsewhere switch it off."""
+        if self.retuner is None:
+            return
+        compiler = pipe.compiler
+        executables = getattr(pipe, "_executables", None)
+        if compiler is None or not hasattr(compiler, "retune_later") or executables is None:
+            log.debug("idle retune: off (this backend's compile cache has no executables to retune)")
+            self.retuner = None
+            return
+        from preheat.cache import retune
+
+        if not retune.autotunes_here():
+            import jax
+
+            log.debug("idle retune: off (%s compiles do not autotune)", jax.devices()[0].platform)
+            self.retuner = None
+            return
+        compiler.retune_later = True
+        self.retuner.bind(compiler.retune_candidates, executables, compiler.compile_autotuned)
+        self.metrics.watch_retune(self.retuner)
 
     def signatures(self) -> list[WarmSignature]:
         """Every program a valid request can reach (``preheat.warm.signatures`` of the
@@ -521,12 +568,23 @@ class Core:
 
     def _serve(self) -> None:
         wait_s = self.config.batch_wait_ms / 1000.0
+        self._idle_since = time.monotonic()
         while True:
+            task = None
             with self._cond:
                 while (not self._pending or self._paused) and not self._stopping:
-                    self._cond.wait()
+                    task = self._idle_task()
+                    if task is not None:
+                        break
+                    self._cond.wait(self._idle_wait())
                 if self._stopping:
                     return
+            if task is not None:  # one timed call of a retune (or its decision): a request waits behind it at most
+                task()
+                continue
+            with self._cond:
+                if (not self._pending or self._paused) or self._stopping:
+                    continue
                 while True:
                     batch, images = self._collect()
                     if not batch:  # the head was canceled while we waited
@@ -556,8 +614,21 @@ class Core:
             finally:
                 with self._cond:
                     self._running = []
+                    self._idle_since = time.monotonic()
                     self.metrics.running.set(0)
                     self._cond.notify_all()
+
+    def _idle_task(self) -> Optional[Callable[[], None]]:
+        """With the lock held: the retune's next job when no prediction waits (None: nothing to do)."""
+        if self.retuner is None or self._pending or self._draining:
+            return None
+        return self.retuner.next_task(time.monotonic() - self._idle_since)
+
+    def _idle_wait(self) -> Optional[float]:
+        """How long the worker may sleep before the retune's idle time is up (None: until notified)."""
+        if self.retuner is None or self._pending or self._draining:
+            return None
+        return self.retuner.wait_s(time.monotonic() - self._idle_since)
 
     def _collect(self) -> tuple[list[Prediction], int]:
         """The head of the queue plus every later prediction with its batch key that still fits."""

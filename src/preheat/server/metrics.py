@@ -14,6 +14,7 @@ __all__ = ["CoreMetrics", "HttpMetrics", "Forward", "LoraMetrics", "FetchMetrics
 COMPILE_PHASES = ("traffic",)  # programs compiled after READY (warm-up's are preheat_warmup_programs)
 PREDICTION_STATUSES = ("succeeded", "failed", "canceled")  # Cog's final statuses (predictions.TERMINAL)
 CACHE_LAYERS = ("memory", "aot", "xla", "none")  # where an executable came from (preheat.timings)
+RETUNE_OUTCOMES = ("replaced", "kept", "failed", "canceled")  # an idle retune's end (preheat.cache.retune)
 _IMAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -43,6 +44,11 @@ class CoreMetrics:
                                     ["bucket", "sampler", "guided", "cache_layer"], registry=r)
         self.ready = Gauge("preheat_ready", "1 when set-up succeeded and the server accepts predictions", registry=r)
         self.setup_seconds = Gauge("preheat_setup_seconds", "Model load + warm-up time", registry=r)
+        self.retunes = Counter("preheat_retunes", "Idle retunes of entries compiled without autotuning, by outcome "
+                               "(replaced: the autotuned compile was faster and now serves; kept; failed; canceled)",
+                               ["outcome"], registry=r)
+        self.retunes_waiting = Gauge("preheat_retunes_waiting", "Served executables from not-autotuned entries not "
+                                     "yet retuned (0 where the backend does not autotune)", registry=r)
         # every labelled series a scrape can expect exists from the start, at zero (a dashboard's
         # rate() needs the zero; a series that appears only on the first compile has no "before")
         for phase in COMPILE_PHASES:
@@ -51,6 +57,12 @@ class CoreMetrics:
             self.predictions.labels(status=status)
         for layer in CACHE_LAYERS:
             self.warmup_programs.labels(cache_layer=layer)
+        for outcome in RETUNE_OUTCOMES:
+            self.retunes.labels(outcome=outcome)
+
+    def watch_retune(self, retuner: Any) -> None:
+        """``preheat_retunes_waiting`` reads a ``preheat.cache.retune.IdleRetuner`` at each scrape."""
+        self.retunes_waiting.set_function(lambda: retuner.waiting)
 
     def watch_loras(self, runtime: Any) -> None:
         """Expose a ``preheat.lora.LoraRuntime``'s LRU counts (once per registry). The runtime, not

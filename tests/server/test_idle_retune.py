@@ -1,0 +1,287 @@
+"""`preheat serve`'s idle retune (``--retune-idle-s``; ``preheat.cache.retune.IdleRetuner``), on a
+real server on 127.0.0.1 with a real HTTP client.
+
+XLA:CPU does not autotune, and its entries say ``platform: cpu``, so two things are injected, as
+tests/cache/test_retune.py does: the GPU's trigger (``autotunes_here`` -> True, and
+``needs_retune`` that takes a CPU entry compiled without autotuning), and the two timings (the
+``timer`` seam; each timed call still runs the executable on the worker). Everything else is
+real: entries written by a warm-up, loaded by a fresh pipeline, compiled again on a thread of its
+own, swapped in memory and replaced on disk. The compile is held on an Event the test controls,
+so that "while it compiles" is a state, never a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+import preheat
+from preheat.cache import retune
+from preheat.cache.entries import iter_entries, open_entry, rewrite_manifest
+from preheat.errors import InvalidArgumentError
+from preheat.server.config import parse_idle_s
+from preheat.server.core import Core, CoreConfig
+from preheat.server.images import decode_data_url
+from tests._support.server_fixtures import metric, serving, wait_until
+
+DEVICELESS_S, AUTOTUNED_S = 0.0125, 0.0100  # injected: the autotuned compile is 20% faster
+BODY = {"input": {"seed": 5, "class_label": 3}}
+
+
+def _needs_retune_any_platform(manifest: dict[str, Any]) -> bool:
+    """``needs_retune`` without its GPU-only clause: a CPU entry is never autotuned either."""
+    return manifest.get("autotuned") is False and "retune" not in manifest
+
+
+@pytest.fixture(scope="module")
+def warm_root(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache root holding the entries a server's warm-up wrote (compiled here: not autotuned)."""
+    root = tmp_path_factory.mktemp("retune-root")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PREHEAT_HOME", str(root))
+        core = Core(_config(model_dir, None), pipe=preheat.load(model_dir)).start()
+        try:
+            assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+            assert "cache: none" in core.setup.logs[-2]  # compiled and stored
+        finally:
+            core.close()
+    return root
+
+
+def _config(model_dir: Path, idle_s: float | None) -> CoreConfig:
+    return CoreConfig(model=str(model_dir), max_batch_size=1, guidance=("on",), batch_wait_ms=0,
+                      retune_idle_s=idle_s)
+
+
+def _entries(root: Path) -> list[Path]:
+    return list(iter_entries(root / "compile" / "jax"))
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    return json.loads((path / "manifest.json").read_text())
+
+
+class Compiles:
+    """Wraps the compiler's ``compile_autotuned``: counts calls, holds each on ``gate`` while it is
+    clear, and remembers what it returned."""
+
+    def __init__(self, real: Any, fail: bool = False) -> None:
+        self.real, self.fail = real, fail
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered, self.left = threading.Event(), threading.Event()
+        self.calls = 0
+        self.made: list[Any] = []
+
+    def __call__(self, program: Any, args: Any) -> Any:
+        self.calls += 1
+        self.entered.set()
+        assert self.gate.wait(120)
+        try:
+            if self.fail:
+                raise RuntimeError("out of memory while autotuning\nsecond line")
+            executable, files = self.real(program, args)
+            self.made.append(executable)
+            return executable, files
+        finally:
+            self.left.set()
+
+
+class Timer:
+    """The injected timings: each call really runs the executable (on the worker), and records
+    how many batches had run by then."""
+
+    def __init__(self, core: Core, compiles: Compiles, fail: bool = False) -> None:
+        self.core, self.compiles, self.fail = core, compiles, fail
+        self.batches_seen: list[int] = []
+
+    def __call__(self, executable: Any, args: Any) -> float:
+        self.batches_seen.append(self.core.stats["batches"])
+        retune.timed_call(executable, args)
+        if self.fail:
+            raise RuntimeError("device lost while timing")
+        return AUTOTUNED_S if any(executable is e for e in self.compiles.made) else DEVICELESS_S
+
+
+class Served:
+    """A server on a copy of the warm root, with retuning faked to be possible here."""
+
+    def __init__(self, core: Core, pipe: Any, root: Path, compiles: Compiles, timer: Timer) -> None:
+        self.core, self.pipe, self.root, self.compiles, self.timer = core, pipe, root, compiles, timer
+
+
+@pytest.fixture
+def serve(model_dir: Path, warm_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``serve(idle_s, autotuned=False, fail_compile=False, fail_timing=False, hold=False)``: a started
+    server (set up, READY) and an httpx client; the fixture closes them."""
+    monkeypatch.setattr(retune, "autotunes_here", lambda: True)
+    monkeypatch.setattr(retune, "needs_retune", _needs_retune_any_platform)
+    opened: list[Any] = []
+
+    def start(idle_s: float | None, autotuned: bool = False, fail_compile: bool = False, fail_timing: bool = False,
+              hold: bool = False) -> tuple[Served, httpx.Client]:
+        root = tmp_path / f"root-{len(opened)}"
+        shutil.copytree(warm_root, root)
+        if autotuned:
+            for path in _entries(root):
+                rewrite_manifest(path, {**_manifest(path), "autotuned": True})
+        monkeypatch.setenv("PREHEAT_HOME", str(root))
+        pipe = preheat.load(model_dir)
+        compiles = Compiles(pipe.compiler.compile_autotuned, fail=fail_compile)
+        if hold:
+            compiles.gate.clear()
+        pipe.compiler.compile_autotuned = compiles
+        core = Core(_config(model_dir, idle_s), pipe=pipe)
+        timer = Timer(core, compiles, fail=fail_timing)
+        if core.retuner is not None:
+            core.retuner.timer = timer
+        core.start()
+        opened.append(core)
+        assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+        assert "(cache: aot)" in core.setup.logs[1]  # served from the entry at once
+        server = serving(core)
+        srv = server.__enter__()
+        opened.append(server)
+        client = httpx.Client(base_url=srv.url, timeout=120)
+        opened.append(client)
+        return Served(core, pipe, root, compiles, timer), client
+
+    yield start
+    for thing in reversed(opened):
+        if isinstance(thing, Core):
+            thing.close()
+        elif isinstance(thing, httpx.Client):
+            thing.close()
+        else:
+            thing.__exit__(None, None, None)
+
+
+def _image(client: httpx.Client) -> np.ndarray:
+    response = client.post("/predictions", json=BODY)
+    assert response.status_code == 200, response.text
+    snap = response.json()
+    assert snap["status"] == "succeeded", snap
+    return decode_data_url(snap["output"][0])
+
+
+def test_an_idle_server_retunes_its_not_autotuned_entry_and_serves_the_new_executable(serve) -> None:
+    s, client = serve(0.05, hold=True)
+    (entry,) = _entries(s.root)
+    before_manifest = _manifest(entry)
+    (sig, old), = s.pipe._executables.items()
+    before = _image(client)
+    assert s.core.retuner.waiting == 1
+    s.compiles.gate.set()
+    wait_until(lambda: s.core.retuner.stats["replaced"] == 1, 120, "the retune")
+
+    after_manifest = _manifest(entry)
+    assert after_manifest["retune"]["replaced"] is True and after_manifest["autotuned"] is True
+    assert (after_manifest["retune"]["deviceless_s"], after_manifest["retune"]["autotuned_s"]) == (DEVICELESS_S,
+                                                                                                 AUTOTUNED_S)
+    assert after_manifest["fields"] == before_manifest["fields"]
+    assert open_entry(entry.parent, entry.name, before_manifest["fields"]) is not None  # verified afresh
+    (new,) = s.compiles.made
+    assert s.pipe._executables[sig] is new and new is not old  # the server serves the replaced one
+    # one untimed call and TIMED_CALLS timed ones of each, all after the warm-up's batch-free idle
+    assert len(s.timer.batches_seen) == 2 * (1 + retune.TIMED_CALLS)
+    after = _image(client)
+    assert np.array_equal(after, before)  # the same program (XLA:CPU: the same code)
+    assert s.core.stats["traffic_compiles"] == 0 and s.pipe.last.cache_layer == "memory"
+    text = client.get("/metrics").text
+    assert metric(text, "preheat_retunes_total", '{outcome="replaced"}') == 1
+    assert metric(text, "preheat_retunes_waiting") == 0
+    assert client.get("/health-check").json()["status"] == "READY"
+
+
+def test_requests_are_served_while_the_retune_compiles_and_its_timed_calls_wait_for_an_empty_queue(serve) -> None:
+    s, client = serve(0.05, hold=True)
+    core = s.core
+    assert s.compiles.entered.wait(60)  # idle: the autotuned compile began, and is held there
+    before = _image(client)  # served at once, from the old executable, while the compile is held
+    assert not s.compiles.left.is_set() and s.compiles.calls == 1
+    assert s.timer.batches_seen == []
+
+    core.pause()  # a request queued (not yet running) when the compile finishes
+    pending: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: pending.append(httpx.post(f"{client.base_url}/predictions", json=BODY,
+                                                                       timeout=120)))
+    thread.start()
+    wait_until(lambda: core.queue_depth == 1, 60, "the queued request")
+    s.compiles.gate.set()
+    wait_until(lambda: core.retuner.compiled, 120, "the compile")
+    time.sleep(0.3)  # room for a worker that took a timed call with a request waiting (none may)
+    assert s.timer.batches_seen == []
+    batches = core.stats["batches"]
+    core.resume()
+    thread.join(120)
+    assert pending and pending[0].status_code == 200
+    wait_until(lambda: core.retuner.stats["replaced"] == 1, 120, "the retune")
+    assert s.timer.batches_seen and min(s.timer.batches_seen) == batches + 1  # every call after the request
+    assert np.array_equal(decode_data_url(pending[0].json()["output"][0]), before)
+
+
+def test_no_retune_when_off_nor_of_an_autotuned_entry(serve) -> None:
+    s, client = serve(None)  # --retune-idle-s off
+    assert s.core.retuner is None and not s.pipe.compiler.retune_later and s.pipe.compiler.retune_candidates == []
+    manifests = [_manifest(p) for p in _entries(s.root)]
+    _image(client)
+    time.sleep(0.3)  # idle well past what the next server waits
+    assert s.compiles.calls == 0 and [_manifest(p) for p in _entries(s.root)] == manifests
+    assert metric(client.get("/metrics").text, "preheat_retunes_total", '{outcome="replaced"}') == 0
+
+    s, client = serve(0.05, autotuned=True)  # an entry already autotuned
+    assert s.pipe.compiler.retune_candidates == [] and s.core.retuner.waiting == 0
+    manifests = [_manifest(p) for p in _entries(s.root)]
+    _image(client)
+    time.sleep(0.3)
+    assert s.compiles.calls == 0 and [_manifest(p) for p in _entries(s.root)] == manifests
+    assert parse_idle_s("off") is None and parse_idle_s("0") is None and parse_idle_s("2.5") == 2.5
+    with pytest.raises(InvalidArgumentError, match="--retune-idle-s 'soon' must be seconds"):
+        parse_idle_s("soon")
+
+
+@pytest.mark.parametrize("where", ["compile", "timing"])
+def test_a_failed_retune_leaves_the_old_executable_serving_and_the_server_healthy(serve, where: str) -> None:
+    s, client = serve(0.05, hold=True, fail_compile=where == "compile", fail_timing=where == "timing")
+    (entry,) = _entries(s.root)
+    before_manifest = _manifest(entry)
+    (sig, old), = s.pipe._executables.items()
+    before = _image(client)
+    s.compiles.gate.set()
+    wait_until(lambda: s.core.retuner.stats["failed"] == 1, 120, "the failed retune")
+
+    assert s.pipe._executables[sig] is old
+    after_manifest = _manifest(entry)
+    assert after_manifest["retune"]["failed"].startswith("RuntimeError: ")
+    assert {k: v for k, v in after_manifest.items() if k != "retune"} == before_manifest  # the executable stays
+    assert open_entry(entry.parent, entry.name, before_manifest["fields"]) is not None
+    assert np.array_equal(_image(client), before)
+    assert client.get("/health-check").json()["status"] == "READY"
+    assert metric(client.get("/metrics").text, "preheat_retunes_total", '{outcome="failed"}') == 1
+    assert s.core.retuner.waiting == 0  # not retried in a loop
+
+
+def test_shutting_down_cancels_a_pending_retune_and_writes_nothing(serve) -> None:
+    s, client = serve(0.05, hold=True)
+    (entry,) = _entries(s.root)
+    files = {p.name: p.read_bytes() for p in entry.iterdir()}
+    assert s.compiles.entered.wait(60)
+    s.core.close()  # the compile is still held
+    assert s.core.retuner.stats["canceled"] == 1
+    s.compiles.gate.set()
+    assert s.compiles.left.wait(120)  # it finishes on its thread ...
+    thread = threading.enumerate()
+    for t in thread:
+        if t.name == "preheat-retune-compile":
+            t.join(60)
+    assert {p.name: p.read_bytes() for p in entry.iterdir()} == files  # ... and is thrown away
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]
+    assert s.timer.batches_seen == []
