@@ -4,6 +4,7 @@ tests), and a private cache root so tests never touch the user's ~/.cache."""
 from __future__ import annotations
 
 import os
+import re
 
 # XLA:CPU's backend optimisation level 1, not 3: the tiny models tests build spend most of their
 # first call compiling, and level 1 cuts a tiny SD's compile by about a sixth at the same run speed
@@ -58,7 +59,8 @@ def _private_cache_root(tmp_path_factory, monkeypatch):
 # hands files out most-tests-first, so the few-test, compile-heavy files (parity runs, servers,
 # clean venvs) came last and one worker ran alone for minutes at the end. Hand out the heaviest
 # files first instead (longest-processing-time-first). A file's cost is its seconds in the last
-# run that ran it (kept in pytest's cache, .pytest_cache), else HEAVY_FILES (one measured run,
+# run that ran it with the same -m expression (kept in pytest's cache, .pytest_cache, one record per
+# tier: `make test-slow` timing a file's slow tests must not set its place in `make test`), else HEAVY_FILES (one measured run,
 # for a fresh clone); a file known to neither keeps pytest-randomly's place after the known ones'
 # head start, and the tests inside every file keep randomly's order. Only the schedule changes.
 # Seconds per file (>= 10 s), from `.ci/run` on a fresh clone, 2 workers on 2 quiet cores
@@ -89,8 +91,13 @@ HEAVY_FILES: dict[str, float] = {
     # 2026-12-02: the docs check runs the README's and docs/' offline blocks (about 60 s under load)
     "tests/test_docs.py": 60,
 }
-_FILE_SECONDS_KEY = "preheat/file_seconds"
 _file_seconds: dict[str, float] = {}
+
+
+def _file_seconds_key(config: pytest.Config) -> str:
+    """The cache key of this tier's per-file seconds: one per -m expression."""
+    tier = re.sub(r"[^A-Za-z0-9]+", "-", getattr(config.option, "markexpr", "") or "").strip("-") or "all"
+    return f"preheat/file_seconds/{tier}"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -108,7 +115,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     cost = dict(HEAVY_FILES)
     cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
     if cache is not None:
-        cost.update(cache.get(_FILE_SECONDS_KEY, {}))
+        cost.update(cache.get(_file_seconds_key(config), {}))
     first: dict[str, int] = {}
     for i, item in enumerate(items):
         first.setdefault(item.nodeid.split("::", 1)[0], i)
@@ -130,6 +137,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if cache is None or hasattr(session.config, "workerinput") or not _file_seconds:
         return  # the controller (or a run without xdist) records; workers only report
     root = session.config.rootpath
-    known = {path: s for path, s in cache.get(_FILE_SECONDS_KEY, {}).items() if (root / path).is_file()}
+    key = _file_seconds_key(session.config)
+    known = {path: s for path, s in cache.get(key, {}).items() if (root / path).is_file()}
     known.update({path: round(seconds, 1) for path, seconds in _file_seconds.items()})
-    cache.set(_FILE_SECONDS_KEY, known)
+    cache.set(key, known)
