@@ -4,6 +4,7 @@ tests), and a private cache root so tests never touch the user's ~/.cache."""
 from __future__ import annotations
 
 import os
+import re
 
 # XLA:CPU's backend optimisation level 1, not 3: the tiny models tests build spend most of their
 # first call compiling, and level 1 cuts a tiny SD's compile by about a sixth at the same run speed
@@ -58,39 +59,53 @@ def _private_cache_root(tmp_path_factory, monkeypatch):
 # hands files out most-tests-first, so the few-test, compile-heavy files (parity runs, servers,
 # clean venvs) came last and one worker ran alone for minutes at the end. Hand out the heaviest
 # files first instead (longest-processing-time-first). A file's cost is its seconds in the last
-# run that ran it (kept in pytest's cache, .pytest_cache), else HEAVY_FILES (one measured run,
+# run that ran it with the same -m expression (kept in pytest's cache, .pytest_cache, one record per
+# tier: `make test-slow` timing a file's slow tests must not set its place in `make test`), else HEAVY_FILES (one measured run,
 # for a fresh clone); a file known to neither keeps pytest-randomly's place after the known ones'
 # head start, and the tests inside every file keep randomly's order. Only the schedule changes.
-# Seconds per file (>= 10 s), from `.ci/run` on a fresh clone, 2 workers on 2 quiet cores
-# (2026-12-01, 885 s in all; relative cost only).
+# Seconds per file (>= 10 s) of `make test` (not slow, not ray), 2 workers, from the 2026-12-02
+# evening run (3956 tests, 1360 s; pytest's cache), relative cost only. Files with slow or ray tests
+# hold their non-slow part: tests/cache/test_targets.py, test_remote.py, test_unet2d_condition.py and
+# test_torch_compile_cache.py from a loaded partial run (2026-12-03, seconds / 4.3, the loaded-to-quiet
+# ratio of test_stable_diffusion.py in the same runs), the rest the earlier estimate (an overestimate
+# only starts a file early). Replace with a quiet run's seconds (`pytest ... --junitxml`).
 HEAVY_FILES: dict[str, float] = {
-    "tests/backends/test_torch_module_compile.py": 140, "tests/backends/test_torch_compile_cache.py": 116,
-    "tests/backends/test_torch_text_regional.py": 96, "tests/integrations/test_ray.py": 96,
-    "tests/families/test_stable_diffusion.py": 87, "tests/families/test_flow_families.py": 77,
-    "tests/families/test_lora.py": 76, "tests/models/test_unet2d_condition.py": 75, "tests/cache/test_remote.py": 70,
-    "tests/models/test_unet2d.py": 69, "tests/test_devices.py": 64, "tests/test_gpu_check_dry.py": 59,
-    "tests/cache/test_compile_cache.py": 59, "tests/test_builtin_model.py": 52,
-    "tests/server/test_text_to_image.py": 50, "tests/samplers/test_sampler_parity.py": 36,
-    "tests/test_engine.py": 31, "tests/models/test_sd3.py": 30, "tests/models/test_flux.py": 29,
-    "tests/backends/test_bench_compare.py": 25, "tests/backends/test_torch_backend.py": 24,
-    "tests/server/test_hardening.py": 22, "tests/integrations/test_runpod.py": 22, "tests/server/test_server.py": 22,
-    "tests/test_cli.py": 21, "tests/cache/test_warm.py": 21, "tests/server/test_lora_server.py": 21,
-    "tests/backends/test_torch_lora_hotswap.py": 19, "tests/models/test_t5.py": 18, "tests/models/test_vae.py": 17,
-    "tests/models/test_conv_impl.py": 16, "tests/cache/test_remote_store.py": 16,
-    "tests/doctor/test_doctor_gpu.py": 15, "tests/server/test_bench.py": 15, "tests/server/test_sigterm.py": 11,
-    "tests/models/test_clip.py": 10,
-    # files added on 2026-12-01 (stop 33), estimated from that session's loaded runs scaled to a quiet
-    # machine; replace with a quiet .ci/run's seconds
-    "tests/families/test_text_inputs.py": 90, "tests/families/test_family_contract.py": 80,
-    "tests/cache/test_targets.py": 90, "tests/families/test_few_step.py": 60, "tests/test_random_models.py": 50,
-    "tests/test_cli_contract.py": 30,
-    # issue 30's playground and terminal files, estimated as above
-    "tests/server/test_playground.py": 50, "tests/test_terminal.py": 60,
-    # 2026-12-02: the docs check runs the README's and docs/' offline blocks (about 60 s under load)
-    "tests/test_docs.py": 60,
+    "tests/server/test_text_to_image.py": 161, "tests/families/test_stable_diffusion.py": 121,
+    "tests/families/test_family_contract.py": 109, "tests/families/test_image.py": 107,
+    "tests/families/test_few_step.py": 105, "tests/families/test_lora.py": 96,
+    "tests/models/test_unet2d.py": 91, "tests/families/test_flow_families.py": 87,
+    "tests/server/test_lora_server.py": 87, "tests/test_devices.py": 64,
+    "tests/cache/test_compile_cache.py": 59, "tests/samplers/test_sampler_parity.py": 59,
+    "tests/test_docs.py": 59, "tests/test_gpu_check_dry.py": 59, "tests/test_builtin_model.py": 52,
+    "tests/test_cli.py": 51, "tests/models/test_unet2d_condition.py": 45,
+    "tests/server/test_image_sd_server.py": 44, "tests/test_engine.py": 43,
+    "tests/families/test_text_inputs.py": 39, "tests/models/test_single_file.py": 35,
+    "tests/server/test_server.py": 35, "tests/integrations/test_runpod.py": 34,
+    "tests/cache/test_targets.py": 33, "tests/test_progress.py": 33, "tests/server/test_fuzz.py": 32,
+    "tests/server/test_hardening.py": 31, "tests/doctor/test_doctor_gpu.py": 30, "tests/models/test_vae.py": 30,
+    "tests/server/test_bench.py": 30, "tests/families/test_flow_img2img.py": 29,
+    "tests/families/test_flow_inpaint.py": 29, "tests/models/test_flux.py": 29,
+    "tests/backends/test_bench_compare.py": 25, "tests/models/test_scaled_fp8.py": 25,
+    "tests/models/test_storage.py": 25, "tests/cache/test_warm.py": 24, "tests/models/test_t5.py": 24,
+    "tests/backends/test_torch_backend.py": 22, "tests/families/test_kontext.py": 22,
+    "tests/backends/test_torch_image.py": 21, "tests/cache/test_remote_store.py": 21,
+    "tests/test_cli_newcomer.py": 21, "tests/test_terminal.py": 21,
+    "tests/backends/test_torch_lora_hotswap.py": 19, "tests/cache/test_early.py": 19,
+    "tests/models/test_conv_impl.py": 19, "tests/doctor/test_doctor_env.py": 18,
+    "tests/server/test_probe.py": 17, "tests/cache/test_remote.py": 16,
+    "tests/models/test_published_fetch.py": 16, "tests/models/test_clip.py": 15,
+    "tests/test_random_models.py": 15, "tests/families/test_fill.py": 13,
+    "tests/backends/test_torch_compile_cache.py": 12, "tests/doctor/test_doctor_robustness.py": 12,
+    "tests/samplers/test_sampler_runtime.py": 12, "tests/test_wheel.py": 12, "tests/server/test_sigterm.py": 11,
+    "tests/cache/test_startup_overlap.py": 10, "tests/train/test_text_digits.py": 10,
 }
-_FILE_SECONDS_KEY = "preheat/file_seconds"
 _file_seconds: dict[str, float] = {}
+
+
+def _file_seconds_key(config: pytest.Config) -> str:
+    """The cache key of this tier's per-file seconds: one per -m expression."""
+    tier = re.sub(r"[^A-Za-z0-9]+", "-", getattr(config.option, "markexpr", "") or "").strip("-") or "all"
+    return f"preheat/file_seconds/{tier}"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -108,7 +123,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     cost = dict(HEAVY_FILES)
     cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
     if cache is not None:
-        cost.update(cache.get(_FILE_SECONDS_KEY, {}))
+        cost.update(cache.get(_file_seconds_key(config), {}))
     first: dict[str, int] = {}
     for i, item in enumerate(items):
         first.setdefault(item.nodeid.split("::", 1)[0], i)
@@ -130,6 +145,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if cache is None or hasattr(session.config, "workerinput") or not _file_seconds:
         return  # the controller (or a run without xdist) records; workers only report
     root = session.config.rootpath
-    known = {path: s for path, s in cache.get(_FILE_SECONDS_KEY, {}).items() if (root / path).is_file()}
+    key = _file_seconds_key(session.config)
+    known = {path: s for path, s in cache.get(key, {}).items() if (root / path).is_file()}
     known.update({path: round(seconds, 1) for path, seconds in _file_seconds.items()})
-    cache.set(_FILE_SECONDS_KEY, known)
+    cache.set(key, known)

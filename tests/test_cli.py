@@ -55,13 +55,29 @@ def test_sample_writes_grid_images_and_report_then_hits_the_cache(model, tmp_pat
     (["--weights-dtype", "float8_e5m3"], "--weights-dtype"),
     (["--weights-dtype", "float8_e4m3fn", "--backend", "torch"], "applies to backend='jax'"),
 ])
-def test_bad_arguments_exit_with_one_line_and_no_file(model, tmp_path, args, needle):
-    r = preheat("sample", model, *args, "--out" if "--out" not in args else "--quiet",
-                *([tmp_path / "s.png"] if "--out" not in args else []), home=tmp_path / "h", cwd=tmp_path)
-    assert r.returncode != 0
+def test_bad_arguments_exit_with_one_line_and_no_file(model, tmp_path, monkeypatch, args, needle):
+    """In-process (click's CliRunner: the same command, no fresh interpreter to import jax and
+    torch eight times); the real process's exit and stderr are the next test's."""
+    from click.testing import CliRunner
+
+    from preheat.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["sample", str(model), *args, *(["--out", str(tmp_path / "s.png")] if "--out" not in args else ["--quiet"])]
+    r = CliRunner().invoke(main, argv)
+    assert isinstance(r.exception, SystemExit) and r.exit_code != 0, (r.output, r.exception)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("error: "), r.stderr
     assert not (tmp_path / "s.png").exists() and not (tmp_path / "x.jpg").exists()
+
+
+def test_a_bad_argument_exits_the_real_process_with_one_line_and_no_file(model, tmp_path):
+    """A refusal that comes after the model is read (its classes), from `python -m preheat`."""
+    r = preheat("sample", model, "--class", "11", "--out", tmp_path / "s.png", home=tmp_path / "h", cwd=tmp_path)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "unknown class 11" in lines[0], r.stderr
+    assert not (tmp_path / "s.png").exists()
 
 
 def test_sample_stores_the_weights_in_fp8(model, tmp_path):

@@ -4,8 +4,9 @@ on the same tiny random-weight folders and the same initial latents."""
 from __future__ import annotations
 
 import shutil
-
 import threading
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -179,7 +180,33 @@ def test_torch_backend_runs_the_same_folder_with_the_same_latents(folders, pipes
         torch_pipe.generate("x", width=31)  # the same checks as the JAX side
 
 
-def test_every_stage_has_its_own_cache_entry_and_a_restart_loads_all_three(folders, tmp_path):
+class ColdStart(NamedTuple):
+    """SD 1.x's first start on an empty full-mode compile cache of its own."""
+    root: Path  # the cache root it filled
+    pipe: Any
+    image: np.ndarray  # generate("a photo of a cat", steps=2, seed=0)
+    layers: dict[str, str]  # each stage's cache layer on that call
+
+
+@pytest.fixture(scope="module")
+def sd1_cold(folders, tmp_path_factory) -> ColdStart:
+    """One cold start per module (load, then every stage traced, compiled and stored), shared by
+    the tests that need it: they copy its root before they restart on it, so none sees another's
+    entries but the one sampler's entry the restart test adds to it (and counts)."""
+    from preheat.cache.compile import JaxCompiler
+
+    root = tmp_path_factory.mktemp("sd1-cold-cache")
+    pipe = preheat.load(folders["sd1"], cache="off")
+    pipe.compiler = JaxCompiler(root=root, mode="full", remote=None)
+    image = pipe.generate("a photo of a cat", steps=2, seed=0)
+    return ColdStart(root, pipe, image, {s: t.cache_layer for s, t in pipe.last.stages.items()})
+
+
+def _copy_cache(cold: ColdStart, root: Path) -> None:
+    shutil.copytree(cold.root, root, dirs_exist_ok=True)
+
+
+def test_every_stage_has_its_own_cache_entry_and_a_restart_loads_all_three(folders, sd1_cold, tmp_path):
     from preheat.cache.compile import JaxCompiler
 
     def fresh():
@@ -187,17 +214,16 @@ def test_every_stage_has_its_own_cache_entry_and_a_restart_loads_all_three(folde
         pipe.compiler = JaxCompiler(root=tmp_path, mode="full", remote=None)
         return pipe
 
-    first = fresh()
-    a = first.generate("a photo of a cat", steps=2, seed=0)
-    assert {s: t.cache_layer for s, t in first.last.stages.items()} == {"encode": "none", "denoise": "none",
-                                                                        "decode": "none"}
+    first, a = sd1_cold.pipe, sd1_cold.image
+    assert sd1_cold.layers == {"encode": "none", "denoise": "none", "decode": "none"}
     # another sampler and step count: only the denoising program is new; the encoder's is shared
     first.generate("a red fox", steps=3, sampler="euler", seed=0)
     assert first.last.stages["encode"].cache_layer == "memory"
     assert first.last.stages["decode"].cache_layer == "memory"
     assert first.last.stages["denoise"].cache_layer == "none"
-    entries = [p for p in (tmp_path / "compile" / "jax").iterdir() if not p.name.startswith(".")]
+    entries = [p for p in (sd1_cold.root / "compile" / "jax").iterdir() if not p.name.startswith(".")]
     assert len(entries) == 4  # encode, decode, and one denoising program per sampler
+    _copy_cache(sd1_cold, tmp_path)
 
     second = fresh()  # a restart: every stage from the aot layer, nothing traced
     b = second.generate("a photo of a cat", steps=2, seed=0)
@@ -268,7 +294,8 @@ def test_cli_samples_a_text_to_image_folder(folders, tmp_path):
     assert bad.exit_code == 2 and "multiple of 2" in bad.output and not (tmp_path / "bad.png").exists()
 
 
-def test_a_cached_stage_that_fails_on_its_first_run_is_quarantined_and_recompiled(folders, tmp_path, monkeypatch):
+def test_a_cached_stage_that_fails_on_its_first_run_is_quarantined_and_recompiled(folders, sd1_cold, tmp_path,
+                                                                                   monkeypatch):
     """Every stage, not only the denoising loop, survives an entry that loads but cannot run."""
     import jax
 
@@ -280,7 +307,8 @@ def test_a_cached_stage_that_fails_on_its_first_run_is_quarantined_and_recompile
         pipe.compiler = JaxCompiler(root=tmp_path, mode="full", remote=None)
         return pipe
 
-    want = fresh().generate("a photo of a cat", steps=2, seed=0)  # fills the cache
+    _copy_cache(sd1_cold, tmp_path)  # a filled cache: the module's cold start's entries
+    want = sd1_cold.image
     real_load = compile_mod.JaxCompiler._load
 
     def load_a_broken_program(self, *a, **k):

@@ -4,6 +4,8 @@ same pixels as the engine. Real HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +23,17 @@ def openai_image(body: dict) -> np.ndarray:
     """The one image of an OpenAI images response (b64_json PNG) as uint8 HWC."""
     (item,) = body["data"]
     return decode_data_url("data:image/png;base64," + item["b64_json"])
+
+
+def cli_on(monkeypatch: pytest.MonkeyPatch, folder: Path, pipe: Any) -> None:
+    """`preheat sample FOLDER --cache off` gets the pipeline this test loaded from FOLDER with
+    cache="off": one load and compile per family here (the CLI's own load of a folder is
+    tests/families/test_stable_diffusion.py's, tests/test_random_models.py's and test_lora.py's)."""
+    def load(model: Any, **options: Any) -> Any:
+        assert Path(model) == folder and options["cache"] == "off" and options["backend"] == "jax", (model, options)
+        return pipe
+
+    monkeypatch.setattr(preheat, "load", load)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +98,7 @@ def test_runpod_handler_takes_the_same_fields(core, sd_pipe):
 
 
 @pytest.mark.parametrize("kind", ["sdxl"])
-def test_every_text_family_serves_from_cog_openai_runpod_and_the_cli(kind, tmp_path_factory):
+def test_every_text_family_serves_from_cog_openai_runpod_and_the_cli(kind, tmp_path_factory, monkeypatch):
     """SDXL (a family of its own: two encoders, size ids, zeros for an absent negative prompt)
     through every surface, each image equal to the engine's. SD 2.x shares SD 1.x's family and
     code path (served above); its CLI run is in tests/families."""
@@ -142,6 +155,7 @@ def test_every_text_family_serves_from_cog_openai_runpod_and_the_cli(kind, tmp_p
     finally:
         core.close()
 
+    cli_on(monkeypatch, folder, pipe)
     out, report = tmp_path_factory.mktemp(f"cli-{kind}") / "a.png", tmp_path_factory.mktemp(f"rep-{kind}") / "r.json"
     result = CliRunner().invoke(main, ["sample", str(folder), "--prompt", "a red fox", "--steps", "2", "--n", "1",
                                        "--cache", "off", "--out", str(out), "--report", str(report)])
@@ -150,7 +164,7 @@ def test_every_text_family_serves_from_cog_openai_runpod_and_the_cli(kind, tmp_p
 
 
 @pytest.mark.parametrize("kind", ["flux-schnell", "flux-dev", "sd3"])
-def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_factory):
+def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_factory, monkeypatch):
     """FLUX.1 (schnell: no guidance; dev: the scale is data, one branch) and SD3 (CFG, negative
     prompts) through every surface, each image equal to the engine's."""
     import json
@@ -207,6 +221,7 @@ def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_f
     finally:
         core.close()
 
+    cli_on(monkeypatch, folder, pipe)
     out, report = tmp_path_factory.mktemp(f"cli-{kind}") / "a.png", tmp_path_factory.mktemp(f"rep-{kind}") / "r.json"
     result = CliRunner().invoke(main, ["sample", str(folder), "--prompt", "a red fox", "--steps", "2", "--n", "1",
                                        "--width", "32", "--height", "32", "--cache", "off", "--out", str(out),
