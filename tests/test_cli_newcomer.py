@@ -64,7 +64,8 @@ def test_a_flag_the_model_does_not_take_is_named_as_a_flag(digits, tmp_path):
     r = run("sample", digits, "--prompt", "a seven", "--steps", 2, "--out", tmp_path / "s.png", "--quiet")
     assert r.exit_code == 2
     assert r.output.strip().splitlines() == [
-        "error: --prompt does not apply to a pixel model; its inputs are: --class, --width, --height"]
+        "error: --prompt does not apply to a pixel model; its inputs are: --class, --timestep-spacing, --timesteps, "
+        "--width, --height"]
     assert not (tmp_path / "s.png").exists()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,6 +43,19 @@ def _stand_in(base: Path, folder: Path, name: str, repo: str, layout: str, **sch
         path = base / name / "scheduler" / "scheduler_config.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), **scheduler}))
     return module.Published(name, name, repo, layout, "any file", lambda shapes: True)
+
+
+def _flux_file_and_repo(tmp_path: Path, published: Any) -> tuple[Path, Path, module.Published, dict[str, bytes]]:
+    """A tiny FLUX.1-dev folder, its transformer as a BFL single file, the folder published as
+    ``example/tiny-flux`` (configs shipped), and the files its repository holds."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = flow_fixtures.save_tiny_flow_model(tmp_path / "flux-dev", "flux-dev")
+    path = tmp_path / "flux1-tiny.safetensors"
+    save_file(to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))), str(path))
+    entry = _stand_in(tmp_path / "assets", folder, "tiny-flux", "example/tiny-flux", "bfl")
+    published(tmp_path / "assets", entry)
+    return folder, path, entry, _repo_files(folder, path)
 
 
 @pytest.fixture(scope="module")
@@ -115,17 +129,10 @@ def test_a_flux_transformer_file_fetches_the_encoders_vae_and_tokenizers(publish
     """A BFL transformer-only file lacks the text encoders, the VAE and the tokenizers: those are
     fetched, the repository's transformer weights (and its top-level files) are not; the converted
     folder reads the very weights that ``config=<folder>`` gives."""
-    from safetensors.numpy import load_file, save_file
-
     from preheat.files import MADE_FROM
     from preheat.models.single_file import materialize
 
-    folder = flow_fixtures.save_tiny_flow_model(tmp_path / "flux-dev", "flux-dev")
-    path = tmp_path / "flux1-tiny.safetensors"
-    save_file(to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))), str(path))
-    entry = _stand_in(tmp_path / "assets", folder, "tiny-flux", "example/tiny-flux", "bfl")
-    published(tmp_path / "assets", entry)
-    files = _repo_files(folder, path)
+    folder, path, entry, files = _flux_file_and_repo(tmp_path, published)
     files["ae.safetensors"] = (folder / "vae" / "diffusion_pytorch_model.safetensors").read_bytes()
     hub = hub_of(entry.repo, files)
 
@@ -262,18 +269,11 @@ def test_gc_keeps_a_live_conversion_and_collects_one_no_load_reaches(published, 
     import os
     import time
 
-    from safetensors.numpy import load_file, save_file
-
     from preheat.cache.manage import disk_usage
     from preheat.store import collect_orphans, pull
     from tests._support.hub_server import FakeHub
 
-    folder = flow_fixtures.save_tiny_flow_model(tmp_path / "flux-dev", "flux-dev")
-    path = tmp_path / "flux1-tiny.safetensors"
-    save_file(to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))), str(path))
-    entry = _stand_in(tmp_path / "assets", folder, "tiny-flux", "example/tiny-flux", "bfl")
-    published(tmp_path / "assets", entry)
-    files = _repo_files(folder, path)
+    folder, path, entry, files = _flux_file_and_repo(tmp_path, published)
     hub = hub_of(entry.repo, files)
     models = tmp_path / "home" / "models"
     call = dict(noise=np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32), steps=2,
@@ -327,12 +327,7 @@ def test_a_variant_fetches_that_variant_of_what_a_transformer_file_lacks(publish
     from preheat.file_configs import single_file_config
     from preheat.models.single_file import materialize
 
-    folder = flow_fixtures.save_tiny_flow_model(tmp_path / "flux-dev", "flux-dev")
-    path = tmp_path / "flux1-tiny.safetensors"
-    save_file(to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))), str(path))
-    entry = _stand_in(tmp_path / "assets", folder, "tiny-flux", "example/tiny-flux", "bfl")
-    published(tmp_path / "assets", entry)
-    files = _repo_files(folder, path)
+    folder, path, entry, files = _flux_file_and_repo(tmp_path, published)
     for name in [p for p in files if p.endswith(".safetensors") and "/" in p]:  # every component's fp16 weights
         tensors = load_file(str(folder / name))
         half = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()}
