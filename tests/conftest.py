@@ -105,7 +105,7 @@ _file_seconds: dict[str, float] = {}
 def _file_seconds_key(config: pytest.Config) -> str:
     """The cache key of this tier's per-file seconds: one per -m expression."""
     tier = re.sub(r"[^A-Za-z0-9]+", "-", getattr(config.option, "markexpr", "") or "").strip("-") or "all"
-    return f"preheat/file_seconds/{tier}"
+    return f"preheat/file_seconds_{tier}"  # a sibling of the old one-tier record (a file), not below it
 
 
 def pytest_configure(config: pytest.Config) -> None:
