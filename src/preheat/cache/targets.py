@@ -211,7 +211,6 @@ def device_gpu_fields(device: Any) -> dict[str, Any]:
     return _DEVICE_FIELDS[ident]
 
 
-@functools.lru_cache(maxsize=None)
 def compile_only_platforms() -> None:
     """Let the CUDA plugin register on a machine with no usable GPU (a CPU builder).
 
@@ -228,6 +227,7 @@ def compile_only_platforms() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+@functools.lru_cache(maxsize=None)
 def _compile_only_device(text: str) -> Any:
     from jax.experimental import topologies
 
