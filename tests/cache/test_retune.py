@@ -272,3 +272,58 @@ def test_idle_retuner_waits_for_idle_retunes_each_entry_once_and_swaps_between_c
     assert candidates == []  # the second signature's candidate: the same entry, dropped (and not held)
     assert json.loads((path / "manifest.json").read_text())["retune"]["replaced"] is True
     np.testing.assert_array_equal(np.asarray(executables[Sig()](args)), expected)
+
+
+def _needs_retune_any_platform(manifest: dict) -> bool:
+    """``needs_retune`` without its GPU-only clause: a CPU entry is never autotuned either."""
+    return manifest.get("autotuned") is False and "retune" not in manifest
+
+
+def test_a_failed_retune_under_preheat_warm_is_recorded_in_the_entry_as_a_servers_is(tmp_path, monkeypatch):
+    """`preheat warm` on the built-in model writes real CPU entries; a second `preheat warm`, told
+    that this backend autotunes and that CPU entries need it, has its autotuned compile fail: the
+    failure is in each entry's manifest (``retune.record_failure``, the function a server's idle
+    retune calls), so `cache ls` and `cache explain` show it, and the next `preheat warm` does not
+    try again."""
+    from click.testing import CliRunner
+
+    from preheat.cli import main
+
+    root = tmp_path / "root"
+    monkeypatch.setenv("PREHEAT_HOME", str(root))
+    monkeypatch.delenv("PREHEAT_CACHE_URL", raising=False)
+    warm = ["warm", "--max-batch-size", "1"]
+    first = CliRunner().invoke(main, warm, catch_exceptions=False)
+    assert first.exit_code == 0, first.output
+    paths = list(iter_entries(root / "compile" / "jax"))
+    before = {p.name: json.loads((p / "manifest.json").read_text()) for p in paths}
+    assert paths and all(m["autotuned"] is False and "retune" not in m for m in before.values())
+
+    monkeypatch.setattr(retune, "autotunes_here", lambda: True)
+    monkeypatch.setattr(retune, "needs_retune", _needs_retune_any_platform)
+    attempts = []
+
+    def compile_autotuned(self, program_, args_):
+        attempts.append(program_)
+        raise RuntimeError("out of memory while autotuning\nsecond line")
+
+    monkeypatch.setattr(JaxCompiler, "compile_autotuned", compile_autotuned)
+    second = CliRunner().invoke(main, warm, catch_exceptions=False)
+    assert second.exit_code == 0, second.output
+    message = "RuntimeError: out of memory while autotuning"
+    assert len(attempts) == len(paths)  # every entry it served from was tried once
+    assert second.output.count(f"(cache: aot); failed: {message}") == len(paths), second.output
+    for path in paths:
+        after = json.loads((path / "manifest.json").read_text())
+        assert after["retune"]["failed"] == message and after["retune"]["at"] > 0
+        assert {k: v for k, v in after.items() if k != "retune"} == before[path.name]  # the executable stays
+        assert open_entry(path.parent, path.name, before[path.name]["fields"]) is not None  # verified
+
+    said = f"local (not autotuned; retune failed: {message})"
+    listed = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "400"})
+    assert listed.exit_code == 0 and " ".join(listed.output.split()).count(said) == len(paths), listed.output
+    explained = CliRunner().invoke(main, ["cache", "explain", "--n", "1"])
+    assert explained.exit_code == 0 and f"(target {said})" in explained.output, explained.output
+
+    third = CliRunner().invoke(main, warm, catch_exceptions=False)  # failed once: not retried on every start
+    assert third.exit_code == 0 and len(attempts) == len(paths) and "failed:" not in third.output, third.output

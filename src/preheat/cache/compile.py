@@ -376,19 +376,7 @@ class JaxCompiler(EntryCache):
         if not self.retune:
             self.retune_candidates.append(retune.Candidate(key, path, sig, program, args, served))
             return served
-        if not retune.autotunes_here():
-            record["retune"] = f"skipped: {jax.devices()[0].platform} compiles do not autotune"
-            return served
-        start = time.perf_counter()
-        try:
-            autotuned, files = self.compile_autotuned(program, args)
-            compile_s = time.perf_counter() - start
-            chosen, result = retune.retune_entry(path, served, autotuned, files, args)
-        except Exception as exc:  # a retune is an optimisation: the entry keeps serving as it is
-            record["retune"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-            log.warning("preheat cache: retuning entry %s failed (%s); it serves as it is", key[:12], exc)
-            return served
-        record["retune"] = {**result._asdict(), "compile_s": compile_s}
+        chosen, record["retune"] = retune.retune_now(path, served, program, args, self.compile_autotuned)
         return chosen
 
     def compile_autotuned(self, program: Callable[..., Any], args: Any) -> tuple[Any, dict[str, bytes]]:

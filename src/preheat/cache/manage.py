@@ -80,18 +80,19 @@ class EntryInfo:
 
 def target_label(manifest: dict[str, Any]) -> str:
     """An entry's target in a word: "h200 (not autotuned)" for a ``warm --target`` entry, else
-    "local"; after a retune on the pod (``preheat.cache.retune``) its two timings and outcome."""
+    "local"; after a retune (``preheat.cache.retune``: ``preheat warm`` or a server's idle
+    retune) its two timings and outcome, or that it failed."""
     target = manifest.get("target")
-    if not isinstance(target, dict):
-        return "local"
-    label = f"{target.get('name', '?')}"
+    label = f"{target.get('name', '?')}" if isinstance(target, dict) else "local"
     tune = manifest.get("retune")
-    if isinstance(tune, dict) and "failed" in tune:  # the idle retune of a server failed: it serves as it was
+    if isinstance(tune, dict) and "failed" in tune:  # the retune failed: the entry serves as it was
         return f"{label} (not autotuned; retune failed: {tune['failed']})"
     if isinstance(tune, dict):
         times = f"{1e3 * float(tune.get('deviceless_s', 0)):.3g} ms deviceless, " \
                 f"{1e3 * float(tune.get('autotuned_s', 0)):.3g} ms autotuned"
         return f"{label} ({'autotuned here' if tune.get('replaced') else 'kept'}: {times})"
+    if not isinstance(target, dict):
+        return label  # compiled by the devices that run it: autotuned where they autotune
     return label + (" (not autotuned)" if manifest.get("autotuned") is False else "")
 
 

@@ -14,6 +14,8 @@ only if it is faster by more than ``MARGIN``; either way the manifest records bo
     autotunes_here()            the local backend autotunes (a GPU, autotuning not switched off)
     decide(old_s, new_s)        the pure rule: replace only when clearly faster
     retune_entry(...)           time both, decide, replace or annotate; returns the one to serve
+    retune_now(...)             ``preheat warm``'s whole retune of one hit: compile, time, decide
+    record_failure(path, ...)   a failed retune, whichever path ran it: logged, and kept in the manifest
     IdleRetuner                 the same for a server, while it is idle (``preheat serve --retune-idle-s``)
 
 A server (``preheat.server.core``) runs every device call on one worker thread, so there the work
@@ -40,7 +42,7 @@ from typing import Any, Callable, NamedTuple, Optional
 from preheat.cache.entries import MANIFEST, SCHEMA, replace_entry, rewrite_manifest
 
 __all__ = ["MARGIN", "Retune", "Candidate", "IdleRetuner", "needs_retune", "autotunes_here", "decide", "time_call",
-           "timed_call", "retune_entry", "record_failure"]
+           "timed_call", "retune_entry", "retune_now", "record_failure", "failure_message"]
 
 log = logging.getLogger("preheat.cache")
 
@@ -131,12 +133,47 @@ def timed_call(executable: Callable[[Any], Any], args: Any) -> float:
     return time.perf_counter() - start
 
 
-def record_failure(path: Path, message: str) -> None:
-    """Record in the entry's manifest that its retune failed: the executable stays, and the entry
-    is not retried on every idle spell or start (``needs_retune`` is then False)."""
-    manifest = _read_manifest(path)
-    kept = {k: v for k, v in manifest.items() if k not in _STALE}
-    rewrite_manifest(path, {**kept, "retune": {"failed": message, "at": time.time()}})
+def failure_message(exc: BaseException) -> str:
+    """A failed retune in one line: the exception's type and the first line of its text."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+
+
+def record_failure(path: Path, exc: BaseException) -> str:
+    """A retune of the entry at ``path`` failed (``preheat warm`` or a server's idle retune: both
+    come here): say so in the log and in the entry's manifest, where ``preheat cache ls`` and
+    ``cache explain`` show it. The executable stays, and the entry is not retried on every idle
+    spell or start (``needs_retune`` is then False). Returns the one-line message. Never raises:
+    an entry that went away meanwhile has nothing to record it in."""
+    message = failure_message(exc)
+    log.warning("preheat cache: retuning entry %s failed (%s); it serves as it is", path.name[:12], message)
+    try:
+        manifest = _read_manifest(path)
+        kept = {k: v for k, v in manifest.items() if k not in _STALE}
+        rewrite_manifest(path, {**kept, "retune": {"failed": message, "at": time.time()}})
+    except (OSError, ValueError) as err:
+        log.debug("cannot record the failed retune of %s: %s", path.name[:12], err)
+    return message
+
+
+def retune_now(path: Path, served: Any, program: Callable[[Any], Any], args: Any,
+               compile: Callable[[Callable[[Any], Any], Any], tuple[Any, dict[str, bytes]]]) -> tuple[Any, Any]:
+    """``preheat warm``'s retune of one not-autotuned entry it hit (``JaxCompiler.retune``): the
+    autotuned compile (``compile(program, args) -> (executable, files)``), both timed
+    (``retune_entry``), the entry replaced or annotated. Returns the executable to serve and what
+    ``preheat warm`` reports of it: the ``Retune`` record with ``compile_s``, or "skipped: ..." /
+    "failed: ..." (a failure is recorded in the manifest too: ``record_failure``)."""
+    if not autotunes_here():
+        import jax
+
+        return served, f"skipped: {jax.devices()[0].platform} compiles do not autotune"
+    start = time.perf_counter()
+    try:
+        autotuned, files = compile(program, args)
+        compile_s = time.perf_counter() - start
+        chosen, result = retune_entry(path, served, autotuned, files, args)
+    except Exception as exc:  # noqa: BLE001 - a retune is an optimisation: the entry keeps serving as it is
+        return served, f"failed: {record_failure(path, exc)}"
+    return chosen, {**result._asdict(), "compile_s": compile_s}
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
@@ -204,6 +241,25 @@ class IdleRetuner:
         self._canceled = False
         self.stats = {"replaced": 0, "kept": 0, "failed": 0, "canceled": 0}
         self.on_outcome: Callable[[str], None] = lambda outcome: None  # metrics
+
+    def attach(self, pipe: Any) -> bool:
+        """Before a server's warm-up: have ``pipe``'s compile cache collect the executables it
+        serves from not-autotuned entries (``JaxCompiler.retune_later``), and retune those here.
+        False, and nothing changed, where there is nothing to retune: a backend whose compile cache
+        keeps no executables (torch), or a backend whose compiles do not autotune (the CPU)."""
+        compiler = getattr(pipe, "compiler", None)
+        executables = getattr(pipe, "_executables", None)
+        if compiler is None or not hasattr(compiler, "retune_later") or executables is None:
+            log.debug("idle retune: off (this backend's compile cache has no executables to retune)")
+            return False
+        if not autotunes_here():
+            import jax
+
+            log.debug("idle retune: off (%s compiles do not autotune)", jax.devices()[0].platform)
+            return False
+        compiler.retune_later = True
+        self.bind(compiler.retune_candidates, executables, compiler.compile_autotuned)
+        return True
 
     def bind(self, candidates: list[Candidate], executables: dict[Any, Any],
              compile: Callable[[Callable[[Any], Any], Any], tuple[Any, dict[str, bytes]]]) -> None:
@@ -360,13 +416,8 @@ class IdleRetuner:
         log.info("preheat cache: idle retune: %s", line)
 
     def _fail(self, work: _Work, exc: BaseException) -> None:
-        message = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
         with self._cond:
             if self._work is not work:  # canceled: nothing to record
                 return
-        log.warning("preheat cache: retuning entry %s failed (%s); it serves as it is", work.candidate.key[:12], message)
-        try:
-            record_failure(work.candidate.path, message)
-        except (OSError, ValueError) as err:  # the entry went away: nothing to record it in
-            log.debug("cannot record the failed retune of %s: %s", work.candidate.key[:12], err)
+        message = record_failure(work.candidate.path, exc)
         self._done(work, "failed", f"entry {work.candidate.key[:12]} failed ({message})")
