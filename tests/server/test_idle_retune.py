@@ -22,10 +22,12 @@ from typing import Any, Iterator
 import httpx
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 import preheat
 from preheat.cache import retune
 from preheat.cache.entries import iter_entries, open_entry, rewrite_manifest
+from preheat.cli import main
 from preheat.errors import InvalidArgumentError
 from preheat.server.config import parse_idle_s
 from preheat.server.core import Core, CoreConfig
@@ -120,14 +122,15 @@ class Served:
 
 @pytest.fixture
 def serve(model_dir: Path, warm_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """``serve(idle_s, autotuned=False, fail_compile=False, fail_timing=False, hold=False)``: a started
-    server (set up, READY) and an httpx client; the fixture closes them."""
+    """``serve(idle_s, autotuned=False, fail_compile=False, fail_timing=False, hold=False, paused=False)``:
+    a started server (set up, READY; ``paused``: its core paused before it started) and an httpx
+    client; the fixture closes them."""
     monkeypatch.setattr(retune, "autotunes_here", lambda: True)
     monkeypatch.setattr(retune, "needs_retune", _needs_retune_any_platform)
     opened: list[Any] = []
 
     def start(idle_s: float | None, autotuned: bool = False, fail_compile: bool = False, fail_timing: bool = False,
-              hold: bool = False) -> tuple[Served, httpx.Client]:
+              hold: bool = False, paused: bool = False) -> tuple[Served, httpx.Client]:
         root = tmp_path / f"root-{len(opened)}"
         shutil.copytree(warm_root, root)
         if autotuned:
@@ -143,6 +146,8 @@ def serve(model_dir: Path, warm_root: Path, tmp_path: Path, monkeypatch: pytest.
         timer = Timer(core, compiles, fail=fail_timing)
         if core.retuner is not None:
             core.retuner.timer = timer
+        if paused:
+            core.pause()
         core.start()
         opened.append(core)
         assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
@@ -249,7 +254,8 @@ def test_no_retune_when_off_nor_of_an_autotuned_entry(serve) -> None:
 
 
 @pytest.mark.parametrize("where", ["compile", "timing"])
-def test_a_failed_retune_leaves_the_old_executable_serving_and_the_server_healthy(serve, where: str) -> None:
+def test_a_failed_retune_leaves_the_old_executable_serving_and_the_server_healthy(serve, model_dir: Path,
+                                                                                  where: str) -> None:
     s, client = serve(0.05, hold=True, fail_compile=where == "compile", fail_timing=where == "timing")
     (entry,) = _entries(s.root)
     before_manifest = _manifest(entry)
@@ -267,6 +273,39 @@ def test_a_failed_retune_leaves_the_old_executable_serving_and_the_server_health
     assert client.get("/health-check").json()["status"] == "READY"
     assert metric(client.get("/metrics").text, "preheat_retunes_total", '{outcome="failed"}') == 1
     assert s.core.retuner.waiting == 0  # not retried in a loop
+    # the cache's own commands say so (the manifest written by ``retune.record_failure``, as `preheat warm` does)
+    said = f"retune failed: {after_manifest['retune']['failed']}"
+    listed = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "400"})
+    assert listed.exit_code == 0 and said in " ".join(listed.output.split()), listed.output
+    explained = CliRunner().invoke(main, ["cache", "explain", str(model_dir), "--class", "3", "--n", "1"])
+    assert explained.exit_code == 0, explained.output
+    # the server's call differs from sample's defaults (batch, progress): its entry is the nearest, labelled
+    assert f"nearest entry {entry.name[:12]} (target local (not autotuned; {said}))" in explained.output
+
+
+def test_a_paused_server_runs_no_retune_job(serve) -> None:
+    """Paused means paused: with an empty queue, a paused core neither starts the autotuned
+    compile nor takes a timed call, however long it is idle; resumed, it retunes."""
+    s, client = serve(0.05, paused=True)
+    core = s.core
+    time.sleep(0.5)  # ten times the idle time: a running worker would have started the compile
+    assert s.compiles.calls == 0 and not core.retuner.busy and core.queue_depth == 0
+    assert metric(client.get("/metrics").text, "preheat_retunes_waiting") == 1
+
+    s.compiles.gate.clear()  # resumed: the compile starts (held), and the core is paused again
+    core.resume()
+    assert s.compiles.entered.wait(60)
+    core.pause()
+    s.compiles.gate.set()
+    wait_until(lambda: core.retuner.compiled, 120, "the compile")  # it finishes on its own thread ...
+    time.sleep(0.5)
+    assert s.timer.batches_seen == [] and core.queue_depth == 0  # ... and no timed call runs while paused
+    assert core.retuner.stats == {"replaced": 0, "kept": 0, "failed": 0, "canceled": 0}
+
+    core.resume()
+    wait_until(lambda: core.retuner.stats["replaced"] == 1, 120, "the retune")
+    assert len(s.timer.batches_seen) == 2 * (1 + retune.TIMED_CALLS)
+    _image(client)
 
 
 def test_shutting_down_cancels_a_pending_retune_and_writes_nothing(serve) -> None:

@@ -177,14 +177,19 @@ class Core:
             retuner.cancel()
 
     def pause(self) -> None:
-        """Hold batching: predictions queue up, none starts until :meth:`resume` (tests, maintenance).
-        A batch already being collected or running is not affected."""
+        """Hold the worker: predictions queue up, none starts until :meth:`resume` (tests,
+        maintenance), and the idle retune starts no compile and takes no timed call (one compile
+        already running finishes on its own thread). A batch already being collected or running
+        is not affected."""
         with self._cond:
             self._paused = True
 
     def resume(self) -> None:
+        """Let the worker go on; the idle retune's clock starts again now (a pause is not a lull)."""
         with self._cond:
             self._paused = False
+            if not self._running:
+                self._idle_since = time.monotonic()
             self._cond.notify_all()
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
@@ -539,26 +544,13 @@ class Core:
         self._setup_log(f"ready in {total:.2f}s; buckets {list(self.buckets)}; samplers {list(self.samplers)}")
 
     def _prepare_retune(self, pipe: Any) -> None:
-        """Before warm-up: have the compile cache collect the executables it serves from
-        not-autotuned entries, where this backend autotunes (a GPU); elsewhere switch it off."""
+        """Before warm-up: the idle retune collects what warm-up serves from not-autotuned
+        entries (``IdleRetuner.attach``); off where this backend has nothing to retune."""
         if self.retuner is None:
             return
-        compiler = pipe.compiler
-        executables = getattr(pipe, "_executables", None)
-        if compiler is None or not hasattr(compiler, "retune_later") or executables is None:
-            log.debug("idle retune: off (this backend's compile cache has no executables to retune)")
+        if not self.retuner.attach(pipe):
             self.retuner = None
             return
-        from preheat.cache import retune
-
-        if not retune.autotunes_here():
-            import jax
-
-            log.debug("idle retune: off (%s compiles do not autotune)", jax.devices()[0].platform)
-            self.retuner = None
-            return
-        compiler.retune_later = True
-        self.retuner.bind(compiler.retune_candidates, executables, compiler.compile_autotuned)
         self.metrics.watch_retune(self.retuner)
 
     def signatures(self) -> list[WarmSignature]:
@@ -619,15 +611,16 @@ class Core:
                     self._cond.notify_all()
 
     def _idle_task(self) -> Optional[Callable[[], None]]:
-        """With the lock held: the retune's next job when no prediction waits (None: nothing to do)."""
-        if self.retuner is None or self._pending or self._draining:
+        """With the lock held: the retune's next job when no prediction waits and the core is not
+        paused (None: nothing to do)."""
+        if self.retuner is None or self._pending or self._draining or self._paused:
             return None
         return self.retuner.next_task(time.monotonic() - self._idle_since)
 
     def _idle_wait(self) -> Optional[float]:
         """How long the worker may sleep before the retune's idle time is up (None: until notified)."""
-        if self.retuner is None or self._pending or self._draining:
-            return None
+        if self.retuner is None or self._pending or self._draining or self._paused:
+            return None  # resume, a request or a drain notifies
         return self.retuner.wait_s(time.monotonic() - self._idle_since)
 
     def _collect(self) -> tuple[list[Prediction], int]:
