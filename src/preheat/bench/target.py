@@ -4,7 +4,8 @@ with the same programs' CPU compile time and both executables' bytes beside it.
 Rows: the built-in model's sampling program; a tiny SD 1.x folder's three programs (text
 encoder, denoising loop, VAE decoder), through the real pipeline and its compilers; and one
 call of the full-size SD 1.5 and SDXL UNets on abstract weights (shapes only: nothing is
-allocated or read), lowered once and compiled for both.
+allocated or read), lowered once and compiled for both. Two ratio columns give the target's
+compile seconds and bytes as multiples of the CPU's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["bench_target", "markdown", "SDXL_UNET"]
+__all__ = ["bench_target", "markdown", "with_ratios", "SDXL_UNET"]
 
 SDXL_UNET: dict[str, Any] = dict(  # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json
     sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
@@ -113,7 +114,17 @@ def bench_target(target_name: str, workdir: Path, full_size: bool = True) -> dic
     if full_size:
         rows.append(_unet_row("SD 1.5 UNet (abstract)", SD15_UNET, 2, 64, jnp.bfloat16, target))
         rows.append(_unet_row("SDXL UNet (abstract)", SDXL_UNET, 2, 128, jnp.bfloat16, target))
-    return {"target": target.name, "rows": rows}
+    return {"target": target.name, "rows": [with_ratios(r) for r in rows]}
+
+
+def with_ratios(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with the target's compile seconds and bytes as multiples of the CPU's (None where
+    a side has no number): what the table's two ratio columns show."""
+    def ratio(target: Any, cpu: Any) -> Any:
+        return None if target is None or not cpu else target / cpu
+
+    return {**row, "compile_ratio": ratio(row["target_compile_s"], row["cpu_compile_s"]),
+            "bytes_ratio": ratio(row["target_bytes"], row["cpu_bytes"])}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -121,12 +132,17 @@ def markdown(result: dict[str, Any]) -> str:
 
     lines = [f"Deviceless compile for `{result['target']}` vs this CPU — {machine_line()}", "",
              "| model | stage | dtype | target trace+lower s | target compile s | target bytes | CPU trace+lower s "
-             "| CPU compile s | CPU bytes | fused attention on the target |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| CPU compile s | CPU bytes | compile target/CPU | bytes target/CPU | fused attention on the target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         def b(v: Any) -> str:
             return "-" if v is None else f"{v / 1e6:.2f} MB"
+
+        def x(v: Any) -> str:
+            return "-" if v is None else f"{v:.2f}×"
         fused = {True: "yes", False: "no"}.get(r.get("fused_attention"), "-")  # read only for the full-size UNets
         lines.append(f"| {r['model']} | {r['stage']} | {r['dtype']} | {r['target_trace_lower_s']:.2f} | "
                      f"{r['target_compile_s']:.2f} | {b(r['target_bytes'])} | {r['cpu_trace_lower_s']:.2f} | "
-                     f"{r['cpu_compile_s']:.2f} | {b(r['cpu_bytes'])} | {fused} |")
+                     f"{r['cpu_compile_s']:.2f} | {b(r['cpu_bytes'])} | {x(r['compile_ratio'])} | "
+                     f"{x(r['bytes_ratio'])} | {fused} |")
     return "\n".join(lines)
