@@ -18,13 +18,16 @@ order of issue 29 (the first minutes give the most important ones):
    measured bf16 matrix peak that JAX's s/image means (the UNet's matrix FLOPs counted from its jaxpr).
 4. ``flux``: the FLUX.1-dev architecture (12 B parameters, random, bf16) at 1024x1024, 28 steps: the same.
 5. ``kontext``: FLUX.1 Kontext [dev] (flux-dev's components) with a 1024x1024 reference image: the same.
-6. Older rows, not in the default set (``GPU_CHECK_ROWS=models,compare,scaling``): per model in
+6. ``fp8``: after the rows above, on the budget they leave: one scaled-fp8 Linear layer (FLUX.1's
+   width, per-channel scales; ``preheat.bench.fp8``) compiled here (autotuned): whether the HLO is
+   ONE GEMM kernel reading the fp8 weight, and its time against a bf16 GEMM of the same shape.
+7. Older rows, not in the default set (``GPU_CHECK_ROWS=models,compare,scaling``): per model in
    ``MODELS`` the cold-start rows, executable round trip and steady state; ``bench compare --quick``
    on the built-in model; scaling over local devices.
 
-``GPU_CHECK_ROWS`` (comma-separated) picks rows (default on the GPU: doctor,target,sdxl,flux,kontext;
+``GPU_CHECK_ROWS`` (comma-separated) picks rows (default on the GPU: doctor,target,sdxl,flux,kontext,fp8;
 in the dry run: every row, at tiny sizes); ``GPU_CHECK_SKIP`` leaves rows out. Writes under
-``--out``: doctor.json, rows.json (rows 2-5), models.json, compare.json, summary.md, log.txt (with
+``--out``: doctor.json, rows.json (rows 2-6), models.json, compare.json, summary.md, log.txt (with
 the shell's preflight.json: 7 files); the summary table is printed last.
 
     python scripts/gpu_measure.py run --out DIR --mode gpu|dry [--budget S] [--started-at EPOCH]
@@ -103,8 +106,10 @@ DRY_MODELS = [Model("ddpm-256-tiny", DDPM_256_TINY, n=2, steps=2)]
 SCALING_MODEL = {"gpu": "ddpm-256", "dry": "ddpm-256-tiny"}  # the model measured on 1, 2, 4, 8 devices
 SCALING_COUNTS = (1, 2, 4, 8)
 
-ROWS = ("doctor", "target", "sdxl", "flux", "kontext", "models", "compare", "scaling")
-DEFAULT_ROWS = {"gpu": ("doctor", "target", "sdxl", "flux", "kontext"), "dry": ROWS}
+ROWS = ("doctor", "target", "sdxl", "flux", "kontext", "fp8", "models", "compare", "scaling")
+DEFAULT_ROWS = {"gpu": ("doctor", "target", "sdxl", "flux", "kontext", "fp8"), "dry": ROWS}
+# Row 6's layer: FLUX.1's hidden width and 4096 image tokens on the GPU; tiny in the dry run
+FP8_SIZES = {"gpu": dict(n=3072, tokens=4096, calls=20, rounds=20), "dry": dict(n=256, tokens=64, calls=3, rounds=3)}
 
 
 @dataclass(frozen=True)
@@ -178,7 +183,7 @@ HEAD_TO_HEAD = {
 # (GPU_CHECK_ROWS=doctor,flux), Kontext likewise.
 GPU = dict(doctor=(90, 20), t_sample=(120, 20), t_steady=(90, 15), t_retune=(150, 30),
            h2h_weights={"sdxl": (150, 40), "flux": (240, 90), "kontext": (240, 90)},
-           h2h={"sdxl": (330, 200), "flux": (450, 300), "kontext": (450, 300)}, flops=(150, 30),
+           h2h={"sdxl": (330, 200), "flux": (450, 300), "kontext": (450, 300)}, flops=(150, 30), fp8=(120, 30),
            materialize=(120, 20), empty=(240, 60), warm=(90, 15), xla=(240, 60),
            steady=(150, 30), compare=(240, 90), scaling=(300, 60), warm_repeats=2, matmul_n=8192, copy_mib=2048,
            ceiling_repeats=20, steady_repeats=5,
@@ -186,7 +191,7 @@ GPU = dict(doctor=(90, 20), t_sample=(120, 20), t_steady=(90, 15), t_retune=(150
 # Dry: the caps only catch a hang (a slow shared CI machine must not turn into a skipped step).
 DRY = dict(doctor=(300, 5), t_sample=(300, 5), t_steady=(300, 5), t_retune=(300, 5),
            h2h_weights={"sdxl": (300, 5), "flux": (300, 5), "kontext": (300, 5)},
-           h2h={"sdxl": (600, 5), "flux": (600, 5), "kontext": (600, 5)}, flops=(300, 5),
+           h2h={"sdxl": (600, 5), "flux": (600, 5), "kontext": (600, 5)}, flops=(300, 5), fp8=(300, 5),
            materialize=(300, 5), empty=(300, 5), warm=(300, 5), xla=(300, 5),
            steady=(300, 5), compare=(600, 5), scaling=(300, 5), warm_repeats=1, matmul_n=256, copy_mib=8,
            ceiling_repeats=3, steady_repeats=2,
@@ -807,6 +812,31 @@ def step_target(r: Runner, carried: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Row 6: the scaled-fp8 Linear layer
+
+
+def fp8_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """(child) ``preheat.bench.fp8.measure`` on this machine's devices."""
+    from preheat.bench.fp8 import measure
+
+    return measure(**spec)
+
+
+def step_fp8(r: Runner) -> dict[str, Any]:
+    """Row 6: the child, under the row's cap; skipped (saying why) when its minimum does not fit."""
+    timeout = r.fits("fp8")
+    if timeout is None:
+        return {"skipped": f"budget: needs at least {r.needs('fp8'):.0f} s, {max(0.0, r.left()):.0f} s left"}
+    spec = FP8_SIZES[r.mode]
+    p = r.run("fp8: scaled-fp8 Linear vs bf16 GEMM", [sys.executable, str(Path(__file__).resolve()), "fp8",
+                                                       json.dumps(spec)], timeout)
+    got = p.result()
+    if got is None:
+        return {"error": _fail(p) or "no result", "seconds": p.seconds}
+    return {**got, "seconds": p.seconds}
+
+
+# ---------------------------------------------------------------------------------------------
 # Rows 3-5: JAX against torch.compile on full-size random-weight folders
 
 
@@ -1053,6 +1083,24 @@ def _head_to_head_rows(h: HeadToHead, res: dict[str, Any] | None) -> list[str]:
     return [f"| {head} | {res.get('seconds', 0):.0f} | {params}{'; '.join(parts)} |"]
 
 
+def _fp8_rows(res: dict[str, Any] | None) -> list[str]:
+    if res is None:
+        return []
+    if "fp8" not in res:
+        why = ("FAILED: " + res["error"]) if res.get("error") else f"skipped: {res.get('skipped')}"
+        return [f"| scaled-fp8 Linear vs bf16 GEMM | – | {why} |"]
+    head = f"scaled-fp8 Linear {res['n']}² × {res['tokens']} tokens vs bf16 GEMM ({res['device']})"
+    fp8, bf16 = res["fp8"], res["bf16"]
+    shown = "; ".join(f"{k['op']} {k['name'] or '?'} -> {k['output'].split('{')[0]}"
+                      f"{' (GEMM)' if k['gemm'] else ''}{' reads ' + k['reads_fp8'] if k['reads_fp8'] else ''}"
+                      for k in fp8["kernels"])
+    return [f"| {head} | {res['seconds']:.0f} | one GEMM on the fp8 weight: "
+            f"{'yes' if fp8['one_gemm_on_fp8'] else 'NO'} ({len(fp8['kernels'])} kernel(s): {shown}); "
+            f"fp8 {fp8['ms_per_call']:.4g} ms vs bf16 {bf16['ms_per_call']:.4g} ms a call "
+            f"({res['fp8_over_bf16']:.2f}×; bf16 at {res['bf16_tflops']:.3g} TFLOP/s); "
+            f"mean |Δ| {res['mean_abs_delta']:.2g} of the bf16 output |"]
+
+
 def table(results: dict[str, Any]) -> str:
     rows = ["| step | s | result |", "|---|---|---|"]
     pre = results.get("preflight") or {}
@@ -1073,6 +1121,7 @@ def table(results: dict[str, Any]) -> str:
     rows += _target_rows(results.get("rows", {}).get("target"))
     for h in HEAD_TO_HEAD[results["mode"]]:
         rows += _head_to_head_rows(h, results.get("rows", {}).get(h.row))
+    rows += _fp8_rows(results.get("rows", {}).get("fp8"))
     if results.get("models_skipped"):
         rows.append("| models: cold start, executable round trip, steady state | – | "
                     f"skipped: {results['models_skipped']} |")
@@ -1200,6 +1249,9 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
                 if h.row in rows:
                     results["rows"][h.row] = {}
                     _guard(r, results["rows"][h.row], lambda h=h: results["rows"][h.row].update(step_head_to_head(r, h)))
+            if "fp8" in rows:  # 6.
+                results["rows"]["fp8"] = {}
+                _guard(r, results["rows"]["fp8"], lambda: results["rows"]["fp8"].update(step_fp8(r)))
             runs = [ModelRun(r, m) for m in models] if "models" in rows else []
             for mr in runs:
                 _guard(r, mr.res, mr.first)
@@ -1229,7 +1281,7 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
             results["models_skipped"] = "no GPU backend"
             results["compare"] = {"skipped": "no GPU backend"}
             results["rows"] = {x: {"skipped": "no GPU backend"} for x in rows if x in ("target", "sdxl", "flux",
-                                                                                        "kontext")}
+                                                                                        "kontext", "fp8")}
         results["total_s"] = time.time() - started_at
         (out / "models.json").write_text(json.dumps(results["models"], indent=2, default=str) + "\n")
         (out / "rows.json").write_text(json.dumps(results["rows"], indent=2, default=str) + "\n")
@@ -1247,6 +1299,7 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
 
 def main() -> int:
     children = {"steady": steady_child, "scaling": scaling_child, "images": images_child, "flops": flops_child,
+                "fp8": fp8_child,
                 "materialize": lambda spec: materialize(spec["arch"], spec["dtype"], Path(spec["out"]))}
     if len(sys.argv) == 3 and sys.argv[1] in children:
         result = children[sys.argv[1]](json.loads(sys.argv[2]))

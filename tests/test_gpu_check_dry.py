@@ -184,6 +184,7 @@ def test_a_stale_preheat_wheel_is_rebuilt_and_a_step_that_does_not_fit_the_budge
     for title in ("SDXL (tiny) 32², 2 steps, CFG 5", "FLUX.1 (tiny) 32², 2 steps",
                   "FLUX.1 Kontext (tiny) 32² (32² reference), 2 steps"):  # rows 3-5, each named with its reason
         assert f"| {title} | – | skipped: budget: needs at least 10 s (random weights + one cold compile" in table
+    assert "| scaled-fp8 Linear vs bf16 GEMM | – | skipped: budget: needs at least 5 s, 0 s left |" in table  # row 6
     assert "everything | – | skipped (budget) |" in table
     assert "| bench compare --quick (built-in model) | – | skipped: budget |" in table
     assert proc.stdout.rstrip().endswith(table.strip())
@@ -253,12 +254,12 @@ def test_prepare_compiles_the_h200_set_here(prepared_targets):
 
 @pytest.mark.slow
 def test_dry_run_of_issue_29_rows_in_a_clean_venv(clean_python, env_wheels, prepared_targets, tmp_path):
-    """Rows 2-5 at tiny sizes: every code path the GPU runs, but the hit (a CPU never loads a GPU
+    """Rows 2-6 at tiny sizes: every code path the GPU runs, but the hit (a CPU never loads a GPU
     entry: the row must say so) and torch.compile (torch eager stands in: same children)."""
     proc, out = _dry_run(clean_python, env_wheels, tmp_path, GPU_TARGETS_DIR=str(prepared_targets),
-                         GPU_CHECK_ROWS="doctor,target,sdxl,flux,kontext")
+                         GPU_CHECK_ROWS="doctor,target,sdxl,flux,kontext,fp8")
     rows = json.loads((out / "rows.json").read_text())
-    assert sorted(rows) == ["flux", "kontext", "sdxl", "target"]
+    assert sorted(rows) == ["flux", "fp8", "kontext", "sdxl", "target"]
     t = rows["target"]
     assert t["skipped"] == [] and t["prepared"]["targets"] == ["h200"]
     assert t["carried"]["layer"] == "none"  # a CPU process never picks the GPU entry ...
@@ -281,9 +282,17 @@ def test_dry_run_of_issue_29_rows_in_a_clean_venv(clean_python, env_wheels, prep
         flops = rows[name]["flops"]
         assert flops["matrix_flops_per_image"] > 0 and 0 < flops["jax_matrix_fraction_of_peak"]
     assert rows["sdxl"]["flops"]["guided"] and rows["sdxl"]["settings"]["guidance"] == 5.0
+    fp8 = rows["fp8"]  # row 6, on the CPU at 256 wide: XLA:CPU leaves the convert a kernel of its own
+    assert "error" not in fp8 and fp8["platform"] == "cpu" and (fp8["n"], fp8["tokens"]) == (256, 64)
+    assert fp8["fp8"]["one_gemm_on_fp8"] is False and any(k["gemm"] for k in fp8["fp8"]["kernels"])
+    assert any(k["reads_fp8"] == "f8e4m3fn[256,256]" for k in fp8["fp8"]["kernels"])
+    assert fp8["fp8"]["ms_per_call"] > 0 and fp8["bf16"]["ms_per_call"] > 0 and 0 < fp8["mean_abs_delta"] < 0.02
     table = (out / "summary.md").read_text()
     assert "MISS (expected: a CPU never loads a GPU entry)" in table
-    assert "rows: doctor, target, sdxl, flux, kontext" in table
+    assert "| scaled-fp8 Linear 256² × 64 tokens vs bf16 GEMM (cpu) |" in table
+    assert "one GEMM on the fp8 weight: NO (" in table
+    assert table.index("FLUX.1 Kontext (tiny)") < table.index("scaled-fp8 Linear")  # after the important rows
+    assert "rows: doctor, target, sdxl, flux, kontext, fp8" in table
 
 
 @pytest.mark.slow
