@@ -88,11 +88,15 @@ def family_values(pipe: Any, flags: dict[str, list[str]]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def flag_errors(pipe: Any) -> Iterator[None]:
-    """An engine error about a family input names the flag that set it (``--class: unknown class 12``)."""
+    """An engine error about a family input names the flag that set it (``--class: unknown class 12``),
+    and every input its message names by its flag (``--timesteps has 2 entries but --steps=3``)."""
     try:
         yield
     except InvalidArgumentError as err:
+        from preheat.cli.options import FLAGS
+
         flags = {s.name: s.cli_flag for s in pipe.family.input_specs(pipe)}
         if err.argument not in flags:
             raise
-        raise InvalidArgumentError(f"{flags[err.argument]}: {err}", argument=flags[err.argument]) from None
+        flag, text = flags[err.argument], err.renamed({**FLAGS, **flags})
+        raise InvalidArgumentError(text if text.startswith(flag) else f"{flag}: {text}", argument=flag) from None
