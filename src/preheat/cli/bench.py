@@ -14,7 +14,8 @@ import click
 from preheat.bench.compare import PATHS
 from preheat.cli._support import one_line_errors
 from preheat.cli.family_options import FamilyInputsCommand
-from preheat.cli.options import DTYPES, NON_NEGATIVE, POSITIVE, POSITIVE_SECONDS, common_option, echo_result, output_options
+from preheat.cli.options import (DTYPES, NON_NEGATIVE, POSITIVE, POSITIVE_SECONDS, common_option, echo_result,
+                                 output_options)
 
 __all__ = ["bench_group"]
 

@@ -24,25 +24,18 @@ from typing import Any, Callable, Optional
 
 import click
 
+from preheat.cli.family_options import FLAGS  # the engine's common keyword -> the CLI flag that sets it
 from preheat.families.inputs import COMMON_SPECS, Choice, Float, InputSpec, Int, common_spec
 
-__all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptions", "FLAGS", "SAMPLER", "common_option", "spec_option",
-           "sampler_option", "output_options", "echo_result", "POSITIVE", "SEED", "NON_NEGATIVE", "POSITIVE_SECONDS"]
+__all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptions", "FLAGS", "SAMPLER",
+           "common_option", "spec_option", "output_options", "echo_result", "POSITIVE", "NON_NEGATIVE",
+           "POSITIVE_SECONDS"]
 
 DTYPES = ("float32", "bfloat16", "float16")  # the denoiser dtypes the engine compiles for
 CACHE_LAYERS = ("full", "xla", "off")
 
-# The engine's common keyword -> the CLI flag that sets it: errors on the CLI name the flag. Every
-# common input with a declared flag, the CLI's or not (a LoRA's scale is given inside --lora
-# SRC[:SCALE]); a family's own inputs are named by their declared specs
-# (``cli.family_options.flag_errors``).
-FLAGS = {**{s.name: s.cli_flag for s in COMMON_SPECS if "cli" in s.surfaces or s.flag is not None},
-         "weights_dtype": "--weights-dtype", "weights_layers": "--weights-layers"}
-
-
 # Numeric option types: click refuses a value out of range in one line, before anything runs.
 POSITIVE = click.IntRange(min=1)
-SEED = click.IntRange(0, 2**32 - 1)
 NON_NEGATIVE = click.FloatRange(min=0)
 POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)
 
@@ -109,11 +102,6 @@ def echo_result(result: Any, text: str, as_json: bool) -> None:
     import json
 
     click.echo(json.dumps(result, indent=2, default=str) if as_json else text)
-
-
-def sampler_option(help_text: str = "(default: the model's).") -> Callable[..., Any]:
-    """``--sampler``: checked when given; its help lists every sampler."""
-    return click.option("--sampler", cls=_SamplerHelp, type=SAMPLER, help=help_text)
 
 
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:

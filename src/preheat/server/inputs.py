@@ -257,7 +257,7 @@ def _error_field(err: Exception, fields: dict[str, str], aliased: dict[str, str]
         return aliased[argument]
     if argument in fields:
         return fields[argument]
-    return "scheduler" if isinstance(err, SchedulerConfigError) else "input"
+    return fields.get("sampler", "input") if isinstance(err, SchedulerConfigError) else "input"
 
 
 def served_sizes(pipe: Any, limits: Limits) -> tuple[tuple[int, int], ...]:
