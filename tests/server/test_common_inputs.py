@@ -234,3 +234,31 @@ def test_an_input_a_surface_does_not_take_is_refused_there() -> None:
     assert typed_flags((shown, hidden), "toy", {"--caption": ["x"]}) == {"caption": "x"}
     with pytest.raises(InvalidArgumentError, match="--secret does not apply to a toy model; its inputs are: --caption"):
         typed_flags((shown, hidden), "toy", {"--secret": ["x"]})
+
+
+def test_an_engine_error_is_worded_with_each_surfaces_names() -> None:
+    """``InvalidArgumentError.about`` records the inputs its message names; each surface words it
+    with its own names (a server's fields, OpenAI's ``n``, the CLI's flags), the Python call keeps
+    the engine's keywords, and an error built without it is left as it is."""
+    from preheat.cli.options import FLAGS
+    from preheat.errors import InputError, InvalidArgumentError
+    from preheat.families.inputs import InputSpec, Text
+    from preheat.server.app import _OPENAI_FIELDS
+    from preheat.server.inputs import surface_fields
+
+    prompt = InputSpec("prompt", Text(), "What to draw.", per_image=True)
+    with pytest.raises(InvalidArgumentError) as caught:
+        prompt.check(["a", "b"], 3)
+    err = caught.value
+    assert str(err) == "got 2 prompts for n=3; give one string or one per image" and err.argument == "prompt"
+    fields = surface_fields((prompt,))
+    assert err.renamed(fields) == "got 2 prompts for num_outputs=3; give one string or one per image"
+    assert err.renamed({**FLAGS, "prompt": "--prompt"}) == "got 2 prompts for --n=3; give one string or one per image"
+    served = InputError([("prompt", err.renamed(fields))], source=err, fields=fields)
+    assert served.message(_OPENAI_FIELDS) == "got 2 prompts for n=3; give one string or one per image"
+    assert str(served) == "prompt: got 2 prompts for num_outputs=3; give one string or one per image"  # Runpod
+    plain = InvalidArgumentError("steps is odd", argument="steps")
+    assert plain.renamed(fields) == "steps is odd" and InputError([("x", "y")]).message(_OPENAI_FIELDS) == "y"
+    braces = InvalidArgumentError.about("{0}={value!r} is not one of: {options}", "sampler", value="{0}}",
+                                        options="a, b")  # a value with braces stays a value
+    assert braces.renamed(fields) == "scheduler='{0}}' is not one of: a, b"

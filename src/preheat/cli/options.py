@@ -8,9 +8,11 @@
 ``sample``'s defaults. The common inputs' options (``--n``, ``--steps``, ``--guidance``,
 ``--sampler``, ``--seed``, ``--eta``, ``--lora``) are derived from their declarations
 (``preheat.families.inputs.COMMON_SPECS`` with ``"cli"`` in their surfaces: flag, type and
-bounds, default, help text), as a family's own inputs are (``cli.family_options``). ``preheat sample`` and ``preheat cache explain`` both take exactly these,
-so that ``explain`` describes the call ``sample`` would make with the same flags. The values
-arrive as one ``CallOptions``.
+bounds, default, help text; an input with a syntax of its own declares it, ``InputSpec.cli_form``),
+as a family's own inputs are (``cli.family_options``); the ``preheat bench`` commands take the same
+options through :func:`common_option`, with their own defaults. ``preheat sample`` and
+``preheat cache explain`` both take exactly these, so that ``explain`` describes the call
+``sample`` would make with the same flags. The values arrive as one ``CallOptions``.
 
 Importing this module is cheap: the sampler list for ``--help`` is read only when help is shown.
 """
