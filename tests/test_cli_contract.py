@@ -143,3 +143,57 @@ def test_a_missing_extra_names_the_pip_install(tmp_path):
 def test_every_command_has_help(path):
     result = CliRunner().invoke(main, [*path, "--help"])
     assert result.exit_code == 0 and "Usage:" in result.output, result.output
+
+
+# Each benchmark's own default for a common input, where it differs from the declared one (what it
+# measures by default); every other common input a bench takes has the declared default.
+BENCH_DEFAULTS = {("sampler", "--steps"): 10, ("lora", "--n"): 8, ("lora", "--steps"): 4, ("coldstart", "--n"): 8,
+                  ("torch-shapes", "--steps"): 2}
+
+
+def bench_common_options() -> Iterator[tuple[str, click.Option, object]]:
+    """(bench command, its option, the spec) for every option of a `preheat bench` command whose flag
+    is a common input's declared flag."""
+    from preheat.families.inputs import COMMON_SPECS
+
+    specs = {s.cli_flag: s for s in COMMON_SPECS if "cli" in s.surfaces}
+    for path, cmd in leaf_commands():
+        if path[0] != "bench":
+            continue
+        for option in (p for p in cmd.params if isinstance(p, click.Option)):
+            if option.opts[0] in specs:
+                yield path[1], option, specs[option.opts[0]]
+
+
+def test_bench_options_are_the_declared_common_inputs():
+    """A bench's --n, --steps, --sampler, --seed, --guidance are the declared inputs: the spec's flag,
+    type and bounds, and its default unless the bench declares its own (``BENCH_DEFAULTS``)."""
+    from preheat.families.inputs import Choice, Float, Int
+
+    seen = set()
+    for bench, option, spec in bench_common_options():
+        seen.add((bench, option.opts[0]))
+        assert option.name == spec.name, (bench, option.opts)
+        kind = spec.type
+        if isinstance(kind, Int):
+            assert isinstance(option.type, click.IntRange), (bench, option.opts)
+            assert (option.type.min, option.type.max) == (kind.low, kind.high), (bench, option.opts)
+        elif isinstance(kind, Float):
+            assert isinstance(option.type, click.FloatRange), (bench, option.opts)
+            assert (option.type.min, option.type.max, option.type.min_open) == (kind.low, kind.high, kind.low_open)
+        elif isinstance(kind, Choice):
+            assert option.type.name == "sampler", (bench, option.opts)
+        assert option.default == BENCH_DEFAULTS.get((bench, option.opts[0]), spec.default), (bench, option.opts)
+    assert set(BENCH_DEFAULTS) <= seen  # a stale entry fails here
+    assert {("compare", f) for f in ("--steps", "--sampler", "--seed", "--guidance")} <= seen
+    assert {("sampler", "--sampler"), ("serve", "--steps"), ("coldstart", "--steps")} <= seen
+
+
+@pytest.mark.parametrize("bench,flag", sorted({(b, o.opts[0]) for b, o, s in bench_common_options()
+                                               if s.name in ("n", "steps")}))
+def test_a_bench_count_of_zero_is_a_range_error_naming_the_flag(no_loading, bench, flag):
+    result = CliRunner().invoke(main, ["bench", bench, flag, "0"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: Invalid value for '{flag}': 0 is not in the range x>=1."), \
+        lines

@@ -188,8 +188,8 @@ def test_cache_info_counts_hard_linked_weights_once(digits, tmp_path, monkeypatc
 
 
 def test_library_errors_name_the_flag(sd1, tmp_path):
-    """An argument error from the library (``argument="prompt"``) is printed under its flag."""
+    """An argument error from the library (``argument="prompt"``) names the input by its flag."""
     r = run("sample", sd1, "--steps", 2, "--out", tmp_path / "s.png", "--quiet")
     assert r.exit_code == 2
-    assert r.stderr.strip().splitlines() == ["error: --prompt: prompt is required: a string or one string per image"]
+    assert r.stderr.strip().splitlines() == ["error: --prompt is required: a string or one string per image"]
     assert not (tmp_path / "s.png").exists()

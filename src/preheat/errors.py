@@ -29,6 +29,8 @@ problem (and, where there is one, the fix). Surfaces (CLI, server, Runpod handle
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 __all__ = [
     "PreheatError",
     "ModelError",
@@ -92,11 +94,34 @@ class SchedulerConfigError(PreheatError, ValueError):
 
 class InvalidArgumentError(PreheatError, ValueError):
     """A bad argument to a public call. ``argument`` names it (the engine's keyword, e.g.
-    ``"steps"``), so that a surface can point at its own field without reading the message."""
+    ``"steps"``), so that a surface can point at its own field without reading the message.
+
+    An error built by :meth:`about` also knows which inputs its text names: ``renamed`` writes it
+    again with each under a surface's own name (``num_inference_steps`` on a server, ``--steps`` on
+    the command line), so that no surface rewrites a message's text."""
 
     def __init__(self, message: str, *, argument: str | None = None):
         super().__init__(message)
         self.argument = argument
+        self.template: str | None = None  # ``about``'s template: {0}, {1}, ... are ``names``
+        self.names: tuple[str, ...] = ()
+        self.values: dict[str, Any] = {}
+
+    @classmethod
+    def about(cls, template: str, *names: str, argument: str | None = None, **values: Any) -> InvalidArgumentError:
+        """An error whose ``template`` names the inputs ``names`` (engine keywords) as ``{0}``, ``{1}``,
+        ...; ``values`` fill its other fields (``{value!r}``). ``argument``: ``names[0]`` unless given.
+        ``InvalidArgumentError.about("{0}={value!r} must be >= 1", "steps", value=0)``."""
+        err = cls(template.format(*names, **values), argument=argument if argument is not None else names[0])
+        err.template, err.names, err.values = template, names, values
+        return err
+
+    def renamed(self, name_of: Mapping[str, str]) -> str:
+        """The message with each input it names as ``name_of`` (keyword -> a surface's name) names it;
+        a keyword ``name_of`` lacks, and a message built without :meth:`about`, as they are."""
+        if self.template is None:
+            return str(self)
+        return self.template.format(*(name_of.get(name, name) for name in self.names), **self.values)
 
 
 class TargetError(InvalidArgumentError):
@@ -154,11 +179,22 @@ class MissingExtraError(PreheatError, ImportError):
 
 
 class InputError(PreheatError, ValueError):
-    """Bad request input. ``errors`` is a list of ``(field, message)``; ``str()`` is one line."""
+    """Bad request input. ``errors`` is a list of ``(field, message)``; ``str()`` is one line.
+    ``source``: the engine's error it came from, with ``fields`` (keyword -> the field its message
+    names it by), so that a surface with other field names (OpenAI's ``n``) can word it again."""
 
-    def __init__(self, errors: list[tuple[str, str]]):
+    def __init__(self, errors: list[tuple[str, str]], *, source: InvalidArgumentError | None = None,
+                 fields: Mapping[str, str] | None = None):
         self.errors = errors
+        self.source, self.fields = source, dict(fields or {})
         super().__init__("; ".join(f"{f}: {m}" for f, m in errors))
+
+    def message(self, rename: Mapping[str, str]) -> str:
+        """The first error's message with its fields renamed (``rename``: this surface's field ->
+        another surface's name for it), when the engine's error says which inputs it names."""
+        if self.source is None:
+            return self.errors[0][1]
+        return self.source.renamed({k: rename.get(v, v) for k, v in self.fields.items()})
 
 
 class ServingError(PreheatError):

@@ -69,41 +69,41 @@ def read_image(value: Any, name: str = "image", *, mask: bool = False, limit: in
     elif isinstance(value, (str, Path)):
         path = Path(value)
         if str(value).startswith(("http://", "https://")):
-            raise InvalidArgumentError(f"{name} is a URL; pass a path, bytes or an image (a server fetches URLs "
-                                       "through its guarded fetch)", argument=name)
+            raise InvalidArgumentError.about("{0} is a URL; pass a path, bytes or an image (a server fetches URLs "
+                                             "through its guarded fetch)", name)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            raise InvalidArgumentError(f"{name} {str(value)!r} does not exist", argument=name) from None
+            raise InvalidArgumentError.about("{0} {path!r} does not exist", name, path=str(value)) from None
         except (IsADirectoryError, PermissionError, OSError) as exc:
-            raise InvalidArgumentError(f"{name} {str(value)!r} cannot be read: {exc.strerror or exc}",
-                                       argument=name) from None
+            raise InvalidArgumentError.about("{0} {path!r} cannot be read: {why}", name, path=str(value),
+                                             why=exc.strerror or exc) from None
         image = _decode(name, data, limit)
     else:
-        raise InvalidArgumentError(f"{name} must be a PIL image, a uint8 (H, W[, C]) array, a path or image bytes, "
-                                   f"not {type(value).__name__}", argument=name)
+        raise InvalidArgumentError.about("{0} must be a PIL image, a uint8 (H, W[, C]) array, a path or image bytes, "
+                                         "not {kind}", name, kind=type(value).__name__)
     return _normalise(name, image, mask)
 
 
 def _check_size(name: str, size: tuple[int, int], limit: int) -> None:
     width, height = size
     if width < 1 or height < 1:
-        raise InvalidArgumentError(f"{name} is empty ({width}x{height})", argument=name)
+        raise InvalidArgumentError.about("{0} is empty ({width}x{height})", name, width=width, height=height)
     if width * height > limit:
-        raise InvalidArgumentError(f"{name} is {width}x{height} = {width * height} pixels; at most {limit} "
-                                   f"(--max-image-pixels)", argument=name)
+        raise InvalidArgumentError.about("{0} is {width}x{height} = {pixels} pixels; at most {limit} (--max-image-pixels)",
+                                         name, width=width, height=height, pixels=width * height, limit=limit)
 
 
 def _from_array(name: str, array: np.ndarray, limit: int) -> Any:
     from PIL import Image
 
     if array.dtype != np.uint8:
-        raise InvalidArgumentError(f"{name} is a {array.dtype} array; pass uint8 pixels (H, W, C)", argument=name)
+        raise InvalidArgumentError.about("{0} is a {dtype} array; pass uint8 pixels (H, W, C)", name, dtype=array.dtype)
     if array.ndim == 3 and array.shape[2] == 1:
         array = array[:, :, 0]
     if not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))):
-        raise InvalidArgumentError(f"{name} has shape {array.shape}; expected (H, W), (H, W, 1), (H, W, 3) or "
-                                   "(H, W, 4)", argument=name)
+        raise InvalidArgumentError.about("{0} has shape {shape}; expected (H, W), (H, W, 1), (H, W, 3) or (H, W, 4)", name,
+                                         shape=array.shape)
     _check_size(name, (array.shape[1], array.shape[0]), limit)
     return Image.fromarray(np.ascontiguousarray(array))
 
@@ -111,12 +111,11 @@ def _from_array(name: str, array: np.ndarray, limit: int) -> Any:
 def _data_uri(name: str, uri: str) -> bytes:
     header, comma, payload = uri.partition(",")
     if not comma or not header.endswith(";base64"):
-        raise InvalidArgumentError(f"{name} is a data URI without base64 data (data:image/png;base64,...)",
-                                   argument=name)
+        raise InvalidArgumentError.about("{0} is a data URI without base64 data (data:image/png;base64,...)", name)
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise InvalidArgumentError(f"{name}'s data URI is not valid base64", argument=name) from None
+        raise InvalidArgumentError.about("{0}'s data URI is not valid base64", name) from None
 
 
 def _decode(name: str, data: bytes, limit: int) -> Any:
@@ -125,23 +124,23 @@ def _decode(name: str, data: bytes, limit: int) -> Any:
     try:
         image = Image.open(io.BytesIO(data))  # reads the header only
     except UnidentifiedImageError:
-        raise InvalidArgumentError(f"{name} is not an image PIL can read; send PNG, JPEG or WebP",
-                                   argument=name) from None
+        raise InvalidArgumentError.about("{0} is not an image PIL can read; send PNG, JPEG or WebP", name) from None
     except Image.DecompressionBombError:
-        raise InvalidArgumentError(f"{name} declares more than {limit} pixels (--max-image-pixels)",
-                                   argument=name) from None
+        raise InvalidArgumentError.about("{0} declares more than {limit} pixels (--max-image-pixels)", name,
+                                         limit=limit) from None
     except (OSError, SyntaxError, ValueError) as exc:
-        raise InvalidArgumentError(f"{name} cannot be read: {exc}", argument=name) from None
+        raise InvalidArgumentError.about("{0} cannot be read: {exc}", name, exc=exc) from None
     if image.format not in FORMATS:
-        raise InvalidArgumentError(f"{name} is {image.format}; send PNG, JPEG or WebP", argument=name)
+        raise InvalidArgumentError.about("{0} is {format}; send PNG, JPEG or WebP", name, format=image.format)
     _check_size(name, image.size, limit)  # before a single pixel is decoded
     try:
         image.load()
     except Image.DecompressionBombError:
-        raise InvalidArgumentError(f"{name} declares more than {limit} pixels (--max-image-pixels)",
-                                   argument=name) from None
+        raise InvalidArgumentError.about("{0} declares more than {limit} pixels (--max-image-pixels)", name,
+                                         limit=limit) from None
     except (OSError, SyntaxError, ValueError) as exc:  # "image file is truncated", a broken stream
-        raise InvalidArgumentError(f"{name} is truncated or corrupt ({image.format}: {exc})", argument=name) from None
+        raise InvalidArgumentError.about("{0} is truncated or corrupt ({format}: {exc})", name, format=image.format,
+                                             exc=exc) from None
     return image
 
 
@@ -152,8 +151,8 @@ def _normalise(name: str, image: Any, mask: bool) -> np.ndarray:
         image = ImageOps.exif_transpose(image)  # a phone's portrait JPEG is stored sideways
         return np.asarray(image.convert("L" if mask else "RGB"), dtype=np.uint8)
     except (OSError, ValueError) as exc:
-        raise InvalidArgumentError(f"{name} cannot be converted to {'L' if mask else 'RGB'}: {exc}",
-                                   argument=name) from None
+        raise InvalidArgumentError.about("{0} cannot be converted to {mode}: {exc}", name, mode="L" if mask else "RGB",
+                                         exc=exc) from None
 
 
 def transparent_mask(data: bytes, name: str = "mask") -> np.ndarray | None:

@@ -8,7 +8,8 @@ HTTP on 127.0.0.1, and the Runpod handler. For each declared input (``Family.inp
 * its default is accepted, and the image equals the Python call's;
 * a value out of its declared bounds is refused: a one-line ``InvalidArgumentError`` naming it
   (Python), exit 2 naming its flag (CLI), a 422 naming its field (Cog, OpenAI), an error naming
-  it (Runpod).
+  it (Runpod) -- each surface's message names it by that surface's name, never by the engine's
+  keyword where the two differ (``class_labels=`` is no field of a server's).
 
 The bad values come from the specs themselves (:func:`out_of_bounds`), so a new input is covered
 by its declaration. One compile per family: every accepted call is the program the server warmed
@@ -17,6 +18,7 @@ by its declaration. One compile per family: every accepted call is the program t
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +102,13 @@ def _specs(pipe: Any) -> tuple[InputSpec, ...]:
     return tuple(pipe.family.input_specs(pipe))
 
 
+def engine_named(spec: InputSpec, message: str, surface_name: str | None = None) -> bool:
+    """Whether ``message`` names the input by the engine's keyword (``class_labels=3``) on a surface
+    that names it otherwise (its field, ``surface_name``, or its flag)."""
+    return (surface_name or spec.surface_name) != spec.name and re.search(
+        rf"(?<![\w-]){re.escape(spec.name)}=", message) is not None
+
+
 def _cog(spec: InputSpec, value: Any) -> dict[str, Any]:
     return {spec.surface_name: value}
 
@@ -156,10 +165,12 @@ def test_every_declared_input_out_of_bounds_is_refused_naming_it(served, monkeyp
                                                             if s.name in base}, **COG_CHEAP, **_cog(spec, bad)}})
         assert r.status_code == 422, (spec.name, r.text)
         assert any(spec.surface_name in e["loc"] for e in r.json()["detail"]), (spec.name, r.json())
+        assert not any(engine_named(spec, e["msg"]) for e in r.json()["detail"]), (spec.name, r.json())
         # Runpod
         (result,) = runpod_jobs(core, {"id": kind, "input": {**{s.surface_name: base[s.name] for s in _specs(pipe)
                                                                   if s.name in base}, **_cog(spec, bad)}})
         assert result.get("error", "").startswith(f"{spec.surface_name}: "), (spec.name, result)
+        assert not engine_named(spec, result["error"]), (spec.name, result)
         # OpenAI over HTTP (a size is OpenAI's "size"; every other input an extra field)
         body: dict[str, Any] = {"n": 1, **({"prompt": base["prompt"]} if "prompt" in base else {})}
         if spec.name in ("width", "height"):
@@ -171,6 +182,7 @@ def test_every_declared_input_out_of_bounds_is_refused_naming_it(served, monkeyp
             param = spec.surface_name
         r = client.post("/v1/images/generations", json=body)
         assert r.status_code == 422 and r.json()["error"]["param"] == param, (spec.name, r.text)
+        assert not engine_named(spec, r.json()["error"]["message"]), (spec.name, r.text)
         # the CLI
         value = ",".join(map(str, bad)) if isinstance(bad, list) else str(bad)
         others = [x for s in _specs(pipe) if s.name in base and s.name != spec.name
@@ -180,6 +192,7 @@ def test_every_declared_input_out_of_bounds_is_refused_naming_it(served, monkeyp
         assert result.exit_code == 2, (spec.name, result.output)
         assert len(result.output.strip().splitlines()) == 1 and spec.cli_flag in result.output, (
             spec.name, result.output)
+        assert not engine_named(spec, result.output, spec.cli_flag), (spec.name, result.output)
 
 
 def test_the_schemas_state_every_declared_input(served):

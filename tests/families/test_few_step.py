@@ -319,7 +319,8 @@ def test_timestep_spacing_reaches_every_surface(cards, tmp_path):
     assert tcd.request.values["timesteps"] == (800,) and ("timesteps", (800,)) in tcd.batch_key[3]
     with pytest.raises(InputError) as bad:  # steps must be their count; euler takes no list
         parse_input({**raw, "scheduler": "tcd", "timesteps": [800]}, pipe, Limits())
-    assert bad.value.errors[0] == ("timesteps", "timesteps has 1 entries but steps=2; leave steps out or give steps=1")
+    assert bad.value.errors[0] == ("timesteps", "timesteps has 1 entries but num_inference_steps=2; leave "
+                                                "num_inference_steps out or give num_inference_steps=1")
     no_steps, _ = parse_input({**raw, "scheduler": "tcd", "num_inference_steps": None, "timesteps": [800]}, pipe,
                               Limits())
     assert no_steps.steps == 1 and no_steps.batch_key == tcd.batch_key  # their count, as diffusers' pipelines

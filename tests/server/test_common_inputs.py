@@ -120,10 +120,21 @@ def test_timesteps_without_steps_use_their_count(client: httpx.Client, core: Cor
     np.testing.assert_array_equal(decode_data_url(result["images"][0]), want[0])
 
 
-def test_timesteps_and_another_step_count_is_one_line(client: httpx.Client) -> None:
+def test_timesteps_and_another_step_count_is_one_line(client: httpx.Client, core: Core) -> None:
+    """The engine's error names the step count as each surface names it: the field a client sent
+    (``num_inference_steps`` on Cog's route, the OpenAI route and the Runpod handler), never the
+    engine's keyword ``steps``."""
     body = {"class_label": 3, "scheduler": "tcd", "timesteps": [999, 499]}
+    want = "timesteps has 2 entries but num_inference_steps=3; leave num_inference_steps out or give " \
+           "num_inference_steps=2"
     error = one_error(client.post("/predictions", json={"input": {**body, "num_inference_steps": 3}}))
-    assert error["loc"][-1] == "timesteps" and "timesteps has 2 entries but steps=3" in error["msg"], error
+    assert error["loc"][-1] == "timesteps" and error["msg"] == want, error
+    r = client.post("/v1/images/generations", json={"prompt": "3", "n": 1, "scheduler": "tcd",
+                                                    "timesteps": [999, 499], "num_inference_steps": 3})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["param"] == "timesteps" and r.json()["error"]["message"] == f"timesteps: {want}", r.text
+    (result,) = runpod_jobs(core, {"id": "ts-steps", "input": {**body, "num_inference_steps": 3}})
+    assert result == {"error": f"timesteps: {want}"}, result
     too_many = list(range(999, 999 - 10 * (MAX_STEPS + 1), -10))
     error = one_error(client.post("/predictions", json={"input": {**body, "timesteps": too_many}}))
     assert error["loc"][-1] == "timesteps" and f"this server's max {MAX_STEPS}" in error["msg"], error
@@ -152,7 +163,7 @@ def test_the_cli_takes_eta_and_timesteps_without_steps(model_dir: Path, pipe: An
     result, _ = sample("--sampler", "tcd", "--timesteps", "999,499", "--steps", "3")
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.exit_code != 0 and len(lines) == 1, result.output
-    assert lines[0].startswith("error: --timesteps: timesteps has 2 entries but steps=3"), lines
+    assert lines[0] == "error: --timesteps has 2 entries but --steps=3; leave --steps out or give --steps=2", lines
 
 
 def test_the_cli_options_are_the_declared_common_inputs() -> None:
@@ -168,13 +179,38 @@ def test_the_cli_options_are_the_declared_common_inputs() -> None:
     options = {o.opts[0]: o for o in sample.params if isinstance(o, click.Option)}
     for spec in COMMON_SPECS:
         if "cli" not in spec.surfaces:
-            assert spec.cli_flag not in options, spec.name
+            assert all(o.name != spec.name for o in options.values()), spec.name
             continue
         option = options[spec.cli_flag]
-        assert option.help.endswith(spec.describe("cli")), (spec.name, option.help)
+        assert option.name == spec.name and option.help.endswith(spec.describe("cli")), (spec.name, option.help)
         if isinstance(spec.type, (Int, Float)):
             assert (option.type.min, option.type.max) == (spec.type.low, spec.type.high), spec.name
+        if spec.cli_form is not None:  # its own syntax, declared: repeated, shown as its metavar
+            assert option.multiple and option.metavar == spec.cli_form.metavar, spec.name
     assert "--noise" not in options and "--lora-scale" not in options and options["--eta"].default == 0.0
+    assert options["--lora"].metavar == "SRC[:SCALE]"
+
+
+def test_a_declared_cli_form_parses_the_flag_and_names_it_in_errors() -> None:
+    """``--lora SRC[:SCALE]`` is the LoRA spec's declared ``CliForm``: ``CallOptions`` parses the
+    repeated texts with it (none given: no ``lora`` keyword at all), and an error about the scale
+    it carries (``lora_scale``, a server field whose declared flag is ``--lora``) names ``--lora``."""
+    from preheat.cli.options import FLAGS, CallOptions
+    from preheat.errors import InvalidArgumentError
+
+    fields = dict(model=None, flags={}, n=None, steps=None, sampler=None, seed=0, guidance=None, eta=0.0,
+                  dtype="float32", weights_dtype=None, weights_layers="layerwise", variant=None, cache=None,
+                  config=None, backend="jax", compile_mode="none")
+    assert "lora" not in CallOptions(lora=(), **fields).common_inputs()  # none given: the call has none
+    got = CallOptions(lora=("a.safetensors:0.5", "http://host:8/b.safetensors"), **fields).common_inputs()
+    assert got["lora"] == [("a.safetensors", 0.5), ("http://host:8/b.safetensors", 1.0)]
+    lora = common_spec("lora")
+    assert lora.cli_form is not None and lora.cli_form.parse("x:2") == ("x", 2.0)
+    assert FLAGS["lora_scale"] == "--lora" and FLAGS["steps"] == "--steps"  # each declared flag
+    from preheat.cli._support import _in_flags
+
+    assert _in_flags(InvalidArgumentError("lora_scale must be finite", argument="lora_scale")) == \
+        "--lora: lora_scale must be finite"
 
 
 def test_an_input_a_surface_does_not_take_is_refused_there() -> None:
@@ -197,3 +233,31 @@ def test_an_input_a_surface_does_not_take_is_refused_there() -> None:
     assert typed_flags((shown, hidden), "toy", {"--caption": ["x"]}) == {"caption": "x"}
     with pytest.raises(InvalidArgumentError, match="--secret does not apply to a toy model; its inputs are: --caption"):
         typed_flags((shown, hidden), "toy", {"--secret": ["x"]})
+
+
+def test_an_engine_error_is_worded_with_each_surfaces_names() -> None:
+    """``InvalidArgumentError.about`` records the inputs its message names; each surface words it
+    with its own names (a server's fields, OpenAI's ``n``, the CLI's flags), the Python call keeps
+    the engine's keywords, and an error built without it is left as it is."""
+    from preheat.cli.options import FLAGS
+    from preheat.errors import InputError, InvalidArgumentError
+    from preheat.families.inputs import InputSpec, Text
+    from preheat.server.app import _OPENAI_FIELDS
+    from preheat.server.inputs import surface_fields
+
+    prompt = InputSpec("prompt", Text(), "What to draw.", per_image=True)
+    with pytest.raises(InvalidArgumentError) as caught:
+        prompt.check(["a", "b"], 3)
+    err = caught.value
+    assert str(err) == "got 2 prompts for n=3; give one string or one per image" and err.argument == "prompt"
+    fields = surface_fields((prompt,))
+    assert err.renamed(fields) == "got 2 prompts for num_outputs=3; give one string or one per image"
+    assert err.renamed({**FLAGS, "prompt": "--prompt"}) == "got 2 prompts for --n=3; give one string or one per image"
+    served = InputError([("prompt", err.renamed(fields))], source=err, fields=fields)
+    assert served.message(_OPENAI_FIELDS) == "got 2 prompts for n=3; give one string or one per image"
+    assert str(served) == "prompt: got 2 prompts for num_outputs=3; give one string or one per image"  # Runpod
+    plain = InvalidArgumentError("steps is odd", argument="steps")
+    assert plain.renamed(fields) == "steps is odd" and InputError([("x", "y")]).message(_OPENAI_FIELDS) == "y"
+    braces = InvalidArgumentError.about("{0}={value!r} is not one of: {options}", "sampler", value="{0}}",
+                                        options="a, b")  # a value with braces stays a value
+    assert braces.renamed(fields) == "scheduler='{0}}' is not one of: a, b"

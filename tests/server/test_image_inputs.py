@@ -137,8 +137,10 @@ def test_bad_images_are_one_line_422s_naming_their_field(client, field: str, val
 
 
 def test_a_mask_needs_an_image(client) -> None:
+    """The engine's error (``mask_image needs image``) names the mask by the field a client sent."""
     r = client.post("/predictions", json={"input": {**CALL, "mask": data_uri(png(KEEP))}})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "input", "mask"], r.text
+    assert r.json()["detail"][0]["msg"] == "mask needs image; give both", r.text
 
 
 def test_the_openapi_schemas_state_the_image_fields(client) -> None:

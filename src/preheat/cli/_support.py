@@ -21,7 +21,8 @@ def _in_flags(err: PreheatError) -> str:
     from preheat.cli.options import FLAGS
 
     flag = FLAGS.get(getattr(err, "argument", None) or "")
-    return f"{flag}: {err}" if flag is not None and flag not in str(err) else str(err)
+    text = err.renamed(FLAGS) if isinstance(err, InvalidArgumentError) else str(err)  # the inputs it names: flags
+    return f"{flag}: {text}" if flag is not None and flag not in text else text
 
 
 def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -14,8 +14,8 @@ import click
 from preheat.bench.compare import PATHS
 from preheat.cli._support import one_line_errors
 from preheat.cli.family_options import FamilyInputsCommand
-from preheat.cli.options import (DTYPES, NON_NEGATIVE, POSITIVE, POSITIVE_SECONDS, SEED, echo_result,
-                                 output_options, sampler_option)
+from preheat.cli.options import (DTYPES, NON_NEGATIVE, POSITIVE, POSITIVE_SECONDS, common_option, echo_result,
+                                 output_options)
 
 __all__ = ["bench_group"]
 
@@ -28,8 +28,8 @@ def bench_group() -> None:
 @bench_group.command("sampler")
 @click.argument("model", required=False)
 @click.option("--batch", "batches", multiple=True, type=POSITIVE, help="Batch sizes (default 1, 8, 32).")
-@click.option("--steps", default=10, show_default=True, type=POSITIVE)
-@sampler_option()
+@common_option("steps", default=10, help="Denoising steps.")
+@common_option("sampler")
 @click.option("--repeats", default=3, show_default=True, type=POSITIVE)
 @click.option("--width", type=POSITIVE, help="Text-to-image models: image width (default: the model's).")
 @click.option("--height", type=POSITIVE, help="Text-to-image models: image height (default: the model's).")
@@ -63,8 +63,8 @@ def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sam
 
 @bench_group.command("lora")
 @click.argument("model", required=False, default="random:sd-small")
-@click.option("--n", "n", default=8, show_default=True, type=int, help="Batch size (and number of LoRAs mixed).")
-@click.option("--steps", default=4, show_default=True, type=int)
+@common_option("n", default=8, help="Batch size (and number of LoRAs mixed).")
+@common_option("steps", default=4, help="Denoising steps.")
 @click.option("--rank", default=16, show_default=True, type=int, help="The LoRAs' rank.")
 @click.option("--repeats", default=5, show_default=True, type=int, help="Rounds, each timing every condition once.")
 @click.option("--dtype", default="float32", show_default=True)
@@ -81,8 +81,8 @@ def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype:
     from preheat.bench.lora import bench_lora, markdown
     from preheat.errors import InvalidArgumentError
 
-    if n < 1 or steps < 1 or repeats < 1 or rank < 1:
-        raise InvalidArgumentError("--n, --steps, --rank and --repeats must be >= 1")
+    if repeats < 1 or rank < 1:
+        raise InvalidArgumentError("--rank and --repeats must be >= 1")
     with tempfile.TemporaryDirectory() as tmp:
         result = bench_lora(model, n, steps, rank, repeats, Path(tmp), dtype=dtype,
                             size=(width, height) if width and height else None)
@@ -91,8 +91,8 @@ def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype:
 
 
 @bench_group.command("coldstart", cls=FamilyInputsCommand, options_metavar="[MODEL] [OPTIONS]")
-@click.option("--n", "n", default=8, show_default=True, type=POSITIVE, help="Batch size.")
-@click.option("--steps", type=POSITIVE, help="Steps (model default when absent).")
+@common_option("n", default=8, help="Batch size.")
+@common_option("steps")
 @click.option("--repeats", default=3, show_default=True, type=POSITIVE, help="Fresh processes per cache state.")
 @click.option("--cache-url", help="Also measure a fresh local root pulling from this shared store.")
 @click.option("--backend", type=click.Choice(["jax", "torch"]), default="jax", show_default=True,
@@ -213,7 +213,7 @@ def target_command(target_name: str, no_full_size: bool, json_out: Path | None, 
               help="Square image sizes, comma-separated, in the order served (the first is stored alone for the "
                    "partial row).")
 @click.option("--mode", type=click.Choice(["regional", "full"]), default="regional", show_default=True)
-@click.option("--steps", default=2, show_default=True, type=int)
+@common_option("steps", default=2, help="Denoising steps.")
 @click.option("--repeats", default=5, show_default=True, type=int, help="Steady-state calls per resolution.")
 @click.option("--threads", type=int, help="torch threads in the children (default: torch's own).")
 @click.option("--timeout", default=1800.0, show_default=True, type=POSITIVE_SECONDS, help="Seconds per child process.")
@@ -234,8 +234,8 @@ def torch_shapes_command(models: tuple[str, ...], resolutions: str, mode: str, s
         sizes = ()
     if not sizes or min(sizes) <= 0 or len(set(sizes)) != len(sizes):
         raise InvalidArgumentError(f"--resolutions {resolutions!r} must be distinct comma-separated positive ints")
-    if steps < 1 or repeats < 1 or (threads is not None and threads < 1):
-        raise InvalidArgumentError("--steps, --repeats and --threads must be >= 1")
+    if repeats < 1 or (threads is not None and threads < 1):
+        raise InvalidArgumentError("--repeats and --threads must be >= 1")
     from preheat.bench.random_models import PREFIX, RANDOM_MODELS, random_name
     from preheat.errors import ModelNotFoundError
 
@@ -263,12 +263,12 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 
 
 @bench_group.command("compare", cls=FamilyInputsCommand, options_metavar="[MODEL] [OPTIONS]")
-@sampler_option("(default: the model's if deterministic, else ddim).")
-@click.option("--steps", type=int, help="Steps (default: the model's; --quick: 4).")
+@common_option("sampler", help="(default: the model's if deterministic, else ddim).")
+@common_option("steps", help="Denoising steps (default: the model's; --quick: 4).")
 @click.option("--batch", type=int, help="Batch of the cold-start runs (default 8; --quick: 1).")
 @click.option("--batch-sizes", help="Steady-state batch sizes (default 1,8,32; --quick: 1,8).")
-@click.option("--seed", default=0, show_default=True, type=SEED)
-@click.option("--guidance", type=NON_NEGATIVE, help="Guidance scale (default: the model's).")
+@common_option("seed")
+@common_option("guidance", help="Classifier-free guidance scale (default: the model's).")
 @click.option("--dtype", type=click.Choice(DTYPES), help="Every path's dtype (default: each backend's own, float32).")
 @click.option("--repeats", type=int, help="Fresh processes per cache state (default 3; --quick: 1).")
 @click.option("--steady-repeats", type=int, help="Timed calls per batch size (default 5; --quick: 2).")
@@ -385,7 +385,7 @@ class _Kept:
 @click.option("--concurrency", default=32, show_default=True, type=int, help="Concurrent clients.")
 @click.option("--max-batch-size", default=8, show_default=True, type=int)
 @click.option("--batch-wait-ms", default=10.0, show_default=True, type=NON_NEGATIVE)
-@click.option("--steps", type=int, help="num_inference_steps per request (model default when absent).")
+@common_option("steps", help="Denoising steps per request, sent as num_inference_steps (default: the model's).")
 @click.option("--timeout-s", default=600.0, show_default=True, type=float, help="Give up after this long in all.")
 @click.option("--offline-s", default=8.0, show_default=True, type=float,
               help="Seconds to time the offline baseline (before and after the load).")
@@ -405,8 +405,6 @@ def bench_serve_command(model: Optional[str], n_requests: int, concurrency: int,
 
     if n_requests < 1 or concurrency < 1 or max_batch_size < 1 or timeout_s <= 0 or offline_s <= 0:
         raise InvalidArgumentError("--requests, --concurrency, --max-batch-size, --timeout-s and --offline-s must be positive")
-    if steps is not None and steps < 1:
-        raise InvalidArgumentError(f"--steps {steps} must be a positive int")
     result = run_bench(model, n_requests=n_requests, concurrency=concurrency, max_batch_size=max_batch_size,
                        batch_wait_ms=batch_wait_ms, steps=steps, timeout_s=timeout_s, offline_s=offline_s,
                        json_out=json_out, stream=stream,

@@ -17,8 +17,16 @@ from typing import Any, Iterator, Sequence
 import click
 
 from preheat.errors import InvalidArgumentError
+from preheat.families.inputs import COMMON_SPECS
 
-__all__ = ["FamilyInputsCommand", "parse_flags", "family_values", "flag_errors"]
+__all__ = ["FamilyInputsCommand", "parse_flags", "family_values", "flag_errors", "FLAGS"]
+
+# The engine's common keyword -> the CLI flag that sets it: errors on the CLI name the flag. Every
+# common input with a declared flag, the CLI's or not (a LoRA's scale is given inside --lora
+# SRC[:SCALE]); a family's own inputs are named by their declared specs
+# (:func:`flag_errors`).
+FLAGS = {**{s.name: s.cli_flag for s in COMMON_SPECS if "cli" in s.surfaces or s.flag is not None},
+         "weights_dtype": "--weights-dtype", "weights_layers": "--weights-layers"}
 
 
 class FamilyInputsCommand(click.Command):
@@ -88,11 +96,13 @@ def family_values(pipe: Any, flags: dict[str, list[str]]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def flag_errors(pipe: Any) -> Iterator[None]:
-    """An engine error about a family input names the flag that set it (``--class: unknown class 12``)."""
+    """An engine error about a family input names the flag that set it (``--class: unknown class 12``),
+    and every input its message names by its flag (``--timesteps has 2 entries but --steps=3``)."""
     try:
         yield
     except InvalidArgumentError as err:
         flags = {s.name: s.cli_flag for s in pipe.family.input_specs(pipe)}
         if err.argument not in flags:
             raise
-        raise InvalidArgumentError(f"{flags[err.argument]}: {err}", argument=flags[err.argument]) from None
+        flag, text = flags[err.argument], err.renamed({**FLAGS, **flags})
+        raise InvalidArgumentError(text if text.startswith(flag) else f"{flag}: {text}", argument=flag) from None

@@ -8,9 +8,11 @@
 ``sample``'s defaults. The common inputs' options (``--n``, ``--steps``, ``--guidance``,
 ``--sampler``, ``--seed``, ``--eta``, ``--lora``) are derived from their declarations
 (``preheat.families.inputs.COMMON_SPECS`` with ``"cli"`` in their surfaces: flag, type and
-bounds, default, help text), as a family's own inputs are (``cli.family_options``). ``preheat sample`` and ``preheat cache explain`` both take exactly these,
-so that ``explain`` describes the call ``sample`` would make with the same flags. The values
-arrive as one ``CallOptions``.
+bounds, default, help text; an input with a syntax of its own declares it, ``InputSpec.cli_form``),
+as a family's own inputs are (``cli.family_options``); the ``preheat bench`` commands take the same
+options through :func:`common_option`, with their own defaults. ``preheat sample`` and
+``preheat cache explain`` both take exactly these, so that ``explain`` describes the call
+``sample`` would make with the same flags. The values arrive as one ``CallOptions``.
 
 Importing this module is cheap: the sampler list for ``--help`` is read only when help is shown.
 """
@@ -24,24 +26,18 @@ from typing import Any, Callable, Optional
 
 import click
 
-from preheat.families.inputs import COMMON_SPECS, Choice, Float, InputSpec, Int
+from preheat.cli.family_options import FLAGS  # the engine's common keyword -> the CLI flag that sets it
+from preheat.families.inputs import COMMON_SPECS, Choice, Float, InputSpec, Int, common_spec
 
 __all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptions", "FLAGS", "SAMPLER",
-           "sampler_option", "output_options", "echo_result", "POSITIVE", "SEED", "NON_NEGATIVE", "POSITIVE_SECONDS"]
+           "common_option", "spec_option", "output_options", "echo_result", "POSITIVE", "NON_NEGATIVE",
+           "POSITIVE_SECONDS"]
 
 DTYPES = ("float32", "bfloat16", "float16")  # the denoiser dtypes the engine compiles for
 CACHE_LAYERS = ("full", "xla", "off")
 
-# The engine's common keyword -> the CLI flag that sets it: errors on the CLI name the flag (a
-# LoRA's scale is given inside --lora SRC[:SCALE]). A family's own inputs are named by their
-# declared specs (``cli.family_options.flag_errors``).
-FLAGS = {**{s.name: s.cli_flag for s in COMMON_SPECS if "cli" in s.surfaces}, "lora_scale": "--lora",
-         "weights_dtype": "--weights-dtype", "weights_layers": "--weights-layers"}
-
-
 # Numeric option types: click refuses a value out of range in one line, before anything runs.
 POSITIVE = click.IntRange(min=1)
-SEED = click.IntRange(0, 2**32 - 1)
 NON_NEGATIVE = click.FloatRange(min=0)
 POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)
 
@@ -110,11 +106,6 @@ def echo_result(result: Any, text: str, as_json: bool) -> None:
     click.echo(json.dumps(result, indent=2, default=str) if as_json else text)
 
 
-def sampler_option(help_text: str = "(default: the model's).") -> Callable[..., Any]:
-    """``--sampler``: checked when given; its help lists every sampler."""
-    return click.option("--sampler", cls=_SamplerHelp, type=SAMPLER, help=help_text)
-
-
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--dtype, --weights-dtype, --variant, --cache, --config: how the model is loaded."""
     options = [
@@ -155,7 +146,7 @@ class CallOptions:
     seed: int
     guidance: Optional[float]
     eta: float
-    loras: tuple[str, ...]
+    lora: tuple[str, ...]  # each --lora SRC[:SCALE] as given (the spec's CliForm parses them)
     dtype: str
     weights_dtype: Optional[str]
     weights_layers: str
@@ -177,11 +168,16 @@ class CallOptions:
 
     def common_inputs(self) -> dict[str, Any]:
         """The sampler's settings and the LoRAs, as ``generate`` keywords."""
-        kwargs: dict[str, Any] = {s.name: getattr(self, s.name) for s in _cli_specs() if s.name not in ("n", "lora")}
-        if self.loras:
-            from preheat.lora import parse_cli
-
-            kwargs["lora"] = [parse_cli(spec) for spec in self.loras]
+        kwargs: dict[str, Any] = {}
+        for spec in _cli_specs():
+            value = getattr(self, spec.name)
+            if spec is COUNT:
+                continue
+            if spec.cli_form is not None:  # repeated texts in its own syntax: absent when none is given
+                if value:
+                    kwargs[spec.name] = [spec.cli_form.parse(text) for text in value]
+                continue
+            kwargs[spec.name] = value
         return kwargs
 
     def call_inputs(self, pipe: Any) -> dict[str, Any]:
@@ -202,30 +198,47 @@ class CallOptions:
         return self.n if self.n is not None else pipe.family.preview_n
 
 
+COUNT = common_spec("n")  # the image count: ``pipe(n, ...)``'s first argument (``CallOptions.batch``), no keyword
+
+
 def _cli_specs() -> tuple[InputSpec, ...]:
     """The common inputs ``preheat sample`` takes (``"cli"`` in their surfaces), in their declared order."""
     return tuple(s for s in COMMON_SPECS if "cli" in s.surfaces)
 
 
-def spec_option(spec: InputSpec) -> Callable[..., Any]:
+def spec_option(spec: InputSpec, **overrides: Any) -> Callable[..., Any]:
     """A common input's option, from its declaration: its flag, its type's bounds (click refuses a
-    value out of them in one line, before anything loads), its default and its CLI text. Two
-    declared types have a command-line form of their own: a Choice whose options the model
-    resolves (the sampler: preheat's sampler names, listed when --help is shown) and the LoRA's
-    Text (``SRC[:SCALE]``, repeated: the LoRAs and their scales, ``preheat.lora.parse_cli``)."""
-    kind, text = spec.type, spec.describe("cli")
+    value out of them in one line naming the flag, before anything loads), its default and its CLI
+    text. A declared ``CliForm`` is a command-line syntax of its own (the LoRA's repeated
+    ``SRC[:SCALE]``: the texts as given, parsed by the form); a Choice whose options the model
+    resolves is the sampler (preheat's sampler names, listed when --help is shown).
+
+    ``overrides`` are a command's own wording of the same input (``preheat bench``'s defaults,
+    its help): ``default``, ``help``. The flag, the type and the bounds are always the spec's."""
+    kind = spec.type
+    text = overrides.get("help", spec.describe("cli"))
+    default = overrides.get("default", spec.default)
+    if spec.cli_form is not None:  # each text as given
+        return click.option(spec.cli_flag, spec.name, multiple=True, metavar=spec.cli_form.metavar, help=text)
     if isinstance(kind, Choice) and not kind.options:
-        return click.option(spec.cli_flag, spec.name, cls=_SamplerHelp, type=SAMPLER, help=text)
-    if spec.name == "lora":  # CallOptions.loras: each SRC[:SCALE] as given
-        return click.option(spec.cli_flag, "loras", multiple=True, metavar="SRC[:SCALE]", help=text)
+        return click.option(spec.cli_flag, spec.name, cls=_SamplerHelp, type=SAMPLER, default=default, help=text)
     if isinstance(kind, Int):
         ptype: click.ParamType = click.IntRange(kind.low, kind.high)
     elif isinstance(kind, Float):
         ptype = click.FloatRange(kind.low, kind.high, min_open=kind.low_open)
+    elif isinstance(kind, Choice):
+        ptype = click.Choice(kind.options)
     else:
         ptype = click.STRING
-    return click.option(spec.cli_flag, spec.name, type=ptype, default=spec.default,
-                        show_default=spec.default is not None, help=text)
+    return click.option(spec.cli_flag, spec.name, type=ptype, default=default,
+                        show_default=default is not None, help=text)
+
+
+def common_option(name: str, **overrides: Any) -> Callable[..., Any]:
+    """The option of the common input ``name`` (:data:`COMMON_SPECS`) for a command other than
+    ``preheat sample`` (``preheat bench``): the declared flag, type and bounds, with the
+    command's own ``default`` / ``help`` where it has them (see :func:`spec_option`)."""
+    return spec_option(common_spec(name), **overrides)
 
 
 def call_options(fn: Callable[..., Any]) -> Callable[..., Any]:

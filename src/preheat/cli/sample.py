@@ -113,7 +113,7 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
         return [call]
 
     # the first call, known before the weights are: its executables load while they are read
-    options: dict[str, Any] = {"prefetch": first_call} if backend == "jax" and not opts.loras else {}
+    options: dict[str, Any] = {"prefetch": first_call} if backend == "jax" and not opts.lora else {}
     with Phases(draw) as phases:  # a spinner naming the phase, with its elapsed time (a terminal only)
         with phases.phase("loading model"):
             t0 = time.perf_counter()

@@ -66,9 +66,9 @@ class Strength(Float):
         try:
             f = float(value)
         except (TypeError, ValueError):
-            raise InvalidArgumentError(f"{name}={value!r} must be a number in (0, 1]", argument=name) from None
+            raise InvalidArgumentError.about("{0}={value!r} must be a number in (0, 1]", name, value=value) from None
         if isinstance(value, bool) or not np.isfinite(f) or not 0.0 < f <= 1.0:
-            raise InvalidArgumentError(f"{name}={value!r} is outside (0, 1]", argument=name)
+            raise InvalidArgumentError.about("{0}={value!r} is outside (0, 1]", name, value=value)
         return f
 
     def schema(self) -> dict[str, Any]:
@@ -112,18 +112,18 @@ def check_image_inputs(pipe: EngineView, values: dict[str, Any], inputs: dict[st
     image, mask_image, strength = values.get("image"), values.get("mask_image"), values.get("strength")
     if image is None:
         if inpaint_model:
-            raise InvalidArgumentError("image is required: this is an inpainting model (give image and mask_image)",
-                                       argument="image")
+            raise InvalidArgumentError.about("{0} is required: this is an inpainting model (give {0} and {1})",
+                                             "image", "mask_image")
         for name in ("mask_image", "strength"):
             if values.get(name) is not None:
-                raise InvalidArgumentError(f"{name} needs image", argument=name)
+                raise InvalidArgumentError.about("{0} needs {1}", name, "image")
         return
     if mask_image is None and inpaint_model:
-        raise InvalidArgumentError("mask_image is required: this is an inpainting model", argument="mask_image")
+        raise InvalidArgumentError.about("{0} is required: this is an inpainting model", "mask_image")
     if mask_image is not None and mask_image.shape[:2] != image.shape[:2]:
         (mh, mw), (h, w) = mask_image.shape[:2], image.shape[:2]
-        raise InvalidArgumentError(f"mask_image is {mw}x{mh} but image is {w}x{h}; they must be the same size",
-                                   argument="mask_image")
+        raise InvalidArgumentError.about("{0} is {mw}x{mh} but {1} is {w}x{h}; they must be the same size",
+                                         "mask_image", "image", mw=mw, mh=mh, w=w, h=h)
     crop_regions(values)  # an all-black mask has no box to crop: refused before any device work
     if strength is None:
         values["strength"] = default_strength[0 if mask_image is None else 1]

@@ -43,7 +43,7 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["InputSpec", "Text", "Int", "Float", "Choice", "Pair", "Ints", "Label", "Image", "COMMON_SPECS",
+__all__ = ["InputSpec", "CliForm", "Text", "Int", "Float", "Choice", "Pair", "Ints", "Label", "Image", "COMMON_SPECS",
            "common_spec",
            "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "typed_flags", "field_of",
            "check_needs", "WARM_IMAGE", "SURFACES", "SEED_MAX"]
@@ -54,7 +54,7 @@ def check_int(name: str, value: Any, low: int, high: int | None = None, what: st
     bound = f"an int in [{low}, {high}]" if high is not None else ("a positive int" if low == 1 else f"an int >= {low}")
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
             low <= int(value) and (high is None or int(value) <= high)):
-        raise InvalidArgumentError(f"{name}={value!r} must be {bound}{what}", argument=name)
+        raise InvalidArgumentError.about("{0}={value!r} must be {bound}{what}", name, value=value, bound=bound, what=what)
     return int(value)
 
 
@@ -94,11 +94,12 @@ class Int:
 
     def check(self, name: str, value: Any) -> int:
         if self.low == self.high and value != self.low:
-            raise InvalidArgumentError(f"{name}={value!r}: this model makes {name} {self.low} only", argument=name)
+            raise InvalidArgumentError.about("{0}={value!r}: this model makes {0} {low} only", name, value=value,
+                                             low=self.low)
         value = check_int(name, value, self.low, self.high)
         if value % self.multiple:
-            raise InvalidArgumentError(f"{name}={value} must be a multiple of {self.multiple} for this model",
-                                       argument=name)
+            raise InvalidArgumentError.about("{0}={value} must be a multiple of {multiple} for this model", name,
+                                             value=value, multiple=self.multiple)
         return value
 
     def schema(self) -> dict[str, Any]:
@@ -130,10 +131,11 @@ class Float:
         try:
             f = float(value)
         except (TypeError, ValueError):
-            raise InvalidArgumentError(f"{name}={value!r} must be a number", argument=name) from None
+            raise InvalidArgumentError.about("{0}={value!r} must be a number", name, value=value) from None
         if isinstance(value, bool) or not math.isfinite(f) or (self.low is not None and (
                 f < self.low or (self.low_open and f == self.low))) or (self.high is not None and f > self.high):
-            raise InvalidArgumentError(f"{name}={value!r} must be a finite number{self._bounds()}", argument=name)
+            raise InvalidArgumentError.about("{0}={value!r} must be a finite number{bounds}", name, value=value,
+                                             bounds=self._bounds())
         return f
 
     def _bounds(self) -> str:
@@ -166,7 +168,8 @@ class Choice:
 
     def check(self, name: str, value: Any) -> str:
         if value not in self.options:
-            raise InvalidArgumentError(f"{name}={value!r} is not one of: {', '.join(self.options)}", argument=name)
+            raise InvalidArgumentError.about("{0}={value!r} is not one of: {options}", name, value=value,
+                                             options=", ".join(self.options))
         return str(value)
 
     def schema(self) -> dict[str, Any]:
@@ -307,6 +310,23 @@ InputType = Text | Int | Float | Choice | Pair | Ints | Label | Image
 
 # ------------------------------------------------------------------------------------ the spec
 
+
+def _lora_from_cli(text: str) -> Any:
+    """``--lora SRC[:SCALE]`` -> (source, scale) (``preheat.lora`` is imported only when one is given)."""
+    from preheat.lora import parse_cli
+
+    return parse_cli(text)
+
+
+@dataclass(frozen=True)
+class CliForm:
+    """An input's own command-line syntax, where its type's ``from_text`` is not it: the flag is
+    repeated (one value each), shown as ``metavar``, and each text becomes a ``generate`` value by
+    ``parse`` (the LoRA's ``--lora SRC[:SCALE]``: the LoRAs used together and their scales)."""
+
+    metavar: str  # what --help shows after the flag
+    parse: Any  # Callable[[str], Any]: one given text -> one item of the generate value (a list)
+
 # Where an input can be given: ``pipe(...)``, ``preheat sample``'s flags, a server's input fields
 # (Cog's ``POST /predictions``, the OpenAI routes and the Runpod handler share one parse).
 SURFACES: tuple[str, ...] = ("python", "cli", "server")
@@ -340,6 +360,7 @@ class InputSpec:
     surfaces: tuple[str, ...] = SURFACES  # the surfaces that take it (``noise``, an array: Python only)
     docs: tuple[tuple[str, str], ...] = ()  # (surface, its text) where a surface words it otherwise: its own
     #   default (the server's random seed, the CLI's seed 0) or its own syntax (the CLI's --lora SRC[:SCALE])
+    cli_form: CliForm | None = None  # a command-line syntax of its own (repeated, parsed by its CliForm)
 
     def describe(self, surface: str) -> str:
         """The one-line text ``surface`` shows (--help, the OpenAPI description)."""
@@ -362,7 +383,7 @@ class InputSpec:
             if self.required:
                 what = "a string or one string per image" if isinstance(self.type, Text) and self.per_image else \
                     "a value"
-                raise InvalidArgumentError(f"{self.name} is required: {what}", argument=self.name)
+                raise InvalidArgumentError.about("{0} is required: {what}", self.name, what=what)
             value = self.default
             if value is None:
                 return None
@@ -373,7 +394,8 @@ class InputSpec:
             if len(items) != n:
                 plural = self.name if self.name.endswith("s") else f"{self.name}s"
                 give = "one string or one per image" if isinstance(self.type, Text) else "one per image or one for all"
-                raise InvalidArgumentError(f"got {len(items)} {plural} for n={n}; give {give}", argument=self.name)
+                raise InvalidArgumentError.about("got {count} {plural} for {1}={n}; give {give}", self.name,
+                                                 "n", count=len(items), plural=plural, n=n, give=give)
             return [self.type.check(self.name, v) for v in items]
         return [self.type.check(self.name, value)] * n
 
@@ -415,13 +437,14 @@ COMMON_SPECS: tuple[InputSpec, ...] = (
               surfaces=("python",)),
     InputSpec("eta", Float(0.0), "Stochasticity: DDIM's eta, TCD's gamma.", default=0.0),
     InputSpec("lora", Text(), "A LoRA: a safetensors path, http(s):// or hf://org/repo[/file.safetensors].",
-              field="lora_weights", flag="--lora", docs=(
+              field="lora_weights", flag="--lora", cli_form=CliForm("SRC[:SCALE]", _lora_from_cli), docs=(
                   ("server", "A LoRA: a safetensors path, http(s):// or hf://org/repo[/file.safetensors]. "
                              "Empty = none."),
                   ("cli", "A LoRA (path, http(s)://, hf://org/repo/file) and its scale (default 1); repeat to "
                           "combine."))),
-    # the CLI gives a LoRA's scale inside --lora SRC[:SCALE], one per LoRA
-    InputSpec("lora_scale", Float(), "How strongly the LoRA applies.", default=1.0, surfaces=("python", "server")),
+    # the CLI gives a LoRA's scale inside --lora SRC[:SCALE], one per LoRA: an error about it names --lora
+    InputSpec("lora_scale", Float(), "How strongly the LoRA applies.", default=1.0, surfaces=("python", "server"),
+              flag="--lora"),
 )
 
 
@@ -475,13 +498,13 @@ def check_needs(specs: Sequence[InputSpec], given: dict[str, Any], values: dict[
             continue
         for other in spec.needs:
             if given.get(other) is None:
-                raise InvalidArgumentError(f"{spec.name} needs {other}; give both", argument=spec.name)
+                raise InvalidArgumentError.about("{0} needs {1}; give both", spec.name, other)
             mine, theirs = values[spec.name], values[other]
             if isinstance(spec.type, Image) and spec.type.mask and isinstance(mine, np.ndarray) and \
                     isinstance(theirs, np.ndarray) and mine.shape[:2] != theirs.shape[:2]:
-                raise InvalidArgumentError(f"{spec.name} is {mine.shape[1]}x{mine.shape[0]} but {other} is "
-                                           f"{theirs.shape[1]}x{theirs.shape[0]}; they must be the same size",
-                                           argument=spec.name)
+                raise InvalidArgumentError.about("{0} is {mine} but {1} is {theirs}; they must be the same size",
+                                                 spec.name, other, mine=f"{mine.shape[1]}x{mine.shape[0]}",
+                                                 theirs=f"{theirs.shape[1]}x{theirs.shape[0]}")
 
 
 def example_inputs(specs: Sequence[InputSpec]) -> dict[str, Any]:

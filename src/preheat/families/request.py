@@ -158,8 +158,8 @@ def _steps(pipe: ArgumentView, given: Any, values: Mapping[str, Any]) -> int:
     steps = common_spec("steps").check(given, 1)
     for name, count in counted:
         if steps != count:
-            raise InvalidArgumentError(f"{name} has {count} entries but steps={steps}; leave steps out or give "
-                                       f"steps={count}", argument=name)
+            raise InvalidArgumentError.about("{0} has {count} entries but {1}={steps}; leave {1} out or give "
+                                             "{1}={count}", name, "steps", count=count, steps=steps)
     return steps
 
 
@@ -204,7 +204,7 @@ def _number(name: str, value: Any) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise InvalidArgumentError(f"{name}={value!r} must be a number", argument=name) from None
+        raise InvalidArgumentError.about("{0}={value!r} must be a number", name, value=value) from None
 
 
 def guidance(pipe: ArgumentView, scale: Any, values: dict[str, Any]) -> tuple[bool, float]:
@@ -213,22 +213,23 @@ def guidance(pipe: ArgumentView, scale: Any, values: dict[str, Any]) -> tuple[bo
     mode = family.guidance_mode(pipe)
     if mode == "none":  # 1 means "off" everywhere in preheat, so it is accepted here too
         if scale is not None and not (isinstance(scale, (int, float)) and float(scale) == 1.0):
-            raise InvalidArgumentError(f"guidance={scale!r}: this {family.name} model takes no guidance "
-                                       "(it has no guidance input); leave it unset", argument="guidance")
+            raise InvalidArgumentError.about("{0}={scale!r}: this {family} model takes no guidance (it has no "
+                                             "guidance input); leave it unset", "guidance", scale=scale,
+                                             family=family.name)
         return False, 1.0
     g = pipe.defaults.get("guidance") if scale is None else scale
     if g is None:
         return False, 1.0
     g = _number("guidance", g)
     if not np.isfinite(g) or g < 0:
-        raise InvalidArgumentError(f"guidance={g} must be a finite number >= 0", argument="guidance")
+        raise InvalidArgumentError.about("{0}={g} must be a finite number >= 0", "guidance", g=g)
     if mode == "embedded":
         return False, g
     if g <= 1.0:  # as diffusers' pipelines (guidance_scale > 1 turns it on): turbo cards pass 0.0
         return False, 1.0
     why = family.guidance_error(pipe, values)
     if why:
-        raise InvalidArgumentError(f"guidance={g} {why}", argument="guidance")
+        raise InvalidArgumentError.about("{0}={g} {why}", "guidance", g=g, why=why)
     return True, g
 
 

@@ -17,9 +17,9 @@ __all__ = ["parse_cli", "parse_request"]
 
 def _scale(value: Any, name: str = "lora_scale") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise InvalidArgumentError(f"{name}={value!r} must be a number", argument=name)
+        raise InvalidArgumentError.about("{0}={value!r} must be a number", name, value=value)
     if not math.isfinite(float(value)):
-        raise InvalidArgumentError(f"{name}={value!r} must be a finite number", argument=name)
+        raise InvalidArgumentError.about("{0}={value!r} must be a finite number", name, value=value)
     return float(value)
 
 

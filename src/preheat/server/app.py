@@ -552,8 +552,9 @@ async def openai_run(core: Core, raw: dict[str, Any], raw_request: Request) -> R
     try:
         job, given = await core.parse_async(raw)
     except InputError as err:
-        field_name, message = err.errors[0]
+        field_name, _ = err.errors[0]
         param = _OPENAI_FIELDS.get(field_name, field_name)
+        message = err.message(_OPENAI_FIELDS)  # the inputs it names by OpenAI's fields too (n, not num_outputs)
         if param == "size":
             sizes = ", ".join(f"{w}x{h}" for w, h in served_sizes(core.pipe, core.limits))
             message = f"size must be one of {sizes}"

@@ -257,7 +257,7 @@ def _error_field(err: Exception, fields: dict[str, str], aliased: dict[str, str]
         return aliased[argument]
     if argument in fields:
         return fields[argument]
-    return "scheduler" if isinstance(err, SchedulerConfigError) else "input"
+    return fields.get("sampler", "input") if isinstance(err, SchedulerConfigError) else "input"
 
 
 def served_sizes(pipe: Any, limits: Limits) -> tuple[tuple[int, int], ...]:
@@ -401,7 +401,11 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
         request = pipe.check(n, steps=steps, sampler=sampler, guidance=guidance, seed=job.seeds, eta=job.eta,
                              **job.engine_inputs())
     except (InvalidArgumentError, SchedulerConfigError) as err:
-        raise InputError([(_error_field(err, surface_fields(specs), aliased), str(err))]) from None
+        fields = {**surface_fields(specs), **aliased}  # the message names each input by the field a client sent
+        if isinstance(err, InvalidArgumentError):
+            raise InputError([(_error_field(err, fields, aliased), err.renamed(fields))], source=err,
+                             fields=fields) from None
+        raise InputError([(_error_field(err, fields, aliased), str(err))]) from None
     if steps is None and request.steps > limits.max_steps:  # a default the server's max does not allow
         counted = next((s for s in specs if s.counts_steps and request.values.get(s.name) is not None), None)
         field_name, what = (counted.surface_name, f"{counted.surface_name} has {request.steps} entries") \
