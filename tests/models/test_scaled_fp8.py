@@ -436,6 +436,22 @@ def test_a_scaled_conv_matches_the_convolution_of_its_dequantised_weight():
         np.testing.assert_allclose(np.asarray(nnx.merge(graphdef, up)(jnp.asarray(x))), want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_lora_on_kept_scaled_convs_draws_the_dequantised_weights_lora_image(sd_files, sd_pipes, tmp_path):
+    """A LoRA on the 1x1 convs kept scaled (attention ``proj_in``/``proj_out``, resnet ``conv_shortcut``:
+    the layers that take an adapter) adds its low-rank term beside the scaled GEMM as beside any conv:
+    the image is the dequantised weights' LoRA image to ORDER_TOL, and not the image without it."""
+    from tests._support.lora_files import peft_layers, save_lora
+    from tests._support.sd_fixtures import reference_pipeline
+
+    ref = reference_pipeline(sd_files["conv-plain"], "ddim")
+    lora = save_lora(ref, tmp_path / "lora", "unet",
+                     {"unet": peft_layers(ref.unet, ["proj_in", "proj_out", "conv_shortcut"], 4, 4, seed=4)})
+    with_lora = {name: sd_pipes[name].generate(**SD_CALL, lora=str(lora)) for name in ("conv-scaled", "conv-plain")}
+    _same_to_rounding(with_lora["conv-scaled"], with_lora["conv-plain"])
+    alone = sd_pipes["conv-scaled"].generate(**SD_CALL)
+    assert np.abs(with_lora["conv-scaled"].astype(np.int32) - alone.astype(np.int32)).mean() > 1.0
+
+
 @pytest.mark.parametrize("model", ["flux-linear", "sd-conv"])
 def test_fsdp_splits_kept_scaled_weights_and_draws_the_unsharded_image(model, request, tmp_path, monkeypatch):
     """``fsdp=2`` on two of the suite's fake CPU devices, with ``sharding.FSDP_MIN_SIZE`` lowered so that
