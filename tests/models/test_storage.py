@@ -316,3 +316,76 @@ def test_on_the_h200_a_scaled_fp8_linear_is_one_gemm_on_the_fp8_weight(scale):
 
     before = _kernels(_h200_hlo(on_weight, abstract, x))
     assert len(before) == 2 and before[0][0].startswith(f"bf16[{n},{n}]"), before  # a bf16 weight copy, written
+
+
+def _conv_calls(hlo: str) -> list[str]:
+    """The entry computation's cuDNN calls (a convolution each): their targets."""
+    import re
+
+    return re.findall(r'custom_call_target="(__cudnn\$conv\w*)"', hlo[hlo.index("\nENTRY"):])
+
+
+@pytest.mark.parametrize("k", [1, 3], ids=["1x1", "3x3"])
+@pytest.mark.parametrize("scale", [(), "channel"], ids=["per-tensor", "per-channel"])
+def test_on_the_h200_a_scaled_fp8_conv_scales_where_it_costs_no_kernel(k, scale):
+    """A scaled fp8 Conv2d with a bias (SD's 640-channel convs, 2 x 64 x 64 pixels), after
+    ``storage.upcast``, compiled for XLA's H200 description. A 1x1 conv is a Linear on each pixel:
+    ``(x @ values) * scale`` (``Quantised.matrix``) is one kernel, the Triton GEMM reading the fp8
+    weight and its scale itself; the old path (the scale on the weight, then XLA's convolution: the
+    control) writes a bf16 copy of the weight in cuDNN's layout, then runs cuDNN. A 3x3 conv runs
+    on cuDNN, which reads a bf16 weight in its own (O, H, W, I) layout: XLA writes that copy at every
+    use whatever the stored dtype (a plain fp8 weight too), and the scale on the weight fuses into
+    that same copy, so ``conv(x, values) * scale`` (the control here) buys nothing and costs a
+    kernel: the scale cannot join cuDNN's conv-bias epilogue, so a loop fusion re-reads the output."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from preheat.models.conv import conv2d
+    from preheat.models.layers import Conv2d, lift
+    from preheat.models.quantised import Quantised
+    from preheat.models.storage import upcast
+    from preheat.models.weights import build_abstract
+
+    c = 640
+    graphdef, abstract = build_abstract(lambda rngs: Conv2d(c, c, k, padding=k // 2, rngs=rngs))
+    fp8 = jax.ShapeDtypeStruct((k, k, c, c), jnp.float8_e4m3fn)
+    scale_shape = () if scale == () else (1, 1, 1, c)
+    abstract["kernel"].set_value(Quantised(fp8, jax.ShapeDtypeStruct(scale_shape, jnp.float32)))
+    abstract["bias"].set_value(jax.ShapeDtypeStruct((c,), jnp.bfloat16))
+    x = jax.ShapeDtypeStruct((2, 64, 64, c), jnp.bfloat16)
+
+    def layer(params, x):  # (B, H, W, C) -> (B, H, W, C), as a denoiser applies it
+        return nnx.merge(graphdef, upcast(params, jnp.bfloat16, tie=x))(x)
+
+    hlo = _h200_hlo(layer, abstract, x)
+    fusions, convs = _kernels(hlo), _conv_calls(hlo)
+    weight_copies = [f for f in fusions if f[0].startswith(f"bf16[{c},{k},{k},{c}]")]  # cuDNN's OHWI layout
+    if k == 1:
+        assert [kind for _, kind, _ in fusions] == ["kCustom"] and not convs, (fusions, convs)  # one GEMM
+        header = _computation(hlo, fusions[0][2]).split("\n", 1)[0]
+        assert "gemm" in header and f"f8e4m3fn[{c},{c}]" in header, header  # reading the fp8 weight itself
+        assert ("f32[]" if scale == () else f"f32[{c}]") in header, header  # and the scale, in its epilogue
+    else:
+        assert len(fusions) == 1 and weight_copies, fusions  # the layout copy (scale fused in), nothing else
+        assert "f32" in _computation(hlo, fusions[0][2]).split("\n", 1)[0]  # the copy reads the scale
+        assert convs == ["__cudnn$convBiasActivationForward"], convs  # the bias in cuDNN's epilogue
+
+    def control(params, x):  # k=1: the old path (the scale on the weight); k=3: the scale on the output
+        q = params["kernel"].get_value()  # as placed: the fp8 values and their scale
+        (values,), _ = jax.lax.optimization_barrier(((q.values,), x))  # tied to the step, as upcast ties them
+        bias = lift(params["bias"].get_value(), 4)
+        if k == 1:
+            return conv2d(x, Quantised(values, q.scale).expand(jnp.bfloat16), 1, 0, impl="conv") + bias
+        scale = q.scale.reshape((1, 1, 1, -1)) if q.scale.ndim else q.scale  # (1, 1, 1, C): no rank promotion
+        y = conv2d(x, values.astype(jnp.bfloat16), 1, 1, impl="conv").astype(jnp.float32) * scale
+        return y.astype(x.dtype) + bias
+
+    old = _h200_hlo(control, abstract, x)
+    before, before_convs = _kernels(old), _conv_calls(old)
+    if k == 1:
+        assert len(before) == 1 and before[0][0].startswith(f"bf16[{c},1,1,{c}]"), before  # a bf16 weight copy
+        assert before_convs == ["__cudnn$convBiasActivationForward"], before_convs  # then cuDNN
+    else:
+        assert len(before) == 2 and before[0][0].startswith(f"bf16[{c},3,3,{c}]"), before  # the same copy
+        assert before[1][0].startswith("bf16[2,64,64,") and before_convs == ["__cudnn$convForward"], before

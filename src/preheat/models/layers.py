@@ -57,7 +57,14 @@ class Conv2d(nnx.Module):
         self.padding = padding
 
     def __call__(self, x: Array) -> Array:  # (B, H, W, Cin) -> (B, H', W', Cout)
-        y = conv2d(x, self.kernel[...].astype(x.dtype), self.stride, self.padding)
+        kernel = self.kernel.get_value()
+        pointwise = self.kernel.shape[:2] == (1, 1) and self.stride == 1 and self.padding == 0
+        if isinstance(kernel, Quantised) and pointwise:  # a 1x1 conv is a Linear on each pixel: scaled on the output
+            y = kernel.matrix().product(x)  # (B, H, W, Cin) @ (Cin, Cout): one GEMM reading the stored values
+        elif isinstance(kernel, Quantised):  # kxk: cuDNN reads a bf16 weight copy, where the scale costs nothing
+            y = conv2d(x, kernel.expand(x.dtype), self.stride, self.padding)
+        else:
+            y = conv2d(x, kernel.astype(x.dtype), self.stride, self.padding)
         y = y + lift(self.bias[...].astype(x.dtype), y.ndim)
         lora = getattr(self, "lora", None)  # a 1x1 conv's low-rank adapter (preheat.models.adapters.attach)
         return y if lora is None else y + lora(x)

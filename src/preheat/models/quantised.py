@@ -7,7 +7,8 @@ inside the jitted apply), so both read one definition:
     is_low(dtype) a storage dtype that the apply converts (fp8)
     Quantised     stored values and their scale: expanded to ``values * scale`` at use, or, where
                   the scale is per tensor or per output channel, applied to a matmul's output
-                  (``product``), so that the GEMM reads the stored values itself
+                  (``product``; a 1x1 convolution's weight through ``matrix``), so that the
+                  GEMM reads the stored values itself
     holds(dtype)  whether the default device holds such weights (probed once)
 """
 
@@ -85,6 +86,15 @@ class Quantised:
         if scale.ndim:
             scale = scale.reshape((1,) * (y.ndim - 1) + (-1,))  # (1, ..., 1, out): no rank promotion
         return (y * scale).astype(x.dtype)
+
+    def matrix(self) -> Quantised:
+        """A 1x1 convolution's ``(1, 1, in, out)`` weight as the ``(in, out)`` matrix it multiplies
+        each pixel by, its scale alike (``(1, 1, s, out)`` -> ``(s, out)``; a scalar as it is): the
+        convolution is then ``product`` over the channel axis, one GEMM. A kxk convolution is not
+        (cuDNN reads a bf16 weight in its own layout: a copy XLA writes at every use anyway, with
+        the scale fused into it; see ``layers.Conv2d``)."""
+        scale = self.scale.reshape(self.scale.shape[2:]) if self.scale.ndim else self.scale
+        return Quantised(self.values.reshape(self.values.shape[2:]), scale)  # (in, out), (s, out) or ()
 
     def expand(self, dtype: Any) -> Any:
         """``values * scale`` in float32 (the arithmetic a host dequantisation does), then ``dtype``."""

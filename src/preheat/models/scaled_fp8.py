@@ -9,9 +9,9 @@ tensor ``scaled_fp8`` may be present too; weight-only storage does not use them.
 preheat keeps such a weight **scaled on the device** where the load stores that layer in fp8 (a
 denoiser's fp8 layers without ``weights_dtype``; the layers ``weights_dtype="float8_e4m3fn"``
 names with it): the fp8 bytes as they are, beside the float32 scale, one ``quantised.Quantised``
-that the compiled apply uses where it is (``weights.fill``): a Linear scales its product,
-``(x @ fp8) * scale`` (``Quantised.product``, so a GPU's GEMM reads the fp8 weight itself), any
-other layer expands ``fp8 * scale``. Every other scaled weight (a layer fp8 storage keeps at full
+that the compiled apply uses where it is (``weights.fill``): a Linear or 1x1 conv scales its
+product, ``(x @ fp8) * scale`` (``Quantised.product``, so a GPU's GEMM reads the fp8 weight itself),
+any other layer expands ``fp8 * scale``. Every other scaled weight (a layer fp8 storage keeps at full
 precision; a bundle's text encoders and VAE, whose programs do not upcast) is **dequantised on the
 host** as it is placed, one tensor at a time: the fp8 bytes times the scale in float32, then the
 dtype the load places it in. Both are the same products, to float32 rounding order.

@@ -28,12 +28,14 @@ A weight stored in a compact form with scales (a scaled fp8 file's ``F8_E4M3`` w
 float32 per-tensor scale; a GGUF ``Q8_0`` weight's int8 values and per-block scales) is one
 ``preheat.models.quantised.Quantised`` value on the device: a pytree of the stored values and
 their scale, which ``upcast`` expands to ``values * scale`` in the compute dtype, in the same
-place it converts a plain fp8 weight. A Linear layer's weight whose scale is per tensor or per
-output channel is not expanded: ``upcast`` converts its values and keeps the scale, and the layer
-scales the matmul's output (``Quantised.product``: ``(x @ values) * scale``, the scale in the
-GEMM's epilogue), so on a GPU the GEMM reads the fp8 values itself, as it reads a plain fp8
-weight, instead of a separate kernel writing a scaled bf16 copy of every weight at every step.
-Block scales along the input (GGUF Q8_0) and Conv / Embedding weights are expanded as before.
+place it converts a plain fp8 weight. A Linear layer's (or a 1x1 Conv's) weight whose scale is per
+tensor or per output channel is not expanded: ``upcast`` converts its values and keeps the scale,
+and the layer scales the matmul's output (``Quantised.product``: ``(x @ values) * scale``, the
+scale in the GEMM's epilogue), so on a GPU the GEMM reads the fp8 values itself, as it reads a
+plain fp8 weight, instead of a separate kernel writing a scaled bf16 copy of every weight at every
+step. Block scales along the input (GGUF Q8_0), kxk Conv and Embedding weights are expanded as
+before (a kxk conv's cuDNN kernel reads a bf16 copy of the weight in its own layout whatever the
+stored dtype; the scale fuses into that copy for free, and on the output it would cost a kernel).
 Every other path (placement on a mesh, compile keys, placeholders for prefetch) sees its two
 arrays as it sees any leaves.
 """
@@ -82,9 +84,9 @@ def layerwise(extra: Sequence[str] = (), options: Any = None) -> Callable[[str],
 def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     """``params`` with every fp8 leaf converted to ``dtype`` (the compute dtype); the rest as they
     are. Called inside the jitted apply, so the device keeps fp8 and XLA places the converts. A
-    ``Quantised`` Linear weight with a per-tensor or per-output-channel scale stays ``Quantised``
-    (its values converted, its scale as it is) for the layer to scale its product; any other is
-    expanded to ``values * scale``.
+    ``Quantised`` Linear or 1x1 Conv weight with a per-tensor or per-output-channel scale stays
+    ``Quantised`` (its values converted, its scale as it is) for the layer to scale its product; any
+    other is expanded to ``values * scale``.
 
     ``tie``: a value of this step (the sample). Without it XLA's loop-invariant code motion hoists
     every convert out of the sampling loop (seen in the compiled HLO on CPU), so a call would hold
@@ -107,18 +109,24 @@ def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
         path, x = flat[i]
         if not isinstance(x, Quantised):
             out[i] = v.astype(dtype)
-        elif _linear_kernel(path, x) and x.per_output:
-            out[i] = Quantised(v, x.scale).converted(dtype)  # the Linear scales its product (Quantised.product)
+        elif _gemm_kernel(path, x) and x.per_output:
+            out[i] = Quantised(v, x.scale).converted(dtype)  # the layer scales its product (Quantised.product)
         else:
             out[i] = Quantised(v, x.scale).expand(dtype)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _linear_kernel(path: Any, x: Quantised) -> bool:
-    """Whether a leaf is a Linear layer's weight: a 2-D ``kernel`` (the convention ``weights`` maps
-    torch keys by), which ``layers.Linear`` applies. Conv kernels (4-D) and embeddings are expanded."""
+def _gemm_kernel(path: Any, x: Quantised) -> bool:
+    """Whether a leaf is a weight its layer applies as one matrix product: a Linear's 2-D ``kernel``
+    (the convention ``weights`` maps torch keys by), or a 1x1 Conv2d's ``(1, 1, in, out)`` one
+    (``layers.Conv2d``: ``Quantised.matrix``). A kxk conv kernel and embeddings are expanded: on a
+    GPU cuDNN reads a bf16 weight in its own layout, which XLA writes at every use whatever the
+    stored dtype, and the scale fuses into that copy; on the output it would be one more kernel
+    (the H200 HLO, tests/models/test_storage.py)."""
     names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-    return bool(names) and names[-1] == "kernel" and len(x.shape) == 2
+    if not names or names[-1] != "kernel":
+        return False
+    return len(x.shape) == 2 or (len(x.shape) == 4 and tuple(x.shape[:2]) == (1, 1))
 
 
 def check_weights_dtype(weights_dtype: str, mesh: Any = None, weights_layers: str = "layerwise") -> None:
