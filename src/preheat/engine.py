@@ -563,30 +563,14 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
 
     from preheat.families import family_loader
     from preheat.models.weights import DeferredFills, LoadOptions, recording
-    from preheat.store import resolve
 
     root = model_root(model, variant)  # hf://: that variant only
     reading: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    from preheat.models.gguf_file import is_gguf
-    from preheat.models.single_file import single_file_path
+    from preheat.file_configs import converted_folder
 
-    single = single_file_path(root)  # a .safetensors or .gguf file (or a one-file snapshot of the store)
-    if single is not None and config is None and is_gguf(single):  # transformer weights only, no configs
-        raise InvalidArgumentError(f"{model} is a GGUF file (a transformer's weights, no configs): pass "
-                                   "config=<the model's diffusers folder>", argument="config")
-    if config is not None or single is not None:
-        from preheat.cache.root import resolve_root
-        from preheat.models.single_file import materialize, reading_converted
-
-        if single is not None:
-            from preheat.file_configs import single_file_config
-
-            configs = single_file_config(single, config, variant)
-        else:
-            configs = Path(resolve(str(config), variant=variant))
-        converted = materialize(root, configs, resolve_root().path, variant)  # converted once, then reused
-        reading = reading_converted(model, config if config is not None else configs, converted)
-        root, variant = converted, None  # a misfit names the file, not the folder; its files have no variant
+    converted = converted_folder(model, root, config, variant)  # a single file: its diffusers folder
+    if converted is not None:  # a misfit names the file, not the folder; its files have no variant
+        root, reading, variant = converted.root, converted.reading, None
     early = bool(prefetch) and compiler is not None
     if early:  # the last such start's executables deserialise while the model is built (preheat.cache.early)
         from preheat.cache.early import startup_id
