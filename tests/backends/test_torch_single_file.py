@@ -103,6 +103,43 @@ def test_cli_sample_takes_a_single_file_with_backend_torch(files, tmp_path, monk
     np.testing.assert_array_equal(got[::step, ::step], want[0])
 
 
+def test_serve_and_bench_compare_take_a_single_file_for_the_torch_backend(files, tmp_path, monkeypatch):
+    """`serve --backend torch --config` loads the file's pipeline; `bench compare FILE --config` converts
+    it once, in the parent, and every path's child loads that folder (no path converts on its own)."""
+    from click.testing import CliRunner
+
+    from preheat.bench import compare
+    from preheat.cli.bench import compare_command
+    from preheat.server.config import CoreConfig, load_pipeline
+
+    folder, path = files["sd1"]
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    want = _reference("sd1", folder)
+    served = load_pipeline(CoreConfig(model=str(path), config=str(folder), backend="torch"))
+    assert np.array_equal(served.generate(PROMPT, noise=_noise(), steps=3, sampler="ddim", guidance=5.0, width=32,
+                                          height=32), want)
+
+    specs = []
+
+    def child(spec, *args, **kwargs):
+        specs.append(spec)
+        raise _Stop
+
+    monkeypatch.setattr(compare, "_run_child", child)
+    r = CliRunner().invoke(compare_command, [str(path), "--config", str(folder), "--quick", "--paths",
+                                             "jax,torch-eager", "--keep", str(tmp_path / "work"), "--prompt", PROMPT])
+    assert isinstance(r.exception, _Stop), r.output
+    (converted,) = (tmp_path / "home" / "models" / "single").iterdir()  # the one conversion serve made too
+    assert specs[-1]["model"] == str(converted)
+    pipe = compare._load_pipe({**specs[-1], "path": "torch-eager"})  # what the torch child loads
+    assert np.array_equal(pipe.generate(PROMPT, noise=_noise(), steps=3, sampler="ddim", guidance=5.0, width=32,
+                                        height=32), want)
+
+
+class _Stop(Exception):
+    pass
+
+
 def test_quantised_single_files_are_one_line_for_the_torch_backend(files, tmp_path, monkeypatch):
     """A scaled fp8 file converts to fp8 weights beside their scales, which diffusers' loader would
     take as the weights: refused before anything is converted, naming the file and the way out."""
@@ -123,6 +160,13 @@ def test_quantised_single_files_are_one_line_for_the_torch_backend(files, tmp_pa
         preheat.load(scaled, backend="torch", config=folder)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "home" / "models" / "single").exists()  # nothing converted
+    from click.testing import CliRunner
+
+    from preheat.cli.bench import compare_command
+
+    r = CliRunner().invoke(compare_command, [str(scaled), "--config", str(folder), "--quick", "--paths", "jax,torch-eager",
+                                             "--keep", str(tmp_path / "work")])
+    assert r.exit_code != 0 and "is a scaled fp8 file" in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
     gguf = tmp_path / "flux1-tiny-Q8_0.gguf"
     gguf.write_bytes(b"GGUF" + bytes(64))  # refused by its kind, before its tensors are read

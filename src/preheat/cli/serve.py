@@ -218,8 +218,6 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         raise InvalidArgumentError(f"--compile {compile_mode} applies to --backend torch")
     if weights_dtype is not None and backend != "jax":
         raise InvalidArgumentError("--weights-dtype applies to --backend jax", argument="--weights-dtype")
-    if config is not None and backend != "jax":
-        raise InvalidArgumentError("--config applies to --backend jax", argument="--config")
     if (devices_text is not None or fsdp != 1) and backend != "jax":
         raise InvalidArgumentError("--devices and --fsdp apply to --backend jax")
     token = os.environ.get("PREHEAT_API_TOKEN") or None
