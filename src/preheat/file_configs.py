@@ -33,12 +33,23 @@ __all__ = ["Converted", "converted_folder", "plain_tensors", "single_file_config
 def _published_needs(file: Path, config: str | Path | None) -> Needed | None:
     """What single ``file`` needs from its published repository when ``config`` is None (the model
     inferred) or names a published model (``published.named``); None when ``config`` is a folder or
-    source to read the file with."""
-    from preheat.models.published import named, needed
+    source to read the file with. A GGUF file (a FLUX.1 transformer's) is inferred like a
+    safetensors one, from its header; one of no published model is one line asking for ``config``."""
+    from preheat.errors import ModelFormatError
+    from preheat.models.gguf_file import is_gguf
+    from preheat.models.published import file_shapes, infer, named, needed
 
     as_model = None if config is None or Path(str(config)).exists() else named(config)
     if config is not None and as_model is None:
         return None
+    if as_model is None and is_gguf(file):
+        shapes = file_shapes(file)  # a torn file, a type preheat does not read: their own one line
+        try:
+            infer(shapes, str(file))
+        except ModelFormatError:
+            raise InvalidArgumentError(f"{file} is a GGUF file (a transformer's weights, no configs) of no published "
+                                       "model preheat infers: pass config=<the model's diffusers folder>",
+                                       argument="config") from None
     return needed(file, as_model)  # a file of no published model: one line naming every model tried
 
 
@@ -68,12 +79,9 @@ def single_file_config(file: Path, config: str | Path | None, variant: str | Non
     shipped configs.
     """
     from preheat.cache.root import resolve_root
-    from preheat.models.gguf_file import is_gguf
     from preheat.models.published import needed, with_components
     from preheat.store import resolve
 
-    if is_gguf(file):  # a FLUX.1 transformer's GGUF: no published model inferred from it; its folder
-        return Path(resolve(str(config), variant=variant))
     needs = _published_needs(file, config)
     if needs is None:
         configs = Path(resolve(str(config), variant=variant))
@@ -115,16 +123,12 @@ def converted_folder(model: Any, root: Path, config: str | Path | None, variant:
     that cannot read some files (the torch backend: quantised ones) refuses them here, in one line.
     """
     from preheat.cache.root import resolve_root
-    from preheat.models.gguf_file import is_gguf
     from preheat.models.single_file import materialize, reading_converted, single_file_path
     from preheat.store import resolve
 
     single = single_file_path(root)  # a .safetensors or .gguf file (or a one-file snapshot of the store)
     if single is None and config is None:
         return None
-    if single is not None and config is None and is_gguf(single):  # transformer weights only, no configs
-        raise InvalidArgumentError(f"{model} is a GGUF file (a transformer's weights, no configs): pass "
-                                   "config=<the model's diffusers folder>", argument="config")
     if single is not None and check is not None:
         check(single)
     if single is not None:
