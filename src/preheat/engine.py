@@ -522,8 +522,8 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     SGM SDXL, BFL FLUX.1, MMDiT SD3), the diffusers folder whose configs and tokenizers it is read
     with (``preheat.models.single_file``), a folder of only the component folders it lacks, or a
     published model's name (``"stable-diffusion-2-1-base"``); None: the published model is inferred
-    from the file and what it lacks is pulled from its repository (``single_file_config``). A FLUX.1
-    GGUF file (``preheat.models.gguf_file``) needs ``config``: the model's diffusers folder.
+    from the file and what it lacks is pulled from its repository (``single_file_config``); a FLUX.1
+    GGUF file (``preheat.models.gguf_file``) too, inferred from its header.
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
     ``weights_dtype``: "float8_e4m3fn" keeps the denoiser's weights in fp8 on the device (the
     layers diffusers' ``enable_layerwise_casting`` casts), upcast to ``dtype`` where they are

@@ -1,9 +1,10 @@
 """The config folder a single checkpoint file is read with (``preheat.models.single_file``).
 
-A single ``.safetensors`` file of an original layout holds some of a pipeline's components; the
-rest (configs, tokenizers, and for a transformer-only file its VAE and text encoders) come from
-``config=``: a diffusers folder or source, a folder of only the components the file lacks, a
-published model's name, or nothing (the published model inferred from the file's header). For the
+A single ``.safetensors`` file of an original layout (or a FLUX.1 transformer's ``.gguf``) holds
+some of a pipeline's components; the rest (configs, tokenizers, and for a transformer-only file its
+VAE and text encoders) come from ``config=``: a diffusers folder or source, a folder of only the
+components the file lacks, a published model's name, or nothing (the published model inferred from
+the file's header). For the
 last two, exactly the folders the file lacks are pulled from the published repository through the
 weights store, once, and kept beside the shipped configs (``preheat.models.published``).
 
