@@ -181,5 +181,5 @@ def load_pipeline(config: CoreConfig) -> Any:
         except ImportError as err:
             raise InvalidArgumentError(f"--backend torch needs the torch extra ({err})") from None
         return load_torch_pipeline(config.model, dtype=config.dtype, compile=config.compile, variant=config.variant,
-                                   cache=config.cache, config=config.config)
+                                   cache=config.cache, **({} if config.config is None else {"config": config.config}))
     raise InvalidArgumentError(f"unknown backend {config.backend!r}; use jax or torch")
