@@ -21,13 +21,14 @@ from tests._support.single_files import mmdit_file
 
 PROMPT = "a lighthouse at dusk"
 # kind -> (fixture that writes the folder, its sampler, guidance)
-CASES = {"sd1": ("ddim", 5.0), "flux-dev": ("flow_euler", 3.5), "sd3": ("flow_euler", 5.0)}
+CASES = {"sd1": ("ddim", 5.0), "sdxl": ("euler", 5.0), "flux-dev": ("flow_euler", 3.5), "sd3": ("flow_euler", 5.0)}
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """{kind: (folder, single file)}: SD 1.x in the LDM layout, a FLUX.1-dev transformer in BFL's,
-    an SD3 transformer in Stability's MMDiT names (the last two read the rest from the folder)."""
+    """{kind: (folder, single file)}: SD 1.x in the LDM layout, SDXL in the SGM layout, a FLUX.1-dev
+    transformer in BFL's, an SD3 transformer in Stability's MMDiT names (the last two read the rest
+    from the folder)."""
     from safetensors.numpy import load_file, save_file
 
     base = tmp_path_factory.mktemp("torch-single")
@@ -35,6 +36,9 @@ def files(tmp_path_factory):
     folder = sd_fixtures.save_tiny_sd(base / "sd1", kind="sd1")
     out["sd1"] = (folder, base / "tiny-sd1-ldm.safetensors")
     save_file(to_original(folder, "sd1"), str(out["sd1"][1]))
+    folder = sd_fixtures.save_tiny_sd(base / "sdxl", kind="sdxl")
+    out["sdxl"] = (folder, base / "tiny-sdxl-sgm.safetensors")
+    save_file(to_original(folder, "sdxl"), str(out["sdxl"][1]))
     folder = flow_fixtures.save_tiny_flow_model(base / "flux-dev", "flux-dev")
     out["flux-dev"] = (folder, base / "flux1-tiny.safetensors")
     save_file(to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))),
@@ -52,9 +56,9 @@ def _noise() -> np.ndarray:
 def _reference(kind: str, folder) -> np.ndarray:
     """diffusers' image from the folder the file was written from."""
     sampler, guidance = CASES[kind]
-    fixtures = sd_fixtures if kind == "sd1" else flow_fixtures
+    fixtures = sd_fixtures if kind in ("sd1", "sdxl") else flow_fixtures
     call = dict(num_inference_steps=3, guidance_scale=guidance)
-    if kind == "sd1":
+    if fixtures is sd_fixtures:
         call.update(height=32, width=32)
     return fixtures.reference_pixels(fixtures.reference_pipeline(folder, sampler), PROMPT, _noise(), **call)
 
