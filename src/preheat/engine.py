@@ -248,12 +248,13 @@ class Pipeline:
         if len(shape) != 3 or min(shape) <= 0:
             raise InvalidArgumentError(f"sample_shape={tuple(sample_shape)} must be three positive ints (one image)",
                                        argument="sample_shape")
-        user_fn = fn
         if layout == "NCHW":
             shape = (shape[1], shape[2], shape[0])
 
             def user_fn(p: Any, x: jax.Array, t: jax.Array, y: Any) -> jax.Array:  # the engine is NHWC inside
                 return jnp.transpose(fn(p, jnp.transpose(x, (0, 3, 1, 2)), t, y), (0, 2, 3, 1))
+        else:
+            user_fn = fn
 
         def apply(p: Any, x: jax.Array, t: jax.Array, cond: Any, lora: Any = None) -> jax.Array:
             return user_fn(p, x, t, cond.get("class_labels"))  # no LoRA targets: lora is always None

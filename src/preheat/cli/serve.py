@@ -36,7 +36,9 @@ def _check_backend(backend: str) -> None:
     if backend == "jax":
         return
     try:
-        import preheat.backends.torch  # noqa: F401  (refuse before serving, not at set-up)
+        from preheat.backends.torch import load_torch_pipeline
+
+        del load_torch_pipeline  # imported to refuse before serving, not at set-up
     except ImportError as err:
         raise InvalidArgumentError(f"--backend torch needs the torch extra: {err}") from None
 
