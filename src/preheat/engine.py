@@ -248,12 +248,13 @@ class Pipeline:
         if len(shape) != 3 or min(shape) <= 0:
             raise InvalidArgumentError(f"sample_shape={tuple(sample_shape)} must be three positive ints (one image)",
                                        argument="sample_shape")
-        user_fn = fn
         if layout == "NCHW":
             shape = (shape[1], shape[2], shape[0])
 
             def user_fn(p: Any, x: jax.Array, t: jax.Array, y: Any) -> jax.Array:  # the engine is NHWC inside
                 return jnp.transpose(fn(p, jnp.transpose(x, (0, 3, 1, 2)), t, y), (0, 2, 3, 1))
+        else:
+            user_fn = fn
 
         def apply(p: Any, x: jax.Array, t: jax.Array, cond: Any, lora: Any = None) -> jax.Array:
             return user_fn(p, x, t, cond.get("class_labels"))  # no LoRA targets: lora is always None
@@ -522,8 +523,8 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     SGM SDXL, BFL FLUX.1, MMDiT SD3), the diffusers folder whose configs and tokenizers it is read
     with (``preheat.models.single_file``), a folder of only the component folders it lacks, or a
     published model's name (``"stable-diffusion-2-1-base"``); None: the published model is inferred
-    from the file and what it lacks is pulled from its repository (``single_file_config``). A FLUX.1
-    GGUF file (``preheat.models.gguf_file``) needs ``config``: the model's diffusers folder.
+    from the file and what it lacks is pulled from its repository (``single_file_config``); a FLUX.1
+    GGUF file (``preheat.models.gguf_file``) too, inferred from its header.
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
     ``weights_dtype``: "float8_e4m3fn" keeps the denoiser's weights in fp8 on the device (the
     layers diffusers' ``enable_layerwise_casting`` casts), upcast to ``dtype`` where they are
@@ -563,30 +564,14 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
 
     from preheat.families import family_loader
     from preheat.models.weights import DeferredFills, LoadOptions, recording
-    from preheat.store import resolve
 
     root = model_root(model, variant)  # hf://: that variant only
     reading: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    from preheat.models.gguf_file import is_gguf
-    from preheat.models.single_file import single_file_path
+    from preheat.file_configs import converted_folder
 
-    single = single_file_path(root)  # a .safetensors or .gguf file (or a one-file snapshot of the store)
-    if single is not None and config is None and is_gguf(single):  # transformer weights only, no configs
-        raise InvalidArgumentError(f"{model} is a GGUF file (a transformer's weights, no configs): pass "
-                                   "config=<the model's diffusers folder>", argument="config")
-    if config is not None or single is not None:
-        from preheat.cache.root import resolve_root
-        from preheat.models.single_file import materialize, reading_converted
-
-        if single is not None:
-            from preheat.file_configs import single_file_config
-
-            configs = single_file_config(single, config, variant)
-        else:
-            configs = Path(resolve(str(config), variant=variant))
-        converted = materialize(root, configs, resolve_root().path, variant)  # converted once, then reused
-        reading = reading_converted(model, config if config is not None else configs, converted)
-        root, variant = converted, None  # a misfit names the file, not the folder; its files have no variant
+    converted = converted_folder(model, root, config, variant)  # a single file: its diffusers folder
+    if converted is not None:  # a misfit names the file, not the folder; its files have no variant
+        root, reading, variant = converted.root, converted.reading, None
     early = bool(prefetch) and compiler is not None
     if early:  # the last such start's executables deserialise while the model is built (preheat.cache.early)
         from preheat.cache.early import startup_id

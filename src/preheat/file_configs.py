@@ -1,21 +1,26 @@
 """The config folder a single checkpoint file is read with (``preheat.models.single_file``).
 
-A single ``.safetensors`` file of an original layout holds some of a pipeline's components; the
-rest (configs, tokenizers, and for a transformer-only file its VAE and text encoders) come from
-``config=``: a diffusers folder or source, a folder of only the components the file lacks, a
-published model's name, or nothing (the published model inferred from the file's header). For the
+A single ``.safetensors`` file of an original layout (or a FLUX.1 transformer's ``.gguf``) holds
+some of a pipeline's components; the rest (configs, tokenizers, and for a transformer-only file its
+VAE and text encoders) come from ``config=``: a diffusers folder or source, a folder of only the
+components the file lacks, a published model's name, or nothing (the published model inferred from
+the file's header). For the
 last two, exactly the folders the file lacks are pulled from the published repository through the
 weights store, once, and kept beside the shipped configs (``preheat.models.published``).
 
     single_file_config(file, config)   the folder to read ``file`` with (pulling what it lacks)
     single_file_plan(file, config)     what that would pull: ``preheat pull --dry-run FILE``
+    converted_folder(model, root, config, variant, check)
+                                       the converted diffusers folder both backends load (one
+                                       conversion under the cache root, whichever backend asks)
+    plain_tensors(file)                refuses a quantised file (GGUF, scaled fp8) for diffusers' loader
 """
 
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, NamedTuple
 
 from preheat.errors import FetchError, InvalidArgumentError, ModelError
 
@@ -23,18 +28,29 @@ if TYPE_CHECKING:
     from preheat.models.published import Needed
     from preheat.store import HfPlan
 
-__all__ = ["single_file_config", "single_file_plan"]
+__all__ = ["Converted", "converted_folder", "plain_tensors", "single_file_config", "single_file_plan"]
 
 
 def _published_needs(file: Path, config: str | Path | None) -> Needed | None:
     """What single ``file`` needs from its published repository when ``config`` is None (the model
     inferred) or names a published model (``published.named``); None when ``config`` is a folder or
-    source to read the file with."""
-    from preheat.models.published import named, needed
+    source to read the file with. A GGUF file (a FLUX.1 transformer's) is inferred like a
+    safetensors one, from its header; one of no published model is one line asking for ``config``."""
+    from preheat.errors import ModelFormatError
+    from preheat.models.gguf_file import is_gguf
+    from preheat.models.published import file_shapes, infer, named, needed
 
     as_model = None if config is None or Path(str(config)).exists() else named(config)
     if config is not None and as_model is None:
         return None
+    if as_model is None and is_gguf(file):
+        shapes = file_shapes(file)  # a torn file, a type preheat does not read: their own one line
+        try:
+            infer(shapes, str(file))
+        except ModelFormatError:
+            raise InvalidArgumentError(f"{file} is a GGUF file (a transformer's weights, no configs) of no published "
+                                       "model preheat infers: pass config=<the model's diffusers folder>",
+                                       argument="config") from None
     return needed(file, as_model)  # a file of no published model: one line naming every model tried
 
 
@@ -64,12 +80,9 @@ def single_file_config(file: Path, config: str | Path | None, variant: str | Non
     shipped configs.
     """
     from preheat.cache.root import resolve_root
-    from preheat.models.gguf_file import is_gguf
     from preheat.models.published import needed, with_components
     from preheat.store import resolve
 
-    if is_gguf(file):  # a FLUX.1 transformer's GGUF: no published model inferred from it; its folder
-        return Path(resolve(str(config), variant=variant))
     needs = _published_needs(file, config)
     if needs is None:
         configs = Path(resolve(str(config), variant=variant))
@@ -92,3 +105,61 @@ def single_file_plan(file: Path, config: str | Path | None = None, variant: str 
                                    "pulled for it", argument="config")
     with _fetching(file, needs) as source:
         return plan_pull(source, variant=variant, components=needs.components), needs
+
+
+class Converted(NamedTuple):
+    """A single file (or ``config=`` folder) as the diffusers folder a backend loads."""
+
+    root: Path  # the converted folder under <cache root>/models/single/ (no variants: its files have default names)
+    reading: ContextManager[None]  # around loading it: a misfit names the file, and the conversion is dropped
+
+
+def converted_folder(model: Any, root: Path, config: str | Path | None, variant: str | None,
+                     check: Callable[[Path], None] | None = None) -> Converted | None:
+    """``root`` (the resolved ``model``) read as a diffusers folder when it is a single file or a
+    ``config=`` is given; None for a folder given without ``config``. Both backends call this, so a
+    file is converted once (``preheat.models.single_file.materialize``) and both read that folder.
+
+    ``check(file)`` runs on the single file before anything is pulled or converted: a backend
+    that cannot read some files (the torch backend: quantised ones) refuses them here, in one line.
+    """
+    from preheat.cache.root import resolve_root
+    from preheat.models.single_file import materialize, reading_converted, single_file_path
+    from preheat.store import resolve
+
+    single = single_file_path(root)  # a .safetensors or .gguf file (or a one-file snapshot of the store)
+    if single is None and config is None:
+        return None
+    if single is not None and check is not None:
+        check(single)
+    if single is not None:
+        configs = single_file_config(single, config, variant)
+    else:
+        configs = Path(resolve(str(config), variant=variant))
+    converted = materialize(root, configs, resolve_root().path, variant)  # converted once, then reused
+    return Converted(converted, reading_converted(model, config if config is not None else configs, converted))
+
+
+def plain_tensors(file: Path) -> None:
+    """Refuse a single file that diffusers' ``from_pretrained`` would misread once renamed (the
+    torch backend's ``check``). Quantised files (a GGUF's Q8_0, ComfyUI's scaled fp8) convert to
+    weights beside their scales, which only the JAX engine's loader multiplies back
+    (``preheat.models.scaled_fp8``); diffusers would take the bare int8 or fp8 values as the
+    weights, so the file is one line instead. Reads the header only."""
+    from preheat.errors import UnsupportedConfigError
+    from preheat.models.gguf_file import is_gguf
+    from preheat.models.scaled_fp8 import MARKER, weight_scales
+    from preheat.models.weights import read_tensors
+
+    if is_gguf(file):
+        kind = "a GGUF file (Q8_0 weights beside their block scales)"
+    else:
+        with read_tensors([file]) as tensors:
+            keys = list(tensors)
+        scaled = weight_scales(dict.fromkeys(keys))
+        if not scaled and not any(k == MARKER or k.endswith("." + MARKER) for k in keys):
+            return
+        kind = f"a scaled fp8 file ({len(scaled)} weights beside their scale_weight)"
+    raise UnsupportedConfigError(f"{file} is {kind}; the torch backend reads single files of plain tensors only: "
+                                 "use the JAX backend (backend='jax', --backend jax), which keeps it quantised on "
+                                 "the device")

@@ -16,35 +16,13 @@ import preheat
 from preheat.errors import CheckpointMismatchError, InvalidArgumentError, ModelFormatError
 from tests._support import flow_fixtures
 from tests._support.bfl_files import to_bfl
+from tests._support.gguf_files import write_gguf
 from tests._support.single_files import diffusers_bfl_at_tiny_widths
 
 gguf = pytest.importorskip("gguf")
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 PROMPT, STEPS, GUIDANCE = "a watercolor fox", 3, 3.5
-
-
-def _write(path, tensors: dict[str, np.ndarray], quant: "gguf.GGMLQuantizationType") -> dict[str, str]:
-    """``tensors`` as a GGUF file: 2-D weights whose rows are blocks of 32 in ``quant``, other 2-D
-    tensors F16, 1-D ones F32 (as city96's files keep biases and norms); returns {name: type}."""
-    writer = gguf.GGUFWriter(str(path), arch="flux")
-    types = {}
-    for key, value in tensors.items():
-        value = np.asarray(value, np.float32)
-        if value.ndim == 2 and value.shape[-1] % 32 == 0 and key.endswith(".weight"):
-            writer.add_tensor(key, gguf.quants.quantize(value, quant), raw_dtype=quant)
-            types[key] = quant.name
-        elif value.ndim >= 2:
-            writer.add_tensor(key, value.astype(np.float16))
-            types[key] = "F16"
-        else:
-            writer.add_tensor(key, value)
-            types[key] = "F32"
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return types
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +33,8 @@ def files(tmp_path_factory):
     folder = flow_fixtures.save_tiny_flow_model(base / "flux-dev", "flux-dev")
     bfl = to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors")))
     out = {"folder": folder, "q8": base / "flux-dev-Q8_0.gguf", "q4": base / "flux-dev-Q4_0.gguf"}
-    out["types"] = _write(out["q8"], bfl, gguf.GGMLQuantizationType.Q8_0)
-    _write(out["q4"], bfl, gguf.GGMLQuantizationType.Q4_0)
+    out["types"] = write_gguf(out["q8"], bfl, gguf.GGMLQuantizationType.Q8_0)
+    write_gguf(out["q4"], bfl, gguf.GGMLQuantizationType.Q4_0)
     return out
 
 

@@ -352,3 +352,58 @@ def test_a_variant_fetches_that_variant_of_what_a_transformer_file_lacks(publish
         default = converted / name.replace(".fp16.safetensors", ".safetensors")
         assert default.read_bytes() == files[name], name  # the variant's weights, under the default name
     assert not [p for p in converted.rglob("*") if ".fp16." in p.name]
+
+
+def test_a_local_gguf_without_config_pulls_what_it_lacks(published, hub_of, tmp_path):
+    """A FLUX.1 transformer's GGUF (Q8_0, city96's layout) is inferred from its header like a BFL
+    safetensors file: `pull FILE.gguf --dry-run` lists the text encoders, VAE and tokenizers of the
+    published repository (not its transformer), `pull FILE.gguf` stores the file and fetches exactly
+    those, and the load then needs no request and draws the image of `config=<folder>`."""
+    gguf = pytest.importorskip("gguf")
+    from click.testing import CliRunner
+    from safetensors.numpy import load_file
+
+    from preheat.cli.pull import pull_command
+    from tests._support.gguf_files import write_gguf
+
+    folder, path, entry, files = _flux_file_and_repo(tmp_path, published)
+    q8 = tmp_path / "flux1-tiny-Q8_0.gguf"
+    write_gguf(q8, load_file(str(path)), gguf.GGMLQuantizationType.Q8_0)  # the BFL tensors, 2-D weights in Q8_0
+    hub = hub_of(entry.repo, files)
+    wanted = ("text_encoder/", "text_encoder_2/", "tokenizer/", "tokenizer_2/", "vae/")
+    lacked = {p: len(b) for p, b in files.items() if p.startswith(wanted)}
+
+    out = CliRunner().invoke(pull_command, [str(q8), "--dry-run"])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0] == f"{q8} is a tiny-flux single file; it needs these files of hf://example/tiny-flux:"
+    assert {ln.split()[1]: int(ln.split()[0].replace(",", "")) for ln in lines[1:-1]} == lacked
+    assert hub.downloaded() == {}  # listed, not fetched
+
+    out = CliRunner().invoke(pull_command, [str(q8), "--quiet"])
+    assert out.exit_code == 0, out.output
+    assert hub.downloaded() == lacked  # no transformer, no top-level file
+    hub.hits.clear()
+    noise = np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32)
+    call = dict(noise=noise, steps=2, sampler="flow_euler", guidance=3.5, width=32, height=32)
+    ours = preheat.load(q8).generate("a watercolor fox", **call)  # no config=: inferred, read from the store
+    assert hub.hits == []
+    theirs = preheat.load(q8, config=folder).generate("a watercolor fox", **call)
+    assert np.array_equal(ours, theirs) and ours.std() > 5
+
+
+def test_a_gguf_of_no_published_model_without_config_is_one_line(published, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from safetensors.numpy import load_file
+
+    from preheat.errors import InvalidArgumentError
+    from tests._support.gguf_files import write_gguf
+
+    folder, path, entry, _ = _flux_file_and_repo(tmp_path, published)
+    q8 = tmp_path / "flux1-tiny-Q8_0.gguf"
+    write_gguf(q8, load_file(str(path)), gguf.GGMLQuantizationType.Q8_0)
+    published(tmp_path / "assets", entry._replace(fits=lambda shapes: False))  # the file is no published model
+    with pytest.raises(InvalidArgumentError, match=r"flux1-tiny-Q8_0\.gguf is a GGUF file .* of no published model "
+                                                   r"preheat infers: pass config=") as err:
+        preheat.load(q8, cache="off")
+    _one_line(err)

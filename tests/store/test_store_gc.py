@@ -45,11 +45,14 @@ def test_an_unreadable_ref_stops_collection(tmp_path):
 def test_folders_made_from_the_store_go_with_what_they_were_made_from(tmp_path):
     """A folder beside the store (``models/<kind>/<name>``) that names its inputs
     (``preheat.files.MADE_FROM``, or links for a folder without a record) stays while they do and
-    their snapshot is named by a ref; made from a file that is gone, it goes after the grace period,
-    as does a stale ``.tmp-*`` folder of a conversion killed mid-write."""
+    their snapshot is named by a ref; made from a store file that is gone, it goes after the grace
+    period, as does a stale ``.tmp-*`` folder of a conversion killed mid-write. Made from a file
+    outside the cache root that is missing, it stays (the drive may be unmounted) until
+    ``drop_missing_sources``."""
     import os
 
     from preheat.files import write_made_from
+    from preheat.store import derived_folders
 
     root = tmp_path / "root"
     snap = pull(make_model(tmp_path / "model"), root=root, progress=False)
@@ -57,19 +60,86 @@ def test_folders_made_from_the_store_go_with_what_they_were_made_from(tmp_path):
     gone = tmp_path / "gone.safetensors"
     gone.write_bytes(b"x")
     kind = root / "models" / "single"
-    live, dead, linked, tmp = kind / "live", kind / "dead", kind / "linked", kind / ".tmp-abc"
-    for folder in (live, dead, linked, tmp):
+    live, dead, linked, tmp, away = (kind / n for n in ("live", "dead", "linked", ".tmp-abc", "away"))
+    for folder in (live, dead, linked, tmp, away):
         folder.mkdir(parents=True)
+    inside = root / "models" / "random" / "was-here.safetensors"  # a store-side input, removed
     write_made_from(live, [vae, tmp_path / "model" / "model_index.json"])
-    write_made_from(dead, [gone, vae])
+    write_made_from(dead, [inside, vae])
+    write_made_from(away, [gone, vae])
     (linked / "vae.safetensors").symlink_to(vae)  # no record: its links are what it was made from
     gone.unlink()
     later = time.time() + 7200
 
     assert collect_orphans(root, grace_s=3600) == []  # young
+    states = {d.name: d.state for d in derived_folders(root, grace_s=3600, now=later)}
+    assert states == {"single/.tmp-abc": "stale-tmp", "single/away": "missing-source", "single/dead": "dead",
+                      "single/linked": "live", "single/live": "live"}
     assert collect_orphans(root, grace_s=3600, now=later) == ["single/.tmp-abc", "single/dead"]
-    assert live.is_dir() and linked.is_dir() and not dead.exists() and not tmp.exists()
+    assert live.is_dir() and linked.is_dir() and away.is_dir() and not dead.exists() and not tmp.exists()
     os.unlink(linked / "vae.safetensors")
-    (linked / "vae.safetensors").symlink_to(tmp_path / "nowhere")
-    assert collect_orphans(root, grace_s=3600, now=later) == ["single/linked"]
+    (linked / "vae.safetensors").symlink_to(tmp_path / "nowhere")  # outside the root, missing: kept too
+    assert collect_orphans(root, grace_s=3600, now=later) == []
+    assert collect_orphans(root, grace_s=3600, now=later, drop_missing_sources=True, dry_run=True) == [
+        "single/away", "single/linked"]
+    assert collect_orphans(root, grace_s=3600, now=later, drop_missing_sources=True) == ["single/away", "single/linked"]
+    assert not away.exists() and not linked.exists() and live.is_dir()
     assert verify_store(root) == []
+
+
+def test_a_conversion_of_an_unmounted_file_is_kept_and_read_again_once_it_is_back(tmp_path, monkeypatch):
+    """A real single file on a "drive" outside the cache root, converted; the drive unmounted (the
+    folder moved away): `cache prune` keeps the conversion and says why, `cache ls` too; mounted again,
+    the same conversion is what the file reads as (not converted again). Its snapshot's ref moved by a
+    re-pull, the conversion goes whatever its source."""
+    import os
+
+    from click.testing import CliRunner
+    from safetensors.numpy import save_file
+
+    from preheat.cli import main
+    from preheat.models.single_file import materialize
+    from preheat.store import _gc
+    from tests._support.ldm_files import to_original
+    from tests._support.sd_fixtures import save_tiny_sd
+
+    root = tmp_path / "home"
+    monkeypatch.setenv("PREHEAT_HOME", str(root))
+    folder = save_tiny_sd(tmp_path / "sd1", kind="sd1")
+    config = pull(folder, root=root, progress=False)  # the config folder from the store, as hf:// gives it
+    drive = tmp_path / "mnt"
+    drive.mkdir()
+    path = drive / "tiny-sd1.safetensors"
+    save_file(to_original(folder, "sd1"), str(path))
+    converted = materialize(path, config, root)
+    made = (converted / "unet" / "diffusion_pytorch_model.safetensors").stat().st_mtime_ns
+    monkeypatch.setattr(_gc.time, "time", lambda: os.stat(converted).st_mtime + 7200)  # past the grace period
+
+    drive.rename(tmp_path / "mnt-away")  # unmounted
+    out = CliRunner().invoke(main, ["cache", "prune"])
+    assert out.exit_code == 0, out.output
+    assert f"kept single/{converted.name}: its source {path.resolve()} is missing (an unmounted drive?); kept " \
+           "until `preheat cache prune --drop-missing-sources`" in out.output, out.output
+    assert converted.is_dir()
+    ls = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "400"})
+    assert ls.exit_code == 0 and f"single/{converted.name}" in ls.output and "keeps" in ls.output, ls.output
+
+    (tmp_path / "mnt-away").rename(drive)  # mounted again: the same file, the same conversion
+    assert materialize(path, config, root) == converted
+    assert (converted / "unet" / "diffusion_pytorch_model.safetensors").stat().st_mtime_ns == made
+
+    drive.rename(tmp_path / "mnt-away")
+    out = CliRunner().invoke(main, ["cache", "prune", "--drop-missing-sources"])
+    assert out.exit_code == 0 and f"collected single/{converted.name}: its source" in out.output, out.output
+    assert not converted.exists()
+    (tmp_path / "mnt-away").rename(drive)
+
+    converted = materialize(path, config, root)  # converted again; then the config folder's ref moves
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")  # another commit of the config folder
+    pull(folder, root=root, progress=False)
+    monkeypatch.setattr(_gc.time, "time", lambda: os.stat(converted).st_mtime + 7200)
+    out = CliRunner().invoke(main, ["cache", "prune"])  # the old snapshot goes; the conversion links nothing
+    assert out.exit_code == 0 and "unreferenced weight files" in out.output, out.output  # of it (an LDM file
+    assert converted.is_dir() and str(converted.name) not in out.output  # holds every weight): it stays
+    # (a conversion linking an unnamed snapshot goes: tests/models/test_published_fetch.py's gc test)

@@ -213,10 +213,16 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
                   repeats: int = 3, steady_repeats: int = 5, paths: tuple[str, ...] = PATHS,
                   xla_variants: dict[str, str] | None = None, workdir: Path, timeout: float = 1800.0,
                   log: Callable[[str], None] = lambda s: None, inputs: dict[str, Any] | None = None,
-                  flags: dict[str, list[str]] | None = None, dtype: str | None = None) -> dict[str, Any]:
+                  flags: dict[str, list[str]] | None = None, dtype: str | None = None,
+                  config: str | None = None) -> dict[str, Any]:
     """Every path in fresh processes on the same model and inputs: ``inputs`` as ``generate``
     keywords, or ``flags`` as `preheat sample`'s family flags (typed here by the folder's declared
-    family, so a bad one is a one-line error before any child starts)."""
+    family, so a bad one is a one-line error before any child starts).
+
+    A single file (``config``: as ``preheat.load`` takes it) is converted here, once, into the
+    diffusers folder both backends read (``preheat.file_configs.converted_folder``); every child
+    loads that folder, so no path's cold start includes a conversion the others skip. A file a
+    torch path cannot read (GGUF, scaled fp8) is one line before any child starts."""
     from preheat.bench.random_models import materialize_model
     from preheat.bench.random_models import random_name, sized_inputs
 
@@ -227,6 +233,12 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
 
         if is_remote(model):  # pulled once here; the children (private cache roots) read the snapshot
             model = str(resolve(model))
+        from preheat.file_configs import converted_folder, plain_tensors
+
+        torch_paths = any(not p.startswith("jax") for p in paths)
+        converted = converted_folder(model, Path(model), config, None, check=plain_tensors if torch_paths else None)
+        if converted is not None:  # a single file: its converted folder, for every path
+            model = str(converted.root)
     inputs = {**(inputs or {}), **declared_values(model, flags or {})}
     inputs = sized_inputs(name, inputs)  # a tiny random model runs at its tiny size
     settings = {"model": model or "built-in:digits", "batch": batch, "batch_sizes": list(batch_sizes),

@@ -281,11 +281,14 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 @click.option("--png-out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path),
               help="Keep the work folder (cache roots, pixels) here instead of a temporary one.")
+@click.option("--config", metavar="FOLDER|hf://ORG/REPO|NAME",
+              help="MODEL a single checkpoint file: as `preheat sample --config` (converted once, for every path).")
 def compare_command(sampler: str | None, steps: int | None, batch: int | None,
                     batch_sizes: str | None, seed: int, guidance: float | None, dtype: str | None,
                     repeats: int | None,
                     steady_repeats: int | None, paths_opt: str, xla_flags: tuple[str, ...], quick: bool,
-                    timeout: float, json_out: Path | None, as_json: bool, png_out: Path | None, keep: Path | None) -> None:
+                    timeout: float, json_out: Path | None, as_json: bool, png_out: Path | None, keep: Path | None,
+                    config: str | None) -> None:
     """JAX vs torch eager vs torch.compile vs AOTInductor on MODEL (default: the built-in model;
     also random:NAME, a random-weight folder: random:sd1-tiny, random:flux-tiny, random:sd15, ...).
     The model's own inputs are `preheat sample`'s flags (--prompt, --width, --image PATH --strength S,
@@ -296,7 +299,8 @@ def compare_command(sampler: str | None, steps: int | None, batch: int | None,
     def run() -> None:
         model, flags = parse_flags(click.get_current_context().args)
         _compare(model, sampler, steps, batch, batch_sizes, seed, guidance, repeats, steady_repeats, paths_opt,
-                 xla_flags, quick, timeout, json_out, png_out, keep, flags=flags, as_json=as_json, dtype=dtype)
+                 xla_flags, quick, timeout, json_out, png_out, keep, flags=flags, as_json=as_json, dtype=dtype,
+                 config=config)
 
     one_line_errors(run)()
 
@@ -305,7 +309,7 @@ def _compare(model: str | None, sampler: str | None, steps: int | None, batch: i
              seed: int, guidance: float | None, repeats: int | None, steady_repeats: int | None, paths_opt: str,
              xla_flags: tuple[str, ...], quick: bool, timeout: float, json_out: Path | None, png_out: Path | None,
              keep: Path | None, flags: dict[str, list[str]] | None = None, as_json: bool = False,
-             dtype: str | None = None) -> None:
+             dtype: str | None = None, config: str | None = None) -> None:
     from preheat.bench.common import write_json
     from preheat.bench.compare import FULL, QUICK, bench_compare, markdown, plot
     from preheat.errors import InvalidArgumentError, SchedulerConfigError
@@ -359,7 +363,8 @@ def _compare(model: str | None, sampler: str | None, steps: int | None, batch: i
         result = bench_compare(model, sampler=sampler, steps=steps or preset["steps"], batch=batch,
                                batch_sizes=sizes, seed=seed, guidance=guidance, repeats=repeats,
                                steady_repeats=steady_repeats, paths=paths, xla_variants=variants,
-                               workdir=Path(work), timeout=timeout, log=log, flags=flags, dtype=dtype)
+                               workdir=Path(work), timeout=timeout, log=log, flags=flags, dtype=dtype,
+                               config=config)
     result["wall_s"] = time.perf_counter() - started
     result["settings"]["quick"] = quick
     echo_result(result, markdown(result), as_json)

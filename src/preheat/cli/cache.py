@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -67,7 +68,26 @@ def ls_command() -> None:
     for e in list_entries(root.path):
         table.add_row(e.kind, e.key[:12], _human(e.size), _age(e.created), _age(e.last_used), str(e.hits), e.target,
                       _summary(e.fields))
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    from preheat.store import derived_folders
+
+    derived = derived_folders(root.path)  # converted single files and their config folders
+    if derived:
+        made = Table(title="folders made from model files (models/single*): what `cache prune` does")
+        for col in ("folder", "prune", "why"):
+            made.add_column(col)
+        for d in derived:
+            made.add_row(d.name, "collects" if d.collect else "keeps", _why(d, d.collect))
+        console.print(made)
+
+
+def _why(d: Any, collected: bool) -> str:
+    """Why prune collects or keeps a folder made from model files (``preheat.store.Derived``)."""
+    if d.state == "missing-source":
+        return d.why + ("; --drop-missing-sources" if collected else "; kept until `preheat cache prune "
+                                                                      "--drop-missing-sources`")
+    return d.why
 
 
 @cache_group.command("info")
@@ -217,28 +237,39 @@ def _explain_torch(model: str | None, opts: CallOptions) -> None:
 @click.option("--protect-minutes", default=60.0, show_default=True, type=NON_NEGATIVE,
               help="--remote: never retire an entry published, nor delete an object written, this recently.")
 @click.option("--dry-run", is_flag=True, help="--remote: say what would go; change nothing.")
+@click.option("--drop-missing-sources", is_flag=True,
+              help="Also remove conversions of single files outside the cache root that are missing (kept by "
+                   "default: the drive may only be unmounted).")
 @one_line_errors
 def prune_command(older_than_days: float | None, remote: bool, max_gb: float | None, protect_minutes: float,
-                  dry_run: bool) -> None:
+                  dry_run: bool, drop_missing_sources: bool) -> None:
     """Remove quarantined entries, stale temp folders, and old entries; then apply the size cap;
-    then weights (snapshots, blobs) that no pulled source names, older than an hour.
+    then weights (snapshots, blobs) that no pulled source names, older than an hour, and the folders
+    made from them (each one's line says why it goes or stays).
 
     With --remote: retire old entries of the shared store (and the oldest beyond --max-gb), then
     delete the objects no manifest names and the weight blobs no pod's ref names, safely while
     other pods read and write (see preheat.cache.remote.prune)."""
     from preheat.errors import InvalidArgumentError
 
+    if remote and drop_missing_sources:
+        raise InvalidArgumentError("--drop-missing-sources applies to the local cache root, not --remote")
     if not remote:
         if max_gb is not None or dry_run:
             raise InvalidArgumentError("--max-gb and --dry-run apply to --remote")
         from preheat.cache.manage import enforce_size_cap, prune
         from preheat.cache.root import resolve_root
 
-        from preheat.store import collect_orphans
+        from preheat.store import collect_orphans, derived_folders
 
         root = resolve_root().path
         removed = prune(root, older_than_days) + enforce_size_cap(root)
-        orphans = collect_orphans(root)  # weights no ref names, older than an hour
+        derived = derived_folders(root)  # why each folder made from model files goes or stays (before gc)
+        orphans = collect_orphans(root, drop_missing_sources=drop_missing_sources)  # older than an hour
+        for d in derived:
+            gone = d.name in orphans
+            if gone or d.state != "live":
+                click.echo(f"{'collected' if gone else 'kept'} {d.name}: {_why(d, gone)}")
         click.echo(f"removed {len(removed)}" + (f"; {len(orphans)} unreferenced weight files" if orphans else ""))
         return
     from preheat.cache.remote import RemoteError, remote_from_env

@@ -41,7 +41,7 @@ def pull_command(source: str, revision: str | None, force: bool, quiet: bool, va
     configs, tokenizer files and one variant's safetensors; hf://org/repo/path/file.safetensors
     pulls that one file.
 
-    SOURCE a local single-file checkpoint (.safetensors) of a published model: it is stored, and
+    SOURCE a local single-file checkpoint (.safetensors, or a FLUX.1 transformer's .gguf) of a published model: it is stored, and
     the folders it lacks (its tokenizers; a transformer file's VAE and text encoders) are pulled
     from that model's published repository, nothing else; --dry-run lists them.
     """
@@ -88,15 +88,16 @@ def _print_plan(plan: "HfPlan") -> None:
 
 
 def _single_file(source: str, config: str | None) -> "Path | None":
-    """A local ``.safetensors`` SOURCE that is pulled with what it lacks: one of a published model
-    (inferred, or ``--config`` NAME); None for anything else (pulled as it is: a LoRA, a folder)."""
+    """A local ``.safetensors`` or ``.gguf`` SOURCE that is pulled with what it lacks: one of a
+    published model (inferred from its header, or ``--config`` NAME); None for anything else
+    (pulled as it is: a LoRA, a folder, a GGUF of no published model)."""
     from pathlib import Path
 
-    from preheat.errors import ModelFormatError
+    from preheat.errors import MissingExtraError, ModelFormatError
     from preheat.models.published import PUBLISHED, infer_file, named
     from preheat.store import is_remote
 
-    if is_remote(source) or not source.endswith(".safetensors") or not Path(source).is_file():
+    if is_remote(source) or not source.lower().endswith((".safetensors", ".gguf")) or not Path(source).is_file():
         return None
     if config is not None:
         if named(config) is None:
@@ -106,6 +107,6 @@ def _single_file(source: str, config: str | None) -> "Path | None":
         return Path(source)
     try:
         infer_file(source)
-    except ModelFormatError:
-        return None  # no published model: stored as one file, as before
+    except (ModelFormatError, MissingExtraError):
+        return None  # no published model (or a GGUF without the gguf extra to read it): stored as one file
     return Path(source)

@@ -36,7 +36,9 @@ def _check_backend(backend: str) -> None:
     if backend == "jax":
         return
     try:
-        import preheat.backends.torch  # noqa: F401  (refuse before serving, not at set-up)
+        from preheat.backends.torch import load_torch_pipeline
+
+        del load_torch_pipeline  # imported to refuse before serving, not at set-up
     except ImportError as err:
         raise InvalidArgumentError(f"--backend torch needs the torch extra: {err}") from None
 
@@ -218,8 +220,6 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         raise InvalidArgumentError(f"--compile {compile_mode} applies to --backend torch")
     if weights_dtype is not None and backend != "jax":
         raise InvalidArgumentError("--weights-dtype applies to --backend jax", argument="--weights-dtype")
-    if config is not None and backend != "jax":
-        raise InvalidArgumentError("--config applies to --backend jax", argument="--config")
     if (devices_text is not None or fsdp != 1) and backend != "jax":
         raise InvalidArgumentError("--devices and --fsdp apply to --backend jax")
     token = os.environ.get("PREHEAT_API_TOKEN") or None

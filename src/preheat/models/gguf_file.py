@@ -83,6 +83,11 @@ class GGUFTensors(Mapping[str, np.ndarray]):
                                            f"blocks of {BLOCK}")
                 self._scales[f"{tensor.name.rpartition('.')[0]}.{_SCALE}"] = tensor.name
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every stored tensor's shape in torch's axis order (the scales left out), from the header
+        alone: what ``preheat.models.published`` infers the model from."""
+        return {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in self._tensors.items()}
+
     def __getitem__(self, key: str) -> np.ndarray:
         if key in self._scales:
             return self._read(self._scales[key])[1]

@@ -1,6 +1,6 @@
 """Which published model a single file is, from its tensor names and shapes alone.
 
-    infer_file(path)   -> Published   (headers only: no tensor is read)
+    infer_file(path)   -> Published   (headers only: no tensor is read; safetensors or GGUF)
     infer(shapes)      -> Published   ({name: shape}, e.g. a file's header)
     config_folder(p)   -> Path        the published component configs preheat ships for p
 
@@ -51,7 +51,7 @@ from typing import Callable, Mapping, NamedTuple
 
 from preheat.errors import InvalidArgumentError, ModelFormatError
 
-__all__ = ["Published", "PUBLISHED", "Needed", "infer", "infer_file", "named", "needed", "config_folder",
+__all__ = ["Published", "PUBLISHED", "Needed", "infer", "infer_file", "file_shapes", "named", "needed", "config_folder",
            "with_components", "CONFIGS"]
 
 CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "single_file_configs"
@@ -148,11 +148,21 @@ def infer(shapes: Shapes, source: str = "the single file") -> Published:
                            f"diffusers folder>): tried {tried}; its keys start {seen}")
 
 
-def infer_file(path: str | Path) -> Published:
-    """``infer`` on a safetensors file's header (no tensor is read; a torn file is one line)."""
+def file_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a single file's tensors from its header (no tensor is read; a torn file is
+    one line): a safetensors file's, or a GGUF file's in torch's axis order (its stored tensors: a
+    Q8_0 weight's shape is the weight's)."""
+    from preheat.models.gguf_file import GGUFTensors, is_gguf
     from preheat.models.weights import read_header
 
-    return infer({k: info.shape for k, info in read_header(Path(path)).items()}, str(path))
+    if is_gguf(path):
+        return GGUFTensors(path).shapes()
+    return {k: tuple(info.shape) for k, info in read_header(Path(path)).items()}
+
+
+def infer_file(path: str | Path) -> Published:
+    """``infer`` on a single file's header (``file_shapes``: safetensors or GGUF)."""
+    return infer(file_shapes(path), str(path))
 
 
 def config_folder(published: Published) -> Path:
@@ -187,10 +197,7 @@ class Needed(NamedTuple):
 def needed(file: str | Path, as_model: Published | None = None) -> Needed:
     """What single ``file`` needs from its published repository (its header read once: no tensor).
     ``as_model``: the model the caller named (``named``), checked to fit; None: inferred."""
-    from preheat.models.weights import read_header
-
-    header = read_header(Path(file))  # read once: which model, and which components it holds
-    shapes = {k: info.shape for k, info in header.items()}
+    shapes = file_shapes(file)  # the header read once: which model, and which components it holds
     published = infer(shapes, str(file)) if as_model is None else as_model
     if as_model is not None and not as_model.fits({k: tuple(v) for k, v in shapes.items()}):
         raise ModelFormatError(f"{file} is not a {as_model.title} single file (that model has {as_model.signs}); "
@@ -198,7 +205,7 @@ def needed(file: str | Path, as_model: Published | None = None) -> Needed:
     index = json.loads((config_folder(published) / "model_index.json").read_text())
     listed = sorted(k for k, v in index.items() if isinstance(v, list) and None not in v and not k.startswith("_"))
     tokenizers = tuple(k for k in listed if k.startswith("tokenizer"))
-    held = _holds(list(header), published.layout)
+    held = _holds(list(shapes), published.layout)
     weights = tuple(k for k in listed if k not in tokenizers and k not in held
                     and k not in ("scheduler", "feature_extractor", "safety_checker"))
     return Needed(published, tokenizers, weights)

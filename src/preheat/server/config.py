@@ -41,7 +41,7 @@ class CoreConfig:
     cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off"
     weights_dtype: Optional[str] = None  # jax: the denoiser's weights stored in this dtype (float8_e4m3fn)
     weights_layers: str = "layerwise"  # jax: which layers weights_dtype stores
-    config: Optional[str] = None  # jax: ``model`` a single .safetensors file, read with this folder's configs
+    config: Optional[str] = None  # ``model`` a single .safetensors file, read with this folder's configs
     progress: bool = True  # the programs report each step (streamed step events); off: as `warm --target` compiles
     max_batch_size: int = 8
     devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
@@ -174,13 +174,12 @@ def load_pipeline(config: CoreConfig) -> Any:
                             **({} if config.config is None else {"config": config.config}),
                             devices=config.devices, fsdp=config.fsdp, prefetch=prefetch_calls(config.warm_set()))
     if config.backend == "torch":
-        if config.weights_dtype is not None or config.config is not None:
-            raise InvalidArgumentError("--weights-dtype and --config apply to --backend jax",
-                                       argument="--weights-dtype" if config.config is None else "--config")
+        if config.weights_dtype is not None:
+            raise InvalidArgumentError("--weights-dtype applies to --backend jax", argument="--weights-dtype")
         try:
             from preheat.backends.torch import load_torch_pipeline
         except ImportError as err:
             raise InvalidArgumentError(f"--backend torch needs the torch extra ({err})") from None
         return load_torch_pipeline(config.model, dtype=config.dtype, compile=config.compile, variant=config.variant,
-                                   cache=config.cache)
+                                   cache=config.cache, **({} if config.config is None else {"config": config.config}))
     raise InvalidArgumentError(f"unknown backend {config.backend!r}; use jax or torch")

@@ -57,7 +57,7 @@ from __future__ import annotations
 from typing import Any
 
 from preheat.store._api import Problem, list_refs, plan_pull, pull, resolve, verify_store
-from preheat.store._gc import collect_orphans
+from preheat.store._gc import Derived, collect_orphans, derived_folders
 from preheat.store._layout import FileEntry, Ref, Source, is_remote, parse_source, snapshot_id, source_id
 
 # Names from the download modules, imported on first use: a start that resolves a local folder or a
@@ -85,6 +85,8 @@ __all__ = [
     "is_remote",
     "verify_store",
     "collect_orphans",
+    "derived_folders",
+    "Derived",
     "list_refs",
     "parse_source",
     "source_id",

@@ -15,10 +15,18 @@ Folders made from the store's files live beside it (``models/single/<name>``: a 
 file converted to a diffusers folder, linking the VAE and text encoders of a snapshot;
 ``models/single-configs/<name>``: its config folder), each naming what it was made from
 (``preheat.files.MADE_FROM``). One made from a snapshot no ref names (a re-pull moved its ref)
-or from a file that is gone is one no load reaches again (it is found by where its inputs are), so
-it goes with them, once older than ``grace_s``: its links would dangle, and a converted
+or from a store file that is gone is one no load reaches again (it is found by where its inputs
+are), so it goes with them, once older than ``grace_s``: its links would dangle, and a converted
 transformer is the largest thing in it. While a ref names its snapshot it stays, and so do the
 snapshot's blobs, so a restart reads the converted folder with no fetch and no conversion.
+
+A source *outside* the cache root (the user's ``/mnt/models/x.safetensors``) that is missing may
+only be unmounted: as huggingface_hub's cache never deletes behind its user's back, its conversion
+is kept (``derived_folders`` says why) until ``drop_missing_sources=True`` (``preheat cache prune
+--drop-missing-sources``) removes it; the drive mounted again, the next load reads it with no
+conversion. Whether a source is inside is where its path is, not whether it exists.
+
+    derived_folders(root)   every folder made from the store's files: kept or collected, and why
 """
 
 from __future__ import annotations
@@ -27,11 +35,12 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from preheat.files import read_made_from
 from preheat.store._layout import HEX64, Store
 
-__all__ = ["collect_orphans"]
+__all__ = ["collect_orphans", "derived_folders", "Derived"]
 
 
 def _age(path: Path, now: float) -> float:
@@ -60,10 +69,11 @@ def _remove(path: Path) -> None:
 
 
 def collect_orphans(root: str | os.PathLike[str], *, grace_s: float = 3600.0, now: float | None = None,
-                    dry_run: bool = False) -> list[str]:
+                    dry_run: bool = False, drop_missing_sources: bool = False) -> list[str]:
     """Delete (or, with ``dry_run``, list) the snapshots and blobs of ``<root>/models`` that no
-    ref names and that are older than ``grace_s``, and stale ``.tmp-*`` leftovers; returns their
-    ``models/``-relative paths."""
+    ref names and that are older than ``grace_s``, stale ``.tmp-*`` leftovers, and the folders made
+    from them (``derived_folders``; with ``drop_missing_sources``, also those whose source outside
+    the cache root is missing); returns their ``models/``-relative paths."""
     store = Store(Path(root))
     now = time.time() if now is None else now
     snapshots, blobs = set(), set()
@@ -89,10 +99,11 @@ def collect_orphans(root: str | os.PathLike[str], *, grace_s: float = 3600.0, no
         if not dry_run:
             p.unlink(missing_ok=True)
         removed.append(f"blobs/{p.name}")
-    for p in _derived(store, snapshots, grace_s, now):
-        if not dry_run:
-            shutil.rmtree(p, ignore_errors=True)
-        removed.append(p.relative_to(store.models).as_posix())
+    for d in _derived(store, snapshots, grace_s, now):
+        if d.collect or (drop_missing_sources and d.state == "missing-source"):
+            if not dry_run:
+                shutil.rmtree(d.folder, ignore_errors=True)
+            removed.append(d.name)
     for folder in (store.blobs, store.snapshots):
         if not folder.is_dir():
             continue
@@ -120,25 +131,77 @@ def _inputs(folder: Path) -> list[Path]:
     return [Path(os.path.realpath(p)) for p in folder.rglob("*") if p.is_symlink()]
 
 
-def _derived(store: Store, live: set[str], grace_s: float, now: float) -> list[Path]:
-    """The folders under ``models/<kind>/`` (not the store's own) that name their inputs and were
-    made from a snapshot no ref names (``live``: those that one does) or from a file that is gone,
-    older than ``grace_s``; and stale ``.tmp-*`` folders there (a conversion killed mid-write)."""
+class Derived(NamedTuple):
+    """A folder made from the store's files (``models/<kind>/<name>``), and what gc does with it."""
+
+    folder: Path
+    name: str  # its models/-relative path: "single/<name>"
+    state: str  # live | young | dead | missing-source | in-progress | stale-tmp
+    why: str  # one line, for `preheat cache ls` and `prune`
+
+    @property
+    def collect(self) -> bool:
+        """Collected by every prune (a missing outside source only when asked: ``collect_orphans``)."""
+        return self.state in ("dead", "stale-tmp")
+
+
+def derived_folders(root: str | os.PathLike[str], *, grace_s: float = 3600.0,
+                    now: float | None = None) -> list[Derived]:
+    """Every folder made from the store's files, with what ``collect_orphans`` does with it and why
+    (nothing is read but records, links and stat); [] while a ref is unreadable, as gc then collects
+    nothing."""
+    store = Store(Path(root))
+    live = set()
+    for sid in store.ref_ids():
+        ref = store.read_ref(sid)
+        if ref is None:
+            return []
+        live.add(ref.snapshot)
+    return _derived(store, live, grace_s, time.time() if now is None else now)
+
+
+def _verdict(inputs: list[Path], inside: Path, snapshots: Path, live: set[str]) -> tuple[str, str]:
+    """(state, why) of a folder made from ``inputs``: a store input gone or of an unnamed snapshot
+    collects it; an input outside the cache root that is missing keeps it (it may be unmounted)."""
+    missing_outside = []
+    for p in inputs:
+        if p.is_relative_to(snapshots):
+            sid = p.relative_to(snapshots).parts[0]
+            if sid not in live:
+                return "dead", f"made from snapshot {sid[:12]}, which no ref names (a re-pull moved it): no load reaches it"
+        if not p.exists():
+            if p.is_relative_to(inside):
+                return "dead", f"made from {p.relative_to(inside).as_posix()}, which the cache root no longer holds"
+            missing_outside.append(p)
+    if missing_outside:
+        return "missing-source", f"its source {missing_outside[0]} is missing (an unmounted drive?)"
+    return "live", "its sources are there and a ref names every snapshot it links"
+
+
+def _derived(store: Store, live: set[str], grace_s: float, now: float) -> list[Derived]:
+    """The folders under ``models/<kind>/`` (not the store's own) that name their inputs, each with
+    its verdict (``_verdict``) once older than ``grace_s``, and ``.tmp-*`` folders there (a
+    conversion in progress, or one killed mid-write: stale once nothing in it changed for ``grace_s``)."""
     out = []
     snapshots = store.snapshots.resolve() if store.snapshots.is_dir() else store.snapshots
+    inside = store.models.resolve().parent if store.models.is_dir() else store.models.parent  # the cache root
     kinds = sorted(p for p in store.models.iterdir() if p.is_dir() and p.name not in _OWN) if store.models.is_dir() else []
     for kind in kinds:
         for folder in sorted(kind.iterdir()):
+            name = folder.relative_to(store.models).as_posix()
             try:
-                if not folder.is_dir() or folder.is_symlink() or _age(folder, now) <= grace_s:
+                if not folder.is_dir() or folder.is_symlink():
                     continue
                 if folder.name.startswith(".tmp-"):
-                    if _age_tree(folder, now) > grace_s:
-                        out.append(folder)
+                    stale = _age(folder, now) > grace_s and _age_tree(folder, now) > grace_s
+                    out.append(Derived(folder, name, "stale-tmp" if stale else "in-progress",
+                                       f"a conversion killed mid-write (unchanged for over {grace_s:g} s)" if stale
+                                       else "a conversion in progress"))
                     continue
-                if any(not p.exists() or (p.is_relative_to(snapshots) and p.relative_to(snapshots).parts[0] not in live)
-                       for p in _inputs(folder)):
-                    out.append(folder)
+                if _age(folder, now) <= grace_s:
+                    out.append(Derived(folder, name, "young", f"made less than {grace_s:g} s ago"))
+                    continue
+                out.append(Derived(folder, name, *_verdict(_inputs(folder), inside, snapshots, live)))
             except OSError:  # removed meanwhile
                 continue
     return out

@@ -32,6 +32,7 @@ See ``preheat.backends.torch.compile_cache`` for the cache entries and their key
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -264,7 +265,7 @@ def _scheduler_dict(source: Any) -> dict[str, Any]:
 
 def load_torch_pipeline(model: str | Path | None = None, *, compile: str = "none", dtype: Any = "float32",
                         device: str | None = None, scheduler: Any = None, cache: str | None = None,
-                        variant: str | None = None) -> Any:
+                        variant: str | None = None, config: str | Path | None = None) -> Any:
     """A ``TorchPipeline`` for a UNet2DModel ``model`` (``None`` = the built-in model), or a
     ``TorchTextPipeline`` (``preheat.backends.torch.text``) for an SD, SDXL, SD3 or Flux folder.
 
@@ -276,6 +277,11 @@ def load_torch_pipeline(model: str | Path | None = None, *, compile: str = "none
     ``device``: "cpu", "cuda", "cuda:1", ...; default cuda when available.
     ``scheduler``: a scheduler_config.json path or dict, for a bare UNet folder without one.
     ``cache``: "full" (default), "xla"/"local" or "off"; see :func:`make_compiler`.
+    ``config``: with ``model`` a single ``.safetensors`` file (LDM SD 1.x/2.x, SGM SDXL, BFL FLUX.1,
+    MMDiT SD3, ComfyUI bundles), what the JAX engine takes (``preheat.file_configs``): the file is
+    converted once into a diffusers folder under the cache root, the same folder the JAX engine
+    reads, and diffusers' ``from_pretrained`` loads that folder. Quantised files (GGUF, scaled fp8)
+    are refused in one line (``preheat.file_configs.plain_tensors``).
     """
     if compile not in COMPILE_MODES:
         raise InvalidArgumentError(f"compile={compile!r} is not supported; use {', '.join(COMPILE_MODES)}")
@@ -295,15 +301,22 @@ def load_torch_pipeline(model: str | Path | None = None, *, compile: str = "none
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     compiler = make_compiler(cache) if compile != "none" else None
 
-    root = model_root(model)  # as preheat.load: builtin:NAME, a folder, or a store source
+    root = model_root(model, variant)  # as preheat.load: builtin:NAME, a folder, or a store source
+    from preheat.file_configs import converted_folder, plain_tensors
+
+    reading: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    converted = converted_folder(model, root, config, variant, check=plain_tensors)  # the JAX engine's folder
+    if converted is not None:  # its files have no variant: the variant picked what it links
+        root, reading, variant = converted.root, converted.reading, None
     from preheat.families import class_name_of
 
     class_name = class_name_of(root)
     from preheat.backends.torch.text import TEXT_FAMILIES, load_text
 
     if class_name in TEXT_FAMILIES:
-        return load_text(Path(root), class_name, compile=compile, dtype=dtype, device=str(torch_device),
-                         scheduler=scheduler, compiler=compiler, variant=variant)
+        with reading:
+            return load_text(Path(root), class_name, compile=compile, dtype=dtype, device=str(torch_device),
+                             scheduler=scheduler, compiler=compiler, variant=variant)
     if compile == "regional":
         raise InvalidArgumentError("compile='regional' is for diffusers text-to-image pipelines (SD, SDXL, SD3, "
                                    "Flux); use compile='inductor' or 'aot' for a UNet2DModel", argument="compile")
