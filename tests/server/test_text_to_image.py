@@ -92,7 +92,8 @@ def test_every_text_family_serves_from_cog_openai_runpod_and_the_cli(kind, tmp_p
 
     folder = save_tiny_sd(tmp_path_factory.mktemp(f"serve-{kind}") / kind, kind=kind)
     pipe = preheat.load(folder, cache="off")
-    core = Core(CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=30), pipe=pipe)
+    # guided programs only (every request below is guided): no unguided SDXL program to warm
+    core = Core(CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=30, guidance=("on",)), pipe=pipe)
     core.start()
     try:
         assert core.wait_setup(900) and core.setup.status == "succeeded", core.setup.logs
