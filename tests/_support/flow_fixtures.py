@@ -35,7 +35,7 @@ VAE_STATS = {"flux": dict(scaling_factor=0.3611, shift_factor=0.1159),
 
 
 def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: int = 0, t5: bool = True,
-                         quiet_posterior: bool = False, latent_channels: int = 4, vae_levels: int = 2) -> Path:
+                         quiet_posterior: bool = False, latent_channels: int = 4) -> Path:
     """A whole tiny pipeline folder of ``kind`` ("flux-schnell", "flux-dev", "flux-kontext": a
     ``FluxKontextPipeline``, "flux-fill": a ``FluxFillPipeline``, whose transformer takes the
     masked image's and the mask's channels too, "sd3"; ``t5=False``: an SD3 folder without its
@@ -45,9 +45,7 @@ def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: in
     weight 0, bias -30, so std = e^-15), so that diffusers' img2img, which samples it with its
     generator, and preheat, with its seeds, both give the mean; how either samples is unchanged.
     ``latent_channels`` (SD3 only): 16 as the published VAE, which ``StableDiffusion3InpaintPipeline``
-    requires of a base transformer. ``vae_levels=1``: a VAE of one level (scale 1, no up/down
-    sampling), so a FLUX.1 folder's native size (128 latents a side, as diffusers') is 128 px,
-    not 256: a quarter of the decoder's pixels where the size is not what a test checks."""
+    requires of a base transformer."""
     import torch
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxFillPipeline, FluxKontextPipeline,
                            FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline)
@@ -59,7 +57,6 @@ def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: in
     if flux and latent_channels != 4:
         raise ValueError("latent_channels applies to SD3 folders only")
     vae_overrides = dict(latent_channels=latent_channels, use_quant_conv=False, use_post_quant_conv=False,
-                         block_out_channels=(32, 64)[:vae_levels],
                          **VAE_STATS["flux" if flux else "sd3"])
     save_tiny_vae(parts / "vae", seed=seed, **vae_overrides)
     if quiet_posterior:

@@ -71,9 +71,7 @@ def _folder(kind: str, root: Path) -> Path | None:
         return save_tiny_sd(root / kind, kind)
     from tests._support.flow_fixtures import save_tiny_flow_model
 
-    # FLUX.1's native size is 128 latents a side (diffusers'): a one-level VAE makes that 128 px,
-    # not 256, so its six default-size images decode a quarter of the pixels; the inputs are the same
-    return save_tiny_flow_model(root / kind, kind, vae_levels=1 if kind.startswith("flux") else 2)
+    return save_tiny_flow_model(root / kind, kind)
 
 
 @pytest.fixture(scope="module", params=KINDS)
