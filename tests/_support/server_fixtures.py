@@ -240,3 +240,24 @@ def runpod_jobs(core: Any, *jobs: dict) -> list[dict]:
         return [asyncio.run(rp.handler(job)) for job in jobs]
     finally:
         rp._core = None
+
+
+def openai_image(body: dict) -> Any:
+    """The one image of an OpenAI images response (b64_json PNG) as uint8 HWC."""
+    from preheat.server.images import decode_data_url
+
+    (item,) = body["data"]
+    return decode_data_url("data:image/png;base64," + item["b64_json"])
+
+
+def cli_on(monkeypatch: pytest.MonkeyPatch, folder: Path, pipe: Any) -> None:
+    """`preheat sample FOLDER --cache off` gets the pipeline this test loaded from FOLDER with
+    cache="off": one load and compile per family here (the CLI's own load of a folder is
+    tests/families/test_stable_diffusion.py's, tests/test_random_models.py's and test_lora.py's)."""
+    import preheat
+
+    def load(model: Any, **options: Any) -> Any:
+        assert Path(model) == folder and options["cache"] == "off" and options["backend"] == "jax", (model, options)
+        return pipe
+
+    monkeypatch.setattr(preheat, "load", load)

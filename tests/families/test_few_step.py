@@ -21,6 +21,7 @@ import pytest
 import preheat
 from preheat.noise import STEP_STREAM, image_keys, normal_per_image
 from tests._support import flow_fixtures, sd_fixtures
+from tests._support.server_fixtures import cli_on
 
 peft = pytest.importorskip("peft")
 
@@ -274,7 +275,7 @@ def test_hyper_flux_lora_at_an_eighth_matches_diffusers(cards, record_property):
 # ------------------------------------------------------------------ the card's scheduler line on every surface
 
 
-def test_timestep_spacing_reaches_every_surface(cards, tmp_path):
+def test_timestep_spacing_reaches_every_surface(cards, tmp_path, monkeypatch):
     """``timestep_spacing`` is a declared input (a data one: no new program), so the CLI flag, the
     server's field and its batch key come from the declaration; a value the sampler ignores, an
     unknown value and a family that has no such schedule are one line each."""
@@ -294,6 +295,7 @@ def test_timestep_spacing_reaches_every_surface(cards, tmp_path):
     assert typed_flags(specs, pipe.family.name, {"--timesteps": ["999,499"]}) == {"timesteps": (999, 499)}
 
     images = tmp_path / "images"
+    cli_on(monkeypatch, entry["folder"], pipe)  # the module's pipeline: its programs, not a second compile
     result = CliRunner().invoke(main, ["sample", str(entry["folder"]), "--prompt", "a red fox", "--steps", "2",
                                        "--sampler", "euler", "--timestep-spacing", "trailing", "--guidance", "0",
                                        "--cache", "off", "--out", str(tmp_path / "fox.png"), "--save-images",
