@@ -14,10 +14,9 @@ one's to compare. The numbers behind docs/benchmarks.md, "Scaled fp8: the scale 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
-import statistics
-import time
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -27,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from preheat.bench.common import round_robin_ms  # noqa: E402
 from preheat.cache import targets  # noqa: E402
 from preheat.cache.compile import on_device  # noqa: E402
 from preheat.compile_target import compiling_for  # noqa: E402
@@ -80,15 +80,7 @@ def cpu_times(tokens: int, rounds: int, dtype: Any) -> dict[str, float]:
         return nnx.merge(graphdef, params)(x)
 
     calls = {"scale on the product": jax.jit(product), "scale on the weight": jax.jit(on_weight)}
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for fn in calls.values():
-        jax.block_until_ready(fn(state, x))
-    for _ in range(rounds):
-        for name, fn in calls.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(state, x))
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return round_robin_ms({name: functools.partial(fn, state, x) for name, fn in calls.items()}, rounds)
 
 
 def main() -> None:

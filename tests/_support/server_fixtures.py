@@ -261,3 +261,20 @@ def cli_on(monkeypatch: pytest.MonkeyPatch, folder: Path, pipe: Any) -> None:
         return pipe
 
     monkeypatch.setattr(preheat, "load", load)
+
+
+def cli_family(monkeypatch: pytest.MonkeyPatch, tmp_dir: Path, folder: Path, pipe: Any, *size: str) -> str:
+    """`preheat sample FOLDER --prompt ... --report R` on ``pipe`` (:func:`cli_on`): the family its
+    report names (``size``: ``--width``/``--height`` flags, where the default size is not served)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from preheat.cli import main
+
+    cli_on(monkeypatch, folder, pipe)
+    out, report = tmp_dir / "a.png", tmp_dir / "r.json"
+    result = CliRunner().invoke(main, ["sample", str(folder), "--prompt", "a red fox", "--steps", "2", "--n", "1",
+                                       *size, "--cache", "off", "--out", str(out), "--report", str(report)])
+    assert result.exit_code == 0, result.output
+    return json.loads(report.read_text())["family"]

@@ -10,19 +10,14 @@ import pytest
 import preheat
 from preheat.server.core import Core, CoreConfig
 from preheat.server.images import decode_data_url
-from tests._support.server_fixtures import cli_on, openai_image, runpod_jobs, serving
+from tests._support.server_fixtures import cli_family, openai_image, runpod_jobs, serving
 
 
 @pytest.mark.parametrize("kind", ["flux-schnell", "flux-dev", "sd3"])
 def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_factory, monkeypatch):
     """FLUX.1 (schnell: no guidance; dev: the scale is data, one branch) and SD3 (CFG, negative
     prompts) through every surface, each image equal to the engine's."""
-    import json
-
     import httpx
-    from click.testing import CliRunner
-
-    from preheat.cli import main
     from tests._support.flow_fixtures import save_tiny_flow_model
 
     folder = save_tiny_flow_model(tmp_path_factory.mktemp(f"serve-{kind}") / kind, kind)
@@ -75,10 +70,4 @@ def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_f
     finally:
         core.close()
 
-    cli_on(monkeypatch, folder, pipe)
-    out, report = tmp_path_factory.mktemp(f"cli-{kind}") / "a.png", tmp_path_factory.mktemp(f"rep-{kind}") / "r.json"
-    result = CliRunner().invoke(main, ["sample", str(folder), "--prompt", "a red fox", "--steps", "2", "--n", "1",
-                                       "--width", "32", "--height", "32", "--cache", "off", "--out", str(out),
-                                       "--report", str(report)])
-    assert result.exit_code == 0, result.output
-    assert json.loads(report.read_text())["family"] == ("stable-diffusion-3" if kind == "sd3" else "flux")
+    assert cli_family(monkeypatch, tmp_path_factory.mktemp(f"cli-{kind}"), folder, pipe, "--width", "32", "--height", "32") == ("stable-diffusion-3" if kind == "sd3" else "flux")

@@ -12,7 +12,7 @@ import preheat
 from preheat.server.core import Core, CoreConfig
 from preheat.server.images import decode_data_url
 from tests._support.sd_fixtures import save_tiny_sd
-from tests._support.server_fixtures import cli_on, metric, openai_image, runpod_jobs, serving, wait_status
+from tests._support.server_fixtures import cli_family, metric, openai_image, runpod_jobs, serving, wait_status
 
 SIZES = ((32, 32), (48, 32))
 
@@ -83,12 +83,7 @@ def test_every_text_family_serves_from_cog_openai_runpod_and_the_cli(kind, tmp_p
     """SDXL (a family of its own: two encoders, size ids, zeros for an absent negative prompt)
     through every surface, each image equal to the engine's. SD 2.x shares SD 1.x's family and
     code path (served above); its CLI run is in tests/families."""
-    import json
-
     import httpx
-    from click.testing import CliRunner
-
-    from preheat.cli import main
 
     folder = save_tiny_sd(tmp_path_factory.mktemp(f"serve-{kind}") / kind, kind=kind)
     pipe = preheat.load(folder, cache="off")
@@ -137,9 +132,4 @@ def test_every_text_family_serves_from_cog_openai_runpod_and_the_cli(kind, tmp_p
     finally:
         core.close()
 
-    cli_on(monkeypatch, folder, pipe)
-    out, report = tmp_path_factory.mktemp(f"cli-{kind}") / "a.png", tmp_path_factory.mktemp(f"rep-{kind}") / "r.json"
-    result = CliRunner().invoke(main, ["sample", str(folder), "--prompt", "a red fox", "--steps", "2", "--n", "1",
-                                       "--cache", "off", "--out", str(out), "--report", str(report)])
-    assert result.exit_code == 0, result.output
-    assert json.loads(report.read_text())["family"] == ("stable-diffusion-xl" if kind == "sdxl" else "stable-diffusion")
+    assert cli_family(monkeypatch, tmp_path_factory.mktemp(f"cli-{kind}"), folder, pipe) == ("stable-diffusion-xl" if kind == "sdxl" else "stable-diffusion")

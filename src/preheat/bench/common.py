@@ -9,9 +9,9 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-__all__ = ["timed", "summary", "machine_line", "ARCHITECTURES", "write_pixel_architecture", "fmt_summary", "write_json"]
+__all__ = ["timed", "round_robin_ms", "summary", "machine_line", "ARCHITECTURES", "write_pixel_architecture", "fmt_summary", "write_json"]
 
 # Published architectures, for random-weight benchmark models (config.json of the checkpoint).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -56,6 +56,24 @@ def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
         fn()
         out.append(time.perf_counter() - start)
     return out
+
+
+def round_robin_ms(calls: Mapping[str, Callable[[], Any]], rounds: int, per_call: int = 1) -> dict[str, float]:
+    """Median milliseconds of each of ``calls`` (each returns JAX arrays, waited for), over
+    ``rounds`` rounds that time every call once, in turn: drifting load on a shared machine then
+    moves all of them alike, so their ratios hold. A first call of each, untimed, pays its
+    first-execution work. ``per_call``: a call runs that many layers, and the times are per layer."""
+    import jax
+
+    for fn in calls.values():
+        jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append((time.perf_counter() - start) * 1e3 / per_call)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def summary(values: list[float]) -> dict[str, float]:

@@ -19,10 +19,12 @@ bf16 activations, and the convert becomes a kernel of its own that writes a bf16
 
 from __future__ import annotations
 
+import functools
 import re
-import statistics
 import time
 from typing import Any, NamedTuple
+
+from preheat.bench.common import round_robin_ms
 
 __all__ = ["Kernel", "kernels", "one_gemm_on_fp8", "measure"]
 
@@ -146,16 +148,10 @@ def measure(n: int = 3072, tokens: int = 4096, calls: int = 20, rounds: int = 20
     reference = np.asarray(out["bf16"].pop("result"), np.float32)
     got = np.asarray(out["fp8"].pop("result"), np.float32)
     out["mean_abs_delta"] = float(np.mean(np.abs(got - reference)) / max(np.mean(np.abs(reference)), 1e-30))
-    times: dict[str, list[float]] = {name: [] for name in programs}
-    for compiled, params in programs.values():
-        jax.block_until_ready(compiled(params, x))  # first-call work, untimed
-    for _ in range(rounds):
-        for name, (compiled, params) in programs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(compiled(params, x))
-            times[name].append((time.perf_counter() - t0) * 1e3 / calls)
+    medians = round_robin_ms({name: functools.partial(compiled, params, x) for name, (compiled, params) in programs.items()},
+                             rounds, per_call=calls)
     for name in programs:
-        out[name]["ms_per_call"] = statistics.median(times[name])
+        out[name]["ms_per_call"] = medians[name]
     out["fp8_over_bf16"] = out["fp8"]["ms_per_call"] / out["bf16"]["ms_per_call"]
     flop = 2 * tokens * n * n
     out["bf16_tflops"] = flop / (out["bf16"]["ms_per_call"] * 1e-3) / 1e12
