@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import re
 
-# XLA:CPU's backend optimisation level 1, not 3: the tiny models tests build spend most of their
-# first call compiling, and level 1 cuts a tiny SD's compile by about a sixth at the same run speed
-# (level 0 cuts more but runs 2x slower). It changes speed, never results (no fast-math either
-# way); benchmarks, not tests, measure speed. Child processes inherit it.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=1")
+# XLA:CPU's backend optimisation level 0, not 3: the tiny models tests build spend most of their
+# first call compiling. Level 1 cut a tiny SD's compile by about a sixth; level 0 runs the programs
+# slower, but the whole of `make test` measured 10% less CPU time than at level 1 (2026-12-03: 41.0
+# against 45.5 CPU-minutes, docs/development.md). It changes speed, never results (no fast-math at
+# any level); benchmarks, not tests, measure speed. Child processes inherit it.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # preheat.load's default is every device; the suite tests the single-device program, and the
 # multi-device tests (tests/test_devices.py) choose their devices explicitly.
