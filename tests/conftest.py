@@ -64,45 +64,35 @@ def _private_cache_root(tmp_path_factory, monkeypatch):
 # tier: `make test-slow` timing a file's slow tests must not set its place in `make test`), else HEAVY_FILES (one measured run,
 # for a fresh clone); a file known to neither keeps pytest-randomly's place after the known ones'
 # head start, and the tests inside every file keep randomly's order. Only the schedule changes.
-# Seconds per file (>= 10 s) of `make test` (not slow, not ray), 2 workers, from the 2026-12-02
-# evening run (3956 tests, 1360 s; pytest's cache), relative cost only. Files with slow or ray tests
-# hold their non-slow part: tests/cache/test_targets.py, test_remote.py, test_unet2d_condition.py and
-# test_torch_compile_cache.py from a loaded partial run (2026-12-03, seconds / 4.3, the loaded-to-quiet
-# ratio of test_stable_diffusion.py in the same runs), the rest the earlier estimate (an overestimate
-# only starts a file early). Replace with a quiet run's seconds (`pytest ... --junitxml`). The files
-# cut on 2026-12-03 (testtime2: test_text_to_image split into it and test_flow_serving,
-# test_flow_families, test_few_step, test_unet2d) hold those seconds less what each cut saved in a
-# quiet before/after pair (docs/development.md), the split file's in the halves' measured ratio.
+# Seconds per file (>= 10 s) of `make test` (not slow, not ray), 2 workers, from the merged tree's
+# run of 2026-12-03 (4031 tests, 1356 s, XLA level 0, nothing else running; pytest's cache), relative
+# cost only. Replace with a later quiet run's seconds (.pytest_cache/v/preheat/file_seconds_<tier>).
 HEAVY_FILES: dict[str, float] = {
-    "tests/families/test_stable_diffusion.py": 121, "tests/server/test_text_to_image.py": 115,
-    "tests/families/test_family_contract.py": 109, "tests/families/test_image.py": 107,
-    "tests/families/test_few_step.py": 101, "tests/families/test_lora.py": 96,
-    "tests/server/test_lora_server.py": 87, "tests/models/test_unet2d.py": 86,
-    "tests/families/test_flow_families.py": 66, "tests/test_devices.py": 64,
-    "tests/server/test_flow_serving.py": 34,
-    "tests/cache/test_compile_cache.py": 59, "tests/samplers/test_sampler_parity.py": 59,
-    "tests/test_docs.py": 59, "tests/test_gpu_check_dry.py": 59, "tests/test_builtin_model.py": 52,
-    "tests/test_cli.py": 51, "tests/models/test_unet2d_condition.py": 45,
-    "tests/server/test_image_sd_server.py": 44, "tests/test_engine.py": 43,
-    "tests/families/test_text_inputs.py": 39, "tests/models/test_single_file.py": 35,
-    "tests/server/test_server.py": 35, "tests/integrations/test_runpod.py": 34,
-    "tests/cache/test_targets.py": 33, "tests/test_progress.py": 33, "tests/server/test_fuzz.py": 32,
-    "tests/server/test_hardening.py": 31, "tests/doctor/test_doctor_gpu.py": 30, "tests/models/test_vae.py": 30,
-    "tests/server/test_bench.py": 30, "tests/families/test_flow_img2img.py": 29,
-    "tests/families/test_flow_inpaint.py": 29, "tests/models/test_flux.py": 29,
-    "tests/backends/test_bench_compare.py": 25, "tests/models/test_scaled_fp8.py": 25,
-    "tests/models/test_storage.py": 25, "tests/cache/test_warm.py": 24, "tests/models/test_t5.py": 24,
-    "tests/backends/test_torch_backend.py": 22, "tests/families/test_kontext.py": 22,
-    "tests/backends/test_torch_image.py": 21, "tests/cache/test_remote_store.py": 21,
-    "tests/test_cli_newcomer.py": 21, "tests/test_terminal.py": 21,
-    "tests/backends/test_torch_lora_hotswap.py": 19, "tests/cache/test_early.py": 19,
-    "tests/models/test_conv_impl.py": 19, "tests/doctor/test_doctor_env.py": 18,
-    "tests/server/test_probe.py": 17, "tests/cache/test_remote.py": 16,
-    "tests/models/test_published_fetch.py": 16, "tests/models/test_clip.py": 15,
-    "tests/test_random_models.py": 15, "tests/families/test_fill.py": 13,
-    "tests/backends/test_torch_compile_cache.py": 12, "tests/doctor/test_doctor_robustness.py": 12,
-    "tests/samplers/test_sampler_runtime.py": 12, "tests/test_wheel.py": 12, "tests/server/test_sigterm.py": 11,
-    "tests/cache/test_startup_overlap.py": 10, "tests/train/test_text_digits.py": 10,
+    "tests/families/test_family_contract.py": 151, "tests/families/test_few_step.py": 132,
+    "tests/families/test_image.py": 101, "tests/families/test_stable_diffusion.py": 101,
+    "tests/cache/test_targets.py": 93, "tests/server/test_lora_server.py": 86,
+    "tests/server/test_text_to_image.py": 84, "tests/families/test_lora.py": 82,
+    "tests/train/test_text_digits.py": 69, "tests/models/test_scaled_fp8.py": 68,
+    "tests/cache/test_compile_cache.py": 65, "tests/models/test_unet2d.py": 63,
+    "tests/samplers/test_sampler_parity.py": 61, "tests/cache/test_remote.py": 59, "tests/test_docs.py": 59,
+    "tests/families/test_flow_families.py": 54, "tests/families/test_text_inputs.py": 52,
+    "tests/models/test_single_file.py": 49, "tests/backends/test_torch_compile_cache.py": 49,
+    "tests/models/test_unet2d_condition.py": 47, "tests/test_devices.py": 47, "tests/test_cli.py": 43,
+    "tests/server/test_fuzz.py": 43, "tests/server/test_image_sd_server.py": 40, "tests/test_engine.py": 39,
+    "tests/integrations/test_runpod.py": 38, "tests/test_progress.py": 35, "tests/test_builtin_model.py": 32,
+    "tests/server/test_bench.py": 32, "tests/families/test_flow_img2img.py": 29, "tests/server/test_sigterm.py": 28,
+    "tests/models/test_published_fetch.py": 26, "tests/doctor/test_doctor_gpu.py": 25,
+    "tests/families/test_flow_inpaint.py": 24, "tests/server/test_hardening.py": 24,
+    "tests/models/test_storage.py": 24, "tests/server/test_server.py": 21, "tests/models/test_flux.py": 21,
+    "tests/server/test_flow_serving.py": 20, "tests/test_terminal.py": 20, "tests/cache/test_warm.py": 19,
+    "tests/models/test_vae.py": 18, "tests/cache/test_remote_store.py": 18, "tests/doctor/test_doctor_env.py": 18,
+    "tests/families/test_kontext.py": 18, "tests/test_cli_newcomer.py": 18, "tests/models/test_t5.py": 18,
+    "tests/server/test_idle_retune.py": 18, "tests/backends/test_torch_image.py": 17,
+    "tests/server/test_probe.py": 17, "tests/backends/test_torch_backend.py": 16, "tests/cache/test_early.py": 14,
+    "tests/models/test_clip.py": 14, "tests/server/test_common_inputs.py": 12, "tests/models/test_conv_impl.py": 12,
+    "tests/models/test_weights_streaming.py": 12, "tests/models/test_sd3.py": 12,
+    "tests/samplers/test_sampler_runtime.py": 11, "tests/families/test_fill.py": 11,
+    "tests/doctor/test_doctor_robustness.py": 11, "tests/test_random_models.py": 11, "tests/test_wheel.py": 10,
 }
 _file_seconds: dict[str, float] = {}
 
