@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import re
 
-# XLA:CPU's backend optimisation level 0, not 3: the tiny models tests build spend most of their
-# first call compiling. Level 1 cut a tiny SD's compile by about a sixth; level 0 runs the programs
-# slower, but the whole of `make test` measured 10% less CPU time than at level 1 (2026-12-03: 41.0
-# against 45.5 CPU-minutes, docs/development.md). It changes speed, never results (no fast-math at
-# any level); benchmarks, not tests, measure speed. Child processes inherit it.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
+# XLA:CPU's backend optimisation level 1, not 3: the tiny models tests build spend most of their
+# first call compiling, and level 1 cuts a tiny SD's compile by about a sixth at the same run speed
+# (level 0 cuts more but runs 2x slower). It changes speed, never results (no fast-math either
+# way); benchmarks, not tests, measure speed. Child processes inherit it.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # preheat.load's default is every device; the suite tests the single-device program, and the
 # multi-device tests (tests/test_devices.py) choose their devices explicitly.
@@ -65,7 +64,7 @@ def _private_cache_root(tmp_path_factory, monkeypatch):
 # for a fresh clone); a file known to neither keeps pytest-randomly's place after the known ones'
 # head start, and the tests inside every file keep randomly's order. Only the schedule changes.
 # Seconds per file (>= 10 s) of `make test` (not slow, not ray), 2 workers, from the merged tree's
-# run of 2026-12-03 (4031 tests, 1356 s, XLA level 0, nothing else running; pytest's cache), relative
+# run of 2026-12-03 (4031 tests, 1356 s, XLA level 0 in that run, nothing else running; pytest's cache), relative
 # cost only. Replace with a later quiet run's seconds (.pytest_cache/v/preheat/file_seconds_<tier>).
 HEAVY_FILES: dict[str, float] = {
     "tests/families/test_family_contract.py": 151, "tests/families/test_few_step.py": 132,
