@@ -610,16 +610,21 @@ class Core:
                     self.metrics.running.set(0)
                     self._cond.notify_all()
 
+    def _retune_may_run(self) -> bool:
+        """With the lock held: an idle retune exists and nothing holds the worker (no prediction
+        waiting, no drain, no pause)."""
+        return self.retuner is not None and not (self._pending or self._draining or self._paused)
+
     def _idle_task(self) -> Optional[Callable[[], None]]:
         """With the lock held: the retune's next job when no prediction waits and the core is not
         paused (None: nothing to do)."""
-        if self.retuner is None or self._pending or self._draining or self._paused:
+        if not self._retune_may_run():
             return None
         return self.retuner.next_task(time.monotonic() - self._idle_since)
 
     def _idle_wait(self) -> Optional[float]:
         """How long the worker may sleep before the retune's idle time is up (None: until notified)."""
-        if self.retuner is None or self._pending or self._draining or self._paused:
+        if not self._retune_may_run():
             return None  # resume, a request or a drain notifies
         return self.retuner.wait_s(time.monotonic() - self._idle_since)
 
