@@ -20,10 +20,10 @@ that declare a set (``preheat warm``, ``preheat serve``); ``preheat.cache`` only
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
-__all__ = ["WarmSet", "WarmSignature", "buckets_for", "resolve", "signatures", "run_signature", "status", "programs",
-           "prefetch_calls", "warm"]
+__all__ = ["WarmSet", "WarmSignature", "buckets_for", "bucket_for", "served_call", "ServedCall", "resolve",
+           "signatures", "run_signature", "status", "programs", "prefetch_calls", "warm"]
 
 GUIDANCE_MODES = ("off", "on")
 
@@ -40,6 +40,41 @@ def buckets_for(max_batch_size: int, devices: int = 1) -> tuple[int, ...]:
         b *= 2
     out.append(-(-max_batch_size // devices) * devices)
     return tuple(out)
+
+
+def bucket_for(buckets: tuple[int, ...], n: int) -> int:
+    """The compiled batch a server pads ``n`` images to: the smallest bucket that holds them."""
+    from preheat.errors import InvalidArgumentError
+
+    for b in buckets:
+        if b >= n:
+            return b
+    raise InvalidArgumentError(f"{n} images exceed the largest batch bucket {buckets[-1]} (max_batch_size): a server "
+                               "never runs them as one batch", argument="n")
+
+
+class ServedCall(NamedTuple):
+    """How a server (or ``preheat warm``) built from one ``WarmSet`` runs ``n`` images: what
+    ``cache explain --as-server`` keys, so that a served entry is a hit, not the "nearest"."""
+    bucket: int  # the batch the call is padded to (``bucket_for``)
+    inputs: dict[str, Any]  # ``generate``/``prepare`` keywords beyond the request's own (the step reports)
+
+
+def served_call(pipe: Any, warm_set: "WarmSet", n: int) -> ServedCall:
+    """The server's call for ``n`` images of ``pipe``: padded to its bucket, with the step reports
+    its programs carry when ``warm_set.progress`` (a static switch: another program without them)."""
+    return ServedCall(bucket_for(buckets_for(warm_set.max_batch_size, pipe.device_count), n),
+                      progress_inputs(pipe, warm_set.progress))
+
+
+def progress_inputs(pipe: Any, progress: bool) -> dict[str, Any]:
+    """The keyword that selects the program reporting each step, as a server streams them
+    (``Core._run_batch``); none where the switch is off or the pipeline cannot report."""
+    if not (progress and pipe.reports_progress):
+        return {}
+    from preheat.progress import ignore
+
+    return {"progress": ignore}
 
 
 @dataclass(frozen=True)
@@ -213,10 +248,7 @@ def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
                               **given_inputs(pipe, sig.given, sig.size, n)}
     if sig.size is not None:
         inputs.update(width=sig.size[0], height=sig.size[1])
-    if sig.progress and pipe.reports_progress:  # a server streams every step
-        from preheat.progress import ignore
-
-        inputs["progress"] = ignore
+    inputs.update(progress_inputs(pipe, sig.progress))  # a server streams every step
     if sig.lora:  # per image, as a server's batches give it (the same slot count); one zeros LoRA per rank
         inputs["lora"] = [[(pipe.lora_runtime.warm_zeros(sig.lora), 1.0)]] * n
     return inputs

@@ -324,3 +324,32 @@ def test_shutting_down_cancels_a_pending_retune_and_writes_nothing(serve) -> Non
     assert {p.name: p.read_bytes() for p in entry.iterdir()} == files  # ... and is thrown away
     assert [p.name for p in entry.parent.iterdir()] == [entry.name]
     assert s.timer.batches_seen == []
+
+
+def test_cache_explain_as_server_reports_the_served_entry_as_a_hit(warm_root: Path, model_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server's call differs from `preheat sample`'s (its batch bucket, its step reports): `cache
+    explain` calls the entry a server's warm-up wrote the nearest, `cache explain --as-server` with
+    the server's declaration calls it a hit, and a call the server would make another way is a miss
+    naming what differs."""
+    monkeypatch.setenv("PREHEAT_HOME", str(warm_root))
+    (entry,) = _entries(warm_root)
+
+    def explain(*args: str) -> str:
+        result = CliRunner().invoke(main, ["cache", "explain", str(model_dir), "--class", "3", *args])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    as_sample = explain("--n", "1")
+    assert "miss: key" in as_sample and f"nearest entry {entry.name[:12]}" in as_sample, as_sample
+    served = explain("--n", "1", "--as-server", "--max-batch-size", "1")
+    assert "1 image(s) as batch 1, step reports on" in served and f"hit: entry {entry.name[:12]}" in served, served
+    quiet = explain("--n", "1", "--as-server", "--max-batch-size", "1", "--no-progress")  # `serve --no-progress`
+    assert "step reports off" in quiet and f"nearest entry {entry.name[:12]}" in quiet, quiet
+    padded = explain("--n", "3", "--as-server", "--max-batch-size", "4")  # buckets 1, 2, 4: three images run as 4
+    assert "3 image(s) as batch 4" in padded and "signature.batch" in padded, padded
+    assert f"hit: entry {entry.name[:12]}" in explain("--n", "1", "--as-server")  # serve's 8: batch 1 is one of its buckets
+    for args, needle in ((["--n", "2", "--as-server", "--max-batch-size", "1"], "exceed the largest batch bucket 1"),
+                         (["--n", "1", "--max-batch-size", "1"], "pass --as-server")):
+        bad = CliRunner().invoke(main, ["cache", "explain", str(model_dir), *args])
+        assert bad.exit_code == 2 and needle in bad.output and len(bad.output.strip().splitlines()) == 1, bad.output

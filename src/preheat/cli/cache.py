@@ -152,12 +152,22 @@ def verify_command(quarantine_bad: bool) -> None:
               help="The devices each weight is split over.")
 @click.option("--target", "target_spec", metavar="NAME|FILE",
               help="JAX: explain the key of this GPU's program (`preheat warm --target`), not this machine's.")
+@click.option("--as-server", is_flag=True,
+              help="JAX: the call as `preheat serve` (and `preheat warm`) with --max-batch-size and --progress makes "
+                   "it: --n images padded to the server's batch bucket, with its step reports. Without it: as "
+                   "`preheat sample` calls.")
+@click.option("--max-batch-size", type=POSITIVE, metavar="B",
+              help="--as-server: the server's --max-batch-size (default 8, as serve's), which sets its buckets.")
+@click.option("--progress/--no-progress", "progress", default=None,
+              help="--as-server: the server's --progress (default on, as serve's).")
 @one_line_errors
-def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, target_spec: str | None) -> None:
+def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, target_spec: str | None,
+                    as_server: bool, max_batch_size: int | None, progress: bool | None) -> None:
     """Would `preheat sample` with these options hit the cache? If not, which key fields differ from
-    the nearest entry. Takes exactly sample's options, with its defaults; --backend torch (with
-    --compile regional, inductor or aot) runs the call once eagerly, one step, and says for every
-    compiled piece whether an entry would serve it."""
+    the nearest entry. Takes exactly sample's options, with its defaults; with --as-server, the same
+    request as a server (or warm job) declared by --max-batch-size and --progress runs it. --backend
+    torch (with --compile regional, inductor or aot) runs the call once eagerly, one step, and says
+    for every compiled piece whether an entry would serve it."""
     import preheat
     from preheat.cache.compile import key_fields, key_of, nearest_entry
     from preheat.cache.manage import target_label
@@ -165,14 +175,18 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
     from preheat.errors import InvalidArgumentError
     from preheat.sharding import parse_devices
 
+    if not as_server and (max_batch_size is not None or progress is not None):
+        raise InvalidArgumentError("--max-batch-size and --progress describe a server's call: pass --as-server",
+                                   argument="--as-server")
     resolved = resolve_model(opts.model, log=lambda line: click.echo(line, err=True))
     model, opts = resolved.model, opts.sized(resolved.size, resolved.inputs)  # as sample: a tiny random model's tiny size
     if opts.backend == "torch":
         if opts.compile_mode == "none":
             raise InvalidArgumentError("--backend torch --compile none compiles nothing to explain; pass --compile "
                                        "regional, inductor or aot", argument="--compile")
-        if devices_text is not None or fsdp != 1 or target_spec is not None:
-            raise InvalidArgumentError("--devices, --fsdp and --target apply to --backend jax", argument="--devices")
+        if devices_text is not None or fsdp != 1 or target_spec is not None or as_server:
+            raise InvalidArgumentError("--devices, --fsdp, --target and --as-server apply to --backend jax",
+                                       argument="--devices")
         _explain_torch(model, opts)
         return
     if opts.compile_mode != "none":
@@ -184,8 +198,18 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
         target = resolve_target(target_spec)
     load = {k: v for k, v in opts.load_options().items() if k not in ("backend", "compile")}
     pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"), fsdp=fsdp, **load)
+    n, served = opts.batch(pipe), {}
+    if as_server:  # the server's declaration (serve's defaults where not given): its bucket and step reports
+        from preheat.warm import WarmSet, served_call
+
+        server = WarmSet(model=model, dtype=opts.dtype, max_batch_size=max_batch_size or WarmSet.max_batch_size,
+                         progress=WarmSet.progress if progress is None else progress)
+        call = served_call(pipe, server, n)
+        click.echo(f"as a server with --max-batch-size {server.max_batch_size} calls it: {n} image(s) as batch "
+                   f"{call.bucket}, step reports {'on' if call.inputs else 'off'}")
+        n, served = call
     with flag_errors(pipe):
-        sig, args = pipe.prepare(opts.batch(pipe), **opts.call_inputs(pipe))
+        sig, args = pipe.prepare(n, **opts.call_inputs(pipe), **served)
     fields = key_fields(pipe.fingerprint, sig, args, target=target)
     key = key_of(fields)
     kind_dir = pipe.compiler.root / "compile" / "jax" if pipe.compiler else None

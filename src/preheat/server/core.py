@@ -47,7 +47,7 @@ from preheat.errors import InputError, NotAccepting, PreheatError, QueueFull, Sa
 from preheat.progress import Stop
 from preheat.families import request as request_of
 from preheat.server.fetch import FetchConfig, Fetcher
-from preheat.warm import WarmSignature, buckets_for, resolve, run_signature, signatures
+from preheat.warm import WarmSignature, bucket_for, buckets_for, resolve, run_signature, signatures
 from preheat.server.inputs import Job, Limits, image_urls, input_model, parse_input
 from preheat.server.config import CoreConfig, load_pipeline
 from preheat.server.metrics import CoreMetrics, FetchMetrics
@@ -645,7 +645,7 @@ class Core:
     def _run_batch(self, batch: list[Prediction]) -> None:
         job0 = batch[0].job
         images = sum(p.job.n for p in batch)
-        bucket = next(b for b in self.buckets if b >= images)
+        bucket = bucket_for(self.buckets, images)
         pad = bucket - images
         batch_id = next(self._batch_ids)
         t0 = time.perf_counter()
