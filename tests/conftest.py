@@ -110,6 +110,20 @@ def pytest_configure(config: pytest.Config) -> None:
                                 "rename or drop them")
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist present: keep the file order below
         config.option.loadscopereorder = False
+    absent = _absent_paths(config)
+    if absent:
+        raise pytest.UsageError(f"file or directory not found: {', '.join(absent)}")
+
+
+def _absent_paths(config: pytest.Config) -> list[str]:
+    """The command line's paths (node ids less their ``::...``) that do not exist. Pytest says so
+    itself when it collects, but under xdist (``-n 2``) the controller collects nothing and the
+    workers' "not found" is lost: the run said "no tests ran" (exit 5) for every file it was given,
+    a mistyped one among them (tests/test_image.py: it is tests/families/test_image.py), and no error."""
+    if getattr(config.option, "pyargs", False) or hasattr(config, "workerinput"):
+        return []  # module names, not paths; a worker's own collection reports its paths
+    here = config.invocation_params.dir
+    return [arg for arg in config.args if not (here / arg.split("::", 1)[0]).exists()]
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle

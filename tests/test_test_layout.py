@@ -75,3 +75,25 @@ def test_helpers_are_not_test_modules():
     """The support package holds no tests (pytest would collect them under a helper's name)."""
     named = sorted(p.name for p in (TESTS / "_support").glob("test_*.py"))
     assert not named, f"tests/_support holds test files: {named}"
+
+
+def test_files_given_together_are_all_collected_and_a_missing_one_is_an_error():
+    """Every file on the command line is collected, and a path that does not exist is an error
+    naming it with xdist too (``-n 2``, as ``make test`` runs): there, the controller collects
+    nothing and the workers' "not found" was lost -- "no tests ran", exit 5, for all the files
+    given (tests/conftest.py's ``_absent_paths``)."""
+    import subprocess
+    import sys
+
+    def pytest(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", *args],
+                              cwd=TESTS.parent, capture_output=True, text=True, timeout=300)
+
+    both = pytest("--collect-only", "-q", "tests/test_image_input.py", "tests/test_test_layout.py")
+    assert both.returncode == 0, both.stdout + both.stderr
+    assert {line.split("::")[0] for line in both.stdout.splitlines() if "::" in line} == {
+        "tests/test_image_input.py", "tests/test_test_layout.py"}, both.stdout
+    # pytest alone says so itself; under xdist, only the conftest's check does
+    missing = pytest("-n", "2", "--dist", "loadfile", "tests/test_image_input.py", "tests/test_image.py")
+    said = missing.stdout + missing.stderr  # tests/test_image.py: it is tests/families/test_image.py
+    assert missing.returncode == 4 and "file or directory not found: tests/test_image.py" in said, said
