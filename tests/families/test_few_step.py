@@ -342,21 +342,32 @@ def test_timestep_spacing_reaches_every_surface(cards, tmp_path, monkeypatch):
 
 def test_torch_backend_takes_the_same_spacing(cards, record_property):
     """``backend="torch"`` builds its diffusers scheduler from the folder's config with the call's
-    overrides and passes the call's timesteps on: the same images as the JAX engine's (within a
-    level), not the folder's spacing or TCD's own 1-step schedule."""
-    entry = cards["sdxl"]
+    overrides and passes the call's timesteps on: the images of diffusers' pipeline set up as the
+    cards say (``EulerDiscreteScheduler.from_config(config, timestep_spacing="trailing")``;
+    ``TCDScheduler.from_config(config)`` called with ``timesteps=[800]``), within a level, not the
+    folder's spacing or TCD's own 1-step schedule. The JAX engine's images for the same lines are
+    checked against the same diffusers set-up above (the Lightning and TCD cards), so this needs
+    no SDXL program of its own (it compiled two, without a LoRA, for this check alone)."""
+    from diffusers import EulerDiscreteScheduler, TCDScheduler
+
+    entry, prompt = cards["sdxl"], "a red fox"
     torch_pipe = preheat.load(entry["folder"], backend="torch", cache="off")
+    ref = sd_fixtures.reference_pipeline(entry["folder"], "euler")
+    size = dict(height=32, width=32, guidance_scale=0.0)
     call = dict(noise=_noise(6), steps=2, sampler="euler", guidance=0.0)
-    theirs = torch_pipe.generate("a red fox", timestep_spacing="trailing", **call)
-    ours = entry["pipe"].generate("a red fox", timestep_spacing="trailing", **call)
-    record_property("mean_abs_px", _diff(ours, theirs))
-    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
-    assert _diff(theirs, torch_pipe.generate("a red fox", **call)) > 5
-    card = dict(noise=_noise(6), steps=1, sampler="tcd", guidance=0.0, eta=1.0)  # diffusers' pipeline takes the list
-    theirs = torch_pipe.generate("a red fox", timesteps=[800], **card)
-    assert _diff(entry["pipe"].generate("a red fox", timesteps=[800], **card), theirs) <= MEAN_TOL
-    assert _diff(theirs, torch_pipe.generate("a red fox", **card)) > 2
+    theirs = torch_pipe.generate(prompt, timestep_spacing="trailing", **call)
+    ref.scheduler = EulerDiscreteScheduler.from_config(ref.scheduler.config, timestep_spacing="trailing")
+    card = sd_fixtures.reference_pixels(ref, prompt, _noise(6), num_inference_steps=2, **size)
+    record_property("mean_abs_px", _diff(card, theirs))
+    assert _diff(card, theirs) <= MEAN_TOL, _diff(card, theirs)
+    assert _diff(theirs, torch_pipe.generate(prompt, **call)) > 5
+    one = dict(noise=_noise(6), steps=1, sampler="tcd", guidance=0.0, eta=1.0)  # diffusers' pipeline takes the list
+    theirs = torch_pipe.generate(prompt, timesteps=[800], **one)
+    ref.scheduler = TCDScheduler.from_config(ref.scheduler.config)
+    card = sd_fixtures.reference_pixels(ref, prompt, _noise(6), timesteps=[800], eta=1.0, **size)
+    assert _diff(card, theirs) <= MEAN_TOL, _diff(card, theirs)
+    assert _diff(theirs, torch_pipe.generate(prompt, **one)) > 2
     # eta reaches diffusers' pipeline: TCD's gamma 0.3 against 0 (diffusers draws its own per-step noise
-    # from the seeds' generators, so this is not compared with the engine's image)
+    # from the seeds' generators, so this is not compared with another pipeline's image)
     four = dict(noise=_noise(6), steps=4, sampler="tcd", guidance=0.0)
-    assert _diff(torch_pipe.generate("a red fox", eta=0.3, **four), torch_pipe.generate("a red fox", eta=0.0, **four)) > 2
+    assert _diff(torch_pipe.generate(prompt, eta=0.3, **four), torch_pipe.generate(prompt, eta=0.0, **four)) > 2
