@@ -92,10 +92,10 @@ def test_prompt_guidance_steps_seed_and_negatives_are_data(pipes):
 
 
 def test_sdxl_size_conditioning_is_data_and_changes_the_image(pipes):
-    pipe = pipes["sdxl"]
-    a = pipe.generate("a photo of a dog", steps=2, seed=3)
+    pipe = pipes["sdxl"]  # two images, seeded: the torch backend case's program (the module compiles it once)
+    a = pipe.generate("a photo of a dog", n=2, steps=2, seed=[3, 4])
     count = len(pipe._executables)
-    b = pipe.generate("a photo of a dog", steps=2, seed=3, original_size=(1024, 1024), target_size=(64, 64))
+    b = pipe.generate("a photo of a dog", n=2, steps=2, seed=[3, 4], original_size=(1024, 1024), target_size=(64, 64))
     assert len(pipe._executables) == count
     assert not np.array_equal(a, b)
 
@@ -106,8 +106,10 @@ def test_resolution_is_static_and_batches_are_per_image(pipes):
     assert wide.shape == (1, 32, 48, 3)
     odd = pipe.generate("a photo of a cat", width=34, height=32, steps=2, seed=1)  # a 17-wide latent
     assert odd.shape == (1, 32, 34, 3)
-    both = pipe.generate(["a photo of a cat", "a red fox"], width=48, height=32, steps=2, seed=[1, 2])
-    again = pipe.generate(["a photo of a cat", "a red fox"], width=48, height=32, steps=2, seed=[1, 2])
+    # two images at the native size, seeded: the program test_pil_images' and the torch case's calls run
+    both = pipe.generate(["a photo of a cat", "a red fox"], steps=2, seed=[1, 2])
+    again = pipe.generate(["a photo of a cat", "a red fox"], steps=2, seed=[1, 2])
+    assert both.shape == (2, 32, 32, 3)
     np.testing.assert_array_equal(both, again)  # same program, same inputs: bit-exact
 
 
@@ -165,10 +167,14 @@ def test_unknown_pipeline_class_is_named(folders, tmp_path):
         preheat.load(other, cache="off")
 
 
-@pytest.mark.parametrize("kind,sampler", [("sd1", "dpmpp_2m"), ("sdxl", "euler")])
+# each kind's default sampler, two seeded images at the native size: the JAX side runs the program
+# test_pil_images (sd1) and the size-conditioning test (sdxl) compile, not one of its own (the torch
+# backend's sampler mapping, dpmpp_2m's too, is one piece of code: tests/backends/test_torch_backend.py)
+@pytest.mark.parametrize("kind,sampler", [("sd1", "ddim"), ("sdxl", "euler")])
 def test_torch_backend_runs_the_same_folder_with_the_same_latents(folders, pipes, kind, sampler):
     from preheat.backends.torch import load_torch_pipeline as torch_load
 
+    assert pipes[kind].defaults["sampler"] == sampler
     torch_pipe = torch_load(folders[kind], cache="off")
     call = dict(steps=3, sampler=sampler, guidance=5.0, seed=[4, 5], negative_prompt="blurry")
     a = pipes[kind].generate(["a photo of a cat", "a red fox"], **call)
