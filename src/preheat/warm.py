@@ -125,7 +125,7 @@ def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
     placeholder = tuple(sorted(pipe.family.warm_inputs(pipe, guided=False)[0].items()))
     for size in sizes:  # a size the model cannot make fails here (a pixel model's too), never silently
         try:
-            pipe.check(1, width=size[0], height=size[1], steps=1, **given_inputs(pipe, placeholder, size))
+            pipe.check(1, **_size_inputs(size), steps=1, **given_inputs(pipe, placeholder, size))
         except InvalidArgumentError as err:
             raise InvalidArgumentError(f"--sizes {size[0]}x{size[1]}: {err}", argument="sizes") from None
     if warm_set.lora_ranks and pipe.lora_runtime is None:
@@ -173,12 +173,19 @@ def _served(pipe: Any, sampler: str, guidance: float, size: Optional[tuple[int, 
 
     if not any(name in _image_inputs(pipe) for name, _ in given):
         return True  # text-to-image variants: resolve() has checked them
-    sized = {} if size is None else {"width": size[0], "height": size[1]}
+    sized = {} if size is None else _size_inputs(size)
     try:
         pipe.check(1, sampler=sampler, guidance=guidance, steps=1, **sized, **given_inputs(pipe, given, size))
     except InvalidArgumentError:
         return False
     return True
+
+
+def _size_inputs(size: tuple[int, int]) -> dict[str, int]:
+    """A served (width, height) as ``generate`` keywords (``families.inputs.IMAGE_SIZE``)."""
+    from preheat.families.inputs import IMAGE_SIZE
+
+    return IMAGE_SIZE.inputs(size)
 
 
 def _image_inputs(pipe: Any) -> set[str]:
@@ -212,7 +219,7 @@ def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
     inputs: dict[str, Any] = {"steps": 1, "sampler": sig.sampler, "guidance": sig.guidance, "seed": list(range(n)),
                               **given_inputs(pipe, sig.given, sig.size, n)}
     if sig.size is not None:
-        inputs.update(width=sig.size[0], height=sig.size[1])
+        inputs.update(_size_inputs(sig.size))
     if sig.progress and pipe.reports_progress:  # a server streams every step
         from preheat.progress import ignore
 

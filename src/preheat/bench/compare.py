@@ -429,12 +429,14 @@ def _fmt(s: dict[str, float] | None, scale: float = 1.0, digits: int = 2) -> str
 
 
 def markdown(result: dict[str, Any]) -> str:
+    from preheat.families.inputs import IMAGE_SIZE
+
     st = result["settings"]
     sizes = [str(b) for b in st["batch_sizes"]]
     head = (f"**{st['model']}**: {st['sampler']}, {st['steps']} steps, guidance {st['guidance']}, seed {st['seed']}; "
             f"cold starts at batch {st['batch']}, {st['repeats']} fresh processes per cache state; "
             f"steady state {st['steady_repeats']} timed calls per batch. Values: median (min–max).")
-    given = {k: v for k, v in (st.get("inputs") or {}).items() if k not in ("width", "height")}
+    given = IMAGE_SIZE.without(st.get("inputs") or {})
     if given:  # what each call was given beyond the size (an image: its path), so a row says what it measured
         head += " Inputs: " + ", ".join(f"{k}={v}" for k, v in given.items()) + "."
     cols = ["path", "start → 1st image, empty cache s", "… warm cache s", "trace+compile empty s", "… warm s",

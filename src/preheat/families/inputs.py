@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from preheat.errors import InvalidArgumentError
 
 __all__ = ["InputSpec", "CliForm", "Text", "Int", "Float", "Choice", "Pair", "Ints", "Label", "Image", "COMMON_SPECS",
-           "common_spec",
+           "common_spec", "SizePair", "IMAGE_SIZE", "size_pair",
            "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "typed_flags", "field_of",
            "check_needs", "WARM_IMAGE", "SURFACES", "SEED_MAX"]
 
@@ -456,7 +456,41 @@ def common_spec(name: str) -> InputSpec:
     raise KeyError(name)
 
 
-def size_specs(width: int, height: int, multiple: int, high: int, *, fixed: bool = False) -> tuple[InputSpec, ...]:
+class SizePair(NamedTuple):
+    """The image size: two static inputs that act as one (width, height). It is declared once,
+    here (:data:`IMAGE_SIZE`, which :func:`size_specs` declares its two specs by), and a surface
+    asks for it -- :func:`size_pair` of its specs, or :data:`IMAGE_SIZE` where it holds no specs
+    (a bench's or warm-up's size) -- rather than naming its inputs: OpenAI's ``size="WxH"``, a
+    server's served-size enum, the playground's size <select>, a tiny random model's default size.
+    Its two keys are whatever the surface keys by (``generate`` keywords, which are also the server's
+    fields and diffusers' keywords; or the CLI's flags, ``cli.family_options.SIZE_FLAGS``)."""
+
+    width: str  # the key of the width in pixels
+    height: str  # the key of the height in pixels
+
+    def inputs(self, size: tuple[int, int]) -> dict[str, int]:
+        """(width, height) -> its two keys' values."""
+        return {self.width: size[0], self.height: size[1]}
+
+    def of(self, values: Mapping[str, Any]) -> tuple[int, int] | None:
+        """The (width, height) ``values`` hold; None unless they hold both."""
+        if values.get(self.width) is None or values.get(self.height) is None:
+            return None
+        return values[self.width], values[self.height]
+
+    def given(self, values: Mapping[str, Any]) -> bool:
+        """Whether ``values`` give either side (a caller's size then wins over any default)."""
+        return values.get(self.width) is not None or values.get(self.height) is not None
+
+    def without(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """``values`` less the size (a surface that states the size its own way: OpenAI's ``size``)."""
+        return {k: v for k, v in values.items() if k not in self}
+
+
+IMAGE_SIZE = SizePair("width", "height")  # diffusers' keywords; every family's size is these two inputs
+
+
+def size_specs(width: int, height: int, multiple: int, high: int | None, *, fixed: bool = False) -> tuple[InputSpec, ...]:
     """width and height as static ints: the native size by default, a multiple of what the latent
     grid needs (``fixed``: the model makes its native size only)."""
     def one(name: str, native: int) -> InputSpec:
@@ -465,7 +499,14 @@ def size_specs(width: int, height: int, multiple: int, high: int, *, fixed: bool
         return InputSpec(name, kind, f"Image {name} in pixels ({default} when absent).", static=True,
                          default=native)
 
-    return one("width", width), one("height", height)
+    return one(IMAGE_SIZE.width, width), one(IMAGE_SIZE.height, height)
+
+
+def size_pair(specs: Sequence[InputSpec]) -> SizePair | None:
+    """The image size the ``specs`` declare (:func:`size_specs`'s two static inputs), or None when
+    they declare none: what a surface asks for instead of looking for a "width" among the names."""
+    static = {s.name for s in specs if s.static}
+    return IMAGE_SIZE if all(key in static for key in IMAGE_SIZE) else None
 
 
 def warm_variants(specs: Sequence[InputSpec], guided: bool) -> list[dict[str, Any]]:

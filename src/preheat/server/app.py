@@ -36,7 +36,7 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from preheat.errors import InputError, NotAccepting, QueueFull
-from preheat.families.inputs import Image
+from preheat.families.inputs import IMAGE_SIZE, Image, size_pair
 from preheat.server.core import SHUT_DOWN, Core, Prediction
 from preheat.server.edits import EDITS_PATH, edits_input, edits_openapi
 from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, api_error, openai_error
@@ -53,7 +53,7 @@ log = logging.getLogger("preheat.server")
 
 WEBHOOK_EVENTS = ("start", "output", "logs", "completed")
 LOGS_INTERVAL_S = 0.5  # at most one "logs" webhook per this many seconds (Cog's throttle)
-_OPENAI_FIELDS = {"num_outputs": "n", "width": "size", "height": "size"}
+_OPENAI_FIELDS = {"num_outputs": "n", **dict.fromkeys(IMAGE_SIZE, "size")}  # OpenAI's size says both sides
 
 
 def _detail(errors: list[tuple[str, str]], prefix: tuple[str, ...] = ("body", "input")) -> list[dict[str, Any]]:
@@ -522,7 +522,7 @@ async def images_generations(raw_request: Request, state: State, request: ImageG
         raw["lora_scale"] = request.lora_scale
     if request.size is not None and request.size != "auto":
         w, h = (int(v) for v in request.size.split("x"))
-        raw["width"], raw["height"] = w, h
+        raw.update(IMAGE_SIZE.inputs((w, h)))  # the size's fields are its keywords
     if core.setup.status == "succeeded":  # the family's inputs and the Cog route's step/guidance/sampler
         accepted = {*family_model(tuple(core.pipe.family.input_specs(core.pipe))).model_fields, *_OPENAI_EXTRAS}
         raw.update({k: v for k, v in (request.model_extra or {}).items() if k in accepted and k not in raw})
@@ -645,14 +645,16 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
     schemas = spec.get("components", {}).get("schemas", {})
     specs = tuple(s for s in pipe.family.input_specs(pipe) if "server" in s.surfaces)
     sizes = served_sizes(pipe, limits)
-    served = {"width": sorted({w for w, _ in sizes}), "height": sorted({h for _, h in sizes})}
+    pair = size_pair(specs)
+    served = {} if pair is None else pair.inputs((sorted({w for w, _ in sizes}), sorted({h for _, h in sizes})))
     props: dict[str, Any] = {}
     by_name = {s.name: s for s in specs}
     for order, s in enumerate(specs):
         schema = s.schema()
-        if s.name in served:
-            schema = {"type": "integer", "enum": served[s.name], "description": s.description}
         hints: dict[str, Any] = {"x-order": order}
+        if s.name in served:  # one side of the size (the playground shows the pair as one size <select>)
+            schema = {"type": "integer", "enum": served[s.name], "description": s.description}
+            hints["x-size"] = pair.index(s.name)  # 0: the width, 1: the height
         if isinstance(s.type, Image) and s.type.mask and s.needs:  # the image it masks (the page draws on it)
             hints["x-mask-of"] = by_name[s.needs[0]].surface_name
         if s.required:
@@ -681,7 +683,7 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
     edit_form = edits.get("multipart/form-data", {}).get("schema", {}).get("properties")
     for target, own in ((openai, ()), (edit_form, tuple(edit_form or ()))):
         for name, prop in props.items() if target is not None else ():
-            if name not in ("width", "height", *own):  # OpenAI's size says both; the form's files stay files
+            if name not in (*served, *own):  # OpenAI's size says both; the form's files stay files
                 target[name] = {k: v for k, v in prop.items() if k != "x-order"}
     if edit_form is not None and not any(isinstance(s.type, Image) and s.surface_name == "image" for s in specs):
         edit_form["image"]["description"] = "This model takes no image: every edit is refused (422)."

@@ -54,7 +54,7 @@ def _typed(name: str, text: str, kind: Any) -> Any:
 async def edits_input(request: Any, specs: Sequence[Any]) -> dict[str, Any]:
     """The form of ``request`` -> a Cog-style input (``specs``: the served family's declared
     inputs; () before set-up, when parsing refuses the call anyway). Raises ``InputError``."""
-    from preheat.families.inputs import Image
+    from preheat.families.inputs import IMAGE_SIZE, Image
     from preheat.image_input import transparent_mask
     from preheat.server.inputs import served_specs
 
@@ -97,9 +97,9 @@ async def edits_input(request: Any, specs: Sequence[Any]) -> dict[str, Any]:
         w, sep, h = size.partition("x")
         if not (sep and w.isdigit() and h.isdigit()) or len(size) > 11:
             raise InputError([("size", f"{size[:32]!r} must be WIDTHxHEIGHT or auto")])
-        raw["width"], raw["height"] = int(w), int(h)
+        raw.update(IMAGE_SIZE.inputs((int(w), int(h))))  # the size's fields are its keywords
     typed = {**{s.surface_name: s for s in served_specs()},  # the common inputs (num_outputs is OpenAI's n)
-             **{s.surface_name: s for s in specs if not isinstance(s.type, Image) and s.name not in ("width", "height")}}
+             **{s.surface_name: s for s in specs if not isinstance(s.type, Image) and s.name not in IMAGE_SIZE}}
     for name, value in text.items():
         if name in _OPENAI or name in raw or name not in typed:
             continue

@@ -36,8 +36,8 @@ import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
-from preheat.families.inputs import (COMMON_SPECS, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints, Label,
-                                     Pair, Text, field_of)
+from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints,
+                                     Label, Pair, Text, field_of, size_pair)
 
 __all__ = ["Limits", "Job", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields",
            "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "parse_sizes", "parse_lora_ranks", "JsonFloat",
@@ -114,8 +114,7 @@ class Job:
     @property
     def size(self) -> Optional[tuple[int, int]]:
         """(width, height) as served, when the family takes them."""
-        given = dict(self.values)
-        return (given["width"], given["height"]) if "width" in given and "height" in given else None
+        return IMAGE_SIZE.of(dict(self.values))
 
     @property
     def batch_key(self) -> tuple:
@@ -337,14 +336,15 @@ def _family_values(pipe: Any, extra: dict[str, Any], n: int, limits: Limits,
                 continue
         if value is not None:
             values[spec.name] = value
-    if "width" in {s.name for s in specs}:
+    pair = size_pair(specs)
+    if pair is not None:
         served = served_sizes(pipe, limits)
-        size = (values.get("width", served[0][0]), values.get("height", served[0][1]))
+        size = (values.get(pair.width, served[0][0]), values.get(pair.height, served[0][1]))
         if size not in served:
             allowed = ", ".join(f"{sw}x{sh}" for sw, sh in served)
-            field = "width" if "width" in values and values["width"] not in {sw for sw, _ in served} else "height"
-            errors.append((field, f"{size[0]}x{size[1]} is not served here; sizes: {allowed}"))
-        values["width"], values["height"] = size
+            wrong = pair.width if pair.width in values and size[0] not in {sw for sw, _ in served} else pair.height
+            errors.append((field_of(specs)[wrong], f"{size[0]}x{size[1]} is not served here; sizes: {allowed}"))
+        values.update(pair.inputs(size))
     return values, aliased
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from preheat.backends.torch.sampling import make_scheduler
 from preheat.backends.torch.arguments import EngineArguments
 from preheat.errors import InvalidArgumentError
 from preheat.families.base import Request
+from preheat.families.inputs import IMAGE_SIZE
 from preheat.families.request import plan_inputs, scheduler_overrides
 from preheat.families.components import FluxComponents, SD3Components, SDComponents, TextComponents
 from preheat.noise import initial_noise
@@ -89,7 +91,7 @@ class TorchTextPipeline(EngineArguments):
                 else initial_noise(request.seeds, latent_shape))
         latents = torch.from_numpy(np.ascontiguousarray(nchw, np.float32)).to(self.device, self.torch_dtype)
         kwargs: dict[str, Any] = dict(
-            prompt=v["prompt"], height=v["height"], width=v["width"], num_inference_steps=request.steps,
+            prompt=v["prompt"], **IMAGE_SIZE.inputs(IMAGE_SIZE.of(v)), num_inference_steps=request.steps,
             generator=[torch.Generator("cpu").manual_seed(int(s)) for s in request.seeds], output_type="np")
         if self.family.name.startswith("flux"):  # embedded guidance; FluxPipeline takes packed latents
             b, c, h, w = latents.shape
@@ -99,7 +101,7 @@ class TorchTextPipeline(EngineArguments):
                 from PIL import Image  # the output is width x height exactly (max_area fits it)
 
                 kwargs.update(image=Image.fromarray(v["image"]), _auto_resize=v["image_resize"] == "preferred",
-                              max_area=v["width"] * v["height"])
+                              max_area=math.prod(IMAGE_SIZE.of(v)))
         else:
             kwargs.update(negative_prompt=v["negative_prompt"], latents=latents,
                           guidance_scale=request.guidance if request.guided else 1.0)
