@@ -27,8 +27,8 @@ def bench_group() -> None:
 
 @bench_group.command("sampler")
 @click.argument("model", required=False)
-@common_option("n", param="batches", default=(), multiple=True,
-               help="Number of images of one call; repeat for each batch size measured (default 1, 8, 32).")
+@common_option("n", default=(), multiple=True,
+               help="Number of images of one call (the batch size); repeat for each one measured (default 1, 8, 32).")
 @common_option("steps", default=10, help="Denoising steps.")
 @common_option("sampler")
 @click.option("--repeats", default=3, show_default=True, type=POSITIVE)
@@ -37,9 +37,9 @@ def bench_group() -> None:
               help="Instead: where one denoiser call's time goes, per op class, JAX vs torch.compile (pixel "
                    "models; model batch 16: batch 8 guided, else 16; --n sets the images).")
 @output_options()
-@renamed_option("--batch", "batches", "--n")
+@renamed_option("--batch", "n", "--n")
 @one_line_errors
-def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sampler: str | None, repeats: int,
+def sampler_command(model: str | None, n: tuple[int, ...], steps: int, sampler: str | None, repeats: int,
                     size: tuple[int, int] | None, profile: bool, json_out: Path | None, as_json: bool) -> None:
     """Loop overhead, images/s and achieved GFLOP/s (and, for text-to-image models, the share of
     text encoding and VAE decoding). MODEL: a folder, random:NAME (random weights: random:sd15,
@@ -51,12 +51,12 @@ def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sam
         from preheat.bench.sampler import bench_profile
 
         with tempfile.TemporaryDirectory() as tmp:
-            text, result = bench_profile(model, batches[0] if batches else None, Path(tmp))
+            text, result = bench_profile(model, n[0] if n else None, Path(tmp))
         echo_result(result, text, as_json)
         write_json(json_out, result)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        result = bench_sampler(model, list(batches) or [1, 8, 32], steps, sampler, repeats, Path(tmp), size)
+        result = bench_sampler(model, list(n) or [1, 8, 32], steps, sampler, repeats, Path(tmp), size)
     echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 
 import click
 
-from preheat.errors import InvalidArgumentError
+from preheat.errors import InvalidArgumentError, SchedulerConfigError
 from preheat.families.inputs import COMMON_SPECS, SizePair
 
 __all__ = ["FamilyInputsCommand", "parse_flags", "family_values", "flag_errors", "FLAGS", "size_flags",
@@ -108,9 +108,10 @@ def flag_errors(pipe: Any) -> Iterator[None]:
     and every input its message names by its flag (``--timesteps has 2 entries but --steps=3``)."""
     try:
         yield
-    except InvalidArgumentError as err:
+    except (InvalidArgumentError, SchedulerConfigError) as err:
         flags = {s.name: s.cli_flag for s in pipe.family.input_specs(pipe)}
         if err.argument not in flags:
             raise
         flag, text = flags[err.argument], err.renamed({**FLAGS, **flags})
-        raise InvalidArgumentError(text if text.startswith(flag) else f"{flag}: {text}", argument=flag) from None
+        kind = SchedulerConfigError if isinstance(err, SchedulerConfigError) else InvalidArgumentError
+        raise kind(text if text.startswith(flag) else f"{flag}: {text}", argument=flag) from None

@@ -268,7 +268,7 @@ def size_options(help: str = "") -> Callable[[Callable[..., Any]], Callable[...,
 
 def renamed_option(old: str, param: str, new: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``old``, a repeatable count flag renamed ``new``, still works (hidden, with a deprecation
-    line): its values join ``param``'s (the values of ``new``)."""
+    line): its values join those ``new`` gives ``param``."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)

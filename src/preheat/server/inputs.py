@@ -402,10 +402,8 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
                              **job.engine_inputs())
     except (InvalidArgumentError, SchedulerConfigError) as err:
         fields = {**surface_fields(specs), **aliased}  # the message names each input by the field a client sent
-        if isinstance(err, InvalidArgumentError):
-            raise InputError([(_error_field(err, fields, aliased), err.renamed(fields))], source=err,
-                             fields=fields) from None
-        raise InputError([(_error_field(err, fields, aliased), str(err))]) from None
+        raise InputError([(_error_field(err, fields, aliased), err.renamed(fields))], source=err,
+                         fields=fields) from None
     if steps is None and request.steps > limits.max_steps:  # a default the server's max does not allow
         counted = next((s for s in specs if s.counts_steps and request.values.get(s.name) is not None), None)
         field_name, what = (counted.surface_name, f"{counted.surface_name} has {request.steps} entries") \
