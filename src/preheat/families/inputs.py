@@ -22,13 +22,18 @@ model (a native size, a size multiple, class names). The common inputs every fam
     Image     PIL image, uint8 array, path, bytes  uint8 (H, W, 3)      string (URL or data URI)
               (``mask``: one channel, white = repaint)  (H, W)
 
+The image size is one concept, two static inputs: :data:`IMAGE_SIZE` (a :class:`SizePair`) names
+them once, :func:`size_specs` declares them, and a surface asks :func:`size_pair` for them (OpenAI's
+``size="WxH"``, the served-size enum) instead of comparing names.
+
 The image inputs every image-conditioned family declares (``IMAGE``, ``MASK_IMAGE``, ``STRENGTH``;
 diffusers' names) live once in ``preheat.families.image``, so that the surfaces' field names and
 flags (Cog's ``image`` / ``mask``, ``--image`` / ``--mask`` / ``--strength``) are the same for every
 family; an ``Image`` spec's warm value :data:`WARM_IMAGE` is a placeholder of each served size.
 
 A new type is one more class with ``check`` (value -> normalised, or a one-line
-``InvalidArgumentError`` naming the input), ``schema``, ``from_text`` (a command-line value)
+``InvalidArgumentError`` naming the input, built by ``about`` so that each surface words it with its
+own name for the input), ``schema``, ``from_text`` (a command-line value)
 and ``python`` (what a pydantic field holds). Surfaces read only these fields: none tests a family's kind by its
 input names.
 """
@@ -263,8 +268,8 @@ class Label:
             digits = value.strip().lstrip("-")
             if not (digits.isascii() and digits.isdigit()):  # ASCII digits only: not "٧" or "７
                 known = ", ".join(self.names) or f"0..{self.count - 1}"
-                raise InvalidArgumentError(f"unknown class {value!r}; known classes: {known}", argument=name)  # a
-                #   surface leads it with its field (--class: unknown class ...); the text names no input
+                # the text names no input: a surface leads it with its own name (--class: unknown class ...)
+                raise InvalidArgumentError(f"unknown class {value!r}; known classes: {known}", argument=name)
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) < self.count:
             raise InvalidArgumentError(f"unknown class {value!r}; classes are 0..{self.count - 1}", argument=name)
@@ -465,7 +470,7 @@ class SizePair(NamedTuple):
     (a bench's or warm-up's size) -- rather than naming its inputs: OpenAI's ``size="WxH"``, a
     server's served-size enum, the playground's size <select>, a tiny random model's default size.
     Its two keys are whatever the surface keys by (``generate`` keywords, which are also the server's
-    fields and diffusers' keywords; or the CLI's flags, ``cli.family_options.SIZE_FLAGS``)."""
+    fields and diffusers' keywords; or the CLI's flags, ``cli.family_options.size_flags()``)."""
 
     width: str  # the key of the width in pixels
     height: str  # the key of the height in pixels
