@@ -21,9 +21,10 @@ from tests._support.image_files import data_uri, png
 from tests._support.sd_fixtures import save_tiny_sd
 from tests._support.server_fixtures import metric, runpod_jobs, serving, wait_status
 
-# one size, batch 1, guided only: the smallest set in which every SD 1.x input variant is a program
-BASE = CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=30, sizes=((32, 32),), guidance=("on",))
-CALL = {"prompt": "a watercolor fox", "num_inference_steps": 2, "guidance_scale": 5.0, "seed": 4}
+# one size, batch 1, unguided: the smallest set with SD 1.x's image variants (a negative prompt
+# is a variant of guided programs only: tests/cache/test_warm_declaration.py counts those)
+BASE = CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=30, sizes=((32, 32),), guidance=("off",))
+CALL = {"prompt": "a watercolor fox", "num_inference_steps": 2, "guidance_scale": 1.0, "seed": 4}
 GREY = np.full((32, 32, 3), 128, np.uint8)
 WHITE = np.full((32, 32), 255, np.uint8)
 REFUSED_IMAGE = "image is not served here (start the server with --inputs image, or PREHEAT_INPUTS=image, to offer it)"
@@ -62,14 +63,11 @@ def everything(sd_pipe: Any, text_only: Core) -> Iterator[Core]:
 
 def test_a_text_only_server_warms_only_the_text_programs(text_only: Core, everything: Core) -> None:
     text, full = text_only.signatures(), everything.signatures()
-    # the default warms every variant SD 1.x declares: text, img2img and inpaint, each with and
-    # without a negative prompt; the text-only one the one that gives none of them
-    assert sorted(s.variant for s in full) == sorted([(), ("negative_prompt",), ("image", "strength"),
-                                                     ("image", "negative_prompt", "strength"),
-                                                     ("image", "mask_image", "strength"),
-                                                     ("image", "mask_image", "negative_prompt", "strength")])
+    # the default warms every variant SD 1.x declares unguided: text, img2img and inpaint; the
+    # text-only server the one that gives none of them
+    assert [s.variant for s in full] == [(), ("image", "strength"), ("image", "mask_image", "strength")]
     assert text == [s for s in full if not s.variant]
-    assert len(warmed(text_only)) == 1 and len(warmed(everything)) == 6, (text_only.setup.logs, everything.setup.logs)
+    assert len(warmed(text_only)) == 1 and len(warmed(everything)) == 3, (text_only.setup.logs, everything.setup.logs)
     assert text_only.warm.inputs == () and everything.warm.inputs == ("negative_prompt", "image", "mask_image")
 
 
@@ -132,24 +130,26 @@ def test_the_schema_holds_only_what_is_offered(text_only: Core, everything: Core
     assert "prompt" in props["text"] and "refused" in props["text-edit"] and "refused" not in props["full-edit"]
 
 
-def test_runpod_reads_the_offered_inputs_from_the_environment(sd_pipe: Any, text_only: Core) -> None:
+def test_runpod_reads_the_offered_inputs_from_the_environment(sd_pipe: Any, everything: Core) -> None:
+    """An image offered without its mask (the default server has compiled both programs: none here)."""
     import preheat.integrations.runpod as rp
 
-    config = rp.config_from_env({"PREHEAT_INPUTS": "negative_prompt", "PREHEAT_MAX_BATCH_SIZE": "1",
-                                 "PREHEAT_SIZES": "32x32", "PREHEAT_GUIDANCE": "on", "PREHEAT_BATCH_WAIT_MS": "0"})
-    assert config.inputs == ("negative_prompt",)
+    config = rp.config_from_env({"PREHEAT_INPUTS": "image", "PREHEAT_MAX_BATCH_SIZE": "1", "PREHEAT_SIZES": "32x32",
+                                 "PREHEAT_GUIDANCE": "off", "PREHEAT_BATCH_WAIT_MS": "0"})
+    assert config.inputs == ("image",)
     assert rp.config_from_env({"PREHEAT_INPUTS": "none"}).inputs == () and rp.config_from_env({}).inputs is None
     core = started(config, sd_pipe)
     try:
-        assert [s.variant for s in core.signatures()] == [(), ("negative_prompt",)]
-        ok, refused = runpod_jobs(core, {"id": "neg", "input": {**CALL, "negative_prompt": "blurry"}},
-                                  {"id": "img", "input": {**CALL, "image": data_uri(png(GREY))}})
+        assert [s.variant for s in core.signatures()] == [(), ("image", "strength")]
+        image = data_uri(png(GREY))
+        ok, refused = runpod_jobs(core, {"id": "img", "input": {**CALL, "image": image, "strength": 0.5}},
+                                  {"id": "mask", "input": {**CALL, "image": image, "mask": data_uri(png(WHITE))}})
         assert "error" not in ok, ok
-        want = sd_pipe.generate(CALL["prompt"], negative_prompt="blurry", steps=2, guidance=5.0, seed=4,
+        want = sd_pipe.generate(CALL["prompt"], image=GREY, strength=0.5, steps=2, guidance=1.0, seed=4,
                                 width=32, height=32)
         np.testing.assert_array_equal(decode_data_url(ok["images"][0]), want[0])
-        assert refused["error"] == ("image: image is not served here (start the server with --inputs "
-                                    "negative_prompt,image, or PREHEAT_INPUTS=negative_prompt,image, to offer it)")
+        assert refused["error"] == ("mask: mask is not served here (start the server with --inputs image,mask_image, "
+                                    "or PREHEAT_INPUTS=image,mask_image, to offer it)")
     finally:
         core.close()
 
