@@ -100,7 +100,8 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers, sizes=sizes,
                    guidance=guidance, lora_ranks=tuple(ranks), devices=devices, fsdp=fsdp, variant=variant,
                    cache=cache, weights_dtype=weights_dtype, weights_layers=weights_layers,
-                   progress=True if progress is None else progress, config=config, inputs=parse_offered(inputs_text))
+                   progress=True if progress is None else progress, config=config,
+                   inputs=parse_offered(inputs_text))
 
 
 @click.command("warm")
@@ -119,7 +120,8 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
                  variant: Optional[str], cache: Optional[str], config: Optional[str],
                  max_batch_size: int, samplers_text: Optional[str],
                  sizes_text: Optional[str], guidance_text: str, inputs_text: Optional[str],
-                 lora_ranks_text: Optional[str], devices_text: Optional[str], fsdp: int, progress: Optional[bool], dry_run: bool,
+                 lora_ranks_text: Optional[str], devices_text: Optional[str], fsdp: int, progress: Optional[bool],
+                 dry_run: bool,
                  as_json: bool, push_timeout_s: float, target_spec: Optional[str], quiet: bool) -> None:
     """Compile MODEL's serving programs into the cache root ahead of time (and push them to
     PREHEAT_CACHE_URL when set), so `preheat serve` with the same options starts with no compile.
