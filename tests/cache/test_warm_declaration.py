@@ -143,3 +143,6 @@ def test_dry_run_lists_the_offered_inputs_and_their_programs(sd_pipe, monkeypatc
                              "not_offered": ["image", "mask_image"]}
     assert [row["signature"] for row in out["signatures"]] == ["ddim batch 1 32x32 guidance 7.5",
                                                                 "ddim batch 1 32x32 +negative_prompt guidance 7.5"]
+    text = CliRunner().invoke(main, ["warm", str(tmp_path), "--inputs", "negative_prompt", "--guidance", "on",
+                                     "--max-batch-size", "1", "--sizes", "32x32", "--dry-run"])
+    assert "inputs offered: prompt, negative_prompt (not offered: image, mask_image)" in text.output.splitlines()
