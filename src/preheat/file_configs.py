@@ -10,6 +10,7 @@ weights store, once, and kept beside the shipped configs (``preheat.models.publi
 
     single_file_config(file, config)   the folder to read ``file`` with (pulling what it lacks)
     single_file_plan(file, config)     what that would pull: ``preheat pull --dry-run FILE``
+    single_file_head(plan, into)       a remote single file's header alone (``pull --dry-run hf://org/repo/f.gguf``)
     converted_folder(model, root, config, variant, check)
                                        the converted diffusers folder both backends load (one
                                        conversion under the cache root, whichever backend asks)
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from preheat.store import HfPlan
 
 __all__ = ["Converted", "GGUFSource", "converted_folder", "gguf_source", "plain_tensors", "single_file_config",
-           "single_file_plan"]
+           "single_file_head", "single_file_plan"]
 
 
 def _published_needs(file: Path, config: str | Path | None) -> Needed | None:
@@ -108,6 +109,47 @@ def single_file_plan(file: Path, config: str | Path | None = None, variant: str 
                                    "pulled for it", argument="config")
     with _fetching(file, needs) as source:
         return plan_pull(source, variant=variant, components=needs.components), needs
+
+
+_FIRST_READ = 1 << 20  # a header's first fetch (a FLUX.1 GGUF's is about 100 KB); each next one 8x as much
+
+
+def single_file_head(plan: HfPlan, into: Path) -> Path:
+    """A stand-in for a one-file hf:// plan's file (``hf://org/repo/flux1-dev-Q8_0.gguf``) under
+    ``into``: a sparse file of its size holding its header's bytes (HTTP Range requests, the first
+    1 MiB, then 8x more until the header is whole) and zeros after, which ``file_shapes`` and
+    ``single_file_plan`` read as the file, so a dry run lists what it lacks without fetching its
+    tensors."""
+    from preheat.store import fetch_head
+
+    (file,) = [f for f in plan.files if f.path == plan.source.filename]
+    head = into / Path(file.path).name
+    want = min(file.size, _FIRST_READ)
+    while True:
+        data = fetch_head(plan, want)
+        with open(head, "wb") as out:
+            out.write(data)
+            out.truncate(file.size)  # sparse: no disk for the tensors
+        if len(data) >= file.size or _header_within(head, len(data)):
+            return head
+        want = min(file.size, want * 8)
+
+
+def _header_within(path: Path, fetched: int) -> bool:
+    """Whether single file ``path``'s header lies in its first ``fetched`` bytes (the rest zeros):
+    a safetensors file's length prefix says so; a GGUF file's tensor data starts after it (a header
+    cut short reads on into the zeros, past ``fetched``)."""
+    from preheat.models.gguf_file import is_gguf
+
+    if not is_gguf(path):
+        with open(path, "rb") as f:
+            return 8 + int.from_bytes(f.read(8), "little") <= fetched
+    from gguf import GGUFReader
+
+    try:
+        return int(GGUFReader(str(path)).data_offset) <= fetched
+    except (ValueError, OSError, IndexError, KeyError):  # cut inside a field: more is needed
+        return False
 
 
 class Converted(NamedTuple):
