@@ -128,7 +128,10 @@ def _remote_file(source: str) -> bool:
     """``hf://org/repo/path/file.safetensors`` or ``.gguf``: one file of a repository."""
     from preheat.store import is_remote, parse_source
 
-    return is_remote(source) and source.lower().startswith("hf://") and parse_source(source).filename is not None
+    if not (is_remote(source) and source.lower().startswith("hf://")):
+        return False
+    filename = parse_source(source).filename
+    return filename is not None and filename.lower().endswith((".safetensors", ".gguf"))
 
 
 def _pull_remote_file(source: str, revision: str | None, config: str | None, variant: str | None, dry_run: bool,
