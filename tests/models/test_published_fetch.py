@@ -413,7 +413,8 @@ def test_a_remote_gguf_without_config_pulls_what_it_lacks(published, hub_of, tmp
     """`hf://org/repo/file.gguf` is pulled as a local GGUF is: `pull --dry-run` reads the file's
     header alone (HTTP Range requests, grown until the header is whole) and lists the file and the
     text encoders, VAE and tokenizers it lacks; `pull` stores the file and fetches exactly those;
-    the load then needs no request and draws the image of the local file with `config=<folder>`."""
+    the load then needs no request and draws the image of the local file with `config=<folder>`,
+    on either backend."""
     gguf = pytest.importorskip("gguf")
     from click.testing import CliRunner
     from safetensors.numpy import load_file
@@ -457,3 +458,11 @@ def test_a_remote_gguf_without_config_pulls_what_it_lacks(published, hub_of, tmp
     assert hub.hits == []
     theirs = preheat.load(q8, config=folder).generate("a watercolor fox", **call)
     assert np.array_equal(ours, theirs) and ours.std() > 5
+
+    # the torch backend too (diffusers' GGUF loader on the stored file, the fetched folders beside it)
+    from tests._support.single_files import diffusers_bfl_at_tiny_widths
+
+    with diffusers_bfl_at_tiny_widths(folder, monkeypatch):
+        remote = preheat.load(source, backend="torch").generate("a watercolor fox", **call)
+        local = preheat.load(q8, backend="torch", config=folder).generate("a watercolor fox", **call)
+    assert hub.hits == [] and np.array_equal(remote, local) and remote.std() > 5
