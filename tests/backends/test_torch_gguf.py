@@ -124,6 +124,11 @@ def test_sample_serve_and_bench_compare_take_a_gguf_file_for_the_torch_backend(f
             raise _Stop
 
         monkeypatch.setattr(compare, "_run_child", child)
+        r = CliRunner().invoke(compare_command, [str(path), "--config", str(folder), "--quick", "--paths",
+                                                 "torch-eager", "--keep", str(tmp_path / "work"), "--prompt", PROMPT])
+        assert isinstance(r.exception, _Stop), r.output
+        assert specs.pop()["config"] == str(folder)
+        assert not (tmp_path / "home" / "models" / "single").exists()  # torch paths alone: nothing converted
         for order in ("jax,torch-eager", "torch-eager,jax"):  # each run stops at its first child
             r = CliRunner().invoke(compare_command, [str(path), "--config", str(folder), "--quick", "--paths", order,
                                                      "--keep", str(tmp_path / "work"), "--prompt", PROMPT])
