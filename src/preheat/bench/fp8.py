@@ -13,6 +13,7 @@ read, scale and bias in its epilogue), as the deviceless H200 compile has it
 bf16 activations, and the convert becomes a kernel of its own that writes a bf16 weight copy.
 
     kernels(hlo)                  the entry computation's kernels (fusions, custom calls, other ops)
+    computation(hlo, name)        one computation's text (a fusion's body: what a kernel reads)
     one_gemm_on_fp8(ks, n)        whether ``ks`` is one GEMM kernel reading the (n, n) fp8 weight
     measure(n, tokens, ...)       both layers compiled here: kernels, verdict, ms per call, |Δ|
 """
@@ -26,7 +27,7 @@ from typing import Any, NamedTuple
 
 from preheat.bench.common import round_robin_ms
 
-__all__ = ["Kernel", "kernels", "one_gemm_on_fp8", "measure"]
+__all__ = ["Kernel", "kernels", "computation", "one_gemm_on_fp8", "measure"]
 
 # Entry-computation ops that launch nothing: the rest is a kernel (a fusion, a library call, or an
 # op XLA left on its own).
@@ -65,6 +66,12 @@ def _computations(hlo: str) -> dict[str, str]:
         name = block.split(" ", 1)[0].lstrip("%")
         out[name] = block
     return out
+
+
+def computation(hlo: str, name: str) -> str:
+    """The text of ``hlo``'s computation ``name`` (a kernel's fused computation: ``Kernel.name``),
+    its first line the parameters with their types; "" if there is none of that name."""
+    return _computations(hlo).get(name.lstrip("%"), "")
 
 
 def kernels(hlo: str) -> list[Kernel]:
