@@ -24,6 +24,7 @@ from tests._support.sd_fixtures import save_tiny_sd
 
 FP8 = "float8_e4m3fn"
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
+ORDER_TOL = 0.01  # the same weights, products in another order (float32): test_scaled_fp8.py says why
 CALLS = {"flux": dict(prompt="a watercolor fox", guidance=3.5), "sd": dict(prompt="a photo of a cat", guidance=5.0)}
 
 
@@ -97,6 +98,35 @@ def test_fp8_matches_diffusers_layerwise_casting(folders, pipes, name):
     moved = np.abs(full.astype(np.int32) - ours.astype(np.int32)).mean()
     print(f"{name} fp8 vs full precision: mean |Δpx| {moved:.4f}")
     assert moved > 2 * diff.mean() and moved > 0.1
+
+
+def test_fp8_1x1_convs_draw_diffusers_image_of_the_fp8_weights(folders, pipes, record_property):
+    """The SD UNet's plain fp8 1x1 convs (attention ``proj_in``/``proj_out``, resnet ``conv_shortcut``)
+    are matrix products on the fp8 weight (``layers.Conv2d``), the 3x3 ones XLA's convolution of the
+    converted weight. diffusers' pipeline with the same layers' weights rounded to fp8 and back (the
+    biases full, as preheat keeps them) draws the same image to ``ORDER_TOL``: the same products in
+    another order, float32 compute."""
+    import torch
+
+    from tests._support.numerics import assert_pixels_close
+
+    low = _stored_low(pipes[("sd", True)].params)
+    pointwise = {n for n in low if n.endswith(("proj_in", "proj_out", "conv_shortcut"))}
+    assert len(pointwise) >= 4 and {"down_blocks.0.attentions.0.proj_in"} <= pointwise, pointwise
+    ref = sd_reference(folders["sd"], "ddim")
+    modules = dict(ref.unet.named_modules())
+    assert all(modules[n].weight.ndim == 4 for n in pointwise)  # convolutions in diffusers' SD 1.x UNet
+    with torch.no_grad():
+        for name in low:
+            weight = modules[name].weight
+            weight.copy_(weight.to(torch.float8_e4m3fn).to(weight.dtype))
+    call = CALLS["sd"]
+    theirs = sd_pixels(ref, call["prompt"], _noise(), num_inference_steps=3, guidance_scale=call["guidance"],
+                       height=32, width=32)
+    ours = _ours(pipes, "sd", True)
+    record_property("mean_abs_px", float(np.abs(ours.astype(np.int32) - theirs.astype(np.int32)).mean()))
+    assert_pixels_close(ours, theirs, mean_tol=ORDER_TOL, max_tol=1)
+    assert ours.std() > 5
 
 
 def test_fp8_is_part_of_the_compile_key(pipes):
