@@ -16,7 +16,8 @@ widening) and the bytes they write, the GEMMs that write float32 (split-K partia
 reduction kernel then reads back) and their bytes, and the bytes all kernels write. The numbers behind docs/benchmarks.md,
 "Plain fp8 1x1 convs as GEMMs on the fp8 weight (fp8three)".
 
-    PYTHONPATH=src python scripts/bench_fp8_unet.py [--model sd15|sdxl|both]
+    PYTHONPATH=src python scripts/bench_fp8_unet.py [--model sd15|sdxl|both] [--layers]
+    (``--layers``: one plain fp8 1x1 conv at each of SD 1.5's widths and resolutions instead)
     (needs the test extra's jax-cuda13-plugin)
 """
 
@@ -88,15 +89,37 @@ def compile_h200(call: Any, args: tuple[Any, ...]) -> tuple[str, float]:
     return hlo, time.perf_counter() - start
 
 
+LAYERS = ((320, 64), (640, 32), (1280, 16), (1280, 8))  # SD 1.5's 1x1 convs: (channels, latent side), batch 2
+
+
+def layer_call(c: int, side: int) -> tuple[Any, tuple[Any, ...]]:
+    """One plain fp8 1x1 Conv2d with a bias, c -> c channels on (2, side, side, c), as the UNet applies it."""
+    from preheat.models.layers import Conv2d
+    from preheat.models.weights import build_abstract as build
+
+    graph, abstract = build(lambda rngs: Conv2d(c, c, 1, rngs=rngs))
+    abstract["kernel"].set_value(jax.ShapeDtypeStruct((1, 1, c, c), jnp.float8_e4m3fn))
+    abstract["bias"].set_value(jax.ShapeDtypeStruct((c,), jnp.bfloat16))
+
+    def call(state: Any, x: Any) -> Any:  # (2, side, side, c) -> (2, side, side, c)
+        return nnx.merge(graph, storage.upcast(state, jnp.bfloat16, tie=x))(x)
+
+    return call, (abstract, jax.ShapeDtypeStruct((2, side, side, c), jnp.bfloat16))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=("sd15", "sdxl", "both"), default="both")
     parser.add_argument("--hlo", help="also write each program's HLO text to HLO-<model>-<way>.txt")
+    parser.add_argument("--layers", action="store_true", help="one 1x1 conv per SD 1.5 width instead of the UNets")
     args = parser.parse_args()
     real = storage._pointwise_conv
-    for key in (("sd15", "sdxl") if args.model == "both" else (args.model,)):
-        name, config, latent = MODELS[key]
-        call, call_args = unet_call(config, latent)
+    if args.layers:
+        programs = {f"c{c}-{side}": (f"1x1 conv {c} -> {c}", layer_call(c, side), side) for c, side in LAYERS}
+    else:
+        programs = {key: (name, unet_call(config, latent), latent) for key, (name, config, latent) in MODELS.items()
+                    if args.model in (key, "both")}
+    for key, (name, (call, call_args), latent) in programs.items():
         for way, pointwise in (("now", real), ("before", lambda path, x: False)):
             storage._pointwise_conv = pointwise  # the control: every plain fp8 kernel converted by upcast
             try:
