@@ -51,7 +51,8 @@ from preheat.errors import InvalidArgumentError
 __all__ = ["InputSpec", "CliForm", "Text", "Int", "Float", "Choice", "Pair", "Ints", "Label", "Image", "COMMON_SPECS",
            "common_spec", "SizePair", "IMAGE_SIZE", "size_pair",
            "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "typed_flags", "field_of",
-           "check_needs", "WARM_IMAGE", "SURFACES", "SEED_MAX"]
+           "check_needs", "WARM_IMAGE", "SURFACES", "SEED_MAX", "optional_inputs", "offered_specs", "check_offered",
+           "parse_offered", "NO_INPUTS", "required_inputs"]
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
@@ -535,6 +536,72 @@ def warm_variants(specs: Sequence[InputSpec], guided: bool) -> list[dict[str, An
         if given not in out and all(s.name in given for s in specs if s.required and s.warm and not s.static):
             out.append(given)
     return out
+
+
+NO_INPUTS = "none"  # ``--inputs none``: only the required inputs (a text-only server)
+
+
+def optional_inputs(specs: Sequence[InputSpec]) -> tuple[str, ...]:
+    """The inputs a server may offer or not: the optional data inputs that warm-up compiles both
+    left out and given (``None`` among their ``warm`` values: a negative prompt, an image, a mask),
+    each its own programs. Required inputs are always offered; the others (a strength, a crop) go
+    with the inputs they need (``offered_specs``)."""
+    return tuple(s.name for s in specs if not s.required and not s.static and None in s.warm)
+
+
+def required_inputs(specs: Sequence[InputSpec]) -> tuple[str, ...]:
+    """The data inputs every call gives (a prompt, Kontext's reference): always offered."""
+    return tuple(s.name for s in specs if s.required and not s.static)
+
+
+def offered_specs(specs: Sequence[InputSpec], offered: Sequence[str] | None) -> tuple[InputSpec, ...]:
+    """The specs a server offering ``offered`` (of :func:`optional_inputs`; None: all) takes: the
+    others left out, and with them every input that needs one left out (an image's strength, a
+    mask's crop), in declaration order."""
+    if offered is None:
+        return tuple(specs)
+    dropped = {name for name in optional_inputs(specs) if name not in offered}
+    while True:  # needs may chain (a crop needs the mask, which needs the image)
+        more = {s.name for s in specs if s.name not in dropped and any(n in dropped for n in s.needs)}
+        if not more:
+            return tuple(s for s in specs if s.name not in dropped)
+        dropped |= more
+
+
+def parse_offered(text: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    """``--inputs`` / ``PREHEAT_INPUTS`` -> the offered names (``none``: ()), None when not given.
+    The names are checked against a family once its model is known (:func:`check_offered`)."""
+    if text is None:
+        return None
+    items = text.split(",") if isinstance(text, str) else list(text)
+    names = tuple(dict.fromkeys(str(v).strip() for v in items if str(v).strip()))
+    return () if names == (NO_INPUTS,) else names
+
+
+def check_offered(family: str, specs: Sequence[InputSpec], offered: Sequence[str] | None) -> tuple[str, ...]:
+    """The offered optional inputs (None: every one ``specs`` declares), in declaration order; a
+    name that is not one of them, or one offered without an input it needs, fails in one line
+    listing what the family declares."""
+    optional = optional_inputs(specs)
+    if offered is None:
+        return optional
+    required = required_inputs(specs)
+    always = f"; {', '.join(required)} always offered" if required else ""
+    declared = f"its optional inputs are {', '.join(optional)} (or {NO_INPUTS})" if optional else \
+        f"it has no optional inputs (give {NO_INPUTS}, or leave --inputs out)"
+    for name in offered:
+        if name == NO_INPUTS:
+            raise InvalidArgumentError(f"--inputs {NO_INPUTS} stands alone: it offers only the required inputs"
+                                       f"{always}", argument="inputs")
+        if name not in optional:
+            raise InvalidArgumentError(f"--inputs {name!r} is not an optional input of a {family} model: {declared}"
+                                       f"{always}", argument="inputs")
+    by_name = {s.name: s for s in specs}
+    for name in offered:
+        missing = [n for n in by_name[name].needs if n in optional and n not in offered]
+        if missing:
+            raise InvalidArgumentError(f"--inputs {name} needs {', '.join(missing)}; offer both", argument="inputs")
+    return tuple(n for n in optional if n in offered)
 
 
 def check_needs(specs: Sequence[InputSpec], given: dict[str, Any], values: dict[str, Any]) -> None:

@@ -40,8 +40,8 @@ from preheat.families.inputs import IMAGE_SIZE, Image, size_pair
 from preheat.server.core import SHUT_DOWN, Core, Prediction
 from preheat.server.edits import EDITS_PATH, edits_input, edits_openapi
 from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, api_error, openai_error
-from preheat.server.inputs import (SEED_MAX, JsonFloat, JsonInt, Limits, family_model, json_int, served_sizes,
-                                   served_specs)
+from preheat.server.inputs import (SEED_MAX, JsonFloat, JsonInt, Limits, family_model, json_int, offered,
+                                   served_sizes, served_specs)
 from preheat.server.metrics import HttpMetrics
 from preheat.server.stream import stream_prediction, wants_stream
 from preheat.server.webhooks import WebhookPolicy, WebhookRefused, delivery_client
@@ -537,9 +537,11 @@ async def images_generations(raw_request: Request, state: State, request: ImageG
                         503: {"description": "Not ready, or shutting down"}})
 async def images_edits(raw_request: Request, state: State) -> Response:
     core = state.core
-    specs = tuple(core.pipe.family.input_specs(core.pipe)) if core.setup.status == "succeeded" else ()
+    ready = core.setup.status == "succeeded"
+    # the declared inputs are read from the form (one not offered is then refused by the parse, by name)
+    specs = tuple(core.pipe.family.input_specs(core.pipe)) if ready else ()
     try:
-        raw = await edits_input(raw_request, specs)
+        raw = await edits_input(raw_request, specs, offered(core.pipe, core.limits) if ready else ())
     except InputError as err:
         field_name, message = err.errors[0]
         return openai_error(422, f"{field_name}: {message}", field_name)
@@ -640,10 +642,11 @@ def _nullable(schema: dict[str, Any], **extra: Any) -> dict[str, Any]:
 
 
 def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] = (), limits: Any = None) -> None:
-    """The served family's declared inputs (``Family.input_specs``) in the schema: each one's type,
-    bounds and description, served sizes as enums, so that schema-valid input is accepted input."""
+    """The served family's offered inputs (``server.inputs.offered``: its declaration less what
+    ``--inputs`` leaves out) in the schema: each one's type, bounds and description, served sizes
+    as enums, so that schema-valid input is accepted input."""
     schemas = spec.get("components", {}).get("schemas", {})
-    specs = tuple(s for s in pipe.family.input_specs(pipe) if "server" in s.surfaces)
+    specs = tuple(s for s in offered(pipe, limits or Limits()) if "server" in s.surfaces)
     sizes = served_sizes(pipe, limits)
     pair = size_pair(specs)
     served = {} if pair is None else pair.inputs((sorted({w for w, _ in sizes}), sorted({h for _, h in sizes})))
@@ -686,7 +689,7 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
             if name not in (*served, *own):  # OpenAI's size says both; the form's files stay files
                 target[name] = {k: v for k, v in prop.items() if k != "x-order"}
     if edit_form is not None and not any(isinstance(s.type, Image) and s.surface_name == "image" for s in specs):
-        edit_form["image"]["description"] = "This model takes no image: every edit is refused (422)."
+        edit_form["image"]["description"] = "This server takes no image: every edit is refused (422)."
     if openai is not None:
         openai["size"] = {"anyOf": [{"type": "string", "enum": [*(f"{w}x{h}" for w, h in sizes), "auto"]},
                                     {"type": "null"}], "title": "Size"}
