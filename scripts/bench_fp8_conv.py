@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import re
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -30,6 +29,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from preheat.bench.common import round_robin_ms  # noqa: E402
+from preheat.bench.fp8 import kernels, written_bytes  # noqa: E402
 from preheat.cache import targets  # noqa: E402
 from preheat.cache.compile import on_device  # noqa: E402
 from preheat.compile_target import compiling_for  # noqa: E402
@@ -39,7 +39,6 @@ from preheat.models.quantised import Quantised  # noqa: E402
 from preheat.models.storage import upcast  # noqa: E402
 from preheat.models.weights import build_abstract  # noqa: E402
 
-BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f8e4m3fn": 1, "u8": 1}
 WIDTH, PIXELS = 640, (2, 64, 64)
 
 
@@ -62,8 +61,8 @@ def layer_fns(k: int) -> tuple[Any, Any, Any]:
     return graphdef, layer, other
 
 
-def kernels(k: int, fn_index: int) -> list[tuple[str, str, int]]:
-    """(kernel, output type, bytes written) for each entry fusion and cuDNN call of the H200 program."""
+def program_kernels(k: int, fn_index: int) -> list[tuple[str, str, int]]:
+    """(kernel, output type, bytes written) for each kernel of the H200 program (``preheat.bench.fp8``)."""
     _, abstract = build_abstract(lambda rngs: Conv2d(WIDTH, WIDTH, k, padding=k // 2, rngs=rngs))
     fp8 = jax.ShapeDtypeStruct((k, k, WIDTH, WIDTH), jnp.float8_e4m3fn)
     abstract["kernel"].set_value(Quantised(fp8, jax.ShapeDtypeStruct((1, 1, 1, WIDTH), jnp.float32)))
@@ -73,17 +72,8 @@ def kernels(k: int, fn_index: int) -> list[tuple[str, str, int]]:
     device = targets.target_device(targets.resolve_target("h200"))
     with compiling_for("gpu", (9, 0)):
         hlo = jax.jit(fn).lower(*on_device((abstract, x), device)).compile().as_text()
-    entry = hlo[hlo.index("\nENTRY"):]
-    out = []
-    for line in entry.splitlines():
-        fusion = re.search(r"= (\w+)\[([\d,]*)\]\S* fusion\(.*?calls=%([\w.\-]+)", line)
-        cudnn = re.search(r"= \((\w+)\[([\d,]*)\]\S*, .*custom_call_target=\"__cudnn\$(\w+)\"", line)
-        for m in (fusion, cudnn):
-            if m:
-                dtype, shape, name = m.groups()
-                dims = [int(d) for d in shape.split(",") if d]
-                out.append((name.removesuffix("_computation"), f"{dtype}[{shape}]", BYTES[dtype] * int(np.prod(dims))))
-    return out
+    return [(kernel.name.removeprefix("__cudnn$").removesuffix("_computation"), kernel.output.split("{")[0].lstrip("("),
+             written_bytes(kernel)) for kernel in kernels(hlo)]
 
 
 def cpu_times(rounds: int, dtype: Any) -> dict[str, float]:
@@ -109,7 +99,7 @@ def main() -> None:
              3: ("3x3, scale on the weight (now, as before)", "3x3, scale on the output (not taken)")}
     for k, (now, other) in names.items():
         for i, name in enumerate((now, other)):
-            rows = kernels(k, i)
+            rows = program_kernels(k, i)
             total = sum(b for _, _, b in rows) / 1e6
             detail = "; ".join(f"{n} {t} {b / 1e6:.2f} MB" for n, t, b in rows)
             print(f"{name}: {len(rows)} kernel(s), {total:.2f} MB written -- {detail}")

@@ -5,8 +5,8 @@ cd "$(dirname "$0")/.."
 B=.venv/bin/preheat
 D=docs/bench
 mkdir -p "$D"
-$B bench sampler --batch 1 --batch 8 --batch 32 --steps 20 --repeats 3 --report $D/sampler-builtin.json | tee $D/sampler-builtin.md
-$B bench sampler ddpm-cifar10-32 --batch 1 --batch 8 --batch 32 --steps 4 --repeats 2 --report $D/sampler-cifar.json | tee $D/sampler-cifar.md
+$B bench sampler --n 1 --n 8 --n 32 --steps 20 --repeats 3 --report $D/sampler-builtin.json | tee $D/sampler-builtin.md
+$B bench sampler ddpm-cifar10-32 --n 1 --n 8 --n 32 --steps 4 --repeats 2 --report $D/sampler-cifar.json | tee $D/sampler-cifar.md
 $B bench coldstart --n 8 --repeats 3 --report $D/coldstart-builtin.json --png-out $D/coldstart-builtin.png | tee $D/coldstart-builtin.md
 $B bench coldstart ddpm-cifar10-32 --n 1 --steps 10 --repeats 3 --report $D/coldstart-cifar.json --png-out $D/coldstart-cifar.png | tee $D/coldstart-cifar.md
 $B bench coldstart --n 8 --repeats 3 --cache-url "$(mktemp -d)/fleet" --report $D/coldstart-remote.json | tee $D/coldstart-remote.md
@@ -19,7 +19,7 @@ SD15=${SD15:-.bench-models/sd15-random}
 from preheat.bench.random_models import save_random_sd15; save_random_sd15(Path(sys.argv[1]))" "$SD15"
 T2I=(--prompt "a watercolor fox" --width 256 --height 256)
 $B bench coldstart "$SD15" --n 1 --steps 2 --repeats 1 "${T2I[@]}" --report $D/coldstart-sd15.json --png-out $D/coldstart-sd15.png | tee $D/coldstart-sd15.md
-$B bench sampler "$SD15" --batch 1 --steps 2 --repeats 2 --width 256 --height 256 --report $D/sampler-sd15.json | tee $D/sampler-sd15.md
+$B bench sampler "$SD15" --n 1 --steps 2 --repeats 2 --width 256 --height 256 --report $D/sampler-sd15.json | tee $D/sampler-sd15.md
 $B bench compare "$SD15" --quick --paths jax,torch-eager,torch-inductor --steps 2 --batch 1 --batch-sizes 1 --sampler ddim \
   "${T2I[@]}" --report $D/compare-sd15.json --png-out $D/compare-sd15.png | tee $D/compare-sd15.md
 

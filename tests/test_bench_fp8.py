@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from preheat.bench.fp8 import kernels, measure, one_gemm_on_fp8
+from preheat.bench.fp8 import computation, kernels, measure, one_gemm_on_fp8, written_bytes
 from preheat.cache import targets
 
 N, TOKENS = 3072, 4096  # FLUX.1's hidden width, 4096 image tokens
@@ -60,6 +60,19 @@ def test_the_same_layer_on_cublas_reads_as_three_kernels_and_not_one_gemm():
     assert convert.reads_fp8 == f"f8e4m3fn[{N},{N}]" and convert.output.startswith(f"bf16[{N},{N}]")  # a weight copy
     assert gemm.name.startswith("__cublas") and gemm.reads_fp8 == ""  # the library reads the bf16 copy
     assert not one_gemm_on_fp8(ks, N)
+
+
+def test_written_bytes_and_computation_read_each_kernel():
+    """The cuBLAS program's three kernels: the convert writes the bf16 weight (2 bytes an element),
+    the library call its bf16 product and a workspace (a tuple: both counted), the epilogue the
+    bf16 output; ``computation`` is the convert's fused body, its parameter the fp8 weight."""
+    hlo = _h200_layer_hlo(xla_gpu_enable_triton_gemm=False)
+    convert, gemm, epilogue = kernels(hlo)
+    assert written_bytes(convert) == 2 * N * N and written_bytes(epilogue) == 2 * TOKENS * N
+    assert gemm.output.startswith("(") and written_bytes(gemm) > 2 * TOKENS * N  # the product and its workspace
+    body = computation(hlo, convert.name)
+    assert body.lstrip("%").startswith(convert.name + " ") and f"f8e4m3fn[{N},{N}]" in body.split("\n", 1)[0], body[:200]
+    assert computation(hlo, "no-such-computation") == ""
 
 
 def test_measure_runs_both_layers_here_and_the_fp8_one_matches_its_bf16_reference():

@@ -160,3 +160,26 @@ def test_a_failing_call_on_a_warm_cache_exits_with_its_own_code(tmp_path):
         r = preheat("sample", "builtin:text-digits", "--class", 3, "--out", tmp_path / "b.png", home=home)
         assert r.returncode == 2 and "FATAL" not in r.stderr, (r.returncode, r.stderr)
         assert r.stderr.strip().splitlines()[-1].startswith("error: --class does not apply")
+
+
+def test_torch_explain_runs_a_custom_timesteps_call_at_their_count(tmp_path, monkeypatch):
+    """`cache explain --backend torch` runs the call once, at its fewest steps: one, or the length of
+    a list that counts them (custom timesteps; a forced steps=1 refused that call). The steps are not
+    in a torch key, so the explained key is the plain call's."""
+    from click.testing import CliRunner
+
+    from preheat.cli.cache import explain_command
+    from tests._support.sd_fixtures import save_tiny_sd
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    folder = save_tiny_sd(tmp_path / "sd1", "sd1")
+    base = [str(folder), "--backend", "torch", "--compile", "regional", "--prompt", "a cat"]
+
+    def explained(*flags: str) -> str:
+        result = CliRunner().invoke(explain_command, [*base, *flags])
+        assert result.exit_code == 0, result.output
+        (line,) = [line for line in result.stdout.splitlines() if line.startswith(("hit:", "miss:"))]
+        return line
+
+    custom = explained("--sampler", "tcd", "--timesteps", "999,499")
+    assert custom.startswith("miss: key ") and custom == explained("--steps", "7")

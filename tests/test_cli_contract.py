@@ -147,7 +147,7 @@ def test_every_command_has_help(path):
 
 # Each benchmark's own default for a common input, where it differs from the declared one (what it
 # measures by default); every other common input a bench takes has the declared default.
-BENCH_DEFAULTS = {("sampler", "--steps"): 10, ("lora", "--n"): 8, ("lora", "--steps"): 4, ("coldstart", "--n"): 8,
+BENCH_DEFAULTS = {("sampler", "--n"): (), ("sampler", "--steps"): 10, ("lora", "--n"): 8, ("lora", "--steps"): 4, ("coldstart", "--n"): 8,
                   ("torch-shapes", "--steps"): 2}
 
 
@@ -187,6 +187,41 @@ def test_bench_options_are_the_declared_common_inputs():
     assert set(BENCH_DEFAULTS) <= seen  # a stale entry fails here
     assert {("compare", f) for f in ("--steps", "--sampler", "--seed", "--guidance")} <= seen
     assert {("sampler", "--sampler"), ("serve", "--steps"), ("coldstart", "--steps")} <= seen
+
+
+def test_bench_sizes_are_the_declared_size_inputs():
+    """`bench sampler` and `bench lora` take the image size as its declaration's two flags (the
+    ``--width`` / ``--height`` of ``preheat sample``): positive ints, absent by default (the model's own)."""
+    from preheat.cli.family_options import cli_size_specs
+
+    commands = dict(leaf_commands())
+    for bench in ("sampler", "lora"):
+        options = {p.opts[0]: p for p in commands[("bench", bench)].params if isinstance(p, click.Option)}
+        for spec in cli_size_specs():
+            option = options[spec.cli_flag]
+            assert isinstance(option.type, click.IntRange) and (option.type.min, option.type.max) == (1, None)
+            assert option.default is None and spec.description in (option.help or ""), (bench, option.help)
+
+
+@pytest.mark.slow  # a real benchmark run: 45 s on this project's loaded 2-core machine
+def test_bench_sampler_counts_images_by_n_and_still_takes_the_old_batch():
+    """The image count is --n, as everywhere; --batch, the old spelling (scripts used it), still
+    works, with one deprecation line, and adds its batch sizes to --n's (the built-in model, one
+    step: a real run)."""
+    import json
+
+    result = CliRunner().invoke(main, ["bench", "sampler", "--n", "1", "--batch", "2", "--steps", "1", "--repeats", "1",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.strip().splitlines() == ["warning: --batch is deprecated; use --n"], result.stderr
+    assert [row["batch"] for row in json.loads(result.stdout)["rows"]] == [1, 2], result.stdout
+
+
+def test_the_old_batch_flag_is_still_a_bench_sampler_count(no_loading):
+    """--batch is parsed as --n's deprecated alias (a positive count), hidden from --help."""
+    result = CliRunner().invoke(main, ["bench", "sampler", "--batch", "0"])
+    assert result.exit_code == 2 and "Invalid value for '--batch': 0 is not in the range x>=1." in result.stderr
+    assert "--batch" not in CliRunner().invoke(main, ["bench", "sampler", "--help"]).output
 
 
 @pytest.mark.parametrize("bench,flag", sorted({(b, o.opts[0]) for b, o, s in bench_common_options()

@@ -10,11 +10,12 @@ problem (and, where there is one, the fix). Surfaces (CLI, server, Runpod handle
     │   ├── ModelFormatError      a config / index / safetensors file is malformed (bad JSON, torn)
     │   ├── UnsupportedConfigError a config value/block preheat does not implement
     │   └── WeightsError          missing / extra / mis-shaped / wrong-dtype tensors
-    ├── SchedulerConfigError  a scheduler config or sampler choice is not supported
-    ├── InvalidArgumentError  a bad call argument (n <= 0, unknown class, bad noise shape, ...);
-    │   │                     ``.argument`` names it
-    │   └── TargetError           a GPU compile target cannot be used (``warm --target``): unknown
-    │                             name, malformed description, or no CUDA plugin; ``.reason`` says which
+    ├── NamesInputs           about a call's inputs: ``.argument`` names the one, ``.renamed``
+    │   │                     words the message in a surface's own names for them
+    │   ├── SchedulerConfigError  a scheduler config or sampler choice is not supported
+    │   └── InvalidArgumentError  a bad call argument (n <= 0, unknown class, bad noise shape, ...)
+    │       └── TargetError           a GPU compile target cannot be used (``warm --target``): unknown
+    │                                 name, malformed description, or no CUDA plugin; ``.reason`` says which
     ├── CacheError            the cache root or an entry cannot be used (entries are
     │   │                     quarantined and recompiled; this surfaces only for the root)
     │   └── CacheEntryError       one entry failed verification (caught internally)
@@ -29,7 +30,7 @@ problem (and, where there is one, the fix). Surfaces (CLI, server, Runpod handle
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Self
 
 __all__ = [
     "PreheatError",
@@ -39,6 +40,7 @@ __all__ = [
     "UnsupportedConfigError",
     "WeightsError",
     "CheckpointMismatchError",
+    "NamesInputs",
     "SchedulerConfigError",
     "InvalidArgumentError",
     "TargetError",
@@ -83,18 +85,9 @@ class CheckpointMismatchError(ModelFormatError, WeightsError):
     ``ModelFormatError`` to whoever passed the file, a ``WeightsError`` to the loader's callers."""
 
 
-class SchedulerConfigError(PreheatError, ValueError):
-    """A scheduler config value or sampler choice that is not supported (``argument``: the call's
-    keyword it is about, when one is: ``"sampler"``, ``"steps"``)."""
-
-    def __init__(self, message: str, *, argument: str | None = None):
-        super().__init__(message)
-        self.argument = argument
-
-
-class InvalidArgumentError(PreheatError, ValueError):
-    """A bad argument to a public call. ``argument`` names it (the engine's keyword, e.g.
-    ``"steps"``), so that a surface can point at its own field without reading the message.
+class NamesInputs(PreheatError):
+    """An error about a call's inputs. ``argument`` names the one it is about (the engine's keyword,
+    e.g. ``"steps"``), so that a surface can point at its own field without reading the message.
 
     An error built by :meth:`about` also knows which inputs its text names: ``renamed`` writes it
     again with each under a surface's own name (``num_inference_steps`` on a server, ``--steps`` on
@@ -108,7 +101,7 @@ class InvalidArgumentError(PreheatError, ValueError):
         self.values: dict[str, Any] = {}
 
     @classmethod
-    def about(cls, template: str, *names: str, argument: str | None = None, **values: Any) -> InvalidArgumentError:
+    def about(cls, template: str, *names: str, argument: str | None = None, **values: Any) -> Self:
         """An error whose ``template`` names the inputs ``names`` (engine keywords) as ``{0}``, ``{1}``,
         ...; ``values`` fill its other fields (``{value!r}``). ``argument``: ``names[0]`` unless given.
         ``InvalidArgumentError.about("{0}={value!r} must be >= 1", "steps", value=0)``."""
@@ -122,6 +115,17 @@ class InvalidArgumentError(PreheatError, ValueError):
         if self.template is None:
             return str(self)
         return self.template.format(*(name_of.get(name, name) for name in self.names), **self.values)
+
+
+class SchedulerConfigError(NamesInputs, ValueError):
+    """A scheduler config value or sampler choice that is not supported (``argument``: the call's
+    keyword it is about, when one is: ``"sampler"``, ``"steps"``; :meth:`about` as for
+    :class:`InvalidArgumentError`)."""
+
+
+class InvalidArgumentError(NamesInputs, ValueError):
+    """A bad argument to a public call (``argument``, :meth:`about`, :meth:`renamed`: see
+    :class:`NamesInputs`)."""
 
 
 class TargetError(InvalidArgumentError):
@@ -183,7 +187,7 @@ class InputError(PreheatError, ValueError):
     ``source``: the engine's error it came from, with ``fields`` (keyword -> the field its message
     names it by), so that a surface with other field names (OpenAI's ``n``) can word it again."""
 
-    def __init__(self, errors: list[tuple[str, str]], *, source: InvalidArgumentError | None = None,
+    def __init__(self, errors: list[tuple[str, str]], *, source: NamesInputs | None = None,
                  fields: Mapping[str, str] | None = None):
         self.errors = errors
         self.source, self.fields = source, dict(fields or {})

@@ -10,10 +10,13 @@ weights store, once, and kept beside the shipped configs (``preheat.models.publi
 
     single_file_config(file, config)   the folder to read ``file`` with (pulling what it lacks)
     single_file_plan(file, config)     what that would pull: ``preheat pull --dry-run FILE``
+    single_file_head(plan, into)       a remote single file's header alone (``pull --dry-run hf://org/repo/f.gguf``)
     converted_folder(model, root, config, variant, check)
                                        the converted diffusers folder both backends load (one
                                        conversion under the cache root, whichever backend asks)
-    plain_tensors(file)                refuses a quantised file (GGUF, scaled fp8) for diffusers' loader
+    plain_tensors(file)                refuses a scaled fp8 file for diffusers' loader
+    gguf_source(root, config, variant) a GGUF file as diffusers users load it (the torch backend):
+                                       the file and the config folder, its GGML types checked
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ if TYPE_CHECKING:
     from preheat.models.published import Needed
     from preheat.store import HfPlan
 
-__all__ = ["Converted", "converted_folder", "plain_tensors", "single_file_config", "single_file_plan"]
+__all__ = ["Converted", "GGUFSource", "converted_folder", "gguf_source", "plain_tensors", "single_file_config",
+           "single_file_head", "single_file_plan"]
 
 
 def _published_needs(file: Path, config: str | Path | None) -> Needed | None:
@@ -107,6 +111,47 @@ def single_file_plan(file: Path, config: str | Path | None = None, variant: str 
         return plan_pull(source, variant=variant, components=needs.components), needs
 
 
+_FIRST_READ = 1 << 20  # a header's first fetch (a FLUX.1 GGUF's is about 100 KB); each next one 8x as much
+
+
+def single_file_head(plan: HfPlan, into: Path) -> Path:
+    """A stand-in for a one-file hf:// plan's file (``hf://org/repo/flux1-dev-Q8_0.gguf``) under
+    ``into``: a sparse file of its size holding its header's bytes (HTTP Range requests, the first
+    1 MiB, then 8x more until the header is whole) and zeros after, which ``file_shapes`` and
+    ``single_file_plan`` read as the file, so a dry run lists what it lacks without fetching its
+    tensors."""
+    from preheat.store import fetch_head
+
+    (file,) = [f for f in plan.files if f.path == plan.source.filename]
+    head = into / Path(file.path).name
+    want = min(file.size, _FIRST_READ)
+    while True:
+        data = fetch_head(plan, want)
+        with open(head, "wb") as out:
+            out.write(data)
+            out.truncate(file.size)  # sparse: no disk for the tensors
+        if len(data) >= file.size or _header_within(head, len(data)):
+            return head
+        want = min(file.size, want * 8)
+
+
+def _header_within(path: Path, fetched: int) -> bool:
+    """Whether single file ``path``'s header lies in its first ``fetched`` bytes (the rest zeros):
+    a safetensors file's length prefix says so; a GGUF file's tensor data starts after it (a header
+    cut short reads on into the zeros, past ``fetched``)."""
+    from preheat.models.gguf_file import is_gguf
+
+    if not is_gguf(path):
+        with open(path, "rb") as f:
+            return 8 + int.from_bytes(f.read(8), "little") <= fetched
+    from gguf import GGUFReader
+
+    try:
+        return int(GGUFReader(str(path)).data_offset) <= fetched
+    except (ValueError, OSError, IndexError, KeyError):  # cut inside a field: more is needed
+        return False
+
+
 class Converted(NamedTuple):
     """A single file (or ``config=`` folder) as the diffusers folder a backend loads."""
 
@@ -121,7 +166,7 @@ def converted_folder(model: Any, root: Path, config: str | Path | None, variant:
     file is converted once (``preheat.models.single_file.materialize``) and both read that folder.
 
     ``check(file)`` runs on the single file before anything is pulled or converted: a backend
-    that cannot read some files (the torch backend: quantised ones) refuses them here, in one line.
+    that cannot read some files (the torch backend: scaled fp8 ones) refuses them here, in one line.
     """
     from preheat.cache.root import resolve_root
     from preheat.models.single_file import materialize, reading_converted, single_file_path
@@ -142,24 +187,68 @@ def converted_folder(model: Any, root: Path, config: str | Path | None, variant:
 
 def plain_tensors(file: Path) -> None:
     """Refuse a single file that diffusers' ``from_pretrained`` would misread once renamed (the
-    torch backend's ``check``). Quantised files (a GGUF's Q8_0, ComfyUI's scaled fp8) convert to
-    weights beside their scales, which only the JAX engine's loader multiplies back
-    (``preheat.models.scaled_fp8``); diffusers would take the bare int8 or fp8 values as the
-    weights, so the file is one line instead. Reads the header only."""
+    torch backend's ``check``). ComfyUI's scaled fp8 converts to fp8 weights beside their scales,
+    which only the JAX engine's loader multiplies back (``preheat.models.scaled_fp8``); diffusers
+    has no loader for such files and would take the bare fp8 values as the weights, so the file is
+    one line instead. (A GGUF file never gets here: ``gguf_source`` reads it as diffusers does.)
+    Reads the header only."""
     from preheat.errors import UnsupportedConfigError
-    from preheat.models.gguf_file import is_gguf
     from preheat.models.scaled_fp8 import MARKER, weight_scales
     from preheat.models.weights import read_tensors
 
-    if is_gguf(file):
-        kind = "a GGUF file (Q8_0 weights beside their block scales)"
-    else:
-        with read_tensors([file]) as tensors:
-            keys = list(tensors)
-        scaled = weight_scales(dict.fromkeys(keys))
-        if not scaled and not any(k == MARKER or k.endswith("." + MARKER) for k in keys):
-            return
-        kind = f"a scaled fp8 file ({len(scaled)} weights beside their scale_weight)"
-    raise UnsupportedConfigError(f"{file} is {kind}; the torch backend reads single files of plain tensors only: "
-                                 "use the JAX backend (backend='jax', --backend jax), which keeps it quantised on "
-                                 "the device")
+    with read_tensors([file]) as tensors:
+        keys = list(tensors)
+    scaled = weight_scales(dict.fromkeys(keys))
+    if not scaled and not any(k == MARKER or k.endswith("." + MARKER) for k in keys):
+        return
+    raise UnsupportedConfigError(f"{file} is a scaled fp8 file ({len(scaled)} weights beside their scale_weight); "
+                                 "the torch backend reads single files of plain tensors or GGUF only (diffusers has "
+                                 "no loader for scaled fp8): use the JAX backend (backend='jax', --backend jax), "
+                                 "which keeps it quantised on the device")
+
+
+class GGUFSource(NamedTuple):
+    """A GGUF transformer file as diffusers users load it: ``from_single_file(file, config=configs,
+    quantization_config=GGUFQuantizationConfig(...))`` for the denoiser, ``configs`` for the rest."""
+
+    file: Path  # the .gguf file (a one-file snapshot's file for hf://org/repo/file.gguf)
+    configs: Path  # a diffusers folder: the denoiser's config, the VAE, text encoders, tokenizers, scheduler
+
+
+def gguf_source(root: Path, config: str | Path | None, variant: str | None) -> GGUFSource | None:
+    """``root`` as a GGUF file for diffusers' GGUF loader (the torch backend), None for anything
+    else. Its tensors' GGML types are checked first (the header only): one diffusers cannot
+    dequantise is one line naming it, before anything is pulled. ``config`` is what
+    ``single_file_config`` takes (None: the published model inferred, what it lacks pulled)."""
+    from preheat.models.gguf_file import is_gguf
+    from preheat.models.single_file import single_file_path
+
+    single = single_file_path(root)
+    if single is None or not is_gguf(single):
+        return None
+    _diffusers_reads(single)
+    return GGUFSource(single, single_file_config(single, config, variant))
+
+
+def _diffusers_reads(file: Path) -> None:
+    """One ``UnsupportedConfigError`` naming the first tensor of a GGML type diffusers' GGUF loader
+    has no dequantiser for (``SUPPORTED_GGUF_QUANT_TYPES``, plus the plain F32 and F16)."""
+    from preheat.errors import MissingExtraError, ModelFormatError, UnsupportedConfigError
+
+    try:
+        from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES
+        from gguf import GGMLQuantizationType, GGUFReader
+    except ModuleNotFoundError as exc:
+        raise (MissingExtraError.of(exc, f"reading the GGUF file {file}") or exc) from None
+    try:
+        tensors = GGUFReader(str(file)).tensors
+    except (ValueError, OSError, IndexError) as exc:  # a bad magic, a torn file
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelFormatError(f"cannot read {file} as GGUF: {reason[:160]}") from None
+    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *SUPPORTED_GGUF_QUANT_TYPES}
+    for tensor in tensors:
+        if tensor.tensor_type not in readable:
+            names = ", ".join(sorted(t.name for t in readable))
+            raise UnsupportedConfigError(f"{file}: {tensor.name} is GGUF type {tensor.tensor_type.name}, which "
+                                         f"diffusers' GGUF loader (the torch backend) cannot dequantise; it reads "
+                                         f"{names}")

@@ -15,9 +15,10 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 __all__ = ["atomic_write_bytes", "fsync_dir", "sha256_file", "sha256_and_size", "publish_folder", "MADE_FROM",
-           "write_made_from", "read_made_from"]
+           "write_made_from", "read_made_from", "changed_inputs", "Seen"]
 
 CHUNK = 1 << 20  # bytes read at a time while hashing
 
@@ -102,14 +103,30 @@ def publish_folder(tmp: str | Path, out: str | Path, marker: str = "model_index.
 # A folder made from other files and kept beside the weights store (``<root>/models/<kind>/<name>/``:
 # a single file converted to a diffusers folder, its config folder) names them here, so that the
 # store's garbage collection (``preheat.store.collect_orphans``) collects it with them: a folder
-# made from a snapshot no ref names any more is one no load can reach again.
+# made from a snapshot no ref names any more is one no load can reach again. Each input's size and
+# mtime are recorded beside it: the folders are named by their inputs' (path, size, mtime), so an
+# input rewritten in place (the same path, new content) names another folder, and this one is stale.
 MADE_FROM = ".made-from.json"
 
 
+class Seen(NamedTuple):
+    """An input of a made folder as it was when the folder was made (what names the folder)."""
+
+    size: int
+    mtime_ns: int
+
+
+def _seen(path: Path) -> Seen:
+    st = path.stat()
+    return Seen(st.st_size, st.st_mtime_ns)
+
+
 def write_made_from(folder: str | Path, inputs: "list[Path]") -> None:
-    """Record the files ``folder`` was made from (their resolved paths: a link's target)."""
+    """Record the files ``folder`` was made from (their resolved paths: a link's target), each with
+    its size and mtime (``Seen``)."""
     paths = sorted({str(Path(p).resolve()) for p in inputs})
-    (Path(folder) / MADE_FROM).write_text(json.dumps({"inputs": paths}, indent=1) + "\n")
+    seen = {p: list(_seen(Path(p))) for p in paths if os.path.exists(p)}  # (one already gone: nothing to compare)
+    (Path(folder) / MADE_FROM).write_text(json.dumps({"inputs": paths, "seen": seen}, indent=1) + "\n")
 
 
 def read_made_from(folder: str | Path) -> list[Path] | None:
@@ -119,3 +136,23 @@ def read_made_from(folder: str | Path) -> list[Path] | None:
         return [Path(p) for p in raw["inputs"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def changed_inputs(folder: str | Path) -> list[tuple[Path, Seen, Seen]]:
+    """The inputs of ``folder`` that are there but not as its record saw them (another size or
+    mtime: rewritten in place since), as (path, then, now); [] for a folder recorded without sizes
+    and mtimes (made before they were), and for a missing input (``read_made_from`` names it)."""
+    try:
+        raw = json.loads((Path(folder) / MADE_FROM).read_text())
+        recorded = {Path(p): Seen(*map(int, v)) for p, v in raw.get("seen", {}).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
+    out = []
+    for path, then in sorted(recorded.items()):
+        try:
+            now = _seen(path)
+        except OSError:  # missing: not a change
+            continue
+        if now != then:
+            out.append((path, then, now))
+    return out

@@ -7,8 +7,9 @@ the fleet store); ``preheat serve`` warms up the same set before READY (``Core``
 
 A signature is one serving program: sampler x guidance (off, and on when the model can guide)
 x batch bucket x served size (models that take more than their native one) x each variant of
-the family's data inputs that warm-up must compile (``InputSpec.warm``: negative prompts given
-or not, guided only; an image given or not, a mask with it -- the image a placeholder of the
+the family's data inputs that warm-up must compile, of those the set offers (``WarmSet.inputs``;
+``InputSpec.warm``: negative prompts given or not, guided only; an image given or not, a mask
+with it -- a server offering no image warms no image programs, and refuses an image -- the image a placeholder of the
 served size, so that the VAE encoder is compiled for every size a request can reach) x LoRA (none, and each declared rank bucket: ``lora_ranks``). The step count
 is runtime data, so each is compiled with ``steps=1``; a LoRA bucket with a LoRA of zeros
 (``LoraTargets.zeros`` in ``preheat.lora``), since any LoRA of the bucket is data of the same program.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple, Optional
 
 __all__ = ["WarmSet", "WarmSignature", "buckets_for", "bucket_for", "served_call", "ServedCall", "resolve",
-           "signatures", "run_signature", "status", "programs", "prefetch_calls", "warm"]
+           "signatures", "run_signature", "status", "programs", "prefetch_calls", "warm", "offered_inputs"]
 
 GUIDANCE_MODES = ("off", "on")
 
@@ -93,6 +94,10 @@ class WarmSet:
     devices: Any = None  # "all", a count or device ids; None = preheat.load's default ($PREHEAT_DEVICES or all)
     fsdp: int = 1  # the devices each weight is split over (preheat.load(fsdp=...)): part of every program
     lora_ranks: tuple[int, ...] = ()  # LoRA rank buckets (``preheat.lora.BUCKETS``) warmed besides no LoRA
+    # the optional data inputs offered (``families.inputs.optional_inputs``: a negative prompt, an
+    # image, a mask): each is its own programs, so a text-only server offers () and warms none of
+    # theirs; None = every one the family declares. Required inputs (the prompt) are always offered.
+    inputs: Optional[tuple[str, ...]] = None
     variant: Optional[str] = None  # weight files *.VARIANT.safetensors (preheat.load(variant=...))
     cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off" (preheat.load(cache=...))
     weights_dtype: Optional[str] = None  # the denoiser's weights stored in this dtype (preheat.load(weights_dtype=...))
@@ -108,6 +113,8 @@ class WarmSet:
 
         # that each is one of preheat.lora.BUCKETS is checked by the surfaces (check_lora_ranks)
         object.__setattr__(self, "lora_ranks", tuple(sorted(set(self.lora_ranks))))  # smallest first (bucket_for)
+        if self.inputs is not None:  # the names are checked against the family in resolve()
+            object.__setattr__(self, "inputs", tuple(dict.fromkeys(self.inputs)))
         bad = [g for g in self.guidance if g not in GUIDANCE_MODES]
         if bad or not self.guidance:
             raise InvalidArgumentError(f"guidance {bad or '()'} must be among {', '.join(GUIDANCE_MODES)}")
@@ -149,9 +156,13 @@ def _sized(pipe: Any) -> bool:
 
 
 def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
-    """The set with the model's defaults filled in (samplers, sizes); an unusable size fails
-    here, in one line, before anything compiles."""
+    """The set with the model's defaults filled in (samplers, sizes, the offered inputs); an
+    unusable size, or an input the family does not declare, fails here, in one line, before
+    anything compiles."""
     from preheat.errors import InvalidArgumentError
+    from preheat.families.inputs import check_offered
+
+    inputs = check_offered(pipe.family.name, _specs(pipe), warm_set.inputs)
 
     samplers = tuple(warm_set.samplers) or (pipe.defaults["sampler"],)
     sizes = tuple(warm_set.sizes)
@@ -160,18 +171,20 @@ def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
     placeholder = tuple(sorted(pipe.family.warm_inputs(pipe, guided=False)[0].items()))
     for size in sizes:  # a size the model cannot make fails here (a pixel model's too), never silently
         try:
-            pipe.check(1, width=size[0], height=size[1], steps=1, **given_inputs(pipe, placeholder, size))
+            pipe.check(1, **_size_inputs(size), steps=1, **given_inputs(pipe, placeholder, size))
         except InvalidArgumentError as err:
             raise InvalidArgumentError(f"--sizes {size[0]}x{size[1]}: {err}", argument="sizes") from None
     if warm_set.lora_ranks and pipe.lora_runtime is None:
         raise InvalidArgumentError(f"LoRA rank buckets {', '.join(map(str, warm_set.lora_ranks))} are declared, "
                                    f"but LoRAs are not supported for a {pipe.family.name} model")
-    return replace(warm_set, samplers=samplers, sizes=sizes)
+    return replace(warm_set, samplers=samplers, sizes=sizes, inputs=inputs)
 
 
 def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
-    """Every program of a resolved set (see the module docstring for the product)."""
+    """Every program of a resolved set (see the module docstring for the product): the input
+    variants only of the offered inputs (``WarmSet.inputs``)."""
     from preheat.errors import InvalidArgumentError
+    from preheat.families.inputs import offered_specs
 
     default = pipe.defaults.get("guidance")
     scales = [1.0] if "off" in warm_set.guidance else []
@@ -185,19 +198,33 @@ def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
     sizes: tuple[Optional[tuple[int, int]], ...] = warm_set.sizes if _sized(pipe) else (None,)
     buckets = buckets_for(warm_set.max_batch_size, pipe.device_count)  # every device gets a slice
     base = pipe.family.warm_inputs(pipe, guided=False)[0]
+    offered = {s.name for s in offered_specs(_specs(pipe), warm_set.inputs)}
     out = []
     for sampler in warm_set.samplers:
         for g in scales:
             for size in sizes:
                 for variant in pipe.family.warm_inputs(pipe, guided=g != 1.0):
                     given = tuple(sorted(variant.items()))
-                    if not _served(pipe, sampler, g, size, given):
+                    if not offered.issuperset(variant) or not _served(pipe, sampler, g, size, given):
                         continue
                     beyond = tuple(k for k, v in given if k not in base or base[k] != v)
                     for bucket in buckets:  # LoRA buckets smallest first: each is then compiled as itself
                         out += [WarmSignature(sampler, g, bucket, size, given, lora, beyond, warm_set.progress)
                                 for lora in (None, *warm_set.lora_ranks)]
     return out
+
+
+def offered_inputs(pipe: Any, warm_set: WarmSet) -> dict[str, list[str]]:
+    """What a resolved set offers, by keyword: ``required`` (always), ``optional`` (the offered
+    ones, ``WarmSet.inputs``) and ``not_offered`` (declared, refused by a server of this set)."""
+    from preheat.families.inputs import optional_inputs, required_inputs
+
+    specs = _specs(pipe)
+    optional = optional_inputs(specs)
+    offered = optional if warm_set.inputs is None else warm_set.inputs
+    return {"required": list(required_inputs(specs)),
+            "optional": [n for n in optional if n in offered],
+            "not_offered": [n for n in optional if n not in offered]}
 
 
 def _served(pipe: Any, sampler: str, guidance: float, size: Optional[tuple[int, int]],
@@ -208,12 +235,19 @@ def _served(pipe: Any, sampler: str, guidance: float, size: Optional[tuple[int, 
 
     if not any(name in _image_inputs(pipe) for name, _ in given):
         return True  # text-to-image variants: resolve() has checked them
-    sized = {} if size is None else {"width": size[0], "height": size[1]}
+    sized = {} if size is None else _size_inputs(size)
     try:
         pipe.check(1, sampler=sampler, guidance=guidance, steps=1, **sized, **given_inputs(pipe, given, size))
     except InvalidArgumentError:
         return False
     return True
+
+
+def _size_inputs(size: tuple[int, int]) -> dict[str, int]:
+    """A served (width, height) as ``generate`` keywords (``families.inputs.IMAGE_SIZE``)."""
+    from preheat.families.inputs import IMAGE_SIZE
+
+    return IMAGE_SIZE.inputs(size)
 
 
 def _image_inputs(pipe: Any) -> set[str]:
@@ -247,7 +281,7 @@ def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
     inputs: dict[str, Any] = {"steps": 1, "sampler": sig.sampler, "guidance": sig.guidance, "seed": list(range(n)),
                               **given_inputs(pipe, sig.given, sig.size, n)}
     if sig.size is not None:
-        inputs.update(width=sig.size[0], height=sig.size[1])
+        inputs.update(_size_inputs(sig.size))
     inputs.update(progress_inputs(pipe, sig.progress))  # a server streams every step
     if sig.lora:  # per image, as a server's batches give it (the same slot count); one zeros LoRA per rank
         inputs["lora"] = [[(pipe.lora_runtime.warm_zeros(sig.lora), 1.0)]] * n

@@ -4,7 +4,8 @@ at ``hub.base``.
 
 * ``GET /api/models/{repo}/revision/{rev}``: the repository's info (``sha``, ``siblings``);
 * ``GET /api/models/{repo}/tree/{rev}?recursive=...``: every file (path, size, oid, lfs);
-* ``HEAD|GET /{repo}/resolve/{rev}/{path}``: a file (``X-Repo-Commit``, ``ETag``, ``Content-Length``).
+* ``HEAD|GET /{repo}/resolve/{rev}/{path}``: a file (``X-Repo-Commit``, ``ETag``, ``Content-Length``;
+  a GET with ``Range: bytes=a-b`` gets that part, 206).
 
 Each request is recorded (``hits``: method and path), so a test can assert which files' bodies
 were sent and how many bytes. ``gated=True`` answers file downloads as a gated repository does to a
@@ -125,7 +126,12 @@ class _Handler(BaseHTTPRequestHandler):
             name = resolve["file"]
             data = hub.files[name]
             headers = {"X-Repo-Commit": hub.commit, "ETag": f'"{_etag(data, name)}"',
-                       "Content-Type": "application/octet-stream"}
+                       "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
+            span = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+            if span and body and int(span[1]) < len(data):  # a part of the file, as the Hub's CDN answers
+                start, end = int(span[1]), min(int(span[2] or len(data) - 1), len(data) - 1)
+                headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+                return self._send(206, data[start:end + 1], headers, body, name)
             return self._send(200, data, headers, body, name)
         error = {"X-Error-Code": "RepoNotFound" if not (info or tree or resolve) else "EntryNotFound"}
         self._send(404, b'{"error": "not found"}', {**json_headers, **error}, body, path)

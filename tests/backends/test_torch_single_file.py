@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import preheat
-from preheat.errors import UnsupportedConfigError
+from preheat.errors import ModelFormatError, UnsupportedConfigError
 from tests._support import flow_fixtures, sd_fixtures
 from tests._support.bfl_files import to_bfl
 from tests._support.ldm_files import to_original
@@ -144,9 +144,10 @@ class _Stop(Exception):
     pass
 
 
-def test_quantised_single_files_are_one_line_for_the_torch_backend(files, tmp_path, monkeypatch):
+def test_scaled_fp8_and_torn_gguf_files_are_one_line_for_the_torch_backend(files, tmp_path, monkeypatch):
     """A scaled fp8 file converts to fp8 weights beside their scales, which diffusers' loader would
-    take as the weights: refused before anything is converted, naming the file and the way out."""
+    take as the weights (diffusers has no loader for ComfyUI's scaled files): refused before
+    anything is converted, naming the file and the way out. A torn GGUF file is one line too."""
     from safetensors.numpy import load_file, save_file
 
     folder, path = files["flux-dev"]
@@ -173,7 +174,7 @@ def test_quantised_single_files_are_one_line_for_the_torch_backend(files, tmp_pa
     assert r.exit_code != 0 and "is a scaled fp8 file" in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
     gguf = tmp_path / "flux1-tiny-Q8_0.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(64))  # refused by its kind, before its tensors are read
-    with pytest.raises(UnsupportedConfigError, match=r"is a GGUF file .*the torch backend reads single files of "
-                                                     r"plain tensors only"):
+    gguf.write_bytes(b"GGUF" + bytes(64))  # a torn GGUF (tests/backends/test_torch_gguf.py reads real ones)
+    with pytest.raises(ModelFormatError, match=r"cannot read .*flux1-tiny-Q8_0\.gguf as GGUF") as err:
         preheat.load(gguf, backend="torch", config=folder)
+    assert "\n" not in str(err.value)

@@ -56,3 +56,93 @@ def test_dry_run_lists_every_program_of_a_text_family_and_compiles_nothing(sd_pi
     compiled = [(e["stage"], e["key"]) for e in pipe.compiler.events]
     assert compiled == [(p["stage"], p["key"]) for p in listed]
     assert all(p["local"] for p in warming.programs(pipe, sig))
+
+
+# --inputs: the optional data inputs a set offers (WarmSet.inputs). SD 1.x declares three (a
+# negative prompt, of guided programs only; an image; a mask, which needs the image).
+OFFERED = [
+    (None, [(), ("image", "strength"), ("image", "mask_image", "strength"), (), ("image", "strength"),
+            ("image", "mask_image", "strength"), ("negative_prompt",), ("image", "negative_prompt", "strength"),
+            ("image", "mask_image", "negative_prompt", "strength")]),
+    ((), [(), ()]),
+    (("negative_prompt",), [(), (), ("negative_prompt",)]),
+    (("image",), [(), ("image", "strength"), (), ("image", "strength")]),
+    (("mask_image", "image"), [(), ("image", "strength"), ("image", "mask_image", "strength"), (),
+                               ("image", "strength"), ("image", "mask_image", "strength")]),
+]
+
+
+@pytest.mark.parametrize("inputs, variants", OFFERED)
+def test_the_offered_inputs_select_the_warmed_variants(sd_pipe, inputs, variants):
+    """Unguided programs first, then guided ones (a negative prompt only there); nothing compiles."""
+    from preheat import warm as warming
+
+    resolved = warming.resolve(sd_pipe, WarmSet(max_batch_size=1, sizes=((32, 32),), inputs=inputs))
+    sigs = warming.signatures(sd_pipe, resolved)
+    assert [s.variant for s in sigs] == variants
+    guided = [s.guidance != 1.0 for s in sigs]
+    assert guided == sorted(guided) and all(g for s, g in zip(sigs, guided) if "negative_prompt" in s.variant)
+    everything = warming.signatures(sd_pipe, warming.resolve(sd_pipe, WarmSet(max_batch_size=1, sizes=((32, 32),))))
+    assert all(s in everything for s in sigs)  # a subset of the default set, program for program
+    assert resolved.inputs == tuple(n for n in ("negative_prompt", "image", "mask_image")
+                                    if inputs is None or n in inputs)  # in declaration order
+
+
+@pytest.mark.parametrize("inputs, message", [
+    (("foo",), "--inputs 'foo' is not an optional input of a stable-diffusion model: its optional inputs are "
+               "negative_prompt, image, mask_image (or none); prompt always offered"),
+    (("strength",), "--inputs 'strength' is not an optional input"),  # it goes with the image
+    (("prompt",), "--inputs 'prompt' is not an optional input"),  # always offered
+    (("mask_image",), "--inputs mask_image needs image; offer both"),
+    (("none", "image"), "--inputs none stands alone: it offers only the required inputs; prompt always offered"),
+])
+def test_inputs_the_family_does_not_declare_fail_in_one_line(sd_pipe, inputs, message):
+    from preheat import warm as warming
+    from preheat.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError) as err:
+        warming.resolve(sd_pipe, WarmSet(max_batch_size=1, sizes=((32, 32),), inputs=inputs))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_the_inputs_flag_is_one_declaration_for_warm_and_serve():
+    from preheat.families.inputs import parse_offered
+
+    assert parse_offered(None) is None and parse_offered("none") == () and parse_offered(" image, mask_image,") == (
+        "image", "mask_image")
+    warm_set = warm_set_from_options(None, "float32", 4, None, None, "off,on", inputs_text="negative_prompt")
+    assert warm_set.inputs == ("negative_prompt",)
+    config = CoreConfig.from_warm_set(warm_set)
+    assert config.inputs == ("negative_prompt",) and config.warm_set() == warm_set
+    assert CoreConfig().warm_set().inputs is None  # the default: every input the family declares
+
+
+def test_the_inputs_flag_names_what_the_model_declares_in_one_line():
+    """The built-in digits model (a pixel model) has no optional inputs."""
+    from preheat.cli import main
+
+    result = CliRunner().invoke(main, ["warm", "--inputs", "image", "--dry-run"])
+    assert result.exit_code != 0
+    assert result.output.strip().splitlines() == [
+        "error: --inputs 'image' is not an optional input of a pixel model: it has no optional inputs (give none, "
+        "or leave --inputs out)"], result.output
+
+
+def test_dry_run_lists_the_offered_inputs_and_their_programs(sd_pipe, monkeypatch, tmp_path):
+    import json
+
+    import preheat
+    from preheat.cli import main
+
+    monkeypatch.setattr(preheat, "load", lambda model, **options: sd_pipe)
+    result = CliRunner().invoke(main, ["warm", str(tmp_path), "--inputs", "negative_prompt", "--guidance", "on",
+                                       "--max-batch-size", "1", "--sizes", "32x32", "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output[result.output.index("{"):])
+    assert out["inputs"] == {"required": ["prompt"], "optional": ["negative_prompt"],
+                             "not_offered": ["image", "mask_image"]}
+    assert [row["signature"] for row in out["signatures"]] == ["ddim batch 1 32x32 guidance 7.5",
+                                                                "ddim batch 1 32x32 +negative_prompt guidance 7.5"]
+    text = CliRunner().invoke(main, ["warm", str(tmp_path), "--inputs", "negative_prompt", "--guidance", "on",
+                                     "--max-batch-size", "1", "--sizes", "32x32", "--dry-run"])
+    assert "inputs offered: prompt, negative_prompt (not offered: image, mask_image)" in text.output.splitlines()

@@ -27,7 +27,7 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError
-from preheat.families.inputs import Choice, Float, Image, InputSpec, Int, Ints, Label, Pair, Text
+from preheat.families.inputs import COMMON_SPECS, IMAGE_SIZE, Choice, Float, Image, InputSpec, Int, Ints, Label, Pair, Text
 from preheat.server.images import decode_data_url
 from tests._support.image_files import data_uri, encoded
 from tests._support.server_fixtures import runpod_jobs, serving, wait_status
@@ -102,11 +102,33 @@ def _specs(pipe: Any) -> tuple[InputSpec, ...]:
     return tuple(pipe.family.input_specs(pipe))
 
 
-def engine_named(spec: InputSpec, message: str, surface_name: str | None = None) -> bool:
-    """Whether ``message`` names the input by the engine's keyword (``class_labels=3``) on a surface
-    that names it otherwise (its field, ``surface_name``, or its flag)."""
-    return (surface_name or spec.surface_name) != spec.name and re.search(
-        rf"(?<![\w-]){re.escape(spec.name)}=", message) is not None
+def engine_named(specs: tuple[InputSpec, ...], message: str, surface: str = "server") -> list[str]:
+    """The engine keywords ``message`` names inputs by (``class_labels=3``, ``prompt has 2001
+    characters``, ``sampler 'ddim'``) where ``surface`` ("server": its fields; "cli": its flags) names
+    them otherwise: of the family's inputs ``specs`` and the common ones (``steps``, ``sampler``, ...)."""
+    used = []
+    for spec in (*specs, *COMMON_SPECS):
+        own = spec.cli_flag if surface == "cli" else spec.surface_name
+        # the keyword given a value, or the subject of the sentence; never inside a word or a flag
+        if own != spec.name and re.search(rf"(?<![\w-]){re.escape(spec.name)}(?:=| (?:has|must|given|is|needs|"
+                                          rf"['\"\[(]))", message):
+            used.append(spec.name)
+    return used
+
+
+def test_the_engine_keyword_check_sees_each_way_a_message_names_an_input() -> None:
+    """A message from before each surface words it in its own names is caught (it names the engine's
+    keyword), and the reworded one is not."""
+    prompt = InputSpec("prompt", Text(), "A prompt.")
+    labels = InputSpec("class_labels", Label(10), "A class.", field="class_label", flag="--class")
+    assert engine_named((prompt,), "--prompt: prompt has 2001 characters; at most 2000", "cli") == ["prompt"]
+    assert engine_named((prompt,), "--prompt has 2001 characters; at most 2000", "cli") == []
+    assert engine_named((labels,), "class_labels=10 is unknown", "server") == ["class_labels"]
+    assert engine_named((), "timesteps is not supported for sampler 'ddim'", "server") == ["sampler"]
+    assert engine_named((), "timesteps is not supported for scheduler 'ddim'", "server") == []
+    assert engine_named((), "strength=0.1 with steps=2 runs no step", "server") == ["steps"]
+    assert engine_named((), "strength=0.1 with num_inference_steps=2 runs no step", "server") == []
+    assert engine_named((), "--strength=0.1 with --steps=2 runs no step", "cli") == []
 
 
 def _cog(spec: InputSpec, value: Any) -> dict[str, Any]:
@@ -165,24 +187,24 @@ def test_every_declared_input_out_of_bounds_is_refused_naming_it(served, monkeyp
                                                             if s.name in base}, **COG_CHEAP, **_cog(spec, bad)}})
         assert r.status_code == 422, (spec.name, r.text)
         assert any(spec.surface_name in e["loc"] for e in r.json()["detail"]), (spec.name, r.json())
-        assert not any(engine_named(spec, e["msg"]) for e in r.json()["detail"]), (spec.name, r.json())
+        assert not any(engine_named(_specs(pipe), e["msg"]) for e in r.json()["detail"]), (spec.name, r.json())
         # Runpod
         (result,) = runpod_jobs(core, {"id": kind, "input": {**{s.surface_name: base[s.name] for s in _specs(pipe)
                                                                   if s.name in base}, **_cog(spec, bad)}})
         assert result.get("error", "").startswith(f"{spec.surface_name}: "), (spec.name, result)
-        assert not engine_named(spec, result["error"]), (spec.name, result)
+        assert not engine_named(_specs(pipe), result["error"]), (spec.name, result)
         # OpenAI over HTTP (a size is OpenAI's "size"; every other input an extra field)
         body: dict[str, Any] = {"n": 1, **({"prompt": base["prompt"]} if "prompt" in base else {})}
-        if spec.name in ("width", "height"):
-            w, h = pipe.family.native_size(pipe)
-            body["size"] = f"{bad}x{h}" if spec.name == "width" else f"{w}x{bad}"
+        if spec.name in IMAGE_SIZE:  # the native size with this side out of bounds
+            size = {**IMAGE_SIZE.inputs(pipe.family.native_size(pipe)), spec.name: bad}
+            body["size"] = "x".join(str(size[side]) for side in IMAGE_SIZE)
             param = "size"
         else:
             body[spec.surface_name] = bad
             param = spec.surface_name
         r = client.post("/v1/images/generations", json=body)
         assert r.status_code == 422 and r.json()["error"]["param"] == param, (spec.name, r.text)
-        assert not engine_named(spec, r.json()["error"]["message"]), (spec.name, r.text)
+        assert not engine_named(_specs(pipe), r.json()["error"]["message"]), (spec.name, r.text)
         # the CLI
         value = ",".join(map(str, bad)) if isinstance(bad, list) else str(bad)
         others = [x for s in _specs(pipe) if s.name in base and s.name != spec.name
@@ -192,7 +214,7 @@ def test_every_declared_input_out_of_bounds_is_refused_naming_it(served, monkeyp
         assert result.exit_code == 2, (spec.name, result.output)
         assert len(result.output.strip().splitlines()) == 1 and spec.cli_flag in result.output, (
             spec.name, result.output)
-        assert not engine_named(spec, result.output, spec.cli_flag), (spec.name, result.output)
+        assert not engine_named(_specs(pipe), result.output, "cli"), (spec.name, result.output)
 
 
 def test_the_schemas_state_every_declared_input(served):
@@ -201,6 +223,6 @@ def test_the_schemas_state_every_declared_input(served):
     cog, openai = schema["Input"]["properties"], schema["ImageGenerationRequest"]["properties"]
     for spec in _specs(pipe):
         assert spec.surface_name in cog, (spec.name, sorted(cog))
-        if spec.name not in ("width", "height"):  # OpenAI's size states both
+        if spec.name not in IMAGE_SIZE:  # OpenAI's size states both
             assert spec.surface_name in openai, (spec.name, sorted(openai))
     assert schema["Input"]["additionalProperties"] is False

@@ -198,13 +198,16 @@ def test_every_supported_type_reads_as_gguf_dequantises_it(tmp_path):
 def test_a_gguf_file_of_a_hub_repository_loads_by_its_hf_path(files, pipe, tmp_path, monkeypatch):
     """``hf://org/repo/path/file.gguf`` is one file of the repository, fetched through the store from
     the stand-in Hub (only that file's bytes), then read as the local file is: the same image.
-    ``preheat pull --dry-run`` lists exactly it and fetches nothing."""
+    ``preheat pull --dry-run`` lists exactly it, reading its header alone (the tiny file is no
+    published model: nothing else is listed)."""
     from click.testing import CliRunner
 
+    from preheat import file_configs
     from preheat.cli.pull import pull_command
     from tests._support.hub_server import FakeHub, pointed_at
 
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(file_configs, "_FIRST_READ", 256)  # the tiny file is under the first read's 1 MiB
     body = files["q8"].read_bytes()
     repo = {"README.md": b"# tiny", "flux1-dev-Q8_0.gguf": body, "q4/flux1-dev-Q4_0.gguf": files["q4"].read_bytes()}
     hub = FakeHub("example/tiny-flux-gguf", repo).start()
@@ -213,8 +216,13 @@ def test_a_gguf_file_of_a_hub_repository_loads_by_its_hf_path(files, pipe, tmp_p
         out = CliRunner().invoke(pull_command, ["hf://example/tiny-flux-gguf/flux1-dev-Q8_0.gguf", "--dry-run"])
         assert out.exit_code == 0, out.output
         lines = out.output.splitlines()
-        assert lines[0].split() == [f"{len(body):,d}", "flux1-dev-Q8_0.gguf"] and "total: 1 files" in lines[-1]
-        assert hub.downloaded() == {}  # listed, not fetched
+        assert lines[0] == "hf://example/tiny-flux-gguf/flux1-dev-Q8_0.gguf is one file of hf://example/tiny-flux-gguf; " \
+                           "a pull fetches:"
+        assert lines[1].split() == [f"{len(body):,d}", "flux1-dev-Q8_0.gguf"] and "total: 1 files" in lines[2]
+        assert len(lines) == 3  # no published model: nothing it lacks is listed
+        assert set(hub.downloaded()) == {"flux1-dev-Q8_0.gguf"}  # its header read, not its tensors
+        assert hub.downloaded()["flux1-dev-Q8_0.gguf"] < len(body) // 4
+        hub.hits.clear()
 
         call = dict(noise=_noise(), steps=STEPS, sampler="flow_euler", guidance=GUIDANCE, width=32, height=32)
         remote = preheat.load("hf://example/tiny-flux-gguf/flux1-dev-Q8_0.gguf", config=files["folder"], cache="off")

@@ -407,3 +407,62 @@ def test_a_gguf_of_no_published_model_without_config_is_one_line(published, tmp_
                                                    r"preheat infers: pass config=") as err:
         preheat.load(q8, cache="off")
     _one_line(err)
+
+
+def test_a_remote_gguf_without_config_pulls_what_it_lacks(published, hub_of, tmp_path, monkeypatch):
+    """`hf://org/repo/file.gguf` is pulled as a local GGUF is: `pull --dry-run` reads the file's
+    header alone (HTTP Range requests, grown until the header is whole) and lists the file and the
+    text encoders, VAE and tokenizers it lacks; `pull` stores the file and fetches exactly those;
+    the load then needs no request and draws the image of the local file with `config=<folder>`,
+    on either backend."""
+    gguf = pytest.importorskip("gguf")
+    from click.testing import CliRunner
+    from safetensors.numpy import load_file
+
+    from preheat import file_configs
+    from preheat.cli.pull import pull_command
+    from tests._support.gguf_files import write_gguf
+
+    folder, path, entry, files = _flux_file_and_repo(tmp_path, published)
+    q8 = tmp_path / "flux1-tiny-Q8_0.gguf"
+    write_gguf(q8, load_file(str(path)), gguf.GGMLQuantizationType.Q8_0)
+    files[q8.name] = q8.read_bytes()  # beside the published folders, as a repository of GGUFs holds them
+    hub = hub_of(entry.repo, files)
+    source = f"hf://{entry.repo}/{q8.name}"
+    wanted = ("text_encoder/", "text_encoder_2/", "tokenizer/", "tokenizer_2/", "vae/")
+    lacked = {p: len(b) for p, b in files.items() if p.startswith(wanted)}
+    size = len(files[q8.name])
+
+    monkeypatch.setattr(file_configs, "_FIRST_READ", 256)  # the tiny file's header is a few KB: reads grow
+    out = CliRunner().invoke(pull_command, [source, "--dry-run"])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0] == f"{source} is one file of hf://{entry.repo}; a pull fetches:"
+    assert lines[1].split() == [f"{size:,d}", q8.name]
+    cut = lines.index(f"{source} is a tiny-flux single file; it needs these files of hf://{entry.repo}:")
+    assert cut == 3 and {ln.split()[1]: int(ln.split()[0].replace(",", "")) for ln in lines[cut + 1:-1]} == lacked
+    reads = [h.sent for h in hub.hits if h.method == "GET" and h.path == q8.name]
+    print(f"dry run: header read in {len(reads)} range requests, {reads} bytes of a {size}-byte file")
+    assert len(reads) >= 2 and reads == sorted(reads) and reads[-1] < size // 4  # grown, never the tensors
+    assert set(hub.downloaded()) == {q8.name}  # nothing else fetched
+
+    hub.hits.clear()
+    out = CliRunner().invoke(pull_command, [source, "--quiet"])
+    assert out.exit_code == 0, out.output
+    assert hub.downloaded() == {q8.name: size, **lacked}  # the file whole, and exactly what it lacks
+    hub.hits.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    noise = np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32)
+    call = dict(noise=noise, steps=2, sampler="flow_euler", guidance=3.5, width=32, height=32)
+    ours = preheat.load(source).generate("a watercolor fox", **call)  # no config=: inferred, read from the store
+    assert hub.hits == []
+    theirs = preheat.load(q8, config=folder).generate("a watercolor fox", **call)
+    assert np.array_equal(ours, theirs) and ours.std() > 5
+
+    # the torch backend too (diffusers' GGUF loader on the stored file, the fetched folders beside it)
+    from tests._support.single_files import diffusers_bfl_at_tiny_widths
+
+    with diffusers_bfl_at_tiny_widths(folder, monkeypatch):
+        remote = preheat.load(source, backend="torch").generate("a watercolor fox", **call)
+        local = preheat.load(q8, backend="torch", config=folder).generate("a watercolor fox", **call)
+    assert hub.hits == [] and np.array_equal(remote, local) and remote.std() > 5

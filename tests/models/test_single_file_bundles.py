@@ -19,7 +19,7 @@ import preheat
 from preheat.errors import ModelFormatError
 from tests._support import flow_fixtures
 from tests._support.numerics import assert_pixels_close
-from tests._support.single_files import bundle, diffusers_bfl_at_tiny_widths, mmdit_file
+from tests._support.single_files import bfl_file, bundle, diffusers_bfl_at_tiny_widths, mmdit_file
 
 PROMPT = "a lighthouse at dusk"
 
@@ -277,3 +277,115 @@ def test_bad_sd3_and_bundle_files_are_one_line(sd3, flux, tmp_path, monkeypatch)
     (odd / "transformer" / "config.json").write_text(json.dumps({"_class_name": "SD3Transformer2DModel"}))
     refused(variant("sd3-odd", tensors), odd, r"configs of .*odd-config do not fit a file of the mmdit layout "
                                               r"\(transformer/config\.json has no 'num_layers'\)")
+
+
+FP8 = "float8_e4m3fn"
+
+
+def _fp8(tensors: dict[str, np.ndarray], scaled: bool, prefix: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(``tensors`` with every 2-D ``.weight`` under ``prefix`` stored F8_E4M3, those weights dequantised
+    in float32). Plain: the weight as it rounds (flux1-dev-fp8's transformer and T5). Scaled: divided by
+    a float32 per-tensor scale ``amax / 448`` stored beside it as ``scale_weight``, with the file's
+    ``scaled_fp8`` marker (ComfyUI's scaled files)."""
+    import ml_dtypes
+
+    from preheat.models import scaled_fp8
+
+    out, dequantised = dict(tensors), {}
+    for key, value in tensors.items():
+        if value.ndim != 2 or not key.endswith(".weight") or not key.startswith(prefix):
+            continue
+        scale = np.float32(np.abs(value).max() / 448.0) if scaled else np.float32(1.0)
+        out[key] = (value / scale).astype(ml_dtypes.float8_e4m3fn)
+        dequantised[key] = out[key].astype(np.float32) * scale
+        if scaled:
+            out[key[:-len("weight")] + "scale_weight"] = np.array(scale, np.float32)
+    if scaled:
+        out[scaled_fp8.MARKER] = np.zeros((0,), ml_dtypes.float8_e4m3fn)
+    assert dequantised, prefix
+    return out, dequantised
+
+
+def _device_leaves(params) -> dict[str, object]:
+    from flax import nnx
+
+    return {".".join(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(params)}
+
+
+@pytest.mark.parametrize("layout", ["bfl", "mmdit"])
+def test_fused_qkv_pieces_of_an_fp8_file_stay_fp8(layout, sd3, flux, tmp_path, monkeypatch):
+    """FLUX.1's (BFL) and SD3's (MMDiT) files fuse q, k and v into one weight, which the load cuts
+    into diffusers' ``to_q``/``to_k``/``to_v`` (``add_*_proj``; a FLUX single block's ``linear1`` too).
+    In an fp8 file, plain or scaled, every piece is placed as the file stores its rows: the same fp8
+    bytes (beside the fused weight's scale), not widened on the host, with ``weights_dtype`` or
+    without; without it the transformer's device bytes are the bytes read."""
+    from preheat.models.quantised import Quantised
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    folder = flux["a"] if layout == "bfl" else sd3["a"]
+    tensors = bfl_file(folder) if layout == "bfl" else mmdit_file(folder)  # the transformer, in its original names
+    fused = ("model.diffusion_model.double_blocks.0.img_attn.qkv.weight" if layout == "bfl"
+             else "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight")
+    for scaled in (False, True):
+        stored, _ = _fp8(tensors, scaled, "model.diffusion_model.")
+        path = tmp_path / f"{layout}-{'scaled' if scaled else 'plain'}.safetensors"
+        _save(stored, path)
+        rows = stored[fused].view(np.uint8)  # (3 * inner, in): q, k, v stacked
+        n = rows.shape[0] // 3
+        for weights_dtype in (None, FP8):
+            pipe = preheat.load(path, config=folder, cache="off", weights_dtype=weights_dtype)
+            leaves = _device_leaves(pipe.params)
+            pieces = {k: v for k, v in leaves.items()
+                      if k.endswith((".to_q.kernel", ".to_k.kernel", ".to_v.kernel", "_q_proj.kernel",
+                                     "_k_proj.kernel", "_v_proj.kernel"))}
+            assert len(pieces) >= 6, sorted(leaves)
+            for key, value in pieces.items():
+                assert isinstance(value, Quantised) == scaled, key
+                assert (value.values if scaled else value).dtype == np.dtype(FP8), (key, value.dtype)
+            for j, name in enumerate(("to_q", "to_k", "to_v")):
+                value = leaves[f"transformer_blocks.0.attn.{name}.kernel"]
+                np.testing.assert_array_equal(np.asarray(value.values if scaled else value).T.view(np.uint8),
+                                              rows[j * n:(j + 1) * n], err_msg=name)
+            if weights_dtype is None:
+                part = pipe.load_report.parts[-2]
+                assert "transformer" in part.source and part.bytes_read == part.placed_bytes, part
+
+
+def test_a_bundle_s_fp8_text_encoders_are_dequantised_on_load(flux, tmp_path, monkeypatch):
+    """A FLUX.1 fp8 bundle whose text encoders are fp8 too, as published files ship T5: the
+    transformer and CLIP-L plain fp8, T5 scaled fp8 (per tensor, its tied embedding under both names,
+    each with a scale). The encoders' programs do not upcast, so their weights are dequantised on the
+    host as they are placed (float32 arrays, never ``Quantised``): each encoder's output is
+    transformers' on the dequantised weights, and not the unrounded weights' output."""
+    import torch
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    clip_at, t5_at = "text_encoders.clip_l.transformer.", "text_encoders.t5xxl.transformer."
+    stored, _ = _fp8(bundle(flux["a"], "bfl", vae_top="vae."), False, "model.diffusion_model.")
+    stored, clip_weights = _fp8(stored, False, clip_at)
+    stored, t5_weights = _fp8(stored, True, t5_at)
+    assert {"shared.weight", "encoder.embed_tokens.weight"} <= {k[len(t5_at):] for k in t5_weights}
+    path = tmp_path / "flux1-dev-fp8-tiny.safetensors"
+    _save(stored, path)
+    pipe = preheat.load(path, config=flux["b"], cache="off", weights_dtype=FP8)
+    clip, t5 = pipe.components.text_encoders
+    for encoder in (clip, t5):
+        assert all(type(v).__module__.startswith("jax") and v.dtype == np.float32
+                   for v in _device_leaves(encoder.params).values())
+    ids = np.random.default_rng(0).integers(1, 99, (2, 12)).astype(np.int64)
+    for ours, cls, component, prefix, weights in ((clip, CLIPTextModel, "text_encoder", clip_at, clip_weights),
+                                                  (t5, T5EncoderModel, "text_encoder_2", t5_at, t5_weights)):
+        ref = cls.from_pretrained(flux["a"] / component, torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            unrounded = ref(torch.from_numpy(ids)).last_hidden_state.numpy()
+            names = ref.state_dict().keys()  # CLIP's without ``text_model.`` in this transformers
+            state = {(k if k in names else k.removeprefix("text_model.")): torch.from_numpy(v)
+                     for k, v in ((k[len(prefix):], v) for k, v in weights.items())}
+            missing, unexpected = ref.load_state_dict(state, strict=False)
+            assert not unexpected and len(state) > 5, unexpected
+            theirs = ref(torch.from_numpy(ids)).last_hidden_state.numpy()
+        got = np.asarray(ours(ids).last_hidden_state if cls is CLIPTextModel else ours(ids))
+        print(f"{component} fp8: max |Δ| {np.abs(got - theirs).max():.2e}, vs unrounded {np.abs(got - unrounded).max():.2e}")
+        np.testing.assert_allclose(got, theirs, rtol=1e-4, atol=1e-4, err_msg=component)
+        assert np.abs(got - unrounded).max() > 100 * max(np.abs(got - theirs).max(), 1e-6), component

@@ -24,6 +24,7 @@ from tests._support.sd_fixtures import save_tiny_sd
 
 FP8 = "float8_e4m3fn"
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
+ORDER_TOL = 0.01  # the same weights, products in another order (float32): test_scaled_fp8.py says why
 CALLS = {"flux": dict(prompt="a watercolor fox", guidance=3.5), "sd": dict(prompt="a photo of a cat", guidance=5.0)}
 
 
@@ -97,6 +98,35 @@ def test_fp8_matches_diffusers_layerwise_casting(folders, pipes, name):
     moved = np.abs(full.astype(np.int32) - ours.astype(np.int32)).mean()
     print(f"{name} fp8 vs full precision: mean |Δpx| {moved:.4f}")
     assert moved > 2 * diff.mean() and moved > 0.1
+
+
+def test_fp8_1x1_convs_draw_diffusers_image_of_the_fp8_weights(folders, pipes, record_property):
+    """The SD UNet's plain fp8 1x1 convs (attention ``proj_in``/``proj_out``, resnet ``conv_shortcut``)
+    are matrix products on the fp8 weight (``layers.Conv2d``), the 3x3 ones XLA's convolution of the
+    converted weight. diffusers' pipeline with the same layers' weights rounded to fp8 and back (the
+    biases full, as preheat keeps them) draws the same image to ``ORDER_TOL``: the same products in
+    another order, float32 compute."""
+    import torch
+
+    from tests._support.numerics import assert_pixels_close
+
+    low = _stored_low(pipes[("sd", True)].params)
+    pointwise = {n for n in low if n.endswith(("proj_in", "proj_out", "conv_shortcut"))}
+    assert len(pointwise) >= 4 and {"down_blocks.0.attentions.0.proj_in"} <= pointwise, pointwise
+    ref = sd_reference(folders["sd"], "ddim")
+    modules = dict(ref.unet.named_modules())
+    assert all(modules[n].weight.ndim == 4 for n in pointwise)  # convolutions in diffusers' SD 1.x UNet
+    with torch.no_grad():
+        for name in low:
+            weight = modules[name].weight
+            weight.copy_(weight.to(torch.float8_e4m3fn).to(weight.dtype))
+    call = CALLS["sd"]
+    theirs = sd_pixels(ref, call["prompt"], _noise(), num_inference_steps=3, guidance_scale=call["guidance"],
+                       height=32, width=32)
+    ours = _ours(pipes, "sd", True)
+    record_property("mean_abs_px", float(np.abs(ours.astype(np.int32) - theirs.astype(np.int32)).mean()))
+    assert_pixels_close(ours, theirs, mean_tol=ORDER_TOL, max_tol=1)
+    assert ours.std() > 5
 
 
 def test_fp8_is_part_of_the_compile_key(pipes):
@@ -225,18 +255,16 @@ def _h200_hlo(fn, *args) -> str:
         return jax.jit(fn).lower(*on_device(args, device)).compile().as_text()
 
 
-def _kernels(hlo: str) -> list[tuple[str, str, str]]:
-    """The entry computation's fusions (one GPU kernel each): (output type, kind, called computation)."""
-    import re
+def _header(hlo: str, kernel) -> str:
+    """A kernel's fused computation's first line: the parameters it reads, with their types."""
+    from preheat.bench.fp8 import computation
 
-    entry = hlo[hlo.index("\nENTRY"):]
-    return re.findall(r"= (\S+) fusion\(.*?kind=(k\w+), calls=(%[\w.\-]+)", entry)
+    return computation(hlo, kernel.name).split("\n", 1)[0]
 
 
-def _computation(hlo: str, name: str) -> str:
-    import re
-
-    return next(c for c in re.split(r"\n(?=%)", hlo) if c.startswith(name + " "))
+def _convs(ks) -> list[str]:
+    """The cuDNN convolution calls among ``ks``: their targets."""
+    return [k.name for k in ks if k.op == "custom-call" and k.name.startswith("__cudnn$conv")]
 
 
 def test_on_the_h200_the_gemm_reads_the_fp8_weight_itself():
@@ -250,6 +278,7 @@ def test_on_the_h200_the_gemm_reads_the_fp8_weight_itself():
     import jax
     import jax.numpy as jnp
 
+    from preheat.bench.fp8 import computation, kernels, one_gemm_on_fp8
     from preheat.models.storage import upcast
 
     def dense(params, x):  # x (tokens, in) @ kernel (in, out), as a Linear layer applies it
@@ -257,11 +286,9 @@ def test_on_the_h200_the_gemm_reads_the_fp8_weight_itself():
 
     hlo = _h200_hlo(dense, {"kernel": jax.ShapeDtypeStruct((3072, 3072), jnp.float8_e4m3fn)},
                     jax.ShapeDtypeStruct((4096, 3072), jnp.bfloat16))  # FLUX.1's hidden width, 4096 image tokens
-    fusions = _kernels(hlo)
-    assert [kind for _, kind, _ in fusions] == ["kCustom"], fusions  # one kernel: no separate convert fusion
-    gemm = _computation(hlo, fusions[0][2])
-    header = gemm.split("\n", 1)[0]
-    assert "f8e4m3fn[3072,3072]" in header and "gemm" in header, header  # the fusion reads the fp8 weight
+    ks = kernels(hlo)
+    assert one_gemm_on_fp8(ks, 3072), ks  # one kernel, the GEMM reading the fp8 weight: no separate convert
+    gemm = computation(hlo, ks[0].name)
     dots = re.findall(r"= (\w+)\[[\d,]*\]\{[\d,]*\} dot\(", gemm)
     assert dots == ["bf16"], dots
     operands = re.findall(r"(\w+)\[[\d,]+\]\{[\d,]+\} (?:convert|parameter)", gemm)
@@ -283,6 +310,7 @@ def test_on_the_h200_a_scaled_fp8_linear_is_one_gemm_on_the_fp8_weight(scale):
     import jax.numpy as jnp
     from flax import nnx
 
+    from preheat.bench.fp8 import kernels, one_gemm_on_fp8
     from preheat.models.layers import Linear
     from preheat.models.quantised import Quantised
     from preheat.models.storage import upcast
@@ -299,11 +327,10 @@ def test_on_the_h200_a_scaled_fp8_linear_is_one_gemm_on_the_fp8_weight(scale):
         return nnx.merge(graphdef, upcast(params, jnp.bfloat16, tie=x))(x)
 
     hlo = _h200_hlo(layer, abstract, x)
-    fusions = _kernels(hlo)
-    assert [kind for _, kind, _ in fusions] == ["kCustom"], fusions  # one kernel: the GEMM
-    header = _computation(hlo, fusions[0][2]).split("\n", 1)[0]
-    assert "gemm" in header and f"f8e4m3fn[{n},{n}]" in header, header  # it reads the fp8 weight itself
-    assert not [f for f in fusions if f[0].endswith(f"[{n},{n}]{{1,0}}")], fusions  # no weight-sized output
+    ks = kernels(hlo)
+    assert one_gemm_on_fp8(ks, n), ks  # one kernel: the GEMM, reading the fp8 weight itself
+    assert not [k for k in ks if k.output.startswith(f"bf16[{n},{n}]")], ks  # no weight-sized output
+    header = _header(hlo, ks[0])
     if scale is None:
         return
     assert ("f32[]" if scale == () else f"f32[{n}]") in header, header  # and the scale, in its epilogue
@@ -314,15 +341,8 @@ def test_on_the_h200_a_scaled_fp8_linear_is_one_gemm_on_the_fp8_weight(scale):
         params["kernel"].set_value(q.expand(jnp.bfloat16) if isinstance(q, Quantised) else q)
         return nnx.merge(graphdef, params)(x)
 
-    before = _kernels(_h200_hlo(on_weight, abstract, x))
-    assert len(before) == 2 and before[0][0].startswith(f"bf16[{n},{n}]"), before  # a bf16 weight copy, written
-
-
-def _conv_calls(hlo: str) -> list[str]:
-    """The entry computation's cuDNN calls (a convolution each): their targets."""
-    import re
-
-    return re.findall(r'custom_call_target="(__cudnn\$conv\w*)"', hlo[hlo.index("\nENTRY"):])
+    before = kernels(_h200_hlo(on_weight, abstract, x))
+    assert len(before) == 2 and before[0].output.startswith(f"bf16[{n},{n}]"), before  # a bf16 weight copy, written
 
 
 @pytest.mark.parametrize("k", [1, 3], ids=["1x1", "3x3"])
@@ -341,6 +361,7 @@ def test_on_the_h200_a_scaled_fp8_conv_scales_where_it_costs_no_kernel(k, scale)
     import jax.numpy as jnp
     from flax import nnx
 
+    from preheat.bench.fp8 import kernels, one_gemm_on_fp8
     from preheat.models.conv import conv2d
     from preheat.models.layers import Conv2d, lift
     from preheat.models.quantised import Quantised
@@ -359,17 +380,14 @@ def test_on_the_h200_a_scaled_fp8_conv_scales_where_it_costs_no_kernel(k, scale)
         return nnx.merge(graphdef, upcast(params, jnp.bfloat16, tie=x))(x)
 
     hlo = _h200_hlo(layer, abstract, x)
-    fusions, convs = _kernels(hlo), _conv_calls(hlo)
-    weight_copies = [f for f in fusions if f[0].startswith(f"bf16[{c},{k},{k},{c}]")]  # cuDNN's OHWI layout
+    ks = kernels(hlo)
     if k == 1:
-        assert [kind for _, kind, _ in fusions] == ["kCustom"] and not convs, (fusions, convs)  # one GEMM
-        header = _computation(hlo, fusions[0][2]).split("\n", 1)[0]
-        assert "gemm" in header and f"f8e4m3fn[{c},{c}]" in header, header  # reading the fp8 weight itself
-        assert ("f32[]" if scale == () else f"f32[{c}]") in header, header  # and the scale, in its epilogue
+        assert one_gemm_on_fp8(ks, c), ks  # one GEMM, reading the fp8 weight itself
+        assert ("f32[]" if scale == () else f"f32[{c}]") in _header(hlo, ks[0]), ks  # and the scale, in its epilogue
     else:
-        assert len(fusions) == 1 and weight_copies, fusions  # the layout copy (scale fused in), nothing else
-        assert "f32" in _computation(hlo, fusions[0][2]).split("\n", 1)[0]  # the copy reads the scale
-        assert convs == ["__cudnn$convBiasActivationForward"], convs  # the bias in cuDNN's epilogue
+        assert len(ks) == 2 and ks[0].output.startswith(f"bf16[{c},{k},{k},{c}]"), ks  # cuDNN's OHWI layout copy
+        assert "f32" in _header(hlo, ks[0])  # the copy reads the scale (fused in)
+        assert _convs(ks) == ["__cudnn$convBiasActivationForward"], ks  # the bias in cuDNN's epilogue
 
     def control(params, x):  # k=1: the old path (the scale on the weight); k=3: the scale on the output
         q = params["kernel"].get_value()  # as placed: the fp8 values and their scale
@@ -381,11 +399,49 @@ def test_on_the_h200_a_scaled_fp8_conv_scales_where_it_costs_no_kernel(k, scale)
         y = conv2d(x, values.astype(jnp.bfloat16), 1, 1, impl="conv").astype(jnp.float32) * scale
         return y.astype(x.dtype) + bias
 
-    old = _h200_hlo(control, abstract, x)
-    before, before_convs = _kernels(old), _conv_calls(old)
+    before = kernels(_h200_hlo(control, abstract, x))
     if k == 1:
-        assert len(before) == 1 and before[0][0].startswith(f"bf16[{c},1,1,{c}]"), before  # a bf16 weight copy
-        assert before_convs == ["__cudnn$convBiasActivationForward"], before_convs  # then cuDNN
+        assert len(before) == 2 and before[0].output.startswith(f"bf16[{c},1,1,{c}]"), before  # a bf16 weight copy
+        assert _convs(before) == ["__cudnn$convBiasActivationForward"], before  # then cuDNN
     else:
-        assert len(before) == 2 and before[0][0].startswith(f"bf16[{c},3,3,{c}]"), before  # the same copy
-        assert before[1][0].startswith("bf16[2,64,64,") and before_convs == ["__cudnn$convForward"], before
+        assert len(before) == 3 and before[0].output.startswith(f"bf16[{c},3,3,{c}]"), before  # the same copy
+        assert _convs(before) == ["__cudnn$convForward"], before  # cuDNN without the bias,
+        assert before[2].op == "fusion" and before[2].output.startswith("bf16[2,64,64,"), before  # which re-reads
+
+
+def test_on_the_h200_a_plain_fp8_1x1_conv_is_one_gemm_on_the_fp8_weight():
+    """``weights_dtype="float8_e4m3fn"``'s 1x1 convs (SD/SDXL UNets' attention ``proj_in``/``proj_out``,
+    resnet ``conv_shortcut``: no scale, preheat's own cast) compiled for XLA's H200 description: a real
+    ``layers.Conv2d`` with a bias after ``storage.upcast``, as a denoiser applies it, is one kernel,
+    the Triton GEMM reading the fp8 weight itself, bias in its epilogue. The control is the path
+    before (``upcast`` converting the weight, then XLA's convolution): a kernel writing a bf16 copy
+    of the weight in cuDNN's layout at every step, then cuDNN."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from preheat.bench.fp8 import kernels, one_gemm_on_fp8
+    from preheat.models.conv import conv2d
+    from preheat.models.layers import Conv2d, lift
+    from preheat.models.storage import upcast
+    from preheat.models.weights import build_abstract
+
+    c = 640  # SD's middle width, 2 x 64 x 64 pixels
+    graphdef, abstract = build_abstract(lambda rngs: Conv2d(c, c, 1, rngs=rngs))
+    abstract["kernel"].set_value(jax.ShapeDtypeStruct((1, 1, c, c), jnp.float8_e4m3fn))
+    abstract["bias"].set_value(jax.ShapeDtypeStruct((c,), jnp.bfloat16))
+    x = jax.ShapeDtypeStruct((2, 64, 64, c), jnp.bfloat16)
+
+    def layer(params, x):  # (B, H, W, C) -> (B, H, W, C)
+        return nnx.merge(graphdef, upcast(params, jnp.bfloat16, tie=x))(x)
+
+    def before(params, x):  # the control: the weight converted, then XLA's convolution
+        (values,), _ = jax.lax.optimization_barrier(((params["kernel"].get_value(),), x))
+        return conv2d(x, values.astype(jnp.bfloat16), 1, 0, impl="conv") + lift(params["bias"].get_value(), 4)
+
+    ks = kernels(_h200_hlo(layer, abstract, x))
+    assert one_gemm_on_fp8(ks, c), ks  # one kernel: the GEMM, reading the fp8 weight itself
+    assert not _convs(ks) and not [k for k in ks if k.output.startswith(f"bf16[{c},1,1,{c}]")], ks
+    old = kernels(_h200_hlo(before, abstract, x))
+    assert len(old) == 2 and old[0].output.startswith(f"bf16[{c},1,1,{c}]") and old[0].reads_fp8, old  # the copy
+    assert _convs(old) == ["__cudnn$convBiasActivationForward"], old  # then cuDNN

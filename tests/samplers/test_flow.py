@@ -388,7 +388,7 @@ REFUSED: list[tuple[dict[str, Any], str, dict[str, Any], str]] = [
     (SD3, "flow_euler", {"sigmas": np.linspace(2.0, 0.1, 10)}, "sigmas must lie in (0, 1]"),
     (SD3, "flow_euler", {"sigmas": np.linspace(1.0, 0.0, 10)}, "sigmas must lie in (0, 1]"),
     (SD3, "flow_euler", {"sigmas": [1.0, 0.5, 0.5, 0.4, 0.3, 0.2, 0.1, 0.08, 0.05, 0.01]}, "not strictly monotone"),
-    (SD3, "flow_euler", {"eta": 0.5}, "eta=0.5 is only supported for samplers 'ddim', 'tcd'"),
+    (SD3, "flow_euler", {"eta": 0.5}, "eta=0.5 is only supported for sampler 'ddim' or 'tcd'"),
     ({**SD3, "stochastic_sampling": True}, "flow_euler", {}, "stochastic_sampling"),
     ({**SD3, "use_beta_sigmas": True}, "flow_euler", {}, "use_beta_sigmas"),
     ({**SD3, "use_karras_sigmas": True, "use_exponential_sigmas": True}, "flow_euler", {}, "use_exponential_sigmas"),

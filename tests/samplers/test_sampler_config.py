@@ -193,7 +193,7 @@ def test_eta() -> None:
     cfg = SchedulerConfig()
     assert float(make_plan(cfg, "ddim", 10, eta=0.5).eta) == 0.5
     assert float(make_plan(cfg, "tcd", 10, eta=1.0).eta) == 1.0  # TCD's gamma
-    with pytest.raises(SchedulerConfigError, match="eta=0.5 is only supported for samplers 'ddim', 'tcd'"):
+    with pytest.raises(SchedulerConfigError, match="eta=0.5 is only supported for sampler 'ddim' or 'tcd'; use eta=0.0 for sampler 'euler'"):
         make_plan(cfg, "euler", 10, eta=0.5)
     for sampler in ("ddim", "tcd"):
         with pytest.raises(SchedulerConfigError, match="eta"):

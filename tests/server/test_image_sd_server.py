@@ -87,3 +87,47 @@ def test_image_requests_run_without_compiling_and_match_the_python_call(served) 
         r = client.post("/predictions", json={"input": {**call, "image": data_uri(png(image)), "padding_mask_crop": 2}})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "padding_mask_crop", r.text
     assert core.stats["traffic_compiles"] == 0
+
+
+def test_a_sampler_error_names_each_input_by_the_surface_s_own_name(served, monkeypatch, tmp_path: Path) -> None:
+    """A schedule's refusal (``SchedulerConfigError``: a strength too small for the steps, custom
+    timesteps for a sampler that takes none) is worded with each surface's names for the inputs it
+    names: Cog, OpenAI's routes and Runpod say num_inference_steps and scheduler, the CLI --steps and
+    --sampler; never the engine's steps= or sampler."""
+    import httpx
+    from click.testing import CliRunner
+
+    from preheat.cli import main
+
+    core, url, pipe = served
+    sampler = pipe.defaults["sampler"]
+    image = image_fixtures.sample_image()
+    few = ("strength", "strength=0.1 with num_inference_steps=2 runs no step; raise strength or num_inference_steps")
+    custom = ("timesteps", f"timesteps is not supported for scheduler {sampler!r}; only lcm, tcd take it")
+    base = {"prompt": "a red boat", "num_inference_steps": 2, "guidance_scale": 1, "seed": 3}
+    few_input = {**base, "image": data_uri(png(image)), "strength": 0.1}
+    custom_input = {**base, "timesteps": [800, 400]}
+    with httpx.Client(base_url=url, timeout=300) as client:
+        wait_status(client, "READY")
+        for raw, (field, message) in ((few_input, few), (custom_input, custom)):
+            r = client.post("/predictions", json={"input": raw})
+            assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == field, r.text
+            assert r.json()["detail"][0]["msg"] == message, r.text
+            (job,) = runpod_jobs(core, {"id": field, "input": raw})
+            assert job["error"] == f"{field}: {message}", job
+        r = client.post("/v1/images/generations", json={**custom_input, "n": 1})
+        assert r.status_code == 422 and r.json()["error"]["message"] == f"timesteps: {custom[1]}", r.text
+        r = client.post("/v1/images/edits", data={"prompt": "a red boat", "num_inference_steps": "2", "strength": "0.1"},
+                        files=[("image", ("i.png", png(image), "image/png"))])
+        assert r.status_code == 422 and r.json()["error"]["message"] == f"strength: {few[1]}", r.text
+
+    monkeypatch.setattr(preheat, "load", lambda *a, **k: pipe)
+    (tmp_path / "i.png").write_bytes(png(image))
+    for flags, line in (
+            (["--image", str(tmp_path / "i.png"), "--strength", "0.1"],
+             "error: --strength=0.1 with --steps=2 runs no step; raise --strength or --steps"),
+            (["--timesteps", "800,400"],
+             f"error: --timesteps is not supported for --sampler {sampler!r}; only lcm, tcd take it")):
+        result = CliRunner().invoke(main, ["sample", "--prompt", "a red boat", "--steps", "2", "--guidance", "1",
+                                           *flags, "--out", str(tmp_path / "o.png")])
+        assert result.exit_code == 2 and result.output.strip() == line, result.output

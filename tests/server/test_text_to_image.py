@@ -24,8 +24,10 @@ def sd_pipe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def core(sd_pipe):
-    # guided programs only: every request below is guided but the one refused at parse time
-    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=30, sizes=SIZES, guidance=("on",)), pipe=sd_pipe)
+    # text-to-image programs only (--inputs negative_prompt: no image or mask variants) and guided
+    # ones only: every request below is a guided text request but the ones refused at parse time
+    core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=30, sizes=SIZES, guidance=("on",),
+                           inputs=("negative_prompt",)), pipe=sd_pipe)
     core.start()
     assert core.wait_setup(900) and core.setup.status == "succeeded", core.setup.logs
     yield core
@@ -65,8 +67,10 @@ def test_cog_and_openai_routes_draw_what_the_engine_draws(core, sd_pipe):
         schema = client.get("/openapi.json").json()
         props = schema["components"]["schemas"]["Input"]["properties"]
         assert props["width"]["anyOf"][0]["enum"] == [32, 48]
-        # the family's declared inputs, and only those: a text model names no class label
-        assert "negative_prompt" in props and "class_label" not in props
+        # the family's declared inputs it offers, and only those: a text model names no class label,
+        # a text-only server no image
+        assert "negative_prompt" in props and "class_label" not in props and "image" not in props
+        assert len(core.signatures()) == 2 * 2 * 2  # (no negative prompt, one) x 2 sizes x buckets 1, 2
         assert schema["components"]["schemas"]["Input"]["additionalProperties"] is False
 
 
@@ -87,8 +91,10 @@ def test_every_text_family_serves_from_cog_openai_runpod_and_the_cli(kind, tmp_p
 
     folder = save_tiny_sd(tmp_path_factory.mktemp(f"serve-{kind}") / kind, kind=kind)
     pipe = preheat.load(folder, cache="off")
-    # guided programs only (every request below is guided): no unguided SDXL program to warm
-    core = Core(CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=30, guidance=("on",)), pipe=pipe)
+    # guided text programs only (every request below is a guided text request): no unguided and no
+    # image SDXL program to warm
+    core = Core(CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=30, guidance=("on",),
+                           inputs=("negative_prompt",)), pipe=pipe)
     core.start()
     try:
         assert core.wait_setup(900) and core.setup.status == "succeeded", core.setup.logs

@@ -143,3 +143,57 @@ def test_a_conversion_of_an_unmounted_file_is_kept_and_read_again_once_it_is_bac
     assert out.exit_code == 0 and "unreferenced weight files" in out.output, out.output  # of it (an LDM file
     assert converted.is_dir() and str(converted.name) not in out.output  # holds every weight): it stays
     # (a conversion linking an unnamed snapshot goes: tests/models/test_published_fetch.py's gc test)
+
+
+def test_a_conversion_of_a_file_rewritten_in_place_is_made_again_and_collected(tmp_path, monkeypatch):
+    """A real single file outside the cache root, converted by a load, then rewritten in place (the
+    same path and size, new content): the next load converts it again and reads the new tensors;
+    the old conversion is stale (its record's size and mtime are not the file's), so `cache ls`
+    says prune collects it and why, `cache prune` collects it, and the new one stays."""
+    import os
+
+    import numpy as np
+    from click.testing import CliRunner
+    from safetensors.numpy import save_file
+
+    import preheat
+    from preheat.cli import main
+    from preheat.store import _gc, derived_folders
+    from tests._support.ldm_files import to_original
+    from tests._support.sd_fixtures import save_tiny_sd
+
+    root = tmp_path / "home"
+    monkeypatch.setenv("PREHEAT_HOME", str(root))
+    folder = save_tiny_sd(tmp_path / "sd1", kind="sd1")
+    path = tmp_path / "mnt" / "tiny-sd1.safetensors"
+    path.parent.mkdir()
+    tensors = to_original(folder, "sd1")
+    save_file(tensors, str(path))
+    preheat.load(path, backend="torch", config=folder)  # converted (the folder both backends read)
+    (old,) = (root / "models" / "single").iterdir()
+
+    key = "model.diffusion_model.input_blocks.0.0.weight"  # the UNet's conv_in
+    tensors[key] = (tensors[key] * 0.5).astype(np.float32)
+    size, before = path.stat().st_size, path.stat().st_mtime_ns
+    save_file(tensors, str(path))  # rewritten in place: the same path and size
+    os.utime(path, ns=(before, max(path.stat().st_mtime_ns, before + 2_000_000_000)))  # a 2 s-mtime filesystem too
+    assert path.stat().st_size == size  # only the mtime tells
+    pipe = preheat.load(path, backend="torch", config=folder)
+    (new,) = set((root / "models" / "single").iterdir()) - {old}  # converted again
+    np.testing.assert_array_equal(pipe.pipe.unet.conv_in.weight.detach().numpy(), tensors[key])  # the new content
+
+    monkeypatch.setattr(_gc.time, "time", lambda: os.stat(new).st_mtime + 7200)  # past the grace period
+    states = {d.name: (d.state, d.why) for d in derived_folders(root)}
+    assert states[f"single/{new.name}"][0] == "live"
+    state, why = states[f"single/{old.name}"]
+    assert state == "changed-source" and why.startswith(f"its source {path.resolve()} changed since it was made ("), why
+    ls = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "400"})
+    assert ls.exit_code == 0, ls.output
+    (row,) = [ln for ln in ls.output.splitlines() if f"single/{old.name}" in ln]
+    assert "collects" in row and "changed since it was made" in row, ls.output
+    out = CliRunner().invoke(main, ["cache", "prune"])
+    assert out.exit_code == 0, out.output
+    assert f"collected single/{old.name}: its source {path.resolve()} changed since it was made (" in out.output, out.output
+    assert f"single/{new.name}" not in out.output  # live: kept, nothing said
+    assert not old.exists() and new.is_dir()
+    assert list((root / "models" / "single").iterdir()) == [new]

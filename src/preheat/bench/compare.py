@@ -52,6 +52,11 @@ FULL = {"repeats": 3, "steady_repeats": 5, "batch_sizes": (1, 8, 32), "steps": N
 # The child: one fresh process, one path
 
 
+def _own_model(path: str, torch_model: dict[str, str]) -> dict[str, str]:
+    """What ``path`` loads where it is not the common ``model``: a torch path's GGUF file and config."""
+    return torch_model if not path.startswith("jax") else {}
+
+
 def _load_pipe(spec: dict[str, Any]) -> Any:
     base = spec["path"].split("[", 1)[0]
     dtype = {"dtype": spec["dtype"]} if spec.get("dtype") else {}  # every path the same, where one is asked
@@ -61,7 +66,8 @@ def _load_pipe(spec: dict[str, Any]) -> Any:
         return preheat.load(spec["model"], **dtype)
     from preheat.backends.torch import load_torch_pipeline
 
-    return load_torch_pipeline(spec["model"], compile=_TORCH_COMPILE[base], **dtype)
+    config = {"config": spec["config"]} if spec.get("config") else {}  # a GGUF file's config folder
+    return load_torch_pipeline(spec["model"], compile=_TORCH_COMPILE[base], **dtype, **config)
 
 
 def _device_peak_mb(spec: dict[str, Any]) -> float | None:
@@ -221,11 +227,14 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
 
     A single file (``config``: as ``preheat.load`` takes it) is converted here, once, into the
     diffusers folder both backends read (``preheat.file_configs.converted_folder``); every child
-    loads that folder, so no path's cold start includes a conversion the others skip. A file a
-    torch path cannot read (GGUF, scaled fp8) is one line before any child starts."""
+    loads that folder, so no path's cold start includes a conversion the others skip. A GGUF file's
+    torch paths load the file itself with its config folder (diffusers' GGUF loader, as ``sample
+    --backend torch`` does), the JAX paths its converted folder. A file a torch path cannot read
+    (scaled fp8, a GGUF type diffusers cannot dequantise) is one line before any child starts."""
     from preheat.bench.random_models import materialize_model
     from preheat.bench.random_models import random_name, sized_inputs
 
+    torch_model: dict[str, str] = {}  # a GGUF file: what the torch paths load instead of ``model``
     name = random_name(model)
     model = materialize_model(model, workdir)
     if model is not None:
@@ -233,12 +242,20 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
 
         if is_remote(model):  # pulled once here; the children (private cache roots) read the snapshot
             model = str(resolve(model))
-        from preheat.file_configs import converted_folder, plain_tensors
+        from preheat.file_configs import converted_folder, gguf_source, plain_tensors
 
         torch_paths = any(not p.startswith("jax") for p in paths)
-        converted = converted_folder(model, Path(model), config, None, check=plain_tensors if torch_paths else None)
-        if converted is not None:  # a single file: its converted folder, for every path
+        gguf = gguf_source(Path(model), config, None) if torch_paths else None  # types checked, configs pulled
+        if gguf is not None:  # a torch path reads the file as diffusers does, beside its config folder
+            torch_model = {"model": str(gguf.file), "config": str(gguf.configs)}
+            config = str(gguf.configs)  # the JAX path's conversion reads the same folder (nothing pulled twice)
+        jax_paths = any(p.startswith("jax") for p in paths) or gguf is None
+        converted = converted_folder(model, Path(model), config, None,
+                                     check=plain_tensors if torch_paths and gguf is None else None) if jax_paths else None
+        if converted is not None:  # a single file: its converted folder, for every path (a GGUF: the JAX paths)
             model = str(converted.root)
+        elif gguf is not None:  # torch paths only: the config folder declares the family and defaults
+            model = str(gguf.configs)
     inputs = {**(inputs or {}), **declared_values(model, flags or {})}
     inputs = sized_inputs(name, inputs)  # a tiny random model runs at its tiny size
     settings = {"model": model or "built-in:digits", "batch": batch, "batch_sizes": list(batch_sizes),
@@ -263,7 +280,7 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
     for i in range(repeats):  # 1. empty cache; the first run of each path then primes its root
         for p in names:
             home = homes[p] if i == 0 else workdir / f"empty-{i}"
-            spec = {**common, "path": p, "prime": prime if i == 0 else []}
+            spec = {**common, **_own_model(p, torch_model), "path": p, "prime": prime if i == 0 else []}
             log(f"[{p}] cold start, empty cache ({i + 1}/{repeats})")
             r = _run_child(spec, home, scratch, envs[p], timeout)
             runs[p]["empty"].append(r)
@@ -272,7 +289,7 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
                 shutil.rmtree(home, ignore_errors=True)
     for i in range(repeats):  # 2. warm cache; 3. steady state + 4. pixels in the first of them
         for p in names:
-            spec = {**common, "path": p}
+            spec = {**common, **_own_model(p, torch_model), "path": p}
             if i == 0:
                 spec.update(steady=list(batch_sizes), pixels_out=str(workdir / f"pixels-{p}.npy"))
             log(f"[{p}] cold start, warm cache ({i + 1}/{repeats})" + (" + steady state" if i == 0 else ""))
@@ -429,12 +446,14 @@ def _fmt(s: dict[str, float] | None, scale: float = 1.0, digits: int = 2) -> str
 
 
 def markdown(result: dict[str, Any]) -> str:
+    from preheat.families.inputs import IMAGE_SIZE
+
     st = result["settings"]
     sizes = [str(b) for b in st["batch_sizes"]]
     head = (f"**{st['model']}**: {st['sampler']}, {st['steps']} steps, guidance {st['guidance']}, seed {st['seed']}; "
             f"cold starts at batch {st['batch']}, {st['repeats']} fresh processes per cache state; "
             f"steady state {st['steady_repeats']} timed calls per batch. Values: median (min–max).")
-    given = {k: v for k, v in (st.get("inputs") or {}).items() if k not in ("width", "height")}
+    given = IMAGE_SIZE.without(st.get("inputs") or {})
     if given:  # what each call was given beyond the size (an image: its path), so a row says what it measured
         head += " Inputs: " + ", ".join(f"{k}={v}" for k, v in given.items()) + "."
     cols = ["path", "start → 1st image, empty cache s", "… warm cache s", "trace+compile empty s", "… warm s",

@@ -13,6 +13,8 @@ read, scale and bias in its epilogue), as the deviceless H200 compile has it
 bf16 activations, and the convert becomes a kernel of its own that writes a bf16 weight copy.
 
     kernels(hlo)                  the entry computation's kernels (fusions, custom calls, other ops)
+    computation(hlo, name)        one computation's text (a fusion's body: what a kernel reads)
+    written_bytes(kernel)         the bytes a kernel writes (its output's)
     one_gemm_on_fp8(ks, n)        whether ``ks`` is one GEMM kernel reading the (n, n) fp8 weight
     measure(n, tokens, ...)       both layers compiled here: kernels, verdict, ms per call, |Δ|
 """
@@ -26,7 +28,7 @@ from typing import Any, NamedTuple
 
 from preheat.bench.common import round_robin_ms
 
-__all__ = ["Kernel", "kernels", "one_gemm_on_fp8", "measure"]
+__all__ = ["Kernel", "kernels", "computation", "written_bytes", "one_gemm_on_fp8", "measure"]
 
 # Entry-computation ops that launch nothing: the rest is a kernel (a fusion, a library call, or an
 # op XLA left on its own).
@@ -67,6 +69,12 @@ def _computations(hlo: str) -> dict[str, str]:
     return out
 
 
+def computation(hlo: str, name: str) -> str:
+    """The text of ``hlo``'s computation ``name`` (a kernel's fused computation: ``Kernel.name``),
+    its first line the parameters with their types; "" if there is none of that name."""
+    return _computations(hlo).get(name.lstrip("%"), "")
+
+
 def kernels(hlo: str) -> list[Kernel]:
     """The kernels of ``hlo`` (a compiled program's ``as_text()``), in the entry computation's order."""
     entry = hlo[hlo.index("\nENTRY"):]
@@ -95,6 +103,22 @@ def kernels(hlo: str) -> list[Kernel]:
         fp8 = sorted(set(re.findall(r"f8e\w+\[[\d,]*\]", operands.split("), ")[0] + " " + header)))
         out.append(Kernel(op, output, name, gemm, " ".join(fp8)))
     return out
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+          "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def written_bytes(kernel: Kernel) -> int:
+    """The bytes ``kernel`` writes: its output's (every element of a tuple's: a cuDNN call's result
+    and its scratch), from the HLO types. What a kernel writes is what the next one reads back."""
+    total = 0
+    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", kernel.output):
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        total += _BYTES[dtype] * count
+    return total
 
 
 def one_gemm_on_fp8(ks: list[Kernel], n: int) -> bool:

@@ -74,11 +74,11 @@ def bench_lora(model: str | None, n: int, steps: int, rank: int, repeats: int, w
     # every file held, as a server holding them would, and every condition's stack too
     pipe.lora_runtime.hold(max_loras=n + 1, stack_slots=4 * n)
     base: dict[str, Any] = {"steps": steps, "seed": 0}
-    from preheat.families.inputs import example_inputs
+    from preheat.families.inputs import IMAGE_SIZE, example_inputs
 
     base.update(example_inputs(pipe.family.input_specs(pipe)))
     if size is not None:
-        base.update(width=size[0], height=size[1])
+        base.update(IMAGE_SIZE.inputs(size))
     calls = _calls(n, files)
     programs = {}
     first_s = {}

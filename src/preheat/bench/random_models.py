@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from preheat.errors import InvalidArgumentError
+from preheat.families.inputs import IMAGE_SIZE
 
 __all__ = ["RANDOM_MODELS", "BOS", "materialize_model", "RandomModel", "random_name", "sized_inputs", "build_random", "OLD_NAMES", "bytes_to_unicode", "bpe_vocab", "write_clip_tokenizer", "write_t5_tokenizer", "save_random_sd15",
            "save_random_sd_small", "save_random_flux", "save_random_flux_tiny", "save_random_kontext_tiny",
@@ -152,8 +153,8 @@ def sized_inputs(name: Optional[str], inputs: Optional[dict[str, Any]]) -> dict[
     spec = RANDOM_MODELS.get(name) if name else None
     if spec is None:
         return inputs
-    if spec.size is not None and "width" not in inputs and "height" not in inputs:
-        inputs.update(width=spec.size[0], height=spec.size[1])
+    if spec.size is not None and not IMAGE_SIZE.given(inputs):
+        inputs.update(IMAGE_SIZE.inputs(spec.size))
     return {**dict(spec.inputs), **inputs}
 
 

@@ -40,11 +40,11 @@ def bench_sampler(model: str | None, batches: list[int], steps: int, sampler: st
 
     pipe = preheat.load(materialize_model(model, workdir), cache="off")
     sampler = sampler or pipe.defaults["sampler"]
-    from preheat.families.inputs import example_inputs
+    from preheat.families.inputs import IMAGE_SIZE, example_inputs
 
     inputs: dict[str, Any] = example_inputs(pipe.family.input_specs(pipe))
     if size is not None:
-        inputs.update(width=size[0], height=size[1])
+        inputs.update(IMAGE_SIZE.inputs(size))
     else:  # a tiny random model at its tiny size
         from preheat.bench.random_models import random_name, sized_inputs
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import click
 
 from preheat.bench import RANDOM_PREFIX
-from preheat.errors import InvalidArgumentError, MissingExtraError, PreheatError, SchedulerConfigError
+from preheat.errors import InvalidArgumentError, MissingExtraError, NamesInputs, PreheatError, SchedulerConfigError
 
 __all__ = ["one_line_errors", "resolve_model", "ResolvedModel"]
 
@@ -21,7 +21,7 @@ def _in_flags(err: PreheatError) -> str:
     from preheat.cli.options import FLAGS
 
     flag = FLAGS.get(getattr(err, "argument", None) or "")
-    text = err.renamed(FLAGS) if isinstance(err, InvalidArgumentError) else str(err)  # the inputs it names: flags
+    text = err.renamed(FLAGS) if isinstance(err, NamesInputs) else str(err)  # the inputs it names: flags
     return f"{flag}: {text}" if flag is not None and flag not in text else text
 
 

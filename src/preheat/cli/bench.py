@@ -13,9 +13,9 @@ import click
 
 from preheat.bench.compare import PATHS
 from preheat.cli._support import one_line_errors
-from preheat.cli.family_options import FamilyInputsCommand
+from preheat.cli.family_options import FamilyInputsCommand, size_flags
 from preheat.cli.options import (DTYPES, NON_NEGATIVE, POSITIVE, POSITIVE_SECONDS, common_option, echo_result,
-                                 output_options)
+                                 output_options, renamed_option, size_options)
 
 __all__ = ["bench_group"]
 
@@ -27,36 +27,36 @@ def bench_group() -> None:
 
 @bench_group.command("sampler")
 @click.argument("model", required=False)
-@click.option("--batch", "batches", multiple=True, type=POSITIVE, help="Batch sizes (default 1, 8, 32).")
+@common_option("n", default=(), multiple=True,
+               help="Number of images of one call (the batch size); repeat for each one measured (default 1, 8, 32).")
 @common_option("steps", default=10, help="Denoising steps.")
 @common_option("sampler")
 @click.option("--repeats", default=3, show_default=True, type=POSITIVE)
-@click.option("--width", type=POSITIVE, help="Text-to-image models: image width (default: the model's).")
-@click.option("--height", type=POSITIVE, help="Text-to-image models: image height (default: the model's).")
+@size_options("Text-to-image models:")
 @click.option("--profile", is_flag=True,
               help="Instead: where one denoiser call's time goes, per op class, JAX vs torch.compile (pixel "
-                   "models; model batch 16: batch 8 guided, else 16; --batch sets the images).")
+                   "models; model batch 16: batch 8 guided, else 16; --n sets the images).")
 @output_options()
+@renamed_option("--batch", "n", "--n")
 @one_line_errors
-def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sampler: str | None, repeats: int,
-                    width: int | None, height: int | None, profile: bool, json_out: Path | None, as_json: bool) -> None:
+def sampler_command(model: str | None, n: tuple[int, ...], steps: int, sampler: str | None, repeats: int,
+                    size: tuple[int, int] | None, profile: bool, json_out: Path | None, as_json: bool) -> None:
     """Loop overhead, images/s and achieved GFLOP/s (and, for text-to-image models, the share of
     text encoding and VAE decoding). MODEL: a folder, random:NAME (random weights: random:sd15,
     random:ddpm-cifar10-32, ...), or nothing for the built-in model."""
     from preheat.bench.common import write_json
     from preheat.bench.sampler import bench_sampler, markdown
 
-    size = (width, height) if width and height else None
     if profile:
         from preheat.bench.sampler import bench_profile
 
         with tempfile.TemporaryDirectory() as tmp:
-            text, result = bench_profile(model, batches[0] if batches else None, Path(tmp))
+            text, result = bench_profile(model, n[0] if n else None, Path(tmp))
         echo_result(result, text, as_json)
         write_json(json_out, result)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        result = bench_sampler(model, list(batches) or [1, 8, 32], steps, sampler, repeats, Path(tmp), size)
+        result = bench_sampler(model, list(n) or [1, 8, 32], steps, sampler, repeats, Path(tmp), size)
     echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
 
@@ -68,12 +68,11 @@ def sampler_command(model: str | None, batches: tuple[int, ...], steps: int, sam
 @click.option("--rank", default=16, show_default=True, type=int, help="The LoRAs' rank.")
 @click.option("--repeats", default=5, show_default=True, type=int, help="Rounds, each timing every condition once.")
 @click.option("--dtype", default="float32", show_default=True)
-@click.option("--width", type=POSITIVE, help="Image width (default: the model's).")
-@click.option("--height", type=POSITIVE, help="Image height (default: the model's).")
+@size_options()
 @output_options()
 @one_line_errors
-def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype: str, width: int | None,
-                 height: int | None, json_out: Path | None, as_json: bool) -> None:
+def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype: str, size: tuple[int, int] | None,
+                 json_out: Path | None, as_json: bool) -> None:
     """Images/s for a batch with a different LoRA per image vs the same LoRA vs no LoRA, and their
     ratios, in one run (issue 15; goal mixed >= 0.8x same). MODEL: a text-to-image folder or
     random:sd-small / random:sd15 / random:flux (random weights)."""
@@ -85,7 +84,7 @@ def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype:
         raise InvalidArgumentError("--rank and --repeats must be >= 1")
     with tempfile.TemporaryDirectory() as tmp:
         result = bench_lora(model, n, steps, rank, repeats, Path(tmp), dtype=dtype,
-                            size=(width, height) if width and height else None)
+                            size=size)
     echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
 
@@ -130,7 +129,7 @@ def _coldstart(model: str | None, flags: dict[str, list[str]], n: int, steps: in
     with tempfile.TemporaryDirectory() as tmp:
         folder = materialize_model(model, Path(tmp))
         declared_values(folder, flags)  # a flag the model does not take: one line before any child starts
-        if "--width" not in flags and "--height" not in flags:  # a tiny random model's defaults, said here
+        if not size_flags().given(flags):  # a tiny random model's defaults, said here
             args += declared_args(folder, sized_inputs(random_name(model), {}))
         args += required_example_args(folder, args, Path(tmp))
         if backend == "torch":
@@ -145,7 +144,7 @@ def _coldstart(model: str | None, flags: dict[str, list[str]], n: int, steps: in
 
 def declared_args(folder: str | None, values: dict[str, Any]) -> tuple[str, ...]:
     """``preheat sample`` flags for ``values``, each under the flag its family's spec declares
-    (``InputSpec.cli_flag``; --width/--height, and a name no spec declares, as --name-with-dashes)."""
+    (``InputSpec.cli_flag``; the size's flags, and a name no spec declares, as --name-with-dashes)."""
     from preheat.families import declared_family
 
     family = declared_family(Path(folder)) if folder is not None and Path(folder).is_dir() else None
@@ -180,9 +179,9 @@ def required_example_args(folder: str | None, args: tuple[str, ...], workdir: Pa
         if isinstance(spec.type, Image):
             from PIL import Image as PILImage
 
-            size = (int(given("--width") or 64), int(given("--height") or 64))
+            width, height = (int(given(flag) or 64) for flag in size_flags())
             path = workdir / f"example-{spec.name}.png"
-            PILImage.fromarray(spec.type.placeholder(*size)).save(path)
+            PILImage.fromarray(spec.type.placeholder(width, height)).save(path)
             value: object = path
         else:
             value = example_inputs((spec,))[spec.name]

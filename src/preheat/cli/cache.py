@@ -13,6 +13,9 @@ import click
 from preheat.cli._support import one_line_errors
 from preheat.cli.family_options import FamilyInputsCommand, flag_errors
 from preheat.cli.options import NON_NEGATIVE, POSITIVE, CallOptions, call_options
+from preheat.families.inputs import common_spec
+
+STEPS = common_spec("steps")  # the step count: torch explain runs the call at its fewest steps
 
 
 def _human(n: float) -> str:
@@ -240,8 +243,11 @@ def _explain_torch(model: str | None, opts: CallOptions) -> None:
     load = {k: v for k, v in opts.load_options().items() if k not in ("backend", "compile", "cache")}
     pipe = preheat.load(model, backend="torch", compile=opts.compile_mode, cache="explain", **load)
     with flag_errors(pipe):
-        inputs = {k: v for k, v in opts.call_inputs(pipe).items() if k != "steps" and v is not None}
-        pipe.generate(opts.batch(pipe), steps=1, **inputs)
+        inputs = opts.call_inputs(pipe)
+        # the fewest steps the call allows: one, or a given counted list's length (custom timesteps)
+        counted = any(s.counts_steps and inputs.get(s.name) is not None for s in pipe.family.input_specs(pipe))
+        inputs[STEPS.name] = None if counted else 1
+        pipe.generate(opts.batch(pipe), **{k: v for k, v in inputs.items() if v is not None})
     for event in pipe.compiler.events:
         fields = event["fields"]
         what = f"{fields['mode']} {fields['model'].get('kind', '?')} {json.dumps(fields['shapes'], sort_keys=True)[:160]}"

@@ -16,10 +16,11 @@ from typing import Any, Iterator, Sequence
 
 import click
 
-from preheat.errors import InvalidArgumentError
-from preheat.families.inputs import COMMON_SPECS
+from preheat.errors import InvalidArgumentError, SchedulerConfigError
+from preheat.families.inputs import COMMON_SPECS, SizePair
 
-__all__ = ["FamilyInputsCommand", "parse_flags", "family_values", "flag_errors", "FLAGS"]
+__all__ = ["FamilyInputsCommand", "parse_flags", "family_values", "flag_errors", "FLAGS", "size_flags",
+           "cli_size_specs"]
 
 # The engine's common keyword -> the CLI flag that sets it: errors on the CLI name the flag. Every
 # common input with a declared flag, the CLI's or not (a LoRA's scale is given inside --lora
@@ -43,7 +44,7 @@ class FamilyInputsCommand(click.Command):
 
         rows: dict[str, tuple[str, list[str]]] = {}
         for family in declared_families():
-            for spec in (s for s in (*family.specs, *_size_specs()) if "cli" in s.surfaces):
+            for spec in (s for s in (*family.specs, *cli_size_specs()) if "cli" in s.surfaces):
                 flag = spec.cli_flag
                 help_text, names = rows.get(flag, (spec.describe("cli"), []))
                 names.append(family.name)
@@ -53,10 +54,17 @@ class FamilyInputsCommand(click.Command):
                                 for flag, (text, names) in rows.items()])
 
 
-def _size_specs() -> tuple[Any, ...]:
+def cli_size_specs() -> tuple[Any, ...]:
+    """The size's two specs with nothing of a model resolved (native 0: "the model's native size"),
+    for the flags, the help and a bench's options (any positive size; the model checks its own)."""
     from preheat.families.inputs import size_specs
 
-    return size_specs(0, 0, 1, 0)
+    return size_specs(0, 0, 1, None)
+
+
+def size_flags() -> SizePair:
+    """The image size as the CLI keys it: its two declared flags (``--width``, ``--height``)."""
+    return SizePair(*(s.cli_flag for s in cli_size_specs()))
 
 
 def parse_flags(args: Sequence[str]) -> tuple[str | None, dict[str, list[str]]]:
@@ -100,9 +108,10 @@ def flag_errors(pipe: Any) -> Iterator[None]:
     and every input its message names by its flag (``--timesteps has 2 entries but --steps=3``)."""
     try:
         yield
-    except InvalidArgumentError as err:
+    except (InvalidArgumentError, SchedulerConfigError) as err:
         flags = {s.name: s.cli_flag for s in pipe.family.input_specs(pipe)}
         if err.argument not in flags:
             raise
         flag, text = flags[err.argument], err.renamed({**FLAGS, **flags})
-        raise InvalidArgumentError(text if text.startswith(flag) else f"{flag}: {text}", argument=flag) from None
+        kind = SchedulerConfigError if isinstance(err, SchedulerConfigError) else InvalidArgumentError
+        raise kind(text if text.startswith(flag) else f"{flag}: {text}", argument=flag) from None

@@ -26,11 +26,12 @@ from typing import Any, Callable, Optional
 
 import click
 
-from preheat.cli.family_options import FLAGS  # the engine's common keyword -> the CLI flag that sets it
-from preheat.families.inputs import COMMON_SPECS, Choice, Float, InputSpec, Int, common_spec
+from preheat.cli.family_options import FLAGS, cli_size_specs, size_flags  # FLAGS: a common keyword -> its flag
+from preheat.families.inputs import COMMON_SPECS, IMAGE_SIZE, Choice, Float, InputSpec, Int, common_spec
 
 __all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptions", "FLAGS", "SAMPLER",
-           "common_option", "spec_option", "output_options", "echo_result", "POSITIVE", "NON_NEGATIVE",
+           "common_option", "spec_option", "size_options", "renamed_option", "output_options", "echo_result",
+           "POSITIVE", "NON_NEGATIVE",
            "POSITIVE_SECONDS"]
 
 DTYPES = ("float32", "bfloat16", "float16")  # the denoiser dtypes the engine compiles for
@@ -159,9 +160,9 @@ class CallOptions:
     def sized(self, size: Optional[tuple[int, int]], inputs: tuple[tuple[str, Any], ...] = ()) -> CallOptions:
         """A tiny random model's defaults (``ResolvedModel``) where the flags give none: its
         ``size`` (width, height) unless either is given, and its other ``inputs`` one by one."""
-        flags = dict(self.flags)
-        if size is not None and "--width" not in flags and "--height" not in flags:
-            flags.update({"--width": [str(size[0])], "--height": [str(size[1])]})
+        flags, pair = dict(self.flags), size_flags()
+        if size is not None and not pair.given(flags):
+            flags.update({flag: [str(side)] for flag, side in pair.inputs(size).items()})
         for name, value in inputs:
             flags.setdefault("--" + name.replace("_", "-"), [str(value)])
         return replace(self, flags=flags)
@@ -214,14 +215,17 @@ def spec_option(spec: InputSpec, **overrides: Any) -> Callable[..., Any]:
     resolves is the sampler (preheat's sampler names, listed when --help is shown).
 
     ``overrides`` are a command's own wording of the same input (``preheat bench``'s defaults,
-    its help): ``default``, ``help``. The flag, the type and the bounds are always the spec's."""
+    its help): ``default``, ``help``, ``multiple`` (one run per value: ``bench sampler``'s counts),
+    ``param`` (the command's parameter, where not the keyword). The flag, the type and the bounds
+    are always the spec's."""
     kind = spec.type
     text = overrides.get("help", spec.describe("cli"))
     default = overrides.get("default", spec.default)
+    param = overrides.get("param", spec.name)
     if spec.cli_form is not None:  # each text as given
-        return click.option(spec.cli_flag, spec.name, multiple=True, metavar=spec.cli_form.metavar, help=text)
+        return click.option(spec.cli_flag, param, multiple=True, metavar=spec.cli_form.metavar, help=text)
     if isinstance(kind, Choice) and not kind.options:
-        return click.option(spec.cli_flag, spec.name, cls=_SamplerHelp, type=SAMPLER, default=default, help=text)
+        return click.option(spec.cli_flag, param, cls=_SamplerHelp, type=SAMPLER, default=default, help=text)
     if isinstance(kind, Int):
         ptype: click.ParamType = click.IntRange(kind.low, kind.high)
     elif isinstance(kind, Float):
@@ -230,8 +234,9 @@ def spec_option(spec: InputSpec, **overrides: Any) -> Callable[..., Any]:
         ptype = click.Choice(kind.options)
     else:
         ptype = click.STRING
-    return click.option(spec.cli_flag, spec.name, type=ptype, default=default,
-                        show_default=default is not None, help=text)
+    multiple = bool(overrides.get("multiple", False))
+    return click.option(spec.cli_flag, param, type=ptype, default=default, multiple=multiple,
+                        show_default=default is not None and not multiple, help=text)
 
 
 def common_option(name: str, **overrides: Any) -> Callable[..., Any]:
@@ -239,6 +244,43 @@ def common_option(name: str, **overrides: Any) -> Callable[..., Any]:
     ``preheat sample`` (``preheat bench``): the declared flag, type and bounds, with the
     command's own ``default`` / ``help`` where it has them (see :func:`spec_option`)."""
     return spec_option(common_spec(name), **overrides)
+
+
+def size_options(help: str = "") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The image size's two options for a command other than ``preheat sample`` (``preheat
+    bench``), from its declaration (``families.inputs.size_specs``: the flags, positive ints),
+    absent by default (the model's own size); ``help`` goes before each one's declared text. The
+    command receives them as one ``size``: (width, height), or None unless both are given."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, size=IMAGE_SIZE.of({key: kwargs.pop(key) for key in IMAGE_SIZE}), **kwargs)
+
+        out: Callable[..., Any] = wrapper
+        for spec in reversed(cli_size_specs()):
+            text = f"{help} {spec.describe('cli')}".strip()
+            out = spec_option(spec, default=None, help=text)(out)
+        return out
+
+    return decorate
+
+
+def renamed_option(old: str, param: str, new: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``old``, a repeatable count flag renamed ``new``, still works (hidden, with a deprecation
+    line): its values join those ``new`` gives ``param``."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, old_values: tuple[Any, ...], **kwargs: Any) -> Any:
+            if old_values:
+                click.echo(f"warning: {old} is deprecated; use {new}", err=True)
+                kwargs[param] = (*kwargs[param], *old_values)
+            return fn(*args, **kwargs)
+
+        return click.option(old, "old_values", multiple=True, type=POSITIVE, hidden=True)(wrapper)
+
+    return decorate
 
 
 def call_options(fn: Callable[..., Any]) -> Callable[..., Any]:

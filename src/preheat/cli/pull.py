@@ -41,9 +41,11 @@ def pull_command(source: str, revision: str | None, force: bool, quiet: bool, va
     configs, tokenizer files and one variant's safetensors; hf://org/repo/path/file.safetensors
     pulls that one file.
 
-    SOURCE a local single-file checkpoint (.safetensors, or a FLUX.1 transformer's .gguf) of a published model: it is stored, and
+    SOURCE a single-file checkpoint (.safetensors, or a FLUX.1 transformer's .gguf; local, or
+    hf://org/repo/file) of a published model: it is stored, and
     the folders it lacks (its tokenizers; a transformer file's VAE and text encoders) are pulled
-    from that model's published repository, nothing else; --dry-run lists them.
+    from that model's published repository, nothing else; --dry-run lists them (for a remote file,
+    read from its header alone).
     """
     from preheat.cli._support import resolve_model
     from preheat.store import plan_pull, pull
@@ -51,6 +53,9 @@ def pull_command(source: str, revision: str | None, force: bool, quiet: bool, va
     try:
         if source.startswith("random:"):  # built here, once, under the cache root
             path = resolve_model(source, log=lambda line: click.echo(line, err=True) if not quiet else None).model
+        elif _remote_file(source):
+            _pull_remote_file(source, revision, config, variant, dry_run, quiet, force)
+            return
         elif (single := _single_file(source, config)) is not None:
             from preheat.file_configs import single_file_config, single_file_plan
 
@@ -93,20 +98,71 @@ def _single_file(source: str, config: str | None) -> "Path | None":
     (pulled as it is: a LoRA, a folder, a GGUF of no published model)."""
     from pathlib import Path
 
-    from preheat.errors import MissingExtraError, ModelFormatError
-    from preheat.models.published import PUBLISHED, infer_file, named
     from preheat.store import is_remote
 
     if is_remote(source) or not source.lower().endswith((".safetensors", ".gguf")) or not Path(source).is_file():
         return None
+    return Path(source) if _of_published_model(Path(source), config) else None
+
+
+def _of_published_model(file: "Path", config: str | None) -> bool:
+    """Whether single ``file`` is read as a published model (``--config`` NAME, checked to be one;
+    else inferred from its header): then what it lacks is pulled with it."""
+    from preheat.errors import MissingExtraError, ModelFormatError
+    from preheat.models.published import PUBLISHED, infer_file, named
+
     if config is not None:
         if named(config) is None:
             names = ", ".join(p.name for p in PUBLISHED)
             raise InvalidArgumentError(f"--config names a published model ({names}); not {config!r}",
                                        argument="config")
-        return Path(source)
+        return True
     try:
-        infer_file(source)
+        infer_file(file)
     except (ModelFormatError, MissingExtraError):
-        return None  # no published model (or a GGUF without the gguf extra to read it): stored as one file
-    return Path(source)
+        return False  # no published model (or a GGUF without the gguf extra to read it): stored as one file
+    return True
+
+
+def _remote_file(source: str) -> bool:
+    """``hf://org/repo/path/file.safetensors`` or ``.gguf``: one file of a repository."""
+    from preheat.store import is_remote, parse_source
+
+    if not (is_remote(source) and source.lower().startswith("hf://")):
+        return False
+    filename = parse_source(source).filename
+    return filename is not None and filename.lower().endswith((".safetensors", ".gguf"))
+
+
+def _pull_remote_file(source: str, revision: str | None, config: str | None, variant: str | None, dry_run: bool,
+                      quiet: bool, force: bool) -> None:
+    """A remote single file as a local one is pulled: the file, and, when it is of a published
+    model (its header read; ``--config`` NAME), the folders it lacks. A dry run reads the header
+    alone (``single_file_head``: Range requests) and lists both plans; a file of no published model
+    (a LoRA) is the file alone."""
+    import tempfile
+    from pathlib import Path
+
+    from preheat.file_configs import single_file_config, single_file_head, single_file_plan
+    from preheat.models.single_file import single_file_path
+    from preheat.store import plan_pull, pull
+
+    if dry_run:
+        own = plan_pull(source, revision=revision)
+        click.echo(f"{own.source.text} is one file of hf://{own.source.repo_id}; a pull fetches:")
+        _print_plan(own)
+        with tempfile.TemporaryDirectory(prefix="preheat-head-") as tmp:
+            head = single_file_head(own, Path(tmp))  # its header's bytes only
+            if _of_published_model(head, config):
+                plan, needs = single_file_plan(head, config, variant)
+                click.echo(f"{own.source.text} is a {needs.published.title} single file; it needs these files of "
+                           f"{plan.source.text}:")
+                _print_plan(plan)
+        return
+    path = pull(source, revision=revision, progress=not quiet, force=force)
+    file = single_file_path(path)
+    if file is not None and _of_published_model(file, config):
+        folder = single_file_config(file, config, variant)
+        if not quiet:
+            click.echo(f"configs and the folders it lacks: {folder}", err=True)
+    click.echo(str(path))

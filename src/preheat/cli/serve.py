@@ -176,7 +176,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                   max_batch_size: int, devices_text: Optional[str], fsdp: int, progress: Optional[bool],
                   batch_wait_ms: float, max_queue: int, max_steps: int,
                   samplers_text: Optional[str], sizes_text: Optional[str], guidance_text: str,
-                  lora_ranks_text: Optional[str], max_loras: int, lora_dir: Optional[str], grace_s: float,
+                  inputs_text: Optional[str], lora_ranks_text: Optional[str], max_loras: int, lora_dir: Optional[str],
+                  grace_s: float,
                   push_grace_s: float, retune_idle_s_text: str,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
                   webhook_allow: tuple[str, ...], lora_url_allow_private: bool, lora_url_allow: tuple[str, ...],
@@ -207,7 +208,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         raise InvalidArgumentError(f"--max-image-pixels {max_image_pixels} must be >= 1", argument="--max-image-pixels")
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp, variant, cache, weights_dtype,
-                                     weights_layers, progress, config)
+                                     weights_layers, progress, config, inputs_text)
     webhooks = _address_policy(webhook_allow_private, webhook_allow)
     lora_urls = _address_policy(lora_url_allow_private, lora_url_allow, "--lora-url-allow")
     fetch = _fetch_config(fetch_connect_timeout_s, fetch_deadline_s, max_lora_bytes, max_image_bytes, fetch_per_host,
@@ -279,7 +280,8 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
                                 weights_layers=warm_set.weights_layers, config=warm_set.config,
                                 progress=warm_set.progress, max_batch_size=warm_set.max_batch_size,
                                 samplers=tuple(warm_set.samplers), sizes=tuple(warm_set.sizes),
-                                guidance=tuple(warm_set.guidance), devices=warm_set.devices, fsdp=warm_set.fsdp,
+                                guidance=tuple(warm_set.guidance), inputs=warm_set.inputs,
+                                devices=warm_set.devices, fsdp=warm_set.fsdp,
                                 lora_ranks=tuple(warm_set.lora_ranks), max_loras=max_loras, lora_dir=lora_dir,
                                 max_image_pixels=max_image_pixels, batch_wait_ms=batch_wait_ms,
                                 max_queue=max_queue, max_steps=max_steps, grace_s=grace_s, push_grace_s=push_grace_s,

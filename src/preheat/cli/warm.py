@@ -19,8 +19,8 @@ __all__ = ["warm_command", "declaration_options", "warm_set_from_options"]
 
 
 def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """MODEL, --dtype, --variant, --cache, --max-batch-size, --samplers, --sizes, --guidance, --lora-ranks,
-    --devices, --fsdp: the warm set."""
+    """MODEL, --dtype, --variant, --cache, --max-batch-size, --samplers, --sizes, --guidance, --inputs,
+    --lora-ranks, --devices, --fsdp: the warm set."""
     options = [
         click.argument("model", required=False),
         model_options,
@@ -32,6 +32,10 @@ def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Text-to-image: sizes served (each compiled; a server refuses others). Default: the model's."),
         click.option("--guidance", "guidance_text", default="off,on", show_default=True, metavar="off,on",
                      help="Guidance modes compiled ('on' only where the model can guide)."),
+        click.option("--inputs", "inputs_text", metavar="A,B,...|none",
+                     help="Optional inputs offered (each variant compiled; a server refuses others): of the "
+                          "model's negative_prompt, image, mask_image; none = the required ones only (text-to-image). "
+                          "Default: all the model declares."),
         click.option("--lora-ranks", "lora_ranks_text", metavar="16,32,...",
                      help="LoRA rank buckets compiled besides no LoRA (of 16, 32, 64, 128): a LoRA whose rank "
                           "fits one then runs with no compile. Default: none."),
@@ -68,11 +72,12 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
                           devices_text: Optional[str] = None, fsdp: int = 1, variant: Optional[str] = None,
                           cache: Optional[str] = None, weights_dtype: Optional[str] = None,
                           weights_layers: str = "layerwise", progress: Optional[bool] = None,
-                          config: Optional[str] = None) -> Any:
+                          config: Optional[str] = None, inputs_text: Optional[str] = None) -> Any:
     """The ``WarmSet`` the declaration options describe (one-line errors for bad values); a
     ``random:NAME`` model becomes its folder (a tiny one served at its tiny size by default)."""
     from preheat.warm import WarmSet
     from preheat.errors import InvalidArgumentError
+    from preheat.families.inputs import parse_offered
     from preheat.server.inputs import parse_sizes
     from preheat.sharding import parse_devices
 
@@ -95,7 +100,8 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers, sizes=sizes,
                    guidance=guidance, lora_ranks=tuple(ranks), devices=devices, fsdp=fsdp, variant=variant,
                    cache=cache, weights_dtype=weights_dtype, weights_layers=weights_layers,
-                   progress=True if progress is None else progress, config=config)
+                   progress=True if progress is None else progress, config=config,
+                   inputs=parse_offered(inputs_text))
 
 
 @click.command("warm")
@@ -113,8 +119,9 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
 def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str], weights_layers: str,
                  variant: Optional[str], cache: Optional[str], config: Optional[str],
                  max_batch_size: int, samplers_text: Optional[str],
-                 sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str],
-                 devices_text: Optional[str], fsdp: int, progress: Optional[bool], dry_run: bool,
+                 sizes_text: Optional[str], guidance_text: str, inputs_text: Optional[str],
+                 lora_ranks_text: Optional[str], devices_text: Optional[str], fsdp: int, progress: Optional[bool],
+                 dry_run: bool,
                  as_json: bool, push_timeout_s: float, target_spec: Optional[str], quiet: bool) -> None:
     """Compile MODEL's serving programs into the cache root ahead of time (and push them to
     PREHEAT_CACHE_URL when set), so `preheat serve` with the same options starts with no compile.
@@ -126,7 +133,7 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
 
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp, variant, cache, weights_dtype,
-                                     weights_layers, progress, config)
+                                     weights_layers, progress, config, inputs_text)
     target = None
     if target_spec is not None:
         target, warm_set = _target_compiles(target_spec, warm_set, progress)
@@ -153,9 +160,13 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
             denoise = next(p for p in stages if p["stage"] == "denoise")
             rows.append({"signature": sig.describe(), "key": denoise["key"], **where(denoise),
                          "programs": [{"stage": p["stage"], "key": p["key"], **where(p)} for p in stages]})
+        offered = warming.offered_inputs(pipe, resolved)  # required and optional: what a server takes
         if as_json:
-            click.echo(json.dumps({"signatures": rows}, indent=1))
+            click.echo(json.dumps({"inputs": offered, "signatures": rows}, indent=1))
             return
+        declared = offered["optional"] or offered["not_offered"]
+        others = f"not offered: {', '.join(offered['not_offered']) or 'none'}" if declared else "no optional inputs"
+        click.echo(f"inputs offered: {', '.join(offered['required'] + offered['optional']) or 'none'} ({others})")
 
         def line(row: dict[str, Any]) -> str:
             return f"local {row['local']}" + (f", remote {row['remote']}" if row["remote"] is not None else "")

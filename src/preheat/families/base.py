@@ -27,7 +27,7 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError
 from preheat.families.components import Components, PixelComponents
-from preheat.families.inputs import InputSpec, check_int, check_needs, size_specs, unknown_input, warm_variants
+from preheat.families.inputs import IMAGE_SIZE, InputSpec, check_int, check_needs, size_specs, unknown_input, warm_variants
 from preheat.samplers import DIFFUSION_SAMPLERS
 from preheat.timings import Timings
 
@@ -139,7 +139,7 @@ class Family:
     @property
     def inputs(self) -> tuple[str, ...]:
         """The family's own keywords (its specs' names, then width and height)."""
-        return (*(s.name for s in self.specs), "width", "height")
+        return (*(s.name for s in self.specs), *IMAGE_SIZE)
 
     def native_size(self, pipe: "EngineView") -> tuple[int, int]:
         """The model's own (width, height) in pixels: what a call without a size makes."""

@@ -22,13 +22,18 @@ model (a native size, a size multiple, class names). The common inputs every fam
     Image     PIL image, uint8 array, path, bytes  uint8 (H, W, 3)      string (URL or data URI)
               (``mask``: one channel, white = repaint)  (H, W)
 
+The image size is one concept, two static inputs: :data:`IMAGE_SIZE` (a :class:`SizePair`) names
+them once, :func:`size_specs` declares them, and a surface asks :func:`size_pair` for them (OpenAI's
+``size="WxH"``, the served-size enum) instead of comparing names.
+
 The image inputs every image-conditioned family declares (``IMAGE``, ``MASK_IMAGE``, ``STRENGTH``;
 diffusers' names) live once in ``preheat.families.image``, so that the surfaces' field names and
 flags (Cog's ``image`` / ``mask``, ``--image`` / ``--mask`` / ``--strength``) are the same for every
 family; an ``Image`` spec's warm value :data:`WARM_IMAGE` is a placeholder of each served size.
 
 A new type is one more class with ``check`` (value -> normalised, or a one-line
-``InvalidArgumentError`` naming the input), ``schema``, ``from_text`` (a command-line value)
+``InvalidArgumentError`` naming the input, built by ``about`` so that each surface words it with its
+own name for the input), ``schema``, ``from_text`` (a command-line value)
 and ``python`` (what a pydantic field holds). Surfaces read only these fields: none tests a family's kind by its
 input names.
 """
@@ -37,16 +42,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from preheat.errors import InvalidArgumentError
 
 __all__ = ["InputSpec", "CliForm", "Text", "Int", "Float", "Choice", "Pair", "Ints", "Label", "Image", "COMMON_SPECS",
-           "common_spec",
+           "common_spec", "SizePair", "IMAGE_SIZE", "size_pair",
            "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "typed_flags", "field_of",
-           "check_needs", "WARM_IMAGE", "SURFACES", "SEED_MAX"]
+           "check_needs", "WARM_IMAGE", "SURFACES", "SEED_MAX", "optional_inputs", "offered_specs", "check_offered",
+           "parse_offered", "NO_INPUTS", "required_inputs"]
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
@@ -70,10 +76,11 @@ class Text:
 
     def check(self, name: str, value: Any) -> str:
         if not isinstance(value, str):
-            raise InvalidArgumentError(f"{name} must be a string or a list of strings, not {type(value).__name__}",
-                                       argument=name)
+            raise InvalidArgumentError.about("{0} must be a string or a list of strings, not {kind}", name,
+                                             kind=type(value).__name__)
         if len(value) > self.max_length:
-            raise InvalidArgumentError(f"{name} has {len(value)} characters; at most {self.max_length}", argument=name)
+            raise InvalidArgumentError.about("{0} has {count} characters; at most {most}", name, count=len(value),
+                                             most=self.max_length)
         return value
 
     def schema(self) -> dict[str, Any]:
@@ -191,8 +198,8 @@ class Pair:
         if (not isinstance(value, (list, tuple)) or len(value) != 2
                 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < self.low
                        or (self.high is not None and v > self.high) for v in value)):
-            raise InvalidArgumentError(f"{name} must be two non-negative ints (height, width), got {value!r}",
-                                       argument=name)
+            raise InvalidArgumentError.about("{0} must be two non-negative ints (height, width), got {value!r}", name,
+                                             value=value)
         return int(value[0]), int(value[1])
 
     def schema(self) -> dict[str, Any]:
@@ -225,8 +232,8 @@ class Ints:
         if not items or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < self.low
                             or (self.high is not None and v > self.high) for v in items):
             bound = f"in [{self.low}, {self.high}]" if self.high is not None else f">= {self.low}"
-            raise InvalidArgumentError(f"{name} must be a list of one or more ints {bound}, got {value!r}",
-                                       argument=name)
+            raise InvalidArgumentError.about("{0} must be a list of one or more ints {bound}, got {value!r}", name,
+                                             bound=bound, value=value)
         return tuple(int(v) for v in items)
 
     def schema(self) -> dict[str, Any]:
@@ -255,13 +262,14 @@ class Label:
 
     def check(self, name: str, value: Any) -> int:
         if self.count is None:
-            raise InvalidArgumentError(f"{name} given, but this model is not class-conditional", argument=name)
+            raise InvalidArgumentError.about("{0} given, but this model is not class-conditional", name)
         if isinstance(value, str):
             if value in self.names:
                 return self.names.index(value)
             digits = value.strip().lstrip("-")
             if not (digits.isascii() and digits.isdigit()):  # ASCII digits only: not "٧" or "７
                 known = ", ".join(self.names) or f"0..{self.count - 1}"
+                # the text names no input: a surface leads it with its own name (--class: unknown class ...)
                 raise InvalidArgumentError(f"unknown class {value!r}; known classes: {known}", argument=name)
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) < self.count:
@@ -456,7 +464,41 @@ def common_spec(name: str) -> InputSpec:
     raise KeyError(name)
 
 
-def size_specs(width: int, height: int, multiple: int, high: int, *, fixed: bool = False) -> tuple[InputSpec, ...]:
+class SizePair(NamedTuple):
+    """The image size: two static inputs that act as one (width, height). It is declared once,
+    here (:data:`IMAGE_SIZE`, which :func:`size_specs` declares its two specs by), and a surface
+    asks for it -- :func:`size_pair` of its specs, or :data:`IMAGE_SIZE` where it holds no specs
+    (a bench's or warm-up's size) -- rather than naming its inputs: OpenAI's ``size="WxH"``, a
+    server's served-size enum, the playground's size <select>, a tiny random model's default size.
+    Its two keys are whatever the surface keys by (``generate`` keywords, which are also the server's
+    fields and diffusers' keywords; or the CLI's flags, ``cli.family_options.size_flags()``)."""
+
+    width: str  # the key of the width in pixels
+    height: str  # the key of the height in pixels
+
+    def inputs(self, size: tuple[int, int]) -> dict[str, int]:
+        """(width, height) -> its two keys' values."""
+        return {self.width: size[0], self.height: size[1]}
+
+    def of(self, values: Mapping[str, Any]) -> tuple[int, int] | None:
+        """The (width, height) ``values`` hold; None unless they hold both."""
+        if values.get(self.width) is None or values.get(self.height) is None:
+            return None
+        return values[self.width], values[self.height]
+
+    def given(self, values: Mapping[str, Any]) -> bool:
+        """Whether ``values`` give either side (a caller's size then wins over any default)."""
+        return values.get(self.width) is not None or values.get(self.height) is not None
+
+    def without(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """``values`` less the size (a surface that states the size its own way: OpenAI's ``size``)."""
+        return {k: v for k, v in values.items() if k not in self}
+
+
+IMAGE_SIZE = SizePair("width", "height")  # diffusers' keywords; every family's size is these two inputs
+
+
+def size_specs(width: int, height: int, multiple: int, high: int | None, *, fixed: bool = False) -> tuple[InputSpec, ...]:
     """width and height as static ints: the native size by default, a multiple of what the latent
     grid needs (``fixed``: the model makes its native size only)."""
     def one(name: str, native: int) -> InputSpec:
@@ -465,7 +507,14 @@ def size_specs(width: int, height: int, multiple: int, high: int, *, fixed: bool
         return InputSpec(name, kind, f"Image {name} in pixels ({default} when absent).", static=True,
                          default=native)
 
-    return one("width", width), one("height", height)
+    return one(IMAGE_SIZE.width, width), one(IMAGE_SIZE.height, height)
+
+
+def size_pair(specs: Sequence[InputSpec]) -> SizePair | None:
+    """The image size the ``specs`` declare (:func:`size_specs`'s two static inputs), or None when
+    they declare none: what a surface asks for instead of looking for a "width" among the names."""
+    static = {s.name for s in specs if s.static}
+    return IMAGE_SIZE if all(key in static for key in IMAGE_SIZE) else None
 
 
 def warm_variants(specs: Sequence[InputSpec], guided: bool) -> list[dict[str, Any]]:
@@ -487,6 +536,72 @@ def warm_variants(specs: Sequence[InputSpec], guided: bool) -> list[dict[str, An
         if given not in out and all(s.name in given for s in specs if s.required and s.warm and not s.static):
             out.append(given)
     return out
+
+
+NO_INPUTS = "none"  # ``--inputs none``: only the required inputs (a text-only server)
+
+
+def optional_inputs(specs: Sequence[InputSpec]) -> tuple[str, ...]:
+    """The inputs a server may offer or not: the optional data inputs that warm-up compiles both
+    left out and given (``None`` among their ``warm`` values: a negative prompt, an image, a mask),
+    each its own programs. Required inputs are always offered; the others (a strength, a crop) go
+    with the inputs they need (``offered_specs``)."""
+    return tuple(s.name for s in specs if not s.required and not s.static and None in s.warm)
+
+
+def required_inputs(specs: Sequence[InputSpec]) -> tuple[str, ...]:
+    """The data inputs every call gives (a prompt, Kontext's reference): always offered."""
+    return tuple(s.name for s in specs if s.required and not s.static)
+
+
+def offered_specs(specs: Sequence[InputSpec], offered: Sequence[str] | None) -> tuple[InputSpec, ...]:
+    """The specs a server offering ``offered`` (of :func:`optional_inputs`; None: all) takes: the
+    others left out, and with them every input that needs one left out (an image's strength, a
+    mask's crop), in declaration order."""
+    if offered is None:
+        return tuple(specs)
+    dropped = {name for name in optional_inputs(specs) if name not in offered}
+    while True:  # needs may chain (a crop needs the mask, which needs the image)
+        more = {s.name for s in specs if s.name not in dropped and any(n in dropped for n in s.needs)}
+        if not more:
+            return tuple(s for s in specs if s.name not in dropped)
+        dropped |= more
+
+
+def parse_offered(text: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    """``--inputs`` / ``PREHEAT_INPUTS`` -> the offered names (``none``: ()), None when not given.
+    The names are checked against a family once its model is known (:func:`check_offered`)."""
+    if text is None:
+        return None
+    items = text.split(",") if isinstance(text, str) else list(text)
+    names = tuple(dict.fromkeys(str(v).strip() for v in items if str(v).strip()))
+    return () if names == (NO_INPUTS,) else names
+
+
+def check_offered(family: str, specs: Sequence[InputSpec], offered: Sequence[str] | None) -> tuple[str, ...]:
+    """The offered optional inputs (None: every one ``specs`` declares), in declaration order; a
+    name that is not one of them, or one offered without an input it needs, fails in one line
+    listing what the family declares."""
+    optional = optional_inputs(specs)
+    if offered is None:
+        return optional
+    required = required_inputs(specs)
+    always = f"; {', '.join(required)} always offered" if required else ""
+    declared = f"its optional inputs are {', '.join(optional)} (or {NO_INPUTS})" if optional else \
+        f"it has no optional inputs (give {NO_INPUTS}, or leave --inputs out)"
+    for name in offered:
+        if name == NO_INPUTS:
+            raise InvalidArgumentError(f"--inputs {NO_INPUTS} stands alone: it offers only the required inputs"
+                                       f"{always}", argument="inputs")
+        if name not in optional:
+            raise InvalidArgumentError(f"--inputs {name!r} is not an optional input of a {family} model: {declared}"
+                                       f"{always}", argument="inputs")
+    by_name = {s.name: s for s in specs}
+    for name in offered:
+        missing = [n for n in by_name[name].needs if n in optional and n not in offered]
+        if missing:
+            raise InvalidArgumentError(f"--inputs {name} needs {', '.join(missing)}; offer both", argument="inputs")
+    return tuple(n for n in optional if n in offered)
 
 
 def check_needs(specs: Sequence[InputSpec], given: dict[str, Any], values: dict[str, Any]) -> None:

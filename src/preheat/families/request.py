@@ -120,11 +120,11 @@ def validate(pipe: ArgumentView, first: Any, inputs: Mapping[str, Any]) -> Reque
     sampler = common.get("sampler") or pipe.defaults["sampler"]
     accepted = family.samplers
     if sampler not in SAMPLERS:
-        raise SchedulerConfigError(f"unknown sampler {sampler!r}; supported: {', '.join(accepted)}",
-                                   argument="sampler")
+        raise SchedulerConfigError.about("unknown {0} {value!r}; supported: {accepted}", "sampler", value=sampler,
+                                         accepted=", ".join(accepted))
     if sampler not in accepted:
-        raise SchedulerConfigError(f"sampler {sampler!r} is not for a {family.name} model; "
-                                   f"use one of: {', '.join(accepted)}", argument="sampler")
+        raise SchedulerConfigError.about("{0} {value!r} is not for a {family} model; use one of: {accepted}",
+                                         "sampler", value=sampler, family=family.name, accepted=", ".join(accepted))
     values = family.check_inputs(pipe, n, inputs)
     steps = _steps(pipe, common.get("steps"), values)
     shape = family.sample_shape(pipe, values)

@@ -15,7 +15,7 @@ from flax import nnx
 
 from preheat.errors import InvalidArgumentError
 from preheat.models.conv import conv2d, groupnorm_impl
-from preheat.models.quantised import Quantised
+from preheat.models.quantised import Quantised, is_low
 from preheat.models.weights import param
 
 __all__ = ["activation", "lift", "Conv2d", "Linear", "GroupNorm", "LayerNorm", "Embedding", "sinusoidal_embedding",
@@ -63,6 +63,8 @@ class Conv2d(nnx.Module):
             y = kernel.matrix().product(x)  # (B, H, W, Cin) @ (Cin, Cout): one GEMM reading the stored values
         elif isinstance(kernel, Quantised):  # kxk: cuDNN reads a bf16 weight copy, where the scale costs nothing
             y = conv2d(x, kernel.expand(x.dtype), self.stride, self.padding)
+        elif pointwise and is_low(kernel.dtype):  # fp8 left by storage.upcast: one GEMM reading it, as a Linear's
+            y = conv2d(x, kernel.astype(x.dtype), 1, 0, impl="dot1x1")  # (B, H, W, Cin) @ (Cin, Cout)
         else:
             y = conv2d(x, kernel.astype(x.dtype), self.stride, self.padding)
         y = y + lift(self.bias[...].astype(x.dtype), y.ndim)

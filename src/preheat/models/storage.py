@@ -22,7 +22,11 @@ single files deployers ship hold them. Norm weights themselves are never Linear,
 The weights are placed in fp8 by ``weights.fill`` (``LoadOptions.weights_dtype`` with ``low``)
 and stay so on the device; the model's ``apply`` calls ``upcast`` inside the jitted program, so
 each weight is converted to the compute dtype where it is used. A tensor already stored as
-``F8_E4M3`` is placed as it is (no cast on the host).
+``F8_E4M3`` is placed as it is (no cast on the host). A 1x1 Conv's fp8 kernel (SD/SDXL UNets'
+attention ``proj_in``/``proj_out`` and resnet ``conv_shortcut``) is left fp8 by ``upcast`` and
+converted by ``layers.Conv2d``, which then applies it as the matrix product it is: on a GPU one
+GEMM that reads the fp8 weight, like a Linear's, instead of a kernel writing a bf16 copy of the
+weight in cuDNN's layout at every step, then cuDNN's convolution.
 
 A weight stored in a compact form with scales (a scaled fp8 file's ``F8_E4M3`` weight and its
 float32 per-tensor scale; a GGUF ``Q8_0`` weight's int8 values and per-block scales) is one
@@ -84,6 +88,7 @@ def layerwise(extra: Sequence[str] = (), options: Any = None) -> Callable[[str],
 def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     """``params`` with every fp8 leaf converted to ``dtype`` (the compute dtype); the rest as they
     are. Called inside the jitted apply, so the device keeps fp8 and XLA places the converts. A
+    plain fp8 1x1 Conv kernel is left fp8 for its layer to convert inside its GEMM. A
     ``Quantised`` Linear or 1x1 Conv weight with a per-tensor or per-output-channel scale stays
     ``Quantised`` (its values converted, its scale as it is) for the layer to scale its product; any
     other is expanded to ``values * scale``.
@@ -107,8 +112,8 @@ def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     out = [x for _, x in flat]
     for i, v in zip(picks, values):
         path, x = flat[i]
-        if not isinstance(x, Quantised):
-            out[i] = v.astype(dtype)
+        if not isinstance(x, Quantised):  # a 1x1 conv's fp8 kernel is converted by its layer, inside its GEMM
+            out[i] = v if _pointwise_conv(path, x) else v.astype(dtype)
         elif _gemm_kernel(path, x) and x.per_output:
             out[i] = Quantised(v, x.scale).converted(dtype)  # the layer scales its product (Quantised.product)
         else:
@@ -116,7 +121,16 @@ def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _gemm_kernel(path: Any, x: Quantised) -> bool:
+def _pointwise_conv(path: Any, x: Any) -> bool:
+    """Whether a plain fp8 leaf is a 1x1 Conv2d's ``(1, 1, in, out)`` kernel: left fp8 by ``upcast``,
+    so that ``layers.Conv2d`` sees the stored dtype and applies it as a matrix product (one GEMM
+    whose operand read converts the fp8 weight), not XLA's convolution (cuDNN on a GPU, fed by a
+    kernel writing a bf16 copy of the weight in its layout at every step: the H200 HLO,
+    tests/models/test_storage.py). A strided or padded 1x1 conv converts it there instead."""
+    return len(x.shape) == 4 and _gemm_kernel(path, x)
+
+
+def _gemm_kernel(path: Any, x: Any) -> bool:
     """Whether a leaf is a weight its layer applies as one matrix product: a Linear's 2-D ``kernel``
     (the convention ``weights`` maps torch keys by), or a 1x1 Conv2d's ``(1, 1, in, out)`` one
     (``layers.Conv2d``: ``Quantised.matrix``). A kxk conv kernel and embeddings are expanded: on a

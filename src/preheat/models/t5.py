@@ -353,10 +353,14 @@ _TIED = "encoder.embed_tokens.weight"
 
 
 def _untie(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``shared.weight`` from whichever of the two tied keys the file holds (``shared`` wins)."""
+    """``shared.weight`` from whichever of the two tied keys the file holds (``shared`` wins); a
+    scaled fp8 file's scale (``scale_weight``, ``scale_input``: ``preheat.models.scaled_fp8``) goes
+    with its weight, so a dropped tied copy leaves no scale without a weight."""
     tied = tensors.pop(_TIED, None)
+    scales = {leaf: tensors.pop(f"encoder.embed_tokens.{leaf}", None) for leaf in ("scale_weight", "scale_input")}
     if tied is not None and "shared.weight" not in tensors:
         tensors["shared.weight"] = tied
+        tensors.update({f"shared.{leaf}": v for leaf, v in scales.items() if v is not None})
     return tensors
 
 

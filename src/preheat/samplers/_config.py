@@ -282,8 +282,8 @@ def with_overrides(config: SchedulerConfig, sampler: str, overrides: Mapping[str
     for key, value in overrides.items():
         kind = FIELD_KIND.get(key)
         if kind is None or key not in CLASS_DEFAULTS[sampler] or key in UNREAD_KEYS.get(sampler, ()):
-            raise SchedulerConfigError(f"{key} does not apply to sampler {sampler!r}: {DIFFUSERS_CLASS[sampler]} does "
-                                       "not read it", argument=key)
+            raise SchedulerConfigError.about("{0} does not apply to {1} {sampler!r}: {scheduler} does not read it", key,
+                                             "sampler", sampler=sampler, scheduler=DIFFUSERS_CLASS[sampler])
         values[key] = _coerce(key, value, kind)
     return dataclasses.replace(config, **values)  # __post_init__ checks the new values
 

@@ -133,8 +133,8 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
     """
     check_sampler(config, sampler)
     if timesteps is not None and sampler not in TIMESTEPS_SAMPLERS:
-        raise SchedulerConfigError(f"timesteps is not supported for sampler {sampler!r}; only "
-                                   f"{', '.join(TIMESTEPS_SAMPLERS)} take it", argument="timesteps")
+        raise SchedulerConfigError.about("{0} is not supported for {1} {sampler!r}; only {takes} take it", "timesteps",
+                                         "sampler", sampler=sampler, takes=", ".join(TIMESTEPS_SAMPLERS))
     if sampler not in MU_SIGMAS_SAMPLERS:
         for name, value in (("mu", mu), ("sigmas", sigmas)):
             if value is not None:
@@ -204,8 +204,8 @@ def strength_start(steps: int, strength: float, rule: str = "sd") -> int:
     else:
         raise SchedulerConfigError(f"unknown strength rule {rule!r}; use 'sd' or 'flow'")
     if start >= steps:
-        raise SchedulerConfigError(f"strength={strength} with steps={steps} runs no step; raise strength or steps",
-                                   argument="strength")
+        raise SchedulerConfigError.about("{0}={strength} with {1}={steps} runs no step; raise {0} or {1}", "strength",
+                                         "steps", strength=strength, steps=steps)
     return start
 
 
@@ -214,16 +214,18 @@ def _check_steps(steps: object, T: int) -> int:
         raise SchedulerConfigError(f"steps={steps!r} must be an int in [1, {T}]")
     steps = int(steps)
     if not 1 <= steps <= T:
-        raise SchedulerConfigError(f"steps={steps} is not supported; it must be in [1, {T}] (num_train_timesteps)")
+        raise SchedulerConfigError.about("{0}={steps} is not supported; it must be in [1, {T}] (num_train_timesteps)",
+                                         "steps", steps=steps, T=T)
     return steps
 
 
 def _check_eta(sampler: str, eta: float) -> None:
     if sampler not in ETA_SAMPLERS and eta != 0.0:
-        raise SchedulerConfigError(f"eta={eta} is only supported for samplers {', '.join(map(repr, ETA_SAMPLERS))}; "
-                                   f"use eta=0.0 for {sampler!r}", argument="eta")
+        raise SchedulerConfigError.about("{0}={eta} is only supported for {1} {takes}; use {0}=0.0 for {1} {sampler!r}",
+                                         "eta", "sampler", eta=eta, takes=" or ".join(map(repr, ETA_SAMPLERS)),
+                                         sampler=sampler)
     if not 0.0 <= eta <= 1.0:
-        raise SchedulerConfigError(f"eta={eta} is not supported; it must be in [0, 1]")
+        raise SchedulerConfigError.about("{0}={eta} is not supported; it must be in [0, 1]", "eta", eta=eta)
 
 
 def _pad(T: int, rows: "_Rows", eta: float, mid: np.ndarray | None = None) -> Plan:
@@ -303,14 +305,14 @@ def _custom_timesteps(custom: "np.ndarray | Sequence[int]", steps: int, T: int) 
     (diffusers raises on the order and on t >= T; a negative t would index from the end)."""
     arr = np.asarray(custom)
     if arr.ndim != 1 or len(arr) == 0 or not np.issubdtype(arr.dtype, np.integer):
-        raise SchedulerConfigError(f"timesteps must be a list of ints, got {list(np.atleast_1d(arr))!r}",
-                                   argument="timesteps")
+        raise SchedulerConfigError.about("{0} must be a list of ints, got {value!r}", "timesteps",
+                                         value=list(np.atleast_1d(arr)))
     if len(arr) != steps:
-        raise SchedulerConfigError(f"timesteps has {len(arr)} entries but steps={steps}; pass steps={len(arr)}",
-                                   argument="timesteps")
+        raise SchedulerConfigError.about("{0} has {count} entries but {1}={steps}; pass {1}={count}", "timesteps",
+                                         "steps", count=len(arr), steps=steps)
     if arr.min() < 0 or arr.max() > T - 1 or np.any(np.diff(arr) >= 0):
-        raise SchedulerConfigError(f"timesteps={arr.tolist()} must strictly decrease within [0, {T - 1}]",
-                                   argument="timesteps")
+        raise SchedulerConfigError.about("{0}={value} must strictly decrease within [0, {last}]", "timesteps",
+                                         value=arr.tolist(), last=T - 1)
     return arr.astype(np.int64)
 
 

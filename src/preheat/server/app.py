@@ -36,12 +36,12 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from preheat.errors import InputError, NotAccepting, QueueFull
-from preheat.families.inputs import Image
+from preheat.families.inputs import IMAGE_SIZE, Image, size_pair
 from preheat.server.core import SHUT_DOWN, Core, Prediction
 from preheat.server.edits import EDITS_PATH, edits_input, edits_openapi
 from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, api_error, openai_error
-from preheat.server.inputs import (SEED_MAX, JsonFloat, JsonInt, Limits, family_model, json_int, served_sizes,
-                                   served_specs)
+from preheat.server.inputs import (SEED_MAX, JsonFloat, JsonInt, Limits, family_model, json_int, offered,
+                                   served_sizes, served_specs)
 from preheat.server.metrics import HttpMetrics
 from preheat.server.stream import stream_prediction, wants_stream
 from preheat.server.webhooks import WebhookPolicy, WebhookRefused, delivery_client
@@ -53,7 +53,7 @@ log = logging.getLogger("preheat.server")
 
 WEBHOOK_EVENTS = ("start", "output", "logs", "completed")
 LOGS_INTERVAL_S = 0.5  # at most one "logs" webhook per this many seconds (Cog's throttle)
-_OPENAI_FIELDS = {"num_outputs": "n", "width": "size", "height": "size"}
+_OPENAI_FIELDS = {"num_outputs": "n", **dict.fromkeys(IMAGE_SIZE, "size")}  # OpenAI's size says both sides
 
 
 def _detail(errors: list[tuple[str, str]], prefix: tuple[str, ...] = ("body", "input")) -> list[dict[str, Any]]:
@@ -522,7 +522,7 @@ async def images_generations(raw_request: Request, state: State, request: ImageG
         raw["lora_scale"] = request.lora_scale
     if request.size is not None and request.size != "auto":
         w, h = (int(v) for v in request.size.split("x"))
-        raw["width"], raw["height"] = w, h
+        raw.update(IMAGE_SIZE.inputs((w, h)))  # the size's fields are its keywords
     if core.setup.status == "succeeded":  # the family's inputs and the Cog route's step/guidance/sampler
         accepted = {*family_model(tuple(core.pipe.family.input_specs(core.pipe))).model_fields, *_OPENAI_EXTRAS}
         raw.update({k: v for k, v in (request.model_extra or {}).items() if k in accepted and k not in raw})
@@ -537,9 +537,11 @@ async def images_generations(raw_request: Request, state: State, request: ImageG
                         503: {"description": "Not ready, or shutting down"}})
 async def images_edits(raw_request: Request, state: State) -> Response:
     core = state.core
-    specs = tuple(core.pipe.family.input_specs(core.pipe)) if core.setup.status == "succeeded" else ()
+    ready = core.setup.status == "succeeded"
+    # the declared inputs are read from the form (one not offered is then refused by the parse, by name)
+    specs = tuple(core.pipe.family.input_specs(core.pipe)) if ready else ()
     try:
-        raw = await edits_input(raw_request, specs)
+        raw = await edits_input(raw_request, specs, offered(core.pipe, core.limits) if ready else ())
     except InputError as err:
         field_name, message = err.errors[0]
         return openai_error(422, f"{field_name}: {message}", field_name)
@@ -640,19 +642,22 @@ def _nullable(schema: dict[str, Any], **extra: Any) -> dict[str, Any]:
 
 
 def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] = (), limits: Any = None) -> None:
-    """The served family's declared inputs (``Family.input_specs``) in the schema: each one's type,
-    bounds and description, served sizes as enums, so that schema-valid input is accepted input."""
+    """The served family's offered inputs (``server.inputs.offered``: its declaration less what
+    ``--inputs`` leaves out) in the schema: each one's type, bounds and description, served sizes
+    as enums, so that schema-valid input is accepted input."""
     schemas = spec.get("components", {}).get("schemas", {})
-    specs = tuple(s for s in pipe.family.input_specs(pipe) if "server" in s.surfaces)
+    specs = tuple(s for s in offered(pipe, limits or Limits()) if "server" in s.surfaces)
     sizes = served_sizes(pipe, limits)
-    served = {"width": sorted({w for w, _ in sizes}), "height": sorted({h for _, h in sizes})}
+    pair = size_pair(specs)
+    served = {} if pair is None else pair.inputs((sorted({w for w, _ in sizes}), sorted({h for _, h in sizes})))
     props: dict[str, Any] = {}
     by_name = {s.name: s for s in specs}
     for order, s in enumerate(specs):
         schema = s.schema()
-        if s.name in served:
-            schema = {"type": "integer", "enum": served[s.name], "description": s.description}
         hints: dict[str, Any] = {"x-order": order}
+        if s.name in served:  # one side of the size (the playground shows the pair as one size <select>)
+            schema = {"type": "integer", "enum": served[s.name], "description": s.description}
+            hints["x-size"] = pair.index(s.name)  # 0: the width, 1: the height
         if isinstance(s.type, Image) and s.type.mask and s.needs:  # the image it masks (the page draws on it)
             hints["x-mask-of"] = by_name[s.needs[0]].surface_name
         if s.required:
@@ -681,10 +686,10 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
     edit_form = edits.get("multipart/form-data", {}).get("schema", {}).get("properties")
     for target, own in ((openai, ()), (edit_form, tuple(edit_form or ()))):
         for name, prop in props.items() if target is not None else ():
-            if name not in ("width", "height", *own):  # OpenAI's size says both; the form's files stay files
+            if name not in (*served, *own):  # OpenAI's size says both; the form's files stay files
                 target[name] = {k: v for k, v in prop.items() if k != "x-order"}
     if edit_form is not None and not any(isinstance(s.type, Image) and s.surface_name == "image" for s in specs):
-        edit_form["image"]["description"] = "This model takes no image: every edit is refused (422)."
+        edit_form["image"]["description"] = "This server takes no image: every edit is refused (422)."
     if openai is not None:
         openai["size"] = {"anyOf": [{"type": "string", "enum": [*(f"{w}x{h}" for w, h in sizes), "auto"]},
                                     {"type": "null"}], "title": "Size"}

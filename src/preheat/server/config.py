@@ -52,6 +52,9 @@ class CoreConfig:
     max_guidance: float = 50.0
     samplers: tuple[str, ...] = ()  # offered (and warmed) samplers; () = the model's default only
     sizes: tuple[tuple[int, int], ...] = ()  # text-to-image: served (width, height); () = the model's default
+    # offered (and warmed) optional data inputs (a negative prompt, an image, a mask: WarmSet.inputs);
+    # None = all the family declares; () = the required ones only (a text-only server). Others are refused.
+    inputs: Optional[tuple[str, ...]] = None
     keep_finished: int = 1000  # finished predictions kept for GET / PUT retries
     guidance: tuple[str, ...] = GUIDANCE_MODES  # warmed guidance modes ("on" only where the model can guide)
     push_grace_s: float = 30.0  # at close(), how long background uploads to the store may take
@@ -71,7 +74,8 @@ class CoreConfig:
 
         return WarmSet(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size,
                        samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
-                       devices=self.devices, fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks),
+                       inputs=None if self.inputs is None else tuple(self.inputs), devices=self.devices,
+                       fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks),
                        variant=self.variant, cache=self.cache, weights_dtype=self.weights_dtype,
                        weights_layers=self.weights_layers, progress=self.progress, config=self.config)
 
@@ -85,7 +89,7 @@ class CoreConfig:
                    config=warm.config,
                    max_batch_size=warm.max_batch_size,
                    samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance),
-                   lora_ranks=tuple(warm.lora_ranks), **options)
+                   inputs=warm.inputs, lora_ranks=tuple(warm.lora_ranks), **options)
 
 
 
@@ -93,7 +97,8 @@ class CoreConfig:
 # handler and Ray's replicas read this one table, so neither misses a setting the other takes.
 ENV_SETTINGS: tuple[str, ...] = (
     "model", "dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "progress", "max_batch_size",
-    "samplers", "sizes", "guidance", "devices", "fsdp", "lora_ranks", "max_loras", "lora_dir", "max_image_pixels",
+    "samplers", "sizes", "guidance", "inputs", "devices", "fsdp", "lora_ranks", "max_loras", "lora_dir",
+    "max_image_pixels",
     "batch_wait_ms", "max_queue", "max_steps", "retune_idle_s")
 _INTS = ("max_batch_size", "fsdp", "max_loras", "max_image_pixels", "max_queue", "max_steps")
 _FLOATS = ("batch_wait_ms",)
@@ -132,6 +137,10 @@ def _typed(name: str, value: Any, label: str) -> Any:
     if name in _LISTS:
         items = value.split(",") if isinstance(value, str) else list(value)
         return tuple(str(v).strip() for v in items if str(v).strip())
+    if name == "inputs":  # the names are checked against the family at set-up (warm.resolve)
+        from preheat.families.inputs import parse_offered
+
+        return parse_offered(value)
     if name == "sizes":
         return parse_sizes(value) if isinstance(value, str) else tuple(tuple(int(x) for x in s) for s in value)
     if name == "devices":

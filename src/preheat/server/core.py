@@ -9,7 +9,9 @@ wait; they are told about progress through listeners called from the worker thre
 
 Warm-up compiles every program a request can reach: each offered sampler (``samplers``; by
 default only the model's own), guidance on and off (on only when the model has a null class),
-every bucket. Other samplers are refused at parse time, so traffic never compiles.
+every bucket, and each variant of the offered inputs (``inputs``: a negative prompt, an image, a
+mask; by default all the family declares). Other samplers and inputs are refused at parse time,
+so traffic never compiles.
 
 Cancelling: a waiting prediction is dropped at once (its slot frees); a running batch ends at
 its next step once every member is canceled (the step callback stops it: ``preheat.progress``),
@@ -48,7 +50,7 @@ from preheat.progress import Stop
 from preheat.families import request as request_of
 from preheat.server.fetch import FetchConfig, Fetcher
 from preheat.warm import WarmSignature, bucket_for, buckets_for, resolve, run_signature, signatures
-from preheat.server.inputs import Job, Limits, image_urls, input_model, parse_input
+from preheat.server.inputs import Job, Limits, image_urls, input_model, offered, parse_input
 from preheat.server.config import CoreConfig, load_pipeline
 from preheat.server.metrics import CoreMetrics, FetchMetrics
 from preheat.store import is_remote
@@ -287,7 +289,7 @@ class Core:
         from preheat.families.inputs import Image
 
         extra = raw if isinstance(raw, dict) else (getattr(raw, "model_extra", None) or {})
-        return tuple(s for s in self.pipe.family.input_specs(self.pipe)
+        return tuple(s for s in offered(self.pipe, self.limits)  # one not offered is refused, never fetched
                      if isinstance(s.type, Image) and extra.get(s.surface_name) is not None)
 
     def _parse_fetched(self, raw: Any, fetched: dict[str, bytes]) -> tuple[Job, dict[str, Any]]:
@@ -515,6 +517,7 @@ class Core:
         self.samplers = self.warm.samplers
         self.limits = replace(self.limits, sizes=self.warm.sizes)  # () where the model makes its own size only
         self.limits = replace(self.limits, schedulers=self.samplers)  # parse refuses the others, naming these
+        self.limits = replace(self.limits, inputs=self.warm.inputs)  # ... and the inputs it does not offer
         for sig in self.signatures():
             t0 = time.perf_counter()
             events_before = len(getattr(compiler, "events", ()))

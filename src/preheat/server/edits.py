@@ -51,10 +51,11 @@ def _typed(name: str, text: str, kind: Any) -> Any:
         raise InputError([(name, f"{text[:100]!r} is not {'an int' if kind is int else 'a number'}")]) from None
 
 
-async def edits_input(request: Any, specs: Sequence[Any]) -> dict[str, Any]:
+async def edits_input(request: Any, specs: Sequence[Any], offered: Sequence[Any] = ()) -> dict[str, Any]:
     """The form of ``request`` -> a Cog-style input (``specs``: the served family's declared
-    inputs; () before set-up, when parsing refuses the call anyway). Raises ``InputError``."""
-    from preheat.families.inputs import Image
+    inputs, ``offered``: those the server takes; () before set-up, when parsing refuses the call
+    anyway). An image's transparency is its mask only where a mask is offered. Raises ``InputError``."""
+    from preheat.families.inputs import IMAGE_SIZE, Image
     from preheat.image_input import transparent_mask
     from preheat.server.inputs import served_specs
 
@@ -70,7 +71,7 @@ async def edits_input(request: Any, specs: Sequence[Any]) -> dict[str, Any]:
         files[name] = await value.read()
     if "image" not in files and "image" not in raw:
         raise InputError([("image", "required: the image to edit (a file)")])
-    takes_mask = any(s.surface_name == "mask" and isinstance(s.type, Image) for s in specs)
+    takes_mask = any(s.surface_name == "mask" and isinstance(s.type, Image) for s in offered)
     try:
         if "mask" in files:
             mask = transparent_mask(files["mask"], "mask")
@@ -97,9 +98,9 @@ async def edits_input(request: Any, specs: Sequence[Any]) -> dict[str, Any]:
         w, sep, h = size.partition("x")
         if not (sep and w.isdigit() and h.isdigit()) or len(size) > 11:
             raise InputError([("size", f"{size[:32]!r} must be WIDTHxHEIGHT or auto")])
-        raw["width"], raw["height"] = int(w), int(h)
+        raw.update(IMAGE_SIZE.inputs((int(w), int(h))))  # the size's fields are its keywords
     typed = {**{s.surface_name: s for s in served_specs()},  # the common inputs (num_outputs is OpenAI's n)
-             **{s.surface_name: s for s in specs if not isinstance(s.type, Image) and s.name not in ("width", "height")}}
+             **{s.surface_name: s for s in specs if not isinstance(s.type, Image) and s.name not in IMAGE_SIZE}}
     for name, value in text.items():
         if name in _OPENAI or name in raw or name not in typed:
             continue

@@ -36,10 +36,10 @@ import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
-from preheat.families.inputs import (COMMON_SPECS, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints, Label,
-                                     Pair, Text, field_of)
+from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints,
+                                     Label, Pair, Text, field_of, offered_specs, optional_inputs, size_pair)
 
-__all__ = ["Limits", "Job", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields",
+__all__ = ["Limits", "Job", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields", "offered",
            "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "parse_sizes", "parse_lora_ranks", "JsonFloat",
            "image_urls", "served_specs", "served_type", "SERVER_DEFAULTS"]
 
@@ -83,6 +83,7 @@ class Limits:
     schedulers: tuple[str, ...] = ()  # allowed sampler names; () = every sampler preheat has
     output_formats: tuple[str, ...] = OUTPUT_FORMATS
     sizes: tuple[tuple[int, int], ...] = ()  # text-to-image: served (width, height); () = the model's default
+    inputs: Optional[tuple[str, ...]] = None  # the optional data inputs offered (WarmSet.inputs); None: all
     max_lora_scale: float = MAX_LORA_SCALE  # lora_scale within [-max, max]
     lora_dir: Optional[str] = None  # local LoRA files only from under this folder; None: URLs and hf:// only
     fetcher: Any = None  # server.fetch.Fetcher: every URL a request names goes through it; None: a default one
@@ -114,8 +115,7 @@ class Job:
     @property
     def size(self) -> Optional[tuple[int, int]]:
         """(width, height) as served, when the family takes them."""
-        given = dict(self.values)
-        return (given["width"], given["height"]) if "width" in given and "height" in given else None
+        return IMAGE_SIZE.of(dict(self.values))
 
     @property
     def batch_key(self) -> tuple:
@@ -265,6 +265,32 @@ def served_sizes(pipe: Any, limits: Limits) -> tuple[tuple[int, int], ...]:
     return tuple(limits.sizes) or pipe.family.served_sizes(pipe)
 
 
+def offered(pipe: Any, limits: Limits) -> tuple[InputSpec, ...]:
+    """The family's inputs this server takes: its declaration less the optional inputs it does
+    not offer (``Limits.inputs``) and what needs them; every surface's fields and schema are these."""
+    return offered_specs(pipe.family.input_specs(pipe), limits.inputs)
+
+
+def _not_offered(pipe: Any, limits: Limits, extra: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A request's fields that name a declared input this server does not offer: (field, one line
+    naming it by the field the client sent and the ``--inputs`` that would offer it)."""
+    declared = tuple(pipe.family.input_specs(pipe))
+    served = {s.name for s in offered(pipe, limits)}
+    errors = []
+    for spec in declared:
+        if spec.name in served:
+            continue
+        sent = next((f for f in (spec.surface_name, *spec.aliases) if extra.get(f) is not None), None)
+        if sent is None:
+            continue
+        # what offering it takes: this server's inputs, the input (or what it needs) and its needs
+        wanted = {*(limits.inputs or ()), spec.name, *spec.needs}
+        names = ",".join(n for n in optional_inputs(declared) if n in wanted)
+        errors.append((sent, f"{sent} is not served here (start the server with --inputs {names}, or "
+                             f"PREHEAT_INPUTS={names}, to offer it)"))
+    return errors
+
+
 def image_urls(specs: tuple[InputSpec, ...], raw: Any) -> dict[str, str]:
     """The image fields of a raw input that name an http(s) URL: field -> URL (what to fetch)."""
     get = raw.get if isinstance(raw, Mapping) else (lambda name: (getattr(raw, "model_extra", None) or {}).get(name))
@@ -311,7 +337,11 @@ def _family_values(pipe: Any, extra: dict[str, Any], n: int, limits: Limits,
     """The family's inputs a request gave (by surface name) -> ``generate`` keywords, and which
     came through an alias (keyword -> that field). Sizes must be served ones; images are bytes
     or data URIs (:func:`_image_value`)."""
-    specs = tuple(pipe.family.input_specs(pipe))
+    refused = _not_offered(pipe, limits, extra)
+    if refused:
+        errors.extend(refused)
+        return {}, {}
+    specs = offered(pipe, limits)
     try:
         given = family_model(specs).model_validate(extra).model_dump(exclude_none=True)
     except ValidationError as err:
@@ -337,14 +367,15 @@ def _family_values(pipe: Any, extra: dict[str, Any], n: int, limits: Limits,
                 continue
         if value is not None:
             values[spec.name] = value
-    if "width" in {s.name for s in specs}:
+    pair = size_pair(specs)
+    if pair is not None:
         served = served_sizes(pipe, limits)
-        size = (values.get("width", served[0][0]), values.get("height", served[0][1]))
+        size = (values.get(pair.width, served[0][0]), values.get(pair.height, served[0][1]))
         if size not in served:
             allowed = ", ".join(f"{sw}x{sh}" for sw, sh in served)
-            field = "width" if "width" in values and values["width"] not in {sw for sw, _ in served} else "height"
-            errors.append((field, f"{size[0]}x{size[1]} is not served here; sizes: {allowed}"))
-        values["width"], values["height"] = size
+            wrong = pair.width if pair.width in values and size[0] not in {sw for sw, _ in served} else pair.height
+            errors.append((field_of(specs)[wrong], f"{size[0]}x{size[1]} is not served here; sizes: {allowed}"))
+        values.update(pair.inputs(size))
     return values, aliased
 
 
@@ -391,7 +422,7 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     if errors:
         raise InputError(errors)
 
-    specs = tuple(pipe.family.input_specs(pipe))
+    specs = offered(pipe, limits)
     per_call = {k: v for k, v in family.items() if not any(s.name == k and s.per_image for s in specs)}
     per_image = {k: [v] * n for k, v in family.items() if k not in per_call}
     job = Job(n=n, seed=int(seed), sampler=sampler, steps=0, guidance=guidance, eta=float(v["eta"]),  # steps: below
@@ -402,10 +433,8 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
                              **job.engine_inputs())
     except (InvalidArgumentError, SchedulerConfigError) as err:
         fields = {**surface_fields(specs), **aliased}  # the message names each input by the field a client sent
-        if isinstance(err, InvalidArgumentError):
-            raise InputError([(_error_field(err, fields, aliased), err.renamed(fields))], source=err,
-                             fields=fields) from None
-        raise InputError([(_error_field(err, fields, aliased), str(err))]) from None
+        raise InputError([(_error_field(err, fields, aliased), err.renamed(fields))], source=err,
+                         fields=fields) from None
     if steps is None and request.steps > limits.max_steps:  # a default the server's max does not allow
         counted = next((s for s in specs if s.counts_steps and request.values.get(s.name) is not None), None)
         field_name, what = (counted.surface_name, f"{counted.surface_name} has {request.steps} entries") \

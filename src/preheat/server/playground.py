@@ -22,8 +22,8 @@ family gets its own fields, and no code here knows a family. The field for a sch
     array of 2 integers                      <input> "a,b"
     ``x-alias-of`` (another way to give X)   none (X has its field)
 
-``width`` and ``height`` become one size <select> of the served sizes (the OpenAI body's ``size``
-enum). A run posts Cog's ``POST /predictions`` with ``Accept: text/event-stream`` and reads the
+The size's two fields (``x-size``: 0 the width, 1 the height; ``families.inputs.IMAGE_SIZE``)
+become one size <select> of the served sizes (the OpenAI body's ``size`` enum). A run posts Cog's ``POST /predictions`` with ``Accept: text/event-stream`` and reads the
 server-sent events from the fetch body (``log`` lines ``step k/N`` move the bar, ``output`` shows
 images as they arrive, ``completed`` carries the prediction and its timings); a server that
 answers JSON instead is read as the finished prediction. Everything the page echoes (the prompt,
@@ -166,10 +166,13 @@ function buildForm(spec) {
   const box = $("fields");
   box.textContent = "";
   const entries = Object.entries(props).sort((a, b) => (a[1]["x-order"] ?? 1e3) - (b[1]["x-order"] ?? 1e3));
+  S.sizeFields = [];  // the size's two fields (x-size 0: the width, 1: the height)
+  for (const [name, p] of entries) if (p["x-size"] !== undefined) S.sizeFields[p["x-size"]] = name;
+  const sizePair = S.sizeFields[0] !== undefined && S.sizeFields[1] !== undefined && sizes.length;
   let sized = false;
   for (const [name, p] of entries) {
     if (p["x-alias-of"]) continue;
-    if ((name === "width" || name === "height") && "width" in props && "height" in props && sizes.length) {
+    if (sizePair && p["x-size"] !== undefined) {
       if (!sized) addSize(box, sizes);
       sized = true;
       continue;
@@ -304,7 +307,7 @@ function collect() {  // the form -> Cog's input object (empty fields: absent, t
     if (f.kind === "mask") { if (f.canvas && f.drawn) input[f.name] = f.canvas.toDataURL("image/png"); continue; }
     const v = f.node.value.trim();
     if (v === "") continue;
-    if (f.kind === "size") { const [w, h] = v.split("x").map(Number); input.width = w; input.height = h; }
+    if (f.kind === "size") { v.split("x").map(Number).forEach((side, i) => { input[S.sizeFields[i]] = side; }); }
     else if (f.kind === "int" || f.kind === "number") input[f.name] = Number(v);
     else if (f.kind === "pair") input[f.name] = v.split(/[x,]/).map((t) => Number(t.trim()));
     else if (f.kind === "label" && /^[0-9]+$/.test(v)) input[f.name] = v;

@@ -62,7 +62,7 @@ from preheat.store._layout import FileEntry, Ref, Source, is_remote, parse_sourc
 
 # Names from the download modules, imported on first use: a start that resolves a local folder or a
 # pulled snapshot never needs urllib or huggingface_hub's side (``python -X importtime``).
-_LAZY = {"HfPlan": "_hf", "RepoFile": "_hf", "DownloadLimits": "_http", "address_check": "_http",
+_LAZY = {"HfPlan": "_hf", "RepoFile": "_hf", "fetch_head": "_hf", "DownloadLimits": "_http", "address_check": "_http",
          "download_limits": "_http"}
 
 
@@ -76,6 +76,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "pull",
     "plan_pull",
+    "fetch_head",
     "HfPlan",
     "RepoFile",
     "resolve",

@@ -20,6 +20,13 @@ are), so it goes with them, once older than ``grace_s``: its links would dangle,
 transformer is the largest thing in it. While a ref names its snapshot it stays, and so do the
 snapshot's blobs, so a restart reads the converted folder with no fetch and no conversion.
 
+One whose source was rewritten in place (the same path, another size or mtime than its record
+saw: ``preheat.files.changed_inputs``) is stale: the folders are named by their inputs' path, size
+and mtime, so the next load converts the new content into another folder and no load reaches
+this one; it goes with the next gc, once older than ``grace_s``, saying which source changed.
+(A rewrite that keeps both size and mtime, such as ``cp -p`` of a same-sized file, goes unseen:
+hashing every source at every gc would read gigabytes.)
+
 A source *outside* the cache root (the user's ``/mnt/models/x.safetensors``) that is missing may
 only be unmounted: as huggingface_hub's cache never deletes behind its user's back, its conversion
 is kept (``derived_folders`` says why) until ``drop_missing_sources=True`` (``preheat cache prune
@@ -37,7 +44,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from preheat.files import read_made_from
+from preheat.files import Seen, changed_inputs, read_made_from
 from preheat.store._layout import HEX64, Store
 
 __all__ = ["collect_orphans", "derived_folders", "Derived"]
@@ -136,13 +143,13 @@ class Derived(NamedTuple):
 
     folder: Path
     name: str  # its models/-relative path: "single/<name>"
-    state: str  # live | young | dead | missing-source | in-progress | stale-tmp
+    state: str  # live | young | dead | changed-source | missing-source | in-progress | stale-tmp
     why: str  # one line, for `preheat cache ls` and `prune`
 
     @property
     def collect(self) -> bool:
         """Collected by every prune (a missing outside source only when asked: ``collect_orphans``)."""
-        return self.state in ("dead", "stale-tmp")
+        return self.state in ("dead", "changed-source", "stale-tmp")
 
 
 def derived_folders(root: str | os.PathLike[str], *, grace_s: float = 3600.0,
@@ -160,9 +167,15 @@ def derived_folders(root: str | os.PathLike[str], *, grace_s: float = 3600.0,
     return _derived(store, live, grace_s, time.time() if now is None else now)
 
 
-def _verdict(inputs: list[Path], inside: Path, snapshots: Path, live: set[str]) -> tuple[str, str]:
+def _when(seen: Seen) -> str:
+    return f"{seen.size:,d} B, mtime {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(seen.mtime_ns / 1e9))} UTC"
+
+
+def _verdict(inputs: list[Path], inside: Path, snapshots: Path, live: set[str],
+             changed: list[tuple[Path, Seen, Seen]]) -> tuple[str, str]:
     """(state, why) of a folder made from ``inputs``: a store input gone or of an unnamed snapshot
-    collects it; an input outside the cache root that is missing keeps it (it may be unmounted)."""
+    collects it, as does an input rewritten in place (``changed``); an input outside the cache root
+    that is missing keeps it (it may be unmounted)."""
     missing_outside = []
     for p in inputs:
         if p.is_relative_to(snapshots):
@@ -173,6 +186,10 @@ def _verdict(inputs: list[Path], inside: Path, snapshots: Path, live: set[str]) 
             if p.is_relative_to(inside):
                 return "dead", f"made from {p.relative_to(inside).as_posix()}, which the cache root no longer holds"
             missing_outside.append(p)
+    if changed:
+        path, then, now = changed[0]
+        return "changed-source", (f"its source {path} changed since it was made ({_when(then)} then, {_when(now)} "
+                                   "now): the next load converts it again, no load reaches this one")
     if missing_outside:
         return "missing-source", f"its source {missing_outside[0]} is missing (an unmounted drive?)"
     return "live", "its sources are there and a ref names every snapshot it links"
@@ -201,7 +218,8 @@ def _derived(store: Store, live: set[str], grace_s: float, now: float) -> list[D
                 if _age(folder, now) <= grace_s:
                     out.append(Derived(folder, name, "young", f"made less than {grace_s:g} s ago"))
                     continue
-                out.append(Derived(folder, name, *_verdict(_inputs(folder), inside, snapshots, live)))
+                out.append(Derived(folder, name, *_verdict(_inputs(folder), inside, snapshots, live,
+                                                           changed_inputs(folder))))
             except OSError:  # removed meanwhile
                 continue
     return out

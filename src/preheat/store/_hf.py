@@ -250,3 +250,27 @@ def download_hf(store: Store, plan: HfPlan, *, progress: bool) -> Path:
         if not progress and not was_disabled:
             enable_progress_bars()
     return Path(folder)
+
+
+def fetch_head(plan: HfPlan, stop: int) -> bytes:
+    """The first ``stop`` bytes of a one-file plan's file (``hf://org/repo/file.gguf``), by an HTTP
+    Range request: what a dry run reads a single file's header from without fetching its tensors.
+    A server that ignores the range is read only that far (the body is streamed, then closed)."""
+    hub = _hub()
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+
+    src = plan.source
+    (file,) = [f for f in plan.files if f.path == src.filename]
+    url = hub.hf_hub_url(src.repo_id, file.path, revision=plan.commit)
+    headers = {**build_hf_headers(), "Range": f"bytes=0-{stop - 1}"}
+    data = bytearray()
+    try:
+        with hub.get_session().stream("GET", url, headers=headers, follow_redirects=True) as response:
+            hf_raise_for_status(response)
+            for chunk in response.iter_bytes():
+                data += chunk
+                if len(data) >= stop:
+                    break
+    except Exception as exc:  # huggingface_hub, httpx and OSError all land here
+        raise FetchError(_message(src, exc, Path("(no cache: a header read)"))) from None
+    return bytes(data[:stop])

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from preheat.families.inputs import IMAGE_SIZE
+
 __all__ = ["image_pipeline", "image_kwargs", "same_noise", "pixels_of"]
 
 _CLASSES = {("stable-diffusion", False): "StableDiffusionImg2ImgPipeline",
@@ -70,8 +72,8 @@ def image_kwargs(values: dict[str, Any], kwargs: dict[str, Any], family: str = "
         out["image"] = [out["image"]] * len(values["prompt"])
     if values.get("mask_image") is None:
         if family not in _SIZED:
-            out.pop("height", None)
-            out.pop("width", None)
+            for key in IMAGE_SIZE:  # diffusers' size keywords are ours
+                out.pop(key, None)
     else:
         out["mask_image"] = Image.fromarray(values["mask_image"])
         if values["strength"] == 1.0 and family != "flux":  # is_strength_max: given latents are the noise

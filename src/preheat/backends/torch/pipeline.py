@@ -280,8 +280,10 @@ def load_torch_pipeline(model: str | Path | None = None, *, compile: str = "none
     ``config``: with ``model`` a single ``.safetensors`` file (LDM SD 1.x/2.x, SGM SDXL, BFL FLUX.1,
     MMDiT SD3, ComfyUI bundles), what the JAX engine takes (``preheat.file_configs``): the file is
     converted once into a diffusers folder under the cache root, the same folder the JAX engine
-    reads, and diffusers' ``from_pretrained`` loads that folder. Quantised files (GGUF, scaled fp8)
-    are refused in one line (``preheat.file_configs.plain_tensors``).
+    reads, and diffusers' ``from_pretrained`` loads that folder. A GGUF transformer file (``.gguf``,
+    also ``hf://org/repo/file.gguf``) is read as diffusers users read it: ``from_single_file`` with a
+    ``GGUFQuantizationConfig`` (``load_gguf_denoiser``), the rest of the pipeline from the config
+    folder. Scaled fp8 files are refused in one line (``preheat.file_configs.plain_tensors``).
     """
     if compile not in COMPILE_MODES:
         raise InvalidArgumentError(f"compile={compile!r} is not supported; use {', '.join(COMPILE_MODES)}")
@@ -302,21 +304,25 @@ def load_torch_pipeline(model: str | Path | None = None, *, compile: str = "none
     compiler = make_compiler(cache) if compile != "none" else None
 
     root = model_root(model, variant)  # as preheat.load: builtin:NAME, a folder, or a store source
-    from preheat.file_configs import converted_folder, plain_tensors
+    from preheat.file_configs import converted_folder, gguf_source, plain_tensors
 
     reading: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    converted = converted_folder(model, root, config, variant, check=plain_tensors)  # the JAX engine's folder
-    if converted is not None:  # its files have no variant: the variant picked what it links
+    gguf = gguf_source(root, config, variant)  # diffusers' own GGUF loader, on the file itself
+    converted = None if gguf is not None else converted_folder(model, root, config, variant, check=plain_tensors)
+    if gguf is not None:
+        root = gguf.configs
+    elif converted is not None:  # the JAX engine's folder; its files have no variant: the variant picked what it links
         root, reading, variant = converted.root, converted.reading, None
     from preheat.families import class_name_of
 
     class_name = class_name_of(root)
-    from preheat.backends.torch.text import TEXT_FAMILIES, load_text
+    from preheat.backends.torch.text import TEXT_FAMILIES, load_gguf_denoiser, load_text
 
     if class_name in TEXT_FAMILIES:
+        denoiser = None if gguf is None else load_gguf_denoiser(gguf, dtype)
         with reading:
             return load_text(Path(root), class_name, compile=compile, dtype=dtype, device=str(torch_device),
-                             scheduler=scheduler, compiler=compiler, variant=variant)
+                             scheduler=scheduler, compiler=compiler, variant=variant, denoiser=denoiser)
     if compile == "regional":
         raise InvalidArgumentError("compile='regional' is for diffusers text-to-image pipelines (SD, SDXL, SD3, "
                                    "Flux); use compile='inductor' or 'aot' for a UNet2DModel", argument="compile")

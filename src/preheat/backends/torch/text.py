@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,13 +33,15 @@ from preheat.backends.torch.sampling import make_scheduler
 from preheat.backends.torch.arguments import EngineArguments
 from preheat.errors import InvalidArgumentError
 from preheat.families.base import Request
+from preheat.families.inputs import IMAGE_SIZE
+from preheat.file_configs import GGUFSource
 from preheat.families.request import plan_inputs, scheduler_overrides
 from preheat.families.components import FluxComponents, SD3Components, SDComponents, TextComponents
 from preheat.noise import initial_noise
 from preheat.samplers import SchedulerConfig, load_scheduler_config
 from preheat.timings import Timings
 
-__all__ = ["TorchTextPipeline", "load_text", "TEXT_FAMILIES", "restore_text_model"]
+__all__ = ["TorchTextPipeline", "load_gguf_denoiser", "load_text", "TEXT_FAMILIES", "restore_text_model"]
 
 # model_index.json's _class_name -> (families module, family object)
 TEXT_FAMILIES = {
@@ -89,7 +92,7 @@ class TorchTextPipeline(EngineArguments):
                 else initial_noise(request.seeds, latent_shape))
         latents = torch.from_numpy(np.ascontiguousarray(nchw, np.float32)).to(self.device, self.torch_dtype)
         kwargs: dict[str, Any] = dict(
-            prompt=v["prompt"], height=v["height"], width=v["width"], num_inference_steps=request.steps,
+            prompt=v["prompt"], **IMAGE_SIZE.inputs(IMAGE_SIZE.of(v)), num_inference_steps=request.steps,
             generator=[torch.Generator("cpu").manual_seed(int(s)) for s in request.seeds], output_type="np")
         if self.family.name.startswith("flux"):  # embedded guidance; FluxPipeline takes packed latents
             b, c, h, w = latents.shape
@@ -99,7 +102,7 @@ class TorchTextPipeline(EngineArguments):
                 from PIL import Image  # the output is width x height exactly (max_area fits it)
 
                 kwargs.update(image=Image.fromarray(v["image"]), _auto_resize=v["image_resize"] == "preferred",
-                              max_area=v["width"] * v["height"])
+                              max_area=math.prod(IMAGE_SIZE.of(v)))
         else:
             kwargs.update(negative_prompt=v["negative_prompt"], latents=latents,
                           guidance_scale=request.guidance if request.guided else 1.0)
@@ -233,9 +236,40 @@ def _loaded_in_call(events: list[dict[str, Any]], elapsed: float) -> Timings:
     return Timings(trace_lower_s=trace, compile_s=compile_s, cache_layer=layer, run_s=max(elapsed - trace - compile_s, 0.0))
 
 
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _denoiser_name(root: Path) -> str:
+    """The pipeline's denoiser component: ``transformer`` (SD3, Flux) or ``unet`` (SD, SDXL)."""
+    return "transformer" if "transformer" in json.loads((root / "model_index.json").read_text()) else "unet"
+
+
+def load_gguf_denoiser(source: GGUFSource, dtype: str) -> Any:
+    """The denoiser of a GGUF file as diffusers users load it: its class's ``from_single_file``
+    with ``GGUFQuantizationConfig(compute_dtype=dtype)`` and the config folder's config (the
+    weights stay quantised; each Linear dequantises in ``dtype`` where it is used). A file whose
+    tensors do not fit that config is one line naming both."""
+    import diffusers
+    from diffusers import GGUFQuantizationConfig
+
+    from preheat.errors import CheckpointMismatchError
+
+    name = _denoiser_name(source.configs)
+    cls = getattr(diffusers, json.loads((source.configs / name / "config.json").read_text())["_class_name"])
+    try:
+        return cls.from_single_file(str(source.file), config=str(source.configs), subfolder=name,
+                                    quantization_config=GGUFQuantizationConfig(compute_dtype=_TORCH_DTYPES[dtype]),
+                                    torch_dtype=_TORCH_DTYPES[dtype])
+    except (ValueError, RuntimeError, KeyError) as exc:  # a shape, a missing or an extra tensor
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise CheckpointMismatchError(f"GGUF file {source.file} does not fit the {name} config of {source.configs}: "
+                                      f"{reason}") from None
+
+
 def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: str, scheduler: Any,
-              compiler: TorchCompiler | None, variant: str | None) -> TorchTextPipeline:
-    """A diffusers SD/SDXL/SD3/Flux pipeline for ``root`` with preheat's checks and defaults."""
+              compiler: TorchCompiler | None, variant: str | None, denoiser: Any = None) -> TorchTextPipeline:
+    """A diffusers SD/SDXL/SD3/Flux pipeline for ``root`` with preheat's checks and defaults;
+    ``denoiser`` (a GGUF file's, ``load_gguf_denoiser``) replaces the folder's UNet or transformer."""
     import importlib
 
     from diffusers import DiffusionPipeline
@@ -245,8 +279,9 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
     module, name = TEXT_FAMILIES[class_name]
     family = getattr(importlib.import_module(f"preheat.families.{module}"), name)
 
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    kwargs: dict[str, Any] = {"torch_dtype": dtypes[dtype]}
+    kwargs: dict[str, Any] = {"torch_dtype": _TORCH_DTYPES[dtype]}
+    if denoiser is not None:
+        kwargs[_denoiser_name(root)] = denoiser
     if variant:
         kwargs["variant"] = variant
     index = json.loads((root / "model_index.json").read_text())
