@@ -80,3 +80,52 @@ def test_installed_wheel_samples_from_a_clean_venv_without_network(wheel, tmp_pa
     images = sorted((tmp_path / "each").iterdir())
     assert len(images) == 2 and out.is_file()
     assert all(Image.open(p).size == (16, 16) for p in images)  # the built-in model's 16x16 digits
+
+
+# Standard-library names that came after Python 3.10, the floor pyproject.toml declares (``make run``
+# and ``pip install .`` work there; the test path needs 3.12): importing one breaks the package on a
+# 3.10 pod image, and no interpreter on the CI machine is that old, so the sources are read instead.
+_NEWER_THAN_FLOOR = {
+    "typing": {"Self", "LiteralString", "Never", "NotRequired", "Required", "TypeVarTuple", "Unpack",
+               "assert_never", "assert_type", "reveal_type", "dataclass_transform", "get_overloads",
+               "clear_overloads", "override", "TypeAliasType", "ReadOnly", "TypeIs", "NoDefault"},
+    "enum": {"StrEnum", "ReprEnum", "verify", "EnumCheck", "member", "nonmember", "global_enum"},
+    "datetime": {"UTC"},
+    "asyncio": {"TaskGroup", "timeout", "timeout_at", "Runner", "Barrier"},
+}
+_MODULES_NEWER_THAN_FLOOR = {"tomllib", "wsgiref.types"}
+
+
+def _too_new(tree) -> list[str]:
+    """The 3.11+ standard-library imports of one parsed module, as ``module.name``."""
+    import ast
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            if node.module in _MODULES_NEWER_THAN_FLOOR:
+                found.append(node.module)
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name in _NEWER_THAN_FLOOR.get(node.module, ())]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name in _MODULES_NEWER_THAN_FLOOR]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                node.attr in _NEWER_THAN_FLOOR.get(node.value.id, ()):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_the_package_parses_and_imports_nothing_newer_than_its_python_floor():
+    import ast
+    import re
+
+    floor = re.search(r'requires-python\s*=\s*">=\s*3\.(\d+)"', (ROOT / "pyproject.toml").read_text())
+    assert floor and int(floor.group(1)) == 10  # the table above is written for this floor
+    offenders = {}
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path), feature_version=(3, 10))  # 3.10 grammar
+        if found := _too_new(tree):
+            offenders[str(path.relative_to(SRC))] = found
+    assert offenders == {}
+    # the reader sees each form it looks for (a check that could not fail would be no check)
+    sample = "from typing import Any, Self\nimport tomllib\nimport enum\nx = enum.StrEnum\n"
+    assert _too_new(ast.parse(sample)) == ["typing.Self", "tomllib", "enum.StrEnum"]

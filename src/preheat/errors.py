@@ -30,7 +30,7 @@ problem (and, where there is one, the fix). Surfaces (CLI, server, Runpod handle
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Self
+from typing import Any, Mapping, TypeVar
 
 __all__ = [
     "PreheatError",
@@ -85,6 +85,9 @@ class CheckpointMismatchError(ModelFormatError, WeightsError):
     ``ModelFormatError`` to whoever passed the file, a ``WeightsError`` to the loader's callers."""
 
 
+_Named = TypeVar("_Named", bound="NamesInputs")  # about() builds the class it is called on
+
+
 class NamesInputs(PreheatError):
     """An error about a call's inputs. ``argument`` names the one it is about (the engine's keyword,
     e.g. ``"steps"``), so that a surface can point at its own field without reading the message.
@@ -101,7 +104,8 @@ class NamesInputs(PreheatError):
         self.values: dict[str, Any] = {}
 
     @classmethod
-    def about(cls, template: str, *names: str, argument: str | None = None, **values: Any) -> Self:
+    def about(cls: type[_Named], template: str, *names: str, argument: str | None = None,
+              **values: Any) -> _Named:
         """An error whose ``template`` names the inputs ``names`` (engine keywords) as ``{0}``, ``{1}``,
         ...; ``values`` fill its other fields (``{value!r}``). ``argument``: ``names[0]`` unless given.
         ``InvalidArgumentError.about("{0}={value!r} must be >= 1", "steps", value=0)``."""
