@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple, Optional
 
 __all__ = ["WarmSet", "WarmSignature", "buckets_for", "bucket_for", "served_call", "ServedCall", "resolve",
-           "signatures", "run_signature", "status", "programs", "prefetch_calls", "warm", "offered_inputs"]
+           "signatures", "run_signature", "status", "programs", "prefetch_calls", "warm", "offered_inputs", "OfferedInputs"]
 
 GUIDANCE_MODES = ("off", "on")
 
@@ -214,17 +214,22 @@ def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
     return out
 
 
-def offered_inputs(pipe: Any, warm_set: WarmSet) -> dict[str, list[str]]:
-    """What a resolved set offers, by keyword: ``required`` (always), ``optional`` (the offered
-    ones, ``WarmSet.inputs``) and ``not_offered`` (declared, refused by a server of this set)."""
+class OfferedInputs(NamedTuple):
+    """What a resolved set's server takes, by keyword (``warm --dry-run`` prints it)."""
+    required: tuple[str, ...]  # always offered (a prompt)
+    optional: tuple[str, ...]  # the offered ones (``WarmSet.inputs``)
+    not_offered: tuple[str, ...]  # declared by the family, refused by a server of this set
+
+
+def offered_inputs(pipe: Any, warm_set: WarmSet) -> OfferedInputs:
+    """The inputs a server of a resolved set takes and refuses."""
     from preheat.families.inputs import optional_inputs, required_inputs
 
     specs = _specs(pipe)
     optional = optional_inputs(specs)
     offered = optional if warm_set.inputs is None else warm_set.inputs
-    return {"required": list(required_inputs(specs)),
-            "optional": [n for n in optional if n in offered],
-            "not_offered": [n for n in optional if n not in offered]}
+    return OfferedInputs(required_inputs(specs), tuple(n for n in optional if n in offered),
+                         tuple(n for n in optional if n not in offered))
 
 
 def _served(pipe: Any, sampler: str, guidance: float, size: Optional[tuple[int, int]],

@@ -162,11 +162,11 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
                          "programs": [{"stage": p["stage"], "key": p["key"], **where(p)} for p in stages]})
         offered = warming.offered_inputs(pipe, resolved)  # required and optional: what a server takes
         if as_json:
-            click.echo(json.dumps({"inputs": offered, "signatures": rows}, indent=1))
+            click.echo(json.dumps({"inputs": offered._asdict(), "signatures": rows}, indent=1))
             return
-        declared = offered["optional"] or offered["not_offered"]
-        others = f"not offered: {', '.join(offered['not_offered']) or 'none'}" if declared else "no optional inputs"
-        click.echo(f"inputs offered: {', '.join(offered['required'] + offered['optional']) or 'none'} ({others})")
+        declared = offered.optional or offered.not_offered
+        others = f"not offered: {', '.join(offered.not_offered) or 'none'}" if declared else "no optional inputs"
+        click.echo(f"inputs offered: {', '.join(offered.required + offered.optional) or 'none'} ({others})")
 
         def line(row: dict[str, Any]) -> str:
             return f"local {row['local']}" + (f", remote {row['remote']}" if row["remote"] is not None else "")
