@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from preheat.cli import main
 from tests._support.sd_fixtures import save_tiny_sd
 from tests._support.reference import save_tiny_pipeline
+from tests._support.compare_children import ChildStarted, stop_at_children
 
 
 def run(*args):
@@ -145,27 +146,17 @@ def test_dtype_is_a_choice(command):
     assert "'--dtype'" in r.output and "'float64' is not one of 'float32', 'bfloat16', 'float16'" in r.output
 
 
-class _Stop(Exception):
-    pass
-
-
 def test_bench_compare_runs_a_tiny_flux_at_its_tiny_size(tmp_path, monkeypatch):
     """Bug 6: `bench compare flux-tiny-random --quick` ran at the FLUX default (128 latents:
     256x256 with the tiny VAE) and ran out of memory; a tiny random model runs at 32x32."""
     from preheat.bench import compare
 
-    specs = []
-
-    def child(spec, *args, **kwargs):
-        specs.append(spec)
-        raise _Stop
-
-    monkeypatch.setattr(compare, "_run_child", child)
+    specs = stop_at_children(monkeypatch)
     for name in ("flux-tiny-random", "random:flux-tiny"):
-        with pytest.raises(_Stop):
+        with pytest.raises(ChildStarted):
             compare.bench_compare(name, paths=("jax",), repeats=1, batch=1, batch_sizes=(1,), workdir=tmp_path)
         assert specs[-1]["inputs"] == {"width": 32, "height": 32}
-    with pytest.raises(_Stop):
+    with pytest.raises(ChildStarted):
         compare.bench_compare("random:flux-tiny", paths=("jax",), repeats=1, batch=1, batch_sizes=(1,),
                               workdir=tmp_path, inputs={"width": 64, "height": 32})
     assert specs[-1]["inputs"] == {"width": 64, "height": 32}  # given sizes win

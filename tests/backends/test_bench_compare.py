@@ -14,6 +14,7 @@ from preheat.bench.compare import PATHS, markdown, plot  # noqa: E402
 from preheat.cli.bench import compare_command  # noqa: E402
 from tests._support.torch_models import MICRO  # noqa: E402
 from tests._support.reference import save_tiny_pipeline  # noqa: E402
+from tests._support.compare_children import ChildStarted, stop_at_children
 
 
 def _stat(v: float) -> dict:
@@ -85,10 +86,6 @@ def test_quick_compare_on_a_micro_model(tmp_path):
     assert "| torch-eager |" in result.output and "| jax |" in result.output
 
 
-class _Stop(Exception):
-    pass
-
-
 def test_a_family_s_flags_reach_every_path_typed_by_its_declared_inputs(tmp_path, monkeypatch):
     """`bench compare MODEL --image P --strength S` (image calls on both backends, issue 27): the
     model's own flags are `preheat sample`'s, typed in the parent by the folder's declared family
@@ -96,21 +93,13 @@ def test_a_family_s_flags_reach_every_path_typed_by_its_declared_inputs(tmp_path
     any child starts."""
     from PIL import Image
 
-    from preheat.bench import compare
-
-    specs = []
-
-    def child(spec, *args, **kwargs):
-        specs.append(spec)
-        raise _Stop
-
-    monkeypatch.setattr(compare, "_run_child", child)
+    specs = stop_at_children(monkeypatch)
     image = tmp_path / "in.png"
     Image.new("RGB", (32, 32), (200, 90, 40)).save(image)
     work = ["--quick", "--paths", "jax,torch-eager", "--keep", str(tmp_path / "work")]
     r = CliRunner().invoke(compare_command, ["random:sd1-tiny", *work, "--image", str(image), "--strength", "0.6",
                                              "--prompt", "a fox"])
-    assert isinstance(r.exception, _Stop), r.output
+    assert isinstance(r.exception, ChildStarted), r.output
     assert specs[-1]["inputs"] == {"image": str(image), "strength": 0.6, "prompt": "a fox", "width": 32, "height": 32}
     for args, words in [(["--strength", "much"], "--strength 'much' must be a number"),
                         (["--class", "3"], "--class does not apply to a"),

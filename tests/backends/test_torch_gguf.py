@@ -23,6 +23,7 @@ from tests._support import flow_fixtures
 from tests._support.bfl_files import to_bfl
 from tests._support.gguf_files import write_gguf
 from tests._support.single_files import diffusers_bfl_at_tiny_widths
+from tests._support.compare_children import ChildStarted, stop_at_children
 
 gguf = pytest.importorskip("gguf")
 
@@ -117,32 +118,22 @@ def test_sample_serve_and_bench_compare_take_a_gguf_file_for_the_torch_backend(f
         served = load_pipeline(CoreConfig(model=str(path), config=str(folder), backend="torch"))
         assert np.array_equal(served.generate(PROMPT, seed=3, **CALL), want)
 
-        specs = []
-
-        def child(spec, *args, **kwargs):
-            specs.append(spec)
-            raise _Stop
-
-        monkeypatch.setattr(compare, "_run_child", child)
+        specs = stop_at_children(monkeypatch)
         r = CliRunner().invoke(compare_command, [str(path), "--config", str(folder), "--quick", "--paths",
                                                  "torch-eager", "--keep", str(tmp_path / "work"), "--prompt", PROMPT])
-        assert isinstance(r.exception, _Stop), r.output
+        assert isinstance(r.exception, ChildStarted), r.output
         assert specs.pop()["config"] == str(folder)
         assert not (tmp_path / "home" / "models" / "single").exists()  # torch paths alone: nothing converted
         for order in ("jax,torch-eager", "torch-eager,jax"):  # each run stops at its first child
             r = CliRunner().invoke(compare_command, [str(path), "--config", str(folder), "--quick", "--paths", order,
                                                      "--keep", str(tmp_path / "work"), "--prompt", PROMPT])
-            assert isinstance(r.exception, _Stop), r.output
+            assert isinstance(r.exception, ChildStarted), r.output
         (converted,) = (tmp_path / "home" / "models" / "single").iterdir()  # the JAX path's, made in the parent
         by_path = {s["path"]: s for s in specs}
         assert by_path["jax"]["model"] == str(converted) and "config" not in by_path["jax"]
         assert by_path["torch-eager"]["model"] == str(path) and by_path["torch-eager"]["config"] == str(folder)
         pipe = compare._load_pipe(by_path["torch-eager"])  # what the torch child loads
     assert np.array_equal(pipe.generate(PROMPT, seed=3, **CALL), want)
-
-
-class _Stop(Exception):
-    pass
 
 
 def test_a_gguf_type_diffusers_cannot_dequantise_is_one_line(files, tmp_path, monkeypatch):

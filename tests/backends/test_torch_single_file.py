@@ -18,6 +18,7 @@ from tests._support import flow_fixtures, sd_fixtures
 from tests._support.bfl_files import to_bfl
 from tests._support.ldm_files import to_original
 from tests._support.single_files import mmdit_file
+from tests._support.compare_children import ChildStarted, stop_at_children
 
 PROMPT = "a lighthouse at dusk"
 # kind -> (fixture that writes the folder, its sampler, guidance)
@@ -123,25 +124,15 @@ def test_serve_and_bench_compare_take_a_single_file_for_the_torch_backend(files,
     assert np.array_equal(served.generate(PROMPT, noise=_noise(), steps=3, sampler="ddim", guidance=5.0, width=32,
                                           height=32), want)
 
-    specs = []
-
-    def child(spec, *args, **kwargs):
-        specs.append(spec)
-        raise _Stop
-
-    monkeypatch.setattr(compare, "_run_child", child)
+    specs = stop_at_children(monkeypatch)
     r = CliRunner().invoke(compare_command, [str(path), "--config", str(folder), "--quick", "--paths",
                                              "jax,torch-eager", "--keep", str(tmp_path / "work"), "--prompt", PROMPT])
-    assert isinstance(r.exception, _Stop), r.output
+    assert isinstance(r.exception, ChildStarted), r.output
     (converted,) = (tmp_path / "home" / "models" / "single").iterdir()  # the one conversion serve made too
     assert specs[-1]["model"] == str(converted)
     pipe = compare._load_pipe({**specs[-1], "path": "torch-eager"})  # what the torch child loads
     assert np.array_equal(pipe.generate(PROMPT, noise=_noise(), steps=3, sampler="ddim", guidance=5.0, width=32,
                                         height=32), want)
-
-
-class _Stop(Exception):
-    pass
 
 
 def test_scaled_fp8_and_torn_gguf_files_are_one_line_for_the_torch_backend(files, tmp_path, monkeypatch):
