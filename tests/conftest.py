@@ -64,36 +64,40 @@ def _private_cache_root(tmp_path_factory, monkeypatch):
 # for a fresh clone); a file known to neither keeps pytest-randomly's place after the known ones'
 # head start, and the tests inside every file keep randomly's order. Only the schedule changes.
 # Seconds per file (>= 10 s) of `make test` (not slow, not ray), 2 workers, from the merged tree's
-# run of 2026-12-03 (4031 tests, 1356 s, XLA level 0 in that run, nothing else running; pytest's cache), relative
-# cost only; test_few_step's and test_stable_diffusion's less their quiet savings since (estimates: the
-# files alone, before -> after, scaled to these seconds; docs/development.md). Replace with a later quiet
-# run's seconds (.pytest_cache/v/preheat/file_seconds_<tier>).
+# run of 2026-12-03 10:00 UTC (4093 tests, 1728 s, XLA level 1, nothing else of ours running; pytest's
+# cache): relative cost only (that run was slower throughout than the 1356 s one before it). Replace
+# with a later quiet run's seconds (.pytest_cache/v/preheat/file_seconds_<tier>).
 HEAVY_FILES: dict[str, float] = {
-    "tests/families/test_family_contract.py": 151, "tests/families/test_few_step.py": 126,
-    "tests/families/test_image.py": 101, "tests/families/test_stable_diffusion.py": 78,
-    "tests/cache/test_targets.py": 93, "tests/server/test_lora_server.py": 86,
-    "tests/server/test_text_to_image.py": 84, "tests/families/test_lora.py": 82,
-    "tests/train/test_text_digits.py": 69, "tests/models/test_scaled_fp8.py": 68,
-    "tests/cache/test_compile_cache.py": 65, "tests/models/test_unet2d.py": 63,
-    "tests/samplers/test_sampler_parity.py": 61, "tests/cache/test_remote.py": 59, "tests/test_docs.py": 59,
-    "tests/families/test_flow_families.py": 54, "tests/families/test_text_inputs.py": 52,
-    "tests/models/test_single_file.py": 49, "tests/backends/test_torch_compile_cache.py": 49,
-    "tests/models/test_unet2d_condition.py": 47, "tests/test_devices.py": 47, "tests/test_cli.py": 43,
-    "tests/server/test_fuzz.py": 43, "tests/server/test_image_sd_server.py": 40, "tests/test_engine.py": 39,
-    "tests/integrations/test_runpod.py": 38, "tests/test_progress.py": 35, "tests/test_builtin_model.py": 32,
-    "tests/server/test_bench.py": 32, "tests/families/test_flow_img2img.py": 29, "tests/server/test_sigterm.py": 28,
-    "tests/models/test_published_fetch.py": 26, "tests/doctor/test_doctor_gpu.py": 25,
-    "tests/families/test_flow_inpaint.py": 24, "tests/server/test_hardening.py": 24,
-    "tests/models/test_storage.py": 24, "tests/server/test_server.py": 21, "tests/models/test_flux.py": 21,
-    "tests/server/test_flow_serving.py": 20, "tests/test_terminal.py": 20, "tests/cache/test_warm.py": 19,
-    "tests/models/test_vae.py": 18, "tests/cache/test_remote_store.py": 18, "tests/doctor/test_doctor_env.py": 18,
-    "tests/families/test_kontext.py": 18, "tests/test_cli_newcomer.py": 18, "tests/models/test_t5.py": 18,
-    "tests/server/test_idle_retune.py": 18, "tests/backends/test_torch_image.py": 17,
-    "tests/server/test_probe.py": 17, "tests/backends/test_torch_backend.py": 16, "tests/cache/test_early.py": 14,
-    "tests/models/test_clip.py": 14, "tests/server/test_common_inputs.py": 12, "tests/models/test_conv_impl.py": 12,
-    "tests/models/test_weights_streaming.py": 12, "tests/models/test_sd3.py": 12,
-    "tests/samplers/test_sampler_runtime.py": 11, "tests/families/test_fill.py": 11,
-    "tests/doctor/test_doctor_robustness.py": 11, "tests/test_random_models.py": 11, "tests/test_wheel.py": 10,
+    "tests/families/test_few_step.py": 153, "tests/families/test_family_contract.py": 143,
+    "tests/families/test_stable_diffusion.py": 130, "tests/cache/test_targets.py": 128,
+    "tests/families/test_image.py": 115, "tests/server/test_lora_server.py": 112, "tests/families/test_lora.py": 103,
+    "tests/models/test_scaled_fp8.py": 91, "tests/cache/test_compile_cache.py": 85, "tests/test_devices.py": 81,
+    "tests/models/test_unet2d.py": 78, "tests/cache/test_remote.py": 78, "tests/samplers/test_sampler_parity.py": 76,
+    "tests/test_docs.py": 73, "tests/families/test_text_inputs.py": 66, "tests/models/test_unet2d_condition.py": 64,
+    "tests/backends/test_torch_compile_cache.py": 62, "tests/server/test_text_to_image.py": 58,
+    "tests/test_cli.py": 58, "tests/server/test_image_sd_server.py": 55, "tests/server/test_fuzz.py": 53,
+    "tests/families/test_flow_families.py": 52, "tests/test_engine.py": 49, "tests/server/test_bench.py": 47,
+    "tests/models/test_published_fetch.py": 47, "tests/models/test_single_file.py": 45,
+    "tests/test_builtin_model.py": 42, "tests/server/test_hardening.py": 40,
+    "tests/families/test_flow_img2img.py": 39, "tests/train/test_text_digits.py": 39, "tests/test_progress.py": 37,
+    "tests/server/test_sigterm.py": 35, "tests/families/test_flow_inpaint.py": 35,
+    "tests/server/test_flow_serving.py": 34, "tests/cache/test_warm.py": 34, "tests/models/test_vae.py": 33,
+    "tests/models/test_storage.py": 33, "tests/integrations/test_runpod.py": 32,
+    "tests/doctor/test_doctor_gpu.py": 29, "tests/backends/test_torch_backend.py": 29,
+    "tests/models/test_conv_impl.py": 28, "tests/backends/test_torch_image.py": 27,
+    "tests/doctor/test_doctor_env.py": 27, "tests/cache/test_early.py": 27, "tests/server/test_server.py": 26,
+    "tests/server/test_idle_retune.py": 26, "tests/models/test_flux.py": 26, "tests/server/test_probe.py": 25,
+    "tests/server/test_offered_inputs.py": 25, "tests/models/test_clip.py": 25, "tests/test_cli_newcomer.py": 24,
+    "tests/server/test_common_inputs.py": 24, "tests/families/test_kontext.py": 23, "tests/models/test_sd3.py": 23,
+    "tests/test_terminal.py": 22, "tests/families/test_fill.py": 21, "tests/models/test_t5.py": 20,
+    "tests/cache/test_remote_store.py": 20, "tests/models/test_single_file_bundles.py": 19,
+    "tests/doctor/test_doctor_robustness.py": 17, "tests/test_random_models.py": 16, "tests/test_wheel.py": 15,
+    "tests/doctor/test_doctor_storage.py": 14, "tests/test_import_graph.py": 14,
+    "tests/cache/test_startup_overlap.py": 14, "tests/cache/test_retune.py": 14,
+    "tests/samplers/test_sampler_runtime.py": 13, "tests/families/toy/test_toy_image.py": 12,
+    "tests/backends/test_torch_single_file.py": 12, "tests/families/test_pixel_schedule.py": 11,
+    "tests/cache/test_warm_declaration.py": 11, "tests/models/test_weights_streaming.py": 11,
+    "tests/test_gpu_check_dry.py": 10,
 }
 _file_seconds: dict[str, float] = {}
 
