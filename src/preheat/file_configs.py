@@ -138,14 +138,18 @@ def single_file_head(plan: HfPlan, into: Path) -> Path:
 def _header_within(path: Path, fetched: int) -> bool:
     """Whether single file ``path``'s header lies in its first ``fetched`` bytes (the rest zeros):
     a safetensors file's length prefix says so; a GGUF file's tensor data starts after it (a header
-    cut short reads on into the zeros, past ``fetched``)."""
+    cut short reads on into the zeros, past ``fetched``). Without the gguf extra a GGUF header
+    cannot be read, so nothing more is fetched: the dry run then lists the file alone, as ``pull``
+    stores it."""
     from preheat.models.gguf_file import is_gguf
 
     if not is_gguf(path):
         with open(path, "rb") as f:
             return 8 + int.from_bytes(f.read(8), "little") <= fetched
-    from gguf import GGUFReader
-
+    try:
+        from gguf import GGUFReader
+    except ModuleNotFoundError:
+        return True
     try:
         return int(GGUFReader(str(path)).data_offset) <= fetched
     except (ValueError, OSError, IndexError, KeyError):  # cut inside a field: more is needed

@@ -163,6 +163,22 @@ def test_without_the_gguf_extra_it_is_one_line(files, monkeypatch):
         GGUFTensors(files["q8"])
 
 
+
+def test_a_remote_header_read_without_the_gguf_extra_stops_at_its_first_read(files, tmp_path, monkeypatch):
+    """`pull --dry-run hf://.../file.gguf` grows its Range reads until the header is whole; without
+    the gguf extra the header cannot be read, so the first read is the last (the file is then
+    listed alone, as `pull` stores it) rather than a ModuleNotFoundError."""
+    import sys
+
+    from preheat.file_configs import _header_within
+
+    head = tmp_path / "cut.gguf"
+    data = files["q8"].read_bytes()
+    head.write_bytes(data[:64] + bytes(len(data) - 64))  # the header cut after 64 bytes, zeros after
+    assert not _header_within(head, 64)  # with the extra: more is needed
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if the package were not installed
+    assert _header_within(head, 64)
+
 def test_every_supported_type_reads_as_gguf_dequantises_it(tmp_path):
     """F32, F16 and BF16 as they are, Q8_0 as values and scales whose product is gguf's own
     dequantisation, all in torch's axis order."""
