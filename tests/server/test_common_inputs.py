@@ -242,7 +242,7 @@ def test_an_engine_error_is_worded_with_each_surfaces_names() -> None:
     from preheat.cli.options import FLAGS
     from preheat.errors import InputError, InvalidArgumentError
     from preheat.families.inputs import InputSpec, Text
-    from preheat.server.app import _OPENAI_FIELDS
+    from preheat.server.openai_routes import OPENAI_FIELDS
     from preheat.server.inputs import surface_fields
 
     prompt = InputSpec("prompt", Text(), "What to draw.", per_image=True)
@@ -254,10 +254,10 @@ def test_an_engine_error_is_worded_with_each_surfaces_names() -> None:
     assert err.renamed(fields) == "got 2 prompts for num_outputs=3; give one string or one per image"
     assert err.renamed({**FLAGS, "prompt": "--prompt"}) == "got 2 prompts for --n=3; give one string or one per image"
     served = InputError([("prompt", err.renamed(fields))], source=err, fields=fields)
-    assert served.message(_OPENAI_FIELDS) == "got 2 prompts for n=3; give one string or one per image"
+    assert served.message(OPENAI_FIELDS) == "got 2 prompts for n=3; give one string or one per image"
     assert str(served) == "prompt: got 2 prompts for num_outputs=3; give one string or one per image"  # Runpod
     plain = InvalidArgumentError("steps is odd", argument="steps")
-    assert plain.renamed(fields) == "steps is odd" and InputError([("x", "y")]).message(_OPENAI_FIELDS) == "y"
+    assert plain.renamed(fields) == "steps is odd" and InputError([("x", "y")]).message(OPENAI_FIELDS) == "y"
     braces = InvalidArgumentError.about("{0}={value!r} is not one of: {options}", "sampler", value="{0}}",
                                         options="a, b")  # a value with braces stays a value
     assert braces.renamed(fields) == "scheduler='{0}}' is not one of: a, b"

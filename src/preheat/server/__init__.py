@@ -3,7 +3,9 @@ Cog's and OpenAI's APIs.
 
     preheat.server.inputs   request parsing/validation, shared with the Runpod handler
     preheat.server.core     set-up (load + warm-up), the bounded queue, the batching worker
-    preheat.server.app      the FastAPI routes (module-level functions over one AppState per app)
+    preheat.server.app      the FastAPI app: Cog's routes, /metrics, the OpenAPI document
+    preheat.server.openai_routes  OpenAI's /v1/images/generations and /v1/images/edits
+    preheat.server.routing  the route registry and what every route shares (one AppState per app)
     preheat.server.guard    the outermost ASGI layer: auth, body limits, HTTP metrics
     preheat.server.serve    uvicorn with SIGTERM draining
 

@@ -1,17 +1,18 @@
 """The HTTP surface: thin FastAPI routes over a :class:`~preheat.server.core.Core`.
 
 Cog's contract (``/health-check``, ``/predictions``, ``PUT /predictions/{id}``,
-``/predictions/{id}/cancel``, ``Prefer: respond-async`` + webhooks), OpenAI-style
-``/v1/images/generations`` and ``/v1/images/edits`` (multipart: ``preheat.server.edits``),
-Prometheus ``/metrics``. No ``from __future__ import annotations``
-here: FastAPI reads the route annotations.
+``/predictions/{id}/cancel``, ``Prefer: respond-async`` + webhooks), Prometheus ``/metrics``,
+and (a table of their own, included here) OpenAI-style ``/v1/images/generations`` and
+``/v1/images/edits``: ``preheat.server.openai_routes``. No ``from __future__ import
+annotations`` here: FastAPI reads the route annotations.
 
 The routes are module-level functions, written as in FastAPI's examples, over one
-:class:`AppState` per app (the core, webhook delivery, HTTP metrics), which each route receives
-as a dependency. Two request bodies carry bounds from the server's limits (``input`` is the
-served model's own ``Input``; ``n`` and ``seed`` of the OpenAI body depend on the largest batch)
-so that the OpenAPI document states the real bounds: :func:`request_models` derives this app's
-versions of :class:`PredictionRequest` and :class:`ImageGenerationRequest`, and
+:class:`~preheat.server.routing.AppState` per app (the core, webhook delivery, HTTP metrics),
+which each route receives as a dependency (``preheat.server.routing``: the route registry and
+what every route shares). Two request bodies carry bounds from the server's limits (``input`` is
+the served model's own ``Input``; ``n`` and ``seed`` of the OpenAI body depend on the largest
+batch) so that the OpenAPI document states the real bounds: :func:`request_models` derives this
+app's versions of :class:`PredictionRequest` and ``ImageGenerationRequest``, and
 :func:`create_app` adds every route with its body annotated by them.
 
 Auth, body limits and HTTP metrics are the outermost ASGI layer, :class:`~preheat.server.guard.Guard`.
@@ -19,41 +20,37 @@ Auth, body limits and HTTP metrics are the outermost ASGI layer, :class:`~prehea
 
 import asyncio
 import functools
-import inspect
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import httpx
-from fastapi import Body, Depends, FastAPI, Header, Path, Request
+from fastapi import Body, FastAPI, Header, Path, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.params import Body as BodyParam
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from preheat.errors import InputError, NotAccepting, QueueFull
-from preheat.families.inputs import IMAGE_SIZE, Image, size_pair
-from preheat.server.core import SHUT_DOWN, Core, Prediction
-from preheat.server.edits import EDITS_PATH, edits_input, edits_openapi
+from preheat.families.inputs import Image, size_pair
+from preheat.server import openai_routes
+from preheat.server.core import Core, Prediction
 from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, api_error, openai_error
-from preheat.server.inputs import (SEED_MAX, JsonFloat, JsonInt, Limits, family_model, json_int, offered,
-                                   served_sizes, served_specs)
+from preheat.server.inputs import Limits, offered, served_sizes
 from preheat.server.metrics import HttpMetrics
+from preheat.server.openai_routes import ImageGenerationRequest, images_request_model
+from preheat.server.routing import AppState, Routes, State, refusal, wait_completed
 from preheat.server.stream import stream_prediction, wants_stream
 from preheat.server.webhooks import WebhookPolicy, WebhookRefused, delivery_client
 
-__all__ = ["create_app", "AppState", "request_models", "PredictionRequest", "PredictionResponse",
-           "ImageGenerationRequest", "ImagesResponse"]
+__all__ = ["create_app", "request_models", "PredictionRequest", "PredictionResponse"]
 
 log = logging.getLogger("preheat.server")
 
 WEBHOOK_EVENTS = ("start", "output", "logs", "completed")
 LOGS_INTERVAL_S = 0.5  # at most one "logs" webhook per this many seconds (Cog's throttle)
-_OPENAI_FIELDS = {"num_outputs": "n", **dict.fromkeys(IMAGE_SIZE, "size")}  # OpenAI's size says both sides
 
 
 def _detail(errors: list[tuple[str, str]], prefix: tuple[str, ...] = ("body", "input")) -> list[dict[str, Any]]:
@@ -95,71 +92,17 @@ class PredictionResponse(BaseModel):
     completed_at: Optional[str] = None
 
 
-class ImageGenerationRequest(BaseModel):
-    # OpenAI's body. ``n`` <= the largest batch, and ``seed`` leaves room for seed + i: this app's
-    # version of the class states both bounds (request_models).
-    # OpenAI clients send model/quality/style/user ...: ignored; the served family's own inputs
-    # (its declared specs, by their Cog names) are taken as extra fields
-    model_config = ConfigDict(extra="allow")
-    prompt: Optional[str] = Field(None, max_length=1000)
-    n: JsonInt = 1
-    size: Optional[str] = Field(None, max_length=32, pattern=r"^(auto|[0-9]{1,5}x[0-9]{1,5})$")
-    response_format: Literal["b64_json"] = "b64_json"
-    seed: Optional[JsonInt] = None
-    # preheat's extra fields, named as on the Cog route (Replicate's flux-dev-lora)
-    lora_weights: Optional[str] = Field(None, max_length=2000)
-    lora_scale: Optional[JsonFloat] = None  # bounds checked with the Cog input (one place)
-
-
-# Cog input fields an OpenAI body may carry as extras, by the Cog names: the common inputs a server
-# takes that OpenAI's body does not name itself (steps, guidance, scheduler, eta); every other extra
-# OpenAI clients send -- model, quality, style, user -- is ignored
-_OPENAI_EXTRAS = tuple(s.surface_name for s in served_specs()
-                       if s.surface_name not in {*ImageGenerationRequest.model_fields, *_OPENAI_FIELDS})
-
-
-class ImageData(BaseModel):
-    b64_json: str
-
-
-class ImagesResponse(BaseModel):
-    created: int
-    data: list[ImageData]
-
 
 def request_models(input_model: type[BaseModel], limits: Limits) -> dict[type[BaseModel], type[BaseModel]]:
     """This app's request bodies, by the module-level class they narrow: the served model's
     ``Input`` in Cog's body, the largest batch's bounds in OpenAI's."""
     prediction = create_model("PredictionRequest", __base__=PredictionRequest,
                               input=(input_model, Field(default_factory=input_model)))
-    images = create_model(
-        "ImageGenerationRequest", __base__=ImageGenerationRequest,
-        n=(json_int(1, limits.max_batch_size), 1),
-        seed=(Optional[json_int(0, SEED_MAX - (limits.max_batch_size - 1))], None),
-    )
-    return {PredictionRequest: prediction, ImageGenerationRequest: images}
+    return {PredictionRequest: prediction, ImageGenerationRequest: images_request_model(limits)}
 
 
-# ---------------------------------------------------------------- the application's state
+# ---------------------------------------------------------------- the application's lifespan
 
-
-@dataclass
-class AppState:
-    """What the routes of one app share (``app.state.preheat``)."""
-
-    core: Core
-    webhooks: WebhookPolicy  # which webhook URLs are accepted
-    grace_s: float  # how long final webhooks may take at shutdown
-    http_metrics: HttpMetrics
-    client: Optional[httpx.AsyncClient] = None  # webhook delivery; open while the app runs (lifespan)
-    webhook_tasks: set[asyncio.Task] = field(default_factory=set)
-
-
-def app_state(request: Request) -> AppState:
-    return request.app.state.preheat
-
-
-State = Annotated[AppState, Depends(app_state)]
 
 
 @asynccontextmanager
@@ -209,48 +152,10 @@ EXCEPTION_HANDLERS: tuple[tuple[type[Exception], Callable[..., Any]], ...] = (
 )
 
 
-def refusal(err: Exception, openai: bool = False) -> JSONResponse:
-    if isinstance(err, QueueFull):  # Cog answers 409 when it cannot take a prediction; OpenAI 429
-        headers = {"Retry-After": str(err.retry_after)}
-        if openai:
-            return openai_error(429, str(err), kind="rate_limit_error", headers=headers)
-        return JSONResponse({"detail": str(err)}, status_code=409, headers=headers)
-    assert isinstance(err, NotAccepting)
-    headers = {"Retry-After": "5"} if err.reason == "starting" else {}
-    if openai:
-        return openai_error(503, str(err), kind="server_error", headers=headers)
-    return JSONResponse({"detail": str(err)}, status_code=503, headers=headers)
-
-
 def conflict(pid: str) -> JSONResponse:
     return JSONResponse({"detail": f"prediction {pid} exists with a different input"}, status_code=409)
 
-
 # ---------------------------------------------------------------- predictions: waiting, webhooks
-
-
-async def wait_completed(core: Core, pred: Prediction, request: Request) -> Optional[dict[str, Any]]:
-    """The final snapshot; None when the client went away first (then the prediction is
-    canceled if it is still queued and nobody else waits for it: Core.abandon)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-
-    def listener(event: str, snap: dict) -> None:
-        if event == "completed":
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(snap))
-
-    core.watch(pred)
-    core.subscribe(pred, listener)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if done.done():
-        core.unwatch(pred)
-        return done.result()
-    core.abandon(pred)
-    return None
 
 
 def webhook_listener(state: AppState, url: str, events: set[str]) -> Any:
@@ -367,59 +272,7 @@ async def predict(state: AppState, body: Any, prediction_id: Optional[str], pref
 # ---------------------------------------------------------------- the routes
 
 
-class _Routes:
-    """FastAPI's route decorators, recorded here and added to each app by :func:`create_app`
-    (in this order), with request bodies annotated by that app's models (:func:`_for_app`)."""
-
-    def __init__(self) -> None:
-        self.table: list[tuple[str, Callable[..., Any], dict[str, Any]]] = []
-
-    def _route(self, method: str, path: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def record(endpoint: Callable[..., Any]) -> Callable[..., Any]:
-            self.table.append((path, endpoint, {"methods": [method], **kwargs}))
-            return endpoint
-
-        return record
-
-    def get(self, path: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        return self._route("GET", path, **kwargs)
-
-    def post(self, path: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        return self._route("POST", path, **kwargs)
-
-    def put(self, path: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        return self._route("PUT", path, **kwargs)
-
-    def add_to(self, app: FastAPI, models: dict[type[BaseModel], type[BaseModel]]) -> None:
-        for path, endpoint, kwargs in self.table:
-            app.add_api_route(path, _for_app(endpoint, models), **kwargs)
-
-
-def _for_app(endpoint: Callable[..., Any], models: dict[type[BaseModel], type[BaseModel]]) -> Callable[..., Any]:
-    """``endpoint`` with each body parameter annotated by this app's model (FastAPI reads the
-    signature: it validates with, and documents, the annotated class)."""
-    signature = inspect.signature(endpoint)
-    params = []
-    for param in signature.parameters.values():
-        model = models.get(param.annotation)
-        if model is not None:
-            default = param.default
-            if isinstance(default, BodyParam) and default.default_factory is param.annotation:
-                default = Body(default_factory=model)
-            param = param.replace(annotation=model, default=default)
-        params.append(param)
-    if params == list(signature.parameters.values()):
-        return endpoint
-
-    @functools.wraps(endpoint)
-    async def route(*args: Any, **kwargs: Any) -> Any:
-        return await endpoint(*args, **kwargs)
-
-    route.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
-    return route
-
-
-routes = _Routes()
+routes = Routes()
 
 PREDICTION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"model": PredictionResponse}, 202: {"model": PredictionResponse, "description": "Accepted (Prefer: respond-async)"},
@@ -504,78 +357,7 @@ async def cancel_prediction(state: State, prediction_id: str = Path(..., min_len
     return JSONResponse({}, status_code=200)
 
 
-@routes.post("/v1/images/generations", summary="OpenAI-style image generation", response_model=None,
-             responses={200: {"model": ImagesResponse}, 408: {"description": "The body did not arrive in time"},
-                        413: {"description": "Body too large"}, 415: {"description": "Body is not JSON"},
-                        422: {"description": "Invalid request"}, 429: {"description": "Queue full; see Retry-After"},
-                        503: {"description": "Not ready, or shutting down"}})
-async def images_generations(raw_request: Request, state: State, request: ImageGenerationRequest) -> Response:
-    core = state.core
-    raw: dict[str, Any] = {"num_outputs": request.n, "output_format": "png"}
-    if request.prompt is not None:
-        raw["prompt"] = request.prompt
-    if request.seed is not None:
-        raw["seed"] = request.seed
-    if request.lora_weights is not None:
-        raw["lora_weights"] = request.lora_weights
-    if request.lora_scale is not None:
-        raw["lora_scale"] = request.lora_scale
-    if request.size is not None and request.size != "auto":
-        w, h = (int(v) for v in request.size.split("x"))
-        raw.update(IMAGE_SIZE.inputs((w, h)))  # the size's fields are its keywords
-    if core.setup.status == "succeeded":  # the family's inputs and the Cog route's step/guidance/sampler
-        accepted = {*family_model(tuple(core.pipe.family.input_specs(core.pipe))).model_fields, *_OPENAI_EXTRAS}
-        raw.update({k: v for k, v in (request.model_extra or {}).items() if k in accepted and k not in raw})
-    return await openai_run(core, raw, raw_request)
-
-
-@routes.post(EDITS_PATH, summary="OpenAI-style image edit (multipart/form-data)", response_model=None,
-             openapi_extra=edits_openapi(),
-             responses={200: {"model": ImagesResponse}, 408: {"description": "The body did not arrive in time"},
-                        413: {"description": "Body too large"}, 415: {"description": "Body is not multipart"},
-                        422: {"description": "Invalid request"}, 429: {"description": "Queue full; see Retry-After"},
-                        503: {"description": "Not ready, or shutting down"}})
-async def images_edits(raw_request: Request, state: State) -> Response:
-    core = state.core
-    ready = core.setup.status == "succeeded"
-    # the declared inputs are read from the form (one not offered is then refused by the parse, by name)
-    specs = tuple(core.pipe.family.input_specs(core.pipe)) if ready else ()
-    try:
-        raw = await edits_input(raw_request, specs, offered(core.pipe, core.limits) if ready else ())
-    except InputError as err:
-        field_name, message = err.errors[0]
-        return openai_error(422, f"{field_name}: {message}", field_name)
-    return await openai_run(core, raw, raw_request)
-
-
-async def openai_run(core: Core, raw: dict[str, Any], raw_request: Request) -> Response:
-    """An OpenAI route's call, as a Cog-style input: parsed, queued, waited for, answered in
-    OpenAI's shapes (errors name OpenAI's field: ``n``, ``size``)."""
-    try:
-        job, given = await core.parse_async(raw)
-    except InputError as err:
-        field_name, _ = err.errors[0]
-        param = _OPENAI_FIELDS.get(field_name, field_name)
-        message = err.message(_OPENAI_FIELDS)  # the inputs it names by OpenAI's fields too (n, not num_outputs)
-        if param == "size":
-            sizes = ", ".join(f"{w}x{h}" for w, h in served_sizes(core.pipe, core.limits))
-            message = f"size must be one of {sizes}"
-        return openai_error(422, f"{param}: {message}", param)
-    except NotAccepting as err:
-        return refusal(err, openai=True)
-    try:
-        pred, _ = core.submit(job, given)
-    except (QueueFull, NotAccepting) as err:
-        return refusal(err, openai=True)
-    snap = await wait_completed(core, pred, raw_request)
-    if snap is None:
-        return openai_error(499, "the client went away")
-    if snap["status"] == "failed" and snap["error"] == SHUT_DOWN:  # dropped by a drain: as new requests are
-        return openai_error(503, f"the server is shutting down: {SHUT_DOWN}", kind="server_error")
-    if snap["status"] != "succeeded":
-        return openai_error(500, f"generation {snap['status']}: {snap['error'] or ''}".strip(), kind="server_error")
-    data = [{"b64_json": url.partition(",")[2]} for url in snap["output"]]
-    return JSONResponse({"created": int(time.time()), "data": data})
+routes.include(openai_routes.routes)  # POST /v1/images/generations, POST /v1/images/edits
 
 
 @routes.get("/metrics", summary="Prometheus metrics", response_class=Response)
@@ -619,15 +401,6 @@ def create_app(core: Core, *, token: Optional[str] = None, grace_s: float = 30.0
                      body_timeout_s=body_timeout_s)
     guarded.fastapi = app  # type: ignore[attr-defined]
     return guarded
-
-
-async def _disconnected(request: Request) -> None:
-    """Return when the client closes the connection (the body has been read: uvicorn's
-    ``receive`` then blocks until ``http.disconnect``)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def _title(name: str) -> str:
@@ -681,18 +454,7 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
             from preheat.server.playground import lora_choices
 
             lora["examples"] = lora_choices(limits.lora_dir)
-    openai = schemas.get("ImageGenerationRequest", {}).get("properties")
-    edits = spec.get("paths", {}).get(EDITS_PATH, {}).get("post", {}).get("requestBody", {}).get("content", {})
-    edit_form = edits.get("multipart/form-data", {}).get("schema", {}).get("properties")
-    for target, own in ((openai, ()), (edit_form, tuple(edit_form or ()))):
-        for name, prop in props.items() if target is not None else ():
-            if name not in (*served, *own):  # OpenAI's size says both; the form's files stay files
-                target[name] = {k: v for k, v in prop.items() if k != "x-order"}
-    if edit_form is not None and not any(isinstance(s.type, Image) and s.surface_name == "image" for s in specs):
-        edit_form["image"]["description"] = "This server takes no image: every edit is refused (422)."
-    if openai is not None:
-        openai["size"] = {"anyOf": [{"type": "string", "enum": [*(f"{w}x{h}" for w, h in sizes), "auto"]},
-                                    {"type": "null"}], "title": "Size"}
+    openai_routes.describe(spec, props, specs, served, sizes)  # the same inputs on the OpenAI routes
 
 
 def _version() -> str:
