@@ -261,3 +261,42 @@ def test_an_engine_error_is_worded_with_each_surfaces_names() -> None:
     braces = InvalidArgumentError.about("{0}={value!r} is not one of: {options}", "sampler", value="{0}}",
                                         options="a, b")  # a value with braces stays a value
     assert braces.renamed(fields) == "scheduler='{0}}' is not one of: a, b"
+
+
+class _CountedPipe:
+    """``pipe``, with the calls of its family's ``input_specs`` (the declaration's reads) counted."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe, self.reads = pipe, 0
+        counted = self
+
+        class Family:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(pipe.family, name)
+
+            def input_specs(self, of: Any) -> Any:
+                counted.reads += 1
+                return pipe.family.input_specs(of)
+
+        self.family = Family()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+
+def test_a_request_reads_the_family_s_declaration_once(pipe: Any) -> None:
+    """``parse_input`` reads the family's inputs once per request (``family_inputs``: declared and
+    offered) and passes them down to every check that needs them, on a valid request as on one
+    the checks refuse."""
+    from preheat.errors import InputError
+    from preheat.server.inputs import Limits, parse_input
+
+    limits = Limits(max_steps=MAX_STEPS)
+    counted = _CountedPipe(pipe)
+    job, _ = parse_input(BODY, counted, limits)
+    assert counted.reads == 1
+    assert job == parse_input(BODY, pipe, limits)[0]  # the same job as the pipeline's own parse
+    refused = _CountedPipe(pipe)
+    with pytest.raises(InputError):
+        parse_input({**BODY, "class_label": 999}, refused, limits)
+    assert refused.reads == 1

@@ -50,7 +50,7 @@ from preheat.progress import Stop
 from preheat.families import request as request_of
 from preheat.server.fetch import FetchConfig, Fetcher
 from preheat.warm import WarmSignature, bucket_for, buckets_for, resolve, run_signature, signatures
-from preheat.server.inputs import Job, Limits, image_urls, input_model, offered, parse_input
+from preheat.server.inputs import FamilyInputs, Job, Limits, family_inputs, image_urls, input_model, parse_input
 from preheat.server.config import CoreConfig, load_pipeline
 from preheat.server.metrics import CoreMetrics, FetchMetrics
 from preheat.store import is_remote
@@ -247,14 +247,18 @@ class Core:
         self._check_accepting()
         return parse_input(raw, self.pipe, self.limits, self.input_model)
 
-    async def parse_async(self, raw: Any) -> tuple[Job, dict[str, Any]]:
+    async def parse_async(self, raw: Any, inputs: Optional[FamilyInputs] = None) -> tuple[Job, dict[str, Any]]:
         """:meth:`parse` for a coroutine: in a worker thread when the input names a LoRA or an image,
         whose first read (a download, a large file, decoding) must not hold up the event loop.
-        Image URLs are fetched first, each on the fetcher's own threads (``Fetcher.image``)."""
+        Image URLs are fetched first, each on the fetcher's own threads (``Fetcher.image``).
+        ``inputs``: :meth:`family_inputs`, when the route has read them for this request already."""
         source = raw.get("lora_weights") if isinstance(raw, dict) else getattr(raw, "lora_weights", None)
-        images = self._image_fields(raw)
+        if inputs is None:
+            inputs = self.family_inputs()  # read once for this request: its image fields, then its parse
+        images = self._image_fields(raw, inputs)
         if not source and not images:
-            return self.parse(raw)
+            self._check_accepting()
+            return parse_input(raw, self.pipe, self.limits, self.input_model, inputs=inputs)
         import asyncio
 
         self._check_accepting()
@@ -280,21 +284,28 @@ class Core:
                 fetched[url] = result
         if errors:
             raise InputError(errors)
-        return await asyncio.to_thread(self._parse_fetched, raw, fetched)
+        return await asyncio.to_thread(self._parse_fetched, raw, fetched, inputs)
 
-    def _image_fields(self, raw: Any) -> tuple[Any, ...]:
-        """The served family's image specs (``Image`` inputs) this input gives a value for."""
+    def family_inputs(self) -> Optional[FamilyInputs]:
+        """The served family's declared and offered inputs (None before set-up has succeeded)."""
         if self.pipe is None or self.setup.status != "succeeded":
+            return None
+        return family_inputs(self.pipe, self.limits)
+
+    def _image_fields(self, raw: Any, inputs: Optional[FamilyInputs]) -> tuple[Any, ...]:
+        """The served family's image specs (``Image`` inputs) this input gives a value for."""
+        if inputs is None:
             return ()
         from preheat.families.inputs import Image
 
         extra = raw if isinstance(raw, dict) else (getattr(raw, "model_extra", None) or {})
-        return tuple(s for s in offered(self.pipe, self.limits)  # one not offered is refused, never fetched
+        return tuple(s for s in inputs.offered  # one not offered is refused, never fetched
                      if isinstance(s.type, Image) and extra.get(s.surface_name) is not None)
 
-    def _parse_fetched(self, raw: Any, fetched: dict[str, bytes]) -> tuple[Job, dict[str, Any]]:
+    def _parse_fetched(self, raw: Any, fetched: dict[str, bytes],
+                       inputs: Optional[FamilyInputs]) -> tuple[Job, dict[str, Any]]:
         self._check_accepting()
-        return parse_input(raw, self.pipe, self.limits, self.input_model, fetched)
+        return parse_input(raw, self.pipe, self.limits, self.input_model, fetched, inputs)
 
     def _check_accepting(self) -> None:
         if self.setup.status == "succeeded" and self.defunct is not None:

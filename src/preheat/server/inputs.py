@@ -30,7 +30,7 @@ import functools
 import secrets
 from pathlib import Path
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Literal, Mapping, Optional, Union
+from typing import Annotated, Any, Literal, Mapping, NamedTuple, Optional, Union
 
 import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
@@ -39,7 +39,7 @@ from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigErro
 from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints,
                                      Label, Pair, Text, field_of, offered_specs, optional_inputs, size_pair)
 
-__all__ = ["Limits", "Job", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields", "offered",
+__all__ = ["Limits", "Job", "FamilyInputs", "family_inputs", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields", "offered",
            "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "parse_sizes", "parse_lora_ranks", "JsonFloat",
            "image_urls", "served_specs", "served_type", "SERVER_DEFAULTS"]
 
@@ -265,17 +265,31 @@ def served_sizes(pipe: Any, limits: Limits) -> tuple[tuple[int, int], ...]:
     return tuple(limits.sizes) or pipe.family.served_sizes(pipe)
 
 
+class FamilyInputs(NamedTuple):
+    """The served family's inputs, as one request reads them (:func:`family_inputs`, once per
+    request, passed down): what it declares, and what this server offers of that."""
+
+    declared: tuple[InputSpec, ...]  # ``Family.input_specs(pipe)``, in declaration order
+    offered: tuple[InputSpec, ...]  # ``declared`` less what ``Limits.inputs`` leaves out (and what needs it)
+
+
+def family_inputs(pipe: Any, limits: Limits) -> FamilyInputs:
+    """The family's declared inputs and those this server offers (:class:`FamilyInputs`)."""
+    declared = tuple(pipe.family.input_specs(pipe))
+    return FamilyInputs(declared, offered_specs(declared, limits.inputs))
+
+
 def offered(pipe: Any, limits: Limits) -> tuple[InputSpec, ...]:
     """The family's inputs this server takes: its declaration less the optional inputs it does
     not offer (``Limits.inputs``) and what needs them; every surface's fields and schema are these."""
-    return offered_specs(pipe.family.input_specs(pipe), limits.inputs)
+    return family_inputs(pipe, limits).offered
 
 
-def _not_offered(pipe: Any, limits: Limits, extra: Mapping[str, Any]) -> list[tuple[str, str]]:
+def _not_offered(inputs: FamilyInputs, limits: Limits, extra: Mapping[str, Any]) -> list[tuple[str, str]]:
     """A request's fields that name a declared input this server does not offer: (field, one line
     naming it by the field the client sent and the ``--inputs`` that would offer it)."""
-    declared = tuple(pipe.family.input_specs(pipe))
-    served = {s.name for s in offered(pipe, limits)}
+    declared = inputs.declared
+    served = {s.name for s in inputs.offered}
     errors = []
     for spec in declared:
         if spec.name in served:
@@ -331,17 +345,17 @@ def _image_digest(pixels: np.ndarray) -> str:
     return f"{'x'.join(map(str, pixels.shape))}:{hashlib.sha256(np.ascontiguousarray(pixels)).hexdigest()}"
 
 
-def _family_values(pipe: Any, extra: dict[str, Any], n: int, limits: Limits,
+def _family_values(pipe: Any, inputs: FamilyInputs, extra: dict[str, Any], limits: Limits,
                    errors: list[tuple[str, str]],
                    fetched: Mapping[str, bytes] = {}) -> tuple[dict[str, Any], dict[str, str]]:
     """The family's inputs a request gave (by surface name) -> ``generate`` keywords, and which
     came through an alias (keyword -> that field). Sizes must be served ones; images are bytes
     or data URIs (:func:`_image_value`)."""
-    refused = _not_offered(pipe, limits, extra)
+    refused = _not_offered(inputs, limits, extra)
     if refused:
         errors.extend(refused)
         return {}, {}
-    specs = offered(pipe, limits)
+    specs = inputs.offered
     try:
         given = family_model(specs).model_validate(extra).model_dump(exclude_none=True)
     except ValidationError as err:
@@ -385,11 +399,13 @@ def _per_image(values: Any) -> tuple:
 
 
 def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | None = None,
-                fetched: Mapping[str, bytes] = {}) -> tuple[Job, dict[str, Any]]:
+                fetched: Mapping[str, bytes] = {}, inputs: FamilyInputs | None = None) -> tuple[Job, dict[str, Any]]:
     """Validate a Cog-style input (a dict or an instance of :func:`input_model`) against the limits
-    and the loaded pipeline (``fetched``: image URLs already read, URL -> bytes). Returns the job
+    and the loaded pipeline (``fetched``: image URLs already read, URL -> bytes; ``inputs``: the
+    family's inputs, when the caller has read them for this request already). Returns the job
     and the input as given (unset fields left out)."""
     model = model or input_model(limits)
+    inputs = inputs if inputs is not None else family_inputs(pipe, limits)
     if isinstance(raw, model):
         values = raw
     else:
@@ -404,7 +420,7 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     extra = dict(values.model_extra or {})
     errors: list[tuple[str, str]] = []
     n = v["num_outputs"]
-    family, aliased = _family_values(pipe, extra, n, limits, errors, fetched)
+    family, aliased = _family_values(pipe, inputs, extra, limits, errors, fetched)
 
     seed = v["seed"]
     if seed is None:
@@ -422,7 +438,7 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     if errors:
         raise InputError(errors)
 
-    specs = offered(pipe, limits)
+    specs = inputs.offered
     per_call = {k: v for k, v in family.items() if not any(s.name == k and s.per_image for s in specs)}
     per_image = {k: [v] * n for k, v in family.items() if k not in per_call}
     job = Job(n=n, seed=int(seed), sampler=sampler, steps=0, guidance=guidance, eta=float(v["eta"]),  # steps: below

@@ -21,7 +21,7 @@ from preheat.families.inputs import IMAGE_SIZE, Image, InputSpec
 from preheat.server.core import SHUT_DOWN, Core
 from preheat.server.edits import EDITS_PATH, edits_input, edits_openapi
 from preheat.server.guard import openai_error
-from preheat.server.inputs import (SEED_MAX, JsonFloat, JsonInt, Limits, family_model, json_int, offered,
+from preheat.server.inputs import (SEED_MAX, FamilyInputs, JsonFloat, JsonInt, Limits, family_model, json_int,
                                    served_sizes, served_specs)
 from preheat.server.routing import Routes, State, refusal, wait_completed
 
@@ -101,10 +101,11 @@ async def images_generations(raw_request: Request, state: State, request: ImageG
     if request.size is not None and request.size != "auto":
         w, h = (int(v) for v in request.size.split("x"))
         raw.update(IMAGE_SIZE.inputs((w, h)))  # the size's fields are its keywords
-    if core.setup.status == "succeeded":  # the family's inputs and the Cog route's step/guidance/sampler
-        accepted = {*family_model(tuple(core.pipe.family.input_specs(core.pipe))).model_fields, *_OPENAI_EXTRAS}
+    inputs = core.family_inputs()  # None until set-up has succeeded (the parse then refuses the call)
+    if inputs is not None:  # the family's inputs and the Cog route's step/guidance/sampler
+        accepted = {*family_model(inputs.declared).model_fields, *_OPENAI_EXTRAS}
         raw.update({k: v for k, v in (request.model_extra or {}).items() if k in accepted and k not in raw})
-    return await openai_run(core, raw, raw_request)
+    return await openai_run(core, raw, raw_request, inputs)
 
 
 @routes.post(EDITS_PATH, summary="OpenAI-style image edit (multipart/form-data)", response_model=None,
@@ -115,22 +116,23 @@ async def images_generations(raw_request: Request, state: State, request: ImageG
                         503: {"description": "Not ready, or shutting down"}})
 async def images_edits(raw_request: Request, state: State) -> Response:
     core = state.core
-    ready = core.setup.status == "succeeded"
+    inputs = core.family_inputs()  # None until set-up has succeeded (the parse then refuses the call)
     # the declared inputs are read from the form (one not offered is then refused by the parse, by name)
-    specs = tuple(core.pipe.family.input_specs(core.pipe)) if ready else ()
+    declared, served = inputs if inputs is not None else ((), ())
     try:
-        raw = await edits_input(raw_request, specs, offered(core.pipe, core.limits) if ready else ())
+        raw = await edits_input(raw_request, declared, served)
     except InputError as err:
         field_name, message = err.errors[0]
         return openai_error(422, f"{field_name}: {message}", field_name)
-    return await openai_run(core, raw, raw_request)
+    return await openai_run(core, raw, raw_request, inputs)
 
 
-async def openai_run(core: Core, raw: dict[str, Any], raw_request: Request) -> Response:
-    """An OpenAI route's call, as a Cog-style input: parsed, queued, waited for, answered in
-    OpenAI's shapes (errors name OpenAI's field: ``n``, ``size``)."""
+async def openai_run(core: Core, raw: dict[str, Any], raw_request: Request, inputs: Optional[FamilyInputs]) -> Response:
+    """An OpenAI route's call, as a Cog-style input: parsed (``inputs``: the family's, as the
+    route read them), queued, waited for, answered in OpenAI's shapes (errors name OpenAI's
+    field: ``n``, ``size``)."""
     try:
-        job, given = await core.parse_async(raw)
+        job, given = await core.parse_async(raw, inputs)
     except InputError as err:
         field_name, _ = err.errors[0]
         param = OPENAI_FIELDS.get(field_name, field_name)
