@@ -21,7 +21,7 @@ that declare a set (``preheat warm``, ``preheat serve``); ``preheat.cache`` only
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 __all__ = ["WarmSet", "WarmSignature", "buckets_for", "bucket_for", "served_call", "ServedCall", "resolve",
            "signatures", "run_signature", "status", "programs", "prefetch_calls", "warm", "offered_inputs", "OfferedInputs"]
@@ -155,14 +155,15 @@ def _sized(pipe: Any) -> bool:
     return not fixed
 
 
-def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
+def resolve(pipe: Any, warm_set: WarmSet, labels: Mapping[str, str] = {}) -> WarmSet:
     """The set with the model's defaults filled in (samplers, sizes, the offered inputs); an
     unusable size, or an input the family does not declare, fails here, in one line, before
-    anything compiles."""
+    anything compiles. The line names the setting as ``labels`` says the user gave it (setting ->
+    its name: Runpod's ``PREHEAT_INPUTS``), else by its command-line option (``--inputs``)."""
     from preheat.errors import InvalidArgumentError
     from preheat.families.inputs import check_offered
 
-    inputs = check_offered(pipe.family.name, _specs(pipe), warm_set.inputs)
+    inputs = check_offered(pipe.family.name, _specs(pipe), warm_set.inputs, labels.get("inputs", "--inputs"))
 
     samplers = tuple(warm_set.samplers) or (pipe.defaults["sampler"],)
     sizes = tuple(warm_set.sizes)
@@ -173,7 +174,8 @@ def resolve(pipe: Any, warm_set: WarmSet) -> WarmSet:
         try:
             pipe.check(1, **_size_inputs(size), steps=1, **given_inputs(pipe, placeholder, size))
         except InvalidArgumentError as err:
-            raise InvalidArgumentError(f"--sizes {size[0]}x{size[1]}: {err}", argument="sizes") from None
+            raise InvalidArgumentError(f"{labels.get('sizes', '--sizes')} {size[0]}x{size[1]}: {err}",
+                                       argument="sizes") from None
     if warm_set.lora_ranks and pipe.lora_runtime is None:
         raise InvalidArgumentError(f"LoRA rank buckets {', '.join(map(str, warm_set.lora_ranks))} are declared, "
                                    f"but LoRAs are not supported for a {pipe.family.name} model")

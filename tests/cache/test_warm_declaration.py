@@ -128,6 +128,15 @@ def test_the_inputs_flag_names_what_the_model_declares_in_one_line():
         "or leave --inputs out)"], result.output
 
 
+def test_a_malformed_sizes_flag_is_named_as_the_cli_gives_it():
+    """The command line names its flag (Runpod's worker names PREHEAT_SIZES: tests/integrations/test_runpod.py)."""
+    from preheat.cli import main
+
+    result = CliRunner().invoke(main, ["warm", "--sizes", "512", "--dry-run"])
+    assert result.exit_code != 0
+    assert result.output.strip().splitlines() == ["error: --sizes '512' must be WIDTHxHEIGHT, e.g. 512x512"], result.output
+
+
 def test_dry_run_lists_the_offered_inputs_and_their_programs(sd_pipe, monkeypatch, tmp_path):
     import json
 

@@ -147,8 +147,8 @@ def test_worker_settings_come_from_the_environment() -> None:
     assert rp.config_from_env({}).sizes == () and rp.config_from_env({}).dtype == "float32"
     from preheat.errors import InvalidArgumentError
 
-    with pytest.raises(InvalidArgumentError, match="must be WIDTHxHEIGHT"):
-        rp.config_from_env({"PREHEAT_SIZES": "512"})
+    with pytest.raises(InvalidArgumentError, match="^PREHEAT_SIZES '512' must be WIDTHxHEIGHT, e.g. 512x512$"):
+        rp.config_from_env({"PREHEAT_SIZES": "512"})  # named as the worker was given it (the CLI's: --sizes)
     loaded = rp.config_from_env({"PREHEAT_VARIANT": "fp16", "PREHEAT_WEIGHTS_DTYPE": "float8_e4m3fn",
                                  "PREHEAT_PROGRESS": "off"})
     assert (loaded.variant, loaded.weights_dtype, loaded.progress) == ("fp16", "float8_e4m3fn", False)

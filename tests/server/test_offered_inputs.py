@@ -163,3 +163,24 @@ def test_an_input_the_family_does_not_declare_fails_set_up_in_one_line(sd_pipe: 
                                     "offered"), core.setup.error
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("env, error", [
+    ({"PREHEAT_INPUTS": "class_label"}, "PREHEAT_INPUTS 'class_label' is not an optional input of a stable-diffusion "
+                                        "model: its optional inputs are negative_prompt, image, mask_image (or none); "
+                                        "prompt always offered"),
+    ({"PREHEAT_INPUTS": "none,image"}, "PREHEAT_INPUTS none stands alone: it offers only the required inputs; prompt "
+                                       "always offered"),
+    ({"PREHEAT_SIZES": "33x33"}, "PREHEAT_SIZES 33x33: width=33 must be a multiple of 2 for this model"),
+])
+def test_a_set_up_error_names_the_variable_a_runpod_worker_was_given(sd_pipe: Any, env: dict, error: str) -> None:
+    """Runpod reads its settings from the environment: a set-up error names the variable
+    (``PREHEAT_INPUTS``), not the command line's ``--inputs`` (the test above)."""
+    from preheat.integrations import runpod as rp
+
+    core = Core(rp.config_from_env({**env, "PREHEAT_MAX_BATCH_SIZE": "1"}), pipe=sd_pipe).start()
+    try:
+        assert core.wait_setup(300) and core.setup.status == "failed"
+        assert core.setup.error.startswith(error) and "--inputs" not in core.setup.error, core.setup.error
+    finally:
+        core.close()

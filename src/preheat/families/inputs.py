@@ -578,29 +578,31 @@ def parse_offered(text: str | Sequence[str] | None) -> tuple[str, ...] | None:
     return () if names == (NO_INPUTS,) else names
 
 
-def check_offered(family: str, specs: Sequence[InputSpec], offered: Sequence[str] | None) -> tuple[str, ...]:
+def check_offered(family: str, specs: Sequence[InputSpec], offered: Sequence[str] | None,
+                  label: str = "--inputs") -> tuple[str, ...]:
     """The offered optional inputs (None: every one ``specs`` declares), in declaration order; a
     name that is not one of them, or one offered without an input it needs, fails in one line
-    listing what the family declares."""
+    listing what the family declares and naming ``label``, what the user gave them by (``--inputs``,
+    Runpod's ``PREHEAT_INPUTS``)."""
     optional = optional_inputs(specs)
     if offered is None:
         return optional
     required = required_inputs(specs)
     always = f"; {', '.join(required)} always offered" if required else ""
     declared = f"its optional inputs are {', '.join(optional)} (or {NO_INPUTS})" if optional else \
-        f"it has no optional inputs (give {NO_INPUTS}, or leave --inputs out)"
+        f"it has no optional inputs (give {NO_INPUTS}, or leave {label} out)"
     for name in offered:
         if name == NO_INPUTS:
-            raise InvalidArgumentError(f"--inputs {NO_INPUTS} stands alone: it offers only the required inputs"
+            raise InvalidArgumentError(f"{label} {NO_INPUTS} stands alone: it offers only the required inputs"
                                        f"{always}", argument="inputs")
         if name not in optional:
-            raise InvalidArgumentError(f"--inputs {name!r} is not an optional input of a {family} model: {declared}"
+            raise InvalidArgumentError(f"{label} {name!r} is not an optional input of a {family} model: {declared}"
                                        f"{always}", argument="inputs")
     by_name = {s.name: s for s in specs}
     for name in offered:
         missing = [n for n in by_name[name].needs if n in optional and n not in offered]
         if missing:
-            raise InvalidArgumentError(f"--inputs {name} needs {', '.join(missing)}; offer both", argument="inputs")
+            raise InvalidArgumentError(f"{label} {name} needs {', '.join(missing)}; offer both", argument="inputs")
     return tuple(n for n in optional if n in offered)
 
 

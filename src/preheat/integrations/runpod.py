@@ -57,8 +57,9 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> CoreConfig:
     """The worker's CoreConfig from ``PREHEAT_<SETTING>`` (``preheat.server.config.ENV_SETTINGS``); a
     malformed value is one line naming its variable."""
     env = os.environ if env is None else env
-    return CoreConfig(**{name: typed_setting(name, text, env_var(name))
-                         for name, text in settings_from_env(env).items()})
+    settings = settings_from_env(env)
+    return CoreConfig(**{name: typed_setting(name, text, env_var(name)) for name, text in settings.items()},
+                      labels={name: env_var(name) for name in settings})  # set-up errors name the variable
 
 
 def get_core(core: Optional[Core] = None) -> Core:

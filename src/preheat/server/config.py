@@ -5,7 +5,7 @@ that the Ray and Runpod surfaces can build and check a configuration without the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
 from preheat.errors import InvalidArgumentError, PreheatError
@@ -67,6 +67,10 @@ class CoreConfig:
     # on a GPU, executables served from entries compiled without autotuning (`warm --target`) are
     # compiled again, autotuned, after this long without a request, and swapped if faster (None: off)
     retune_idle_s: Optional[float] = RETUNE_IDLE_S
+    # setting -> the name its value was given by, where that is not its command-line option
+    # (``PREHEAT_INPUTS`` on Runpod): what a set-up error about it names (``preheat.warm.resolve``).
+    # Where a value came from is not what the server is: configs that differ only here are equal.
+    labels: dict[str, str] = field(default_factory=dict, compare=False)
 
     def warm_set(self) -> WarmSet:
         """The declaration this server warms (the same object ``preheat warm`` compiles)."""
@@ -142,7 +146,7 @@ def _typed(name: str, value: Any, label: str) -> Any:
 
         return parse_offered(value)
     if name == "sizes":
-        return parse_sizes(value) if isinstance(value, str) else tuple(tuple(int(x) for x in s) for s in value)
+        return parse_sizes(value, label) if isinstance(value, str) else tuple(tuple(int(x) for x in s) for s in value)
     if name == "devices":
         from preheat.sharding import parse_devices
 

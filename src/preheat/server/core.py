@@ -524,7 +524,8 @@ class Core:
         if compiler is not None and hasattr(compiler, "defer_pushes"):
             compiler.defer_pushes()  # uploads never hold up READY or a request
         self._prepare_retune(pipe)
-        self.warm = resolve(pipe, self.warm)  # refuses an unusable --sizes entry before READY, in one line
+        # refuses an unusable --sizes entry before READY, in one line naming it as it was given
+        self.warm = resolve(pipe, self.warm, self.config.labels)
         self.samplers = self.warm.samplers
         self.limits = replace(self.limits, sizes=self.warm.sizes)  # () where the model makes its own size only
         self.limits = replace(self.limits, schedulers=self.samplers)  # parse refuses the others, naming these

@@ -542,9 +542,9 @@ def _lora(pipe: Any, v: dict[str, Any], errors: list[tuple[str, str]], lora_dir:
     return (lora, float(v["lora_scale"])), bucket
 
 
-def parse_sizes(text: Optional[str]) -> tuple[tuple[int, int], ...]:
+def parse_sizes(text: Optional[str], name: str = "--sizes") -> tuple[tuple[int, int], ...]:
     """``512x512,768x512`` -> ((512, 512), (768, 512)): ``preheat serve --sizes`` and Runpod's
-    ``PREHEAT_SIZES``. A malformed entry fails in one line."""
+    ``PREHEAT_SIZES``. A malformed entry fails in one line naming ``name`` (what the user wrote)."""
     out = []
     for item in (text or "").split(","):
         item = item.strip().lower()
@@ -552,7 +552,7 @@ def parse_sizes(text: Optional[str]) -> tuple[tuple[int, int], ...]:
             continue
         w, sep, h = item.partition("x")
         if not sep or not w.isdigit() or not h.isdigit() or int(w) <= 0 or int(h) <= 0:
-            raise InvalidArgumentError(f"--sizes {item!r} must be WIDTHxHEIGHT, e.g. 512x512")
+            raise InvalidArgumentError(f"{name} {item!r} must be WIDTHxHEIGHT, e.g. 512x512", argument=name)
         out.append((int(w), int(h)))
     return tuple(dict.fromkeys(out))
 
