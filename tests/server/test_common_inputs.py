@@ -300,3 +300,50 @@ def test_a_request_reads_the_family_s_declaration_once(pipe: Any) -> None:
     with pytest.raises(InputError):
         parse_input({**BODY, "class_label": 999}, refused, limits)
     assert refused.reads == 1
+
+
+def test_which_server_limit_bounds_an_input_is_declared() -> None:
+    """A server narrows an input by the limit its declaration names (``InputSpec.bound``), never by
+    matching its name: an input of another name that declares a bound gets that bound, and one
+    named like a bounded input that declares none keeps its own type."""
+    from dataclasses import replace
+
+    from preheat.families.inputs import SEED_MAX, Float, InputSpec, Int, ServerBound
+    from preheat.server.inputs import Limits, served_specs, served_type
+
+    limits = Limits(max_batch_size=4, max_steps=30, max_guidance=7.5, max_lora_scale=2.0)
+    assert served_type(InputSpec("count", Int(1), "How many.", bound=ServerBound.BATCH), limits) == Int(1, 4)
+    assert served_type(InputSpec("cfg", Float(0.0), "Scale.", bound=ServerBound.GUIDANCE), limits) == Float(0.0, 7.5)
+    assert served_type(InputSpec("mix", Float(), "Mix.", bound=ServerBound.LORA_SCALE), limits) == Float(-2.0, 2.0)
+    assert served_type(replace(common_spec("steps"), bound=None), limits) == Int(1)
+    bounded = {s.surface_name: served_type(s, limits) for s in served_specs() if s.bound is not None}
+    assert bounded == {"num_outputs": Int(1, 4), "num_inference_steps": Int(1, 30), "guidance_scale": Float(0.0, 7.5),
+                       "seed": Int(0, SEED_MAX - 3), "lora_scale": Float(-2.0, 2.0)}
+
+
+def test_the_server_s_schema_code_names_no_common_input() -> None:
+    """The derivation of a server's common inputs (their types, defaults and bounds) reads only their
+    declarations: no string in it is a common input's keyword or field (read from the source, as
+    tests/test_size_names.py reads the size's names)."""
+    import ast
+    import inspect
+
+    from preheat.server import inputs
+
+    names = {s.name for s in COMMON_SPECS} | {s.surface_name for s in COMMON_SPECS}
+    for fn in (inputs.served_type, inputs.input_model, inputs.Limits.bounds):
+        found = [node.value for node in ast.walk(ast.parse(inspect.getsource(fn).strip()))
+                 if isinstance(node, ast.Constant) and node.value in names]
+        assert not found, f"{fn.__qualname__} names {found}: declare it on the InputSpec (bound, defaults)"
+    assert "n" in {s.name for s in COMMON_SPECS}  # the check looks at something
+
+
+def test_a_server_s_own_defaults_are_declared() -> None:
+    """One image per request and a random seed (reported back): the server's defaults, declared on
+    the common inputs (``InputSpec.defaults``), where the Python call's are the family's n and seed 0."""
+    from preheat.server.inputs import Limits, input_model
+
+    fields = input_model(Limits()).model_fields
+    assert fields["num_outputs"].default == 1 and fields["seed"].default is None
+    assert common_spec("seed").default == 0 and common_spec("seed").default_on("server") is None
+    assert common_spec("n").default_on("python") is None  # the family's (16 images of a class model)

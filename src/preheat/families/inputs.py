@@ -40,6 +40,7 @@ input names.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -52,7 +53,7 @@ __all__ = ["InputSpec", "CliForm", "Text", "Int", "Float", "Choice", "Pair", "In
            "common_spec", "SizePair", "IMAGE_SIZE", "size_pair",
            "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "typed_flags", "field_of",
            "check_needs", "WARM_IMAGE", "SURFACES", "SEED_MAX", "optional_inputs", "offered_specs", "check_offered",
-           "parse_offered", "NO_INPUTS", "required_inputs"]
+           "parse_offered", "NO_INPUTS", "required_inputs", "ServerBound"]
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
@@ -340,6 +341,18 @@ class CliForm:
 SURFACES: tuple[str, ...] = ("python", "cli", "server")
 
 
+class ServerBound(enum.Enum):
+    """Which of a server's limits narrows an input beyond its declared type (``InputSpec.bound``),
+    so that the OpenAPI document states the real bounds; ``preheat.server.inputs.Limits.bounds``
+    says each one's values."""
+
+    BATCH = enum.auto()  # at most the largest batch (``--max-batch-size``)
+    STEPS = enum.auto()  # at most ``--max-steps``
+    GUIDANCE = enum.auto()  # at most the server's max guidance scale
+    SEED = enum.auto()  # leaves room for seed + i across the largest batch
+    LORA_SCALE = enum.auto()  # within [-max, max] of the server's LoRA scale
+
+
 @dataclass(frozen=True)
 class InputSpec:
     """One declared input of ``Pipeline.generate`` (see the module docstring)."""
@@ -369,10 +382,17 @@ class InputSpec:
     docs: tuple[tuple[str, str], ...] = ()  # (surface, its text) where a surface words it otherwise: its own
     #   default (the server's random seed, the CLI's seed 0) or its own syntax (the CLI's --lora SRC[:SCALE])
     cli_form: CliForm | None = None  # a command-line syntax of its own (repeated, parsed by its CliForm)
+    bound: ServerBound | None = None  # the server limit that narrows it (n: the largest batch); None: its type's
+    defaults: tuple[tuple[str, Any], ...] = ()  # (surface, its default) where a surface's is not ``default``
+    #   (a server's one image per request and random seed)
 
     def describe(self, surface: str) -> str:
         """The one-line text ``surface`` shows (--help, the OpenAPI description)."""
         return dict(self.docs).get(surface, self.description)
+
+    def default_on(self, surface: str) -> Any:
+        """Its default on ``surface`` (``defaults``), else the declared ``default``."""
+        return dict(self.defaults).get(surface, self.default)
 
     @property
     def surface_name(self) -> str:
@@ -432,15 +452,18 @@ SEED_MAX = 2**32 - 1
 # In the order the surfaces list them (the server's x-order, the CLI's --help).
 COMMON_SPECS: tuple[InputSpec, ...] = (
     InputSpec("n", Int(1), "Number of images.", field="num_outputs", default_doc="1 per prompt, 16 for class models",
-              docs=(("cli", "Number of images (default: 16 for class models, 1 for text-to-image)."),)),
+              docs=(("cli", "Number of images (default: 16 for class models, 1 for text-to-image)."),),
+              bound=ServerBound.BATCH, defaults=(("server", 1),)),  # a request makes one image unless it asks
     InputSpec("steps", Int(1), "Denoising steps (the model's default when absent).", field="num_inference_steps",
-              docs=(("cli", "Denoising steps (default: the model's)."),)),
+              docs=(("cli", "Denoising steps (default: the model's)."),), bound=ServerBound.STEPS),
     InputSpec("guidance", Float(0.0), "Classifier-free guidance scale; 1 = off (the model's default when absent).",
-              field="guidance_scale", docs=(("cli", "Classifier-free guidance scale (1 = off)."),)),
+              field="guidance_scale", docs=(("cli", "Classifier-free guidance scale (1 = off)."),),
+              bound=ServerBound.GUIDANCE),
     InputSpec("sampler", Choice(()), "Sampler (the model's default when absent).", static=True, field="scheduler",
               docs=(("cli", "(default: the model's)."),)),  # the CLI's help lists the samplers before it
     InputSpec("seed", Int(0, SEED_MAX), "Image i uses seed + i (or one seed per image).", default=0,
-              docs=(("cli", "Image i uses seed + i."), ("server", "Image i uses seed + i; random when absent."))),
+              docs=(("cli", "Image i uses seed + i."), ("server", "Image i uses seed + i; random when absent.")),
+              bound=ServerBound.SEED, defaults=(("server", None),)),  # a random seed, which the response reports
     InputSpec("noise", Float(), "The initial noise, (n, C, H, W) floats (replaces the seeds' draw).",
               surfaces=("python",)),
     InputSpec("eta", Float(0.0), "Stochasticity: DDIM's eta, TCD's gamma.", default=0.0),
@@ -452,7 +475,7 @@ COMMON_SPECS: tuple[InputSpec, ...] = (
                           "combine."))),
     # the CLI gives a LoRA's scale inside --lora SRC[:SCALE], one per LoRA: an error about it names --lora
     InputSpec("lora_scale", Float(), "How strongly the LoRA applies.", default=1.0, surfaces=("python", "server"),
-              flag="--lora"),
+              flag="--lora", bound=ServerBound.LORA_SCALE),
 )
 
 

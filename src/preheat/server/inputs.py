@@ -37,11 +37,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
 from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints,
-                                     Label, Pair, Text, field_of, offered_specs, optional_inputs, size_pair)
+                                     Label, Pair, ServerBound, Text, field_of, offered_specs, optional_inputs,
+                                     size_pair)
 
 __all__ = ["Limits", "Job", "FamilyInputs", "family_inputs", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields", "offered",
            "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "parse_sizes", "parse_lora_ranks", "JsonFloat",
-           "image_urls", "served_specs", "served_type", "SERVER_DEFAULTS"]
+           "image_urls", "served_specs", "served_type"]
 
 MAX_LORA_SCALE = 4.0
 OUTPUT_FORMATS: tuple[str, ...] = ("png", "webp", "jpg")
@@ -87,6 +88,13 @@ class Limits:
     max_lora_scale: float = MAX_LORA_SCALE  # lora_scale within [-max, max]
     lora_dir: Optional[str] = None  # local LoRA files only from under this folder; None: URLs and hf:// only
     fetcher: Any = None  # server.fetch.Fetcher: every URL a request names goes through it; None: a default one
+
+    def bounds(self, bound: ServerBound) -> tuple[Optional[float], Optional[float]]:
+        """(low, high) of an input that ``bound`` narrows (``InputSpec.bound``); None: no bound of the server's."""
+        return {ServerBound.BATCH: (None, self.max_batch_size), ServerBound.STEPS: (None, self.max_steps),
+                ServerBound.GUIDANCE: (None, self.max_guidance),
+                ServerBound.SEED: (None, SEED_MAX - (self.max_batch_size - 1)),
+                ServerBound.LORA_SCALE: (-self.max_lora_scale, self.max_lora_scale)}[bound]
 
 
 @dataclass(frozen=True)
@@ -145,9 +153,6 @@ def _all_samplers() -> tuple[str, ...]:
     return tuple(SAMPLERS)
 
 
-# Where a request's default is not the Python call's: one image unless it asks for more; a random
-# seed (which the response reports), not seed 0.
-SERVER_DEFAULTS: dict[str, Any] = {"n": 1, "seed": None}
 X_ORDER = 20  # Cog's field order hint of the first common input (the family's inputs come first)
 
 
@@ -165,16 +170,14 @@ def _narrowed(kind: Any, low: Any, high: Any) -> Any:
 
 
 def served_type(spec: InputSpec, limits: Limits) -> Any:
-    """A common input's type on this server: its declared bounds within the server's limits, so
-    that the OpenAPI document states the real ones (``num_outputs <= max_batch_size``, a seed that
-    leaves room for seed + i, the samplers served)."""
-    bounds = {"n": (None, limits.max_batch_size), "steps": (None, limits.max_steps),
-              "guidance": (None, limits.max_guidance), "seed": (None, SEED_MAX - (limits.max_batch_size - 1)),
-              "lora_scale": (-limits.max_lora_scale, limits.max_lora_scale)}
+    """A common input's type on this server: its declared bounds within the server limit its
+    declaration names (``InputSpec.bound``: ``Limits.bounds``), so that the OpenAPI document states
+    the real ones (``num_outputs <= max_batch_size``, a seed that leaves room for seed + i, the
+    samplers served)."""
     if isinstance(spec.type, Choice) and not spec.type.options:  # the sampler: what this server serves
         return Choice(tuple(limits.schedulers or _all_samplers()))
-    if spec.name in bounds and isinstance(spec.type, (Int, Float)):
-        return _narrowed(spec.type, *bounds[spec.name])
+    if spec.bound is not None and isinstance(spec.type, (Int, Float)):
+        return _narrowed(spec.type, *limits.bounds(spec.bound))
     return spec.type
 
 
@@ -188,7 +191,7 @@ def input_model(limits: Limits) -> type[BaseModel]:
     fields: dict[str, Any] = {}
     specs = served_specs()
     for order, spec in enumerate(specs, X_ORDER):
-        default = SERVER_DEFAULTS.get(spec.name, spec.default)
+        default = spec.default_on("server")  # one image, a random seed: where a request's is not Python's
         annotation = _annotation(replace(spec, type=served_type(spec, limits)))
         fields[spec.surface_name] = (annotation if default is not None else Optional[annotation],
                                      Field(default, json_schema_extra={"x-order": order},
