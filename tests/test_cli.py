@@ -49,8 +49,8 @@ def test_sample_writes_grid_images_and_report_then_hits_the_cache(model, tmp_pat
     (["--sampler", "plms"], "unknown sampler 'plms'"),
     (["--steps", "0"], "'--steps': 0 is not in the range x>=1"),  # the declared Int(1)
     (["--n", "0"], "'--n': 0 is not in the range x>=1"),
-    (["--class", "11"], "unknown class 11"),
-    (["--class", "giraffe"], "unknown class 'giraffe'"),
+    (["--class", "11"], "error: --class=11 is not a class of this model; classes are 0.."),  # named by its flag
+    (["--class", "giraffe"], "error: --class='giraffe' is not a class of this model"),
     (["--out", "x.jpg"], "must end in .png"),
     (["--weights-dtype", "float8_e5m3"], "--weights-dtype"),
     (["--weights-dtype", "float8_e4m3fn", "--backend", "torch"], "applies to backend='jax'"),
@@ -76,7 +76,7 @@ def test_a_bad_argument_exits_the_real_process_with_one_line_and_no_file(model, 
     r = preheat("sample", model, "--class", "11", "--out", tmp_path / "s.png", home=tmp_path / "h", cwd=tmp_path)
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "unknown class 11" in lines[0], r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--class=11 is not a class" in lines[0], r.stderr
     assert not (tmp_path / "s.png").exists()
 
 

@@ -108,8 +108,9 @@ def test_from_denoiser_cache_key_follows_the_code_not_the_name(pipe):
     (dict(sampler="plms"), SchedulerConfigError, "unknown sampler 'plms'; supported: ddpm, ddim"),
     (dict(steps=0), InvalidArgumentError, "steps=0 must be a positive int"),
     (dict(steps=5000), SchedulerConfigError, "steps=5000"),
-    (dict(class_labels=[12]), InvalidArgumentError, "unknown class 12"),
-    (dict(class_labels=["cat"]), InvalidArgumentError, "unknown class 'cat'"),
+    (dict(class_labels=[12]), InvalidArgumentError, "class_labels=12 is not a class of this model; classes are 0.."),
+    (dict(class_labels=np.array([12])), InvalidArgumentError, "class_labels=12 is not a class"),  # not np.int64(12)
+    (dict(class_labels=["cat"]), InvalidArgumentError, "class_labels='cat' is not a class of this model"),
     (dict(n=2, class_labels=[1, 2, 3]), InvalidArgumentError, "got 3 class_labels for n=2"),
     (dict(seed=-1), InvalidArgumentError, "seeds must be in [0, 2**32)"),
     (dict(seed="x"), InvalidArgumentError, "seed='x' must be an int"),

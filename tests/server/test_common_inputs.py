@@ -347,3 +347,26 @@ def test_a_server_s_own_defaults_are_declared() -> None:
     assert fields["num_outputs"].default == 1 and fields["seed"].default is None
     assert common_spec("seed").default == 0 and common_spec("seed").default_on("server") is None
     assert common_spec("n").default_on("python") is None  # the family's (16 images of a class model)
+
+
+def test_an_unknown_class_is_named_by_each_surface_s_name_for_the_input(client: httpx.Client, core: Core,
+                                                                      pipe: Any) -> None:
+    """"unknown class" used to name no input where a surface does not lead the message with the field
+    (the Python call, Cog's ``detail`` message): each now names it, by its own name (the CLI's
+    ``--class``: tests/test_cli.py)."""
+    from preheat.errors import InvalidArgumentError
+
+    classes = f"is not a class of this model; classes are 0..{pipe.num_classes - 1}"
+    with pytest.raises(InvalidArgumentError) as err:
+        pipe.generate(1, class_labels=[12], steps=3)
+    assert str(err.value) == f"class_labels=12 {classes}"
+    body = {**BODY, "class_label": 12, "scheduler": "ddim"}  # a sampler this server serves
+    error = one_error(client.post("/predictions", json={"input": body}))
+    assert error["loc"][-1] == "class_label" and error["msg"] == f"class_label=12 {classes}", error
+    r = client.post("/v1/images/generations", json={"class_label": 12, "num_inference_steps": 3,
+                                                           "scheduler": "ddim"})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["param"] == "class_label"
+    assert r.json()["error"]["message"] == f"class_label: class_label=12 {classes}", r.text
+    (result,) = runpod_jobs(core, {"id": "class", "input": body})
+    assert result["error"] == f"class_label: class_label=12 {classes}", result

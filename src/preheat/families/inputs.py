@@ -270,11 +270,14 @@ class Label:
             digits = value.strip().lstrip("-")
             if not (digits.isascii() and digits.isdigit()):  # ASCII digits only: not "٧" or "７
                 known = ", ".join(self.names) or f"0..{self.count - 1}"
-                # the text names no input: a surface leads it with its own name (--class: unknown class ...)
-                raise InvalidArgumentError(f"unknown class {value!r}; known classes: {known}", argument=name)
+                # each surface names the input its own way (class_label=..., --class=...)
+                raise InvalidArgumentError.about("{0}={value!r} is not a class of this model; known classes: {known}",
+                                                 name, value=value, known=known)
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) < self.count:
-            raise InvalidArgumentError(f"unknown class {value!r}; classes are 0..{self.count - 1}", argument=name)
+            shown = int(value) if isinstance(value, np.integer) else value  # 12, not np.int64(12)
+            raise InvalidArgumentError.about("{0}={value!r} is not a class of this model; classes are 0..{last}", name,
+                                             value=shown, last=self.count - 1)
         return int(value)
 
     def schema(self) -> dict[str, Any]:
