@@ -25,7 +25,13 @@ saw: ``preheat.files.changed_inputs``) is stale: the folders are named by their 
 and mtime, so the next load converts the new content into another folder and no load reaches
 this one; it goes with the next gc, once older than ``grace_s``, saying which source changed.
 (A rewrite that keeps both size and mtime, such as ``cp -p`` of a same-sized file, goes unseen:
-hashing every source at every gc would read gigabytes.)
+hashing every source at every gc would read gigabytes.) The config folder's JSON and tokenizer
+files name a conversion by their content, and are recorded with their sha256: an edited config
+makes it stale the same way ("its config file ... changed"), a config touched or copied with the
+same bytes does not (the next load reads the same folder).
+
+A dead or stale folder younger than ``grace_s`` says so, and when it goes (``Derived.kept_until``:
+"...; kept until <time> UTC"): its state is what it is whatever its age; only its collection waits.
 
 A source *outside* the cache root (the user's ``/mnt/models/x.safetensors``) that is missing may
 only be unmounted: as huggingface_hub's cache never deletes behind its user's back, its conversion
@@ -143,13 +149,15 @@ class Derived(NamedTuple):
 
     folder: Path
     name: str  # its models/-relative path: "single/<name>"
-    state: str  # live | young | dead | changed-source | missing-source | in-progress | stale-tmp
+    state: str  # live | dead | changed-source | missing-source | in-progress | stale-tmp
     why: str  # one line, for `preheat cache ls` and `prune`
+    kept_until: float | None = None  # a dead or stale folder still in its grace period: collected from then
 
     @property
     def collect(self) -> bool:
-        """Collected by every prune (a missing outside source only when asked: ``collect_orphans``)."""
-        return self.state in ("dead", "changed-source", "stale-tmp")
+        """Collected by every prune (a missing outside source only when asked: ``collect_orphans``),
+        once out of its grace period."""
+        return self.state in ("dead", "changed-source", "stale-tmp") and self.kept_until is None
 
 
 def derived_folders(root: str | os.PathLike[str], *, grace_s: float = 3600.0,
@@ -167,8 +175,14 @@ def derived_folders(root: str | os.PathLike[str], *, grace_s: float = 3600.0,
     return _derived(store, live, grace_s, time.time() if now is None else now)
 
 
+def _utc(t: float) -> str:
+    return time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t))
+
+
 def _when(seen: Seen) -> str:
-    return f"{seen.size:,d} B, mtime {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(seen.mtime_ns / 1e9))} UTC"
+    if seen.sha256 is not None:  # named by its content: a config file
+        return f"sha256 {seen.sha256[:12]}"
+    return f"{seen.size:,d} B, mtime {_utc(seen.mtime_ns / 1e9)} UTC"
 
 
 def _verdict(inputs: list[Path], inside: Path, snapshots: Path, live: set[str],
@@ -188,7 +202,8 @@ def _verdict(inputs: list[Path], inside: Path, snapshots: Path, live: set[str],
             missing_outside.append(p)
     if changed:
         path, then, now = changed[0]
-        return "changed-source", (f"its source {path} changed since it was made ({_when(then)} then, {_when(now)} "
+        what = "config file" if then.sha256 is not None else "source"
+        return "changed-source", (f"its {what} {path} changed since it was made ({_when(then)} then, {_when(now)} "
                                    "now): the next load converts it again, no load reaches this one")
     if missing_outside:
         return "missing-source", f"its source {missing_outside[0]} is missing (an unmounted drive?)"
@@ -215,11 +230,14 @@ def _derived(store: Store, live: set[str], grace_s: float, now: float) -> list[D
                                        f"a conversion killed mid-write (unchanged for over {grace_s:g} s)" if stale
                                        else "a conversion in progress"))
                     continue
-                if _age(folder, now) <= grace_s:
-                    out.append(Derived(folder, name, "young", f"made less than {grace_s:g} s ago"))
+                state, why = _verdict(_inputs(folder), inside, snapshots, live, changed_inputs(folder))
+                age = _age(folder, now)
+                if state in ("dead", "changed-source") and age <= grace_s:  # stale, but maybe a writer's at work
+                    until = now - age + grace_s
+                    out.append(Derived(folder, name, state, f"{why}; kept until {_utc(until)} UTC, "
+                                       f"{grace_s:g} s after it was made (prune's grace)", until))
                     continue
-                out.append(Derived(folder, name, *_verdict(_inputs(folder), inside, snapshots, live,
-                                                           changed_inputs(folder))))
+                out.append(Derived(folder, name, state, why))
             except OSError:  # removed meanwhile
                 continue
     return out
