@@ -212,9 +212,11 @@ def _verdict(inputs: list[Path], inside: Path, snapshots: Path, live: set[str],
 
 def _derived(store: Store, live: set[str], grace_s: float, now: float) -> list[Derived]:
     """The folders under ``models/<kind>/`` (not the store's own) that name their inputs, each with
-    its verdict (``_verdict``) once older than ``grace_s``, and ``.tmp-*`` folders there (a
-    conversion in progress, or one killed mid-write: stale once nothing in it changed for ``grace_s``)."""
-    out = []
+    its verdict (``_verdict``; one made from a folder this gc collects is dead with it: a
+    conversion read with a stale config folder), collected once older than ``grace_s``, and ``.tmp-*`` folders
+    there (a conversion in progress, or one killed mid-write: stale once nothing in it changed for
+    ``grace_s``)."""
+    found: list[Derived | tuple[Path, str, list[Path], str, str, float]] = []
     snapshots = store.snapshots.resolve() if store.snapshots.is_dir() else store.snapshots
     inside = store.models.resolve().parent if store.models.is_dir() else store.models.parent  # the cache root
     kinds = sorted(p for p in store.models.iterdir() if p.is_dir() and p.name not in _OWN) if store.models.is_dir() else []
@@ -226,18 +228,31 @@ def _derived(store: Store, live: set[str], grace_s: float, now: float) -> list[D
                     continue
                 if folder.name.startswith(".tmp-"):
                     stale = _age(folder, now) > grace_s and _age_tree(folder, now) > grace_s
-                    out.append(Derived(folder, name, "stale-tmp" if stale else "in-progress",
-                                       f"a conversion killed mid-write (unchanged for over {grace_s:g} s)" if stale
-                                       else "a conversion in progress"))
+                    found.append(Derived(folder, name, "stale-tmp" if stale else "in-progress",
+                                         f"a conversion killed mid-write (unchanged for over {grace_s:g} s)" if stale
+                                         else "a conversion in progress"))
                     continue
-                state, why = _verdict(_inputs(folder), inside, snapshots, live, changed_inputs(folder))
-                age = _age(folder, now)
-                if state in ("dead", "changed-source") and age <= grace_s:  # stale, but maybe a writer's at work
-                    until = now - age + grace_s
-                    out.append(Derived(folder, name, state, f"{why}; kept until {_utc(until)} UTC, "
-                                       f"{grace_s:g} s after it was made (prune's grace)", until))
-                    continue
-                out.append(Derived(folder, name, state, why))
+                inputs = _inputs(folder)
+                state, why = _verdict(inputs, inside, snapshots, live, changed_inputs(folder))
+                found.append((folder, name, inputs, state, why, _age(folder, now)))
             except OSError:  # removed meanwhile
                 continue
+    going = {f[0].resolve(): f[1] for f in found  # collected by this gc: past their grace too
+             if isinstance(f, tuple) and f[3] in ("dead", "changed-source") and f[5] > grace_s}
+    out = []
+    for f in found:
+        if isinstance(f, Derived):
+            out.append(f)
+            continue
+        folder, name, inputs, state, why, age = f
+        if state in ("live", "missing-source"):
+            source = next((going[g] for p in inputs for g in going if p.is_relative_to(g)), None)
+            if source is not None:
+                state, why = "dead", f"made from {source}, which goes too: no load reaches it"
+        if state in ("dead", "changed-source") and age <= grace_s:  # stale, but maybe a writer's at work
+            until = now - age + grace_s
+            out.append(Derived(folder, name, state, f"{why}; kept until {_utc(until)} UTC, "
+                               f"{grace_s:g} s after it was made (prune's grace)", until))
+            continue
+        out.append(Derived(folder, name, state, why))
     return out
