@@ -95,7 +95,8 @@ def _same_conversion(ours: Path, theirs: Path) -> list[str]:
     return parts
 
 
-def _flux_file_and_repo(flux: Flux, tmp_path: Path, published: Any) -> tuple[Path, Path, module.Published, dict[str, bytes]]:
+def _flux_file_and_repo(flux: Flux, tmp_path: Path,
+                        published: Any) -> tuple[Path, Path, module.Published, dict[str, bytes]]:
     """The module's tiny FLUX.1-dev folder and its BFL single file, the folder published as
     ``example/tiny-flux`` (configs shipped), and the files its repository holds."""
     entry = _stand_in(tmp_path / "assets", flux.folder, "tiny-flux", "example/tiny-flux", "bfl")
