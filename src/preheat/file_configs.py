@@ -15,8 +15,10 @@ weights store, once, and kept beside the shipped configs (``preheat.models.publi
                                        the converted diffusers folder both backends load (one
                                        conversion under the cache root, whichever backend asks)
     plain_tensors(file)                refuses a scaled fp8 file for diffusers' loader
-    gguf_source(root, config, variant) a GGUF file as diffusers users load it (the torch backend):
-                                       the file and the config folder, its GGML types checked
+    gguf_source(root, config, variant, compile)
+                                       a GGUF file as diffusers users load it (the torch backend):
+                                       the file and the config folder, its GGML types and the
+                                       compile mode checked (``aot`` is refused)
 """
 
 from __future__ import annotations
@@ -219,19 +221,37 @@ class GGUFSource(NamedTuple):
     configs: Path  # a diffusers folder: the denoiser's config, the VAE, text encoders, tokenizers, scheduler
 
 
-def gguf_source(root: Path, config: str | Path | None, variant: str | None) -> GGUFSource | None:
+def gguf_source(root: Path, config: str | Path | None, variant: str | None, compile: str = "none") -> GGUFSource | None:
     """``root`` as a GGUF file for diffusers' GGUF loader (the torch backend), None for anything
     else. Its tensors' GGML types are checked first (the header only): one diffusers cannot
-    dequantise is one line naming it, before anything is pulled. ``config`` is what
-    ``single_file_config`` takes (None: the published model inferred, what it lacks pulled)."""
+    dequantise is one line naming it, before anything is pulled; so is ``compile="aot"``
+    (``_compiles``). ``config`` is what ``single_file_config`` takes (None: the published model
+    inferred, what it lacks pulled)."""
     from preheat.models.gguf_file import is_gguf
     from preheat.models.single_file import single_file_path
 
     single = single_file_path(root)
     if single is None or not is_gguf(single):
         return None
+    _compiles(single, compile)
     _diffusers_reads(single)
     return GGUFSource(single, single_file_config(single, config, variant))
+
+
+def _compiles(file: Path, compile: str) -> None:
+    """Refuse the torch compile mode a GGUF denoiser cannot take, in one line. ``inductor`` and
+    ``regional`` trace diffusers' GGUF Linear as it runs (each weight dequantised where it is used;
+    the image is the eager one's to a level of 255: ``tests/backends/test_torch_gguf.py``).
+    ``aot`` exports the blocks with ``torch.export``, which lifts each weight out as a plain tensor
+    of its packed bytes, without the quantisation type diffusers dequantises by, so the first call
+    fails inside the export on a shape (``[1, 32] X [34, 192]`` for a Q8_0 weight)."""
+    from preheat.errors import UnsupportedConfigError
+
+    if compile == "aot":
+        raise UnsupportedConfigError(f"{file} is a GGUF file: compile='aot' cannot export its quantised weights "
+                                     "(torch.export takes each as a plain tensor of its packed bytes, not the GGUF "
+                                     "type diffusers dequantises by); use compile='regional' or 'inductor', which "
+                                     "trace the dequantisation, or 'none'")
 
 
 def _diffusers_reads(file: Path) -> None:

@@ -104,8 +104,10 @@ def publish_folder(tmp: str | Path, out: str | Path, marker: str = "model_index.
 # a single file converted to a diffusers folder, its config folder) names them here, so that the
 # store's garbage collection (``preheat.store.collect_orphans``) collects it with them: a folder
 # made from a snapshot no ref names any more is one no load can reach again. Each input's size and
-# mtime are recorded beside it: the folders are named by their inputs' (path, size, mtime), so an
-# input rewritten in place (the same path, new content) names another folder, and this one is stale.
+# mtime are recorded beside it, and for an input that names the folder by its content (a config
+# folder's JSON and tokenizer files) its sha256 too: the folders are named by their weights' (path,
+# size, mtime) and their small files' content, so an input rewritten in place (the same path, new
+# content) names another folder, and this one is stale.
 MADE_FROM = ".made-from.json"
 
 
@@ -114,6 +116,7 @@ class Seen(NamedTuple):
 
     size: int
     mtime_ns: int
+    sha256: str | None = None  # an input named by its content (a config file); None: by where it is
 
 
 def _seen(path: Path) -> Seen:
@@ -121,12 +124,16 @@ def _seen(path: Path) -> Seen:
     return Seen(st.st_size, st.st_mtime_ns)
 
 
-def write_made_from(folder: str | Path, inputs: "list[Path]") -> None:
+def write_made_from(folder: str | Path, inputs: "list[Path]", contents: "list[Path] | tuple[Path, ...]" = ()) -> None:
     """Record the files ``folder`` was made from (their resolved paths: a link's target), each with
-    its size and mtime (``Seen``)."""
-    paths = sorted({str(Path(p).resolve()) for p in inputs})
-    seen = {p: list(_seen(Path(p))) for p in paths if os.path.exists(p)}  # (one already gone: nothing to compare)
-    (Path(folder) / MADE_FROM).write_text(json.dumps({"inputs": paths, "seen": seen}, indent=1) + "\n")
+    its size and mtime (``Seen``); ``contents`` are inputs too, named by their content (a config
+    folder's configs and tokenizer files, hashed into the folder's name): their sha256 is recorded,
+    so rewriting one with other bytes makes the folder stale, and touching it (the same bytes) does not."""
+    by_content = {str(Path(p).resolve()) for p in contents}
+    paths = sorted({str(Path(p).resolve()) for p in inputs} | by_content)
+    seen = {p: list(_seen(Path(p))[:2]) for p in paths if os.path.exists(p)}  # (one already gone: nothing to compare)
+    sha = {p: sha256_file(p) for p in sorted(by_content) if p in seen}
+    (Path(folder) / MADE_FROM).write_text(json.dumps({"inputs": paths, "seen": seen, "sha256": sha}, indent=1) + "\n")
 
 
 def read_made_from(folder: str | Path) -> list[Path] | None:
@@ -139,20 +146,28 @@ def read_made_from(folder: str | Path) -> list[Path] | None:
 
 
 def changed_inputs(folder: str | Path) -> list[tuple[Path, Seen, Seen]]:
-    """The inputs of ``folder`` that are there but not as its record saw them (another size or
-    mtime: rewritten in place since), as (path, then, now); [] for a folder recorded without sizes
-    and mtimes (made before they were), and for a missing input (``read_made_from`` names it)."""
+    """The inputs of ``folder`` that are there but not as its record saw them, as (path, then, now):
+    another size or mtime (rewritten in place since), unless the input is named by its content and
+    that is unchanged (its sha256, read only then: a config file touched or copied again). [] for
+    a folder recorded without sizes and mtimes (made before they were), and for a missing input
+    (``read_made_from`` names it)."""
     try:
         raw = json.loads((Path(folder) / MADE_FROM).read_text())
-        recorded = {Path(p): Seen(*map(int, v)) for p, v in raw.get("seen", {}).items()}
+        sha = {Path(p): str(v) for p, v in raw.get("sha256", {}).items()}
+        recorded = {Path(p): Seen(*map(int, v), sha.get(Path(p))) for p, v in raw.get("seen", {}).items()}
     except (OSError, ValueError, TypeError, AttributeError):
         return []
     out = []
     for path, then in sorted(recorded.items()):
         try:
             now = _seen(path)
-        except OSError:  # missing: not a change
+            if now[:2] == then[:2]:
+                continue
+            if then.sha256 is not None:
+                now = now._replace(sha256=sha256_file(path))
+                if now.sha256 == then.sha256:
+                    continue
+        except OSError:  # missing (or gone while read): not a change
             continue
-        if now != then:
-            out.append((path, then, now))
+        out.append((path, then, now))
     return out

@@ -277,6 +277,26 @@ def test_config_may_be_a_folder_of_tokenizers_only(tmp_path, monkeypatch):
         preheat.load(path, config=tmp_path / "assets", cache="off")
     assert err.value.argument == "config" and "\n" not in str(err.value)
 
+    # the tokenizer folder edited: another config folder and conversion; the old pair is stale and goes
+    # in one prune (the conversion with the config folder it was read with)
+    import os
+    import time
+
+    from preheat.store import collect_orphans, derived_folders
+
+    config = tokenizers / "tokenizer" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": 77}))
+    preheat.load(path, config=tokenizers, cache="off")
+    old_configs, old_single = made.relative_to(made.parents[1]).as_posix(), ours.relative_to(ours.parents[1]).as_posix()
+    later = time.time() + 7200
+    states = {d.name: (d.state, d.why) for d in derived_folders(tmp_path / "home", now=later)}
+    assert len(states) == 4 and [s for s, _ in states.values()].count("live") == 2, states
+    assert states[old_configs][0] == "changed-source", states
+    assert states[old_configs][1].startswith(f"its config file {config.resolve()} changed since it was made (sha256 ")
+    assert states[old_single] == ("dead", f"made from {old_configs}, which goes too: no load reaches it"), states
+    assert sorted(collect_orphans(tmp_path / "home", now=later)) == sorted([old_single, old_configs])
+    assert not made.exists() and not ours.exists() and len(os.listdir(tmp_path / "home" / "models" / "single")) == 1
+
 
 def test_sd2_base_is_the_768_model_but_for_its_scheduler_and_sizes():
     """SD 2.1 base's shipped configs are SD 2.1's but for what makes it the 512 px epsilon model:

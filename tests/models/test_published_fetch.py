@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -45,17 +45,63 @@ def _stand_in(base: Path, folder: Path, name: str, repo: str, layout: str, **sch
     return module.Published(name, name, repo, layout, "any file", lambda shapes: True)
 
 
-def _flux_file_and_repo(tmp_path: Path, published: Any) -> tuple[Path, Path, module.Published, dict[str, bytes]]:
-    """A tiny FLUX.1-dev folder, its transformer as a BFL single file, the folder published as
-    ``example/tiny-flux`` (configs shipped), and the files its repository holds."""
+class Flux(NamedTuple):
+    """The module's tiny FLUX.1-dev: its folder, its transformer as a BFL single file, and that as a
+    Q8_0 GGUF (city96's layout; None without the gguf extra). Built once: each test copies nothing
+    of it, it only reads it (its stand-in repository and published entry are the test's own)."""
+
+    folder: Path
+    path: Path
+    q8: Path | None
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory) -> Flux:
     from safetensors.numpy import load_file, save_file
 
-    folder = flow_fixtures.save_tiny_flow_model(tmp_path / "flux-dev", "flux-dev")
-    path = tmp_path / "flux1-tiny.safetensors"
+    base = tmp_path_factory.mktemp("flux")
+    folder = flow_fixtures.save_tiny_flow_model(base / "flux-dev", "flux-dev")
+    path = base / "flux1-tiny.safetensors"
     save_file(to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))), str(path))
-    entry = _stand_in(tmp_path / "assets", folder, "tiny-flux", "example/tiny-flux", "bfl")
+    try:
+        import gguf
+    except ModuleNotFoundError:
+        return Flux(folder, path, None)
+    from tests._support.gguf_files import write_gguf
+
+    q8 = base / "flux1-tiny-Q8_0.gguf"
+    write_gguf(q8, load_file(str(path)), gguf.GGMLQuantizationType.Q8_0)  # the BFL tensors, 2-D weights in Q8_0
+    return Flux(folder, path, q8)
+
+
+GGUF_CALL = dict(steps=2, sampler="flow_euler", guidance=3.5, width=32, height=32)
+
+
+def _gguf_draw(pipe) -> np.ndarray:
+    noise = np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32)
+    return pipe.generate("a watercolor fox", noise=noise, **GGUF_CALL)
+
+
+def _same_conversion(ours: Path, theirs: Path) -> list[str]:
+    """Two converted folders hold the same files, byte for byte (links read through), but the
+    record of what each was made from: the JAX engine reads nothing else, so they draw the same
+    image (without a compile of its own to show it). Returns their paths."""
+    from preheat.files import MADE_FROM
+
+    parts = sorted(p.relative_to(theirs).as_posix() for p in theirs.rglob("*") if p.is_file())
+    assert parts == sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*") if p.is_file())
+    for part in parts:  # every weight, config and tokenizer file the same; what each was made from, its own
+        assert (ours / part).read_bytes() == (theirs / part).read_bytes() or part == MADE_FROM, part
+    return parts
+
+
+def _flux_file_and_repo(flux: Flux, tmp_path: Path,
+                        published: Any) -> tuple[Path, Path, module.Published, dict[str, bytes]]:
+    """The module's tiny FLUX.1-dev folder and its BFL single file, the folder published as
+    ``example/tiny-flux`` (configs shipped), and the files its repository holds."""
+    entry = _stand_in(tmp_path / "assets", flux.folder, "tiny-flux", "example/tiny-flux", "bfl")
     published(tmp_path / "assets", entry)
-    return folder, path, entry, _repo_files(folder, path)
+    return flux.folder, flux.path, entry, _repo_files(flux.folder, flux.path)
 
 
 @pytest.fixture(scope="module")
@@ -125,14 +171,14 @@ def test_an_ldm_file_without_config_fetches_only_its_tokenizer(sd1, published, h
     assert hub.hits == []
 
 
-def test_a_flux_transformer_file_fetches_the_encoders_vae_and_tokenizers(published, hub_of, tmp_path):
+def test_a_flux_transformer_file_fetches_the_encoders_vae_and_tokenizers(flux, published, hub_of, tmp_path):
     """A BFL transformer-only file lacks the text encoders, the VAE and the tokenizers: those are
     fetched, the repository's transformer weights (and its top-level files) are not; the converted
     folder reads the very weights that ``config=<folder>`` gives."""
     from preheat.files import MADE_FROM
     from preheat.models.single_file import materialize
 
-    folder, path, entry, files = _flux_file_and_repo(tmp_path, published)
+    folder, path, entry, files = _flux_file_and_repo(flux, tmp_path, published)
     files["ae.safetensors"] = (folder / "vae" / "diffusion_pytorch_model.safetensors").read_bytes()
     hub = hub_of(entry.repo, files)
 
@@ -144,11 +190,8 @@ def test_a_flux_transformer_file_fetches_the_encoders_vae_and_tokenizers(publish
 
     (ours,) = (tmp_path / "home" / "models" / "single").iterdir()
     theirs = materialize(path, folder, tmp_path / "other")
-    parts = sorted(p.relative_to(theirs).as_posix() for p in theirs.rglob("*") if p.is_file())
-    assert parts == sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*") if p.is_file())
+    parts = _same_conversion(ours, theirs)
     assert "text_encoder_2/model.safetensors" in parts and "tokenizer_2/tokenizer_config.json" in parts
-    for part in parts:  # every weight, config and tokenizer file the same; what each was made from, its own
-        assert (ours / part).read_bytes() == (theirs / part).read_bytes() or part == MADE_FROM, part
     assert str((folder / "vae" / "diffusion_pytorch_model.safetensors").resolve()) in (theirs / MADE_FROM).read_text()
 
 
@@ -259,7 +302,7 @@ def test_pull_dry_run_of_a_single_file_lists_exactly_what_it_fetches(sd1, publis
     assert out.exit_code == 2 and out.output == "error: --config names a published model (tiny-sd1); not 'nosuch'\n"
 
 
-def test_gc_keeps_a_live_conversion_and_collects_one_no_load_reaches(published, hub_of, tmp_path, monkeypatch):
+def test_gc_keeps_a_live_conversion_and_collects_one_no_load_reaches(flux, published, hub_of, tmp_path, monkeypatch):
     """A FLUX.1 transformer file's converted folder links the VAE and text encoders of the snapshot
     the store fetched. ``collect_orphans`` (``preheat cache prune``) keeps it and that snapshot
     while a ref names it: the next load sends no request and converts nothing. Once a re-pull of
@@ -273,7 +316,7 @@ def test_gc_keeps_a_live_conversion_and_collects_one_no_load_reaches(published, 
     from preheat.store import collect_orphans, pull
     from tests._support.hub_server import FakeHub
 
-    folder, path, entry, files = _flux_file_and_repo(tmp_path, published)
+    folder, path, entry, files = _flux_file_and_repo(flux, tmp_path, published)
     hub = hub_of(entry.repo, files)
     models = tmp_path / "home" / "models"
     call = dict(noise=np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32), steps=2,
@@ -316,7 +359,7 @@ def test_gc_keeps_a_live_conversion_and_collects_one_no_load_reaches(published, 
         hub2.stop()
 
 
-def test_a_variant_fetches_that_variant_of_what_a_transformer_file_lacks(published, hub_of, tmp_path):
+def test_a_variant_fetches_that_variant_of_what_a_transformer_file_lacks(flux, published, hub_of, tmp_path):
     """``variant="fp16"`` with no ``config=``: what the file lacks is fetched in that variant only
     (``pull --dry-run --variant fp16`` lists it), and the converted folder links those weights under
     the default names (the file's own weights are what it holds)."""
@@ -327,7 +370,7 @@ def test_a_variant_fetches_that_variant_of_what_a_transformer_file_lacks(publish
     from preheat.file_configs import single_file_config
     from preheat.models.single_file import materialize
 
-    folder, path, entry, files = _flux_file_and_repo(tmp_path, published)
+    folder, path, entry, files = _flux_file_and_repo(flux, tmp_path, published)
     for name in [p for p in files if p.endswith(".safetensors") and "/" in p]:  # every component's fp16 weights
         tensors = load_file(str(folder / name))
         half = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()}
@@ -354,21 +397,19 @@ def test_a_variant_fetches_that_variant_of_what_a_transformer_file_lacks(publish
     assert not [p for p in converted.rglob("*") if ".fp16." in p.name]
 
 
-def test_a_local_gguf_without_config_pulls_what_it_lacks(published, hub_of, tmp_path):
+def test_a_local_gguf_without_config_pulls_what_it_lacks(flux, published, hub_of, tmp_path):
     """A FLUX.1 transformer's GGUF (Q8_0, city96's layout) is inferred from its header like a BFL
     safetensors file: `pull FILE.gguf --dry-run` lists the text encoders, VAE and tokenizers of the
     published repository (not its transformer), `pull FILE.gguf` stores the file and fetches exactly
-    those, and the load then needs no request and draws the image of `config=<folder>`."""
-    gguf = pytest.importorskip("gguf")
+    those, and the load then needs no request and reads the conversion of `config=<folder>`."""
+    pytest.importorskip("gguf")
     from click.testing import CliRunner
-    from safetensors.numpy import load_file
 
     from preheat.cli.pull import pull_command
-    from tests._support.gguf_files import write_gguf
+    from preheat.models.single_file import materialize
 
-    folder, path, entry, files = _flux_file_and_repo(tmp_path, published)
-    q8 = tmp_path / "flux1-tiny-Q8_0.gguf"
-    write_gguf(q8, load_file(str(path)), gguf.GGMLQuantizationType.Q8_0)  # the BFL tensors, 2-D weights in Q8_0
+    folder, path, entry, files = _flux_file_and_repo(flux, tmp_path, published)
+    q8 = flux.q8
     hub = hub_of(entry.repo, files)
     wanted = ("text_encoder/", "text_encoder_2/", "tokenizer/", "tokenizer_2/", "vae/")
     lacked = {p: len(b) for p, b in files.items() if p.startswith(wanted)}
@@ -384,24 +425,18 @@ def test_a_local_gguf_without_config_pulls_what_it_lacks(published, hub_of, tmp_
     assert out.exit_code == 0, out.output
     assert hub.downloaded() == lacked  # no transformer, no top-level file
     hub.hits.clear()
-    noise = np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32)
-    call = dict(noise=noise, steps=2, sampler="flow_euler", guidance=3.5, width=32, height=32)
-    ours = preheat.load(q8).generate("a watercolor fox", **call)  # no config=: inferred, read from the store
+    assert preheat.load(q8, cache="off").family.name == "flux"  # no config=: inferred, read from the store
     assert hub.hits == []
-    theirs = preheat.load(q8, config=folder).generate("a watercolor fox", **call)
-    assert np.array_equal(ours, theirs) and ours.std() > 5
+    (ours,) = (tmp_path / "home" / "models" / "single").iterdir()  # what the JAX engine reads: the
+    _same_conversion(ours, materialize(q8, folder, tmp_path / "other"))  # conversion of config=<folder>
 
 
-def test_a_gguf_of_no_published_model_without_config_is_one_line(published, tmp_path):
-    gguf = pytest.importorskip("gguf")
-    from safetensors.numpy import load_file
-
+def test_a_gguf_of_no_published_model_without_config_is_one_line(flux, published, tmp_path):
+    pytest.importorskip("gguf")
     from preheat.errors import InvalidArgumentError
-    from tests._support.gguf_files import write_gguf
 
-    folder, path, entry, _ = _flux_file_and_repo(tmp_path, published)
-    q8 = tmp_path / "flux1-tiny-Q8_0.gguf"
-    write_gguf(q8, load_file(str(path)), gguf.GGMLQuantizationType.Q8_0)
+    folder, path, entry, _ = _flux_file_and_repo(flux, tmp_path, published)
+    q8 = flux.q8
     published(tmp_path / "assets", entry._replace(fits=lambda shapes: False))  # the file is no published model
     with pytest.raises(InvalidArgumentError, match=r"flux1-tiny-Q8_0\.gguf is a GGUF file .* of no published model "
                                                    r"preheat infers: pass config=") as err:
@@ -409,23 +444,22 @@ def test_a_gguf_of_no_published_model_without_config_is_one_line(published, tmp_
     _one_line(err)
 
 
-def test_a_remote_gguf_without_config_pulls_what_it_lacks(published, hub_of, tmp_path, monkeypatch):
+def test_a_remote_gguf_without_config_pulls_what_it_lacks(flux, published, hub_of, tmp_path, monkeypatch):
     """`hf://org/repo/file.gguf` is pulled as a local GGUF is: `pull --dry-run` reads the file's
     header alone (HTTP Range requests, grown until the header is whole) and lists the file and the
     text encoders, VAE and tokenizers it lacks; `pull` stores the file and fetches exactly those;
-    the load then needs no request and draws the image of the local file with `config=<folder>`,
-    on either backend."""
-    gguf = pytest.importorskip("gguf")
+    the load then needs no request: the JAX engine reads the very conversion of the local file with
+    `config=<folder>` (every byte; a compile to draw it would cost 7-8 s alone, 29-61 s in a loaded
+    full run, and draw what those bytes draw), the torch backend draws that file's image."""
+    pytest.importorskip("gguf")
     from click.testing import CliRunner
-    from safetensors.numpy import load_file
 
     from preheat import file_configs
     from preheat.cli.pull import pull_command
-    from tests._support.gguf_files import write_gguf
+    from preheat.models.single_file import materialize
 
-    folder, path, entry, files = _flux_file_and_repo(tmp_path, published)
-    q8 = tmp_path / "flux1-tiny-Q8_0.gguf"
-    write_gguf(q8, load_file(str(path)), gguf.GGMLQuantizationType.Q8_0)
+    folder, path, entry, files = _flux_file_and_repo(flux, tmp_path, published)
+    q8 = flux.q8
     files[q8.name] = q8.read_bytes()  # beside the published folders, as a repository of GGUFs holds them
     hub = hub_of(entry.repo, files)
     source = f"hf://{entry.repo}/{q8.name}"
@@ -452,17 +486,15 @@ def test_a_remote_gguf_without_config_pulls_what_it_lacks(published, hub_of, tmp
     assert hub.downloaded() == {q8.name: size, **lacked}  # the file whole, and exactly what it lacks
     hub.hits.clear()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    noise = np.random.default_rng(3).standard_normal((1, 4, 16, 16)).astype(np.float32)
-    call = dict(noise=noise, steps=2, sampler="flow_euler", guidance=3.5, width=32, height=32)
-    ours = preheat.load(source).generate("a watercolor fox", **call)  # no config=: inferred, read from the store
+    assert preheat.load(source, cache="off").family.name == "flux"  # no config=: inferred, read from the store
     assert hub.hits == []
-    theirs = preheat.load(q8, config=folder).generate("a watercolor fox", **call)
-    assert np.array_equal(ours, theirs) and ours.std() > 5
+    (ours,) = (tmp_path / "home" / "models" / "single").iterdir()  # what the JAX engine reads: the local
+    _same_conversion(ours, materialize(q8, folder, tmp_path / "other"))  # file's conversion with config=<folder>
 
     # the torch backend too (diffusers' GGUF loader on the stored file, the fetched folders beside it)
     from tests._support.single_files import diffusers_bfl_at_tiny_widths
 
     with diffusers_bfl_at_tiny_widths(folder, monkeypatch):
-        remote = preheat.load(source, backend="torch").generate("a watercolor fox", **call)
-        local = preheat.load(q8, backend="torch", config=folder).generate("a watercolor fox", **call)
+        remote = _gguf_draw(preheat.load(source, backend="torch"))
+        local = _gguf_draw(preheat.load(q8, backend="torch", config=folder))
     assert hub.hits == [] and np.array_equal(remote, local) and remote.std() > 5

@@ -72,6 +72,9 @@ def test_folders_made_from_the_store_go_with_what_they_were_made_from(tmp_path):
     later = time.time() + 7200
 
     assert collect_orphans(root, grace_s=3600) == []  # young
+    young = {d.name: d for d in derived_folders(root, grace_s=3600)}  # dead already, and says so; kept a while
+    assert young["single/dead"].state == "dead" and not young["single/dead"].collect
+    assert "; kept until " in young["single/dead"].why and young["single/live"].state == "live"
     states = {d.name: d.state for d in derived_folders(root, grace_s=3600, now=later)}
     assert states == {"single/.tmp-abc": "stale-tmp", "single/away": "missing-source", "single/dead": "dead",
                       "single/linked": "live", "single/live": "live"}
@@ -137,12 +140,13 @@ def test_a_conversion_of_an_unmounted_file_is_kept_and_read_again_once_it_is_bac
     converted = materialize(path, config, root)  # converted again; then the config folder's ref moves
     weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")  # another commit of the config folder
-    pull(folder, root=root, progress=False)
+    config = pull(folder, root=root, progress=False)
     monkeypatch.setattr(_gc.time, "time", lambda: os.stat(converted).st_mtime + 7200)
-    out = CliRunner().invoke(main, ["cache", "prune"])  # the old snapshot goes; the conversion links nothing
-    assert out.exit_code == 0 and "unreferenced weight files" in out.output, out.output  # of it (an LDM file
-    assert converted.is_dir() and str(converted.name) not in out.output  # holds every weight): it stays
-    # (a conversion linking an unnamed snapshot goes: tests/models/test_published_fetch.py's gc test)
+    out = CliRunner().invoke(main, ["cache", "prune"])  # the old snapshot goes, and the conversion made from
+    assert out.exit_code == 0 and "unreferenced weight files" in out.output, out.output  # its configs (an LDM
+    assert f"collected single/{converted.name}: made from snapshot " in out.output, out.output  # file links none
+    assert not converted.exists()  # of its weights, but the new commit's folder names another conversion)
+    assert materialize(path, config, root).name != converted.name
 
 
 def test_a_conversion_of_a_file_rewritten_in_place_is_made_again_and_collected(tmp_path, monkeypatch):
@@ -197,3 +201,65 @@ def test_a_conversion_of_a_file_rewritten_in_place_is_made_again_and_collected(t
     assert f"single/{new.name}" not in out.output  # live: kept, nothing said
     assert not old.exists() and new.is_dir()
     assert list((root / "models" / "single").iterdir()) == [new]
+
+
+def test_an_edited_config_json_makes_its_conversion_stale_and_a_touched_one_does_not(tmp_path, monkeypatch):
+    """A real single file converted with a config folder outside the cache root. The config's JSON
+    touched and written again with the same bytes: the next conversion is the same folder, still
+    live. Edited (another scheduler setting): converted again into another folder holding the edit,
+    and the old one is stale ("its config file ... changed", by the sha256 recorded beside it) at
+    once: `cache ls` and `prune` say so while its hour of grace keeps it ("kept until ... UTC"),
+    then `prune` collects it and keeps the new one."""
+    import json
+    import os
+
+    from click.testing import CliRunner
+    from safetensors.numpy import save_file
+
+    from preheat.cli import main
+    from preheat.models.single_file import materialize
+    from preheat.store import _gc, derived_folders
+    from tests._support.ldm_files import to_original
+    from tests._support.sd_fixtures import save_tiny_sd
+
+    root = tmp_path / "home"
+    monkeypatch.setenv("PREHEAT_HOME", str(root))
+    folder = save_tiny_sd(tmp_path / "sd1", kind="sd1")  # the config folder
+    path = tmp_path / "tiny-sd1.safetensors"
+    save_file(to_original(folder, "sd1"), str(path))
+    old = materialize(path, folder, root)
+
+    config = folder / "scheduler" / "scheduler_config.json"
+    body, st = config.read_bytes(), config.stat()
+    config.write_bytes(body)  # the same bytes, a later mtime (a checkout, a copy)
+    os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+    assert materialize(path, folder, root) == old  # reused: a config is named by its content
+    later = os.stat(old).st_mtime + 7200  # past the grace period
+    assert {d.name: d.state for d in derived_folders(root, now=later)} == {f"single/{old.name}": "live"}
+
+    edited = {**json.loads(body), "beta_end": 0.02}
+    config.write_text(json.dumps(edited))
+    new = materialize(path, folder, root)
+    assert new != old and json.loads((new / "scheduler" / "scheduler_config.json").read_text())["beta_end"] == 0.02
+
+    states = {d.name: d for d in derived_folders(root)}  # now: both younger than the hour
+    stale, fresh = states[f"single/{old.name}"], states[f"single/{new.name}"]
+    assert fresh.state == "live" and not fresh.collect
+    assert stale.state == "changed-source" and not stale.collect and stale.kept_until is not None
+    assert stale.why.startswith(f"its config file {config.resolve()} changed since it was made (sha256 "), stale.why
+    assert "; kept until " in stale.why and stale.why.endswith("UTC, 3600 s after it was made (prune's grace)")
+    ls = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "500"})
+    assert ls.exit_code == 0, ls.output
+    (row,) = [ln for ln in ls.output.splitlines() if f"single/{old.name}" in ln]
+    assert "changed-source" in row and "keeps" in row and "kept until" in row, ls.output
+    out = CliRunner().invoke(main, ["cache", "prune"])
+    assert out.exit_code == 0, out.output
+    assert f"kept single/{old.name}: its config file {config.resolve()} changed since it was made" in out.output
+    assert old.is_dir() and new.is_dir()
+
+    monkeypatch.setattr(_gc.time, "time", lambda: os.stat(new).st_mtime + 7200)  # past the grace period
+    out = CliRunner().invoke(main, ["cache", "prune"])
+    assert out.exit_code == 0, out.output
+    assert f"collected single/{old.name}: its config file {config.resolve()} changed since it was made (sha256 " \
+           in out.output and "kept until" not in out.output, out.output
+    assert not old.exists() and list((root / "models" / "single").iterdir()) == [new]

@@ -245,7 +245,8 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
         from preheat.file_configs import converted_folder, gguf_source, plain_tensors
 
         torch_paths = any(not p.startswith("jax") for p in paths)
-        gguf = gguf_source(Path(model), config, None) if torch_paths else None  # types checked, configs pulled
+        aot = "aot" if "torch-aot" in paths else "none"  # refused for a GGUF file, before any child starts
+        gguf = gguf_source(Path(model), config, None, aot) if torch_paths else None  # types checked, configs pulled
         if gguf is not None:  # a torch path reads the file as diffusers does, beside its config folder
             torch_model = {"model": str(gguf.file), "config": str(gguf.configs)}
             config = str(gguf.configs)  # the JAX path's conversion reads the same folder (nothing pulled twice)

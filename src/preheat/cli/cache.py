@@ -78,10 +78,10 @@ def ls_command() -> None:
     derived = derived_folders(root.path)  # converted single files and their config folders
     if derived:
         made = Table(title="folders made from model files (models/single*): what `cache prune` does")
-        for col in ("folder", "prune", "why"):
+        for col in ("folder", "state", "prune", "why"):
             made.add_column(col)
         for d in derived:
-            made.add_row(d.name, "collects" if d.collect else "keeps", _why(d, d.collect))
+            made.add_row(d.name, d.state, "collects" if d.collect else "keeps", _why(d, d.collect))
         console.print(made)
 
 

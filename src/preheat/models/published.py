@@ -267,7 +267,8 @@ def with_components(file: str | Path, folder: str | Path, root: Path, needs: Nee
                 dst.symlink_to(p.resolve())
             else:
                 shutil.copyfile(p, dst)
-        write_made_from(tmp, [p for p in files if p.name.endswith(_WEIGHTS)])  # collected with them (store gc)
+        write_made_from(tmp, [p for p in files if p.name.endswith(_WEIGHTS)],  # collected with them (store gc),
+                        contents=[p for p in files if not p.name.endswith(_WEIGHTS)])  # stale once one is edited
         publish_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -35,8 +35,10 @@ VAE in the LDM layout (``first_stage_model.*``, or ``vae.*`` in ComfyUI's Flux f
 Components a file does not fill keep the config folder's weights (linked, not copied), so a
 transformer-only file, or an SD3 file without T5, reads the rest from the folder; ``variant``
 picks which of the folder's weights (``_taken``), linked under the default names, so the
-converted folder has no variants. It records what it was made from (``preheat.files.MADE_FROM``):
-the store's garbage collection removes it with the snapshot it links once no ref names that.
+converted folder has no variants. It records what it was made from (``preheat.files.MADE_FROM``:
+the file, the config folder's weights, and its configs and tokenizer files by content): the store's
+garbage collection removes it with the snapshot it links once no ref names that, and once one of
+them changed (an edited config JSON names another conversion).
 
 A UNet's transformer ``proj_in``/``proj_out`` are 1x1 convolutions ([O, I, 1, 1]) in SD 1.x files and
 linear layers ([O, I]) in SD 2.x / SDXL files; either is written as the config's
@@ -441,11 +443,17 @@ def _identity(file: Path, config: Path, variant: str | None) -> str:
     weights are another folder), the config folder's other files by their content, and the
     variant whose weights of those components it links."""
     h = hashlib.sha256(_where(file) + f"\0variant={variant or ''}".encode())
-    for p in sorted(config.rglob("*")):
-        if p.is_file():
-            body = _where(p) if p.name.endswith(_WEIGHTS) else p.read_bytes()
-            h.update(p.relative_to(config).as_posix().encode() + b"\0" + body)
+    for p in _config_files(config):
+        body = _where(p) if p.name.endswith(_WEIGHTS) else p.read_bytes()
+        h.update(p.relative_to(config).as_posix().encode() + b"\0" + body)
     return h.hexdigest()[:32]
+
+
+def _config_files(config: Path) -> list[Path]:
+    """Every file of the config folder, in the order ``_identity`` reads them: what the converted
+    folder is named by, so what it records as made from (``write_made_from``: the weights by where
+    they are, the rest by content), and an edited config JSON makes it stale."""
+    return [p for p in sorted(config.rglob("*")) if p.is_file()]
 
 
 def _is_weights(name: str) -> bool:
@@ -582,7 +590,9 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
             stem = "model" if component.startswith("text_encoder") else "diffusion_pytorch_model"
             (tmp / component).mkdir(exist_ok=True)
             save_file(tensors, str(tmp / component / f"{stem}.safetensors"))
-        write_made_from(tmp, [file, *(src for src, _ in taken)])  # the store's gc collects it with them
+        configs = _config_files(config)  # named by them, so stale once one changes (the store's gc collects it)
+        write_made_from(tmp, [file, *(src for src, _ in taken), *(p for p in configs if p.name.endswith(_WEIGHTS))],
+                        contents=[p for p in configs if not p.name.endswith(_WEIGHTS)])
         publish_folder(tmp, out)  # another process may have converted it first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -25,7 +25,13 @@ saw: ``preheat.files.changed_inputs``) is stale: the folders are named by their 
 and mtime, so the next load converts the new content into another folder and no load reaches
 this one; it goes with the next gc, once older than ``grace_s``, saying which source changed.
 (A rewrite that keeps both size and mtime, such as ``cp -p`` of a same-sized file, goes unseen:
-hashing every source at every gc would read gigabytes.)
+hashing every source at every gc would read gigabytes.) The config folder's JSON and tokenizer
+files name a conversion by their content, and are recorded with their sha256: an edited config
+makes it stale the same way ("its config file ... changed"), a config touched or copied with the
+same bytes does not (the next load reads the same folder).
+
+A dead or stale folder younger than ``grace_s`` says so, and when it goes (``Derived.kept_until``:
+"...; kept until <time> UTC"): its state is what it is whatever its age; only its collection waits.
 
 A source *outside* the cache root (the user's ``/mnt/models/x.safetensors``) that is missing may
 only be unmounted: as huggingface_hub's cache never deletes behind its user's back, its conversion
@@ -143,13 +149,15 @@ class Derived(NamedTuple):
 
     folder: Path
     name: str  # its models/-relative path: "single/<name>"
-    state: str  # live | young | dead | changed-source | missing-source | in-progress | stale-tmp
+    state: str  # live | dead | changed-source | missing-source | in-progress | stale-tmp
     why: str  # one line, for `preheat cache ls` and `prune`
+    kept_until: float | None = None  # a dead or stale folder still in its grace period: collected from then
 
     @property
     def collect(self) -> bool:
-        """Collected by every prune (a missing outside source only when asked: ``collect_orphans``)."""
-        return self.state in ("dead", "changed-source", "stale-tmp")
+        """Collected by every prune (a missing outside source only when asked: ``collect_orphans``),
+        once out of its grace period."""
+        return self.state in ("dead", "changed-source", "stale-tmp") and self.kept_until is None
 
 
 def derived_folders(root: str | os.PathLike[str], *, grace_s: float = 3600.0,
@@ -167,8 +175,14 @@ def derived_folders(root: str | os.PathLike[str], *, grace_s: float = 3600.0,
     return _derived(store, live, grace_s, time.time() if now is None else now)
 
 
+def _utc(t: float) -> str:
+    return time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t))
+
+
 def _when(seen: Seen) -> str:
-    return f"{seen.size:,d} B, mtime {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(seen.mtime_ns / 1e9))} UTC"
+    if seen.sha256 is not None:  # named by its content: a config file
+        return f"sha256 {seen.sha256[:12]}"
+    return f"{seen.size:,d} B, mtime {_utc(seen.mtime_ns / 1e9)} UTC"
 
 
 def _verdict(inputs: list[Path], inside: Path, snapshots: Path, live: set[str],
@@ -188,7 +202,8 @@ def _verdict(inputs: list[Path], inside: Path, snapshots: Path, live: set[str],
             missing_outside.append(p)
     if changed:
         path, then, now = changed[0]
-        return "changed-source", (f"its source {path} changed since it was made ({_when(then)} then, {_when(now)} "
+        what = "config file" if then.sha256 is not None else "source"
+        return "changed-source", (f"its {what} {path} changed since it was made ({_when(then)} then, {_when(now)} "
                                    "now): the next load converts it again, no load reaches this one")
     if missing_outside:
         return "missing-source", f"its source {missing_outside[0]} is missing (an unmounted drive?)"
@@ -197,9 +212,11 @@ def _verdict(inputs: list[Path], inside: Path, snapshots: Path, live: set[str],
 
 def _derived(store: Store, live: set[str], grace_s: float, now: float) -> list[Derived]:
     """The folders under ``models/<kind>/`` (not the store's own) that name their inputs, each with
-    its verdict (``_verdict``) once older than ``grace_s``, and ``.tmp-*`` folders there (a
-    conversion in progress, or one killed mid-write: stale once nothing in it changed for ``grace_s``)."""
-    out = []
+    its verdict (``_verdict``; one made from a folder this gc collects is dead with it: a
+    conversion read with a stale config folder), collected once older than ``grace_s``, and ``.tmp-*`` folders
+    there (a conversion in progress, or one killed mid-write: stale once nothing in it changed for
+    ``grace_s``)."""
+    found: list[Derived | tuple[Path, str, list[Path], str, str, float]] = []
     snapshots = store.snapshots.resolve() if store.snapshots.is_dir() else store.snapshots
     inside = store.models.resolve().parent if store.models.is_dir() else store.models.parent  # the cache root
     kinds = sorted(p for p in store.models.iterdir() if p.is_dir() and p.name not in _OWN) if store.models.is_dir() else []
@@ -211,15 +228,31 @@ def _derived(store: Store, live: set[str], grace_s: float, now: float) -> list[D
                     continue
                 if folder.name.startswith(".tmp-"):
                     stale = _age(folder, now) > grace_s and _age_tree(folder, now) > grace_s
-                    out.append(Derived(folder, name, "stale-tmp" if stale else "in-progress",
-                                       f"a conversion killed mid-write (unchanged for over {grace_s:g} s)" if stale
-                                       else "a conversion in progress"))
+                    found.append(Derived(folder, name, "stale-tmp" if stale else "in-progress",
+                                         f"a conversion killed mid-write (unchanged for over {grace_s:g} s)" if stale
+                                         else "a conversion in progress"))
                     continue
-                if _age(folder, now) <= grace_s:
-                    out.append(Derived(folder, name, "young", f"made less than {grace_s:g} s ago"))
-                    continue
-                out.append(Derived(folder, name, *_verdict(_inputs(folder), inside, snapshots, live,
-                                                           changed_inputs(folder))))
+                inputs = _inputs(folder)
+                state, why = _verdict(inputs, inside, snapshots, live, changed_inputs(folder))
+                found.append((folder, name, inputs, state, why, _age(folder, now)))
             except OSError:  # removed meanwhile
                 continue
+    going = {f[0].resolve(): f[1] for f in found  # collected by this gc: past their grace too
+             if isinstance(f, tuple) and f[3] in ("dead", "changed-source") and f[5] > grace_s}
+    out = []
+    for f in found:
+        if isinstance(f, Derived):
+            out.append(f)
+            continue
+        folder, name, inputs, state, why, age = f
+        if state in ("live", "missing-source"):
+            source = next((going[g] for p in inputs for g in going if p.is_relative_to(g)), None)
+            if source is not None:
+                state, why = "dead", f"made from {source}, which goes too: no load reaches it"
+        if state in ("dead", "changed-source") and age <= grace_s:  # stale, but maybe a writer's at work
+            until = now - age + grace_s
+            out.append(Derived(folder, name, state, f"{why}; kept until {_utc(until)} UTC, "
+                               f"{grace_s:g} s after it was made (prune's grace)", until))
+            continue
+        out.append(Derived(folder, name, state, why))
     return out

@@ -307,7 +307,7 @@ def load_torch_pipeline(model: str | Path | None = None, *, compile: str = "none
     from preheat.file_configs import converted_folder, gguf_source, plain_tensors
 
     reading: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    gguf = gguf_source(root, config, variant)  # diffusers' own GGUF loader, on the file itself
+    gguf = gguf_source(root, config, variant, compile)  # diffusers' own GGUF loader, on the file itself
     converted = None if gguf is not None else converted_folder(model, root, config, variant, check=plain_tensors)
     if gguf is not None:
         root = gguf.configs
