@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -33,6 +34,24 @@ def _pipe(model_dir, root):
     pipe = preheat.load(model_dir, cache="off")
     pipe.compiler = JaxCompiler(root=root, mode="full")
     return pipe
+
+
+@pytest.fixture(scope="module")
+def warm_template(model_dir, reference_pixels, tmp_path_factory) -> Path:
+    """A root holding the one entry a cold full-mode start writes: the fault tests start from a
+    copy of it (a fault is injected into a written entry; writing it is
+    test_second_process_style_load_hits_aot's to check)."""
+    root = tmp_path_factory.mktemp("warm-root")
+    pipe = _pipe(model_dir, root)
+    assert np.array_equal(pipe.generate(**CALL), reference_pixels)
+    assert pipe.last.cache_layer != "aot"
+    _entry(root)
+    return root
+
+
+def _warm_root(template: Path, root: Path) -> None:
+    """``root`` (empty) becomes a copy of the template: one written, never-hit entry."""
+    shutil.copytree(template, root, dirs_exist_ok=True)
 
 
 def _entry(root: Path) -> Path:
@@ -94,8 +113,8 @@ FAULTS = {"truncated": _truncate, "zero-byte": _zero, "bit-flipped": _bitflip, "
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_fault_is_quarantined_and_image_unchanged(model_dir, reference_pixels, tmp_path, fault):
-    _pipe(model_dir, tmp_path).generate(**CALL)
+def test_fault_is_quarantined_and_image_unchanged(model_dir, reference_pixels, warm_template, tmp_path, fault):
+    _warm_root(warm_template, tmp_path)
     entry = _entry(tmp_path)
     FAULTS[fault](entry)
     pipe = _pipe(model_dir, tmp_path)
@@ -111,9 +130,9 @@ def test_fault_is_quarantined_and_image_unchanged(model_dir, reference_pixels, t
     assert again.last.cache_layer == "aot"
 
 
-def test_real_crash_during_load_does_not_crash_loop(model_dir, reference_pixels, tmp_path):
+def test_real_crash_during_load_does_not_crash_loop(model_dir, reference_pixels, warm_template, tmp_path):
     """A process killed while deserialising leaves its marker; the next start quarantines."""
-    _pipe(model_dir, tmp_path).generate(**CALL)
+    _warm_root(warm_template, tmp_path)
     script = textwrap.dedent(f"""
         import os, signal
         import preheat.cache.serialized as se
@@ -190,9 +209,9 @@ def test_six_concurrent_cold_starts_share_one_entry(model_dir, reference_pixels,
     assert all(info.ok for info in verify_entries(tmp_path / "root"))
 
 
-def test_size_cap_evicts_least_recently_used(model_dir, tmp_path, monkeypatch):
+def test_size_cap_evicts_least_recently_used(model_dir, warm_template, tmp_path, monkeypatch):
+    _warm_root(warm_template, tmp_path)
     pipe = _pipe(model_dir, tmp_path)
-    pipe.generate(**CALL)
     first = _entry(tmp_path).name
     size = sum(f.stat().st_size for f in (tmp_path / "compile" / "jax" / first).iterdir())
     monkeypatch.setenv("PREHEAT_CACHE_MAX_GB", str(1.5 * size / 1e9))  # room for one entry only
@@ -226,13 +245,14 @@ def test_an_xla_warm_root_upgraded_to_full_mode_writes_a_working_entry(model_dir
     assert start("full", "c.npy")["layer"] == "aot"  # and the entry it wrote runs
 
 
-def test_an_entry_that_loads_but_fails_to_run_is_quarantined(model_dir, reference_pixels, tmp_path, monkeypatch):
+def test_an_entry_that_loads_but_fails_to_run_is_quarantined(model_dir, reference_pixels, warm_template, tmp_path,
+                                                               monkeypatch):
     """The last line of defence: an executable that deserialises but raises on its first run."""
     import jax
 
     from preheat.cache import compile as compile_mod
 
-    _pipe(model_dir, tmp_path).generate(**CALL)
+    _warm_root(warm_template, tmp_path)
     real_load = compile_mod.JaxCompiler._load
 
     def load_a_broken_program(self, *a, **k):
