@@ -41,7 +41,9 @@ step. Block scales along the input (GGUF Q8_0), kxk Conv and Embedding weights a
 before (a kxk conv's cuDNN kernel reads a bf16 copy of the weight in its own layout whatever the
 stored dtype; the scale fuses into that copy for free, and on the output it would cost a kernel).
 Every other path (placement on a mesh, compile keys, placeholders for prefetch) sees its two
-arrays as it sees any leaves.
+arrays as it sees any leaves. A GGUF weight of a packed type (Q4_0 ... Q6_K) is one
+``quantised.Packed`` value, the file's blocks as bytes, which ``upcast`` unpacks in the same place
+(``preheat.models.ggml``: integer and bit arithmetic, then the scales in float32).
 """
 
 from __future__ import annotations
