@@ -180,8 +180,8 @@ def _diffusers_image(folder, path, monkeypatch) -> np.ndarray:
     return flow_fixtures.reference_pixels(ref, PROMPT, _noise(), num_inference_steps=STEPS, guidance_scale=GUIDANCE)
 
 
-def _against_diffusers(path, folder, monkeypatch, record_property, what: str) -> Any:
-    pipe = preheat.load(path, config=folder, cache="off")
+def _against_diffusers(path, folder, monkeypatch, record_property, what: str, pipe: Any = None) -> Any:
+    pipe = pipe or preheat.load(path, config=folder, cache="off")
     ours = pipe.generate(PROMPT, noise=_noise(), steps=STEPS, sampler="flow_euler", guidance=GUIDANCE, width=32,
                          height=32)
     theirs = _diffusers_image(folder, path, monkeypatch)
@@ -201,12 +201,18 @@ def _kept(pipe) -> dict[str, Any]:
     return {k: v for k, v in leaves.items() if is_quantised(v)}
 
 
-def test_a_file_mixing_every_packed_type_draws_diffusers_gguf_image(wide, monkeypatch, tmp_path, record_property):
+@pytest.fixture(scope="module")
+def mixed(wide, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREHEAT_HOME", str(tmp_path_factory.mktemp("home")))
+        return preheat.load(wide["mixed"], config=wide["folder"], cache="off")
+
+
+def test_a_file_mixing_every_packed_type_draws_diffusers_gguf_image(wide, mixed, monkeypatch, record_property):
     """One file, one program: every packed type (and Q8_0) in its layers, each kept as stored."""
     from preheat.models.quantised import Packed, Quantised
 
-    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
-    pipe = _against_diffusers(wide["mixed"], wide["folder"], monkeypatch, record_property, "mixed types")
+    pipe = _against_diffusers(wide["mixed"], wide["folder"], monkeypatch, record_property, "mixed types", mixed)
     kept = _kept(pipe)
     kinds = sorted({q.kind for q in kept.values() if isinstance(q, Packed)})
     assert kinds == sorted(PACKED) and any(isinstance(q, Quantised) for q in kept.values())
@@ -216,6 +222,29 @@ def test_a_file_mixing_every_packed_type_draws_diffusers_gguf_image(wide, monkey
     qkv = gguf.quants.dequantize(reader["double_blocks.0.img_attn.qkv.weight"].data, reader[
         "double_blocks.0.img_attn.qkv.weight"].tensor_type)  # (3 * 256, 256)
     np.testing.assert_array_equal(np.asarray(q.expand(np.float32)).T, qkv[:256])
+
+
+def test_fsdp_splits_the_packed_blocks_and_draws_the_unsharded_image(wide, mixed, tmp_path, monkeypatch):
+    """``fsdp=2`` on two of the suite's fake CPU devices (``sharding.FSDP_MIN_SIZE`` lowered so that
+    the tiny weights split at all): each packed weight's blocks are one array, split over ``fsdp``
+    like any weight, and the partitioner gathers them where the layer unpacks them. The image is the
+    one-device load's to float32 rounding order (the scaled fp8 files' bound, mean <= 0.01, max 1)."""
+    from preheat import sharding
+    from preheat.models.quantised import Packed
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(sharding, "FSDP_MIN_SIZE", 2)
+    pipe = preheat.load(wide["mixed"], config=wide["folder"], cache="off", devices=2, fsdp=2)
+    packed = [q for q in _kept(pipe).values() if isinstance(q, Packed)]
+    assert len(packed) > 10
+    for q in packed:
+        assert sharding.FSDP_AXIS in q.blocks.sharding.spec, q.blocks.sharding
+        assert q.blocks.addressable_shards[0].data.size * 2 == q.blocks.size
+    call = dict(noise=_noise(), steps=STEPS, sampler="flow_euler", guidance=GUIDANCE, width=32, height=32)
+    ours, whole = pipe.generate(PROMPT, **call), mixed.generate(PROMPT, **call)
+    diff = np.abs(ours.astype(np.int32) - whole.astype(np.int32))
+    print(f"fsdp=2 vs one device, mixed GGUF types: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert ours.std() > 5 and diff.mean() <= 0.01 and diff.max() <= 1
 
 
 @pytest.mark.slow
