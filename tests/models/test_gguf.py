@@ -401,6 +401,30 @@ def test_every_supported_type_reads_as_gguf_dequantises_it(tmp_path):
         np.testing.assert_array_equal(got, want, err_msg=key)
 
 
+def test_a_packed_weight_reads_as_its_rows_of_blocks_under_its_kind(tmp_path):
+    """A Q4_K weight ``e.weight`` is read as ``e.weight_Q4_K``: each row's blocks, the file's bytes
+    (the name says the kind, from the header alone); its shape for model inference is the weight's."""
+    from preheat.models.gguf_file import GGUFTensors, packed_weights
+    from tests._support.gguf_files import quantize
+
+    weight = np.random.default_rng(0).standard_normal((3, 512)).astype(np.float32)
+    path = tmp_path / "packed.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="flux")
+    writer.add_tensor("e.weight", quantize(weight, "Q4_K"), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.add_tensor("e.bias", np.zeros(3, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    read = GGUFTensors(path)
+    assert sorted(read) == ["e.bias", "e.weight_Q4_K"] and "e.weight" not in read
+    assert packed_weights(read) == {"e.weight": ("e.weight_Q4_K", "Q4_K")}
+    (raw,) = [t for t in gguf.GGUFReader(str(path)).tensors if t.name == "e.weight"]
+    assert read["e.weight_Q4_K"].shape == (3, 2 * 144) and read["e.weight_Q4_K"].dtype == np.uint8
+    np.testing.assert_array_equal(read["e.weight_Q4_K"], raw.data)
+    assert read.shapes() == {"e.weight": (3, 512), "e.bias": (3,)}
+
+
 def test_a_gguf_file_of_a_hub_repository_loads_by_its_hf_path(files, pipe, tmp_path, monkeypatch):
     """``hf://org/repo/path/file.gguf`` is one file of the repository, fetched through the store from
     the stand-in Hub (only that file's bytes), then read as the local file is: the same image.
