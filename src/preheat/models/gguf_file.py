@@ -77,8 +77,9 @@ def split_q8_0(data: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np
 
 
 class GGUFTensors(Mapping[str, np.ndarray]):
-    """The tensors of one GGUF file under their names, a Q8_0 weight as its values and its scales
-    (the module docstring); every tensor's type is checked when the file is opened."""
+    """The tensors of one GGUF file under their names, a Q8_0 weight as its values and its scales,
+    a packed weight as its rows of blocks under ``X.weight_<KIND>`` (the module docstring); every
+    tensor's type is checked when the file is opened."""
 
     def __init__(self, path: str | Path):
         try:
@@ -124,7 +125,7 @@ class GGUFTensors(Mapping[str, np.ndarray]):
         if key in self._packed:  # each row's blocks, bytes as stored: (out, in / QK * BYTES)
             tensor = self._tensors[self._packed[key]]
             return np.asarray(tensor.data, np.uint8).reshape(int(tensor.shape[-1]), -1)
-        if key in self._tensors and tensor_kind(self._tensors[key]) in LAYOUTS:
+        if key in self._tensors and self._tensors[key].tensor_type.name in LAYOUTS:
             raise KeyError(key)  # read under its packed name
         return self._read(key)[0]
 
@@ -152,7 +153,3 @@ class GGUFTensors(Mapping[str, np.ndarray]):
     def __exit__(self, *exc: Any) -> None:
         return None
 
-
-def tensor_kind(tensor: Any) -> str:
-    """A reader tensor's GGML type name (``"Q4_K"``)."""
-    return tensor.tensor_type.name
