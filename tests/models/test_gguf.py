@@ -440,7 +440,8 @@ def test_a_gguf_file_of_a_hub_repository_loads_by_its_hf_path(files, pipe, tmp_p
     monkeypatch.setattr(file_configs, "_FIRST_READ", 256)  # the tiny file is under the first read's 1 MiB
     body = files["q8"].read_bytes()
     _unsupported(tmp_path / "iq4.gguf")
-    repo = {"README.md": b"# tiny", "flux1-dev-Q8_0.gguf": body, "iq4/flux1-dev-IQ4_NL.gguf": (tmp_path / "iq4.gguf").read_bytes()}
+    repo = {"README.md": b"# tiny", "flux1-dev-Q8_0.gguf": body,
+            "iq4/flux1-dev-IQ4_NL.gguf": (tmp_path / "iq4.gguf").read_bytes()}
     hub = FakeHub("example/tiny-flux-gguf", repo).start()
     try:
         pointed_at(monkeypatch, hub.base)
