@@ -13,6 +13,12 @@ keys, every 2-D weight whose rows are whole blocks in the type, the rest F16/F32
 * ``step_s``: one jitted denoiser call (``--tokens`` image tokens, 64 text tokens, batch 1, float32),
   ``--rounds`` rounds, the types round-robin so that a noisy machine slows them alike; the
   median, min and max, and the median's ratio to Q8_0's.
+
+``--h200`` instead prints the kernels one FLUX.1-width Linear (3072 -> 3072, bias, 4096 tokens, bf16
+compute, as a denoiser's apply runs it: ``storage.upcast`` with the step's tie, then ``layers.Linear``)
+compiles to per type, read from the HLO XLA compiles for its H200 description on this machine (a
+deviceless compile: not autotuned; needs the test extra's jax-cuda13-plugin), with the bytes each
+kernel writes.
 """
 
 from __future__ import annotations
@@ -28,6 +34,51 @@ from pathlib import Path
 KINDS = ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "Q3_K", "Q2_K")
 
 
+def h200_kernels(kinds: list[str]) -> None:
+    """Each type's Linear on the deviceless H200: its kernels and the bytes each writes."""
+    import os
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compiled for the H200 description, run nowhere
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from preheat.bench.fp8 import kernels, written_bytes
+    from preheat.cache import targets
+    from preheat.cache.compile import on_device
+    from preheat.compile_target import compiling_for
+    from preheat.models.ggml import LAYOUTS
+    from preheat.models.layers import Linear
+    from preheat.models.quantised import Packed, Quantised
+    from preheat.models.storage import upcast
+    from preheat.models.weights import build_abstract
+
+    width, tokens = 3072, 4096
+    device = targets.target_device(targets.resolve_target("h200"))
+    for kind in kinds:
+        graphdef, abstract = build_abstract(lambda rngs: Linear(width, width, rngs=rngs))
+        if kind == "Q8_0":  # int8 values beside float16 scales per 32 along the input
+            weight = Quantised(jax.ShapeDtypeStruct((width, width), jnp.int8),
+                               jax.ShapeDtypeStruct((width // 32, width), jnp.float16))
+        else:  # the blocks as bytes, (in / QK, BYTES, out)
+            layout = LAYOUTS[kind]
+            weight = Packed(jax.ShapeDtypeStruct((width // layout.qk, layout.nbytes, width), jnp.uint8), kind)
+        abstract["kernel"].set_value(weight)
+        abstract["bias"].set_value(jax.ShapeDtypeStruct((width,), jnp.bfloat16))
+        x = jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16)
+
+        def layer(params, x):  # (tokens, in) -> (tokens, out)
+            return nnx.merge(graphdef, upcast(params, jnp.bfloat16, tie=x))(x)
+
+        with compiling_for("gpu", (9, 0)):
+            hlo = jax.jit(layer).lower(*on_device((abstract, x), device)).compile().as_text()
+        found = kernels(hlo)
+        print(json.dumps({"kind": kind, "weight_bytes": sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(weight)), "kernels": len(found),
+                          "written": [(k.output, written_bytes(k), "gemm" if k.gemm else "") for k in found]}),
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--double", type=int, default=1)
@@ -36,7 +87,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="image tokens per call (64: a 128x128 image)")
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--h200", action="store_true", help="each type's Linear kernels on the deviceless H200")
     args = parser.parse_args()
+    if args.h200:
+        return h200_kernels(args.kinds.split(","))
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-gguf-packed-"))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
