@@ -224,6 +224,24 @@ def test_a_file_mixing_every_packed_type_draws_diffusers_gguf_image(wide, mixed,
     np.testing.assert_array_equal(np.asarray(q.expand(np.float32)).T, qkv[:256])
 
 
+def test_fp8_storage_of_a_packed_file_keeps_every_packed_weight_packed(wide, mixed, tmp_path, monkeypatch):
+    """weights_dtype=float8_e4m3fn: each packed weight stays its blocks, whether fp8 storage names
+    its layer or keeps it at full precision (the AdaLN modulation): fp8 would be larger than any
+    packed type, and the blocks are placed as they are, never dequantised on the host. The file's
+    F16 weights in fp8's set are cast to fp8 as any full-precision weight is."""
+    from preheat.models.quantised import Packed
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    low = preheat.load(wide["mixed"], config=wide["folder"], cache="off", weights_dtype="float8_e4m3fn")
+    packed = {k: q.kind for k, q in _kept(low).items() if isinstance(q, Packed)}
+    assert packed == {k: q.kind for k, q in _kept(mixed).items() if isinstance(q, Packed)}
+    assert "norm_out.linear.kernel" in packed  # a modulation layer fp8 storage keeps at full precision
+    from flax import nnx
+
+    leaves = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(low.params)}
+    assert leaves["x_embedder.kernel"].dtype == np.dtype("float8_e4m3fn")  # img_in: F16 in the file
+
+
 def test_fsdp_splits_the_packed_blocks_and_draws_the_unsharded_image(wide, mixed, tmp_path, monkeypatch):
     """``fsdp=2`` on two of the suite's fake CPU devices (``sharding.FSDP_MIN_SIZE`` lowered so that
     the tiny weights split at all): each packed weight's blocks are one array, split over ``fsdp``
