@@ -1,13 +1,22 @@
-"""GGUF Q8_0 FLUX.1 transformers (issue 28 item 3), as city96's FLUX GGUFs lay them out: BFL's
-transformer keys, 2-D weights in Q8_0 (blocks of 32 int8 with one float16 scale), the rest F32/F16.
+"""GGUF FLUX.1 transformers (issue 28 item 3; the packed types after), as city96's FLUX GGUFs lay
+them out: BFL's transformer keys, 2-D weights quantised (Q8_0, or the types deployers ship for
+16-24 GB cards: Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K), the rest F32/F16.
 
 A tiny random FLUX.1-dev folder's transformer is written as such a file by the test (``gguf``'s
-own writer and Q8_0 quantiser); preheat's image from ``preheat.load(file, config=folder)`` is
-diffusers' image with ``FluxTransformer2DModel.from_single_file(file, GGUFQuantizationConfig(
-compute_dtype=float32))`` in the folder's pipeline. The Q8_0 weights stay int8 + float16 on the
-device (``quantised.Quantised``), and any other quantisation type is one line."""
+own writer and quantiser; the K types' blocks by ``tests/_support/gguf_files``); preheat's image
+from ``preheat.load(file, config=folder)`` is diffusers' image with
+``FluxTransformer2DModel.from_single_file(file, GGUFQuantizationConfig(compute_dtype=float32))``
+in the folder's pipeline. The Q8_0 weights stay int8 + float16 on the device
+(``quantised.Quantised``), the packed ones their blocks (``quantised.Packed``), and any other
+quantisation type is one line.
+
+The packed types' K blocks are 256 wide, more than the tiny folder's 32-wide transformer has, so
+they use a second transformer (2 heads x 128: in-widths 256, 1024, 1280) in the same folder: one
+file mixing every type (one load, one program) runs here; a file per type is ``slow``."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,9 +41,8 @@ def files(tmp_path_factory):
     base = tmp_path_factory.mktemp("gguf")
     folder = flow_fixtures.save_tiny_flow_model(base / "flux-dev", "flux-dev")
     bfl = to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors")))
-    out = {"folder": folder, "q8": base / "flux-dev-Q8_0.gguf", "q4": base / "flux-dev-Q4_0.gguf"}
+    out = {"folder": folder, "q8": base / "flux-dev-Q8_0.gguf"}
     out["types"] = write_gguf(out["q8"], bfl, gguf.GGMLQuantizationType.Q8_0)
-    write_gguf(out["q4"], bfl, gguf.GGMLQuantizationType.Q4_0)
     return out
 
 
@@ -125,12 +133,212 @@ def test_fp8_storage_of_a_q8_0_file_keeps_q8_0_and_dequantises_the_full_precisio
     assert diff.mean() <= MEAN_TOL
 
 
-def test_another_quantisation_type_is_one_line(files, tmp_path, monkeypatch):
+PACKED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+@pytest.fixture(scope="module")
+def wide(files, tmp_path_factory):
+    """The tiny folder with a wider transformer (2 heads x 128: every block's in-widths 256, 1024
+    or 1280, whole K blocks) and its BFL tensors; ``mixed``: one file whose quantised weights cycle
+    through every packed type and Q8_0 (as a Q4_K_M file mixes Q4_K and Q6_K)."""
+    import shutil
+
+    import torch
+    from diffusers import FluxTransformer2DModel
+    from safetensors.numpy import load_file
+
+    base = tmp_path_factory.mktemp("gguf-wide")
+    folder = base / "flux-dev-wide"
+    shutil.copytree(files["folder"], folder, symlinks=True)
+    torch.manual_seed(1)
+    transformer = FluxTransformer2DModel(patch_size=1, num_layers=1, num_single_layers=1, attention_head_dim=128,
+                                         in_channels=16, num_attention_heads=2, joint_attention_dim=32,
+                                         pooled_projection_dim=32, axes_dims_rope=[16, 56, 56], guidance_embeds=True)
+    flow_fixtures._perturb(transformer)
+    shutil.rmtree(folder / "transformer")
+    transformer.save_pretrained(folder / "transformer")
+    bfl = to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors")))
+    cycle = [*PACKED, "Q8_0"]
+    weights = [k for k, v in bfl.items() if v.ndim == 2 and k.endswith(".weight") and v.shape[1] % 256 == 0]
+    pick = {k: gguf.GGMLQuantizationType[cycle[i % len(cycle)]] for i, k in enumerate(weights)}
+    mixed = base / "flux-dev-wide-mixed.gguf"
+    types = write_gguf(mixed, bfl, pick.get)
+    assert set(types.values()) >= {*PACKED, "Q8_0"}
+    return {"folder": folder, "bfl": bfl, "mixed": mixed, "types": types, "base": base}
+
+
+def _diffusers_image(folder, path, monkeypatch) -> np.ndarray:
+    """diffusers' image: its GGUF load of ``path`` in ``folder``'s pipeline, float32 compute."""
+    import torch
+    from diffusers import FluxTransformer2DModel, GGUFQuantizationConfig
+
+    ref = flow_fixtures.reference_pipeline(folder, "flow_euler")
+    with diffusers_bfl_at_tiny_widths(folder, monkeypatch):
+        ref.transformer = FluxTransformer2DModel.from_single_file(
+            str(path), quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32),
+            config=str(folder), subfolder="transformer", torch_dtype=torch.float32)
+    return flow_fixtures.reference_pixels(ref, PROMPT, _noise(), num_inference_steps=STEPS, guidance_scale=GUIDANCE)
+
+
+def _against_diffusers(path, folder, monkeypatch, record_property, what: str, pipe: Any = None) -> Any:
+    pipe = pipe or preheat.load(path, config=folder, cache="off")
+    ours = pipe.generate(PROMPT, noise=_noise(), steps=STEPS, sampler="flow_euler", guidance=GUIDANCE, width=32,
+                         height=32)
+    theirs = _diffusers_image(folder, path, monkeypatch)
+    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    record_property("mean_abs_px", float(diff.mean()))
+    print(f"GGUF {what} vs diffusers' GGUF quantizer: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= MEAN_TOL and ours.std() > 5
+    return pipe
+
+
+def _kept(pipe) -> dict[str, Any]:
+    from flax import nnx
+
+    from preheat.models.quantised import is_quantised
+
+    leaves = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(pipe.params)}
+    return {k: v for k, v in leaves.items() if is_quantised(v)}
+
+
+@pytest.fixture(scope="module")
+def mixed(wide, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREHEAT_HOME", str(tmp_path_factory.mktemp("home")))
+        return preheat.load(wide["mixed"], config=wide["folder"], cache="off")
+
+
+def test_a_file_mixing_every_packed_type_draws_diffusers_gguf_image(wide, mixed, monkeypatch, record_property):
+    """One file, one program: every packed type (and Q8_0) in its layers, each kept as stored."""
+    from preheat.models.quantised import Packed, Quantised
+
+    pipe = _against_diffusers(wide["mixed"], wide["folder"], monkeypatch, record_property, "mixed types", mixed)
+    kept = _kept(pipe)
+    kinds = sorted({q.kind for q in kept.values() if isinstance(q, Packed)})
+    assert kinds == sorted(PACKED) and any(isinstance(q, Quantised) for q in kept.values())
+    q = kept["transformer_blocks.0.attn.to_q.kernel"]  # a third of BFL's fused qkv rows, cut as whole rows of blocks
+    assert isinstance(q, Packed) and q.kind == wide["types"]["double_blocks.0.img_attn.qkv.weight"]
+    reader = {t.name: t for t in gguf.GGUFReader(str(wide["mixed"])).tensors}
+    qkv = gguf.quants.dequantize(reader["double_blocks.0.img_attn.qkv.weight"].data, reader[
+        "double_blocks.0.img_attn.qkv.weight"].tensor_type)  # (3 * 256, 256)
+    np.testing.assert_array_equal(np.asarray(q.expand(np.float32)).T, qkv[:256])
+
+
+def test_fp8_storage_of_a_packed_file_keeps_every_packed_weight_packed(wide, mixed, tmp_path, monkeypatch):
+    """weights_dtype=float8_e4m3fn: each packed weight stays its blocks, whether fp8 storage names
+    its layer or keeps it at full precision (the AdaLN modulation): fp8 would be larger than any
+    packed type, and the blocks are placed as they are, never dequantised on the host. The file's
+    F16 weights in fp8's set are cast to fp8 as any full-precision weight is."""
+    from preheat.models.quantised import Packed
+
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    low = preheat.load(wide["mixed"], config=wide["folder"], cache="off", weights_dtype="float8_e4m3fn")
+    packed = {k: q.kind for k, q in _kept(low).items() if isinstance(q, Packed)}
+    assert packed == {k: q.kind for k, q in _kept(mixed).items() if isinstance(q, Packed)}
+    assert "norm_out.linear.kernel" in packed  # a modulation layer fp8 storage keeps at full precision
+    from flax import nnx
+
+    leaves = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(low.params)}
+    assert leaves["x_embedder.kernel"].dtype == np.dtype("float8_e4m3fn")  # img_in: F16 in the file
+
+
+def test_fsdp_splits_the_packed_blocks_and_draws_the_unsharded_image(wide, mixed, tmp_path, monkeypatch):
+    """``fsdp=2`` on two of the suite's fake CPU devices (``sharding.FSDP_MIN_SIZE`` lowered so that
+    the tiny weights split at all): each packed weight's blocks are one array, split over ``fsdp``
+    like any weight, and the partitioner gathers them where the layer unpacks them. The image is the
+    one-device load's to float32 rounding order (the scaled fp8 files' bound, mean <= 0.01, max 1)."""
+    from preheat import sharding
+    from preheat.models.quantised import Packed
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(sharding, "FSDP_MIN_SIZE", 2)
+    pipe = preheat.load(wide["mixed"], config=wide["folder"], cache="off", devices=2, fsdp=2)
+    packed = [q for q in _kept(pipe).values() if isinstance(q, Packed)]
+    assert len(packed) > 10
+    for q in packed:
+        assert sharding.FSDP_AXIS in q.blocks.sharding.spec, q.blocks.sharding
+        assert q.blocks.addressable_shards[0].data.size * 2 == q.blocks.size
+    call = dict(noise=_noise(), steps=STEPS, sampler="flow_euler", guidance=GUIDANCE, width=32, height=32)
+    ours, whole = pipe.generate(PROMPT, **call), mixed.generate(PROMPT, **call)
+    diff = np.abs(ours.astype(np.int32) - whole.astype(np.int32))
+    print(f"fsdp=2 vs one device, mixed GGUF types: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert ours.std() > 5 and diff.mean() <= 0.01 and diff.max() <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", PACKED)
+def test_a_packed_flux_transformer_draws_diffusers_gguf_image(wide, kind, monkeypatch, tmp_path, record_property):
+    """A file of one type (its weights whose rows are whole blocks; the rest F16/F32)."""
+    from preheat.models.quantised import Packed
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    path = wide["base"] / f"flux-dev-wide-{kind}.gguf"
+    types = write_gguf(path, wide["bfl"], gguf.GGMLQuantizationType[kind])
+    assert list(types.values()).count(kind) >= 15
+    pipe = _against_diffusers(path, wide["folder"], monkeypatch, record_property, kind)
+    assert {q.kind for q in _kept(pipe).values()} == {kind} and all(isinstance(q, Packed) for q in _kept(pipe).values())
+
+
+def test_a_q4_k_model_holds_its_packed_bytes_on_the_device(wide, tmp_path, monkeypatch, record_property):
+    """The device holds a Q4_K weight's blocks as the file stores them (144 bytes per 256 values,
+    4.5 bits), nothing widened: the denoiser's bytes are the file's Q4_K bytes plus its other
+    tensors at the compute dtype (float32). The bytes of each weight are the file's own."""
+    from preheat.models.quantised import Packed
+    from preheat.models.storage import device_bytes
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    path = wide["base"] / "flux-dev-wide-Q4_K-memory.gguf"
+    types = write_gguf(path, wide["bfl"], gguf.GGMLQuantizationType.Q4_K)
+    pipe = preheat.load(path, config=wide["folder"], cache="off")
+    kept = _kept(pipe)
+    # BFL's two fused qkv weights are three layers each, its single block's linear1 four (q, k, v, MLP in)
+    assert len(kept) == list(types.values()).count("Q4_K") + 2 * 2 + 3
+    reader = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    packed_in_file = sum(int(t.n_bytes) for t in reader.values() if t.tensor_type.name == "Q4_K")
+    held = sum(q.nbytes for q in kept.values())
+    assert all(isinstance(q, Packed) and q.blocks.dtype == np.uint8 for q in kept.values())
+    assert held == packed_in_file  # exactly the packed bytes: 144 per 256 elements
+    elements = sum(int(np.prod(q.shape)) for q in kept.values())
+    assert held * 256 == elements * 144
+    rest = {k: v for k, v in reader.items() if v.tensor_type.name != "Q4_K"}
+    rest_elements = sum(int(np.prod(t.shape)) for t in rest.values())
+    assert device_bytes(pipe.params) == held + 4 * rest_elements  # the rest: float32, the compute dtype
+    q = kept["single_transformer_blocks.0.proj_out.kernel"]  # BFL's single_blocks.0.linear2, one to one
+    raw = reader["single_blocks.0.linear2.weight"]
+    np.testing.assert_array_equal(np.asarray(q.blocks).transpose(2, 0, 1).reshape(raw.data.shape), raw.data)
+    record_property("device_bytes", device_bytes(pipe.params))
+    print(f"Q4_K denoiser on the device: {device_bytes(pipe.params)} B ({held} B of Q4_K blocks for {elements} "
+          f"weights, {elements * 4} B as float32)")
+
+
+def _unsupported(path, kind: str = "IQ4_NL") -> None:
+    """A GGUF file with one FLUX.1 weight in ``kind`` (random bytes of its size) and a bias."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    writer = gguf.GGUFWriter(str(path), arch="flux")
+    writer.add_tensor("double_blocks.0.img_attn.qkv.weight", np.zeros((96, 256 // block * size), np.uint8),
+                      raw_dtype=qtype)
+    writer.add_tensor("img_in.bias", np.zeros(32, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("kind", ["IQ4_NL", "Q8_1", "IQ2_XS"])
+def test_another_quantisation_type_is_one_line(files, kind, tmp_path, monkeypatch):
+    from preheat.models.gguf_file import SUPPORTED
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    path = tmp_path / f"flux1-tiny-{kind}.gguf"
+    _unsupported(path, kind)
     with pytest.raises(ModelFormatError) as exc:
-        preheat.load(files["q4"], config=files["folder"], cache="off")
+        preheat.load(path, config=files["folder"], cache="off")
     message = str(exc.value)
-    assert "\n" not in message and "is GGUF type Q4_0" in message and "F32, F16, BF16, Q8_0" in message
+    assert "\n" not in message and f"double_blocks.0.img_attn.qkv.weight is GGUF type {kind}" in message
+    assert "preheat reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K" in message
+    assert set(SUPPORTED) == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
+                              "Q5_K", "Q6_K"}
     assert not isinstance(exc.value, CheckpointMismatchError)
 
 
@@ -211,6 +419,30 @@ def test_every_supported_type_reads_as_gguf_dequantises_it(tmp_path):
         np.testing.assert_array_equal(got, want, err_msg=key)
 
 
+def test_a_packed_weight_reads_as_its_rows_of_blocks_under_its_kind(tmp_path):
+    """A Q4_K weight ``e.weight`` is read as ``e.weight_Q4_K``: each row's blocks, the file's bytes
+    (the name says the kind, from the header alone); its shape for model inference is the weight's."""
+    from preheat.models.gguf_file import GGUFTensors, packed_weights
+    from tests._support.gguf_files import quantize
+
+    weight = np.random.default_rng(0).standard_normal((3, 512)).astype(np.float32)
+    path = tmp_path / "packed.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="flux")
+    writer.add_tensor("e.weight", quantize(weight, "Q4_K"), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.add_tensor("e.bias", np.zeros(3, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    read = GGUFTensors(path)
+    assert sorted(read) == ["e.bias", "e.weight_Q4_K"] and "e.weight" not in read
+    assert packed_weights(read) == {"e.weight": ("e.weight_Q4_K", "Q4_K")}
+    (raw,) = [t for t in gguf.GGUFReader(str(path)).tensors if t.name == "e.weight"]
+    assert read["e.weight_Q4_K"].shape == (3, 2 * 144) and read["e.weight_Q4_K"].dtype == np.uint8
+    np.testing.assert_array_equal(read["e.weight_Q4_K"], raw.data)
+    assert read.shapes() == {"e.weight": (3, 512), "e.bias": (3,)}
+
+
 def test_a_gguf_file_of_a_hub_repository_loads_by_its_hf_path(files, pipe, tmp_path, monkeypatch):
     """``hf://org/repo/path/file.gguf`` is one file of the repository, fetched through the store from
     the stand-in Hub (only that file's bytes), then read as the local file is: the same image.
@@ -225,7 +457,9 @@ def test_a_gguf_file_of_a_hub_repository_loads_by_its_hf_path(files, pipe, tmp_p
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(file_configs, "_FIRST_READ", 256)  # the tiny file is under the first read's 1 MiB
     body = files["q8"].read_bytes()
-    repo = {"README.md": b"# tiny", "flux1-dev-Q8_0.gguf": body, "q4/flux1-dev-Q4_0.gguf": files["q4"].read_bytes()}
+    _unsupported(tmp_path / "iq4.gguf")
+    repo = {"README.md": b"# tiny", "flux1-dev-Q8_0.gguf": body,
+            "iq4/flux1-dev-IQ4_NL.gguf": (tmp_path / "iq4.gguf").read_bytes()}
     hub = FakeHub("example/tiny-flux-gguf", repo).start()
     try:
         pointed_at(monkeypatch, hub.base)
@@ -244,8 +478,8 @@ def test_a_gguf_file_of_a_hub_repository_loads_by_its_hf_path(files, pipe, tmp_p
         remote = preheat.load("hf://example/tiny-flux-gguf/flux1-dev-Q8_0.gguf", config=files["folder"], cache="off")
         assert hub.downloaded() == {"flux1-dev-Q8_0.gguf": len(body)}  # that one file, not its neighbours
         np.testing.assert_array_equal(remote.generate(PROMPT, **call), pipe.generate(PROMPT, **call))
-        with pytest.raises(ModelFormatError, match="is GGUF type Q4_0"):  # a file in a folder of the repository
-            preheat.load("hf://example/tiny-flux-gguf/q4/flux1-dev-Q4_0.gguf", config=files["folder"], cache="off")
+        with pytest.raises(ModelFormatError, match="is GGUF type IQ4_NL"):  # a file in a folder of the repository
+            preheat.load("hf://example/tiny-flux-gguf/iq4/flux1-dev-IQ4_NL.gguf", config=files["folder"], cache="off")
         with pytest.raises(InvalidArgumentError, match="is a GGUF file .*pass config="):
             preheat.load("hf://example/tiny-flux-gguf/flux1-dev-Q8_0.gguf", cache="off")
     finally:

@@ -9,6 +9,8 @@ inside the jitted apply), so both read one definition:
                   the scale is per tensor or per output channel, applied to a matmul's output
                   (``product``; a 1x1 convolution's weight through ``matrix``), so that the
                   GEMM reads the stored values itself
+    Packed        GGML blocks (GGUF Q4_0 ... Q6_K) kept as their bytes, unpacked at use
+                  (``preheat.models.ggml``)
     holds(dtype)  whether the default device holds such weights (probed once)
 """
 
@@ -22,7 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FLOAT8", "Quantised", "is_quantised", "is_low", "refusal", "holds"]
+from preheat.models.ggml import LAYOUTS, dequantise
+
+__all__ = ["FLOAT8", "Quantised", "Packed", "is_quantised", "is_low", "refusal", "holds"]
 
 FLOAT8 = "float8_e4m3fn"
 _LOW = (jnp.dtype(jnp.float8_e4m3fn),)
@@ -111,8 +115,44 @@ class Quantised:
 jax.tree_util.register_dataclass(Quantised, data_fields=["values", "scale"], meta_fields=[])
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A GGUF weight kept on the device as the file's blocks, expanded where it is used (``upcast``,
+    inside the jitted apply) by ``ggml.dequantise``: the point of a Q4_K file is its bytes, so they
+    are never widened at rest::
+
+        GGUF Q4_K   blocks (in/256, 144, out) uint8   kind "Q4_K"   (``ggml.LAYOUTS``)
+
+    A pytree with one leaf, ``blocks`` (placed, sharded and keyed like any parameter; a block's byte
+    width differs between kinds, so a compile key's shapes tell the kinds apart), ``kind`` static.
+    ``shape`` is the weight's (jax layout, ``(in, out)``), ``dtype`` the stored bytes'."""
+
+    blocks: Any  # uint8 (in / QK, BYTES, out)
+    kind: str  # a key of ggml.LAYOUTS
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (int(self.blocks.shape[0]) * LAYOUTS[self.kind].qk, int(self.blocks.shape[-1]))
+
+    @property
+    def dtype(self) -> Any:
+        return self.blocks.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blocks.nbytes)
+
+    def expand(self, dtype: Any) -> Any:
+        """The weight ``(in, out)``: gguf's dequantisation in float32 (bit for bit), then ``dtype``."""
+        return dequantise(self.blocks, self.kind).astype(dtype)
+
+
+jax.tree_util.register_dataclass(Packed, data_fields=["blocks"], meta_fields=["kind"])
+
+
 def is_quantised(x: Any) -> bool:
-    return isinstance(x, Quantised)
+    """A weight kept compact with what expands it: ``Quantised`` or ``Packed`` (one pytree node)."""
+    return isinstance(x, (Quantised, Packed))
 
 
 def is_low(dtype: Any) -> bool:

@@ -26,7 +26,8 @@ Layouts:
   ``preheat.models.mmdit``'s table.
 
 A FLUX.1 GGUF file (``.gguf``, BFL's keys) is read by ``preheat.models.gguf_file`` (Q8_0 weights as
-int8 values beside their per-block scales, kept so on the device) and converted like a ``bfl`` file.
+int8 values beside their per-block scales, Q4_0 ... Q6_K weights as their blocks, ``X.weight_Q4_K``,
+kept so on the device) and converted like a ``bfl`` file.
 
 ComfyUI's checkpoints bundle the rest of the pipeline with an ``mmdit`` or ``bfl`` transformer: the
 VAE in the LDM layout (``first_stage_model.*``, or ``vae.*`` in ComfyUI's Flux files such as
@@ -542,7 +543,7 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
     out = root / "models" / "single" / _identity(file, config, variant)
     if (out / "model_index.json").is_file():
         return out
-    reader = GGUFTensors(file) if is_gguf(file) else read_tensors([file])  # GGUF: Q8_0 as values + scales
+    reader = GGUFTensors(file) if is_gguf(file) else read_tensors([file])  # GGUF: Q8_0 values + scales, blocks
     with reader as f:  # headers checked (a torn file is one line); F8_E4M3 through ml_dtypes
         keys = list(f)
         layout = detect_layout(keys, file)

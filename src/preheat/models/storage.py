@@ -41,7 +41,9 @@ step. Block scales along the input (GGUF Q8_0), kxk Conv and Embedding weights a
 before (a kxk conv's cuDNN kernel reads a bf16 copy of the weight in its own layout whatever the
 stored dtype; the scale fuses into that copy for free, and on the output it would cost a kernel).
 Every other path (placement on a mesh, compile keys, placeholders for prefetch) sees its two
-arrays as it sees any leaves.
+arrays as it sees any leaves. A GGUF weight of a packed type (Q4_0 ... Q6_K) is one
+``quantised.Packed`` value, the file's blocks as bytes, which ``upcast`` unpacks in the same place
+(``preheat.models.ggml``: integer and bit arithmetic, then the scales in float32).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError
-from preheat.models.quantised import FLOAT8, Quantised, is_low, is_quantised, refusal
+from preheat.models.quantised import FLOAT8, Packed, Quantised, is_low, is_quantised, refusal
 
 __all__ = ["WEIGHTS_DTYPES", "DEFAULT_SKIP", "layerwise", "upcast", "check_weights_dtype", "stored_low",
            "placed_bytes", "device_bytes"]
@@ -100,19 +102,24 @@ def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     stored values go through it: a bias or scale that did was no longer fused into the GEMM's
     epilogue on the GPU (the H200 HLO: a second kernel per layer re-reading the GEMM's output)."""
     def stored(x: Any) -> bool:
-        return isinstance(x, Quantised) or is_low(x.dtype)
+        return is_quantised(x) or is_low(x.dtype)
+
+    def held(x: Any) -> Any:  # the stored bytes of a leaf
+        return x.values if isinstance(x, Quantised) else x.blocks if isinstance(x, Packed) else x
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_quantised)
     picks = [i for i, (_, x) in enumerate(flat) if stored(x)]
     if not picks:
         return params
-    values = [flat[i][1].values if isinstance(flat[i][1], Quantised) else flat[i][1] for i in picks]
+    values = [held(flat[i][1]) for i in picks]
     if tie is not None:
         values, _ = jax.lax.optimization_barrier((values, tie))
     out = [x for _, x in flat]
     for i, v in zip(picks, values):
         path, x = flat[i]
-        if not isinstance(x, Quantised):  # a 1x1 conv's fp8 kernel is converted by its layer, inside its GEMM
+        if isinstance(x, Packed):  # GGML blocks: unpacked where used (preheat.models.ggml)
+            out[i] = Packed(v, x.kind).expand(dtype)
+        elif not isinstance(x, Quantised):  # a 1x1 conv's fp8 kernel is converted by its layer, inside its GEMM
             out[i] = v if _pointwise_conv(path, x) else v.astype(dtype)
         elif _gemm_kernel(path, x) and x.per_output:
             out[i] = Quantised(v, x.scale).converted(dtype)  # the layer scales its product (Quantised.product)
@@ -164,10 +171,11 @@ def check_weights_dtype(weights_dtype: str, mesh: Any = None, weights_layers: st
 def stored_low(params: Any, weights_dtype: str, source: Any) -> None:
     """A one-line error when a load asked for ``weights_dtype`` but no weight was stored in it
     (a denoiser whose loader names no layers): never a silent full-precision load. A layer kept
-    ``Quantised`` (GGUF Q8_0's int8 and scales: more compact than a cast to fp8) counts as stored."""
+    ``Quantised`` or ``Packed`` (GGUF Q8_0's int8 and scales, Q4_K's blocks: more compact than a cast
+    to fp8) counts as stored."""
     want = jnp.dtype(weights_dtype)
     leaves = jax.tree.leaves(params, is_leaf=is_quantised)
-    if not any(isinstance(leaf, Quantised) or np.dtype(leaf.dtype) == want for leaf in leaves):
+    if not any(is_quantised(leaf) or np.dtype(leaf.dtype) == want for leaf in leaves):
         raise ModelFormatError(f"{source}: weights_dtype={weights_dtype} was asked for, but this model's denoiser "
                                f"stores no layer in it")
 
@@ -191,5 +199,6 @@ def placed_bytes(abstract: Any, dtype: Any, weights_dtype: str | None = None, ex
 
 
 def device_bytes(params: Any) -> int:
-    """Bytes ``params`` hold on the device: every array, a ``Quantised`` weight's values and scale."""
+    """Bytes ``params`` hold on the device: every array, a ``Quantised`` weight's values and scale,
+    a ``Packed`` weight's blocks."""
     return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(params))

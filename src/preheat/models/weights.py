@@ -51,7 +51,9 @@ from flax import nnx
 from preheat.errors import ModelFormatError, ModelNotFoundError, UnsupportedConfigError, WeightsError
 from preheat.models.load_report import LoadRecording, LoadReport, PeakWindow, recording
 from preheat.models.load_report import record as record_load
-from preheat.models.quantised import FLOAT8, Quantised, holds, is_low
+from preheat.models.ggml import LAYOUTS
+from preheat.models.gguf_file import packed_weights
+from preheat.models.quantised import FLOAT8, Packed, Quantised, holds, is_low
 from preheat.models.scaled_fp8 import dequantise, ignored, scale_of, scale_shape, weight_scales
 
 __all__ = [
@@ -533,15 +535,18 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
     is placed as it is stored with its scale, a ``quantised.Quantised`` that the apply expands at
     use; one planned in another dtype (a layer fp8 storage keeps at full precision, an encoder's)
     is dequantised on the host as it is placed. The scales and the marker match no parameter
-    (``preheat.models.scaled_fp8``).
+    (``preheat.models.scaled_fp8``). A GGUF weight of a packed type (``X.weight_Q4_K``: each row's
+    blocks, ``preheat.models.gguf_file``) is a Linear's ``X.weight``, always placed as its blocks
+    (``quantised.Packed``, unpacked at use): no plan's dtype is smaller.
     """
     options = options or DEFAULT_OPTIONS
     stored = (lambda k: (_meta(tensors, k) or ((), None))[1]) if low is not None else None  # noqa: E731
     dtype_for = dtype_plan(abstract, dtype, key_fn=key_fn, dtype_for=dtype_for, options=options, low=low,
                            stored=stored)
     scales = weight_scales(tensors)  # a scaled fp8 file's weights: kept scaled, or dequantised as placed
+    packed = packed_weights(tensors)  # GGUF blocks (Q4_K, ...): {X.weight: (X.weight_Q4_K, kind)}
     skip = lambda k: ignored(k, tensors) or (ignore is not None and ignore(k))  # noqa: E731 (scales, the marker)
-    flat, plan = _check(abstract, tensors, dtype, source, key_fn, skip, dtype_for, scales)
+    flat, plan = _check(abstract, tensors, dtype, source, key_fn, skip, dtype_for, scales, packed)
     # kept scaled on the device: planned and stored compact (the bytes as they are, beside their scale)
     kept = {key: scales[key] for _, _, _, _, key, want in plan
             if key in scales and _compact(want) and _compact(_meta(tensors, key)[1])}
@@ -549,6 +554,11 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
                     for _, _, _, _, key, _ in plan if key in scales}
 
     def placeholder(var: Any, leaf: str, key: str, want: np.dtype) -> Any:
+        if key in packed:  # (in / QK, BYTES, out): the kernel's layout, a block's bytes along axis 1
+            kind = packed[key][1]
+            rows, width = var.shape
+            return Packed(jax.ShapeDtypeStruct((rows // LAYOUTS[kind].qk, LAYOUTS[kind].nbytes, width), np.uint8),
+                          kind)
         if key not in kept:
             return jax.ShapeDtypeStruct(tuple(var.shape), want)
         shape = scale_shapes[key]  # (): one float32 per tensor; else blocks, as stored, in the kernel's layout
@@ -565,7 +575,7 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
         t0 = time.perf_counter()
         window = PeakWindow()
         try:
-            report = _stream(plan, holders, tensors, source, scales, kept)
+            report = _stream(plan, holders, tensors, source, scales, kept, packed)
         finally:
             before, peak, after, exact = window.close()
         record_load(replace(report, seconds=time.perf_counter() - t0, rss_before=before, peak_rss=peak,
@@ -620,19 +630,35 @@ _Plan = list[tuple[int, tuple[Any, ...], Any, str, str, np.dtype]]
 
 def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: str,
            key_fn: Callable[[tuple[Any, ...]], str], ignore: Callable[[str], bool] | None,
-           dtype_for: Callable[[str], Any] | None, scales: Container[str] = ()) -> tuple[list[Any], _Plan]:
+           dtype_for: Callable[[str], Any] | None, scales: Container[str] = (),
+           packed: Mapping[str, tuple[str, str]] | None = None) -> tuple[list[Any], _Plan]:
     """Headers only: every key, shape and dtype, all problems in one ``WeightsError``; returns
     the flat abstract state and the plan (index, path, variable, leaf, key, dtype to place).
-    A weight with a scale (``scales``) may be stored as int8 (GGUF Q8_0's values)."""
+    A weight with a scale (``scales``) may be stored as int8 (GGUF Q8_0's values); a packed
+    weight (``packed``: GGUF blocks) is read under its packed name, its shape the elements'."""
     flat = nnx.to_flat_state(abstract)
     problems: list[str] = []
     plan: _Plan = []
     used = set()
+    packed = packed or {}
     for i, (path, var) in enumerate(flat):
         leaf = str(path[-1])
         key = key_fn(path)
         expected = expected_torch_shape(tuple(var.shape), leaf)
         meta = _meta(tensors, key)
+        if meta is None and key in packed:
+            name, kind = packed[key]
+            used.add(name)
+            (rows, width), layout = _meta(tensors, name)[0], LAYOUTS[kind]
+            if leaf != "kernel" or len(expected) != 2:
+                problems.append(f"{name} holds {kind} blocks, but {key} is not a Linear layer's weight")
+                continue
+            if (rows, width) != (expected[0], expected[1] // layout.qk * layout.nbytes) or expected[1] % layout.qk:
+                problems.append(f"{name} has shape {(rows, width)} ({kind} blocks of {layout.qk} in {layout.nbytes} "
+                                f"bytes), expected {expected}")
+                continue
+            plan.append((i, path, var, leaf, key, np.dtype(np.uint8)))
+            continue
         if meta is None:
             problems.append(f"missing {key} (expected shape {expected})")
             continue
@@ -655,19 +681,26 @@ def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: 
 
 
 def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], source: str,
-            scales: Mapping[str, str] | None = None, kept: Mapping[str, str] | None = None) -> LoadReport:
+            scales: Mapping[str, str] | None = None, kept: Mapping[str, str] | None = None,
+            packed: Mapping[str, tuple[str, str]] | None = None) -> LoadReport:
     """Read, cast and place every planned tensor (file order), setting ``holders[i]``'s value.
     ``kept``: the scaled weights (fp8, Q8_0) placed as stored beside their scale; the rest of
-    ``scales`` are dequantised on the host."""
+    ``scales`` are dequantised on the host. ``packed``: GGUF blocks, placed as they are."""
     lazy = isinstance(tensors, Checkpoint)
+    packed = packed or {}
     if lazy:  # stream in file order (sequential reads; the OS reads ahead)
-        infos = {key: tensors.info(key) for _, _, _, _, key, _ in plan}
+        infos = {key: tensors.info(packed[key][0] if key in packed else key) for _, _, _, _, key, _ in plan}
         plan = sorted(plan, key=lambda p: (str(infos[p[4]].file), infos[p[4]].start) if infos[p[4]] else ("", p[0]))
     in_flight: deque[tuple[jax.Array, int]] = deque()
     waiting = bytes_read = placed_bytes = largest = 0
     scratch = _Scratch()
     for i, path, var, leaf, key, want in plan:
-        if kept and key in kept:  # the stored bytes as they are, and their scale: expanded at use
+        if key in packed:  # each row's blocks (out, in / QK * BYTES) -> (in / QK, BYTES, out): unpacked at use
+            name, kind = packed[key]
+            rows = np.asarray(tensors[name], np.uint8)
+            blocks = rows.reshape(rows.shape[0], -1, LAYOUTS[kind].nbytes).transpose(1, 2, 0)
+            value, nbytes = Packed(jax.device_put(blocks), kind), rows.nbytes
+        elif kept and key in kept:  # the stored bytes as they are, and their scale: expanded at use
             values, nbytes = _place(tensors, key, leaf, holders[i].get_value().values.dtype, scratch)
             scale = scale_of(tensors, key, kept[key])
             value = Quantised(values, jax.device_put(to_jax_layout(scale, leaf)))
