@@ -6,7 +6,8 @@ Last round's deviceless H200 HLO (``scripts/bench_fp8_unet.py``; docs/benchmarks
 has each plain fp8 1x1 conv as one kernel instead of two, but the whole UNet writing 0.2-0.8% more
 bytes (split-K GEMMs at 16² and 8²). Only an autotuned compile on the GPU, timed, says which is
 faster; this module is that measurement. Three programs of the same step, compiled here (on a GPU:
-autotuned), the weights made on the device (random, nothing read or downloaded):
+autotuned), the weights made in this process (random bytes on the host, placed on the device; nothing
+read or downloaded):
 
     gemm   fp8 weights where a ``weights_dtype="float8_e4m3fn"`` load puts them, the 1x1 convs as
            GEMMs on the fp8 weight (``PREHEAT_FP8_1X1=gemm``, preheat's default)
@@ -59,11 +60,13 @@ UNETS = {"sd15": UNetCase("SD 1.5 UNet 512²", SD15_UNET, 64),
 TINY_UNETS = {
     "sd15": UNetCase("SD 1.5 UNet (tiny) 64²", {
         **SD15_UNET, "block_out_channels": (32, 64), "layers_per_block": 1, "norm_num_groups": 8,
-        "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"), "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
+        "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+        "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
         "cross_attention_dim": 32, "attention_head_dim": 2}, 8),
     "sdxl": UNetCase("SDXL UNet (tiny) 64²", {
         **SDXL_UNET, "block_out_channels": (32, 64), "layers_per_block": 1, "norm_num_groups": 8,
-        "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"), "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
+        "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
+        "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
         "cross_attention_dim": 32, "attention_head_dim": (2, 4), "transformer_layers_per_block": (1, 2),
         "addition_time_embed_dim": 8, "projection_class_embeddings_input_dim": 32 + 6 * 8}, 8, pooled=32),
 }
@@ -187,8 +190,9 @@ def measure_unet(model: str = "sd15", size: str = "full", steps: int = 10, round
     jax.block_until_ready((fp8, bf16))
     weights_s = time.perf_counter() - start
     unet = LoadedUNet2DCondition(config=cfg, graphdef=graph, params=bf16, dtype=jnp.bfloat16)
-    pointwise = sum(1 for path, leaf in nnx.to_flat_state(fp8)
-                    if str(path[-1]) == "kernel" and tuple(leaf.shape[:2]) == (1, 1) and leaf.dtype == jnp.float8_e4m3fn)
+    pointwise = sum(1 for path, leaf in nnx.to_flat_state(fp8)  # the kernels the switch moves
+                    if str(path[-1]) == "kernel" and tuple(leaf.shape[:2]) == (1, 1)
+                    and leaf.dtype == jnp.float8_e4m3fn)
 
     rng = np.random.default_rng(seed)
     h = w = case.latent
