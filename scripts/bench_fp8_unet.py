@@ -8,7 +8,7 @@ apply (``storage.upcast`` with the step's tie, then the UNet), bf16 compute, CFG
 Two ways, in one process:
 
     now      a plain fp8 1x1 conv is a matrix product on the fp8 weight (``layers.Conv2d``)
-    before   ``upcast`` converts it, then XLA's convolution (``storage._pointwise_conv`` off)
+    before   ``upcast`` converts it, then XLA's convolution (``PREHEAT_FP8_1X1=conv``)
 
 For each: the entry kernels, the cuDNN convolutions, the GEMMs that read an fp8 weight themselves,
 the other kernels that read one and write a wider result (each a bf16 copy of a weight: the
@@ -113,19 +113,22 @@ def main() -> None:
     parser.add_argument("--hlo", help="also write each program's HLO text to HLO-<model>-<way>.txt")
     parser.add_argument("--layers", action="store_true", help="one 1x1 conv per SD 1.5 width instead of the UNets")
     args = parser.parse_args()
-    real = storage._pointwise_conv
     if args.layers:
         programs = {f"c{c}-{side}": (f"1x1 conv {c} -> {c}", layer_call(c, side), side) for c, side in LAYERS}
     else:
         programs = {key: (name, unet_call(config, latent), latent) for key, (name, config, latent) in MODELS.items()
                     if args.model in (key, "both")}
     for key, (name, (call, call_args), latent) in programs.items():
-        for way, pointwise in (("now", real), ("before", lambda path, x: False)):
-            storage._pointwise_conv = pointwise  # the control: every plain fp8 kernel converted by upcast
+        for way, setting in (("now", "gemm"), ("before", "conv")):
+            old = os.environ.get("PREHEAT_FP8_1X1")
+            os.environ["PREHEAT_FP8_1X1"] = setting  # before: every plain fp8 kernel converted by upcast
             try:
-                hlo, seconds = compile_h200(call, call_args)
+                hlo, seconds = compile_h200(call, call_args)  # traced afresh, under this setting
             finally:
-                storage._pointwise_conv = real
+                if old is None:
+                    os.environ.pop("PREHEAT_FP8_1X1")
+                else:
+                    os.environ["PREHEAT_FP8_1X1"] = old
             row = summary(hlo)
             if args.hlo:
                 with open(f"{args.hlo}-{key}-{way}.txt", "w") as f:

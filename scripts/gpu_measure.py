@@ -21,13 +21,19 @@ order of issue 29 (the first minutes give the most important ones):
 6. ``fp8``: after the rows above, on the budget they leave: one scaled-fp8 Linear layer (FLUX.1's
    width, per-channel scales; ``preheat.bench.fp8``) compiled here (autotuned): whether the HLO is
    ONE GEMM kernel reading the fp8 weight, and its time against a bf16 GEMM of the same shape.
-7. Older rows, not in the default set (``GPU_CHECK_ROWS=models,compare,scaling``): per model in
+7. ``fp8unet``: after row 6, on what is left: SD 1.5's UNet at 512² (then SDXL's at 1024², if it
+   fits), batch 1 with CFG, random plain fp8 weights made here (``preheat.bench.fp8_unet``): ms
+   per denoising step with the fp8 1x1 convs as GEMMs on the fp8 weight (``PREHEAT_FP8_1X1=gemm``)
+   against XLA's convolution on a bf16 copy (``=conv``) and against the same weights in bf16,
+   compiled here (autotuned); whether the three agree; the decision (keep the GEMM path iff it
+   is faster beyond the noise on both UNets).
+8. Older rows, not in the default set (``GPU_CHECK_ROWS=models,compare,scaling``): per model in
    ``MODELS`` the cold-start rows, executable round trip and steady state; ``bench compare --quick``
    on the built-in model; scaling over local devices.
 
-``GPU_CHECK_ROWS`` (comma-separated) picks rows (default on the GPU: doctor,target,sdxl,flux,kontext,fp8;
+``GPU_CHECK_ROWS`` (comma-separated) picks rows (default on the GPU: doctor,target,sdxl,flux,kontext,fp8,fp8unet;
 in the dry run: every row, at tiny sizes); ``GPU_CHECK_SKIP`` leaves rows out. Writes under
-``--out``: doctor.json, rows.json (rows 2-6), models.json, compare.json, summary.md, log.txt (with
+``--out``: doctor.json, rows.json (rows 2-7), models.json, compare.json, summary.md, log.txt (with
 the shell's preflight.json: 7 files); the summary table is printed last.
 
     python scripts/gpu_measure.py run --out DIR --mode gpu|dry [--budget S] [--started-at EPOCH]
@@ -106,10 +112,14 @@ DRY_MODELS = [Model("ddpm-256-tiny", DDPM_256_TINY, n=2, steps=2)]
 SCALING_MODEL = {"gpu": "ddpm-256", "dry": "ddpm-256-tiny"}  # the model measured on 1, 2, 4, 8 devices
 SCALING_COUNTS = (1, 2, 4, 8)
 
-ROWS = ("doctor", "target", "sdxl", "flux", "kontext", "fp8", "models", "compare", "scaling")
-DEFAULT_ROWS = {"gpu": ("doctor", "target", "sdxl", "flux", "kontext", "fp8"), "dry": ROWS}
+ROWS = ("doctor", "target", "sdxl", "flux", "kontext", "fp8", "fp8unet", "models", "compare", "scaling")
+DEFAULT_ROWS = {"gpu": ("doctor", "target", "sdxl", "flux", "kontext", "fp8", "fp8unet"), "dry": ROWS}
 # Row 6's layer: FLUX.1's hidden width and 4096 image tokens on the GPU; tiny in the dry run
 FP8_SIZES = {"gpu": dict(n=3072, tokens=4096, calls=20, rounds=20), "dry": dict(n=256, tokens=64, calls=3, rounds=3)}
+# Row 7's UNets, in order (SD 1.5 first: it has the 1x1 attention projections; SDXL's are Linear),
+# and per call of the three ways: denoising steps per timed call, timed rounds (preheat.bench.fp8_unet)
+FP8_UNETS = ("sd15", "sdxl")
+FP8_UNET_SIZES = {"gpu": dict(size="full", steps=10, rounds=10), "dry": dict(size="tiny", steps=2, rounds=3)}
 
 
 @dataclass(frozen=True)
@@ -184,6 +194,7 @@ HEAD_TO_HEAD = {
 GPU = dict(doctor=(90, 20), t_sample=(120, 20), t_steady=(90, 15), t_retune=(150, 30),
            h2h_weights={"sdxl": (150, 40), "flux": (240, 90), "kontext": (240, 90)},
            h2h={"sdxl": (330, 200), "flux": (450, 300), "kontext": (450, 300)}, flops=(150, 30), fp8=(120, 30),
+           fp8unet={"sd15": (180, 75), "sdxl": (270, 150)},
            materialize=(120, 20), empty=(240, 60), warm=(90, 15), xla=(240, 60),
            steady=(150, 30), compare=(240, 90), scaling=(300, 60), warm_repeats=2, matmul_n=8192, copy_mib=2048,
            ceiling_repeats=20, steady_repeats=5,
@@ -192,6 +203,7 @@ GPU = dict(doctor=(90, 20), t_sample=(120, 20), t_steady=(90, 15), t_retune=(150
 DRY = dict(doctor=(300, 5), t_sample=(300, 5), t_steady=(300, 5), t_retune=(300, 5),
            h2h_weights={"sdxl": (300, 5), "flux": (300, 5), "kontext": (300, 5)},
            h2h={"sdxl": (600, 5), "flux": (600, 5), "kontext": (600, 5)}, flops=(300, 5), fp8=(300, 5),
+           fp8unet={"sd15": (300, 5), "sdxl": (300, 5)},
            materialize=(300, 5), empty=(300, 5), warm=(300, 5), xla=(300, 5),
            steady=(300, 5), compare=(600, 5), scaling=(300, 5), warm_repeats=1, matmul_n=256, copy_mib=8,
            ceiling_repeats=3, steady_repeats=2,
@@ -837,6 +849,66 @@ def step_fp8(r: Runner) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Row 7: a whole fp8 UNet step, the 1x1 convs as GEMMs on the fp8 weight or as convolutions
+
+
+def fp8unet_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """(child) ``preheat.bench.fp8_unet.measure_unet`` on this machine's devices."""
+    from preheat.bench.fp8_unet import measure_unet
+
+    return measure_unet(**spec)
+
+
+def fp8unet_decision(res: dict[str, Any]) -> str:
+    """docs/gpu.md's rule: keep the GEMM path iff it is faster than the convolution beyond the
+    noise (every round) on both UNets and the outputs agree; revert when a UNet says otherwise;
+    undecided while a UNet has no measurement."""
+    got = {m: res.get(m) or {} for m in FP8_UNETS}
+    if any("agreement" in g and not g["agreement"]["ok"] for g in got.values()):
+        return "revert: the outputs disagree (a bug in one path; see agreement)"
+    measured = {m: g["verdict"] for m, g in got.items() if "verdict" in g}
+    if any(v != "faster" for v in measured.values()):
+        return "revert: " + ", ".join(f"{m} {v}" for m, v in measured.items())
+    if len(measured) < len(FP8_UNETS):
+        missing = ", ".join(m for m in FP8_UNETS if m not in measured)
+        return f"undecided: no measurement of {missing} (GPU_CHECK_ROWS=doctor,fp8unet)"
+    return "keep: faster beyond the noise on " + ", ".join(measured)
+
+
+def step_fp8unet(r: Runner) -> dict[str, Any]:
+    """Row 7: one child per UNet (SD 1.5, then SDXL), each under its cap; a UNet whose minimum no
+    longer fits is skipped, saying what it needs; then the decision."""
+    out: dict[str, Any] = {}
+    skipped, failed = [], []
+    for model in FP8_UNETS:
+        timeout = r.fits("fp8unet", model)
+        if timeout is None:
+            out[model] = {"skipped": f"budget: needs at least {r.needs('fp8unet', model):.0f} s, "
+                                     f"{max(0.0, r.left()):.0f} s left"}
+            skipped.append(model)
+            continue
+        spec = {"model": model, **FP8_UNET_SIZES[r.mode]}
+        p = r.run(f"fp8unet: {model}, 1x1 convs as GEMMs on fp8 vs convolutions vs bf16",
+                  [sys.executable, str(Path(__file__).resolve()), "fp8unet", json.dumps(spec)], timeout)
+        got = p.result()
+        if got is None:
+            out[model] = {"error": _fail(p) or "no result", "seconds": p.seconds}
+            failed.append(model)
+            continue
+        out[model] = {**got, "seconds": p.seconds}
+        w = got["ways"]
+        r.say(f"fp8unet: {model}: ms/step gemm {w['gemm']['ms_per_step']['median']:.3f}, conv "
+              f"{w['conv']['ms_per_step']['median']:.3f}, bf16 {w['bf16']['ms_per_step']['median']:.3f}; "
+              f"{got['verdict']}; agree {got['agreement']['ok']}")
+    out["decision"] = fp8unet_decision(out)
+    if skipped:
+        out["skipped"] = ", ".join(f"{m}: {out[m]['skipped']}" for m in skipped)
+    if failed:
+        out["error"] = "; ".join(f"{m}: {out[m]['error']}" for m in failed)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Rows 3-5: JAX against torch.compile on full-size random-weight folders
 
 
@@ -1101,6 +1173,33 @@ def _fp8_rows(res: dict[str, Any] | None) -> list[str]:
             f"mean |Δ| {res['mean_abs_delta']:.2g} of the bf16 output |"]
 
 
+def _fp8unet_rows(res: dict[str, Any] | None) -> list[str]:
+    """Row 7's lines: per UNet, ms/step of each way, gemm/conv per round, agreement; the decision."""
+    if res is None:
+        return []
+    out = []
+    for model in FP8_UNETS:
+        m = res.get(model) or {}
+        if "ways" not in m:
+            why = ("FAILED: " + m["error"]) if m.get("error") else f"skipped: {m.get('skipped', 'not run')}"
+            out.append(f"| fp8 UNet step ({model}): 1x1 convs as GEMMs on fp8 vs convolutions | – | {why} |")
+            continue
+        w, a, g = m["ways"], m["agreement"], m["gemm_over_conv"]
+        ms = "; ".join(f"{way} {_s(w[way]['ms_per_step']['median'], 3)} ms ({_s(w[way]['ms_per_step']['min'], 3)}–"
+                       f"{_s(w[way]['ms_per_step']['max'], 3)}; compiled in {w[way]['compile_s']:.0f} s, "
+                       f"{w[way]['traced_convs']} convs traced, {w[way]['cudnn_convs'] + w[way]['xla_convs']} compiled)"
+                       for way in ("gemm", "conv", "bf16"))
+        agree = (f"{'agree' if a['ok'] else 'DISAGREE'} (mean |Δ| / mean |ε|: gemm–conv "
+                 f"{a['gemm_vs_conv']['mean']:.2g}, gemm–bf16 {a['gemm_vs_bf16']['mean']:.2g}, conv–bf16 "
+                 f"{a['conv_vs_bf16']['mean']:.2g}; bound {a['tol']:g})")
+        out.append(f"| fp8 UNet step: {m['title']}, batch 1 + CFG, {m['fp8_pointwise_convs']} fp8 1x1 convs "
+                   f"({m['device']}) | {m['seconds']:.0f} | ms/step {ms}; gemm / conv {g['median']:.3f}× "
+                   f"({g['min']:.3f}–{g['max']:.3f} over {m['rounds']} rounds): {m['verdict']}; fp8 gemm / bf16 "
+                   f"{m['fp8_gemm_over_bf16']:.3f}×; {agree} |")
+    out.append(f"| fp8 UNet step: decision (docs/gpu.md) | – | {res.get('decision', '–')} |")
+    return out
+
+
 def table(results: dict[str, Any]) -> str:
     rows = ["| step | s | result |", "|---|---|---|"]
     pre = results.get("preflight") or {}
@@ -1122,6 +1221,7 @@ def table(results: dict[str, Any]) -> str:
     for h in HEAD_TO_HEAD[results["mode"]]:
         rows += _head_to_head_rows(h, results.get("rows", {}).get(h.row))
     rows += _fp8_rows(results.get("rows", {}).get("fp8"))
+    rows += _fp8unet_rows(results.get("rows", {}).get("fp8unet"))
     if results.get("models_skipped"):
         rows.append("| models: cold start, executable round trip, steady state | – | "
                     f"skipped: {results['models_skipped']} |")
@@ -1252,6 +1352,9 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
             if "fp8" in rows:  # 6.
                 results["rows"]["fp8"] = {}
                 _guard(r, results["rows"]["fp8"], lambda: results["rows"]["fp8"].update(step_fp8(r)))
+            if "fp8unet" in rows:  # 7.
+                results["rows"]["fp8unet"] = {}
+                _guard(r, results["rows"]["fp8unet"], lambda: results["rows"]["fp8unet"].update(step_fp8unet(r)))
             runs = [ModelRun(r, m) for m in models] if "models" in rows else []
             for mr in runs:
                 _guard(r, mr.res, mr.first)
@@ -1281,7 +1384,7 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
             results["models_skipped"] = "no GPU backend"
             results["compare"] = {"skipped": "no GPU backend"}
             results["rows"] = {x: {"skipped": "no GPU backend"} for x in rows if x in ("target", "sdxl", "flux",
-                                                                                        "kontext", "fp8")}
+                                                                                        "kontext", "fp8", "fp8unet")}
         results["total_s"] = time.time() - started_at
         (out / "models.json").write_text(json.dumps(results["models"], indent=2, default=str) + "\n")
         (out / "rows.json").write_text(json.dumps(results["rows"], indent=2, default=str) + "\n")
@@ -1299,7 +1402,7 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
 
 def main() -> int:
     children = {"steady": steady_child, "scaling": scaling_child, "images": images_child, "flops": flops_child,
-                "fp8": fp8_child,
+                "fp8": fp8_child, "fp8unet": fp8unet_child,
                 "materialize": lambda spec: materialize(spec["arch"], spec["dtype"], Path(spec["out"]))}
     if len(sys.argv) == 3 and sys.argv[1] in children:
         result = children[sys.argv[1]](json.loads(sys.argv[2]))

@@ -77,6 +77,25 @@ def test_matrix_flops_match_xla_cost_analysis():
     assert measure.matrix_flops(jax.make_jaxpr(nested)().jaxpr) == total
 
 
+def test_fp8unet_decision_follows_the_documented_rule():
+    """Row 7's decision (docs/gpu.md): keep the GEMM path iff it won every round on both UNets and
+    the outputs agree; a UNet without a measurement leaves it undecided."""
+    measure = _load("gpu_measure")
+    from preheat.bench.fp8_unet import verdict
+
+    assert verdict([0.97, 0.99, 0.98]) == "faster" and verdict([1.01, 1.02]) == "slower"
+    assert verdict([0.97, 1.01, 0.98]) == "within noise" and verdict([]) == "within noise"
+    ok = {"ok": True}
+    faster, noise = {"verdict": "faster", "agreement": ok}, {"verdict": "within noise", "agreement": ok}
+    assert measure.fp8unet_decision({"sd15": faster, "sdxl": faster}).startswith("keep: ")
+    assert measure.fp8unet_decision({"sd15": faster, "sdxl": noise}) == "revert: sd15 faster, sdxl within noise"
+    assert measure.fp8unet_decision({"sd15": faster, "sdxl": {"skipped": "budget"}}).startswith(
+        "undecided: no measurement of sdxl")
+    assert measure.fp8unet_decision({"sd15": noise, "sdxl": {"error": "x"}}).startswith("revert: sd15 within noise")
+    bad = {"verdict": "faster", "agreement": {"ok": False}}
+    assert measure.fp8unet_decision({"sd15": bad, "sdxl": faster}).startswith("revert: the outputs disagree")
+
+
 def test_preflight_names_what_is_missing_and_a_stale_wheel(tmp_path):
     preflight = _load("gpu_preflight")
     src = tmp_path / "src" / "preheat"
@@ -185,6 +204,10 @@ def test_a_stale_preheat_wheel_is_rebuilt_and_a_step_that_does_not_fit_the_budge
                   "FLUX.1 Kontext (tiny) 32² (32² reference), 2 steps"):  # rows 3-5, each named with its reason
         assert f"| {title} | – | skipped: budget: needs at least 10 s (random weights + one cold compile" in table
     assert "| scaled-fp8 Linear vs bf16 GEMM | – | skipped: budget: needs at least 5 s, 0 s left |" in table  # row 6
+    for model in ("sd15", "sdxl"):  # row 7, each UNet named with its reason, and no decision without them
+        assert (f"| fp8 UNet step ({model}): 1x1 convs as GEMMs on fp8 vs convolutions | – | skipped: budget: "
+                "needs at least 5 s, 0 s left |") in table
+    assert "| fp8 UNet step: decision (docs/gpu.md) | – | undecided: no measurement of sd15, sdxl" in table
     assert "everything | – | skipped (budget) |" in table
     assert "| bench compare --quick (built-in model) | – | skipped: budget |" in table
     assert proc.stdout.rstrip().endswith(table.strip())
@@ -254,12 +277,12 @@ def test_prepare_compiles_the_h200_set_here(prepared_targets):
 
 @pytest.mark.slow
 def test_dry_run_of_issue_29_rows_in_a_clean_venv(clean_python, env_wheels, prepared_targets, tmp_path):
-    """Rows 2-6 at tiny sizes: every code path the GPU runs, but the hit (a CPU never loads a GPU
+    """Rows 2-7 at tiny sizes: every code path the GPU runs, but the hit (a CPU never loads a GPU
     entry: the row must say so) and torch.compile (torch eager stands in: same children)."""
     proc, out = _dry_run(clean_python, env_wheels, tmp_path, GPU_TARGETS_DIR=str(prepared_targets),
-                         GPU_CHECK_ROWS="doctor,target,sdxl,flux,kontext,fp8")
+                         GPU_CHECK_ROWS="doctor,target,sdxl,flux,kontext,fp8,fp8unet")
     rows = json.loads((out / "rows.json").read_text())
-    assert sorted(rows) == ["flux", "fp8", "kontext", "sdxl", "target"]
+    assert sorted(rows) == ["flux", "fp8", "fp8unet", "kontext", "sdxl", "target"]
     t = rows["target"]
     assert t["skipped"] == [] and t["prepared"]["targets"] == ["h200"]
     assert t["carried"]["layer"] == "none"  # a CPU process never picks the GPU entry ...
@@ -292,7 +315,25 @@ def test_dry_run_of_issue_29_rows_in_a_clean_venv(clean_python, env_wheels, prep
     assert "| scaled-fp8 Linear 256² × 64 tokens vs bf16 GEMM (cpu) |" in table
     assert "one GEMM on the fp8 weight: NO (" in table
     assert table.index("FLUX.1 Kontext (tiny)") < table.index("scaled-fp8 Linear")  # after the important rows
-    assert "rows: doctor, target, sdxl, flux, kontext, fp8" in table
+    unets = rows["fp8unet"]  # row 7: both tiny UNets, the three ways each, end to end on the CPU
+    assert "error" not in unets and "skipped" not in unets, unets
+    for model in ("sd15", "sdxl"):
+        u = unets[model]
+        assert u["platform"] == "cpu" and u["size"] == "tiny" and u["fp8_params"] > 0.9 * u["params"]
+        ways = u["ways"]
+        assert all(ways[w]["ms_per_step"]["n"] == 3 and ways[w]["ms_per_step"]["median"] > 0 for w in ways)
+        # the switch is real: PREHEAT_FP8_1X1=conv traces one convolution more per fp8 1x1 conv
+        assert ways["conv"]["traced_convs"] - ways["gemm"]["traced_convs"] == u["fp8_pointwise_convs"] > 0
+        assert ways["bf16"]["traced_convs"] == ways["conv"]["traced_convs"]
+        assert u["verdict"] in ("faster", "slower", "within noise") and len(u["gemm_over_conv"]) == 3
+        agree = u["agreement"]  # the same weights: XLA:CPU computes the three alike
+        assert agree["ok"] and agree["finite"] and agree["mean_abs_prediction"] > 0
+        assert agree["gemm_vs_conv"]["mean"] <= agree["tol"]
+    assert unets["sd15"]["fp8_pointwise_convs"] > unets["sdxl"]["fp8_pointwise_convs"]  # SDXL's projections are Linear
+    assert unets["decision"].startswith(("keep: ", "revert: "))
+    assert table.index("scaled-fp8 Linear") < table.index("fp8 UNet step: SD 1.5 UNet (tiny) 64², batch 1 + CFG")
+    assert table.index("fp8 UNet step: SDXL UNet (tiny)") < table.index("fp8 UNet step: decision (docs/gpu.md)")
+    assert "rows: doctor, target, sdxl, flux, kontext, fp8, fp8unet" in table
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError
-from preheat.models.conv import CONV_IMPLS, GROUPNORM_IMPLS, conv2d, conv_impl, groupnorm_impl
+from preheat.models.conv import (CONV_IMPLS, FP8_1X1_IMPLS, GROUPNORM_IMPLS, conv2d, conv_impl, fp8_1x1_impl,
+                                 groupnorm_impl)
 from preheat.models.layers import GroupNorm
 from tests._support.reference import save_random_unet, torch_unet_output
 
@@ -118,3 +119,15 @@ def test_compile_cache_key_names_each_switch_setting(monkeypatch):
         monkeypatch.setenv("PREHEAT_GROUPNORM", impl)
         keys.add(key_of(key_fields({"model": "m"}, Sig(), (np.zeros(2, np.float32),))))
     assert len(keys) == len(CONV_IMPLS) + len(GROUPNORM_IMPLS)
+    for impl in FP8_1X1_IMPLS:
+        monkeypatch.setenv("PREHEAT_FP8_1X1", impl)
+        keys.add(key_of(key_fields({"model": "m"}, Sig(), (np.zeros(2, np.float32),))))
+    assert len(keys) == len(CONV_IMPLS) + len(GROUPNORM_IMPLS) + len(FP8_1X1_IMPLS)
+
+
+def test_fp8_1x1_auto_is_the_gemm_and_unknown_is_refused(monkeypatch):
+    monkeypatch.delenv("PREHEAT_FP8_1X1", raising=False)
+    assert fp8_1x1_impl() == "gemm"
+    monkeypatch.setenv("PREHEAT_FP8_1X1", "cudnn")
+    with pytest.raises(InvalidArgumentError, match="PREHEAT_FP8_1X1='cudnn'"):
+        fp8_1x1_impl()

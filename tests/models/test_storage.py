@@ -445,3 +445,49 @@ def test_on_the_h200_a_plain_fp8_1x1_conv_is_one_gemm_on_the_fp8_weight():
     old = kernels(_h200_hlo(before, abstract, x))
     assert len(old) == 2 and old[0].output.startswith(f"bf16[{c},1,1,{c}]") and old[0].reads_fp8, old  # the copy
     assert _convs(old) == ["__cudnn$convBiasActivationForward"], old  # then cuDNN
+
+
+def test_preheat_fp8_1x1_conv_switches_the_real_layer_to_the_convolution(monkeypatch):
+    """``PREHEAT_FP8_1X1=conv`` (the GPU check's ``fp8unet`` row times both settings): the same real
+    ``layers.Conv2d`` after ``storage.upcast`` compiles for the H200 to what it did before the GEMM
+    path (a kernel writing the bf16 weight copy, then cuDNN), and ``gemm``/``auto`` to the one GEMM
+    on the fp8 weight; on this CPU the two agree to rounding (the same fp8 weights)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from preheat.bench.fp8 import kernels, one_gemm_on_fp8
+    from preheat.models.layers import Conv2d
+    from preheat.models.storage import upcast
+    from preheat.models.weights import build_abstract
+
+    c = 640
+    graphdef, abstract = build_abstract(lambda rngs: Conv2d(c, c, 1, rngs=rngs))
+    abstract["kernel"].set_value(jax.ShapeDtypeStruct((1, 1, c, c), jnp.float8_e4m3fn))
+    abstract["bias"].set_value(jax.ShapeDtypeStruct((c,), jnp.bfloat16))
+    x = jax.ShapeDtypeStruct((2, 64, 64, c), jnp.bfloat16)
+
+    def program(graphdef=graphdef):  # a fresh function per setting: traced under it
+        return lambda params, x: nnx.merge(graphdef, upcast(params, jnp.bfloat16, tie=x))(x)
+
+    monkeypatch.setenv("PREHEAT_FP8_1X1", "conv")
+    ks = kernels(_h200_hlo(program(), abstract, x))
+    assert len(ks) == 2 and ks[0].output.startswith(f"bf16[{c},1,1,{c}]") and ks[0].reads_fp8, ks  # the copy
+    assert _convs(ks) == ["__cudnn$convBiasActivationForward"], ks  # then cuDNN
+    for setting in ("gemm", "auto"):
+        monkeypatch.setenv("PREHEAT_FP8_1X1", setting)
+        assert one_gemm_on_fp8(kernels(_h200_hlo(program(), abstract, x)), c)
+
+    rng = np.random.default_rng(0)  # small and on this CPU: both settings compute the same products
+    small, state = nnx.split(Conv2d(32, 16, 1, rngs=nnx.Rngs(0)))
+    state["kernel"].set_value(jnp.asarray(rng.standard_normal((1, 1, 32, 16)) / 6, jnp.float8_e4m3fn))
+    state["bias"].set_value(jnp.asarray(rng.standard_normal(16), jnp.bfloat16))
+    xs = jnp.asarray(rng.standard_normal((2, 4, 4, 32)), jnp.bfloat16)
+    outs = {}
+    for setting in ("gemm", "conv"):
+        monkeypatch.setenv("PREHEAT_FP8_1X1", setting)
+        outs[setting] = np.asarray(jax.jit(program(small))(state, xs), np.float32)
+        names = {e.primitive.name for e in jax.make_jaxpr(program(small))(state, xs).jaxpr.eqns}
+        assert ("conv_general_dilated" in names) == (setting == "conv"), names
+    # bf16 outputs of sums of 32 products: the two orders differ by a bf16 rounding at most
+    assert np.abs(outs["gemm"] - outs["conv"]).max() <= 2 ** -7 * np.abs(outs["conv"]).max()

@@ -135,6 +135,7 @@ def key_fields(fingerprint: dict[str, Any], signature: Any, args: Any, target: A
         "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else _jaxlib_version(),
         "conv_impl": os.environ.get("PREHEAT_CONV", "auto"),  # preheat.models.conv.conv_impl: the traced convs
         "groupnorm_impl": os.environ.get("PREHEAT_GROUPNORM", "auto"),  # ... and groupnorm_impl
+        "fp8_1x1_impl": os.environ.get("PREHEAT_FP8_1X1", "auto"),  # ... and fp8_1x1_impl (storage)
         "x64": bool(jax.config.jax_enable_x64),
         "matmul_precision": str(jax.config.jax_default_matmul_precision),
         "preheat": __version__,

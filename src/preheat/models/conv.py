@@ -1,5 +1,6 @@
 """The model code's per-platform choices: the UNets' and the VAE's 2-D convolution
-(``PREHEAT_CONV``) and GroupNorm's statistics (``PREHEAT_GROUPNORM``).
+(``PREHEAT_CONV``), GroupNorm's statistics (``PREHEAT_GROUPNORM``) and how a plain fp8 1x1 Conv
+applies its weight (``PREHEAT_FP8_1X1``).
 
 Why a switch: XLA:CPU's convolutions once ran well below its matrix products, so the same
 convolution can be written as matrix products (per tap, or im2col) and measured against XLA's own
@@ -15,6 +16,14 @@ the statistics with the affine weights into one multiply-add. ``auto`` is ``one_
 where the norms are memory-bound (measured 1.06-1.09x per built-in denoiser call and 1.03-1.08x
 on the cifar architecture; docs/benchmarks.md, issue 21), and ``two_pass`` elsewhere, what XLA's
 GPU fusions were tuned for.
+
+fp8 1x1 convs (``weights_dtype="float8_e4m3fn"``): ``gemm`` leaves a plain fp8 1x1 kernel fp8 in
+``storage.upcast`` and ``layers.Conv2d`` applies it as a matrix product whose operand read converts
+it (one GEMM on the fp8 weight); ``conv`` converts it in ``upcast`` like any other fp8 weight, and
+the layer runs XLA's convolution (cuDNN on a GPU) on that bf16 copy. ``auto`` is ``gemm``. The
+deviceless H200 HLO has one kernel per layer instead of two, but a whole UNet writes 0.2-0.8% more
+bytes (split-K GEMMs at 16² and 8²; docs/benchmarks.md, "fp8three"): the GPU check's ``fp8unet``
+row times both, autotuned, and decides which stays (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -27,12 +36,14 @@ import jax.numpy as jnp
 from preheat.errors import InvalidArgumentError
 from preheat.compile_target import traced_target
 
-__all__ = ["CONV_IMPLS", "GROUPNORM_IMPLS", "conv_impl", "conv2d", "groupnorm_impl"]
+__all__ = ["CONV_IMPLS", "GROUPNORM_IMPLS", "FP8_1X1_IMPLS", "conv_impl", "conv2d", "groupnorm_impl",
+           "fp8_1x1_impl"]
 
 Array = jax.Array
 
 CONV_IMPLS = ("conv", "taps", "im2col", "dot1x1")
 GROUPNORM_IMPLS = ("two_pass", "one_pass")
+FP8_1X1_IMPLS = ("gemm", "conv")
 
 
 def conv_impl() -> str:
@@ -56,6 +67,19 @@ def groupnorm_impl() -> str:
     if impl not in GROUPNORM_IMPLS:
         raise InvalidArgumentError(f"PREHEAT_GROUPNORM={impl!r}; supported: auto, {', '.join(GROUPNORM_IMPLS)}",
                                    argument="PREHEAT_GROUPNORM")
+    return impl
+
+
+def fp8_1x1_impl() -> str:
+    """How a plain fp8 1x1 Conv applies its weight in programs traced now: ``PREHEAT_FP8_1X1`` if
+    set, else ``gemm`` (``auto``): one GEMM reading the fp8 weight; ``conv``: XLA's convolution on a
+    bf16 copy (``storage.upcast`` converts it). Read by ``storage._pointwise_conv``."""
+    impl = os.environ.get("PREHEAT_FP8_1X1", "auto")
+    if impl == "auto":
+        return "gemm"
+    if impl not in FP8_1X1_IMPLS:
+        raise InvalidArgumentError(f"PREHEAT_FP8_1X1={impl!r}; supported: auto, {', '.join(FP8_1X1_IMPLS)}",
+                                   argument="PREHEAT_FP8_1X1")
     return impl
 
 

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError
+from preheat.models.conv import fp8_1x1_impl
 from preheat.models.quantised import FLOAT8, Packed, Quantised, is_low, is_quantised, refusal
 
 __all__ = ["WEIGHTS_DTYPES", "DEFAULT_SKIP", "layerwise", "upcast", "check_weights_dtype", "stored_low",
@@ -133,8 +134,11 @@ def _pointwise_conv(path: Any, x: Any) -> bool:
     so that ``layers.Conv2d`` sees the stored dtype and applies it as a matrix product (one GEMM
     whose operand read converts the fp8 weight), not XLA's convolution (cuDNN on a GPU, fed by a
     kernel writing a bf16 copy of the weight in its layout at every step: the H200 HLO,
-    tests/models/test_storage.py). A strided or padded 1x1 conv converts it there instead."""
-    return len(x.shape) == 4 and _gemm_kernel(path, x)
+    tests/models/test_storage.py). A strided or padded 1x1 conv converts it there instead.
+    ``PREHEAT_FP8_1X1=conv`` (``conv.fp8_1x1_impl``, part of the compile key) turns this off: every
+    plain fp8 kernel converted here, the layer's convolution on the bf16 copy (the GPU check's
+    ``fp8unet`` row times both)."""
+    return len(x.shape) == 4 and _gemm_kernel(path, x) and fp8_1x1_impl() == "gemm"
 
 
 def _gemm_kernel(path: Any, x: Any) -> bool:
