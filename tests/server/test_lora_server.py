@@ -68,8 +68,10 @@ def loras(sd_pipe, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def core(sd_pipe, loras):
+    # Text-only requests: the server offers no optional input (inputs=()), so it warms the text
+    # programs alone, with and without LoRA, not SD 1.x's image, mask and negative-prompt variants.
     core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=30, guidance=("on",), lora_ranks=(16,),
-                           max_loras=2, lora_dir=str(loras["A"].parent)), pipe=sd_pipe)
+                           max_loras=2, lora_dir=str(loras["A"].parent), inputs=()), pipe=sd_pipe)
     core.start()
     assert core.wait_setup(900) and core.setup.status == "succeeded", core.setup.logs
     yield core
@@ -288,7 +290,7 @@ def test_stalled_lora_urls_hold_only_the_fetch_slots(sd_pipe, loras, tmp_path, m
     files.files["/c.safetensors"] = loras["C"].read_bytes()
     pits = [RawServer(tarpit, f"127.0.0.{i}") for i in (2, 3, 4)]
     core = Core(CoreConfig(max_batch_size=2, batch_wait_ms=0, max_steps=30, guidance=("on",), lora_ranks=(16,),
-                           lora_dir=str(loras["A"].parent), lora_urls=WebhookPolicy(allow=("127.0.0.0/8",)),
+                           lora_dir=str(loras["A"].parent), lora_urls=WebhookPolicy(allow=("127.0.0.0/8",)), inputs=(),
                            fetch=FetchConfig(per_host=2, max_fetches=4, max_waiting=4, deadline_s=300)),
                 pipe=sd_pipe)
     core.start()
