@@ -104,17 +104,12 @@ def main() -> None:
     from preheat.models.flux import load_flux_transformer
     from preheat.models.single_file import materialize
     from preheat.models.storage import device_bytes
-    from tests._support.bfl_files import to_bfl
+    from tests._support.bfl_files import to_bfl, transformer_config_folder
     from tests._support.gguf_files import write_gguf
 
     torch.manual_seed(0)
     model = FluxTransformer2DModel(num_layers=args.double, num_single_layers=args.single, guidance_embeds=True)
-    configs = work / "configs"
-    (configs / "transformer").mkdir(parents=True, exist_ok=True)
-    (configs / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline",
-                                                          "transformer": ["diffusers", "FluxTransformer2DModel"]}))
-    (configs / "transformer" / "config.json").write_text(json.dumps({**dict(model.config),
-                                                                     "_class_name": "FluxTransformer2DModel"}))
+    configs = transformer_config_folder(work / "configs", model)
     bfl = to_bfl({k: v.detach().numpy() for k, v in model.state_dict().items()})
     params = sum(v.size for v in bfl.values())
     del model

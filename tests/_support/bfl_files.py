@@ -7,7 +7,10 @@ inverse is independent of preheat's table (``preheat.models.bfl``)::
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -63,3 +66,14 @@ def to_bfl(state: dict[str, np.ndarray], prefix: str = "") -> dict[str, np.ndarr
             put(f"{bfl_block}.{bfl}", leaf, np.concatenate([parts.pop(name) for name in order]))
         assert not parts, f"unexpected Flux tensors in {bfl_block}: {sorted(parts)}"
     return out
+
+
+def transformer_config_folder(folder: Path, model: Any) -> Path:
+    """``folder`` as the config folder a FLUX.1 transformer file is paired with (``config=``): a
+    model index naming the transformer and ``transformer/config.json`` of diffusers' ``model``."""
+    (folder / "transformer").mkdir(parents=True, exist_ok=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline",
+                                                         "transformer": ["diffusers", "FluxTransformer2DModel"]}))
+    (folder / "transformer" / "config.json").write_text(json.dumps({**dict(model.config),
+                                                                    "_class_name": "FluxTransformer2DModel"}))
+    return folder

@@ -84,20 +84,19 @@ def test_groupnorm_matches_a_float64_reference_far_from_zero(impl, offset, monke
     assert float(np.abs(got - want).max()) <= (1e-5 if offset == 0 else 1e-3)
 
 
-def test_auto_is_xla_convolution_and_unknown_is_refused(monkeypatch):
-    monkeypatch.delenv("PREHEAT_CONV", raising=False)
-    assert conv_impl() == "conv"
-    monkeypatch.setenv("PREHEAT_CONV", "winograd")
-    with pytest.raises(InvalidArgumentError, match="PREHEAT_CONV='winograd'"):
-        conv_impl()
-
-
-def test_groupnorm_auto_is_one_pass_on_cpu_and_unknown_is_refused(monkeypatch):
-    monkeypatch.delenv("PREHEAT_GROUPNORM", raising=False)
-    assert groupnorm_impl() == ("one_pass" if jax.default_backend() == "cpu" else "two_pass")
-    monkeypatch.setenv("PREHEAT_GROUPNORM", "welford")
-    with pytest.raises(InvalidArgumentError, match="PREHEAT_GROUPNORM='welford'"):
-        groupnorm_impl()
+@pytest.mark.parametrize("variable, read, auto, unknown", [
+    ("PREHEAT_CONV", conv_impl, "conv", "winograd"),
+    ("PREHEAT_GROUPNORM", groupnorm_impl, "one_pass" if jax.default_backend() == "cpu" else "two_pass", "welford"),
+    ("PREHEAT_FP8_1X1", fp8_1x1_impl, "gemm", "cudnn"),
+])
+def test_each_switch_has_its_auto_and_refuses_an_unknown_value(monkeypatch, variable, read, auto, unknown):
+    monkeypatch.delenv(variable, raising=False)
+    assert read() == auto
+    monkeypatch.setenv(variable, "auto")
+    assert read() == auto
+    monkeypatch.setenv(variable, unknown)
+    with pytest.raises(InvalidArgumentError, match=f"{variable}='{unknown}'"):
+        read()
 
 
 def test_compile_cache_key_names_each_switch_setting(monkeypatch):
@@ -123,11 +122,3 @@ def test_compile_cache_key_names_each_switch_setting(monkeypatch):
         monkeypatch.setenv("PREHEAT_FP8_1X1", impl)
         keys.add(key_of(key_fields({"model": "m"}, Sig(), (np.zeros(2, np.float32),))))
     assert len(keys) == len(CONV_IMPLS) + len(GROUPNORM_IMPLS) + len(FP8_1X1_IMPLS)
-
-
-def test_fp8_1x1_auto_is_the_gemm_and_unknown_is_refused(monkeypatch):
-    monkeypatch.delenv("PREHEAT_FP8_1X1", raising=False)
-    assert fp8_1x1_impl() == "gemm"
-    monkeypatch.setenv("PREHEAT_FP8_1X1", "cudnn")
-    with pytest.raises(InvalidArgumentError, match="PREHEAT_FP8_1X1='cudnn'"):
-        fp8_1x1_impl()

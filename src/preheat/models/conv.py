@@ -29,6 +29,7 @@ row times both, autotuned, and decides which stays (docs/gpu.md).
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,41 +47,34 @@ GROUPNORM_IMPLS = ("two_pass", "one_pass")
 FP8_1X1_IMPLS = ("gemm", "conv")
 
 
+def _setting(variable: str, choices: tuple[str, ...], auto: Callable[[], str]) -> str:
+    """The implementation ``variable`` names, one of ``choices``; unset or ``auto``: ``auto()``."""
+    impl = os.environ.get(variable, "auto")
+    if impl == "auto":
+        return auto()
+    if impl not in choices:
+        raise InvalidArgumentError(f"{variable}={impl!r}; supported: auto, {', '.join(choices)}", argument=variable)
+    return impl
+
+
 def conv_impl() -> str:
     """The convolution implementation for programs traced now: ``PREHEAT_CONV`` if set, else per
     platform (``auto``): XLA's convolution everywhere (cuDNN's choice on GPUs)."""
-    impl = os.environ.get("PREHEAT_CONV", "auto")
-    if impl == "auto":
-        return "conv"
-    if impl not in CONV_IMPLS:
-        raise InvalidArgumentError(f"PREHEAT_CONV={impl!r}; supported: auto, {', '.join(CONV_IMPLS)}",
-                                   argument="PREHEAT_CONV")
-    return impl
+    return _setting("PREHEAT_CONV", CONV_IMPLS, lambda: "conv")
 
 
 def groupnorm_impl() -> str:
     """GroupNorm's statistics for programs traced now: ``PREHEAT_GROUPNORM`` if set, else per
     platform (``auto``): one pass on CPU, two passes elsewhere."""
-    impl = os.environ.get("PREHEAT_GROUPNORM", "auto")
-    if impl == "auto":
-        return "one_pass" if traced_target()[0] == "cpu" else "two_pass"
-    if impl not in GROUPNORM_IMPLS:
-        raise InvalidArgumentError(f"PREHEAT_GROUPNORM={impl!r}; supported: auto, {', '.join(GROUPNORM_IMPLS)}",
-                                   argument="PREHEAT_GROUPNORM")
-    return impl
+    return _setting("PREHEAT_GROUPNORM", GROUPNORM_IMPLS,
+                    lambda: "one_pass" if traced_target()[0] == "cpu" else "two_pass")
 
 
 def fp8_1x1_impl() -> str:
     """How a plain fp8 1x1 Conv applies its weight in programs traced now: ``PREHEAT_FP8_1X1`` if
     set, else ``gemm`` (``auto``): one GEMM reading the fp8 weight; ``conv``: XLA's convolution on a
     bf16 copy (``storage.upcast`` converts it). Read by ``storage._pointwise_conv``."""
-    impl = os.environ.get("PREHEAT_FP8_1X1", "auto")
-    if impl == "auto":
-        return "gemm"
-    if impl not in FP8_1X1_IMPLS:
-        raise InvalidArgumentError(f"PREHEAT_FP8_1X1={impl!r}; supported: auto, {', '.join(FP8_1X1_IMPLS)}",
-                                   argument="PREHEAT_FP8_1X1")
-    return impl
+    return _setting("PREHEAT_FP8_1X1", FP8_1X1_IMPLS, lambda: "gemm")
 
 
 def conv2d(x: Array, kernel: Array, stride: int, padding: int, impl: str | None = None) -> Array:
