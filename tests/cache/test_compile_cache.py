@@ -270,3 +270,26 @@ def test_an_entry_that_loads_but_fails_to_run_is_quarantined(model_dir, referenc
     assert np.array_equal(pipe.generate(**CALL), reference_pixels)
     assert any("failed on its first run" in e.get("quarantined", "") for e in pipe.compiler.events)
     assert len(list((tmp_path / "quarantine").iterdir())) == 1
+
+
+def test_cache_off_neither_reads_nor_writes_jaxs_persistent_cache(model_dir, tmp_path):
+    """JAX's persistent cache directory is process-wide once a full or xla load set it: a
+    ``cache="off"`` load after one must not write its programs there (it wrote them, and read
+    them back as hits reported as "none"). Control: an "xla" compile in the same process does."""
+    import jax
+
+    from preheat.cache.compile import configure_persistent_cache
+
+    configure_persistent_cache(tmp_path / "root")  # a no-op where an earlier test already set it
+    xla_dir = Path(jax.config.jax_compilation_cache_dir)
+
+    def files() -> set[Path]:
+        return {p for p in xla_dir.rglob("*") if p.is_file()}
+
+    before = files()
+    off = preheat.load(model_dir, cache="off")
+    off.generate(n=5, steps=1, seed=0)  # a batch size no other test compiles
+    assert files() == before and off.last.cache_layer == "none"
+    xla = preheat.load(model_dir, cache="xla")
+    xla.generate(n=6, steps=1, seed=0)
+    assert len(files() - before) >= 1, "the control: an xla-mode compile writes JAX's cache here"

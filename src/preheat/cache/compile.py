@@ -33,7 +33,7 @@ from preheat.cache.entry_cache import EntryCache, nearest_entry  # nearest_entry
 from preheat.errors import CacheEntryError
 from preheat.timings import Timings
 
-__all__ = ["JaxCompiler", "TargetCompiler", "Prefetch", "Rehearsal", "device_fields", "zeros_like_outputs", "key_fields", "key_of", "mesh_of", "configure_persistent_cache",
+__all__ = ["JaxCompiler", "TargetCompiler", "Prefetch", "Rehearsal", "device_fields", "zeros_like_outputs", "key_fields", "key_of", "mesh_of", "configure_persistent_cache", "compile_uncached",
            "tracing_source_hash", "traced_sources", "nearest_entry"]
 
 log = logging.getLogger("preheat.cache")
@@ -246,6 +246,14 @@ def _persistent_cache_disabled() -> Iterator[None]:
             if _disabled_by == 0:
                 jax.config.update("jax_enable_compilation_cache", _enabled_before)
                 reset_cache()
+
+
+def compile_uncached(lowered: Any) -> Any:
+    """``lowered.compile()`` with JAX's persistent cache neither read nor written: ``cache="off"``.
+    The cache's directory is process-wide once a full or xla load set it, so a plain compile after
+    one would read and write that load's root."""
+    with _persistent_cache_disabled():
+        return lowered.compile()
 
 
 _disable_lock = threading.Lock()
