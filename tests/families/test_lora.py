@@ -267,15 +267,18 @@ def test_a_mixed_batch_gives_each_image_what_it_gives_alone(sd):
     entry = sd["sd1"]
     pipe = entry["pipe"]
     a, b = entry["A"], entry["B"]
-    call = dict(steps=2, seed=[11, 12, 13], guidance=7.5)
-    prompts = ["a photo of a cat", "a red fox", "city at night"]
-    mixed = pipe.generate(prompts, lora=[[a], None, [(a, 0.5), (b, 1.0)]], **call)
-    alone = [pipe.generate(prompts, lora=a, **call)[0],
-             pipe.generate(prompts, **call)[1],
-             pipe.generate(prompts, lora=[(a, 0.5), (b, 1.0)], **call)[2]]
-    for i in range(3):  # the same batch size, so the same per-image math
+    call = dict(steps=2, guidance=7.5)
+    prompts, seeds = ["a photo of a cat", "a red fox", "city at night"], [11, 12, 13]
+    loras = [a, None, [(a, 0.5), (b, 1.0)]]
+    mixed = pipe.generate(prompts, lora=[[a], None, loras[2]], seed=seeds, **call)
+    # each image alone, at batch 1: the one-slot and plain programs the module's batch-1 calls use
+    # (no batch-3 program of its own); another batch size may round a pixel one level apart
+    # (tests/test_engine.py), which the bound below already allows
+    alone = [pipe.generate(prompts[i], seed=seeds[i], **call, **({} if loras[i] is None else {"lora": loras[i]}))[0]
+             for i in range(3)]
+    for i in range(3):
         assert np.abs(mixed[i].astype(np.int32) - alone[i].astype(np.int32)).max() <= 1, i
-    assert _diff(mixed[0], pipe.generate(prompts, **call)[0]) > 5
+    assert _diff(mixed[0], pipe.generate(prompts[0], seed=seeds[0], **call)[0]) > 5  # the LoRA mattered
 
 
 def test_sdxl_text_encoder_2_lora_is_used(sd):

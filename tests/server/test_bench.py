@@ -5,9 +5,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from preheat.cli.bench import bench_serve_command
+
+
+@pytest.fixture(scope="module")
+def bench_home(tmp_path_factory) -> Path:
+    """One PREHEAT_HOME for the module's bench runs: whichever runs second loads the programs (its
+    offline pipeline's and its server's) from the compile cache the first one wrote, instead of
+    compiling them again. Neither test checks compiling; each checks its load and its report."""
+    return tmp_path_factory.mktemp("bench-home")
+
+
+@pytest.fixture(autouse=True)
+def _shared_home(_private_cache_root: None, bench_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREHEAT_HOME", str(bench_home))  # after conftest's private root: this one wins
 
 
 def test_bench_serve_small(model_dir: Path, tmp_path: Path) -> None:
