@@ -86,8 +86,13 @@ def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(tmp_pat
 
 def test_warm_target_on_a_tiny_sd1_folder_compiles_every_program_of_the_call(tmp_path):
     from tests._support.sd_fixtures import save_tiny_sd
+    from tests._support.unet_condition_fixtures import save_tiny_unet_condition
 
     folder = save_tiny_sd(tmp_path / "sd1", kind="sd1")
+    # a one-level UNet, one layer per block: every program of the call is there, each compile
+    # (deviceless, for an H200; three denoising loops) the shorter
+    save_tiny_unet_condition(folder / "unet", kind="sd1", layers_per_block=1, block_out_channels=(32,),
+                             down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",))
     code, out = _warm(str(folder), "--target", "h200", "--max-batch-size", "1", "--guidance", "off")
     assert code == 0, out
     stages = sorted(m["fields"]["signature"].get("stage", "denoise") for m in _manifests(_root()))

@@ -63,23 +63,16 @@ def test_matches_diffusers_from_the_same_latents(folders, pipes, kind, sampler, 
     assert ours.std() > 5  # not a flat image (flat images would agree for any model)
 
 
-def test_prompt_guidance_steps_seed_and_negatives_are_data(pipes):
-    """One denoising program serves every prompt, guidance scale, step count, seed and negative prompt."""
-    import dataclasses
-
-    pipe = dataclasses.replace(pipes["sd1"], _executables={})  # a fresh program table
-    traces = []
-    apply = pipe.apply
-
-    def counting(*args):
-        traces.append(1)  # runs only while JAX traces the denoiser
-        return apply(*args)
-
-    pipe.apply = counting
-    first = pipe.generate("a photo of a cat", steps=2, guidance=7.5, seed=0)
-    assert len(traces) >= 1
+def test_prompt_guidance_steps_seed_and_negatives_are_data(sd1_cold):
+    """One denoising program serves every prompt, guidance scale, step count, seed and negative prompt.
+    The module's cold start traced and compiled it (its call is this test's first: the default
+    sampler, guidance 7.5); the calls here count the denoiser's traces from then on."""
+    pipe, traces = sd1_cold.pipe, sd1_cold.traces
+    assert sd1_cold.cold_traces >= 1  # the counter sees a trace: the cold start's
     traced = len(traces)
     traced_before = len(pipe._executables)
+    first = pipe.generate("a photo of a cat", steps=2, guidance=7.5, seed=0)
+    np.testing.assert_array_equal(first, sd1_cold.image)  # the cold start's call, from memory
     outs = [
         pipe.generate("a red fox", steps=2, guidance=7.5, seed=0),
         pipe.generate("a photo of a cat", steps=5, guidance=3.0, seed=0),
@@ -192,6 +185,8 @@ class ColdStart(NamedTuple):
     pipe: Any
     image: np.ndarray  # generate("a photo of a cat", steps=2, seed=0)
     layers: dict[str, str]  # each stage's cache layer on that call
+    traces: list[int]  # one item per trace of the pipe's denoiser, from its first call on
+    cold_traces: int  # of them, the cold call's
 
 
 @pytest.fixture(scope="module")
@@ -204,8 +199,16 @@ def sd1_cold(folders, tmp_path_factory) -> ColdStart:
     root = tmp_path_factory.mktemp("sd1-cold-cache")
     pipe = preheat.load(folders["sd1"], cache="off")
     pipe.compiler = JaxCompiler(root=root, mode="full", remote=None)
+    traces: list[int] = []
+    apply = pipe.apply
+
+    def counting(*args):
+        traces.append(1)  # runs only while JAX traces the denoiser
+        return apply(*args)
+
+    pipe.apply = counting
     image = pipe.generate("a photo of a cat", steps=2, seed=0)
-    return ColdStart(root, pipe, image, {s: t.cache_layer for s, t in pipe.last.stages.items()})
+    return ColdStart(root, pipe, image, {s: t.cache_layer for s, t in pipe.last.stages.items()}, traces, len(traces))
 
 
 def _copy_cache(cold: ColdStart, root: Path) -> None:
