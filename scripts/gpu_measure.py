@@ -552,8 +552,10 @@ def matrix_flops(jaxpr: Any) -> int:
     """FLOPs of the matrix work (dot_general, conv_general_dilated) in a jaxpr, sub-jaxprs included."""
     import math
 
+    from preheat.bench.common import equations
+
     total = 0
-    for eqn in jaxpr.eqns:
+    for eqn in equations(jaxpr):
         name = eqn.primitive.name
         if name == "dot_general":
             (lc, _), _ = eqn.params["dimension_numbers"]
@@ -564,11 +566,6 @@ def matrix_flops(jaxpr: Any) -> int:
             spec = eqn.params["dimension_numbers"].rhs_spec  # (out features, in features / groups, *window)
             window = math.prod(rhs[d] for d in spec[2:])
             total += 2 * math.prod(eqn.outvars[0].aval.shape) * rhs[spec[1]] * window
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    total += matrix_flops(inner)
     return total
 
 

@@ -9,9 +9,10 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
-__all__ = ["timed", "round_robin_ms", "summary", "machine_line", "ARCHITECTURES", "write_pixel_architecture", "fmt_summary", "write_json"]
+__all__ = ["timed", "round_robin_ms", "summary", "machine_line", "ARCHITECTURES", "write_pixel_architecture", "fmt_summary", "write_json",
+           "equations"]
 
 # Published architectures, for random-weight benchmark models (config.json of the checkpoint).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -112,3 +113,15 @@ def write_json(path: Path | None, data: Any) -> None:
     from preheat.files import atomic_write_bytes
 
     atomic_write_bytes(path, (json.dumps(data, indent=2, default=str) + "\n").encode())
+
+
+def equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of ``jaxpr`` and of the jaxprs its equations hold (scan, cond and pjit bodies,
+    custom rules), depth first: what a count of a program's primitives must walk."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from equations(inner)

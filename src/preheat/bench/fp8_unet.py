@@ -39,6 +39,7 @@ import statistics
 import time
 from typing import Any, Iterator, NamedTuple
 
+from preheat.bench.common import equations
 from preheat.bench.random_models import SD15_UNET, SDXL_UNET
 
 __all__ = ["UNETS", "TINY_UNETS", "WAYS", "AGREE_TOL", "measure_unet", "verdict"]
@@ -137,15 +138,7 @@ def _counts(program: Any, jaxpr: Any) -> dict[str, int]:
     """The convolutions in the traced program (jaxpr, sub-jaxprs included) and what XLA compiled:
     cuDNN convolution calls and XLA convolution ops, cuBLAS calls and Triton GEMM fusions."""
     def convs(j: Any) -> int:
-        n = 0
-        for eqn in j.eqns:
-            n += eqn.primitive.name == "conv_general_dilated"
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        n += convs(inner)
-        return n
+        return sum(eqn.primitive.name == "conv_general_dilated" for eqn in equations(j))
 
     hlo = program.as_text()
     return {"traced_convs": convs(jaxpr), "cudnn_convs": len(re.findall(r'custom_call_target="__cudnn\$conv', hlo)),
