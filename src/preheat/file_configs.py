@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, NamedTuple, NoReturn
 
 from preheat.errors import FetchError, InvalidArgumentError, ModelError
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from preheat.models.published import Needed
     from preheat.store import HfPlan
 
-__all__ = ["Converted", "GGUFSource", "converted_folder", "gguf_source", "plain_tensors", "single_file_config",
+__all__ = ["Converted", "GGUFSource", "converted_folder", "gguf_source", "plain_tensors", "refuse_gguf_aot", "single_file_config",
            "single_file_head", "single_file_plan"]
 
 
@@ -239,19 +239,27 @@ def gguf_source(root: Path, config: str | Path | None, variant: str | None, comp
 
 
 def _compiles(file: Path, compile: str) -> None:
-    """Refuse the torch compile mode a GGUF denoiser cannot take, in one line. ``inductor`` and
-    ``regional`` trace diffusers' GGUF Linear as it runs (each weight dequantised where it is used;
-    the image is the eager one's to a level of 255: ``tests/backends/test_torch_gguf.py``).
-    ``aot`` exports the blocks with ``torch.export``, which lifts each weight out as a plain tensor
-    of its packed bytes, without the quantisation type diffusers dequantises by, so the first call
-    fails inside the export on a shape (``[1, 32] X [34, 192]`` for a Q8_0 weight)."""
+    """Refuse the torch compile mode a GGUF denoiser cannot take, in one line (``refuse_gguf_aot``).
+    ``inductor`` and ``regional`` trace diffusers' GGUF Linear as it runs (each weight dequantised
+    where it is used; the image is the eager one's to a level of 255:
+    ``tests/backends/test_torch_gguf.py``)."""
+    if compile == "aot":
+        refuse_gguf_aot(f"{file} is a GGUF file", "compile",
+                        "compile='regional' or 'inductor', which trace the dequantisation, or 'none'")
+
+
+def refuse_gguf_aot(what: str, option: str, instead: str) -> NoReturn:
+    """The one refusal of AOT export for GGUF weights: ``preheat.load(file.gguf, backend="torch",
+    compile="aot")`` (``_compiles``, from the file) and ``preheat.torch.compile(pipe, mode="aot")``
+    on a denoiser holding diffusers' ``GGUFParameter`` s (``backends.torch.compiled``). ``aot``
+    exports the blocks with ``torch.export``, which lifts each weight out as a plain tensor of its
+    packed bytes, without the quantisation type diffusers dequantises by, so the first call failed
+    inside the export on a shape (``[1, 32] X [34, 192]`` for a Q8_0 weight)."""
     from preheat.errors import UnsupportedConfigError
 
-    if compile == "aot":
-        raise UnsupportedConfigError(f"{file} is a GGUF file: compile='aot' cannot export its quantised weights "
-                                     "(torch.export takes each as a plain tensor of its packed bytes, not the GGUF "
-                                     "type diffusers dequantises by); use compile='regional' or 'inductor', which "
-                                     "trace the dequantisation, or 'none'")
+    raise UnsupportedConfigError(f"{what}: {option}='aot' cannot export its quantised weights (torch.export takes "
+                                 "each as a plain tensor of its packed bytes, not the GGUF type diffusers "
+                                 f"dequantises by); use {instead}")
 
 
 def _diffusers_reads(file: Path) -> None:

@@ -213,3 +213,31 @@ def test_compile_aot_of_a_gguf_file_is_one_line(files, tmp_path, monkeypatch):
                                              "--paths", "jax,torch-aot", "--keep", str(tmp_path / "work")])
     assert r.exit_code != 0 and "compile='aot' cannot export" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1 and specs == [], r.output
+
+
+def test_preheat_torch_compile_aot_of_a_users_gguf_pipeline_is_one_line(files, tmp_path, monkeypatch):
+    """A user who loads the transformer with diffusers' own ``from_single_file(...,
+    quantization_config=GGUFQuantizationConfig(...))`` and calls ``preheat.torch.compile(pipe,
+    mode="aot")`` gets the load's refusal (one line, the working modes named) at the call, not the
+    export's shape error at the first image; nothing is installed, so another mode still takes it."""
+    import torch
+    from diffusers import FluxTransformer2DModel, GGUFQuantizationConfig
+
+    import preheat.torch
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    folder = files["folder"]
+    with diffusers_bfl_at_tiny_widths(folder, monkeypatch):
+        transformer = FluxTransformer2DModel.from_single_file(
+            str(files["Q8_0"]), quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32),
+            config=str(folder), subfolder="transformer", torch_dtype=torch.float32)
+    pipe = flow_fixtures.reference_pipeline(folder, "flow_euler")
+    pipe.transformer = transformer
+    for target in (pipe, transformer):
+        with pytest.raises(UnsupportedConfigError, match=r"^FluxTransformer2DModel holds GGUF-quantised weights "
+                                                         r"\([\w.]+ is Q8_0\): mode='aot' cannot export its quantised "
+                                                         r"weights .*; use mode='regional' or 'full'") as err:
+            preheat.torch.compile(target, mode="aot")
+        assert "\n" not in str(err.value)
+    assert not hasattr(transformer, "_preheat_gate") and "forward" not in transformer.__dict__  # nothing installed
+    assert preheat.torch.compile(pipe, mode="regional", cache="off") is pipe  # compiled lazily: no call here

@@ -83,8 +83,18 @@ def compile(target: Any, mode: str = "regional", *, dynamic: bool = False, cache
 
 
 def compile_with(target: Any, mode: str, dynamic: bool, compiler: TorchCompiler) -> Any:
-    """``compile`` with a given ``TorchCompiler`` (the torch pipelines share theirs)."""
-    for module in _denoisers(target):
+    """``compile`` with a given ``TorchCompiler`` (the torch pipelines share theirs). ``aot`` of a
+    denoiser holding GGUF weights (``gguf_weight``) is refused in one line before any is touched:
+    the export takes each as a plain tensor of its packed bytes and fails at the first call."""
+    denoisers = _denoisers(target)
+    for module in denoisers if mode == "aot" else ():
+        found = gguf_weight(module)
+        if found is not None:
+            from preheat.file_configs import refuse_gguf_aot
+
+            refuse_gguf_aot(f"{type(module).__name__} holds GGUF-quantised weights ({found[0]} is {found[1]})",
+                            "mode", "mode='regional' or 'full', which trace the dequantisation")
+    for module in denoisers:
         _install(module, mode, dynamic, compiler)
     return target
 
@@ -227,6 +237,23 @@ def _install_aot(module: torch.nn.Module, compiler: TorchCompiler) -> None:
     for block in blocks:
         block.forward = _AotBlock(block, gate)
     module._preheat_gate = gate
+
+
+def gguf_weight(module: torch.nn.Module) -> tuple[str, str] | None:
+    """The first parameter of ``module`` that diffusers' GGUF quantizer holds (a ``GGUFParameter``:
+    ``from_single_file(..., quantization_config=GGUFQuantizationConfig(...))``), as (name, GGML
+    type), or None. No such parameter exists unless diffusers' GGUF module was imported, so a
+    module without one costs no import (and needs no ``gguf``)."""
+    import sys
+
+    utils = sys.modules.get("diffusers.quantizers.gguf.utils")
+    if utils is None:
+        return None
+    for name, param in module.named_parameters():
+        if isinstance(param, utils.GGUFParameter):
+            kind = getattr(param.quant_type, "name", param.quant_type)
+            return name, str(kind)
+    return None
 
 
 @dataclass(eq=False)
