@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 __all__ = ["atomic_write_bytes", "fsync_dir", "sha256_file", "sha256_and_size", "publish_folder", "MADE_FROM",
-           "write_made_from", "read_made_from", "changed_inputs", "Seen"]
+           "write_made_from", "read_made_from", "changed_inputs", "removed_contents", "Seen"]
 
 CHUNK = 1 << 20  # bytes read at a time while hashing
 
@@ -171,3 +171,18 @@ def changed_inputs(folder: str | Path) -> list[tuple[Path, Seen, Seen]]:
             continue
         out.append((path, then, now))
     return out
+
+
+def removed_contents(folder: str | Path) -> list[Path]:
+    """The inputs of ``folder`` named by their content (its config folder's JSON and tokenizer
+    files, recorded with their sha256) that are gone while another of them is still there: the
+    file was deleted from a folder that is still mounted, so ``folder`` was made from a config no
+    load reads again (stale), not from one on an unmounted drive (every one of them gone: kept, as
+    a missing source is). [] for a folder recorded without sha256s."""
+    try:
+        raw = json.loads((Path(folder) / MADE_FROM).read_text())
+        contents = [Path(p) for p in raw.get("sha256", {})]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
+    there = [p.exists() for p in contents]
+    return [p for p, ok in zip(contents, there) if not ok] if any(there) else []

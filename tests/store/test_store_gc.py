@@ -263,3 +263,60 @@ def test_an_edited_config_json_makes_its_conversion_stale_and_a_touched_one_does
     assert f"collected single/{old.name}: its config file {config.resolve()} changed since it was made (sha256 " \
            in out.output and "kept until" not in out.output, out.output
     assert not old.exists() and list((root / "models" / "single").iterdir()) == [new]
+
+
+def test_a_deleted_config_file_makes_its_conversion_stale_and_a_missing_source_keeps_its_own(tmp_path, monkeypatch):
+    """Three real single files converted, each with its own config folder outside the cache root.
+    A config file deleted from the first's config folder (the rest of it still there): the folder is
+    mounted, so the file is gone, not away, and no load reads that config again; the conversion is
+    stale ("its config file ... was removed", not a missing source) and `prune` collects it. The
+    second's source file deleted, and the third's whole config folder moved away: either may be an
+    unmounted drive, so both stay missing sources, kept until `--drop-missing-sources`."""
+    import os
+    import shutil
+
+    from click.testing import CliRunner
+    from safetensors.numpy import save_file
+
+    from preheat.cli import main
+    from preheat.models.single_file import materialize
+    from preheat.store import _gc, derived_folders
+    from tests._support.ldm_files import to_original
+    from tests._support.sd_fixtures import save_tiny_sd
+
+    root = tmp_path / "home"
+    monkeypatch.setenv("PREHEAT_HOME", str(root))
+    first = save_tiny_sd(tmp_path / "sd1", kind="sd1")
+    tensors = to_original(first, "sd1")
+    made = []
+    for i in range(3):
+        config = first if i == 0 else shutil.copytree(first, tmp_path / f"sd1-{i}", symlinks=True)
+        path = tmp_path / f"tiny-sd1-{i}.safetensors"
+        save_file(tensors, str(path))
+        made.append((path, config, materialize(path, config, root)))
+    assert len({m[2] for m in made}) == 3
+    (path0, config0, gone), (path1, _, away), (path2, config2, unmounted) = made
+
+    deleted = config0 / "scheduler" / "scheduler_config.json"  # recorded with its sha256
+    deleted.unlink()
+    path1.unlink()
+    config2.rename(tmp_path / "away")
+    later = max(os.stat(m[2]).st_mtime for m in made) + 7200  # past the grace period
+    states = {d.name: d for d in derived_folders(root, now=later)}
+    stale = states[f"single/{gone.name}"]
+    assert stale.state == "changed-source" and stale.collect, stale
+    assert stale.why == (f"its config file {deleted.resolve()} was removed since it was made (the rest of its config "
+                         "folder is there): no load reaches this one"), stale.why
+    assert states[f"single/{away.name}"].state == "missing-source", states
+    assert states[f"single/{away.name}"].why.startswith(f"its source {path1.resolve()} is missing")
+    kept = states[f"single/{unmounted.name}"]
+    assert kept.state == "missing-source" and not kept.collect and f"{tmp_path / 'sd1-2'}" in kept.why, kept
+
+    monkeypatch.setattr(_gc.time, "time", lambda: later)
+    out = CliRunner().invoke(main, ["cache", "prune"])
+    assert out.exit_code == 0, out.output
+    assert f"collected single/{gone.name}: its config file {deleted.resolve()} was removed" in out.output, out.output
+    for folder in (away, unmounted):
+        assert f"kept single/{folder.name}: its source " in out.output, out.output
+    assert "--drop-missing-sources" in out.output
+    assert not gone.exists() and away.is_dir() and unmounted.is_dir()
