@@ -224,15 +224,21 @@ def test_a_file_mixing_every_packed_type_draws_diffusers_gguf_image(wide, mixed,
     np.testing.assert_array_equal(np.asarray(q.expand(np.float32)).T, qkv[:256])
 
 
-def test_fp8_storage_of_a_packed_file_keeps_every_packed_weight_packed(wide, mixed, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def mixed_fp8(wide, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREHEAT_HOME", str(tmp_path_factory.mktemp("home")))
+        return preheat.load(wide["mixed"], config=wide["folder"], cache="off", weights_dtype="float8_e4m3fn")
+
+
+def test_fp8_storage_of_a_packed_file_keeps_every_packed_weight_packed(wide, mixed, mixed_fp8):
     """weights_dtype=float8_e4m3fn: each packed weight stays its blocks, whether fp8 storage names
     its layer or keeps it at full precision (the AdaLN modulation): fp8 would be larger than any
     packed type, and the blocks are placed as they are, never dequantised on the host. The file's
     F16 weights in fp8's set are cast to fp8 as any full-precision weight is."""
     from preheat.models.quantised import Packed
 
-    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
-    low = preheat.load(wide["mixed"], config=wide["folder"], cache="off", weights_dtype="float8_e4m3fn")
+    low = mixed_fp8
     packed = {k: q.kind for k, q in _kept(low).items() if isinstance(q, Packed)}
     assert packed == {k: q.kind for k, q in _kept(mixed).items() if isinstance(q, Packed)}
     assert "norm_out.linear.kernel" in packed  # a modulation layer fp8 storage keeps at full precision
@@ -240,6 +246,53 @@ def test_fp8_storage_of_a_packed_file_keeps_every_packed_weight_packed(wide, mix
 
     leaves = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(low.params)}
     assert leaves["x_embedder.kernel"].dtype == np.dtype("float8_e4m3fn")  # img_in: F16 in the file
+
+
+def test_fp8_storage_of_a_packed_file_draws_the_image_of_its_plain_weights_rounded_to_fp8(wide, mixed, mixed_fp8,
+                                                                                          tmp_path, monkeypatch):
+    """weights_dtype=float8_e4m3fn on the mixed file casts its plain (F16) weights in fp8's set to
+    fp8 and nothing else. The reference is the same file written again with exactly those weights
+    rounded to fp8 by torch (from the file's F16 values: one rounding, as the load's cast) and kept
+    F16, its packed and Q8_0 weights the same blocks, loaded without weights_dtype. Which weights:
+    the ones diffusers' ``enable_layerwise_casting`` stores in fp8 on this transformer (weights only;
+    biases, norms, the AdaLN modulation and the top-level projections stay wide). Exact: every fp8
+    value is an F16 value, so both programs read the same numbers (an fp8 weight converted where it
+    is used, an F16 one converted at load) and do the same float32 arithmetic on them; a bias or
+    norm cast that plain fp8 keeps wide, or a set weight left wide, moves pixels (the fp8 image is
+    1.27 levels from the plain one; a reference with ``txt_in`` left unrounded, 0.45, max 3)."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+    from safetensors.numpy import load_file
+
+    folder, types = wide["folder"], wide["types"]
+    model = FluxTransformer2DModel.from_pretrained(folder / "transformer", torch_dtype=torch.float32)
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    theirs = {f"{n}.weight" for n, m in model.named_modules()
+              if getattr(m, "weight", None) is not None and m.weight.dtype == torch.float8_e4m3fn}
+    state = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    rounded = {k: torch.from_numpy(v.astype(np.float16)).to(torch.float8_e4m3fn).to(torch.float32).numpy()
+               if k in theirs else v for k, v in state.items()}
+    plain = [k for k, t in types.items() if t == "F16"]  # BFL names: the file's 2-D weights kept unquantised
+    ref_tensors = {k: (to_bfl(rounded)[k] if k in plain else v) for k, v in wide["bfl"].items()}
+    changed = [k for k in plain if not np.array_equal(np.float16(ref_tensors[k]), np.float16(wide["bfl"][k]))]
+    assert sorted(changed) == sorted(plain) == ["img_in.weight", "txt_in.weight", "vector_in.in_layer.weight"]
+    ref_path = tmp_path / "flux-dev-wide-mixed-fp8-rounded.gguf"
+    kinds = {k: gguf.GGMLQuantizationType[t] for k, t in types.items() if t not in ("F16", "F32")}
+    assert write_gguf(ref_path, ref_tensors, kinds.get) == types
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    ref = preheat.load(ref_path, config=folder, cache="off")
+    call = dict(noise=_noise(), steps=STEPS, sampler="flow_euler", guidance=GUIDANCE, width=32, height=32)
+    ours, theirs_px, full = (p.generate(PROMPT, **call) for p in (mixed_fp8, ref, mixed))
+    diff = np.abs(ours.astype(np.int32) - theirs_px.astype(np.int32))
+    moved = np.abs(ours.astype(np.int32) - full.astype(np.int32)).mean()
+    print(f"GGUF mixed types, weights_dtype=fp8 vs its F16 weights rounded to fp8: mean |Δpx| {diff.mean():.4f}, "
+          f"max {diff.max()}; vs the plain load: mean {moved:.4f}")
+    assert ours.std() > 5 and moved >= MOVED
+    np.testing.assert_array_equal(ours, theirs_px)
+
+
+MOVED = 0.5  # mean |Δpx| of the fp8 image from the plain one must exceed this (measured 1.23): the test can tell
 
 
 def test_fsdp_splits_the_packed_blocks_and_draws_the_unsharded_image(wide, mixed, tmp_path, monkeypatch):
