@@ -491,3 +491,58 @@ def test_preheat_fp8_1x1_conv_switches_the_real_layer_to_the_convolution(monkeyp
         assert ("conv_general_dilated" in names) == (setting == "conv"), names
     # bf16 outputs of sums of 32 products: the two orders differ by a bf16 rounding at most
     assert np.abs(outs["gemm"] - outs["conv"]).max() <= 2 ** -7 * np.abs(outs["conv"]).max()
+
+
+@pytest.mark.parametrize("scale", [None, (), "row", "q8_0"], ids=["plain", "per-tensor", "per-row", "q8_0-blocks"])
+def test_on_the_h200_an_fp8_embedding_widens_only_the_rows_it_gathers(scale):
+    """An fp8 or scaled Embedding table (the UNet's ``class_embedding``; 1000 classes x 1280 here, as
+    an ImageNet model's) after ``storage.upcast``, as a denoiser applies it, compiled for XLA's H200
+    description: ``upcast`` widens (and scales) the whole table in the program's text, then
+    ``Embedding`` gathers B rows, but XLA fuses the convert and the scale into the gather's own
+    kernel, which computes them for the gathered elements only: one kernel, reading the stored
+    table, writing the (B, dim) rows, and no kernel writes a widened table. (Gathering the stored
+    rows first, then widening them, compiles to the same one kernel: it was tried and not kept.)
+    The control forces the widened table to memory (a barrier between the convert and the gather),
+    so the check can tell: then a kernel writes bf16[1000,1280]."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from preheat.bench.fp8 import kernels
+    from preheat.models.layers import Embedding
+    from preheat.models.quantised import Quantised
+    from preheat.models.storage import upcast
+    from preheat.models.weights import build_abstract
+
+    num, dim = 1000, 1280
+    graphdef, abstract = build_abstract(lambda rngs: Embedding(num, dim, rngs=rngs))
+    stored = jax.ShapeDtypeStruct((num, dim), jnp.int8 if scale == "q8_0" else jnp.float8_e4m3fn)
+    shape = {"row": (num, 1), "q8_0": (num, dim // 32)}.get(scale, scale)  # a scaled file's (out, 1); GGUF's blocks
+    abstract["embedding"].set_value(stored if scale is None else Quantised(
+        stored, jax.ShapeDtypeStruct(shape, jnp.float16 if scale == "q8_0" else jnp.float32)))
+    ids = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+    def layer(params, ids):  # (B,) -> (B, dim)
+        return nnx.merge(graphdef, upcast(params, jnp.bfloat16, tie=ids))(ids)
+
+    def control(params, ids):  # the widened table made a value of its own, then gathered
+        (table,), _ = jax.lax.optimization_barrier(((upcast(params, jnp.bfloat16)["embedding"].get_value(),), ids))
+        return jnp.take(table, ids, axis=0)
+
+    def widened(ks) -> list:  # kernels writing a float copy of the whole table, in any layout (Q8_0: (num, 1, 40, 32))
+        out = []
+        for k in ks:
+            m = re.match(r"(bf16|f16|f32)\[([\d,]*)\]", k.output)
+            if m and int(np.prod([int(d) for d in m[2].split(",") if d])) == num * dim:
+                out.append(k)
+        return out
+
+    hlo = _h200_hlo(layer, abstract, ids)
+    ks = kernels(hlo)
+    assert len(ks) == 1 and re.match(r"bf16\[2,[\d,]*\]", ks[0].output), ks  # one kernel: the gathered rows
+    assert re.search(rf"(f8e4m3fn|s8)\[{num},{dim}\]", _header(hlo, ks[0])), ks  # reading the stored table
+    assert not widened(ks), ks
+    old = kernels(_h200_hlo(control, abstract, ids))
+    assert widened(old), old  # the check sees a widened table when there is one

@@ -40,6 +40,10 @@ plain fp8 weight, instead of a separate kernel writing a scaled bf16 copy of eve
 step. Block scales along the input (GGUF Q8_0), kxk Conv and Embedding weights are expanded as
 before (a kxk conv's cuDNN kernel reads a bf16 copy of the weight in its own layout whatever the
 stored dtype; the scale fuses into that copy for free, and on the output it would cost a kernel).
+An Embedding's table is expanded whole in the program's text, then gathered, but XLA fuses the
+convert and the scale into the gather's kernel, which computes them for the gathered rows only: no
+widened table is written (the H200 HLO, tests/models/test_storage.py), so the stored rows are not
+gathered first by hand.
 Every other path (placement on a mesh, compile keys, placeholders for prefetch) sees its two
 arrays as it sees any leaves. A GGUF weight of a packed type (Q4_0 ... Q6_K) is one
 ``quantised.Packed`` value, the file's blocks as bytes, which ``upcast`` unpacks in the same place
