@@ -207,16 +207,18 @@ def configure_persistent_cache(root: Path) -> None:
     global _persistent_configured
     if _persistent_configured:
         return
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    try:
-        jax.monitoring.register_event_listener(_on_event)
-    except Exception:  # pragma: no cover - older jax
-        pass
-    with _dir_turns:
+    with _dir_turns:  # two loads starting in threads: one registers the hit counter (a second would count twice)
+        if _persistent_configured:
+            return
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        try:
+            jax.monitoring.register_event_listener(_on_event)
+        except Exception:  # pragma: no cover - older jax
+            pass
         if _dir_current is None:
             _point_at(root / "compile" / "xla")
-    _persistent_configured = True
+        _persistent_configured = True
 
 
 def _point_at(xla_dir: Path) -> None:
