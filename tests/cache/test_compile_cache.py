@@ -272,24 +272,36 @@ def test_an_entry_that_loads_but_fails_to_run_is_quarantined(model_dir, referenc
     assert len(list((tmp_path / "quarantine").iterdir())) == 1
 
 
-def test_cache_off_neither_reads_nor_writes_jaxs_persistent_cache(model_dir, tmp_path):
+def test_cache_off_neither_reads_nor_writes_jaxs_persistent_cache(model_dir):
     """JAX's persistent cache directory is process-wide once a full or xla load set it: a
     ``cache="off"`` load after one must not write its programs there (it wrote them, and read
-    them back as hits reported as "none"). Control: an "xla" compile in the same process does."""
-    import jax
-
-    from preheat.cache.compile import configure_persistent_cache
-
-    configure_persistent_cache(tmp_path / "root")  # a no-op where an earlier test already set it
-    xla_dir = Path(jax.config.jax_compilation_cache_dir)
+    them back as hits reported as "none"). Control: the "xla" compile before it does."""
+    xla = preheat.load(model_dir, cache="xla")
+    xla.generate(n=6, steps=1, seed=0)
+    xla_dir = xla.compiler.root / "compile" / "xla"
 
     def files() -> set[Path]:
         return {p for p in xla_dir.rglob("*") if p.is_file()}
 
     before = files()
+    assert len(before) >= 1, "the control: an xla-mode compile writes JAX's cache here"
     off = preheat.load(model_dir, cache="off")
     off.generate(n=5, steps=1, seed=0)  # a batch size no other test compiles
     assert files() == before and off.last.cache_layer == "none"
-    xla = preheat.load(model_dir, cache="xla")
-    xla.generate(n=6, steps=1, seed=0)
-    assert len(files() - before) >= 1, "the control: an xla-mode compile writes JAX's cache here"
+
+
+def test_each_root_has_its_own_xla_layer(model_dir, reference_pixels, tmp_path, monkeypatch):
+    """JAX has one persistent-cache directory per process: a second root (another $PREHEAT_HOME)
+    read and wrote the first root's ``compile/xla`` (the call below was an xla hit from it, its
+    own stayed empty). Each load's programs now land in, and are served from, its own root."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    layers = {}
+    for name, root in (("first", first), ("second", second), ("first again", first)):
+        monkeypatch.setenv("PREHEAT_HOME", str(root))
+        pipe = preheat.load(model_dir, cache="xla")
+        assert np.array_equal(pipe.generate(**CALL), reference_pixels)
+        assert pipe.compiler.root == root
+        layers[name] = pipe.last.cache_layer
+    assert layers == {"first": "none", "second": "none", "first again": "xla"}
+    for root in (first, second):
+        assert any(p.is_file() for p in (root / "compile" / "xla").rglob("*")), f"{root.name}'s compile/xla is empty"

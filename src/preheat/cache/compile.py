@@ -200,22 +200,94 @@ def _on_event(event: str, **kwargs: Any) -> None:
 
 
 def configure_persistent_cache(root: Path) -> None:
-    """Point JAX's persistent compilation cache into our root, with thresholds that keep small
-    programs too. Must run before JAX compiles anything (jax #25768): ``preheat.load`` calls it
-    first thing."""
+    """Set JAX's persistent compilation cache up for preheat (once per process): thresholds that
+    keep small programs too, the hit counter, and -- for the first root -- its directory,
+    ``<root>/compile/xla``. A later root is pointed at when a program of its load compiles
+    (``_persistent_cache_at``), never here: another load may be compiling into the first."""
     global _persistent_configured
     if _persistent_configured:
         return
-    xla_dir = root / "compile" / "xla"
+    with _dir_turns:  # two loads starting in threads: one registers the hit counter (a second would count twice)
+        if _persistent_configured:
+            return
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        try:
+            jax.monitoring.register_event_listener(_on_event)
+        except Exception:  # pragma: no cover - older jax
+            pass
+        if _dir_current is None:
+            _point_at(root / "compile" / "xla")
+        _persistent_configured = True
+
+
+def _point_at(xla_dir: Path) -> None:
+    """Point JAX's persistent cache at ``xla_dir`` (held: ``_dir_turns``, no compile through the old one
+    in flight). JAX reads the directory once, when it first opens its cache (a compile before this
+    one: jax #25768), so ``reset_cache`` makes the next compile open it again."""
+    from jax.experimental.compilation_cache.compilation_cache import reset_cache
+
+    global _dir_current
     xla_dir.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(xla_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    reset_cache()
+    _dir_current = xla_dir
+
+
+@contextlib.contextmanager
+def _persistent_cache_at(root: Path) -> Iterator[None]:
+    """Compile with JAX's persistent cache on ``<root>/compile/xla``: the xla layer of the load
+    that is compiling, whichever root the process used before.
+
+    JAX has one cache directory per process, read when its cache opens, so a compile cannot choose
+    its own. Compiles for the root already pointed at run concurrently and cost a lock and a count
+    (a one-root process never re-points); a compile for another root waits until none is in flight,
+    re-points (``_point_at``), and runs. While it waits, newcomers for the current root wait too
+    (it cannot starve). So two pipelines on different roots compiling in threads take turns, and
+    each program is read from and written to its own load's root, never the other's. JAX's other
+    compiles in the process (eager operations, weight conversions) use whichever root was pointed
+    at last: an entry in JAX's cache is keyed on the whole program, so that decides only where it
+    lands, never what a program gets.
+    """
+    global _dir_users
+    xla_dir = root / "compile" / "xla"
+    if getattr(_dir_held, "dir", None) == xla_dir:  # re-entered on this thread: it already has its turn
+        yield
+        return
+
+    def my_turn() -> bool:
+        if _dir_current == xla_dir:  # joins the compiles in flight, unless another root is waiting
+            return not any(n for d, n in _dir_waiting.items() if d != xla_dir)
+        return _dir_users == 0  # none in flight: re-point
+
+    with _dir_turns:
+        if not my_turn():
+            _dir_waiting[xla_dir] = _dir_waiting.get(xla_dir, 0) + 1
+            try:
+                _dir_turns.wait_for(my_turn)
+            finally:
+                _dir_waiting[xla_dir] -= 1
+                if not _dir_waiting[xla_dir]:
+                    del _dir_waiting[xla_dir]
+        if _dir_current != xla_dir:
+            _point_at(xla_dir)
+        _dir_users += 1
+        _dir_turns.notify_all()  # the waiters for this root may join now
+    _dir_held.dir = xla_dir
     try:
-        jax.monitoring.register_event_listener(_on_event)
-    except Exception:  # pragma: no cover - older jax
-        pass
-    _persistent_configured = True
+        yield
+    finally:
+        _dir_held.dir = None
+        with _dir_turns:
+            _dir_users -= 1
+            _dir_turns.notify_all()
+
+
+_dir_turns = threading.Condition()
+_dir_current: Path | None = None  # the compile/xla JAX's persistent cache is pointed at
+_dir_users = 0  # compiles through it in flight (_persistent_cache_at)
+_dir_waiting: dict[Path, int] = {}  # compiles waiting for their turn, per directory
+_dir_held = threading.local()  # .dir: the directory this thread's compile holds
 
 
 @contextlib.contextmanager
@@ -348,14 +420,17 @@ class JaxCompiler(EntryCache):
         hits_before = getattr(_xla_hits, "count", 0)
         if self.mode == "full":
             # An executable that XLA:CPU loaded from JAX's persistent cache serialises into an entry
-            # that fails at run time ("Function ... not found", jax 0.10.2), and a second cache load
-            # of one program in one process fails the same way. In full mode the aot layer serves
-            # every start, so the sampling program is compiled fresh here and serialised; JAX's cache
-            # still serves everything else (and is the whole story in "xla" mode).
+            # that fails at run time: "NOT_FOUND: Function multiply_exponential_fusion not found
+            # (type id: 1)" on the built-in model's sampling program (and "... concatenate_bitcast_
+            # fusion ..." on a plain fori_loop + conv), seen on jax 0.10.2 and re-checked on 0.11.2
+            # (docs/cache.md). So in full mode, where the aot layer serves every later start, the
+            # program is compiled fresh here and serialised; JAX's cache is the whole story in "xla"
+            # mode, and serves the process's other compiles in both.
             with _persistent_cache_disabled():
                 compiled = lowered.compile()
         else:
-            compiled = lowered.compile()
+            with _persistent_cache_at(self.root):  # this load's root, whichever one the process used before
+                compiled = lowered.compile()
         done = time.perf_counter()
         layer = "xla" if getattr(_xla_hits, "count", 0) > hits_before else "none"
         timings = Timings(trace_lower_s=traced - start, compile_s=done - traced, cache_layer=layer)
