@@ -158,7 +158,7 @@ class HeadToHead:
     count_flops: bool = False  # also the fraction of the measured bf16 matrix peak (JAX's s/image)
 
 
-_H2H_COMMON = ("--batch", "1", "--batch-sizes", "1", "--repeats", "1", "--steady-repeats", "3", "--dtype", "bfloat16",
+_H2H_COMMON = ("--n", "1", "--batch-sizes", "1", "--repeats", "1", "--steady-repeats", "3", "--dtype", "bfloat16",
                "--paths", "jax,torch-inductor", "--prompt", _PROMPT)
 HEAD_TO_HEAD = {
     "gpu": [

@@ -20,7 +20,7 @@ from preheat.bench.random_models import save_random_sd15; save_random_sd15(Path(
 T2I=(--prompt "a watercolor fox" --width 256 --height 256)
 $B bench coldstart "$SD15" --n 1 --steps 2 --repeats 1 "${T2I[@]}" --report $D/coldstart-sd15.json --png-out $D/coldstart-sd15.png | tee $D/coldstart-sd15.md
 $B bench sampler "$SD15" --n 1 --steps 2 --repeats 2 --width 256 --height 256 --report $D/sampler-sd15.json | tee $D/sampler-sd15.md
-$B bench compare "$SD15" --quick --paths jax,torch-eager,torch-inductor --steps 2 --batch 1 --batch-sizes 1 --sampler ddim \
+$B bench compare "$SD15" --quick --paths jax,torch-eager,torch-inductor --steps 2 --n 1 --batch-sizes 1 --sampler ddim \
   "${T2I[@]}" --report $D/compare-sd15.json --png-out $D/compare-sd15.png | tee $D/compare-sd15.md
 
 # Flux (issue 13): FLUX.1-dev's published widths with fewer layers (1 double + 1 single transformer
@@ -31,7 +31,7 @@ FLUX=${FLUX:-.bench-models/flux-random}
 from preheat.bench.random_models import save_random_flux; save_random_flux(Path(sys.argv[1]))" "$FLUX"
 $B bench coldstart "$FLUX" --n 1 --steps 2 --repeats 2 "${T2I[@]}" --cache-url "$(mktemp -d)/fleet" \
   --report $D/coldstart-flux.json --png-out $D/coldstart-flux.png | tee $D/coldstart-flux.md
-$B bench compare "$FLUX" --quick --paths jax,torch-eager,torch-inductor --steps 2 --batch 1 --batch-sizes 1 \
+$B bench compare "$FLUX" --quick --paths jax,torch-eager,torch-inductor --steps 2 --n 1 --batch-sizes 1 \
   --steady-repeats 1 --sampler flow_euler "${T2I[@]}" --report $D/compare-flux.json --png-out $D/compare-flux.png \
   | tee $D/compare-flux.md
 

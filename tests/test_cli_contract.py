@@ -224,6 +224,26 @@ def test_the_old_batch_flag_is_still_a_bench_sampler_count(no_loading):
     assert "--batch" not in CliRunner().invoke(main, ["bench", "sampler", "--help"]).output
 
 
+def test_bench_compare_counts_images_by_n_and_still_takes_the_old_batch(no_loading, monkeypatch):
+    """`bench compare --batch` was the images of each cold-start call, `bench coldstart --n`'s count:
+    it is --n now; --batch still works alone, with one deprecation line, and is hidden."""
+    import preheat.cli.bench as bench
+
+    seen = []
+    monkeypatch.setattr(bench, "_compare", lambda model, sampler, steps, n, *args, **kwargs: seen.append(n))
+    for argv, n, err in [([], None, []), (["--n", "2"], 2, []),
+                         (["--batch", "3"], 3, ["warning: --batch is deprecated; use --n"])]:
+        result = CliRunner().invoke(main, ["bench", "compare", *argv])
+        assert result.exit_code == 0 and result.stderr.strip().splitlines() == err, result.output
+        assert seen.pop() == n
+    both = CliRunner().invoke(main, ["bench", "compare", "--n", "2", "--batch", "3"])
+    assert both.exit_code == 2 and both.stderr.strip().splitlines()[-1].startswith(
+        "error: --batch is the old spelling of --n: give --n only"), both.stderr
+    zero = CliRunner().invoke(main, ["bench", "compare", "--batch", "0"])
+    assert zero.exit_code == 2 and "Invalid value for '--batch': 0 is not in the range x>=1." in zero.stderr
+    assert "--batch " not in CliRunner().invoke(main, ["bench", "compare", "--help"]).output and not seen
+
+
 @pytest.mark.parametrize("bench,flag", sorted({(b, o.opts[0]) for b, o, s in bench_common_options()
                                                if s.name in ("n", "steps")}))
 def test_a_bench_count_of_zero_is_a_range_error_naming_the_flag(no_loading, bench, flag):

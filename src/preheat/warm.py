@@ -21,10 +21,10 @@ that declare a set (``preheat warm``, ``preheat serve``); ``preheat.cache`` only
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 __all__ = ["WarmSet", "WarmSignature", "buckets_for", "bucket_for", "served_call", "ServedCall", "resolve",
-           "signatures", "run_signature", "status", "programs", "prefetch_calls", "warm", "offered_inputs", "OfferedInputs"]
+           "signatures", "run_signature", "status", "programs", "prefetch_calls", "warm", "offered_inputs", "OfferedInputs", "SettingNames"]
 
 GUIDANCE_MODES = ("off", "on")
 
@@ -155,15 +155,31 @@ def _sized(pipe: Any) -> bool:
     return not fixed
 
 
-def resolve(pipe: Any, warm_set: WarmSet, labels: Mapping[str, str] = {}) -> WarmSet:
+class SettingNames(NamedTuple):
+    """How the user named each setting that a set-up message names, so that the message says
+    what they wrote: the command line's options by default (``preheat warm`` / ``serve``, whose
+    server also answers Cog's routes); Runpod's worker reads ``PREHEAT_INPUTS`` (``by(env_var)``),
+    a Ray deployment its ``serve run`` args or the environment, whichever it was given."""
+
+    inputs: str = "--inputs"
+    sizes: str = "--sizes"
+    max_steps: str = "--max-steps"
+
+    @classmethod
+    def by(cls, name_of: Callable[[str], str]) -> "SettingNames":
+        """Every setting named ``name_of(setting)`` (``preheat.server.config.env_var``: ``PREHEAT_SIZES``)."""
+        return cls(*(name_of(setting) for setting in cls._fields))
+
+
+def resolve(pipe: Any, warm_set: WarmSet, names: SettingNames = SettingNames()) -> WarmSet:
     """The set with the model's defaults filled in (samplers, sizes, the offered inputs); an
     unusable size, or an input the family does not declare, fails here, in one line, before
-    anything compiles. The line names the setting as ``labels`` says the user gave it (setting ->
-    its name: Runpod's ``PREHEAT_INPUTS``), else by its command-line option (``--inputs``)."""
+    anything compiles. The line names the setting as the user gave it (``names``: the command
+    line's ``--inputs`` unless the surface read it elsewhere, as Runpod's ``PREHEAT_INPUTS``)."""
     from preheat.errors import InvalidArgumentError
     from preheat.families.inputs import check_offered
 
-    inputs = check_offered(pipe.family.name, _specs(pipe), warm_set.inputs, labels.get("inputs", "--inputs"))
+    inputs = check_offered(pipe.family.name, _specs(pipe), warm_set.inputs, names.inputs)
 
     samplers = tuple(warm_set.samplers) or (pipe.defaults["sampler"],)
     sizes = tuple(warm_set.sizes)
@@ -174,7 +190,7 @@ def resolve(pipe: Any, warm_set: WarmSet, labels: Mapping[str, str] = {}) -> War
         try:
             pipe.check(1, **_size_inputs(size), steps=1, **given_inputs(pipe, placeholder, size))
         except InvalidArgumentError as err:
-            raise InvalidArgumentError(f"{labels.get('sizes', '--sizes')} {size[0]}x{size[1]}: {err}",
+            raise InvalidArgumentError(f"{names.sizes} {size[0]}x{size[1]}: {err}",
                                        argument="sizes") from None
     if warm_set.lora_ranks and pipe.lora_runtime is None:
         raise InvalidArgumentError(f"LoRA rank buckets {', '.join(map(str, warm_set.lora_ranks))} are declared, "

@@ -155,3 +155,43 @@ def test_dry_run_lists_the_offered_inputs_and_their_programs(sd_pipe, monkeypatc
     text = CliRunner().invoke(main, ["warm", str(tmp_path), "--inputs", "negative_prompt", "--guidance", "on",
                                      "--max-batch-size", "1", "--sizes", "32x32", "--dry-run"])
     assert "inputs offered: prompt, negative_prompt (not offered: image, mask_image)" in text.output.splitlines()
+
+
+def test_cache_explain_takes_the_offered_inputs_as_warm_does(sd_pipe, monkeypatch, tmp_path):
+    """`cache explain --inputs`: a declaration offering none (a text-only server or warm job) has no
+    image program, so a call with --image is refused naming the --inputs that would offer it; a
+    text call is explained as before; a bad --inputs is warm's one line."""
+    import numpy as np
+
+    import preheat
+    from preheat.cli import main
+    from tests._support.image_files import png
+
+    monkeypatch.setattr(preheat, "load", lambda model, **options: sd_pipe)
+    image, mask = tmp_path / "grey.png", tmp_path / "mask.png"
+    image.write_bytes(png(np.full((32, 32, 3), 128, np.uint8)))
+    mask.write_bytes(png(np.full((32, 32), 255, np.uint8)))
+    call = ["cache", "explain", str(tmp_path), "--prompt", "a fox", "--width", "32", "--height", "32", "--n", "1"]
+
+    def explain(*args: str):
+        return CliRunner().invoke(main, [*call, *args])
+
+    text = explain("--inputs", "none")
+    assert text.exit_code == 0 and text.output.startswith("miss: key "), text.output
+    assert text.output == explain().output  # the text call is the same program whatever else is offered
+    for args, line in [
+        (["--inputs", "none", "--image", str(image)],
+         "error: --image: --inputs none does not offer image: a server or warm job declared so has no program for "
+         "this call (--inputs image offers it)"),
+        (["--inputs", "negative_prompt,image", "--image", str(image), "--mask", str(mask)],
+         "error: --mask: --inputs negative_prompt,image does not offer mask_image: a server or warm job declared so "
+         "has no program for this call (--inputs negative_prompt,image,mask_image offers it)"),
+        (["--inputs", "class_label"],  # warm's own line (tests above: the same resolve)
+         "error: --inputs 'class_label' is not an optional input of a stable-diffusion model: its optional inputs "
+         "are negative_prompt, image, mask_image (or none); prompt always offered"),
+        (["--inputs", "mask_image"], "error: --inputs mask_image needs image; offer both"),
+    ]:
+        result = explain(*args)
+        assert result.exit_code == 2 and result.output.strip().splitlines() == [line], result.output
+    offered = explain("--inputs", "image", "--image", str(image), "--strength", "0.5")
+    assert offered.exit_code == 0 and offered.output.startswith("miss: key "), offered.output

@@ -178,6 +178,39 @@ def test_second_replica_starts_from_the_store_with_an_aot_remote_hit(cluster: Cl
     assert len(compiled) == len(warm) and not any("cache: aot" in line for line in compiled), compiled
 
 
+def test_a_replica_set_up_error_names_the_setting_as_the_deployment_was_given_it(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve run preheat.integrations.ray:app`` reads ``PREHEAT_*``; ``build_app`` takes ``key=value``
+    args: the replica's set-up error (Serve fails the deployment with it, after 3 tries) names what
+    the user set, never the command line's ``--inputs``. Bounded: the model loads, nothing
+    compiles, and the two deployments fail side by side."""
+    import concurrent.futures
+
+    import preheat.integrations.ray as on_ray
+
+    settings = {"model": str(cluster.model), "inputs": "negative_prompt", "max_batch_size": "1", "guidance": "off",
+                "cache": "off"}
+    for name, value in settings.items():
+        monkeypatch.setenv(f"PREHEAT_{name.upper()}", value)
+    apps = {"bad-env": on_ray.app, "bad-args": on_ray.build_app({**settings, "num_cpus": 0.5})}
+    why: dict[str, str] = {}
+    with concurrent.futures.ThreadPoolExecutor(len(apps)) as pool:
+        deploying = {name: pool.submit(serve.run, app, name=name, route_prefix=f"/{name}", blocking=False)
+                     for name, app in apps.items()}
+        try:
+            for name, future in deploying.items():
+                with pytest.raises(RuntimeError, match=f"Deploying application {name} failed"):
+                    future.result(timeout=300)
+                why[name] = serve.status().applications[name].deployments["Preheat"].message  # the replica's traceback
+        finally:
+            for name in apps:
+                serve.delete(name)
+    for name, given in (("bad-env", "PREHEAT_INPUTS"), ("bad-args", "inputs")):
+        error = (f"preheat set-up failed: {given} 'negative_prompt' is not an optional input of a pixel model: it has "
+                 f"no optional inputs (give none, or leave {given} out)")
+        assert why[name].rstrip().endswith(error) and "--inputs" not in why[name], why[name][-2000:]
+
+
 def test_64_concurrent_requests_each_answered_exactly_once(cluster: Cluster) -> None:
     scale(cluster, 2)
     health_by_replica(cluster, 2)  # both replicas routable (after a kill, Serve replaces one first)
@@ -306,6 +339,17 @@ def test_options_from_serve_run_args_and_one_line_errors() -> None:
         RayOptions.from_args({"max_batch": 4})
     with pytest.raises(InvalidArgumentError, match="max_batch_size 'x' must be an int"):
         RayOptions.from_args({"max_batch_size": "x"})
+    # a malformed value names what the user set: the serve run arg, or the variable app read it from
+    with pytest.raises(InvalidArgumentError, match="^PREHEAT_MAX_BATCH_SIZE 'x' must be an int$"):
+        RayOptions.from_env({"PREHEAT_MAX_BATCH_SIZE": "x"})
+    with pytest.raises(InvalidArgumentError, match="^PREHEAT_RAY_REPLICAS='x': invalid literal"):
+        RayOptions.from_env({"PREHEAT_RAY_REPLICAS": "x"})
+    from preheat.warm import SettingNames
+
+    # what each replica's set-up messages name (serve --ray builds RayOptions from its flags: the defaults)
+    assert RayOptions().core_config().names == SettingNames() == SettingNames("--inputs", "--sizes", "--max-steps")
+    assert RayOptions.from_args({}).core_config().names == SettingNames("inputs", "sizes", "max_steps")
+    assert e.core_config().names == SettingNames("PREHEAT_INPUTS", "PREHEAT_SIZES", "PREHEAT_MAX_STEPS")
 
 
 def test_the_fleet_store_and_its_credentials_reach_every_replica(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -167,3 +167,20 @@ def test_worker_settings_come_from_the_environment() -> None:
         rp.config_from_env({"PREHEAT_LORA_RANKS": "x"})
     with pytest.raises(InvalidArgumentError, match="buckets: 16, 32, 64, 128"):
         rp.config_from_env({"PREHEAT_LORA_RANKS": "8"}).warm_set()
+
+
+@pytest.mark.parametrize(("config", "steps", "sizes"), [
+    (CoreConfig(max_steps=2, sizes=((33, 33),)), "--max-steps", "--sizes"),  # preheat serve (and its Cog routes)
+    (rp.config_from_env({"PREHEAT_MAX_STEPS": "2", "PREHEAT_SIZES": "33x33"}), "PREHEAT_MAX_STEPS", "PREHEAT_SIZES"),
+])
+def test_set_up_messages_name_each_setting_as_the_surface_was_given_it(pipe: Any, config: CoreConfig, steps: str,
+                                                                       sizes: str) -> None:
+    """The server's ``CoreConfig.names`` (``preheat.warm.SettingNames``): the command line's options,
+    or the worker's variables. A size the model cannot make fails set-up before anything compiles."""
+    core = Core(config, pipe=pipe).start()
+    try:
+        assert core.wait_setup(300) and core.setup.status == "failed"
+        assert f"default 4 steps exceed {steps} 2;" in "\n".join(core.setup.logs), core.setup.logs
+        assert core.setup.error == f"{sizes} 33x33: width=33: this model makes width 16 only"
+    finally:
+        core.close()

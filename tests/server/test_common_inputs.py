@@ -321,18 +321,38 @@ def test_which_server_limit_bounds_an_input_is_declared() -> None:
                        "seed": Int(0, SEED_MAX - 3), "lora_scale": Float(-2.0, 2.0)}
 
 
+def test_a_server_s_bounds_are_built_once_per_limits_and_cover_every_bound() -> None:
+    """``Limits.bounds`` reads a table built once per Limits (it used to build it on every call);
+    a replaced Limits (the core narrows its own at set-up) gets its own, never the old values."""
+    from dataclasses import replace
+
+    from preheat.families.inputs import SEED_MAX, ServerBound
+    from preheat.server.inputs import Limits
+
+    limits = Limits(max_batch_size=4, max_steps=30, max_guidance=7.5, max_lora_scale=2.0)
+    table = limits._bounds
+    assert set(table) == set(ServerBound)  # every bound a declaration can name has its values
+    assert [limits.bounds(b) for b in ServerBound] == [(None, 4), (None, 30), (None, 7.5), (None, SEED_MAX - 3),
+                                                       (-2.0, 2.0)]
+    assert limits._bounds is table  # built once
+    smaller = replace(limits, max_batch_size=2)
+    assert smaller.bounds(ServerBound.BATCH) == (None, 2) and smaller.bounds(ServerBound.SEED) == (None, SEED_MAX - 1)
+    assert limits.bounds(ServerBound.BATCH) == (None, 4) and limits == replace(smaller, max_batch_size=4)
+
+
 def test_the_server_s_schema_code_names_no_common_input() -> None:
     """The derivation of a server's common inputs (their types, defaults and bounds) reads only their
     declarations: no string in it is a common input's keyword or field (read from the source, as
     tests/test_size_names.py reads the size's names)."""
     import ast
     import inspect
+    import textwrap
 
     from preheat.server import inputs
 
     names = {s.name for s in COMMON_SPECS} | {s.surface_name for s in COMMON_SPECS}
-    for fn in (inputs.served_type, inputs.input_model, inputs.Limits.bounds):
-        found = [node.value for node in ast.walk(ast.parse(inspect.getsource(fn).strip()))
+    for fn in (inputs.served_type, inputs.input_model, inputs.Limits.bounds, inputs.Limits._bounds.func):
+        found = [node.value for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn))))
                  if isinstance(node, ast.Constant) and node.value in names]
         assert not found, f"{fn.__qualname__} names {found}: declare it on the InputSpec (bound, defaults)"
     assert "n" in {s.name for s in COMMON_SPECS}  # the check looks at something

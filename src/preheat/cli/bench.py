@@ -264,7 +264,7 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 @bench_group.command("compare", cls=FamilyInputsCommand, options_metavar="[MODEL] [OPTIONS]")
 @common_option("sampler", help="(default: the model's if deterministic, else ddim).")
 @common_option("steps", help="Denoising steps (default: the model's; --quick: 4).")
-@click.option("--batch", type=int, help="Batch of the cold-start runs (default 8; --quick: 1).")
+@common_option("n", help="Images of each cold-start call, as `bench coldstart --n` (default 8; --quick: 1).")
 @click.option("--batch-sizes", help="Steady-state batch sizes (default 1,8,32; --quick: 1,8).")
 @common_option("seed")
 @common_option("guidance", help="Classifier-free guidance scale (default: the model's).")
@@ -282,7 +282,8 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
               help="Keep the work folder (cache roots, pixels) here instead of a temporary one.")
 @click.option("--config", metavar="FOLDER|hf://ORG/REPO|NAME",
               help="MODEL a single checkpoint file: as `preheat sample --config` (converted once, for every path).")
-def compare_command(sampler: str | None, steps: int | None, batch: int | None,
+@renamed_option("--batch", "n", "--n", multiple=False)
+def compare_command(sampler: str | None, steps: int | None, n: int | None,
                     batch_sizes: str | None, seed: int, guidance: float | None, dtype: str | None,
                     repeats: int | None,
                     steady_repeats: int | None, paths_opt: str, xla_flags: tuple[str, ...], quick: bool,
@@ -297,7 +298,7 @@ def compare_command(sampler: str | None, steps: int | None, batch: int | None,
 
     def run() -> None:
         model, flags = parse_flags(click.get_current_context().args)
-        _compare(model, sampler, steps, batch, batch_sizes, seed, guidance, repeats, steady_repeats, paths_opt,
+        _compare(model, sampler, steps, n, batch_sizes, seed, guidance, repeats, steady_repeats, paths_opt,
                  xla_flags, quick, timeout, json_out, png_out, keep, flags=flags, as_json=as_json, dtype=dtype,
                  config=config)
 
@@ -341,7 +342,7 @@ def _compare(model: str | None, sampler: str | None, steps: int | None, batch: i
     batch = batch or preset["batch"]
     repeats = repeats or preset["repeats"]
     steady_repeats = steady_repeats or preset["steady_repeats"]
-    for name, value in (("--batch", batch), ("--repeats", repeats), ("--steady-repeats", steady_repeats),
+    for name, value in (("--n", batch), ("--repeats", repeats), ("--steady-repeats", steady_repeats),
                         ("--steps", steps if steps is not None else 1)):
         if value <= 0:
             raise InvalidArgumentError(f"{name} {value} must be a positive int")

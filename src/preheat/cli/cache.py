@@ -13,6 +13,7 @@ import click
 from preheat.cli._support import one_line_errors
 from preheat.cli.family_options import FamilyInputsCommand, flag_errors
 from preheat.cli.options import NON_NEGATIVE, POSITIVE, CallOptions, call_options
+from preheat.cli.warm import inputs_option
 from preheat.families.inputs import common_spec
 
 STEPS = common_spec("steps")  # the step count: torch explain runs the call at its fewest steps
@@ -163,14 +164,18 @@ def verify_command(quarantine_bad: bool) -> None:
               help="--as-server: the server's --max-batch-size (default 8, as serve's), which sets its buckets.")
 @click.option("--progress/--no-progress", "progress", default=None,
               help="--as-server: the server's --progress (default on, as serve's).")
+@inputs_option
 @one_line_errors
 def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, target_spec: str | None,
-                    as_server: bool, max_batch_size: int | None, progress: bool | None) -> None:
+                    as_server: bool, max_batch_size: int | None, progress: bool | None,
+                    inputs_text: str | None) -> None:
     """Would `preheat sample` with these options hit the cache? If not, which key fields differ from
     the nearest entry. Takes exactly sample's options, with its defaults; with --as-server, the same
-    request as a server (or warm job) declared by --max-batch-size and --progress runs it. --backend
-    torch (with --compile regional, inductor or aot) runs the call once eagerly, one step, and says
-    for every compiled piece whether an entry would serve it."""
+    request as a server (or warm job) declared by --max-batch-size and --progress runs it. With
+    --inputs (as warm's and serve's), only a call of the programs such a declaration has: one that
+    gives an input it does not offer is refused. --backend torch (with --compile regional, inductor
+    or aot) runs the call once eagerly, one step, and says for every compiled piece whether an entry
+    would serve it."""
     import preheat
     from preheat.cache.compile import key_fields, key_of, nearest_entry
     from preheat.cache.manage import target_label
@@ -190,7 +195,7 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
         if devices_text is not None or fsdp != 1 or target_spec is not None or as_server:
             raise InvalidArgumentError("--devices, --fsdp, --target and --as-server apply to --backend jax",
                                        argument="--devices")
-        _explain_torch(model, opts)
+        _explain_torch(model, opts, inputs_text)
         return
     if opts.compile_mode != "none":
         raise InvalidArgumentError(f"--compile {opts.compile_mode} applies to --backend torch", argument="--compile")
@@ -201,6 +206,7 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
         target = resolve_target(target_spec)
     load = {k: v for k, v in opts.load_options().items() if k not in ("backend", "compile")}
     pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"), fsdp=fsdp, **load)
+    _check_offered(pipe, model, inputs_text, opts)
     n, served = opts.batch(pipe), {}
     if as_server:  # the server's declaration (serve's defaults where not given): its bucket and step reports
         from preheat.warm import WarmSet, served_call
@@ -234,7 +240,33 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
         click.echo(f"miss: key {key[:12]}; nearest entry {labelled(name)} differs in: {', '.join(diff)}")
 
 
-def _explain_torch(model: str | None, opts: CallOptions) -> None:
+def _check_offered(pipe: Any, model: str | None, inputs_text: str | None, opts: CallOptions) -> None:
+    """``--inputs``: the declaration's offered inputs, resolved as `warm --inputs` resolves them
+    (``preheat.warm.resolve``, ``offered_inputs``: the same one-line errors); a call giving an
+    input it does not offer has no program there (warm compiles none; a server refuses the
+    request): one line naming the flag and the ``--inputs`` that would offer it."""
+    if inputs_text is None:
+        return
+    from preheat.errors import InvalidArgumentError
+    from preheat.families.inputs import optional_inputs, parse_offered
+    from preheat.warm import WarmSet, offered_inputs, resolve
+
+    offered = offered_inputs(pipe, resolve(pipe, WarmSet(model=model, inputs=parse_offered(inputs_text))))
+    specs = {s.name: s for s in pipe.family.input_specs(pipe)}
+    with flag_errors(pipe):
+        given = opts.call_inputs(pipe)
+    for name in offered.not_offered:
+        if given.get(name) is None:
+            continue
+        wanted = {*offered.optional, name, *specs[name].needs}
+        names = ",".join(n for n in optional_inputs(tuple(specs.values())) if n in wanted)
+        flag = specs[name].cli_flag
+        raise InvalidArgumentError(f"{flag}: --inputs {inputs_text} does not offer {name}: a server or warm job "
+                                   f"declared so has no program for this call (--inputs {names} offers it)",
+                                   argument=flag)
+
+
+def _explain_torch(model: str | None, opts: CallOptions, inputs_text: str | None = None) -> None:
     """The torch key holds the denoiser's (or each block's) input signature, known only at its
     first call: so the call runs once, eagerly and for one step, with every compile replaced by a
     look-up of the key it would use."""
@@ -242,6 +274,7 @@ def _explain_torch(model: str | None, opts: CallOptions) -> None:
 
     load = {k: v for k, v in opts.load_options().items() if k not in ("backend", "compile", "cache")}
     pipe = preheat.load(model, backend="torch", compile=opts.compile_mode, cache="explain", **load)
+    _check_offered(pipe, model, inputs_text, opts)
     with flag_errors(pipe):
         inputs = opts.call_inputs(pipe)
         # the fewest steps the call allows: one, or a given counted list's length (custom timesteps)

@@ -266,19 +266,25 @@ def size_options(help: str = "") -> Callable[[Callable[..., Any]], Callable[...,
     return decorate
 
 
-def renamed_option(old: str, param: str, new: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """``old``, a repeatable count flag renamed ``new``, still works (hidden, with a deprecation
-    line): its values join those ``new`` gives ``param``."""
+def renamed_option(old: str, param: str, new: str, multiple: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``old``, a count flag renamed ``new``, still works (hidden, with a deprecation line): a
+    repeatable one's values join those ``new`` gives ``param``; a single one (``multiple=False``)
+    stands for ``new`` when that is not given (both: one line)."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
-        def wrapper(*args: Any, old_values: tuple[Any, ...], **kwargs: Any) -> Any:
-            if old_values:
+        def wrapper(*args: Any, old_values: Any, **kwargs: Any) -> Any:
+            if old_values is not None and old_values != ():
                 click.echo(f"warning: {old} is deprecated; use {new}", err=True)
-                kwargs[param] = (*kwargs[param], *old_values)
+                if multiple:
+                    kwargs[param] = (*kwargs[param], *old_values)
+                elif kwargs[param] is not None:
+                    raise click.BadOptionUsage(old, f"{old} is the old spelling of {new}: give {new} only")
+                else:
+                    kwargs[param] = old_values
             return fn(*args, **kwargs)
 
-        return click.option(old, "old_values", multiple=True, type=POSITIVE, hidden=True)(wrapper)
+        return click.option(old, "old_values", multiple=multiple, type=POSITIVE, hidden=True)(wrapper)
 
     return decorate
 

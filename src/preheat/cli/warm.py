@@ -15,7 +15,15 @@ import click
 from preheat.cli._support import one_line_errors
 from preheat.cli.options import NON_NEGATIVE, model_options
 
-__all__ = ["warm_command", "declaration_options", "warm_set_from_options"]
+__all__ = ["warm_command", "declaration_options", "inputs_option", "warm_set_from_options"]
+
+
+# the optional inputs a declaration offers (parse_offered, then warm.resolve checks them against the
+# family): `warm`, `serve`, and `cache explain`, whose call must use only these
+inputs_option = click.option(
+    "--inputs", "inputs_text", metavar="A,B,...|none",
+    help="Optional inputs offered (each variant compiled; a server refuses others): of the model's negative_prompt, "
+         "image, mask_image; none = the required ones only (text-to-image). Default: all the model declares.")
 
 
 def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -32,10 +40,7 @@ def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Text-to-image: sizes served (each compiled; a server refuses others). Default: the model's."),
         click.option("--guidance", "guidance_text", default="off,on", show_default=True, metavar="off,on",
                      help="Guidance modes compiled ('on' only where the model can guide)."),
-        click.option("--inputs", "inputs_text", metavar="A,B,...|none",
-                     help="Optional inputs offered (each variant compiled; a server refuses others): of the "
-                          "model's negative_prompt, image, mask_image; none = the required ones only (text-to-image). "
-                          "Default: all the model declares."),
+        inputs_option,
         click.option("--lora-ranks", "lora_ranks_text", metavar="16,32,...",
                      help="LoRA rank buckets compiled besides no LoRA (of 16, 32, 64, 128): a LoRA whose rank "
                           "fits one then runs with no compile. Default: none."),

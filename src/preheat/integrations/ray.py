@@ -44,6 +44,9 @@ Options (``build_app``'s args; ``app`` reads them from the environment): ``model
 ``max_ongoing_requests``, ``graceful_shutdown_timeout_s``, ``cache_home`` (the replica's local
 cache root; ``{replica}`` in it is replaced by the replica id, which gives replicas on one
 machine separate roots as if on separate nodes; default: ``$PREHEAT_HOME`` as the node has it).
+A malformed option, or one the model refuses at a replica's set-up, is one line naming it as the
+user gave it (``RayOptions.names``): the arg (``inputs``), the variable (``PREHEAT_INPUTS``) or,
+from ``preheat serve --ray``, the flag (``--inputs``).
 """
 
 from __future__ import annotations
@@ -53,14 +56,15 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Mapping, Optional
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Callable, Mapping, Optional
 
 from ray import serve
 
 from preheat.errors import InvalidArgumentError, PreheatError
+from preheat.warm import SettingNames
 
-__all__ = ["RayOptions", "Preheat", "build_app", "app", "run", "health_error", "proxy_middlewares", "FORWARDED_ENV",
+__all__ = ["RayOptions", "Preheat", "build_app", "deployment", "app", "run", "health_error", "proxy_middlewares", "FORWARDED_ENV",
            "forwarded_env", "REPLICA_HEADER"]
 
 log = logging.getLogger("preheat.server")
@@ -119,19 +123,24 @@ class RayOptions:
     max_ongoing_requests: Optional[int] = None  # default: max_queue + max_batch_size
     graceful_shutdown_timeout_s: Optional[float] = None  # default: grace_s + push_grace_s + 5
     env: dict[str, str] = field(default_factory=dict)  # more replica environment (over the forwarded)
+    # how the user named the settings a replica's set-up messages name: the command line's options
+    # (``serve --ray``) unless they came as ``serve run`` args or from ``PREHEAT_*`` (from_args / from_env)
+    names: SettingNames = field(default=SettingNames(), compare=False)
 
     @classmethod
-    def from_args(cls, args: Mapping[str, Any]) -> "RayOptions":
+    def from_args(cls, args: Mapping[str, Any], name_of: Callable[[str], str] = str) -> "RayOptions":
         """From ``serve run ... key=value`` / a config file's ``args`` (strings or typed values);
-        an unknown key or a malformed value fails in one line."""
-        known = {f.name: f for f in fields(cls)}
+        an unknown key or a malformed value fails in one line. ``name_of(option)``: what the user
+        gave it by, which that line and the replicas' set-up messages name (the arg's own name;
+        ``from_env``: its variable)."""
+        known = [f.name for f in fields(cls) if f.name != "names"]
         unknown = sorted(set(args) - set(known))
         if unknown:
             raise InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(known)}")
         out: dict[str, Any] = {}
         for name, value in args.items():
-            out[name] = _coerce(name, value)
-        options = cls(**out)
+            out[name] = _coerce(name, value, name_of(name))
+        options = cls(**out, names=SettingNames.by(name_of))
         if options.autoscaling is not None and "num_replicas" not in args:
             options.num_replicas = None
         options.check()
@@ -141,11 +150,12 @@ class RayOptions:
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "RayOptions":
         """The core's settings from ``PREHEAT_<SETTING>`` (``preheat.server.config.ENV_SETTINGS``,
         as Runpod reads them), and the deployment's from ``PREHEAT_RAY_REPLICAS`` / ``PREHEAT_RAY_GPUS``."""
-        from preheat.server.config import settings_from_env
+        from preheat.server.config import env_var, settings_from_env
 
         env = os.environ if env is None else env
         deployment = {name: env[var] for name, var in RAY_ENV.items() if env.get(var, "").strip()}
-        return cls.from_args({**settings_from_env(env), **deployment})
+        # one table of options from two kinds of variable: each keeps the name it was read by
+        return cls.from_args({**settings_from_env(env), **deployment}, lambda name: RAY_ENV.get(name) or env_var(name))
 
     def check(self) -> None:
         if self.max_batch_size < 1 or self.max_queue < 1 or self.max_steps < 1 or self.batch_wait_ms < 0:
@@ -161,9 +171,10 @@ class RayOptions:
 
     def replica_args(self) -> dict[str, Any]:
         """What a replica is constructed with: the core's options, ``grace_s`` and ``cache_home``;
-        the deployment's own settings (replicas, resources) go to ``Preheat.options``."""
+        the deployment's own settings (replicas, resources) go to ``Preheat.options``, ``names``
+        to the replica beside these (``deployment``)."""
         deployment = {"num_replicas", "autoscaling", "num_gpus", "num_cpus", "max_ongoing_requests",
-                      "graceful_shutdown_timeout_s", "env"}
+                      "graceful_shutdown_timeout_s", "env", "names"}
         return {k: v for k, v in asdict(self).items() if k not in deployment}
 
     def core_config(self) -> Any:
@@ -192,15 +203,16 @@ class RayOptions:
         return options
 
 
-def _coerce(name: str, value: Any) -> Any:
+def _coerce(name: str, value: Any, label: str) -> Any:
     """A typed value for option ``name`` from a string (``serve run`` args) or a typed one: the
-    core's settings as Runpod types them (``typed_setting``), then the deployment's own."""
+    core's settings as Runpod types them (``typed_setting``), then the deployment's own. A
+    malformed one is one line naming ``label`` (how the user gave it)."""
     from preheat.server.config import ENV_SETTINGS, typed_setting
 
     if value is None:
         return None
     if name in ENV_SETTINGS:
-        return typed_setting(name, value)
+        return typed_setting(name, value, label)
     try:
         if name in ("max_ongoing_requests",):
             return int(value)
@@ -219,7 +231,7 @@ def _coerce(name: str, value: Any) -> Any:
     except PreheatError:
         raise
     except (TypeError, ValueError) as err:
-        raise InvalidArgumentError(f"option {name}={value!r}: {err}") from None
+        raise InvalidArgumentError(f"{'option ' if label == name else ''}{label}={value!r}: {err}") from None
     return str(value)
 
 
@@ -275,11 +287,11 @@ def _log_to_stderr() -> None:
 class Preheat:
     """One replica: a core started by the constructor, and preheat's app over it once READY."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(self, options: dict[str, Any], names: SettingNames) -> None:
         from preheat.server.core import Core
 
         _log_to_stderr()
-        self.options = RayOptions.from_args(options)
+        self.options = replace(RayOptions.from_args(options), names=names)  # set-up errors name them so
         self.replica = _replica_id()
         if self.options.cache_home:
             os.environ["PREHEAT_HOME"] = self.options.cache_home.replace("{replica}", self.replica)
@@ -314,10 +326,15 @@ class Preheat:
         await asyncio.to_thread(core.close, 1.0)
 
 
+def deployment(options: RayOptions) -> Any:
+    """The Serve application of ``options``: its deployment's settings, and each replica's with
+    how the user named them (``options.names``, which its set-up messages say)."""
+    return Preheat.options(**options.deployment_options()).bind(options.replica_args(), options.names)
+
+
 def build_app(args: Mapping[str, Any]) -> Any:
     """Serve's application builder (``serve run preheat.integrations.ray:build_app key=value ...``)."""
-    options = RayOptions.from_args(dict(args))
-    return Preheat.options(**options.deployment_options()).bind(options.replica_args())
+    return deployment(RayOptions.from_args(dict(args)))
 
 
 def proxy_middlewares() -> list[Any]:
@@ -388,6 +405,7 @@ def run(options: RayOptions, *, address: Optional[str] = None, host: str = "127.
 
     import ray
 
+    options.check()
     if address is None:
         os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # read by the proxies this cluster starts
         loopback = host in ("127.0.0.1", "localhost")
@@ -403,7 +421,7 @@ def run(options: RayOptions, *, address: Optional[str] = None, host: str = "127.
     try:
         t0 = time.perf_counter()
         serve.start(http_options={"host": host, "port": port})
-        serve.run(build_app(asdict(options)), name=name, route_prefix="/", blocking=False)
+        serve.run(deployment(options), name=name, route_prefix="/", blocking=False)
         announce(f"preheat serve --ray: READY on http://{host}:{port} after {time.perf_counter() - t0:.1f}s "
                  f"({options.num_replicas or 'autoscaled'} replica(s)); Ctrl-C drains and stops")
         stop.wait()
@@ -421,5 +439,5 @@ def __getattr__(name: str) -> Any:
     asked for (``serve run preheat.integrations.ray:app``), not at import (replicas import this
     module too)."""
     if name == "app":
-        return build_app(asdict(RayOptions.from_env()))
+        return deployment(RayOptions.from_env())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,7 +40,7 @@ from typing import Any, Mapping, Optional
 from preheat.errors import InputError, MissingExtraError, NotAccepting, PreheatError, QueueFull
 
 try:
-    from preheat.server.config import env_var, settings_from_env, typed_setting
+    from preheat.server.config import SettingNames, env_var, settings_from_env, typed_setting
     from preheat.server.core import Core, CoreConfig
 except ModuleNotFoundError as _err:  # python -m without the serve extra: one line, never a traceback
     if __name__ != "__main__" or MissingExtraError.of(_err, "the Runpod handler") is None:
@@ -59,7 +59,7 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> CoreConfig:
     env = os.environ if env is None else env
     settings = settings_from_env(env)
     return CoreConfig(**{name: typed_setting(name, text, env_var(name)) for name, text in settings.items()},
-                      labels={name: env_var(name) for name in settings})  # set-up errors name the variable
+                      names=SettingNames.by(env_var))  # set-up errors name the variable
 
 
 def get_core(core: Optional[Core] = None) -> Core:

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
 from preheat.errors import InvalidArgumentError, PreheatError
-from preheat.warm import GUIDANCE_MODES, WarmSet
+from preheat.warm import GUIDANCE_MODES, SettingNames, WarmSet
 
-__all__ = ["CoreConfig", "load_pipeline", "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting",
+__all__ = ["CoreConfig", "SettingNames", "load_pipeline", "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting",
            "RETUNE_IDLE_S", "parse_idle_s"]
 
 RETUNE_IDLE_S = 30.0  # the default --retune-idle-s: a lull, not the gap between two requests of a burst
@@ -67,10 +67,10 @@ class CoreConfig:
     # on a GPU, executables served from entries compiled without autotuning (`warm --target`) are
     # compiled again, autotuned, after this long without a request, and swapped if faster (None: off)
     retune_idle_s: Optional[float] = RETUNE_IDLE_S
-    # setting -> the name its value was given by, where that is not its command-line option
-    # (``PREHEAT_INPUTS`` on Runpod): what a set-up error about it names (``preheat.warm.resolve``).
-    # Where a value came from is not what the server is: configs that differ only here are equal.
-    labels: dict[str, str] = field(default_factory=dict, compare=False)
+    # how the user named the settings a set-up message names (``preheat.warm.resolve``): the command
+    # line's options unless the surface read them elsewhere (Runpod: ``PREHEAT_INPUTS``). Where a
+    # value came from is not what the server is: configs that differ only here are equal.
+    names: SettingNames = field(default=SettingNames(), compare=False)
 
     def warm_set(self) -> WarmSet:
         """The declaration this server warms (the same object ``preheat warm`` compiles)."""

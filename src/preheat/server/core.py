@@ -515,7 +515,7 @@ class Core:
                         f"classes {pipe.num_classes}, defaults {pipe.defaults}")
         default_steps = int(pipe.defaults["steps"])
         if default_steps > self.limits.max_steps:
-            self._setup_log(f"warning: the model's default {default_steps} steps exceed --max-steps "
+            self._setup_log(f"warning: the model's default {default_steps} steps exceed {self.config.names.max_steps} "
                             f"{self.limits.max_steps}; requests must then give num_inference_steps")
         if pipe.lora_runtime is not None:  # this server's LRU of LoRAs
             pipe.lora_runtime.hold(max_loras=self.config.max_loras)
@@ -525,7 +525,7 @@ class Core:
             compiler.defer_pushes()  # uploads never hold up READY or a request
         self._prepare_retune(pipe)
         # refuses an unusable --sizes entry before READY, in one line naming it as it was given
-        self.warm = resolve(pipe, self.warm, self.config.labels)
+        self.warm = resolve(pipe, self.warm, self.config.names)
         self.samplers = self.warm.samplers
         self.limits = replace(self.limits, sizes=self.warm.sizes)  # () where the model makes its own size only
         self.limits = replace(self.limits, schedulers=self.samplers)  # parse refuses the others, naming these

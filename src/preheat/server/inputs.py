@@ -91,10 +91,16 @@ class Limits:
 
     def bounds(self, bound: ServerBound) -> tuple[Optional[float], Optional[float]]:
         """(low, high) of an input that ``bound`` narrows (``InputSpec.bound``); None: no bound of the server's."""
+        return self._bounds[bound]
+
+    @functools.cached_property
+    def _bounds(self) -> dict[ServerBound, tuple[Optional[float], Optional[float]]]:
+        """Every bound's (low, high), built once per Limits (the schema asks for each input's;
+        ``replace`` makes a new Limits, with its own)."""
         return {ServerBound.BATCH: (None, self.max_batch_size), ServerBound.STEPS: (None, self.max_steps),
                 ServerBound.GUIDANCE: (None, self.max_guidance),
-                ServerBound.SEED: (None, SEED_MAX - (self.max_batch_size - 1)),
-                ServerBound.LORA_SCALE: (-self.max_lora_scale, self.max_lora_scale)}[bound]
+                ServerBound.SEED: (None, SEED_MAX - (self.max_batch_size - 1)),  # room for seed + i
+                ServerBound.LORA_SCALE: (-self.max_lora_scale, self.max_lora_scale)}
 
 
 @dataclass(frozen=True)
