@@ -21,6 +21,7 @@ import pytest
 import preheat
 from preheat.noise import STEP_STREAM, image_keys, normal_per_image
 from tests._support import flow_fixtures, sd_fixtures
+from tests._support.compile_memo import one_compile_per_program
 from tests._support.server_fixtures import cli_on
 
 peft = pytest.importorskip("peft")
@@ -41,8 +42,32 @@ def _with_scheduler(folder, config: dict) -> None:
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_compile_per_program():
+    """The module's pipelines share programs (the SD folders' VAE decoder, SDXL's encoder): each is
+    compiled once (``tests/_support/compile_memo.py``)."""
+    with one_compile_per_program():
+        yield
+
+
 @pytest.fixture(scope="module")
-def few(tmp_path_factory):
+def tiny_sd(tmp_path_factory):
+    """``tiny_sd(kind, folder)``: a copy of the module's one tiny folder of ``kind`` (seed 0, built on
+    first use), for a folder that then gets its own scheduler: the same weights, built once."""
+    import shutil
+
+    base, built = tmp_path_factory.mktemp("tiny"), {}
+
+    def copy(kind: str, folder):
+        if kind not in built:
+            built[kind] = sd_fixtures.save_tiny_sd(base / kind, kind=kind)
+        return shutil.copytree(built[kind], folder)
+
+    return copy
+
+
+@pytest.fixture(scope="module")
+def few(tmp_path_factory, tiny_sd):
     """Turbo-configured SD 2.x-like and SDXL folders; SD 1.x and SDXL folders whose scheduler is
     LCMScheduler (as the LCM-LoRA cards set it), each with a random UNet LoRA standing in for
     the LCM-LoRA."""
@@ -53,11 +78,11 @@ def few(tmp_path_factory):
     base = tmp_path_factory.mktemp("few")
     out = {}
     for name, kind, sched in (("sd-turbo", "sd2", SD_TURBO), ("sdxl-turbo", "sdxl", SDXL_TURBO)):
-        folder = sd_fixtures.save_tiny_sd(base / name, kind=kind)
+        folder = tiny_sd(kind, base / name)
         _with_scheduler(folder, sched)
         out[name] = {"folder": folder, "pipe": preheat.load(folder, cache="off")}
     for name, kind in (("sd1-lcm", "sd1"), ("sdxl-lcm", "sdxl")):
-        folder = sd_fixtures.save_tiny_sd(base / name, kind=kind)
+        folder = tiny_sd(kind, base / name)
         old = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
         _with_scheduler(folder, json.loads(LCMScheduler.from_config(old).to_json_string()))
         ref = sd_fixtures.reference_pipeline(folder, "lcm")
@@ -142,7 +167,7 @@ FLUX_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", 
 
 
 @pytest.fixture(scope="module")
-def cards(tmp_path_factory):
+def cards(tmp_path_factory, tiny_sd):
     """Base folders as published (SD 1.x: DDIM, SDXL: Euler, both "leading"; FLUX.1-dev:
     FlowMatchEuler) and random UNet/transformer LoRAs standing in for the distilled ones: SDXL's
     in kohya's original-layout names (``lora_unet_input_blocks_…``, as SDXL-Lightning's files),
@@ -153,7 +178,7 @@ def cards(tmp_path_factory):
     base = tmp_path_factory.mktemp("cards")
     out = {}
     for kind in ("sd1", "sdxl"):
-        folder = sd_fixtures.save_tiny_sd(base / kind, kind=kind)
+        folder = tiny_sd(kind, base / kind)
         ref = sd_fixtures.reference_pipeline(folder, "euler")
         layers = peft_layers(ref.unet, UNET_TARGETS, 4, 8, seed=11)
         lora = save_lora(ref, base / f"{kind}-lora", "unet", {"unet": layers})

@@ -1,0 +1,52 @@
+"""One XLA compile per program in a test module of ``cache="off"`` loads.
+
+A module's pipelines of one family compile the same programs: the VAE decoder every SD folder
+shares, and the programs a test compiles again on purpose on a copy of a pipeline whose
+executables are emptied (``dataclasses.replace(pipe, _executables={})``) to watch it trace. With
+``cache="off"`` each is a fresh XLA compile (``preheat.cache.compile.compile_uncached``).
+:func:`one_compile_per_program` keeps the executables of the module's compiles by their lowered
+program's text (and its argument and result shardings): a program traced and lowered again is compiled once. Everything the engine does
+and counts is unchanged -- its trace, its lowering, its own ``_executables`` entry per signature --
+only XLA's work on a program text it has compiled before in this module is skipped. The same text
+is the same program (the weights are its arguments, never constants: ``tests/models``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+
+class CompileMemo:
+    """``compile_uncached`` with the executables it made kept by program text; ``compiles``/``hits``
+    count XLA compiles and the lowerings served a kept executable."""
+
+    def __init__(self, compile_uncached: Any) -> None:
+        self._compile = compile_uncached
+        self._executables: dict[tuple[str, str, str], Any] = {}
+        self.compiles = 0
+        self.hits = 0
+
+    def __call__(self, lowered: Any) -> Any:
+        args = getattr(getattr(lowered, "_lowering", None), "compile_args", {})  # the devices a mesh's program runs on
+        key = (lowered.as_text(), repr(args.get("in_shardings")), repr(args.get("out_shardings")))
+        hit = self._executables.get(key)
+        if hit is not None:
+            self.hits += 1
+            return hit
+        self.compiles += 1
+        compiled = self._executables[key] = self._compile(lowered)
+        return compiled
+
+
+@contextmanager
+def one_compile_per_program() -> Iterator[CompileMemo]:
+    """Within the block, ``cache="off"`` loads compile each program text once (module scope)."""
+    from preheat.cache import compile as compile_module
+
+    memo = CompileMemo(compile_module.compile_uncached)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compile_module, "compile_uncached", memo)
+        yield memo
