@@ -3,7 +3,6 @@ every step once, in order, per call; unchanged pixels; through the AOT cache and
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import preheat
 from preheat import progress
 from preheat.cache.compile import JaxCompiler
 from preheat.errors import SamplingStopped
+from tests._support.threads import run_together
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +33,12 @@ def test_each_step_is_reported_once_in_order_and_the_pixels_do_not_change(pipe: 
 def test_concurrent_calls_see_only_their_own_steps(pipe: Any) -> None:
     pipe.generate(1, seed=0, steps=3, progress=progress.ignore)  # compiled once, shared below
     seen: dict[int, list[tuple[int, int]]] = {3: [], 7: []}
-    errors: list[BaseException] = []
 
     def call(steps: int) -> None:
-        try:
-            for _ in range(3):
-                pipe.generate(1, seed=steps, steps=steps, progress=lambda s, t: seen[steps].append((s, t)))
-        except BaseException as err:  # noqa: BLE001 - reported below
-            errors.append(err)
+        for _ in range(3):
+            pipe.generate(1, seed=steps, steps=steps, progress=lambda s, t: seen[steps].append((s, t)))
 
-    threads = [threading.Thread(target=call, args=(n,)) for n in seen]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    errors = run_together(call, seen, timeout_s=300)
     assert not errors
     for steps, got in seen.items():
         assert got == [(k, steps) for k in range(1, steps + 1)] * 3

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from preheat.cache import compile as compile_mod
 from preheat.cache.compile import JaxCompiler
+from tests._support.threads import run_together
 
 
 @dataclass(frozen=True)
@@ -114,22 +115,12 @@ def test_concurrent_compiles_on_two_roots_land_in_their_own(tmp_path):
     root serves its own programs and never the other's."""
     roots = {"a": tmp_path / "a", "b": tmp_path / "b"}
     ks = {"a": [10.0, 11.0, 12.0], "b": [20.0, 21.0, 22.0]}
-    start = threading.Barrier(2)
-    errors: list[BaseException] = []
 
     def work(name: str) -> None:
-        try:
-            start.wait(10)
-            for k in ks[name]:
-                assert layer(roots[name], k) == "none"
-        except BaseException as exc:  # reported on the main thread
-            errors.append(exc)
+        for k in ks[name]:
+            assert layer(roots[name], k) == "none"
 
-    threads = [threading.Thread(target=work, args=(n,)) for n in roots]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = run_together(work, roots, timeout_s=60)
     assert not errors, errors
     for name, other in (("a", "b"), ("b", "a")):
         assert all(layer(roots[name], k) == "xla" for k in ks[name]), f"{name}'s programs are not in its root"
