@@ -344,6 +344,15 @@ def test_options_from_serve_run_args_and_one_line_errors() -> None:
         RayOptions.from_env({"PREHEAT_MAX_BATCH_SIZE": "x"})
     with pytest.raises(InvalidArgumentError, match="^PREHEAT_RAY_REPLICAS='x': invalid literal"):
         RayOptions.from_env({"PREHEAT_RAY_REPLICAS": "x"})
+    # and so does a value out of range: the one that is, with its value
+    with pytest.raises(InvalidArgumentError, match="^PREHEAT_MAX_QUEUE 0 must be >= 1$"):
+        RayOptions.from_env({"PREHEAT_MAX_QUEUE": "0"})
+    with pytest.raises(InvalidArgumentError, match="^PREHEAT_RAY_GPUS -1.0 must be >= 0$"):
+        RayOptions.from_env({"PREHEAT_RAY_GPUS": "-1"})
+    with pytest.raises(InvalidArgumentError, match="^push_grace_s -1.0 must be >= 0$"):
+        RayOptions.from_args({"push_grace_s": "-1"})
+    with pytest.raises(InvalidArgumentError, match="^give num_replicas or autoscaling, not both$"):
+        RayOptions.from_args({"num_replicas": "2", "autoscaling": '{"min_replicas": 1}'})
     from preheat.warm import SettingNames
 
     # what each replica's set-up messages name (serve --ray builds RayOptions from its flags: the defaults)

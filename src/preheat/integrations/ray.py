@@ -143,7 +143,7 @@ class RayOptions:
         options = cls(**out, names=SettingNames.by(name_of))
         if options.autoscaling is not None and "num_replicas" not in args:
             options.num_replicas = None
-        options.check()
+        options.check(name_of)
         return options
 
     @classmethod
@@ -157,17 +157,17 @@ class RayOptions:
         # one table of options from two kinds of variable: each keeps the name it was read by
         return cls.from_args({**settings_from_env(env), **deployment}, lambda name: RAY_ENV.get(name) or env_var(name))
 
-    def check(self) -> None:
-        if self.max_batch_size < 1 or self.max_queue < 1 or self.max_steps < 1 or self.batch_wait_ms < 0:
-            raise InvalidArgumentError("max_batch_size, max_queue and max_steps must be >= 1, batch_wait_ms >= 0")
-        if self.grace_s < 0 or self.push_grace_s < 0:
-            raise InvalidArgumentError("grace_s and push_grace_s must be >= 0")
-        if self.num_replicas is not None and self.num_replicas < 1:
-            raise InvalidArgumentError(f"num_replicas {self.num_replicas} must be >= 1")
+    def check(self, name_of: Callable[[str], str] = str) -> None:
+        """Each value in its range, or one line naming the first that is not as the user gave it
+        (``name_of(option)``: the ``serve run`` arg, or ``from_env``'s variable)."""
+        at_least = {"max_batch_size": 1, "max_queue": 1, "max_steps": 1, "num_replicas": 1, "batch_wait_ms": 0,
+                    "grace_s": 0, "push_grace_s": 0, "num_gpus": 0, "num_cpus": 0}
+        for option, low in at_least.items():
+            value = getattr(self, option)
+            if value is not None and value < low:
+                raise InvalidArgumentError(f"{name_of(option)} {value} must be >= {low}")
         if self.num_replicas is not None and self.autoscaling is not None:
-            raise InvalidArgumentError("give num_replicas or autoscaling, not both")
-        if self.num_gpus < 0 or self.num_cpus < 0:
-            raise InvalidArgumentError("num_gpus and num_cpus must be >= 0")
+            raise InvalidArgumentError(f"give {name_of('num_replicas')} or {name_of('autoscaling')}, not both")
 
     def replica_args(self) -> dict[str, Any]:
         """What a replica is constructed with: the core's options, ``grace_s`` and ``cache_home``;
