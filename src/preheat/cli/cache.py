@@ -248,7 +248,7 @@ def _check_offered(pipe: Any, model: str | None, inputs_text: str | None, opts: 
     if inputs_text is None:
         return
     from preheat.errors import InvalidArgumentError
-    from preheat.families.inputs import optional_inputs, parse_offered
+    from preheat.families.inputs import inputs_offering, parse_offered
     from preheat.warm import WarmSet, offered_inputs, resolve
 
     offered = offered_inputs(pipe, resolve(pipe, WarmSet(model=model, inputs=parse_offered(inputs_text))))
@@ -258,8 +258,7 @@ def _check_offered(pipe: Any, model: str | None, inputs_text: str | None, opts: 
     for name in offered.not_offered:
         if given.get(name) is None:
             continue
-        wanted = {*offered.optional, name, *specs[name].needs}
-        names = ",".join(n for n in optional_inputs(tuple(specs.values())) if n in wanted)
+        names = inputs_offering(tuple(specs.values()), offered.optional, specs[name])
         flag = specs[name].cli_flag
         raise InvalidArgumentError(f"{flag}: --inputs {inputs_text} does not offer {name}: a server or warm job "
                                    f"declared so has no program for this call (--inputs {names} offers it)",

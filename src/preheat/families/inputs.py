@@ -43,7 +43,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -53,7 +53,7 @@ __all__ = ["InputSpec", "CliForm", "Text", "Int", "Float", "Choice", "Pair", "In
            "common_spec", "SizePair", "IMAGE_SIZE", "size_pair",
            "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "typed_flags", "field_of",
            "check_needs", "WARM_IMAGE", "SURFACES", "SEED_MAX", "optional_inputs", "offered_specs", "check_offered",
-           "parse_offered", "NO_INPUTS", "required_inputs", "ServerBound"]
+           "parse_offered", "NO_INPUTS", "required_inputs", "inputs_offering", "ServerBound"]
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
@@ -573,6 +573,14 @@ def optional_inputs(specs: Sequence[InputSpec]) -> tuple[str, ...]:
     each its own programs. Required inputs are always offered; the others (a strength, a crop) go
     with the inputs they need (``offered_specs``)."""
     return tuple(s.name for s in specs if not s.required and not s.static and None in s.warm)
+
+
+def inputs_offering(specs: Sequence[InputSpec], offered: Iterable[str], spec: InputSpec) -> str:
+    """The ``--inputs`` value that offers ``spec`` beside the ``offered`` ones: those, ``spec``
+    (or the input it goes with) and what it needs, in declaration order -- what a refusal of an
+    input that is not offered tells the user to declare (the server's and ``cache explain``'s)."""
+    wanted = {*offered, spec.name, *spec.needs}
+    return ",".join(name for name in optional_inputs(specs) if name in wanted)
 
 
 def required_inputs(specs: Sequence[InputSpec]) -> tuple[str, ...]:

@@ -37,7 +37,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
 from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints,
-                                     Label, Pair, ServerBound, Text, field_of, offered_specs, optional_inputs,
+                                     Label, Pair, ServerBound, Text, field_of, inputs_offering, offered_specs,
                                      size_pair)
 
 __all__ = ["Limits", "Job", "FamilyInputs", "family_inputs", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields", "offered",
@@ -306,9 +306,7 @@ def _not_offered(inputs: FamilyInputs, limits: Limits, extra: Mapping[str, Any])
         sent = next((f for f in (spec.surface_name, *spec.aliases) if extra.get(f) is not None), None)
         if sent is None:
             continue
-        # what offering it takes: this server's inputs, the input (or what it needs) and its needs
-        wanted = {*(limits.inputs or ()), spec.name, *spec.needs}
-        names = ",".join(n for n in optional_inputs(declared) if n in wanted)
+        names = inputs_offering(declared, limits.inputs or (), spec)
         errors.append((sent, f"{sent} is not served here (start the server with --inputs {names}, or "
                              f"PREHEAT_INPUTS={names}, to offer it)"))
     return errors
