@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 __all__ = ["atomic_write_bytes", "fsync_dir", "sha256_file", "sha256_and_size", "publish_folder", "MADE_FROM",
-           "write_made_from", "read_made_from", "changed_inputs", "removed_contents", "Seen"]
+           "write_made_from", "read_made_from", "changed_inputs", "removed_from_config", "Removed",
+           "Seen"]
 
 CHUNK = 1 << 20  # bytes read at a time while hashing
 
@@ -124,16 +125,22 @@ def _seen(path: Path) -> Seen:
     return Seen(st.st_size, st.st_mtime_ns)
 
 
-def write_made_from(folder: str | Path, inputs: "list[Path]", contents: "list[Path] | tuple[Path, ...]" = ()) -> None:
+def write_made_from(folder: str | Path, inputs: "list[Path]", contents: "list[Path] | tuple[Path, ...]" = (),
+                    config_weights: "list[Path] | tuple[Path, ...]" = ()) -> None:
     """Record the files ``folder`` was made from (their resolved paths: a link's target), each with
     its size and mtime (``Seen``); ``contents`` are inputs too, named by their content (a config
     folder's configs and tokenizer files, hashed into the folder's name): their sha256 is recorded,
-    so rewriting one with other bytes makes the folder stale, and touching it (the same bytes) does not."""
+    so rewriting one with other bytes makes the folder stale, and touching it (the same bytes) does not.
+    ``config_weights`` are inputs named by where they are that belong to the same config folder as
+    ``contents`` (its weights files): recorded as such, so one deleted while the rest of that folder
+    is there reads as removed from it (``removed_from_config``), not as a missing source."""
     by_content = {str(Path(p).resolve()) for p in contents}
-    paths = sorted({str(Path(p).resolve()) for p in inputs} | by_content)
+    of_config = {str(Path(p).resolve()) for p in config_weights}
+    paths = sorted({str(Path(p).resolve()) for p in inputs} | by_content | of_config)
     seen = {p: list(_seen(Path(p))[:2]) for p in paths if os.path.exists(p)}  # (one already gone: nothing to compare)
     sha = {p: sha256_file(p) for p in sorted(by_content) if p in seen}
-    (Path(folder) / MADE_FROM).write_text(json.dumps({"inputs": paths, "seen": seen, "sha256": sha}, indent=1) + "\n")
+    (Path(folder) / MADE_FROM).write_text(json.dumps({"inputs": paths, "seen": seen, "sha256": sha,
+                                                      "config_weights": sorted(of_config)}, indent=1) + "\n")
 
 
 def read_made_from(folder: str | Path) -> list[Path] | None:
@@ -173,16 +180,25 @@ def changed_inputs(folder: str | Path) -> list[tuple[Path, Seen, Seen]]:
     return out
 
 
-def removed_contents(folder: str | Path) -> list[Path]:
-    """The inputs of ``folder`` named by their content (its config folder's JSON and tokenizer
-    files, recorded with their sha256) that are gone while another of them is still there: the
-    file was deleted from a folder that is still mounted, so ``folder`` was made from a config no
-    load reads again (stale), not from one on an unmounted drive (every one of them gone: kept, as
-    a missing source is). [] for a folder recorded without sha256s."""
+class Removed(NamedTuple):
+    """A recorded file of a made folder's config folder, deleted while the rest of that folder is there."""
+
+    path: Path
+    weights: bool  # a weights file (recorded by where it is); False: a config or tokenizer file (by its sha256)
+
+
+def removed_from_config(folder: str | Path) -> list[Removed]:
+    """The inputs of ``folder`` from its config folder (its JSON and tokenizer files, recorded with
+    their sha256, and its weights files, recorded as ``config_weights``) that are gone while another
+    of them is still there: the file was deleted from a folder that is still mounted, so ``folder``
+    was made from a config folder no load reads again (stale), not from one on an unmounted drive
+    (every one of them gone: kept, as a missing source is). A record without ``config_weights``
+    (made before it was written) names only its config files; [] for one naming neither."""
     try:
         raw = json.loads((Path(folder) / MADE_FROM).read_text())
-        contents = [Path(p) for p in raw.get("sha256", {})]
+        files = [Removed(Path(p), False) for p in raw.get("sha256", {})]
+        files += [Removed(Path(p), True) for p in raw.get("config_weights", [])]
     except (OSError, ValueError, TypeError, AttributeError):
         return []
-    there = [p.exists() for p in contents]
-    return [p for p, ok in zip(contents, there) if not ok] if any(there) else []
+    there = [f.path.exists() for f in files]
+    return [f for f, ok in zip(files, there) if not ok] if any(there) else []

@@ -320,3 +320,61 @@ def test_a_deleted_config_file_makes_its_conversion_stale_and_a_missing_source_k
         assert f"kept single/{folder.name}: its source " in out.output, out.output
     assert "--drop-missing-sources" in out.output
     assert not gone.exists() and away.is_dir() and unmounted.is_dir()
+
+
+def test_a_deleted_weights_file_of_a_config_folder_still_there_makes_its_conversion_stale(tmp_path, monkeypatch):
+    """Two real single files converted, each with its own config folder outside the cache root, and
+    the VAE's weights deleted from both config folders (the rest of each still there). The weights
+    are recorded by where they are, as the config folder's (``config_weights``): the folder is
+    mounted, so the file is gone, not away, and the conversion is stale ("its config folder's
+    weights file ... was removed"), collected by `prune`. The second's record is rewritten as one
+    made before that field was (no ``config_weights``): it reads as before, a kept missing source."""
+    import json
+    import os
+    import shutil
+
+    from click.testing import CliRunner
+    from safetensors.numpy import save_file
+
+    from preheat.cli import main
+    from preheat.files import MADE_FROM
+    from preheat.models.single_file import materialize
+    from preheat.store import _gc, derived_folders
+    from tests._support.ldm_files import to_original
+    from tests._support.sd_fixtures import save_tiny_sd
+
+    root = tmp_path / "home"
+    monkeypatch.setenv("PREHEAT_HOME", str(root))
+    first = save_tiny_sd(tmp_path / "sd1", kind="sd1")
+    tensors = to_original(first, "sd1")
+    made = []
+    for i in range(2):
+        config = first if i == 0 else shutil.copytree(first, tmp_path / f"sd1-{i}", symlinks=True)
+        path = tmp_path / f"tiny-sd1-{i}.safetensors"
+        save_file(tensors, str(path))
+        made.append((config, materialize(path, config, root)))
+    (config0, gone), (config1, old) = made
+    record = json.loads((old / MADE_FROM).read_text())
+    record.pop("config_weights", None)  # as written before this field was
+    (old / MADE_FROM).write_text(json.dumps(record))
+
+    deleted = [c / "vae" / "diffusion_pytorch_model.safetensors" for c in (config0, config1)]
+    for weights in deleted:
+        weights.unlink()
+    later = max(os.stat(m[1]).st_mtime for m in made) + 7200  # past the grace period
+    states = {d.name: d for d in derived_folders(root, now=later)}
+    stale = states[f"single/{gone.name}"]
+    assert stale.state == "changed-source" and stale.collect, stale
+    assert stale.why == (f"its config folder's weights file {deleted[0].resolve()} was removed since it was made "
+                         "(the rest of its config folder is there): no load reaches this one"), stale.why
+    kept = states[f"single/{old.name}"]
+    assert kept.state == "missing-source" and not kept.collect, kept
+    assert kept.why.startswith(f"its source {deleted[1].resolve()} is missing"), kept.why
+
+    monkeypatch.setattr(_gc.time, "time", lambda: later)
+    out = CliRunner().invoke(main, ["cache", "prune"])
+    assert out.exit_code == 0, out.output
+    assert f"collected single/{gone.name}: its config folder's weights file {deleted[0].resolve()} was removed" \
+           in out.output, out.output
+    assert f"kept single/{old.name}: its source {deleted[1].resolve()} is missing" in out.output, out.output
+    assert not gone.exists() and old.is_dir()

@@ -267,8 +267,9 @@ def with_components(file: str | Path, folder: str | Path, root: Path, needs: Nee
                 dst.symlink_to(p.resolve())
             else:
                 shutil.copyfile(p, dst)
-        write_made_from(tmp, [p for p in files if p.name.endswith(_WEIGHTS)],  # collected with them (store gc),
-                        contents=[p for p in files if not p.name.endswith(_WEIGHTS)])  # stale once one is edited
+        weights = [p for p in files if p.name.endswith(_WEIGHTS)]  # collected with them (store gc), stale once
+        write_made_from(tmp, weights, contents=[p for p in files if not p.name.endswith(_WEIGHTS)],  # one is edited,
+                        config_weights=weights)  # or one is deleted from the folder still there
         publish_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -592,8 +592,9 @@ def materialize(file: str | os.PathLike[str], config: str | os.PathLike[str], ro
             (tmp / component).mkdir(exist_ok=True)
             save_file(tensors, str(tmp / component / f"{stem}.safetensors"))
         configs = _config_files(config)  # named by them, so stale once one changes (the store's gc collects it)
-        write_made_from(tmp, [file, *(src for src, _ in taken), *(p for p in configs if p.name.endswith(_WEIGHTS))],
-                        contents=[p for p in configs if not p.name.endswith(_WEIGHTS)])
+        write_made_from(tmp, [file, *(src for src, _ in taken)],  # a deleted config or weights file of the
+                        contents=[p for p in configs if not p.name.endswith(_WEIGHTS)],  # folder still there: stale
+                        config_weights=[p for p in configs if p.name.endswith(_WEIGHTS)])
         publish_folder(tmp, out)  # another process may have converted it first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

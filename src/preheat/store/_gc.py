@@ -28,10 +28,11 @@ this one; it goes with the next gc, once older than ``grace_s``, saying which so
 hashing every source at every gc would read gigabytes.) The config folder's JSON and tokenizer
 files name a conversion by their content, and are recorded with their sha256: an edited config
 makes it stale the same way ("its config file ... changed"), a config touched or copied with the
-same bytes does not (the next load reads the same folder). So does a recorded config file deleted
-while the rest of its config folder is there ("its config file ... was removed": the folder is
-mounted, so the file is gone, not away; ``preheat.files.removed_contents``); with every one of them
-gone too, the folder may be on an unmounted drive, and is kept as a missing source below.
+same bytes does not (the next load reads the same folder). So does a recorded config file, or a
+weights file of the config folder, deleted while the rest of its config folder is there ("its config
+file ... was removed", "its config folder's weights file ... was removed": the folder is mounted, so
+the file is gone, not away; ``preheat.files.removed_from_config``); with every one of them gone
+too, the folder may be on an unmounted drive, and is kept as a missing source below.
 
 A dead or stale folder younger than ``grace_s`` says so, and when it goes (``Derived.kept_until``:
 "...; kept until <time> UTC"): its state is what it is whatever its age; only its collection waits.
@@ -53,7 +54,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from preheat.files import Seen, changed_inputs, read_made_from, removed_contents
+from preheat.files import Removed, Seen, changed_inputs, read_made_from, removed_from_config
 from preheat.store._layout import HEX64, Store
 
 __all__ = ["collect_orphans", "derived_folders", "Derived"]
@@ -189,10 +190,10 @@ def _when(seen: Seen) -> str:
 
 
 def _verdict(inputs: list[Path], inside: Path, snapshots: Path, live: set[str],
-             changed: list[tuple[Path, Seen, Seen]], removed: list[Path]) -> tuple[str, str]:
+             changed: list[tuple[Path, Seen, Seen]], removed: list[Removed]) -> tuple[str, str]:
     """(state, why) of a folder made from ``inputs``: a store input gone or of an unnamed snapshot
-    collects it, as does an input rewritten in place (``changed``) or a config file deleted from a
-    config folder still there (``removed``); an input outside the cache root that is missing keeps
+    collects it, as does an input rewritten in place (``changed``) or a config or weights file
+    deleted from a config folder still there (``removed``); an input outside the cache root that is missing keeps
     it (it may be unmounted)."""
     missing_outside = []
     for p in inputs:
@@ -210,7 +211,9 @@ def _verdict(inputs: list[Path], inside: Path, snapshots: Path, live: set[str],
         return "changed-source", (f"its {what} {path} changed since it was made ({_when(then)} then, {_when(now)} "
                                    "now): the next load converts it again, no load reaches this one")
     if removed:
-        return "changed-source", (f"its config file {removed[0]} was removed since it was made (the rest of its "
+        path, weights = removed[0]
+        what = "config folder's weights file" if weights else "config file"
+        return "changed-source", (f"its {what} {path} was removed since it was made (the rest of its "
                                    "config folder is there): no load reaches this one")
     if missing_outside:
         return "missing-source", f"its source {missing_outside[0]} is missing (an unmounted drive?)"
@@ -241,7 +244,7 @@ def _derived(store: Store, live: set[str], grace_s: float, now: float) -> list[D
                     continue
                 inputs = _inputs(folder)
                 state, why = _verdict(inputs, inside, snapshots, live, changed_inputs(folder),
-                                      removed_contents(folder))
+                                      removed_from_config(folder))
                 found.append((folder, name, inputs, state, why, _age(folder, now)))
             except OSError:  # removed meanwhile
                 continue
