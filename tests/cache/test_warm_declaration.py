@@ -161,13 +161,19 @@ def test_cache_explain_takes_the_offered_inputs_as_warm_does(sd_pipe, monkeypatc
     """`cache explain --inputs`: a declaration offering none (a text-only server or warm job) has no
     image program, so a call with --image is refused naming the --inputs that would offer it; a
     text call is explained as before; a bad --inputs is warm's one line."""
+    import dataclasses
+
     import numpy as np
 
     import preheat
+    from preheat.cache.compile import JaxCompiler
     from preheat.cli import main
     from tests._support.image_files import png
 
-    monkeypatch.setattr(preheat, "load", lambda model, **options: sd_pipe)
+    # the module's pipeline, with a compiler and executables of its own: explain compiles the
+    # encoders to reach the denoiser's key, which the dry-run test above must not find done
+    pipe = dataclasses.replace(sd_pipe, _executables={}, compiler=JaxCompiler(root=tmp_path / "root", remote=None))
+    monkeypatch.setattr(preheat, "load", lambda model, **options: pipe)
     image, mask = tmp_path / "grey.png", tmp_path / "mask.png"
     image.write_bytes(png(np.full((32, 32, 3), 128, np.uint8)))
     mask.write_bytes(png(np.full((32, 32), 255, np.uint8)))
