@@ -4,6 +4,8 @@ they go once older than the grace period, and what a ref names never does."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 from preheat.store import collect_orphans, pull, verify_store
 from tests._support.store_fixtures import make_model
@@ -265,6 +267,35 @@ def test_an_edited_config_json_makes_its_conversion_stale_and_a_touched_one_does
     assert not old.exists() and list((root / "models" / "single").iterdir()) == [new]
 
 
+class Conversion(NamedTuple):
+    source: Path  # the single file
+    config: Path  # its config folder, outside the cache root
+    folder: Path  # what it was converted into
+
+
+def convert_copies(tmp_path: Path, root: Path, count: int) -> list[Conversion]:
+    """``count`` real single files of one tiny SD 1.x model, each converted into ``root`` with a
+    config folder of its own (the first, then copies of it): as many conversions, all live."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from preheat.models.single_file import materialize
+    from tests._support.ldm_files import to_original
+    from tests._support.sd_fixtures import save_tiny_sd
+
+    first = save_tiny_sd(tmp_path / "sd1", kind="sd1")
+    tensors = to_original(first, "sd1")
+    made = []
+    for i in range(count):
+        config = first if i == 0 else shutil.copytree(first, tmp_path / f"sd1-{i}", symlinks=True)
+        source = tmp_path / f"tiny-sd1-{i}.safetensors"
+        save_file(tensors, str(source))
+        made.append(Conversion(source, config, materialize(source, config, root)))
+    assert len({m.folder for m in made}) == count
+    return made
+
+
 def test_a_deleted_config_file_makes_its_conversion_stale_and_a_missing_source_keeps_its_own(tmp_path, monkeypatch):
     """Three real single files converted, each with its own config folder outside the cache root.
     A config file deleted from the first's config folder (the rest of it still there): the folder is
@@ -273,35 +304,22 @@ def test_a_deleted_config_file_makes_its_conversion_stale_and_a_missing_source_k
     second's source file deleted, and the third's whole config folder moved away: either may be an
     unmounted drive, so both stay missing sources, kept until `--drop-missing-sources`."""
     import os
-    import shutil
 
     from click.testing import CliRunner
-    from safetensors.numpy import save_file
 
     from preheat.cli import main
-    from preheat.models.single_file import materialize
     from preheat.store import _gc, derived_folders
-    from tests._support.ldm_files import to_original
-    from tests._support.sd_fixtures import save_tiny_sd
 
     root = tmp_path / "home"
     monkeypatch.setenv("PREHEAT_HOME", str(root))
-    first = save_tiny_sd(tmp_path / "sd1", kind="sd1")
-    tensors = to_original(first, "sd1")
-    made = []
-    for i in range(3):
-        config = first if i == 0 else shutil.copytree(first, tmp_path / f"sd1-{i}", symlinks=True)
-        path = tmp_path / f"tiny-sd1-{i}.safetensors"
-        save_file(tensors, str(path))
-        made.append((path, config, materialize(path, config, root)))
-    assert len({m[2] for m in made}) == 3
-    (path0, config0, gone), (path1, _, away), (path2, config2, unmounted) = made
+    made = convert_copies(tmp_path, root, 3)
+    (_, config0, gone), (path1, _, away), (_, config2, unmounted) = made
 
     deleted = config0 / "scheduler" / "scheduler_config.json"  # recorded with its sha256
     deleted.unlink()
     path1.unlink()
     config2.rename(tmp_path / "away")
-    later = max(os.stat(m[2]).st_mtime for m in made) + 7200  # past the grace period
+    later = max(os.stat(m.folder).st_mtime for m in made) + 7200  # past the grace period
     states = {d.name: d for d in derived_folders(root, now=later)}
     stale = states[f"single/{gone.name}"]
     assert stale.state == "changed-source" and stale.collect, stale
@@ -331,29 +349,17 @@ def test_a_deleted_weights_file_of_a_config_folder_still_there_makes_its_convers
     made before that field was (no ``config_weights``): it reads as before, a kept missing source."""
     import json
     import os
-    import shutil
 
     from click.testing import CliRunner
-    from safetensors.numpy import save_file
 
     from preheat.cli import main
     from preheat.files import MADE_FROM
-    from preheat.models.single_file import materialize
     from preheat.store import _gc, derived_folders
-    from tests._support.ldm_files import to_original
-    from tests._support.sd_fixtures import save_tiny_sd
 
     root = tmp_path / "home"
     monkeypatch.setenv("PREHEAT_HOME", str(root))
-    first = save_tiny_sd(tmp_path / "sd1", kind="sd1")
-    tensors = to_original(first, "sd1")
-    made = []
-    for i in range(2):
-        config = first if i == 0 else shutil.copytree(first, tmp_path / f"sd1-{i}", symlinks=True)
-        path = tmp_path / f"tiny-sd1-{i}.safetensors"
-        save_file(tensors, str(path))
-        made.append((config, materialize(path, config, root)))
-    (config0, gone), (config1, old) = made
+    made = convert_copies(tmp_path, root, 2)
+    (_, config0, gone), (_, config1, old) = made
     record = json.loads((old / MADE_FROM).read_text())
     record.pop("config_weights", None)  # as written before this field was
     (old / MADE_FROM).write_text(json.dumps(record))
@@ -361,7 +367,7 @@ def test_a_deleted_weights_file_of_a_config_folder_still_there_makes_its_convers
     deleted = [c / "vae" / "diffusion_pytorch_model.safetensors" for c in (config0, config1)]
     for weights in deleted:
         weights.unlink()
-    later = max(os.stat(m[1]).st_mtime for m in made) + 7200  # past the grace period
+    later = max(os.stat(m.folder).st_mtime for m in made) + 7200  # past the grace period
     states = {d.name: d for d in derived_folders(root, now=later)}
     stale = states[f"single/{gone.name}"]
     assert stale.state == "changed-source" and stale.collect, stale
