@@ -220,29 +220,52 @@ def test_size_cap_evicts_least_recently_used(model_dir, warm_template, tmp_path,
     assert first not in names and len(names) == 1
 
 
-def test_an_xla_warm_root_upgraded_to_full_mode_writes_a_working_entry(model_dir, reference_pixels, tmp_path):
-    """JAX's persistent cache holds the program, the executable layer does not (an "xla"-mode root,
-    or a quarantined entry): the full-mode start must compile a program that survives
-    serialisation. (On XLA:CPU an executable loaded from JAX's cache does not.)"""
+def _xla_warm_then_full(model_dir, reference_pixels, tmp_path, **env: str) -> list[list[dict]]:
+    """Three fresh processes on one root: "xla" (fills JAX's persistent cache only), then "full"
+    twice (an aot miss on a warm xla layer, then the entry it wrote); each one's cache events."""
     script = textwrap.dedent(f"""
         import json, sys, numpy as np, preheat
         p = preheat.load({str(model_dir)!r}, cache=sys.argv[1])
         out = p.generate(**{CALL!r})
         np.save(sys.argv[2], out)
-        print(json.dumps(p.compiler.events[-1], default=str))
+        print(json.dumps(p.compiler.events, default=str))
     """)
-    env = {**os.environ, "PREHEAT_HOME": str(tmp_path / "root")}
+    env = {**os.environ, "PREHEAT_HOME": str(tmp_path / "root"), **env}
 
-    def start(mode: str, name: str) -> dict:
+    def start(mode: str, name: str) -> list[dict]:
         r = subprocess.run([sys.executable, "-c", script, mode, str(tmp_path / name)], env=env,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
-        assert np.array_equal(np.load(tmp_path / name), reference_pixels)
+        assert np.array_equal(np.load(tmp_path / name), reference_pixels)  # whatever the cache did
         return json.loads(r.stdout.strip().splitlines()[-1])
 
-    assert start("xla", "a.npy")["layer"] == "none"  # fills JAX's persistent cache only
-    assert start("full", "b.npy")["store"] == "written"  # xla warm, aot empty
-    assert start("full", "c.npy")["layer"] == "aot"  # and the entry it wrote runs
+    return [start("xla", "a.npy"), start("full", "b.npy"), start("full", "c.npy")]
+
+
+def test_an_xla_warm_root_upgraded_to_full_mode_writes_a_working_entry(model_dir, reference_pixels, tmp_path):
+    """JAX's persistent cache holds the program, the executable layer does not (an "xla"-mode root,
+    or a quarantined entry): the full-mode start must compile a program that survives
+    serialisation. (On XLA:CPU an executable loaded from JAX's cache does not: the next test.)"""
+    fill, miss, hit = _xla_warm_then_full(model_dir, reference_pixels, tmp_path)
+    assert fill[-1]["layer"] == "none"  # fills JAX's persistent cache only
+    assert (miss[-1]["layer"], miss[-1]["store"]) == ("none", "written")  # xla warm, aot empty: compiled fresh
+    assert [e["layer"] for e in hit] == ["aot"]  # and the entry it wrote runs
+
+
+def test_the_serialise_guard_off_on_the_cpu_stores_an_entry_that_fails_its_first_run(model_dir, reference_pixels,
+                                                                                     tmp_path):
+    """Why the guard is on for "cpu" (XLA_SERIALISE_BUG_PLATFORMS), and that the diagnostic switch
+    (PREHEAT_XLA_SERIALISE_GUARD=off, what the GPU check's row 8 runs with) really lifts it: the
+    aot miss is served by JAX's cache and stored, and the next process's entry loads but fails on
+    its first run with XLA:CPU's "Function ... not found", is quarantined and recompiled."""
+    fill, miss, hit = _xla_warm_then_full(model_dir, reference_pixels, tmp_path, PREHEAT_XLA_SERIALISE_GUARD="off")
+    assert fill[-1]["layer"] == "none"
+    assert (miss[-1]["layer"], miss[-1]["store"]) == ("xla", "written")  # a load, not a compile, and stored
+    assert hit[0]["layer"] == "aot"  # it deserialises ...
+    (bad,) = [e for e in hit if "quarantined" in e]  # ... but does not run
+    assert bad["quarantined"].startswith("failed on its first run: NOT_FOUND: Function ")
+    assert "_fusion not found" in bad["quarantined"]
+    assert len(list((tmp_path / "root" / "quarantine").iterdir())) == 1
 
 
 def test_an_entry_that_loads_but_fails_to_run_is_quarantined(model_dir, reference_pixels, warm_template, tmp_path,
