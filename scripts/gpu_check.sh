@@ -11,8 +11,10 @@
 #      compile, and autotune-and-replace; SDXL, FLUX.1-dev and Kontext, JAX against torch.compile;
 #      then the scaled-fp8 Linear layer against a bf16 GEMM (kernels after autotuning, time); last,
 #      a whole fp8 UNet step (SD 1.5, then SDXL) with the 1x1 convs as GEMMs on the fp8 weight
-#      against convolutions and against bf16 weights (ms/step, agreement, the decision) --
-#      each under a deadline from one budget; JSON under $OUT, the table printed last
+#      against convolutions and against bf16 weights (ms/step, agreement, the decision); on request
+#      (GPU_CHECK_ROWS=...,xlaser) whether an executable loaded from JAX's cache survives
+#      serialisation here (preheat's guard off) -- each under a deadline from one budget; JSON
+#      under $OUT, the table printed last
 #
 # On the GPU (through the device tool, .gpu-wheels and .gpu-targets carried):  bash scripts/gpu_check.sh
 # The CPU dry run (same script, CPU devices, tiny sizes):     GPU_CHECK_DRY=1 bash scripts/gpu_check.sh
@@ -20,8 +22,8 @@
 # .gpu-targets), PYTHON (default python3), GPU_CHECK_BUDGET_S (seconds for the whole run, install
 # included; default 540 on the GPU, so that a call with timeout_s 590 ends inside the device's
 # 10-minute limit; 900 dry, where it only guards against a hang), GPU_CHECK_ROWS (comma-separated:
-# doctor, target, sdxl, flux, kontext, fp8, fp8unet, models, compare, scaling; default on the GPU
-# the first seven, dry all), GPU_CHECK_SKIP (rows to leave out: a targeted rerun).
+# doctor, target, sdxl, flux, kontext, fp8, fp8unet, xlaser, models, compare, scaling; default on
+# the GPU the first seven, dry all), GPU_CHECK_SKIP (rows to leave out: a targeted rerun).
 # Exit status: 0 all steps ran; 1 a step failed or was skipped; 2 preflight or install failed.
 set -uo pipefail
 STARTED=$(date +%s.%N)

@@ -27,13 +27,21 @@ order of issue 29 (the first minutes give the most important ones):
    against XLA's convolution on a bf16 copy (``=conv``) and against the same weights in bf16,
    compiled here (autotuned); whether the three agree; the decision (keep the GEMM path iff it
    is faster beyond the noise on both UNets).
-8. Older rows, not in the default set (``GPU_CHECK_ROWS=models,compare,scaling``): per model in
+8. ``xlaser``, not in the default set (``GPU_CHECK_ROWS=doctor,fp8,fp8unet,xlaser``): whether XLA's
+   serialisation bug (an executable loaded from JAX's persistent cache, serialised into preheat's
+   entry, fails its first run in a new process; known on XLA:CPU) exists here. Fresh ``preheat
+   sample`` processes of the built-in model with preheat's guard off
+   (``PREHEAT_XLA_SERIALISE_GUARD=off``): "xla" mode fills JAX's cache, full mode's aot miss is
+   served by it and stored, a third process runs that entry; then the guard on, on a copy of the
+   xla-warm root (the aot miss compiled fresh: what the guard costs). The decision: drop this
+   platform from ``XLA_SERIALISE_BUG_PLATFORMS`` iff the entry runs with the "xla" run's pixels.
+9. Older rows, not in the default set (``GPU_CHECK_ROWS=models,compare,scaling``): per model in
    ``MODELS`` the cold-start rows, executable round trip and steady state; ``bench compare --quick``
    on the built-in model; scaling over local devices.
 
 ``GPU_CHECK_ROWS`` (comma-separated) picks rows (default on the GPU: doctor,target,sdxl,flux,kontext,fp8,fp8unet;
 in the dry run: every row, at tiny sizes); ``GPU_CHECK_SKIP`` leaves rows out. Writes under
-``--out``: doctor.json, rows.json (rows 2-7), models.json, compare.json, summary.md, log.txt (with
+``--out``: doctor.json, rows.json (rows 2-8), models.json, compare.json, summary.md, log.txt (with
 the shell's preflight.json: 7 files); the summary table is printed last.
 
     python scripts/gpu_measure.py run --out DIR --mode gpu|dry [--budget S] [--started-at EPOCH]
@@ -112,7 +120,7 @@ DRY_MODELS = [Model("ddpm-256-tiny", DDPM_256_TINY, n=2, steps=2)]
 SCALING_MODEL = {"gpu": "ddpm-256", "dry": "ddpm-256-tiny"}  # the model measured on 1, 2, 4, 8 devices
 SCALING_COUNTS = (1, 2, 4, 8)
 
-ROWS = ("doctor", "target", "sdxl", "flux", "kontext", "fp8", "fp8unet", "models", "compare", "scaling")
+ROWS = ("doctor", "target", "sdxl", "flux", "kontext", "fp8", "fp8unet", "xlaser", "models", "compare", "scaling")
 DEFAULT_ROWS = {"gpu": ("doctor", "target", "sdxl", "flux", "kontext", "fp8", "fp8unet"), "dry": ROWS}
 # Row 6's layer: FLUX.1's hidden width and 4096 image tokens on the GPU; tiny in the dry run
 FP8_SIZES = {"gpu": dict(n=3072, tokens=4096, calls=20, rounds=20), "dry": dict(n=256, tokens=64, calls=3, rounds=3)}
@@ -194,7 +202,7 @@ HEAD_TO_HEAD = {
 GPU = dict(doctor=(90, 20), t_sample=(120, 20), t_steady=(90, 15), t_retune=(150, 30),
            h2h_weights={"sdxl": (150, 40), "flux": (240, 90), "kontext": (240, 90)},
            h2h={"sdxl": (330, 200), "flux": (450, 300), "kontext": (450, 300)}, flops=(150, 30), fp8=(120, 30),
-           fp8unet={"sd15": (180, 75), "sdxl": (270, 150)},
+           fp8unet={"sd15": (180, 75), "sdxl": (270, 150)}, xlaser=(120, 20),
            materialize=(120, 20), empty=(240, 60), warm=(90, 15), xla=(240, 60),
            steady=(150, 30), compare=(240, 90), scaling=(300, 60), warm_repeats=2, matmul_n=8192, copy_mib=2048,
            ceiling_repeats=20, steady_repeats=5,
@@ -203,7 +211,7 @@ GPU = dict(doctor=(90, 20), t_sample=(120, 20), t_steady=(90, 15), t_retune=(150
 DRY = dict(doctor=(300, 5), t_sample=(300, 5), t_steady=(300, 5), t_retune=(300, 5),
            h2h_weights={"sdxl": (300, 5), "flux": (300, 5), "kontext": (300, 5)},
            h2h={"sdxl": (600, 5), "flux": (600, 5), "kontext": (600, 5)}, flops=(300, 5), fp8=(300, 5),
-           fp8unet={"sd15": (300, 5), "sdxl": (300, 5)},
+           fp8unet={"sd15": (300, 5), "sdxl": (300, 5)}, xlaser=(300, 5),
            materialize=(300, 5), empty=(300, 5), warm=(300, 5), xla=(300, 5),
            steady=(300, 5), compare=(600, 5), scaling=(300, 5), warm_repeats=1, matmul_n=256, copy_mib=8,
            ceiling_repeats=3, steady_repeats=2,
@@ -906,6 +914,98 @@ def step_fp8unet(r: Runner) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Row 8: does XLA's serialisation bug (an executable loaded from JAX's cache, serialised, fails in
+# a new process) exist on this platform? preheat's guard lifted for the row's processes.
+
+XLASER_CALL = ("--n", "2", "--steps", "3", "--seed", "0")  # the built-in model, as docs/benchmarks.md timed it
+XLASER_PLATFORM = {"gpu": "gpu", "dry": "cpu"}  # the key's platform each mode tests
+
+
+def _xlaser_events(rep: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in e.items() if k in ("stage", "layer", "miss", "quarantined", "store", "early")}
+            for e in rep.get("cache_events", [])]
+
+
+def step_xlaser(r: Runner) -> dict[str, Any]:
+    """Row 8: fresh ``preheat sample`` processes of the built-in model. Guard off
+    (``PREHEAT_XLA_SERIALISE_GUARD=off``) on one fresh root: ``fill`` ("xla" mode: JAX's cache
+    only), ``miss`` (full mode: an aot miss served by that cache, serialised into the entry),
+    ``hit`` (full mode: that entry, its first run in a new process). Then guard on, on a copy of
+    the root as ``fill`` left it: ``miss`` (compiled fresh: the time the guard costs) and ``hit``."""
+    import shutil
+
+    need = r.limits["xlaser"][1]
+    if r.left() < 3 * need:  # the three guard-off processes answer the question; the rest times it
+        return {"skipped": f"budget: needs at least {3 * need:.0f} s, {max(0.0, r.left()):.0f} s left"}
+    base = r.work / "xlaser"
+    homes = {"off": base / "home-off", "on": base / "home-on"}
+    homes["off"].mkdir(parents=True)
+    out: dict[str, Any] = {"platform": XLASER_PLATFORM[r.mode], "off": {}, "on": {}, "skipped": []}
+
+    def sample(guard: str, tag: str, cache: str) -> None:
+        timeout = r.fits("xlaser")
+        if timeout is None:
+            out["skipped"].append(f"guard {guard} {tag}: budget")
+            return
+        png, report = base / f"{guard}-{tag}.png", base / f"{guard}-{tag}.json"
+        cmd = [sys.executable, "-m", "preheat", "sample", *XLASER_CALL, "--out", str(png), "--report", str(report),
+               "--quiet", "--cache", cache]
+        p = r.run(f"xlaser: guard {guard}, {tag} ({cache})", cmd, timeout,
+                  env={"PREHEAT_HOME": str(homes[guard]), "PREHEAT_XLA_SERIALISE_GUARD": guard})
+        err = _fail(p)
+        if err or not report.is_file():
+            out[guard][tag] = {"error": err or "no report"}
+            return
+        rep = json.loads(report.read_text())
+        out[guard][tag] = {"layer": rep.get("cache_layer"), "compile_or_load_s": rep.get("compile_or_load_s"),
+                           "png": str(png), "cache_events": _xlaser_events(rep)}
+        r.say(f"xlaser: guard {guard}, {tag}: layer {rep.get('cache_layer')}, compile/load "
+              f"{rep.get('compile_or_load_s') or 0:.2f} s")
+
+    sample("off", "fill", "xla")
+    if "png" in out["off"].get("fill", {}):
+        shutil.copytree(homes["off"], homes["on"])  # an xla-mode root, for the guard-on miss below
+        for guard in ("off", "on"):
+            for tag in ("miss", "hit"):
+                sample(guard, tag, "full")
+    fill = Path(out["off"].get("fill", {}).get("png", "-"))
+    for guard in ("off", "on"):
+        hit = out[guard].get("hit") or {}
+        if "png" in hit:
+            hit["pixels_vs_fill"] = _pixels_delta(fill, Path(hit["png"]))
+    out["verdict"] = xlaser_verdict(out)
+    if not out["skipped"]:
+        del out["skipped"]
+    return out
+
+
+def xlaser_verdict(res: dict[str, Any]) -> str:
+    """docs/gpu.md's rule for row 8 (written before any run): with the guard off, the entry that
+    JAX's cache served and preheat serialised must run its first time in a new process, with the
+    pixels of the "xla" run. It runs and matches -> ``drop`` this platform from
+    XLA_SERIALISE_BUG_PLATFORMS; it fails or differs -> ``keep``; the miss not served by JAX's
+    cache (nothing tested) or a process missing -> ``undecided``."""
+    platform, off = res.get("platform", "?"), res.get("off") or {}
+    miss, hit = off.get("miss") or {}, off.get("hit") or {}
+    for tag, got in (("fill", off.get("fill") or {}), ("miss", miss), ("hit", hit)):
+        if "layer" not in got:
+            return f"undecided: the guard-off {tag} process: {got.get('error', 'not run')}"
+    if miss["layer"] != "xla" or not any(e.get("store") == "written" for e in miss["cache_events"]):
+        return (f"undecided: the guard-off aot miss was not served by JAX's cache and stored (layer "
+                f"{miss['layer']}): nothing was tested")
+    failed = [e["quarantined"] for e in hit["cache_events"] if "failed on its first run" in e.get("quarantined", "")]
+    if failed:
+        return f"keep {platform!r} in XLA_SERIALISE_BUG_PLATFORMS: the bug is there: {failed[0]}"
+    bad = [e["quarantined"] for e in hit["cache_events"] if "quarantined" in e]
+    if hit["layer"] != "aot" or bad:
+        return f"undecided: the guard-off entry was not served (layer {hit['layer']}; {'; '.join(bad) or 'no hit'})"
+    if not hit.get("pixels_vs_fill", {}).get("identical"):
+        return (f"keep {platform!r} in XLA_SERIALISE_BUG_PLATFORMS: the entry ran, pixels differ: "
+                f"{hit.get('pixels_vs_fill')}")
+    return f"drop {platform!r} from XLA_SERIALISE_BUG_PLATFORMS: the entry ran in a new process, pixels identical"
+
+
+# ---------------------------------------------------------------------------------------------
 # Rows 3-5: JAX against torch.compile on full-size random-weight folders
 
 
@@ -1197,6 +1297,35 @@ def _fp8unet_rows(res: dict[str, Any] | None) -> list[str]:
     return out
 
 
+def _xlaser_rows(res: dict[str, Any] | None) -> list[str]:
+    """Row 8's lines: what the guard-off entry did in a new process, the guard's cost, the decision."""
+    if res is None:
+        return []
+    head = "XLA serialisation bug (entry from JAX's cache, new process)"
+    if "off" not in res:
+        why = ("FAILED: " + res["error"]) if res.get("error") else f"skipped: {res.get('skipped')}"
+        return [f"| {head} | – | {why} |"]
+
+    def part(guard: str, tag: str) -> str:
+        got = (res.get(guard) or {}).get(tag) or {}
+        if "layer" not in got:
+            return f"{tag} {got.get('error', 'not run')}"
+        quarantined = [e["quarantined"] for e in got["cache_events"] if "quarantined" in e]
+        px = got.get("pixels_vs_fill")
+        served = " → ".join(e["layer"] for e in got["cache_events"] if "layer" in e) or got["layer"]
+        return (f"{tag} {served} {_s(got['compile_or_load_s'])} s"
+                + (f", QUARANTINED: {quarantined[0][:160]}" if quarantined else "")
+                + ("" if px is None else ", pixels vs fill " + ("identical" if px.get("identical")
+                                                                 else f"differ (max {px.get('max_abs')})")))
+
+    off = "; ".join(part("off", t) for t in ("fill", "miss", "hit"))
+    on = "; ".join(part("on", t) for t in ("miss", "hit"))
+    skipped = f"; skipped: {', '.join(res['skipped'])}" if res.get("skipped") else ""
+    return [f"| {head}, {res['platform']}: guard off | – | {off}{skipped} |",
+            f"| {head}, {res['platform']}: guard on (the aot miss compiled fresh) | – | {on} |",
+            f"| {head}: decision (docs/gpu.md) | – | {res.get('verdict', '–')} |"]
+
+
 def table(results: dict[str, Any]) -> str:
     rows = ["| step | s | result |", "|---|---|---|"]
     pre = results.get("preflight") or {}
@@ -1219,6 +1348,7 @@ def table(results: dict[str, Any]) -> str:
         rows += _head_to_head_rows(h, results.get("rows", {}).get(h.row))
     rows += _fp8_rows(results.get("rows", {}).get("fp8"))
     rows += _fp8unet_rows(results.get("rows", {}).get("fp8unet"))
+    rows += _xlaser_rows(results.get("rows", {}).get("xlaser"))
     if results.get("models_skipped"):
         rows.append("| models: cold start, executable round trip, steady state | – | "
                     f"skipped: {results['models_skipped']} |")
@@ -1352,6 +1482,9 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
             if "fp8unet" in rows:  # 7.
                 results["rows"]["fp8unet"] = {}
                 _guard(r, results["rows"]["fp8unet"], lambda: results["rows"]["fp8unet"].update(step_fp8unet(r)))
+            if "xlaser" in rows:  # 8.
+                results["rows"]["xlaser"] = {}
+                _guard(r, results["rows"]["xlaser"], lambda: results["rows"]["xlaser"].update(step_xlaser(r)))
             runs = [ModelRun(r, m) for m in models] if "models" in rows else []
             for mr in runs:
                 _guard(r, mr.res, mr.first)
@@ -1380,8 +1513,8 @@ def run(out: Path, mode: str, budget: float, started_at: float) -> int:
             r.say("JAX does not compute on a GPU (doctor above): the GPU measurements are skipped")
             results["models_skipped"] = "no GPU backend"
             results["compare"] = {"skipped": "no GPU backend"}
-            results["rows"] = {x: {"skipped": "no GPU backend"} for x in rows if x in ("target", "sdxl", "flux",
-                                                                                        "kontext", "fp8", "fp8unet")}
+            gpu_rows = ("target", "sdxl", "flux", "kontext", "fp8", "fp8unet", "xlaser")
+            results["rows"] = {x: {"skipped": "no GPU backend"} for x in rows if x in gpu_rows}
         results["total_s"] = time.time() - started_at
         (out / "models.json").write_text(json.dumps(results["models"], indent=2, default=str) + "\n")
         (out / "rows.json").write_text(json.dumps(results["rows"], indent=2, default=str) + "\n")

@@ -96,6 +96,29 @@ def test_fp8unet_decision_follows_the_documented_rule():
     assert measure.fp8unet_decision({"sd15": bad, "sdxl": faster}).startswith("revert: the outputs disagree")
 
 
+def test_xlaser_decision_follows_the_documented_rule():
+    """Row 8's decision (docs/gpu.md): drop the platform from XLA_SERIALISE_BUG_PLATFORMS iff the
+    entry JAX's cache served (guard off) runs its first time in a new process with the "xla" run's
+    pixels; a miss JAX's cache did not serve tested nothing."""
+    measure = _load("gpu_measure")
+    fill = {"layer": "none", "cache_events": [{"layer": "none"}]}
+    miss = {"layer": "xla", "cache_events": [{"miss": "no entries yet", "store": "written", "layer": "xla"}]}
+    ran = {"layer": "aot", "cache_events": [{"layer": "aot"}], "pixels_vs_fill": {"identical": True}}
+
+    def verdict(**off) -> str:
+        return measure.xlaser_verdict({"platform": "gpu", "off": {"fill": fill, "miss": miss, "hit": ran, **off}})
+
+    assert verdict().startswith("drop 'gpu' from XLA_SERIALISE_BUG_PLATFORMS")
+    error = "failed on its first run: NOT_FOUND: Function multiply_exponential_fusion not found (type id: 1)"
+    failed = {"layer": "xla", "cache_events": [{"layer": "aot"}, {"quarantined": error}, {"layer": "xla"}],
+              "pixels_vs_fill": {"identical": True}}  # recompiled after the quarantine: same pixels
+    assert verdict(hit=failed) == f"keep 'gpu' in XLA_SERIALISE_BUG_PLATFORMS: the bug is there: {error}"
+    assert verdict(hit={**ran, "pixels_vs_fill": {"identical": False, "max_abs": 3}}).startswith("keep 'gpu'")
+    compiled = {"layer": "none", "cache_events": [{"store": "written", "layer": "none"}]}
+    assert verdict(miss=compiled).startswith("undecided: the guard-off aot miss was not served by JAX's cache")
+    assert verdict(hit={"error": "exit 1: boom"}) == "undecided: the guard-off hit process: exit 1: boom"
+
+
 def test_preflight_names_what_is_missing_and_a_stale_wheel(tmp_path):
     preflight = _load("gpu_preflight")
     src = tmp_path / "src" / "preheat"
@@ -208,6 +231,8 @@ def test_a_stale_preheat_wheel_is_rebuilt_and_a_step_that_does_not_fit_the_budge
         assert (f"| fp8 UNet step ({model}): 1x1 convs as GEMMs on fp8 vs convolutions | – | skipped: budget: "
                 "needs at least 5 s, 0 s left |") in table
     assert "| fp8 UNet step: decision (docs/gpu.md) | – | undecided: no measurement of sd15, sdxl" in table
+    assert ("| XLA serialisation bug (entry from JAX's cache, new process) | – | skipped: budget: needs at least "
+            "15 s, 0 s left |") in table  # row 8
     assert "everything | – | skipped (budget) |" in table
     assert "| bench compare --quick (built-in model) | – | skipped: budget |" in table
     assert proc.stdout.rstrip().endswith(table.strip())
@@ -355,3 +380,35 @@ def test_dry_run_in_a_clean_venv_without_network(clean_python, env_wheels, tmp_p
     compare = json.loads((out / "compare.json").read_text())
     assert set(compare["paths"]) == {"jax", "torch-eager"}  # torch-eager needs the carried diffusers
     assert all(not p["errors"] and p["steady"] for p in compare["paths"].values())
+
+
+@pytest.mark.slow
+def test_dry_xlaser_row_sees_the_cpu_bug_with_the_guard_off_and_not_with_it_on(tmp_path):
+    """Row 8 on the CPU, where XLA's serialisation bug is known, so the dry row is a real check that
+    the row detects it: guard off, the entry JAX's cache served is stored and fails its first run
+    in the third process (decision: keep "cpu"); guard on, the miss compiles fresh and its entry
+    runs. Straight through gpu_measure.py in this environment (the row is what is new; the
+    preflight, install and clean venv around it are the two dry runs above)."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_measure.py"), "run", "--out", str(out), "--mode", "dry",
+                           "--budget", "900"], capture_output=True, text=True, timeout=960,
+                          env=offline_env(GPU_CHECK_ROWS="xlaser", JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="",
+                                          PYTHONPATH=str(ROOT / "src"), TMPDIR=str(tmp_path)))
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # 1: doctor was not selected
+    row = json.loads((out / "rows.json").read_text())["xlaser"]
+    assert "error" not in row and "skipped" not in row and row["platform"] == "cpu", row
+    off, on = row["off"], row["on"]
+    assert off["fill"]["layer"] == "none"
+    assert [(e["layer"], e["store"]) for e in off["miss"]["cache_events"]] == [("xla", "written")]
+    (bad,) = [e["quarantined"] for e in off["hit"]["cache_events"] if "quarantined" in e]
+    assert bad.startswith("failed on its first run: NOT_FOUND: Function ") and "_fusion not found" in bad
+    assert off["hit"]["cache_events"][0]["layer"] == "aot"  # it loaded; its first run failed
+    assert [(e["layer"], e["store"]) for e in on["miss"]["cache_events"]] == [("none", "written")]
+    assert [e["layer"] for e in on["hit"]["cache_events"]] == ["aot"]
+    assert on["hit"]["pixels_vs_fill"]["identical"] and off["hit"]["pixels_vs_fill"]["identical"]
+    assert row["verdict"] == f"keep 'cpu' in XLA_SERIALISE_BUG_PLATFORMS: the bug is there: {bad}"
+    table = (out / "summary.md").read_text()
+    assert "| XLA serialisation bug (entry from JAX's cache, new process), cpu: guard off | – | fill none " in table
+    assert "hit aot → xla " in table and "QUARANTINED: failed on its first run: NOT_FOUND" in table
+    assert ("| XLA serialisation bug (entry from JAX's cache, new process): decision (docs/gpu.md) | – | "
+            "keep 'cpu' ") in table
