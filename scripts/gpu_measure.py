@@ -33,8 +33,8 @@ order of issue 29 (the first minutes give the most important ones):
    sample`` processes of the built-in model with preheat's guard off
    (``PREHEAT_XLA_SERIALISE_GUARD=off``): "xla" mode fills JAX's cache, full mode's aot miss is
    served by it and stored, a third process runs that entry; then the guard on, on a copy of the
-   xla-warm root (the aot miss compiled fresh: what the guard costs). The decision: drop this
-   platform from ``XLA_SERIALISE_BUG_PLATFORMS`` iff the entry runs with the "xla" run's pixels.
+   xla-warm root (the aot miss compiled fresh: what the guard costs). The decision: add this
+   platform to ``XLA_SERIALISE_SAFE_PLATFORMS`` iff the entry runs with the "xla" run's pixels.
 9. Older rows, not in the default set (``GPU_CHECK_ROWS=models,compare,scaling``): per model in
    ``MODELS`` the cold-start rows, executable round trip and steady state; ``bench compare --quick``
    on the built-in model; scaling over local devices.
@@ -982,8 +982,8 @@ def step_xlaser(r: Runner) -> dict[str, Any]:
 def xlaser_verdict(res: dict[str, Any]) -> str:
     """docs/gpu.md's rule for row 8 (written before any run): with the guard off, the entry that
     JAX's cache served and preheat serialised must run its first time in a new process, with the
-    pixels of the "xla" run. It runs and matches -> ``drop`` this platform from
-    XLA_SERIALISE_BUG_PLATFORMS; it fails or differs -> ``keep``; the miss not served by JAX's
+    pixels of the "xla" run. It runs and matches -> ``add`` this platform to
+    XLA_SERIALISE_SAFE_PLATFORMS; it fails or differs -> ``keep`` it out; the miss not served by JAX's
     cache (nothing tested) or a process missing -> ``undecided``."""
     platform, off = res.get("platform", "?"), res.get("off") or {}
     miss, hit = off.get("miss") or {}, off.get("hit") or {}
@@ -995,14 +995,14 @@ def xlaser_verdict(res: dict[str, Any]) -> str:
                 f"{miss['layer']}): nothing was tested")
     failed = [e["quarantined"] for e in hit["cache_events"] if "failed on its first run" in e.get("quarantined", "")]
     if failed:
-        return f"keep {platform!r} in XLA_SERIALISE_BUG_PLATFORMS: the bug is there: {failed[0]}"
+        return f"keep {platform!r} out of XLA_SERIALISE_SAFE_PLATFORMS: the bug is there: {failed[0]}"
     bad = [e["quarantined"] for e in hit["cache_events"] if "quarantined" in e]
     if hit["layer"] != "aot" or bad:
         return f"undecided: the guard-off entry was not served (layer {hit['layer']}; {'; '.join(bad) or 'no hit'})"
     if not hit.get("pixels_vs_fill", {}).get("identical"):
-        return (f"keep {platform!r} in XLA_SERIALISE_BUG_PLATFORMS: the entry ran, pixels differ: "
+        return (f"keep {platform!r} out of XLA_SERIALISE_SAFE_PLATFORMS: the entry ran, pixels differ: "
                 f"{hit.get('pixels_vs_fill')}")
-    return f"drop {platform!r} from XLA_SERIALISE_BUG_PLATFORMS: the entry ran in a new process, pixels identical"
+    return f"add {platform!r} to XLA_SERIALISE_SAFE_PLATFORMS: the entry ran in a new process, pixels identical"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def test_fp8unet_decision_follows_the_documented_rule():
 
 
 def test_xlaser_decision_follows_the_documented_rule():
-    """Row 8's decision (docs/gpu.md): drop the platform from XLA_SERIALISE_BUG_PLATFORMS iff the
+    """Row 8's decision (docs/gpu.md): add the platform to XLA_SERIALISE_SAFE_PLATFORMS iff the
     entry JAX's cache served (guard off) runs its first time in a new process with the "xla" run's
     pixels; a miss JAX's cache did not serve tested nothing."""
     measure = _load("gpu_measure")
@@ -108,11 +108,11 @@ def test_xlaser_decision_follows_the_documented_rule():
     def verdict(**off) -> str:
         return measure.xlaser_verdict({"platform": "gpu", "off": {"fill": fill, "miss": miss, "hit": ran, **off}})
 
-    assert verdict().startswith("drop 'gpu' from XLA_SERIALISE_BUG_PLATFORMS")
+    assert verdict().startswith("add 'gpu' to XLA_SERIALISE_SAFE_PLATFORMS")
     error = "failed on its first run: NOT_FOUND: Function multiply_exponential_fusion not found (type id: 1)"
     failed = {"layer": "xla", "cache_events": [{"layer": "aot"}, {"quarantined": error}, {"layer": "xla"}],
               "pixels_vs_fill": {"identical": True}}  # recompiled after the quarantine: same pixels
-    assert verdict(hit=failed) == f"keep 'gpu' in XLA_SERIALISE_BUG_PLATFORMS: the bug is there: {error}"
+    assert verdict(hit=failed) == f"keep 'gpu' out of XLA_SERIALISE_SAFE_PLATFORMS: the bug is there: {error}"
     assert verdict(hit={**ran, "pixels_vs_fill": {"identical": False, "max_abs": 3}}).startswith("keep 'gpu'")
     compiled = {"layer": "none", "cache_events": [{"store": "written", "layer": "none"}]}
     assert verdict(miss=compiled).startswith("undecided: the guard-off aot miss was not served by JAX's cache")
@@ -406,7 +406,7 @@ def test_dry_xlaser_row_sees_the_cpu_bug_with_the_guard_off_and_not_with_it_on(t
     assert [(e["layer"], e["store"]) for e in on["miss"]["cache_events"]] == [("none", "written")]
     assert [e["layer"] for e in on["hit"]["cache_events"]] == ["aot"]
     assert on["hit"]["pixels_vs_fill"]["identical"] and off["hit"]["pixels_vs_fill"]["identical"]
-    assert row["verdict"] == f"keep 'cpu' in XLA_SERIALISE_BUG_PLATFORMS: the bug is there: {bad}"
+    assert row["verdict"] == f"keep 'cpu' out of XLA_SERIALISE_SAFE_PLATFORMS: the bug is there: {bad}"
     table = (out / "summary.md").read_text()
     assert "| XLA serialisation bug (entry from JAX's cache, new process), cpu: guard off | – | fill none " in table
     assert "hit aot → xla " in table and "QUARANTINED: failed on its first run: NOT_FOUND" in table

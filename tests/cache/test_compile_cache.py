@@ -254,7 +254,7 @@ def test_an_xla_warm_root_upgraded_to_full_mode_writes_a_working_entry(model_dir
 
 def test_the_serialise_guard_off_on_the_cpu_stores_an_entry_that_fails_its_first_run(model_dir, reference_pixels,
                                                                                      tmp_path):
-    """Why the guard is on for "cpu" (XLA_SERIALISE_BUG_PLATFORMS), and that the diagnostic switch
+    """Why the guard is on for "cpu" (not in XLA_SERIALISE_SAFE_PLATFORMS), and that the diagnostic switch
     (PREHEAT_XLA_SERIALISE_GUARD=off, what the GPU check's row 8 runs with) really lifts it: the
     aot miss is served by JAX's cache and stored, and the next process's entry loads but fails on
     its first run with XLA:CPU's "Function ... not found", is quarantined and recompiled."""

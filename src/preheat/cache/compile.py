@@ -367,11 +367,13 @@ def zeros_like_outputs(sig: Any, program: Callable[..., Any], args: Any) -> Call
     return lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-# The key's platforms (``device_fields``: "cpu", or "gpu" for CUDA and ROCm alike) on which full
-# mode compiles with JAX's persistent cache off (``JaxCompiler.get_or_compile``): XLA:CPU's bug is
-# known (docs/cache.md); "gpu" is unmeasured, so it stays until the GPU check's row 8 (``xlaser``,
-# docs/gpu.md) shows an entry XLA:GPU loaded from JAX's cache running after serialisation.
-XLA_SERIALISE_BUG_PLATFORMS = frozenset({"cpu", "gpu"})
+# The key's platforms (``device_fields``: "cpu", or "gpu" for CUDA and ROCm alike) where an
+# executable loaded from JAX's persistent cache was shown to survive serialisation into an entry
+# and a first run in a new process, so full mode need not compile with that cache off
+# (``JaxCompiler.get_or_compile``). Empty: XLA:CPU's bug is known (docs/cache.md), "gpu" is
+# unmeasured until the GPU check's row 8 (``xlaser``, docs/gpu.md) decides, and a platform nobody
+# measured keeps the guard.
+XLA_SERIALISE_SAFE_PLATFORMS: frozenset[str] = frozenset()
 # Diagnostic only: "off" lifts the guard for this process on every platform (row 8, the tests).
 SERIALISE_GUARD_ENV = "PREHEAT_XLA_SERIALISE_GUARD"
 
@@ -389,7 +391,7 @@ def serialise_guard(fields: dict[str, Any]) -> bool:
     process reads the same entries as everyone else, which is what row 8 needs to test them."""
     if os.environ.get(SERIALISE_GUARD_ENV, "").strip().lower() == "off":
         return False
-    return fields.get("platform") in XLA_SERIALISE_BUG_PLATFORMS
+    return fields.get("platform") not in XLA_SERIALISE_SAFE_PLATFORMS
 
 
 class JaxCompiler(EntryCache):
