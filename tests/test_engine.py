@@ -87,7 +87,7 @@ def test_from_denoiser_matches_the_loaded_pipeline(tmp_path, pipe):
 
 def test_from_denoiser_cache_key_follows_the_code_not_the_name(pipe):
     """Two denoisers with one qualified name but different bodies never share an executable."""
-    from preheat.cache.compile import key_fields, key_of
+    from preheat.cache.keys import key_fields, key_of
 
     params = {"w": jnp.ones((1,), jnp.float32)}
 

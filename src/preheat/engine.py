@@ -402,7 +402,7 @@ class Pipeline:
         if self.compiler is not None:
             compiled, timings = self.compiler.get_or_compile(fingerprint, sig, program, args, outputs=outputs)
         else:
-            from preheat.cache.compile import compile_uncached
+            from preheat.cache.xla_layer import compile_uncached
 
             start = time.perf_counter()
             lowered = jax.jit(program).lower(args)

@@ -319,7 +319,7 @@ def run_signature(pipe: Any, sig: WarmSignature) -> None:
 def status(pipe: Any, sig: WarmSignature, remote: Any = None) -> dict[str, Any]:
     """The denoising program's cache key and whether it is cached locally and (with a store)
     remotely, without compiling. Text families run their text encoder once to know the shapes."""
-    from preheat.cache.compile import key_of
+    from preheat.cache.keys import key_of
 
     prepared_sig, args = pipe.prepare(sig.bucket, **call_inputs(pipe, sig))
     key = key_of(_fields_for(pipe)(pipe.fingerprint, prepared_sig, args))
@@ -332,7 +332,7 @@ def status(pipe: Any, sig: WarmSignature, remote: Any = None) -> dict[str, Any]:
 
 def _fields_for(pipe: Any) -> Callable[..., dict[str, Any]]:
     """How the pipeline's compiler keys a program (a ``--target`` compiler keys it for its GPU)."""
-    from preheat.cache.compile import key_fields
+    from preheat.cache.keys import key_fields
 
     return pipe.compiler.fields_for if pipe.compiler is not None else key_fields
 
@@ -344,7 +344,8 @@ def programs(pipe: Any, sig: WarmSignature, remote: Any = None) -> list[dict[str
     device: the call is rehearsed (``preheat.cache.compile.Rehearsal``)."""
     import copy
 
-    from preheat.cache.compile import Rehearsal, key_of
+    from preheat.cache.compile import Rehearsal
+    from preheat.cache.keys import key_of
 
     fields_for = _fields_for(pipe)
     dry = copy.copy(pipe)  # the pipeline's weights and components, its own compiler and executables

@@ -3,7 +3,7 @@
 A module's pipelines of one family compile the same programs: the VAE decoder every SD folder
 shares, and the programs a test compiles again on purpose on a copy of a pipeline whose
 executables are emptied (``dataclasses.replace(pipe, _executables={})``) to watch it trace. With
-``cache="off"`` each is a fresh XLA compile (``preheat.cache.compile.compile_uncached``).
+``cache="off"`` each is a fresh XLA compile (``preheat.cache.xla_layer.compile_uncached``).
 :func:`one_compile_per_program` keeps the executables of the module's compiles by their lowered
 program's text (and its argument and result shardings): a program traced and lowered again is compiled once. Everything the engine does
 and counts is unchanged -- its trace, its lowering, its own ``_executables`` entry per signature --
@@ -44,9 +44,9 @@ class CompileMemo:
 @contextmanager
 def one_compile_per_program() -> Iterator[CompileMemo]:
     """Within the block, ``cache="off"`` loads compile each program text once (module scope)."""
-    from preheat.cache import compile as compile_module
+    from preheat.cache import xla_layer
 
-    memo = CompileMemo(compile_module.compile_uncached)
+    memo = CompileMemo(xla_layer.compile_uncached)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compile_module, "compile_uncached", memo)
+        patch.setattr(xla_layer, "compile_uncached", memo)  # the engine looks it up at each compile
         yield memo

@@ -18,7 +18,7 @@ pytest.importorskip("diffusers")
 
 from preheat.backends.torch import load_torch_pipeline as torch_load  # noqa: E402
 from preheat.backends.torch.compile_cache import TorchCompiler, torch_key_fields  # noqa: E402
-from preheat.cache.compile import key_of  # noqa: E402
+from preheat.cache.keys import key_of  # noqa: E402
 from preheat.cache.entries import LoadingMarker, open_entry, publish_entry  # noqa: E402
 from tests._support.torch_models import MICRO  # noqa: E402
 from tests._support.reference import save_tiny_pipeline  # noqa: E402

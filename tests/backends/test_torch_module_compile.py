@@ -128,7 +128,7 @@ def test_explain_says_which_torch_key_fields_differ(tmp_path):
     would serve it and, if not, which fields differ from the nearest entry."""
     from preheat.backends.torch.compile_cache import TorchCompiler
     from preheat.backends.torch.compiled import compile_with
-    from preheat.cache.compile import key_of
+    from preheat.cache.keys import key_of
     from preheat.cache.entries import publish_entry
 
     x = torch.randn(2, 4)
@@ -241,7 +241,7 @@ def test_dynamic_and_static_are_different_keys_and_explain_says_why(tmp_path):
     holds the setting and duck shapes, and the input signature keeps sizes or only ranks."""
     from preheat.backends.torch.compile_cache import TorchCompiler
     from preheat.backends.torch.compiled import compile_with
-    from preheat.cache.compile import key_of
+    from preheat.cache.keys import key_of
     from preheat.cache.entries import publish_entry
 
     x = torch.randn(1, 4, 8, 8)

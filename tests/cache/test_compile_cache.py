@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import preheat
-from preheat.cache.compile import JaxCompiler, key_fields, key_of
+from preheat.cache.compile import JaxCompiler
+from preheat.cache.keys import key_fields, key_of
 from tests._support.reference import TINY_CLASS_CONDITIONAL, save_tiny_pipeline
 
 CALL = dict(n=2, steps=3, sampler="euler", seed=7, class_labels=[1, 2])
@@ -179,7 +180,7 @@ def test_key_is_stable_for_runtime_data_and_fine_tunes(model_dir, tmp_path):
 def test_key_is_stable_across_processes(model_dir):
     script = textwrap.dedent(f"""
         import preheat
-        from preheat.cache.compile import key_fields, key_of
+        from preheat.cache.keys import key_fields, key_of
         p = preheat.load({str(model_dir)!r}, cache="off")
         sig, args = p.prepare(**{CALL!r})
         print(key_of(key_fields(p.fingerprint, sig, args)))

@@ -19,9 +19,9 @@ import pytest
 from click.testing import CliRunner
 
 import preheat
-from preheat.cache import compile as compile_mod
-from preheat.cache import targets
-from preheat.cache.compile import TargetCompiler, key_fields, key_of, on_device
+from preheat.cache import keys, targets
+from preheat.cache.compile import TargetCompiler, on_device
+from preheat.cache.keys import key_fields, key_of
 from preheat.cache.targets import resolve_target, target_device
 from preheat.cli import main
 from preheat.errors import TargetError
@@ -123,7 +123,7 @@ def test_warm_target_works_in_a_fresh_process_with_no_platform_chosen(tmp_path):
 
 def _pod(monkeypatch, device) -> None:
     """This process as a pod whose one GPU is ``device``: what jax.devices() reports there."""
-    monkeypatch.setattr(compile_mod.jax, "devices", lambda *a, **k: [device])
+    monkeypatch.setattr(keys.jax, "devices", lambda *a, **k: [device])
     targets._DEVICE_FIELDS.clear()
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import preheat
-from preheat.cache.compile import traced_sources
+from preheat.cache.keys import traced_sources
 
 PACKAGE = Path(preheat.__file__).resolve().parent
 

@@ -1,5 +1,5 @@
-"""JAX's persistent cache follows the root of the load that compiles (``preheat.cache.compile``'s
-``_persistent_cache_at``): JAX has one cache directory per process, so a second root used to read
+"""JAX's persistent cache follows the root of the load that compiles (``preheat.cache.xla_layer``'s
+``persistent_cache_at``): JAX has one cache directory per process, so a second root used to read
 and write the first root's ``compile/xla``. Tiny programs; the pipeline-level check (two
 ``preheat.load`` roots) is in test_compile_cache.py."""
 
@@ -12,7 +12,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from preheat.cache import compile as compile_mod
+from preheat.cache import xla_layer
 from preheat.cache.compile import JaxCompiler
 from tests._support.threads import run_together
 
@@ -58,7 +58,7 @@ def test_one_root_never_repoints(tmp_path, monkeypatch):
     root = tmp_path / "root"
     layer(root, 4.0)  # points the process at root (if it was not)
     calls = []
-    monkeypatch.setattr(compile_mod, "_point_at", lambda d: calls.append(d))
+    monkeypatch.setattr(xla_layer, "_point_at", lambda d: calls.append(d))
     assert layer(root, 5.0) == "none" and layer(root, 5.0) == "xla"
     assert calls == []
 
@@ -72,15 +72,15 @@ def test_another_root_waits_for_the_compiles_in_flight_and_newcomers_wait_for_it
     release_a1, release_b = threading.Event(), threading.Event()
 
     def hold(root: Path, name: str, release: threading.Event | None) -> None:
-        with compile_mod._persistent_cache_at(root):
+        with xla_layer.persistent_cache_at(root):
             order.append(f"{name} in {Path(jax.config.jax_compilation_cache_dir).parent.parent.name}")
             if release is not None:
                 assert release.wait(10)
 
     def waiting(n: int) -> bool:
         for _ in range(500):
-            with compile_mod._dir_turns:
-                if sum(compile_mod._dir_waiting.values()) == n:
+            with xla_layer._dir_turns:
+                if sum(xla_layer._dir_waiting.values()) == n:
                     return True
             threading.Event().wait(0.01)
         return False
@@ -107,7 +107,7 @@ def test_another_root_waits_for_the_compiles_in_flight_and_newcomers_wait_for_it
     b1.join(10)
     a3.join(10)
     assert order == ["a1 in a", "a2 in a", "b1 in b", "a3 in a"]
-    assert compile_mod._dir_users == 0 and not compile_mod._dir_waiting
+    assert xla_layer._dir_users == 0 and not xla_layer._dir_waiting
 
 
 def test_concurrent_compiles_on_two_roots_land_in_their_own(tmp_path):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import json
 import os
 import shutil
 import tempfile

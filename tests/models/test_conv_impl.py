@@ -103,7 +103,7 @@ def test_compile_cache_key_names_each_switch_setting(monkeypatch):
     """A program traced with another implementation is another executable: never served for this one."""
     from dataclasses import dataclass
 
-    from preheat.cache.compile import key_fields, key_of
+    from preheat.cache.keys import key_fields, key_of
 
     @dataclass(frozen=True)
     class Sig:

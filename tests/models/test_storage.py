@@ -130,7 +130,7 @@ def test_fp8_1x1_convs_draw_diffusers_image_of_the_fp8_weights(folders, pipes, r
 
 
 def test_fp8_is_part_of_the_compile_key(pipes):
-    from preheat.cache.compile import key_fields, key_of
+    from preheat.cache.keys import key_fields, key_of
 
     full, low = pipes[("sd", False)], pipes[("sd", True)]
     assert low.fingerprint == {**full.fingerprint, "weights_dtype": FP8, "weights_layers": "layerwise"}

@@ -2,336 +2,39 @@
 compilation cache (``xla``), then a fresh compile (``none``).
 
 The ``aot`` layer skips tracing, lowering and compiling: the program of a call signature is
-serialized with ``jax.experimental.serialize_executable`` and loaded on the next start. Its key
-is a fingerprint of everything that changes the program and nothing else (see ``key_fields``):
-weights are arguments, so every fine-tune of one architecture shares one entry.
-
-The key is built from plain JSON (configs, versions, shapes), never from ``repr()`` of NNX
-objects, which differs between processes.
+serialized with ``jax.experimental.serialize_executable`` and loaded on the next start, under the
+program's key (``preheat.cache.keys``: everything that changes the program and nothing else;
+weights are arguments, so every fine-tune of one architecture shares one entry). The ``xla``
+layer is JAX's own process-wide cache (``preheat.cache.xla_layer``). Here: the compilers that
+choose between them (``JaxCompiler``, ``TargetCompiler`` for another machine's GPU), the
+background loads (``Prefetch``) and the stand-in that only records (``Rehearsal``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import hashlib
 import json
 import logging
 import os
-import platform
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 
 from preheat._version import __version__
-from preheat.cache.entries import SCHEMA, LoadingMarker, checked_entry
-from preheat.cache.entry_cache import EntryCache, nearest_entry  # nearest_entry: re-exported (cli cache explain)
+from preheat.cache import xla_layer
+from preheat.cache.entries import LoadingMarker, checked_entry
+from preheat.cache.entry_cache import EntryCache
+from preheat.cache.keys import key_fields, key_of, mesh_of
 from preheat.errors import CacheEntryError
 from preheat.timings import Timings
 
-__all__ = ["JaxCompiler", "TargetCompiler", "Prefetch", "Rehearsal", "device_fields", "zeros_like_outputs", "key_fields", "key_of", "mesh_of", "configure_persistent_cache", "compile_uncached",
-           "tracing_source_hash", "traced_sources", "nearest_entry"]
+__all__ = ["JaxCompiler", "TargetCompiler", "Prefetch", "Rehearsal", "zeros_like_outputs", "on_device"]
 
 log = logging.getLogger("preheat.cache")
 
 EXECUTABLE = "executable.bin"
-# Packages and modules that never run inside a traced program (surfaces, caches, I/O). Every
-# other module of preheat -- the engine, samplers, models, families, and any file added to them
-# later -- is part of the key, so a new model file cannot be left out of it by accident.
-_NOT_TRACED = ("cache", "store", "server", "bench", "backends", "integrations", "train", "doctor", "cli",
-               "warm.py", "__main__.py", "_version.py", "errors.py", "timings.py", "files.py", "env.py", "assets")
-
-
-def traced_sources() -> list[str]:
-    """The preheat source files whose code may be traced into a compiled program (relative paths)."""
-    base = Path(__file__).resolve().parent.parent
-    out = []
-    # os.walk, pruning the untraced packages before descending: this runs on every start (the
-    # key needs it), and pathlib's rglob + relative_to over every file cost ~20 ms of it
-    for folder, dirs, files in os.walk(base):
-        rel_dir = os.path.relpath(folder, base).replace(os.sep, "/")
-        if rel_dir == ".":
-            dirs[:] = [d for d in dirs if d not in _NOT_TRACED]
-            rel_dir = ""
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
-        for name in files:
-            if not name.endswith(".py"):
-                continue
-            if rel_dir:
-                out.append(f"{rel_dir}/{name}")
-            elif name not in _NOT_TRACED and name.removesuffix(".py") not in _NOT_TRACED:
-                out.append(name)
-    return sorted(out)
-
-
-@functools.lru_cache(maxsize=1)
-def tracing_source_hash() -> str:
-    base = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for rel in traced_sources():
-        h.update(rel.encode())
-        h.update((base / rel).read_bytes())
-    return h.hexdigest()[:16]
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_features() -> str:
-    """Host CPU model + feature flags: XLA:CPU code is compiled for the host's instruction set."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    model = flags = ""
-    for line in text.splitlines():
-        if line.startswith(("model name", "Model")) and not model:
-            model = line.split(":", 1)[1].strip()
-        if line.startswith(("flags", "Features")) and not flags:
-            flags = " ".join(sorted(line.split(":", 1)[1].split()))
-    return f"{model} | {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
-
-
-def _abstract(tree: Any) -> list[list[Any]]:
-    """Shapes and dtypes of every leaf, in order, plus the tree structure's paths."""
-    out = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        shape = list(getattr(leaf, "shape", ()))
-        dtype = str(getattr(leaf, "dtype", type(leaf).__name__))
-        out.append([jax.tree_util.keystr(path), shape, dtype])
-    return out
-
-
-def mesh_of(args: Any) -> Any:
-    """The device mesh a program's arguments are placed on (``preheat.sharding``), or None for
-    the single-device program (arguments on the default device or on the host)."""
-    for leaf in jax.tree.leaves(args):
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            return sharding.mesh
-    return None
-
-
-def key_fields(fingerprint: dict[str, Any], signature: Any, args: Any, target: Any = None) -> dict[str, Any]:
-    """Every input that changes the compiled program, as JSON-able fields (the key's content).
-
-    A program split over devices adds ``mesh``: its axes and the ids of its devices, in order. A
-    serialized executable names the devices it runs on, so an entry loads back only onto that
-    same assignment (loading a 4-device program onto 2 devices aborts XLA, so it must never be
-    tried); the single-device program's key has no such field.
-
-    ``target`` (``preheat.cache.targets.Target``): the key of the program compiled for that GPU
-    on this machine (``preheat warm --target``), equal to the key a pod with that GPU computes
-    for itself (``device_fields``)."""
-    fields = {
-        "schema": SCHEMA,
-        "model": fingerprint,
-        "signature": json.loads(json.dumps(asdict(signature), default=str)),
-        "arguments": hashlib.sha256(json.dumps(_abstract(args)).encode()).hexdigest()[:16],
-        **device_fields(args, target),
-        "jax": jax.__version__,
-        "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else _jaxlib_version(),
-        "conv_impl": os.environ.get("PREHEAT_CONV", "auto"),  # preheat.models.conv.conv_impl: the traced convs
-        "groupnorm_impl": os.environ.get("PREHEAT_GROUPNORM", "auto"),  # ... and groupnorm_impl
-        "fp8_1x1_impl": os.environ.get("PREHEAT_FP8_1X1", "auto"),  # ... and fp8_1x1_impl (storage)
-        "x64": bool(jax.config.jax_enable_x64),
-        "matmul_precision": str(jax.config.jax_default_matmul_precision),
-        "preheat": __version__,
-        "tracing_source": tracing_source_hash(),
-    }
-    mesh = mesh_of(args)
-    if mesh is not None:
-        fields["mesh"] = {"axes": {str(k): int(v) for k, v in mesh.shape.items()},
-                          "devices": [int(d.id) for d in mesh.devices.flat],
-                          "device_kind": sorted({d.device_kind for d in mesh.devices.flat})}
-    return fields
-
-
-# XLA flags that only XLA:CPU reads: a GPU program's key leaves them out, so that a CPU builder's
-# flags (a test suite's fake device count) do not make its GPU entries unreachable for a pod.
-_CPU_ONLY_FLAGS = ("--xla_force_host_platform_device_count", "--xla_cpu_")
-
-
-def _gpu_xla_flags() -> str:
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    return " ".join(f for f in flags if not f.startswith(_CPU_ONLY_FLAGS))
-
-
-def device_fields(args: Any, target: Any = None) -> dict[str, Any]:
-    """The key fields of the machine a program runs on. On a CPU: the device, the host's
-    instruction set, the backend's version. On a GPU -- a pod's own, or a ``target`` compiled for
-    elsewhere -- what decides the generated code (``preheat.cache.targets``), never the card's
-    name: its description's code fields, the CUDA plugin and cuDNN versions, the program's device
-    count and the XLA flags a GPU reads."""
-    device = jax.devices()[0]
-    if target is None and device.platform != "gpu":
-        fields = {"platform": device.platform, "device_kind": device.device_kind, "device_count": jax.device_count(),
-                  "platform_version": device.client.platform_version, "xla_flags": os.environ.get("XLA_FLAGS", "")}
-        if device.platform == "cpu":
-            fields["host_cpu"] = _cpu_features()
-        return fields
-    from preheat.cache import targets  # GPU keys only (a CPU process need not import it)
-
-    mesh = mesh_of(args)
-    return {"platform": "gpu", "gpu": target.gpu if target is not None else targets.device_gpu_fields(device),
-            "device_count": 1 if mesh is None else int(mesh.devices.size),
-            "cuda": targets.cuda_versions(), "xla_flags": _gpu_xla_flags()}
-
-
-def _jaxlib_version() -> str:
-    import jaxlib
-
-    return jaxlib.__version__
-
-
-def key_of(fields: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
-
-
-_persistent_configured = False
-_xla_hits = threading.local()
-
-
-def _on_event(event: str, **kwargs: Any) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        _xla_hits.count = getattr(_xla_hits, "count", 0) + 1
-
-
-def configure_persistent_cache(root: Path) -> None:
-    """Set JAX's persistent compilation cache up for preheat (once per process): thresholds that
-    keep small programs too, the hit counter, and -- for the first root -- its directory,
-    ``<root>/compile/xla``. A later root is pointed at when a program of its load compiles
-    (``_persistent_cache_at``), never here: another load may be compiling into the first."""
-    global _persistent_configured
-    if _persistent_configured:
-        return
-    with _dir_turns:  # two loads starting in threads: one registers the hit counter (a second would count twice)
-        if _persistent_configured:
-            return
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        try:
-            jax.monitoring.register_event_listener(_on_event)
-        except Exception:  # pragma: no cover - older jax
-            pass
-        if _dir_current is None:
-            _point_at(root / "compile" / "xla")
-        _persistent_configured = True
-
-
-def _point_at(xla_dir: Path) -> None:
-    """Point JAX's persistent cache at ``xla_dir`` (held: ``_dir_turns``, no compile through the old one
-    in flight). JAX reads the directory once, when it first opens its cache (a compile before this
-    one: jax #25768), so ``reset_cache`` makes the next compile open it again."""
-    from jax.experimental.compilation_cache.compilation_cache import reset_cache
-
-    global _dir_current
-    xla_dir.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(xla_dir))
-    reset_cache()
-    _dir_current = xla_dir
-
-
-@contextlib.contextmanager
-def _persistent_cache_at(root: Path) -> Iterator[None]:
-    """Compile with JAX's persistent cache on ``<root>/compile/xla``: the xla layer of the load
-    that is compiling, whichever root the process used before.
-
-    JAX has one cache directory per process, read when its cache opens, so a compile cannot choose
-    its own. Compiles for the root already pointed at run concurrently and cost a lock and a count
-    (a one-root process never re-points); a compile for another root waits until none is in flight,
-    re-points (``_point_at``), and runs. While it waits, newcomers for the current root wait too
-    (it cannot starve). So two pipelines on different roots compiling in threads take turns, and
-    each program is read from and written to its own load's root, never the other's. JAX's other
-    compiles in the process (eager operations, weight conversions) use whichever root was pointed
-    at last: an entry in JAX's cache is keyed on the whole program, so that decides only where it
-    lands, never what a program gets.
-    """
-    global _dir_users
-    xla_dir = root / "compile" / "xla"
-    if getattr(_dir_held, "dir", None) == xla_dir:  # re-entered on this thread: it already has its turn
-        yield
-        return
-
-    def my_turn() -> bool:
-        if _dir_current == xla_dir:  # joins the compiles in flight, unless another root is waiting
-            return not any(n for d, n in _dir_waiting.items() if d != xla_dir)
-        return _dir_users == 0  # none in flight: re-point
-
-    with _dir_turns:
-        if not my_turn():
-            _dir_waiting[xla_dir] = _dir_waiting.get(xla_dir, 0) + 1
-            try:
-                _dir_turns.wait_for(my_turn)
-            finally:
-                _dir_waiting[xla_dir] -= 1
-                if not _dir_waiting[xla_dir]:
-                    del _dir_waiting[xla_dir]
-        if _dir_current != xla_dir:
-            _point_at(xla_dir)
-        _dir_users += 1
-        _dir_turns.notify_all()  # the waiters for this root may join now
-    _dir_held.dir = xla_dir
-    try:
-        yield
-    finally:
-        _dir_held.dir = None
-        with _dir_turns:
-            _dir_users -= 1
-            _dir_turns.notify_all()
-
-
-_dir_turns = threading.Condition()
-_dir_current: Path | None = None  # the compile/xla JAX's persistent cache is pointed at
-_dir_users = 0  # compiles through it in flight (_persistent_cache_at)
-_dir_waiting: dict[Path, int] = {}  # compiles waiting for their turn, per directory
-_dir_held = threading.local()  # .dir: the directory this thread's compile holds
-
-
-@contextlib.contextmanager
-def _persistent_cache_disabled() -> Iterator[None]:
-    """Compile without JAX's persistent cache (no read, no write) for the duration.
-
-    JAX decides once per process whether the cache is used (``is_cache_used`` latches), so the
-    config flag alone does nothing after the first compile: ``reset_cache`` (the public
-    ``jax.experimental.compilation_cache`` API) makes it look again, before and after.
-
-    Threads (a server's idle retune compiles beside its worker): the first to enter switches the
-    cache off, the last to leave restores it, so overlapping uses never leave it off.
-    """
-    from jax.experimental.compilation_cache.compilation_cache import reset_cache
-
-    global _disabled_by, _enabled_before
-    with _disable_lock:
-        if _disabled_by == 0:
-            _enabled_before = jax.config.jax_enable_compilation_cache
-            jax.config.update("jax_enable_compilation_cache", False)
-            reset_cache()
-        _disabled_by += 1
-    try:
-        yield
-    finally:
-        with _disable_lock:
-            _disabled_by -= 1
-            if _disabled_by == 0:
-                jax.config.update("jax_enable_compilation_cache", _enabled_before)
-                reset_cache()
-
-
-def compile_uncached(lowered: Any) -> Any:
-    """``lowered.compile()`` with JAX's persistent cache neither read nor written: ``cache="off"``.
-    The cache's directory is process-wide once a full or xla load set it, so a plain compile after
-    one would read and write that load's root."""
-    with _persistent_cache_disabled():
-        return lowered.compile()
-
-
-_disable_lock = threading.Lock()
-_disabled_by = 0  # threads inside _persistent_cache_disabled
-_enabled_before = False
-
 
 Items = list[tuple[dict[str, Any], Any, Any, int]]  # (fingerprint, signature, arguments, outputs) per program
 
@@ -414,7 +117,7 @@ class JaxCompiler(EntryCache):
         self.retune_later = False
         self.retune_candidates: list[Any] = []  # preheat.cache.retune.Candidate, in the order hit
         if mode in ("full", "xla"):
-            configure_persistent_cache(self.root)
+            xla_layer.configure_persistent_cache(self.root)
 
     def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: Any,
                        outputs: int = 1) -> tuple[Any, Timings]:
@@ -444,25 +147,23 @@ class JaxCompiler(EntryCache):
         start = time.perf_counter()
         lowered = jax.jit(program).lower(args)
         traced = time.perf_counter()
-        hits_before = getattr(_xla_hits, "count", 0)
+        hits_before = xla_layer.hit_count()
         guarded = self.mode == "full" and serialise_guard(fields)
         if guarded:
             # An executable that XLA:CPU loaded from JAX's persistent cache serialises into an entry
-            # that fails at run time: "NOT_FOUND: Function multiply_exponential_fusion not found
-            # (type id: 1)" on the built-in model's sampling program (and "... concatenate_bitcast_
-            # fusion ..." on a plain fori_loop + conv), seen on jax 0.10.2 and re-checked on 0.11.2
-            # (docs/cache.md). So in full mode, where the aot layer serves every later start, the
+            # that fails at run time (the NOT_FOUND errors quoted in ``preheat.cache.xla_layer``;
+            # docs/cache.md). So in full mode, where the aot layer serves every later start, the
             # program is compiled fresh here and serialised; JAX's cache is the whole story in "xla"
             # mode, and serves the process's other compiles in both. Where the guard is off
             # (``serialise_guard``), full mode compiles through JAX's cache like "xla" mode and
             # stores what it returns.
-            with _persistent_cache_disabled():
+            with xla_layer.persistent_cache_disabled():
                 compiled = lowered.compile()
         else:
-            with _persistent_cache_at(self.root):  # this load's root, whichever one the process used before
+            with xla_layer.persistent_cache_at(self.root):  # this load's root, whichever one the process used before
                 compiled = lowered.compile()
         done = time.perf_counter()
-        layer = "xla" if getattr(_xla_hits, "count", 0) > hits_before else "none"
+        layer = "xla" if xla_layer.hit_count() > hits_before else "none"
         timings = Timings(trace_lower_s=traced - start, compile_s=done - traced, cache_layer=layer)
         if guarded and layer == "xla":  # must not happen (see above); never store such a program
             record["store"] = "skipped: the executable came from JAX's persistent cache"
@@ -498,7 +199,7 @@ class JaxCompiler(EntryCache):
         persistent cache, and its entry's files (the serialized executable)."""
         from preheat.cache.serialized import serialize
 
-        with _persistent_cache_disabled():
+        with xla_layer.persistent_cache_disabled():
             autotuned = jax.jit(program).lower(args).compile()
         return autotuned, {EXECUTABLE: serialize(autotuned)}
 
@@ -660,7 +361,7 @@ class TargetCompiler(JaxCompiler):
             with compiling_for("gpu", tuple(self.target.gpu["compute_capability"])):  # the models' trace-time choices
                 lowered = jax.jit(program).lower(on_device(args, self.device))
             traced = time.perf_counter()
-            with _persistent_cache_disabled():
+            with xla_layer.persistent_cache_disabled():
                 compiled = lowered.compile()
             timings = Timings(trace_lower_s=traced - start, compile_s=time.perf_counter() - traced, cache_layer="none")
             self._store(key, fields, compiled, record)

@@ -177,7 +177,8 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
     or aot) runs the call once eagerly, one step, and says for every compiled piece whether an entry
     would serve it."""
     import preheat
-    from preheat.cache.compile import key_fields, key_of, nearest_entry
+    from preheat.cache.entry_cache import nearest_entry
+    from preheat.cache.keys import key_fields, key_of
     from preheat.cache.manage import target_label
     from preheat.cli._support import resolve_model
     from preheat.errors import InvalidArgumentError

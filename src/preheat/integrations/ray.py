@@ -57,7 +57,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from ray import serve
 
@@ -432,6 +432,10 @@ def run(options: RayOptions, *, address: Optional[str] = None, host: str = "127.
             serve.shutdown()
         ray.shutdown()
     return 0
+
+
+if TYPE_CHECKING:  # for readers and checkers: ``app`` is a name of this module, made by __getattr__
+    app: Any
 
 
 def __getattr__(name: str) -> Any:

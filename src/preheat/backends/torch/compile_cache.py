@@ -113,11 +113,11 @@ def device_description(device: Any) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(index)
         return {"device": "cuda", "device_name": props.name, "capability": f"{props.major}.{props.minor}"}
     if dev.type == "cpu":
-        from preheat.cache.compile import _cpu_features
+        from preheat.cache.keys import cpu_features
 
         # Inductor's C++ codegen depends on the thread count (serial kernels at 1, OpenMP otherwise;
         # its parallel split heuristics use it), so a different count is a different program
-        return {"device": "cpu", "device_name": _cpu_features(), "threads": torch.get_num_threads()}
+        return {"device": "cpu", "device_name": cpu_features(), "threads": torch.get_num_threads()}
     return {"device": dev.type, "device_name": str(dev)}
 
 
@@ -348,7 +348,8 @@ class TorchCompiler(EntryCache):
         """Would an entry serve ``fields``? Records (and returns) an event: ``explain`` "hit" or
         "miss", and on a miss which key fields differ from the nearest local entry (torch /
         triton / CUDA version, GPU kind, Inductor options, dynamic, the input signature, ...)."""
-        from preheat.cache.compile import key_of, nearest_entry
+        from preheat.cache.entry_cache import nearest_entry
+        from preheat.cache.keys import key_of
 
         key = key_of(fields)
         record: dict[str, Any] = {"key": key, "mode": fields.get("mode"), "fields": fields, "layer": "explain"}
@@ -368,7 +369,7 @@ class TorchCompiler(EntryCache):
         import torch
         import torch._dynamo  # noqa: F401  (torch #154463: without it save_cache_artifacts returns None)
 
-        from preheat.cache.compile import key_of
+        from preheat.cache.keys import key_of
 
         key = key_of(fields)
         record: dict[str, Any] = {"key": key, "mode": "inductor"}
@@ -448,7 +449,7 @@ class TorchCompiler(EntryCache):
         ``example`` / ``example_kwargs``: the call to export (positional / keyword arguments)."""
         import torch
 
-        from preheat.cache.compile import key_of
+        from preheat.cache.keys import key_of
 
         key = key_of(fields)
         record: dict[str, Any] = {"key": key, "mode": "aot"}
