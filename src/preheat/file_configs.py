@@ -200,7 +200,7 @@ def plain_tensors(file: Path) -> None:
     Reads the header only."""
     from preheat.errors import UnsupportedConfigError
     from preheat.models.scaled_fp8 import MARKER, weight_scales
-    from preheat.models.weights import read_tensors
+    from preheat.models.safetensors_files import read_tensors
 
     with read_tensors([file]) as tensors:
         keys = list(tensors)

@@ -16,7 +16,8 @@ import pytest
 
 import preheat
 from preheat.cache.remote.compile_entries import CompileEntries
-from preheat.models import weights
+from preheat.models import safetensors_files, weights
+from preheat.models.safetensors_files import TensorInfo
 from tests._support.reference import save_tiny_pipeline
 
 CALL = dict(n=2, steps=3, sampler="euler", seed=7, class_labels=[1, 2])
@@ -54,7 +55,7 @@ def test_slow_store_and_slow_weights_overlap(model_dir, published, tmp_path, mon
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "fresh-pod"))  # empty: the entry comes from the store
     monkeypatch.setenv("PREHEAT_CACHE_URL", str(store))
     monkeypatch.setenv("PREHEAT_TRUST_REMOTE_CACHE", "1")
-    fetch, read = CompileEntries.fetch, weights._read_bytes
+    fetch, read = CompileEntries.fetch, TensorInfo.read
     slow_read = []
 
     def slow_fetch(self, *a, **k):
@@ -68,7 +69,7 @@ def test_slow_store_and_slow_weights_overlap(model_dir, published, tmp_path, mon
         return read(*a, **k)
 
     monkeypatch.setattr(CompileEntries, "fetch", slow_fetch)
-    monkeypatch.setattr(weights, "_read_bytes", slow_read_bytes)
+    monkeypatch.setattr(TensorInfo, "read", slow_read_bytes)
     pipe = preheat.load(model_dir, prefetch=[CALL])
     assert np.array_equal(pipe.generate(**CALL), pixels)
     event = pipe.compiler.events[-1]
@@ -147,7 +148,7 @@ def test_prefetched_weights_are_placeholders_until_read(model_dir):
 
     unet_dir = resolve_unet_dir(Path(model_dir))
     _, abstract = build_abstract(read_unet_config(unet_dir))
-    tensors = weights.read_tensors(weights.weight_files(unet_dir))
+    tensors = safetensors_files.read_tensors(safetensors_files.weight_files(unet_dir))
     pending = weights.DeferredFills()
     state = weights.fill(abstract, tensors, "float32", "test", options=weights.LoadOptions(pending=pending))
     leaves = [v.get_value() for _, v in nnx.to_flat_state(state)]

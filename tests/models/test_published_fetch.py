@@ -359,6 +359,52 @@ def test_gc_keeps_a_live_conversion_and_collects_one_no_load_reaches(flux, publi
         hub2.stop()
 
 
+def test_a_weights_file_deleted_from_a_components_folder_makes_its_config_folder_stale(flux, published, tmp_path,
+                                                                                       monkeypatch):
+    """``config=`` a folder holding only what a FLUX.1 transformer file lacks (its tokenizers, text
+    encoders and VAE; no model_index.json): the load puts them beside the shipped configs in a
+    config folder under ``models/single-configs/`` (``published.with_components``), linking their
+    weights, which it records as that folder's (``config_weights``). The VAE's weights deleted from
+    the components folder, the rest of it still there: the folder is mounted, so the file is gone,
+    not away, and no load reads that config folder again; it is stale ("its config folder's weights
+    file ... was removed", not a kept missing source), as is the conversion read with it, and one
+    `prune` collects both."""
+    import os
+
+    from click.testing import CliRunner
+
+    from preheat.cli import main
+    from preheat.store import _gc, derived_folders
+
+    _flux_file_and_repo(flux, tmp_path, published)  # the stand-in published model; no fetch here
+    components = tmp_path / "components"
+    for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae"):
+        shutil.copytree(flux.folder / name, components / name)
+    preheat.load(flux.path, config=components, cache="off")
+    root, models = tmp_path / "home", tmp_path / "home" / "models"
+    (configs,) = (models / "single-configs").iterdir()
+    (converted,) = (models / "single").iterdir()
+    assert (configs / "vae" / "diffusion_pytorch_model.safetensors").is_symlink()
+    later = max(os.stat(f).st_mtime for f in (configs, converted)) + 7200  # past the grace period
+    names = (f"single-configs/{configs.name}", f"single/{converted.name}")
+    assert {d.name: d.state for d in derived_folders(root, now=later)} == {n: "live" for n in names}
+
+    deleted = (components / "vae" / "diffusion_pytorch_model.safetensors").resolve()
+    deleted.unlink()
+    states = {d.name: d for d in derived_folders(root, now=later)}
+    for name in names:
+        assert states[name].state == "changed-source" and states[name].collect, states[name]
+        assert states[name].why == (f"its config folder's weights file {deleted} was removed since it was made (the "
+                                    "rest of its config folder is there): no load reaches this one"), states[name].why
+
+    monkeypatch.setattr(_gc.time, "time", lambda: later)
+    out = CliRunner().invoke(main, ["cache", "prune"])
+    assert out.exit_code == 0, out.output
+    for name in names:
+        assert f"collected {name}: its config folder's weights file {deleted} was removed" in out.output, out.output
+    assert not configs.exists() and not converted.exists()
+
+
 def test_a_variant_fetches_that_variant_of_what_a_transformer_file_lacks(flux, published, hub_of, tmp_path):
     """``variant="fp16"`` with no ``config=``: what the file lacks is fetched in that variant only
     (``pull --dry-run --variant fp16`` lists it), and the converted folder links those weights under

@@ -153,7 +153,7 @@ def test_the_device_holds_the_fp8_bytes_and_their_scales(files, pipes, record_pr
 
     from preheat.models.quantised import Quantised
     from preheat.models.storage import device_bytes
-    from preheat.models.weights import read_tensors
+    from preheat.models.safetensors_files import read_tensors
 
     leaves, plain = _leaves(pipes["scaled"]), _leaves(pipes["plain"])
     kept = {k: v for k, v in leaves.items() if isinstance(v, Quantised)}
@@ -329,7 +329,7 @@ def test_a_scale_that_is_neither_per_tensor_nor_per_block_is_one_line():
 
 
 def test_scales_and_the_marker_are_not_parameters(files):
-    from preheat.models.weights import read_tensors
+    from preheat.models.safetensors_files import read_tensors
 
     tensors = read_tensors([files["scaled"]])
     scales = scaled_fp8.weight_scales(tensors)

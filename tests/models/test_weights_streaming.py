@@ -27,9 +27,9 @@ from safetensors.numpy import save_file
 import preheat
 from preheat.engine import load_jax_pipeline
 from preheat.errors import ModelFormatError, WeightsError
-from preheat.models import loading, weights
-from preheat.models.weights import (DIFFUSERS_STEM, Checkpoint, expected_torch_shape, fill, read_tensors, recording,
-                                    to_jax_layout, torch_key, weight_files)
+from preheat.models import loading
+from preheat.models.safetensors_files import DIFFUSERS_STEM, Checkpoint, TensorInfo, read_tensors, weight_files
+from preheat.models.weights import expected_torch_shape, fill, recording, to_jax_layout, torch_key
 
 TINY = dict(_class_name="UNet2DModel", sample_size=8, in_channels=1, out_channels=1, layers_per_block=1,
             block_out_channels=[8, 16], norm_num_groups=4, down_block_types=["DownBlock2D", "AttnDownBlock2D"],
@@ -138,8 +138,8 @@ def test_a_mismatched_checkpoint_is_refused_before_any_tensor_is_read(tmp_path, 
     sd["surprise.weight"] = np.zeros((3,), np.float32)
     folder = _save(tmp_path / "unet", sd)
     reads = []
-    real = weights._read_bytes
-    monkeypatch.setattr(weights, "_read_bytes", lambda info: reads.append(info.key) or real(info))
+    real = TensorInfo.read
+    monkeypatch.setattr(TensorInfo, "read", lambda info, into=None: reads.append(info.key) or real(info, into))
     with pytest.raises(WeightsError) as err:
         fill(abstract, read_tensors(weight_files(folder, (DIFFUSERS_STEM,))), jnp.float32, str(folder))
     msg = str(err.value)
@@ -215,7 +215,8 @@ MEMORY_CHILD = textwrap.dedent("""
     import jax, jax.numpy as jnp, ml_dtypes, numpy as np
     from flax import nnx
     from safetensors.numpy import save_file
-    from preheat.models.weights import build_abstract, fill, read_tensors, recording
+    from preheat.models.safetensors_files import read_tensors
+    from preheat.models.weights import build_abstract, fill, recording
 
     N, D = 16, 1024  # 16 linear layers: 16 x 4 MiB fp32 kernels (64 MiB) plus biases
 

@@ -174,7 +174,7 @@ def weights_vs_bare_read(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     safetensors read of the same files here, page cache as warm as theirs (issue 17: <= 1.5x)."""
     if not runs or "weights_load" not in runs[0]:
         return None  # a backend without a load report
-    from preheat.models.weights import bare_read
+    from preheat.models.safetensors_files import bare_read
 
     load = runs[0]["weights_load"]
     files = [Path(f) for f in load["files"]]

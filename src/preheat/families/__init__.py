@@ -57,7 +57,7 @@ FAMILY_OF_CLASS: dict[str, FamilyEntry] = {
 
 def class_name_of(root: Path) -> str:
     """The ``_class_name`` that picks a folder's family (pipeline index first, then a bare model)."""
-    from preheat.models.weights import read_json
+    from preheat.models.safetensors_files import read_json
 
     root = Path(root).expanduser()
     if not root.exists():

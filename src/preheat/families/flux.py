@@ -192,11 +192,12 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     from preheat.models.clip import load_clip_text
     from preheat.models.adapters import targets as lora_targets
     from preheat.models.flux import latent_image_ids, load_flux_transformer, pack_latents, unpack_latents
+    from preheat.models.safetensors_files import read_json
     from preheat.models.t5 import load_t5_encoder
     from preheat.models.t5_tokenizer import T5Tokenizer
     from preheat.models.tokenizer import CLIPTokenizer
     from preheat.models.vae import load_vae
-    from preheat.models.weights import check_dtype, read_json
+    from preheat.models.weights import check_dtype
     from preheat.samplers import load_scheduler_config
 
     root = Path(root)

@@ -146,12 +146,13 @@ def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "f
     from preheat.lora import LoraTargets
     from preheat.models.clip import load_clip_text
     from preheat.models.adapters import targets as lora_targets
+    from preheat.models.safetensors_files import read_json
     from preheat.models.sd3 import load_sd3_transformer
     from preheat.models.t5 import load_t5_encoder
     from preheat.models.t5_tokenizer import T5Tokenizer
     from preheat.models.tokenizer import CLIPTokenizer
     from preheat.models.vae import load_vae
-    from preheat.models.weights import check_dtype, read_json
+    from preheat.models.weights import check_dtype
     from preheat.samplers import load_scheduler_config
 
     root = Path(root)

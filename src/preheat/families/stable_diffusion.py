@@ -345,10 +345,11 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     from preheat.lora import LoraTargets
     from preheat.models.clip import load_clip_text
     from preheat.models.adapters import targets as lora_targets
+    from preheat.models.safetensors_files import read_json
     from preheat.models.tokenizer import CLIPTokenizer
     from preheat.models.unet2d_condition import load_unet_condition
     from preheat.models.vae import load_vae
-    from preheat.models.weights import check_dtype, read_json
+    from preheat.models.weights import check_dtype
 
     root = Path(root)
     dtype = check_dtype(dtype)

@@ -87,7 +87,7 @@ def component(root: Path, index: dict[str, Any], name: str) -> Path:
 
 def default_sampler(root: Path) -> dict[str, Any]:
     """The sampler diffusers would run for this folder's scheduler class (family default otherwise)."""
-    from preheat.models.weights import read_json
+    from preheat.models.safetensors_files import read_json
 
     path = root / "scheduler" / "scheduler_config.json"
     if not path.is_file():

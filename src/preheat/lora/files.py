@@ -192,7 +192,7 @@ def _locate_one(module: str, targets: LoraTargets) -> tuple[str, str, str] | Non
 
 def read_lora(source: str | os.PathLike[str], targets: LoraTargets) -> LoraFile:
     """Read one LoRA file and map it onto ``targets``; every key must find its layer."""
-    from preheat.models.weights import read_tensors
+    from preheat.models.safetensors_files import read_tensors
 
     path = local_file(str(source))
     tensors = read_tensors([path])  # header checked against the file size: a torn file fails here

@@ -41,7 +41,8 @@ from preheat.errors import InvalidArgumentError, ModelNotFoundError, Unsupported
 from preheat.models import weights
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Embedding, LayerNorm, Linear
-from preheat.models.weights import TRANSFORMERS_STEM, LoadOptions, check_dtype, fill, read_json, read_tensors, weight_files
+from preheat.models.safetensors_files import TRANSFORMERS_STEM, read_json, read_tensors, weight_files
+from preheat.models.weights import LoadOptions, check_dtype, fill
 from preheat.models.attention import dot_product_attention
 
 __all__ = [

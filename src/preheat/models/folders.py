@@ -28,7 +28,7 @@ def resolve_unet_dir(path: str | Path) -> Path:
 
 def pipeline_extras(root: Path) -> dict[str, Any]:
     """preheat's section of ``model_index.json`` (null class, labels, sampling defaults), if any."""
-    from preheat.models.weights import read_json
+    from preheat.models.safetensors_files import read_json
 
     index = root / "model_index.json"
     extras = read_json(index, "pipeline index").get("preheat", {}) if index.is_file() else {}

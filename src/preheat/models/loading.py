@@ -27,8 +27,8 @@ from preheat.models import weights
 from preheat.models.folders import resolve_unet_dir
 from preheat.models.storage import layerwise, upcast
 from preheat.models.unet2d import UNet2DConfig, UNet2DModule
-from preheat.models.weights import (DIFFUSERS_STEM, check_dtype, fill, read_json, read_tensors, to_torch_layout,
-                                    torch_key, weight_files)
+from preheat.models.safetensors_files import DIFFUSERS_STEM, read_json, read_tensors, weight_files
+from preheat.models.weights import check_dtype, fill, to_torch_layout, torch_key
 
 __all__ = ["LoadedUNet2D", "load_unet", "save_unet", "save_weights", "save_component", "resolve_unet_dir", "read_unet_config", "build_abstract", "torch_key"]
 

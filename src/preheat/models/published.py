@@ -153,7 +153,7 @@ def file_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     one line): a safetensors file's, or a GGUF file's in torch's axis order (its stored tensors: a
     Q8_0 weight's shape is the weight's)."""
     from preheat.models.gguf_file import GGUFTensors, is_gguf
-    from preheat.models.weights import read_header
+    from preheat.models.safetensors_files import read_header
 
     if is_gguf(path):
         return GGUFTensors(path).shapes()

@@ -41,7 +41,8 @@ from preheat.models.dit import AdaLayerNormContinuous, FeedForward, layer_norm, 
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Conv2d, Linear, TimestepEmbedding, lift, sinusoidal_embedding
 from preheat.models.storage import layerwise, upcast
-from preheat.models.weights import DIFFUSERS_STEM, LoadOptions, check_dtype, fill, read_json, read_tensors, torch_key, weight_files
+from preheat.models.safetensors_files import DIFFUSERS_STEM, read_json, read_tensors, weight_files
+from preheat.models.weights import LoadOptions, check_dtype, fill, torch_key
 from preheat.models.attention import dot_product_attention
 
 __all__ = [

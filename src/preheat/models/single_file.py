@@ -66,7 +66,7 @@ from preheat.models.bfl import Piece, bfl_modules, flux_widths
 from preheat.models.gguf_file import GGUFTensors, is_gguf
 from preheat.models.mmdit import MMDIT_PARAMS, mmdit_modules
 from preheat.models.scaled_fp8 import with_scales
-from preheat.models.weights import DIFFUSERS_STEM, TRANSFORMERS_STEM, read_tensors, weight_files
+from preheat.models.safetensors_files import DIFFUSERS_STEM, TRANSFORMERS_STEM, read_tensors, weight_files
 
 __all__ = ["LAYOUTS", "detect_layout", "held_components", "materialize", "reading_converted", "single_file_path"]
 

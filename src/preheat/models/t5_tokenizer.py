@@ -37,7 +37,7 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedConfigError
 from preheat.models.tokenizer import added_token, token_content, named_and_added_tokens, prompt_list, warn_truncated
-from preheat.models.weights import read_json
+from preheat.models.safetensors_files import read_json
 
 __all__ = ["T5Tokenizer", "T5_UNK_ID"]
 

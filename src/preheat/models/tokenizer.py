@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedConfigError
-from preheat.models.weights import read_json
+from preheat.models.safetensors_files import read_json
 
 __all__ = ["CLIPTokenizer", "DEFAULT_MAX_LENGTH", "PromptTruncatedWarning", "prompt_list", "warn_truncated"]
 

@@ -33,7 +33,8 @@ from preheat.models.config import JsonConfig
 from preheat.models.layers import (Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, TimestepEmbedding, Upsample2D,
                                    activation, sinusoidal_embedding)
 from preheat.models.storage import layerwise, upcast
-from preheat.models.weights import DIFFUSERS_STEM, LoadOptions, check_dtype, fill, read_json, read_tensors, weight_files
+from preheat.models.safetensors_files import DIFFUSERS_STEM, read_json, read_tensors, weight_files
+from preheat.models.weights import LoadOptions, check_dtype, fill
 
 __all__ = [
     "UNet2DConditionConfig",

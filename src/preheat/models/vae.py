@@ -44,7 +44,8 @@ from preheat.models.loading import legacy_unet_key
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Conv2d, GroupNorm, ResnetBlock2D, Upsample2D, lift
 from preheat.models.unet_blocks import BlockSpec, DownBlock, MidBlock
-from preheat.models.weights import DIFFUSERS_STEM, LoadOptions, check_dtype, fill, read_json, read_tensors, weight_files
+from preheat.models.safetensors_files import DIFFUSERS_STEM, read_json, read_tensors, weight_files
+from preheat.models.weights import LoadOptions, check_dtype, fill
 
 __all__ = ["AutoencoderKLConfig", "AutoencoderKL", "VAE", "LatentStat", "SUPPORTED", "load_vae", "read_vae_config",
            "resolve_vae_dir", "build_abstract", "effective_dtype"]

@@ -1,24 +1,17 @@
-"""Reading diffusers/transformers safetensors into an abstract NNX model, for every model family.
+"""Placing a checkpoint's tensors into an abstract NNX model, for every model family.
 
 One loader serves every component (UNet, CLIP text encoder, VAE, ...): the module is built
 abstractly (``build_abstract``: constructed directly, each parameter made by ``param`` as its shape
 only; no initialiser runs, no FLOPs, no memory), then each parameter leaf is filled from the
 checkpoint tensor whose key is the leaf's path, converted from torch layout.
 Nothing is returned until every tensor has been checked, so a bad checkpoint never yields a
-half-loaded model.
+half-loaded model. Finding and reading the files (safetensors headers, a lazy ``Checkpoint``)
+is ``preheat.models.safetensors_files``'s.
 
 Key convention (the parameter path *is* the checkpoint key, modulo the leaf name)::
 
     kernel -> weight (transposed: conv OIHW -> HWIO, linear (out, in) -> (in, out))
     scale -> weight, embedding -> weight, bias -> bias, weight -> weight
-
-Weight files a component folder may hold, in the order they are looked for::
-
-    <stem>[.<variant>].safetensors                     one file
-    <stem>.safetensors.index[.<variant>].json + shards  sharded (``weight_map``); what diffusers
-    <stem>[.<variant>].safetensors.index.json + shards  and transformers write, then the older name
-
-where ``stem`` is ``diffusion_pytorch_model`` (diffusers) or ``model`` (transformers).
 
 Loading streams (issue 13: Flux-dev is 24 GB of bf16 plus T5-XXL, and must never sit on the host
 twice): ``read_tensors`` parses only the safetensors headers and returns a lazy ``Checkpoint``;
@@ -32,42 +25,32 @@ collects the reports of a whole pipeline load (both in ``preheat.models.load_rep
 
 from __future__ import annotations
 
-import json
-import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Container, Iterator, Mapping, MutableMapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from preheat.errors import ModelFormatError, ModelNotFoundError, UnsupportedConfigError, WeightsError
+from preheat.errors import UnsupportedConfigError, WeightsError
 from preheat.models.load_report import LoadRecording, LoadReport, PeakWindow, recording
 from preheat.models.load_report import record as record_load
 from preheat.models.ggml import LAYOUTS
 from preheat.models.gguf_file import packed_weights
 from preheat.models.quantised import FLOAT8, Packed, Quantised, holds, is_low
+from preheat.models.safetensors_files import Checkpoint
 from preheat.models.scaled_fp8 import dequantise, ignored, scale_of, scale_shape, weight_scales
 
 __all__ = [
-    "DIFFUSERS_STEM",
-    "TRANSFORMERS_STEM",
-    "weight_files",
-    "read_tensors",
-    "read_header",
-    "TensorInfo",
-    "Checkpoint",
     "LoadReport",
     "LoadRecording",
     "recording",
-    "bare_read",
     "IN_FLIGHT_BYTES",
     "torch_key",
     "to_jax_layout",
@@ -81,245 +64,15 @@ __all__ = [
     "after_reads",
     "build_abstract",
     "param",
-    "read_json",
     "check_dtype",
 ]
 
-DIFFUSERS_STEM = "diffusion_pytorch_model"
-TRANSFORMERS_STEM = "model"
-
 _LEAF_TO_TORCH = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias", "weight": "weight"}
-
-
-def read_json(path: Path, what: str = "config") -> dict[str, Any]:
-    """A JSON object from ``path``; a missing file or bad JSON is a one-line error naming it."""
-    if not path.is_file():
-        raise ModelNotFoundError(f"{path} does not exist ({what})")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        reason = f"{exc.msg} (line {exc.lineno})" if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
-        raise ModelFormatError(f"{path} is not valid JSON: {reason}") from None
-    if not isinstance(raw, dict):
-        raise ModelFormatError(f"{path} must hold a JSON object")
-    return raw
-
-
-def weight_files(folder: Path, stems: Sequence[str] = (DIFFUSERS_STEM, TRANSFORMERS_STEM),
-                 variant: str | None = None) -> list[Path]:
-    """The safetensors file(s) of one component folder (see the module docstring)."""
-    tried = []
-    for stem in stems:
-        base = f"{stem}.{variant}" if variant else stem
-        single = folder / f"{base}.safetensors"
-        tried.append(single.name)
-        if single.is_file():
-            return [single]
-        # diffusers and transformers name a variant's index <stem>.safetensors.index.<variant>.json
-        indexes = [folder / f"{stem}.safetensors.index.{variant}.json"] if variant else []
-        indexes.append(folder / f"{base}.safetensors.index.json")
-        index = next((i for i in indexes if i.is_file()), None)
-        if index is not None:
-            weight_map = read_json(index, "shard index").get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ModelFormatError(f"{index} has no 'weight_map' object")
-            shards = sorted(set(weight_map.values()))
-            missing = [s for s in shards if not (folder / s).is_file()]
-            if missing:
-                raise ModelNotFoundError(f"{folder} is missing shard file(s) {', '.join(missing)} listed in {index.name}")
-            return [folder / s for s in shards]
-    bins = sorted(p.name for p in folder.glob("*.bin"))
-    if bins:
-        raise ModelNotFoundError(
-            f"{folder} has only {bins[0]}; preheat reads safetensors only "
-            "(convert once with diffusers/transformers: from_pretrained(p).save_pretrained(p))")
-    hint = f" (variant {variant!r})" if variant else ""
-    raise ModelNotFoundError(f"{folder} has no {' or '.join(tried)}{hint}")
-
-
-# safetensors dtype names -> numpy (bf16 and fp8 through ml_dtypes, which jax uses too)
-_DTYPES: dict[str, np.dtype] = {name: np.dtype(t) for name, t in {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
-}.items()}
-_MAX_HEADER = 100_000_000  # the safetensors format's own limit
 
 IN_FLIGHT_BYTES = 256 << 20
 """Host bytes that may wait on asynchronous host-to-device transfers before ``fill`` blocks."""
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor's header entry: where its bytes are, and what they hold."""
-
-    file: Path
-    key: str  # as stored in the file (before ``rename``)
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in ``file``
-    nbytes: int
-
-
-def _format_error(path: Path, reason: str) -> ModelFormatError:
-    return ModelFormatError(f"cannot read {path}: {reason}")
-
-
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """The tensor table of one safetensors file, checked against the file's size; no tensor data
-    is read. A torn or corrupt file is one ``ModelFormatError`` naming it."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, 2)
-            f.seek(0)
-            if size < 8:
-                raise _format_error(path, f"{size} bytes is too short for a safetensors file")
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > min(_MAX_HEADER, size - 8):
-                raise _format_error(path, f"header length {n} does not fit in a file of {size} bytes (truncated?)")
-            raw = f.read(n)
-    except OSError as exc:
-        raise _format_error(path, exc.strerror or type(exc).__name__) from None
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise _format_error(path, "the header is not valid JSON (corrupt?)") from None
-    if not isinstance(header, dict):
-        raise _format_error(path, "the header is not a JSON object")
-    data_start, data_len = 8 + n, size - 8 - n
-    out: dict[str, TensorInfo] = {}
-    end_max = 0
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            name = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise _format_error(path, f"header entry {key!r} is malformed") from None
-        if name not in _DTYPES:
-            raise _format_error(path, f"{key} has dtype {name!r}; readable: {', '.join(_DTYPES)}")
-        dtype = _DTYPES[name]
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if min(shape, default=0) < 0 or begin < 0 or end - begin != nbytes:
-            raise _format_error(path, f"{key} spans bytes {begin}..{end}, but {dtype} {shape} needs {nbytes}")
-        if end > data_len:
-            raise _format_error(path, f"truncated: {key} ends at data byte {end}, the file holds {data_len}")
-        end_max = max(end_max, end)
-        out[key] = TensorInfo(path, key, dtype, shape, data_start + begin, nbytes)
-    if end_max != data_len:
-        raise _format_error(path, f"{data_len - end_max} bytes after the last tensor (corrupt?)")
-    return out
-
-
-def _read_bytes(info: TensorInfo, into: np.ndarray | None = None) -> np.ndarray:
-    """One tensor, read with plain reads (no mmap, so no file pages are mapped into the process and
-    the resident set is only what is allocated here): into a fresh buffer nobody else refers to,
-    or into ``into`` (a reusable uint8 scratch buffer of at least ``info.nbytes``)."""
-    buf = np.empty(info.nbytes, np.uint8) if into is None else into[:info.nbytes]
-    view = memoryview(buf)
-    got = 0
-    try:
-        with open(info.file, "rb", buffering=0) as f:
-            f.seek(info.start)
-            while got < info.nbytes:  # one read returns at most ~2 GiB on Linux
-                n = f.readinto(view[got:])
-                if not n:
-                    raise _format_error(info.file, f"truncated while reading {info.key} (the file changed?)")
-                got += n
-    except OSError as exc:
-        raise _format_error(info.file, f"{info.key}: {exc.strerror or type(exc).__name__}") from None
-    return buf.view(info.dtype).reshape(info.shape)
-
-
-class Checkpoint(MutableMapping[str, np.ndarray]):
-    """The tensors of one component's safetensors files, read on access.
-
-    Made by ``read_tensors``: only the headers are read, so keys, shapes and dtypes are known up
-    front (``info``) while each tensor's bytes are read when it is indexed, as a fresh numpy array
-    (bf16 through ml_dtypes). It behaves like the dict ``read_tensors`` used to return: assigning
-    a key keeps that array in memory, deleting hides the key. ``dict(checkpoint)`` still works,
-    but reads every tensor: pass the ``Checkpoint`` itself to ``fill`` to stream.
-    """
-
-    def __init__(self, files: Iterable[Path], rename: Callable[[str], str] | None = None):
-        self.files = [Path(f) for f in files]
-        self._info: dict[str, TensorInfo] = {}
-        self._held: dict[str, np.ndarray] = {}  # assigned by the caller
-        for f in self.files:
-            for key, info in read_header(f).items():
-                self._info[rename(key) if rename else key] = info  # later files win, as dict updates did
-
-    def info(self, key: str) -> TensorInfo | None:
-        """The header entry of ``key``; None for a missing key or one assigned in memory."""
-        return self._info.get(key)
-
-    def meta(self, key: str) -> tuple[tuple[int, ...], np.dtype] | None:
-        """(shape, dtype) of ``key`` without reading it; None if missing."""
-        if key in self._held:
-            return tuple(self._held[key].shape), self._held[key].dtype
-        info = self._info.get(key)
-        return None if info is None else (info.shape, info.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(i.nbytes for i in self._info.values()) + sum(a.nbytes for a in self._held.values())
-
-    def __getitem__(self, key: str) -> np.ndarray:
-        if key in self._held:
-            return self._held[key]
-        return _read_bytes(self._info[key])
-
-    def __setitem__(self, key: str, value: np.ndarray) -> None:
-        self._info.pop(key, None)
-        self._held[key] = np.asarray(value)
-
-    def __delitem__(self, key: str) -> None:
-        if key in self._held:
-            del self._held[key]
-        else:
-            del self._info[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._info or key in self._held
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self._info
-        yield from self._held
-
-    def __len__(self) -> int:
-        return len(self._info) + len(self._held)
-
-    def __enter__(self) -> "Checkpoint":  # as safetensors' safe_open is used; nothing is held open
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def __repr__(self) -> str:
-        return f"Checkpoint({len(self)} tensors, {self.nbytes} bytes, files={[f.name for f in self.files]})"
-
-
-def read_tensors(files: Iterable[Path], rename: Callable[[str], str] | None = None) -> Checkpoint:
-    """The tensors of ``files`` (keys passed through ``rename``), as a lazy ``Checkpoint``: the
-    headers are read and checked now, each tensor's bytes when it is used (``fill`` streams them)."""
-    return Checkpoint(files, rename)
-
-
-def bare_read(files: Iterable[Path]) -> tuple[float, int]:
-    """(seconds, bytes) of a bare safetensors read of ``files``: every tensor through
-    ``safe_open(framework="numpy")``, nothing kept. The yardstick for the weights phase (issue 17)."""
-    from safetensors import safe_open
-
-    t0, total = time.perf_counter(), 0
-    for f in files:
-        with safe_open(str(f), framework="numpy") as handle:
-            for key in handle.keys():
-                total += handle.get_tensor(key).nbytes
-    return time.perf_counter() - t0, total
 
 
 def torch_key(path: tuple[Any, ...]) -> str:
@@ -453,8 +206,8 @@ def _place(tensors: Mapping[str, Any], key: str, leaf: str, dtype: np.dtype, scr
         return jax.device_put(to_jax_layout(host, leaf), donate=host is not arr), arr.nbytes
     relayout = _changes_layout(leaf, len(info.shape))
     if info.dtype == dtype and not relayout:
-        return jax.device_put(_read_bytes(info), donate=True), info.nbytes
-    raw = _read_bytes(info, scratch.take(0, info.nbytes))
+        return jax.device_put(info.read(), donate=True), info.nbytes
+    raw = info.read(scratch.take(0, info.nbytes))
     if not relayout:  # a cast only: its fresh result is donated
         return jax.device_put(raw.astype(dtype), donate=True), info.nbytes
     if info.dtype != dtype:

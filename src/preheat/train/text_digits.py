@@ -252,7 +252,7 @@ def _card_args(config: TextDigitsConfig) -> str:
 def record_agreement(out: Path, config: TextDigitsConfig) -> Any:
     """Run the ship gate (``text_digits_check``) on ``out`` and write its result into the card."""
     from preheat.files import atomic_write_bytes
-    from preheat.models.weights import read_json
+    from preheat.models.safetensors_files import read_json
     from preheat.train.text_digits_check import check_folder
 
     agreement = check_folder(out)

@@ -55,7 +55,7 @@ from preheat.engine import model_root
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families.pixel import PIXEL
 from preheat.models.folders import class_count, image_size, pipeline_extras, resolve_unet_dir
-from preheat.models.weights import read_json
+from preheat.models.safetensors_files import read_json
 from preheat.noise import initial_noise
 from preheat.samplers import DETERMINISTIC_SAMPLERS, SchedulerConfig, find_scheduler_config, load_scheduler_config
 from preheat.timings import Timings
