@@ -19,6 +19,8 @@ os.environ.setdefault("PREHEAT_DEVICES", "1")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from tests._support.compile_memo import one_compile_per_program_fixture  # noqa: E402,F401 (a module's opt-in)
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 

@@ -97,3 +97,35 @@ def test_files_given_together_are_all_collected_and_a_missing_one_is_an_error():
     missing = pytest("-n", "2", "--dist", "loadfile", "tests/test_image_input.py", "tests/test_image.py")
     said = missing.stdout + missing.stderr  # tests/test_image.py: it is tests/families/test_image.py
     assert missing.returncode == 4 and "file or directory not found: tests/test_image.py" in said, said
+
+
+def test_the_compile_memo_is_one_per_opting_module_and_absent_elsewhere(tmp_path):
+    """``pytest.mark.usefixtures("one_compile_per_program")`` (tests/_support/compile_memo.py, registered
+    by tests/conftest.py) gives a module one memo for all its tests, a new one for the next module that
+    opts in, and none to a module between them that does not: run in that order, each test writes the
+    memo its ``cache="off"`` loads go through."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "conftest.py").write_text(
+        "from tests._support.compile_memo import one_compile_per_program_fixture  # noqa: F401\n")
+    opts_in = 'import pytest\npytestmark = pytest.mark.usefixtures("one_compile_per_program")\n'
+    body = ("from tests._support.compile_memo import active_memo\nKEPT = []  # no id reused\n"
+            "def record(name):\n    memo = active_memo()\n    KEPT.append(memo)\n"
+            "    with open('memos.txt', 'a') as f:\n        f.write(f'{name} {id(memo) if memo else None}\\n')\n"
+            "def test_first():\n    record(__name__)\ndef test_second():\n    record(__name__)\n")
+    for name, head in (("test_a_opts_in", opts_in), ("test_b_does_not", ""), ("test_c_opts_in", opts_in)):
+        (tmp_path / f"{name}.py").write_text(head + body)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS.parent / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                          "-p", "no:xdist", "test_a_opts_in.py", "test_b_does_not.py", "test_c_opts_in.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    seen = [line.split() for line in (tmp_path / "memos.txt").read_text().splitlines()]
+    assert [module for module, _ in seen] == ["test_a_opts_in"] * 2 + ["test_b_does_not"] * 2 + ["test_c_opts_in"] * 2
+    a, b, c = (seen[i][1] for i in (0, 2, 4))
+    assert a != "None" and seen[1][1] == a, seen  # one memo for the module's tests
+    assert b == "None" and seen[3][1] == "None", seen  # left at the module's end: none for the next
+    assert c != "None" and seen[5][1] == c and c != a, seen  # a new one for the next module that opts in

@@ -8,15 +8,28 @@ executables are emptied (``dataclasses.replace(pipe, _executables={})``) to watc
 program's text (and its argument and result shardings): a program traced and lowered again is compiled once. Everything the engine does
 and counts is unchanged -- its trace, its lowering, its own ``_executables`` entry per signature --
 only XLA's work on a program text it has compiled before in this module is skipped. The same text
-is the same program (the weights are its arguments, never constants: ``tests/models``)."""
+is the same program (the weights are its arguments, never constants: ``tests/models``).
+
+A test module opts in with one line, ``pytestmark = pytest.mark.usefixtures("one_compile_per_program")``
+(the module-scoped fixture below, registered by ``tests/conftest.py``): one memo per module, entered
+before the module's first test and left after its last, so a module that does not opt in compiles
+every program itself (``tests/test_test_layout.py`` checks both)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
 import pytest
+
+
+def _xla_layer() -> ModuleType:
+    """The module whose ``compile_uncached`` a ``cache="off"`` load calls (imported when first used)."""
+    from preheat.cache import xla_layer
+
+    return xla_layer
 
 
 class CompileMemo:
@@ -44,9 +57,23 @@ class CompileMemo:
 @contextmanager
 def one_compile_per_program() -> Iterator[CompileMemo]:
     """Within the block, ``cache="off"`` loads compile each program text once (module scope)."""
-    from preheat.cache import xla_layer
-
+    xla_layer = _xla_layer()
     memo = CompileMemo(xla_layer.compile_uncached)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(xla_layer, "compile_uncached", memo)  # the engine looks it up at each compile
+        yield memo
+
+
+def active_memo() -> CompileMemo | None:
+    """The memo ``cache="off"`` loads go through now, or None where they compile every program."""
+    compiled = _xla_layer().compile_uncached
+    return compiled if isinstance(compiled, CompileMemo) else None
+
+
+@pytest.fixture(scope="module", name="one_compile_per_program")
+def one_compile_per_program_fixture() -> Iterator[CompileMemo]:
+    """A module's opt-in (``pytest.mark.usefixtures("one_compile_per_program")``): its pipelines share
+    programs (an SD folder's VAE decoder, the encoders of a family's loads, the programs a
+    trace-counting test compiles again on emptied executables), and each is compiled once."""
+    with one_compile_per_program() as memo:
         yield memo

@@ -29,7 +29,6 @@ import preheat
 from preheat.errors import InvalidArgumentError
 from preheat.families.inputs import COMMON_SPECS, IMAGE_SIZE, Choice, Float, Image, InputSpec, Int, Ints, Label, Pair, Text
 from preheat.server.images import decode_data_url
-from tests._support.compile_memo import one_compile_per_program
 from tests._support.image_files import data_uri, encoded
 from tests._support.server_fixtures import runpod_jobs, serving, wait_status
 
@@ -92,12 +91,9 @@ def _drawn_small(pipe: Any) -> Any:
     return small
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_compile_per_program():
-    """The module's pipelines share programs (the SD folders' VAE decoder, SDXL's encoder): each is
-    compiled once (``tests/_support/compile_memo.py``)."""
-    with one_compile_per_program():
-        yield
+# The module's pipelines share programs (the SD folders' VAE decoder, SDXL's encoder): each is compiled
+# once (tests/_support/compile_memo.py).
+pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 
 @pytest.fixture(scope="module", params=KINDS)

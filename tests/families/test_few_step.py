@@ -21,7 +21,6 @@ import pytest
 import preheat
 from preheat.noise import STEP_STREAM, image_keys, normal_per_image
 from tests._support import flow_fixtures, sd_fixtures
-from tests._support.compile_memo import one_compile_per_program
 from tests._support.server_fixtures import cli_on
 
 peft = pytest.importorskip("peft")
@@ -42,12 +41,9 @@ def _with_scheduler(folder, config: dict) -> None:
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_compile_per_program():
-    """The module's pipelines share programs (the SD folders' VAE decoder, SDXL's encoder): each is
-    compiled once (``tests/_support/compile_memo.py``)."""
-    with one_compile_per_program():
-        yield
+# The module's pipelines share programs (the SD folders' VAE decoder, SDXL's encoder): each is compiled
+# once (tests/_support/compile_memo.py).
+pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 
 @pytest.fixture(scope="module")

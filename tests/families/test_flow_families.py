@@ -11,7 +11,6 @@ import pytest
 import preheat
 from preheat.errors import InvalidArgumentError, PreheatError, SchedulerConfigError
 from preheat.families.request import plan
-from tests._support.compile_memo import one_compile_per_program
 from tests._support.flow_fixtures import reference_pipeline, reference_pixels, save_tiny_flow_model
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255 (1/255 on the [0, 1] scale)
@@ -19,13 +18,10 @@ FOLDERS = {"flux-schnell": ("flux-schnell", True), "flux-dev": ("flux-dev", True
            "sd3-no-t5": ("sd3", False)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_compile_per_program():
-    """The trace-counting test below compiles its programs again on emptied executables, and the
-    offloaded-encoder load compiles the same programs as the plain one: XLA's work on a program this
-    module has compiled is reused (``tests/_support/compile_memo.py``)."""
-    with one_compile_per_program():
-        yield
+# The trace-counting test below compiles its programs again on emptied executables, and the
+# offloaded-encoder load compiles the same programs as the plain one: XLA's work on a program this module
+# has compiled is reused (tests/_support/compile_memo.py).
+pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 
 @pytest.fixture(scope="module")

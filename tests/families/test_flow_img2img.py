@@ -13,6 +13,10 @@ import preheat
 from preheat.errors import PreheatError
 from tests._support.flow_fixtures import picture, reference_pipeline, replayed_noise, save_tiny_flow_model
 
+# The data tests compile their programs again on emptied executables: XLA's work on a program this
+# module has compiled is reused (tests/_support/compile_memo.py).
+pytestmark = pytest.mark.usefixtures("one_compile_per_program")
+
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 MAX_TOL = 8
 IMG2IMG_CLASS = {"flux-dev": "FluxImg2ImgPipeline", "sd3": "StableDiffusion3Img2ImgPipeline"}

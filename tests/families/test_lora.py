@@ -18,6 +18,10 @@ from tests._support.lora_files import kohya_names, kohya_sgm_names, peft_layers,
 
 peft = pytest.importorskip("peft")
 
+# The retrace test's fresh program table and the CLI's own load compile the sd1 pipe's programs again:
+# each program text is compiled once in the module (tests/_support/compile_memo.py).
+pytestmark = pytest.mark.usefixtures("one_compile_per_program")
+
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "ff.net.2"]
 FLUX_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "proj_mlp", "ff.net.2",

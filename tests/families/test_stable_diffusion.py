@@ -15,6 +15,11 @@ import preheat
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, PreheatError, UnsupportedConfigError
 from tests._support.sd_fixtures import KINDS, reference_pipeline, reference_pixels, save_tiny_sd
 
+# The sd1, sd2 and SDXL pipes of `cache="off"` loads share programs (the VAE decoder, SDXL's encoders and the
+# programs of a copy of a pipe): each program text is compiled once in the module
+# (tests/_support/compile_memo.py). The cache tests' own JaxCompiler compiles are not these.
+pytestmark = pytest.mark.usefixtures("one_compile_per_program")
+
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255 (1/255 on the [0, 1] scale)
 
 

@@ -15,18 +15,14 @@ import pytest
 import preheat
 from preheat.errors import InvalidArgumentError
 from tests._support import flow_fixtures, sd_fixtures
-from tests._support.compile_memo import one_compile_per_program
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255 (1/255 on the [0, 1] scale)
 STEPS = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_compile_per_program():
-    """The trace-counting tests below compile their programs again on emptied executables: XLA's
-    work on a program this module has compiled is reused (``tests/_support/compile_memo.py``)."""
-    with one_compile_per_program():
-        yield
+# The trace-counting tests below compile their programs again on emptied executables: XLA's work on a
+# program this module has compiled is reused (tests/_support/compile_memo.py).
+pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import preheat
 from preheat.models import scaled_fp8
 from tests._support import flow_fixtures
 from tests._support.bfl_files import to_bfl
-from tests._support.compile_memo import one_compile_per_program
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -75,12 +74,9 @@ def _quantise(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], di
     return scaled, plain
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_compile_per_program():
-    """The module's five FLUX loads share their text encoders' and decoder's programs, its two SD loads
-    their decoder's: each is compiled once (``tests/_support/compile_memo.py``)."""
-    with one_compile_per_program():
-        yield
+# The module's five FLUX loads share their text encoders' and decoder's programs, its two SD loads their
+# decoder's: each is compiled once (tests/_support/compile_memo.py).
+pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 
 @pytest.fixture(scope="module")
