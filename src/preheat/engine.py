@@ -201,7 +201,7 @@ class Pipeline:
     lora_runtime: LoraRuntime | None = None
     compiler: Any = None  # preheat.cache's compiler; None = compile in memory only
     last: Timings = field(default_factory=Timings)
-    load_report: Any = None  # how the weights were read (preheat.models.weights.LoadReport); set by load()
+    load_report: Any = None  # how the weights were read (preheat.models.load_report.LoadReport); set by load()
     mesh: Any = None  # jax.sharding.Mesh with axis "data" (preheat.sharding); None: the default device alone
     startup: Any = None  # preheat.timings.Phases of load() and the first call (set by load())
     _executables: dict[Any, Any] = field(default_factory=dict, repr=False)
@@ -565,7 +565,8 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         check_weights_dtype(weights_dtype, mesh, weights_layers)  # an unknown dtype, or devices that cannot hold it, fail here
 
     from preheat.families import family_loader
-    from preheat.models.weights import DeferredFills, LoadOptions, recording
+    from preheat.models.load_report import recording
+    from preheat.models.weights import DeferredFills, LoadOptions
 
     root = model_root(model, variant)  # hf://: that variant only
     reading: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()

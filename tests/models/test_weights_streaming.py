@@ -29,7 +29,8 @@ from preheat.engine import load_jax_pipeline
 from preheat.errors import ModelFormatError, WeightsError
 from preheat.models import loading
 from preheat.models.safetensors_files import DIFFUSERS_STEM, Checkpoint, TensorInfo, read_tensors, weight_files
-from preheat.models.weights import expected_torch_shape, fill, recording, to_jax_layout, torch_key
+from preheat.models.load_report import recording
+from preheat.models.weights import expected_torch_shape, fill, to_jax_layout, torch_key
 
 TINY = dict(_class_name="UNet2DModel", sample_size=8, in_channels=1, out_channels=1, layers_per_block=1,
             block_out_channels=[8, 16], norm_num_groups=4, down_block_types=["DownBlock2D", "AttnDownBlock2D"],
@@ -215,8 +216,9 @@ MEMORY_CHILD = textwrap.dedent("""
     import jax, jax.numpy as jnp, ml_dtypes, numpy as np
     from flax import nnx
     from safetensors.numpy import save_file
+    from preheat.models.load_report import recording
     from preheat.models.safetensors_files import read_tensors
-    from preheat.models.weights import build_abstract, fill, recording
+    from preheat.models.weights import build_abstract, fill
 
     N, D = 16, 1024  # 16 linear layers: 16 x 4 MiB fp32 kernels (64 MiB) plus biases
 

@@ -174,7 +174,7 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
     startup = pipe.startup  # the JAX engine's phases (preheat.timings.Phases); None for torch
     if startup is not None:
         record["startup"] = startup.to_dict()
-    weights_load = pipe.load_report  # the JAX engine's (preheat.models.weights.LoadReport); None for torch
+    weights_load = pipe.load_report  # the JAX engine's (preheat.models.load_report.LoadReport); None for torch
     if weights_load is not None:
         record.update(weights_read_s=weights_load.seconds, abstract_s=weights_load.abstract_s,
                       weights_bytes=weights_load.bytes_read, peak_host_bytes=weights_load.peak_host_bytes,

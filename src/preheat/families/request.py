@@ -62,7 +62,7 @@ class SamplingPipeline(ArgumentView, Protocol):
     compiler: Any
     last: Any  # preheat.timings.Timings of the last call
     startup: Any  # preheat.timings.Phases of load() and the first call; None on torch
-    load_report: Any  # preheat.models.weights.LoadReport; None on torch
+    load_report: Any  # preheat.models.load_report.LoadReport; None on torch
     reports_progress: bool  # run(..., progress=) / generate(..., progress=) report steps (False on torch)
 
     @property

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from preheat.errors import UnsupportedConfigError, WeightsError
-from preheat.models.load_report import LoadRecording, LoadReport, PeakWindow, recording
+from preheat.models.load_report import LoadReport, PeakWindow
 from preheat.models.load_report import record as record_load
 from preheat.models.ggml import LAYOUTS
 from preheat.models.gguf_file import packed_weights
@@ -48,9 +48,6 @@ from preheat.models.safetensors_files import Checkpoint
 from preheat.models.scaled_fp8 import dequantise, ignored, scale_of, scale_shape, weight_scales
 
 __all__ = [
-    "LoadReport",
-    "LoadRecording",
-    "recording",
     "IN_FLIGHT_BYTES",
     "torch_key",
     "to_jax_layout",
