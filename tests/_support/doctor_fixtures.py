@@ -16,7 +16,6 @@ installs a fake ``nvidia-smi`` that replays the outputs recorded under ``fixture
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import stat
 from pathlib import Path

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import types
 from collections import namedtuple
 
 from preheat.doctor.checks import cache_health, storage

@@ -162,7 +162,6 @@ def test_skip_layers_matches_diffusers(tiny):
 def test_position_table_matches_diffusers():
     """The host-side sin-cos table (non-square grids, both base sizes) and the static centre crop
     against diffusers' ``get_2d_sincos_pos_embed`` and ``PatchEmbed.cropped_pos_embed``."""
-    import torch
     from diffusers.models.embeddings import PatchEmbed, get_2d_sincos_pos_embed
 
     for dim, grid, base in [(32, (6, 10), 32), (32, (10, 6), 16), (48, (3, 3), 16), (16, (1, 7), 8)]:

@@ -76,5 +76,13 @@ from preheat.cache.remote.policy import (
 )
 from preheat.cache.remote.transport import FsspecStore, LocalDirStore, RemoteStore
 
-__all__ = ["RemoteStore", "FsspecStore", "LocalDirStore", "RemoteError", "remote_from_env", "open_store",
-           "default_store", "mirror_get", "mirror_put", "child_env", "describe", "ENV_URL", "ENV_TRUST", "ENV_TIMEOUT"]
+__all__ = [
+    # stores and their construction (transport, env)
+    "RemoteStore", "FsspecStore", "LocalDirStore", "remote_from_env", "open_store", "default_store",
+    "mirror_get", "mirror_put", "child_env", "describe",
+    # trust, deadlines and cooldown (policy)
+    "RemoteError", "ENV_URL", "ENV_TRUST", "ENV_TIMEOUT", "DEFAULT_TIMEOUT_S", "DOWN_COOLDOWN_S", "MIN_THROUGHPUT_BPS",
+    # the manifest's checks and limits (manifest)
+    "KINDS", "KEY_RE", "NAME_RE", "SHA_RE", "MAX_MANIFEST_BYTES", "check_kind_key", "check_blob_name",
+    "check_file_name", "check_manifest",
+]
