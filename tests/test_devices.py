@@ -243,7 +243,7 @@ SERVER = """
     pred, _ = core.submit(*core.parse({"seed": 3, "num_outputs": 3, "num_inference_steps": 2}))
     assert pred.done.wait(300), pred.status
     print(json.dumps({"buckets": core.buckets, "signatures": len(core.signatures()), "programs": programs,
-                      "status": pred.status, "images": len(pred.output or []), "stats": core.stats,
+                      "status": pred.status, "images": len(pred.output or []), "stats": core.batcher.stats,
                       "after": len(core.pipe._executables)}))
     core.close()
 """

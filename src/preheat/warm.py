@@ -70,7 +70,7 @@ def served_call(pipe: Any, warm_set: "WarmSet", n: int) -> ServedCall:
 
 def progress_inputs(pipe: Any, progress: bool) -> dict[str, Any]:
     """The keyword that selects the program reporting each step, as a server streams them
-    (``Core._run_batch``); none where the switch is off or the pipeline cannot report."""
+    (``preheat.server.batching.Batcher.run``); none where the switch is off or the pipeline cannot report."""
     if not (progress and pipe.reports_progress):
         return {}
     from preheat.progress import ignore

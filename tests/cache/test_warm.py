@@ -89,7 +89,7 @@ def test_warm_then_serve_from_the_store_compiles_nothing(s3, tmp_path, monkeypat
             assert not reg.get_sample_value("preheat_warmup_programs_total", {"cache_layer": layer})
         snap = _predict(core)
         assert snap["status"] == "succeeded" and snap["metrics"]["compiled"] is False
-        assert core.stats["traffic_compiles"] == 0
+        assert core.batcher.stats["traffic_compiles"] == 0
         assert not reg.get_sample_value("preheat_compiles_total", {"phase": "traffic"})
     finally:
         core.close()

@@ -71,14 +71,14 @@ def test_concurrent_jobs_share_one_engine_call(core: Core) -> None:
         core.resume()  # all four are queued: they go as one batch
         return await asyncio.gather(*jobs)
 
-    before = core.stats["batches"]
+    before = core.batcher.stats["batches"]
     core.pause()
     try:
         results = asyncio.run(many())
     finally:
         core.resume()
     assert all(len(r["images"]) == 1 for r in results)
-    assert core.stats["batches"] - before == 1
+    assert core.batcher.stats["batches"] - before == 1
     assert rp.concurrency_modifier(1) == 4
 
 

@@ -114,9 +114,9 @@ def test_expected_drain_time_counts_steps_and_batches(pipe: Any) -> None:
     core = Core(CoreConfig(max_batch_size=2, max_steps=200, batch_wait_ms=0), pipe=pipe).start()
     try:
         assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
-        assert core.seconds_per_step is not None and core.seconds_per_step > 0  # measured by warm-up
+        assert core.batcher.seconds_per_step is not None and core.batcher.seconds_per_step > 0  # measured by warm-up
         core.pause()
-        core.seconds_per_step = 0.125  # a known rate, so the sums below are exact
+        core.batcher.seconds_per_step = 0.125  # a known rate, so the sums below are exact
         assert core.expected_drain_s() == 0 and core.retry_after() == 1
         for seed in range(3):  # one key: 3 images -> 2 batches of 100 steps
             core.submit(*core.parse({"seed": seed, "num_inference_steps": 100}))

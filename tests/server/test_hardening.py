@@ -79,7 +79,7 @@ def test_clients_that_go_away_free_their_queued_slots(held: Any) -> None:
     assert snap["status"] == "succeeded" and finished.status == "succeeded"
     # The next request ran right after the running batch: none of the four abandoned ones ran.
     assert snap["metrics"]["batch_id"] == finished.metrics["batch_id"] + 1
-    assert core.stats["batches"] == 2
+    assert core.batcher.stats["batches"] == 2
 
 
 def test_queued_openai_request_dropped_by_a_drain_gets_503(held: Any) -> None:
@@ -156,7 +156,7 @@ def test_mixed_load_compiles_nothing_during_traffic(model_dir: Path) -> None:
             r = c.post("/v1/images/generations", json={"n": 2, "seed": 1})
             assert r.status_code == 200 and len(r.json()["data"]) == 2
             assert metric(c.get("/metrics").text, "preheat_compiles_total", '{phase="traffic"}') == 0
-            assert core.stats["traffic_compiles"] == 0
+            assert core.batcher.stats["traffic_compiles"] == 0
 
             refused = c.post("/predictions", json={"input": {"scheduler": "ddim"}})  # not offered: 422, never compiled
             assert refused.status_code == 422

@@ -106,7 +106,7 @@ class Timer:
         self.batches_seen: list[int] = []
 
     def __call__(self, executable: Any, args: Any) -> float:
-        self.batches_seen.append(self.core.stats["batches"])
+        self.batches_seen.append(self.core.batcher.stats["batches"])
         retune.timed_call(executable, args)
         if self.fail:
             raise RuntimeError("device lost while timing")
@@ -199,7 +199,7 @@ def test_an_idle_server_retunes_its_not_autotuned_entry_and_serves_the_new_execu
     assert len(s.timer.batches_seen) == 2 * (1 + retune.TIMED_CALLS)
     after = _image(client)
     assert np.array_equal(after, before)  # the same program (XLA:CPU: the same code)
-    assert s.core.stats["traffic_compiles"] == 0 and s.pipe.last.cache_layer == "memory"
+    assert s.core.batcher.stats["traffic_compiles"] == 0 and s.pipe.last.cache_layer == "memory"
     text = client.get("/metrics").text
     assert metric(text, "preheat_retunes_total", '{outcome="replaced"}') == 1
     assert metric(text, "preheat_retunes_waiting") == 0
@@ -224,7 +224,7 @@ def test_requests_are_served_while_the_retune_compiles_and_its_timed_calls_wait_
     wait_until(lambda: core.retuner.compiled, 120, "the compile")
     time.sleep(0.3)  # room for a worker that took a timed call with a request waiting (none may)
     assert s.timer.batches_seen == []
-    batches = core.stats["batches"]
+    batches = core.batcher.stats["batches"]
     core.resume()
     thread.join(120)
     assert pending and pending[0].status_code == 200

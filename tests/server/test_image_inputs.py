@@ -101,7 +101,7 @@ def test_cog_takes_images_as_data_uris_and_urls_fetched_once_and_never_stored(se
     r = client.post("/predictions", json={"input": {**CALL, "image": files.url("grey.png"), "strength": 0.5}})
     np.testing.assert_array_equal(pixels(r), pipe.generate(1, steps=1, guidance=1.0, seed=3, class_labels=0,
                                                            image=GREY, strength=0.5)[0])
-    assert core.stats["traffic_compiles"] == 0
+    assert core.batcher.stats["traffic_compiles"] == 0
 
 
 def test_a_url_outside_the_policy_is_refused_before_any_connection(client) -> None:

@@ -86,7 +86,7 @@ def test_image_requests_run_without_compiling_and_match_the_python_call(served) 
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "strength", r.text
         r = client.post("/predictions", json={"input": {**call, "image": data_uri(png(image)), "padding_mask_crop": 2}})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "padding_mask_crop", r.text
-    assert core.stats["traffic_compiles"] == 0
+    assert core.batcher.stats["traffic_compiles"] == 0
 
 
 def test_a_sampler_error_names_each_input_by_the_surface_s_own_name(served, monkeypatch, tmp_path: Path) -> None:

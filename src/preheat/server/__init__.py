@@ -2,7 +2,9 @@
 Cog's and OpenAI's APIs.
 
     preheat.server.inputs   request parsing/validation, shared with the Runpod handler
-    preheat.server.core     set-up (load + warm-up), the bounded queue, the batching worker
+    preheat.server.core     set-up (load + warm-up), the bounded queue, the worker thread
+    preheat.server.warmup   warm-up: every program a request can reach, compiled before READY
+    preheat.server.batching which predictions run together, the batch's engine call, its timings
     preheat.server.app      the FastAPI app: Cog's routes, /metrics, the OpenAPI document
     preheat.server.openai_routes  OpenAI's /v1/images/generations and /v1/images/edits
     preheat.server.routing  the route registry and what every route shares (one AppState per app)

@@ -1,40 +1,28 @@
 """The one core behind every surface: set-up (load + warm-up), predictions, dynamic batching.
 
-Threads: ONE worker thread owns the model. It loads the pipeline, compiles every batch bucket
-(warm-up), then loops: take the oldest waiting prediction, wait up to ``batch_wait_ms`` (counted
-from that prediction's arrival) for others with the same batch key (``Job.batch_key``: sampler,
-steps, guidance scale, image size, whether negative prompts are given, LoRA rank bucket), run them as one ``Pipeline.generate`` call padded to the next compiled bucket, split
-the pixels, encode, complete. Callers (HTTP routes, the Runpod handler) only parse, enqueue and
-wait; they are told about progress through listeners called from the worker thread.
-
-Warm-up compiles every program a request can reach: each offered sampler (``samplers``; by
-default only the model's own), guidance on and off (on only when the model has a null class),
-every bucket, and each variant of the offered inputs (``inputs``: a negative prompt, an image, a
-mask; by default all the family declares). Other samplers and inputs are refused at parse time,
-so traffic never compiles.
+Threads: ONE worker thread owns the model. It loads the pipeline, compiles every program a
+request can reach (``preheat.server.warmup``), then loops: take the oldest waiting prediction,
+wait up to ``batch_wait_ms`` (counted from that prediction's arrival) for others with the same
+batch key, run them as one engine call padded to the next compiled bucket, split the pixels,
+encode, complete (``preheat.server.batching``: which predictions batch together, and the run).
+Callers (HTTP routes, the Runpod handler) only parse, enqueue and wait; they are told about
+progress through listeners called from the worker thread. Samplers and inputs that warm-up did
+not compile are refused at parse time, so traffic never compiles.
 
 Cancelling: a waiting prediction is dropped at once (its slot frees); a running batch ends at
 its next step once every member is canceled (the step callback stops it: ``preheat.progress``),
 else it finishes and a canceled member's images are dropped. A client that goes away
 (:meth:`Core.abandon`) cancels its prediction while it is still waiting (a stream's, running too).
-Progress: every step of a batch adds ``step k/N`` to each member's logs and a "log" event.
 
 Idle retune (``retune_idle_s``; on a GPU only): executables the warm-up loaded from entries that
 were compiled without autotuning (``preheat warm --target``) are compiled again, autotuned, on a
 thread of their own once the server has been idle that long; the worker then takes the timed
 calls that compare the two one at a time, only while no prediction waits, and swaps the faster
 one in between batches (``preheat.cache.retune.IdleRetuner``).
-
-Images are per-request exact: a request with ``seed=s`` and n images puts seeds s..s+n-1 in
-the batch, and the engine draws every image's noise from its own seed only. Padding slots get
-seed 0 / class 0 and are dropped. The same bucket size gives bit-identical pixels to
-``pipe.generate(bucket, seed=<same list>)``; a different batch size may round differently in
-XLA (rarely +-1 uint8 level).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import secrets
@@ -45,16 +33,16 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
-from preheat.errors import InputError, NotAccepting, PreheatError, QueueFull, SamplingStopped
-from preheat.progress import Stop
-from preheat.families import request as request_of
+from preheat.errors import InputError, NotAccepting, PreheatError, QueueFull
+from preheat.server.batching import Batcher, collect
 from preheat.server.fetch import FetchConfig, Fetcher
-from preheat.warm import WarmSignature, bucket_for, buckets_for, resolve, run_signature, signatures
+from preheat.server.warmup import warm_up
+from preheat.warm import WarmSignature, buckets_for, resolve, signatures
 from preheat.server.inputs import FamilyInputs, Job, Limits, family_inputs, image_urls, input_model, parse_input
 from preheat.server.config import CoreConfig, load_pipeline
 from preheat.server.metrics import CoreMetrics, FetchMetrics
 from preheat.store import is_remote
-from preheat.server.predictions import BatchRun, Listener, Prediction, SetupInfo
+from preheat.server.predictions import Listener, Prediction, SetupInfo, call_listener
 from preheat.timings import now_iso
 
 __all__ = ["CoreConfig", "Core", "Prediction", "buckets_for", "SHUT_DOWN"]
@@ -102,12 +90,9 @@ class Core:
         self._paused = False
         self._running_since = 0.0
         self.samplers: tuple[str, ...] = tuple(config.samplers)  # resolved at set-up: what is offered
-        self.seconds_per_step: Optional[float] = None  # engine seconds per step (warm-up, then each batch)
-        # measured seconds of one engine call (encoding included), per batch key: what Retry-After reads
-        self.batch_seconds: dict[tuple, float] = {}
+        # runs the batches; keeps their stats and what they took (seconds_per_step, batch_seconds)
+        self.batcher = Batcher(config, self.metrics, self._cond, self._finish)
         self._thread: Optional[threading.Thread] = None
-        self._batch_ids = itertools.count(1)
-        self.stats = {"batches": 0, "images": 0, "padded": 0, "traffic_compiles": 0}
         self._died: Optional[str] = None  # why the worker thread died after set-up (DEFUNCT)
         self._idle_since = time.monotonic()  # when the last batch ended (or set-up did)
         # the idle retune of not-autotuned entries (None: off, or this backend does not autotune)
@@ -361,7 +346,7 @@ class Core:
                 pred._listeners.append(listener)
                 return
             snap = pred.snapshot()
-        _call(listener, "completed", snap)
+        call_listener(listener, "completed", snap)
 
     def cancel(self, prediction_id: str) -> bool:
         """Cancel a prediction: a waiting one at once, a running one when its batch returns (its
@@ -420,13 +405,9 @@ class Core:
     def expected_drain_s(self) -> float:
         """Seconds until the work now accepted is done: what is left of the running batch plus every
         queued prediction, batched as the worker will batch it. A batch takes what the last ones
-        of its key took (``batch_seconds``: measured, fixed costs such as encoding included); a key
-        not run yet, its steps at ``seconds_per_step``."""
-        per_step = self.seconds_per_step if self.seconds_per_step is not None else 1.0
-
-        def batch_s(key: tuple) -> float:
-            return self.batch_seconds.get(key, key[1] * per_step)
-
+        of its key took (measured, fixed costs such as encoding included); a key not run yet, its
+        steps at the measured seconds per step (``Batcher.batch_s``)."""
+        batch_s = self.batcher.batch_s
         with self._cond:
             total = 0.0
             if self._running:
@@ -530,25 +511,9 @@ class Core:
         self.limits = replace(self.limits, sizes=self.warm.sizes)  # () where the model makes its own size only
         self.limits = replace(self.limits, schedulers=self.samplers)  # parse refuses the others, naming these
         self.limits = replace(self.limits, inputs=self.warm.inputs)  # ... and the inputs it does not offer
-        for sig in self.signatures():
-            t0 = time.perf_counter()
-            events_before = len(getattr(compiler, "events", ()))
-            run_signature(pipe, sig)
-            sampler, guidance, bucket, size = sig.sampler, sig.guidance, sig.bucket, sig.size
-            layer = pipe.last.cache_layer
-            run_s = pipe.last.run_s
-            took = time.perf_counter() - t0
-            if bucket == self.buckets[-1]:  # one step of the largest batch: the first step-time estimate
-                self.seconds_per_step = max(self.seconds_per_step or 0.0, run_s)
-            guided = pipe.is_guided(guidance)
-            self.metrics.warmup_programs.labels(cache_layer=layer).inc()
-            self.metrics.warmup_seconds.labels(bucket=str(bucket), sampler=sampler, guided=str(guided).lower(),
-                                               cache_layer=layer).set(took)
-            what = (f" {size[0]}x{size[1]}" if size else "") + "".join(f" +{name}" for name in sig.variant)
-            what += f" LoRA rank {sig.lora}" if sig.lora else ""
-            remote = _remote_status(getattr(compiler, "events", [])[events_before:])
-            self._setup_log(f"warm-up: {sampler} batch {bucket}{what} guided={guided}: {took:.2f}s (cache: {layer}"
-                            f"{f', remote: {remote}' if remote else ''})")
+        first = warm_up(pipe, self.signatures(), self.buckets[-1], self.metrics, self._setup_log)
+        if first is not None:  # nothing has run before warm-up: this is the first estimate
+            self.batcher.seconds_per_step = first
         if compiler is not None and hasattr(compiler, "push_missing"):
             compiler.push_missing()  # local entries the store lacks (queued: READY does not wait)
         total = time.perf_counter() - start
@@ -593,7 +558,7 @@ class Core:
                 if (not self._pending or self._paused) or self._stopping:
                     continue
                 while True:
-                    batch, images = self._collect()
+                    batch, images = collect(self._pending, self.config.max_batch_size)
                     if not batch:  # the head was canceled while we waited
                         break
                     remaining = batch[0].enqueued + wait_s - time.monotonic()
@@ -615,9 +580,9 @@ class Core:
                 snaps = [(p, p.snapshot(), list(p._listeners)) for p in batch]
             for _, snap, listeners in snaps:
                 for fn in listeners:
-                    _call(fn, "start", snap)
+                    call_listener(fn, "start", snap)
             try:
-                self._run_batch(batch)
+                self.batcher.run(self.pipe, self.buckets, batch)
             finally:
                 with self._cond:
                     self._running = []
@@ -643,101 +608,6 @@ class Core:
             return None  # resume, a request or a drain notifies
         return self.retuner.wait_s(time.monotonic() - self._idle_since)
 
-    def _collect(self) -> tuple[list[Prediction], int]:
-        """The head of the queue plus every later prediction with its batch key that still fits."""
-        if not self._pending:
-            return [], 0
-        key = self._pending[0].job.batch_key
-        batch, images = [], 0
-        for p in self._pending:
-            if p.job.batch_key == key and images + p.job.n <= self.config.max_batch_size:
-                batch.append(p)
-                images += p.job.n
-                if images == self.config.max_batch_size:
-                    break
-        return batch, images
-
-    def _run_batch(self, batch: list[Prediction]) -> None:
-        job0 = batch[0].job
-        images = sum(p.job.n for p in batch)
-        bucket = bucket_for(self.buckets, images)
-        pad = bucket - images
-        batch_id = next(self._batch_ids)
-        t0 = time.perf_counter()
-        try:
-            pipe = self.pipe
-            # the jobs' requests, validated at parse time, as one (padding repeats the first image)
-            request = request_of.concat(pipe, [p.job.request for p in batch], pad)
-            if self.config.progress and pipe.reports_progress:
-                pixels = pipe.run(request, progress=self._progress(batch))
-            else:
-                pixels = pipe.run(request)
-            compiled = pipe.last.cache_layer != "memory"
-            run_s = time.perf_counter() - t0
-            outputs = []
-            offset = 0
-            from preheat.server.images import data_url
-
-            for p in batch:
-                outputs.append([data_url(pixels[offset + i], p.job.output_format) for i in range(p.job.n)])
-                offset += p.job.n
-        except SamplingStopped:  # every prediction of the batch was canceled: it ended within a step
-            for p in batch:
-                self._finish(p, "canceled")
-            return
-        except Exception as err:  # noqa: BLE001 - a failed batch fails its predictions, never the server
-            log.error("batch %d failed\n%s", batch_id, traceback.format_exc())
-            message = (str(err).splitlines() or [type(err).__name__])[0]
-            for p in batch:
-                self._finish(p, "failed", error=f"{type(err).__name__}: {message}")
-            return
-        took = time.perf_counter() - t0
-        per_step = took / max(1, job0.steps)
-        self.seconds_per_step = per_step if self.seconds_per_step is None else 0.8 * self.seconds_per_step + 0.2 * per_step
-        if not compiled:  # a compile is not what the next batch of this key will take
-            last = self.batch_seconds.get(job0.batch_key)
-            self.batch_seconds[job0.batch_key] = took if last is None else 0.5 * last + 0.5 * took
-        m = self.metrics
-        m.batches.inc()
-        m.batch_images.observe(images)
-        m.batch_requests.observe(len(batch))
-        m.padded_images.inc(pad)
-        m.batch_seconds.observe(took)
-        self.stats["batches"] += 1
-        self.stats["images"] += images
-        self.stats["padded"] += pad
-        if compiled:
-            m.compiles.labels(phase="traffic").inc()
-            self.stats["traffic_compiles"] += 1
-        offset = 0
-        for p, out in zip(batch, outputs):
-            with self._cond:
-                p.record_batch(BatchRun(batch_id, len(batch), images, bucket, job0.sampler, job0.steps, took, run_s,
-                                        compiled, pipe.last.cache_layer), offset)
-            offset += p.job.n
-            if p.cancel_requested:
-                self._finish(p, "canceled")
-            else:
-                self._finish(p, "succeeded", output=out)
-
-    def _progress(self, batch: list[Prediction]) -> Callable[[int, int], None]:
-        """The batch's step callback: a ``step k/N`` log line (as Cog models print) and a "log"
-        event for every prediction in it; when every one is canceled, the call ends (``Stop``)."""
-        def on_step(step: int, total: int) -> None:
-            line = f"step {step}/{total}"
-            with self._cond:
-                for p in batch:
-                    p.logs.append(line)
-                events = [(p.snapshot(), list(p._listeners)) for p in batch if not p.terminal]
-                stop = all(p.cancel_requested or p.terminal for p in batch)
-            for snap, listeners in events:
-                for fn in listeners:
-                    _call(fn, "log", snap)
-            if stop:
-                raise Stop(f"every prediction of the batch was canceled at step {step}/{total}")
-
-        return on_step
-
     def _finish(self, p: Prediction, status: str, output: Any = None, error: Optional[str] = None) -> None:
         with self._cond:
             if p.terminal:
@@ -756,24 +626,7 @@ class Core:
         self.metrics.predictions.labels(status=status).inc()
         p.done.set()
         for fn in listeners:
-            _call(fn, "completed", snap)
-
-
-def _remote_status(events: list[dict]) -> Optional[str]:
-    """The fleet store's part in one warm-up program (its stages' compile-cache events): "hit"
-    when every stage that asked the store was served by it, else the first other answer; None
-    when the store was not asked (no store, or a local hit)."""
-    answers = [e["remote"] for e in events if e.get("remote")]
-    if not answers:
-        return None
-    return next((a for a in answers if a != "hit"), "hit")
-
-
-def _call(fn: Listener, event: str, snap: dict) -> None:
-    try:
-        fn(event, snap)
-    except Exception:  # noqa: BLE001 - a broken listener (closed loop, ...) must not stop the worker
-        log.debug("listener failed", exc_info=True)
+            call_listener(fn, "completed", snap)
 
 
 __all__ += ["InputError", "SetupInfo", "load_pipeline"]

@@ -3,6 +3,7 @@ need: who waits, cancellation, listeners) and the set-up record ``/health-check`
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -11,10 +12,20 @@ from typing import Any, Callable, NamedTuple, Optional
 from preheat.server.inputs import Job
 from preheat.timings import now_iso
 
-__all__ = ["Prediction", "BatchRun", "SetupInfo", "Listener", "TERMINAL"]
+__all__ = ["Prediction", "BatchRun", "SetupInfo", "Listener", "TERMINAL", "call_listener"]
+
+log = logging.getLogger("preheat.server")
 
 TERMINAL = ("succeeded", "failed", "canceled")
 Listener = Callable[[str, dict], None]  # (event, snapshot); event: "start" | "log" (a step) | "completed"
+
+
+def call_listener(fn: Listener, event: str, snap: dict) -> None:
+    """Tell one listener; called from the worker thread, so a listener that raises is logged only."""
+    try:
+        fn(event, snap)
+    except Exception:  # noqa: BLE001 - a broken listener (closed loop, ...) must not stop the worker
+        log.debug("listener failed", exc_info=True)
 
 
 class BatchRun(NamedTuple):
