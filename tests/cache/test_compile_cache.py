@@ -243,11 +243,28 @@ def _xla_warm_then_full(model_dir, reference_pixels, tmp_path, **env: str) -> li
     return [start("xla", "a.npy"), start("full", "b.npy"), start("full", "c.npy")]
 
 
-def test_an_xla_warm_root_upgraded_to_full_mode_writes_a_working_entry(model_dir, reference_pixels, tmp_path):
+def _xla_warm_then_full_here(model_dir, reference_pixels, root: Path, monkeypatch) -> list[list[dict]]:
+    """The same three starts as loads in this process: JAX's persistent cache is read here as in a
+    fresh process (each load lowers its programs anew, and JAX looks each up in the cache's
+    directory: test_each_root_has_its_own_xla_layer's "first again" is such a hit, and the guard-off
+    switch serves the miss from it here too). Each one's cache events."""
+    monkeypatch.setenv("PREHEAT_HOME", str(root))
+    events = []
+    for mode in ("xla", "full", "full"):
+        pipe = preheat.load(model_dir, cache=mode)
+        assert np.array_equal(pipe.generate(**CALL), reference_pixels)  # whatever the cache did
+        events.append(list(pipe.compiler.events))
+    return events
+
+
+def test_an_xla_warm_root_upgraded_to_full_mode_writes_a_working_entry(model_dir, reference_pixels, tmp_path,
+                                                                         monkeypatch):
     """JAX's persistent cache holds the program, the executable layer does not (an "xla"-mode root,
     or a quarantined entry): the full-mode start must compile a program that survives
-    serialisation. (On XLA:CPU an executable loaded from JAX's cache does not: the next test.)"""
-    fill, miss, hit = _xla_warm_then_full(model_dir, reference_pixels, tmp_path)
+    serialisation. (On XLA:CPU an executable loaded from JAX's cache does not: the next test, in
+    fresh processes as a fleet starts them.) Here the three starts are loads in one process: what
+    is checked is the guard's decision at the aot miss, which reads JAX's cache on disk either way."""
+    fill, miss, hit = _xla_warm_then_full_here(model_dir, reference_pixels, tmp_path / "root", monkeypatch)
     assert fill[-1]["layer"] == "none"  # fills JAX's persistent cache only
     assert (miss[-1]["layer"], miss[-1]["store"]) == ("none", "written")  # xla warm, aot empty: compiled fresh
     assert [e["layer"] for e in hit] == ["aot"]  # and the entry it wrote runs
@@ -329,3 +346,4 @@ def test_each_root_has_its_own_xla_layer(model_dir, reference_pixels, tmp_path, 
     assert layers == {"first": "none", "second": "none", "first again": "xla"}
     for root in (first, second):
         assert any(p.is_file() for p in (root / "compile" / "xla").rglob("*")), f"{root.name}'s compile/xla is empty"
+

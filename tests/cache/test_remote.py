@@ -94,17 +94,21 @@ def _store(url: str, **kw):
     return open_store(url, **kw)
 
 
-def test_fresh_pod_pulls_from_s3_and_reports_an_aot_remote_hit(model_dir, reference_pixels, s3, tmp_path):
-    env = _fleet_env(s3, s3.new_bucket())
-    a, event_a = _child(model_dir, tmp_path / "pod-a", tmp_path / "a.npy", env)
-    assert a.returncode == 0, a.stderr[-3000:]
-    assert event_a["layer"] in ("none", "xla") and event_a["remote"] == "miss" and event_a["remote_push"] == "pushed"
-    b, event_b = _child(model_dir, tmp_path / "pod-b", tmp_path / "b.npy", env)
+def test_fresh_pod_pulls_from_s3_and_reports_an_aot_remote_hit(model_dir, reference_pixels, s3_env, good_entry,
+                                                              tmp_path):
+    """The entry a pod compiled (``good_entry``), signed and pushed to the bucket as a pod pushes it (a
+    pod's own miss and push on S3: test_pod_killed_before_its_manifest_leaves_nothing_accepted's second
+    pod); a fresh pod pulls it and draws the same image without tracing."""
+    bucket = s3_env.new_bucket()
+    writer = _store(f"s3://{bucket}/fleet")
+    writer.push("jax", good_entry)
+    assert writer.last == "pushed"
+    b, event_b = _child(model_dir, tmp_path / "pod-b", tmp_path / "b.npy", _fleet_env(s3_env, bucket))
     assert b.returncode == 0, b.stderr[-3000:]
     assert event_b["layer"] == "aot" and event_b["remote"] == "hit" and event_b["trace_lower_s"] == 0.0, event_b
     assert "remote_push" not in event_b
-    for name in ("a.npy", "b.npy"):
-        assert np.array_equal(np.load(tmp_path / name), reference_pixels)
+    assert event_b["key"] == good_entry.name
+    assert np.array_equal(np.load(tmp_path / "b.npy"), reference_pixels)
     from preheat.cache.manage import verify_entries
 
     assert [i.ok for i in verify_entries(tmp_path / "pod-b")] == [True]  # published locally, verifying

@@ -10,6 +10,10 @@ The attention choice is checked in the compiled HLO for the H200.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -46,14 +50,32 @@ def _root() -> Path:
     return resolve_root().path
 
 
-def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(tmp_path, monkeypatch):
-    store = tmp_path / "fleet"
+SIGNING_KEY = "target-test-" + "0123456789abcdef" * 2
+
+
+@pytest.fixture(scope="module")
+def h200_warm(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """``preheat warm --target h200`` of the built-in model in a fresh process, pushing to a folder
+    store: (the process, its cache root, the store). A CPU builder as CI runs it: JAX_PLATFORMS
+    unset, the CUDA plugin installed and no driver. One deviceless compile for the module: the
+    fresh-process test checks the process, the pod test goes on from its root and store."""
+    base = tmp_path_factory.mktemp("h200-warm")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env.update(PREHEAT_HOME=str(base / "home"), PREHEAT_CACHE_URL=str(base / "fleet"),
+               PREHEAT_CACHE_SIGNING_KEY=SIGNING_KEY)
+    proc = subprocess.run([sys.executable, "-m", "preheat", "warm", "--target", "h200", "--max-batch-size", "1",
+                           "--guidance", "off", "--dtype", "bfloat16", "--json"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    return proc, base / "home", base / "fleet"
+
+
+def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(h200_warm, monkeypatch):
+    proc, home, store = h200_warm  # the warm job's root, copied into this test's root
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shutil.copytree(home, _root(), dirs_exist_ok=True)
     monkeypatch.setenv("PREHEAT_CACHE_URL", str(store))
-    monkeypatch.setenv("PREHEAT_CACHE_SIGNING_KEY", "target-test-" + "0123456789abcdef" * 2)
-    code, out = _warm("--target", "h200", "--max-batch-size", "1", "--guidance", "off", "--dtype", "bfloat16",
-                      "--json")
-    assert code == 0, out
-    result = json.loads(out)
+    monkeypatch.setenv("PREHEAT_CACHE_SIGNING_KEY", SIGNING_KEY)
+    result = json.loads(proc.stdout)
     assert [row["cache_layer"] for row in result["signatures"]] == ["none"] and result["pushed"] is True
     gpu = _manifests(_root())
     assert len(gpu) == 1
@@ -75,7 +97,7 @@ def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(tmp_pat
     kinds = sorted(m["fields"]["platform"] for m in _manifests(_root()))
     assert kinds == ["cpu", "gpu"]
 
-    # a second warm finds its entry (no compile), and `cache ls` names each entry's target
+    # a warm in this process finds the warm job's entry (no compile), and `cache ls` names each entry's target
     code, out = _warm("--target", "h200", "--max-batch-size", "1", "--guidance", "off", "--dtype", "bfloat16")
     assert code == 0 and "1 aot" in out, out
     listing = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "250"}).output
@@ -102,22 +124,14 @@ def test_warm_target_on_a_tiny_sd1_folder_compiles_every_program_of_the_call(tmp
     assert all(m["target"]["name"] == "h200" and m["fields"]["platform"] == "gpu" for m in _manifests(_root()))
 
 
-def test_warm_target_works_in_a_fresh_process_with_no_platform_chosen(tmp_path):
+def test_warm_target_works_in_a_fresh_process_with_no_platform_chosen(h200_warm):
     """A CPU builder as CI runs it: JAX_PLATFORMS unset, the CUDA plugin installed and no driver.
     The plugin's driver check would keep it from registering, and the deviceless topology with it
     (``topology not implemented for cuda``); the command itself must not need the variable."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    env["PREHEAT_HOME"] = str(tmp_path / "home")
-    proc = subprocess.run([sys.executable, "-m", "preheat", "warm", "--target", "h200", "--max-batch-size", "1",
-                           "--guidance", "off", "--dtype", "bfloat16", "--json"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc, home, _ = h200_warm
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [row["cache_layer"] for row in json.loads(proc.stdout)["signatures"]] == ["none"]
-    entries = _manifests(tmp_path / "home")
+    entries = _manifests(home)
     assert [m["fields"]["platform"] for m in entries] == ["gpu"], entries
 
 
