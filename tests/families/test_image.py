@@ -88,12 +88,9 @@ def test_img2img_matches_diffusers(folders, pipes, kind, sampler):
     ours = pipes(kind).generate("a watercolor fox", image=image, strength=0.6, steps=STEPS, guidance=6.0,
                                 negative_prompt="blurry", sampler=sampler, noise=eps)
     _compare(ours, theirs)
-    # the image counts: another one (flipped: its gradient runs the other way) through the same
-    # program (an image is data) gives another image -- a family that ignored it would not
-    other = image_fixtures.sample_image(seed=9)[::-1].copy()
-    moved = pipes(kind).generate("a watercolor fox", image=other, strength=0.6, steps=STEPS, guidance=6.0,
-                                 negative_prompt="blurry", sampler=sampler, noise=eps)
-    assert np.abs(ours.astype(np.int32) - moved.astype(np.int32)).mean() > 4 * MEAN_TOL
+    from_noise = pipes(kind).generate("a watercolor fox", steps=STEPS, guidance=6.0, negative_prompt="blurry",
+                                      sampler=sampler, noise=eps)
+    assert np.abs(ours.astype(np.int32) - from_noise.astype(np.int32)).mean() > 4 * MEAN_TOL  # the image counts
 
 
 INPAINT = [("sd1-inpaint", "ddim", 1.0), ("sdxl-inpaint", "euler", 1.0), ("sd1", "ddim", 0.6), ("sd1", "euler", 1.0)]
@@ -155,8 +152,7 @@ def test_padding_mask_crop_repaints_the_box_and_keeps_the_rest(pipes):
     the VAE's round trip of every kept pixel; with it the mask's box fills the 32x32, so the
     repainted pixels differ, and every kept pixel is the image's own."""
     image, mask = image_fixtures.sample_image(seed=1), image_fixtures.sample_mask()
-    eps = np.random.default_rng(5).standard_normal(SHAPE).astype(np.float32)  # given: the parity cases' program
-    call = dict(image=image, mask_image=mask, steps=STEPS, guidance=5.0, sampler="ddim", noise=eps)
+    call = dict(image=image, mask_image=mask, steps=STEPS, guidance=5.0, sampler="ddim", seed=5)
     plain = pipes("sd1-inpaint").generate("a red boat", **call)
     cropped = pipes("sd1-inpaint").generate("a red boat", padding_mask_crop=2, **call)
     assert plain.shape == cropped.shape == (1, 32, 32, 3)
