@@ -12,6 +12,12 @@ import re
 # way); benchmarks, not tests, measure speed. Child processes inherit it.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# torch's OpenMP pool at one thread: the tests' torch models (the diffusers/transformers references,
+# the torch backend) are tiny, and `make test` runs two workers on two cores, so a second OpenMP
+# thread only waits at each op's barrier for a core the other worker's XLA compile holds -- a tiny
+# SDXL's 4-step reference took 7.7 s at 2 threads on a busy 2-core machine, 0.3 s at 1. Read when
+# torch is imported (no test imports it before this file); child processes inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # preheat.load's default is every device; the suite tests the single-device program, and the
 # multi-device tests (tests/test_devices.py) choose their devices explicitly.
 os.environ.setdefault("PREHEAT_DEVICES", "1")

@@ -146,8 +146,9 @@ def test_lcm_lora_matches_diffusers(few, name, steps, guidance, monkeypatch, rec
     pipe = entry["pipe"]
     ours = pipe.generate("a photo of an owl", noise=noise, seed=SEED, steps=steps, guidance=guidance,
                          lora=entry["lora"], width=32, height=32)
+    # the LoRA at scale 0: the same program (a scale is data), the plain image (tests/families/test_lora.py)
     plain = pipe.generate("a photo of an owl", noise=noise, seed=SEED, steps=steps, guidance=guidance,
-                          width=32, height=32)
+                          lora=entry["lora"], lora_scale=0.0, width=32, height=32)
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(ours, plain) > 5  # the LoRA really changes the image

@@ -148,6 +148,13 @@ def _diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a.astype(np.int32) - b.astype(np.int32)).mean())
 
 
+def _scale_0(lora) -> dict:
+    """The parity tests' negative control: ``lora`` at scale 0, the plain image through the LoRA's
+    own program (a scale is data: no second program; that scale 0 is the plain image is
+    test_switching_loras_scales_and_mixes_never_retraces's)."""
+    return {"lora": lora, "lora_scale": 0.0}
+
+
 def _fresh(pipe):
     """The same pipeline with an empty program table and a trace counter on its denoiser."""
     from preheat.lora import LoraRuntime
@@ -182,7 +189,7 @@ def test_sd_lora_matches_diffusers(sd, kind, sampler, scale, call, record_proper
     pipe = entry["pipe"]
     ours = pipe.generate(prompt, noise=noise, steps=steps, sampler=sampler, guidance=guidance, lora=entry["A"],
                          lora_scale=scale)
-    plain = pipe.generate(prompt, noise=noise, steps=steps, sampler=sampler, guidance=guidance)
+    plain = pipe.generate(prompt, noise=noise, steps=steps, sampler=sampler, guidance=guidance, **_scale_0(entry["A"]))
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(ours, plain) > 5  # the LoRA really changes the image
@@ -206,7 +213,8 @@ def test_flux_lora_matches_diffusers(flux, record_property):
     pipe = flux["pipe"]
     ours = pipe.generate("a watercolor fox", noise=noise, steps=steps, guidance=3.5, width=32, height=32,
                          lora=flux["A"], lora_scale=scale)
-    plain = pipe.generate("a watercolor fox", noise=noise, steps=steps, guidance=3.5, width=32, height=32)
+    plain = pipe.generate("a watercolor fox", noise=noise, steps=steps, guidance=3.5, width=32, height=32,
+                          **_scale_0(flux["A"]))
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(ours, plain) > 5
@@ -235,7 +243,8 @@ def test_flux_bfl_and_xlabs_names_match_diffusers(flux, style, tmp_path, record_
     theirs = flow_fixtures.reference_pixels(ref, "a red fox", noise, num_inference_steps=steps, guidance_scale=3.5)
     pipe = flux["pipe"]
     ours = pipe.generate("a red fox", noise=noise, steps=steps, guidance=3.5, width=32, height=32, lora=flux[style])
-    plain = pipe.generate("a red fox", noise=noise, steps=steps, guidance=3.5, width=32, height=32)
+    plain = pipe.generate("a red fox", noise=noise, steps=steps, guidance=3.5, width=32, height=32,
+                          **_scale_0(flux[style]))
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(ours, plain) > 2
@@ -398,7 +407,7 @@ def test_sdxl_kohya_original_layout_names_match_diffusers(sd, tmp_path, record_p
                                           width=32, guidance_scale=5.0)
     pipe = entry["pipe"]
     ours = pipe.generate("a photo of a dog", noise=noise, steps=steps, sampler="euler", guidance=5.0, lora=lora)
-    plain = pipe.generate("a photo of a dog", noise=noise, steps=steps, sampler="euler", guidance=5.0)
+    plain = pipe.generate("a photo of a dog", noise=noise, steps=steps, sampler="euler", guidance=5.0, **_scale_0(lora))
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(ours, plain) > 2

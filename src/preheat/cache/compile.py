@@ -156,9 +156,9 @@ class JaxCompiler(EntryCache):
             # program is compiled fresh here and serialised; JAX's cache is the whole story in "xla"
             # mode, and serves the process's other compiles in both. Where the guard is off
             # (``serialise_guard``), full mode compiles through JAX's cache like "xla" mode and
-            # stores what it returns.
-            with xla_layer.persistent_cache_disabled():
-                compiled = lowered.compile()
+            # stores what it returns. (The same compile as a ``cache="off"`` load's, through the one
+            # function both call: tests/_support/compile_memo.py serves both from one memo.)
+            compiled = xla_layer.compile_uncached(lowered)
         else:
             with xla_layer.persistent_cache_at(self.root):  # this load's root, whichever one the process used before
                 compiled = lowered.compile()
