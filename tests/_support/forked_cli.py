@@ -110,6 +110,7 @@ def start(env: Mapping[str, str]) -> Zygote:
     (folder / "client.py").write_text(f"SOCKET = {str(folder / 'zygote.sock')!r}\nPYTHON = {sys.executable!r}\n{_CLIENT}")
     with open(folder / "zygote.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE, str(folder / "zygote.sock"), *PRELOAD], env=dict(env),
+                                stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=log, text=True, cwd=folder)
     assert proc.stdout is not None
     if proc.stdout.readline().strip() != "ready":
