@@ -20,9 +20,25 @@ def model(tmp_path_factory):
 
 
 def preheat(*args, home, cwd=None):
+    """``python -m preheat ARGS`` in a fresh process: for what a process shows (its exit, its
+    stderr as a user sees it, the cache a later process finds, what it imports)."""
     env = {**os.environ, "PREHEAT_HOME": str(home)}
     return subprocess.run([sys.executable, "-m", "preheat", *map(str, args)], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=300)
+
+
+def preheat_here(*args, home, monkeypatch):
+    """The same command in this process (click's CliRunner): for what the command does and says,
+    where no fresh interpreter needs to import jax and torch again. ``returncode`` as a process's."""
+    from click.testing import CliRunner
+
+    from preheat.cli import main
+
+    monkeypatch.setenv("PREHEAT_HOME", str(home))
+    r = CliRunner().invoke(main, list(map(str, args)))
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
 
 
 def test_sample_writes_grid_images_and_report_then_hits_the_cache(model, tmp_path):
@@ -80,31 +96,37 @@ def test_a_bad_argument_exits_the_real_process_with_one_line_and_no_file(model, 
     assert not (tmp_path / "s.png").exists()
 
 
-def test_sample_stores_the_weights_in_fp8(model, tmp_path):
+def test_sample_stores_the_weights_in_fp8(model, tmp_path, monkeypatch):
     out, report = tmp_path / "s.png", tmp_path / "r.json"
-    r = preheat("sample", model, "--n", 2, "--steps", 2, "--weights-dtype", "float8_e4m3fn", "--out", out,
-                "--report", report, home=tmp_path / "home")
+    r = preheat_here("sample", model, "--n", 2, "--steps", 2, "--weights-dtype", "float8_e4m3fn", "--out", out,
+                     "--report", report, home=tmp_path / "home", monkeypatch=monkeypatch)
     assert r.returncode == 0, r.stderr
     assert out.is_file() and json.loads(report.read_text())
 
 
-def test_unreadable_model_path(tmp_path):
-    r = preheat("sample", tmp_path / "missing", "--out", tmp_path / "s.png", home=tmp_path / "h")
+def test_unreadable_model_path(tmp_path, monkeypatch):
+    r = preheat_here("sample", tmp_path / "missing", "--out", tmp_path / "s.png", home=tmp_path / "h",
+                     monkeypatch=monkeypatch)
     assert r.returncode == 1 and r.stderr.strip() == f"error: model path {tmp_path / 'missing'} does not exist"
     assert not (tmp_path / "s.png").exists()
 
 
-def test_cache_cli_lists_verifies_and_explains(model, tmp_path):
+def test_cache_cli_lists_verifies_and_explains(model, tmp_path, monkeypatch):
+    """In-process: each command reads what the last one left on disk; no process boundary is tested."""
     home = tmp_path / "home"
-    assert preheat("sample", model, "--n", 2, "--steps", 2, "--out", tmp_path / "s.png", "--quiet", home=home).returncode == 0
-    ls = preheat("cache", "ls", home=home)
+
+    def cli(*args):
+        return preheat_here(*args, home=home, monkeypatch=monkeypatch)
+
+    assert cli("sample", model, "--n", 2, "--steps", 2, "--out", tmp_path / "s.png", "--quiet").returncode == 0
+    ls = cli("cache", "ls")
     assert ls.returncode == 0 and "jax" in ls.stdout and "b=2" in ls.stdout
-    assert preheat("cache", "verify", home=home).returncode == 0
-    explain = preheat("cache", "explain", model, "--n", 3, home=home)
+    assert cli("cache", "verify").returncode == 0
+    explain = cli("cache", "explain", model, "--n", 3)
     assert "miss" in explain.stdout and "signature.batch" in explain.stdout
     entry = next((home / "compile" / "jax").iterdir())
     (entry / "executable.bin").write_bytes(b"garbage")
-    bad = preheat("cache", "verify", home=home)
+    bad = cli("cache", "verify")
     assert bad.returncode == 1 and "BAD  jax/" in bad.stdout
 
 

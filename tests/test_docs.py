@@ -2,7 +2,9 @@
 
 - every fenced ``bash`` block whose first line is ``# runnable offline`` runs, as one
   ``bash -e -o pipefail`` script, in an empty folder with an empty ``PREHEAT_HOME`` and no network,
-  ``preheat`` being this checkout's ``python -m preheat``, and exits 0;
+  ``preheat`` being this checkout's console script (``preheat.cli.run()``, as ``python -m
+  preheat``), each command in a process of its own forked from one that imported the CLI once
+  (tests/_support/forked_cli.py), and exits 0;
 - every relative link or image names a file or folder that exists, and a ``#fragment`` names a
   heading of its Markdown page (GitHub's anchors)."""
 
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+
+from tests._support import forked_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -103,18 +107,30 @@ def test_relative_links_name_files_that_exist(page):
     assert not broken_links(page), "\n".join(broken_links(page))
 
 
+def offline_env(home: Path, bin_dir: Path) -> dict[str, str]:
+    """A block's environment: its own PREHEAT_HOME, ``bin_dir`` first on PATH, no network."""
+    pythonpath = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PREHEAT_HOME": str(home), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "HTTP_PROXY": _DEAD_PROXY, "HTTPS_PROXY": _DEAD_PROXY,
+            "http_proxy": _DEAD_PROXY, "https_proxy": _DEAD_PROXY, "NO_PROXY": "", "no_proxy": ""}
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    """One process that imported the CLI, started with a block's environment (its home unused)."""
+    base = tmp_path_factory.mktemp("zygote")
+    z = forked_cli.start(offline_env(base / "no-home", base / "no-bin"))
+    yield z
+    forked_cli.stop(z)
+
+
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.name for b in RUNNABLE])
-def test_runnable_block_exits_0(block, tmp_path):
+def test_runnable_block_exits_0(block, tmp_path, zygote):
     bin_dir, work, home = tmp_path / "bin", tmp_path / "work", tmp_path / "home"
     for d in (bin_dir, work, home):
         d.mkdir()
-    shim = bin_dir / "preheat"  # this checkout's preheat, whatever is installed
-    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m preheat "$@"\n')
-    shim.chmod(0o755)
-    pythonpath = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PREHEAT_HOME": str(home), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "HTTP_PROXY": _DEAD_PROXY, "HTTPS_PROXY": _DEAD_PROXY,
-           "http_proxy": _DEAD_PROXY, "https_proxy": _DEAD_PROXY, "NO_PROXY": "", "no_proxy": ""}
+    forked_cli.shim(bin_dir / "preheat", zygote)  # this checkout's preheat, whatever is installed
+    env = offline_env(home, bin_dir)
     proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.code], cwd=work, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (f"{block.name} exited {proc.returncode}\n--- block\n{block.code}"
@@ -139,3 +155,24 @@ def test_the_checker_flags_missing_files_and_headings(tmp_path):
                     "[gone](docs/b.md) [bad](docs/a.md#nowhere) `[code](nope.md)`\n\n```\n[block](nope.md)\n```\n")
     assert broken_links(page) == [f"docs/b.md: no such file ({tmp_path / 'docs' / 'b.md'})",
                                   "docs/a.md#nowhere: a.md has no heading #nowhere"]
+
+
+def test_a_forked_command_answers_as_a_fresh_process_does(zygote, tmp_path):
+    """The blocks' ``preheat`` (forked from the zygote) against a fresh interpreter running the
+    console script's ``preheat.cli.run()``: the same exit status, stdout and stderr, with the
+    caller's environment (its PREHEAT_HOME, which ``cache ls`` names) and working folder."""
+    forked = forked_cli.shim(tmp_path / "preheat", zygote)
+    fresh = [sys.executable, "-c", "import sys; from preheat.cli import run; sys.argv[0] = 'preheat'; run()"]
+    calls = (["sample", "--steps", "0", "--out", "x.png"],  # exit 2, one line on stderr
+             ["sample", "m", "--out", "x.png"],  # ./m, an empty folder: "m has no model_index.json" (exit 1)
+             ["cache", "ls"])
+    for n, args in enumerate(calls):
+        work = tmp_path / f"work{n}"
+        (work / "m").mkdir(parents=True)
+        env = offline_env(tmp_path / f"home{n}", tmp_path / "no-bin")
+        got, want = (subprocess.run([*cmd, *args], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+                     for cmd in ([str(forked)], fresh))
+        assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr)
+        assert not (work / "x.png").exists()
+    assert got.returncode == 0 and str(tmp_path / "home2") in "".join(got.stdout.split())  # cache ls: the caller's
+    # home (in a table's title, wrapped at 80 columns)

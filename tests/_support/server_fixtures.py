@@ -3,7 +3,7 @@
 The model is a tiny random-weight class-conditional UNet built with preheat's own Flax code
 (no torch import), shaped like the built-in digits model: 16x16x1, classes 0..9, null class
 10, defaults dpmpp_2m / 4 steps / guidance 2. Its compile cache lives in the session's
-private PREHEAT_HOME (the same path tests/conftest.py sets), so subprocess servers start hot.
+private PREHEAT_HOME, which server processes are given too (``server_env``), so they start hot.
 No test result depends on what that cache holds (a test that needs a clean one gets its own).
 
 Nothing here waits on a wall-clock window to decide an outcome: batching is held with
@@ -79,6 +79,15 @@ def pipe(model_dir: Path, session_cache_root: None) -> Any:
     import preheat
 
     return preheat.load(model_dir)  # conftest's session fixture has set the private cache root
+
+
+@pytest.fixture(scope="session")
+def server_env(tmp_path_factory: pytest.TempPathFactory, session_cache_root: None) -> dict[str, str]:
+    """The environment of a server process on ``model_dir`` (``ServerProcess(..., env=server_env)``):
+    the session's cache root, where ``pipe`` and earlier server processes wrote the programs they
+    compiled, so it starts hot (a test body's own root is empty: every server compiled its warm-up
+    anew, 3-4x its hot start here). What a test proves never depends on what that root holds."""
+    return _private_env(tmp_path_factory.getbasetemp())
 
 
 def wait_until(predicate: Any, timeout: float = 60.0, what: str = "condition") -> None:

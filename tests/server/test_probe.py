@@ -187,14 +187,14 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_huge_headers_keep_no_memory(model_dir: Path) -> None:
+def test_huge_headers_keep_no_memory(model_dir: Path, server_env: dict[str, str]) -> None:
     """The probe's numbers: four 20 MB headers added 159 MB to RSS, which stayed. Now each is cut at
     64 KiB; RSS after them is within a few MB of before."""
     import threading
 
     from tests._support.server_fixtures import ServerProcess
 
-    server = ServerProcess([str(model_dir), "--max-batch-size", "1"])
+    server = ServerProcess([str(model_dir), "--max-batch-size", "1"], env=server_env)
     try:
         with httpx.Client(base_url=server.url, timeout=120) as c:
             wait_status(c, "READY", timeout=240)

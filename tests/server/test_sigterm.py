@@ -18,8 +18,9 @@ import pytest
 from tests._support.server_fixtures import ServerProcess, wait_status, wait_until
 
 
-def test_sigterm_finishes_in_flight_and_exits_0(model_dir: Path) -> None:
-    server = ServerProcess([str(model_dir), "--max-batch-size", "2", "--batch-wait-ms", "3600000", "--grace-s", "60"])
+def test_sigterm_finishes_in_flight_and_exits_0(model_dir: Path, server_env: dict[str, str]) -> None:
+    server = ServerProcess([str(model_dir), "--max-batch-size", "2", "--batch-wait-ms", "3600000", "--grace-s", "60"],
+                           env=server_env)
     try:
         with httpx.Client(base_url=server.url, timeout=120) as c:
             wait_status(c, "READY", timeout=240)
@@ -44,7 +45,8 @@ def test_sigterm_finishes_in_flight_and_exits_0(model_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_second_sigterm_cuts_the_drain_short_with_json_answers_and_exit_1(model_dir: Path) -> None:
+def test_a_second_sigterm_cuts_the_drain_short_with_json_answers_and_exit_1(model_dir: Path,
+                                                                           server_env: dict[str, str]) -> None:
     """The probe: a second SIGTERM gave in-flight requests a plain-text 500 and the process
     aborted (134). Now the running prediction fails as the queued ones do (Cog: its JSON with the
     shut-down error; OpenAI: a JSON 503), and the process exits 1 after one log line."""
@@ -54,7 +56,8 @@ def test_a_second_sigterm_cuts_the_drain_short_with_json_answers_and_exit_1(mode
 
     # every request queued by state (a batch-mate is awaited for an hour) before the first signal;
     # the drain then runs the 6 Cog requests as one batch, and the second signal comes while it runs
-    server = ServerProcess([str(model_dir), "--max-batch-size", "8", "--batch-wait-ms", "3600000", "--grace-s", "60"])
+    server = ServerProcess([str(model_dir), "--max-batch-size", "8", "--batch-wait-ms", "3600000", "--grace-s", "60"],
+                           env=server_env)
     try:
         with httpx.Client(base_url=server.url, timeout=120) as c:
             wait_status(c, "READY", timeout=240)
@@ -103,14 +106,14 @@ def test_a_second_sigterm_cuts_the_drain_short_with_json_answers_and_exit_1(mode
         server.kill()
 
 
-def test_a_third_signal_exits_at_once(model_dir: Path) -> None:
+def test_a_third_signal_exits_at_once(model_dir: Path, server_env: dict[str, str]) -> None:
     """While the shutdown waits for a request whose body is still arriving (held by state: the
     body timeout is 30 s), the second signal cuts the drain and the third exits 2 at once."""
     import signal
     import socket
     import time
 
-    server = ServerProcess([str(model_dir), "--grace-s", "60"])
+    server = ServerProcess([str(model_dir), "--grace-s", "60"], env=server_env)
     try:
         with httpx.Client(base_url=server.url, timeout=120) as c:
             wait_until(lambda: c.get("/health-check").status_code == 200, what="uvicorn to answer")
