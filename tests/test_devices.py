@@ -1,10 +1,8 @@
 """Data parallelism over local devices (``preheat.load(..., devices=)``), on fake CPU devices.
 
-Each multi-device run is a script with ``--xla_force_host_platform_device_count`` devices (4, or
-2 for "a 4-device entry is not used on 2"); one script per fixture computes everything that
-fixture's tests compare, so each program compiles once. A script runs in this process when it
-has that many devices (tests/conftest.py gives the suite 4), else in a fresh process; the cache
-tests, whose point is what a fresh process finds, always run fresh.
+Each multi-device run is a fresh process with ``--xla_force_host_platform_device_count`` (4, or
+2 for "a 4-device entry is not used on 2"); one process per fixture computes everything that
+fixture's tests compare, so each program compiles once.
 
 Pixels on 1 and N devices are compared to within one uint8 level on a few pixels: each device
 runs the batch-1 (or batch B/N) program, and a different batch size may round differently in
@@ -13,8 +11,6 @@ XLA -- the same rule as images in different server buckets.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -48,20 +44,6 @@ def _run(script: str, devices: int, home: Path, *args: str) -> str:
                        text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
-
-
-def _run_here_if_able(script: str, devices: int, home: Path, *args: str) -> str:
-    """``script``'s stdout, run in this process when it has ``devices`` CPU devices (no interpreter
-    to start, no jax and torch to import again), else by :func:`_run`."""
-    if jax.default_backend() != "cpu" or jax.device_count() != devices:
-        return _run(script, devices, home, *args)
-    out = io.StringIO()
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
-        mp.setattr(sys, "argv", ["-c", *args])
-        mp.setenv("PREHEAT_HOME", str(home))
-        mp.delenv("PREHEAT_DEVICES", raising=False)  # the library's own default (all devices), as in _run
-        exec(compile(textwrap.dedent(script), "<script>", "exec"), {"__name__": "__main__"})
-    return out.getvalue()
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> None:
@@ -107,7 +89,7 @@ PIXELS = """
 def pixels(tmp_path_factory):
     base = tmp_path_factory.mktemp("devices")
     sd = save_tiny_sd(base / "sd1", kind="sd1")
-    _run_here_if_able(PIXELS, 4, base / "home", str(base / "out.npz"), str(sd))
+    _run(PIXELS, 4, base / "home", str(base / "out.npz"), str(sd))
     return dict(np.load(base / "out.npz"))
 
 
@@ -269,7 +251,7 @@ SERVER = """
 
 def test_server_compiles_one_program_per_bucket_and_no_device_idles(tmp_path):
     model = save_tiny_pipeline(tmp_path / "pipe")
-    got = json.loads(_run_here_if_able(SERVER, 4, tmp_path / "home", str(model)).splitlines()[-1])
+    got = json.loads(_run(SERVER, 4, tmp_path / "home", str(model)).splitlines()[-1])
     assert got["buckets"] == [4, 8]  # multiples of the device count
     assert got["programs"] == got["signatures"] == 4  # guidance off / on x two buckets: one program each
     assert got["status"] == "succeeded" and got["images"] == 3  # 3 images ran in bucket 4, padded
