@@ -99,29 +99,8 @@ def main(cache_url: str | None, trust_remote_cache: bool) -> None:
 
 def run(command: Optional[click.Command] = None, **options: Any) -> None:
     """The ``preheat`` console script, ``python -m preheat`` and ``python -m preheat.server``:
-    ``command`` (default :func:`main`) called with ``options``, then the process ends
-    after the atexit handlers (the wait for uploads to the fleet's store, logging's flush) without
-    the interpreter's finalisation. Finalisation stops daemon threads where they stand, and one
-    inside XLA (an executable loading in the background while a command fails, a warm-up compile
-    when a server is stopped) then aborts the process: "FATAL: exception not rethrown", exit 134,
-    after the command's own one-line error or clean shutdown."""
-    import atexit
-    import os
-    import sys
+    ``command`` (default :func:`main`) called with ``options``, then the process ends after the
+    atexit handlers without the interpreter's finalisation (:mod:`preheat.hard_exit` says why)."""
+    from preheat.hard_exit import run_and_exit
 
-    try:
-        (command or main)(**options)
-        code: int = 0
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:  # sys.exit("message"), as the interpreter would print it
-            print(exc.code, file=sys.stderr)
-            code = 1
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can be said
-            pass
-    os._exit(code)
+    run_and_exit(command or main, **options)

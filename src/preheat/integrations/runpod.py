@@ -144,10 +144,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # Through cli.run, as `python -m preheat.server`: the process ends after the atexit handlers,
-    # without the interpreter's finalisation, which aborted it ("FATAL: exception not rethrown",
-    # exit -6) when the SDK's local test mode exited while an executable loaded from a warm cache
-    # had a thread inside XLA.
-    from preheat.cli import run
+    # As `python -m preheat.server` ends: after the atexit handlers, without the interpreter's
+    # finalisation, which aborted the worker ("FATAL: exception not rethrown", exit -6) when the
+    # SDK's local test mode returned while an executable loaded from a warm cache had a thread
+    # inside XLA.
+    from preheat.hard_exit import run_and_exit
 
-    run(main)
+    run_and_exit(main)
