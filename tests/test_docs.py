@@ -176,3 +176,19 @@ def test_a_forked_command_answers_as_a_fresh_process_does(zygote, tmp_path):
         assert not (work / "x.png").exists()
     assert got.returncode == 0 and str(tmp_path / "home2") in "".join(got.stdout.split())  # cache ls: the caller's
     # home (in a table's title, wrapped at 80 columns)
+
+
+def test_a_command_setting_an_import_time_variable_is_not_forked(zygote, tmp_path):
+    """jax reads its JAX_* flags when it is imported, which the zygote did once: a command whose
+    environment sets one otherwise would run with the zygote's value, so the shim starts it fresh.
+    The zygote's log names every command it forked."""
+    forked = forked_cli.shim(tmp_path / "preheat", zygote)
+    log = zygote.folder / "zygote.log"
+    env = offline_env(tmp_path / "home", tmp_path / "no-bin")
+    for marker, extra in (("plain-run", {}), ("x64-run", {"JAX_ENABLE_X64": "1"})):
+        r = subprocess.run([str(forked), "cache", "ls", marker], env={**env, **extra}, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and marker in r.stderr, r.stderr  # click: an unexpected extra argument, either way
+    forked_log = log.read_text()
+    assert "forked: cache ls plain-run" in forked_log
+    assert "x64-run" not in forked_log

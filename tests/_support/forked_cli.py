@@ -10,8 +10,9 @@ it forks (numpy's BLAS pool is fork-safe, as for ``multiprocessing``'s fork).
 
 ``preheat`` on a block's PATH is :func:`shim`: a small Python client (no site, stdlib only) that
 hands the zygote its argv, cwd, environment and its three standard file descriptors over a Unix
-socket, and exits with the command's status. Where the socket is gone the shim runs
-``python -m preheat`` itself, so a dead zygote costs time, never a result.
+socket, and exits with the command's status. Where the socket is gone, or the command's
+environment sets a variable the imports read (:data:`IMPORT_TIME_PREFIXES`) otherwise than the
+zygote's, the shim runs ``python -m preheat`` itself: that costs time, never a result.
 """
 
 from __future__ import annotations
@@ -24,8 +25,17 @@ from pathlib import Path
 from typing import Mapping, NamedTuple
 
 # What every command imports before it parses (preheat.cli.options pulls jax; flax.nnx is the next
-# largest on `preheat sample`'s path). Nothing imported here reads the environment at import time.
+# largest on `preheat sample`'s path).
 PRELOAD = ("preheat.cli", "preheat.cli.options", "flax.nnx")
+# Variables those imports read once, at import: jax's config flags (JAX_*), the BLAS and OpenMP
+# pools' sizes. A command whose environment sets one of them differently from the zygote's is not
+# forked (it would silently run with the zygote's value): the shim starts it fresh instead.
+IMPORT_TIME_PREFIXES = ("JAX_", "OMP_", "OPENBLAS_", "MKL_")
+
+
+def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of ``env`` that :data:`PRELOAD` reads at import time."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
 
 _ZYGOTE = r'''
 import json, os, signal, socket, sys
@@ -44,6 +54,7 @@ def handle(conn):
     """One request: fork the command, wait for it, send its exit status back."""
     message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
     request = json.loads(message)
+    print("forked:", *request["argv"], file=sys.stderr, flush=True)  # the zygote's log
     pid = os.fork()
     if pid == 0:  # the command's own process
         conn.close()
@@ -84,9 +95,11 @@ _CLIENT = r'''
 import json, os, socket, sys
 
 try:
+    if {k: v for k, v in os.environ.items() if k.startswith(PREFIXES)} != IMPORTED_WITH:
+        raise OSError("an import-time variable differs from the zygote's")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.connect(SOCKET)
-except OSError:  # no zygote: this checkout's preheat, started as usual
+except OSError:  # no zygote, or one that imported with other settings: preheat started as usual
     os.execv(PYTHON, [PYTHON, "-m", "preheat", *sys.argv[1:]])
 request = {"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}
 socket.send_fds(s, [json.dumps(request).encode()], [0, 1, 2])
@@ -107,7 +120,9 @@ class Zygote(NamedTuple):
 def start(env: Mapping[str, str]) -> Zygote:
     """A zygote started with ``env``, its imports done, listening on a socket of its own."""
     folder = Path(tempfile.mkdtemp(prefix="preheat-zygote-"))
-    (folder / "client.py").write_text(f"SOCKET = {str(folder / 'zygote.sock')!r}\nPYTHON = {sys.executable!r}\n{_CLIENT}")
+    (folder / "client.py").write_text(f"SOCKET = {str(folder / 'zygote.sock')!r}\nPYTHON = {sys.executable!r}\n"
+                                      f"PREFIXES = {IMPORT_TIME_PREFIXES!r}\nIMPORTED_WITH = {import_time_env(env)!r}\n"
+                                      f"{_CLIENT}")
     with open(folder / "zygote.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE, str(folder / "zygote.sock"), *PRELOAD], env=dict(env),
                                 stdin=subprocess.DEVNULL,
