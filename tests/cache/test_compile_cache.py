@@ -346,4 +346,3 @@ def test_each_root_has_its_own_xla_layer(model_dir, reference_pixels, tmp_path, 
     assert layers == {"first": "none", "second": "none", "first again": "xla"}
     for root in (first, second):
         assert any(p.is_file() for p in (root / "compile" / "xla").rglob("*")), f"{root.name}'s compile/xla is empty"
-
