@@ -21,6 +21,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # preheat.load's default is every device; the suite tests the single-device program, and the
 # multi-device tests (tests/test_devices.py) choose their devices explicitly.
 os.environ.setdefault("PREHEAT_DEVICES", "1")
+# A deployment's settings (PREHEAT_SIZES, PREHEAT_MODEL, PREHEAT_CACHE, ...: the server's
+# ENV_SETTINGS) are read by `preheat serve` and `warm` (and Runpod and Ray) when a flag is absent:
+# none of the user's reaches a test or the processes it starts (PREHEAT_DEVICES is the suite's own,
+# above). A test that wants one sets it. The table imports no JAX.
+from preheat.server.config import ENV_SETTINGS, env_var  # noqa: E402
+
+for _setting in ENV_SETTINGS:
+    if _setting != "devices":
+        os.environ.pop(env_var(_setting), None)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -374,17 +374,19 @@ def prefetch_calls(warm_set: WarmSet) -> Callable[[Any], list[dict[str, Any]]]:
 
 
 def warm(warm_set: WarmSet, pipe: Any, log: Callable[[str], None] = lambda line: None,
-         push_timeout_s: float = 600.0, done: Callable[[int, int], None] = lambda k, total: None) -> dict[str, Any]:
+         push_timeout_s: float = 600.0, done: Callable[[int, int], None] = lambda k, total: None,
+         names: SettingNames = SettingNames()) -> dict[str, Any]:
     """Compile every signature of ``warm_set`` with ``pipe`` (``preheat.load(warm_set.model,
     dtype=warm_set.dtype)``) into its cache root, and upload every local entry the store lacks
     when it has one (``PREHEAT_CACHE_URL``). Returns ``{"signatures": [{"signature",
     "cache_layer", "seconds", "remote"}], "pushed": bool}``; with a store, ``remote`` says whether
     it holds the signature's denoising program afterwards (None: it could not be asked or is not
     trusted), and ``pushed`` is False unless it holds every one. ``done(k, total)``: called as
-    each signature is ready (``preheat warm``'s progress bar)."""
+    each signature is ready (``preheat warm``'s progress bar); ``names``: how the user gave the
+    settings an unusable one's message names (``resolve``)."""
     import time
 
-    resolved = resolve(pipe, warm_set)
+    resolved = resolve(pipe, warm_set, names)
     rows = []
     sigs = signatures(pipe, resolved)
     compiler = pipe.compiler

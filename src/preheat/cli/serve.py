@@ -13,6 +13,7 @@ from typing import Any, Optional
 import click
 
 from preheat.cli._support import one_line_errors
+from preheat.cli.settings_env import SettingsCommand, flag_of, names_of
 from preheat.cli.warm import declaration_options, warm_set_from_options
 
 __all__ = ["serve_command"]
@@ -44,17 +45,19 @@ def _check_backend(backend: str) -> None:
 
 
 def _check_limits(max_batch_size: int, batch_wait_ms: float, max_queue: int, max_steps: int, grace_s: float,
-                  header_timeout_s: float = 10.0, body_timeout_s: float = 30.0, max_body_bytes: int = 1 << 20) -> None:
+                  header_timeout_s: float = 10.0, body_timeout_s: float = 30.0, max_body_bytes: int = 1 << 20,
+                  name_of: Any = flag_of) -> None:
+    """The serving limits; a bad one fails in one line naming its flag (or ``name_of``'s variable)."""
     from preheat.errors import InvalidArgumentError
 
     if max_batch_size < 1 or max_batch_size > 1024:
-        raise InvalidArgumentError(f"--max-batch-size {max_batch_size} must be in 1..1024")
+        raise InvalidArgumentError(f"{name_of('max_batch_size')} {max_batch_size} must be in 1..1024")
     if batch_wait_ms < 0:
-        raise InvalidArgumentError(f"--batch-wait-ms {batch_wait_ms} must be >= 0")
+        raise InvalidArgumentError(f"{name_of('batch_wait_ms')} {batch_wait_ms} must be >= 0")
     if max_queue < 1:
-        raise InvalidArgumentError(f"--max-queue {max_queue} must be >= 1")
+        raise InvalidArgumentError(f"{name_of('max_queue')} {max_queue} must be >= 1")
     if max_steps < 1:
-        raise InvalidArgumentError(f"--max-steps {max_steps} must be >= 1")
+        raise InvalidArgumentError(f"{name_of('max_steps')} {max_steps} must be >= 1")
     if grace_s < 0:
         raise InvalidArgumentError(f"--grace-s {grace_s} must be >= 0")
     if header_timeout_s <= 0:
@@ -93,7 +96,7 @@ def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--
         raise InvalidArgumentError(f"{flag}: {err}") from None
 
 
-@click.command("serve")
+@click.command("serve", cls=SettingsCommand)
 @declaration_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback unless told).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
@@ -190,25 +193,31 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     Warm-up compiles every program a request can reach (each offered sampler, guidance on and
     off, every batch bucket and, for text-to-image models, every served size) before
     /health-check says READY: the set `preheat warm` compiles ahead of time with the same
-    options. Set
-    PREHEAT_API_TOKEN to require `Authorization: Bearer <token>` (all but /health-check).
+    options. MODEL: a diffusers folder or store source ($PREHEAT_MODEL); nothing for the built-in
+    model. Each option that is a deployment setting and is not given is read from its
+    PREHEAT_<SETTING> variable (shown below), as Runpod's worker and Ray's replicas read it; a flag
+    wins. Set PREHEAT_API_TOKEN to require `Authorization: Bearer <token>` (all but /health-check).
     """
     from preheat.errors import InvalidArgumentError
+    from preheat.warm import SettingNames
 
+    name_of = names_of()  # a setting's flag, or its PREHEAT_<SETTING> where the value came from there
     _check_limits(max_batch_size, batch_wait_ms, max_queue, max_steps, grace_s, header_timeout_s, body_timeout_s,
-                  max_body_bytes)
+                  max_body_bytes, name_of)
     if push_grace_s < 0:
         raise InvalidArgumentError(f"--push-grace-s {push_grace_s} must be >= 0")
     from preheat.server.config import parse_idle_s
 
-    retune_idle_s = parse_idle_s(retune_idle_s_text)
+    retune_idle_s = parse_idle_s(retune_idle_s_text, name_of("retune_idle_s"))
     if max_loras < 1:
-        raise InvalidArgumentError(f"--max-loras {max_loras} must be >= 1")
+        raise InvalidArgumentError(f"{name_of('max_loras')} {max_loras} must be >= 1")
     if max_image_pixels < 1:
-        raise InvalidArgumentError(f"--max-image-pixels {max_image_pixels} must be >= 1", argument="--max-image-pixels")
+        label = name_of("max_image_pixels")
+        raise InvalidArgumentError(f"{label} {max_image_pixels} must be >= 1", argument=label)
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp, variant, cache, weights_dtype,
-                                     weights_layers, progress, config, inputs_text)
+                                     weights_layers, progress, config, inputs_text, name_of)
+    names = SettingNames.by(name_of)  # set-up messages (an unusable size) name what the user wrote
     webhooks = _address_policy(webhook_allow_private, webhook_allow)
     lora_urls = _address_policy(lora_url_allow_private, lora_url_allow, "--lora-url-allow")
     fetch = _fetch_config(fetch_connect_timeout_s, fetch_deadline_s, max_lora_bytes, max_image_bytes, fetch_per_host,
@@ -220,9 +229,13 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     if compile_mode != "none" and backend != "torch":
         raise InvalidArgumentError(f"--compile {compile_mode} applies to --backend torch")
     if weights_dtype is not None and backend != "jax":
-        raise InvalidArgumentError("--weights-dtype applies to --backend jax", argument="--weights-dtype")
-    if (devices_text is not None or fsdp != 1) and backend != "jax":
-        raise InvalidArgumentError("--devices and --fsdp apply to --backend jax")
+        label = name_of("weights_dtype")
+        raise InvalidArgumentError(f"{label} applies to --backend jax", argument=label)
+    # PREHEAT_DEVICES is the JAX engine's own default wherever it is set (preheat.load), so only a
+    # --devices flag is refused for torch; an --fsdp split is refused however it was given
+    devices_flag = devices_text is not None and name_of("devices") == flag_of("devices")
+    if (devices_flag or fsdp != 1) and backend != "jax":
+        raise InvalidArgumentError(f"--devices and {name_of('fsdp')} apply to --backend jax")
     token = os.environ.get("PREHEAT_API_TOKEN") or None
     if host not in _LOOPBACK and token is None:
         click.echo(f"warning: serving on {host} without PREHEAT_API_TOKEN; anyone who can reach it can use it", err=True)
@@ -235,7 +248,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
         sys.exit(_serve_on_ray(warm_set, backend, max_loras, lora_dir, batch_wait_ms, max_queue, max_steps, grace_s,
                                push_grace_s, host, port, address, replicas, gpus_per_replica,
                                webhook_allow_private or lora_url_allow_private, webhook_allow + lora_url_allow,
-                               max_image_pixels, retune_idle_s))
+                               max_image_pixels, retune_idle_s, names))
 
     from preheat.server.core import CoreConfig
     from preheat.server.serve import serve
@@ -243,7 +256,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     config = CoreConfig.from_warm_set(warm_set, backend=backend, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
                                       max_steps=max_steps, push_grace_s=push_grace_s, compile=compile_mode,
                                       max_loras=max_loras, lora_dir=lora_dir, lora_urls=lora_urls, fetch=fetch,
-                                      max_image_pixels=max_image_pixels, retune_idle_s=retune_idle_s)
+                                      max_image_pixels=max_image_pixels, retune_idle_s=retune_idle_s, names=names)
     try:
         code = serve(config, host=host, port=port, grace_s=grace_s, token=token, log_level=log_level,
                      webhooks=webhooks, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
@@ -258,7 +271,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
 def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optional[str], batch_wait_ms: float, max_queue: int, max_steps: int,
                   grace_s: float, push_grace_s: float, host: str, port: int, address: Optional[str], replicas: int,
                   gpus_per_replica: float, webhook_allow_private: bool, webhook_allow: tuple[str, ...],
-                  max_image_pixels: Optional[int] = None, retune_idle_s: Optional[float] = 30.0) -> int:
+                  max_image_pixels: Optional[int] = None, retune_idle_s: Optional[float] = 30.0,
+                  names: Any = None) -> int:
     """``--ray``: the same declaration and limits as one replica's options (preheat.integrations.ray)."""
     from preheat.errors import InvalidArgumentError
 
@@ -285,7 +299,8 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
                                 lora_ranks=tuple(warm_set.lora_ranks), max_loras=max_loras, lora_dir=lora_dir,
                                 max_image_pixels=max_image_pixels, batch_wait_ms=batch_wait_ms,
                                 max_queue=max_queue, max_steps=max_steps, grace_s=grace_s, push_grace_s=push_grace_s,
-                                num_replicas=replicas, num_gpus=gpus_per_replica, retune_idle_s=retune_idle_s)
+                                num_replicas=replicas, num_gpus=gpus_per_replica, retune_idle_s=retune_idle_s,
+                                **({} if names is None else {"names": names}))
     options.check()
     return on_ray.run(options, address=address, host=host, port=port,
                       announce=lambda line: click.echo(line, err=True))

@@ -2,7 +2,8 @@
 a one-off job against the fleet store), so that a new pod's first request never compiles.
 
 The declaration's options (``declaration_options``) are the same on ``preheat serve``, so a warm
-job and a server agree on what "warm" means.
+job and a server agree on what "warm" means; both read an absent option's ``PREHEAT_<SETTING>``
+variable (``cli.settings_env``), so a warm job in the server's environment agrees with it too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import click
 
 from preheat.cli._support import one_line_errors
 from preheat.cli.options import NON_NEGATIVE, model_options
+from preheat.cli.settings_env import SettingsCommand, flag_of, names_of
 
 __all__ = ["warm_command", "declaration_options", "inputs_option", "warm_set_from_options"]
 
@@ -60,15 +62,15 @@ def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def samplers_from_text(text: Optional[str]) -> tuple[str, ...]:
-    """``--samplers a,b`` -> ("a", "b"); unknown names fail in one line."""
+def samplers_from_text(text: Optional[str], label: str = "--samplers") -> tuple[str, ...]:
+    """``--samplers a,b`` -> ("a", "b"); unknown names fail in one line naming ``label``."""
     from preheat.errors import SchedulerConfigError
     from preheat.samplers import SAMPLERS
 
     names = tuple(dict.fromkeys(n.strip() for n in (text or "").split(",") if n.strip()))
     for name in names:
         if name not in SAMPLERS:
-            raise SchedulerConfigError(f"--samplers {name!r} is unknown; choose from {', '.join(SAMPLERS)}")
+            raise SchedulerConfigError(f"{label} {name!r} is unknown; choose from {', '.join(SAMPLERS)}")
     return names
 
 
@@ -77,8 +79,10 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
                           devices_text: Optional[str] = None, fsdp: int = 1, variant: Optional[str] = None,
                           cache: Optional[str] = None, weights_dtype: Optional[str] = None,
                           weights_layers: str = "layerwise", progress: Optional[bool] = None,
-                          config: Optional[str] = None, inputs_text: Optional[str] = None) -> Any:
-    """The ``WarmSet`` the declaration options describe (one-line errors for bad values); a
+                          config: Optional[str] = None, inputs_text: Optional[str] = None,
+                          name_of: Callable[[str], str] = flag_of) -> Any:
+    """The ``WarmSet`` the declaration options describe (one-line errors for bad values, naming
+    each setting as ``name_of`` says the user gave it: its flag, or its ``PREHEAT_<SETTING>``); a
     ``random:NAME`` model becomes its folder (a tiny one served at its tiny size by default)."""
     from preheat.warm import WarmSet
     from preheat.errors import InvalidArgumentError
@@ -87,16 +91,17 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     from preheat.sharding import parse_devices
 
     if max_batch_size < 1 or max_batch_size > 1024:
-        raise InvalidArgumentError(f"--max-batch-size {max_batch_size} must be in 1..1024")
+        raise InvalidArgumentError(f"{name_of('max_batch_size')} {max_batch_size} must be in 1..1024")
     guidance = tuple(dict.fromkeys(g.strip().lower() for g in guidance_text.split(",") if g.strip()))
     if not guidance or any(g not in ("off", "on") for g in guidance):
-        raise InvalidArgumentError(f"--guidance {guidance_text!r} must be off, on or off,on")
+        raise InvalidArgumentError(f"{name_of('guidance')} {guidance_text!r} must be off, on or off,on")
     from preheat.server.inputs import parse_lora_ranks
 
     from preheat.lora import check_lora_ranks
 
-    ranks = check_lora_ranks(parse_lora_ranks(lora_ranks_text))
-    samplers, sizes, devices = samplers_from_text(samplers_text), parse_sizes(sizes_text), parse_devices(devices_text, "--devices")
+    ranks = check_lora_ranks(parse_lora_ranks(lora_ranks_text, name_of("lora_ranks")))
+    samplers, sizes = samplers_from_text(samplers_text, name_of("samplers")), parse_sizes(sizes_text, name_of("sizes"))
+    devices = parse_devices(devices_text, name_of("devices"))
     from preheat.cli._support import resolve_model
 
     model, size, _ = resolve_model(model, log=lambda line: click.echo(line, err=True))
@@ -109,7 +114,7 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
                    inputs=parse_offered(inputs_text))
 
 
-@click.command("warm")
+@click.command("warm", cls=SettingsCommand)
 @declaration_options
 @click.option("--dry-run", is_flag=True, help="List the signatures and where each is cached; compile nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -130,18 +135,24 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
                  as_json: bool, push_timeout_s: float, target_spec: Optional[str], quiet: bool) -> None:
     """Compile MODEL's serving programs into the cache root ahead of time (and push them to
     PREHEAT_CACHE_URL when set), so `preheat serve` with the same options starts with no compile.
-    MODEL: a diffusers folder or store source; nothing for the built-in model."""
+    MODEL: a diffusers folder or store source ($PREHEAT_MODEL); nothing for the built-in model.
+    Each declaration option not given is read from its PREHEAT_<SETTING> variable, as `preheat
+    serve` (and Runpod and Ray) read it, so a warm job in the server's environment warms what it serves."""
     import sys
 
     import preheat
     from preheat import warm as warming
 
+    from preheat.warm import SettingNames
+
+    name_of = names_of()
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp, variant, cache, weights_dtype,
-                                     weights_layers, progress, config, inputs_text)
+                                     weights_layers, progress, config, inputs_text, name_of)
+    names = SettingNames.by(name_of)  # set-up messages name the flag or the variable, as given
     target = None
     if target_spec is not None:
-        target, warm_set = _target_compiles(target_spec, warm_set, progress)
+        target, warm_set = _target_compiles(target_spec, warm_set, progress, name_of)
     # what is cached already loads while the weights are read (a dry run, or a --target one, loads nothing)
     pipe = preheat.load(warm_set.model, dtype=warm_set.dtype, variant=warm_set.variant, cache=warm_set.cache,
                         devices=warm_set.devices, fsdp=warm_set.fsdp, weights_dtype=warm_set.weights_dtype,
@@ -153,7 +164,7 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
 
         pipe.compiler = TargetCompiler(target)
     if dry_run:
-        resolved = warming.resolve(pipe, warm_set)
+        resolved = warming.resolve(pipe, warm_set, names)
         remote = pipe.compiler.remote if pipe.compiler is not None else None
         rows = []
         def where(found: dict[str, Any]) -> dict[str, Any]:
@@ -190,7 +201,7 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
 
     with Count(shown(quiet), "warm: signatures") as bar:  # signatures done of total, above their log lines
         result = warming.warm(warm_set, pipe=pipe, log=bar.print, push_timeout_s=push_timeout_s,
-                              done=lambda k, total: bar.update(k, total))
+                              done=lambda k, total: bar.update(k, total), names=names)
     if as_json:
         click.echo(json.dumps(result, indent=1))
     else:
@@ -203,7 +214,8 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
         sys.exit(1)
 
 
-def _target_compiles(spec: str, warm_set: Any, progress: Optional[bool]) -> tuple[Any, Any]:
+def _target_compiles(spec: str, warm_set: Any, progress: Optional[bool],
+                     name_of: Callable[[str], str] = flag_of) -> tuple[Any, Any]:
     """The target of ``--target`` (one line for an unknown name, a malformed file or no plugin,
     before any weights are read) and the set, on one device (a target is one GPU) and without
     step progress (its host callback needs the GPU's runtime to be lowered)."""
@@ -215,10 +227,10 @@ def _target_compiles(spec: str, warm_set: Any, progress: Optional[bool]) -> tupl
     target = resolve_target(spec)
     target_device(target)
     if warm_set.devices not in (None, 1, [0], (0,)) or warm_set.fsdp != 1:
-        raise InvalidArgumentError("--target compiles single-GPU programs; leave --devices and --fsdp unset",
-                                   argument="devices")
+        raise InvalidArgumentError(f"--target compiles single-GPU programs; leave {name_of('devices')} and "
+                                   f"{name_of('fsdp')} unset", argument="devices")
     if progress:
-        raise InvalidArgumentError("--progress cannot be compiled for a --target (the step callback needs the GPU's "
+        raise InvalidArgumentError(f"{name_of('progress')} cannot be compiled for a --target (the step callback needs the GPU's "
                                    "runtime); warm with --no-progress and serve with --no-progress",
                                    argument="--progress")
     return target, replace(warm_set, devices=1, progress=False)

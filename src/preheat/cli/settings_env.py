@@ -1,0 +1,78 @@
+"""`preheat serve` and `preheat warm` read a deployment's settings from the environment, as
+Runpod's worker and Ray's replicas do: one table (``preheat.server.config.ENV_SETTINGS``), each
+setting as ``PREHEAT_<SETTING>`` (``env_var``), so that a pod template's ``PREHEAT_SIZES`` means
+the same to every surface, and a warm job run in the server's environment warms what it serves.
+
+A command built with ``cls=SettingsCommand`` gives each of its parameters that is named after a
+setting (MODEL for ``model``, ``--max-batch-size`` for ``max_batch_size``: :func:`flag_of`) the
+setting's variable as click's ``envvar``: a flag on the command line wins, the variable stands in
+when the flag is absent, and ``--help`` shows it. Which parameters read a variable is derived from
+the table, never listed here. A value is parsed as its flag's would be; an error names what the
+user wrote: the variable (``PREHEAT_SIZES '512': ...``) when the value came from it, else the flag
+(:func:`names_of`, for the command's own checks and set-up messages).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import click
+from click.core import ParameterSource
+
+from preheat.server.config import ENV_SETTINGS, env_var
+
+__all__ = ["SettingsCommand", "flag_of", "setting_of", "names_of"]
+
+
+def flag_of(setting: str) -> str:
+    """The command line's option of ``setting``: ``max_batch_size`` -> ``--max-batch-size``."""
+    return "--" + setting.replace("_", "-")
+
+
+def setting_of(param: click.Parameter) -> Optional[str]:
+    """The ENV_SETTINGS setting ``param`` sets (MODEL: ``model``; an option: its long flag's), or None."""
+    if isinstance(param, click.Argument):
+        name = param.name
+    else:
+        longs = [opt for opt in param.opts if opt.startswith("--")]
+        name = longs[0][2:].replace("-", "_") if longs else None
+    return name if name in ENV_SETTINGS else None
+
+
+class SettingsCommand(click.Command):
+    """A click command whose setting-named parameters default to ``PREHEAT_<SETTING>`` (see the
+    module's docstring). Click converts the variable's text with the option's own type; a value it
+    refuses is one line naming the variable (``Invalid value for 'PREHEAT_FSDP': ...``), or the flag
+    alone where the command line gave it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            setting = setting_of(param)
+            if setting is not None:
+                param.envvar = env_var(setting)
+                if isinstance(param, click.Option):
+                    param.show_envvar = True
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.BadParameter as err:
+            param = err.param
+            if param is not None and err.param_hint is None and setting_of(param) is not None:
+                # what the user wrote: the variable, or the flag alone (not click's "(env var: ...)")
+                err.param_hint = f"'{param.envvar}'" if _from_env(ctx, param) else click.Parameter.get_error_hint(param, ctx)
+            raise
+
+
+def _from_env(ctx: click.Context, param: click.Parameter) -> bool:
+    return param.name is not None and ctx.get_parameter_source(param.name) is ParameterSource.ENVIRONMENT
+
+
+def names_of(ctx: Optional[click.Context] = None) -> Callable[[str], str]:
+    """``name_of(setting)``: what the user gave ``setting`` by in this invocation: its variable
+    when the value came from the environment, else its flag (``preheat.warm.SettingNames.by``
+    takes it, as Ray's ``from_args`` does)."""
+    ctx = ctx or click.get_current_context()
+    by_env = {setting_of(p) for p in ctx.command.params if setting_of(p) is not None and _from_env(ctx, p)}
+    return lambda setting: env_var(setting) if setting in by_env else flag_of(setting)
