@@ -24,7 +24,11 @@ def _shared_home(_private_cache_root: None, bench_home: Path, monkeypatch: pytes
     monkeypatch.setenv("PREHEAT_HOME", str(bench_home))  # after conftest's private root: this one wins
 
 
-def test_bench_serve_small(model_dir: Path, tmp_path: Path) -> None:
+def test_bench_serve_small(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a pod's deployment variables in the bench's shell: `preheat serve` reads them where a flag is
+    # absent, but the bench's server is declared by the bench (its 2-step requests, its sampler)
+    monkeypatch.setenv("PREHEAT_MAX_STEPS", "1")
+    monkeypatch.setenv("PREHEAT_SAMPLERS", "euler")
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(bench_serve_command, [str(model_dir), "--requests", "24", "--concurrency", "6",
                                                       "--max-batch-size", "2", "--steps", "2", "--timeout-s", "240", "--offline-s", "0.5",

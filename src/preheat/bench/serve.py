@@ -29,7 +29,7 @@ import re
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from preheat.server.process import ServerProcess
 
@@ -191,6 +191,22 @@ def _metric(text: str, name: str, labels: str = "") -> float:
     return float(m.group(1)) if m else 0.0
 
 
+# the variables that were the engine's own defaults before `preheat serve` read the table
+# (preheat.load's devices and cache layers): they reach the bench's server as they reach its offline run
+_ENGINE_DEFAULTS = ("devices", "cache")
+
+
+def _declared_by_flags(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for the bench's server, without the deployment's ``PREHEAT_<SETTING>`` variables
+    (which `preheat serve` reads where a flag is absent): the bench declares its server by its
+    flags (model, batch, queue), and its requests fit that server, not one a pod's
+    ``PREHEAT_SIZES`` or ``PREHEAT_MODEL`` in this shell would make."""
+    from preheat.server.config import ENV_SETTINGS, env_var
+
+    dropped = {env_var(s) for s in ENV_SETTINGS if s not in _ENGINE_DEFAULTS}
+    return {k: v for k, v in env.items() if k not in dropped}
+
+
 def run_bench(model: Optional[str] = None, *, n_requests: int = 256, concurrency: int = 32, max_batch_size: int = 8,
               batch_wait_ms: float = 10.0, steps: Optional[int] = None, timeout_s: float = 600.0,
               offline_s: float = 8.0, json_out: Optional[Path] = None, stream: bool = False,
@@ -206,7 +222,7 @@ def run_bench(model: Optional[str] = None, *, n_requests: int = 256, concurrency
     log(f"offline: {offline['images_per_s']:.1f} images/s ({offline['runs']} runs of {max_batch_size}, {steps} steps)")
 
     token = secrets.token_hex(16)
-    env = dict(os.environ, PREHEAT_API_TOKEN=token)
+    env = dict(_declared_by_flags(os.environ), PREHEAT_API_TOKEN=token)
     args = ([model] if model else []) + ["--host", "127.0.0.1", "--port", "0", "--max-batch-size", str(max_batch_size),
                                          "--batch-wait-ms", str(batch_wait_ms), "--max-queue", str(max(64, n_requests)),
                                          "--log-level", "warning", "--grace-s", "30"]
