@@ -131,6 +131,17 @@ def test_a_malformed_value_is_one_line_naming_what_gave_it(served, env, args, li
     assert result.output.startswith(line), result.output
 
 
+def test_the_engines_devices_variable_is_no_torch_flag(served):
+    """PREHEAT_DEVICES was the JAX engine's default before serve read the table (the suite sets
+    it): `serve --backend torch` in such an environment starts; a --devices flag is refused."""
+    config = _serve(served, ["--backend", "torch"], {"PREHEAT_DEVICES": "2"})
+    assert config is not None and config.backend == "torch", served["result"].output
+    assert _serve(served, ["--backend", "torch", "--devices", "2"], {}) is None
+    assert served["result"].output.startswith("error: --devices and --fsdp apply to --backend jax")
+    assert _serve(served, ["--backend", "torch"], {"PREHEAT_FSDP": "2"}) is None
+    assert served["result"].output.startswith("error: --devices and PREHEAT_FSDP apply to --backend jax")
+
+
 def test_warm_declares_from_the_same_variables_and_names_them(tmp_path):
     """The built-in model: a dry run lists the environment's signatures; an unusable size from
     the environment is resolve's line naming the variable, from the flag naming the flag."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import click
 
@@ -46,7 +46,7 @@ def _check_backend(backend: str) -> None:
 
 def _check_limits(max_batch_size: int, batch_wait_ms: float, max_queue: int, max_steps: int, grace_s: float,
                   header_timeout_s: float = 10.0, body_timeout_s: float = 30.0, max_body_bytes: int = 1 << 20,
-                  name_of: Any = flag_of) -> None:
+                  name_of: Callable[[str], str] = flag_of) -> None:
     """The serving limits; a bad one fails in one line naming its flag (or ``name_of``'s variable)."""
     from preheat.errors import InvalidArgumentError
 
