@@ -75,6 +75,16 @@ def test_eta_over_every_surface_draws_what_python_draws(client: httpx.Client, co
     np.testing.assert_array_equal(decode_data_url(result["images"][0]), want[0])
 
 
+def test_a_request_naming_no_sampler_gets_the_first_served_one(client: httpx.Client, core: Core, pipe: Any) -> None:
+    """The model's default sampler is not among the served ("ddim", "tcd"): a bare request draws with
+    the first served one, as warmed, instead of a 422."""
+    assert pipe.defaults["sampler"] not in ("ddim", "tcd")
+    np.testing.assert_array_equal(predicted(client, BODY), predicted(client, {**BODY, "scheduler": "ddim"}))
+    assert core.parse(BODY)[0].sampler == "ddim"
+    error = one_error(client.post("/predictions", json={"input": {**BODY, "scheduler": "euler"}}))
+    assert error["loc"][-1] == "scheduler" and "'ddim' or 'tcd'" in error["msg"], error  # the schema's enum
+
+
 def test_requests_with_other_etas_are_never_one_batch(core: Core) -> None:
     """eta is one value per call (its schedule's): part of the batch key."""
     a, _ = core.parse({**BODY, "scheduler": "ddim", "eta": 0.5})

@@ -151,6 +151,13 @@ class Job:
         return out
 
 
+def _served_default_sampler(model_default: str, served: tuple[str, ...]) -> str:
+    """The sampler of a request that names none: the model's own when this server serves it, else the
+    first one it serves (``--samplers euler`` on a dpm++ model answers a bare request with euler,
+    as warmed, rather than refusing it)."""
+    return model_default if model_default in served or not served else served[0]
+
+
 def _all_samplers() -> tuple[str, ...]:
     # before set-up the model is not known; once it is, Limits.schedulers holds what is served
     # (its family's samplers, which the engine's check names when a request asks for another)
@@ -435,9 +442,9 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     elif seed + n - 1 > SEED_MAX:
         errors.append(("seed", f"seed + num_outputs - 1 must be <= {SEED_MAX} (image i uses seed + i)"))
 
-    sampler = v["scheduler"] or pipe.defaults["sampler"]
     allowed = limits.schedulers or _all_samplers()
-    if sampler not in allowed:  # the model's default sampler may be outside the allowed list
+    sampler = v["scheduler"] or _served_default_sampler(pipe.defaults["sampler"], allowed)
+    if sampler not in allowed:
         errors.append(("scheduler", f"{sampler!r} is not served here; choose one of {', '.join(allowed)}"))
     steps = v["num_inference_steps"]  # None: the engine's (the model's default, or the custom timesteps' count)
     guidance = v["guidance_scale"] if v["guidance_scale"] is not None else pipe.defaults.get("guidance")
