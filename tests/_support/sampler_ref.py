@@ -40,6 +40,7 @@ DIFFUSERS_CLASS = {
     "dpmpp_2m_karras": diffusers.DPMSolverMultistepScheduler,
     "lcm": diffusers.LCMScheduler,
     "tcd": diffusers.TCDScheduler,
+    "unipc": diffusers.UniPCMultistepScheduler,
 }
 # modules whose ``randn_tensor`` we replace so diffusers draws our noise table
 RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd)

@@ -76,6 +76,12 @@ EXTRAS: dict[str, list[dict[str, Any]]] = {
     # not read by its step (ignored alike)
     "tcd": [{"eta": 0.3}, {"eta": 1.0}, {"eta": 0.7, "original_inference_steps": 25},
             {"eta": 0.5, "original_inference_steps": 20, "clip_sample": True}],
+    # the orders, both B(h), a corrector list and Karras; bh1 and lower_order_final=False need
+    # final_sigmas_type="sigma_min" (onto sigma 0 diffusers' own last step is NaN / inf with them)
+    "unipc": [{"solver_order": 3}, {"solver_order": 1, "use_karras_sigmas": True},
+              {"solver_type": "bh1", "final_sigmas_type": "sigma_min"},
+              {"solver_order": 3, "lower_order_final": False, "final_sigmas_type": "sigma_min",
+               "disable_corrector": [0, 3]}],
 }
 
 
