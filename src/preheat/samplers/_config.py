@@ -447,6 +447,11 @@ def _resolve_unipc(get: Any) -> dict[str, Any]:
         solver_type = "bh2"
     _check_choice("solver_type", solver_type, ("bh1", "bh2"), "unipc")
     final_sigma_min = get("final_sigmas_type") == "sigma_min"
+    if final_sigma_min and get("use_karras_sigmas"):
+        # the Karras ramp already ends at sigma_min: a last step of length 0 (diffusers divides by it)
+        raise SchedulerConfigError(
+            f"final_sigmas_type='sigma_min' with use_karras_sigmas=True is not supported {where}: its last "
+            "step would not move; use final_sigmas_type='zero'")
     lower_order_final = bool(get("lower_order_final"))
     if not lower_order_final and order > 1 and not final_sigma_min:
         # h = lambda(0) - lambda(s) is infinite on the last step; only the 1st-order update has a limit there
