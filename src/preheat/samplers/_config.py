@@ -14,8 +14,9 @@ silently ignores keys it does not read. We do the same, per sampler:
 The sampler *name* fixes the solver: for ``dpmpp_2m``/``dpmpp_2m_karras`` the dict's
 ``algorithm_type``, ``solver_order``, ``solver_type``, ``lower_order_final``,
 ``euler_at_final`` and ``use_karras_sigmas`` are not read (the name says 2nd-order
-dpmsolver++ midpoint, Karras or not). ``euler`` and ``heun`` honour ``use_karras_sigmas``
-from the dict, as their diffusers classes do.
+dpmsolver++ midpoint, Karras or not). ``euler``, ``heun`` and ``unipc`` honour ``use_karras_sigmas``
+from the dict, as their diffusers classes do; ``unipc`` reads ``solver_order``, ``solver_type``,
+``lower_order_final`` and ``disable_corrector`` from it too (UniPCMultistepScheduler's own keys).
 
 Flow matching and diffusion do not mix: a model trained for one cannot be sampled with the
 other, although diffusers' ``from_config`` would happily build either class from either dict.
