@@ -444,11 +444,11 @@ def _unipc_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState,
         rks, diffs = [], []
         for k, (m, lk) in enumerate(zip(older, lams)):
             used = order > k + 1
-            r = jnp.where(used, (lk - lam0) / h, 1.0)
+            r = jnp.where(used, (lk - lam0) / h, k + 2.0)  # unused: distinct from 1 and each other
             rks.append(r)
             diffs.append(jnp.where(used, (m - m0) / r, 0.0))
         while len(rks) < 2:
-            rks.append(jnp.asarray(1.0 + len(rks), jnp.float32))  # unused: keeps the solves regular
+            rks.append(jnp.asarray(2.0 + len(rks), jnp.float32))  # unused: keeps the unselected solves regular
         return jnp.stack(rks[:2]), diffs
 
     # UniC: correct the sample step i - 1 predicted, with the model output just computed
@@ -458,7 +458,6 @@ def _unipc_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState,
     h_c = lam_i - lam_p
     older = [hist[k] for k in range(1, K)]
     rks, diffs = differences(hist[0], older, lam_p, [lam(i - 1 - k) for k in range(1, K)], h_c, c_order)
-    rks = jnp.where(c_order == 3, rks, jnp.stack([rks[0], jnp.asarray(2.0, jnp.float32)]))
     h_phi_1, b_h, rhos = _unipc_coefficients(h_c, rks, c_order, spec.solver_type, corrector=True)
     rho_t = jnp.take(rhos, c_order - 1)
     corrected = _unipc_update(state.x_last, hist[0], diffs + [x0 - hist[0]],
