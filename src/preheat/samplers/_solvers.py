@@ -453,7 +453,7 @@ def _unipc_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState,
 
     # UniC: correct the sample step i - 1 predicted, with the model output just computed
     c_order = _at(plan.order, last)
-    alpha_p, sig_p = _vp(_at(plan.sigmas, last))
+    _, sig_p = _vp(_at(plan.sigmas, last))
     lam_p = lam(last)
     h_c = lam_i - lam_p
     older = [hist[k] for k in range(1, K)]
