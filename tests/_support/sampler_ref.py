@@ -40,6 +40,7 @@ DIFFUSERS_CLASS = {
     "dpmpp_2m_karras": diffusers.DPMSolverMultistepScheduler,
     "lcm": diffusers.LCMScheduler,
     "tcd": diffusers.TCDScheduler,
+    "unipc": diffusers.UniPCMultistepScheduler,
 }
 # modules whose ``randn_tensor`` we replace so diffusers draws our noise table
 RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd)
@@ -259,7 +260,7 @@ def max_errors(ours: list[np.ndarray], theirs: list[np.ndarray]) -> tuple[float,
 
 
 def check_parity(sampler: str, cfg: dict[str, Any], steps: int, eta: float, monkeypatch, *,
-                 plan_override: Plan | None = None, jax_model=fake_model_jax,
+                 plan_override: Plan | None = None, spec_override: SolverSpec | None = None, jax_model=fake_model_jax,
                  torch_model=fake_model_torch, timesteps: list[int] | None = None) -> tuple[float, float]:
     """Run ours and diffusers on the same inputs; assert bitwise schedules and close samples
     (the criterion is explained in test_sampler_parity). Returns the max (abs, relative) error."""
@@ -267,6 +268,8 @@ def check_parity(sampler: str, cfg: dict[str, Any], steps: int, eta: float, monk
     spec, plan = ours_for(cfg, sampler, steps, eta, timesteps)
     if plan_override is not None:
         plan = plan_override
+    if spec_override is not None:
+        spec = spec_override
     x_t, table = noise_for(steps, plan.timesteps.shape[0])
     ref = run_diffusers(sampler, cfg, steps, x_t, table, monkeypatch, eta=eta, model=torch_model, timesteps=timesteps)
     n = int(plan.n_steps)

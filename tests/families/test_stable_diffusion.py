@@ -70,6 +70,40 @@ def test_matches_diffusers_from_the_same_latents(folders, pipes, kind, sampler, 
     assert ours.std() > 5  # not a flat image (flat images would agree for any model)
 
 
+def test_a_unipc_folder_defaults_to_unipc_and_matches_its_pipeline(folders, tmp_path):
+    """A folder whose scheduler_config.json was saved by UniPCMultistepScheduler (as many deployed SD
+    folders are) samples with ``unipc`` unless told otherwise, and its image is diffusers' pipeline's
+    on the same folder with that scheduler."""
+    import json
+
+    from diffusers import DiffusionPipeline, UniPCMultistepScheduler
+
+    from tests._support.sd_fixtures import reference_pixels
+
+    folder = tmp_path / "sd2-unipc"
+    shutil.copytree(folders["sd2"], folder)  # v-prediction: UniPC's x0 conversion of v
+    config_path = folder / "scheduler" / "scheduler_config.json"
+    UniPCMultistepScheduler.from_config(json.loads(config_path.read_text())).save_config(folder / "scheduler")
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "scheduler": ["diffusers", "UniPCMultistepScheduler"]}))
+    assert json.loads(config_path.read_text())["_class_name"] == "UniPCMultistepScheduler"
+    pipe = preheat.load(folder, cache="off")
+    assert pipe.defaults["sampler"] == "unipc"
+    ref = DiffusionPipeline.from_pretrained(folder)  # the folder's own scheduler class
+    assert type(ref.scheduler).__name__ == "UniPCMultistepScheduler"
+    ref.set_progress_bar_config(disable=True)
+    noise = _noise(1, seed=3)
+    theirs = reference_pixels(ref, "a red fox in the forest", noise, num_inference_steps=5, height=32, width=32,
+                              guidance_scale=6.0)
+    ours = pipe.generate("a red fox in the forest", noise=noise, steps=5, guidance=6.0, width=32, height=32)
+    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    print(f"sd2/unipc (the folder's default): mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
+    assert ours.std() > 5
+    # (5 steps of dpmpp_2m on this folder land 1.4 levels from it: pixels are a coarse check of the
+    # sampler, which tests/samplers compares step by step)
+
+
 def test_prompt_guidance_steps_seed_and_negatives_are_data(sd1_cold):
     """One denoising program serves every prompt, guidance scale, step count, seed and negative prompt.
     The module's cold start traced and compiled it (its call is this test's first: the default

@@ -331,7 +331,7 @@ def test_exact_velocity_lands_on_the_data(sampler: str) -> None:
 
 def test_sampler_lists() -> None:
     assert FLOW_SAMPLERS == ("flow_euler", "flow_heun")
-    assert SAMPLERS == DIFFUSION_SAMPLERS + FLOW_SAMPLERS and len(DIFFUSION_SAMPLERS) == 9
+    assert SAMPLERS == DIFFUSION_SAMPLERS + FLOW_SAMPLERS and len(DIFFUSION_SAMPLERS) == 10
 
 
 @pytest.mark.parametrize("d,kind", [

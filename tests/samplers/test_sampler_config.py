@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 import json
 import math
@@ -44,12 +46,13 @@ def test_from_dict_keeps_present_values_and_drops_the_rest() -> None:
     })
     assert cfg.beta_schedule == "scaled_linear" and cfg.steps_offset == 1 and cfg.clip_sample is False
     assert cfg.prediction_type is None  # absent: the sampler's class default applies
-    assert cfg.ignored_keys == ("skip_prk_steps", "solver_order")
+    assert cfg.ignored_keys == ("skip_prk_steps",) and cfg.solver_order == 3  # read by unipc only
     assert cfg.class_name == "PNDMScheduler"  # decides flow matching vs diffusion (config_kind)
     assert hash(cfg) == hash(SchedulerConfig.from_dict(dict(
         _class_name="PNDMScheduler", beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, num_train_timesteps=1000,
-        set_alpha_to_one=False, steps_offset=1, clip_sample=False, skip_prk_steps=1, solver_order=2,
+        set_alpha_to_one=False, steps_offset=1, clip_sample=False, skip_prk_steps=1, solver_order=3,
     )))
+    assert cfg != dataclasses.replace(cfg, solver_order=2)  # unipc reads it: part of the config
 
 
 def test_use_default_values_keys_count_as_absent() -> None:
@@ -127,6 +130,19 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"steps_offset": -1}, "ddim", "steps_offset"),
     ({"clip_sample_range": 0.0}, "ddpm", "clip_sample_range"),
     ({"sigma_min": float("nan")}, "euler", "sigma_min"),
+    ({"thresholding": True}, "unipc", "thresholding"),
+    ({"predict_x0": False}, "unipc", "predict_x0"),
+    ({"solver_order": 4}, "unipc", "solver_order"),
+    ({"solver_order": 0}, "unipc", "solver_order"),
+    ({"solver_type": "bh3"}, "unipc", "solver_type"),
+    ({"lower_order_final": False}, "unipc", "lower_order_final"),  # onto sigma 0: diffusers' inf
+    ({"final_sigmas_type": "sigma_min", "use_karras_sigmas": True}, "unipc", "final_sigmas_type"),
+    ({"final_sigmas_type": "sigma_max"}, "unipc", "final_sigmas_type"),
+    ({"use_flow_sigmas": True}, "unipc", "use_flow_sigmas"),
+    ({"use_exponential_sigmas": True}, "unipc", "use_exponential_sigmas"),
+    ({"rescale_betas_zero_snr": True}, "unipc", "rescale_betas_zero_snr"),
+    ({"disable_corrector": [1.5]}, "unipc", "disable_corrector"),
+    ({"disable_corrector": 2}, "unipc", "disable_corrector"),
 ]
 
 
@@ -150,6 +166,8 @@ IGNORED: list[tuple[dict[str, Any], str]] = [
     ({"use_exponential_sigmas": True}, "ddpm"),
     ({"timestep_type": "continuous", "prediction_type": "epsilon"}, "euler"),  # no effect without v
     ({"algorithm_type": "sde-dpmsolver++", "solver_order": 3}, "dpmpp_2m"),  # the name decides
+    ({"solver_type": "bh1", "disable_corrector": [0], "lower_order_final": False}, "dpmpp_2m"),  # UniPC's keys
+    ({"lambda_min_clipped": -5.1, "algorithm_type": "dpmsolver"}, "unipc"),  # dpm++'s keys
 ]
 
 

@@ -76,6 +76,12 @@ EXTRAS: dict[str, list[dict[str, Any]]] = {
     # not read by its step (ignored alike)
     "tcd": [{"eta": 0.3}, {"eta": 1.0}, {"eta": 0.7, "original_inference_steps": 25},
             {"eta": 0.5, "original_inference_steps": 20, "clip_sample": True}],
+    # the orders, both B(h), a corrector list and Karras; bh1 and lower_order_final=False need
+    # final_sigmas_type="sigma_min" (onto sigma 0 diffusers' own last step is NaN / inf with them)
+    "unipc": [{"solver_order": 3}, {"solver_order": 1, "use_karras_sigmas": True},
+              {"solver_type": "bh1", "final_sigmas_type": "sigma_min"},
+              {"solver_order": 3, "lower_order_final": False, "final_sigmas_type": "sigma_min",
+               "disable_corrector": [0, 3]}],
 }
 
 
@@ -146,6 +152,44 @@ def test_custom_timesteps_match_diffusers(sampler: str, timesteps: list[int], et
     with pytest.raises(AssertionError):  # sharp: the default schedule for that step count is another
         check_parity(sampler, cfg, len(timesteps), eta, monkeypatch, timesteps=timesteps,
                      plan_override=ours_for(cfg, sampler, len(timesteps), eta)[1])
+
+
+@pytest.mark.parametrize("cfg", [{}, {"solver_order": 3, "final_sigmas_type": "sigma_min"}], ids=["order2", "order3"])
+def test_unipc_corrector_and_b_h_are_checked(cfg: dict[str, Any], monkeypatch) -> None:
+    """The parity check sees UniPC's corrector and its B(h): without the corrector, with the other
+    B(h), or with one corrector step dropped (a disable_corrector entry), ours leaves diffusers'."""
+    import dataclasses
+
+    cfg = {**BETAS["scaled"], "prediction_type": "epsilon", **cfg}
+    check_parity("unipc", cfg, 7, 0.0, monkeypatch)
+    spec, plan = ours_for(cfg, "unipc", 7)
+    assert plan.corrector[1:7].all() and not plan.corrector[0]
+    for bad_plan, bad_spec in [
+        (plan._replace(corrector=np.zeros_like(plan.corrector)), None),
+        (plan._replace(corrector=plan.corrector & (np.arange(len(plan.corrector)) != 4)), None),
+        (None, dataclasses.replace(spec, solver_type="bh1")),
+    ]:
+        with pytest.raises(AssertionError):
+            check_parity("unipc", cfg, 7, 0.0, monkeypatch, plan_override=bad_plan, spec_override=bad_spec)
+
+
+def test_unipc_bh1_onto_sigma_zero_is_the_finite_limit(monkeypatch) -> None:
+    """bh1 with the default final sigma 0: diffusers' last step computes -inf * 0 (NaN) where the
+    first-order update has no B(h) term at all; ours matches every earlier step and ends on that
+    step's x0 estimate, as bh2 does."""
+    from tests._support.sampler_ref import inject_torch_tables, noise_for, run_diffusers, run_ours
+
+    inject_torch_tables(monkeypatch)
+    cfg = {**BETAS["scaled"], "prediction_type": "epsilon", "solver_type": "bh1"}
+    spec, plan = ours_for(cfg, "unipc", 6)
+    x_t, table = noise_for(6, plan.timesteps.shape[0])
+    ref = run_diffusers("unipc", cfg, 6, x_t, table, monkeypatch)
+    _, xs = run_ours(spec, plan, x_t, table)
+    assert np.isnan(ref.xs[-1]).all() and np.isfinite(xs[-1]).all()
+    for ours, theirs in zip(xs[:-1], ref.xs[:-1]):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    bh2_spec, bh2_plan = ours_for({**cfg, "solver_type": "bh2"}, "unipc", 6)
+    assert not np.allclose(run_ours(bh2_spec, bh2_plan, x_t, table)[1][-2], xs[-2], atol=1e-3)  # bh1 is not bh2
 
 
 def test_karras_repeated_first_timestep(monkeypatch) -> None:

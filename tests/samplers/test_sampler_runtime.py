@@ -105,7 +105,11 @@ def test_init_scales_noise_and_sets_history(sampler: str) -> None:
             assert state.x0_prev is not None and not np.any(np.asarray(state.x0_prev))
         else:
             assert state.x0_prev is None
-        expect_one = sampler in ("ddpm", "ddim", "lcm", "tcd") or sampler.startswith("dpmpp")
+        if sampler == "unipc":  # solver_order (2) x0 predictions, and the sample UniC starts from
+            assert state.x0_history.shape == (2, *SHAPE) and not np.any(np.asarray(state.x0_history))
+        else:
+            assert state.x0_history is None and state.x_last is None
+        expect_one = sampler in ("ddpm", "ddim", "lcm", "tcd", "unipc") or sampler.startswith("dpmpp")
         assert (plan.init_noise_sigma == 1.0) == expect_one
 
 

@@ -15,7 +15,7 @@ CONFIG = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_s
           "steps_offset": 1, "timestep_spacing": "leading"}
 
 
-@pytest.mark.parametrize("sampler", ["ddim", "euler", "heun", "dpmpp_2m", "lcm", "tcd"])
+@pytest.mark.parametrize("sampler", ["ddim", "euler", "heun", "dpmpp_2m", "lcm", "tcd", "unipc"])
 @pytest.mark.parametrize("steps,strength", [(5, 0.6), (10, 0.75), (7, 0.3), (4, 1.0), (30, 0.9999)])
 def test_sd_start_is_diffusers_get_timesteps(sampler, steps, strength):
     from diffusers import StableDiffusionImg2ImgPipeline
@@ -47,3 +47,47 @@ def test_a_start_with_no_step_left_is_refused():
         strength_start(5, 0.1)  # int(0.5) = 0 steps
     assert info.value.argument == "strength" and "runs no step" in str(info.value)
     assert strength_start(5, 0.1, "flow") == 4  # int(5 - 0.5): one step
+
+
+@pytest.mark.parametrize("blend", [False, True], ids=["img2img", "inpaint"])
+@pytest.mark.parametrize("sampler,extra", [("dpmpp_2m", {}), ("unipc", {}), ("unipc", {"solver_order": 3}),
+                                           ("unipc", {"disable_corrector": [2]})],
+                         ids=["dpmpp_2m", "unipc", "unipc-order3", "unipc-disable2"])
+def test_multistep_start_matches_diffusers_img2img_loop(sampler, extra, blend):
+    """``run(start=Start(...))`` of a multistep sampler is diffusers' img2img (and inpaint) loop on its
+    scheduler: ``set_begin_index(t_start)``, ``add_noise`` at the first step kept, the history empty
+    there (first order, no UniC), and the kept region re-noised to the next step after each step."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from preheat.samplers import Start, make_spec, run
+    from tests._support.sampler_ref import fake_model_jax, fake_model_torch
+
+    cfg, steps, strength = {**CONFIG, **extra}, 8, 0.7
+    start = strength_start(steps, strength)
+    rng = np.random.default_rng(3)
+    x0, eps = (rng.standard_normal((1, 4, 8, 8), dtype=np.float32) for _ in range(2))
+    keep = (np.arange(8)[None, None, :, None] < 4).astype(np.float32) * np.ones((1, 1, 8, 8), np.float32)
+
+    scheduler = make_scheduler(sampler, cfg)
+    scheduler.set_timesteps(steps)
+    scheduler.set_begin_index(start)
+    ts = scheduler.timesteps[start:]
+    x0_t, eps_t, keep_t = (torch.from_numpy(a) for a in (x0, eps, keep))
+    x = scheduler.add_noise(x0_t, eps_t, ts[:1])
+    with torch.no_grad():
+        for i, t in enumerate(ts):
+            x = scheduler.step(fake_model_torch(x, t), t, x).prev_sample
+            if blend:  # StableDiffusionInpaintPipeline's loop for a 4-channel UNet
+                kept = x0_t if i == len(ts) - 1 else scheduler.add_noise(x0_t, eps_t, ts[i + 1:i + 2])
+                x = (1 - keep_t) * kept + keep_t * x
+
+    config = SchedulerConfig.from_dict(cfg)
+    spec, plan = make_spec(config, sampler), make_plan(config, sampler, steps)
+    begin = Start(index=jnp.int32(start), x0=jnp.asarray(x0), pure_noise=jnp.bool_(False),
+                  keep=jnp.asarray(keep) if blend else None)
+    ours = run(spec, fake_model_jax, plan, jnp.asarray(eps), lambda i, k: None, start=begin)
+    np.testing.assert_allclose(np.asarray(ours), x.numpy(), rtol=1e-5, atol=2e-5)
+    whole = run(spec, fake_model_jax, plan, jnp.asarray(eps), lambda i, k: None)
+    assert not np.allclose(np.asarray(whole), x.numpy(), atol=1e-2)  # the start counts

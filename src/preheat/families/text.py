@@ -63,6 +63,7 @@ SAMPLER_OF_SCHEDULER = {
     "DPMSolverMultistepScheduler": "dpmpp_2m",
     "LCMScheduler": "lcm",
     "TCDScheduler": "tcd",
+    "UniPCMultistepScheduler": "unipc",
     "FlowMatchEulerDiscreteScheduler": "flow_euler",
     "FlowMatchHeunDiscreteScheduler": "flow_heun",
 }

@@ -8,7 +8,7 @@ noise is supplied explicitly by the caller.
 Public API::
 
     SAMPLERS: tuple[str, ...]                 # DIFFUSION_SAMPLERS + FLOW_SAMPLERS
-    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm, tcd
+    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm, tcd, unipc
     FLOW_SAMPLERS: tuple[str, ...]            # ("flow_euler", "flow_heun")
     DETERMINISTIC_SAMPLERS: tuple[str, ...]   # samplers without per-step noise (flow ones included)
     MU_SIGMAS_SAMPLERS: tuple[str, ...]       # samplers whose make_plan takes mu / sigmas
@@ -54,6 +54,9 @@ count need a recompile)::
                      timestep_scaling; re-noised between steps)
     tcd              TCDScheduler (original_inference_steps; eta =      1                  no
                      gamma is runtime data in the Plan)
+    unipc            UniPCMultistepScheduler (predict_x0; bh2, bh1;     1                  no
+                     solver_order 1..3, lower_order_final,
+                     disable_corrector, Karras, final_sigmas_type)
     flow_euler       FlowMatchEulerDiscreteScheduler (shift, dynamic     1                  no
                      shifting with mu, custom sigmas, invert_sigmas,
                      shift_terminal, Karras / exponential sigmas)
@@ -74,9 +77,9 @@ its diffusers class takes them.
 No sampler needs a static step count: the schedule is a ``Plan`` of arrays padded to
 ``num_train_timesteps + 1`` rows (its shapes do not depend on ``steps``), the trip count
 ``plan.n_steps`` is a traced int32 scalar driving ``lax.fori_loop``, and per-step differences
-(dpm++'s first/last step order, Heun's single model call onto sigma = 0) are data read at the
-traced index, selected with ``jnp.where`` / ``lax.cond``. Only ``SolverSpec`` (solver,
-prediction type, clipping, DDPM variance type) is static.
+(dpm++'s and UniPC's per-step orders, UniPC's corrector steps, Heun's single model call onto
+sigma = 0) are data read at the traced index, selected with ``jnp.where`` / ``lax.cond``. Only ``SolverSpec`` (solver,
+prediction type, clipping, DDPM variance type, UniPC's highest order and B(h)) is static.
 
 Numerics: ``make_plan`` reproduces diffusers' host arithmetic (torch float32 CPU kernels,
 then numpy float64): given the same betas and training sigma table, timesteps, sigmas and

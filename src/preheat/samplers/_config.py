@@ -14,8 +14,9 @@ silently ignores keys it does not read. We do the same, per sampler:
 The sampler *name* fixes the solver: for ``dpmpp_2m``/``dpmpp_2m_karras`` the dict's
 ``algorithm_type``, ``solver_order``, ``solver_type``, ``lower_order_final``,
 ``euler_at_final`` and ``use_karras_sigmas`` are not read (the name says 2nd-order
-dpmsolver++ midpoint, Karras or not). ``euler`` and ``heun`` honour ``use_karras_sigmas``
-from the dict, as their diffusers classes do.
+dpmsolver++ midpoint, Karras or not). ``euler``, ``heun`` and ``unipc`` honour ``use_karras_sigmas``
+from the dict, as their diffusers classes do; ``unipc`` reads ``solver_order``, ``solver_type``,
+``lower_order_final`` and ``disable_corrector`` from it too (UniPCMultistepScheduler's own keys).
 
 Flow matching and diffusion do not mix: a model trained for one cannot be sampled with the
 other, although diffusers' ``from_config`` would happily build either class from either dict.
@@ -41,7 +42,7 @@ from typing import Any, Mapping
 from preheat.errors import SchedulerConfigError
 from preheat.samplers._tables import (BETA_SCHEDULES, CLASS_DEFAULTS, DDPM_VARIANCE_TYPES, DIFFUSERS_CLASS,
                                       DIFFUSION_KEYS, DIFFUSION_SAMPLERS, FIELD_KIND, FLOW_KEYS, FLOW_SAMPLERS,
-                                      KIND_BOOL, KIND_FLOAT, KIND_INT, KIND_STR, PREDICTION_TYPES, SAMPLERS,
+                                      KIND_BOOL, KIND_FLOAT, KIND_INT, KIND_INTS, KIND_STR, PREDICTION_TYPES, SAMPLERS,
                                       TIME_SHIFT_TYPES, TIMESTEP_SPACINGS, UNREAD_KEYS)
 
 __all__ = ["SchedulerConfig", "ResolvedConfig", "ResolvedFlowConfig", "resolve", "resolve_flow", "config_kind",
@@ -85,6 +86,12 @@ class SchedulerConfig:
     lambda_min_clipped: float | None = None
     original_inference_steps: int | None = None  # LCMScheduler: the distillation's step grid
     timestep_scaling: float | None = None  # LCMScheduler: the consistency boundary's time scale
+    # UniPCMultistepScheduler (read by unipc only; dpm++'s name fixes its own solver)
+    solver_order: int | None = None
+    solver_type: str | None = None
+    predict_x0: bool | None = None
+    lower_order_final: bool | None = None
+    disable_corrector: tuple[int, ...] | None = None  # step indices whose *next* step skips the corrector
     # FlowMatchEulerDiscreteScheduler / FlowMatchHeunDiscreteScheduler
     shift: float | None = None
     use_dynamic_shifting: bool | None = None
@@ -208,6 +215,11 @@ class ResolvedConfig:
     lambda_min_clipped: float  # dpm++ only
     original_inference_steps: int = 0  # lcm, tcd only
     timestep_scaling: float = 0.0  # lcm only
+    final_sigma_min: bool = False  # unipc only: the last step lands on the smallest training sigma, not 0
+    solver_order: int = 0  # unipc only (1..3)
+    solver_type: str = ""  # unipc only: "bh1" | "bh2"
+    lower_order_final: bool = True  # unipc only
+    disable_corrector: tuple[int, ...] = ()  # unipc only
 
 
 @dataclass(frozen=True)
@@ -359,7 +371,8 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
                 "use_beta_sigmas", "use_lu_lambdas", "use_flow_sigmas"):
         refuse_true(key)
     if "final_sigmas_type" in defaults:
-        _check_choice("final_sigmas_type", get("final_sigmas_type"), ("zero",), sampler)
+        _check_choice("final_sigmas_type", get("final_sigmas_type"),
+                      ("zero", "sigma_min") if sampler == "unipc" else ("zero",), sampler)
     if "interpolation_type" in defaults:
         _check_choice("interpolation_type", get("interpolation_type"), ("linear",), sampler)
 
@@ -397,6 +410,7 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
     if math.isnan(lambda_min_clipped):
         raise SchedulerConfigError("lambda_min_clipped=nan is not supported; use a number or -inf")
 
+    unipc = _resolve_unipc(get) if sampler == "unipc" else {}
     has_clip = "clip_sample" in defaults
     return ResolvedConfig(
         sampler=sampler,
@@ -417,7 +431,36 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
         lambda_min_clipped=lambda_min_clipped,
         original_inference_steps=int(get("original_inference_steps")) if sampler in ("lcm", "tcd") else 0,
         timestep_scaling=float(get("timestep_scaling")) if sampler == "lcm" else 0.0,
+        **unipc,
     )
+
+
+def _resolve_unipc(get: Any) -> dict[str, Any]:
+    """UniPCMultistepScheduler's own keys (ResolvedConfig fields), refusing what we do not do."""
+    where = "for sampler 'unipc' (UniPCMultistepScheduler)"
+    if not get("predict_x0"):
+        raise SchedulerConfigError(f"predict_x0=False is not supported {where}; only predict_x0=True is")
+    order = int(get("solver_order"))
+    if not 1 <= order <= 3:
+        raise SchedulerConfigError(f"solver_order={order} is not supported {where}; supported: 1, 2, 3")
+    solver_type = get("solver_type")
+    if solver_type in ("midpoint", "heun", "logrho"):  # dpm-solver's names: diffusers' UniPC takes them as bh2
+        solver_type = "bh2"
+    _check_choice("solver_type", solver_type, ("bh1", "bh2"), "unipc")
+    final_sigma_min = get("final_sigmas_type") == "sigma_min"
+    if final_sigma_min and get("use_karras_sigmas"):
+        # the Karras ramp already ends at sigma_min: a last step of length 0 (diffusers divides by it)
+        raise SchedulerConfigError(
+            f"final_sigmas_type='sigma_min' with use_karras_sigmas=True is not supported {where}: its last "
+            "step would not move; use final_sigmas_type='zero'")
+    lower_order_final = bool(get("lower_order_final"))
+    if not lower_order_final and order > 1 and not final_sigma_min:
+        # h = lambda(0) - lambda(s) is infinite on the last step; only the 1st-order update has a limit there
+        raise SchedulerConfigError(
+            f"lower_order_final=False with final_sigmas_type='zero' is not supported {where}: its last "
+            "step onto sigma 0 is not finite (diffusers returns inf); use lower_order_final=True")
+    return dict(final_sigma_min=final_sigma_min, solver_order=order, solver_type=solver_type,
+                lower_order_final=lower_order_final, disable_corrector=tuple(get("disable_corrector")))
 
 
 def _opt_float(v: Any) -> float | None:
@@ -454,6 +497,9 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
     elif kind == KIND_STR:
         if isinstance(value, str):
             return value
+    elif kind == KIND_INTS:
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return tuple(value)
     raise SchedulerConfigError(f"{key}={value!r} has the wrong type; expected {kind}")
 
 

@@ -35,6 +35,7 @@ _SOLVER_OF_SAMPLER = {
     "dpmpp_2m_karras": "dpmpp_2m",
     "lcm": "lcm",
     "tcd": "tcd",
+    "unipc": "unipc",
     # flow matching: the same Euler / Heun updates in sigma, fed the model's velocity
     # (SolverSpec.prediction_type == "flow") instead of a derivative from an x0 estimate
     "flow_euler": "euler",
@@ -42,7 +43,7 @@ _SOLVER_OF_SAMPLER = {
 }
 # Samplers whose diffusers ``set_timesteps`` takes ``mu`` and ``sigmas`` (and so make_plan).
 MU_SIGMAS_SAMPLERS: tuple[str, ...] = ("flow_euler",)
-_SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras")
+_SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras", "unipc")
 _NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1, "lcm": 1, "tcd": 1}
 # Samplers whose make_plan takes a custom descending ``timesteps`` list (their diffusers
 # ``set_timesteps(timesteps=...)``: Hyper-SD's 1-step cards pass ``[800]``).
@@ -59,12 +60,14 @@ class SolverSpec:
     model and solver share one compiled loop whatever their step count or schedule.
     """
 
-    solver: str  # "ddpm" | "ddim" | "euler" | "euler_a" | "heun" | "dpmpp_2m" | "lcm" | "tcd"
+    solver: str  # "ddpm" | "ddim" | "euler" | "euler_a" | "heun" | "dpmpp_2m" | "lcm" | "tcd" | "unipc"
     prediction_type: str  # "epsilon" | "v_prediction" | "sample" | "flow" (velocity; euler/heun only)
     clip_sample: bool = False  # clamp the x0 prediction (ddpm, ddim, heun, lcm only)
     clip_sample_range: float = 1.0
     variance_type: str = ""  # ddpm: "fixed_small" | "fixed_small_log" | "fixed_large"
     timestep_scaling: float = 0.0  # lcm: t scale of the boundary condition c_skip(t), c_out(t)
+    solver_order: int = 0  # unipc: the highest order (1..3), so the x0 predictions it carries
+    solver_type: str = ""  # unipc: "bh1" | "bh2", the B(h) of its update
 
     @property
     def noise_draws_per_step(self) -> int:
@@ -95,10 +98,11 @@ class Plan(NamedTuple):
     sigmas: np.ndarray  # float32 [L]: sigma_i (sigma-space samplers); sigmas[n_steps] = 0 (1: invert_sigmas)
     alpha_bar: np.ndarray  # float32 [L]: alphas_cumprod at t_i (ddpm, ddim, lcm, tcd)
     alpha_bar_prev: np.ndarray  # float32 [L]: alphas_cumprod at the step's target (ddpm, ddim, lcm, tcd)
-    order: np.ndarray  # int32 [L]: dpm++ order of step i (1 or 2)
+    order: np.ndarray  # int32 [L]: dpm++ / unipc (predictor) order of step i (dpm++: 1 or 2; unipc: 1..3)
     init_noise_sigma: np.ndarray  # float32 []: scale of the standard-normal start noise
     eta: np.ndarray  # float32 []: ddim / tcd stochasticity (0 = deterministic)
     alpha_bar_mid: np.ndarray  # float32 [L]: tcd: alphas_cumprod at s_i = floor((1 - eta) * t_next) (else 1)
+    corrector: np.ndarray  # bool [L]: unipc: step i first corrects the sample step i - 1 made (else False)
     progress_id: np.ndarray = np.int32(0)  # int32 []: whose call the step reports are (preheat.progress)
 
 
@@ -116,6 +120,8 @@ def make_spec(config: SchedulerConfig, sampler: str) -> SolverSpec:
         clip_sample_range=r.clip_sample_range if r.clip_sample else 1.0,
         variance_type=r.variance_type,
         timestep_scaling=r.timestep_scaling,
+        solver_order=r.solver_order,
+        solver_type=r.solver_type,
     )
 
 
@@ -158,14 +164,15 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
         rows = _discrete_rows(r, steps, alpha_bar_train)
     elif sampler in ("lcm", "tcd"):
         rows = _lcm_rows(r, steps, alpha_bar_train, timesteps)
-    elif sampler.startswith("dpmpp"):
+    elif sampler.startswith("dpmpp") or sampler == "unipc":
         rows = _dpm_rows(r, steps, alpha_bar_train)
     else:
         rows = _sigma_rows(r, steps, alpha_bar_train)
     timesteps, sched_sigmas = rows[0], rows[1]
     _check_schedule(r, steps, timesteps, sched_sigmas if sampler in _SIGMA_SAMPLERS else None)
     mid = _tcd_mid(timesteps, eta, alpha_bar_train) if sampler == "tcd" else None
-    return _pad(T, rows, eta, mid)
+    corrector = _unipc_corrector(r, len(timesteps)) if sampler == "unipc" else None
+    return _pad(T, rows, eta, mid, corrector)
 
 
 def flow_mu(config: SchedulerConfig, image_seq_len: int) -> float:
@@ -228,9 +235,10 @@ def _check_eta(sampler: str, eta: float) -> None:
         raise SchedulerConfigError.about("{0}={eta} is not supported; it must be in [0, 1]", "eta", eta=eta)
 
 
-def _pad(T: int, rows: "_Rows", eta: float, mid: np.ndarray | None = None) -> Plan:
+def _pad(T: int, rows: "_Rows", eta: float, mid: np.ndarray | None = None,
+         corrector: np.ndarray | None = None) -> Plan:
     """The padded ``Plan`` (``T + 1`` rows whatever the step count) of one schedule (``mid``:
-    tcd's alpha_bar_mid rows)."""
+    tcd's alpha_bar_mid rows; ``corrector``: unipc's)."""
     timesteps, sigmas, ab, ab_prev, order, init_sigma = rows
     L = T + 1
 
@@ -249,6 +257,7 @@ def _pad(T: int, rows: "_Rows", eta: float, mid: np.ndarray | None = None) -> Pl
         init_noise_sigma=np.asarray(init_sigma, dtype=_F32),
         eta=np.asarray(eta, dtype=_F32),
         alpha_bar_mid=pad(np.ones(0, _F32) if mid is None else mid, 1.0, _F32),
+        corrector=pad(np.zeros(0, bool) if corrector is None else corrector, False, np.bool_),
     )
 
 
@@ -349,7 +358,13 @@ def _sigma_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _
 
 
 def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:
-    """dpm++ 2M: integer timesteps; first and last step first order, the rest second order."""
+    """dpm++ 2M: integer timesteps; first and last step first order, the rest second order.
+
+    unipc: the same timesteps and sigmas (its class shares dpm++'s ``set_timesteps``, less
+    ``lambda_min_clipped``; its Karras timesteps are always rounded); its order warms up one step at
+    a time to ``solver_order`` and (``lower_order_final``) winds down to 1 on the last steps; with
+    ``final_sigmas_type="sigma_min"`` the last sigma is the smallest of the ramp or the training table.
+    """
     T = r.num_train_timesteps
     sig_train = S.train_sigmas(alpha_bar_train)
     top = T
@@ -371,19 +386,36 @@ def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Ro
         hi = r.sigma_max if r.sigma_max is not None else sig_train[-1].item()
         sig = S.karras_sigmas(lo, hi, steps)
         t_frac = S.sigma_to_t(sig, np.log(sig_train))
-        if r.beta_schedule != "squaredcos_cap_v2":  # diffusers rounds except for this schedule...
+        if r.beta_schedule != "squaredcos_cap_v2" or r.sampler == "unipc":  # dpm++ rounds except here...
             t_frac = t_frac.round()
         ts_int = t_frac.astype(np.int64)  # ...where the int64 cast truncates
     else:
         _check_range(r, steps, ts_int)
         sig = S.interp_sigmas(ts_int, sig_train)
-    sigmas = np.append(sig, 0.0).astype(_F32)
     n = len(ts_int)
+    ones = np.ones(n, _F32)
+    if r.sampler == "unipc":
+        last = 0.0
+        if r.final_sigma_min:
+            last = sig[-1] if r.use_karras_sigmas else sig_train[0]
+        sigmas = np.append(sig, last).astype(_F32)
+        idx = np.arange(n)
+        order = np.minimum(r.solver_order, idx + 1)  # warm-up: one more stored x0 per step
+        if r.lower_order_final:
+            order = np.minimum(order, n - idx)
+        return ts_int.astype(_F32), sigmas, ones, ones, order.astype(np.int32), _F32(1.0)
+    sigmas = np.append(sig, 0.0).astype(_F32)
     order = np.full(n, 2, np.int32)
     order[0] = 1  # no history yet
     order[-1] = 1  # final sigma is 0: diffusers always finishes first order
-    ones = np.ones(n, _F32)
     return ts_int.astype(_F32), sigmas, ones, ones, order, _F32(1.0)
+
+
+def _unipc_corrector(r: ResolvedConfig, n: int) -> np.ndarray:
+    """unipc: bool ``[n]``, whether step ``i`` corrects step ``i - 1``'s result with the model output
+    at it (UniC): never on the first step, nor after a step listed in ``disable_corrector``."""
+    idx = np.arange(n)
+    return (idx > 0) & ~np.isin(idx - 1, np.asarray(r.disable_corrector, np.int64))
 
 
 def _flow_rows(r: ResolvedFlowConfig, steps: int, mu: float | None, custom: "np.ndarray | list[float] | None") -> _Rows:

@@ -42,6 +42,8 @@ class SamplerState(NamedTuple):
 
     x: jax.Array  # [*S] float32: the current sample
     x0_prev: jax.Array | None = None  # [*S] float32: previous x0 prediction (dpm++ only)
+    x0_history: jax.Array | None = None  # [K, *S] float32: unipc: x0 of steps i-1 .. i-K (K = solver_order)
+    x_last: jax.Array | None = None  # [*S] float32: unipc: the sample step i - 1 started from (UniC's)
 
 
 class Start(NamedTuple):
@@ -61,13 +63,15 @@ class Start(NamedTuple):
 
 
 # Mask blending needs one blend per scheduler call; Heun's two calls per step are one step here.
-BLEND_SOLVERS: tuple[str, ...] = ("ddpm", "ddim", "euler", "euler_a", "dpmpp_2m", "lcm", "tcd")
+BLEND_SOLVERS: tuple[str, ...] = ("ddpm", "ddim", "euler", "euler_a", "dpmpp_2m", "lcm", "tcd", "unipc")
 
 
 def init(spec: SolverSpec, plan: Plan, noise: jax.Array) -> SamplerState:
     """Scale standard-normal ``noise`` into the first sample (diffusers' ``init_noise_sigma``)."""
     x = jnp.asarray(noise, jnp.float32) * jnp.asarray(plan.init_noise_sigma, jnp.float32)
     history = jnp.zeros_like(x) if spec.solver == "dpmpp_2m" else None
+    if spec.solver == "unipc":
+        return SamplerState(x=x, x0_history=jnp.zeros((spec.solver_order, *x.shape), x.dtype), x_last=x)
     return SamplerState(x=x, x0_prev=history)
 
 
@@ -102,6 +106,10 @@ def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: 
         first = jnp.asarray(start.index, jnp.int32)
         if spec.solver == "dpmpp_2m":  # no history at the first step run: first order, as diffusers
             plan = plan._replace(order=jnp.asarray(plan.order).at[first].set(1))
+        if spec.solver == "unipc":  # its order warms up from the first step run; nothing to correct there
+            warm = jnp.arange(jnp.shape(plan.order)[0], dtype=jnp.int32) - first + 1
+            plan = plan._replace(order=jnp.minimum(jnp.asarray(plan.order), warm),
+                                 corrector=jnp.asarray(plan.corrector).at[first].set(False))
         state = init(spec, plan, noise)
         x = jnp.where(start.pure_noise, state.x, noised(spec, plan, start.x0, noise, first))
         state = state._replace(x=x)
@@ -123,7 +131,7 @@ def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: 
 def noised(spec: SolverSpec, plan: Plan, x0: jax.Array, noise: jax.Array, i: jax.Array | int) -> jax.Array:
     """``x0`` at step ``i``'s noise level in the solver's own state, as the diffusers scheduler's
     ``add_noise`` (flow: ``scale_noise``) puts it: VE ``x0 + sigma eps``; dpm++ ``alpha(sigma) x0 +
-    sigma_vp eps`` from its sigmas; ddpm/ddim/lcm/tcd ``sqrt(ab) x0 + sqrt(1 - ab) eps`` at ``t_i``."""
+    sigma_vp eps`` from its sigmas (unipc alike); ddpm/ddim/lcm/tcd ``sqrt(ab) x0 + sqrt(1 - ab) eps`` at ``t_i``."""
     i = jnp.asarray(i, jnp.int32)
     x0, noise = jnp.asarray(x0, jnp.float32), jnp.asarray(noise, jnp.float32)
     if spec.prediction_type == "flow":
@@ -131,7 +139,7 @@ def noised(spec: SolverSpec, plan: Plan, x0: jax.Array, noise: jax.Array, i: jax
         return sigma * noise + (1.0 - sigma) * x0
     if spec.solver in ("euler", "euler_a", "heun"):
         return x0 + noise * _at(plan.sigmas, i)
-    if spec.solver == "dpmpp_2m":
+    if spec.solver in ("dpmpp_2m", "unipc"):
         alpha, sigma = _vp(_at(plan.sigmas, i))
         return alpha * x0 + sigma * noise
     ab = _at(plan.alpha_bar, i)
@@ -349,6 +357,128 @@ def _tcd_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i
     return state._replace(x=jnp.where(keep, noised_s, renoised))
 
 
+def _lambda(sigma: jax.Array) -> jax.Array:
+    """log-SNR ``log(alpha) - log(sigma_vp)`` at VE noise level ``sigma`` (+inf at sigma = 0)."""
+    alpha, sig = _vp(sigma)
+    return jnp.log(alpha) - jnp.log(sig)
+
+
+def _unipc_coefficients(h: jax.Array, rks: jax.Array, order: jax.Array, solver_type: str,
+                        corrector: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """UniPC's scalars for one update of (data) ``order`` 1..3 over log-SNR step ``h``:
+    ``(h_phi_1, B_h, rhos)``; ``rhos[k]`` weighs the k-th backward difference (k < order - 1) and,
+    for the corrector, ``rhos[order - 1]`` the new model output's difference.
+
+    ``rks`` ``[2]``: the ratios ``r_k`` of the older points' log-SNR offsets to ``h`` (entries past
+    the order unused). The rhos solve ``R rho = b`` with ``R[j][k] = r_k ** j`` and ``b_j`` from
+    ``phi_{j+1}(h)``; the predictor drops the last row and column (its order 2: rho = 1/2).
+    """
+    hh = -h  # predict_x0: integrate in -lambda
+    h_phi_1 = jnp.expm1(hh)
+    b_h = hh if solver_type == "bh1" else jnp.expm1(hh)
+    phi = h_phi_1 / hh - 1.0
+    b = []
+    factorial = 1.0
+    for j in range(1, 4):
+        b.append(phi * factorial / b_h)
+        factorial *= j + 1
+        phi = phi / hh - 1.0 / factorial
+    b1, b2, b3 = b
+    r1, r2 = rks[0], rks[1]
+    zero = jnp.zeros_like(h)
+    if corrector:
+        # order 1: [1/2]; order 2: [[1, 1], [r1, 1]] rho = [b1, b2]; order 3: the 3x3 with (r1, r2, 1)
+        o2_0 = (b1 - b2) / (1.0 - r1)
+        o2 = jnp.stack([o2_0, b1 - o2_0, zero])
+        o3 = _solve3(r1, r2, b1, b2, b3)
+        half = jnp.stack([jnp.full_like(h, 0.5), zero, zero])
+        rhos = jnp.where(order == 1, half, jnp.where(order == 2, o2, o3))
+    else:
+        # order 2: [1/2]; order 3: [[1, 1], [r1, r2]] rho = [b1, b2]
+        o3_0 = (b2 - r2 * b1) / (r1 - r2)
+        o3 = jnp.stack([o3_0, b1 - o3_0, zero])
+        half = jnp.stack([jnp.full_like(h, 0.5), zero, zero])
+        rhos = jnp.where(order == 3, o3, half)
+    return h_phi_1, b_h, rhos
+
+
+def _solve3(r1: jax.Array, r2: jax.Array, b1: jax.Array, b2: jax.Array, b3: jax.Array) -> jax.Array:
+    """Solve ``[[1, 1, 1], [r1, r2, 1], [r1^2, r2^2, 1]] rho = b`` (a Vandermonde system) ``[3]``."""
+    m = jnp.stack([jnp.stack([jnp.ones_like(r1), jnp.ones_like(r1), jnp.ones_like(r1)]),
+                   jnp.stack([r1, r2, jnp.ones_like(r1)]),
+                   jnp.stack([r1 * r1, r2 * r2, jnp.ones_like(r1)])])
+    return jnp.linalg.solve(m, jnp.stack([b1, b2, b3]))
+
+
+def _unipc_update(x_from: jax.Array, m0: jax.Array, diffs: list[jax.Array], rhos: jax.Array, h_phi_1: jax.Array,
+                  b_h: jax.Array, sig_from: jax.Array, alpha_to: jax.Array, sig_to: jax.Array) -> jax.Array:
+    """``sig_to / sig_from x - alpha_to h_phi_1 m0 - alpha_to B_h sum_k rho_k D_k``: UniP and UniC's shared form."""
+    res = sum((rhos[k] * d for k, d in enumerate(diffs)), jnp.zeros_like(x_from))
+    return sig_to / sig_from * x_from - alpha_to * h_phi_1 * m0 - alpha_to * b_h * res
+
+
+def _unipc_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+                noise_fn: NoiseFn) -> SamplerState:
+    """UniPC (Zhao et al. 2023), UniPCMultistepScheduler with predict_x0: one model call at the
+    step's sample, then UniC corrects that sample with it (``plan.corrector[i]``, order
+    ``plan.order[i - 1]``), then UniP predicts the next one (order ``plan.order[i]``).
+
+    Differences of x0 predictions at (data) orders < 3 are multiplied by zero weights; the ones
+    that would divide by a zero-length history are masked, so padding never turns into NaN.
+    """
+    K = spec.solver_order
+    hist = state.x0_history  # [K, *S]: x0 of steps i-1, i-2, ...
+    x = state.x
+    last = jnp.maximum(i - 1, 0)
+
+    def lam(j: jax.Array) -> jax.Array:
+        return _lambda(_at(plan.sigmas, jnp.maximum(j, 0)))
+
+    alpha_i, sig_i = _vp(_at(plan.sigmas, i))
+    x0, _ = _denoise(spec, model, x, _at(plan.timesteps, i), 1.0, alpha_i, sig_i)
+    lam_i = lam(i)
+
+    def differences(m0: jax.Array, older: list[jax.Array], lam0: jax.Array, lams: list[jax.Array], h: jax.Array,
+                    order: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        """The ratios ``r_k`` (``[2]``) and differences ``(m_k - m0) / r_k`` used at ``order``."""
+        rks, diffs = [], []
+        for k, (m, lk) in enumerate(zip(older, lams)):
+            used = order > k + 1
+            r = jnp.where(used, (lk - lam0) / h, k + 2.0)  # unused: distinct from 1 and each other
+            rks.append(r)
+            diffs.append(jnp.where(used, (m - m0) / r, 0.0))
+        while len(rks) < 2:
+            rks.append(jnp.asarray(2.0 + len(rks), jnp.float32))  # unused: keeps the unselected solves regular
+        return jnp.stack(rks[:2]), diffs
+
+    # UniC: correct the sample step i - 1 predicted, with the model output just computed
+    c_order = _at(plan.order, last)
+    _, sig_p = _vp(_at(plan.sigmas, last))
+    lam_p = lam(last)
+    h_c = lam_i - lam_p
+    older = [hist[k] for k in range(1, K)]
+    rks, diffs = differences(hist[0], older, lam_p, [lam(i - 1 - k) for k in range(1, K)], h_c, c_order)
+    h_phi_1, b_h, rhos = _unipc_coefficients(h_c, rks, c_order, spec.solver_type, corrector=True)
+    rho_t = jnp.take(rhos, c_order - 1)
+    corrected = _unipc_update(state.x_last, hist[0], diffs + [x0 - hist[0]],
+                              jnp.concatenate([rhos[: K - 1], rho_t[None]]) if K > 1 else rho_t[None],
+                              h_phi_1, b_h, sig_p, alpha_i, sig_i)
+    x = jnp.where(_at(plan.corrector, i), corrected, x)
+
+    # UniP: predict the next sample from x0 of this and the previous steps
+    order = _at(plan.order, i)
+    alpha_t, sig_t = _vp(_at(plan.sigmas, i + 1))
+    h = lam(i + 1) - lam_i
+    older = [hist[k] for k in range(0, K - 1)]
+    rks, diffs = differences(x0, older, lam_i, [lam(i - k) for k in range(1, K)], h, order)
+    h_phi_1, b_h, rhos = _unipc_coefficients(h, rks, order, spec.solver_type, corrector=False)
+    # first order has no differences: its B_h term is absent (bh1's B_h is -inf onto sigma = 0)
+    x_first = sig_t / sig_i * x - alpha_t * h_phi_1 * x0
+    x_new = jnp.where(order == 1, x_first, _unipc_update(x, x0, diffs, rhos, h_phi_1, b_h, sig_i, alpha_t, sig_t))
+    new_hist = jnp.concatenate([x0[None], hist[:-1]], axis=0)
+    return state._replace(x=x_new, x0_history=new_hist, x_last=x)
+
+
 _STEP_OF_SOLVER = {
     "ddpm": _ddpm_step,
     "ddim": _ddim_step,
@@ -358,4 +488,5 @@ _STEP_OF_SOLVER = {
     "dpmpp_2m": _dpmpp_2m_step,
     "lcm": _lcm_step,
     "tcd": _tcd_step,
+    "unipc": _unipc_step,
 }

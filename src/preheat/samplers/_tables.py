@@ -18,13 +18,15 @@ DIFFUSION_SAMPLERS: tuple[str, ...] = (
     "dpmpp_2m_karras",
     "lcm",
     "tcd",
+    "unipc",
 )
 # Samplers for flow-matching models (the model predicts the velocity ``noise - x0``).
 FLOW_SAMPLERS: tuple[str, ...] = ("flow_euler", "flow_heun")
 SAMPLERS: tuple[str, ...] = DIFFUSION_SAMPLERS + FLOW_SAMPLERS
 # Diffusion samplers that draw no noise per step (ddim given eta=0), so that two backends given the
 # same initial noise agree image for image (the torch backend's and bench compare's comparisons).
-DETERMINISTIC_SAMPLERS: tuple[str, ...] = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras", *FLOW_SAMPLERS)
+DETERMINISTIC_SAMPLERS: tuple[str, ...] = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras", "unipc",
+                                           *FLOW_SAMPLERS)
 
 # The diffusers class each sampler reproduces (named in error messages).
 DIFFUSERS_CLASS: dict[str, str] = {
@@ -37,6 +39,7 @@ DIFFUSERS_CLASS: dict[str, str] = {
     "dpmpp_2m_karras": "DPMSolverMultistepScheduler",
     "lcm": "LCMScheduler",
     "tcd": "TCDScheduler",
+    "unipc": "UniPCMultistepScheduler",
     "flow_euler": "FlowMatchEulerDiscreteScheduler",
     "flow_heun": "FlowMatchHeunDiscreteScheduler",
 }
@@ -158,6 +161,26 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
         "original_inference_steps": 50,
         "rescale_betas_zero_snr": False,
     },
+    # UniPC (Zhao et al. 2023), predictor UniP + corrector UniC on the x0 prediction (predict_x0);
+    # solver_order, solver_type, lower_order_final and disable_corrector are read from the config
+    "unipc": {
+        **_COMMON,
+        "timestep_spacing": "linspace",
+        "solver_order": 2,
+        "thresholding": False,
+        "predict_x0": True,
+        "solver_type": "bh2",
+        "lower_order_final": True,
+        "disable_corrector": [],
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "use_flow_sigmas": False,
+        "final_sigmas_type": "zero",
+        "rescale_betas_zero_snr": False,
+        "sigma_min": None,
+        "sigma_max": None,
+    },
     "flow_euler": {
         "num_train_timesteps": 1000,
         "shift": 1.0,
@@ -205,6 +228,7 @@ KIND_BOOL = "bool"
 KIND_INT = "int"
 KIND_FLOAT = "float"
 KIND_STR = "str"
+KIND_INTS = "list of ints"
 FIELD_KIND: dict[str, str] = {
     "num_train_timesteps": KIND_INT,
     "beta_start": KIND_FLOAT,
@@ -232,6 +256,11 @@ FIELD_KIND: dict[str, str] = {
     "lambda_min_clipped": KIND_FLOAT,
     "original_inference_steps": KIND_INT,
     "timestep_scaling": KIND_FLOAT,
+    "solver_order": KIND_INT,
+    "solver_type": KIND_STR,
+    "predict_x0": KIND_BOOL,
+    "lower_order_final": KIND_BOOL,
+    "disable_corrector": KIND_INTS,
     "shift": KIND_FLOAT,
     "use_dynamic_shifting": KIND_BOOL,
     "base_shift": KIND_FLOAT,

@@ -20,6 +20,7 @@ DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
                         {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True}),
     "lcm": ("LCMScheduler", {}),
     "tcd": ("TCDScheduler", {}),
+    "unipc": ("UniPCMultistepScheduler", {}),
     "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}),
     "flow_heun": ("FlowMatchHeunDiscreteScheduler", {}),
 }
