@@ -44,11 +44,12 @@ def test_from_dict_keeps_present_values_and_drops_the_rest() -> None:
     })
     assert cfg.beta_schedule == "scaled_linear" and cfg.steps_offset == 1 and cfg.clip_sample is False
     assert cfg.prediction_type is None  # absent: the sampler's class default applies
-    assert cfg.ignored_keys == ("skip_prk_steps", "solver_order")
+    assert cfg.ignored_keys == ("solver_order",)
+    assert cfg.skip_prk_steps is True  # read by sampler "pndm" (it refuses False)
     assert cfg.class_name == "PNDMScheduler"  # decides flow matching vs diffusion (config_kind)
     assert hash(cfg) == hash(SchedulerConfig.from_dict(dict(
         _class_name="PNDMScheduler", beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, num_train_timesteps=1000,
-        set_alpha_to_one=False, steps_offset=1, clip_sample=False, skip_prk_steps=1, solver_order=2,
+        set_alpha_to_one=False, steps_offset=1, clip_sample=False, skip_prk_steps=True, solver_order=2,
     )))
 
 
