@@ -128,6 +128,12 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"steps_offset": -1}, "ddim", "steps_offset"),
     ({"clip_sample_range": 0.0}, "ddpm", "clip_sample_range"),
     ({"sigma_min": float("nan")}, "euler", "sigma_min"),
+    ({"thresholding": True}, "dpmpp_2m_sde", "thresholding"),
+    ({"final_sigmas_type": "sigma_min"}, "dpmpp_2m_sde_karras", "final_sigmas_type"),
+    ({"variance_type": "learned"}, "dpmpp_2m_sde", "variance_type"),
+    ({"skip_prk_steps": False}, "pndm", "skip_prk_steps"),  # the Runge-Kutta warm-up: not implemented
+    ({"prediction_type": "sample"}, "pndm", "prediction_type"),  # PNDMScheduler raises on it too
+    ({"skip_prk_steps": 1}, "pndm", "skip_prk_steps"),
 ]
 
 
@@ -151,13 +157,18 @@ IGNORED: list[tuple[dict[str, Any], str]] = [
     ({"use_exponential_sigmas": True}, "ddpm"),
     ({"timestep_type": "continuous", "prediction_type": "epsilon"}, "euler"),  # no effect without v
     ({"algorithm_type": "sde-dpmsolver++", "solver_order": 3}, "dpmpp_2m"),  # the name decides
+    ({"algorithm_type": "dpmsolver++", "solver_type": "heun"}, "dpmpp_2m_sde"),  # ... both ways
+    ({"skip_prk_steps": False}, "ddim"),  # only pndm reads it
+    ({"thresholding": True, "clip_sample": True}, "pndm"),  # PNDMScheduler has neither
 ]
 
 
 @pytest.mark.parametrize("d,sampler", IGNORED, ids=[s + "-" + next(iter(d)) for d, s in IGNORED])
 def test_values_the_class_does_not_read_are_ignored(d: dict[str, Any], sampler: str) -> None:
     cfg = SchedulerConfig.from_dict(d)
-    assert np.array_equal(make_plan(cfg, sampler, 10).sigmas, make_plan(SchedulerConfig(), sampler, 10).sigmas)
+    for ours, plain in zip(make_plan(cfg, sampler, 10), make_plan(SchedulerConfig(), sampler, 10)):
+        assert np.array_equal(ours, plain)
+    assert make_spec(cfg, sampler) == make_spec(SchedulerConfig(), sampler)
 
 
 def test_unknown_sampler() -> None:

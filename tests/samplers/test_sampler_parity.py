@@ -163,14 +163,15 @@ def test_custom_timesteps_match_diffusers(sampler: str, timesteps: list[int], et
                      plan_override=ours_for(cfg, sampler, len(timesteps), eta)[1])
 
 
-def test_karras_repeated_first_timestep(monkeypatch) -> None:
+@pytest.mark.parametrize("sampler", ["dpmpp_2m_karras", "dpmpp_2m_sde_karras"])
+def test_karras_repeated_first_timestep(sampler: str, monkeypatch) -> None:
     """dpm++ Karras on squaredcos_cap_v2 repeats its first (truncated) timestep; diffusers'
     pipeline loop then crashes at the end. We run the intended schedule: it matches diffusers
     started with ``set_begin_index(0)`` (the driver does that)."""
     cfg = {**BETAS["cosine"], "prediction_type": "epsilon"}
-    _, plan = ours_for(cfg, "dpmpp_2m_karras", 7)
+    _, plan = ours_for(cfg, sampler, 7)
     assert plan.timesteps[0] == plan.timesteps[1] == 998.0
-    check_parity("dpmpp_2m_karras", cfg, 7, 0.0, monkeypatch)
+    check_parity(sampler, cfg, 7, 0.0, monkeypatch)
 
 
 @pytest.mark.parametrize("via_json", [False, True], ids=["in-memory", "json-file"])
@@ -199,7 +200,7 @@ def test_lambda_min_clipped(monkeypatch) -> None:
     check_parity("dpmpp_2m", {**cfg, "timestep_spacing": "trailing"}, 10, 0.0, monkeypatch)
 
 
-@pytest.mark.parametrize("sampler", ["euler", "heun", "dpmpp_2m_karras"])
+@pytest.mark.parametrize("sampler", ["euler", "heun", "dpmpp_2m_karras", "dpmpp_2m_sde_karras"])
 def test_karras_sigma_bounds_from_config(sampler: str, monkeypatch) -> None:
     cfg = {**BETAS["scaled"], "use_karras_sigmas": True, "sigma_min": 0.1, "sigma_max": 10.0}
     _, plan = ours_for(cfg, sampler, 6)

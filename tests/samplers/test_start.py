@@ -15,7 +15,7 @@ CONFIG = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_s
           "steps_offset": 1, "timestep_spacing": "leading"}
 
 
-@pytest.mark.parametrize("sampler", ["ddim", "euler", "heun", "dpmpp_2m", "lcm", "tcd"])
+@pytest.mark.parametrize("sampler", ["ddim", "euler", "heun", "dpmpp_2m", "lcm", "tcd", "dpmpp_2m_sde", "pndm"])
 @pytest.mark.parametrize("steps,strength", [(5, 0.6), (10, 0.75), (7, 0.3), (4, 1.0), (30, 0.9999)])
 def test_sd_start_is_diffusers_get_timesteps(sampler, steps, strength):
     from diffusers import StableDiffusionImg2ImgPipeline
