@@ -8,7 +8,7 @@ noise is supplied explicitly by the caller.
 Public API::
 
     SAMPLERS: tuple[str, ...]                 # DIFFUSION_SAMPLERS + FLOW_SAMPLERS
-    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm, tcd
+    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm, tcd, dpmpp_2m_sde(_karras), pndm
     FLOW_SAMPLERS: tuple[str, ...]            # ("flow_euler", "flow_heun")
     DETERMINISTIC_SAMPLERS: tuple[str, ...]   # samplers without per-step noise (flow ones included)
     MU_SIGMAS_SAMPLERS: tuple[str, ...]       # samplers whose make_plan takes mu / sigmas
@@ -54,6 +54,13 @@ count need a recompile)::
                      timestep_scaling; re-noised between steps)
     tcd              TCDScheduler (original_inference_steps; eta =      1                  no
                      gamma is runtime data in the Plan)
+    dpmpp_2m_sde     DPMSolverMultistepScheduler (sde-dpmsolver++,      1                  no
+                     order 2, midpoint, lower_order_final; one noise
+                     draw per step from noise_fn)
+    dpmpp_2m_sde_karras  same, use_karras_sigmas=True                   1                  no
+    pndm             PNDMScheduler (skip_prk_steps=True: PLMS; steps    1 (steps + 1 calls  no
+                     + 1 rows, the second timestep twice; set_alpha_     for steps >= 2)
+                     to_one; epsilon / v_prediction)
     flow_euler       FlowMatchEulerDiscreteScheduler (shift, dynamic     1                  no
                      shifting with mu, custom sigmas, invert_sigmas,
                      shift_terminal, Karras / exponential sigmas)
@@ -75,8 +82,10 @@ No sampler needs a static step count: the schedule is a ``Plan`` of arrays padde
 ``num_train_timesteps + 1`` rows (its shapes do not depend on ``steps``), the trip count
 ``plan.n_steps`` is a traced int32 scalar driving ``lax.fori_loop``, and per-step differences
 (dpm++'s first/last step order, Heun's single model call onto sigma = 0) are data read at the
-traced index, selected with ``jnp.where`` / ``lax.cond``. Only ``SolverSpec`` (solver,
-prediction type, clipping, DDPM variance type) is static.
+traced index, selected with ``jnp.where`` / ``lax.cond``; what a multistep solver remembers
+(dpm++'s previous x0, PLMS's earlier outputs and its call counter, which restarts at an img2img
+``Start`` as diffusers' fresh scheduler does) is carried in ``SamplerState``. Only ``SolverSpec``
+(solver, prediction type, clipping, DDPM variance type) is static.
 
 Numerics: ``make_plan`` reproduces diffusers' host arithmetic (torch float32 CPU kernels,
 then numpy float64): given the same betas and training sigma table, timesteps, sigmas and
