@@ -73,7 +73,8 @@ def _compare(ours: np.ndarray, theirs: np.ndarray, shape: tuple[int, ...] = (1, 
     assert_pixels_close(ours, theirs, MEAN_TOL, MAX_TOL, shape=shape)
 
 
-IMG2IMG = [("sd1", "ddim"), ("sd1", "euler"), ("sd1", "dpmpp_2m"), ("sd1", "heun"), ("sdxl", "euler")]
+IMG2IMG = [("sd1", "ddim"), ("sd1", "euler"), ("sd1", "dpmpp_2m"), ("sd1", "heun"), ("sdxl", "euler"),
+           ("sd1", "pndm")]  # pndm: t_start indexes its list with the repeated timestep, counter from 0
 
 
 @pytest.mark.parametrize("kind,sampler", IMG2IMG, ids=[f"{k}-{s}" for k, s in IMG2IMG])
