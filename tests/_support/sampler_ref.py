@@ -17,6 +17,7 @@ import diffusers
 from diffusers.schedulers import (
     scheduling_ddim,
     scheduling_ddpm,
+    scheduling_dpmsolver_multistep,
     scheduling_euler_ancestral_discrete,
     scheduling_lcm,
     scheduling_tcd,
@@ -41,9 +42,13 @@ DIFFUSERS_CLASS = {
     "lcm": diffusers.LCMScheduler,
     "tcd": diffusers.TCDScheduler,
     "unipc": diffusers.UniPCMultistepScheduler,
+    "dpmpp_2m_sde": diffusers.DPMSolverMultistepScheduler,
+    "dpmpp_2m_sde_karras": diffusers.DPMSolverMultistepScheduler,
+    "pndm": diffusers.PNDMScheduler,
 }
 # modules whose ``randn_tensor`` we replace so diffusers draws our noise table
-RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd)
+RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd,
+                 scheduling_dpmsolver_multistep)
 
 
 # --- the fake denoiser, identical math in jax and torch -------------------------------------------
@@ -74,8 +79,10 @@ def diffusers_scheduler(sampler: str, cfg: dict[str, Any]):
     cls = DIFFUSERS_CLASS[sampler]
     extra: dict[str, Any] = {}
     if sampler.startswith("dpmpp"):
-        extra = dict(algorithm_type="dpmsolver++", solver_order=2, solver_type="midpoint",
-                     lower_order_final=True, use_karras_sigmas=sampler == "dpmpp_2m_karras")
+        extra = dict(algorithm_type="sde-dpmsolver++" if "_sde" in sampler else "dpmsolver++", solver_order=2,
+                     solver_type="midpoint", lower_order_final=True, use_karras_sigmas=sampler.endswith("_karras"))
+    elif sampler == "pndm":
+        extra = dict(skip_prk_steps=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return cls.from_config(dict(cfg), **extra)

@@ -73,7 +73,8 @@ def _compare(ours: np.ndarray, theirs: np.ndarray, shape: tuple[int, ...] = (1, 
     assert_pixels_close(ours, theirs, MEAN_TOL, MAX_TOL, shape=shape)
 
 
-IMG2IMG = [("sd1", "ddim"), ("sd1", "euler"), ("sd1", "dpmpp_2m"), ("sd1", "heun"), ("sdxl", "euler")]
+IMG2IMG = [("sd1", "ddim"), ("sd1", "euler"), ("sd1", "dpmpp_2m"), ("sd1", "heun"), ("sdxl", "euler"),
+           ("sd1", "pndm")]  # pndm: t_start indexes its list with the repeated timestep, counter from 0
 
 
 @pytest.mark.parametrize("kind,sampler", IMG2IMG, ids=[f"{k}-{s}" for k, s in IMG2IMG])
@@ -93,7 +94,8 @@ def test_img2img_matches_diffusers(folders, pipes, kind, sampler):
     assert np.abs(ours.astype(np.int32) - from_noise.astype(np.int32)).mean() > 4 * MEAN_TOL  # the image counts
 
 
-INPAINT = [("sd1-inpaint", "ddim", 1.0), ("sdxl-inpaint", "euler", 1.0), ("sd1", "ddim", 0.6), ("sd1", "euler", 1.0)]
+INPAINT = [("sd1-inpaint", "ddim", 1.0), ("sdxl-inpaint", "euler", 1.0), ("sd1", "ddim", 0.6), ("sd1", "euler", 1.0),
+           ("sd1", "pndm", 0.6)]  # pndm: the blend after every call, its call 1 restarting from the start
 
 
 def _inpainted(folders, pipes, name: str, sampler: str, strength: float, image: np.ndarray, mask: np.ndarray,

@@ -201,6 +201,90 @@ def test_unknown_pipeline_class_is_named(folders, tmp_path):
         preheat.load(other, cache="off")
 
 
+def _with_scheduler(src: Path, dst: Path, scheduler: Any) -> Path:
+    """A copy of the folder ``src`` whose pipeline saves ``scheduler`` (model_index.json and scheduler/)."""
+    import json
+
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model_index.json").read_text())
+    (dst / "model_index.json").write_text(json.dumps({**index, "scheduler": ["diffusers", type(scheduler).__name__]}))
+    scheduler.save_config(dst / "scheduler")
+    return dst
+
+
+def test_a_pndm_folder_defaults_to_pndm_and_matches_its_diffusers_pipeline(folders, tmp_path):
+    """SD 1.x's original folders save PNDMScheduler(skip_prk_steps=True): the load runs PLMS by
+    default (steps + 1 model calls, its second timestep twice), as diffusers' pipeline loaded from
+    the same folder -- with the scheduler it builds itself -- does from the same latents."""
+    from diffusers import DiffusionPipeline, PNDMScheduler
+
+    from preheat.backends.torch.text import restore_text_model
+    from tests._support.sd_fixtures import DDIM_EXTRA, SCHEDULER
+
+    folder = _with_scheduler(folders["sd1"], tmp_path / "sd1-pndm",
+                             PNDMScheduler(**SCHEDULER, skip_prk_steps=True,
+                                           set_alpha_to_one=DDIM_EXTRA["set_alpha_to_one"]))
+    pipe = preheat.load(folder, cache="off")
+    assert pipe.defaults["sampler"] == "pndm"
+    ref = DiffusionPipeline.from_pretrained(folder)
+    restore_text_model(ref)
+    ref.set_progress_bar_config(disable=True)
+    assert type(ref.scheduler).__name__ == "PNDMScheduler" and ref.scheduler.config.skip_prk_steps
+    noise = _noise(1, seed=3)
+    theirs = reference_pixels(ref, "a watercolor fox", noise, num_inference_steps=4, height=32, width=32,
+                              guidance_scale=7.5)
+    ours = pipe.generate("a watercolor fox", noise=noise, steps=4, guidance=7.5, width=32, height=32)
+    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    print(f"sd1/pndm: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
+    assert ours.std() > 5  # not a flat image (flat images would agree for any model)
+
+
+def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog):
+    """DPMSolverMultistepScheduler's algorithm_type (+ use_karras_sigmas) picks dpmpp_2m[_sde][_karras];
+    a scheduler we do not reproduce -- an unknown class, or settings of a known one -- falls back to
+    the family's default with one warning naming it."""
+    import logging
+
+    from diffusers import DPMSolverMultistepScheduler, KDPM2DiscreteScheduler, PNDMScheduler
+
+    from preheat.families.stable_diffusion import SD
+    from preheat.families.text import default_sampler
+
+    def folder(name: str, scheduler: Any) -> Path:
+        scheduler.save_config(tmp_path / name / "scheduler")
+        return tmp_path / name
+
+    picked = {
+        "sde": (DPMSolverMultistepScheduler(algorithm_type="sde-dpmsolver++"), "dpmpp_2m_sde"),
+        "sde-karras": (DPMSolverMultistepScheduler(algorithm_type="sde-dpmsolver++", use_karras_sigmas=True),
+                       "dpmpp_2m_sde_karras"),
+        "ode": (DPMSolverMultistepScheduler(), "dpmpp_2m"),
+        "ode-karras": (DPMSolverMultistepScheduler(use_karras_sigmas=True), "dpmpp_2m_karras"),
+        "plms": (PNDMScheduler(skip_prk_steps=True), "pndm"),
+    }
+    caplog.set_level(logging.WARNING, logger="preheat.families")
+    for name, (scheduler, sampler) in picked.items():
+        assert default_sampler(folder(name, scheduler), SD) == {"sampler": sampler}, name
+    assert not caplog.records
+    refused = {
+        "dpm": (DPMSolverMultistepScheduler(algorithm_type="sde-dpmsolver", final_sigmas_type="sigma_min"),
+                "algorithm_type='sde-dpmsolver'"),
+        "heun": (DPMSolverMultistepScheduler(algorithm_type="sde-dpmsolver++", solver_type="heun"),
+                 "solver_type='heun'"),
+        "order3": (DPMSolverMultistepScheduler(solver_order=3), "solver_order=3"),
+        "prk": (PNDMScheduler(), "skip_prk_steps=False"),
+        "kdpm2": (KDPM2DiscreteScheduler(), "scheduler KDPM2DiscreteScheduler is not implemented"),
+    }
+    for name, (scheduler, needle) in refused.items():
+        caplog.clear()
+        assert default_sampler(folder(name, scheduler), SD) == {}, name
+        (record,) = caplog.records
+        line = record.getMessage()
+        assert needle in line and "using sampler 'dpmpp_2m' instead" in line and "\n" not in line, line
+        assert record.levelno == logging.WARNING
+
+
 # each kind's default sampler, two seeded images at the native size: the JAX side runs the program
 # test_pil_images (sd1) and the size-conditioning test (sdxl) compile, not one of its own (the torch
 # backend's sampler mapping, dpmpp_2m's too, is one piece of code: tests/backends/test_torch_backend.py)

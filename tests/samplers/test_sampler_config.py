@@ -46,11 +46,12 @@ def test_from_dict_keeps_present_values_and_drops_the_rest() -> None:
     })
     assert cfg.beta_schedule == "scaled_linear" and cfg.steps_offset == 1 and cfg.clip_sample is False
     assert cfg.prediction_type is None  # absent: the sampler's class default applies
-    assert cfg.ignored_keys == ("skip_prk_steps",) and cfg.solver_order == 3  # read by unipc only
+    assert cfg.ignored_keys == () and cfg.solver_order == 3  # read by unipc only
+    assert cfg.skip_prk_steps is True  # read by sampler "pndm" (it refuses False)
     assert cfg.class_name == "PNDMScheduler"  # decides flow matching vs diffusion (config_kind)
     assert hash(cfg) == hash(SchedulerConfig.from_dict(dict(
         _class_name="PNDMScheduler", beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, num_train_timesteps=1000,
-        set_alpha_to_one=False, steps_offset=1, clip_sample=False, skip_prk_steps=1, solver_order=3,
+        set_alpha_to_one=False, steps_offset=1, clip_sample=False, skip_prk_steps=True, solver_order=3,
     )))
     assert cfg != dataclasses.replace(cfg, solver_order=2)  # unipc reads it: part of the config
 
@@ -143,6 +144,12 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"rescale_betas_zero_snr": True}, "unipc", "rescale_betas_zero_snr"),
     ({"disable_corrector": [1.5]}, "unipc", "disable_corrector"),
     ({"disable_corrector": 2}, "unipc", "disable_corrector"),
+    ({"thresholding": True}, "dpmpp_2m_sde", "thresholding"),
+    ({"final_sigmas_type": "sigma_min"}, "dpmpp_2m_sde_karras", "final_sigmas_type"),
+    ({"variance_type": "learned"}, "dpmpp_2m_sde", "variance_type"),
+    ({"skip_prk_steps": False}, "pndm", "skip_prk_steps"),  # the Runge-Kutta warm-up: not implemented
+    ({"prediction_type": "sample"}, "pndm", "prediction_type"),  # PNDMScheduler raises on it too
+    ({"skip_prk_steps": 1}, "pndm", "skip_prk_steps"),
 ]
 
 
@@ -168,13 +175,18 @@ IGNORED: list[tuple[dict[str, Any], str]] = [
     ({"algorithm_type": "sde-dpmsolver++", "solver_order": 3}, "dpmpp_2m"),  # the name decides
     ({"solver_type": "bh1", "disable_corrector": [0], "lower_order_final": False}, "dpmpp_2m"),  # UniPC's keys
     ({"lambda_min_clipped": -5.1, "algorithm_type": "dpmsolver"}, "unipc"),  # dpm++'s keys
+    ({"algorithm_type": "dpmsolver++", "solver_type": "heun"}, "dpmpp_2m_sde"),  # ... both ways
+    ({"skip_prk_steps": False}, "ddim"),  # only pndm reads it
+    ({"thresholding": True, "clip_sample": True}, "pndm"),  # PNDMScheduler has neither
 ]
 
 
 @pytest.mark.parametrize("d,sampler", IGNORED, ids=[s + "-" + next(iter(d)) for d, s in IGNORED])
 def test_values_the_class_does_not_read_are_ignored(d: dict[str, Any], sampler: str) -> None:
     cfg = SchedulerConfig.from_dict(d)
-    assert np.array_equal(make_plan(cfg, sampler, 10).sigmas, make_plan(SchedulerConfig(), sampler, 10).sigmas)
+    for ours, plain in zip(make_plan(cfg, sampler, 10), make_plan(SchedulerConfig(), sampler, 10)):
+        assert np.array_equal(ours, plain)
+    assert make_spec(cfg, sampler) == make_spec(SchedulerConfig(), sampler)
 
 
 def test_unknown_sampler() -> None:

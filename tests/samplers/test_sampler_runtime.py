@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from preheat.samplers import DIFFUSION_SAMPLERS, Plan, SchedulerConfig, SolverSpec, init, make_plan, make_spec, run, step
+from preheat.samplers import _schedules
 from tests._support.sampler_ref import SHAPE, fake_model_jax, noise_for, run_ours
 
 CFG = SchedulerConfig.from_dict({"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012})
@@ -55,7 +56,7 @@ def test_changing_steps_does_not_retrace(sampler: str) -> None:
     if sampler == "ddim":
         variants.append(make_plan(CFG, sampler, 12, eta=0.0))  # eta is data too
     if sampler.startswith("dpmpp"):  # Karras or not is schedule data: same program
-        other = "dpmpp_2m" if sampler == "dpmpp_2m_karras" else "dpmpp_2m_karras"
+        other = sampler[: -len("_karras")] if sampler.endswith("_karras") else sampler + "_karras"
         assert make_spec(CFG, other) == spec
         variants.append(make_plan(CFG, other, 12))
     run_jit, traces = make_run_jit()
@@ -91,7 +92,8 @@ def test_model_calls_and_noise_draws(sampler: str) -> None:
     assert counts["model"] == (2 * n - 1 if sampler == "heun" else n)
     assert spec.max_model_calls_per_step == (2 if sampler == "heun" else 1)
     assert counts["noise"] == n * spec.noise_draws_per_step
-    assert spec.noise_draws_per_step == (1 if sampler in ("ddpm", "ddim", "euler_a", "lcm", "tcd") else 0)
+    assert spec.noise_draws_per_step == (1 if sampler in ("ddpm", "ddim", "euler_a", "lcm", "tcd", "dpmpp_2m_sde",
+                                                          "dpmpp_2m_sde_karras") else 0)
 
 
 @pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
@@ -109,7 +111,11 @@ def test_init_scales_noise_and_sets_history(sampler: str) -> None:
             assert state.x0_history.shape == (2, *SHAPE) and not np.any(np.asarray(state.x0_history))
         else:
             assert state.x0_history is None and state.x_last is None
-        expect_one = sampler in ("ddpm", "ddim", "lcm", "tcd", "unipc") or sampler.startswith("dpmpp")
+        if sampler == "pndm":  # diffusers' counter, cur_sample and ets, explicit
+            assert int(state.count) == 0 and state.outputs.shape == (3, *SHAPE) and state.x_start.shape == SHAPE
+        else:
+            assert state.count is None and state.outputs is None and state.x_start is None
+        expect_one = sampler in ("ddpm", "ddim", "lcm", "tcd", "unipc", "pndm") or sampler.startswith("dpmpp")
         assert (plan.init_noise_sigma == 1.0) == expect_one
 
 
@@ -122,10 +128,22 @@ def test_final_sample_is_in_data_space(sampler: str) -> None:
         "prediction_type": "sample", "clip_sample": False,
     })
     target = jnp.asarray(np.linspace(-0.9, 0.9, np.prod(SHAPE), dtype=np.float32).reshape(SHAPE))
+
+    def model(x: jax.Array, t: jax.Array) -> jax.Array:
+        return jnp.broadcast_to(target, x.shape)
+
+    if sampler == "pndm":  # PNDMScheduler takes no "sample" prediction: the epsilon of that image, ending at alpha 1
+        cfg = SchedulerConfig.from_dict({**{k: getattr(cfg, k) for k in ("beta_schedule", "beta_start", "beta_end")},
+                                         "set_alpha_to_one": True})
+        ab = jnp.asarray(_schedules.alphas_cumprod(_schedules.betas("scaled_linear", 0.00085, 0.012, 1000)))
+
+        def model(x: jax.Array, t: jax.Array) -> jax.Array:  # noqa: F811
+            a = ab[t.astype(jnp.int32)]
+            return (x - jnp.sqrt(a) * target) / jnp.sqrt(1.0 - a)
+
     spec, plan = make_spec(cfg, sampler), make_plan(cfg, sampler, 8, eta=_eta(sampler))
     noise = np.random.default_rng(1).standard_normal(SHAPE, dtype=np.float32)
-    x = run(spec, lambda x, t: jnp.broadcast_to(target, x.shape), plan, noise,
-            lambda i, k: jax.random.normal(jax.random.fold_in(jax.random.key(1), i), SHAPE))
+    x = run(spec, model, plan, noise, lambda i, k: jax.random.normal(jax.random.fold_in(jax.random.key(1), i), SHAPE))
     if sampler == "tcd":
         ab0 = np.float32(plan.alpha_bar_mid[int(plan.n_steps) - 1])  # the last step's s is 0
         assert ab0 == np.float32(1 - 0.00085)  # alphas_cumprod[0] = 1 - beta_0

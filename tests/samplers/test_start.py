@@ -15,7 +15,8 @@ CONFIG = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_s
           "steps_offset": 1, "timestep_spacing": "leading"}
 
 
-@pytest.mark.parametrize("sampler", ["ddim", "euler", "heun", "dpmpp_2m", "lcm", "tcd", "unipc"])
+@pytest.mark.parametrize("sampler", ["ddim", "euler", "heun", "dpmpp_2m", "lcm", "tcd", "unipc", "dpmpp_2m_sde",
+                                     "pndm"])
 @pytest.mark.parametrize("steps,strength", [(5, 0.6), (10, 0.75), (7, 0.3), (4, 1.0), (30, 0.9999)])
 def test_sd_start_is_diffusers_get_timesteps(sampler, steps, strength):
     from diffusers import StableDiffusionImg2ImgPipeline
@@ -91,3 +92,45 @@ def test_multistep_start_matches_diffusers_img2img_loop(sampler, extra, blend):
     np.testing.assert_allclose(np.asarray(ours), x.numpy(), rtol=1e-5, atol=2e-5)
     whole = run(spec, fake_model_jax, plan, jnp.asarray(eps), lambda i, k: None)
     assert not np.allclose(np.asarray(whole), x.numpy(), atol=1e-2)  # the start counts
+
+
+@pytest.mark.parametrize("sampler", ["dpmpp_2m_sde", "dpmpp_2m_sde_karras", "pndm", "dpmpp_2m", "ddim"])
+@pytest.mark.parametrize("steps,strength", [(6, 0.6), (9, 0.75), (5, 1.0)])
+def test_a_run_from_start_matches_diffusers_img2img_loop(sampler, steps, strength, monkeypatch):
+    """``run(start=Start(...))`` is diffusers' img2img loop on the bare scheduler: ``add_noise`` at
+    ``timesteps[t_start]``, then ``step`` from there with a fresh scheduler state -- dpm++ first
+    order without history, PNDM's counter from 0 (its call 1 redoes the first move from the start),
+    the SDE's per-step noise drawn where ours is. Same fake model, inputs and noise table."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from preheat.samplers import Start, make_spec, run
+    from tests._support import sampler_ref as R
+
+    cfg = {**CONFIG, "prediction_type": "epsilon"}
+    R.inject_torch_tables(monkeypatch)
+    config = SchedulerConfig.from_dict(cfg)
+    spec, plan = make_spec(config, sampler), make_plan(config, sampler, steps)
+    start = strength_start(steps, strength)
+    rng = np.random.default_rng(steps)
+    x0, eps = (rng.standard_normal(R.SHAPE, dtype=np.float32) for _ in range(2))
+    table = rng.standard_normal((plan.timesteps.shape[0], 1, *R.SHAPE), dtype=np.float32)
+
+    sched = R.diffusers_scheduler(sampler, cfg)
+    sched.set_timesteps(steps)
+    timesteps = sched.timesteps[start * sched.order:]  # the pipeline's get_timesteps
+    if hasattr(sched, "set_begin_index"):
+        sched.set_begin_index(start * sched.order)
+    row = {"i": start}
+    for mod in R.RANDN_MODULES:
+        monkeypatch.setattr(mod, "randn_tensor", lambda shape, **_: torch.from_numpy(table[row["i"], 0].copy()))
+    x = sched.add_noise(torch.from_numpy(x0), torch.from_numpy(eps), timesteps[:1])
+    with torch.no_grad():
+        for k, t in enumerate(timesteps):
+            row["i"] = start + k
+            x = sched.step(R.fake_model_torch(sched.scale_model_input(x, t), t), t, x).prev_sample
+    ours = run(spec, R.fake_model_jax, plan, jnp.asarray(eps), lambda i, k: jnp.asarray(table)[i, k],
+               start=Start(index=jnp.int32(start), x0=jnp.asarray(x0), pure_noise=jnp.bool_(False)))
+    assert len(timesteps) == int(plan.n_steps) - start
+    np.testing.assert_allclose(np.asarray(ours), x.numpy(), rtol=1e-5, atol=1e-5)

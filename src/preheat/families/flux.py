@@ -274,7 +274,7 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
                                "t5": encoders[1].config.architecture_dict(), "dtype": str(dtype)},
         decode_fingerprint={"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
     )
-    defaults = {**default_sampler(root), **family.model_defaults(guidance_embeds)}
+    defaults = {**default_sampler(root, family), **family.model_defaults(guidance_embeds)}
     # diffusers' FluxPipeline: default_sample_size 128 latents per side (1024 px with an 8x VAE)
     fingerprint = {"kind": "flux-transformer", "family": family.name, "config": cfg.architecture_dict()}
     return LoadedModel(apply=apply, params=transformer.params, sample_shape=(128, 128, latent_channels),

@@ -229,5 +229,5 @@ def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "f
     fingerprint = {"kind": "sd3-transformer", "family": SD3.name, "config": cfg.architecture_dict()}
     side = int(cfg.sample_size)  # diffusers: default_sample_size = transformer.config.sample_size (latents)
     return LoadedModel(apply=apply, params=transformer.params, sample_shape=(side, side, cfg.in_channels),
-                       scheduler_config=sched, fingerprint=fingerprint, family=SD3, defaults=default_sampler(root),
+                       scheduler_config=sched, fingerprint=fingerprint, family=SD3, defaults=default_sampler(root, SD3),
                        dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)

@@ -424,7 +424,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     fingerprint = {"kind": "unet2d-condition", "family": family.name, "config": cfg.architecture_dict()}
     return LoadedModel(apply=apply, params=unet.params,
                        sample_shape=(int(latent[0]), int(latent[1]), latent_channels), scheduler_config=sched,
-                       fingerprint=fingerprint, family=family, defaults=default_sampler(root),
+                       fingerprint=fingerprint, family=family, defaults=default_sampler(root, family),
                        dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)
 
 

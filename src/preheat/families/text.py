@@ -7,20 +7,23 @@ width or a missing ``text_encoder_2/`` with the same words.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from preheat.errors import ModelNotFoundError
+from preheat.errors import ModelNotFoundError, SchedulerConfigError
 from preheat.families.base import EngineView, Family, Request, StageSignature, to_pixels
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import DecodeArgs, EncodeArgs, LoraArgs
 
 __all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROMPT", "component", "default_sampler",
-           "decode_program", "encode", "offload"]
+           "folder_sampler", "decode_program", "encode", "offload"]
+
+log = logging.getLogger("preheat.families")
 
 @dataclass(frozen=True)
 class TextToImageFamily(Family):
@@ -64,6 +67,7 @@ SAMPLER_OF_SCHEDULER = {
     "LCMScheduler": "lcm",
     "TCDScheduler": "tcd",
     "UniPCMultistepScheduler": "unipc",
+    "PNDMScheduler": "pndm",  # with skip_prk_steps=True (folder_sampler refuses the Runge-Kutta warm-up)
     "FlowMatchEulerDiscreteScheduler": "flow_euler",
     "FlowMatchHeunDiscreteScheduler": "flow_heun",
 }
@@ -86,18 +90,57 @@ def component(root: Path, index: dict[str, Any], name: str) -> Path:
     return folder
 
 
-def default_sampler(root: Path) -> dict[str, Any]:
-    """The sampler diffusers would run for this folder's scheduler class (family default otherwise)."""
+# DPMSolverMultistepScheduler's algorithm_type -> our sampler (use_karras_sigmas adds "_karras")
+SAMPLER_OF_DPM_ALGORITHM = {"dpmsolver++": "dpmpp_2m", "sde-dpmsolver++": "dpmpp_2m_sde"}
+
+
+def folder_sampler(raw: Mapping[str, Any]) -> str | None:
+    """The sampler that reproduces a ``scheduler_config.json`` as diffusers' pipeline runs it; None
+    for a class we do not implement. Settings of an implemented class that we do not reproduce
+    (DPM-Solver's ``algorithm_type="sde-dpmsolver"``, ``solver_type="heun"``, PNDM's Runge-Kutta
+    warm-up) are a one-line ``SchedulerConfigError`` naming the key."""
+    sampler = SAMPLER_OF_SCHEDULER.get(str(raw.get("_class_name")))
+    if sampler == "dpmpp_2m":
+        for key, default, supported in (("algorithm_type", "dpmsolver++", tuple(SAMPLER_OF_DPM_ALGORITHM)),
+                                        ("solver_type", "midpoint", ("midpoint",)),
+                                        ("solver_order", 2, (2,))):
+            value = raw.get(key, default)
+            if value not in supported:
+                raise SchedulerConfigError(f"{key}={value!r} is not supported for DPMSolverMultistepScheduler; "
+                                           f"supported: {', '.join(map(repr, supported))}")
+        sampler = SAMPLER_OF_DPM_ALGORITHM[raw.get("algorithm_type", "dpmsolver++")]
+        if raw.get("use_karras_sigmas"):
+            sampler += "_karras"
+    if sampler == "pndm" and not raw.get("skip_prk_steps", False):  # PNDMScheduler's default is False
+        raise SchedulerConfigError("skip_prk_steps=False (PNDM's Runge-Kutta warm-up) is not supported for "
+                                   "PNDMScheduler; only skip_prk_steps=True (PLMS, sampler 'pndm') is")
+    return sampler
+
+
+def default_sampler(root: Path, family: Family) -> dict[str, Any]:
+    """The sampler diffusers would run for this folder's scheduler (the family's default otherwise).
+
+    A scheduler we do not reproduce -- an unknown class, or settings ``folder_sampler`` refuses --
+    falls back to the family's default with one warning naming it, since the images will differ
+    from the diffusers pipeline the folder was saved with.
+    """
     from preheat.models.safetensors_files import read_json
 
     path = root / "scheduler" / "scheduler_config.json"
     if not path.is_file():
         return {}
     raw = read_json(path, "scheduler config")
-    sampler = SAMPLER_OF_SCHEDULER.get(str(raw.get("_class_name")))
-    if sampler == "dpmpp_2m" and raw.get("use_karras_sigmas"):
-        sampler = "dpmpp_2m_karras"
-    return {"sampler": sampler} if sampler else {}
+    instead = family.defaults.get("sampler")
+    try:
+        sampler = folder_sampler(raw)
+    except SchedulerConfigError as e:
+        log.warning("%s: %s; using sampler %r instead", root, e, instead)
+        return {}
+    if sampler is None:
+        log.warning("%s: scheduler %s is not implemented; using sampler %r instead", root,
+                    raw.get("_class_name", "(no _class_name)"), instead)
+        return {}
+    return {"sampler": sampler}
 
 
 def decode_program(vae: Any) -> Any:

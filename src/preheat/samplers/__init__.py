@@ -8,7 +8,7 @@ noise is supplied explicitly by the caller.
 Public API::
 
     SAMPLERS: tuple[str, ...]                 # DIFFUSION_SAMPLERS + FLOW_SAMPLERS
-    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm, tcd, unipc
+    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm, tcd, unipc, dpmpp_2m_sde(_karras), pndm
     FLOW_SAMPLERS: tuple[str, ...]            # ("flow_euler", "flow_heun")
     DETERMINISTIC_SAMPLERS: tuple[str, ...]   # samplers without per-step noise (flow ones included)
     MU_SIGMAS_SAMPLERS: tuple[str, ...]       # samplers whose make_plan takes mu / sigmas
@@ -57,6 +57,13 @@ count need a recompile)::
     unipc            UniPCMultistepScheduler (predict_x0; bh2, bh1;     1                  no
                      solver_order 1..3, lower_order_final,
                      disable_corrector, Karras, final_sigmas_type)
+    dpmpp_2m_sde     DPMSolverMultistepScheduler (sde-dpmsolver++,      1                  no
+                     order 2, midpoint, lower_order_final; one noise
+                     draw per step from noise_fn)
+    dpmpp_2m_sde_karras  same, use_karras_sigmas=True                   1                  no
+    pndm             PNDMScheduler (skip_prk_steps=True: PLMS; steps    1 (steps + 1 calls  no
+                     + 1 rows, the second timestep twice; set_alpha_     for steps >= 2)
+                     to_one; epsilon / v_prediction)
     flow_euler       FlowMatchEulerDiscreteScheduler (shift, dynamic     1                  no
                      shifting with mu, custom sigmas, invert_sigmas,
                      shift_terminal, Karras / exponential sigmas)
@@ -78,7 +85,10 @@ No sampler needs a static step count: the schedule is a ``Plan`` of arrays padde
 ``num_train_timesteps + 1`` rows (its shapes do not depend on ``steps``), the trip count
 ``plan.n_steps`` is a traced int32 scalar driving ``lax.fori_loop``, and per-step differences
 (dpm++'s and UniPC's per-step orders, UniPC's corrector steps, Heun's single model call onto
-sigma = 0) are data read at the traced index, selected with ``jnp.where`` / ``lax.cond``. Only ``SolverSpec`` (solver,
+sigma = 0) are data read at the traced index, selected with ``jnp.where`` / ``lax.cond``; what a
+multistep solver remembers (dpm++'s previous x0, UniPC's earlier x0s and the sample its corrector
+starts from, PLMS's earlier outputs and its call counter, which restarts at an img2img ``Start`` as
+diffusers' fresh scheduler does) is carried in ``SamplerState``. Only ``SolverSpec`` (solver,
 prediction type, clipping, DDPM variance type, UniPC's highest order and B(h)) is static.
 
 Numerics: ``make_plan`` reproduces diffusers' host arithmetic (torch float32 CPU kernels,

@@ -11,12 +11,16 @@ silently ignores keys it does not read. We do the same, per sampler:
   to and rejects values that class would read but we do not implement (``thresholding=True``
   for ddpm/ddim/dpm++, ``final_sigmas_type="sigma_min"`` for euler/dpm++, ...).
 
-The sampler *name* fixes the solver: for ``dpmpp_2m``/``dpmpp_2m_karras`` the dict's
-``algorithm_type``, ``solver_order``, ``solver_type``, ``lower_order_final``,
-``euler_at_final`` and ``use_karras_sigmas`` are not read (the name says 2nd-order
-dpmsolver++ midpoint, Karras or not). ``euler``, ``heun`` and ``unipc`` honour ``use_karras_sigmas``
-from the dict, as their diffusers classes do; ``unipc`` reads ``solver_order``, ``solver_type``,
-``lower_order_final`` and ``disable_corrector`` from it too (UniPCMultistepScheduler's own keys).
+The sampler *name* fixes the solver: for ``dpmpp_2m``/``dpmpp_2m_karras`` (and
+``dpmpp_2m_sde``/``dpmpp_2m_sde_karras``) the dict's ``algorithm_type``, ``solver_order``,
+``solver_type``, ``lower_order_final``, ``euler_at_final`` and ``use_karras_sigmas`` are not
+read (the name says 2nd-order dpmsolver++ / sde-dpmsolver++ midpoint, Karras or not; a
+folder's own ``algorithm_type`` picks between them in ``families.text.default_sampler``).
+``pndm`` is PNDMScheduler with ``skip_prk_steps=True`` (PLMS) whatever the dict says, except
+that an explicit ``skip_prk_steps=False`` (the Runge-Kutta warm-up) is refused. ``euler``,
+``heun`` and ``unipc`` honour ``use_karras_sigmas`` from the dict, as their diffusers classes
+do; ``unipc`` reads ``solver_order``, ``solver_type``, ``lower_order_final`` and
+``disable_corrector`` from it too (UniPCMultistepScheduler's own keys).
 
 Flow matching and diffusion do not mix: a model trained for one cannot be sampled with the
 other, although diffusers' ``from_config`` would happily build either class from either dict.
@@ -56,8 +60,8 @@ class SchedulerConfig:
 
     Absent keys (and keys listed in ``_use_default_values``) take the default of the diffusers
     class the chosen sampler maps to (see :func:`resolve`), because that is what
-    ``Class.from_config(d)`` does. Keys that no sampler reads (``skip_prk_steps``,
-    ``solver_order``, ...) are listed in ``ignored_keys``; ``_``-prefixed keys are dropped.
+    ``Class.from_config(d)`` does. Keys that no sampler reads (``solver_order``,
+    ``algorithm_type``, ...) are listed in ``ignored_keys``; ``_``-prefixed keys are dropped.
     """
 
     num_train_timesteps: int | None = None
@@ -103,6 +107,7 @@ class SchedulerConfig:
     shift_terminal: float | None = None
     time_shift_type: str | None = None
     stochastic_sampling: bool | None = None
+    skip_prk_steps: bool | None = None  # PNDMScheduler: False = Runge-Kutta warm-up (refused for pndm)
     # the saving class (``_class_name``): decides flow matching vs diffusion (config_kind)
     class_name: str | None = None
     ignored_keys: tuple[str, ...] = ()
@@ -207,7 +212,7 @@ class ResolvedConfig:
     steps_offset: int
     clip_sample: bool  # False for samplers whose diffusers class has no clipping
     clip_sample_range: float
-    set_alpha_to_one: bool  # ddim only
+    set_alpha_to_one: bool  # ddim, lcm, pndm
     variance_type: str  # ddpm only ("" otherwise)
     use_karras_sigmas: bool
     sigma_min: float | None  # Karras endpoints; None = the schedule's own
@@ -386,6 +391,15 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
                 f"supported for sampler {sampler!r}; use timestep_type='discrete'"
             )
 
+    if sampler == "pndm":
+        if config.skip_prk_steps is False:
+            raise SchedulerConfigError(
+                "skip_prk_steps=False (PNDM's Runge-Kutta warm-up) is not supported for sampler 'pndm' "
+                "(PNDMScheduler); only skip_prk_steps=True (PLMS) is"
+            )
+        # diffusers' PNDMScheduler raises on it too
+        _check_choice("prediction_type", prediction_type, ("epsilon", "v_prediction"), sampler)
+
     variance_type = ""
     if sampler == "ddpm":
         variance_type = get("variance_type")
@@ -397,9 +411,9 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
             f"sampler {sampler!r}; a model with learned variance cannot be used"
         )
 
-    if sampler == "dpmpp_2m_karras":
+    if sampler in ("dpmpp_2m_karras", "dpmpp_2m_sde_karras"):
         use_karras = True
-    elif sampler == "dpmpp_2m":
+    elif sampler in ("dpmpp_2m", "dpmpp_2m_sde"):
         use_karras = False
     elif "use_karras_sigmas" in defaults:  # euler, heun: as their diffusers classes do
         use_karras = bool(get("use_karras_sigmas"))
@@ -423,7 +437,7 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
         steps_offset=int(get("steps_offset")),
         clip_sample=bool(get("clip_sample")) if has_clip else False,
         clip_sample_range=float(get("clip_sample_range")) if has_clip else 1.0,
-        set_alpha_to_one=bool(get("set_alpha_to_one")) if sampler in ("ddim", "lcm") else True,
+        set_alpha_to_one=bool(get("set_alpha_to_one")) if sampler in ("ddim", "lcm", "pndm") else True,
         variance_type=variance_type,
         use_karras_sigmas=use_karras,
         sigma_min=_opt_float(get("sigma_min")) if "sigma_min" in defaults else None,

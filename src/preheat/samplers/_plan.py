@@ -36,6 +36,9 @@ _SOLVER_OF_SAMPLER = {
     "lcm": "lcm",
     "tcd": "tcd",
     "unipc": "unipc",
+    "dpmpp_2m_sde": "dpmpp_2m_sde",
+    "dpmpp_2m_sde_karras": "dpmpp_2m_sde",
+    "pndm": "pndm",
     # flow matching: the same Euler / Heun updates in sigma, fed the model's velocity
     # (SolverSpec.prediction_type == "flow") instead of a derivative from an x0 estimate
     "flow_euler": "euler",
@@ -43,8 +46,10 @@ _SOLVER_OF_SAMPLER = {
 }
 # Samplers whose diffusers ``set_timesteps`` takes ``mu`` and ``sigmas`` (and so make_plan).
 MU_SIGMAS_SAMPLERS: tuple[str, ...] = ("flow_euler",)
-_SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras", "unipc")
-_NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1, "lcm": 1, "tcd": 1}
+_SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde", "dpmpp_2m_sde_karras",
+                   "unipc")
+_NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1, "lcm": 1, "tcd": 1,
+                "dpmpp_2m_sde": 1}
 # Samplers whose make_plan takes a custom descending ``timesteps`` list (their diffusers
 # ``set_timesteps(timesteps=...)``: Hyper-SD's 1-step cards pass ``[800]``).
 TIMESTEPS_SAMPLERS: tuple[str, ...] = ("lcm", "tcd")
@@ -61,6 +66,7 @@ class SolverSpec:
     """
 
     solver: str  # "ddpm" | "ddim" | "euler" | "euler_a" | "heun" | "dpmpp_2m" | "lcm" | "tcd" | "unipc"
+    #   | "dpmpp_2m_sde" | "pndm"
     prediction_type: str  # "epsilon" | "v_prediction" | "sample" | "flow" (velocity; euler/heun only)
     clip_sample: bool = False  # clamp the x0 prediction (ddpm, ddim, heun, lcm only)
     clip_sample_range: float = 1.0
@@ -75,7 +81,8 @@ class SolverSpec:
 
         ddim draws even at ``eta == 0`` (eta is runtime data) and multiplies the draw by 0;
         lcm and tcd draw on their last step too and drop the draw there (the step count is data;
-        tcd at ``eta == 0`` drops every draw).
+        tcd at ``eta == 0`` drops every draw); so does dpmpp_2m_sde (its last step lands on sigma 0,
+        where the draw's coefficient is 0), as diffusers draws there too.
         """
         return _NOISE_DRAWS.get(self.solver, 0)
 
@@ -101,7 +108,8 @@ class Plan(NamedTuple):
     order: np.ndarray  # int32 [L]: dpm++ / unipc (predictor) order of step i (dpm++: 1 or 2; unipc: 1..3)
     init_noise_sigma: np.ndarray  # float32 []: scale of the standard-normal start noise
     eta: np.ndarray  # float32 []: ddim / tcd stochasticity (0 = deterministic)
-    alpha_bar_mid: np.ndarray  # float32 [L]: tcd: alphas_cumprod at s_i = floor((1 - eta) * t_next) (else 1)
+    alpha_bar_mid: np.ndarray  # float32 [L]: tcd: alphas_cumprod at s_i = floor((1 - eta) * t_next);
+    #   pndm: at t_i + T // steps (the step its counter-1 call restarts from); else 1
     corrector: np.ndarray  # bool [L]: unipc: step i first corrects the sample step i - 1 made (else False)
     progress_id: np.ndarray = np.int32(0)  # int32 []: whose call the step reports are (preheat.progress)
 
@@ -166,6 +174,9 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
         rows = _lcm_rows(r, steps, alpha_bar_train, timesteps)
     elif sampler.startswith("dpmpp") or sampler == "unipc":
         rows = _dpm_rows(r, steps, alpha_bar_train)
+    elif sampler == "pndm":
+        rows, mid = _pndm_rows(r, steps, alpha_bar_train)  # checks its own (repeating) schedule
+        return _pad(T, rows, eta, mid)
     else:
         rows = _sigma_rows(r, steps, alpha_bar_train)
     timesteps, sched_sigmas = rows[0], rows[1]
@@ -332,6 +343,34 @@ def _tcd_mid(timesteps: np.ndarray, eta: float, alpha_bar_train: np.ndarray) -> 
     t_next = np.append(timesteps[1:], 0).astype(_F32)  # [n]
     s = np.floor(_F32(1.0 - eta) * t_next).astype(np.int64)  # float32 product, as torch
     return alpha_bar_train[s].astype(_F32)
+
+
+def _pndm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> tuple[_Rows, np.ndarray]:
+    """pndm (PNDMScheduler, skip_prk_steps=True): PLMS over DDIM's integer grid, its second
+    timestep listed twice -- ``steps + 1`` rows (one model call each) for ``steps >= 2``.
+
+    Each row moves from ``t_i`` to ``t_i - T // steps`` (whatever the spacing, as diffusers; below 0:
+    ``set_alpha_to_one``'s final alpha). The call after a (re)start -- diffusers' counter 1 -- instead
+    redoes the previous move from ``t_i + T // steps`` to ``t_i``: ``alpha_bar_mid`` holds the
+    former, ``alpha_bar`` the latter. Also returns those ``alpha_bar_mid`` rows.
+    """
+    T = r.num_train_timesteps
+    grid = S.spaced_timesteps(r.timestep_spacing, T, steps, r.steps_offset)
+    if r.timestep_spacing == "linspace":
+        grid = grid.round()
+    grid_int = grid.astype(np.int64)  # [steps] descending
+    _check_range(r, steps, grid_int)
+    _check_schedule(r, steps, grid_int.astype(_F32), None)
+    ts_int = grid_int if steps == 1 else np.insert(grid_int, 1, grid_int[1])  # [n]
+    ratio = T // steps
+    n = len(ts_int)
+    ab = alpha_bar_train[ts_int]
+    prev = ts_int - ratio
+    final = _F32(1.0) if r.set_alpha_to_one else alpha_bar_train[0]
+    ab_prev = np.where(prev >= 0, alpha_bar_train[np.maximum(prev, 0)], final).astype(_F32)
+    # t_i + ratio <= T - 1 on every row a counter-1 call can reach (rows >= 1); row 0 is clamped, never read
+    ab_mid = alpha_bar_train[np.minimum(ts_int + ratio, T - 1)].astype(_F32)
+    return (ts_int.astype(_F32), np.zeros(0, _F32), ab, ab_prev, np.ones(n, np.int32), _F32(1.0)), ab_mid
 
 
 def _sigma_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:

@@ -44,6 +44,9 @@ class SamplerState(NamedTuple):
     x0_prev: jax.Array | None = None  # [*S] float32: previous x0 prediction (dpm++ only)
     x0_history: jax.Array | None = None  # [K, *S] float32: unipc: x0 of steps i-1 .. i-K (K = solver_order)
     x_last: jax.Array | None = None  # [*S] float32: unipc: the sample step i - 1 started from (UniC's)
+    count: jax.Array | None = None  # int32 []: pndm: calls since init / start (diffusers' counter)
+    x_start: jax.Array | None = None  # [*S] float32: pndm: the sample entering call 0 (call 1 restarts there)
+    outputs: jax.Array | None = None  # [3, *S] float32: pndm: earlier raw model outputs, newest first
 
 
 class Start(NamedTuple):
@@ -63,15 +66,21 @@ class Start(NamedTuple):
 
 
 # Mask blending needs one blend per scheduler call; Heun's two calls per step are one step here.
-BLEND_SOLVERS: tuple[str, ...] = ("ddpm", "ddim", "euler", "euler_a", "dpmpp_2m", "lcm", "tcd", "unipc")
+BLEND_SOLVERS: tuple[str, ...] = ("ddpm", "ddim", "euler", "euler_a", "dpmpp_2m", "lcm", "tcd", "unipc",
+                                  "dpmpp_2m_sde", "pndm")
+# Multistep dpm++ solvers: they carry the previous x0 and start (again) at first order.
+_DPM_SOLVERS: tuple[str, ...] = ("dpmpp_2m", "dpmpp_2m_sde")
 
 
 def init(spec: SolverSpec, plan: Plan, noise: jax.Array) -> SamplerState:
     """Scale standard-normal ``noise`` into the first sample (diffusers' ``init_noise_sigma``)."""
     x = jnp.asarray(noise, jnp.float32) * jnp.asarray(plan.init_noise_sigma, jnp.float32)
-    history = jnp.zeros_like(x) if spec.solver == "dpmpp_2m" else None
+    history = jnp.zeros_like(x) if spec.solver in _DPM_SOLVERS else None
     if spec.solver == "unipc":
         return SamplerState(x=x, x0_history=jnp.zeros((spec.solver_order, *x.shape), x.dtype), x_last=x)
+    if spec.solver == "pndm":
+        return SamplerState(x=x, count=jnp.int32(0), x_start=jnp.zeros_like(x),
+                            outputs=jnp.zeros((3, *x.shape), x.dtype))
     return SamplerState(x=x, x0_prev=history)
 
 
@@ -104,7 +113,7 @@ def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: 
         state = init(spec, plan, noise)
     else:
         first = jnp.asarray(start.index, jnp.int32)
-        if spec.solver == "dpmpp_2m":  # no history at the first step run: first order, as diffusers
+        if spec.solver in _DPM_SOLVERS:  # no history at the first step run: first order, as diffusers
             plan = plan._replace(order=jnp.asarray(plan.order).at[first].set(1))
         if spec.solver == "unipc":  # its order warms up from the first step run; nothing to correct there
             warm = jnp.arange(jnp.shape(plan.order)[0], dtype=jnp.int32) - first + 1
@@ -131,7 +140,8 @@ def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: 
 def noised(spec: SolverSpec, plan: Plan, x0: jax.Array, noise: jax.Array, i: jax.Array | int) -> jax.Array:
     """``x0`` at step ``i``'s noise level in the solver's own state, as the diffusers scheduler's
     ``add_noise`` (flow: ``scale_noise``) puts it: VE ``x0 + sigma eps``; dpm++ ``alpha(sigma) x0 +
-    sigma_vp eps`` from its sigmas (unipc alike); ddpm/ddim/lcm/tcd ``sqrt(ab) x0 + sqrt(1 - ab) eps`` at ``t_i``."""
+    sigma_vp eps`` from its sigmas (unipc alike); ddpm/ddim/lcm/tcd/pndm ``sqrt(ab) x0 + sqrt(1 - ab) eps`` at
+    ``t_i``."""
     i = jnp.asarray(i, jnp.int32)
     x0, noise = jnp.asarray(x0, jnp.float32), jnp.asarray(noise, jnp.float32)
     if spec.prediction_type == "flow":
@@ -139,7 +149,7 @@ def noised(spec: SolverSpec, plan: Plan, x0: jax.Array, noise: jax.Array, i: jax
         return sigma * noise + (1.0 - sigma) * x0
     if spec.solver in ("euler", "euler_a", "heun"):
         return x0 + noise * _at(plan.sigmas, i)
-    if spec.solver in ("dpmpp_2m", "unipc"):
+    if spec.solver in (*_DPM_SOLVERS, "unipc"):
         alpha, sigma = _vp(_at(plan.sigmas, i))
         return alpha * x0 + sigma * noise
     ab = _at(plan.alpha_bar, i)
@@ -300,7 +310,9 @@ def _heun_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, 
 
 def _dpmpp_2m_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
                    noise_fn: NoiseFn) -> SamplerState:
-    """DPM-Solver++(2M) (Lu et al. 2022), midpoint form; ``plan.order[i]`` picks 1st/2nd order."""
+    """DPM-Solver++(2M) (Lu et al. 2022), midpoint form; ``plan.order[i]`` picks 1st/2nd order.
+    ``dpmpp_2m_sde``: its SDE variant (sde-dpmsolver++), which contracts the sample by ``e^-h``
+    more and adds fresh noise of std ``sigma_t sqrt(1 - e^-2h)`` (0 onto the final sigma = 0)."""
     x = state.x
     sigma_s = _at(plan.sigmas, i)
     sigma_t = _at(plan.sigmas, i + 1)
@@ -315,10 +327,16 @@ def _dpmpp_2m_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerSta
     lam_s1 = jnp.log(alpha_s1) - jnp.log(sig_s1)
     h, h_prev = lam_t - lam_s, lam_s - lam_s1
     r = h_prev / h
-    phi = alpha_t * (jnp.exp(-h) - 1.0)
-    first = sig_t / sig_s * x - phi * x0  # DPM-Solver++(1) == DDIM
     d1 = 1.0 / r * (x0 - state.x0_prev)  # [*S] backward difference of x0 predictions
-    second = first - 0.5 * phi * d1
+    if spec.solver == "dpmpp_2m_sde":
+        decay = jnp.exp(-2.0 * h)
+        psi = alpha_t * (1.0 - decay)
+        first = (sig_t / sig_s * jnp.exp(-h)) * x + psi * x0 + sig_t * jnp.sqrt(1.0 - decay) * noise_fn(i, 0)
+        second = first + 0.5 * psi * d1
+    else:
+        phi = alpha_t * (jnp.exp(-h) - 1.0)
+        first = sig_t / sig_s * x - phi * x0  # DPM-Solver++(1) == DDIM
+        second = first - 0.5 * phi * d1
     # (second may be NaN where order is 1 -- at i == 0 or at sigma_t == 0; where() drops it)
     x_new = jnp.where(_at(plan.order, i) == 2, second, first)
     return SamplerState(x=x_new, x0_prev=x0)
@@ -477,6 +495,35 @@ def _unipc_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState,
     x_new = jnp.where(order == 1, x_first, _unipc_update(x, x0, diffs, rhos, h_phi_1, b_h, sig_i, alpha_t, sig_t))
     new_hist = jnp.concatenate([x0[None], hist[:-1]], axis=0)
     return state._replace(x=x_new, x0_history=new_hist, x_last=x)
+def _pndm_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+               noise_fn: NoiseFn) -> SamplerState:
+    """PLMS (Liu et al. 2022, PNDMScheduler with skip_prk_steps): a linear multistep combination
+    of the raw model outputs, moved by the paper's transfer formula (9) from ``t_i`` to
+    ``t_i - T // steps``. Call 1 after a (re)start repeats call 0's timestep: it redoes call 0's
+    move from its start with the mean of both outputs (an improved Euler step) and is not kept in
+    the history -- diffusers' ``counter`` / ``cur_sample`` / ``ets``, carried in the state."""
+    x, t, c = state.x, _at(plan.timesteps, i), state.count
+    out = model(x, t)  # PNDM feeds the sample unscaled
+    if out.shape != x.shape:
+        raise InvalidArgumentError(f"model output shape {out.shape} != sample shape {x.shape}")
+    out = out.astype(x.dtype)
+    h0, h1, h2 = state.outputs[0], state.outputs[1], state.outputs[2]
+    combined = jnp.select(
+        [c == 0, c == 1, c == 2, c == 3],
+        [out, (out + h0) / 2, (3 * out - h0) / 2, (23 * out - 16 * h0 + 5 * h1) / 12],
+        (1 / 24) * (55 * out - 59 * h0 + 37 * h1 - 9 * h2),
+    )  # [*S]
+    restart = c == 1
+    sample = jnp.where(restart, state.x_start, x)
+    ab = jnp.where(restart, _at(plan.alpha_bar_mid, i), _at(plan.alpha_bar, i))
+    ab_prev = jnp.where(restart, _at(plan.alpha_bar, i), _at(plan.alpha_bar_prev, i))
+    if spec.prediction_type == "v_prediction":  # eps from the combined v, at this move's start
+        combined = jnp.sqrt(ab) * combined + jnp.sqrt(1.0 - ab) * sample
+    denom = ab * jnp.sqrt(1.0 - ab_prev) + jnp.sqrt(ab * (1.0 - ab) * ab_prev)
+    x_new = jnp.sqrt(ab_prev / ab) * sample - (ab_prev - ab) * combined / denom
+    pushed = jnp.stack([out, h0, h1])
+    return SamplerState(x=x_new, count=c + 1, x_start=jnp.where(c == 0, x, state.x_start),
+                        outputs=jnp.where(restart, state.outputs, pushed))
 
 
 _STEP_OF_SOLVER = {
@@ -489,4 +536,6 @@ _STEP_OF_SOLVER = {
     "lcm": _lcm_step,
     "tcd": _tcd_step,
     "unipc": _unipc_step,
+    "dpmpp_2m_sde": _dpmpp_2m_step,
+    "pndm": _pndm_step,
 }

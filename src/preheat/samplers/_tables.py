@@ -19,13 +19,16 @@ DIFFUSION_SAMPLERS: tuple[str, ...] = (
     "lcm",
     "tcd",
     "unipc",
+    "dpmpp_2m_sde",
+    "dpmpp_2m_sde_karras",
+    "pndm",
 )
 # Samplers for flow-matching models (the model predicts the velocity ``noise - x0``).
 FLOW_SAMPLERS: tuple[str, ...] = ("flow_euler", "flow_heun")
 SAMPLERS: tuple[str, ...] = DIFFUSION_SAMPLERS + FLOW_SAMPLERS
 # Diffusion samplers that draw no noise per step (ddim given eta=0), so that two backends given the
 # same initial noise agree image for image (the torch backend's and bench compare's comparisons).
-DETERMINISTIC_SAMPLERS: tuple[str, ...] = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras", "unipc",
+DETERMINISTIC_SAMPLERS: tuple[str, ...] = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras", "unipc", "pndm",
                                            *FLOW_SAMPLERS)
 
 # The diffusers class each sampler reproduces (named in error messages).
@@ -40,6 +43,9 @@ DIFFUSERS_CLASS: dict[str, str] = {
     "lcm": "LCMScheduler",
     "tcd": "TCDScheduler",
     "unipc": "UniPCMultistepScheduler",
+    "dpmpp_2m_sde": "DPMSolverMultistepScheduler",
+    "dpmpp_2m_sde_karras": "DPMSolverMultistepScheduler",
+    "pndm": "PNDMScheduler",
     "flow_euler": "FlowMatchEulerDiscreteScheduler",
     "flow_heun": "FlowMatchHeunDiscreteScheduler",
 }
@@ -132,6 +138,15 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "dpmpp_2m": _DPM,
     "dpmpp_2m_karras": _DPM,
+    "dpmpp_2m_sde": _DPM,  # algorithm_type="sde-dpmsolver++": the name decides, as for dpmpp_2m
+    "dpmpp_2m_sde_karras": _DPM,
+    # PLMS: the name fixes skip_prk_steps=True (the class default is False, the Runge-Kutta
+    # warm-up, which we do not implement: an explicit False is refused, see _config.resolve)
+    "pndm": {
+        **_COMMON,
+        "timestep_spacing": "leading",
+        "set_alpha_to_one": False,
+    },
     # latent consistency models (and LCM-LoRAs): the timesteps are a subset of a fixed
     # original_inference_steps grid, whatever timestep_spacing / steps_offset say (not read)
     "lcm": {
@@ -222,6 +237,7 @@ DIFFUSION_KEYS: tuple[str, ...] = (
     "clip_sample", "clip_sample_range", "set_alpha_to_one", "variance_type", "interpolation_type",
     "use_lu_lambdas", "use_flow_sigmas", "thresholding", "rescale_betas_zero_snr", "timestep_type",
     "final_sigmas_type", "lambda_min_clipped", "original_inference_steps", "timestep_scaling",
+    "skip_prk_steps",
 )
 
 KIND_BOOL = "bool"
@@ -271,4 +287,5 @@ FIELD_KIND: dict[str, str] = {
     "shift_terminal": KIND_FLOAT,
     "time_shift_type": KIND_STR,
     "stochastic_sampling": KIND_BOOL,
+    "skip_prk_steps": KIND_BOOL,
 }

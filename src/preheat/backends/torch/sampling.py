@@ -21,6 +21,12 @@ DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "lcm": ("LCMScheduler", {}),
     "tcd": ("TCDScheduler", {}),
     "unipc": ("UniPCMultistepScheduler", {}),
+    "dpmpp_2m_sde": ("DPMSolverMultistepScheduler",
+                     {"algorithm_type": "sde-dpmsolver++", "solver_order": 2, "solver_type": "midpoint",
+                      "use_karras_sigmas": False}),
+    "dpmpp_2m_sde_karras": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++", "solver_order": 2,
+                                                            "solver_type": "midpoint", "use_karras_sigmas": True}),
+    "pndm": ("PNDMScheduler", {"skip_prk_steps": True}),
     "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}),
     "flow_heun": ("FlowMatchHeunDiscreteScheduler", {}),
 }

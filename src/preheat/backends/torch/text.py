@@ -316,7 +316,7 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
     cfg = denoiser.config
     vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
     components: TextComponents
-    defaults = default_sampler(root)
+    defaults = default_sampler(root, family)
     channels, size = cfg.in_channels, cfg.get("sample_size")
     if class_name.startswith("Flux"):  # as the JAX loader: packed 2x2 tokens out (Fill takes more in), 128-latent side
         channels, size = (cfg.out_channels or cfg.in_channels) // 4, 128
