@@ -171,6 +171,16 @@ def test_the_process_ends_after_atexit_with_the_command_s_code(tmp_path):
     assert "run()" in main_module  # python -m preheat (importing preheat.__main__ would run it)
 
 
+def test_python_m_preheat_server_gives_click_errors_in_one_line(tmp_path):
+    """`python -m preheat.server` runs the serve command on its own, not under the `preheat` group:
+    a bad flag is the same one line (exit 2), not click's usage block."""
+    r = subprocess.run([sys.executable, "-m", "preheat.server", "--max-batch-size", "two"], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PREHEAT_HOME": str(tmp_path / "home")})
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines() == ["error: Invalid value for '--max-batch-size': 'two' is not a valid "
+                                             "integer. (python -m preheat.server --help)"], r.stderr
+
+
 def test_a_failing_call_on_a_warm_cache_exits_with_its_own_code(tmp_path):
     """The case that aborted: a text model whose executables are cached, and a flag it does not take.
     The background load of the cached executable is still running when the error ends the command."""

@@ -21,7 +21,7 @@ Importing a command module is cheap: JAX, torch, FastAPI and the model code load
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import click
 
@@ -62,23 +62,31 @@ class _OneLineUsageErrors(click.Group):
 
     def main(self, args: Any = None, prog_name: Optional[str] = None, complete_var: Optional[str] = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
-        import sys
-
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.UsageError as err:
-            where = f" ({err.ctx.command_path} --help)" if err.ctx is not None else ""
-            click.echo(f"error: {err.format_message()}{where}", err=True)
-            sys.exit(err.exit_code)
-        except click.ClickException as err:
-            click.echo(f"error: {err.format_message()}", err=True)
-            sys.exit(err.exit_code)
-        except click.Abort:
-            click.echo("error: aborted", err=True)
-            sys.exit(1)
-        sys.exit(code if isinstance(code, int) else 0)
+        _exit_with_one_line_errors(lambda: super(_OneLineUsageErrors, self).main(
+            args, prog_name, complete_var, standalone_mode=False, **extra))
+
+
+def _exit_with_one_line_errors(invoke: Callable[[], Any]) -> None:
+    """Run a click command's non-standalone ``main`` and exit with its status; click's errors are one
+    line naming where to look (``(preheat serve --help)``), not its usage block. Serves the
+    ``preheat`` group and a command run on its own (``python -m preheat.server``)."""
+    import sys
+
+    try:
+        code = invoke()
+    except click.UsageError as err:
+        where = f" ({err.ctx.command_path} --help)" if err.ctx is not None else ""
+        click.echo(f"error: {err.format_message()}{where}", err=True)
+        sys.exit(err.exit_code)
+    except click.ClickException as err:
+        click.echo(f"error: {err.format_message()}", err=True)
+        sys.exit(err.exit_code)
+    except click.Abort:
+        click.echo("error: aborted", err=True)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 @click.group(cls=_OneLineUsageErrors, context_settings={"help_option_names": ["-h", "--help"]})
@@ -104,4 +112,5 @@ def run(command: Optional[click.Command] = None, **options: Any) -> None:
     atexit handlers without the interpreter's finalisation (:mod:`preheat.hard_exit` says why)."""
     from preheat.hard_exit import run_and_exit
 
-    run_and_exit(command or main, **options)
+    target = command or main
+    run_and_exit(_exit_with_one_line_errors, invoke=lambda: target.main(standalone_mode=False, **options))
