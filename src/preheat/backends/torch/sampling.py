@@ -8,6 +8,10 @@ import numpy as np
 
 __all__ = ["DIFFUSERS_SCHEDULERS", "make_scheduler", "sample_loop"]
 
+# What a dpm++ sampler's name fixes whatever the folder's config says (the JAX samplers read none of
+# these keys from it: samplers._config), so both backends run the same solver.
+_DPM_2M: dict[str, Any] = {"solver_order": 2, "solver_type": "midpoint", "lower_order_final": True,
+                           "euler_at_final": False, "use_karras_sigmas": False}
 # preheat sampler name -> (diffusers scheduler class, settings on top of the checkpoint's config)
 DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "ddpm": ("DDPMScheduler", {}),
@@ -15,17 +19,15 @@ DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "euler": ("EulerDiscreteScheduler", {}),
     "euler_a": ("EulerAncestralDiscreteScheduler", {}),
     "heun": ("HeunDiscreteScheduler", {}),
-    "dpmpp_2m": ("DPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_order": 2}),
+    "dpmpp_2m": ("DPMSolverMultistepScheduler", {**_DPM_2M, "algorithm_type": "dpmsolver++"}),
     "dpmpp_2m_karras": ("DPMSolverMultistepScheduler",
-                        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True}),
+                        {**_DPM_2M, "algorithm_type": "dpmsolver++", "use_karras_sigmas": True}),
     "lcm": ("LCMScheduler", {}),
     "tcd": ("TCDScheduler", {}),
     "unipc": ("UniPCMultistepScheduler", {}),
-    "dpmpp_2m_sde": ("DPMSolverMultistepScheduler",
-                     {"algorithm_type": "sde-dpmsolver++", "solver_order": 2, "solver_type": "midpoint",
-                      "use_karras_sigmas": False}),
-    "dpmpp_2m_sde_karras": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++", "solver_order": 2,
-                                                            "solver_type": "midpoint", "use_karras_sigmas": True}),
+    "dpmpp_2m_sde": ("DPMSolverMultistepScheduler", {**_DPM_2M, "algorithm_type": "sde-dpmsolver++"}),
+    "dpmpp_2m_sde_karras": ("DPMSolverMultistepScheduler",
+                            {**_DPM_2M, "algorithm_type": "sde-dpmsolver++", "use_karras_sigmas": True}),
     "pndm": ("PNDMScheduler", {"skip_prk_steps": True}),
     "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}),
     "flow_heun": ("FlowMatchHeunDiscreteScheduler", {}),
