@@ -151,6 +151,28 @@ def test_sample_on_the_builtin_model_imports_only_its_own_path(tmp_path):
     assert not {m for m in loaded if m.startswith(NOT_ON_A_PIXEL_START)}
 
 
+def test_warm_runs_without_the_serve_extra(tmp_path):
+    """`preheat warm` is a build step (a CI job, a pod's first start), not a server: it works where
+    the serve extra (pydantic, FastAPI, uvicorn) is not installed, as on the lent GPU machine, where
+    it once stopped with ``No module named 'pydantic'`` (the sizes parser lived in the server's
+    request models)."""
+    code = ("import json, sys\n"
+            "class NoServeExtra:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('pydantic', 'fastapi', 'uvicorn', 'starlette'):\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+            "sys.meta_path.insert(0, NoServeExtra())\n"
+            "from preheat.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    r = subprocess.run([sys.executable, "-c", code, "warm", "--dry-run", "--json"],
+                       env={**os.environ, "PREHEAT_HOME": str(tmp_path / "home")}, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = set(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert "preheat.cli.warm" in loaded and not {m for m in loaded if m.split(".")[0] == "pydantic"}
+
+
 def test_the_process_ends_after_atexit_with_the_command_s_code(tmp_path):
     """`preheat` (console script and `python -m preheat`) exits through `cli.run`: atexit handlers run
     (the fleet store's uploads wait there), then the process ends without the interpreter's

@@ -86,8 +86,7 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     ``random:NAME`` model becomes its folder (a tiny one served at its tiny size by default)."""
     from preheat.warm import WarmSet
     from preheat.errors import InvalidArgumentError
-    from preheat.families.inputs import parse_offered
-    from preheat.server.inputs import parse_sizes
+    from preheat.families.inputs import parse_lora_ranks, parse_offered, parse_sizes
     from preheat.sharding import parse_devices
 
     if max_batch_size < 1 or max_batch_size > 1024:
@@ -95,8 +94,6 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     guidance = tuple(dict.fromkeys(g.strip().lower() for g in guidance_text.split(",") if g.strip()))
     if not guidance or any(g not in ("off", "on") for g in guidance):
         raise InvalidArgumentError(f"{name_of('guidance')} {guidance_text!r} must be off, on or off,on")
-    from preheat.server.inputs import parse_lora_ranks
-
     from preheat.lora import check_lora_ranks
 
     ranks = check_lora_ranks(parse_lora_ranks(lora_ranks_text, name_of("lora_ranks")))
@@ -210,6 +207,11 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
             layers[row["cache_layer"]] = layers.get(row["cache_layer"], 0) + 1
         click.echo(f"warm: {len(result['signatures'])} signature(s) ready ({', '.join(f'{v} {k}' for k, v in sorted(layers.items()))})"
                    + ("" if result["pushed"] else "; the store (PREHEAT_CACHE_URL) lacks some: see the warnings"))
+    unrunnable = [row["signature"] for row in result["signatures"] if row.get("unrunnable")]
+    if unrunnable:
+        click.echo(f"warning: {len(unrunnable)} of {len(result['signatures'])} signature(s) call cuDNN convolutions "
+                   "whose algorithm a compile without the GPU leaves unchosen; a GPU rejects those executables, so "
+                   "pods skip them and compile their own (docs/gpu.md)", err=True)
     if not result["pushed"]:
         sys.exit(1)
 

@@ -41,7 +41,7 @@ from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, SEED_MAX, Choice,
                                      size_pair)
 
 __all__ = ["Limits", "Job", "FamilyInputs", "family_inputs", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields", "offered",
-           "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "parse_sizes", "parse_lora_ranks", "JsonFloat",
+           "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "JsonFloat",
            "image_urls", "served_specs", "served_type"]
 
 MAX_LORA_SCALE = 4.0
@@ -554,31 +554,3 @@ def _lora(pipe: Any, v: dict[str, Any], errors: list[tuple[str, str]], lora_dir:
         errors.append(("lora_weights", f"cannot read {source}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"))
         return None, None
     return (lora, float(v["lora_scale"])), bucket
-
-
-def parse_sizes(text: Optional[str], name: str = "--sizes") -> tuple[tuple[int, int], ...]:
-    """``512x512,768x512`` -> ((512, 512), (768, 512)): ``preheat serve --sizes`` and Runpod's
-    ``PREHEAT_SIZES``. A malformed entry fails in one line naming ``name`` (what the user wrote)."""
-    out = []
-    for item in (text or "").split(","):
-        item = item.strip().lower()
-        if not item:
-            continue
-        w, sep, h = item.partition("x")
-        if not sep or not w.isdigit() or not h.isdigit() or int(w) <= 0 or int(h) <= 0:
-            raise InvalidArgumentError(f"{name} {item!r} must be WIDTHxHEIGHT, e.g. 512x512", argument=name)
-        out.append((int(w), int(h)))
-    return tuple(dict.fromkeys(out))
-
-
-def parse_lora_ranks(text: Optional[str], name: str = "--lora-ranks") -> tuple[int, ...]:
-    """``16,32`` -> (16, 32): ``--lora-ranks`` and Runpod's ``PREHEAT_LORA_RANKS`` (that each is a
-    rank bucket is ``preheat.lora.check_lora_ranks``'s to say). A malformed entry fails in one line."""
-    out = []
-    for item in (text or "").split(","):
-        item = item.strip()
-        if item:
-            if not item.isdigit():
-                raise InvalidArgumentError(f"{name} {item!r} must be rank buckets, e.g. 16,32")
-            out.append(int(item))
-    return tuple(dict.fromkeys(out))
