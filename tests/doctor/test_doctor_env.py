@@ -124,6 +124,24 @@ def test_ld_library_path_with_cuda_libs_warns(machine, monkeypatch, tmp_path):
     assert code == 0
 
 
+def test_ld_library_path_of_driver_folders_only_is_ok(machine, monkeypatch, tmp_path):
+    """The lent H200 pod sets LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/usr/local/nvidia/lib, folders
+    of the driver's own libraries; JAX ran there on its wheels' cuDNN (docs/gpu.md). Folders that
+    are read and hold no CUDA toolkit library shadow nothing."""
+    driver = tmp_path / "usr" / "local" / "nvidia" / "lib64"
+    driver.mkdir(parents=True)
+    for f in ("libcuda.so.1", "libnvidia-ml.so.1", "libnvidia-ptxjitcompiler.so.1"):
+        (driver / f).write_text("")
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(driver))
+    _, rep = machine.run()
+    ld = check(rep, "ld_library_path")
+    assert ld["status"] == "ok" and ld["fix"] is None, ld
+    assert ld["finding"].startswith(f"LD_LIBRARY_PATH={driver} holds no CUDA toolkit library")
+    (driver / "libcudnn.so.9").write_text("")  # the same folder with cuDNN in it does shadow the wheels'
+    _, rep = machine.run()
+    assert check(rep, "ld_library_path")["status"] == "warn"
+
+
 def test_ld_library_path_without_cuda_still_warns(machine, monkeypatch):
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/intel/lib")
     _, rep = machine.run()

@@ -192,16 +192,23 @@ def _check_ld_library_path(ctx: Context) -> CheckResult:
         return CheckResult("ld_library_path", title, OK, "LD_LIBRARY_PATH is not set: JAX and torch load the CUDA libraries of their pip wheels")
     entries = [e for e in value.split(":") if e]
     shadowing: list[str] = []
+    listed: list[str] = []  # folders read, with no CUDA toolkit library in them
     for e in entries:
-        libs: list[str] = []
         try:
             libs = sorted({m.group(1) for p in Path(e).iterdir() if (m := _CUDA_LIB_FILE_RE.match(p.name))})
-        except OSError:
-            pass
+        except OSError:  # not there (yet) or unreadable: judged by its name
+            if re.search(r"cuda|nvidia|cudnn", e, re.IGNORECASE):
+                shadowing.append(e)
+            continue
         if libs:
             shadowing.append(f"{e} (lib{', lib'.join(libs)})")
-        elif re.search(r"cuda|nvidia|cudnn", e, re.IGNORECASE):
-            shadowing.append(e)
+        else:
+            listed.append(e)
+    if not shadowing and len(listed) == len(entries):
+        # e.g. /usr/local/nvidia/lib64 on GPU pods: the driver's libraries only (libcuda, libnvidia-*)
+        return CheckResult("ld_library_path", title, OK,
+                           f"LD_LIBRARY_PATH={value} holds no CUDA toolkit library (cuDNN, cuBLAS, CUDA runtime, ...): "
+                           "JAX and torch load those of their pip wheels", None, {"LD_LIBRARY_PATH": entries})
     if shadowing:
         finding = (
             f"LD_LIBRARY_PATH={value} puts CUDA libraries ahead of the pip wheels' CUDA: {'; '.join(shadowing)}; "
