@@ -41,8 +41,9 @@ order of issue 29 (the first minutes give the most important ones):
 
 ``GPU_CHECK_ROWS`` (comma-separated) picks rows (default on the GPU: doctor,target,sdxl,flux,kontext,fp8,fp8unet;
 in the dry run: every row, at tiny sizes); ``GPU_CHECK_SKIP`` leaves rows out. Writes under
-``--out``: doctor.json, rows.json (rows 2-8), models.json, compare.json, summary.md, log.txt (with
-the shell's preflight.json: 7 files); the summary table is printed last.
+``--out``: doctor.json, pod-target.txtpb (the card's own description, GPU mode), rows.json (rows
+2-8), models.json, compare.json, summary.md, log.txt (with the shell's preflight.json: 8 files);
+the summary table is printed last.
 
     python scripts/gpu_measure.py run --out DIR --mode gpu|dry [--budget S] [--started-at EPOCH]
     python scripts/gpu_measure.py prepare --out .gpu-targets --mode gpu|dry   (on the CPU builder)
@@ -315,10 +316,38 @@ def step_doctor(r: Runner) -> dict[str, Any]:
         doc = {"error": _fail(p) or "no JSON on stdout", "stdout": p.stdout[-5000:], "stderr": p.stderr[-5000:]}
     (r.out / "doctor.json").write_text(json.dumps(doc, indent=2) + "\n")
     jax_check = next((c for c in doc.get("checks", []) if c.get("id") == "jax"), {})
-    return {"seconds": p.seconds, "exit": p.rc, "summary": doc.get("summary"), "gpu_backend": doc.get("gpu_backend"),
-            "jax": jax_check.get("finding"), "error": doc.get("error"),
-            "not_ok": [f"{c['id']}: {c['status']}: {c['finding']}" for c in doc.get("checks", [])
-                       if c.get("status") != "ok"]}
+    row = {"seconds": p.seconds, "exit": p.rc, "summary": doc.get("summary"), "gpu_backend": doc.get("gpu_backend"),
+           "jax": jax_check.get("finding"), "error": doc.get("error"),
+           "not_ok": [f"{c['id']}: {c['status']}: {c['finding']}" for c in doc.get("checks", [])
+                      if c.get("status") != "ok"]}
+    if r.mode == "gpu" and doc.get("gpu_backend"):
+        row["pod_target"] = _pod_target(r)
+    return row
+
+
+def _pod_target(r: Runner) -> dict[str, Any]:
+    """The card's own description (``doctor --save-target``, into $OUT), and every numeric field of
+    it that differs from XLA's published H200 file: what a builder compiling for this card with
+    ``--target h200`` assumes wrongly (the key's fields, and the ones left out of it)."""
+    timeout = r.fits("doctor")
+    if timeout is None:
+        return {"skipped": "budget"}
+    path = r.out / "pod-target.txtpb"
+    p = r.run("doctor: this card's description", [sys.executable, "-m", "preheat", "doctor", "--save-target",
+                                                  str(path)], timeout)
+    if p.rc != 0 or not path.is_file():
+        return {"error": _fail(p) or "no file"}
+    from preheat.cache.targets import gpu_fields, parse_description, resolve_target
+
+    shipped, card = resolve_target("h200"), path.read_text()
+
+    def info(text: str) -> dict[str, Any]:
+        msg = parse_description(text)["gpu_device_info"][0]
+        return {k: v[0] for k, v in msg.items() if not isinstance(v[0], dict)}
+
+    a, b = info(shipped.text), info(card)
+    return {"file": path.name, "key_fields_equal": gpu_fields(card) == shipped.gpu,
+            "differs": {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -687,7 +716,9 @@ def prepare(out: Path, mode: str) -> int:
     shutil.rmtree(out, ignore_errors=True)
     home = out / "home"
     home.mkdir(parents=True)
-    env = {**os.environ, "PREHEAT_HOME": str(home), "PYTHONPATH": str(repo / "src"), "JAX_PLATFORMS": "cpu"}
+    # this tree's preheat first, then the caller's PYTHONPATH (gpu_wheels.sh puts the pod's cuDNN there)
+    path = os.pathsep.join(p for p in (str(repo / "src"), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PREHEAT_HOME": str(home), "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
     env.pop("PREHEAT_CACHE_URL", None)  # these entries travel in the tree, not through a store
     cmd = [sys.executable, "-m", "preheat", "warm", "--target", ts.target, "--dtype", ts.dtype, "--max-batch-size",
            str(ts.max_batch_size), "--guidance", ts.guidance, "--json", "--quiet"]
@@ -1343,6 +1374,13 @@ def table(results: dict[str, Any]) -> str:
         rows.append(f"| doctor | {d.get('seconds', 0):.0f} | exit {d.get('exit')}: {s.get('ok', '?')} ok, "
                     f"{s.get('warn', '?')} warn, {s.get('fail', '?')} fail; {d.get('jax') or d.get('error')}"
                     + (f" — {bad[:300]}" if bad else "") + " |")
+        pt = d.get("pod_target")
+        if pt:
+            detail = (pt.get("skipped") or pt.get("error") or
+                      f"{pt['file']}; the key's GPU fields {'equal' if pt['key_fields_equal'] else 'DIFFER from'} "
+                      "XLA's h200 file's; fields that differ (h200 file, this card): "
+                      + (", ".join(f"{k} {a} / {b}" for k, (a, b) in pt["differs"].items()) or "none"))
+            rows.append(f"| doctor: this card's description | – | {detail} |")
     rows += _target_rows(results.get("rows", {}).get("target"))
     for h in HEAD_TO_HEAD[results["mode"]]:
         rows += _head_to_head_rows(h, results.get("rows", {}).get(h.row))

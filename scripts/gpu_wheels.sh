@@ -15,7 +15,8 @@
 # GPU_WHEELS_DIR=DIR writes elsewhere; PYTHON=... picks the interpreter (default: .venv's, else python3).
 # Then, unless GPU_TARGETS=0, the GPU check's row 2 (docs/gpu.md): `python scripts/gpu_measure.py
 # prepare` compiles the built-in model's serving programs for the H200 here, on the CPU (`preheat warm
-# --target h200`, a few minutes), into the ignored folder .gpu-targets/ (GPU_TARGETS_DIR), carried too.
+# --target h200`, a few minutes, with the pod's cuDNN: GPU_POD_CUDNN), into the ignored folder .gpu-targets/
+# (GPU_TARGETS_DIR), carried too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${GPU_WHEELS_DIR:-.gpu-wheels}
@@ -62,6 +63,19 @@ ls -l "$DEST" | awk 'NR > 1 {printf "  %-50s %6.2f MiB\n", $9, $5 / 1048576}'
 du -sb "$DEST" | awk '{printf "gpu_wheels: %s holds %.2f MiB\n", $2, $1 / 1048576}'
 
 if [ "${GPU_TARGETS:-1}" != 0 ]; then
+  # The key holds cuDNN's version (a pod's cuDNN must run the graphs the builder's compiled), so the
+  # builder compiles with the pod's: the lent H200 machine had 9.19.0.56 (docs/gpu.md, first run),
+  # torch's pin here is another. A private folder ahead on PYTHONPATH for the prepare only.
+  POD_CUDNN=${GPU_POD_CUDNN:-9.19.0.56}
+  have=$("$PYTHON" -c 'from importlib import metadata as m; print(m.version("nvidia-cudnn-cu13"))' 2>/dev/null || true)
+  if [ "$have" != "$POD_CUDNN" ]; then
+    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 -d "$BUILD/cudnn-wheel" \
+      "nvidia-cudnn-cu13==$POD_CUDNN"
+    "$PYTHON" -m pip install -q --no-deps --no-index --target "$BUILD/cudnn" "$BUILD"/cudnn-wheel/*.whl
+    export PYTHONPATH="$BUILD/cudnn${PYTHONPATH:+:$PYTHONPATH}"
+    echo "gpu_wheels: compiling with the pod's cuDNN $POD_CUDNN (this environment has ${have:-none})"
+  fi
   "$PYTHON" scripts/gpu_measure.py prepare --mode gpu --out "${GPU_TARGETS_DIR:-.gpu-targets}"
   du -sb "${GPU_TARGETS_DIR:-.gpu-targets}" "$DEST" | awk '{t += $1} END {printf "gpu_wheels: the carried folders hold %.2f MiB\n", t / 1048576}'
 fi

@@ -399,10 +399,15 @@ def warm(warm_set: WarmSet, pipe: Any, log: Callable[[str], None] = lambda line:
         run_signature(pipe, sig)
         layer = pipe.last.cache_layer
         rows.append({"signature": sig.describe(), "cache_layer": layer, "seconds": time.perf_counter() - t0})
-        tuned = [e["retune"] for e in (compiler.events[seen:] if compiler is not None else []) if "retune" in e]
+        events = compiler.events[seen:] if compiler is not None else []
+        tuned = [e["retune"] for e in events if "retune" in e]
         if tuned:
             rows[-1]["retune"] = tuned
-        log(f"{sig.describe()}: {rows[-1]['seconds']:.2f}s (cache: {layer}){_retune_note(tuned)}")
+        unrunnable = [f"{e.get('stage', 'denoise')}: {e['unrunnable']}" for e in events if "unrunnable" in e]
+        if unrunnable:  # warm --target: entries a GPU rejects (cache.targets.UNCHOSEN_CONVOLUTIONS)
+            rows[-1]["unrunnable"] = unrunnable
+        log(f"{sig.describe()}: {rows[-1]['seconds']:.2f}s (cache: {layer}){_retune_note(tuned)}"
+            + (f"; will not run on the GPU ({'; '.join(unrunnable)})" if unrunnable else ""))
         done(len(rows), len(sigs))
     pushed = True
     if compiler is not None and compiler.remote is not None:

@@ -286,6 +286,20 @@ def test_the_serialise_guard_off_on_the_cpu_stores_an_entry_that_fails_its_first
     assert len(list((tmp_path / "root" / "quarantine").iterdir())) == 1
 
 
+def test_the_serialise_guard_is_lifted_for_cuda_alone(monkeypatch):
+    """Row 8 measured CUDA (an H200): an entry served by JAX's cache ran in a new process with the
+    same pixels. A GPU key without a CUDA plugin (ROCm) and the CPU keep the guard; the diagnostic
+    switch still lifts it everywhere."""
+    from preheat.cache.compile import SERIALISE_GUARD_ENV, serialise_guard
+
+    cuda = {"platform": "gpu", "cuda": {"jax-cuda13-plugin": "0.11.2", "nvidia-cudnn-cu13": "9.19.0.56"}}
+    monkeypatch.delenv(SERIALISE_GUARD_ENV, raising=False)
+    assert not serialise_guard(cuda)
+    assert serialise_guard({"platform": "gpu", "cuda": {}}) and serialise_guard({"platform": "cpu"})
+    monkeypatch.setenv(SERIALISE_GUARD_ENV, "off")
+    assert not serialise_guard({"platform": "cpu"})
+
+
 def test_an_entry_that_loads_but_fails_to_run_is_quarantined(model_dir, reference_pixels, warm_template, tmp_path,
                                                                monkeypatch):
     """The last line of defence: an executable that deserialises but raises on its first run."""

@@ -24,8 +24,9 @@ from click.testing import CliRunner
 
 import preheat
 from preheat.cache import keys, targets
-from preheat.cache.compile import TargetCompiler, on_device
+from preheat.cache.compile import JaxCompiler, TargetCompiler, on_device
 from preheat.cache.keys import key_fields, key_of
+from preheat.cache.entries import UNCHOSEN_CONVOLUTIONS, unchosen_convolutions
 from preheat.cache.targets import resolve_target, target_device
 from preheat.cli import main
 from preheat.errors import TargetError
@@ -77,11 +78,12 @@ def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(h200_wa
     monkeypatch.setenv("PREHEAT_CACHE_SIGNING_KEY", SIGNING_KEY)
     result = json.loads(proc.stdout)
     assert [row["cache_layer"] for row in result["signatures"]] == ["none"] and result["pushed"] is True
+    assert result["signatures"][0]["unrunnable"] and "warning: 1 of 1 signature(s) call cuDNN" in proc.stderr
     gpu = _manifests(_root())
     assert len(gpu) == 1
     entry = gpu[0]
     assert entry["target"]["name"] == "h200" and entry["target"]["device"] == "NVIDIA H200 141GB HBM3e"
-    assert entry["autotuned"] is False
+    assert entry["autotuned"] is False and entry[UNCHOSEN_CONVOLUTIONS] > 0  # the built-in UNet's convolutions
     assert entry["fields"]["platform"] == "gpu" and entry["fields"]["gpu"]["compute_capability"] == [9, 0]
     assert "device_kind" not in entry["fields"]  # never the marketing name
     from preheat.cache.remote import open_store
@@ -101,9 +103,40 @@ def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(h200_wa
     code, out = _warm("--target", "h200", "--max-batch-size", "1", "--guidance", "off", "--dtype", "bfloat16")
     assert code == 0 and "1 aot" in out, out
     listing = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "250"}).output
-    assert "h200 (not autotuned)" in listing and "local" in listing, listing
+    assert "h200 (not autotuned; will not run: " in listing and "local" in listing, listing
     explained = CliRunner().invoke(main, ["cache", "explain", "--n", "1", "--target", "h200"]).output
-    assert "target h200 (not autotuned)" in explained, explained  # the nearest (or hit) entry's target
+    assert "target h200 (not autotuned; will not run: " in explained, explained  # the nearest (or hit) entry's target
+
+
+def test_a_pod_quarantines_an_entry_it_cannot_run_without_loading_it(h200_warm, monkeypatch, tmp_path):
+    """The H200 rejected the built-in model's deviceless executable at its first run
+    (CUDNN_STATUS_BAD_PARAM: its convolutions' cuDNN algorithms unchosen; docs/gpu.md). A pod
+    that finds such an entry under its key moves it aside from its manifest alone -- no 6-s
+    deserialisation, no failed run -- and compiles its own."""
+    from preheat.cache import serialized
+
+    proc, home, _ = h200_warm
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    root = tmp_path / "pod"
+    shutil.copytree(home, root)
+    (entry,) = _manifests(root)
+    monkeypatch.setattr(serialized, "deserialize_and_load", lambda *a, **k: pytest.fail("the entry was loaded"))
+    record: dict = {}
+    assert JaxCompiler(root=root, mode="full", remote=None)._load(entry["key"], entry["fields"], 0, record) is None
+    assert "cuDNN convolution(s) with no algorithm chosen" in record["quarantined"], record
+    assert _manifests(root) == [] and len(list((root / "quarantine").iterdir())) == 1
+
+
+def test_unchosen_convolutions_are_counted_in_the_target_s_executable():
+    """Only cuDNN convolutions lack a choice in a deviceless compile: a GEMM program has none."""
+    device = target_device(resolve_target("h200"))
+    x = on_device(jax.ShapeDtypeStruct((1, 16, 16, 32), jnp.bfloat16), device)
+    w = on_device(jax.ShapeDtypeStruct((3, 3, 32, 32), jnp.bfloat16), device)
+    conv = jax.jit(lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                                             dimension_numbers=("NHWC", "HWIO", "NHWC")))
+    assert unchosen_convolutions(conv.lower(x, w).compile()) == 1
+    m = on_device(jax.ShapeDtypeStruct((256, 256), jnp.bfloat16), device)
+    assert unchosen_convolutions(jax.jit(jnp.dot).lower(m, m).compile()) == 0
 
 
 def test_warm_target_on_a_tiny_sd1_folder_compiles_every_program_of_the_call(tmp_path):
@@ -152,6 +185,31 @@ def test_the_deviceless_key_is_the_key_a_pod_with_that_gpu_computes(monkeypatch)
     _pod(monkeypatch, target_device(a100))
     assert key_of(key_fields(pipe.fingerprint, sig, args)) != built  # another chip: another program
     assert cpu != built  # and a CPU never picks a GPU entry, nor a GPU a CPU's
+
+
+def _edited(target, field: str, value: int):
+    """``target``'s description with one ``gpu_device_info`` number replaced: another board of the
+    chip, or the card itself where XLA's file says otherwise."""
+    import re
+
+    text, n = re.subn(rf"(\n\s*{field}:\s*)\d+", rf"\g<1>{value}", target.text, count=1)
+    assert n == 1, field
+    return targets.Target(name=f"{target.name}+{field}", text=text, gpu=targets.gpu_fields(text))
+
+
+def test_a_card_whose_l2_differs_from_xla_s_file_still_finds_the_entries(monkeypatch):
+    """The lent H200 reports another L2 size than XLA's h200 file (docs/gpu.md, first run: the
+    carried entries missed on ``gpu.l2_cache_size``). The L2 size steers heuristics only, so it is
+    not in the key; a limit that decides whether a kernel can launch still is."""
+    pipe = preheat.load(None, cache="off")
+    sig, args = pipe.prepare(2, steps=1)
+    h200 = resolve_target("h200")
+    built = key_of(key_fields(pipe.fingerprint, sig, args, target=h200))
+    l2 = int(targets.parse_description(h200.text)["gpu_device_info"][0]["l2_cache_size"][0])
+    _pod(monkeypatch, target_device(_edited(h200, "l2_cache_size", l2 + 10 * 2**20)))
+    assert key_of(key_fields(pipe.fingerprint, sig, args)) == built
+    _pod(monkeypatch, target_device(_edited(h200, "shared_memory_per_block_optin", 101376)))  # an A10's limit
+    assert key_of(key_fields(pipe.fingerprint, sig, args)) != built
 
 
 def test_a_saved_description_keys_like_the_published_one(tmp_path, monkeypatch):

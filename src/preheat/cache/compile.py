@@ -24,7 +24,7 @@ import jax
 
 from preheat._version import __version__
 from preheat.cache import xla_layer
-from preheat.cache.entries import LoadingMarker, checked_entry
+from preheat.cache.entries import UNCHOSEN_CONVOLUTIONS, LoadingMarker, checked_entry, unchosen_convolutions
 from preheat.cache.entry_cache import EntryCache
 from preheat.cache.keys import key_fields, key_of, mesh_of
 from preheat.errors import CacheEntryError
@@ -70,13 +70,12 @@ def zeros_like_outputs(sig: Any, program: Callable[..., Any], args: Any) -> Call
     return lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-# The key's platforms (``device_fields``: "cpu", or "gpu" for CUDA and ROCm alike) where an
-# executable loaded from JAX's persistent cache was shown to survive serialisation into an entry
-# and a first run in a new process, so full mode need not compile with that cache off
-# (``JaxCompiler.get_or_compile``). Empty: XLA:CPU's bug is known (docs/cache.md), "gpu" is
-# unmeasured until the GPU check's row 8 (``xlaser``, docs/gpu.md) decides, and a platform nobody
-# measured keeps the guard.
-XLA_SERIALISE_SAFE_PLATFORMS: frozenset[str] = frozenset()
+# The platforms where an executable loaded from JAX's persistent cache was shown to survive
+# serialisation into an entry and a first run in a new process, so full mode need not compile with
+# that cache off (``JaxCompiler.get_or_compile``): "cuda", measured on an H200 by the GPU check's
+# row 8 (``xlaser``, docs/gpu.md: the entry ran, pixels identical). XLA:CPU's bug is known
+# (docs/cache.md); ROCm, TPU and anything nobody measured keep the guard.
+XLA_SERIALISE_SAFE_PLATFORMS: frozenset[str] = frozenset({"cuda"})
 # Diagnostic only: "off" lifts the guard for this process on every platform (row 8, the tests).
 SERIALISE_GUARD_ENV = "PREHEAT_XLA_SERIALISE_GUARD"
 
@@ -94,7 +93,16 @@ def serialise_guard(fields: dict[str, Any]) -> bool:
     process reads the same entries as everyone else, which is what row 8 needs to test them."""
     if os.environ.get(SERIALISE_GUARD_ENV, "").strip().lower() == "off":
         return False
-    return fields.get("platform") not in XLA_SERIALISE_SAFE_PLATFORMS
+    return serialise_platform(fields) not in XLA_SERIALISE_SAFE_PLATFORMS
+
+
+def serialise_platform(fields: dict[str, Any]) -> str:
+    """The key's platform as the guard tells them apart: a "gpu" key names CUDA only through its
+    CUDA plugin's version (ROCm's devices are "gpu" too)."""
+    platform = str(fields.get("platform"))
+    if platform == "gpu" and any(name.startswith("jax-cuda") for name in fields.get("cuda") or {}):
+        return "cuda"
+    return platform
 
 
 class JaxCompiler(EntryCache):
@@ -298,6 +306,12 @@ class JaxCompiler(EntryCache):
             return None
         if entry is None:
             return None
+        unchosen = entry.manifest.get(UNCHOSEN_CONVOLUTIONS)
+        if unchosen:  # a GPU rejects it at its first run: not worth the load (docs/gpu.md)
+            self._quarantine(path, f"compiled without a GPU for {_target_name(entry.manifest)}: {unchosen} cuDNN "
+                                   "convolution(s) with no algorithm chosen, which a GPU rejects "
+                                   "(CUDNN_STATUS_BAD_PARAM)", record)
+            return None
         payload = entry.file(EXECUTABLE).read_bytes()
         mesh = mesh_of(args)  # the key's mesh field: the same device ids the entry was compiled for
         devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
@@ -310,7 +324,8 @@ class JaxCompiler(EntryCache):
         entry.record_hit()
         return compiled
 
-    def _store(self, key: str, fields: dict[str, Any], compiled: Any, record: dict[str, Any]) -> None:
+    def _store(self, key: str, fields: dict[str, Any], compiled: Any, record: dict[str, Any],
+               extra: dict[str, Any] | None = None) -> None:
         from preheat.cache.serialized import serialize  # jax's, keeping the step reports
 
         try:
@@ -319,7 +334,8 @@ class JaxCompiler(EntryCache):
             log.warning("preheat cache: cannot serialise this executable (%s); only the XLA cache is used", exc)
             record["store"] = f"not serialisable: {exc}"
             return
-        self._publish(key, {EXECUTABLE: payload}, fields, record)
+        self._publish(key, {EXECUTABLE: payload}, fields, record, extra)
+
 
 class TargetCompiler(JaxCompiler):
     """Compiles each program for a GPU this machine does not have (``preheat warm --target``):
@@ -364,9 +380,17 @@ class TargetCompiler(JaxCompiler):
             with xla_layer.persistent_cache_disabled():
                 compiled = lowered.compile()
             timings = Timings(trace_lower_s=traced - start, compile_s=time.perf_counter() - traced, cache_layer="none")
-            self._store(key, fields, compiled, record)
+            unchosen = unchosen_convolutions(compiled)
+            if unchosen:
+                record["unrunnable"] = f"{unchosen} cuDNN convolution(s) with no algorithm chosen"
+            self._store(key, fields, compiled, record, {UNCHOSEN_CONVOLUTIONS: unchosen} if unchosen else None)
         self._note(record, timings)
         return zeros_like_outputs(sig, program, args), timings
+
+
+def _target_name(manifest: dict[str, Any]) -> str:
+    target = manifest.get("target")
+    return str(target.get("name") if isinstance(target, dict) else target)
 
 
 def on_device(args: Any, device: Any) -> Any:

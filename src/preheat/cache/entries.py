@@ -34,6 +34,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -46,7 +47,7 @@ from preheat.files import atomic_write_bytes, fsync_dir, sha256_file
 from preheat.errors import CacheEntryError
 
 __all__ = ["Entry", "publish_entry", "replace_entry", "rewrite_manifest", "open_entry", "checked_entry", "quarantine", "iter_entries", "LoadingMarker", "SCHEMA",
-           "entry_size"]
+           "entry_size", "UNCHOSEN_CONVOLUTIONS", "unchosen_convolutions"]
 
 SCHEMA = 1
 MANIFEST = "manifest.json"
@@ -335,3 +336,21 @@ def checked_entry(kind_dir: Path, key: str, expected_fields: dict[str, Any] | No
         if crashed:
             raise CacheEntryError(f"a previous load crashed the process ({crashed[0]})")
     return open_entry(kind_dir, key, expected_fields)
+
+
+# The manifest field of a ``warm --target`` entry whose executable a GPU will not run: XLA's
+# deviceless compile leaves each cuDNN convolution's algorithm unchosen (``algo_id`` -1: choosing
+# one is autotuning, which needs the device), and the H200 rejected such an executable at its
+# first run with CUDNN_STATUS_BAD_PARAM (jax 0.11.2, docs/gpu.md). A pod quarantines the entry
+# without loading it and compiles its own.
+UNCHOSEN_CONVOLUTIONS = "cudnn_convolutions_unchosen"
+_UNCHOSEN = re.compile(r'custom_call_target="__cudnn\$conv[^"]*".*?"algo_id":"-1"')
+
+
+def unchosen_convolutions(compiled: Any) -> int:
+    """How many cuDNN convolutions of a compiled GPU executable have no algorithm chosen."""
+    try:
+        text = compiled.as_text()
+    except Exception:  # an executable that cannot print itself: nothing to say
+        return 0
+    return sum(1 for line in text.splitlines() if _UNCHOSEN.search(line))

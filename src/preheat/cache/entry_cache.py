@@ -112,10 +112,12 @@ class EntryCache:
 
     # ------------------------------------------------------------------ entries
 
-    def _publish(self, key: str, files: dict[str, bytes], fields: dict[str, Any], record: dict[str, Any]) -> None:
-        """Write an entry (atomically), share it, and keep the cache under its size cap."""
+    def _publish(self, key: str, files: dict[str, bytes], fields: dict[str, Any], record: dict[str, Any],
+                 extra: dict[str, Any] | None = None) -> None:
+        """Write an entry (atomically), share it, and keep the cache under its size cap; ``extra``:
+        what this entry's manifest records beyond the compiler's ``manifest_extra``."""
         try:
-            _, won = publish_entry(self.kind_dir, key, files, fields, extra=self.manifest_extra())
+            _, won = publish_entry(self.kind_dir, key, files, fields, extra={**self.manifest_extra(), **(extra or {})})
             record["store"] = "written" if won else "another process wrote it first"
             if won and self.remote is not None:
                 record.update(self._push(self.kind_dir / key))

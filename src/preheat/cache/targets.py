@@ -8,13 +8,16 @@ doctor --save-target FILE`` on a pod with that GPU writes its own description, a
 turns a description into a compile-only device: programs lower and compile for it on the CPU
 (no driver, no GPU), and serialise like any other executable.
 
-The cache key of a GPU program (``gpu_fields``) holds what decides its generated code --
-compute capability and feature extension, core count, the thread, register, shared-memory and
-L2 limits -- read from the description, never the card's marketing name (XLA's H200 file says
-``NVIDIA H200 141GB HBM3e``, the card says ``NVIDIA H200``), its clocks, bandwidth or memory
-size (which differ between boards of one chip and are read back inexactly). A pod computes the
-same fields from its own device's description (``local_description``), so the entries a
-CPU builder writes for it are the ones its first start looks up.
+The cache key of a GPU program (``gpu_fields``) holds what decides whether its generated code
+runs on a card -- compute capability and feature extension, core count, the thread, register and
+shared-memory limits -- read from the description, never the card's marketing name (XLA's H200
+file says ``NVIDIA H200 141GB HBM3e``, the card says ``NVIDIA H200``), its clocks, bandwidth,
+memory or L2 size. Those differ between boards of one chip and between XLA's file and the card it
+describes (the lent H200 reports another ``l2_cache_size`` than XLA's file: docs/gpu.md, first
+run), and they only steer XLA's cost heuristics, which the pod's autotuned recompile
+(``cache.retune``) revisits anyway. A pod computes the same fields from its own device's
+description (``local_description``), so the entries a CPU builder writes for it are the ones its
+first start looks up.
 """
 
 from __future__ import annotations
@@ -45,11 +48,11 @@ NAMES: dict[str, Optional[str]] = {
     "l40s": None,
     "rtx4090": None,
 }
-# The description's fields that decide generated code and that every board of a chip reports
-# exactly (see the module docstring for what is left out, and why).
+# The description's fields that decide whether generated code runs, which every board of a chip
+# reports exactly (see the module docstring for what is left out, and why).
 _CODE_FIELDS = ("core_count", "fpus_per_core", "threads_per_warp", "threads_per_block_limit",
                 "threads_per_core_limit", "shared_memory_per_block", "shared_memory_per_block_optin",
-                "shared_memory_per_core", "registers_per_core_limit", "registers_per_block_limit", "l2_cache_size")
+                "shared_memory_per_core", "registers_per_core_limit", "registers_per_block_limit")
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ switch for it. So everything here is module-level and shared by every ``JaxCompi
   sampling program (and "... concatenate_bitcast_fusion ..." on a plain fori_loop + conv), seen on
   jax 0.10.2 and re-checked on 0.11.2 (docs/cache.md). So full mode, whose aot layer serves every
   later start, compiles its programs (the sampling program among them) with JAX's cache off and
-  serialises that, unless the platform is in ``compile.XLA_SERIALISE_SAFE_PLATFORMS`` (empty until
-  the GPU check's row 8 shows one safe); JAX's cache is the whole story in "xla" mode.
+  serialises that, unless the platform is in ``compile.XLA_SERIALISE_SAFE_PLATFORMS`` (CUDA, since the GPU
+  check's row 8 showed it safe on an H200); JAX's cache is the whole story in "xla" mode.
 
 The compilers that use it are in ``preheat.cache.compile``.
 """
