@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("PREHEAT_CONV", "conv")  # XLA's convolutions, as a pod traces them (a deviceless auto trace writes GEMMs)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

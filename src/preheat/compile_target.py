@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 
 import jax
 
-__all__ = ["compiling_for", "traced_target"]
+__all__ = ["compiling_for", "traced_target", "deviceless"]
 
 # (platform, (major, minor)) of the device a trace compiles for, when it is not the running one. A
 # jax user context, not a plain context variable: its value is part of jit's tracing and lowering
@@ -40,3 +40,10 @@ def traced_target() -> tuple[str, Optional[tuple[int, int]]]:
         return "gpu", (int(major), int(minor))
     except (AttributeError, ValueError):
         return "gpu", None
+
+
+def deviceless() -> bool:
+    """Whether the program traced now is compiled for a device this process does not have
+    (``compiling_for``: ``preheat warm --target``), so nothing can be timed for it: no
+    autotuning, and no library algorithm picked by measuring (cuDNN's convolutions)."""
+    return _TARGET.value is not None

@@ -78,12 +78,12 @@ def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(h200_wa
     monkeypatch.setenv("PREHEAT_CACHE_SIGNING_KEY", SIGNING_KEY)
     result = json.loads(proc.stdout)
     assert [row["cache_layer"] for row in result["signatures"]] == ["none"] and result["pushed"] is True
-    assert result["signatures"][0]["unrunnable"] and "warning: 1 of 1 signature(s) call cuDNN" in proc.stderr
+    assert "unrunnable" not in result["signatures"][0] and "cuDNN" not in proc.stderr
     gpu = _manifests(_root())
     assert len(gpu) == 1
     entry = gpu[0]
     assert entry["target"]["name"] == "h200" and entry["target"]["device"] == "NVIDIA H200 141GB HBM3e"
-    assert entry["autotuned"] is False and entry[UNCHOSEN_CONVOLUTIONS] > 0  # the built-in UNet's convolutions
+    assert entry["autotuned"] is False and UNCHOSEN_CONVOLUTIONS not in entry  # convolutions as GEMMs (conv.py)
     assert entry["fields"]["platform"] == "gpu" and entry["fields"]["gpu"]["compute_capability"] == [9, 0]
     assert "device_kind" not in entry["fields"]  # never the marketing name
     from preheat.cache.remote import open_store
@@ -103,28 +103,35 @@ def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(h200_wa
     code, out = _warm("--target", "h200", "--max-batch-size", "1", "--guidance", "off", "--dtype", "bfloat16")
     assert code == 0 and "1 aot" in out, out
     listing = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "250"}).output
-    assert "h200 (not autotuned; will not run: " in listing and "local" in listing, listing
+    assert "h200 (not autotuned)" in listing and "local" in listing, listing
     explained = CliRunner().invoke(main, ["cache", "explain", "--n", "1", "--target", "h200"]).output
-    assert "target h200 (not autotuned; will not run: " in explained, explained  # the nearest (or hit) entry's target
+    assert "target h200 (not autotuned)" in explained, explained  # the nearest (or hit) entry's target
 
 
-def test_a_pod_quarantines_an_entry_it_cannot_run_without_loading_it(h200_warm, monkeypatch, tmp_path):
-    """The H200 rejected the built-in model's deviceless executable at its first run
-    (CUDNN_STATUS_BAD_PARAM: its convolutions' cuDNN algorithms unchosen; docs/gpu.md). A pod
-    that finds such an entry under its key moves it aside from its manifest alone -- no 6-s
+def test_an_entry_a_gpu_cannot_run_is_named_and_a_pod_quarantines_it_unloaded(monkeypatch):
+    """With XLA's convolutions forced (``PREHEAT_CONV=conv``), a deviceless compile leaves their
+    cuDNN algorithms unchosen, and the H200 rejected such an executable at its first run
+    (CUDNN_STATUS_BAD_PARAM; docs/gpu.md). ``warm --target`` says so, ``cache ls`` shows it, and a
+    pod that finds the entry under its key moves it aside from its manifest alone -- no 6-s
     deserialisation, no failed run -- and compiles its own."""
     from preheat.cache import serialized
 
-    proc, home, _ = h200_warm
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    root = tmp_path / "pod"
-    shutil.copytree(home, root)
-    (entry,) = _manifests(root)
+    monkeypatch.setenv("PREHEAT_CONV", "conv")
+    result = CliRunner().invoke(main, ["warm", "--target", "h200", "--max-batch-size", "1", "--guidance", "off",
+                                       "--dtype", "bfloat16", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["signatures"][0]["unrunnable"]
+    assert "\nwarning: 1 of 1 signature(s) call cuDNN convolutions" in result.stderr, result.stderr
+    (entry,) = _manifests(_root())
+    assert entry[UNCHOSEN_CONVOLUTIONS] > 0
+    listing = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "250"}).output
+    assert "h200 (not autotuned; will not run: " in listing, listing
+
     monkeypatch.setattr(serialized, "deserialize_and_load", lambda *a, **k: pytest.fail("the entry was loaded"))
     record: dict = {}
-    assert JaxCompiler(root=root, mode="full", remote=None)._load(entry["key"], entry["fields"], 0, record) is None
+    assert JaxCompiler(root=_root(), mode="full", remote=None)._load(entry["key"], entry["fields"], 0, record) is None
     assert "cuDNN convolution(s) with no algorithm chosen" in record["quarantined"], record
-    assert _manifests(root) == [] and len(list((root / "quarantine").iterdir())) == 1
+    assert _manifests(_root()) == [] and len(list((_root() / "quarantine").iterdir())) == 1
 
 
 def test_unchosen_convolutions_are_counted_in_the_target_s_executable():

@@ -99,6 +99,21 @@ def test_each_switch_has_its_auto_and_refuses_an_unknown_value(monkeypatch, vari
         read()
 
 
+def test_a_deviceless_gpu_trace_writes_convolutions_as_matrix_products(monkeypatch):
+    """``warm --target``: a cuDNN convolution compiled without the GPU has no algorithm and a GPU
+    rejects it (docs/gpu.md), so ``auto`` traces one product per tap there; the device that runs
+    the program, and an explicit setting, keep theirs."""
+    from preheat.compile_target import compiling_for
+
+    monkeypatch.delenv("PREHEAT_CONV", raising=False)
+    with compiling_for("gpu", (9, 0)):
+        assert conv_impl() == "taps"
+        monkeypatch.setenv("PREHEAT_CONV", "conv")
+        assert conv_impl() == "conv"
+    monkeypatch.delenv("PREHEAT_CONV")
+    assert conv_impl() == "conv"
+
+
 def test_compile_cache_key_names_each_switch_setting(monkeypatch):
     """A program traced with another implementation is another executable: never served for this one."""
     from dataclasses import dataclass

@@ -241,7 +241,12 @@ def test_the_upcast_runs_inside_the_sampling_loop():
 
 
 def _h200_hlo(fn, *args) -> str:
-    """``fn`` compiled for XLA's H200 description on this CPU (deviceless, not autotuned): its HLO text."""
+    """``fn`` compiled for XLA's H200 description on this CPU (deviceless, not autotuned): its HLO
+    text, with XLA's convolutions (``PREHEAT_CONV=conv`` unless set): the program a pod traces for
+    itself, whose kernels these tests read (a deviceless ``auto`` trace writes them as GEMMs)."""
+    import os
+    from unittest import mock
+
     import jax
 
     from preheat.cache import targets
@@ -251,7 +256,8 @@ def _h200_hlo(fn, *args) -> str:
     if not any(k.startswith("jax-cuda") for k in targets.cuda_versions()):
         pytest.skip("needs the test extra's jax-cuda13-plugin")
     device = targets.target_device(targets.resolve_target("h200"))
-    with compiling_for("gpu", (9, 0)):
+    conv = {"PREHEAT_CONV": os.environ.get("PREHEAT_CONV", "conv")}
+    with compiling_for("gpu", (9, 0)), mock.patch.dict(os.environ, conv):
         return jax.jit(fn).lower(*on_device(args, device)).compile().as_text()
 
 

@@ -5,9 +5,14 @@ applies its weight (``PREHEAT_FP8_1X1``).
 Why a switch: XLA:CPU's convolutions once ran well below its matrix products, so the same
 convolution can be written as matrix products (per tap, or im2col) and measured against XLA's own
 (``preheat bench sampler --profile``; docs/benchmarks.md, issue 21). ``auto`` is XLA's
-convolution on every platform, the fastest measured on CPU and what cuDNN wants on GPUs. The
-choice is part of the compile cache's key, so an executable traced with one is never served for
-another.
+convolution on every device that runs the program, the fastest measured on CPU and what cuDNN
+wants on GPUs, and ``taps`` in a deviceless compile for a GPU (``preheat warm --target``): XLA
+leaves a cuDNN convolution's algorithm unchosen there (choosing is timing), and the H200 rejected
+such an executable at its first run (docs/gpu.md), while a matrix product compiles to a Triton
+GEMM that needs no choice. That entry keys as ``auto`` like the pod's own program, the same sums
+in another order: the pod serves it at once and its autotuned recompile (``cache.retune``, its
+own trace: cuDNN's convolutions) replaces it when faster. An explicit setting is part of the
+compile cache's key, so an executable traced with one is never served for another.
 
 GroupNorm: ``two_pass`` computes the mean, then the variance around it (a reduction per moment,
 then the normalise pass); ``one_pass`` takes both moments in one reduction over the input, shifted
@@ -35,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from preheat.errors import InvalidArgumentError
-from preheat.compile_target import traced_target
+from preheat.compile_target import deviceless, traced_target
 
 __all__ = ["CONV_IMPLS", "GROUPNORM_IMPLS", "FP8_1X1_IMPLS", "conv_impl", "conv2d", "groupnorm_impl",
            "fp8_1x1_impl"]
@@ -58,9 +63,11 @@ def _setting(variable: str, choices: tuple[str, ...], auto: Callable[[], str]) -
 
 
 def conv_impl() -> str:
-    """The convolution implementation for programs traced now: ``PREHEAT_CONV`` if set, else per
-    platform (``auto``): XLA's convolution everywhere (cuDNN's choice on GPUs)."""
-    return _setting("PREHEAT_CONV", CONV_IMPLS, lambda: "conv")
+    """The convolution implementation for programs traced now: ``PREHEAT_CONV`` if set, else
+    (``auto``) XLA's convolution on the device that runs the program (cuDNN's choice on GPUs),
+    and one matrix product per tap in a deviceless compile for a GPU (the module docstring says why)."""
+    return _setting("PREHEAT_CONV", CONV_IMPLS,
+                    lambda: "taps" if deviceless() and traced_target()[0] == "gpu" else "conv")
 
 
 def groupnorm_impl() -> str:
