@@ -70,15 +70,41 @@ def test_matches_diffusers_from_the_same_latents(folders, pipes, kind, sampler, 
     assert ours.std() > 5  # not a flat image (flat images would agree for any model)
 
 
+def _default_sampler_matches_the_pipeline(folder, sampler: str, scheduler_class: str, prompt: str, steps: int,
+                                          guidance: float, label: str, restore_text: bool = False):
+    """``folder`` loads with ``sampler`` as its default, and its image is diffusers' pipeline's on
+    the same folder (the scheduler it builds from the folder's config), from the same latents.
+    Returns diffusers' pipeline."""
+    from diffusers import DiffusionPipeline
+
+    from preheat.backends.torch.text import restore_text_model
+    from tests._support.sd_fixtures import reference_pixels
+
+    pipe = preheat.load(folder, cache="off")
+    assert pipe.defaults["sampler"] == sampler
+    ref = DiffusionPipeline.from_pretrained(folder)  # the folder's own scheduler class
+    if restore_text:
+        restore_text_model(ref)
+    ref.set_progress_bar_config(disable=True)
+    assert type(ref.scheduler).__name__ == scheduler_class
+    noise = _noise(1, seed=3)
+    theirs = reference_pixels(ref, prompt, noise, num_inference_steps=steps, height=32, width=32,
+                              guidance_scale=guidance)
+    ours = pipe.generate(prompt, noise=noise, steps=steps, guidance=guidance, width=32, height=32)
+    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    print(f"{label}: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
+    assert ours.std() > 5  # not a flat image (flat images would agree for any model)
+    return ref
+
+
 def test_a_unipc_folder_defaults_to_unipc_and_matches_its_pipeline(folders, tmp_path):
     """A folder whose scheduler_config.json was saved by UniPCMultistepScheduler (as many deployed SD
     folders are) samples with ``unipc`` unless told otherwise, and its image is diffusers' pipeline's
     on the same folder with that scheduler."""
     import json
 
-    from diffusers import DiffusionPipeline, UniPCMultistepScheduler
-
-    from tests._support.sd_fixtures import reference_pixels
+    from diffusers import UniPCMultistepScheduler
 
     folder = tmp_path / "sd2-unipc"
     shutil.copytree(folders["sd2"], folder)  # v-prediction: UniPC's x0 conversion of v
@@ -87,19 +113,8 @@ def test_a_unipc_folder_defaults_to_unipc_and_matches_its_pipeline(folders, tmp_
     index = json.loads((folder / "model_index.json").read_text())
     (folder / "model_index.json").write_text(json.dumps({**index, "scheduler": ["diffusers", "UniPCMultistepScheduler"]}))
     assert json.loads(config_path.read_text())["_class_name"] == "UniPCMultistepScheduler"
-    pipe = preheat.load(folder, cache="off")
-    assert pipe.defaults["sampler"] == "unipc"
-    ref = DiffusionPipeline.from_pretrained(folder)  # the folder's own scheduler class
-    assert type(ref.scheduler).__name__ == "UniPCMultistepScheduler"
-    ref.set_progress_bar_config(disable=True)
-    noise = _noise(1, seed=3)
-    theirs = reference_pixels(ref, "a red fox in the forest", noise, num_inference_steps=5, height=32, width=32,
-                              guidance_scale=6.0)
-    ours = pipe.generate("a red fox in the forest", noise=noise, steps=5, guidance=6.0, width=32, height=32)
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
-    print(f"sd2/unipc (the folder's default): mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
-    assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
-    assert ours.std() > 5
+    _default_sampler_matches_the_pipeline(folder, "unipc", "UniPCMultistepScheduler", "a red fox in the forest",
+                                          steps=5, guidance=6.0, label="sd2/unipc (the folder's default)")
     # (5 steps of dpmpp_2m on this folder land 1.4 levels from it: pixels are a coarse check of the
     # sampler, which tests/samplers compares step by step)
 
@@ -216,28 +231,16 @@ def test_a_pndm_folder_defaults_to_pndm_and_matches_its_diffusers_pipeline(folde
     """SD 1.x's original folders save PNDMScheduler(skip_prk_steps=True): the load runs PLMS by
     default (steps + 1 model calls, its second timestep twice), as diffusers' pipeline loaded from
     the same folder -- with the scheduler it builds itself -- does from the same latents."""
-    from diffusers import DiffusionPipeline, PNDMScheduler
+    from diffusers import PNDMScheduler
 
-    from preheat.backends.torch.text import restore_text_model
     from tests._support.sd_fixtures import DDIM_EXTRA, SCHEDULER
 
     folder = _with_scheduler(folders["sd1"], tmp_path / "sd1-pndm",
                              PNDMScheduler(**SCHEDULER, skip_prk_steps=True,
                                            set_alpha_to_one=DDIM_EXTRA["set_alpha_to_one"]))
-    pipe = preheat.load(folder, cache="off")
-    assert pipe.defaults["sampler"] == "pndm"
-    ref = DiffusionPipeline.from_pretrained(folder)
-    restore_text_model(ref)
-    ref.set_progress_bar_config(disable=True)
-    assert type(ref.scheduler).__name__ == "PNDMScheduler" and ref.scheduler.config.skip_prk_steps
-    noise = _noise(1, seed=3)
-    theirs = reference_pixels(ref, "a watercolor fox", noise, num_inference_steps=4, height=32, width=32,
-                              guidance_scale=7.5)
-    ours = pipe.generate("a watercolor fox", noise=noise, steps=4, guidance=7.5, width=32, height=32)
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
-    print(f"sd1/pndm: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
-    assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
-    assert ours.std() > 5  # not a flat image (flat images would agree for any model)
+    ref = _default_sampler_matches_the_pipeline(folder, "pndm", "PNDMScheduler", "a watercolor fox", steps=4,
+                                                guidance=7.5, label="sd1/pndm", restore_text=True)
+    assert ref.scheduler.config.skip_prk_steps
 
 
 def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog):
