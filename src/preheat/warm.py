@@ -24,9 +24,42 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple, Optional
 
 __all__ = ["WarmSet", "WarmSignature", "buckets_for", "bucket_for", "served_call", "ServedCall", "resolve",
-           "signatures", "run_signature", "status", "programs", "prefetch_calls", "warm", "offered_inputs", "OfferedInputs", "SettingNames"]
+           "signatures", "run_signature", "status", "programs", "prefetch_calls", "warm", "offered_inputs", "OfferedInputs", "SettingNames",
+           "parse_sizes", "parse_lora_ranks"]
 
 GUIDANCE_MODES = ("off", "on")
+
+
+def parse_sizes(text: Optional[str], name: str = "--sizes") -> tuple[tuple[int, int], ...]:
+    """``512x512,768x512`` -> ((512, 512), (768, 512)): ``preheat serve --sizes`` and Runpod's
+    ``PREHEAT_SIZES``. A malformed entry fails in one line naming ``name`` (what the user wrote)."""
+    out = []
+    for item in (text or "").split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        w, sep, h = item.partition("x")
+        if not sep or not w.isdigit() or not h.isdigit() or int(w) <= 0 or int(h) <= 0:
+            from preheat.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"{name} {item!r} must be WIDTHxHEIGHT, e.g. 512x512", argument=name)
+        out.append((int(w), int(h)))
+    return tuple(dict.fromkeys(out))
+
+
+def parse_lora_ranks(text: Optional[str], name: str = "--lora-ranks") -> tuple[int, ...]:
+    """``16,32`` -> (16, 32): ``--lora-ranks`` and Runpod's ``PREHEAT_LORA_RANKS`` (that each is a
+    rank bucket is ``preheat.lora.check_lora_ranks``'s to say). A malformed entry fails in one line."""
+    out = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if item:
+            if not item.isdigit():
+                from preheat.errors import InvalidArgumentError
+
+                raise InvalidArgumentError(f"{name} {item!r} must be rank buckets, e.g. 16,32")
+            out.append(int(item))
+    return tuple(dict.fromkeys(out))
 
 
 def buckets_for(max_batch_size: int, devices: int = 1) -> tuple[int, ...]:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -53,7 +53,7 @@ __all__ = ["InputSpec", "CliForm", "Text", "Int", "Float", "Choice", "Pair", "In
            "common_spec", "SizePair", "IMAGE_SIZE", "size_pair",
            "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "typed_flags", "field_of",
            "check_needs", "WARM_IMAGE", "SURFACES", "SEED_MAX", "optional_inputs", "offered_specs", "check_offered",
-           "parse_offered", "parse_sizes", "parse_lora_ranks", "NO_INPUTS", "required_inputs", "inputs_offering", "ServerBound"]
+           "parse_offered", "NO_INPUTS", "required_inputs", "inputs_offering", "ServerBound"]
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
@@ -600,34 +600,6 @@ def offered_specs(specs: Sequence[InputSpec], offered: Sequence[str] | None) -> 
         if not more:
             return tuple(s for s in specs if s.name not in dropped)
         dropped |= more
-
-
-def parse_sizes(text: Optional[str], name: str = "--sizes") -> tuple[tuple[int, int], ...]:
-    """``512x512,768x512`` -> ((512, 512), (768, 512)): ``preheat serve --sizes`` and Runpod's
-    ``PREHEAT_SIZES``. A malformed entry fails in one line naming ``name`` (what the user wrote)."""
-    out = []
-    for item in (text or "").split(","):
-        item = item.strip().lower()
-        if not item:
-            continue
-        w, sep, h = item.partition("x")
-        if not sep or not w.isdigit() or not h.isdigit() or int(w) <= 0 or int(h) <= 0:
-            raise InvalidArgumentError(f"{name} {item!r} must be WIDTHxHEIGHT, e.g. 512x512", argument=name)
-        out.append((int(w), int(h)))
-    return tuple(dict.fromkeys(out))
-
-
-def parse_lora_ranks(text: Optional[str], name: str = "--lora-ranks") -> tuple[int, ...]:
-    """``16,32`` -> (16, 32): ``--lora-ranks`` and Runpod's ``PREHEAT_LORA_RANKS`` (that each is a
-    rank bucket is ``preheat.lora.check_lora_ranks``'s to say). A malformed entry fails in one line."""
-    out = []
-    for item in (text or "").split(","):
-        item = item.strip()
-        if item:
-            if not item.isdigit():
-                raise InvalidArgumentError(f"{name} {item!r} must be rank buckets, e.g. 16,32")
-            out.append(int(item))
-    return tuple(dict.fromkeys(out))
 
 
 def parse_offered(text: str | Sequence[str] | None) -> tuple[str, ...] | None:

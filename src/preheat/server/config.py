@@ -136,7 +136,7 @@ def typed_setting(name: str, value: Any, label: Optional[str] = None) -> Any:
 
 def _typed(name: str, value: Any, label: str) -> Any:
     from preheat.env import on_off
-    from preheat.families.inputs import parse_lora_ranks, parse_sizes
+    from preheat.warm import parse_lora_ranks, parse_sizes
 
     if name in _LISTS:
         items = value.split(",") if isinstance(value, str) else list(value)
