@@ -197,6 +197,13 @@ class SettingNames(NamedTuple):
     inputs: str = "--inputs"
     sizes: str = "--sizes"
     max_steps: str = "--max-steps"
+    # a server's limits (``preheat.server.config.CoreConfig.check``)
+    max_batch_size: str = "--max-batch-size"
+    batch_wait_ms: str = "--batch-wait-ms"
+    max_queue: str = "--max-queue"
+    max_loras: str = "--max-loras"
+    max_image_pixels: str = "--max-image-pixels"
+    lora_dir: str = "--lora-dir"
 
     @classmethod
     def by(cls, name_of: Callable[[str], str]) -> "SettingNames":
@@ -437,7 +444,7 @@ def warm(warm_set: WarmSet, pipe: Any, log: Callable[[str], None] = lambda line:
         if tuned:
             rows[-1]["retune"] = tuned
         unrunnable = [f"{e.get('stage', 'denoise')}: {e['unrunnable']}" for e in events if "unrunnable" in e]
-        if unrunnable:  # warm --target: entries a GPU rejects (cache.targets.UNCHOSEN_CONVOLUTIONS)
+        if unrunnable:  # warm --target: entries a GPU will not run (cache.entries.UNRUNNABLE)
             rows[-1]["unrunnable"] = unrunnable
         log(f"{sig.describe()}: {rows[-1]['seconds']:.2f}s (cache: {layer}){_retune_note(tuned)}"
             + (f"; will not run on the GPU ({'; '.join(unrunnable)})" if unrunnable else ""))

@@ -355,9 +355,12 @@ def test_options_from_serve_run_args_and_one_line_errors() -> None:
     from preheat.warm import SettingNames
 
     # what each replica's set-up messages name (serve --ray builds RayOptions from its flags: the defaults)
-    assert RayOptions().core_config().names == SettingNames() == SettingNames("--inputs", "--sizes", "--max-steps")
-    assert RayOptions.from_args({}).core_config().names == SettingNames("inputs", "sizes", "max_steps")
-    assert e.core_config().names == SettingNames("PREHEAT_INPUTS", "PREHEAT_SIZES", "PREHEAT_MAX_STEPS")
+    assert RayOptions().core_config().names == SettingNames() == SettingNames.by(lambda s: "--" + s.replace("_", "-"))
+    assert RayOptions.from_args({}).core_config().names == SettingNames.by(str)
+    assert e.core_config().names == SettingNames.by(lambda s: "PREHEAT_" + s.upper())
+    assert e.core_config().names[:3] == ("PREHEAT_INPUTS", "PREHEAT_SIZES", "PREHEAT_MAX_STEPS")
+    with pytest.raises(InvalidArgumentError, match="^PREHEAT_MAX_LORAS 0 must be >= 1$"):  # the core's table
+        RayOptions.from_env({"PREHEAT_MAX_LORAS": "0"})
 
 
 def test_the_fleet_store_and_its_credentials_reach_every_replica(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -127,16 +127,36 @@ def test_runpod_and_ray_read_every_setting_from_one_table() -> None:
 
     with pytest.raises(InvalidArgumentError, match="sizes 5: .*not iterable"):  # a typed value of the wrong shape
         RayOptions.from_args({"sizes": 5})
-    assert typed_setting("max_image_pixels", "0") is None  # 0: the default cap, as before
+    assert typed_setting("max_image_pixels", "0") == 0  # refused by the core, as `serve` refuses it
 
 
 def test_a_malformed_setting_stops_the_worker_in_one_line(tmp_path: Path) -> None:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PREHEAT_MAX_BATCH_SIZE="x")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PREHEAT_MAX_BATCH_SIZE="0")  # in range is the core's check
     env.pop("RUNPOD_WEBHOOK_GET_JOB", None)
     run = subprocess.run([sys.executable, "-m", "preheat.integrations.runpod"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
-    assert run.stderr.strip().splitlines()[-1] == "error: PREHEAT_MAX_BATCH_SIZE 'x' must be an int"
+    assert run.stderr.strip().splitlines()[-1] == "error: PREHEAT_MAX_BATCH_SIZE 0 must be in 1..1024"
+
+
+@pytest.mark.parametrize("name, text, line", [
+    ("PREHEAT_MAX_BATCH_SIZE", "2000", "PREHEAT_MAX_BATCH_SIZE 2000 must be in 1..1024"),
+    ("PREHEAT_MAX_QUEUE", "0", "PREHEAT_MAX_QUEUE 0 must be >= 1"),
+    ("PREHEAT_MAX_LORAS", "0", "PREHEAT_MAX_LORAS 0 must be >= 1"),
+    ("PREHEAT_BATCH_WAIT_MS", "-1", "PREHEAT_BATCH_WAIT_MS -1.0 must be >= 0"),
+    ("PREHEAT_MAX_IMAGE_PIXELS", "0", "PREHEAT_MAX_IMAGE_PIXELS 0 must be >= 1"),  # as `serve` refuses 0
+    ("PREHEAT_LORA_DIR", "{tmp}/absent", "PREHEAT_LORA_DIR '{tmp}/absent' is not a folder here"),
+])
+def test_the_worker_refuses_what_serve_refuses_naming_the_variable(name, text, line, tmp_path) -> None:
+    """The core checks its limits (``CoreConfig.check``), so Runpod's worker, whose settings skip
+    ``serve``'s options, refuses a value out of range in one line, before anything loads: a queue of
+    0 was a traceback, a LoRA folder that is not there failed each request instead of the start."""
+    from preheat.errors import InvalidArgumentError
+
+    config = rp.config_from_env({name: text.format(tmp=tmp_path)})
+    with pytest.raises(InvalidArgumentError) as err:
+        Core(config, loader=lambda _: pytest.fail("loaded before the check"))
+    assert str(err.value) == line.format(tmp=tmp_path)
 
 
 def test_worker_settings_come_from_the_environment() -> None:

@@ -23,6 +23,7 @@ from preheat.cli.serve import serve_command
     (["--backend", "torch", "--weights-dtype", "float8_e4m3fn"], "--weights-dtype applies to --backend jax"),
     (["--compile", "regional"], "--compile regional applies to --backend torch"),
     (["--max-loras", "0"], "--max-loras 0 must be >= 1"),
+    (["--max-image-pixels", "0"], "--max-image-pixels 0 must be >= 1"),
     (["--lora-ranks", "16,24"], "LoRA rank bucket(s) 24 are not rank buckets; buckets: 16, 32, 64, 128"),
     (["--lora-ranks", "x"], "--lora-ranks 'x' must be rank buckets"),
     (["--fetch-deadline-s", "0"], "--fetch-deadline-s 0.0 must be > 0"),

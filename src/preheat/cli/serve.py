@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import click
 
@@ -44,20 +44,12 @@ def _check_backend(backend: str) -> None:
         raise InvalidArgumentError(f"--backend torch needs the torch extra: {err}") from None
 
 
-def _check_limits(max_batch_size: int, batch_wait_ms: float, max_queue: int, max_steps: int, grace_s: float,
-                  header_timeout_s: float = 10.0, body_timeout_s: float = 30.0, max_body_bytes: int = 1 << 20,
-                  name_of: Callable[[str], str] = flag_of) -> None:
-    """The serving limits; a bad one fails in one line naming its flag (or ``name_of``'s variable)."""
+def _check_http_limits(grace_s: float, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0,
+                       max_body_bytes: int = 1 << 20) -> None:
+    """The HTTP server's own limits (the core's: ``preheat.server.config.check_limits``); a bad one
+    fails in one line naming its flag."""
     from preheat.errors import InvalidArgumentError
 
-    if max_batch_size < 1 or max_batch_size > 1024:
-        raise InvalidArgumentError(f"{name_of('max_batch_size')} {max_batch_size} must be in 1..1024")
-    if batch_wait_ms < 0:
-        raise InvalidArgumentError(f"{name_of('batch_wait_ms')} {batch_wait_ms} must be >= 0")
-    if max_queue < 1:
-        raise InvalidArgumentError(f"{name_of('max_queue')} {max_queue} must be >= 1")
-    if max_steps < 1:
-        raise InvalidArgumentError(f"{name_of('max_steps')} {max_steps} must be >= 1")
     if grace_s < 0:
         raise InvalidArgumentError(f"--grace-s {grace_s} must be >= 0")
     if header_timeout_s <= 0:
@@ -202,18 +194,14 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     from preheat.warm import SettingNames
 
     name_of = names_of()  # a setting's flag, or its PREHEAT_<SETTING> where the value came from there
-    _check_limits(max_batch_size, batch_wait_ms, max_queue, max_steps, grace_s, header_timeout_s, body_timeout_s,
-                  max_body_bytes, name_of)
+    from preheat.server.config import check_limits, parse_idle_s
+
+    check_limits(dict(max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms, max_queue=max_queue,
+                      max_steps=max_steps, max_loras=max_loras, max_image_pixels=max_image_pixels), name_of)
+    _check_http_limits(grace_s, header_timeout_s, body_timeout_s, max_body_bytes)
     if push_grace_s < 0:
         raise InvalidArgumentError(f"--push-grace-s {push_grace_s} must be >= 0")
-    from preheat.server.config import parse_idle_s
-
     retune_idle_s = parse_idle_s(retune_idle_s_text, name_of("retune_idle_s"))
-    if max_loras < 1:
-        raise InvalidArgumentError(f"{name_of('max_loras')} {max_loras} must be >= 1")
-    if max_image_pixels < 1:
-        label = name_of("max_image_pixels")
-        raise InvalidArgumentError(f"{label} {max_image_pixels} must be >= 1", argument=label)
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp, variant, cache, weights_dtype,
                                      weights_layers, progress, config, inputs_text, name_of)

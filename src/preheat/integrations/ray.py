@@ -160,8 +160,10 @@ class RayOptions:
     def check(self, name_of: Callable[[str], str] = str) -> None:
         """Each value in its range, or one line naming the first that is not as the user gave it
         (``name_of(option)``: the ``serve run`` arg, or ``from_env``'s variable)."""
-        at_least = {"max_batch_size": 1, "max_queue": 1, "max_steps": 1, "num_replicas": 1, "batch_wait_ms": 0,
-                    "grace_s": 0, "push_grace_s": 0, "num_gpus": 0, "num_cpus": 0}
+        from preheat.server.config import LIMITS, check_limits
+
+        check_limits({name: getattr(self, name) for name in LIMITS}, name_of)  # the core's (lora_dir: on the replica)
+        at_least = {"num_replicas": 1, "grace_s": 0, "push_grace_s": 0, "num_gpus": 0, "num_cpus": 0}
         for option, low in at_least.items():
             value = getattr(self, option)
             if value is not None and value < low:

@@ -6,13 +6,14 @@ that the Ray and Runpod surfaces can build and check a configuration without the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from preheat.errors import InvalidArgumentError, PreheatError
 from preheat.warm import GUIDANCE_MODES, SettingNames, WarmSet
 
 __all__ = ["CoreConfig", "SettingNames", "load_pipeline", "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting",
-           "RETUNE_IDLE_S", "parse_idle_s"]
+           "RETUNE_IDLE_S", "parse_idle_s", "LIMITS", "check_limits"]
 
 RETUNE_IDLE_S = 30.0  # the default --retune-idle-s: a lull, not the gap between two requests of a burst
 
@@ -29,6 +30,26 @@ def parse_idle_s(value: Any, label: str = "--retune-idle-s") -> Optional[float]:
     if not seconds >= 0 or seconds == float("inf"):
         raise InvalidArgumentError(f"{label} {value!r} must be >= 0 seconds, or off", argument=label)
     return seconds or None
+
+
+# Each serving limit's range (low, high; None: no bound). One table for the three places that set
+# them (``preheat serve``'s options, Ray's options, and every CoreConfig a Core is built from,
+# which is where Runpod's PREHEAT_* variables land), so no surface lets through what another refuses.
+LIMITS: dict[str, tuple[float, Optional[float]]] = {
+    "max_batch_size": (1, 1024), "batch_wait_ms": (0, None), "max_queue": (1, None), "max_steps": (1, None),
+    "max_loras": (1, None), "max_image_pixels": (1, None)}
+
+
+def check_limits(values: Mapping[str, Any], name_of: Callable[[str], str] = str) -> None:
+    """Each of ``values``' LIMITS settings in its range (None: the default), or one line naming the
+    first that is not as the user gave it (``name_of(setting)``: a flag, a variable)."""
+    for name, (low, high) in LIMITS.items():
+        value = values.get(name)
+        if value is None or (value >= low and (high is None or value <= high)):
+            continue
+        label = name_of(name)
+        span = f">= {low}" if high is None else f"in {low}..{high}"
+        raise InvalidArgumentError(f"{label} {value} must be {span}", argument=label)
 
 
 @dataclass
@@ -71,6 +92,16 @@ class CoreConfig:
     # line's options unless the surface read them elsewhere (Runpod: ``PREHEAT_INPUTS``). Where a
     # value came from is not what the server is: configs that differ only here are equal.
     names: SettingNames = field(default=SettingNames(), compare=False)
+
+    def check(self) -> None:
+        """The limits in range and ``lora_dir`` a folder here, or one line naming the setting as the
+        user gave it (``names``). A server checks this before it loads anything: a LoRA folder that
+        is not there would otherwise fail every request that names a file, not the start."""
+        name_of = lambda setting: getattr(self.names, setting)  # noqa: E731
+        check_limits({name: getattr(self, name) for name in LIMITS}, name_of)
+        if self.lora_dir is not None and not Path(self.lora_dir).is_dir():
+            label = name_of("lora_dir")
+            raise InvalidArgumentError(f"{label} {self.lora_dir!r} is not a folder here", argument=label)
 
     def warm_set(self) -> WarmSet:
         """The declaration this server warms (the same object ``preheat warm`` compiles)."""
@@ -167,7 +198,7 @@ def _typed(name: str, value: Any, label: str) -> Any:
         except (TypeError, ValueError):
             raise InvalidArgumentError(f"{label} {value!r} must be {'an int' if kind is int else 'a number'}",
                                        argument=label) from None
-        return (number or None) if name == "max_image_pixels" else number  # 0: the default cap
+        return number
     return str(value)
 
 

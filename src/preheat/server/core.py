@@ -57,9 +57,7 @@ class Core:
 
     def __init__(self, config: CoreConfig, pipe: Any = None,
                  loader: Callable[[CoreConfig], Any] = load_pipeline) -> None:
-        if (config.max_batch_size < 1 or config.max_queue < 1 or config.max_steps < 1 or config.batch_wait_ms < 0
-                or config.max_loras < 1):
-            raise ValueError("max_batch_size, max_queue, max_steps and max_loras must be >= 1 and batch_wait_ms >= 0")
+        config.check()
         self.config = config
         if config.max_image_pixels is not None:  # the process's limit (and PIL's bomb limit): set before any request
             from preheat.image_input import set_max_pixels
