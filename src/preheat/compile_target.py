@@ -44,6 +44,7 @@ def traced_target() -> tuple[str, Optional[tuple[int, int]]]:
 
 def deviceless() -> bool:
     """Whether the program traced now is compiled for a device this process does not have
-    (``compiling_for``: ``preheat warm --target``), so nothing can be timed for it: no
-    autotuning, and no library algorithm picked by measuring (cuDNN's convolutions)."""
+    (``compiling_for``: ``preheat warm --target``), so nothing can be timed or built for it: no
+    autotuning, no library algorithm picked by measuring (cuDNN's convolutions), no cuDNN graph
+    (fused attention)."""
     return _TARGET.value is not None

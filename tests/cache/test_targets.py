@@ -26,7 +26,7 @@ import preheat
 from preheat.cache import keys, targets
 from preheat.cache.compile import JaxCompiler, TargetCompiler, on_device
 from preheat.cache.keys import key_fields, key_of
-from preheat.cache.entries import UNCHOSEN_CONVOLUTIONS, unchosen_convolutions
+from preheat.cache.entries import UNRUNNABLE, unrunnable, unrunnable_cudnn_calls
 from preheat.cache.targets import resolve_target, target_device
 from preheat.cli import main
 from preheat.errors import TargetError
@@ -83,7 +83,7 @@ def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(h200_wa
     assert len(gpu) == 1
     entry = gpu[0]
     assert entry["target"]["name"] == "h200" and entry["target"]["device"] == "NVIDIA H200 141GB HBM3e"
-    assert entry["autotuned"] is False and UNCHOSEN_CONVOLUTIONS not in entry  # convolutions as GEMMs (conv.py)
+    assert entry["autotuned"] is False and UNRUNNABLE not in entry  # convolutions as GEMMs (conv.py)
     assert entry["fields"]["platform"] == "gpu" and entry["fields"]["gpu"]["compute_capability"] == [9, 0]
     assert "device_kind" not in entry["fields"]  # never the marketing name
     from preheat.cache.remote import open_store
@@ -121,9 +121,10 @@ def test_an_entry_a_gpu_cannot_run_is_named_and_a_pod_quarantines_it_unloaded(mo
                                        "--dtype", "bfloat16", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["signatures"][0]["unrunnable"]
-    assert "\nwarning: 1 of 1 signature(s) call cuDNN convolutions" in result.stderr, result.stderr
+    assert "\nwarning: 1 of 1 signature(s) make cuDNN calls that a compile without the GPU cannot finish" \
+        in result.stderr, result.stderr
     (entry,) = _manifests(_root())
-    assert entry[UNCHOSEN_CONVOLUTIONS] > 0
+    assert "cuDNN convolution(s) with no algorithm chosen" in entry[UNRUNNABLE]
     listing = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "250"}).output
     assert "h200 (not autotuned; will not run: " in listing, listing
 
@@ -134,16 +135,25 @@ def test_an_entry_a_gpu_cannot_run_is_named_and_a_pod_quarantines_it_unloaded(mo
     assert _manifests(_root()) == [] and len(list((_root() / "quarantine").iterdir())) == 1
 
 
-def test_unchosen_convolutions_are_counted_in_the_target_s_executable():
-    """Only cuDNN convolutions lack a choice in a deviceless compile: a GEMM program has none."""
+def test_cudnn_calls_a_deviceless_compile_cannot_finish_are_named():
+    """A deviceless compile leaves a cuDNN convolution's algorithm unchosen and builds no graph for
+    cuDNN's fused attention: both are named, and a GEMM program has neither. Round 11's manifests
+    (a count of convolutions under the older field) still read as unrunnable."""
     device = target_device(resolve_target("h200"))
     x = on_device(jax.ShapeDtypeStruct((1, 16, 16, 32), jnp.bfloat16), device)
     w = on_device(jax.ShapeDtypeStruct((3, 3, 32, 32), jnp.bfloat16), device)
     conv = jax.jit(lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
                                                              dimension_numbers=("NHWC", "HWIO", "NHWC")))
-    assert unchosen_convolutions(conv.lower(x, w).compile()) == 1
+    assert unrunnable_cudnn_calls(conv.lower(x, w).compile()) == "1 cuDNN convolution(s) with no algorithm chosen"
     m = on_device(jax.ShapeDtypeStruct((256, 256), jnp.bfloat16), device)
-    assert unchosen_convolutions(jax.jit(jnp.dot).lower(m, m).compile()) == 0
+    assert unrunnable_cudnn_calls(jax.jit(jnp.dot).lower(m, m).compile()) is None
+    if targets.cudnn_available():  # the builder's cuDNN package: jax lowers cuDNN's attention only with one
+        q = on_device(jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16), device)
+        fused = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, implementation="cudnn"))
+        assert unrunnable_cudnn_calls(fused.lower(q).compile()) == \
+            "1 cuDNN graph call(s) (fused attention) with no graph built"
+    assert unrunnable({"cudnn_convolutions_unchosen": 3}) == "3 cuDNN convolution(s) with no algorithm chosen"
+    assert unrunnable({UNRUNNABLE: "why"}) == "why" and unrunnable({}) is None
 
 
 def test_warm_target_on_a_tiny_sd1_folder_compiles_every_program_of_the_call(tmp_path):
@@ -295,13 +305,27 @@ def _attention_hlo(head_dim: int, dtype: jnp.dtype, heads: int = 2, tokens: int 
     return lowered.compile().as_text()
 
 
+def test_attention_compiled_for_the_h200_without_it_takes_xla_s_path_for_every_head():
+    """A deviceless compile builds no graph for cuDNN's fused attention (the GPU would not run it:
+    ``cache.entries.UNRUNNABLE``), so every head, SDXL's 64-wide ones included, compiles to XLA's
+    attention; the pod's own trace fuses (the next test)."""
+    for head_dim, dtype in ((64, jnp.bfloat16), (80, jnp.bfloat16), (160, jnp.bfloat16), (64, jnp.float32)):
+        assert "__cudnn$" not in _attention_hlo(head_dim, dtype), (head_dim, dtype)
+
+
 @pytest.mark.skipif(not targets.cudnn_available(), reason="needs a cuDNN package (nvidia-cudnn-cu13)")
-def test_attention_on_the_h200_fuses_sdxl_heads_and_compiles_every_other_head():
-    assert "__cudnn$fmha" in _attention_hlo(64, jnp.bfloat16)  # SDXL's 64-wide heads: cuDNN's fused attention
-    for head_dim in (80,):  # SD 1.5's middle blocks: fused too
-        assert "__cudnn$fmha" in _attention_hlo(head_dim, jnp.bfloat16)
-    assert "__cudnn$fmha" not in _attention_hlo(160, jnp.bfloat16)  # SD 1.5's deepest: XLA's path, compiles
-    assert "__cudnn$fmha" not in _attention_hlo(64, jnp.float32)  # float32: XLA's path
+def test_a_pod_s_own_trace_fuses_the_heads_cudnn_takes(monkeypatch):
+    """On the device (no ``compiling_for``), the choice reads the GPU's capability: cuDNN's fused
+    attention for bf16/fp16 heads that are multiples of 8 up to 128, XLA's path for the rest."""
+    from preheat.models import attention
+
+    monkeypatch.setattr(attention, "traced_target", lambda: ("gpu", (9, 0)))
+    impl = attention.implementation_for
+    assert [impl(jnp.bfloat16, 64), impl(jnp.float16, 80), impl(jnp.bfloat16, 40)] == ["cudnn"] * 3
+    assert [impl(jnp.bfloat16, 160), impl(jnp.float32, 64), impl(jnp.bfloat16, 60),
+            impl(jnp.bfloat16, 64, has_bias_or_mask=True)] == ["xla"] * 4
+    monkeypatch.setattr(attention, "traced_target", lambda: ("gpu", (7, 5)))  # before Ampere: no fused path
+    assert impl(jnp.bfloat16, 64) == "xla"
 
 
 def test_the_cpu_trace_is_unchanged():
@@ -321,19 +345,17 @@ def test_a_target_compiler_never_prefetches(tmp_path):
     assert compiler.prefetch([({}, None, (), 1)]).items == []
 
 
-@pytest.mark.skipif(not targets.cudnn_available(), reason="needs a cuDNN package (nvidia-cudnn-cu13)")
 def test_one_function_traced_for_the_cpu_and_the_target_gets_each_its_own_program():
-    """The target is part of jit's caches: the CPU's trace is never reused for the GPU, nor the reverse."""
-    from preheat.models.attention import dot_product_attention
+    """The target is part of jit's caches: the CPU's trace is never reused for the GPU, nor the reverse
+    (the convolution is XLA's on the CPU, one matrix product per tap for the deviceless target)."""
     from preheat.compile_target import compiling_for
+    from preheat.models.conv import conv2d
 
-    def attend(q):  # (B, L, nH, Dh)
-        return dot_product_attention(q, q, q)
-
-    x = jax.ShapeDtypeStruct((1, 16, 2, 64), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((1, 8, 8, 4), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((3, 3, 4, 4), jnp.bfloat16)
     device = target_device(resolve_target("h200"))
-    fn = jax.jit(attend)
-    assert "cudnn" not in fn.lower(x).compile().as_text()  # the CPU first
+    fn = jax.jit(lambda x, w: conv2d(x, w, 1, 1))
+    assert "convolution" in fn.lower(x, w).as_text()  # the CPU first
     with compiling_for("gpu", (9, 0)):
-        assert "__cudnn$fmha" in fn.lower(*on_device((x,), device)).compile().as_text()
-    assert "cudnn" not in fn.lower(x).compile().as_text()  # and the CPU again
+        assert "convolution" not in fn.lower(*on_device((x, w), device)).as_text()
+    assert "convolution" in fn.lower(x, w).as_text()  # and the CPU again

@@ -24,7 +24,7 @@ import jax
 
 from preheat._version import __version__
 from preheat.cache import xla_layer
-from preheat.cache.entries import UNCHOSEN_CONVOLUTIONS, LoadingMarker, checked_entry, unchosen_convolutions
+from preheat.cache.entries import UNRUNNABLE, LoadingMarker, checked_entry, unrunnable, unrunnable_cudnn_calls
 from preheat.cache.entry_cache import EntryCache
 from preheat.cache.keys import key_fields, key_of, mesh_of
 from preheat.errors import CacheEntryError
@@ -306,11 +306,10 @@ class JaxCompiler(EntryCache):
             return None
         if entry is None:
             return None
-        unchosen = entry.manifest.get(UNCHOSEN_CONVOLUTIONS)
-        if unchosen:  # a GPU rejects it at its first run: not worth the load (docs/gpu.md)
-            self._quarantine(path, f"compiled without a GPU for {_target_name(entry.manifest)}: {unchosen} cuDNN "
-                                   "convolution(s) with no algorithm chosen, which a GPU rejects "
-                                   "(CUDNN_STATUS_BAD_PARAM)", record)
+        reason = unrunnable(entry.manifest)
+        if reason:  # a GPU fails it at its first run: not worth the load (docs/gpu.md)
+            self._quarantine(path, f"compiled without a GPU for {_target_name(entry.manifest)}, which will not "
+                                   f"run it: {reason}", record)
             return None
         payload = entry.file(EXECUTABLE).read_bytes()
         mesh = mesh_of(args)  # the key's mesh field: the same device ids the entry was compiled for
@@ -380,10 +379,10 @@ class TargetCompiler(JaxCompiler):
             with xla_layer.persistent_cache_disabled():
                 compiled = lowered.compile()
             timings = Timings(trace_lower_s=traced - start, compile_s=time.perf_counter() - traced, cache_layer="none")
-            unchosen = unchosen_convolutions(compiled)
-            if unchosen:
-                record["unrunnable"] = f"{unchosen} cuDNN convolution(s) with no algorithm chosen"
-            self._store(key, fields, compiled, record, {UNCHOSEN_CONVOLUTIONS: unchosen} if unchosen else None)
+            reason = unrunnable_cudnn_calls(compiled)
+            if reason:
+                record["unrunnable"] = reason
+            self._store(key, fields, compiled, record, {UNRUNNABLE: reason} if reason else None)
         self._note(record, timings)
         return zeros_like_outputs(sig, program, args), timings
 

@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
-from preheat.cache.entries import UNCHOSEN_CONVOLUTIONS, LoadingMarker, checked_entry
+from preheat.cache.entries import LoadingMarker, checked_entry, unrunnable
 from preheat.errors import CacheEntryError
 from preheat.files import atomic_write_bytes
 
@@ -104,7 +104,7 @@ class EarlyLoads:
             entry = checked_entry(self.kind_dir, key)
         except CacheEntryError:
             return None  # the normal load quarantines it
-        if entry is None or entry.manifest.get(UNCHOSEN_CONVOLUTIONS):
+        if entry is None or unrunnable(entry.manifest):
             return None  # (a GPU rejects the latter: the normal load quarantines it unloaded)
         payload = entry.file(EXECUTABLE).read_bytes()
         with LoadingMarker(entry.path):

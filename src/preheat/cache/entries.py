@@ -41,13 +41,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from preheat.files import atomic_write_bytes, fsync_dir, sha256_file
 from preheat.errors import CacheEntryError
 
 __all__ = ["Entry", "publish_entry", "replace_entry", "rewrite_manifest", "open_entry", "checked_entry", "quarantine", "iter_entries", "LoadingMarker", "SCHEMA",
-           "entry_size", "UNCHOSEN_CONVOLUTIONS", "unchosen_convolutions"]
+           "entry_size", "UNRUNNABLE", "unrunnable_cudnn_calls", "unrunnable"]
 
 SCHEMA = 1
 MANIFEST = "manifest.json"
@@ -338,19 +338,40 @@ def checked_entry(kind_dir: Path, key: str, expected_fields: dict[str, Any] | No
     return open_entry(kind_dir, key, expected_fields)
 
 
-# The manifest field of a ``warm --target`` entry whose executable a GPU will not run: XLA's
-# deviceless compile leaves each cuDNN convolution's algorithm unchosen (``algo_id`` -1: choosing
-# one is autotuning, which needs the device), and the H200 rejected such an executable at its
-# first run with CUDNN_STATUS_BAD_PARAM (jax 0.11.2, docs/gpu.md). A pod quarantines the entry
-# without loading it and compiles its own.
-UNCHOSEN_CONVOLUTIONS = "cudnn_convolutions_unchosen"
+# The manifest field of a ``warm --target`` entry whose executable a GPU will not run, and why.
+# XLA's deviceless compile cannot finish a cuDNN call: it leaves each convolution's algorithm
+# unchosen (``algo_id`` -1: choosing one is autotuning, which needs the device; the H200 rejected
+# such an executable at its first run with CUDNN_STATUS_BAD_PARAM, jax 0.11.2), and it builds no
+# graph for a fused attention or cuDNN fusion call (XLA builds those only with the device, and the
+# runtime looks the graph up, never builds it: docs/gpu.md). preheat's own deviceless traces avoid
+# both (``conv_impl``, ``implementation_for``); a forced ``PREHEAT_CONV=conv`` or a program that
+# asks for cuDNN itself still gets them. A pod quarantines such an entry without loading it and
+# compiles its own. Round 11's entries recorded a count of convolutions under the older field.
+UNRUNNABLE = "gpu_unrunnable"
+_UNCHOSEN_CONVOLUTIONS = "cudnn_convolutions_unchosen"
 _UNCHOSEN = re.compile(r'custom_call_target="__cudnn\$conv[^"]*".*?"algo_id":"-1"')
+_GRAPH_CALL = re.compile(r'custom_call_target="__cudnn\$(fmha|fusion)')
 
 
-def unchosen_convolutions(compiled: Any) -> int:
-    """How many cuDNN convolutions of a compiled GPU executable have no algorithm chosen."""
+def unrunnable_cudnn_calls(compiled: Any) -> Optional[str]:
+    """Why a GPU executable compiled without its device will not run (its cuDNN calls that the
+    compile could not finish), or None."""
     try:
         text = compiled.as_text()
     except Exception:  # an executable that cannot print itself: nothing to say
-        return 0
-    return sum(1 for line in text.splitlines() if _UNCHOSEN.search(line))
+        return None
+    lines = text.splitlines()
+    convolutions = sum(1 for line in lines if _UNCHOSEN.search(line))
+    graphs = sum(1 for line in lines if _GRAPH_CALL.search(line))
+    reasons = ([f"{convolutions} cuDNN convolution(s) with no algorithm chosen"] if convolutions else []) \
+        + ([f"{graphs} cuDNN graph call(s) (fused attention) with no graph built"] if graphs else [])
+    return "; ".join(reasons) or None
+
+
+def unrunnable(manifest: dict[str, Any]) -> Optional[str]:
+    """Why the entry of ``manifest`` will not run on its GPU, or None (``UNRUNNABLE``)."""
+    reason = manifest.get(UNRUNNABLE)
+    if isinstance(reason, str) and reason:
+        return reason
+    old = manifest.get(_UNCHOSEN_CONVOLUTIONS)
+    return f"{old} cuDNN convolution(s) with no algorithm chosen" if old else None

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from preheat.cache.entries import UNCHOSEN_CONVOLUTIONS, Entry, entry_size, iter_entries, open_entry, quarantine
+from preheat.cache.entries import Entry, entry_size, iter_entries, open_entry, quarantine, unrunnable
 from preheat.errors import CacheEntryError, InvalidArgumentError
 
 __all__ = ["EntryInfo", "disk_usage", "list_entries", "verify_entries", "enforce_size_cap", "clear", "prune", "max_bytes",
@@ -93,9 +93,9 @@ def target_label(manifest: dict[str, Any]) -> str:
         return f"{label} ({'autotuned here' if tune.get('replaced') else 'kept'}: {times})"
     if not isinstance(target, dict):
         return label  # compiled by the devices that run it: autotuned where they autotune
-    unchosen = manifest.get(UNCHOSEN_CONVOLUTIONS)
-    if unchosen:
-        return f"{label} (not autotuned; will not run: {unchosen} cuDNN convolution(s) with no algorithm chosen)"
+    reason = unrunnable(manifest)
+    if reason:
+        return f"{label} (not autotuned; will not run: {reason})"
     return label + (" (not autotuned)" if manifest.get("autotuned") is False else "")
 
 

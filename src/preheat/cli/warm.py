@@ -210,9 +210,10 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
                    + ("" if result["pushed"] else "; the store (PREHEAT_CACHE_URL) lacks some: see the warnings"))
     unrunnable = [row["signature"] for row in result["signatures"] if row.get("unrunnable")]
     if unrunnable:
-        click.echo(f"warning: {len(unrunnable)} of {len(result['signatures'])} signature(s) call cuDNN convolutions "
-                   "whose algorithm a compile without the GPU leaves unchosen; a GPU rejects those executables, so "
-                   "pods skip them and compile their own (docs/gpu.md)", err=True)
+        click.echo(f"warning: {len(unrunnable)} of {len(result['signatures'])} signature(s) make cuDNN calls that a "
+                   "compile without the GPU cannot finish (a convolution's algorithm, a fused attention's graph); "
+                   "a GPU will not run those executables, so pods skip them and compile their own (docs/gpu.md)",
+                   err=True)
     if not result["pushed"]:
         sys.exit(1)
 

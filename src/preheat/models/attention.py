@@ -1,15 +1,19 @@
-"""Attention: cuDNN's fused kernel where its constraints hold on the GPU being compiled for,
-XLA's attention elsewhere -- chosen per layer, at trace time.
+"""Attention: cuDNN's fused kernel where its constraints hold on the GPU that compiles the
+program, XLA's attention elsewhere -- chosen per layer, at trace time.
 
-The choice reads the *target's* compute capability: a deviceless compile (``preheat warm
---target``) traces on the CPU for a GPU it does not have, so the running backend says nothing
-(``preheat.compile_target.compiling_for`` names the target for the duration; a pod's own trace reads its device).
 cuDNN's fused attention takes bf16/fp16 in BTNH layout with a head dim that is a multiple of
 8 and at most 128, and needs a cuDNN package on the compiling machine. Hopper (9.x) would take
-heads up to 256, but jax checks that limit against the *running* backend, which in a
-deviceless compile is the CPU: so heads above 128 (SD 1.5's 160-wide deepest blocks) take
-XLA's path everywhere, and a builder and a pod trace the same program. Every choice depends
-only on fields the cache key holds (dtype, head dim, compute capability, cuDNN's version).
+heads up to 256, but jax checks that limit against the *running* backend, so heads above 128
+(SD 1.5's 160-wide deepest blocks) take XLA's path everywhere.
+
+A deviceless compile (``preheat warm --target``: ``preheat.compile_target.compiling_for``) takes
+XLA's path for every layer. XLA builds a fused-attention call's cuDNN graph (its execution plan
+and workspace) only when it compiles with the device at hand; compiled without one, the
+executable holds the call but no graph, and its thunk finds none at the first run (read in XLA's
+GPU compiler and cuDNN thunk, docs/gpu.md). The pod's own trace reads its device and fuses; its
+autotuned retune swaps that program in when faster. Every choice depends only on fields the
+cache key holds (dtype, head dim, compute capability, cuDNN's version) and on whether the
+compile is deviceless, as with convolutions (``preheat.models.conv.conv_impl``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from preheat.compile_target import traced_target
+from preheat.compile_target import deviceless, traced_target
 
 __all__ = ["dot_product_attention", "implementation_for"]
 
@@ -27,11 +31,14 @@ Array = jax.Array
 
 def implementation_for(dtype: jnp.dtype, head_dim: int, has_bias_or_mask: bool = False) -> Optional[str]:
     """``jax.nn.dot_product_attention``'s ``implementation`` for one layer: "cudnn" where its
-    constraints hold on the target GPU, "xla" on other GPU layers (explicit, so that jax never
-    picks on the pod what the builder did not), None off the GPU (the CPU's program unchanged)."""
+    constraints hold on the GPU compiling it, "xla" on other GPU layers and in every deviceless
+    GPU compile (explicit, so that jax never picks what the caller did not), None off the GPU
+    (the CPU's program unchanged)."""
     platform, capability = traced_target()
     if platform != "gpu":
         return None
+    if deviceless():  # no device, no cuDNN graph: the module docstring
+        return "xla"
     from preheat.cache.targets import cudnn_available
 
     fused = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0
