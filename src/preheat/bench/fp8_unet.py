@@ -42,7 +42,7 @@ from typing import Any, Iterator, NamedTuple
 from preheat.bench.common import equations
 from preheat.bench.random_models import SD15_UNET, SDXL_UNET
 
-__all__ = ["UNETS", "TINY_UNETS", "WAYS", "AGREE_TOL", "measure_unet", "verdict"]
+__all__ = ["UNETS", "TINY_UNETS", "WAYS", "AGREE_RATIO", "AGREE_FLOOR", "measure_unet", "verdict", "agreement"]
 
 
 class UNetCase(NamedTuple):
@@ -72,16 +72,19 @@ TINY_UNETS = {
         "addition_time_embed_dim": 8, "projection_class_embeddings_input_dim": 32 + 6 * 8}, 8, pooled=32),
 }
 WAYS = ("gemm", "conv", "bf16")  # PREHEAT_FP8_1X1 for the fp8 ways; bf16 is the control
-# How far the three ways' first-step predictions may be apart (mean |Δ| over the bf16 way's mean
-# |prediction|). They are the same weights (fp8 -> bf16 is exact) and the same math; what may
-# differ on a GPU is each kernel's order of summation and where XLA rounds an intermediate to bf16
-# (a GEMM on the fp8 weight and cuDNN's convolution both accumulate in float32 and round once).
-# That is at most one bf16 rounding (2^-9 of a value) more or less at some layers; the same UNet
-# computed in bf16 against float32, where every layer rounds differently, is the scale above it:
-# measured here on these random weights 1.1% (SD 1.5 at 512², max 6.9%) and 1.4% (the tiny one).
-# 2% is above that, and far below what a wrong weight or a skipped layer gives (O(1): predictions
-# of unrelated weights are uncorrelated). On this CPU the three agree bit for bit.
-AGREE_TOL = 0.02
+# Whether the ways agree: each fp8 way's first-step prediction against a float32 reference (the
+# same weights, fp8 -> float32 is exact, computed in float32 at "highest" matmul precision, not
+# timed), as mean |Δ| over the reference's mean |prediction|, next to the bf16 control's own. The
+# fp8 ways are the same values and the same math in bf16, so each must be about as close as the
+# control: at most AGREE_RATIO times its error plus AGREE_FLOOR. The guided prediction multiplies
+# the halves' difference by the guidance (7.5), and bf16's rounding with it: the control's own
+# error, on this CPU, is 10.8% (SD 1.5's tiny UNet) and 5.8% (SDXL's). A wrong weight or a skipped
+# layer gives O(1) (predictions of unrelated weights are uncorrelated). Round 11 bounded the three
+# ways' distances from each other instead (2%, from CPU runs where they are bit-identical): on
+# the H200 three autotuned compiles of this random SD 1.5 UNet were ~9% apart, the pair that
+# does not involve the GEMM path too, so that bound singled out no path (docs/gpu.md).
+AGREE_RATIO = 2.0
+AGREE_FLOOR = 0.005
 
 
 @contextlib.contextmanager
@@ -162,7 +165,7 @@ def measure_unet(model: str = "sd15", size: str = "full", steps: int = 10, round
     """The three ways of ``UNETS[model]`` (``TINY_UNETS`` for ``size="tiny"``) at batch 1 with CFG,
     compiled on the local devices: per way the compile seconds, the convolution counts, ms per
     step (median/min/max over ``rounds``); the per-round gemm/conv ratios and their verdict; and
-    how far the first step's predictions are apart (``agreement``, against ``AGREE_TOL``)."""
+    how close each way's first step is to a float32 reference (``agreement``)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -196,7 +199,7 @@ def measure_unet(model: str = "sd15", size: str = "full", steps: int = 10, round
                                                case.latent * 8], (2, 1)), jnp.float32)}
              if cfg.addition_embed_type == "text_time" else None)
 
-    def make_program() -> Any:  # a fresh function per way: traced under that way's setting
+    def make_program(unet: Any = unet) -> Any:  # a fresh function per way: traced under that way's setting
         def run(params: Any, x: Any, ctx: Any, added: Any, n: Any) -> tuple[Any, Any]:
             def step(i: Any, carry: Any) -> Any:  # one denoising step: CFG's batch of 2, Euler
                 x, _ = carry
@@ -243,14 +246,27 @@ def measure_unet(model: str = "sd15", size: str = "full", steps: int = 10, round
     out["gemm_over_conv"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
     out["fp8_gemm_over_bf16"] = statistics.median(times["gemm"]) / statistics.median(times["bf16"])
     out["verdict"] = verdict(ratios)
-    ref = first["bf16"]
-    scale = float(np.mean(np.abs(ref)))
-    out["agreement"] = {"tol": AGREE_TOL, "finite": bool(all(np.isfinite(v).all() for v in first.values())),
-                        "mean_abs_prediction": scale}
-    for a, b in (("gemm", "conv"), ("gemm", "bf16"), ("conv", "bf16")):
-        d = np.abs(first[a] - first[b])
-        out["agreement"][f"{a}_vs_{b}"] = {"mean": float(d.mean()) / max(scale, 1e-30),
-                                           "max": float(d.max()) / max(scale, 1e-30)}
-    out["agreement"]["ok"] = out["agreement"]["finite"] and all(
-        out["agreement"][k]["mean"] <= AGREE_TOL for k in ("gemm_vs_conv", "gemm_vs_bf16", "conv_vs_bf16"))
+    # the float32 reference: the same values (bf16 holds the fp8 ones exactly), float32 throughout
+    f32_params, f32_x, f32_ctx, f32_added = jax.tree.map(lambda a: a.astype(jnp.float32), (bf16, x0, ctx, added))
+    reference_unet = LoadedUNet2DCondition(config=cfg, graphdef=graph, params=f32_params, dtype=jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        program = jax.jit(make_program(reference_unet))
+        reference = np.asarray(program(f32_params, f32_x, f32_ctx, f32_added, one)[1], np.float32)
+    out["agreement"] = agreement(first, reference)
     return out
+
+
+def agreement(first: dict[str, Any], reference: Any) -> dict[str, Any]:
+    """Each way's first-step prediction against the float32 ``reference`` (mean and max |Δ| over
+    its mean |prediction|), and ``ok``: all finite and each fp8 way within AGREE_RATIO times the
+    bf16 control's error plus AGREE_FLOOR (``AGREE_RATIO``'s comment says why)."""
+    import numpy as np
+
+    scale = max(float(np.mean(np.abs(reference))), 1e-30)
+    errors = {way: {"mean": float(np.mean(np.abs(p - reference))) / scale,
+                    "max": float(np.max(np.abs(p - reference))) / scale} for way, p in first.items()}
+    finite = bool(np.isfinite(reference).all() and all(np.isfinite(p).all() for p in first.values()))
+    bound = AGREE_RATIO * errors["bf16"]["mean"] + AGREE_FLOOR
+    return {"ratio": AGREE_RATIO, "floor": AGREE_FLOOR, "finite": finite, "mean_abs_reference": scale,
+            "error_vs_float32": errors, "bound": bound,
+            "ok": finite and all(errors[way]["mean"] <= bound for way in first if way != "bf16")}
