@@ -59,7 +59,16 @@ PIXELS = """
     import sys, numpy as np, preheat
     out = {}
     call = dict(steps=3, seed=5, class_labels=[0, 1, 2, 3], guidance=3.0)  # guided: 2x model batch
-    for d in (1, 2, 4):
+    prompts = dict(prompt=["a red fox", "a boat", "snow"], negative_prompt="blurry", guidance=4.0, steps=2,
+                   seed=11, sampler="ddim")
+    if sys.argv[3] == "mesh":  # test-slow's: 2 devices, and a text model on a 2 x 2 (data, fsdp) mesh
+        out["builtin2"] = preheat.load(None, devices=2, cache="off").generate(4, **call)
+        q = preheat.load(sys.argv[2], devices=4, fsdp=2, cache="off")
+        out["sd_fsdp2"] = q.generate(**prompts)
+        out["sd_fsdp2_mesh"] = np.array([q.mesh.shape["data"], q.mesh.shape["fsdp"]])
+        np.savez(sys.argv[1], **out)
+        sys.exit(0)
+    for d in (1, 4):
         p = preheat.load(None, devices=d, cache="off")
         out[f"builtin{d}"] = p.generate(4, **call)
         if d == 4:  # 3 images pad to the 4-image program: no new executable
@@ -73,29 +82,37 @@ PIXELS = """
     out["fsdp4_shard_sizes"] = np.array([[x.size, x.addressable_shards[0].data.size] for x in leaves])
     out["fsdp4_n3"] = f.generate(3, **{**call, "class_labels": [0, 1, 2]})
     out["fsdp4_programs"] = np.array(len(f._executables))
-    prompts = dict(prompt=["a red fox", "a boat", "snow"], negative_prompt="blurry", guidance=4.0, steps=2,
-                   seed=11, sampler="ddim")
     for d in (1, 4):  # encode 6 -> 8 rows, denoise and decode 3 -> 4 on four devices
         q = preheat.load(sys.argv[2], devices=d, cache="off")
         out[f"sd{d}"] = q.generate(**prompts)
-    q = preheat.load(sys.argv[2], devices=4, fsdp=2, cache="off")  # a 2 x 2 (data, fsdp) mesh
-    out["sd_fsdp2"] = q.generate(**prompts)
-    out["sd_fsdp2_mesh"] = np.array([q.mesh.shape["data"], q.mesh.shape["fsdp"]])
     np.savez(sys.argv[1], **out)
 """
 
 
 @pytest.fixture(scope="module")
-def pixels(tmp_path_factory):
-    base = tmp_path_factory.mktemp("devices")
-    sd = save_tiny_sd(base / "sd1", kind="sd1")
-    _run(PIXELS, 4, base / "home", str(base / "out.npz"), str(sd))
+def sd_folder(tmp_path_factory) -> Path:
+    return save_tiny_sd(tmp_path_factory.mktemp("devices-sd") / "sd1", kind="sd1")
+
+
+def _pixels(base: Path, sd: Path, part: str) -> dict:
+    _run(PIXELS, 4, base / "home", str(base / "out.npz"), str(sd), part)
     return dict(np.load(base / "out.npz"))
 
 
+@pytest.fixture(scope="module")
+def pixels(tmp_path_factory, sd_folder):
+    return _pixels(tmp_path_factory.mktemp("devices"), sd_folder, "main")
+
+
+@pytest.fixture(scope="module")
+def mesh_pixels(tmp_path_factory, sd_folder):
+    """test-slow's process (about 20 s): the built-in model on 2 devices, a text model on a 2 x 2 mesh."""
+    return _pixels(tmp_path_factory.mktemp("devices-mesh"), sd_folder, "mesh")
+
+
 @pytest.mark.slow
-def test_builtin_model_same_pixels_on_1_2_4_devices(pixels):
-    _close(pixels["builtin1"], pixels["builtin2"])
+def test_builtin_model_same_pixels_on_1_2_4_devices(pixels, mesh_pixels):
+    _close(pixels["builtin1"], mesh_pixels["builtin2"])
     _close(pixels["builtin1"], pixels["builtin4"])
     assert pixels["builtin4"].std() > 0  # real images, not a constant
 
@@ -122,9 +139,10 @@ def test_fsdp_splits_the_weights_and_gives_the_same_pixels(pixels):
     assert int(pixels["fsdp4_programs"]) == 1
 
 
-def test_fsdp_on_a_two_by_two_mesh_runs_every_stage_of_a_text_model(pixels):
-    assert pixels["sd_fsdp2_mesh"].tolist() == [2, 2]
-    _close(pixels["sd1"], pixels["sd_fsdp2"])
+@pytest.mark.slow  # make test splits a text model's weights with fsdp in test_scaled_fp8/test_gguf
+def test_fsdp_on_a_two_by_two_mesh_runs_every_stage_of_a_text_model(pixels, mesh_pixels):
+    assert mesh_pixels["sd_fsdp2_mesh"].tolist() == [2, 2]
+    _close(pixels["sd1"], mesh_pixels["sd_fsdp2"])
 
 
 def test_weight_placement_rule():

@@ -116,6 +116,7 @@ def test_aot_package_holds_no_weights(aot_first, aot_root, micro_other_weights, 
     assert _max_diff(pixels, first_pixels) > 10
 
 
+@pytest.mark.slow  # a second AOTInductor compile (~20 s); test_bad_entries_are_quarantined damages entries cheaply
 def test_aot_bit_flipped_package_is_quarantined_and_recompiled(aot_first, aot_root, micro, monkeypatch):
     _, first_pixels = aot_first
     (entry,) = _entries(aot_root)

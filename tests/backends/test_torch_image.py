@@ -24,7 +24,8 @@ CASES = [dict(strength=0.6, sampler="euler"),  # img2img: the start's add_noise
          dict(strength=0.6, sampler="ddim", mask=True, padding_mask_crop=2)]  # diffusers' own crop and paste
 
 
-@pytest.mark.parametrize("case", CASES, ids=["img2img", "blend", "blend-strength-1", "blend-crop"])
+@pytest.mark.parametrize("case", [pytest.param(c, id=i, marks=pytest.mark.slow if i in ("blend-strength-1", "blend-crop") else ())
+                                  for c, i in zip(CASES, ["img2img", "blend", "blend-strength-1", "blend-crop"])])  # make test: two
 def test_torch_image_calls_match_the_jax_engine(folder, case):
     case = dict(case)
     extra = {"mask_image": image_fixtures.sample_mask()} if case.pop("mask", False) else {}

@@ -152,7 +152,8 @@ CASES = {"tampered-manifest": (True, _tamper_manifest), "tampered-payload": (Tru
          "unsigned": (False, None)}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# make test: the tampered payload end to end; the other refusals there in test-slow, and each cheaply in test_remote_store
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "tampered-payload" else pytest.mark.slow) for c in CASES])
 def test_bad_remote_entry_is_refused_logged_recompiled_same_image(model_dir, reference_pixels, s3_env, good_entry,
                                                                  tmp_path, case):
     signed, tamper = CASES[case]

@@ -156,6 +156,7 @@ def test_cudnn_calls_a_deviceless_compile_cannot_finish_are_named():
     assert unrunnable({UNRUNNABLE: "why"}) == "why" and unrunnable({}) is None
 
 
+@pytest.mark.slow  # three stages compiled for the H200 (~60 s): make test has the built-in model's
 def test_warm_target_on_a_tiny_sd1_folder_compiles_every_program_of_the_call(tmp_path):
     from tests._support.sd_fixtures import save_tiny_sd
     from tests._support.unet_condition_fixtures import save_tiny_unet_condition

@@ -114,8 +114,9 @@ def _diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a.astype(np.int32) - b.astype(np.int32)).mean())
 
 
-@pytest.mark.parametrize("name,sampler,steps", [
-    ("sd-turbo", "euler", 1), ("sd-turbo", "euler", 4), ("sdxl-turbo", "euler_a", 1), ("sdxl-turbo", "euler_a", 4),
+@pytest.mark.parametrize("name,sampler,steps", [  # make test: one step count per folder
+    ("sd-turbo", "euler", 1), pytest.param("sd-turbo", "euler", 4, marks=pytest.mark.slow),
+    pytest.param("sdxl-turbo", "euler_a", 1, marks=pytest.mark.slow), ("sdxl-turbo", "euler_a", 4),
 ])
 def test_turbo_matches_diffusers(few, name, sampler, steps, monkeypatch, record_property):
     entry = few[name]
@@ -224,8 +225,9 @@ _TRAILING_CARDS = [
 ]
 
 
-@pytest.mark.parametrize("card,kind,scheduler,sampler,lora,steps,prompt,seed", _TRAILING_CARDS,
-                         ids=[f"{c[0]}-{c[1]}-{c[5]}" for c in _TRAILING_CARDS])
+@pytest.mark.parametrize("card,kind,scheduler,sampler,lora,steps,prompt,seed",  # make test: Lightning's 4 steps
+                         [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[5]}", marks=pytest.mark.slow if c[:2] == ("lightning", "sdxl")
+                                       and c[5] == 2 else ()) for c in _TRAILING_CARDS])
 def test_trailing_spacing_lora_cards_match_diffusers(cards, card, kind, scheduler, sampler, lora, steps, prompt, seed,
                                                      record_property):
     """SDXL-Lightning's card (``EulerDiscreteScheduler.from_config(config, timestep_spacing="trailing")``,

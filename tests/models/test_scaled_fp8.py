@@ -443,6 +443,7 @@ def test_a_scaled_conv_matches_the_convolution_of_its_dequantised_weight():
         np.testing.assert_allclose(np.asarray(nnx.merge(graphdef, up)(jnp.asarray(x))), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # make test: a LoRA on kept scaled layers (the same factors, Linear kernels)
 def test_a_lora_on_kept_scaled_convs_draws_the_dequantised_weights_lora_image(sd_files, sd_pipes, tmp_path):
     """A LoRA on the 1x1 convs kept scaled (attention ``proj_in``/``proj_out``, resnet ``conv_shortcut``:
     the layers that take an adapter) adds its low-rank term beside the scaled GEMM as beside any conv:
@@ -459,7 +460,7 @@ def test_a_lora_on_kept_scaled_convs_draws_the_dequantised_weights_lora_image(sd
     assert np.abs(with_lora["conv-scaled"].astype(np.int32) - alone.astype(np.int32)).mean() > 1.0
 
 
-@pytest.mark.parametrize("model", ["flux-linear", "sd-conv"])
+@pytest.mark.parametrize("model", ["flux-linear", pytest.param("sd-conv", marks=pytest.mark.slow)])  # make test: one split
 def test_fsdp_splits_kept_scaled_weights_and_draws_the_unsharded_image(model, request, tmp_path, monkeypatch):
     """``fsdp=2`` on two of the suite's fake CPU devices, with ``sharding.FSDP_MIN_SIZE`` lowered so that
     the tiny models' weights are split at all: each kept scaled weight's fp8 values and its per-channel

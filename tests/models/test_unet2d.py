@@ -54,7 +54,9 @@ def _labels(config, batch, rng):
     return None
 
 
-@pytest.mark.parametrize("name,config,size,calls", CASES, ids=[c[0] for c in CASES])
+# the full-size cifar UNet (35.7 M parameters, ~20 s) in test-slow; its blocks are the @32 ones
+@pytest.mark.parametrize("name,config,size,calls", [pytest.param(*c, id=c[0], marks=pytest.mark.slow if c[0] == "ddpm-cifar10-32" else ())
+                                                   for c in CASES])
 def test_matches_diffusers_fp32(tmp_path, name, config, size, calls):
     path = save_random_unet(config, tmp_path / name, perturb=0.02)
     unet = preheat.load_unet(path)

@@ -37,6 +37,7 @@ import pytest
 
 from preheat.samplers import DIFFUSION_SAMPLERS
 from tests._support.sampler_ref import check_parity, ours_for
+from tests._support.tiers import covering_marks
 
 BETAS = {
     "linear": {"beta_schedule": "linear", "beta_start": 0.0001, "beta_end": 0.02},
@@ -96,21 +97,28 @@ UNSUPPORTED_PREDICTIONS: dict[str, tuple[str, ...]] = {"pndm": ("sample",)}
 
 
 def _cases() -> list[Any]:
+    """The whole grid; ``make test`` runs the cases in which every two axis values meet once
+    (``tests/_support/tiers.covering_marks``: a third; pndm, with two prediction types, meets
+    only 8 of its 12 (beta, spacing) pairs there), ``make test-slow`` the rest."""
     cases = []
     for sampler in DIFFUSION_SAMPLERS:
         predictions = [p for p in PREDICTIONS if p not in UNSUPPORTED_PREDICTIONS.get(sampler, ())]
+        axes = [list(enumerate(BETAS)), list(enumerate(predictions)), list(enumerate(SPACINGS))]
         if sampler in ROTATED:
-            for j, (b, p, s) in enumerate(itertools.product(BETAS, predictions, SPACINGS)):
+            for j, ((i, b), (k, p), (m, s)) in enumerate(itertools.product(*axes)):
                 n = STEPS[j % len(STEPS)]
-                cases.append(pytest.param(sampler, b, p, s, n, {}, id=f"{sampler}-{b}-{p}-{s}-{n}"))
+                cases.append(pytest.param(sampler, b, p, s, n, {}, id=f"{sampler}-{b}-{p}-{s}-{n}",
+                                          marks=covering_marks(i, k, m)))
         else:
-            for b, p, s, n in itertools.product(BETAS, predictions, SPACINGS, STEPS):
-                cases.append(pytest.param(sampler, b, p, s, n, {}, id=f"{sampler}-{b}-{p}-{s}-{n}"))
+            for (i, b), (k, p), (m, s), (q, n) in itertools.product(*axes, list(enumerate(STEPS))):
+                cases.append(pytest.param(sampler, b, p, s, n, {}, id=f"{sampler}-{b}-{p}-{s}-{n}",
+                                          marks=covering_marks(i, k, m, q)))
         for extra in EXTRAS[sampler]:
             tag = ",".join(f"{k}={v}" for k, v in extra.items())
-            for j, (b, p, s) in enumerate(itertools.product(BETAS, predictions, SPACINGS)):
+            for j, ((i, b), (k, p), (m, s)) in enumerate(itertools.product(*axes)):
                 n = STEPS[j % len(STEPS)]
-                cases.append(pytest.param(sampler, b, p, s, n, extra, id=f"{sampler}-{b}-{p}-{s}-{n}-{tag}"))
+                cases.append(pytest.param(sampler, b, p, s, n, extra, id=f"{sampler}-{b}-{p}-{s}-{n}-{tag}",
+                                          marks=covering_marks(i, k, m)))
     return cases
 
 
