@@ -51,7 +51,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind,sampler,call", CASES, ids=[f"{k}-{s}-{i}" for i, (k, s, _) in enumerate(CASES)])
+# make test: one case per folder kind (sd1's prompt batch, sd2's dpm++, sdxl's micro-conditioning); the
+# others in test-slow (each path also met against diffusers elsewhere in make test: a negative prompt in
+# test_text_inputs, unguided calls in test_few_step's turbo cases, sdxl with euler in test_image and test_lora)
+SLOW_CASES = {1, 3, 4}
+
+
+@pytest.mark.parametrize("kind,sampler,call", [pytest.param(*c, id=f"{c[0]}-{c[1]}-{i}",
+                                                            marks=pytest.mark.slow if i in SLOW_CASES else ())
+                                               for i, c in enumerate(CASES)])
 def test_matches_diffusers_from_the_same_latents(folders, pipes, kind, sampler, call, record_property):
     call = dict(call)
     prompt = call.pop("prompt")
