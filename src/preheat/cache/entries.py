@@ -364,7 +364,7 @@ def unrunnable_cudnn_calls(compiled: Any) -> Optional[str]:
     convolutions = sum(1 for line in lines if _UNCHOSEN.search(line))
     graphs = sum(1 for line in lines if _GRAPH_CALL.search(line))
     reasons = ([f"{convolutions} cuDNN convolution(s) with no algorithm chosen"] if convolutions else []) \
-        + ([f"{graphs} cuDNN graph call(s) (fused attention) with no graph built"] if graphs else [])
+        + ([f"{graphs} cuDNN graph call(s) (fused attention or fusion) with no graph built"] if graphs else [])
     return "; ".join(reasons) or None
 
 

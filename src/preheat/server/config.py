@@ -5,6 +5,7 @@ that the Ray and Runpod surfaces can build and check a configuration without the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional
@@ -97,7 +98,7 @@ class CoreConfig:
         """The limits in range and ``lora_dir`` a folder here, or one line naming the setting as the
         user gave it (``names``). A server checks this before it loads anything: a LoRA folder that
         is not there would otherwise fail every request that names a file, not the start."""
-        name_of = lambda setting: getattr(self.names, setting)  # noqa: E731
+        name_of = functools.partial(getattr, self.names)  # a setting's name as the user gave it
         check_limits({name: getattr(self, name) for name in LIMITS}, name_of)
         if self.lora_dir is not None and not Path(self.lora_dir).is_dir():
             label = name_of("lora_dir")
