@@ -39,7 +39,8 @@ browser:
 # Random order (pytest-randomly); the seed is printed so that a failing order can be replayed with
 # `make test SEED=<seed>`. `make test` is the suite a developer runs (under 20 minutes on 2 cores);
 # `make test-slow` runs the rest, the tests marked slow or ray (a Ray cluster, fresh-process torch
-# compile caches, a clean venv, full-size layers, multi-process races); CI (.ci/run) runs both.
+# compile caches, a clean venv, full-size layers, multi-process races, the parity grids' cases beyond
+# make test's covering subset: tests/_support/tiers.py); CI (.ci/run) runs both.
 SEED ?= $(shell date +%s)
 PYTEST := $(BIN)/python -m pytest -n 2 --dist loadfile -q --randomly-seed=$(SEED)
 test: $(STAMP) browser

@@ -12,6 +12,9 @@ order of issue 29 (the first minutes give the most important ones):
    layer (``aot`` = the hit, no trace, no compile), its pixels against an on-device compile, the
    images/s of both executables, and ``preheat warm`` on a copy of the carried root, which
    recompiles each not-autotuned entry autotuned and keeps the faster (both timings recorded).
+   Then a tiny random SD 1.x folder (written by diffusers on the builder, carried with its
+   entries): the same hit and pixels for a text model's three programs, whose attention and
+   convolutions a deviceless compile must leave without cuDNN calls it cannot finish.
 3. ``sdxl``: SDXL base 1.0 (random weights, written here by diffusers from the published configs)
    at 1024x1024, 30 steps, CFG, batch 1, bf16: ``preheat bench compare`` of JAX against
    ``torch.compile`` (s/image, start -> first image cold and warm), and the fraction of the
@@ -152,6 +155,31 @@ TARGET_SETS = {
     "dry": TargetSet("h200", "bfloat16", 1, "off", n=1, steps=2, sample_args=("--guidance", "1")),
 }
 TARGETS_DIR_ENV = "GPU_TARGETS_DIR"  # default .gpu-targets, in the repository root
+
+
+@dataclass(frozen=True)
+class TextTargetSet:
+    """Row 2's text model: a tiny random SD 1.x folder (``preheat.bench.random_models``, 13 MB,
+    written on the builder by diffusers, which the GPU machine lacks) and the entries ``preheat
+    warm FOLDER --target`` compiles for it, bf16 (so that its 16- and 32-wide heads are ones
+    cuDNN's fused attention takes on a device), one image, guidance off; ``preheat sample``'s call
+    on the GPU is that signature: its text encoder, denoising loop and VAE decoder must all hit."""
+
+    folder: str = "sd1"  # under the carried folder
+    dtype: str = "bfloat16"
+    steps: int = 4
+    prompt: str = "a red fox"
+
+    def warm_args(self, folder: Path, target: str) -> list[str]:
+        return ["warm", str(folder), "--target", target, "--dtype", self.dtype, "--max-batch-size", "1",
+                "--guidance", "off", "--json", "--quiet"]
+
+    def sample_args(self, folder: Path) -> list[str]:
+        return [str(folder), "--prompt", self.prompt, "--n", "1", "--steps", str(self.steps), "--guidance", "1",
+                "--dtype", self.dtype]
+
+
+TEXT_TARGET = TextTargetSet()
 
 
 @dataclass(frozen=True)
@@ -732,16 +760,42 @@ def prepare(out: Path, mode: str) -> int:
         return 2
     entries = sorted((home / "compile" / "jax").glob("*/manifest.json"))
     manifests = [json.loads(m.read_text()) for m in entries]
+    text = _prepare_text(out, home, ts.target, env, repo)
+    if "error" in text:
+        print(text["error"], file=sys.stderr)
+        return 2
     files = [f for f in out.rglob("*") if f.is_file()]
     info = {"mode": mode, "set": ts.__dict__, "command": " ".join(cmd[1:]), "seconds": seconds,
             "warm": json.loads(proc.stdout), "entries": len(manifests),
             "executable_bytes": sum(m["files"]["executable.bin"]["size"] for m in manifests),
             "bytes": sum(f.stat().st_size for f in files), "targets": sorted({m["target"]["name"] for m in manifests}),
-            "autotuned": sorted({m["autotuned"] for m in manifests}), "cuda": manifests[0]["fields"]["cuda"]}
+            "autotuned": sorted({m["autotuned"] for m in manifests}), "cuda": manifests[0]["fields"]["cuda"],
+            "text": text}
     (out / "prepare.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"gpu_measure prepare: {len(manifests)} entries for {ts.target} in {seconds:.0f} s; {out} holds "
           f"{info['bytes'] / 2**20:.2f} MiB (executables {info['executable_bytes'] / 2**20:.2f} MiB)")
     return 0
+
+
+def _prepare_text(out: Path, home: Path, target: str, env: dict[str, str], repo: Path) -> dict[str, Any]:
+    """(on the builder) ``TEXT_TARGET``'s folder in ``out`` and its ``warm --target`` entries in
+    ``home`` beside the built-in model's: what was compiled, and any entry a GPU would not run."""
+    from preheat.bench.random_models import save_random_sd1_tiny  # diffusers writes it: the builder has it
+    from preheat.cache.entries import unrunnable
+
+    before = {m.parent.name for m in (home / "compile" / "jax").glob("*/manifest.json")}
+    folder = save_random_sd1_tiny(out / TEXT_TARGET.folder)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "preheat", *TEXT_TARGET.warm_args(folder, target)],
+                          capture_output=True, text=True, env=env, cwd=repo)
+    if proc.returncode != 0:
+        return {"error": f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}\ngpu_measure prepare: `preheat warm "
+                         f"{TEXT_TARGET.folder} --target {target}` failed (exit {proc.returncode})"}
+    made = [json.loads(m.read_text()) for m in sorted((home / "compile" / "jax").glob("*/manifest.json"))
+            if m.parent.name not in before]
+    return {"folder": TEXT_TARGET.folder, "seconds": time.perf_counter() - start, "entries": len(made),
+            "stages": sorted(m["fields"]["signature"].get("stage", "denoise") for m in made),
+            "unrunnable": [reason for m in made if (reason := unrunnable(m))]}
 
 
 def images_child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -791,15 +845,16 @@ def step_target(r: Runner, carried: Path) -> dict[str, Any]:
             path.mkdir()
         return path
 
-    def sample(tag: str, cache_home: Path) -> dict[str, Any] | None:
+    def sample(tag: str, cache_home: Path, call: list[str] | None = None) -> dict[str, Any] | None:
+        """``preheat sample`` on ``cache_home``: the built-in model's call, or ``call``'s."""
         timeout = r.fits("t_sample")
         if timeout is None:
             out["skipped"].append(f"{tag}: budget")
             return None
         png, report = base / f"{tag}.png", base / f"{tag}.json"
-        cmd = [sys.executable, "-m", "preheat", "sample", "--n", str(ts.n), "--steps", str(ts.steps), "--dtype",
-               ts.dtype, "--seed", "0", "--out", str(png), "--report", str(report), "--quiet", "--cache", "full",
-               *ts.sample_args]
+        call = call or ["--n", str(ts.n), "--steps", str(ts.steps), "--dtype", ts.dtype, *ts.sample_args]
+        cmd = [sys.executable, "-m", "preheat", "sample", *call, "--seed", "0", "--out", str(png), "--report",
+               str(report), "--quiet", "--cache", "full"]
         p = r.run(f"target: {tag}", cmd, timeout, env={"PREHEAT_HOME": str(cache_home)})
         err = _fail(p)
         if err or not report.is_file():
@@ -819,6 +874,14 @@ def step_target(r: Runner, carried: Path) -> dict[str, Any]:
     a, b = out["carried"], out["device_compile"]
     if a and b and "error" not in a and "error" not in b:
         out["pixels_vs_device_compile"] = _pixels_delta(Path(a["png"]), Path(b["png"]))
+    text = out["prepared"].get("text")
+    if text and (carried / text["folder"]).is_dir():  # a text model's programs: attention, three stages
+        call = TEXT_TARGET.sample_args(carried / text["folder"])
+        out["text"] = {"carried": sample("text-carried", home("text-carried", copy=True), call),
+                       "device_compile": sample("text-device-compile", home("text-device", copy=False), call)}
+        a, b = out["text"]["carried"], out["text"]["device_compile"]
+        if a and b and "error" not in a and "error" not in b:
+            out["text"]["pixels_vs_device_compile"] = _pixels_delta(Path(a["png"]), Path(b["png"]))
 
     kwargs: dict[str, Any] = {}
     if ts.sample_args[:1] == ("--guidance",):
@@ -1197,6 +1260,38 @@ def _s(x: float | None, digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
+def _text_target_rows(x: dict[str, Any] | None, prep: dict[str, Any], mode: str | None) -> list[str]:
+    """Row 2's text-model lines: each stage's layer on the carried root, against its own compile."""
+    if not x:
+        return []
+    name = (f"tiny SD 1.x folder compiled on the CPU for h200 ({prep.get('entries', '?')} entries: "
+            f"{', '.join(prep.get('stages') or [])}; unrunnable: {'; '.join(prep.get('unrunnable') or []) or 'none'})")
+    out = []
+    for tag, what in (("carried", "load"), ("device_compile", "the same call compiled on this device")):
+        row = x.get(tag)
+        if not row:
+            continue
+        if "error" in row:
+            out.append(f"| {name}: {what} | – | FAILED: {row['error']} |")
+            continue
+        layers = ", ".join(f"{e.get('stage', 'denoise')} {e.get('layer')}" for e in row["cache_events"] if e.get("layer"))
+        hit = ""
+        if tag == "carried":
+            hit = "HIT: every stage aot; " if row["layer"] == "aot" else \
+                "MISS (expected: a CPU never loads a GPU entry); " if mode == "dry" else "NOT ALL AOT; "
+        why = "; ".join(e.get("miss") or e.get("quarantined") or "" for e in row["cache_events"]
+                        if e.get("miss") or e.get("quarantined"))
+        out.append(f"| {name}: {what} | {_s(row.get('process_start_to_first_image_s'), 1)} | {hit}layers {layers}; "
+                   f"start → first image {_s(row.get('process_start_to_first_image_s'))} s"
+                   + (f"; {why[:300]}" if why else "") + " |")
+    px = x.get("pixels_vs_device_compile")
+    if px:
+        same = "identical" if px.get("identical") else \
+            f"differ: max {px.get('max_abs')} levels, mean {px.get('mean_abs', 0):.3f}"
+        out.append(f"| {name}: pixels against the on-device compile | – | {same} |")
+    return out
+
+
 def _target_rows(t: dict[str, Any] | None) -> list[str]:
     """Row 2's lines: the hit, pixels, images/s, and what autotune-and-replace measured."""
     name = "executables compiled on the CPU for h200"
@@ -1232,6 +1327,7 @@ def _target_rows(t: dict[str, Any] | None) -> list[str]:
         same = "identical" if px.get("identical") else \
             f"differ: max {px.get('max_abs')} levels, mean {px.get('mean_abs', 0):.3f}"
         out.append(f"| {name}: pixels against the on-device compile | – | {same} |")
+    out += _text_target_rows(t.get("text"), (t.get("prepared") or {}).get("text") or {}, t.get("mode"))
     ips = t.get("images_per_s") or {}
     if ips:
         parts = [f"{tag} {x['images_per_s']:.2f} images/s (first call layer {x['first_call_layer']})"

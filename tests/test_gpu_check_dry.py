@@ -332,6 +332,10 @@ def test_prepare_compiles_the_h200_set_here(prepared_targets):
     manifests = list((prepared_targets / "home" / "compile" / "jax").glob("*/manifest.json"))
     fields = json.loads(manifests[0].read_text())["fields"]
     assert fields["platform"] == "gpu" and fields["gpu"]["compute_capability"] == [9, 0]
+    text = info["text"]  # the tiny SD 1.x folder beside it: its six programs, none a GPU would refuse
+    assert (prepared_targets / text["folder"] / "model_index.json").is_file()
+    assert text["entries"] == 6 and text["unrunnable"] == [], text
+    assert text["stages"] == ["decode", "denoise", "denoise", "denoise", "encode", "encode_image"]
 
 
 @pytest.mark.slow
@@ -349,6 +353,10 @@ def test_dry_run_of_issue_29_rows_in_a_clean_venv(clean_python, env_wheels, prep
     assert t["device_compile"]["layer"] == "none"
     assert t["pixels_vs_device_compile"]["identical"]  # the same program compiled twice here
     assert all(x["images_per_s"] > 0 and x["first_call_layer"] == "aot" for x in t["images_per_s"].values())
+    text = t["text"]  # the text model's three stages: the same miss here, the same pixels
+    assert text["carried"]["layer"] == "none" and text["device_compile"]["layer"] == "none", text
+    assert {e.get("stage") for e in text["carried"]["cache_events"]} >= {"encode", "denoise", "decode"}
+    assert text["pixels_vs_device_compile"]["identical"]
     assert t["retune"]["error"] is None and len(t["retune"]["signatures"]) == 1
     assert {e["target"] for e in t["retune"]["entries"]} == {"h200", "local"}
     assert all(e["retune"] is None for e in t["retune"]["entries"])  # nothing autotunes on a CPU
@@ -371,6 +379,9 @@ def test_dry_run_of_issue_29_rows_in_a_clean_venv(clean_python, env_wheels, prep
     assert fp8["fp8"]["ms_per_call"] > 0 and fp8["bf16"]["ms_per_call"] > 0 and 0 < fp8["mean_abs_delta"] < 0.02
     table = (out / "summary.md").read_text()
     assert "MISS (expected: a CPU never loads a GPU entry)" in table
+    assert "| tiny SD 1.x folder compiled on the CPU for h200 (6 entries: " in table
+    (load,) = [line for line in table.splitlines() if line.startswith("| tiny SD 1.x") and "): load |" in line]
+    assert "unrunnable: none" in load and "MISS (expected: a CPU never loads a GPU entry); layers encode " in load
     assert "| scaled-fp8 Linear 256² × 64 tokens vs bf16 GEMM (cpu) |" in table
     assert "one GEMM on the fp8 weight: NO (" in table
     assert table.index("FLUX.1 Kontext (tiny)") < table.index("scaled-fp8 Linear")  # after the important rows
