@@ -1284,12 +1284,16 @@ def _text_target_rows(x: dict[str, Any] | None, prep: dict[str, Any], mode: str 
         out.append(f"| {name}: {what} | {_s(row.get('process_start_to_first_image_s'), 1)} | {hit}layers {layers}; "
                    f"start → first image {_s(row.get('process_start_to_first_image_s'))} s"
                    + (f"; {why[:300]}" if why else "") + " |")
-    px = x.get("pixels_vs_device_compile")
-    if px:
-        same = "identical" if px.get("identical") else \
-            f"differ: max {px.get('max_abs')} levels, mean {px.get('mean_abs', 0):.3f}"
-        out.append(f"| {name}: pixels against the on-device compile | – | {same} |")
-    return out
+    return out + _pixels_rows(name, x.get("pixels_vs_device_compile"))
+
+
+def _pixels_rows(name: str, px: dict[str, Any] | None) -> list[str]:
+    """Row 2's pixels line: the carried executable's image against the on-device compile's."""
+    if not px:
+        return []
+    same = "identical" if px.get("identical") else \
+        f"differ: max {px.get('max_abs')} levels, mean {px.get('mean_abs', 0):.3f}"
+    return [f"| {name}: pixels against the on-device compile | – | {same} |"]
 
 
 def _target_rows(t: dict[str, Any] | None) -> list[str]:
@@ -1322,11 +1326,7 @@ def _target_rows(t: dict[str, Any] | None) -> list[str]:
                                     f"{_s(b.get('process_start_to_first_image_s'))} s")
         out.append(f"| {name}: the same call compiled on this device | "
                    f"{_s(b.get('process_start_to_first_image_s'), 1)} | {detail} |")
-    px = t.get("pixels_vs_device_compile")
-    if px:
-        same = "identical" if px.get("identical") else \
-            f"differ: max {px.get('max_abs')} levels, mean {px.get('mean_abs', 0):.3f}"
-        out.append(f"| {name}: pixels against the on-device compile | – | {same} |")
+    out += _pixels_rows(name, t.get("pixels_vs_device_compile"))
     out += _text_target_rows(t.get("text"), (t.get("prepared") or {}).get("text") or {}, t.get("mode"))
     ips = t.get("images_per_s") or {}
     if ips:
