@@ -90,8 +90,9 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     from preheat.warm import parse_lora_ranks, parse_sizes
     from preheat.sharding import parse_devices
 
-    if max_batch_size < 1 or max_batch_size > 1024:
-        raise InvalidArgumentError(f"{name_of('max_batch_size')} {max_batch_size} must be in 1..1024")
+    from preheat.server.config import check_limits  # the serving limits' one table (no serve extra needed)
+
+    check_limits({"max_batch_size": max_batch_size}, name_of)
     guidance = tuple(dict.fromkeys(g.strip().lower() for g in guidance_text.split(",") if g.strip()))
     if not guidance or any(g not in ("off", "on") for g in guidance):
         raise InvalidArgumentError(f"{name_of('guidance')} {guidance_text!r} must be off, on or off,on")
