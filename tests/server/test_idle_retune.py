@@ -335,8 +335,8 @@ def test_cache_explain_as_server_reports_the_served_entry_as_a_hit(warm_root: Pa
     monkeypatch.setenv("PREHEAT_HOME", str(warm_root))
     (entry,) = _entries(warm_root)
 
-    def explain(*args: str) -> str:
-        result = CliRunner().invoke(main, ["cache", "explain", str(model_dir), "--class", "3", *args])
+    def explain(*args: str, env: dict[str, str] | None = None, model: list[str] = [str(model_dir)]) -> str:
+        result = CliRunner().invoke(main, ["cache", "explain", *model, "--class", "3", *args], env=env)
         assert result.exit_code == 0, result.output
         return result.output
 
@@ -353,3 +353,21 @@ def test_cache_explain_as_server_reports_the_served_entry_as_a_hit(warm_root: Pa
                          (["--n", "1", "--max-batch-size", "1"], "pass --as-server")):
         bad = CliRunner().invoke(main, ["cache", "explain", str(model_dir), *args])
         assert bad.exit_code == 2 and needle in bad.output and len(bad.output.strip().splitlines()) == 1, bad.output
+
+    # In a server's environment, --as-server reads its declaration as `preheat serve` does: the model,
+    # its buckets, its step reports; a flag still wins over the variable.
+    pod = {"PREHEAT_MODEL": str(model_dir), "PREHEAT_MAX_BATCH_SIZE": "4", "PREHEAT_PROGRESS": "off"}
+    from_env = explain("--n", "3", "--as-server", env=pod, model=[])
+    assert "3 image(s) as batch 4, step reports off" in from_env, from_env
+    too_many = CliRunner().invoke(main, ["cache", "explain", "--n", "3", "--as-server"],
+                                  env={**pod, "PREHEAT_MAX_BATCH_SIZE": "2"})
+    assert too_many.exit_code == 2 and "exceed the largest batch bucket 2" in too_many.output, too_many.output
+    flags_win = explain("--n", "1", "--as-server", "--max-batch-size", "1", "--progress", env=pod, model=[])
+    assert "batch 1, step reports on" in flags_win and f"hit: entry {entry.name[:12]}" in flags_win, flags_win
+    # ... and only with --as-server: as sample, a server's variables (even a malformed one) are not read
+    as_sample_in_pod = explain("--n", "1", env={**pod, "PREHEAT_PROGRESS": "sometimes"})
+    assert "as a server" not in as_sample_in_pod and "nearest entry" in as_sample_in_pod, as_sample_in_pod
+    bad = CliRunner().invoke(main, ["cache", "explain", str(model_dir), "--as-server"],
+                             env={"PREHEAT_MAX_BATCH_SIZE": "many"})
+    assert bad.exit_code == 2 and "PREHEAT_MAX_BATCH_SIZE" in bad.output and len(bad.output.strip().splitlines()) == 1, (
+        bad.output)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,8 +15,10 @@ import click
 from preheat.cli._support import one_line_errors
 from preheat.cli.family_options import FamilyInputsCommand, flag_errors
 from preheat.cli.options import NON_NEGATIVE, POSITIVE, CallOptions, call_options
+from preheat.cli.settings_env import SettingsCommand
 from preheat.cli.warm import inputs_option
 from preheat.families.inputs import common_spec
+from preheat.server.config import env_var
 
 STEPS = common_spec("steps")  # the step count: torch explain runs the call at its fewest steps
 
@@ -149,7 +153,18 @@ def verify_command(quarantine_bad: bool) -> None:
     sys.exit(1 if bad or store_problems else 0)
 
 
-@cache_group.command("explain", cls=FamilyInputsCommand, options_metavar="[MODEL] [OPTIONS]")
+class ExplainCommand(SettingsCommand, FamilyInputsCommand):
+    """`cache explain`: with ``--as-server``, the server's declaration that the command line does not
+    give is read from its ``PREHEAT_*`` variables, as `preheat serve` reads them, so that explain run
+    in a pod's environment explains that pod's calls. Only the declaration: the call's own options
+    are sample's (``PREHEAT_GUIDANCE`` is a server's guidance modes, ``--guidance`` a call's scale)."""
+
+    env_settings = ("dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "devices", "fsdp",
+                    "max_batch_size", "progress", "inputs")
+    env_gate = "--as-server"
+
+
+@cache_group.command("explain", cls=ExplainCommand, options_metavar="[MODEL] [OPTIONS]")
 @call_options
 @click.option("--devices", "devices_text", metavar="all|N|ID,ID,...", help="The devices the call is split over.")
 @click.option("--fsdp", default=1, show_default=True, type=POSITIVE, metavar="F",
@@ -158,8 +173,10 @@ def verify_command(quarantine_bad: bool) -> None:
               help="JAX: explain the key of this GPU's program (`preheat warm --target`), not this machine's.")
 @click.option("--as-server", is_flag=True,
               help="JAX: the call as `preheat serve` (and `preheat warm`) with --max-batch-size and --progress makes "
-                   "it: --n images padded to the server's batch bucket, with its step reports. Without it: as "
-                   "`preheat sample` calls.")
+                   "it: --n images padded to the server's batch bucket, with its step reports. The server's "
+                   "settings not given here (MODEL, --dtype, --max-batch-size, --progress, --devices, ...) are "
+                   "read from $PREHEAT_MODEL, $PREHEAT_DTYPE, ... as serve reads them. Without it: as `preheat "
+                   "sample` calls.")
 @click.option("--max-batch-size", type=POSITIVE, metavar="B",
               help="--as-server: the server's --max-batch-size (default 8, as serve's), which sets its buckets.")
 @click.option("--progress/--no-progress", "progress", default=None,
@@ -187,6 +204,8 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
     if not as_server and (max_batch_size is not None or progress is not None):
         raise InvalidArgumentError("--max-batch-size and --progress describe a server's call: pass --as-server",
                                    argument="--as-server")
+    if as_server and opts.model is None and os.environ.get(env_var("model"), "").strip():
+        opts = dataclasses.replace(opts, model=os.environ[env_var("model")].strip())  # as serve's MODEL
     resolved = resolve_model(opts.model, log=lambda line: click.echo(line, err=True))
     model, opts = resolved.model, opts.sized(resolved.size, resolved.inputs)  # as sample: a tiny random model's tiny size
     if opts.backend == "torch":

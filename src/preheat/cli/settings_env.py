@@ -9,7 +9,9 @@ setting's variable as click's ``envvar``: a flag on the command line wins, the v
 when the flag is absent, and ``--help`` shows it. Which parameters read a variable is derived from
 the table, never listed here. A value is parsed as its flag's would be; an error names what the
 user wrote: the variable (``PREHEAT_SIZES '512': ...``) when the value came from it, else the flag
-(:func:`names_of`, for the command's own checks and set-up messages).
+(:func:`names_of`, for the command's own checks and set-up messages). A command may read fewer
+settings (``env_settings``) and only when a flag is given (``env_gate``): `cache explain` reads a
+server's declaration only with ``--as-server``.
 """
 
 from __future__ import annotations
@@ -45,16 +47,27 @@ class SettingsCommand(click.Command):
     refuses is one line naming the variable (``Invalid value for 'PREHEAT_FSDP': ...``), or the flag
     alone where the command line gave it."""
 
+    #: the settings this command reads (default: every one it has a parameter for)
+    env_settings: tuple[str, ...] = ENV_SETTINGS
+    #: a flag that must be on the command line for them to be read (None: always read)
+    env_gate: Optional[str] = None
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         for param in self.params:
             setting = setting_of(param)
-            if setting is not None:
+            if setting in self.env_settings:
                 param.envvar = env_var(setting)
                 if isinstance(param, click.Option):
-                    param.show_envvar = True
+                    param.show_envvar = self.env_gate is None  # a gated one says so in the gate's help
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if self.env_gate is not None:  # the variables stand in only when the gate is given
+            gated = self.env_gate in args
+            for param in self.params:
+                setting = setting_of(param)
+                if setting in self.env_settings:
+                    param.envvar = env_var(setting) if gated else None
         try:
             return super().parse_args(ctx, args)
         except click.BadParameter as err:
