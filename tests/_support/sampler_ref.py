@@ -11,12 +11,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 import diffusers
 from diffusers.schedulers import (
     scheduling_ddim,
     scheduling_ddpm,
+    scheduling_deis_multistep,
     scheduling_dpmsolver_multistep,
     scheduling_euler_ancestral_discrete,
     scheduling_lcm,
@@ -45,6 +47,7 @@ DIFFUSERS_CLASS = {
     "dpmpp_2m_sde": diffusers.DPMSolverMultistepScheduler,
     "dpmpp_2m_sde_karras": diffusers.DPMSolverMultistepScheduler,
     "pndm": diffusers.PNDMScheduler,
+    "deis": diffusers.DEISMultistepScheduler,
 }
 # modules whose ``randn_tensor`` we replace so diffusers draws our noise table
 RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd,
@@ -106,6 +109,31 @@ def _nudge(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.nextafter(x, torch.where(up, torch.tensor(np.inf), torch.tensor(-np.inf)))
 
 
+class _NudgedTranscendentals:
+    """The ``torch`` (or ``np``) a scheduler module sees in a nudged run: ``log`` and ``exp`` results
+    one ulp off at random, everything else the module's own. For updates whose coefficients are
+    differences of the schedule's logarithms (DEIS: its first order multiplies ``exp(h)``, ~4600
+    leaving sigma ~2e4 of a cosine schedule, by the sample's scale; its third order subtracts
+    products of logs of about 10): one ulp of a logarithm -- what torch's, numpy's and XLA's may
+    differ by -- moves the result by many of the sample's ulps, a floor nudging the sample cannot show."""
+
+    def __init__(self, base: Any, gen: torch.Generator) -> None:
+        self._base, self._gen = base, gen
+
+    def log(self, x: Any) -> torch.Tensor:
+        return _nudge(torch.as_tensor(self._base.log(x)), self._gen)
+
+    def exp(self, x: Any) -> torch.Tensor:
+        return _nudge(torch.as_tensor(self._base.exp(x)), self._gen)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+
+# scheduler modules whose log/exp (torch's and numpy's) a nudged run perturbs too (_NudgedTranscendentals)
+TRANSCENDENTAL_NUDGED = {"deis": scheduling_deis_multistep}
+
+
 def run_diffusers(sampler: str, cfg: dict[str, Any], steps: int, x_t: np.ndarray, table: np.ndarray,
                   monkeypatch, *, eta: float = 0.0, nudge_seed: int | None = None,
                   model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = fake_model_torch,
@@ -116,7 +144,8 @@ def run_diffusers(sampler: str, cfg: dict[str, Any], steps: int, x_t: np.ndarray
     For euler_a with ``prediction_type="sample"`` (which diffusers' class rejects) the
     scheduler runs with "epsilon" and is fed the epsilon equivalent of the model's x0.
     With ``nudge_seed``, the sample entering every call and every model output are moved by
-    one ulp: the spread this causes is the float32 rounding noise floor of the trajectory.
+    one ulp (and, for TRANSCENDENTAL_NUDGED samplers, the step's log and exp results): the spread
+    this causes is the float32 rounding noise floor of the trajectory.
     ``timesteps``: a custom list, given to ``set_timesteps(timesteps=...)`` instead of ``steps``.
     """
     gen = None if nudge_seed is None else torch.Generator().manual_seed(nudge_seed)
@@ -151,7 +180,17 @@ def run_diffusers(sampler: str, cfg: dict[str, Any], steps: int, x_t: np.ndarray
 
     for mod in RANDN_MODULES:
         monkeypatch.setattr(mod, "randn_tensor", fake_randn)
+    with pytest.MonkeyPatch.context() as local:  # undone before the next run
+        if gen is not None and sampler in TRANSCENDENTAL_NUDGED:
+            for name, base in (("torch", torch), ("np", np)):
+                local.setattr(TRANSCENDENTAL_NUDGED[sampler], name, _NudgedTranscendentals(base, gen))
+        return _diffusers_loop(sampler, sched, ts, ts_ours, sig_ours, x_t, gen, model, emulate_sample, eta, current)
 
+
+def _diffusers_loop(sampler: str, sched: Any, ts: Any, ts_ours: Any, sig_ours: Any, x_t: np.ndarray,
+                    gen: torch.Generator | None, model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                    emulate_sample: bool, eta: float, current: dict[str, int]) -> Trajectory:
+    """``run_diffusers``' pipeline loop; ``current`` tells its ``randn_tensor`` which draw is due."""
     x = torch.from_numpy(x_t.copy()) * sched.init_noise_sigma
     x_init = x.numpy().copy()
     xs: list[np.ndarray] = []

@@ -88,10 +88,14 @@ EXTRAS: dict[str, list[dict[str, Any]]] = {
     "dpmpp_2m_sde_karras": [],
     # set_alpha_to_one is PNDMScheduler's only own key (final alpha 1 vs alphas_cumprod[0])
     "pndm": [{"set_alpha_to_one": True}],
+    # its orders (20 steps: no wind-down, a third-order last step), Karras (the last step is zero
+    # long) and the wind-down off
+    "deis": [{"solver_order": 3}, {"solver_order": 1, "use_karras_sigmas": True},
+             {"solver_order": 3, "use_karras_sigmas": True}, {"lower_order_final": False}],
 }
 # Samplers added later whose base grid rotates the step count (as EXTRAS do) instead of crossing
 # it: their schedules are another's (dpm++'s) or DDIM's grid, so a third of the cases cover them.
-ROTATED: tuple[str, ...] = ("dpmpp_2m_sde", "dpmpp_2m_sde_karras", "pndm")
+ROTATED: tuple[str, ...] = ("dpmpp_2m_sde", "dpmpp_2m_sde_karras", "pndm", "deis")
 # prediction types a sampler's diffusers class refuses (test_sampler_config checks ours refuses them)
 UNSUPPORTED_PREDICTIONS: dict[str, tuple[str, ...]] = {"pndm": ("sample",)}
 
@@ -195,6 +199,24 @@ def test_unipc_corrector_and_b_h_are_checked(cfg: dict[str, Any], monkeypatch) -
     ]:
         with pytest.raises(AssertionError):
             check_parity("unipc", cfg, 7, 0.0, monkeypatch, plan_override=bad_plan, spec_override=bad_spec)
+
+
+def test_deis_orders_are_checked(monkeypatch) -> None:
+    """The parity check sees each DEIS order: a third-order run held at second order, or a
+    second-order one held at first, leaves diffusers' trajectory; a plan landing on sigma 0 (as
+    dpm++'s do) is not diffusers' schedule."""
+    for order in (2, 3):
+        cfg = {**BETAS["scaled"], "prediction_type": "epsilon", "solver_order": order}
+        check_parity("deis", cfg, 20, 0.0, monkeypatch)
+        _, plan = ours_for(cfg, "deis", 20)
+        assert plan.order[:20].max() == order  # 20 steps: no wind-down
+        lower = plan._replace(order=np.minimum(plan.order, order - 1).astype(np.int32))
+        with pytest.raises(AssertionError):
+            check_parity("deis", cfg, 20, 0.0, monkeypatch, plan_override=lower)
+    sigmas = plan.sigmas.copy()
+    sigmas[20] = 0.0
+    with pytest.raises(AssertionError):
+        check_parity("deis", cfg, 20, 0.0, monkeypatch, plan_override=plan._replace(sigmas=sigmas))
 
 
 def test_unipc_bh1_onto_sigma_zero_is_the_finite_limit(monkeypatch) -> None:

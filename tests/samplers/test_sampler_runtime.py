@@ -115,14 +115,19 @@ def test_init_scales_noise_and_sets_history(sampler: str) -> None:
             assert int(state.count) == 0 and state.outputs.shape == (3, *SHAPE) and state.x_start.shape == SHAPE
         else:
             assert state.count is None and state.outputs is None and state.x_start is None
-        expect_one = sampler in ("ddpm", "ddim", "lcm", "tcd", "unipc", "pndm") or sampler.startswith("dpmpp")
+        if sampler == "deis":  # solver_order (2) noise predictions
+            assert state.eps_history.shape == (2, *SHAPE) and not np.any(np.asarray(state.eps_history))
+        else:
+            assert state.eps_history is None
+        expect_one = sampler in ("ddpm", "ddim", "lcm", "tcd", "unipc", "pndm", "deis") or sampler.startswith("dpmpp")
         assert (plan.init_noise_sigma == 1.0) == expect_one
 
 
 @pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
 def test_final_sample_is_in_data_space(sampler: str) -> None:
     """With a model that always predicts the same clean image, every sampler must end on it
-    (tcd: at timestep 0's noise level, ``sqrt(ab_0) x0 + sqrt(1 - ab_0) eps``, as TCDScheduler ends)."""
+    (tcd and deis: at timestep 0's noise level, ``sqrt(ab_0) x0 + sqrt(1 - ab_0) eps``, as TCDScheduler
+    and DEISMultistepScheduler end)."""
     cfg = SchedulerConfig.from_dict({
         "beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
         "prediction_type": "sample", "clip_sample": False,
@@ -144,9 +149,12 @@ def test_final_sample_is_in_data_space(sampler: str) -> None:
     spec, plan = make_spec(cfg, sampler), make_plan(cfg, sampler, 8, eta=_eta(sampler))
     noise = np.random.default_rng(1).standard_normal(SHAPE, dtype=np.float32)
     x = run(spec, model, plan, noise, lambda i, k: jax.random.normal(jax.random.fold_in(jax.random.key(1), i), SHAPE))
-    if sampler == "tcd":
-        ab0 = np.float32(plan.alpha_bar_mid[int(plan.n_steps) - 1])  # the last step's s is 0
-        assert ab0 == np.float32(1 - 0.00085)  # alphas_cumprod[0] = 1 - beta_0
+    if sampler in ("tcd", "deis"):
+        if sampler == "tcd":
+            ab0 = np.float32(plan.alpha_bar_mid[int(plan.n_steps) - 1])  # the last step's s is 0
+        else:  # the last sigma is timestep 0's: alpha^2 = 1 / (1 + sigma^2) = alphas_cumprod[0]
+            ab0 = np.float32(1.0 / (1.0 + np.float64(plan.sigmas[int(plan.n_steps)]) ** 2))
+        np.testing.assert_allclose(ab0, np.float32(1 - 0.00085), rtol=1e-6)  # alphas_cumprod[0] = 1 - beta_0
         eps = (np.asarray(x) - np.sqrt(ab0) * np.asarray(target)) / np.sqrt(1 - ab0)
         assert np.abs(eps).max() < 6  # a noise draw's size: x is the target at t = 0's level
         assert np.abs(np.asarray(x) - np.asarray(target)).mean() < 0.05

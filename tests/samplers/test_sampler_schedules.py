@@ -131,11 +131,16 @@ def test_plan_shapes_do_not_depend_on_steps(sampler: str) -> None:
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
 def test_plan_padding_is_inert(sampler: str) -> None:
-    """Rows past the schedule hold harmless values; the final sigma is 0."""
+    """Rows past the schedule hold harmless values; the final sigma is 0 (deis: timestep 0's)."""
     config = SchedulerConfig.from_dict({})
     plan = make_plan(config, sampler, 7)
     n = int(plan.n_steps)
-    assert np.all(plan.sigmas[n:] == 0)
+    last = n
+    if sampler == "deis":
+        ab0 = S.alphas_cumprod(S.betas("linear", 0.0001, 0.02, 1000))[0]
+        assert plan.sigmas[n] == S.train_sigmas(np.asarray([ab0]))[0] > 0
+        last = n + 1
+    assert np.all(plan.sigmas[last:] == 0)
     assert np.all(plan.timesteps[n:] == 0)
     assert np.all(plan.alpha_bar[n:] == 1) and np.all(plan.alpha_bar_prev[n:] == 1)
     assert np.all(plan.order[n:] == 1)

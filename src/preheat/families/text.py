@@ -68,6 +68,7 @@ SAMPLER_OF_SCHEDULER = {
     "TCDScheduler": "tcd",
     "UniPCMultistepScheduler": "unipc",
     "PNDMScheduler": "pndm",  # with skip_prk_steps=True (folder_sampler refuses the Runge-Kutta warm-up)
+    "DEISMultistepScheduler": "deis",
     "FlowMatchEulerDiscreteScheduler": "flow_euler",
     "FlowMatchHeunDiscreteScheduler": "flow_heun",
 }

@@ -64,6 +64,9 @@ count need a recompile)::
     pndm             PNDMScheduler (skip_prk_steps=True: PLMS; steps    1 (steps + 1 calls  no
                      + 1 rows, the second timestep twice; set_alpha_     for steps >= 2)
                      to_one; epsilon / v_prediction)
+    deis             DEISMultistepScheduler (log-rho on eps; solver_     1                  no
+                     order 1..3, lower_order_final, Karras; the last
+                     step lands on timestep 0's sigma, not 0)
     flow_euler       FlowMatchEulerDiscreteScheduler (shift, dynamic     1                  no
                      shifting with mu, custom sigmas, invert_sigmas,
                      shift_terminal, Karras / exponential sigmas)

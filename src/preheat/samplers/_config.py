@@ -18,9 +18,10 @@ read (the name says 2nd-order dpmsolver++ / sde-dpmsolver++ midpoint, Karras or 
 folder's own ``algorithm_type`` picks between them in ``families.text.default_sampler``).
 ``pndm`` is PNDMScheduler with ``skip_prk_steps=True`` (PLMS) whatever the dict says, except
 that an explicit ``skip_prk_steps=False`` (the Runge-Kutta warm-up) is refused. ``euler``,
-``heun`` and ``unipc`` honour ``use_karras_sigmas`` from the dict, as their diffusers classes
-do; ``unipc`` reads ``solver_order``, ``solver_type``, ``lower_order_final`` and
-``disable_corrector`` from it too (UniPCMultistepScheduler's own keys).
+``heun``, ``unipc`` and ``deis`` honour ``use_karras_sigmas`` from the dict, as their diffusers
+classes do; ``unipc`` reads ``solver_order``, ``solver_type``, ``lower_order_final`` and
+``disable_corrector`` from it too (UniPCMultistepScheduler's own keys), ``deis`` its
+``solver_order`` and ``lower_order_final``.
 
 Flow matching and diffusion do not mix: a model trained for one cannot be sampled with the
 other, although diffusers' ``from_config`` would happily build either class from either dict.
@@ -90,7 +91,8 @@ class SchedulerConfig:
     lambda_min_clipped: float | None = None
     original_inference_steps: int | None = None  # LCMScheduler: the distillation's step grid
     timestep_scaling: float | None = None  # LCMScheduler: the consistency boundary's time scale
-    # UniPCMultistepScheduler (read by unipc only; dpm++'s name fixes its own solver)
+    # UniPCMultistepScheduler and DEISMultistepScheduler (read by unipc and deis; dpm++'s name fixes its
+    # own solver)
     solver_order: int | None = None
     solver_type: str | None = None
     predict_x0: bool | None = None
@@ -220,10 +222,10 @@ class ResolvedConfig:
     lambda_min_clipped: float  # dpm++ only
     original_inference_steps: int = 0  # lcm, tcd only
     timestep_scaling: float = 0.0  # lcm only
-    final_sigma_min: bool = False  # unipc only: the last step lands on the smallest training sigma, not 0
-    solver_order: int = 0  # unipc only (1..3)
+    final_sigma_min: bool = False  # unipc, deis: the last step lands on the smallest training sigma, not 0
+    solver_order: int = 0  # unipc, deis (1..3)
     solver_type: str = ""  # unipc only: "bh1" | "bh2"
-    lower_order_final: bool = True  # unipc only
+    lower_order_final: bool = True  # unipc, deis
     disable_corrector: tuple[int, ...] = ()  # unipc only
 
 
@@ -424,7 +426,7 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
     if math.isnan(lambda_min_clipped):
         raise SchedulerConfigError("lambda_min_clipped=nan is not supported; use a number or -inf")
 
-    unipc = _resolve_unipc(get) if sampler == "unipc" else {}
+    multistep = _resolve_unipc(get) if sampler == "unipc" else _resolve_deis(get) if sampler == "deis" else {}
     has_clip = "clip_sample" in defaults
     return ResolvedConfig(
         sampler=sampler,
@@ -445,7 +447,7 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
         lambda_min_clipped=lambda_min_clipped,
         original_inference_steps=int(get("original_inference_steps")) if sampler in ("lcm", "tcd") else 0,
         timestep_scaling=float(get("timestep_scaling")) if sampler == "lcm" else 0.0,
-        **unipc,
+        **multistep,
     )
 
 
@@ -475,6 +477,16 @@ def _resolve_unipc(get: Any) -> dict[str, Any]:
             "step onto sigma 0 is not finite (diffusers returns inf); use lower_order_final=True")
     return dict(final_sigma_min=final_sigma_min, solver_order=order, solver_type=solver_type,
                 lower_order_final=lower_order_final, disable_corrector=tuple(get("disable_corrector")))
+
+
+def _resolve_deis(get: Any) -> dict[str, Any]:
+    """DEISMultistepScheduler's own keys (ResolvedConfig fields). Its last step always lands on the
+    smallest training sigma (or the Karras ramp's last), never 0, so every order is finite there."""
+    order = int(get("solver_order"))
+    if not 1 <= order <= 3:
+        raise SchedulerConfigError(f"solver_order={order} is not supported for sampler 'deis' "
+                                   "(DEISMultistepScheduler); supported: 1, 2, 3")
+    return dict(final_sigma_min=True, solver_order=order, lower_order_final=bool(get("lower_order_final")))
 
 
 def _opt_float(v: Any) -> float | None:

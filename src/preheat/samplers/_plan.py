@@ -39,6 +39,7 @@ _SOLVER_OF_SAMPLER = {
     "dpmpp_2m_sde": "dpmpp_2m_sde",
     "dpmpp_2m_sde_karras": "dpmpp_2m_sde",
     "pndm": "pndm",
+    "deis": "deis",
     # flow matching: the same Euler / Heun updates in sigma, fed the model's velocity
     # (SolverSpec.prediction_type == "flow") instead of a derivative from an x0 estimate
     "flow_euler": "euler",
@@ -47,7 +48,7 @@ _SOLVER_OF_SAMPLER = {
 # Samplers whose diffusers ``set_timesteps`` takes ``mu`` and ``sigmas`` (and so make_plan).
 MU_SIGMAS_SAMPLERS: tuple[str, ...] = ("flow_euler",)
 _SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde", "dpmpp_2m_sde_karras",
-                   "unipc")
+                   "unipc", "deis")
 _NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1, "lcm": 1, "tcd": 1,
                 "dpmpp_2m_sde": 1}
 # Samplers whose make_plan takes a custom descending ``timesteps`` list (their diffusers
@@ -66,13 +67,13 @@ class SolverSpec:
     """
 
     solver: str  # "ddpm" | "ddim" | "euler" | "euler_a" | "heun" | "dpmpp_2m" | "lcm" | "tcd" | "unipc"
-    #   | "dpmpp_2m_sde" | "pndm"
+    #   | "dpmpp_2m_sde" | "pndm" | "deis"
     prediction_type: str  # "epsilon" | "v_prediction" | "sample" | "flow" (velocity; euler/heun only)
     clip_sample: bool = False  # clamp the x0 prediction (ddpm, ddim, heun, lcm only)
     clip_sample_range: float = 1.0
     variance_type: str = ""  # ddpm: "fixed_small" | "fixed_small_log" | "fixed_large"
     timestep_scaling: float = 0.0  # lcm: t scale of the boundary condition c_skip(t), c_out(t)
-    solver_order: int = 0  # unipc: the highest order (1..3), so the x0 predictions it carries
+    solver_order: int = 0  # unipc, deis: the highest order (1..3), so the predictions it carries
     solver_type: str = ""  # unipc: "bh1" | "bh2", the B(h) of its update
 
     @property
@@ -105,7 +106,7 @@ class Plan(NamedTuple):
     sigmas: np.ndarray  # float32 [L]: sigma_i (sigma-space samplers); sigmas[n_steps] = 0 (1: invert_sigmas)
     alpha_bar: np.ndarray  # float32 [L]: alphas_cumprod at t_i (ddpm, ddim, lcm, tcd)
     alpha_bar_prev: np.ndarray  # float32 [L]: alphas_cumprod at the step's target (ddpm, ddim, lcm, tcd)
-    order: np.ndarray  # int32 [L]: dpm++ / unipc (predictor) order of step i (dpm++: 1 or 2; unipc: 1..3)
+    order: np.ndarray  # int32 [L]: dpm++ / unipc (predictor) / deis order of step i (dpm++: 1 or 2; else 1..3)
     init_noise_sigma: np.ndarray  # float32 []: scale of the standard-normal start noise
     eta: np.ndarray  # float32 []: ddim / tcd stochasticity (0 = deterministic)
     alpha_bar_mid: np.ndarray  # float32 [L]: tcd: alphas_cumprod at s_i = floor((1 - eta) * t_next);
@@ -172,7 +173,7 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
         rows = _discrete_rows(r, steps, alpha_bar_train)
     elif sampler in ("lcm", "tcd"):
         rows = _lcm_rows(r, steps, alpha_bar_train, timesteps)
-    elif sampler.startswith("dpmpp") or sampler == "unipc":
+    elif sampler.startswith("dpmpp") or sampler in ("unipc", "deis"):
         rows = _dpm_rows(r, steps, alpha_bar_train)
     elif sampler == "pndm":
         rows, mid = _pndm_rows(r, steps, alpha_bar_train)  # checks its own (repeating) schedule
@@ -403,6 +404,8 @@ def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Ro
     ``lambda_min_clipped``; its Karras timesteps are always rounded); its order warms up one step at
     a time to ``solver_order`` and (``lower_order_final``) winds down to 1 on the last steps; with
     ``final_sigmas_type="sigma_min"`` the last sigma is the smallest of the ramp or the training table.
+    deis: unipc's rows with the last sigma always that smallest one, and its wind-down only under
+    15 steps (DEISMultistepScheduler's ``lower_order_final``).
     """
     T = r.num_train_timesteps
     sig_train = S.train_sigmas(alpha_bar_train)
@@ -425,7 +428,7 @@ def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Ro
         hi = r.sigma_max if r.sigma_max is not None else sig_train[-1].item()
         sig = S.karras_sigmas(lo, hi, steps)
         t_frac = S.sigma_to_t(sig, np.log(sig_train))
-        if r.beta_schedule != "squaredcos_cap_v2" or r.sampler == "unipc":  # dpm++ rounds except here...
+        if r.beta_schedule != "squaredcos_cap_v2" or r.sampler in ("unipc", "deis"):  # dpm++ rounds except here...
             t_frac = t_frac.round()
         ts_int = t_frac.astype(np.int64)  # ...where the int64 cast truncates
     else:
@@ -433,14 +436,14 @@ def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Ro
         sig = S.interp_sigmas(ts_int, sig_train)
     n = len(ts_int)
     ones = np.ones(n, _F32)
-    if r.sampler == "unipc":
+    if r.sampler in ("unipc", "deis"):
         last = 0.0
         if r.final_sigma_min:
             last = sig[-1] if r.use_karras_sigmas else sig_train[0]
         sigmas = np.append(sig, last).astype(_F32)
         idx = np.arange(n)
-        order = np.minimum(r.solver_order, idx + 1)  # warm-up: one more stored x0 per step
-        if r.lower_order_final:
+        order = np.minimum(r.solver_order, idx + 1)  # warm-up: one more stored prediction per step
+        if r.lower_order_final and (r.sampler == "unipc" or n < 15):
             order = np.minimum(order, n - idx)
         return ts_int.astype(_F32), sigmas, ones, ones, order.astype(np.int32), _F32(1.0)
     sigmas = np.append(sig, 0.0).astype(_F32)
@@ -541,7 +544,11 @@ def _check_range(r: ResolvedConfig, steps: int, ts: np.ndarray) -> None:
 
 
 def _check_schedule(r: ResolvedConfig, steps: int, ts: np.ndarray, sigmas: np.ndarray | None) -> None:
-    """Steps must move: repeated sigmas (or timesteps) make zero-length steps (dpm++ divides by them)."""
+    """Steps must move: repeated sigmas (or timesteps) make zero-length steps (dpm++ divides by them).
+    Except deis's Karras landing: its last sigma repeats the ramp's last, so diffusers' last step does
+    not move; its update is finite there (both ends of the integral are the same point), so we do the same."""
+    if sigmas is not None and r.sampler == "deis" and r.use_karras_sigmas:
+        sigmas = sigmas[:-1]
     if sigmas is not None:
         ok = bool(np.all(np.diff(sigmas) < 0))
     else:

@@ -47,6 +47,7 @@ class SamplerState(NamedTuple):
     count: jax.Array | None = None  # int32 []: pndm: calls since init / start (diffusers' counter)
     x_start: jax.Array | None = None  # [*S] float32: pndm: the sample entering call 0 (call 1 restarts there)
     outputs: jax.Array | None = None  # [3, *S] float32: pndm: earlier raw model outputs, newest first
+    eps_history: jax.Array | None = None  # [K, *S] float32: deis: eps of steps i-1 .. i-K (K = solver_order)
 
 
 class Start(NamedTuple):
@@ -67,7 +68,7 @@ class Start(NamedTuple):
 
 # Mask blending needs one blend per scheduler call; Heun's two calls per step are one step here.
 BLEND_SOLVERS: tuple[str, ...] = ("ddpm", "ddim", "euler", "euler_a", "dpmpp_2m", "lcm", "tcd", "unipc",
-                                  "dpmpp_2m_sde", "pndm")
+                                  "dpmpp_2m_sde", "pndm", "deis")
 # Multistep dpm++ solvers: they carry the previous x0 and start (again) at first order.
 _DPM_SOLVERS: tuple[str, ...] = ("dpmpp_2m", "dpmpp_2m_sde")
 
@@ -81,6 +82,8 @@ def init(spec: SolverSpec, plan: Plan, noise: jax.Array) -> SamplerState:
     if spec.solver == "pndm":
         return SamplerState(x=x, count=jnp.int32(0), x_start=jnp.zeros_like(x),
                             outputs=jnp.zeros((3, *x.shape), x.dtype))
+    if spec.solver == "deis":
+        return SamplerState(x=x, eps_history=jnp.zeros((spec.solver_order, *x.shape), x.dtype))
     return SamplerState(x=x, x0_prev=history)
 
 
@@ -115,10 +118,11 @@ def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: 
         first = jnp.asarray(start.index, jnp.int32)
         if spec.solver in _DPM_SOLVERS:  # no history at the first step run: first order, as diffusers
             plan = plan._replace(order=jnp.asarray(plan.order).at[first].set(1))
-        if spec.solver == "unipc":  # its order warms up from the first step run; nothing to correct there
+        if spec.solver in ("unipc", "deis"):  # the order warms up from the first step run
             warm = jnp.arange(jnp.shape(plan.order)[0], dtype=jnp.int32) - first + 1
-            plan = plan._replace(order=jnp.minimum(jnp.asarray(plan.order), warm),
-                                 corrector=jnp.asarray(plan.corrector).at[first].set(False))
+            plan = plan._replace(order=jnp.minimum(jnp.asarray(plan.order), warm))
+        if spec.solver == "unipc":  # nothing to correct at the first step run
+            plan = plan._replace(corrector=jnp.asarray(plan.corrector).at[first].set(False))
         state = init(spec, plan, noise)
         x = jnp.where(start.pure_noise, state.x, noised(spec, plan, start.x0, noise, first))
         state = state._replace(x=x)
@@ -140,7 +144,7 @@ def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: 
 def noised(spec: SolverSpec, plan: Plan, x0: jax.Array, noise: jax.Array, i: jax.Array | int) -> jax.Array:
     """``x0`` at step ``i``'s noise level in the solver's own state, as the diffusers scheduler's
     ``add_noise`` (flow: ``scale_noise``) puts it: VE ``x0 + sigma eps``; dpm++ ``alpha(sigma) x0 +
-    sigma_vp eps`` from its sigmas (unipc alike); ddpm/ddim/lcm/tcd/pndm ``sqrt(ab) x0 + sqrt(1 - ab) eps`` at
+    sigma_vp eps`` from its sigmas (unipc and deis alike); ddpm/ddim/lcm/tcd/pndm ``sqrt(ab) x0 + sqrt(1 - ab) eps`` at
     ``t_i``."""
     i = jnp.asarray(i, jnp.int32)
     x0, noise = jnp.asarray(x0, jnp.float32), jnp.asarray(noise, jnp.float32)
@@ -149,7 +153,7 @@ def noised(spec: SolverSpec, plan: Plan, x0: jax.Array, noise: jax.Array, i: jax
         return sigma * noise + (1.0 - sigma) * x0
     if spec.solver in ("euler", "euler_a", "heun"):
         return x0 + noise * _at(plan.sigmas, i)
-    if spec.solver in (*_DPM_SOLVERS, "unipc"):
+    if spec.solver in (*_DPM_SOLVERS, "unipc", "deis"):
         alpha, sigma = _vp(_at(plan.sigmas, i))
         return alpha * x0 + sigma * noise
     ab = _at(plan.alpha_bar, i)
@@ -526,6 +530,62 @@ def _pndm_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, 
                         outputs=jnp.where(restart, state.outputs, pushed))
 
 
+def _deis_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+               noise_fn: NoiseFn) -> SamplerState:
+    """DEIS (Zhang & Chen 2022), DEISMultistepScheduler's log-rho multistep: the noise predictions
+    of this and up to two earlier steps, integrated exactly over ``rho = sigma_vp / alpha`` (the VE
+    sigma) against their Lagrange polynomial in ``log rho``; ``plan.order[i]`` (1..3) picks how many.
+
+    The coefficients ``coef_k = F_k(rho_t) - F_k(rho_s0)`` use diffusers' antiderivatives ``F_k``
+    (its ``ind_fn``); the log-rho gaps they divide by are masked where an order does not use them,
+    so the unselected branches never turn into NaN.
+    """
+    K = spec.solver_order
+    hist = state.eps_history  # [K, *S]: eps of steps i-1, i-2, ...
+    x = state.x
+    alpha_s, sig_s = _vp(_at(plan.sigmas, i))
+    alpha_t, sig_t = _vp(_at(plan.sigmas, i + 1))
+    x0, _ = _denoise(spec, model, x, _at(plan.timesteps, i), 1.0, alpha_s, sig_s)
+    eps = (x - alpha_s * x0) / sig_s  # [*S] diffusers' convert_model_output: eps from the x0 prediction
+    order = _at(plan.order, i)
+
+    h = (jnp.log(alpha_t) - jnp.log(sig_t)) - (jnp.log(alpha_s) - jnp.log(sig_s))
+    first = (alpha_t / alpha_s) * x - (sig_t * (jnp.exp(h) - 1.0)) * eps
+
+    def rho(j: jax.Array) -> jax.Array:
+        alpha, sig = _vp(_at(plan.sigmas, jnp.maximum(j, 0)))
+        return sig / alpha  # as diffusers rounds it (not the plan's sigma itself)
+
+    rt, r0 = rho(i + 1), rho(i)
+    lt, l0, l1, l2 = jnp.log(rt), jnp.log(r0), jnp.log(rho(i - 1)), jnp.log(rho(i - 2))
+
+    def gap(a: jax.Array, b: jax.Array, used: jax.Array) -> jax.Array:
+        return jnp.where(used, a - b, 1.0)  # a log-rho difference, 1 where the order does not use it
+
+    def f2(t: jax.Array, lt_: jax.Array, lb: jax.Array, lc: jax.Array, used: jax.Array) -> jax.Array:
+        return t * (-lc + lt_ - 1.0) / gap(lb, lc, used)
+
+    def f3(t: jax.Array, lt_: jax.Array, lb: jax.Array, lc: jax.Array, ld: jax.Array, used: jax.Array) -> jax.Array:
+        num = t * (lc * (ld - lt_ + 1.0) - ld * lt_ + ld + lt_ ** 2 - 2.0 * lt_ + 2.0)
+        return num / (gap(lb, lc, used) * gap(lb, ld, used))
+
+    used2, used3 = order >= 2, order >= 3
+    x_new = first
+    if K >= 2:
+        c1 = f2(rt, lt, l0, l1, used2) - f2(r0, l0, l0, l1, used2)
+        c2 = f2(rt, lt, l1, l0, used2) - f2(r0, l0, l1, l0, used2)
+        second = alpha_t * (x / alpha_s + c1 * eps + c2 * hist[0])
+        x_new = jnp.where(used2, second, x_new)
+    if K >= 3:
+        c1 = f3(rt, lt, l0, l1, l2, used3) - f3(r0, l0, l0, l1, l2, used3)
+        c2 = f3(rt, lt, l1, l2, l0, used3) - f3(r0, l0, l1, l2, l0, used3)
+        c3 = f3(rt, lt, l2, l0, l1, used3) - f3(r0, l0, l2, l0, l1, used3)
+        third = alpha_t * (x / alpha_s + c1 * eps + c2 * hist[0] + c3 * hist[1])
+        x_new = jnp.where(used3, third, x_new)
+    new_hist = jnp.concatenate([eps[None], hist[:-1]], axis=0)
+    return state._replace(x=x_new, eps_history=new_hist)
+
+
 _STEP_OF_SOLVER = {
     "ddpm": _ddpm_step,
     "ddim": _ddim_step,
@@ -538,4 +598,5 @@ _STEP_OF_SOLVER = {
     "unipc": _unipc_step,
     "dpmpp_2m_sde": _dpmpp_2m_step,
     "pndm": _pndm_step,
+    "deis": _deis_step,
 }

@@ -22,6 +22,7 @@ DIFFUSION_SAMPLERS: tuple[str, ...] = (
     "dpmpp_2m_sde",
     "dpmpp_2m_sde_karras",
     "pndm",
+    "deis",
 )
 # Samplers for flow-matching models (the model predicts the velocity ``noise - x0``).
 FLOW_SAMPLERS: tuple[str, ...] = ("flow_euler", "flow_heun")
@@ -29,7 +30,7 @@ SAMPLERS: tuple[str, ...] = DIFFUSION_SAMPLERS + FLOW_SAMPLERS
 # Diffusion samplers that draw no noise per step (ddim given eta=0), so that two backends given the
 # same initial noise agree image for image (the torch backend's and bench compare's comparisons).
 DETERMINISTIC_SAMPLERS: tuple[str, ...] = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras", "unipc", "pndm",
-                                           *FLOW_SAMPLERS)
+                                           "deis", *FLOW_SAMPLERS)
 
 # The diffusers class each sampler reproduces (named in error messages).
 DIFFUSERS_CLASS: dict[str, str] = {
@@ -46,6 +47,7 @@ DIFFUSERS_CLASS: dict[str, str] = {
     "dpmpp_2m_sde": "DPMSolverMultistepScheduler",
     "dpmpp_2m_sde_karras": "DPMSolverMultistepScheduler",
     "pndm": "PNDMScheduler",
+    "deis": "DEISMultistepScheduler",
     "flow_euler": "FlowMatchEulerDiscreteScheduler",
     "flow_heun": "FlowMatchHeunDiscreteScheduler",
 }
@@ -193,6 +195,23 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
         "use_flow_sigmas": False,
         "final_sigmas_type": "zero",
         "rescale_betas_zero_snr": False,
+        "sigma_min": None,
+        "sigma_max": None,
+    },
+    # DEIS (Zhang & Chen 2022), log-rho multistep on the noise prediction: solver_order 1..3 and
+    # lower_order_final are read from the config (its algorithm_type and solver_type have one value
+    # each); the last step lands on the smallest training sigma, not 0
+    "deis": {
+        **_COMMON,
+        "timestep_spacing": "linspace",
+        "solver_order": 2,
+        "thresholding": False,
+        "lower_order_final": True,
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "use_flow_sigmas": False,
+        # read through the config (hasattr) by the Karras conversion, as for dpm++
         "sigma_min": None,
         "sigma_max": None,
     },
