@@ -48,6 +48,7 @@ DIFFUSERS_CLASS = {
     "dpmpp_2m_sde_karras": diffusers.DPMSolverMultistepScheduler,
     "pndm": diffusers.PNDMScheduler,
     "deis": diffusers.DEISMultistepScheduler,
+    "lms": diffusers.LMSDiscreteScheduler,
 }
 # modules whose ``randn_tensor`` we replace so diffusers draws our noise table
 RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd,

@@ -251,18 +251,23 @@ def test_a_pndm_folder_defaults_to_pndm_and_matches_its_diffusers_pipeline(folde
     assert ref.scheduler.config.skip_prk_steps
 
 
-def test_a_deis_folder_defaults_to_deis_and_matches_its_diffusers_pipeline(folders, tmp_path):
-    """Some deployed SD 1.x fine-tunes save DEISMultistepScheduler: the load runs DEIS by default,
-    its third order included (order 3 over 5 steps: warm-up, one third-order step, the wind-down), and
-    its last step lands on timestep 0's noise level as diffusers' pipeline's does, from the same latents."""
-    from diffusers import DEISMultistepScheduler
+@pytest.mark.parametrize("sampler,scheduler_class,extra", [("deis", "DEISMultistepScheduler", {"solver_order": 3}),
+                                                           ("lms", "LMSDiscreteScheduler", {})])
+def test_a_multistep_folder_defaults_to_its_sampler_and_matches_its_diffusers_pipeline(folders, tmp_path, sampler,
+                                                                                       scheduler_class, extra):
+    """Some deployed SD 1.x fine-tunes save DEISMultistepScheduler or LMSDiscreteScheduler: the load runs
+    it by default and its image is diffusers' pipeline's from the same latents -- DEIS's third order
+    included (order 3 over 5 steps: warm-up, one third-order step, the wind-down) and its last step
+    landing on timestep 0's noise level, LMS's four-derivative steps."""
+    import diffusers
 
     from tests._support.sd_fixtures import SCHEDULER
 
-    folder = _with_scheduler(folders["sd1"], tmp_path / "sd1-deis", DEISMultistepScheduler(**SCHEDULER, solver_order=3))
-    ref = _default_sampler_matches_the_pipeline(folder, "deis", "DEISMultistepScheduler", "a watercolor fox",
-                                                steps=5, guidance=7.5, label="sd1/deis", restore_text=True)
-    assert ref.scheduler.config.solver_order == 3
+    scheduler = getattr(diffusers, scheduler_class)(**SCHEDULER, **extra)
+    folder = _with_scheduler(folders["sd1"], tmp_path / f"sd1-{sampler}", scheduler)
+    ref = _default_sampler_matches_the_pipeline(folder, sampler, scheduler_class, "a watercolor fox",
+                                                steps=5, guidance=7.5, label=f"sd1/{sampler}", restore_text=True)
+    assert all(ref.scheduler.config[k] == v for k, v in extra.items())
 
 
 def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog):
@@ -271,7 +276,8 @@ def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog
     the family's default with one warning naming it."""
     import logging
 
-    from diffusers import DEISMultistepScheduler, DPMSolverMultistepScheduler, KDPM2DiscreteScheduler, PNDMScheduler
+    from diffusers import (DEISMultistepScheduler, DPMSolverMultistepScheduler, KDPM2DiscreteScheduler,
+                           LMSDiscreteScheduler, PNDMScheduler)
 
     from preheat.families.stable_diffusion import SD
     from preheat.families.text import default_sampler
@@ -288,6 +294,7 @@ def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog
         "ode-karras": (DPMSolverMultistepScheduler(use_karras_sigmas=True), "dpmpp_2m_karras"),
         "plms": (PNDMScheduler(skip_prk_steps=True), "pndm"),
         "deis": (DEISMultistepScheduler(), "deis"),
+        "lms": (LMSDiscreteScheduler(), "lms"),
     }
     caplog.set_level(logging.WARNING, logger="preheat.families")
     for name, (scheduler, sampler) in picked.items():

@@ -92,10 +92,11 @@ EXTRAS: dict[str, list[dict[str, Any]]] = {
     # long) and the wind-down off
     "deis": [{"solver_order": 3}, {"solver_order": 1, "use_karras_sigmas": True},
              {"solver_order": 3, "use_karras_sigmas": True}, {"lower_order_final": False}],
+    "lms": [{"use_karras_sigmas": True}],
 }
 # Samplers added later whose base grid rotates the step count (as EXTRAS do) instead of crossing
 # it: their schedules are another's (dpm++'s) or DDIM's grid, so a third of the cases cover them.
-ROTATED: tuple[str, ...] = ("dpmpp_2m_sde", "dpmpp_2m_sde_karras", "pndm", "deis")
+ROTATED: tuple[str, ...] = ("dpmpp_2m_sde", "dpmpp_2m_sde_karras", "pndm", "deis", "lms")
 # prediction types a sampler's diffusers class refuses (test_sampler_config checks ours refuses them)
 UNSUPPORTED_PREDICTIONS: dict[str, tuple[str, ...]] = {"pndm": ("sample",)}
 
@@ -217,6 +218,24 @@ def test_deis_orders_are_checked(monkeypatch) -> None:
     sigmas[20] = 0.0
     with pytest.raises(AssertionError):
         check_parity("deis", cfg, 20, 0.0, monkeypatch, plan_override=plan._replace(sigmas=sigmas))
+
+
+def test_lms_coefficients_are_checked(monkeypatch) -> None:
+    """The parity check sees LMS's multistep weights: Euler's (the first derivative alone, over
+    the step) or the older derivatives' weights swapped leave diffusers' trajectory."""
+    cfg = {**BETAS["scaled"], "prediction_type": "epsilon"}
+    check_parity("lms", cfg, 7, 0.0, monkeypatch)
+    _, plan = ours_for(cfg, "lms", 7)
+    c = plan.lms_coeffs
+    np.testing.assert_allclose(c[:7].sum(axis=1), np.diff(plan.sigmas[:8]), rtol=1e-5)  # each integrates 1 over the step
+    assert np.count_nonzero(c[:7], axis=1).tolist() == [1, 2, 3, 4, 4, 4, 4]  # min(i + 1, 4) points
+    euler = np.zeros_like(c)
+    euler[:7, 0] = np.diff(plan.sigmas[:8])
+    swapped = c.copy()
+    swapped[:, [1, 2]] = c[:, [2, 1]]
+    for bad in (euler, swapped):
+        with pytest.raises(AssertionError):
+            check_parity("lms", cfg, 7, 0.0, monkeypatch, plan_override=plan._replace(lms_coeffs=bad))
 
 
 def test_unipc_bh1_onto_sigma_zero_is_the_finite_limit(monkeypatch) -> None:

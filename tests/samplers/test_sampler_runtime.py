@@ -119,6 +119,10 @@ def test_init_scales_noise_and_sets_history(sampler: str) -> None:
             assert state.eps_history.shape == (2, *SHAPE) and not np.any(np.asarray(state.eps_history))
         else:
             assert state.eps_history is None
+        if sampler == "lms":  # the three earlier derivatives its order-4 step weighs
+            assert state.derivatives.shape == (3, *SHAPE) and not np.any(np.asarray(state.derivatives))
+        else:
+            assert state.derivatives is None
         expect_one = sampler in ("ddpm", "ddim", "lcm", "tcd", "unipc", "pndm", "deis") or sampler.startswith("dpmpp")
         assert (plan.init_noise_sigma == 1.0) == expect_one
 

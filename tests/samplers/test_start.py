@@ -16,7 +16,7 @@ CONFIG = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_s
 
 
 @pytest.mark.parametrize("sampler", ["ddim", "euler", "heun", "dpmpp_2m", "lcm", "tcd", "unipc", "dpmpp_2m_sde",
-                                     "pndm", "deis"])
+                                     "pndm", "deis", "lms"])
 @pytest.mark.parametrize("steps,strength", [(5, 0.6), (10, 0.75), (7, 0.3), (4, 1.0), (30, 0.9999)])
 def test_sd_start_is_diffusers_get_timesteps(sampler, steps, strength):
     from diffusers import StableDiffusionImg2ImgPipeline
@@ -51,12 +51,12 @@ def test_a_start_with_no_step_left_is_refused():
 
 
 # (sampler, scheduler config beyond CONFIG): multistep history (dpm++, unipc's orders and its
-# corrector switch, deis's orders), per-step noise (the SDEs), PLMS's counter (pndm), and a one-step sampler.
+# corrector switch, deis's orders, lms's derivatives), per-step noise (the SDEs), PLMS's counter (pndm), and a one-step sampler.
 START_SAMPLERS = [("dpmpp_2m", {}), ("unipc", {}), ("unipc", {"solver_order": 3}),
                   ("unipc", {"disable_corrector": [2]}), ("dpmpp_2m_sde", {}), ("dpmpp_2m_sde_karras", {}),
-                  ("pndm", {}), ("ddim", {}), ("deis", {"solver_order": 3})]
+                  ("pndm", {}), ("ddim", {}), ("deis", {"solver_order": 3}), ("lms", {})]
 START_IDS = ["dpmpp_2m", "unipc", "unipc-order3", "unipc-disable2", "dpmpp_2m_sde", "dpmpp_2m_sde_karras", "pndm",
-             "ddim", "deis-order3"]
+             "ddim", "deis-order3", "lms"]
 
 
 @pytest.mark.parametrize("steps,strength,blend", [(6, 0.6, False), (9, 0.75, True), (8, 0.7, True),

@@ -69,6 +69,7 @@ SAMPLER_OF_SCHEDULER = {
     "UniPCMultistepScheduler": "unipc",
     "PNDMScheduler": "pndm",  # with skip_prk_steps=True (folder_sampler refuses the Runge-Kutta warm-up)
     "DEISMultistepScheduler": "deis",
+    "LMSDiscreteScheduler": "lms",
     "FlowMatchEulerDiscreteScheduler": "flow_euler",
     "FlowMatchHeunDiscreteScheduler": "flow_heun",
 }

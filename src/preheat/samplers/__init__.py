@@ -67,6 +67,9 @@ count need a recompile)::
     deis             DEISMultistepScheduler (log-rho on eps; solver_     1                  no
                      order 1..3, lower_order_final, Karras; the last
                      step lands on timestep 0's sigma, not 0)
+    lms              LMSDiscreteScheduler (order 4: this and the last    1                  no
+                     three derivatives, exact Lagrange integrals in
+                     the Plan; Karras)
     flow_euler       FlowMatchEulerDiscreteScheduler (shift, dynamic     1                  no
                      shifting with mu, custom sigmas, invert_sigmas,
                      shift_terminal, Karras / exponential sigmas)

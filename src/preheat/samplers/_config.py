@@ -18,7 +18,7 @@ read (the name says 2nd-order dpmsolver++ / sde-dpmsolver++ midpoint, Karras or 
 folder's own ``algorithm_type`` picks between them in ``families.text.default_sampler``).
 ``pndm`` is PNDMScheduler with ``skip_prk_steps=True`` (PLMS) whatever the dict says, except
 that an explicit ``skip_prk_steps=False`` (the Runge-Kutta warm-up) is refused. ``euler``,
-``heun``, ``unipc`` and ``deis`` honour ``use_karras_sigmas`` from the dict, as their diffusers
+``heun``, ``unipc``, ``deis`` and ``lms`` honour ``use_karras_sigmas`` from the dict, as their diffusers
 classes do; ``unipc`` reads ``solver_order``, ``solver_type``, ``lower_order_final`` and
 ``disable_corrector`` from it too (UniPCMultistepScheduler's own keys), ``deis`` its
 ``solver_order`` and ``lower_order_final``.
@@ -417,7 +417,7 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
         use_karras = True
     elif sampler in ("dpmpp_2m", "dpmpp_2m_sde"):
         use_karras = False
-    elif "use_karras_sigmas" in defaults:  # euler, heun: as their diffusers classes do
+    elif "use_karras_sigmas" in defaults:  # euler, heun, unipc, deis, lms: as their diffusers classes do
         use_karras = bool(get("use_karras_sigmas"))
     else:  # ddpm, ddim, euler_a: their diffusers classes do not read the key
         use_karras = False

@@ -40,6 +40,7 @@ _SOLVER_OF_SAMPLER = {
     "dpmpp_2m_sde_karras": "dpmpp_2m_sde",
     "pndm": "pndm",
     "deis": "deis",
+    "lms": "lms",
     # flow matching: the same Euler / Heun updates in sigma, fed the model's velocity
     # (SolverSpec.prediction_type == "flow") instead of a derivative from an x0 estimate
     "flow_euler": "euler",
@@ -48,12 +49,14 @@ _SOLVER_OF_SAMPLER = {
 # Samplers whose diffusers ``set_timesteps`` takes ``mu`` and ``sigmas`` (and so make_plan).
 MU_SIGMAS_SAMPLERS: tuple[str, ...] = ("flow_euler",)
 _SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde", "dpmpp_2m_sde_karras",
-                   "unipc", "deis")
+                   "unipc", "deis", "lms")
 _NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1, "lcm": 1, "tcd": 1,
                 "dpmpp_2m_sde": 1}
 # Samplers whose make_plan takes a custom descending ``timesteps`` list (their diffusers
 # ``set_timesteps(timesteps=...)``: Hyper-SD's 1-step cards pass ``[800]``).
 TIMESTEPS_SAMPLERS: tuple[str, ...] = ("lcm", "tcd")
+# lms's order: the derivatives it weighs (LMSDiscreteScheduler.step's default, which pipelines keep).
+LMS_ORDER = 4
 # Samplers whose stochasticity ``eta`` is runtime data (ddim's eta, tcd's gamma).
 ETA_SAMPLERS: tuple[str, ...] = ("ddim", "tcd")
 
@@ -67,7 +70,7 @@ class SolverSpec:
     """
 
     solver: str  # "ddpm" | "ddim" | "euler" | "euler_a" | "heun" | "dpmpp_2m" | "lcm" | "tcd" | "unipc"
-    #   | "dpmpp_2m_sde" | "pndm" | "deis"
+    #   | "dpmpp_2m_sde" | "pndm" | "deis" | "lms"
     prediction_type: str  # "epsilon" | "v_prediction" | "sample" | "flow" (velocity; euler/heun only)
     clip_sample: bool = False  # clamp the x0 prediction (ddpm, ddim, heun, lcm only)
     clip_sample_range: float = 1.0
@@ -113,6 +116,8 @@ class Plan(NamedTuple):
     #   pndm: at t_i + T // steps (the step its counter-1 call restarts from); else 1
     corrector: np.ndarray  # bool [L]: unipc: step i first corrects the sample step i - 1 made (else False)
     progress_id: np.ndarray = np.int32(0)  # int32 []: whose call the step reports are (preheat.progress)
+    lms_coeffs: np.ndarray = np.zeros((1, LMS_ORDER), np.float32)  # float32 [L, 4]: lms: step i's weights of
+    #   the derivatives of steps i, i-1, i-2, i-3 (zeros elsewhere; make_plan always fills all L rows)
 
 
 def make_spec(config: SchedulerConfig, sampler: str) -> SolverSpec:
@@ -184,7 +189,8 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
     _check_schedule(r, steps, timesteps, sched_sigmas if sampler in _SIGMA_SAMPLERS else None)
     mid = _tcd_mid(timesteps, eta, alpha_bar_train) if sampler == "tcd" else None
     corrector = _unipc_corrector(r, len(timesteps)) if sampler == "unipc" else None
-    return _pad(T, rows, eta, mid, corrector)
+    lms = _lms_coefficients(sched_sigmas) if sampler == "lms" else None
+    return _pad(T, rows, eta, mid, corrector, lms)
 
 
 def flow_mu(config: SchedulerConfig, image_seq_len: int) -> float:
@@ -248,9 +254,9 @@ def _check_eta(sampler: str, eta: float) -> None:
 
 
 def _pad(T: int, rows: "_Rows", eta: float, mid: np.ndarray | None = None,
-         corrector: np.ndarray | None = None) -> Plan:
+         corrector: np.ndarray | None = None, lms: np.ndarray | None = None) -> Plan:
     """The padded ``Plan`` (``T + 1`` rows whatever the step count) of one schedule (``mid``:
-    tcd's alpha_bar_mid rows; ``corrector``: unipc's)."""
+    tcd's alpha_bar_mid rows; ``corrector``: unipc's; ``lms``: lms's coefficient rows)."""
     timesteps, sigmas, ab, ab_prev, order, init_sigma = rows
     L = T + 1
 
@@ -270,6 +276,8 @@ def _pad(T: int, rows: "_Rows", eta: float, mid: np.ndarray | None = None,
         eta=np.asarray(eta, dtype=_F32),
         alpha_bar_mid=pad(np.ones(0, _F32) if mid is None else mid, 1.0, _F32),
         corrector=pad(np.zeros(0, bool) if corrector is None else corrector, False, np.bool_),
+        lms_coeffs=np.concatenate([np.zeros((0, LMS_ORDER), _F32) if lms is None else lms,
+                                   np.zeros((L - (0 if lms is None else len(lms)), LMS_ORDER), _F32)]),
     )
 
 
@@ -375,7 +383,7 @@ def _pndm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> tu
 
 
 def _sigma_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:
-    """euler, euler_a, heun: float32 timesteps, sigmas interpolated linearly in t."""
+    """euler, euler_a, heun, lms: float32 timesteps, sigmas interpolated linearly in t."""
     T = r.num_train_timesteps
     ts = S.spaced_timesteps(r.timestep_spacing, T, steps, r.steps_offset)
     ts32 = ts.astype(_F32)  # diffusers casts before interpolating
@@ -451,6 +459,27 @@ def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Ro
     order[0] = 1  # no history yet
     order[-1] = 1  # final sigma is 0: diffusers always finishes first order
     return ts_int.astype(_F32), sigmas, ones, ones, order, _F32(1.0)
+
+
+def _lms_coefficients(sigmas: np.ndarray) -> np.ndarray:
+    """lms: float32 ``[n, 4]``, step i's weight of the derivative of step ``i - k`` (k < the order
+    ``min(i + 1, 4)``): the integral over ``[sigma_i, sigma_{i+1}]`` of that point's Lagrange basis
+    polynomial through ``sigma_i .. sigma_{i-order+1}`` -- LMSDiscreteScheduler's
+    ``get_lms_coefficient``, which integrates the same cubic (at most) numerically; here exactly,
+    in float64, from the float32 sigmas."""
+    n = len(sigmas) - 1
+    out = np.zeros((n, LMS_ORDER), _F32)
+    s = sigmas.astype(np.float64)
+    for i in range(n):
+        order = min(i + 1, LMS_ORDER)
+        points = [s[i - k] for k in range(order)]
+        for k in range(order):
+            others = [p for j, p in enumerate(points) if j != k]
+            through = np.polynomial.Polynomial.fromroots(others) if others else np.polynomial.Polynomial([1.0])
+            basis = through / np.prod([points[k] - p for p in others])  # 1 at points[k], 0 at the others
+            integral = basis.integ()
+            out[i, k] = integral(s[i + 1]) - integral(s[i])
+    return out
 
 
 def _unipc_corrector(r: ResolvedConfig, n: int) -> np.ndarray:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from preheat.errors import InvalidArgumentError
 from preheat.progress import report_step
-from preheat.samplers._plan import Plan, SolverSpec
+from preheat.samplers._plan import LMS_ORDER, Plan, SolverSpec
 
 __all__ = ["SamplerState", "Start", "Model", "NoiseFn", "init", "step", "run", "noised", "BLEND_SOLVERS"]
 
@@ -48,6 +48,7 @@ class SamplerState(NamedTuple):
     x_start: jax.Array | None = None  # [*S] float32: pndm: the sample entering call 0 (call 1 restarts there)
     outputs: jax.Array | None = None  # [3, *S] float32: pndm: earlier raw model outputs, newest first
     eps_history: jax.Array | None = None  # [K, *S] float32: deis: eps of steps i-1 .. i-K (K = solver_order)
+    derivatives: jax.Array | None = None  # [3, *S] float32: lms: dx/dsigma of steps i-1 .. i-3
 
 
 class Start(NamedTuple):
@@ -68,7 +69,7 @@ class Start(NamedTuple):
 
 # Mask blending needs one blend per scheduler call; Heun's two calls per step are one step here.
 BLEND_SOLVERS: tuple[str, ...] = ("ddpm", "ddim", "euler", "euler_a", "dpmpp_2m", "lcm", "tcd", "unipc",
-                                  "dpmpp_2m_sde", "pndm", "deis")
+                                  "dpmpp_2m_sde", "pndm", "deis", "lms")
 # Multistep dpm++ solvers: they carry the previous x0 and start (again) at first order.
 _DPM_SOLVERS: tuple[str, ...] = ("dpmpp_2m", "dpmpp_2m_sde")
 
@@ -84,6 +85,8 @@ def init(spec: SolverSpec, plan: Plan, noise: jax.Array) -> SamplerState:
                             outputs=jnp.zeros((3, *x.shape), x.dtype))
     if spec.solver == "deis":
         return SamplerState(x=x, eps_history=jnp.zeros((spec.solver_order, *x.shape), x.dtype))
+    if spec.solver == "lms":  # none yet: the first steps' missing terms weigh zeros (diffusers drops them)
+        return SamplerState(x=x, derivatives=jnp.zeros((LMS_ORDER - 1, *x.shape), x.dtype))
     return SamplerState(x=x, x0_prev=history)
 
 
@@ -151,7 +154,7 @@ def noised(spec: SolverSpec, plan: Plan, x0: jax.Array, noise: jax.Array, i: jax
     if spec.prediction_type == "flow":
         sigma = _at(plan.sigmas, i)
         return sigma * noise + (1.0 - sigma) * x0
-    if spec.solver in ("euler", "euler_a", "heun"):
+    if spec.solver in ("euler", "euler_a", "heun", "lms"):
         return x0 + noise * _at(plan.sigmas, i)
     if spec.solver in (*_DPM_SOLVERS, "unipc", "deis"):
         alpha, sigma = _vp(_at(plan.sigmas, i))
@@ -586,6 +589,20 @@ def _deis_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, 
     return state._replace(x=x_new, eps_history=new_hist)
 
 
+def _lms_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+              noise_fn: NoiseFn) -> SamplerState:
+    """Linear multistep (LMSDiscreteScheduler, order 4): ``x + sum_k c[i, k] d_{i-k}`` over this
+    step's derivative and the last three, ``c`` the plan's integrals of their Lagrange polynomials.
+    After an img2img start the history is zeros, so its terms drop out as diffusers' ``zip`` drops
+    the derivatives it does not have (with the same coefficients)."""
+    sigma = _at(plan.sigmas, i)
+    d = _derivative(spec, model, state.x, _at(plan.timesteps, i), sigma)  # [*S]
+    history = jnp.concatenate([d[None], state.derivatives], axis=0)  # [4, *S]: steps i, i-1, i-2, i-3
+    coeffs = _at(plan.lms_coeffs, i)  # [4]
+    x_new = state.x + jnp.tensordot(coeffs, history, axes=1)
+    return state._replace(x=x_new, derivatives=history[:-1])
+
+
 _STEP_OF_SOLVER = {
     "ddpm": _ddpm_step,
     "ddim": _ddim_step,
@@ -599,4 +616,5 @@ _STEP_OF_SOLVER = {
     "dpmpp_2m_sde": _dpmpp_2m_step,
     "pndm": _pndm_step,
     "deis": _deis_step,
+    "lms": _lms_step,
 }

@@ -23,6 +23,7 @@ DIFFUSION_SAMPLERS: tuple[str, ...] = (
     "dpmpp_2m_sde_karras",
     "pndm",
     "deis",
+    "lms",
 )
 # Samplers for flow-matching models (the model predicts the velocity ``noise - x0``).
 FLOW_SAMPLERS: tuple[str, ...] = ("flow_euler", "flow_heun")
@@ -30,7 +31,7 @@ SAMPLERS: tuple[str, ...] = DIFFUSION_SAMPLERS + FLOW_SAMPLERS
 # Diffusion samplers that draw no noise per step (ddim given eta=0), so that two backends given the
 # same initial noise agree image for image (the torch backend's and bench compare's comparisons).
 DETERMINISTIC_SAMPLERS: tuple[str, ...] = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras", "unipc", "pndm",
-                                           "deis", *FLOW_SAMPLERS)
+                                           "deis", "lms", *FLOW_SAMPLERS)
 
 # The diffusers class each sampler reproduces (named in error messages).
 DIFFUSERS_CLASS: dict[str, str] = {
@@ -48,6 +49,7 @@ DIFFUSERS_CLASS: dict[str, str] = {
     "dpmpp_2m_sde_karras": "DPMSolverMultistepScheduler",
     "pndm": "PNDMScheduler",
     "deis": "DEISMultistepScheduler",
+    "lms": "LMSDiscreteScheduler",
     "flow_euler": "FlowMatchEulerDiscreteScheduler",
     "flow_heun": "FlowMatchHeunDiscreteScheduler",
 }
@@ -214,6 +216,15 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
         # read through the config (hasattr) by the Karras conversion, as for dpm++
         "sigma_min": None,
         "sigma_max": None,
+    },
+    # linear multistep (k-diffusion's LMS): Euler's schedule, the last four derivatives weighted by
+    # the integrals of their Lagrange polynomials over each step (order 4, as pipelines call step)
+    "lms": {
+        **_COMMON,
+        "timestep_spacing": "linspace",
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
     },
     "flow_euler": {
         "num_train_timesteps": 1000,

@@ -30,6 +30,7 @@ DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
                             {**_DPM_2M, "algorithm_type": "sde-dpmsolver++", "use_karras_sigmas": True}),
     "pndm": ("PNDMScheduler", {"skip_prk_steps": True}),
     "deis": ("DEISMultistepScheduler", {"algorithm_type": "deis", "solver_type": "logrho"}),  # its only ones
+    "lms": ("LMSDiscreteScheduler", {}),
     "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}),
     "flow_heun": ("FlowMatchHeunDiscreteScheduler", {}),
 }
