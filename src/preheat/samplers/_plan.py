@@ -465,21 +465,28 @@ def _lms_coefficients(sigmas: np.ndarray) -> np.ndarray:
     """lms: float32 ``[n, 4]``, step i's weight of the derivative of step ``i - k`` (k < the order
     ``min(i + 1, 4)``): the integral over ``[sigma_i, sigma_{i+1}]`` of that point's Lagrange basis
     polynomial through ``sigma_i .. sigma_{i-order+1}`` -- LMSDiscreteScheduler's
-    ``get_lms_coefficient``, which integrates the same cubic (at most) numerically; here exactly,
-    in float64, from the float32 sigmas."""
+    ``get_lms_coefficient``, which integrates the same polynomial numerically. A basis polynomial
+    is at most cubic, so two-point Gauss-Legendre is exact: here in float64, from the float32
+    sigmas, every step at once."""
     n = len(sigmas) - 1
-    out = np.zeros((n, LMS_ORDER), _F32)
     s = sigmas.astype(np.float64)
-    for i in range(n):
-        order = min(i + 1, LMS_ORDER)
-        points = [s[i - k] for k in range(order)]
-        for k in range(order):
-            others = [p for j, p in enumerate(points) if j != k]
-            through = np.polynomial.Polynomial.fromroots(others) if others else np.polynomial.Polynomial([1.0])
-            basis = through / np.prod([points[k] - p for p in others])  # 1 at points[k], 0 at the others
-            integral = basis.integ()
-            out[i, k] = integral(s[i + 1]) - integral(s[i])
-    return out
+    i = np.arange(n)
+    order = np.minimum(i + 1, LMS_ORDER)  # [n]
+    points = s[np.maximum(i[:, None] - np.arange(LMS_ORDER), 0)]  # [n, 4]: sigma_i, sigma_{i-1}, ...
+    used = np.arange(LMS_ORDER) < order[:, None]  # [n, 4]
+    half = (s[1:] - s[:-1]) / 2.0  # [n]
+    nodes = ((s[1:] + s[:-1]) / 2.0)[:, None] + half[:, None] * np.array([-1.0, 1.0]) / np.sqrt(3.0)  # [n, 2]
+    out = np.zeros((n, LMS_ORDER))
+    for k in range(LMS_ORDER):
+        basis = np.ones((n, 2))  # [n, 2]: this point's basis polynomial at the two nodes
+        for m in range(LMS_ORDER):
+            if m == k:
+                continue
+            both = used[:, k] & used[:, m]
+            gap = np.where(both, points[:, k] - points[:, m], 1.0)
+            basis *= np.where(both[:, None], (nodes - points[:, m, None]) / gap[:, None], 1.0)
+        out[:, k] = np.where(used[:, k], half * basis.sum(axis=1), 0.0)  # weights 1, 1 on [-1, 1]
+    return out.astype(_F32)
 
 
 def _unipc_corrector(r: ResolvedConfig, n: int) -> np.ndarray:
