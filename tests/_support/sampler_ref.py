@@ -196,7 +196,9 @@ def _diffusers_loop(sampler: str, sched: Any, ts: Any, ts_ours: Any, sig_ours: A
     x_init = x.numpy().copy()
     xs: list[np.ndarray] = []
     n_calls = len(ts)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # DEISMultistepScheduler calls np.log on torch tensors, which NumPy 2 warns about at every step
+        warnings.filterwarnings("ignore", message="__array_wrap__ must accept context", category=DeprecationWarning)
         for call, t in enumerate(ts):
             current["step"] = call if sampler != "heun" else (call + 1) // 2
             current["k"] = 0
