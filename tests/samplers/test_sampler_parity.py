@@ -16,7 +16,8 @@ What "exact" means here:
   (XLA fuses multiply-adds into FMAs, rewrites 1/sqrt as rsqrt, and its tanh/sin differ from
   torch's by an ulp), so we require ``assert_allclose(rtol=1e-5, atol=1e-5 + 4 * floor_i)``
   where ``floor_i`` is diffusers' *own* float32 noise floor at step i: how far its result moves
-  when the sample entering each call and each model output are nudged by one ulp.
+  when the sample entering each call and each model output are nudged by one ulp (and, for deis,
+  each ``log``/``exp`` its step computes: ``sampler_ref.TRANSCENDENTAL_NUDGED``).
   On well-conditioned steps ``floor_i`` is ~1e-6 and this is the plain 1e-5 check. It matters
   only where float32 cancellation is inherent, i.e. sigma-space steps from sigma_max ~ 2e4
   (``squaredcos_cap_v2``) or ~157 (``linear``) down to O(1), where diffusers' result itself
