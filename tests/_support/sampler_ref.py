@@ -185,13 +185,21 @@ def run_diffusers(sampler: str, cfg: dict[str, Any], steps: int, x_t: np.ndarray
         if gen is not None and sampler in TRANSCENDENTAL_NUDGED:
             for name, base in (("torch", torch), ("np", np)):
                 local.setattr(TRANSCENDENTAL_NUDGED[sampler], name, _NudgedTranscendentals(base, gen))
-        return _diffusers_loop(sampler, sched, ts, ts_ours, sig_ours, x_t, gen, model, emulate_sample, eta, current)
+        x_init, xs = _diffusers_loop(sampler, sched, ts, x_t, gen, model, emulate_sample, eta, current)
+    return Trajectory(
+        timesteps=ts_ours.numpy().astype(np.float64),
+        sigmas=None if sig_ours is None or sampler in ("ddpm", "ddim", "lcm", "tcd") else sig_ours.numpy(),
+        init_noise_sigma=float(torch.as_tensor(sched.init_noise_sigma).to(torch.float32)),
+        x_init=x_init,
+        xs=xs,
+    )
 
 
-def _diffusers_loop(sampler: str, sched: Any, ts: Any, ts_ours: Any, sig_ours: Any, x_t: np.ndarray,
-                    gen: torch.Generator | None, model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                    emulate_sample: bool, eta: float, current: dict[str, int]) -> Trajectory:
-    """``run_diffusers``' pipeline loop; ``current`` tells its ``randn_tensor`` which draw is due."""
+def _diffusers_loop(sampler: str, sched: Any, ts: torch.Tensor, x_t: np.ndarray, gen: torch.Generator | None,
+                    model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], emulate_sample: bool, eta: float,
+                    current: dict[str, int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``run_diffusers``' pipeline loop: the initial sample and the sample after each of our steps
+    (``current`` tells its ``randn_tensor`` which draw is due)."""
     x = torch.from_numpy(x_t.copy()) * sched.init_noise_sigma
     x_init = x.numpy().copy()
     xs: list[np.ndarray] = []
@@ -215,13 +223,7 @@ def _diffusers_loop(sampler: str, sched: Any, ts: Any, ts_ours: Any, sig_ours: A
             x = sched.step(out, t, x, **kwargs).prev_sample
             if sampler != "heun" or call % 2 == 1 or call == n_calls - 1:
                 xs.append(x.numpy().copy())
-    return Trajectory(
-        timesteps=ts_ours.numpy().astype(np.float64),
-        sigmas=None if sig_ours is None or sampler in ("ddpm", "ddim", "lcm", "tcd") else sig_ours.numpy(),
-        init_noise_sigma=float(torch.as_tensor(sched.init_noise_sigma).to(torch.float32)),
-        x_init=x_init,
-        xs=xs,
-    )
+    return x_init, xs
 
 
 # --- our trajectory --------------------------------------------------------------------------------

@@ -261,7 +261,7 @@ def _pad(T: int, rows: "_Rows", eta: float, mid: np.ndarray | None = None,
     L = T + 1
 
     def pad(values: np.ndarray, fill: float, dtype: type) -> np.ndarray:
-        out = np.full(L, fill, dtype=dtype)
+        out = np.full((L, *np.shape(values)[1:]), fill, dtype=dtype)  # [L] or [L, ...]: rows past the steps
         out[: len(values)] = values
         return out
 
@@ -276,8 +276,7 @@ def _pad(T: int, rows: "_Rows", eta: float, mid: np.ndarray | None = None,
         eta=np.asarray(eta, dtype=_F32),
         alpha_bar_mid=pad(np.ones(0, _F32) if mid is None else mid, 1.0, _F32),
         corrector=pad(np.zeros(0, bool) if corrector is None else corrector, False, np.bool_),
-        lms_coeffs=np.concatenate([np.zeros((0, LMS_ORDER), _F32) if lms is None else lms,
-                                   np.zeros((L - (0 if lms is None else len(lms)), LMS_ORDER), _F32)]),
+        lms_coeffs=pad(np.zeros((0, LMS_ORDER), _F32) if lms is None else lms, 0.0, _F32),
     )
 
 
