@@ -20,12 +20,13 @@ from diffusers.schedulers import (
     scheduling_ddpm,
     scheduling_deis_multistep,
     scheduling_dpmsolver_multistep,
+    scheduling_edm_dpmsolver_multistep,
     scheduling_euler_ancestral_discrete,
     scheduling_lcm,
     scheduling_tcd,
 )
 
-from preheat.samplers import Plan, SamplerState, SchedulerConfig, SolverSpec, _schedules
+from preheat.samplers import EDM_SAMPLERS, Plan, SamplerState, SchedulerConfig, SolverSpec, _schedules
 from preheat.samplers import init, make_plan, make_spec, step
 from tests._support.numerics import assert_within_ulps, correctly_rounded_f32
 
@@ -49,10 +50,13 @@ DIFFUSERS_CLASS = {
     "pndm": diffusers.PNDMScheduler,
     "deis": diffusers.DEISMultistepScheduler,
     "lms": diffusers.LMSDiscreteScheduler,
+    "edm_euler": diffusers.EDMEulerScheduler,
+    "edm_dpmpp_2m": diffusers.EDMDPMSolverMultistepScheduler,
+    "edm_dpmpp_2m_sde": diffusers.EDMDPMSolverMultistepScheduler,
 }
 # modules whose ``randn_tensor`` we replace so diffusers draws our noise table
 RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd,
-                 scheduling_dpmsolver_multistep)
+                 scheduling_dpmsolver_multistep, scheduling_edm_dpmsolver_multistep)
 
 
 # --- the fake denoiser, identical math in jax and torch -------------------------------------------
@@ -85,6 +89,8 @@ def diffusers_scheduler(sampler: str, cfg: dict[str, Any]):
     if sampler.startswith("dpmpp"):
         extra = dict(algorithm_type="sde-dpmsolver++" if "_sde" in sampler else "dpmsolver++", solver_order=2,
                      solver_type="midpoint", lower_order_final=True, use_karras_sigmas=sampler.endswith("_karras"))
+    elif sampler.startswith("edm_dpmpp"):  # the name fixes the algorithm, the config the rest
+        extra = dict(algorithm_type="sde-dpmsolver++" if "_sde" in sampler else "dpmsolver++")
     elif sampler == "pndm":
         extra = dict(skip_prk_steps=True)
     with warnings.catch_warnings():
@@ -310,6 +316,13 @@ def max_errors(ours: list[np.ndarray], theirs: list[np.ndarray]) -> tuple[float,
     return abs_err, rel_err
 
 
+def assert_c_noise_close(ours: np.ndarray, theirs: np.ndarray) -> None:
+    """EDM's ``c_noise = log(sigma) / 4`` from sigmas within 1 ulp, each side's float32 log within 1 ulp:
+    a sigma's relative ulp (<= 2**-23) moves it by <= 2**-25, each rounding by an ulp of the result
+    (ulps of c_noise compare badly near sigma = 1, where it is ~0)."""
+    np.testing.assert_allclose(ours, theirs, rtol=2.0**-22, atol=2.0**-25, err_msg="c_noise")
+
+
 def check_parity(sampler: str, cfg: dict[str, Any], steps: int, eta: float, monkeypatch, *,
                  plan_override: Plan | None = None, spec_override: SolverSpec | None = None, jax_model=fake_model_jax,
                  torch_model=fake_model_torch, timesteps: list[int] | None = None) -> tuple[float, float]:
@@ -325,10 +338,15 @@ def check_parity(sampler: str, cfg: dict[str, Any], steps: int, eta: float, monk
     ref = run_diffusers(sampler, cfg, steps, x_t, table, monkeypatch, eta=eta, model=torch_model, timesteps=timesteps)
     n = int(plan.n_steps)
 
-    # schedules: bitwise (float64 casts of int64 / float32 values are exact)
+    # schedules: bitwise (float64 casts of int64 / float32 values are exact); EDM's within 1 ulp (torch's
+    # float32 pow, exp and log are not correctly rounded, ours are: test_edm measures how often they differ)
     assert n == len(ref.timesteps) == len(ref.xs)
-    np.testing.assert_array_equal(plan.timesteps[:n].astype(np.float64), ref.timesteps)
-    if ref.sigmas is not None:
+    if sampler in EDM_SAMPLERS:
+        assert_within_ulps(plan.sigmas[: n + 1], ref.sigmas.astype(np.float32), 1, "sigmas")
+        assert_c_noise_close(plan.timesteps[:n], ref.timesteps.astype(np.float32))
+    else:
+        np.testing.assert_array_equal(plan.timesteps[:n].astype(np.float64), ref.timesteps)
+    if ref.sigmas is not None and sampler not in EDM_SAMPLERS:
         np.testing.assert_array_equal(plan.sigmas[: n + 1].astype(np.float64), ref.sigmas.astype(np.float64))
     check_init_noise_sigma(plan, ref.init_noise_sigma, spec_sampler=sampler)
 

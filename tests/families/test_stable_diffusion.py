@@ -270,6 +270,44 @@ def test_a_multistep_folder_defaults_to_its_sampler_and_matches_its_diffusers_pi
     assert all(ref.scheduler.config[k] == v for k, v in extra.items())
 
 
+# Playground v2.5's scheduler (and its VAE's per-channel latent statistics), CosXL's
+EDM_FOLDERS = {
+    "playground": ("edm_dpmpp_2m", "EDMDPMSolverMultistepScheduler",
+                   {"sigma_min": 0.002, "sigma_max": 80.0, "sigma_data": 0.5, "solver_order": 2,
+                    "prediction_type": "epsilon"},
+                   {"latents_mean": [-1.6574, 1.886, -1.383, 2.5155], "latents_std": [8.4927, 5.9022, 6.5498, 5.2299],
+                    "scaling_factor": 0.5}),
+    "cosxl": ("edm_euler", "EDMEulerScheduler",
+              {"sigma_min": 0.001, "sigma_max": 120.0, "sigma_data": 1.0, "sigma_schedule": "exponential",
+               "prediction_type": "v_prediction"}, {}),
+}
+
+
+@pytest.mark.parametrize("name", EDM_FOLDERS)
+def test_an_edm_folder_defaults_to_its_sampler_and_matches_its_diffusers_pipeline(folders, tmp_path, name):
+    """SDXL fine-tunes trained with EDM's preconditioning (Playground v2.5, CosXL) save an EDM scheduler:
+    the load runs it by default -- continuous sigmas, the UNet fed ``c_in x`` at ``c_noise`` -- and
+    the image is diffusers' StableDiffusionXLPipeline's on the same folder from the same latents
+    (Playground's VAE also un-normalises the latents by its per-channel mean and std); the other
+    kind's samplers are refused in one line naming the EDM ones."""
+    import json
+
+    import diffusers
+
+    from preheat.errors import SchedulerConfigError
+
+    sampler, scheduler_class, config, vae_config = EDM_FOLDERS[name]
+    folder = _with_scheduler(folders["sdxl"], tmp_path / f"sdxl-{name}", getattr(diffusers, scheduler_class)(**config))
+    vae_path = folder / "vae" / "config.json"
+    vae_path.write_text(json.dumps({**json.loads(vae_path.read_text()), **vae_config}))
+    _default_sampler_matches_the_pipeline(folder, sampler, scheduler_class, "a lighthouse at dusk", steps=5,
+                                          guidance=3.0, label=f"sdxl/{name}")
+    pipe = preheat.load(folder, cache="off")
+    with pytest.raises(SchedulerConfigError) as info:
+        pipe.generate("x", sampler="euler", steps=2, width=32, height=32)
+    assert "use one of: edm_euler, edm_dpmpp_2m, edm_dpmpp_2m_sde" in str(info.value)
+
+
 def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog):
     """DPMSolverMultistepScheduler's algorithm_type (+ use_karras_sigmas) picks dpmpp_2m[_sde][_karras];
     a scheduler we do not reproduce -- an unknown class, or settings of a known one -- falls back to
@@ -316,6 +354,22 @@ def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog
         line = record.getMessage()
         assert needle in line and "using sampler 'dpmpp_2m' instead" in line and "\n" not in line, line
         assert record.levelno == logging.WARNING
+    # EDM: algorithm_type picks the SDE; an EDM setting we do not reproduce falls back to an EDM sampler
+    from diffusers import EDMDPMSolverMultistepScheduler, EDMEulerScheduler
+
+    for name, (scheduler, sampler) in {"edm-euler": (EDMEulerScheduler(), "edm_euler"),
+                                       "edm-dpm": (EDMDPMSolverMultistepScheduler(), "edm_dpmpp_2m"),
+                                       "edm-sde": (EDMDPMSolverMultistepScheduler(algorithm_type="sde-dpmsolver++"),
+                                                   "edm_dpmpp_2m_sde")}.items():
+        assert default_sampler(folder(name, scheduler), SD) == {"sampler": sampler}, name
+    hand_written = folder("edm-dpmsolver", EDMDPMSolverMultistepScheduler())
+    config = hand_written / "scheduler" / "scheduler_config.json"
+    config.write_text(config.read_text().replace('"dpmsolver++"', '"dpmsolver"'))
+    caplog.clear()
+    assert default_sampler(hand_written, SD) == {"sampler": "edm_euler"}
+    (record,) = caplog.records
+    assert "algorithm_type='dpmsolver'" in record.getMessage()
+    assert "using sampler 'edm_euler' instead" in record.getMessage()
 
 
 # each kind's default sampler, two seeded images at the native size: the JAX side runs the program

@@ -33,7 +33,7 @@ import diffusers
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift as flux_calculate_shift
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift as sd3_calculate_shift
 from preheat.errors import SchedulerConfigError
-from preheat.samplers import (DIFFUSION_SAMPLERS, FLOW_SAMPLERS, MU_SIGMAS_SAMPLERS, SAMPLERS, Plan, SchedulerConfig,
+from preheat.samplers import (DIFFUSION_SAMPLERS, EDM_SAMPLERS, FLOW_SAMPLERS, MU_SIGMAS_SAMPLERS, SAMPLERS, Plan, SchedulerConfig,
                               SolverSpec, config_kind, flow_mu, flux_sigmas, make_plan, make_spec, run)
 from preheat.samplers._tables import CLASS_DEFAULTS, DIFFUSERS_CLASS
 from tests._support.sampler_ref import SHAPE, fake_model_jax, fake_model_torch, max_errors, run_ours
@@ -331,7 +331,7 @@ def test_exact_velocity_lands_on_the_data(sampler: str) -> None:
 
 def test_sampler_lists() -> None:
     assert FLOW_SAMPLERS == ("flow_euler", "flow_heun")
-    assert SAMPLERS == DIFFUSION_SAMPLERS + FLOW_SAMPLERS and len(set(SAMPLERS)) == len(SAMPLERS)
+    assert SAMPLERS == DIFFUSION_SAMPLERS + FLOW_SAMPLERS + EDM_SAMPLERS and len(set(SAMPLERS)) == len(SAMPLERS)
     # every sampler reproduces a diffusers class (a count here would conflict with each new sampler)
     assert set(DIFFUSERS_CLASS) == set(SAMPLERS)
     assert {"ddpm", "pndm", "dpmpp_2m_sde", "unipc"} <= set(DIFFUSION_SAMPLERS)

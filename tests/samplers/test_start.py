@@ -13,20 +13,27 @@ from preheat.backends.torch.sampling import make_scheduler
 
 CONFIG = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
           "steps_offset": 1, "timestep_spacing": "leading"}
+# Playground v2.5's scheduler settings (EDM samplers take no betas)
+EDM_CONFIG = {"_class_name": "EDMDPMSolverMultistepScheduler", "sigma_min": 0.002, "sigma_max": 80.0,
+              "sigma_data": 0.5, "sigma_schedule": "karras"}
+
+
+def _config(sampler: str) -> dict:
+    return EDM_CONFIG if sampler.startswith("edm_") else CONFIG
 
 
 @pytest.mark.parametrize("sampler", ["ddim", "euler", "heun", "dpmpp_2m", "lcm", "tcd", "unipc", "dpmpp_2m_sde",
-                                     "pndm", "deis", "lms"])
+                                     "pndm", "deis", "lms", "edm_euler", "edm_dpmpp_2m"])
 @pytest.mark.parametrize("steps,strength", [(5, 0.6), (10, 0.75), (7, 0.3), (4, 1.0), (30, 0.9999)])
 def test_sd_start_is_diffusers_get_timesteps(sampler, steps, strength):
     from diffusers import StableDiffusionImg2ImgPipeline
 
-    scheduler = make_scheduler(sampler, CONFIG)
+    scheduler = make_scheduler(sampler, _config(sampler))
     scheduler.set_timesteps(steps)
     theirs, remaining = StableDiffusionImg2ImgPipeline.get_timesteps(SimpleNamespace(scheduler=scheduler), steps,
                                                                      strength, "cpu")
     start = strength_start(steps, strength)
-    plan = make_plan(SchedulerConfig.from_dict(CONFIG), sampler, steps)
+    plan = make_plan(SchedulerConfig.from_dict(_config(sampler)), sampler, steps)
     assert remaining == steps - start
     assert float(theirs[0]) == pytest.approx(float(plan.timesteps[start]), abs=1e-3)
     if hasattr(scheduler, "set_begin_index"):  # sigma schedulers: the index add_noise reads
@@ -54,9 +61,10 @@ def test_a_start_with_no_step_left_is_refused():
 # corrector switch, deis's orders, lms's derivatives), per-step noise (the SDEs), PLMS's counter (pndm), and a one-step sampler.
 START_SAMPLERS = [("dpmpp_2m", {}), ("unipc", {}), ("unipc", {"solver_order": 3}),
                   ("unipc", {"disable_corrector": [2]}), ("dpmpp_2m_sde", {}), ("dpmpp_2m_sde_karras", {}),
-                  ("pndm", {}), ("ddim", {}), ("deis", {"solver_order": 3}), ("lms", {})]
+                  ("pndm", {}), ("ddim", {}), ("deis", {"solver_order": 3}), ("lms", {}), ("edm_euler", {}),
+                  ("edm_dpmpp_2m", {}), ("edm_dpmpp_2m_sde", {"solver_type": "heun"})]
 START_IDS = ["dpmpp_2m", "unipc", "unipc-order3", "unipc-disable2", "dpmpp_2m_sde", "dpmpp_2m_sde_karras", "pndm",
-             "ddim", "deis-order3", "lms"]
+             "ddim", "deis-order3", "lms", "edm_euler", "edm_dpmpp_2m", "edm_dpmpp_2m_sde-heun"]
 
 
 @pytest.mark.parametrize("steps,strength,blend", [(6, 0.6, False), (9, 0.75, True), (8, 0.7, True),
@@ -77,7 +85,7 @@ def test_a_run_from_start_matches_diffusers_img2img_loop(sampler, extra, steps, 
     from preheat.samplers import Start, make_spec, run
     from tests._support import sampler_ref as R
 
-    cfg = {**CONFIG, "prediction_type": "epsilon", **extra}
+    cfg = {**_config(sampler), "prediction_type": "epsilon", **extra}
     R.inject_torch_tables(monkeypatch)
     config = SchedulerConfig.from_dict(cfg)
     spec, plan = make_spec(config, sampler), make_plan(config, sampler, steps)

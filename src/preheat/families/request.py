@@ -30,7 +30,7 @@ import numpy as np
 from preheat.errors import InvalidArgumentError, SchedulerConfigError
 from preheat.families.base import Family, Request
 from preheat.families.inputs import COMMON_SPECS, common_spec
-from preheat.samplers import SAMPLERS, Plan, SchedulerConfig, make_plan, make_spec, with_overrides
+from preheat.samplers import SAMPLERS, Plan, SchedulerConfig, make_plan, make_spec, samplers_of_kind, with_overrides
 
 __all__ = ["ArgumentView", "SamplingPipeline", "validate", "concat", "check", "plan", "plan_inputs",
            "scheduler_overrides", "scheduler_config", "guidance", "initial_noise", "seeds_for", "images",
@@ -111,6 +111,13 @@ def _first_positional(first: Any, inputs: dict[str, Any], family: Family) -> Any
     return n
 
 
+def accepted_samplers(pipe: ArgumentView) -> tuple[str, ...]:
+    """The samplers a call on this model may name: its family's that suit its scheduler config's kind
+    (an SDXL folder saved with an EDM scheduler takes the EDM samplers, one saved with Euler the others)."""
+    fits = samplers_of_kind(pipe.scheduler_config)
+    return tuple(s for s in pipe.family.samplers if s in fits)
+
+
 def validate(pipe: ArgumentView, first: Any, inputs: Mapping[str, Any]) -> Request:
     """Check a call's arguments (host-side only: nothing runs on the device) into a Request."""
     inputs = dict(inputs)
@@ -118,7 +125,7 @@ def validate(pipe: ArgumentView, first: Any, inputs: Mapping[str, Any]) -> Reque
     n = common_spec("n").check(_first_positional(first, inputs, family), 1)
     common = {k: inputs.pop(k) for k in COMMON_INPUTS if k in inputs}
     sampler = common.get("sampler") or pipe.defaults["sampler"]
-    accepted = family.samplers
+    accepted = accepted_samplers(pipe)
     if sampler not in SAMPLERS:
         raise SchedulerConfigError.about("unknown {0} {value!r}; supported: {accepted}", "sampler", value=sampler,
                                          accepted=", ".join(accepted))

@@ -62,6 +62,7 @@ from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGT
 from preheat.lora import encoder_adapters
 from preheat.families.inputs import InputSpec, Int, Pair, Text
 from preheat.families.schedule import SCHEDULE_SPECS
+from preheat.samplers import DIFFUSION_SAMPLERS, EDM_SAMPLERS
 from preheat.families.stages import EncodeArgs
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, SAMPLER_OF_SCHEDULER, TextToImageFamily, component,
                                    default_sampler, encode, offload)
@@ -113,6 +114,8 @@ class StableDiffusionFamily(TextToImageFamily):
                                     *SCHEDULE_SPECS)
     xl: bool = False
     strength: tuple[float, float] = (0.8, 1.0)  # diffusers' default strength: (img2img, inpainting)
+    # EDM's too: a folder saved with an EDM scheduler (Playground v2.5, CosXL) takes those, the others the rest
+    samplers: tuple[str, ...] = DIFFUSION_SAMPLERS + EDM_SAMPLERS
 
     # ------------------------------------------------------------------ inputs
 

@@ -19,6 +19,7 @@ from preheat.errors import ModelNotFoundError, SchedulerConfigError
 from preheat.families.base import EngineView, Family, Request, StageSignature, to_pixels
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import DecodeArgs, EncodeArgs, LoraArgs
+from preheat.samplers import SchedulerConfig, samplers_of_kind
 
 __all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROMPT", "component", "default_sampler",
            "folder_sampler", "decode_program", "encode", "offload"]
@@ -72,6 +73,8 @@ SAMPLER_OF_SCHEDULER = {
     "LMSDiscreteScheduler": "lms",
     "FlowMatchEulerDiscreteScheduler": "flow_euler",
     "FlowMatchHeunDiscreteScheduler": "flow_heun",
+    "EDMEulerScheduler": "edm_euler",
+    "EDMDPMSolverMultistepScheduler": "edm_dpmpp_2m",
 }
 
 
@@ -94,6 +97,9 @@ def component(root: Path, index: dict[str, Any], name: str) -> Path:
 
 # DPMSolverMultistepScheduler's algorithm_type -> our sampler (use_karras_sigmas adds "_karras")
 SAMPLER_OF_DPM_ALGORITHM = {"dpmsolver++": "dpmpp_2m", "sde-dpmsolver++": "dpmpp_2m_sde"}
+# EDMDPMSolverMultistepScheduler's (its other keys are read from the config by the sampler itself)
+SAMPLER_OF_EDM_DPM_ALGORITHM = {"dpmsolver++": "edm_dpmpp_2m", "sde-dpmsolver++": "edm_dpmpp_2m_sde",
+                                "deis": "edm_dpmpp_2m"}  # the class registers "deis" as dpmsolver++
 
 
 def folder_sampler(raw: Mapping[str, Any]) -> str | None:
@@ -113,6 +119,12 @@ def folder_sampler(raw: Mapping[str, Any]) -> str | None:
         sampler = SAMPLER_OF_DPM_ALGORITHM[raw.get("algorithm_type", "dpmsolver++")]
         if raw.get("use_karras_sigmas"):
             sampler += "_karras"
+    if sampler == "edm_dpmpp_2m":
+        algorithm = raw.get("algorithm_type", "dpmsolver++")
+        if algorithm not in SAMPLER_OF_EDM_DPM_ALGORITHM:
+            raise SchedulerConfigError(f"algorithm_type={algorithm!r} is not supported for "
+                                       "EDMDPMSolverMultistepScheduler; supported: 'dpmsolver++', 'sde-dpmsolver++'")
+        sampler = SAMPLER_OF_EDM_DPM_ALGORITHM[algorithm]
     if sampler == "pndm" and not raw.get("skip_prk_steps", False):  # PNDMScheduler's default is False
         raise SchedulerConfigError("skip_prk_steps=False (PNDM's Runge-Kutta warm-up) is not supported for "
                                    "PNDMScheduler; only skip_prk_steps=True (PLMS, sampler 'pndm') is")
@@ -133,15 +145,23 @@ def default_sampler(root: Path, family: Family) -> dict[str, Any]:
         return {}
     raw = read_json(path, "scheduler config")
     instead = family.defaults.get("sampler")
+    fallback: dict[str, Any] = {}
+    try:  # a default of the config's kind (an EDM folder falls back to edm_euler, not to the family's euler)
+        fits = samplers_of_kind(SchedulerConfig.from_dict(raw))
+        if instead not in fits:
+            instead = next((s for s in family.samplers if s in fits), instead)
+            fallback = {"sampler": instead}
+    except SchedulerConfigError:
+        pass  # the load names what is wrong with the config
     try:
         sampler = folder_sampler(raw)
     except SchedulerConfigError as e:
         log.warning("%s: %s; using sampler %r instead", root, e, instead)
-        return {}
+        return fallback
     if sampler is None:
         log.warning("%s: scheduler %s is not implemented; using sampler %r instead", root,
                     raw.get("_class_name", "(no _class_name)"), instead)
-        return {}
+        return fallback
     return {"sampler": sampler}
 
 

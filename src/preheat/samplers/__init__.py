@@ -7,9 +7,10 @@ noise is supplied explicitly by the caller.
 
 Public API::
 
-    SAMPLERS: tuple[str, ...]                 # DIFFUSION_SAMPLERS + FLOW_SAMPLERS
+    SAMPLERS: tuple[str, ...]                 # DIFFUSION_SAMPLERS + FLOW_SAMPLERS + EDM_SAMPLERS
     DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm, tcd, unipc, dpmpp_2m_sde(_karras), pndm
     FLOW_SAMPLERS: tuple[str, ...]            # ("flow_euler", "flow_heun")
+    EDM_SAMPLERS: tuple[str, ...]             # ("edm_euler", "edm_dpmpp_2m", "edm_dpmpp_2m_sde")
     DETERMINISTIC_SAMPLERS: tuple[str, ...]   # samplers without per-step noise (flow ones included)
     MU_SIGMAS_SAMPLERS: tuple[str, ...]       # samplers whose make_plan takes mu / sigmas
     TIMESTEPS_SAMPLERS: tuple[str, ...]       # samplers whose make_plan takes custom timesteps (lcm, tcd)
@@ -25,7 +26,8 @@ Public API::
               timesteps: ints | None = None) -> Plan      # runtime pytree
     flow_mu(config, image_seq_len: int) -> float    # mu for use_dynamic_shifting (calculate_shift)
     flux_sigmas(steps: int) -> np.ndarray          # the custom sigmas FluxPipeline passes
-    config_kind(config) -> "flow" | "diffusion" | None
+    config_kind(config) -> "flow" | "diffusion" | "edm" | None
+    samplers_of_kind(config) -> the samplers that config takes (all when its kind is unknown)
     init(spec, plan, noise) -> SamplerState
     step(spec, model, plan, state, i, noise_fn) -> SamplerState
     run(spec, model, plan, noise, noise_fn, start=None) -> x0       # init + lax.fori_loop
@@ -74,12 +76,20 @@ count need a recompile)::
                      shifting with mu, custom sigmas, invert_sigmas,
                      shift_terminal, Karras / exponential sigmas)
     flow_heun        FlowMatchHeunDiscreteScheduler (shift)              2 (1 on the last)  no
+    edm_euler        EDMEulerScheduler (sigma_data, karras /             1                  no
+                     exponential sigmas, rho, final_sigmas_type)
+    edm_dpmpp_2m     EDMDPMSolverMultistepScheduler (dpmsolver++;       1                  no
+                     solver_order 1..2, midpoint / heun,
+                     lower_order_final, euler_at_final)
+    edm_dpmpp_2m_sde same, sde-dpmsolver++ (one noise draw per step)   1                  no
 
-Diffusion vs flow matching: a config saved by a ``FlowMatch*`` class (``_class_name``) takes
-only FLOW_SAMPLERS, any other class only DIFFUSION_SAMPLERS; without ``_class_name`` the keys
-decide (``shift``, ``use_dynamic_shifting``, ... mean flow; ``beta_schedule``,
-``prediction_type``, ... mean diffusion; neither: any sampler). The other family's samplers
-are a one-line ``SchedulerConfigError`` naming the accepted ones. Flow samplers feed the
+Diffusion vs flow matching vs EDM: a config saved by a ``FlowMatch*`` class (``_class_name``) takes
+only FLOW_SAMPLERS, an ``EDM*`` class only EDM_SAMPLERS, any other class only DIFFUSION_SAMPLERS;
+without ``_class_name`` the keys decide (``shift``, ``use_dynamic_shifting``, ... mean flow;
+``sigma_data``, ``sigma_schedule``, ``rho`` mean EDM; ``beta_schedule``, ``prediction_type``, ...
+mean diffusion; none: any sampler). EDM samplers feed the model ``c_in x`` at ``t = c_noise =
+log(sigma) / 4`` and take ``x0 = c_skip x + c_out F`` from its output (``SolverSpec.sigma_data``).
+Another kind's samplers are a one-line ``SchedulerConfigError`` naming the accepted ones. Flow samplers feed the
 model the sample unscaled at ``t = sigma * num_train_timesteps`` and read its output as the
 velocity ``noise - x0`` (``SolverSpec.prediction_type == "flow"``); ``init_noise_sigma`` is 1.
 What a pipeline passes to ``set_timesteps`` is a ``make_plan`` argument, so data: ``mu``
@@ -116,24 +126,26 @@ raise ``SchedulerConfigError`` with a one-line message naming the key.
 from __future__ import annotations
 
 from preheat.samplers._config import (SchedulerConfig, config_kind, find_scheduler_config, load_scheduler_config,
-                                     with_overrides)
+                                     samplers_of_kind, with_overrides)
 from preheat.samplers._plan import (MU_SIGMAS_SAMPLERS, TIMESTEPS_SAMPLERS, Plan, SolverSpec, flow_mu, make_plan,
                                    make_spec, strength_start)
 from preheat.samplers._schedules import flux_sigmas
 from preheat.samplers._solvers import BLEND_SOLVERS, Model, NoiseFn, SamplerState, Start, init, noised, run, step
-from preheat.samplers._tables import (DETERMINISTIC_SAMPLERS, DIFFUSION_SAMPLERS, FLOW_SAMPLERS, SAMPLERS,
-                                     TIMESTEP_SPACINGS)
+from preheat.samplers._tables import (DETERMINISTIC_SAMPLERS, DIFFUSION_SAMPLERS, EDM_SAMPLERS, FLOW_SAMPLERS,
+                                     SAMPLERS, TIMESTEP_SPACINGS)
 
 __all__ = [
     "SAMPLERS",
     "DIFFUSION_SAMPLERS",
     "FLOW_SAMPLERS",
+    "EDM_SAMPLERS",
     "DETERMINISTIC_SAMPLERS",
     "MU_SIGMAS_SAMPLERS",
     "TIMESTEPS_SAMPLERS",
     "TIMESTEP_SPACINGS",
     "SchedulerConfig",
     "config_kind",
+    "samplers_of_kind",
     "load_scheduler_config",
     "with_overrides",
     "find_scheduler_config",

@@ -23,16 +23,18 @@ classes do; ``unipc`` reads ``solver_order``, ``solver_type``, ``lower_order_fin
 ``disable_corrector`` from it too (UniPCMultistepScheduler's own keys), ``deis`` its
 ``solver_order`` and ``lower_order_final``.
 
-Flow matching and diffusion do not mix: a model trained for one cannot be sampled with the
-other, although diffusers' ``from_config`` would happily build either class from either dict.
+Flow matching, diffusion and EDM do not mix: a model trained for one cannot be sampled with
+another, although diffusers' ``from_config`` would happily build any class from any dict.
 :func:`config_kind` decides which family a config belongs to, and :func:`resolve` refuses a
 sampler of the other family in one line naming the accepted samplers:
 
-* ``_class_name`` present: ``FlowMatch*`` is flow, any other class is diffusion;
+* ``_class_name`` present: ``FlowMatch*`` is flow, ``EDM*`` is EDM, any other class is diffusion;
 * ``_class_name`` absent: a key only the ``FlowMatch*`` classes read (``shift``,
   ``use_dynamic_shifting``, ...) makes it flow, a key only the diffusion classes read
-  (``beta_schedule``, ``prediction_type``, ...) makes it diffusion, both is refused,
-  neither (``{}``, ``{"num_train_timesteps": 1000}``) accepts every sampler.
+  (``beta_schedule``, ``prediction_type``, ...) makes it diffusion, one only the ``EDM*`` classes
+  read (``sigma_data``, ``sigma_schedule``, ``rho``, ``euler_at_final``) makes it EDM (then the
+  keys EDM shares with diffusion, ``prediction_type`` and the like, do not count); two kinds is
+  refused, none (``{}``, ``{"num_train_timesteps": 1000}``) accepts every sampler.
 """
 
 from __future__ import annotations
@@ -46,12 +48,13 @@ from typing import Any, Mapping
 
 from preheat.errors import SchedulerConfigError
 from preheat.samplers._tables import (BETA_SCHEDULES, CLASS_DEFAULTS, DDPM_VARIANCE_TYPES, DIFFUSERS_CLASS,
-                                      DIFFUSION_KEYS, DIFFUSION_SAMPLERS, FIELD_KIND, FLOW_KEYS, FLOW_SAMPLERS,
-                                      KIND_BOOL, KIND_FLOAT, KIND_INT, KIND_INTS, KIND_STR, PREDICTION_TYPES, SAMPLERS,
-                                      TIME_SHIFT_TYPES, TIMESTEP_SPACINGS, UNREAD_KEYS)
+                                      DIFFUSION_KEYS, DIFFUSION_SAMPLERS, EDM_KEYS, EDM_SAMPLERS, FIELD_KIND, FLOW_KEYS,
+                                      FLOW_SAMPLERS, KIND_BOOL, KIND_FLOAT, KIND_INT, KIND_INTS, KIND_STR,
+                                      PREDICTION_TYPES, SAMPLERS, SIGMA_SCHEDULES, TIME_SHIFT_TYPES, TIMESTEP_SPACINGS,
+                                      UNREAD_KEYS)
 
-__all__ = ["SchedulerConfig", "ResolvedConfig", "ResolvedFlowConfig", "resolve", "resolve_flow", "config_kind",
-           "check_sampler", "with_overrides", "load_scheduler_config", "find_scheduler_config"]
+__all__ = ["SchedulerConfig", "ResolvedConfig", "ResolvedFlowConfig", "ResolvedEdmConfig", "resolve", "resolve_flow",
+           "resolve_edm", "config_kind", "check_sampler", "samplers_of_kind", "with_overrides", "load_scheduler_config", "find_scheduler_config"]
 
 
 
@@ -110,6 +113,11 @@ class SchedulerConfig:
     time_shift_type: str | None = None
     stochastic_sampling: bool | None = None
     skip_prk_steps: bool | None = None  # PNDMScheduler: False = Runge-Kutta warm-up (refused for pndm)
+    # EDMEulerScheduler / EDMDPMSolverMultistepScheduler (sigma_min / sigma_max above are their range)
+    sigma_data: float | None = None
+    sigma_schedule: str | None = None
+    rho: float | None = None
+    euler_at_final: bool | None = None
     # the saving class (``_class_name``): decides flow matching vs diffusion (config_kind)
     class_name: str | None = None
     ignored_keys: tuple[str, ...] = ()
@@ -185,6 +193,11 @@ class SchedulerConfig:
                 f"clip_sample_range={self.clip_sample_range} is not supported; it must be > 0"
             )
         _check_choice("time_shift_type", self.time_shift_type, TIME_SHIFT_TYPES)
+        _check_choice("sigma_schedule", self.sigma_schedule, SIGMA_SCHEDULES)
+        for key in ("sigma_data", "rho"):
+            v = getattr(self, key)
+            if v is not None and not v > 0:
+                raise SchedulerConfigError(f"{key}={v} is not supported; it must be > 0")
         if self.shift is not None and not self.shift > 0:
             raise SchedulerConfigError(f"shift={self.shift} is not supported; it must be > 0")
         # diffusers tests ``if shift_terminal:``, so 0 means "off"; 1 would divide by zero
@@ -249,41 +262,77 @@ class ResolvedFlowConfig:
     time_shift_type: str
 
 
+# Which samplers each kind of config takes, and how messages name the kinds.
+_SAMPLERS_OF_KIND: dict[str, tuple[str, ...]] = {"diffusion": DIFFUSION_SAMPLERS, "flow": FLOW_SAMPLERS,
+                                                 "edm": EDM_SAMPLERS}
+_MODELS_OF_KIND = {"diffusion": "diffusion", "flow": "flow-matching", "edm": "EDM"}
+_CONFIG_OF_KIND = {"diffusion": "diffusion", "flow": "flow matching", "edm": "EDM"}
+
+
+@dataclass(frozen=True)
+class ResolvedEdmConfig:
+    """Every setting an EDM sampler needs (EDMEulerScheduler's / EDMDPMSolverMultistepScheduler's keys)."""
+
+    sampler: str
+    num_train_timesteps: int  # sizes the padded Plan only (the sigmas are continuous)
+    sigma_min: float
+    sigma_max: float
+    sigma_data: float  # the data's std: c_in, c_skip and c_out's scale
+    sigma_schedule: str  # "karras" | "exponential"
+    rho: float  # the Karras ramp's exponent
+    prediction_type: str  # "epsilon" | "v_prediction" (what the preconditioned network outputs)
+    final_sigma_min: bool  # the last step lands on sigma_min (else 0)
+    solver_order: int = 1  # edm_dpmpp_2m(_sde): 1 or 2
+    solver_type: str = ""  # edm_dpmpp_2m(_sde): "midpoint" | "heun"
+    lower_order_final: bool = True
+    euler_at_final: bool = False
+
+
 def config_kind(config: SchedulerConfig) -> str | None:
-    """"flow", "diffusion", or None (no ``_class_name`` and no telling key: any sampler).
+    """"flow", "diffusion", "edm", or None (no ``_class_name`` and no telling key: any sampler).
 
     See the module docstring for the rule.
     """
     if config.class_name is not None:
-        return "flow" if config.class_name.startswith("FlowMatch") else "diffusion"
+        return ("flow" if config.class_name.startswith("FlowMatch") else
+                "edm" if config.class_name.startswith("EDM") else "diffusion")
     flow = [k for k in FLOW_KEYS if getattr(config, k) is not None]
-    diffusion = [k for k in DIFFUSION_KEYS if getattr(config, k) is not None]
-    if flow and diffusion:
+    edm = [k for k in EDM_KEYS if getattr(config, k) is not None]
+    # keys the EDM classes read too (prediction_type, final_sigmas_type, ...) do not tell diffusion from EDM
+    diffusion = [k for k in DIFFUSION_KEYS if getattr(config, k) is not None
+                 and not (edm and k in CLASS_DEFAULTS["edm_dpmpp_2m"])]
+    found = [(kind, keys) for kind, keys in (("flow", flow), ("diffusion", diffusion), ("edm", edm)) if keys]
+    if len(found) > 1:
+        mixed = " with ".join(f"{_key_words(kind)} ({', '.join(keys)})" for kind, keys in found)
         raise SchedulerConfigError(
-            f"scheduler config mixes flow-matching keys ({', '.join(flow)}) with diffusion keys "
-            f"({', '.join(diffusion)}) and has no _class_name; add _class_name to say which it is"
+            f"scheduler config mixes {mixed} and has no _class_name; add _class_name to say which it is"
         )
-    return "flow" if flow else "diffusion" if diffusion else None
+    return found[0][0] if found else None
+
+
+def _key_words(kind: str) -> str:
+    return f"{_CONFIG_OF_KIND[kind].replace(' ', '-')} keys"
+
+
+def samplers_of_kind(config: SchedulerConfig) -> tuple[str, ...]:
+    """The samplers ``config`` takes: its kind's (every sampler when nothing tells the kind)."""
+    kind = config_kind(config)
+    return SAMPLERS if kind is None else _SAMPLERS_OF_KIND[kind]
 
 
 def check_sampler(config: SchedulerConfig, sampler: str) -> None:
-    """``sampler`` is known and belongs to the config's family (flow matching vs diffusion)."""
+    """``sampler`` is known and belongs to the config's kind (diffusion, flow matching, EDM)."""
     if sampler not in SAMPLERS:
         raise SchedulerConfigError(
             f"unknown sampler {sampler!r}; supported: {', '.join(SAMPLERS)}"
         )
     kind = config_kind(config)
-    if kind == "flow" and sampler not in FLOW_SAMPLERS:
-        what = config.class_name or "flow-matching keys"
+    if kind is not None and sampler not in _SAMPLERS_OF_KIND[kind]:
+        own = next(k for k, samplers in _SAMPLERS_OF_KIND.items() if sampler in samplers)
+        what = config.class_name or _key_words(kind)
         raise SchedulerConfigError(
-            f"sampler {sampler!r} is for diffusion models, but the scheduler config is flow matching "
-            f"({what}); supported: {', '.join(FLOW_SAMPLERS)}"
-        )
-    if kind == "diffusion" and sampler in FLOW_SAMPLERS:
-        what = config.class_name or "diffusion keys"
-        raise SchedulerConfigError(
-            f"sampler {sampler!r} is for flow-matching models, but the scheduler config is diffusion "
-            f"({what}); supported: {', '.join(DIFFUSION_SAMPLERS)}"
+            f"sampler {sampler!r} is for {_MODELS_OF_KIND[own]} models, but the scheduler config is "
+            f"{_CONFIG_OF_KIND[kind]} ({what}); supported: {', '.join(_SAMPLERS_OF_KIND[kind])}"
         )
 
 
@@ -359,7 +408,8 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
     """Fill absent keys for a diffusion ``sampler`` and reject values its diffusers class would use."""
     check_sampler(config, sampler)
     if sampler not in DIFFUSION_SAMPLERS:
-        raise SchedulerConfigError(f"sampler {sampler!r} is a flow sampler; resolve it with resolve_flow")
+        other = "resolve_flow" if sampler in FLOW_SAMPLERS else "resolve_edm"
+        raise SchedulerConfigError(f"sampler {sampler!r} is not a diffusion sampler; resolve it with {other}")
     defaults = CLASS_DEFAULTS[sampler]
     cls_name = DIFFUSERS_CLASS[sampler]
 
@@ -448,6 +498,52 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
         original_inference_steps=int(get("original_inference_steps")) if sampler in ("lcm", "tcd") else 0,
         timestep_scaling=float(get("timestep_scaling")) if sampler == "lcm" else 0.0,
         **multistep,
+    )
+
+
+def resolve_edm(config: SchedulerConfig, sampler: str) -> ResolvedEdmConfig:
+    """Fill absent keys for an EDM sampler and refuse values its diffusers class would use that we do not."""
+    check_sampler(config, sampler)
+    if sampler not in EDM_SAMPLERS:
+        raise SchedulerConfigError(f"sampler {sampler!r} is not an EDM sampler; use {', '.join(EDM_SAMPLERS)}")
+    defaults = CLASS_DEFAULTS[sampler]
+    where = f"for sampler {sampler!r} ({DIFFUSERS_CLASS[sampler]})"
+
+    def get(key: str) -> Any:
+        v = getattr(config, key) if key in defaults else None
+        return defaults.get(key) if v is None else v
+
+    # its precondition_outputs raises on "sample", so a pipeline could not run it either
+    _check_choice("prediction_type", get("prediction_type"), ("epsilon", "v_prediction"), sampler)
+    _check_choice("final_sigmas_type", get("final_sigmas_type"), ("zero", "sigma_min"), sampler)
+    sigma_min, sigma_max = float(get("sigma_min")), float(get("sigma_max"))
+    if not 0 < sigma_min < sigma_max:
+        raise SchedulerConfigError(f"sigma_min={sigma_min} and sigma_max={sigma_max} are not supported {where}; "
+                                   "they must satisfy 0 < sigma_min < sigma_max")
+    dpm: dict[str, Any] = {}
+    if sampler != "edm_euler":
+        if get("thresholding"):
+            raise SchedulerConfigError(f"thresholding=True is not supported {where}; only thresholding=False is")
+        order = int(get("solver_order"))
+        if order not in (1, 2):
+            raise SchedulerConfigError(f"solver_order={order} is not supported {where}; supported: 1, 2")
+        solver_type = get("solver_type")
+        if solver_type in ("logrho", "bh1", "bh2"):  # the class registers these as midpoint
+            solver_type = "midpoint"
+        _check_choice("solver_type", solver_type, ("midpoint", "heun"), sampler)
+        dpm = dict(solver_order=order, solver_type=solver_type, lower_order_final=bool(get("lower_order_final")),
+                   euler_at_final=bool(get("euler_at_final")))
+    return ResolvedEdmConfig(
+        sampler=sampler,
+        num_train_timesteps=int(get("num_train_timesteps")),
+        sigma_min=sigma_min,
+        sigma_max=sigma_max,
+        sigma_data=float(get("sigma_data")),
+        sigma_schedule=get("sigma_schedule"),
+        rho=float(get("rho")),
+        prediction_type=get("prediction_type"),
+        final_sigma_min=get("final_sigmas_type") == "sigma_min",
+        **dpm,
     )
 
 

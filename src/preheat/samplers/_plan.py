@@ -15,9 +15,9 @@ import numpy as np
 
 from preheat.errors import SchedulerConfigError
 from preheat.samplers import _schedules as S
-from preheat.samplers._config import (ResolvedConfig, ResolvedFlowConfig, SchedulerConfig, check_sampler, resolve,
-                                      resolve_flow)
-from preheat.samplers._tables import FLOW_SAMPLERS, SAMPLERS
+from preheat.samplers._config import (ResolvedConfig, ResolvedEdmConfig, ResolvedFlowConfig, SchedulerConfig,
+                                      check_sampler, resolve, resolve_edm, resolve_flow)
+from preheat.samplers._tables import EDM_SAMPLERS, FLOW_SAMPLERS, SAMPLERS
 
 __all__ = ["SolverSpec", "Plan", "make_spec", "make_plan", "flow_mu", "strength_start", "MU_SIGMAS_SAMPLERS",
            "ETA_SAMPLERS", "TIMESTEPS_SAMPLERS"]
@@ -45,13 +45,18 @@ _SOLVER_OF_SAMPLER = {
     # (SolverSpec.prediction_type == "flow") instead of a derivative from an x0 estimate
     "flow_euler": "euler",
     "flow_heun": "heun",
+    # EDM: the variance-exploding Euler and DPM-Solver++ updates, fed the preconditioned model's x0
+    # (SolverSpec.sigma_data > 0)
+    "edm_euler": "euler",
+    "edm_dpmpp_2m": "dpmpp_2m",
+    "edm_dpmpp_2m_sde": "dpmpp_2m_sde",
 }
 # Samplers whose diffusers ``set_timesteps`` takes ``mu`` and ``sigmas`` (and so make_plan).
 MU_SIGMAS_SAMPLERS: tuple[str, ...] = ("flow_euler",)
 _SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde", "dpmpp_2m_sde_karras",
                    "unipc", "deis", "lms")
 _NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1, "lcm": 1, "tcd": 1,
-                "dpmpp_2m_sde": 1}
+                "dpmpp_2m_sde": 1}  # by solver (edm_dpmpp_2m_sde's is dpmpp_2m_sde)
 # Samplers whose make_plan takes a custom descending ``timesteps`` list (their diffusers
 # ``set_timesteps(timesteps=...)``: Hyper-SD's 1-step cards pass ``[800]``).
 TIMESTEPS_SAMPLERS: tuple[str, ...] = ("lcm", "tcd")
@@ -77,7 +82,10 @@ class SolverSpec:
     variance_type: str = ""  # ddpm: "fixed_small" | "fixed_small_log" | "fixed_large"
     timestep_scaling: float = 0.0  # lcm: t scale of the boundary condition c_skip(t), c_out(t)
     solver_order: int = 0  # unipc, deis: the highest order (1..3), so the predictions it carries
-    solver_type: str = ""  # unipc: "bh1" | "bh2", the B(h) of its update
+    solver_type: str = ""  # unipc: "bh1" | "bh2", the B(h) of its update; EDM dpm++: "midpoint" | "heun"
+    #   (its second-order term; "" = midpoint)
+    sigma_data: float = 0.0  # EDM samplers: the data's std, which turns on EDM's preconditioning (the state is
+    #   variance exploding, the model sees c_in x at c_noise and its output gives x0 = c_skip x + c_out F); 0 = none
 
     @property
     def noise_draws_per_step(self) -> int:
@@ -126,6 +134,10 @@ def make_spec(config: SchedulerConfig, sampler: str) -> SolverSpec:
     if sampler in FLOW_SAMPLERS:
         resolve_flow(config, sampler)  # refuses what we do not implement
         return SolverSpec(solver=_SOLVER_OF_SAMPLER[sampler], prediction_type="flow")
+    if sampler in EDM_SAMPLERS:
+        e = resolve_edm(config, sampler)
+        return SolverSpec(solver=_SOLVER_OF_SAMPLER[sampler], prediction_type=e.prediction_type,
+                          solver_type=e.solver_type, sigma_data=e.sigma_data)
     r = resolve(config, sampler)
     return SolverSpec(
         solver=_SOLVER_OF_SAMPLER[sampler],
@@ -167,6 +179,11 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
         _check_eta(sampler, float(eta))
         rows = _flow_rows(fr, steps, mu, sigmas)
         return _pad(fr.num_train_timesteps, rows, 0.0)
+    if sampler in EDM_SAMPLERS:
+        er = resolve_edm(config, sampler)
+        steps = _check_steps(steps, er.num_train_timesteps)
+        _check_eta(sampler, float(eta))
+        return _pad(er.num_train_timesteps, _edm_rows(er, steps), 0.0)
     r = resolve(config, sampler)
     T = r.num_train_timesteps
     steps = _check_steps(steps, T)
@@ -486,6 +503,33 @@ def _lms_coefficients(sigmas: np.ndarray) -> np.ndarray:
             basis *= np.where(both[:, None], (nodes - points[:, m, None]) / gap[:, None], 1.0)
         out[:, k] = np.where(used[:, k], half * basis.sum(axis=1), 0.0)  # weights 1, 1 on [-1, 1]
     return out.astype(_F32)
+
+
+def _edm_rows(r: ResolvedEdmConfig, steps: int) -> _Rows:
+    """EDM*Scheduler.set_timesteps: float32 sigmas from ``sigma_max`` down to ``sigma_min``, then the
+    final sigma (0, or with ``final_sigmas_type="sigma_min"`` the ramp's last -- EDMEulerScheduler -- or
+    the config's ``sigma_min`` -- EDMDPMSolverMultistepScheduler); the model's time is ``c_noise``.
+
+    dpm++ orders: 1 at the first step (no history), then ``solver_order``; the last step is first
+    order onto sigma 0, with ``euler_at_final``, or under 15 steps with ``lower_order_final``.
+    """
+    euler = r.sampler == "edm_euler"
+    sig = S.edm_sigmas(r.sigma_schedule, r.sigma_min, r.sigma_max, r.rho, steps, float32_ramp=not euler)
+    if not np.all(np.diff(sig) < 0):
+        raise SchedulerConfigError(
+            f"steps={steps} gives EDM sigmas that do not strictly decrease for sampler {r.sampler!r} "
+            f"(sigma_min={r.sigma_min}, sigma_max={r.sigma_max}); use fewer steps")
+    final = 0.0 if not r.final_sigma_min else sig[-1] if euler else r.sigma_min
+    sigmas = np.append(sig, final).astype(_F32)
+    n = steps
+    order = np.ones(n, np.int32)
+    if r.solver_order == 2:
+        order[1:] = 2
+        if r.euler_at_final or (r.lower_order_final and n < 15) or not r.final_sigma_min:
+            order[-1] = 1
+    init = _F32((r.sigma_max ** 2 + 1) ** 0.5)  # both classes' init_noise_sigma (a Python float)
+    ones = np.ones(n, _F32)
+    return S.edm_noise(sig), sigmas, ones, ones, order, init
 
 
 def _unipc_corrector(r: ResolvedConfig, n: int) -> np.ndarray:

@@ -36,6 +36,8 @@ __all__ = [
     "flow_time_shift",
     "flow_stretch_to_terminal",
     "exponential_sigmas",
+    "edm_sigmas",
+    "edm_noise",
 ]
 
 _F32 = np.float32
@@ -237,3 +239,39 @@ def flow_stretch_to_terminal(t: np.ndarray, shift_terminal: float) -> np.ndarray
 def exponential_sigmas(sigma_min: float, sigma_max: float, steps: int) -> np.ndarray:
     """Uniform in log sigma from ``sigma_max`` to ``sigma_min``; float64 ``[steps]``."""
     return np.exp(np.linspace(math.log(sigma_max), math.log(sigma_min), steps))
+
+
+# --- EDM (EDMEulerScheduler / EDMDPMSolverMultistepScheduler) -----------------------------------
+# Both classes build their sigmas with torch: EDMEulerScheduler's Karras ramp in float64,
+# EDMDPMSolverMultistepScheduler's in float32, and both exponential schedules in float32
+# (``torch.linspace``'s default dtype), then ``c_noise = 0.25 * log(sigma)`` in float32. torch's
+# float32 ``pow``, ``exp`` and ``log`` kernels are not correctly rounded (within 1 ulp); ours are
+# (float64, rounded once), so a few entries may sit 1 ulp from torch's (tests/samplers bounds them).
+
+
+def _round_f32(values: np.ndarray) -> np.ndarray:
+    return np.asarray(values, np.float64).astype(_F32)
+
+
+def edm_sigmas(schedule: str, sigma_min: float, sigma_max: float, rho: float, steps: int,
+               float32_ramp: bool) -> np.ndarray:
+    """The EDM classes' float32 ``[steps]`` sigmas, ``sigma_max`` down to ``sigma_min``:
+    Karras et al.'s ramp (uniform in ``sigma ** (1 / rho)``; its ramp float32 when
+    ``float32_ramp``, as EDMDPMSolverMultistepScheduler's) or uniform in log sigma."""
+    if schedule == "exponential":  # torch.linspace(log min, log max, n).exp().flip(0), float32
+        logs = torch_linspace_f32(math.log(sigma_min), math.log(sigma_max), steps)
+        return _round_f32(np.exp(logs.astype(np.float64)))[::-1].copy()
+    if schedule != "karras":
+        raise SchedulerConfigError(f"sigma_schedule={schedule!r} is not supported; supported: 'karras', "
+                                   "'exponential'")
+    min_inv, max_inv = sigma_min ** (1 / rho), sigma_max ** (1 / rho)  # Python floats, as diffusers
+    if not float32_ramp:
+        return _round_f32((max_inv + np.linspace(0.0, 1.0, steps) * (min_inv - max_inv)) ** rho)
+    ramp = torch_linspace_f32(0.0, 1.0, steps)
+    base = ramp * _F32(min_inv - max_inv) + _F32(max_inv)  # [steps] two float32 roundings, as torch
+    return _round_f32(base.astype(np.float64) ** rho)
+
+
+def edm_noise(sigmas: np.ndarray) -> np.ndarray:
+    """``c_noise = log(sigma) / 4``, the time the network sees (float32; the quarter is exact)."""
+    return (_round_f32(np.log(np.asarray(sigmas, np.float64))) * _F32(0.25)).astype(_F32)

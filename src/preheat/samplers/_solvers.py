@@ -14,7 +14,9 @@ variance-preserving latent (``alpha**2 + sigma**2 = 1``); euler/euler_a/heun kee
 variance-exploding one (``alpha = 1``) and feed the model ``x / sqrt(sigma**2 + 1)``.
 Flow matching (``prediction_type == "flow"``: flow_euler, flow_heun) keeps
 ``x = (1 - sigma) * x0 + sigma * eps``, feeds the model ``x`` itself, and the model returns
-the velocity ``dx/dsigma = eps - x0``.
+the velocity ``dx/dsigma = eps - x0``. EDM samplers (``spec.sigma_data > 0``: edm_euler and
+edm_dpmpp_2m(_sde), run by the euler and dpm++ solvers) keep the variance-exploding state and feed
+the model ``c_in x`` at ``t = c_noise``; its output gives ``x0 = c_skip x + c_out F``.
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: 
 
 def noised(spec: SolverSpec, plan: Plan, x0: jax.Array, noise: jax.Array, i: jax.Array | int) -> jax.Array:
     """``x0`` at step ``i``'s noise level in the solver's own state, as the diffusers scheduler's
-    ``add_noise`` (flow: ``scale_noise``) puts it: VE ``x0 + sigma eps``; dpm++ ``alpha(sigma) x0 +
+    ``add_noise`` (flow: ``scale_noise``) puts it: VE ``x0 + sigma eps`` (EDM samplers too); dpm++ ``alpha(sigma) x0 +
     sigma_vp eps`` from its sigmas (unipc and deis alike); ddpm/ddim/lcm/tcd/pndm ``sqrt(ab) x0 + sqrt(1 - ab) eps`` at
     ``t_i``."""
     i = jnp.asarray(i, jnp.int32)
@@ -154,7 +156,7 @@ def noised(spec: SolverSpec, plan: Plan, x0: jax.Array, noise: jax.Array, i: jax
     if spec.prediction_type == "flow":
         sigma = _at(plan.sigmas, i)
         return sigma * noise + (1.0 - sigma) * x0
-    if spec.solver in ("euler", "euler_a", "heun", "lms"):
+    if spec.solver in ("euler", "euler_a", "heun", "lms") or spec.sigma_data:  # EDM: variance exploding
         return x0 + noise * _at(plan.sigmas, i)
     if spec.solver in (*_DPM_SOLVERS, "unipc", "deis"):
         alpha, sigma = _vp(_at(plan.sigmas, i))
@@ -204,8 +206,27 @@ def _denoise(spec: SolverSpec, model: Model, x: jax.Array, t: jax.Array, c_in: j
     return x0, eps
 
 
+def _edm_denoise(spec: SolverSpec, model: Model, x: jax.Array, t: jax.Array, sigma: jax.Array) -> jax.Array:
+    """x0 under EDM's preconditioning (Karras et al. 2022, Table 1), as the EDM*Schedulers compute it:
+    the model sees ``c_in x`` at ``t = c_noise`` and returns ``F``; ``x0 = c_skip x + c_out F``
+    (``c_out`` negated for a v-prediction network)."""
+    sd = spec.sigma_data
+    total = sigma * sigma + sd * sd  # sigma^2 + sigma_data^2
+    out = model(x * (1.0 / jnp.sqrt(total)), t)  # c_in x
+    if out.shape != x.shape:
+        raise InvalidArgumentError(f"model output shape {out.shape} != sample shape {x.shape}")
+    c_skip = (sd * sd) / total
+    c_out = sigma * sd / jnp.sqrt(total)
+    if spec.prediction_type == "v_prediction":
+        c_out = -c_out
+    return c_skip * x + c_out * out.astype(x.dtype)
+
+
 def _ve_denoise(spec: SolverSpec, model: Model, x: jax.Array, t: jax.Array, sigma: jax.Array) -> jax.Array:
-    """x0 for a variance-exploding state (``alpha = 1``): the model sees ``x / sqrt(sigma^2 + 1)``."""
+    """x0 for a variance-exploding state (``alpha = 1``): the model sees ``x / sqrt(sigma^2 + 1)``
+    (EDM samplers: ``c_in x``, see :func:`_edm_denoise`)."""
+    if spec.sigma_data:
+        return _edm_denoise(spec, model, x, t, sigma)
     c_in = 1.0 / jnp.sqrt(sigma * sigma + 1.0)
     x0, _ = _denoise(spec, model, x, t, c_in, 1.0, sigma)
     return x0
@@ -227,6 +248,11 @@ def _euler_move(x: jax.Array, x0: jax.Array, sigma: jax.Array, sigma_to: jax.Arr
     """One Euler step of ``dx/dsigma = (x - x0) / sigma`` from ``sigma`` to ``sigma_to``."""
     d = (x - x0) / sigma  # [*S]
     return x + d * (sigma_to - sigma)
+
+
+def _ve_coefficients(sigma: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(alpha, sigma) of the variance-exploding state at noise level ``sigma``: ``(1, sigma)``."""
+    return jnp.ones_like(sigma), sigma
 
 
 def _vp(sigma: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -319,15 +345,23 @@ def _dpmpp_2m_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerSta
                    noise_fn: NoiseFn) -> SamplerState:
     """DPM-Solver++(2M) (Lu et al. 2022), midpoint form; ``plan.order[i]`` picks 1st/2nd order.
     ``dpmpp_2m_sde``: its SDE variant (sde-dpmsolver++), which contracts the sample by ``e^-h``
-    more and adds fresh noise of std ``sigma_t sqrt(1 - e^-2h)`` (0 onto the final sigma = 0)."""
+    more and adds fresh noise of std ``sigma_t sqrt(1 - e^-2h)`` (0 onto the final sigma = 0).
+    EDM samplers (``spec.sigma_data``) run the same updates on the variance-exploding state
+    (``alpha = 1``, as EDMDPMSolverMultistepScheduler), with ``solver_type="heun"``'s second-order term
+    where the config asks for it."""
     x = state.x
+    states = _ve_coefficients if spec.sigma_data else _vp
     sigma_s = _at(plan.sigmas, i)
     sigma_t = _at(plan.sigmas, i + 1)
     sigma_s1 = _at(plan.sigmas, jnp.maximum(i - 1, 0))  # unused (order 1) at i == 0
-    alpha_s, sig_s = _vp(sigma_s)
-    alpha_t, sig_t = _vp(sigma_t)
-    alpha_s1, sig_s1 = _vp(sigma_s1)
-    x0, _ = _denoise(spec, model, x, _at(plan.timesteps, i), 1.0, alpha_s, sig_s)
+    alpha_s, sig_s = states(sigma_s)
+    alpha_t, sig_t = states(sigma_t)
+    alpha_s1, sig_s1 = states(sigma_s1)
+    t = _at(plan.timesteps, i)
+    if spec.sigma_data:
+        x0 = _edm_denoise(spec, model, x, t, sigma_s)
+    else:
+        x0, _ = _denoise(spec, model, x, t, 1.0, alpha_s, sig_s)
 
     lam_t = jnp.log(alpha_t) - jnp.log(sig_t)  # +inf at the final sigma = 0
     lam_s = jnp.log(alpha_s) - jnp.log(sig_s)
@@ -335,15 +369,16 @@ def _dpmpp_2m_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerSta
     h, h_prev = lam_t - lam_s, lam_s - lam_s1
     r = h_prev / h
     d1 = 1.0 / r * (x0 - state.x0_prev)  # [*S] backward difference of x0 predictions
+    heun = spec.solver_type == "heun"
     if spec.solver == "dpmpp_2m_sde":
         decay = jnp.exp(-2.0 * h)
         psi = alpha_t * (1.0 - decay)
         first = (sig_t / sig_s * jnp.exp(-h)) * x + psi * x0 + sig_t * jnp.sqrt(1.0 - decay) * noise_fn(i, 0)
-        second = first + 0.5 * psi * d1
+        second = first + (alpha_t * ((1.0 - decay) / (-2.0 * h) + 1.0)) * d1 if heun else first + 0.5 * psi * d1
     else:
         phi = alpha_t * (jnp.exp(-h) - 1.0)
         first = sig_t / sig_s * x - phi * x0  # DPM-Solver++(1) == DDIM
-        second = first - 0.5 * phi * d1
+        second = first + (alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)) * d1 if heun else first - 0.5 * phi * d1
     # (second may be NaN where order is 1 -- at i == 0 or at sigma_t == 0; where() drops it)
     x_new = jnp.where(_at(plan.order, i) == 2, second, first)
     return SamplerState(x=x_new, x0_prev=x0)

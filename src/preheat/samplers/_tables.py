@@ -27,11 +27,14 @@ DIFFUSION_SAMPLERS: tuple[str, ...] = (
 )
 # Samplers for flow-matching models (the model predicts the velocity ``noise - x0``).
 FLOW_SAMPLERS: tuple[str, ...] = ("flow_euler", "flow_heun")
-SAMPLERS: tuple[str, ...] = DIFFUSION_SAMPLERS + FLOW_SAMPLERS
+# Samplers for models trained with EDM's preconditioning (Karras et al. 2022: Playground v2.5, CosXL):
+# continuous noise levels, the model fed ``c_in x`` at ``c_noise = log(sigma) / 4``.
+EDM_SAMPLERS: tuple[str, ...] = ("edm_euler", "edm_dpmpp_2m", "edm_dpmpp_2m_sde")
+SAMPLERS: tuple[str, ...] = DIFFUSION_SAMPLERS + FLOW_SAMPLERS + EDM_SAMPLERS
 # Diffusion samplers that draw no noise per step (ddim given eta=0), so that two backends given the
 # same initial noise agree image for image (the torch backend's and bench compare's comparisons).
 DETERMINISTIC_SAMPLERS: tuple[str, ...] = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras", "unipc", "pndm",
-                                           "deis", "lms", *FLOW_SAMPLERS)
+                                           "deis", "lms", *FLOW_SAMPLERS, "edm_euler", "edm_dpmpp_2m")
 
 # The diffusers class each sampler reproduces (named in error messages).
 DIFFUSERS_CLASS: dict[str, str] = {
@@ -52,6 +55,9 @@ DIFFUSERS_CLASS: dict[str, str] = {
     "lms": "LMSDiscreteScheduler",
     "flow_euler": "FlowMatchEulerDiscreteScheduler",
     "flow_heun": "FlowMatchHeunDiscreteScheduler",
+    "edm_euler": "EDMEulerScheduler",
+    "edm_dpmpp_2m": "EDMDPMSolverMultistepScheduler",
+    "edm_dpmpp_2m_sde": "EDMDPMSolverMultistepScheduler",
 }
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
@@ -59,6 +65,7 @@ PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")
 DDPM_VARIANCE_TYPES = ("fixed_small", "fixed_small_log", "fixed_large")
 TIME_SHIFT_TYPES = ("exponential", "linear")
+SIGMA_SCHEDULES = ("karras", "exponential")  # EDM*Scheduler
 
 # Defaults of the diffusers class behind each sampler, for every key that class reads and
 # that changes the math (keys we refuse included, so that their defaults are known).
@@ -88,6 +95,26 @@ _DPM: dict[str, Any] = {
     # reads them from the config when a foreign (Euler) config carries them.
     "sigma_min": None,
     "sigma_max": None,
+}
+_EDM: dict[str, Any] = {
+    "sigma_min": 0.002,
+    "sigma_max": 80.0,
+    "sigma_data": 0.5,
+    "sigma_schedule": "karras",
+    "num_train_timesteps": 1000,
+    "prediction_type": "epsilon",
+    "rho": 7.0,
+    "final_sigmas_type": "zero",
+}
+# EDMDPMSolverMultistepScheduler: solver_order (1, 2), solver_type, lower_order_final and euler_at_final
+# are read from the config (the class's own keys, as unipc's); algorithm_type is the sampler's name
+_EDM_DPM: dict[str, Any] = {
+    **_EDM,
+    "solver_order": 2,
+    "thresholding": False,
+    "solver_type": "midpoint",
+    "lower_order_final": True,
+    "euler_at_final": False,
 }
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "ddpm": {
@@ -248,6 +275,10 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     # FlowMatchHeunDiscreteScheduler reads nothing else: no dynamic shifting, no custom
     # sigmas, no mu (a Flux config's use_dynamic_shifting is ignored, as from_config does)
     "flow_heun": {"num_train_timesteps": 1000, "shift": 1.0},
+    # EDM (continuous sigmas in [sigma_min, sigma_max]; num_train_timesteps only sizes the Plan)
+    "edm_euler": _EDM,
+    "edm_dpmpp_2m": _EDM_DPM,  # algorithm_type="dpmsolver++": the name decides, as for dpmpp_2m
+    "edm_dpmpp_2m_sde": _EDM_DPM,  # algorithm_type="sde-dpmsolver++"
 }
 
 # Keys a sampler's class takes but its schedule ignores: a call that overrides one for that
@@ -257,7 +288,8 @@ UNREAD_KEYS: dict[str, tuple[str, ...]] = {
     "tcd": ("timestep_spacing", "steps_offset"),
 }
 
-# Keys only the FlowMatch* classes read / only the diffusion classes read (config_kind).
+# Keys only the FlowMatch* classes read / only the diffusion classes read / only the EDM* classes read
+# (config_kind; EDM classes also read prediction_type, final_sigmas_type, thresholding and solver keys).
 FLOW_KEYS: tuple[str, ...] = (
     "shift", "use_dynamic_shifting", "base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len",
     "invert_sigmas", "shift_terminal", "time_shift_type", "stochastic_sampling",
@@ -269,6 +301,7 @@ DIFFUSION_KEYS: tuple[str, ...] = (
     "final_sigmas_type", "lambda_min_clipped", "original_inference_steps", "timestep_scaling",
     "skip_prk_steps",
 )
+EDM_KEYS: tuple[str, ...] = ("sigma_data", "sigma_schedule", "rho", "euler_at_final")
 
 KIND_BOOL = "bool"
 KIND_INT = "int"
@@ -318,4 +351,8 @@ FIELD_KIND: dict[str, str] = {
     "time_shift_type": KIND_STR,
     "stochastic_sampling": KIND_BOOL,
     "skip_prk_steps": KIND_BOOL,
+    "sigma_data": KIND_FLOAT,
+    "sigma_schedule": KIND_STR,
+    "rho": KIND_FLOAT,
+    "euler_at_final": KIND_BOOL,
 }

@@ -33,6 +33,9 @@ DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "lms": ("LMSDiscreteScheduler", {}),
     "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}),
     "flow_heun": ("FlowMatchHeunDiscreteScheduler", {}),
+    "edm_euler": ("EDMEulerScheduler", {}),
+    "edm_dpmpp_2m": ("EDMDPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++"}),
+    "edm_dpmpp_2m_sde": ("EDMDPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}),
 }
 
 
