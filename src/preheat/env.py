@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["CACHE_URL_ENV", "TRUE_VALUES", "FALSE_VALUES", "env_flag", "on_off", "installed_version", "quiet_gpu_plugin_failure"]
+__all__ = ["CACHE_URL_ENV", "TRUE_VALUES", "FALSE_VALUES", "env_flag", "on_off", "installed_version",
+           "quiet_gpu_plugin_failure", "nvidia_device_nodes"]
 
 TRUE_VALUES = ("1", "true", "yes", "on")  # case- and whitespace-insensitive; anything else is off
 FALSE_VALUES = ("0", "false", "no", "off")  # what on_off accepts as off
@@ -41,15 +42,29 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
+def nvidia_device_nodes() -> list[str]:
+    """The ``/dev/nvidia*`` nodes a loaded NVIDIA kernel driver makes (``PREHEAT_DEV_ROOT`` instead of
+    ``/dev``, for tests), sorted; none on a machine without an NVIDIA GPU."""
+    root = os.environ.get("PREHEAT_DEV_ROOT", "/dev")
+    try:
+        return sorted(name for name in os.listdir(root) if name.startswith("nvidia"))
+    except OSError:
+        return []
+
+
 class _PluginFailureFilter(logging.Filter):
-    """JAX logs a GPU plugin that cannot start (the CUDA plugin on a machine with no usable driver,
-    as on a CPU builder that compiles for a GPU with ``preheat warm --target``) as a full
-    traceback, then runs on the CPU. Keep it visible, as one line."""
+    """JAX logs a GPU plugin that cannot start (the CUDA plugin on a machine with no usable driver)
+    as a full traceback, then runs on the CPU. Where an NVIDIA driver is loaded (its ``/dev/nvidia*``
+    nodes exist), that is a GPU pod about to run on the CPU: keep it visible, as one line. Where
+    none is, as on a CPU builder that has the plugin for ``preheat warm --target``, the plugin
+    cannot start by design, and a notice on every command would be noise (``doctor`` names the plugin and the backend either way)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if not message.startswith("Jax plugin configuration error: Exception when calling jax_plugins."):
             return True
+        if not nvidia_device_nodes():
+            return False
         cause = record.exc_info[1] if record.exc_info else None
         why = (str(cause).splitlines() or [type(cause).__name__])[0].split("; ")[0] if cause is not None else "unknown"
         plugin = message.split("jax_plugins.", 1)[1].split(".", 1)[0]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from preheat.doctor.runner import _fmt_s, _run
+from preheat.env import nvidia_device_nodes
 
 @dataclass
 class GPU:
@@ -149,9 +150,6 @@ def _dev_root() -> Path:
 
 def _dev_nodes() -> dict[str, list[str]]:
     root = _dev_root()
-    try:
-        names = sorted(p.name for p in root.iterdir() if p.name.startswith("nvidia"))
-    except OSError:
-        names = []
+    names = nvidia_device_nodes()
     gpus = [n for n in names if re.fullmatch(r"nvidia\d+", n)]
     return {"root": [str(root)], "gpus": gpus, "all": names}
