@@ -285,10 +285,21 @@ def torch_betas(schedule: str, start: float, end: float, num_train: int) -> np.n
 _ORIGINAL_BETAS = _schedules.betas
 
 
+def torch_rescale_zero_terminal_snr(beta: np.ndarray) -> np.ndarray:
+    """diffusers' zero-terminal-SNR betas as torch computes them on this machine: its float32 ``sqrt``
+    is not correctly rounded on every CPU (on the project's AMD EPYC a fifth of random inputs land 1 ulp
+    from IEEE's), and the ratios and the cumulative product that follow carry that to ~4e-6 of
+    alphas_cumprod (test_sampler_schedules bounds ours against it). Injected like the tables above."""
+    from diffusers.schedulers.scheduling_ddim import rescale_zero_terminal_snr
+
+    return rescale_zero_terminal_snr(torch.from_numpy(np.asarray(beta, np.float32))).numpy()
+
+
 def inject_torch_tables(monkeypatch) -> None:
-    """Make ``make_plan`` start from torch's own betas and training sigmas (see above)."""
+    """Make ``make_plan`` start from torch's own betas, training sigmas and zero-SNR rescale (see above)."""
     monkeypatch.setattr(_schedules, "train_sigmas", torch_train_sigmas)
     monkeypatch.setattr(_schedules, "betas", torch_betas)
+    monkeypatch.setattr(_schedules, "rescale_zero_terminal_snr", torch_rescale_zero_terminal_snr)
 
 
 def check_init_noise_sigma(plan: Plan, theirs: float, *, spec_sampler: str) -> None:
@@ -325,9 +336,15 @@ def assert_c_noise_close(ours: np.ndarray, theirs: np.ndarray) -> None:
 
 def check_parity(sampler: str, cfg: dict[str, Any], steps: int, eta: float, monkeypatch, *,
                  plan_override: Plan | None = None, spec_override: SolverSpec | None = None, jax_model=fake_model_jax,
-                 torch_model=fake_model_torch, timesteps: list[int] | None = None) -> tuple[float, float]:
+                 torch_model=fake_model_torch, timesteps: list[int] | None = None,
+                 input_rounding: bool = False) -> tuple[float, float]:
     """Run ours and diffusers on the same inputs; assert bitwise schedules and close samples
-    (the criterion is explained in test_sampler_parity). Returns the max (abs, relative) error."""
+    (the criterion is explained in test_sampler_parity). Returns the max (abs, relative) error.
+
+    ``input_rounding``: also allow one float32 ulp of the largest sample any step so far started from.
+    A step from a huge sigma (zero terminal SNR's ~4096, where the sample is ~1e4) rounds its update at
+    that magnitude; it contracts its inputs, so nudging them does not show that rounding in the floor,
+    and the later steps carry it (they do not amplify it: the bound is the largest such ulp so far)."""
     inject_torch_tables(monkeypatch)
     spec, plan = ours_for(cfg, sampler, steps, eta, timesteps)
     if plan_override is not None:
@@ -357,10 +374,12 @@ def check_parity(sampler: str, cfg: dict[str, Any], steps: int, eta: float, monk
 
     nudged = run_diffusers(sampler, cfg, steps, x_t, table, monkeypatch, eta=eta, nudge_seed=steps + 1,
                            model=torch_model, timesteps=timesteps)
+    largest_start = np.maximum.accumulate([float(np.max(np.abs(x))) for x in [ref.x_init, *ref.xs[:-1]]])
     for i, (ours, theirs, theirs_nudged) in enumerate(zip(xs, ref.xs, nudged.xs)):
         floor = float(np.max(np.abs(theirs - theirs_nudged)))
+        rounding = float(np.spacing(np.float32(largest_start[i]))) if input_rounding else 0.0
         np.testing.assert_allclose(
-            ours, theirs, rtol=RTOL, atol=ATOL + FLOOR_FACTOR * floor,
+            ours, theirs, rtol=RTOL, atol=ATOL + FLOOR_FACTOR * floor + rounding,
             err_msg=f"step {i} of {n} (float32 noise floor of diffusers here: {floor:.3g})",
         )
     return max_errors(xs, ref.xs)

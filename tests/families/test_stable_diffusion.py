@@ -270,6 +270,29 @@ def test_a_multistep_folder_defaults_to_its_sampler_and_matches_its_diffusers_pi
     assert all(ref.scheduler.config[k] == v for k, v in extra.items())
 
 
+@pytest.mark.parametrize("scheduler_class,sampler", [("EulerDiscreteScheduler", "euler"),
+                                                     ("DDIMScheduler", "ddim")])
+def test_a_zero_snr_folder_matches_its_diffusers_pipeline(folders, tmp_path, scheduler_class, sampler):
+    """v-prediction fine-tunes trained with zero terminal SNR save ``rescale_betas_zero_snr=True`` with
+    trailing timesteps: the first step starts at (ddim) or next to (euler: alphas_cumprod 2**-24,
+    sigma ~4096) pure noise, and the image is diffusers' pipeline's on the same folder."""
+    import json
+
+    import diffusers
+
+    from tests._support.sd_fixtures import SCHEDULER
+
+    config = {**SCHEDULER, "prediction_type": "v_prediction", "rescale_betas_zero_snr": True,
+              "timestep_spacing": "trailing"}
+    if sampler == "ddim":
+        config.update(clip_sample=False, set_alpha_to_one=False)
+    folder = _with_scheduler(folders["sd2"], tmp_path / f"sd2-zsnr-{sampler}",
+                             getattr(diffusers, scheduler_class)(**config))
+    assert json.loads((folder / "scheduler" / "scheduler_config.json").read_text())["rescale_betas_zero_snr"]
+    _default_sampler_matches_the_pipeline(folder, sampler, scheduler_class, "a dark alley at night", steps=5,
+                                          guidance=7.0, label=f"sd2/zero-snr {sampler}")
+
+
 # Playground v2.5's scheduler (and its VAE's per-channel latent statistics), CosXL's
 EDM_FOLDERS = {
     "playground": ("edm_dpmpp_2m", "EDMDPMSolverMultistepScheduler",

@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 
 from preheat.samplers import DIFFUSION_SAMPLERS
+from preheat.samplers._tables import CLASS_DEFAULTS
 from tests._support.sampler_ref import check_parity, ours_for
 from tests._support.tiers import covering_marks
 
@@ -301,3 +302,45 @@ def test_karras_sigma_bounds_from_config(sampler: str, monkeypatch) -> None:
     _, plan = ours_for(cfg, sampler, 6)
     assert plan.sigmas[0] == np.float32(10.0)
     check_parity(sampler, cfg, 6, 0.0, monkeypatch)
+
+
+# Zero terminal SNR (rescale_betas_zero_snr=True, Lin et al. 2024): the samplers whose diffusers class
+# reads the key, over every beta schedule x spacing with the step count rotating; v-prediction (what
+# zero-SNR models are trained for) everywhere, and epsilon for the sigma-space ones (their classes
+# clamp the terminal alphas_cumprod at 2**-24, so it stays defined). Their first step leaves sigma
+# ~4096 (a sample ~1e4): the criterion also allows an ulp of the sample entering a step (check_parity's
+# ``input_rounding``; measured: euler_a's first step, 4.8e-4 off diffusers where an ulp of 1.1e4 is 9.8e-4).
+ZERO_SNR_SAMPLERS = tuple(s for s in DIFFUSION_SAMPLERS if "rescale_betas_zero_snr" in CLASS_DEFAULTS[s])
+_SIGMA_SPACE = ("euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "unipc", "dpmpp_2m_sde", "dpmpp_2m_sde_karras")
+
+
+def _zero_snr_cases() -> list[Any]:
+    cases = []
+    for sampler in ZERO_SNR_SAMPLERS:
+        predictions = ("v_prediction", "epsilon") if sampler in _SIGMA_SPACE else ("v_prediction",)
+        axes = [list(enumerate(BETAS)), list(enumerate(predictions)), list(enumerate(("trailing", "leading",
+                                                                                      "linspace")))]
+        for j, ((i, b), (k, p), (m, s)) in enumerate(itertools.product(*axes)):
+            n = STEPS[j % len(STEPS)]
+            cases.append(pytest.param(sampler, b, p, s, n, id=f"{sampler}-{b}-{p}-{s}-{n}",
+                                      marks=covering_marks(i, k, m)))
+    return cases
+
+
+@pytest.mark.parametrize("sampler,beta,pred,spacing,steps", _zero_snr_cases())
+def test_zero_terminal_snr_matches_diffusers(sampler: str, beta: str, pred: str, spacing: str, steps: int,
+                                             monkeypatch) -> None:
+    eta = 0.5 if sampler in ("ddim", "tcd") else 0.0
+    cfg = {"_class_name": "SomeScheduler", **BETAS[beta], "prediction_type": pred, **SPACINGS[spacing],
+           "rescale_betas_zero_snr": True}
+    check_parity(sampler, cfg, steps, eta, monkeypatch, input_rounding=True)
+
+
+@pytest.mark.parametrize("sampler", ["ddim", "euler", "dpmpp_2m"])
+def test_zero_terminal_snr_is_checked(sampler: str, monkeypatch) -> None:
+    """The parity check sees the rescale: the plan of the same config without it fails."""
+    cfg = {**BETAS["scaled"], "prediction_type": "v_prediction", "timestep_spacing": "trailing"}
+    check_parity(sampler, {**cfg, "rescale_betas_zero_snr": True}, 7, 0.0, monkeypatch)
+    plain = ours_for(cfg, sampler, 7)[1]
+    with pytest.raises(AssertionError):
+        check_parity(sampler, {**cfg, "rescale_betas_zero_snr": True}, 7, 0.0, monkeypatch, plan_override=plain)

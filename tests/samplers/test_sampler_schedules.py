@@ -93,6 +93,36 @@ def test_train_sigmas_are_correctly_rounded_and_within_one_ulp_of_torch(
     assert_within_ulps(ours, torch_train_sigmas(ab), 1, "training sigmas")
 
 
+@pytest.mark.parametrize("schedule,start,end", SCHEDULES)
+def test_zero_terminal_snr_rescale_matches_diffusers(schedule: str, start: float, end: float, monkeypatch) -> None:
+    """``rescale_betas_zero_snr``: every operation of diffusers' rescale, each IEEE float32. With torch's
+    own square roots in place of ours the betas are bitwise equal (the rest of its arithmetic is ours);
+    with ours, alphas_cumprod stays within 1e-5 of diffusers' (torch's float32 sqrt is not correctly
+    rounded on every CPU, and 1000 ratios and their product carry that: ~4e-6 measured). The terminal
+    alphas_cumprod is exactly 0 (ddim's class) or 2**-24 (euler's: its largest sigma stays finite)."""
+    import diffusers.schedulers.scheduling_ddim as ddim_module
+
+    beta = S.betas(schedule, start, end, 1000)
+    theirs = ddim_module.rescale_zero_terminal_snr(torch.from_numpy(beta)).numpy()
+    ours = S.rescale_zero_terminal_snr(beta)
+    with monkeypatch.context() as torch_roots:  # ours, fed torch's square roots
+        torch_roots.setattr(np, "sqrt", lambda x: torch.from_numpy(np.asarray(x)).sqrt().numpy())
+        np.testing.assert_array_equal(S.rescale_zero_terminal_snr(beta), theirs)
+    ab, ab_theirs = S.alphas_cumprod(ours), S.alphas_cumprod(theirs)
+    assert ab[-1] == ab_theirs[-1] == 0 and ours[-1] == 1
+    np.testing.assert_allclose(ab[:-1], ab_theirs[:-1], rtol=1e-5)
+    config = {"beta_schedule": schedule, "beta_start": start, "beta_end": end, "rescale_betas_zero_snr": True,
+              "timestep_spacing": "trailing", "prediction_type": "v_prediction"}
+    for cls, sampler in ((diffusers.DDIMScheduler, "ddim"), (diffusers.EulerDiscreteScheduler, "euler")):
+        plan = make_plan(SchedulerConfig.from_dict(config), sampler, 4)
+        terminal = cls(**config).alphas_cumprod.numpy()[-1]
+        assert terminal == (0.0 if sampler == "ddim" else np.float32(2.0**-24))
+        if sampler == "ddim":
+            assert plan.alpha_bar[0] == 0  # the first step starts at zero SNR
+        else:
+            assert plan.sigmas[0] == correctly_rounded_f32(np.sqrt((1 - 2.0**-24) / 2.0**-24))
+
+
 def test_sigma_to_t_matches_diffusers() -> None:
     sched = diffusers.EulerDiscreteScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
     log_sigmas = np.log(np.array(((1 - sched.alphas_cumprod) / sched.alphas_cumprod) ** 0.5))

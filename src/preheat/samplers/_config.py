@@ -240,6 +240,7 @@ class ResolvedConfig:
     solver_type: str = ""  # unipc only: "bh1" | "bh2"
     lower_order_final: bool = True  # unipc, deis
     disable_corrector: tuple[int, ...] = ()  # unipc only
+    rescale_betas_zero_snr: bool = False  # the betas rescaled to zero terminal SNR (the classes that read it)
 
 
 @dataclass(frozen=True)
@@ -424,7 +425,7 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
                 f"only {key}=False is"
             )
 
-    for key in ("thresholding", "rescale_betas_zero_snr", "use_exponential_sigmas",
+    for key in ("thresholding", "use_exponential_sigmas",
                 "use_beta_sigmas", "use_lu_lambdas", "use_flow_sigmas"):
         refuse_true(key)
     if "final_sigmas_type" in defaults:
@@ -497,6 +498,7 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
         lambda_min_clipped=lambda_min_clipped,
         original_inference_steps=int(get("original_inference_steps")) if sampler in ("lcm", "tcd") else 0,
         timestep_scaling=float(get("timestep_scaling")) if sampler == "lcm" else 0.0,
+        rescale_betas_zero_snr=bool(get("rescale_betas_zero_snr")) if "rescale_betas_zero_snr" in defaults else False,
         **multistep,
     )
 

@@ -190,7 +190,7 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
     eta = float(eta)
     _check_eta(sampler, eta)
 
-    alpha_bar_train = S.alphas_cumprod(S.betas(r.beta_schedule, r.beta_start, r.beta_end, T))
+    alpha_bar_train = _train_alphas_cumprod(r)
     if sampler in ("ddpm", "ddim"):
         rows = _discrete_rows(r, steps, alpha_bar_train)
     elif sampler in ("lcm", "tcd"):
@@ -204,6 +204,7 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
         rows = _sigma_rows(r, steps, alpha_bar_train)
     timesteps, sched_sigmas = rows[0], rows[1]
     _check_schedule(r, steps, timesteps, sched_sigmas if sampler in _SIGMA_SAMPLERS else None)
+    _check_zero_snr(r, timesteps, rows[2])
     mid = _tcd_mid(timesteps, eta, alpha_bar_train) if sampler == "tcd" else None
     corrector = _unipc_corrector(r, len(timesteps)) if sampler == "unipc" else None
     lms = _lms_coefficients(sched_sigmas) if sampler == "lms" else None
@@ -302,6 +303,19 @@ def _pad(T: int, rows: "_Rows", eta: float, mid: np.ndarray | None = None,
 # alpha_bar_prev f32 [n], order int32 [n], init_noise_sigma f32).
 
 _Rows = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.float32]
+
+
+def _train_alphas_cumprod(r: ResolvedConfig) -> np.ndarray:
+    """alphas_cumprod of the training schedule, float32 ``[T]``: from the betas, rescaled to zero terminal
+    SNR when the config says so; then the sigma-space classes (Euler, DPM-Solver, UniPC) put its last
+    entry at 2**-24 instead of 0, so that their largest sigma (~4096) is finite, as diffusers does."""
+    beta = S.betas(r.beta_schedule, r.beta_start, r.beta_end, r.num_train_timesteps)
+    if not r.rescale_betas_zero_snr:
+        return S.alphas_cumprod(beta)
+    alpha_bar = S.alphas_cumprod(S.rescale_zero_terminal_snr(beta))
+    if r.sampler in _SIGMA_SAMPLERS:
+        alpha_bar[-1] = _F32(2.0 ** -24)
+    return alpha_bar
 
 
 def _discrete_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:
@@ -606,6 +620,17 @@ def _flow_rows(r: ResolvedFlowConfig, steps: int, mu: float | None, custom: "np.
 
 
 # --- validity ---------------------------------------------------------------------------------
+
+
+def _check_zero_snr(r: ResolvedConfig, timesteps: np.ndarray, alpha_bar: np.ndarray) -> None:
+    """A noise prediction at zero SNR (alphas_cumprod 0: the last training timestep once the betas are
+    rescaled, for the classes that do not clamp it) says nothing about x0; diffusers returns NaN there."""
+    if r.prediction_type == "epsilon" and r.sampler not in _SIGMA_SAMPLERS and np.any(alpha_bar == 0):
+        t = int(timesteps[int(np.argmax(alpha_bar == 0))])
+        raise SchedulerConfigError(
+            f"prediction_type='epsilon' with rescale_betas_zero_snr=True reaches zero SNR at timestep {t}, where "
+            f"sampler {r.sampler!r} cannot recover x0 from the noise (diffusers returns NaN); zero-SNR models "
+            "predict v (prediction_type='v_prediction'), or use timestep_spacing='leading'")
 
 
 def _check_range(r: ResolvedConfig, steps: int, ts: np.ndarray) -> None:

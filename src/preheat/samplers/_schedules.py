@@ -38,6 +38,7 @@ __all__ = [
     "exponential_sigmas",
     "edm_sigmas",
     "edm_noise",
+    "rescale_zero_terminal_snr",
 ]
 
 _F32 = np.float32
@@ -275,3 +276,16 @@ def edm_sigmas(schedule: str, sigma_min: float, sigma_max: float, rho: float, st
 def edm_noise(sigmas: np.ndarray) -> np.ndarray:
     """``c_noise = log(sigma) / 4``, the time the network sees (float32; the quarter is exact)."""
     return (_round_f32(np.log(np.asarray(sigmas, np.float64))) * _F32(0.25)).astype(_F32)
+
+
+def rescale_zero_terminal_snr(beta: np.ndarray) -> np.ndarray:
+    """Betas rescaled to zero terminal SNR (Lin et al. 2024, Algorithm 1; ``rescale_betas_zero_snr``):
+    ``sqrt(alphas_cumprod)`` shifted to end at 0 and scaled to keep its first value, then turned back
+    into betas -- float32, operation for operation as diffusers' torch ``rescale_zero_terminal_snr``."""
+    root = np.sqrt(alphas_cumprod(beta))  # [T] float32, IEEE sqrt as torch's
+    first, last = root[0], root[-1]
+    root = (root - last).astype(_F32)
+    root = (root * (first / (first - last))).astype(_F32)  # two float32 scalar operations, then one multiply
+    bar = (root * root).astype(_F32)  # torch ``** 2``: one multiply
+    alphas = np.concatenate([bar[:1], bar[1:] / bar[:-1]]).astype(_F32)
+    return (_F32(1.0) - alphas).astype(_F32)
