@@ -50,6 +50,7 @@ DIFFUSERS_CLASS = {
     "pndm": diffusers.PNDMScheduler,
     "deis": diffusers.DEISMultistepScheduler,
     "lms": diffusers.LMSDiscreteScheduler,
+    "dpm2": diffusers.KDPM2DiscreteScheduler,
     "edm_euler": diffusers.EDMEulerScheduler,
     "edm_dpmpp_2m": diffusers.EDMDPMSolverMultistepScheduler,
     "edm_dpmpp_2m_sde": diffusers.EDMDPMSolverMultistepScheduler,
@@ -137,6 +138,8 @@ class _NudgedTranscendentals:
         return getattr(self._base, name)
 
 
+# samplers with a second model call per step whose diffusers schedule interleaves the second calls' timesteps
+TWO_CALL_SAMPLERS = ("dpm2",)
 # scheduler modules whose log/exp (torch's and numpy's) a nudged run perturbs too (_NudgedTranscendentals)
 TRANSCENDENTAL_NUDGED = {"deis": scheduling_deis_multistep}
 
@@ -170,11 +173,15 @@ def run_diffusers(sampler: str, cfg: dict[str, Any], steps: int, x_t: np.ndarray
     if sampler == "heun":  # diffusers lists [t0, t1, t1, t2, t2, ...]: one entry per model call
         ts_ours = torch.cat([ts[:1], ts[1::2]])
         sig_ours = torch.cat([sig[:1], sig[1::2]])
+    elif sampler in TWO_CALL_SAMPLERS:  # dpm2: [t0, t_mid0, t1, t_mid1, ...], sigmas [s0, s1, s1, s2, s2, ..]
+        ts_ours = ts[0::2]
+        sig_ours = sig[0::2]
     else:
         ts_ours, sig_ours = ts, sig
-    if len(ts) > 1 and ts[0] == ts[1] and hasattr(sched, "set_begin_index"):
-        # A repeated first timestep sends diffusers' step-index lookup to the second copy and
-        # the run crashes at its end (IndexError); pin the intended start.
+    if int((ts == ts[0]).sum()) > 1 and hasattr(sched, "set_begin_index"):
+        # A repeated first timestep sends diffusers' step-index lookup to the second copy (Heun's
+        # [t0, t0, ...]; dpm2's [999, 998.8, 999, ...] with a cosine Karras schedule): the run then skips
+        # steps or crashes at its end (IndexError); pin the intended start.
         sched.set_begin_index(0)
 
     current = {"step": 0, "k": 0}
@@ -214,7 +221,7 @@ def _diffusers_loop(sampler: str, sched: Any, ts: torch.Tensor, x_t: np.ndarray,
         # DEISMultistepScheduler calls np.log on torch tensors, which NumPy 2 warns about at every step
         warnings.filterwarnings("ignore", message="__array_wrap__ must accept context", category=DeprecationWarning)
         for call, t in enumerate(ts):
-            current["step"] = call if sampler != "heun" else (call + 1) // 2
+            current["step"] = call if sampler not in ("heun", *TWO_CALL_SAMPLERS) else (call + 1) // 2
             current["k"] = 0
             if gen is not None:
                 x = _nudge(x, gen)
@@ -227,7 +234,7 @@ def _diffusers_loop(sampler: str, sched: Any, ts: torch.Tensor, x_t: np.ndarray,
                 out = (x - out) / sigma  # epsilon with the same x0 = out
             kwargs = {"eta": eta} if sampler in ("ddim", "tcd") else {}  # tcd's own default is 0.3
             x = sched.step(out, t, x, **kwargs).prev_sample
-            if sampler != "heun" or call % 2 == 1 or call == n_calls - 1:
+            if sampler not in ("heun", *TWO_CALL_SAMPLERS) or call % 2 == 1 or call == n_calls - 1:
                 xs.append(x.numpy().copy())
     return x_init, xs
 

@@ -252,13 +252,15 @@ def test_a_pndm_folder_defaults_to_pndm_and_matches_its_diffusers_pipeline(folde
 
 
 @pytest.mark.parametrize("sampler,scheduler_class,extra", [("deis", "DEISMultistepScheduler", {"solver_order": 3}),
-                                                           ("lms", "LMSDiscreteScheduler", {})])
+                                                           ("lms", "LMSDiscreteScheduler", {}),
+                                                           ("dpm2", "KDPM2DiscreteScheduler", {})])
 def test_a_multistep_folder_defaults_to_its_sampler_and_matches_its_diffusers_pipeline(folders, tmp_path, sampler,
                                                                                        scheduler_class, extra):
-    """Some deployed SD 1.x fine-tunes save DEISMultistepScheduler or LMSDiscreteScheduler: the load runs
-    it by default and its image is diffusers' pipeline's from the same latents -- DEIS's third order
-    included (order 3 over 5 steps: warm-up, one third-order step, the wind-down) and its last step
-    landing on timestep 0's noise level, LMS's four-derivative steps."""
+    """Some deployed SD 1.x fine-tunes save DEISMultistepScheduler, LMSDiscreteScheduler or
+    KDPM2DiscreteScheduler: the load runs it by default and its image is diffusers' pipeline's from the
+    same latents -- DEIS's third order included (order 3 over 5 steps: warm-up, one third-order step,
+    the wind-down) and its last step landing on timestep 0's noise level, LMS's four-derivative steps,
+    DPM2's second call at each step's log-midpoint sigma (one call on the last)."""
     import diffusers
 
     from tests._support.sd_fixtures import SCHEDULER
@@ -337,8 +339,8 @@ def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog
     the family's default with one warning naming it."""
     import logging
 
-    from diffusers import (DEISMultistepScheduler, DPMSolverMultistepScheduler, KDPM2DiscreteScheduler,
-                           LMSDiscreteScheduler, PNDMScheduler)
+    from diffusers import (DEISMultistepScheduler, DPMSolverMultistepScheduler, KDPM2AncestralDiscreteScheduler,
+                           KDPM2DiscreteScheduler, LMSDiscreteScheduler, PNDMScheduler)
 
     from preheat.families.stable_diffusion import SD
     from preheat.families.text import default_sampler
@@ -356,6 +358,7 @@ def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog
         "plms": (PNDMScheduler(skip_prk_steps=True), "pndm"),
         "deis": (DEISMultistepScheduler(), "deis"),
         "lms": (LMSDiscreteScheduler(), "lms"),
+        "dpm2": (KDPM2DiscreteScheduler(), "dpm2"),
     }
     caplog.set_level(logging.WARNING, logger="preheat.families")
     for name, (scheduler, sampler) in picked.items():
@@ -368,7 +371,7 @@ def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog
                  "solver_type='heun'"),
         "order3": (DPMSolverMultistepScheduler(solver_order=3), "solver_order=3"),
         "prk": (PNDMScheduler(), "skip_prk_steps=False"),
-        "kdpm2": (KDPM2DiscreteScheduler(), "scheduler KDPM2DiscreteScheduler is not implemented"),
+        "kdpm2a": (KDPM2AncestralDiscreteScheduler(), "scheduler KDPM2AncestralDiscreteScheduler is not implemented"),
     }
     for name, (scheduler, needle) in refused.items():
         caplog.clear()

@@ -95,12 +95,13 @@ EXTRAS: dict[str, list[dict[str, Any]]] = {
     "deis": [{"solver_order": 3}, {"solver_order": 1, "use_karras_sigmas": True},
              {"solver_order": 3, "use_karras_sigmas": True}, {"lower_order_final": False}],
     "lms": [{"use_karras_sigmas": True}],
+    "dpm2": [{"use_karras_sigmas": True}],
 }
 # Samplers added later whose base grid rotates the step count (as EXTRAS do) instead of crossing
 # it: their schedules are another's (dpm++'s) or DDIM's grid, so a third of the cases cover them.
-ROTATED: tuple[str, ...] = ("dpmpp_2m_sde", "dpmpp_2m_sde_karras", "pndm", "deis", "lms")
+ROTATED: tuple[str, ...] = ("dpmpp_2m_sde", "dpmpp_2m_sde_karras", "pndm", "deis", "lms", "dpm2")
 # prediction types a sampler's diffusers class refuses (test_sampler_config checks ours refuses them)
-UNSUPPORTED_PREDICTIONS: dict[str, tuple[str, ...]] = {"pndm": ("sample",)}
+UNSUPPORTED_PREDICTIONS: dict[str, tuple[str, ...]] = {"pndm": ("sample",), "dpm2": ("sample",)}
 
 
 def _cases() -> list[Any]:

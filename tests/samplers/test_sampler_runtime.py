@@ -89,8 +89,9 @@ def test_model_calls_and_noise_draws(sampler: str) -> None:
     jax.block_until_ready(x)
     jax.effects_barrier()
     n = int(plan.n_steps)
-    assert counts["model"] == (2 * n - 1 if sampler == "heun" else n)
-    assert spec.max_model_calls_per_step == (2 if sampler == "heun" else 1)
+    two_calls = sampler in ("heun", "dpm2")
+    assert counts["model"] == (2 * n - 1 if two_calls else n)
+    assert spec.max_model_calls_per_step == (2 if two_calls else 1)
     assert counts["noise"] == n * spec.noise_draws_per_step
     assert spec.noise_draws_per_step == (1 if sampler in ("ddpm", "ddim", "euler_a", "lcm", "tcd", "dpmpp_2m_sde",
                                                           "dpmpp_2m_sde_karras") else 0)
@@ -141,7 +142,8 @@ def test_final_sample_is_in_data_space(sampler: str) -> None:
     def model(x: jax.Array, t: jax.Array) -> jax.Array:
         return jnp.broadcast_to(target, x.shape)
 
-    if sampler == "pndm":  # PNDMScheduler takes no "sample" prediction: the epsilon of that image, ending at alpha 1
+    if sampler in ("pndm", "dpm2"):  # their classes take no "sample" prediction: the epsilon of that image
+        # (pndm ending at alpha 1)
         cfg = SchedulerConfig.from_dict({**{k: getattr(cfg, k) for k in ("beta_schedule", "beta_start", "beta_end")},
                                          "set_alpha_to_one": True})
         ab = jnp.asarray(_schedules.alphas_cumprod(_schedules.betas("scaled_linear", 0.00085, 0.012, 1000)))
@@ -149,6 +151,13 @@ def test_final_sample_is_in_data_space(sampler: str) -> None:
         def model(x: jax.Array, t: jax.Array) -> jax.Array:  # noqa: F811
             a = ab[t.astype(jnp.int32)]
             return (x - jnp.sqrt(a) * target) / jnp.sqrt(1.0 - a)
+
+        if sampler == "dpm2":  # variance exploding, at fractional t: the sigma of t, as its schedule interpolates
+            train_sigmas = jnp.sqrt((1.0 - ab) / ab)
+
+            def model(z: jax.Array, t: jax.Array) -> jax.Array:  # noqa: F811
+                sigma = jnp.interp(t, jnp.arange(1000), train_sigmas)
+                return (z * jnp.sqrt(sigma * sigma + 1.0) - target) / sigma
 
     spec, plan = make_spec(cfg, sampler), make_plan(cfg, sampler, 8, eta=_eta(sampler))
     noise = np.random.default_rng(1).standard_normal(SHAPE, dtype=np.float32)

@@ -123,6 +123,28 @@ def test_zero_terminal_snr_rescale_matches_diffusers(schedule: str, start: float
             assert plan.sigmas[0] == correctly_rounded_f32(np.sqrt((1 - 2.0**-24) / 2.0**-24))
 
 
+@pytest.mark.parametrize("karras", [False, True])
+@pytest.mark.parametrize("schedule,start,end", SCHEDULES)
+def test_dpm2_midpoints_match_diffusers(schedule: str, start: float, end: float, karras: bool) -> None:
+    """dpm2's second call: at the log-midpoint sigma of each step (KDPM2's ``sigmas_interpol``) within
+    1 ulp (ours is correctly rounded; torch's float32 log, lerp and exp are not: the float32 log of a
+    sigma ~1e4 alone moves the result by ~10 ulps), and the model's t there (``_sigma_to_t``) within
+    1e-3 of a training step; 0 on the last step, where diffusers makes no second call."""
+    config = {"beta_schedule": schedule, "beta_start": start, "beta_end": end, "use_karras_sigmas": karras}
+    theirs = diffusers.KDPM2DiscreteScheduler(**config)
+    for steps in (1, 2, 7, 20, 50):
+        theirs.set_timesteps(steps)
+        plan = make_plan(SchedulerConfig.from_dict(config), "dpm2", steps)
+        mid_theirs = theirs.sigmas_interpol.numpy()[1::2][:steps]  # [s_mid0, s_mid1, ..., 0]
+        t_theirs = theirs.timesteps.numpy()[1::2]  # the second calls' t (none on the last step)
+        ours = plan.mid_sigmas[:steps]
+        assert ours[-1] == mid_theirs[-1] == 0
+        np.testing.assert_allclose(ours, mid_theirs, rtol=2e-6)  # torch: up to ~10 ulps at 1e4
+        np.testing.assert_array_equal(correctly_rounded_f32(np.sqrt(plan.sigmas[:steps].astype(np.float64)
+                                                                    * plan.sigmas[1:steps + 1])), ours)
+        np.testing.assert_allclose(plan.mid_timesteps[:steps - 1], t_theirs, atol=1e-3)
+
+
 def test_sigma_to_t_matches_diffusers() -> None:
     sched = diffusers.EulerDiscreteScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
     log_sigmas = np.log(np.array(((1 - sched.alphas_cumprod) / sched.alphas_cumprod) ** 0.5))

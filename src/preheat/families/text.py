@@ -71,6 +71,7 @@ SAMPLER_OF_SCHEDULER = {
     "PNDMScheduler": "pndm",  # with skip_prk_steps=True (folder_sampler refuses the Runge-Kutta warm-up)
     "DEISMultistepScheduler": "deis",
     "LMSDiscreteScheduler": "lms",
+    "KDPM2DiscreteScheduler": "dpm2",
     "FlowMatchEulerDiscreteScheduler": "flow_euler",
     "FlowMatchHeunDiscreteScheduler": "flow_heun",
     "EDMEulerScheduler": "edm_euler",

@@ -8,7 +8,8 @@ noise is supplied explicitly by the caller.
 Public API::
 
     SAMPLERS: tuple[str, ...]                 # DIFFUSION_SAMPLERS + FLOW_SAMPLERS + EDM_SAMPLERS
-    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm, tcd, unipc, dpmpp_2m_sde(_karras), pndm
+    DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm, tcd, unipc, dpmpp_2m_sde(_karras), pndm,
+                                              #   deis, lms, dpm2
     FLOW_SAMPLERS: tuple[str, ...]            # ("flow_euler", "flow_heun")
     EDM_SAMPLERS: tuple[str, ...]             # ("edm_euler", "edm_dpmpp_2m", "edm_dpmpp_2m_sde")
     DETERMINISTIC_SAMPLERS: tuple[str, ...]   # samplers without per-step noise (flow ones included)
@@ -72,6 +73,9 @@ count need a recompile)::
     lms              LMSDiscreteScheduler (order 4: this and the last    1                  no
                      three derivatives, exact Lagrange integrals in
                      the Plan; Karras)
+    dpm2             KDPM2DiscreteScheduler (Euler to the log-midpoint  2 (1 on the last)  no
+                     sigma, the model there, the step along its
+                     derivative; Karras)
     flow_euler       FlowMatchEulerDiscreteScheduler (shift, dynamic     1                  no
                      shifting with mu, custom sigmas, invert_sigmas,
                      shift_terminal, Karras / exponential sigmas)

@@ -444,6 +444,8 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
                 f"supported for sampler {sampler!r}; use timestep_type='discrete'"
             )
 
+    if sampler == "dpm2":  # KDPM2DiscreteScheduler.step raises on "sample"
+        _check_choice("prediction_type", prediction_type, ("epsilon", "v_prediction"), sampler)
     if sampler == "pndm":
         if config.skip_prk_steps is False:
             raise SchedulerConfigError(
@@ -468,7 +470,7 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
         use_karras = True
     elif sampler in ("dpmpp_2m", "dpmpp_2m_sde"):
         use_karras = False
-    elif "use_karras_sigmas" in defaults:  # euler, heun, unipc, deis, lms: as their diffusers classes do
+    elif "use_karras_sigmas" in defaults:  # euler, heun, unipc, deis, lms, dpm2: as their diffusers classes do
         use_karras = bool(get("use_karras_sigmas"))
     else:  # ddpm, ddim, euler_a: their diffusers classes do not read the key
         use_karras = False

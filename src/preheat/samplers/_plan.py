@@ -41,6 +41,7 @@ _SOLVER_OF_SAMPLER = {
     "pndm": "pndm",
     "deis": "deis",
     "lms": "lms",
+    "dpm2": "dpm2",
     # flow matching: the same Euler / Heun updates in sigma, fed the model's velocity
     # (SolverSpec.prediction_type == "flow") instead of a derivative from an x0 estimate
     "flow_euler": "euler",
@@ -54,7 +55,7 @@ _SOLVER_OF_SAMPLER = {
 # Samplers whose diffusers ``set_timesteps`` takes ``mu`` and ``sigmas`` (and so make_plan).
 MU_SIGMAS_SAMPLERS: tuple[str, ...] = ("flow_euler",)
 _SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde", "dpmpp_2m_sde_karras",
-                   "unipc", "deis", "lms")
+                   "unipc", "deis", "lms", "dpm2")
 _NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1, "lcm": 1, "tcd": 1,
                 "dpmpp_2m_sde": 1}  # by solver (edm_dpmpp_2m_sde's is dpmpp_2m_sde)
 # Samplers whose make_plan takes a custom descending ``timesteps`` list (their diffusers
@@ -75,7 +76,7 @@ class SolverSpec:
     """
 
     solver: str  # "ddpm" | "ddim" | "euler" | "euler_a" | "heun" | "dpmpp_2m" | "lcm" | "tcd" | "unipc"
-    #   | "dpmpp_2m_sde" | "pndm" | "deis" | "lms"
+    #   | "dpmpp_2m_sde" | "pndm" | "deis" | "lms" | "dpm2"
     prediction_type: str  # "epsilon" | "v_prediction" | "sample" | "flow" (velocity; euler/heun only)
     clip_sample: bool = False  # clamp the x0 prediction (ddpm, ddim, heun, lcm only)
     clip_sample_range: float = 1.0
@@ -100,8 +101,8 @@ class SolverSpec:
 
     @property
     def max_model_calls_per_step(self) -> int:
-        """Heun evaluates the model twice per step except on the last one."""
-        return 2 if self.solver == "heun" else 1
+        """Heun and DPM2 evaluate the model twice per step except on the last one."""
+        return 2 if self.solver in ("heun", "dpm2") else 1
 
 
 class Plan(NamedTuple):
@@ -126,6 +127,9 @@ class Plan(NamedTuple):
     progress_id: np.ndarray = np.int32(0)  # int32 []: whose call the step reports are (preheat.progress)
     lms_coeffs: np.ndarray = np.zeros((1, LMS_ORDER), np.float32)  # float32 [L, 4]: lms: step i's weights of
     #   the derivatives of steps i, i-1, i-2, i-3 (zeros elsewhere; make_plan always fills all L rows)
+    mid_sigmas: np.ndarray = np.zeros(1, np.float32)  # float32 [L]: dpm2: the log-midpoint of sigma_i and
+    #   sigma_{i+1}, where its second model call is (0 on the last step: no second call); zeros elsewhere
+    mid_timesteps: np.ndarray = np.zeros(1, np.float32)  # float32 [L]: dpm2: the model's t at mid_sigmas[i]
 
 
 def make_spec(config: SchedulerConfig, sampler: str) -> SolverSpec:
@@ -208,7 +212,8 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
     mid = _tcd_mid(timesteps, eta, alpha_bar_train) if sampler == "tcd" else None
     corrector = _unipc_corrector(r, len(timesteps)) if sampler == "unipc" else None
     lms = _lms_coefficients(sched_sigmas) if sampler == "lms" else None
-    return _pad(T, rows, eta, mid, corrector, lms)
+    midpoints = _dpm2_midpoints(sched_sigmas, alpha_bar_train) if sampler == "dpm2" else None
+    return _pad(T, rows, eta, mid, corrector, lms, midpoints)
 
 
 def flow_mu(config: SchedulerConfig, image_seq_len: int) -> float:
@@ -234,7 +239,7 @@ def flow_mu(config: SchedulerConfig, image_seq_len: int) -> float:
 
 def strength_start(steps: int, strength: float, rule: str = "sd") -> int:
     """The first step an img2img call runs: diffusers' ``get_timesteps(steps, strength)``, whose
-    ``t_start * scheduler.order`` is this step of a ``Plan`` (Heun's two calls are one step here).
+    ``t_start * scheduler.order`` is this step of a ``Plan`` (Heun's and DPM2's two calls are one step here).
 
     "sd" (SD 1.x/2.x, SDXL): ``steps - min(int(steps * strength), steps)``; "flow" (Flux, SD3):
     ``int(steps - min(steps * strength, steps))`` -- the cast after the subtraction, not before.
@@ -272,9 +277,11 @@ def _check_eta(sampler: str, eta: float) -> None:
 
 
 def _pad(T: int, rows: "_Rows", eta: float, mid: np.ndarray | None = None,
-         corrector: np.ndarray | None = None, lms: np.ndarray | None = None) -> Plan:
+         corrector: np.ndarray | None = None, lms: np.ndarray | None = None,
+         midpoints: tuple[np.ndarray, np.ndarray] | None = None) -> Plan:
     """The padded ``Plan`` (``T + 1`` rows whatever the step count) of one schedule (``mid``:
-    tcd's alpha_bar_mid rows; ``corrector``: unipc's; ``lms``: lms's coefficient rows)."""
+    tcd's alpha_bar_mid rows; ``corrector``: unipc's; ``lms``: lms's coefficient rows; ``midpoints``:
+    dpm2's (sigmas, timesteps))."""
     timesteps, sigmas, ab, ab_prev, order, init_sigma = rows
     L = T + 1
 
@@ -295,6 +302,8 @@ def _pad(T: int, rows: "_Rows", eta: float, mid: np.ndarray | None = None,
         alpha_bar_mid=pad(np.ones(0, _F32) if mid is None else mid, 1.0, _F32),
         corrector=pad(np.zeros(0, bool) if corrector is None else corrector, False, np.bool_),
         lms_coeffs=pad(np.zeros((0, LMS_ORDER), _F32) if lms is None else lms, 0.0, _F32),
+        mid_sigmas=pad(np.zeros(0, _F32) if midpoints is None else midpoints[0], 0.0, _F32),
+        mid_timesteps=pad(np.zeros(0, _F32) if midpoints is None else midpoints[1], 0.0, _F32),
     )
 
 
@@ -413,7 +422,7 @@ def _pndm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> tu
 
 
 def _sigma_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:
-    """euler, euler_a, heun, lms: float32 timesteps, sigmas interpolated linearly in t."""
+    """euler, euler_a, heun, lms, dpm2: float32 timesteps, sigmas interpolated linearly in t."""
     T = r.num_train_timesteps
     ts = S.spaced_timesteps(r.timestep_spacing, T, steps, r.steps_offset)
     ts32 = ts.astype(_F32)  # diffusers casts before interpolating
@@ -425,7 +434,8 @@ def _sigma_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _
         lo = r.sigma_min if r.sigma_min is not None else sig[-1].item()
         hi = r.sigma_max if r.sigma_max is not None else sig[0].item()
         sig = S.karras_sigmas(lo, hi, steps)
-        ts32 = S.sigma_to_t(sig, np.log(sig_train)).astype(_F32)
+        t_frac = S.sigma_to_t(sig, np.log(sig_train))
+        ts32 = (t_frac.round() if r.sampler == "dpm2" else t_frac).astype(_F32)  # KDPM2 rounds them
     sigmas = np.append(sig, 0.0).astype(_F32)
     n = len(ts32)
     top = sigmas.max()
@@ -489,6 +499,16 @@ def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Ro
     order[0] = 1  # no history yet
     order[-1] = 1  # final sigma is 0: diffusers always finishes first order
     return ts_int.astype(_F32), sigmas, ones, ones, order, _F32(1.0)
+
+
+def _dpm2_midpoints(sigmas: np.ndarray, alpha_bar_train: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """dpm2: float32 ``[n]`` each step's log-midpoint sigma ``exp((log s_i + log s_{i+1}) / 2)``, the geometric
+    mean (0 onto the final sigma 0), and the model's t there (interpolated in the training log-sigmas, as
+    KDPM2's ``_sigma_to_t``). Correctly rounded; torch's float32 log, lerp and exp land a few ulps away."""
+    s = sigmas.astype(np.float64)  # [n + 1]; the product of two float32 values is exact in float64
+    mid = np.sqrt(s[:-1] * s[1:]).astype(_F32)
+    t = S.sigma_to_t(mid, np.log(S.train_sigmas(alpha_bar_train)))
+    return mid, t.astype(_F32)
 
 
 def _lms_coefficients(sigmas: np.ndarray) -> np.ndarray:

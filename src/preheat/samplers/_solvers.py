@@ -69,7 +69,7 @@ class Start(NamedTuple):
     #   rest is put back as x0 noised to the next level (mask blending on a base model's 4 channels)
 
 
-# Mask blending needs one blend per scheduler call; Heun's two calls per step are one step here.
+# Mask blending needs one blend per scheduler call; Heun's and DPM2's two calls per step are one step here.
 BLEND_SOLVERS: tuple[str, ...] = ("ddpm", "ddim", "euler", "euler_a", "dpmpp_2m", "lcm", "tcd", "unipc",
                                   "dpmpp_2m_sde", "pndm", "deis", "lms")
 # Multistep dpm++ solvers: they carry the previous x0 and start (again) at first order.
@@ -156,7 +156,7 @@ def noised(spec: SolverSpec, plan: Plan, x0: jax.Array, noise: jax.Array, i: jax
     if spec.prediction_type == "flow":
         sigma = _at(plan.sigmas, i)
         return sigma * noise + (1.0 - sigma) * x0
-    if spec.solver in ("euler", "euler_a", "heun", "lms") or spec.sigma_data:  # EDM: variance exploding
+    if spec.solver in ("euler", "euler_a", "heun", "lms", "dpm2") or spec.sigma_data:  # EDM: variance exploding
         return x0 + noise * _at(plan.sigmas, i)
     if spec.solver in (*_DPM_SOLVERS, "unipc", "deis"):
         alpha, sigma = _vp(_at(plan.sigmas, i))
@@ -339,6 +339,24 @@ def _heun_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, 
 
     x_new = jax.lax.cond(sigma_next > 0, correct, lambda _: x_euler, None)
     return state._replace(x=x_new)
+
+
+def _dpm2_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+               noise_fn: NoiseFn) -> SamplerState:
+    """DPM-Solver-2 (Lu et al. 2022; k-diffusion's ``sample_dpm_2``, KDPM2DiscreteScheduler): Euler to the
+    log-midpoint sigma, the model there, and the whole step along that midpoint's derivative; on the
+    last step (midpoint 0) the first call's Euler move onto sigma 0 is the result (one call)."""
+    x = state.x
+    sigma, sigma_next = _at(plan.sigmas, i), _at(plan.sigmas, i + 1)
+    sigma_mid = _at(plan.mid_sigmas, i)
+    d = _derivative(spec, model, x, _at(plan.timesteps, i), sigma)
+    x_mid = x + d * (sigma_mid - sigma)  # [*S]
+
+    def second(_: None) -> jax.Array:
+        d_mid = _derivative(spec, model, x_mid, _at(plan.mid_timesteps, i), sigma_mid)
+        return x + d_mid * (sigma_next - sigma)
+
+    return state._replace(x=jax.lax.cond(sigma_mid > 0, second, lambda _: x_mid, None))
 
 
 def _dpmpp_2m_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
@@ -652,4 +670,5 @@ _STEP_OF_SOLVER = {
     "pndm": _pndm_step,
     "deis": _deis_step,
     "lms": _lms_step,
+    "dpm2": _dpm2_step,
 }

@@ -24,6 +24,7 @@ DIFFUSION_SAMPLERS: tuple[str, ...] = (
     "pndm",
     "deis",
     "lms",
+    "dpm2",
 )
 # Samplers for flow-matching models (the model predicts the velocity ``noise - x0``).
 FLOW_SAMPLERS: tuple[str, ...] = ("flow_euler", "flow_heun")
@@ -34,7 +35,8 @@ SAMPLERS: tuple[str, ...] = DIFFUSION_SAMPLERS + FLOW_SAMPLERS + EDM_SAMPLERS
 # Diffusion samplers that draw no noise per step (ddim given eta=0), so that two backends given the
 # same initial noise agree image for image (the torch backend's and bench compare's comparisons).
 DETERMINISTIC_SAMPLERS: tuple[str, ...] = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras", "unipc", "pndm",
-                                           "deis", "lms", *FLOW_SAMPLERS, "edm_euler", "edm_dpmpp_2m")
+                                           "deis", "lms", "dpm2", *FLOW_SAMPLERS, "edm_euler",
+                                           "edm_dpmpp_2m")
 
 # The diffusers class each sampler reproduces (named in error messages).
 DIFFUSERS_CLASS: dict[str, str] = {
@@ -53,6 +55,7 @@ DIFFUSERS_CLASS: dict[str, str] = {
     "pndm": "PNDMScheduler",
     "deis": "DEISMultistepScheduler",
     "lms": "LMSDiscreteScheduler",
+    "dpm2": "KDPM2DiscreteScheduler",
     "flow_euler": "FlowMatchEulerDiscreteScheduler",
     "flow_heun": "FlowMatchHeunDiscreteScheduler",
     "edm_euler": "EDMEulerScheduler",
@@ -252,6 +255,20 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
         "use_karras_sigmas": False,
         "use_exponential_sigmas": False,
         "use_beta_sigmas": False,
+    },
+    # DPM-Solver-2 (k-diffusion's sample_dpm_2, "DPM2"): Euler to the log-midpoint sigma, the model there,
+    # then the whole step with that derivative; Euler's schedule (its Karras timesteps rounded)
+    "dpm2": {
+        **_COMMON,
+        "beta_start": 0.00085,
+        "beta_end": 0.012,
+        "timestep_spacing": "linspace",
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        # read through the config by the Karras conversion, as for heun
+        "sigma_min": None,
+        "sigma_max": None,
     },
     "flow_euler": {
         "num_train_timesteps": 1000,

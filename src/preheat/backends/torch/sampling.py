@@ -31,6 +31,7 @@ DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "pndm": ("PNDMScheduler", {"skip_prk_steps": True}),
     "deis": ("DEISMultistepScheduler", {"algorithm_type": "deis", "solver_type": "logrho"}),  # its only ones
     "lms": ("LMSDiscreteScheduler", {}),
+    "dpm2": ("KDPM2DiscreteScheduler", {}),
     "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}),
     "flow_heun": ("FlowMatchHeunDiscreteScheduler", {}),
     "edm_euler": ("EDMEulerScheduler", {}),
