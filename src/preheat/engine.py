@@ -108,8 +108,8 @@ pytree batched on axis 0 (``{}`` for unconditional models), lora the denoiser's 
 batch (``preheat.models.adapters.Adapters``: factors, scales, each image's slot (B,)) or None.
 
 The denoising program's one argument is a ``DenoiseArgs`` (``preheat.families.stages``): its
-``BATCHED`` fields are split over the devices, the rest (weights, schedule, guidance scale, LoRA
-factors) replicated."""
+``BATCHED`` fields are split over the devices, the rest (weights, schedule, guidance scale and
+rescale, LoRA factors) replicated."""
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,8 @@ def test_pil_images_and_stage_timings(pipes):
     (dict(prompt=["a", "b"], n=3), "prompt", "got 2 prompts for n=3"),
     (dict(class_labels=3, prompt="x"), "class_labels", "unexpected argument 'class_labels'"),
     (dict(prompt="x", steps=0), "steps", "steps=0 must be a positive int"),
-    (dict(prompt="x", guidance_rescale=1.5), "guidance_rescale", "guidance_rescale=1.5 must be a finite number in [0, 1]"),
+    (dict(prompt="x", guidance_rescale=1.5), "guidance_rescale", "guidance_rescale=1.5 must be a finite number in "
+     "[0, 1]"),
     (dict(prompt="x", guidance_rescale=-0.1), "guidance_rescale", "guidance_rescale=-0.1 must be a finite number in"),
     (dict(prompt="x", guidance_rescale="high"), "guidance_rescale", "guidance_rescale='high' must be a number"),
     (dict(prompt="x", guidance_rescale=float("nan")), "guidance_rescale", "must be a finite number in [0, 1]"),
