@@ -114,6 +114,14 @@ def test_sample_help_lists_every_sampler():
     assert all(name in out for name in SAMPLERS) and "flow_euler" in out and "flow_heun" in out
 
 
+def test_sample_help_lists_a_declared_input_with_the_families_declaring_it():
+    """The model inputs section is read from the declarations: SD's and SDXL's guidance_rescale is
+    listed under its flag with those two families (no hand-written option, no other family)."""
+    out = CliRunner().invoke(main, ["sample", "--help"], terminal_width=400, max_content_width=400).output
+    (row,) = [line.split() for line in out.splitlines() if line.split()[:1] == ["--guidance-rescale"]]
+    assert " ".join(row).endswith("[stable-diffusion, stable-diffusion-xl]"), row
+
+
 def test_a_missing_extra_names_the_pip_install(tmp_path):
     """`serve` and the Runpod handler without the serve extra: one line naming `pip install ".[serve]"`
     (subprocesses, whose imports of the extra's modules fail as in an environment without it)."""

@@ -22,6 +22,8 @@ What is static (changes a program) and what is data (does not), for the denoisin
     batch size, sample (latent) shape     guidance scale, seeds, the user's initial noise
     guidance on/off, user noise or not    conditioning: class labels, prompt embeddings,
     conditioning structure                negative prompts, SDXL's size/crop ids
+    guidance rescale or not (a guided     the guidance rescale phi (``families.guidance``;
+      call of a family declaring it)        0 selects the plain combination exactly)
     the device mesh (load(devices=...))
     LoRA: rank bucket, adapter slots      LoRA factors, scales, each image's adapter
                                           (``preheat.lora``; no LoRA = the program without)
@@ -59,6 +61,7 @@ from preheat.errors import InvalidArgumentError, PreheatError, SamplingStopped
 from preheat.families import request as request_of
 from preheat.families.base import Family, LoadedModel, Request, StageSignature, to_pixels
 from preheat.families.components import Components, PixelComponents
+from preheat.families.guidance import guidance_rescale
 from preheat.families.stages import DenoiseArgs, LoraArgs
 from preheat.progress import Progress, Reporter, current, reporting
 from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
@@ -69,7 +72,7 @@ if TYPE_CHECKING:
     from preheat.lora import LoraRuntime  # imported by the models that take LoRAs (a pixel model never does)
 
 __all__ = ["Pipeline", "load_jax_pipeline", "BUILTIN_MODEL", "BUILTIN_MODELS", "model_root", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
-           "DenoiseArgs", "build_program", "make_compiler"]
+           "DenoiseArgs", "build_program", "rescaled_guidance", "make_compiler"]
 
 BUILTIN_MODEL = Path(__file__).parent / "assets" / "digits"
 # ``builtin:NAME``: the models shipped in the package (trained by ``preheat train-digits`` and
@@ -105,8 +108,8 @@ pytree batched on axis 0 (``{}`` for unconditional models), lora the denoiser's 
 batch (``preheat.models.adapters.Adapters``: factors, scales, each image's slot (B,)) or None.
 
 The denoising program's one argument is a ``DenoiseArgs`` (``preheat.families.stages``): its
-``BATCHED`` fields are split over the devices, the rest (weights, schedule, guidance scale, LoRA
-factors) replicated."""
+``BATCHED`` fields are split over the devices, the rest (weights, schedule, guidance scale and
+rescale, LoRA factors) replicated."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,22 @@ class Signature:
         return jax.ShapeDtypeStruct((self.batch, *self.sample_shape), jnp.uint8 if self.pixels else jnp.float32)
 
 
+def rescaled_guidance(guided: jax.Array, cond: jax.Array, phi: jax.Array) -> jax.Array:
+    """diffusers' ``rescale_noise_cfg`` (guidance_rescale; the paper's section 3.4): each image's
+    guided prediction scaled to the std of its conditional one, blended with itself by ``phi``,
+    against the over-exposure a high guidance scale gives. ``phi`` is data: 0 selects ``guided``
+    exactly (a select, not the blend), and a flat guided prediction (std 0) is kept as it is rather
+    than divided by zero (diffusers' would be NaN)."""
+    axes = tuple(range(1, guided.ndim))  # every axis but the batch
+    # torch's .std is unbiased (ddof=1), as here; the correction cancels in the ratio anyway
+    std_cond = jnp.std(cond, axis=axes, keepdims=True, ddof=1)  # (B, 1, 1, 1)
+    std_guided = jnp.std(guided, axis=axes, keepdims=True, ddof=1)  # (B, 1, 1, 1)
+    flat = std_guided == 0
+    ratio = jnp.where(flat, 1.0, std_cond / jnp.where(flat, 1.0, std_guided))  # (B, 1, 1, 1)
+    blended = phi * (guided * ratio) + (1 - phi) * guided  # (B, H, W, C)
+    return jnp.where(phi > 0, blended, guided)
+
+
 def build_program(sig: Signature, apply: Denoiser) -> Callable[[DenoiseArgs], jax.Array]:
     """The whole denoising call as one pure function of a ``DenoiseArgs``.
 
@@ -143,12 +162,14 @@ def build_program(sig: Signature, apply: Denoiser) -> Callable[[DenoiseArgs], ja
     step index from the encoded image, noised with the same ε the text-to-image call would start
     from (the user's ``noise``, or the seeds' draw) -- every family's img2img and inpainting start
     here. ``args.lora`` (only when ``sig.lora``): the denoiser's adapters, each image's slot
-    repeated for the unconditional half of a guided batch."""
+    repeated for the unconditional half of a guided batch. ``args.guidance_rescale`` (a guided
+    call of a family that declares it; None: left out of the program): :func:`rescaled_guidance`
+    on the combined prediction, before the sampler sees it, as diffusers' pipelines apply it."""
     spec = sig.spec
     draws = max(spec.noise_draws_per_step, 1)
 
     def program(args: DenoiseArgs) -> jax.Array:
-        params, cond, guidance = args.params, args.cond, args.guidance
+        params, cond, guidance, rescale = args.params, args.cond, args.guidance, args.guidance_rescale
         b = args.seeds.shape[0]  # sig.batch, or each device's slice of it under data parallelism
         keys = image_keys(args.seeds)
         if sig.user_noise:
@@ -168,7 +189,10 @@ def build_program(sig: Signature, apply: Denoiser) -> Callable[[DenoiseArgs], ja
             both = apply(params, jnp.concatenate([x, x]), jnp.concatenate([tb, tb]), both_cond,
                          lora).astype(jnp.float32)
             c, u = both[:b], both[b:]  # (B, H, W, C) each
-            return u + guidance.astype(jnp.float32) * (c - u)
+            guided = u + guidance.astype(jnp.float32) * (c - u)  # (B, H, W, C)
+            if rescale is None:  # structure, not a value: the family declares no rescale, or the call is unguided
+                return guided
+            return rescaled_guidance(guided, c, rescale.astype(jnp.float32))
 
         def noise_fn(i: jax.Array, k: int) -> jax.Array:
             return normal_per_image(keys, STEP_STREAM, i * draws + k, sig.sample_shape)
@@ -359,7 +383,8 @@ class Pipeline:
         if start is not None:  # img2img / inpainting: the start step and the image are data
             sig = dataclasses.replace(sig, image="img2img" if start.keep is None else "blend")
         args = DenoiseArgs(params=self.params, plan=plan, seeds=request.seeds, cond=cond, uncond=conditioning.uncond,
-                           guidance=np.float32(request.guidance), noise=noise, start=start, lora=lora)
+                           guidance=np.float32(request.guidance), noise=noise, start=start, lora=lora,
+                           guidance_rescale=guidance_rescale(request))
         return sig, args
 
     def _run_denoise(self, sig: Signature, args: DenoiseArgs) -> Any:

@@ -125,6 +125,32 @@ def _inpainted(folders, pipes, name: str, sampler: str, strength: float, image: 
     return ours, theirs
 
 
+@pytest.mark.parametrize("name", ["sdxl", "sdxl-inpaint"])
+def test_guidance_rescale_reaches_sdxl_img2img_and_inpainting(folders, pipes, name):
+    """diffusers' SDXL img2img and inpaint pipelines take guidance_rescale (SD 1.x's take none): the
+    same rescale here, on the programs the cases above compile (the input is data), the same pixels,
+    and an image that moves by more than that (tests/families/test_stable_diffusion.py: text-to-image)."""
+    if name == "sdxl":
+        image = image_fixtures.sample_image()
+        ref = image_fixtures.reference(folders[name], name, "euler", inpaint=False)
+        call = dict(strength=0.6, num_inference_steps=STEPS, guidance_scale=6.0, negative_prompt="blurry")
+        theirs = image_fixtures.reference_pixels(ref, "a watercolor fox", 3, image=_pil(image), guidance_rescale=0.7,
+                                                 **call)
+        eps = image_fixtures.replayed_noise(SHAPE, 3, draws_before=1)
+        ours, off = (pipes(name).generate("a watercolor fox", image=image, strength=0.6, steps=STEPS, guidance=6.0,
+                                          negative_prompt="blurry", sampler="euler", noise=eps, guidance_rescale=phi)
+                     for phi in (0.7, 0.0))
+    else:
+        image, mask = image_fixtures.sample_image(seed=1), image_fixtures.sample_mask()
+        ours, theirs = _inpainted(folders, pipes, name, "euler", 1.0, image, mask, guidance_rescale=0.7)
+        off, _ = _inpainted(folders, pipes, name, "euler", 1.0, image, mask)
+    _compare(ours, theirs)
+    parity = np.abs(ours.astype(np.int32) - theirs.astype(np.int32)).mean()
+    moved = np.abs(ours.astype(np.int32) - off.astype(np.int32)).mean()
+    print(f"{name} guidance_rescale=0.7: mean |Δpx| vs diffusers {parity:.4f}; 0.7 vs 0 moves it {moved:.4f}")
+    assert moved > 4 * max(parity, 0.25), (parity, moved)
+
+
 @pytest.mark.parametrize("name,sampler,strength", INPAINT, ids=[f"{n}-{s}-{x}" for n, s, x in INPAINT])
 def test_inpainting_matches_diffusers(folders, pipes, name, sampler, strength):
     """9-channel UNets take the mask and the masked image's latents beside the sample; a base

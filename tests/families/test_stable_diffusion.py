@@ -186,6 +186,13 @@ def test_pil_images_and_stage_timings(pipes):
     (dict(prompt=["a", "b"], n=3), "prompt", "got 2 prompts for n=3"),
     (dict(class_labels=3, prompt="x"), "class_labels", "unexpected argument 'class_labels'"),
     (dict(prompt="x", steps=0), "steps", "steps=0 must be a positive int"),
+    (dict(prompt="x", guidance_rescale=1.5), "guidance_rescale", "guidance_rescale=1.5 must be a finite number in "
+     "[0, 1]"),
+    (dict(prompt="x", guidance_rescale=-0.1), "guidance_rescale", "guidance_rescale=-0.1 must be a finite number in"),
+    (dict(prompt="x", guidance_rescale="high"), "guidance_rescale", "guidance_rescale='high' must be a number"),
+    (dict(prompt="x", guidance_rescale=float("nan")), "guidance_rescale", "must be a finite number in [0, 1]"),
+    (dict(prompt="x", guidance_rescale=0.7, guidance=1.0), "guidance_rescale", "guidance_rescale needs classifier-free "
+     "guidance; use a guidance scale other than 1"),
 ])
 def test_bad_inputs_are_one_line_errors_naming_the_argument(pipes, kwargs, argument, needle):
     with pytest.raises(InvalidArgumentError) as err:
@@ -415,6 +422,72 @@ def test_torch_backend_runs_the_same_folder_with_the_same_latents(folders, pipes
     assert torch_pipe.defaults == pipes[kind].defaults
     with pytest.raises(InvalidArgumentError, match="multiple of 2"):
         torch_pipe.generate("x", width=31)  # the same checks as the JAX side
+
+
+def _mean_diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a.astype(np.int32) - b.astype(np.int32)).mean())
+
+
+# diffusers' guidance_rescale (preheat.families.guidance): one image with a negative prompt, 4 euler steps at
+# guidance 7.5 (the paper's phi 0.7), its own latents: one program per kind, every value of the input through it
+RESCALE_CALL = dict(negative_prompt="blurry", height=32, width=32)
+
+
+@pytest.mark.parametrize("kind", ["sd1", "sdxl"])
+def test_guidance_rescale_matches_diffusers_and_is_data(folders, pipes, kind, record_property):
+    prompt, noise, steps = "a photo of a cat", _noise(1, seed=1), 4
+    ref = reference_pipeline(folders[kind], "euler")
+    theirs = reference_pixels(ref, prompt, noise, num_inference_steps=steps, guidance_scale=7.5, guidance_rescale=0.7,
+                              **RESCALE_CALL)
+    theirs_off = reference_pixels(ref, prompt, noise, num_inference_steps=steps, guidance_scale=7.5, **RESCALE_CALL)
+    pipe = pipes[kind]
+    call = dict(noise=noise, steps=steps, sampler="euler", guidance=7.5, **RESCALE_CALL)
+    off = pipe.generate(prompt, **call)  # absent: diffusers' default, 0
+    compiled = len(pipe._executables)
+    ours = pipe.generate(prompt, guidance_rescale=0.7, **call)
+    np.testing.assert_array_equal(pipe.generate(prompt, guidance_rescale=0.0, **call), off)
+    assert len(pipe._executables) == compiled  # data: no value compiles anything new
+    parity, parity_off, moved = _mean_diff(ours, theirs), _mean_diff(off, theirs_off), _mean_diff(ours, off)
+    record_property("mean_abs_px", parity)
+    print(f"{kind} guidance_rescale=0.7: mean |Δpx| vs diffusers {parity:.4f} (at 0: {parity_off:.4f}); "
+          f"0.7 vs 0 moves it {moved:.4f}")
+    assert parity <= MEAN_TOL and parity_off <= MEAN_TOL, (parity, parity_off)
+    # the rescale moves the image far more than we differ from diffusers: a family that ignored the
+    # input (or applied it anywhere else) would fail here
+    assert moved > 4 * max(parity, parity_off, 0.25), (parity, moved)
+    assert ours.std() > 5  # not a flat image
+
+
+def test_guidance_rescale_0_is_exactly_the_program_without_it(pipes):
+    """0 selects the plain CFG combination exactly: the latents equal the program's that has no
+    rescale at all (every other family's, and every unguided call's)."""
+    import dataclasses
+
+    pipe = pipes["sd1"]
+    sig, args = pipe.prepare("a photo of a cat", noise=_noise(1, seed=1), steps=4, sampler="euler", guidance=7.5,
+                             **RESCALE_CALL)  # the program the parity test compiled
+    assert args.guidance_rescale == np.float32(0.0)
+    with_it = np.asarray(pipe.executable(sig, args)(args))
+    bare, plain = dataclasses.replace(pipe, _executables={}), args._replace(guidance_rescale=None)
+    np.testing.assert_array_equal(np.asarray(bare.executable(sig, plain)(plain)), with_it)
+    _, unguided = pipe.prepare("a photo of a cat", steps=4, guidance=1.0, guidance_rescale=0.0)  # 0 is no ask
+    assert unguided.guidance_rescale is None
+
+
+def test_torch_backend_passes_guidance_rescale_or_refuses_it(folders, pipes):
+    """diffusers' pipeline gets the keyword (the same pixels as ours); SD 1.x's img2img pipeline has
+    none, so the torch backend refuses it there in one line rather than drop it."""
+    from preheat.backends.torch import load_torch_pipeline as torch_load
+
+    call = dict(noise=_noise(1, seed=1), steps=4, sampler="euler", guidance=7.5, guidance_rescale=0.7, **RESCALE_CALL)
+    ours = pipes["sdxl"].generate("a photo of a cat", **call)  # the parity test's program
+    theirs = torch_load(folders["sdxl"], cache="off").generate("a photo of a cat", **call)
+    assert _mean_diff(ours, theirs) <= MEAN_TOL, _mean_diff(ours, theirs)
+    with pytest.raises(InvalidArgumentError) as err:
+        torch_load(folders["sd1"], cache="off").generate("x", image=np.full((32, 32, 3), 128, np.uint8), steps=2,
+                                                         guidance=7.5, guidance_rescale=0.7)
+    assert err.value.argument == "guidance_rescale" and "\n" not in str(err.value)
+    assert "StableDiffusionImg2ImgPipeline takes none" in str(err.value)
 
 
 class ColdStart(NamedTuple):

@@ -176,6 +176,7 @@ def test_clip_skip_per_image_is_each_images_own(pipes):
     ("sdxl", dict(crops_coords_top_left=(-1, 0)), "crops_coords_top_left", "two non-negative ints"),
     ("flux-dev", dict(prompt_2=7), "prompt_2", "prompt_2 must be a string"),
     ("flux-dev", dict(clip_skip=1), "clip_skip", "unexpected argument 'clip_skip'"),
+    ("flux-dev", dict(guidance_rescale=0.7), "guidance_rescale", "unexpected argument 'guidance_rescale' for a flux"),
 ])
 def test_bad_values_are_one_line_errors_naming_the_argument(pipes, name, kwargs, argument, needle):
     kwargs = {"prompt": "a fox", **kwargs}

@@ -197,9 +197,10 @@ class Family:
         return None
 
     def check_unguided(self, pipe: "EngineView", values: dict[str, Any]) -> None:
-        """Inputs that make sense only with guidance (``needs_guidance``: a negative prompt) are refused here."""
+        """Inputs that make sense only with guidance (``needs_guidance``: a negative prompt) are refused
+        here; a value equal to the input's declared default (guidance_rescale's 0: off) asks nothing of it."""
         for spec in self.specs:
-            if spec.needs_guidance and values.get(spec.name) is not None:
+            if spec.needs_guidance and values.get(spec.name) is not None and values[spec.name] != spec.default:
                 raise InvalidArgumentError(f"{spec.name} needs classifier-free guidance; use a guidance scale other "
                                            "than 1", argument=spec.name)
 

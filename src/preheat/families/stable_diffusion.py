@@ -28,6 +28,8 @@ input of ``generate`` is::
       negative_target_size                                            (both sizes, as diffusers)
     width, height                         x   x     static            one program per resolution
     guidance, steps, seed                 x   x     data              the denoising loop
+    guidance_rescale (0: off; guided      x   x     data () float32   the guided prediction, before
+      calls only)                                                     the sampler (``families.guidance``)
     image (img2img: its size, rounded)    x   x     data (size:       encode_image -> the loop's start
                                                       static)           (``samplers.Start``)
     mask_image (white = repaint)          x   x     data              9-channel UNets: mask + masked
@@ -57,6 +59,7 @@ import numpy as np
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families import image as image_input
 from preheat.families.components import SDComponents
+from preheat.families.guidance import GUIDANCE_RESCALE
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
 from preheat.lora import encoder_adapters
@@ -111,7 +114,7 @@ class StableDiffusionFamily(TextToImageFamily):
     name: str = "stable-diffusion"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "dpmpp_2m", "steps": 30, "guidance": 7.5})
     specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP,
-                                    *SCHEDULE_SPECS)
+                                    GUIDANCE_RESCALE, *SCHEDULE_SPECS)
     xl: bool = False
     strength: tuple[float, float] = (0.8, 1.0)  # diffusers' default strength: (img2img, inpainting)
     # EDM's too: a folder saved with an EDM scheduler (Playground v2.5, CosXL) takes those, the others the rest
@@ -249,7 +252,7 @@ SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
                              defaults={"sampler": "euler", "steps": 30, "guidance": 5.0}, strength=(0.3, 0.9999),
                              specs=(PROMPT, PROMPT_2, NEGATIVE_PROMPT, NEGATIVE_PROMPT_2, *SDXL_SIZE_SPECS,
                                     *SDXL_NEGATIVE_SIZE_SPECS, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP,
-                                    *SCHEDULE_SPECS))
+                                    GUIDANCE_RESCALE, *SCHEDULE_SPECS))
 
 
 def _encode_program(encoders: Sequence[Any], xl: bool, lora: bool = False) -> Any:

@@ -11,7 +11,8 @@ batched field only arrays of rank >= 1 are split: a ``Start``'s step index and f
     ------------  --------------  -----------------------------------  -------------------------
     encode        EncodeArgs      ids, clip_skip, lora.slots           params, lora.factors/scales
     denoise       DenoiseArgs     seeds, cond, uncond, noise, start,   params, plan, guidance,
-                                  lora.slots                           lora.factors/scales
+                                  lora.slots                           guidance_rescale,
+                                                                       lora.factors/scales
     decode        DecodeArgs      latents                              params
     encode_image  EncodeImageArgs images, seeds                        params, index
 
@@ -71,6 +72,8 @@ class DenoiseArgs(NamedTuple):
     start: Any = None  # preheat.samplers.Start: img2img / inpainting (its latents and mask split,
     #                    its step index and flag replicated); None: from noise
     lora: LoraArgs | None = None  # the denoiser's LoRA adapters; None: the program without LoRA
+    guidance_rescale: Any = None  # () float32: diffusers' guidance_rescale phi, a guided call of a family
+    #                               declaring it (``families.guidance``); None: the program without the rescale
 
     BATCHED = frozenset({"seeds", "cond", "uncond", "noise", "start"})
 

@@ -35,6 +35,7 @@ from preheat.errors import InvalidArgumentError
 from preheat.families.base import Request
 from preheat.families.inputs import IMAGE_SIZE
 from preheat.file_configs import GGUFSource
+from preheat.families.guidance import guidance_rescale
 from preheat.families.request import plan_inputs, scheduler_overrides
 from preheat.families.components import FluxComponents, SD3Components, SDComponents, TextComponents
 from preheat.noise import initial_noise
@@ -122,6 +123,7 @@ class TorchTextPipeline(EngineArguments):
             pipe = image_pipeline(self.pipe, self.family.name, v.get("mask_image") is not None, self._image_pipes)
             kwargs = image_kwargs(v, kwargs, self.family.name)
             same_noise(pipe.scheduler, latents)
+        kwargs.update(_guidance_rescale(pipe, request))
 
         start = time.perf_counter()
         with torch.no_grad():
@@ -224,6 +226,20 @@ def _second_encoder(v: dict[str, Any]) -> dict[str, Any]:
     if skips and skips != {0}:  # 0 is diffusers' default embedding: leave the keyword out
         kwargs["clip_skip"] = skips.pop()
     return kwargs
+
+
+def _guidance_rescale(pipe: Any, request: Request) -> dict[str, Any]:
+    """A guided call's ``guidance_rescale`` (``preheat.families.guidance``) as diffusers' keyword;
+    none at 0 (its default). A pipeline class whose call takes no such keyword (diffusers' SD 1.x / 2.x
+    img2img and inpaint pipelines) refuses it in one line rather than drop it."""
+    rescale = guidance_rescale(request)
+    if rescale is None or rescale == 0:
+        return {}
+    if "guidance_rescale" not in inspect.signature(type(pipe).__call__).parameters:
+        raise InvalidArgumentError(f"the torch backend cannot apply guidance_rescale to this call: diffusers' "
+                                   f"{type(pipe).__name__} takes none (the JAX engine does)",
+                                   argument="guidance_rescale")
+    return {"guidance_rescale": float(rescale)}
 
 
 def _loaded_in_call(events: list[dict[str, Any]], elapsed: float) -> Timings:
