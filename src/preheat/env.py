@@ -57,7 +57,8 @@ class _PluginFailureFilter(logging.Filter):
     as a full traceback, then runs on the CPU. Where an NVIDIA driver is loaded (its ``/dev/nvidia*``
     nodes exist), that is a GPU pod about to run on the CPU: keep it visible, as one line. Where
     none is, as on a CPU builder that has the plugin for ``preheat warm --target``, the plugin
-    cannot start by design, and a notice on every command would be noise (``doctor`` names the plugin and the backend either way)."""
+    cannot start by design, and a notice on every command would be noise (``doctor`` names the
+    plugin and the backend either way)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()

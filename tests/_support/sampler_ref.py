@@ -217,9 +217,7 @@ def _diffusers_loop(sampler: str, sched: Any, ts: torch.Tensor, x_t: np.ndarray,
     x_init = x.numpy().copy()
     xs: list[np.ndarray] = []
     n_calls = len(ts)
-    with torch.no_grad(), warnings.catch_warnings():
-        # DEISMultistepScheduler calls np.log on torch tensors, which NumPy 2 warns about at every step
-        warnings.filterwarnings("ignore", message="__array_wrap__ must accept context", category=DeprecationWarning)
+    with torch.no_grad():  # (DEIS's per-step NumPy 2 warnings: pyproject's filterwarnings)
         for call, t in enumerate(ts):
             current["step"] = call if sampler not in ("heun", *TWO_CALL_SAMPLERS) else (call + 1) // 2
             current["k"] = 0

@@ -54,7 +54,8 @@ from preheat.samplers._tables import (BETA_SCHEDULES, CLASS_DEFAULTS, DDPM_VARIA
                                       UNREAD_KEYS)
 
 __all__ = ["SchedulerConfig", "ResolvedConfig", "ResolvedFlowConfig", "ResolvedEdmConfig", "resolve", "resolve_flow",
-           "resolve_edm", "config_kind", "check_sampler", "samplers_of_kind", "with_overrides", "load_scheduler_config", "find_scheduler_config"]
+           "resolve_edm", "config_kind", "check_sampler", "samplers_of_kind", "with_overrides", "load_scheduler_config",
+           "find_scheduler_config"]
 
 
 

@@ -561,6 +561,11 @@ def _edm_rows(r: ResolvedEdmConfig, steps: int) -> _Rows:
         order[1:] = 2
         if r.euler_at_final or (r.lower_order_final and n < 15) or not r.final_sigma_min:
             order[-1] = 1
+    if r.solver_type == "heun" and order[-1] == 2 and sigmas[-1] == sigmas[-2]:
+        raise SchedulerConfigError(
+            f"steps={steps} with final_sigmas_type='sigma_min' ends on a step that does not move (the ramp already "
+            f"ends at sigma_min), where solver_type='heun''s second-order term is 0/0 (diffusers returns NaN); use "
+            "euler_at_final=True or solver_type='midpoint'")
     init = _F32((r.sigma_max ** 2 + 1) ** 0.5)  # both classes' init_noise_sigma (a Python float)
     ones = np.ones(n, _F32)
     return S.edm_noise(sig), sigmas, ones, ones, order, init
