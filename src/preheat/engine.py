@@ -131,6 +131,8 @@ class Signature:
     #                  "blend": that, and the unmasked region put back after every step (inpainting)
     # each conditioning leaf's shape past the batch: a Kontext reference image's latent size selects a program
     cond_shapes: tuple[tuple[int, ...], ...] = ()
+    guidance_rescale: bool = False  # the guided prediction is rescaled (``families.guidance``: a guided call of a
+    #                                 family declaring it); its phi is data
 
     @property
     def output(self) -> jax.ShapeDtypeStruct:
@@ -162,8 +164,8 @@ def build_program(sig: Signature, apply: Denoiser) -> Callable[[DenoiseArgs], ja
     step index from the encoded image, noised with the same ε the text-to-image call would start
     from (the user's ``noise``, or the seeds' draw) -- every family's img2img and inpainting start
     here. ``args.lora`` (only when ``sig.lora``): the denoiser's adapters, each image's slot
-    repeated for the unconditional half of a guided batch. ``args.guidance_rescale`` (a guided
-    call of a family that declares it; None: left out of the program): :func:`rescaled_guidance`
+    repeated for the unconditional half of a guided batch. ``args.guidance_rescale`` (only when
+    ``sig.guidance_rescale``: a guided call of a family that declares it): :func:`rescaled_guidance`
     on the combined prediction, before the sampler sees it, as diffusers' pipelines apply it."""
     spec = sig.spec
     draws = max(spec.noise_draws_per_step, 1)
@@ -190,7 +192,7 @@ def build_program(sig: Signature, apply: Denoiser) -> Callable[[DenoiseArgs], ja
                          lora).astype(jnp.float32)
             c, u = both[:b], both[b:]  # (B, H, W, C) each
             guided = u + guidance.astype(jnp.float32) * (c - u)  # (B, H, W, C)
-            if rescale is None:  # structure, not a value: the family declares no rescale, or the call is unguided
+            if not sig.guidance_rescale:  # structure, not a value: no rescale declared, or the call is unguided
                 return guided
             return rescaled_guidance(guided, c, rescale.astype(jnp.float32))
 
@@ -382,9 +384,11 @@ class Pipeline:
         start = self.family.image_start(self, request, plan)
         if start is not None:  # img2img / inpainting: the start step and the image are data
             sig = dataclasses.replace(sig, image="img2img" if start.keep is None else "blend")
+        rescale = guidance_rescale(request)
+        sig = dataclasses.replace(sig, guidance_rescale=rescale is not None)
         args = DenoiseArgs(params=self.params, plan=plan, seeds=request.seeds, cond=cond, uncond=conditioning.uncond,
                            guidance=np.float32(request.guidance), noise=noise, start=start, lora=lora,
-                           guidance_rescale=guidance_rescale(request))
+                           guidance_rescale=rescale)
         return sig, args
 
     def _run_denoise(self, sig: Signature, args: DenoiseArgs) -> Any:

@@ -466,12 +466,13 @@ def test_guidance_rescale_0_is_exactly_the_program_without_it(pipes):
     pipe = pipes["sd1"]
     sig, args = pipe.prepare("a photo of a cat", noise=_noise(1, seed=1), steps=4, sampler="euler", guidance=7.5,
                              **RESCALE_CALL)  # the program the parity test compiled
-    assert args.guidance_rescale == np.float32(0.0)
+    assert args.guidance_rescale == np.float32(0.0) and sig.guidance_rescale
     with_it = np.asarray(pipe.executable(sig, args)(args))
     bare, plain = dataclasses.replace(pipe, _executables={}), args._replace(guidance_rescale=None)
-    np.testing.assert_array_equal(np.asarray(bare.executable(sig, plain)(plain)), with_it)
-    _, unguided = pipe.prepare("a photo of a cat", steps=4, guidance=1.0, guidance_rescale=0.0)  # 0 is no ask
-    assert unguided.guidance_rescale is None
+    plain_sig = dataclasses.replace(sig, guidance_rescale=False)  # the signature selects the program
+    np.testing.assert_array_equal(np.asarray(bare.executable(plain_sig, plain)(plain)), with_it)
+    unguided_sig, unguided = pipe.prepare("a photo of a cat", steps=4, guidance=1.0, guidance_rescale=0.0)  # no ask
+    assert unguided.guidance_rescale is None and not unguided_sig.guidance_rescale
 
 
 def test_torch_backend_passes_guidance_rescale_or_refuses_it(folders, pipes):

@@ -277,7 +277,7 @@ def test_streaming_holds_about_one_tensor_on_the_host(tmp_path, stored, target):
     # is the transient, and beyond the weights the growth is a few tensors, not a second copy.
     assert streamed["transient_host_bytes"] < 0.5 * file_bytes
     assert streamed["peak_host_bytes"] - r["placed"] < 0.5 * file_bytes
-    # the measurement sees a second copy when there is one: above the streamed bound of 0.5x (it
-    # measures 0.69-1.0x of the file here: under load some MB of the copy land in pages already
-    # resident; 0.69x in a full `make test` on 2026-12-03, so the margin is 0.6x)
-    assert copied["peak_host_bytes"] - r["placed"] > 0.6 * file_bytes
+    # the measurement sees a second copy when there is one: above the streamed bound of 0.5x, which
+    # is the control's whole point (it measures 0.57-1.0x of the file here: under load some MB of the
+    # copy land in pages already resident; 0.69x in a full `make test` on 2026-12-03, 0.57x on 12-04)
+    assert copied["peak_host_bytes"] - r["placed"] > 0.5 * file_bytes
