@@ -99,6 +99,19 @@ _DPM: dict[str, Any] = {
     "sigma_min": None,
     "sigma_max": None,
 }
+# HeunDiscreteScheduler's and KDPM2DiscreteScheduler's shared keys (Heun adds its clipping)
+_TWO_CALL: dict[str, Any] = {
+    **_COMMON,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "timestep_spacing": "linspace",
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    # read through the config by the Karras conversion, as for dpm++
+    "sigma_min": None,
+    "sigma_max": None,
+}
 _EDM: dict[str, Any] = {
     "sigma_min": 0.002,
     "sigma_max": 80.0,
@@ -156,20 +169,7 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
         "timestep_spacing": "linspace",
         "rescale_betas_zero_snr": False,
     },
-    "heun": {
-        **_COMMON,
-        "beta_start": 0.00085,
-        "beta_end": 0.012,
-        "timestep_spacing": "linspace",
-        "use_karras_sigmas": False,
-        "use_exponential_sigmas": False,
-        "use_beta_sigmas": False,
-        "clip_sample": False,
-        "clip_sample_range": 1.0,
-        # read through the config by the Karras conversion, as for dpm++
-        "sigma_min": None,
-        "sigma_max": None,
-    },
+    "heun": {**_TWO_CALL, "clip_sample": False, "clip_sample_range": 1.0},
     "dpmpp_2m": _DPM,
     "dpmpp_2m_karras": _DPM,
     "dpmpp_2m_sde": _DPM,  # algorithm_type="sde-dpmsolver++": the name decides, as for dpmpp_2m
@@ -258,18 +258,7 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     # DPM-Solver-2 (k-diffusion's sample_dpm_2, "DPM2"): Euler to the log-midpoint sigma, the model there,
     # then the whole step with that derivative; Euler's schedule (its Karras timesteps rounded)
-    "dpm2": {
-        **_COMMON,
-        "beta_start": 0.00085,
-        "beta_end": 0.012,
-        "timestep_spacing": "linspace",
-        "use_karras_sigmas": False,
-        "use_exponential_sigmas": False,
-        "use_beta_sigmas": False,
-        # read through the config by the Karras conversion, as for heun
-        "sigma_min": None,
-        "sigma_max": None,
-    },
+    "dpm2": _TWO_CALL,
     "flow_euler": {
         "num_train_timesteps": 1000,
         "shift": 1.0,
