@@ -61,13 +61,17 @@ class Batcher:
     """Runs collected batches on the worker thread and keeps what they took.
 
     ``lock`` is the core's: a prediction's fields are changed under it. ``finish`` completes a
-    prediction (the core's store, metrics and listeners)."""
+    prediction (the core's store, metrics and listeners). ``clock`` times each batch (seconds,
+    any origin): the core's, so a batch's measured length and the running one's elapsed time,
+    which ``Retry-After`` subtracts, are read off one clock, and a test can drive it by hand."""
 
-    def __init__(self, config: CoreConfig, metrics: CoreMetrics, lock: threading.Condition, finish: Finish) -> None:
+    def __init__(self, config: CoreConfig, metrics: CoreMetrics, lock: threading.Condition, finish: Finish,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.metrics = metrics
         self._lock = lock
         self._finish = finish
+        self.clock = clock
         self._ids = itertools.count(1)
         self.stats = {"batches": 0, "images": 0, "padded": 0, "traffic_compiles": 0}
         self.seconds_per_step: Optional[float] = None  # engine seconds per step (warm-up, then each batch)
@@ -88,7 +92,7 @@ class Batcher:
         bucket = bucket_for(buckets, images)
         pad = bucket - images
         batch_id = next(self._ids)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             # the jobs' requests, validated at parse time, as one (padding repeats the first image)
             request = request_of.concat(pipe, [p.job.request for p in batch], pad)
@@ -97,7 +101,7 @@ class Batcher:
             else:
                 pixels = pipe.run(request)
             compiled = pipe.last.cache_layer != "memory"
-            run_s = time.perf_counter() - t0
+            run_s = self.clock() - t0
             outputs = []
             offset = 0
             from preheat.server.images import data_url
@@ -115,7 +119,7 @@ class Batcher:
             for p in batch:
                 self._finish(p, "failed", error=f"{type(err).__name__}: {message}")
             return
-        took = time.perf_counter() - t0
+        took = self.clock() - t0
         per_step = took / max(1, job0.steps)
         self.seconds_per_step = per_step if self.seconds_per_step is None else 0.8 * self.seconds_per_step + 0.2 * per_step
         if not compiled:  # a compile is not what the next batch of this key will take

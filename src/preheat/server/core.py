@@ -53,10 +53,15 @@ SHUT_DOWN = "the server shut down before this prediction finished"  # the error 
 
 
 class Core:
-    """Set-up, the bounded queue, the batching worker and the prediction store."""
+    """Set-up, the bounded queue, the batching worker and the prediction store.
+
+    ``clock`` (seconds, any origin) times the batches and the running one's elapsed time: what
+    ``Retry-After`` is computed from, so a test can drive it by hand and get exact answers. Batch
+    waits, queue waits and the idle retune keep real time (a clock held still never stalls them)."""
 
     def __init__(self, config: CoreConfig, pipe: Any = None,
-                 loader: Callable[[CoreConfig], Any] = load_pipeline) -> None:
+                 loader: Callable[[CoreConfig], Any] = load_pipeline,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         config.check()
         self.config = config
         if config.max_image_pixels is not None:  # the process's limit (and PIL's bomb limit): set before any request
@@ -86,10 +91,11 @@ class Core:
         self._draining = False
         self._stopping = False
         self._paused = False
-        self._running_since = 0.0
+        self.clock = clock
+        self._running_since = 0.0  # on ``clock``: when the running batch started
         self.samplers: tuple[str, ...] = tuple(config.samplers)  # resolved at set-up: what is offered
         # runs the batches; keeps their stats and what they took (seconds_per_step, batch_seconds)
-        self.batcher = Batcher(config, self.metrics, self._cond, self._finish)
+        self.batcher = Batcher(config, self.metrics, self._cond, self._finish, clock=clock)
         self._thread: Optional[threading.Thread] = None
         self._died: Optional[str] = None  # why the worker thread died after set-up (DEFUNCT)
         self._idle_since = time.monotonic()  # when the last batch ended (or set-up did)
@@ -409,7 +415,7 @@ class Core:
         with self._cond:
             total = 0.0
             if self._running:
-                left = batch_s(self._running[0].job.batch_key) - (time.monotonic() - self._running_since)
+                left = batch_s(self._running[0].job.batch_key) - (self.clock() - self._running_since)
                 total += max(0.0, left)
             images: dict[tuple, int] = {}
             for p in self._pending:
@@ -572,7 +578,7 @@ class Core:
                     p.started_at = now_iso()
                     p.metrics["queue_wait"] = time.monotonic() - p.enqueued
                 self._running = batch
-                self._running_since = time.monotonic()
+                self._running_since = self.clock()
                 self.metrics.queue_depth.set(len(self._pending))
                 self.metrics.running.set(len(batch))
                 snaps = [(p, p.snapshot(), list(p._listeners)) for p in batch]
