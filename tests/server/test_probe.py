@@ -5,15 +5,19 @@ as class labels, ``/v1`` errors outside OpenAI's shape, and a body without a Con
 from __future__ import annotations
 
 import json
+import math
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from preheat.server.batching import Batcher
 from preheat.server.core import Core, CoreConfig
-from tests._support.server_fixtures import serving, wait_status
+from preheat.server.metrics import CoreMetrics
+from tests._support.server_fixtures import GatedPipe, serving, wait_status
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +194,6 @@ def _rss_kib(pid: int) -> int:
 def test_huge_headers_keep_no_memory(model_dir: Path, server_env: dict[str, str]) -> None:
     """The probe's numbers: four 20 MB headers added 159 MB to RSS, which stayed. Now each is cut at
     64 KiB; RSS after them is within a few MB of before."""
-    import threading
-
     from tests._support.server_fixtures import ServerProcess
 
     server = ServerProcess([str(model_dir), "--max-batch-size", "1"], env=server_env)
@@ -215,57 +217,115 @@ def test_huge_headers_keep_no_memory(model_dir: Path, server_env: dict[str, str]
         server.kill()
 
 
-class SlowPipe:
-    """The real pipeline, but each engine call after warm-up also takes ``extra_s`` (a gate that
-    opens on a timer): a fixed per-batch cost, as encoding and decoding are on a real model."""
+class FakeClock:
+    """A clock that moves only when told (``Core(clock=...)``): batch lengths and the running
+    batch's elapsed time are then what the test says, not what this machine's load makes them."""
 
-    def __init__(self, pipe: Any, extra_s: float) -> None:
-        self._pipe, self.extra_s, self.slow = pipe, extra_s, False
+    def __init__(self) -> None:
+        self.now = 1000.0  # any origin; the tests' steps are multiples of 1/4 s: sums and averages are exact
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pipe, name)
+    def __call__(self) -> float:
+        return self.now
 
-    def _slowed(self, out: Any) -> Any:
-        import time
-
-        if self.slow:
-            time.sleep(self.extra_s)
-        return out
-
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        return self._slowed(self._pipe.generate(*args, **kwargs))
-
-    def run(self, request: Any, **kwargs: Any) -> Any:  # the server worker runs validated requests
-        return self._slowed(self._pipe.run(request, **kwargs))
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
-def test_retry_after_is_within_2x_of_the_real_wait(pipe: Any) -> None:
-    """The probe: Retry-After said 16 s against a 4.3 s drain. Now it reads the measured batch time
-    and the queue ahead: a full queue's Retry-After is within 2x of how long the queue then took."""
-    import time
+class ClockedPipe(GatedPipe):
+    """The real pipeline; each engine call first moves ``clock`` by the next of ``takes`` seconds
+    (none once they run out: warm-up's calls come before any is given), then passes the gate."""
 
-    # the fixed delay dominates each batch, so that the machine's own load (0.1-0.9 s of compute a
-    # batch under a full make test) cannot move one measured batch 2x from the drain (0.7 s did: 5 vs 2.2 s)
-    slow = SlowPipe(pipe, 1.2)
-    core = Core(CoreConfig(max_batch_size=1, max_queue=3, batch_wait_ms=0), pipe=slow).start()
+    def __init__(self, pipe: Any, clock: FakeClock) -> None:
+        super().__init__(pipe)
+        self.clock, self.takes = clock, []
+
+    def _enter(self) -> None:
+        if self.takes:
+            self.clock.advance(self.takes.pop(0))
+        super()._enter()
+
+
+def test_a_batch_key_never_run_is_its_steps_at_the_seconds_per_step() -> None:
+    """``Batcher.batch_s``: the moving average once a key was measured; before that, its steps
+    (``key[1]``) at the measured seconds per step, or 1 s a step before anything was measured."""
+    batcher = Batcher(CoreConfig(), CoreMetrics(), threading.Condition(), finish=lambda *a, **k: None)
+    key = ("dpmpp_2m", 6, 2.0, (), (), 0, 0.0)
+    assert batcher.batch_s(key) == 6.0
+    batcher.seconds_per_step = 0.25
+    assert batcher.batch_s(key) == 1.5 and batcher.batch_s(("dpmpp_2m", 12, *key[2:])) == 3.0
+    batcher.batch_seconds[key] = 0.75
+    assert batcher.batch_s(key) == 0.75
+
+
+def test_retry_after_is_the_expected_drain_of_measured_batches(pipe: Any) -> None:
+    """The probe: Retry-After said 16 s against a 4.3 s drain. It now reads the measured batches and
+    the queue ahead. On a clock the test drives (each engine call takes what the test says, the
+    running batch has run what the test says), a full queue's 409 carries exactly the whole
+    seconds of: the running batch's remainder (at least 0) + each queued key's batches
+    (ceil(images / max batch)) x its moving average, or x its steps at the seconds per step for a
+    key never run. No assertion depends on how fast this machine is. The controls: at each
+    checkpoint a Retry-After that ignored the running batch's elapsed time, let its remainder go
+    below 0, or ignored max_batch_size (a batch per image, or a key's images in one) says another
+    number."""
+    clock = FakeClock()
+    timed = ClockedPipe(pipe, clock)
+    core = Core(CoreConfig(max_batch_size=2, max_queue=3, batch_wait_ms=0), pipe=timed, clock=clock).start()
     try:
-        assert core.wait_setup(600) and core.setup.status == "succeeded"
-        slow.slow = True
-        body = {"input": {"seed": 1, "num_inference_steps": 8, "class_label": 1}}
+        assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+        a = {"seed": 1, "num_inference_steps": 8, "class_label": 1}
+        b = {"seed": 2, "num_inference_steps": 4, "class_label": 1}  # another batch key, never run before the 409
+        async_ = {"Prefer": "respond-async"}
         with serving(core) as server, httpx.Client(base_url=server.url, timeout=120) as c:
-            for _ in range(2):  # the server measures its batches
-                assert c.post("/predictions", json=body).status_code == 200
-            core.pause()
-            ids = [c.post("/predictions", json=body, headers={"Prefer": "respond-async"}).json()["id"] for _ in range(3)]
-            full = c.post("/predictions", json=body)
-            assert full.status_code == 409, full.text
-            said = int(full.headers["retry-after"])
-            start = time.monotonic()
-            core.resume()
+            timed.takes = [2.0, 4.0]  # two batches of key a, measured as 2 s and 4 s
+            first = c.post("/predictions", json={"input": a})
+            assert first.status_code == 200 and first.json()["status"] == "succeeded", first.text
+            key_a = core.get(first.json()["id"]).job.batch_key
+            assert core.batcher.batch_seconds == {key_a: 2.0}
+            assert c.post("/predictions", json={"input": a}).json()["status"] == "succeeded"
+            assert core.batcher.batch_seconds == {key_a: 3.0}  # the moving average: 0.5 * 2 + 0.5 * 4
+            core.batcher.seconds_per_step = 0.5  # a known rate (warm-up's estimate is in real time, not on this clock)
+
+            timed.takes = [1.25]
+            timed.hold()  # the next batch (key a) has run 1.25 s of its expected 3 s, and stays running
+            running = c.post("/predictions", json={"input": a}, headers=async_).json()["id"]
+            assert timed.entered.wait(60)
+            queued = [c.post("/predictions", json={"input": body}, headers=async_) for body in
+                      ({**a, "seed": 3, "num_outputs": 2}, {**a, "seed": 5}, b)]
+            assert [r.status_code for r in queued] == [202, 202, 202], [r.text for r in queued]
+            key_b = core.get(queued[2].json()["id"]).job.batch_key
+            assert core.batcher.batch_s(key_b) == 4 * 0.5  # never run: its steps at the seconds per step
+
+            def said() -> int:
+                full = c.post("/predictions", json={"input": a})
+                assert full.status_code == 409, full.text
+                return int(full.headers["retry-after"])
+
+            def drain(elapsed: float, a_batches: int = 2, floor: bool = True) -> float:
+                """Running a: 3 s less its elapsed time; queued a: 3 images, ceil(3 / 2) = 2 batches of
+                3 s; queued b: 1 batch of 4 steps x 0.5 s."""
+                left = 3.0 - elapsed
+                return (max(0.0, left) if floor else left) + a_batches * 3.0 + 1 * 2.0
+
+            # the clock moves while the batch runs: 1.25 s, 2.25 s, then 7.25 s (past its 3 s) in
+            for advance, elapsed, want in ((0.0, 1.25, 10), (1.0, 2.25, 9), (5.0, 7.25, 8)):
+                clock.advance(advance)
+                assert core.expected_drain_s() == drain(elapsed) and math.ceil(drain(elapsed)) == want
+                assert said() == want, (elapsed, want)
+                # the controls: what a Retry-After that ignored these would say here is not ``want``
+                wrong = {"elapsed ignored": drain(0.0), "a batch per image": drain(elapsed, a_batches=3),
+                         "a key's images in one batch": drain(elapsed, a_batches=1)}
+                if elapsed > 3.0:
+                    wrong["the remainder below 0"] = drain(elapsed, floor=False)
+                assert want not in {math.ceil(v) for v in wrong.values()}, (want, wrong)
+
+            timed.takes = [0.5, 1.0, 2.5]  # the queued batches: a (2 images), a (1 image), b
+            timed.gate.set()
             assert core.wait_idle(120)
-            real = time.monotonic() - start
-            assert all(c.get(f"/predictions/{i}").json()["status"] == "succeeded" for i in ids)
-        assert real / 2 <= said <= 2 * real, (said, real)
+            ids = [running] + [r.json()["id"] for r in queued]
+            assert [c.get(f"/predictions/{i}").json()["status"] for i in ids] == ["succeeded"] * 4
+        # a's moving average went on (3, then 7.25 -> 5.125, 0.5 -> 2.8125, 1 -> 1.90625); b's
+        # first measurement replaced its per-step guess
+        assert core.batcher.batch_seconds == {key_a: 1.90625, key_b: 2.5}
     finally:
-        core.resume()
+        timed.gate.set()
         core.close()
