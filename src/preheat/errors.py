@@ -167,8 +167,8 @@ class FetchError(PreheatError):
 # The top-level module -> the extra of pyproject.toml that installs it.
 EXTRA_OF_MODULE = {"fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "httpx": "serve",
                    "runpod": "runpod", "ray": "ray", "torch": "torch", "diffusers": "torch",
-                   "transformers": "torch", "huggingface_hub": "hub", "fsspec": "remote", "s3fs": "remote",
-                   "sklearn": "train", "matplotlib": "bench", "psutil": "bench", "gguf": "gguf"}
+                   "transformers": "torch", "torchsde": "torch", "huggingface_hub": "hub", "fsspec": "remote",
+                   "s3fs": "remote", "sklearn": "train", "matplotlib": "bench", "psutil": "bench", "gguf": "gguf"}
 
 
 class MissingExtraError(PreheatError, ImportError):

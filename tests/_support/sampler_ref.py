@@ -4,6 +4,7 @@ diffusers' schedulers and ours step by step on the same inputs and noise."""
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -20,8 +21,10 @@ from diffusers.schedulers import (
     scheduling_ddpm,
     scheduling_deis_multistep,
     scheduling_dpmsolver_multistep,
+    scheduling_dpmsolver_sde,
     scheduling_edm_dpmsolver_multistep,
     scheduling_euler_ancestral_discrete,
+    scheduling_k_dpm_2_ancestral_discrete,
     scheduling_lcm,
     scheduling_tcd,
 )
@@ -51,13 +54,16 @@ DIFFUSERS_CLASS = {
     "deis": diffusers.DEISMultistepScheduler,
     "lms": diffusers.LMSDiscreteScheduler,
     "dpm2": diffusers.KDPM2DiscreteScheduler,
+    "dpm2_a": diffusers.KDPM2AncestralDiscreteScheduler,
+    "dpmpp_sde": diffusers.DPMSolverSDEScheduler,
     "edm_euler": diffusers.EDMEulerScheduler,
     "edm_dpmpp_2m": diffusers.EDMDPMSolverMultistepScheduler,
     "edm_dpmpp_2m_sde": diffusers.EDMDPMSolverMultistepScheduler,
 }
 # modules whose ``randn_tensor`` we replace so diffusers draws our noise table
 RANDN_MODULES = (scheduling_ddpm, scheduling_ddim, scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd,
-                 scheduling_dpmsolver_multistep, scheduling_edm_dpmsolver_multistep)
+                 scheduling_dpmsolver_multistep, scheduling_edm_dpmsolver_multistep,
+                 scheduling_k_dpm_2_ancestral_discrete)
 
 
 # --- the fake denoiser, identical math in jax and torch -------------------------------------------
@@ -75,11 +81,11 @@ def fake_model_torch(x: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
 # --- inputs ------------------------------------------------------------------------------------
 
 
-def noise_for(seed: int, n_rows: int, shape: tuple[int, ...] = SHAPE) -> tuple[np.ndarray, np.ndarray]:
-    """Initial standard-normal noise ``[*shape]`` and a per-step table ``[n_rows, 1, *shape]``."""
+def noise_for(seed: int, n_rows: int, shape: tuple[int, ...] = SHAPE, draws: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Initial standard-normal noise ``[*shape]`` and a per-step table ``[n_rows, draws, *shape]``."""
     rng = np.random.default_rng(seed)
     x_t = rng.standard_normal(shape, dtype=np.float32)
-    table = rng.standard_normal((n_rows, 1, *shape), dtype=np.float32)
+    table = rng.standard_normal((n_rows, max(draws, 1), *shape), dtype=np.float32)
     return x_t, table
 
 
@@ -87,7 +93,7 @@ def diffusers_scheduler(sampler: str, cfg: dict[str, Any]):
     """The diffusers scheduler a pipeline would build with ``Class.from_config(cfg)``."""
     cls = DIFFUSERS_CLASS[sampler]
     extra: dict[str, Any] = {}
-    if sampler.startswith("dpmpp"):
+    if sampler.startswith("dpmpp_2m"):
         extra = dict(algorithm_type="sde-dpmsolver++" if "_sde" in sampler else "dpmsolver++", solver_order=2,
                      solver_type="midpoint", lower_order_final=True, use_karras_sigmas=sampler.endswith("_karras"))
     elif sampler.startswith("edm_dpmpp"):  # the name fixes the algorithm, the config the rest
@@ -112,8 +118,11 @@ class Trajectory:
 
 
 def _nudge(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Move every element one float32 ulp up or down at random."""
+    """Move every element one float32 ulp up or down at random (a float64 tensor too: by its float32 ulp)."""
     up = torch.rand(x.shape, generator=gen) < 0.5
+    if x.dtype == torch.float64:
+        ulp = torch.from_numpy(np.spacing(np.abs(x.numpy()).astype(np.float32)).astype(np.float64))
+        return x + torch.where(up, ulp, -ulp)
     return torch.nextafter(x, torch.where(up, torch.tensor(np.inf), torch.tensor(-np.inf)))
 
 
@@ -139,52 +148,108 @@ class _NudgedTranscendentals:
 
 
 # samplers with a second model call per step whose diffusers schedule interleaves the second calls' timesteps
-TWO_CALL_SAMPLERS = ("dpm2",)
+TWO_CALL_SAMPLERS = ("dpm2", "dpm2_a", "dpmpp_sde")
+# Samplers compared with diffusers' own code run in float64 (``run_diffusers(float64=True)``), not its float32
+# run: their ancestral split's float32 ``sigma_down = sqrt(sigma_to^2 - sigma_up^2)`` cancels, by up to
+# (sigma / sigma_to)^2 (~1e7 on a cosine schedule's first step from ~2e4), where ours does not
+# (_solvers._ancestral_split). There diffusers' float32 sigma_down is off by percents (KDPM2Ancestral then
+# puts its midpoint 3.5% away, or at NaN), a rounding the floor of a nudged sample cannot show. The float64
+# run has none of it; ours, in float32, must be as close to it as the float32 floor allows: the larger of the
+# float32 run's and the float64 run's nudged by float32 ulps (_nudge), which is defined where the float32 is NaN.
+FLOAT64_REFERENCE = ("euler_a", "dpm2_a", "dpmpp_sde")
 # scheduler modules whose log/exp (torch's and numpy's) a nudged run perturbs too (_NudgedTranscendentals)
 TRANSCENDENTAL_NUDGED = {"deis": scheduling_deis_multistep}
+
+
+class _Float64Numpy:
+    """The ``np`` a scheduler module sees while a float64 reference builds its tables: ``np.float32`` is
+    float64 (``.astype(np.float32)``, ``linspace(dtype=np.float32)``), everything else numpy's own."""
+
+    float32 = np.float64
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
+
+
+class _TablePath:
+    """DPMSolverSDEScheduler's noise sampler: normalised increments of one Brownian path ``W(sigma)``, here
+    built from the table instead of torchsde's tree. A step's first call asks for the increment over
+    ``[sigma_mid, sigma]`` and gets ``table[i, 0]``; its second, over ``[sigma_next, sigma]``, gets that
+    increment plus an independent one over ``[sigma_next, sigma_mid]`` (``table[i, 1]``), normalised: the
+    path's own addition, not the solver's correlated-draw formula. ``independent`` (a negative control):
+    the second increment ignores the first, as two unrelated draws would."""
+
+    independent = False
+
+    def __init__(self, table: np.ndarray, current: dict[str, int]) -> None:
+        self._table, self._current, self._mid = table, current, 0.0
+
+    def __call__(self, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+        step = self._table[self._current["step"]].astype(np.float64)  # [2, *S]
+        s, t = float(sigma), float(sigma_next)
+        if not self._current["second"]:
+            self._mid = t
+            return torch.from_numpy(step[0]).to(sigma.dtype)
+        if self.independent:
+            return torch.from_numpy(step[1]).to(sigma.dtype)
+        w = np.sqrt(s - self._mid) * step[0] + np.sqrt(self._mid - t) * step[1]  # W(sigma_next) - W(sigma), sign aside
+        return torch.from_numpy(w / np.sqrt(s - t)).to(sigma.dtype)
 
 
 def run_diffusers(sampler: str, cfg: dict[str, Any], steps: int, x_t: np.ndarray, table: np.ndarray,
                   monkeypatch, *, eta: float = 0.0, nudge_seed: int | None = None,
                   model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = fake_model_torch,
-                  timesteps: list[int] | None = None) -> Trajectory:
+                  timesteps: list[int] | None = None, float64: bool = False) -> Trajectory:
     """Run diffusers like its pipelines do, recording the sample after each of *our* steps.
 
-    ``randn_tensor`` is replaced so that step ``i``'s k-th draw is ``table[i, k]``.
+    ``randn_tensor`` is replaced so that step ``i``'s k-th draw is ``table[i, k]``; for dpmpp_sde the
+    BrownianTree noise sampler is too, by one Brownian path built from the table (:class:`_TablePath`).
     For euler_a with ``prediction_type="sample"`` (which diffusers' class rejects) the
     scheduler runs with "epsilon" and is fed the epsilon equivalent of the model's x0.
     With ``nudge_seed``, the sample entering every call and every model output are moved by
     one ulp (and, for TRANSCENDENTAL_NUDGED samplers, the step's log and exp results): the spread
     this causes is the float32 rounding noise floor of the trajectory.
     ``timesteps``: a custom list, given to ``set_timesteps(timesteps=...)`` instead of ``steps``.
+    ``float64``: run diffusers' own code in float64 (samples, noise and the scheduler's float32 tables cast
+    up): the trajectory without its float32 rounding, schedule arithmetic included.
     """
     gen = None if nudge_seed is None else torch.Generator().manual_seed(nudge_seed)
     pred = cfg.get("prediction_type", "epsilon")
     emulate_sample = sampler == "euler_a" and pred == "sample"
     sched = diffusers_scheduler(sampler, {**cfg, "prediction_type": "epsilon"} if emulate_sample else cfg)
-    if timesteps is None:
-        sched.set_timesteps(steps)
-    else:
-        with warnings.catch_warnings():  # a list off the distillation grid is a warning in diffusers
-            warnings.simplefilter("ignore")
-            sched.set_timesteps(timesteps=timesteps)
+    with pytest.MonkeyPatch.context() as local:
+        if float64:  # the tables set_timesteps builds in float32, in float64
+            module = sys.modules[type(sched).__module__]
+            local.setattr(module, "np", _Float64Numpy())
+        if timesteps is None:
+            sched.set_timesteps(steps)
+        else:
+            with warnings.catch_warnings():  # a list off the distillation grid is a warning in diffusers
+                warnings.simplefilter("ignore")
+                sched.set_timesteps(timesteps=timesteps)
     ts = sched.timesteps
     sig = getattr(sched, "sigmas", None)
     if sampler == "heun":  # diffusers lists [t0, t1, t1, t2, t2, ...]: one entry per model call
         ts_ours = torch.cat([ts[:1], ts[1::2]])
         sig_ours = torch.cat([sig[:1], sig[1::2]])
-    elif sampler in TWO_CALL_SAMPLERS:  # dpm2: [t0, t_mid0, t1, t_mid1, ...], sigmas [s0, s1, s1, s2, s2, ..]
+    elif sampler in TWO_CALL_SAMPLERS:  # [t0, t_mid0, t1, t_mid1, ..., t_last], sigmas [s0, s1, s1, s2, s2, .., 0]
         ts_ours = ts[0::2]
-        sig_ours = sig[0::2]
+        sig_ours = torch.cat([sig[0::2][: len(ts_ours)], sig[-1:]])
     else:
         ts_ours, sig_ours = ts, sig
+    if sampler == "dpmpp_sde":  # float64, fractional with linspace: the UNet's time embedding takes float32
+        ts_ours = ts_ours.to(torch.float32)
     if int((ts == ts[0]).sum()) > 1 and hasattr(sched, "set_begin_index"):
         # A repeated first timestep sends diffusers' step-index lookup to the second copy (Heun's
         # [t0, t0, ...]; dpm2's [999, 998.8, 999, ...] with a cosine Karras schedule): the run then skips
         # steps or crashes at its end (IndexError); pin the intended start.
         sched.set_begin_index(0)
 
-    current = {"step": 0, "k": 0}
+    current = {"step": 0, "k": 0, "second": 0}
+    if float64:
+        for name, value in list(vars(sched).items()):
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float32 and name != "timesteps":
+                setattr(sched, name, value.double())
 
     def fake_randn(shape, generator=None, device=None, dtype=None, layout=None):
         out = torch.from_numpy(table[current["step"], current["k"]].copy())
@@ -194,10 +259,13 @@ def run_diffusers(sampler: str, cfg: dict[str, Any], steps: int, x_t: np.ndarray
 
     for mod in RANDN_MODULES:
         monkeypatch.setattr(mod, "randn_tensor", fake_randn)
+    monkeypatch.setattr(scheduling_dpmsolver_sde, "BrownianTreeNoiseSampler",
+                        lambda *args, **kwargs: _TablePath(table, current))
     with pytest.MonkeyPatch.context() as local:  # undone before the next run
         if gen is not None and sampler in TRANSCENDENTAL_NUDGED:
             for name, base in (("torch", torch), ("np", np)):
                 local.setattr(TRANSCENDENTAL_NUDGED[sampler], name, _NudgedTranscendentals(base, gen))
+        x_t = x_t.astype(np.float64) if float64 else x_t
         x_init, xs = _diffusers_loop(sampler, sched, ts, x_t, gen, model, emulate_sample, eta, current)
     return Trajectory(
         timesteps=ts_ours.numpy().astype(np.float64),
@@ -219,7 +287,10 @@ def _diffusers_loop(sampler: str, sched: Any, ts: torch.Tensor, x_t: np.ndarray,
     n_calls = len(ts)
     with torch.no_grad():  # (DEIS's per-step NumPy 2 warnings: pyproject's filterwarnings)
         for call, t in enumerate(ts):
-            current["step"] = call if sampler not in ("heun", *TWO_CALL_SAMPLERS) else (call + 1) // 2
+            if sampler in TWO_CALL_SAMPLERS:  # [first call of step 0, its second, first of step 1, ...]
+                current["step"], current["second"] = divmod(call, 2)
+            else:  # (Heun draws no noise)
+                current["step"] = call if sampler != "heun" else (call + 1) // 2
             current["k"] = 0
             if gen is not None:
                 x = _nudge(x, gen)
@@ -341,22 +412,17 @@ def assert_c_noise_close(ours: np.ndarray, theirs: np.ndarray) -> None:
 
 def check_parity(sampler: str, cfg: dict[str, Any], steps: int, eta: float, monkeypatch, *,
                  plan_override: Plan | None = None, spec_override: SolverSpec | None = None, jax_model=fake_model_jax,
-                 torch_model=fake_model_torch, timesteps: list[int] | None = None,
-                 input_rounding: bool = False) -> tuple[float, float]:
+                 torch_model=fake_model_torch, timesteps: list[int] | None = None) -> tuple[float, float]:
     """Run ours and diffusers on the same inputs; assert bitwise schedules and close samples
-    (the criterion is explained in test_sampler_parity). Returns the max (abs, relative) error.
-
-    ``input_rounding``: also allow one float32 ulp of the largest sample any step so far started from.
-    A step from a huge sigma (zero terminal SNR's ~4096, where the sample is ~1e4) rounds its update at
-    that magnitude; it contracts its inputs, so nudging them does not show that rounding in the floor,
-    and the later steps carry it (they do not amplify it: the bound is the largest such ulp so far)."""
+    (the criterion is explained in test_sampler_parity). Returns the max (abs, relative) error
+    (FLOAT64_REFERENCE samplers: from diffusers' float64 run)."""
     inject_torch_tables(monkeypatch)
     spec, plan = ours_for(cfg, sampler, steps, eta, timesteps)
     if plan_override is not None:
         plan = plan_override
     if spec_override is not None:
         spec = spec_override
-    x_t, table = noise_for(steps, plan.timesteps.shape[0])
+    x_t, table = noise_for(steps, plan.timesteps.shape[0], draws=spec.noise_draws_per_step)
     ref = run_diffusers(sampler, cfg, steps, x_t, table, monkeypatch, eta=eta, model=torch_model, timesteps=timesteps)
     n = int(plan.n_steps)
 
@@ -379,12 +445,18 @@ def check_parity(sampler: str, cfg: dict[str, Any], steps: int, eta: float, monk
 
     nudged = run_diffusers(sampler, cfg, steps, x_t, table, monkeypatch, eta=eta, nudge_seed=steps + 1,
                            model=torch_model, timesteps=timesteps)
-    largest_start = np.maximum.accumulate([float(np.max(np.abs(x))) for x in [ref.x_init, *ref.xs[:-1]]])
-    for i, (ours, theirs, theirs_nudged) in enumerate(zip(xs, ref.xs, nudged.xs)):
-        floor = float(np.max(np.abs(theirs - theirs_nudged)))
-        rounding = float(np.spacing(np.float32(largest_start[i]))) if input_rounding else 0.0
+    reference, floors = ref.xs, [np.max(np.abs(a - b)) for a, b in zip(ref.xs, nudged.xs)]
+    if sampler in FLOAT64_REFERENCE:
+        reference = run_diffusers(sampler, cfg, steps, x_t, table, monkeypatch, eta=eta, model=torch_model,
+                                  timesteps=timesteps, float64=True).xs
+        nudged = run_diffusers(sampler, cfg, steps, x_t, table, monkeypatch, eta=eta, nudge_seed=steps + 1,
+                               model=torch_model, timesteps=timesteps, float64=True)
+        # the float32 floor where diffusers' float32 run is finite (KDPM2Ancestral's can be NaN), else 0
+        floors = [max(np.nan_to_num(f32, nan=0.0), np.max(np.abs(a - b)))
+                  for f32, a, b in zip(floors, reference, nudged.xs)]
+    for i, (ours, theirs, floor) in enumerate(zip(xs, reference, map(float, floors))):
         np.testing.assert_allclose(
-            ours, theirs, rtol=RTOL, atol=ATOL + FLOOR_FACTOR * floor + rounding,
+            ours, theirs, rtol=RTOL, atol=ATOL + FLOOR_FACTOR * floor,
             err_msg=f"step {i} of {n} (float32 noise floor of diffusers here: {floor:.3g})",
         )
-    return max_errors(xs, ref.xs)
+    return max_errors(xs, reference)

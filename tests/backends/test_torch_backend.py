@@ -195,3 +195,23 @@ def test_a_dpm_sampler_runs_the_solver_its_name_says_on_both_backends(sampler):
     scheduler.set_timesteps(12)
     plan = make_plan(SchedulerConfig.from_dict(folder), sampler, 12)
     np.testing.assert_array_equal(scheduler.timesteps.numpy(), plan.timesteps[:12])
+
+
+def test_dpmpp_sde_on_the_torch_backend_names_torchsde_when_it_is_missing(monkeypatch) -> None:
+    """diffusers' DPMSolverSDEScheduler draws its noise with torchsde (the torch extra installs it); without
+    it the torch backend says so in one line, naming the extra, instead of diffusers' stand-in class's error."""
+    import importlib.util
+
+    from preheat.backends.torch.sampling import make_scheduler
+    from preheat.errors import MissingExtraError
+
+    config = {"beta_schedule": "scaled_linear", "use_karras_sigmas": True}
+    assert type(make_scheduler("dpmpp_sde", config)).__name__ == "DPMSolverSDEScheduler"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchsde" else find_spec(name, *a))
+    with pytest.raises(MissingExtraError) as info:
+        make_scheduler("dpmpp_sde", config)
+    message = str(info.value)
+    assert "\n" not in message and "torchsde" in message and 'pip install ".[torch]"' in message, message
+    assert type(make_scheduler("dpm2_a", config)).__name__ == "KDPM2AncestralDiscreteScheduler"  # needs nothing more

@@ -346,8 +346,9 @@ def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog
     the family's default with one warning naming it."""
     import logging
 
-    from diffusers import (DEISMultistepScheduler, DPMSolverMultistepScheduler, KDPM2AncestralDiscreteScheduler,
-                           KDPM2DiscreteScheduler, LMSDiscreteScheduler, PNDMScheduler)
+    from diffusers import (DEISMultistepScheduler, DPMSolverMultistepScheduler, DPMSolverSDEScheduler,
+                           DPMSolverSinglestepScheduler, KDPM2AncestralDiscreteScheduler, KDPM2DiscreteScheduler,
+                           LMSDiscreteScheduler, PNDMScheduler)
 
     from preheat.families.stable_diffusion import SD
     from preheat.families.text import default_sampler
@@ -366,6 +367,8 @@ def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog
         "deis": (DEISMultistepScheduler(), "deis"),
         "lms": (LMSDiscreteScheduler(), "lms"),
         "dpm2": (KDPM2DiscreteScheduler(), "dpm2"),
+        "dpm2a": (KDPM2AncestralDiscreteScheduler(), "dpm2_a"),
+        "dpmpp-sde": (DPMSolverSDEScheduler(use_karras_sigmas=True), "dpmpp_sde"),  # Karras: the folder's key
     }
     caplog.set_level(logging.WARNING, logger="preheat.families")
     for name, (scheduler, sampler) in picked.items():
@@ -378,7 +381,7 @@ def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog
                  "solver_type='heun'"),
         "order3": (DPMSolverMultistepScheduler(solver_order=3), "solver_order=3"),
         "prk": (PNDMScheduler(), "skip_prk_steps=False"),
-        "kdpm2a": (KDPM2AncestralDiscreteScheduler(), "scheduler KDPM2AncestralDiscreteScheduler is not implemented"),
+        "singlestep": (DPMSolverSinglestepScheduler(), "scheduler DPMSolverSinglestepScheduler is not implemented"),
     }
     for name, (scheduler, needle) in refused.items():
         caplog.clear()

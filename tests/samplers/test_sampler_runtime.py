@@ -55,7 +55,7 @@ def test_changing_steps_does_not_retrace(sampler: str) -> None:
     variants = [make_plan(CFG, sampler, n, eta=_eta(sampler)) for n in (3, 12, 25)]
     if sampler == "ddim":
         variants.append(make_plan(CFG, sampler, 12, eta=0.0))  # eta is data too
-    if sampler.startswith("dpmpp"):  # Karras or not is schedule data: same program
+    if sampler.startswith("dpmpp_2m"):  # Karras or not is schedule data: same program
         other = sampler[: -len("_karras")] if sampler.endswith("_karras") else sampler + "_karras"
         assert make_spec(CFG, other) == spec
         variants.append(make_plan(CFG, other, 12))
@@ -89,12 +89,13 @@ def test_model_calls_and_noise_draws(sampler: str) -> None:
     jax.block_until_ready(x)
     jax.effects_barrier()
     n = int(plan.n_steps)
-    two_calls = sampler in ("heun", "dpm2")
+    two_calls = sampler in ("heun", "dpm2", "dpm2_a", "dpmpp_sde")
     assert counts["model"] == (2 * n - 1 if two_calls else n)
     assert spec.max_model_calls_per_step == (2 if two_calls else 1)
-    assert counts["noise"] == n * spec.noise_draws_per_step
-    assert spec.noise_draws_per_step == (1 if sampler in ("ddpm", "ddim", "euler_a", "lcm", "tcd", "dpmpp_2m_sde",
-                                                          "dpmpp_2m_sde_karras") else 0)
+    # dpmpp_sde's last step (onto sigma 0) is Euler's: it draws nothing there
+    assert counts["noise"] == (n - 1 if sampler == "dpmpp_sde" else n) * spec.noise_draws_per_step
+    one = ("ddpm", "ddim", "euler_a", "lcm", "tcd", "dpmpp_2m_sde", "dpmpp_2m_sde_karras", "dpm2_a")
+    assert spec.noise_draws_per_step == (1 if sampler in one else 2 if sampler == "dpmpp_sde" else 0)
 
 
 @pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
@@ -104,7 +105,7 @@ def test_init_scales_noise_and_sets_history(sampler: str) -> None:
         noise = np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)
         state = init(spec, plan, noise)
         np.testing.assert_array_equal(np.asarray(state.x), noise * plan.init_noise_sigma)
-        if sampler.startswith("dpmpp"):
+        if sampler.startswith("dpmpp_2m"):
             assert state.x0_prev is not None and not np.any(np.asarray(state.x0_prev))
         else:
             assert state.x0_prev is None
@@ -124,7 +125,8 @@ def test_init_scales_noise_and_sets_history(sampler: str) -> None:
             assert state.derivatives.shape == (3, *SHAPE) and not np.any(np.asarray(state.derivatives))
         else:
             assert state.derivatives is None
-        expect_one = sampler in ("ddpm", "ddim", "lcm", "tcd", "unipc", "pndm", "deis") or sampler.startswith("dpmpp")
+        expect_one = sampler in ("ddpm", "ddim", "lcm", "tcd", "unipc", "pndm", "deis", "dpmpp_2m", "dpmpp_2m_karras",
+                                 "dpmpp_2m_sde", "dpmpp_2m_sde_karras")
         assert (plan.init_noise_sigma == 1.0) == expect_one
 
 
@@ -142,7 +144,7 @@ def test_final_sample_is_in_data_space(sampler: str) -> None:
     def model(x: jax.Array, t: jax.Array) -> jax.Array:
         return jnp.broadcast_to(target, x.shape)
 
-    if sampler in ("pndm", "dpm2"):  # their classes take no "sample" prediction: the epsilon of that image
+    if sampler in ("pndm", "dpm2", "dpm2_a", "dpmpp_sde"):  # their classes take no "sample": that image's epsilon
         # (pndm ending at alpha 1)
         cfg = SchedulerConfig.from_dict({**{k: getattr(cfg, k) for k in ("beta_schedule", "beta_start", "beta_end")},
                                          "set_alpha_to_one": True})
@@ -152,7 +154,7 @@ def test_final_sample_is_in_data_space(sampler: str) -> None:
             a = ab[t.astype(jnp.int32)]
             return (x - jnp.sqrt(a) * target) / jnp.sqrt(1.0 - a)
 
-        if sampler == "dpm2":  # variance exploding, at fractional t: the sigma of t, as its schedule interpolates
+        if sampler != "pndm":  # variance exploding, at fractional t: the sigma of t, as its schedule interpolates
             train_sigmas = jnp.sqrt((1.0 - ab) / ab)
 
             def model(z: jax.Array, t: jax.Array) -> jax.Array:  # noqa: F811

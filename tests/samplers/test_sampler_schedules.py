@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import numpy as np
@@ -145,6 +146,64 @@ def test_dpm2_midpoints_match_diffusers(schedule: str, start: float, end: float,
         np.testing.assert_allclose(plan.mid_timesteps[:steps - 1], t_theirs, atol=1e-3)
 
 
+@pytest.mark.parametrize("karras", [False, True])
+@pytest.mark.parametrize("schedule,start,end", SCHEDULES)
+def test_dpm2_a_midpoints_are_the_next_sigma(schedule: str, start: float, end: float, karras: bool,
+                                             monkeypatch) -> None:
+    """dpm2_a's second call: at the geometric mean of sigma_i and its ``sigma_down = sigma_{i+1}^2 / sigma_i``,
+    which is sigma_{i+1} itself (exactly, here). KDPM2Ancestral's float32 tables cancel in sigma_down (off by
+    percents, or NaN, from a cosine schedule's ~2e4), so they are compared as diffusers builds them in
+    float64: the midpoints within 2e-6 (our sigmas are rounded to float32, theirs not) plus what float64
+    still cancels (``2**-52 (sigma_i / sigma_{i+1})^2``: a 2-step cosine schedule's ratio is ~3e6), the t
+    there within 1e-3 of a training step."""
+    from tests._support import sampler_ref
+
+    config = {"beta_schedule": schedule, "beta_start": start, "beta_end": end, "use_karras_sigmas": karras}
+    theirs = diffusers.KDPM2AncestralDiscreteScheduler(**config)
+    monkeypatch.setattr(sys.modules[type(theirs).__module__], "np", sampler_ref._Float64Numpy())
+    for steps in (1, 2, 7, 20, 50):
+        theirs.set_timesteps(steps)
+        plan = make_plan(SchedulerConfig.from_dict(config), "dpm2_a", steps)
+        ours = plan.mid_sigmas[:steps]
+        np.testing.assert_array_equal(ours, plan.sigmas[1:steps + 1])
+        mid_theirs = theirs.sigmas_interpol.numpy()[0::2][:steps]  # [s_mid0, s_mid1, ..., 0] (not KDPM2's roll)
+        assert theirs.sigmas_interpol.dtype == torch.float64 and ours[-1] == mid_theirs[-1] == 0
+        ratio = plan.sigmas[:steps - 1].astype(np.float64) / plan.sigmas[1:steps]
+        bound = (2e-6 + 2.0**-52 * ratio**2) * mid_theirs[:-1]
+        assert np.all(np.abs(ours[:-1] - mid_theirs[:-1]) <= bound), (ours, mid_theirs)
+        np.testing.assert_allclose(plan.mid_timesteps[:steps - 1], theirs.timesteps.numpy()[1::2], atol=1e-3)
+
+
+@pytest.mark.parametrize("karras", [False, True])
+@pytest.mark.parametrize("schedule,start,end", SCHEDULES)
+def test_dpmpp_sde_midpoints_match_diffusers(schedule: str, start: float, end: float, karras: bool,
+                                             monkeypatch) -> None:
+    """dpmpp_sde's second call: its t is DPMSolverSDE's own (``_second_order_timesteps``, float64, from the
+    sigmas before their float32 cast), bitwise as float32 given torch's training sigmas (their float32
+    ``** 0.5`` is not correctly rounded on every CPU: sampler_ref.torch_train_sigmas); its sigma is the
+    correctly rounded geometric mean of the step's float32 sigmas, within 2e-6 of what its ``step``
+    computes in torch float32 (``sigma_fn(t + (t_next - t) / 2)``, through log and exp)."""
+    from tests._support.sampler_ref import inject_torch_tables
+
+    inject_torch_tables(monkeypatch)
+    config = {"beta_schedule": schedule, "beta_start": start, "beta_end": end, "use_karras_sigmas": karras}
+    theirs = diffusers.DPMSolverSDEScheduler(**config)
+    for steps in (1, 2, 7, 20, 50):
+        theirs.set_timesteps(steps)
+        plan = make_plan(SchedulerConfig.from_dict(config), "dpmpp_sde", steps)
+        np.testing.assert_array_equal(plan.mid_timesteps[:steps - 1],
+                                      theirs.timesteps.numpy()[1::2].astype(np.float32))
+        sig = theirs.sigmas[0::2]  # [s_0 .. s_{n-1}] float32; the last step has no midpoint
+        sig_next = torch.cat([sig[1:], theirs.sigmas[-1:]])
+        t, t_next = -sig.log(), -sig_next.log()
+        mid_theirs = (-(t + (t_next - t) * 0.5)).exp()[: steps - 1].numpy()
+        ours = plan.mid_sigmas[:steps]
+        assert ours[-1] == 0
+        np.testing.assert_allclose(ours[:-1], mid_theirs, rtol=2e-6)
+        np.testing.assert_array_equal(ours, correctly_rounded_f32(np.sqrt(plan.sigmas[:steps].astype(np.float64)
+                                                                          * plan.sigmas[1:steps + 1])))
+
+
 def test_sigma_to_t_matches_diffusers() -> None:
     sched = diffusers.EulerDiscreteScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
     log_sigmas = np.log(np.array(((1 - sched.alphas_cumprod) / sched.alphas_cumprod) ** 0.5))
@@ -197,7 +256,7 @@ def test_plan_padding_is_inert(sampler: str) -> None:
     assert np.all(plan.timesteps[n:] == 0)
     assert np.all(plan.alpha_bar[n:] == 1) and np.all(plan.alpha_bar_prev[n:] == 1)
     assert np.all(plan.order[n:] == 1)
-    if sampler.startswith("dpmpp"):
+    if sampler.startswith("dpmpp_2m"):
         assert plan.order[:n].tolist() == [1, 2, 2, 2, 2, 2, 1]
 
 

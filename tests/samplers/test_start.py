@@ -23,7 +23,8 @@ def _config(sampler: str) -> dict:
 
 
 @pytest.mark.parametrize("sampler", ["ddim", "euler", "heun", "dpmpp_2m", "lcm", "tcd", "unipc", "dpmpp_2m_sde",
-                                     "pndm", "deis", "lms", "dpm2", "edm_euler", "edm_dpmpp_2m"])
+                                     "pndm", "deis", "lms", "dpm2", "dpm2_a", "dpmpp_sde", "edm_euler",
+                                     "edm_dpmpp_2m"])
 @pytest.mark.parametrize("steps,strength", [(5, 0.6), (10, 0.75), (7, 0.3), (4, 1.0), (30, 0.9999)])
 def test_sd_start_is_diffusers_get_timesteps(sampler, steps, strength):
     from diffusers import StableDiffusionImg2ImgPipeline

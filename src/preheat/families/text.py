@@ -72,6 +72,8 @@ SAMPLER_OF_SCHEDULER = {
     "DEISMultistepScheduler": "deis",
     "LMSDiscreteScheduler": "lms",
     "KDPM2DiscreteScheduler": "dpm2",
+    "KDPM2AncestralDiscreteScheduler": "dpm2_a",
+    "DPMSolverSDEScheduler": "dpmpp_sde",
     "FlowMatchEulerDiscreteScheduler": "flow_euler",
     "FlowMatchHeunDiscreteScheduler": "flow_heun",
     "EDMEulerScheduler": "edm_euler",

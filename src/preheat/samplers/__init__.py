@@ -9,7 +9,7 @@ Public API::
 
     SAMPLERS: tuple[str, ...]                 # DIFFUSION_SAMPLERS + FLOW_SAMPLERS + EDM_SAMPLERS
     DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm, tcd, unipc, dpmpp_2m_sde(_karras), pndm,
-                                              #   deis, lms, dpm2
+                                              #   deis, lms, dpm2, dpm2_a, dpmpp_sde
     FLOW_SAMPLERS: tuple[str, ...]            # ("flow_euler", "flow_heun")
     EDM_SAMPLERS: tuple[str, ...]             # ("edm_euler", "edm_dpmpp_2m", "edm_dpmpp_2m_sde")
     DETERMINISTIC_SAMPLERS: tuple[str, ...]   # samplers without per-step noise (flow ones included)
@@ -76,6 +76,11 @@ count need a recompile)::
     dpm2             KDPM2DiscreteScheduler (Euler to the log-midpoint  2 (1 on the last)  no
                      sigma, the model there, the step along its
                      derivative; Karras)
+    dpm2_a           KDPM2AncestralDiscreteScheduler (DPM2 aimed at     2 (1 on the last)  no
+                     sigma_down, then noise of std sigma_up; Karras)
+    dpmpp_sde        DPMSolverSDEScheduler (two ancestral DPM-Solver-1  2 (1 on the last)  no
+                     moves, to the log-midpoint and on; their noises
+                     one Brownian path's, two draws a step; Karras)
     flow_euler       FlowMatchEulerDiscreteScheduler (shift, dynamic     1                  no
                      shifting with mu, custom sigmas, invert_sigmas,
                      shift_terminal, Karras / exponential sigmas)

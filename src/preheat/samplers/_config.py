@@ -445,7 +445,7 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
                 f"supported for sampler {sampler!r}; use timestep_type='discrete'"
             )
 
-    if sampler == "dpm2":  # KDPM2DiscreteScheduler.step raises on "sample"
+    if sampler in ("dpm2", "dpm2_a", "dpmpp_sde"):  # their diffusers classes' step raises on "sample"
         _check_choice("prediction_type", prediction_type, ("epsilon", "v_prediction"), sampler)
     if sampler == "pndm":
         if config.skip_prk_steps is False:
@@ -460,7 +460,7 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
     if sampler == "ddpm":
         variance_type = get("variance_type")
         _check_choice("variance_type", variance_type, DDPM_VARIANCE_TYPES, sampler)
-    elif sampler.startswith("dpmpp") and config.variance_type in ("learned", "learned_range"):
+    elif sampler.startswith("dpmpp_2m") and config.variance_type in ("learned", "learned_range"):
         # diffusers' dpm++ acts on these two only (it drops the variance channels)
         raise SchedulerConfigError(
             f"variance_type={config.variance_type!r} (learned variance) is not supported for "
@@ -471,7 +471,7 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
         use_karras = True
     elif sampler in ("dpmpp_2m", "dpmpp_2m_sde"):
         use_karras = False
-    elif "use_karras_sigmas" in defaults:  # euler, heun, unipc, deis, lms, dpm2: as their diffusers classes do
+    elif "use_karras_sigmas" in defaults:  # euler, heun, unipc, deis, lms, dpm2(_a), dpmpp_sde: as their classes do
         use_karras = bool(get("use_karras_sigmas"))
     else:  # ddpm, ddim, euler_a: their diffusers classes do not read the key
         use_karras = False

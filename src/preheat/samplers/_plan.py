@@ -42,6 +42,8 @@ _SOLVER_OF_SAMPLER = {
     "deis": "deis",
     "lms": "lms",
     "dpm2": "dpm2",
+    "dpm2_a": "dpm2_a",
+    "dpmpp_sde": "dpmpp_sde",
     # flow matching: the same Euler / Heun updates in sigma, fed the model's velocity
     # (SolverSpec.prediction_type == "flow") instead of a derivative from an x0 estimate
     "flow_euler": "euler",
@@ -55,9 +57,12 @@ _SOLVER_OF_SAMPLER = {
 # Samplers whose diffusers ``set_timesteps`` takes ``mu`` and ``sigmas`` (and so make_plan).
 MU_SIGMAS_SAMPLERS: tuple[str, ...] = ("flow_euler",)
 _SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde", "dpmpp_2m_sde_karras",
-                   "unipc", "deis", "lms", "dpm2")
+                   "unipc", "deis", "lms", "dpm2", "dpm2_a", "dpmpp_sde")
 _NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1, "lcm": 1, "tcd": 1,
-                "dpmpp_2m_sde": 1}  # by solver (edm_dpmpp_2m_sde's is dpmpp_2m_sde)
+                "dpmpp_2m_sde": 1,  # by solver (edm_dpmpp_2m_sde's is dpmpp_2m_sde)
+                "dpm2_a": 1, "dpmpp_sde": 2}  # dpmpp_sde: one per move (its Brownian path's two increments)
+# Solvers with a second model call per step (not on the last), at the Plan's mid_sigmas / mid_timesteps.
+MIDPOINT_SOLVERS: tuple[str, ...] = ("dpm2", "dpm2_a", "dpmpp_sde")
 # Samplers whose make_plan takes a custom descending ``timesteps`` list (their diffusers
 # ``set_timesteps(timesteps=...)``: Hyper-SD's 1-step cards pass ``[800]``).
 TIMESTEPS_SAMPLERS: tuple[str, ...] = ("lcm", "tcd")
@@ -76,7 +81,7 @@ class SolverSpec:
     """
 
     solver: str  # "ddpm" | "ddim" | "euler" | "euler_a" | "heun" | "dpmpp_2m" | "lcm" | "tcd" | "unipc"
-    #   | "dpmpp_2m_sde" | "pndm" | "deis" | "lms" | "dpm2"
+    #   | "dpmpp_2m_sde" | "pndm" | "deis" | "lms" | "dpm2" | "dpm2_a" | "dpmpp_sde"
     prediction_type: str  # "epsilon" | "v_prediction" | "sample" | "flow" (velocity; euler/heun only)
     clip_sample: bool = False  # clamp the x0 prediction (ddpm, ddim, heun, lcm only)
     clip_sample_range: float = 1.0
@@ -101,8 +106,9 @@ class SolverSpec:
 
     @property
     def max_model_calls_per_step(self) -> int:
-        """Heun and DPM2 evaluate the model twice per step except on the last one."""
-        return 2 if self.solver in ("heun", "dpm2") else 1
+        """Heun and the midpoint solvers (DPM2, DPM2 a, DPM++ SDE) evaluate the model twice per step except on
+        the last one."""
+        return 2 if self.solver in ("heun", *MIDPOINT_SOLVERS) else 1
 
 
 class Plan(NamedTuple):
@@ -127,9 +133,10 @@ class Plan(NamedTuple):
     progress_id: np.ndarray = np.int32(0)  # int32 []: whose call the step reports are (preheat.progress)
     lms_coeffs: np.ndarray = np.zeros((1, LMS_ORDER), np.float32)  # float32 [L, 4]: lms: step i's weights of
     #   the derivatives of steps i, i-1, i-2, i-3 (zeros elsewhere; make_plan always fills all L rows)
-    mid_sigmas: np.ndarray = np.zeros(1, np.float32)  # float32 [L]: dpm2: the log-midpoint of sigma_i and
-    #   sigma_{i+1}, where its second model call is (0 on the last step: no second call); zeros elsewhere
-    mid_timesteps: np.ndarray = np.zeros(1, np.float32)  # float32 [L]: dpm2: the model's t at mid_sigmas[i]
+    mid_sigmas: np.ndarray = np.zeros(1, np.float32)  # float32 [L]: MIDPOINT_SOLVERS: the log-midpoint of sigma_i
+    #   and sigma_{i+1} (dpm2_a: of sigma_i and its sigma_down), where the second model call is (0 on the last
+    #   step: no second call); zeros elsewhere
+    mid_timesteps: np.ndarray = np.zeros(1, np.float32)  # float32 [L]: the model's t at mid_sigmas[i]
 
 
 def make_spec(config: SchedulerConfig, sampler: str) -> SolverSpec:
@@ -195,24 +202,25 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
     _check_eta(sampler, eta)
 
     alpha_bar_train = _train_alphas_cumprod(r)
+    ramp = None  # the sigma samplers' float64 sigmas, before the float32 cast
     if sampler in ("ddpm", "ddim"):
         rows = _discrete_rows(r, steps, alpha_bar_train)
     elif sampler in ("lcm", "tcd"):
         rows = _lcm_rows(r, steps, alpha_bar_train, timesteps)
-    elif sampler.startswith("dpmpp") or sampler in ("unipc", "deis"):
+    elif sampler.startswith("dpmpp_2m") or sampler in ("unipc", "deis"):
         rows = _dpm_rows(r, steps, alpha_bar_train)
     elif sampler == "pndm":
         rows, mid = _pndm_rows(r, steps, alpha_bar_train)  # checks its own (repeating) schedule
         return _pad(T, rows, eta, mid)
     else:
-        rows = _sigma_rows(r, steps, alpha_bar_train)
+        rows, ramp = _sigma_rows(r, steps, alpha_bar_train)
     timesteps, sched_sigmas = rows[0], rows[1]
     _check_schedule(r, steps, timesteps, sched_sigmas if sampler in _SIGMA_SAMPLERS else None)
     _check_zero_snr(r, timesteps, rows[2])
     mid = _tcd_mid(timesteps, eta, alpha_bar_train) if sampler == "tcd" else None
     corrector = _unipc_corrector(r, len(timesteps)) if sampler == "unipc" else None
     lms = _lms_coefficients(sched_sigmas) if sampler == "lms" else None
-    midpoints = _dpm2_midpoints(sched_sigmas, alpha_bar_train) if sampler == "dpm2" else None
+    midpoints = _midpoints(sampler, sched_sigmas, ramp, alpha_bar_train) if sampler in MIDPOINT_SOLVERS else None
     return _pad(T, rows, eta, mid, corrector, lms, midpoints)
 
 
@@ -421,28 +429,29 @@ def _pndm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> tu
     return (ts_int.astype(_F32), np.zeros(0, _F32), ab, ab_prev, np.ones(n, np.int32), _F32(1.0)), ab_mid
 
 
-def _sigma_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:
-    """euler, euler_a, heun, lms, dpm2: float32 timesteps, sigmas interpolated linearly in t."""
+def _sigma_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> tuple[_Rows, np.ndarray]:
+    """euler, euler_a, heun, lms, dpm2, dpm2_a, dpmpp_sde: float32 timesteps, sigmas interpolated linearly in t;
+    and those sigmas in float64 ``[n]`` (DPMSolverSDE places its midpoint timesteps from them)."""
     T = r.num_train_timesteps
     ts = S.spaced_timesteps(r.timestep_spacing, T, steps, r.steps_offset)
-    ts32 = ts.astype(_F32)  # diffusers casts before interpolating
+    ts32 = ts.astype(_F32)  # diffusers casts before interpolating...
     if not r.use_karras_sigmas:  # with Karras they only pick the (clamped) end sigmas
         _check_range(r, steps, ts32)
     sig_train = S.train_sigmas(alpha_bar_train)
-    sig = S.interp_sigmas(ts32, sig_train)
+    sig = S.interp_sigmas(ts if r.sampler == "dpmpp_sde" else ts32, sig_train)  # ...except DPMSolverSDE
     if r.use_karras_sigmas:
         lo = r.sigma_min if r.sigma_min is not None else sig[-1].item()
         hi = r.sigma_max if r.sigma_max is not None else sig[0].item()
         sig = S.karras_sigmas(lo, hi, steps)
         t_frac = S.sigma_to_t(sig, np.log(sig_train))
-        ts32 = (t_frac.round() if r.sampler == "dpm2" else t_frac).astype(_F32)  # KDPM2 rounds them
+        ts32 = (t_frac.round() if r.sampler in ("dpm2", "dpm2_a") else t_frac).astype(_F32)  # KDPM2 rounds them
     sigmas = np.append(sig, 0.0).astype(_F32)
     n = len(ts32)
     top = sigmas.max()
     # diffusers' init_noise_sigma: max sigma, or sqrt(max^2 + 1) for "leading" (float32)
     init = top if r.timestep_spacing in ("linspace", "trailing") else np.sqrt(top * top + _F32(1.0))
     ones = np.ones(n, _F32)
-    return ts32, sigmas, ones, ones, np.ones(n, np.int32), _F32(init)
+    return (ts32, sigmas, ones, ones, np.ones(n, np.int32), _F32(init)), sig
 
 
 def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Rows:
@@ -501,13 +510,25 @@ def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Ro
     return ts_int.astype(_F32), sigmas, ones, ones, order, _F32(1.0)
 
 
-def _dpm2_midpoints(sigmas: np.ndarray, alpha_bar_train: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """dpm2: float32 ``[n]`` each step's log-midpoint sigma ``exp((log s_i + log s_{i+1}) / 2)``, the geometric
-    mean (0 onto the final sigma 0), and the model's t there (interpolated in the training log-sigmas, as
-    KDPM2's ``_sigma_to_t``). Correctly rounded; torch's float32 log, lerp and exp land a few ulps away."""
+def _midpoints(sampler: str, sigmas: np.ndarray, ramp: np.ndarray,
+               alpha_bar_train: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MIDPOINT_SOLVERS: float32 ``[n]`` each step's log-midpoint sigma, where its second model call is, and the
+    model's t there (interpolated in the training log-sigmas, as diffusers' ``_sigma_to_t``).
+
+    dpm2 and dpmpp_sde: the geometric mean ``exp((log s_i + log s_{i+1}) / 2)``, correctly rounded (torch's
+    float32 log, lerp and exp land a few ulps away), 0 onto the final sigma 0. dpm2_a: the geometric mean
+    of ``s_i`` and its ``sigma_down = s_{i+1}^2 / s_i``, which is ``s_{i+1}`` itself (KDPM2Ancestral's float32
+    ``sigma_down`` cancels; it lands within a few ulps of it, or at NaN, see ``_solvers._ancestral_split``).
+    DPMSolverSDE places its t from the float64 sigmas ``ramp`` (its ``_second_order_timesteps``).
+    """
     s = sigmas.astype(np.float64)  # [n + 1]; the product of two float32 values is exact in float64
-    mid = np.sqrt(s[:-1] * s[1:]).astype(_F32)
-    t = S.sigma_to_t(mid, np.log(S.train_sigmas(alpha_bar_train)))
+    mid = (s[1:] if sampler == "dpm2_a" else np.sqrt(s[:-1] * s[1:])).astype(_F32)  # 0 on the last step
+    log_train = np.log(S.train_sigmas(alpha_bar_train))
+    if sampler == "dpmpp_sde":
+        lam = -np.log(ramp)  # [n] float64, DPMSolverSDE's t_fn
+        t = S.sigma_to_t(np.append(np.exp(-(lam[:-1] + 0.5 * np.diff(lam))), 0.0), log_train)
+    else:
+        t = S.sigma_to_t(mid, log_train)
     return mid, t.astype(_F32)
 
 

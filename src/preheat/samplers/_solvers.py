@@ -5,13 +5,14 @@ from the ``Plan`` at a (possibly traced) step index ``i``; nothing is kept betwe
 the explicit ``SamplerState``. Shared pieces are written once:
 
 * :func:`_denoise` -- input scaling, the model call, prediction-type conversion, clipping;
-* :func:`_euler_move` -- the first-order move along ``(x - x0) / sigma`` (euler_a);
+* :func:`_euler_move` -- the first-order move along ``(x - x0) / sigma`` (euler_a, dpm2_a, dpmpp_sde);
+* :func:`_ancestral_split` -- an ancestral move's ``(sigma_down, sigma_up)`` (euler_a, dpm2_a, dpmpp_sde);
 * :func:`_derivative` -- ``dx/dsigma`` at a step: from the x0 estimate, or the model's own
   velocity for flow matching (euler and heun serve both).
 
 Notation: the state is ``x = alpha * x0 + sigma * eps``. ddpm/ddim/dpm++ keep the
-variance-preserving latent (``alpha**2 + sigma**2 = 1``); euler/euler_a/heun keep the
-variance-exploding one (``alpha = 1``) and feed the model ``x / sqrt(sigma**2 + 1)``.
+variance-preserving latent (``alpha**2 + sigma**2 = 1``); euler/euler_a/heun/lms/dpm2(_a)/dpmpp_sde
+(:data:`VE_SOLVERS`) keep the variance-exploding one (``alpha = 1``) and feed the model ``x / sqrt(sigma**2 + 1)``.
 Flow matching (``prediction_type == "flow"``: flow_euler, flow_heun) keeps
 ``x = (1 - sigma) * x0 + sigma * eps``, feeds the model ``x`` itself, and the model returns
 the velocity ``dx/dsigma = eps - x0``. EDM samplers (``spec.sigma_data > 0``: edm_euler and
@@ -30,7 +31,8 @@ from preheat.errors import InvalidArgumentError
 from preheat.progress import report_step
 from preheat.samplers._plan import LMS_ORDER, Plan, SolverSpec
 
-__all__ = ["SamplerState", "Start", "Model", "NoiseFn", "init", "step", "run", "noised", "BLEND_SOLVERS"]
+__all__ = ["SamplerState", "Start", "Model", "NoiseFn", "init", "step", "run", "noised", "BLEND_SOLVERS",
+           "VE_SOLVERS"]
 
 Model = Callable[[jax.Array, jax.Array], jax.Array]
 """``model(x_in, t)``: raw network output (epsilon / v / x0) for input ``x_in`` at float32 scalar ``t``."""
@@ -74,6 +76,8 @@ BLEND_SOLVERS: tuple[str, ...] = ("ddpm", "ddim", "euler", "euler_a", "dpmpp_2m"
                                   "dpmpp_2m_sde", "pndm", "deis", "lms")
 # Multistep dpm++ solvers: they carry the previous x0 and start (again) at first order.
 _DPM_SOLVERS: tuple[str, ...] = ("dpmpp_2m", "dpmpp_2m_sde")
+# Solvers on the variance-exploding state ``x = x0 + sigma eps`` (EDM samplers too, by spec.sigma_data).
+VE_SOLVERS: tuple[str, ...] = ("euler", "euler_a", "heun", "lms", "dpm2", "dpm2_a", "dpmpp_sde")
 
 
 def init(spec: SolverSpec, plan: Plan, noise: jax.Array) -> SamplerState:
@@ -156,7 +160,7 @@ def noised(spec: SolverSpec, plan: Plan, x0: jax.Array, noise: jax.Array, i: jax
     if spec.prediction_type == "flow":
         sigma = _at(plan.sigmas, i)
         return sigma * noise + (1.0 - sigma) * x0
-    if spec.solver in ("euler", "euler_a", "heun", "lms", "dpm2") or spec.sigma_data:  # EDM: variance exploding
+    if spec.solver in VE_SOLVERS or spec.sigma_data:  # EDM: variance exploding
         return x0 + noise * _at(plan.sigmas, i)
     if spec.solver in (*_DPM_SOLVERS, "unipc", "deis"):
         alpha, sigma = _vp(_at(plan.sigmas, i))
@@ -245,9 +249,26 @@ def _derivative(spec: SolverSpec, model: Model, x: jax.Array, t: jax.Array, sigm
 
 
 def _euler_move(x: jax.Array, x0: jax.Array, sigma: jax.Array, sigma_to: jax.Array) -> jax.Array:
-    """One Euler step of ``dx/dsigma = (x - x0) / sigma`` from ``sigma`` to ``sigma_to``."""
-    d = (x - x0) / sigma  # [*S]
-    return x + d * (sigma_to - sigma)
+    """One Euler step of ``dx/dsigma = (x - x0) / sigma`` from ``sigma`` to ``sigma_to``, written as
+    DPM-Solver-1's ``x0 + (sigma_to / sigma) (x - x0)``: the same value, without ``x + d (sigma_to - sigma)``'s
+    cancellation when ``sigma_to << sigma`` (from sigma ~2e4 the sample is ~1e4 and the result ~1: that form
+    loses ~1e-3 to an ulp of the sample)."""
+    return x0 + (sigma_to / sigma) * (x - x0)  # [*S]
+
+
+def _ancestral_split(sigma: jax.Array, sigma_to: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(sigma_down, sigma_up)`` of an ancestral move from ``sigma`` to ``sigma_to`` (eta 1, k-diffusion's
+    ``get_ancestral_step``): a deterministic move to ``sigma_down = sigma_to^2 / sigma``, then fresh noise of
+    std ``sigma_up = sigma_to sqrt(sigma^2 - sigma_to^2) / sigma``; 0 and 0 onto ``sigma_to = 0``.
+
+    Written without cancellation, so both are within a few ulps of the exact values. diffusers' float32
+    ``sqrt(sigma_to^2 - sigma_up^2)`` cancels: its sigma_down is rounding noise, or 0 (KDPM2Ancestral: NaN),
+    once ``sigma / sigma_to`` passes 4096 (a cosine schedule's first step from ~2e4), and its sigma_up
+    carries ``sigma^2 / (sigma^2 - sigma_to^2)`` ulps on fine steps. (Its float64 run agrees with ours.)
+    """
+    sigma_down = sigma_to * (sigma_to / sigma)
+    sigma_up = sigma_to * jnp.sqrt((sigma - sigma_to) * (sigma + sigma_to)) / sigma  # (s - t) is exact near s
+    return sigma_down, sigma_up
 
 
 def _ve_coefficients(sigma: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -314,10 +335,7 @@ def _euler_a_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerStat
     """Euler to ``sigma_down`` then fresh noise of std ``sigma_up`` (sigma_down^2 + sigma_up^2 = sigma_next^2)."""
     sigma, sigma_next = _at(plan.sigmas, i), _at(plan.sigmas, i + 1)
     x0 = _ve_denoise(spec, model, state.x, _at(plan.timesteps, i), sigma)
-    s2, sn2 = sigma * sigma, sigma_next * sigma_next
-    sigma_up = jnp.sqrt(sn2 * (s2 - sn2) / s2)
-    # clamp: float32 rounding could make this a hair negative (diffusers would return NaN)
-    sigma_down = jnp.sqrt(jnp.maximum(sn2 - sigma_up * sigma_up, 0.0))
+    sigma_down, sigma_up = _ancestral_split(sigma, sigma_next)
     x_new = _euler_move(state.x, x0, sigma, sigma_down)
     x_new = x_new + noise_fn(i, 0) * sigma_up
     return state._replace(x=x_new)
@@ -343,20 +361,63 @@ def _heun_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, 
 
 def _dpm2_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
                noise_fn: NoiseFn) -> SamplerState:
-    """DPM-Solver-2 (Lu et al. 2022; k-diffusion's ``sample_dpm_2``, KDPM2DiscreteScheduler): Euler to the
+    """DPM-Solver-2 (Lu et al. 2022; k-diffusion's ``sample_dpm_2``, KDPM2DiscreteScheduler, "DPM2"): Euler to the
     log-midpoint sigma, the model there, and the whole step along that midpoint's derivative; on the
-    last step (midpoint 0) the first call's Euler move onto sigma 0 is the result (one call)."""
+    last step (midpoint 0) the first call's Euler move onto sigma 0 is the result (one call).
+
+    dpm2_a, its ancestral form (``sample_dpm_2_ancestral``, KDPM2AncestralDiscreteScheduler, "DPM2 a"), aims the
+    step at ``sigma_down`` and adds fresh noise of std ``sigma_up``; its midpoint, the geometric mean of
+    ``sigma_i`` and ``sigma_down = sigma_{i+1}^2 / sigma_i``, is ``sigma_{i+1}`` (the Plan's ``mid_sigmas``).
+    """
     x = state.x
     sigma, sigma_next = _at(plan.sigmas, i), _at(plan.sigmas, i + 1)
     sigma_mid = _at(plan.mid_sigmas, i)
-    d = _derivative(spec, model, x, _at(plan.timesteps, i), sigma)
-    x_mid = x + d * (sigma_mid - sigma)  # [*S]
+    ancestral = spec.solver == "dpm2_a"
+    target, sigma_up = _ancestral_split(sigma, sigma_next) if ancestral else (sigma_next, None)
+    x0 = _ve_denoise(spec, model, x, _at(plan.timesteps, i), sigma)
+    x_mid = _euler_move(x, x0, sigma, sigma_mid)  # [*S]
 
     def second(_: None) -> jax.Array:
         d_mid = _derivative(spec, model, x_mid, _at(plan.mid_timesteps, i), sigma_mid)
-        return x + d_mid * (sigma_next - sigma)
+        return x + d_mid * (target - sigma)
 
-    return state._replace(x=jax.lax.cond(sigma_mid > 0, second, lambda _: x_mid, None))
+    x_new = jax.lax.cond(sigma_mid > 0, second, lambda _: x_mid, None)
+    if ancestral:  # sigma_up is 0 on the last step
+        x_new = x_new + noise_fn(i, 0) * sigma_up
+    return state._replace(x=x_new)
+
+
+def _dpmpp_sde_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+                    noise_fn: NoiseFn) -> SamplerState:
+    """DPM-Solver++ SDE (k-diffusion's ``sample_dpmpp_sde`` with r = 1/2, DPMSolverSDEScheduler, "DPM++ SDE"):
+    an ancestral DPM-Solver-1 move (Euler to ``sigma_down``, noise of std ``sigma_up``) to the log-midpoint,
+    the model there, and a second such move over the whole step from the step's start with that x0.
+
+    The two moves' noises are the normalised increments of one Brownian path ``W(sigma)`` over
+    ``[sigma_mid, sigma]`` and ``[sigma_next, sigma]`` (diffusers draws them from a torchsde BrownianTree);
+    the second interval holds the first, so the second is ``c n_0 + sqrt(1 - c^2) n_1`` with
+    ``c^2 = (sigma - sigma_mid) / (sigma - sigma_next)``: the same law, from the step's two draws. The last step
+    (onto sigma 0) is one call, Euler's, without noise.
+    """
+    x = state.x
+    sigma, sigma_next = _at(plan.sigmas, i), _at(plan.sigmas, i + 1)
+    sigma_mid = _at(plan.mid_sigmas, i)
+    x0 = _ve_denoise(spec, model, x, _at(plan.timesteps, i), sigma)
+
+    def stochastic(_: None) -> jax.Array:
+        first = noise_fn(i, 0)  # [*S] the increment over [sigma_mid, sigma], normalised
+        down, up = _ancestral_split(sigma, sigma_mid)
+        x_mid = _euler_move(x, x0, sigma, down) + first * up
+        x0_mid = _ve_denoise(spec, model, x_mid, _at(plan.mid_timesteps, i), sigma_mid)
+        c2 = (sigma - sigma_mid) / (sigma - sigma_next)  # the first interval's share of the second
+        noise = jnp.sqrt(c2) * first + jnp.sqrt(1.0 - c2) * noise_fn(i, 1)  # over [sigma_next, sigma], normalised
+        down, up = _ancestral_split(sigma, sigma_next)
+        return _euler_move(x, x0_mid, sigma, down) + noise * up
+
+    def last(_: None) -> jax.Array:  # onto sigma 0
+        return _euler_move(x, x0, sigma, sigma_next)
+
+    return state._replace(x=jax.lax.cond(sigma_next > 0, stochastic, last, None))
 
 
 def _dpmpp_2m_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
@@ -671,4 +732,6 @@ _STEP_OF_SOLVER = {
     "deis": _deis_step,
     "lms": _lms_step,
     "dpm2": _dpm2_step,
+    "dpm2_a": _dpm2_step,
+    "dpmpp_sde": _dpmpp_sde_step,
 }

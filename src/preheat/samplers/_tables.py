@@ -25,6 +25,8 @@ DIFFUSION_SAMPLERS: tuple[str, ...] = (
     "deis",
     "lms",
     "dpm2",
+    "dpm2_a",
+    "dpmpp_sde",
 )
 # Samplers for flow-matching models (the model predicts the velocity ``noise - x0``).
 FLOW_SAMPLERS: tuple[str, ...] = ("flow_euler", "flow_heun")
@@ -56,6 +58,8 @@ DIFFUSERS_CLASS: dict[str, str] = {
     "deis": "DEISMultistepScheduler",
     "lms": "LMSDiscreteScheduler",
     "dpm2": "KDPM2DiscreteScheduler",
+    "dpm2_a": "KDPM2AncestralDiscreteScheduler",
+    "dpmpp_sde": "DPMSolverSDEScheduler",
     "flow_euler": "FlowMatchEulerDiscreteScheduler",
     "flow_heun": "FlowMatchHeunDiscreteScheduler",
     "edm_euler": "EDMEulerScheduler",
@@ -99,7 +103,8 @@ _DPM: dict[str, Any] = {
     "sigma_min": None,
     "sigma_max": None,
 }
-# HeunDiscreteScheduler's and KDPM2DiscreteScheduler's shared keys (Heun adds its clipping)
+# the two-call samplers' shared keys (HeunDiscrete, KDPM2Discrete, KDPM2AncestralDiscrete, DPMSolverSDE; Heun
+# adds its clipping)
 _TWO_CALL: dict[str, Any] = {
     **_COMMON,
     "beta_start": 0.00085,
@@ -259,6 +264,13 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     # DPM-Solver-2 (k-diffusion's sample_dpm_2, "DPM2"): Euler to the log-midpoint sigma, the model there,
     # then the whole step with that derivative; Euler's schedule (its Karras timesteps rounded)
     "dpm2": _TWO_CALL,
+    # its ancestral form ("DPM2 a"): the midpoint between sigma_i and euler_a's sigma_down, the step onto
+    # sigma_down plus fresh noise of std sigma_up
+    "dpm2_a": _TWO_CALL,
+    # DPM-Solver++ SDE (k-diffusion's sample_dpmpp_sde, "DPM++ SDE"): two ancestral DPM-Solver-1 moves a
+    # step, to the log-midpoint and on, their noise one Brownian path; its Karras ramp reads no
+    # sigma_min / sigma_max (as LMS's); noise_sampler_seed is ignored (the noise is the request seed's)
+    "dpmpp_sde": {key: v for key, v in _TWO_CALL.items() if key not in ("sigma_min", "sigma_max")},
     "flow_euler": {
         "num_train_timesteps": 1000,
         "shift": 1.0,

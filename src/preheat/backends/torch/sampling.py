@@ -32,6 +32,8 @@ DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "deis": ("DEISMultistepScheduler", {"algorithm_type": "deis", "solver_type": "logrho"}),  # its only ones
     "lms": ("LMSDiscreteScheduler", {}),
     "dpm2": ("KDPM2DiscreteScheduler", {}),
+    "dpm2_a": ("KDPM2AncestralDiscreteScheduler", {}),
+    "dpmpp_sde": ("DPMSolverSDEScheduler", {}),  # its noise: a torchsde Brownian tree
     "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}),
     "flow_heun": ("FlowMatchHeunDiscreteScheduler", {}),
     "edm_euler": ("EDMEulerScheduler", {}),
@@ -42,13 +44,17 @@ DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def make_scheduler(sampler: str, config: dict[str, Any]) -> Any:
     """The diffusers scheduler for ``sampler``, built from a scheduler_config.json dict."""
+    import importlib.util
+
     import diffusers
 
-    from preheat.errors import SchedulerConfigError
+    from preheat.errors import MissingExtraError, SchedulerConfigError
 
     if sampler not in DIFFUSERS_SCHEDULERS:
         raise SchedulerConfigError(f"unknown sampler {sampler!r}; supported: {', '.join(DIFFUSERS_SCHEDULERS)}")
     cls_name, extra = DIFFUSERS_SCHEDULERS[sampler]
+    if sampler == "dpmpp_sde" and importlib.util.find_spec("torchsde") is None:  # diffusers' own stand-in says less
+        raise MissingExtraError("torch", f"sampler {sampler!r} on the torch backend ({cls_name})", "torchsde")
     cls = getattr(diffusers, cls_name)
     clean = {k: v for k, v in config.items() if not k.startswith("_")}
     return cls.from_config({**clean, **extra})
