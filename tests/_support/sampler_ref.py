@@ -56,6 +56,8 @@ DIFFUSERS_CLASS = {
     "dpm2": diffusers.KDPM2DiscreteScheduler,
     "dpm2_a": diffusers.KDPM2AncestralDiscreteScheduler,
     "dpmpp_sde": diffusers.DPMSolverSDEScheduler,
+    "dpmpp_2s": diffusers.DPMSolverSinglestepScheduler,
+    "dpmpp_2s_karras": diffusers.DPMSolverSinglestepScheduler,
     "edm_euler": diffusers.EDMEulerScheduler,
     "edm_dpmpp_2m": diffusers.EDMDPMSolverMultistepScheduler,
     "edm_dpmpp_2m_sde": diffusers.EDMDPMSolverMultistepScheduler,
@@ -96,6 +98,9 @@ def diffusers_scheduler(sampler: str, cfg: dict[str, Any]):
     if sampler.startswith("dpmpp_2m"):
         extra = dict(algorithm_type="sde-dpmsolver++" if "_sde" in sampler else "dpmsolver++", solver_order=2,
                      solver_type="midpoint", lower_order_final=True, use_karras_sigmas=sampler.endswith("_karras"))
+    elif sampler.startswith("dpmpp_2s"):  # the name fixes these, as for dpmpp_2m
+        extra = dict(algorithm_type="dpmsolver++", solver_order=2, solver_type="midpoint", lower_order_final=True,
+                     use_karras_sigmas=sampler.endswith("_karras"))
     elif sampler.startswith("edm_dpmpp"):  # the name fixes the algorithm, the config the rest
         extra = dict(algorithm_type="sde-dpmsolver++" if "_sde" in sampler else "dpmsolver++")
     elif sampler == "pndm":

@@ -178,23 +178,31 @@ def test_class_embeddings_preheat_load_cannot_feed_are_refused_in_one_line(tmp_p
         assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("sampler", ["dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde", "dpmpp_2m_sde_karras"])
+@pytest.mark.parametrize("sampler", ["dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde", "dpmpp_2m_sde_karras",
+                                     "dpmpp_2s", "dpmpp_2s_karras"])
 def test_a_dpm_sampler_runs_the_solver_its_name_says_on_both_backends(sampler):
-    """A folder saved with DPM-Solver's other settings (Heun-type, Karras, Euler at the final step,
+    """A folder saved with DPM-Solver's other settings (Heun-type, Karras, Euler at the final step, order 3,
     no lower-order final): asked for by name, a dpm++ sampler ignores them on JAX (samplers._config),
     and the torch backend's diffusers scheduler must too, so both run one solver on one schedule."""
     from preheat.backends.torch.sampling import make_scheduler
     from preheat.samplers import SchedulerConfig, make_plan
 
-    folder = {"_class_name": "DPMSolverMultistepScheduler", "beta_schedule": "scaled_linear", "beta_start": 0.00085,
-              "beta_end": 0.012, "num_train_timesteps": 1000, "solver_type": "heun", "euler_at_final": True,
-              "lower_order_final": False, "use_karras_sigmas": not sampler.endswith("_karras")}
+    singlestep = sampler.startswith("dpmpp_2s")
+    folder = {"_class_name": "DPMSolverSinglestepScheduler" if singlestep else "DPMSolverMultistepScheduler",
+              "beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012, "num_train_timesteps": 1000,
+              "solver_type": "heun", "solver_order": 3, "lower_order_final": False,
+              "use_karras_sigmas": not sampler.endswith("_karras")}
+    if not singlestep:  # (a multistep class's key only)
+        folder["euler_at_final"] = True
     scheduler = make_scheduler(sampler, folder)
-    assert (scheduler.config.solver_type, scheduler.config.euler_at_final, scheduler.config.lower_order_final,
-            scheduler.config.use_karras_sigmas) == ("midpoint", False, True, sampler.endswith("_karras"))
+    assert (scheduler.config.solver_type, scheduler.config.solver_order, scheduler.config.lower_order_final,
+            scheduler.config.use_karras_sigmas) == ("midpoint", 2, True, sampler.endswith("_karras"))
+    assert singlestep or scheduler.config.euler_at_final is False
     scheduler.set_timesteps(12)
     plan = make_plan(SchedulerConfig.from_dict(folder), sampler, 12)
     np.testing.assert_array_equal(scheduler.timesteps.numpy(), plan.timesteps[:12])
+    if singlestep:  # its pairs, as the class's own order list
+        assert plan.order[:12].tolist() == scheduler.order_list
 
 
 def test_dpmpp_sde_on_the_torch_backend_names_torchsde_when_it_is_missing(monkeypatch) -> None:

@@ -260,19 +260,22 @@ def test_a_pndm_folder_defaults_to_pndm_and_matches_its_diffusers_pipeline(folde
 
 @pytest.mark.parametrize("sampler,scheduler_class,extra", [("deis", "DEISMultistepScheduler", {"solver_order": 3}),
                                                            ("lms", "LMSDiscreteScheduler", {}),
-                                                           ("dpm2", "KDPM2DiscreteScheduler", {})])
+                                                           ("dpm2", "KDPM2DiscreteScheduler", {}),
+                                                           ("dpmpp_2s", "DPMSolverSinglestepScheduler", {})])
 def test_a_multistep_folder_defaults_to_its_sampler_and_matches_its_diffusers_pipeline(folders, tmp_path, sampler,
                                                                                        scheduler_class, extra):
-    """Some deployed SD 1.x fine-tunes save DEISMultistepScheduler, LMSDiscreteScheduler or
-    KDPM2DiscreteScheduler: the load runs it by default and its image is diffusers' pipeline's from the
-    same latents -- DEIS's third order included (order 3 over 5 steps: warm-up, one third-order step,
-    the wind-down) and its last step landing on timestep 0's noise level, LMS's four-derivative steps,
-    DPM2's second call at each step's log-midpoint sigma (one call on the last)."""
+    """Some deployed SD 1.x fine-tunes save DEISMultistepScheduler, LMSDiscreteScheduler,
+    KDPM2DiscreteScheduler or DPMSolverSinglestepScheduler: the load runs it by default and its image is
+    diffusers' pipeline's from the same latents -- DEIS's third order included (order 3 over 5 steps:
+    warm-up, one third-order step, the wind-down) and its last step landing on timestep 0's noise level,
+    LMS's four-derivative steps, DPM2's second call at each step's log-midpoint sigma (one call on the
+    last), DPM++ 2S's singlestep pairs (5 steps: two pairs, then one first-order step)."""
     import diffusers
 
     from tests._support.sd_fixtures import SCHEDULER
 
-    scheduler = getattr(diffusers, scheduler_class)(**SCHEDULER, **extra)
+    # from_config, as a folder's config is read: DPMSolverSinglestepScheduler takes no spacing or offset
+    scheduler = getattr(diffusers, scheduler_class).from_config({**SCHEDULER, **extra})
     folder = _with_scheduler(folders["sd1"], tmp_path / f"sd1-{sampler}", scheduler)
     ref = _default_sampler_matches_the_pipeline(folder, sampler, scheduler_class, "a watercolor fox",
                                                 steps=5, guidance=7.5, label=f"sd1/{sampler}", restore_text=True)
@@ -347,8 +350,8 @@ def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog
     import logging
 
     from diffusers import (DEISMultistepScheduler, DPMSolverMultistepScheduler, DPMSolverSDEScheduler,
-                           DPMSolverSinglestepScheduler, KDPM2AncestralDiscreteScheduler, KDPM2DiscreteScheduler,
-                           LMSDiscreteScheduler, PNDMScheduler)
+                           DPMSolverSinglestepScheduler, IPNDMScheduler, KDPM2AncestralDiscreteScheduler,
+                           KDPM2DiscreteScheduler, LMSDiscreteScheduler, PNDMScheduler)
 
     from preheat.families.stable_diffusion import SD
     from preheat.families.text import default_sampler
@@ -369,6 +372,8 @@ def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog
         "dpm2": (KDPM2DiscreteScheduler(), "dpm2"),
         "dpm2a": (KDPM2AncestralDiscreteScheduler(), "dpm2_a"),
         "dpmpp-sde": (DPMSolverSDEScheduler(use_karras_sigmas=True), "dpmpp_sde"),  # Karras: the folder's key
+        "singlestep": (DPMSolverSinglestepScheduler(), "dpmpp_2s"),
+        "singlestep-karras": (DPMSolverSinglestepScheduler(use_karras_sigmas=True), "dpmpp_2s_karras"),
     }
     caplog.set_level(logging.WARNING, logger="preheat.families")
     for name, (scheduler, sampler) in picked.items():
@@ -381,7 +386,10 @@ def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog
                  "solver_type='heun'"),
         "order3": (DPMSolverMultistepScheduler(solver_order=3), "solver_order=3"),
         "prk": (PNDMScheduler(), "skip_prk_steps=False"),
-        "singlestep": (DPMSolverSinglestepScheduler(), "scheduler DPMSolverSinglestepScheduler is not implemented"),
+        "ipndm": (IPNDMScheduler(), "scheduler IPNDMScheduler is not implemented"),
+        "singlestep-sde": (DPMSolverSinglestepScheduler(algorithm_type="sde-dpmsolver++"),
+                           "algorithm_type='sde-dpmsolver++' is not supported for DPMSolverSinglestepScheduler"),
+        "singlestep-order3": (DPMSolverSinglestepScheduler(solver_order=3), "solver_order=3"),
     }
     for name, (scheduler, needle) in refused.items():
         caplog.clear()

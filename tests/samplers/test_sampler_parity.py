@@ -103,11 +103,14 @@ EXTRAS: dict[str, list[dict[str, Any]]] = {
     "dpm2": [{"use_karras_sigmas": True}],
     "dpm2_a": [{"use_karras_sigmas": True}],
     "dpmpp_sde": [{"use_karras_sigmas": True}],
+    # spacing and offset are not DPMSolverSinglestepScheduler's keys: the grid still crosses them (ignored alike)
+    "dpmpp_2s": [],
+    "dpmpp_2s_karras": [],
 }
 # Samplers added later whose base grid rotates the step count (as EXTRAS do) instead of crossing
 # it: their schedules are another's (dpm++'s) or DDIM's grid, so a third of the cases cover them.
 ROTATED: tuple[str, ...] = ("dpmpp_2m_sde", "dpmpp_2m_sde_karras", "pndm", "deis", "lms", "dpm2", "dpm2_a",
-                            "dpmpp_sde")
+                            "dpmpp_sde", "dpmpp_2s", "dpmpp_2s_karras")
 # prediction types a sampler's diffusers class refuses (test_sampler_config checks ours refuses them)
 UNSUPPORTED_PREDICTIONS: dict[str, tuple[str, ...]] = {"pndm": ("sample",), "dpm2": ("sample",), "dpm2_a": ("sample",),
                                                        "dpmpp_sde": ("sample",)}

@@ -55,7 +55,7 @@ def test_changing_steps_does_not_retrace(sampler: str) -> None:
     variants = [make_plan(CFG, sampler, n, eta=_eta(sampler)) for n in (3, 12, 25)]
     if sampler == "ddim":
         variants.append(make_plan(CFG, sampler, 12, eta=0.0))  # eta is data too
-    if sampler.startswith("dpmpp_2m"):  # Karras or not is schedule data: same program
+    if sampler.startswith(("dpmpp_2m", "dpmpp_2s")):  # Karras or not is schedule data: same program
         other = sampler[: -len("_karras")] if sampler.endswith("_karras") else sampler + "_karras"
         assert make_spec(CFG, other) == spec
         variants.append(make_plan(CFG, other, 12))
@@ -105,10 +105,14 @@ def test_init_scales_noise_and_sets_history(sampler: str) -> None:
         noise = np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)
         state = init(spec, plan, noise)
         np.testing.assert_array_equal(np.asarray(state.x), noise * plan.init_noise_sigma)
-        if sampler.startswith("dpmpp_2m"):
+        if sampler.startswith(("dpmpp_2m", "dpmpp_2s")):
             assert state.x0_prev is not None and not np.any(np.asarray(state.x0_prev))
         else:
             assert state.x0_prev is None
+        if sampler.startswith("dpmpp_2s"):  # the first singlestep pair starts at the first sample
+            np.testing.assert_array_equal(np.asarray(state.x_pair), np.asarray(state.x))
+        else:
+            assert state.x_pair is None
         if sampler == "unipc":  # solver_order (2) x0 predictions, and the sample UniC starts from
             assert state.x0_history.shape == (2, *SHAPE) and not np.any(np.asarray(state.x0_history))
         else:
@@ -126,7 +130,7 @@ def test_init_scales_noise_and_sets_history(sampler: str) -> None:
         else:
             assert state.derivatives is None
         expect_one = sampler in ("ddpm", "ddim", "lcm", "tcd", "unipc", "pndm", "deis", "dpmpp_2m", "dpmpp_2m_karras",
-                                 "dpmpp_2m_sde", "dpmpp_2m_sde_karras")
+                                 "dpmpp_2m_sde", "dpmpp_2m_sde_karras", "dpmpp_2s", "dpmpp_2s_karras")
         assert (plan.init_noise_sigma == 1.0) == expect_one
 
 

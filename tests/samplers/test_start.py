@@ -23,8 +23,8 @@ def _config(sampler: str) -> dict:
 
 
 @pytest.mark.parametrize("sampler", ["ddim", "euler", "heun", "dpmpp_2m", "lcm", "tcd", "unipc", "dpmpp_2m_sde",
-                                     "pndm", "deis", "lms", "dpm2", "dpm2_a", "dpmpp_sde", "edm_euler",
-                                     "edm_dpmpp_2m"])
+                                     "pndm", "deis", "lms", "dpm2", "dpm2_a", "dpmpp_sde", "dpmpp_2s",
+                                     "edm_euler", "edm_dpmpp_2m"])
 @pytest.mark.parametrize("steps,strength", [(5, 0.6), (10, 0.75), (7, 0.3), (4, 1.0), (30, 0.9999)])
 def test_sd_start_is_diffusers_get_timesteps(sampler, steps, strength):
     from diffusers import StableDiffusionImg2ImgPipeline
@@ -63,9 +63,11 @@ def test_a_start_with_no_step_left_is_refused():
 START_SAMPLERS = [("dpmpp_2m", {}), ("unipc", {}), ("unipc", {"solver_order": 3}),
                   ("unipc", {"disable_corrector": [2]}), ("dpmpp_2m_sde", {}), ("dpmpp_2m_sde_karras", {}),
                   ("pndm", {}), ("ddim", {}), ("deis", {"solver_order": 3}), ("lms", {}), ("edm_euler", {}),
-                  ("edm_dpmpp_2m", {}), ("edm_dpmpp_2m_sde", {"solver_type": "heun"})]
+                  ("edm_dpmpp_2m", {}), ("edm_dpmpp_2m_sde", {"solver_type": "heun"}), ("dpmpp_2s", {}),
+                  ("dpmpp_2s_karras", {})]
 START_IDS = ["dpmpp_2m", "unipc", "unipc-order3", "unipc-disable2", "dpmpp_2m_sde", "dpmpp_2m_sde_karras", "pndm",
-             "ddim", "deis-order3", "lms", "edm_euler", "edm_dpmpp_2m", "edm_dpmpp_2m_sde-heun"]
+             "ddim", "deis-order3", "lms", "edm_euler", "edm_dpmpp_2m", "edm_dpmpp_2m_sde-heun", "dpmpp_2s",
+             "dpmpp_2s_karras"]
 
 
 @pytest.mark.parametrize("steps,strength,blend", [(6, 0.6, False), (9, 0.75, True), (8, 0.7, True),

@@ -74,6 +74,7 @@ SAMPLER_OF_SCHEDULER = {
     "KDPM2DiscreteScheduler": "dpm2",
     "KDPM2AncestralDiscreteScheduler": "dpm2_a",
     "DPMSolverSDEScheduler": "dpmpp_sde",
+    "DPMSolverSinglestepScheduler": "dpmpp_2s",
     "FlowMatchEulerDiscreteScheduler": "flow_euler",
     "FlowMatchHeunDiscreteScheduler": "flow_heun",
     "EDMEulerScheduler": "edm_euler",
@@ -100,6 +101,13 @@ def component(root: Path, index: dict[str, Any], name: str) -> Path:
 
 # DPMSolverMultistepScheduler's algorithm_type -> our sampler (use_karras_sigmas adds "_karras")
 SAMPLER_OF_DPM_ALGORITHM = {"dpmsolver++": "dpmpp_2m", "sde-dpmsolver++": "dpmpp_2m_sde"}
+# The DPM-Solver settings a dpm++ sampler's name fixes: key -> (the class's default, the values we reproduce)
+DPM_FIXED_SETTINGS: dict[str, dict[str, tuple[Any, tuple[Any, ...]]]] = {
+    "DPMSolverMultistepScheduler": {"algorithm_type": ("dpmsolver++", tuple(SAMPLER_OF_DPM_ALGORITHM)),
+                                    "solver_type": ("midpoint", ("midpoint",)), "solver_order": (2, (2,))},
+    "DPMSolverSinglestepScheduler": {"algorithm_type": ("dpmsolver++", ("dpmsolver++",)),
+                                     "solver_type": ("midpoint", ("midpoint",)), "solver_order": (2, (2,))},
+}
 # EDMDPMSolverMultistepScheduler's (its other keys are read from the config by the sampler itself)
 SAMPLER_OF_EDM_DPM_ALGORITHM = {"dpmsolver++": "edm_dpmpp_2m", "sde-dpmsolver++": "edm_dpmpp_2m_sde",
                                 "deis": "edm_dpmpp_2m"}  # the class registers "deis" as dpmsolver++
@@ -110,18 +118,17 @@ def folder_sampler(raw: Mapping[str, Any]) -> str | None:
     for a class we do not implement. Settings of an implemented class that we do not reproduce
     (DPM-Solver's ``algorithm_type="sde-dpmsolver"``, ``solver_type="heun"``, PNDM's Runge-Kutta
     warm-up) are a one-line ``SchedulerConfigError`` naming the key."""
-    sampler = SAMPLER_OF_SCHEDULER.get(str(raw.get("_class_name")))
+    class_name = str(raw.get("_class_name"))
+    sampler = SAMPLER_OF_SCHEDULER.get(class_name)
+    for key, (default, supported) in DPM_FIXED_SETTINGS.get(class_name, {}).items():
+        value = raw.get(key, default)
+        if value not in supported:
+            raise SchedulerConfigError(f"{key}={value!r} is not supported for {class_name}; "
+                                       f"supported: {', '.join(map(repr, supported))}")
     if sampler == "dpmpp_2m":
-        for key, default, supported in (("algorithm_type", "dpmsolver++", tuple(SAMPLER_OF_DPM_ALGORITHM)),
-                                        ("solver_type", "midpoint", ("midpoint",)),
-                                        ("solver_order", 2, (2,))):
-            value = raw.get(key, default)
-            if value not in supported:
-                raise SchedulerConfigError(f"{key}={value!r} is not supported for DPMSolverMultistepScheduler; "
-                                           f"supported: {', '.join(map(repr, supported))}")
         sampler = SAMPLER_OF_DPM_ALGORITHM[raw.get("algorithm_type", "dpmsolver++")]
-        if raw.get("use_karras_sigmas"):
-            sampler += "_karras"
+    if sampler in ("dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2s") and raw.get("use_karras_sigmas"):
+        sampler += "_karras"
     if sampler == "edm_dpmpp_2m":
         algorithm = raw.get("algorithm_type", "dpmsolver++")
         if algorithm not in SAMPLER_OF_EDM_DPM_ALGORITHM:

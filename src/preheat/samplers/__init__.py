@@ -9,7 +9,7 @@ Public API::
 
     SAMPLERS: tuple[str, ...]                 # DIFFUSION_SAMPLERS + FLOW_SAMPLERS + EDM_SAMPLERS
     DIFFUSION_SAMPLERS: tuple[str, ...]       # ddpm .. dpmpp_2m_karras, lcm, tcd, unipc, dpmpp_2m_sde(_karras), pndm,
-                                              #   deis, lms, dpm2, dpm2_a, dpmpp_sde
+                                              #   deis, lms, dpm2, dpm2_a, dpmpp_sde, dpmpp_2s(_karras)
     FLOW_SAMPLERS: tuple[str, ...]            # ("flow_euler", "flow_heun")
     EDM_SAMPLERS: tuple[str, ...]             # ("edm_euler", "edm_dpmpp_2m", "edm_dpmpp_2m_sde")
     DETERMINISTIC_SAMPLERS: tuple[str, ...]   # samplers without per-step noise (flow ones included)
@@ -81,6 +81,10 @@ count need a recompile)::
     dpmpp_sde        DPMSolverSDEScheduler (two ancestral DPM-Solver-1  2 (1 on the last)  no
                      moves, to the log-midpoint and on; their noises
                      one Brownian path's, two draws a step; Karras)
+    dpmpp_2s         DPMSolverSinglestepScheduler (dpmsolver++, order   1                  no
+                     2, midpoint: singlestep pairs, the second from
+                     the pair's start; linspace timesteps always)
+    dpmpp_2s_karras  same, use_karras_sigmas=True                       1                  no
     flow_euler       FlowMatchEulerDiscreteScheduler (shift, dynamic     1                  no
                      shifting with mu, custom sigmas, invert_sigmas,
                      shift_terminal, Karras / exponential sigmas)

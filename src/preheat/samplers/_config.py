@@ -460,16 +460,16 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
     if sampler == "ddpm":
         variance_type = get("variance_type")
         _check_choice("variance_type", variance_type, DDPM_VARIANCE_TYPES, sampler)
-    elif sampler.startswith("dpmpp_2m") and config.variance_type in ("learned", "learned_range"):
+    elif sampler.startswith(("dpmpp_2m", "dpmpp_2s")) and config.variance_type in ("learned", "learned_range"):
         # diffusers' dpm++ acts on these two only (it drops the variance channels)
         raise SchedulerConfigError(
             f"variance_type={config.variance_type!r} (learned variance) is not supported for "
             f"sampler {sampler!r}; a model with learned variance cannot be used"
         )
 
-    if sampler in ("dpmpp_2m_karras", "dpmpp_2m_sde_karras"):
+    if sampler in ("dpmpp_2m_karras", "dpmpp_2m_sde_karras", "dpmpp_2s_karras"):
         use_karras = True
-    elif sampler in ("dpmpp_2m", "dpmpp_2m_sde"):
+    elif sampler in ("dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2s"):
         use_karras = False
     elif "use_karras_sigmas" in defaults:  # euler, heun, unipc, deis, lms, dpm2(_a), dpmpp_sde: as their classes do
         use_karras = bool(get("use_karras_sigmas"))
@@ -489,8 +489,9 @@ def resolve(config: SchedulerConfig, sampler: str) -> ResolvedConfig:
         beta_end=float(get("beta_end")),
         beta_schedule=get("beta_schedule"),
         prediction_type=prediction_type,
-        timestep_spacing=get("timestep_spacing"),
-        steps_offset=int(get("steps_offset")),
+        # DPMSolverSinglestepScheduler takes neither: its timesteps are always dpm++'s linspace ones
+        timestep_spacing=get("timestep_spacing") if "timestep_spacing" in defaults else "linspace",
+        steps_offset=int(get("steps_offset")) if "steps_offset" in defaults else 0,
         clip_sample=bool(get("clip_sample")) if has_clip else False,
         clip_sample_range=float(get("clip_sample_range")) if has_clip else 1.0,
         set_alpha_to_one=bool(get("set_alpha_to_one")) if sampler in ("ddim", "lcm", "pndm") else True,

@@ -44,6 +44,8 @@ _SOLVER_OF_SAMPLER = {
     "dpm2": "dpm2",
     "dpm2_a": "dpm2_a",
     "dpmpp_sde": "dpmpp_sde",
+    "dpmpp_2s": "dpmpp_2s",
+    "dpmpp_2s_karras": "dpmpp_2s",
     # flow matching: the same Euler / Heun updates in sigma, fed the model's velocity
     # (SolverSpec.prediction_type == "flow") instead of a derivative from an x0 estimate
     "flow_euler": "euler",
@@ -57,7 +59,7 @@ _SOLVER_OF_SAMPLER = {
 # Samplers whose diffusers ``set_timesteps`` takes ``mu`` and ``sigmas`` (and so make_plan).
 MU_SIGMAS_SAMPLERS: tuple[str, ...] = ("flow_euler",)
 _SIGMA_SAMPLERS = ("euler", "euler_a", "heun", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde", "dpmpp_2m_sde_karras",
-                   "unipc", "deis", "lms", "dpm2", "dpm2_a", "dpmpp_sde")
+                   "unipc", "deis", "lms", "dpm2", "dpm2_a", "dpmpp_sde", "dpmpp_2s", "dpmpp_2s_karras")
 _NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1, "lcm": 1, "tcd": 1,
                 "dpmpp_2m_sde": 1,  # by solver (edm_dpmpp_2m_sde's is dpmpp_2m_sde)
                 "dpm2_a": 1, "dpmpp_sde": 2}  # dpmpp_sde: one per move (its Brownian path's two increments)
@@ -81,7 +83,7 @@ class SolverSpec:
     """
 
     solver: str  # "ddpm" | "ddim" | "euler" | "euler_a" | "heun" | "dpmpp_2m" | "lcm" | "tcd" | "unipc"
-    #   | "dpmpp_2m_sde" | "pndm" | "deis" | "lms" | "dpm2" | "dpm2_a" | "dpmpp_sde"
+    #   | "dpmpp_2m_sde" | "pndm" | "deis" | "lms" | "dpm2" | "dpm2_a" | "dpmpp_sde" | "dpmpp_2s"
     prediction_type: str  # "epsilon" | "v_prediction" | "sample" | "flow" (velocity; euler/heun only)
     clip_sample: bool = False  # clamp the x0 prediction (ddpm, ddim, heun, lcm only)
     clip_sample_range: float = 1.0
@@ -207,7 +209,7 @@ def make_plan(config: SchedulerConfig, sampler: str, steps: int, *, eta: float =
         rows = _discrete_rows(r, steps, alpha_bar_train)
     elif sampler in ("lcm", "tcd"):
         rows = _lcm_rows(r, steps, alpha_bar_train, timesteps)
-    elif sampler.startswith("dpmpp_2m") or sampler in ("unipc", "deis"):
+    elif sampler.startswith(("dpmpp_2m", "dpmpp_2s")) or sampler in ("unipc", "deis"):
         rows = _dpm_rows(r, steps, alpha_bar_train)
     elif sampler == "pndm":
         rows, mid = _pndm_rows(r, steps, alpha_bar_train)  # checks its own (repeating) schedule
@@ -462,7 +464,9 @@ def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Ro
     a time to ``solver_order`` and (``lower_order_final``) winds down to 1 on the last steps; with
     ``final_sigmas_type="sigma_min"`` the last sigma is the smallest of the ramp or the training table.
     deis: unipc's rows with the last sigma always that smallest one, and its wind-down only under
-    15 steps (DEISMultistepScheduler's ``lower_order_final``).
+    15 steps (DEISMultistepScheduler's ``lower_order_final``). dpmpp_2s: dpm++'s rows (linspace, whatever
+    the config's spacing: DPMSolverSinglestepScheduler takes none; Karras timesteps always rounded), its
+    orders in singlestep pairs ``[1, 2]``, the last step first order (``get_order_list``).
     """
     T = r.num_train_timesteps
     sig_train = S.train_sigmas(alpha_bar_train)
@@ -485,7 +489,8 @@ def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Ro
         hi = r.sigma_max if r.sigma_max is not None else sig_train[-1].item()
         sig = S.karras_sigmas(lo, hi, steps)
         t_frac = S.sigma_to_t(sig, np.log(sig_train))
-        if r.beta_schedule != "squaredcos_cap_v2" or r.sampler in ("unipc", "deis"):  # dpm++ rounds except here...
+        if r.beta_schedule != "squaredcos_cap_v2" or r.sampler in ("unipc", "deis", "dpmpp_2s_karras"):  # dpm++ 2M
+            # rounds except here...
             t_frac = t_frac.round()
         ts_int = t_frac.astype(np.int64)  # ...where the int64 cast truncates
     else:
@@ -504,6 +509,9 @@ def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Ro
             order = np.minimum(order, n - idx)
         return ts_int.astype(_F32), sigmas, ones, ones, order.astype(np.int32), _F32(1.0)
     sigmas = np.append(sig, 0.0).astype(_F32)
+    if r.sampler.startswith("dpmpp_2s"):  # singlestep pairs: [1, 2] * ..., the last one or two steps first order
+        order = np.array([1, 2] * (n // 2 - 1) + [1, 1] if n % 2 == 0 else [1, 2] * (n // 2) + [1], np.int32)
+        return ts_int.astype(_F32), sigmas, ones, ones, order, _F32(1.0)
     order = np.full(n, 2, np.int32)
     order[0] = 1  # no history yet
     order[-1] = 1  # final sigma is 0: diffusers always finishes first order

@@ -53,6 +53,7 @@ class SamplerState(NamedTuple):
     outputs: jax.Array | None = None  # [3, *S] float32: pndm: earlier raw model outputs, newest first
     eps_history: jax.Array | None = None  # [K, *S] float32: deis: eps of steps i-1 .. i-K (K = solver_order)
     derivatives: jax.Array | None = None  # [3, *S] float32: lms: dx/dsigma of steps i-1 .. i-3
+    x_pair: jax.Array | None = None  # [*S] float32: dpmpp_2s: the sample its current singlestep pair started from
 
 
 class Start(NamedTuple):
@@ -73,9 +74,9 @@ class Start(NamedTuple):
 
 # Mask blending needs one blend per scheduler call; Heun's and DPM2's two calls per step are one step here.
 BLEND_SOLVERS: tuple[str, ...] = ("ddpm", "ddim", "euler", "euler_a", "dpmpp_2m", "lcm", "tcd", "unipc",
-                                  "dpmpp_2m_sde", "pndm", "deis", "lms")
-# Multistep dpm++ solvers: they carry the previous x0 and start (again) at first order.
-_DPM_SOLVERS: tuple[str, ...] = ("dpmpp_2m", "dpmpp_2m_sde")
+                                  "dpmpp_2m_sde", "pndm", "deis", "lms", "dpmpp_2s")
+# dpm++ solvers: they carry the previous x0 and start (again) at first order.
+_DPM_SOLVERS: tuple[str, ...] = ("dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2s")
 # Solvers on the variance-exploding state ``x = x0 + sigma eps`` (EDM samplers too, by spec.sigma_data).
 VE_SOLVERS: tuple[str, ...] = ("euler", "euler_a", "heun", "lms", "dpm2", "dpm2_a", "dpmpp_sde")
 
@@ -93,6 +94,8 @@ def init(spec: SolverSpec, plan: Plan, noise: jax.Array) -> SamplerState:
         return SamplerState(x=x, eps_history=jnp.zeros((spec.solver_order, *x.shape), x.dtype))
     if spec.solver == "lms":  # none yet: the first steps' missing terms weigh zeros (diffusers drops them)
         return SamplerState(x=x, derivatives=jnp.zeros((LMS_ORDER - 1, *x.shape), x.dtype))
+    if spec.solver == "dpmpp_2s":
+        return SamplerState(x=x, x0_prev=history, x_pair=x)
     return SamplerState(x=x, x0_prev=history)
 
 
@@ -463,6 +466,30 @@ def _dpmpp_2m_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerSta
     return SamplerState(x=x_new, x0_prev=x0)
 
 
+def _dpmpp_2s_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
+                   noise_fn: NoiseFn) -> SamplerState:
+    """DPM-Solver++(2S) (Lu et al. 2022, singlestep; DPMSolverSinglestepScheduler, "DPM++ 2S"): the steps go in
+    pairs (``plan.order`` [1, 2]). The first is DPM-Solver++(1) from sigma_i to sigma_{i+1}; the second goes
+    from the pair's start sample (the state's ``x_pair``) at sigma_{i-1} over both steps to sigma_{i+1}, with
+    the x0 predictions at sigma_{i-1} and sigma_i (the midpoint form). One model call a step."""
+    x = state.x
+    sigma_s1 = _at(plan.sigmas, jnp.maximum(i - 1, 0))  # the pair's start (unused where the order is 1)
+    alpha_s1, sig_s1 = _vp(sigma_s1)
+    alpha_s0, sig_s0 = _vp(_at(plan.sigmas, i))
+    alpha_t, sig_t = _vp(_at(plan.sigmas, i + 1))
+    x0, _ = _denoise(spec, model, x, _at(plan.timesteps, i), 1.0, alpha_s0, sig_s0)
+    lam_t = jnp.log(alpha_t) - jnp.log(sig_t)  # +inf at the final sigma = 0
+    lam_s0 = jnp.log(alpha_s0) - jnp.log(sig_s0)
+    lam_s1 = jnp.log(alpha_s1) - jnp.log(sig_s1)
+    first = sig_t / sig_s0 * x - alpha_t * (jnp.exp(-(lam_t - lam_s0)) - 1.0) * x0  # DPM-Solver++(1) == DDIM
+    h, h0 = lam_t - lam_s1, lam_s0 - lam_s1
+    phi = alpha_t * (jnp.exp(-h) - 1.0)
+    d1 = (h / h0) * (x0 - state.x0_prev)  # [*S] (1 / r0) (m0 - m1), m1 the x0 at the pair's start
+    second = sig_t / sig_s1 * state.x_pair - phi * state.x0_prev - 0.5 * phi * d1
+    paired = _at(plan.order, i) == 2  # (second is NaN where the order is 1 at i == 0; where() drops it)
+    return SamplerState(x=jnp.where(paired, second, first), x0_prev=x0, x_pair=jnp.where(paired, state.x_pair, x))
+
+
 def _lcm_step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax.Array,
               noise_fn: NoiseFn) -> SamplerState:
     """Latent consistency (Luo et al. 2023): the boundary-conditioned x0 estimate
@@ -734,4 +761,5 @@ _STEP_OF_SOLVER = {
     "dpm2": _dpm2_step,
     "dpm2_a": _dpm2_step,
     "dpmpp_sde": _dpmpp_sde_step,
+    "dpmpp_2s": _dpmpp_2s_step,
 }

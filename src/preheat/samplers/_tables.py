@@ -27,6 +27,8 @@ DIFFUSION_SAMPLERS: tuple[str, ...] = (
     "dpm2",
     "dpm2_a",
     "dpmpp_sde",
+    "dpmpp_2s",
+    "dpmpp_2s_karras",
 )
 # Samplers for flow-matching models (the model predicts the velocity ``noise - x0``).
 FLOW_SAMPLERS: tuple[str, ...] = ("flow_euler", "flow_heun")
@@ -37,8 +39,8 @@ SAMPLERS: tuple[str, ...] = DIFFUSION_SAMPLERS + FLOW_SAMPLERS + EDM_SAMPLERS
 # Diffusion samplers that draw no noise per step (ddim given eta=0), so that two backends given the
 # same initial noise agree image for image (the torch backend's and bench compare's comparisons).
 DETERMINISTIC_SAMPLERS: tuple[str, ...] = ("ddim", "euler", "heun", "dpmpp_2m", "dpmpp_2m_karras", "unipc", "pndm",
-                                           "deis", "lms", "dpm2", *FLOW_SAMPLERS, "edm_euler",
-                                           "edm_dpmpp_2m")
+                                           "deis", "lms", "dpm2", "dpmpp_2s", "dpmpp_2s_karras", *FLOW_SAMPLERS,
+                                           "edm_euler", "edm_dpmpp_2m")
 
 # The diffusers class each sampler reproduces (named in error messages).
 DIFFUSERS_CLASS: dict[str, str] = {
@@ -60,6 +62,8 @@ DIFFUSERS_CLASS: dict[str, str] = {
     "dpm2": "KDPM2DiscreteScheduler",
     "dpm2_a": "KDPM2AncestralDiscreteScheduler",
     "dpmpp_sde": "DPMSolverSDEScheduler",
+    "dpmpp_2s": "DPMSolverSinglestepScheduler",
+    "dpmpp_2s_karras": "DPMSolverSinglestepScheduler",
     "flow_euler": "FlowMatchEulerDiscreteScheduler",
     "flow_heun": "FlowMatchHeunDiscreteScheduler",
     "edm_euler": "EDMEulerScheduler",
@@ -103,6 +107,8 @@ _DPM: dict[str, Any] = {
     "sigma_min": None,
     "sigma_max": None,
 }
+_DPM_2S: dict[str, Any] = {k: v for k, v in _DPM.items()
+                           if k not in ("timestep_spacing", "steps_offset", "rescale_betas_zero_snr", "use_lu_lambdas")}
 # the two-call samplers' shared keys (HeunDiscrete, KDPM2Discrete, KDPM2AncestralDiscrete, DPMSolverSDE; Heun
 # adds its clipping)
 _TWO_CALL: dict[str, Any] = {
@@ -271,6 +277,11 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     # step, to the log-midpoint and on, their noise one Brownian path; its Karras ramp reads no
     # sigma_min / sigma_max (as LMS's); noise_sampler_seed is ignored (the noise is the request seed's)
     "dpmpp_sde": {key: v for key, v in _TWO_CALL.items() if key not in ("sigma_min", "sigma_max")},
+    # DPM-Solver++(2S) (DPMSolverSinglestepScheduler, "DPM++ 2S"): dpm++'s keys less the spacing, offset and
+    # zero-SNR rescale, which the class does not take (its timesteps are dpm++'s linspace ones, always); the
+    # name fixes algorithm_type, solver_type, solver_order and Karras, as for dpmpp_2m
+    "dpmpp_2s": _DPM_2S,
+    "dpmpp_2s_karras": _DPM_2S,
     "flow_euler": {
         "num_train_timesteps": 1000,
         "shift": 1.0,

@@ -12,6 +12,8 @@ __all__ = ["DIFFUSERS_SCHEDULERS", "make_scheduler", "sample_loop"]
 # these keys from it: samplers._config), so both backends run the same solver.
 _DPM_2M: dict[str, Any] = {"solver_order": 2, "solver_type": "midpoint", "lower_order_final": True,
                            "euler_at_final": False, "use_karras_sigmas": False}
+_DPM_2S: dict[str, Any] = {"algorithm_type": "dpmsolver++", "solver_order": 2, "solver_type": "midpoint",
+                           "lower_order_final": True}
 # preheat sampler name -> (diffusers scheduler class, settings on top of the checkpoint's config)
 DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "ddpm": ("DDPMScheduler", {}),
@@ -34,6 +36,8 @@ DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "dpm2": ("KDPM2DiscreteScheduler", {}),
     "dpm2_a": ("KDPM2AncestralDiscreteScheduler", {}),
     "dpmpp_sde": ("DPMSolverSDEScheduler", {}),  # its noise: a torchsde Brownian tree
+    "dpmpp_2s": ("DPMSolverSinglestepScheduler", {**_DPM_2S, "use_karras_sigmas": False}),
+    "dpmpp_2s_karras": ("DPMSolverSinglestepScheduler", {**_DPM_2S, "use_karras_sigmas": True}),
     "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}),
     "flow_heun": ("FlowMatchHeunDiscreteScheduler", {}),
     "edm_euler": ("EDMEulerScheduler", {}),
