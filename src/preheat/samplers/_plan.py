@@ -489,8 +489,8 @@ def _dpm_rows(r: ResolvedConfig, steps: int, alpha_bar_train: np.ndarray) -> _Ro
         hi = r.sigma_max if r.sigma_max is not None else sig_train[-1].item()
         sig = S.karras_sigmas(lo, hi, steps)
         t_frac = S.sigma_to_t(sig, np.log(sig_train))
-        if r.beta_schedule != "squaredcos_cap_v2" or r.sampler in ("unipc", "deis", "dpmpp_2s_karras"):  # dpm++ 2M
-            # rounds except here...
+        # dpm++ 2M rounds them except on a cosine schedule...
+        if r.beta_schedule != "squaredcos_cap_v2" or r.sampler in ("unipc", "deis", "dpmpp_2s_karras"):
             t_frac = t_frac.round()
         ts_int = t_frac.astype(np.int64)  # ...where the int64 cast truncates
     else:

@@ -5,7 +5,7 @@ from the ``Plan`` at a (possibly traced) step index ``i``; nothing is kept betwe
 the explicit ``SamplerState``. Shared pieces are written once:
 
 * :func:`_denoise` -- input scaling, the model call, prediction-type conversion, clipping;
-* :func:`_euler_move` -- the first-order move along ``(x - x0) / sigma`` (euler_a, dpm2_a, dpmpp_sde);
+* :func:`_euler_move` -- the first-order move along ``(x - x0) / sigma`` (euler_a, dpm2(_a), dpmpp_sde);
 * :func:`_ancestral_split` -- an ancestral move's ``(sigma_down, sigma_up)`` (euler_a, dpm2_a, dpmpp_sde);
 * :func:`_derivative` -- ``dx/dsigma`` at a step: from the x0 estimate, or the model's own
   velocity for flow matching (euler and heun serve both).
