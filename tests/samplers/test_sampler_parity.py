@@ -296,7 +296,10 @@ def test_midpoints_are_checked(sampler: str, monkeypatch) -> None:
 @pytest.mark.parametrize("spacing", ["linspace", "trailing"])
 def test_dpm2_a_where_diffusers_is_nan(pred: str, spacing: str, monkeypatch) -> None:
     """A cosine schedule's first step, from sigma ~2e4 to ~3.8 (7 steps): KDPM2Ancestral's float32 sigma_down
-    cancels to 0 and its whole run is NaN. Ours is diffusers' own code run in float64 (its tables too), as
+    (exactly ~7e-4) is sub-ulp rounding noise of ``sigma_next^2 - sigma_up^2`` ~14: 0, whose run is NaN (on the
+    project's AMD EPYC), or a negative (NaN) or one-ulp remainder (~1e-3, 35% off), depending on the CPU's torch
+    ``pow`` (the grid takes the finite cases, against the float64 run). Ours is diffusers' own code run in
+    float64 (its tables too), as
     near as float32 gets there: the second call multiplies the float32 rounding of the first x0, at a sample
     of ~3e4, by sigma / sigma_next ~5000 (measured: 2.0e-4 of the step's largest sample with epsilon, 6.8e-6
     with v_prediction). k-diffusion's float32 rule where sigma_down is 0 (the first call's Euler move onto 0,
@@ -304,11 +307,14 @@ def test_dpm2_a_where_diffusers_is_nan(pred: str, spacing: str, monkeypatch) -> 
     from tests._support.sampler_ref import inject_torch_tables, noise_for, run_diffusers, run_ours
 
     cfg = _config("cosine", pred, spacing, {})
-    assert _diffusers_is_nan("dpm2_a", cfg, 7)
+    theirs = diffusers_scheduler("dpm2_a", cfg)
+    theirs.set_timesteps(7)
+    s0, s1 = (float(v) for v in theirs.sigmas[:2])
+    down = float(theirs.sigmas_down[0])  # float32, cancelled
+    assert not 0.9 < down / (s1 * s1 / s0) < 1.1  # NaN, 0 or far off
     inject_torch_tables(monkeypatch)
     spec, plan = ours_for(cfg, "dpm2_a", 7)
     x_t, table = noise_for(7, plan.timesteps.shape[0])
-    assert np.isnan(run_diffusers("dpm2_a", cfg, 7, x_t, table, monkeypatch).xs[-1]).all()
     exact = run_diffusers("dpm2_a", cfg, 7, x_t, table, monkeypatch, float64=True).xs
 
     def error(ours: list[np.ndarray]) -> float:  # the largest step's error, as a share of that step's largest sample
