@@ -387,7 +387,7 @@ class Pipeline:
         rescale = guidance_rescale(request)
         sig = dataclasses.replace(sig, guidance_rescale=rescale is not None)
         args = DenoiseArgs(params=self.params, plan=plan, seeds=request.seeds, cond=cond, uncond=conditioning.uncond,
-                           guidance=np.float32(request.guidance), noise=noise, start=start, lora=lora,
+                           guidance=np.float32(request.cfg_scale), noise=noise, start=start, lora=lora,
                            guidance_rescale=rescale)
         return sig, args
 

@@ -162,7 +162,8 @@ class WarmSet:
 @dataclass(frozen=True)
 class WarmSignature:
     sampler: str
-    guidance: float  # 1.0 = off
+    guidance: float  # the guidance keyword its call passes (1.0: off, where the scale is CFG's)
+    guided: bool  # its programs run classifier-free guidance (a CFG scale > 1; FLUX.1's true CFG)
     bucket: int
     size: Optional[tuple[int, int]]  # (width, height); None where the model makes one size only
     given: tuple[tuple[str, Any], ...] = ()  # the data inputs of this variant (``InputSpec.warm``)
@@ -175,7 +176,7 @@ class WarmSignature:
         extra = "".join(f" +{name}" for name in self.variant)
         lora = f" LoRA rank {self.lora}" if self.lora else ""
         return (f"{self.sampler} batch {self.bucket}{size}{extra}{lora} "
-                f"guidance {'off' if self.guidance == 1.0 else self.guidance}")
+                f"guidance {self.guidance if self.guided else 'off'}")
 
 
 def _specs(pipe: Any) -> tuple[Any, ...]:
@@ -241,33 +242,27 @@ def resolve(pipe: Any, warm_set: WarmSet, names: SettingNames = SettingNames()) 
 def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
     """Every program of a resolved set (see the module docstring for the product): the input
     variants only of the offered inputs (``WarmSet.inputs``)."""
-    from preheat.errors import InvalidArgumentError
     from preheat.families.inputs import offered_specs
 
-    default = pipe.defaults.get("guidance")
-    scales = [1.0] if "off" in warm_set.guidance else []
-    if "on" in warm_set.guidance:
-        try:
-            on = float(default) if default is not None and pipe.is_guided(default) else 2.0
-            if pipe.is_guided(on):
-                scales.append(on)
-        except InvalidArgumentError:  # no null class: guided requests are refused at parse time
-            pass
     sizes: tuple[Optional[tuple[int, int]], ...] = warm_set.sizes if _sized(pipe) else (None,)
     buckets = buckets_for(warm_set.max_batch_size, pipe.device_count)  # every device gets a slice
     base = pipe.family.warm_inputs(pipe, guided=False)[0]
     offered = {s.name for s in offered_specs(_specs(pipe), warm_set.inputs)}
     out = []
+    modes = _guidance_modes(pipe, warm_set)
+    variants = {guided: [v for v in pipe.family.warm_inputs(pipe, guided=guided) if _runs(pipe, g, v, guided)]
+                for g, guided in modes}
     for sampler in warm_set.samplers:
-        for g in scales:
+        for g, guided in modes:
             for size in sizes:
-                for variant in pipe.family.warm_inputs(pipe, guided=g != 1.0):
+                for variant in variants[guided]:
                     given = tuple(sorted(variant.items()))
                     if not offered.issuperset(variant) or not _served(pipe, sampler, g, size, given):
                         continue
                     beyond = tuple(k for k, v in given if k not in base or base[k] != v)
                     for bucket in buckets:  # LoRA buckets smallest first: each is then compiled as itself
-                        out += [WarmSignature(sampler, g, bucket, size, given, lora, beyond, warm_set.progress)
+                        out += [WarmSignature(sampler, g, guided, bucket, size, given, lora, beyond,
+                                              warm_set.progress)
                                 for lora in (None, *warm_set.lora_ranks)]
     return out
 
@@ -288,6 +283,38 @@ def offered_inputs(pipe: Any, warm_set: WarmSet) -> OfferedInputs:
     offered = optional if warm_set.inputs is None else warm_set.inputs
     return OfferedInputs(required_inputs(specs), tuple(n for n in optional if n in offered),
                          tuple(n for n in optional if n not in offered))
+
+
+def _guidance_modes(pipe: Any, warm_set: WarmSet) -> list[tuple[float, bool]]:
+    """(the guidance keyword, whether its programs run classifier-free guidance) per mode of the
+    set: "off" is 1.0; "on" is the model's default scale where that guides, else 2.0 -- and for a
+    model whose guidance is not CFG (FLUX.1's embedded scale, or none), its default: its guided
+    variants are those whose inputs turn CFG on (a negative prompt and ``true_cfg_scale``)."""
+    from preheat.errors import InvalidArgumentError
+
+    modes = [(1.0, False)] if "off" in warm_set.guidance else []
+    if "on" in warm_set.guidance:
+        default = pipe.defaults.get("guidance")
+        try:
+            on = float(default) if default is not None and pipe.is_guided(default) else 2.0
+            if not pipe.is_guided(on):
+                on = 1.0 if default is None else float(default)
+        except InvalidArgumentError:  # a scale this model refuses (no guidance input): its own default
+            on = 1.0 if default is None else float(default)
+        modes.append((on, True))
+    return modes
+
+
+def _runs(pipe: Any, guidance: float, variant: dict[str, Any], guided: bool) -> bool:
+    """Whether a warm variant's call runs the mode it is warmed for (an unguided model's variant
+    without the inputs that guide it is the "off" program, not an "on" one); a variant the model
+    refuses (guided calls of a class model without a null class) runs none."""
+    from preheat.errors import InvalidArgumentError
+
+    try:
+        return pipe.is_guided(guidance, **variant) == guided
+    except InvalidArgumentError:
+        return False
 
 
 def _served(pipe: Any, sampler: str, guidance: float, size: Optional[tuple[int, int]],

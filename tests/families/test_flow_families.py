@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import preheat
+from preheat.engine import Signature
 from preheat.errors import InvalidArgumentError, PreheatError, SchedulerConfigError
 from preheat.families.request import plan
 from tests._support.flow_fixtures import reference_pipeline, reference_pixels, save_tiny_flow_model
@@ -53,6 +54,11 @@ CASES = [
     ("sd3", "flow_heun", dict(prompt="a photo of a cat", guidance_scale=5.0)),
     ("sd3", "flow_euler", dict(prompt="city at night", guidance_scale=1.0)),
     ("sd3-no-t5", "flow_euler", dict(prompt="a photo of a cat", guidance_scale=6.0)),
+    # diffusers' true CFG: the negatives' branch beside the embedded scale (dev), or alone (schnell)
+    ("flux-dev", "flow_euler", dict(prompt=["a red fox", "city at night"], negative_prompt=["blurry", "dark"],
+                                    true_cfg_scale=4.0, guidance_scale=3.5)),
+    ("flux-schnell", "flow_euler", dict(prompt="a photo of a cat", negative_prompt="blurry",
+                                        negative_prompt_2="a drawing", true_cfg_scale=2.5)),
 ]
 
 
@@ -113,6 +119,46 @@ def test_flux_dev_guidance_is_one_branch_of_data(pipes):
     assert not np.array_equal(a, b)  # 1.0 is a real value for an embedded scale, not "off"
 
 
+def test_flux_true_cfg_is_two_branches_and_its_scale_is_data(pipes):
+    """A negative prompt with true_cfg_scale > 1 guides (another program: two branches); the scale,
+    the negative prompt and the embedded guidance are data of that one program."""
+    pipe = dataclasses.replace(pipes["flux-dev"], _executables={})
+    assert pipe.is_guided(3.5, negative_prompt="", true_cfg_scale=1.5)
+    assert not pipe.is_guided(3.5, negative_prompt="", true_cfg_scale=1.0)  # 1 is off, as diffusers
+    request = pipe.validate("a fox", negative_prompt="blurry", true_cfg_scale=4.0, guidance=2.0)
+    assert request.guided and (request.guidance, request.cfg_scale) == (2.0, 4.0)
+    calls = [dict(negative_prompt="blurry", true_cfg_scale=4.0, guidance=3.5),
+             dict(negative_prompt="blurry", true_cfg_scale=2.0, guidance=3.5),
+             dict(negative_prompt="a dark room", true_cfg_scale=2.0, guidance=3.5),
+             dict(negative_prompt="a dark room", true_cfg_scale=2.0, guidance=5.0)]
+    outs = [pipe.generate("a fox", steps=2, seed=1, **c, **SMALL) for c in calls]
+    denoisers = [s for s in pipe._executables if isinstance(s, Signature)]
+    assert len(denoisers) == 1 and denoisers[0].guided  # one guided program served all four calls
+    assert all(not np.array_equal(a, b) for a, b in zip(outs, outs[1:]))  # each value reached the image
+
+
+@pytest.mark.parametrize("name", ["flux-dev", "flux-schnell"])
+def test_warm_up_compiles_true_cfg_with_guidance_on(pipes, name):
+    """FLUX.1's guided programs are its true-CFG ones: warmed with guidance "on" (a negative prompt
+    and true_cfg_scale given), never with "off", and not where the negative prompt is not offered.
+    Each signature's call runs the mode it is listed under."""
+    from preheat import warm as warming
+
+    pipe = pipes[name]
+
+    def sigs(*modes: str, inputs: tuple[str, ...] = ("negative_prompt",)) -> list:  # no image programs
+        declared = warming.WarmSet(max_batch_size=1, sizes=((32, 32),), guidance=modes, inputs=inputs, progress=False)
+        return warming.signatures(pipe, warming.resolve(pipe, declared))
+
+    off, on = sigs("off"), sigs("on")
+    assert [(s.guided, s.given) for s in off] == [(False, (("prompt", ""),))]
+    assert [(s.guided, s.variant) for s in on] == [(True, ("negative_prompt", "true_cfg_scale"))]
+    assert sigs("on", inputs=()) == []  # --inputs none: no negative prompt, so nothing guides
+    for sig in off + on:
+        assert pipe.validate(sig.bucket, **warming.call_inputs(pipe, sig)).guided == sig.guided
+    assert "guidance off" in off[0].describe() and "+negative_prompt +true_cfg_scale" in on[0].describe()
+
+
 def test_schnell_defaults_and_no_guidance(pipes):
     pipe = pipes["flux-schnell"]
     assert pipe.defaults["steps"] == 4 and pipe.defaults["guidance"] is None
@@ -126,7 +172,16 @@ def test_schnell_defaults_and_no_guidance(pipes):
 @pytest.mark.parametrize("name,kwargs,exc,needle", [
     ("flux-dev", dict(prompt="x", sampler="ddpm"), SchedulerConfigError, "use one of: flow_euler"),
     ("sd3", dict(prompt="x", sampler="dpmpp_2m"), SchedulerConfigError, "not for a stable-diffusion-3 model"),
-    ("flux-dev", dict(prompt="x", negative_prompt="y"), InvalidArgumentError, "unexpected argument 'negative_prompt'"),
+    # diffusers ignores a negative prompt without true_cfg_scale > 1, and warns about the reverse
+    ("flux-dev", dict(prompt="x", negative_prompt="y"), InvalidArgumentError, "give true_cfg_scale above 1"),
+    ("flux-dev", dict(prompt="x", negative_prompt="y", true_cfg_scale=1.0), InvalidArgumentError,
+     "negative_prompt needs classifier-free guidance"),
+    ("flux-schnell", dict(prompt="x", true_cfg_scale=4.0), InvalidArgumentError,
+     "true_cfg_scale needs negative_prompt"),
+    ("flux-dev", dict(prompt="x", negative_prompt="y", true_cfg_scale=-2), InvalidArgumentError,
+     "true_cfg_scale=-2 must be a finite number >= 0"),
+    ("flux-dev", dict(prompt="x", negative_prompt_2="y", true_cfg_scale=4.0), InvalidArgumentError,
+     "negative_prompt_2 needs negative_prompt"),
     ("flux-dev", dict(prompt="x", width=42), InvalidArgumentError, "multiple of 4"),  # 2x2 packing of 2x latents
     ("sd3", dict(prompt="x", width=34), InvalidArgumentError, "multiple of 4"),  # patch 2 of 2x latents
     ("sd3", dict(prompt="x", negative_prompt="y", guidance=1.0), InvalidArgumentError, "needs classifier-free"),
@@ -197,6 +252,8 @@ def test_offload_encoders_is_refused_for_models_without_text():
 
 
 @pytest.mark.parametrize("name,call", [("flux-dev", dict(guidance=3.5)), ("flux-schnell", {}),
+                                       ("flux-dev", dict(guidance=3.5, negative_prompt=["blurry", "dark"],
+                                                         negative_prompt_2="a drawing", true_cfg_scale=3.0)),
                                        ("sd3", dict(negative_prompt="blurry", guidance=5.0))])
 def test_torch_backend_draws_the_same_images(folders, pipes, name, call):
     """backend="torch" runs diffusers' own pipeline on the same seeds (the same initial latents)."""

@@ -51,18 +51,21 @@ def _theirs(ref, prompt, image: np.ndarray, seeds, **kwargs) -> np.ndarray:
     return (np.asarray(out) * 255).round().astype(np.uint8)
 
 
-CASES = [  # (family, prompt, strength, steps, guidance, image size): 0.6 of 4 steps starts at int(1.6) = 1
-    ("flux-dev", "a watercolor fox", 0.6, 4, 3.5, (32, 32)),
-    ("flux-dev", ["a red fox", "city at night"], 0.5, 4, 2.0, (40, 36)),  # resized to 32x32, two images
-    ("flux-dev", "a watercolor fox", 1.0, 3, 3.5, (32, 32)),  # strength 1: every step, the image still noised in
-    ("sd3", "a photo of a dog", 0.75, 4, 5.0, (32, 32)),  # classifier-free guidance
-    ("sd3", ["a red fox", "a cat"], 0.6, 5, 4.0, (32, 32)),
+CASES = [  # (family, prompt, strength, steps, guidance, image size, other inputs): 0.6 of 4 steps starts at
+    #         int(1.6) = 1
+    ("flux-dev", "a watercolor fox", 0.6, 4, 3.5, (32, 32), {}),
+    ("flux-dev", ["a red fox", "city at night"], 0.5, 4, 2.0, (40, 36), {}),  # resized to 32x32, two images
+    ("flux-dev", "a watercolor fox", 1.0, 3, 3.5, (32, 32), {}),  # strength 1: every step, the image still noised in
+    # FluxImg2ImgPipeline's true CFG: the negatives' branch from the same start
+    ("flux-dev", "a watercolor fox", 0.6, 4, 3.5, (32, 32), dict(negative_prompt="blurry", true_cfg_scale=3.0)),
+    ("sd3", "a photo of a dog", 0.75, 4, 5.0, (32, 32), {}),  # classifier-free guidance
+    ("sd3", ["a red fox", "a cat"], 0.6, 5, 4.0, (32, 32), {}),
 ]
 
 
-@pytest.mark.parametrize("name,prompt,strength,steps,guidance,size", CASES,
+@pytest.mark.parametrize("name,prompt,strength,steps,guidance,size,other", CASES,
                          ids=[f"{c[0]}-{c[2]}-{i}" for i, c in enumerate(CASES)])
-def test_matches_diffusers_from_the_same_noise(folders, pipes, name, prompt, strength, steps, guidance, size):
+def test_matches_diffusers_from_the_same_noise(folders, pipes, name, prompt, strength, steps, guidance, size, other):
     n = len(prompt) if isinstance(prompt, list) else 1
     seeds = list(range(3, 3 + n))
     image = picture(*size, seed=1)
@@ -70,9 +73,9 @@ def test_matches_diffusers_from_the_same_noise(folders, pipes, name, prompt, str
     # generators): each generator draws that image's posterior sample, then its ε
     noise = replayed_noise((1, 4, 16, 16), seeds, 1)
     theirs = _theirs(_reference(folders[name], name), prompt, image, seeds, strength=strength,
-                     num_inference_steps=steps, guidance_scale=guidance, height=32, width=32)
+                     num_inference_steps=steps, guidance_scale=guidance, height=32, width=32, **other)
     ours = pipes[name].generate(prompt, image=image, strength=strength, noise=noise, steps=steps,
-                                guidance=guidance, width=32, height=32)
+                                guidance=guidance, width=32, height=32, **other)
     assert ours.shape == theirs.shape == (n, 32, 32, 3)
     diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
     print(f"{name} strength {strength}: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")

@@ -33,11 +33,13 @@ def _noise(n: int, h: int, w: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, 4, h, w)).astype(np.float32)
 
 
-@pytest.mark.parametrize("image_size,size,prompt,guidance", [
-    ((50, 34), (32, 32), "make it a watercolor", 3.5),  # reference 48x32 (rounded down, Lanczos), output given
-    ((40, 40), None, ["a red fox", "city at night"], 2.5),  # output = the reference's size, two images
+@pytest.mark.parametrize("image_size,size,prompt,guidance,true_cfg", [
+    ((50, 34), (32, 32), "make it a watercolor", 3.5, {}),  # reference 48x32 (rounded down, Lanczos), output given
+    ((40, 40), None, ["a red fox", "city at night"], 2.5, {}),  # output = the reference's size, two images
+    # true CFG: the negative branch sees the same reference (FluxKontextPipeline's true_cfg_scale)
+    ((40, 40), None, "make it a watercolor", 2.5, dict(negative_prompt="blurry", true_cfg_scale=3.0)),
 ])
-def test_matches_diffusers_from_the_same_latents(pipe, reference, image_size, size, prompt, guidance):
+def test_matches_diffusers_from_the_same_latents(pipe, reference, image_size, size, prompt, guidance, true_cfg):
     from PIL import Image
 
     image = picture(*image_size)
@@ -46,9 +48,9 @@ def test_matches_diffusers_from_the_same_latents(pipe, reference, image_size, si
     noise = _noise(n, h // 2, w // 2)
     steps = 3
     theirs = reference_pixels(reference, prompt, noise, image=Image.fromarray(image), num_inference_steps=steps,
-                              guidance_scale=guidance, max_area=w * h, _auto_resize=False)
+                              guidance_scale=guidance, max_area=w * h, _auto_resize=False, **true_cfg)
     ours = pipe.generate(prompt, image=image, image_resize="none", noise=noise, steps=steps, guidance=guidance,
-                         **({} if size is None else dict(width=w, height=h)))
+                         **({} if size is None else dict(width=w, height=h)), **true_cfg)
     assert ours.shape == (n, h, w, 3)
     assert_pixels_close(ours, theirs)
 

@@ -15,8 +15,9 @@ from tests._support.server_fixtures import cli_family, openai_image, runpod_jobs
 
 @pytest.mark.parametrize("kind", ["flux-schnell", "flux-dev", "sd3"])
 def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_factory, monkeypatch):
-    """FLUX.1 (schnell: no guidance; dev: the scale is data, one branch) and SD3 (CFG, negative
-    prompts) through every surface, each image equal to the engine's."""
+    """FLUX.1 (schnell: no guidance; dev: the scale is data, one branch; either: true CFG with a
+    negative prompt) and SD3 (CFG, negative prompts) through every surface, each image equal to the
+    engine's."""
     import httpx
     from tests._support.flow_fixtures import save_tiny_flow_model
 
@@ -67,6 +68,18 @@ def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_f
             (result,) = runpod_jobs(core, {"id": f"{kind}-proof", "input": proof_fields})
             assert "error" not in result, result
             np.testing.assert_array_equal(decode_data_url(result["images"][0]), proof[0])
+            # diffusers' true CFG: its warmed program (guidance "on"), the negatives and the scale as fields
+            true_cfg = dict(negative_prompt="blurry", negative_prompt_2="a drawing", true_cfg_scale=3.0)
+            guided = pipe.generate("a red fox", steps=2, seed=9, width=32, height=32, **call, **true_cfg)
+            assert not np.array_equal(guided, want)
+            with serving(core) as server, httpx.Client(base_url=server.url, timeout=300) as client:
+                r = client.post("/predictions", json={"input": {**fields, "width": 32, "height": 32, **true_cfg}})
+                assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
+                np.testing.assert_array_equal(decode_data_url(r.json()["output"][0]), guided[0])
+                bad = client.post("/predictions", json={"input": {"prompt": "x", "true_cfg_scale": 3.0}})
+                assert bad.status_code == 422 and "true_cfg_scale needs negative_prompt" in bad.text
+                schema = client.get("/openapi.json").json()["components"]["schemas"]["Input"]["properties"]
+                assert {"type": "number", "minimum": 0.0} in schema["true_cfg_scale"]["anyOf"]
     finally:
         core.close()
 

@@ -100,7 +100,7 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
     resolved = resolve_model(opts.model, log=lambda line: console.print(line, soft_wrap=True))
     model, opts = resolved.model, opts.sized(resolved.size, resolved.inputs)  # a tiny random model: its tiny size, unless the flags give one
     backend, compile_mode = opts.backend, opts.compile_mode
-    steps, sampler, guidance = opts.steps, opts.sampler, opts.guidance
+    steps, sampler = opts.steps, opts.sampler
 
     draw = shown(quiet)  # progress on stderr: a terminal only
 
@@ -168,7 +168,7 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
         "remote": next((e.get("remote") for e in (pipe.compiler.events if pipe.compiler else []) if "remote" in e), None),
         "cache_events": pipe.compiler.events if pipe.compiler is not None else [],
         "process_start_to_first_image_s": to_first_image,
-        "guided": pipe.is_guided(guidance),
+        "guided": pipe.is_guided(**kwargs),  # the call's inputs too: FLUX.1's true CFG is a negative prompt's
         "stages": first.to_dict().get("stages", {}),
     }
     startup = pipe.startup  # the JAX engine's phases (preheat.timings.Phases); None for torch

@@ -52,6 +52,8 @@ class Request:
     sample_shape: tuple[int, ...]
     values: dict[str, Any]  # the family's own inputs, normalised (labels, prompts, size, ...)
     lora: Any = None  # preheat.lora.LoraRequest: the call's adapters, per image (None: no LoRA)
+    cfg_scale: float = 1.0  # classifier-free guidance's combination scale when ``guided``: ``guidance``, or an
+    #                         embedded-guidance model's own (FLUX.1's true_cfg_scale; ``families.request.guidance``)
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,12 @@ class Family:
         token count, the pipeline's own ``sigmas``); resolution is static, so these are too."""
         return {}
 
+    def true_cfg(self, values: dict[str, Any]) -> float | None:
+        """The scale of classifier-free guidance a model whose guidance is not CFG ("embedded" or
+        "none") runs on this call anyway (FLUX.1's ``true_cfg_scale`` against a negative prompt:
+        ``families.guidance``), or None: one branch. A "cfg" family's guidance is its scale."""
+        return None
+
     def guidance_error(self, pipe: "EngineView", values: dict[str, Any]) -> str | None:
         """Why this model cannot run classifier-free guidance (None: it can)."""
         return None
@@ -201,8 +209,12 @@ class Family:
         here; a value equal to the input's declared default (guidance_rescale's 0: off) asks nothing of it."""
         for spec in self.specs:
             if spec.needs_guidance and values.get(spec.name) is not None and values[spec.name] != spec.default:
-                raise InvalidArgumentError(f"{spec.name} needs classifier-free guidance; use a guidance scale other "
-                                           "than 1", argument=spec.name)
+                raise InvalidArgumentError(f"{spec.name} needs classifier-free guidance; {self.guidance_hint()}",
+                                           argument=spec.name)
+
+    def guidance_hint(self) -> str:
+        """What turns classifier-free guidance on (a refusal of an input that needs it says so)."""
+        return "use a guidance scale other than 1"
 
     def check_start(self, pipe: "EngineView", request: "Request") -> int | None:
         """Host-side check of where an image-conditioned call starts (its start step; None: from

@@ -22,8 +22,10 @@ the encoded image at the next step's sigma (``samplers.Start.keep``); the mask's
 
 Guidance: FLUX.1-dev is guidance-distilled -- the scale is an input of the transformer
 (``guidance_embeds``), so it is conditioning data: one branch, no recompile for a new scale.
-FLUX.1-schnell has no guidance input and refuses a scale. Neither runs classifier-free guidance
-(diffusers' ``true_cfg_scale`` is not offered).
+FLUX.1-schnell has no guidance input and refuses a scale. Either runs classifier-free guidance
+only as diffusers' "true CFG" (``families.guidance.TRUE_CFG_SCALE``): ``negative_prompt`` (CLIP)
+and ``negative_prompt_2`` (T5; the negative prompt when absent) encoded as the unconditional
+branch, the two predictions combined at ``true_cfg_scale`` > 1, the embedded scale in both.
 
 The schedule is diffusers': the pipeline's own sigmas ``linspace(1, 1/steps, steps)``, shifted by
 ``mu`` from the image's token count (``use_dynamic_shifting``); both are host-side data of the
@@ -32,7 +34,7 @@ static resolution, so steps stay data too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -43,9 +45,11 @@ from preheat.families import image as image_input
 from preheat.families.components import FluxComponents
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
+from preheat.families.guidance import TRUE_CFG_SCALE, true_cfg_scale
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import EncodeArgs
-from preheat.families.text import PROMPT, TextToImageFamily, component, default_sampler, encode, offload
+from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, default_sampler, encode,
+                                   offload)
 from preheat.lora import encoder_adapters
 from preheat.models.bfl import Piece, bfl_modules
 from preheat.samplers import MU_SIGMAS_SAMPLERS
@@ -58,6 +62,12 @@ __all__ = ["FluxFamily", "FLUX", "load_flux", "flux_defaults"]
 T5_LENGTH = 512  # FluxPipeline's max_sequence_length default
 PROMPT_2 = InputSpec("prompt_2", Text(), "The T5 encoder's prompt (the prompt when absent), one for all or one per image.",
                      per_image=True, default_doc="the prompt")
+# diffusers' FluxPipeline reads a negative prompt only for true CFG (ignored otherwise: here refused)
+FLUX_NEGATIVE_PROMPT = replace(NEGATIVE_PROMPT, description="What to steer away from (with true_cfg_scale > 1).")
+NEGATIVE_PROMPT_2 = InputSpec("negative_prompt_2", Text(), "The T5 encoder's negative prompt (the negative prompt "
+                              "when absent).", per_image=True, needs_guidance=True, needs=("negative_prompt",),
+                              default_doc="the negative prompt")
+TRUE_CFG_SPECS = (FLUX_NEGATIVE_PROMPT, NEGATIVE_PROMPT_2, TRUE_CFG_SCALE)
 
 
 @dataclass(frozen=True)
@@ -65,13 +75,22 @@ class FluxFamily(TextToImageFamily):
     name: str = "flux"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 28,
                                                                   "guidance": 3.5})
-    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP)
+    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, *TRUE_CFG_SPECS, IMAGE, MASK_IMAGE, STRENGTH,
+                                    PADDING_MASK_CROP)
     # FluxPipeline passes its own sigmas and mu to set_timesteps: only flow_euler's scheduler takes them
     samplers: tuple[str, ...] = MU_SIGMAS_SAMPLERS
     max_size: int = 4096
 
     def guidance_mode(self, pipe: EngineView) -> str:
         return "embedded" if pipe.components.guidance_embeds else "none"
+
+    def true_cfg(self, values: dict[str, Any]) -> float | None:
+        """diffusers' ``do_true_cfg``: ``true_cfg_scale`` > 1 with a negative prompt (its specs'
+        ``needs`` refuse either without the other; a family without them never guides)."""
+        return true_cfg_scale(values) if any(s.name == TRUE_CFG_SCALE.name for s in self.specs) else None
+
+    def guidance_hint(self) -> str:
+        return f"give {TRUE_CFG_SCALE.name} above 1"  # the embedded scale never turns CFG on
 
     def condition_channels(self, latent_channels: int, vae_scale: int) -> int:
         """Channels per latent pixel that ride beside the noise in every token (``cond["fill"]``,
@@ -84,8 +103,9 @@ class FluxFamily(TextToImageFamily):
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         values = super().check_inputs(pipe, n, inputs)
-        if values["prompt_2"] is None or all(p == "" for p in values["prompt_2"]):
-            values["prompt_2"] = values["prompt"]  # diffusers: prompt_2 = prompt_2 or prompt (T5; CLIP reads prompt)
+        for second, first in (("prompt_2", "prompt"), ("negative_prompt_2", "negative_prompt")):
+            if second in values and (values[second] is None or all(p == "" for p in values[second])):
+                values[second] = values[first]  # diffusers: prompt_2 = prompt_2 or prompt (T5; CLIP reads prompt)
         self.check_images(pipe, values, inputs)
         return values
 
@@ -122,16 +142,25 @@ class FluxFamily(TextToImageFamily):
 
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         values, n = request.values, request.n
+        texts = [list(values["prompt"]), list(values["prompt_2"])]  # CLIP's, T5's
+        if request.guided:  # true CFG: the negatives are the unconditional branch's texts
+            texts[0] += values["negative_prompt"]
+            texts[1] += values["negative_prompt_2"]
         clip_dtype = str(pipe.components.text_encoders[0].dtype)
         adapters = encoder_adapters(pipe.lora_runtime, request.lora, clip_dtype)  # CLIP LoRA layers, when a file has them
-        lora = None if adapters is None else (adapters, request.lora.index, request.lora.signature)
-        out = encode(pipe, [values["prompt"], values["prompt_2"]],
-                     lambda: _encode_program(pipe.components, lora is not None), outputs=2,
+        lora = None  # each text takes its image's slot (negatives too)
+        if adapters is not None:
+            lora = (adapters, np.concatenate([request.lora.index] * (len(texts[0]) // n)), request.lora.signature)
+        out = encode(pipe, texts, lambda: _encode_program(pipe.components, lora is not None), outputs=2,
                      extra=(("family", self.name),), lora=lora)
-        cond = {"context": np.asarray(out[0]), "pooled": np.asarray(out[1])}
-        if pipe.components.guidance_embeds:
+        context, pooled = np.asarray(out[0]), np.asarray(out[1])  # (B, L, D), (B, P); B = n or 2n
+        cond = {"context": context[:n], "pooled": pooled[:n]}
+        uncond = {"context": context[n:], "pooled": pooled[n:]} if request.guided else {}
+        if pipe.components.guidance_embeds:  # the embedded scale, in both branches (diffusers passes it to both)
             cond["guidance"] = np.full((n,), request.guidance, np.float32)
-        return Conditioning(cond=cond, uncond={})
+            if request.guided:
+                uncond["guidance"] = cond["guidance"]
+        return Conditioning(cond=cond, uncond=uncond)
 
 
 FLUX = FluxFamily()

@@ -20,6 +20,7 @@ resized with Lanczos; ``mu`` counts the noise tokens only. The output is the ref
 unless ``width``/``height`` are given: then exactly those (diffusers would refit them to
 ``max_area``). The preferred resolutions are also the sizes a server and warm-up offer by default
 (:meth:`FluxKontextFamily.served_sizes`). The image's content is data; its resized size is static.
+True CFG (a negative prompt with ``true_cfg_scale`` > 1) is Flux's, the reference in both branches.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 from preheat.errors import InvalidArgumentError
 from preheat.families import image as image_input
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
-from preheat.families.flux import PROMPT_2, FluxFamily, load_flux
+from preheat.families.flux import PROMPT_2, TRUE_CFG_SPECS, FluxFamily, load_flux
 from preheat.families.image import IMAGE
 from preheat.families.inputs import Choice, InputSpec
 from preheat.families.text import PROMPT
@@ -68,7 +69,7 @@ def reference_size(width: int, height: int, mode: str, multiple: int) -> tuple[i
 @dataclass(frozen=True)
 class FluxKontextFamily(FluxFamily):
     name: str = "flux-kontext"
-    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, REFERENCE, IMAGE_RESIZE)
+    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, *TRUE_CFG_SPECS, REFERENCE, IMAGE_RESIZE)
 
     def input_specs(self, pipe: EngineView) -> tuple[InputSpec, ...]:
         """Width and height default to the reference's size (not the native size)."""
@@ -116,6 +117,8 @@ class FluxKontextFamily(FluxFamily):
         x = image_input.pixels(request.values["image"], *request.values["reference_size"])  # (H', W', 3), Lanczos
         latents = image_input.encode_images(pipe, x[None], request.seeds[:1], 0, mode=True)  # (1, h', w', C)
         conditioning.cond["image_latents"] = np.repeat(latents, request.n, axis=0)  # (n, h', w', C): one for all
+        if request.guided:  # true CFG: the negative branch sees the same reference (FluxKontextPipeline)
+            conditioning.uncond["image_latents"] = conditioning.cond["image_latents"]
         return conditioning
 
 

@@ -12,7 +12,7 @@ is checked with the same words, defaults and bounds whichever backend runs it.
     plan_inputs(pipe, r)            the call's own set_timesteps arguments (``plan_key`` inputs)
     scheduler_overrides(pipe, r)    the scheduler config keys the call sets (``scheduler_key`` inputs)
     scheduler_config(pipe, r)       the folder's scheduler config with them (what plan and spec read)
-    guidance(pipe, g, values)       (classifier-free guidance on?, the scale)
+    guidance(pipe, g, values)       a ``GuidanceChoice``: CFG on?, the model's scale, CFG's scale
     concat(pipe, requests, pad)     validated requests of one batch key -> one Request (a
                                     server's batch: validated once, at parse time)
     images(pixels)                  uint8 (n, H, W, C) -> PIL images
@@ -23,7 +23,7 @@ Surfaces (server, CLI, warm, bench) see any pipeline as a :class:`SamplingPipeli
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -33,8 +33,8 @@ from preheat.families.inputs import COMMON_SPECS, common_spec
 from preheat.samplers import SAMPLERS, Plan, SchedulerConfig, make_plan, make_spec, samplers_of_kind, with_overrides
 
 __all__ = ["ArgumentView", "SamplingPipeline", "validate", "concat", "check", "plan", "plan_inputs",
-           "scheduler_overrides", "scheduler_config", "guidance", "initial_noise", "seeds_for", "images",
-           "resolved_defaults", "COMMON_INPUTS"]
+           "scheduler_overrides", "scheduler_config", "guidance", "GuidanceChoice", "initial_noise", "seeds_for",
+           "images", "resolved_defaults", "COMMON_INPUTS"]
 
 COMMON_INPUTS = tuple(s.name for s in COMMON_SPECS)
 
@@ -135,7 +135,7 @@ def validate(pipe: ArgumentView, first: Any, inputs: Mapping[str, Any]) -> Reque
     values = family.check_inputs(pipe, n, inputs)
     steps = _steps(pipe, common.get("steps"), values)
     shape = family.sample_shape(pipe, values)
-    guided, scale = guidance(pipe, common.get("guidance"), values)
+    guided, scale, cfg_scale = guidance(pipe, common.get("guidance"), values)
     if not guided:
         family.check_unguided(pipe, values)
     seeds = seeds_for(n, 0 if common.get("seed") is None else common["seed"])
@@ -149,7 +149,7 @@ def validate(pipe: ArgumentView, first: Any, inputs: Mapping[str, Any]) -> Reque
 
         lora = parse_request(pipe, n, common.get("lora"), common.get("lora_scale"))
     request = Request(n=n, sampler=sampler, steps=steps, guided=guided, guidance=scale, seeds=seeds,
-                      noise=noise_arr, eta=eta, sample_shape=shape, values=values, lora=lora)
+                      noise=noise_arr, eta=eta, sample_shape=shape, values=values, lora=lora, cfg_scale=cfg_scale)
     scheduler_config(pipe, request)  # a key the sampler does not read: one line naming the input
     return request
 
@@ -214,30 +214,43 @@ def _number(name: str, value: Any) -> float:
         raise InvalidArgumentError.about("{0}={value!r} must be a number", name, value=value) from None
 
 
-def guidance(pipe: ArgumentView, scale: Any, values: dict[str, Any]) -> tuple[bool, float]:
-    """(classifier-free guidance on?, the scale). An "embedded" scale is data, never a second branch."""
+class GuidanceChoice(NamedTuple):
+    """How a call is guided: ``guided`` runs classifier-free guidance (two branches), combined at
+    ``cfg_scale``; ``scale`` is the model's guidance scale (CFG's own, or an embedded input's)."""
+
+    guided: bool
+    scale: float
+    cfg_scale: float  # the CFG combination's scale when guided: ``scale``, or the family's ``true_cfg``; else 1
+
+
+def guidance(pipe: ArgumentView, scale: Any, values: dict[str, Any]) -> GuidanceChoice:
+    """The call's guidance. An "embedded" scale is data, never a second branch; a model whose
+    guidance is not CFG may still run CFG on the family's own input (``Family.true_cfg``)."""
     family = pipe.family
     mode = family.guidance_mode(pipe)
+    if mode != "cfg":
+        true_cfg = family.true_cfg(values)
+        guided, cfg_scale = true_cfg is not None, 1.0 if true_cfg is None else true_cfg
     if mode == "none":  # 1 means "off" everywhere in preheat, so it is accepted here too
         if scale is not None and not (isinstance(scale, (int, float)) and float(scale) == 1.0):
             raise InvalidArgumentError.about("{0}={scale!r}: this {family} model takes no guidance (it has no "
                                              "guidance input); leave it unset", "guidance", scale=scale,
                                              family=family.name)
-        return False, 1.0
+        return GuidanceChoice(guided, 1.0, cfg_scale)
     g = pipe.defaults.get("guidance") if scale is None else scale
     if g is None:
-        return False, 1.0
+        return GuidanceChoice(False, 1.0, 1.0) if mode == "cfg" else GuidanceChoice(guided, 1.0, cfg_scale)
     g = _number("guidance", g)
     if not np.isfinite(g) or g < 0:
         raise InvalidArgumentError.about("{0}={g} must be a finite number >= 0", "guidance", g=g)
     if mode == "embedded":
-        return False, g
+        return GuidanceChoice(guided, g, cfg_scale)
     if g <= 1.0:  # as diffusers' pipelines (guidance_scale > 1 turns it on): turbo cards pass 0.0
-        return False, 1.0
+        return GuidanceChoice(False, 1.0, 1.0)
     why = family.guidance_error(pipe, values)
     if why:
         raise InvalidArgumentError.about("{0}={g} {why}", "guidance", g=g, why=why)
-    return True, g
+    return GuidanceChoice(True, g, g)
 
 
 def initial_noise(pipe: ArgumentView, n: int, noise: Any, shape: tuple[int, ...]) -> np.ndarray:

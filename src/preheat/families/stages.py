@@ -67,7 +67,7 @@ class DenoiseArgs(NamedTuple):
     seeds: Any  # (B,) uint32: each image's seed (preheat.noise)
     cond: Any  # the conditioning pytree, every leaf (B, ...) ({} for unconditional models)
     uncond: Any  # the unconditional branch's, same structure (guided calls; {} otherwise)
-    guidance: Any  # () float32: the guidance scale
+    guidance: Any  # () float32: classifier-free guidance's scale (``Request.cfg_scale``; read only when guided)
     noise: Any  # (B, H, W, C) float32: the user's initial noise (NHWC); () zeros when drawn from the seeds
     start: Any = None  # preheat.samplers.Start: img2img / inpainting (its latents and mask split,
     #                    its step index and flag replicated); None: from noise

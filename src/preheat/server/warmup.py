@@ -31,13 +31,13 @@ def warm_up(pipe: Any, sigs: list[WarmSignature], largest: int, metrics: CoreMet
         t0 = time.perf_counter()
         events_before = len(getattr(compiler, "events", ()))
         run_signature(pipe, sig)
-        sampler, guidance, bucket, size = sig.sampler, sig.guidance, sig.bucket, sig.size
+        sampler, bucket, size = sig.sampler, sig.bucket, sig.size
         layer = pipe.last.cache_layer
         run_s = pipe.last.run_s
         took = time.perf_counter() - t0
         if bucket == largest:  # one step of the largest batch: the first step-time estimate
             first = max(first or 0.0, run_s)
-        guided = pipe.is_guided(guidance)
+        guided = sig.guided
         metrics.warmup_programs.labels(cache_layer=layer).inc()
         metrics.warmup_seconds.labels(bucket=str(bucket), sampler=sampler, guided=str(guided).lower(),
                                       cache_layer=layer).set(took)

@@ -99,6 +99,8 @@ class TorchTextPipeline(EngineArguments):
             b, c, h, w = latents.shape
             kwargs.update(prompt_2=v["prompt_2"], guidance_scale=request.guidance,
                           latents=self.pipe._pack_latents(latents, b, c, h, w))
+            if request.guided:  # true CFG (families.guidance): the negatives, combined at cfg_scale
+                kwargs.update(negative_prompt=v["negative_prompt"], true_cfg_scale=request.cfg_scale)
             if v.get("reference_size") is not None:  # Kontext: diffusers resizes the reference itself;
                 from PIL import Image  # the output is width x height exactly (max_area fits it)
 
@@ -113,7 +115,9 @@ class TorchTextPipeline(EngineArguments):
         kwargs.update({k: list(t) for k, t in plan_inputs(self, request).items()})  # set_timesteps(timesteps=...)
         overrides = scheduler_overrides(self, request)  # a card's from_config(config, timestep_spacing=...)
         self.pipe.scheduler = make_scheduler(request.sampler, {**self.scheduler_dict, **overrides})
-        timings = self._prepare_denoiser(n * (2 if request.guided else 1), latent_shape, kwargs)
+        # CFG's two branches are one batch of 2n; FLUX.1's true CFG calls the transformer twice with n
+        doubled = request.guided and self.family.guidance_mode(self) == "cfg"
+        timings = self._prepare_denoiser(n * (2 if doubled else 1), latent_shape, kwargs)
         events = self.compiler.events if self.compiler is not None else []
         seen = len(events)
         pipe = self.pipe
@@ -206,7 +210,7 @@ def restore_text_model(pipe: Any) -> None:
 def _second_encoder(v: dict[str, Any]) -> dict[str, Any]:
     """SD/SDXL's clip_skip, SDXL's second prompts and size ids, as diffusers' keywords."""
     kwargs: dict[str, Any] = {}
-    if "negative_prompt_2" in v:  # SDXL's second encoder (Flux's prompt_2 is passed with its guidance)
+    if "negative_prompt_2" in v:  # SDXL's second encoder, FLUX.1's T5 (its prompt_2 is passed with its guidance)
         kwargs.update(prompt_2=v["prompt_2"], negative_prompt_2=v["negative_prompt_2"])
     if v.get("negative_time_ids") is not None and len(v["prompt"]) > 1:
         # diffusers repeats cat([negative ids, ids]) per image, against embeddings laid out as all
