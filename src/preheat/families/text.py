@@ -19,7 +19,7 @@ from preheat.errors import ModelNotFoundError, SchedulerConfigError
 from preheat.families.base import EngineView, Family, Request, StageSignature, to_pixels
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import DecodeArgs, EncodeArgs, LoraArgs
-from preheat.samplers import SchedulerConfig, samplers_of_kind
+from preheat.samplers import DIFFUSERS_CLASS, DPM_FIXED_SETTINGS, SchedulerConfig, samplers_of_kind
 
 __all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROMPT", "component", "default_sampler",
            "folder_sampler", "decode_program", "encode", "offload"]
@@ -99,15 +99,9 @@ def component(root: Path, index: dict[str, Any], name: str) -> Path:
     return folder
 
 
-# DPMSolverMultistepScheduler's algorithm_type -> our sampler (use_karras_sigmas adds "_karras")
-SAMPLER_OF_DPM_ALGORITHM = {"dpmsolver++": "dpmpp_2m", "sde-dpmsolver++": "dpmpp_2m_sde"}
-# The DPM-Solver settings a dpm++ sampler's name fixes: key -> (the class's default, the values we reproduce)
-DPM_FIXED_SETTINGS: dict[str, dict[str, tuple[Any, tuple[Any, ...]]]] = {
-    "DPMSolverMultistepScheduler": {"algorithm_type": ("dpmsolver++", tuple(SAMPLER_OF_DPM_ALGORITHM)),
-                                    "solver_type": ("midpoint", ("midpoint",)), "solver_order": (2, (2,))},
-    "DPMSolverSinglestepScheduler": {"algorithm_type": ("dpmsolver++", ("dpmsolver++",)),
-                                     "solver_type": ("midpoint", ("midpoint",)), "solver_order": (2, (2,))},
-}
+# The DPM-Solver settings whose folder value must be one a dpm++ sampler of its class fixes
+# (DPM_FIXED_SETTINGS); the rest (lower_order_final, ...) the sampler's name sets whatever the folder says
+_DPM_CHECKED = ("algorithm_type", "solver_type", "solver_order")
 # EDMDPMSolverMultistepScheduler's (its other keys are read from the config by the sampler itself)
 SAMPLER_OF_EDM_DPM_ALGORITHM = {"dpmsolver++": "edm_dpmpp_2m", "sde-dpmsolver++": "edm_dpmpp_2m_sde",
                                 "deis": "edm_dpmpp_2m"}  # the class registers "deis" as dpmsolver++
@@ -120,15 +114,8 @@ def folder_sampler(raw: Mapping[str, Any]) -> str | None:
     warm-up) are a one-line ``SchedulerConfigError`` naming the key."""
     class_name = str(raw.get("_class_name"))
     sampler = SAMPLER_OF_SCHEDULER.get(class_name)
-    for key, (default, supported) in DPM_FIXED_SETTINGS.get(class_name, {}).items():
-        value = raw.get(key, default)
-        if value not in supported:
-            raise SchedulerConfigError(f"{key}={value!r} is not supported for {class_name}; "
-                                       f"supported: {', '.join(map(repr, supported))}")
-    if sampler == "dpmpp_2m":
-        sampler = SAMPLER_OF_DPM_ALGORITHM[raw.get("algorithm_type", "dpmsolver++")]
-    if sampler in ("dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2s") and raw.get("use_karras_sigmas"):
-        sampler += "_karras"
+    if sampler in DPM_FIXED_SETTINGS:
+        sampler = _dpm_sampler(raw, class_name, sampler)
     if sampler == "edm_dpmpp_2m":
         algorithm = raw.get("algorithm_type", "dpmsolver++")
         if algorithm not in SAMPLER_OF_EDM_DPM_ALGORITHM:
@@ -139,6 +126,20 @@ def folder_sampler(raw: Mapping[str, Any]) -> str | None:
         raise SchedulerConfigError("skip_prk_steps=False (PNDM's Runge-Kutta warm-up) is not supported for "
                                    "PNDMScheduler; only skip_prk_steps=True (PLMS, sampler 'pndm') is")
     return sampler
+
+
+def _dpm_sampler(raw: Mapping[str, Any], class_name: str, plain: str) -> str:
+    """The dpm++ sampler of ``class_name`` for the folder's ``algorithm_type`` and ``use_karras_sigmas``;
+    ``plain`` is the class's default config's, so an absent key reads as its value there."""
+    names = [s for s in DPM_FIXED_SETTINGS if DIFFUSERS_CLASS[s] == class_name]
+    folder = {key: raw.get(key, value) for key, value in DPM_FIXED_SETTINGS[plain].items()}
+    for key in _DPM_CHECKED:
+        supported = tuple(dict.fromkeys(DPM_FIXED_SETTINGS[s][key] for s in names))
+        if folder[key] not in supported:
+            raise SchedulerConfigError(f"{key}={folder[key]!r} is not supported for {class_name}; "
+                                       f"supported: {', '.join(map(repr, supported))}")
+    return next(s for s in names if DPM_FIXED_SETTINGS[s]["algorithm_type"] == folder["algorithm_type"]
+                and DPM_FIXED_SETTINGS[s]["use_karras_sigmas"] == bool(folder["use_karras_sigmas"]))
 
 
 def default_sampler(root: Path, family: Family) -> dict[str, Any]:
