@@ -45,7 +45,7 @@ from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import EncodeArgs
-from preheat.families.text import PROMPT, TextToImageFamily, component, default_sampler, encode, offload
+from preheat.families.text import PROMPT, TextToImageFamily, component, encode, load_scheduler, offload
 from preheat.lora import encoder_adapters
 from preheat.models.bfl import Piece, bfl_modules
 from preheat.samplers import MU_SIGMAS_SAMPLERS
@@ -198,7 +198,6 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     from preheat.models.tokenizer import CLIPTokenizer
     from preheat.models.vae import load_vae
     from preheat.models.weights import check_dtype
-    from preheat.samplers import load_scheduler_config
 
     root = Path(root)
     dtype = check_dtype(dtype)
@@ -211,7 +210,7 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
         encoders = [offload(e, options) for e in encoders]
     transformer = load_flux_transformer(component(root, index, "transformer"), dtype=dtype, variant=variant, options=options)
     vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant, options=options)
-    sched = load_scheduler_config(scheduler if scheduler is not None else component(root, index, "scheduler"))
+    sched, defaults = load_scheduler(root, family, scheduler, index)
 
     cfg = transformer.config
     clip_width = encoders[0].config.hidden_size
@@ -274,7 +273,7 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
                                "t5": encoders[1].config.architecture_dict(), "dtype": str(dtype)},
         decode_fingerprint={"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
     )
-    defaults = {**default_sampler(root, family), **family.model_defaults(guidance_embeds)}
+    defaults = {**defaults, **family.model_defaults(guidance_embeds)}
     # diffusers' FluxPipeline: default_sample_size 128 latents per side (1024 px with an 8x VAE)
     fingerprint = {"kind": "flux-transformer", "family": family.name, "config": cfg.architecture_dict()}
     return LoadedModel(apply=apply, params=transformer.params, sample_shape=(128, 128, latent_channels),

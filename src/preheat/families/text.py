@@ -19,10 +19,11 @@ from preheat.errors import ModelNotFoundError, SchedulerConfigError
 from preheat.families.base import EngineView, Family, Request, StageSignature, to_pixels
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import DecodeArgs, EncodeArgs, LoraArgs
-from preheat.samplers import DIFFUSERS_CLASS, DPM_FIXED_SETTINGS, SchedulerConfig, samplers_of_kind
+from preheat.samplers import (DIFFUSERS_CLASS, DPM_FIXED_SETTINGS, SchedulerConfig, load_scheduler_config,
+                              samplers_of_kind)
 
 __all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROMPT", "component", "default_sampler",
-           "folder_sampler", "decode_program", "encode", "offload"]
+           "load_scheduler", "folder_sampler", "decode_program", "encode", "offload"]
 
 log = logging.getLogger("preheat.families")
 
@@ -142,23 +143,39 @@ def _dpm_sampler(raw: Mapping[str, Any], class_name: str, plain: str) -> str:
                 and DPM_FIXED_SETTINGS[s]["use_karras_sigmas"] == bool(folder["use_karras_sigmas"]))
 
 
-def default_sampler(root: Path, family: Family) -> dict[str, Any]:
+def load_scheduler(root: Path, family: Family, scheduler: Any = None,
+                   index: Mapping[str, Any] | None = None) -> tuple[SchedulerConfig, dict[str, Any]]:
+    """A text-to-image load's scheduler config and its defaults (``default_sampler``), the folder's
+    ``scheduler_config.json`` parsed once.
+
+    The config is ``scheduler`` (a SchedulerConfig, dict, file or folder) when given, else the
+    folder's ``scheduler/`` (checked against ``index``, its model_index.json, when given); the
+    default sampler is the folder's own scheduler's either way.
+    """
+    if scheduler is not None:
+        return load_scheduler_config(scheduler), default_sampler(root, family)
+    config = load_scheduler_config(component(root, index, "scheduler") if index is not None else root / "scheduler")
+    return config, default_sampler(root, family, config)
+
+
+def default_sampler(root: Path, family: Family, config: SchedulerConfig | None = None) -> dict[str, Any]:
     """The sampler diffusers would run for this folder's scheduler (the family's default otherwise).
 
     A scheduler we do not reproduce -- an unknown class, or settings ``folder_sampler`` refuses --
     falls back to the family's default with one warning naming it, since the images will differ
-    from the diffusers pipeline the folder was saved with.
+    from the diffusers pipeline the folder was saved with. ``config``: the folder's
+    ``scheduler/`` as the load parsed it (``load_scheduler``), else it is parsed here.
     """
     from preheat.models.safetensors_files import read_json
 
     path = root / "scheduler" / "scheduler_config.json"
     if not path.is_file():
         return {}
-    raw = read_json(path, "scheduler config")
+    raw = read_json(path, "scheduler config")  # folder_sampler reads keys no SchedulerConfig keeps (algorithm_type)
     instead = family.defaults.get("sampler")
     fallback: dict[str, Any] = {}
     try:  # a default of the config's kind (an EDM folder falls back to edm_euler, not to the family's euler)
-        fits = samplers_of_kind(SchedulerConfig.from_dict(raw))
+        fits = samplers_of_kind(config if config is not None else SchedulerConfig.from_dict(raw))
         if instead not in fits:
             instead = next((s for s in family.samplers if s in fits), instead)
             fallback = {"sampler": instead}
