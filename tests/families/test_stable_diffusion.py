@@ -416,6 +416,29 @@ def test_the_folder_scheduler_settings_pick_the_default_sampler(tmp_path, caplog
     assert "using sampler 'edm_euler' instead" in record.getMessage()
 
 
+def test_a_load_parses_the_folder_scheduler_once(tmp_path, monkeypatch):
+    """load_scheduler: the config the load samples with is the one default_sampler learns the folder's kind
+    from (parsed once); a scheduler= the load is given replaces it for sampling, while the default sampler
+    stays the folder's own scheduler's."""
+    from diffusers import DDIMScheduler, EDMEulerScheduler, IPNDMScheduler
+
+    from preheat.families.stable_diffusion import SD
+    from preheat.families.text import load_scheduler
+    from preheat.samplers import SchedulerConfig
+
+    parsed = []
+    from_dict = SchedulerConfig.from_dict.__func__
+    monkeypatch.setattr(SchedulerConfig, "from_dict", classmethod(lambda cls, d: parsed.append(d) or from_dict(cls, d)))
+    EDMEulerScheduler().save_config(tmp_path / "scheduler")
+    config, defaults = load_scheduler(tmp_path, SD)
+    assert (config.class_name, defaults, len(parsed)) == ("EDMEulerScheduler", {"sampler": "edm_euler"}, 1)
+    ddim = {**DDIMScheduler().config, "_class_name": "DDIMScheduler"}
+    config, defaults = load_scheduler(tmp_path, SD, scheduler=ddim)
+    assert (config.class_name, defaults) == ("DDIMScheduler", {"sampler": "edm_euler"})
+    IPNDMScheduler().save_config(tmp_path / "scheduler")  # not reproduced: the family's default, as before
+    assert load_scheduler(tmp_path, SD, scheduler=ddim)[1] == {}
+
+
 # each kind's default sampler, two seeded images at the native size: the JAX side runs the program
 # test_pil_images (sd1) and the size-conditioning test (sdxl) compile, not one of its own (the torch
 # backend's sampler mapping, dpmpp_2m's too, is one piece of code: tests/backends/test_torch_backend.py)

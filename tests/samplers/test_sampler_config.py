@@ -15,7 +15,7 @@ import pytest
 import diffusers
 from preheat.errors import SchedulerConfigError
 from preheat.samplers import DIFFUSION_SAMPLERS, SchedulerConfig, make_plan, make_spec
-from preheat.samplers._tables import CLASS_DEFAULTS, DIFFUSERS_CLASS
+from preheat.samplers._tables import CLASS_DEFAULTS, DIFFUSERS_CLASS, DPM_FIXED_SETTINGS
 
 
 @pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
@@ -35,6 +35,18 @@ def test_class_defaults_match_diffusers_signatures(sampler: str) -> None:
         else:  # read through the config only (hasattr), so absent means None
             assert key in ("sigma_min", "sigma_max") and ours is None, key
     assert checked >= 8
+
+
+def test_what_a_dpm_samplers_name_fixes_is_its_class_settings() -> None:
+    """DPM_FIXED_SETTINGS (what both backends run whatever a folder says) names keys of the sampler's class, and
+    the plain samplers fix the class's defaults of the keys a folder is checked on (families.text reads an absent
+    one as the plain sampler's value)."""
+    for sampler, settings in DPM_FIXED_SETTINGS.items():
+        params = inspect.signature(getattr(diffusers, DIFFUSERS_CLASS[sampler]).__init__).parameters
+        assert set(settings) <= set(params), sampler
+        if sampler in ("dpmpp_2m", "dpmpp_2s"):
+            for key in ("algorithm_type", "solver_type", "solver_order", "use_karras_sigmas"):
+                assert settings[key] == params[key].default, (sampler, key)
 
 
 def test_from_dict_keeps_present_values_and_drops_the_rest() -> None:

@@ -48,7 +48,7 @@ from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGT
 from preheat.families.guidance import TRUE_CFG_SCALE, true_cfg_scale
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import EncodeArgs
-from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, default_sampler, encode,
+from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, encode, load_scheduler,
                                    offload)
 from preheat.lora import encoder_adapters
 from preheat.models.bfl import Piece, bfl_modules
@@ -227,7 +227,6 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     from preheat.models.tokenizer import CLIPTokenizer
     from preheat.models.vae import load_vae
     from preheat.models.weights import check_dtype
-    from preheat.samplers import load_scheduler_config
 
     root = Path(root)
     dtype = check_dtype(dtype)
@@ -240,7 +239,7 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
         encoders = [offload(e, options) for e in encoders]
     transformer = load_flux_transformer(component(root, index, "transformer"), dtype=dtype, variant=variant, options=options)
     vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant, options=options)
-    sched = load_scheduler_config(scheduler if scheduler is not None else component(root, index, "scheduler"))
+    sched, defaults = load_scheduler(root, family, scheduler, index)
 
     cfg = transformer.config
     clip_width = encoders[0].config.hidden_size
@@ -303,7 +302,7 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
                                "t5": encoders[1].config.architecture_dict(), "dtype": str(dtype)},
         decode_fingerprint={"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
     )
-    defaults = {**default_sampler(root, family), **family.model_defaults(guidance_embeds)}
+    defaults = {**defaults, **family.model_defaults(guidance_embeds)}
     # diffusers' FluxPipeline: default_sample_size 128 latents per side (1024 px with an 8x VAE)
     fingerprint = {"kind": "flux-transformer", "family": family.name, "config": cfg.architecture_dict()}
     return LoadedModel(apply=apply, params=transformer.params, sample_shape=(128, 128, latent_channels),

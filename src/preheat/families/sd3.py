@@ -34,7 +34,7 @@ from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
 from preheat.families.inputs import InputSpec
 from preheat.families.stages import EncodeArgs
-from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, default_sampler, encode,
+from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, encode, load_scheduler,
                                    offload)
 from preheat.samplers import FLOW_SAMPLERS
 
@@ -153,7 +153,6 @@ def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "f
     from preheat.models.tokenizer import CLIPTokenizer
     from preheat.models.vae import load_vae
     from preheat.models.weights import check_dtype
-    from preheat.samplers import load_scheduler_config
 
     root = Path(root)
     dtype = check_dtype(dtype)
@@ -177,7 +176,7 @@ def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "f
         encoders = [offload(e, options) if e is not None else None for e in encoders]
     transformer = load_sd3_transformer(component(root, index, "transformer"), dtype=dtype, variant=variant, options=options)
     vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant, options=options)
-    sched = load_scheduler_config(scheduler if scheduler is not None else component(root, index, "scheduler"))
+    sched, defaults = load_scheduler(root, SD3, scheduler, index)
 
     cfg = transformer.config
     for name, enc in (("text_encoder", encoders[0]), ("text_encoder_2", encoders[1])):
@@ -229,5 +228,5 @@ def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "f
     fingerprint = {"kind": "sd3-transformer", "family": SD3.name, "config": cfg.architecture_dict()}
     side = int(cfg.sample_size)  # diffusers: default_sample_size = transformer.config.sample_size (latents)
     return LoadedModel(apply=apply, params=transformer.params, sample_shape=(side, side, cfg.in_channels),
-                       scheduler_config=sched, fingerprint=fingerprint, family=SD3, defaults=default_sampler(root, SD3),
+                       scheduler_config=sched, fingerprint=fingerprint, family=SD3, defaults=defaults,
                        dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)

@@ -68,7 +68,7 @@ from preheat.families.schedule import SCHEDULE_SPECS
 from preheat.samplers import DIFFUSION_SAMPLERS, EDM_SAMPLERS
 from preheat.families.stages import EncodeArgs
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, SAMPLER_OF_SCHEDULER, TextToImageFamily, component,
-                                   default_sampler, encode, offload)
+                                   encode, load_scheduler, offload)
 
 if TYPE_CHECKING:
     from preheat.models.weights import LoadOptions
@@ -347,7 +347,6 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
           variant: str | None, offload_encoders: bool, options: LoadOptions | None) -> LoadedModel:
     import jax.numpy as jnp
 
-    from preheat.samplers import load_scheduler_config
     from preheat.lora import LoraTargets
     from preheat.models.clip import load_clip_text
     from preheat.models.adapters import targets as lora_targets
@@ -371,8 +370,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         encoders.append(offload(encoder, options) if offload_encoders else encoder)
     unet = load_unet_condition(component(root, index, "unet"), dtype=dtype, variant=variant, options=options)
     vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant, options=options)
-    sched_source = scheduler if scheduler is not None else component(root, index, "scheduler")
-    sched = load_scheduler_config(sched_source)
+    sched, defaults = load_scheduler(root, family, scheduler, index)
 
     cfg = unet.config
     width = sum(te.config.hidden_size for te in encoders)
@@ -430,7 +428,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     fingerprint = {"kind": "unet2d-condition", "family": family.name, "config": cfg.architecture_dict()}
     return LoadedModel(apply=apply, params=unet.params,
                        sample_shape=(int(latent[0]), int(latent[1]), latent_channels), scheduler_config=sched,
-                       fingerprint=fingerprint, family=family, defaults=default_sampler(root, family),
+                       fingerprint=fingerprint, family=family, defaults=defaults,
                        dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)
 
 

@@ -19,10 +19,11 @@ from preheat.errors import ModelNotFoundError, SchedulerConfigError
 from preheat.families.base import EngineView, Family, Request, StageSignature, to_pixels
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import DecodeArgs, EncodeArgs, LoraArgs
-from preheat.samplers import SchedulerConfig, samplers_of_kind
+from preheat.samplers import (DIFFUSERS_CLASS, DPM_FIXED_SETTINGS, SchedulerConfig, load_scheduler_config,
+                              samplers_of_kind)
 
 __all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROMPT", "component", "default_sampler",
-           "folder_sampler", "decode_program", "encode", "offload"]
+           "load_scheduler", "folder_sampler", "decode_program", "encode", "offload"]
 
 log = logging.getLogger("preheat.families")
 
@@ -99,15 +100,9 @@ def component(root: Path, index: dict[str, Any], name: str) -> Path:
     return folder
 
 
-# DPMSolverMultistepScheduler's algorithm_type -> our sampler (use_karras_sigmas adds "_karras")
-SAMPLER_OF_DPM_ALGORITHM = {"dpmsolver++": "dpmpp_2m", "sde-dpmsolver++": "dpmpp_2m_sde"}
-# The DPM-Solver settings a dpm++ sampler's name fixes: key -> (the class's default, the values we reproduce)
-DPM_FIXED_SETTINGS: dict[str, dict[str, tuple[Any, tuple[Any, ...]]]] = {
-    "DPMSolverMultistepScheduler": {"algorithm_type": ("dpmsolver++", tuple(SAMPLER_OF_DPM_ALGORITHM)),
-                                    "solver_type": ("midpoint", ("midpoint",)), "solver_order": (2, (2,))},
-    "DPMSolverSinglestepScheduler": {"algorithm_type": ("dpmsolver++", ("dpmsolver++",)),
-                                     "solver_type": ("midpoint", ("midpoint",)), "solver_order": (2, (2,))},
-}
+# The DPM-Solver settings whose folder value must be one a dpm++ sampler of its class fixes
+# (DPM_FIXED_SETTINGS); the rest (lower_order_final, ...) the sampler's name sets whatever the folder says
+_DPM_CHECKED = ("algorithm_type", "solver_type", "solver_order")
 # EDMDPMSolverMultistepScheduler's (its other keys are read from the config by the sampler itself)
 SAMPLER_OF_EDM_DPM_ALGORITHM = {"dpmsolver++": "edm_dpmpp_2m", "sde-dpmsolver++": "edm_dpmpp_2m_sde",
                                 "deis": "edm_dpmpp_2m"}  # the class registers "deis" as dpmsolver++
@@ -120,15 +115,8 @@ def folder_sampler(raw: Mapping[str, Any]) -> str | None:
     warm-up) are a one-line ``SchedulerConfigError`` naming the key."""
     class_name = str(raw.get("_class_name"))
     sampler = SAMPLER_OF_SCHEDULER.get(class_name)
-    for key, (default, supported) in DPM_FIXED_SETTINGS.get(class_name, {}).items():
-        value = raw.get(key, default)
-        if value not in supported:
-            raise SchedulerConfigError(f"{key}={value!r} is not supported for {class_name}; "
-                                       f"supported: {', '.join(map(repr, supported))}")
-    if sampler == "dpmpp_2m":
-        sampler = SAMPLER_OF_DPM_ALGORITHM[raw.get("algorithm_type", "dpmsolver++")]
-    if sampler in ("dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2s") and raw.get("use_karras_sigmas"):
-        sampler += "_karras"
+    if sampler in DPM_FIXED_SETTINGS:
+        sampler = _dpm_sampler(raw, class_name, sampler)
     if sampler == "edm_dpmpp_2m":
         algorithm = raw.get("algorithm_type", "dpmsolver++")
         if algorithm not in SAMPLER_OF_EDM_DPM_ALGORITHM:
@@ -141,23 +129,53 @@ def folder_sampler(raw: Mapping[str, Any]) -> str | None:
     return sampler
 
 
-def default_sampler(root: Path, family: Family) -> dict[str, Any]:
+def _dpm_sampler(raw: Mapping[str, Any], class_name: str, plain: str) -> str:
+    """The dpm++ sampler of ``class_name`` for the folder's ``algorithm_type`` and ``use_karras_sigmas``;
+    ``plain`` is the class's default config's, so an absent key reads as its value there."""
+    names = [s for s in DPM_FIXED_SETTINGS if DIFFUSERS_CLASS[s] == class_name]
+    folder = {key: raw.get(key, value) for key, value in DPM_FIXED_SETTINGS[plain].items()}
+    for key in _DPM_CHECKED:
+        supported = tuple(dict.fromkeys(DPM_FIXED_SETTINGS[s][key] for s in names))
+        if folder[key] not in supported:
+            raise SchedulerConfigError(f"{key}={folder[key]!r} is not supported for {class_name}; "
+                                       f"supported: {', '.join(map(repr, supported))}")
+    return next(s for s in names if DPM_FIXED_SETTINGS[s]["algorithm_type"] == folder["algorithm_type"]
+                and DPM_FIXED_SETTINGS[s]["use_karras_sigmas"] == bool(folder["use_karras_sigmas"]))
+
+
+def load_scheduler(root: Path, family: Family, scheduler: Any = None,
+                   index: Mapping[str, Any] | None = None) -> tuple[SchedulerConfig, dict[str, Any]]:
+    """A text-to-image load's scheduler config and its defaults (``default_sampler``), the folder's
+    ``scheduler_config.json`` parsed once.
+
+    The config is ``scheduler`` (a SchedulerConfig, dict, file or folder) when given, else the
+    folder's ``scheduler/`` (checked against ``index``, its model_index.json, when given); the
+    default sampler is the folder's own scheduler's either way.
+    """
+    if scheduler is not None:
+        return load_scheduler_config(scheduler), default_sampler(root, family)
+    config = load_scheduler_config(component(root, index, "scheduler") if index is not None else root / "scheduler")
+    return config, default_sampler(root, family, config)
+
+
+def default_sampler(root: Path, family: Family, config: SchedulerConfig | None = None) -> dict[str, Any]:
     """The sampler diffusers would run for this folder's scheduler (the family's default otherwise).
 
     A scheduler we do not reproduce -- an unknown class, or settings ``folder_sampler`` refuses --
     falls back to the family's default with one warning naming it, since the images will differ
-    from the diffusers pipeline the folder was saved with.
+    from the diffusers pipeline the folder was saved with. ``config``: the folder's
+    ``scheduler/`` as the load parsed it (``load_scheduler``), else it is parsed here.
     """
     from preheat.models.safetensors_files import read_json
 
     path = root / "scheduler" / "scheduler_config.json"
     if not path.is_file():
         return {}
-    raw = read_json(path, "scheduler config")
+    raw = read_json(path, "scheduler config")  # folder_sampler reads keys no SchedulerConfig keeps (algorithm_type)
     instead = family.defaults.get("sampler")
     fallback: dict[str, Any] = {}
     try:  # a default of the config's kind (an EDM folder falls back to edm_euler, not to the family's euler)
-        fits = samplers_of_kind(SchedulerConfig.from_dict(raw))
+        fits = samplers_of_kind(config if config is not None else SchedulerConfig.from_dict(raw))
         if instead not in fits:
             instead = next((s for s in family.samplers if s in fits), instead)
             fallback = {"sampler": instead}

@@ -16,6 +16,8 @@ Public API::
     MU_SIGMAS_SAMPLERS: tuple[str, ...]       # samplers whose make_plan takes mu / sigmas
     TIMESTEPS_SAMPLERS: tuple[str, ...]       # samplers whose make_plan takes custom timesteps (lcm, tcd)
     TIMESTEP_SPACINGS: tuple[str, ...]        # ("leading", "linspace", "trailing")
+    DIFFUSERS_CLASS: dict[str, str]           # sampler -> the diffusers scheduler class it reproduces
+    DPM_FIXED_SETTINGS: dict[str, dict]       # dpm++ sampler -> the settings of its class its name fixes
     SchedulerConfig.from_dict(d: Mapping) -> SchedulerConfig      # diffusers scheduler_config.json
     SchedulerConfig.from_file(path) -> SchedulerConfig
     load_scheduler_config(config | dict | file | folder) -> SchedulerConfig
@@ -144,8 +146,8 @@ from preheat.samplers._plan import (MU_SIGMAS_SAMPLERS, TIMESTEPS_SAMPLERS, Plan
                                    make_spec, strength_start)
 from preheat.samplers._schedules import flux_sigmas
 from preheat.samplers._solvers import BLEND_SOLVERS, Model, NoiseFn, SamplerState, Start, init, noised, run, step
-from preheat.samplers._tables import (DETERMINISTIC_SAMPLERS, DIFFUSION_SAMPLERS, EDM_SAMPLERS, FLOW_SAMPLERS,
-                                     SAMPLERS, TIMESTEP_SPACINGS)
+from preheat.samplers._tables import (DETERMINISTIC_SAMPLERS, DIFFUSERS_CLASS, DIFFUSION_SAMPLERS, DPM_FIXED_SETTINGS,
+                                     EDM_SAMPLERS, FLOW_SAMPLERS, SAMPLERS, TIMESTEP_SPACINGS)
 
 __all__ = [
     "SAMPLERS",
@@ -156,6 +158,8 @@ __all__ = [
     "MU_SIGMAS_SAMPLERS",
     "TIMESTEPS_SAMPLERS",
     "TIMESTEP_SPACINGS",
+    "DIFFUSERS_CLASS",
+    "DPM_FIXED_SETTINGS",
     "SchedulerConfig",
     "config_kind",
     "samplers_of_kind",

@@ -71,6 +71,24 @@ DIFFUSERS_CLASS: dict[str, str] = {
     "edm_dpmpp_2m_sde": "EDMDPMSolverMultistepScheduler",
 }
 
+# What a DPM-Solver sampler's name fixes, whatever a config says: the settings of its diffusers class
+# (DIFFUSERS_CLASS) that run its solver. The resolver reads none of these keys for these samplers
+# (_config); the torch backend forces them on diffusers' scheduler, so both backends run one solver;
+# families.text picks a folder's sampler among its class's by algorithm_type and use_karras_sigmas, and
+# refuses a folder whose algorithm_type, solver_type or solver_order none of them fixes (an absent key
+# is the class's default, which its plain sampler, dpmpp_2m or dpmpp_2s, fixes; tests/samplers checks).
+_FIXED_2S: dict[str, Any] = {"algorithm_type": "dpmsolver++", "solver_order": 2, "solver_type": "midpoint",
+                             "lower_order_final": True, "use_karras_sigmas": False}
+_FIXED_2M: dict[str, Any] = {**_FIXED_2S, "euler_at_final": False}  # (a multistep class's key only)
+DPM_FIXED_SETTINGS: dict[str, dict[str, Any]] = {
+    "dpmpp_2m": _FIXED_2M,
+    "dpmpp_2m_karras": {**_FIXED_2M, "use_karras_sigmas": True},
+    "dpmpp_2m_sde": {**_FIXED_2M, "algorithm_type": "sde-dpmsolver++"},
+    "dpmpp_2m_sde_karras": {**_FIXED_2M, "algorithm_type": "sde-dpmsolver++", "use_karras_sigmas": True},
+    "dpmpp_2s": _FIXED_2S,
+    "dpmpp_2s_karras": {**_FIXED_2S, "use_karras_sigmas": True},
+}
+
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")

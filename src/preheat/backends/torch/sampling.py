@@ -6,38 +6,34 @@ from typing import Any
 
 import numpy as np
 
+from preheat.samplers import DPM_FIXED_SETTINGS
+
 __all__ = ["DIFFUSERS_SCHEDULERS", "make_scheduler", "sample_loop"]
 
-# What a dpm++ sampler's name fixes whatever the folder's config says (the JAX samplers read none of
-# these keys from it: samplers._config), so both backends run the same solver.
-_DPM_2M: dict[str, Any] = {"solver_order": 2, "solver_type": "midpoint", "lower_order_final": True,
-                           "euler_at_final": False, "use_karras_sigmas": False}
-_DPM_2S: dict[str, Any] = {"algorithm_type": "dpmsolver++", "solver_order": 2, "solver_type": "midpoint",
-                           "lower_order_final": True}
-# preheat sampler name -> (diffusers scheduler class, settings on top of the checkpoint's config)
+# preheat sampler name -> (diffusers scheduler class, settings on top of the checkpoint's config). A dpm++
+# sampler's are what its name fixes whatever the folder's config says (DPM_FIXED_SETTINGS: the JAX samplers
+# read none of these keys from it), so both backends run the same solver.
 DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "ddpm": ("DDPMScheduler", {}),
     "ddim": ("DDIMScheduler", {}),
     "euler": ("EulerDiscreteScheduler", {}),
     "euler_a": ("EulerAncestralDiscreteScheduler", {}),
     "heun": ("HeunDiscreteScheduler", {}),
-    "dpmpp_2m": ("DPMSolverMultistepScheduler", {**_DPM_2M, "algorithm_type": "dpmsolver++"}),
-    "dpmpp_2m_karras": ("DPMSolverMultistepScheduler",
-                        {**_DPM_2M, "algorithm_type": "dpmsolver++", "use_karras_sigmas": True}),
+    "dpmpp_2m": ("DPMSolverMultistepScheduler", DPM_FIXED_SETTINGS["dpmpp_2m"]),
+    "dpmpp_2m_karras": ("DPMSolverMultistepScheduler", DPM_FIXED_SETTINGS["dpmpp_2m_karras"]),
     "lcm": ("LCMScheduler", {}),
     "tcd": ("TCDScheduler", {}),
     "unipc": ("UniPCMultistepScheduler", {}),
-    "dpmpp_2m_sde": ("DPMSolverMultistepScheduler", {**_DPM_2M, "algorithm_type": "sde-dpmsolver++"}),
-    "dpmpp_2m_sde_karras": ("DPMSolverMultistepScheduler",
-                            {**_DPM_2M, "algorithm_type": "sde-dpmsolver++", "use_karras_sigmas": True}),
+    "dpmpp_2m_sde": ("DPMSolverMultistepScheduler", DPM_FIXED_SETTINGS["dpmpp_2m_sde"]),
+    "dpmpp_2m_sde_karras": ("DPMSolverMultistepScheduler", DPM_FIXED_SETTINGS["dpmpp_2m_sde_karras"]),
     "pndm": ("PNDMScheduler", {"skip_prk_steps": True}),
     "deis": ("DEISMultistepScheduler", {"algorithm_type": "deis", "solver_type": "logrho"}),  # its only ones
     "lms": ("LMSDiscreteScheduler", {}),
     "dpm2": ("KDPM2DiscreteScheduler", {}),
     "dpm2_a": ("KDPM2AncestralDiscreteScheduler", {}),
     "dpmpp_sde": ("DPMSolverSDEScheduler", {}),  # its noise: a torchsde Brownian tree
-    "dpmpp_2s": ("DPMSolverSinglestepScheduler", {**_DPM_2S, "use_karras_sigmas": False}),
-    "dpmpp_2s_karras": ("DPMSolverSinglestepScheduler", {**_DPM_2S, "use_karras_sigmas": True}),
+    "dpmpp_2s": ("DPMSolverSinglestepScheduler", DPM_FIXED_SETTINGS["dpmpp_2s"]),
+    "dpmpp_2s_karras": ("DPMSolverSinglestepScheduler", DPM_FIXED_SETTINGS["dpmpp_2s_karras"]),
     "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}),
     "flow_heun": ("FlowMatchHeunDiscreteScheduler", {}),
     "edm_euler": ("EDMEulerScheduler", {}),

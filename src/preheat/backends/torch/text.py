@@ -39,7 +39,7 @@ from preheat.families.guidance import guidance_rescale
 from preheat.families.request import plan_inputs, scheduler_overrides
 from preheat.families.components import FluxComponents, SD3Components, SDComponents, TextComponents
 from preheat.noise import initial_noise
-from preheat.samplers import SchedulerConfig, load_scheduler_config
+from preheat.samplers import SchedulerConfig
 from preheat.timings import Timings
 
 __all__ = ["TorchTextPipeline", "load_gguf_denoiser", "load_text", "TEXT_FAMILIES", "restore_text_model"]
@@ -294,7 +294,7 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
 
     from diffusers import DiffusionPipeline
 
-    from preheat.families.text import default_sampler
+    from preheat.families.text import load_scheduler
 
     module, name = TEXT_FAMILIES[class_name]
     family = getattr(importlib.import_module(f"preheat.families.{module}"), name)
@@ -329,14 +329,13 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
     pipe.set_progress_bar_config(disable=True)
     restore_text_model(pipe)
     sched_source = scheduler if scheduler is not None else root / "scheduler"
-    sched = load_scheduler_config(sched_source)
+    sched, defaults = load_scheduler(root, family, scheduler)
     sched_dict = dict(scheduler) if isinstance(scheduler, dict) else json.loads(
         (Path(sched_source) / "scheduler_config.json" if Path(sched_source).is_dir() else Path(sched_source)).read_text())
     denoiser = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
     cfg = denoiser.config
     vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
     components: TextComponents
-    defaults = default_sampler(root, family)
     channels, size = cfg.in_channels, cfg.get("sample_size")
     if class_name.startswith("Flux"):  # as the JAX loader: packed 2x2 tokens out (Fill takes more in), 128-latent side
         channels, size = (cfg.out_channels or cfg.in_channels) // 4, 128
