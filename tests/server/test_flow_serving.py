@@ -79,7 +79,11 @@ def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_f
                 bad = client.post("/predictions", json={"input": {"prompt": "x", "true_cfg_scale": 3.0}})
                 assert bad.status_code == 422 and "true_cfg_scale needs negative_prompt" in bad.text
                 schema = client.get("/openapi.json").json()["components"]["schemas"]["Input"]["properties"]
-                assert {"type": "number", "minimum": 0.0} in schema["true_cfg_scale"]["anyOf"]
+                # the server's guidance limit bounds it as it bounds guidance_scale (CoreConfig's default)
+                assert {"type": "number", "minimum": 0.0, "maximum": 50.0} in schema["true_cfg_scale"]["anyOf"]
+                bad = client.post("/predictions", json={"input": {"prompt": "x", "negative_prompt": "y",
+                                                                  "true_cfg_scale": 51}})
+                assert bad.status_code == 422 and "true_cfg_scale" in bad.text
     finally:
         core.close()
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from preheat.families.inputs import Float, InputSpec
+from preheat.families.inputs import Float, InputSpec, ServerBound
 
 if TYPE_CHECKING:
     from preheat.families.base import Request
@@ -65,7 +65,7 @@ def guidance_rescale(request: Request) -> np.float32 | None:
 # negative prompt (warm-up's guided variant gives both); not warmed alone: any value > 1 is one program
 TRUE_CFG_SCALE = InputSpec("true_cfg_scale", Float(0.0), "True classifier-free guidance against the negative prompt "
                            "(> 1: two model calls a step; the guidance scale stays the model's own input).",
-                           default_doc="1 (off)", needs=("negative_prompt",), warm=(4.0,))
+                           default_doc="1 (off)", needs=("negative_prompt",), warm=(4.0,), bound=ServerBound.GUIDANCE)
 
 
 def true_cfg_scale(values: dict[str, Any]) -> float | None:

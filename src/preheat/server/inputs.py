@@ -183,7 +183,7 @@ def _narrowed(kind: Any, low: Any, high: Any) -> Any:
 
 
 def served_type(spec: InputSpec, limits: Limits) -> Any:
-    """A common input's type on this server: its declared bounds within the server limit its
+    """An input's type on this server: its declared bounds within the server limit its
     declaration names (``InputSpec.bound``: ``Limits.bounds``), so that the OpenAPI document states
     the real ones (``num_outputs <= max_batch_size``, a seed that leaves room for seed + i, the
     samplers served)."""
@@ -290,8 +290,9 @@ class FamilyInputs(NamedTuple):
 
 
 def family_inputs(pipe: Any, limits: Limits) -> FamilyInputs:
-    """The family's declared inputs and those this server offers (:class:`FamilyInputs`)."""
-    declared = tuple(pipe.family.input_specs(pipe))
+    """The family's declared inputs and those this server offers (:class:`FamilyInputs`), each
+    typed as served (:func:`served_type`: FLUX.1's true_cfg_scale within the server's guidance limit)."""
+    declared = tuple(replace(s, type=served_type(s, limits)) for s in pipe.family.input_specs(pipe))
     return FamilyInputs(declared, offered_specs(declared, limits.inputs))
 
 

@@ -151,7 +151,7 @@ class TorchPipeline(EngineArguments):
         generators = [torch.Generator("cpu").manual_seed(int(s)) for s in request.seeds]
         scheduler = make_scheduler(request.sampler, {**self.scheduler_dict, **scheduler_overrides(self, request)})
         pixels = sample_loop(_Denoiser(self), scheduler, x, request.steps, class_labels=y,
-                             guidance=request.guidance if request.guided else None, null_class=self.null_class,
+                             guidance=request.cfg_scale if request.guided else None, null_class=self.null_class,
                              eta=request.eta, generator=generators,
                              timesteps={k: list(v) for k, v in plan_inputs(self, request).items()})
         if self.device.startswith("cuda"):

@@ -108,7 +108,7 @@ class TorchTextPipeline(EngineArguments):
                               max_area=math.prod(IMAGE_SIZE.of(v)))
         else:
             kwargs.update(negative_prompt=v["negative_prompt"], latents=latents,
-                          guidance_scale=request.guidance if request.guided else 1.0)
+                          guidance_scale=request.cfg_scale if request.guided else 1.0)
         if "eta" in inspect.signature(type(self.pipe).__call__).parameters:  # the flow pipelines take none
             kwargs["eta"] = request.eta
         kwargs.update(_second_encoder(v))
