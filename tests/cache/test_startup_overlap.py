@@ -1,14 +1,15 @@
 """Start-up overlap (issue 17): the executable loads on a background thread while the weights are
 read; the phases say so, and a failing background load falls back to a compile (same image).
 
-Delays are injected (a slow store, a slow weight read); the assertions are on the recorded phase
-intervals overlapping, never on how long anything took."""
+A slow store and a slow weight read are injected as a rendezvous, not as sleeps: the first tensor
+read waits until the store's fetch has begun, and the fetch until that read has begun, each up to
+``RENDEZVOUS_S``. Overlapping phases meet at once on any machine, however loaded; sequential ones
+cannot meet, and the test fails on that, never on how long anything took."""
 
 from __future__ import annotations
 
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from preheat.models.safetensors_files import TensorInfo
 from tests._support.reference import save_tiny_pipeline
 
 CALL = dict(n=2, steps=3, sampler="euler", seed=7, class_labels=[1, 2])
-DELAY_S = 0.4  # injected: long enough that the two slow phases must overlap to finish together
+RENDEZVOUS_S = 120.0  # how long either slow phase waits for the other to begin (met at once when they overlap)
 
 
 @pytest.fixture(scope="module")
@@ -56,22 +57,27 @@ def test_slow_store_and_slow_weights_overlap(model_dir, published, tmp_path, mon
     monkeypatch.setenv("PREHEAT_CACHE_URL", str(store))
     monkeypatch.setenv("PREHEAT_TRUST_REMOTE_CACHE", "1")
     fetch, read = CompileEntries.fetch, TensorInfo.read
-    slow_read = []
+    fetching, reading = threading.Event(), threading.Event()
+    met: list[str] = []  # which side saw the other begin while it was itself still under way
 
     def slow_fetch(self, *a, **k):
-        time.sleep(DELAY_S)
+        fetching.set()
+        if reading.wait(RENDEZVOUS_S):
+            met.append("fetch")
         return fetch(self, *a, **k)
 
     def slow_read_bytes(*a, **k):
-        if not slow_read:  # the first tensor only: one delay, a fast test
-            slow_read.append(True)
-            time.sleep(DELAY_S)
+        if not reading.is_set():  # the first tensor only
+            reading.set()
+            if fetching.wait(RENDEZVOUS_S):
+                met.append("read")
         return read(*a, **k)
 
     monkeypatch.setattr(CompileEntries, "fetch", slow_fetch)
     monkeypatch.setattr(TensorInfo, "read", slow_read_bytes)
     pipe = preheat.load(model_dir, prefetch=[CALL])
     assert np.array_equal(pipe.generate(**CALL), pixels)
+    assert sorted(met) == ["fetch", "read"], met  # the store's fetch and the weight read were under way together
     event = pipe.compiler.events[-1]
     assert event["layer"] == "aot" and event["remote"] == "hit" and event["prefetch"] == "background", event
     spans = pipe.startup.spans
