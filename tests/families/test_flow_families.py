@@ -59,6 +59,10 @@ CASES = [
                                     true_cfg_scale=4.0, guidance_scale=3.5)),
     ("flux-schnell", "flow_euler", dict(prompt="a photo of a cat", negative_prompt="blurry",
                                         negative_prompt_2="a drawing", true_cfg_scale=2.5)),
+    # max_sequence_length: T5's padded length (a prompt longer than it truncated); without T5, SD3's zeros
+    ("flux-dev", "flow_euler", dict(prompt="a red fox in the snow at night, watercolor", guidance_scale=3.5,
+                                    max_sequence_length=8)),
+    ("sd3-no-t5", "flow_euler", dict(prompt="a photo of a cat", guidance_scale=6.0, max_sequence_length=32)),
 ]
 
 
@@ -159,6 +163,20 @@ def test_warm_up_compiles_true_cfg_with_guidance_on(pipes, name):
     assert "guidance off" in off[0].describe() and "+negative_prompt +true_cfg_scale" in on[0].describe()
 
 
+@pytest.mark.parametrize("name,default", [("flux-dev", 512), ("sd3", 256)])
+def test_max_sequence_length_is_static_and_reaches_the_image(pipes, name, default):
+    """diffusers' defaults (Flux 512, SD3 256); another length is another encode and denoise program
+    (the context's length), and it changes the image."""
+    pipe = pipes[name]
+    assert pipe.validate("a fox").values["max_sequence_length"] == default
+    spec = next(s for s in pipe.family.input_specs(pipe) if s.name == "max_sequence_length")
+    assert spec.static and spec.default == default
+    call = dict(steps=2, seed=3, guidance=3.5, **SMALL)
+    full = pipe.generate("a fox", **call)
+    np.testing.assert_array_equal(pipe.generate("a fox", max_sequence_length=default, **call), full)
+    assert not np.array_equal(pipe.generate("a fox", max_sequence_length=16, **call), full)
+
+
 def test_schnell_defaults_and_no_guidance(pipes):
     pipe = pipes["flux-schnell"]
     assert pipe.defaults["steps"] == 4 and pipe.defaults["guidance"] is None
@@ -182,6 +200,9 @@ def test_schnell_defaults_and_no_guidance(pipes):
      "true_cfg_scale=-2 must be a finite number >= 0"),
     ("flux-dev", dict(prompt="x", negative_prompt_2="y", true_cfg_scale=4.0), InvalidArgumentError,
      "negative_prompt_2 needs negative_prompt"),
+    ("flux-dev", dict(prompt="x", max_sequence_length=513), InvalidArgumentError,
+     "max_sequence_length=513 must be an int in [1, 512]"),
+    ("sd3", dict(prompt="x", max_sequence_length=0), InvalidArgumentError, "max_sequence_length=0 must be"),
     ("flux-dev", dict(prompt="x", width=42), InvalidArgumentError, "multiple of 4"),  # 2x2 packing of 2x latents
     ("sd3", dict(prompt="x", width=34), InvalidArgumentError, "multiple of 4"),  # patch 2 of 2x latents
     ("sd3", dict(prompt="x", negative_prompt="y", guidance=1.0), InvalidArgumentError, "needs classifier-free"),
@@ -253,7 +274,8 @@ def test_offload_encoders_is_refused_for_models_without_text():
 
 @pytest.mark.parametrize("name,call", [("flux-dev", dict(guidance=3.5)), ("flux-schnell", {}),
                                        ("flux-dev", dict(guidance=3.5, negative_prompt=["blurry", "dark"],
-                                                         negative_prompt_2="a drawing", true_cfg_scale=3.0)),
+                                                         negative_prompt_2="a drawing", true_cfg_scale=3.0,
+                                                         max_sequence_length=64)),
                                        ("sd3", dict(negative_prompt="blurry", guidance=5.0))])
 def test_torch_backend_draws_the_same_images(folders, pipes, name, call):
     """backend="torch" runs diffusers' own pipeline on the same seeds (the same initial latents)."""

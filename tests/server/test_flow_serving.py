@@ -84,6 +84,13 @@ def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_f
                 bad = client.post("/predictions", json={"input": {"prompt": "x", "negative_prompt": "y",
                                                                   "true_cfg_scale": 51}})
                 assert bad.status_code == 422 and "true_cfg_scale" in bad.text
+                # a T5 length is static: the default's program is served, another one is refused, not compiled
+                r = client.post("/predictions", json={"input": {**fields, "width": 32, "height": 32,
+                                                                "max_sequence_length": 512}})
+                assert r.status_code == 200, r.text
+                np.testing.assert_array_equal(decode_data_url(r.json()["output"][0]), want[0])
+                bad = client.post("/predictions", json={"input": {"prompt": "x", "max_sequence_length": 256}})
+                assert bad.status_code == 422 and "256 is not served here" in bad.text, bad.text
     finally:
         core.close()
 

@@ -9,7 +9,7 @@ pipeline's ``lora_runtime`` (``preheat.lora.LoraRuntime``), not a component.
     PixelComponents    pixel (UNet2DModel): nothing more
     TextComponents     text-to-image: tokenizers, text encoders, VAE, fingerprints of their stages
       SDComponents     + inpaint, force_zeros, clip_layers (SD 1.x / 2.x / SDXL)
-      SD3Components    + patch_size, joint_attention_dim, t5_length
+      SD3Components    + patch_size, joint_attention_dim
       FluxComponents   + guidance_embeds (FLUX.1 and Kontext)
 
 ``preheat.sharding.distribute_components`` places the weights of the models in them over a mesh
@@ -72,7 +72,6 @@ class SD3Components(TextComponents):
 
     patch_size: int = 2
     joint_attention_dim: int = 0  # the width of the joint text context
-    t5_length: int = 0  # T5 tokens per prompt
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

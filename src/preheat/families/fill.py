@@ -34,7 +34,7 @@ import numpy as np
 
 from preheat.families import image as image_input
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
-from preheat.families.flux import PROMPT_2, FluxFamily, load_flux
+from preheat.families.flux import MAX_SEQUENCE_LENGTH, PROMPT_2, FluxFamily, load_flux
 from preheat.families.image import IMAGE, MASK_IMAGE, STRENGTH
 from preheat.families.inputs import WARM_IMAGE, InputSpec
 from preheat.families.text import PROMPT
@@ -63,7 +63,8 @@ class FluxFillFamily(FluxFamily):
     name: str = "flux-fill"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 50,
                                                                   "guidance": 30.0})
-    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, FILL_IMAGE, FILL_MASK, FILL_STRENGTH)  # no padding_mask_crop
+    # no padding_mask_crop; FluxFillPipeline takes no true_cfg_scale either
+    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, MAX_SEQUENCE_LENGTH, FILL_IMAGE, FILL_MASK, FILL_STRENGTH)
 
     def condition_channels(self, latent_channels: int, vae_scale: int) -> int:
         """The masked image's latents and the mask's s² channels, per latent pixel (before packing)."""

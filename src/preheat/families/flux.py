@@ -3,7 +3,7 @@
     stage     program                                                        one executable per
     --------  -------------------------------------------------------------  ---------------------
     encode    CLIP ids (B, 77) -> pooled output            (B, 768)           batch
-              T5 ids (B, 512)  -> last hidden state        (B, 512, 4096)
+              T5 ids (B, L)    -> last hidden state        (B, L, 4096)       batch, L
     denoise   the engine's flow-matching loop over FluxTransformer2DModel;   sampler, batch, size
               latents (B, h, w, 16) are packed into 2x2 tokens (B, hw/4, 64)
               and unpacked inside the denoiser, so samplers and seeds see
@@ -13,7 +13,8 @@
 
 Inputs: ``prompt`` feeds CLIP (the pooled vector), ``prompt_2`` feeds T5 (the context); an absent
 or empty ``prompt_2`` is ``prompt``, as diffusers. Both are data (token ids); width and height
-are static (one program per resolution). ``image`` and ``strength``: img2img as
+are static (one program per resolution), as is ``max_sequence_length`` (L: T5's padded length,
+512 by default, as diffusers). ``image`` and ``strength``: img2img as
 ``FluxImg2ImgPipeline`` -- the image encoded (``encode_image`` stage), the loop begun at step
 ``int(n - n strength)`` from ``scale_noise`` of it (``families.image``); strength and the image's
 content are data, its size static. ``mask_image`` (and ``padding_mask_crop``): inpainting on this
@@ -49,7 +50,7 @@ from preheat.families.guidance import TRUE_CFG_SCALE, true_cfg_scale
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import EncodeArgs
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, encode, load_scheduler,
-                                   offload)
+                                   max_sequence_length_spec, offload)
 from preheat.lora import encoder_adapters
 from preheat.models.bfl import Piece, bfl_modules
 from preheat.samplers import MU_SIGMAS_SAMPLERS
@@ -59,7 +60,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FluxFamily", "FLUX", "load_flux", "flux_defaults"]
 
-T5_LENGTH = 512  # FluxPipeline's max_sequence_length default
+T5_LENGTH = 512  # FluxPipeline's max_sequence_length default (FLUX.1-schnell's card passes 256)
+MAX_SEQUENCE_LENGTH = max_sequence_length_spec(T5_LENGTH)
 PROMPT_2 = InputSpec("prompt_2", Text(), "The T5 encoder's prompt (the prompt when absent), one for all or one per image.",
                      per_image=True, default_doc="the prompt")
 # diffusers' FluxPipeline reads a negative prompt only for true CFG (ignored otherwise: here refused)
@@ -75,8 +77,8 @@ class FluxFamily(TextToImageFamily):
     name: str = "flux"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 28,
                                                                   "guidance": 3.5})
-    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, *TRUE_CFG_SPECS, IMAGE, MASK_IMAGE, STRENGTH,
-                                    PADDING_MASK_CROP)
+    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, *TRUE_CFG_SPECS, MAX_SEQUENCE_LENGTH, IMAGE, MASK_IMAGE,
+                                    STRENGTH, PADDING_MASK_CROP)
     # FluxPipeline passes its own sigmas and mu to set_timesteps: only flow_euler's scheduler takes them
     samplers: tuple[str, ...] = MU_SIGMAS_SAMPLERS
     max_size: int = 4096
@@ -152,7 +154,7 @@ class FluxFamily(TextToImageFamily):
         if adapters is not None:
             lora = (adapters, np.concatenate([request.lora.index] * (len(texts[0]) // n)), request.lora.signature)
         out = encode(pipe, texts, lambda: _encode_program(pipe.components, lora is not None), outputs=2,
-                     extra=(("family", self.name),), lora=lora)
+                     extra=(("family", self.name),), lora=lora, lengths=(None, values["max_sequence_length"]))
         context, pooled = np.asarray(out[0]), np.asarray(out[1])  # (B, L, D), (B, P); B = n or 2n
         cond = {"context": context[:n], "pooled": pooled[:n]}
         uncond = {"context": context[n:], "pooled": pooled[n:]} if request.guided else {}

@@ -34,7 +34,7 @@ import numpy as np
 from preheat.errors import InvalidArgumentError
 from preheat.families import image as image_input
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
-from preheat.families.flux import PROMPT_2, TRUE_CFG_SPECS, FluxFamily, load_flux
+from preheat.families.flux import MAX_SEQUENCE_LENGTH, PROMPT_2, TRUE_CFG_SPECS, FluxFamily, load_flux
 from preheat.families.image import IMAGE
 from preheat.families.inputs import Choice, InputSpec
 from preheat.families.text import PROMPT
@@ -69,7 +69,7 @@ def reference_size(width: int, height: int, mode: str, multiple: int) -> tuple[i
 @dataclass(frozen=True)
 class FluxKontextFamily(FluxFamily):
     name: str = "flux-kontext"
-    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, *TRUE_CFG_SPECS, REFERENCE, IMAGE_RESIZE)
+    specs: tuple[InputSpec, ...] = (PROMPT, PROMPT_2, *TRUE_CFG_SPECS, MAX_SEQUENCE_LENGTH, REFERENCE, IMAGE_RESIZE)
 
     def input_specs(self, pipe: EngineView) -> tuple[InputSpec, ...]:
         """Width and height default to the reference's size (not the native size)."""

@@ -2,9 +2,9 @@
 
     stage     program                                                        one executable per
     --------  -------------------------------------------------------------  ---------------------
-    encode    CLIP-L ids, CLIP-G ids (B, 77), T5 ids (B, 256) ->             batch
+    encode    CLIP-L ids, CLIP-G ids (B, 77), T5 ids (B, L) ->               batch, L
               context = [CLIP-L | CLIP-G penultimate states, zero-padded to
-              the T5 width ; T5 last hidden state]       (B, 77 + 256, D)
+              the T5 width ; T5 last hidden state]       (B, 77 + L, D)
               pooled  = [CLIP-L | CLIP-G projections]    (B, 768 + 1280)
               (a folder without T5 gets zeros in its place, as diffusers)
     denoise   the engine's flow-matching loop over SD3Transformer2DModel,    sampler, batch, size,
@@ -35,6 +35,7 @@ from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGT
 from preheat.families.inputs import InputSpec
 from preheat.families.stages import EncodeArgs
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, encode, load_scheduler,
+                                   max_sequence_length_spec,
                                    offload)
 from preheat.samplers import FLOW_SAMPLERS
 
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["SD3Family", "SD3", "load_stable_diffusion_3"]
 
 T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length default
+MAX_SEQUENCE_LENGTH = max_sequence_length_spec(T5_LENGTH)
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class SD3Family(TextToImageFamily):
     name: str = "stable-diffusion-3"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 28,
                                                                   "guidance": 7.0})
-    specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP)
+    specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT, MAX_SEQUENCE_LENGTH, IMAGE, MASK_IMAGE, STRENGTH,
+                                    PADDING_MASK_CROP)
     samplers: tuple[str, ...] = FLOW_SAMPLERS
     max_size: int = 4096
 
@@ -93,7 +96,7 @@ class SD3Family(TextToImageFamily):
             negatives = values["negative_prompt"]
             texts += negatives if negatives is not None else [""] * n
         out = encode(pipe, [texts] * 3, lambda: _encode_program(pipe.components), outputs=2,
-                     extra=(("family", self.name),))
+                     extra=(("family", self.name),), lengths=(None, None, values["max_sequence_length"]))
         context, pooled = np.asarray(out[0]), np.asarray(out[1])
         cond = {"context": context[:n], "pooled": pooled[:n]}
         uncond = {"context": context[n:], "pooled": pooled[n:]} if request.guided else {}
@@ -109,7 +112,7 @@ def _encode_program(components: SD3Components) -> Any:
     import jax.numpy as jnp
 
     clip_l, clip_g, t5 = components.text_encoders
-    width, t5_length = components.joint_attention_dim, components.t5_length
+    width = components.joint_attention_dim
 
     def program(args: EncodeArgs) -> Any:
         params, ids = args.params, args.ids
@@ -118,7 +121,7 @@ def _encode_program(components: SD3Components) -> Any:
         clip = jnp.pad(clip.astype(jnp.float32), ((0, 0), (0, 0), (0, width - clip.shape[-1])))  # (B, 77, D)
         b = ids[0].shape[0]
         if t5 is None:
-            t5_states = jnp.zeros((b, t5_length, width), jnp.float32)
+            t5_states = jnp.zeros((b, ids[2].shape[1], width), jnp.float32)  # (B, max_sequence_length, D)
         else:
             t5_states = t5.apply(params[2], ids[2]).astype(jnp.float32)  # (B, L, D)
         pooled = jnp.concatenate([out_l.text_embeds, out_g.text_embeds], axis=-1).astype(jnp.float32)
@@ -127,14 +130,15 @@ def _encode_program(components: SD3Components) -> Any:
     return program
 
 
+@dataclass(frozen=True)
 class _ZeroTokens:
-    """Stands in for a missing T5 tokenizer: the encode stage puts zeros where T5 states would be."""
+    """Stands in for a missing T5 tokenizer: the encode stage puts zeros where T5 states would be,
+    ``max_length`` of them (the call's ``max_sequence_length``, as diffusers)."""
 
-    def __init__(self, length: int) -> None:
-        self.length = length
+    max_length: int
 
     def encode(self, texts: list[str]) -> np.ndarray:
-        return np.zeros((len(texts), self.length), np.int32)
+        return np.zeros((len(texts), self.max_length), np.int32)
 
 
 def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
@@ -217,7 +221,6 @@ def load_stable_diffusion_3(root: Any, *, scheduler: Any = None, dtype: Any = "f
         size_multiple=vae_scale * cfg.patch_size,
         patch_size=cfg.patch_size,
         joint_attention_dim=cfg.joint_attention_dim,
-        t5_length=T5_LENGTH,
         lora_targets=targets,
         lora_encoders=(),
         encode_fingerprint={"kind": "sd3-text", "clip": [e.config.architecture_dict() for e in encoders[:2]],

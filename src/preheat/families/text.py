@@ -17,12 +17,13 @@ import numpy as np
 
 from preheat.errors import ModelNotFoundError, SchedulerConfigError
 from preheat.families.base import EngineView, Family, Request, StageSignature, to_pixels
-from preheat.families.inputs import InputSpec, Text
+from preheat.families.inputs import InputSpec, Int, Text
 from preheat.families.stages import DecodeArgs, EncodeArgs, LoraArgs
 from preheat.samplers import (DIFFUSERS_CLASS, DPM_FIXED_SETTINGS, SchedulerConfig, load_scheduler_config,
                               samplers_of_kind)
 
-__all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROMPT", "component", "default_sampler",
+__all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROMPT", "max_sequence_length_spec",
+           "component", "default_sampler",
            "load_scheduler", "folder_sampler", "decode_program", "encode", "offload"]
 
 log = logging.getLogger("preheat.families")
@@ -89,6 +90,14 @@ PROMPT = InputSpec("prompt", Text(), "What to draw: one prompt for all images, o
                    required=True, warm=("",), example="a watercolor fox")
 NEGATIVE_PROMPT = InputSpec("negative_prompt", Text(), "What to steer away from (needs guidance).", per_image=True,
                             needs_guidance=True, warm=(None, ""))
+
+
+def max_sequence_length_spec(default: int) -> InputSpec:
+    """diffusers' ``max_sequence_length`` for a T5 encoder's prompt (Flux, SD3): tokens per prompt,
+    </s> included, at most 512 as its pipelines check. Static: the text context's length selects the
+    encode and denoise programs, so a server serves its default only (``server.inputs``)."""
+    return InputSpec("max_sequence_length", Int(1, 512), f"T5 tokens per prompt, </s> included ({default} when "
+                     "absent; a longer prompt is truncated with a warning).", static=True, default=default)
 
 
 def component(root: Path, index: dict[str, Any], name: str) -> Path:
@@ -204,7 +213,7 @@ def decode_program(vae: Any) -> Any:
 
 def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Callable], outputs: int,
            extra: tuple[tuple[str, Any], ...] = (), lora: tuple[Any, Any, Any] | None = None,
-           clip_skip: np.ndarray | None = None) -> Any:
+           clip_skip: np.ndarray | None = None, lengths: Sequence[int | None] = ()) -> Any:
     """Tokenize on the host (``texts[i]`` for the i-th tokenizer) and run the encode stage.
 
     The stage's executable is chosen by the batch and every tokenizer's padded length, so a new
@@ -215,9 +224,12 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
 
     ``lora``: (per-encoder (factors, scales) or None, each text's slot (B,), the signature's
     (bucket, slots)) for text-encoder LoRAs: the program's ``args.lora`` then holds a ``LoraArgs``
-    per encoder (``preheat.lora.encoder_adapters``). ``clip_skip``: (B,) int32, SD's.
+    per encoder (``preheat.lora.encoder_adapters``). ``clip_skip``: (B,) int32, SD's. ``lengths``:
+    the i-th tokenizer's padded length for this call where not None (a T5 prompt's
+    ``max_sequence_length``; the tokenizer's own otherwise).
     """
-    tokenizers = pipe.components.tokenizers
+    tokenizers = [tok if length is None else replace(tok, max_length=length)
+                  for tok, length in zip(pipe.components.tokenizers, [*lengths, *[None] * len(texts)])]
     ids = tuple(tok.encode(list(t)) for tok, t in zip(tokenizers, texts))  # each (B, L_i) int32
     sig = StageSignature("encode", batch=len(texts[0]), shape=tuple(i.shape[1] for i in ids), dtype=pipe.dtype,
                          extra=extra)

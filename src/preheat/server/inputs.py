@@ -405,6 +405,12 @@ def _family_values(pipe: Any, inputs: FamilyInputs, extra: dict[str, Any], limit
             wrong = pair.width if pair.width in values and size[0] not in {sw for sw, _ in served} else pair.height
             errors.append((field_of(specs)[wrong], f"{size[0]}x{size[1]} is not served here; sizes: {allowed}"))
         values.update(pair.inputs(size))
+    for spec in specs:  # any other static input (a T5 prompt's length) is served at its warmed values only
+        served_values = spec.warm or (spec.default,)
+        if spec.static and (pair is None or spec.name not in pair) and values.get(spec.name) is not None and \
+                values[spec.name] not in served_values:
+            errors.append((spec.surface_name, f"{values[spec.name]} is not served here (another program); served: "
+                                              f"{', '.join(map(str, served_values))}"))
     return values, aliased
 
 

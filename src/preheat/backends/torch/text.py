@@ -112,6 +112,8 @@ class TorchTextPipeline(EngineArguments):
         if "eta" in inspect.signature(type(self.pipe).__call__).parameters:  # the flow pipelines take none
             kwargs["eta"] = request.eta
         kwargs.update(_second_encoder(v))
+        if v.get("max_sequence_length") is not None:  # Flux's and SD3's T5 length: their pipelines' own keyword
+            kwargs["max_sequence_length"] = v["max_sequence_length"]
         kwargs.update({k: list(t) for k, t in plan_inputs(self, request).items()})  # set_timesteps(timesteps=...)
         overrides = scheduler_overrides(self, request)  # a card's from_config(config, timestep_spacing=...)
         self.pipe.scheduler = make_scheduler(request.sampler, {**self.scheduler_dict, **overrides})
