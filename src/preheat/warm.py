@@ -129,7 +129,8 @@ class WarmSet:
     lora_ranks: tuple[int, ...] = ()  # LoRA rank buckets (``preheat.lora.BUCKETS``) warmed besides no LoRA
     # the optional data inputs offered (``families.inputs.optional_inputs``: a negative prompt, an
     # image, a mask): each is its own programs, so a text-only server offers () and warms none of
-    # theirs; None = every one the family declares. Required inputs (the prompt) are always offered.
+    # theirs; None = every one the family offers by default (``families.inputs.default_offered``: all but
+    # FLUX.1's negative prompt). Required inputs (the prompt) are always offered.
     inputs: Optional[tuple[str, ...]] = None
     variant: Optional[str] = None  # weight files *.VARIANT.safetensors (preheat.load(variant=...))
     cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off" (preheat.load(cache=...))
@@ -276,11 +277,11 @@ class OfferedInputs(NamedTuple):
 
 def offered_inputs(pipe: Any, warm_set: WarmSet) -> OfferedInputs:
     """The inputs a server of a resolved set takes and refuses."""
-    from preheat.families.inputs import optional_inputs, required_inputs
+    from preheat.families.inputs import default_offered, optional_inputs, required_inputs
 
     specs = _specs(pipe)
     optional = optional_inputs(specs)
-    offered = optional if warm_set.inputs is None else warm_set.inputs
+    offered = default_offered(specs) if warm_set.inputs is None else warm_set.inputs
     return OfferedInputs(required_inputs(specs), tuple(n for n in optional if n in offered),
                          tuple(n for n in optional if n not in offered))
 

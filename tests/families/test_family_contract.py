@@ -27,7 +27,8 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError
-from preheat.families.inputs import COMMON_SPECS, IMAGE_SIZE, Choice, Float, Image, InputSpec, Int, Ints, Label, Pair, Text
+from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, Choice, Float, Image, InputSpec, Int, Ints, Label, Pair,
+                                    Text, optional_inputs)
 from preheat.server.images import decode_data_url
 from tests._support.image_files import data_uri, encoded
 from tests._support.server_fixtures import runpod_jobs, serving, wait_status
@@ -109,7 +110,11 @@ def served(request, tmp_path_factory):
     pipe = preheat.load(folder, cache="off")
     if kind == "flux-dev":
         pipe = _drawn_small(pipe)
-    core = Core(CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=50, guidance=("off",)), pipe=pipe)
+    # every optional input offered, those a server offers only when told included (FLUX.1's negative
+    # prompt): each declared input is then checked on every surface; unguided, none adds a program here
+    offered = optional_inputs(_specs(pipe))
+    core = Core(CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=50, guidance=("off",), inputs=offered),
+                pipe=pipe)
     core.start()
     try:
         assert core.wait_setup(900) and core.setup.status == "succeeded", core.setup.logs

@@ -158,6 +158,7 @@ def test_warm_up_compiles_true_cfg_with_guidance_on(pipes, name):
     assert [(s.guided, s.given) for s in off] == [(False, (("prompt", ""),))]
     assert [(s.guided, s.variant) for s in on] == [(True, ("negative_prompt", "true_cfg_scale"))]
     assert sigs("on", inputs=()) == []  # --inputs none: no negative prompt, so nothing guides
+    assert sigs("on", inputs=None) == []  # nor by default: a FLUX.1 server offers it only when --inputs names it
     for sig in off + on:
         assert pipe.validate(sig.bucket, **warming.call_inputs(pipe, sig)).guided == sig.guided
     assert "guidance off" in off[0].describe() and "+negative_prompt +true_cfg_scale" in on[0].describe()
@@ -175,6 +176,23 @@ def test_max_sequence_length_is_static_and_reaches_the_image(pipes, name, defaul
     full = pipe.generate("a fox", **call)
     np.testing.assert_array_equal(pipe.generate("a fox", max_sequence_length=default, **call), full)
     assert not np.array_equal(pipe.generate("a fox", max_sequence_length=16, **call), full)
+
+
+def test_a_server_offers_flux_negative_prompts_only_when_declared(pipes):
+    """The true-CFG programs would double a FLUX.1 server's warm-up for an input few deployments
+    use: without --inputs naming negative_prompt the request is refused in one line per field, naming
+    the --inputs that offers it; with it, the request is a guided job."""
+    from preheat.errors import PreheatError
+    from preheat.server.inputs import Limits, parse_input
+
+    pipe = pipes["flux-dev"]
+    request = {"prompt": "x", "negative_prompt": "y", "true_cfg_scale": 3.0}
+    with pytest.raises(PreheatError) as err:
+        parse_input(request, pipe, Limits())
+    assert "negative_prompt is not served here (start the server with --inputs negative_prompt,image,mask_image" \
+        in str(err.value)
+    job, _ = parse_input(request, pipe, Limits(inputs=("negative_prompt",)))
+    assert dict(job.values)["true_cfg_scale"] == 3.0 and dict(job.values)["negative_prompt_2"] == ("y",)
 
 
 def test_schnell_defaults_and_no_guidance(pipes):

@@ -34,6 +34,8 @@ def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_f
     # SD3's requests below are all guided (CFG): its unguided program is not warmed; FLUX.1's one
     # program is the same for either setting (no CFG branch)
     guided_only = {"guidance": ("on",)} if kind == "sd3" else {}
+    if kind.startswith("flux"):  # its true CFG's negative prompt, offered only when declared (warmed with "on")
+        guided_only["inputs"] = ("negative_prompt",)
     core = Core(CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=30, sizes=((32, 32),), **guided_only),
                 pipe=pipe)
     core.start()

@@ -25,7 +25,8 @@ __all__ = ["warm_command", "declaration_options", "inputs_option", "warm_set_fro
 inputs_option = click.option(
     "--inputs", "inputs_text", metavar="A,B,...|none",
     help="Optional inputs offered (each variant compiled; a server refuses others): of the model's negative_prompt, "
-         "image, mask_image; none = the required ones only (text-to-image). Default: all the model declares.")
+         "image, mask_image; none = the required ones only (text-to-image). Default: all the model declares but "
+         "FLUX.1's negative_prompt (true CFG: name it to offer it).")
 
 
 def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -52,8 +52,8 @@ from preheat.errors import InvalidArgumentError
 __all__ = ["InputSpec", "CliForm", "Text", "Int", "Float", "Choice", "Pair", "Ints", "Label", "Image", "COMMON_SPECS",
            "common_spec", "SizePair", "IMAGE_SIZE", "size_pair",
            "check_int", "unknown_input", "size_specs", "warm_variants", "example_inputs", "typed_flags", "field_of",
-           "check_needs", "WARM_IMAGE", "SURFACES", "SEED_MAX", "optional_inputs", "offered_specs", "check_offered",
-           "parse_offered", "NO_INPUTS", "required_inputs", "inputs_offering", "ServerBound"]
+           "check_needs", "WARM_IMAGE", "SURFACES", "SEED_MAX", "optional_inputs", "default_offered", "offered_specs",
+           "check_offered", "parse_offered", "NO_INPUTS", "required_inputs", "inputs_offering", "ServerBound"]
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
@@ -373,6 +373,8 @@ class InputSpec:
     flag: str | None = None  # its command-line flag, where that is not --name-with-dashes
     needs_guidance: bool = False  # refused unless classifier-free guidance runs (a negative prompt)
     needs: tuple[str, ...] = ()  # refused unless these inputs are given too (a mask needs its image)
+    offered_by_default: bool = True  # an optional input a server offers (and warms) unless --inputs leaves it
+    #   out; False: only when --inputs names it (FLUX.1's negative prompt: its true-CFG programs, rarely used)
     default_doc: str = ""  # what an absent value means, when ``default`` cannot say it
     example: Any = None  # a realistic value (a bench's prompt); None: the first warm value
     scheduler_key: bool = False  # a key of the folder's scheduler config this call overrides, as a card's
@@ -575,6 +577,13 @@ def optional_inputs(specs: Sequence[InputSpec]) -> tuple[str, ...]:
     return tuple(s.name for s in specs if not s.required and not s.static and None in s.warm)
 
 
+def default_offered(specs: Sequence[InputSpec]) -> tuple[str, ...]:
+    """The optional inputs a server offers when ``--inputs`` is not given: every one but those
+    declared ``offered_by_default=False``."""
+    by_name = {s.name: s for s in specs}
+    return tuple(name for name in optional_inputs(specs) if by_name[name].offered_by_default)
+
+
 def inputs_offering(specs: Sequence[InputSpec], offered: Iterable[str], spec: InputSpec) -> str:
     """The ``--inputs`` value that offers ``spec`` beside the ``offered`` ones: those, ``spec``
     (or the input it goes with) and what it needs, in declaration order -- what a refusal of an
@@ -589,11 +598,11 @@ def required_inputs(specs: Sequence[InputSpec]) -> tuple[str, ...]:
 
 
 def offered_specs(specs: Sequence[InputSpec], offered: Sequence[str] | None) -> tuple[InputSpec, ...]:
-    """The specs a server offering ``offered`` (of :func:`optional_inputs`; None: all) takes: the
-    others left out, and with them every input that needs one left out (an image's strength, a
-    mask's crop), in declaration order."""
+    """The specs a server offering ``offered`` (of :func:`optional_inputs`; None: the
+    :func:`default_offered` ones) takes: the others left out, and with them every input that needs
+    one left out (an image's strength, a mask's crop), in declaration order."""
     if offered is None:
-        return tuple(specs)
+        offered = default_offered(specs)
     dropped = {name for name in optional_inputs(specs) if name not in offered}
     while True:  # needs may chain (a crop needs the mask, which needs the image)
         more = {s.name for s in specs if s.name not in dropped and any(n in dropped for n in s.needs)}
@@ -614,13 +623,13 @@ def parse_offered(text: str | Sequence[str] | None) -> tuple[str, ...] | None:
 
 def check_offered(family: str, specs: Sequence[InputSpec], offered: Sequence[str] | None,
                   label: str = "--inputs") -> tuple[str, ...]:
-    """The offered optional inputs (None: every one ``specs`` declares), in declaration order; a
+    """The offered optional inputs (None: the :func:`default_offered` ones), in declaration order; a
     name that is not one of them, or one offered without an input it needs, fails in one line
     listing what the family declares and naming ``label``, what the user gave them by (``--inputs``,
     Runpod's ``PREHEAT_INPUTS``)."""
     optional = optional_inputs(specs)
     if offered is None:
-        return optional
+        return default_offered(specs)
     required = required_inputs(specs)
     always = f"; {', '.join(required)} always offered" if required else ""
     declared = f"its optional inputs are {', '.join(optional)} (or {NO_INPUTS})" if optional else \

@@ -102,7 +102,7 @@ class RayOptions:
     samplers: tuple[str, ...] = ()
     sizes: tuple[tuple[int, int], ...] = ()
     guidance: tuple[str, ...] = ("off", "on")
-    inputs: Optional[tuple[str, ...]] = None  # offered optional inputs (None: all the family declares; (): none)
+    inputs: Optional[tuple[str, ...]] = None  # offered optional inputs (None: the family's default ones; (): none)
     devices: Any = None
     fsdp: int = 1
     lora_ranks: tuple[int, ...] = ()

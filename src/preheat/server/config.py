@@ -75,7 +75,8 @@ class CoreConfig:
     samplers: tuple[str, ...] = ()  # offered (and warmed) samplers; () = the model's default only
     sizes: tuple[tuple[int, int], ...] = ()  # text-to-image: served (width, height); () = the model's default
     # offered (and warmed) optional data inputs (a negative prompt, an image, a mask: WarmSet.inputs);
-    # None = all the family declares; () = the required ones only (a text-only server). Others are refused.
+    # None = those the family offers by default (all but FLUX.1's negative prompt); () = the required ones only
+    # (a text-only server). Others are refused.
     inputs: Optional[tuple[str, ...]] = None
     keep_finished: int = 1000  # finished predictions kept for GET / PUT retries
     guidance: tuple[str, ...] = GUIDANCE_MODES  # warmed guidance modes ("on" only where the model can guide)

@@ -37,8 +37,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
 from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints,
-                                     Label, Pair, ServerBound, Text, field_of, inputs_offering, offered_specs,
-                                     size_pair)
+                                     Label, Pair, ServerBound, Text, default_offered, field_of, inputs_offering,
+                                     offered_specs, size_pair)
 
 __all__ = ["Limits", "Job", "FamilyInputs", "family_inputs", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields", "offered",
            "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "JsonFloat",
@@ -314,7 +314,8 @@ def _not_offered(inputs: FamilyInputs, limits: Limits, extra: Mapping[str, Any])
         sent = next((f for f in (spec.surface_name, *spec.aliases) if extra.get(f) is not None), None)
         if sent is None:
             continue
-        names = inputs_offering(declared, limits.inputs or (), spec)
+        offering = default_offered(declared) if limits.inputs is None else limits.inputs
+        names = inputs_offering(declared, offering, spec)
         errors.append((sent, f"{sent} is not served here (start the server with --inputs {names}, or "
                              f"PREHEAT_INPUTS={names}, to offer it)"))
     return errors
