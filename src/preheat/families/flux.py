@@ -64,9 +64,9 @@ T5_LENGTH = 512  # FluxPipeline's max_sequence_length default (FLUX.1-schnell's 
 MAX_SEQUENCE_LENGTH = max_sequence_length_spec(T5_LENGTH)
 PROMPT_2 = InputSpec("prompt_2", Text(), "The T5 encoder's prompt (the prompt when absent), one for all or one per image.",
                      per_image=True, default_doc="the prompt")
-# diffusers' FluxPipeline reads a negative prompt only for true CFG (ignored otherwise: here refused)
-# A server offers it only when --inputs names it: its true-CFG programs would double a FLUX.1 server's
-# warm-up for an input few deployments use (FluxPipeline's own default runs without it)
+# diffusers' FluxPipeline reads a negative prompt only for true CFG (ignored otherwise; here refused). A
+# server offers it only when --inputs names it: its true-CFG programs would double a FLUX.1 server's
+# warm-up for an input few deployments use (FluxPipeline's own default runs without it).
 FLUX_NEGATIVE_PROMPT = replace(NEGATIVE_PROMPT, description="What to steer away from (with true_cfg_scale > 1).",
                                offered_by_default=False)
 NEGATIVE_PROMPT_2 = InputSpec("negative_prompt_2", Text(), "The T5 encoder's negative prompt (the negative prompt "

@@ -23,8 +23,7 @@ from preheat.samplers import (DIFFUSERS_CLASS, DPM_FIXED_SETTINGS, SchedulerConf
                               samplers_of_kind)
 
 __all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROMPT", "max_sequence_length_spec",
-           "component", "default_sampler",
-           "load_scheduler", "folder_sampler", "decode_program", "encode", "offload"]
+           "component", "default_sampler", "load_scheduler", "folder_sampler", "decode_program", "encode", "offload"]
 
 log = logging.getLogger("preheat.families")
 
