@@ -95,8 +95,9 @@ def max_sequence_length_spec(default: int) -> InputSpec:
     """diffusers' ``max_sequence_length`` for a T5 encoder's prompt (Flux, SD3): tokens per prompt,
     </s> included, at most 512 as its pipelines check. Static: the text context's length selects the
     encode and denoise programs, so a server serves its default only (``server.inputs``)."""
-    return InputSpec("max_sequence_length", Int(1, 512), f"T5 tokens per prompt, </s> included ({default} when "
-                     "absent; a longer prompt is truncated with a warning).", static=True, default=default)
+    return InputSpec("max_sequence_length", Int(1, 512), "T5 tokens per prompt, </s> included (the pipeline's "
+                     "default when absent: FLUX.1 512, SD3 256); a longer prompt is truncated with a warning.",
+                     static=True, default=default)
 
 
 def component(root: Path, index: dict[str, Any], name: str) -> Path:
