@@ -138,3 +138,8 @@ def test_torch_backend_draws_the_same_images(folder, pipe):
     ours = pipe.generate(["a red fox", "a cat"], **call)
     assert ours.shape == (2, 32, 48, 3)
     assert_pixels_close(ours, theirs)
+    # true CFG through FluxKontextPipeline's own true_cfg_scale: the reference in both branches
+    guided = dict(call, negative_prompt=["blurry", "dark"], true_cfg_scale=3.0)
+    ours_guided = pipe.generate(["a red fox", "a cat"], **guided)
+    assert not np.array_equal(ours_guided, ours)
+    assert_pixels_close(ours_guided, torch_pipe.generate(["a red fox", "a cat"], **guided))
