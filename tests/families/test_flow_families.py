@@ -63,6 +63,10 @@ CASES = [
     ("flux-dev", "flow_euler", dict(prompt="a red fox in the snow at night, watercolor", guidance_scale=3.5,
                                     max_sequence_length=8)),
     ("sd3-no-t5", "flow_euler", dict(prompt="a photo of a cat", guidance_scale=6.0, max_sequence_length=32)),
+    # SD3's prompt per encoder (CLIP-L, CLIP-G, T5), and the negatives' (the third from the negative prompt)
+    ("sd3", "flow_euler", dict(prompt=["a photo of a dog", "a red fox"], prompt_2=["an oil painting"] * 2,
+                               prompt_3=["a dog on a beach at sunset", "a fox in the snow"], negative_prompt="blurry",
+                               negative_prompt_2="dark", guidance_scale=5.0)),
 ]
 
 
@@ -92,7 +96,12 @@ def test_matches_diffusers_from_the_same_latents(folders, pipes, name, sampler, 
                   dict(prompt="a photo of a cat", steps=2, guidance=3.5, seed=7)]),
     ("sd3", [dict(prompt="a red fox", steps=2, guidance=7.0, seed=0),
              dict(prompt="a photo of a cat", steps=5, guidance=3.0, seed=0),
-             dict(prompt="a photo of a cat", negative_prompt="blurry", steps=2, guidance=7.0, seed=9)]),
+             dict(prompt="a photo of a cat", negative_prompt="blurry", steps=2, guidance=7.0, seed=9),
+             # each encoder's own prompt is data of the same programs, and reaches the image
+             dict(prompt="a photo of a cat", prompt_2="a red fox", steps=2, guidance=7.0, seed=0),
+             dict(prompt="a photo of a cat", prompt_3="a red fox", steps=2, guidance=7.0, seed=0),
+             dict(prompt="a photo of a cat", negative_prompt_2="a red fox", steps=2, guidance=7.0, seed=0),
+             dict(prompt="a photo of a cat", negative_prompt_3="a red fox", steps=2, guidance=7.0, seed=0)]),
 ])
 def test_prompt_guidance_steps_and_seed_are_data(pipes, name, calls):
     """One denoising program serves every prompt, guidance scale, step count and seed (a trace counter)."""
@@ -291,6 +300,8 @@ def test_offload_encoders_is_refused_for_models_without_text():
 
 
 @pytest.mark.parametrize("name,call", [("flux-dev", dict(guidance=3.5)), ("flux-schnell", {}),
+                                       ("sd3", dict(prompt_3="a watercolor", negative_prompt_3="a photo",
+                                                    guidance=5.0)),
                                        ("flux-dev", dict(guidance=3.5, negative_prompt=["blurry", "dark"],
                                                          negative_prompt_2="a drawing", true_cfg_scale=3.0,
                                                          max_sequence_length=64)),

@@ -32,7 +32,7 @@ from preheat.families import image as image_input
 from preheat.families.components import SD3Components
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
-from preheat.families.inputs import InputSpec
+from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import EncodeArgs
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, encode, load_scheduler,
                                    max_sequence_length_spec,
@@ -46,6 +46,16 @@ __all__ = ["SD3Family", "SD3", "load_stable_diffusion_3"]
 
 T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length default
 MAX_SEQUENCE_LENGTH = max_sequence_length_spec(T5_LENGTH)
+# diffusers' StableDiffusion3Pipeline: one prompt per encoder (CLIP-L, CLIP-G, T5); an absent or empty one is
+# the first's, and a negative one the negative prompt's (itself "" when absent)
+PROMPT_2 = InputSpec("prompt_2", Text(), "SD3: CLIP-G's prompt (the prompt when absent).", per_image=True,
+                     default_doc="the prompt")
+PROMPT_3 = InputSpec("prompt_3", Text(), "SD3: T5's prompt (the prompt when absent).", per_image=True,
+                     default_doc="the prompt")
+NEGATIVE_PROMPT_2 = InputSpec("negative_prompt_2", Text(), "SD3: CLIP-G's negative prompt (the negative prompt "
+                              "when absent).", per_image=True, needs_guidance=True, default_doc="the negative prompt")
+NEGATIVE_PROMPT_3 = InputSpec("negative_prompt_3", Text(), "SD3: T5's negative prompt (the negative prompt when "
+                              "absent).", per_image=True, needs_guidance=True, default_doc="the negative prompt")
 
 
 @dataclass(frozen=True)
@@ -53,8 +63,8 @@ class SD3Family(TextToImageFamily):
     name: str = "stable-diffusion-3"
     defaults: Mapping[str, Any] = field(default_factory=lambda: {"sampler": "flow_euler", "steps": 28,
                                                                   "guidance": 7.0})
-    specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT, MAX_SEQUENCE_LENGTH, IMAGE, MASK_IMAGE, STRENGTH,
-                                    PADDING_MASK_CROP)
+    specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT, PROMPT_2, PROMPT_3, NEGATIVE_PROMPT_2, NEGATIVE_PROMPT_3,
+                                    MAX_SEQUENCE_LENGTH, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP)
     samplers: tuple[str, ...] = FLOW_SAMPLERS
     max_size: int = 4096
 
@@ -64,6 +74,10 @@ class SD3Family(TextToImageFamily):
         With a mask (``StableDiffusion3InpaintPipeline``, strength 0.6 too): width x height, else the
         native size."""
         values = super().check_inputs(pipe, n, inputs)
+        for later, first in (("prompt_2", "prompt"), ("prompt_3", "prompt"), ("negative_prompt_2", "negative_prompt"),
+                             ("negative_prompt_3", "negative_prompt")):
+            if values[later] is None or all(p == "" for p in values[later]):
+                values[later] = values[first]  # diffusers: prompt_2 = prompt_2 or prompt, ...
         image_input.check_image_inputs(pipe, values, inputs, inpaint_model=False, default_strength=(0.6, 0.6),
                                        max_size=self.max_size)
         return values
@@ -91,11 +105,11 @@ class SD3Family(TextToImageFamily):
 
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         values, n = request.values, request.n
-        texts = list(values["prompt"])
-        if request.guided:
-            negatives = values["negative_prompt"]
-            texts += negatives if negatives is not None else [""] * n
-        out = encode(pipe, [texts] * 3, lambda: _encode_program(pipe.components), outputs=2,
+        texts = [list(values[name]) for name in ("prompt", "prompt_2", "prompt_3")]  # CLIP-L's, CLIP-G's, T5's
+        if request.guided:  # the unconditional branch's: each encoder's negative prompt, "" when none is given
+            for encoder, name in enumerate(("negative_prompt", "negative_prompt_2", "negative_prompt_3")):
+                texts[encoder] += values[name] if values[name] is not None else [""] * n
+        out = encode(pipe, texts, lambda: _encode_program(pipe.components), outputs=2,
                      extra=(("family", self.name),), lengths=(None, None, values["max_sequence_length"]))
         context, pooled = np.asarray(out[0]), np.asarray(out[1])
         cond = {"context": context[:n], "pooled": pooled[:n]}

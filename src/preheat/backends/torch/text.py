@@ -210,10 +210,13 @@ def restore_text_model(pipe: Any) -> None:
 
 
 def _second_encoder(v: dict[str, Any]) -> dict[str, Any]:
-    """SD/SDXL's clip_skip, SDXL's second prompts and size ids, as diffusers' keywords."""
+    """SD/SDXL's clip_skip, the later encoders' prompts (SDXL's, SD3's, FLUX.1's T5) and SDXL's size
+    ids, as diffusers' keywords."""
     kwargs: dict[str, Any] = {}
     if "negative_prompt_2" in v:  # SDXL's second encoder, FLUX.1's T5 (its prompt_2 is passed with its guidance)
         kwargs.update(prompt_2=v["prompt_2"], negative_prompt_2=v["negative_prompt_2"])
+    if "negative_prompt_3" in v:  # SD3's T5
+        kwargs.update(prompt_3=v["prompt_3"], negative_prompt_3=v["negative_prompt_3"])
     if v.get("negative_time_ids") is not None and len(v["prompt"]) > 1:
         # diffusers repeats cat([negative ids, ids]) per image, against embeddings laid out as all
         # negatives then all prompts: with two or more images it pairs the ids with the wrong branch
