@@ -50,7 +50,7 @@ from preheat.families.guidance import TRUE_CFG_SCALE, true_cfg_scale
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import EncodeArgs
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, encode, load_scheduler,
-                                   max_sequence_length_spec, offload)
+                                   fill_later_prompts, max_sequence_length_spec, offload)
 from preheat.lora import encoder_adapters
 from preheat.models.bfl import Piece, bfl_modules
 from preheat.samplers import MU_SIGMAS_SAMPLERS
@@ -108,9 +108,7 @@ class FluxFamily(TextToImageFamily):
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         values = super().check_inputs(pipe, n, inputs)
-        for second, first in (("prompt_2", "prompt"), ("negative_prompt_2", "negative_prompt")):
-            if second in values and (values[second] is None or all(p == "" for p in values[second])):
-                values[second] = values[first]  # diffusers: prompt_2 = prompt_2 or prompt (T5; CLIP reads prompt)
+        fill_later_prompts(values, (("prompt_2", "prompt"), ("negative_prompt_2", "negative_prompt")))  # T5's
         self.check_images(pipe, values, inputs)
         return values
 

@@ -34,9 +34,8 @@ from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import EncodeArgs
-from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, encode, load_scheduler,
-                                   max_sequence_length_spec,
-                                   offload)
+from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, encode, fill_later_prompts,
+                                   load_scheduler, max_sequence_length_spec, offload)
 from preheat.samplers import FLOW_SAMPLERS
 
 if TYPE_CHECKING:
@@ -74,10 +73,8 @@ class SD3Family(TextToImageFamily):
         With a mask (``StableDiffusion3InpaintPipeline``, strength 0.6 too): width x height, else the
         native size."""
         values = super().check_inputs(pipe, n, inputs)
-        for later, first in (("prompt_2", "prompt"), ("prompt_3", "prompt"), ("negative_prompt_2", "negative_prompt"),
-                             ("negative_prompt_3", "negative_prompt")):
-            if values[later] is None or all(p == "" for p in values[later]):
-                values[later] = values[first]  # diffusers: prompt_2 = prompt_2 or prompt, ...
+        fill_later_prompts(values, (("prompt_2", "prompt"), ("prompt_3", "prompt"),
+                                    ("negative_prompt_2", "negative_prompt"), ("negative_prompt_3", "negative_prompt")))
         image_input.check_image_inputs(pipe, values, inputs, inpaint_model=False, default_strength=(0.6, 0.6),
                                        max_size=self.max_size)
         return values

@@ -22,7 +22,7 @@ from preheat.families.stages import DecodeArgs, EncodeArgs, LoraArgs
 from preheat.samplers import (DIFFUSERS_CLASS, DPM_FIXED_SETTINGS, SchedulerConfig, load_scheduler_config,
                               samplers_of_kind)
 
-__all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROMPT", "max_sequence_length_spec",
+__all__ = ["TextToImageFamily", "SAMPLER_OF_SCHEDULER", "PROMPT", "NEGATIVE_PROMPT", "max_sequence_length_spec", "fill_later_prompts",
            "component", "default_sampler", "load_scheduler", "folder_sampler", "decode_program", "encode", "offload"]
 
 log = logging.getLogger("preheat.families")
@@ -89,6 +89,14 @@ PROMPT = InputSpec("prompt", Text(), "What to draw: one prompt for all images, o
                    required=True, warm=("",), example="a watercolor fox")
 NEGATIVE_PROMPT = InputSpec("negative_prompt", Text(), "What to steer away from (needs guidance).", per_image=True,
                             needs_guidance=True, warm=(None, ""))
+
+
+def fill_later_prompts(values: dict[str, Any], pairs: Sequence[tuple[str, str]]) -> None:
+    """diffusers' ``prompt_2 = prompt_2 or prompt`` for each (later encoder's input, the input it falls
+    back to) of ``pairs``: an absent or all-empty later prompt takes the other's value, in place."""
+    for later, first in pairs:
+        if later in values and (values[later] is None or all(p == "" for p in values[later])):
+            values[later] = values[first]
 
 
 def max_sequence_length_spec(default: int) -> InputSpec:
