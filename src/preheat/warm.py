@@ -10,7 +10,8 @@ x batch bucket x served size (models that take more than their native one) x eac
 the family's data inputs that warm-up must compile, of those the set offers (``WarmSet.inputs``;
 ``InputSpec.warm``: negative prompts given or not, guided only; an image given or not, a mask
 with it -- a server offering no image warms no image programs, and refuses an image -- the image a placeholder of the
-served size, so that the VAE encoder is compiled for every size a request can reach) x LoRA (none, and each declared rank bucket: ``lora_ranks``). The step count
+served size, so that the VAE encoder is compiled for every size a request can reach) x each served
+value of the other static inputs (``WarmSet.input_values``: a T5 prompt's length) x LoRA (none, and each declared rank bucket: ``lora_ranks``). The step count
 is runtime data, so each is compiled with ``steps=1``; a LoRA bucket with a LoRA of zeros
 (``LoraTargets.zeros`` in ``preheat.lora``), since any LoRA of the bucket is data of the same program.
 
@@ -20,12 +21,13 @@ that declare a set (``preheat warm``, ``preheat serve``); ``preheat.cache`` only
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple, Optional
 
 __all__ = ["WarmSet", "WarmSignature", "buckets_for", "bucket_for", "served_call", "ServedCall", "resolve",
            "signatures", "run_signature", "status", "programs", "prefetch_calls", "warm", "offered_inputs", "OfferedInputs", "SettingNames",
-           "parse_sizes", "parse_lora_ranks"]
+           "parse_sizes", "parse_lora_ranks", "parse_input_values"]
 
 GUIDANCE_MODES = ("off", "on")
 
@@ -60,6 +62,30 @@ def parse_lora_ranks(text: Optional[str], name: str = "--lora-ranks") -> tuple[i
                 raise InvalidArgumentError(f"{name} {item!r} must be rank buckets, e.g. 16,32")
             out.append(int(item))
     return tuple(dict.fromkeys(out))
+
+
+def parse_input_values(text: Optional[str], name: str = "--input-values") -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``max_sequence_length=256,512`` (entries split by ``;``) -> (("max_sequence_length", ("256",
+    "512")),): ``--input-values`` and ``PREHEAT_INPUT_VALUES``, the served values of a model's
+    static inputs. The names and values are typed and checked against the family at set-up
+    (``resolve``); a malformed entry, or a name given twice, fails here in one line naming ``name``."""
+    from preheat.errors import InvalidArgumentError
+
+    out: dict[str, tuple[str, ...]] = {}
+    for item in (text or "").split(";"):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, values = item.partition("=")
+        key = key.strip()
+        listed = tuple(dict.fromkeys(v.strip() for v in values.split(",") if v.strip()))
+        if not sep or not key or not listed:
+            raise InvalidArgumentError(f"{name} {item!r} must be NAME=VALUE,..., e.g. max_sequence_length=256,512",
+                                       argument=name)
+        if key in out:
+            raise InvalidArgumentError(f"{name} names {key} twice; list its values once: {key}=A,B", argument=name)
+        out[key] = listed
+    return tuple(out.items())
 
 
 def buckets_for(max_batch_size: int, devices: int = 1) -> tuple[int, ...]:
@@ -127,6 +153,11 @@ class WarmSet:
     devices: Any = None  # "all", a count or device ids; None = preheat.load's default ($PREHEAT_DEVICES or all)
     fsdp: int = 1  # the devices each weight is split over (preheat.load(fsdp=...)): part of every program
     lora_ranks: tuple[int, ...] = ()  # LoRA rank buckets (``preheat.lora.BUCKETS``) warmed besides no LoRA
+    # the served values of static inputs other than the size (``families.inputs.static_inputs``: a T5
+    # prompt's max_sequence_length), each value its own programs, the first what a request without it
+    # gets: ((name, values), ...); () = each one's default only. Text values (``--input-values``) are
+    # typed by the family's declaration at ``resolve``.
+    input_values: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     # the optional data inputs offered (``families.inputs.optional_inputs``: a negative prompt, an
     # image, a mask): each is its own programs, so a text-only server offers () and warms none of
     # theirs; None = every one the family offers by default (``families.inputs.default_offered``: all but
@@ -149,6 +180,10 @@ class WarmSet:
         object.__setattr__(self, "lora_ranks", tuple(sorted(set(self.lora_ranks))))  # smallest first (bucket_for)
         if self.inputs is not None:  # the names are checked against the family in resolve()
             object.__setattr__(self, "inputs", tuple(dict.fromkeys(self.inputs)))
+        # a mapping (Python, Ray's typed args) or pairs; values in order, each once
+        pairs = self.input_values.items() if isinstance(self.input_values, dict) else self.input_values
+        object.__setattr__(self, "input_values", tuple((str(name), tuple(dict.fromkeys(values)))
+                                                       for name, values in pairs))
         bad = [g for g in self.guidance if g not in GUIDANCE_MODES]
         if bad or not self.guidance:
             raise InvalidArgumentError(f"guidance {bad or '()'} must be among {', '.join(GUIDANCE_MODES)}")
@@ -206,6 +241,7 @@ class SettingNames(NamedTuple):
     max_loras: str = "--max-loras"
     max_image_pixels: str = "--max-image-pixels"
     lora_dir: str = "--lora-dir"
+    input_values: str = "--input-values"  # the declaration's, with inputs and sizes (last: positions kept)
 
     @classmethod
     def by(cls, name_of: Callable[[str], str]) -> "SettingNames":
@@ -219,9 +255,10 @@ def resolve(pipe: Any, warm_set: WarmSet, names: SettingNames = SettingNames()) 
     anything compiles. The line names the setting as the user gave it (``names``: the command
     line's ``--inputs`` unless the surface read it elsewhere, as Runpod's ``PREHEAT_INPUTS``)."""
     from preheat.errors import InvalidArgumentError
-    from preheat.families.inputs import check_offered
+    from preheat.families.inputs import check_input_values, check_offered
 
     inputs = check_offered(pipe.family.name, _specs(pipe), warm_set.inputs, names.inputs)
+    input_values = check_input_values(pipe.family.name, _specs(pipe), warm_set.input_values, names.input_values)
 
     samplers = tuple(warm_set.samplers) or (pipe.defaults["sampler"],)
     sizes = tuple(warm_set.sizes)
@@ -237,7 +274,7 @@ def resolve(pipe: Any, warm_set: WarmSet, names: SettingNames = SettingNames()) 
     if warm_set.lora_ranks and pipe.lora_runtime is None:
         raise InvalidArgumentError(f"LoRA rank buckets {', '.join(map(str, warm_set.lora_ranks))} are declared, "
                                    f"but LoRAs are not supported for a {pipe.family.name} model")
-    return replace(warm_set, samplers=samplers, sizes=sizes, inputs=inputs)
+    return replace(warm_set, samplers=samplers, sizes=sizes, inputs=inputs, input_values=input_values)
 
 
 def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
@@ -256,16 +293,24 @@ def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
     for sampler in warm_set.samplers:
         for g, guided in modes:
             for size in sizes:
-                for variant in variants[guided]:
-                    given = tuple(sorted(variant.items()))
+                for variant, statics in itertools.product(variants[guided], _static_choices(warm_set)):
+                    given = tuple(sorted({**variant, **statics}.items()))
                     if not offered.issuperset(variant) or not _served(pipe, sampler, g, size, given):
                         continue
-                    beyond = tuple(k for k, v in given if k not in base or base[k] != v)
+                    beyond = tuple(k for k, v in given if k in variant and (k not in base or base[k] != v)) + \
+                        tuple(f"{k}={v}" for k, v in statics.items())
                     for bucket in buckets:  # LoRA buckets smallest first: each is then compiled as itself
                         out += [WarmSignature(sampler, g, guided, bucket, size, given, lora, beyond,
                                               warm_set.progress)
                                 for lora in (None, *warm_set.lora_ranks)]
     return out
+
+
+def _static_choices(warm_set: WarmSet) -> list[dict[str, Any]]:
+    """Every combination of a resolved set's served static values (``WarmSet.input_values``), as
+    ``generate`` keywords: [{}] where it declares none (each static input at its default)."""
+    names = [name for name, _ in warm_set.input_values]
+    return [dict(zip(names, values)) for values in itertools.product(*(v for _, v in warm_set.input_values))]
 
 
 class OfferedInputs(NamedTuple):

@@ -108,7 +108,8 @@ def test_runpod_and_ray_read_every_setting_from_one_table() -> None:
 
     given = {"model": "/m", "dtype": "bfloat16", "variant": "fp16", "cache": "xla", "weights_dtype": "float8_e4m3fn",
              "weights_layers": "linear", "config": "/c", "progress": "off", "max_batch_size": "3",
-             "samplers": "ddim,euler", "sizes": "64x32", "guidance": "on", "inputs": "image", "devices": "2",
+             "samplers": "ddim,euler", "sizes": "64x32", "guidance": "on", "inputs": "image",
+             "input_values": "max_sequence_length=256", "devices": "2",
              "fsdp": "2",
              "lora_ranks": "16", "max_loras": "5", "lora_dir": "/l", "max_image_pixels": "4096",
              "batch_wait_ms": "2.5", "max_queue": "9", "max_steps": "7",
@@ -122,6 +123,7 @@ def test_runpod_and_ray_read_every_setting_from_one_table() -> None:
     assert (runpod.sizes, runpod.samplers, runpod.progress, runpod.batch_wait_ms) == (((64, 32),), ("ddim", "euler"),
                                                                                      False, 2.5)
     assert runpod.inputs == ("image",) and runpod.warm_set().inputs == ("image",)
+    assert runpod.warm_set().input_values == (("max_sequence_length", ("256",)),)  # typed by the family at set-up
     from preheat.errors import InvalidArgumentError
     from preheat.server.config import typed_setting
 

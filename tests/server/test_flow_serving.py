@@ -97,3 +97,40 @@ def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_f
         core.close()
 
     assert cli_family(monkeypatch, tmp_path_factory.mktemp(f"cli-{kind}"), folder, pipe, "--width", "32", "--height", "32") == ("stable-diffusion-3" if kind == "sd3" else "flux")
+
+
+def test_a_server_serves_the_declared_t5_lengths_and_refuses_others(tmp_path_factory):
+    """``input_values`` (``--input-values max_sequence_length=256``, as FLUX.1-schnell's card calls
+    it): a request without the field gets the first served length, one that gives another is
+    refused naming the declaration, and no request compiles."""
+    import httpx
+    from tests._support.flow_fixtures import save_tiny_flow_model
+    from tests._support.server_fixtures import metric
+
+    folder = save_tiny_flow_model(tmp_path_factory.mktemp("serve-lengths") / "schnell", "flux-schnell")
+    pipe = preheat.load(folder, cache="off")
+    want = pipe.generate("a red fox", steps=2, seed=9, width=32, height=32, max_sequence_length=256)
+    assert not np.array_equal(want, pipe.generate("a red fox", steps=2, seed=9, width=32, height=32))
+    core = Core(CoreConfig(max_batch_size=1, batch_wait_ms=0, sizes=((32, 32),), inputs=(),
+                           input_values=(("max_sequence_length", ("256",)),)), pipe=pipe)
+    core.start()
+    try:
+        assert core.wait_setup(900) and core.setup.status == "succeeded", core.setup.logs
+        fields = {"prompt": "a red fox", "num_inference_steps": 2, "seed": 9}
+        with serving(core) as server, httpx.Client(base_url=server.url, timeout=300) as client:
+            for given in ({}, {"max_sequence_length": 256}):
+                r = client.post("/predictions", json={"input": {**fields, **given}})
+                assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
+                np.testing.assert_array_equal(decode_data_url(r.json()["output"][0]), want[0])
+            bad = client.post("/predictions", json={"input": {**fields, "max_sequence_length": 512}})
+            assert bad.status_code == 422, bad.text
+            assert ("512 is not served here (another program); served: 256 (start the server with --input-values "
+                    "max_sequence_length=256,512, or PREHEAT_INPUT_VALUES=max_sequence_length=256,512, to serve it)"
+                    ) in bad.text
+            assert metric(client.get("/metrics").text, "preheat_compiles_total", '{phase="traffic"}') == 0
+            schema = client.get("/openapi.json").json()["components"]["schemas"]["Input"]["properties"]
+            length = schema["max_sequence_length"]  # schema-valid input is accepted input, as the sizes' enums
+            assert length["default"] == 256 and {"type": "integer", "enum": [256], "minimum": 1,
+                                                 "maximum": 512} in length["anyOf"], length
+    finally:
+        core.close()

@@ -171,7 +171,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                   max_batch_size: int, devices_text: Optional[str], fsdp: int, progress: Optional[bool],
                   batch_wait_ms: float, max_queue: int, max_steps: int,
                   samplers_text: Optional[str], sizes_text: Optional[str], guidance_text: str,
-                  inputs_text: Optional[str], lora_ranks_text: Optional[str], max_loras: int, lora_dir: Optional[str],
+                  inputs_text: Optional[str], input_values_text: Optional[str], lora_ranks_text: Optional[str],
+                  max_loras: int, lora_dir: Optional[str],
                   grace_s: float,
                   push_grace_s: float, retune_idle_s_text: str,
                   max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, webhook_allow_private: bool,
@@ -204,7 +205,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     retune_idle_s = parse_idle_s(retune_idle_s_text, name_of("retune_idle_s"))
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp, variant, cache, weights_dtype,
-                                     weights_layers, progress, config, inputs_text, name_of)
+                                     weights_layers, progress, config, inputs_text, name_of,
+                                     input_values_text=input_values_text)
     names = SettingNames.by(name_of)  # set-up messages (an unusable size) name what the user wrote
     webhooks = _address_policy(webhook_allow_private, webhook_allow)
     lora_urls = _address_policy(lora_url_allow_private, lora_url_allow, "--lora-url-allow")
@@ -283,6 +285,7 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
                                 progress=warm_set.progress, max_batch_size=warm_set.max_batch_size,
                                 samplers=tuple(warm_set.samplers), sizes=tuple(warm_set.sizes),
                                 guidance=tuple(warm_set.guidance), inputs=warm_set.inputs,
+                                input_values=warm_set.input_values,
                                 devices=warm_set.devices, fsdp=warm_set.fsdp,
                                 lora_ranks=tuple(warm_set.lora_ranks), max_loras=max_loras, lora_dir=lora_dir,
                                 max_image_pixels=max_image_pixels, batch_wait_ms=batch_wait_ms,

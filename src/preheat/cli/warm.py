@@ -31,7 +31,7 @@ inputs_option = click.option(
 
 def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """MODEL, --dtype, --variant, --cache, --max-batch-size, --samplers, --sizes, --guidance, --inputs,
-    --lora-ranks, --devices, --fsdp: the warm set."""
+    --input-values, --lora-ranks, --devices, --fsdp: the warm set."""
     options = [
         click.argument("model", required=False),
         model_options,
@@ -44,6 +44,10 @@ def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--guidance", "guidance_text", default="off,on", show_default=True, metavar="off,on",
                      help="Guidance modes compiled ('on' only where the model can guide)."),
         inputs_option,
+        click.option("--input-values", "input_values_text", metavar="NAME=A,B;...",
+                     help="Static inputs' served values besides the size (each compiled; the first what a request "
+                          "without it gets; a server refuses others): max_sequence_length=256,512 for FLUX.1's "
+                          "and SD3's T5 prompt. Default: each one's default."),
         click.option("--lora-ranks", "lora_ranks_text", metavar="16,32,...",
                      help="LoRA rank buckets compiled besides no LoRA (of 16, 32, 64, 128): a LoRA whose rank "
                           "fits one then runs with no compile. Default: none."),
@@ -81,14 +85,14 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
                           cache: Optional[str] = None, weights_dtype: Optional[str] = None,
                           weights_layers: str = "layerwise", progress: Optional[bool] = None,
                           config: Optional[str] = None, inputs_text: Optional[str] = None,
-                          name_of: Callable[[str], str] = flag_of) -> Any:
+                          name_of: Callable[[str], str] = flag_of, input_values_text: Optional[str] = None) -> Any:
     """The ``WarmSet`` the declaration options describe (one-line errors for bad values, naming
     each setting as ``name_of`` says the user gave it: its flag, or its ``PREHEAT_<SETTING>``); a
     ``random:NAME`` model becomes its folder (a tiny one served at its tiny size by default)."""
     from preheat.warm import WarmSet
     from preheat.errors import InvalidArgumentError
     from preheat.families.inputs import parse_offered
-    from preheat.warm import parse_lora_ranks, parse_sizes
+    from preheat.warm import parse_input_values, parse_lora_ranks, parse_sizes
     from preheat.sharding import parse_devices
 
     from preheat.server.config import check_limits  # the serving limits' one table (no serve extra needed)
@@ -111,7 +115,8 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
                    guidance=guidance, lora_ranks=tuple(ranks), devices=devices, fsdp=fsdp, variant=variant,
                    cache=cache, weights_dtype=weights_dtype, weights_layers=weights_layers,
                    progress=True if progress is None else progress, config=config,
-                   inputs=parse_offered(inputs_text))
+                   inputs=parse_offered(inputs_text),
+                   input_values=parse_input_values(input_values_text, name_of("input_values")))
 
 
 @click.command("warm", cls=SettingsCommand)
@@ -130,7 +135,7 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
                  variant: Optional[str], cache: Optional[str], config: Optional[str],
                  max_batch_size: int, samplers_text: Optional[str],
                  sizes_text: Optional[str], guidance_text: str, inputs_text: Optional[str],
-                 lora_ranks_text: Optional[str], devices_text: Optional[str], fsdp: int, progress: Optional[bool],
+                 input_values_text: Optional[str], lora_ranks_text: Optional[str], devices_text: Optional[str], fsdp: int, progress: Optional[bool],
                  dry_run: bool,
                  as_json: bool, push_timeout_s: float, target_spec: Optional[str], quiet: bool) -> None:
     """Compile MODEL's serving programs into the cache root ahead of time (and push them to
@@ -148,7 +153,8 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
     name_of = names_of()
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp, variant, cache, weights_dtype,
-                                     weights_layers, progress, config, inputs_text, name_of)
+                                     weights_layers, progress, config, inputs_text, name_of,
+                                     input_values_text=input_values_text)
     names = SettingNames.by(name_of)  # set-up messages name the flag or the variable, as given
     target = None
     if target_spec is not None:

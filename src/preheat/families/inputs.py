@@ -649,6 +649,44 @@ def check_offered(family: str, specs: Sequence[InputSpec], offered: Sequence[str
     return tuple(n for n in optional if n in offered)
 
 
+def static_inputs(specs: Sequence[InputSpec]) -> tuple[InputSpec, ...]:
+    """The static inputs besides the image size (which ``--sizes`` serves): each value another
+    program, so a server serves the values it warmed (``--input-values``; a T5 prompt's length)."""
+    pair = size_pair(specs)
+    return tuple(s for s in specs if s.static and (pair is None or s.name not in pair))
+
+
+def served_values(spec: InputSpec, input_values: Sequence[tuple[str, tuple[Any, ...]]]) -> tuple[Any, ...]:
+    """The values a server of ``input_values`` (checked: :func:`check_input_values`) serves of the
+    static input ``spec``, the first what a request without it gets: those named, else its ``warm``
+    values, else its default."""
+    return dict(input_values).get(spec.name) or spec.warm or (spec.default,)
+
+
+def check_input_values(family: str, specs: Sequence[InputSpec], given: Sequence[tuple[str, tuple[Any, ...]]],
+                       label: str = "--input-values") -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """``--input-values`` (name -> values, text or typed) checked against a family's declaration:
+    each name one of its :func:`static_inputs`, each value typed and checked by its spec, in
+    declaration order; otherwise one line naming ``label`` and what the family declares."""
+    static = {s.name: s for s in static_inputs(specs)}
+    declared = f"its static inputs are: {', '.join(static)}" if static else "it has none besides the size"
+    out = {}
+    for name, values in given:
+        spec = static.get(name)
+        if spec is None:
+            sizes = " (the size is served by --sizes)" if name in IMAGE_SIZE else ""
+            raise InvalidArgumentError(f"{label} {name!r} is not a static input of a {family} model{sizes}; "
+                                       f"{declared}", argument="input_values")
+        typed = []
+        for value in values:
+            try:
+                typed.append(spec.check(spec.type.from_text(name, value) if isinstance(value, str) else value, 1))
+            except InvalidArgumentError as err:
+                raise InvalidArgumentError(f"{label} {err}", argument="input_values") from None
+        out[name] = tuple(dict.fromkeys(typed))
+    return tuple((name, out[name]) for name in static if name in out)
+
+
 def check_needs(specs: Sequence[InputSpec], given: dict[str, Any], values: dict[str, Any]) -> None:
     """The relations between a call's ``given`` inputs (``values``: as checked): each given spec's
     ``needs`` are given too, and a mask has the size of the image it needs (``Image(mask=True)``).

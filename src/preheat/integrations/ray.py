@@ -36,7 +36,7 @@ to retry).
 
 Options (``build_app``'s args; ``app`` reads them from the environment): ``model``
 (``PREHEAT_MODEL``; default the built-in model), ``dtype``, ``max_batch_size``, ``samplers``,
-``sizes``, ``guidance``, ``inputs``, ``devices`` (per replica; default all it was given), ``fsdp``,
+``sizes``, ``guidance``, ``inputs``, ``input_values``, ``devices`` (per replica; default all it was given), ``fsdp``,
 ``lora_ranks``, ``max_loras``, ``lora_dir``, ``max_image_pixels``, ``batch_wait_ms``, ``max_queue``, ``max_steps``,
 ``grace_s``, ``push_grace_s``; deployment: ``num_replicas``
 (``PREHEAT_RAY_REPLICAS``; or ``autoscaling``: ``min_replicas``/``max_replicas``/
@@ -103,6 +103,7 @@ class RayOptions:
     sizes: tuple[tuple[int, int], ...] = ()
     guidance: tuple[str, ...] = ("off", "on")
     inputs: Optional[tuple[str, ...]] = None  # offered optional inputs (None: the family's default ones; (): none)
+    input_values: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # static inputs' served values ({name: [values]})
     devices: Any = None
     fsdp: int = 1
     lora_ranks: tuple[int, ...] = ()

@@ -23,6 +23,7 @@ The engine is loaded once per process (at ``python -m`` start, or on the first j
 each as ``PREHEAT_<SETTING>`` (``preheat.server.config.ENV_SETTINGS``: ``PREHEAT_DTYPE``,
 ``PREHEAT_SIZES`` = ``512x512,768x512``, ``PREHEAT_SAMPLERS``, ``PREHEAT_GUIDANCE`` = ``off,on``,
 ``PREHEAT_INPUTS`` = ``negative_prompt`` (the optional inputs offered; ``none``: text only),
+``PREHEAT_INPUT_VALUES`` = ``max_sequence_length=256`` (a static input's served values),
 ``PREHEAT_MAX_BATCH_SIZE``, ``PREHEAT_LORA_RANKS``, ``PREHEAT_LORA_DIR``, ``PREHEAT_CONFIG`` for a
 single file, ``PREHEAT_WEIGHTS_DTYPE``, ``PREHEAT_PROGRESS`` = ``off`` as ``serve --no-progress``, ...;
 docs/serving.md lists them all); a malformed one stops the worker with one line naming it. The

@@ -34,7 +34,7 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from preheat.errors import InputError, NotAccepting, QueueFull
-from preheat.families.inputs import Image, size_pair
+from preheat.families.inputs import Image, served_values, size_pair, static_inputs
 from preheat.server import openai_routes
 from preheat.server.core import Core, Prediction
 from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, api_error, openai_error
@@ -419,10 +419,13 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
     ``--inputs`` leaves out) in the schema: each one's type, bounds and description, served sizes
     as enums, so that schema-valid input is accepted input."""
     schemas = spec.get("components", {}).get("schemas", {})
-    specs = tuple(s for s in offered(pipe, limits or Limits()) if "server" in s.surfaces)
+    limits = limits or Limits()
+    specs = tuple(s for s in offered(pipe, limits) if "server" in s.surfaces)
     sizes = served_sizes(pipe, limits)
     pair = size_pair(specs)
     served = {} if pair is None else pair.inputs((sorted({w for w, _ in sizes}), sorted({h for _, h in sizes})))
+    # any other static input (a T5 prompt's length): its served values (--input-values), the first its default
+    statics = {s.name: served_values(s, limits.input_values) for s in static_inputs(specs)}
     props: dict[str, Any] = {}
     by_name = {s.name: s for s in specs}
     for order, s in enumerate(specs):
@@ -431,6 +434,8 @@ def _describe_model(spec: dict[str, Any], pipe: Any, samplers: tuple[str, ...] =
         if s.name in served:  # one side of the size (the playground shows the pair as one size <select>)
             schema = {"type": "integer", "enum": served[s.name], "description": s.description}
             hints["x-size"] = pair.index(s.name)  # 0: the width, 1: the height
+        elif s.name in statics:
+            schema = {**schema, "enum": list(statics[s.name]), "default": statics[s.name][0]}
         if isinstance(s.type, Image) and s.type.mask and s.needs:  # the image it masks (the page draws on it)
             hints["x-mask-of"] = by_name[s.needs[0]].surface_name
         if s.required:

@@ -78,6 +78,9 @@ class CoreConfig:
     # None = those the family offers by default (all but FLUX.1's negative prompt); () = the required ones only
     # (a text-only server). Others are refused.
     inputs: Optional[tuple[str, ...]] = None
+    # served values of static inputs besides the size (WarmSet.input_values: max_sequence_length=256,512);
+    # () = each one's default only. Others are refused.
+    input_values: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     keep_finished: int = 1000  # finished predictions kept for GET / PUT retries
     guidance: tuple[str, ...] = GUIDANCE_MODES  # warmed guidance modes ("on" only where the model can guide)
     push_grace_s: float = 30.0  # at close(), how long background uploads to the store may take
@@ -111,7 +114,8 @@ class CoreConfig:
 
         return WarmSet(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size,
                        samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
-                       inputs=None if self.inputs is None else tuple(self.inputs), devices=self.devices,
+                       inputs=None if self.inputs is None else tuple(self.inputs),
+                       input_values=self.input_values, devices=self.devices,
                        fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks),
                        variant=self.variant, cache=self.cache, weights_dtype=self.weights_dtype,
                        weights_layers=self.weights_layers, progress=self.progress, config=self.config)
@@ -126,7 +130,8 @@ class CoreConfig:
                    config=warm.config,
                    max_batch_size=warm.max_batch_size,
                    samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance),
-                   inputs=warm.inputs, lora_ranks=tuple(warm.lora_ranks), **options)
+                   inputs=warm.inputs, input_values=warm.input_values, lora_ranks=tuple(warm.lora_ranks),
+                   **options)
 
 
 
@@ -134,7 +139,7 @@ class CoreConfig:
 # handler and Ray's replicas read this one table, so neither misses a setting the other takes.
 ENV_SETTINGS: tuple[str, ...] = (
     "model", "dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "progress", "max_batch_size",
-    "samplers", "sizes", "guidance", "inputs", "devices", "fsdp", "lora_ranks", "max_loras", "lora_dir",
+    "samplers", "sizes", "guidance", "inputs", "input_values", "devices", "fsdp", "lora_ranks", "max_loras", "lora_dir",
     "max_image_pixels",
     "batch_wait_ms", "max_queue", "max_steps", "retune_idle_s")
 _INTS = ("max_batch_size", "fsdp", "max_loras", "max_image_pixels", "max_queue", "max_steps")
@@ -169,7 +174,7 @@ def typed_setting(name: str, value: Any, label: Optional[str] = None) -> Any:
 
 def _typed(name: str, value: Any, label: str) -> Any:
     from preheat.env import on_off
-    from preheat.warm import parse_lora_ranks, parse_sizes
+    from preheat.warm import parse_input_values, parse_lora_ranks, parse_sizes
 
     if name in _LISTS:
         items = value.split(",") if isinstance(value, str) else list(value)
@@ -178,6 +183,11 @@ def _typed(name: str, value: Any, label: str) -> Any:
         from preheat.families.inputs import parse_offered
 
         return parse_offered(value)
+    if name == "input_values":  # typed and checked against the family at set-up (warm.resolve)
+        if isinstance(value, str):
+            return parse_input_values(value, label)
+        pairs = value.items() if isinstance(value, Mapping) else value  # Ray's typed args: {name: [values]}
+        return tuple((str(k), tuple(v) if isinstance(v, (list, tuple)) else (v,)) for k, v in pairs)
     if name == "sizes":
         return parse_sizes(value, label) if isinstance(value, str) else tuple(tuple(int(x) for x in s) for s in value)
     if name == "devices":

@@ -515,6 +515,7 @@ class Core:
         self.limits = replace(self.limits, sizes=self.warm.sizes)  # () where the model makes its own size only
         self.limits = replace(self.limits, schedulers=self.samplers)  # parse refuses the others, naming these
         self.limits = replace(self.limits, inputs=self.warm.inputs)  # ... and the inputs it does not offer
+        self.limits = replace(self.limits, input_values=self.warm.input_values)  # ... and static values not warmed
         first = warm_up(pipe, self.signatures(), self.buckets[-1], self.metrics, self._setup_log)
         if first is not None:  # nothing has run before warm-up: this is the first estimate
             self.batcher.seconds_per_step = first

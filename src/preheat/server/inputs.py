@@ -38,7 +38,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
 from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints,
                                      Label, Pair, ServerBound, Text, default_offered, field_of, inputs_offering,
-                                     offered_specs, size_pair)
+                                     offered_specs, served_values, size_pair, static_inputs)
 
 __all__ = ["Limits", "Job", "FamilyInputs", "family_inputs", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields", "offered",
            "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "JsonFloat",
@@ -85,6 +85,7 @@ class Limits:
     output_formats: tuple[str, ...] = OUTPUT_FORMATS
     sizes: tuple[tuple[int, int], ...] = ()  # text-to-image: served (width, height); () = the model's default
     inputs: Optional[tuple[str, ...]] = None  # the optional data inputs offered (WarmSet.inputs); None: all
+    input_values: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # static inputs' served values (WarmSet.input_values)
     max_lora_scale: float = MAX_LORA_SCALE  # lora_scale within [-max, max]
     lora_dir: Optional[str] = None  # local LoRA files only from under this folder; None: URLs and hf:// only
     fetcher: Any = None  # server.fetch.Fetcher: every URL a request names goes through it; None: a default one
@@ -406,12 +407,16 @@ def _family_values(pipe: Any, inputs: FamilyInputs, extra: dict[str, Any], limit
             wrong = pair.width if pair.width in values and size[0] not in {sw for sw, _ in served} else pair.height
             errors.append((field_of(specs)[wrong], f"{size[0]}x{size[1]} is not served here; sizes: {allowed}"))
         values.update(pair.inputs(size))
-    for spec in specs:  # any other static input (a T5 prompt's length) is served at its warmed values only
-        served_values = spec.warm or (spec.default,)
-        if spec.static and (pair is None or spec.name not in pair) and values.get(spec.name) is not None and \
-                values[spec.name] not in served_values:
+    for spec in static_inputs(specs):  # any other static input (a T5 prompt's length): its warmed values only
+        served = served_values(spec, limits.input_values)
+        if values.get(spec.name) is None:
+            if spec.name in dict(limits.input_values):  # absent: the first served value, as the first size
+                values[spec.name] = served[0]
+        elif values[spec.name] not in served:
+            wanted = f"{spec.name}={','.join(map(str, (*served, values[spec.name])))}"
             errors.append((spec.surface_name, f"{values[spec.name]} is not served here (another program); served: "
-                                              f"{', '.join(map(str, served_values))}"))
+                                              f"{', '.join(map(str, served))} (start the server with --input-values "
+                                              f"{wanted}, or PREHEAT_INPUT_VALUES={wanted}, to serve it)"))
     return values, aliased
 
 

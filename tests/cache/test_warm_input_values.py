@@ -1,0 +1,102 @@
+"""``--input-values``: the served values of a model's static inputs besides the size (FLUX.1's and
+SD3's ``max_sequence_length``), one declaration for `preheat warm`, `preheat serve`, Runpod and Ray.
+Each value is its own programs; the default value's program is the one a set without the
+declaration warms. (The server's side, a request's value refused or filled in: tests/server/test_flow_serving.py.)"""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+import preheat
+from preheat import warm as warming
+from preheat.errors import InvalidArgumentError
+from preheat.server.config import CoreConfig, typed_setting
+from preheat.warm import WarmSet, parse_input_values
+
+LENGTH = "max_sequence_length"
+
+
+@pytest.fixture(scope="module")
+def flux_pipe(tmp_path_factory):
+    from tests._support.flow_fixtures import save_tiny_flow_model
+
+    return preheat.load(save_tiny_flow_model(tmp_path_factory.mktemp("values") / "schnell", "flux-schnell"),
+                        cache="off")
+
+
+def _set(**options) -> WarmSet:
+    return WarmSet(max_batch_size=1, sizes=((32, 32),), inputs=(), **options)
+
+
+def test_the_text_form_parses_to_names_and_values():
+    assert parse_input_values(None) == () and parse_input_values(" ; ") == ()
+    assert parse_input_values(f"{LENGTH}=256, 512,256; other = 1") == ((LENGTH, ("256", "512")), ("other", ("1",)))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("256", f"--input-values '256' must be NAME=VALUE,..., e.g. {LENGTH}=256,512"),
+    (f"{LENGTH}=", f"--input-values '{LENGTH}=' must be NAME=VALUE"),
+    (f"{LENGTH}=256;{LENGTH}=512", f"--input-values names {LENGTH} twice; list its values once: {LENGTH}=A,B"),
+])
+def test_a_malformed_text_is_one_line(text, message):
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_input_values(text)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_each_value_is_its_own_programs_and_the_default_s_is_the_undeclared_set_s(flux_pipe):
+    """The texts are typed by the family's declaration (ints); the 512 signature (FluxPipeline's
+    default) keys the same program as a set that declares nothing; 256 is another program."""
+    resolved = warming.resolve(flux_pipe, _set(input_values=((LENGTH, ("256", "512")),)))
+    assert resolved.input_values == ((LENGTH, (256, 512)),)
+    sigs = warming.signatures(flux_pipe, resolved)
+    assert [s.describe() for s in sigs] == [f"flow_euler batch 1 32x32 +{LENGTH}=256 guidance off",
+                                            f"flow_euler batch 1 32x32 +{LENGTH}=512 guidance off"]
+    assert [dict(s.given)[LENGTH] for s in sigs] == [256, 512]
+    (plain,) = warming.signatures(flux_pipe, warming.resolve(flux_pipe, _set()))
+    assert LENGTH not in dict(plain.given)
+    keys = [warming.status(flux_pipe, s)["key"] for s in (*sigs, plain)]
+    assert keys[1] == keys[2] and keys[0] != keys[1]
+
+
+@pytest.mark.parametrize("values, message", [
+    ((("width", ("64",)),), "--input-values 'width' is not a static input of a flux model (the size is served by "
+                            f"--sizes); its static inputs are: {LENGTH}"),
+    ((("steps", ("4",)),), f"--input-values 'steps' is not a static input of a flux model; its static inputs are: "
+                           f"{LENGTH}"),
+    (((LENGTH, ("600",)),), f"--input-values {LENGTH}=600 must be an int in [1, 512]"),
+    (((LENGTH, ("long",)),), f"--input-values {LENGTH} 'long' must be an int"),
+])
+def test_what_the_family_does_not_declare_static_is_one_line(flux_pipe, values, message):
+    with pytest.raises(InvalidArgumentError) as err:
+        warming.resolve(flux_pipe, _set(input_values=values))
+    assert str(err.value) == message
+
+
+def test_one_declaration_for_warm_serve_runpod_and_ray():
+    """The flag, PREHEAT_INPUT_VALUES and Ray's typed args all give the same WarmSet field, and a
+    server's config warms what `preheat warm` compiled."""
+    from preheat.cli.warm import warm_set_from_options
+
+    warm_set = warm_set_from_options(None, "float32", 4, None, None, "off,on", input_values_text=f"{LENGTH}=256,512")
+    assert warm_set.input_values == ((LENGTH, ("256", "512")),)
+    config = CoreConfig.from_warm_set(warm_set)
+    assert config.input_values == warm_set.input_values and config.warm_set() == warm_set
+    assert typed_setting("input_values", f"{LENGTH}=256,512", "PREHEAT_INPUT_VALUES") == warm_set.input_values
+    assert typed_setting("input_values", {LENGTH: [256, 512]}) == ((LENGTH, (256, 512)),)
+    assert WarmSet(input_values={LENGTH: (256, 512, 256)}).input_values == ((LENGTH, (256, 512)),)
+    with pytest.raises(InvalidArgumentError, match="^PREHEAT_INPUT_VALUES '256' must be NAME=VALUE"):
+        typed_setting("input_values", "256", "PREHEAT_INPUT_VALUES")
+
+
+def test_a_model_without_static_inputs_says_so_as_the_user_named_it(monkeypatch):
+    """The built-in model (a pixel model) has none; the line names the variable when it came from there."""
+    from preheat.cli import main
+
+    monkeypatch.setenv("PREHEAT_INPUT_VALUES", f"{LENGTH}=256")
+    result = CliRunner().invoke(main, ["warm", "--dry-run"])
+    assert result.exit_code != 0
+    assert result.output.strip().splitlines() == [
+        f"error: PREHEAT_INPUT_VALUES '{LENGTH}' is not a static input of a pixel model; it has none besides "
+        "the size"], result.output
