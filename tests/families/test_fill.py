@@ -1,7 +1,8 @@
 """FLUX.1 Fill through preheat.load, against diffusers' own ``FluxFillPipeline`` on a tiny
 random-weight folder, the same image, mask and initial latents (its posterior made quiet, so that
 diffusers' generator-drawn sample of the masked image and preheat's seeded one are both its mean);
-a LoRA made with peft on the folder's (wider) transformer against ``load_lora_weights``."""
+a LoRA made with peft on the folder's (wider) transformer against ``load_lora_weights``, and fp8
+weights against diffusers' layerwise casting."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import preheat
 from preheat.errors import InvalidArgumentError
 from tests._support.flow_fixtures import picture, reference_pipeline, reference_pixels, save_tiny_flow_model
+from tests._support.fp8_reference import FP8, assert_fp8_matches, cast_layers, cast_layerwise, stored_low
 from tests._support.lora_files import save_flux_lora, scale_0
 from tests._support.numerics import assert_pixels_close, counting_traces, mean_abs_px
 
@@ -85,6 +87,18 @@ def test_a_lora_matches_diffusers(folder, pipe, lora):
     ours = pipe.generate("a red boat", lora=lora, lora_scale=scale, **call)
     assert_pixels_close(ours, theirs, shape=(1, 32, 32, 3))
     assert mean_abs_px(ours, pipe.generate("a red boat", **call, **scale_0(lora))) > 5  # the LoRA matters
+
+
+def test_fp8_weights_match_diffusers_layerwise_casting(folder, pipe):
+    """``weights_dtype="float8_e4m3fn"``: the layers diffusers' ``enable_layerwise_casting`` casts
+    (the wider x_embedder among them) are the ones stored in fp8, and the image is diffusers' from
+    the same latents."""
+    ref = reference_pipeline(folder)  # its own: the module's reference stays full precision
+    denoiser = cast_layerwise(ref.transformer)
+    low = preheat.load(folder, cache="off", weights_dtype=FP8)
+    assert stored_low(low.params) == cast_layers(denoiser) and "x_embedder" in cast_layers(denoiser)
+    theirs, call = _fill_call(ref)
+    assert_fp8_matches(low.generate("a red boat", **call), theirs, pipe.generate("a red boat", **call), "fill")
 
 
 def test_the_mask_folds_into_channels_as_diffusers_packs_it(pipe, reference):
