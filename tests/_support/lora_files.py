@@ -7,6 +7,12 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+# diffusers' Flux transformer layers a LoRA covers (attention, MLPs, modulation, x_embedder and the
+# output layers) and the CLIP encoder's: the FLUX.1 parity tests' (text-to-image, Kontext, Fill)
+FLUX_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "proj_mlp", "ff.net.2",
+                "norm1.linear", "x_embedder", "proj_out", "norm_out.linear"]
+TE_TARGETS = ["q_proj", "v_proj", "fc1"]
+
 
 def peft_layers(module, targets: list[str], rank: int, alpha: float, seed: int) -> tuple[dict, dict]:
     """(peft state dict, adapter config) of a random LoRA on a copy of ``module``."""
@@ -32,6 +38,22 @@ def save_lora(pipe, directory: Path, denoiser: str, parts: dict[str, tuple[dict,
         kwargs[f"{name}_lora_adapter_metadata"] = config
     type(pipe).save_lora_weights(directory, **kwargs)
     return directory / "pytorch_lora_weights.safetensors"
+
+
+def save_flux_lora(pipe, directory: Path, seed: int) -> Path:
+    """A FLUX.1 LoRA made on ``pipe`` (``FluxPipeline``, ``FluxKontextPipeline`` or ``FluxFillPipeline``:
+    the shapes are its transformer's, Fill's wider x_embedder included): the transformer's
+    ``FLUX_TARGETS`` at rank 4, alpha 4, and the CLIP encoder's ``TE_TARGETS`` at rank 4, alpha 8."""
+    return save_lora(pipe, directory, "transformer", {
+        "transformer": peft_layers(pipe.transformer, FLUX_TARGETS, 4, 4, seed=seed),
+        "text_encoder": peft_layers(pipe.text_encoder, TE_TARGETS, 4, 8, seed=seed + 1)})
+
+
+def scale_0(lora) -> dict:
+    """The parity tests' negative control: ``lora`` at scale 0, the plain image through the LoRA's
+    own program (a scale is data: no second program; that scale 0 is the plain image is
+    tests/families/test_lora.py::test_switching_loras_scales_and_mixes_never_retraces's)."""
+    return {"lora": lora, "lora_scale": 0.0}
 
 
 def kohya_names(src: Path, dst: Path) -> Path:

@@ -61,6 +61,11 @@ def assert_pixels_close(ours: np.ndarray, theirs: np.ndarray, mean_tol: float = 
     assert ours.std() > 5  # not a flat image
 
 
+def mean_abs_px(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean |difference| of two uint8 images, in levels of 255 (how far an input moved an image)."""
+    return float(np.abs(a.astype(np.int32) - b.astype(np.int32)).mean())
+
+
 def counting_traces(pipe):
     """(a copy of ``pipe`` with no executables, the list its denoiser's traces append to): a call
     that reuses a program adds nothing; one that needs a new program adds a trace."""

@@ -1,6 +1,8 @@
 """FLUX.1 Fill through preheat.load, against diffusers' own ``FluxFillPipeline`` on a tiny
 random-weight folder, the same image, mask and initial latents (its posterior made quiet, so that
-diffusers' generator-drawn sample of the masked image and preheat's seeded one are both its mean)."""
+diffusers' generator-drawn sample of the masked image and preheat's seeded one are both its mean);
+a LoRA made with peft on the folder's (wider) transformer against ``load_lora_weights``, and fp8
+weights against diffusers' layerwise casting."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import pytest
 import preheat
 from preheat.errors import InvalidArgumentError
 from tests._support.flow_fixtures import picture, reference_pipeline, reference_pixels, save_tiny_flow_model
-from tests._support.numerics import assert_pixels_close, counting_traces
+from tests._support.fp8_reference import FP8, assert_fp8_matches, cast_layers, cast_layerwise, stored_low
+from tests._support.lora_files import save_flux_lora, scale_0
+from tests._support.numerics import assert_pixels_close, counting_traces, mean_abs_px
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +30,12 @@ def pipe(folder):
 @pytest.fixture(scope="module")
 def reference(folder):
     return reference_pipeline(folder)
+
+
+@pytest.fixture(scope="module")
+def lora(reference, tmp_path_factory):
+    pytest.importorskip("peft")
+    return save_flux_lora(reference, tmp_path_factory.mktemp("fill-lora"), seed=4)
 
 
 def _mask(width: int, height: int, soft: bool = True) -> np.ndarray:
@@ -52,6 +62,43 @@ def test_matches_diffusers_from_the_same_latents(pipe, reference, image_size, pr
     ours = pipe.generate(prompt, image=image, mask_image=mask, noise=noise, steps=3, guidance=guidance,
                          width=32, height=32)
     assert_pixels_close(ours, theirs, shape=(n, 32, 32, 3))
+
+
+def _fill_call(ref, **kwargs) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(diffusers' image from ``ref`` with ``kwargs``, preheat's call on the same inputs): one image
+    and mask at 32x32, the same latents, 3 steps, the pipeline's guidance 30."""
+    from PIL import Image
+
+    image, mask = picture(32, 32, seed=3), _mask(32, 32)
+    noise = np.random.default_rng(2).standard_normal((1, 4, 16, 16)).astype(np.float32)
+    theirs = reference_pixels(ref, "a red boat", noise, image=Image.fromarray(image), mask_image=Image.fromarray(mask),
+                              num_inference_steps=3, guidance_scale=30.0, **kwargs)
+    return theirs, dict(image=image, mask_image=mask, noise=noise, steps=3, guidance=30.0, width=32, height=32)
+
+
+def test_a_lora_matches_diffusers(folder, pipe, lora):
+    """A LoRA on the Fill transformer (its x_embedder takes the 48 channels of noise, masked image and
+    mask) and the CLIP encoder at ``lora_scale``, against ``load_lora_weights`` with
+    ``joint_attention_kwargs``' scale."""
+    ref = reference_pipeline(folder)  # its own: the module's reference stays LoRA-free
+    ref.load_lora_weights(str(lora))
+    scale = 0.7
+    theirs, call = _fill_call(ref, joint_attention_kwargs={"scale": scale})
+    ours = pipe.generate("a red boat", lora=lora, lora_scale=scale, **call)
+    assert_pixels_close(ours, theirs, shape=(1, 32, 32, 3))
+    assert mean_abs_px(ours, pipe.generate("a red boat", **call, **scale_0(lora))) > 5  # the LoRA matters
+
+
+def test_fp8_weights_match_diffusers_layerwise_casting(folder, pipe):
+    """``weights_dtype="float8_e4m3fn"``: the layers diffusers' ``enable_layerwise_casting`` casts
+    (the wider x_embedder among them) are the ones stored in fp8, and the image is diffusers' from
+    the same latents."""
+    ref = reference_pipeline(folder)  # its own: the module's reference stays full precision
+    denoiser = cast_layerwise(ref.transformer)
+    low = preheat.load(folder, cache="off", weights_dtype=FP8)
+    assert stored_low(low.params) == cast_layers(denoiser) and "x_embedder" in cast_layers(denoiser)
+    theirs, call = _fill_call(ref)
+    assert_fp8_matches(low.generate("a red boat", **call), theirs, pipe.generate("a red boat", **call), "fill")
 
 
 def test_the_mask_folds_into_channels_as_diffusers_packs_it(pipe, reference):

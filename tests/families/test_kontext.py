@@ -1,5 +1,6 @@
 """FLUX.1 Kontext through preheat.load, against diffusers' own ``FluxKontextPipeline`` on a tiny
-random-weight folder, the same reference image and the same initial latents."""
+random-weight folder, the same reference image and the same initial latents (a LoRA too: made with
+peft on the folder's transformer and CLIP encoder, loaded by ``load_lora_weights``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import preheat
 from preheat.errors import InvalidArgumentError
 from preheat.families.image import pixels
 from tests._support.flow_fixtures import picture, reference_pipeline, reference_pixels, save_tiny_flow_model
-from tests._support.numerics import assert_pixels_close, counting_traces
-
+from tests._support.lora_files import save_flux_lora, scale_0
+from tests._support.numerics import assert_pixels_close, counting_traces, mean_abs_px
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,12 @@ def pipe(folder):
 @pytest.fixture(scope="module")
 def reference(folder):
     return reference_pipeline(folder)
+
+
+@pytest.fixture(scope="module")
+def lora(reference, tmp_path_factory):
+    pytest.importorskip("peft")
+    return save_flux_lora(reference, tmp_path_factory.mktemp("kontext-lora"), seed=4)
 
 
 def _noise(n: int, h: int, w: int, seed: int = 0) -> np.ndarray:
@@ -53,6 +60,23 @@ def test_matches_diffusers_from_the_same_latents(pipe, reference, image_size, si
                          **({} if size is None else dict(width=w, height=h)), **true_cfg)
     assert ours.shape == (n, h, w, 3)
     assert_pixels_close(ours, theirs)
+
+
+def test_a_lora_matches_diffusers(folder, pipe, lora):
+    """A LoRA on the transformer (x_embedder, attention, MLPs, modulation, output) and the CLIP
+    encoder at ``lora_scale``, against ``load_lora_weights`` with ``joint_attention_kwargs``' scale."""
+    from PIL import Image
+
+    image, noise, scale = picture(40, 40, seed=1), _noise(1, 16, 16), 0.7
+    ref = reference_pipeline(folder)  # its own: the module's reference stays LoRA-free
+    ref.load_lora_weights(str(lora))
+    theirs = reference_pixels(ref, "make it a watercolor", noise, image=Image.fromarray(image), num_inference_steps=3,
+                              guidance_scale=3.5, max_area=32 * 32, _auto_resize=False,
+                              joint_attention_kwargs={"scale": scale})
+    call = dict(image=image, image_resize="none", noise=noise, steps=3, guidance=3.5, width=32, height=32)
+    ours = pipe.generate("make it a watercolor", lora=lora, lora_scale=scale, **call)
+    assert_pixels_close(ours, theirs, shape=(1, 32, 32, 3))
+    assert mean_abs_px(ours, pipe.generate("make it a watercolor", **call, **scale_0(lora))) > 5  # the LoRA matters
 
 
 @pytest.mark.parametrize("image_size", [(40, 20), (20, 40), (33, 31), (64, 48)])

@@ -14,7 +14,9 @@ import pytest
 import preheat
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, PreheatError, WeightsError
 from tests._support import flow_fixtures, sd_fixtures
-from tests._support.lora_files import kohya_names, kohya_sgm_names, peft_layers, save_lora
+from tests._support.lora_files import (TE_TARGETS, kohya_names, kohya_sgm_names, peft_layers, save_flux_lora,
+                                        save_lora, scale_0)
+from tests._support.numerics import mean_abs_px as _diff
 
 peft = pytest.importorskip("peft")
 
@@ -24,9 +26,6 @@ pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "ff.net.2"]
-FLUX_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "proj_mlp", "ff.net.2",
-                "norm1.linear", "x_embedder", "proj_out", "norm_out.linear"]
-TE_TARGETS = ["q_proj", "v_proj", "fc1"]
 MISSING_WIDTH = 32  # tiny Flux: the width of a fused part a LoRA leaves out (2 heads x 16)
 
 
@@ -132,9 +131,7 @@ def flux(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora-flux")
     folder = flow_fixtures.save_tiny_flow_model(base / "flux-dev", "flux-dev")
     ref = flow_fixtures.reference_pipeline(folder)
-    a = save_lora(ref, base / "A", "transformer", {
-        "transformer": peft_layers(ref.transformer, FLUX_TARGETS, 4, 4, seed=4),
-        "text_encoder": peft_layers(ref.text_encoder, TE_TARGETS, 4, 8, seed=5)})
+    a = save_flux_lora(ref, base / "A", seed=4)
     return {"folder": folder, "A": a, "pipe": preheat.load(folder, cache="off"),
             "bfl": _flux_fused(a, base / "A-bfl.safetensors", "bfl"),
             "xlabs": _flux_fused(a, base / "A-xlabs.safetensors", "xlabs")}
@@ -142,17 +139,6 @@ def flux(tmp_path_factory):
 
 def _noise(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, 4, 16, 16)).astype(np.float32)
-
-
-def _diff(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a.astype(np.int32) - b.astype(np.int32)).mean())
-
-
-def _scale_0(lora) -> dict:
-    """The parity tests' negative control: ``lora`` at scale 0, the plain image through the LoRA's
-    own program (a scale is data: no second program; that scale 0 is the plain image is
-    test_switching_loras_scales_and_mixes_never_retraces's)."""
-    return {"lora": lora, "lora_scale": 0.0}
 
 
 def _fresh(pipe):
@@ -189,7 +175,7 @@ def test_sd_lora_matches_diffusers(sd, kind, sampler, scale, call, record_proper
     pipe = entry["pipe"]
     ours = pipe.generate(prompt, noise=noise, steps=steps, sampler=sampler, guidance=guidance, lora=entry["A"],
                          lora_scale=scale)
-    plain = pipe.generate(prompt, noise=noise, steps=steps, sampler=sampler, guidance=guidance, **_scale_0(entry["A"]))
+    plain = pipe.generate(prompt, noise=noise, steps=steps, sampler=sampler, guidance=guidance, **scale_0(entry["A"]))
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(ours, plain) > 5  # the LoRA really changes the image
@@ -214,7 +200,7 @@ def test_flux_lora_matches_diffusers(flux, record_property):
     ours = pipe.generate("a watercolor fox", noise=noise, steps=steps, guidance=3.5, width=32, height=32,
                          lora=flux["A"], lora_scale=scale)
     plain = pipe.generate("a watercolor fox", noise=noise, steps=steps, guidance=3.5, width=32, height=32,
-                          **_scale_0(flux["A"]))
+                          **scale_0(flux["A"]))
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(ours, plain) > 5
@@ -244,7 +230,7 @@ def test_flux_bfl_and_xlabs_names_match_diffusers(flux, style, tmp_path, record_
     pipe = flux["pipe"]
     ours = pipe.generate("a red fox", noise=noise, steps=steps, guidance=3.5, width=32, height=32, lora=flux[style])
     plain = pipe.generate("a red fox", noise=noise, steps=steps, guidance=3.5, width=32, height=32,
-                          **_scale_0(flux[style]))
+                          **scale_0(flux[style]))
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(ours, plain) > 2
@@ -407,7 +393,7 @@ def test_sdxl_kohya_original_layout_names_match_diffusers(sd, tmp_path, record_p
                                           width=32, guidance_scale=5.0)
     pipe = entry["pipe"]
     ours = pipe.generate("a photo of a dog", noise=noise, steps=steps, sampler="euler", guidance=5.0, lora=lora)
-    plain = pipe.generate("a photo of a dog", noise=noise, steps=steps, sampler="euler", guidance=5.0, **_scale_0(lora))
+    plain = pipe.generate("a photo of a dog", noise=noise, steps=steps, sampler="euler", guidance=5.0, **scale_0(lora))
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(ours, plain) > 2

@@ -18,12 +18,12 @@ from preheat.errors import InvalidArgumentError, ModelFormatError
 from tests._support.flow_fixtures import reference_pipeline as flow_reference
 from tests._support.flow_fixtures import reference_pixels as flow_pixels
 from tests._support.flow_fixtures import save_tiny_flow_model
+from tests._support.fp8_reference import FP8, assert_fp8_matches, cast_layers, cast_layerwise
+from tests._support.fp8_reference import stored_low as _stored_low
 from tests._support.sd_fixtures import reference_pipeline as sd_reference
 from tests._support.sd_fixtures import reference_pixels as sd_pixels
 from tests._support.sd_fixtures import save_tiny_sd
 
-FP8 = "float8_e4m3fn"
-MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 ORDER_TOL = 0.01  # the same weights, products in another order (float32): test_scaled_fp8.py says why
 CALLS = {"flux": dict(prompt="a watercolor fox", guidance=3.5), "sd": dict(prompt="a photo of a cat", guidance=5.0)}
 
@@ -46,12 +46,8 @@ def _noise(n: int = 1) -> np.ndarray:
 
 def _reference(folders, name: str):
     """diffusers' pipeline with its denoiser under ``enable_layerwise_casting`` (fp8 storage, fp32 compute)."""
-    import torch
-
     ref = flow_reference(folders[name], "flow_euler") if name == "flux" else sd_reference(folders[name], "ddim")
-    denoiser = ref.transformer if name == "flux" else ref.unet
-    denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
-    return ref, denoiser
+    return ref, cast_layerwise(ref.transformer if name == "flux" else ref.unet)
 
 
 def _ours(pipes, name: str, low: bool) -> np.ndarray:
@@ -60,21 +56,10 @@ def _ours(pipes, name: str, low: bool) -> np.ndarray:
                                        sampler="flow_euler" if name == "flux" else "ddim", width=32, height=32)
 
 
-def _stored_low(params) -> set[str]:
-    """Module names (torch style) of the weights a pipeline holds in fp8."""
-    from flax import nnx
-
-    return {".".join(str(p) for p in path[:-1]) for path, var in nnx.to_flat_state(params)
-            if np.dtype(var.get_value().dtype) == np.dtype(FP8)}
-
-
 @pytest.mark.parametrize("name", ["flux", "sd"])
 def test_the_fp8_layers_are_the_ones_diffusers_casts(folders, pipes, name):
-    import torch
-
     _, denoiser = _reference(folders, name)
-    theirs = {n for n, m in denoiser.named_modules()
-              if getattr(m, "weight", None) is not None and m.weight.dtype == torch.float8_e4m3fn}
+    theirs = cast_layers(denoiser)
     ours = _stored_low(pipes[(name, True)].params)
     assert ours == theirs and len(ours) > 5
     top = {n.split(".")[0] for n in ours}
@@ -90,14 +75,7 @@ def test_fp8_matches_diffusers_layerwise_casting(folders, pipes, name):
     pixels = flow_pixels if name == "flux" else sd_pixels
     size = {} if name == "flux" else dict(height=32, width=32)
     theirs = pixels(ref, call["prompt"], _noise(), num_inference_steps=3, guidance_scale=call["guidance"], **size)
-    ours = _ours(pipes, name, True)
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
-    print(f"{name} fp8: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
-    assert diff.mean() <= MEAN_TOL and ours.std() > 5
-    full = _ours(pipes, name, False)  # the storage really is fp8: the image moves
-    moved = np.abs(full.astype(np.int32) - ours.astype(np.int32)).mean()
-    print(f"{name} fp8 vs full precision: mean |Δpx| {moved:.4f}")
-    assert moved > 2 * diff.mean() and moved > 0.1
+    assert_fp8_matches(_ours(pipes, name, True), theirs, _ours(pipes, name, False), name)
 
 
 def test_fp8_1x1_convs_draw_diffusers_image_of_the_fp8_weights(folders, pipes, record_property):
