@@ -153,14 +153,14 @@ class WarmSet:
     devices: Any = None  # "all", a count or device ids; None = preheat.load's default ($PREHEAT_DEVICES or all)
     fsdp: int = 1  # the devices each weight is split over (preheat.load(fsdp=...)): part of every program
     lora_ranks: tuple[int, ...] = ()  # LoRA rank buckets (``preheat.lora.BUCKETS``) warmed besides no LoRA
-    # the served values of static inputs other than the size (``families.inputs.static_inputs``: a T5
+    # the served values of static inputs other than the size (``families.offer.static_inputs``: a T5
     # prompt's max_sequence_length), each value its own programs, the first what a request without it
     # gets: ((name, values), ...); () = each one's default only. Text values (``--input-values``) are
     # typed by the family's declaration at ``resolve``.
     input_values: tuple[tuple[str, tuple[Any, ...]], ...] = ()
-    # the optional data inputs offered (``families.inputs.optional_inputs``: a negative prompt, an
+    # the optional data inputs offered (``families.offer.optional_inputs``: a negative prompt, an
     # image, a mask): each is its own programs, so a text-only server offers () and warms none of
-    # theirs; None = every one the family offers by default (``families.inputs.default_offered``: all but
+    # theirs; None = every one the family offers by default (``families.offer.default_offered``: all but
     # FLUX.1's negative prompt). Required inputs (the prompt) are always offered.
     inputs: Optional[tuple[str, ...]] = None
     variant: Optional[str] = None  # weight files *.VARIANT.safetensors (preheat.load(variant=...))
@@ -255,7 +255,7 @@ def resolve(pipe: Any, warm_set: WarmSet, names: SettingNames = SettingNames()) 
     anything compiles. The line names the setting as the user gave it (``names``: the command
     line's ``--inputs`` unless the surface read it elsewhere, as Runpod's ``PREHEAT_INPUTS``)."""
     from preheat.errors import InvalidArgumentError
-    from preheat.families.inputs import check_input_values, check_offered
+    from preheat.families.offer import check_input_values, check_offered
 
     inputs = check_offered(pipe.family.name, _specs(pipe), warm_set.inputs, names.inputs)
     input_values = check_input_values(pipe.family.name, _specs(pipe), warm_set.input_values, names.input_values)
@@ -280,7 +280,7 @@ def resolve(pipe: Any, warm_set: WarmSet, names: SettingNames = SettingNames()) 
 def signatures(pipe: Any, warm_set: WarmSet) -> list[WarmSignature]:
     """Every program of a resolved set (see the module docstring for the product): the input
     variants only of the offered inputs (``WarmSet.inputs``)."""
-    from preheat.families.inputs import offered_specs
+    from preheat.families.offer import offered_specs
 
     sizes: tuple[Optional[tuple[int, int]], ...] = warm_set.sizes if _sized(pipe) else (None,)
     buckets = buckets_for(warm_set.max_batch_size, pipe.device_count)  # every device gets a slice
@@ -322,7 +322,7 @@ class OfferedInputs(NamedTuple):
 
 def offered_inputs(pipe: Any, warm_set: WarmSet) -> OfferedInputs:
     """The inputs a server of a resolved set takes and refuses."""
-    from preheat.families.inputs import default_offered, optional_inputs, required_inputs
+    from preheat.families.offer import default_offered, optional_inputs, required_inputs
 
     specs = _specs(pipe)
     optional = optional_inputs(specs)

@@ -106,7 +106,7 @@ def test_inputs_the_family_does_not_declare_fail_in_one_line(sd_pipe, inputs, me
 
 
 def test_the_inputs_flag_is_one_declaration_for_warm_and_serve():
-    from preheat.families.inputs import parse_offered
+    from preheat.families.offer import parse_offered
 
     assert parse_offered(None) is None and parse_offered("none") == () and parse_offered(" image, mask_image,") == (
         "image", "mask_image")

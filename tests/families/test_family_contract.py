@@ -28,7 +28,8 @@ import pytest
 import preheat
 from preheat.errors import InvalidArgumentError
 from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, Choice, Float, Image, InputSpec, Int, Ints, Label, Pair,
-                                    Text, optional_inputs)
+                                    Text)
+from preheat.families.offer import optional_inputs
 from preheat.server.images import decode_data_url
 from tests._support.image_files import data_uri, encoded
 from tests._support.server_fixtures import runpod_jobs, serving, wait_status

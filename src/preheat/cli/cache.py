@@ -268,7 +268,7 @@ def _check_offered(pipe: Any, model: str | None, inputs_text: str | None, opts: 
     if inputs_text is None:
         return
     from preheat.errors import InvalidArgumentError
-    from preheat.families.inputs import inputs_offering, parse_offered
+    from preheat.families.offer import inputs_offering, parse_offered
     from preheat.warm import WarmSet, offered_inputs, resolve
 
     offered = offered_inputs(pipe, resolve(pipe, WarmSet(model=model, inputs=parse_offered(inputs_text))))

@@ -91,7 +91,7 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     ``random:NAME`` model becomes its folder (a tiny one served at its tiny size by default)."""
     from preheat.warm import WarmSet
     from preheat.errors import InvalidArgumentError
-    from preheat.families.inputs import parse_offered
+    from preheat.families.offer import parse_offered
     from preheat.warm import parse_input_values, parse_lora_ranks, parse_sizes
     from preheat.sharding import parse_devices
 

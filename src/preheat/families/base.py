@@ -27,7 +27,8 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError
 from preheat.families.components import Components, PixelComponents
-from preheat.families.inputs import IMAGE_SIZE, InputSpec, check_int, check_needs, size_specs, unknown_input, warm_variants
+from preheat.families.inputs import IMAGE_SIZE, InputSpec, check_int, check_needs, size_specs, unknown_input
+from preheat.families.offer import warm_variants
 from preheat.samplers import DIFFUSION_SAMPLERS
 from preheat.timings import Timings
 

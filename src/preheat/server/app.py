@@ -34,7 +34,8 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from preheat.errors import InputError, NotAccepting, QueueFull
-from preheat.families.inputs import Image, served_values, size_pair, static_inputs
+from preheat.families.inputs import Image, size_pair
+from preheat.families.offer import served_values, static_inputs
 from preheat.server import openai_routes
 from preheat.server.core import Core, Prediction
 from preheat.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard, api_error, openai_error

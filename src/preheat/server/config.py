@@ -180,7 +180,7 @@ def _typed(name: str, value: Any, label: str) -> Any:
         items = value.split(",") if isinstance(value, str) else list(value)
         return tuple(str(v).strip() for v in items if str(v).strip())
     if name == "inputs":  # the names are checked against the family at set-up (warm.resolve)
-        from preheat.families.inputs import parse_offered
+        from preheat.families.offer import parse_offered
 
         return parse_offered(value)
     if name == "input_values":  # typed and checked against the family at set-up (warm.resolve)

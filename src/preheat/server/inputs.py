@@ -37,8 +37,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
 from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints,
-                                     Label, Pair, ServerBound, Text, default_offered, field_of, inputs_offering,
-                                     offered_specs, served_values, size_pair, static_inputs)
+                                     Label, Pair, ServerBound, Text, field_of, size_pair)
+from preheat.families.offer import default_offered, inputs_offering, offered_specs, served_values, static_inputs
 
 __all__ = ["Limits", "Job", "FamilyInputs", "family_inputs", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields", "offered",
            "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "JsonFloat",
