@@ -21,22 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from preheat.backends.torch.calls import diffusers_calls
 from preheat.families.inputs import IMAGE_SIZE
 
 __all__ = ["image_pipeline", "image_kwargs", "same_noise", "pixels_of"]
-
-_CLASSES = {("stable-diffusion", False): "StableDiffusionImg2ImgPipeline",
-            ("stable-diffusion", True): "StableDiffusionInpaintPipeline",
-            ("stable-diffusion-xl", False): "StableDiffusionXLImg2ImgPipeline",
-            ("stable-diffusion-xl", True): "StableDiffusionXLInpaintPipeline",
-            ("stable-diffusion-3", False): "StableDiffusion3Img2ImgPipeline",
-            ("stable-diffusion-3", True): "StableDiffusion3InpaintPipeline",
-            ("flux", False): "FluxImg2ImgPipeline",
-            ("flux", True): "FluxInpaintPipeline",
-            ("flux-fill", True): "FluxFillPipeline"}  # a Fill folder's own pipeline
-# img2img pipelines that take width/height (the image is resized to them) rather than the image's size
-_SIZED = ("stable-diffusion-3", "flux", "flux-fill")
-
 
 def image_pipeline(pipe: Any, family: str, inpaint: bool, cache: dict) -> Any:
     """diffusers' img2img / inpaint pipeline sharing ``pipe``'s components (built once per kind)."""
@@ -44,14 +32,15 @@ def image_pipeline(pipe: Any, family: str, inpaint: bool, cache: dict) -> Any:
     if key not in cache:
         import diffusers
 
-        if key not in _CLASSES:
+        calls = diffusers_calls(family)
+        name = calls.inpaint if inpaint else calls.img2img
+        if name is None:
             from preheat.errors import InvalidArgumentError
 
-            raise InvalidArgumentError(f"the torch backend has no image pipeline for a {family} model",
-                                       argument="image")
-        cls = getattr(diffusers, _CLASSES[key])
-        extra = {"requires_safety_checker": False} if family == "stable-diffusion" else {}
-        built = cls.from_pipe(pipe, **extra)
+            raise InvalidArgumentError(f"the torch backend has no {'inpainting' if inpaint else 'img2img'} pipeline "
+                                       f"for a {family} model", argument="mask_image" if inpaint else "image")
+        extra = {"requires_safety_checker": False} if calls.safety_checker else {}
+        built = getattr(diffusers, name).from_pipe(pipe, **extra)
         built.set_progress_bar_config(disable=True)
         cache[key] = built
     out = cache[key]
@@ -59,26 +48,27 @@ def image_pipeline(pipe: Any, family: str, inpaint: bool, cache: dict) -> Any:
     return out
 
 
-def image_kwargs(values: dict[str, Any], kwargs: dict[str, Any], family: str = "") -> dict[str, Any]:
+def image_kwargs(values: dict[str, Any], kwargs: dict[str, Any], family: str) -> dict[str, Any]:
     """A text-to-image call's keywords -> the image pipeline's: the image (and mask) as PIL, the
     strength; SD img2img takes no size (it is the image's; Flux and SD3 resize the image to
-    width x height) and no latents (its ε is drawn)."""
+    width x height: ``DiffusersCalls.sized_image``) and no latents (its ε is drawn)."""
     from PIL import Image
 
+    calls = diffusers_calls(family)
     out = dict(kwargs)
     given = out.pop("latents", None)  # as the text pipeline takes them (Flux: packed)
     out.update(image=Image.fromarray(values["image"]), strength=values["strength"])
-    if family in _SIZED:  # the image once per prompt: SD3's img2img cannot spread one over a list of generators
+    if calls.sized_image:  # the image once per prompt: SD3's img2img cannot spread one over a list of generators
         out["image"] = [out["image"]] * len(values["prompt"])
     if values.get("mask_image") is None:
-        if family not in _SIZED:
+        if not calls.sized_image:
             for key in IMAGE_SIZE:  # diffusers' size keywords are ours
                 out.pop(key, None)
     else:
         out["mask_image"] = Image.fromarray(values["mask_image"])
-        if values["strength"] == 1.0 and family != "flux":  # is_strength_max: given latents are the noise
-            out["latents"] = given  # (FluxInpaintPipeline noises the image at sigma 1: same_noise's ε)
-        if family == "stable-diffusion-3":
+        if values["strength"] == 1.0 and calls.strength_max_latents:  # is_strength_max: given latents are the noise
+            out["latents"] = given
+        if calls.inpaint_decode_shift:
             out.update(callback_on_step_end=_sd3_shift, callback_on_step_end_tensor_inputs=["latents"])
         pads = set(values.get("padding_mask_crop") or ())
         if len(pads) > 1:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from preheat.backends.torch.calls import diffusers_calls
 from preheat.backends.torch.compile_cache import INDUCTOR_OPTIONS, TorchCompiler, torch_key_fields
 from preheat.backends.torch.sampling import make_scheduler
 from preheat.backends.torch.arguments import EngineArguments
@@ -95,7 +96,7 @@ class TorchTextPipeline(EngineArguments):
         kwargs: dict[str, Any] = dict(
             prompt=v["prompt"], **IMAGE_SIZE.inputs(IMAGE_SIZE.of(v)), num_inference_steps=request.steps,
             generator=[torch.Generator("cpu").manual_seed(int(s)) for s in request.seeds], output_type="np")
-        if self.family.name.startswith("flux"):  # embedded guidance; FluxPipeline takes packed latents
+        if diffusers_calls(self.family.name).packed_latents:  # embedded guidance; FluxPipeline takes packed latents
             b, c, h, w = latents.shape
             kwargs.update(prompt_2=v["prompt_2"], guidance_scale=request.guidance,
                           latents=self.pipe._pack_latents(latents, b, c, h, w))
