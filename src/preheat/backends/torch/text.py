@@ -314,7 +314,7 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
     kwargs.update({k: None for k, v in index.items() if v == [None, None]})  # e.g. SD3 saved without its T5
     if class_name.startswith("StableDiffusionXL"):
         kwargs["add_watermarker"] = False
-    elif class_name.startswith("StableDiffusion") and class_name != "StableDiffusion3Pipeline":
+    elif diffusers_calls(family.name).safety_checker:
         kwargs.update(safety_checker=None, requires_safety_checker=False)
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
