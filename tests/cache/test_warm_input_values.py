@@ -100,3 +100,39 @@ def test_a_model_without_static_inputs_says_so_as_the_user_named_it(monkeypatch)
     assert result.output.strip().splitlines() == [
         f"error: PREHEAT_INPUT_VALUES '{LENGTH}' is not a static input of a pixel model; it has none besides "
         "the size"], result.output
+
+
+def test_cache_explain_as_server_takes_the_served_values_as_the_server_does(flux_pipe, monkeypatch, tmp_path):
+    """`cache explain --as-server --input-values`: a call without --max-sequence-length is the
+    server's first served length, so its key is the key `warm --dry-run` lists for that signature
+    (the default's without the declaration); a length not served is the server's one-line refusal."""
+    import dataclasses
+    import json
+
+    from preheat.cache.compile import JaxCompiler
+    from preheat.cli import main
+
+    pipe = dataclasses.replace(flux_pipe, _executables={}, compiler=JaxCompiler(root=tmp_path / "root", remote=None))
+    monkeypatch.setattr(preheat, "load", lambda model, **options: pipe)
+    declared = ["--input-values", f"{LENGTH}=256"]
+    dry = CliRunner().invoke(main, ["warm", str(tmp_path), "--max-batch-size", "1", "--inputs", "none", *declared,
+                                    "--dry-run", "--json"])
+    assert dry.exit_code == 0, dry.output
+    (row,) = json.loads(dry.output[dry.output.index("{"):])["signatures"]
+    assert row["signature"].endswith(f"+{LENGTH}=256 guidance off")
+    call = ["cache", "explain", str(tmp_path), "--prompt", "a fox", "--n", "1", "--as-server"]
+
+    def key(*args: str) -> str:
+        result = CliRunner().invoke(main, [*call, *args])
+        assert result.exit_code == 0, result.output
+        return result.output.splitlines()[-1].split("key ")[1][:12]
+
+    assert key(*declared) == row["key"][:12] == key(*declared, "--max-sequence-length", "256")
+    assert key() != row["key"][:12]  # a server declaring nothing serves 512
+    refused = CliRunner().invoke(main, [*call, *declared, "--max-sequence-length", "512"])
+    assert refused.exit_code != 0 and refused.output.strip().splitlines()[-1] == (
+        f"error: --max-sequence-length 512 is not served here (another program); served: 256 (start the server "
+        f"with --input-values {LENGTH}=256,512, or PREHEAT_INPUT_VALUES={LENGTH}=256,512, to serve it)")
+    alone = CliRunner().invoke(main, ["cache", "explain", str(tmp_path), "--prompt", "a fox", *declared])
+    assert alone.output.strip().splitlines()[-1] == ("error: --max-batch-size, --progress and --input-values "
+                                                      "describe a server's call: pass --as-server")

@@ -16,7 +16,7 @@ from preheat.cli._support import one_line_errors
 from preheat.cli.family_options import FamilyInputsCommand, flag_errors
 from preheat.cli.options import NON_NEGATIVE, POSITIVE, CallOptions, call_options
 from preheat.cli.settings_env import SettingsCommand
-from preheat.cli.warm import inputs_option
+from preheat.cli.warm import input_values_option, inputs_option
 from preheat.families.inputs import common_spec
 from preheat.server.config import env_var
 
@@ -160,7 +160,7 @@ class ExplainCommand(SettingsCommand, FamilyInputsCommand):
     are sample's (``PREHEAT_GUIDANCE`` is a server's guidance modes, ``--guidance`` a call's scale)."""
 
     env_settings = ("dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "devices", "fsdp",
-                    "max_batch_size", "progress", "inputs")
+                    "max_batch_size", "progress", "inputs", "input_values")
     env_gate = "--as-server"
 
 
@@ -182,10 +182,11 @@ class ExplainCommand(SettingsCommand, FamilyInputsCommand):
 @click.option("--progress/--no-progress", "progress", default=None,
               help="--as-server: the server's --progress (default on, as serve's).")
 @inputs_option
+@input_values_option
 @one_line_errors
 def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, target_spec: str | None,
                     as_server: bool, max_batch_size: int | None, progress: bool | None,
-                    inputs_text: str | None) -> None:
+                    inputs_text: str | None, input_values_text: str | None) -> None:
     """Would `preheat sample` with these options hit the cache? If not, which key fields differ from
     the nearest entry. Takes exactly sample's options, with its defaults; with --as-server, the same
     request as a server (or warm job) declared by --max-batch-size and --progress runs it. With
@@ -201,9 +202,9 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
     from preheat.errors import InvalidArgumentError
     from preheat.sharding import parse_devices
 
-    if not as_server and (max_batch_size is not None or progress is not None):
-        raise InvalidArgumentError("--max-batch-size and --progress describe a server's call: pass --as-server",
-                                   argument="--as-server")
+    if not as_server and (max_batch_size is not None or progress is not None or input_values_text is not None):
+        raise InvalidArgumentError("--max-batch-size, --progress and --input-values describe a server's call: pass "
+                                   "--as-server", argument="--as-server")
     if as_server and opts.model is None and os.environ.get(env_var("model"), "").strip():
         opts = dataclasses.replace(opts, model=os.environ[env_var("model")].strip())  # as serve's MODEL
     resolved = resolve_model(opts.model, log=lambda line: click.echo(line, err=True))
@@ -228,17 +229,24 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
     pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"), fsdp=fsdp, **load)
     _check_offered(pipe, model, inputs_text, opts)
     n, served = opts.batch(pipe), {}
+    with flag_errors(pipe):
+        given = opts.call_inputs(pipe)
     if as_server:  # the server's declaration (serve's defaults where not given): its bucket and step reports
-        from preheat.warm import WarmSet, served_call
+        from preheat.warm import WarmSet, parse_input_values, served_call
+        from preheat.cli.settings_env import names_of
+
+        label = names_of()("input_values")  # the flag, or PREHEAT_INPUT_VALUES where it came from there
 
         server = WarmSet(model=model, dtype=opts.dtype, max_batch_size=max_batch_size or WarmSet.max_batch_size,
-                         progress=WarmSet.progress if progress is None else progress)
+                         progress=WarmSet.progress if progress is None else progress,
+                         input_values=parse_input_values(input_values_text, label))
         call = served_call(pipe, server, n)
         click.echo(f"as a server with --max-batch-size {server.max_batch_size} calls it: {n} image(s) as batch "
                    f"{call.bucket}, step reports {'on' if call.inputs else 'off'}")
         n, served = call
+        given = _as_served(pipe, server, given, label)
     with flag_errors(pipe):
-        sig, args = pipe.prepare(n, **opts.call_inputs(pipe), **served)
+        sig, args = pipe.prepare(n, **given, **served)
     fields = key_fields(pipe.fingerprint, sig, args, target=target)
     key = key_of(fields)
     kind_dir = pipe.compiler.root / "compile" / "jax" if pipe.compiler else None
@@ -258,6 +266,21 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
         click.echo(f"miss: key {key[:12]}; the cache has no entries to compare with")
     else:
         click.echo(f"miss: key {key[:12]}; nearest entry {labelled(name)} differs in: {', '.join(diff)}")
+
+
+def _as_served(pipe: Any, server: Any, given: dict[str, Any], label: str) -> dict[str, Any]:
+    """The call's inputs as a server of ``server`` (a ``WarmSet``) takes them: its static inputs'
+    served values (``--input-values``) -- an absent one its first, one it does not serve refused
+    in one line naming the flag (``families.offer.served_statics``, the server's own rule)."""
+    from preheat.errors import InvalidArgumentError
+    from preheat.families.offer import check_input_values, served_statics
+
+    specs = pipe.family.input_specs(pipe)
+    values = check_input_values(pipe.family.name, specs, server.input_values, label)
+    statics = served_statics(specs, values, given)
+    for spec, why in statics.refused:
+        raise InvalidArgumentError(f"{spec.cli_flag} {why}", argument=spec.cli_flag)
+    return {**given, **statics.filled}
 
 
 def _check_offered(pipe: Any, model: str | None, inputs_text: str | None, opts: CallOptions) -> None:

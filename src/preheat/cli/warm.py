@@ -17,7 +17,7 @@ from preheat.cli._support import one_line_errors
 from preheat.cli.options import NON_NEGATIVE, model_options
 from preheat.cli.settings_env import SettingsCommand, flag_of, names_of
 
-__all__ = ["warm_command", "declaration_options", "inputs_option", "warm_set_from_options"]
+__all__ = ["warm_command", "declaration_options", "inputs_option", "input_values_option", "warm_set_from_options"]
 
 
 # the optional inputs a declaration offers (parse_offered, then warm.resolve checks them against the
@@ -27,6 +27,15 @@ inputs_option = click.option(
     help="Optional inputs offered (each variant compiled; a server refuses others): of the model's negative_prompt, "
          "image, mask_image; none = the required ones only (text-to-image). Default: all the model declares but "
          "FLUX.1's negative_prompt (true CFG: name it to offer it).")
+
+
+# the served values of static inputs besides the size (parse_input_values; warm.resolve checks them): `warm`,
+# `serve`, and `cache explain --as-server`, whose call then takes them as such a server would
+input_values_option = click.option(
+    "--input-values", "input_values_text", metavar="NAME=A,B;...",
+    help="Static inputs' served values besides the size (each compiled; the first what a request without it gets; "
+         "a server refuses others): max_sequence_length=256,512 for FLUX.1's and SD3's T5 prompt. Default: each "
+         "one's default.")
 
 
 def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -44,10 +53,7 @@ def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--guidance", "guidance_text", default="off,on", show_default=True, metavar="off,on",
                      help="Guidance modes compiled ('on' only where the model can guide)."),
         inputs_option,
-        click.option("--input-values", "input_values_text", metavar="NAME=A,B;...",
-                     help="Static inputs' served values besides the size (each compiled; the first what a request "
-                          "without it gets; a server refuses others): max_sequence_length=256,512 for FLUX.1's "
-                          "and SD3's T5 prompt. Default: each one's default."),
+        input_values_option,
         click.option("--lora-ranks", "lora_ranks_text", metavar="16,32,...",
                      help="LoRA rank buckets compiled besides no LoRA (of 16, 32, 64, 128): a LoRA whose rank "
                           "fits one then runs with no compile. Default: none."),

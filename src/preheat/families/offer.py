@@ -11,13 +11,14 @@ refuses what they leave out, so the two agree.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from preheat.errors import InvalidArgumentError
 from preheat.families.inputs import IMAGE_SIZE, InputSpec, size_pair
 
 __all__ = ["warm_variants", "NO_INPUTS", "optional_inputs", "default_offered", "inputs_offering", "required_inputs",
-           "offered_specs", "parse_offered", "check_offered", "static_inputs", "served_values", "check_input_values"]
+           "offered_specs", "parse_offered", "check_offered", "static_inputs", "served_values", "check_input_values",
+           "ServedStatics", "served_statics"]
 
 
 def warm_variants(specs: Sequence[InputSpec], guided: bool) -> list[dict[str, Any]]:
@@ -160,3 +161,32 @@ def check_input_values(family: str, specs: Sequence[InputSpec], given: Sequence[
                 raise InvalidArgumentError(f"{label} {err}", argument="input_values") from None
         out[name] = tuple(dict.fromkeys(typed))
     return tuple((name, out[name]) for name in static if name in out)
+
+
+class ServedStatics(NamedTuple):
+    """A call's static inputs besides the size as a server serves them (:func:`served_statics`)."""
+
+    filled: dict[str, Any]  # absent ones the declaration names: keyword -> its first served value
+    refused: list[tuple[InputSpec, str]]  # given values it does not serve: (the input, why, one line)
+
+
+def served_statics(specs: Sequence[InputSpec], input_values: Sequence[tuple[str, tuple[Any, ...]]],
+                   values: Mapping[str, Any]) -> ServedStatics:
+    """How a server of ``input_values`` (checked) takes a call's static inputs besides the size:
+    one absent but named there gets its first served value (as a request without a size gets the
+    first size); a given value it does not serve is refused, naming the ``--input-values`` that
+    would serve it. The server's parse and ``cache explain --as-server`` read this one rule."""
+    filled: dict[str, Any] = {}
+    refused: list[tuple[InputSpec, str]] = []
+    for spec in static_inputs(specs):
+        served = served_values(spec, input_values)
+        value = values.get(spec.name)
+        if value is None:
+            if spec.name in dict(input_values):
+                filled[spec.name] = served[0]
+        elif value not in served:
+            wanted = f"{spec.name}={','.join(map(str, (*served, value)))}"
+            refused.append((spec, f"{value} is not served here (another program); served: "
+                                  f"{', '.join(map(str, served))} (start the server with --input-values {wanted}, or "
+                                  f"PREHEAT_INPUT_VALUES={wanted}, to serve it)"))
+    return ServedStatics(filled, refused)

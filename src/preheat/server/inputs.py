@@ -38,7 +38,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
 from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints,
                                      Label, Pair, ServerBound, Text, field_of, size_pair)
-from preheat.families.offer import default_offered, inputs_offering, offered_specs, served_values, static_inputs
+from preheat.families.offer import default_offered, inputs_offering, offered_specs, served_statics
 
 __all__ = ["Limits", "Job", "FamilyInputs", "family_inputs", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields", "offered",
            "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "JsonFloat",
@@ -407,16 +407,9 @@ def _family_values(pipe: Any, inputs: FamilyInputs, extra: dict[str, Any], limit
             wrong = pair.width if pair.width in values and size[0] not in {sw for sw, _ in served} else pair.height
             errors.append((field_of(specs)[wrong], f"{size[0]}x{size[1]} is not served here; sizes: {allowed}"))
         values.update(pair.inputs(size))
-    for spec in static_inputs(specs):  # any other static input (a T5 prompt's length): its warmed values only
-        served = served_values(spec, limits.input_values)
-        if values.get(spec.name) is None:
-            if spec.name in dict(limits.input_values):  # absent: the first served value, as the first size
-                values[spec.name] = served[0]
-        elif values[spec.name] not in served:
-            wanted = f"{spec.name}={','.join(map(str, (*served, values[spec.name])))}"
-            errors.append((spec.surface_name, f"{values[spec.name]} is not served here (another program); served: "
-                                              f"{', '.join(map(str, served))} (start the server with --input-values "
-                                              f"{wanted}, or PREHEAT_INPUT_VALUES={wanted}, to serve it)"))
+    statics = served_statics(specs, limits.input_values, values)  # any other static input: its warmed values only
+    values.update(statics.filled)
+    errors.extend((spec.surface_name, why) for spec, why in statics.refused)
     return values, aliased
 
 
