@@ -1,6 +1,6 @@
-"""LoRAs as runtime data (issue 15): files made with peft on tiny SD 1.x, SDXL and Flux folders,
-loaded by diffusers (``load_lora_weights``) as the reference; a kohya-named file converted from the
-same tensors; zero retraces across LoRAs, scales and mixes; per-image adapters in one batch."""
+"""LoRAs as runtime data (issue 15): files made with peft on tiny SD 1.x, SD 2.x, SDXL, SD3 and Flux
+folders, loaded by diffusers (``load_lora_weights``) as the reference; a kohya-named file converted
+from the same tensors; zero retraces across LoRAs, scales and mixes; per-image adapters in one batch."""
 
 from __future__ import annotations
 
@@ -31,11 +31,12 @@ MISSING_WIDTH = 32  # tiny Flux: the width of a fused part a LoRA leaves out (2 
 
 @pytest.fixture(scope="module")
 def sd(tmp_path_factory):
-    """Tiny SD 1.x and SDXL folders, their LoRAs (A: UNet + text encoder, rank 4, alpha 8; B: UNet
-    rank 8) and the kohya copy of SD's A."""
+    """Tiny SD 1.x, SD 2.x (linear proj_in, per-level heads, gelu text encoder, v-prediction) and
+    SDXL folders, their LoRAs (A: UNet + text encoder, rank 4, alpha 8; B: UNet rank 8) and the
+    kohya copy of SD's A."""
     base = tmp_path_factory.mktemp("lora")
     out = {}
-    for kind in ("sd1", "sdxl"):
+    for kind in ("sd1", "sd2", "sdxl"):
         folder = sd_fixtures.save_tiny_sd(base / kind, kind=kind)
         ref = sd_fixtures.reference_pipeline(folder, "euler")
         te = "text_encoder_2" if kind == "sdxl" else "text_encoder"
@@ -162,6 +163,7 @@ def _fresh(pipe):
 
 @pytest.mark.parametrize("kind,sampler,scale,call", [
     ("sd1", "ddim", 0.8, dict(prompt="a photo of a cat", guidance_scale=7.5)),
+    ("sd2", "ddim", 0.8, dict(prompt="a photo of a cat", guidance_scale=7.5)),  # v-prediction, linear proj_in
     ("sdxl", "euler", 1.0, dict(prompt="a photo of a dog", guidance_scale=5.0)),
 ])
 def test_sd_lora_matches_diffusers(sd, kind, sampler, scale, call, record_property):
