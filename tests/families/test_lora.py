@@ -227,7 +227,8 @@ def test_flux_bfl_and_xlabs_names_match_diffusers(flux, style, tmp_path, record_
     full widths (3072), so the tiny BFL file is checked against the same tensors in diffusers' names."""
     noise, steps = _noise(1), 3
     ref = flow_fixtures.reference_pipeline(flux["folder"])
-    ref.load_lora_weights(str(flux[style] if style == "xlabs" else _transformer_only(flux["A"], tmp_path / "t.safetensors")))
+    file = flux[style] if style == "xlabs" else _transformer_only(flux["A"], tmp_path / "t.safetensors")
+    ref.load_lora_weights(str(file))
     theirs = flow_fixtures.reference_pixels(ref, "a red fox", noise, num_inference_steps=steps, guidance_scale=3.5)
     pipe = flux["pipe"]
     ours = pipe.generate("a red fox", noise=noise, steps=steps, guidance=3.5, width=32, height=32, lora=flux[style])
@@ -305,7 +306,8 @@ def test_bad_input_is_one_line(sd, tmp_path):
     pipe = entry["pipe"]
     layer = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
     unknown = _save_tensors(tmp_path / "unknown.safetensors", {
-        "unet.not_a_block.0.to_q.lora_A.weight": np.ones((4, 32)), "unet.not_a_block.0.to_q.lora_B.weight": np.ones((32, 4)),
+        "unet.not_a_block.0.to_q.lora_A.weight": np.ones((4, 32)),
+        "unet.not_a_block.0.to_q.lora_B.weight": np.ones((32, 4)),
         f"{layer}.lora_A.weight": np.ones((4, 32)), f"{layer}.lora_B.weight": np.ones((32, 4))})
     wide = _save_tensors(tmp_path / "wide.safetensors", {f"{layer}.lora_A.weight": np.ones((130, 32)),
                                                          f"{layer}.lora_B.weight": np.ones((32, 130))})
@@ -409,7 +411,8 @@ def test_sd3_lora_matches_diffusers(tmp_path_factory, record_property):
     base = tmp_path_factory.mktemp("lora-sd3")
     folder = flow_fixtures.save_tiny_flow_model(base / "sd3", "sd3")
     ref = flow_fixtures.reference_pipeline(folder)
-    a = save_lora(ref, base / "A", "transformer", {"transformer": peft_layers(ref.transformer, SD3_TARGETS, 4, 8, seed=6)})
+    a = save_lora(ref, base / "A", "transformer",
+                  {"transformer": peft_layers(ref.transformer, SD3_TARGETS, 4, 8, seed=6)})
     noise = np.random.default_rng(0).standard_normal((1, ref.transformer.config.in_channels, 16, 16)).astype(np.float32)
     ref.load_lora_weights(str(a))
     theirs = flow_fixtures.reference_pixels(ref, "a watercolor fox", noise, num_inference_steps=3, guidance_scale=5.0,
