@@ -83,17 +83,19 @@ def _private_cache_root(tmp_path_factory, monkeypatch):
 # Seconds per file (>= 10 s) of `make test` (not slow, not ray), 2 workers, from round 12's full run
 # (2026-12-04 14:59 UTC, 3255 tests, 1090 s, nothing else running; pytest's cache):
 # relative cost only. Replace with a later quiet run's seconds (.pytest_cache/v/preheat/file_seconds_<tier>).
+# test_lora.py, test_kontext.py and test_fill.py: each file alone, 1 worker, its tests' summed seconds
+# (2026-12-05, after the SD 2.x LoRA and Kontext fp8 checks; the 2 cores shared, load average 2.4-4.4).
 HEAVY_FILES: dict[str, float] = {
-    "tests/families/test_image.py": 70, "tests/families/test_few_step.py": 62,
+    "tests/families/test_lora.py": 81, "tests/families/test_image.py": 70, "tests/families/test_few_step.py": 62,
     "tests/families/test_stable_diffusion.py": 61, "tests/cache/test_compile_cache.py": 59,
-    "tests/test_docs.py": 58, "tests/families/test_lora.py": 55, "tests/families/test_family_contract.py": 53,
-    "tests/models/test_unet2d_condition.py": 46, "tests/cache/test_remote.py": 44,
+    "tests/test_docs.py": 58, "tests/families/test_family_contract.py": 53,
+    "tests/families/test_kontext.py": 47, "tests/models/test_unet2d_condition.py": 46, "tests/cache/test_remote.py": 44,
     "tests/models/test_unet2d.py": 44, "tests/models/test_scaled_fp8.py": 44,
     "tests/families/test_text_inputs.py": 44, "tests/server/test_text_to_image.py": 42,
     "tests/cache/test_targets.py": 41, "tests/server/test_image_sd_server.py": 40, "tests/test_devices.py": 39,
     "tests/server/test_lora_server.py": 39, "tests/models/test_storage.py": 39,
     "tests/models/test_single_file.py": 39, "tests/test_cli.py": 38,
-    "tests/families/test_flow_families.py": 37, "tests/server/test_fuzz.py": 35,
+    "tests/families/test_flow_families.py": 37, "tests/families/test_fill.py": 36, "tests/server/test_fuzz.py": 35,
     "tests/server/test_fetch.py": 34, "tests/samplers/test_sampler_parity.py": 34,
     "tests/families/test_flow_inpaint.py": 31, "tests/models/test_published_fetch.py": 30,
     "tests/server/test_flow_serving.py": 30, "tests/test_progress.py": 30,
@@ -103,11 +105,11 @@ HEAVY_FILES: dict[str, float] = {
     "tests/families/test_flow_img2img.py": 26, "tests/cache/test_warm.py": 25,
     "tests/doctor/test_doctor_gpu.py": 22, "tests/models/test_vae.py": 21,
     "tests/server/test_idle_retune.py": 21, "tests/test_builtin_model.py": 21, "tests/models/test_flux.py": 20,
-    "tests/families/test_kontext.py": 20, "tests/server/test_bench.py": 20, "tests/test_terminal.py": 19,
+    "tests/server/test_bench.py": 20, "tests/test_terminal.py": 19,
     "tests/server/test_offered_inputs.py": 19, "tests/server/test_server.py": 19,
     "tests/cache/test_remote_store.py": 18, "tests/models/test_single_file_bundles.py": 18,
     "tests/samplers/test_start.py": 18, "tests/backends/test_torch_backend.py": 16,
-    "tests/models/test_t5.py": 16, "tests/models/test_conv_impl.py": 15, "tests/families/test_fill.py": 14,
+    "tests/models/test_t5.py": 16, "tests/models/test_conv_impl.py": 15,
     "tests/samplers/test_sampler_runtime.py": 14, "tests/cache/test_early.py": 14,
     "tests/backends/test_torch_image.py": 14, "tests/server/test_hardening.py": 13,
     "tests/server/test_common_inputs.py": 13, "tests/test_random_models.py": 12,

@@ -1,6 +1,7 @@
 """fp8 weight storage (``weights_dtype="float8_e4m3fn"``) against diffusers' layerwise casting: the
 reference denoiser, the layers each side stores in fp8, and the image comparison the fp8 parity
-tests share (tests/models/test_storage.py's FLUX.1 and SD 1.x, tests/families/test_fill.py's Fill)."""
+tests share (tests/models/test_storage.py's FLUX.1 and SD 1.x, tests/families/test_fill.py's Fill,
+tests/families/test_kontext.py's Kontext)."""
 
 from __future__ import annotations
 

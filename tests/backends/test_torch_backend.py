@@ -31,7 +31,9 @@ def pipes(tiny):
     return preheat.load(tiny, cache="off"), torch_load(tiny)
 
 
-def _diff(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
+def _mean_and_max_px(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
+    """(mean, max) |difference| of two uint8 images of one shape, in levels of 255: the torch-vs-JAX
+    checks record both and the per-image seed check bounds the max, so not numerics.mean_abs_px."""
     assert a.shape == b.shape and a.dtype == b.dtype == np.uint8
     d = np.abs(a.astype(np.int32) - b.astype(np.int32))
     return float(d.mean()), int(d.max())
@@ -62,7 +64,7 @@ def test_torch_matches_jax_on_a_tiny_class_conditional_model(pipes, case, record
         case["noise"] = np.random.default_rng(0).standard_normal((case["n"], 1, 8, 8)).astype(np.float32)
     a = jax_pipe.generate(**case)
     b = torch_pipe.generate(**case)
-    mean, worst = _diff(a, b)
+    mean, worst = _mean_and_max_px(a, b)
     record_property("mean_abs_px", mean)
     record_property("max_abs_px", worst)
     print(f"torch vs jax: mean |Δpx| {mean:.4f}, max {worst}")
@@ -76,7 +78,7 @@ def test_torch_matches_jax_on_the_builtin_model(record_property):
     jax_pipe, torch_pipe = preheat.load(cache="off"), torch_load()
     a = jax_pipe.generate(4, seed=0)
     b = torch_pipe.generate(4, seed=0)
-    mean, worst = _diff(a, b)
+    mean, worst = _mean_and_max_px(a, b)
     record_property("mean_abs_px", mean)
     record_property("max_abs_px", worst)
     print(f"built-in model, torch vs jax: mean |Δpx| {mean:.4f}, max {worst}")
@@ -146,8 +148,8 @@ def test_stochastic_sampler_is_reproducible_per_image(pipes):
     alone = torch_pipe.generate(1, sampler="euler_a", steps=4, seed=5, class_labels=[1])
     again = torch_pipe.generate(2, sampler="euler_a", steps=4, seed=[5, 6], class_labels=[1, 1])
     np.testing.assert_array_equal(both, again)
-    assert _diff(both[:1], alone)[1] <= 1
-    assert _diff(both[:1], both[1:])[1] > 10  # different seeds, different images
+    assert _mean_and_max_px(both[:1], alone)[1] <= 1
+    assert _mean_and_max_px(both[:1], both[1:])[1] > 10  # different seeds, different images
 
 
 def test_timestep_class_embedding_loads_and_samples_like_diffusers(tmp_path):
@@ -159,7 +161,7 @@ def test_timestep_class_embedding_loads_and_samples_like_diffusers(tmp_path):
     assert jax_pipe.num_classes == torch_pipe.num_classes == 10  # num_class_embeds 11, less the null class
     case = dict(n=3, sampler="ddim", steps=5, seed=[1, 2, 3], class_labels=[1, 4, 9])  # guidance 2: the model's
     a = jax_pipe.generate(**case)
-    mean, worst = _diff(a, torch_pipe.generate(**case))
+    mean, worst = _mean_and_max_px(a, torch_pipe.generate(**case))
     assert mean <= MEAN_TOL, (mean, worst)
     assert a.std() > 5
     assert not np.array_equal(a, jax_pipe.generate(**dict(case, class_labels=[0, 0, 0])))  # the labels are used

@@ -1,6 +1,7 @@
 """FLUX.1 Kontext through preheat.load, against diffusers' own ``FluxKontextPipeline`` on a tiny
 random-weight folder, the same reference image and the same initial latents (a LoRA too: made with
-peft on the folder's transformer and CLIP encoder, loaded by ``load_lora_weights``)."""
+peft on the folder's transformer and CLIP encoder, loaded by ``load_lora_weights``; and fp8 weights
+against diffusers' layerwise casting)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import preheat
 from preheat.errors import InvalidArgumentError
 from preheat.families.image import pixels
 from tests._support.flow_fixtures import picture, reference_pipeline, reference_pixels, save_tiny_flow_model
+from tests._support.fp8_reference import FP8, assert_fp8_matches, cast_layers, cast_layerwise, stored_low
 from tests._support.lora_files import save_flux_lora, scale_0
 from tests._support.numerics import assert_pixels_close, counting_traces, mean_abs_px
 
@@ -62,21 +64,40 @@ def test_matches_diffusers_from_the_same_latents(pipe, reference, image_size, si
     assert_pixels_close(ours, theirs)
 
 
+def _kontext_call(ref, **kwargs) -> tuple[np.ndarray, dict]:
+    """(diffusers' image from ``ref`` with ``kwargs``, preheat's call on the same inputs): a 40x40
+    reference used as it is, a 32x32 output from the same latents, 3 steps, guidance 3.5."""
+    from PIL import Image
+
+    image, noise = picture(40, 40, seed=1), _noise(1, 16, 16)
+    theirs = reference_pixels(ref, "make it a watercolor", noise, image=Image.fromarray(image), num_inference_steps=3,
+                              guidance_scale=3.5, max_area=32 * 32, _auto_resize=False, **kwargs)
+    return theirs, dict(image=image, image_resize="none", noise=noise, steps=3, guidance=3.5, width=32, height=32)
+
+
 def test_a_lora_matches_diffusers(folder, pipe, lora):
     """A LoRA on the transformer (x_embedder, attention, MLPs, modulation, output) and the CLIP
     encoder at ``lora_scale``, against ``load_lora_weights`` with ``joint_attention_kwargs``' scale."""
-    from PIL import Image
-
-    image, noise, scale = picture(40, 40, seed=1), _noise(1, 16, 16), 0.7
+    scale = 0.7
     ref = reference_pipeline(folder)  # its own: the module's reference stays LoRA-free
     ref.load_lora_weights(str(lora))
-    theirs = reference_pixels(ref, "make it a watercolor", noise, image=Image.fromarray(image), num_inference_steps=3,
-                              guidance_scale=3.5, max_area=32 * 32, _auto_resize=False,
-                              joint_attention_kwargs={"scale": scale})
-    call = dict(image=image, image_resize="none", noise=noise, steps=3, guidance=3.5, width=32, height=32)
+    theirs, call = _kontext_call(ref, joint_attention_kwargs={"scale": scale})
     ours = pipe.generate("make it a watercolor", lora=lora, lora_scale=scale, **call)
     assert_pixels_close(ours, theirs, shape=(1, 32, 32, 3))
     assert mean_abs_px(ours, pipe.generate("make it a watercolor", **call, **scale_0(lora))) > 5  # the LoRA matters
+
+
+def test_fp8_weights_match_diffusers_layerwise_casting(folder, pipe):
+    """``weights_dtype="float8_e4m3fn"``: the layers diffusers' ``enable_layerwise_casting`` casts
+    are the ones stored in fp8, and the image is diffusers' from the same latents and reference
+    (whose tokens go through the same fp8 layers as the noise's)."""
+    ref = reference_pipeline(folder)  # its own: the module's reference stays full precision
+    denoiser = cast_layerwise(ref.transformer)
+    low = preheat.load(folder, cache="off", weights_dtype=FP8)
+    assert stored_low(low.params) == cast_layers(denoiser) and "x_embedder" in cast_layers(denoiser)
+    theirs, call = _kontext_call(ref)
+    assert_fp8_matches(low.generate("make it a watercolor", **call), theirs,
+                       pipe.generate("make it a watercolor", **call), "kontext")
 
 
 @pytest.mark.parametrize("image_size", [(40, 20), (20, 40), (33, 31), (64, 48)])

@@ -1,6 +1,6 @@
-"""LoRAs as runtime data (issue 15): files made with peft on tiny SD 1.x, SDXL and Flux folders,
-loaded by diffusers (``load_lora_weights``) as the reference; a kohya-named file converted from the
-same tensors; zero retraces across LoRAs, scales and mixes; per-image adapters in one batch."""
+"""LoRAs as runtime data (issue 15): files made with peft on tiny SD 1.x, SD 2.x, SDXL, SD3 and Flux
+folders, loaded by diffusers (``load_lora_weights``) as the reference; a kohya-named file converted
+from the same tensors; zero retraces across LoRAs, scales and mixes; per-image adapters in one batch."""
 
 from __future__ import annotations
 
@@ -31,11 +31,12 @@ MISSING_WIDTH = 32  # tiny Flux: the width of a fused part a LoRA leaves out (2 
 
 @pytest.fixture(scope="module")
 def sd(tmp_path_factory):
-    """Tiny SD 1.x and SDXL folders, their LoRAs (A: UNet + text encoder, rank 4, alpha 8; B: UNet
-    rank 8) and the kohya copy of SD's A."""
+    """Tiny SD 1.x, SD 2.x (linear proj_in, per-level heads, gelu text encoder, v-prediction) and
+    SDXL folders, their LoRAs (A: UNet + text encoder, rank 4, alpha 8; B: UNet rank 8) and the
+    kohya copy of SD's A."""
     base = tmp_path_factory.mktemp("lora")
     out = {}
-    for kind in ("sd1", "sdxl"):
+    for kind in ("sd1", "sd2", "sdxl"):
         folder = sd_fixtures.save_tiny_sd(base / kind, kind=kind)
         ref = sd_fixtures.reference_pipeline(folder, "euler")
         te = "text_encoder_2" if kind == "sdxl" else "text_encoder"
@@ -162,6 +163,7 @@ def _fresh(pipe):
 
 @pytest.mark.parametrize("kind,sampler,scale,call", [
     ("sd1", "ddim", 0.8, dict(prompt="a photo of a cat", guidance_scale=7.5)),
+    ("sd2", "ddim", 0.8, dict(prompt="a photo of a cat", guidance_scale=7.5)),  # v-prediction, linear proj_in
     ("sdxl", "euler", 1.0, dict(prompt="a photo of a dog", guidance_scale=5.0)),
 ])
 def test_sd_lora_matches_diffusers(sd, kind, sampler, scale, call, record_property):
@@ -225,7 +227,8 @@ def test_flux_bfl_and_xlabs_names_match_diffusers(flux, style, tmp_path, record_
     full widths (3072), so the tiny BFL file is checked against the same tensors in diffusers' names."""
     noise, steps = _noise(1), 3
     ref = flow_fixtures.reference_pipeline(flux["folder"])
-    ref.load_lora_weights(str(flux[style] if style == "xlabs" else _transformer_only(flux["A"], tmp_path / "t.safetensors")))
+    file = flux[style] if style == "xlabs" else _transformer_only(flux["A"], tmp_path / "t.safetensors")
+    ref.load_lora_weights(str(file))
     theirs = flow_fixtures.reference_pixels(ref, "a red fox", noise, num_inference_steps=steps, guidance_scale=3.5)
     pipe = flux["pipe"]
     ours = pipe.generate("a red fox", noise=noise, steps=steps, guidance=3.5, width=32, height=32, lora=flux[style])
@@ -303,7 +306,8 @@ def test_bad_input_is_one_line(sd, tmp_path):
     pipe = entry["pipe"]
     layer = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
     unknown = _save_tensors(tmp_path / "unknown.safetensors", {
-        "unet.not_a_block.0.to_q.lora_A.weight": np.ones((4, 32)), "unet.not_a_block.0.to_q.lora_B.weight": np.ones((32, 4)),
+        "unet.not_a_block.0.to_q.lora_A.weight": np.ones((4, 32)),
+        "unet.not_a_block.0.to_q.lora_B.weight": np.ones((32, 4)),
         f"{layer}.lora_A.weight": np.ones((4, 32)), f"{layer}.lora_B.weight": np.ones((32, 4))})
     wide = _save_tensors(tmp_path / "wide.safetensors", {f"{layer}.lora_A.weight": np.ones((130, 32)),
                                                          f"{layer}.lora_B.weight": np.ones((32, 130))})
@@ -407,7 +411,8 @@ def test_sd3_lora_matches_diffusers(tmp_path_factory, record_property):
     base = tmp_path_factory.mktemp("lora-sd3")
     folder = flow_fixtures.save_tiny_flow_model(base / "sd3", "sd3")
     ref = flow_fixtures.reference_pipeline(folder)
-    a = save_lora(ref, base / "A", "transformer", {"transformer": peft_layers(ref.transformer, SD3_TARGETS, 4, 8, seed=6)})
+    a = save_lora(ref, base / "A", "transformer",
+                  {"transformer": peft_layers(ref.transformer, SD3_TARGETS, 4, 8, seed=6)})
     noise = np.random.default_rng(0).standard_normal((1, ref.transformer.config.in_channels, 16, 16)).astype(np.float32)
     ref.load_lora_weights(str(a))
     theirs = flow_fixtures.reference_pixels(ref, "a watercolor fox", noise, num_inference_steps=3, guidance_scale=5.0,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import preheat
+from tests._support.numerics import mean_abs_px as _diff
 from tests._support.reference import TINY_CLASS_CONDITIONAL, save_random_unet
 
 MEAN_TOL = 1.0  # mean |Δ| in levels (1/255) across frameworks
@@ -47,11 +48,8 @@ def _noise(seed: int) -> np.ndarray:
 
 
 def _levels(images: np.ndarray) -> np.ndarray:
-    return (np.asarray(images, np.float64) * 255).round()
-
-
-def _diff(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).mean())
+    """diffusers' [0, 1] images (clamped) as uint8 levels, rounded as its numpy_to_pil does."""
+    return (np.asarray(images, np.float64) * 255).round().astype(np.uint8)
 
 
 def test_timestep_spacing_is_diffusers_ddpm_pipeline_with_that_scheduler(folder: Path, pipe: Any) -> None:
