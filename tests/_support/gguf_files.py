@@ -4,11 +4,13 @@ writer and quantiser::
     write_gguf(path, tensors, quant) -> {name: GGML type}
     quantize(rows, kind)             -> the blocks (uint8, (..., in / QK * BYTES))
 
-``gguf`` 0.19 quantises Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 but only reads the K types (Q2_K..Q6_K),
-so their blocks are written here: a plain min/max quantiser per sub-block (not llama.cpp's
-search), packed as ggml-common.h lays each block out. What makes them right is that ``gguf``'s
-own ``dequantize`` reads them back to the weights within a quantisation step
-(``tests/models/test_ggml.py`` checks it), independently of preheat's reading.
+``gguf`` 0.19 quantises Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 but only reads the K types (Q2_K..Q6_K)
+and IQ4_NL/IQ4_XS, so their blocks are written here: a plain min/max quantiser per sub-block (not
+llama.cpp's search; for the IQ4 types, the scale that maps the block's largest magnitude to the
+table's -127, as llama.cpp starts from, then each value's nearest table entry), packed as
+ggml-common.h lays each block out. What makes them right is that ``gguf``'s own ``dequantize``
+reads them back to the weights within a quantisation step (``tests/models/test_ggml.py`` checks
+it), independently of preheat's reading.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any, Callable
 import numpy as np
 
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+IQ4_TYPES = ("IQ4_NL", "IQ4_XS")
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml-common.h
 
 
 def write_gguf(path: Any, tensors: dict[str, np.ndarray], quant: Any) -> dict[str, str]:
@@ -52,16 +56,17 @@ def write_gguf(path: Any, tensors: dict[str, np.ndarray], quant: Any) -> dict[st
 
 def quantize(rows: np.ndarray, kind: Any) -> np.ndarray:
     """``rows`` (..., in) float32 as ``kind``'s blocks: ``gguf.quants.quantize`` where it quantises,
-    else this module's K-type writer."""
+    else this module's K-type or IQ4 writer."""
     import gguf
 
     kind = gguf.GGMLQuantizationType[kind] if isinstance(kind, str) else kind
-    if kind.name not in K_TYPES:
+    if kind.name not in _WRITERS:
         return gguf.quants.quantize(rows, kind)
     lead, width = rows.shape[:-1], rows.shape[-1]
-    blocks = np.asarray(rows, np.float32).reshape(-1, 256)  # (n, 256): one super-block each
-    out = _K_WRITERS[kind.name](blocks)
-    return out.reshape(*lead, width // 256 * out.shape[-1])
+    qk = gguf.GGML_QUANT_SIZES[kind][0]
+    blocks = np.asarray(rows, np.float32).reshape(-1, qk)  # (n, QK): one (super-)block each
+    out = _WRITERS[kind.name](blocks)
+    return out.reshape(*lead, width // qk * out.shape[-1])
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
@@ -152,4 +157,38 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), _f16(d)], axis=1)
 
 
-_K_WRITERS = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+def _nearest_kv(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The index of each ``x / scale``'s nearest ``KVALUES_IQ4NL`` entry (x (n, k), scale (n, 1));
+    1 (index 8, the entry nearest 0) where the scale is 0."""
+    kv = np.asarray(KVALUES_IQ4NL, np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(scale != 0, x / scale, 0)
+    return np.abs(t[..., None] - kv).argmin(axis=-1).astype(np.uint8)
+
+
+def _signed_max(g: np.ndarray) -> np.ndarray:
+    """The value of largest magnitude along the last axis, with its sign: (..., k) -> (...)."""
+    return np.take_along_axis(g, np.abs(g).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+
+
+def _iq4_nl(x: np.ndarray) -> np.ndarray:
+    d = (_signed_max(x) / KVALUES_IQ4NL[0]).astype(np.float16).astype(np.float32)  # (n,): the extreme -> -127
+    return np.concatenate([_f16(d), _fields(_nearest_kv(x, d[:, None]), 16, (0, 4))], axis=1)
+
+
+def _iq4_xs(x: np.ndarray) -> np.ndarray:
+    n = x.shape[0]
+    g = x.reshape(n, 8, 32)
+    sub = _signed_max(g) / KVALUES_IQ4NL[0]  # (n, 8): each sub-block's scale, signed
+    d = (_signed_max(sub) / -32).astype(np.float16).astype(np.float32)  # (n,): the largest scale -> ls - 32 = -32
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = np.where(d[:, None] != 0, np.rint(sub / d[:, None]), 0).clip(-32, 31).astype(np.int32) + 32  # 0..63
+    dl = (d[:, None] * (ls - 32)).reshape(n * 8, 1)
+    q = _nearest_kv(g.reshape(n * 8, 32), dl).reshape(n, 256)
+    scales_h = _fields((ls >> 4).astype(np.uint8), 1, (0, 2, 4, 6))  # (n, 2): a little-endian uint16, 2 bits each
+    scales_l = _fields((ls & 0x0F).astype(np.uint8), 1, (0, 4))  # (n, 4): a nibble each
+    return np.concatenate([_f16(d), scales_h, scales_l, _fields(q, 16, (0, 4))], axis=1)
+
+
+_WRITERS = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl,
+            "IQ4_XS": _iq4_xs}

@@ -2,7 +2,8 @@
 ``gguf.quants.dequantize``, the numpy reading the ``gguf`` package ships, on random blocks.
 
 Every float product in these formats is exact in float32 (an f16 scale's 11 significant bits
-times integers of at most 13 bits), so both sides round once, at the final ``+ m`` / ``- dmin*m``:
+times integers of at most 13 bits; IQ4's table values are such integers, -127..113), so both sides
+round once, at the final ``+ m`` / ``- dmin*m``, or never:
 the comparison is bit for bit (``view(uint32)``), not to a tolerance. The blocks are random bytes
 with random finite float16 scales (zeros, subnormals and negatives among them)."""
 
@@ -17,7 +18,7 @@ from preheat.models.quantised import Packed
 gguf = pytest.importorskip("gguf")
 
 F16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,),
-          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # the bytes of each block's float16 fields
+          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}  # each block's float16 fields
 
 
 def _random_rows(kind: str, out: int, blocks: int, seed: int) -> np.ndarray:
@@ -51,13 +52,13 @@ def test_the_compiled_unpacking_is_ggufs_dequantisation_bit_for_bit(kind):
 
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_the_test_files_blocks_read_back_as_their_weights(kind):
-    """``tests/_support/gguf_files.quantize`` writes the K types' blocks itself (gguf reads them but
-    cannot write them): gguf's own reading of them is the weights within a quantisation step."""
+    """``tests/_support/gguf_files.quantize`` writes the K and IQ4 types' blocks itself (gguf reads
+    them but cannot write them): gguf's own reading of them is the weights within a quantisation step."""
     from tests._support.gguf_files import quantize
 
     w = np.random.default_rng(1).standard_normal((8, 512)).astype(np.float32) * 0.05
     back = gguf.quants.dequantize(quantize(w, kind), gguf.GGMLQuantizationType[kind])
     error = np.sqrt(np.mean((back - w) ** 2) / np.mean(w ** 2))
-    bits = {"Q2_K": 2, "Q3_K": 3}.get(kind, int(kind[1]))
+    bits = int(kind.lstrip("IQ")[0])  # Q2_K: 2, ..., IQ4_XS: 4
     assert error < 2.0 ** (1 - bits), error  # 2 bits: 0.5 of the weights' rms; 6 bits: 1/32
 

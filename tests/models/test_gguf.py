@@ -1,16 +1,16 @@
 """GGUF FLUX.1 transformers (issue 28 item 3; the packed types after), as city96's FLUX GGUFs lay
 them out: BFL's transformer keys, 2-D weights quantised (Q8_0, or the types deployers ship for
-16-24 GB cards: Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K), the rest F32/F16.
+16-24 GB cards: Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS), the rest F32/F16.
 
 A tiny random FLUX.1-dev folder's transformer is written as such a file by the test (``gguf``'s
-own writer and quantiser; the K types' blocks by ``tests/_support/gguf_files``); preheat's image
+own writer and quantiser; the K and IQ4 types' blocks by ``tests/_support/gguf_files``); preheat's image
 from ``preheat.load(file, config=folder)`` is diffusers' image with
 ``FluxTransformer2DModel.from_single_file(file, GGUFQuantizationConfig(compute_dtype=float32))``
 in the folder's pipeline. The Q8_0 weights stay int8 + float16 on the device
 (``quantised.Quantised``), the packed ones their blocks (``quantised.Packed``), and any other
 quantisation type is one line.
 
-The packed types' K blocks are 256 wide, more than the tiny folder's 32-wide transformer has, so
+The packed types' K and IQ4_XS blocks are 256 wide, more than the tiny folder's 32-wide transformer has, so
 they use a second transformer (2 heads x 128: in-widths 256, 1024, 1280) in the same folder: one
 file mixing every type (one load, one program) runs here; a file per type is ``slow``."""
 
@@ -138,14 +138,24 @@ def test_fp8_storage_of_a_q8_0_file_keeps_q8_0_and_dequantises_the_full_precisio
     assert diff.mean() <= MEAN_TOL
 
 
-PACKED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+PACKED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+FUSED = {"double_blocks.0.img_attn.qkv.weight": ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k",
+                                                 "transformer_blocks.0.attn.to_v"),
+         "double_blocks.0.txt_attn.qkv.weight": ("transformer_blocks.0.attn.add_q_proj",
+                                                 "transformer_blocks.0.attn.add_k_proj",
+                                                 "transformer_blocks.0.attn.add_v_proj"),
+         "single_blocks.0.linear1.weight": ("single_transformer_blocks.0.attn.to_q",
+                                            "single_transformer_blocks.0.attn.to_k",
+                                            "single_transformer_blocks.0.attn.to_v",
+                                            "single_transformer_blocks.0.proj_mlp")}  # BFL's fused weights: layers
 
 
 @pytest.fixture(scope="module")
 def wide(files, tmp_path_factory):
     """The tiny folder with a wider transformer (2 heads x 128: every block's in-widths 256, 1024
     or 1280, whole K blocks) and its BFL tensors; ``mixed``: one file whose quantised weights cycle
-    through every packed type and Q8_0 (as a Q4_K_M file mixes Q4_K and Q6_K)."""
+    through every packed type and Q8_0 (as a Q4_K_M file mixes Q4_K and Q6_K), the fused ones
+    (``FUSED``, cut into layers at conversion) first: IQ4_NL, IQ4_XS, Q4_0."""
     import shutil
 
     import torch
@@ -163,12 +173,14 @@ def wide(files, tmp_path_factory):
     shutil.rmtree(folder / "transformer")
     transformer.save_pretrained(folder / "transformer")
     bfl = to_bfl(load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors")))
-    cycle = [*PACKED, "Q8_0"]
+    cycle = [*PACKED[-2:], *PACKED[:-2], "Q8_0"]
     weights = [k for k, v in bfl.items() if v.ndim == 2 and k.endswith(".weight") and v.shape[1] % 256 == 0]
+    weights = [*FUSED, *(k for k in weights if k not in FUSED)]
     pick = {k: gguf.GGMLQuantizationType[cycle[i % len(cycle)]] for i, k in enumerate(weights)}
     mixed = base / "flux-dev-wide-mixed.gguf"
     types = write_gguf(mixed, bfl, pick.get)
     assert set(types.values()) >= {*PACKED, "Q8_0"}
+    assert [types[k] for k in FUSED] == ["IQ4_NL", "IQ4_XS", "Q4_0"]
     return {"folder": folder, "bfl": bfl, "mixed": mixed, "types": types, "base": base}
 
 
@@ -214,19 +226,26 @@ def mixed(wide, tmp_path_factory):
 
 
 def test_a_file_mixing_every_packed_type_draws_diffusers_gguf_image(wide, mixed, monkeypatch, record_property):
-    """One file, one program: every packed type (and Q8_0) in its layers, each kept as stored."""
+    """One file, one program: every packed type (and Q8_0) in its layers, each kept as stored; the
+    fused weights (IQ4_NL, IQ4_XS, Q4_0) cut into their layers as whole rows of blocks, each layer's
+    weight exactly its rows of gguf's dequantisation of the fused one."""
     from preheat.models.quantised import Packed, Quantised
 
     pipe = _against_diffusers(wide["mixed"], wide["folder"], monkeypatch, record_property, "mixed types", mixed)
     kept = _kept(pipe)
     kinds = sorted({q.kind for q in kept.values() if isinstance(q, Packed)})
     assert kinds == sorted(PACKED) and any(isinstance(q, Quantised) for q in kept.values())
-    q = kept["transformer_blocks.0.attn.to_q.kernel"]  # a third of BFL's fused qkv rows, cut as whole rows of blocks
-    assert isinstance(q, Packed) and q.kind == wide["types"]["double_blocks.0.img_attn.qkv.weight"]
     reader = {t.name: t for t in gguf.GGUFReader(str(wide["mixed"])).tensors}
-    qkv = gguf.quants.dequantize(reader["double_blocks.0.img_attn.qkv.weight"].data, reader[
-        "double_blocks.0.img_attn.qkv.weight"].tensor_type)  # (3 * 256, 256)
-    np.testing.assert_array_equal(np.asarray(q.expand(np.float32)).T, qkv[:256])
+    for name, layers in FUSED.items():
+        whole = gguf.quants.dequantize(reader[name].data, reader[name].tensor_type)  # (3 * 256 [+ 1024], in)
+        at = 0
+        for layer in layers:
+            q = kept[f"{layer}.kernel"]
+            assert isinstance(q, Packed) and q.kind == wide["types"][name], layer
+            rows = np.asarray(q.expand(np.float32)).T  # (out, in)
+            np.testing.assert_array_equal(rows, whole[at:at + rows.shape[0]], err_msg=layer)
+            at += rows.shape[0]
+        assert at == whole.shape[0]
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +272,7 @@ def test_fp8_storage_of_a_packed_file_keeps_every_packed_weight_packed(wide, mix
     assert leaves["x_embedder.kernel"].dtype == np.dtype("float8_e4m3fn")  # img_in: F16 in the file
 
 
-MOVED = 0.5  # mean |Δpx| the fp8 image must move from the plain one (measured 1.27): the test can tell
+MOVED = 0.5  # mean |Δpx| the fp8 image must move from the plain one (measured 1.22): the test can tell
 
 
 def test_fp8_storage_of_a_packed_file_draws_the_image_of_its_plain_weights_rounded_to_fp8(wide, mixed, mixed_fp8,
@@ -267,7 +286,7 @@ def test_fp8_storage_of_a_packed_file_draws_the_image_of_its_plain_weights_round
     value is an F16 value, so both programs read the same numbers (an fp8 weight converted where it
     is used, an F16 one converted at load) and do the same float32 arithmetic on them; a bias or
     norm cast that plain fp8 keeps wide, or a set weight left wide, moves pixels (the fp8 image is
-    1.27 levels from the plain one; a reference with ``txt_in`` left unrounded, 0.45, max 3)."""
+    1.22 levels from the plain one; a reference with ``txt_in`` left unrounded, 0.42, max 2)."""
     import torch
     from diffusers import FluxTransformer2DModel
     from safetensors.numpy import load_file
@@ -369,7 +388,7 @@ def test_a_q4_k_model_holds_its_packed_bytes_on_the_device(wide, tmp_path, monke
           f"weights, {elements * 4} B as float32)")
 
 
-def _unsupported(path, kind: str = "IQ4_NL") -> None:
+def _unsupported(path, kind: str = "IQ2_XS") -> None:
     """A GGUF file with one FLUX.1 weight in ``kind`` (random bytes of its size) and a bias."""
     qtype = gguf.GGMLQuantizationType[kind]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -383,7 +402,7 @@ def _unsupported(path, kind: str = "IQ4_NL") -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("kind", ["IQ4_NL", "Q8_1", "IQ2_XS"])
+@pytest.mark.parametrize("kind", ["TQ2_0", "Q8_1", "IQ2_XS"])
 def test_another_quantisation_type_is_one_line(files, kind, tmp_path, monkeypatch):
     from preheat.models.gguf_file import SUPPORTED
 
@@ -394,9 +413,10 @@ def test_another_quantisation_type_is_one_line(files, kind, tmp_path, monkeypatc
         preheat.load(path, config=files["folder"], cache="off")
     message = str(exc.value)
     assert "\n" not in message and f"double_blocks.0.img_attn.qkv.weight is GGUF type {kind}" in message
-    assert "preheat reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K" in message
+    assert message.endswith("preheat reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, "
+                            "Q6_K, IQ4_NL, IQ4_XS")
     assert set(SUPPORTED) == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
-                              "Q5_K", "Q6_K"}
+                              "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
     assert not isinstance(exc.value, CheckpointMismatchError)
 
 
@@ -447,8 +467,14 @@ def test_a_remote_header_read_without_the_gguf_extra_stops_at_its_first_read(fil
 
 def test_every_supported_type_reads_as_gguf_dequantises_it(tmp_path):
     """F32, F16 and BF16 as they are, Q8_0 as values and scales whose product is gguf's own
-    dequantisation, all in torch's axis order."""
-    from preheat.models.gguf_file import GGUFTensors
+    dequantisation, each packed type (``ggml.LAYOUTS``) as its rows of blocks that ``ggml.dequantise``
+    expands to gguf's own dequantisation bit for bit, all in torch's axis order."""
+    import jax
+
+    from preheat.models.ggml import LAYOUTS
+    from preheat.models.gguf_file import SUPPORTED, GGUFTensors, packed_name
+    from preheat.models.quantised import Packed
+    from tests._support.gguf_files import quantize
 
     rng = np.random.default_rng(0)
     tensors = {"a.weight": rng.standard_normal((3, 64)).astype(np.float32), "b.bias": rng.standard_normal(5)}
@@ -459,18 +485,30 @@ def test_every_supported_type_reads_as_gguf_dequantises_it(tmp_path):
     writer.add_tensor("b.bias", tensors["b.bias"].astype(np.float32))
     writer.add_tensor("c.weight", tensors["a.weight"][:, :5].astype(np.float16))
     writer.add_tensor("d.weight", gguf.quants.quantize(tensors["a.weight"][:2], bf16), raw_dtype=bf16)
+    for kind in LAYOUTS:  # 3 rows of 2 super-blocks (16 blocks of 32): a row's blocks in order
+        kinds[f"{kind.lower()}.weight"] = kind
+        weight = rng.standard_normal((3, 512)).astype(np.float32) * 0.05
+        writer.add_tensor(f"{kind.lower()}.weight", quantize(weight, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    assert sorted(set(kinds.values())) == sorted(SUPPORTED)
     read = GGUFTensors(path)
     raw = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     assert {k: raw[k].tensor_type.name for k in kinds} == kinds
-    for key in kinds:
+    for key, kind in kinds.items():
         want = gguf.quants.dequantize(raw[key].data, raw[key].tensor_type)
-        if key == "a.weight":
+        if kind == "Q8_0":
             assert read[key].dtype == np.int8 and read["a.scale_weight"].dtype == np.float16
             got = read[key].astype(np.float32) * np.repeat(read["a.scale_weight"].astype(np.float32), 32, axis=1)
+        elif kind in LAYOUTS:  # each row's blocks -> the kernel's layout (in / QK, BYTES, out), expanded compiled
+            rows = read[packed_name(key, kind)]
+            assert rows.dtype == np.uint8 and rows.shape == (3, 512 // LAYOUTS[kind].qk * LAYOUTS[kind].nbytes)
+            blocks = rows.reshape(3, -1, LAYOUTS[kind].nbytes).transpose(1, 2, 0)
+            got = np.asarray(jax.jit(lambda b, kind=kind: Packed(b, kind).expand(np.float32))(blocks)).T
+            assert np.abs(want).max() > 0
+            got, want = got.view(np.uint32), want.view(np.uint32)  # bit for bit
         else:
             got = read[key].astype(np.float32)
         assert got.shape == want.shape == tuple(reversed(raw[key].shape.tolist()))
@@ -515,9 +553,9 @@ def test_a_gguf_file_of_a_hub_repository_loads_by_its_hf_path(files, pipe, tmp_p
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(file_configs, "_FIRST_READ", 256)  # the tiny file is under the first read's 1 MiB
     body = files["q8"].read_bytes()
-    _unsupported(tmp_path / "iq4.gguf")
+    _unsupported(tmp_path / "iq2.gguf")
     repo = {"README.md": b"# tiny", "flux1-dev-Q8_0.gguf": body,
-            "iq4/flux1-dev-IQ4_NL.gguf": (tmp_path / "iq4.gguf").read_bytes()}
+            "iq2/flux1-dev-IQ2_XS.gguf": (tmp_path / "iq2.gguf").read_bytes()}
     hub = FakeHub("example/tiny-flux-gguf", repo).start()
     try:
         pointed_at(monkeypatch, hub.base)
@@ -536,8 +574,8 @@ def test_a_gguf_file_of_a_hub_repository_loads_by_its_hf_path(files, pipe, tmp_p
         remote = preheat.load("hf://example/tiny-flux-gguf/flux1-dev-Q8_0.gguf", config=files["folder"], cache="off")
         assert hub.downloaded() == {"flux1-dev-Q8_0.gguf": len(body)}  # that one file, not its neighbours
         np.testing.assert_array_equal(remote.generate(PROMPT, **call), pipe.generate(PROMPT, **call))
-        with pytest.raises(ModelFormatError, match="is GGUF type IQ4_NL"):  # a file in a folder of the repository
-            preheat.load("hf://example/tiny-flux-gguf/iq4/flux1-dev-IQ4_NL.gguf", config=files["folder"], cache="off")
+        with pytest.raises(ModelFormatError, match="is GGUF type IQ2_XS"):  # a file in a folder of the repository
+            preheat.load("hf://example/tiny-flux-gguf/iq2/flux1-dev-IQ2_XS.gguf", config=files["folder"], cache="off")
         with pytest.raises(InvalidArgumentError, match="is a GGUF file .*pass config="):
             preheat.load("hf://example/tiny-flux-gguf/flux1-dev-Q8_0.gguf", cache="off")
     finally:

@@ -19,10 +19,20 @@ layouts are llama.cpp's (ggml-common.h), as the ``gguf`` package's numpy ``gguf.
     Q4_K   256  144    d | dmin | scales 12 (6+6 bit) | qs 128         d*sc * q - dmin*m   (8 of 32)
     Q5_K   256  176    d | dmin | scales 12 | qh 32 | qs 128           d*sc * q - dmin*m   (8 of 32)
     Q6_K   256  210    ql 128 | qh 64 | scales 16 (int8) | d           d*sc * (q - 32)   (16 of 16)
+    IQ4_NL  32   18    d f16 | qs 16 (nibbles)                         d * kv[q]
+    IQ4_XS 256  136    d | scales_h 2 | scales_l 4 | qs 128 (nibbles)  d*(ls-32) * kv[q]   (8 of 32)
+
+``kv`` is llama.cpp's fixed non-linear table ``kvalues_iq4nl`` (16 int8, -127 .. 113): the IQ4
+types look their 4-bit indices up in it (``jnp.take``), laid out as Q4_0's nibbles (per 32-block
+for IQ4_XS), and an IQ4_XS sub-block's 6-bit scale ``ls`` is 4 low bits from ``scales_l`` and 2
+high ones from ``scales_h``.
 
 Every float product here is exact in float32 (an f16 scale has 11 significant bits, the integers
-it multiplies at most 13 together), so the one rounding is the final ``+ m`` / ``- dmin*m``: the
-result is gguf's numpy dequantisation bit for bit, whatever order or fusion (FMA) XLA chooses.
+it multiplies at most 13 together; IQ4_XS's ``(ls - 32) * kv[q]`` is at most 32 * 127 = 4064, 12
+bits), so the one rounding is the final ``+ m`` / ``- dmin*m``, and the types without one (Q4_0,
+Q5_0, Q3_K, Q6_K, IQ4_NL, IQ4_XS) do not round at all: the result is gguf's numpy dequantisation
+bit for bit, whatever order or fusion (FMA) XLA chooses. (gguf computes IQ4_XS as
+``(d * (ls - 32)) * kv[q]``, as here; every partial product is exact too, so the order is moot.)
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Layout", "LAYOUTS", "dequantise"]
+__all__ = ["Layout", "LAYOUTS", "KVALUES_IQ4NL", "dequantise"]
 
 
 class Layout(NamedTuple):
@@ -44,7 +54,9 @@ class Layout(NamedTuple):
 
 LAYOUTS = {"Q4_0": Layout(32, 18), "Q4_1": Layout(32, 20), "Q5_0": Layout(32, 22), "Q5_1": Layout(32, 24),
            "Q2_K": Layout(256, 84), "Q3_K": Layout(256, 110), "Q4_K": Layout(256, 144), "Q5_K": Layout(256, 176),
-           "Q6_K": Layout(256, 210)}
+           "Q6_K": Layout(256, 210), "IQ4_NL": Layout(32, 18), "IQ4_XS": Layout(256, 136)}
+
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml-common.h
 
 
 def _f16(b: jax.Array, at: int) -> jax.Array:
@@ -153,9 +165,28 @@ def _q6_k(b: jax.Array) -> jax.Array:
     return (dl * _f32(_sub(q - 32, 16))).reshape(n, 256, o)
 
 
+def _kv(q: jax.Array) -> jax.Array:
+    """IQ4's 4-bit indices (int32 in 0..15) -> their ``KVALUES_IQ4NL`` values, float32 (exact)."""
+    return jnp.take(jnp.asarray(KVALUES_IQ4NL, jnp.float32), q, mode="clip")  # q is a nibble: in bounds
+
+
+def _iq4_nl(b: jax.Array) -> jax.Array:
+    return _f16(b, 0) * _kv(_nibbles(b[:, 2:18]))
+
+
+def _iq4_xs(b: jax.Array) -> jax.Array:
+    n, o = b.shape[0], b.shape[-1]
+    high = _bits(b[:, 2:4], 1, (0, 2, 4, 6), 3)  # (N, 8, O): scales_h (little-endian uint16) bits 2ib, 2ib+1
+    low = _bits(b[:, 4:8], 1, (0, 4), 0x0F)  # (N, 8, O): scales_l[ib // 2] >> 4 * (ib % 2)
+    dl = (_f16(b, 0) * _f32((low | (high << 4)) - 32))[:, :, None]  # (N, 8, 1, O)
+    q = _bits(b[:, 8:136], 16, (0, 4), 0x0F)  # (N, 256, O): each sub-block's 16 bytes, low nibbles then high
+    return (dl * _sub(_kv(q), 32)).reshape(n, 256, o)
+
+
 _UNPACK: dict[str, Callable[[jax.Array], jax.Array]] = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-    "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+    "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs}
 
 
 def dequantise(blocks: jax.Array, kind: str) -> jax.Array:

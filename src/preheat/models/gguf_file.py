@@ -15,14 +15,15 @@ treat a scaled fp8 file (``preheat.models.scaled_fp8``): no dequantisation on th
     Q4_0 Q4_1 Q5_0   the file's blocks as they are (``preheat.models.ggml.LAYOUTS``):
     Q5_1 Q2_K Q3_K   ``X.weight_Q4_K``  uint8    (out, in / QK * BYTES)   each row's blocks
     Q4_K Q5_K Q6_K   (the kind in the name, so the headers alone say what a tensor is)
+    IQ4_NL IQ4_XS
 
 A Q8_0 weight then stays int8 + float16 on the device (``quantised.Quantised``) and the compiled
 program expands ``values * scale`` in float32 where the weight is used, as diffusers' GGUF
 quantizer does in its compute dtype; a packed weight stays its blocks (``quantised.Packed``,
 in the kernel's layout) and the program unpacks them (``ggml.dequantise``: gguf's own numpy
 dequantisation, bit for bit). Cutting a fused weight's rows (BFL's ``qkv``) cuts whole rows of
-blocks, so the conversion moves bytes only. Any other GGML type (IQ4_NL, Q8_1, ...) is one
-``ModelFormatError`` naming it and the types read here. The file is memory-mapped by ``gguf``'s
+blocks, so the conversion moves bytes only. Any other GGML type (Q8_1, IQ2_XS, TQ2_0, ...) is
+one ``ModelFormatError`` naming it and the types read here. The file is memory-mapped by ``gguf``'s
 reader; a tensor's bytes are read when it is indexed.
 """
 

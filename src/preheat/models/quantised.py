@@ -9,7 +9,7 @@ inside the jitted apply), so both read one definition:
                   the scale is per tensor or per output channel, applied to a matmul's output
                   (``product``; a 1x1 convolution's weight through ``matrix``), so that the
                   GEMM reads the stored values itself
-    Packed        GGML blocks (GGUF Q4_0 ... Q6_K) kept as their bytes, unpacked at use
+    Packed        GGML blocks (GGUF Q4_0 ... Q6_K, IQ4_NL, IQ4_XS) kept as their bytes, unpacked at use
                   (``preheat.models.ggml``)
     holds(dtype)  whether the default device holds such weights (probed once)
 """

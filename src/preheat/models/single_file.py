@@ -26,8 +26,8 @@ Layouts:
   ``preheat.models.mmdit``'s table.
 
 A FLUX.1 GGUF file (``.gguf``, BFL's keys) is read by ``preheat.models.gguf_file`` (Q8_0 weights as
-int8 values beside their per-block scales, Q4_0 ... Q6_K weights as their blocks, ``X.weight_Q4_K``,
-kept so on the device) and converted like a ``bfl`` file.
+int8 values beside their per-block scales, Q4_0 ... Q6_K, IQ4_NL and IQ4_XS weights as their blocks,
+``X.weight_Q4_K``, kept so on the device) and converted like a ``bfl`` file.
 
 ComfyUI's checkpoints bundle the rest of the pipeline with an ``mmdit`` or ``bfl`` transformer: the
 VAE in the LDM layout (``first_stage_model.*``, or ``vae.*`` in ComfyUI's Flux files such as

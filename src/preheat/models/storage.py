@@ -45,7 +45,7 @@ convert and the scale into the gather's kernel, which computes them for the gath
 widened table is written (the H200 HLO, tests/models/test_storage.py), so the stored rows are not
 gathered first by hand.
 Every other path (placement on a mesh, compile keys, placeholders for prefetch) sees its two
-arrays as it sees any leaves. A GGUF weight of a packed type (Q4_0 ... Q6_K) is one
+arrays as it sees any leaves. A GGUF weight of a packed type (Q4_0 ... Q6_K, IQ4_NL, IQ4_XS) is one
 ``quantised.Packed`` value, the file's blocks as bytes, which ``upcast`` unpacks in the same place
 (``preheat.models.ggml``: integer and bit arithmetic, then the scales in float32).
 """
