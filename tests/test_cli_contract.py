@@ -116,10 +116,10 @@ def test_sample_help_lists_every_sampler():
 
 def test_sample_help_lists_a_declared_input_with_the_families_declaring_it():
     """The model inputs section is read from the declarations: SD's and SDXL's guidance_rescale is
-    listed under its flag with those two families (no hand-written option, no other family)."""
+    listed under its flag with those families (the SDXL refiner's too; no hand-written option, no other family)."""
     out = CliRunner().invoke(main, ["sample", "--help"], terminal_width=400, max_content_width=400).output
     (row,) = [line.split() for line in out.splitlines() if line.split()[:1] == ["--guidance-rescale"]]
-    assert " ".join(row).endswith("[stable-diffusion, stable-diffusion-xl]"), row
+    assert " ".join(row).endswith("[stable-diffusion, stable-diffusion-xl, stable-diffusion-xl-refiner]"), row
 
 
 def test_a_missing_extra_names_the_pip_install(tmp_path):

@@ -23,8 +23,12 @@ import numpy as np
 from tests._support import sd_fixtures
 from tests._support.unet_condition_fixtures import save_tiny_unet_condition
 
-INPAINT_CLASS = {"sd1": "StableDiffusionInpaintPipeline", "sdxl": "StableDiffusionXLInpaintPipeline"}
-IMG2IMG_CLASS = {"sd1": "StableDiffusionImg2ImgPipeline", "sdxl": "StableDiffusionXLImg2ImgPipeline"}
+INPAINT_CLASS = {"sd1": "StableDiffusionInpaintPipeline", "sdxl": "StableDiffusionXLInpaintPipeline",
+                 "sdxl-refiner": "StableDiffusionXLInpaintPipeline"}
+IMG2IMG_CLASS = {"sd1": "StableDiffusionImg2ImgPipeline", "sdxl": "StableDiffusionXLImg2ImgPipeline",
+                 "sdxl-refiner": "StableDiffusionXLImg2ImgPipeline"}
+# a refiner's pipelines are told so by their config, which a pipeline built from components lacks
+REFINER_CONFIG = {"requires_aesthetics_score": True, "force_zeros_for_empty_prompt": False}
 
 
 def save_image_sd(directory: str | Path, kind: str = "sd1", inpaint: bool = False, seed: int = 0) -> Path:
@@ -56,7 +60,7 @@ def reference(folder: Path, kind: str, sampler: str, inpaint: bool) -> Any:
     base = sd_fixtures.reference_pipeline(folder, sampler)
     cls = getattr(diffusers, (INPAINT_CLASS if inpaint else IMG2IMG_CLASS)[kind])
     components = {k: v for k, v in base.components.items() if k in cls._get_signature_keys(cls)[0]}
-    pipe = cls(**components)
+    pipe = cls(**components, **(REFINER_CONFIG if kind == "sdxl-refiner" else {}))
     if kind == "sd1":
         pipe.register_to_config(requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)

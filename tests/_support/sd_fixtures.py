@@ -24,15 +24,22 @@ DDIM_EXTRA = {"clip_sample": False, "set_alpha_to_one": False}
 
 
 def save_tiny_sd(directory: str | Path, kind: str = "sd1", seed: int = 0) -> Path:
-    """A whole tiny pipeline folder of ``kind`` ("sd1", "sd2", "sdxl"); 32x32 images, 16x16 latents."""
+    """A whole tiny pipeline folder of ``kind`` ("sd1", "sd2", "sdxl", "sdxl-refiner": a
+    ``StableDiffusionXLImg2ImgPipeline`` with the second encoder alone and aesthetic-score ids, as
+    stable-diffusion-xl-refiner-1.0); 32x32 images, 16x16 latents."""
     import torch
     from diffusers import (DDIMScheduler, EulerDiscreteScheduler, StableDiffusionPipeline,
-                           StableDiffusionXLPipeline, AutoencoderKL, UNet2DConditionModel)
+                           StableDiffusionXLImg2ImgPipeline, StableDiffusionXLPipeline, AutoencoderKL,
+                           UNet2DConditionModel)
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     directory = Path(directory)
     parts = directory.parent / f".{directory.name}-parts"
-    if kind == "sdxl":
+    if kind == "sdxl-refiner":  # the refiner's UNet: context = the second encoder's 16, ids 16 + 5 x 8
+        save_tiny_clip(parts / "te2", with_projection=True, seed=seed + 1, hidden_size=16, num_attention_heads=2,
+                       projection_dim=16, hidden_act="gelu")
+        save_tiny_tokenizer(parts / "tok2", pad_token="!")
+    elif kind == "sdxl":
         save_tiny_clip(parts / "te", seed=seed, hidden_size=16, num_attention_heads=2, projection_dim=16,
                        hidden_act="quick_gelu")
         save_tiny_clip(parts / "te2", with_projection=True, seed=seed + 1, hidden_size=16, num_attention_heads=2,
@@ -43,13 +50,23 @@ def save_tiny_sd(directory: str | Path, kind: str = "sd1", seed: int = 0) -> Pat
         act = "gelu" if kind == "sd2" else "quick_gelu"
         save_tiny_clip(parts / "te", seed=seed, hidden_act=act)
         save_tiny_tokenizer(parts / "tok")
-    save_tiny_unet_condition(parts / "unet", kind=kind, seed=seed)
+    refiner = dict(cross_attention_dim=16, projection_class_embeddings_input_dim=16 + 5 * 8)
+    save_tiny_unet_condition(parts / "unet", kind="sdxl" if kind == "sdxl-refiner" else kind, seed=seed,
+                             **(refiner if kind == "sdxl-refiner" else {}))
     save_tiny_vae(parts / "vae", seed=seed)
     torch.manual_seed(seed)
     common = dict(vae=AutoencoderKL.from_pretrained(parts / "vae"),
-                  unet=UNet2DConditionModel.from_pretrained(parts / "unet"),
-                  tokenizer=CLIPTokenizer.from_pretrained(str(parts / "tok")))
-    if kind == "sdxl":
+                  unet=UNet2DConditionModel.from_pretrained(parts / "unet"))
+    if kind != "sdxl-refiner":
+        common["tokenizer"] = CLIPTokenizer.from_pretrained(str(parts / "tok"))
+    if kind == "sdxl-refiner":
+        pipe = StableDiffusionXLImg2ImgPipeline(
+            text_encoder=None, tokenizer=None,
+            text_encoder_2=CLIPTextModelWithProjection.from_pretrained(parts / "te2"),
+            tokenizer_2=CLIPTokenizer.from_pretrained(str(parts / "tok2")),
+            scheduler=EulerDiscreteScheduler(**SCHEDULER), requires_aesthetics_score=True,
+            force_zeros_for_empty_prompt=False, add_watermarker=False, **common)
+    elif kind == "sdxl":
         pipe = StableDiffusionXLPipeline(
             text_encoder=CLIPTextModel.from_pretrained(parts / "te"),
             text_encoder_2=CLIPTextModelWithProjection.from_pretrained(parts / "te2"),

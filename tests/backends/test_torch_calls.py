@@ -16,9 +16,12 @@ def test_every_family_the_backend_loads_has_a_row_of_real_classes():
     from preheat.backends.torch.calls import DIFFUSERS_CALLS
     from preheat.backends.torch.text import TEXT_FAMILIES
 
+    from preheat.families import declared_families
+    from preheat.families.stable_diffusion import SDXL_REFINER
+
     loaded = {getattr(importlib.import_module(f"preheat.families.{module}"), name).name
-              for module, name in TEXT_FAMILIES.values()}
-    assert loaded == set(DIFFUSERS_CALLS)
+              for module, name in TEXT_FAMILIES.values()} | {SDXL_REFINER.name}  # a refiner: by its index's flag
+    assert loaded == set(DIFFUSERS_CALLS) <= {f.name for f in declared_families()}
     for calls in DIFFUSERS_CALLS.values():
         for name in (calls.img2img, calls.inpaint):
             assert name is None or hasattr(diffusers, name), name

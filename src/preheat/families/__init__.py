@@ -6,6 +6,7 @@
     StableDiffusionPipeline                                            stable-diffusion (1.x, 2.x)
     StableDiffusionXLPipeline                                          stable-diffusion-xl
     StableDiffusion[XL]Img2ImgPipeline, ...InpaintPipeline (9-ch UNet) the same families, image in
+    StableDiffusionXLImg2ImgPipeline + requires_aesthetics_score       stable-diffusion-xl-refiner
     StableDiffusion3Pipeline                                           stable-diffusion-3 (3, 3.5)
     FluxPipeline                                                       flux (FLUX.1 schnell, dev)
     FluxKontextPipeline                                                flux-kontext (FLUX.1 Kontext dev)

@@ -13,6 +13,7 @@ for a width x height, and how a final sample becomes pixels -- is the family's.
     pixel (UNet2DModel)    {"class_labels": (B,)} / null class       in the loop: x -> uint8
     stable-diffusion       {"context": (B, 77, D)} / "" or negative  VAE stage -> uint8
     stable-diffusion-xl    + "text_embeds" (B, P), "time_ids" (B, 6) VAE stage (fp32) -> uint8
+      (-refiner)             (the second encoder alone; ids (B, 5))
     stable-diffusion-3     {"context": (B, 77+256, D), "pooled"}     VAE stage -> uint8
     flux                   {"context": (B, 512, D), "pooled"         VAE stage -> uint8
                             [, "guidance": (B,)]} / none (no CFG)

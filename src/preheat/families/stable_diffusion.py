@@ -40,6 +40,13 @@ input of ``generate`` is::
                                                                       the mask, resized to width x
                                                                       height; the output pasted back
 
+An SDXL refiner's folder (``StableDiffusionXLImg2ImgPipeline`` with ``requires_aesthetics_score``:
+stable-diffusion-xl-refiner-1.0) is the ``stable-diffusion-xl-refiner`` family: the second encoder
+alone (it takes the prompt; no ``prompt_2``), an image always (img2img or inpainting), and five
+time ids -- ``original_size``, ``crops_coords_top_left``, ``aesthetic_score`` (no ``target_size``)
+-- with the unconditional branch's own (``negative_original_size``, ``negative_crops_coords_top_left``,
+``negative_aesthetic_score``; diffusers' defaults: the prompt's size, (0, 0), 6.0 and 2.5). Data, as SDXL's.
+
 ``clip_skip`` is data because every layer's state is computed anyway: the encode program picks
 each text's state with a chain of selects, so one program serves every value and a batch may mix
 them. Like diffusers, it shapes the prompt's embedding only; the negative's is the default one.
@@ -63,7 +70,7 @@ from preheat.families.guidance import GUIDANCE_RESCALE
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
 from preheat.lora import encoder_adapters
-from preheat.families.inputs import InputSpec, Int, Pair, Text
+from preheat.families.inputs import Float, InputSpec, Int, Pair, Text
 from preheat.families.schedule import SCHEDULE_SPECS
 from preheat.samplers import DIFFUSION_SAMPLERS, EDM_SAMPLERS
 from preheat.families.stages import EncodeArgs
@@ -74,7 +81,7 @@ if TYPE_CHECKING:
     from preheat.models.weights import LoadOptions
 
 
-__all__ = ["StableDiffusionFamily", "SD", "SDXL", "load_stable_diffusion", "load_stable_diffusion_xl",
+__all__ = ["StableDiffusionFamily", "SD", "SDXL", "SDXL_REFINER", "load_stable_diffusion", "load_stable_diffusion_xl",
            "SAMPLER_OF_SCHEDULER"]
 
 # SDXL's micro-conditioning (diffusers' names and defaults): data, (height, width) pairs
@@ -95,6 +102,12 @@ SDXL_NEGATIVE_SIZE_SPECS = (
     InputSpec("negative_target_size", Pair(), "SDXL: target_size for the unconditional branch (with "
               "negative_original_size).", needs_guidance=True),
 )
+# An SDXL refiner's micro-conditioning (model_index requires_aesthetics_score): the aesthetic score in
+# place of the target size, diffusers' defaults; data, as the sizes
+AESTHETIC_SCORE = InputSpec("aesthetic_score", Float(), "SDXL refiner: the aesthetic score the image is conditioned "
+                            "on (its time ids' last value).", default=6.0)
+NEGATIVE_AESTHETIC_SCORE = InputSpec("negative_aesthetic_score", Float(), "SDXL refiner: the unconditional branch's "
+                                     "aesthetic score.", default=2.5, needs_guidance=True)
 # SDXL's second text encoder: absent or "" means the first one's prompt, as diffusers
 PROMPT_2 = InputSpec("prompt_2", Text(), "SDXL: the second text encoder's prompt (the prompt when absent).",
                      per_image=True, default_doc="the prompt")
@@ -116,6 +129,9 @@ class StableDiffusionFamily(TextToImageFamily):
     specs: tuple[InputSpec, ...] = (PROMPT, NEGATIVE_PROMPT, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP,
                                     GUIDANCE_RESCALE, *SCHEDULE_SPECS)
     xl: bool = False
+    # an SDXL refiner (model_index's requires_aesthetics_score): the second encoder alone, an image always,
+    # and time ids of (original size, crop, aesthetic score) -- the unconditional branch's its own
+    aesthetics: bool = False
     strength: tuple[float, float] = (0.8, 1.0)  # diffusers' default strength: (img2img, inpainting)
     # EDM's too: a folder saved with an EDM scheduler (Playground v2.5, CosXL) takes those, the others the rest
     samplers: tuple[str, ...] = DIFFUSION_SAMPLERS + EDM_SAMPLERS
@@ -127,13 +143,20 @@ class StableDiffusionFamily(TextToImageFamily):
         specs = super().input_specs(pipe)
         if pipe.components.inpaint:  # a 9-channel UNet repaints: it needs both
             specs = tuple(replace(s, required=True) if s.name in ("image", "mask_image") else s for s in specs)
+        if self.aesthetics:  # a refiner refines an image (StableDiffusionXLImg2ImgPipeline's required image)
+            specs = tuple(replace(s, required=True) if s.name == "image" else s for s in specs)
         return (*specs, clip_skip_spec(layers - 1 if self.xl else layers))  # SDXL: from the penultimate
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         values = super().check_inputs(pipe, n, inputs)
         image_input.check_image_inputs(pipe, values, inputs, inpaint_model=pipe.components.inpaint,
                                        default_strength=self.strength, max_size=self.max_size)
-        if self.xl:
+        if self.aesthetics:
+            values["time_ids"] = _aesthetic_time_ids(values, "original_size", "crops_coords_top_left", "aesthetic_score")
+            values["negative_time_ids"] = _aesthetic_time_ids(values, "negative_original_size",
+                                                              "negative_crops_coords_top_left",
+                                                              "negative_aesthetic_score")
+        elif self.xl:
             values["prompt_2"] = _or_first(values["prompt_2"], values["prompt"])
             values["negative_prompt_2"] = _or_first(values["negative_prompt_2"], values["negative_prompt"])
             if (values["negative_prompt"] is None and values["negative_prompt_2"] is not None
@@ -151,12 +174,13 @@ class StableDiffusionFamily(TextToImageFamily):
         values, n = request.values, request.n
         negatives = values["negative_prompt"]
         zeros_uncond = request.guided and negatives is None and self.xl and pipe.components.force_zeros
-        texts = [list(values["prompt"])] + ([list(values["prompt_2"])] if self.xl else [])
+        second = self.xl and not self.aesthetics  # a refiner has the second encoder alone: it takes the prompt
+        texts = [list(values["prompt"])] + ([list(values["prompt_2"])] if second else [])
         skips = list(values["clip_skip"])
         if request.guided and not zeros_uncond:
             first = negatives if negatives is not None else [""] * n
             texts[0] += first
-            if self.xl:  # diffusers: negative_prompt_2 = negative_prompt_2 or negative_prompt (or "")
+            if second:  # diffusers: negative_prompt_2 = negative_prompt_2 or negative_prompt (or "")
                 texts[1] += values["negative_prompt_2"] or first
             skips += [0] * n  # diffusers applies clip_skip to the prompt's embedding, never the negative's
         encoders = pipe.components.text_encoders
@@ -170,7 +194,7 @@ class StableDiffusionFamily(TextToImageFamily):
                      clip_skip=np.asarray(skips, np.int32))
         if self.xl:
             context, pooled = np.asarray(out[0]), np.asarray(out[1])
-            time_ids = np.repeat(values["time_ids"][None], n, axis=0)  # (n, 6)
+            time_ids = np.repeat(values["time_ids"][None], n, axis=0)  # (n, 6); a refiner's (n, 5)
             cond = {"context": context[:n], "text_embeds": pooled[:n], "time_ids": time_ids}
             if not request.guided:
                 return self._with_mask(pipe, request, Conditioning(cond=cond, uncond={}))
@@ -253,6 +277,11 @@ SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
                              specs=(PROMPT, PROMPT_2, NEGATIVE_PROMPT, NEGATIVE_PROMPT_2, *SDXL_SIZE_SPECS,
                                     *SDXL_NEGATIVE_SIZE_SPECS, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP,
                                     GUIDANCE_RESCALE, *SCHEDULE_SPECS))
+# stabilityai/stable-diffusion-xl-refiner-1.0: no prompt_2 or target sizes (diffusers ignores them there)
+SDXL_REFINER = replace(SDXL, name="stable-diffusion-xl-refiner", aesthetics=True,
+                       specs=(PROMPT, NEGATIVE_PROMPT, *SDXL_SIZE_SPECS[:2], AESTHETIC_SCORE,
+                              *SDXL_NEGATIVE_SIZE_SPECS[:2], NEGATIVE_AESTHETIC_SCORE, IMAGE, MASK_IMAGE, STRENGTH,
+                              PADDING_MASK_CROP, GUIDANCE_RESCALE, *SCHEDULE_SPECS))
 
 
 def _encode_program(encoders: Sequence[Any], xl: bool, lora: bool = False) -> Any:
@@ -294,6 +323,14 @@ def _time_ids(values: dict[str, Any]) -> np.ndarray:
     crops = values["crops_coords_top_left"] or (0, 0)
     target = values["target_size"] or size
     return np.asarray([*original, *crops, *target], np.float32)
+
+
+def _aesthetic_time_ids(values: dict[str, Any], original: str, crops: str, score: str) -> np.ndarray:
+    """An SDXL refiner's ids (5,): original size + crop top-left + aesthetic score, as diffusers'
+    img2img and inpaint pipelines build them with ``requires_aesthetics_score``. The negative
+    branch's always its own: its size is the prompt's unless given, its crop (0, 0) unless given."""
+    size = values[original] or values["original_size"] or (values["height"], values["width"])
+    return np.asarray([*size, *(values[crops] or (0, 0)), values[score]], np.float32)
 
 
 def _negative_time_ids(values: dict[str, Any]) -> np.ndarray | None:
@@ -359,7 +396,11 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     root = Path(root)
     dtype = check_dtype(dtype)
     index = read_json(root / "model_index.json", "pipeline index")
+    if family.xl and index.get("requires_aesthetics_score"):
+        family = SDXL_REFINER  # an SDXL refiner (StableDiffusionXLImg2ImgPipeline's aesthetic-score ids)
     names = [("text_encoder", "tokenizer")] + ([("text_encoder_2", "tokenizer_2")] if family.xl else [])
+    if family.aesthetics:  # a refiner's index has no first encoder: [null, null]
+        names = [(te, tok) for te, tok in names if index.get(te) != [None, None]]
     tokenizers, encoders = [], []
     for te_name, tok_name in names:
         tokenizers.append(CLIPTokenizer.from_folder(component(root, index, tok_name)))
@@ -378,16 +419,14 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         raise UnsupportedConfigError(f"{root}: an SDXL UNet needs addition_embed_type 'text_time', "
                                      f"got {cfg.addition_embed_type!r}")
     # the UNet's own check: cross_attention_dim vs the encoders' width (and SDXL's pooled + 6 ids)
-    unet.check_text_conditioning(width, encoders[-1].config.projection_dim if family.xl else None)
+    unet.check_text_conditioning(width, encoders[-1].config.projection_dim if family.xl else None,
+                                 5 if family.aesthetics else 6)
     latent_channels = vae.config.latent_channels
     # an inpainting UNet (StableDiffusion[XL]InpaintPipeline) takes the sample, the mask and the masked image's latents
     inpaint = cfg.in_channels == 2 * latent_channels + 1
     if cfg.in_channels != latent_channels and not inpaint:
         raise UnsupportedConfigError(f"{root}: the VAE has {latent_channels} latent channels, the UNet takes "
                                      f"{cfg.in_channels} (an inpainting UNet takes {2 * latent_channels + 1})")
-    if family.xl and index.get("requires_aesthetics_score"):
-        raise UnsupportedConfigError(f"{root}: requires_aesthetics_score (an SDXL refiner's aesthetic-score "
-                                     "micro-conditioning) is not supported")
     vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
     latent = cfg.sample_size if isinstance(cfg.sample_size, (list, tuple)) else (cfg.sample_size, cfg.sample_size)
 
@@ -398,12 +437,13 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         return unet.apply(params, x, t, cond["context"], added, lora)
 
     # LoRA: every Linear / 1x1 conv of the UNet and the text encoders takes an adapter (preheat.lora)
-    te_names = ("text_encoder", "text_encoder_2")[:len(encoders)]
+    te_names = tuple(te for te, _ in names)
     layers = {"denoiser": lora_targets(unet.graphdef, unet.params),
               **{name: lora_targets(te.graphdef, te.params) for name, te in zip(te_names, encoders)}}
-    prefixes = {"unet": "denoiser", "lora_unet": "denoiser", "text_encoder": "text_encoder",
-                "lora_te": "text_encoder", "lora_te1": "text_encoder"}
-    if family.xl:
+    prefixes = {"unet": "denoiser", "lora_unet": "denoiser"}
+    if "text_encoder" in te_names:
+        prefixes.update({"text_encoder": "text_encoder", "lora_te": "text_encoder", "lora_te1": "text_encoder"})
+    if "text_encoder_2" in te_names:
         prefixes.update({"text_encoder_2": "text_encoder_2", "lora_te2": "text_encoder_2"})
     targets = LoraTargets(family=family.name, layers=layers, prefixes=prefixes,
                           path_prefix={name: "text_model." for name in te_names},
@@ -443,6 +483,6 @@ def load_stable_diffusion(root: Any, *, scheduler: Any = None, dtype: Any = "flo
 def load_stable_diffusion_xl(root: Any, *, scheduler: Any = None, dtype: Any = "float32",
                              variant: str | None = None, offload_encoders: bool = False,
                           options: LoadOptions | None = None) -> LoadedModel:
-    """A ``StableDiffusionXLPipeline`` folder (base)."""
+    """A ``StableDiffusionXLPipeline`` folder (base), or an SDXL refiner's (``requires_aesthetics_score``)."""
     return _load(Path(root), SDXL, scheduler=scheduler, dtype=dtype, variant=variant,
                  offload_encoders=offload_encoders, options=options)

@@ -445,22 +445,23 @@ def build_abstract(config: UNet2DConditionConfig) -> tuple[nnx.GraphDef, nnx.Sta
 
 
 def check_text_conditioning(config: UNet2DConditionConfig, context_width: int, pooled_width: int | None = None,
-                            source: str = "the UNet") -> None:
+                            n_ids: int = 6, source: str = "the UNet") -> None:
     """Refuse a text encoder whose hidden width (and, for SDXL, pooled width) this UNet cannot take.
 
     ``context_width``: the width of ``encoder_hidden_states`` the pipeline will pass (SDXL: both
-    encoders' widths summed). ``pooled_width``: the pooled text embedding's width ("text_time" only).
+    encoders' widths summed). ``pooled_width``: the pooled text embedding's width ("text_time" only);
+    ``n_ids``: the time ids beside it (SDXL's 6; a refiner's 5: the aesthetic score for the target size).
     """
     if context_width != config.cross_attention_dim:
         raise ModelFormatError(
             f"{source} has cross_attention_dim {config.cross_attention_dim} but the text encoder gives "
             f"{context_width}-wide hidden states; the UNet and text encoder do not belong together")
     if config.addition_embed_type == "text_time" and pooled_width is not None:
-        n_ids = (config.projection_class_embeddings_input_dim - pooled_width) / config.addition_time_embed_dim
-        if n_ids != 6:
+        got = (config.projection_class_embeddings_input_dim - pooled_width) / config.addition_time_embed_dim
+        if got != n_ids:
             raise ModelFormatError(
                 f"{source} has projection_class_embeddings_input_dim {config.projection_class_embeddings_input_dim}, "
-                f"which is not the pooled text width {pooled_width} + 6 x addition_time_embed_dim "
+                f"which is not the pooled text width {pooled_width} + {n_ids} x addition_time_embed_dim "
                 f"{config.addition_time_embed_dim}")
 
 
@@ -487,8 +488,8 @@ class LoadedUNet2DCondition:
         model = attach(nnx.merge(self.graphdef, upcast(params, self.dtype, tie=x)), lora)  # fp8-stored weights upcast here
         return model(x, t, context, added)
 
-    def check_text_conditioning(self, context_width: int, pooled_width: int | None = None) -> None:
-        check_text_conditioning(self.config, context_width, pooled_width)
+    def check_text_conditioning(self, context_width: int, pooled_width: int | None = None, n_ids: int = 6) -> None:
+        check_text_conditioning(self.config, context_width, pooled_width, n_ids)
 
     def __call__(self, sample: Any, timestep: Any, encoder_hidden_states: Any,
                  added_cond_kwargs: Mapping[str, Any] | None = None) -> Array:

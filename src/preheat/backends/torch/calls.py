@@ -39,6 +39,8 @@ DIFFUSERS_CALLS: dict[str, DiffusersCalls] = {
                                        inpaint="StableDiffusionInpaintPipeline", safety_checker=True),
     "stable-diffusion-xl": DiffusersCalls(img2img="StableDiffusionXLImg2ImgPipeline",
                                           inpaint="StableDiffusionXLInpaintPipeline"),
+    "stable-diffusion-xl-refiner": DiffusersCalls(img2img="StableDiffusionXLImg2ImgPipeline",
+                                                  inpaint="StableDiffusionXLInpaintPipeline"),
     "stable-diffusion-3": DiffusersCalls(img2img="StableDiffusion3Img2ImgPipeline",
                                          inpaint="StableDiffusion3InpaintPipeline", sized_image=True,
                                          inpaint_decode_shift=True),

@@ -218,17 +218,22 @@ def _second_encoder(v: dict[str, Any]) -> dict[str, Any]:
         kwargs.update(prompt_2=v["prompt_2"], negative_prompt_2=v["negative_prompt_2"])
     if "negative_prompt_3" in v:  # SD3's T5
         kwargs.update(prompt_3=v["prompt_3"], negative_prompt_3=v["negative_prompt_3"])
-    if v.get("negative_time_ids") is not None and len(v["prompt"]) > 1:
-        # diffusers repeats cat([negative ids, ids]) per image, against embeddings laid out as all
-        # negatives then all prompts: with two or more images it pairs the ids with the wrong branch
+    if v.get("negative_time_ids") is not None and len(v["prompt"]) > 1 and v.get("image") is None:
+        # diffusers' text-to-image pipeline repeats cat([negative ids, ids]) per image, against embeddings
+        # laid out as all negatives then all prompts: with two or more images it pairs the ids with the
+        # wrong branch (its img2img and inpaint pipelines, a refiner's, repeat each before the cat)
         raise InvalidArgumentError("the torch backend takes negative_original_size / negative_target_size for one "
                                    "image per call (diffusers pairs them with the wrong images for n > 1)",
                                    argument="negative_original_size")
     for key, prefix in (("time_ids", ""), ("negative_time_ids", "negative_")):
-        if v.get(key) is not None:
-            ids = [int(x) for x in v[key]]
-            kwargs.update({f"{prefix}original_size": tuple(ids[0:2]), f"{prefix}crops_coords_top_left": tuple(ids[2:4]),
-                           f"{prefix}target_size": tuple(ids[4:6])})
+        if v.get(key) is not None:  # SDXL's 6 ids; a refiner's 5 end in its aesthetic score
+            ids = [float(x) for x in v[key]]
+            kwargs.update({f"{prefix}original_size": tuple(map(int, ids[0:2])),
+                           f"{prefix}crops_coords_top_left": tuple(map(int, ids[2:4]))})
+            if len(ids) == 5:
+                kwargs[f"{prefix}aesthetic_score"] = ids[4]
+            else:
+                kwargs[f"{prefix}target_size"] = tuple(map(int, ids[4:6]))
     skips = set(v.get("clip_skip") or ())
     if len(skips) > 1:
         raise InvalidArgumentError("the torch backend takes one clip_skip per call (diffusers' pipeline does)",
@@ -303,6 +308,10 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
     from preheat.families.text import load_scheduler
 
     module, name = TEXT_FAMILIES[class_name]
+    index = json.loads((root / "model_index.json").read_text())
+    refiner = class_name.startswith("StableDiffusionXL") and bool(index.get("requires_aesthetics_score"))
+    if refiner:
+        name = "SDXL_REFINER"  # an SDXL refiner: its pipelines' aesthetic-score ids (as the JAX loader)
     family = getattr(importlib.import_module(f"preheat.families.{module}"), name)
 
     kwargs: dict[str, Any] = {"torch_dtype": _TORCH_DTYPES[dtype]}
@@ -310,7 +319,6 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
         kwargs[_denoiser_name(root)] = denoiser
     if variant:
         kwargs["variant"] = variant
-    index = json.loads((root / "model_index.json").read_text())
     kwargs.update({k: None for k, v in index.items() if v == [None, None]})  # e.g. SD3 saved without its T5
     if class_name.startswith("StableDiffusionXL"):
         kwargs["add_watermarker"] = False
@@ -328,7 +336,8 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
     finally:
         for lib in quiet:
             lib.enable_progress_bar()
-    if class_name.endswith("Img2ImgPipeline"):  # text-to-image calls run the text pipeline (image_pipeline the rest)
+    if class_name.endswith("Img2ImgPipeline") and not refiner:  # text-to-image calls run the text
+        # pipeline (image_pipeline the rest); a refiner takes an image always, and keeps its config's aesthetic ids
         import diffusers
 
         pipe = getattr(diffusers, class_name.replace("Img2Img", "")).from_pipe(pipe)

@@ -1,0 +1,122 @@
+"""An SDXL refiner (stable-diffusion-xl-refiner-1.0's folder: ``StableDiffusionXLImg2ImgPipeline``
+with ``requires_aesthetics_score``, the second text encoder alone) against diffusers' own img2img
+and inpaint pipelines from the same ε, the torch backend beside it, and what it declares.
+
+The refiner's UNet takes five time ids, (original size, crop top-left, aesthetic score), and the
+unconditional branch its own (the negative size and crop, or the prompt's size and (0, 0), and
+the negative aesthetic score); ``tests/families/test_image.py`` holds the base SDXL's calls.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import preheat
+from preheat.errors import InvalidArgumentError
+from tests._support import image_fixtures
+from tests._support.numerics import assert_pixels_close, counting_traces
+
+STEPS = 5
+SHAPE = (1, 4, 16, 16)  # one image's latents, NCHW (32x32 pixels, VAE factor 2)
+KIND = "sdxl-refiner"
+# the micro-conditioning a refiner call may give, each away from its default
+CONDITIONING = dict(aesthetic_score=8.0, negative_aesthetic_score=1.0, original_size=(64, 48),
+                    crops_coords_top_left=(4, 2), negative_original_size=(40, 40),
+                    negative_crops_coords_top_left=(1, 1))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return image_fixtures.save_image_sd(tmp_path_factory.mktemp("refiner") / "refiner", KIND)
+
+
+@pytest.fixture(scope="module")
+def pipe(folder):
+    return preheat.load(folder, cache="off")
+
+
+def _pil(array: np.ndarray):
+    from PIL import Image
+
+    return Image.fromarray(array)
+
+
+@pytest.mark.parametrize("extra", [{}, CONDITIONING], ids=["defaults", "conditioning"])
+def test_img2img_matches_diffusers(folder, pipe, extra):
+    """diffusers' defaults (aesthetic score 6, negative 2.5, the image's size, crop (0, 0)), and every
+    one of them given."""
+    assert pipe.family.name == "stable-diffusion-xl-refiner"
+    image = image_fixtures.sample_image()
+    ref = image_fixtures.reference(folder, KIND, "euler", inpaint=False)
+    call = dict(strength=0.6, num_inference_steps=STEPS, guidance_scale=6.0, negative_prompt="blurry")
+    theirs = image_fixtures.reference_pixels(ref, "a watercolor fox", 3, image=_pil(image), **call, **extra)
+    eps = image_fixtures.replayed_noise(SHAPE, 3, draws_before=1)  # after the image's posterior sample
+    ours = pipe.generate("a watercolor fox", image=image, strength=0.6, steps=STEPS, guidance=6.0,
+                         negative_prompt="blurry", sampler="euler", noise=eps, **extra)
+    assert_pixels_close(ours, theirs, shape=(1, 32, 32, 3))
+
+
+def test_inpainting_matches_diffusers(folder, pipe):
+    """StableDiffusionXLInpaintPipeline on a refiner folder: its 4-channel UNet, the mask blended
+    after each step, the same aesthetic-score ids."""
+    image, mask = image_fixtures.sample_image(seed=1), image_fixtures.sample_mask()
+    ref = image_fixtures.reference(folder, KIND, "euler", inpaint=True)
+    call = dict(strength=0.6, num_inference_steps=STEPS, guidance_scale=5.0, height=32, width=32)
+    theirs = image_fixtures.reference_pixels(ref, "a red boat", 5, image=_pil(image), mask_image=_pil(mask), **call,
+                                             aesthetic_score=7.0)
+    eps = image_fixtures.replayed_noise(SHAPE, 5, draws_before=1)
+    ours = pipe.generate("a red boat", image=image, mask_image=mask, strength=0.6, steps=STEPS, guidance=5.0,
+                         sampler="euler", noise=eps, aesthetic_score=7.0)
+    assert_pixels_close(ours, theirs, shape=(1, 32, 32, 3))
+
+
+def test_aesthetic_scores_and_sizes_are_data(pipe):
+    """One program serves every score and size id (they are the UNet's time ids), and each moves
+    the image: a score that reached nothing would leave it as it was."""
+    counted, traces = counting_traces(pipe)
+    image = image_fixtures.sample_image()
+    common = dict(image=image, strength=0.6, steps=3, guidance=6.0, sampler="euler", seed=0)
+    first = counted.generate("a cat", **common)
+    traced = len(traces)
+    others = [counted.generate("a cat", aesthetic_score=2.0, **common),
+              counted.generate("a cat", negative_aesthetic_score=6.0, **common),
+              counted.generate("a cat", original_size=(16, 16), **common)]
+    assert len(traces) == traced
+    for other in others:
+        assert np.abs(first.astype(np.int32) - other.astype(np.int32)).mean() > 1.0
+
+
+@pytest.mark.parametrize("inputs,argument,words", [
+    (dict(), "image", "image is required"),  # a refiner refines: StableDiffusionXLImg2ImgPipeline's image
+    (dict(image=image_fixtures.sample_image(), prompt_2="a dog"), "prompt_2", "unexpected argument"),
+    (dict(image=image_fixtures.sample_image(), target_size=(32, 32)), "target_size", "unexpected argument"),
+    (dict(image=image_fixtures.sample_image(), negative_aesthetic_score=3.0, guidance=1.0), "negative_aesthetic_score",
+     "needs classifier-free guidance"),
+])
+def test_what_diffusers_ignores_or_needs_is_one_line(pipe, inputs, argument, words):
+    """diffusers' refiner pipelines take prompt_2 and target_size and ignore them (one encoder, the
+    aesthetic score in the target's place): preheat refuses them by name."""
+    with pytest.raises(InvalidArgumentError) as info:
+        pipe.validate("a cat", **inputs)
+    assert info.value.argument == argument and words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_warm_up_compiles_image_calls_only(pipe):
+    """The image is required, so every warmed program takes one (a server offers no text-only call)."""
+    from preheat import warm as warming
+
+    sigs = warming.signatures(pipe, warming.resolve(pipe, warming.WarmSet(max_batch_size=1)))
+    assert sigs and all("image" in dict(s.given) for s in sigs)
+
+
+def test_the_torch_backend_runs_diffusers_refiner_pipelines(folder, pipe):
+    """The torch backend keeps the folder's img2img pipeline (its aesthetic-score config) and passes
+    the ids as diffusers' keywords: two images with negatives, the same ε, its pixels within a level."""
+    torch_pipe = preheat.load(folder, backend="torch")
+    assert torch_pipe.family.name == "stable-diffusion-xl-refiner"
+    eps = np.random.default_rng(0).standard_normal((2, *SHAPE[1:])).astype(np.float32)
+    call = dict(image=image_fixtures.sample_image(), strength=0.6, steps=STEPS, guidance=6.0,
+                negative_prompt="blurry", sampler="euler", noise=eps, **CONDITIONING)
+    prompts = ["a watercolor fox", "a boat"]
+    assert_pixels_close(pipe.generate(prompts, **call), torch_pipe.generate(prompts, **call), shape=(2, 32, 32, 3))
