@@ -88,7 +88,7 @@ def test_aesthetic_scores_and_sizes_are_data(pipe):
 
 
 @pytest.mark.parametrize("inputs,argument,words", [
-    (dict(), "image", "image is required"),  # a refiner refines: StableDiffusionXLImg2ImgPipeline's image
+    (dict(), "image", "image is required: an image (this model takes one on every call)"),  # a refiner refines: StableDiffusionXLImg2ImgPipeline's image
     (dict(image=image_fixtures.sample_image(), prompt_2="a dog"), "prompt_2", "unexpected argument"),
     (dict(image=image_fixtures.sample_image(), target_size=(32, 32)), "target_size", "unexpected argument"),
     (dict(image=image_fixtures.sample_image(), negative_aesthetic_score=3.0, guidance=1.0), "negative_aesthetic_score",

@@ -417,7 +417,7 @@ class InputSpec:
         if value is None:
             if self.required:
                 what = "a string or one string per image" if isinstance(self.type, Text) and self.per_image else \
-                    "a value"
+                    "an image (this model takes one on every call)" if isinstance(self.type, Image) else "a value"
                 raise InvalidArgumentError.about("{0} is required: {what}", self.name, what=what)
             value = self.default
             if value is None:
