@@ -180,8 +180,9 @@ class WarmSet:
         object.__setattr__(self, "lora_ranks", tuple(sorted(set(self.lora_ranks))))  # smallest first (bucket_for)
         if self.inputs is not None:  # the names are checked against the family in resolve()
             object.__setattr__(self, "inputs", tuple(dict.fromkeys(self.inputs)))
-        # a mapping (Python, Ray's typed args) or pairs; values in order, each once
-        pairs = self.input_values.items() if isinstance(self.input_values, dict) else self.input_values
+        # the text form, a mapping (Python, Ray's typed args) or pairs; values in order, each once
+        pairs = parse_input_values(self.input_values) if isinstance(self.input_values, str) else \
+            self.input_values.items() if isinstance(self.input_values, dict) else self.input_values
         object.__setattr__(self, "input_values", tuple((str(name), tuple(dict.fromkeys(values)))
                                                        for name, values in pairs))
         bad = [g for g in self.guidance if g not in GUIDANCE_MODES]

@@ -86,6 +86,7 @@ def test_one_declaration_for_warm_serve_runpod_and_ray():
     assert typed_setting("input_values", f"{LENGTH}=256,512", "PREHEAT_INPUT_VALUES") == warm_set.input_values
     assert typed_setting("input_values", {LENGTH: [256, 512]}) == ((LENGTH, (256, 512)),)
     assert WarmSet(input_values={LENGTH: (256, 512, 256)}).input_values == ((LENGTH, (256, 512)),)
+    assert WarmSet(input_values=f"{LENGTH}=256").input_values == ((LENGTH, ("256",)),)
     with pytest.raises(InvalidArgumentError, match="^PREHEAT_INPUT_VALUES '256' must be NAME=VALUE"):
         typed_setting("input_values", "256", "PREHEAT_INPUT_VALUES")
 
