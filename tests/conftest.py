@@ -85,9 +85,10 @@ def _private_cache_root(tmp_path_factory, monkeypatch):
 # relative cost only. Replace with a later quiet run's seconds (.pytest_cache/v/preheat/file_seconds_<tier>).
 # test_lora.py, test_kontext.py and test_fill.py: each file alone, 1 worker, its tests' summed seconds
 # (2026-12-05, after the SD 2.x LoRA and Kontext fp8 checks; the 2 cores shared, load average 2.4-4.4).
-# test_storage.py: the same way after its fp8 check took SD 2.x, SDXL and SD3 (41 s before, the same load, 4.2).
+# test_storage.py: the same way after its fp8 check took SD 2.x, SDXL and SD3 (41 s before, the same load, 4.2);
+# test_few_step.py: the same way (not slow) after the SD3.5 Large Turbo and Hyper-SD3 checks (48 s before; load 1.2).
 HEAVY_FILES: dict[str, float] = {
-    "tests/families/test_lora.py": 81, "tests/families/test_image.py": 70, "tests/families/test_few_step.py": 62,
+    "tests/families/test_lora.py": 81, "tests/families/test_image.py": 70, "tests/families/test_few_step.py": 55,
     "tests/families/test_stable_diffusion.py": 61, "tests/cache/test_compile_cache.py": 59,
     "tests/test_docs.py": 58, "tests/families/test_family_contract.py": 53,
     "tests/families/test_kontext.py": 47, "tests/models/test_unet2d_condition.py": 46, "tests/cache/test_remote.py": 44,
