@@ -85,15 +85,17 @@ def _private_cache_root(tmp_path_factory, monkeypatch):
 # relative cost only. Replace with a later quiet run's seconds (.pytest_cache/v/preheat/file_seconds_<tier>).
 # test_lora.py, test_kontext.py and test_fill.py: each file alone, 1 worker, its tests' summed seconds
 # (2026-12-05, after the SD 2.x LoRA and Kontext fp8 checks; the 2 cores shared, load average 2.4-4.4).
+# test_storage.py: the same way after its fp8 check took SD 2.x, SDXL and SD3 (41 s before, the same load, 4.2);
+# test_few_step.py: the same way (not slow) after the SD3.5 Large Turbo and Hyper-SD3 checks (48 s before; load 1.2).
 HEAVY_FILES: dict[str, float] = {
-    "tests/families/test_lora.py": 81, "tests/families/test_image.py": 70, "tests/families/test_few_step.py": 62,
+    "tests/families/test_lora.py": 81, "tests/families/test_image.py": 70, "tests/families/test_few_step.py": 55,
     "tests/families/test_stable_diffusion.py": 61, "tests/cache/test_compile_cache.py": 59,
     "tests/test_docs.py": 58, "tests/families/test_family_contract.py": 53,
     "tests/families/test_kontext.py": 47, "tests/models/test_unet2d_condition.py": 46, "tests/cache/test_remote.py": 44,
     "tests/models/test_unet2d.py": 44, "tests/models/test_scaled_fp8.py": 44,
     "tests/families/test_text_inputs.py": 44, "tests/server/test_text_to_image.py": 42,
     "tests/cache/test_targets.py": 41, "tests/server/test_image_sd_server.py": 40, "tests/test_devices.py": 39,
-    "tests/server/test_lora_server.py": 39, "tests/models/test_storage.py": 39,
+    "tests/server/test_lora_server.py": 39, "tests/models/test_storage.py": 60,
     "tests/models/test_single_file.py": 39, "tests/test_cli.py": 38,
     "tests/families/test_flow_families.py": 37, "tests/families/test_fill.py": 36, "tests/server/test_fuzz.py": 35,
     "tests/server/test_fetch.py": 34, "tests/samplers/test_sampler_parity.py": 34,

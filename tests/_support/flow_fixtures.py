@@ -35,7 +35,8 @@ VAE_STATS = {"flux": dict(scaling_factor=0.3611, shift_factor=0.1159),
 
 
 def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: int = 0, t5: bool = True,
-                         quiet_posterior: bool = False, latent_channels: int = 4) -> Path:
+                         quiet_posterior: bool = False, latent_channels: int = 4,
+                         transformer_config: dict[str, Any] | None = None) -> Path:
     """A whole tiny pipeline folder of ``kind`` ("flux-schnell", "flux-dev", "flux-kontext": a
     ``FluxKontextPipeline``, "flux-fill": a ``FluxFillPipeline``, whose transformer takes the
     masked image's and the mask's channels too, "sd3"; ``t5=False``: an SD3 folder without its
@@ -45,7 +46,8 @@ def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: in
     weight 0, bias -30, so std = e^-15), so that diffusers' img2img, which samples it with its
     generator, and preheat, with its seeds, both give the mean; how either samples is unchanged.
     ``latent_channels`` (SD3 only): 16 as the published VAE, which ``StableDiffusion3InpaintPipeline``
-    requires of a base transformer."""
+    requires of a base transformer. ``transformer_config`` (SD3 only): more ``SD3Transformer2DModel``
+    keywords, e.g. ``qk_norm="rms_norm"`` as SD3.5 Large's (and its Turbo's)."""
     import torch
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxFillPipeline, FluxKontextPipeline,
                            FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline)
@@ -54,8 +56,8 @@ def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: in
     directory = Path(directory)
     parts = directory.parent / f".{directory.name}-parts"
     flux = kind.startswith("flux")
-    if flux and latent_channels != 4:
-        raise ValueError("latent_channels applies to SD3 folders only")
+    if flux and (latent_channels != 4 or transformer_config):
+        raise ValueError("latent_channels and transformer_config apply to SD3 folders only")
     vae_overrides = dict(latent_channels=latent_channels, use_quant_conv=False, use_post_quant_conv=False,
                          **VAE_STATS["flux" if flux else "sd3"])
     save_tiny_vae(parts / "vae", seed=seed, **vae_overrides)
@@ -90,7 +92,7 @@ def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: in
         transformer = SD3Transformer2DModel(
             sample_size=16, patch_size=2, in_channels=latent_channels, num_layers=2, attention_head_dim=8,
             num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=64, pooled_projection_dim=64,
-            out_channels=latent_channels, pos_embed_max_size=16)
+            out_channels=latent_channels, pos_embed_max_size=16, **(transformer_config or {}))
         _perturb(transformer)
         pipe = StableDiffusion3Pipeline(
             scheduler=scheduler, vae=AutoencoderKL.from_pretrained(parts / "vae"), transformer=transformer,

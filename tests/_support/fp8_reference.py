@@ -1,7 +1,11 @@
 """fp8 weight storage (``weights_dtype="float8_e4m3fn"``) against diffusers' layerwise casting: the
 reference denoiser, the layers each side stores in fp8, and the image comparison the fp8 parity
-tests share (tests/models/test_storage.py's FLUX.1 and SD 1.x, tests/families/test_fill.py's Fill,
-tests/families/test_kontext.py's Kontext)."""
+tests share (tests/models/test_storage.py's FLUX.1, SD 1.x, SD 2.x, SDXL and SD3,
+tests/families/test_fill.py's Fill, tests/families/test_kontext.py's Kontext).
+
+preheat keeps a cast layer's bias in the compute dtype, where ``enable_layerwise_casting`` stores
+it in fp8 too: :func:`round_to_fp8` makes either reference by hand (weights only: preheat's values;
+with the biases: diffusers' layerwise image, bit for bit on the tiny folders)."""
 
 from __future__ import annotations
 
@@ -19,6 +23,23 @@ def cast_layerwise(denoiser: Any) -> Any:
     import torch
 
     denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    return denoiser
+
+
+def round_to_fp8(denoiser: Any, names: set[str], biases: bool = False) -> Any:
+    """``denoiser`` (diffusers' transformer or UNet, float32) with the weights of the modules
+    ``names`` rounded to fp8 and back, in place: the values preheat's fp8 storage computes with (it
+    keeps biases in the compute dtype). ``biases=True``: their biases rounded too, as
+    ``enable_layerwise_casting`` stores them (it casts whole modules)."""
+    import torch
+
+    modules = dict(denoiser.named_modules())
+    with torch.no_grad():
+        for name in names:
+            for leaf in ("weight", "bias") if biases else ("weight",):
+                value = getattr(modules[name], leaf, None)
+                if value is not None:
+                    value.copy_(value.to(torch.float8_e4m3fn).to(value.dtype))
     return denoiser
 
 

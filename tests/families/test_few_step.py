@@ -1,11 +1,12 @@
 """Few-step models (issue 28 item 4) against diffusers on tiny random folders: SD-Turbo and
 SDXL-Turbo (their published scheduler configs: Euler / Euler ancestral, trailing spacing, 1-4
-steps, guidance off), LCM-LoRA on SD 1.x and SDXL (``LCMScheduler`` -> the ``lcm`` sampler), and
+steps, guidance off), SD3.5 Large Turbo (its folder's flow-matching Euler, shift 3, 4 steps,
+guidance 0), LCM-LoRA on SD 1.x and SDXL (``LCMScheduler`` -> the ``lcm`` sampler), and
 the distilled LoRAs run as their model cards say, each card's diffusers lines run as written on
 the reference side: SDXL-Lightning (a kohya-named LoRA, Euler with trailing spacing, guidance 0),
 Hyper-SD (DDIM with trailing spacing; the 1-step LoRA with ``TCDScheduler``, eta 1 and the card's
-``timesteps=[800]``) and
-Hyper-FLUX.1-dev (the LoRA fused at scale 0.125, the pipeline's own scheduler, guidance 3.5).
+``timesteps=[800]``), Hyper-SD3 (on SD3-medium, the LoRA fused at scale 0.125, 8 steps, guidance 5)
+and Hyper-FLUX.1-dev (the LoRA fused at scale 0.125, the pipeline's own scheduler, guidance 3.5).
 
 The stochastic samplers (euler_a, lcm) draw fresh noise every step: diffusers' draws are replaced
 by the engine's own per-step draws (``preheat.noise``), so both sides see the same noise."""
@@ -129,6 +130,58 @@ def test_turbo_matches_diffusers(few, name, sampler, steps, monkeypatch, record_
     record_property("mean_abs_px", _diff(ours, theirs))
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert ours.std() > 5
+
+
+# SD3.5 Large Turbo's scheduler/scheduler_config.json: the SD3 models' own (FlowMatchEuler, shift 3.0); its
+# transformer is SD3.5 Large's (qk_norm "rms_norm")
+SD35_TURBO_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
+
+
+def _sd3_card_reference(folder):
+    """diffusers' ``StableDiffusion3Pipeline.from_pretrained(folder)`` as a card loads it: the folder's
+    own scheduler, nothing replaced."""
+    from diffusers import DiffusionPipeline
+
+    ref = DiffusionPipeline.from_pretrained(folder)
+    ref.set_progress_bar_config(disable=True)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def sd35_turbo(tmp_path_factory):
+    """A tiny SD3 folder shaped as SD3.5 Large Turbo: qk_norm transformer, the published scheduler config."""
+    folder = flow_fixtures.save_tiny_flow_model(tmp_path_factory.mktemp("sd35-turbo") / "turbo", "sd3",
+                                                transformer_config={"qk_norm": "rms_norm"})
+    _with_scheduler(folder, SD35_TURBO_SCHEDULER)
+    return {"folder": folder, "pipe": preheat.load(folder, cache="off")}
+
+
+def test_sd35_large_turbo_matches_diffusers(sd35_turbo, record_property):
+    """SD3.5 Large Turbo's card: ``StableDiffusion3Pipeline`` as published, ``num_inference_steps=4,
+    guidance_scale=0.0``; preheat: ``steps=4, guidance=0`` on the folder's own sampler (flow_euler,
+    shift 3). As in diffusers (``guidance_scale > 1`` turns it on), 0 runs no classifier-free
+    guidance: one branch, the prompt's (CFG at scale 0 would be the empty prompt's image)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    entry, prompt, noise = sd35_turbo, "a photo of a cat", _noise(8)
+    pipe = entry["pipe"]
+    assert pipe.defaults["sampler"] == "flow_euler"
+    ref = _sd3_card_reference(entry["folder"])
+    assert type(ref.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and ref.scheduler.config.shift == 3.0
+    assert ref.transformer.config.qk_norm == "rms_norm"
+    card = dict(num_inference_steps=4, guidance_scale=0.0)
+    theirs = flow_fixtures.reference_pixels(ref, prompt, noise, **card)
+    ours = pipe.generate(prompt, noise=noise, steps=4, guidance=0.0, width=32, height=32)
+    record_property("mean_abs_px", _diff(ours, theirs))
+    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
+    assert ours.std() > 5
+    sig, _ = pipe.prepare(prompt, steps=4, guidance=0.0, width=32, height=32)
+    assert not sig.guided  # one branch through the transformer, not CFG at scale 0
+    # what a wrong reading would have drawn, on diffusers' side: CFG at scale 0 (the unconditional
+    # branch alone: the empty prompt's image), or the schedule without the folder's shift
+    assert _diff(theirs, flow_fixtures.reference_pixels(ref, "", noise, **card)) > 2  # measured 3.51
+    ref.scheduler = FlowMatchEulerDiscreteScheduler.from_config(ref.scheduler.config, shift=1.0)
+    assert _diff(theirs, flow_fixtures.reference_pixels(ref, prompt, noise, **card)) > 2  # measured 4.03
 
 
 @pytest.mark.parametrize("name,steps,guidance", [("sd1-lcm", 2, 1.5), ("sdxl-lcm", 4, 1.0)])
@@ -294,6 +347,48 @@ def test_hyper_flux_lora_at_an_eighth_matches_diffusers(cards, record_property):
     assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
     assert _diff(theirs, plain) > 2  # the LoRA counts at an eighth
     assert _diff(ours, pipe.generate(prompt, lora=entry["lora"], lora_scale=1.0, **card)) > 2  # and so does the scale
+
+
+# The Hyper-SD3 stand-in's layers: the MMDiT blocks' attention (both streams) and MLPs, diffusers/peft names
+HYPER_SD3_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                     "ff.net.2", "ff_context.net.2"]
+
+
+@pytest.fixture(scope="module")
+def hyper_sd3(tmp_path_factory):
+    """A tiny SD3-medium-like folder (its published scheduler: FlowMatchEuler, shift 3) and a random
+    transformer LoRA standing in for Hyper-SD3's, strong (alpha 64, rank 4) since the card fuses it
+    at 0.125."""
+    from tests._support.lora_files import peft_layers, save_lora
+
+    base = tmp_path_factory.mktemp("hyper-sd3")
+    folder = flow_fixtures.save_tiny_flow_model(base / "sd3", "sd3")
+    ref = _sd3_card_reference(folder)
+    lora = save_lora(ref, base / "sd3-lora", "transformer",
+                     {"transformer": peft_layers(ref.transformer, HYPER_SD3_TARGETS, 4, 64, seed=13)})
+    return {"folder": folder, "lora": lora, "pipe": preheat.load(folder, cache="off")}
+
+
+def test_hyper_sd3_lora_at_an_eighth_matches_diffusers(hyper_sd3, record_property):
+    """Hyper-SD3's 8-step CFG LoRA: on SD3-medium, loaded, ``fuse_lora(lora_scale=0.125)``, the
+    pipeline's own scheduler, ``num_inference_steps=8, guidance_scale=5.0`` (a "CFG" LoRA: guidance
+    runs); preheat: ``lora_scale=0.125, steps=8, guidance=5.0``."""
+    entry, prompt, steps = hyper_sd3, "a photo of a cat", 8
+    noise = _noise(9)
+    ref = _sd3_card_reference(entry["folder"])
+    card = dict(num_inference_steps=steps, guidance_scale=5.0)
+    plain = flow_fixtures.reference_pixels(ref, prompt, noise, **card)
+    ref.load_lora_weights(str(entry["lora"]))
+    ref.fuse_lora(lora_scale=0.125)
+    theirs = flow_fixtures.reference_pixels(ref, prompt, noise, **card)
+    pipe = entry["pipe"]
+    call = dict(noise=noise, steps=steps, guidance=5.0, width=32, height=32)
+    ours = pipe.generate(prompt, lora=entry["lora"], lora_scale=0.125, **call)
+    record_property("mean_abs_px", _diff(ours, theirs))
+    assert _diff(ours, theirs) <= MEAN_TOL, _diff(ours, theirs)
+    assert _diff(theirs, plain) > 5  # the LoRA counts at an eighth (measured 29.2)
+    at_one = pipe.generate(prompt, lora=entry["lora"], lora_scale=1.0, **call)
+    assert _diff(ours, at_one) > 5  # and so does the scale (55.1)
 
 
 # ------------------------------------------------------------------ the card's scheduler line on every surface

@@ -1,9 +1,11 @@
 """fp8 weight storage (``weights_dtype="float8_e4m3fn"``) against diffusers' layerwise casting.
 
-Tiny random Flux-dev and SD 1.x folders written by diffusers, fp32 compute: the layers stored in
-fp8 are the ones ``enable_layerwise_casting`` casts (by name), the image matches diffusers' from
-the same latents, differs from the full-precision one, and a file stored as ``F8_E4M3`` loads
-without a cast. The full-size FLUX.1-dev transformer is measured abstractly (nothing allocated).
+Tiny random FLUX.1-dev, SD 1.x, SD 2.x, SDXL and SD3 folders written by diffusers, fp32 compute: the
+layers stored in fp8 are the ones ``enable_layerwise_casting`` casts (by name); the image is
+diffusers' from the same latents with those layers' weights rounded to fp8 (to float32 rounding
+order), differs from the full-precision one, and differs from ``enable_layerwise_casting``'s by its
+fp8 biases alone (preheat keeps them full); a file stored as ``F8_E4M3`` loads without a cast. The
+full-size FLUX.1-dev transformer is measured abstractly (nothing allocated).
 """
 
 from __future__ import annotations
@@ -18,45 +20,80 @@ from preheat.errors import InvalidArgumentError, ModelFormatError
 from tests._support.flow_fixtures import reference_pipeline as flow_reference
 from tests._support.flow_fixtures import reference_pixels as flow_pixels
 from tests._support.flow_fixtures import save_tiny_flow_model
-from tests._support.fp8_reference import FP8, assert_fp8_matches, cast_layers, cast_layerwise
+from tests._support.fp8_reference import FP8, cast_layers, cast_layerwise, round_to_fp8
 from tests._support.fp8_reference import stored_low as _stored_low
+from tests._support.numerics import assert_pixels_close, mean_abs_px
 from tests._support.sd_fixtures import reference_pipeline as sd_reference
 from tests._support.sd_fixtures import reference_pixels as sd_pixels
 from tests._support.sd_fixtures import save_tiny_sd
 
 ORDER_TOL = 0.01  # the same weights, products in another order (float32): test_scaled_fp8.py says why
-CALLS = {"flux": dict(prompt="a watercolor fox", guidance=3.5), "sd": dict(prompt="a photo of a cat", guidance=5.0)}
+# One call per folder kind: each kind's family's own sampler (the UNets': DDIM; the flow ones': flow Euler).
+# SD 2.x's folder is v-prediction with linear attention projections (proj_in/proj_out Linear, not 1x1 convs),
+# SDXL's adds the second encoder and the added-condition embeddings, SD3's is an MMDiT with three encoders.
+CALLS = {"flux": dict(prompt="a watercolor fox", guidance=3.5), "sd1": dict(prompt="a photo of a cat", guidance=5.0),
+         "sd2": dict(prompt="a photo of a cat", guidance=5.0), "sdxl": dict(prompt="a photo of a cat", guidance=5.0),
+         "sd3": dict(prompt="a photo of a cat", guidance=5.0)}
+FLOW = ("flux", "sd3")  # transformers, flow_euler; the others UNets, DDIM
+
+# The full and fp8 loads of a folder share their text encoders' and VAE's programs (the SD folders
+# their VAE too): each is compiled once (tests/_support/compile_memo.py).
+pytestmark = pytest.mark.usefixtures("one_compile_per_program")
+
+
+class _Built(dict):
+    """Each kind's folder (or pipeline) made on first use, so that a test of one kind builds no other."""
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        value = self[key] = self._make(key)
+        return value
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     base = tmp_path_factory.mktemp("fp8")
-    return {"flux": save_tiny_flow_model(base / "flux", "flux-dev"), "sd": save_tiny_sd(base / "sd", "sd1")}
+    return _Built(lambda name: save_tiny_flow_model(base / name, "flux-dev" if name == "flux" else name)
+                  if name in FLOW else save_tiny_sd(base / name, name))
 
 
 @pytest.fixture(scope="module")
 def pipes(folders):
-    return {(name, low): preheat.load(folder, cache="off", weights_dtype=FP8 if low else None)
-            for name, folder in folders.items() for low in (False, True)}
+    return _Built(lambda key: preheat.load(folders[key[0]], cache="off", weights_dtype=FP8 if key[1] else None))
 
 
 def _noise(n: int = 1) -> np.ndarray:
     return np.random.default_rng(0).standard_normal((n, 4, 16, 16)).astype(np.float32)
 
 
-def _reference(folders, name: str):
-    """diffusers' pipeline with its denoiser under ``enable_layerwise_casting`` (fp8 storage, fp32 compute)."""
-    ref = flow_reference(folders[name], "flow_euler") if name == "flux" else sd_reference(folders[name], "ddim")
-    return ref, cast_layerwise(ref.transformer if name == "flux" else ref.unet)
+def _reference(folders, name: str, cast: bool = True):
+    """diffusers' pipeline and its denoiser, under ``enable_layerwise_casting`` (fp8 storage, fp32
+    compute) unless ``cast=False``."""
+    ref = flow_reference(folders[name], "flow_euler") if name in FLOW else sd_reference(folders[name], "ddim")
+    denoiser = ref.transformer if name in FLOW else ref.unet
+    return ref, cast_layerwise(denoiser) if cast else denoiser
+
+
+def _theirs(ref, name: str) -> np.ndarray:
+    call = CALLS[name]
+    pixels = flow_pixels if name in FLOW else sd_pixels
+    size = {} if name in FLOW else dict(height=32, width=32)
+    return pixels(ref, call["prompt"], _noise(), num_inference_steps=3, guidance_scale=call["guidance"], **size)
 
 
 def _ours(pipes, name: str, low: bool) -> np.ndarray:
     call = CALLS[name]
     return pipes[(name, low)].generate(call["prompt"], noise=_noise(), steps=3, guidance=call["guidance"],
-                                       sampler="flow_euler" if name == "flux" else "ddim", width=32, height=32)
+                                       sampler="flow_euler" if name in FLOW else "ddim", width=32, height=32)
 
 
-@pytest.mark.parametrize("name", ["flux", "sd"])
+KINDS = ["flux", "sd1", "sd2", "sdxl", "sd3"]
+
+
+@pytest.mark.parametrize("name", KINDS)
 def test_the_fp8_layers_are_the_ones_diffusers_casts(folders, pipes, name):
     _, denoiser = _reference(folders, name)
     theirs = cast_layers(denoiser)
@@ -64,53 +101,55 @@ def test_the_fp8_layers_are_the_ones_diffusers_casts(folders, pipes, name):
     assert ours == theirs and len(ours) > 5
     top = {n.split(".")[0] for n in ours}
     assert "proj_out" not in top and not any("norm" in n for n in ours)  # top-level proj_out and norms stay full
-    if name == "sd":  # the anchored patterns: an attention block's inner proj_in/proj_out is cast
-        assert {"down_blocks.0.attentions.0.proj_in", "down_blocks.0.attentions.0.proj_out"} <= ours
+    if name not in FLOW:  # the anchored patterns: an attention block's inner proj_in/proj_out is cast
+        assert {"mid_block.attentions.0.proj_in", "mid_block.attentions.0.proj_out"} <= ours
+    if name == "sd1":  # its plain fp8 1x1 convs (attention proj_in/proj_out, resnet conv_shortcut): layers.Conv2d
+        # applies them as matrix products on the fp8 weight, the 3x3 ones as XLA's convolution of the converted one
+        modules = dict(denoiser.named_modules())
+        pointwise = {n for n in ours if n.endswith(("proj_in", "proj_out", "conv_shortcut"))}
+        assert len(pointwise) >= 4 and {"down_blocks.0.attentions.0.proj_in"} <= pointwise, pointwise
+        assert all(modules[n].weight.ndim == 4 for n in pointwise)  # convolutions in diffusers' SD 1.x UNet
+    if name == "sdxl":  # the added (text, time) embedding's Linear layers too
+        assert {"add_embedding.linear_1", "add_embedding.linear_2"} <= ours
+    if name == "sd3":  # the MMDiT's own projections are cast, its patch embedding is not
+        assert {"context_embedder", "transformer_blocks.0.attn.to_q", "transformer_blocks.0.ff.net.2"} <= ours
+        assert not any(n.startswith("pos_embed") for n in ours)
 
 
-@pytest.mark.parametrize("name", ["flux", "sd"])
-def test_fp8_matches_diffusers_layerwise_casting(folders, pipes, name):
-    ref, _ = _reference(folders, name)
-    call = CALLS[name]
-    pixels = flow_pixels if name == "flux" else sd_pixels
-    size = {} if name == "flux" else dict(height=32, width=32)
-    theirs = pixels(ref, call["prompt"], _noise(), num_inference_steps=3, guidance_scale=call["guidance"], **size)
-    assert_fp8_matches(_ours(pipes, name, True), theirs, _ours(pipes, name, False), name)
+@pytest.mark.parametrize("name", KINDS)
+def test_fp8_draws_diffusers_image_of_the_fp8_weights(folders, pipes, name, record_property):
+    """preheat's fp8 image is diffusers' pipeline's with the cast layers' weights rounded to fp8 and
+    back (biases full, as preheat keeps them) to ``ORDER_TOL``: the same products in another order,
+    float32 compute; and it moved from the full-precision image (the storage really is fp8).
 
-
-def test_fp8_1x1_convs_draw_diffusers_image_of_the_fp8_weights(folders, pipes, record_property):
-    """The SD UNet's plain fp8 1x1 convs (attention ``proj_in``/``proj_out``, resnet ``conv_shortcut``)
-    are matrix products on the fp8 weight (``layers.Conv2d``), the 3x3 ones XLA's convolution of the
-    converted weight. diffusers' pipeline with the same layers' weights rounded to fp8 and back (the
-    biases full, as preheat keeps them) draws the same image to ``ORDER_TOL``: the same products in
-    another order, float32 compute."""
-    import torch
-
-    from tests._support.numerics import assert_pixels_close
-
-    low = _stored_low(pipes[("sd", True)].params)
-    pointwise = {n for n in low if n.endswith(("proj_in", "proj_out", "conv_shortcut"))}
-    assert len(pointwise) >= 4 and {"down_blocks.0.attentions.0.proj_in"} <= pointwise, pointwise
-    ref = sd_reference(folders["sd"], "ddim")
-    modules = dict(ref.unet.named_modules())
-    assert all(modules[n].weight.ndim == 4 for n in pointwise)  # convolutions in diffusers' SD 1.x UNet
-    with torch.no_grad():
-        for name in low:
-            weight = modules[name].weight
-            weight.copy_(weight.to(torch.float8_e4m3fn).to(weight.dtype))
-    call = CALLS["sd"]
-    theirs = sd_pixels(ref, call["prompt"], _noise(), num_inference_steps=3, guidance_scale=call["guidance"],
-                       height=32, width=32)
-    ours = _ours(pipes, "sd", True)
-    record_property("mean_abs_px", float(np.abs(ours.astype(np.int32) - theirs.astype(np.int32)).mean()))
+    ``enable_layerwise_casting`` stores those layers' biases in fp8 as well: its image is that
+    reference with the biases rounded too, bit for bit, so the biases are all that separates it
+    from preheat's. How far that moves the image (recorded as ``layerwise_mean_abs_px``) is the
+    folder's: on these, 0.31 (FLUX.1-dev), 0.28 (SD 1.x), 0.74 (SD 2.x), 2.16 (SDXL), 0.21 (SD3)."""
+    ours, full = _ours(pipes, name, True), _ours(pipes, name, False)
+    ref, denoiser = _reference(folders, name, cast=False)
+    names = _stored_low(pipes[(name, True)].params)
+    round_to_fp8(denoiser, names)
+    theirs = _theirs(ref, name)
+    record_property("mean_abs_px", mean_abs_px(ours, theirs))
     assert_pixels_close(ours, theirs, mean_tol=ORDER_TOL, max_tol=1)
-    assert ours.std() > 5
+    moved = mean_abs_px(ours, full)
+    print(f"{name} fp8: mean |Δpx| {mean_abs_px(ours, theirs):.4f} to diffusers' fp8 weights, {moved:.4f} to full")
+    assert moved > 0.1 and moved > 2 * mean_abs_px(ours, theirs), moved
+
+    round_to_fp8(denoiser, names, biases=True)
+    with_biases = _theirs(ref, name)
+    cast, _ = _reference(folders, name)
+    layerwise = _theirs(cast, name)
+    np.testing.assert_array_equal(layerwise, with_biases)
+    record_property("layerwise_mean_abs_px", mean_abs_px(ours, layerwise))
+    print(f"{name} fp8: mean |Δpx| {mean_abs_px(ours, layerwise):.4f} to enable_layerwise_casting's (fp8 biases)")
 
 
 def test_fp8_is_part_of_the_compile_key(pipes):
     from preheat.cache.keys import key_fields, key_of
 
-    full, low = pipes[("sd", False)], pipes[("sd", True)]
+    full, low = pipes[("sd1", False)], pipes[("sd1", True)]
     assert low.fingerprint == {**full.fingerprint, "weights_dtype": FP8, "weights_layers": "layerwise"}
     keys = []
     for pipe in (full, low):
@@ -184,7 +223,7 @@ def test_bad_fp8_requests_are_one_line(folders, monkeypatch):
         preheat.load(None, weights_dtype="float8_e5m3", cache="off")
     assert bad.value.argument == "weights_dtype"
     with pytest.raises(InvalidArgumentError, match="backend='jax'"):
-        preheat.load(folders["sd"], backend="torch", weights_dtype=FP8)
+        preheat.load(folders["sd1"], backend="torch", weights_dtype=FP8)
     import jax
 
     def refuse(x, *args, **kwargs):  # a runtime without fp8 buffers refuses the transfer
