@@ -87,20 +87,23 @@ def _private_cache_root(tmp_path_factory, monkeypatch):
 # (2026-12-05, after the SD 2.x LoRA and Kontext fp8 checks; the 2 cores shared, load average 2.4-4.4).
 # test_storage.py: the same way after its fp8 check took SD 2.x, SDXL and SD3 (41 s before, the same load, 4.2);
 # test_few_step.py: the same way (not slow) after the SD3.5 Large Turbo and Hyper-SD3 checks (48 s before; load 1.2).
+# Then (round 17) SD 2.x's LoRA and fp8 draws, SDXL's fp8 draw and Kontext's fp8 check went to test-slow: those
+# files less the tests' own seconds; test_sdxl_refiner.py and test_warm_input_values.py alone, 1 worker (load 1).
 HEAVY_FILES: dict[str, float] = {
-    "tests/families/test_lora.py": 81, "tests/families/test_image.py": 70, "tests/families/test_few_step.py": 55,
+    "tests/families/test_lora.py": 72, "tests/families/test_image.py": 70, "tests/families/test_few_step.py": 55,
     "tests/families/test_stable_diffusion.py": 61, "tests/cache/test_compile_cache.py": 59,
     "tests/test_docs.py": 58, "tests/families/test_family_contract.py": 53,
-    "tests/families/test_kontext.py": 47, "tests/models/test_unet2d_condition.py": 46, "tests/cache/test_remote.py": 44,
+    "tests/families/test_kontext.py": 39, "tests/models/test_unet2d_condition.py": 46, "tests/cache/test_remote.py": 44,
     "tests/models/test_unet2d.py": 44, "tests/models/test_scaled_fp8.py": 44,
     "tests/families/test_text_inputs.py": 44, "tests/server/test_text_to_image.py": 42,
     "tests/cache/test_targets.py": 41, "tests/server/test_image_sd_server.py": 40, "tests/test_devices.py": 39,
-    "tests/server/test_lora_server.py": 39, "tests/models/test_storage.py": 60,
+    "tests/server/test_lora_server.py": 39, "tests/models/test_storage.py": 40,
     "tests/models/test_single_file.py": 39, "tests/test_cli.py": 38,
     "tests/families/test_flow_families.py": 37, "tests/families/test_fill.py": 36, "tests/server/test_fuzz.py": 35,
     "tests/server/test_fetch.py": 34, "tests/samplers/test_sampler_parity.py": 34,
     "tests/families/test_flow_inpaint.py": 31, "tests/models/test_published_fetch.py": 30,
-    "tests/server/test_flow_serving.py": 30, "tests/test_progress.py": 30,
+    "tests/server/test_flow_serving.py": 30, "tests/families/test_sdxl_refiner.py": 14,
+    "tests/cache/test_warm_input_values.py": 12, "tests/test_progress.py": 30,
     "tests/train/test_text_digits.py": 29, "tests/backends/test_torch_compile_cache.py": 28,
     "tests/models/test_gguf.py": 28, "tests/test_engine.py": 28, "tests/integrations/test_runpod.py": 27,
     "tests/server/test_sigterm.py": 27, "tests/test_cli_newcomer.py": 26,

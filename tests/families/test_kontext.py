@@ -87,6 +87,8 @@ def test_a_lora_matches_diffusers(folder, pipe, lora):
     assert mean_abs_px(ours, pipe.generate("make it a watercolor", **call, **scale_0(lora))) > 5  # the LoRA matters
 
 
+# test-slow: fp8 storage's layer rule is make test's in tests/models/test_storage.py (FLUX.1-dev)
+@pytest.mark.slow
 def test_fp8_weights_match_diffusers_layerwise_casting(folder, pipe):
     """``weights_dtype="float8_e4m3fn"``: the layers diffusers' ``enable_layerwise_casting`` casts
     are the ones stored in fp8, and the image is diffusers' from the same latents and reference

@@ -57,6 +57,7 @@ def test_img2img_matches_diffusers(folder, pipe, extra):
     assert_pixels_close(ours, theirs, shape=(1, 32, 32, 3))
 
 
+@pytest.mark.slow  # the mask blend is base SDXL's (tests/families/test_image.py); the ids are img2img's here
 def test_inpainting_matches_diffusers(folder, pipe):
     """StableDiffusionXLInpaintPipeline on a refiner folder: its 4-channel UNet, the mask blended
     after each step, the same aesthetic-score ids."""
@@ -110,6 +111,7 @@ def test_warm_up_compiles_image_calls_only(pipe):
     assert sigs and all("image" in dict(s.given) for s in sigs)
 
 
+@pytest.mark.slow  # a torch load of the folder: test-slow
 def test_the_torch_backend_runs_diffusers_refiner_pipelines(folder, pipe):
     """The torch backend keeps the folder's img2img pipeline (its aesthetic-score config) and passes
     the ids as diffusers' keywords: two images with negatives, the same ε, its pixels within a level."""

@@ -90,7 +90,10 @@ def _ours(pipes, name: str, low: bool) -> np.ndarray:
                                        sampler="flow_euler" if name in FLOW else "ddim", width=32, height=32)
 
 
-KINDS = ["flux", "sd1", "sd2", "sdxl", "sd3"]
+# make test checks a UNet (SD 1.x) and both transformers; SD 2.x's and SDXL's UNets (the same layer
+# rule, other configs) in test-slow, as their folders take the time
+KINDS = [pytest.param(name, marks=(pytest.mark.slow,) if name in ("sd2", "sdxl") else (), id=name)
+         for name in ("flux", "sd1", "sd2", "sdxl", "sd3")]
 
 
 @pytest.mark.parametrize("name", KINDS)

@@ -10,7 +10,7 @@ import pytest
 import preheat
 from preheat.server.core import Core, CoreConfig
 from preheat.server.images import decode_data_url
-from tests._support.server_fixtures import cli_family, openai_image, runpod_jobs, serving
+from tests._support.server_fixtures import cli_family, metric, openai_image, runpod_jobs, serving
 
 
 @pytest.mark.parametrize("kind", ["flux-schnell", "flux-dev", "sd3"])
@@ -27,17 +27,22 @@ def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_f
     call: dict = {}
     if kind == "flux-dev":
         fields["guidance_scale"] = call["guidance"] = 4.0
+    elif kind == "flux-schnell":  # served at its card's T5 length (--input-values max_sequence_length=256):
+        call["max_sequence_length"] = 256  # a request without the field gets it
     elif kind == "sd3":
         fields.update(negative_prompt="blurry", guidance_scale=4.0)
         call.update(negative_prompt="blurry", guidance=4.0)
     want = pipe.generate("a red fox", steps=2, seed=9, width=32, height=32, **call)
+    if kind == "flux-schnell":  # the length is not a no-op: a server that did not fill it in would differ
+        assert not np.array_equal(want, pipe.generate("a red fox", steps=2, seed=9, width=32, height=32))
     # SD3's requests below are all guided (CFG): its unguided program is not warmed; FLUX.1's one
     # program is the same for either setting (no CFG branch)
     guided_only = {"guidance": ("on",)} if kind == "sd3" else {}
     if kind.startswith("flux"):  # its true CFG's negative prompt, offered only when declared (warmed with "on")
         guided_only["inputs"] = ("negative_prompt",)
-    core = Core(CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=30, sizes=((32, 32),), **guided_only),
-                pipe=pipe)
+    lengths = {"input_values": (("max_sequence_length", ("256",)),)} if kind == "flux-schnell" else {}
+    core = Core(CoreConfig(max_batch_size=1, batch_wait_ms=0, max_steps=30, sizes=((32, 32),), **guided_only,
+                           **lengths), pipe=pipe)
     core.start()
     try:
         assert core.wait_setup(900) and core.setup.status == "succeeded", core.setup.logs
@@ -86,51 +91,23 @@ def test_flow_families_serve_from_cog_openai_runpod_and_the_cli(kind, tmp_path_f
                 bad = client.post("/predictions", json={"input": {"prompt": "x", "negative_prompt": "y",
                                                                   "true_cfg_scale": 51}})
                 assert bad.status_code == 422 and "true_cfg_scale" in bad.text
-                # a T5 length is static: the default's program is served, another one is refused, not compiled
+                # a T5 length is static: the served one's program (dev: the default 512; schnell: its declared
+                # 256), another one refused naming the --input-values that would serve it, not compiled
+                served, other = (256, 512) if kind == "flux-schnell" else (512, 256)
                 r = client.post("/predictions", json={"input": {**fields, "width": 32, "height": 32,
-                                                                "max_sequence_length": 512}})
+                                                                "max_sequence_length": served}})
                 assert r.status_code == 200, r.text
                 np.testing.assert_array_equal(decode_data_url(r.json()["output"][0]), want[0])
-                bad = client.post("/predictions", json={"input": {"prompt": "x", "max_sequence_length": 256}})
-                assert bad.status_code == 422 and "256 is not served here" in bad.text, bad.text
+                bad = client.post("/predictions", json={"input": {"prompt": "x", "max_sequence_length": other}})
+                assert bad.status_code == 422, bad.text
+                assert (f"{other} is not served here (another program); served: {served} (start the server with "
+                        f"--input-values max_sequence_length={served},{other}, or PREHEAT_INPUT_VALUES="
+                        f"max_sequence_length={served},{other}, to serve it)") in bad.text
+                length = schema["max_sequence_length"]  # schema-valid input is accepted input, as the sizes' enums
+                assert length["default"] == served and {"type": "integer", "enum": [served], "minimum": 1,
+                                                        "maximum": 512} in length["anyOf"], length
+                assert metric(client.get("/metrics").text, "preheat_compiles_total", '{phase="traffic"}') == 0
     finally:
         core.close()
 
     assert cli_family(monkeypatch, tmp_path_factory.mktemp(f"cli-{kind}"), folder, pipe, "--width", "32", "--height", "32") == ("stable-diffusion-3" if kind == "sd3" else "flux")
-
-
-def test_a_server_serves_the_declared_t5_lengths_and_refuses_others(tmp_path_factory):
-    """``input_values`` (``--input-values max_sequence_length=256``, as FLUX.1-schnell's card calls
-    it): a request without the field gets the first served length, one that gives another is
-    refused naming the declaration, and no request compiles."""
-    import httpx
-    from tests._support.flow_fixtures import save_tiny_flow_model
-    from tests._support.server_fixtures import metric
-
-    folder = save_tiny_flow_model(tmp_path_factory.mktemp("serve-lengths") / "schnell", "flux-schnell")
-    pipe = preheat.load(folder, cache="off")
-    want = pipe.generate("a red fox", steps=2, seed=9, width=32, height=32, max_sequence_length=256)
-    assert not np.array_equal(want, pipe.generate("a red fox", steps=2, seed=9, width=32, height=32))
-    core = Core(CoreConfig(max_batch_size=1, batch_wait_ms=0, sizes=((32, 32),), inputs=(),
-                           input_values=(("max_sequence_length", ("256",)),)), pipe=pipe)
-    core.start()
-    try:
-        assert core.wait_setup(900) and core.setup.status == "succeeded", core.setup.logs
-        fields = {"prompt": "a red fox", "num_inference_steps": 2, "seed": 9}
-        with serving(core) as server, httpx.Client(base_url=server.url, timeout=300) as client:
-            for given in ({}, {"max_sequence_length": 256}):
-                r = client.post("/predictions", json={"input": {**fields, **given}})
-                assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
-                np.testing.assert_array_equal(decode_data_url(r.json()["output"][0]), want[0])
-            bad = client.post("/predictions", json={"input": {**fields, "max_sequence_length": 512}})
-            assert bad.status_code == 422, bad.text
-            assert ("512 is not served here (another program); served: 256 (start the server with --input-values "
-                    "max_sequence_length=256,512, or PREHEAT_INPUT_VALUES=max_sequence_length=256,512, to serve it)"
-                    ) in bad.text
-            assert metric(client.get("/metrics").text, "preheat_compiles_total", '{phase="traffic"}') == 0
-            schema = client.get("/openapi.json").json()["components"]["schemas"]["Input"]["properties"]
-            length = schema["max_sequence_length"]  # schema-valid input is accepted input, as the sizes' enums
-            assert length["default"] == 256 and {"type": "integer", "enum": [256], "minimum": 1,
-                                                 "maximum": 512} in length["anyOf"], length
-    finally:
-        core.close()
