@@ -41,3 +41,22 @@ def test_torch_image_calls_match_the_jax_engine(folder, case):
         with pytest.raises(InvalidArgumentError) as info:
             torch_pipe.generate("a lighthouse", **{**call, "n": 2, "padding_mask_crop": [2, 3]})
         assert info.value.argument == "padding_mask_crop" and "\n" not in str(info.value)
+
+
+@pytest.mark.slow  # torch.compile on the CPU
+def test_inductor_warms_up_on_the_call_s_own_image_pipeline(folder):
+    """``compile="inductor"`` warms the denoiser with one step of the call's own pipeline (the img2img
+    or inpaint one, at strength 1, without its crop) on generators of its own: an image call then
+    draws eager's pixels (the same posterior sample and step noise), where a warm-up on the text
+    pipeline could not run a refiner's or an inpainting UNet's call, and one on the call's own
+    generators would have advanced them."""
+    eager, compiled = preheat.load(folder, backend="torch"), preheat.load(folder, backend="torch", compile="inductor")
+    for i, case in enumerate((dict(strength=0.6, sampler="euler_a"),
+                              dict(strength=0.6, sampler="ddim", mask_image=image_fixtures.sample_mask(),
+                                   padding_mask_crop=2))):
+        call = dict(image=image_fixtures.sample_image(seed=2), steps=STEPS, guidance=5.0, seed=11, **case)
+        want, got = eager.generate("a lighthouse", **call), compiled.generate("a lighthouse", **call)
+        diff = np.abs(want.astype(np.int32) - got.astype(np.int32))
+        assert diff.mean() <= 1.0 and diff.max() <= 8, (case["sampler"], diff.mean(), diff.max())
+        # the first call compiled the denoiser (the second reuses it: the same model batch and size)
+        assert compiled.last.compile_s > 0 if i == 0 else compiled.last.cache_layer == "memory", compiled.last

@@ -120,17 +120,20 @@ class TorchTextPipeline(EngineArguments):
         self.pipe.scheduler = make_scheduler(request.sampler, {**self.scheduler_dict, **overrides})
         # CFG's two branches are one batch of 2n; FLUX.1's true CFG calls the transformer twice with n
         doubled = request.guided and self.family.guidance_mode(self) == "cfg"
-        timings = self._prepare_denoiser(n * (2 if doubled else 1), latent_shape, kwargs)
-        events = self.compiler.events if self.compiler is not None else []
-        seen = len(events)
         pipe = self.pipe
         if v.get("strength") is not None:  # diffusers' img2img / inpaint pipeline, noised with the same ε
-            from preheat.backends.torch.image import image_kwargs, image_pipeline, same_noise
+            from preheat.backends.torch.image import image_kwargs, image_pipeline
 
             pipe = image_pipeline(self.pipe, self.family.name, v.get("mask_image") is not None, self._image_pipes)
             kwargs = image_kwargs(v, kwargs, self.family.name)
-            same_noise(pipe.scheduler, latents)
         kwargs.update(_guidance_rescale(pipe, request))
+        timings = self._prepare_denoiser(n * (2 if doubled else 1), latent_shape, kwargs, pipe)
+        events = self.compiler.events if self.compiler is not None else []
+        seen = len(events)
+        if v.get("strength") is not None:
+            from preheat.backends.torch.image import same_noise
+
+            same_noise(pipe.scheduler, latents)
 
         start = time.perf_counter()
         with torch.no_grad():
@@ -149,11 +152,16 @@ class TorchTextPipeline(EngineArguments):
     def torch_dtype(self) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
 
-    def _prepare_denoiser(self, model_batch: int, latent_shape: tuple[int, ...], call: dict[str, Any]) -> Timings:
+    def _prepare_denoiser(self, model_batch: int, latent_shape: tuple[int, ...], call: dict[str, Any],
+                          pipe: Any) -> Timings:
         """Compile (or load from the cache) the denoiser for this model batch and latent size.
 
-        The warm-up is the pipeline itself for one step with this call's arguments, so whatever
-        the denoiser (UNet, Flux or SD3 transformer) it sees exactly the inputs serving will.
+        The warm-up is the call's own pipeline (``pipe``: the text one, or an image call's img2img
+        or inpaint one) for one step with this call's arguments, so whatever the denoiser (UNet,
+        Flux or SD3 transformer, an inpainting UNet's 9 channels) it sees exactly the inputs serving
+        will. An image call's step runs at strength 1 (below it, one step is int(1 x s) = 0 steps),
+        without its crop (diffusers crops for PIL outputs only), and every warm-up draws from
+        generators of its own.
         """
         key = (model_batch, tuple(latent_shape))
         if self.compile == "none" or key in self._warm:
@@ -177,8 +185,13 @@ class TorchTextPipeline(EngineArguments):
             denoiser._preheat_compiled = True
 
         def warm_up() -> None:
+            once = {**call, "num_inference_steps": 1, "output_type": "latent"}
+            once["generator"] = [torch.Generator("cpu").manual_seed(0) for _ in call["generator"]]  # the call's own
+            once.pop("padding_mask_crop", None)  # generators draw the call's posterior and step noise, unadvanced
+            if "strength" in once:
+                once["strength"] = 1.0
             with torch.no_grad():
-                self.pipe(**{**call, "num_inference_steps": 1, "output_type": "latent"})
+                pipe(**once)
 
         timings = (self.compiler or TorchCompiler(mode="off")).warm_inductor(fields, warm_up)
         self._warm.add(key)
