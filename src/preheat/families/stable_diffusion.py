@@ -418,7 +418,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     if family.xl and cfg.addition_embed_type != "text_time":
         raise UnsupportedConfigError(f"{root}: an SDXL UNet needs addition_embed_type 'text_time', "
                                      f"got {cfg.addition_embed_type!r}")
-    # the UNet's own check: cross_attention_dim vs the encoders' width (and SDXL's pooled + 6 ids)
+    # the UNet's own check: cross_attention_dim vs the encoders' width (and SDXL's pooled + 6 ids; a refiner's 5)
     unet.check_text_conditioning(width, encoders[-1].config.projection_dim if family.xl else None,
                                  5 if family.aesthetics else 6)
     latent_channels = vae.config.latent_channels
