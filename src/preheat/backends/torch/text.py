@@ -186,8 +186,9 @@ class TorchTextPipeline(EngineArguments):
 
         def warm_up() -> None:
             once = {**call, "num_inference_steps": 1, "output_type": "latent"}
-            once["generator"] = [torch.Generator("cpu").manual_seed(0) for _ in call["generator"]]  # the call's own
-            once.pop("padding_mask_crop", None)  # generators draw the call's posterior and step noise, unadvanced
+            # generators of its own: the call's draw its posterior sample and step noise, so they stay unadvanced
+            once["generator"] = [torch.Generator("cpu").manual_seed(0) for _ in call["generator"]]
+            once.pop("padding_mask_crop", None)
             if "strength" in once:
                 once["strength"] = 1.0
             with torch.no_grad():
