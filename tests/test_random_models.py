@@ -119,6 +119,48 @@ def test_bench_children_get_the_inputs_a_family_declares_required(folders, home,
     assert json.loads(r.stdout)["image_size"] == [32, 32]
 
 
+def _config_folder(root: Path, index: dict, unet_in: int) -> Path:
+    """A pipeline folder of configs alone: what the bench's parent reads (it reads no weight)."""
+    for name, config in (("model_index.json", index), ("unet/config.json", {"in_channels": unet_in}),
+                         ("vae/config.json", {"latent_channels": 4})):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(json.dumps(config))
+    return root
+
+
+def test_bench_children_get_what_the_folder_configs_require(tmp_path):
+    """A refiner's index (the base img2img class with requires_aesthetics_score) is the refiner family
+    (its image required, its aesthetic score a flag), and a 9-channel UNet needs an image and a mask:
+    the bench's parent tells both from the configs, as the loaded model does."""
+    from PIL import Image
+
+    from preheat.bench.compare import declared_values
+    from preheat.cli.bench import required_example_args
+    from preheat.families import declared_family
+
+    parts = {"unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"]}
+    refiner = _config_folder(tmp_path / "refiner", {"_class_name": "StableDiffusionXLImg2ImgPipeline",
+                                                    "requires_aesthetics_score": True, **parts}, 4)
+    assert declared_family(refiner).name == "stable-diffusion-xl-refiner"
+    args = required_example_args(str(refiner), ("--width", "40", "--height", "24"), tmp_path)
+    assert args[:3] == ("--prompt", "a watercolor fox", "--image") and len(args) == 4
+    assert Image.open(args[3]).size == (40, 24)
+    assert declared_values(str(refiner), {"--aesthetic-score": ["7"]}) == {"aesthetic_score": 7.0}
+
+    base = _config_folder(tmp_path / "base", {"_class_name": "StableDiffusionXLImg2ImgPipeline", **parts}, 4)
+    assert declared_family(base).name == "stable-diffusion-xl"
+    assert required_example_args(str(base), (), tmp_path) == ("--prompt", "a watercolor fox")
+    with pytest.raises(Exception, match="--aesthetic-score does not apply to a stable-diffusion-xl model"):
+        declared_values(str(base), {"--aesthetic-score": ["7"]})
+
+    inpaint = _config_folder(tmp_path / "inpaint", {"_class_name": "StableDiffusionInpaintPipeline", **parts}, 9)
+    args = required_example_args(str(inpaint), ("--prompt", "a cat"), tmp_path)
+    assert [a for a in args if a.startswith("--")] == ["--image", "--mask"]
+    assert np.asarray(Image.open(args[3])).min() == 255  # the mask: repaint everything
+    assert required_example_args(str(_config_folder(tmp_path / "sd", {"_class_name": "StableDiffusionPipeline",
+                                                                      **parts}, 4)), ("--prompt", "a"), tmp_path) == ()
+
+
 def test_bench_coldstart_passes_the_family_flags_to_every_child_and_refuses_others(folders, tmp_path, monkeypatch):
     """`bench coldstart`'s model inputs are `preheat sample`'s family flags: given to each child as
     they are (plus the required ones at their example values); a flag the family does not declare

@@ -254,3 +254,19 @@ def test_the_schemas_state_every_declared_input(served):
         if spec.name not in IMAGE_SIZE:  # OpenAI's size states both
             assert spec.surface_name in openai, (spec.name, sorted(openai))
     assert schema["Input"]["additionalProperties"] is False
+
+
+def test_the_folder_configs_declare_what_the_loaded_model_requires(served):
+    """A process that reads no weight (a bench's parent) types flags and fills required inputs from
+    ``declared_family(folder).folder_specs(folder)``: the same family, and each of its inputs as
+    required as the loaded model's own declaration says."""
+    from preheat.engine import BUILTIN_MODEL
+    from preheat.families import declared_family
+
+    kind, folder, pipe, core, client = served
+    root = BUILTIN_MODEL if folder is None else folder
+    family = declared_family(root)
+    assert family is not None and family.name == pipe.family.name
+    loaded = {s.name: s.required for s in _specs(pipe)}
+    assert {s.name: s.required for s in family.folder_specs(root)} == \
+        {name: loaded[name] for name in (s.name for s in family.specs)}

@@ -318,11 +318,12 @@ def declared_values(folder: str | None, flags: dict[str, list[str]]) -> dict[str
 
     if not flags:
         return {}
-    family = declared_family(BUILTIN_MODEL if folder is None else Path(folder))
+    root = BUILTIN_MODEL if folder is None else Path(folder)
+    family = declared_family(root)
     if family is None:
         raise InvalidArgumentError(f"{folder}'s family declares no inputs: {', '.join(flags)} cannot be given",
                                    argument=next(iter(flags)))
-    return typed_flags((*family.specs, *size_specs(0, 0, 1, 0)), family.name, flags)
+    return typed_flags((*family.folder_specs(root), *size_specs(0, 0, 1, 0)), family.name, flags)
 
 
 def _brief(r: dict[str, Any]) -> str:

@@ -173,7 +173,7 @@ def required_example_args(folder: str | None, args: tuple[str, ...], workdir: Pa
         return args[args.index(flag) + 1] if flag in args[:-1] else None
 
     out: tuple[str, ...] = ()
-    for spec in family.specs:
+    for spec in family.folder_specs(Path(folder)):  # a 9-channel inpainting folder's image and mask
         if not spec.required or given(spec.cli_flag) is not None:
             continue
         if isinstance(spec.type, Image):

@@ -93,8 +93,9 @@ def family_loader(root: Path) -> Callable[..., Any]:
 
 
 def declared_family(root: Path) -> Optional[Family]:
-    """The folder's family as its module declares it, without reading a weight (a process that
-    only passes the folder on: a bench's parent); None when the entry names no instance."""
+    """The folder's family as its module declares it and its configs refine it (``Family.for_folder``:
+    an SDXL refiner's index), without reading a weight (a process that only passes the folder on: a
+    bench's parent); None when the entry names no instance."""
     import importlib
 
     name = class_name_of(root)
@@ -104,7 +105,7 @@ def declared_family(root: Path) -> Optional[Family]:
     if len(entry) < 3 or not entry[2]:
         return None
     family = getattr(importlib.import_module(entry[0]), entry[2])
-    return family if isinstance(family, Family) else None
+    return family.for_folder(root) if isinstance(family, Family) else None
 
 
 def declared_families() -> list[Family]:

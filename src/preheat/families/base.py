@@ -22,6 +22,7 @@ for a width x height, and how a final sample becomes pixels -- is the family's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
@@ -144,6 +145,16 @@ class Family:
     def inputs(self) -> tuple[str, ...]:
         """The family's own keywords (its specs' names, then width and height)."""
         return (*(s.name for s in self.specs), *IMAGE_SIZE)
+
+    def for_folder(self, root: Path) -> "Family":
+        """The family a folder of this class is, as its configs say (no weight read): what a process
+        that only passes the folder on (a bench's parent) types flags by. Most classes have one."""
+        return self
+
+    def folder_specs(self, root: Path) -> tuple[InputSpec, ...]:
+        """The folder's own inputs as its configs declare them (no weight read): ``specs`` with what
+        :meth:`input_specs` resolves from the loaded model and can tell from configs (a required image)."""
+        return self.specs
 
     def native_size(self, pipe: "EngineView") -> tuple[int, int]:
         """The model's own (width, height) in pixels: what a call without a size makes."""

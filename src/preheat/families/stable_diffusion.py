@@ -140,12 +140,28 @@ class StableDiffusionFamily(TextToImageFamily):
 
     def input_specs(self, pipe: EngineView) -> tuple[InputSpec, ...]:
         layers = pipe.components.clip_layers
-        specs = super().input_specs(pipe)
-        if pipe.components.inpaint:  # a 9-channel UNet repaints: it needs both
-            specs = tuple(replace(s, required=True) if s.name in ("image", "mask_image") else s for s in specs)
-        if self.aesthetics:  # a refiner refines an image (StableDiffusionXLImg2ImgPipeline's required image)
-            specs = tuple(replace(s, required=True) if s.name == "image" else s for s in specs)
+        specs = self._required_images(super().input_specs(pipe), pipe.components.inpaint)
         return (*specs, clip_skip_spec(layers - 1 if self.xl else layers))  # SDXL: from the penultimate
+
+    def _required_images(self, specs: Sequence[InputSpec], inpaint: bool) -> tuple[InputSpec, ...]:
+        """A 9-channel UNet repaints: it needs an image and a mask; a refiner refines an image
+        (StableDiffusionXLImg2ImgPipeline's required image)."""
+        required = ("image", "mask_image") if inpaint else ("image",) if self.aesthetics else ()
+        return tuple(replace(s, required=True) if s.name in required else s for s in specs)
+
+    def for_folder(self, root: Path) -> StableDiffusionFamily:
+        from preheat.models.safetensors_files import read_json
+
+        return _folder_family(self, read_json(Path(root) / "model_index.json", "pipeline index"))
+
+    def folder_specs(self, root: Path) -> tuple[InputSpec, ...]:
+        from preheat.models.safetensors_files import read_json
+
+        root = Path(root)
+        index = read_json(root / "model_index.json", "pipeline index")
+        unet = read_json(component(root, index, "unet") / "config.json", "UNet config")
+        vae = read_json(component(root, index, "vae") / "config.json", "VAE config")
+        return self._required_images(self.specs, _inpainting(unet.get("in_channels", 4), vae.get("latent_channels", 4)))
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         values = super().check_inputs(pipe, n, inputs)
@@ -396,8 +412,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     root = Path(root)
     dtype = check_dtype(dtype)
     index = read_json(root / "model_index.json", "pipeline index")
-    if family.xl and index.get("requires_aesthetics_score"):
-        family = SDXL_REFINER  # an SDXL refiner (StableDiffusionXLImg2ImgPipeline's aesthetic-score ids)
+    family = _folder_family(family, index)
     names = [("text_encoder", "tokenizer")] + ([("text_encoder_2", "tokenizer_2")] if family.xl else [])
     if family.aesthetics:  # a refiner's index has no first encoder: [null, null]
         names = [(te, tok) for te, tok in names if index.get(te) != [None, None]]
@@ -422,8 +437,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     unet.check_text_conditioning(width, encoders[-1].config.projection_dim if family.xl else None,
                                  5 if family.aesthetics else 6)
     latent_channels = vae.config.latent_channels
-    # an inpainting UNet (StableDiffusion[XL]InpaintPipeline) takes the sample, the mask and the masked image's latents
-    inpaint = cfg.in_channels == 2 * latent_channels + 1
+    inpaint = _inpainting(cfg.in_channels, latent_channels)
     if cfg.in_channels != latent_channels and not inpaint:
         raise UnsupportedConfigError(f"{root}: the VAE has {latent_channels} latent channels, the UNet takes "
                                      f"{cfg.in_channels} (an inpainting UNet takes {2 * latent_channels + 1})")
@@ -470,6 +484,18 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
                        sample_shape=(int(latent[0]), int(latent[1]), latent_channels), scheduler_config=sched,
                        fingerprint=fingerprint, family=family, defaults=defaults,
                        dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)
+
+
+def _folder_family(family: StableDiffusionFamily, index: Mapping[str, Any]) -> StableDiffusionFamily:
+    """An SDXL refiner's index (StableDiffusionXLImg2ImgPipeline with ``requires_aesthetics_score``)
+    makes the refiner family; any other index keeps its class's family."""
+    return SDXL_REFINER if family.xl and index.get("requires_aesthetics_score") else family
+
+
+def _inpainting(unet_in_channels: int, latent_channels: int) -> bool:
+    """An inpainting UNet (StableDiffusion[XL]InpaintPipeline) takes the sample, the mask and the
+    masked image's latents."""
+    return unet_in_channels == 2 * latent_channels + 1
 
 
 def load_stable_diffusion(root: Any, *, scheduler: Any = None, dtype: Any = "float32",
