@@ -104,9 +104,10 @@ def test_a_model_without_static_inputs_says_so_as_the_user_named_it(monkeypatch)
 
 
 def test_cache_explain_as_server_takes_the_served_values_as_the_server_does(flux_pipe, monkeypatch, tmp_path):
-    """`cache explain --as-server --input-values`: a call without --max-sequence-length is the
-    server's first served length, so its key is the key `warm --dry-run` lists for that signature
-    (the default's without the declaration); a length not served is the server's one-line refusal."""
+    """`cache explain --as-server --input-values` (and --sizes): a call without --max-sequence-length
+    (or a size) gets the server's first served length (size), so its key is the key `warm --dry-run`
+    lists for that signature (the default's without the declaration); a length (size) not served is
+    the server's one-line refusal."""
     import dataclasses
     import json
 
@@ -134,6 +135,17 @@ def test_cache_explain_as_server_takes_the_served_values_as_the_server_does(flux
     assert refused.exit_code != 0 and refused.output.strip().splitlines()[-1] == (
         f"error: --max-sequence-length 512 is not served here (another program); served: 256 (start the server "
         f"with --input-values {LENGTH}=256,512, or PREHEAT_INPUT_VALUES={LENGTH}=256,512, to serve it)")
-    alone = CliRunner().invoke(main, ["cache", "explain", str(tmp_path), "--prompt", "a fox", *declared])
-    assert alone.output.strip().splitlines()[-1] == ("error: --max-batch-size, --progress and --input-values "
-                                                      "describe a server's call: pass --as-server")
+    # --sizes: a call without a size is the server's first size (the key of warm's row at the native size
+    # only where that is first), and a size the server does not serve is its one-line refusal
+    native = "{}x{}".format(*pipe.family.native_size(pipe))
+    assert key(*declared, "--sizes", f"{native},64x64") == row["key"][:12]
+    small_first = key(*declared, "--sizes", f"64x64,{native}")
+    assert small_first != row["key"][:12]
+    assert small_first == key(*declared, "--sizes", f"{native},64x64", "--width", "64", "--height", "64")
+    refused = CliRunner().invoke(main, [*call, *declared, "--width", "64", "--height", "64"])
+    assert refused.exit_code != 0 and refused.output.strip().splitlines()[-1] == (
+        f"error: --width: 64x64 is not served here; sizes: {native} (the server's --sizes)")
+    for server_only in (declared, ["--sizes", native]):
+        alone = CliRunner().invoke(main, ["cache", "explain", str(tmp_path), "--prompt", "a fox", *server_only])
+        assert alone.output.strip().splitlines()[-1] == ("error: --max-batch-size, --progress, --sizes and "
+                                                          "--input-values describe a server's call: pass --as-server")

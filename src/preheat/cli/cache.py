@@ -13,11 +13,11 @@ from typing import Any
 import click
 
 from preheat.cli._support import one_line_errors
-from preheat.cli.family_options import FamilyInputsCommand, flag_errors
+from preheat.cli.family_options import FamilyInputsCommand, flag_errors, size_flags
 from preheat.cli.options import NON_NEGATIVE, POSITIVE, CallOptions, call_options
 from preheat.cli.settings_env import SettingsCommand
 from preheat.cli.warm import input_values_option, inputs_option
-from preheat.families.inputs import common_spec
+from preheat.families.inputs import IMAGE_SIZE, common_spec, size_pair
 from preheat.server.config import env_var
 
 STEPS = common_spec("steps")  # the step count: torch explain runs the call at its fewest steps
@@ -160,7 +160,7 @@ class ExplainCommand(SettingsCommand, FamilyInputsCommand):
     are sample's (``PREHEAT_GUIDANCE`` is a server's guidance modes, ``--guidance`` a call's scale)."""
 
     env_settings = ("dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "devices", "fsdp",
-                    "max_batch_size", "progress", "inputs", "input_values")
+                    "max_batch_size", "progress", "inputs", "input_values", "sizes")
     env_gate = "--as-server"
 
 
@@ -181,12 +181,15 @@ class ExplainCommand(SettingsCommand, FamilyInputsCommand):
               help="--as-server: the server's --max-batch-size (default 8, as serve's), which sets its buckets.")
 @click.option("--progress/--no-progress", "progress", default=None,
               help="--as-server: the server's --progress (default on, as serve's).")
+@click.option("--sizes", "sizes_text", metavar="WxH,...",
+              help="--as-server: the server's --sizes (default the model's), the first what a call without a size "
+                   "gets; a size it does not serve is refused, as the server refuses it.")
 @inputs_option
 @input_values_option
 @one_line_errors
 def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, target_spec: str | None,
                     as_server: bool, max_batch_size: int | None, progress: bool | None,
-                    inputs_text: str | None, input_values_text: str | None) -> None:
+                    inputs_text: str | None, input_values_text: str | None, sizes_text: str | None) -> None:
     """Would `preheat sample` with these options hit the cache? If not, which key fields differ from
     the nearest entry. Takes exactly sample's options, with its defaults; with --as-server, the same
     request as a server (or warm job) declared by --max-batch-size and --progress runs it. With
@@ -202,12 +205,14 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
     from preheat.errors import InvalidArgumentError
     from preheat.sharding import parse_devices
 
-    if not as_server and (max_batch_size is not None or progress is not None or input_values_text is not None):
-        raise InvalidArgumentError("--max-batch-size, --progress and --input-values describe a server's call: pass "
-                                   "--as-server", argument="--as-server")
+    if not as_server and (max_batch_size is not None or progress is not None or input_values_text is not None
+                          or sizes_text is not None):
+        raise InvalidArgumentError("--max-batch-size, --progress, --sizes and --input-values describe a server's "
+                                   "call: pass --as-server", argument="--as-server")
     if as_server and opts.model is None and os.environ.get(env_var("model"), "").strip():
         opts = dataclasses.replace(opts, model=os.environ[env_var("model")].strip())  # as serve's MODEL
     resolved = resolve_model(opts.model, log=lambda line: click.echo(line, err=True))
+    size_asked = size_flags().given(opts.flags)  # else a server's first size (sample's: the model's own)
     model, opts = resolved.model, opts.sized(resolved.size, resolved.inputs)  # as sample: a tiny random model's tiny size
     if opts.backend == "torch":
         if opts.compile_mode == "none":
@@ -232,19 +237,20 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
     with flag_errors(pipe):
         given = opts.call_inputs(pipe)
     if as_server:  # the server's declaration (serve's defaults where not given): its bucket and step reports
-        from preheat.warm import WarmSet, parse_input_values, served_call
+        from preheat.warm import SettingNames, WarmSet, parse_input_values, parse_sizes, resolve, served_call
         from preheat.cli.settings_env import names_of
 
-        label = names_of()("input_values")  # the flag, or PREHEAT_INPUT_VALUES where it came from there
-
-        server = WarmSet(model=model, dtype=opts.dtype, max_batch_size=max_batch_size or WarmSet.max_batch_size,
-                         progress=WarmSet.progress if progress is None else progress,
-                         input_values=parse_input_values(input_values_text, label))
+        names = SettingNames.by(names_of())  # each flag, or its PREHEAT_* where it came from there
+        sizes = parse_sizes(sizes_text, names.sizes) or ((resolved.size,) if resolved.size is not None else ())
+        server = resolve(pipe, WarmSet(model=model, dtype=opts.dtype, progress=WarmSet.progress if progress is None
+                                       else progress, max_batch_size=max_batch_size or WarmSet.max_batch_size,
+                                       sizes=sizes, input_values=parse_input_values(input_values_text,
+                                                                                    names.input_values)), names)
         call = served_call(pipe, server, n)
         click.echo(f"as a server with --max-batch-size {server.max_batch_size} calls it: {n} image(s) as batch "
                    f"{call.bucket}, step reports {'on' if call.inputs else 'off'}")
         n, served = call
-        given = _as_served(pipe, server, given, label)
+        given = _as_served(pipe, server, given if size_asked else IMAGE_SIZE.without(given), names)
     with flag_errors(pipe):
         sig, args = pipe.prepare(n, **given, **served)
     fields = key_fields(pipe.fingerprint, sig, args, target=target)
@@ -268,16 +274,23 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
         click.echo(f"miss: key {key[:12]}; nearest entry {labelled(name)} differs in: {', '.join(diff)}")
 
 
-def _as_served(pipe: Any, server: Any, given: dict[str, Any], label: str) -> dict[str, Any]:
-    """The call's inputs as a server of ``server`` (a ``WarmSet``) takes them: its static inputs'
-    served values (``--input-values``) -- an absent one its first, one it does not serve refused
-    in one line naming the flag (``families.offer.served_statics``, the server's own rule)."""
+def _as_served(pipe: Any, server: Any, given: dict[str, Any], names: Any) -> dict[str, Any]:
+    """The call's inputs as a server of ``server`` (a resolved ``WarmSet``) takes them, by the
+    server's own rules (``families.offer``): its size -- absent, the first served size; one it does
+    not serve (``--sizes``) refused in one line naming the flag -- and its other static inputs'
+    served values (``--input-values``: likewise)."""
     from preheat.errors import InvalidArgumentError
-    from preheat.families.offer import check_input_values, served_statics
+    from preheat.families.offer import served_size, served_statics
 
     specs = pipe.family.input_specs(pipe)
-    values = check_input_values(pipe.family.name, specs, server.input_values, label)
-    statics = served_statics(specs, values, given)
+    pair = size_pair(specs)
+    if pair is not None:
+        call = served_size(pair, given, server.sizes)
+        if call.refused is not None:
+            flag = {s.name: s.cli_flag for s in specs}[call.refused]
+            raise InvalidArgumentError(f"{flag}: {call.why} (the server's {names.sizes})", argument=flag)
+        given = {**given, **pair.inputs(call.size)}
+    statics = served_statics(specs, server.input_values, given)
     for spec, why in statics.refused:
         raise InvalidArgumentError(f"{spec.cli_flag} {why}", argument=spec.cli_flag)
     return {**given, **statics.filled}

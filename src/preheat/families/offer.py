@@ -4,7 +4,8 @@ The declarations are ``preheat.families.inputs``'; this module reads them for a 
 optional data inputs a server may offer or leave out (``--inputs``: :func:`optional_inputs`,
 :func:`default_offered`, :func:`offered_specs`, :func:`check_offered`), the static inputs besides
 the size and the values a server serves of each (``--input-values``: :func:`static_inputs`,
-:func:`served_values`, :func:`check_input_values`), and the data variants warm-up passes
+:func:`served_values`, :func:`check_input_values`), how a call's size and those inputs are served
+(:func:`served_size`, :func:`served_statics`), and the data variants warm-up passes
 (:func:`warm_variants`). ``preheat.warm`` enumerates programs from these, and ``preheat.server``
 refuses what they leave out, so the two agree.
 """
@@ -14,11 +15,11 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from preheat.errors import InvalidArgumentError
-from preheat.families.inputs import IMAGE_SIZE, InputSpec, size_pair
+from preheat.families.inputs import IMAGE_SIZE, InputSpec, SizePair, size_pair
 
 __all__ = ["warm_variants", "NO_INPUTS", "optional_inputs", "default_offered", "inputs_offering", "required_inputs",
            "offered_specs", "parse_offered", "check_offered", "static_inputs", "served_values", "check_input_values",
-           "ServedStatics", "served_statics"]
+           "ServedStatics", "served_statics", "ServedSize", "served_size"]
 
 
 def warm_variants(specs: Sequence[InputSpec], guided: bool) -> list[dict[str, Any]]:
@@ -190,3 +191,24 @@ def served_statics(specs: Sequence[InputSpec], input_values: Sequence[tuple[str,
                                   f"{', '.join(map(str, served))} (start the server with --input-values {wanted}, or "
                                   f"PREHEAT_INPUT_VALUES={wanted}, to serve it)"))
     return ServedStatics(filled, refused)
+
+
+class ServedSize(NamedTuple):
+    """A call's (width, height) as a server of some sizes serves it (:func:`served_size`)."""
+
+    size: tuple[int, int]
+    refused: str | None  # the key (a SizePair's) of the side to name when the size is not served; None: served
+    why: str  # that one line ("" when served)
+
+
+def served_size(pair: SizePair, values: Mapping[str, Any], served: Sequence[tuple[int, int]]) -> ServedSize:
+    """How a server of the ``served`` sizes (the first its default) takes a call's size: a side not
+    given is the first size's; a size it does not serve is refused, naming the side off every served
+    size (else the height) and listing the sizes. The server's parse and ``cache explain --as-server``
+    read this one rule."""
+    size = (values.get(pair.width, served[0][0]), values.get(pair.height, served[0][1]))
+    if size in served:
+        return ServedSize(size, None, "")
+    allowed = ", ".join(f"{w}x{h}" for w, h in served)
+    wrong = pair.width if pair.width in values and size[0] not in {w for w, _ in served} else pair.height
+    return ServedSize(size, wrong, f"{size[0]}x{size[1]} is not served here; sizes: {allowed}")

@@ -38,7 +38,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
 from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints,
                                      Label, Pair, ServerBound, Text, field_of, size_pair)
-from preheat.families.offer import default_offered, inputs_offering, offered_specs, served_statics
+from preheat.families.offer import default_offered, inputs_offering, offered_specs, served_size, served_statics
 
 __all__ = ["Limits", "Job", "FamilyInputs", "family_inputs", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields", "offered",
            "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "JsonFloat",
@@ -400,13 +400,10 @@ def _family_values(pipe: Any, inputs: FamilyInputs, extra: dict[str, Any], limit
             values[spec.name] = value
     pair = size_pair(specs)
     if pair is not None:
-        served = served_sizes(pipe, limits)
-        size = (values.get(pair.width, served[0][0]), values.get(pair.height, served[0][1]))
-        if size not in served:
-            allowed = ", ".join(f"{sw}x{sh}" for sw, sh in served)
-            wrong = pair.width if pair.width in values and size[0] not in {sw for sw, _ in served} else pair.height
-            errors.append((field_of(specs)[wrong], f"{size[0]}x{size[1]} is not served here; sizes: {allowed}"))
-        values.update(pair.inputs(size))
+        call = served_size(pair, values, served_sizes(pipe, limits))
+        if call.refused is not None:
+            errors.append((field_of(specs)[call.refused], call.why))
+        values.update(pair.inputs(call.size))
     statics = served_statics(specs, limits.input_values, values)  # any other static input: its warmed values only
     values.update(statics.filled)
     errors.extend((spec.surface_name, why) for spec, why in statics.refused)
