@@ -243,6 +243,7 @@ class SettingNames(NamedTuple):
     max_image_pixels: str = "--max-image-pixels"
     lora_dir: str = "--lora-dir"
     input_values: str = "--input-values"  # the declaration's, with inputs and sizes (last: positions kept)
+    samplers: str = "--samplers"  # `cache explain --as-server`'s refusal of a sampler the server does not serve
 
     @classmethod
     def by(cls, name_of: Callable[[str], str]) -> "SettingNames":

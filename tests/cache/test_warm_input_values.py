@@ -104,10 +104,10 @@ def test_a_model_without_static_inputs_says_so_as_the_user_named_it(monkeypatch)
 
 
 def test_cache_explain_as_server_takes_the_served_values_as_the_server_does(flux_pipe, monkeypatch, tmp_path):
-    """`cache explain --as-server --input-values` (and --sizes): a call without --max-sequence-length
-    (or a size) gets the server's first served length (size), so its key is the key `warm --dry-run`
-    lists for that signature (the default's without the declaration); a length (size) not served is
-    the server's one-line refusal."""
+    """`cache explain --as-server --input-values` (and --sizes, --samplers): a call without
+    --max-sequence-length (or a size, a sampler) gets what the server gives it, so its key is the key
+    `warm --dry-run` lists for that signature (the default's without the declaration); a length
+    (size, sampler) not served is the server's one-line refusal."""
     import dataclasses
     import json
 
@@ -145,7 +145,27 @@ def test_cache_explain_as_server_takes_the_served_values_as_the_server_does(flux
     refused = CliRunner().invoke(main, [*call, *declared, "--width", "64", "--height", "64"])
     assert refused.exit_code != 0 and refused.output.strip().splitlines()[-1] == (
         f"error: --width: 64x64 is not served here; sizes: {native} (the server's --sizes)")
-    for server_only in (declared, ["--sizes", native]):
+    # --samplers: a sampler the server does not serve is its refusal (FLUX.1 takes flow_euler alone, so the
+    # default's choice among several is test_a_call_s_sampler_is_served_as_the_server_serves_it's)
+    own = pipe.defaults["sampler"]
+    assert key(*declared, "--samplers", own) == row["key"][:12]
+    refused = CliRunner().invoke(main, [*call, *declared, "--sampler", "flow_heun"])
+    assert refused.exit_code != 0 and refused.output.strip().splitlines()[-1] == (
+        f"error: --sampler 'flow_heun' is not served here; choose one of {own} (the server's --samplers)")
+    for server_only in (declared, ["--sizes", native], ["--samplers", own]):
         alone = CliRunner().invoke(main, ["cache", "explain", str(tmp_path), "--prompt", "a fox", *server_only])
-        assert alone.output.strip().splitlines()[-1] == ("error: --max-batch-size, --progress, --sizes and "
-                                                          "--input-values describe a server's call: pass --as-server")
+        assert alone.output.strip().splitlines()[-1] == ("error: --max-batch-size, --progress, --samplers, "
+                                                          "--sizes and --input-values describe a server's call: "
+                                                          "pass --as-server")
+
+
+def test_a_call_s_sampler_is_served_as_the_server_serves_it():
+    """``families.offer.served_sampler``, the server's and `cache explain --as-server`'s one rule: a
+    call naming none gets the model's own where served, else the first served; () serves every one."""
+    from preheat.families.offer import served_sampler
+
+    assert served_sampler(None, "dpmpp_2m", ("euler", "dpmpp_2m")) == ("dpmpp_2m", "")
+    assert served_sampler(None, "dpmpp_2m", ("euler", "ddim")) == ("euler", "")
+    assert served_sampler("ddim", "dpmpp_2m", ()) == ("ddim", "")
+    assert served_sampler("ddim", "dpmpp_2m", ("euler",)) == (
+        "ddim", "'ddim' is not served here; choose one of euler")

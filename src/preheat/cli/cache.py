@@ -16,7 +16,7 @@ from preheat.cli._support import one_line_errors
 from preheat.cli.family_options import FamilyInputsCommand, flag_errors, size_flags
 from preheat.cli.options import NON_NEGATIVE, POSITIVE, CallOptions, call_options
 from preheat.cli.settings_env import SettingsCommand
-from preheat.cli.warm import input_values_option, inputs_option
+from preheat.cli.warm import input_values_option, inputs_option, samplers_from_text
 from preheat.families.inputs import IMAGE_SIZE, common_spec, size_pair
 from preheat.server.config import env_var
 
@@ -160,7 +160,7 @@ class ExplainCommand(SettingsCommand, FamilyInputsCommand):
     are sample's (``PREHEAT_GUIDANCE`` is a server's guidance modes, ``--guidance`` a call's scale)."""
 
     env_settings = ("dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "devices", "fsdp",
-                    "max_batch_size", "progress", "inputs", "input_values", "sizes")
+                    "max_batch_size", "progress", "inputs", "input_values", "sizes", "samplers")
     env_gate = "--as-server"
 
 
@@ -181,6 +181,9 @@ class ExplainCommand(SettingsCommand, FamilyInputsCommand):
               help="--as-server: the server's --max-batch-size (default 8, as serve's), which sets its buckets.")
 @click.option("--progress/--no-progress", "progress", default=None,
               help="--as-server: the server's --progress (default on, as serve's).")
+@click.option("--samplers", "samplers_text", metavar="A,B,...",
+              help="--as-server: the server's --samplers (default the model's own); a call without --sampler gets the "
+                   "model's own where served, else the first; one not served is refused, as the server refuses it.")
 @click.option("--sizes", "sizes_text", metavar="WxH,...",
               help="--as-server: the server's --sizes (default the model's), the first what a call without a size "
                    "gets; a size it does not serve is refused, as the server refuses it.")
@@ -189,7 +192,8 @@ class ExplainCommand(SettingsCommand, FamilyInputsCommand):
 @one_line_errors
 def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, target_spec: str | None,
                     as_server: bool, max_batch_size: int | None, progress: bool | None,
-                    inputs_text: str | None, input_values_text: str | None, sizes_text: str | None) -> None:
+                    inputs_text: str | None, input_values_text: str | None, sizes_text: str | None,
+                    samplers_text: str | None) -> None:
     """Would `preheat sample` with these options hit the cache? If not, which key fields differ from
     the nearest entry. Takes exactly sample's options, with its defaults; with --as-server, the same
     request as a server (or warm job) declared by --max-batch-size and --progress runs it. With
@@ -206,9 +210,9 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
     from preheat.sharding import parse_devices
 
     if not as_server and (max_batch_size is not None or progress is not None or input_values_text is not None
-                          or sizes_text is not None):
-        raise InvalidArgumentError("--max-batch-size, --progress, --sizes and --input-values describe a server's "
-                                   "call: pass --as-server", argument="--as-server")
+                          or sizes_text is not None or samplers_text is not None):
+        raise InvalidArgumentError("--max-batch-size, --progress, --samplers, --sizes and --input-values describe a "
+                                   "server's call: pass --as-server", argument="--as-server")
     if as_server and opts.model is None and os.environ.get(env_var("model"), "").strip():
         opts = dataclasses.replace(opts, model=os.environ[env_var("model")].strip())  # as serve's MODEL
     resolved = resolve_model(opts.model, log=lambda line: click.echo(line, err=True))
@@ -244,8 +248,8 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
         sizes = parse_sizes(sizes_text, names.sizes) or ((resolved.size,) if resolved.size is not None else ())
         server = resolve(pipe, WarmSet(model=model, dtype=opts.dtype, progress=WarmSet.progress if progress is None
                                        else progress, max_batch_size=max_batch_size or WarmSet.max_batch_size,
-                                       sizes=sizes, input_values=parse_input_values(input_values_text,
-                                                                                    names.input_values)), names)
+                                       sizes=sizes, samplers=samplers_from_text(samplers_text, names.samplers),
+                                       input_values=parse_input_values(input_values_text, names.input_values)), names)
         call = served_call(pipe, server, n)
         click.echo(f"as a server with --max-batch-size {server.max_batch_size} calls it: {n} image(s) as batch "
                    f"{call.bucket}, step reports {'on' if call.inputs else 'off'}")
@@ -276,12 +280,16 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
 
 def _as_served(pipe: Any, server: Any, given: dict[str, Any], names: Any) -> dict[str, Any]:
     """The call's inputs as a server of ``server`` (a resolved ``WarmSet``) takes them, by the
-    server's own rules (``families.offer``): its size -- absent, the first served size; one it does
-    not serve (``--sizes``) refused in one line naming the flag -- and its other static inputs'
-    served values (``--input-values``: likewise)."""
+    server's own rules (``families.offer``): its sampler (``--samplers``) and size (``--sizes``) --
+    absent, the server's default; one it does not serve refused in one line naming the flag -- and
+    its other static inputs' served values (``--input-values``: likewise)."""
     from preheat.errors import InvalidArgumentError
-    from preheat.families.offer import served_size, served_statics
+    from preheat.families.offer import served_sampler, served_size, served_statics
 
+    sampler, refused = served_sampler(given.get("sampler"), pipe.defaults["sampler"], server.samplers)
+    if refused:
+        raise InvalidArgumentError(f"--sampler {refused} (the server's {names.samplers})", argument="--sampler")
+    given = {**given, "sampler": sampler}
     specs = pipe.family.input_specs(pipe)
     pair = size_pair(specs)
     if pair is not None:

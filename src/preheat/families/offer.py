@@ -4,8 +4,8 @@ The declarations are ``preheat.families.inputs``'; this module reads them for a 
 optional data inputs a server may offer or leave out (``--inputs``: :func:`optional_inputs`,
 :func:`default_offered`, :func:`offered_specs`, :func:`check_offered`), the static inputs besides
 the size and the values a server serves of each (``--input-values``: :func:`static_inputs`,
-:func:`served_values`, :func:`check_input_values`), how a call's size and those inputs are served
-(:func:`served_size`, :func:`served_statics`), and the data variants warm-up passes
+:func:`served_values`, :func:`check_input_values`), how a call's size, those inputs and its sampler
+are served (:func:`served_size`, :func:`served_statics`, :func:`served_sampler`), and the data variants warm-up passes
 (:func:`warm_variants`). ``preheat.warm`` enumerates programs from these, and ``preheat.server``
 refuses what they leave out, so the two agree.
 """
@@ -19,7 +19,7 @@ from preheat.families.inputs import IMAGE_SIZE, InputSpec, SizePair, size_pair
 
 __all__ = ["warm_variants", "NO_INPUTS", "optional_inputs", "default_offered", "inputs_offering", "required_inputs",
            "offered_specs", "parse_offered", "check_offered", "static_inputs", "served_values", "check_input_values",
-           "ServedStatics", "served_statics", "ServedSize", "served_size"]
+           "ServedStatics", "served_statics", "ServedSize", "served_size", "ServedSampler", "served_sampler"]
 
 
 def warm_variants(specs: Sequence[InputSpec], guided: bool) -> list[dict[str, Any]]:
@@ -212,3 +212,21 @@ def served_size(pair: SizePair, values: Mapping[str, Any], served: Sequence[tupl
     allowed = ", ".join(f"{w}x{h}" for w, h in served)
     wrong = pair.width if pair.width in values and size[0] not in {w for w, _ in served} else pair.height
     return ServedSize(size, wrong, f"{size[0]}x{size[1]} is not served here; sizes: {allowed}")
+
+
+class ServedSampler(NamedTuple):
+    """A call's sampler as a server of some samplers serves it (:func:`served_sampler`)."""
+
+    sampler: str
+    refused: str  # why it is not served, one line ("" when it is)
+
+
+def served_sampler(asked: str | None, model_default: str, served: Sequence[str]) -> ServedSampler:
+    """How a server of the ``served`` samplers (``--samplers``; () = every one) takes a call's: one
+    naming none gets the model's own when served, else the first served (``--samplers euler`` on a
+    dpm++ model answers a bare request with euler, as warmed, rather than refusing it); one it does
+    not serve is refused. The server's parse and ``cache explain --as-server`` read this one rule."""
+    sampler = asked or (model_default if model_default in served or not served else served[0])
+    if served and sampler not in served:
+        return ServedSampler(sampler, f"{sampler!r} is not served here; choose one of {', '.join(served)}")
+    return ServedSampler(sampler, "")

@@ -38,7 +38,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
 from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints,
                                      Label, Pair, ServerBound, Text, field_of, size_pair)
-from preheat.families.offer import default_offered, inputs_offering, offered_specs, served_size, served_statics
+from preheat.families.offer import (default_offered, inputs_offering, offered_specs, served_sampler, served_size,
+                                    served_statics)
 
 __all__ = ["Limits", "Job", "FamilyInputs", "family_inputs", "input_model", "family_model", "parse_input", "served_sizes", "surface_fields", "offered",
            "OUTPUT_FORMATS", "SEED_MAX", "JsonInt", "json_int", "JsonFloat",
@@ -150,13 +151,6 @@ class Job:
         if self.lora is not None:
             out["lora"] = [[self.lora]] * self.n
         return out
-
-
-def _served_default_sampler(model_default: str, served: tuple[str, ...]) -> str:
-    """The sampler of a request that names none: the model's own when this server serves it, else the
-    first one it serves (``--samplers euler`` on a dpm++ model answers a bare request with euler,
-    as warmed, rather than refusing it)."""
-    return model_default if model_default in served or not served else served[0]
 
 
 def _all_samplers() -> tuple[str, ...]:
@@ -445,10 +439,9 @@ def parse_input(raw: Any, pipe: Any, limits: Limits, model: type[BaseModel] | No
     elif seed + n - 1 > SEED_MAX:
         errors.append(("seed", f"seed + num_outputs - 1 must be <= {SEED_MAX} (image i uses seed + i)"))
 
-    allowed = limits.schedulers or _all_samplers()
-    sampler = v["scheduler"] or _served_default_sampler(pipe.defaults["sampler"], allowed)
-    if sampler not in allowed:
-        errors.append(("scheduler", f"{sampler!r} is not served here; choose one of {', '.join(allowed)}"))
+    sampler, refused = served_sampler(v["scheduler"], pipe.defaults["sampler"], limits.schedulers or _all_samplers())
+    if refused:
+        errors.append(("scheduler", refused))
     steps = v["num_inference_steps"]  # None: the engine's (the model's default, or the custom timesteps' count)
     guidance = v["guidance_scale"] if v["guidance_scale"] is not None else pipe.defaults.get("guidance")
     lora, lora_bucket = _lora(pipe, v, errors, limits.lora_dir, limits.fetcher)
