@@ -2,7 +2,7 @@
 hand from the original code's module structure (independent of preheat's tables; diffusers'
 loader checks them)::
 
-    to_original(folder, "sd1" | "sd2" | "sdxl", load_file=None) -> {original name: tensor}
+    to_original(folder, "sd1" | "sd2" | "sdxl" | "sdxl-refiner", load_file=None) -> {original name: tensor}
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 
 
 def to_original(folder, model: str, load_file=None) -> dict[str, np.ndarray]:
-    """The folder's weights under the original names -- LDM for SD 1.x and SD 2.x, SGM for SDXL --
+    """The folder's weights under the original names -- LDM for SD 1.x and SD 2.x, SGM for SDXL and its refiner --
     written out by hand from the original code's module structure (the test's own inverse;
     diffusers' loader checks it). ``load_file(path)``: a component's tensors (default: the file's;
     ``test_published`` passes shapes-only stand-ins)."""
@@ -77,6 +77,11 @@ def to_original(folder, model: str, load_file=None) -> dict[str, np.ndarray]:
             if tail == "weight" and v.ndim == 2:
                 v = v[:, :, None, None]  # the original's 1x1 convolutions
         out["first_stage_model." + name] = v
+    if model == "sdxl-refiner":  # OpenCLIP bigG alone, as the SGM conditioner's first and only text embedder
+        out.update(_open_clip(load_file(str(folder / "text_encoder_2" / "model.safetensors")),
+                              "conditioner.embedders.0.model."))
+        out["conditioner.embedders.0.model.logit_scale"] = np.array(4.6052, np.float32)  # CLIP's, unused
+        return out
     text = load_file(str(folder / "text_encoder" / "model.safetensors"))
     if model == "sd2":  # OpenCLIP ViT-H, with the last block and the projection diffusers' folder leaves out
         out.update(_open_clip(text, "cond_stage_model.model.", _past_the_penultimate(text)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from tests._support.ldm_files import to_original
 
 NAMES = [p.name for p in PUBLISHED]
 KIND = {"stable-diffusion-v1-5": "sd1", "stable-diffusion-2-1": "sd2", "stable-diffusion-2-1-base": "sd2",
-        "stable-diffusion-xl-base-1.0": "sdxl"}
+        "stable-diffusion-xl-base-1.0": "sdxl", "stable-diffusion-xl-refiner-1.0": "sdxl-refiner"}
 SAME_TENSORS = {"stable-diffusion-2-1-base": "stable-diffusion-2-1"}  # told apart by name only (docs/models.md)
 
 
@@ -106,7 +107,7 @@ def _mmdit_names(state: dict[str, Abstract], config: dict) -> dict[str, tuple[in
 def _original_shapes(name: str, prefix: str = "") -> dict[str, tuple[int, ...]]:
     """{original name: shape} of the published model ``name``, as its single file holds it."""
     published = next(p for p in PUBLISHED if p.name == name)
-    if published.layout in ("ldm", "sgm"):
+    if published.layout in ("ldm", "sgm", "sgm-refiner"):
         def load(path):
             return _meta_state(name, str(path).split("/")[-2])
         return {k: v.shape for k, v in to_original(config_folder(published), KIND[name], load).items()}
@@ -135,6 +136,27 @@ def test_a_file_of_no_published_model_names_every_model_tried(tmp_path):
     for published in PUBLISHED:
         assert published.title in message
     assert "its keys start cond_stage_model." in message and "pass config=" in message
+
+
+def test_the_sdxl_refiner_is_told_from_the_base_by_its_embedder_and_unet():
+    """The refiner's file (OpenCLIP bigG alone, as embedder 0; a 384-channel UNet whose label_emb
+    takes 2560) is its own layout and model, never the base's nor the base's its; a file holding
+    both models' text embedders is neither: one line naming both."""
+    from preheat.models.single_file import detect_layout
+
+    refiner = _original_shapes("stable-diffusion-xl-refiner-1.0")
+    base = _original_shapes("stable-diffusion-xl-base-1.0")
+    assert detect_layout(list(refiner), Path("refiner.safetensors")).name == "sgm-refiner"
+    assert detect_layout(list(base), Path("base.safetensors")).name == "sgm"
+    assert not named("stable-diffusion-xl-base-1.0").fits(refiner)
+    assert not named("stable-diffusion-xl-refiner-1.0").fits(base)
+    both = {**refiner, **{k: v for k, v in base.items() if k.startswith("conditioner.embedders.1.")}}
+    with pytest.raises(ModelFormatError) as err:
+        infer(both, "both.safetensors")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("both.safetensors: cannot tell which published model")
+    assert ("SDXL base 1.0 (SGM, conditioner.embedders.1.model.*, label_emb (1280, 2816)); SDXL refiner 1.0 (SGM, "
+            "conditioner.embedders.0.model.* alone, label_emb (1536, 2560))") in message
 
 
 def test_load_without_config_names_the_inferred_model(tmp_path, monkeypatch):
@@ -202,7 +224,7 @@ def test_the_shipped_configs_load_into_their_classes(name):
     folder = CONFIGS / name
     index = json.loads((folder / "model_index.json").read_text())
     assert index["_class_name"] in ("StableDiffusionPipeline", "StableDiffusionXLPipeline",
-                                    "StableDiffusion3Pipeline", "FluxPipeline")
+                                    "StableDiffusionXLImg2ImgPipeline", "StableDiffusion3Pipeline", "FluxPipeline")
     for component, entry in index.items():
         if component.startswith("_") or not isinstance(entry, list) or None in entry:
             continue

@@ -544,3 +544,42 @@ def test_a_remote_gguf_without_config_pulls_what_it_lacks(flux, published, hub_o
         remote = _gguf_draw(preheat.load(source, backend="torch"))
         local = _gguf_draw(preheat.load(q8, backend="torch", config=folder))
     assert hub.hits == [] and np.array_equal(remote, local) and remote.std() > 5
+
+
+def test_an_sdxl_refiner_file_pulls_only_tokenizer_2(hub_of, tmp_path, monkeypatch):
+    """The SDXL refiner's own published entry (no stand-in): a file with the refiner's names and
+    shapes (only the ones inference reads: small) is inferred as it, and its pull -- dry run, then
+    real -- fetches tokenizer_2/ alone from its repository: the refiner has no first text encoder
+    or tokenizer ([null, null] in its model_index.json), and the file holds the UNet, VAE and
+    OpenCLIP bigG."""
+    from click.testing import CliRunner
+    from safetensors.numpy import save_file
+
+    from preheat.cli.pull import pull_command
+
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    entry = module.named("stable-diffusion-xl-refiner-1.0")
+    path = tmp_path / "sd_xl_refiner_1.0.safetensors"
+    save_file({"model.diffusion_model.label_emb.0.0.weight": np.zeros((1536, 2560), np.float16),
+               "model.diffusion_model.input_blocks.0.0.weight": np.zeros((384, 4, 3, 3), np.float16),
+               "conditioner.embedders.0.model.ln_final.weight": np.zeros((1280,), np.float16)}, str(path))
+    assert module.infer_file(path) == entry and module.needed(path).components == ("tokenizer_2",)
+    files = {"model_index.json": (module.CONFIGS / entry.name / "model_index.json").read_bytes(),
+             "tokenizer_2/vocab.json": b'{"a": 0}', "tokenizer_2/merges.txt": b"#version: 0.2\n",
+             "tokenizer_2/tokenizer_config.json": b"{}", "text_encoder_2/model.safetensors": b"\0" * 64,
+             "unet/diffusion_pytorch_model.safetensors": b"\0" * 64,
+             "vae/diffusion_pytorch_model.safetensors": b"\0" * 64,
+             path.name: path.read_bytes()}
+    hub = hub_of(entry.repo, files)
+    tokenizer_2 = {p: len(b) for p, b in files.items() if p.startswith("tokenizer_2/")}
+
+    out = CliRunner().invoke(pull_command, [str(path), "--dry-run"])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0] == (f"{path} is a SDXL refiner 1.0 single file; it needs these files of "
+                        "hf://stabilityai/stable-diffusion-xl-refiner-1.0:")
+    assert {ln.split()[1]: int(ln.split()[0].replace(",", "")) for ln in lines[1:-1]} == tokenizer_2
+    assert hub.downloaded() == {}  # listed, not fetched
+    out = CliRunner().invoke(pull_command, [str(path), "--quiet"])
+    assert out.exit_code == 0, out.output
+    assert hub.downloaded() == tokenizer_2

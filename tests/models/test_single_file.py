@@ -1,7 +1,8 @@
 """Single-file checkpoints (issue 28 item 1): tiny SD 1.x, SD 2.x and SDXL folders written back in
 the original LDM layout (``model.diffusion_model.*``, ``first_stage_model.*``, SD 1.x's
 ``cond_stage_model.transformer.*`` or SD 2.x's OpenCLIP ``cond_stage_model.model.*``) and SGM layout
-(the same UNet and VAE plus ``conditioner.embedders.0/1.*``), and a tiny FLUX.1-dev transformer in
+(the same UNet and VAE plus ``conditioner.embedders.0/1.*``; the SDXL refiner's OpenCLIP bigG alone as
+``conditioner.embedders.0.model.*``), and a tiny FLUX.1-dev transformer in
 BFL's layout (``double_blocks.*``, ...); diffusers' own ``from_single_file(path, config=folder)``
 loads that file to the folder's image or weights (so the file is real), and ``preheat.load(path,
 config=folder)`` gives diffusers' image from the folder."""
@@ -15,7 +16,7 @@ import pytest
 
 import preheat
 from preheat.errors import ModelFormatError, ModelNotFoundError, WeightsError
-from tests._support import flow_fixtures
+from tests._support import flow_fixtures, image_fixtures
 from tests._support.bfl_files import to_bfl
 from tests._support.ldm_files import to_original
 from tests._support.sd_fixtures import reference_pipeline, reference_pixels, save_tiny_sd
@@ -144,7 +145,9 @@ def test_bad_single_files_are_one_line(single, tmp_path, monkeypatch):
 
     odd = tmp_path / "odd.safetensors"  # AuraFlow's original layout
     save_file({"double_layers.0.attn.w2q.weight": np.zeros((2, 2), np.float32)}, str(odd))
-    with pytest.raises(ModelFormatError, match=r"unknown layout: tried sgm \(conditioner\.embedders\.\*\), mmdit "
+    with pytest.raises(ModelFormatError, match=r"unknown layout: tried sgm-refiner "
+                                               r"\(conditioner\.embedders\.0\.model\.\*\), "
+                                               r"sgm \(conditioner\.embedders\.\*\), mmdit "
                                                r"\(joint_blocks\.\*, model\.diffusion_model\.joint_blocks\.\*\), bfl "
                                                r"\(double_blocks\.\*, model\.diffusion_model\.double_blocks\.\*\), "
                                                r"ldm \(model\.diffusion_model\.\*\); its keys start double_layers"):
@@ -157,6 +160,129 @@ def test_bad_single_files_are_one_line(single, tmp_path, monkeypatch):
     with pytest.raises(ModelFormatError, match="do not fit the blocks") as err:
         preheat.load(extra, config=folder, cache="off")
     assert "\n" not in str(err.value) and isinstance(err.value, WeightsError)  # the loader's callers' class too
+
+
+@pytest.fixture(scope="module")
+def refiner(tmp_path_factory):
+    """(folder, single file): a tiny SDXL refiner (its VAE's posterior deterministic, as the img2img
+    tests' folders) and its file in the refiner's SGM layout: OpenCLIP bigG alone, as embedder 0."""
+    from safetensors.numpy import save_file
+
+    base = tmp_path_factory.mktemp("refiner")
+    folder = image_fixtures.save_image_sd(base / "refiner", "sdxl-refiner")
+    path = base / "tiny-refiner-sgm.safetensors"
+    save_file(to_original(folder, "sdxl-refiner"), str(path))
+    return folder, path
+
+
+def _mean_diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a.astype(np.int32) - b.astype(np.int32)).mean())
+
+
+@pytest.mark.slow  # diffusers' from_single_file, three preheat loads (one torch) and the refiner's img2img program
+def test_refiner_file_draws_its_folder_s_image(refiner, tmp_path, monkeypatch, record_property):
+    """sd_xl_refiner_1.0.safetensors' layout: diffusers' ``StableDiffusionXLImg2ImgPipeline.from_single_file``
+    reads the file to the folder's image (the file is a real refiner checkpoint); preheat reads it to
+    diffusers' image, to the very pixels of the folder it was written from, and the torch backend to
+    the same image."""
+    import torch
+    from diffusers import StableDiffusionXLImg2ImgPipeline
+    from PIL import Image
+
+    folder, path = refiner
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    image, prompt = image_fixtures.sample_image(), "a watercolor fox"
+    call = dict(strength=0.6, num_inference_steps=3, guidance_scale=6.0, negative_prompt="blurry", aesthetic_score=7.0)
+    from_folder = image_fixtures.reference(folder, "sdxl-refiner", "euler", inpaint=False)
+    theirs = image_fixtures.reference_pixels(from_folder, prompt, 3, image=Image.fromarray(image), **call)
+    ref = StableDiffusionXLImg2ImgPipeline.from_single_file(str(path), config=str(folder), torch_dtype=torch.float32)
+    assert ref.text_encoder is None and ref.config.requires_aesthetics_score
+    ref.scheduler = from_folder.scheduler
+    ref.set_progress_bar_config(disable=True)
+    from_file = image_fixtures.reference_pixels(ref, prompt, 3, image=Image.fromarray(image), **call)
+    record_property("diffusers_file_vs_folder_mean_abs_px", _mean_diff(from_file, theirs))
+    assert _mean_diff(from_file, theirs) <= MEAN_TOL
+
+    eps = image_fixtures.replayed_noise((1, 4, 16, 16), 3, draws_before=1)  # after the image's posterior sample
+    ours_call = dict(image=image, strength=0.6, steps=3, guidance=6.0, negative_prompt="blurry", sampler="euler",
+                     noise=eps, aesthetic_score=7.0)
+    pipe = preheat.load(path, config=folder, cache="off")
+    assert pipe.family.name == "stable-diffusion-xl-refiner"
+    ours = pipe.generate(prompt, **ours_call)
+    diff = _mean_diff(ours, theirs)
+    record_property("mean_abs_px", diff)
+    assert diff <= MEAN_TOL, diff
+    assert ours.std() > 5
+    np.testing.assert_array_equal(ours, preheat.load(folder, cache="off").generate(prompt, **ours_call))
+    torch_pipe = preheat.load(path, config=folder, backend="torch")  # the same converted folder, in diffusers
+    assert torch_pipe.family.name == "stable-diffusion-xl-refiner"
+    assert _mean_diff(torch_pipe.generate(prompt, **ours_call), ours) <= MEAN_TOL
+
+
+@pytest.mark.slow  # the tiny refiner folder (the fixture) is built for test-slow only
+def test_refiner_file_with_only_a_tokenizer_2_folder_reads_the_shipped_configs(refiner, tmp_path, monkeypatch):
+    """Without the whole folder: the refiner's published configs (a tiny stand-in here, as in
+    ``test_published``) and ``config=`` a folder holding tokenizer_2/ alone, all a refiner file lacks
+    (no first tokenizer); converted to the very files the whole folder as config= gives."""
+    import shutil
+
+    from preheat.models import published as module
+    from preheat.models.single_file import materialize
+
+    folder, path = refiner
+    assets, tokenizers = tmp_path / "assets", tmp_path / "tokenizers"
+    shutil.copytree(folder, assets / "tiny-refiner", ignore=shutil.ignore_patterns("*.safetensors", "tokenizer*"))
+    shutil.copytree(folder / "tokenizer_2", tokenizers / "tokenizer_2")
+    tiny = module.Published("tiny-refiner", "tiny SDXL refiner", "example/tiny-refiner", "sgm-refiner", "any file",
+                            lambda shapes: True)
+    monkeypatch.setattr(module, "CONFIGS", assets)
+    monkeypatch.setattr(module, "PUBLISHED", (tiny,))
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    assert module.needed(path) == module.Needed(tiny, ("tokenizer_2",), ())
+
+    assert preheat.load(path, config=tokenizers, cache="off").family.name == "stable-diffusion-xl-refiner"
+    (ours,) = (tmp_path / "home" / "models" / "single").iterdir()
+    theirs = materialize(path, folder, tmp_path / "other")
+    parts = sorted(p.relative_to(theirs).as_posix() for p in theirs.rglob("*") if p.is_file() and p.parent != theirs)
+    assert "text_encoder_2/model.safetensors" in parts and not (theirs / "text_encoder").exists()
+    for part in parts + ["model_index.json"]:
+        assert (ours / part).read_bytes() == (theirs / part).read_bytes(), part
+
+
+def test_refiner_and_base_files_with_the_other_s_configs_are_one_line(files, tmp_path, monkeypatch):
+    """An SDXL base file with the refiner's configs (no first text encoder), a refiner file with SD 1.x's
+    (no ``text_encoder_2``), and a file holding both a refiner's and the base's text embedders: one line
+    each, before anything is built. (The refiner-layout file here is the tiny SDXL base's with its CLIP-L
+    left out and bigG moved to embedder 0: only the names matter.)"""
+    from safetensors.numpy import load_file, save_file
+
+    from preheat.models.published import CONFIGS
+
+    folder, path = files["sdxl"]
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    with pytest.raises(ModelNotFoundError, match=r"has no text_encoder/config\.json, which a file of the sgm layout "
+                                                 r"needs") as err:
+        preheat.load(path, config=CONFIGS / "stable-diffusion-xl-refiner-1.0", cache="off")
+    assert "\n" not in str(err.value)
+
+    tensors = load_file(str(path))
+    as_refiner = {k.replace("conditioner.embedders.1.model.", "conditioner.embedders.0.model."): v
+                  for k, v in tensors.items() if not k.startswith("conditioner.embedders.0.transformer.")}
+    refiner_layout = tmp_path / "refiner-layout.safetensors"
+    save_file(as_refiner, str(refiner_layout))
+    with pytest.raises(ModelNotFoundError, match=r"has no text_encoder_2/config\.json, which a file of the "
+                                                 r"sgm-refiner layout needs") as err:
+        preheat.load(refiner_layout, config=files["sd1"][0], cache="off")
+    assert "\n" not in str(err.value)
+
+    both = tmp_path / "both.safetensors"
+    save_file({**tensors, **{k: v for k, v in as_refiner.items() if k.startswith("conditioner.")}}, str(both))
+    with pytest.raises(ModelFormatError, match=r"\(sgm-refiner layout\) has \d+ tensors that do not fit the blocks .*"
+                                               r"e\.g\. conditioner\.embedders\.") as err:
+        preheat.load(both, config=folder, cache="off")
+    assert "\n" not in str(err.value)
+    converted = tmp_path / "home" / "models" / "single"
+    assert not converted.is_dir() or not any(converted.iterdir())  # nothing converted
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ shapes that tell the published models apart:
     SD 2.1           LDM UNet, cross-attention width 1024 (the 768 px v-prediction model)
     SD 2.1 base      the same tensors (512 px, epsilon): never inferred, chosen by name (below)
     SDXL base 1.0    SGM: OpenCLIP bigG under conditioner.embedders.1.model.*, label_emb of 2816
+    SDXL refiner 1.0 SGM: OpenCLIP bigG alone, under conditioner.embedders.0.model.*, label_emb of 2560
+                     into 1536 (384 model channels)
     SD3 medium       MMDiT (joint_blocks.*): 24 blocks of 1536, pos_embed of 192 x 192
     SD3.5 medium     24 blocks of 1536, pos_embed of 384 x 384, dual attention (x_block.attn2)
     SD3.5 large      38 blocks of 2432
@@ -19,7 +21,7 @@ shapes that tell the published models apart:
     FLUX.1 dev       the same with guidance_in.*
 
 Transformer names may sit under ComfyUI's ``model.diffusion_model.``. A file that is none of these
-(an inpainting UNet, an SDXL refiner, FLUX.1 Fill, another width) is one ``ModelFormatError``
+(an inpainting UNet, FLUX.1 Fill, another width) is one ``ModelFormatError``
 naming every model tried.
 
 SD 2.x: the 512 px base model (epsilon) and the 768 px model (v-prediction) have the same tensor
@@ -96,6 +98,16 @@ def _sdxl(shapes: Shapes) -> bool:
             and any(k.startswith("conditioner.embedders.1.model.") for k in shapes))
 
 
+def _sdxl_refiner(shapes: Shapes) -> bool:
+    """The refiner's UNet (384 model channels, so a 1536-wide time embedding; 2560 = the pooled
+    1280 + 5 ids x 256 into label_emb) with OpenCLIP bigG as its only text embedder."""
+    label = shapes.get(_UNET + "label_emb.0.0.weight")
+    conv_in = shapes.get(_UNET + "input_blocks.0.0.weight")
+    return (label == (1536, 2560) and conv_in is not None and conv_in[:2] == (384, 4)
+            and any(k.startswith("conditioner.embedders.0.model.") for k in shapes)
+            and not any(k.startswith("conditioner.embedders.1.") for k in shapes))
+
+
 def _mmdit(shapes: Shapes, blocks: int, width: int, positions: int, dual: bool) -> bool:
     x = _dm(shapes, "x_embedder.proj.weight")
     pos = _dm(shapes, "pos_embed")
@@ -120,6 +132,8 @@ PUBLISHED: tuple[Published, ...] = (
               "ldm", "as SD 2.1: named only", lambda s: _ldm_unet(s, 1024)),
     Published("stable-diffusion-xl-base-1.0", "SDXL base 1.0", "stabilityai/stable-diffusion-xl-base-1.0", "sgm",
               "SGM, conditioner.embedders.1.model.*, label_emb (1280, 2816)", _sdxl),
+    Published("stable-diffusion-xl-refiner-1.0", "SDXL refiner 1.0", "stabilityai/stable-diffusion-xl-refiner-1.0",
+              "sgm-refiner", "SGM, conditioner.embedders.0.model.* alone, label_emb (1536, 2560)", _sdxl_refiner),
     Published("stable-diffusion-3-medium", "SD3 medium", "stabilityai/stable-diffusion-3-medium-diffusers", "mmdit",
               "24 joint_blocks of 1536, pos_embed 36864", lambda s: _mmdit(s, 24, 1536, 36864, False)),
     Published("stable-diffusion-3.5-medium", "SD3.5 medium", "stabilityai/stable-diffusion-3.5-medium", "mmdit",

@@ -17,6 +17,8 @@ Layouts:
   blocks past the config's ``num_hidden_layers`` and the projection are dropped, as diffusers does);
 * ``sgm`` (SDXL): the same UNet (plus ``label_emb``) and VAE, ``conditioner.embedders.0.transformer.*``
   (CLIP-L) and ``conditioner.embedders.1.model.*`` (OpenCLIP bigG: q/k/v stacked, projection transposed);
+* ``sgm-refiner`` (the SDXL refiner): the same UNet and VAE, and OpenCLIP bigG alone as embedder 0,
+  ``conditioner.embedders.0.model.*``, read into the refiner folder's ``text_encoder_2``;
 * ``bfl`` (FLUX.1): Black Forest Labs' transformer alone (``double_blocks.*``, ``single_blocks.*``,
   ``img_in``, ``txt_in``, ``time_in``, ``vector_in``, ``guidance_in``, ``final_layer``; also under
   ``model.diffusion_model.``), renamed by ``preheat.models.bfl``'s table (the one LoRA files use);
@@ -270,22 +272,38 @@ def _ldm_placer(configs: dict[str, dict[str, Any]]) -> Placer:
     return place
 
 
-def _sgm_placer(configs: dict[str, dict[str, Any]]) -> Placer:
-    """SGM (SDXL): the LDM UNet and VAE plus the size/pooled-text embedding (``label_emb``);
-    embedder 0 is CLIP-L, embedder 1 OpenCLIP bigG."""
+# a text embedder's renaming into transformers' names: (component, the name past its prefix) -> places
+Rename = Callable[[str, str], "list[Place] | None"]
+
+
+def _sgm_embedders(configs: dict[str, dict[str, Any]], embedders: dict[str, tuple[str, Rename]]) -> Placer:
+    """SGM: the LDM UNet and VAE plus the size/pooled-text embedding (``label_emb``), and each text
+    embedder (``conditioner.embedders.N.<kind>.`` -> (component, the CLIP or OpenCLIP renaming))."""
     table = _ldm_table(configs)
     table["model.diffusion_model.label_emb.0.0."] = ("unet", "add_embedding.linear_1.")
     table["model.diffusion_model.label_emb.0.2."] = ("unet", "add_embedding.linear_2.")
     linear = bool(configs["unet"].get("use_linear_projection", False))
 
     def place(key: str) -> list[Place] | None:
-        if key.startswith("conditioner.embedders.0.transformer."):
-            return _clip("text_encoder", key[len("conditioner.embedders.0.transformer."):])
-        if key.startswith("conditioner.embedders.1.model."):
-            return _open_clip("text_encoder_2", key[len("conditioner.embedders.1.model."):])
+        top = next((t for t in embedders if key.startswith(t)), None)
+        if top is not None:
+            component, rename = embedders[top]
+            return rename(component, key[len(top):])
         return _fit_projections(_by_prefix(table, key), linear)
 
     return place
+
+
+def _sgm_placer(configs: dict[str, dict[str, Any]]) -> Placer:
+    """SGM (SDXL base): embedder 0 is CLIP-L, embedder 1 OpenCLIP bigG."""
+    return _sgm_embedders(configs, {"conditioner.embedders.0.transformer.": ("text_encoder", _clip),
+                                    "conditioner.embedders.1.model.": ("text_encoder_2", _open_clip)})
+
+
+def _sgm_refiner_placer(configs: dict[str, dict[str, Any]]) -> Placer:
+    """SGM (SDXL refiner): OpenCLIP bigG is embedder 0, and the only one; diffusers' refiner folder
+    holds it as ``text_encoder_2`` (its ``text_encoder`` is [null, null])."""
+    return _sgm_embedders(configs, {"conditioner.embedders.0.model.": ("text_encoder_2", _open_clip)})
 
 
 def _cut(piece: Piece) -> Callable[[np.ndarray], np.ndarray] | None:
@@ -383,8 +401,10 @@ class Layout(NamedTuple):
     optional: tuple[str, ...] = ()  # configs read where the folder has them (a bundle's VAE)
 
 
-# most specific first: SGM, SD3 and prefixed BFL files hold model.diffusion_model.* keys too
+# most specific first: SGM, SD3 and prefixed BFL files hold model.diffusion_model.* keys too, and a
+# refiner's conditioner.embedders.0.model.* (OpenCLIP where the base has CLIP-L) are conditioner.embedders.*
 LAYOUTS: tuple[Layout, ...] = (
+    Layout("sgm-refiner", ("conditioner.embedders.0.model.",), ("unet", "vae", "text_encoder_2"), _sgm_refiner_placer),
     Layout("sgm", ("conditioner.embedders.",), ("unet", "vae", "text_encoder", "text_encoder_2"), _sgm_placer),
     Layout("mmdit", ("joint_blocks.", "model.diffusion_model.joint_blocks."), ("transformer",), _mmdit_placer, ("vae",)),
     Layout("bfl", ("double_blocks.", "model.diffusion_model.double_blocks."), ("transformer",), _bfl_placer, ("vae",)),
@@ -394,6 +414,7 @@ LAYOUTS: tuple[Layout, ...] = (
 _DROPPED = ("model_ema.", "cond_stage_model.transformer.text_model.embeddings.position_ids",
             "cond_stage_model.transformer.embeddings.position_ids", "cond_stage_model.model.logit_scale",
             "conditioner.embedders.0.transformer.text_model.embeddings.position_ids", "conditioner.embedders.1.model.logit_scale",
+            "conditioner.embedders.0.model.logit_scale",  # the refiner's OpenCLIP
             "alphas_cumprod", "betas", "posterior_", "sqrt_", "log_one_minus", "logvar",
             *(f"text_encoders.{name}.logit_scale" for name in ("clip_l", "clip_g", "t5xxl")),
             *(f"text_encoders.{name}.transformer.text_model.embeddings.position_ids" for name in ("clip_l", "clip_g")))
