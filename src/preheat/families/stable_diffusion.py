@@ -101,7 +101,7 @@ SDXL_NEGATIVE_SIZE_SPECS = (
     InputSpec("negative_original_size", Pair(), "SDXL: original_size for the unconditional branch (text-to-image: "
               "with negative_target_size).", needs_guidance=True),
     InputSpec("negative_crops_coords_top_left", Pair(), "SDXL: crops_coords_top_left for the unconditional branch "
-              "(an image call's is crops_coords_top_left).", needs_guidance=True),
+              "(text-to-image, and the refiner).", needs_guidance=True),
     InputSpec("negative_target_size", Pair(), "SDXL: target_size for the unconditional branch (text-to-image: "
               "with negative_original_size).", needs_guidance=True),
 )
