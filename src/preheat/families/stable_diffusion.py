@@ -467,13 +467,15 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     layers = {"denoiser": lora_targets(unet.graphdef, unet.params),
               **{name: lora_targets(te.graphdef, te.params) for name, te in zip(te_names, encoders)}}
     prefixes = {"unet": "denoiser", "lora_unet": "denoiser"}
+    first = {"text_encoder": "text_encoder", "lora_te": "text_encoder", "lora_te1": "text_encoder"}
     if "text_encoder" in te_names:
-        prefixes.update({"text_encoder": "text_encoder", "lora_te": "text_encoder", "lora_te1": "text_encoder"})
+        prefixes.update(first)
     if "text_encoder_2" in te_names:
         prefixes.update({"text_encoder_2": "text_encoder_2", "lora_te2": "text_encoder_2"})
     targets = LoraTargets(family=family.name, layers=layers, prefixes=prefixes,
                           path_prefix={name: "text_model." for name in te_names},
-                          aliases=sgm_lora_names(cfg, layers["denoiser"]), alias_prefixes=("lora_unet_",))
+                          aliases=sgm_lora_names(cfg, layers["denoiser"]), alias_prefixes=("lora_unet_",),
+                          absent={} if "text_encoder" in te_names else first)  # a refiner: refused, as diffusers
 
     components = SDComponents(
         tokenizers=tuple(tokenizers),
