@@ -1,6 +1,6 @@
 """An SDXL refiner (stable-diffusion-xl-refiner-1.0's folder: ``StableDiffusionXLImg2ImgPipeline``
 with ``requires_aesthetics_score``, the second text encoder alone) against diffusers' own img2img
-and inpaint pipelines from the same ε -- plain and with a LoRA -- the torch backend
+and inpaint pipelines from the same ε -- plain, with a LoRA, with fp8 weights -- the torch backend
 beside it, and what it declares.
 
 The refiner's UNet takes five time ids, (original size, crop top-left, aesthetic score), and the
@@ -16,6 +16,7 @@ import pytest
 import preheat
 from preheat.errors import InvalidArgumentError, WeightsError
 from tests._support import image_fixtures
+from tests._support.fp8_reference import FP8, cast_layers, cast_layerwise, round_to_fp8, stored_low
 from tests._support.lora_files import TE_TARGETS, UNET_TARGETS, peft_layers, save_lora, scale_0
 from tests._support.numerics import assert_pixels_close, counting_traces, mean_abs_px
 
@@ -201,3 +202,37 @@ def test_diffusers_refiner_fails_on_a_first_text_encoder_lora_too(folder, tmp_pa
     ref = image_fixtures.reference(folder, KIND, "euler", inpaint=False)
     with pytest.raises(AttributeError):
         ref.load_lora_weights(str(_first_encoder_lora(tmp_path / "te1.safetensors", kohya=False)))
+
+
+ORDER_TOL = 0.01  # the same weights, products in another order (float32): tests/models/test_scaled_fp8.py
+
+
+@pytest.mark.slow  # a second load of the folder and its fp8 programs: test-slow
+def test_fp8_draws_diffusers_image_of_the_fp8_weights(folder, pipe, record_property):
+    """fp8 storage on the refiner's UNet, as tests/models/test_storage.py checks SDXL's: the layers
+    stored in fp8 are the ones ``enable_layerwise_casting`` casts; the image is diffusers' img2img
+    with those weights rounded to fp8 (biases full, as preheat keeps them) to ``ORDER_TOL``, and
+    moved from the full-precision one. Layerwise casting's own image (fp8 biases too: the same
+    reference with the biases rounded, bit for bit) is recorded as ``layerwise_mean_abs_px``."""
+    low = preheat.load(folder, cache="off", weights_dtype=FP8)
+    names = stored_low(low.params)
+    cast = image_fixtures.reference(folder, KIND, "euler", inpaint=False)
+    cast_layerwise(cast.unet)
+    assert names == cast_layers(cast.unet) and len(names) > 5
+    assert {"add_embedding.linear_1", "add_embedding.linear_2", "mid_block.attentions.0.proj_in"} <= names
+
+    ours, full = _ours(low), _ours(pipe)
+    ref = image_fixtures.reference(folder, KIND, "euler", inpaint=False)
+    round_to_fp8(ref.unet, names)
+    theirs = _img2img(ref)
+    record_property("mean_abs_px", mean_abs_px(ours, theirs))
+    assert_pixels_close(ours, theirs, mean_tol=ORDER_TOL, max_tol=1, shape=(1, 32, 32, 3))
+    moved = mean_abs_px(ours, full)
+    print(f"refiner fp8: mean |Δpx| {mean_abs_px(ours, theirs):.4f} to diffusers' fp8 weights, {moved:.4f} to full")
+    assert moved > 0.1 and moved > 2 * mean_abs_px(ours, theirs), moved
+
+    round_to_fp8(ref.unet, names, biases=True)
+    layerwise = _img2img(cast)
+    np.testing.assert_array_equal(layerwise, _img2img(ref))
+    record_property("layerwise_mean_abs_px", mean_abs_px(ours, layerwise))
+    print(f"refiner fp8: mean |Δpx| {mean_abs_px(ours, layerwise):.4f} to enable_layerwise_casting's (fp8 biases)")
