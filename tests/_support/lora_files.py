@@ -12,6 +12,8 @@ from pathlib import Path
 FLUX_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "proj_mlp", "ff.net.2",
                 "norm1.linear", "x_embedder", "proj_out", "norm_out.linear"]
 TE_TARGETS = ["q_proj", "v_proj", "fc1"]
+# diffusers' UNet2DConditionModel layers the SD, SDXL and SDXL-refiner parity LoRAs cover (attention, proj_in, MLP)
+UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "ff.net.2"]
 
 
 def peft_layers(module, targets: list[str], rank: int, alpha: float, seed: int) -> tuple[dict, dict]:

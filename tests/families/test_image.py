@@ -159,6 +159,53 @@ def test_inpainting_matches_diffusers(folders, pipes, name, sampler, strength):
     _compare(*_inpainted(folders, pipes, name, sampler, strength, image, mask))
 
 
+# crops_coords_top_left away from (0, 0) and the negative sizes away from the image's: diffusers' SDXL
+# img2img and inpaint pipelines give the unconditional branch the prompt's crop and each negative size
+# alone; negative_crops_coords_top_left (given to diffusers only) they never read
+NEGATIVE_IDS = [dict(crops_coords_top_left=(4, 2), negative_original_size=(40, 40), negative_target_size=(24, 56)),
+                dict(crops_coords_top_left=(4, 2), negative_original_size=(40, 40))]
+
+
+@pytest.mark.parametrize("name", ["sdxl", "sdxl-inpaint"])
+@pytest.mark.parametrize("extra", NEGATIVE_IDS, ids=["both-sizes", "original-size"])
+def test_sdxl_image_calls_take_diffusers_negative_ids(folders, pipes, name, extra):
+    """The unconditional ids of an SDXL image call are (negative original size or the prompt's,
+    the prompt's crop, negative target size or the prompt's), as diffusers' image pipelines build
+    them (its text-to-image pipeline: both sizes and their own crop, tests/families/test_text_inputs.py);
+    on the programs the cases above compile (the ids are data). The negative sizes move the image."""
+    image = image_fixtures.sample_image(seed=1)
+    if name == "sdxl":
+        ref = image_fixtures.reference(folders[name], name, "euler", inpaint=False)
+        call = dict(strength=0.6, num_inference_steps=STEPS, guidance_scale=6.0, negative_prompt="blurry")
+        theirs = image_fixtures.reference_pixels(ref, "a watercolor fox", 3, image=_pil(image), **call, **extra,
+                                                 negative_crops_coords_top_left=(1, 1))
+        eps = image_fixtures.replayed_noise(SHAPE, 3, draws_before=1)
+        ours, without = (pipes(name).generate("a watercolor fox", image=image, strength=0.6, steps=STEPS, guidance=6.0,
+                                              negative_prompt="blurry", sampler="euler", noise=eps, **given)
+                         for given in (extra, dict(crops_coords_top_left=(4, 2))))
+    else:
+        ours, theirs = _inpainted(folders, pipes, name, "euler", 1.0, image, image_fixtures.sample_mask(), **extra)
+        without, _ = _inpainted(folders, pipes, name, "euler", 1.0, image, image_fixtures.sample_mask(),
+                                crops_coords_top_left=(4, 2))
+    _compare(ours, theirs)
+    parity = np.abs(ours.astype(np.int32) - theirs.astype(np.int32)).mean()
+    moved = np.abs(ours.astype(np.int32) - without.astype(np.int32)).mean()
+    print(f"{name} {sorted(extra)}: mean |Δpx| vs diffusers {parity:.4f}; the negative sizes move it {moved:.4f}")
+    assert moved > 4 * max(parity, 0.25), (parity, moved)
+
+
+def test_sdxl_image_calls_refuse_negative_crops_coords_top_left(pipes):
+    """diffusers' SDXL img2img and inpaint pipelines take negative_crops_coords_top_left and never
+    read it (the refiner's do): refused by name rather than dropped. Text-to-image calls take it."""
+    with pytest.raises(InvalidArgumentError) as info:
+        pipes("sdxl").validate("a cat", image=image_fixtures.sample_image(), negative_crops_coords_top_left=(1, 1),
+                               negative_original_size=(40, 40), negative_target_size=(24, 56))
+    assert info.value.argument == "negative_crops_coords_top_left" and "\n" not in str(info.value)
+    assert "crops_coords_top_left" in str(info.value).split(":", 1)[1]
+    pipes("sdxl").validate("a cat", negative_crops_coords_top_left=(1, 1), negative_original_size=(40, 40),
+                           negative_target_size=(24, 56))
+
+
 CROP = [("sd1-inpaint", "ddim", 1.0), ("sd1", "ddim", 0.6), ("sdxl-inpaint", "euler", 1.0)]
 
 

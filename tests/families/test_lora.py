@@ -14,8 +14,8 @@ import pytest
 import preheat
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, PreheatError, WeightsError
 from tests._support import flow_fixtures, sd_fixtures
-from tests._support.lora_files import (TE_TARGETS, kohya_names, kohya_sgm_names, peft_layers, save_flux_lora,
-                                        save_lora, scale_0)
+from tests._support.lora_files import (TE_TARGETS, UNET_TARGETS, kohya_names, kohya_sgm_names, peft_layers,
+                                        save_flux_lora, save_lora, scale_0)
 from tests._support.numerics import mean_abs_px as _diff
 
 peft = pytest.importorskip("peft")
@@ -25,7 +25,6 @@ peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
-UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "ff.net.2"]
 MISSING_WIDTH = 32  # tiny Flux: the width of a fused part a LoRA leaves out (2 heads x 16)
 
 

@@ -25,7 +25,9 @@ input of ``generate`` is::
     original_size, crops_coords_top_left,     x     data (time_ids)   the UNet's added time embedding
       target_size
     negative_original_size, _crops_..,        x     data (time_ids)   the unconditional branch only
-      negative_target_size                                            (both sizes, as diffusers)
+      negative_target_size                                            (text: both sizes, as diffusers;
+                                                                      image calls: either size, the
+                                                                      prompt's crop, as its img2img)
     width, height                         x   x     static            one program per resolution
     guidance, steps, seed                 x   x     data              the denoising loop
     guidance_rescale (0: off; guided      x   x     data () float32   the guided prediction, before
@@ -93,14 +95,21 @@ SDXL_SIZE_SPECS = (
     InputSpec("target_size", Pair(), "SDXL: the (height, width) the image is conditioned to target.",
               default_doc="(height, width)"),
 )
-# the unconditional branch's own ids: diffusers uses them only when both sizes are given
+# the unconditional branch's own ids: diffusers' text-to-image pipeline uses them only when both sizes are
+# given; its img2img and inpaint pipelines take either size alone, and the prompt's crop (the refiner: its own)
 SDXL_NEGATIVE_SIZE_SPECS = (
-    InputSpec("negative_original_size", Pair(), "SDXL: original_size for the unconditional branch (with "
-              "negative_target_size).", needs_guidance=True),
-    InputSpec("negative_crops_coords_top_left", Pair(), "SDXL: crops_coords_top_left for the unconditional branch.",
-              needs_guidance=True),
-    InputSpec("negative_target_size", Pair(), "SDXL: target_size for the unconditional branch (with "
-              "negative_original_size).", needs_guidance=True),
+    InputSpec("negative_original_size", Pair(), "SDXL: original_size for the unconditional branch (text-to-image: "
+              "with negative_target_size).", needs_guidance=True),
+    InputSpec("negative_crops_coords_top_left", Pair(), "SDXL: crops_coords_top_left for the unconditional branch "
+              "(text-to-image, and the refiner).", needs_guidance=True),
+    InputSpec("negative_target_size", Pair(), "SDXL: target_size for the unconditional branch (text-to-image: "
+              "with negative_original_size).", needs_guidance=True),
+)
+# a refiner's unconditional branch takes its own size alone and its own crop (its img2img and inpaint pipelines)
+REFINER_NEGATIVE_SIZE_SPECS = (
+    replace(SDXL_NEGATIVE_SIZE_SPECS[0], description="SDXL refiner: original_size for the unconditional branch."),
+    replace(SDXL_NEGATIVE_SIZE_SPECS[1], description="SDXL refiner: crops_coords_top_left for the unconditional "
+            "branch."),
 )
 # An SDXL refiner's micro-conditioning (model_index requires_aesthetics_score): the aesthetic score in
 # place of the target size, diffusers' defaults; data, as the sizes
@@ -181,7 +190,8 @@ class StableDiffusionFamily(TextToImageFamily):
                                            "force_zeros_for_empty_prompt, so without negative_prompt the "
                                            "unconditional branch is zeros", argument="negative_prompt_2")
             values["time_ids"] = _time_ids(values)
-            values["negative_time_ids"] = _negative_time_ids(values)
+            values["negative_time_ids"] = (_negative_time_ids(values) if values.get("image") is None
+                                           else _image_negative_time_ids(values))
         return values
 
     # ------------------------------------------------------------------ stages
@@ -296,7 +306,7 @@ SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
 # stabilityai/stable-diffusion-xl-refiner-1.0: no prompt_2 or target sizes (diffusers ignores them there)
 SDXL_REFINER = replace(SDXL, name="stable-diffusion-xl-refiner", aesthetics=True,
                        specs=(PROMPT, NEGATIVE_PROMPT, *SDXL_SIZE_SPECS[:2], AESTHETIC_SCORE,
-                              *SDXL_NEGATIVE_SIZE_SPECS[:2], NEGATIVE_AESTHETIC_SCORE, IMAGE, MASK_IMAGE, STRENGTH,
+                              *REFINER_NEGATIVE_SIZE_SPECS, NEGATIVE_AESTHETIC_SCORE, IMAGE, MASK_IMAGE, STRENGTH,
                               PADDING_MASK_CROP, GUIDANCE_RESCALE, *SCHEDULE_SPECS))
 
 
@@ -350,9 +360,9 @@ def _aesthetic_time_ids(values: dict[str, Any], original: str, crops: str, score
 
 
 def _negative_time_ids(values: dict[str, Any]) -> np.ndarray | None:
-    """The unconditional branch's ids (6,), or None (it shares the prompt's). diffusers uses them
-    only when both negative_original_size and negative_target_size are given; a lone one is refused
-    here rather than ignored."""
+    """A text-to-image call's unconditional ids (6,), or None (it shares the prompt's). diffusers'
+    ``StableDiffusionXLPipeline`` uses them only when both negative_original_size and
+    negative_target_size are given; a lone one is refused here rather than ignored."""
     original, target = values["negative_original_size"], values["negative_target_size"]
     crops = values["negative_crops_coords_top_left"]
     if original is None and target is None:
@@ -366,6 +376,22 @@ def _negative_time_ids(values: dict[str, Any]) -> np.ndarray | None:
         raise InvalidArgumentError(f"{given} needs {missing} too (the negative branch's size ids take both)",
                                    argument=given)
     return np.asarray([*original, *(crops or (0, 0)), *target], np.float32)
+
+
+def _image_negative_time_ids(values: dict[str, Any]) -> np.ndarray | None:
+    """An image call's unconditional ids (6,), or None (it shares the prompt's), as diffusers' SDXL
+    img2img and inpaint pipelines build them: each negative size alone (the prompt's when absent)
+    around the prompt's own crop. They never read negative_crops_coords_top_left, so it is refused
+    here rather than ignored."""
+    if values["negative_crops_coords_top_left"] is not None:
+        raise InvalidArgumentError("negative_crops_coords_top_left does not apply to an image call (img2img, "
+                                   "inpainting): diffusers' SDXL image pipelines give the negative branch "
+                                   "crops_coords_top_left", argument="negative_crops_coords_top_left")
+    original, target = values["negative_original_size"], values["negative_target_size"]
+    if original is None and target is None:
+        return None
+    ids = _time_ids(values)  # (6,): original size, crop, target size
+    return np.asarray([*(original or ids[:2]), *ids[2:4], *(target or ids[4:])], np.float32)
 
 
 # --------------------------------------------------------------------------------------- loading
@@ -455,13 +481,15 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     layers = {"denoiser": lora_targets(unet.graphdef, unet.params),
               **{name: lora_targets(te.graphdef, te.params) for name, te in zip(te_names, encoders)}}
     prefixes = {"unet": "denoiser", "lora_unet": "denoiser"}
+    first = {"text_encoder": "text_encoder", "lora_te": "text_encoder", "lora_te1": "text_encoder"}
     if "text_encoder" in te_names:
-        prefixes.update({"text_encoder": "text_encoder", "lora_te": "text_encoder", "lora_te1": "text_encoder"})
+        prefixes.update(first)
     if "text_encoder_2" in te_names:
         prefixes.update({"text_encoder_2": "text_encoder_2", "lora_te2": "text_encoder_2"})
     targets = LoraTargets(family=family.name, layers=layers, prefixes=prefixes,
                           path_prefix={name: "text_model." for name in te_names},
-                          aliases=sgm_lora_names(cfg, layers["denoiser"]), alias_prefixes=("lora_unet_",))
+                          aliases=sgm_lora_names(cfg, layers["denoiser"]), alias_prefixes=("lora_unet_",),
+                          absent={} if "text_encoder" in te_names else first)  # a refiner: refused, as diffusers
 
     components = SDComponents(
         tokenizers=tuple(tokenizers),

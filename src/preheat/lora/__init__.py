@@ -23,8 +23,9 @@ Files read (safetensors), by key style::
 
 A layer's update is ``scale * alpha / rank * B @ A`` (alpha = rank when the file gives none, as
 diffusers does). Several LoRAs in one slot sit side by side in the rank dimension, so a mix is
-one product; the bucket must hold their summed ranks. Keys that match no layer of the model, a
-rank above the largest bucket, DoRA files, a corrupt file and a non-finite scale are one-line errors.
+one product; the bucket must hold their summed ranks. Keys that match no layer of the model (or
+name a part it lacks: an SDXL refiner's first text encoder), a rank above the largest bucket, DoRA
+files, a corrupt file and a non-finite scale are one-line errors.
 
 The package: ``files`` reads a file onto a model's target layers, ``request`` turns a call's
 ``lora=`` into slots, ``runtime`` holds what a pipeline keeps between calls (files, stacked

@@ -47,6 +47,9 @@ class LoraTargets:
     # (layer path, first row, end row of the file's B factor, swap its halves)
     aliases: Mapping[str, tuple[Piece, ...]] = field(default_factory=dict)
     alias_prefixes: tuple[str, ...] = ()  # prefixes stripped before an alias is looked up
+    # file prefixes of a component the family's model lacks (an SDXL refiner's first text encoder)
+    # -> that component: a file's keys there are refused by name
+    absent: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         kohya = {c: {p.replace(".", "_"): p for p in layers} for c, layers in self.layers.items()}
@@ -209,6 +212,11 @@ def read_lora(source: str | os.PathLike[str], targets: LoraTargets) -> LoraFile:
             unmatched.append(key)
             continue
         parts.setdefault(located, {})[split[1]] = key
+    for prefix, comp in targets.absent.items():
+        lacking = [k for k in unmatched if k.startswith(prefix + ("_" if prefix.startswith("lora_") else "."))]
+        if lacking:
+            raise WeightsError(f"{path}: {len(lacking)} LoRA key(s) are for {comp}, which this {targets.family} "
+                               f"model does not have, e.g. {lacking[0]}")
     if unmatched:
         raise WeightsError(f"{path}: {len(unmatched)} LoRA key(s) match no layer of this {targets.family} model, "
                            f"e.g. {', '.join(unmatched[:3])}")
