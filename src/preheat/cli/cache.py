@@ -293,7 +293,7 @@ def _as_served(pipe: Any, server: Any, given: dict[str, Any], names: Any) -> dic
     specs = pipe.family.input_specs(pipe)
     pair = size_pair(specs)
     if pair is not None:
-        call = served_size(pair, given, server.sizes)
+        call = served_size(pair, given, tuple(server.sizes) or pipe.family.served_sizes(pipe))  # the server's rule
         if call.refused is not None:
             flag = {s.name: s.cli_flag for s in specs}[call.refused]
             raise InvalidArgumentError(f"{flag}: {call.why} (the server's {names.sizes})", argument=flag)
