@@ -131,6 +131,16 @@ def _nudge(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.nextafter(x, torch.where(up, torch.tensor(np.inf), torch.tensor(-np.inf)))
 
 
+def _rounded_at(x: torch.Tensor, scale: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``x`` moved up or down at random by one float32 ulp of ``|scale|`` per element: a step
+    ``x + d * dt`` whose terms are of the entering sample's size rounds there (an FMA, or another
+    order, moves its result by that much), which nudging the sample itself cannot show where the
+    step contracts it (zero-terminal-SNR Euler's first step from sigma ~4096)."""
+    up = torch.rand(x.shape, generator=gen) < 0.5
+    ulp = torch.from_numpy(np.spacing(np.abs(scale.numpy()).astype(np.float32)).astype(x.numpy().dtype))
+    return x + torch.where(up, ulp, -ulp)
+
+
 class _NudgedTranscendentals:
     """The ``torch`` (or ``np``) a scheduler module sees in a nudged run: ``log`` and ``exp`` results
     one ulp off at random, everything else the module's own. For updates whose coefficients are
@@ -212,8 +222,9 @@ def run_diffusers(sampler: str, cfg: dict[str, Any], steps: int, x_t: np.ndarray
     For euler_a with ``prediction_type="sample"`` (which diffusers' class rejects) the
     scheduler runs with "epsilon" and is fed the epsilon equivalent of the model's x0.
     With ``nudge_seed``, the sample entering every call and every model output are moved by
-    one ulp (and, for TRANSCENDENTAL_NUDGED samplers, the step's log and exp results): the spread
-    this causes is the float32 rounding noise floor of the trajectory.
+    one ulp (and, for TRANSCENDENTAL_NUDGED samplers, the step's log and exp results), and each
+    step's result by one ulp of the sample it took in (:func:`_rounded_at`): the spread this causes
+    is the float32 rounding noise floor of the trajectory.
     ``timesteps``: a custom list, given to ``set_timesteps(timesteps=...)`` instead of ``steps``.
     ``float64``: run diffusers' own code in float64 (samples, noise and the scheduler's float32 tables cast
     up): the trajectory without its float32 rounding, schedule arithmetic included.
@@ -290,6 +301,8 @@ def _diffusers_loop(sampler: str, sched: Any, ts: torch.Tensor, x_t: np.ndarray,
     x_init = x.numpy().copy()
     xs: list[np.ndarray] = []
     n_calls = len(ts)
+    # a generator of its own: the sample's and the model output's nudges stay those of ``gen``
+    rounding = None if gen is None else torch.Generator().manual_seed(int(gen.initial_seed()) + 10_000)
     with torch.no_grad():  # (DEIS's per-step NumPy 2 warnings: pyproject's filterwarnings)
         for call, t in enumerate(ts):
             if sampler in TWO_CALL_SAMPLERS:  # [first call of step 0, its second, first of step 1, ...]
@@ -307,7 +320,10 @@ def _diffusers_loop(sampler: str, sched: Any, ts: torch.Tensor, x_t: np.ndarray,
                 sigma = sched.sigmas[sched.step_index]
                 out = (x - out) / sigma  # epsilon with the same x0 = out
             kwargs = {"eta": eta} if sampler in ("ddim", "tcd") else {}  # tcd's own default is 0.3
+            entering = x
             x = sched.step(out, t, x, **kwargs).prev_sample
+            if rounding is not None:  # the step's own roundings: at the scale of the sample it took in, per element
+                x = _rounded_at(x, entering, rounding)
             if sampler not in ("heun", *TWO_CALL_SAMPLERS) or call % 2 == 1 or call == n_calls - 1:
                 xs.append(x.numpy().copy())
     return x_init, xs
