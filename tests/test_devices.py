@@ -27,6 +27,7 @@ import preheat
 from preheat.errors import InvalidArgumentError
 from preheat.server.core import buckets_for
 from preheat.sharding import FSDP_MIN_SIZE, parse_devices, select_devices, weight_spec
+from tests._support.numerics import px_diff
 from tests._support.sd_fixtures import save_tiny_sd
 from tests._support.reference import save_tiny_pipeline
 
@@ -49,7 +50,7 @@ def _run(script: str, devices: int, home: Path, *args: str) -> str:
 def _close(a: np.ndarray, b: np.ndarray) -> None:
     """Same images, to within XLA's batch-size rounding (at most 1 level, on at most 1% of values)."""
     assert a.shape == b.shape and a.dtype == b.dtype == np.uint8
-    diff = np.abs(a.astype(np.int16) - b.astype(np.int16))
+    diff = px_diff(a, b)
     assert diff.max() <= 1 and (diff > 0).mean() <= 0.01, (diff.max(), (diff > 0).mean())
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from tests._support.numerics import mean_abs_px, px_diff
 
 FP8 = "float8_e4m3fn"
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
@@ -63,11 +64,11 @@ def assert_fp8_matches(ours: np.ndarray, theirs: np.ndarray, full: np.ndarray, w
     """preheat's fp8 image ``ours`` within ``MEAN_TOL`` of diffusers' layerwise-cast ``theirs``, not
     flat, and moved from the full-precision image ``full`` by more than twice that gap (the storage
     really is fp8). Returns the mean |Δpx| to diffusers."""
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    diff = px_diff(ours, theirs)
     print(f"{what} fp8: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
     assert diff.mean() <= MEAN_TOL and ours.std() > 5, (diff.mean(), ours.std())
-    moved = np.abs(full.astype(np.int32) - ours.astype(np.int32)).mean()
+    moved = mean_abs_px(full, ours)
     print(f"{what} fp8 vs full precision: mean |Δpx| {moved:.4f}")
     assert moved > 2 * diff.mean() and moved > 0.1, (moved, diff.mean())
     return float(diff.mean())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ulp_distance", "assert_within_ulps", "correctly_rounded_f32"]
+__all__ = ["ulp_distance", "assert_within_ulps", "correctly_rounded_f32", "assert_pixels_close", "px_diff", "mean_abs_px"]
 
 
 def _ordered(x: np.ndarray) -> np.ndarray:
@@ -55,15 +55,20 @@ def assert_pixels_close(ours: np.ndarray, theirs: np.ndarray, mean_tol: float = 
     assert ours.shape == theirs.shape and ours.dtype == np.uint8, (ours.shape, theirs.shape, ours.dtype)
     if shape is not None:
         assert ours.shape == shape, ours.shape
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    diff = px_diff(ours, theirs)
     print(f"mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert diff.mean() <= mean_tol and diff.max() <= max_tol, (diff.mean(), diff.max())
     assert ours.std() > 5  # not a flat image
 
 
+def px_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b| of two uint8 images (or batches), per pixel, in levels of 255 (int32: no wrap-around)."""
+    return np.abs(np.asarray(a).astype(np.int32) - np.asarray(b).astype(np.int32))
+
+
 def mean_abs_px(a: np.ndarray, b: np.ndarray) -> float:
     """Mean |difference| of two uint8 images, in levels of 255 (how far an input moved an image)."""
-    return float(np.abs(a.astype(np.int32) - b.astype(np.int32)).mean())
+    return float(px_diff(a, b).mean())
 
 
 def counting_traces(pipe):

@@ -15,6 +15,7 @@ from preheat import engine, noise  # noqa: E402
 from preheat.backends.torch import TorchPipeline, initial_noise  # noqa: E402
 from preheat.backends.torch import load_torch_pipeline as torch_load  # noqa: E402
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, PreheatError, UnsupportedConfigError  # noqa: E402
+from tests._support.numerics import px_diff
 from tests._support.reference import TINY_CLASS_CONDITIONAL, save_tiny_pipeline  # noqa: E402
 
 # mean |Δ| over all pixels must stay within one uint8 level (1/255)
@@ -35,7 +36,7 @@ def _mean_and_max_px(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
     """(mean, max) |difference| of two uint8 images of one shape, in levels of 255: the torch-vs-JAX
     checks record both and the per-image seed check bounds the max, so not numerics.mean_abs_px."""
     assert a.shape == b.shape and a.dtype == b.dtype == np.uint8
-    d = np.abs(a.astype(np.int32) - b.astype(np.int32))
+    d = px_diff(a, b)
     return float(d.mean()), int(d.max())
 
 

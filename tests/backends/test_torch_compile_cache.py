@@ -20,6 +20,7 @@ from preheat.backends.torch import load_torch_pipeline as torch_load  # noqa: E4
 from preheat.backends.torch.compile_cache import TorchCompiler, torch_key_fields  # noqa: E402
 from preheat.cache.keys import key_of  # noqa: E402
 from preheat.cache.entries import LoadingMarker, open_entry, publish_entry  # noqa: E402
+from tests._support.numerics import px_diff
 from tests._support.torch_models import MICRO  # noqa: E402
 from tests._support.reference import save_tiny_pipeline  # noqa: E402
 
@@ -78,7 +79,7 @@ def _entries(root: Path) -> list[Path]:
 
 
 def _max_diff(a, b) -> int:
-    return int(np.abs(a.astype(np.int32) - b.astype(np.int32)).max())
+    return int(px_diff(a, b).max())
 
 
 def test_aot_first_run_compiles_stores_and_matches_eager(aot_first, aot_root, eager_pixels):

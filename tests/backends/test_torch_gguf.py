@@ -22,6 +22,7 @@ from preheat.errors import UnsupportedConfigError
 from tests._support import flow_fixtures
 from tests._support.bfl_files import to_bfl
 from tests._support.gguf_files import write_gguf
+from tests._support.numerics import px_diff
 from tests._support.single_files import diffusers_bfl_at_tiny_widths
 from tests._support.compare_children import ChildStarted, stop_at_children
 
@@ -72,7 +73,7 @@ def test_torch_backend_draws_diffusers_gguf_image(files, quant, tmp_path, monkey
         theirs = _diffusers_gguf(folder, path)
         pipe = preheat.load(path, backend="torch", config=folder)
     ours = pipe.generate(PROMPT, noise=_noise(), **CALL)
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    diff = px_diff(ours, theirs)
     record_property("mean_abs_px", float(diff.mean()))
     print(f"{quant}: torch backend vs diffusers' GGUF load: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert np.array_equal(ours, theirs), (diff.mean(), diff.max())  # the same diffusers code on the same tensors
@@ -83,7 +84,7 @@ def test_torch_backend_draws_diffusers_gguf_image(files, quant, tmp_path, monkey
 
     if quant == "Q8_0":  # the JAX engine reads Q8_0 (its own conversion, int8 + scales on the device)
         jax_image = preheat.load(path, config=folder, cache="off").generate(PROMPT, noise=_noise(), **CALL)
-        cross = np.abs(jax_image.astype(np.int32) - ours.astype(np.int32))
+        cross = px_diff(jax_image, ours)
         record_property("jax_vs_torch_mean_abs_px", float(cross.mean()))
         print(f"{quant}: JAX vs torch backend on the GGUF file: mean |Δpx| {cross.mean():.4f}, max {cross.max()}")
         assert cross.mean() <= MEAN_TOL
@@ -184,7 +185,7 @@ def test_a_compiled_gguf_transformer_draws_the_eager_image(files, mode, tmp_path
         eager = preheat.load(path, backend="torch", config=folder).generate(PROMPT, noise=_noise(), **CALL)
         pipe = preheat.load(path, backend="torch", config=folder, compile=mode)
         ours = pipe.generate(PROMPT, noise=_noise(), **CALL)
-    diff = np.abs(ours.astype(np.int32) - eager.astype(np.int32))
+    diff = px_diff(ours, eager)
     record_property("mean_abs_px", float(diff.mean()))
     print(f"{mode}: compiled vs eager torch GGUF: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert diff.max() <= COMPILED_VS_EAGER_LEVELS and ours.std() > 5

@@ -18,6 +18,7 @@ import preheat  # noqa: E402
 import preheat.torch  # noqa: E402
 from preheat.backends.torch.compiled import signature  # noqa: E402
 from preheat.errors import InvalidArgumentError  # noqa: E402
+from tests._support.numerics import px_diff
 from tests._support.torch_models import run_child  # noqa: E402
 from tests._support.flow_fixtures import save_tiny_flow_model  # noqa: E402
 
@@ -416,7 +417,7 @@ def test_load_backend_torch_compile_regional(cold, flux, tmp_path, monkeypatch):
     pipe.generate(**call)
     assert pipe.last.cache_layer == "memory"
     eager = preheat.load(flux, backend="torch").generate(**call)
-    assert np.abs(pixels.astype(np.int32) - eager.astype(np.int32)).max() <= 1
+    assert px_diff(pixels, eager).max() <= 1
 
 
 @pytest.mark.slow
@@ -499,7 +500,7 @@ def test_compile_on_a_kontext_pipeline_matches_eager_then_loads_its_entries(kont
     assert first and all(e["layer"] == "none" and e["store"] == "written" for e in first), first
     eager = preheat.load(kontext, backend="torch").generate(**call)
     assert pixels.shape == eager.shape == (1, 32, 32, 3)
-    assert np.abs(pixels.astype(np.int32) - eager.astype(np.int32)).max() <= 1
+    assert px_diff(pixels, eager).max() <= 1
     again = preheat.load(kontext, backend="torch", compile=mode)
     np.testing.assert_array_equal(again.generate(**call), pixels)
     assert [e["layer"] for e in again.compiler.events] == [{"regional": "mega", "aot": "aot"}[mode]] * len(first)

@@ -17,6 +17,7 @@ from preheat.errors import ModelFormatError, UnsupportedConfigError
 from tests._support import flow_fixtures, sd_fixtures
 from tests._support.bfl_files import to_bfl
 from tests._support.ldm_files import to_original
+from tests._support.numerics import px_diff
 from tests._support.single_files import mmdit_file
 from tests._support.compare_children import ChildStarted, stop_at_children
 
@@ -74,7 +75,7 @@ def test_torch_backend_draws_the_folder_s_image_from_its_single_file(files, kind
 
     pipe = preheat.load(path, backend="torch", config=folder)
     ours = pipe.generate(PROMPT, noise=_noise(), steps=3, sampler=sampler, guidance=guidance, width=32, height=32)
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    diff = px_diff(ours, theirs)
     record_property("mean_abs_px", float(diff.mean()))
     print(f"{kind}: torch backend on the single file vs diffusers on the folder: mean |Δpx| {diff.mean():.4f}, "
           f"max {diff.max()}")

@@ -13,6 +13,7 @@ from preheat.engine import Signature
 from preheat.errors import InvalidArgumentError, PreheatError, SchedulerConfigError
 from preheat.families.request import plan
 from tests._support.flow_fixtures import reference_pipeline, reference_pixels, save_tiny_flow_model
+from tests._support.numerics import px_diff
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255 (1/255 on the [0, 1] scale)
 FOLDERS = {"flux-schnell": ("flux-schnell", True), "flux-dev": ("flux-dev", True), "sd3": ("sd3", True),
@@ -83,7 +84,7 @@ def test_matches_diffusers_from_the_same_latents(folders, pipes, name, sampler, 
     ours = pipes[name].generate(prompt, noise=noise, steps=steps, sampler=sampler, guidance=guidance,
                                 width=32, height=32, **call)
     assert ours.shape == theirs.shape == (n, 32, 32, 3) and ours.dtype == np.uint8
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    diff = px_diff(ours, theirs)
     record_property("mean_abs_px", float(diff.mean()))
     print(f"{name}/{sampler}: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
@@ -312,5 +313,5 @@ def test_torch_backend_draws_the_same_images(folders, pipes, name, call):
     assert torch_pipe.defaults == pipes[name].defaults
     theirs = torch_pipe.generate(["a red fox", "a cat"], steps=3, seed=[4, 5], width=32, height=32, **call)
     ours = pipes[name].generate(["a red fox", "a cat"], steps=3, seed=[4, 5], width=32, height=32, **call)
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    diff = px_diff(ours, theirs)
     assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())

@@ -12,6 +12,7 @@ import pytest
 import preheat
 from preheat.errors import PreheatError
 from tests._support.flow_fixtures import picture, reference_pipeline, replayed_noise, save_tiny_flow_model
+from tests._support.numerics import mean_abs_px, px_diff
 
 # The data tests compile their programs again on emptied executables: XLA's work on a program this
 # module has compiled is reused (tests/_support/compile_memo.py).
@@ -77,7 +78,7 @@ def test_matches_diffusers_from_the_same_noise(folders, pipes, name, prompt, str
     ours = pipes[name].generate(prompt, image=image, strength=strength, noise=noise, steps=steps,
                                 guidance=guidance, width=32, height=32, **other)
     assert ours.shape == theirs.shape == (n, 32, 32, 3)
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    diff = px_diff(ours, theirs)
     print(f"{name} strength {strength}: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert diff.mean() <= MEAN_TOL and diff.max() <= MAX_TOL, (diff.mean(), diff.max())
     assert ours.std() > 5
@@ -89,8 +90,8 @@ def test_the_output_is_the_images_size_and_low_strength_stays_close(pipes):
     out = pipe.generate("a fox", image=image, strength=0.25, steps=4, seed=0)
     assert out.shape == (1, 32, 48, 3)  # rounded down to the packing's multiple (4 px here)
     far = pipe.generate("a fox", image=image, strength=1.0, steps=4, seed=0)
-    near_error = np.abs(out.astype(np.int32) - image[:32, :48].astype(np.int32)).mean()
-    far_error = np.abs(far.astype(np.int32) - image[:32, :48].astype(np.int32)).mean()
+    near_error = mean_abs_px(out, image[:32, :48])
+    far_error = mean_abs_px(far, image[:32, :48])
     assert near_error < far_error  # one step from the image keeps more of it than four from noise
 
 
@@ -139,5 +140,5 @@ def test_torch_backend_draws_the_same_images(folders, pipes, name, guidance):
     theirs = torch_pipe.generate(["a red fox", "a cat"], **call)
     ours = pipes[name].generate(["a red fox", "a cat"], **call)
     assert ours.shape == theirs.shape == (2, 32, 32, 3)
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    diff = px_diff(ours, theirs)
     assert diff.mean() <= MEAN_TOL and diff.max() <= MAX_TOL, (diff.mean(), diff.max())

@@ -16,7 +16,7 @@ import pytest
 import preheat
 from preheat.errors import InvalidArgumentError
 from tests._support.flow_fixtures import picture, reference_pipeline, replayed_noise, save_tiny_flow_model
-from tests._support.numerics import assert_pixels_close, counting_traces
+from tests._support.numerics import assert_pixels_close, counting_traces, px_diff
 
 # The data tests compile their programs again on emptied executables: XLA's work on a program this
 # module has compiled is reused (tests/_support/compile_memo.py).
@@ -99,7 +99,7 @@ def test_matches_diffusers_from_the_same_noise(references, pipes, name, prompt, 
         kept = mask_of(*size) == 0
         img2img = pipes[name].generate(prompt, image=image, strength=strength, noise=noise, steps=steps,
                                        guidance=guidance, width=32, height=32)
-        err = lambda out: np.abs(out[0].astype(np.int32) - image.astype(np.int32))[kept].mean()  # noqa: E731
+        err = lambda out: px_diff(out[0], image)[kept].mean()  # noqa: E731
         assert err(ours) < err(img2img)  # the blend keeps more of the image than img2img does
 
 

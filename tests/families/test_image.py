@@ -19,7 +19,7 @@ from preheat.errors import InvalidArgumentError, SchedulerConfigError
 from preheat.families import image as image_input
 from preheat.families.request import concat
 from tests._support import image_fixtures
-from tests._support.numerics import assert_pixels_close
+from tests._support.numerics import assert_pixels_close, mean_abs_px, px_diff
 
 # The sd1, sd1-inpaint and SDXL folders' pipelines share their VAE's and encoders' programs: each program
 # text is compiled once in the module (tests/_support/compile_memo.py).
@@ -96,7 +96,7 @@ def test_img2img_matches_diffusers(folders, pipes, kind, sampler):
     _compare(ours, theirs)
     from_noise = pipes(kind).generate("a watercolor fox", steps=STEPS, guidance=6.0, negative_prompt="blurry",
                                       sampler=sampler, noise=eps)
-    assert np.abs(ours.astype(np.int32) - from_noise.astype(np.int32)).mean() > 4 * MEAN_TOL  # the image counts
+    assert mean_abs_px(ours, from_noise) > 4 * MEAN_TOL  # the image counts
 
 
 INPAINT = [("sd1-inpaint", "ddim", 1.0), ("sdxl-inpaint", "euler", 1.0), ("sd1", "ddim", 0.6), ("sd1", "euler", 1.0),
@@ -145,8 +145,8 @@ def test_guidance_rescale_reaches_sdxl_img2img_and_inpainting(folders, pipes, na
         ours, theirs = _inpainted(folders, pipes, name, "euler", 1.0, image, mask, guidance_rescale=0.7)
         off, _ = _inpainted(folders, pipes, name, "euler", 1.0, image, mask)
     _compare(ours, theirs)
-    parity = np.abs(ours.astype(np.int32) - theirs.astype(np.int32)).mean()
-    moved = np.abs(ours.astype(np.int32) - off.astype(np.int32)).mean()
+    parity = mean_abs_px(ours, theirs)
+    moved = mean_abs_px(ours, off)
     print(f"{name} guidance_rescale=0.7: mean |Δpx| vs diffusers {parity:.4f}; 0.7 vs 0 moves it {moved:.4f}")
     assert moved > 4 * max(parity, 0.25), (parity, moved)
 
@@ -188,8 +188,8 @@ def test_sdxl_image_calls_take_diffusers_negative_ids(folders, pipes, name, extr
         without, _ = _inpainted(folders, pipes, name, "euler", 1.0, image, image_fixtures.sample_mask(),
                                 crops_coords_top_left=(4, 2))
     _compare(ours, theirs)
-    parity = np.abs(ours.astype(np.int32) - theirs.astype(np.int32)).mean()
-    moved = np.abs(ours.astype(np.int32) - without.astype(np.int32)).mean()
+    parity = mean_abs_px(ours, theirs)
+    moved = mean_abs_px(ours, without)
     print(f"{name} {sorted(extra)}: mean |Δpx| vs diffusers {parity:.4f}; the negative sizes move it {moved:.4f}")
     assert moved > 4 * max(parity, 0.25), (parity, moved)
 
@@ -221,7 +221,7 @@ def test_padding_mask_crop_matches_diffusers(folders, pipes, name, sampler, stre
     left, top, right, bottom = image_input.crop_regions({"padding_mask_crop": [2], "mask_image": mask,
                                                          "width": 32, "height": 32})[0]
     assert (right - left, bottom - top) == (13, 13) and bottom == 32  # grown to square and shifted up
-    box = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))[0, top:bottom, left:right]
+    box = px_diff(ours, theirs)[0, top:bottom, left:right]
     print(f"in the box: mean |Δpx| {box.mean():.4f}, max {box.max()}")
     assert box.mean() <= MEAN_TOL
     np.testing.assert_array_equal(ours[0][mask == 0], image[mask == 0])
@@ -237,7 +237,7 @@ def test_padding_mask_crop_repaints_the_box_and_keeps_the_rest(pipes):
     cropped = pipes("sd1-inpaint").generate("a red boat", padding_mask_crop=2, **call)
     assert plain.shape == cropped.shape == (1, 32, 32, 3)
     repaint, kept = mask >= 128, mask == 0
-    assert np.abs(cropped.astype(np.int32) - plain.astype(np.int32))[0][repaint].mean() > 4 * MEAN_TOL
+    assert px_diff(cropped, plain)[0][repaint].mean() > 4 * MEAN_TOL
     np.testing.assert_array_equal(cropped[0][kept], image[kept])
     assert not np.array_equal(plain[0][kept], image[kept])
 
@@ -256,10 +256,10 @@ def test_each_image_of_a_batch_has_its_own_crop(pipes):
     together = pipe.run(concat(pipe, requests))
     alone = np.concatenate([pipe.run(r) for r in requests])
     assert together.shape == alone.shape == (2, 32, 48, 3)
-    diff = np.abs(together.astype(np.int32) - alone.astype(np.int32))
+    diff = px_diff(together, alone)
     print(f"batched vs alone: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert diff.max() <= 2, diff.max()
-    assert np.abs(alone[0].astype(np.int32) - alone[1].astype(np.int32)).mean() > MEAN_TOL  # the boxes count
+    assert mean_abs_px(alone[0], alone[1]) > MEAN_TOL  # the boxes count
 
 
 def test_mask_processing_is_diffusers():

@@ -105,7 +105,7 @@ def test_aesthetic_scores_and_sizes_are_data(pipe):
               counted.generate("a cat", original_size=(16, 16), **common)]
     assert len(traces) == traced
     for other in others:
-        assert np.abs(first.astype(np.int32) - other.astype(np.int32)).mean() > 1.0
+        assert mean_abs_px(first, other) > 1.0
 
 
 @pytest.mark.parametrize("inputs,argument,words", [

@@ -13,6 +13,7 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, PreheatError, UnsupportedConfigError
+from tests._support.numerics import mean_abs_px, px_diff
 from tests._support.sd_fixtures import KINDS, reference_pipeline, reference_pixels, save_tiny_sd
 
 # The sd1, sd2 and SDXL pipes of `cache="off"` loads share programs (the VAE decoder, SDXL's encoders and the
@@ -71,7 +72,7 @@ def test_matches_diffusers_from_the_same_latents(folders, pipes, kind, sampler, 
     ours = pipes[kind].generate(prompt, noise=noise, steps=steps, sampler=sampler, guidance=call.pop("guidance_scale"),
                                 width=32, height=32, **call)
     assert ours.shape == theirs.shape == (n, 32, 32, 3) and ours.dtype == np.uint8
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    diff = px_diff(ours, theirs)
     record_property("mean_abs_px", float(diff.mean()))
     print(f"{kind}/{sampler}: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
@@ -99,7 +100,7 @@ def _default_sampler_matches_the_pipeline(folder, sampler: str, scheduler_class:
     theirs = reference_pixels(ref, prompt, noise, num_inference_steps=steps, height=32, width=32,
                               guidance_scale=guidance)
     ours = pipe.generate(prompt, noise=noise, steps=steps, guidance=guidance, width=32, height=32)
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    diff = px_diff(ours, theirs)
     print(f"{label}: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
     assert ours.std() > 5  # not a flat image (flat images would agree for any model)
@@ -451,15 +452,11 @@ def test_torch_backend_runs_the_same_folder_with_the_same_latents(folders, pipes
     call = dict(steps=3, sampler=sampler, guidance=5.0, seed=[4, 5], negative_prompt="blurry")
     a = pipes[kind].generate(["a photo of a cat", "a red fox"], **call)
     b = torch_pipe.generate(["a photo of a cat", "a red fox"], **call)
-    diff = np.abs(a.astype(np.int32) - b.astype(np.int32))
+    diff = px_diff(a, b)
     assert a.shape == b.shape and diff.mean() <= MEAN_TOL, diff.mean()
     assert torch_pipe.defaults == pipes[kind].defaults
     with pytest.raises(InvalidArgumentError, match="multiple of 2"):
         torch_pipe.generate("x", width=31)  # the same checks as the JAX side
-
-
-def _mean_diff(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a.astype(np.int32) - b.astype(np.int32)).mean())
 
 
 # diffusers' guidance_rescale (preheat.families.guidance): one image with a negative prompt, 4 euler steps at
@@ -481,7 +478,7 @@ def test_guidance_rescale_matches_diffusers_and_is_data(folders, pipes, kind, re
     ours = pipe.generate(prompt, guidance_rescale=0.7, **call)
     np.testing.assert_array_equal(pipe.generate(prompt, guidance_rescale=0.0, **call), off)
     assert len(pipe._executables) == compiled  # data: no value compiles anything new
-    parity, parity_off, moved = _mean_diff(ours, theirs), _mean_diff(off, theirs_off), _mean_diff(ours, off)
+    parity, parity_off, moved = mean_abs_px(ours, theirs), mean_abs_px(off, theirs_off), mean_abs_px(ours, off)
     record_property("mean_abs_px", parity)
     print(f"{kind} guidance_rescale=0.7: mean |Δpx| vs diffusers {parity:.4f} (at 0: {parity_off:.4f}); "
           f"0.7 vs 0 moves it {moved:.4f}")
@@ -517,7 +514,7 @@ def test_torch_backend_passes_guidance_rescale_or_refuses_it(folders, pipes):
     call = dict(noise=_noise(1, seed=1), steps=4, sampler="euler", guidance=7.5, guidance_rescale=0.7, **RESCALE_CALL)
     ours = pipes["sdxl"].generate("a photo of a cat", **call)  # the parity test's program
     theirs = torch_load(folders["sdxl"], cache="off").generate("a photo of a cat", **call)
-    assert _mean_diff(ours, theirs) <= MEAN_TOL, _mean_diff(ours, theirs)
+    assert mean_abs_px(ours, theirs) <= MEAN_TOL, mean_abs_px(ours, theirs)
     with pytest.raises(InvalidArgumentError) as err:
         torch_load(folders["sd1"], cache="off").generate("x", image=np.full((32, 32, 3), 128, np.uint8), steps=2,
                                                          guidance=7.5, guidance_rescale=0.7)

@@ -15,6 +15,7 @@ import pytest
 import preheat
 from preheat.errors import InvalidArgumentError
 from tests._support import flow_fixtures, sd_fixtures
+from tests._support.numerics import mean_abs_px
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255 (1/255 on the [0, 1] scale)
 STEPS = 4
@@ -40,10 +41,6 @@ def pipes(folders):
 
 def _noise(n: int) -> np.ndarray:
     return np.random.default_rng(0).standard_normal((n, 4, 16, 16)).astype(np.float32)
-
-
-def _mean_diff(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a.astype(np.int32) - b.astype(np.int32)).mean())
 
 
 # (model, the call without the inputs under test, the inputs under test); one sampler per model and
@@ -83,7 +80,7 @@ def test_input_matches_diffusers_and_moves_the_image(folders, pipes, name, call,
     ours = pipes[name].generate(prompt, **common, **extra)
     without = pipes[name].generate(prompt, **common)
     assert ours.shape == theirs.shape == (n, 32, 32, 3)
-    parity, moved = _mean_diff(ours, theirs), _mean_diff(ours, without)
+    parity, moved = mean_abs_px(ours, theirs), mean_abs_px(ours, without)
     record_property("mean_abs_px", parity)
     print(f"{name} {sorted(extra)}: mean |Δpx| vs diffusers {parity:.4f}; the input moves it {moved:.4f}")
     assert parity <= MEAN_TOL, parity
@@ -203,9 +200,9 @@ def test_the_torch_backend_takes_the_same_inputs(folders, pipes, name):
     prompts = ["a photo of a cat", "a red fox"]
     a = pipes[name].generate(prompts, **call)
     b = torch_pipe.generate(prompts, **call)
-    assert a.shape == b.shape and _mean_diff(a, b) <= MEAN_TOL
+    assert a.shape == b.shape and mean_abs_px(a, b) <= MEAN_TOL
     without = torch_pipe.generate(prompts, **{**call, "clip_skip": 0})
-    assert _mean_diff(b, without) > 4 * _mean_diff(a, b)  # clip_skip reached diffusers
+    assert mean_abs_px(b, without) > 4 * mean_abs_px(a, b)  # clip_skip reached diffusers
     with pytest.raises(InvalidArgumentError) as err:
         torch_pipe.generate(prompts, clip_skip=[0, 1], steps=1)
     assert err.value.argument == "clip_skip"

@@ -26,6 +26,7 @@ from preheat.errors import CheckpointMismatchError, InvalidArgumentError, ModelF
 from tests._support import flow_fixtures
 from tests._support.bfl_files import to_bfl
 from tests._support.gguf_files import write_gguf
+from tests._support.numerics import mean_abs_px, px_diff
 from tests._support.single_files import diffusers_bfl_at_tiny_widths
 
 gguf = pytest.importorskip("gguf")
@@ -75,7 +76,7 @@ def test_a_q8_0_flux_transformer_draws_diffusers_gguf_image(files, pipe, monkeyp
     theirs = flow_fixtures.reference_pixels(ref, PROMPT, _noise(), num_inference_steps=STEPS, guidance_scale=GUIDANCE)
     ours = pipe.generate(PROMPT, noise=_noise(), steps=STEPS, sampler="flow_euler", guidance=GUIDANCE,
                          width=32, height=32)
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    diff = px_diff(ours, theirs)
     record_property("mean_abs_px", float(diff.mean()))
     print(f"GGUF Q8_0 vs diffusers' GGUF quantizer: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert diff.mean() <= MEAN_TOL and ours.std() > 5
@@ -133,7 +134,7 @@ def test_fp8_storage_of_a_q8_0_file_keeps_q8_0_and_dequantises_the_full_precisio
     assert leaves["transformer_blocks.0.norm1.linear.kernel"].dtype == np.float32
     call = dict(noise=_noise(), steps=STEPS, sampler="flow_euler", guidance=GUIDANCE, width=32, height=32)
     assert leaves["x_embedder.kernel"].dtype == np.dtype("float8_e4m3fn")
-    diff = np.abs(low.generate(PROMPT, **call).astype(np.int32) - pipe.generate(PROMPT, **call).astype(np.int32))
+    diff = px_diff(low.generate(PROMPT, **call), pipe.generate(PROMPT, **call))
     print(f"GGUF Q8_0 with weights_dtype=float8_e4m3fn vs without: mean |Δpx| {diff.mean():.4f}")
     assert diff.mean() <= MEAN_TOL
 
@@ -202,7 +203,7 @@ def _against_diffusers(path, folder, monkeypatch, record_property, what: str, pi
     ours = pipe.generate(PROMPT, noise=_noise(), steps=STEPS, sampler="flow_euler", guidance=GUIDANCE, width=32,
                          height=32)
     theirs = _diffusers_image(folder, path, monkeypatch)
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    diff = px_diff(ours, theirs)
     record_property("mean_abs_px", float(diff.mean()))
     print(f"GGUF {what} vs diffusers' GGUF quantizer: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert diff.mean() <= MEAN_TOL and ours.std() > 5
@@ -311,8 +312,8 @@ def test_fp8_storage_of_a_packed_file_draws_the_image_of_its_plain_weights_round
     ref = preheat.load(ref_path, config=folder, cache="off")
     call = dict(noise=_noise(), steps=STEPS, sampler="flow_euler", guidance=GUIDANCE, width=32, height=32)
     ours, theirs_px, full = (p.generate(PROMPT, **call) for p in (mixed_fp8, ref, mixed))
-    diff = np.abs(ours.astype(np.int32) - theirs_px.astype(np.int32))
-    moved = np.abs(ours.astype(np.int32) - full.astype(np.int32)).mean()
+    diff = px_diff(ours, theirs_px)
+    moved = mean_abs_px(ours, full)
     print(f"GGUF mixed types, weights_dtype=fp8 vs its F16 weights rounded to fp8: mean |Δpx| {diff.mean():.4f}, "
           f"max {diff.max()}; vs the plain load: mean {moved:.4f}")
     assert ours.std() > 5 and moved >= MOVED
@@ -337,7 +338,7 @@ def test_fsdp_splits_the_packed_blocks_and_draws_the_unsharded_image(wide, mixed
         assert q.blocks.addressable_shards[0].data.size * 2 == q.blocks.size
     call = dict(noise=_noise(), steps=STEPS, sampler="flow_euler", guidance=GUIDANCE, width=32, height=32)
     ours, whole = pipe.generate(PROMPT, **call), mixed.generate(PROMPT, **call)
-    diff = np.abs(ours.astype(np.int32) - whole.astype(np.int32))
+    diff = px_diff(ours, whole)
     print(f"fsdp=2 vs one device, mixed GGUF types: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert ours.std() > 5 and diff.mean() <= 0.01 and diff.max() <= 1
 
@@ -447,7 +448,6 @@ def test_without_the_gguf_extra_it_is_one_line(files, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # as if the package were not installed
     with pytest.raises(MissingExtraError, match=r'GGUF file .* needs the gguf extra: pip install "\.\[gguf\]"'):
         GGUFTensors(files["q8"])
-
 
 
 def test_a_remote_header_read_without_the_gguf_extra_stops_at_its_first_read(files, tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ import preheat
 from preheat.models import scaled_fp8
 from tests._support import flow_fixtures
 from tests._support.bfl_files import to_bfl
+from tests._support.numerics import mean_abs_px, px_diff
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -32,7 +33,7 @@ ORDER_TOL = 0.01
 
 def _same_to_rounding(a: np.ndarray, b: np.ndarray) -> float:
     """Mean |Δpx| of two images that differ by float32 rounding order only (asserted: see ORDER_TOL)."""
-    diff = np.abs(a.astype(np.int32) - b.astype(np.int32))
+    diff = px_diff(a, b)
     assert diff.mean() <= ORDER_TOL and diff.max() <= 1, (diff.mean(), diff.max())
     return float(diff.mean())
 
@@ -136,7 +137,7 @@ def test_a_scaled_fp8_file_draws_its_dequantised_weights_image(pipes, record_pro
     record_property("mean_abs_px", diff)
     print(f"scaled fp8 kept on the device vs its dequantised weights: mean |Δpx| {diff:.4f}")
     unscaled = _image(pipes["unscaled"])  # the same fp8 bytes read as plain F8_E4M3
-    moved = float(np.abs(unscaled.astype(np.int32) - plain.astype(np.int32)).mean())
+    moved = mean_abs_px(unscaled, plain)
     print(f"scales ignored: mean |Δpx| {moved:.4f}")
     assert moved > 1.0
 
@@ -199,7 +200,7 @@ def test_a_lora_on_kept_scaled_layers_draws_the_dequantised_weights_lora_image(f
                      {"transformer": peft_layers(ref.transformer, targets, 4, 4, seed=4)})
     with_lora = {name: pipes[name].generate(**CALL, lora=str(lora)) for name in ("scaled", "plain")}
     _same_to_rounding(with_lora["scaled"], with_lora["plain"])
-    assert np.abs(with_lora["scaled"].astype(np.int32) - _image(pipes["scaled"]).astype(np.int32)).mean() > 1.0
+    assert mean_abs_px(with_lora["scaled"], _image(pipes["scaled"])) > 1.0
 
 
 def test_per_channel_scales_draw_diffusers_image_of_the_dequantised_weights(files, pipes, record_property):
@@ -219,13 +220,13 @@ def test_per_channel_scales_draw_diffusers_image_of_the_dequantised_weights(file
     theirs = flow_fixtures.reference_pixels(ref, CALL["prompt"], NOISE, num_inference_steps=CALL["steps"],
                                             guidance_scale=CALL["guidance"])
     ours = _image(pipes["channel"])
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    diff = px_diff(ours, theirs)
     record_property("mean_abs_px", float(diff.mean()))
     print(f"per-channel scaled fp8 vs diffusers on its dequantised weights: mean |Δpx| {diff.mean():.4f}, "
           f"max {diff.max()}")
     assert diff.mean() <= MEAN_TOL and ours.std() > 5
     _same_to_rounding(ours, _image(pipes["channel-plain"]))
-    moved = np.abs(ours.astype(np.int32) - _image(pipes["plain"]).astype(np.int32)).mean()
+    moved = mean_abs_px(ours, _image(pipes["plain"]))
     assert moved > 1.0, moved  # per-tensor rounding of the same weights draws another image
 
 
@@ -243,7 +244,7 @@ def test_kept_scales_are_placed_on_a_mesh_like_any_weight(files, pipes, tmp_path
     # the single-device images one at a time: the batch-1 program the module's other calls compiled
     # (each device runs one image of the split batch, too)
     whole = np.concatenate([pipes["plain"].generate(**{**CALL, "noise": half}) for half in (NOISE, -NOISE)])
-    diff = np.abs(pipe.generate(**{**CALL, "noise": noise, "n": 2}).astype(np.int32) - whole.astype(np.int32))
+    diff = px_diff(pipe.generate(**{**CALL, "noise": noise, "n": 2}), whole)
     assert diff.mean() <= MEAN_TOL / 10 and diff.max() <= 1  # one image per device against one on one: XLA's rounding
 
 
@@ -403,7 +404,7 @@ def test_scaled_fp8_convs_draw_diffusers_image_of_the_dequantised_weights(sd_fil
     theirs = reference_pixels(ref, SD_CALL["prompt"], NOISE, num_inference_steps=SD_CALL["steps"],
                               guidance_scale=SD_CALL["guidance"], height=32, width=32)
     ours = sd_pipes["conv-scaled"].generate(**SD_CALL)
-    diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+    diff = px_diff(ours, theirs)
     record_property("mean_abs_px", float(diff.mean()))
     print(f"scaled fp8 convs vs diffusers on the dequantised weights: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert ours.std() > 5
@@ -457,7 +458,7 @@ def test_a_lora_on_kept_scaled_convs_draws_the_dequantised_weights_lora_image(sd
     with_lora = {name: sd_pipes[name].generate(**SD_CALL, lora=str(lora)) for name in ("conv-scaled", "conv-plain")}
     _same_to_rounding(with_lora["conv-scaled"], with_lora["conv-plain"])
     alone = sd_pipes["conv-scaled"].generate(**SD_CALL)
-    assert np.abs(with_lora["conv-scaled"].astype(np.int32) - alone.astype(np.int32)).mean() > 1.0
+    assert mean_abs_px(with_lora["conv-scaled"], alone) > 1.0
 
 
 @pytest.mark.parametrize("model", ["flux-linear", pytest.param("sd-conv", marks=pytest.mark.slow)])  # make test: one split

@@ -19,6 +19,7 @@ from preheat.errors import ModelFormatError, ModelNotFoundError, WeightsError
 from tests._support import flow_fixtures, image_fixtures
 from tests._support.bfl_files import to_bfl
 from tests._support.ldm_files import to_original
+from tests._support.numerics import mean_abs_px
 from tests._support.sd_fixtures import reference_pipeline, reference_pixels, save_tiny_sd
 from tests._support.single_files import diffusers_bfl_at_tiny_widths
 
@@ -97,12 +98,12 @@ def test_single_file_matches_the_folder_it_was_converted_from(files, kind, tmp_p
     ref.scheduler = reference_pipeline(folder, sampler).scheduler
     ref.set_progress_bar_config(disable=True)
     from_file = reference_pixels(ref, "a lighthouse at dusk", _noise(), **call)
-    assert np.abs(from_file.astype(int) - theirs.astype(int)).mean() <= MEAN_TOL
+    assert mean_abs_px(from_file, theirs) <= MEAN_TOL
 
     pipe = preheat.load(path, config=folder, cache="off")
     ours = pipe.generate("a lighthouse at dusk", noise=_noise(), steps=3, sampler=sampler, guidance=5.0,
                          width=32, height=32)
-    diff = float(np.abs(ours.astype(np.int32) - theirs.astype(np.int32)).mean())
+    diff = mean_abs_px(ours, theirs)
     record_property("mean_abs_px", diff)
     assert diff <= MEAN_TOL, diff
     assert ours.std() > 5
@@ -175,10 +176,6 @@ def refiner(tmp_path_factory):
     return folder, path
 
 
-def _mean_diff(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a.astype(np.int32) - b.astype(np.int32)).mean())
-
-
 @pytest.mark.slow  # diffusers' from_single_file, three preheat loads (one torch) and the refiner's img2img program
 def test_refiner_file_draws_its_folder_s_image(refiner, tmp_path, monkeypatch, record_property):
     """sd_xl_refiner_1.0.safetensors' layout: diffusers' ``StableDiffusionXLImg2ImgPipeline.from_single_file``
@@ -200,8 +197,8 @@ def test_refiner_file_draws_its_folder_s_image(refiner, tmp_path, monkeypatch, r
     ref.scheduler = from_folder.scheduler
     ref.set_progress_bar_config(disable=True)
     from_file = image_fixtures.reference_pixels(ref, prompt, 3, image=Image.fromarray(image), **call)
-    record_property("diffusers_file_vs_folder_mean_abs_px", _mean_diff(from_file, theirs))
-    assert _mean_diff(from_file, theirs) <= MEAN_TOL
+    record_property("diffusers_file_vs_folder_mean_abs_px", mean_abs_px(from_file, theirs))
+    assert mean_abs_px(from_file, theirs) <= MEAN_TOL
 
     eps = image_fixtures.replayed_noise((1, 4, 16, 16), 3, draws_before=1)  # after the image's posterior sample
     ours_call = dict(image=image, strength=0.6, steps=3, guidance=6.0, negative_prompt="blurry", sampler="euler",
@@ -209,14 +206,14 @@ def test_refiner_file_draws_its_folder_s_image(refiner, tmp_path, monkeypatch, r
     pipe = preheat.load(path, config=folder, cache="off")
     assert pipe.family.name == "stable-diffusion-xl-refiner"
     ours = pipe.generate(prompt, **ours_call)
-    diff = _mean_diff(ours, theirs)
+    diff = mean_abs_px(ours, theirs)
     record_property("mean_abs_px", diff)
     assert diff <= MEAN_TOL, diff
     assert ours.std() > 5
     np.testing.assert_array_equal(ours, preheat.load(folder, cache="off").generate(prompt, **ours_call))
     torch_pipe = preheat.load(path, config=folder, backend="torch")  # the same converted folder, in diffusers
     assert torch_pipe.family.name == "stable-diffusion-xl-refiner"
-    assert _mean_diff(torch_pipe.generate(prompt, **ours_call), ours) <= MEAN_TOL
+    assert mean_abs_px(torch_pipe.generate(prompt, **ours_call), ours) <= MEAN_TOL
 
 
 @pytest.mark.slow  # the tiny refiner folder (the fixture) is built for test-slow only
@@ -325,7 +322,7 @@ def test_bfl_flux_file_matches_the_folder_it_was_converted_from(flux_file, tmp_p
     theirs = flow_fixtures.reference_pixels(flow_fixtures.reference_pipeline(folder), prompt, _noise(), **call)
     ours = preheat.load(path, config=folder, cache="off").generate(prompt, noise=_noise(), steps=3,
                                                                    sampler="flow_euler", guidance=3.5, width=32, height=32)
-    diff = float(np.abs(ours.astype(np.int32) - theirs.astype(np.int32)).mean())
+    diff = mean_abs_px(ours, theirs)
     record_property("mean_abs_px", diff)
     assert diff <= MEAN_TOL, diff
     assert ours.std() > 5
@@ -454,7 +451,7 @@ def test_a_variant_picks_the_weights_a_transformer_file_lacks(flux_file, tmp_pat
     want = preheat.load(variants, variant="fp16", cache="off").generate(prompt, **call)
     np.testing.assert_array_equal(ours, want)
     default = preheat.load(path, config=variants, cache="off").generate(prompt, **call)  # another conversion
-    assert np.abs(default.astype(int) - ours.astype(int)).mean() > 3  # the shifted VAE's image is another
+    assert mean_abs_px(default, ours) > 3  # the shifted VAE's image is another
     fp16, plain = sorted((tmp_path / "home" / "models" / "single").iterdir(),
                          key=lambda p: "fp16" not in str((p / "vae" / "diffusion_pytorch_model.safetensors").resolve()))
     assert (fp16 / "vae" / "diffusion_pytorch_model.safetensors").samefile(

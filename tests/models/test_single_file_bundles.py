@@ -18,7 +18,7 @@ import pytest
 import preheat
 from preheat.errors import ModelFormatError
 from tests._support import flow_fixtures
-from tests._support.numerics import assert_pixels_close
+from tests._support.numerics import assert_pixels_close, mean_abs_px
 from tests._support.single_files import bfl_file, bundle, diffusers_bfl_at_tiny_widths, mmdit_file
 
 PROMPT = "a lighthouse at dusk"
@@ -157,7 +157,7 @@ def test_sd3_bundle_replaces_every_component_of_the_config_folder(sd3, tmp_path,
 
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     ours = _ours(path, sd3["b"], 5.0)
-    record_property("mean_abs_px", float(np.abs(ours.astype(int) - theirs.astype(int)).mean()))
+    record_property("mean_abs_px", mean_abs_px(ours, theirs))
     assert_pixels_close(ours, theirs)
     _assert_from(_converted(tmp_path / "home"), sd3["a"], "transformer", "vae", "text_encoder", "text_encoder_2",
                  "text_encoder_3")
@@ -186,7 +186,7 @@ def test_sd35_transformer_file_keeps_the_folder_s_other_components(sd3, tmp_path
     call = dict(num_inference_steps=3, guidance_scale=4.0)
     theirs = flow_fixtures.reference_pixels(flow_fixtures.reference_pipeline(folder), PROMPT, _noise(), **call)
     ours = _ours(path, folder, 4.0)
-    record_property("mean_abs_px", float(np.abs(ours.astype(int) - theirs.astype(int)).mean()))
+    record_property("mean_abs_px", mean_abs_px(ours, theirs))
     assert_pixels_close(ours, theirs)
     converted = _converted(tmp_path / "home")
     for part in ("vae/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors",
@@ -235,7 +235,7 @@ def test_comfyui_flux_bundle_replaces_the_vae_and_text_encoders(flux, tmp_path, 
 
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     ours = _ours(comfy_form, flux["b"], 3.5)
-    record_property("mean_abs_px", float(np.abs(ours.astype(int) - theirs.astype(int)).mean()))
+    record_property("mean_abs_px", mean_abs_px(ours, theirs))
     assert_pixels_close(ours, theirs)
     parts = ("transformer", "vae", "text_encoder", "text_encoder_2")
     _assert_from(_converted(tmp_path / "home"), flux["a"], *parts)

@@ -17,6 +17,7 @@ import pytest
 import preheat
 from preheat.server.core import Core, CoreConfig
 from preheat.server.images import decode_data_url
+from tests._support.numerics import mean_abs_px, px_diff
 from tests._support.sd_fixtures import save_tiny_sd
 from tests._support.server_fixtures import metric, runpod_jobs, serving, wait_status, wait_until
 
@@ -121,10 +122,10 @@ def test_different_loras_share_a_batch_and_each_image_is_what_it_is_alone(core, 
         # each alone, at the same batch size (2 images of the same request): what it gave in the mixed batch
         for given, got in ((a, mixed[0]), (b, mixed[1])):
             r = client.post("/predictions", json={"input": {**given, "num_outputs": 2}})
-            assert np.abs(_image(r).astype(np.int32) - got.astype(np.int32)).max() <= 1
+            assert px_diff(_image(r), got).max() <= 1
         plain = _image(client.post("/predictions", json={"input": {k: v for k, v in a.items()
                                                                    if not k.startswith("lora")}}))
-        assert np.abs(plain.astype(np.int32) - mixed[0].astype(np.int32)).mean() > 2  # the LoRA mattered
+        assert mean_abs_px(plain, mixed[0]) > 2  # the LoRA mattered
         # OpenAI's route takes the same fields
         r = client.post("/v1/images/generations", json={"prompt": "a photo of a cat", "n": 1, "seed": 5,
                                                          "lora_weights": str(loras["A"]), "lora_scale": 0.8})

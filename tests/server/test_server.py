@@ -19,6 +19,7 @@ import pytest
 
 from preheat.server.core import Core, CoreConfig
 from preheat.server.images import decode_data_url
+from tests._support.numerics import px_diff
 from tests._support.server_fixtures import local_webhooks, metric, serving, wait_status, wait_until
 from tests._support.webhook_receiver import Receiver
 
@@ -125,7 +126,7 @@ def test_concurrent_requests_share_batches_and_keep_their_seed_images(core: Core
     exact = 0
     for s in snaps:
         solo = pipe.generate(1, class_labels=s["input"]["class_label"], seed=s["input"]["seed"])[0]
-        diff = int(np.abs(_images(s)[0].astype(int) - solo.astype(int)).max())
+        diff = int(px_diff(_images(s)[0], solo).max())
         assert diff <= 1
         exact += diff == 0
     print(f"{exact}/8 images bit-identical to a batch of one")
@@ -145,7 +146,7 @@ def test_multi_image_requests_use_seed_plus_i_and_are_padded(core: Core, server:
     assert metric(after, "preheat_padded_images_total") - metric(before, "preheat_padded_images_total") == 3
     # What the request gives by itself (bucket 4, one dummy); other batch sizes may round by 1 level.
     alone = pipe.generate(4, class_labels=[3, 3, 3, 0], seed=[40, 41, 42, 0])[:3]
-    assert all(int(np.abs(a.astype(int) - b.astype(int)).max()) <= 1 for a, b in zip(_images(snaps[0]), alone))
+    assert all(int(px_diff(a, b).max()) <= 1 for a, b in zip(_images(snaps[0]), alone))
 
 
 BAD_INPUTS = [
