@@ -19,9 +19,10 @@ EMBEDDING = (16, 32)
 
 
 def save_tiny_controlnet(directory: str | Path, unet_folder: str | Path, *, seed: int = 0, perturb: float = 0.05,
-                         **options: Any) -> Path:
+                         zero_convs: float = 0.2, **options: Any) -> Path:
     """A ControlNetModel folder (``save_pretrained``) for the UNet in ``unet_folder`` (a UNet folder
-    or a pipeline folder's ``unet/``); ``options``: ``from_unet``'s (channel order, ...). Returns it."""
+    or a pipeline folder's ``unet/``); ``options``: ``from_unet``'s (channel order, ...); ``zero_convs``: the
+    extra noise on the zero convs. Returns it."""
     import torch
     from diffusers import ControlNetModel, UNet2DConditionModel
 
@@ -32,6 +33,12 @@ def save_tiny_controlnet(directory: str | Path, unet_folder: str | Path, *, seed
     unet = UNet2DConditionModel.from_pretrained(unet_folder)
     model = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=EMBEDDING, **options).eval()
     perturb_(model, perturb, seed + 7)
+    gen = torch.Generator().manual_seed(seed + 11)
+    with torch.no_grad():  # the zero convs further from zero: residuals that move a tiny pipeline's pixels
+        zeroed = ("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding.conv_out")
+        for name, p in model.named_parameters():
+            if name.startswith(zeroed):
+                p.add_(torch.randn(p.shape, generator=gen) * zero_convs)
     model.save_pretrained(directory)
     return Path(directory)
 
@@ -45,3 +52,22 @@ def control_image(height: int = 32, width: int = 32, seed: int = 0) -> np.ndarra
         h, w = rng.integers(3, height // 2), rng.integers(3, width // 2)
         image[top:top + h, left:left + w] = rng.integers(64, 256, size=3, dtype=np.uint8)
     return image
+
+
+def reference_controlnet_pipeline(folder: Path, controlnet_folder: Path, sampler: str) -> Any:
+    """diffusers' StableDiffusion[XL]ControlNetPipeline of ``folder``'s components and the
+    ControlNet, with the scheduler preheat maps ``sampler`` to (``sd_fixtures.reference_pipeline``)."""
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionXLControlNetPipeline
+
+    from tests._support.sd_fixtures import reference_pipeline
+
+    base = reference_pipeline(Path(folder), sampler)
+    components = dict(base.components, controlnet=ControlNetModel.from_pretrained(controlnet_folder).eval())
+    if "text_encoder_2" in components:
+        components = {k: v for k, v in components.items() if k not in ("image_encoder", "feature_extractor")}
+        pipe = StableDiffusionXLControlNetPipeline(**components, add_watermarker=False)
+    else:
+        components = {k: v for k, v in components.items() if k not in ("image_encoder",)}
+        pipe = StableDiffusionControlNetPipeline(**components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

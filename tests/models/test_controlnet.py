@@ -46,7 +46,7 @@ def _torch_controlnet(model, inputs, control, scale):
 
     added = None
     if "text_embeds" in inputs:
-        added = {"text_embeds": torch.from_numpy(inputs["text_embeds"]), "time_ids": torch.from_numpy(inputs["time_ids"])}
+        added = {k: torch.from_numpy(inputs[k]) for k in ("text_embeds", "time_ids")}
     with torch.no_grad():
         down, mid = model(torch.from_numpy(inputs["sample"]), torch.from_numpy(inputs["timestep"]),
                           encoder_hidden_states=torch.from_numpy(inputs["encoder_hidden_states"]),
@@ -118,7 +118,7 @@ def test_unet_adds_the_residuals_as_diffusers(built, kind):
     down, mid = _torch_controlnet(model, inputs, _control(2, seed=5), 1.3)
     added = None
     if "text_embeds" in inputs:
-        added = {"text_embeds": torch.from_numpy(inputs["text_embeds"]), "time_ids": torch.from_numpy(inputs["time_ids"])}
+        added = {k: torch.from_numpy(inputs[k]) for k in ("text_embeds", "time_ids")}
     with torch.no_grad():
         args = (torch.from_numpy(inputs["sample"]), torch.from_numpy(inputs["timestep"]))
         kwargs = dict(encoder_hidden_states=torch.from_numpy(inputs["encoder_hidden_states"]), added_cond_kwargs=added)

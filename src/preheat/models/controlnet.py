@@ -35,8 +35,8 @@ from preheat.models.storage import layerwise, upcast
 from preheat.models.unet2d_condition import DownHalf, Residuals, UNet2DConditionConfig, check_unet_inputs
 from preheat.models.weights import LoadOptions, check_dtype, fill
 
-__all__ = ["ControlNetConfig", "ControlNetModule", "LoadedControlNet", "Residuals", "resolve_controlnet_dir",
-           "read_controlnet_config", "load_controlnet", "build_abstract"]
+__all__ = ["ControlNetConfig", "ControlNetModule", "LoadedControlNet", "Residuals", "skip_widths",
+           "resolve_controlnet_dir", "read_controlnet_config", "load_controlnet", "build_abstract"]
 
 Array = jax.Array
 
@@ -129,6 +129,16 @@ class ControlNetConfig(JsonConfig):
         self.unet_config().validate(source)
 
 
+def skip_widths(unet: UNet2DConditionConfig) -> tuple[int, ...]:
+    """The channels of each skip a UNet's down half keeps (conv_in's, each resnet's, each
+    downsampler's): what a ControlNet's residuals must match, one for one."""
+    chans, n = unet.block_out_channels, len(unet.block_out_channels)
+    widths = [chans[0]]
+    for i, (ch, layers) in enumerate(zip(chans, unet.layers)):
+        widths += [ch] * (layers + (1 if i < n - 1 else 0))
+    return tuple(widths)
+
+
 class ControlNetConditioningEmbedding(nnx.Module):
     """The control image's conv stack: conv_in, then per level a 3x3 conv and a stride-2 3x3 conv,
     SiLU after each, then conv_out to the UNet's first width (zero-initialised when trained)."""
@@ -156,13 +166,10 @@ class ControlNetModule(DownHalf):
         self.config = config
         self.down_config = u = config.unet_config()
         self.build_down_half(u, rngs)
-        chans, n = u.block_out_channels, len(u.block_out_channels)
+        chans = u.block_out_channels
         self.controlnet_cond_embedding = ControlNetConditioningEmbedding(
             config.conditioning_channels, config.conditioning_embedding_out_channels, chans[0], rngs=rngs)
-        # one 1x1 conv per skip the down half keeps: conv_in's, each resnet's, each downsampler's
-        widths = [chans[0]]
-        for i, ch in enumerate(chans):
-            widths += [ch] * (config.layers_per_block + (1 if i < n - 1 else 0))
+        widths = skip_widths(u)  # one 1x1 conv per skip the down half keeps
         self.controlnet_down_blocks = nnx.List([Conv2d(w, w, 1, rngs=rngs) for w in widths])
         self.controlnet_mid_block = Conv2d(chans[-1], chans[-1], 1, rngs=rngs)
 
@@ -202,6 +209,10 @@ class ControlNetModule(DownHalf):
 
 def resolve_controlnet_dir(folder: str | Path) -> Path:
     """The folder holding a ControlNet's config.json: the folder itself, or a pipeline folder's ``controlnet/``."""
+    if "://" in str(folder):
+        raise ModelNotFoundError(f"controlnet={folder}: a ControlNet is read from a local folder; store sources "
+                                 "(hf://, http(s)://) are not supported for it yet (preheat pull it, then pass the "
+                                 "folder)")
     p = Path(folder).expanduser()
     if not p.is_dir():
         raise ModelNotFoundError(f"ControlNet path {p} is not a folder (expected a diffusers ControlNetModel folder)")
