@@ -129,6 +129,8 @@ def test_control_inputs_are_declared_checked_and_refused_in_one_line(folders, tm
     refused(pipe, "control_guidance_start=0.5 must be below control_guidance_end=0.5", control_image=image,
             control_guidance_start=0.5, control_guidance_end=0.5)
     refused(pipe, "image is not supported with a ControlNet yet", control_image=image, image=image)
+    refused(pipe, "strength is not supported with a ControlNet yet", control_image=image, strength=0.5)
+    assert not {"image", "mask_image", "strength"} & set(names)
     refused(pipe, "'heun' does not", control_image=image, sampler="heun", control_guidance_end=0.5)
     pipe.check("a cat", steps=4, control_image=image, sampler="heun")  # the whole window: any sampler
 

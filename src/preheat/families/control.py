@@ -34,8 +34,8 @@ from preheat.families.base import EngineView, Request
 from preheat.families.inputs import WARM_IMAGE, Float, Image, InputSpec
 
 __all__ = ["CONTROL_IMAGE", "CONTROLNET_CONDITIONING_SCALE", "CONTROL_GUIDANCE_START", "CONTROL_GUIDANCE_END",
-           "CONTROL_SPECS", "CONTROL_NAMES", "refuse_without_controlnet", "check_control_inputs", "control_window",
-           "control_cond", "keep_scale"]
+           "CONTROL_SPECS", "CONTROL_NAMES", "IMAGE_INPUTS", "refuse_without_controlnet", "refuse_image_inputs",
+           "check_control_inputs", "control_window", "control_cond", "keep_scale"]
 
 # warm: a placeholder at each served size (its content is data; its size selects the program)
 CONTROL_IMAGE = InputSpec("control_image", Image(), "The ControlNet's conditioning image (an edge map, a depth map, "
@@ -49,6 +49,8 @@ CONTROL_GUIDANCE_END = InputSpec("control_guidance_end", Float(0.0, 1.0), "The s
                                  "the ControlNet stops applying.", default=1.0)
 CONTROL_SPECS = (CONTROL_IMAGE, CONTROLNET_CONDITIONING_SCALE, CONTROL_GUIDANCE_START, CONTROL_GUIDANCE_END)
 CONTROL_NAMES = tuple(s.name for s in CONTROL_SPECS)
+# what a model with a ControlNet does not declare: img2img and inpainting (``families.image``)
+IMAGE_INPUTS = ("image", "mask_image", "strength", "padding_mask_crop")
 
 _FAR = np.float32(1e9)  # beyond any timestep: an open end of the window
 
@@ -61,20 +63,24 @@ def refuse_without_controlnet(inputs: Mapping[str, Any]) -> None:
                                    "(preheat sample/serve --controlnet FOLDER)", argument=given[0])
 
 
+def refuse_image_inputs(inputs: Mapping[str, Any]) -> None:
+    """img2img and inpainting inputs beside a ControlNet: not declared (diffusers' ControlNet img2img
+    and inpaint pipelines are not reproduced), and refused in one line saying so."""
+    given = [name for name in IMAGE_INPUTS if inputs.get(name) is not None]
+    if given:
+        raise InvalidArgumentError(f"{given[0]} is not supported with a ControlNet yet (ControlNet img2img and "
+                                   "inpainting); give control_image alone", argument=given[0])
+
+
 def check_control_inputs(pipe: EngineView, values: dict[str, Any], inputs: Mapping[str, Any], max_size: int) -> None:
-    """The window's order, no img2img or inpainting beside it (diffusers' ControlNet img2img and
-    inpaint pipelines are not reproduced), and the output size: the control image's own, rounded
-    down to the size multiple, unless width/height are given (diffusers' ``prepare_image``)."""
+    """The window's order, and the output size: the control image's own, rounded down to the size
+    multiple, unless width/height are given (diffusers' ``prepare_image``)."""
     from preheat.families.image import image_size
 
     if values["control_guidance_start"] >= values["control_guidance_end"]:
         raise InvalidArgumentError(f"control_guidance_start={values['control_guidance_start']:g} must be below "
                                    f"control_guidance_end={values['control_guidance_end']:g}",
                                    argument="control_guidance_start")
-    for name in ("image", "mask_image"):
-        if values.get(name) is not None:
-            raise InvalidArgumentError(f"{name} is not supported with a ControlNet yet (ControlNet img2img and "
-                                       "inpainting); give control_image alone", argument=name)
     if inputs.get("width") is None and inputs.get("height") is None:
         width, height = image_size(values["control_image"], pipe.components.size_multiple)
         if max(width, height) > max_size:

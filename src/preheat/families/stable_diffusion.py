@@ -71,8 +71,8 @@ import numpy as np
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families import image as image_input
 from preheat.families.components import SDComponents
-from preheat.families.control import (CONTROL_SPECS, check_control_inputs, control_cond, control_window, keep_scale,
-                                      refuse_without_controlnet)
+from preheat.families.control import (CONTROL_SPECS, IMAGE_INPUTS, check_control_inputs, control_cond,
+                                      control_window, keep_scale, refuse_image_inputs, refuse_without_controlnet)
 from preheat.families.guidance import GUIDANCE_RESCALE
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
@@ -155,7 +155,10 @@ class StableDiffusionFamily(TextToImageFamily):
     def input_specs(self, pipe: EngineView) -> tuple[InputSpec, ...]:
         layers = pipe.components.clip_layers
         specs = self._required_images(super().input_specs(pipe), pipe.components.inpaint)
-        control = CONTROL_SPECS if pipe.components.controlnet is not None else ()  # loaded with controlnet=
+        control: tuple[InputSpec, ...] = ()
+        if pipe.components.controlnet is not None:  # loaded with controlnet=: its inputs, and no image to start from
+            specs = tuple(s for s in specs if s.name not in IMAGE_INPUTS)
+            control = CONTROL_SPECS
         return (*specs, clip_skip_spec(layers - 1 if self.xl else layers), *control)  # SDXL: from the penultimate
 
     def _required_images(self, specs: Sequence[InputSpec], inpaint: bool) -> tuple[InputSpec, ...]:
@@ -181,6 +184,8 @@ class StableDiffusionFamily(TextToImageFamily):
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         if pipe.components.controlnet is None:
             refuse_without_controlnet(inputs)
+        else:
+            refuse_image_inputs(inputs)  # named as such, rather than as undeclared
         values = super().check_inputs(pipe, n, inputs)
         if pipe.components.controlnet is not None:
             check_control_inputs(pipe, values, inputs, self.max_size)
