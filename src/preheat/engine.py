@@ -539,7 +539,8 @@ def make_compiler(cache: str | None = None) -> Any:
 def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None, dtype: Any = "float32",
          cache: str | None = None, variant: str | None = None, config: str | Path | None = None,
          offload_encoders: bool = False, weights_dtype: str | None = None, weights_layers: str = "layerwise",
-         devices: Any = None, fsdp: int = 1, prefetch: Sequence[dict[str, Any]] | None = None) -> Pipeline:
+         devices: Any = None, fsdp: int = 1, prefetch: Sequence[dict[str, Any]] | None = None,
+         controlnet: str | Path | None = None) -> Pipeline:
     """A JAX sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
 
     ``model``: a diffusers-format folder, or a source for the weights store (``hf://org/repo[@rev]``,
@@ -578,6 +579,9 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     thread while the weights are read: each call is rehearsed on placeholder weights, which
     gives the cache keys (they need the weights' and the embeddings' shapes, never their
     values), on one device or a mesh alike. Calls with a LoRA are left to load on first use.
+    ``controlnet``: a diffusers ControlNetModel folder (SD 1.x/2.x or SDXL base, matching the
+    model) run beside the UNet on every call: the model then takes ``control_image`` and the
+    ControlNet's scale and step window (``preheat.families.control``).
     ``preheat.load`` (``preheat.api``) adds ``backend="torch"``.
 
     ``Pipeline.startup`` records each start-up phase and the critical path (``preheat.timings.Phases``).
@@ -611,6 +615,8 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         compiler.start_early(startup_id(root, {"dtype": str(dtype), "variant": variant, "fsdp": fsdp,
                                                "weights_dtype": weights_dtype, "weights_layers": weights_layers,
                                                "offload_encoders": offload_encoders, "scheduler": scheduler,
+                                               "controlnet": None if controlnet is None else
+                                               str(Path(controlnet).resolve()),
                                                "devices": None if mesh is None else
                                                [int(d.id) for d in mesh.devices.flat]}), mesh)
     loader = family_loader(root)
@@ -622,6 +628,13 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
             raise InvalidArgumentError(f"offload_encoders applies to text-to-image models; {root} has no text "
                                        "encoders", argument="offload_encoders")
         options["offload_encoders"] = True
+    if controlnet is not None:
+        import inspect
+
+        if "controlnet" not in inspect.signature(loader).parameters:
+            raise InvalidArgumentError(f"controlnet applies to Stable Diffusion 1.x/2.x and SDXL models; {root} is "
+                                       "not one", argument="controlnet")
+        options["controlnet"] = controlnet
     # Prefetching: the loader checks every header and returns placeholder weights (shapes only),
     # the executables load on a background thread, then the tensors are read here.
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component

@@ -168,6 +168,7 @@ class WarmSet:
     weights_dtype: Optional[str] = None  # the denoiser's weights stored in this dtype (preheat.load(weights_dtype=...))
     weights_layers: str = "layerwise"  # which layers weights_dtype stores (preheat.load(weights_layers=...))
     config: Optional[str] = None  # ``model`` a single file: the folder whose configs read it (preheat.load(config=...))
+    controlnet: Optional[str] = None  # a ControlNetModel folder beside the UNet (preheat.load(controlnet=...))
     # the loop reports each step to the host (a server's step events; ``preheat.progress``): a static
     # switch, so a server and its warm job must agree. A deviceless GPU compile cannot hold the host
     # callback (lowering it needs the GPU's runtime), so ``warm --target`` declares it off.

@@ -108,7 +108,7 @@ def echo_result(result: Any, text: str, as_json: bool) -> None:
 
 
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--dtype, --weights-dtype, --variant, --cache, --config: how the model is loaded."""
+    """--dtype, --weights-dtype, --variant, --cache, --config, --controlnet: how the model is loaded."""
     options = [
         click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES),
                      help="The denoiser's dtype."),
@@ -127,6 +127,9 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                           "published model's name (stable-diffusion-2-1-base: the 512 px epsilon SD 2.1). Without "
                           "it the published model is inferred and what the file lacks is pulled from its "
                           "repository (a GGUF file needs it) (JAX backend)."),
+        click.option("--controlnet", metavar="FOLDER",
+                     help="A diffusers ControlNetModel folder run beside the UNet (SD 1.x/2.x, SDXL; JAX backend): "
+                          "the model then takes --control-image and the ControlNet's scale and step window."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -154,6 +157,7 @@ class CallOptions:
     variant: Optional[str]
     cache: Optional[str]
     config: Optional[str]
+    controlnet: Optional[str]
     backend: str
     compile_mode: str
 
@@ -192,7 +196,8 @@ class CallOptions:
         """``preheat.load(model, **load_options())``."""
         options = dict(dtype=self.dtype, cache=self.cache, backend=self.backend, compile=self.compile_mode,
                        variant=self.variant, weights_dtype=self.weights_dtype, weights_layers=self.weights_layers)
-        return options if self.config is None else {**options, "config": self.config}
+        given = {name: getattr(self, name) for name in ("config", "controlnet") if getattr(self, name) is not None}
+        return {**options, **given}
 
     def batch(self, pipe: Any) -> int:
         """``--n``, or the family's preview count (16 for a class model, 1 for text-to-image)."""

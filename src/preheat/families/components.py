@@ -8,7 +8,7 @@ pipeline's ``lora_runtime`` (``preheat.lora.LoraRuntime``), not a component.
     Components         every kind: the LoRA target layers (None: the model takes no LoRA)
     PixelComponents    pixel (UNet2DModel): nothing more
     TextComponents     text-to-image: tokenizers, text encoders, VAE, fingerprints of their stages
-      SDComponents     + inpaint, force_zeros, clip_layers (SD 1.x / 2.x / SDXL)
+      SDComponents     + inpaint, force_zeros, clip_layers, controlnet (SD 1.x / 2.x / SDXL)
       SD3Components    + patch_size, joint_attention_dim
       FluxComponents   + guidance_embeds (FLUX.1 and Kontext)
 
@@ -64,6 +64,8 @@ class SDComponents(TextComponents):
     inpaint: bool = False  # a 9-channel inpainting UNet
     force_zeros: bool = True  # SDXL: an empty negative prompt is zeros (model_index's force_zeros_for_empty_prompt)
     clip_layers: int = 0  # the text encoders' fewest hidden layers (bounds clip_skip)
+    controlnet: Any = None  # a loaded ControlNet's config (preheat.models.controlnet.ControlNetConfig): the model
+    #                         declares the control inputs (preheat.families.control); its weights are the denoiser's
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -50,8 +50,8 @@ from preheat.families.mask_crop import CropRegion
 from preheat.families.stages import EncodeImageArgs
 
 __all__ = ["IMAGE", "MASK_IMAGE", "STRENGTH", "PADDING_MASK_CROP", "Strength", "InpaintImages", "image_size",
-           "check_image_inputs", "pixels", "mask", "crop_regions", "inpaint_images", "pasted_back", "latent_mask",
-           "masked", "encode_images", "encode_image_program", "img2img_start", "flow_start"]
+           "check_image_inputs", "unit_pixels", "pixels", "mask", "crop_regions", "inpaint_images", "pasted_back",
+           "latent_mask", "masked", "encode_images", "encode_image_program", "img2img_start", "flow_start"]
 
 
 @dataclass(frozen=True)
@@ -149,10 +149,15 @@ def _resized(array: np.ndarray, width: int, height: int, region: CropRegion | No
     return np.asarray(PILImage.fromarray(array).resize((width, height), resample=PILImage.LANCZOS))
 
 
+def unit_pixels(image: np.ndarray, width: int, height: int, region: CropRegion | None = None) -> np.ndarray:
+    """uint8 (H, W, 3) (or its ``region``) -> float32 (height, width, 3) in [0, 1]: resized, /255 (a
+    ControlNet's control image stops here, as diffusers' ``control_image_processor``)."""
+    return _resized(image, width, height, region).astype(np.float32) / 255.0
+
+
 def pixels(image: np.ndarray, width: int, height: int, region: CropRegion | None = None) -> np.ndarray:
     """uint8 (H, W, 3) (or its ``region``) -> float32 (height, width, 3) in [-1, 1], as diffusers preprocesses."""
-    x = _resized(image, width, height, region).astype(np.float32) / 255.0
-    return 2.0 * x - 1.0
+    return 2.0 * unit_pixels(image, width, height, region) - 1.0
 
 
 def mask(mask_image: np.ndarray, width: int, height: int, region: CropRegion | None = None) -> np.ndarray:

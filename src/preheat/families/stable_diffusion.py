@@ -41,6 +41,9 @@ input of ``generate`` is::
     padding_mask_crop (one, or per image) x   x     data (host)       the image and mask cropped around
                                                                       the mask, resized to width x
                                                                       height; the output pasted back
+    control_image, and the ControlNet's   x   x     data (the image   a ControlNet beside the UNet, on
+      scale and step window (loaded                   size: static)   both branches (``families.control``)
+      with controlnet= only)
 
 An SDXL refiner's folder (``StableDiffusionXLImg2ImgPipeline`` with ``requires_aesthetics_score``:
 stable-diffusion-xl-refiner-1.0) is the ``stable-diffusion-xl-refiner`` family: the second encoder
@@ -68,6 +71,8 @@ import numpy as np
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families import image as image_input
 from preheat.families.components import SDComponents
+from preheat.families.control import (CONTROL_SPECS, IMAGE_INPUTS, check_control_inputs, control_cond,
+                                      control_window, keep_scale, refuse_image_inputs, refuse_without_controlnet)
 from preheat.families.guidance import GUIDANCE_RESCALE
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
@@ -150,7 +155,11 @@ class StableDiffusionFamily(TextToImageFamily):
     def input_specs(self, pipe: EngineView) -> tuple[InputSpec, ...]:
         layers = pipe.components.clip_layers
         specs = self._required_images(super().input_specs(pipe), pipe.components.inpaint)
-        return (*specs, clip_skip_spec(layers - 1 if self.xl else layers))  # SDXL: from the penultimate
+        control: tuple[InputSpec, ...] = ()
+        if pipe.components.controlnet is not None:  # loaded with controlnet=: its inputs, and no image to start from
+            specs = tuple(s for s in specs if s.name not in IMAGE_INPUTS)
+            control = CONTROL_SPECS
+        return (*specs, clip_skip_spec(layers - 1 if self.xl else layers), *control)  # SDXL: from the penultimate
 
     def _required_images(self, specs: Sequence[InputSpec], inpaint: bool) -> tuple[InputSpec, ...]:
         """A 9-channel UNet repaints: it needs an image and a mask; a refiner refines an image
@@ -173,7 +182,13 @@ class StableDiffusionFamily(TextToImageFamily):
         return self._required_images(self.specs, _inpainting(unet.get("in_channels", 4), vae.get("latent_channels", 4)))
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
+        if pipe.components.controlnet is None:
+            refuse_without_controlnet(inputs)
+        else:
+            refuse_image_inputs(inputs)  # named as such, rather than as undeclared
         values = super().check_inputs(pipe, n, inputs)
+        if pipe.components.controlnet is not None:
+            check_control_inputs(pipe, values, inputs, self.max_size)
         image_input.check_image_inputs(pipe, values, inputs, inpaint_model=pipe.components.inpaint,
                                        default_strength=self.strength, max_size=self.max_size)
         if self.aesthetics:
@@ -197,6 +212,16 @@ class StableDiffusionFamily(TextToImageFamily):
     # ------------------------------------------------------------------ stages
 
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
+        """The text conditioning (+ an inpainting UNet's mask channels), and a ControlNet's inputs
+        beside it on both branches (``families.control``)."""
+        conditioning = self._text_condition(pipe, request)
+        if pipe.components.controlnet is None:
+            return conditioning
+        extra = control_cond(pipe, request)
+        uncond = {**conditioning.uncond, **extra} if request.guided else conditioning.uncond
+        return Conditioning(cond={**conditioning.cond, **extra}, uncond=uncond)
+
+    def _text_condition(self, pipe: EngineView, request: Request) -> Conditioning:
         values, n = request.values, request.n
         negatives = values["negative_prompt"]
         zeros_uncond = request.guided and negatives is None and self.xl and pipe.components.force_zeros
@@ -253,6 +278,8 @@ class StableDiffusionFamily(TextToImageFamily):
         """The start step of an image-conditioned call (None: from noise), or a one-line error:
         a strength that leaves no step, a sampler that cannot blend a base model's mask."""
         values = request.values
+        if pipe.components.controlnet is not None:
+            control_window(pipe, request)  # a window the sampler cannot be told, refused before any device work
         if values.get("image") is None:
             return None
         from preheat.samplers import BLEND_SOLVERS, make_spec, strength_start
@@ -423,7 +450,8 @@ def sgm_lora_names(cfg: Any, layers: Mapping[str, tuple[int, int]]) -> dict[str,
 
 
 def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: Any,
-          variant: str | None, offload_encoders: bool, options: LoadOptions | None) -> LoadedModel:
+          variant: str | None, offload_encoders: bool, options: LoadOptions | None,
+          controlnet: Any = None) -> LoadedModel:
     import jax.numpy as jnp
 
     from preheat.lora import LoraTargets
@@ -468,13 +496,24 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         raise UnsupportedConfigError(f"{root}: the VAE has {latent_channels} latent channels, the UNet takes "
                                      f"{cfg.in_channels} (an inpainting UNet takes {2 * latent_channels + 1})")
     vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    control = None
+    if controlnet is not None:
+        from preheat.models.controlnet import load_controlnet
+
+        control = load_controlnet(controlnet, dtype=dtype, options=options)
+        _check_controlnet(control.config, cfg, family, inpaint, vae_scale, str(controlnet))
     latent = cfg.sample_size if isinstance(cfg.sample_size, (list, tuple)) else (cfg.sample_size, cfg.sample_size)
 
     def apply(params: Any, x: Any, t: Any, cond: dict[str, Any], lora: Any = None) -> Any:
         added = {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]} if family.xl else None
+        residuals = None
+        if control is not None:  # params: (the UNet's, the ControlNet's); both branches take it, as diffusers
+            params, control_params = params
+            residuals = control.apply(control_params, x, t, cond["context"], cond["control_image"],
+                                      keep_scale(cond, t), added)
         if inpaint:  # (B, h, w, C + 1 + C): after the scheduler's input scaling, as diffusers concatenates
             x = jnp.concatenate([x, cond["mask"].astype(x.dtype), cond["masked_image_latents"].astype(x.dtype)], -1)
-        return unet.apply(params, x, t, cond["context"], added, lora)
+        return unet.apply(params, x, t, cond["context"], added, lora, residuals)
 
     # LoRA: every Linear / 1x1 conv of the UNet and the text encoders takes an adapter (preheat.lora)
     te_names = tuple(te for te, _ in names)
@@ -500,6 +539,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         inpaint=inpaint,
         force_zeros=bool(index.get("force_zeros_for_empty_prompt", True)),
         clip_layers=min(te.config.num_hidden_layers for te in encoders),  # bounds clip_skip
+        controlnet=None if control is None else control.config,
         lora_targets=targets,
         lora_encoders=te_names,
         encode_fingerprint={"kind": "clip-text", "encoders": [te.config.architecture_dict() for te in encoders],
@@ -508,10 +548,40 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         decode_fingerprint={"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
     )
     fingerprint = {"kind": "unet2d-condition", "family": family.name, "config": cfg.architecture_dict()}
-    return LoadedModel(apply=apply, params=unet.params,
+    params = unet.params
+    if control is not None:  # its architecture changes the program; its weights are arguments, as the UNet's
+        fingerprint["controlnet"] = {"config": control.config.architecture_dict(), "dtype": str(control.dtype)}
+        params = (unet.params, control.params)
+    return LoadedModel(apply=apply, params=params,
                        sample_shape=(int(latent[0]), int(latent[1]), latent_channels), scheduler_config=sched,
                        fingerprint=fingerprint, family=family, defaults=defaults,
                        dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)
+
+
+def _check_controlnet(config: Any, unet: Any, family: StableDiffusionFamily, inpaint: bool, vae_scale: int,
+                      source: str) -> None:
+    """A ControlNet that fits the UNet (its residuals' count and widths, its text and time
+    conditioning, its control image's scale), and a pipeline diffusers runs it in; else one line."""
+    from preheat.models.controlnet import skip_widths
+
+    if family.aesthetics or inpaint:
+        kind = "an SDXL refiner" if family.aesthetics else "an inpainting UNet"
+        raise UnsupportedConfigError(f"controlnet={source}: a ControlNet with {kind} is not supported")
+    if config.global_pool_conditions:
+        raise UnsupportedConfigError(f"controlnet={source}: global_pool_conditions (diffusers then runs guess mode, "
+                                     "the ControlNet on the conditional branch only) is not supported")
+    own, theirs = skip_widths(config.unet_config()), skip_widths(unet)
+    checks = (("its residuals' widths", own, theirs), ("cross_attention_dim", config.cross_attention_dim,
+                                                       unet.cross_attention_dim),
+              ("addition_embed_type", config.addition_embed_type, unet.addition_embed_type),
+              ("projection_class_embeddings_input_dim", config.projection_class_embeddings_input_dim,
+               unet.projection_class_embeddings_input_dim),
+              ("in_channels", config.in_channels, unet.in_channels),
+              ("pixels per latent", config.downscale, vae_scale))
+    for what, got, want in checks:
+        if got != want:
+            raise UnsupportedConfigError(f"controlnet={source} does not fit this model: {what} {got!r}, the model's "
+                                         f"{want!r}")
 
 
 def _folder_family(family: StableDiffusionFamily, index: Mapping[str, Any]) -> StableDiffusionFamily:
@@ -528,15 +598,17 @@ def _inpainting(unet_in_channels: int, latent_channels: int) -> bool:
 
 def load_stable_diffusion(root: Any, *, scheduler: Any = None, dtype: Any = "float32",
                           variant: str | None = None, offload_encoders: bool = False,
-                          options: LoadOptions | None = None) -> LoadedModel:
-    """A ``StableDiffusionPipeline`` folder (SD 1.x, 2.x; epsilon or v-prediction)."""
+                          options: LoadOptions | None = None, controlnet: Any = None) -> LoadedModel:
+    """A ``StableDiffusionPipeline`` folder (SD 1.x, 2.x; epsilon or v-prediction); ``controlnet``: a
+    ControlNetModel folder to run beside the UNet (``families.control``)."""
     return _load(Path(root), SD, scheduler=scheduler, dtype=dtype, variant=variant, offload_encoders=offload_encoders,
-                 options=options)
+                 options=options, controlnet=controlnet)
 
 
 def load_stable_diffusion_xl(root: Any, *, scheduler: Any = None, dtype: Any = "float32",
                              variant: str | None = None, offload_encoders: bool = False,
-                          options: LoadOptions | None = None) -> LoadedModel:
-    """A ``StableDiffusionXLPipeline`` folder (base), or an SDXL refiner's (``requires_aesthetics_score``)."""
+                             options: LoadOptions | None = None, controlnet: Any = None) -> LoadedModel:
+    """A ``StableDiffusionXLPipeline`` folder (base), or an SDXL refiner's (``requires_aesthetics_score``);
+    ``controlnet``: an SDXL ControlNetModel folder (base only)."""
     return _load(Path(root), SDXL, scheduler=scheduler, dtype=dtype, variant=variant,
-                 offload_encoders=offload_encoders, options=options)
+                 offload_encoders=offload_encoders, options=options, controlnet=controlnet)

@@ -97,6 +97,7 @@ class RayOptions:
     weights_dtype: Optional[str] = None  # the denoiser's weights stored in this dtype (float8_e4m3fn)
     weights_layers: str = "layerwise"
     config: Optional[str] = None  # with a single .safetensors as model: the folder or hf:// repo whose configs read it
+    controlnet: Optional[str] = None  # a ControlNetModel folder beside the UNet (preheat.load(controlnet=...))
     progress: bool = True  # the programs report each step (off: as `preheat serve --no-progress`)
     max_batch_size: int = 8
     samplers: tuple[str, ...] = ()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +39,15 @@ from preheat.models.weights import LoadOptions, check_dtype, fill
 __all__ = [
     "UNet2DConditionConfig",
     "UNet2DConditionModule",
+    "DownHalf",
+    "Residuals",
     "SUPPORTED",
     "load_unet_condition",
     "read_unet_condition_config",
     "build_abstract",
     "build_unet_condition",
     "check_text_conditioning",
+    "check_unet_inputs",
 ]
 
 Array = jax.Array
@@ -325,14 +328,49 @@ class MidBlock(nnx.Module):
 # ----------------------------------------------------------------------------------------------
 
 
-class UNet2DConditionModule(nnx.Module):
-    """diffusers' ``UNet2DConditionModel`` as a Flax NNX module (the network; ``__call__`` is NHWC);
-    ``LoadedUNet2DCondition`` is the loaded, NCHW-facing wrapper."""
+def check_unet_inputs(c: UNet2DConditionConfig, x: Array, t: Array, context: Array,
+                      added: Mapping[str, Array] | None) -> None:
+    """Shapes are static under jit: a wrong one is a one-line error at trace time."""
+    if x.ndim != 4 or x.shape[-1] != c.in_channels:
+        raise InvalidArgumentError(f"sample must be (B, H, W, {c.in_channels}) NHWC, got shape {tuple(x.shape)}")
+    b = x.shape[0]
+    if jnp.ndim(t) not in (0, 1) or (jnp.ndim(t) == 1 and jnp.shape(t)[0] not in (1, b)):
+        raise InvalidArgumentError(f"timestep must be a scalar or ({b},), got shape {tuple(jnp.shape(t))}")
+    if context.ndim != 3 or context.shape[0] != b or context.shape[-1] != c.cross_attention_dim:
+        raise InvalidArgumentError(
+            f"encoder_hidden_states must be ({b}, L, {c.cross_attention_dim}), got shape {tuple(context.shape)}")
+    if c.addition_embed_type != "text_time":
+        return
+    missing = [k for k in ("text_embeds", "time_ids") if not added or k not in added]
+    if missing:
+        raise InvalidArgumentError(
+            f"this UNet (addition_embed_type 'text_time') needs added_cond {', '.join(missing)}")
+    text, ids = added["text_embeds"], added["time_ids"]
+    if text.ndim != 2 or ids.ndim != 2 or text.shape[0] != b or ids.shape[0] != b:
+        raise InvalidArgumentError(
+            f"text_embeds and time_ids must be ({b}, P) and ({b}, N), got {tuple(text.shape)} and {tuple(ids.shape)}")
+    width = text.shape[1] + ids.shape[1] * c.addition_time_embed_dim
+    if width != c.projection_class_embeddings_input_dim:
+        raise InvalidArgumentError(
+            f"text_embeds width {text.shape[1]} + {ids.shape[1]} time_ids x {c.addition_time_embed_dim} = {width}, "
+            f"but projection_class_embeddings_input_dim is {c.projection_class_embeddings_input_dim}")
 
-    def __init__(self, config: UNet2DConditionConfig, *, rngs: nnx.Rngs):
-        c = config
-        c.validate()
-        self.config = c
+
+class Residuals(NamedTuple):
+    """What a ControlNet adds to the UNet (diffusers' ``down_block_additional_residuals`` and
+    ``mid_block_additional_residual``): one tensor per skip the down half keeps, NHWC."""
+
+    down: tuple[Array, ...]  # each (B, h_i, w_i, C_i), in the order the skips are made (conv_in's first)
+    mid: Array  # (B, h, w, C_last): added to the mid block's output
+
+
+class DownHalf(nnx.Module):
+    """What diffusers' UNet2DConditionModel and ControlNetModel share, under the same names:
+    ``conv_in``, the time embedding (and SDXL's "text_time" ``add_embedding``), the down blocks
+    and the mid block. Both subclasses build it with :meth:`build_down_half` and run it with
+    :meth:`embed` and :meth:`down_half`."""
+
+    def build_down_half(self, c: UNet2DConditionConfig, rngs: nnx.Rngs) -> _Spec:
         ch0 = c.block_out_channels[0]
         tdim = c.time_embed_dim
         self.conv_in = Conv2d(c.in_channels, ch0, 3, padding=1, rngs=rngs)
@@ -358,7 +396,44 @@ class UNet2DConditionModule(nnx.Module):
             self.mid_block = MidBlock(chans[-1], heads[-1], t_layers[-1], c.mid_block_scale_factor, spec, rngs=rngs)
         else:
             self.mid_block = None
+        return spec
 
+    def embed(self, c: UNet2DConditionConfig, t: Array, added: Mapping[str, Array] | None, b: int,
+              dtype: Any) -> Array:
+        """(B,) timesteps (+ SDXL's text_embeds (B, P) and time_ids (B, N)) -> the embedding (B, T)."""
+        t = jnp.broadcast_to(jnp.asarray(t).reshape(-1), (b,))
+        t_feat = sinusoidal_embedding(t, c.block_out_channels[0], c.flip_sin_to_cos, c.freq_shift)
+        emb = self.time_embedding(t_feat.astype(dtype))  # (B, T)
+        if self.add_embedding is not None:
+            ids = added["time_ids"]  # (B, N): SDXL's original size, crop top-left, target size
+            id_feat = sinusoidal_embedding(ids.reshape(-1), c.addition_time_embed_dim, c.flip_sin_to_cos, c.freq_shift)
+            id_feat = id_feat.reshape(b, -1)  # (B, N * addition_time_embed_dim)
+            add = jnp.concatenate([added["text_embeds"].astype(jnp.float32), id_feat], axis=-1).astype(dtype)
+            emb = emb + self.add_embedding(add)
+        return emb
+
+    def down_half(self, h: Array, emb: Array, context: Array) -> tuple[Array, list[Array]]:
+        """conv_in's output (B, H, W, C0) -> (the mid block's output, every skip the down blocks keep)."""
+        skips = [h]
+        for block in self.down_blocks:
+            h, res = block(h, emb, context)
+            skips.extend(res)
+        if self.mid_block is not None:
+            h = self.mid_block(h, emb, context)
+        return h, skips
+
+
+class UNet2DConditionModule(DownHalf):
+    """diffusers' ``UNet2DConditionModel`` as a Flax NNX module (the network; ``__call__`` is NHWC);
+    ``LoadedUNet2DCondition`` is the loaded, NCHW-facing wrapper."""
+
+    def __init__(self, config: UNet2DConditionConfig, *, rngs: nnx.Rngs):
+        c = config
+        c.validate()
+        self.config = c
+        spec = self.build_down_half(c, rngs)
+        chans, heads, layers, t_layers = c.block_out_channels, c.heads, c.layers, c.transformer_layers
+        n = len(chans)
         rev, rev_heads, rev_layers, rev_t = (list(reversed(v)) for v in (chans, heads, layers, t_layers))
         up = []
         out_ch = rev[0]
@@ -369,63 +444,32 @@ class UNet2DConditionModule(nnx.Module):
                               rev_t[i], i < n - 1, spec, rngs=rngs))
         self.up_blocks = nnx.List(up)
 
+        ch0 = chans[0]
         self.conv_norm_out = GroupNorm(c.norm_num_groups, ch0, c.norm_eps)
         self.conv_out = Conv2d(ch0, c.out_channels, 3, padding=1, rngs=rngs)
 
-    def check_inputs(self, x: Array, t: Array, context: Array, added: Mapping[str, Array] | None) -> None:
-        """Shapes are static under jit: a wrong one is a one-line error at trace time."""
-        c = self.config
-        if x.ndim != 4 or x.shape[-1] != c.in_channels:
-            raise InvalidArgumentError(f"sample must be (B, H, W, {c.in_channels}) NHWC, got shape {tuple(x.shape)}")
-        b = x.shape[0]
-        if jnp.ndim(t) not in (0, 1) or (jnp.ndim(t) == 1 and jnp.shape(t)[0] not in (1, b)):
-            raise InvalidArgumentError(f"timestep must be a scalar or ({b},), got shape {tuple(jnp.shape(t))}")
-        if context.ndim != 3 or context.shape[0] != b or context.shape[-1] != c.cross_attention_dim:
-            raise InvalidArgumentError(
-                f"encoder_hidden_states must be ({b}, L, {c.cross_attention_dim}), got shape {tuple(context.shape)}")
-        if c.addition_embed_type != "text_time":
-            return
-        missing = [k for k in ("text_embeds", "time_ids") if not added or k not in added]
-        if missing:
-            raise InvalidArgumentError(
-                f"this UNet (addition_embed_type 'text_time') needs added_cond {', '.join(missing)}")
-        text, ids = added["text_embeds"], added["time_ids"]
-        if text.ndim != 2 or ids.ndim != 2 or text.shape[0] != b or ids.shape[0] != b:
-            raise InvalidArgumentError(
-                f"text_embeds and time_ids must be ({b}, P) and ({b}, N), got {tuple(text.shape)} and {tuple(ids.shape)}")
-        width = text.shape[1] + ids.shape[1] * c.addition_time_embed_dim
-        if width != c.projection_class_embeddings_input_dim:
-            raise InvalidArgumentError(
-                f"text_embeds width {text.shape[1]} + {ids.shape[1]} time_ids x {c.addition_time_embed_dim} = {width}, "
-                f"but projection_class_embeddings_input_dim is {c.projection_class_embeddings_input_dim}")
+    def __call__(self, x: Array, t: Array, context: Array, added: Mapping[str, Array] | None = None,
+                 residuals: Residuals | None = None) -> Array:
+        """(B, H, W, Cin), (B,) timesteps, (B, L, D) text states, SDXL's added ids -> (B, H, W, Cout).
 
-    def __call__(self, x: Array, t: Array, context: Array, added: Mapping[str, Array] | None = None) -> Array:
-        """(B, H, W, Cin), (B,) timesteps, (B, L, D) text states, SDXL's added ids -> (B, H, W, Cout)."""
-        self.check_inputs(x, t, context, added)
+        ``residuals``: a ControlNet's (``preheat.models.controlnet``), added to the skips and the
+        mid block's output as diffusers' ``down_block_additional_residuals`` / ``mid_block_additional_residual``."""
+        check_unet_inputs(self.config, x, t, context, added)
         c = self.config
         dtype = x.dtype
         if c.center_input_sample:
             x = 2 * x - 1.0
-        b = x.shape[0]
-        t = jnp.broadcast_to(jnp.asarray(t).reshape(-1), (b,))
-        t_feat = sinusoidal_embedding(t, c.block_out_channels[0], c.flip_sin_to_cos, c.freq_shift)
-        emb = self.time_embedding(t_feat.astype(dtype))  # (B, T)
-        if self.add_embedding is not None:
-            ids = added["time_ids"]  # (B, N): SDXL's original size, crop top-left, target size
-            id_feat = sinusoidal_embedding(ids.reshape(-1), c.addition_time_embed_dim, c.flip_sin_to_cos, c.freq_shift)
-            id_feat = id_feat.reshape(b, -1)  # (B, N * addition_time_embed_dim)
-            add = jnp.concatenate([added["text_embeds"].astype(jnp.float32), id_feat], axis=-1).astype(dtype)
-            emb = emb + self.add_embedding(add)
+        emb = self.embed(c, t, added, x.shape[0], dtype)
         context = context.astype(dtype)
         act = activation(c.act_fn)
 
-        h = self.conv_in(x)
-        skips = [h]
-        for block in self.down_blocks:
-            h, res = block(h, emb, context)
-            skips.extend(res)
-        if self.mid_block is not None:
-            h = self.mid_block(h, emb, context)
+        h, skips = self.down_half(self.conv_in(x), emb, context)
+        if residuals is not None:
+            if len(residuals.down) != len(skips):
+                raise InvalidArgumentError(f"a ControlNet gives {len(residuals.down)} down residuals but this UNet "
+                                           f"keeps {len(skips)} skips; they do not belong together")
+            skips = [s + r.astype(s.dtype) for s, r in zip(skips, residuals.down)]  # each (B, h_i, w_i, C_i)
+            h = h + residuals.mid.astype(h.dtype)
         for block in self.up_blocks:
             h = block(h, skips, emb, context)
         return self.conv_out(act(self.conv_norm_out(h)))
@@ -479,20 +523,23 @@ class LoadedUNet2DCondition:
     dtype: Any = jnp.float32
 
     def apply(self, params: nnx.State, x: Array, t: Array, context: Array,
-              added: Mapping[str, Array] | None = None, lora: Any = None) -> Array:
+              added: Mapping[str, Array] | None = None, lora: Any = None, residuals: Residuals | None = None) -> Array:
         """(B, H, W, C), (B,), (B, L, D), {"text_embeds": (B, P), "time_ids": (B, 6)} -> (B, H, W, C).
 
-        ``lora``: per-image low-rank adapters (``preheat.models.adapters.Adapters``), or None."""
+        ``lora``: per-image low-rank adapters (``preheat.models.adapters.Adapters``), or None;
+        ``residuals``: a ControlNet's, or None."""
         from preheat.models.adapters import attach
 
         model = attach(nnx.merge(self.graphdef, upcast(params, self.dtype, tie=x)), lora)  # fp8-stored weights upcast here
-        return model(x, t, context, added)
+        return model(x, t, context, added, residuals)
 
     def check_text_conditioning(self, context_width: int, pooled_width: int | None = None, n_ids: int = 6) -> None:
         check_text_conditioning(self.config, context_width, pooled_width, n_ids)
 
     def __call__(self, sample: Any, timestep: Any, encoder_hidden_states: Any,
-                 added_cond_kwargs: Mapping[str, Any] | None = None) -> Array:
+                 added_cond_kwargs: Mapping[str, Any] | None = None,
+                 down_block_additional_residuals: Sequence[Any] | None = None,
+                 mid_block_additional_residual: Any = None) -> Array:
         x = jnp.asarray(sample, self.dtype)
         if x.ndim != 4:
             raise InvalidArgumentError(f"sample must be (B, C, H, W), got shape {tuple(x.shape)}")
@@ -500,7 +547,12 @@ class LoadedUNet2DCondition:
         t = jnp.asarray(timestep, jnp.float32)
         context = jnp.asarray(encoder_hidden_states, self.dtype)
         added = None if added_cond_kwargs is None else {k: jnp.asarray(v) for k, v in added_cond_kwargs.items()}
-        out = self.apply(self.params, x, t, context, added)
+        residuals = None
+        if down_block_additional_residuals is not None:  # NCHW, as diffusers takes them -> NHWC
+            residuals = Residuals(down=tuple(jnp.transpose(jnp.asarray(r), (0, 2, 3, 1))
+                                             for r in down_block_additional_residuals),
+                                  mid=jnp.transpose(jnp.asarray(mid_block_additional_residual), (0, 2, 3, 1)))
+        out = self.apply(self.params, x, t, context, added, residuals=residuals)
         return jnp.transpose(out, (0, 3, 1, 2))  # NHWC -> NCHW
 
 

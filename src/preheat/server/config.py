@@ -64,6 +64,7 @@ class CoreConfig:
     weights_dtype: Optional[str] = None  # jax: the denoiser's weights stored in this dtype (float8_e4m3fn)
     weights_layers: str = "layerwise"  # jax: which layers weights_dtype stores
     config: Optional[str] = None  # ``model`` a single .safetensors file, read with this folder's configs
+    controlnet: Optional[str] = None  # jax: a ControlNetModel folder beside the UNet (preheat.load(controlnet=...))
     progress: bool = True  # the programs report each step (streamed step events); off: as `warm --target` compiles
     max_batch_size: int = 8
     devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
@@ -118,7 +119,8 @@ class CoreConfig:
                        input_values=self.input_values, devices=self.devices,
                        fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks),
                        variant=self.variant, cache=self.cache, weights_dtype=self.weights_dtype,
-                       weights_layers=self.weights_layers, progress=self.progress, config=self.config)
+                       weights_layers=self.weights_layers, progress=self.progress, config=self.config,
+                       controlnet=self.controlnet)
 
     @classmethod
     def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":
@@ -127,7 +129,7 @@ class CoreConfig:
         options.setdefault("fsdp", warm.fsdp)
         return cls(model=warm.model, dtype=warm.dtype, variant=warm.variant, cache=warm.cache,
                    weights_dtype=warm.weights_dtype, weights_layers=warm.weights_layers, progress=warm.progress,
-                   config=warm.config,
+                   config=warm.config, controlnet=warm.controlnet,
                    max_batch_size=warm.max_batch_size,
                    samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance),
                    inputs=warm.inputs, input_values=warm.input_values, lora_ranks=tuple(warm.lora_ranks),
@@ -138,7 +140,8 @@ class CoreConfig:
 # The CoreConfig fields a deployment sets from its environment, each as ``PREHEAT_<FIELD>``: Runpod's
 # handler and Ray's replicas read this one table, so neither misses a setting the other takes.
 ENV_SETTINGS: tuple[str, ...] = (
-    "model", "dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "progress", "max_batch_size",
+    "model", "dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "controlnet", "progress",
+    "max_batch_size",
     "samplers", "sizes", "guidance", "inputs", "input_values", "devices", "fsdp", "lora_ranks", "max_loras", "lora_dir",
     "max_image_pixels",
     "batch_wait_ms", "max_queue", "max_steps", "retune_idle_s")
@@ -228,10 +231,13 @@ def load_pipeline(config: CoreConfig) -> Any:
         return preheat.load(config.model, dtype=config.dtype, variant=config.variant, cache=config.cache,
                             weights_dtype=config.weights_dtype, weights_layers=config.weights_layers,
                             **({} if config.config is None else {"config": config.config}),
+                            **({} if config.controlnet is None else {"controlnet": config.controlnet}),
                             devices=config.devices, fsdp=config.fsdp, prefetch=prefetch_calls(config.warm_set()))
     if config.backend == "torch":
         if config.weights_dtype is not None:
             raise InvalidArgumentError("--weights-dtype applies to --backend jax", argument="--weights-dtype")
+        if config.controlnet is not None:
+            raise InvalidArgumentError("--controlnet applies to --backend jax", argument="--controlnet")
         try:
             from preheat.backends.torch import load_torch_pipeline
         except ImportError as err:

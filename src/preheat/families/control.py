@@ -1,0 +1,137 @@
+"""A ControlNet's inputs (SD 1.x / 2.x, SDXL): declared once, checked, and turned into conditioning.
+
+A model loaded with ``controlnet=FOLDER`` (``preheat.models.controlnet``) declares four more
+inputs, as diffusers' ``StableDiffusion[XL]ControlNetPipeline`` names them::
+
+    input                          static / data            reaches
+    -----------------------------  -----------------------  --------------------------------------
+    control_image (required)       data (its size: static)  cond["control_image"] (n, H, W, 3) in
+                                                            [0, 1]: resized to width x height (PIL
+                                                            lanczos), not normalised to [-1, 1]
+    controlnet_conditioning_scale  data (n,) float32        multiplies every residual
+    control_guidance_start, _end   data (n, 2) float32      the steps the ControlNet applies in
+
+diffusers applies the ControlNet at step i of N when ``i / N >= start`` and ``(i + 1) / N <= end``
+(its ``controlnet_keep``), scaling the residuals by 0 elsewhere. The denoiser sees timesteps, not
+step indices, so the window travels as the timestep interval of the kept steps (bounds halfway to
+the neighbouring steps' timesteps): data like the scale, and one program serves every window.
+That is exact for samplers that call the model once per step at a timestep that falls with each
+step; others (Heun, DPM2: diffusers counts their two calls per step as two steps) take the whole
+window only.
+
+With classifier-free guidance the ControlNet runs on both branches (diffusers' default, guess mode
+off), with the same control image and scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from preheat.errors import InvalidArgumentError
+from preheat.families.base import EngineView, Request
+from preheat.families.inputs import WARM_IMAGE, Float, Image, InputSpec
+
+__all__ = ["CONTROL_IMAGE", "CONTROLNET_CONDITIONING_SCALE", "CONTROL_GUIDANCE_START", "CONTROL_GUIDANCE_END",
+           "CONTROL_SPECS", "CONTROL_NAMES", "IMAGE_INPUTS", "refuse_without_controlnet", "refuse_image_inputs",
+           "check_control_inputs", "control_window", "control_cond", "keep_scale"]
+
+# warm: a placeholder at each served size (its content is data; its size selects the program)
+CONTROL_IMAGE = InputSpec("control_image", Image(), "The ControlNet's conditioning image (an edge map, a depth map, "
+                          "a pose...), resized to the output's size: an http(s) URL or a data URI on a server, a "
+                          "path on the command line.", required=True, warm=(WARM_IMAGE,), example=None)
+CONTROLNET_CONDITIONING_SCALE = InputSpec("controlnet_conditioning_scale", Float(0.0, 10.0), "How strongly the "
+                                          "ControlNet steers: its residuals are multiplied by this.", default=1.0)
+CONTROL_GUIDANCE_START = InputSpec("control_guidance_start", Float(0.0, 1.0), "The share of the steps after which "
+                                   "the ControlNet starts to apply.", default=0.0)
+CONTROL_GUIDANCE_END = InputSpec("control_guidance_end", Float(0.0, 1.0), "The share of the steps after which "
+                                 "the ControlNet stops applying.", default=1.0)
+CONTROL_SPECS = (CONTROL_IMAGE, CONTROLNET_CONDITIONING_SCALE, CONTROL_GUIDANCE_START, CONTROL_GUIDANCE_END)
+CONTROL_NAMES = tuple(s.name for s in CONTROL_SPECS)
+# what a model with a ControlNet does not declare: img2img and inpainting (``families.image``)
+IMAGE_INPUTS = ("image", "mask_image", "strength", "padding_mask_crop")
+
+_FAR = np.float32(1e9)  # beyond any timestep: an open end of the window
+
+
+def refuse_without_controlnet(inputs: Mapping[str, Any]) -> None:
+    """A ControlNet input given to a model loaded without one: one line saying how to load it."""
+    given = [name for name in CONTROL_NAMES if inputs.get(name) is not None]
+    if given:
+        raise InvalidArgumentError(f"{given[0]} needs a ControlNet: load the model with controlnet=FOLDER "
+                                   "(preheat sample/serve --controlnet FOLDER)", argument=given[0])
+
+
+def refuse_image_inputs(inputs: Mapping[str, Any]) -> None:
+    """img2img and inpainting inputs beside a ControlNet: not declared (diffusers' ControlNet img2img
+    and inpaint pipelines are not reproduced), and refused in one line saying so."""
+    given = [name for name in IMAGE_INPUTS if inputs.get(name) is not None]
+    if given:
+        raise InvalidArgumentError(f"{given[0]} is not supported with a ControlNet yet (ControlNet img2img and "
+                                   "inpainting); give control_image alone", argument=given[0])
+
+
+def check_control_inputs(pipe: EngineView, values: dict[str, Any], inputs: Mapping[str, Any], max_size: int) -> None:
+    """The window's order, and the output size: the control image's own, rounded down to the size
+    multiple, unless width/height are given (diffusers' ``prepare_image``)."""
+    from preheat.families.image import image_size
+
+    if values["control_guidance_start"] >= values["control_guidance_end"]:
+        raise InvalidArgumentError(f"control_guidance_start={values['control_guidance_start']:g} must be below "
+                                   f"control_guidance_end={values['control_guidance_end']:g}",
+                                   argument="control_guidance_start")
+    if inputs.get("width") is None and inputs.get("height") is None:
+        width, height = image_size(values["control_image"], pipe.components.size_multiple)
+        if max(width, height) > max_size:
+            raise InvalidArgumentError(f"control_image is {width}x{height}; at most {max_size} a side for this model "
+                                       "(give width/height to resize it)", argument="control_image")
+        values["width"], values["height"] = width, height
+
+
+def control_window(pipe: EngineView, request: Request) -> np.ndarray:
+    """(2,) float32: the (highest, lowest) timestep at which the ControlNet applies on this call,
+    from diffusers' ``controlnet_keep`` over the call's steps; a window short of [0, 1] on a
+    sampler it cannot be told to is one line."""
+    from preheat.families import request as request_of
+    from preheat.samplers import make_spec
+
+    start, end = request.values["control_guidance_start"], request.values["control_guidance_end"]
+    if start == 0.0 and end == 1.0:
+        return np.asarray([_FAR, -_FAR], np.float32)
+    spec = make_spec(request_of.scheduler_config(pipe, request), request.sampler)
+    plan = request_of.plan(pipe, request)
+    t = np.asarray(plan.timesteps[:int(plan.n_steps)], np.float64)  # the model's t at each step
+    if spec.max_model_calls_per_step > 1 or len(t) > 1 and not np.all(np.diff(t) < 0):
+        raise InvalidArgumentError(f"control_guidance_start/control_guidance_end need a sampler that calls the model "
+                                   f"once per step at falling timesteps; {request.sampler!r} does not (use the whole "
+                                   "window, 0 and 1, or another sampler)", argument="control_guidance_start")
+    n = len(t)
+    kept = [i for i in range(n) if not (i / n < start or (i + 1) / n > end)]  # diffusers' controlnet_keep
+    if not kept:
+        return np.asarray([-_FAR, _FAR], np.float32)  # no step: an empty interval
+    first, last = kept[0], kept[-1]
+    high = _FAR if first == 0 else (t[first - 1] + t[first]) / 2
+    low = -_FAR if last == n - 1 else (t[last] + t[last + 1]) / 2
+    return np.asarray([high, low], np.float32)
+
+
+def control_cond(pipe: EngineView, request: Request) -> dict[str, np.ndarray]:
+    """The conditioning leaves a ControlNet call adds, the same for both guidance branches: the
+    control image as diffusers' ``control_image_processor`` prepares it, the scale, the window."""
+    from preheat.families.image import unit_pixels
+
+    values, n = request.values, request.n
+    image = unit_pixels(values["control_image"], values["width"], values["height"])  # (H, W, 3)
+    return {"control_image": np.repeat(image[None], n, axis=0),  # (n, H, W, 3) in [0, 1]
+            "controlnet_conditioning_scale": np.full((n,), values["controlnet_conditioning_scale"], np.float32),
+            "control_window": np.repeat(control_window(pipe, request)[None], n, axis=0)}  # (n, 2)
+
+
+def keep_scale(cond: Mapping[str, Any], t: Any) -> Any:
+    """Inside the program: each image's scale where its timestep is inside its window, else 0. (B,)"""
+    import jax.numpy as jnp
+
+    window = cond["control_window"]  # (B, 2): highest, lowest timestep kept
+    inside = (t <= window[:, 0]) & (t >= window[:, 1])  # (B,)
+    return jnp.where(inside, cond["controlnet_conditioning_scale"], 0.0)
