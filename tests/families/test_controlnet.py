@@ -14,6 +14,7 @@ from PIL import Image
 import preheat
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
 from tests._support.controlnet_fixtures import control_image, reference_controlnet_pipeline, save_tiny_controlnet
+from tests._support.numerics import mean_abs_px, px_diff
 from tests._support.sd_fixtures import reference_pixels, save_tiny_sd
 
 pytestmark = pytest.mark.usefixtures("one_compile_per_program")
@@ -62,7 +63,7 @@ def test_matches_diffusers_controlnet_pipelines(folders, kind, sampler, guidance
         ours = pipe.generate("a photo of a cat", noise=noise, steps=4, sampler=sampler, guidance=guidance,
                              control_image=image, controlnet_conditioning_scale=scale, **window)
         assert ours.shape == theirs.shape == (1, 32, 32, 3)  # the control image's size
-        diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
+        diff = px_diff(ours, theirs)
         print(f"{kind}/{sampler} scale {scale} window [{start}, {end}]: mean |Δpx| {diff.mean():.4f}, "
               f"max {diff.max()}")
         assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
@@ -78,7 +79,7 @@ def test_matches_diffusers_controlnet_pipelines(folders, kind, sampler, guidance
     for out, other in ((outs[0], off), (outs[1], off), (outs[0], whole)):
         # the ControlNet moves the pixels, and so does its window: a scale or window the program ignored
         # would give the other image
-        assert np.abs(out.astype(np.int32) - other.astype(np.int32)).mean() > 3 * MEAN_TOL
+        assert mean_abs_px(out, other) > 3 * MEAN_TOL
 
 
 @pytest.mark.slow  # loads two pipelines (no compile) after building the folders
