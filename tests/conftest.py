@@ -80,49 +80,34 @@ def _private_cache_root(tmp_path_factory, monkeypatch):
 # tier: `make test-slow` timing a file's slow tests must not set its place in `make test`), else HEAVY_FILES (one measured run,
 # for a fresh clone); a file known to neither keeps pytest-randomly's place after the known ones'
 # head start, and the tests inside every file keep randomly's order. Only the schedule changes.
-# Seconds per file (>= 10 s) of `make test` (not slow, not ray), 2 workers, from round 12's full run
-# (2026-12-04 14:59 UTC, 3255 tests, 1090 s, nothing else running; pytest's cache):
+# Seconds per file (>= 10 s) of `make test` (not slow, not ray), 2 workers, from round 18's full run
+# (2026-12-05 09:43 UTC, 3875 tests, 914 s, an Intel Xeon, nothing else running; pytest's cache):
 # relative cost only. Replace with a later quiet run's seconds (.pytest_cache/v/preheat/file_seconds_<tier>).
-# test_lora.py, test_kontext.py and test_fill.py: each file alone, 1 worker, its tests' summed seconds
-# (2026-12-05, after the SD 2.x LoRA and Kontext fp8 checks; the 2 cores shared, load average 2.4-4.4).
-# test_storage.py: the same way after its fp8 check took SD 2.x, SDXL and SD3 (41 s before, the same load, 4.2);
-# test_few_step.py: the same way (not slow) after the SD3.5 Large Turbo and Hyper-SD3 checks (48 s before; load 1.2).
-# Then (round 17) SD 2.x's LoRA and fp8 draws, SDXL's fp8 draw and Kontext's fp8 check went to test-slow: those
-# files less the tests' own seconds; test_sdxl_refiner.py and test_warm_input_values.py alone, 1 worker (load 1).
 HEAVY_FILES: dict[str, float] = {
-    "tests/families/test_lora.py": 72, "tests/families/test_image.py": 70, "tests/families/test_few_step.py": 55,
-    "tests/families/test_stable_diffusion.py": 61, "tests/cache/test_compile_cache.py": 59,
-    "tests/test_docs.py": 58, "tests/families/test_family_contract.py": 53,
-    "tests/families/test_kontext.py": 39, "tests/models/test_unet2d_condition.py": 46, "tests/cache/test_remote.py": 44,
-    "tests/models/test_unet2d.py": 44, "tests/models/test_scaled_fp8.py": 44,
-    "tests/families/test_text_inputs.py": 44, "tests/server/test_text_to_image.py": 42,
-    "tests/cache/test_targets.py": 41, "tests/server/test_image_sd_server.py": 40, "tests/test_devices.py": 39,
-    "tests/server/test_lora_server.py": 39, "tests/models/test_storage.py": 40,
-    "tests/models/test_single_file.py": 39, "tests/test_cli.py": 38,
-    "tests/families/test_flow_families.py": 37, "tests/families/test_fill.py": 36, "tests/server/test_fuzz.py": 35,
-    "tests/server/test_fetch.py": 34, "tests/samplers/test_sampler_parity.py": 34,
-    "tests/families/test_flow_inpaint.py": 31, "tests/models/test_published_fetch.py": 30,
-    "tests/server/test_flow_serving.py": 30, "tests/families/test_sdxl_refiner.py": 14,
-    "tests/cache/test_warm_input_values.py": 12, "tests/test_progress.py": 30,
-    "tests/train/test_text_digits.py": 29, "tests/backends/test_torch_compile_cache.py": 28,
-    "tests/models/test_gguf.py": 28, "tests/test_engine.py": 28, "tests/integrations/test_runpod.py": 27,
-    "tests/server/test_sigterm.py": 27, "tests/test_cli_newcomer.py": 26,
-    "tests/families/test_flow_img2img.py": 26, "tests/cache/test_warm.py": 25,
-    "tests/doctor/test_doctor_gpu.py": 22, "tests/models/test_vae.py": 21,
-    "tests/server/test_idle_retune.py": 21, "tests/test_builtin_model.py": 21, "tests/models/test_flux.py": 20,
-    "tests/server/test_bench.py": 20, "tests/test_terminal.py": 19,
-    "tests/server/test_offered_inputs.py": 19, "tests/server/test_server.py": 19,
-    "tests/cache/test_remote_store.py": 18, "tests/models/test_single_file_bundles.py": 18,
-    "tests/samplers/test_start.py": 18, "tests/backends/test_torch_backend.py": 16,
-    "tests/models/test_t5.py": 16, "tests/models/test_conv_impl.py": 15,
-    "tests/samplers/test_sampler_runtime.py": 14, "tests/cache/test_early.py": 14,
-    "tests/backends/test_torch_image.py": 14, "tests/server/test_hardening.py": 13,
-    "tests/server/test_common_inputs.py": 13, "tests/test_random_models.py": 12,
-    "tests/doctor/test_doctor_robustness.py": 12, "tests/models/test_sd3.py": 12,
-    "tests/models/test_clip.py": 11, "tests/test_wheel.py": 11, "tests/server/test_serve_env.py": 10,
-    "tests/server/test_probe.py": 10, "tests/test_test_layout.py": 10,
-    "tests/families/toy/test_toy_family.py": 10, "tests/cache/test_remote_prune.py": 10,
-    "tests/models/test_weights_streaming.py": 10, "tests/doctor/test_doctor_env.py": 10,
+    "tests/families/test_stable_diffusion.py": 81, "tests/samplers/test_sampler_parity.py": 62,
+    "tests/families/test_image.py": 59, "tests/families/test_few_step.py": 58,
+    "tests/cache/test_compile_cache.py": 50, "tests/families/test_lora.py": 44,
+    "tests/families/test_family_contract.py": 43, "tests/families/test_flow_families.py": 42,
+    "tests/models/test_unet2d.py": 36, "tests/test_docs.py": 35, "tests/models/test_scaled_fp8.py": 35,
+    "tests/families/test_text_inputs.py": 34, "tests/cache/test_remote.py": 34,
+    "tests/server/test_text_to_image.py": 34, "tests/test_devices.py": 33, "tests/cache/test_targets.py": 32,
+    "tests/samplers/test_start.py": 30, "tests/server/test_image_sd_server.py": 29, "tests/server/test_fuzz.py": 29,
+    "tests/models/test_single_file.py": 29, "tests/server/test_lora_server.py": 28, "tests/test_cli.py": 28,
+    "tests/models/test_storage.py": 27, "tests/server/test_flow_serving.py": 27,
+    "tests/backends/test_torch_compile_cache.py": 27, "tests/models/test_unet2d_condition.py": 27,
+    "tests/models/test_published_fetch.py": 25, "tests/families/test_kontext.py": 25,
+    "tests/integrations/test_runpod.py": 24, "tests/train/test_text_digits.py": 22, "tests/test_progress.py": 22,
+    "tests/models/test_gguf.py": 22, "tests/families/test_flow_inpaint.py": 21,
+    "tests/families/test_flow_img2img.py": 21, "tests/families/test_fill.py": 21, "tests/test_engine.py": 21,
+    "tests/server/test_sigterm.py": 20, "tests/samplers/test_sampler_runtime.py": 20, "tests/models/test_vae.py": 18,
+    "tests/server/test_server.py": 18, "tests/server/test_offered_inputs.py": 17,
+    "tests/server/test_idle_retune.py": 16, "tests/doctor/test_doctor_gpu.py": 16, "tests/cache/test_warm.py": 15,
+    "tests/server/test_bench.py": 15, "tests/models/test_flux.py": 15, "tests/test_builtin_model.py": 14,
+    "tests/test_terminal.py": 14, "tests/models/test_single_file_bundles.py": 14, "tests/test_cli_newcomer.py": 14,
+    "tests/models/test_t5.py": 14, "tests/models/test_conv_impl.py": 13, "tests/cache/test_remote_store.py": 13,
+    "tests/cache/test_early.py": 12, "tests/server/test_common_inputs.py": 11, "tests/server/test_hardening.py": 11,
+    "tests/backends/test_torch_backend.py": 10, "tests/families/test_sdxl_refiner.py": 10,
+    "tests/doctor/test_doctor_env.py": 10,
 }
 _file_seconds: dict[str, float] = {}
 
