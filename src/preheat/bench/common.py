@@ -9,10 +9,10 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 __all__ = ["timed", "round_robin_ms", "summary", "machine_line", "ARCHITECTURES", "write_pixel_architecture", "fmt_summary", "write_json",
-           "equations"]
+           "equations", "Condition", "Timed", "time_interleaved", "load_average"]
 
 # Published architectures, for random-weight benchmark models (config.json of the checkpoint).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -125,3 +125,54 @@ def equations(jaxpr: Any) -> Iterator[Any]:
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
                     yield from equations(inner)
+
+
+class Condition(NamedTuple):
+    """One condition of an in-process bench: the pipeline and its ``generate(n, **inputs)`` keywords."""
+
+    pipe: Any
+    inputs: dict[str, Any]
+
+
+class Timed(NamedTuple):
+    """A condition's times (:func:`time_interleaved`)."""
+
+    first_call_s: float  # the first call: its compile (and any file read) included
+    call_s: list[float]  # whole ``generate`` calls: encode, denoise, decode
+    denoise_s: list[float]  # the denoising program alone
+    sig: Any  # the denoising program's signature
+
+
+def time_interleaved(conditions: Mapping[str, Condition], n: int, repeats: int) -> dict[str, Timed]:
+    """Each condition called once untimed-but-for-its-first-call (compiling it), then ``repeats``
+    rounds, each timing every condition once, so that a shared machine's load falls on all alike."""
+    import jax
+
+    first: dict[str, float] = {}
+    programs: dict[str, tuple[Any, Any, Any]] = {}
+    for name, (pipe, inputs) in conditions.items():
+        t0 = time.perf_counter()
+        pipe.generate(n, **inputs)
+        first[name] = time.perf_counter() - t0
+        sig, args = pipe.prepare(n, **inputs)
+        programs[name] = (pipe.executable(sig, args), args, sig)
+    calls: dict[str, list[float]] = {name: [] for name in conditions}
+    loops: dict[str, list[float]] = {name: [] for name in conditions}
+    for _ in range(repeats):
+        for name, (pipe, inputs) in conditions.items():
+            t0 = time.perf_counter()
+            pipe.generate(n, **inputs)
+            calls[name].append(time.perf_counter() - t0)
+            program, args, _ = programs[name]
+            t0 = time.perf_counter()
+            jax.block_until_ready(program(args))
+            loops[name].append(time.perf_counter() - t0)
+    return {name: Timed(first[name], calls[name], loops[name], programs[name][2]) for name in conditions}
+
+
+def load_average() -> tuple[float, float, float] | None:
+    """``os.getloadavg()``, or None where the platform has none: other jobs skew every timing."""
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None

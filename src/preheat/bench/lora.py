@@ -17,13 +17,12 @@ timing, as a server holding them would have them), and the denoising program alo
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from preheat.bench.common import machine_line, summary
+from preheat.bench.common import Condition, load_average, machine_line, summary, time_interleaved
 from preheat.bench.random_models import materialize_model
 
 __all__ = ["bench_lora", "write_random_loras", "markdown"]
@@ -60,8 +59,6 @@ def _calls(n: int, files: list[Path]) -> dict[str, dict[str, Any]]:
 
 def bench_lora(model: str | None, n: int, steps: int, rank: int, repeats: int, workdir: Path,
                dtype: str = "float32", size: tuple[int, int] | None = None) -> dict[str, Any]:
-    import jax
-
     import preheat
 
     pipe = preheat.load(materialize_model(model, workdir), cache="off", dtype=dtype)
@@ -79,33 +76,14 @@ def bench_lora(model: str | None, n: int, steps: int, rank: int, repeats: int, w
     base.update(example_inputs(pipe.family.input_specs(pipe)))
     if size is not None:
         base.update(IMAGE_SIZE.inputs(size))
-    calls = _calls(n, files)
-    programs = {}
-    first_s = {}
-    for name, extra in calls.items():  # compile (and read, stack) once, outside the timing
-        t0 = time.perf_counter()
-        pipe.generate(n, **base, **extra)
-        first_s[name] = time.perf_counter() - t0
-        sig, args = pipe.prepare(n, **base, **extra)
-        programs[name] = (pipe.executable(sig, args), args, sig)
-    call_s: dict[str, list[float]] = {name: [] for name in calls}
-    loop_s: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):  # round robin: each round times every condition once
-        for name, extra in calls.items():
-            t0 = time.perf_counter()
-            pipe.generate(n, **base, **extra)
-            call_s[name].append(time.perf_counter() - t0)
-            program, args, _ = programs[name]
-            t0 = time.perf_counter()
-            jax.block_until_ready(program(args))
-            loop_s[name].append(time.perf_counter() - t0)
+    timed = time_interleaved({name: Condition(pipe, {**base, **extra}) for name, extra in _calls(n, files).items()},
+                             n, repeats)
     rows = []
-    for name in calls:
-        sig = programs[name][2]
-        rows.append({"condition": name, "slots": None if sig.lora is None else sig.lora[1],
-                     "bucket": None if sig.lora is None else sig.lora[0], "first_call_s": first_s[name],
-                     "call_s": summary(call_s[name]), "denoise_s": summary(loop_s[name]),
-                     "images_per_s": n / summary(call_s[name])["median"]})
+    for name, t in timed.items():
+        rows.append({"condition": name, "slots": None if t.sig.lora is None else t.sig.lora[1],
+                     "bucket": None if t.sig.lora is None else t.sig.lora[0], "first_call_s": t.first_call_s,
+                     "call_s": summary(t.call_s), "denoise_s": summary(t.denoise_s),
+                     "images_per_s": n / summary(t.call_s)["median"]})
     by = {r["condition"]: r for r in rows}
     ratios = {
         "mixed_vs_same": by["mixed"]["images_per_s"] / by["same"]["images_per_s"],
@@ -114,17 +92,11 @@ def bench_lora(model: str | None, n: int, steps: int, rank: int, repeats: int, w
         "mixed_vs_none": by["mixed"]["images_per_s"] / by["none"]["images_per_s"],
         "denoise_mixed_vs_same": by["same"]["denoise_s"]["median"] / by["mixed"]["denoise_s"]["median"],
     }
-    try:
-        import os
-
-        load = os.getloadavg()
-    except OSError:
-        load = None
     return {"model": model or "built-in:digits", "family": pipe.family.name, "machine": machine_line(),
-            "load_average": load, "n": n, "steps": steps, "rank": rank,
+            "load_average": load_average(), "n": n, "steps": steps, "rank": rank,
             "target_layers": len(pipe.lora_runtime.targets.layers["denoiser"]), "dtype": dtype, "repeats": repeats,
-            "sampler": pipe.defaults["sampler"], "guided": bool(programs["none"][2].guided),
-            "sample_shape": list(programs["none"][2].sample_shape), "rows": rows, "ratios": ratios,
+            "sampler": pipe.defaults["sampler"], "guided": bool(timed["none"].sig.guided),
+            "sample_shape": list(timed["none"].sig.sample_shape), "rows": rows, "ratios": ratios,
             "goal_met": ratios["mixed_vs_same"] >= 0.8}
 
 

@@ -89,6 +89,29 @@ def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype:
     write_json(json_out, result)
 
 
+@bench_group.command("controlnet")
+@click.argument("model", required=False, default="random:sd-small")
+@common_option("n", default=4, help="Batch size.")
+@common_option("steps", default=4, help="Denoising steps.")
+@click.option("--repeats", default=5, show_default=True, type=POSITIVE, help="Rounds, each timing every condition once.")
+@click.option("--dtype", default="float32", show_default=True)
+@size_options()
+@output_options()
+@one_line_errors
+def controlnet_command(model: str, n: int, steps: int, repeats: int, dtype: str, size: tuple[int, int] | None,
+                       json_out: Path | None, as_json: bool) -> None:
+    """Images/s of a call with a ControlNet beside the UNet vs without one, and with the ControlNet's
+    window at half the steps, in one run. MODEL: an SD 1.x/2.x or SDXL folder, or random:sd-small /
+    random:sd15 / random:sdxl (random weights); the ControlNet is a random one made from its UNet."""
+    from preheat.bench.common import write_json
+    from preheat.bench.controlnet import bench_controlnet, markdown
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = bench_controlnet(model, n, steps, repeats, Path(tmp), dtype=dtype, size=size)
+    echo_result(result, markdown(result), as_json)
+    write_json(json_out, result)
+
+
 @bench_group.command("coldstart", cls=FamilyInputsCommand, options_metavar="[MODEL] [OPTIONS]")
 @common_option("n", default=8, help="Batch size.")
 @common_option("steps")

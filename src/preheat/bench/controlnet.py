@@ -1,0 +1,107 @@
+"""`preheat bench controlnet`: images/s of a text-to-image call with a ControlNet beside the UNet
+against the same call without one, measured in one process, the conditions interleaved round by
+round so that a shared machine's load falls on all of them alike.
+
+Conditions, each one compiled program, every image the same prompt, steps and control image:
+
+    none         the model alone
+    controlnet   a ControlNet on every step (scale 1, the whole window)
+    window       the same ControlNet with control_guidance_end 0.5: the window is data (one
+                 program serves every window), so the ControlNet still runs on every step and
+                 its residuals are scaled by 0 outside it -- what that costs, measured
+
+The ControlNet is random, made from the model's own UNet (diffusers' ``ControlNetModel.from_unet``,
+its zero convs moved off zero). A whole ``generate`` call is timed (text encoding, denoising,
+decoding), and the denoising program alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from preheat.bench.common import Condition, load_average, machine_line, summary, time_interleaved
+from preheat.bench.random_models import materialize_model
+
+__all__ = ["bench_controlnet", "write_random_controlnet", "markdown"]
+
+
+def write_random_controlnet(folder: Path, into: Path, seed: int = 0) -> Path:
+    """A ControlNetModel folder for ``folder``'s UNet, with random weights that steer (zero convs off
+    zero); its control embedding downsamples as the folder's VAE does (diffusers' (16, 32, 96, 256):
+    8 pixels a latent; a tiny VAE's 2: (16, 32))."""
+    import json
+
+    import torch
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
+    vae = json.loads((Path(folder) / "vae" / "config.json").read_text())
+    downsamplings = len(vae.get("block_out_channels", (0, 0, 0, 0))) - 1  # the VAE's 2 ** this pixels a latent
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel.from_pretrained(Path(folder) / "unet")
+    model = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(16, 32, 96, 256)[:downsamplings + 1])
+    model = model.eval()
+    zeroed = ("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding.conv_out")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(zeroed):
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(into)
+    return into
+
+
+def bench_controlnet(model: str | None, n: int, steps: int, repeats: int, workdir: Path,
+                     dtype: str = "float32", size: tuple[int, int] | None = None) -> dict[str, Any]:
+    import preheat
+    from preheat.errors import InvalidArgumentError
+    from preheat.families.inputs import IMAGE_SIZE, example_inputs
+
+    folder = materialize_model(model, workdir)
+    if folder is None or not (Path(folder) / "unet").is_dir():
+        raise InvalidArgumentError(f"{model or 'the built-in model'} has no UNet for a ControlNet; bench an SD 1.x/2.x "
+                                   "or SDXL folder (e.g. random:sd-small)")
+    controlnet = write_random_controlnet(Path(folder), workdir / "controlnet")
+    plain = preheat.load(folder, cache="off", dtype=dtype)
+    controlled = preheat.load(folder, cache="off", dtype=dtype, controlnet=str(controlnet))
+    base: dict[str, Any] = {"steps": steps, "seed": 0, **example_inputs(plain.family.input_specs(plain))}
+    width, height = size if size is not None else plain.family.native_size(plain)
+    base.update(IMAGE_SIZE.inputs((width, height)))
+    image = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)  # its content is data
+    conditions = {"none": Condition(plain, base),
+                  "controlnet": Condition(controlled, {**base, "control_image": image}),
+                  "window": Condition(controlled, {**base, "control_image": image, "control_guidance_end": 0.5})}
+    timed = time_interleaved(conditions, n, repeats)
+    rows = [{"condition": name, "first_call_s": t.first_call_s, "call_s": summary(t.call_s),
+             "denoise_s": summary(t.denoise_s), "images_per_s": n / summary(t.call_s)["median"]}
+            for name, t in timed.items()]
+    by = {r["condition"]: r for r in rows}
+    ratios = {"controlnet_vs_none": by["controlnet"]["images_per_s"] / by["none"]["images_per_s"],
+              "window_vs_controlnet": by["window"]["images_per_s"] / by["controlnet"]["images_per_s"],
+              "denoise_controlnet_vs_none": by["controlnet"]["denoise_s"]["median"] / by["none"]["denoise_s"]["median"]}
+    sig = timed["none"].sig
+    return {"model": model or "built-in:digits", "family": plain.family.name, "machine": machine_line(),
+            "load_average": load_average(), "n": n, "steps": steps, "dtype": dtype, "repeats": repeats,
+            "sampler": plain.defaults["sampler"], "guided": bool(sig.guided), "size": [width, height],
+            "sample_shape": list(sig.sample_shape), "rows": rows, "ratios": ratios}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    from preheat.bench.common import fmt_summary
+
+    load = result["load_average"]
+    lines = [f"**{result['model']}** ({result['family']}) + a random ControlNet from its UNet, batch {result['n']}, "
+             f"{result['steps']} steps {result['sampler']}{' +cfg' if result['guided'] else ''}, "
+             f"{result['size'][0]}x{result['size'][1]} (latents {result['sample_shape']}), {result['dtype']}, "
+             f"{result['repeats']} rounds — {result['machine']}" + (f"; load average {load[0]:.1f}" if load else ""),
+             "", "| condition | call s, median (min–max) | denoise s, median (min–max) | images/s | first call s |",
+             "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['condition']} | {fmt_summary(r['call_s'])} | {fmt_summary(r['denoise_s'])} | "
+                     f"{r['images_per_s']:.2f} | {r['first_call_s']:.1f} |")
+    q = result["ratios"]
+    lines += ["", f"with a ControlNet / without: **{q['controlnet_vs_none']:.2f}×** images/s (denoising alone takes "
+              f"{q['denoise_controlnet_vs_none']:.2f}× as long); a window of half the steps / the whole: "
+              f"{q['window_vs_controlnet']:.2f}× (the window is data: the ControlNet runs on every step)"]
+    return "\n".join(lines)
