@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 __all__ = ["timed", "round_robin_ms", "summary", "machine_line", "ARCHITECTURES", "write_pixel_architecture", "fmt_summary", "write_json",
-           "equations", "Condition", "Timed", "time_interleaved", "load_average"]
+           "equations", "Condition", "Timed", "time_interleaved", "condition_rows", "conditions_table", "load_average"]
 
 # Published architectures, for random-weight benchmark models (config.json of the checkpoint).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -168,6 +168,26 @@ def time_interleaved(conditions: Mapping[str, Condition], n: int, repeats: int) 
             jax.block_until_ready(program(args))
             loops[name].append(time.perf_counter() - t0)
     return {name: Timed(first[name], calls[name], loops[name], programs[name][2]) for name in conditions}
+
+
+def condition_rows(timed: Mapping[str, Timed], n: int) -> list[dict[str, Any]]:
+    """One report row per condition of :func:`time_interleaved` (``n`` images a call)."""
+    return [{"condition": name, "first_call_s": t.first_call_s, "call_s": summary(t.call_s),
+             "denoise_s": summary(t.denoise_s), "images_per_s": n / summary(t.call_s)["median"]}
+            for name, t in timed.items()]
+
+
+def conditions_table(rows: list[dict[str, Any]],
+                     extra: Mapping[str, Callable[[dict[str, Any]], str]] | None = None) -> list[str]:
+    """:func:`condition_rows` as markdown lines; ``extra``: column header -> its cell, after the condition."""
+    extra = extra or {}
+    head = ["condition", *extra, "call s, median (min–max)", "denoise s, median (min–max)", "images/s", "first call s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["condition"], *(cell(r) for cell in extra.values()), fmt_summary(r["call_s"]),
+                 fmt_summary(r["denoise_s"]), f"{r['images_per_s']:.2f}", f"{r['first_call_s']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def load_average() -> tuple[float, float, float] | None:

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from preheat.bench.common import Condition, load_average, machine_line, summary, time_interleaved
+from preheat.bench.common import (Condition, condition_rows, conditions_table, load_average, machine_line,
+                                  time_interleaved)
 from preheat.bench.random_models import materialize_model
 
 __all__ = ["bench_controlnet", "write_random_controlnet", "markdown"]
@@ -73,9 +74,7 @@ def bench_controlnet(model: str | None, n: int, steps: int, repeats: int, workdi
                   "controlnet": Condition(controlled, {**base, "control_image": image}),
                   "window": Condition(controlled, {**base, "control_image": image, "control_guidance_end": 0.5})}
     timed = time_interleaved(conditions, n, repeats)
-    rows = [{"condition": name, "first_call_s": t.first_call_s, "call_s": summary(t.call_s),
-             "denoise_s": summary(t.denoise_s), "images_per_s": n / summary(t.call_s)["median"]}
-            for name, t in timed.items()]
+    rows = condition_rows(timed, n)
     by = {r["condition"]: r for r in rows}
     ratios = {"controlnet_vs_none": by["controlnet"]["images_per_s"] / by["none"]["images_per_s"],
               "window_vs_controlnet": by["window"]["images_per_s"] / by["controlnet"]["images_per_s"],
@@ -88,18 +87,12 @@ def bench_controlnet(model: str | None, n: int, steps: int, repeats: int, workdi
 
 
 def markdown(result: dict[str, Any]) -> str:
-    from preheat.bench.common import fmt_summary
-
     load = result["load_average"]
     lines = [f"**{result['model']}** ({result['family']}) + a random ControlNet from its UNet, batch {result['n']}, "
              f"{result['steps']} steps {result['sampler']}{' +cfg' if result['guided'] else ''}, "
              f"{result['size'][0]}x{result['size'][1]} (latents {result['sample_shape']}), {result['dtype']}, "
              f"{result['repeats']} rounds — {result['machine']}" + (f"; load average {load[0]:.1f}" if load else ""),
-             "", "| condition | call s, median (min–max) | denoise s, median (min–max) | images/s | first call s |",
-             "|---|---|---|---|---|"]
-    for r in result["rows"]:
-        lines.append(f"| {r['condition']} | {fmt_summary(r['call_s'])} | {fmt_summary(r['denoise_s'])} | "
-                     f"{r['images_per_s']:.2f} | {r['first_call_s']:.1f} |")
+             "", *conditions_table(result["rows"])]
     q = result["ratios"]
     lines += ["", f"with a ControlNet / without: **{q['controlnet_vs_none']:.2f}×** images/s (denoising alone takes "
               f"{q['denoise_controlnet_vs_none']:.2f}× as long); a window of half the steps / the whole: "

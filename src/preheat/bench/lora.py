@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from preheat.bench.common import Condition, load_average, machine_line, summary, time_interleaved
+from preheat.bench.common import (Condition, condition_rows, conditions_table, load_average, machine_line,
+                                  time_interleaved)
 from preheat.bench.random_models import materialize_model
 
 __all__ = ["bench_lora", "write_random_loras", "markdown"]
@@ -78,12 +79,9 @@ def bench_lora(model: str | None, n: int, steps: int, rank: int, repeats: int, w
         base.update(IMAGE_SIZE.inputs(size))
     timed = time_interleaved({name: Condition(pipe, {**base, **extra}) for name, extra in _calls(n, files).items()},
                              n, repeats)
-    rows = []
-    for name, t in timed.items():
-        rows.append({"condition": name, "slots": None if t.sig.lora is None else t.sig.lora[1],
-                     "bucket": None if t.sig.lora is None else t.sig.lora[0], "first_call_s": t.first_call_s,
-                     "call_s": summary(t.call_s), "denoise_s": summary(t.denoise_s),
-                     "images_per_s": n / summary(t.call_s)["median"]})
+    rows = [{**row, "slots": None if t.sig.lora is None else t.sig.lora[1],
+             "bucket": None if t.sig.lora is None else t.sig.lora[0]}
+            for row, t in zip(condition_rows(timed, n), timed.values())]
     by = {r["condition"]: r for r in rows}
     ratios = {
         "mixed_vs_same": by["mixed"]["images_per_s"] / by["same"]["images_per_s"],
@@ -101,18 +99,12 @@ def bench_lora(model: str | None, n: int, steps: int, rank: int, repeats: int, w
 
 
 def markdown(result: dict[str, Any]) -> str:
-    from preheat.bench.common import fmt_summary
-
     load = result["load_average"]
     lines = [f"**{result['model']}** ({result['family']}), batch {result['n']}, {result['steps']} steps "
              f"{result['sampler']}{' +cfg' if result['guided'] else ''}, latents {result['sample_shape']}, LoRA rank "
              f"{result['rank']} on every target layer ({result['target_layers']}), {result['dtype']}, {result['repeats']} rounds — "
              f"{result['machine']}" + (f"; load average {load[0]:.1f}" if load else ""), "",
-             "| condition | slots | call s, median (min–max) | denoise s, median (min–max) | images/s | first call s |",
-             "|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        lines.append(f"| {r['condition']} | {r['slots'] or '-'} | {fmt_summary(r['call_s'])} | "
-                     f"{fmt_summary(r['denoise_s'])} | {r['images_per_s']:.2f} | {r['first_call_s']:.1f} |")
+             *conditions_table(result["rows"], {"slots": lambda r: str(r["slots"] or "-")})]
     q = result["ratios"]
     lines += ["", f"mixed / same: **{q['mixed_vs_same']:.2f}×** (goal ≥ 0.8: {'met' if result['goal_met'] else 'NOT met'}); "
               f"mixed / same with the server's slot count: {q['mixed_vs_same_slots']:.2f}×; same / none: "
