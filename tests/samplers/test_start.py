@@ -124,3 +124,60 @@ def test_a_run_from_start_matches_diffusers_img2img_loop(sampler, extra, steps, 
     if start:  # the start counts: the whole run from pure noise lands elsewhere
         whole = run(spec, R.fake_model_jax, plan, jnp.asarray(eps), noise)
         assert not np.allclose(np.asarray(whole), x.numpy(), atol=1e-2)
+
+
+@pytest.mark.parametrize("steps,fraction", [(10, 0.8), (7, 0.3)])
+@pytest.mark.parametrize("sampler,extra", START_SAMPLERS, ids=START_IDS)
+def test_a_restart_matches_two_diffusers_pipelines(sampler, extra, steps, fraction, monkeypatch):
+    """``run(restart=k)`` is SDXL's ensemble of experts on the bare schedulers: the first pipeline
+    (``denoising_end``) steps its scheduler through the timesteps at or above the cutoff, and the
+    second (``denoising_start``) a fresh scheduler of the same config through the rest, from the
+    first's latents as they are (no noise added) -- its multistep history empty, PNDM's counter
+    from 0, its order warming up again. Same fake model and noise table."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from preheat.samplers import handoff_step, make_spec, run
+    from tests._support import sampler_ref as R
+
+    cfg = {**_config(sampler), "prediction_type": "epsilon", **extra}
+    R.inject_torch_tables(monkeypatch)
+    config = SchedulerConfig.from_dict(cfg)
+    spec, plan = make_spec(config, sampler), make_plan(config, sampler, steps)
+    rng = np.random.default_rng(steps)
+    eps = rng.standard_normal(R.SHAPE, dtype=np.float32)
+    table = rng.standard_normal((plan.timesteps.shape[0], 1, *R.SHAPE), dtype=np.float32)
+    row = {"i": 0}
+    for mod in R.RANDN_MODULES:
+        monkeypatch.setattr(mod, "randn_tensor", lambda shape, **_: torch.from_numpy(table[row["i"], 0].copy()))
+
+    first = R.diffusers_scheduler(sampler, cfg)
+    first.set_timesteps(steps)
+    cutoff = int(round(first.config.num_train_timesteps * (1 - fraction)))  # the pipelines' discrete cutoff
+    base_steps = [t for t in first.timesteps if t >= cutoff]  # StableDiffusionXLPipeline(denoising_end=fraction)
+    x = torch.from_numpy(eps) * first.init_noise_sigma
+    with torch.no_grad():
+        for k, t in enumerate(base_steps):
+            row["i"] = k
+            x = first.step(R.fake_model_torch(first.scale_model_input(x, t), t), t, x).prev_sample
+        second = R.diffusers_scheduler(sampler, cfg)  # StableDiffusionXLImg2ImgPipeline(denoising_start=fraction)
+        second.set_timesteps(steps)
+        rest = int((second.timesteps < cutoff).sum())
+        begin = len(second.timesteps) - rest
+        if hasattr(second, "set_begin_index"):
+            second.set_begin_index(begin)
+        for k, t in enumerate(second.timesteps[begin:]):
+            row["i"] = begin + k
+            x = second.step(R.fake_model_torch(second.scale_model_input(x, t), t), t, x).prev_sample
+    handoff = handoff_step(plan, 1000, fraction)
+    assert handoff == len(base_steps) == begin
+    noise = lambda i, k: jnp.asarray(table)[i, k]  # noqa: E731
+    ours = run(spec, R.fake_model_jax, plan, jnp.asarray(eps), noise, restart=jnp.int32(handoff))
+    np.testing.assert_allclose(np.asarray(ours), x.numpy(), rtol=1e-5, atol=2e-5)
+    if not sampler.startswith("edm_"):  # (EDM's timesteps are c_noise, all below the cutoff: the first runs none)
+        assert 0 < handoff < steps
+    if 0 < handoff < steps and spec.solver in ("dpmpp_2m", "unipc", "deis", "lms", "pndm"):
+        # the restart counts: a multistep solver's history carried on lands elsewhere
+        whole = run(spec, R.fake_model_jax, plan, jnp.asarray(eps), noise)
+        assert not np.allclose(np.asarray(whole), x.numpy(), atol=1e-4)

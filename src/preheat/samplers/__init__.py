@@ -33,10 +33,12 @@ Public API::
     samplers_of_kind(config) -> the samplers that config takes (all when its kind is unknown)
     init(spec, plan, noise) -> SamplerState
     step(spec, model, plan, state, i, noise_fn) -> SamplerState
-    run(spec, model, plan, noise, noise_fn, start=None) -> x0       # init + lax.fori_loop
+    run(spec, model, plan, noise, noise_fn, start=None, restart=None) -> x0   # init + lax.fori_loop
+                                                                 #   (restart: a fresh solver from that step)
     Start(index, x0, pure_noise, keep=None)   # img2img / inpainting: begin at step index from x0
     noised(spec, plan, x0, noise, i) -> x_i   # diffusers' add_noise / scale_noise at step i
     strength_start(steps, strength, rule) -> index   # the pipeline's get_timesteps(strength)
+    handoff_step(plan, T, fraction) -> index   # denoising_end / denoising_start: where a second pipeline goes on
 
     model(x_in, t) -> raw output   # x_in shaped like the sample, t a float32 scalar timestep
     noise_fn(i, k) -> noise        # standard normal, shaped like the sample; draw k of step i
@@ -142,8 +144,8 @@ from __future__ import annotations
 
 from preheat.samplers._config import (SchedulerConfig, config_kind, find_scheduler_config, load_scheduler_config,
                                      samplers_of_kind, with_overrides)
-from preheat.samplers._plan import (MU_SIGMAS_SAMPLERS, TIMESTEPS_SAMPLERS, Plan, SolverSpec, flow_mu, make_plan,
-                                   make_spec, strength_start)
+from preheat.samplers._plan import (MU_SIGMAS_SAMPLERS, TIMESTEPS_SAMPLERS, Plan, SolverSpec, flow_mu,
+                                   handoff_step, make_plan, make_spec, strength_start)
 from preheat.samplers._schedules import flux_sigmas
 from preheat.samplers._solvers import BLEND_SOLVERS, Model, NoiseFn, SamplerState, Start, init, noised, run, step
 from preheat.samplers._tables import (DETERMINISTIC_SAMPLERS, DIFFUSERS_CLASS, DIFFUSION_SAMPLERS, DPM_FIXED_SETTINGS,
@@ -182,4 +184,5 @@ __all__ = [
     "run",
     "noised",
     "strength_start",
+    "handoff_step",
 ]

@@ -19,7 +19,8 @@ from preheat.samplers._config import (ResolvedConfig, ResolvedEdmConfig, Resolve
                                       check_sampler, resolve, resolve_edm, resolve_flow)
 from preheat.samplers._tables import EDM_SAMPLERS, FLOW_SAMPLERS, SAMPLERS
 
-__all__ = ["SolverSpec", "Plan", "make_spec", "make_plan", "flow_mu", "strength_start", "MU_SIGMAS_SAMPLERS",
+__all__ = ["SolverSpec", "Plan", "make_spec", "make_plan", "flow_mu", "strength_start", "handoff_step",
+           "MU_SIGMAS_SAMPLERS",
            "ETA_SAMPLERS", "TIMESTEPS_SAMPLERS"]
 
 _F32 = np.float32
@@ -265,6 +266,16 @@ def strength_start(steps: int, strength: float, rule: str = "sd") -> int:
         raise SchedulerConfigError.about("{0}={strength} with {1}={steps} runs no step; raise {0} or {1}", "strength",
                                          "steps", strength=strength, steps=steps)
     return start
+
+
+def handoff_step(plan: Plan, num_train_timesteps: int, fraction: float) -> int:
+    """The step at which a second pipeline takes over: diffusers' ``denoising_end`` (the first
+    pipeline keeps the steps whose timestep is at or above ``round(T - fraction * T)``) and the
+    second's ``denoising_start`` (it runs the rest) with the same fraction. Steps run in order,
+    so with falling timesteps this is how many the first runs (0 .. ``plan.n_steps``)."""
+    cutoff = int(round(num_train_timesteps - fraction * num_train_timesteps))
+    timesteps = np.asarray(plan.timesteps[:int(plan.n_steps)], np.float64)
+    return int(np.sum(timesteps >= cutoff))
 
 
 def _check_steps(steps: object, T: int) -> int:

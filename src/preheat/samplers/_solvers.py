@@ -112,12 +112,16 @@ def step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax
 
 
 def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: NoiseFn,
-        start: Start | None = None, progress: bool = False) -> jax.Array:
+        start: Start | None = None, progress: bool = False, restart: jax.Array | None = None) -> jax.Array:
     """The whole denoising loop: ``init`` then ``plan.n_steps`` steps; returns the final sample.
 
     The trip count is traced, so one compiled program serves every step count. With ``start``
     the loop runs steps ``start.index .. n_steps - 1`` from ``start.x0`` noised with ``noise``
     to step ``start.index``'s level (the index is traced too: one program for every strength).
+    ``restart`` (int32 [], traced; None: none): from that step on the solver forgets what it
+    carried and warms up again, the sample kept as it is -- what a second diffusers pipeline
+    continuing the first's latents from ``denoising_start`` does with its fresh scheduler (SDXL's
+    ensemble of experts); a restart at or before the first step run changes nothing.
     ``progress`` (static): report each finished step to the host, for the call
     ``plan.progress_id`` (``preheat.progress``), counting the steps this call runs (k of
     ``n_steps - start.index``, as diffusers' progress bar counts an img2img call).
@@ -128,29 +132,44 @@ def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: 
         state = init(spec, plan, noise)
     else:
         first = jnp.asarray(start.index, jnp.int32)
-        if spec.solver in _DPM_SOLVERS:  # no history at the first step run: first order, as diffusers
-            plan = plan._replace(order=jnp.asarray(plan.order).at[first].set(1))
-        if spec.solver in ("unipc", "deis"):  # the order warms up from the first step run
-            warm = jnp.arange(jnp.shape(plan.order)[0], dtype=jnp.int32) - first + 1
-            plan = plan._replace(order=jnp.minimum(jnp.asarray(plan.order), warm))
-        if spec.solver == "unipc":  # nothing to correct at the first step run
-            plan = plan._replace(corrector=jnp.asarray(plan.corrector).at[first].set(False))
         state = init(spec, plan, noise)
         x = jnp.where(start.pure_noise, state.x, noised(spec, plan, start.x0, noise, first))
         state = state._replace(x=x)
 
-    def body(i: jax.Array, s: SamplerState) -> SamplerState:
-        s = step(spec, model, plan, s, i, noise_fn)
-        if start is not None and start.keep is not None:
-            # diffusers' inpaint loop: the kept region is x0 at the next step's level (x0 itself at the end)
-            last = i == n_steps - 1
-            kept = jnp.where(last, start.x0, noised(spec, plan, start.x0, noise, i + 1))
-            s = s._replace(x=(1.0 - start.keep) * kept + start.keep * s.x)
-        if progress:
-            report_step(jnp.asarray(plan.progress_id, jnp.int32), i + 1 - first, n_steps - first, s.x)
-        return s
+    def segment(plan: Plan, begin: jax.Array, end: jax.Array, state: SamplerState) -> SamplerState:
+        def body(i: jax.Array, s: SamplerState) -> SamplerState:
+            s = step(spec, model, plan, s, i, noise_fn)
+            if start is not None and start.keep is not None:
+                # diffusers' inpaint loop: the kept region is x0 at the next step's level (x0 itself at the end)
+                last = i == n_steps - 1
+                kept = jnp.where(last, start.x0, noised(spec, plan, start.x0, noise, i + 1))
+                s = s._replace(x=(1.0 - start.keep) * kept + start.keep * s.x)
+            if progress:
+                report_step(jnp.asarray(plan.progress_id, jnp.int32), i + 1 - first, n_steps - first, s.x)
+            return s
 
-    return jax.lax.fori_loop(first, n_steps, body, state).x
+        return jax.lax.fori_loop(begin, end, body, state)
+
+    begun = plan if start is None else fresh_from(spec, plan, first)  # from noise: the plan is the fresh one
+    if restart is None:
+        return segment(begun, first, n_steps, state).x
+    turn = jnp.clip(jnp.asarray(restart, jnp.int32), first, n_steps)
+    state = segment(begun, first, turn, state)
+    state = init(spec, plan, state.x)._replace(x=state.x)  # what a fresh scheduler carries: nothing yet
+    return segment(fresh_from(spec, plan, turn), turn, n_steps, state).x
+
+
+def fresh_from(spec: SolverSpec, plan: Plan, first: jax.Array) -> Plan:
+    """``plan`` as a fresh diffusers scheduler runs it from step ``first`` on (``set_begin_index``):
+    multistep solvers have no history there, so their order warms up again from that step."""
+    if spec.solver in _DPM_SOLVERS:  # no history at the first step run: first order, as diffusers
+        plan = plan._replace(order=jnp.asarray(plan.order).at[first].set(1))
+    if spec.solver in ("unipc", "deis"):  # the order warms up from the first step run
+        warm = jnp.arange(jnp.shape(plan.order)[0], dtype=jnp.int32) - first + 1
+        plan = plan._replace(order=jnp.minimum(jnp.asarray(plan.order), warm))
+    if spec.solver == "unipc":  # nothing to correct at the first step run
+        plan = plan._replace(corrector=jnp.asarray(plan.corrector).at[first].set(False))
+    return plan
 
 
 def noised(spec: SolverSpec, plan: Plan, x0: jax.Array, noise: jax.Array, i: jax.Array | int) -> jax.Array:
