@@ -24,10 +24,10 @@ def load(model: str | Path | None = None, *, backend: str = "jax", compile: str 
     if backend == "torch":
         from preheat.backends.torch import load_torch_pipeline
 
-        if options.get("controlnet") is not None:
-            raise InvalidArgumentError("controlnet applies to backend='jax'; the torch backend loads no ControlNet",
-                                       argument="controlnet")
-        options.pop("controlnet", None)
+        for name in ("controlnet", "refiner"):  # second model folders (engine.COMPANION_MODELS)
+            if options.pop(name, None) is not None:
+                raise InvalidArgumentError(f"{name} applies to backend='jax'; the torch backend loads no second "
+                                           "model folder", argument=name)
         if options.pop("weights_dtype", None) is not None or options.pop("weights_layers", "layerwise") != "layerwise":
             raise InvalidArgumentError("weights_dtype applies to backend='jax' (fp8 storage, upcast inside the compiled "
                                        "program); the torch backend loads weights in dtype", argument="weights_dtype")

@@ -79,6 +79,8 @@ BUILTIN_MODEL = Path(__file__).parent / "assets" / "digits"
 # ``preheat train-text-digits``); no name at all is the digits one.
 BUILTIN_MODELS = {"digits": BUILTIN_MODEL, "text-digits": Path(__file__).parent / "assets" / "text_digits"}
 BUILTIN_PREFIX = "builtin:"
+# whom each second model folder of ``load`` applies to (its family's loader takes it by that name)
+COMPANION_MODELS = {"controlnet": "Stable Diffusion 1.x/2.x and SDXL models", "refiner": "SDXL base models"}
 
 
 def model_root(model: Any, variant: str | None = None) -> Path:
@@ -133,6 +135,7 @@ class Signature:
     cond_shapes: tuple[tuple[int, ...], ...] = ()
     guidance_rescale: bool = False  # the guided prediction is rescaled (``families.guidance``: a guided call of a
     #                                 family declaring it); its phi is data
+    restart: bool = False  # the solver starts afresh at a step (``Family.restart_step``); the step is data
 
     @property
     def output(self) -> jax.ShapeDtypeStruct:
@@ -166,7 +169,9 @@ def build_program(sig: Signature, apply: Denoiser) -> Callable[[DenoiseArgs], ja
     here. ``args.lora`` (only when ``sig.lora``): the denoiser's adapters, each image's slot
     repeated for the unconditional half of a guided batch. ``args.guidance_rescale`` (only when
     ``sig.guidance_rescale``: a guided call of a family that declares it): :func:`rescaled_guidance`
-    on the combined prediction, before the sampler sees it, as diffusers' pipelines apply it."""
+    on the combined prediction, before the sampler sees it, as diffusers' pipelines apply it.
+    ``args.restart`` (only when ``sig.restart``): the solver's state starts afresh at that step
+    (``samplers.run``), as a second pipeline's scheduler does when it goes on from the first's latents."""
     spec = sig.spec
     draws = max(spec.noise_draws_per_step, 1)
 
@@ -199,7 +204,8 @@ def build_program(sig: Signature, apply: Denoiser) -> Callable[[DenoiseArgs], ja
         def noise_fn(i: jax.Array, k: int) -> jax.Array:
             return normal_per_image(keys, STEP_STREAM, i * draws + k, sig.sample_shape)
 
-        x0 = run(spec, model, args.plan, x_t, noise_fn, args.start if sig.image else None, progress=sig.progress)
+        x0 = run(spec, model, args.plan, x_t, noise_fn, args.start if sig.image else None, progress=sig.progress,
+                 restart=args.restart if sig.restart else None)
         return to_pixels(x0) if sig.pixels else x0
 
     return program
@@ -385,10 +391,11 @@ class Pipeline:
         if start is not None:  # img2img / inpainting: the start step and the image are data
             sig = dataclasses.replace(sig, image="img2img" if start.keep is None else "blend")
         rescale = guidance_rescale(request)
-        sig = dataclasses.replace(sig, guidance_rescale=rescale is not None)
+        restart = self.family.restart_step(self, request)
+        sig = dataclasses.replace(sig, guidance_rescale=rescale is not None, restart=restart is not None)
         args = DenoiseArgs(params=self.params, plan=plan, seeds=request.seeds, cond=cond, uncond=conditioning.uncond,
                            guidance=np.float32(request.cfg_scale), noise=noise, start=start, lora=lora,
-                           guidance_rescale=rescale)
+                           guidance_rescale=rescale, restart=None if restart is None else np.int32(restart))
         return sig, args
 
     def _run_denoise(self, sig: Signature, args: DenoiseArgs) -> Any:
@@ -540,7 +547,7 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
          cache: str | None = None, variant: str | None = None, config: str | Path | None = None,
          offload_encoders: bool = False, weights_dtype: str | None = None, weights_layers: str = "layerwise",
          devices: Any = None, fsdp: int = 1, prefetch: Sequence[dict[str, Any]] | None = None,
-         controlnet: str | Path | None = None) -> Pipeline:
+         controlnet: str | Path | None = None, refiner: str | Path | None = None) -> Pipeline:
     """A JAX sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
 
     ``model``: a diffusers-format folder, or a source for the weights store (``hf://org/repo[@rev]``,
@@ -582,6 +589,9 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     ``controlnet``: a diffusers ControlNetModel folder (SD 1.x/2.x or SDXL base, matching the
     model) run beside the UNet on every call: the model then takes ``control_image`` and the
     ControlNet's scale and step window (``preheat.families.control``).
+    ``refiner``: an SDXL refiner folder beside an SDXL base (SDXL's ensemble of experts): the base
+    denoises the first ``denoising_end`` of each call, the refiner the rest, in one program
+    (``preheat.families.experts``). Both read ``variant``; a refiner shares the base's VAE.
     ``preheat.load`` (``preheat.api``) adds ``backend="torch"``.
 
     ``Pipeline.startup`` records each start-up phase and the critical path (``preheat.timings.Phases``).
@@ -608,6 +618,8 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     converted = converted_folder(model, root, config, variant)  # a single file: its diffusers folder
     if converted is not None:  # a misfit names the file, not the folder; its files have no variant
         root, reading, variant = converted.root, converted.reading, None
+    # second model folders run beside the model's own (the loader's keyword, and whom it applies to)
+    companions = {"controlnet": controlnet, "refiner": refiner}
     early = bool(prefetch) and compiler is not None
     if early:  # the last such start's executables deserialise while the model is built (preheat.cache.early)
         from preheat.cache.early import startup_id
@@ -615,8 +627,8 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         compiler.start_early(startup_id(root, {"dtype": str(dtype), "variant": variant, "fsdp": fsdp,
                                                "weights_dtype": weights_dtype, "weights_layers": weights_layers,
                                                "offload_encoders": offload_encoders, "scheduler": scheduler,
-                                               "controlnet": None if controlnet is None else
-                                               str(Path(controlnet).resolve()),
+                                               **{name: None if folder is None else str(Path(folder).resolve())
+                                                  for name, folder in companions.items()},
                                                "devices": None if mesh is None else
                                                [int(d.id) for d in mesh.devices.flat]}), mesh)
     loader = family_loader(root)
@@ -628,13 +640,14 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
             raise InvalidArgumentError(f"offload_encoders applies to text-to-image models; {root} has no text "
                                        "encoders", argument="offload_encoders")
         options["offload_encoders"] = True
-    if controlnet is not None:
+    for name, folder in companions.items():
+        if folder is None:
+            continue
         import inspect
 
-        if "controlnet" not in inspect.signature(loader).parameters:
-            raise InvalidArgumentError(f"controlnet applies to Stable Diffusion 1.x/2.x and SDXL models; {root} is "
-                                       "not one", argument="controlnet")
-        options["controlnet"] = controlnet
+        if name not in inspect.signature(loader).parameters:
+            raise InvalidArgumentError(f"{name} applies to {COMPANION_MODELS[name]}; {root} is not one", argument=name)
+        options[name] = folder
     # Prefetching: the loader checks every header and returns placeholder weights (shapes only),
     # the executables load on a background thread, then the tensors are read here.
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component

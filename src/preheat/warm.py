@@ -137,6 +137,17 @@ def progress_inputs(pipe: Any, progress: bool) -> dict[str, Any]:
     return {"progress": ignore}
 
 
+# the second model folders ``preheat.load`` takes beside the model (``engine.COMPANION_MODELS``): every
+# surface's settings carry them under these names
+COMPANIONS = ("controlnet", "refiner")
+
+
+def companions(settings: Any) -> dict[str, str]:
+    """The second model folders ``settings`` (a WarmSet, a server's CoreConfig, a CLI call's options)
+    names, as ``preheat.load`` keywords: only those given."""
+    return {name: getattr(settings, name) for name in COMPANIONS if getattr(settings, name) is not None}
+
+
 @dataclass(frozen=True)
 class WarmSet:
     """The declared set: model, dtype, batch buckets (from ``max_batch_size``), samplers (() =
@@ -169,6 +180,7 @@ class WarmSet:
     weights_layers: str = "layerwise"  # which layers weights_dtype stores (preheat.load(weights_layers=...))
     config: Optional[str] = None  # ``model`` a single file: the folder whose configs read it (preheat.load(config=...))
     controlnet: Optional[str] = None  # a ControlNetModel folder beside the UNet (preheat.load(controlnet=...))
+    refiner: Optional[str] = None  # an SDXL refiner folder that takes over part-way (preheat.load(refiner=...))
     # the loop reports each step to the host (a server's step events; ``preheat.progress``): a static
     # switch, so a server and its warm job must agree. A deviceless GPU compile cannot hold the host
     # callback (lowering it needs the GPU's runtime), so ``warm --target`` declares it off.

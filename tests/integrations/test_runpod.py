@@ -107,7 +107,7 @@ def test_runpod_and_ray_read_every_setting_from_one_table() -> None:
     from preheat.server.config import ENV_SETTINGS, env_var
 
     given = {"model": "/m", "dtype": "bfloat16", "variant": "fp16", "cache": "xla", "weights_dtype": "float8_e4m3fn",
-             "weights_layers": "linear", "config": "/c", "controlnet": "/cn", "progress": "off",
+             "weights_layers": "linear", "config": "/c", "controlnet": "/cn", "refiner": "/r", "progress": "off",
              "max_batch_size": "3",
              "samplers": "ddim,euler", "sizes": "64x32", "guidance": "on", "inputs": "image",
              "input_values": "max_sequence_length=256", "devices": "2",

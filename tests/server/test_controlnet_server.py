@@ -90,8 +90,9 @@ def test_sample_cli_takes_controlnet_and_control_image(served, tmp_path: Path) -
     result = CliRunner().invoke(main, ["sample", str(folder), "--control-image", str(tmp_path / "edges.png"),
                                        "--prompt", "a red boat", "--steps", "1", "--cache", "off",
                                        "--out", str(out)])
-    # without --controlnet the model declares no control inputs: the CLI's one line for an undeclared flag
-    assert result.exit_code == 2 and result.output.startswith("error: --control-image does not apply"), result.output
+    # without --controlnet the model declares no control inputs: one line naming the option that loads one
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: --control-image needs a ControlNet: load the model with --controlnet FOLDER")
     assert result.output.count("\n") == 1
 
 

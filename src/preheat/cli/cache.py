@@ -160,6 +160,7 @@ class ExplainCommand(SettingsCommand, FamilyInputsCommand):
     are sample's (``PREHEAT_GUIDANCE`` is a server's guidance modes, ``--guidance`` a call's scale)."""
 
     env_settings = ("dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "controlnet",
+                    "refiner",
                     "devices", "fsdp",
                     "max_batch_size", "progress", "inputs", "input_values", "sizes", "samplers")
     env_gate = "--as-server"

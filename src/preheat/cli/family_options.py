@@ -27,7 +27,8 @@ __all__ = ["FamilyInputsCommand", "parse_flags", "family_values", "flag_errors",
 # SRC[:SCALE]); a family's own inputs are named by their declared specs
 # (:func:`flag_errors`).
 FLAGS = {**{s.name: s.cli_flag for s in COMMON_SPECS if "cli" in s.surfaces or s.flag is not None},
-         "weights_dtype": "--weights-dtype", "weights_layers": "--weights-layers", "controlnet": "--controlnet"}
+         "weights_dtype": "--weights-dtype", "weights_layers": "--weights-layers", "controlnet": "--controlnet",
+         "refiner": "--refiner"}
 
 
 class FamilyInputsCommand(click.Command):
@@ -99,7 +100,24 @@ def family_values(pipe: Any, flags: dict[str, list[str]]) -> dict[str, Any]:
     or a list: one per image). A flag the model does not declare fails naming those it does."""
     from preheat.families.inputs import typed_flags
 
-    return typed_flags(pipe.family.input_specs(pipe), pipe.family.name, flags)
+    specs = pipe.family.input_specs(pipe)
+    _refuse_companion_flags(specs, flags)
+    return typed_flags(specs, pipe.family.name, flags)
+
+
+def _refuse_companion_flags(specs: Any, flags: dict[str, list[str]]) -> None:
+    """A flag that only a second model folder declares (--control-image: a ControlNet's;
+    --denoising-end: a refiner's), given without it: one line naming the option that loads it."""
+    from preheat.families.control import CONTROL_NAMES
+    from preheat.families.experts import REFINER_NAMES
+
+    declared = {s.name for s in specs}
+    for option, names, what in (("--controlnet", CONTROL_NAMES, "a ControlNet"),
+                                ("--refiner", REFINER_NAMES, "a refiner")):
+        for flag in flags:
+            name = flag.lstrip("-").replace("-", "_")
+            if name in names and name not in declared:
+                raise InvalidArgumentError(f"{flag} needs {what}: load the model with {option} FOLDER", argument=flag)
 
 
 @contextlib.contextmanager

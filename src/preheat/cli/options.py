@@ -108,7 +108,7 @@ def echo_result(result: Any, text: str, as_json: bool) -> None:
 
 
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--dtype, --weights-dtype, --variant, --cache, --config, --controlnet: how the model is loaded."""
+    """--dtype, --weights-dtype, --variant, --cache, --config, --controlnet, --refiner: how the model is loaded."""
     options = [
         click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES),
                      help="The denoiser's dtype."),
@@ -130,6 +130,10 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--controlnet", metavar="FOLDER",
                      help="A diffusers ControlNetModel folder run beside the UNet (SD 1.x/2.x, SDXL; JAX backend): "
                           "the model then takes --control-image and the ControlNet's scale and step window."),
+        click.option("--refiner", metavar="FOLDER",
+                     help="An SDXL refiner folder that takes over from an SDXL base part-way (the ensemble of "
+                          "experts; JAX backend): the model then takes --denoising-end (0.8) and the refiner's "
+                          "--aesthetic-score."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -158,6 +162,7 @@ class CallOptions:
     cache: Optional[str]
     config: Optional[str]
     controlnet: Optional[str]
+    refiner: Optional[str]
     backend: str
     compile_mode: str
 
@@ -196,8 +201,10 @@ class CallOptions:
         """``preheat.load(model, **load_options())``."""
         options = dict(dtype=self.dtype, cache=self.cache, backend=self.backend, compile=self.compile_mode,
                        variant=self.variant, weights_dtype=self.weights_dtype, weights_layers=self.weights_layers)
-        given = {name: getattr(self, name) for name in ("config", "controlnet") if getattr(self, name) is not None}
-        return {**options, **given}
+        from preheat.warm import companions
+
+        given = {} if self.config is None else {"config": self.config}
+        return {**options, **given, **companions(self)}
 
     def batch(self, pipe: Any) -> int:
         """``--n``, or the family's preview count (16 for a class model, 1 for text-to-image)."""

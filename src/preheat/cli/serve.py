@@ -167,7 +167,7 @@ def _address_policy(allow_private: bool, allow: tuple[str, ...], flag: str = "--
 @one_line_errors
 def serve_command(model: Optional[str], host: str, port: int, backend: str, compile_mode: str, dtype: str,
                   weights_dtype: Optional[str], weights_layers: str, variant: Optional[str], cache: Optional[str],
-                  config: Optional[str], controlnet: Optional[str],
+                  config: Optional[str], controlnet: Optional[str], refiner: Optional[str],
                   max_batch_size: int, devices_text: Optional[str], fsdp: int, progress: Optional[bool],
                   batch_wait_ms: float, max_queue: int, max_steps: int,
                   samplers_text: Optional[str], sizes_text: Optional[str], guidance_text: str,
@@ -206,7 +206,7 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp, variant, cache, weights_dtype,
                                      weights_layers, progress, config, inputs_text, name_of,
-                                     input_values_text=input_values_text, controlnet=controlnet)
+                                     input_values_text=input_values_text, controlnet=controlnet, refiner=refiner)
     names = SettingNames.by(name_of)  # set-up messages (an unusable size) name what the user wrote
     webhooks = _address_policy(webhook_allow_private, webhook_allow)
     lora_urls = _address_policy(lora_url_allow_private, lora_url_allow, "--lora-url-allow")
@@ -282,7 +282,7 @@ def _serve_on_ray(warm_set: Any, backend: str, max_loras: int, lora_dir: Optiona
     options = on_ray.RayOptions(model=warm_set.model, dtype=warm_set.dtype, variant=warm_set.variant,
                                 cache=warm_set.cache, weights_dtype=warm_set.weights_dtype,
                                 weights_layers=warm_set.weights_layers, config=warm_set.config,
-                                controlnet=warm_set.controlnet,
+                                controlnet=warm_set.controlnet, refiner=warm_set.refiner,
                                 progress=warm_set.progress, max_batch_size=warm_set.max_batch_size,
                                 samplers=tuple(warm_set.samplers), sizes=tuple(warm_set.sizes),
                                 guidance=tuple(warm_set.guidance), inputs=warm_set.inputs,

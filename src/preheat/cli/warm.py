@@ -92,7 +92,7 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
                           weights_layers: str = "layerwise", progress: Optional[bool] = None,
                           config: Optional[str] = None, inputs_text: Optional[str] = None,
                           name_of: Callable[[str], str] = flag_of, input_values_text: Optional[str] = None,
-                          controlnet: Optional[str] = None) -> Any:
+                          controlnet: Optional[str] = None, refiner: Optional[str] = None) -> Any:
     """The ``WarmSet`` the declaration options describe (one-line errors for bad values, naming
     each setting as ``name_of`` says the user gave it: its flag, or its ``PREHEAT_<SETTING>``); a
     ``random:NAME`` model becomes its folder (a tiny one served at its tiny size by default)."""
@@ -122,6 +122,7 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
                    guidance=guidance, lora_ranks=tuple(ranks), devices=devices, fsdp=fsdp, variant=variant,
                    cache=cache, weights_dtype=weights_dtype, weights_layers=weights_layers,
                    progress=True if progress is None else progress, config=config, controlnet=controlnet,
+                   refiner=refiner,
                    inputs=parse_offered(inputs_text),
                    input_values=parse_input_values(input_values_text, name_of("input_values")))
 
@@ -140,7 +141,7 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
 @one_line_errors
 def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str], weights_layers: str,
                  variant: Optional[str], cache: Optional[str], config: Optional[str], controlnet: Optional[str],
-                 max_batch_size: int, samplers_text: Optional[str],
+                 refiner: Optional[str], max_batch_size: int, samplers_text: Optional[str],
                  sizes_text: Optional[str], guidance_text: str, inputs_text: Optional[str],
                  input_values_text: Optional[str], lora_ranks_text: Optional[str], devices_text: Optional[str], fsdp: int, progress: Optional[bool],
                  dry_run: bool,
@@ -161,7 +162,7 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
     warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
                                      lora_ranks_text, devices_text, fsdp, variant, cache, weights_dtype,
                                      weights_layers, progress, config, inputs_text, name_of,
-                                     input_values_text=input_values_text, controlnet=controlnet)
+                                     input_values_text=input_values_text, controlnet=controlnet, refiner=refiner)
     names = SettingNames.by(name_of)  # set-up messages name the flag or the variable, as given
     target = None
     if target_spec is not None:
@@ -171,7 +172,7 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
                         devices=warm_set.devices, fsdp=warm_set.fsdp, weights_dtype=warm_set.weights_dtype,
                         weights_layers=warm_set.weights_layers,
                         **({} if warm_set.config is None else {"config": warm_set.config}),
-                        **({} if warm_set.controlnet is None else {"controlnet": warm_set.controlnet}),
+                        **warming.companions(warm_set),
                         prefetch=None if dry_run or target else warming.prefetch_calls(warm_set))
     if target is not None:
         from preheat.cache.compile import TargetCompiler

@@ -240,6 +240,11 @@ class Family:
         the loop starts from noise. Families that take an ``image`` override it."""
         return None
 
+    def restart_step(self, pipe: "EngineView", request: "Request") -> int | None:
+        """The step from which the solver starts afresh, its sample kept (``samplers.run``'s
+        ``restart``: a second expert going on as diffusers' second pipeline would), or None."""
+        return None
+
     def condition(self, pipe: "EngineView", request: "Request") -> Conditioning:
         """The denoiser's ``cond``/``uncond`` pytrees for a validated request (may run a stage)."""
         raise NotImplementedError

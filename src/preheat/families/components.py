@@ -8,7 +8,7 @@ pipeline's ``lora_runtime`` (``preheat.lora.LoraRuntime``), not a component.
     Components         every kind: the LoRA target layers (None: the model takes no LoRA)
     PixelComponents    pixel (UNet2DModel): nothing more
     TextComponents     text-to-image: tokenizers, text encoders, VAE, fingerprints of their stages
-      SDComponents     + inpaint, force_zeros, clip_layers, controlnet (SD 1.x / 2.x / SDXL)
+      SDComponents     + inpaint, force_zeros, clip_layers, controlnet, refiner (SD 1.x / 2.x / SDXL)
       SD3Components    + patch_size, joint_attention_dim
       FluxComponents   + guidance_embeds (FLUX.1 and Kontext)
 
@@ -66,6 +66,8 @@ class SDComponents(TextComponents):
     clip_layers: int = 0  # the text encoders' fewest hidden layers (bounds clip_skip)
     controlnet: Any = None  # a loaded ControlNet's config (preheat.models.controlnet.ControlNetConfig): the model
     #                         declares the control inputs (preheat.families.control); its weights are the denoiser's
+    refiner: Any = None  # SDXL's ensemble of experts: the refiner's own SDComponents (its text encoder); the model
+    #                      declares the handoff inputs (preheat.families.experts); its UNet's weights are the denoiser's
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

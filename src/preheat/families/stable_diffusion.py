@@ -73,6 +73,8 @@ from preheat.families import image as image_input
 from preheat.families.components import SDComponents
 from preheat.families.control import (CONTROL_SPECS, IMAGE_INPUTS, check_control_inputs, control_cond,
                                       control_window, keep_scale, refuse_image_inputs, refuse_without_controlnet)
+from preheat.families.experts import (DENOISING_END, ExpertView, by_expert, check_handoff, cutoff_leaf,
+                                      refuse_image_inputs_with_refiner, refuse_without_refiner)
 from preheat.families.guidance import GUIDANCE_RESCALE
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
@@ -159,6 +161,9 @@ class StableDiffusionFamily(TextToImageFamily):
         if pipe.components.controlnet is not None:  # loaded with controlnet=: its inputs, and no image to start from
             specs = tuple(s for s in specs if s.name not in IMAGE_INPUTS)
             control = CONTROL_SPECS
+        if pipe.components.refiner is not None:  # loaded with refiner=: the handoff and the refiner's scores
+            specs = tuple(s for s in specs if s.name not in IMAGE_INPUTS)
+            control = (DENOISING_END, AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE)
         return (*specs, clip_skip_spec(layers - 1 if self.xl else layers), *control)  # SDXL: from the penultimate
 
     def _required_images(self, specs: Sequence[InputSpec], inpaint: bool) -> tuple[InputSpec, ...]:
@@ -186,6 +191,10 @@ class StableDiffusionFamily(TextToImageFamily):
             refuse_without_controlnet(inputs)
         else:
             refuse_image_inputs(inputs)  # named as such, rather than as undeclared
+        if pipe.components.refiner is None:
+            refuse_without_refiner(inputs, self.inputs)
+        else:
+            refuse_image_inputs_with_refiner(inputs)
         values = super().check_inputs(pipe, n, inputs)
         if pipe.components.controlnet is not None:
             check_control_inputs(pipe, values, inputs, self.max_size)
@@ -207,6 +216,12 @@ class StableDiffusionFamily(TextToImageFamily):
             values["time_ids"] = _time_ids(values)
             values["negative_time_ids"] = (_negative_time_ids(values) if values.get("image") is None
                                            else _image_negative_time_ids(values))
+            if pipe.components.refiner is not None:  # its img2img pipeline's ids, from the call's size and crop
+                values["refiner_time_ids"] = _aesthetic_time_ids(values, "original_size", "crops_coords_top_left",
+                                                                 "aesthetic_score")
+                values["refiner_negative_time_ids"] = _aesthetic_time_ids(values, "negative_original_size",
+                                                                          "negative_crops_coords_top_left",
+                                                                          "negative_aesthetic_score")
         return values
 
     # ------------------------------------------------------------------ stages
@@ -215,11 +230,32 @@ class StableDiffusionFamily(TextToImageFamily):
         """The text conditioning (+ an inpainting UNet's mask channels), and a ControlNet's inputs
         beside it on both branches (``families.control``)."""
         conditioning = self._text_condition(pipe, request)
+        if pipe.components.refiner is not None:
+            return self._with_refiner(pipe, request, conditioning)
         if pipe.components.controlnet is None:
             return conditioning
         extra = control_cond(pipe, request)
         uncond = {**conditioning.uncond, **extra} if request.guided else conditioning.uncond
         return Conditioning(cond={**conditioning.cond, **extra}, uncond=uncond)
+
+    def _with_refiner(self, pipe: EngineView, request: Request, conditioning: Conditioning) -> Conditioning:
+        """The base's conditioning beside the refiner's own (its encoder on the prompt and negative
+        prompt, its aesthetic time ids; no LoRA), and the timestep where the refiner takes over."""
+        values = {**request.values, "time_ids": request.values["refiner_time_ids"],
+                  "negative_time_ids": request.values["refiner_negative_time_ids"]}
+        own = SDXL_REFINER._text_condition(ExpertView(pipe, pipe.components.refiner),
+                                           replace(request, values=values, lora=None))
+        cutoff = {"refiner_cutoff": cutoff_leaf(pipe, request)}
+
+        def joined(base: dict[str, Any], refiner: dict[str, Any]) -> dict[str, Any]:
+            return {**base, **{f"refiner_{k}": v for k, v in refiner.items()}, **cutoff}
+
+        uncond = joined(conditioning.uncond, own.uncond) if request.guided else conditioning.uncond
+        return Conditioning(cond=joined(conditioning.cond, own.cond), uncond=uncond)
+
+    def restart_step(self, pipe: EngineView, request: Request) -> int | None:
+        """With a refiner: the step it takes over at, where its own scheduler would start."""
+        return None if pipe.components.refiner is None else check_handoff(pipe, request)
 
     def _text_condition(self, pipe: EngineView, request: Request) -> Conditioning:
         values, n = request.values, request.n
@@ -280,6 +316,8 @@ class StableDiffusionFamily(TextToImageFamily):
         values = request.values
         if pipe.components.controlnet is not None:
             control_window(pipe, request)  # a window the sampler cannot be told, refused before any device work
+        if pipe.components.refiner is not None:
+            check_handoff(pipe, request)  # a handoff the sampler cannot take, refused before any device work
         if values.get("image") is None:
             return None
         from preheat.samplers import BLEND_SOLVERS, make_spec, strength_start
@@ -451,7 +489,7 @@ def sgm_lora_names(cfg: Any, layers: Mapping[str, tuple[int, int]]) -> dict[str,
 
 def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: Any,
           variant: str | None, offload_encoders: bool, options: LoadOptions | None,
-          controlnet: Any = None) -> LoadedModel:
+          controlnet: Any = None, refiner: Any = None, shared_vae: Any = None) -> LoadedModel:
     import jax.numpy as jnp
 
     from preheat.lora import LoraTargets
@@ -479,7 +517,8 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
                                  model_class=model_class)
         encoders.append(offload(encoder, options) if offload_encoders else encoder)
     unet = load_unet_condition(component(root, index, "unet"), dtype=dtype, variant=variant, options=options)
-    vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant, options=options)
+    vae = (shared_vae if shared_vae is not None  # an ensemble's refiner decodes nothing: the base's VAE
+           else load_vae(component(root, index, "vae"), dtype=dtype, variant=variant, options=options))
     sched, defaults = load_scheduler(root, family, scheduler, index)
 
     cfg = unet.config
@@ -502,10 +541,25 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
 
         control = load_controlnet(controlnet, dtype=dtype, options=options)
         _check_controlnet(control.config, cfg, family, inpaint, vae_scale, str(controlnet))
+    expert = None
+    if refiner is not None:  # SDXL's ensemble of experts (preheat.families.experts)
+        _check_refiner(Path(refiner), family, inpaint, control is not None)
+        expert = _load(Path(refiner), SDXL, scheduler=scheduler, dtype=dtype, variant=variant,
+                       offload_encoders=offload_encoders, options=options, shared_vae=vae)
+        if expert.components.inpaint or expert.scheduler_config != sched:
+            raise UnsupportedConfigError(f"refiner={refiner}: " + ("an inpainting refiner UNet is not supported"
+                                         if expert.components.inpaint else "its scheduler config differs from the "
+                                         "base's (the ensemble runs one schedule); give both the same"))
     latent = cfg.sample_size if isinstance(cfg.sample_size, (list, tuple)) else (cfg.sample_size, cfg.sample_size)
 
     def apply(params: Any, x: Any, t: Any, cond: dict[str, Any], lora: Any = None) -> Any:
         added = {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]} if family.xl else None
+        if expert is not None:  # params: (the base UNet's, the refiner's); the refiner takes no LoRA
+            params, refiner_params = params
+            own = {k: cond[f"refiner_{k}"] for k in ("context", "text_embeds", "time_ids")}
+            return by_expert(t, cond["refiner_cutoff"],
+                             lambda y: unet.apply(params, y, t, cond["context"], added, lora),
+                             lambda y: expert.apply(refiner_params, y, t, own), x)
         residuals = None
         if control is not None:  # params: (the UNet's, the ControlNet's); both branches take it, as diffusers
             params, control_params = params
@@ -540,6 +594,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         force_zeros=bool(index.get("force_zeros_for_empty_prompt", True)),
         clip_layers=min(te.config.num_hidden_layers for te in encoders),  # bounds clip_skip
         controlnet=None if control is None else control.config,
+        refiner=None if expert is None else expert.components,
         lora_targets=targets,
         lora_encoders=te_names,
         encode_fingerprint={"kind": "clip-text", "encoders": [te.config.architecture_dict() for te in encoders],
@@ -552,6 +607,9 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
     if control is not None:  # its architecture changes the program; its weights are arguments, as the UNet's
         fingerprint["controlnet"] = {"config": control.config.architecture_dict(), "dtype": str(control.dtype)}
         params = (unet.params, control.params)
+    if expert is not None:  # the refiner's UNet too: its architecture in the key, its weights an argument
+        fingerprint["refiner"] = expert.fingerprint
+        params = (unet.params, expert.params)
     return LoadedModel(apply=apply, params=params,
                        sample_shape=(int(latent[0]), int(latent[1]), latent_channels), scheduler_config=sched,
                        fingerprint=fingerprint, family=family, defaults=defaults,
@@ -584,6 +642,22 @@ def _check_controlnet(config: Any, unet: Any, family: StableDiffusionFamily, inp
                                          f"{want!r}")
 
 
+def _check_refiner(root: Path, family: StableDiffusionFamily, inpaint: bool, control: bool) -> None:
+    """An SDXL refiner folder beside an SDXL base's text-to-image UNet, without a ControlNet (before
+    any weight is read); else one line."""
+    from preheat.models.safetensors_files import read_json
+
+    if not family.xl or family.aesthetics or inpaint or control:
+        kind = ("an SDXL refiner" if family.aesthetics else "an inpainting UNet" if inpaint else
+                "a ControlNet" if control else "a Stable Diffusion 1.x/2.x model")
+        raise UnsupportedConfigError(f"refiner={root}: a refiner with {kind} is not supported (an SDXL base's "
+                                     "text-to-image only)")
+    index = read_json(root / "model_index.json", "pipeline index")
+    if not (index.get("_class_name", "").startswith("StableDiffusionXL") and index.get("requires_aesthetics_score")):
+        raise UnsupportedConfigError(f"refiner={root} is not an SDXL refiner (its model_index.json has no "
+                                     "requires_aesthetics_score)")
+
+
 def _folder_family(family: StableDiffusionFamily, index: Mapping[str, Any]) -> StableDiffusionFamily:
     """An SDXL refiner's index (StableDiffusionXLImg2ImgPipeline with ``requires_aesthetics_score``)
     makes the refiner family; any other index keeps its class's family."""
@@ -607,8 +681,10 @@ def load_stable_diffusion(root: Any, *, scheduler: Any = None, dtype: Any = "flo
 
 def load_stable_diffusion_xl(root: Any, *, scheduler: Any = None, dtype: Any = "float32",
                              variant: str | None = None, offload_encoders: bool = False,
-                             options: LoadOptions | None = None, controlnet: Any = None) -> LoadedModel:
+                             options: LoadOptions | None = None, controlnet: Any = None,
+                             refiner: Any = None) -> LoadedModel:
     """A ``StableDiffusionXLPipeline`` folder (base), or an SDXL refiner's (``requires_aesthetics_score``);
-    ``controlnet``: an SDXL ControlNetModel folder (base only)."""
+    ``controlnet``: an SDXL ControlNetModel folder (base only); ``refiner``: an SDXL refiner folder
+    that takes over part-way (base only: ``families.experts``)."""
     return _load(Path(root), SDXL, scheduler=scheduler, dtype=dtype, variant=variant,
-                 offload_encoders=offload_encoders, options=options, controlnet=controlnet)
+                 offload_encoders=offload_encoders, options=options, controlnet=controlnet, refiner=refiner)

@@ -74,6 +74,8 @@ class DenoiseArgs(NamedTuple):
     lora: LoraArgs | None = None  # the denoiser's LoRA adapters; None: the program without LoRA
     guidance_rescale: Any = None  # () float32: diffusers' guidance_rescale phi, a guided call of a family
     #                               declaring it (``families.guidance``); None: the program without the rescale
+    restart: Any = None  # () int32: the step from which the solver starts afresh (``Family.restart_step``: a
+    #                      second expert's pipeline); None: the program without a restart
 
     BATCHED = frozenset({"seeds", "cond", "uncond", "noise", "start"})
 

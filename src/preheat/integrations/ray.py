@@ -98,6 +98,7 @@ class RayOptions:
     weights_layers: str = "layerwise"
     config: Optional[str] = None  # with a single .safetensors as model: the folder or hf:// repo whose configs read it
     controlnet: Optional[str] = None  # a ControlNetModel folder beside the UNet (preheat.load(controlnet=...))
+    refiner: Optional[str] = None  # an SDXL refiner folder that takes over part-way (preheat.load(refiner=...))
     progress: bool = True  # the programs report each step (off: as `preheat serve --no-progress`)
     max_batch_size: int = 8
     samplers: tuple[str, ...] = ()

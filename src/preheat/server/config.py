@@ -65,6 +65,7 @@ class CoreConfig:
     weights_layers: str = "layerwise"  # jax: which layers weights_dtype stores
     config: Optional[str] = None  # ``model`` a single .safetensors file, read with this folder's configs
     controlnet: Optional[str] = None  # jax: a ControlNetModel folder beside the UNet (preheat.load(controlnet=...))
+    refiner: Optional[str] = None  # jax: an SDXL refiner folder that takes over part-way (preheat.load(refiner=...))
     progress: bool = True  # the programs report each step (streamed step events); off: as `warm --target` compiles
     max_batch_size: int = 8
     devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
@@ -120,7 +121,7 @@ class CoreConfig:
                        fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks),
                        variant=self.variant, cache=self.cache, weights_dtype=self.weights_dtype,
                        weights_layers=self.weights_layers, progress=self.progress, config=self.config,
-                       controlnet=self.controlnet)
+                       controlnet=self.controlnet, refiner=self.refiner)
 
     @classmethod
     def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":
@@ -129,7 +130,7 @@ class CoreConfig:
         options.setdefault("fsdp", warm.fsdp)
         return cls(model=warm.model, dtype=warm.dtype, variant=warm.variant, cache=warm.cache,
                    weights_dtype=warm.weights_dtype, weights_layers=warm.weights_layers, progress=warm.progress,
-                   config=warm.config, controlnet=warm.controlnet,
+                   config=warm.config, controlnet=warm.controlnet, refiner=warm.refiner,
                    max_batch_size=warm.max_batch_size,
                    samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance),
                    inputs=warm.inputs, input_values=warm.input_values, lora_ranks=tuple(warm.lora_ranks),
@@ -140,7 +141,7 @@ class CoreConfig:
 # The CoreConfig fields a deployment sets from its environment, each as ``PREHEAT_<FIELD>``: Runpod's
 # handler and Ray's replicas read this one table, so neither misses a setting the other takes.
 ENV_SETTINGS: tuple[str, ...] = (
-    "model", "dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "controlnet", "progress",
+    "model", "dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "controlnet", "refiner", "progress",
     "max_batch_size",
     "samplers", "sizes", "guidance", "inputs", "input_values", "devices", "fsdp", "lora_ranks", "max_loras", "lora_dir",
     "max_image_pixels",
@@ -225,19 +226,19 @@ def load_pipeline(config: CoreConfig) -> Any:
         if config.compile != "none":
             raise InvalidArgumentError(f"--compile {config.compile} applies to --backend torch")
         import preheat
-        from preheat.warm import prefetch_calls
+        from preheat.warm import companions, prefetch_calls
 
         # the warm-up's executables load while the weights are read
         return preheat.load(config.model, dtype=config.dtype, variant=config.variant, cache=config.cache,
                             weights_dtype=config.weights_dtype, weights_layers=config.weights_layers,
                             **({} if config.config is None else {"config": config.config}),
-                            **({} if config.controlnet is None else {"controlnet": config.controlnet}),
+                            **companions(config),
                             devices=config.devices, fsdp=config.fsdp, prefetch=prefetch_calls(config.warm_set()))
     if config.backend == "torch":
         if config.weights_dtype is not None:
             raise InvalidArgumentError("--weights-dtype applies to --backend jax", argument="--weights-dtype")
-        if config.controlnet is not None:
-            raise InvalidArgumentError("--controlnet applies to --backend jax", argument="--controlnet")
+        for name in companions(config):
+            raise InvalidArgumentError(f"--{name} applies to --backend jax", argument=f"--{name}")
         try:
             from preheat.backends.torch import load_torch_pipeline
         except ImportError as err:

@@ -1,0 +1,120 @@
+"""SDXL's ensemble of experts: the base denoises the high-noise steps, a refiner the rest.
+
+A base SDXL model loaded with ``refiner=FOLDER`` (an SDXL refiner's folder,
+stabilityai/stable-diffusion-xl-refiner-1.0) runs diffusers' two-pipeline recipe as one call::
+
+    latents = base(prompt, denoising_end=f, output_type="latent")           # steps t >= cutoff
+    image = refiner(prompt, image=latents, denoising_start=f)               # the rest, no noise added
+
+and declares, beside the base's inputs::
+
+    input                      static / data      reaches
+    -------------------------  -----------------  ----------------------------------------------
+    denoising_end (0.8)        data (n,) float32  the step the refiner takes over at: the base keeps
+                                                  the timesteps >= round(T - f T), as diffusers
+    aesthetic_score (6.0),     data (time ids)    the refiner's time ids (with the call's
+      negative_aesthetic_score                    original_size and crop), as its img2img pipeline
+      (2.5)
+
+One program serves every fraction: the handoff is the timestep halfway between the last step the
+base runs and the first the refiner runs (``refiner_cutoff``, data), the denoiser picks its expert
+per step with ``lax.cond``, and the solver starts afresh there (``Family.restart_step``), as the
+refiner pipeline's own scheduler does. The refiner reads its own text encoder (the prompt, the
+negative prompt; its folder's ``force_zeros_for_empty_prompt``) and no LoRA; the base's VAE decodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from preheat.errors import InvalidArgumentError
+from preheat.families.base import EngineView, Request
+from preheat.families.inputs import Float, InputSpec
+
+__all__ = ["DENOISING_END", "REFINER_NAMES", "ExpertView", "refuse_without_refiner",
+           "refuse_image_inputs_with_refiner", "handoff", "check_handoff", "cutoff_leaf", "by_expert"]
+
+DENOISING_END = InputSpec("denoising_end", Float(0.0, 1.0), "The share of the denoising the base model does before "
+                          "the refiner takes over (1: the base alone).", default=0.8)
+REFINER_NAMES = ("denoising_end", "aesthetic_score", "negative_aesthetic_score")
+
+_FAR = np.float32(1e9)  # beyond any timestep
+
+
+@dataclass(frozen=True)
+class ExpertView:
+    """What the refiner's text conditioning sees of the engine: its own encoder and tokenizer, no
+    LoRA (a call's adapters are the base's), the engine's stages and dtype."""
+
+    pipe: EngineView
+    components: Any  # the refiner's SDComponents
+    lora_runtime: Any = None
+
+    @property
+    def dtype(self) -> str:
+        return self.pipe.dtype
+
+    def run_stage(self, *args: Any, **kwargs: Any) -> Any:
+        return self.pipe.run_stage(*args, **kwargs)
+
+
+def refuse_without_refiner(inputs: Mapping[str, Any], declared: tuple[str, ...]) -> None:
+    """A refiner input given to a base loaded without one (the family does not ``declared`` it: a
+    refiner's own folder takes its aesthetic scores): one line saying how to load it."""
+    given = [name for name in REFINER_NAMES if inputs.get(name) is not None and name not in declared]
+    if given:
+        raise InvalidArgumentError(f"{given[0]} needs a refiner: load the model with refiner=FOLDER "
+                                   "(preheat sample/serve --refiner FOLDER)", argument=given[0])
+
+
+def refuse_image_inputs_with_refiner(inputs: Mapping[str, Any]) -> None:
+    """img2img and inpainting beside a refiner: not declared (the ensemble starts from noise), and
+    refused in one line saying so."""
+    given = [name for name in ("image", "mask_image", "strength", "padding_mask_crop") if inputs.get(name) is not None]
+    if given:
+        raise InvalidArgumentError(f"{given[0]} is not supported with a refiner yet (the ensemble of experts starts "
+                                   "from noise); load the refiner alone to refine an image", argument=given[0])
+
+
+def handoff(pipe: EngineView, request: Request) -> tuple[int, np.ndarray]:
+    """(the step the refiner starts at, the model timesteps of the call's steps (steps,))."""
+    from preheat.families import request as request_of
+    from preheat.samplers import handoff_step
+
+    config = request_of.scheduler_config(pipe, request)
+    plan = request_of.plan(pipe, request)
+    t = np.asarray(plan.timesteps[:int(plan.n_steps)], np.float64)
+    return handoff_step(plan, config.num_train_timesteps or 1000, request.values["denoising_end"]), t
+
+
+def check_handoff(pipe: EngineView, request: Request) -> int:
+    """The handoff step, or one line for a sampler whose steps diffusers' second pipeline would
+    count otherwise (two model calls a step). A fraction that leaves the base no step runs the
+    refiner alone from the noise, as diffusers' recipe then does."""
+    from preheat.families import request as request_of
+    from preheat.samplers import make_spec
+
+    step, t = handoff(pipe, request)
+    spec = make_spec(request_of.scheduler_config(pipe, request), request.sampler)
+    if 0 < step < len(t) and (spec.max_model_calls_per_step > 1 or not np.all(np.diff(t) < 0)):
+        raise InvalidArgumentError(f"sampler {request.sampler!r} cannot hand over to the refiner part-way (it calls "
+                                   "the model twice a step); use another, or denoising_end=1", argument="sampler")
+    return step
+
+
+def cutoff_leaf(pipe: EngineView, request: Request) -> np.ndarray:
+    """(n,) float32: the timestep between the base's last step and the refiner's first; the base
+    denoises at timesteps above it (all of them when it runs every step, none when it runs none)."""
+    step, t = handoff(pipe, request)
+    cutoff = -_FAR if step >= len(t) else _FAR if step == 0 else (t[step - 1] + t[step]) / 2
+    return np.full((request.n,), cutoff, np.float32)
+
+
+def by_expert(t: Any, cutoff: Any, base: Callable[[Any], Any], refiner: Callable[[Any], Any], x: Any) -> Any:
+    """Inside the program: the base's prediction above the cutoff, the refiner's below (one runs)."""
+    import jax
+
+    return jax.lax.cond(t[0] > cutoff[0], base, refiner, x)  # one timestep per call: every image's the same
