@@ -1,7 +1,7 @@
-"""A ControlNet's inputs (SD 1.x / 2.x, SDXL): declared once, checked, and turned into conditioning.
+"""A ControlNet's inputs (SD 1.x / 2.x, SDXL base): declared once, checked, and turned into conditioning.
 
 A model loaded with ``controlnet=FOLDER`` (``preheat.models.controlnet``) declares four more
-inputs, as diffusers' ``StableDiffusion[XL]ControlNetPipeline`` names them::
+inputs, as diffusers' ``StableDiffusion[XL]ControlNet[Img2Img|Inpaint]Pipeline`` names them::
 
     input                          static / data            reaches
     -----------------------------  -----------------------  --------------------------------------
@@ -11,13 +11,36 @@ inputs, as diffusers' ``StableDiffusion[XL]ControlNetPipeline`` names them::
     controlnet_conditioning_scale  data (n,) float32        multiplies every residual
     control_guidance_start, _end   data (n, 2) float32      the steps the ControlNet applies in
 
-diffusers applies the ControlNet at step i of N when ``i / N >= start`` and ``(i + 1) / N <= end``
-(its ``controlnet_keep``), scaling the residuals by 0 elsewhere. The denoiser sees timesteps, not
-step indices, so the window travels as the timestep interval of the kept steps (bounds halfway to
-the neighbouring steps' timesteps): data like the scale, and one program serves every window.
-That is exact for samplers that call the model once per step at a timestep that falls with each
-step; others (Heun, DPM2: diffusers counts their two calls per step as two steps) take the whole
-window only.
+beside the model's own ``image``, ``mask_image``, ``strength`` and ``padding_mask_crop``
+(``families.image``): ControlNet img2img and inpainting, as diffusers' ControlNet img2img and
+inpaint pipelines. What those pipelines do that their text-to-image one does not::
+
+    what                      diffusers                                here
+    ------------------------  ---------------------------------------  -----------------------------
+    output size               the image's (rounded down to the VAE     the same; a control image of
+                              factor), inpainting too; the control     another size is refused in one
+                              image at its own: another size fails     line (width/height resize both)
+                              in the ControlNet
+    padding_mask_crop         the mask's box cut from the control      the same (each image's box);
+                              image too, filled to the output size     the two images' sizes must agree
+    the window                controlnet_keep over the timesteps       ``control_window(start=)``: the
+                              get_timesteps(strength) leaves           call's first step
+    defaults                  strength: 0.8 (img2img), 1.0 / 0.9999    the same (``StableDiffusionFamily.
+                              (SD / SDXL inpainting); scale: 1, 0.8    control_strength``, ``control_scale``)
+                              (img2img), 0.5 / 1.0 (SD / SDXL inpaint)
+    a 9-channel UNet          the ControlNet takes the sample alone,   the same
+                              before the mask channels join it
+    SDXL negative ids         img2img: as the image pipelines;         the same; inpainting refuses
+                              inpainting: the prompt's (it takes no    the negative sizes by name
+                              negative sizes)
+
+diffusers applies the ControlNet at step i of the N its loop runs when ``i / N >= start`` and
+``(i + 1) / N <= end`` (its ``controlnet_keep``), scaling the residuals by 0 elsewhere. The
+denoiser sees timesteps, not step indices, so the window travels as the timestep interval of the
+kept steps (bounds halfway to the neighbouring steps' timesteps): data like the scale, and one
+program serves every window and strength. That is exact for samplers that call the model once per
+step at a timestep that falls with each step; others (Heun, DPM2: diffusers counts their two calls
+per step as two steps) take the whole window only.
 
 With classifier-free guidance the ControlNet runs on both branches (diffusers' default, guess mode
 off), with the same control image and scale.

@@ -42,8 +42,9 @@ input of ``generate`` is::
                                                                       the mask, resized to width x
                                                                       height; the output pasted back
     control_image, and the ControlNet's   x   x     data (the image   a ControlNet beside the UNet, on
-      scale and step window (loaded                   size: static)   both branches (``families.control``)
-      with controlnet= only)
+      scale and step window (loaded                   size: static)   both branches (``families.control``);
+      with controlnet= only; image and                                with an image: the window over the
+      mask_image too, not on a refiner)                               steps strength leaves
 
 An SDXL refiner's folder (``StableDiffusionXLImg2ImgPipeline`` with ``requires_aesthetics_score``:
 stable-diffusion-xl-refiner-1.0) is the ``stable-diffusion-xl-refiner`` family: the second encoder
