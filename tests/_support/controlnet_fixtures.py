@@ -71,3 +71,34 @@ def reference_controlnet_pipeline(folder: Path, controlnet_folder: Path, sampler
         pipe = StableDiffusionControlNetPipeline(**components)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+# diffusers' ControlNet pipelines that start from an image: (kind, inpaint) -> class name
+IMAGE_CLASS = {("sd1", False): "StableDiffusionControlNetImg2ImgPipeline",
+               ("sd1", True): "StableDiffusionControlNetInpaintPipeline",
+               ("sdxl", False): "StableDiffusionXLControlNetImg2ImgPipeline",
+               ("sdxl", True): "StableDiffusionXLControlNetInpaintPipeline"}
+
+
+def reference_controlnet_image_pipeline(folder: Path, controlnet_folder: Path, kind: str, sampler: str,
+                                        inpaint: bool) -> Any:
+    """diffusers' ControlNet img2img (or inpaint) pipeline of ``folder``'s components (an
+    ``image_fixtures`` folder: 4 or 9 UNet channels) and the ControlNet, with the scheduler preheat
+    maps ``sampler`` to."""
+    import diffusers
+    from diffusers import ControlNetModel
+
+    from tests._support.sd_fixtures import reference_pipeline
+
+    base = reference_pipeline(Path(folder), sampler)
+    cls = getattr(diffusers, IMAGE_CLASS[kind, inpaint])
+    components = {k: v for k, v in base.components.items() if k in cls._get_signature_keys(cls)[0]}
+    components["controlnet"] = ControlNetModel.from_pretrained(controlnet_folder).eval()
+    if kind == "sdxl":
+        components["add_watermarker"] = False
+    else:
+        components["safety_checker"], components["feature_extractor"] = None, None
+        components["requires_safety_checker"] = False
+    pipe = cls(**components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

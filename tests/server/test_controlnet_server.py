@@ -1,8 +1,9 @@
 """A model loaded with a ControlNet behind the surfaces: ``CoreConfig(controlnet=...)`` loads it
 (``server.config.load_pipeline``, what ``preheat serve --controlnet`` and ``PREHEAT_CONTROLNET``
-set), warm-up compiles the control image's programs at the served size, one request over real
-HTTP on 127.0.0.1 runs without compiling and returns the Python call's pixels; and ``preheat sample
---controlnet CN --control-image FILE`` writes the Python call's image."""
+set), warm-up compiles the control image's programs at the served size (text-to-image, img2img and
+inpainting), a text and an img2img request over real HTTP on 127.0.0.1 run without compiling and
+return the Python call's pixels; and ``preheat sample --controlnet CN --control-image FILE`` writes
+the Python call's image."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_a_served_controlnet_request_is_warm_and_matches_the_python_call(served)
     pipe = core.pipe
     assert pipe.fingerprint["controlnet"]["config"]["conditioning_embedding_out_channels"] == [16, 32]
     assert all(s.given and dict(s.given).get("control_image") is not None for s in core.signatures())
-    image = control_image(seed=4)
+    image, start = control_image(seed=4), control_image(seed=6)
     call = {"prompt": "a red boat", "num_inference_steps": 3, "guidance_scale": 5, "seed": 3,
             "controlnet_conditioning_scale": 0.7, "control_guidance_start": 0.3}
     with httpx.Client(base_url=url, timeout=300) as client:
@@ -59,6 +60,10 @@ def test_a_served_controlnet_request_is_warm_and_matches_the_python_call(served)
         r = client.post("/predictions", json={"input": {**call, "control_image": data_uri(png(image))}})
         assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
         got = decode_data_url(r.json()["output"][0])
+        r = client.post("/predictions", json={"input": {**call, "control_image": data_uri(png(image)),
+                                                        "image": data_uri(png(start)), "strength": 0.7}})
+        assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
+        got_img2img = decode_data_url(r.json()["output"][0])
         r = client.post("/predictions", json={"input": call})  # no control image: refused, naming it
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "control_image", r.text
     assert core.batcher.stats["traffic_compiles"] == 0  # warm-up compiled the ControlNet's programs
@@ -66,6 +71,10 @@ def test_a_served_controlnet_request_is_warm_and_matches_the_python_call(served)
                          controlnet_conditioning_scale=0.7, control_guidance_start=0.3)[0]
     assert got.shape == (32, 32, 3)
     np.testing.assert_array_equal(got, want)
+    want = pipe.generate("a red boat", steps=3, guidance=5.0, seed=3, control_image=image, image=start, strength=0.7,
+                         controlnet_conditioning_scale=0.7, control_guidance_start=0.3)[0]
+    np.testing.assert_array_equal(got_img2img, want)
+    assert np.abs(got_img2img.astype(int) - got.astype(int)).mean() > 3  # the image counts
 
 
 def test_sample_cli_takes_controlnet_and_control_image(served, tmp_path: Path) -> None:
@@ -109,7 +118,8 @@ def test_warm_dry_run_declares_the_control_image(served, tmp_path: Path) -> None
                                        "--max-batch-size", "1", "--guidance", "on", "--dry-run", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
-    # img2img and inpainting are not offered beside a ControlNet (refused: not reproduced yet)
-    assert report["inputs"] == {"required": ["prompt", "control_image"], "optional": ["negative_prompt"],
-                                "not_offered": []}
-    assert len(report["signatures"]) == 2  # batch 1, 32x32, guided, the default sampler; a negative prompt or not
+    # img2img and inpainting beside the ControlNet, as the model without one offers them
+    assert report["inputs"] == {"required": ["prompt", "control_image"],
+                                "optional": ["negative_prompt", "image", "mask_image"], "not_offered": []}
+    # batch 1, 32x32, guided, the default sampler; a negative prompt or not; from noise, an image, an image and mask
+    assert len(report["signatures"]) == 6

@@ -34,12 +34,14 @@ from preheat.errors import InvalidArgumentError
 from preheat.families.base import EngineView, Request
 from preheat.families.inputs import Float, InputSpec
 
-__all__ = ["DENOISING_END", "REFINER_NAMES", "ExpertView", "refuse_without_refiner",
+__all__ = ["DENOISING_END", "REFINER_NAMES", "IMAGE_INPUTS", "ExpertView", "refuse_without_refiner",
            "refuse_image_inputs_with_refiner", "handoff", "check_handoff", "cutoff_leaf", "by_expert"]
 
 DENOISING_END = InputSpec("denoising_end", Float(0.0, 1.0), "The share of the denoising the base model does before "
                           "the refiner takes over (1: the base alone).", default=0.8)
 REFINER_NAMES = ("denoising_end", "aesthetic_score", "negative_aesthetic_score")
+# what a base with a refiner does not declare: img2img and inpainting (``families.image``)
+IMAGE_INPUTS = ("image", "mask_image", "strength", "padding_mask_crop")
 
 _FAR = np.float32(1e9)  # beyond any timestep
 
@@ -73,7 +75,7 @@ def refuse_without_refiner(inputs: Mapping[str, Any], declared: tuple[str, ...])
 def refuse_image_inputs_with_refiner(inputs: Mapping[str, Any]) -> None:
     """img2img and inpainting beside a refiner: not declared (the ensemble starts from noise), and
     refused in one line saying so."""
-    given = [name for name in ("image", "mask_image", "strength", "padding_mask_crop") if inputs.get(name) is not None]
+    given = [name for name in IMAGE_INPUTS if inputs.get(name) is not None]
     if given:
         raise InvalidArgumentError(f"{given[0]} is not supported with a refiner yet (the ensemble of experts starts "
                                    "from noise); load the refiner alone to refine an image", argument=given[0])

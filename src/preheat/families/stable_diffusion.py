@@ -42,8 +42,9 @@ input of ``generate`` is::
                                                                       the mask, resized to width x
                                                                       height; the output pasted back
     control_image, and the ControlNet's   x   x     data (the image   a ControlNet beside the UNet, on
-      scale and step window (loaded                   size: static)   both branches (``families.control``)
-      with controlnet= only)
+      scale and step window (loaded                   size: static)   both branches (``families.control``);
+      with controlnet= only; image and                                with an image: the window over the
+      mask_image too, not on a refiner)                               steps strength leaves
 
 An SDXL refiner's folder (``StableDiffusionXLImg2ImgPipeline`` with ``requires_aesthetics_score``:
 stable-diffusion-xl-refiner-1.0) is the ``stable-diffusion-xl-refiner`` family: the second encoder
@@ -71,9 +72,9 @@ import numpy as np
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families import image as image_input
 from preheat.families.components import SDComponents
-from preheat.families.control import (CONTROL_SPECS, IMAGE_INPUTS, check_control_inputs, control_cond,
-                                      control_window, keep_scale, refuse_image_inputs, refuse_without_controlnet)
-from preheat.families.experts import (DENOISING_END, ExpertView, by_expert, check_handoff, cutoff_leaf,
+from preheat.families.control import (CONTROL_SPECS, check_control_inputs, control_cond, control_window, keep_scale,
+                                      refuse_without_controlnet)
+from preheat.families.experts import (DENOISING_END, IMAGE_INPUTS, ExpertView, by_expert, check_handoff, cutoff_leaf,
                                       refuse_image_inputs_with_refiner, refuse_without_refiner)
 from preheat.families.guidance import GUIDANCE_RESCALE
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
@@ -149,6 +150,10 @@ class StableDiffusionFamily(TextToImageFamily):
     # and time ids of (original size, crop, aesthetic score) -- the unconditional branch's its own
     aesthetics: bool = False
     strength: tuple[float, float] = (0.8, 1.0)  # diffusers' default strength: (img2img, inpainting)
+    # with a ControlNet, diffusers' ControlNet pipelines' own defaults: strength (img2img, inpainting) and
+    # controlnet_conditioning_scale (text-to-image, img2img, inpainting)
+    control_strength: tuple[float, float] = (0.8, 1.0)
+    control_scale: tuple[float, float, float] = (1.0, 0.8, 0.5)
     # EDM's too: a folder saved with an EDM scheduler (Playground v2.5, CosXL) takes those, the others the rest
     samplers: tuple[str, ...] = DIFFUSION_SAMPLERS + EDM_SAMPLERS
 
@@ -157,12 +162,9 @@ class StableDiffusionFamily(TextToImageFamily):
     def input_specs(self, pipe: EngineView) -> tuple[InputSpec, ...]:
         layers = pipe.components.clip_layers
         specs = self._required_images(super().input_specs(pipe), pipe.components.inpaint)
-        control: tuple[InputSpec, ...] = ()
-        if pipe.components.controlnet is not None:  # loaded with controlnet=: its inputs, and no image to start from
-            specs = tuple(s for s in specs if s.name not in IMAGE_INPUTS)
-            control = CONTROL_SPECS
+        control = CONTROL_SPECS if pipe.components.controlnet is not None else ()  # loaded with controlnet=
         if pipe.components.refiner is not None:  # loaded with refiner=: the handoff and the refiner's scores
-            specs = tuple(s for s in specs if s.name not in IMAGE_INPUTS)
+            specs = tuple(s for s in specs if s.name not in IMAGE_INPUTS)  # (the ensemble starts from noise)
             control = (DENOISING_END, AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE)
         return (*specs, clip_skip_spec(layers - 1 if self.xl else layers), *control)  # SDXL: from the penultimate
 
@@ -187,19 +189,19 @@ class StableDiffusionFamily(TextToImageFamily):
         return self._required_images(self.specs, _inpainting(unet.get("in_channels", 4), vae.get("latent_channels", 4)))
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
-        if pipe.components.controlnet is None:
+        control = pipe.components.controlnet is not None
+        if not control:
             refuse_without_controlnet(inputs)
-        else:
-            refuse_image_inputs(inputs)  # named as such, rather than as undeclared
         if pipe.components.refiner is None:
             refuse_without_refiner(inputs, self.inputs)
         else:
             refuse_image_inputs_with_refiner(inputs)
         values = super().check_inputs(pipe, n, inputs)
-        if pipe.components.controlnet is not None:
-            check_control_inputs(pipe, values, inputs, self.max_size)
+        if control:
+            check_control_inputs(pipe, values, inputs, self.max_size, self.control_scale)
         image_input.check_image_inputs(pipe, values, inputs, inpaint_model=pipe.components.inpaint,
-                                       default_strength=self.strength, max_size=self.max_size)
+                                       default_strength=self.control_strength if control else self.strength,
+                                       max_size=self.max_size)
         if self.aesthetics:
             values["time_ids"] = _aesthetic_time_ids(values, "original_size", "crops_coords_top_left", "aesthetic_score")
             values["negative_time_ids"] = _aesthetic_time_ids(values, "negative_original_size",
@@ -214,8 +216,12 @@ class StableDiffusionFamily(TextToImageFamily):
                                            "force_zeros_for_empty_prompt, so without negative_prompt the "
                                            "unconditional branch is zeros", argument="negative_prompt_2")
             values["time_ids"] = _time_ids(values)
-            values["negative_time_ids"] = (_negative_time_ids(values) if values.get("image") is None
-                                           else _image_negative_time_ids(values))
+            if values.get("image") is None:
+                values["negative_time_ids"] = _negative_time_ids(values)
+            elif control and values["mask_image"] is not None:
+                values["negative_time_ids"] = _control_inpaint_negative_time_ids(values)
+            else:
+                values["negative_time_ids"] = _image_negative_time_ids(values)
             if pipe.components.refiner is not None:  # its img2img pipeline's ids, from the call's size and crop
                 values["refiner_time_ids"] = _aesthetic_time_ids(values, "original_size", "crops_coords_top_left",
                                                                  "aesthetic_score")
@@ -234,7 +240,7 @@ class StableDiffusionFamily(TextToImageFamily):
             return self._with_refiner(pipe, request, conditioning)
         if pipe.components.controlnet is None:
             return conditioning
-        extra = control_cond(pipe, request)
+        extra = control_cond(pipe, request, self._start_index(request) or 0)
         uncond = {**conditioning.uncond, **extra} if request.guided else conditioning.uncond
         return Conditioning(cond={**conditioning.cond, **extra}, uncond=uncond)
 
@@ -314,21 +320,30 @@ class StableDiffusionFamily(TextToImageFamily):
         """The start step of an image-conditioned call (None: from noise), or a one-line error:
         a strength that leaves no step, a sampler that cannot blend a base model's mask."""
         values = request.values
-        if pipe.components.controlnet is not None:
-            control_window(pipe, request)  # a window the sampler cannot be told, refused before any device work
+        index = self._start_index(request)
+        if pipe.components.controlnet is not None:  # a window the sampler cannot be told: before any device work
+            control_window(pipe, request, index or 0)
         if pipe.components.refiner is not None:
             check_handoff(pipe, request)  # a handoff the sampler cannot take, refused before any device work
-        if values.get("image") is None:
+        if index is None:
             return None
-        from preheat.samplers import BLEND_SOLVERS, make_spec, strength_start
+        from preheat.samplers import BLEND_SOLVERS, make_spec
 
-        index = strength_start(request.steps, values["strength"], "sd")
         blend = values["mask_image"] is not None and not pipe.components.inpaint
         if blend and make_spec(pipe.scheduler_config, request.sampler).solver not in BLEND_SOLVERS:
             raise InvalidArgumentError(f"sampler {request.sampler!r} cannot blend an inpainting mask on this model "
                                        "(diffusers blends between its two model calls per step); use another",
                                        argument="sampler")
         return index
+
+    @staticmethod
+    def _start_index(request: Request) -> int | None:
+        """An image call's first step, diffusers' ``get_timesteps(strength)`` (None: from noise)."""
+        if request.values.get("image") is None:
+            return None
+        from preheat.samplers import strength_start
+
+        return strength_start(request.steps, request.values["strength"], "sd")
 
     def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
         """img2img and inpainting begin as diffusers' pipelines: at ``get_timesteps(strength)``'s
@@ -365,6 +380,7 @@ class StableDiffusionFamily(TextToImageFamily):
 SD = StableDiffusionFamily()
 SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
                              defaults={"sampler": "euler", "steps": 30, "guidance": 5.0}, strength=(0.3, 0.9999),
+                             control_strength=(0.8, 0.9999), control_scale=(1.0, 0.8, 1.0),
                              specs=(PROMPT, PROMPT_2, NEGATIVE_PROMPT, NEGATIVE_PROMPT_2, *SDXL_SIZE_SPECS,
                                     *SDXL_NEGATIVE_SIZE_SPECS, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP,
                                     GUIDANCE_RESCALE, *SCHEDULE_SPECS))
@@ -457,6 +473,18 @@ def _image_negative_time_ids(values: dict[str, Any]) -> np.ndarray | None:
         return None
     ids = _time_ids(values)  # (6,): original size, crop, target size
     return np.asarray([*(original or ids[:2]), *ids[2:4], *(target or ids[4:])], np.float32)
+
+
+def _control_inpaint_negative_time_ids(values: dict[str, Any]) -> None:
+    """A ControlNet inpainting call's unconditional ids: the prompt's (None), as diffusers'
+    ``StableDiffusionXLControlNetInpaintPipeline`` builds them -- it takes no negative sizes or crop,
+    so any given is refused here rather than ignored."""
+    for name in ("negative_original_size", "negative_target_size", "negative_crops_coords_top_left"):
+        if values[name] is not None:
+            raise InvalidArgumentError(f"{name} does not apply to ControlNet inpainting: diffusers' SDXL ControlNet "
+                                       "inpaint pipeline gives the unconditional branch the prompt's size ids",
+                                       argument=name)
+    return None
 
 
 # --------------------------------------------------------------------------------------- loading
@@ -619,12 +647,13 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
 def _check_controlnet(config: Any, unet: Any, family: StableDiffusionFamily, inpaint: bool, vae_scale: int,
                       source: str) -> None:
     """A ControlNet that fits the UNet (its residuals' count and widths, its text and time
-    conditioning, its control image's scale), and a pipeline diffusers runs it in; else one line."""
+    conditioning, its control image's scale), and a pipeline diffusers runs it in; else one line.
+    Beside an inpainting UNet it takes the latents alone, as diffusers' ControlNet inpaint pipelines
+    give it the sample before the mask channels join it."""
     from preheat.models.controlnet import skip_widths
 
-    if family.aesthetics or inpaint:
-        kind = "an SDXL refiner" if family.aesthetics else "an inpainting UNet"
-        raise UnsupportedConfigError(f"controlnet={source}: a ControlNet with {kind} is not supported")
+    if family.aesthetics:
+        raise UnsupportedConfigError(f"controlnet={source}: a ControlNet with an SDXL refiner is not supported")
     if config.global_pool_conditions:
         raise UnsupportedConfigError(f"controlnet={source}: global_pool_conditions (diffusers then runs guess mode, "
                                      "the ControlNet on the conditional branch only) is not supported")
@@ -634,7 +663,7 @@ def _check_controlnet(config: Any, unet: Any, family: StableDiffusionFamily, inp
               ("addition_embed_type", config.addition_embed_type, unet.addition_embed_type),
               ("projection_class_embeddings_input_dim", config.projection_class_embeddings_input_dim,
                unet.projection_class_embeddings_input_dim),
-              ("in_channels", config.in_channels, unet.in_channels),
+              ("in_channels", config.in_channels, (unet.in_channels - 1) // 2 if inpaint else unet.in_channels),
               ("pixels per latent", config.downscale, vae_scale))
     for what, got, want in checks:
         if got != want:
