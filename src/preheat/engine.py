@@ -503,6 +503,12 @@ class Pipeline:
         return request_of.guidance(self, guidance, inputs)[0]
 
 
+def _source_id(source: str | Path) -> str:
+    """A model source as a start-up's identity: a folder's absolute path, a URI as given."""
+    text = str(source)
+    return text if "://" in text else str(Path(text).resolve())
+
+
 def _lowered_fingerprint(fn: Callable, params: Any, shape: tuple[int, ...], dtype: str, labels: bool) -> str:
     """sha256 of the StableHLO of one denoiser call: changes whenever the traced code does."""
     import hashlib
@@ -627,7 +633,7 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         compiler.start_early(startup_id(root, {"dtype": str(dtype), "variant": variant, "fsdp": fsdp,
                                                "weights_dtype": weights_dtype, "weights_layers": weights_layers,
                                                "offload_encoders": offload_encoders, "scheduler": scheduler,
-                                               **{name: None if folder is None else str(Path(folder).resolve())
+                                               **{name: None if folder is None else _source_id(folder)
                                                   for name, folder in companions.items()},
                                                "devices": None if mesh is None else
                                                [int(d.id) for d in mesh.devices.flat]}), mesh)
@@ -647,7 +653,7 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
 
         if name not in inspect.signature(loader).parameters:
             raise InvalidArgumentError(f"{name} applies to {COMPANION_MODELS[name]}; {root} is not one", argument=name)
-        options[name] = folder
+        options[name] = model_root(folder, variant if name == "refiner" else None)  # hf://: pulled once
     # Prefetching: the loader checks every header and returns placeholder weights (shapes only),
     # the executables load on a background thread, then the tensors are read here.
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component
