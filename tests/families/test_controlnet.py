@@ -186,6 +186,29 @@ def test_guess_mode_matches_diffusers(folders, kind, sampler, guidance):
     assert mean_abs_px(ours, plain) > 3 * MEAN_TOL  # guess mode the program ignored would give the plain image
 
 
+@pytest.mark.slow  # builds a pooled ControlNet and diffusers' pipeline, compiles ours, per case
+@pytest.mark.parametrize("kind", ["sd1", "sdxl"])
+def test_a_global_pool_controlnet_runs_guess_mode_as_diffusers(folders, kind, tmp_path):
+    """A ``global_pool_conditions`` ControlNet (lllyasviel's shuffle): each residual averaged over the
+    image, and guess mode always on, whatever the call asks (diffusers' ``guess_mode or
+    global_pool_conditions``): the conditional branch only, its residuals unramped."""
+    sd, _ = folders(kind)
+    pooled = save_tiny_controlnet(tmp_path / "pooled", sd, global_pool_conditions=True)
+    ref = reference_controlnet_pipeline(sd, pooled, "euler")
+    pipe = preheat.load(sd, controlnet=pooled, cache="off")
+    image, noise = control_image(seed=2), _noise()
+    call = dict(noise=noise, steps=4, sampler="euler", guidance=5.0, control_image=image)
+    ours = pipe.generate("a photo of a cat", **call, controlnet_conditioning_scale=1.5, guess_mode=False)
+    theirs = reference_pixels(ref, "a photo of a cat", noise, image=Image.fromarray(image), num_inference_steps=4,
+                              height=32, width=32, guidance_scale=5.0, controlnet_conditioning_scale=1.5,
+                              guess_mode=False)
+    diff = px_diff(ours, theirs)
+    print(f"{kind} pooled ControlNet: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
+    off = pipe.generate("a photo of a cat", **call, controlnet_conditioning_scale=0.0)
+    assert mean_abs_px(ours, off) > 3 * MEAN_TOL  # the pooled residuals move the pixels
+
+
 def test_guess_mode_is_a_declared_switch_refused_in_one_line():
     """guess_mode is a ControlNet input (refused without one, naming the option that loads it), a
     bool on every surface: JSON true/false, the command line's true/false (1/0, yes/no, on/off)."""
@@ -325,6 +348,23 @@ def test_controlnet_inpainting_with_padding_mask_crop_matches_diffusers(image_fo
     print(f"padding_mask_crop: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert ours.shape == theirs.shape == (1, 32, 48, 3) and diff.mean() <= MEAN_TOL
     np.testing.assert_array_equal(ours[0][mask == 0], image[mask == 0])
+
+
+@pytest.mark.slow  # builds a pooled ControlNet and diffusers' pipeline, compiles ours
+def test_sdxl_controlnet_inpainting_keeps_a_pooled_controlnet_off_guess_mode(image_folders, tmp_path):
+    """diffusers' SDXL ControlNet inpaint pipeline alone does not turn guess mode on for a
+    global_pool_conditions ControlNet: its pooled residuals reach both branches unless the call asks."""
+    folder, _ = image_folders("sdxl")
+    pooled = save_tiny_controlnet(tmp_path / "pooled", folder, global_pool_conditions=True)
+    image, mask, ctrl = image_fixtures.sample_image(seed=1), image_fixtures.sample_mask(), control_image(seed=2)
+    pipe, pairs, ours_in, _ = _image_call(lambda kind, variant: (folder, pooled), "sdxl", "base", "inpaint", "euler",
+                                          0.6, [(1.5, 0.0, 1.0)], image, mask, ctrl)
+    ((ours, theirs),) = pairs
+    diff = px_diff(ours, theirs)
+    print(f"sdxl inpainting, pooled ControlNet: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
+    assert pipe.validate("a red boat", **ours_in).values["guess_mode"] is False
+    assert pipe.validate("a red boat", **{**ours_in, "mask_image": None}).values["guess_mode"] is True  # img2img
 
 
 @pytest.mark.slow  # builds an SDXL folder and ControlNet (no compile)
