@@ -1,6 +1,6 @@
 """A ControlNet's inputs (SD 1.x / 2.x, SDXL base): declared once, checked, and turned into conditioning.
 
-A model loaded with ``controlnet=FOLDER`` (``preheat.models.controlnet``) declares four more
+A model loaded with ``controlnet=FOLDER`` (``preheat.models.controlnet``) declares five more
 inputs, as diffusers' ``StableDiffusion[XL]ControlNet[Img2Img|Inpaint]Pipeline`` names them::
 
     input                          static / data            reaches
@@ -10,6 +10,7 @@ inputs, as diffusers' ``StableDiffusion[XL]ControlNet[Img2Img|Inpaint]Pipeline``
                                                             lanczos), not normalised to [-1, 1]
     controlnet_conditioning_scale  data (n,) float32        multiplies every residual
     control_guidance_start, _end   data (n, 2) float32      the steps the ControlNet applies in
+    guess_mode (bool, False)       data (n, K) float32      each residual's factor beside the scale
 
 beside the model's own ``image``, ``mask_image``, ``strength`` and ``padding_mask_crop``
 (``families.image``): ControlNet img2img and inpainting, as diffusers' ControlNet img2img and
@@ -43,7 +44,15 @@ step at a timestep that falls with each step; others (Heun, DPM2: diffusers coun
 per step as two steps) take the whole window only.
 
 With classifier-free guidance the ControlNet runs on both branches (diffusers' default, guess mode
-off), with the same control image and scale.
+off), with the same control image and scale. Guess mode (diffusers' ``guess_mode=True``) runs it on
+the conditional branch only, its residuals scaled by the ramp ``logspace(-1, 0, K)`` (the K - 1
+skips, then the mid block) times the scale. The engine runs both branches as one batch, so guess
+mode is data: a leaf of K factors per image, the ramp on the conditional branch and 0 on the
+unconditional one (diffusers' zero residuals; the ControlNet still runs there), 1s with guess mode
+off -- one program either way. A ``global_pool_conditions`` ControlNet (shuffle) is always in guess
+mode, as diffusers' ``guess_mode or global_pool_conditions`` (its SDXL inpaint pipeline excepted:
+there the call's own), with 1s for the ramp (diffusers ramps only unpooled residuals). Without
+guidance guess mode changes the ramp alone.
 """
 
 from __future__ import annotations
