@@ -101,8 +101,9 @@ def test_sample_cli_takes_controlnet_and_control_image(served, tmp_path: Path) -
     out = tmp_path / "o.png"
     result = CliRunner().invoke(main, ["sample", str(folder), "--controlnet", str(cn), "--control-image",
                                        str(tmp_path / "edges.png"), "--controlnet-conditioning-scale", "0.5",
-                                       "--guess-mode", "true", "--prompt", "a red boat", "--steps", "2", "--guidance", "4", "--seed", "1",
-                                       "--cache", "off", "--out", str(out), "--save-images", str(tmp_path / "each")])
+                                       "--guess-mode", "true", "--prompt", "a red boat", "--steps", "2", "--guidance",
+                                       "4", "--seed", "1", "--cache", "off", "--out", str(out), "--save-images",
+                                       str(tmp_path / "each")])
     assert result.exit_code == 0, result.output
     want = core.pipe.generate("a red boat", steps=2, guidance=4.0, seed=1, control_image=image,
                               controlnet_conditioning_scale=0.5, guess_mode=True)[0]

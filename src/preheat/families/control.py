@@ -66,8 +66,8 @@ from preheat.families.base import Conditioning, EngineView, Request
 from preheat.families.inputs import WARM_IMAGE, Bool, Float, Image, InputSpec
 
 __all__ = ["CONTROL_IMAGE", "CONTROLNET_CONDITIONING_SCALE", "CONTROL_GUIDANCE_START", "CONTROL_GUIDANCE_END",
-           "GUESS_MODE", "CONTROL_SPECS", "CONTROL_NAMES", "refuse_without_controlnet", "check_control_inputs", "control_window",
-           "control_cond", "keep_scale"]
+           "GUESS_MODE", "CONTROL_SPECS", "CONTROL_NAMES", "refuse_without_controlnet", "check_control_inputs",
+           "control_window", "control_cond", "keep_scale"]
 
 # warm: a placeholder at each served size (its content is data; its size selects the program)
 CONTROL_IMAGE = InputSpec("control_image", Image(), "The ControlNet's conditioning image (an edge map, a depth map, "
@@ -103,9 +103,10 @@ def refuse_without_controlnet(inputs: Mapping[str, Any]) -> None:
 def check_control_inputs(pipe: EngineView, values: dict[str, Any], inputs: Mapping[str, Any], max_size: int,
                          scales: tuple[float, float, float]) -> None:
     """The window's order, the scale's default (``scales``: the text, img2img and inpaint pipelines'),
-    guess mode forced on for a ``global_pool_conditions`` ControlNet, and the output size: without width/height the control image's own, rounded down to the size
-    multiple (diffusers' ``prepare_image``); beside an image, the image's, which the control image must
-    share (diffusers prepares each at its own size, and the ControlNet's sum of the two fails)."""
+    guess mode forced on for a ``global_pool_conditions`` ControlNet, and the output size: without
+    width/height the control image's own, rounded down to the size multiple (diffusers'
+    ``prepare_image``); beside an image, the image's, which the control image must share (diffusers
+    prepares each at its own size, and the ControlNet's sum of the two fails)."""
     from preheat.families.image import image_size
 
     if values["control_guidance_start"] >= values["control_guidance_end"]:

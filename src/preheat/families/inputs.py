@@ -53,8 +53,8 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["InputSpec", "CliForm", "Text", "Int", "Float", "Bool", "Choice", "Pair", "Ints", "Label", "Image", "COMMON_SPECS",
-           "common_spec", "SizePair", "IMAGE_SIZE", "size_pair",
+__all__ = ["InputSpec", "CliForm", "Text", "Int", "Float", "Bool", "Choice", "Pair", "Ints", "Label", "Image",
+           "COMMON_SPECS", "common_spec", "SizePair", "IMAGE_SIZE", "size_pair",
            "check_int", "unknown_input", "size_specs", "example_inputs", "typed_flags", "field_of",
            "check_needs", "WARM_IMAGE", "SURFACES", "SEED_MAX", "ServerBound"]
 
