@@ -19,10 +19,11 @@ EMBEDDING = (16, 32)
 
 
 def save_tiny_controlnet(directory: str | Path, unet_folder: str | Path, *, seed: int = 0, perturb: float = 0.05,
-                         zero_convs: float = 0.2, **options: Any) -> Path:
+                         zero_convs: float = 0.2, global_pool_conditions: bool = False, **options: Any) -> Path:
     """A ControlNetModel folder (``save_pretrained``) for the UNet in ``unet_folder`` (a UNet folder
     or a pipeline folder's ``unet/``); ``options``: ``from_unet``'s (channel order, ...); ``zero_convs``: the
-    extra noise on the zero convs. Returns it."""
+    extra noise on the zero convs; ``global_pool_conditions``: the shuffle ControlNet's config flag (each
+    residual averaged over the image; diffusers' pipelines then run guess mode). Returns it."""
     import torch
     from diffusers import ControlNetModel, UNet2DConditionModel
 
@@ -39,6 +40,8 @@ def save_tiny_controlnet(directory: str | Path, unet_folder: str | Path, *, seed
         for name, p in model.named_parameters():
             if name.startswith(zeroed):
                 p.add_(torch.randn(p.shape, generator=gen) * zero_convs)
+    if global_pool_conditions:
+        model.register_to_config(global_pool_conditions=True)
     model.save_pretrained(directory)
     return Path(directory)
 

@@ -111,8 +111,8 @@ def test_control_inputs_are_declared_checked_and_refused_in_one_line(folders, tm
     plain = preheat.load(sd, cache="off")
     pipe = preheat.load(sd, controlnet=cn, cache="off")
     names = [s.name for s in pipe.family.input_specs(pipe)]
-    assert names[-4:] == ["control_image", "controlnet_conditioning_scale", "control_guidance_start",
-                          "control_guidance_end"]
+    assert names[-5:] == ["control_image", "controlnet_conditioning_scale", "control_guidance_start",
+                          "control_guidance_end", "guess_mode"]
     assert "control_image" not in [s.name for s in plain.family.input_specs(plain)]
     image = control_image(48, 40)
     request = pipe.validate("a cat", control_image=image)  # the control image's size, as diffusers' prepare_image
@@ -144,12 +144,89 @@ def test_control_inputs_are_declared_checked_and_refused_in_one_line(folders, tm
     with pytest.raises(UnsupportedConfigError, match="does not fit this model") as info:
         preheat.load(sd, controlnet=xl_cn, cache="off")  # an SDXL ControlNet on SD 1.x
     assert "\n" not in str(info.value)
+    assert pipe.validate("a cat", control_image=image).values["guess_mode"] is False
+    assert pipe.validate("a cat", control_image=image, guess_mode=True).values["guess_mode"] is True
     pooled = tmp_path / "pooled"
     shutil.copytree(cn, pooled)
     config = json.loads((pooled / "config.json").read_text())
     (pooled / "config.json").write_text(json.dumps({**config, "global_pool_conditions": True}))
-    with pytest.raises(UnsupportedConfigError, match="guess mode"):
-        preheat.load(sd, controlnet=pooled, cache="off")
+    pooled_pipe = preheat.load(sd, controlnet=pooled, cache="off")  # diffusers' guess_mode or global_pool_conditions
+    assert pooled_pipe.validate("a cat", control_image=image, guess_mode=False).values["guess_mode"] is True
+
+
+# ------------------------------------------------------------------------------ guess mode
+
+# (kind, sampler, guidance): guided, the ControlNet on the conditional branch only; unguided, the ramp alone
+GUESS_CASES = [("sd1", "euler", 6.0), ("sd1", "euler", 1.0), ("sdxl", "dpmpp_2m", 5.0), ("sdxl", "dpmpp_2m", 1.0)]
+
+
+@pytest.mark.slow  # builds diffusers' pipeline and compiles ours, per case
+@pytest.mark.parametrize("kind,sampler,guidance", GUESS_CASES, ids=[f"{c[0]}-cfg{c[2]:g}" for c in GUESS_CASES])
+def test_guess_mode_matches_diffusers(folders, kind, sampler, guidance):
+    """diffusers' guess_mode=True: with guidance the ControlNet runs on the conditional branch only
+    (the unconditional branch's residuals are zeros), and its residuals are scaled by the ramp
+    logspace(-1, 0) (down blocks, then mid) times the scale; without guidance, the ramp alone. Guess
+    mode is data: the program a call without it compiled."""
+    sd, cn = folders(kind)
+    ref = reference_controlnet_pipeline(sd, cn, sampler)
+    pipe = preheat.load(sd, controlnet=cn, cache="off")
+    image, noise = control_image(seed=2), _noise()
+    call = dict(noise=noise, steps=4, sampler=sampler, guidance=guidance, control_image=image,
+                controlnet_conditioning_scale=0.9, control_guidance_end=0.75)
+    plain = pipe.generate("a photo of a cat", **call)
+    ours = pipe.generate("a photo of a cat", **call, guess_mode=True)
+    assert pipe.last.stages["denoise"].cache_layer == "memory"
+    theirs = reference_pixels(ref, "a photo of a cat", noise, image=Image.fromarray(image), num_inference_steps=4,
+                              height=32, width=32, guidance_scale=guidance, controlnet_conditioning_scale=0.9,
+                              control_guidance_end=0.75, guess_mode=True)
+    diff = px_diff(ours, theirs)
+    print(f"{kind}/{sampler} guidance {guidance} guess mode: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
+    assert ours.std() > 5
+    assert mean_abs_px(ours, plain) > 3 * MEAN_TOL  # guess mode the program ignored would give the plain image
+
+
+@pytest.mark.slow  # builds a pooled ControlNet and diffusers' pipeline, compiles ours, per case
+@pytest.mark.parametrize("kind", ["sd1", "sdxl"])
+def test_a_global_pool_controlnet_runs_guess_mode_as_diffusers(folders, kind, tmp_path):
+    """A ``global_pool_conditions`` ControlNet (lllyasviel's shuffle): each residual averaged over the
+    image, and guess mode always on, whatever the call asks (diffusers' ``guess_mode or
+    global_pool_conditions``): the conditional branch only, its residuals unramped."""
+    sd, _ = folders(kind)
+    pooled = save_tiny_controlnet(tmp_path / "pooled", sd, global_pool_conditions=True)
+    ref = reference_controlnet_pipeline(sd, pooled, "euler")
+    pipe = preheat.load(sd, controlnet=pooled, cache="off")
+    image, noise = control_image(seed=2), _noise()
+    call = dict(noise=noise, steps=4, sampler="euler", guidance=5.0, control_image=image)
+    ours = pipe.generate("a photo of a cat", **call, controlnet_conditioning_scale=1.5, guess_mode=False)
+    theirs = reference_pixels(ref, "a photo of a cat", noise, image=Image.fromarray(image), num_inference_steps=4,
+                              height=32, width=32, guidance_scale=5.0, controlnet_conditioning_scale=1.5,
+                              guess_mode=False)
+    diff = px_diff(ours, theirs)
+    print(f"{kind} pooled ControlNet: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
+    off = pipe.generate("a photo of a cat", **call, controlnet_conditioning_scale=0.0)
+    assert mean_abs_px(ours, off) > 3 * MEAN_TOL  # the pooled residuals move the pixels
+
+
+def test_guess_mode_is_a_declared_switch_refused_in_one_line():
+    """guess_mode is a ControlNet input (refused without one, naming the option that loads it), a
+    bool on every surface: JSON true/false, the command line's true/false (1/0, yes/no, on/off)."""
+    from preheat.families.control import GUESS_MODE, refuse_without_controlnet
+    from preheat.families.inputs import typed_flags
+
+    assert GUESS_MODE.check(None, 1) is False and GUESS_MODE.check(np.bool_(True), 1) is True
+    assert GUESS_MODE.schema()["type"] == "boolean"
+    assert typed_flags([GUESS_MODE], "stable-diffusion", {"--guess-mode": ["True"]}) == {"guess_mode": True}
+    assert typed_flags([GUESS_MODE], "stable-diffusion", {"--guess-mode": ["off"]}) == {"guess_mode": False}
+    for bad in ("yes", 1, 0.0):
+        with pytest.raises(InvalidArgumentError, match=f"guess_mode={bad!r} must be true or false") as info:
+            GUESS_MODE.check(bad, 1)
+        assert info.value.argument == "guess_mode" and "\n" not in str(info.value)
+    with pytest.raises(InvalidArgumentError, match="--guess-mode 'maybe' must be true or false"):
+        typed_flags([GUESS_MODE], "stable-diffusion", {"--guess-mode": ["maybe"]})
+    with pytest.raises(InvalidArgumentError, match="guess_mode needs a ControlNet: load the model with controlnet="):
+        refuse_without_controlnet({"guess_mode": False})
 
 
 # ------------------------------------------------------------------------------ img2img and inpainting
@@ -271,6 +348,23 @@ def test_controlnet_inpainting_with_padding_mask_crop_matches_diffusers(image_fo
     print(f"padding_mask_crop: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
     assert ours.shape == theirs.shape == (1, 32, 48, 3) and diff.mean() <= MEAN_TOL
     np.testing.assert_array_equal(ours[0][mask == 0], image[mask == 0])
+
+
+@pytest.mark.slow  # builds a pooled ControlNet and diffusers' pipeline, compiles ours
+def test_sdxl_controlnet_inpainting_keeps_a_pooled_controlnet_off_guess_mode(image_folders, tmp_path):
+    """diffusers' SDXL ControlNet inpaint pipeline alone does not turn guess mode on for a
+    global_pool_conditions ControlNet: its pooled residuals reach both branches unless the call asks."""
+    folder, _ = image_folders("sdxl")
+    pooled = save_tiny_controlnet(tmp_path / "pooled", folder, global_pool_conditions=True)
+    image, mask, ctrl = image_fixtures.sample_image(seed=1), image_fixtures.sample_mask(), control_image(seed=2)
+    pipe, pairs, ours_in, _ = _image_call(lambda kind, variant: (folder, pooled), "sdxl", "base", "inpaint", "euler",
+                                          0.6, [(1.5, 0.0, 1.0)], image, mask, ctrl)
+    ((ours, theirs),) = pairs
+    diff = px_diff(ours, theirs)
+    print(f"sdxl inpainting, pooled ControlNet: mean |Δpx| {diff.mean():.4f}, max {diff.max()}")
+    assert diff.mean() <= MEAN_TOL, (diff.mean(), diff.max())
+    assert pipe.validate("a red boat", **ours_in).values["guess_mode"] is False
+    assert pipe.validate("a red boat", **{**ours_in, "mask_image": None}).values["guess_mode"] is True  # img2img
 
 
 @pytest.mark.slow  # builds an SDXL folder and ControlNet (no compile)

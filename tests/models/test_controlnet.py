@@ -41,7 +41,7 @@ def _control(batch: int, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).uniform(0, 1, (batch, 3, 16, 16)).astype(np.float32)  # NCHW in [0, 1]
 
 
-def _torch_controlnet(model, inputs, control, scale):
+def _torch_controlnet(model, inputs, control, scale, guess_mode=False):
     import torch
 
     added = None
@@ -51,7 +51,7 @@ def _torch_controlnet(model, inputs, control, scale):
         down, mid = model(torch.from_numpy(inputs["sample"]), torch.from_numpy(inputs["timestep"]),
                           encoder_hidden_states=torch.from_numpy(inputs["encoder_hidden_states"]),
                           controlnet_cond=torch.from_numpy(control), conditioning_scale=scale,
-                          added_cond_kwargs=added, return_dict=False)
+                          added_cond_kwargs=added, guess_mode=guess_mode, return_dict=False)
     return [d.numpy() for d in down], mid.numpy()
 
 
@@ -85,6 +85,14 @@ def test_residuals_match_diffusers(built, name, options):
                   np.asarray([0.7, 0.0], np.float32), _added(inputs))
     np.testing.assert_allclose(np.asarray(down1[0])[0], np.asarray(down[0])[0], atol=1e-6)
     assert not np.asarray(down1[0])[1].any()
+    # guess mode: diffusers' ramp, 0.1 at the first skip to 1 at the mid block, times the scale
+    ref_down, ref_mid = _torch_controlnet(model, inputs, control, 0.7, guess_mode=True)
+    down, mid = cn(inputs["sample"], inputs["timestep"], inputs["encoder_hidden_states"], control, 0.7, _added(inputs),
+                   guess_mode=True)
+    for ours, theirs in zip([*down, mid], [*ref_down, ref_mid]):
+        assert np.abs(np.asarray(ours) - theirs).max() <= FP32_TOL
+    ramp = np.abs(ref_down[0]).max() / np.abs(_torch_controlnet(model, inputs, control, 0.7)[0][0]).max()
+    assert ramp == pytest.approx(0.1, rel=1e-5)  # a ramp the reference really applied
 
 
 @pytest.mark.slow
@@ -98,12 +106,14 @@ def test_global_pool_conditions_averages_each_residual(built, tmp_path):
     model.save_pretrained(pooled)
     inputs = tiny_inputs(tiny_config("sd1"), batch=1, seed=2)
     control = _control(1, seed=3)
-    ref_down, ref_mid = _torch_controlnet(model, inputs, control, 1.0)
-    down, mid = load_controlnet(pooled)(inputs["sample"], inputs["timestep"], inputs["encoder_hidden_states"],
-                                        control)
-    assert ref_mid.shape[2:] == (1, 1)
-    for ours, theirs in zip([*down, mid], [*ref_down, ref_mid]):
-        assert np.abs(np.asarray(ours) - theirs).max() <= FP32_TOL
+    cn = load_controlnet(pooled)
+    for guess_mode in (False, True):  # guess mode leaves a pooled ControlNet's residuals unramped, as diffusers
+        ref_down, ref_mid = _torch_controlnet(model, inputs, control, 0.8, guess_mode=guess_mode)
+        down, mid = cn(inputs["sample"], inputs["timestep"], inputs["encoder_hidden_states"], control, 0.8,
+                       guess_mode=guess_mode)
+        assert ref_mid.shape[2:] == (1, 1)
+        for ours, theirs in zip([*down, mid], [*ref_down, ref_mid]):
+            assert np.abs(np.asarray(ours) - theirs).max() <= FP32_TOL
 
 
 @pytest.mark.slow

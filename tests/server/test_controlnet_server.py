@@ -64,9 +64,17 @@ def test_a_served_controlnet_request_is_warm_and_matches_the_python_call(served)
                                                         "image": data_uri(png(start)), "strength": 0.7}})
         assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
         got_img2img = decode_data_url(r.json()["output"][0])
+        r = client.post("/predictions", json={"input": {**call, "control_image": data_uri(png(image)),
+                                                        "guess_mode": True}})
+        assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
+        got_guess = decode_data_url(r.json()["output"][0])
         r = client.post("/predictions", json={"input": call})  # no control image: refused, naming it
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "control_image", r.text
-    assert core.batcher.stats["traffic_compiles"] == 0  # warm-up compiled the ControlNet's programs
+        r = client.post("/predictions", json={"input": {**call, "control_image": data_uri(png(image)),
+                                                        "guess_mode": "maybe"}})  # a JSON boolean only
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "guess_mode", r.text
+        assert props["guess_mode"].get("anyOf", [props["guess_mode"]])[0]["type"] == "boolean"
+    assert core.batcher.stats["traffic_compiles"] == 0  # warm-up compiled the ControlNet's programs (guess mode: data)
     want = pipe.generate("a red boat", steps=3, guidance=5.0, seed=3, control_image=image,
                          controlnet_conditioning_scale=0.7, control_guidance_start=0.3)[0]
     assert got.shape == (32, 32, 3)
@@ -75,6 +83,10 @@ def test_a_served_controlnet_request_is_warm_and_matches_the_python_call(served)
                          controlnet_conditioning_scale=0.7, control_guidance_start=0.3)[0]
     np.testing.assert_array_equal(got_img2img, want)
     assert np.abs(got_img2img.astype(int) - got.astype(int)).mean() > 3  # the image counts
+    want = pipe.generate("a red boat", steps=3, guidance=5.0, seed=3, control_image=image, guess_mode=True,
+                         controlnet_conditioning_scale=0.7, control_guidance_start=0.3)[0]
+    np.testing.assert_array_equal(got_guess, want)
+    assert np.abs(got_guess.astype(int) - got.astype(int)).mean() > 3  # guess mode counts
 
 
 def test_sample_cli_takes_controlnet_and_control_image(served, tmp_path: Path) -> None:
@@ -89,11 +101,12 @@ def test_sample_cli_takes_controlnet_and_control_image(served, tmp_path: Path) -
     out = tmp_path / "o.png"
     result = CliRunner().invoke(main, ["sample", str(folder), "--controlnet", str(cn), "--control-image",
                                        str(tmp_path / "edges.png"), "--controlnet-conditioning-scale", "0.5",
-                                       "--prompt", "a red boat", "--steps", "2", "--guidance", "4", "--seed", "1",
-                                       "--cache", "off", "--out", str(out), "--save-images", str(tmp_path / "each")])
+                                       "--guess-mode", "true", "--prompt", "a red boat", "--steps", "2", "--guidance",
+                                       "4", "--seed", "1", "--cache", "off", "--out", str(out), "--save-images",
+                                       str(tmp_path / "each")])
     assert result.exit_code == 0, result.output
     want = core.pipe.generate("a red boat", steps=2, guidance=4.0, seed=1, control_image=image,
-                              controlnet_conditioning_scale=0.5)[0]
+                              controlnet_conditioning_scale=0.5, guess_mode=True)[0]
     (written,) = sorted((tmp_path / "each").iterdir())  # the image as made (--out is a grid, upscaled when small)
     np.testing.assert_array_equal(np.asarray(Image.open(written).convert("RGB")), want)
     result = CliRunner().invoke(main, ["sample", str(folder), "--control-image", str(tmp_path / "edges.png"),

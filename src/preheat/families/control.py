@@ -1,6 +1,6 @@
 """A ControlNet's inputs (SD 1.x / 2.x, SDXL base): declared once, checked, and turned into conditioning.
 
-A model loaded with ``controlnet=FOLDER`` (``preheat.models.controlnet``) declares four more
+A model loaded with ``controlnet=FOLDER`` (``preheat.models.controlnet``) declares five more
 inputs, as diffusers' ``StableDiffusion[XL]ControlNet[Img2Img|Inpaint]Pipeline`` names them::
 
     input                          static / data            reaches
@@ -10,6 +10,7 @@ inputs, as diffusers' ``StableDiffusion[XL]ControlNet[Img2Img|Inpaint]Pipeline``
                                                             lanczos), not normalised to [-1, 1]
     controlnet_conditioning_scale  data (n,) float32        multiplies every residual
     control_guidance_start, _end   data (n, 2) float32      the steps the ControlNet applies in
+    guess_mode (bool, False)       data (n, K) float32      each residual's factor beside the scale
 
 beside the model's own ``image``, ``mask_image``, ``strength`` and ``padding_mask_crop``
 (``families.image``): ControlNet img2img and inpainting, as diffusers' ControlNet img2img and
@@ -43,7 +44,15 @@ step at a timestep that falls with each step; others (Heun, DPM2: diffusers coun
 per step as two steps) take the whole window only.
 
 With classifier-free guidance the ControlNet runs on both branches (diffusers' default, guess mode
-off), with the same control image and scale.
+off), with the same control image and scale. Guess mode (diffusers' ``guess_mode=True``) runs it on
+the conditional branch only, its residuals scaled by the ramp ``logspace(-1, 0, K)`` (the K - 1
+skips, then the mid block) times the scale. The engine runs both branches as one batch, so guess
+mode is data: a leaf of K factors per image, the ramp on the conditional branch and 0 on the
+unconditional one (diffusers' zero residuals; the ControlNet still runs there), 1s with guess mode
+off -- one program either way. A ``global_pool_conditions`` ControlNet (shuffle) is always in guess
+mode, as diffusers' ``guess_mode or global_pool_conditions`` (its SDXL inpaint pipeline excepted:
+there the call's own), with 1s for the ramp (diffusers ramps only unpooled residuals). Without
+guidance guess mode changes the ramp alone.
 """
 
 from __future__ import annotations
@@ -53,12 +62,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from preheat.errors import InvalidArgumentError
-from preheat.families.base import EngineView, Request
-from preheat.families.inputs import WARM_IMAGE, Float, Image, InputSpec
+from preheat.families.base import Conditioning, EngineView, Request
+from preheat.families.inputs import WARM_IMAGE, Bool, Float, Image, InputSpec
 
 __all__ = ["CONTROL_IMAGE", "CONTROLNET_CONDITIONING_SCALE", "CONTROL_GUIDANCE_START", "CONTROL_GUIDANCE_END",
-           "CONTROL_SPECS", "CONTROL_NAMES", "refuse_without_controlnet", "check_control_inputs", "control_window",
-           "control_cond", "keep_scale"]
+           "GUESS_MODE", "CONTROL_SPECS", "CONTROL_NAMES", "refuse_without_controlnet", "check_control_inputs",
+           "control_window", "control_cond", "keep_scale"]
 
 # warm: a placeholder at each served size (its content is data; its size selects the program)
 CONTROL_IMAGE = InputSpec("control_image", Image(), "The ControlNet's conditioning image (an edge map, a depth map, "
@@ -72,7 +81,12 @@ CONTROL_GUIDANCE_START = InputSpec("control_guidance_start", Float(0.0, 1.0), "T
                                    "the ControlNet starts to apply.", default=0.0)
 CONTROL_GUIDANCE_END = InputSpec("control_guidance_end", Float(0.0, 1.0), "The share of the steps after which "
                                  "the ControlNet stops applying.", default=1.0)
-CONTROL_SPECS = (CONTROL_IMAGE, CONTROLNET_CONDITIONING_SCALE, CONTROL_GUIDANCE_START, CONTROL_GUIDANCE_END)
+GUESS_MODE = InputSpec("guess_mode", Bool(), "Let the ControlNet steer without the prompt: with guidance it "
+                       "applies to the conditional branch only, and its residuals are ramped from 0.1 (the finest) "
+                       "to 1 (the mid block) times the scale. Always on for a global_pool_conditions ControlNet "
+                       "(shuffle), as in diffusers.", default=False)
+CONTROL_SPECS = (CONTROL_IMAGE, CONTROLNET_CONDITIONING_SCALE, CONTROL_GUIDANCE_START, CONTROL_GUIDANCE_END,
+                 GUESS_MODE)
 CONTROL_NAMES = tuple(s.name for s in CONTROL_SPECS)
 
 _FAR = np.float32(1e9)  # beyond any timestep: an open end of the window
@@ -89,9 +103,10 @@ def refuse_without_controlnet(inputs: Mapping[str, Any]) -> None:
 def check_control_inputs(pipe: EngineView, values: dict[str, Any], inputs: Mapping[str, Any], max_size: int,
                          scales: tuple[float, float, float]) -> None:
     """The window's order, the scale's default (``scales``: the text, img2img and inpaint pipelines'),
-    and the output size: without width/height the control image's own, rounded down to the size
-    multiple (diffusers' ``prepare_image``); beside an image, the image's, which the control image must
-    share (diffusers prepares each at its own size, and the ControlNet's sum of the two fails)."""
+    guess mode forced on for a ``global_pool_conditions`` ControlNet, and the output size: without
+    width/height the control image's own, rounded down to the size multiple (diffusers'
+    ``prepare_image``); beside an image, the image's, which the control image must share (diffusers
+    prepares each at its own size, and the ControlNet's sum of the two fails)."""
     from preheat.families.image import image_size
 
     if values["control_guidance_start"] >= values["control_guidance_end"]:
@@ -99,6 +114,9 @@ def check_control_inputs(pipe: EngineView, values: dict[str, Any], inputs: Mappi
                                    f"control_guidance_end={values['control_guidance_end']:g}",
                                    argument="control_guidance_start")
     control, image, mask_image = values["control_image"], values.get("image"), values.get("mask_image")
+    config = pipe.components.controlnet
+    if config.global_pool_conditions and not (config.addition_embed_type == "text_time" and mask_image is not None):
+        values["guess_mode"] = True  # diffusers' guess_mode or global_pool_conditions (not its SDXL inpaint pipeline's)
     if values["controlnet_conditioning_scale"] is None:
         values["controlnet_conditioning_scale"] = scales[0 if image is None else 1 if mask_image is None else 2]
     if values.get("padding_mask_crop") is not None and control.shape[:2] != image.shape[:2]:
@@ -148,26 +166,34 @@ def control_window(pipe: EngineView, request: Request, start: int = 0) -> np.nda
     return np.asarray([high, low], np.float32)
 
 
-def control_cond(pipe: EngineView, request: Request, start: int = 0) -> dict[str, np.ndarray]:
-    """The conditioning leaves a ControlNet call adds, the same for both guidance branches: the
-    control image as diffusers' ``control_image_processor`` prepares it (with padding_mask_crop,
-    each image's box of it, filled to the output's size, as the image's), the scale, the window
-    (``start``: an image call's first step)."""
+def control_cond(pipe: EngineView, request: Request, start: int = 0) -> Conditioning:
+    """The conditioning leaves a ControlNet call adds to each guidance branch: the control image as
+    diffusers' ``control_image_processor`` prepares it (with padding_mask_crop, each image's box of
+    it, filled to the output's size, as the image's), the scale, the window (``start``: an image
+    call's first step), and each residual's factor (guess mode's ramp; 0 on the unconditional
+    branch of a guided guess-mode call, whose residuals diffusers makes zeros)."""
     from preheat.families.image import crop_regions, unit_pixels
+    from preheat.models.controlnet import residual_scales
 
     values, n = request.values, request.n
     regions = crop_regions(values) or (None,) * n
     prepared = {region: unit_pixels(values["control_image"], values["width"], values["height"], region)
                 for region in set(regions)}  # (H, W, 3) each
-    return {"control_image": np.stack([prepared[r] for r in regions]),  # (n, H, W, 3) in [0, 1]
+    ramp = np.repeat(residual_scales(pipe.components.controlnet, values["guess_mode"])[None], n, axis=0)  # (n, K)
+    cond = {"control_image": np.stack([prepared[r] for r in regions]),  # (n, H, W, 3) in [0, 1]
             "controlnet_conditioning_scale": np.full((n,), values["controlnet_conditioning_scale"], np.float32),
-            "control_window": np.repeat(control_window(pipe, request, start)[None], n, axis=0)}  # (n, 2)
+            "control_window": np.repeat(control_window(pipe, request, start)[None], n, axis=0),  # (n, 2)
+            "control_residual_scales": ramp}
+    uncond = {**cond, "control_residual_scales": np.zeros_like(ramp)} if values["guess_mode"] else cond
+    return Conditioning(cond=cond, uncond=uncond)
 
 
 def keep_scale(cond: Mapping[str, Any], t: Any) -> Any:
-    """Inside the program: each image's scale where its timestep is inside its window, else 0. (B,)"""
+    """Inside the program: each residual's scale, each image's scale times its residual factor
+    where its timestep is inside its window, else 0. (B, K)"""
     import jax.numpy as jnp
 
     window = cond["control_window"]  # (B, 2): highest, lowest timestep kept
     inside = (t <= window[:, 0]) & (t >= window[:, 1])  # (B,)
-    return jnp.where(inside, cond["controlnet_conditioning_scale"], 0.0)
+    kept = jnp.where(inside, cond["controlnet_conditioning_scale"], 0.0)  # (B,)
+    return cond["control_residual_scales"] * kept[:, None]  # (B, K): diffusers' ramp * scale

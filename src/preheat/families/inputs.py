@@ -15,6 +15,7 @@ model (a native size, a size multiple, class names). The common inputs every fam
     Text      str (per image: str or n strs)     str / list[str]      string, maxLength
     Int       int in [low, high], a multiple     int                  integer, min/max
     Float     finite number in [low, high]       float                number, min/max
+    Bool      True / False                       bool                 boolean
     Choice    one of ``options``                 str                  string, enum
     Pair      two non-negative ints              (int, int)           array of 2 integers
     Ints      ints in [low, high] (a list)       tuple[int, ...]      array of integers
@@ -52,8 +53,8 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["InputSpec", "CliForm", "Text", "Int", "Float", "Choice", "Pair", "Ints", "Label", "Image", "COMMON_SPECS",
-           "common_spec", "SizePair", "IMAGE_SIZE", "size_pair",
+__all__ = ["InputSpec", "CliForm", "Text", "Int", "Float", "Bool", "Choice", "Pair", "Ints", "Label", "Image",
+           "COMMON_SPECS", "common_spec", "SizePair", "IMAGE_SIZE", "size_pair",
            "check_int", "unknown_input", "size_specs", "example_inputs", "typed_flags", "field_of",
            "check_needs", "WARM_IMAGE", "SURFACES", "SEED_MAX", "ServerBound"]
 
@@ -167,6 +168,29 @@ class Float:
             return float(text)
         except ValueError:
             raise InvalidArgumentError(f"{name} {text!r} must be a number", argument=name) from None
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+@dataclass(frozen=True)
+class Bool:
+    """A switch (ControlNet's guess_mode): True or False, never a number or a string that looks like one."""
+
+    python = bool
+
+    def check(self, name: str, value: Any) -> bool:
+        if not isinstance(value, (bool, np.bool_)):
+            raise InvalidArgumentError.about("{0}={value!r} must be true or false", name, value=value)
+        return bool(value)
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "boolean"}
+
+    def from_text(self, name: str, text: str) -> bool:
+        if text.lower() not in _TRUE + _FALSE:
+            raise InvalidArgumentError(f"{name} {text!r} must be true or false", argument=name)
+        return text.lower() in _TRUE
 
 
 @dataclass(frozen=True)
@@ -319,7 +343,7 @@ class Image:
         return np.full((height, width), 255, np.uint8) if self.mask else np.full((height, width, 3), 128, np.uint8)
 
 
-InputType = Text | Int | Float | Choice | Pair | Ints | Label | Image
+InputType = Text | Int | Float | Bool | Choice | Pair | Ints | Label | Image
 
 
 # ------------------------------------------------------------------------------------ the spec

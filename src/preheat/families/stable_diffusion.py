@@ -42,9 +42,10 @@ input of ``generate`` is::
                                                                       the mask, resized to width x
                                                                       height; the output pasted back
     control_image, and the ControlNet's   x   x     data (the image   a ControlNet beside the UNet, on
-      scale and step window (loaded                   size: static)   both branches (``families.control``);
-      with controlnet= only; image and                                with an image: the window over the
-      mask_image too, not on a refiner)                               steps strength leaves
+      scale, step window and guess mode               size: static)   both branches (guess mode: the
+      (loaded with controlnet= only; image                            conditional one; ``families.control``);
+      and mask_image too, not on a refiner)                           with an image: the window over the
+                                                                      steps strength leaves
 
 An SDXL refiner's folder (``StableDiffusionXLImg2ImgPipeline`` with ``requires_aesthetics_score``:
 stable-diffusion-xl-refiner-1.0) is the ``stable-diffusion-xl-refiner`` family: the second encoder
@@ -234,15 +235,15 @@ class StableDiffusionFamily(TextToImageFamily):
 
     def condition(self, pipe: EngineView, request: Request) -> Conditioning:
         """The text conditioning (+ an inpainting UNet's mask channels), and a ControlNet's inputs
-        beside it on both branches (``families.control``)."""
+        beside it on each branch (``families.control``)."""
         conditioning = self._text_condition(pipe, request)
         if pipe.components.refiner is not None:
             return self._with_refiner(pipe, request, conditioning)
         if pipe.components.controlnet is None:
             return conditioning
         extra = control_cond(pipe, request, self._start_index(request) or 0)
-        uncond = {**conditioning.uncond, **extra} if request.guided else conditioning.uncond
-        return Conditioning(cond={**conditioning.cond, **extra}, uncond=uncond)
+        uncond = {**conditioning.uncond, **extra.uncond} if request.guided else conditioning.uncond
+        return Conditioning(cond={**conditioning.cond, **extra.cond}, uncond=uncond)
 
     def _with_refiner(self, pipe: EngineView, request: Request, conditioning: Conditioning) -> Conditioning:
         """The base's conditioning beside the refiner's own (its encoder on the prompt and negative
@@ -589,7 +590,8 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
                              lambda y: unet.apply(params, y, t, cond["context"], added, lora),
                              lambda y: expert.apply(refiner_params, y, t, own), x)
         residuals = None
-        if control is not None:  # params: (the UNet's, the ControlNet's); both branches take it, as diffusers
+        if control is not None:  # params: (the UNet's, the ControlNet's); both branches take it (guess mode: its
+            # unconditional residuals scaled by 0, as diffusers' zeros), each residual its own scale
             params, control_params = params
             residuals = control.apply(control_params, x, t, cond["context"], cond["control_image"],
                                       keep_scale(cond, t), added)
@@ -654,9 +656,6 @@ def _check_controlnet(config: Any, unet: Any, family: StableDiffusionFamily, inp
 
     if family.aesthetics:
         raise UnsupportedConfigError(f"controlnet={source}: a ControlNet with an SDXL refiner is not supported")
-    if config.global_pool_conditions:
-        raise UnsupportedConfigError(f"controlnet={source}: global_pool_conditions (diffusers then runs guess mode, "
-                                     "the ControlNet on the conditional branch only) is not supported")
     own, theirs = skip_widths(config.unet_config()), skip_widths(unet)
     checks = (("its residuals' widths", own, theirs), ("cross_attention_dim", config.cross_attention_dim,
                                                        unet.cross_attention_dim),

@@ -9,8 +9,10 @@ through one 1x1 "zero" conv per skip connection and one after the mid block::
     sample (B, h, w, Cin) --conv_in--> + that --down blocks, mid block--> skips, mid
     skips[i] --controlnet_down_blocks[i]--> down residual i     mid --controlnet_mid_block--> mid residual
 
-Each residual is multiplied by ``conditioning_scale`` (data: a scalar or one per image) and added
-to the UNet's own skips and mid block output (``UNet2DConditionModule(..., residuals=...)``).
+Each residual is multiplied by ``conditioning_scale`` (data: a scalar, one per image, or one per
+image and residual) and added to the UNet's own skips and mid block output
+(``UNet2DConditionModule(..., residuals=...)``). Guess mode's scales are data too
+(:func:`residual_scales`: diffusers' ramp from 0.1 at the first skip to 1 at the mid block).
 The down half is the UNet's own code (``unet2d_condition.DownHalf``), not a copy; its names are
 diffusers', so a parameter path is its checkpoint key, as everywhere in ``preheat.models``.
 ``global_pool_conditions`` (the shuffle ControlNet) averages each residual over the image.
@@ -24,6 +26,7 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedConfigError
@@ -36,7 +39,7 @@ from preheat.models.unet2d_condition import DownHalf, Residuals, UNet2DCondition
 from preheat.models.weights import LoadOptions, check_dtype, fill
 
 __all__ = ["ControlNetConfig", "ControlNetModule", "LoadedControlNet", "Residuals", "skip_widths",
-           "resolve_controlnet_dir", "read_controlnet_config", "load_controlnet", "build_abstract"]
+           "residual_scales", "resolve_controlnet_dir", "read_controlnet_config", "load_controlnet", "build_abstract"]
 
 Array = jax.Array
 
@@ -139,6 +142,17 @@ def skip_widths(unet: UNet2DConditionConfig) -> tuple[int, ...]:
     return tuple(widths)
 
 
+def residual_scales(config: ControlNetConfig, guess_mode: bool = False) -> np.ndarray:
+    """(K,) float32: each residual's factor beside the conditioning scale (the down residuals, then
+    the mid block's). Guess mode: diffusers' ``torch.logspace(-1, 0, K)``, 0.1 at the first skip to
+    1 at the mid block, so the coarse residuals steer most; 1s otherwise, and for a
+    ``global_pool_conditions`` ControlNet, which diffusers leaves unramped in guess mode too."""
+    k = len(skip_widths(config.unet_config())) + 1
+    if not guess_mode or config.global_pool_conditions:
+        return np.ones((k,), np.float32)
+    return np.logspace(-1, 0, k).astype(np.float32)  # equal to torch's float32 logspace
+
+
 class ControlNetConditioningEmbedding(nnx.Module):
     """The control image's conv stack: conv_in, then per level a 3x3 conv and a stride-2 3x3 conv,
     SiLU after each, then conv_out to the UNet's first width (zero-initialised when trained)."""
@@ -187,7 +201,8 @@ class ControlNetModule(DownHalf):
     def __call__(self, x: Array, t: Array, context: Array, control: Array, scale: Any = 1.0,
                  added: Mapping[str, Array] | None = None) -> Residuals:
         """(B, h, w, Cin) sample, (B,) timesteps, (B, L, D) text states, (B, H, W, 3) control image in
-        [0, 1], scale () or (B,), SDXL's added ids -> the residuals, each times ``scale``."""
+        [0, 1], scale () or (B,) or (B, K) (one per residual: down, then mid), SDXL's added ids ->
+        the residuals, each times its scale (then pooled, with ``global_pool_conditions``)."""
         u = self.down_config
         check_unet_inputs(u, x, t, context, added)
         self.check_inputs(x, control)
@@ -198,9 +213,11 @@ class ControlNetModule(DownHalf):
         emb = self.embed(u, t, added, b, dtype)  # (B, T)
         h = self.conv_in(x) + self.controlnet_cond_embedding(control.astype(dtype))  # (B, h, w, C0)
         h, skips = self.down_half(h, emb, context.astype(dtype))
-        s = jnp.broadcast_to(jnp.asarray(scale, dtype).reshape(-1), (b,)).reshape(b, 1, 1, 1)  # (B, 1, 1, 1)
-        down = tuple(conv(skip) * s for conv, skip in zip(self.controlnet_down_blocks, skips))
-        mid = self.controlnet_mid_block(h) * s
+        k = len(skips) + 1
+        s = jnp.asarray(scale, dtype)
+        s = jnp.broadcast_to(s[:, None] if s.ndim == 1 else s, (b, k)).reshape(b, k, 1, 1, 1)  # (B, K, 1, 1, 1)
+        down = tuple(conv(skip) * s[:, i] for i, (conv, skip) in enumerate(zip(self.controlnet_down_blocks, skips)))
+        mid = self.controlnet_mid_block(h) * s[:, -1]
         if self.config.global_pool_conditions:  # (B, 1, 1, C) each: added everywhere in the UNet's maps
             down = tuple(jnp.mean(r, axis=(1, 2), keepdims=True) for r in down)
             mid = jnp.mean(mid, axis=(1, 2), keepdims=True)
@@ -243,19 +260,22 @@ class LoadedControlNet:
 
     def apply(self, params: nnx.State, x: Array, t: Array, context: Array, control: Array, scale: Any = 1.0,
               added: Mapping[str, Array] | None = None) -> Residuals:
-        """(B, h, w, C), (B,), (B, L, D), (B, H, W, 3) in [0, 1], () or (B,) -> Residuals (NHWC)."""
+        """(B, h, w, C), (B,), (B, L, D), (B, H, W, 3) in [0, 1], () or (B,) or (B, K) -> Residuals (NHWC)."""
         model = nnx.merge(self.graphdef, upcast(params, self.dtype, tie=x))  # fp8-stored weights upcast here
         return model(x, t, context, control, scale, added)
 
     def __call__(self, sample: Any, timestep: Any, encoder_hidden_states: Any, controlnet_cond: Any,
-                 conditioning_scale: Any = 1.0,
-                 added_cond_kwargs: Mapping[str, Any] | None = None) -> tuple[list[Array], Array]:
+                 conditioning_scale: Any = 1.0, added_cond_kwargs: Mapping[str, Any] | None = None,
+                 guess_mode: bool = False) -> tuple[list[Array], Array]:
         """NCHW in, (down residuals, mid residual) NCHW out, as diffusers' ``return_dict=False``."""
         x = jnp.transpose(jnp.asarray(sample, self.dtype), (0, 2, 3, 1))  # NCHW -> NHWC
         control = jnp.transpose(jnp.asarray(controlnet_cond, self.dtype), (0, 2, 3, 1))
         added = None if added_cond_kwargs is None else {k: jnp.asarray(v) for k, v in added_cond_kwargs.items()}
+        ramp = residual_scales(self.config, guess_mode)  # (K,): diffusers' forward(guess_mode=)
+        scale = jnp.asarray(conditioning_scale, jnp.float32).reshape(-1, 1)  # (1, 1) or (B, 1)
+        scale = jnp.broadcast_to(ramp[None] * scale, (x.shape[0], len(ramp)))  # (B, K)
         out = self.apply(self.params, x, jnp.asarray(timestep, jnp.float32),
-                         jnp.asarray(encoder_hidden_states, self.dtype), control, conditioning_scale, added)
+                         jnp.asarray(encoder_hidden_states, self.dtype), control, scale, added)
         return ([jnp.transpose(r, (0, 3, 1, 2)) for r in out.down], jnp.transpose(out.mid, (0, 3, 1, 2)))
 
 

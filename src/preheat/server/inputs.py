@@ -33,11 +33,11 @@ from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal, Mapping, NamedTuple, Optional, Union
 
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError, create_model
 
 from preheat.errors import InputError, InvalidArgumentError, SchedulerConfigError
-from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, SEED_MAX, Choice, Float, Image, InputSpec, Int, Ints,
-                                     Label, Pair, ServerBound, Text, field_of, size_pair)
+from preheat.families.inputs import (COMMON_SPECS, IMAGE_SIZE, SEED_MAX, Bool, Choice, Float, Image, InputSpec, Int,
+                                     Ints, Label, Pair, ServerBound, Text, field_of, size_pair)
 from preheat.families.offer import (default_offered, inputs_offering, offered_specs, served_sampler, served_size,
                                     served_statics)
 
@@ -219,6 +219,8 @@ def _annotation(spec: InputSpec) -> Any:
     if isinstance(t, Float):
         low = {"gt" if t.low_open else "ge": t.low}
         return Annotated[float, Field(**low, le=t.high, allow_inf_nan=False), BeforeValidator(_json_number)]
+    if isinstance(t, Bool):
+        return StrictBool  # JSON true / false
     if isinstance(t, Choice):
         return Literal[tuple(t.options)]  # type: ignore[misc]
     if isinstance(t, Pair):
