@@ -190,6 +190,25 @@ def conditions_table(rows: list[dict[str, Any]],
     return lines
 
 
+def condition_header(model: str | None, pipe: Any, sig: Any, n: int, steps: int, dtype: str, repeats: int,
+                     size: tuple[int, int]) -> dict[str, Any]:
+    """What an in-process conditions bench ran (the model, its call, the machine and its load): the
+    fields :func:`header_line` reads, its result's first ones."""
+    return {"model": model or "built-in:digits", "family": pipe.family.name, "machine": machine_line(),
+            "load_average": load_average(), "n": n, "steps": steps, "dtype": dtype, "repeats": repeats,
+            "sampler": pipe.defaults["sampler"], "guided": bool(sig.guided), "size": list(size),
+            "sample_shape": list(sig.sample_shape)}
+
+
+def header_line(result: Mapping[str, Any], beside: str) -> str:
+    """A conditions bench's first markdown line: the model and what runs ``beside`` it, the call, the machine."""
+    load = result["load_average"]
+    return (f"**{result['model']}** ({result['family']}) + {beside}, batch {result['n']}, {result['steps']} steps "
+            f"{result['sampler']}{' +cfg' if result['guided'] else ''}, {result['size'][0]}x{result['size'][1]} "
+            f"(latents {result['sample_shape']}), {result['dtype']}, {result['repeats']} rounds — {result['machine']}"
+            + (f"; load average {load[0]:.1f}" if load else ""))
+
+
 def load_average() -> tuple[float, float, float] | None:
     """``os.getloadavg()``, or None where the platform has none: other jobs skew every timing."""
     try:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from preheat.bench.common import (Condition, condition_rows, conditions_table, load_average, machine_line,
+from preheat.bench.common import (Condition, condition_header, condition_rows, conditions_table, header_line,
                                   time_interleaved)
 from preheat.bench.random_models import materialize_model
 
@@ -79,20 +79,12 @@ def bench_controlnet(model: str | None, n: int, steps: int, repeats: int, workdi
     ratios = {"controlnet_vs_none": by["controlnet"]["images_per_s"] / by["none"]["images_per_s"],
               "window_vs_controlnet": by["window"]["images_per_s"] / by["controlnet"]["images_per_s"],
               "denoise_controlnet_vs_none": by["controlnet"]["denoise_s"]["median"] / by["none"]["denoise_s"]["median"]}
-    sig = timed["none"].sig
-    return {"model": model or "built-in:digits", "family": plain.family.name, "machine": machine_line(),
-            "load_average": load_average(), "n": n, "steps": steps, "dtype": dtype, "repeats": repeats,
-            "sampler": plain.defaults["sampler"], "guided": bool(sig.guided), "size": [width, height],
-            "sample_shape": list(sig.sample_shape), "rows": rows, "ratios": ratios}
+    return {**condition_header(model, plain, timed["none"].sig, n, steps, dtype, repeats, (width, height)),
+            "rows": rows, "ratios": ratios}
 
 
 def markdown(result: dict[str, Any]) -> str:
-    load = result["load_average"]
-    lines = [f"**{result['model']}** ({result['family']}) + a random ControlNet from its UNet, batch {result['n']}, "
-             f"{result['steps']} steps {result['sampler']}{' +cfg' if result['guided'] else ''}, "
-             f"{result['size'][0]}x{result['size'][1]} (latents {result['sample_shape']}), {result['dtype']}, "
-             f"{result['repeats']} rounds — {result['machine']}" + (f"; load average {load[0]:.1f}" if load else ""),
-             "", *conditions_table(result["rows"])]
+    lines = [header_line(result, "a random ControlNet from its UNet"), "", *conditions_table(result["rows"])]
     q = result["ratios"]
     lines += ["", f"with a ControlNet / without: **{q['controlnet_vs_none']:.2f}×** images/s (denoising alone takes "
               f"{q['denoise_controlnet_vs_none']:.2f}× as long); a window of half the steps / the whole: "

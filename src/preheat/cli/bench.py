@@ -112,6 +112,29 @@ def controlnet_command(model: str, n: int, steps: int, repeats: int, dtype: str,
     write_json(json_out, result)
 
 
+@bench_group.command("refiner")
+@click.argument("model", required=False, default="random:sdxl-tiny")
+@common_option("n", default=2, help="Batch size.")
+@common_option("steps", default=10, help="Denoising steps.")
+@click.option("--repeats", default=5, show_default=True, type=POSITIVE, help="Rounds, each timing every condition once.")
+@click.option("--dtype", default="float32", show_default=True)
+@size_options()
+@output_options()
+@one_line_errors
+def refiner_command(model: str, n: int, steps: int, repeats: int, dtype: str, size: tuple[int, int] | None,
+                    json_out: Path | None, as_json: bool) -> None:
+    """Images/s of an SDXL call that a refiner finishes (the ensemble of experts, denoising_end 0.8) vs
+    the base alone, and with the refiner held but not run, in one run. MODEL: an SDXL base folder, or
+    random:sdxl-tiny / random:sdxl (random weights); the refiner is a random one of its UNet's widths."""
+    from preheat.bench.common import write_json
+    from preheat.bench.refiner import bench_refiner, markdown
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = bench_refiner(model, n, steps, repeats, Path(tmp), dtype=dtype, size=size)
+    echo_result(result, markdown(result), as_json)
+    write_json(json_out, result)
+
+
 @bench_group.command("coldstart", cls=FamilyInputsCommand, options_metavar="[MODEL] [OPTIONS]")
 @common_option("n", default=8, help="Batch size.")
 @common_option("steps")

@@ -1,0 +1,96 @@
+"""`preheat bench refiner`: images/s of an SDXL call whose last steps a refiner takes over (the
+ensemble of experts, ``preheat.families.experts``) against the base alone, measured in one process,
+the conditions interleaved round by round so that a shared machine's load falls on all of them alike.
+
+Conditions, every image the same prompt, steps and size:
+
+    base        the base model loaded alone
+    ensemble    the base with a refiner, denoising_end 0.8: the refiner runs the last steps
+    base only   the same pipeline with denoising_end 1: the refiner held, never run -- what holding
+                it costs a call (its encoder still runs; each step picks its UNet with ``lax.cond``)
+
+The refiner is random, made from the base's own UNet config with a refiner's conditioning (its
+text encoder's width, five time ids) and the base's second text encoder. A whole ``generate`` call
+is timed (text encoding, denoising, decoding), and the denoising program alone.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from preheat.bench.common import (Condition, condition_header, condition_rows, conditions_table, header_line,
+                                  time_interleaved)
+from preheat.bench.random_models import materialize_model
+
+__all__ = ["bench_refiner", "write_random_refiner", "markdown"]
+
+
+def write_random_refiner(folder: Path, into: Path, seed: int = 0) -> Path:
+    """An SDXL refiner folder for the base in ``folder``: a random UNet of the base's widths taking the
+    second encoder's context and five time ids (original size, crop, aesthetic score), beside copies
+    of the base's second encoder, its tokenizer, scheduler and VAE; ``requires_aesthetics_score``."""
+    import diffusers
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    folder, into = Path(folder), Path(into)
+    unet = json.loads((folder / "unet" / "config.json").read_text())
+    encoder = json.loads((folder / "text_encoder_2" / "config.json").read_text())
+    width = encoder.get("text_config", encoder)["hidden_size"]
+    projection = encoder.get("projection_dim", width)
+    config = {k: v for k, v in unet.items() if not k.startswith("_")}
+    config.update(cross_attention_dim=width,
+                  projection_class_embeddings_input_dim=projection + 5 * config["addition_time_embed_dim"])
+    torch.manual_seed(seed)
+    UNet2DConditionModel(**config).save_pretrained(into / "unet")
+    for part in ("text_encoder_2", "tokenizer_2", "scheduler", "vae"):
+        shutil.copytree(folder / part, into / part)
+    base = json.loads((folder / "model_index.json").read_text())
+    index = {"_class_name": "StableDiffusionXLImg2ImgPipeline", "_diffusers_version": diffusers.__version__,
+             "requires_aesthetics_score": True, "force_zeros_for_empty_prompt": False,
+             "text_encoder": [None, None], "tokenizer": [None, None],
+             **{part: base[part] for part in ("text_encoder_2", "tokenizer_2", "unet", "vae", "scheduler")}}
+    (into / "model_index.json").write_text(json.dumps(index, indent=2))  # last: it marks the folder complete
+    return into
+
+
+def bench_refiner(model: str | None, n: int, steps: int, repeats: int, workdir: Path,
+                  dtype: str = "float32", size: tuple[int, int] | None = None) -> dict[str, Any]:
+    import preheat
+    from preheat.errors import InvalidArgumentError
+    from preheat.families.inputs import IMAGE_SIZE, example_inputs
+
+    folder = materialize_model(model, workdir)
+    index = {} if folder is None else json.loads((Path(folder) / "model_index.json").read_text())
+    if index.get("_class_name") != "StableDiffusionXLPipeline":
+        raise InvalidArgumentError(f"{model or 'the built-in model'} is not an SDXL base; bench an SDXL folder "
+                                   "(e.g. random:sdxl-tiny)")
+    refiner = write_random_refiner(Path(folder), workdir / "refiner")
+    alone = preheat.load(folder, cache="off", dtype=dtype)
+    ensemble = preheat.load(folder, cache="off", dtype=dtype, refiner=str(refiner))
+    common: dict[str, Any] = {"steps": steps, "seed": 0, **example_inputs(alone.family.input_specs(alone))}
+    width, height = size if size is not None else alone.family.native_size(alone)
+    common.update(IMAGE_SIZE.inputs((width, height)))
+    conditions = {"base": Condition(alone, common),
+                  "ensemble": Condition(ensemble, {**common, "denoising_end": 0.8}),
+                  "base only": Condition(ensemble, {**common, "denoising_end": 1.0})}
+    timed = time_interleaved(conditions, n, repeats)
+    rows = condition_rows(timed, n)
+    by = {r["condition"]: r for r in rows}
+    ratios = {"ensemble_vs_base": by["ensemble"]["images_per_s"] / by["base"]["images_per_s"],
+              "held_vs_base": by["base only"]["images_per_s"] / by["base"]["images_per_s"],
+              "denoise_ensemble_vs_base": by["ensemble"]["denoise_s"]["median"] / by["base"]["denoise_s"]["median"]}
+    return {**condition_header(model, alone, timed["base"].sig, n, steps, dtype, repeats, (width, height)),
+            "rows": rows, "ratios": ratios}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [header_line(result, "a random refiner of its UNet's widths"), "", *conditions_table(result["rows"])]
+    q = result["ratios"]
+    lines += ["", f"the ensemble (denoising_end 0.8) / the base alone: **{q['ensemble_vs_base']:.2f}×** images/s "
+              f"(denoising alone takes {q['denoise_ensemble_vs_base']:.2f}× as long); the refiner held but not run "
+              f"(denoising_end 1) / the base alone: {q['held_vs_base']:.2f}×"]
+    return "\n".join(lines)
