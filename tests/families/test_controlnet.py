@@ -138,8 +138,8 @@ def test_control_inputs_are_declared_checked_and_refused_in_one_line(folders, tm
 
     with pytest.raises(InvalidArgumentError, match="backend='jax'"):
         preheat.load(sd, backend="torch", controlnet=cn)
-    with pytest.raises(ModelNotFoundError, match="local folder"):
-        preheat.load(sd, controlnet="hf://org/some-controlnet", cache="off")
+    with pytest.raises(ModelNotFoundError, match="does not exist"):  # (hf:// sources: tests/store/test_companion_sources.py)
+        preheat.load(sd, controlnet=str(sd) + "-no-such-controlnet", cache="off")
     xl, xl_cn = folders("sdxl")
     with pytest.raises(UnsupportedConfigError, match="does not fit this model") as info:
         preheat.load(sd, controlnet=xl_cn, cache="off")  # an SDXL ControlNet on SD 1.x
