@@ -179,17 +179,25 @@ def serving(core: Any, header_timeout_s: Optional[float] = None, **app_kwargs: A
 
 
 @contextlib.contextmanager
-def started_server(config: Any, pipe: Any, setup_s: float = 600.0) -> Iterator[ServerThread]:
-    """A Core for ``config`` on ``pipe``, set up (warm-up done), served on 127.0.0.1; closed after."""
+def served_core(config: Any, pipe: Any = None, setup_s: float = 900.0) -> Iterator[tuple[Any, ServerThread]]:
+    """A Core for ``config`` (on ``pipe``, or loading the model itself), set up (warm-up done) and
+    served on 127.0.0.1: (the core, its server); closed after."""
     from preheat.server.core import Core
 
     core = Core(config, pipe=pipe).start()
     try:
         assert core.wait_setup(setup_s) and core.setup.status == "succeeded", core.setup.logs
         with serving(core) as srv:
-            yield srv
+            yield core, srv
     finally:
         core.close()
+
+
+@contextlib.contextmanager
+def started_server(config: Any, pipe: Any, setup_s: float = 600.0) -> Iterator[ServerThread]:
+    """A Core for ``config`` on ``pipe``, set up (warm-up done), served on 127.0.0.1; closed after."""
+    with served_core(config, pipe, setup_s) as (_, srv):
+        yield srv
 
 
 def wait_status(client: Any, want: str, timeout: float = 120.0) -> dict:

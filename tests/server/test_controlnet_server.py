@@ -17,7 +17,7 @@ from preheat.server.images import decode_data_url
 from tests._support.controlnet_fixtures import control_image, save_tiny_controlnet
 from tests._support.image_files import data_uri, png
 from tests._support.sd_fixtures import save_tiny_sd
-from tests._support.server_fixtures import serving, wait_status
+from tests._support.server_fixtures import served_core, wait_status
 
 pytestmark = pytest.mark.slow  # builds a tiny pipeline and ControlNet, warms a server and runs the CLI: compiles
 
@@ -25,19 +25,14 @@ pytestmark = pytest.mark.slow  # builds a tiny pipeline and ControlNet, warms a 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str, Path, Path]]:
     from preheat.server.config import CoreConfig
-    from preheat.server.core import Core
 
     base = tmp_path_factory.mktemp("controlnet")
     folder = save_tiny_sd(base / "sd1", "sd1")
     cn = save_tiny_controlnet(base / "cn", folder)
-    core = Core(CoreConfig(model=str(folder), controlnet=str(cn), cache="off", max_batch_size=1, batch_wait_ms=0,
-                           guidance=("on",), sizes=((32, 32),))).start()
-    try:
-        assert core.wait_setup(900) and core.setup.status == "succeeded", core.setup.logs
-        with serving(core) as server:
-            yield core, server.url, folder, cn
-    finally:
-        core.close()
+    config = CoreConfig(model=str(folder), controlnet=str(cn), cache="off", max_batch_size=1, batch_wait_ms=0,
+                        guidance=("on",), sizes=((32, 32),))
+    with served_core(config) as (core, server):
+        yield core, server.url, folder, cn
 
 
 def test_a_served_controlnet_request_is_warm_and_matches_the_python_call(served) -> None:

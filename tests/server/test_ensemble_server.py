@@ -14,7 +14,7 @@ import pytest
 
 from preheat.server.images import decode_data_url
 from tests._support import image_fixtures
-from tests._support.server_fixtures import serving, wait_status
+from tests._support.server_fixtures import served_core, wait_status
 
 pytestmark = pytest.mark.slow  # builds two tiny pipelines, warms a server and runs the CLI: compiles
 
@@ -22,19 +22,14 @@ pytestmark = pytest.mark.slow  # builds two tiny pipelines, warms a server and r
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str, Path, Path]]:
     from preheat.server.config import CoreConfig
-    from preheat.server.core import Core
 
     root = tmp_path_factory.mktemp("ensemble")
     base = image_fixtures.save_image_sd(root / "base", "sdxl")
     refiner = image_fixtures.save_image_sd(root / "refiner", "sdxl-refiner", seed=3)
-    core = Core(CoreConfig(model=str(base), refiner=str(refiner), cache="off", max_batch_size=1, batch_wait_ms=0,
-                           guidance=("on",), sizes=((32, 32),), inputs=())).start()
-    try:
-        assert core.wait_setup(900) and core.setup.status == "succeeded", core.setup.logs
-        with serving(core) as server:
-            yield core, server.url, base, refiner
-    finally:
-        core.close()
+    config = CoreConfig(model=str(base), refiner=str(refiner), cache="off", max_batch_size=1, batch_wait_ms=0,
+                        guidance=("on",), sizes=((32, 32),), inputs=())
+    with served_core(config) as (core, server):
+        yield core, server.url, base, refiner
 
 
 def test_a_served_ensemble_request_is_warm_and_matches_the_python_call(served) -> None:

@@ -190,6 +190,24 @@ def conditions_table(rows: list[dict[str, Any]],
     return lines
 
 
+def plain_call(pipe: Any, steps: int, size: tuple[int, int] | None) -> tuple[dict[str, Any], tuple[int, int]]:
+    """A conditions bench's common call: ``steps``, seed 0, the required inputs at their examples, at
+    ``size`` (the model's own when None) -- its ``generate`` keywords and its (width, height)."""
+    from preheat.families.inputs import IMAGE_SIZE, example_inputs
+
+    width, height = size if size is not None else pipe.family.native_size(pipe)
+    inputs = {"steps": steps, "seed": 0, **example_inputs(pipe.family.input_specs(pipe)),
+              **IMAGE_SIZE.inputs((width, height))}
+    return inputs, (width, height)
+
+
+def ratio(rows: list[dict[str, Any]], a: str, b: str, of: str = "images_per_s") -> float:
+    """Condition ``a``'s ``of`` over condition ``b``'s (:func:`condition_rows`; "denoise_s": the medians)."""
+    by = {r["condition"]: r for r in rows}
+    mine, theirs = by[a][of], by[b][of]
+    return (mine["median"] / theirs["median"]) if isinstance(mine, dict) else mine / theirs
+
+
 def condition_header(model: str | None, pipe: Any, sig: Any, n: int, steps: int, dtype: str, repeats: int,
                      size: tuple[int, int]) -> dict[str, Any]:
     """What an in-process conditions bench ran (the model, its call, the machine and its load): the

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from preheat.bench.common import (Condition, condition_header, condition_rows, conditions_table, header_line,
-                                  time_interleaved)
+                                  plain_call, ratio, time_interleaved)
 from preheat.bench.random_models import materialize_model
 
 __all__ = ["bench_refiner", "write_random_refiner", "markdown"]
@@ -61,7 +61,6 @@ def bench_refiner(model: str | None, n: int, steps: int, repeats: int, workdir: 
                   dtype: str = "float32", size: tuple[int, int] | None = None) -> dict[str, Any]:
     import preheat
     from preheat.errors import InvalidArgumentError
-    from preheat.families.inputs import IMAGE_SIZE, example_inputs
 
     folder = materialize_model(model, workdir)
     index = {} if folder is None else json.loads((Path(folder) / "model_index.json").read_text())
@@ -71,18 +70,14 @@ def bench_refiner(model: str | None, n: int, steps: int, repeats: int, workdir: 
     refiner = write_random_refiner(Path(folder), workdir / "refiner")
     alone = preheat.load(folder, cache="off", dtype=dtype)
     ensemble = preheat.load(folder, cache="off", dtype=dtype, refiner=str(refiner))
-    common: dict[str, Any] = {"steps": steps, "seed": 0, **example_inputs(alone.family.input_specs(alone))}
-    width, height = size if size is not None else alone.family.native_size(alone)
-    common.update(IMAGE_SIZE.inputs((width, height)))
+    common, (width, height) = plain_call(alone, steps, size)
     conditions = {"base": Condition(alone, common),
                   "ensemble": Condition(ensemble, {**common, "denoising_end": 0.8}),
                   "base only": Condition(ensemble, {**common, "denoising_end": 1.0})}
     timed = time_interleaved(conditions, n, repeats)
     rows = condition_rows(timed, n)
-    by = {r["condition"]: r for r in rows}
-    ratios = {"ensemble_vs_base": by["ensemble"]["images_per_s"] / by["base"]["images_per_s"],
-              "held_vs_base": by["base only"]["images_per_s"] / by["base"]["images_per_s"],
-              "denoise_ensemble_vs_base": by["ensemble"]["denoise_s"]["median"] / by["base"]["denoise_s"]["median"]}
+    ratios = {"ensemble_vs_base": ratio(rows, "ensemble", "base"), "held_vs_base": ratio(rows, "base only", "base"),
+              "denoise_ensemble_vs_base": ratio(rows, "ensemble", "base", "denoise_s")}
     return {**condition_header(model, alone, timed["base"].sig, n, steps, dtype, repeats, (width, height)),
             "rows": rows, "ratios": ratios}
 
