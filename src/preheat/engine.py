@@ -638,20 +638,19 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
                                                "devices": None if mesh is None else
                                                [int(d.id) for d in mesh.devices.flat]}), mesh)
     loader = family_loader(root)
+    import inspect
+
+    takes = inspect.signature(loader).parameters  # what this family's loader can be given
     options: dict[str, Any] = {}
     if offload_encoders:
-        import inspect
-
-        if "offload_encoders" not in inspect.signature(loader).parameters:
+        if "offload_encoders" not in takes:
             raise InvalidArgumentError(f"offload_encoders applies to text-to-image models; {root} has no text "
                                        "encoders", argument="offload_encoders")
         options["offload_encoders"] = True
     for name, folder in companions.items():
         if folder is None:
             continue
-        import inspect
-
-        if name not in inspect.signature(loader).parameters:
+        if name not in takes:
             raise InvalidArgumentError(f"{name} applies to {COMPANION_MODELS[name]}; {root} is not one", argument=name)
         options[name] = model_root(folder, variant if name == "refiner" else None)  # hf://: pulled once
     # Prefetching: the loader checks every header and returns placeholder weights (shapes only),
