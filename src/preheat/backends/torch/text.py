@@ -210,7 +210,8 @@ class TorchTextPipeline(EngineArguments):
                     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
                 except AttributeError:  # pragma: no cover - older torch
                     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-                denoiser.forward = torch.compile(denoiser.forward, **INDUCTOR_OPTIONS)
+                compiled = torch.compile(denoiser.forward, **INDUCTOR_OPTIONS)
+                denoiser.forward = _scale_as_tensor(compiled) if denoiser is self.controlnet else compiled
                 denoiser._preheat_compiled = True
 
         def one_step(keywords: dict[str, Any]) -> dict[str, Any]:
@@ -246,6 +247,18 @@ class TorchTextPipeline(EngineArguments):
             compile_with(denoiser, self.compile, False, self.compiler or TorchCompiler(mode="off"))
         self._warm.add(key)
         return Timings(cache_layer="memory")
+
+
+def _scale_as_tensor(forward: Any) -> Any:
+    """A compiled ControlNet forward taking diffusers' ``conditioning_scale`` float as a 0-d tensor:
+    data to the graph, where a float is specialised, and every scale (and the 0 outside the step
+    window) would compile a graph of its own."""
+    def call(*args: Any, conditioning_scale: Any = 1.0, **kwargs: Any) -> Any:
+        sample = args[0] if args else kwargs["sample"]
+        scale = torch.as_tensor(conditioning_scale, dtype=torch.float32, device=sample.device)
+        return forward(*args, conditioning_scale=scale, **kwargs)
+
+    return call
 
 
 def restore_text_model(pipe: Any) -> None:
