@@ -142,13 +142,12 @@ class TorchTextPipeline(EngineArguments):
             kwargs = control_kwargs(v, kwargs)
         _refuse_unread(pipe, plan_inputs(self, request))
         kwargs.update(_guidance_rescale(pipe, request))
-        refined = self.refiner is not None and refiner_runs(self, request)
-        if refined:  # diffusers' ensemble of experts: the base's latents at denoising_end, then the refiner
-            refiner_call = refiner_kwargs(v, kwargs)
+        refiner_call = None
+        if self.refiner is not None and refiner_runs(self, request):  # diffusers' ensemble of experts: the
+            refiner_call = refiner_kwargs(v, kwargs)  # base's latents at denoising_end, then the refiner
             kwargs.update(denoising_end=float(v["denoising_end"]), output_type="latent")
             self.refiner.scheduler = make_scheduler(request.sampler, {**self.scheduler_dict, **overrides})
-        timings = self._prepare_denoiser(n * (2 if doubled else 1), latent_shape, kwargs, pipe,
-                                         refiner_call if refined else None)
+        timings = self._prepare_denoiser(n * (2 if doubled else 1), latent_shape, kwargs, pipe, refiner_call)
         events = self.compiler.events if self.compiler is not None else []
         seen = len(events)
         if v.get("strength") is not None:
@@ -159,7 +158,7 @@ class TorchTextPipeline(EngineArguments):
         start = time.perf_counter()
         with torch.no_grad():
             images = pipe(**kwargs).images
-            if refined:  # from the base's latents, no noise added (denoising_start); the base's VAE decodes
+            if refiner_call is not None:  # from the base's latents, no noise (denoising_start); the base's VAE decodes
                 images = self.refiner(image=images, **refiner_call).images
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
