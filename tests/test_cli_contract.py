@@ -156,7 +156,8 @@ def test_every_command_has_help(path):
 # Each benchmark's own default for a common input, where it differs from the declared one (what it
 # measures by default); every other common input a bench takes has the declared default.
 BENCH_DEFAULTS = {("sampler", "--n"): (), ("sampler", "--steps"): 10, ("lora", "--n"): 8, ("lora", "--steps"): 4, ("coldstart", "--n"): 8,
-                  ("torch-shapes", "--steps"): 2, ("controlnet", "--n"): 4, ("controlnet", "--steps"): 4}
+                  ("torch-shapes", "--steps"): 2, ("controlnet", "--n"): 4, ("controlnet", "--steps"): 4,
+                  ("refiner", "--n"): 2, ("refiner", "--steps"): 10}
 
 
 def bench_common_options() -> Iterator[tuple[str, click.Option, object]]:

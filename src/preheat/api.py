@@ -19,15 +19,12 @@ def load(model: str | Path | None = None, *, backend: str = "jax", compile: str 
     for ``scheduler``, ``dtype``, ``cache`` and ``variant``.
 
     ``backend="torch"`` returns the same call API on diffusers' own models and pipelines, with
-    ``compile`` = "none" (eager), "inductor" (torch.compile) or "aot" (AOTInductor).
+    ``compile`` = "none" (eager), "inductor" (torch.compile), "aot" (AOTInductor) or "regional";
+    ``controlnet`` and ``refiner`` run there as diffusers' ControlNet pipelines and ensemble of experts.
     """
     if backend == "torch":
         from preheat.backends.torch import load_torch_pipeline
 
-        for name in ("controlnet", "refiner"):  # second model folders (engine.COMPANION_MODELS)
-            if options.pop(name, None) is not None:
-                raise InvalidArgumentError(f"{name} applies to backend='jax'; the torch backend loads no second "
-                                           "model folder", argument=name)
         if options.pop("weights_dtype", None) is not None or options.pop("weights_layers", "layerwise") != "layerwise":
             raise InvalidArgumentError("weights_dtype applies to backend='jax' (fp8 storage, upcast inside the compiled "
                                        "program); the torch backend loads weights in dtype", argument="weights_dtype")

@@ -123,3 +123,32 @@ def test_dtype_reaches_every_path(path):
 def test_an_unknown_dtype_is_a_one_line_error():
     result = CliRunner().invoke(compare_command, ["--dtype", "float64"])
     assert result.exit_code == 2 and "'float64' is not one of" in result.output and "Traceback" not in result.output
+
+
+def test_second_model_folders_reach_every_path(tmp_path, monkeypatch):
+    """`bench compare MODEL --controlnet CN --control-image P` (and `--refiner`): every path's child
+    loads the folder beside the model, and the flags it declares are typed in the parent; a control
+    flag without --controlnet is one line naming it, before any child starts."""
+    from PIL import Image
+
+    from preheat.bench.compare import _load_pipe
+    from tests._support import image_fixtures
+    from tests._support.controlnet_fixtures import save_tiny_controlnet
+
+    sd = image_fixtures.save_image_sd(tmp_path / "sd1", "sd1")
+    cn = save_tiny_controlnet(tmp_path / "cn", sd)
+    specs = stop_at_children(monkeypatch)
+    image = tmp_path / "edges.png"
+    Image.new("RGB", (32, 32), (200, 90, 40)).save(image)
+    work = ["--quick", "--paths", "jax,torch-eager", "--keep", str(tmp_path / "work")]
+    r = CliRunner().invoke(compare_command, [str(sd), *work, "--controlnet", str(cn), "--control-image", str(image),
+                                             "--controlnet-conditioning-scale", "0.5", "--prompt", "a fox"])
+    assert isinstance(r.exception, ChildStarted), r.output
+    assert specs[-1]["companions"] == {"controlnet": str(cn.resolve())}
+    assert specs[-1]["inputs"] == {"control_image": str(image), "controlnet_conditioning_scale": 0.5,
+                                   "prompt": "a fox"}
+    r = CliRunner().invoke(compare_command, [str(sd), *work, "--control-image", str(image)])
+    assert r.exit_code == 2 and "--control-image" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    for path in ("jax", "torch-eager"):
+        pipe = _load_pipe({"path": path, "model": str(sd), "companions": specs[-1]["companions"]})
+        assert "control_image" in [s.name for s in pipe.family.input_specs(pipe)], path

@@ -63,11 +63,12 @@ def _load_pipe(spec: dict[str, Any]) -> Any:
     if base == "jax":
         import preheat
 
-        return preheat.load(spec["model"], **dtype)
+        return preheat.load(spec["model"], **dtype, **spec.get("companions", {}))
     from preheat.backends.torch import load_torch_pipeline
 
     config = {"config": spec["config"]} if spec.get("config") else {}  # a GGUF file's config folder
-    return load_torch_pipeline(spec["model"], compile=_TORCH_COMPILE[base], **dtype, **config)
+    return load_torch_pipeline(spec["model"], compile=_TORCH_COMPILE[base], **dtype, **config,
+                               **spec.get("companions", {}))
 
 
 def _device_peak_mb(spec: dict[str, Any]) -> float | None:
@@ -100,8 +101,10 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
 
     def call(n: int) -> Any:
         labels = None if pipe.num_classes is None else [i % pipe.num_classes for i in range(n)]
-        inputs = {k: v for k, v in (spec.get("inputs") or {}).items() if k in pipe.family.inputs}
-        inputs = {**example_inputs(pipe.family.input_specs(pipe)), **inputs}  # a prompt where one is required
+        specs = pipe.family.input_specs(pipe)  # a second model folder's inputs too
+        declared = {*pipe.family.inputs, *(s.name for s in specs)}
+        inputs = {k: v for k, v in (spec.get("inputs") or {}).items() if k in declared}
+        inputs = {**example_inputs(specs), **inputs}  # a prompt where one is required
         return pipe.generate(n, class_labels=labels, steps=spec["steps"], sampler=spec["sampler"],
                              guidance=spec["guidance"], seed=spec["seed"], **inputs)
 
@@ -220,14 +223,15 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
                   xla_variants: dict[str, str] | None = None, workdir: Path, timeout: float = 1800.0,
                   log: Callable[[str], None] = lambda s: None, inputs: dict[str, Any] | None = None,
                   flags: dict[str, list[str]] | None = None, dtype: str | None = None,
-                  config: str | None = None) -> dict[str, Any]:
+                  config: str | None = None, companions: dict[str, str] | None = None) -> dict[str, Any]:
     """Every path in fresh processes on the same model and inputs: ``inputs`` as ``generate``
     keywords, or ``flags`` as `preheat sample`'s family flags (typed here by the folder's declared
     family, so a bad one is a one-line error before any child starts).
 
     A single file (``config``: as ``preheat.load`` takes it) is converted here, once, into the
     diffusers folder both backends read (``preheat.file_configs.converted_folder``); every child
-    loads that folder, so no path's cold start includes a conversion the others skip. A GGUF file's
+    loads that folder, so no path's cold start includes a conversion the others skip. ``companions``:
+    second model folders (``controlnet``, ``refiner``) every path loads beside the model. A GGUF file's
     torch paths load the file itself with its config folder (diffusers' GGUF loader, as ``sample
     --backend torch`` does), the JAX paths its converted folder. A file a torch path cannot read
     (scaled fp8, a GGUF type diffusers cannot dequantise) is one line before any child starts."""
@@ -257,7 +261,8 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
             model = str(converted.root)
         elif gguf is not None:  # torch paths only: the config folder declares the family and defaults
             model = str(gguf.configs)
-    inputs = {**(inputs or {}), **declared_values(model, flags or {})}
+    companions = {k: str(Path(v).expanduser().resolve()) for k, v in (companions or {}).items()}
+    inputs = {**(inputs or {}), **declared_values(model, flags or {}, companions)}
     inputs = sized_inputs(name, inputs)  # a tiny random model runs at its tiny size
     settings = {"model": model or "built-in:digits", "batch": batch, "batch_sizes": list(batch_sizes),
                 "seed": seed, "repeats": repeats, "steady_repeats": steady_repeats,
@@ -269,10 +274,11 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
     names = list(envs)
     prime = [b for b in batch_sizes if b != batch]
     settings["inputs"] = dict(inputs or {})
+    settings.update(companions)
     settings["dtype"] = dtype
     common = {"model": model, "dtype": dtype, "sampler": settings["sampler"], "steps": settings["steps"],
               "guidance": settings["guidance"], "seed": seed, "batch": batch, "steady_repeats": steady_repeats,
-              "inputs": settings["inputs"]}
+              "inputs": settings["inputs"], "companions": companions}
     scratch = workdir / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {p: {"empty": [], "warm": []} for p in names}
@@ -307,10 +313,12 @@ def bench_compare(model: str | None, *, sampler: str | None = None, steps: int |
     return result
 
 
-def declared_values(folder: str | None, flags: dict[str, list[str]]) -> dict[str, Any]:
+def declared_values(folder: str | None, flags: dict[str, list[str]],
+                    companions: dict[str, str] | None = None) -> dict[str, Any]:
     """`preheat sample`'s family flags as ``generate`` keywords in a process that reads no weight
-    (the bench's parent): typed by the folder's declared family (None: the built-in model's) and
-    the size flags. Bounds that depend on the loaded model are the children's calls to check."""
+    (the bench's parent): typed by the folder's declared family (None: the built-in model's), the
+    inputs its ``companions`` (second model folders) add, and the size flags. Bounds that depend on
+    the loaded model are the children's calls to check."""
     from preheat.engine import BUILTIN_MODEL
     from preheat.families import declared_family
     from preheat.errors import InvalidArgumentError
@@ -323,7 +331,15 @@ def declared_values(folder: str | None, flags: dict[str, list[str]]) -> dict[str
     if family is None:
         raise InvalidArgumentError(f"{folder}'s family declares no inputs: {', '.join(flags)} cannot be given",
                                    argument=next(iter(flags)))
-    return typed_flags((*family.folder_specs(root), *size_specs(0, 0, 1, 0)), family.name, flags)
+    extra: tuple[Any, ...] = ()
+    if companions:  # what a ControlNet or a refiner declares beside the model's own
+        from preheat.families.control import CONTROL_SPECS
+        from preheat.families.experts import DENOISING_END
+        from preheat.families.stable_diffusion import AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE
+
+        extra = ((CONTROL_SPECS if "controlnet" in companions else ())
+                 + ((DENOISING_END, AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE) if "refiner" in companions else ()))
+    return typed_flags((*family.folder_specs(root), *extra, *size_specs(0, 0, 1, 0)), family.name, flags)
 
 
 def _brief(r: dict[str, Any]) -> str:

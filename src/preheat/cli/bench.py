@@ -328,13 +328,17 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
               help="Keep the work folder (cache roots, pixels) here instead of a temporary one.")
 @click.option("--config", metavar="FOLDER|hf://ORG/REPO|NAME",
               help="MODEL a single checkpoint file: as `preheat sample --config` (converted once, for every path).")
+@click.option("--controlnet", metavar="FOLDER", help="A ControlNetModel folder beside the UNet, on every path "
+              "(as `preheat sample --controlnet`; give --control-image).")
+@click.option("--refiner", metavar="FOLDER", help="An SDXL refiner folder beside an SDXL base, on every path "
+              "(as `preheat sample --refiner`).")
 @renamed_option("--batch", "n", "--n", multiple=False)
 def compare_command(sampler: str | None, steps: int | None, n: int | None,
                     batch_sizes: str | None, seed: int, guidance: float | None, dtype: str | None,
                     repeats: int | None,
                     steady_repeats: int | None, paths_opt: str, xla_flags: tuple[str, ...], quick: bool,
                     timeout: float, json_out: Path | None, as_json: bool, png_out: Path | None, keep: Path | None,
-                    config: str | None) -> None:
+                    config: str | None, controlnet: str | None, refiner: str | None) -> None:
     """JAX vs torch eager vs torch.compile vs AOTInductor on MODEL (default: the built-in model;
     also random:NAME, a random-weight folder: random:sd1-tiny, random:flux-tiny, random:sd15, ...).
     The model's own inputs are `preheat sample`'s flags (--prompt, --width, --image PATH --strength S,
@@ -346,7 +350,7 @@ def compare_command(sampler: str | None, steps: int | None, n: int | None,
         model, flags = parse_flags(click.get_current_context().args)
         _compare(model, sampler, steps, n, batch_sizes, seed, guidance, repeats, steady_repeats, paths_opt,
                  xla_flags, quick, timeout, json_out, png_out, keep, flags=flags, as_json=as_json, dtype=dtype,
-                 config=config)
+                 config=config, companions={k: v for k, v in (("controlnet", controlnet), ("refiner", refiner)) if v})
 
     one_line_errors(run)()
 
@@ -355,7 +359,7 @@ def _compare(model: str | None, sampler: str | None, steps: int | None, batch: i
              seed: int, guidance: float | None, repeats: int | None, steady_repeats: int | None, paths_opt: str,
              xla_flags: tuple[str, ...], quick: bool, timeout: float, json_out: Path | None, png_out: Path | None,
              keep: Path | None, flags: dict[str, list[str]] | None = None, as_json: bool = False,
-             dtype: str | None = None, config: str | None = None) -> None:
+             dtype: str | None = None, config: str | None = None, companions: dict[str, str] | None = None) -> None:
     from preheat.bench.common import write_json
     from preheat.bench.compare import FULL, QUICK, bench_compare, markdown, plot
     from preheat.errors import InvalidArgumentError, SchedulerConfigError
@@ -410,7 +414,7 @@ def _compare(model: str | None, sampler: str | None, steps: int | None, batch: i
                                batch_sizes=sizes, seed=seed, guidance=guidance, repeats=repeats,
                                steady_repeats=steady_repeats, paths=paths, xla_variants=variants,
                                workdir=Path(work), timeout=timeout, log=log, flags=flags, dtype=dtype,
-                               config=config)
+                               config=config, companions=companions)
     result["wall_s"] = time.perf_counter() - started
     result["settings"]["quick"] = quick
     echo_result(result, markdown(result), as_json)

@@ -128,11 +128,11 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                           "it the published model is inferred and what the file lacks is pulled from its "
                           "repository (a GGUF file needs it) (JAX backend)."),
         click.option("--controlnet", metavar="FOLDER",
-                     help="A diffusers ControlNetModel folder run beside the UNet (SD 1.x/2.x, SDXL; JAX backend): "
+                     help="A diffusers ControlNetModel folder run beside the UNet (SD 1.x/2.x, SDXL): "
                           "the model then takes --control-image and the ControlNet's scale and step window."),
         click.option("--refiner", metavar="FOLDER",
                      help="An SDXL refiner folder that takes over from an SDXL base part-way (the ensemble of "
-                          "experts; JAX backend): the model then takes --denoising-end (0.8) and the refiner's "
+                          "experts): the model then takes --denoising-end (0.8) and the refiner's "
                           "--aesthetic-score."),
     ]
     for option in reversed(options):

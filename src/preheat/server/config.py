@@ -237,12 +237,13 @@ def load_pipeline(config: CoreConfig) -> Any:
     if config.backend == "torch":
         if config.weights_dtype is not None:
             raise InvalidArgumentError("--weights-dtype applies to --backend jax", argument="--weights-dtype")
-        for name in companions(config):
-            raise InvalidArgumentError(f"--{name} applies to --backend jax", argument=f"--{name}")
         try:
             from preheat.backends.torch import load_torch_pipeline
         except ImportError as err:
             raise InvalidArgumentError(f"--backend torch needs the torch extra ({err})") from None
+        from preheat.warm import companions
+
         return load_torch_pipeline(config.model, dtype=config.dtype, compile=config.compile, variant=config.variant,
-                                   cache=config.cache, **({} if config.config is None else {"config": config.config}))
+                                   cache=config.cache, **({} if config.config is None else {"config": config.config}),
+                                   **companions(config))
     raise InvalidArgumentError(f"unknown backend {config.backend!r}; use jax or torch")

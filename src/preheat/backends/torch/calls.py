@@ -32,13 +32,21 @@ class DiffusersCalls(NamedTuple):
     # StableDiffusion3InpaintPipeline decodes without the VAE's shift_factor (diffusers issue 13611)
     inpaint_decode_shift: bool = False
     safety_checker: bool = False  # its image pipelines take ``requires_safety_checker`` (SD 1.x/2.x)
+    # its ControlNet pipeline classes (text-to-image, img2img, inpaint), for a model loaded with controlnet=
+    controlnet: Optional[tuple[str, str, str]] = None
 
 
 DIFFUSERS_CALLS: dict[str, DiffusersCalls] = {
     "stable-diffusion": DiffusersCalls(img2img="StableDiffusionImg2ImgPipeline",
-                                       inpaint="StableDiffusionInpaintPipeline", safety_checker=True),
+                                       inpaint="StableDiffusionInpaintPipeline", safety_checker=True,
+                                       controlnet=("StableDiffusionControlNetPipeline",
+                                                   "StableDiffusionControlNetImg2ImgPipeline",
+                                                   "StableDiffusionControlNetInpaintPipeline")),
     "stable-diffusion-xl": DiffusersCalls(img2img="StableDiffusionXLImg2ImgPipeline",
-                                          inpaint="StableDiffusionXLInpaintPipeline"),
+                                          inpaint="StableDiffusionXLInpaintPipeline",
+                                          controlnet=("StableDiffusionXLControlNetPipeline",
+                                                      "StableDiffusionXLControlNetImg2ImgPipeline",
+                                                      "StableDiffusionXLControlNetInpaintPipeline")),
     "stable-diffusion-xl-refiner": DiffusersCalls(img2img="StableDiffusionXLImg2ImgPipeline",
                                                   inpaint="StableDiffusionXLInpaintPipeline"),
     "stable-diffusion-3": DiffusersCalls(img2img="StableDiffusion3Img2ImgPipeline",

@@ -265,7 +265,8 @@ def _scheduler_dict(source: Any) -> dict[str, Any]:
 
 def load_torch_pipeline(model: str | Path | None = None, *, compile: str = "none", dtype: Any = "float32",
                         device: str | None = None, scheduler: Any = None, cache: str | None = None,
-                        variant: str | None = None, config: str | Path | None = None) -> Any:
+                        variant: str | None = None, config: str | Path | None = None,
+                        controlnet: str | Path | None = None, refiner: str | Path | None = None) -> Any:
     """A ``TorchPipeline`` for a UNet2DModel ``model`` (``None`` = the built-in model), or a
     ``TorchTextPipeline`` (``preheat.backends.torch.text``) for an SD, SDXL, SD3 or Flux folder.
 
@@ -284,6 +285,9 @@ def load_torch_pipeline(model: str | Path | None = None, *, compile: str = "none
     also ``hf://org/repo/file.gguf``) is read as diffusers users read it: ``from_single_file`` with a
     ``GGUFQuantizationConfig`` (``load_gguf_denoiser``), the rest of the pipeline from the config
     folder. Scaled fp8 files are refused in one line (``preheat.file_configs.plain_tensors``).
+    ``controlnet``, ``refiner``: the JAX engine's second model folders (a ControlNetModel beside an SD
+    1.x/2.x or SDXL base; an SDXL refiner beside an SDXL base), run as diffusers runs them
+    (``preheat.backends.torch.companions``).
     """
     if compile not in COMPILE_MODES:
         raise InvalidArgumentError(f"compile={compile!r} is not supported; use {', '.join(COMPILE_MODES)}")
@@ -322,7 +326,13 @@ def load_torch_pipeline(model: str | Path | None = None, *, compile: str = "none
         denoiser = None if gguf is None else load_gguf_denoiser(gguf, dtype)
         with reading:
             return load_text(Path(root), class_name, compile=compile, dtype=dtype, device=str(torch_device),
-                             scheduler=scheduler, compiler=compiler, variant=variant, denoiser=denoiser)
+                             scheduler=scheduler, compiler=compiler, variant=variant, denoiser=denoiser,
+                             controlnet=controlnet, refiner=refiner)
+    from preheat.engine import COMPANION_MODELS
+
+    for name, folder in (("controlnet", controlnet), ("refiner", refiner)):
+        if folder is not None:
+            raise InvalidArgumentError(f"{name} applies to {COMPANION_MODELS[name]}; {root} is not one", argument=name)
     if compile == "regional":
         raise InvalidArgumentError("compile='regional' is for diffusers text-to-image pipelines (SD, SDXL, SD3, "
                                    "Flux); use compile='inductor' or 'aot' for a UNet2DModel", argument="compile")

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from preheat.backends.torch.calls import diffusers_calls
+from preheat.backends.torch.companions import refiner_kwargs, refiner_runs
 from preheat.backends.torch.compile_cache import INDUCTOR_OPTIONS, TorchCompiler, torch_key_fields
 from preheat.backends.torch.sampling import make_scheduler
 from preheat.backends.torch.arguments import EngineArguments
@@ -43,7 +44,7 @@ from preheat.noise import initial_noise
 from preheat.samplers import SchedulerConfig
 from preheat.timings import Timings
 
-__all__ = ["TorchTextPipeline", "load_gguf_denoiser", "load_text", "TEXT_FAMILIES", "restore_text_model"]
+__all__ = ["TorchTextPipeline", "load_gguf_denoiser", "load_text", "TEXT_FAMILIES", "restore_text_model", "size_ids"]
 
 # model_index.json's _class_name -> (families module, family object)
 TEXT_FAMILIES = {
@@ -82,6 +83,8 @@ class TorchTextPipeline(EngineArguments):
     layout: str = "NCHW"
     last: Timings = field(default_factory=Timings)
     _warm: set = field(default_factory=set, repr=False)
+    controlnet: Any = None  # diffusers ControlNetModel (controlnet=): the call runs its ControlNet pipeline
+    refiner: Any = None  # diffusers StableDiffusionXLImg2ImgPipeline (refiner=): SDXL's ensemble of experts
     _image_pipes: dict = field(default_factory=dict, repr=False)  # (family, inpaint) -> diffusers pipeline
 
     def run(self, request: Request) -> np.ndarray:
@@ -121,13 +124,30 @@ class TorchTextPipeline(EngineArguments):
         # CFG's two branches are one batch of 2n; FLUX.1's true CFG calls the transformer twice with n
         doubled = request.guided and self.family.guidance_mode(self) == "cfg"
         pipe = self.pipe
-        if v.get("strength") is not None:  # diffusers' img2img / inpaint pipeline, noised with the same ε
-            from preheat.backends.torch.image import image_kwargs, image_pipeline
+        if self.controlnet is not None or self.refiner is not None:  # the JAX engine's window and handoff checks
+            self.family.check_start(self, request)
+        if self.controlnet is not None:  # diffusers' ControlNet pipeline of this call's kind
+            from preheat.backends.torch.companions import control_kwargs, control_pipeline
+
+            pipe = control_pipeline(self.pipe, self.family.name, v, self.controlnet, self._image_pipes)
+        elif v.get("strength") is not None:  # diffusers' img2img / inpaint pipeline
+            from preheat.backends.torch.image import image_pipeline
 
             pipe = image_pipeline(self.pipe, self.family.name, v.get("mask_image") is not None, self._image_pipes)
+        if v.get("strength") is not None:  # the image (and mask) and strength, noised with the same ε
+            from preheat.backends.torch.image import image_kwargs
+
             kwargs = image_kwargs(v, kwargs, self.family.name)
+        if self.controlnet is not None:
+            kwargs = control_kwargs(v, kwargs)
+        _refuse_unread(pipe, plan_inputs(self, request))
         kwargs.update(_guidance_rescale(pipe, request))
-        timings = self._prepare_denoiser(n * (2 if doubled else 1), latent_shape, kwargs, pipe)
+        refiner_call = None
+        if self.refiner is not None and refiner_runs(self, request):  # diffusers' ensemble of experts: the
+            refiner_call = refiner_kwargs(v, kwargs)  # base's latents at denoising_end, then the refiner
+            kwargs.update(denoising_end=float(v["denoising_end"]), output_type="latent")
+            self.refiner.scheduler = make_scheduler(request.sampler, {**self.scheduler_dict, **overrides})
+        timings = self._prepare_denoiser(n * (2 if doubled else 1), latent_shape, kwargs, pipe, refiner_call)
         events = self.compiler.events if self.compiler is not None else []
         seen = len(events)
         if v.get("strength") is not None:
@@ -138,6 +158,8 @@ class TorchTextPipeline(EngineArguments):
         start = time.perf_counter()
         with torch.no_grad():
             images = pipe(**kwargs).images
+            if refiner_call is not None:  # from the base's latents, no noise (denoising_start); the base's VAE decodes
+                images = self.refiner(image=images, **refiner_call).images
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         timings.run_s = time.perf_counter() - start
@@ -153,62 +175,89 @@ class TorchTextPipeline(EngineArguments):
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
 
     def _prepare_denoiser(self, model_batch: int, latent_shape: tuple[int, ...], call: dict[str, Any],
-                          pipe: Any) -> Timings:
-        """Compile (or load from the cache) the denoiser for this model batch and latent size.
+                          pipe: Any, refiner_call: dict[str, Any] | None = None) -> Timings:
+        """Compile (or load from the cache) the denoiser for this model batch and latent size, with
+        the models that run beside it: a ControlNet, a refiner's UNet when the call hands over
+        (``refiner_call``: its keywords).
 
         The warm-up is the call's own pipeline (``pipe``: the text one, or an image call's img2img
-        or inpaint one) for one step with this call's arguments, so whatever the denoiser (UNet,
+        or inpaint one, a ControlNet's) for one step with this call's arguments, so whatever the denoiser (UNet,
         Flux or SD3 transformer, an inpainting UNet's 9 channels) it sees exactly the inputs serving
         will. An image call's step runs at strength 1 (below it, one step is int(1 x s) = 0 steps),
         without its crop (diffusers crops for PIL outputs only), and every warm-up draws from
-        generators of its own.
+        generators of its own. An ensemble's base step is followed by one refiner step on its latents.
         """
-        key = (model_batch, tuple(latent_shape))
+        key = (model_batch, tuple(latent_shape), refiner_call is not None)
         if self.compile == "none" or key in self._warm:
             return Timings(cache_layer="memory" if key in self._warm or self.compile != "none" else "none")
-        denoiser = self.pipe.unet if hasattr(self.pipe, "unet") else self.pipe.transformer
+        denoisers = [self.pipe.unet if hasattr(self.pipe, "unet") else self.pipe.transformer]
+        denoisers += [self.controlnet] if self.controlnet is not None else []
+        denoisers += [self.refiner.unet] if refiner_call is not None else []
         if self.compile in ("regional", "aot"):
-            return self._prepare_regional(denoiser, key, call)
+            return self._prepare_regional(denoisers, key, call)
         h, w, c = latent_shape
-        fields = torch_key_fields(self.fingerprint, mode="inductor", model_batch=model_batch, sample_chw=(c, h, w),
+        fingerprint = {**self.fingerprint, "refiner_runs": True} if refiner_call is not None else self.fingerprint
+        fields = torch_key_fields(fingerprint, mode="inductor", model_batch=model_batch, sample_chw=(c, h, w),
                                   class_conditional=False, dtype=self.dtype, device=self.device)
         if self.compiler is not None and self.compiler.explains:
             self.compiler.explain(fields)  # compile nothing; this call runs eagerly
             self._warm.add(key)
             return Timings(cache_layer="explain")
-        if not getattr(denoiser, "_preheat_compiled", False):
-            try:
-                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            except AttributeError:  # pragma: no cover - older torch
-                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            denoiser.forward = torch.compile(denoiser.forward, **INDUCTOR_OPTIONS)
-            denoiser._preheat_compiled = True
+        for denoiser in denoisers:
+            if not getattr(denoiser, "_preheat_compiled", False):
+                try:
+                    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+                except AttributeError:  # pragma: no cover - older torch
+                    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+                compiled = torch.compile(denoiser.forward, **INDUCTOR_OPTIONS)
+                denoiser.forward = _scale_as_tensor(compiled) if denoiser is self.controlnet else compiled
+                denoiser._preheat_compiled = True
 
-        def warm_up() -> None:
-            once = {**call, "num_inference_steps": 1, "output_type": "latent"}
+        def one_step(keywords: dict[str, Any]) -> dict[str, Any]:
+            once = {**keywords, "num_inference_steps": 1, "output_type": "latent"}
             # generators of its own: the call's draw its posterior sample and step noise, so they stay unadvanced
-            once["generator"] = [torch.Generator("cpu").manual_seed(0) for _ in call["generator"]]
+            once["generator"] = [torch.Generator("cpu").manual_seed(0) for _ in keywords["generator"]]
             once.pop("padding_mask_crop", None)
+            once.pop("denoising_end", None)  # one step: the base's, whatever the fraction
             if "strength" in once:
                 once["strength"] = 1.0
+            return once
+
+        def warm_up() -> None:
             with torch.no_grad():
-                pipe(**once)
+                latents = pipe(**one_step(call)).images
+                if refiner_call is not None:  # img2img on the base's latents, one step at strength 1
+                    own = one_step(refiner_call)
+                    own.pop("denoising_start")
+                    self.refiner(image=latents, strength=1.0, **own)
 
         timings = (self.compiler or TorchCompiler(mode="off")).warm_inductor(fields, warm_up)
         self._warm.add(key)
         return timings
 
-
-    def _prepare_regional(self, denoiser: Any, key: tuple, call: dict[str, Any]) -> Timings:
-        """``preheat.torch.compile(mode="regional" | "aot")`` on the denoiser. No warm-up run of
+    def _prepare_regional(self, denoisers: list[Any], key: tuple, call: dict[str, Any]) -> Timings:
+        """``preheat.torch.compile(mode="regional" | "aot")`` on each denoiser. No warm-up run of
         its own: the blocks are loaded or compiled (and stored) by their first call, inside this
         call, whose timings ``generate`` then splits (a separate one-step warm-up would add a
         text encoding and a denoiser step to every start)."""
         from preheat.backends.torch.compiled import compile_with
 
-        compile_with(denoiser, self.compile, False, self.compiler or TorchCompiler(mode="off"))
+        for denoiser in denoisers:
+            compile_with(denoiser, self.compile, False, self.compiler or TorchCompiler(mode="off"))
         self._warm.add(key)
         return Timings(cache_layer="memory")
+
+
+def _scale_as_tensor(forward: Any) -> Any:
+    """A compiled ControlNet forward taking diffusers' ``conditioning_scale`` float as a 0-d tensor:
+    data to the graph, where a float is specialised, and every scale (and the 0 outside the step
+    window) would compile a graph of its own."""
+    def call(*args: Any, conditioning_scale: Any = 1.0, **kwargs: Any) -> Any:
+        sample = args[0] if args else kwargs["sample"]
+        scale = torch.as_tensor(conditioning_scale, dtype=torch.float32, device=sample.device)
+        return forward(*args, conditioning_scale=scale, **kwargs)
+
+    return call
 
 
 def restore_text_model(pipe: Any) -> None:
@@ -239,15 +288,7 @@ def _second_encoder(v: dict[str, Any]) -> dict[str, Any]:
         raise InvalidArgumentError("the torch backend takes negative_original_size / negative_target_size for one "
                                    "image per call (diffusers pairs them with the wrong images for n > 1)",
                                    argument="negative_original_size")
-    for key, prefix in (("time_ids", ""), ("negative_time_ids", "negative_")):
-        if v.get(key) is not None:  # SDXL's 6 ids; a refiner's 5 end in its aesthetic score
-            ids = [float(x) for x in v[key]]
-            kwargs.update({f"{prefix}original_size": tuple(map(int, ids[0:2])),
-                           f"{prefix}crops_coords_top_left": tuple(map(int, ids[2:4]))})
-            if len(ids) == 5:
-                kwargs[f"{prefix}aesthetic_score"] = ids[4]
-            else:
-                kwargs[f"{prefix}target_size"] = tuple(map(int, ids[4:6]))
+    kwargs.update(size_ids(v, "time_ids", "negative_time_ids"))
     skips = set(v.get("clip_skip") or ())
     if len(skips) > 1:
         raise InvalidArgumentError("the torch backend takes one clip_skip per call (diffusers' pipeline does)",
@@ -255,6 +296,33 @@ def _second_encoder(v: dict[str, Any]) -> dict[str, Any]:
     if skips and skips != {0}:  # 0 is diffusers' default embedding: leave the keyword out
         kwargs["clip_skip"] = skips.pop()
     return kwargs
+
+
+def size_ids(v: dict[str, Any], key: str, negative_key: str) -> dict[str, Any]:
+    """The family's SDXL time ids (``v[key]``, ``v[negative_key]``) as diffusers' size keywords:
+    6 ids are (original size, crop, target size); a refiner's 5 end in its aesthetic score."""
+    kwargs: dict[str, Any] = {}
+    for name, prefix in ((key, ""), (negative_key, "negative_")):
+        if v.get(name) is not None:
+            ids = [float(x) for x in v[name]]
+            kwargs.update({f"{prefix}original_size": tuple(map(int, ids[0:2])),
+                           f"{prefix}crops_coords_top_left": tuple(map(int, ids[2:4]))})
+            if len(ids) == 5:
+                kwargs[f"{prefix}aesthetic_score"] = ids[4]
+            else:
+                kwargs[f"{prefix}target_size"] = tuple(map(int, ids[4:6]))
+    return kwargs
+
+
+def _refuse_unread(pipe: Any, planned: dict[str, Any]) -> None:
+    """A call's custom schedule (``plan_inputs``: ``timesteps=`` / ``sigmas=``) on a diffusers pipeline
+    whose call takes no such keyword (its ControlNet img2img and inpaint pipelines) is one line,
+    not a schedule diffusers drops."""
+    params = inspect.signature(type(pipe).__call__).parameters
+    for name in planned:
+        if name not in params:
+            raise InvalidArgumentError(f"the torch backend cannot run this call's custom {name}: diffusers' "
+                                       f"{type(pipe).__name__} takes none (the JAX engine does)", argument=name)
 
 
 def _guidance_rescale(pipe: Any, request: Request) -> dict[str, Any]:
@@ -312,9 +380,13 @@ def load_gguf_denoiser(source: GGUFSource, dtype: str) -> Any:
 
 
 def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: str, scheduler: Any,
-              compiler: TorchCompiler | None, variant: str | None, denoiser: Any = None) -> TorchTextPipeline:
+              compiler: TorchCompiler | None, variant: str | None, denoiser: Any = None, controlnet: Any = None,
+              refiner: Any = None) -> TorchTextPipeline:
     """A diffusers SD/SDXL/SD3/Flux pipeline for ``root`` with preheat's checks and defaults;
-    ``denoiser`` (a GGUF file's, ``load_gguf_denoiser``) replaces the folder's UNet or transformer."""
+    ``denoiser`` (a GGUF file's, ``load_gguf_denoiser``) replaces the folder's UNet or transformer;
+    ``controlnet``, ``refiner``: second model folders (``preheat.backends.torch.companions``)."""
+    from preheat.backends.torch.companions import check_companions, load_controlnet, load_refiner
+
     import importlib
 
     from diffusers import DiffusionPipeline
@@ -323,10 +395,11 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
 
     module, name = TEXT_FAMILIES[class_name]
     index = json.loads((root / "model_index.json").read_text())
-    refiner = class_name.startswith("StableDiffusionXL") and bool(index.get("requires_aesthetics_score"))
-    if refiner:
+    own_refiner = class_name.startswith("StableDiffusionXL") and bool(index.get("requires_aesthetics_score"))
+    if own_refiner:
         name = "SDXL_REFINER"  # an SDXL refiner: its pipelines' aesthetic-score ids (as the JAX loader)
     family = getattr(importlib.import_module(f"preheat.families.{module}"), name)
+    check_companions(family, root, controlnet, refiner)
 
     kwargs: dict[str, Any] = {"torch_dtype": _TORCH_DTYPES[dtype]}
     if denoiser is not None:
@@ -350,7 +423,7 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
     finally:
         for lib in quiet:
             lib.enable_progress_bar()
-    if class_name.endswith("Img2ImgPipeline") and not refiner:  # text-to-image calls run the text
+    if class_name.endswith("Img2ImgPipeline") and not own_refiner:  # text-to-image calls run the text
         # pipeline (image_pipeline the rest); a refiner takes an image always, and keeps its config's aesthetic ids
         import diffusers
 
@@ -376,16 +449,33 @@ def load_text(root: Path, class_name: str, *, compile: str, dtype: str, device: 
                                    patch_size=cfg.patch_size)
     else:  # SD / SDXL: what the family's clip_skip and negative_prompt_2 checks read, as the JAX loader's
         encoders = [e for e in (pipe.text_encoder, getattr(pipe, "text_encoder_2", None)) if e is not None]
+        inpaint = channels == 2 * pipe.vae.config.latent_channels + 1
+        control = expert = None  # the second model folders: diffusers' models, and what the family's checks read
+        if controlnet is not None:
+            control = load_controlnet(controlnet, root, family, inpaint, vae_scale, _TORCH_DTYPES[dtype], variant)
+        if refiner is not None:
+            expert = load_refiner(refiner, pipe, family, inpaint, control is not None, scheduler, sched,
+                                  _TORCH_DTYPES[dtype], variant)
         components = SDComponents(vae_scale=vae_scale, size_multiple=vae_scale,
                                   clip_layers=min(e.config.num_hidden_layers for e in encoders),
                                   force_zeros=bool(pipe.config.get("force_zeros_for_empty_prompt", True)),
-                                  inpaint=channels == 2 * pipe.vae.config.latent_channels + 1)
+                                  inpaint=inpaint, controlnet=None if control is None else control[1],
+                                  refiner=None if expert is None else expert[1])
         channels = pipe.vae.config.latent_channels  # an inpainting UNet's extra channels are the mask's
     latent = (size, size) if isinstance(size, int) else tuple(size)
     architecture = {k: v for k, v in dict(cfg).items() if not k.startswith("_")}
-    fingerprint = json.loads(json.dumps({"kind": f"diffusers.{type(denoiser).__name__}", "config": architecture},
-                                        default=str))
+    identity: dict[str, Any] = {"kind": f"diffusers.{type(denoiser).__name__}", "config": architecture}
+    extra: dict[str, Any] = {}
+    if controlnet is not None:  # the models beside the denoiser: their architectures in the compile key
+        model = extra["controlnet"] = control[0].to(device)
+        identity["controlnet"] = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
+    if refiner is not None:
+        extra["refiner"] = expert[0].to(device)
+        restore_text_model(extra["refiner"])
+        identity["refiner"] = {k: v for k, v in dict(extra["refiner"].unet.config).items() if not k.startswith("_")}
+    fingerprint = json.loads(json.dumps(identity, default=str))
     return TorchTextPipeline(
         pipe=pipe, family=family, scheduler_config=sched, scheduler_dict=sched_dict,
         sample_shape=(int(latent[0]), int(latent[1]), channels), components=components,
-        fingerprint=fingerprint, defaults=defaults, dtype=dtype, device=device, compile=compile, compiler=compiler)
+        fingerprint=fingerprint, defaults=defaults, dtype=dtype, device=device, compile=compile, compiler=compiler,
+        **extra)
