@@ -334,11 +334,10 @@ def declared_values(folder: str | None, flags: dict[str, list[str]],
     extra: tuple[Any, ...] = ()
     if companions:  # what a ControlNet or a refiner declares beside the model's own
         from preheat.families.control import CONTROL_SPECS
-        from preheat.families.experts import DENOISING_END
-        from preheat.families.stable_diffusion import AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE
+        from preheat.families.experts import REFINER_SPECS
 
         extra = ((CONTROL_SPECS if "controlnet" in companions else ())
-                 + ((DENOISING_END, AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE) if "refiner" in companions else ()))
+                 + (REFINER_SPECS if "refiner" in companions else ()))
     return typed_flags((*family.folder_specs(root), *extra, *size_specs(0, 0, 1, 0)), family.name, flags)
 
 

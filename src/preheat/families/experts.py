@@ -34,12 +34,20 @@ from preheat.errors import InvalidArgumentError
 from preheat.families.base import EngineView, Request
 from preheat.families.inputs import Float, InputSpec
 
-__all__ = ["DENOISING_END", "REFINER_NAMES", "IMAGE_INPUTS", "ExpertView", "refuse_without_refiner",
+__all__ = ["DENOISING_END", "AESTHETIC_SCORE", "NEGATIVE_AESTHETIC_SCORE", "REFINER_SPECS", "REFINER_NAMES",
+           "IMAGE_INPUTS", "ExpertView", "refuse_without_refiner",
            "refuse_image_inputs_with_refiner", "handoff", "check_handoff", "cutoff_leaf", "by_expert"]
 
 DENOISING_END = InputSpec("denoising_end", Float(0.0, 1.0), "The share of the denoising the base model does before "
                           "the refiner takes over (1: the base alone).", default=0.8)
-REFINER_NAMES = ("denoising_end", "aesthetic_score", "negative_aesthetic_score")
+# An SDXL refiner's micro-conditioning (model_index requires_aesthetics_score): the aesthetic score in place of
+# the target size, diffusers' defaults; data, as the sizes. The refiner's own folder declares them too.
+AESTHETIC_SCORE = InputSpec("aesthetic_score", Float(), "SDXL refiner: the aesthetic score the image is conditioned "
+                            "on (its time ids' last value).", default=6.0)
+NEGATIVE_AESTHETIC_SCORE = InputSpec("negative_aesthetic_score", Float(), "SDXL refiner: the unconditional branch's "
+                                     "aesthetic score.", default=2.5, needs_guidance=True)
+REFINER_SPECS = (DENOISING_END, AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE)  # what a base with a refiner adds
+REFINER_NAMES = tuple(s.name for s in REFINER_SPECS)
 # what a base with a refiner does not declare: img2img and inpainting (``families.image``)
 IMAGE_INPUTS = ("image", "mask_image", "strength", "padding_mask_crop")
 

@@ -75,13 +75,14 @@ from preheat.families import image as image_input
 from preheat.families.components import SDComponents
 from preheat.families.control import (CONTROL_SPECS, check_control_inputs, control_cond, control_residuals,
                                       control_window, refuse_without_controlnet)
-from preheat.families.experts import (DENOISING_END, IMAGE_INPUTS, ExpertView, by_expert, check_handoff, cutoff_leaf,
+from preheat.families.experts import (AESTHETIC_SCORE, IMAGE_INPUTS, NEGATIVE_AESTHETIC_SCORE, REFINER_SPECS,
+                                      ExpertView, by_expert, check_handoff, cutoff_leaf,
                                       refuse_image_inputs_with_refiner, refuse_without_refiner)
 from preheat.families.guidance import GUIDANCE_RESCALE
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
 from preheat.lora import encoder_adapters
-from preheat.families.inputs import Float, InputSpec, Int, Pair, Text
+from preheat.families.inputs import InputSpec, Int, Pair, Text
 from preheat.families.schedule import SCHEDULE_SPECS
 from preheat.samplers import DIFFUSION_SAMPLERS, EDM_SAMPLERS
 from preheat.families.stages import EncodeArgs
@@ -93,7 +94,7 @@ if TYPE_CHECKING:
 
 
 __all__ = ["StableDiffusionFamily", "SD", "SDXL", "SDXL_REFINER", "load_stable_diffusion", "load_stable_diffusion_xl",
-           "SAMPLER_OF_SCHEDULER"]
+           "SAMPLER_OF_SCHEDULER", "check_controlnet", "check_refiner"]
 
 # SDXL's micro-conditioning (diffusers' names and defaults): data, (height, width) pairs
 SDXL_SIZE_SPECS = (
@@ -120,12 +121,6 @@ REFINER_NEGATIVE_SIZE_SPECS = (
     replace(SDXL_NEGATIVE_SIZE_SPECS[1], description="SDXL refiner: crops_coords_top_left for the unconditional "
             "branch."),
 )
-# An SDXL refiner's micro-conditioning (model_index requires_aesthetics_score): the aesthetic score in
-# place of the target size, diffusers' defaults; data, as the sizes
-AESTHETIC_SCORE = InputSpec("aesthetic_score", Float(), "SDXL refiner: the aesthetic score the image is conditioned "
-                            "on (its time ids' last value).", default=6.0)
-NEGATIVE_AESTHETIC_SCORE = InputSpec("negative_aesthetic_score", Float(), "SDXL refiner: the unconditional branch's "
-                                     "aesthetic score.", default=2.5, needs_guidance=True)
 # SDXL's second text encoder: absent or "" means the first one's prompt, as diffusers
 PROMPT_2 = InputSpec("prompt_2", Text(), "SDXL: the second text encoder's prompt (the prompt when absent).",
                      per_image=True, default_doc="the prompt")
@@ -166,7 +161,7 @@ class StableDiffusionFamily(TextToImageFamily):
         control = CONTROL_SPECS if pipe.components.controlnet is not None else ()  # loaded with controlnet=
         if pipe.components.refiner is not None:  # loaded with refiner=: the handoff and the refiner's scores
             specs = tuple(s for s in specs if s.name not in IMAGE_INPUTS)  # (the ensemble starts from noise)
-            control = (DENOISING_END, AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE)
+            control = REFINER_SPECS
         return (*specs, clip_skip_spec(layers - 1 if self.xl else layers), *control)  # SDXL: from the penultimate
 
     def _required_images(self, specs: Sequence[InputSpec], inpaint: bool) -> tuple[InputSpec, ...]:
@@ -569,10 +564,10 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         from preheat.models.controlnet import load_controlnet
 
         control = load_controlnet(controlnet, dtype=dtype, options=options)
-        _check_controlnet(control.config, cfg, family, inpaint, vae_scale, str(controlnet))
+        check_controlnet(control.config, cfg, family, inpaint, vae_scale, str(controlnet))
     expert = None
     if refiner is not None:  # SDXL's ensemble of experts (preheat.families.experts)
-        _check_refiner(Path(refiner), family, inpaint, control is not None)
+        check_refiner(Path(refiner), family, inpaint, control is not None)
         expert = _load(Path(refiner), SDXL, scheduler=scheduler, dtype=dtype, variant=variant,
                        offload_encoders=offload_encoders, options=options, shared_vae=vae)
         if expert.components.inpaint or expert.scheduler_config != sched:
@@ -645,7 +640,7 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
                        dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)
 
 
-def _check_controlnet(config: Any, unet: Any, family: StableDiffusionFamily, inpaint: bool, vae_scale: int,
+def check_controlnet(config: Any, unet: Any, family: StableDiffusionFamily, inpaint: bool, vae_scale: int,
                       source: str) -> None:
     """A ControlNet that fits the UNet (its residuals' count and widths, its text and time
     conditioning, its control image's scale), and a pipeline diffusers runs it in; else one line.
@@ -669,7 +664,7 @@ def _check_controlnet(config: Any, unet: Any, family: StableDiffusionFamily, inp
                                          f"{want!r}")
 
 
-def _check_refiner(root: Path, family: StableDiffusionFamily, inpaint: bool, control: bool) -> None:
+def check_refiner(root: Path, family: StableDiffusionFamily, inpaint: bool, control: bool) -> None:
     """An SDXL refiner folder beside an SDXL base's text-to-image UNet, without a ControlNet (before
     any weight is read); else one line."""
     from preheat.models.safetensors_files import read_json

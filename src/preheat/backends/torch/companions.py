@@ -47,7 +47,7 @@ def load_controlnet(folder: Any, root: Path, family: Any, inpaint: bool, vae_sca
     ``root``, after the JAX loader's fit checks on the configs alone."""
     from diffusers import ControlNetModel
 
-    from preheat.families.stable_diffusion import _check_controlnet
+    from preheat.families.stable_diffusion import check_controlnet
     from preheat.families.text import component
     from preheat.models.controlnet import read_controlnet_config, resolve_controlnet_dir
     from preheat.models.unet2d_condition import read_unet_condition_config
@@ -56,7 +56,7 @@ def load_controlnet(folder: Any, root: Path, family: Any, inpaint: bool, vae_sca
     config = read_controlnet_config(cn_dir)
     index = json.loads((root / "model_index.json").read_text())
     unet = read_unet_condition_config(component(root, index, "unet"))
-    _check_controlnet(config, unet, family, inpaint, vae_scale, str(folder))
+    check_controlnet(config, unet, family, inpaint, vae_scale, str(folder))
     model = ControlNetModel.from_pretrained(cn_dir, torch_dtype=dtype, **({"variant": variant} if variant else {}))
     return model.eval().requires_grad_(False), config
 
@@ -69,11 +69,11 @@ def load_refiner(folder: Any, base: Any, family: Any, inpaint: bool, control: bo
     from diffusers import StableDiffusionXLImg2ImgPipeline
 
     from preheat.families.components import SDComponents
-    from preheat.families.stable_diffusion import SDXL_REFINER, _check_refiner
+    from preheat.families.stable_diffusion import SDXL_REFINER, check_refiner
     from preheat.families.text import load_scheduler
 
     root = Path(folder)
-    _check_refiner(root, family, inpaint, control)
+    check_refiner(root, family, inpaint, control)
     own = load_scheduler(root, SDXL_REFINER, scheduler)[0]
     if own != schedule:
         raise UnsupportedConfigError(f"refiner={folder}: its scheduler config differs from the base's (the ensemble "
