@@ -67,7 +67,7 @@ from preheat.families.inputs import WARM_IMAGE, Bool, Float, Image, InputSpec
 
 __all__ = ["CONTROL_IMAGE", "CONTROLNET_CONDITIONING_SCALE", "CONTROL_GUIDANCE_START", "CONTROL_GUIDANCE_END",
            "GUESS_MODE", "CONTROL_SPECS", "CONTROL_NAMES", "refuse_without_controlnet", "check_control_inputs",
-           "control_window", "control_cond", "keep_scale", "control_residuals"]
+           "control_window", "control_cond", "keep_scale"]
 
 # warm: a placeholder at each served size (its content is data; its size selects the program)
 CONTROL_IMAGE = InputSpec("control_image", Image(), "The ControlNet's conditioning image (an edge map, a depth map, "
@@ -186,24 +186,6 @@ def control_cond(pipe: EngineView, request: Request, start: int = 0) -> Conditio
             "control_residual_scales": ramp}
     uncond = {**cond, "control_residual_scales": np.zeros_like(ramp)} if values["guess_mode"] else cond
     return Conditioning(cond=cond, uncond=uncond)
-
-
-def control_residuals(control: Any, params: Any, x: Any, t: Any, cond: Mapping[str, Any], added: Any) -> Any:
-    """Inside the program: the ControlNet's residuals for this step, scaled (:func:`keep_scale`) --
-    computed only when some image's scale is not 0 (inside its window); else zeros of their shapes,
-    so a step outside the window costs no ControlNet (``lax.cond``: one branch runs)."""
-    import jax
-    import jax.numpy as jnp
-
-    scale = keep_scale(cond, t)  # (B, K)
-
-    def run(_: Any) -> Any:
-        return control.apply(params, x, t, cond["context"], cond["control_image"], scale, added)
-
-    def zeros(_: Any) -> Any:
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run, None))
-
-    return jax.lax.cond(jnp.any(scale != 0), run, zeros, None)
 
 
 def keep_scale(cond: Mapping[str, Any], t: Any) -> Any:

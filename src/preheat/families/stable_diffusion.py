@@ -73,8 +73,8 @@ import numpy as np
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families import image as image_input
 from preheat.families.components import SDComponents
-from preheat.families.control import (CONTROL_SPECS, check_control_inputs, control_cond, control_residuals,
-                                      control_window, refuse_without_controlnet)
+from preheat.families.control import (CONTROL_SPECS, check_control_inputs, control_cond, control_window, keep_scale,
+                                      refuse_without_controlnet)
 from preheat.families.experts import (AESTHETIC_SCORE, IMAGE_INPUTS, NEGATIVE_AESTHETIC_SCORE, REFINER_SPECS,
                                       ExpertView, by_expert, check_handoff, cutoff_leaf,
                                       refuse_image_inputs_with_refiner, refuse_without_refiner)
@@ -588,7 +588,10 @@ def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: A
         if control is not None:  # params: (the UNet's, the ControlNet's); both branches take it (guess mode: its
             # unconditional residuals scaled by 0, as diffusers' zeros), each residual its own scale
             params, control_params = params
-            residuals = control_residuals(control, control_params, x, t, cond, added)  # none run outside its window
+            # outside its window the ControlNet still runs, scaled by 0: a lax.cond skipping it costs more per
+            # step it runs than it saves on this CPU (docs/benchmarks.md, round 19)
+            residuals = control.apply(control_params, x, t, cond["context"], cond["control_image"],
+                                      keep_scale(cond, t), added)
         if inpaint:  # (B, h, w, C + 1 + C): after the scheduler's input scaling, as diffusers concatenates
             x = jnp.concatenate([x, cond["mask"].astype(x.dtype), cond["masked_image_latents"].astype(x.dtype)], -1)
         return unet.apply(params, x, t, cond["context"], added, lora, residuals)
