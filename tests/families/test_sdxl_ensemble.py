@@ -51,9 +51,9 @@ def _diffusers(folders, sampler: str, prompt: str, noise: np.ndarray, steps: int
 
 @pytest.mark.parametrize("sampler,steps,fraction,extra", [
     ("euler", 10, 0.8, dict(guidance_scale=5.0)),
-    ("dpmpp_2m", 8, 0.5, dict(guidance_scale=6.0, negative_prompt="blurry", aesthetic_score=7.5,
-                              negative_aesthetic_score=1.5)),
-], ids=["euler-0.8", "dpmpp_2m-0.5-negative-scores"])
+    pytest.param("dpmpp_2m", 8, 0.5, dict(guidance_scale=6.0, negative_prompt="blurry", aesthetic_score=7.5,
+                                          negative_aesthetic_score=1.5), marks=pytest.mark.slow),
+], ids=["euler-0.8", "dpmpp_2m-0.5-negative-scores"])  # (dpm++'s restart alone: tests/samplers/test_start.py)
 def test_the_ensemble_matches_diffusers_two_pipelines(folders, pipe, sampler, steps, fraction, extra):
     """The base's steps above the cutoff, the refiner's below from the same latents (no noise added),
     its scheduler fresh (dpm++ 2M first order again at the handoff), its own encoder and ids."""
@@ -78,6 +78,7 @@ def test_the_handoff_is_data_and_each_expert_counts(pipe):
     assert mean_abs_px(images[0.8], images[1.0]) > 1.0
 
 
+@pytest.mark.slow  # loads the base alone too, and a diffusers reference
 def test_the_base_alone_at_one_the_refiner_alone_near_zero(folders, pipe):
     """denoising_end=1: every step the base's, as the base loaded alone draws it; a fraction that
     leaves the base no step: the refiner's from the noise, as diffusers' recipe (its base returns

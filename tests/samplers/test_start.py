@@ -126,7 +126,7 @@ def test_a_run_from_start_matches_diffusers_img2img_loop(sampler, extra, steps, 
         assert not np.allclose(np.asarray(whole), x.numpy(), atol=1e-2)
 
 
-@pytest.mark.parametrize("steps,fraction", [(10, 0.8), (7, 0.3)])
+@pytest.mark.parametrize("steps,fraction", [(7, 0.3), pytest.param(10, 0.8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("sampler,extra", START_SAMPLERS, ids=START_IDS)
 def test_a_restart_matches_two_diffusers_pipelines(sampler, extra, steps, fraction, monkeypatch):
     """``run(restart=k)`` is SDXL's ensemble of experts on the bare schedulers: the first pipeline

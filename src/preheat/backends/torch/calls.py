@@ -8,11 +8,11 @@ these fields only translate that call into diffusers' keywords and classes.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["DiffusersCalls", "DIFFUSERS_CALLS", "diffusers_calls"]
+__all__ = ["DiffusersCalls", "DIFFUSERS_CALLS", "diffusers_calls", "size_ids"]
 
 
 class DiffusersCalls(NamedTuple):
@@ -65,3 +65,19 @@ def diffusers_calls(family: str) -> DiffusersCalls:
         return DIFFUSERS_CALLS[family]
     except KeyError:
         raise InvalidArgumentError(f"the torch backend does not run a {family} model") from None
+
+
+def size_ids(v: dict[str, Any], key: str, negative_key: str) -> dict[str, Any]:
+    """The family's SDXL time ids (``v[key]``, ``v[negative_key]``) as diffusers' size keywords:
+    6 ids are (original size, crop, target size); a refiner's 5 end in its aesthetic score."""
+    kwargs: dict[str, Any] = {}
+    for name, prefix in ((key, ""), (negative_key, "negative_")):
+        if v.get(name) is not None:
+            ids = [float(x) for x in v[name]]
+            kwargs.update({f"{prefix}original_size": tuple(map(int, ids[0:2])),
+                           f"{prefix}crops_coords_top_left": tuple(map(int, ids[2:4]))})
+            if len(ids) == 5:
+                kwargs[f"{prefix}aesthetic_score"] = ids[4]
+            else:
+                kwargs[f"{prefix}target_size"] = tuple(map(int, ids[4:6]))
+    return kwargs

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from preheat.backends.torch.calls import diffusers_calls
+from preheat.backends.torch.calls import diffusers_calls, size_ids
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families.inputs import IMAGE_SIZE
 
@@ -138,8 +138,6 @@ def refiner_kwargs(values: dict[str, Any], base: dict[str, Any]) -> dict[str, An
     """The refiner's keywords from the base's: the prompt and negative (its one encoder; no
     ``prompt_2``), the sampling ones, and its own time ids -- the family's ``refiner_time_ids``
     (the call's original size and crop, the aesthetic score), as the JAX engine conditions it."""
-    from preheat.backends.torch.text import size_ids
-
     keep = ("prompt", "negative_prompt", "num_inference_steps", "guidance_scale", "generator", "eta", "clip_skip",
             "guidance_rescale", "timesteps", "sigmas")
     out = {k: v for k, v in base.items() if k in keep}

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from preheat.backends.torch.calls import diffusers_calls
+from preheat.backends.torch.calls import diffusers_calls, size_ids
 from preheat.backends.torch.companions import refiner_kwargs, refiner_runs
 from preheat.backends.torch.compile_cache import INDUCTOR_OPTIONS, TorchCompiler, torch_key_fields
 from preheat.backends.torch.sampling import make_scheduler
@@ -44,7 +44,7 @@ from preheat.noise import initial_noise
 from preheat.samplers import SchedulerConfig
 from preheat.timings import Timings
 
-__all__ = ["TorchTextPipeline", "load_gguf_denoiser", "load_text", "TEXT_FAMILIES", "restore_text_model", "size_ids"]
+__all__ = ["TorchTextPipeline", "load_gguf_denoiser", "load_text", "TEXT_FAMILIES", "restore_text_model"]
 
 # model_index.json's _class_name -> (families module, family object)
 TEXT_FAMILIES = {
@@ -295,22 +295,6 @@ def _second_encoder(v: dict[str, Any]) -> dict[str, Any]:
                                    argument="clip_skip")
     if skips and skips != {0}:  # 0 is diffusers' default embedding: leave the keyword out
         kwargs["clip_skip"] = skips.pop()
-    return kwargs
-
-
-def size_ids(v: dict[str, Any], key: str, negative_key: str) -> dict[str, Any]:
-    """The family's SDXL time ids (``v[key]``, ``v[negative_key]``) as diffusers' size keywords:
-    6 ids are (original size, crop, target size); a refiner's 5 end in its aesthetic score."""
-    kwargs: dict[str, Any] = {}
-    for name, prefix in ((key, ""), (negative_key, "negative_")):
-        if v.get(name) is not None:
-            ids = [float(x) for x in v[name]]
-            kwargs.update({f"{prefix}original_size": tuple(map(int, ids[0:2])),
-                           f"{prefix}crops_coords_top_left": tuple(map(int, ids[2:4]))})
-            if len(ids) == 5:
-                kwargs[f"{prefix}aesthetic_score"] = ids[4]
-            else:
-                kwargs[f"{prefix}target_size"] = tuple(map(int, ids[4:6]))
     return kwargs
 
 
