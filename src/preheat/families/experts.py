@@ -111,7 +111,8 @@ def check_handoff(pipe: EngineView, request: Request) -> int:
     spec = make_spec(request_of.scheduler_config(pipe, request), request.sampler)
     if 0 < step < len(t) and (spec.max_model_calls_per_step > 1 or not np.all(np.diff(t) < 0)):
         raise InvalidArgumentError(f"sampler {request.sampler!r} cannot hand over to the refiner part-way (it calls "
-                                   "the model twice a step); use another, or denoising_end=1", argument="sampler")
+                                   "the model twice a step, or twice at one timestep); use another, or "
+                                   "denoising_end=1", argument="sampler")
     return step
 
 
