@@ -26,17 +26,18 @@ negative prompt; its folder's ``force_zeros_for_empty_prompt``) and no LoRA; the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from preheat.errors import InvalidArgumentError
+from preheat.errors import InvalidArgumentError, UnsupportedConfigError
 from preheat.families.base import EngineView, Request
 from preheat.families.inputs import Float, InputSpec
 
 __all__ = ["DENOISING_END", "AESTHETIC_SCORE", "NEGATIVE_AESTHETIC_SCORE", "REFINER_SPECS", "REFINER_NAMES",
            "IMAGE_INPUTS", "ExpertView", "refuse_without_refiner",
-           "refuse_image_inputs_with_refiner", "handoff", "check_handoff", "cutoff_leaf", "by_expert"]
+           "refuse_image_inputs_with_refiner", "check_refiner", "handoff", "check_handoff", "cutoff_leaf", "by_expert"]
 
 DENOISING_END = InputSpec("denoising_end", Float(0.0, 1.0), "The share of the denoising the base model does before "
                           "the refiner takes over (1: the base alone).", default=0.8)
@@ -87,6 +88,22 @@ def refuse_image_inputs_with_refiner(inputs: Mapping[str, Any]) -> None:
     if given:
         raise InvalidArgumentError(f"{given[0]} is not supported with a refiner yet (the ensemble of experts starts "
                                    "from noise); load the refiner alone to refine an image", argument=given[0])
+
+
+def check_refiner(root: Path, family: Any, inpaint: bool, control: bool) -> None:
+    """An SDXL refiner folder beside an SDXL base's text-to-image UNet, without a ControlNet (before
+    any weight is read); else one line."""
+    from preheat.models.safetensors_files import read_json
+
+    if not family.xl or family.aesthetics or inpaint or control:
+        kind = ("an SDXL refiner" if family.aesthetics else "an inpainting UNet" if inpaint else
+                "a ControlNet" if control else "a Stable Diffusion 1.x/2.x model")
+        raise UnsupportedConfigError(f"refiner={root}: a refiner with {kind} is not supported (an SDXL base's "
+                                     "text-to-image only)")
+    index = read_json(root / "model_index.json", "pipeline index")
+    if not (index.get("_class_name", "").startswith("StableDiffusionXL") and index.get("requires_aesthetics_score")):
+        raise UnsupportedConfigError(f"refiner={root} is not an SDXL refiner (its model_index.json has no "
+                                     "requires_aesthetics_score)")
 
 
 def handoff(pipe: EngineView, request: Request) -> tuple[int, np.ndarray]:

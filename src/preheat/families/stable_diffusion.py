@@ -76,7 +76,7 @@ from preheat.families.components import SDComponents
 from preheat.families.control import (CONTROL_SPECS, check_control_inputs, control_cond, control_window, keep_scale,
                                       refuse_without_controlnet)
 from preheat.families.experts import (AESTHETIC_SCORE, IMAGE_INPUTS, NEGATIVE_AESTHETIC_SCORE, REFINER_SPECS,
-                                      ExpertView, by_expert, check_handoff, cutoff_leaf,
+                                      ExpertView, by_expert, check_handoff, check_refiner, cutoff_leaf,
                                       refuse_image_inputs_with_refiner, refuse_without_refiner)
 from preheat.families.guidance import GUIDANCE_RESCALE
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
@@ -94,7 +94,7 @@ if TYPE_CHECKING:
 
 
 __all__ = ["StableDiffusionFamily", "SD", "SDXL", "SDXL_REFINER", "load_stable_diffusion", "load_stable_diffusion_xl",
-           "SAMPLER_OF_SCHEDULER", "check_controlnet", "check_refiner"]
+           "SAMPLER_OF_SCHEDULER", "check_controlnet"]
 
 # SDXL's micro-conditioning (diffusers' names and defaults): data, (height, width) pairs
 SDXL_SIZE_SPECS = (
@@ -665,22 +665,6 @@ def check_controlnet(config: Any, unet: Any, family: StableDiffusionFamily, inpa
         if got != want:
             raise UnsupportedConfigError(f"controlnet={source} does not fit this model: {what} {got!r}, the model's "
                                          f"{want!r}")
-
-
-def check_refiner(root: Path, family: StableDiffusionFamily, inpaint: bool, control: bool) -> None:
-    """An SDXL refiner folder beside an SDXL base's text-to-image UNet, without a ControlNet (before
-    any weight is read); else one line."""
-    from preheat.models.safetensors_files import read_json
-
-    if not family.xl or family.aesthetics or inpaint or control:
-        kind = ("an SDXL refiner" if family.aesthetics else "an inpainting UNet" if inpaint else
-                "a ControlNet" if control else "a Stable Diffusion 1.x/2.x model")
-        raise UnsupportedConfigError(f"refiner={root}: a refiner with {kind} is not supported (an SDXL base's "
-                                     "text-to-image only)")
-    index = read_json(root / "model_index.json", "pipeline index")
-    if not (index.get("_class_name", "").startswith("StableDiffusionXL") and index.get("requires_aesthetics_score")):
-        raise UnsupportedConfigError(f"refiner={root} is not an SDXL refiner (its model_index.json has no "
-                                     "requires_aesthetics_score)")
 
 
 def _folder_family(family: StableDiffusionFamily, index: Mapping[str, Any]) -> StableDiffusionFamily:

@@ -69,7 +69,8 @@ def load_refiner(folder: Any, base: Any, family: Any, inpaint: bool, control: bo
     from diffusers import StableDiffusionXLImg2ImgPipeline
 
     from preheat.families.components import SDComponents
-    from preheat.families.stable_diffusion import SDXL_REFINER, check_refiner
+    from preheat.families.experts import check_refiner
+    from preheat.families.stable_diffusion import SDXL_REFINER
     from preheat.families.text import load_scheduler
 
     root = Path(folder)
