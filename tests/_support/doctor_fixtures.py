@@ -64,6 +64,11 @@ _CLEAR = (
     "RUNPOD_ENDPOINT_ID",
     "PREHEAT_DOCTOR_TIMEOUT",
     "COLUMNS",
+    "TPU_ACCELERATOR_TYPE",
+    "TPU_WORKER_ID",
+    "TPU_WORKER_HOSTNAMES",
+    "TPU_SKIP_MDS_QUERY",
+    "TPU_NAME",
 )
 
 
@@ -104,13 +109,15 @@ class Machine:
         self.home = root / "home"
         self.workspace = root / "workspace"
         self.runpod_volume = root / "runpod-volume"
-        for d in (self.bin, self.dev, self.home):
+        self.host = root / "host"  # stands for / when doctor reads /sys, /proc and /tmp (a TPU VM's facts)
+        for d in (self.bin, self.dev, self.home, self.host):
             d.mkdir(parents=True)
         for var in _CLEAR:
             monkeypatch.delenv(var, raising=False)
         monkeypatch.setenv("PATH", str(self.bin))
         monkeypatch.setenv("HOME", str(self.home))
         monkeypatch.setenv("PREHEAT_DEV_ROOT", str(self.dev))
+        monkeypatch.setenv("PREHEAT_DOCTOR_HOST_ROOT", str(self.host))
         monkeypatch.setenv("PREHEAT_WORKSPACE", str(self.workspace))
         monkeypatch.setenv("PREHEAT_RUNPOD_VOLUME", str(self.runpod_volume))
         self.jax(JAX_CPU)
