@@ -48,7 +48,7 @@ def _versions(ctx: Context) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
     }
-    for name in ("preheat", "jax", "jaxlib", "torch", "numpy", "flax"):
+    for name in ("preheat", "jax", "jaxlib", "torch", "numpy", "flax", "libtpu"):
         out[name] = dists._dist_version(name)
     try:
         out["jax_plugins"] = dists._jax_gpu_plugins()

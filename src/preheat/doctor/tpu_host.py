@@ -106,6 +106,10 @@ def _pci(root: Path) -> tuple[int, str | None]:
     return chips, generation
 
 
+def _pci_id(generation: str | None) -> str:
+    return next((k for k, v in TPU_PCI_IDS.items() if v == generation), "?")
+
+
 def _holders(root: Path, dev: Path, own: set[int]) -> list[Holder]:
     """Processes with a chip's node open. A link names the real /dev path, whatever ``dev`` is."""
     pattern = re.compile(r"(?:^|/)(accel\d+|vfio/\d+)$")
@@ -136,7 +140,7 @@ def _tpu_host() -> TpuHost:
     host.sys_accel = _listdir(root / "sys/class/accel")
     host.env = {k: os.environ[k] for k in TPU_ENV if os.environ.get(k)}
     if host.pci_chips:
-        host.evidence.append(f"{host.pci_chips} TPU {host.generation} chip(s) on the PCI bus")
+        host.evidence.append(f"PCI {GOOGLE_PCI_VENDOR}:{_pci_id(host.generation)}" + (f" x{host.pci_chips}" if host.pci_chips > 1 else ""))
     if host.accel_nodes:
         host.evidence.append(", ".join(host.accel_nodes))
     if host.sys_accel:

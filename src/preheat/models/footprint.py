@@ -37,7 +37,8 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """Bytes as people read them: GiB from 1 GiB up, else MiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 @dataclass

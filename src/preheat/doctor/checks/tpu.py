@@ -103,10 +103,9 @@ def _check_tpu_accelerator(ctx: Context) -> CheckResult:
         topo = _topology(dev, host)
         finding = f"{chips} ({_gib(dev.get('bytes_limit'))} HBM each{', ' + topo if topo else ''}){lib}"
         return CheckResult("accelerator", "Accelerator", OK, finding, None, details)
-    chips = f"{host.pci_chips}x TPU {host.generation}" if host.pci_chips else "a TPU"
-    topo = _topology(dev, host)
-    finding = (f"TPU VM ({'; '.join(host.evidence)}): {chips}{' (' + topo + ')' if topo else ''}{lib}; "
-               "JAX does not compute on it (see JAX backend)")
+    chips = f"{host.pci_chips}x TPU {host.generation}" if host.pci_chips else "TPU"
+    seen = "; ".join([_topology(dev, host)] * bool(_topology(dev, host)) + ["seen from " + ", ".join(host.evidence)])
+    finding = f"TPU VM: {chips} ({seen}){lib}; JAX does not compute on it (see JAX backend)"
     return CheckResult("accelerator", "Accelerator", OK, finding, None, details)
 
 
@@ -194,8 +193,8 @@ def _check_tpu_memory(ctx: Context) -> CheckResult:
     env = {k: os.environ[k] for k in _GPU_CLIENT_VARS if os.environ.get(k) is not None}
     dev = _device(ctx)
     details: dict[str, Any] = {"env": env, "bytes_limit": dev.get("bytes_limit"), "bytes_in_use": dev.get("bytes_in_use")}
-    hbm = f" ({_gib(dev.get('bytes_limit'))} each)" if dev.get("bytes_limit") else ""
-    owner = f"the TPU runtime gives one process each chip's whole HBM{hbm}: no preallocation, no fraction"
+    hbm = f", {_gib(dev.get('bytes_limit'))}," if dev.get("bytes_limit") else ""
+    owner = f"the TPU runtime gives one process each chip's whole HBM{hbm} with no preallocation and no fraction to set"
     if not env:
         return CheckResult("tpu_memory", "TPU memory", OK, owner, None, details)
     chips = host.pci_chips or len(host.nodes)
@@ -204,7 +203,7 @@ def _check_tpu_memory(ctx: Context) -> CheckResult:
              "; this VM has one chip: one process at a time")
     names = ", ".join(f"{k}={v}" for k, v in env.items())
     return CheckResult("tpu_memory", "TPU memory", WARN,
-                       f"{names}: read only by JAX's GPU client, no effect on a TPU ({owner})",
+                       f"{names}: read only by JAX's GPU client, no effect on a TPU: {owner}",
                        f"unset {' '.join(env)}{split}", details)
 
 
