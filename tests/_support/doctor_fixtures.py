@@ -65,6 +65,7 @@ _CLEAR = (
     "PREHEAT_DOCTOR_TIMEOUT",
     "COLUMNS",
     "TPU_ACCELERATOR_TYPE",
+    "TPU_TOPOLOGY",
     "TPU_WORKER_ID",
     "TPU_WORKER_HOSTNAMES",
     "TPU_SKIP_MDS_QUERY",
@@ -136,14 +137,15 @@ class Machine:
         return data
 
     def tpu(self, *, versions: dict[str, str | None] | None = None, thp: str | None = None, env: bool = True,
-            jax: dict | None = None) -> None:
+            jax: dict | None = None, pci: bool = False) -> None:
         """A TPU v5e VM (tests/_support/tpu_fixtures.py): its PCI ids, /dev/vfio, TPU_* variables,
         hugepages setting, the JAX probe's answer and the installed jax / jaxlib / libtpu
-        (``versions``: a name -> None hides it)."""
+        (``versions``: a name -> None hides it). ``pci``: a full VM's PCI ids (the recorded sandbox
+        shows none); ``thp``: a hugepages setting (the recorded sandbox has no such file)."""
         from preheat.doctor import dists
         from tests._support import tpu_fixtures as f
 
-        for slot, (vendor, device) in f.HOST["pci"].items():
+        for slot, (vendor, device) in (f.PCI if pci else {}).items():
             pci = self.host / "sys/bus/pci/devices" / slot
             pci.mkdir(parents=True)
             (pci / "vendor").write_text(vendor + "\n")
@@ -154,9 +156,10 @@ class Machine:
         if env:
             for k, v in f.HOST["env"].items():
                 self.mp.setenv(k, v)
-        thp_file = self.host / "sys/kernel/mm/transparent_hugepage/enabled"
-        thp_file.parent.mkdir(parents=True)
-        thp_file.write_text((thp or f.HOST["thp"]) + "\n")
+        if thp is not None:
+            thp_file = self.host / "sys/kernel/mm/transparent_hugepage/enabled"
+            thp_file.parent.mkdir(parents=True)
+            thp_file.write_text(thp + "\n")
         self.jax(f.JAX_TPU if jax is None else jax)
         table = {**f.VERSIONS, **(versions or {})}
         real = dists._dist_version

@@ -8,25 +8,29 @@ chip, jax/jaxlib 0.10.2, libtpu 0.0.42.1), for the fake TPU machine of tests/doc
 
 from __future__ import annotations
 
-HBM = 16_911_433_728  # memory_stats()["bytes_limit"] of one v5e chip: 15.75 GiB
+HBM = 16_909_336_064  # memory_stats()["bytes_limit"] of the v5e chip: 15.75 GiB
 JAX_TPU = {
     "ok": True, "jax_version": "0.10.2", "result_ok": True, "backend": "tpu", "device_count": 1,
-    "devices": ["TPU v5 lite"], "backend_errors": {}, "warnings": [], "elapsed_s": 4.1,
-    "device": {"bytes_limit": HBM, "bytes_in_use": 1024, "platform_version": "PJRT C API\nTFRT TPU v5 lite",
-               "bounds": [1, 1, 1], "cores_per_chip": 1, "process_count": 1},
+    "devices": ["TPU v5 lite"], "backend_errors": {}, "warnings": [], "elapsed_s": 9.4,
+    "device": {"bytes_limit": HBM, "bytes_in_use": 26624,
+               "platform_version": "PJRT C API\nTFRT TPU v5 lite\nBuilt on Jun 17 2026 11:08:48 (1781719728) cl/933746096",
+               "bounds": [1, 1, 1], "cores_per_chip": 1, "process_count": 1},  # coords (0,0,0), core_on_chip 0
 }
+# The recorded machine is a sandbox given one chip of a v5litepod-4: no PCI bus, no hugepages file,
+# no /sys/class/accel; its TPU_* variables and one vfio group say what it is.
 HOST = {
-    "pci": {"0000:00:05.0": ("0x1ae0", "0x0063")},  # Google, TPU v5e
-    "dev": ["vfio/0", "vfio/vfio"],
-    "env": {"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_ID": "0"},
-    "thp": "[always] madvise never",
+    "dev": ["vfio/2", "vfio/vfio"],
+    "env": {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_TOPOLOGY": "2x2", "TPU_WORKER_ID": "0",
+            "TPU_WORKER_HOSTNAMES": "localhost", "TPU_SKIP_MDS_QUERY": "true"},
 }
+PCI = {"0000:00:05.0": ("0x1ae0", "0x0063")}  # a full v5e VM's chip (Google's vendor id, v5e's device id)
 VERSIONS = {"jax": "0.10.2", "jaxlib": "0.10.2", "libtpu": "0.0.42.1"}
 # libtpu's words when the chip is taken (jax's backend error), and when its lockfile cannot be opened
+# (the sentence doctor matches; what follows it varies between libtpu releases)
 IN_USE = ("RuntimeError: Unable to initialize backend 'tpu': ABORTED: The TPU is already in use by process with "
           "pid {pid}. Not attempting to load libtpu.so in this process.")
 LOCKFILE_ERROR = ("RuntimeError: Unable to initialize backend 'tpu': INTERNAL: Internal error when accessing libtpu "
-                  "multi-process lockfile. Run \"$ sudo lsof -w /dev/vfio/0\" to figure out which process is using the TPU.")
+                  "multi-process lockfile. Run \"$ sudo lsof -w /dev/vfio/2\" to figure out which process is using the TPU.")
 
 
 def weights_folder(root: "Path") -> "Path":

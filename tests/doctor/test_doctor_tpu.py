@@ -14,7 +14,8 @@ from tests._support.doctor_fixtures import JAX_CPU, check
 from tests._support.tpu_fixtures import IN_USE, JAX_TPU, LOCKFILE_ERROR, weights_folder
 
 TPU_IDS = ["accelerator", "jax", "torch", "tpu_hugepages", "tpu_memory", "storage_cache", "storage_hf", "cache_health"]
-PIP_TPU = 'pip install "jax[tpu]==0.10.2" (jax\'s tpu extra brings the libtpu built for it; or pip install "preheat[tpu]")'
+PIP_TPU = ('pip install "jax[tpu]==0.10.2" (jax\'s tpu extra brings the libtpu built for it; from a preheat checkout: '
+           'pip install ".[tpu]")')
 
 
 def test_a_healthy_v5e_names_the_chip_and_passes(machine):
@@ -23,16 +24,17 @@ def test_a_healthy_v5e_names_the_chip_and_passes(machine):
     assert [c["id"] for c in rep["checks"]] == TPU_IDS  # no NVIDIA rows on a TPU VM
     acc = check(rep, "accelerator")
     assert acc["status"] == "ok"
-    assert acc["finding"] == "1x TPU v5 lite (15.75 GiB HBM each, topology 1x1x1, v5litepod-1); libtpu 0.0.42.1"
+    assert acc["finding"] == ("1x TPU v5 lite, 15.75 GiB HBM each; JAX sees 1 chip (1x1x1) of the v5litepod-4 slice, "
+                              "topology 2x2; libtpu 0.0.42.1")
     jax = check(rep, "jax")
     assert jax["status"] == "ok"
     assert jax["finding"] == ("jax 0.10.2 / jaxlib 0.10.2 + libtpu 0.0.42.1: backend tpu, 1x TPU v5 lite "
-                              "(import + test matmul in 4.1 s)")
-    assert check(rep, "tpu_hugepages")["status"] == "ok"
+                              "(import + test matmul in 9.4 s)")
+    assert check(rep, "tpu_hugepages")["finding"] == ("cannot read /sys/kernel/mm/transparent_hugepage/enabled: "
+                                                      "not checked")  # the recorded sandbox has no such file
     assert check(rep, "tpu_memory")["finding"] == (
         "the TPU runtime gives one process each chip's whole HBM, 15.75 GiB, with no preallocation and no fraction to set")
-    assert rep["versions"]["tpu"] == {"generation": "v5e", "chips": 1, "TPU_ACCELERATOR_TYPE": "v5litepod-1",
-                                      "TPU_WORKER_ID": "0"}
+    assert rep["versions"]["tpu"]["generation"] == "v5e"  # from TPU_ACCELERATOR_TYPE: no PCI bus in the sandbox
     assert code == 0
 
 
@@ -40,7 +42,7 @@ def test_the_table_on_a_v5e(machine):
     machine.tpu()
     code, out = machine.human()
     assert code == 0
-    assert "1x TPU v5 lite (15.75 GiB HBM each, topology 1x1x1, v5litepod-1); libtpu 0.0.42.1" in out
+    assert "1x TPU v5 lite, 15.75 GiB HBM each; JAX sees 1 chip (1x1x1) of the v5litepod-4 slice" in out
     assert "| TPU v5e, libtpu 0.0.42.1" in out
     assert "NVIDIA" not in out
 
@@ -54,15 +56,17 @@ def test_jax_without_libtpu_runs_on_the_cpu_and_says_so(machine):
                               "libtpu, so it never tries the TPU")
     assert jax["fix"] == PIP_TPU
     acc = check(rep, "accelerator")
-    assert acc["finding"] == ("TPU VM: 1x TPU v5e (v5litepod-1; seen from PCI 0x1ae0:0x0063, TPU_ACCELERATOR_TYPE=v5litepod-1, "
-                              "TPU_WORKER_ID=0, /dev/vfio/0); no libtpu installed; JAX does not compute on it (see JAX backend)")
+    assert acc["finding"] == ("TPU VM: TPU v5e (the v5litepod-4 slice, topology 2x2; seen from TPU_ACCELERATOR_TYPE="
+                              "v5litepod-4, TPU_WORKER_ID=0, /dev/vfio/2); no libtpu installed; JAX does not compute on "
+                              "it (see JAX backend)")
     assert code == 1
 
 
 def test_a_tpu_found_by_its_pci_id_alone(machine):
-    machine.tpu(versions={"libtpu": None}, jax=JAX_CPU, env=False)
+    machine.tpu(versions={"libtpu": None}, jax=JAX_CPU, env=False, pci=True)
     _, rep = machine.run()
     assert check(rep, "jax")["fix"] == PIP_TPU
+    assert check(rep, "accelerator")["finding"].startswith("TPU VM: 1x TPU v5e (seen from PCI 0x1ae0:0x0063, /dev/vfio/2)")
 
 
 def test_jax_not_installed(machine):
@@ -85,12 +89,12 @@ def test_jax_platforms_cpu_keeps_jax_off_the_tpu(machine, monkeypatch):
 
 def test_the_chip_held_by_another_process_names_it(machine):
     machine.tpu(jax={"ok": False, "error": IN_USE.format(pid=4242), "backend_errors": {}, "warnings": []})
-    machine.holder(4242, "python3")
+    machine.holder(4242, "python3", "/dev/vfio/2")
     code, rep = machine.run()
     jax = check(rep, "jax")
     assert jax["status"] == "fail"
     assert jax["finding"] == ("jax 0.10.2 / jaxlib 0.10.2 + libtpu 0.0.42.1: the TPU is held by another process: "
-                              "pid 4242 (python3) has /dev/vfio/0 open; one process owns a chip")
+                              "pid 4242 (python3) has /dev/vfio/2 open; one process owns a chip")
     assert jax["fix"] == "stop it (`kill 4242`, or wait for it to finish), then run again"
     assert code == 1
 

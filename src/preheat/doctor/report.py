@@ -62,7 +62,7 @@ def _versions(ctx: Context) -> dict[str, Any]:
         out["nvidia_driver"] = out["cuda_driver_supports"] = None
     try:
         tpu = ctx.tpu
-        out["tpu"] = {"generation": tpu.generation, "chips": tpu.pci_chips, **tpu.env} if tpu.is_tpu else None
+        out["tpu"] = {"generation": tpu.generation, **tpu.env} if tpu.is_tpu else None
     except _FactError:
         out["tpu"] = None
     for probe_name, key in (("jax_probe", "jax_backend"), ("torch_probe", "torch_cuda")):

@@ -33,7 +33,10 @@ TPU_PCI_IDS = {
     "0x0027": "v3", "0x005e": "v4", "0x0062": "v5p", "0x0063": "v5e", "0x006f": "v6e", "0x0076": "tpu7x",
     "0x0083": "tpu8i", "0x007c": "tpu8t",
 }
-TPU_ENV = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "TPU_SKIP_MDS_QUERY", "TPU_NAME")
+TPU_ENV = ("TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "TPU_SKIP_MDS_QUERY",
+           "TPU_NAME")
+# TPU_ACCELERATOR_TYPE's prefix -> chip generation, where the PCI bus is not visible (a sandbox, a container)
+_TYPE_GENERATION = (("v5litepod", "v5e"), ("v5e", "v5e"), ("v5p", "v5p"), ("v6e", "v6e"), ("v4", "v4"), ("v3", "v3"))
 _SIGNAL_ENV = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID")  # TPU_SKIP_MDS_QUERY is set by JAX itself off a TPU
 LOCKFILE = "tmp/libtpu_lockfile"
 THP = "sys/kernel/mm/transparent_hugepage/enabled"
@@ -139,6 +142,9 @@ def _tpu_host() -> TpuHost:
     host.vfio_nodes = [f"/dev/vfio/{n}" for n in _listdir(dev / "vfio") if n.isdigit()]
     host.sys_accel = _listdir(root / "sys/class/accel")
     host.env = {k: os.environ[k] for k in TPU_ENV if os.environ.get(k)}
+    if host.generation is None and host.env.get("TPU_ACCELERATOR_TYPE"):
+        kind = host.env["TPU_ACCELERATOR_TYPE"].lower()
+        host.generation = next((gen for prefix, gen in _TYPE_GENERATION if kind.startswith(prefix)), None)
     if host.pci_chips:
         host.evidence.append(f"PCI {GOOGLE_PCI_VENDOR}:{_pci_id(host.generation)}" + (f" x{host.pci_chips}" if host.pci_chips > 1 else ""))
     if host.accel_nodes:

@@ -44,7 +44,7 @@ def libtpu_version() -> tuple[str, str] | None:
 def _pip_tpu() -> str:
     jax_v = dists._dist_version("jax")
     pin = f"=={jax_v}" if jax_v else ""
-    return f'pip install "jax[tpu]{pin}" (jax\'s tpu extra brings the libtpu built for it; or pip install "preheat[tpu]")'
+    return f'pip install "jax[tpu]{pin}" (jax\'s tpu extra brings the libtpu built for it; from a preheat checkout: pip install ".[tpu]")'
 
 
 def _gib(n: int | None) -> str:
@@ -56,13 +56,17 @@ def _device(ctx: Context) -> dict[str, Any]:
     return dict(probe.data.get("device") or {}) if probe.status == "ok" else {}
 
 
-def _topology(dev: dict[str, Any], host: TpuHost) -> str:
-    parts = []
-    if dev.get("bounds"):
-        parts.append("topology " + "x".join(str(b) for b in dev["bounds"]))
-    if host.env.get("TPU_ACCELERATOR_TYPE"):
-        parts.append(host.env["TPU_ACCELERATOR_TYPE"])
-    return ", ".join(parts)
+def _topology(dev: dict[str, Any], host: TpuHost, chips: int | None = None) -> str:
+    """What JAX sees (its chips' coordinate bounds) beside the slice the VM says it is part of
+    (a sandbox may be given one chip of a v5litepod-4)."""
+    bounds = "x".join(str(b) for b in dev["bounds"]) if dev.get("bounds") else None
+    kind, topo = host.env.get("TPU_ACCELERATOR_TYPE"), host.env.get("TPU_TOPOLOGY")
+    slice_text = f"the {kind} slice" + (f", topology {topo}" if topo else "") if kind else None
+    if bounds and slice_text and chips:
+        return f"JAX sees {chips} chip{'s' * (chips != 1)} ({bounds}) of {slice_text}"
+    if bounds:
+        return f"topology {bounds}"
+    return slice_text or ""
 
 
 def _holder_fix(host: TpuHost, error: str = "") -> tuple[str, str]:
@@ -100,10 +104,10 @@ def _check_tpu_accelerator(ctx: Context) -> CheckResult:
         kinds = probe.data.get("devices") or []
         per_chip = int(dev.get("cores_per_chip") or 1)
         chips = ", ".join(f"{n // per_chip}x {k}" for k, n in _count(kinds).items())
-        topo = _topology(dev, host)
-        finding = f"{chips} ({_gib(dev.get('bytes_limit'))} HBM each{', ' + topo if topo else ''}){lib}"
+        topo = _topology(dev, host, len(kinds) // per_chip)
+        finding = f"{chips}, {_gib(dev.get('bytes_limit'))} HBM each{'; ' + topo if topo else ''}{lib}"
         return CheckResult("accelerator", "Accelerator", OK, finding, None, details)
-    chips = f"{host.pci_chips}x TPU {host.generation}" if host.pci_chips else "TPU"
+    chips = f"{host.pci_chips}x TPU {host.generation}" if host.pci_chips else f"TPU {host.generation or ''}".strip()
     seen = "; ".join([_topology(dev, host)] * bool(_topology(dev, host)) + ["seen from " + ", ".join(host.evidence)])
     finding = f"TPU VM: {chips} ({seen}){lib}; JAX does not compute on it (see JAX backend)"
     return CheckResult("accelerator", "Accelerator", OK, finding, None, details)
