@@ -206,3 +206,18 @@ def test_model_fit_on_a_cpu_machine_and_a_missing_model(machine, tmp_path):
     _, rep = machine.run("--model", str(tmp_path / "nope"))
     fit = check(rep, "model_fit")
     assert fit["status"] == "fail" and fit["finding"].startswith(f"cannot size {tmp_path / 'nope'}: ")
+
+
+def test_a_v4_vm_by_its_accel_nodes_and_a_holder_of_one(machine):
+    """TPU v2-v4 VMs show their chips as /dev/accel<N> (and /sys/class/accel), with no TPU_* variables needed."""
+    for i in range(4):
+        (machine.dev / f"accel{i}").write_text("")
+    (machine.host / "sys/class/accel/accel0").mkdir(parents=True)
+    machine.jax({"ok": False, "error": IN_USE.format(pid=88), "backend_errors": {}, "warnings": []})
+    machine.holder(88, "train.py", "/dev/accel2")
+    machine.holder(89, "bash", "/dev/null")  # a process with other files open is no holder
+    _, rep = machine.run()
+    assert [c["id"] for c in rep["checks"]][:5] == TPU_IDS[:5]
+    assert check(rep, "accelerator")["details"]["nodes"] == [f"/dev/accel{i}" for i in range(4)]
+    assert "pid 88 (train.py) has /dev/accel2 open" in check(rep, "jax")["finding"]
+    assert check(rep, "jax")["fix"].startswith("stop it (`kill 88`")

@@ -70,16 +70,15 @@ def _topology(dev: dict[str, Any], host: TpuHost, chips: int | None = None) -> s
 
 
 def _holder_fix(host: TpuHost, error: str = "") -> tuple[str, str]:
-    """(what, fix) for a chip another process holds, or for a lockfile left behind."""
-    holders = list(host.holders)
+    """(what, fix) for a chip another process holds -- the processes /proc shows, else the pid
+    libtpu names (a process of another user) -- or for a lockfile left behind."""
+    named = [(h.pid, f"pid {h.pid} ({h.name}) has {h.node} open") for h in host.holders[:4]]
     m = _PID_RE.search(error)
-    if not holders and m:
-        holders_text = f"pid {m.group(1)}"
-    else:
-        holders_text = ", ".join(f"pid {h.pid} ({h.name}) has {h.node} open" for h in holders[:4])
-    if holders_text:
-        pids = " ".join(str(h.pid) for h in holders[:4]) or m.group(1)  # type: ignore[union-attr]
-        return (f"the TPU is held by another process: {holders_text}; one process owns a chip",
+    if not named and m:
+        named = [(int(m.group(1)), f"pid {m.group(1)}")]
+    if named:
+        pids = " ".join(str(pid) for pid, _ in named)
+        return (f"the TPU is held by another process: {', '.join(text for _, text in named)}; one process owns a chip",
                 f"stop it (`kill {pids}`, or wait for it to finish), then run again")
     lock = host.lockfile or "/tmp/libtpu_lockfile"
     if host.lockfile and host.lockfile_uid is not None and host.lockfile_uid != os.getuid():
