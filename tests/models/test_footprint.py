@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from preheat.errors import ModelError, ModelNotFoundError
 from preheat.models import footprint
@@ -64,3 +66,12 @@ def test_load_refuses_before_reading_a_weight(monkeypatch):
     monkeypatch.setattr(safetensors_files.TensorInfo, "read", lambda *a, **k: pytest.fail("a weight was read"))
     with pytest.raises(ModelError, match=r"more than the 0.0 MiB the device holds"):
         preheat.load(None, cache="off")
+
+
+def test_linear_weights_layers_store_norm_modules_linears_low_too(tmp_path):
+    (tmp_path / "t").mkdir()
+    save_file({"norm1.linear.weight": np.zeros((64, 64), np.float32)},
+              str(tmp_path / "t" / "diffusion_pytorch_model.safetensors"))
+    kw = dict(weights_dtype="float8_e4m3fn")
+    assert weight_footprint(tmp_path / "t", "bfloat16", **kw).total == 2 * 4096  # AdaLN's Linear: kept in dtype
+    assert weight_footprint(tmp_path / "t", "bfloat16", weights_layers="linear", **kw).total == 4096

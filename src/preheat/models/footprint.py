@@ -11,6 +11,9 @@ each tensor's shape and stored dtype; the load rules give the dtype it is placed
     text encoders                 ``dtype``; none with ``offload_encoders`` (host memory until they run)
     vae                           float32 when its config says ``force_upcast`` and ``dtype`` is half
     integer tensors               as stored
+    anything else                 not counted (a safety checker, an image encoder: no family loads them)
+
+So the figure never exceeds what a load places: the refusal it backs cannot refuse a model that fits.
 
 Nothing here imports JAX at import time: ``preheat doctor --model`` reads it in-process;
 ``check_fits`` is the load's one-line refusal (it asks JAX for the devices only when not given them).
@@ -30,8 +33,9 @@ from preheat.models.safetensors_files import read_header, read_json, weight_file
 
 __all__ = ["Footprint", "weight_footprint", "check_fits", "gib"]
 
-DENOISERS = ("unet", "transformer", "prior", "decoder")
+DENOISERS = ("unet", "transformer")
 _SKIP = re.compile(r"pos_embed|patch_embed|norm")  # storage.DEFAULT_SKIP, less the anchored two below
+_SKIP_LINEAR = re.compile(r"pos_embed|patch_embed")  # weights_layers="linear": norm modules' Linears too
 _SKIP_TOP = ("proj_in", "proj_out")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
@@ -63,15 +67,15 @@ class Footprint:
         return out + (" and preheat.load(..., offload_encoders=True)" if self.offload_encoders else "")
 
 
-def _layerwise(key: str, shape: tuple[int, ...]) -> bool:
+def _layerwise(key: str, shape: tuple[int, ...], linear: bool = False) -> bool:
     """A weight diffusers' layerwise casting stores low (Linear, Conv, Embedding), by its key."""
     if not key.endswith(".weight") or len(shape) < 2:
         return False
     module = key[: -len(".weight")]
-    return not _SKIP.search(module) and module not in _SKIP_TOP
+    return not (_SKIP_LINEAR if linear else _SKIP).search(module) and module not in _SKIP_TOP
 
 
-def _component_bytes(folder: Path, variant: str | None, itemsize: int, low: int | None) -> int:
+def _component_bytes(folder: Path, variant: str | None, itemsize: int, low: int | None, linear: bool = False) -> int:
     total = 0
     for path in weight_files(folder, variant=variant):
         for key, info in read_header(path).items():
@@ -81,7 +85,7 @@ def _component_bytes(folder: Path, variant: str | None, itemsize: int, low: int 
                 total += info.nbytes  # integers and bools as stored
             elif info.dtype.itemsize == 1:
                 total += n  # stored fp8 stays fp8
-            elif low is not None and _layerwise(key, info.shape):
+            elif low is not None and _layerwise(key, info.shape, linear):
                 total += n * low
             else:
                 total += n * itemsize
@@ -96,7 +100,8 @@ def _vae_upcast(folder: Path) -> bool:
 
 
 def weight_footprint(root: str | Path, dtype: str = "float32", *, variant: str | None = None,
-                     weights_dtype: str | None = None, offload_encoders: bool = False) -> Footprint:
+                     weights_dtype: str | None = None, weights_layers: str = "layerwise",
+                     offload_encoders: bool = False) -> Footprint:
     """The device bytes of ``root``'s weights at ``dtype`` (a one-line ``PreheatError`` when a
     component's files are missing or torn, as the load would raise)."""
     root = Path(root)
@@ -105,20 +110,21 @@ def weight_footprint(root: str | Path, dtype: str = "float32", *, variant: str |
         raise ModelError(f"dtype {dtype!r} is not one of {', '.join(k for k in _ITEMSIZE if 'float8' not in k)}")
     size = _ITEMSIZE[dtype]
     low = _ITEMSIZE.get(weights_dtype) if weights_dtype else None
+    linear = weights_layers == "linear"
     fp = Footprint(root, dtype, weights_dtype, offload_encoders)
     if not (root / "model_index.json").is_file():  # a bare model folder: the denoiser alone
-        fp.parts[root.name or "model"] = _component_bytes(root, variant, size, low)
+        fp.parts[root.name or "model"] = _component_bytes(root, variant, size, low, linear)
         return fp
     index = read_json(root / "model_index.json", "pipeline index")
     for name, entry in index.items():
         if name.startswith("_") or not isinstance(entry, list) or None in entry or not (root / name).is_dir():
             continue
-        if name.startswith(("tokenizer", "scheduler", "feature_extractor", "safety_checker")):
-            continue
+        if name not in DENOISERS and name != "vae" and not name.startswith("text_encoder"):
+            continue  # what the families do not load (safety_checker, image_encoder, ...): never counted
         if name == "vae":
             n = _component_bytes(root / name, variant, 4 if size < 4 and _vae_upcast(root / name) else size, None)
         else:
-            n = _component_bytes(root / name, variant, size, low if name in DENOISERS else None)
+            n = _component_bytes(root / name, variant, size, low if name in DENOISERS else None, linear)
         (fp.offloaded if offload_encoders and name.startswith("text_encoder") else fp.parts)[name] = n
     return fp
 
@@ -133,7 +139,8 @@ def _device_limit(device: Any) -> int | None:
 
 
 def check_fits(root: Path, *, dtype: Any, variant: str | None, weights_dtype: str | None, offload_encoders: bool,
-               mesh: Any = None, fsdp: int = 1, devices: Sequence[Any] | None = None) -> None:
+               weights_layers: str = "layerwise", mesh: Any = None, fsdp: int = 1,
+               devices: Sequence[Any] | None = None) -> None:
     """Refuse in one line a load whose weights alone exceed a device's memory, before any is read:
     on ``devices``, else the mesh's, else JAX's first device.
 
@@ -147,7 +154,7 @@ def check_fits(root: Path, *, dtype: Any, variant: str | None, weights_dtype: st
         return
     try:
         name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-        fp = weight_footprint(root, name, variant=variant, weights_dtype=weights_dtype,
+        fp = weight_footprint(root, name, variant=variant, weights_dtype=weights_dtype, weights_layers=weights_layers,
                               offload_encoders=offload_encoders)
     except (PreheatError, TypeError):
         return
