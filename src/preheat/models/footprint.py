@@ -1,7 +1,8 @@
 """How many device bytes a model's weights take at a dtype, from the safetensors headers alone.
 
 A model that cannot fit the chip should be refused before a byte of it is read (a TPU v5e chip has
-15.75 GiB of HBM; SDXL in float32 holds 13.9 GiB of weights before any activation). The headers give
+15.75 GiB of HBM; SDXL's 3.47 billion parameters take 12.9 GiB in float32 before any activation,
+6.5 GiB in bfloat16; FLUX.1-dev's 16.9 billion take 31.5 GiB in bfloat16). The headers give
 each tensor's shape and stored dtype; the load rules give the dtype it is placed in:
 
     denoiser (unet, transformer)  ``dtype``; a tensor stored in fp8 stays fp8; with ``weights_dtype``
