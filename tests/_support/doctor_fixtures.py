@@ -70,6 +70,7 @@ _CLEAR = (
     "TPU_WORKER_HOSTNAMES",
     "TPU_SKIP_MDS_QUERY",
     "TPU_NAME",
+    "TPU_LIBRARY_PATH",
 )
 
 

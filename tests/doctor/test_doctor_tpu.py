@@ -221,3 +221,13 @@ def test_a_v4_vm_by_its_accel_nodes_and_a_holder_of_one(machine):
     assert check(rep, "accelerator")["details"]["nodes"] == [f"/dev/accel{i}" for i in range(4)]
     assert "pid 88 (train.py) has /dev/accel2 open" in check(rep, "jax")["finding"]
     assert check(rep, "jax")["fix"].startswith("stop it (`kill 88`")
+
+
+def test_a_libtpu_given_by_tpu_library_path_counts(machine, monkeypatch):
+    machine.tpu(versions={"libtpu": None})
+    lib = machine.root / "libtpu.so"
+    lib.write_text("")
+    monkeypatch.setenv("TPU_LIBRARY_PATH", str(lib))
+    _, rep = machine.run()
+    assert check(rep, "jax")["finding"].startswith(f"jax 0.10.2 / jaxlib 0.10.2 + libtpu from TPU_LIBRARY_PATH={lib}: "
+                                                   "backend tpu")

@@ -33,11 +33,15 @@ _GPU_CLIENT_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRAC
 
 
 def libtpu_version() -> tuple[str, str] | None:
-    """(distribution, version) of the installed libtpu: ``libtpu`` (jax >= 0.4.3x) or ``libtpu-nightly``."""
+    """(distribution, version) of the installed libtpu: ``libtpu`` (jax >= 0.4.3x) or ``libtpu-nightly``;
+    else the library JAX loads from ``$TPU_LIBRARY_PATH`` (an image's own build) when that file exists."""
     for name in ("libtpu", "libtpu-nightly"):
         version = dists._dist_version(name)
         if version:
             return name, version
+    path = os.environ.get("TPU_LIBRARY_PATH", "").strip()
+    if path and os.path.isfile(path):
+        return "libtpu", f"from TPU_LIBRARY_PATH={path}"
     return None
 
 
