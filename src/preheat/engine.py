@@ -653,6 +653,9 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         if name not in takes:
             raise InvalidArgumentError(f"{name} applies to {COMPANION_MODELS[name]}; {root} is not one", argument=name)
         options[name] = model_root(folder, variant if name == "refiner" else None)  # hf://: pulled once
+    from preheat.models.footprint import check_fits  # weights that cannot fit the device: refused before any is read
+    check_fits(root, dtype=dtype, variant=variant, weights_dtype=weights_dtype, weights_layers=weights_layers,
+               offload_encoders=offload_encoders, mesh=mesh, fsdp=fsdp)
     # Prefetching: the loader checks every header and returns placeholder weights (shapes only),
     # the executables load on a background thread, then the tensors are read here.
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component

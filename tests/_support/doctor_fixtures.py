@@ -64,6 +64,13 @@ _CLEAR = (
     "RUNPOD_ENDPOINT_ID",
     "PREHEAT_DOCTOR_TIMEOUT",
     "COLUMNS",
+    "TPU_ACCELERATOR_TYPE",
+    "TPU_TOPOLOGY",
+    "TPU_WORKER_ID",
+    "TPU_WORKER_HOSTNAMES",
+    "TPU_SKIP_MDS_QUERY",
+    "TPU_NAME",
+    "TPU_LIBRARY_PATH",
 )
 
 
@@ -104,13 +111,15 @@ class Machine:
         self.home = root / "home"
         self.workspace = root / "workspace"
         self.runpod_volume = root / "runpod-volume"
-        for d in (self.bin, self.dev, self.home):
+        self.host = root / "host"  # stands for / when doctor reads /sys, /proc and /tmp (a TPU VM's facts)
+        for d in (self.bin, self.dev, self.home, self.host):
             d.mkdir(parents=True)
         for var in _CLEAR:
             monkeypatch.delenv(var, raising=False)
         monkeypatch.setenv("PATH", str(self.bin))
         monkeypatch.setenv("HOME", str(self.home))
         monkeypatch.setenv("PREHEAT_DEV_ROOT", str(self.dev))
+        monkeypatch.setenv("PREHEAT_DOCTOR_HOST_ROOT", str(self.host))
         monkeypatch.setenv("PREHEAT_WORKSPACE", str(self.workspace))
         monkeypatch.setenv("PREHEAT_RUNPOD_VOLUME", str(self.runpod_volume))
         self.jax(JAX_CPU)
@@ -127,6 +136,46 @@ class Machine:
         if dev_nodes:
             self.dev_nodes()
         return data
+
+    def tpu(self, *, versions: dict[str, str | None] | None = None, thp: str | None = None, env: bool = True,
+            jax: dict | None = None, pci: bool = False) -> None:
+        """A TPU v5e VM (tests/_support/tpu_fixtures.py): its PCI ids, /dev/vfio, TPU_* variables,
+        hugepages setting, the JAX probe's answer and the installed jax / jaxlib / libtpu
+        (``versions``: a name -> None hides it). ``pci``: a full VM's PCI ids (the recorded sandbox
+        shows none); ``thp``: a hugepages setting (the recorded sandbox has no such file)."""
+        from preheat.doctor import dists
+        from tests._support import tpu_fixtures as f
+
+        for slot, (vendor, device) in (f.PCI if pci else {}).items():
+            pci = self.host / "sys/bus/pci/devices" / slot
+            pci.mkdir(parents=True)
+            (pci / "vendor").write_text(vendor + "\n")
+            (pci / "device").write_text(device + "\n")
+        for node in f.HOST["dev"]:
+            (self.dev / node).parent.mkdir(parents=True, exist_ok=True)
+            (self.dev / node).write_text("")
+        if env:
+            for k, v in f.HOST["env"].items():
+                self.mp.setenv(k, v)
+        if thp is not None:
+            thp_file = self.host / "sys/kernel/mm/transparent_hugepage/enabled"
+            thp_file.parent.mkdir(parents=True)
+            thp_file.write_text(thp + "\n")
+        self.jax(f.JAX_TPU if jax is None else jax)
+        table = {**f.VERSIONS, **(versions or {})}
+        real = dists._dist_version
+        self.mp.setattr(dists, "_dist_version", lambda name: table[name] if name in table else real(name))
+
+    def holder(self, pid: int, name: str, node: str = "/dev/vfio/0") -> None:
+        """A process (in the fake /proc) that has a TPU node open."""
+        fd = self.host / "proc" / str(pid) / "fd"
+        fd.mkdir(parents=True)
+        (fd / "7").symlink_to(node)
+        (self.host / "proc" / str(pid) / "comm").write_text(name + "\n")
+
+    def lockfile(self) -> None:
+        (self.host / "tmp").mkdir(exist_ok=True)
+        (self.host / "tmp" / "libtpu_lockfile").write_text("")
 
     def dev_nodes(self, n: int = 1) -> None:
         for name in [f"nvidia{i}" for i in range(n)] + ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]:

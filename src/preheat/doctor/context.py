@@ -4,10 +4,12 @@ this driver and GPU; small helpers the checks share."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from preheat.doctor.runner import _timeouts
 from preheat.doctor.smi import SmiInfo
+from preheat.doctor.tpu_host import TpuHost
 
 # The driver decides which JAX CUDA build can run (JAX installation docs).
 DRIVER_MIN_CUDA13 = 580
@@ -28,11 +30,23 @@ class _FactError(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class ModelRequest:
+    """``preheat doctor --model``: the model and the load options whose fit is checked."""
+
+    model: str
+    dtype: str = "float32"
+    weights_dtype: str | None = None
+    variant: str | None = None
+    offload_encoders: bool = False
+
+
 class Context:
     """Facts for the checks. A fact whose gathering raised re-raises when a check reads it."""
 
-    def __init__(self, require_gpu: bool = False) -> None:
+    def __init__(self, require_gpu: bool = False, model: ModelRequest | None = None) -> None:
         self.require_gpu = require_gpu
+        self.model = model
         self.smi_timeout, self.probe_timeout = _timeouts()
         self._facts: dict[str, Any] = {}
         self._errors: dict[str, BaseException] = {}
@@ -59,6 +73,23 @@ class Context:
     @property
     def dev(self) -> dict[str, list[str]]:
         return self.fact("dev")
+
+    @property
+    def tpu(self) -> TpuHost:
+        return self.fact("tpu")
+
+    def platform(self) -> str:
+        """Which checks apply: "tpu" on a TPU VM (from the host, whatever JAX sees), "gpu" where an
+        NVIDIA GPU is, else "cpu"."""
+        try:
+            if self.tpu.is_tpu:
+                return "tpu"
+        except _FactError:
+            pass
+        try:
+            return "gpu" if self.gpu_present() else "cpu"
+        except _FactError:
+            return "cpu"
 
     def gpu_present(self) -> bool:
         smi_gpus = False

@@ -1,6 +1,8 @@
 """The JAX probe, run by doctor as ``python -m preheat.doctor.jax_probe`` in a fresh process with a
 timeout: imports JAX, runs a tiny jitted matmul and prints one line ``PREHEAT_DOCTOR_PROBE=<json>``
-(backend, devices, whether the result is right, JAX's backend errors and warnings).
+(backend, devices, whether the result is right, JAX's backend errors and warnings), and the first
+device's facts: its memory limit (``memory_stats()["bytes_limit"]``: a TPU chip's usable HBM), and on
+a TPU its coordinates (the slice's topology) and the runtime's ``platform_version`` (libtpu's build).
 
 It imports nothing of preheat itself (``-m`` runs only the light package ``__init__``s first, which
 import neither JAX nor torch), so what it sees is what a new program would see.
@@ -34,6 +36,7 @@ def main() -> None:
             out["device_count"] = len(devices)
             out["devices"] = [getattr(d, "device_kind", str(d)) for d in devices]
             out["ok"] = True
+            out["device"] = _device_facts(devices)
         except BaseException as exc:
             out["error"] = "%s: %s" % (type(exc).__name__, exc)
     try:
@@ -44,6 +47,33 @@ def main() -> None:
     out["warnings"] = [m for m in records if m][:20] + [str(w.message) for w in caught][:10]
     out["elapsed_s"] = round(time.perf_counter() - t0, 3)
     sys.stdout.write("PREHEAT_DOCTOR_PROBE=" + json.dumps(out) + "\n")
+
+
+def _device_facts(devices):
+    """What doctor says about the chips: never fails the probe (each fact is optional)."""
+    facts = {}
+    first = devices[0]
+    try:
+        stats = first.memory_stats() or {}
+        facts["bytes_limit"] = int(stats["bytes_limit"]) if "bytes_limit" in stats else None
+        facts["bytes_in_use"] = int(stats["bytes_in_use"]) if "bytes_in_use" in stats else None
+    except BaseException:
+        pass
+    try:
+        facts["platform_version"] = str(first.client.platform_version)[:300]
+    except BaseException:
+        pass
+    coords = [list(getattr(d, "coords", None) or []) for d in devices]
+    if all(coords):
+        facts["bounds"] = [max(c[i] for c in coords) + 1 for i in range(len(coords[0]))]
+    cores = [getattr(d, "core_on_chip", None) for d in devices]
+    if all(c is not None for c in cores):
+        facts["cores_per_chip"] = max(cores) + 1
+    try:
+        facts["process_count"] = int(__import__("jax").process_count())
+    except BaseException:
+        pass
+    return facts
 
 
 if __name__ == "__main__":

@@ -46,7 +46,9 @@ def _render(report: Report) -> None:
             f"python {v.get('python')} | preheat {v.get('preheat')} | jax {v.get('jax')} | jaxlib {v.get('jaxlib')}"
             + (f" | {plugins}" if plugins else "")
             + f" | torch {v.get('torch')}"
-            + (f" | driver {v['nvidia_driver']} (CUDA {v.get('cuda_driver_supports') or '?'})" if v.get("nvidia_driver") else " | no NVIDIA driver"),
+            + (f" | driver {v['nvidia_driver']} (CUDA {v.get('cuda_driver_supports') or '?'})" if v.get("nvidia_driver")
+               else f" | TPU {(v.get('tpu') or {}).get('generation') or 'VM'}, libtpu {v.get('libtpu') or 'not installed'}" if v.get("tpu")
+               else " | no NVIDIA driver"),
             style="dim",
         ),
         soft_wrap=True,

@@ -9,17 +9,23 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from preheat.doctor import dists
-from preheat.doctor.checks import CHECKS
-from preheat.doctor.context import Context, _FactError
+from preheat.doctor.checks import checks_for
+from preheat.doctor.context import Context, ModelRequest, _FactError
 from preheat.doctor.probe import ProbeResult, _run_probe
 from preheat.doctor.results import _STATUS_ORDER, FAIL, CheckResult, Report
 from preheat.doctor.smi import _dev_nodes, _query_nvidia_smi
+from preheat.doctor.tpu_host import _tpu_host
+
+TPU_PROBE_TIMEOUT_S = 60.0  # the TPU runtime's own start takes seconds (9 s for preheat's whole first load on a v5e)
 
 def _gather(ctx: Context) -> None:
-    """nvidia-smi first (so the probes' own CUDA contexts never count as "other processes"), then
-    the JAX and torch probes side by side."""
+    """nvidia-smi and the TPU host first (so the probes' own CUDA contexts or TPU chips never count
+    as "other processes"), then the JAX and torch probes side by side."""
     ctx.gather("dev", _dev_nodes)
     ctx.gather("smi", lambda: _query_nvidia_smi(ctx.smi_timeout))
+    ctx.gather("tpu", _tpu_host)
+    if ctx.platform() == "tpu" and not os.environ.get("PREHEAT_DOCTOR_TIMEOUT", "").strip():
+        ctx.probe_timeout = max(ctx.probe_timeout, TPU_PROBE_TIMEOUT_S)
 
     def jax_probe() -> ProbeResult:
         if not os.environ.get("PREHEAT_DOCTOR_JAX_PROBE") and dists._dist_version("jax") is None:
@@ -42,7 +48,7 @@ def _versions(ctx: Context) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
     }
-    for name in ("preheat", "jax", "jaxlib", "torch", "numpy", "flax"):
+    for name in ("preheat", "jax", "jaxlib", "torch", "numpy", "flax", "libtpu"):
         out[name] = dists._dist_version(name)
     try:
         out["jax_plugins"] = dists._jax_gpu_plugins()
@@ -54,6 +60,11 @@ def _versions(ctx: Context) -> dict[str, Any]:
         out["cuda_driver_supports"] = smi.cuda
     except _FactError:
         out["nvidia_driver"] = out["cuda_driver_supports"] = None
+    try:
+        tpu = ctx.tpu
+        out["tpu"] = {"generation": tpu.generation, **tpu.env} if tpu.is_tpu else None
+    except _FactError:
+        out["tpu"] = None
     for probe_name, key in (("jax_probe", "jax_backend"), ("torch_probe", "torch_cuda")):
         try:
             data = ctx.fact(probe_name).data
@@ -63,15 +74,18 @@ def _versions(ctx: Context) -> dict[str, Any]:
     return out
 
 
-def run_checks(require_gpu: bool = False) -> Report:
-    """Run every check; never raises. A check that raises is reported as ``fail`` with its error."""
+def run_checks(require_gpu: bool = False, model: ModelRequest | None = None) -> Report:
+    """Run the checks that apply on this machine (``checks_for``); never raises. A check that
+    raises is reported as ``fail`` with its error."""
     t0 = time.monotonic()
-    ctx = Context(require_gpu=require_gpu)
+    ctx = Context(require_gpu=require_gpu, model=model)
     _gather(ctx)
     results: list[CheckResult] = []
-    for registered in CHECKS:
+    for registered in checks_for(ctx.platform()):
         check_id, title = registered.id, registered.title
         try:
+            if registered.applies is not None and not registered.applies(ctx):
+                continue
             result = registered.run(ctx)
             if result.status not in _STATUS_ORDER:
                 raise ValueError(f"check returned unknown status {result.status!r}")

@@ -80,8 +80,10 @@ class Report:
 @dataclass
 class Check:
     """One registered check. ``run_checks`` reads ``run`` when it runs, so a test replaces a check
-    with ``monkeypatch.setattr(the_check, "run", fake)`` on the object itself."""
+    with ``monkeypatch.setattr(the_check, "run", fake)`` on the object itself. ``applies``: when
+    set, the check runs only where it returns True (``--model``'s fit only when a model is given)."""
 
     id: str
     title: str
     run: Callable[[Context], CheckResult]
+    applies: Callable[[Context], bool] | None = None

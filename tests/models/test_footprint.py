@@ -1,0 +1,77 @@
+"""The weights' device bytes from safetensors headers alone, and the load's refusal before a read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from preheat.errors import ModelError, ModelNotFoundError
+from preheat.models import footprint
+from preheat.models.footprint import check_fits, weight_footprint
+from tests._support.tpu_fixtures import weights_folder
+
+
+@pytest.fixture
+def folder(tmp_path):
+    return weights_folder(tmp_path / "model")
+
+
+def test_each_component_at_its_dtype(folder):
+    fp = weight_footprint(folder, "float32")
+    assert fp.parts == {"unet": 480256, "text_encoder": 256616, "vae": 36864} and fp.total == 773736
+    bf16 = weight_footprint(folder, "bfloat16")
+    assert bf16.parts == {"unet": 242176, "text_encoder": 128616, "vae": 36864}  # fp8 stays fp8, ints, the VAE f32
+    assert weight_footprint(folder, "bfloat16", weights_dtype="float8_e4m3fn").parts["unet"] == 139776
+    off = weight_footprint(folder, "bfloat16", offload_encoders=True)
+    assert off.total == 279040 and off.offloaded == {"text_encoder": 128616}
+    assert off.options() == "--dtype bfloat16 and preheat.load(..., offload_encoders=True)"
+
+
+def test_a_bare_model_folder_is_the_denoiser(folder):
+    assert weight_footprint(folder / "unet", "float16").total == 242176
+
+
+def test_a_missing_variant_is_the_loaders_one_line_error(folder):
+    with pytest.raises(ModelNotFoundError, match="variant 'fp16'"):
+        weight_footprint(folder, "bfloat16", variant="fp16")
+
+
+class _Device:
+    def __init__(self, limit):
+        self.limit = limit
+
+    def memory_stats(self):
+        return None if self.limit is None else {"bytes_limit": self.limit}
+
+
+def test_check_fits_refuses_in_one_line_and_is_quiet_when_it_cannot_tell(folder):
+    kw = dict(dtype="float32", variant=None, weights_dtype=None, offload_encoders=False)
+    with pytest.raises(ModelError) as err:
+        check_fits(folder, devices=[_Device(600_000)], **kw)
+    assert str(err.value) == (f"{folder}: its weights take 0.7 MiB at --dtype float32, more than the 0.6 MiB the device "
+                              f"holds; `preheat doctor --model {folder} --dtype float32` says which options fit")
+    check_fits(folder, devices=[_Device(800_000)], **kw)  # fits
+    check_fits(folder, devices=[_Device(None)], **kw)  # the CPU: no memory stats
+    check_fits(folder, devices=[_Device(600_000)], fsdp=2, **kw)  # half each
+    check_fits(folder / "tokenizer", devices=[_Device(10)], **kw)  # no weights: the loader says so itself
+
+
+def test_load_refuses_before_reading_a_weight(monkeypatch):
+    """preheat.load on a device too small for the built-in model: one line, and no weight read."""
+    import preheat
+    from preheat.models import safetensors_files
+
+    monkeypatch.setattr(footprint, "_device_limit", lambda device: 1024)
+    monkeypatch.setattr(safetensors_files.TensorInfo, "read", lambda *a, **k: pytest.fail("a weight was read"))
+    with pytest.raises(ModelError, match=r"more than the 0.0 MiB the device holds"):
+        preheat.load(None, cache="off")
+
+
+def test_linear_weights_layers_store_norm_modules_linears_low_too(tmp_path):
+    (tmp_path / "t").mkdir()
+    save_file({"norm1.linear.weight": np.zeros((64, 64), np.float32)},
+              str(tmp_path / "t" / "diffusion_pytorch_model.safetensors"))
+    kw = dict(weights_dtype="float8_e4m3fn")
+    assert weight_footprint(tmp_path / "t", "bfloat16", **kw).total == 2 * 4096  # AdaLN's Linear: kept in dtype
+    assert weight_footprint(tmp_path / "t", "bfloat16", weights_layers="linear", **kw).total == 4096
