@@ -1,0 +1,300 @@
+"""The accelerator check for a TPU VM: what preheat does on this chip, as a new user would run it.
+
+Run on the TPU machine from a copy of the repository (nothing downloaded there: the runtime's
+packages come from the machine's own index or from carried wheels, installed beside its jax):
+
+    python3 scripts/tpu_check.py --rows peak,doctor,builtin,pixels,aot,sd15   # one call, <= 10 min
+    python3 scripts/tpu_check.py --rows peak,sdxl                             # a second call
+
+Each row runs in fresh processes (one program may hold the chip at a time, and a cold start is
+a new process by definition): ``peak`` an 8192^3 bf16 matrix product (the measured peak every
+fraction is taken of); ``doctor``; ``builtin`` the built-in model cold (empty cache) then warm;
+``pixels`` the built-in text model on the chip against the same call on this host's CPU (mean
+|diff| in 1/255); ``aot`` executables compiled on a CPU builder (``preheat warm --target v5e``,
+carried under .tpu-aot/) loaded here, against the chip's own compile; ``sd15`` / ``sdxl`` random
+weights written here from the published configs (``bench.random_weights``: no torch), each batch
+cold in a new process, then warm. FLOPs per image-step come from XLA's cost analysis of the
+UNet's lowered program on the host's CPU (``--flops`` in a subprocess). Results: ``$OUT/tpu_check.json``
+and a Markdown table on stdout. ``--dry`` runs every row on the CPU at tiny sizes (CI's check of
+the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+START = time.monotonic()
+
+# name -> (architecture, width, steps, guidance, sampler, batches)
+MODELS: dict[str, tuple[str, int, int, float, str, tuple[int, ...]]] = {
+    "sd15": ("sd15", 512, 20, 7.5, "ddim", (1, 8)),
+    "sdxl": ("sdxl", 1024, 30, 5.0, "euler", (1, 4)),
+}
+DRY_WIDTH = 64  # --dry: tiny images, 2 steps
+
+
+def left(budget: float) -> float:
+    return budget - (time.monotonic() - START)
+
+
+def run(cmd: list[str], timeout: float, env: Optional[dict[str, str]] = None, log: Optional[Path] = None) -> dict[str, Any]:
+    """One fresh process; its wall time, exit code and the tail of its output."""
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                           timeout=max(timeout, 1))
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, out = "timeout", (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else str(exc.stdout or "")
+    if log is not None:
+        log.write_text(out)
+    return {"rc": rc, "wall_s": round(time.monotonic() - t0, 2), "tail": out[-800:]}
+
+
+def sample(model: str, home: Path, out: Path, batch: int, extra: list[str], timeout: float, tag: str) -> dict[str, Any]:
+    """``preheat sample`` in a new process; the JSON it prints, with the process's wall time."""
+    report = out / f"{tag}.json"
+    cmd = [sys.executable, "-m", "preheat", "sample", model, "--n", str(batch), "--out", str(out / f"{tag}.png"),
+           "--save-images", str(out / tag), "--report", str(report), "--quiet", *extra]
+    if "--timing" in _sample_help():
+        cmd.append("--timing")
+    r = run(cmd, timeout, {"PREHEAT_HOME": str(home)}, out / f"{tag}.log")
+    if report.is_file():
+        data = json.loads(report.read_text())
+        r.update({k: data.get(k) for k in ("process_start_to_first_image_s", "load_s", "trace_lower_s", "compile_s",
+                                           "compile_or_load_s", "first_call_s", "second_call_s", "per_image_s",
+                                           "cache_layer", "import_s")})
+    return r
+
+
+def _sample_help() -> str:
+    if not hasattr(_sample_help, "text"):
+        _sample_help.text = subprocess.run([sys.executable, "-m", "preheat", "sample", "--help"], cwd=ROOT,
+                                           capture_output=True, text=True).stdout
+    return _sample_help.text
+
+
+def row_peak(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    code = ("import jax, jax.numpy as jnp, time, json; n=%d; a=jax.random.normal(jax.random.PRNGKey(0),(n,n),jnp.bfloat16);"
+            "f=jax.jit(lambda a: a@a); f(a).block_until_ready(); ts=[]\n"
+            "for _ in range(10):\n t=time.perf_counter(); f(a).block_until_ready(); ts.append(time.perf_counter()-t)\n"
+            "ts.sort(); print(json.dumps({'tflops': 2*n**3/ts[5]*1e-12, 'device': jax.devices()[0].device_kind}))")
+    r = run([sys.executable, "-c", code % (512 if args.dry else 8192)], 120)
+    try:
+        r.update(json.loads(r["tail"].strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        pass
+    return r
+
+
+def row_doctor(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    r = run([sys.executable, "-m", "preheat", "doctor"], 120, {"COLUMNS": "160"}, out / "doctor.txt")
+    r["report"] = (out / "doctor.txt").read_text()[-4000:]
+    return r
+
+
+def row_builtin(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    home = Path(args.work) / "home-builtin"
+    return {"cold": sample("builtin:digits", home, out, 16, [], 120, "builtin-cold"),
+            "warm": sample("builtin:digits", home, out, 16, [], 120, "builtin-warm")}
+
+
+def _mean_diff(a: Path, b: Path) -> Optional[float]:
+    import numpy as np
+    from PIL import Image
+
+    files = sorted(a.glob("*.png"))
+    if not files or len(files) != len(list(b.glob("*.png"))):
+        return None
+    diffs = [np.abs(np.asarray(Image.open(f), np.float64) - np.asarray(Image.open(b / f.name), np.float64)).mean()
+             for f in files]
+    return float(np.mean(diffs))
+
+
+def row_pixels(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The same call on the chip and on the host's CPU: bf16/float32 rounding apart, nothing else."""
+    flags = ["--prompt", "a zero", "--prompt", "a bold four", "--steps", "20"]
+    chip = sample("builtin:text-digits", Path(args.work) / "home-px-tpu", out, 2, flags, 150, "pixels-tpu")
+    cpu = run([sys.executable, "-m", "preheat", "sample", "builtin:text-digits", "--n", "2", *flags, "--quiet",
+               "--out", str(out / "pixels-cpu.png"), "--save-images", str(out / "pixels-cpu")], 200,
+              {"JAX_PLATFORMS": "cpu", "PREHEAT_HOME": str(Path(args.work) / "home-px-cpu")})
+    return {"chip": chip, "cpu": cpu, "mean_abs_diff_255": _mean_diff(out / "pixels-tpu", out / "pixels-cpu")}
+
+
+def row_aot(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Entries compiled on a CPU builder for this chip (``warm --target v5e``), against the chip's own compile."""
+    carried = ROOT / ".tpu-aot"
+    if not (carried / "home").is_dir():
+        return {"skipped": "no .tpu-aot/home carried (scripts/tpu_prepare.sh writes it on a CPU builder)"}
+    import shutil
+
+    home = Path(args.work) / "home-aot"
+    shutil.rmtree(home, ignore_errors=True)
+    shutil.copytree(carried / "home", home)
+    models = json.loads((carried / "models.json").read_text()) if (carried / "models.json").is_file() else \
+        [{"model": "builtin:digits", "n": 16, "flags": []}]
+    rows = []
+    for i, m in enumerate(models):
+        own = sample(m["model"], Path(args.work) / f"home-aot-own{i}", out, m["n"], m["flags"], 200, f"aot-own{i}")
+        carried_run = sample(m["model"], home, out, m["n"], m["flags"], 200, f"aot-carried{i}")
+        rows.append({"model": m["model"], "own": own, "carried": carried_run,
+                     "mean_abs_diff_255": _mean_diff(out / f"aot-own{i}", out / f"aot-carried{i}")})
+    return {"models": rows}
+
+
+def flops_per_image_step(arch: str, batch: int, width: int, guided: bool) -> Optional[float]:
+    """XLA's FLOP count of one UNet call at this batch (doubled by guidance), per image: the
+    host CPU lowers the program abstractly (no weights, no chip)."""
+    code = f"""
+import json, sys, jax, jax.numpy as jnp
+sys.path.insert(0, {str(ROOT / 'src')!r})
+from preheat.bench.random_models import SD15_UNET, SDXL_UNET
+from preheat.models.unet2d_condition import UNet2DConditionConfig, build_abstract, LoadedUNet2DCondition
+raw = dict(SDXL_UNET if {arch!r} == 'sdxl' else SD15_UNET)
+cfg = UNet2DConditionConfig.from_dict(raw, 'unet')
+g, a = build_abstract(cfg)
+a = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, jnp.bfloat16), a)
+u = LoadedUNet2DCondition(config=cfg, graphdef=g, params=None, dtype=jnp.bfloat16)
+S = jax.ShapeDtypeStruct
+b = {batch * (2 if guided else 1)}
+h = {width} // 8
+ctx = S((b, 77, cfg.cross_attention_dim), jnp.bfloat16)
+added = {{'text_embeds': S((b, 1280), jnp.bfloat16), 'time_ids': S((b, 6), jnp.float32)}} if {arch!r} == 'sdxl' else None
+low = jax.jit(u.apply).lower(a, S((b, h, h, 4), jnp.bfloat16), S((b,), jnp.float32), ctx, added)
+cost = low.cost_analysis()
+cost = cost[0] if isinstance(cost, list) else cost
+print(json.dumps({{'flops': cost.get('flops')}}))
+"""
+    r = run([sys.executable, "-c", code], 300, {"JAX_PLATFORMS": "cpu"})
+    try:
+        return json.loads(r["tail"].strip().splitlines()[-1])["flops"] / batch
+    except (ValueError, IndexError, KeyError, TypeError):
+        return None
+
+
+def row_model(name: str, args: argparse.Namespace, out: Path, budget: float) -> dict[str, Any]:
+    arch, width, steps, guidance, sampler, batches = MODELS[name]
+    if args.dry:
+        width, steps = DRY_WIDTH, 2
+    folder = Path(args.work) / f"random-{arch}"
+    t0 = time.monotonic()
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'src')!r}); from preheat.bench.random_weights import "
+            f"write_random_folder; write_random_folder({arch!r}, {str(folder)!r})")
+    written = run([sys.executable, "-c", code], 600, {"JAX_PLATFORMS": "cpu"})
+    result: dict[str, Any] = {"write": {"rc": written["rc"], "s": round(time.monotonic() - t0, 1), "tail": written["tail"][-300:]},
+                              "width": width, "steps": steps, "guidance": guidance, "sampler": sampler, "batches": {}}
+    flags = ["--prompt", "a photo of a red fox in the forest", "--width", str(width), "--height", str(width),
+             "--steps", str(steps), "--guidance", str(guidance), "--sampler", sampler, "--dtype", "bfloat16"]
+    for batch in batches:
+        if left(budget) < 60:
+            result["batches"][batch] = {"skipped": "budget"}
+            continue
+        home = Path(args.work) / f"home-{name}-{batch}"
+        cold = sample(str(folder), home, out, batch, flags, left(budget) - 10, f"{name}-b{batch}-cold")
+        entry: dict[str, Any] = {"cold": cold}
+        if batch == batches[0] and left(budget) > 90:
+            entry["warm"] = sample(str(folder), home, out, batch, flags, left(budget) - 10, f"{name}-b{batch}-warm")
+        flops = flops_per_image_step(arch, batch, width, guidance > 1)
+        per_image = cold.get("per_image_s")
+        entry["flops_per_image_step"] = flops
+        if per_image:
+            entry["s_per_image"] = per_image
+            entry["s_per_image_step"] = per_image / steps
+            if flops and args.peak_tflops:
+                entry["fraction_of_peak"] = flops * steps / per_image / (args.peak_tflops * 1e12)
+        result["batches"][batch] = entry
+    return result
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = ["| row | what | measured |", "|---|---|---|"]
+    peak = results.get("peak", {})
+    if "tflops" in peak:
+        lines.append(f"| peak | {peak.get('device')} bf16 8192^3 matmul | {peak['tflops']:.1f} TFLOP/s |")
+    b = results.get("builtin")
+    if b:
+        for side in ("cold", "warm"):
+            s = b[side]
+            lines.append(f"| builtin | {side}: start -> first image (compile or load; layer) | "
+                         f"{s.get('process_start_to_first_image_s')} s ({s.get('compile_or_load_s')} s; {s.get('cache_layer')}) |")
+    px = results.get("pixels")
+    if px:
+        lines.append(f"| pixels | text-digits, chip vs host CPU, mean abs diff | {px.get('mean_abs_diff_255')} / 255 |")
+    for m in results.get("aot", {}).get("models", []):
+        lines.append(f"| aot | {m['model']}: carried (layer, load s, start->image) vs own compile | "
+                     f"{m['carried'].get('cache_layer')}, {m['carried'].get('compile_or_load_s')} s, "
+                     f"{m['carried'].get('process_start_to_first_image_s')} s vs {m['own'].get('process_start_to_first_image_s')} s; "
+                     f"pixels diff {m.get('mean_abs_diff_255')} |")
+    for name in MODELS:
+        r = results.get(name)
+        if not r:
+            continue
+        for batch, e in r["batches"].items():
+            if "cold" not in e:
+                lines.append(f"| {name} | batch {batch} | {e.get('skipped')} |")
+                continue
+            c = e["cold"]
+            frac = e.get("fraction_of_peak")
+            lines.append(f"| {name} | batch {batch}, {r['width']}^2, {r['steps']} steps: s/image, s/image-step, peak | "
+                         f"{e.get('s_per_image')}, {e.get('s_per_image_step')}, {'%.0f%%' % (100 * frac) if frac else '-'} |")
+            lines.append(f"| {name} | batch {batch} cold: start -> first image (trace+lower, compile) | "
+                         f"{c.get('process_start_to_first_image_s')} s ({c.get('trace_lower_s')}, {c.get('compile_s')}) rc {c.get('rc')} |")
+            if "warm" in e:
+                w = e["warm"]
+                lines.append(f"| {name} | batch {batch} warm: start -> first image (load; layer) | "
+                             f"{w.get('process_start_to_first_image_s')} s ({w.get('compile_or_load_s')} s; {w.get('cache_layer')}) |")
+    return "\n".join(lines)
+
+
+ROWS = ("peak", "doctor", "builtin", "pixels", "aot", "sd15", "sdxl")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="peak,doctor,builtin,pixels,aot,sd15")
+    parser.add_argument("--out", default=os.environ.get("OUT", "tpu-results"))
+    parser.add_argument("--work", default="/tmp/preheat-tpu-check")
+    parser.add_argument("--budget-s", type=float, default=560)
+    parser.add_argument("--peak-tflops", type=float, default=None, help="default: the peak row's measurement")
+    parser.add_argument("--dry", action="store_true", help="on the CPU, tiny sizes: the script's own check")
+    args = parser.parse_args(argv)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    if args.dry:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ["PYTHONPATH"], str(ROOT / "src")) if p)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"rows": rows, "dry": args.dry}
+    for row in rows:
+        if left(args.budget_s) < 20:
+            results[row] = {"skipped": "budget"}
+            continue
+        t0 = time.monotonic()
+        if row in MODELS:
+            results[row] = row_model(row, args, out, args.budget_s)
+        else:
+            results[row] = globals()[f"row_{row}"](args, out)
+        if row == "peak" and args.peak_tflops is None:
+            args.peak_tflops = results[row].get("tflops")
+        results[row]["row_s"] = round(time.monotonic() - t0, 1)
+        print(f"tpu_check: {row} done in {results[row]['row_s']} s", flush=True)
+        (out / "tpu_check.json").write_text(json.dumps(results, indent=1, default=str))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
