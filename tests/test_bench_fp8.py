@@ -31,7 +31,7 @@ def _h200_layer_hlo(**compiler_options: object) -> str:
     from preheat.models.weights import build_abstract
 
     if not any(k.startswith("jax-cuda") for k in targets.cuda_versions()):
-        pytest.skip("needs the test extra's jax-cuda13-plugin")
+        pytest.skip("needs the test-gpu extra's jax-cuda13-plugin (make test-slow installs it)")
     graphdef, abstract = build_abstract(lambda rngs: Linear(N, N, rngs=rngs))
     values = jax.ShapeDtypeStruct((N, N), jnp.float8_e4m3fn)
     abstract["kernel"].set_value(Quantised(values, jax.ShapeDtypeStruct((1, N), jnp.float32)))  # per channel

@@ -274,7 +274,7 @@ def _h200_hlo(fn, *args) -> str:
     from preheat.compile_target import compiling_for
 
     if not any(k.startswith("jax-cuda") for k in targets.cuda_versions()):
-        pytest.skip("needs the test extra's jax-cuda13-plugin")
+        pytest.skip("needs the test-gpu extra's jax-cuda13-plugin (make test-slow installs it)")
     device = targets.target_device(targets.resolve_target("h200"))
     conv = {"PREHEAT_CONV": os.environ.get("PREHEAT_CONV", "conv")}
     with compiling_for("gpu", (9, 0)), mock.patch.dict(os.environ, conv):
