@@ -1,6 +1,6 @@
 """Peak host memory of converting a single-file checkpoint against loading its converted folder.
 
-    python scripts/bench_single_file_memory.py [--model sd-small] [--work DIR]
+    python benchmarks/single_file_memory.py [--model sd-small] [--work DIR]
 
 ``random:MODEL`` (an SD 1.x folder) is written once under DIR, and its weights in the original LDM
 layout as one ``.safetensors`` (``tests/_support/ldm_files.to_original``, the test suite's own

@@ -1,4 +1,4 @@
-"""``preheat bench controlnet``: a real run at the tiny size, through the CLI (what it measures is
+"""``benchmarks/controlnet.py``: a real run at the tiny size, through the CLI (what it measures is
 docs/benchmarks.md's; here, that it runs each condition and reports them side by side)."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from preheat.cli import main
+from benchmarks.controlnet import main
 
 
 @pytest.mark.slow  # builds a tiny SD 1.x folder and its ControlNet, compiles two programs
 def test_bench_controlnet_times_each_condition_and_their_ratios(tmp_path, monkeypatch):
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     out = tmp_path / "controlnet.json"
-    result = CliRunner().invoke(main, ["bench", "controlnet", "random:sd1-tiny", "--n", "1", "--steps", "2",
+    result = CliRunner().invoke(main, ["random:sd1-tiny", "--n", "1", "--steps", "2",
                                        "--repeats", "2", "--report", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -31,7 +31,7 @@ def test_bench_controlnet_times_each_condition_and_their_ratios(tmp_path, monkey
 
 
 def test_bench_controlnet_refuses_a_model_without_a_unet(tmp_path):
-    result = CliRunner().invoke(main, ["bench", "controlnet", "random:flux-tiny", "--n", "1", "--repeats", "1"],
+    result = CliRunner().invoke(main, ["random:flux-tiny", "--n", "1", "--repeats", "1"],
                                 env={"PREHEAT_HOME": str(tmp_path)})
     assert result.exit_code != 0
     assert result.output.strip().splitlines()[-1] == ("error: random:flux-tiny has no UNet for a ControlNet; bench an "

@@ -1,4 +1,4 @@
-"""``preheat bench sampler --profile``'s accounting: the HLO classifier counts a program's FLOPs
+"""``benchmarks/op_profile.py``'s accounting: the HLO classifier counts a program's FLOPs
 and classes its thunks (timings themselves are benchmarks, not tests)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from preheat.bench.profile import _torch_class, classify_hlo
+from benchmarks.op_profile import _torch_class, classify_hlo
 
 
 def _norm_silu(h):  # (B, H, W, C): GroupNorm with one group, then SiLU

@@ -10,7 +10,7 @@ conv's scale on the output (``conv(x, values) * scale``). Prints each kernel (an
 cuDNN call) and the bytes it writes. The numbers behind docs/benchmarks.md, "Scaled fp8 convs: the
 scale where it costs no kernel (fp8conv)".
 
-    PYTHONPATH=src python scripts/bench_fp8_conv.py [--cpu] [--rounds 20]
+    PYTHONPATH=src python benchmarks/fp8_conv.py [--cpu] [--rounds 20]
     (needs the test extra's jax-cuda13-plugin; ``--cpu`` also times the 1x1 conv here, both ways)
 """
 
@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from preheat.bench.common import round_robin_ms  # noqa: E402
-from preheat.bench.fp8 import kernels, written_bytes  # noqa: E402
+from benchmarks.fp8 import kernels, written_bytes  # noqa: E402
 from preheat.cache import targets  # noqa: E402
 from preheat.cache.compile import on_device  # noqa: E402
 from preheat.compile_target import compiling_for  # noqa: E402
@@ -63,7 +63,7 @@ def layer_fns(k: int) -> tuple[Any, Any, Any]:
 
 
 def program_kernels(k: int, fn_index: int) -> list[tuple[str, str, int]]:
-    """(kernel, output type, bytes written) for each kernel of the H200 program (``preheat.bench.fp8``)."""
+    """(kernel, output type, bytes written) for each kernel of the H200 program (``benchmarks.fp8``)."""
     _, abstract = build_abstract(lambda rngs: Conv2d(WIDTH, WIDTH, k, padding=k // 2, rngs=rngs))
     fp8 = jax.ShapeDtypeStruct((k, k, WIDTH, WIDTH), jnp.float8_e4m3fn)
     abstract["kernel"].set_value(Quantised(fp8, jax.ShapeDtypeStruct((1, 1, 1, WIDTH), jnp.float32)))

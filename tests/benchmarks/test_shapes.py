@@ -1,4 +1,4 @@
-"""`preheat bench torch-shapes`: which children run, on which cache roots, and the table they
+"""`benchmarks/shapes.py`: which children run, on which cache roots, and the table they
 make (the measurement itself is the command's; see docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from preheat.bench import shapes
-from preheat.cli.bench import torch_shapes_command
+from benchmarks import shapes
 
 SIZES = (32, 48)
 
@@ -77,5 +76,5 @@ def test_children_and_table(monkeypatch, tmp_path):
     (["/no/such/folder"], "neither a diffusers pipeline folder"),
 ])
 def test_bad_options_are_one_line_errors(args, message):
-    result = CliRunner().invoke(torch_shapes_command, args)
+    result = CliRunner().invoke(shapes.main, args)
     assert result.exit_code != 0 and message in result.output

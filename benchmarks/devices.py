@@ -1,6 +1,6 @@
 """Images/s of the built-in model split over 1, 2 and 4 forced CPU devices (issue 16).
 
-    python scripts/bench_devices.py [--rounds 3] [--runs 8] [--base SRC]
+    python benchmarks/devices.py [--rounds 3] [--runs 8] [--base SRC]
 
 Each measurement is a fresh process with ``--xla_force_host_platform_device_count=4``: compile
 once, then ``runs`` timed calls of ``generate(8, steps=20, guidance=3)``; rounds interleave the

@@ -1,4 +1,4 @@
-"""`preheat bench refiner`: images/s of an SDXL call whose last steps a refiner takes over (the
+"""Images/s of an SDXL call whose last steps a refiner takes over (the
 ensemble of experts, ``preheat.families.experts``) against the base alone, measured in one process,
 the conditions interleaved round by round so that a shared machine's load falls on all of them alike.
 
@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import click
+
 from preheat.bench.common import (Condition, condition_header, condition_rows, conditions_table, header_line,
-                                  plain_call, ratio, time_interleaved)
+                                  plain_call, ratio, time_interleaved, write_json)
 from preheat.bench.random_models import materialize_model
+from preheat.cli._support import one_line_errors
+from preheat.cli.options import POSITIVE, common_option, echo_result, output_options, size_options
 
 __all__ = ["bench_refiner", "write_random_refiner", "markdown"]
 
@@ -89,3 +94,28 @@ def markdown(result: dict[str, Any]) -> str:
               f"(denoising alone takes {q['denoise_ensemble_vs_base']:.2f}× as long); the refiner held but not run "
               f"(denoising_end 1) / the base alone: {q['held_vs_base']:.2f}×"]
     return "\n".join(lines)
+
+
+@click.command()
+@click.argument("model", required=False, default="random:sdxl-tiny")
+@common_option("n", default=2, help="Batch size.")
+@common_option("steps", default=10, help="Denoising steps.")
+@click.option("--repeats", default=5, show_default=True, type=POSITIVE, help="Rounds, each timing every condition once.")
+@click.option("--dtype", default="float32", show_default=True)
+@size_options()
+@output_options()
+@one_line_errors
+def main(model: str, n: int, steps: int, repeats: int, dtype: str, size: tuple[int, int] | None,
+                    json_out: Path | None, as_json: bool) -> None:
+    """Images/s of an SDXL call that a refiner finishes (the ensemble of experts, denoising_end 0.8) vs
+    the base alone, and with the refiner held but not run, in one run. MODEL: an SDXL base folder, or
+    random:sdxl-tiny / random:sdxl (random weights); the refiner is a random one of its UNet's widths."""
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = bench_refiner(model, n, steps, repeats, Path(tmp), dtype=dtype, size=size)
+    echo_result(result, markdown(result), as_json)
+    write_json(json_out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,5 @@
 """One scaled-fp8 Linear layer on the local devices: the kernels it compiles to, and its time
-against a bf16 GEMM of the same shape (the GPU check's ``fp8`` row, ``scripts/gpu_measure.py``).
+against a bf16 GEMM of the same shape (the H200 check's ``fp8`` row: docs/gpu.md).
 
 The layer is the one a denoiser's apply runs (``storage.upcast`` with the step's tie, then
 ``layers.Linear``): fp8 values with one float32 scale per output channel (``Quantised``, whose
@@ -180,3 +180,11 @@ def measure(n: int = 3072, tokens: int = 4096, calls: int = 20, rounds: int = 20
     flop = 2 * tokens * n * n
     out["bf16_tflops"] = flop / (out["bf16"]["ms_per_call"] * 1e-3) / 1e12
     return out
+
+
+if __name__ == "__main__":  # python -m benchmarks.fp8 [N] [TOKENS]: the measurement as JSON
+    import json
+    import sys
+
+    sizes = [int(a) for a in sys.argv[1:3]]
+    print(json.dumps(measure(*sizes), indent=1, default=str))

@@ -3,7 +3,7 @@ warm, its own empty local root pulling from a shared-folder store), then served 
 Ray Serve (one replica) against ``preheat serve`` (one process) on the same machine, same options,
 same load (``--requests`` one-image ``PUT /predictions/<id>`` from ``--concurrency`` httpx clients).
 
-    PYTHONPATH=src python scripts/bench_ray.py [--model DIR] [--requests 256] [--concurrency 32]
+    PYTHONPATH=src python benchmarks/ray_serve.py [--model DIR] [--requests 256] [--concurrency 32]
 
 The second replica is a redeploy of one replica: Serve rolls replicas on every code-based
 ``serve.run``, and the new one has an empty local root (``cache_home`` per replica). Prints one

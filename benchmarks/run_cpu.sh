@@ -2,6 +2,7 @@
 # The CPU benchmarks recorded in docs/benchmarks.md (JSON/PNG land in docs/bench/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 B=.venv/bin/preheat
 D=docs/bench
 mkdir -p "$D"
@@ -36,14 +37,14 @@ $B bench compare "$FLUX" --quick --paths jax,torch-eager,torch-inductor --steps 
   | tee $D/compare-flux.md
 
 # Resolutions on the torch side (issue 14): per-resolution entries vs dynamic=True, tiny Flux and SD 1.x.
-$B bench torch-shapes --resolutions 32,48,64 --repeats 5 --threads 1 --report $D/torch-shapes.json | tee $D/torch-shapes.md
+.venv/bin/python -m benchmarks.shapes --resolutions 32,48,64 --repeats 5 --threads 1 --report $D/torch-shapes.json | tee $D/torch-shapes.md
 
 # Steady state on the CPU (issue 21): where a denoiser call's time goes, and the model-code switches
 # side by side in one process (round-robin), then JAX vs torch.compile at batch 8.
-$B bench sampler --profile --report $D/profile-builtin.json | tee $D/profile-builtin.md
-$B bench sampler ddpm-cifar10-32 --profile --report $D/profile-cifar.json | tee $D/profile-cifar.md
-.venv/bin/python scripts/denoiser_ab.py --report $D/denoiser-ab-builtin.json | tee $D/denoiser-ab-builtin.txt
-.venv/bin/python scripts/denoiser_ab.py ddpm-cifar10-32 --rounds 7 --variant two_pass=groupnorm=two_pass \
+.venv/bin/python -m benchmarks.op_profile --report $D/profile-builtin.json | tee $D/profile-builtin.md
+.venv/bin/python -m benchmarks.op_profile ddpm-cifar10-32 --report $D/profile-cifar.json | tee $D/profile-cifar.md
+.venv/bin/python benchmarks/denoiser_ab.py --report $D/denoiser-ab-builtin.json | tee $D/denoiser-ab-builtin.txt
+.venv/bin/python benchmarks/denoiser_ab.py ddpm-cifar10-32 --rounds 7 --variant two_pass=groupnorm=two_pass \
   --variant one_pass=groupnorm=one_pass --report $D/denoiser-ab-cifar.json | tee $D/denoiser-ab-cifar.txt
 $B bench compare --quick --xla-flags noynn=--xla_cpu_experimental_ynn_fusion_type= \
   --report $D/compare-builtin-issue21.json | tee $D/compare-builtin-issue21.md

@@ -1,4 +1,4 @@
-"""`preheat bench torch-shapes`: one compiled entry per resolution (``dynamic=False``) against
+"""One compiled entry per resolution (``dynamic=False``) against
 one symbolic-shape entry (``dynamic=True``, duck shapes off), side by side in one run (issue 14).
 
 For each model and setting, three fresh processes, each with a new, empty
@@ -32,8 +32,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from preheat.bench.common import fmt_summary, machine_line, summary
+import click
+
+from preheat.bench.common import fmt_summary, machine_line, summary, write_json
 from preheat.bench.random_models import materialize_model
+from preheat.cli._support import one_line_errors
+from preheat.cli.options import POSITIVE_SECONDS, common_option, echo_result, output_options
 
 __all__ = ["bench_torch_shapes", "child_main", "markdown", "SETTINGS", "MODELS"]
 
@@ -139,7 +143,9 @@ def _run_child(spec: dict[str, Any], home: Path, workdir: Path, timeout: float) 
     inductor_dir = Path(tempfile.mkdtemp(prefix="inductor-", dir=workdir))
     env = {**os.environ, "PREHEAT_HOME": str(home), "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)}
     env.pop("PREHEAT_CACHE", None)
-    cmd = [sys.executable, "-m", "preheat.bench.shapes", "--child", json.dumps(spec)]
+    root = str(Path(__file__).resolve().parents[1])  # the child imports benchmarks.shapes from the checkout
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "benchmarks.shapes", "--child", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     finally:
@@ -272,7 +278,49 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # the child process; the command is `preheat bench torch-shapes` (preheat.cli.bench)
-    if len(sys.argv) != 3 or sys.argv[1] != "--child":
-        sys.exit("usage: python -m preheat.bench.shapes --child SPEC_JSON (run `preheat bench torch-shapes` instead)")
-    print(RESULT_TAG + json.dumps(child_main(json.loads(sys.argv[2])), default=str), flush=True)
+@click.command()
+@click.argument("models", nargs=-1)
+@click.option("--resolutions", default="32,48,64", show_default=True,
+              help="Square image sizes, comma-separated, in the order served (the first is stored alone for the "
+                   "partial row).")
+@click.option("--mode", type=click.Choice(["regional", "full"]), default="regional", show_default=True)
+@common_option("steps", default=2, help="Denoising steps.")
+@click.option("--repeats", default=5, show_default=True, type=int, help="Steady-state calls per resolution.")
+@click.option("--threads", type=int, help="torch threads in the children (default: torch's own).")
+@click.option("--timeout", default=1800.0, show_default=True, type=POSITIVE_SECONDS, help="Seconds per child process.")
+@output_options()
+@one_line_errors
+def main(models: tuple[str, ...], resolutions: str, mode: str, steps: int, repeats: int,
+                         threads: int | None, timeout: float, json_out: Path | None, as_json: bool) -> None:
+    """preheat.torch.compile per-resolution entries (dynamic=False) vs one symbolic-shape entry
+    (dynamic=True, duck shapes off): compile seconds per resolution, steady state, warm starts,
+    in fresh processes. MODELS: folders or random:flux-tiny / random:sd1-tiny (default both)."""
+    from preheat.errors import InvalidArgumentError
+
+    try:
+        sizes = tuple(int(s) for s in resolutions.split(",") if s.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) <= 0 or len(set(sizes)) != len(sizes):
+        raise InvalidArgumentError(f"--resolutions {resolutions!r} must be distinct comma-separated positive ints")
+    if repeats < 1 or (threads is not None and threads < 1):
+        raise InvalidArgumentError("--repeats and --threads must be >= 1")
+    from preheat.bench.random_models import PREFIX, RANDOM_MODELS, random_name
+    from preheat.errors import ModelNotFoundError
+
+    for model in models:
+        if random_name(model) is None and not (Path(model).expanduser() / "model_index.json").is_file():
+            raise ModelNotFoundError(f"{model} is neither a diffusers pipeline folder nor one of "
+                                     f"{', '.join(PREFIX + n for n in RANDOM_MODELS)}")
+    with tempfile.TemporaryDirectory(prefix="preheat-shapes-") as tmp:
+        result = bench_torch_shapes(models or MODELS, sizes, mode, steps, repeats, Path(tmp), timeout,
+                                    threads, log=lambda line: click.echo(line, err=True))
+    echo_result(result, markdown(result), as_json)
+    write_json(json_out, result)
+
+
+if __name__ == "__main__":  # `--child SPEC_JSON`: one child process of main
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        print(RESULT_TAG + json.dumps(child_main(json.loads(sys.argv[2])), default=str), flush=True)
+    else:
+        main()

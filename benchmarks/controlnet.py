@@ -1,4 +1,4 @@
-"""`preheat bench controlnet`: images/s of a text-to-image call with a ControlNet beside the UNet
+"""Images/s of a text-to-image call with a ControlNet beside the UNet
 against the same call without one, measured in one process, the conditions interleaved round by
 round so that a shared machine's load falls on all of them alike.
 
@@ -17,14 +17,18 @@ decoding), and the denoising program alone.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import click
 import numpy as np
 
 from preheat.bench.common import (Condition, condition_header, condition_rows, conditions_table, header_line,
-                                  plain_call, ratio, time_interleaved)
+                                  plain_call, ratio, time_interleaved, write_json)
 from preheat.bench.random_models import materialize_model
+from preheat.cli._support import one_line_errors
+from preheat.cli.options import POSITIVE, common_option, echo_result, output_options, size_options
 
 __all__ = ["bench_controlnet", "write_random_controlnet", "markdown"]
 
@@ -86,3 +90,28 @@ def markdown(result: dict[str, Any]) -> str:
               f"{q['denoise_controlnet_vs_none']:.2f}× as long); a window of half the steps / the whole: "
               f"{q['window_vs_controlnet']:.2f}× (the window is data: the ControlNet runs on every step)"]
     return "\n".join(lines)
+
+
+@click.command()
+@click.argument("model", required=False, default="random:sd-small")
+@common_option("n", default=4, help="Batch size.")
+@common_option("steps", default=4, help="Denoising steps.")
+@click.option("--repeats", default=5, show_default=True, type=POSITIVE, help="Rounds, each timing every condition once.")
+@click.option("--dtype", default="float32", show_default=True)
+@size_options()
+@output_options()
+@one_line_errors
+def main(model: str, n: int, steps: int, repeats: int, dtype: str, size: tuple[int, int] | None,
+                       json_out: Path | None, as_json: bool) -> None:
+    """Images/s of a call with a ControlNet beside the UNet vs without one, and with the ControlNet's
+    window at half the steps, in one run. MODEL: an SD 1.x/2.x or SDXL folder, or random:sd-small /
+    random:sd15 / random:sdxl (random weights); the ControlNet is a random one made from its UNet."""
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = bench_controlnet(model, n, steps, repeats, Path(tmp), dtype=dtype, size=size)
+    echo_result(result, markdown(result), as_json)
+    write_json(json_out, result)
+
+
+if __name__ == "__main__":
+    main()

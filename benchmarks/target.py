@@ -1,4 +1,4 @@
-"""`preheat bench target`: deviceless GPU compile time per stage (``preheat warm --target``),
+"""Deviceless GPU compile time per stage (``preheat warm --target``),
 with the same programs' CPU compile time and both executables' bytes beside it.
 
 Rows: the built-in model's sampling program; a tiny SD 1.x folder's three programs (text
@@ -15,6 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+import click
+
+from preheat.bench.common import write_json
+from preheat.cli._support import one_line_errors
+from preheat.cli.options import echo_result, output_options
 
 __all__ = ["bench_target", "markdown", "with_ratios", "SDXL_UNET"]
 
@@ -148,3 +154,22 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{r['cpu_compile_s']:.2f} | {b(r['cpu_bytes'])} | {x(r['compile_ratio'])} | "
                      f"{x(r['bytes_ratio'])} | {unfinished} |")
     return "\n".join(lines)
+
+
+@click.command()
+@click.option("--target", "target_name", default="h200", show_default=True, metavar="NAME|FILE",
+              help="The GPU compiled for (as `preheat warm --target`).")
+@click.option("--no-full-size", is_flag=True, help="Leave out the full-size SD 1.5 and SDXL UNets.")
+@output_options()
+@one_line_errors
+def main(target_name: str, no_full_size: bool, json_out: Path | None, as_json: bool) -> None:
+    """Deviceless GPU compile time per stage against the same programs' CPU compile, and bytes."""
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = bench_target(target_name, Path(tmp), full_size=not no_full_size)
+    echo_result(result, markdown(result), as_json)
+    write_json(json_out, result)
+
+
+if __name__ == "__main__":
+    main()

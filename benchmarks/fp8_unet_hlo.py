@@ -16,7 +16,7 @@ widening) and the bytes they write, the GEMMs that write float32 (split-K partia
 reduction kernel then reads back) and their bytes, and the bytes all kernels write. The numbers behind docs/benchmarks.md,
 "Plain fp8 1x1 convs as GEMMs on the fp8 weight (fp8three)".
 
-    PYTHONPATH=src python scripts/bench_fp8_unet.py [--model sd15|sdxl|both] [--layers]
+    PYTHONPATH=src python benchmarks/fp8_unet_hlo.py [--model sd15|sdxl|both] [--layers]
     (``--layers``: one plain fp8 1x1 conv at each of SD 1.5's widths and resolutions instead)
     (needs the test extra's jax-cuda13-plugin)
 """
@@ -35,9 +35,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from preheat.bench.fp8 import kernels, written_bytes  # noqa: E402
+from benchmarks.fp8 import kernels, written_bytes  # noqa: E402
 from preheat.bench.random_models import SD15_UNET  # noqa: E402
-from preheat.bench.target import SDXL_UNET  # noqa: E402
+from benchmarks.target import SDXL_UNET  # noqa: E402
 from preheat.cache import targets  # noqa: E402
 from preheat.cache.compile import on_device  # noqa: E402
 from preheat.compile_target import compiling_for  # noqa: E402

@@ -1,4 +1,4 @@
-"""`preheat bench target`: the real command, for XLA's H200 description (deviceless: no GPU here).
+"""`benchmarks/target.py`: the real command, for XLA's H200 description (deviceless: no GPU here).
 
 The table is read back and checked against the command's own JSON report: one row per compiled
 stage of each model's call, compile seconds and executable bytes on both sides, and the two ratio
@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from preheat.cache import targets
-from preheat.cli import main
+from benchmarks.target import main
 
 pytestmark = pytest.mark.skipif(not any(k.startswith("jax-cuda") for k in targets.cuda_versions()),
                                 reason="needs the test extra's jax-cuda13-plugin")
@@ -38,7 +38,7 @@ def _table(text: str) -> list[dict[str, str]]:
 def test_bench_target_h200_gives_one_row_per_stage_with_both_sides_and_their_ratios(tmp_path, monkeypatch):
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     report = tmp_path / "report.json"
-    result = CliRunner().invoke(main, ["bench", "target", "--target", "h200", "--no-full-size", "--report", str(report)])
+    result = CliRunner().invoke(main, ["--target", "h200", "--no-full-size", "--report", str(report)])
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
     assert data["target"] == "h200"
@@ -69,7 +69,7 @@ def test_bench_target_h200_gives_one_row_per_stage_with_both_sides_and_their_rat
 
 def test_bench_target_with_an_unknown_target_is_one_line(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
-    result = CliRunner().invoke(main, ["bench", "target", "--target", "h300"])
+    result = CliRunner().invoke(main, ["--target", "h300"])
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "h300" in lines[0], result.output

@@ -2,7 +2,7 @@
 background compile runs, against idle, and the worker's hold per timed call (docs/benchmarks.md,
 "Idle retune").
 
-    PYTHONPATH=src:. JAX_PLATFORMS=cpu python scripts/bench_idle_retune.py [ROUNDS]
+    PYTHONPATH=src:. JAX_PLATFORMS=cpu python benchmarks/idle_retune.py [ROUNDS]
 
 The tests' tiny server model (``tests/_support/server_fixtures.write_tiny_model``) warmed once
 (its entry compiled here), then per round a fresh pipeline on a copy of that root, served over

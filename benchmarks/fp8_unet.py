@@ -1,8 +1,8 @@
 """A whole UNet's denoising step with plain fp8 weights on the local devices: the fp8 1x1 convs as
 GEMMs on the fp8 weight against XLA's convolution on a bf16 copy, and the same weights in bf16 (the
-GPU check's ``fp8unet`` row, ``scripts/gpu_measure.py``).
+H200 check's ``fp8unet`` row: docs/gpu.md).
 
-Last round's deviceless H200 HLO (``scripts/bench_fp8_unet.py``; docs/benchmarks.md, "fp8three")
+Last round's deviceless H200 HLO (``benchmarks/fp8_unet_hlo.py``; docs/benchmarks.md, "fp8three")
 has each plain fp8 1x1 conv as one kernel instead of two, but the whole UNet writing 0.2-0.8% more
 bytes (split-K GEMMs at 16² and 8²). Only an autotuned compile on the GPU, timed, says which is
 faster; this module is that measurement. Three programs of the same step, compiled here (on a GPU:
@@ -270,3 +270,10 @@ def agreement(first: dict[str, Any], reference: Any) -> dict[str, Any]:
     return {"ratio": AGREE_RATIO, "floor": AGREE_FLOOR, "finite": finite, "mean_abs_reference": scale,
             "error_vs_float32": errors, "bound": bound,
             "ok": finite and all(errors[way]["mean"] <= bound for way in first if way != "bf16")}
+
+
+if __name__ == "__main__":  # python -m benchmarks.fp8_unet [sd15|sdxl] [full|tiny]: the measurement as JSON
+    import json
+    import sys
+
+    print(json.dumps(measure_unet(*sys.argv[1:3]), indent=1, default=str))

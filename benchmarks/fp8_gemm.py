@@ -7,7 +7,7 @@ fp8, or scaled fp8 with one scale per tensor or per output channel. Prints each 
 fusion) and the bytes it writes (its output). Run it with this tree's ``src`` and with an older
 one's to compare. The numbers behind docs/benchmarks.md, "Scaled fp8: the scale on the GEMM's output".
 
-    PYTHONPATH=src python scripts/bench_fp8_gemm.py [--cpu] [--tokens 256] [--rounds 30]
+    PYTHONPATH=src python benchmarks/fp8_gemm.py [--cpu] [--tokens 256] [--rounds 30]
     (needs the test extra's jax-cuda13-plugin; ``--cpu`` also times the layer here, both ways)
 """
 

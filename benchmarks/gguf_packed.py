@@ -1,6 +1,6 @@
 """GGUF FLUX.1 files of each quantisation type on the JAX engine, at FLUX.1's full widths with few blocks:
 
-    python scripts/bench_gguf_packed.py [--double 1] [--single 1] [--rounds 5] [--tokens 64] [--work DIR]
+    python benchmarks/gguf_packed.py [--double 1] [--single 1] [--rounds 5] [--tokens 64] [--work DIR]
 
 A random ``FluxTransformer2DModel`` at FLUX.1-dev's widths (24 heads x 128, T5 width 4096, pooled
 768) with ``--double`` / ``--single`` blocks is written as a city96-style GGUF file per type (BFL's
@@ -44,7 +44,7 @@ def h200_kernels(kinds: list[str]) -> None:
     import numpy as np
     from flax import nnx
 
-    from preheat.bench.fp8 import kernels, written_bytes
+    from benchmarks.fp8 import kernels, written_bytes
     from preheat.cache import targets
     from preheat.cache.compile import on_device
     from preheat.compile_target import compiling_for

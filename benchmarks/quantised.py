@@ -9,7 +9,7 @@ images/s of each (timed round-robin, so drifting load hits all alike), then the 
 the full-size FLUX.1-dev transformer each way (abstract build, nothing allocated). The numbers
 behind docs/benchmarks.md, "Scaled fp8 kept on the device" and "GGUF Q8_0 kept on the device".
 
-    PYTHONPATH=src:. python scripts/bench_quantised.py [--rounds 5] [--n 4] [--steps 4] [--size 64] [--gguf]
+    PYTHONPATH=src:. python benchmarks/quantised.py [--rounds 5] [--n 4] [--steps 4] [--size 64] [--gguf]
 """
 
 from __future__ import annotations

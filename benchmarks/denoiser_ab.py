@@ -6,7 +6,7 @@ timed round-robin, so drifting load hits every one alike. Prints per variant the
 call time, the speed against the first variant (ratio of minima / of medians) and the largest
 output difference from it. The numbers behind docs/benchmarks.md, issue 21.
 
-    python scripts/denoiser_ab.py [MODEL] [--rounds 15] [--variant NAME=SETTINGS ...] [--json-out F]
+    python benchmarks/denoiser_ab.py [MODEL] [--rounds 15] [--variant NAME=SETTINGS ...] [--json-out F]
 
 MODEL: a pixel-UNet folder, ``ddpm-cifar10-32`` (random weights), or nothing for the built-in
 model. SETTINGS: comma-separated ``conv=IMPL``, ``groupnorm=IMPL``, ``dtype=bfloat16``.
@@ -75,7 +75,7 @@ def main() -> None:
 
     import preheat
     from preheat.bench.random_models import materialize_model
-    from preheat.bench.profile import torch_breakdown
+    from benchmarks.op_profile import torch_breakdown
     from preheat.engine import BUILTIN_MODEL
 
     variants = [v.partition("=") for v in (args.variant or DEFAULT_VARIANTS)]

@@ -1,4 +1,4 @@
-"""``preheat.bench.fp8``: the GPU check's fp8 row (scripts/gpu_measure.py), without a GPU.
+"""``benchmarks/fp8.py``: the H200 check's fp8 row (docs/gpu.md), without a GPU.
 
 The kernel reader is checked on real HLO that XLA compiles for its H200 description on this CPU
 (deviceless): the scaled-fp8 Linear as XLA's default picks it (one Triton GEMM that reads the fp8
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from preheat.bench.fp8 import computation, kernels, measure, one_gemm_on_fp8, written_bytes
+from benchmarks.fp8 import computation, kernels, measure, one_gemm_on_fp8, written_bytes
 from preheat.cache import targets
 
 N, TOKENS = 3072, 4096  # FLUX.1's hidden width, 4096 image tokens

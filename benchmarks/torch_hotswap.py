@@ -1,7 +1,7 @@
 """diffusers' LoRA hot-swap under ``preheat.torch.compile`` (issue 15, item 5): what recompiles,
 and how long a switch takes (a LoRA read from its file vs one already held in memory: an LRU hit).
 
-    PYTHONPATH=src:. python scripts/bench_torch_hotswap.py OUT.json
+    PYTHONPATH=src:. python benchmarks/torch_hotswap.py OUT.json
 
 Builds the tiny Flux test folder and peft LoRA files as the tests do, compiles the transformer's
 blocks (regional) with LoRA A loaded after ``enable_lora_hotswap(target_rank=8)``, then swaps in:

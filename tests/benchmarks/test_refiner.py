@@ -1,4 +1,4 @@
-"""``preheat bench refiner``: a real run at the tiny size, through the CLI (what it measures is
+"""``benchmarks/refiner.py``: a real run at the tiny size, through the CLI (what it measures is
 docs/benchmarks.md's; here, that it runs each condition and reports them side by side), and the
 random refiner it makes is one diffusers' refiner pipeline loads."""
 
@@ -9,14 +9,14 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from preheat.cli import main
+from benchmarks.refiner import main
 
 
 @pytest.mark.slow  # builds a tiny SDXL folder and its refiner, compiles two programs
 def test_bench_refiner_times_each_condition_and_their_ratios(tmp_path, monkeypatch):
     monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
     out = tmp_path / "refiner.json"
-    result = CliRunner().invoke(main, ["bench", "refiner", "random:sdxl-tiny", "--n", "1", "--steps", "3",
+    result = CliRunner().invoke(main, ["random:sdxl-tiny", "--n", "1", "--steps", "3",
                                        "--repeats", "2", "--report", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -35,7 +35,7 @@ def test_the_random_refiner_is_one_diffusers_loads(tmp_path):
     from diffusers import DiffusionPipeline
 
     from preheat.bench.random_models import build_random
-    from preheat.bench.refiner import write_random_refiner
+    from benchmarks.refiner import write_random_refiner
 
     base = build_random("sdxl-tiny", tmp_path / "base")
     refiner = DiffusionPipeline.from_pretrained(write_random_refiner(base, tmp_path / "refiner"))
@@ -45,7 +45,7 @@ def test_the_random_refiner_is_one_diffusers_loads(tmp_path):
 
 
 def test_bench_refiner_refuses_a_model_that_is_not_an_sdxl_base(tmp_path):
-    result = CliRunner().invoke(main, ["bench", "refiner", "random:sd1-tiny", "--n", "1", "--repeats", "1"],
+    result = CliRunner().invoke(main, ["random:sd1-tiny", "--n", "1", "--repeats", "1"],
                                 env={"PREHEAT_HOME": str(tmp_path)})
     assert result.exit_code != 0
     assert result.output.strip().splitlines()[-1] == ("error: random:sd1-tiny is not an SDXL base; bench an SDXL "

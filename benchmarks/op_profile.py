@@ -1,4 +1,6 @@
-"""`preheat bench sampler --profile`: where one denoiser call's time goes, JAX vs torch.compile.
+"""Where one denoiser call's time goes, JAX vs torch.compile (was `preheat bench sampler --profile`).
+
+    python -m benchmarks.op_profile [MODEL] [--n N] [--report F]     (MODEL: a pixel model; default built-in)
 
 JAX: the compiled call's optimized HLO is parsed (every top-level instruction: its fused
 computation's opcodes, FLOPs of its convolutions and dots, bytes of its operands and result) and
@@ -24,10 +26,18 @@ import re
 import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, Callable
 
+import click
+
+from preheat.bench.common import machine_line, write_json
+from preheat.bench.random_models import materialize_model
+from preheat.cli._support import one_line_errors
+from preheat.cli.options import echo_result, output_options
+
 __all__ = ["CLASSES", "hlo_instructions", "classify_hlo", "jax_breakdown", "torch_breakdown", "machine_rates",
-           "markdown", "profile_model"]
+           "markdown", "profile_model", "bench_profile"]
 
 CLASSES = ("conv 3x3", "conv 1x1", "linear", "attention", "groupnorm+silu", "elementwise", "copies/layout",
            "other")
@@ -341,3 +351,41 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append(f"| traced total (wall under the profiler) | {r['jax']['traced_ms']:.1f} ({r['jax']['wall_ms']:.1f}) | | | "
                  f"{r['torch']['traced_ms']:.1f} ({r['torch']['wall_ms']:.1f}) | | |")
     return "\n".join(lines)
+
+
+def bench_profile(model: str | None, batch: int | None, workdir: Path) -> tuple[str, dict[str, Any]]:
+    """The per-op-class breakdown of one denoiser call; pixel models.
+    Default batch: a model batch of 16 (8 images under guidance)."""
+    import preheat
+    from preheat.engine import BUILTIN_MODEL
+    from preheat.errors import InvalidArgumentError
+
+    folder = Path(materialize_model(model, workdir) or BUILTIN_MODEL)
+    unet_dir = folder / "unet" if (folder / "unet").is_dir() else folder
+    pipe = preheat.load(str(folder), cache="off")
+    if pipe.family.name != "pixel":
+        raise InvalidArgumentError(f"op_profile measures pixel UNet models; {folder} is a {pipe.family.name} model")
+    if batch is None:
+        batch = 8 if pipe.prepare(1, steps=2, seed=0)[0].guided else 16
+    result = profile_model(pipe, str(unet_dir), batch)
+    result["model"] = model or "built-in:digits"
+    result["machine"] = machine_line()
+    text = f"**{result['model']}** — {result['machine']}\n\n" + markdown(result)
+    return text, result
+
+
+@click.command()
+@click.argument("model", required=False)
+@click.option("--n", type=int, help="Images of the call (default: a model batch of 16: 8 guided, else 16).")
+@output_options()
+@one_line_errors
+def main(model: str | None, n: int | None, json_out: Path | None, as_json: bool) -> None:
+    """Per op class: time, share and achieved rate of one denoiser call, JAX vs torch.compile."""
+    with tempfile.TemporaryDirectory() as tmp:
+        text, result = bench_profile(model, n, Path(tmp))
+    echo_result(result, text, as_json)
+    write_json(json_out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """A FLUX.1 GGUF file (Q8_0) read both ways, at FLUX.1's full widths with few blocks:
 
-    python scripts/bench_gguf_torch.py [--double 1] [--single 1] [--work DIR]
+    python benchmarks/gguf_torch.py [--double 1] [--single 1] [--work DIR]
 
 A random ``FluxTransformer2DModel`` at FLUX.1-dev's widths (24 heads x 128, T5 width 4096, pooled
 768, 64 packed latent channels) with ``--double`` / ``--single`` blocks (FLUX.1-dev has 19 and 38)
