@@ -26,7 +26,7 @@ import re
 import time
 from typing import Any, NamedTuple
 
-from preheat.bench.common import round_robin_ms
+from benchmarks._common import round_robin_ms
 
 __all__ = ["Kernel", "kernels", "computation", "written_bytes", "one_gemm_on_fp8", "measure"]
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from preheat.bench.common import round_robin_ms  # noqa: E402
+from benchmarks._common import round_robin_ms  # noqa: E402
 from benchmarks.fp8 import kernels, written_bytes  # noqa: E402
 from preheat.cache import targets  # noqa: E402
 from preheat.cache.compile import on_device  # noqa: E402

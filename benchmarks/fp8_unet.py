@@ -39,7 +39,7 @@ import statistics
 import time
 from typing import Any, Iterator, NamedTuple
 
-from preheat.bench.common import equations
+from benchmarks._common import equations
 from preheat.bench.random_models import SD15_UNET, SDXL_UNET
 
 __all__ = ["UNETS", "TINY_UNETS", "WAYS", "AGREE_RATIO", "AGREE_FLOOR", "measure_unet", "verdict", "agreement"]

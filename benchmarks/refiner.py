@@ -24,8 +24,8 @@ from typing import Any
 
 import click
 
-from preheat.bench.common import (Condition, condition_header, condition_rows, conditions_table, header_line,
-                                  plain_call, ratio, time_interleaved, write_json)
+from benchmarks._common import condition_header, header_line, plain_call
+from preheat.bench.common import Condition, condition_rows, conditions_table, ratio, time_interleaved, write_json
 from preheat.bench.random_models import materialize_model
 from preheat.cli._support import one_line_errors
 from preheat.cli.options import POSITIVE, common_option, echo_result, output_options, size_options
