@@ -260,7 +260,7 @@ def _median(value: Any) -> float:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [f"`preheat bench torch-shapes`: mode {result['mode']}, {result['steps']} steps, resolutions "
+    lines = [f"`benchmarks/shapes.py`: mode {result['mode']}, {result['steps']} steps, resolutions "
              f"{', '.join(map(str, result['resolutions']))}, steady state {result['repeats']} calls — "
              f"{result['machine']}"]
     for name, r in result["models"].items():
