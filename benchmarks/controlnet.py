@@ -102,11 +102,10 @@ def markdown(result: dict[str, Any]) -> str:
 @output_options()
 @one_line_errors
 def main(model: str, n: int, steps: int, repeats: int, dtype: str, size: tuple[int, int] | None,
-                       json_out: Path | None, as_json: bool) -> None:
+         json_out: Path | None, as_json: bool) -> None:
     """Images/s of a call with a ControlNet beside the UNet vs without one, and with the ControlNet's
     window at half the steps, in one run. MODEL: an SD 1.x/2.x or SDXL folder, or random:sd-small /
     random:sd15 / random:sdxl (random weights); the ControlNet is a random one made from its UNet."""
-
     with tempfile.TemporaryDirectory() as tmp:
         result = bench_controlnet(model, n, steps, repeats, Path(tmp), dtype=dtype, size=size)
     echo_result(result, markdown(result), as_json)

@@ -106,11 +106,10 @@ def markdown(result: dict[str, Any]) -> str:
 @output_options()
 @one_line_errors
 def main(model: str, n: int, steps: int, repeats: int, dtype: str, size: tuple[int, int] | None,
-                    json_out: Path | None, as_json: bool) -> None:
+         json_out: Path | None, as_json: bool) -> None:
     """Images/s of an SDXL call that a refiner finishes (the ensemble of experts, denoising_end 0.8) vs
     the base alone, and with the refiner held but not run, in one run. MODEL: an SDXL base folder, or
     random:sdxl-tiny / random:sdxl (random weights); the refiner is a random one of its UNet's widths."""
-
     with tempfile.TemporaryDirectory() as tmp:
         result = bench_refiner(model, n, steps, repeats, Path(tmp), dtype=dtype, size=size)
     echo_result(result, markdown(result), as_json)

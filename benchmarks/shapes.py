@@ -291,7 +291,7 @@ def markdown(result: dict[str, Any]) -> str:
 @output_options()
 @one_line_errors
 def main(models: tuple[str, ...], resolutions: str, mode: str, steps: int, repeats: int,
-                         threads: int | None, timeout: float, json_out: Path | None, as_json: bool) -> None:
+         threads: int | None, timeout: float, json_out: Path | None, as_json: bool) -> None:
     """preheat.torch.compile per-resolution entries (dynamic=False) vs one symbolic-shape entry
     (dynamic=True, duck shapes off): compile seconds per resolution, steady state, warm starts,
     in fresh processes. MODELS: folders or random:flux-tiny / random:sd1-tiny (default both)."""

@@ -164,7 +164,6 @@ def markdown(result: dict[str, Any]) -> str:
 @one_line_errors
 def main(target_name: str, no_full_size: bool, json_out: Path | None, as_json: bool) -> None:
     """Deviceless GPU compile time per stage against the same programs' CPU compile, and bytes."""
-
     with tempfile.TemporaryDirectory() as tmp:
         result = bench_target(target_name, Path(tmp), full_size=not no_full_size)
     echo_result(result, markdown(result), as_json)
