@@ -18,7 +18,7 @@ from preheat.cache import targets
 from benchmarks.target import main
 
 pytestmark = pytest.mark.skipif(not any(k.startswith("jax-cuda") for k in targets.cuda_versions()),
-                                reason="needs the test extra's jax-cuda13-plugin")
+                                reason="needs the test-gpu extra's jax-cuda13-plugin (make test-slow installs it)")
 
 COLUMNS = ["model", "stage", "dtype", "target trace+lower s", "target compile s", "target bytes",
            "CPU trace+lower s", "CPU compile s", "CPU bytes", "compile target/CPU", "bytes target/CPU",
