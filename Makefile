@@ -6,6 +6,8 @@ PY ?= $(shell sh scripts/find_python.sh)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+GPU_STAMP := $(VENV)/.installed-gpu
 PIP := $(BIN)/python -m pip
 
 .PHONY: install test test-slow run bench clean browser
@@ -17,11 +19,26 @@ $(BIN)/python:
 # True when .venv's Python can run the test path (constraints-cpu.txt pins jax 0.11.2: Python >= 3.12).
 TESTABLE := $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'
 
-$(STAMP): $(BIN)/python pyproject.toml constraints-cpu.txt
-	@if $(TESTABLE); then $(PIP) install -q -c constraints-cpu.txt -e ".[test]"; \
+# `make run`: the runtime alone (jax, flax, pillow, ...: no torch, no test stack). On Python >= 3.12
+# with the test path's pins, so that `make test` later adds to this .venv without moving a version.
+$(RUN_STAMP): $(BIN)/python pyproject.toml constraints-cpu.txt
+	@if $(TESTABLE); then $(PIP) install -q -c constraints-cpu.txt -e .; \
 	else echo "$$($(BIN)/python -V): installing preheat alone (make run); make test needs Python >= 3.12"; \
 	$(PIP) install -q -e .; fi
-	touch $(STAMP)
+	touch $(RUN_STAMP)
+
+# `make test`: the test stack (torch, diffusers, the servers, ...) added to the same .venv in one
+# resolve; it holds the runtime too, so `make run` after it installs nothing.
+$(STAMP): $(BIN)/python pyproject.toml constraints-cpu.txt
+	@$(TESTABLE) || { echo "make test needs Python >= 3.12 (jax 0.11.2, as on the GPU machines); .venv has $$($(BIN)/python -V): install python3.12, then make clean test"; exit 2; }
+	$(PIP) install -q -c constraints-cpu.txt -e ".[test]"
+	touch $(STAMP) $(RUN_STAMP)
+
+# `make test-slow` adds the GPU-only test extra (the CUDA jax plugin for deviceless GPU compiles):
+# those tests skip, saying why, without it.
+$(GPU_STAMP): $(STAMP)
+	$(PIP) install -q -c constraints-cpu.txt -e ".[test,test-gpu]"
+	touch $(GPU_STAMP)
 
 install: $(STAMP) browser
 
@@ -48,14 +65,14 @@ test: $(STAMP) browser
 	@echo "test order: random, seed $(SEED) (replay: make test SEED=$(SEED))"
 	$(PYTEST) -m "not slow and not ray"
 
-test-slow: $(STAMP) browser
+test-slow: $(GPU_STAMP) browser
 	@$(TESTABLE) || { echo "make test-slow needs Python >= 3.12 (jax 0.11.2, as on the GPU machines); .venv has $$($(BIN)/python -V): install python3.12, then make clean test"; exit 2; }
 	@echo "slow tests, order: random, seed $(SEED) (replay: make test-slow SEED=$(SEED))"
 	$(PYTEST) -m "slow or ray"
 
 # The main job: a grid of digits from the built-in class model, then prompts -> digits from the
 # built-in text-to-image model (a tiny StableDiffusionPipeline trained by preheat train-text-digits).
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/preheat sample --n 16 --out samples.png
 	$(BIN)/preheat sample builtin:text-digits --n 10 --out prompts.png --prompt "a zero" --prompt "a one" \
 	  --prompt "a two" --prompt "a 3" --prompt "a bold four" --prompt "a thin five" --prompt "a six" \

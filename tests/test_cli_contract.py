@@ -155,9 +155,8 @@ def test_every_command_has_help(path):
 
 # Each benchmark's own default for a common input, where it differs from the declared one (what it
 # measures by default); every other common input a bench takes has the declared default.
-BENCH_DEFAULTS = {("sampler", "--n"): (), ("sampler", "--steps"): 10, ("lora", "--n"): 8, ("lora", "--steps"): 4, ("coldstart", "--n"): 8,
-                  ("torch-shapes", "--steps"): 2, ("controlnet", "--n"): 4, ("controlnet", "--steps"): 4,
-                  ("refiner", "--n"): 2, ("refiner", "--steps"): 10}
+BENCH_DEFAULTS = {("sampler", "--n"): (), ("sampler", "--steps"): 10, ("lora", "--n"): 8, ("lora", "--steps"): 4,
+                  ("coldstart", "--n"): 8}
 
 
 def bench_common_options() -> Iterator[tuple[str, click.Option, object]]:
@@ -199,12 +198,12 @@ def test_bench_options_are_the_declared_common_inputs():
 
 
 def test_bench_sizes_are_the_declared_size_inputs():
-    """`bench sampler`, `bench lora` and `bench controlnet` take the image size as its declaration's two flags (the
+    """`bench sampler` and `bench lora` take the image size as its declaration's two flags (the
     ``--width`` / ``--height`` of ``preheat sample``): positive ints, absent by default (the model's own)."""
     from preheat.cli.family_options import cli_size_specs
 
     commands = dict(leaf_commands())
-    for bench in ("sampler", "lora", "controlnet"):
+    for bench in ("sampler", "lora"):
         options = {p.opts[0]: p for p in commands[("bench", bench)].params if isinstance(p, click.Option)}
         for spec in cli_size_specs():
             option = options[spec.cli_flag]

@@ -211,7 +211,7 @@ class Machine:
 
 def _hide_host_gpu_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
     """The simulated machine has the JAX GPU plugins and NVIDIA library wheels its test installs
-    (a fake site), never the test host's own: the test extra brings jax-cuda13-plugin for `warm
+    (a fake site), never the test host's own: the test-gpu extra brings jax-cuda13-plugin for `warm
     --target`'s deviceless compiles, and on Python 3.12 torch's CUDA build brings nvidia-cudnn /
     -cublas wheels; a doctor test must not see them, as it never sees the host's nvidia-smi."""
     import sysconfig

@@ -32,7 +32,7 @@ from preheat.cli import main
 from preheat.errors import TargetError
 
 pytestmark = pytest.mark.skipif(not any(k.startswith("jax-cuda") for k in targets.cuda_versions()),
-                                reason="needs the test extra's jax-cuda13-plugin")
+                                reason="needs the test-gpu extra's jax-cuda13-plugin (make test-slow installs it)")
 
 
 def _manifests(root: Path) -> list[dict]:

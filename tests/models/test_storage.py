@@ -274,7 +274,7 @@ def _h200_hlo(fn, *args) -> str:
     from preheat.compile_target import compiling_for
 
     if not any(k.startswith("jax-cuda") for k in targets.cuda_versions()):
-        pytest.skip("needs the test extra's jax-cuda13-plugin")
+        pytest.skip("needs the test-gpu extra's jax-cuda13-plugin (make test-slow installs it)")
     device = targets.target_device(targets.resolve_target("h200"))
     conv = {"PREHEAT_CONV": os.environ.get("PREHEAT_CONV", "conv")}
     with compiling_for("gpu", (9, 0)), mock.patch.dict(os.environ, conv):
@@ -283,7 +283,7 @@ def _h200_hlo(fn, *args) -> str:
 
 def _header(hlo: str, kernel) -> str:
     """A kernel's fused computation's first line: the parameters it reads, with their types."""
-    from preheat.bench.fp8 import computation
+    from benchmarks.fp8 import computation
 
     return computation(hlo, kernel.name).split("\n", 1)[0]
 
@@ -304,7 +304,7 @@ def test_on_the_h200_the_gemm_reads_the_fp8_weight_itself():
     import jax
     import jax.numpy as jnp
 
-    from preheat.bench.fp8 import computation, kernels, one_gemm_on_fp8
+    from benchmarks.fp8 import computation, kernels, one_gemm_on_fp8
     from preheat.models.storage import upcast
 
     def dense(params, x):  # x (tokens, in) @ kernel (in, out), as a Linear layer applies it
@@ -336,7 +336,7 @@ def test_on_the_h200_a_scaled_fp8_linear_is_one_gemm_on_the_fp8_weight(scale):
     import jax.numpy as jnp
     from flax import nnx
 
-    from preheat.bench.fp8 import kernels, one_gemm_on_fp8
+    from benchmarks.fp8 import kernels, one_gemm_on_fp8
     from preheat.models.layers import Linear
     from preheat.models.quantised import Quantised
     from preheat.models.storage import upcast
@@ -387,7 +387,7 @@ def test_on_the_h200_a_scaled_fp8_conv_scales_where_it_costs_no_kernel(k, scale)
     import jax.numpy as jnp
     from flax import nnx
 
-    from preheat.bench.fp8 import kernels, one_gemm_on_fp8
+    from benchmarks.fp8 import kernels, one_gemm_on_fp8
     from preheat.models.conv import conv2d
     from preheat.models.layers import Conv2d, lift
     from preheat.models.quantised import Quantised
@@ -446,7 +446,7 @@ def test_on_the_h200_a_plain_fp8_1x1_conv_is_one_gemm_on_the_fp8_weight():
     import jax.numpy as jnp
     from flax import nnx
 
-    from preheat.bench.fp8 import kernels, one_gemm_on_fp8
+    from benchmarks.fp8 import kernels, one_gemm_on_fp8
     from preheat.models.conv import conv2d
     from preheat.models.layers import Conv2d, lift
     from preheat.models.storage import upcast
@@ -482,7 +482,7 @@ def test_preheat_fp8_1x1_conv_switches_the_real_layer_to_the_convolution(monkeyp
     import jax.numpy as jnp
     from flax import nnx
 
-    from preheat.bench.fp8 import kernels, one_gemm_on_fp8
+    from benchmarks.fp8 import kernels, one_gemm_on_fp8
     from preheat.models.layers import Conv2d
     from preheat.models.storage import upcast
     from preheat.models.weights import build_abstract
@@ -536,7 +536,7 @@ def test_on_the_h200_an_fp8_embedding_widens_only_the_rows_it_gathers(scale):
     import jax.numpy as jnp
     from flax import nnx
 
-    from preheat.bench.fp8 import kernels
+    from benchmarks.fp8 import kernels
     from preheat.models.layers import Embedding
     from preheat.models.quantised import Quantised
     from preheat.models.storage import upcast

@@ -9,10 +9,10 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
-__all__ = ["timed", "round_robin_ms", "summary", "machine_line", "ARCHITECTURES", "write_pixel_architecture", "fmt_summary", "write_json",
-           "equations", "Condition", "Timed", "time_interleaved", "condition_rows", "conditions_table", "load_average"]
+__all__ = ["timed", "summary", "machine_line", "ARCHITECTURES", "write_pixel_architecture", "fmt_summary", "write_json",
+           "Condition", "Timed", "time_interleaved", "condition_rows", "conditions_table", "load_average"]
 
 # Published architectures, for random-weight benchmark models (config.json of the checkpoint).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -59,24 +59,6 @@ def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
     return out
 
 
-def round_robin_ms(calls: Mapping[str, Callable[[], Any]], rounds: int, per_call: int = 1) -> dict[str, float]:
-    """Median milliseconds of each of ``calls`` (each returns JAX arrays, waited for), over
-    ``rounds`` rounds that time every call once, in turn: drifting load on a shared machine then
-    moves all of them alike, so their ratios hold. A first call of each, untimed, pays its
-    first-execution work. ``per_call``: a call runs that many layers, and the times are per layer."""
-    import jax
-
-    for fn in calls.values():
-        jax.block_until_ready(fn())
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, fn in calls.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append((time.perf_counter() - start) * 1e3 / per_call)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
@@ -113,18 +95,6 @@ def write_json(path: Path | None, data: Any) -> None:
     from preheat.files import atomic_write_bytes
 
     atomic_write_bytes(path, (json.dumps(data, indent=2, default=str) + "\n").encode())
-
-
-def equations(jaxpr: Any) -> Iterator[Any]:
-    """Every equation of ``jaxpr`` and of the jaxprs its equations hold (scan, cond and pjit bodies,
-    custom rules), depth first: what a count of a program's primitives must walk."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from equations(inner)
 
 
 class Condition(NamedTuple):
@@ -190,41 +160,11 @@ def conditions_table(rows: list[dict[str, Any]],
     return lines
 
 
-def plain_call(pipe: Any, steps: int, size: tuple[int, int] | None) -> tuple[dict[str, Any], tuple[int, int]]:
-    """A conditions bench's common call: ``steps``, seed 0, the required inputs at their examples, at
-    ``size`` (the model's own when None) -- its ``generate`` keywords and its (width, height)."""
-    from preheat.families.inputs import IMAGE_SIZE, example_inputs
-
-    width, height = size if size is not None else pipe.family.native_size(pipe)
-    inputs = {"steps": steps, "seed": 0, **example_inputs(pipe.family.input_specs(pipe)),
-              **IMAGE_SIZE.inputs((width, height))}
-    return inputs, (width, height)
-
-
 def ratio(rows: list[dict[str, Any]], a: str, b: str, of: str = "images_per_s") -> float:
     """Condition ``a``'s ``of`` over condition ``b``'s (:func:`condition_rows`; "denoise_s": the medians)."""
     by = {r["condition"]: r for r in rows}
     mine, theirs = by[a][of], by[b][of]
     return (mine["median"] / theirs["median"]) if isinstance(mine, dict) else mine / theirs
-
-
-def condition_header(model: str | None, pipe: Any, sig: Any, n: int, steps: int, dtype: str, repeats: int,
-                     size: tuple[int, int]) -> dict[str, Any]:
-    """What an in-process conditions bench ran (the model, its call, the machine and its load): the
-    fields :func:`header_line` reads, its result's first ones."""
-    return {"model": model or "built-in:digits", "family": pipe.family.name, "machine": machine_line(),
-            "load_average": load_average(), "n": n, "steps": steps, "dtype": dtype, "repeats": repeats,
-            "sampler": pipe.defaults["sampler"], "guided": bool(sig.guided), "size": list(size),
-            "sample_shape": list(sig.sample_shape)}
-
-
-def header_line(result: Mapping[str, Any], beside: str) -> str:
-    """A conditions bench's first markdown line: the model and what runs ``beside`` it, the call, the machine."""
-    load = result["load_average"]
-    return (f"**{result['model']}** ({result['family']}) + {beside}, batch {result['n']}, {result['steps']} steps "
-            f"{result['sampler']}{' +cfg' if result['guided'] else ''}, {result['size'][0]}x{result['size'][1]} "
-            f"(latents {result['sample_shape']}), {result['dtype']}, {result['repeats']} rounds — {result['machine']}"
-            + (f"; load average {load[0]:.1f}" if load else ""))
 
 
 def load_average() -> tuple[float, float, float] | None:

@@ -10,7 +10,7 @@ encoder's vocab size, so every prompt encodes, and the compute is the real model
 ``save_random_flux_tiny(out)`` / ``save_random_sd1_tiny(out)`` write the same pipelines at the
 scale of the test suite's tiny folders (``tests/families/*_fixtures.py``: one or two blocks of
 width 32, 32x32 images, 16x16 latents), for benchmarks of compile behaviour rather than of
-compute (``preheat bench torch-shapes``).
+compute (``benchmarks/shapes.py``).
 
 ``save_random_flux(out)`` writes a ``FluxPipeline`` folder at FLUX.1-dev's published widths with
 fewer layers (a full 12-billion-parameter model does not fit this benchmark): the transformer
@@ -23,7 +23,7 @@ SentencePiece-style Unigram written here with ``tokenizers`` (ids far below T5's
 write the whole published architectures (SDXL base 1.0: 2.6 B UNet parameters, CLIP-L and
 OpenCLIP bigG; FLUX.1-dev: 19 + 38 blocks, 12 B parameters, T5-XXL's 24 layers), in bfloat16,
 built on a CUDA device when torch has one (initialising 12 B parameters on a CPU takes minutes):
-the GPU check's head-to-head rows (``scripts/gpu_measure.py``), not a CPU's.
+a GPU's head-to-head rows (docs/gpu.md), not a CPU's.
 """
 
 from __future__ import annotations

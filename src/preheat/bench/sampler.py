@@ -18,7 +18,7 @@ from typing import Any
 from preheat.bench.common import fmt_summary, machine_line, summary, timed
 from preheat.bench.random_models import materialize_model
 
-__all__ = ["bench_sampler", "bench_profile", "matmul_gflops", "markdown"]
+__all__ = ["bench_sampler", "matmul_gflops", "markdown"]
 
 
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
@@ -126,28 +126,6 @@ def _with_and_without_progress(pipe: Any, program: Any, b: int, repeats: int,
         if reporter.step != inputs["steps"]:
             raise RuntimeError(f"the progress program reported {reporter.step} of {inputs['steps']} steps")
     return times
-
-
-def bench_profile(model: str | None, batch: int | None, workdir: Path) -> tuple[str, dict[str, Any]]:
-    """The per-op-class breakdown of one denoiser call (``preheat.bench.profile``); pixel models.
-    Default batch: a model batch of 16 (8 images under guidance)."""
-    import preheat
-    from preheat.bench import profile
-    from preheat.engine import BUILTIN_MODEL
-    from preheat.errors import InvalidArgumentError
-
-    folder = Path(materialize_model(model, workdir) or BUILTIN_MODEL)
-    unet_dir = folder / "unet" if (folder / "unet").is_dir() else folder
-    pipe = preheat.load(str(folder), cache="off")
-    if pipe.family.name != "pixel":
-        raise InvalidArgumentError(f"--profile measures pixel UNet models; {folder} is a {pipe.family.name} model")
-    if batch is None:
-        batch = 8 if pipe.prepare(1, steps=2, seed=0)[0].guided else 16
-    result = profile.profile_model(pipe, str(unet_dir), batch)
-    result["model"] = model or "built-in:digits"
-    result["machine"] = machine_line()
-    text = f"**{result['model']}** — {result['machine']}\n\n" + profile.markdown(result)
-    return text, result
 
 
 def markdown(result: dict[str, Any]) -> str:

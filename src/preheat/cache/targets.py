@@ -222,7 +222,7 @@ def compile_only_platforms() -> None:
     compile needs ("topology not implemented for cuda"). A process that compiles for a target
     runs nothing on a GPU of its own, so when the user chose no platforms and JAX has not started
     yet, it runs on the CPU: the plugin then registers without that check, as in jax's own
-    deviceless tests. Called before JAX starts (``warm --target``, ``bench target``)."""
+    deviceless tests. Called before JAX starts (``warm --target``, ``benchmarks/target.py``)."""
     import jax
     from jax._src import xla_bridge
 

@@ -33,28 +33,17 @@ def bench_group() -> None:
 @common_option("sampler")
 @click.option("--repeats", default=3, show_default=True, type=POSITIVE)
 @size_options("Text-to-image models:")
-@click.option("--profile", is_flag=True,
-              help="Instead: where one denoiser call's time goes, per op class, JAX vs torch.compile (pixel "
-                   "models; model batch 16: batch 8 guided, else 16; --n sets the images).")
 @output_options()
 @renamed_option("--batch", "n", "--n")
 @one_line_errors
 def sampler_command(model: str | None, n: tuple[int, ...], steps: int, sampler: str | None, repeats: int,
-                    size: tuple[int, int] | None, profile: bool, json_out: Path | None, as_json: bool) -> None:
+                    size: tuple[int, int] | None, json_out: Path | None, as_json: bool) -> None:
     """Loop overhead, images/s and achieved GFLOP/s (and, for text-to-image models, the share of
     text encoding and VAE decoding). MODEL: a folder, random:NAME (random weights: random:sd15,
     random:ddpm-cifar10-32, ...), or nothing for the built-in model."""
     from preheat.bench.common import write_json
     from preheat.bench.sampler import bench_sampler, markdown
 
-    if profile:
-        from preheat.bench.sampler import bench_profile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            text, result = bench_profile(model, n[0] if n else None, Path(tmp))
-        echo_result(result, text, as_json)
-        write_json(json_out, result)
-        return
     with tempfile.TemporaryDirectory() as tmp:
         result = bench_sampler(model, list(n) or [1, 8, 32], steps, sampler, repeats, Path(tmp), size)
     echo_result(result, markdown(result), as_json)
@@ -85,52 +74,6 @@ def lora_command(model: str, n: int, steps: int, rank: int, repeats: int, dtype:
     with tempfile.TemporaryDirectory() as tmp:
         result = bench_lora(model, n, steps, rank, repeats, Path(tmp), dtype=dtype,
                             size=size)
-    echo_result(result, markdown(result), as_json)
-    write_json(json_out, result)
-
-
-@bench_group.command("controlnet")
-@click.argument("model", required=False, default="random:sd-small")
-@common_option("n", default=4, help="Batch size.")
-@common_option("steps", default=4, help="Denoising steps.")
-@click.option("--repeats", default=5, show_default=True, type=POSITIVE, help="Rounds, each timing every condition once.")
-@click.option("--dtype", default="float32", show_default=True)
-@size_options()
-@output_options()
-@one_line_errors
-def controlnet_command(model: str, n: int, steps: int, repeats: int, dtype: str, size: tuple[int, int] | None,
-                       json_out: Path | None, as_json: bool) -> None:
-    """Images/s of a call with a ControlNet beside the UNet vs without one, and with the ControlNet's
-    window at half the steps, in one run. MODEL: an SD 1.x/2.x or SDXL folder, or random:sd-small /
-    random:sd15 / random:sdxl (random weights); the ControlNet is a random one made from its UNet."""
-    from preheat.bench.common import write_json
-    from preheat.bench.controlnet import bench_controlnet, markdown
-
-    with tempfile.TemporaryDirectory() as tmp:
-        result = bench_controlnet(model, n, steps, repeats, Path(tmp), dtype=dtype, size=size)
-    echo_result(result, markdown(result), as_json)
-    write_json(json_out, result)
-
-
-@bench_group.command("refiner")
-@click.argument("model", required=False, default="random:sdxl-tiny")
-@common_option("n", default=2, help="Batch size.")
-@common_option("steps", default=10, help="Denoising steps.")
-@click.option("--repeats", default=5, show_default=True, type=POSITIVE, help="Rounds, each timing every condition once.")
-@click.option("--dtype", default="float32", show_default=True)
-@size_options()
-@output_options()
-@one_line_errors
-def refiner_command(model: str, n: int, steps: int, repeats: int, dtype: str, size: tuple[int, int] | None,
-                    json_out: Path | None, as_json: bool) -> None:
-    """Images/s of an SDXL call that a refiner finishes (the ensemble of experts, denoising_end 0.8) vs
-    the base alone, and with the refiner held but not run, in one run. MODEL: an SDXL base folder, or
-    random:sdxl-tiny / random:sdxl (random weights); the refiner is a random one of its UNet's widths."""
-    from preheat.bench.common import write_json
-    from preheat.bench.refiner import bench_refiner, markdown
-
-    with tempfile.TemporaryDirectory() as tmp:
-        result = bench_refiner(model, n, steps, repeats, Path(tmp), dtype=dtype, size=size)
     echo_result(result, markdown(result), as_json)
     write_json(json_out, result)
 
@@ -233,66 +176,6 @@ def required_example_args(folder: str | None, args: tuple[str, ...], workdir: Pa
             value = example_inputs((spec,))[spec.name]
         out += (spec.cli_flag, str(value))
     return out
-
-
-@bench_group.command("target")
-@click.option("--target", "target_name", default="h200", show_default=True, metavar="NAME|FILE",
-              help="The GPU compiled for (as `preheat warm --target`).")
-@click.option("--no-full-size", is_flag=True, help="Leave out the full-size SD 1.5 and SDXL UNets.")
-@output_options()
-@one_line_errors
-def target_command(target_name: str, no_full_size: bool, json_out: Path | None, as_json: bool) -> None:
-    """Deviceless GPU compile time per stage against the same programs' CPU compile, and bytes."""
-    from preheat.bench.common import write_json
-    from preheat.bench.target import bench_target, markdown
-
-    with tempfile.TemporaryDirectory() as tmp:
-        result = bench_target(target_name, Path(tmp), full_size=not no_full_size)
-    echo_result(result, markdown(result), as_json)
-    write_json(json_out, result)
-
-
-@bench_group.command("torch-shapes")
-@click.argument("models", nargs=-1)
-@click.option("--resolutions", default="32,48,64", show_default=True,
-              help="Square image sizes, comma-separated, in the order served (the first is stored alone for the "
-                   "partial row).")
-@click.option("--mode", type=click.Choice(["regional", "full"]), default="regional", show_default=True)
-@common_option("steps", default=2, help="Denoising steps.")
-@click.option("--repeats", default=5, show_default=True, type=int, help="Steady-state calls per resolution.")
-@click.option("--threads", type=int, help="torch threads in the children (default: torch's own).")
-@click.option("--timeout", default=1800.0, show_default=True, type=POSITIVE_SECONDS, help="Seconds per child process.")
-@output_options()
-@one_line_errors
-def torch_shapes_command(models: tuple[str, ...], resolutions: str, mode: str, steps: int, repeats: int,
-                         threads: int | None, timeout: float, json_out: Path | None, as_json: bool) -> None:
-    """preheat.torch.compile per-resolution entries (dynamic=False) vs one symbolic-shape entry
-    (dynamic=True, duck shapes off): compile seconds per resolution, steady state, warm starts,
-    in fresh processes. MODELS: folders or random:flux-tiny / random:sd1-tiny (default both)."""
-    from preheat.bench.common import write_json
-    from preheat.bench.shapes import MODELS, bench_torch_shapes, markdown
-    from preheat.errors import InvalidArgumentError
-
-    try:
-        sizes = tuple(int(s) for s in resolutions.split(",") if s.strip())
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) <= 0 or len(set(sizes)) != len(sizes):
-        raise InvalidArgumentError(f"--resolutions {resolutions!r} must be distinct comma-separated positive ints")
-    if repeats < 1 or (threads is not None and threads < 1):
-        raise InvalidArgumentError("--repeats and --threads must be >= 1")
-    from preheat.bench.random_models import PREFIX, RANDOM_MODELS, random_name
-    from preheat.errors import ModelNotFoundError
-
-    for model in models:
-        if random_name(model) is None and not (Path(model).expanduser() / "model_index.json").is_file():
-            raise ModelNotFoundError(f"{model} is neither a diffusers pipeline folder nor one of "
-                                     f"{', '.join(PREFIX + n for n in RANDOM_MODELS)}")
-    with tempfile.TemporaryDirectory(prefix="preheat-shapes-") as tmp:
-        result = bench_torch_shapes(models or MODELS, sizes, mode, steps, repeats, Path(tmp), timeout,
-                                    threads, log=lambda line: click.echo(line, err=True))
-    echo_result(result, markdown(result), as_json)
-    write_json(json_out, result)
 
 
 def _parse_sizes(text: str) -> tuple[int, ...]:

@@ -4,7 +4,7 @@ applies its weight (``PREHEAT_FP8_1X1``).
 
 Why a switch: XLA:CPU's convolutions once ran well below its matrix products, so the same
 convolution can be written as matrix products (per tap, or im2col) and measured against XLA's own
-(``preheat bench sampler --profile``; docs/benchmarks.md, issue 21). ``auto`` is XLA's
+(``benchmarks/op_profile.py``; docs/benchmarks.md, issue 21). ``auto`` is XLA's
 convolution on every device that runs the program, the fastest measured on CPU and what cuDNN
 wants on GPUs, and ``taps`` in a deviceless compile for a GPU (``preheat warm --target``): XLA
 leaves a cuDNN convolution's algorithm unchosen there (choosing is timing), and the H200 rejected

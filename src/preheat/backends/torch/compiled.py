@@ -32,7 +32,7 @@ its own entry: no surprise recompiles once the served sizes are warm, and the ch
 for the few sizes a server warms up. ``dynamic=True`` compiles symbolic shapes with duck shapes
 off (``use_duck_shape`` patched to False around every call, so equal sizes are not tied to each
 other); sizes other than 0 and 1 then share one entry, and no new size ever compiles. Measured
-both ways by ``preheat bench torch-shapes`` (docs/benchmarks.md, issue 14): on the tiny Flux
+both ways by ``benchmarks/shapes.py`` (docs/benchmarks.md, issue 14): on the tiny Flux
 and SD 1.x, dynamic's one compile is 1.2-1.3x a static one, each further static size 7-15 s,
 and a dynamic warm first call 1.9-2.8x a static one (each block traced twice: a width equal to
 a weight's size is specialised after a restart).
