@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from preheat.platforms._base import Attention, AttentionLayer, ConvLayer, Platform
 
-__all__ = ["TpuPlatform", "FLASH_MIN_TOKENS", "IM2COL_MIN_BATCH", "flash_block"]
+__all__ = ["TpuPlatform", "FLASH_MIN_TOKENS", "IM2COL_MIN_BATCH", "flash_block", "flash_choice"]
 
 FLASH_MIN_TOKENS = 2048  # queries and keys both this long: the flash kernel (module docstring)
 IM2COL_MIN_BATCH = 8  # a convolution's batch from which im2col replaces XLA's convolution
@@ -45,6 +45,13 @@ def flash_block(length: int) -> int:
     return _PAD_BLOCK if length >= _PAD_BLOCK else _LANES
 
 
+def flash_choice(layer: AttentionLayer) -> Attention:
+    """The flash kernel for ``layer``: its blocks, and its head dim (up to 128 as it is, above in
+    multiples of 128)."""
+    head_dim = layer.head_dim if layer.head_dim <= _LANES else -(-layer.head_dim // _LANES) * _LANES
+    return Attention("flash", block_q=flash_block(layer.q_len), block_k=flash_block(layer.kv_len), head_dim=head_dim)
+
+
 class TpuPlatform(Platform):
     """TPUs (jax's "tpu" devices, libtpu)."""
 
@@ -55,9 +62,7 @@ class TpuPlatform(Platform):
         long = min(layer.q_len, layer.kv_len) >= FLASH_MIN_TOKENS
         if not long or layer.masked or layer.dtype not in ("bfloat16", "float32"):
             return Attention("xla")
-        head_dim = layer.head_dim if layer.head_dim <= _LANES else -(-layer.head_dim // _LANES) * _LANES
-        return Attention("flash", block_q=flash_block(layer.q_len), block_k=flash_block(layer.kv_len),
-                         head_dim=head_dim)
+        return flash_choice(layer)
 
     def conv_form(self, layer: Optional[ConvLayer], deviceless: bool = False) -> str:
         if layer is not None and layer.kernel > 1 and layer.batch >= IM2COL_MIN_BATCH:
