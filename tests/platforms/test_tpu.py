@@ -1,5 +1,5 @@
 """The TPU's description: the flash kernel for long self-attention (SDXL's, SD 1.5's and Flux's
-4096-4608 tokens), XLA's for cross-attention and short sequences, blocks that divide the sequence
+1024-4608 tokens), XLA's for cross-attention and short sequences, blocks that divide the sequence
 where one does, head dims above 128 padded; im2col convolutions from batch ``IM2COL_MIN_BATCH``.
 A trace for the TPU lowers the kernel for the chip (a Mosaic call), deviceless, here."""
 
@@ -23,13 +23,15 @@ def _choice(q_len, kv_len, head_dim=64, dtype="bfloat16", masked=False):
 
 @pytest.mark.parametrize("q_len, kv_len, head_dim, expected", [
     (4096, 4096, 64, platforms.Attention("flash", 1024, 1024, 64)),  # SDXL 1024^2, measured 2.0 ms vs 4.7
-    (4096, 4096, 40, platforms.Attention("flash", 1024, 1024, 40)),  # SD 1.5 512^2, first blocks
+    (4096, 4096, 40, platforms.Attention("flash", 1024, 1024, 64)),  # SD 1.5 512^2, first blocks: run at 64
+    (1024, 1024, 80, platforms.Attention("flash", 1024, 1024, 128)),  # SD 1.5's second blocks: at 128
+    (1024, 1024, 64, platforms.Attention("flash", 1024, 1024, 64)),  # SDXL's 32^2 blocks: 0.78 ms vs 1.16
     (4096, 4096, 160, platforms.Attention("flash", 1024, 1024, 256)),  # a 160-wide head, padded
     (4608, 4608, 128, platforms.Attention("flash", 512, 512, 128)),  # Flux 1024^2: 4096 + 512 text tokens
     (4173, 4173, 64, platforms.Attention("flash", 512, 512, 64)),  # no block divides: padded to 4608
     (4096, 77, 64, platforms.Attention("xla")),  # cross-attention to the text
     (4096, 154, 64, platforms.Attention("xla")),
-    (1024, 1024, 64, platforms.Attention("xla")),  # SDXL's 32^2 blocks: XLA's as fast (0.2-1.1 ms vs 0.77)
+    (256, 256, 160, platforms.Attention("xla")),  # SD 1.5's 8^2 blocks: short
 ])
 def test_the_flash_kernel_takes_long_self_attention(q_len, kv_len, head_dim, expected):
     assert _choice(q_len, kv_len, head_dim) == expected
