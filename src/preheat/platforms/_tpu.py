@@ -30,7 +30,9 @@ Convolutions: libtpu's compiler overflowed its stack (SIGSEGV in
 compiled and ran, as did SDXL at batch 1 (2 latents, 128x128); with every convolution an im2col
 matrix product (``PREHEAT_CONV=im2col``) batch 8 compiled and ran at 0.81 s/image. A crash cannot
 be tested without the chip, and the batches between 4 and 16 were never tried, so the choice is
-conservative: im2col from ``IM2COL_MIN_BATCH`` latents a convolution, XLA's convolution below.
+conservative: from ``IM2COL_MIN_BATCH`` latents a convolution, every convolution is a matrix
+product (3x3 ones im2col, 1x1 ones a plain product: no convolution is left for libtpu's convolution
+emitter), XLA's convolution below. ``scripts/tpu_conv.py`` measures where the line should be.
 """
 
 from __future__ import annotations
@@ -80,6 +82,6 @@ class TpuPlatform(Platform):
         return flash_choice(layer)
 
     def conv_form(self, layer: Optional[ConvLayer], deviceless: bool = False) -> str:
-        if layer is not None and layer.kernel > 1 and layer.batch >= IM2COL_MIN_BATCH:
+        if layer is not None and layer.batch >= IM2COL_MIN_BATCH:  # 1x1 kernels too: a matrix product
             return "im2col"
         return "conv"
