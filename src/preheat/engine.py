@@ -63,6 +63,8 @@ from preheat.families.base import Family, LoadedModel, Request, StageSignature, 
 from preheat.families.components import Components, PixelComponents
 from preheat.families.guidance import guidance_rescale
 from preheat.families.stages import DenoiseArgs, LoraArgs
+# re-exported: the engine is where callers have found them
+from preheat.model_source import BUILTIN_MODEL, BUILTIN_MODELS, BUILTIN_PREFIX, RANDOM_PREFIX, model_root  # noqa: F401
 from preheat.progress import Progress, Reporter, current, reporting
 from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
 from preheat.samplers import SchedulerConfig, SolverSpec, load_scheduler_config, make_spec, run
@@ -74,35 +76,8 @@ if TYPE_CHECKING:
 __all__ = ["Pipeline", "load_jax_pipeline", "BUILTIN_MODEL", "BUILTIN_MODELS", "model_root", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
            "DenoiseArgs", "build_program", "rescaled_guidance", "make_compiler"]
 
-BUILTIN_MODEL = Path(__file__).parent / "assets" / "digits"
-# ``builtin:NAME``: the models shipped in the package (trained by ``preheat train-digits`` and
-# ``preheat train-text-digits``); no name at all is the digits one.
-BUILTIN_MODELS = {"digits": BUILTIN_MODEL, "text-digits": Path(__file__).parent / "assets" / "text_digits"}
-BUILTIN_PREFIX = "builtin:"
 # whom each second model folder of ``load`` applies to (its family's loader takes it by that name)
 COMPANION_MODELS = {"controlnet": "Stable Diffusion 1.x/2.x and SDXL models", "refiner": "SDXL base models"}
-
-
-def model_root(model: Any, variant: str | None = None) -> Path:
-    """The local folder of a model argument: None and ``builtin:NAME`` are the shipped models; a
-    folder as it is; http(s):// and hf:// sources from the weights store (pulled once)."""
-    if model is None:
-        return BUILTIN_MODEL
-    text = str(model)
-    if text.startswith(BUILTIN_PREFIX):
-        name = text[len(BUILTIN_PREFIX):]
-        if name not in BUILTIN_MODELS:
-            raise InvalidArgumentError(f"unknown built-in model {text!r}; choose from "
-                                       f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)}", argument="model")
-        if not (BUILTIN_MODELS[name] / "model_index.json").is_file():
-            from preheat.errors import ModelNotFoundError
-
-            raise ModelNotFoundError(f"{text} is not installed ({BUILTIN_MODELS[name]}); "
-                                     f"`preheat train-{name} --out DIR` trains it, then pass DIR")
-        return BUILTIN_MODELS[name]
-    from preheat.store import resolve
-
-    return resolve(text, variant=variant)
 
 Denoiser = Callable[..., jax.Array]
 """``fn(params, x, t, cond, lora=None) -> prediction``: x (B, *sample_shape), t (B,) float32, cond a
@@ -506,7 +481,7 @@ class Pipeline:
 def _source_id(source: str | Path) -> str:
     """A model source as a start-up's identity: a folder's absolute path, a URI as given."""
     text = str(source)
-    return text if "://" in text else str(Path(text).resolve())
+    return text if "://" in text or text.startswith((BUILTIN_PREFIX, RANDOM_PREFIX)) else str(Path(text).resolve())
 
 
 def _lowered_fingerprint(fn: Callable, params: Any, shape: tuple[int, ...], dtype: str, labels: bool) -> str:
@@ -557,7 +532,8 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     """A JAX sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
 
     ``model``: a diffusers-format folder, or a source for the weights store (``hf://org/repo[@rev]``,
-    an ``http(s)://`` tarball), read from the store with no network once pulled. The family is
+    an ``http(s)://`` tarball), read from the store with no network once pulled; ``builtin:NAME``
+    or ``random:NAME`` (a random-weight folder written once; ``preheat.model_source``). The family is
     chosen from ``model_index.json``'s ``_class_name`` (or a bare model's ``config.json``); see
     ``preheat.families``.
 

@@ -97,7 +97,7 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
     console = Console(stderr=True, quiet=quiet)
     if out.suffix.lower() != ".png":
         raise InvalidArgumentError(f"--out {out} must end in .png", argument="--out")
-    resolved = resolve_model(opts.model, log=lambda line: console.print(line, soft_wrap=True))
+    resolved = resolve_model(opts.model)
     model, opts = resolved.model, opts.sized(resolved.size, resolved.inputs)  # a tiny random model: its tiny size, unless the flags give one
     backend, compile_mode = opts.backend, opts.compile_mode
     steps, sampler = opts.steps, opts.sampler
