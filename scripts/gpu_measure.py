@@ -424,7 +424,7 @@ def materialize(arch: dict[str, Any] | str, dtype: str, out: Path) -> dict[str, 
 def _sample_cmd(m: Model, folder: str, png: Path, report: Path, cache: str) -> list[str]:
     return [sys.executable, "-m", "preheat", "sample", folder, "--n", str(m.n), "--steps", str(m.steps),
             "--sampler", m.sampler, "--dtype", m.dtype, "--seed", "0", "--out", str(png), "--report", str(report),
-            "--quiet", "--cache", cache, *m.sample_args]
+            "--quiet", "--cache", cache, "--timing", *m.sample_args]  # warm_run_s: ROW_KEYS
 
 
 ROW_KEYS = ("process_start_to_first_image_s", "import_s", "weights_s", "trace_lower_s", "compile_or_load_s",
