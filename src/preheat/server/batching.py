@@ -74,15 +74,20 @@ class Batcher:
         self.clock = clock
         self._ids = itertools.count(1)
         self.stats = {"batches": 0, "images": 0, "padded": 0, "traffic_compiles": 0}
+        # a batch key not run yet is expected to take fixed_s + its steps x seconds_per_step: an engine
+        # call's cost apart from its steps (encoding, decoding, transfers, step reports) is counted
+        # once, not once a step (warm-up's 1-step calls made a 20-step batch 2-5x too long)
         self.seconds_per_step: Optional[float] = None  # engine seconds per step (warm-up, then each batch)
+        self.fixed_s = 0.0  # engine seconds per call whatever its steps (warm-up)
         # measured seconds of one engine call (encoding included), per batch key: what Retry-After reads
         self.batch_seconds: dict[tuple, float] = {}
 
     def batch_s(self, key: tuple) -> float:
-        """What one batch of ``key`` is expected to take: what the last ones took, else its steps
-        (``key[1]``) at ``seconds_per_step`` (1 s a step before anything was measured)."""
+        """What one batch of ``key`` is expected to take: what the last ones took, else the fixed
+        cost of a call plus its steps (``key[1]``) at ``seconds_per_step`` (1 s a step before
+        anything was measured)."""
         per_step = self.seconds_per_step if self.seconds_per_step is not None else 1.0
-        return self.batch_seconds.get(key, key[1] * per_step)
+        return self.batch_seconds.get(key, self.fixed_s + key[1] * per_step)
 
     def run(self, pipe: Any, buckets: tuple[int, ...], batch: list[Prediction]) -> None:
         """Run ``batch`` as one engine call in the smallest of ``buckets`` that holds it, and
@@ -120,7 +125,8 @@ class Batcher:
                 self._finish(p, "failed", error=f"{type(err).__name__}: {message}")
             return
         took = self.clock() - t0
-        per_step = took / max(1, job0.steps)
+        stepping = took - self.fixed_s if took > self.fixed_s else took  # noise past the fixed cost: all of it
+        per_step = stepping / max(1, job0.steps)
         self.seconds_per_step = per_step if self.seconds_per_step is None else 0.8 * self.seconds_per_step + 0.2 * per_step
         if not compiled:  # a compile is not what the next batch of this key will take
             last = self.batch_seconds.get(job0.batch_key)
