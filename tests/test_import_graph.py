@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     #   the config folder a single checkpoint file is read with (the store pulls what it lacks)
     ("families",),  # per-family loading over the models
     ("model_source",),  # which folder a MODEL argument names (builtin:, random:, a folder, the store)
+    ("load_options",),  # what load hands a family's loader beside the folder (second folders, offloading)
     ("engine",),  # Pipeline and preheat.load
     ("backends", "warm"),  # the torch comparison backend; the warm declaration, which drives generate
     ("api", "torch"),  # preheat.load: dispatches to the engine or the torch backend; preheat.torch.compile

@@ -64,7 +64,8 @@ from preheat.families.components import Components, PixelComponents
 from preheat.families.guidance import guidance_rescale
 from preheat.families.stages import DenoiseArgs, LoraArgs
 # re-exported: the engine is where callers have found them
-from preheat.model_source import BUILTIN_MODEL, BUILTIN_MODELS, BUILTIN_PREFIX, RANDOM_PREFIX, model_root  # noqa: F401
+from preheat.model_source import BUILTIN_MODEL, BUILTIN_MODELS, model_root  # noqa: F401
+from preheat.load_options import loader_options, source_id
 from preheat.progress import Progress, Reporter, current, reporting
 from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
 from preheat.samplers import SchedulerConfig, SolverSpec, load_scheduler_config, make_spec, run
@@ -75,9 +76,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Pipeline", "load_jax_pipeline", "BUILTIN_MODEL", "BUILTIN_MODELS", "model_root", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
            "DenoiseArgs", "build_program", "rescaled_guidance", "make_compiler"]
-
-# whom each second model folder of ``load`` applies to (its family's loader takes it by that name)
-COMPANION_MODELS = {"controlnet": "Stable Diffusion 1.x/2.x and SDXL models", "refiner": "SDXL base models"}
 
 Denoiser = Callable[..., jax.Array]
 """``fn(params, x, t, cond, lora=None) -> prediction``: x (B, *sample_shape), t (B,) float32, cond a
@@ -478,12 +476,6 @@ class Pipeline:
         return request_of.guidance(self, guidance, inputs)[0]
 
 
-def _source_id(source: str | Path) -> str:
-    """A model source as a start-up's identity: a folder's absolute path, a URI as given."""
-    text = str(source)
-    return text if "://" in text or text.startswith((BUILTIN_PREFIX, RANDOM_PREFIX)) else str(Path(text).resolve())
-
-
 def _lowered_fingerprint(fn: Callable, params: Any, shape: tuple[int, ...], dtype: str, labels: bool) -> str:
     """sha256 of the StableHLO of one denoiser call: changes whenever the traced code does."""
     import hashlib
@@ -609,26 +601,12 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         compiler.start_early(startup_id(root, {"dtype": str(dtype), "variant": variant, "fsdp": fsdp,
                                                "weights_dtype": weights_dtype, "weights_layers": weights_layers,
                                                "offload_encoders": offload_encoders, "scheduler": scheduler,
-                                               **{name: None if folder is None else _source_id(folder)
+                                               **{name: None if folder is None else source_id(folder)
                                                   for name, folder in companions.items()},
                                                "devices": None if mesh is None else
                                                [int(d.id) for d in mesh.devices.flat]}), mesh)
     loader = family_loader(root)
-    import inspect
-
-    takes = inspect.signature(loader).parameters  # what this family's loader can be given
-    options: dict[str, Any] = {}
-    if offload_encoders:
-        if "offload_encoders" not in takes:
-            raise InvalidArgumentError(f"offload_encoders applies to text-to-image models; {root} has no text "
-                                       "encoders", argument="offload_encoders")
-        options["offload_encoders"] = True
-    for name, folder in companions.items():
-        if folder is None:
-            continue
-        if name not in takes:
-            raise InvalidArgumentError(f"{name} applies to {COMPANION_MODELS[name]}; {root} is not one", argument=name)
-        options[name] = model_root(folder, variant if name == "refiner" else None)  # hf://: pulled once
+    options = loader_options(loader, root, offload_encoders, companions, variant)  # one line for a misfit
     # Prefetching: the loader checks every header and returns placeholder weights (shapes only),
     # the executables load on a background thread, then the tensors are read here.
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component

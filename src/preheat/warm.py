@@ -137,7 +137,7 @@ def progress_inputs(pipe: Any, progress: bool) -> dict[str, Any]:
     return {"progress": ignore}
 
 
-# the second model folders ``preheat.load`` takes beside the model (``engine.COMPANION_MODELS``): every
+# the second model folders ``preheat.load`` takes beside the model (``load_options.COMPANION_MODELS``): every
 # surface's settings carry them under these names
 COMPANIONS = ("controlnet", "refiner")
 
