@@ -222,7 +222,6 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                                      weights_layers, progress, config, inputs_text, name_of,
                                      input_values_text=input_values_text, controlnet=controlnet, refiner=refiner)
     names = SettingNames.by(name_of)  # set-up messages (an unusable size) name what the user wrote
-    _check_models(warm_set, name_of)  # a folder that is not there: one line, before the port is bound
     webhooks = _address_policy(webhook_allow_private, webhook_allow)
     lora_urls = _address_policy(lora_url_allow_private, lora_url_allow, "--lora-url-allow")
     fetch = _fetch_config(fetch_connect_timeout_s, fetch_deadline_s, max_lora_bytes, max_image_bytes, fetch_per_host,
@@ -255,6 +254,9 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                                webhook_allow_private or lora_url_allow_private, webhook_allow + lora_url_allow,
                                max_image_pixels, retune_idle_s, names))
 
+    # a folder that is not there: one line, before the port is bound or JAX imported (a Ray cluster's
+    # replicas may read folders this machine does not have: they report their own set-up)
+    _check_models(warm_set, name_of)
     from preheat.server.core import CoreConfig
     from preheat.server.serve import serve
 
