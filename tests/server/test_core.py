@@ -116,7 +116,7 @@ def test_expected_drain_time_counts_steps_and_batches(pipe: Any) -> None:
     try:
         assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
         assert core.batcher.seconds_per_step is not None and core.batcher.seconds_per_step > 0  # measured by warm-up
-        assert core.batcher.fixed_s >= 0 and any("a step (what Retry-After expects" in line for line in core.setup.logs)
+        assert core.batcher.fixed_s >= 0 and "; a batch of 2: " in core.setup.logs[-1] and "s a step" in core.setup.logs[-1]
         core.pause()
         core.batcher.fixed_s, core.batcher.seconds_per_step = 0.25, 0.125  # known costs: the sums below are exact
         assert core.expected_drain_s() == 0 and core.retry_after() == 1

@@ -526,7 +526,9 @@ class Core:
         if self.retuner is not None and self.retuner.waiting:
             self._setup_log(f"{self.retuner.waiting} executable(s) served from entries compiled without autotuning; "
                             f"each is retuned after {self.config.retune_idle_s:g}s idle")
-        self._setup_log(f"ready in {total:.2f}s; buckets {list(self.buckets)}; samplers {list(self.samplers)}")
+        per_call = ("" if cost is None else f"; a batch of {self.buckets[-1]}: {cost.fixed_s:.3f}s + "
+                    f"{cost.per_step_s:.3f}s a step")  # what Retry-After expects of a kind not run yet
+        self._setup_log(f"ready in {total:.2f}s; buckets {list(self.buckets)}; samplers {list(self.samplers)}{per_call}")
 
     def _prepare_retune(self, pipe: Any) -> None:
         """Before warm-up: the idle retune collects what warm-up serves from not-autotuned

@@ -81,8 +81,6 @@ def warm_up(pipe: Any, sigs: list[WarmSignature], largest: int, metrics: CoreMet
         cost = step_cost(pipe, slowest)
     except PreheatError:  # a sampler that refuses 3 steps: the 1-step call, all of it a step (too long)
         return StepCost(0.0, first)
-    say(f"warm-up: a batch of {largest} costs {cost.fixed_s:.3f}s + {cost.per_step_s:.3f}s a step "
-        "(what Retry-After expects of a kind not run yet)")
     return cost
 
 
