@@ -342,6 +342,10 @@ class SteppedPipe(GatedPipe):
     def __init__(self, pipe: Any, clock: FakeClock, fixed: float, per_step: float) -> None:
         super().__init__(pipe)
         self.clock, self.fixed, self.per_step, self.steps = clock, fixed, per_step, 1
+        # a batch that reports its steps: each moves the clock by ``batch_per_step`` (the machine
+        # slower than at warm-up, say), and step ``pause_at`` waits for ``resume`` (None: no pause)
+        self.batch_per_step, self.pause_at = per_step, None
+        self.paused, self.resume = threading.Event(), threading.Event()
 
     @property
     def last(self) -> Any:
@@ -355,8 +359,21 @@ class SteppedPipe(GatedPipe):
 
     def run(self, request: Any, **kwargs: Any) -> Any:
         self.steps = request.steps
-        out = super().run(request, **kwargs)  # past the gate: the batch's time passes as it ends
-        self.clock.advance(self.fixed + request.steps * self.per_step)
+        report = kwargs.get("progress")
+        if report is None:
+            out = super().run(request, **kwargs)  # past the gate: the batch's time passes as it ends
+            self.clock.advance(self.fixed + request.steps * self.per_step)
+            return out
+
+        def stepped(step: int, total: int) -> None:
+            self.clock.advance(self.batch_per_step)
+            report(step, total)
+            if step == self.pause_at:
+                self.paused.set()
+                assert self.resume.wait(120)
+
+        out = super().run(request, **{**kwargs, "progress": stepped})
+        self.clock.advance(self.fixed)
         return out
 
 
@@ -397,4 +414,40 @@ def test_retry_after_under_a_burst_is_within_2x_of_the_drain(pipe: Any) -> None:
             assert old > 2 * drained, (old, drained)
     finally:
         timed.gate.set()
+        core.close()
+
+
+def test_retry_after_while_a_burst_runs_reads_the_running_batch_pace(pipe: Any) -> None:
+    """While the burst's first batch runs and reports its steps, a refused request is told at that
+    batch's pace, not warm-up's (here the machine got 5x slower since: 0.1 s a step, not 0.02 s):
+    5 of its 20 steps done in 0.5 s, a full queue of 20-step requests is told within 2x of its
+    drain, and not less than it; warm-up's rate would have said under half of it."""
+    fixed, per_step, slow, steps = 0.6, 0.02, 0.1, 20
+    clock = FakeClock()
+    timed = SteppedPipe(pipe, clock, fixed, per_step)
+    core = Core(CoreConfig(max_batch_size=2, max_queue=4, batch_wait_ms=0), pipe=timed, clock=clock).start()
+    try:
+        assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+        timed.batch_per_step, timed.pause_at = slow, 5
+        body = {"num_inference_steps": steps, "class_label": 1}
+        async_ = {"Prefer": "respond-async"}
+        with serving(core) as server, httpx.Client(base_url=server.url, timeout=120) as c:
+            first = c.post("/predictions", json={"input": {**body, "seed": 0}}, headers=async_)
+            assert first.status_code == 202 and timed.paused.wait(60)
+            timed.pause_at = None  # the later batches run through
+            queued = [c.post("/predictions", json={"input": {**body, "seed": s}}, headers=async_) for s in range(1, 5)]
+            assert [r.status_code for r in queued] == [202] * 4
+            full = c.post("/predictions", json={"input": {**body, "seed": 9}})
+            assert full.status_code == 409, full.text
+            said = int(full.headers["retry-after"])
+            start = clock()
+            timed.resume.set()
+            assert core.wait_idle(120)
+            drained = clock() - start  # 15 steps and the fixed cost, then two batches of 20 steps
+            assert drained == pytest.approx((steps - 5) * slow + fixed + 2 * (fixed + steps * slow))
+            assert drained <= said <= 2 * drained, (said, drained)
+            at_warm_up_rate = (fixed + steps * per_step - 5 * slow) + 2 * (fixed + steps * per_step)
+            assert at_warm_up_rate < drained / 2, (at_warm_up_rate, drained)
+    finally:
+        timed.resume.set()
         core.close()
