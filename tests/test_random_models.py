@@ -98,6 +98,17 @@ def test_serve_and_warm_take_random_names_at_their_tiny_size(folders, home, monk
     assert resolve(pipe, ws).sizes == ((64, 32),)
 
 
+def test_warm_takes_a_random_name_at_its_tiny_size(folders, home, monkeypatch):
+    """`preheat warm random:NAME --dry-run`: the programs a server of it would run, at 32x32 (read
+    from the folder written once; nothing compiled)."""
+    monkeypatch.setenv("PREHEAT_HOME", str(home))
+    r = CliRunner().invoke(main, ["warm", "random:sd1-tiny", "--max-batch-size", "1", "--guidance", "off",
+                                  "--inputs", "none", "--dry-run", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["signatures"]
+    assert rows and all(" 32x32" in row["signature"] for row in rows), rows
+
+
 def test_a_server_serves_a_random_model_over_http(folders, home, monkeypatch):
     """A real server on 127.0.0.1 for ``random:sd1-tiny`` (as Runpod and Ray configure it: the name
     in ``CoreConfig.model``): set up from the name, a prediction at its tiny size."""

@@ -76,28 +76,6 @@ def test_serve_ray_passes_the_load_options_to_every_replica(monkeypatch: pytest.
             config.retune_idle_s) == (str(file), str(tmp_path), "fp16", "xla", "float8_e4m3fn", False, None)
 
 
-def test_serve_a_missing_folder_is_one_line_before_the_port_is_bound(tmp_path) -> None:
-    """`preheat serve MISSING` (a real process): one line and exit 1, with no uvicorn start and no
-    listening line. The port it is given is held here, listening: a serve that bound it first would
-    say it cannot listen instead."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    missing = tmp_path / "no-such-model"
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen(1)
-        port = held.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "preheat", "serve", str(missing), "--port", str(port)],
-                              capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PREHEAT_HOME": str(tmp_path / "home")})
-    assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"error: model path {missing} does not exist"], proc.stderr
-    assert proc.stdout == ""
-
-
 def test_serve_missing_second_folders_name_their_flag(tmp_path) -> None:
     for flag in ("--controlnet", "--refiner"):
         result = CliRunner().invoke(serve_command, [flag, str(tmp_path / "gone")])

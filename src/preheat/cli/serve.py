@@ -255,8 +255,10 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                                max_image_pixels, retune_idle_s, names))
 
     # a folder that is not there: one line, before the port is bound or JAX imported (a Ray cluster's
-    # replicas may read folders this machine does not have: they report their own set-up)
-    _check_models(warm_set, name_of)
+    # replicas may read folders this machine does not have: they report their own set-up), unless
+    # the platform reads the failure from /health-check (--keep-alive-on-failure: SETUP_FAILED)
+    if not keep_alive_on_failure:
+        _check_models(warm_set, name_of)
     from preheat.server.core import CoreConfig
     from preheat.server.serve import serve
 
