@@ -50,15 +50,35 @@ def test_sample_writes_grid_images_and_report_then_hits_the_cache(model, tmp_pat
     assert sorted(p.name for p in (tmp_path / "each").iterdir()) == [f"000{i}.png" for i in range(4)]
     rec = json.loads(report.read_text())
     for key in ("load_s", "weights_s", "trace_lower_s", "compile_s", "compile_or_load_s", "first_call_s",
-                "second_call_s", "per_image_s", "process_start_to_first_image_s", "cache_layer"):
+                "process_start_to_first_image_s", "cache_layer"):
         assert isinstance(rec[key], (int, float, str)), key
     assert rec["batch"] == 4 and rec["steps"] == 3 and rec["sampler"] == "dpmpp_2m"
     assert rec["cache_layer"] in ("none", "xla") and rec["trace_lower_s"] > 0
+    # one draw: no warm call timed unless asked (--timing)
+    assert not {"second_call_s", "per_image_s", "warm_run_s"} & set(rec) and "second call" not in first.stderr
     second = preheat("sample", model, "--n", 4, "--steps", 3, "--class", 7, "--out", out, "--report", report,
-                     home=tmp_path / "home")
+                     "--timing", home=tmp_path / "home")
     assert second.returncode == 0, second.stderr
     rec2 = json.loads(report.read_text())
     assert rec2["cache_layer"] == "aot" and rec2["trace_lower_s"] == 0.0  # loaded, not traced or compiled
+    assert all(isinstance(rec2[k], float) for k in ("second_call_s", "per_image_s", "warm_run_s"))
+    assert rec2["per_image_s"] == rec2["second_call_s"] / 4 and " · second call " in second.stderr
+
+
+@pytest.mark.parametrize("timing", [False, True])
+def test_sample_draws_once_unless_timing_is_asked(model, tmp_path, monkeypatch, timing):
+    """A user who asked for images gets one call (a large model's second call doubled the wait);
+    ``--timing`` keeps the warm call of the same inputs."""
+    from preheat.engine import Pipeline
+
+    calls = []
+    real = Pipeline.__call__
+    monkeypatch.setattr(Pipeline, "__call__", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    r = preheat_here("sample", model, "--n", 1, "--steps", 2, "--out", tmp_path / "s.png", "--json",
+                     *(["--timing"] if timing else []), home=tmp_path / "home", monkeypatch=monkeypatch)
+    assert r.returncode == 0, r.stderr
+    assert len(calls) == (2 if timing else 1)
+    assert ("second_call_s" in json.loads(r.stdout)) is timing
 
 
 @pytest.mark.parametrize("args,needle", [

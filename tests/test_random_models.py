@@ -83,13 +83,53 @@ def test_unknown_random_name_lists_the_names():
 
 
 def test_serve_and_warm_take_random_names_at_their_tiny_size(folders, home, monkeypatch):
+    """The declaration keeps ``random:NAME`` as given (``preheat.load`` reads its folder); resolving
+    it serves a tiny model at its tiny size unless sizes are given, for the CLI, Runpod and Ray alike."""
+    import preheat
     from preheat.cli.warm import warm_set_from_options
+    from preheat.warm import resolve
 
     monkeypatch.setenv("PREHEAT_HOME", str(home))
     ws = warm_set_from_options("random:flux-tiny", "float32", 2, None, None, "off,on")
-    assert ws.model == str(folders["flux-tiny"]) and ws.sizes == ((32, 32),)
+    assert ws.model == "random:flux-tiny" and ws.sizes == ()
+    pipe = preheat.load("random:flux-tiny", cache="off")
+    assert resolve(pipe, ws).sizes == ((32, 32),)
     ws = warm_set_from_options("random:flux-tiny", "float32", 2, None, "64x32", "off,on")
-    assert ws.sizes == ((64, 32),)
+    assert resolve(pipe, ws).sizes == ((64, 32),)
+
+
+def test_warm_takes_a_random_name_at_its_tiny_size(folders, home, monkeypatch):
+    """`preheat warm random:NAME --dry-run`: the programs a server of it would run, at 32x32 (read
+    from the folder written once; nothing compiled)."""
+    monkeypatch.setenv("PREHEAT_HOME", str(home))
+    r = CliRunner().invoke(main, ["warm", "random:sd1-tiny", "--max-batch-size", "1", "--guidance", "off",
+                                  "--inputs", "none", "--dry-run", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["signatures"]
+    assert rows and all(" 32x32" in row["signature"] for row in rows), rows
+
+
+def test_a_server_serves_a_random_model_over_http(folders, home, monkeypatch):
+    """A real server on 127.0.0.1 for ``random:sd1-tiny`` (as Runpod and Ray configure it: the name
+    in ``CoreConfig.model``): set up from the name, a prediction at its tiny size."""
+    import base64
+    import io
+
+    import httpx
+    from PIL import Image
+
+    from preheat.server.core import CoreConfig
+    from tests._support.server_fixtures import served_core
+
+    monkeypatch.setenv("PREHEAT_HOME", str(home))
+    config = CoreConfig(model="random:sd1-tiny", cache="off", max_batch_size=1, guidance=("off",), inputs=())
+    with served_core(config) as (core, server), httpx.Client(base_url=server.url, timeout=300) as client:
+        assert core.warm.sizes == ((32, 32),)
+        r = client.post("/predictions", json={"input": {"prompt": "a fox", "num_inference_steps": 1,
+                                                        "guidance_scale": 1.0}})
+        assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
+        png = base64.b64decode(r.json()["output"][0].split(",", 1)[1])
+        assert Image.open(io.BytesIO(png)).size == (32, 32)
 
 
 def test_bench_children_get_the_inputs_a_family_declares_required(folders, home, tmp_path, monkeypatch):

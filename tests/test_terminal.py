@@ -36,7 +36,7 @@ def env_of(home: Path) -> dict[str, str]:
 
 def test_sample_names_its_phases_on_a_terminal_and_not_in_a_pipe(model: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"  # an empty cache: the first call traces and compiles
-    args = preheat("sample", model, "--n", 2, "--steps", 2, "--out", tmp_path / "a.png", home=home)
+    args = preheat("sample", model, "--n", 2, "--steps", 2, "--out", tmp_path / "a.png", "--timing", home=home)
     shown = run_on_terminal(args, env=env_of(home))
     assert shown.returncode == 0, shown.plain_stderr[-2000:]
     text = shown.plain_stderr

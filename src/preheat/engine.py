@@ -63,6 +63,9 @@ from preheat.families.base import Family, LoadedModel, Request, StageSignature, 
 from preheat.families.components import Components, PixelComponents
 from preheat.families.guidance import guidance_rescale
 from preheat.families.stages import DenoiseArgs, LoraArgs
+# re-exported: the engine is where callers have found them
+from preheat.model_source import BUILTIN_MODEL, BUILTIN_MODELS, model_root  # noqa: F401
+from preheat.load_options import loader_options, source_id
 from preheat.progress import Progress, Reporter, current, reporting
 from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
 from preheat.samplers import SchedulerConfig, SolverSpec, load_scheduler_config, make_spec, run
@@ -73,36 +76,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Pipeline", "load_jax_pipeline", "BUILTIN_MODEL", "BUILTIN_MODELS", "model_root", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
            "DenoiseArgs", "build_program", "rescaled_guidance", "make_compiler"]
-
-BUILTIN_MODEL = Path(__file__).parent / "assets" / "digits"
-# ``builtin:NAME``: the models shipped in the package (trained by ``preheat train-digits`` and
-# ``preheat train-text-digits``); no name at all is the digits one.
-BUILTIN_MODELS = {"digits": BUILTIN_MODEL, "text-digits": Path(__file__).parent / "assets" / "text_digits"}
-BUILTIN_PREFIX = "builtin:"
-# whom each second model folder of ``load`` applies to (its family's loader takes it by that name)
-COMPANION_MODELS = {"controlnet": "Stable Diffusion 1.x/2.x and SDXL models", "refiner": "SDXL base models"}
-
-
-def model_root(model: Any, variant: str | None = None) -> Path:
-    """The local folder of a model argument: None and ``builtin:NAME`` are the shipped models; a
-    folder as it is; http(s):// and hf:// sources from the weights store (pulled once)."""
-    if model is None:
-        return BUILTIN_MODEL
-    text = str(model)
-    if text.startswith(BUILTIN_PREFIX):
-        name = text[len(BUILTIN_PREFIX):]
-        if name not in BUILTIN_MODELS:
-            raise InvalidArgumentError(f"unknown built-in model {text!r}; choose from "
-                                       f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)}", argument="model")
-        if not (BUILTIN_MODELS[name] / "model_index.json").is_file():
-            from preheat.errors import ModelNotFoundError
-
-            raise ModelNotFoundError(f"{text} is not installed ({BUILTIN_MODELS[name]}); "
-                                     f"`preheat train-{name} --out DIR` trains it, then pass DIR")
-        return BUILTIN_MODELS[name]
-    from preheat.store import resolve
-
-    return resolve(text, variant=variant)
 
 Denoiser = Callable[..., jax.Array]
 """``fn(params, x, t, cond, lora=None) -> prediction``: x (B, *sample_shape), t (B,) float32, cond a
@@ -503,12 +476,6 @@ class Pipeline:
         return request_of.guidance(self, guidance, inputs)[0]
 
 
-def _source_id(source: str | Path) -> str:
-    """A model source as a start-up's identity: a folder's absolute path, a URI as given."""
-    text = str(source)
-    return text if "://" in text else str(Path(text).resolve())
-
-
 def _lowered_fingerprint(fn: Callable, params: Any, shape: tuple[int, ...], dtype: str, labels: bool) -> str:
     """sha256 of the StableHLO of one denoiser call: changes whenever the traced code does."""
     import hashlib
@@ -557,7 +524,8 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     """A JAX sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
 
     ``model``: a diffusers-format folder, or a source for the weights store (``hf://org/repo[@rev]``,
-    an ``http(s)://`` tarball), read from the store with no network once pulled. The family is
+    an ``http(s)://`` tarball), read from the store with no network once pulled; ``builtin:NAME``
+    or ``random:NAME`` (a random-weight folder written once; ``preheat.model_source``). The family is
     chosen from ``model_index.json``'s ``_class_name`` (or a bare model's ``config.json``); see
     ``preheat.families``.
 
@@ -633,26 +601,12 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         compiler.start_early(startup_id(root, {"dtype": str(dtype), "variant": variant, "fsdp": fsdp,
                                                "weights_dtype": weights_dtype, "weights_layers": weights_layers,
                                                "offload_encoders": offload_encoders, "scheduler": scheduler,
-                                               **{name: None if folder is None else _source_id(folder)
+                                               **{name: None if folder is None else source_id(folder)
                                                   for name, folder in companions.items()},
                                                "devices": None if mesh is None else
                                                [int(d.id) for d in mesh.devices.flat]}), mesh)
     loader = family_loader(root)
-    import inspect
-
-    takes = inspect.signature(loader).parameters  # what this family's loader can be given
-    options: dict[str, Any] = {}
-    if offload_encoders:
-        if "offload_encoders" not in takes:
-            raise InvalidArgumentError(f"offload_encoders applies to text-to-image models; {root} has no text "
-                                       "encoders", argument="offload_encoders")
-        options["offload_encoders"] = True
-    for name, folder in companions.items():
-        if folder is None:
-            continue
-        if name not in takes:
-            raise InvalidArgumentError(f"{name} applies to {COMPANION_MODELS[name]}; {root} is not one", argument=name)
-        options[name] = model_root(folder, variant if name == "refiner" else None)  # hf://: pulled once
+    options = loader_options(loader, root, offload_encoders, companions, variant)  # one line for a misfit
     from preheat.models.footprint import check_fits  # weights that cannot fit the device: refused before any is read
     check_fits(root, dtype=dtype, variant=variant, weights_dtype=weights_dtype, weights_layers=weights_layers,
                offload_encoders=offload_encoders, mesh=mesh, fsdp=fsdp)

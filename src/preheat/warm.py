@@ -137,7 +137,7 @@ def progress_inputs(pipe: Any, progress: bool) -> dict[str, Any]:
     return {"progress": ignore}
 
 
-# the second model folders ``preheat.load`` takes beside the model (``engine.COMPANION_MODELS``): every
+# the second model folders ``preheat.load`` takes beside the model (``load_options.COMPANION_MODELS``): every
 # surface's settings carry them under these names
 COMPANIONS = ("controlnet", "refiner")
 
@@ -277,8 +277,11 @@ def resolve(pipe: Any, warm_set: WarmSet, names: SettingNames = SettingNames()) 
 
     samplers = tuple(warm_set.samplers) or (pipe.defaults["sampler"],)
     sizes = tuple(warm_set.sizes)
-    if _sized(pipe):
-        sizes = sizes or pipe.family.served_sizes(pipe)  # the family's buckets: its native (width, height)
+    if _sized(pipe) and not sizes:
+        from preheat.model_source import random_defaults
+
+        tiny = random_defaults(warm_set.model)[0]  # a tiny random:NAME model: its tiny size, not its family's
+        sizes = (tiny,) if tiny is not None else pipe.family.served_sizes(pipe)  # else the family's buckets
     placeholder = tuple(sorted(pipe.family.warm_inputs(pipe, guided=False)[0].items()))
     for size in sizes:  # a size the model cannot make fails here (a pixel model's too), never silently
         try:

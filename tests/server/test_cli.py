@@ -74,3 +74,10 @@ def test_serve_ray_passes_the_load_options_to_every_replica(monkeypatch: pytest.
     config = seen[0].core_config()  # what each replica's server runs
     assert (config.model, config.config, config.variant, config.cache, config.weights_dtype, config.progress,
             config.retune_idle_s) == (str(file), str(tmp_path), "fp16", "xla", "float8_e4m3fn", False, None)
+
+
+def test_serve_missing_second_folders_name_their_flag(tmp_path) -> None:
+    for flag in ("--controlnet", "--refiner"):
+        result = CliRunner().invoke(serve_command, [flag, str(tmp_path / "gone")])
+        assert result.exit_code == 1, result.output
+        assert result.output.strip() == f"error: {flag}: model path {tmp_path / 'gone'} does not exist"

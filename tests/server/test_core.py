@@ -116,14 +116,16 @@ def test_expected_drain_time_counts_steps_and_batches(pipe: Any) -> None:
     try:
         assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
         assert core.batcher.seconds_per_step is not None and core.batcher.seconds_per_step > 0  # measured by warm-up
+        assert core.batcher.fixed_s >= 0 and "; a batch of 2: " in core.setup.logs[-1] and "s a step" in core.setup.logs[-1]
         core.pause()
-        core.batcher.seconds_per_step = 0.125  # a known rate, so the sums below are exact
+        core.batcher.fixed_s, core.batcher.seconds_per_step = 0.25, 0.125  # known costs: the sums below are exact
         assert core.expected_drain_s() == 0 and core.retry_after() == 1
         for seed in range(3):  # one key: 3 images -> 2 batches of 100 steps
             core.submit(*core.parse({"seed": seed, "num_inference_steps": 100}))
         core.submit(*core.parse({"seed": 9, "num_inference_steps": 8}))  # another key: 1 batch of 8 steps
-        assert core.expected_drain_s() == 2 * 100 * 0.125 + 8 * 0.125
-        assert core.retry_after() == 26
+        # each batch once its fixed cost, then its steps (not the fixed cost once a step)
+        assert core.expected_drain_s() == 2 * (0.25 + 100 * 0.125) + (0.25 + 8 * 0.125)
+        assert core.retry_after() == 27
         core.resume()
         assert core.wait_idle(120)
     finally:

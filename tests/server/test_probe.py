@@ -253,6 +253,8 @@ def test_a_batch_key_never_run_is_its_steps_at_the_seconds_per_step() -> None:
     assert batcher.batch_s(key) == 6.0
     batcher.seconds_per_step = 0.25
     assert batcher.batch_s(key) == 1.5 and batcher.batch_s(("dpmpp_2m", 12, *key[2:])) == 3.0
+    batcher.fixed_s = 0.5  # a call's cost apart from its steps: once a batch
+    assert batcher.batch_s(key) == 2.0 and batcher.batch_s(("dpmpp_2m", 12, *key[2:])) == 3.5
     batcher.batch_seconds[key] = 0.75
     assert batcher.batch_s(key) == 0.75
 
@@ -283,7 +285,8 @@ def test_retry_after_is_the_expected_drain_of_measured_batches(pipe: Any) -> Non
             assert core.batcher.batch_seconds == {key_a: 2.0}
             assert c.post("/predictions", json={"input": a}).json()["status"] == "succeeded"
             assert core.batcher.batch_seconds == {key_a: 3.0}  # the moving average: 0.5 * 2 + 0.5 * 4
-            core.batcher.seconds_per_step = 0.5  # a known rate (warm-up's estimate is in real time, not on this clock)
+            # a known rate and no fixed cost (warm-up's estimate is in real time, not on this clock)
+            core.batcher.fixed_s, core.batcher.seconds_per_step = 0.0, 0.5
 
             timed.takes = [1.25]
             timed.hold()  # the next batch (key a) has run 1.25 s of its expected 3 s, and stays running
@@ -328,4 +331,123 @@ def test_retry_after_is_the_expected_drain_of_measured_batches(pipe: Any) -> Non
         assert core.batcher.batch_seconds == {key_a: 1.90625, key_b: 2.5}
     finally:
         timed.gate.set()
+        core.close()
+
+
+class SteppedPipe(GatedPipe):
+    """The real pipeline whose every call is said to take ``fixed + steps * per_step`` seconds: its
+    ``last.run_s`` (what warm-up reads) says so, and a batch moves ``clock`` by as much (what the
+    batcher measures). A machine's load moves neither."""
+
+    def __init__(self, pipe: Any, clock: FakeClock, fixed: float, per_step: float) -> None:
+        super().__init__(pipe)
+        self.clock, self.fixed, self.per_step, self.steps = clock, fixed, per_step, 1
+        # a batch that reports its steps: each moves the clock by ``batch_per_step`` (the machine
+        # slower than at warm-up, say), and step ``pause_at`` waits for ``resume`` (None: no pause)
+        self.batch_per_step, self.pause_at = per_step, None
+        self.paused, self.resume = threading.Event(), threading.Event()
+
+    @property
+    def last(self) -> Any:
+        from dataclasses import replace
+
+        return replace(self._pipe.last, run_s=self.fixed + self.steps * self.per_step)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self.steps = kwargs.get("steps") or self._pipe.defaults["steps"]
+        return super().generate(*args, **kwargs)
+
+    def run(self, request: Any, **kwargs: Any) -> Any:
+        self.steps = request.steps
+        report = kwargs.get("progress")
+        if report is None:
+            out = super().run(request, **kwargs)  # past the gate: the batch's time passes as it ends
+            self.clock.advance(self.fixed + request.steps * self.per_step)
+            return out
+
+        def stepped(step: int, total: int) -> None:
+            self.clock.advance(self.batch_per_step)
+            report(step, total)
+            if step == self.pause_at:
+                self.paused.set()
+                assert self.resume.wait(120)
+
+        out = super().run(request, **{**kwargs, "progress": stepped})
+        self.clock.advance(self.fixed)
+        return out
+
+
+def test_retry_after_under_a_burst_is_within_2x_of_the_drain(pipe: Any) -> None:
+    """The walk's finding: a burst that fills the queue before any batch of its kind has finished
+    got a Retry-After 2.7x the real drain. Warm-up's only estimate was its 1-step calls taken as a
+    step's cost, so a call's fixed cost (encoding, decoding, transfers, step reports: most of a
+    1-step call on a small model) counted once per step. Warm-up now times a warm call at 1 and 3
+    steps: the fixed cost once a batch, then the steps. On calls said to take 0.6 s + 0.02 s a step
+    (the ratio of this machine's digits model with step reports) and a clock the test drives, a
+    full queue of 20-step requests, none of its kind finished, is told within 2x of its drain; the
+    old estimate would say over 2x."""
+    fixed, per_step, steps = 0.6, 0.02, 20
+    clock = FakeClock()
+    timed = SteppedPipe(pipe, clock, fixed, per_step)
+    core = Core(CoreConfig(max_batch_size=2, max_queue=4, batch_wait_ms=0), pipe=timed, clock=clock).start()
+    try:
+        assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+        assert core.batcher.fixed_s == pytest.approx(fixed) and core.batcher.seconds_per_step == pytest.approx(per_step)
+        body = {"num_inference_steps": steps, "class_label": 1}
+        with serving(core) as server, httpx.Client(base_url=server.url, timeout=120) as c:
+            timed.hold()  # the burst's first batch runs, and stays running: nothing of its kind has finished
+            first = c.post("/predictions", json={"input": {**body, "seed": 0}}, headers={"Prefer": "respond-async"})
+            assert first.status_code == 202 and timed.entered.wait(60)
+            queued = [c.post("/predictions", json={"input": {**body, "seed": s}}, headers={"Prefer": "respond-async"})
+                      for s in range(1, 5)]
+            assert [r.status_code for r in queued] == [202] * 4
+            full = c.post("/predictions", json={"input": {**body, "seed": 9}})
+            assert full.status_code == 409, full.text
+            said = int(full.headers["retry-after"])
+            start = clock()
+            timed.gate.set()
+            assert core.wait_idle(120)
+            drained = clock() - start  # the running batch and two queued batches of two, on the driven clock
+            assert drained == pytest.approx(3 * (fixed + steps * per_step))
+            assert said <= 2 * drained, (said, drained)
+            old = 3 * steps * (fixed + per_step)  # each batch as its steps at the 1-step call's time
+            assert old > 2 * drained, (old, drained)
+    finally:
+        timed.gate.set()
+        core.close()
+
+
+def test_retry_after_while_a_burst_runs_reads_the_running_batch_pace(pipe: Any) -> None:
+    """While the burst's first batch runs and reports its steps, a refused request is told at that
+    batch's pace, not warm-up's (here the machine got 5x slower since: 0.1 s a step, not 0.02 s):
+    5 of its 20 steps done in 0.5 s, a full queue of 20-step requests is told within 2x of its
+    drain, and not less than it; warm-up's rate would have said under half of it."""
+    fixed, per_step, slow, steps = 0.6, 0.02, 0.1, 20
+    clock = FakeClock()
+    timed = SteppedPipe(pipe, clock, fixed, per_step)
+    core = Core(CoreConfig(max_batch_size=2, max_queue=4, batch_wait_ms=0), pipe=timed, clock=clock).start()
+    try:
+        assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+        timed.batch_per_step, timed.pause_at = slow, 5
+        body = {"num_inference_steps": steps, "class_label": 1}
+        async_ = {"Prefer": "respond-async"}
+        with serving(core) as server, httpx.Client(base_url=server.url, timeout=120) as c:
+            first = c.post("/predictions", json={"input": {**body, "seed": 0}}, headers=async_)
+            assert first.status_code == 202 and timed.paused.wait(60)
+            timed.pause_at = None  # the later batches run through
+            queued = [c.post("/predictions", json={"input": {**body, "seed": s}}, headers=async_) for s in range(1, 5)]
+            assert [r.status_code for r in queued] == [202] * 4
+            full = c.post("/predictions", json={"input": {**body, "seed": 9}})
+            assert full.status_code == 409, full.text
+            said = int(full.headers["retry-after"])
+            start = clock()
+            timed.resume.set()
+            assert core.wait_idle(120)
+            drained = clock() - start  # 15 steps and the fixed cost, then two batches of 20 steps
+            assert drained == pytest.approx((steps - 5) * slow + fixed + 2 * (fixed + steps * slow))
+            assert drained <= said <= 2 * drained, (said, drained)
+            at_warm_up_rate = (fixed + steps * per_step - 5 * slow) + 2 * (fixed + steps * per_step)
+            assert at_warm_up_rate < drained / 2, (at_warm_up_rate, drained)
+    finally:
+        timed.resume.set()
         core.close()

@@ -348,7 +348,8 @@ def test_full_queue_is_409_on_cog_429_on_openai_with_retry_after_from_the_queue(
         assert core.wait_setup(600) and core.setup.status == "succeeded"
         with serving(core) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
             core.pause()  # nothing runs: the queue stays as the test fills it
-            core.batcher.seconds_per_step = 0.125  # a known rate: two queued 100-step batches drain in 25 s
+            # a known rate and no fixed cost: two queued 100-step batches drain in 25 s
+            core.batcher.fixed_s, core.batcher.seconds_per_step = 0.0, 0.125
             async_ = {"Prefer": "respond-async"}
             a = c.post("/predictions", json={"input": {"seed": 1, "num_inference_steps": 100}}, headers=async_)
             b = c.post("/predictions", json={"input": {"seed": 2, "num_inference_steps": 100}}, headers=async_)

@@ -45,7 +45,8 @@ def run_child(model: str | None, home: Path, n: int, steps: int | None, cache: s
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "preheat", "sample", *([model] if model else []), "--n", str(n),
-               "--out", str(Path(tmp) / "s.png"), "--report", str(report), "--quiet", "--cache", cache]
+               "--out", str(Path(tmp) / "s.png"), "--report", str(report), "--quiet", "--cache", cache,
+               "--timing"]  # the warm call's run: the floor's third term
         if steps:
             cmd += ["--steps", str(steps)]
         cmd += list(args)

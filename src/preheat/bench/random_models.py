@@ -165,12 +165,14 @@ def build_random(name: str, out: Path) -> Path:
         return out
     spec = RANDOM_MODELS[name]
     if spec.builder != "pixel":
+        from preheat.errors import MissingExtraError
+
         for module in ("torch", "diffusers", "transformers"):
             try:
                 __import__(module)
-            except ImportError:
-                raise InvalidArgumentError(f"random:{name} is built with {module}: pip install \".[torch]\"",
-                                           argument="model") from None
+            except ImportError:  # `make run` installs the runtime only: the writers are the torch extra's
+                raise MissingExtraError("torch", f"random:{name} (its folder is written with torch, diffusers and "
+                                        "transformers)", module) from None
     import shutil
     import tempfile
 

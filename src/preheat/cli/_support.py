@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import functools
 import sys
-from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
 import click
 
-from preheat.bench import RANDOM_PREFIX
 from preheat.errors import InvalidArgumentError, MissingExtraError, NamesInputs, PreheatError, SchedulerConfigError
 
 __all__ = ["one_line_errors", "resolve_model", "ResolvedModel"]
@@ -53,24 +51,15 @@ def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 class ResolvedModel(NamedTuple):
     """A MODEL argument as the library takes it, and what a tiny random model defaults to."""
 
-    model: Optional[str]  # a folder, a store source, or None (the built-in model)
+    model: Optional[str]  # a folder, a store source, builtin:/random:NAME, or None (the built-in model)
     size: Optional[tuple[int, int]]  # (width, height) to use where none is given; None: the model's own
     inputs: tuple[tuple[str, Any], ...] = ()  # other inputs' defaults at its tiny scale (keyword, value)
 
 
-def resolve_model(model: Optional[str], log: Callable[[str], None] = lambda line: None) -> ResolvedModel:
-    """``random:NAME`` -> its random-weight folder under the cache root (built once, then reused);
-    anything else unchanged."""
-    if model is None or not model.startswith(RANDOM_PREFIX):
-        return ResolvedModel(model, None)
-    from preheat.bench.random_models import RANDOM_MODELS, build_random, random_name
+def resolve_model(model: Optional[str]) -> ResolvedModel:
+    """MODEL unchanged (``preheat.load`` resolves every form, ``random:NAME`` included) with a tiny
+    random model's size and input defaults (``preheat.model_source.random_defaults``)."""
+    from preheat.model_source import random_defaults
 
-    name = random_name(model)
-    assert name is not None
-    from preheat.cache.root import resolve_root
-
-    out = resolve_root().path / "random" / name
-    if not (out / "model_index.json").is_file():
-        log(f"{model}: writing a random-weight folder at {out} (once)")
-    spec = RANDOM_MODELS[name]
-    return ResolvedModel(str(build_random(name, Path(out))), spec.size, spec.inputs)
+    size, inputs = random_defaults(model)
+    return ResolvedModel(model, size, inputs)

@@ -217,7 +217,7 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
                                    "server's call: pass --as-server", argument="--as-server")
     if as_server and opts.model is None and os.environ.get(env_var("model"), "").strip():
         opts = dataclasses.replace(opts, model=os.environ[env_var("model")].strip())  # as serve's MODEL
-    resolved = resolve_model(opts.model, log=lambda line: click.echo(line, err=True))
+    resolved = resolve_model(opts.model)
     size_asked = size_flags().given(opts.flags)  # else a server's first size (sample's: the model's own)
     model, opts = resolved.model, opts.sized(resolved.size, resolved.inputs)  # as sample: a tiny random model's tiny size
     if opts.backend == "torch":

@@ -47,12 +47,12 @@ def pull_command(source: str, revision: str | None, force: bool, quiet: bool, va
     from that model's published repository, nothing else; --dry-run lists them (for a remote file,
     read from its header alone).
     """
-    from preheat.cli._support import resolve_model
+    from preheat.model_source import RANDOM_PREFIX, model_root
     from preheat.store import plan_pull, pull
 
     try:
-        if source.startswith("random:"):  # built here, once, under the cache root
-            path = resolve_model(source, log=lambda line: click.echo(line, err=True) if not quiet else None).model
+        if source.startswith(RANDOM_PREFIX):  # built here, once, under the cache root
+            path = model_root(source)
         elif _remote_file(source):
             _pull_remote_file(source, revision, config, variant, dry_run, quiet, force)
             return

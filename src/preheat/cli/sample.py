@@ -1,4 +1,8 @@
-"""`preheat sample`: images from a model, a grid PNG, and the phase timings."""
+"""`preheat sample`: images from a model, a grid PNG, and the phase timings of its one call.
+
+It draws once: a user asked for images. ``--timing`` adds a second, warm call of the same inputs
+(its seconds and per image), what the start-up benchmark's children report; repeated and
+steady-state timing is ``preheat bench``'s."""
 
 from __future__ import annotations
 
@@ -78,10 +82,12 @@ def _given_images(pipe: Any, kwargs: dict[str, Any]) -> list:
 @click.option("--save-images", type=click.Path(file_okay=False, path_type=Path), help="Also write each image here.")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the phase timings as JSON.")
 @click.option("--json", "as_json", is_flag=True, help="Print the phase timings as JSON on stdout.")
+@click.option("--timing", is_flag=True, help="Also time a second, warm call of the same inputs (drawn again, "
+              "not saved): its seconds and per image. Steady-state numbers: `preheat bench`.")
 @click.option("--quiet", is_flag=True, help="No progress or summary.")
 @one_line_errors
 def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path | None, as_json: bool,
-           quiet: bool) -> None:
+           timing: bool, quiet: bool) -> None:
     """Sample images from MODEL (a diffusers folder, hf://org/repo, or random:NAME; default: the built-in
     digits model). The model's own inputs (--prompt, --class, --width, ...) are listed below; an
     image-conditioned model takes --image PATH [--mask PATH] [--strength S], and the grid then
@@ -97,7 +103,7 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
     console = Console(stderr=True, quiet=quiet)
     if out.suffix.lower() != ".png":
         raise InvalidArgumentError(f"--out {out} must end in .png", argument="--out")
-    resolved = resolve_model(opts.model, log=lambda line: console.print(line, soft_wrap=True))
+    resolved = resolve_model(opts.model)
     model, opts = resolved.model, opts.sized(resolved.size, resolved.inputs)  # a tiny random model: its tiny size, unless the flags give one
     backend, compile_mode = opts.backend, opts.compile_mode
     steps, sampler = opts.steps, opts.sampler
@@ -132,11 +138,13 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
             first_call_s = time.perf_counter() - t0
             first = pipe.last
             to_first_image = process_age_s()
-        with phases.phase("second call (warm)"):
-            t0 = time.perf_counter()
-            pipe(n, **kwargs)
-            second_call_s = time.perf_counter() - t0
-            warm_run_s = pipe.last.run_s
+        warm: dict[str, float] = {}
+        if timing:  # a second draw of the same inputs: the warm call's time (bench repeats it)
+            with phases.phase("second call (warm)"):
+                t0 = time.perf_counter()
+                pipe(n, **kwargs)
+                second_call_s = time.perf_counter() - t0
+            warm = {"warm_run_s": pipe.last.run_s, "second_call_s": second_call_s, "per_image_s": second_call_s / n}
 
     scale = save_grid(images, out, inputs=_given_images(pipe, kwargs))
     if save_images:
@@ -160,10 +168,8 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
         "compile_s": first.compile_s,
         "compile_or_load_s": first.compile_s,
         "first_run_s": first.run_s,
-        "warm_run_s": warm_run_s,
         "first_call_s": first_call_s,
-        "second_call_s": second_call_s,
-        "per_image_s": second_call_s / n,
+        **warm,  # --timing only: warm_run_s, second_call_s, per_image_s
         "cache_layer": first.cache_layer,
         "remote": next((e.get("remote") for e in (pipe.compiler.events if pipe.compiler else []) if "remote" in e), None),
         "cache_events": pipe.compiler.events if pipe.compiler is not None else [],
@@ -190,7 +196,7 @@ def sample(opts: CallOptions, out: Path, save_images: Path | None, report: Path 
         f"[bold]wrote[/] {out}  ({n} images of {w}x{h}, {resolved['sampler']}, {resolved['steps']} steps"
         + (f"; the grid upscaled {scale}x, nearest neighbour, for viewing" if scale > 1 else "") + ")\n"
         f"load {load_s:.2f}s · first call {first_call_s:.2f}s (trace+lower {first.trace_lower_s:.2f}s, "
-        f"compile {first.compile_s:.2f}s, cache: {first.cache_layer}) · second call {second_call_s:.3f}s · "
-        f"{second_call_s / n * 1000:.1f} ms/image",
+        f"compile {first.compile_s:.2f}s, cache: {first.cache_layer})"
+        + (f" · second call {warm['second_call_s']:.3f}s · {warm['per_image_s'] * 1000:.1f} ms/image" if warm else ""),
         soft_wrap=True,
     )

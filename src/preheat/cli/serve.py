@@ -60,6 +60,20 @@ def _check_http_limits(grace_s: float, header_timeout_s: float = 10.0, body_time
         raise InvalidArgumentError(f"--max-body-bytes {max_body_bytes} must be >= 1")
 
 
+def _check_models(warm_set: Any, name_of: Any = flag_of) -> None:
+    """MODEL and the second model folders are there (``preheat.model_source.check_model``), or one
+    line naming the one that is not: before any port is bound, JAX imported or weight read."""
+    from preheat.errors import PreheatError
+    from preheat.model_source import check_model
+
+    check_model(warm_set.model)
+    for name in ("controlnet", "refiner"):
+        try:
+            check_model(getattr(warm_set, name))
+        except PreheatError as err:
+            raise type(err)(f"{name_of(name)}: {err}") from None
+
+
 def _fetch_config(connect_timeout_s: float, deadline_s: float, max_lora_bytes: int, max_image_bytes: int,
                   per_host: int, max_fetches: int) -> Any:
     """The fetch limits; a bad one fails in one line naming its flag."""
@@ -186,8 +200,8 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
     Warm-up compiles every program a request can reach (each offered sampler, guidance on and
     off, every batch bucket and, for text-to-image models, every served size) before
     /health-check says READY: the set `preheat warm` compiles ahead of time with the same
-    options. MODEL: a diffusers folder or store source ($PREHEAT_MODEL); nothing for the built-in
-    model. Each option that is a deployment setting and is not given is read from its
+    options. MODEL: a diffusers folder, store source or random:NAME ($PREHEAT_MODEL); nothing for
+    the built-in model. Each option that is a deployment setting and is not given is read from its
     PREHEAT_<SETTING> variable (shown below), as Runpod's worker and Ray's replicas read it; a flag
     wins. Set PREHEAT_API_TOKEN to require `Authorization: Bearer <token>` (all but /health-check).
     """
@@ -240,6 +254,11 @@ def serve_command(model: Optional[str], host: str, port: int, backend: str, comp
                                webhook_allow_private or lora_url_allow_private, webhook_allow + lora_url_allow,
                                max_image_pixels, retune_idle_s, names))
 
+    # a folder that is not there: one line, before the port is bound or JAX imported (a Ray cluster's
+    # replicas may read folders this machine does not have: they report their own set-up), unless
+    # the platform reads the failure from /health-check (--keep-alive-on-failure: SETUP_FAILED)
+    if not keep_alive_on_failure:
+        _check_models(warm_set, name_of)
     from preheat.server.core import CoreConfig
     from preheat.server.serve import serve
 

@@ -94,8 +94,9 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
                           name_of: Callable[[str], str] = flag_of, input_values_text: Optional[str] = None,
                           controlnet: Optional[str] = None, refiner: Optional[str] = None) -> Any:
     """The ``WarmSet`` the declaration options describe (one-line errors for bad values, naming
-    each setting as ``name_of`` says the user gave it: its flag, or its ``PREHEAT_<SETTING>``); a
-    ``random:NAME`` model becomes its folder (a tiny one served at its tiny size by default)."""
+    each setting as ``name_of`` says the user gave it: its flag, or its ``PREHEAT_<SETTING>``). A
+    ``random:NAME`` model stays as given: ``preheat.load`` writes its folder, and ``warm.resolve``
+    serves a tiny one at its tiny size by default, on every surface alike."""
     from preheat.warm import WarmSet
     from preheat.errors import InvalidArgumentError
     from preheat.families.offer import parse_offered
@@ -113,11 +114,6 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
     ranks = check_lora_ranks(parse_lora_ranks(lora_ranks_text, name_of("lora_ranks")))
     samplers, sizes = samplers_from_text(samplers_text, name_of("samplers")), parse_sizes(sizes_text, name_of("sizes"))
     devices = parse_devices(devices_text, name_of("devices"))
-    from preheat.cli._support import resolve_model
-
-    model, size, _ = resolve_model(model, log=lambda line: click.echo(line, err=True))
-    if size is not None and not sizes:
-        sizes = (size,)
     return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers, sizes=sizes,
                    guidance=guidance, lora_ranks=tuple(ranks), devices=devices, fsdp=fsdp, variant=variant,
                    cache=cache, weights_dtype=weights_dtype, weights_layers=weights_layers,
@@ -148,8 +144,8 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
                  as_json: bool, push_timeout_s: float, target_spec: Optional[str], quiet: bool) -> None:
     """Compile MODEL's serving programs into the cache root ahead of time (and push them to
     PREHEAT_CACHE_URL when set), so `preheat serve` with the same options starts with no compile.
-    MODEL: a diffusers folder or store source ($PREHEAT_MODEL); nothing for the built-in model.
-    Each declaration option not given is read from its PREHEAT_<SETTING> variable, as `preheat
+    MODEL: a diffusers folder, store source or random:NAME ($PREHEAT_MODEL); nothing for the
+    built-in model. Each declaration option not given is read from its PREHEAT_<SETTING> variable, as `preheat
     serve` (and Runpod and Ray) read it, so a warm job in the server's environment warms what it serves."""
     import sys
 

@@ -74,15 +74,29 @@ class Batcher:
         self.clock = clock
         self._ids = itertools.count(1)
         self.stats = {"batches": 0, "images": 0, "padded": 0, "traffic_compiles": 0}
+        # a batch key not run yet is expected to take fixed_s + its steps x seconds_per_step: an engine
+        # call's cost apart from its steps (encoding, decoding, transfers, step reports) is counted
+        # once, not once a step (warm-up's 1-step calls made a 20-step batch 2-5x too long)
         self.seconds_per_step: Optional[float] = None  # engine seconds per step (warm-up, then each batch)
+        self.fixed_s = 0.0  # engine seconds per call whatever its steps (warm-up)
+        # the running batch's key and its seconds per step so far (its step reports), while it runs:
+        # a burst of a kind not finished yet is expected at the pace its first batch is running at
+        self._pace: Optional[tuple[tuple, float]] = None
         # measured seconds of one engine call (encoding included), per batch key: what Retry-After reads
         self.batch_seconds: dict[tuple, float] = {}
 
     def batch_s(self, key: tuple) -> float:
-        """What one batch of ``key`` is expected to take: what the last ones took, else its steps
-        (``key[1]``) at ``seconds_per_step`` (1 s a step before anything was measured)."""
+        """What one batch of ``key`` is expected to take: what the last ones took; else, while a
+        batch of it runs and reports its steps, the fixed cost plus its steps at that batch's pace;
+        else the fixed cost plus its steps (``key[1]``) at ``seconds_per_step`` (1 s a step before
+        anything was measured)."""
+        if key in self.batch_seconds:
+            return self.batch_seconds[key]
+        pace = self._pace
+        if pace is not None and pace[0] == key:
+            return self.fixed_s + key[1] * pace[1]
         per_step = self.seconds_per_step if self.seconds_per_step is not None else 1.0
-        return self.batch_seconds.get(key, key[1] * per_step)
+        return self.fixed_s + key[1] * per_step
 
     def run(self, pipe: Any, buckets: tuple[int, ...], batch: list[Prediction]) -> None:
         """Run ``batch`` as one engine call in the smallest of ``buckets`` that holds it, and
@@ -96,10 +110,13 @@ class Batcher:
         try:
             # the jobs' requests, validated at parse time, as one (padding repeats the first image)
             request = request_of.concat(pipe, [p.job.request for p in batch], pad)
-            if self.config.progress and pipe.reports_progress:
-                pixels = pipe.run(request, progress=self._progress(batch))
-            else:
-                pixels = pipe.run(request)
+            try:
+                if self.config.progress and pipe.reports_progress:
+                    pixels = pipe.run(request, progress=self._progress(batch, t0))
+                else:
+                    pixels = pipe.run(request)
+            finally:
+                self._pace = None  # measured from here on (batch_seconds), once it is not a compile
             compiled = pipe.last.cache_layer != "memory"
             run_s = self.clock() - t0
             outputs = []
@@ -120,7 +137,8 @@ class Batcher:
                 self._finish(p, "failed", error=f"{type(err).__name__}: {message}")
             return
         took = self.clock() - t0
-        per_step = took / max(1, job0.steps)
+        stepping = took - self.fixed_s if took > self.fixed_s else took  # noise past the fixed cost: all of it
+        per_step = stepping / max(1, job0.steps)
         self.seconds_per_step = per_step if self.seconds_per_step is None else 0.8 * self.seconds_per_step + 0.2 * per_step
         if not compiled:  # a compile is not what the next batch of this key will take
             last = self.batch_seconds.get(job0.batch_key)
@@ -148,10 +166,14 @@ class Batcher:
             else:
                 self._finish(p, "succeeded", output=out)
 
-    def _progress(self, batch: list[Prediction]) -> Callable[[int, int], None]:
+    def _progress(self, batch: list[Prediction], t0: float) -> Callable[[int, int], None]:
         """The batch's step callback: a ``step k/N`` log line (as Cog models print) and a "log"
-        event for every prediction in it; when every one is canceled, the call ends (``Stop``)."""
+        event for every prediction in it, and the batch's pace so far (``batch_s``); when every
+        one is canceled, the call ends (``Stop``)."""
+        key = batch[0].job.batch_key
+
         def on_step(step: int, total: int) -> None:
+            self._pace = (key, (self.clock() - t0) / max(1, step))  # what Retry-After reads while it runs
             line = f"step {step}/{total}"
             with self._lock:
                 for p in batch:

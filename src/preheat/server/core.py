@@ -516,9 +516,9 @@ class Core:
         self.limits = replace(self.limits, schedulers=self.samplers)  # parse refuses the others, naming these
         self.limits = replace(self.limits, inputs=self.warm.inputs)  # ... and the inputs it does not offer
         self.limits = replace(self.limits, input_values=self.warm.input_values)  # ... and static values not warmed
-        first = warm_up(pipe, self.signatures(), self.buckets[-1], self.metrics, self._setup_log)
-        if first is not None:  # nothing has run before warm-up: this is the first estimate
-            self.batcher.seconds_per_step = first
+        cost = warm_up(pipe, self.signatures(), self.buckets[-1], self.metrics, self._setup_log)
+        if cost is not None:  # nothing has run before warm-up: this is the first estimate
+            self.batcher.fixed_s, self.batcher.seconds_per_step = cost
         if compiler is not None and hasattr(compiler, "push_missing"):
             compiler.push_missing()  # local entries the store lacks (queued: READY does not wait)
         total = time.perf_counter() - start
@@ -526,7 +526,9 @@ class Core:
         if self.retuner is not None and self.retuner.waiting:
             self._setup_log(f"{self.retuner.waiting} executable(s) served from entries compiled without autotuning; "
                             f"each is retuned after {self.config.retune_idle_s:g}s idle")
-        self._setup_log(f"ready in {total:.2f}s; buckets {list(self.buckets)}; samplers {list(self.samplers)}")
+        per_call = ("" if cost is None else f"; a batch of {self.buckets[-1]}: {cost.fixed_s:.3f}s + "
+                    f"{cost.per_step_s:.3f}s a step")  # what Retry-After expects of a kind not run yet
+        self._setup_log(f"ready in {total:.2f}s; buckets {list(self.buckets)}; samplers {list(self.samplers)}{per_call}")
 
     def _prepare_retune(self, pipe: Any) -> None:
         """Before warm-up: the idle retune collects what warm-up serves from not-autotuned

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from preheat.backends.torch.calls import diffusers_calls, size_ids
-from preheat.errors import InvalidArgumentError, UnsupportedConfigError
+from preheat.errors import UnsupportedConfigError
 from preheat.families.inputs import IMAGE_SIZE
 
 __all__ = ["check_companions", "load_controlnet", "load_refiner", "control_pipeline", "control_kwargs",
@@ -32,13 +32,13 @@ __all__ = ["check_companions", "load_controlnet", "load_refiner", "control_pipel
 
 def check_companions(family: Any, root: Path, controlnet: Any, refiner: Any) -> None:
     """The families a second model folder applies to (the JAX loaders' keywords), in the JAX engine's words."""
-    from preheat.engine import COMPANION_MODELS
+    from preheat.load_options import companion_refused
 
     takes = {"controlnet": family.name in ("stable-diffusion", "stable-diffusion-xl", "stable-diffusion-xl-refiner"),
              "refiner": family.name in ("stable-diffusion-xl", "stable-diffusion-xl-refiner")}
     for name, folder in (("controlnet", controlnet), ("refiner", refiner)):
         if folder is not None and not takes[name]:
-            raise InvalidArgumentError(f"{name} applies to {COMPANION_MODELS[name]}; {root} is not one", argument=name)
+            raise companion_refused(name, root)
 
 
 def load_controlnet(folder: Any, root: Path, family: Any, inpaint: bool, vae_scale: int, dtype: Any,

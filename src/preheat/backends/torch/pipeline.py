@@ -328,11 +328,11 @@ def load_torch_pipeline(model: str | Path | None = None, *, compile: str = "none
             return load_text(Path(root), class_name, compile=compile, dtype=dtype, device=str(torch_device),
                              scheduler=scheduler, compiler=compiler, variant=variant, denoiser=denoiser,
                              controlnet=controlnet, refiner=refiner)
-    from preheat.engine import COMPANION_MODELS
+    from preheat.load_options import companion_refused
 
     for name, folder in (("controlnet", controlnet), ("refiner", refiner)):
         if folder is not None:
-            raise InvalidArgumentError(f"{name} applies to {COMPANION_MODELS[name]}; {root} is not one", argument=name)
+            raise companion_refused(name, root)
     if compile == "regional":
         raise InvalidArgumentError("compile='regional' is for diffusers text-to-image pipelines (SD, SDXL, SD3, "
                                    "Flux); use compile='inductor' or 'aot' for a UNet2DModel", argument="compile")

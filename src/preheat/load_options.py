@@ -1,0 +1,53 @@
+"""What ``preheat.load`` hands a family's loader beside the folder -- the second model folders
+(a ControlNet, an SDXL refiner) and the text encoders' offloading -- checked against what that
+loader takes, in one line, before any weight is read. Both backends refuse a second folder in the
+same words (:func:`companion_refused`)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from preheat.errors import InvalidArgumentError
+from preheat.model_source import BUILTIN_PREFIX, RANDOM_PREFIX, model_root
+
+__all__ = ["COMPANION_MODELS", "companion_refused", "loader_options", "source_id"]
+
+# whom each second model folder of ``load`` applies to (its family's loader takes it by that name)
+COMPANION_MODELS = {"controlnet": "Stable Diffusion 1.x/2.x and SDXL models", "refiner": "SDXL base models"}
+
+
+def companion_refused(name: str, root: Path | str) -> InvalidArgumentError:
+    """The error for a second model folder ``name`` given with a model (``root``) it does not apply to."""
+    return InvalidArgumentError(f"{name} applies to {COMPANION_MODELS[name]}; {root} is not one", argument=name)
+
+
+def loader_options(loader: Callable[..., Any], root: Path, offload_encoders: bool,
+                   companions: Mapping[str, Any], variant: str | None) -> dict[str, Any]:
+    """The keywords for ``loader`` beyond the common ones: each second folder resolved to its local
+    folder (hf://: pulled once; a refiner reads ``variant`` too), and offloading; one line for one
+    this family's loader does not take."""
+    takes = inspect.signature(loader).parameters
+    options: dict[str, Any] = {}
+    if offload_encoders:
+        if "offload_encoders" not in takes:
+            raise InvalidArgumentError(f"offload_encoders applies to text-to-image models; {root} has no text "
+                                       "encoders", argument="offload_encoders")
+        options["offload_encoders"] = True
+    for name, folder in companions.items():
+        if folder is None:
+            continue
+        if name not in takes:
+            raise companion_refused(name, root)
+        options[name] = model_root(folder, variant if name == "refiner" else None)
+    return options
+
+
+def source_id(source: str | Path) -> str:
+    """A model source as a start-up's identity: a folder's absolute path; a URI or a built-in or
+    random name as given."""
+    text = str(source)
+    if "://" in text or text.startswith((BUILTIN_PREFIX, RANDOM_PREFIX)):
+        return text
+    return str(Path(text).resolve())

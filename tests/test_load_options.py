@@ -1,0 +1,48 @@
+"""preheat.load_options: the loader's keywords beside the folder, refused in one line by a family
+that does not take them (no weights read: these loaders are stand-ins)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from preheat.errors import InvalidArgumentError
+from preheat.load_options import companion_refused, loader_options, source_id
+
+
+def pixel_loader(root, *, scheduler=None, dtype="float32", variant=None, options=None):  # noqa: ANN001
+    """A loader that takes nothing beyond the common keywords (a pixel family's)."""
+
+
+def sdxl_loader(root, *, scheduler=None, dtype="float32", variant=None, options=None, offload_encoders=False,  # noqa: ANN001
+                controlnet=None, refiner=None):
+    """A loader that takes the second folders and offloading (an SDXL base's)."""
+
+
+def test_a_loader_gets_what_it_takes_each_folder_resolved(tmp_path: Path) -> None:
+    options = loader_options(sdxl_loader, tmp_path, True, {"controlnet": str(tmp_path), "refiner": None}, "fp16")
+    assert options == {"offload_encoders": True, "controlnet": tmp_path}
+    assert loader_options(pixel_loader, tmp_path, False, {"controlnet": None, "refiner": None}, None) == {}
+
+
+@pytest.mark.parametrize(("offload", "companions", "message", "argument"), [
+    (True, {}, "offload_encoders applies to text-to-image models; {root} has no text encoders", "offload_encoders"),
+    (False, {"controlnet": "x"}, "controlnet applies to Stable Diffusion 1.x/2.x and SDXL models; {root} is not one",
+     "controlnet"),
+    (False, {"refiner": "x"}, "refiner applies to SDXL base models; {root} is not one", "refiner"),
+])
+def test_what_a_loader_does_not_take_is_one_line(tmp_path: Path, offload: bool, companions: dict, message: str,
+                                                 argument: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        loader_options(pixel_loader, tmp_path, offload, companions, None)
+    assert str(err.value) == message.format(root=tmp_path) and err.value.argument == argument
+    if argument != "offload_encoders":  # the torch backend refuses in the same words
+        assert str(companion_refused(argument, tmp_path)) == str(err.value)
+
+
+def test_a_source_id_is_a_folder_absolute_or_a_name_as_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert source_id("m") == str(tmp_path / "m")
+    for given in ("hf://org/repo", "https://x/m.tar.gz", "random:sd1-tiny", "builtin:digits"):
+        assert source_id(given) == given
