@@ -1,6 +1,6 @@
 """Retry-After under a burst, against the real drain (issue 55: it said 2.7x the wait; goal <= 2x).
 
-    PYTHONPATH=src python scripts/bench_retry_after.py [MODEL] [--steps N] [--rounds R]
+    PYTHONPATH=src python benchmarks/retry_after.py [MODEL] [--steps N] [--rounds R]
 
 A server core for MODEL (default: the built-in digits model; any ``preheat.load`` source,
 ``random:sd1-tiny`` too) with max batch 8 and a queue of 16, warmed. Each round: a burst of
