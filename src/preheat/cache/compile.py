@@ -373,7 +373,7 @@ class TargetCompiler(JaxCompiler):
             timings = Timings(trace_lower_s=0.0, compile_s=0.0, cache_layer="aot")
         else:
             start = time.perf_counter()
-            with compiling_for("gpu", tuple(self.target.gpu["compute_capability"])):  # the models' trace-time choices
+            with compiling_for(*_traced_for(self.target)):  # the models' trace-time choices
                 lowered = jax.jit(program).lower(on_device(args, self.device))
             traced = time.perf_counter()
             with xla_layer.persistent_cache_disabled():
@@ -385,6 +385,13 @@ class TargetCompiler(JaxCompiler):
             self._store(key, fields, compiled, record, {UNRUNNABLE: reason} if reason else None)
         self._note(record, timings)
         return zeros_like_outputs(sig, program, args), timings
+
+
+def _traced_for(target: Any) -> tuple[str, Any]:
+    """(platform, capability) a target's programs are traced for (``compile_target.compiling_for``)."""
+    if getattr(target, "platform", "gpu") == "tpu":
+        return "tpu", None
+    return "gpu", tuple(target.gpu["compute_capability"])
 
 
 def _target_name(manifest: dict[str, Any]) -> str:

@@ -159,6 +159,8 @@ def device_fields(args: Any, target: Any = None) -> dict[str, Any]:
     name: its description's code fields, the CUDA plugin and cuDNN versions, the program's device
     count and the XLA flags a GPU reads."""
     device = jax.devices()[0]
+    if (target is not None and getattr(target, "platform", "gpu") == "tpu") or (target is None and device.platform == "tpu"):
+        return _tpu_fields(args, target)
     if target is None and device.platform != "gpu":
         fields = {"platform": device.platform, "device_kind": device.device_kind, "device_count": jax.device_count(),
                   "platform_version": device.client.platform_version, "xla_flags": os.environ.get("XLA_FLAGS", "")}
@@ -171,6 +173,26 @@ def device_fields(args: Any, target: Any = None) -> dict[str, Any]:
     return {"platform": "gpu", "gpu": target.gpu if target is not None else targets.device_gpu_fields(device),
             "device_count": 1 if mesh is None else int(mesh.devices.size),
             "cuda": targets.cuda_versions(), "xla_flags": _gpu_xla_flags()}
+
+
+_LOCAL_TPU: dict[str, Any] = {}
+
+
+def _tpu_fields(args: Any, target: Any) -> dict[str, Any]:
+    """A TPU program's device fields: the slice's (``preheat.cache.tpu_targets.tpu_fields``: a
+    ``target``'s topology on a builder, this VM's devices on a TPU), the program's device count
+    and the XLA flags a TPU reads -- the same on both paths, so a VM finds what a builder wrote."""
+    from preheat.cache import tpu_targets
+
+    if target is not None:
+        slice_fields = target.key_fields()
+    else:
+        if not _LOCAL_TPU:  # the VM's devices never change in a process
+            _LOCAL_TPU.update(tpu_targets.tpu_fields(jax.devices()))
+        slice_fields = dict(_LOCAL_TPU)
+    mesh = mesh_of(args)
+    return {"platform": "tpu", "tpu": slice_fields, "device_count": 1 if mesh is None else int(mesh.devices.size),
+            "xla_flags": _gpu_xla_flags()}
 
 
 def _jaxlib_version() -> str:
