@@ -191,7 +191,7 @@ def _tpu_fields(args: Any, target: Any) -> dict[str, Any]:
             _LOCAL_TPU.update(tpu_targets.tpu_fields(jax.devices()))
         slice_fields = dict(_LOCAL_TPU)
     mesh = mesh_of(args)
-    return {"platform": "tpu", "tpu": slice_fields, "device_count": 1 if mesh is None else int(mesh.devices.size),
+    return {"platform": "tpu", **slice_fields, "device_count": 1 if mesh is None else int(mesh.devices.size),
             "xla_flags": _gpu_xla_flags()}
 
 

@@ -83,8 +83,8 @@ class TpuTarget:
     def manifest(self) -> dict[str, Any]:
         """What an entry compiled for this target records about it (not part of the key)."""
         fields = self.key_fields()
-        return {"name": self.name, "platform": "tpu", "device": fields.get("device_kind"),
-                "libtpu": fields.get("libtpu")}
+        return {"name": self.name, "platform": "tpu", "device": fields["device_kind"],
+                "libtpu": fields["tpu"]["libtpu"]}
 
 
 def is_tpu_spec(spec: str) -> bool:
@@ -135,20 +135,20 @@ def libtpu_build(platform_version: str) -> str:
 
 
 def tpu_fields(devices: list[Any]) -> dict[str, Any]:
-    """The key's TPU fields, from the slice's devices (a topology's on a builder, ``jax.devices()`` on a VM)."""
+    """The key's TPU fields, from the slice's devices (a topology's on a builder, ``jax.devices()``
+    on a VM): ``device_kind`` ("TPU v5 lite": the chip generation, the code's target) and ``tpu``."""
     first = devices[0]
     coords = [tuple(getattr(d, "coords", (0, 0, 0))) for d in devices]
     chips = [max(c[i] for c in coords) + 1 for i in range(len(coords[0]))]
-    return {
-        "device_kind": str(first.device_kind),  # "TPU v5 lite": the chip generation, the code's target
-        "cores_per_device": int(getattr(first, "num_cores", 1) or 1),  # megacore or not
+    return {"device_kind": str(first.device_kind), "tpu": {
+        "cores_per_device": int(getattr(first, "num_cores", 1) or 1),  # megacore (v4, v5p) or one core
         "chips": chips,  # the slice's shape, (x, y, z)
         "devices": len(devices),
         "libtpu": libtpu_version(),
         "libtpu_build": libtpu_build(str(first.client.platform_version)),
         # libtpu's own flags (XLA's TPU options among them) decide the code as XLA_FLAGS do
         "libtpu_init_args": libtpu_init_args(),
-    }
+    }}
 
 
 # What jax's Cloud TPU start (``jax._src.cloud_tpu_init``) adds to LIBTPU_INIT_ARGS on a VM with
