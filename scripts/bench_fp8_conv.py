@@ -33,7 +33,7 @@ from preheat.bench.common import round_robin_ms  # noqa: E402
 from preheat.bench.fp8 import kernels, written_bytes  # noqa: E402
 from preheat.cache import targets  # noqa: E402
 from preheat.cache.compile import on_device  # noqa: E402
-from preheat.compile_target import compiling_for  # noqa: E402
+from preheat.platforms import compiling_for  # noqa: E402
 from preheat.models.conv import conv2d  # noqa: E402
 from preheat.models.layers import Conv2d, lift  # noqa: E402
 from preheat.models.quantised import Quantised  # noqa: E402

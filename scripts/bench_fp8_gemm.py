@@ -29,7 +29,7 @@ from flax import nnx  # noqa: E402
 from preheat.bench.common import round_robin_ms  # noqa: E402
 from preheat.cache import targets  # noqa: E402
 from preheat.cache.compile import on_device  # noqa: E402
-from preheat.compile_target import compiling_for  # noqa: E402
+from preheat.platforms import compiling_for  # noqa: E402
 from preheat.models.layers import Linear  # noqa: E402
 from preheat.models.quantised import Quantised  # noqa: E402
 from preheat.models.storage import upcast  # noqa: E402

@@ -40,7 +40,7 @@ from preheat.bench.random_models import SD15_UNET  # noqa: E402
 from preheat.bench.target import SDXL_UNET  # noqa: E402
 from preheat.cache import targets  # noqa: E402
 from preheat.cache.compile import on_device  # noqa: E402
-from preheat.compile_target import compiling_for  # noqa: E402
+from preheat.platforms import compiling_for  # noqa: E402
 from preheat.models import storage  # noqa: E402
 from preheat.models.quantised import FLOAT8  # noqa: E402
 from preheat.models.unet2d_condition import UNet2DConditionConfig, build_abstract  # noqa: E402

@@ -47,7 +47,7 @@ def h200_kernels(kinds: list[str]) -> None:
     from preheat.bench.fp8 import kernels, written_bytes
     from preheat.cache import targets
     from preheat.cache.compile import on_device
-    from preheat.compile_target import compiling_for
+    from preheat.platforms import compiling_for
     from preheat.models.ggml import LAYOUTS
     from preheat.models.layers import Linear
     from preheat.models.quantised import Packed, Quantised

@@ -365,7 +365,8 @@ def _pod_target(r: Runner) -> dict[str, Any]:
                                                   str(path)], timeout)
     if p.rc != 0 or not path.is_file():
         return {"error": _fail(p) or "no file"}
-    from preheat.cache.targets import gpu_fields, parse_description, resolve_target
+    from preheat.cache.targets import resolve_target
+    from preheat.platforms import gpu_fields, parse_description
 
     shipped, card = resolve_target("h200"), path.read_text()
 
@@ -607,7 +608,7 @@ def _jaxpr_with_xla_attention(fn: Any, args: tuple) -> Any:
     call); the arithmetic is the same."""
     import jax
 
-    from preheat.compile_target import compiling_for
+    from preheat.platforms import compiling_for
 
     with compiling_for("cpu", None):
         return jax.make_jaxpr(fn)(*args).jaxpr

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from preheat.bench.fp8 import computation, kernels, measure, one_gemm_on_fp8, written_bytes
+from preheat import platforms
 from preheat.cache import targets
 
 N, TOKENS = 3072, 4096  # FLUX.1's hidden width, 4096 image tokens
@@ -24,13 +25,13 @@ def _h200_layer_hlo(**compiler_options: object) -> str:
     from flax import nnx
 
     from preheat.cache.compile import on_device
-    from preheat.compile_target import compiling_for
+    from preheat.platforms import compiling_for
     from preheat.models.layers import Linear
     from preheat.models.quantised import Quantised
     from preheat.models.storage import upcast
     from preheat.models.weights import build_abstract
 
-    if not any(k.startswith("jax-cuda") for k in targets.cuda_versions()):
+    if not any(k.startswith("jax-cuda") for k in platforms.cuda_versions()):
         pytest.skip("needs the test extra's jax-cuda13-plugin")
     graphdef, abstract = build_abstract(lambda rngs: Linear(N, N, rngs=rngs))
     values = jax.ShapeDtypeStruct((N, N), jnp.float8_e4m3fn)

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from preheat.cache import targets
+from preheat import platforms
 from preheat.cli import main
 
-pytestmark = pytest.mark.skipif(not any(k.startswith("jax-cuda") for k in targets.cuda_versions()),
+pytestmark = pytest.mark.skipif(not any(k.startswith("jax-cuda") for k in platforms.cuda_versions()),
                                 reason="needs the test extra's jax-cuda13-plugin")
 
 COLUMNS = ["model", "stage", "dtype", "target trace+lower s", "target compile s", "target bytes",

@@ -29,8 +29,8 @@ SRC = Path(preheat.__file__).resolve().parent
 # (``cache`` for preheat/cache/).
 LAYERS: list[tuple[str, ...]] = [
     # leaves: import nothing of preheat
-    ("errors", "_version", "timings", "noise", "files", "env", "compile_target", "progress", "terminal",
-     "hard_exit"),
+    ("errors", "_version", "timings", "noise", "files", "env", "progress", "terminal", "hard_exit"),
+    ("platforms",),  # one description per platform (cpu, gpu, tpu): every platform-dependent choice
     ("sharding", "image_input"),  # the device mesh and data parallelism; reading an image a call passes in
     #   (both import errors only)
     ("cache",),  # the cache root, the compile cache, the shared remote store

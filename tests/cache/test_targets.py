@@ -23,7 +23,9 @@ import pytest
 from click.testing import CliRunner
 
 import preheat
+from preheat import platforms
 from preheat.cache import keys, targets
+from preheat.platforms import _gpu
 from preheat.cache.compile import JaxCompiler, TargetCompiler, on_device
 from preheat.cache.keys import key_fields, key_of
 from preheat.cache.entries import UNRUNNABLE, unrunnable, unrunnable_cudnn_calls
@@ -31,7 +33,7 @@ from preheat.cache.targets import resolve_target, target_device
 from preheat.cli import main
 from preheat.errors import TargetError
 
-pytestmark = pytest.mark.skipif(not any(k.startswith("jax-cuda") for k in targets.cuda_versions()),
+pytestmark = pytest.mark.skipif(not any(k.startswith("jax-cuda") for k in platforms.cuda_versions()),
                                 reason="needs the test extra's jax-cuda13-plugin")
 
 
@@ -147,7 +149,7 @@ def test_cudnn_calls_a_deviceless_compile_cannot_finish_are_named():
     assert unrunnable_cudnn_calls(conv.lower(x, w).compile()) == "1 cuDNN convolution(s) with no algorithm chosen"
     m = on_device(jax.ShapeDtypeStruct((256, 256), jnp.bfloat16), device)
     assert unrunnable_cudnn_calls(jax.jit(jnp.dot).lower(m, m).compile()) is None
-    if targets.cudnn_available():  # the builder's cuDNN package: jax lowers cuDNN's attention only with one
+    if platforms.cudnn_available():  # the builder's cuDNN package: jax lowers cuDNN's attention only with one
         q = on_device(jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16), device)
         fused = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, implementation="cudnn"))
         assert unrunnable_cudnn_calls(fused.lower(q).compile()) == \
@@ -193,7 +195,7 @@ def test_warm_target_works_in_a_fresh_process_with_no_platform_chosen(h200_warm)
 def _pod(monkeypatch, device) -> None:
     """This process as a pod whose one GPU is ``device``: what jax.devices() reports there."""
     monkeypatch.setattr(keys.jax, "devices", lambda *a, **k: [device])
-    targets._DEVICE_FIELDS.clear()
+    _gpu._DEVICE_FIELDS.clear()
 
 
 def test_the_deviceless_key_is_the_key_a_pod_with_that_gpu_computes(monkeypatch):
@@ -216,7 +218,7 @@ def _edited(target, field: str, value: int):
 
     text, n = re.subn(rf"(\n\s*{field}:\s*)\d+", rf"\g<1>{value}", target.text, count=1)
     assert n == 1, field
-    return targets.Target(name=f"{target.name}+{field}", text=text, gpu=targets.gpu_fields(text))
+    return targets.Target(name=f"{target.name}+{field}", text=text, gpu=platforms.gpu_fields(text))
 
 
 def test_a_card_whose_l2_differs_from_xla_s_file_still_finds_the_entries(monkeypatch):
@@ -227,7 +229,7 @@ def test_a_card_whose_l2_differs_from_xla_s_file_still_finds_the_entries(monkeyp
     sig, args = pipe.prepare(2, steps=1)
     h200 = resolve_target("h200")
     built = key_of(key_fields(pipe.fingerprint, sig, args, target=h200))
-    l2 = int(targets.parse_description(h200.text)["gpu_device_info"][0]["l2_cache_size"][0])
+    l2 = int(platforms.parse_description(h200.text)["gpu_device_info"][0]["l2_cache_size"][0])
     _pod(monkeypatch, target_device(_edited(h200, "l2_cache_size", l2 + 10 * 2**20)))
     assert key_of(key_fields(pipe.fingerprint, sig, args)) == built
     _pod(monkeypatch, target_device(_edited(h200, "shared_memory_per_block_optin", 101376)))  # an A10's limit
@@ -292,7 +294,7 @@ def _attention_hlo(head_dim: int, dtype: jnp.dtype, heads: int = 2, tokens: int 
     """The compiled H200 HLO of one cross-attention layer (transformer2d's, as SD UNets build it)."""
     from flax import nnx
 
-    from preheat.compile_target import compiling_for
+    from preheat.platforms import compiling_for
     from preheat.models.transformer2d import CrossAttention
 
     layer = nnx.eval_shape(lambda: CrossAttention(heads * head_dim, 32, heads, head_dim, False, rngs=nnx.Rngs(0)))
@@ -318,29 +320,28 @@ def test_attention_compiled_for_the_h200_without_it_takes_xla_s_path_for_every_h
         assert "__cudnn$" not in _attention_hlo(head_dim, dtype), (head_dim, dtype)
 
 
-@pytest.mark.skipif(not targets.cudnn_available(), reason="needs a cuDNN package (nvidia-cudnn-cu13)")
-def test_a_pod_s_own_trace_fuses_the_heads_cudnn_takes(monkeypatch):
-    """On the device (no ``compiling_for``), the choice reads the GPU's capability: cuDNN's fused
+@pytest.mark.skipif(not platforms.cudnn_available(), reason="needs a cuDNN package (nvidia-cudnn-cu13)")
+def test_a_pod_s_own_trace_fuses_the_heads_cudnn_takes():
+    """On the device (not deviceless), the choice reads the GPU's capability: cuDNN's fused
     attention for bf16/fp16 heads that are multiples of 8 up to 128, XLA's path for the rest."""
-    from preheat.models import attention
+    gpu = platforms.get("gpu")
 
-    monkeypatch.setattr(attention, "traced_target", lambda: ("gpu", (9, 0)))
-    impl = attention.implementation_for
+    def impl(dtype, head_dim, masked=False, capability=(9, 0)):
+        layer = platforms.AttentionLayer(jnp.dtype(dtype).name, head_dim, 4096, 77, 10, masked)
+        return gpu.attention(layer, capability).impl
+
     assert [impl(jnp.bfloat16, 64), impl(jnp.float16, 80), impl(jnp.bfloat16, 40)] == ["cudnn"] * 3
     assert [impl(jnp.bfloat16, 160), impl(jnp.float32, 64), impl(jnp.bfloat16, 60),
-            impl(jnp.bfloat16, 64, has_bias_or_mask=True)] == ["xla"] * 4
-    monkeypatch.setattr(attention, "traced_target", lambda: ("gpu", (7, 5)))  # before Ampere: no fused path
-    assert impl(jnp.bfloat16, 64) == "xla"
+            impl(jnp.bfloat16, 64, masked=True)] == ["xla"] * 4
+    assert impl(jnp.bfloat16, 64, capability=(7, 5)) == "xla"  # before Ampere: no fused path
 
 
 def test_the_cpu_trace_is_unchanged():
-    from preheat.models.attention import implementation_for
+    from preheat.models.attention import attention_for, dot_product_attention
 
     assert jax.devices()[0].platform == "cpu"
-    assert implementation_for(jnp.bfloat16, 64) is None  # jax's default: the CPU program as before
+    assert attention_for(jnp.bfloat16, 64, 4096, 4096).impl is None  # jax's default: the CPU program as before
     q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 8, 2, 16)), jnp.float32)
-    from preheat.models.attention import dot_product_attention
-
     np.testing.assert_array_equal(np.asarray(dot_product_attention(q, q, q)),
                                   np.asarray(jax.nn.dot_product_attention(q, q, q)))
 
@@ -353,7 +354,7 @@ def test_a_target_compiler_never_prefetches(tmp_path):
 def test_one_function_traced_for_the_cpu_and_the_target_gets_each_its_own_program():
     """The target is part of jit's caches: the CPU's trace is never reused for the GPU, nor the reverse
     (the convolution is XLA's on the CPU, one matrix product per tap for the deviceless target)."""
-    from preheat.compile_target import compiling_for
+    from preheat.platforms import compiling_for
     from preheat.models.conv import conv2d
 
     x = jax.ShapeDtypeStruct((1, 8, 8, 4), jnp.bfloat16)

@@ -103,7 +103,7 @@ def test_a_deviceless_gpu_trace_writes_convolutions_as_matrix_products(monkeypat
     """``warm --target``: a cuDNN convolution compiled without the GPU has no algorithm and a GPU
     rejects it (docs/gpu.md), so ``auto`` traces one product per tap there; the device that runs
     the program, and an explicit setting, keep theirs."""
-    from preheat.compile_target import compiling_for
+    from preheat.platforms import compiling_for
 
     monkeypatch.delenv("PREHEAT_CONV", raising=False)
     with compiling_for("gpu", (9, 0)):

@@ -269,11 +269,12 @@ def _h200_hlo(fn, *args) -> str:
 
     import jax
 
+    from preheat import platforms
     from preheat.cache import targets
     from preheat.cache.compile import on_device
-    from preheat.compile_target import compiling_for
+    from preheat.platforms import compiling_for
 
-    if not any(k.startswith("jax-cuda") for k in targets.cuda_versions()):
+    if not any(k.startswith("jax-cuda") for k in platforms.cuda_versions()):
         pytest.skip("needs the test extra's jax-cuda13-plugin")
     device = targets.target_device(targets.resolve_target("h200"))
     conv = {"PREHEAT_CONV": os.environ.get("PREHEAT_CONV", "conv")}

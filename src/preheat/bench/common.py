@@ -101,10 +101,10 @@ def machine_line() -> str:
         mem_gb = float("nan")
     import jax
 
-    dev = jax.devices()[0]
-    accel = "no accelerator" if dev.platform == "cpu" else f"{jax.device_count()}x {dev.device_kind}"
-    return (f"{cpu}, {os.cpu_count()} cores, {mem_gb:.0f} GiB RAM, {accel}; "
-            f"python {platform.python_version()}, jax {jax.__version__} ({dev.platform})")
+    from preheat.platforms import accelerator_label, describe_device
+
+    return (f"{cpu}, {os.cpu_count()} cores, {mem_gb:.0f} GiB RAM, {accelerator_label()}; "
+            f"python {platform.python_version()}, jax {jax.__version__} ({describe_device()['platform']})")
 
 
 def write_json(path: Path | None, data: Any) -> None:

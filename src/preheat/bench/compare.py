@@ -75,10 +75,11 @@ def _device_peak_mb(spec: dict[str, Any]) -> float | None:
     if spec["path"].startswith("jax"):
         import jax
 
-        dev = jax.devices()[0]
-        if dev.platform == "cpu":
+        from preheat.platforms import local
+
+        if not local().accelerator:  # the host's memory: no device peak to read
             return None
-        stats = dev.memory_stats() or {}
+        stats = jax.devices()[0].memory_stats() or {}
         peak = stats.get("peak_bytes_in_use")
         return None if peak is None else peak / 2**20
     import torch

@@ -140,6 +140,7 @@ def measure(n: int = 3072, tokens: int = 4096, calls: int = 20, rounds: int = 20
     from preheat.models.layers import Linear
     from preheat.models.quantised import Quantised
     from preheat.models.storage import upcast
+    from preheat.platforms import describe_device
 
     rng = np.random.default_rng(seed)
     graphdef, fp8 = nnx.split(Linear(n, n, rngs=nnx.Rngs(0)))
@@ -160,7 +161,7 @@ def measure(n: int = 3072, tokens: int = 4096, calls: int = 20, rounds: int = 20
         return jax.lax.fori_loop(0, calls, lambda _, y: layer(params, y), x)
 
     out: dict[str, Any] = {"n": n, "tokens": tokens, "calls_per_round": calls, "rounds": rounds,
-                           "device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform}
+                           **describe_device()}
     programs = {}
     for name, params in (("fp8", fp8), ("bf16", bf16)):
         start = time.perf_counter()

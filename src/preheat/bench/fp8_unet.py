@@ -175,6 +175,7 @@ def measure_unet(model: str = "sd15", size: str = "full", steps: int = 10, round
     from preheat.models.quantised import FLOAT8
     from preheat.models.unet2d_condition import LoadedUNet2DCondition, UNet2DConditionConfig, build_abstract
     from preheat.models.weights import LoadOptions, dtype_plan
+    from preheat.platforms import describe_device
 
     case = (TINY_UNETS if size == "tiny" else UNETS)[model]
     cfg = UNet2DConditionConfig.from_dict(case.config)
@@ -213,7 +214,7 @@ def measure_unet(model: str = "sd15", size: str = "full", steps: int = 10, round
 
     out: dict[str, Any] = {"model": model, "title": case.title, "size": size, "latent": case.latent, "batch": 1,
                            "cfg_batch": 2, "steps_per_call": steps, "rounds": rounds,
-                           "device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
+                           **describe_device(),
                            "params": sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(abstract)),
                            "fp8_params": sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(fp8)
                                              if v.dtype == jnp.float8_e4m3fn),

@@ -61,7 +61,7 @@ def _unet_row(name: str, config: dict[str, Any], batch: int, latent: int, dtype:
     from preheat.cache.compile import on_device
     from preheat.cache.entries import unrunnable_cudnn_calls
     from preheat.cache.targets import target_device
-    from preheat.compile_target import compiling_for
+    from preheat.platforms import compiling_for
     from preheat.models.unet2d_condition import UNet2DConditionConfig, build_abstract
 
     cfg = UNet2DConditionConfig.from_dict(config)

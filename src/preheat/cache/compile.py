@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import jax
 
+from preheat import platforms
 from preheat._version import __version__
 from preheat.cache import xla_layer
 from preheat.cache.entries import UNRUNNABLE, LoadingMarker, checked_entry, unrunnable, unrunnable_cudnn_calls
@@ -97,12 +98,9 @@ def serialise_guard(fields: dict[str, Any]) -> bool:
 
 
 def serialise_platform(fields: dict[str, Any]) -> str:
-    """The key's platform as the guard tells them apart: a "gpu" key names CUDA only through its
-    CUDA plugin's version (ROCm's devices are "gpu" too)."""
-    platform = str(fields.get("platform"))
-    if platform == "gpu" and any(name.startswith("jax-cuda") for name in fields.get("cuda") or {}):
-        return "cuda"
-    return platform
+    """The key's platform as the guard tells them apart (``preheat.platforms.key_runtime``: "cuda"
+    for a GPU key with the CUDA plugin; ROCm's devices are "gpu" too)."""
+    return platforms.key_runtime(fields)
 
 
 class JaxCompiler(EntryCache):
@@ -231,7 +229,7 @@ class JaxCompiler(EntryCache):
     def manifest_extra(self) -> dict[str, Any]:
         """What an entry records beside its key: the target it was compiled for ("local": the
         devices that ran the compile) and whether XLA autotuned it (GPUs autotune by default)."""
-        return {"preheat": __version__, "target": "local", "autotuned": jax.devices()[0].platform == "gpu"}
+        return {"preheat": __version__, "target": "local", "autotuned": platforms.local().autotunes}
 
     def prefetch(self, items: Items | Callable[[], Items], phases: Any = None) -> "Prefetch":
         """Start loading (or pulling) the executables of ``items`` -- (fingerprint, signature,
@@ -364,8 +362,6 @@ class TargetCompiler(JaxCompiler):
 
     def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: Any,
                        outputs: int = 1) -> tuple[Any, Timings]:
-        from preheat.compile_target import compiling_for
-
         fields = self.fields_for(fingerprint, sig, args)
         key = key_of(fields)
         record: dict[str, Any] = {"key": key, "stage": getattr(sig, "stage", "denoise"), "target": self.target.name}
@@ -373,7 +369,8 @@ class TargetCompiler(JaxCompiler):
             timings = Timings(trace_lower_s=0.0, compile_s=0.0, cache_layer="aot")
         else:
             start = time.perf_counter()
-            with compiling_for(*_traced_for(self.target)):  # the models' trace-time choices
+            # the models' trace-time choices: the target's platform's
+            with platforms.compiling_for(self.target.platform, self.target.capability):
                 lowered = jax.jit(program).lower(on_device(args, self.device))
             traced = time.perf_counter()
             with xla_layer.persistent_cache_disabled():
@@ -385,13 +382,6 @@ class TargetCompiler(JaxCompiler):
             self._store(key, fields, compiled, record, {UNRUNNABLE: reason} if reason else None)
         self._note(record, timings)
         return zeros_like_outputs(sig, program, args), timings
-
-
-def _traced_for(target: Any) -> tuple[str, Any]:
-    """(platform, capability) a target's programs are traced for (``compile_target.compiling_for``)."""
-    if getattr(target, "platform", "gpu") == "tpu":
-        return "tpu", None
-    return "gpu", tuple(target.gpu["compute_capability"])
 
 
 def _target_name(manifest: dict[str, Any]) -> str:

@@ -4,13 +4,13 @@ A program's key (``key_of(key_fields(...))``) names its entry in the cache root 
 store, so two processes -- this one tomorrow, a pod, a builder compiling for that pod's GPU
 (``target``) -- must compute the same key for the same program, and a different one whenever the
 program could differ: the model's architecture, the call's signature, the arguments' shapes, the
-machine (``device_fields``), JAX's versions and flags, and the source of every preheat module that
-may be traced into it (``tracing_source_hash``). Weights are arguments, never part of it, so every
-fine-tune of one architecture shares one entry.
+machine (``device_fields``, as its platform describes it: ``preheat.platforms``), JAX's versions and
+flags, and the source of every preheat module that may be traced into it (``tracing_source_hash``).
+Weights are arguments, never part of it, so every fine-tune of one architecture shares one entry.
 
 The key is built from plain JSON (configs, versions, shapes), never from ``repr()`` of NNX
-objects, which differs between processes. The torch backend's keys use the same functions
-(``key_of``, ``cpu_features``). The compilers that use it are in ``preheat.cache.compile``.
+objects, which differs between processes. The torch backend's keys use the same function
+(``key_of``). The compilers that use it are in ``preheat.cache.compile``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import functools
 import hashlib
 import json
 import os
-import platform
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,9 +26,10 @@ from typing import Any
 import jax
 
 from preheat._version import __version__
+from preheat import platforms
 from preheat.cache.entries import SCHEMA
 
-__all__ = ["key_fields", "key_of", "device_fields", "mesh_of", "cpu_features", "traced_sources", "tracing_source_hash"]
+__all__ = ["key_fields", "key_of", "device_fields", "mesh_of", "traced_sources", "tracing_source_hash"]
 
 # Packages and modules that never run inside a traced program (surfaces, caches, I/O). Every
 # other module of preheat -- the engine, samplers, models, families, and any file added to them
@@ -71,22 +71,6 @@ def tracing_source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_features() -> str:
-    """Host CPU model + feature flags: XLA:CPU code is compiled for the host's instruction set."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    model = flags = ""
-    for line in text.splitlines():
-        if line.startswith(("model name", "Model")) and not model:
-            model = line.split(":", 1)[1].strip()
-        if line.startswith(("flags", "Features")) and not flags:
-            flags = " ".join(sorted(line.split(":", 1)[1].split()))
-    return f"{model} | {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
-
-
 def _abstract(tree: Any) -> list[list[Any]]:
     """Shapes and dtypes of every leaf, in order, plus the tree structure's paths."""
     out = []
@@ -115,9 +99,9 @@ def key_fields(fingerprint: dict[str, Any], signature: Any, args: Any, target: A
     same assignment (loading a 4-device program onto 2 devices aborts XLA, so it must never be
     tried); the single-device program's key has no such field.
 
-    ``target`` (``preheat.cache.targets.Target``): the key of the program compiled for that GPU
-    on this machine (``preheat warm --target``), equal to the key a pod with that GPU computes
-    for itself (``device_fields``)."""
+    ``target`` (a deviceless target, ``preheat.cache.targets.Target`` for a GPU): the key of the
+    program compiled for that device on this machine (``preheat warm --target``), equal to the key
+    a machine with that device computes for itself (``device_fields``)."""
     fields = {
         "schema": SCHEMA,
         "model": fingerprint,
@@ -136,63 +120,16 @@ def key_fields(fingerprint: dict[str, Any], signature: Any, args: Any, target: A
     }
     mesh = mesh_of(args)
     if mesh is not None:
-        fields["mesh"] = {"axes": {str(k): int(v) for k, v in mesh.shape.items()},
-                          "devices": [int(d.id) for d in mesh.devices.flat],
-                          "device_kind": sorted({d.device_kind for d in mesh.devices.flat})}
+        fields["mesh"] = platforms.mesh_fields(mesh)
     return fields
 
 
-# XLA flags that only XLA:CPU reads: a GPU program's key leaves them out, so that a CPU builder's
-# flags (a test suite's fake device count) do not make its GPU entries unreachable for a pod.
-_CPU_ONLY_FLAGS = ("--xla_force_host_platform_device_count", "--xla_cpu_")
-
-
-def _gpu_xla_flags() -> str:
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    return " ".join(f for f in flags if not f.startswith(_CPU_ONLY_FLAGS))
-
-
 def device_fields(args: Any, target: Any = None) -> dict[str, Any]:
-    """The key fields of the machine a program runs on. On a CPU: the device, the host's
-    instruction set, the backend's version. On a GPU -- a pod's own, or a ``target`` compiled for
-    elsewhere -- what decides the generated code (``preheat.cache.targets``), never the card's
-    name: its description's code fields, the CUDA plugin and cuDNN versions, the program's device
-    count and the XLA flags a GPU reads."""
-    device = jax.devices()[0]
-    if (target is not None and getattr(target, "platform", "gpu") == "tpu") or (target is None and device.platform == "tpu"):
-        return _tpu_fields(args, target)
-    if target is None and device.platform != "gpu":
-        fields = {"platform": device.platform, "device_kind": device.device_kind, "device_count": jax.device_count(),
-                  "platform_version": device.client.platform_version, "xla_flags": os.environ.get("XLA_FLAGS", "")}
-        if device.platform == "cpu":
-            fields["host_cpu"] = cpu_features()
-        return fields
-    from preheat.cache import targets  # GPU keys only (a CPU process need not import it)
-
+    """The key fields of the machine a program runs on, as its platform describes them
+    (``preheat.platforms``: a CPU's instruction set, a GPU's code fields and CUDA versions, a
+    TPU's kind and runtime): the local devices', or ``target``'s in a deviceless compile."""
     mesh = mesh_of(args)
-    return {"platform": "gpu", "gpu": target.gpu if target is not None else targets.device_gpu_fields(device),
-            "device_count": 1 if mesh is None else int(mesh.devices.size),
-            "cuda": targets.cuda_versions(), "xla_flags": _gpu_xla_flags()}
-
-
-_LOCAL_TPU: dict[str, Any] = {}
-
-
-def _tpu_fields(args: Any, target: Any) -> dict[str, Any]:
-    """A TPU program's device fields: the slice's (``preheat.cache.tpu_targets.tpu_fields``: a
-    ``target``'s topology on a builder, this VM's devices on a TPU), the program's device count
-    and the XLA flags a TPU reads -- the same on both paths, so a VM finds what a builder wrote."""
-    from preheat.cache import tpu_targets
-
-    if target is not None:
-        slice_fields = target.key_fields()
-    else:
-        if not _LOCAL_TPU:  # the VM's devices never change in a process
-            _LOCAL_TPU.update(tpu_targets.tpu_fields(jax.devices()))
-        slice_fields = dict(_LOCAL_TPU)
-    mesh = mesh_of(args)
-    return {"platform": "tpu", **slice_fields, "device_count": 1 if mesh is None else int(mesh.devices.size),
-            "xla_flags": _gpu_xla_flags()}
+    return platforms.device_fields(None if mesh is None else int(mesh.devices.size), target)
 
 
 def _jaxlib_version() -> str:

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import statistics
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
+from preheat import platforms
 from preheat.cache.entries import MANIFEST, SCHEMA, replace_entry, rewrite_manifest
 
 __all__ = ["MARGIN", "Retune", "Candidate", "IdleRetuner", "needs_retune", "autotunes_here", "decide", "time_call",
@@ -66,20 +66,18 @@ class Retune(NamedTuple):
 
 
 def needs_retune(manifest: dict[str, Any]) -> bool:
-    """A GPU entry compiled without autotuning that no retune has looked at yet (a CPU entry
-    says ``autotuned: false`` too: XLA:CPU has nothing to autotune)."""
+    """An entry of a platform whose compiles autotune (a GPU), compiled without autotuning, that no
+    retune has looked at yet (a CPU entry says ``autotuned: false`` too: XLA:CPU has nothing to
+    autotune)."""
     fields = manifest.get("fields")
-    return (isinstance(fields, dict) and fields.get("platform") == "gpu" and manifest.get("autotuned") is False
-            and "retune" not in manifest)
+    return (isinstance(fields, dict) and platforms.get(str(fields.get("platform"))).autotunes
+            and manifest.get("autotuned") is False and "retune" not in manifest)
 
 
 def autotunes_here() -> bool:
-    """Whether a compile in this process autotunes: XLA autotunes on GPUs only, unless
-    ``--xla_gpu_autotune_level=0`` switches it off."""
-    import jax
-
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    return jax.devices()[0].platform == "gpu" and "--xla_gpu_autotune_level=0" not in flags
+    """Whether a compile in this process autotunes (``preheat.platforms.autotunes_here``: XLA
+    autotunes on GPUs only, unless ``--xla_gpu_autotune_level=0`` switches it off)."""
+    return platforms.autotunes_here()
 
 
 def decide(old_s: float, new_s: float, margin: float = MARGIN) -> bool:
@@ -163,9 +161,7 @@ def retune_now(path: Path, served: Any, program: Callable[[Any], Any], args: Any
     ``preheat warm`` reports of it: the ``Retune`` record with ``compile_s``, or "skipped: ..." /
     "failed: ..." (a failure is recorded in the manifest too: ``record_failure``)."""
     if not autotunes_here():
-        import jax
-
-        return served, f"skipped: {jax.devices()[0].platform} compiles do not autotune"
+        return served, f"skipped: {platforms.local().name} compiles do not autotune"
     start = time.perf_counter()
     try:
         autotuned, files = compile(program, args)
@@ -253,9 +249,7 @@ class IdleRetuner:
             log.debug("idle retune: off (this backend's compile cache has no executables to retune)")
             return False
         if not autotunes_here():
-            import jax
-
-            log.debug("idle retune: off (%s compiles do not autotune)", jax.devices()[0].platform)
+            log.debug("idle retune: off (%s compiles do not autotune)", platforms.local().name)
             return False
         compiler.retune_later = True
         self.bind(compiler.retune_candidates, executables, compiler.compile_autotuned)

@@ -8,33 +8,31 @@ doctor --save-target FILE`` on a pod with that GPU writes its own description, a
 turns a description into a compile-only device: programs lower and compile for it on the CPU
 (no driver, no GPU), and serialise like any other executable.
 
-The cache key of a GPU program (``gpu_fields``) holds what decides whether its generated code
-runs on a card -- compute capability and feature extension, core count, the thread, register and
-shared-memory limits -- read from the description, never the card's marketing name (XLA's H200
-file says ``NVIDIA H200 141GB HBM3e``, the card says ``NVIDIA H200``), its clocks, bandwidth,
-memory or L2 size. Those differ between boards of one chip and between XLA's file and the card it
-describes (the lent H200 reports another ``l2_cache_size`` than XLA's file: docs/gpu.md, first
-run), and they only steer XLA's cost heuristics, which the pod's autotuned recompile
-(``cache.retune``) revisits anyway. A pod computes the same fields from its own device's
-description (``local_description``), so the entries a CPU builder writes for it are the ones its
-first start looks up.
+The cache key of a GPU program (``preheat.platforms.gpu_fields``, the GPU platform's description)
+holds what decides whether its generated code runs on a card -- compute capability and feature
+extension, core count, the thread, register and shared-memory limits -- read from the description,
+never the card's marketing name (XLA's H200 file says ``NVIDIA H200 141GB HBM3e``, the card says
+``NVIDIA H200``), its clocks, bandwidth, memory or L2 size. Those differ between boards of one chip
+and between XLA's file and the card it describes (the lent H200 reports another ``l2_cache_size``
+than XLA's file: docs/gpu.md, first run), and they only steer XLA's cost heuristics, which the
+pod's autotuned recompile (``cache.retune``) revisits anyway. A pod computes the same fields from
+its own device's description (``preheat.platforms.local_description``), so the entries a CPU
+builder writes for it are the ones its first start looks up.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import re
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
 from preheat.errors import TargetError
+from preheat.platforms import (cuda_versions, describe_device, devices_of, gpu_fields, local_description,
+                               parse_description)
 
-__all__ = ["Target", "NAMES", "resolve_target", "parse_description", "gpu_fields", "local_description",
-           "target_device", "compile_only_platforms", "save_target", "cuda_versions", "device_gpu_fields",
-           "cudnn_available"]
+__all__ = ["Target", "NAMES", "resolve_target", "target_device", "compile_only_platforms", "save_target"]
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "gpu_targets"
 # Short name -> XLA's published description (None: XLA publishes none; save one on such a pod).
@@ -48,13 +46,6 @@ NAMES: dict[str, Optional[str]] = {
     "l40s": None,
     "rtx4090": None,
 }
-# The description's fields that decide whether generated code runs, which every board of a chip
-# reports exactly (see the module docstring for what is left out, and why).
-_CODE_FIELDS = ("core_count", "fpus_per_core", "threads_per_warp", "threads_per_block_limit",
-                "threads_per_core_limit", "shared_memory_per_block", "shared_memory_per_block_optin",
-                "shared_memory_per_core", "registers_per_core_limit", "registers_per_block_limit")
-
-
 @dataclass(frozen=True)
 class Target:
     """A GPU to compile for: ``name`` (a short name or the description file's path), the
@@ -63,6 +54,12 @@ class Target:
     name: str
     text: str
     gpu: dict[str, Any]
+    platform = "gpu"  # the platform whose description keys and traces for it (``preheat.platforms``)
+
+    @property
+    def capability(self) -> tuple[int, int]:
+        """The compute capability the models' trace-time choices read (``preheat.platforms.compiling_for``)."""
+        return tuple(self.gpu["compute_capability"])  # type: ignore[return-value]
 
     @property
     def device_name(self) -> str:
@@ -107,118 +104,6 @@ def resolve_target(spec: str) -> Any:
     return Target(name=name, text=text, gpu=gpu_fields(text, name))
 
 
-_TOKEN = re.compile(r'\s+|#[^\n]*|"(?:[^"\\]|\\.)*"|[{}:]|[^\s{}:"#]+')
-
-
-def parse_description(text: str, source: str = "description") -> dict[str, list[Any]]:
-    """A text-format protobuf message -> ``{field: [values]}`` (messages nested the same way;
-    numbers and enum names as strings). Enough for XLA's target descriptions; anything that is
-    not well-formed text format fails in one line."""
-    tokens = [t for t in _TOKEN.findall(text) if t.strip() and not t.startswith("#")]
-    if "".join(_TOKEN.findall(text)) != text:
-        raise TargetError(f"{source}: not a text-format GPU description (unexpected characters)", reason="malformed")
-    pos = 0
-
-    def message(depth: int) -> dict[str, list[Any]]:
-        nonlocal pos
-        out: dict[str, list[Any]] = {}
-        while pos < len(tokens):
-            name = tokens[pos]
-            if name == "}":
-                if depth == 0:
-                    raise TargetError(f"{source}: unbalanced '}}'", reason="malformed")
-                pos += 1
-                return out
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-                raise TargetError(f"{source}: expected a field name, found {name[:40]!r}", reason="malformed")
-            pos += 1
-            if pos < len(tokens) and tokens[pos] == ":":
-                pos += 1
-            if pos >= len(tokens):
-                raise TargetError(f"{source}: field {name} has no value", reason="malformed")
-            if tokens[pos] == "{":
-                pos += 1
-                value: Any = message(depth + 1)
-            elif tokens[pos] in ("}", ":"):
-                raise TargetError(f"{source}: field {name} has no value", reason="malformed")
-            else:
-                value = tokens[pos][1:-1] if tokens[pos].startswith('"') else tokens[pos]
-                pos += 1
-            out.setdefault(name, []).append(value)
-        if depth:
-            raise TargetError(f"{source}: a message is not closed (missing '}}')", reason="malformed")
-        return out
-
-    return message(0)
-
-
-def _int(msg: dict[str, list[Any]], field: str, source: str) -> int:
-    raw = msg.get(field, ["0"])[0]  # proto3: an absent number is 0 (XLA prints none of its zeros)
-    try:
-        return int(raw)
-    except (TypeError, ValueError):
-        raise TargetError(f"{source}: {field} is {raw!r}, not an integer", reason="malformed") from None
-
-
-def gpu_fields(text: str, source: str = "description") -> dict[str, Any]:
-    """The cache key's GPU fields, from a description (a shipped one, a saved one, or the one a
-    pod's XLA gives for its own device: the same function serves all three)."""
-    msg = parse_description(text, source)
-    info = (msg.get("gpu_device_info") or [None])[0]
-    if not isinstance(info, dict):
-        raise TargetError(f"{source}: no gpu_device_info message: not an XLA GPU target description", reason="malformed")
-    cc = (info.get("cuda_compute_capability") or [None])[0]
-    if not isinstance(cc, dict):
-        raise TargetError(f"{source}: no cuda_compute_capability: not an NVIDIA GPU description", reason="malformed")
-    fields: dict[str, Any] = {"compute_capability": [_int(cc, "major", source), _int(cc, "minor", source)],
-                              "feature_extension": str(cc.get("feature_extension", ["NONE"])[0])}
-    for name in _CODE_FIELDS:
-        fields[name] = _int(info, name, source)
-    if fields["core_count"] <= 0:
-        raise TargetError(f"{source}: core_count is missing or 0", reason="malformed")
-    return fields
-
-
-@functools.lru_cache(maxsize=1)
-def cuda_versions() -> dict[str, Optional[str]]:
-    """The versions of this process's CUDA plugin and cuDNN packages (None: not installed): the
-    plugin holds the compiler that generates the code, and the pod's cuDNN must be able to run
-    the fused graphs a builder's cuDNN compiled. Read the same way on a builder and on a pod."""
-    out: dict[str, Optional[str]] = {}
-    for name in ("jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "jax-cuda12-pjrt",
-                 "nvidia-cudnn-cu13", "nvidia-cudnn-cu12"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return out
-
-
-def cudnn_available() -> bool:
-    """Whether a cuDNN package is installed for the plugin to compile fused attention with."""
-    versions = cuda_versions()
-    return any(k.startswith("nvidia-cudnn") for k in versions)
-
-
-def local_description(devices: list[Any]) -> str:
-    """XLA's description of these (GPU) devices, as a pod's XLA reports it (``target_config``
-    of their topology, as jax's own deviceless tests obtain it)."""
-    from jax._src.lib import xla_client
-
-    return xla_client.get_topology_for_devices(list(devices)).target_config
-
-
-_DEVICE_FIELDS: dict[tuple[str, int, str], dict[str, Any]] = {}
-
-
-def device_gpu_fields(device: Any) -> dict[str, Any]:
-    """``gpu_fields`` of a local GPU device (cached per device: its description never changes)."""
-    ident = (device.platform, int(device.id), str(device.device_kind))
-    if ident not in _DEVICE_FIELDS:
-        _DEVICE_FIELDS[ident] = gpu_fields(local_description([device]), f"the {device.device_kind} device")
-    return _DEVICE_FIELDS[ident]
-
-
 def compile_only_platforms() -> None:
     """Let the CUDA plugin register on a machine with no usable GPU (a CPU builder).
 
@@ -245,7 +130,7 @@ def _compile_only_device(text: str) -> Any:
 def target_device(target: Any) -> Any:
     """The compile-only device for ``target``; without a CUDA plugin or libtpu (or on a jax that
     cannot compile for an absent GPU), one line naming what to install."""
-    if getattr(target, "platform", "gpu") == "tpu":
+    if target.platform == "tpu":
         from preheat.cache.tpu_targets import tpu_device
 
         return tpu_device(target)
@@ -271,16 +156,15 @@ def target_device(target: Any) -> Any:
 def save_target(path: Path) -> Target:
     """``preheat doctor --save-target FILE``: write this machine's first GPU's description (for
     ``warm --target FILE`` on a builder), atomically; one line when there is no GPU."""
-    import jax
-
     from preheat.files import atomic_write_bytes
 
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    gpus = devices_of("gpu")
     if not gpus:
         raise TargetError("--save-target needs a GPU that JAX can use on this machine (see `preheat doctor`)",
                           reason="plugin", argument="save_target")
     text = local_description(gpus[:1])
     gpu_fields(text, "this GPU's description")  # the pod's own text must parse as a target does
-    header = f"# {gpus[0].device_kind}: written by `preheat doctor --save-target` for `preheat warm --target FILE`\n"
+    kind = describe_device(gpus[0])["device"]
+    header = f"# {kind}: written by `preheat doctor --save-target` for `preheat warm --target FILE`\n"
     atomic_write_bytes(Path(path), (header + text).encode())
     return Target(name=str(path), text=header + text, gpu=gpu_fields(text))

@@ -11,12 +11,9 @@ A target is written ``KIND`` or ``KIND:SHAPE`` (``v5e``, ``v5e:2x2``, ``v5p``, `
 with libtpu's own topology names (``KINDS``). One host's chips only: ``warm`` compiles
 single-device programs, and a VM is one host.
 
-The key (``tpu_fields``) is computed by one function from a list of devices: the topology's
-compile-only devices on a builder, ``jax.devices()`` on the VM. It holds the chip (device kind,
-cores per device), the slice (its chips' shape, its device count), libtpu's build and
-``LIBTPU_INIT_ARGS`` -- never a TPU VM's host name, worker id or accelerator-type variable, which
-the deviceless path does not have and which do not change the code. jax, jaxlib and the XLA flags
-a TPU reads are in every accelerator's key (``preheat.cache.keys``).
+The key's TPU fields (``preheat.platforms.tpu_fields``: the TPU platform's) are computed
+by one function from a list of devices: the topology's compile-only devices here, ``jax.devices()``
+on the VM.
 """
 
 from __future__ import annotations
@@ -25,13 +22,12 @@ import functools
 import os
 import re
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any, Optional
 
 from preheat.errors import TargetError
+from preheat.platforms import libtpu_init_args, libtpu_version, tpu_fields
 
-__all__ = ["KINDS", "TpuTarget", "is_tpu_spec", "resolve_tpu_target", "tpu_fields", "libtpu_version",
-           "libtpu_build", "libtpu_init_args", "tpu_device", "topology_devices"]
+__all__ = ["KINDS", "TpuTarget", "is_tpu_spec", "resolve_tpu_target", "tpu_device", "topology_devices"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +71,8 @@ class TpuTarget:
         return f"{spec.topology}:{'x'.join(str(c) for c in self.chips[:spec.dims])}"
 
     def key_fields(self) -> dict[str, Any]:
-        """The key's TPU fields (``tpu_fields`` of the topology's devices)."""
+        """The key's TPU fields (``tpu_fields`` of the topology's devices; the TPU platform's
+        ``device_fields`` adds the platform, device count and XLA flags)."""
         if not self.fields:
             self.fields.update(tpu_fields(topology_devices(self)))
         return dict(self.fields)
@@ -116,57 +113,6 @@ def resolve_tpu_target(spec: str) -> TpuTarget:
     return TpuTarget(name=name, kind=match.group("kind"), chips=chips)  # type: ignore[arg-type]
 
 
-@functools.lru_cache(maxsize=1)
-def libtpu_version() -> Optional[str]:
-    """The installed libtpu package's version (None: not installed), read the same way on a builder and a VM."""
-    for name in ("libtpu", "libtpu-nightly"):
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def libtpu_build(platform_version: str) -> str:
-    """The build of the libtpu that runs: the "Built on ... cl/N" line of a TPU client's
-    ``platform_version`` (a compile-only client and a VM's say the same), or the whole text."""
-    match = re.search(r"Built on .*", platform_version)
-    return match.group(0).strip() if match else " ".join(platform_version.split())
-
-
-def tpu_fields(devices: list[Any]) -> dict[str, Any]:
-    """The key's TPU fields, from the slice's devices (a topology's on a builder, ``jax.devices()``
-    on a VM): ``device_kind`` ("TPU v5 lite": the chip generation, the code's target) and ``tpu``."""
-    first = devices[0]
-    coords = [tuple(getattr(d, "coords", (0, 0, 0))) for d in devices]
-    chips = [max(c[i] for c in coords) + 1 for i in range(len(coords[0]))]
-    return {"device_kind": str(first.device_kind), "tpu": {
-        "cores_per_device": int(getattr(first, "num_cores", 1) or 1),  # megacore (v4, v5p) or one core
-        "chips": chips,  # the slice's shape, (x, y, z)
-        "devices": len(devices),
-        "libtpu": libtpu_version(),
-        "libtpu_build": libtpu_build(str(first.client.platform_version)),
-        # libtpu's own flags (XLA's TPU options among them) decide the code as XLA_FLAGS do
-        "libtpu_init_args": libtpu_init_args(),
-    }}
-
-
-# What jax's Cloud TPU start (``jax._src.cloud_tpu_init``) adds to LIBTPU_INIT_ARGS on a VM with
-# chips -- and only there: on a builder it returns before, having found none. A builder compiles
-# with them too (``topology_devices``) and both keys hold them, or a VM would never find a
-# builder's entries.
-_VM_DEFAULTS = ("--xla_tpu_use_enhanced_launch_barrier=true",)
-
-
-def libtpu_init_args() -> str:
-    """``$LIBTPU_INIT_ARGS`` as libtpu reads it on a TPU VM: jax's VM defaults added where unset."""
-    args = os.environ.get("LIBTPU_INIT_ARGS", "").split()
-    for flag in _VM_DEFAULTS:
-        if not any(a.split("=", 1)[0] == flag.split("=", 1)[0] for a in args):
-            args.append(flag)
-    return " ".join(args)
-
-
 @functools.lru_cache(maxsize=None)
 def _topology(name: str, bounds: tuple[int, int, int], chip_config: Optional[str]) -> tuple[Any, ...]:
     from jax.experimental import topologies
@@ -176,6 +122,17 @@ def _topology(name: str, bounds: tuple[int, int, int], chip_config: Optional[str
                                               num_slices=1, **extra).devices)
 
 
+def _cpu_only() -> None:
+    """Run this process on the CPU when the user chose no platforms and JAX has not started: it
+    compiles for a TPU it does not have, and a builder's jax would otherwise try to start a TPU
+    client of its own (as ``cache.targets.compile_only_platforms`` does for the CUDA plugin)."""
+    import jax
+    from jax._src import xla_bridge
+
+    if not jax.config.jax_platforms and not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+
+
 def topology_devices(target: TpuTarget) -> list[Any]:
     """The compile-only devices of ``target``'s slice; without libtpu (or with one that does not
     know the chip), one line naming what to install."""
@@ -183,9 +140,7 @@ def topology_devices(target: TpuTarget) -> list[Any]:
         raise TargetError(f"--target {target.name} needs libtpu for deviceless TPU compiles: pip install "
                           "'preheat[tpu]' (the libtpu release of this jax version; the TPU VM must run the same one)",
                           reason="plugin")
-    from preheat.cache.targets import compile_only_platforms
-
-    compile_only_platforms()  # never start a TPU client of its own: a builder has no chip
+    _cpu_only()
     os.environ["LIBTPU_INIT_ARGS"] = libtpu_init_args()  # the VM's flags, before libtpu is loaded
     try:
         return list(_topology(target.topology_name, target.chips, KINDS[target.kind].chip_config))

@@ -47,9 +47,9 @@ def _summary(fields: dict) -> str:
     model = fields.get("model", {})
     name = model.get("name") or model.get("kind", "?")
     shape = "x".join(str(s) for s in sig.get("sample_shape", [])) if isinstance(sig, dict) else ""
-    gpu = fields.get("gpu")
-    device = fields.get("device_kind", "") if not isinstance(gpu, dict) else \
-        f"sm_{''.join(map(str, gpu.get('compute_capability', [])))} x{gpu.get('core_count', '?')}"
+    from preheat.platforms import key_device_label
+
+    device = key_device_label(fields)
     return (f"{name} {spec.get('solver', sig.get('mode', '?'))} b={sig.get('batch', '?')} {shape} {sig.get('dtype', '')} "
             f"{fields.get('platform', '')}/{device} jax {fields.get('jax', fields.get('torch', ''))}")
 

@@ -4,23 +4,23 @@ applies its weight (``PREHEAT_FP8_1X1``).
 
 Why a switch: XLA:CPU's convolutions once ran well below its matrix products, so the same
 convolution can be written as matrix products (per tap, or im2col) and measured against XLA's own
-(``preheat bench sampler --profile``; docs/benchmarks.md, issue 21). ``auto`` is XLA's
-convolution on every device that runs the program, the fastest measured on CPU and what cuDNN
-wants on GPUs, and ``taps`` in a deviceless compile for a GPU (``preheat warm --target``): XLA
-leaves a cuDNN convolution's algorithm unchosen there (choosing is timing), and the H200 rejected
-such an executable at its first run (docs/gpu.md), while a matrix product compiles to a Triton
-GEMM that needs no choice. That entry keys as ``auto`` like the pod's own program, the same sums
-in another order: the pod serves it at once and its autotuned recompile (``cache.retune``, its
-own trace: cuDNN's convolutions) replaces it when faster. An explicit setting is part of the
-compile cache's key, so an executable traced with one is never served for another.
+(``preheat bench sampler --profile``; docs/benchmarks.md, issue 21). ``auto`` is the compile
+target's platform's choice per layer (``preheat.platforms``): XLA's convolution on the CPU and on
+a GPU that runs the program (what cuDNN wants), ``taps`` in a deviceless compile for a GPU
+(``preheat warm --target``: XLA leaves a cuDNN convolution's algorithm unchosen there, and the H200
+rejected such an executable at its first run, docs/gpu.md), and ``im2col`` on a TPU for the large
+batches where libtpu's convolution crashed its compiler. An ``auto`` entry keys as ``auto`` like the
+pod's own program: every input of the choice (the platform, the shapes, deviceless or not) is in
+the key already. An explicit setting is part of the compile cache's key, so an executable traced
+with one is never served for another.
 
 GroupNorm: ``two_pass`` computes the mean, then the variance around it (a reduction per moment,
 then the normalise pass); ``one_pass`` takes both moments in one reduction over the input, shifted
 by the mean of each group's first position so that ``E[d^2] - E[d]^2`` does not cancel, and folds
-the statistics with the affine weights into one multiply-add. ``auto`` is ``one_pass`` on CPU,
-where the norms are memory-bound (measured 1.06-1.09x per built-in denoiser call and 1.03-1.08x
-on the cifar architecture; docs/benchmarks.md, issue 21), and ``two_pass`` elsewhere, what XLA's
-GPU fusions were tuned for.
+the statistics with the affine weights into one multiply-add. ``auto`` is the platform's:
+``one_pass`` on CPU, where the norms are memory-bound (measured 1.06-1.09x per built-in denoiser
+call and 1.03-1.08x on the cifar architecture; docs/benchmarks.md, issue 21), and ``two_pass``
+elsewhere, what XLA's GPU fusions were tuned for.
 
 fp8 1x1 convs (``weights_dtype="float8_e4m3fn"``): ``gemm`` leaves a plain fp8 1x1 kernel fp8 in
 ``storage.upcast`` and ``layers.Conv2d`` applies it as a matrix product whose operand read converts
@@ -34,13 +34,13 @@ row times both, autotuned, and decides which stays (docs/gpu.md).
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
+from preheat import platforms
 from preheat.errors import InvalidArgumentError
-from preheat.compile_target import deviceless, traced_target
 
 __all__ = ["CONV_IMPLS", "GROUPNORM_IMPLS", "FP8_1X1_IMPLS", "conv_impl", "conv2d", "groupnorm_impl",
            "fp8_1x1_impl"]
@@ -62,19 +62,18 @@ def _setting(variable: str, choices: tuple[str, ...], auto: Callable[[], str]) -
     return impl
 
 
-def conv_impl() -> str:
-    """The convolution implementation for programs traced now: ``PREHEAT_CONV`` if set, else
-    (``auto``) XLA's convolution on the device that runs the program (cuDNN's choice on GPUs),
-    and one matrix product per tap in a deviceless compile for a GPU (the module docstring says why)."""
+def conv_impl(layer: Optional[platforms.ConvLayer] = None) -> str:
+    """The convolution implementation for ``layer`` (None: the platform's general choice) in programs
+    traced now: ``PREHEAT_CONV`` if set, else (``auto``) the compile target's platform's (the module
+    docstring says which, and why)."""
     return _setting("PREHEAT_CONV", CONV_IMPLS,
-                    lambda: "taps" if deviceless() and traced_target()[0] == "gpu" else "conv")
+                    lambda: platforms.current().conv_form(layer, platforms.deviceless()))
 
 
 def groupnorm_impl() -> str:
     """GroupNorm's statistics for programs traced now: ``PREHEAT_GROUPNORM`` if set, else per
     platform (``auto``): one pass on CPU, two passes elsewhere."""
-    return _setting("PREHEAT_GROUPNORM", GROUPNORM_IMPLS,
-                    lambda: "one_pass" if traced_target()[0] == "cpu" else "two_pass")
+    return _setting("PREHEAT_GROUPNORM", GROUPNORM_IMPLS, lambda: platforms.current().groupnorm_form())
 
 
 def fp8_1x1_impl() -> str:
@@ -92,8 +91,9 @@ def conv2d(x: Array, kernel: Array, stride: int, padding: int, impl: str | None 
     convolution but a 1x1 one as a ``dot_general`` (every non-``conv`` choice does that). The
     matrix forms run XLA:CPU's dot path instead of its convolution path; they are the same sums in
     another order, so they agree with ``conv`` to float rounding."""
-    impl = impl or conv_impl()
     k = kernel.shape[0]
+    impl = impl or conv_impl(platforms.ConvLayer(x.shape[0], x.shape[1], x.shape[2], x.shape[3], kernel.shape[3], k,
+                                                 stride))
     if k == 1 and stride == 1 and padding == 0 and impl != "conv":
         return jax.lax.dot_general(x, kernel[0, 0], (((3,), (0,)), ((), ())))  # (B, H, W, Cout)
     if impl in ("conv", "dot1x1"):

@@ -113,7 +113,7 @@ def device_description(device: Any) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(index)
         return {"device": "cuda", "device_name": props.name, "capability": f"{props.major}.{props.minor}"}
     if dev.type == "cpu":
-        from preheat.cache.keys import cpu_features
+        from preheat.platforms import cpu_features
 
         # Inductor's C++ codegen depends on the thread count (serial kernels at 1, OpenMP otherwise;
         # its parallel split heuristics use it), so a different count is a different program
