@@ -55,7 +55,7 @@ def _versions() -> dict[str, Any]:
     import jax
     import jaxlib
 
-    from preheat.cache.tpu_targets import libtpu_version
+    from preheat.platforms import libtpu_version
 
     return {"python": sys.version.split()[0], "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "libtpu": libtpu_version()}
@@ -133,7 +133,7 @@ def _chip() -> dict[str, Any]:
     """This VM's devices as the key reads them, and what a recorded fixture copies."""
     import jax
 
-    from preheat.cache.tpu_targets import libtpu_init_args, tpu_fields
+    from preheat.platforms import libtpu_init_args, tpu_fields
 
     devices = jax.devices()
     first = devices[0]
