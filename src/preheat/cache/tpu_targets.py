@@ -142,6 +142,10 @@ def topology_devices(target: TpuTarget) -> list[Any]:
                           reason="plugin")
     _cpu_only()
     os.environ["LIBTPU_INIT_ARGS"] = libtpu_init_args()  # the VM's flags, before libtpu is loaded
+    # libtpu takes /tmp/libtpu_lockfile so that one process at a time drives a VM's chips; a builder
+    # drives none, and two builds on one machine (a test suite's workers, two warm jobs) would
+    # otherwise fail "Internal error when accessing libtpu multi-process lockfile"
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         return list(_topology(target.topology_name, target.chips, KINDS[target.kind].chip_config))
     except Exception as exc:  # libtpu refused the name (a chip this release does not know)
