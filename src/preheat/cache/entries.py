@@ -344,7 +344,7 @@ def checked_entry(kind_dir: Path, key: str, expected_fields: dict[str, Any] | No
 # such an executable at its first run with CUDNN_STATUS_BAD_PARAM, jax 0.11.2), and it builds no
 # graph for a fused attention or cuDNN fusion call (XLA builds those only with the device, and the
 # runtime looks the graph up, never builds it: docs/gpu.md). preheat's own deviceless traces avoid
-# both (``conv_impl``, ``implementation_for``); a forced ``PREHEAT_CONV=conv`` or a program that
+# both (the GPU's description in ``preheat.platforms``); a forced ``PREHEAT_CONV=conv`` or a program that
 # asks for cuDNN itself still gets them. A pod quarantines such an entry without loading it and
 # compiles its own. Round 11's entries recorded a count of convolutions under the older field.
 UNRUNNABLE = "gpu_unrunnable"
