@@ -27,7 +27,7 @@ from preheat.cache.targets import resolve_target, target_device
 from preheat.cache.tpu_targets import resolve_tpu_target
 from preheat.cli import main
 from preheat.errors import TargetError
-from tests._support.tpu_fixtures import V5E_BUILDER, V5E_VM, tpu_vm
+from tests._support.tpu_fixtures import V5E_VM, tpu_vm
 
 needs_libtpu = pytest.mark.skipif(platforms.libtpu_version() is None, reason="needs the test extra's libtpu (jax[tpu])")
 
@@ -103,24 +103,6 @@ def test_the_deviceless_key_is_the_key_a_tpu_vm_computes(monkeypatch):
     assert key_of(key_fields(pipe.fingerprint, sig, args, target=resolve_target("v5e:2x2"))) != built
     monkeypatch.setenv("LIBTPU_INIT_ARGS", V5E_VM["env"]["LIBTPU_INIT_ARGS"] + " --xla_tpu_enable_latency_hiding_scheduler=false")
     assert key_of(key_fields(pipe.fingerprint, sig, args)) != built  # a flag libtpu reads is another program
-
-
-def test_the_recorded_vm_and_builder_name_one_libtpu_build():
-    """The key reads libtpu's build from the client's words: the chip's and a builder's compile-only
-    client with the same libtpu (0.0.42.1) say the same; the VM's accelerator-type variables are read by neither."""
-    assert V5E_VM["versions"] == V5E_BUILDER["versions"]
-    assert platforms.libtpu_build(V5E_VM["platform_version"]) == platforms.libtpu_build(V5E_BUILDER["platform_version"])
-    assert platforms.libtpu_build(V5E_VM["platform_version"]).endswith("cl/933746096")
-
-
-def test_libtpu_init_args_read_as_on_a_vm(monkeypatch):
-    """jax adds its launch-barrier flag to LIBTPU_INIT_ARGS on a VM with chips only: both paths read it added."""
-    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
-    builder = platforms.libtpu_init_args()
-    monkeypatch.setenv("LIBTPU_INIT_ARGS", V5E_VM["env"]["LIBTPU_INIT_ARGS"])
-    assert platforms.libtpu_init_args() == builder == "--xla_tpu_use_enhanced_launch_barrier=true"
-    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_use_enhanced_launch_barrier=false")
-    assert platforms.libtpu_init_args() == "--xla_tpu_use_enhanced_launch_barrier=false"  # the user's word kept
 
 
 @pytest.fixture(scope="module")

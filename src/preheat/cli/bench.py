@@ -237,7 +237,7 @@ def required_example_args(folder: str | None, args: tuple[str, ...], workdir: Pa
 
 @bench_group.command("target")
 @click.option("--target", "target_name", default="h200", show_default=True, metavar="NAME|FILE",
-              help="The GPU compiled for (as `preheat warm --target`).")
+              help="The GPU or TPU compiled for (as `preheat warm --target`).")
 @click.option("--no-full-size", is_flag=True, help="Leave out the full-size SD 1.5 and SDXL UNets.")
 @output_options()
 @one_line_errors
