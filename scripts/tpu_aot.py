@@ -11,7 +11,9 @@ model, ``preheat sample`` on a copy of the carried root (the hit: layer ``aot``,
 compile) and on an empty root (the chip's own compile), the first call's layer and cache events,
 the phase timings, and the pixels of the two against each other; then the key fields the chip
 computes for itself against the carried manifests' (what differs, where an entry was missed),
-and the chip's device description (the recorded fixture of ``tests/_support/tpu_fixtures.py``).
+the chip's device description (the recorded fixture of ``tests/_support/tpu_fixtures.py``), and
+one 4096-token attention layer's flash-kernel program (``flash/``) loaded and run against the chip's
+own compile of it.
 One JSON object on stdout and in ``--out-json``.
 
     python scripts/tpu_aot.py prepare --out .tpu-aot [--target v5e]      (builder)
@@ -86,6 +88,7 @@ def prepare(out: Path, target: str, model_python: str) -> int:
             return 2
         info["warm"][name] = {"command": " ".join(cmd[3:]), "seconds": time.perf_counter() - start,
                               "result": json.loads(proc.stdout)}
+    info["flash"] = _prepare_flash(out / "flash", target)
     manifests = _manifests(home)
     files = [f for f in out.rglob("*") if f.is_file()]
     info.update(entries=len(manifests), bytes=sum(f.stat().st_size for f in files),
@@ -97,6 +100,67 @@ def prepare(out: Path, target: str, model_python: str) -> int:
     print(f"tpu_aot prepare: {len(manifests)} entries for {target} ({', '.join(info['targets'])}); {out} holds "
           f"{mib:.1f} MiB{' -- over the 64 MiB carry' if info['bytes'] > CARRY_LIMIT else ''}")
     return 0 if info["bytes"] <= CARRY_LIMIT else 3
+
+
+# The flash row: one 4096-token self-attention layer (SDXL's first stage: 2 heads of 64, bf16), the
+# Pallas kernel the TPU platform takes for it, compiled here and run there against the chip's compile
+FLASH_SHAPE = (1, 4096, 2, 64)
+
+
+def _flash_program() -> Any:
+    from preheat.models.attention import dot_product_attention
+
+    return lambda q, k, v: dot_product_attention(q, k, v)  # (B, L, nH, Dh) x3 -> (B, L, nH, Dh)
+
+
+def _prepare_flash(out: Path, target: str) -> dict[str, Any]:
+    """(builder) The flash row's program for ``target``'s chip, serialised with its trees."""
+    import pickle
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.serialize_executable import serialize
+
+    from preheat import platforms
+    from preheat.cache.compile import on_device
+    from preheat.cache.targets import resolve_target, target_device
+
+    device = target_device(resolve_target(target))
+    q = jax.ShapeDtypeStruct(FLASH_SHAPE, jnp.bfloat16)
+    with platforms.compiling_for("tpu"):
+        compiled = jax.jit(_flash_program()).lower(*on_device((q, q, q), device)).compile()
+    payload, in_tree, out_tree = serialize(compiled)
+    out.mkdir(parents=True)
+    (out / "executable.bin").write_bytes(payload)
+    (out / "trees.pkl").write_bytes(pickle.dumps((in_tree, out_tree)))
+    return {"bytes": len(payload), "kernel_call": "tpu_custom_call" in compiled.as_text()}
+
+
+def _check_flash(carried: Path) -> dict[str, Any]:
+    """(TPU VM) The carried flash program loaded and run here, against the chip's own compile of it."""
+    import pickle
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    if not (carried / "flash" / "executable.bin").is_file():
+        return {"skipped": "no flash program carried"}
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, FLASH_SHAPE, jnp.bfloat16) for key in keys)
+    in_tree, out_tree = pickle.loads((carried / "flash" / "trees.pkl").read_bytes())
+    start = time.perf_counter()
+    loaded = deserialize_and_load((carried / "flash" / "executable.bin").read_bytes(), in_tree, out_tree,
+                                  execution_devices=jax.devices()[:1])
+    load_s = time.perf_counter() - start
+    carried_out = np.asarray(jax.block_until_ready(loaded(q, k, v)), np.float32)
+    start = time.perf_counter()
+    own = jax.jit(_flash_program()).lower(q, k, v).compile()
+    compile_s = time.perf_counter() - start
+    own_out = np.asarray(jax.block_until_ready(own(q, k, v)), np.float32)
+    return {"load_s": load_s, "own_compile_s": compile_s, "identical": bool((carried_out == own_out).all()),
+            "max_abs": float(np.abs(carried_out - own_out).max()), "own_kernel_call": "tpu_custom_call" in own.as_text()}
 
 
 def _pixels_delta(a: Path, b: Path) -> dict[str, Any]:
@@ -163,6 +227,10 @@ def check(carried: Path) -> dict[str, Any]:
         if "png" in a and "png" in b:
             row["pixels_vs_own_compile"] = _pixels_delta(Path(a["png"]), Path(b["png"]))
         result["models"][name] = row
+    try:
+        result["flash"] = _check_flash(carried)
+    except Exception as exc:  # the row's failure is a result too
+        result["flash"] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
     result["chip"] = _chip()
     carried_tpu = prepared.get("tpu") or {}
     result["key_fields_differ"] = {k: [carried_tpu.get(k), v] for k, v in result["chip"]["fields"]["tpu"].items()
