@@ -207,3 +207,25 @@ def test_a_deviceless_v5e_program_holds_the_attention_kernel_the_platform_chose(
     kernel = "tpu_custom_call" in text
     assert kernel == (choice.impl == "flash"), (choice, text[:2000])
     assert choice.impl == ("flash" if tokens >= 4096 else "xla")
+
+
+@needs_libtpu
+def test_a_program_larger_than_the_chip_s_memory_is_one_line(tmp_path):
+    """A v5e has 16 GB of HBM: a program whose temporaries need more fails naming the target and the
+    program's stage, not with XLA's traceback."""
+    from dataclasses import dataclass
+
+    from preheat.cache.compile import TargetCompiler
+
+    @dataclass(frozen=True)
+    class Sig:
+        stage: str = "decode"
+
+    def program(x):  # (65536,) -> (65536, 65536): an output of 16 GiB of float32
+        return jnp.outer(x, x)
+
+    compiler = TargetCompiler(resolve_target("v5e"), root=tmp_path, remote=None)
+    with pytest.raises(TargetError) as err:
+        compiler.get_or_compile({"model": "huge"}, Sig(), program, jax.ShapeDtypeStruct((65536,), jnp.float32))
+    assert err.value.reason == "memory" and "\n" not in str(err.value)
+    assert str(err.value).startswith("--target v5e:1x1: the decode program does not fit it: "), err.value
