@@ -40,6 +40,8 @@ SAMPLE_ARGS = ("--n", "1", "--steps", "4", "--guidance", "1", "--dtype", "bfloat
 TEXT_WARM_ARGS = ("--inputs", "none")  # text-to-image only: three programs, the carry stays small
 PROMPT = "a red fox"
 CARRY_LIMIT = 64 * 2**20
+# the key's device fields (the TPU platform's ``device_fields``): what the chip computes, compared
+_DEVICE_KEYS = ("platform", "device_kind", "platform_version", "device_count", "xla_flags", "libtpu_init_args")
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -94,7 +96,9 @@ def prepare(out: Path, target: str, model_python: str) -> int:
     info.update(entries=len(manifests), bytes=sum(f.stat().st_size for f in files),
                 targets=sorted({m["target"]["name"] for m in manifests}),
                 keys=[{"key": m["key"], "stage": m["fields"]["signature"].get("stage", "denoise")} for m in manifests],
-                tpu=manifests[0]["fields"].get("tpu") if manifests else None)
+                device_fields={k: manifests[0]["fields"].get(k) for k in _DEVICE_KEYS} if manifests else None,
+                slice={k: manifests[0]["target"].get(k) for k in ("chips", "devices", "cores_per_device", "libtpu")}
+                if manifests else None)
     (out / "prepare.json").write_text(json.dumps(info, indent=2) + "\n")
     mib = info["bytes"] / 2**20
     print(f"tpu_aot prepare: {len(manifests)} entries for {target} ({', '.join(info['targets'])}); {out} holds "
@@ -197,7 +201,8 @@ def _chip() -> dict[str, Any]:
     """This VM's devices as the key reads them, and what a recorded fixture copies."""
     import jax
 
-    from preheat.platforms import libtpu_init_args, tpu_fields
+    from preheat import platforms
+    from preheat.platforms import libtpu_init_args, slice_description
 
     devices = jax.devices()
     first = devices[0]
@@ -205,7 +210,8 @@ def _chip() -> dict[str, Any]:
     for name in ("platform", "device_kind", "id", "coords", "core_on_chip", "num_cores", "process_index"):
         value = getattr(first, name, None)
         attrs[name] = list(value) if isinstance(value, (tuple, list)) else value
-    return {"fields": tpu_fields(devices), "device": attrs, "count": len(devices),
+    return {"fields": platforms.device_fields(None), "slice": slice_description(devices), "device": attrs,
+            "count": len(devices),
             "coords": [list(getattr(d, "coords", [])) for d in devices],
             "platform_version": str(first.client.platform_version),
             "LIBTPU_INIT_ARGS": os.environ.get("LIBTPU_INIT_ARGS", ""), "libtpu_init_args": libtpu_init_args(),
@@ -232,9 +238,9 @@ def check(carried: Path) -> dict[str, Any]:
     except Exception as exc:  # the row's failure is a result too
         result["flash"] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
     result["chip"] = _chip()
-    carried_tpu = prepared.get("tpu") or {}
-    result["key_fields_differ"] = {k: [carried_tpu.get(k), v] for k, v in result["chip"]["fields"]["tpu"].items()
-                                   if carried_tpu.get(k) != v}
+    carried = prepared.get("device_fields") or {}
+    result["key_fields_differ"] = {k: [carried.get(k), v] for k, v in result["chip"]["fields"].items()
+                                   if carried.get(k) != v}
     return result
 
 

@@ -46,12 +46,8 @@ def tpu_vm(monkeypatch: Any, record: dict[str, Any] = V5E_VM, platform_version: 
     """This process as the recorded VM: its devices, and the environment its jax left."""
     import jax
 
-    from preheat.platforms import _tpu
-
     devices = recorded_devices(record, platform_version)
     monkeypatch.setattr(jax, "devices", lambda *a, **k: list(devices))
     for name, value in record["env"].items():
         monkeypatch.setenv(name, value)
-    _tpu._local_tpu_fields.cache_clear()
-    monkeypatch.setattr(_tpu, "_local_tpu_fields", _tpu._local_tpu_fields.__wrapped__)  # uncached while patched
     return devices

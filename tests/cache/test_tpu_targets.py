@@ -78,9 +78,10 @@ def test_no_libtpu_is_one_line_before_any_weights_are_read(monkeypatch):
                                                        ("v5p", "TPU v5", 4, 2), ("v4", "TPU v4", 4, 2)])
 def test_a_topology_has_the_devices_jax_shows_on_that_vm(spec, kind, devices, cores):
     """One device per chip, megacore chips (v4, v5p) as one device of two cores, as jax drives them."""
-    fields = resolve_target(spec).key_fields()
-    assert fields["device_kind"] == kind and fields["tpu"]["devices"] == devices
-    assert fields["tpu"]["cores_per_device"] == cores
+    target = resolve_target(spec)
+    described = target.manifest()
+    assert target.key_fields()["device_kind"] == kind == described["device"]
+    assert (described["devices"], described["cores_per_device"]) == (devices, cores)
 
 
 @needs_libtpu
@@ -97,10 +98,12 @@ def test_the_deviceless_key_is_the_key_a_tpu_vm_computes(monkeypatch):
     here = str(target_device(v5e).client.platform_version)  # this libtpu's words, as the VM's would be
     tpu_vm(monkeypatch, V5E_VM, platform_version=here)
     vm = key_fields(pipe.fingerprint, sig, args)
-    assert vm["platform"] == "tpu" and vm["device_kind"] == "TPU v5 lite" and vm["tpu"]["chips"] == [1, 1, 1]
+    assert vm["platform"] == "tpu" and vm["device_kind"] == "TPU v5 lite" and vm["device_count"] == 1
     assert key_of(vm) == built  # the VM's first start finds what the builder wrote
     assert cpu != built  # and a CPU never picks a TPU entry, nor the reverse
-    assert key_of(key_fields(pipe.fingerprint, sig, args, target=resolve_target("v5e:2x2"))) != built
+    # a single-chip program is the same on a 4-chip host; another chip is another program
+    assert key_of(key_fields(pipe.fingerprint, sig, args, target=resolve_target("v5e:2x2"))) == built
+    assert key_of(key_fields(pipe.fingerprint, sig, args, target=resolve_target("v6e"))) != built
     monkeypatch.setenv("LIBTPU_INIT_ARGS", V5E_VM["env"]["LIBTPU_INIT_ARGS"] + " --xla_tpu_enable_latency_hiding_scheduler=false")
     assert key_of(key_fields(pipe.fingerprint, sig, args)) != built  # a flag libtpu reads is another program
 
@@ -125,9 +128,9 @@ def test_warm_target_v5e_writes_tpu_entries_a_cpu_run_never_picks(v5e_warm, monk
     assert [row["cache_layer"] for row in json.loads(proc.stdout)["signatures"]] == ["none"]
     shutil.copytree(home, _root(), dirs_exist_ok=True)
     (entry,) = _manifests(_root())
-    assert entry["target"] == {"name": "v5e:1x1", "platform": "tpu", "device": "TPU v5 lite",
-                               "libtpu": platforms.libtpu_version()}
-    assert entry["fields"]["platform"] == "tpu" and entry["fields"]["tpu"]["chips"] == [1, 1, 1]
+    assert entry["target"] == {"name": "v5e:1x1", "platform": "tpu", "device": "TPU v5 lite", "chips": [1, 1, 1],
+                               "devices": 1, "cores_per_device": 1, "libtpu": platforms.libtpu_version()}
+    assert entry["fields"]["platform"] == "tpu" and entry["fields"]["device_kind"] == "TPU v5 lite"
     assert "host_cpu" not in entry["fields"]  # nothing of the builder's CPU
 
     # the same root, a CPU process, the warmed call (guidance 1: off): it never picks the TPU entry,

@@ -44,6 +44,7 @@ def test_a_target_keys_through_its_platform():
 
     fields = platforms.device_fields(None, TpuTarget())
     assert fields["platform"] == "tpu" and fields["device_kind"] == "TPU v5 lite" and fields["device_count"] == 1
+    assert set(fields) == {"platform", "device_kind", "topology", "device_count", "xla_flags", "libtpu_init_args"}
 
 
 def test_a_mesh_keys_its_axes_devices_and_kinds():

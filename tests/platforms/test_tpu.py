@@ -77,3 +77,25 @@ def test_a_trace_for_the_tpu_lowers_the_kernel_for_the_chip():
         mosaic = self_attn.trace(q).lower(lowering_platforms=("tpu",)).as_text()
         plain = cross_attn.trace(q, ctx).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in mosaic and "tpu_custom_call" not in plain
+
+
+def test_a_chip_s_key_is_the_one_a_target_for_it_computes(monkeypatch):
+    """The chip's host and a deviceless target give the same fields when the target names the chip's
+    kind and runtime; a builder's XLA:CPU flags are left out, libtpu's own flags kept."""
+
+    class Client:
+        platform_version = "libtpu 0.0.42.1"
+
+    class Chip:
+        platform, device_kind, client = "tpu", "TPU v5 lite", Client()
+
+    class Target:
+        def key_fields(self):
+            return {"device_kind": "TPU v5 lite", "platform_version": "libtpu 0.0.42.1"}
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", " --xla_tpu_use_enhanced_launch_barrier=true")
+    own, built = TPU.device_fields(Chip(), None), TPU.device_fields(Chip(), None, Target())
+    assert own == built and own["xla_flags"] == "" and own["device_count"] == 1
+    assert own["libtpu_init_args"] == "--xla_tpu_use_enhanced_launch_barrier=true"
+    assert TPU.device_fields(Chip(), 4)["device_count"] == 4

@@ -11,9 +11,11 @@ A target is written ``KIND`` or ``KIND:SHAPE`` (``v5e``, ``v5e:2x2``, ``v5p``, `
 with libtpu's own topology names (``KINDS``). One host's chips only: ``warm`` compiles
 single-device programs, and a VM is one host.
 
-The key's TPU fields (``preheat.platforms.tpu_fields``: the TPU platform's) are computed
-by one function from a list of devices: the topology's compile-only devices here, ``jax.devices()``
-on the VM.
+The key's TPU fields (the TPU platform's ``device_fields``) are read from a device the same way on
+both sides: the chip's kind and its client's ``platform_version`` (libtpu's build), from the
+topology's first compile-only device here and from the VM's own first device there; the slice's
+shape is not in them (a single-chip program is the same on a 1-chip and a 4-chip host), only in the
+entry's manifest. So the builder must have the VM's jax, jaxlib and libtpu.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from preheat.errors import TargetError
-from preheat.platforms import libtpu_init_args, libtpu_version, tpu_fields
+from preheat.platforms import libtpu_init_args, libtpu_version, slice_description
 
 __all__ = ["KINDS", "TpuTarget", "is_tpu_spec", "resolve_tpu_target", "tpu_device", "topology_devices"]
 
@@ -55,7 +57,7 @@ _SPEC = re.compile(r"^(?P<kind>[a-z0-9]+)(?::(?P<shape>[^\s]*))?$")
 @dataclass(frozen=True)
 class TpuTarget:
     """A TPU slice to compile for: ``name`` (``v5e:1x1``), its kind and chips per axis (3 values).
-    ``fields``: the key's device fields, filled by ``tpu_device`` (they need libtpu)."""
+    ``fields``: the key's chip fields, filled by ``key_fields`` (they need libtpu)."""
 
     name: str
     kind: str
@@ -71,17 +73,17 @@ class TpuTarget:
         return f"{spec.topology}:{'x'.join(str(c) for c in self.chips[:spec.dims])}"
 
     def key_fields(self) -> dict[str, Any]:
-        """The key's TPU fields (``tpu_fields`` of the topology's devices; the TPU platform's
-        ``device_fields`` adds the platform, device count and XLA flags)."""
+        """What a chip's host reads from its first device (the TPU platform's ``device_fields``
+        adds the device count and the flags): its kind and its client's ``platform_version``."""
         if not self.fields:
-            self.fields.update(tpu_fields(topology_devices(self)))
+            device = topology_devices(self)[0]
+            self.fields.update(device_kind=str(device.device_kind), platform_version=str(device.client.platform_version))
         return dict(self.fields)
 
     def manifest(self) -> dict[str, Any]:
         """What an entry compiled for this target records about it (not part of the key)."""
-        fields = self.key_fields()
-        return {"name": self.name, "platform": "tpu", "device": fields["device_kind"],
-                "libtpu": fields["tpu"]["libtpu"]}
+        return {"name": self.name, "platform": "tpu", "device": self.key_fields()["device_kind"],
+                **slice_description(topology_devices(self))}
 
 
 def is_tpu_spec(spec: str) -> bool:

@@ -33,15 +33,21 @@ be tested without the chip, and the batches between 4 and 16 were never tried, s
 conservative: from ``IM2COL_MIN_BATCH`` latents a convolution, every convolution is a matrix
 product (3x3 ones im2col, 1x1 ones a plain product: no convolution is left for libtpu's convolution
 emitter), XLA's convolution below. ``scripts/tpu_conv.py`` measures where the line should be.
+
+The key (``device_fields``): the chip's kind, libtpu's version as the runtime reports it, the
+program's device count (1 for a single-chip program on a 4-chip host, as on a GPU), the XLA flags a
+TPU reads (not XLA:CPU's) and ``LIBTPU_INIT_ARGS`` (libtpu's own compiler flags, as libtpu reads them
+on a VM: jax adds its launch-barrier flag there and only there, ``preheat.platforms._libtpu``). A deviceless
+target (``preheat warm --target`` for a TPU) supplies the first two from ``target.key_fields()``,
+so that a builder's key is the one the chip's host computes for itself.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 from preheat.platforms._base import Attention, AttentionLayer, ConvLayer, Platform, accelerator_xla_flags
-from preheat.platforms._libtpu import tpu_fields
+from preheat.platforms._libtpu import libtpu_init_args
 
 __all__ = ["TpuPlatform", "FLASH_MIN_TOKENS", "IM2COL_MIN_BATCH", "flash_block", "flash_choice"]
 
@@ -83,24 +89,16 @@ class TpuPlatform(Platform):
             return Attention("xla")
         return flash_choice(layer)
 
+    def device_fields(self, device: Any, mesh_size: Optional[int], target: Any = None) -> dict[str, Any]:
+        """The module docstring's fields, the device's own or ``target.key_fields()``'s
+        (``device_kind``, ``platform_version``)."""
+        chip = target.key_fields() if target is not None else {
+            "device_kind": device.device_kind, "platform_version": device.client.platform_version}
+        return {"platform": "tpu", **chip, "device_count": 1 if mesh_size is None else mesh_size,
+                "xla_flags": accelerator_xla_flags(),
+                "libtpu_init_args": libtpu_init_args()}
+
     def conv_form(self, layer: Optional[ConvLayer], deviceless: bool = False) -> str:
         if layer is not None and layer.batch >= IM2COL_MIN_BATCH:  # 1x1 kernels too: a matrix product
             return "im2col"
         return "conv"
-
-    def device_fields(self, device: Any, mesh_size: Optional[int], target: Any = None) -> dict[str, Any]:
-        """The slice's fields (``preheat.platforms._libtpu.tpu_fields``: this VM's devices, or a
-        ``target``'s topology in a deviceless compile -- one function, so a VM finds what a CPU
-        builder wrote), the program's device count and the XLA flags a TPU reads."""
-        if target is not None:
-            return super().device_fields(device, mesh_size, target)
-        return {"platform": self.name, **_local_tpu_fields(), "device_count": 1 if mesh_size is None else mesh_size,
-                "xla_flags": accelerator_xla_flags()}
-
-
-@functools.lru_cache(maxsize=1)
-def _local_tpu_fields() -> dict[str, Any]:
-    """``tpu_fields`` of this process's TPU devices (they never change in a process)."""
-    import jax
-
-    return tpu_fields(jax.devices())
