@@ -13,9 +13,10 @@ single-device programs, and a VM is one host.
 
 The key's TPU fields (the TPU platform's ``device_fields``) are read from a device the same way on
 both sides: the chip's kind and its client's ``platform_version`` (libtpu's build), from the
-topology's first compile-only device here and from the VM's own first device there; the slice's
-shape is not in them (a single-chip program is the same on a 1-chip and a 4-chip host), only in the
-entry's manifest. So the builder must have the VM's jax, jaxlib and libtpu.
+topology's first compile-only device here and from the VM's own first device there. The slice's
+shape is not in them (the TPU platform's choice: a single-chip program taken as the same on a 1-chip
+and a 4-chip host, not measured), only in the entry's manifest. So the builder must have the VM's
+jax, jaxlib and libtpu.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class TpuTarget:
     fields: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     platform = "tpu"
-    capability = None  # what ``compile_target.compiling_for`` is given: no compute capability on a TPU
+    capability = None  # what ``platforms.compiling_for`` is given: no compute capability on a TPU
 
     @property
     def topology_name(self) -> str:
