@@ -90,7 +90,7 @@ def _unet_row(name: str, config: dict[str, Any], batch: int, latent: int, dtype:
         "cpu": lambda: jax.jit(call).lower(*args)}
     for side, lower in sides.items():
         start = time.perf_counter()
-        with compiling_for("gpu", tuple(target.gpu["compute_capability"])) if side == "target" else _null():
+        with compiling_for(target.platform, target.capability) if side == "target" else _null():
             lowered = lower()
         traced = time.perf_counter()
         compiled = lowered.compile()

@@ -14,8 +14,9 @@ problem (and, where there is one, the fix). Surfaces (CLI, server, Runpod handle
     │   │                     words the message in a surface's own names for them
     │   ├── SchedulerConfigError  a scheduler config or sampler choice is not supported
     │   └── InvalidArgumentError  a bad call argument (n <= 0, unknown class, bad noise shape, ...)
-    │       └── TargetError           a GPU compile target cannot be used (``warm --target``): unknown
-    │                                 name, malformed description, or no CUDA plugin; ``.reason`` says which
+    │       └── TargetError           a GPU or TPU compile target cannot be used (``warm --target``): unknown
+    │                                 name, malformed description or shape, no CUDA plugin or libtpu, a
+    │                                 program larger than its memory; ``.reason`` says which
     ├── CacheError            the cache root or an entry cannot be used (entries are
     │   │                     quarantined and recompiled; this surfaces only for the root)
     │   └── CacheEntryError       one entry failed verification (caught internally)
@@ -133,9 +134,11 @@ class InvalidArgumentError(NamesInputs, ValueError):
 
 
 class TargetError(InvalidArgumentError):
-    """A GPU compile target (``preheat warm --target``) cannot be used. ``reason`` is "unknown"
-    (a name preheat has no description for), "malformed" (a description file that does not
-    parse) or "plugin" (no CUDA plugin for deviceless compiles)."""
+    """A GPU or TPU compile target (``preheat warm --target``) cannot be used. ``reason`` is
+    "unknown" (a name preheat has no description for, a TPU topology larger than a host),
+    "malformed" (a description file that does not parse, a TPU shape that is not one), "plugin"
+    (no CUDA plugin or libtpu for deviceless compiles) or "memory" (a program needs more memory
+    than the target has)."""
 
     def __init__(self, message: str, *, reason: str, argument: str = "target"):
         super().__init__(message, argument=argument)

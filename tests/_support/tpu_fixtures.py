@@ -1,12 +1,26 @@
-"""A TPU v5e VM as `preheat doctor` sees it: facts recorded on the project's TPU machine (one v5e
-chip, jax/jaxlib 0.10.2, libtpu 0.0.42.1), for the fake TPU machine of tests/doctor.
+"""Recorded facts of the project's TPU v5e machine (one v5e chip of a v5litepod-4 shown to the
+process, jax/jaxlib 0.10.2, libtpu 0.0.42.1; the session probe of 2026-12-06), for tests that
+play that machine without the chip.
+
+For `preheat doctor` (tests/doctor):
 
     JAX_TPU     the JAX probe's JSON there (``python -m preheat.doctor.jax_probe``)
     HOST        what the host shows without JAX: PCI ids, device nodes, TPU_* env, hugepages
     VERSIONS    the installed distributions doctor reads
+
+For the cache key (tests/cache, tests/platforms): ``V5E_VM``, what the chip's process reported,
+copied field by field: its first device's attributes, its client's ``platform_version``, and the environment jax's
+TPU start leaves (``LIBTPU_INIT_ARGS`` with jax's launch-barrier default). ``V5E_BUILDER``: what a
+CPU-only builder with the same libtpu reported for ``v5e:1x1``'s compile-only device (this
+machine, ``scripts/tpu_prepare.sh``'s venv). ``tpu_vm`` makes this process look like the VM to
+``preheat.platforms``: ``jax.devices()`` returns recorded devices.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 HBM = 16_909_336_064  # memory_stats()["bytes_limit"] of the v5e chip: 15.75 GiB
 JAX_TPU = {
@@ -33,7 +47,7 @@ LOCKFILE_ERROR = ("RuntimeError: Unable to initialize backend 'tpu': INTERNAL: I
                   "multi-process lockfile. Run \"$ sudo lsof -w /dev/vfio/2\" to figure out which process is using the TPU.")
 
 
-def weights_folder(root: "Path") -> "Path":
+def weights_folder(root: Path) -> Path:
     """A diffusers-shaped folder of tiny safetensors files whose bytes the tests know exactly:
 
         unet          proj_in (top level: never fp8) f32 128x128, an inner proj_in f32 256x256, a norm
@@ -44,7 +58,6 @@ def weights_folder(root: "Path") -> "Path":
     Device bytes: float32 773736; bfloat16 407656; bfloat16 + fp8 weights 305256; bfloat16 with
     the text encoder offloaded 279040."""
     import json
-    from pathlib import Path
 
     import ml_dtypes
     import numpy as np
@@ -71,3 +84,42 @@ def weights_folder(root: "Path") -> "Path":
         (root / name).mkdir()
     (root / "model_index.json").write_text(json.dumps(index))
     return root
+
+
+V5E_VM: dict[str, Any] = {
+    "versions": {"jax": "0.10.2", "jaxlib": "0.10.2", "libtpu": "0.0.42.1"},
+    # TpuDevice(id=0, process_index=0, coords=(0,0,0), core_on_chip=0)
+    "device": {"platform": "tpu", "device_kind": "TPU v5 lite", "id": 0, "process_index": 0, "host_id": 0,
+               "task_id": 0, "local_hardware_id": 0, "coords": (0, 0, 0), "core_on_chip": 0},
+    "device_count": 1,
+    "platform_version": "PJRT C API\nTFRT TPU v5 lite\nBuilt on Jun 17 2026 11:08:48 (1781719728) cl/933746096",
+    # the VM's environment: variables a builder lacks (the key must not read them) and LIBTPU_INIT_ARGS
+    "env": {"TPU_TOPOLOGY": "2x2", "TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1",
+            "TPU_HOST_BOUNDS": "1,1,1", "TPU_WORKER_ID": "0", "TPU_WORKER_HOSTNAMES": "localhost",
+            "TPU_SKIP_MDS_QUERY": "true", "LIBTPU_INIT_ARGS": " --xla_tpu_use_enhanced_launch_barrier=true"},
+}
+V5E_BUILDER: dict[str, Any] = {
+    "versions": {"jax": "0.10.2", "jaxlib": "0.10.2", "libtpu": "0.0.42.1"},
+    "device": {"platform": "tpu", "device_kind": "TPU v5 lite", "id": 0, "coords": [0, 0, 0], "core_on_chip": 0,
+               "num_cores": 1},
+    "platform_version": "PJRT C API\nTFRT TPU v5 lite\nBuilt on Jun 17 2026 11:08:48 (1781719728) cl/933746096",
+    "env": {"LIBTPU_INIT_ARGS": ""},  # jax's TPU start returns before setting anything: no chip
+}
+
+
+def recorded_devices(record: dict[str, Any], platform_version: str | None = None) -> list[Any]:
+    """The VM's devices as recorded (``platform_version``: another libtpu's, where the test's libtpu
+    is not the recorded one)."""
+    client = SimpleNamespace(platform="tpu", platform_version=platform_version or record["platform_version"])
+    return [SimpleNamespace(**record["device"], client=client) for _ in range(record.get("device_count", 1))]
+
+
+def tpu_vm(monkeypatch: Any, record: dict[str, Any] = V5E_VM, platform_version: str | None = None) -> list[Any]:
+    """This process as the recorded VM: its devices, and the environment its jax left."""
+    import jax
+
+    devices = recorded_devices(record, platform_version)
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: list(devices))
+    for name, value in record["env"].items():
+        monkeypatch.setenv(name, value)
+    return devices

@@ -28,7 +28,7 @@ from preheat.cache import xla_layer
 from preheat.cache.entries import UNRUNNABLE, LoadingMarker, checked_entry, unrunnable, unrunnable_cudnn_calls
 from preheat.cache.entry_cache import EntryCache
 from preheat.cache.keys import key_fields, key_of, mesh_of
-from preheat.errors import CacheEntryError
+from preheat.errors import CacheEntryError, TargetError
 from preheat.timings import Timings
 
 __all__ = ["JaxCompiler", "TargetCompiler", "Prefetch", "Rehearsal", "zeros_like_outputs", "on_device"]
@@ -374,7 +374,14 @@ class TargetCompiler(JaxCompiler):
                 lowered = jax.jit(program).lower(on_device(args, self.device))
             traced = time.perf_counter()
             with xla_layer.persistent_cache_disabled():
-                compiled = lowered.compile()
+                try:
+                    compiled = lowered.compile()
+                except Exception as exc:  # e.g. more memory than the target has: one line naming the program
+                    if "RESOURCE_EXHAUSTED" not in str(exc):
+                        raise
+                    first = str(exc).splitlines()[0].split("RESOURCE_EXHAUSTED: ", 1)[-1][:240]
+                    raise TargetError(f"--target {self.target.name}: the {record['stage']} program does not fit "
+                                      f"it: {first}", reason="memory") from None
             timings = Timings(trace_lower_s=traced - start, compile_s=time.perf_counter() - traced, cache_layer="none")
             reason = unrunnable_cudnn_calls(compiled)
             if reason:

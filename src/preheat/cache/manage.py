@@ -96,6 +96,8 @@ def target_label(manifest: dict[str, Any]) -> str:
     reason = unrunnable(manifest)
     if reason:
         return f"{label} (not autotuned; will not run: {reason})"
+    if target.get("platform") == "tpu":
+        return label  # nothing is autotuned on a TPU: the chip's own compile is the same program
     return label + (" (not autotuned)" if manifest.get("autotuned") is False else "")
 
 

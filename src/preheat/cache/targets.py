@@ -74,9 +74,14 @@ class Target:
         return {"name": self.name, "device": self.device_name, "description_sha256": self.digest}
 
 
-def resolve_target(spec: str) -> Target:
-    """``--target NAME|FILE`` -> a Target; an unknown name or a malformed file fails in one line."""
+def resolve_target(spec: str) -> Any:
+    """``--target NAME|FILE`` -> a Target (a GPU) or a ``tpu_targets.TpuTarget`` (``v5e``,
+    ``v5e:2x2``, ...); an unknown name or a malformed file fails in one line."""
+    from preheat.cache.tpu_targets import is_tpu_spec, resolve_tpu_target
+
     spec = spec.strip()
+    if is_tpu_spec(spec):
+        return resolve_tpu_target(spec)
     if spec.lower() in NAMES:
         name = spec.lower()
         file = NAMES[name]
@@ -122,9 +127,13 @@ def _compile_only_device(text: str) -> Any:
     return topologies.get_topology_desc(platform="cuda", target_config=text, topology="1x1x1").devices[0]
 
 
-def target_device(target: Target) -> Any:
-    """The compile-only device for ``target``; without a CUDA plugin (or on a jax that cannot
-    compile for an absent GPU), one line naming what to install."""
+def target_device(target: Any) -> Any:
+    """The compile-only device for ``target``; without a CUDA plugin or libtpu (or on a jax that
+    cannot compile for an absent GPU), one line naming what to install."""
+    if target.platform == "tpu":
+        from preheat.cache.tpu_targets import tpu_device
+
+        return tpu_device(target)
     if not any(k.startswith("jax-cuda") for k in cuda_versions()):
         raise TargetError("--target needs the CUDA plugin for deviceless GPU compiles: pip install "
                           "'preheat[cuda13]' (jax-cuda13-plugin and jax-cuda13-pjrt, the jax version's own)",

@@ -172,7 +172,7 @@ class ExplainCommand(SettingsCommand, FamilyInputsCommand):
 @click.option("--fsdp", default=1, show_default=True, type=POSITIVE, metavar="F",
               help="The devices each weight is split over.")
 @click.option("--target", "target_spec", metavar="NAME|FILE",
-              help="JAX: explain the key of this GPU's program (`preheat warm --target`), not this machine's.")
+              help="JAX: explain the key of this GPU's or TPU's program (`preheat warm --target`), not this machine's.")
 @click.option("--as-server", is_flag=True,
               help="JAX: the call as `preheat serve` (and `preheat warm`) with --max-batch-size and --progress makes "
                    "it: --n images padded to the server's batch bucket, with its step reports. The server's "
@@ -233,9 +233,10 @@ def explain_command(opts: CallOptions, devices_text: str | None, fsdp: int, targ
         raise InvalidArgumentError(f"--compile {opts.compile_mode} applies to --backend torch", argument="--compile")
     target = None
     if target_spec is not None:
-        from preheat.cache.targets import resolve_target
+        from preheat.cache.targets import resolve_target, target_device
 
         target = resolve_target(target_spec)
+        target_device(target)  # no plugin or libtpu: one line, before the model is read
     load = {k: v for k, v in opts.load_options().items() if k not in ("backend", "compile")}
     pipe = preheat.load(model, devices=parse_devices(devices_text, "--devices"), fsdp=fsdp, **load)
     _check_offered(pipe, model, inputs_text, opts)

@@ -130,9 +130,10 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
 @click.option("--push-timeout-s", default=600.0, show_default=True, type=NON_NEGATIVE,
               help="How long uploads to PREHEAT_CACHE_URL may take after the last compile.")
 @click.option("--target", "target_spec", metavar="NAME|FILE",
-              help="Compile for this GPU instead of this machine's devices (no GPU needed; needs the cuda13 "
-                   "extra's plugin): h200, h100-sxm, h100-pcie, a100-80, a100-40, b200, or a description file "
-                   "from `preheat doctor --save-target` (l40s, rtx4090 and other GPUs XLA does not describe).")
+              help="Compile for this GPU or TPU instead of this machine's devices (no accelerator needed): h200, "
+                   "h100-sxm, h100-pcie, a100-80, a100-40, b200, or a description file from `preheat doctor "
+                   "--save-target` (l40s, rtx4090 and other GPUs XLA does not describe), with the cuda13 extra's "
+                   "plugin; v5e, v5e:2x2, v5e:2x4, v6e, v6e:2x2, v5p, v4 with the tpu extra's libtpu.")
 @click.option("--quiet", is_flag=True, help="No progress bar (it is drawn only when stderr is a terminal).")
 @one_line_errors
 def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str], weights_layers: str,
@@ -234,8 +235,8 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
 def _target_compiles(spec: str, warm_set: Any, progress: Optional[bool],
                      name_of: Callable[[str], str] = flag_of) -> tuple[Any, Any]:
     """The target of ``--target`` (one line for an unknown name, a malformed file or no plugin,
-    before any weights are read) and the set, on one device (a target is one GPU) and without
-    step progress (its host callback needs the GPU's runtime to be lowered)."""
+    before any weights are read) and the set, on one device (a target's programs are single-device
+    ones) and without step progress (its host callback needs the device's runtime to be lowered)."""
     from dataclasses import replace
 
     from preheat.cache.targets import resolve_target, target_device
@@ -244,11 +245,11 @@ def _target_compiles(spec: str, warm_set: Any, progress: Optional[bool],
     target = resolve_target(spec)
     target_device(target)
     if warm_set.devices not in (None, 1, [0], (0,)) or warm_set.fsdp != 1:
-        raise InvalidArgumentError(f"--target compiles single-GPU programs; leave {name_of('devices')} and "
+        raise InvalidArgumentError(f"--target compiles single-device programs; leave {name_of('devices')} and "
                                    f"{name_of('fsdp')} unset", argument="devices")
     if progress:
-        raise InvalidArgumentError(f"{name_of('progress')} cannot be compiled for a --target (the step callback needs the GPU's "
-                                   "runtime); warm with --no-progress and serve with --no-progress",
+        raise InvalidArgumentError(f"{name_of('progress')} cannot be compiled for a --target (the step callback needs the "
+                                   "device's runtime); warm with --no-progress and serve with --no-progress",
                                    argument="--progress")
     return target, replace(warm_set, devices=1, progress=False)
 

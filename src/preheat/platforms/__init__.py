@@ -19,8 +19,8 @@ The compile target decides every trace-time choice (``current()``: the platform 
 names during a deviceless compile, else the running backend's), so a builder traces the program a
 pod would trace for itself. A test selects a ``FakePlatform`` with ``selected``. Modules: ``_base``
 (the description's base class and the values choices are made from), ``_cpu``, ``_gpu``, ``_tpu``
-(one platform each), ``_select`` (which platform is asked), ``_devices`` (the running machine's
-devices), ``_fake``.
+(one platform each; ``_libtpu``: libtpu as a TPU key reads it), ``_select`` (which platform is asked),
+``_devices`` (the running machine's devices), ``_fake``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from preheat.platforms._gpu import (GpuPlatform, cuda_versions, cudnn_available,
                                     local_description, parse_description)
 from preheat.platforms._select import (PLATFORMS, compiling_for, current, deviceless, get, local, selected,
                                        traced_target)
+from preheat.platforms._libtpu import libtpu_init_args, libtpu_version, slice_description
 from preheat.platforms._tpu import TpuPlatform, flash_choice
 
 __all__ = [
@@ -48,4 +49,6 @@ __all__ = [
     # GPU descriptions (XLA's target descriptions, the CUDA plugin's versions)
     "parse_description", "gpu_fields", "cuda_versions", "cudnn_available", "local_description",
     "device_gpu_fields",
+    # libtpu (LIBTPU_INIT_ARGS as a VM's libtpu reads it) and a TPU slice described
+    "libtpu_version", "libtpu_init_args", "slice_description",
 ]

@@ -36,17 +36,18 @@ emitter), XLA's convolution below. ``scripts/tpu_conv.py`` measures where the li
 
 The key (``device_fields``): the chip's kind, libtpu's version as the runtime reports it, the
 program's device count (1 for a single-chip program on a 4-chip host, as on a GPU), the XLA flags a
-TPU reads (not XLA:CPU's) and ``LIBTPU_INIT_ARGS`` (libtpu's own compiler flags). A deviceless
+TPU reads (not XLA:CPU's) and ``LIBTPU_INIT_ARGS`` (libtpu's own compiler flags, as libtpu reads them
+on a VM: jax adds its launch-barrier flag there and only there, ``preheat.platforms._libtpu``). A deviceless
 target (``preheat warm --target`` for a TPU) supplies the first two from ``target.key_fields()``,
 so that a builder's key is the one the chip's host computes for itself.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 from preheat.platforms._base import Attention, AttentionLayer, ConvLayer, Platform, accelerator_xla_flags
+from preheat.platforms._libtpu import libtpu_init_args
 
 __all__ = ["TpuPlatform", "FLASH_MIN_TOKENS", "IM2COL_MIN_BATCH", "flash_block", "flash_choice"]
 
@@ -95,7 +96,7 @@ class TpuPlatform(Platform):
             "device_kind": device.device_kind, "platform_version": device.client.platform_version}
         return {"platform": "tpu", **chip, "device_count": 1 if mesh_size is None else mesh_size,
                 "xla_flags": accelerator_xla_flags(),
-                "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", "").strip()}
+                "libtpu_init_args": libtpu_init_args()}
 
     def conv_form(self, layer: Optional[ConvLayer], deviceless: bool = False) -> str:
         if layer is not None and layer.batch >= IM2COL_MIN_BATCH:  # 1x1 kernels too: a matrix product
