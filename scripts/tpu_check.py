@@ -10,8 +10,9 @@ Each row runs in fresh processes (one program may hold the chip at a time, and a
 a new process by definition): ``peak`` an 8192^3 bf16 matrix product (the measured peak every
 fraction is taken of); ``doctor``; ``builtin`` the built-in model cold (empty cache) then warm;
 ``pixels`` the built-in text model on the chip against the same call on this host's CPU (mean
-|diff| in 1/255); ``aot`` executables compiled on a CPU builder (``preheat warm --target v5e``,
-carried under .tpu-aot/) loaded here, against the chip's own compile; ``sd15`` / ``sdxl`` random
+|diff| in 1/255); ``aot`` executables compiled on a CPU builder (``scripts/tpu_prepare.sh``:
+``preheat warm --target v5e``, carried as .tpu-aot/) loaded here, against the chip's own compile
+(``scripts/tpu_aot.py check``); ``sd15`` / ``sdxl`` random
 weights written here from the published configs (``bench.random_weights``: no torch), each batch
 cold in a new process, then warm. FLOPs per image-step come from XLA's cost analysis of the
 UNet's lowered program on the host's CPU (``--flops`` in a subprocess). Results: ``$OUT/tpu_check.json``
@@ -130,24 +131,17 @@ def row_pixels(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def row_aot(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """Entries compiled on a CPU builder for this chip (``warm --target v5e``), against the chip's own compile."""
+    """Entries compiled on a CPU builder for this chip (``scripts/tpu_prepare.sh``: ``warm --target
+    v5e``, carried as .tpu-aot/) against the chip's own compile: ``scripts/tpu_aot.py check``."""
     carried = ROOT / ".tpu-aot"
-    if not (carried / "home").is_dir():
-        return {"skipped": "no .tpu-aot/home carried (scripts/tpu_prepare.sh writes it on a CPU builder)"}
-    import shutil
-
-    home = Path(args.work) / "home-aot"
-    shutil.rmtree(home, ignore_errors=True)
-    shutil.copytree(carried / "home", home)
-    models = json.loads((carried / "models.json").read_text()) if (carried / "models.json").is_file() else \
-        [{"model": "builtin:digits", "n": 16, "flags": []}]
-    rows = []
-    for i, m in enumerate(models):
-        own = sample(m["model"], Path(args.work) / f"home-aot-own{i}", out, m["n"], m["flags"], 200, f"aot-own{i}")
-        carried_run = sample(m["model"], home, out, m["n"], m["flags"], 200, f"aot-carried{i}")
-        rows.append({"model": m["model"], "own": own, "carried": carried_run,
-                     "mean_abs_diff_255": _mean_diff(out / f"aot-own{i}", out / f"aot-carried{i}")})
-    return {"models": rows}
+    if not (carried / "prepare.json").is_file():
+        return {"skipped": "no .tpu-aot carried (scripts/tpu_prepare.sh writes it on a CPU builder)"}
+    report = out / "tpu_aot.json"
+    r = run([sys.executable, "scripts/tpu_aot.py", "check", "--carried", str(carried), "--out-json", str(report)],
+            400, log=out / "tpu_aot.log")
+    if report.is_file():
+        r.update(json.loads(report.read_text()))
+    return r
 
 
 def flops_per_image_step(arch: str, batch: int, width: int, guided: bool) -> Optional[float]:
@@ -228,11 +222,11 @@ def table(results: dict[str, Any]) -> str:
     px = results.get("pixels")
     if px:
         lines.append(f"| pixels | text-digits, chip vs host CPU, mean abs diff | {px.get('mean_abs_diff_255')} / 255 |")
-    for m in results.get("aot", {}).get("models", []):
-        lines.append(f"| aot | {m['model']}: carried (layer, load s, start->image) vs own compile | "
-                     f"{m['carried'].get('cache_layer')}, {m['carried'].get('compile_or_load_s')} s, "
-                     f"{m['carried'].get('process_start_to_first_image_s')} s vs {m['own'].get('process_start_to_first_image_s')} s; "
-                     f"pixels diff {m.get('mean_abs_diff_255')} |")
+    for name, m in results.get("aot", {}).get("models", {}).items():
+        c, o = m.get("carried", {}), m.get("own_compile", {})
+        lines.append(f"| aot | {name}: carried (layer, start -> first image) vs the chip's own compile | "
+                     f"{c.get('layer')}, {c.get('process_s')} s vs {o.get('layer')}, {o.get('process_s')} s; "
+                     f"pixels {m.get('pixels_vs_own_compile')} |")
     for name in MODELS:
         r = results.get(name)
         if not r:
