@@ -65,6 +65,8 @@ _NOISE_DRAWS = {"ddpm": 1, "ddim": 1, "euler_a": 1, "lcm": 1, "tcd": 1,
                 "dpm2_a": 1, "dpmpp_sde": 2}  # dpmpp_sde: one per move (its Brownian path's two increments)
 # Solvers with a second model call per step (not on the last), at the Plan's mid_sigmas / mid_timesteps.
 MIDPOINT_SOLVERS: tuple[str, ...] = ("dpm2", "dpm2_a", "dpmpp_sde")
+# Solvers that call the model twice per step (not on the last): Heun, at the Euler point, and the midpoint ones.
+TWO_CALL_SOLVERS: tuple[str, ...] = ("heun", *MIDPOINT_SOLVERS)
 # Samplers whose make_plan takes a custom descending ``timesteps`` list (their diffusers
 # ``set_timesteps(timesteps=...)``: Hyper-SD's 1-step cards pass ``[800]``).
 TIMESTEPS_SAMPLERS: tuple[str, ...] = ("lcm", "tcd")
@@ -108,7 +110,7 @@ class SolverSpec:
     def max_model_calls_per_step(self) -> int:
         """Heun and the midpoint solvers (DPM2, DPM2 a, DPM++ SDE) evaluate the model twice per step except on
         the last one."""
-        return 2 if self.solver in ("heun", *MIDPOINT_SOLVERS) else 1
+        return 2 if self.solver in TWO_CALL_SOLVERS else 1
 
 
 class Plan(NamedTuple):

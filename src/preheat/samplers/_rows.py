@@ -232,7 +232,7 @@ def midpoint_rows(sampler: str, sigmas: np.ndarray, ramp: np.ndarray,
     dpm2 and dpmpp_sde: the geometric mean ``exp((log s_i + log s_{i+1}) / 2)``, correctly rounded (torch's
     float32 log, lerp and exp land a few ulps away), 0 onto the final sigma 0. dpm2_a: the geometric mean
     of ``s_i`` and its ``sigma_down = s_{i+1}^2 / s_i``, which is ``s_{i+1}`` itself (KDPM2Ancestral's float32
-    ``sigma_down`` cancels; it lands within a few ulps of it, or at NaN, see ``_solvers._ancestral_split``).
+    ``sigma_down`` cancels; it lands within a few ulps of it, or at NaN, see ``_core.ancestral_split``).
     DPMSolverSDE places its t from the float64 sigmas ``ramp`` (its ``_second_order_timesteps``).
     """
     s = sigmas.astype(np.float64)  # [n + 1]; the product of two float32 values is exact in float64
