@@ -11,7 +11,8 @@ contract, the state of a solver that remembers nothing, and the math written onc
 
 Notation: the state is ``x = alpha * x0 + sigma * eps``. ddpm/ddim/dpm++ keep the
 variance-preserving latent (``alpha**2 + sigma**2 = 1``); euler/euler_a/heun/lms/dpm2(_a)/dpmpp_sde
-(``Solver.space == "ve"``) keep the variance-exploding one (``alpha = 1``) and feed the model ``x / sqrt(sigma**2 + 1)``.
+(``Solver.space == "ve"``) keep the variance-exploding one (``alpha = 1``) and feed the model
+``x / sqrt(sigma**2 + 1)``.
 Flow matching (``prediction_type == "flow"``: flow_euler, flow_heun) keeps
 ``x = (1 - sigma) * x0 + sigma * eps``, feeds the model ``x`` itself, and the model returns
 the velocity ``dx/dsigma = eps - x0``. EDM samplers (``spec.sigma_data > 0``: edm_euler and
@@ -21,7 +22,7 @@ the model ``c_in x`` at ``t = c_noise``; its output gives ``x0 = c_skip x + c_ou
 
 from __future__ import annotations
 
-from typing import Callable, Generic, NamedTuple, TypeVar
+from typing import Callable, Generic, Literal, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,8 @@ import jax.numpy as jnp
 from preheat.errors import InvalidArgumentError
 from preheat.samplers._plan import Plan, SolverSpec
 
-__all__ = ["Model", "NoiseFn", "Solver", "Sample", "remember_nothing", "same_plan", "at", "denoise", "ve_denoise",
-           "edm_denoise", "derivative", "euler_move", "ancestral_split", "ve_coefficients", "vp"]
+__all__ = ["Model", "NoiseFn", "Space", "Solver", "Sample", "remember_nothing", "same_plan", "at", "denoise",
+           "ve_denoise", "edm_denoise", "derivative", "euler_move", "ancestral_split", "ve_coefficients", "vp"]
 
 Model = Callable[[jax.Array, jax.Array], jax.Array]
 """``model(x_in, t)``: raw network output (epsilon / v / x0) for input ``x_in`` at float32 scalar ``t``."""
@@ -38,6 +39,7 @@ Model = Callable[[jax.Array, jax.Array], jax.Array]
 NoiseFn = Callable[[jax.Array, int], jax.Array]
 """``noise_fn(i, k)``: standard-normal noise shaped like the sample, draw ``k`` of step ``i``."""
 
+Space = Literal["ve", "vp", "alpha_bar"]  # a solver's state space (see Solver.space)
 State = TypeVar("State")  # a solver's own state: a NamedTuple (a pytree) whose first field is the sample ``x``
 
 
@@ -53,7 +55,7 @@ class Solver(NamedTuple, Generic[State]):
     init: Callable[[SolverSpec, jax.Array], State]  # (spec, first sample x) -> the state before any step:
     #   x, and nothing remembered yet (also what a fresh scheduler holds at a restart, the sample kept)
     step: Callable[[SolverSpec, Model, Plan, State, jax.Array, NoiseFn], State]  # one step i of the plan
-    space: str  # how x0 and noise make its sample at a step (``noised``): "ve" x0 + sigma eps; "vp" from the
+    space: Space  # how x0 and noise make its sample at a step (``noised``): "ve" x0 + sigma eps; "vp" from the
     #   sigmas, alpha(sigma) x0 + sigma_vp eps; "alpha_bar" sqrt(ab) x0 + sqrt(1 - ab) eps at t_i
     fresh: Callable[[Plan, jax.Array], Plan] = same_plan  # (plan, first) -> the plan as a fresh diffusers
     #   scheduler runs it from step ``first`` on (set_begin_index): a multistep solver's order warms up again
