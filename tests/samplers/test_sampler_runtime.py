@@ -190,3 +190,13 @@ def test_step_is_pure() -> None:
     step(spec, fake_model_jax, plan, s1, 1, zero)
     again = step(spec, fake_model_jax, plan, state, 0, zero)
     np.testing.assert_array_equal(np.asarray(again.x), np.asarray(s1.x))
+
+
+def test_every_sampler_runs_a_solver_of_the_loop() -> None:
+    """Every sampler's solver is in the loop's table (no other), and mask blending is offered exactly
+    where a step is one scheduler call (Heun's and the midpoint solvers' two calls are one step here)."""
+    from preheat.samplers import BLEND_SOLVERS, SAMPLERS
+    from preheat.samplers._loop import SOLVERS
+
+    assert {make_spec(SchedulerConfig(), sampler).solver for sampler in SAMPLERS} == set(SOLVERS)
+    assert set(SOLVERS) - set(BLEND_SOLVERS) == {"heun", "dpm2", "dpm2_a", "dpmpp_sde"}
