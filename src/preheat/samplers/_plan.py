@@ -3,7 +3,8 @@
 The split is what lets the engine compile once per model and solver: everything that depends
 on the step count lives in the ``Plan`` as numpy arrays padded to ``num_train_timesteps + 1``
 (a runtime argument, a pytree), and the few things that change the traced program live in the
-hashable ``SolverSpec`` (a static argument).
+hashable ``SolverSpec`` (a static argument). Each family's rows (diffusers' ``set_timesteps``) come
+from ``_rows``; here they are checked, padded and joined.
 """
 
 from __future__ import annotations
