@@ -167,7 +167,7 @@ TWO_CALL_SAMPLERS = ("dpm2", "dpm2_a", "dpmpp_sde")
 # Samplers compared with diffusers' own code run in float64 (``run_diffusers(float64=True)``), not its float32
 # run: their ancestral split's float32 ``sigma_down = sqrt(sigma_to^2 - sigma_up^2)`` cancels, by up to
 # (sigma / sigma_to)^2 (~1e7 on a cosine schedule's first step from ~2e4), where ours does not
-# (_solvers._ancestral_split). There diffusers' float32 sigma_down is off by percents (KDPM2Ancestral then
+# (_core.ancestral_split). There diffusers' float32 sigma_down is off by percents (KDPM2Ancestral then
 # puts its midpoint 3.5% away, or at NaN), a rounding the floor of a nudged sample cannot show. The float64
 # run has none of it; ours, in float32, must be as close to it as the float32 floor allows: the larger of the
 # float32 run's and the float64 run's nudged by float32 ulps (_nudge), which is defined where the float32 is NaN.

@@ -403,7 +403,7 @@ def test_karras_sigma_bounds_from_config(sampler: str, monkeypatch) -> None:
 # zero-SNR models are trained for) everywhere, and epsilon for the sigma-space ones (their classes
 # clamp the terminal alphas_cumprod at 2**-24, so it stays defined). Their first step leaves sigma
 # ~4096 (a sample ~1e4); euler_a's Euler move there is written without cancellation
-# (``_solvers._euler_move``) and compared with diffusers' float64 run, so the plain criterion holds.
+# (``_core.euler_move``) and compared with diffusers' float64 run, so the plain criterion holds.
 ZERO_SNR_SAMPLERS = tuple(s for s in DIFFUSION_SAMPLERS if "rescale_betas_zero_snr" in CLASS_DEFAULTS[s])
 _SIGMA_SPACE = ("euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "unipc", "dpmpp_2m_sde", "dpmpp_2m_sde_karras")
 

@@ -100,35 +100,35 @@ def test_model_calls_and_noise_draws(sampler: str) -> None:
 
 @pytest.mark.parametrize("sampler", DIFFUSION_SAMPLERS)
 def test_init_scales_noise_and_sets_history(sampler: str) -> None:
+    """Each solver starts a state of its own type: the scaled noise, and what a multistep solver
+    remembers, empty (the one-step solvers remember nothing)."""
     for cfg in (CFG, SchedulerConfig(timestep_spacing="leading")):
         spec, plan = make_spec(cfg, sampler), make_plan(cfg, sampler, 10)
         noise = np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)
         state = init(spec, plan, noise)
         np.testing.assert_array_equal(np.asarray(state.x), noise * plan.init_noise_sigma)
-        if sampler.startswith(("dpmpp_2m", "dpmpp_2s")):
-            assert state.x0_prev is not None and not np.any(np.asarray(state.x0_prev))
-        else:
-            assert state.x0_prev is None
-        if sampler.startswith("dpmpp_2s"):  # the first singlestep pair starts at the first sample
+        if sampler.startswith("dpmpp_2m"):  # the previous x0, zeros
+            assert state._fields == ("x", "x0_prev") and not np.any(np.asarray(state.x0_prev))
+        elif sampler.startswith("dpmpp_2s"):  # ... and the first singlestep pair starts at the first sample
+            assert state._fields == ("x", "x0_prev", "x_pair") and not np.any(np.asarray(state.x0_prev))
             np.testing.assert_array_equal(np.asarray(state.x_pair), np.asarray(state.x))
-        else:
-            assert state.x_pair is None
-        if sampler == "unipc":  # solver_order (2) x0 predictions, and the sample UniC starts from
+        elif sampler == "unipc":  # solver_order (2) x0 predictions, and the sample UniC starts from
+            assert state._fields == ("x", "x0_history", "x_last")
             assert state.x0_history.shape == (2, *SHAPE) and not np.any(np.asarray(state.x0_history))
-        else:
-            assert state.x0_history is None and state.x_last is None
-        if sampler == "pndm":  # diffusers' counter, cur_sample and ets, explicit
+            np.testing.assert_array_equal(np.asarray(state.x_last), np.asarray(state.x))
+        elif sampler == "pndm":  # diffusers' counter, cur_sample and ets, explicit
+            assert state._fields == ("x", "count", "x_start", "outputs")
             assert int(state.count) == 0 and state.outputs.shape == (3, *SHAPE) and state.x_start.shape == SHAPE
-        else:
-            assert state.count is None and state.outputs is None and state.x_start is None
-        if sampler == "deis":  # solver_order (2) noise predictions
+        elif sampler == "deis":  # solver_order (2) noise predictions
+            assert state._fields == ("x", "eps_history")
             assert state.eps_history.shape == (2, *SHAPE) and not np.any(np.asarray(state.eps_history))
-        else:
-            assert state.eps_history is None
-        if sampler == "lms":  # the three earlier derivatives its order-4 step weighs
+        elif sampler == "lms":  # the three earlier derivatives its order-4 step weighs
+            assert state._fields == ("x", "derivatives")
             assert state.derivatives.shape == (3, *SHAPE) and not np.any(np.asarray(state.derivatives))
         else:
-            assert state.derivatives is None
+            assert state._fields == ("x",)
+        stepped = step(spec, fake_model_jax, plan, state, 0, lambda i, k: jnp.zeros(SHAPE))
+        assert type(stepped) is type(state)  # a step keeps its solver's state type (the fori_loop carry)
         expect_one = sampler in ("ddpm", "ddim", "lcm", "tcd", "unipc", "pndm", "deis", "dpmpp_2m", "dpmpp_2m_karras",
                                  "dpmpp_2m_sde", "dpmpp_2m_sde_karras", "dpmpp_2s", "dpmpp_2s_karras")
         assert (plan.init_noise_sigma == 1.0) == expect_one
@@ -190,3 +190,13 @@ def test_step_is_pure() -> None:
     step(spec, fake_model_jax, plan, s1, 1, zero)
     again = step(spec, fake_model_jax, plan, state, 0, zero)
     np.testing.assert_array_equal(np.asarray(again.x), np.asarray(s1.x))
+
+
+def test_every_sampler_runs_a_solver_of_the_loop() -> None:
+    """Every sampler's solver is in the loop's table (no other), and mask blending is offered exactly
+    where a step is one scheduler call (Heun's and the midpoint solvers' two calls are one step here)."""
+    from preheat.samplers import BLEND_SOLVERS, SAMPLERS
+    from preheat.samplers._loop import SOLVERS
+
+    assert {make_spec(SchedulerConfig(), sampler).solver for sampler in SAMPLERS} == set(SOLVERS)
+    assert set(SOLVERS) - set(BLEND_SOLVERS) == {"heun", "dpm2", "dpm2_a", "dpmpp_sde"}

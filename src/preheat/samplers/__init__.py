@@ -2,8 +2,14 @@
 
 Design (k-diffusion's shape, optax-style pure functions): a sampler sees the model only as a
 callable; schedules (host, numpy) are separate from solvers (device, jax); there is no hidden
-step counter -- the step index is an argument and all carried data is in ``SamplerState``;
-noise is supplied explicitly by the caller.
+step counter -- the step index is an argument and all carried data is in the solver's state, a
+NamedTuple of that solver's own type (each solver is a pair of pure functions ``init`` / ``step``
+over it, optax's way; ``SamplerState`` is any of them); noise is supplied explicitly by the caller.
+
+Where the code lives: ``_tables`` and ``_config`` (the config keys each diffusers class reads),
+``_schedules``, ``_rows`` and ``_plan`` (host: diffusers' ``set_timesteps`` into a padded ``Plan``),
+``_core``, ``_onestep``, ``_multistep`` and ``_loop`` (device: the shared math, the solvers that
+remember nothing, the ones that remember earlier steps, and the loop generic over them).
 
 Public API::
 
@@ -31,7 +37,7 @@ Public API::
     flux_sigmas(steps: int) -> np.ndarray          # the custom sigmas FluxPipeline passes
     config_kind(config) -> "flow" | "diffusion" | "edm" | None
     samplers_of_kind(config) -> the samplers that config takes (all when its kind is unknown)
-    init(spec, plan, noise) -> SamplerState
+    init(spec, plan, noise) -> SamplerState   # the solver's own state type (a NamedTuple, the sample x first)
     step(spec, model, plan, state, i, noise_fn) -> SamplerState
     run(spec, model, plan, noise, noise_fn, start=None, restart=None) -> x0   # init + lax.fori_loop
                                                                  #   (restart: a fresh solver from that step)
@@ -121,7 +127,8 @@ No sampler needs a static step count: the schedule is a ``Plan`` of arrays padde
 sigma = 0) are data read at the traced index, selected with ``jnp.where`` / ``lax.cond``; what a
 multistep solver remembers (dpm++'s previous x0, UniPC's earlier x0s and the sample its corrector
 starts from, PLMS's earlier outputs and its call counter, which restarts at an img2img ``Start`` as
-diffusers' fresh scheduler does) is carried in ``SamplerState``. Only ``SolverSpec`` (solver,
+diffusers' fresh scheduler does) is carried in that solver's state (``DpmState``, ``UniPCState``,
+``PlmsState``, ...). Only ``SolverSpec`` (solver,
 prediction type, clipping, DDPM variance type, UniPC's highest order and B(h)) is static.
 
 Numerics: ``make_plan`` reproduces diffusers' host arithmetic (torch float32 CPU kernels,
@@ -147,7 +154,7 @@ from preheat.samplers._config import (SchedulerConfig, config_kind, find_schedul
 from preheat.samplers._plan import (MU_SIGMAS_SAMPLERS, TIMESTEPS_SAMPLERS, Plan, SolverSpec, flow_mu,
                                    handoff_step, make_plan, make_spec, strength_start)
 from preheat.samplers._schedules import flux_sigmas
-from preheat.samplers._solvers import BLEND_SOLVERS, Model, NoiseFn, SamplerState, Start, init, noised, run, step
+from preheat.samplers._loop import BLEND_SOLVERS, Model, NoiseFn, SamplerState, Start, init, noised, run, step
 from preheat.samplers._tables import (DETERMINISTIC_SAMPLERS, DIFFUSERS_CLASS, DIFFUSION_SAMPLERS, DPM_FIXED_SETTINGS,
                                      EDM_SAMPLERS, FLOW_SAMPLERS, SAMPLERS, TIMESTEP_SPACINGS)
 
