@@ -37,7 +37,8 @@ from flax import nnx
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["STACKED", "SCAN_MIN", "scan_min", "scanned", "BlockStack", "stack", "unstack", "is_stacked_path"]
+__all__ = ["STACKED", "SCAN_MIN", "scan_min", "scanned", "BlockStack", "blocks", "run_blocks", "stack", "unstack",
+           "is_stacked_path"]
 
 Array = jax.Array
 
@@ -93,6 +94,12 @@ class BlockStack(nnx.Module):
 
     def __call__(self, x: Array, *args: Any) -> Array:
         """``x`` through the N blocks in order: ``block_i(x, *args)``, one scan iteration each."""
+        return self.run(x, lambda block, h: block(h, *args))
+
+    def run(self, carry: Any, step: Callable[[nnx.Module, Any], Any]) -> Any:
+        """``carry`` (a pytree, e.g. Flux's (text, image) streams) through the N blocks in order:
+        ``carry = step(block_i, carry)``. Each block's weights are upcast (fp8, quantised) to the
+        carry's dtype inside its iteration, tied to the carry, as ``LoadedX.apply`` does."""
         from preheat.models.adapters import attach_stacked
         from preheat.models.storage import upcast
 
@@ -100,14 +107,31 @@ class BlockStack(nnx.Module):
         lora = getattr(self, "lora", None)  # per-layer adapters (adapters.attach), each factor (N, K, ...)
         factors = {} if lora is None else lora.factors
 
-        def body(h: Array, xs: Any) -> tuple[Array, None]:
+        def body(c: Any, xs: Any) -> tuple[Any, None]:
             layer, layer_factors = xs
-            block = nnx.merge(graphdef, upcast(layer, h.dtype, tie=h))  # one block's weights, fp8 upcast here
+            dtype = jax.tree.leaves(c)[0].dtype
+            block = nnx.merge(graphdef, upcast(layer, dtype, tie=c))  # one block's weights, fp8 upcast here
             attach_stacked(block, lora, layer_factors)
-            return block(h, *args), None
+            return step(block, c), None
 
-        out, _ = jax.lax.scan(body, x, (state, factors))
+        out, _ = jax.lax.scan(body, carry, (state, factors))
         return out
+
+
+def blocks(make: Callable[[], nnx.Module], n: int, stacked: bool) -> nnx.Module:
+    """A stage of ``n`` blocks: one ``BlockStack`` when ``stacked`` and deep enough, else an ``nnx.List``."""
+    if stacked and scanned(n):
+        return BlockStack(make, n)
+    return nnx.List([make() for _ in range(n)])
+
+
+def run_blocks(stage: nnx.Module, carry: Any, step: Callable[[nnx.Module, Any], Any]) -> Any:
+    """``carry = step(block, carry)`` for each block of a stage (``blocks``): a scan or a Python loop."""
+    if isinstance(stage, BlockStack):
+        return stage.run(carry, step)
+    for block in stage:
+        carry = step(block, carry)
+    return carry
 
 
 def _key(path: tuple[Any, ...]) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from flax import nnx
 
 from preheat.models.attention import dot_product_attention
 from preheat.models.layers import Conv2d, GroupNorm, LayerNorm, Linear
-from preheat.models.stacking import BlockStack, scanned
+from preheat.models.stacking import blocks, run_blocks
 
 __all__ = ["CrossAttention", "GEGLU", "FeedForward", "BasicTransformerBlock", "Transformer2DModel"]
 
@@ -106,10 +106,7 @@ class Transformer2DModel(nnx.Module):
         def block() -> BasicTransformerBlock:
             return BasicTransformerBlock(inner, heads, head_dim, context_dim, upcast, rngs=rngs)
 
-        if stacked and scanned(layers):
-            self.transformer_blocks = BlockStack(block, layers)
-        else:
-            self.transformer_blocks = nnx.List([block() for _ in range(layers)])
+        self.transformer_blocks = blocks(block, layers, stacked)
         self.proj_out = Linear(inner, channels, rngs=rngs) if linear else Conv2d(inner, channels, 1, rngs=rngs)
 
     def __call__(self, x: Array, context: Array) -> Array:  # (B, H, W, C), (B, M, D) -> (B, H, W, C)
@@ -117,10 +114,6 @@ class Transformer2DModel(nnx.Module):
         y = self.proj_in(self.norm(x))  # (B, H, W, inner): a 1x1 conv and a linear agree on NHWC
         inner = y.shape[-1]
         y = y.reshape(b, h * w, inner)  # (B, L, inner)
-        if isinstance(self.transformer_blocks, BlockStack):
-            y = self.transformer_blocks(y, context)  # one scan over the stage's blocks
-        else:
-            for block in self.transformer_blocks:
-                y = block(y, context)
+        y = run_blocks(self.transformer_blocks, y, lambda block, h: block(h, context))  # a scan when stacked
         y = self.proj_out(y.reshape(b, h, w, inner))  # (B, H, W, C)
         return y + x
