@@ -1,0 +1,226 @@
+"""Issue 57 item 3, the cold compile cut: trace, lower and compile seconds of one denoiser call,
+its transformer stages unrolled (one copy of each block in the program) against scanned
+(``preheat.models.stacking``: one ``lax.scan`` over layer-stacked weights per stage of 3+ blocks).
+
+Compile rows need only shapes: the weights are ``jax.ShapeDtypeStruct``s of the model's abstract
+build, arguments of the program as in serving (never constants), through the loaded wrapper's
+``apply`` (fp8 upcast and LoRA attach included, both empty here). Each (model, form) compiles in a
+fresh process, so no in-process cache helps the second.
+
+    sdxl   SDXL base 1.0's UNet, one call: batch 2 (CFG), 128x128 latents (1024x1024), bf16
+    flux   FLUX.1-dev's transformer (19 + 38 blocks), one call: batch 1, 64x64 tokens, 512 text tokens
+
+``--steady`` times the running program instead (random weights, the unrolled and the scanned
+program called in turn, median of each) and compares their outputs: ``tiny`` is a small SDXL-shaped
+UNet with 4 blocks per transformer (CPU-sized), ``sdxl`` the whole SDXL UNet (for the chip).
+
+    JAX_PLATFORMS=cpu python benchmarks/compile_cut.py --models sdxl,flux
+    python benchmarks/compile_cut.py --platform tpu --models sdxl,flux
+    python benchmarks/compile_cut.py --platform tpu --steady sdxl --reps 10
+
+Prints one JSON object per row as it goes, then a summary object (``"summary": true``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's preheat
+
+FORMS = ("unrolled", "scanned")
+TINY_DEEP_UNET: dict[str, Any] = dict(  # SDXL's layout at test widths, 4 blocks per transformer: scanned
+    sample_size=32, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(64, 128),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    cross_attention_dim=64, attention_head_dim=[2, 4], use_linear_projection=True, transformer_layers_per_block=[1, 4],
+    addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=32 + 6 * 8,
+    norm_num_groups=16)
+
+
+def _platform(name: str) -> None:
+    os.environ["JAX_PLATFORMS"] = name  # before jax is imported
+
+
+def _unet(config: dict[str, Any], stacked: bool, batch: int, latent: int, pooled: int, dtype: Any):
+    """(the loaded UNet on abstract weights, the abstract args of one call)."""
+    import jax
+    import jax.numpy as jnp
+
+    from preheat.models.unet2d_condition import LoadedUNet2DCondition, UNet2DConditionConfig, build_abstract
+
+    cfg = UNet2DConditionConfig.from_dict(config)
+    graph, state = build_abstract(cfg, stacked=stacked)
+    state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), state)
+    unet = LoadedUNet2DCondition(config=cfg, graphdef=graph, params=state, dtype=dtype)
+    sds = jax.ShapeDtypeStruct
+    added = {"text_embeds": sds((batch, pooled), dtype), "time_ids": sds((batch, 6), jnp.float32)}
+    args = (state, sds((batch, latent, latent, 4), dtype), sds((batch,), jnp.float32),
+            sds((batch, 77, cfg.cross_attention_dim), dtype), added)
+    return unet, args
+
+
+def _flux(stacked: bool, batch: int, tokens: int, text: int, dtype: Any):
+    import jax
+    import jax.numpy as jnp
+
+    from preheat.bench.random_models import FLUX_DEV_TRANSFORMER
+    from preheat.models.flux import FluxTransformer, FluxTransformerConfig, build_abstract
+
+    cfg = FluxTransformerConfig.from_dict(dict(FLUX_DEV_TRANSFORMER))
+    graph, state = build_abstract(cfg, stacked=stacked)
+    state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), state)
+    model = FluxTransformer(config=cfg, graphdef=graph, params=state, dtype=dtype)
+    sds = jax.ShapeDtypeStruct
+    args = (state, sds((batch, tokens, cfg.in_channels), dtype), sds((batch, text, cfg.joint_attention_dim), dtype),
+            sds((batch, cfg.pooled_projection_dim), dtype), sds((batch,), jnp.float32),
+            sds((tokens, 3), jnp.float32), sds((text, 3), jnp.float32), sds((batch,), jnp.float32))
+    return model.apply, args
+
+
+def compile_row(model: str, form: str) -> dict[str, Any]:
+    """Trace, lower and compile one call of ``model`` in ``form``; seconds and the program's size."""
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    from preheat.bench.target import SDXL_UNET
+
+    stacked = form == "scanned"
+    if model == "sdxl":
+        unet, args = _unet(SDXL_UNET, stacked, 2, 128, 1280, jnp.bfloat16)
+        fn = unet.apply
+        shape = "batch 2, 128x128 latents, bf16"
+    elif model == "flux":
+        fn, args = _flux(stacked, 1, 64 * 64, 512, jnp.bfloat16)
+        shape = "batch 1, 4096 image + 512 text tokens, bf16"
+    else:
+        raise SystemExit(f"unknown model {model!r}: sdxl or flux")
+    jax.jit(lambda x: x + 1).lower(jnp.zeros(2)).compile()  # the backend's start, outside the rows
+    t0 = time.perf_counter()
+    traced = jax.jit(fn).trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    text = lowered.as_text()
+    row = {"model": model, "form": form, "call": shape, "platform": jax.devices()[0].platform,
+           "device": jax.devices()[0].device_kind, "trace_s": round(t1 - t0, 3), "lower_s": round(t2 - t1, 3),
+           "compile_s": round(t3 - t2, 3), "total_s": round(t3 - t0, 3), "stablehlo_lines": text.count("\n"),
+           "stablehlo_bytes": len(text)}
+    try:
+        mem = compiled.memory_analysis()
+        row["temp_bytes"] = int(mem.temp_size_in_bytes)
+    except Exception:  # not every backend reports it
+        pass
+    return row
+
+
+def _random_params(abstract: Any, dtype: Any, seed: int) -> Any:
+    """Small random weights (norm scales near 1) for every leaf of an abstract State."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    out = []
+    for i, (path, var) in enumerate(nnx.to_flat_state(abstract)):
+        s = var.get_value()
+        key = jax.random.fold_in(jax.random.key(seed), i)
+        noise = jax.random.normal(key, s.shape, jnp.float32) * 0.02
+        base = 1.0 if str(path[-1]) == "scale" else 0.0
+        out.append((path, var.replace((noise + base).astype(dtype))))
+    return nnx.from_flat_state(out)
+
+
+def steady(name: str, reps: int) -> dict[str, Any]:
+    """Both programs on the same random weights, called in turn; medians, their ratio, max |diff|."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from preheat.bench.target import SDXL_UNET
+    from preheat.models.stacking import stack
+    from preheat.models.unet2d_condition import LoadedUNet2DCondition, UNet2DConditionModule
+
+    config, latent, pooled, dtype = ((TINY_DEEP_UNET, 32, 32, jnp.float32) if name == "tiny"
+                                     else (SDXL_UNET, 128, 1280, jnp.bfloat16))
+    abstract, args = _unet(config, False, 2, latent, pooled, dtype)
+    cfg = abstract.config
+    flat = LoadedUNet2DCondition(config=cfg, graphdef=abstract.graphdef, params=_random_params(args[0], dtype, 0),
+                                 dtype=dtype)
+    graph, stacked_params = stack(lambda rngs: UNet2DConditionModule(cfg, rngs=rngs, stacked=True),
+                                  _random_params(args[0], dtype, 0))
+    scanned = LoadedUNet2DCondition(config=cfg, graphdef=graph, params=stacked_params, dtype=dtype)
+    rng = np.random.RandomState(1)
+    inputs = [jnp.asarray(rng.randn(*a.shape).astype(np.float32)).astype(a.dtype) for a in args[1:4]]
+    inputs[1] = jnp.full((2,), 500.0, jnp.float32)
+    added = {"text_embeds": jnp.asarray(rng.randn(2, pooled), dtype),
+             "time_ids": jnp.asarray([[1024, 1024, 0, 0, 1024, 1024]] * 2, jnp.float32)}
+    runs = {"unrolled": (jax.jit(flat.apply), flat.params), "scanned": (jax.jit(scanned.apply), scanned.params)}
+    outs = {form: np.asarray(fn(p, *inputs, added).astype(jnp.float32)) for form, (fn, p) in runs.items()}
+    # wall seconds, and this process's CPU seconds (all threads): on a shared CPU the second is the
+    # steadier of the two (time spent waiting for a core another process holds is not counted)
+    times: dict[str, list[float]] = {form: [] for form in runs}
+    cpu: dict[str, list[float]] = {form: [] for form in runs}
+    for _ in range(reps):
+        for form, (fn, p) in runs.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            jax.block_until_ready(fn(p, *inputs, added))
+            times[form].append(time.perf_counter() - t0)
+            cpu[form].append(time.process_time() - c0)
+    med = {form: statistics.median(ts) for form, ts in times.items()}
+    med_cpu = {form: statistics.median(ts) for form, ts in cpu.items()}
+    return {"steady": name, "platform": jax.devices()[0].platform, "reps": reps,
+            "unrolled_median_s": round(med["unrolled"], 5), "scanned_median_s": round(med["scanned"], 5),
+            "scanned_over_unrolled": round(med["scanned"] / med["unrolled"], 4),
+            "unrolled_cpu_median_s": round(med_cpu["unrolled"], 5), "scanned_cpu_median_s": round(med_cpu["scanned"], 5),
+            "cpu_scanned_over_unrolled": round(med_cpu["scanned"] / med_cpu["unrolled"], 4),
+            "max_abs_diff": float(np.abs(outs["scanned"] - outs["unrolled"]).max()),
+            "output_max_abs": float(np.abs(outs["unrolled"]).max())}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--platform", default="cpu", help="cpu or tpu (JAX_PLATFORMS)")
+    ap.add_argument("--models", default="sdxl", help="comma-separated: sdxl, flux")
+    ap.add_argument("--forms", default=",".join(FORMS), help="comma-separated: unrolled, scanned")
+    ap.add_argument("--steady", choices=("tiny", "sdxl"), help="time the running programs instead")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--one", nargs=2, metavar=("MODEL", "FORM"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    _platform(a.platform)
+    if a.one:
+        print(json.dumps(compile_row(*a.one)), flush=True)
+        return
+    if a.steady:
+        print(json.dumps(steady(a.steady, a.reps)), flush=True)
+        return
+    rows = []
+    for model in a.models.split(","):
+        for form in a.forms.split(","):
+            done = subprocess.run([sys.executable, __file__, "--platform", a.platform, "--one", model, form],
+                                  capture_output=True, text=True)
+            if done.returncode:
+                row = {"model": model, "form": form, "error": done.stderr.strip().splitlines()[-1:]}
+            else:
+                row = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    summary: dict[str, Any] = {"summary": True}
+    for model in a.models.split(","):
+        by = {r["form"]: r for r in rows if r["model"] == model and "error" not in r}
+        if set(FORMS) <= by.keys():
+            for k in ("trace_s", "lower_s", "compile_s", "total_s", "stablehlo_bytes"):
+                summary[f"{model}_{k}_scanned_over_unrolled"] = round(by["scanned"][k] / by["unrolled"][k], 3)
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
