@@ -36,6 +36,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's preheat
 
 FORMS = ("unrolled", "scanned")
+# "one-block": every stage one block deep, unrolled -- not a real model, the floor under any block
+# scan (what the rest of the program costs); ask for it with --forms unrolled,scanned,one-block
 TINY_DEEP_UNET: dict[str, Any] = dict(  # SDXL's layout at test widths, 4 blocks per transformer: scanned
     sample_size=32, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(64, 128),
     down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
@@ -66,14 +68,15 @@ def _unet(config: dict[str, Any], stacked: bool, batch: int, latent: int, pooled
     return unet, args
 
 
-def _flux(stacked: bool, batch: int, tokens: int, text: int, dtype: Any):
+def _flux(stacked: bool, batch: int, tokens: int, text: int, dtype: Any, one_block: bool = False):
     import jax
     import jax.numpy as jnp
 
     from preheat.bench.random_models import FLUX_DEV_TRANSFORMER
     from preheat.models.flux import FluxTransformer, FluxTransformerConfig, build_abstract
 
-    cfg = FluxTransformerConfig.from_dict(dict(FLUX_DEV_TRANSFORMER))
+    layers = dict(num_layers=1, num_single_layers=1) if one_block else {}
+    cfg = FluxTransformerConfig.from_dict({**FLUX_DEV_TRANSFORMER, **layers})
     graph, state = build_abstract(cfg, stacked=stacked)
     state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), state)
     model = FluxTransformer(config=cfg, graphdef=graph, params=state, dtype=dtype)
@@ -93,12 +96,15 @@ def compile_row(model: str, form: str) -> dict[str, Any]:
     from preheat.bench.target import SDXL_UNET
 
     stacked = form == "scanned"
+    if form not in (*FORMS, "one-block"):
+        raise SystemExit(f"unknown form {form!r}: unrolled, scanned or one-block")
     if model == "sdxl":
-        unet, args = _unet(SDXL_UNET, stacked, 2, 128, 1280, jnp.bfloat16)
+        config = dict(SDXL_UNET, transformer_layers_per_block=(1, 1, 1)) if form == "one-block" else SDXL_UNET
+        unet, args = _unet(config, stacked, 2, 128, 1280, jnp.bfloat16)
         fn = unet.apply
         shape = "batch 2, 128x128 latents, bf16"
     elif model == "flux":
-        fn, args = _flux(stacked, 1, 64 * 64, 512, jnp.bfloat16)
+        fn, args = _flux(stacked, 1, 64 * 64, 512, jnp.bfloat16, one_block=form == "one-block")
         shape = "batch 1, 4096 image + 512 text tokens, bf16"
     else:
         raise SystemExit(f"unknown model {model!r}: sdxl or flux")
