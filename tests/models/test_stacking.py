@@ -112,3 +112,53 @@ def test_scan_min_setting(monkeypatch):
         monkeypatch.setenv("PREHEAT_SCAN_MIN", bad)
         with pytest.raises(InvalidArgumentError, match="PREHEAT_SCAN_MIN"):
             scan_min()
+
+
+FLUX_DEEP = dict(patch_size=1, in_channels=16, num_layers=3, num_single_layers=3, attention_head_dim=16,
+                 num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+                 guidance_embeds=True)
+
+
+def _random(abstract, seed, quantise=False):
+    """Random weights for an abstract State; ``quantise``: the blocks' Linear kernels as scaled fp8
+    (``Quantised``, a per-output scale), as a scaled fp8 file places them."""
+    from preheat.models.quantised import Quantised
+
+    out = []
+    for i, (path, var) in enumerate(nnx.to_flat_state(abstract)):
+        s = var.get_value()
+        x = jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), s.shape) * 0.2
+        names = [str(p) for p in path]
+        if quantise and names[-1] == "kernel" and len(s.shape) == 2 and "transformer_blocks" in names[0]:
+            scale = jnp.abs(jax.random.normal(jax.random.fold_in(jax.random.key(seed + 1), i), (1, s.shape[1]))) + 0.5
+            x = Quantised(x.astype(jnp.float8_e4m3fn), scale)
+        out.append((path, var.replace(x)))
+    return nnx.from_flat_state(out)
+
+
+@pytest.mark.parametrize("quantise", [False, True], ids=["plain", "scaled-fp8"])
+def test_flux_scanned_streams_lora_and_scaled_fp8(quantise):
+    from preheat.models.flux import FluxTransformer, FluxTransformer2DModel, FluxTransformerConfig, build_abstract
+    from preheat.models.stacking import stack
+
+    cfg = FluxTransformerConfig.from_dict(FLUX_DEEP)
+    graph, abstract = build_abstract(cfg)
+    flat = FluxTransformer(cfg, graph, _random(abstract, 0, quantise))
+    sgraph, sparams = stack(lambda rngs: FluxTransformer2DModel(cfg, rngs=rngs, stacked=True), _random(abstract, 0, quantise))
+    scanned = FluxTransformer(cfg, sgraph, sparams)
+    assert [s.n for s in _stacks(scanned)] == [3, 3]
+    rng = np.random.RandomState(0)
+    s_tokens, t_tokens, b = 20, 7, 2
+    args = (rng.randn(b, s_tokens, 16), rng.randn(b, t_tokens, 32), rng.randn(b, 32), np.full((b,), 0.5),
+            np.zeros((s_tokens, 3)), np.zeros((t_tokens, 3)), np.full((b,), 3.5))
+    args = tuple(jnp.asarray(a, jnp.float32) for a in args)
+    layers = targets(graph, flat.params)
+    assert targets(sgraph, scanned.params) == layers
+    keys = iter(jax.random.split(jax.random.key(3), 2 * len(layers)))
+    factors = {p: (jax.random.normal(next(keys), (2, i, 4)) * 0.1, jax.random.normal(next(keys), (2, 4, o)) * 0.1)
+               for p, (i, o) in layers.items()}
+    lora = Adapters(factors, jnp.ones((2, 4)), jnp.array([1, 0], jnp.int32))
+    for adapters in (None, lora):
+        want = jax.jit(lambda p, lo: flat.apply(p, *args, lora=lo))(flat.params, adapters)
+        got = jax.jit(lambda p, lo: scanned.apply(p, *args, lora=lo))(scanned.params, adapters)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=5e-5)
