@@ -145,8 +145,23 @@ def _random_params(abstract: Any, dtype: Any, seed: int) -> Any:
     return nnx.from_flat_state(out)
 
 
-def steady(name: str, reps: int) -> dict[str, Any]:
-    """Both programs on the same random weights, called in turn; medians, their ratio, max |diff|."""
+def _time(fn: Any, params: Any, inputs: Any, added: Any) -> tuple[float, float]:
+    """Wall and this process's CPU seconds (all threads) of one call. On a shared CPU the second is
+    the steadier (time spent waiting for a core another process holds is not counted)."""
+    import jax
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    jax.block_until_ready(fn(params, *inputs, added))
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def steady(name: str, reps: int, interleave: bool | None = None) -> dict[str, Any]:
+    """Both programs on the same random weights; medians, their ratio, max |diff| of the outputs.
+
+    ``tiny`` (CPU): both weight sets live, the programs called in turn (interleaved: a shared
+    machine's load hits both alike). ``sdxl`` (the chip): one copy of the weights fits, so the
+    unrolled program runs its reps first, then the same weights are stacked (``stacking.stack``
+    consumes them, as a load does) and the scanned program runs its reps."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -157,33 +172,51 @@ def steady(name: str, reps: int) -> dict[str, Any]:
 
     config, latent, pooled, dtype = ((TINY_DEEP_UNET, 32, 32, jnp.float32) if name == "tiny"
                                      else (SDXL_UNET, 128, 1280, jnp.bfloat16))
+    interleave = name == "tiny" if interleave is None else interleave
     abstract, args = _unet(config, False, 2, latent, pooled, dtype)
     cfg = abstract.config
     flat = LoadedUNet2DCondition(config=cfg, graphdef=abstract.graphdef, params=_random_params(args[0], dtype, 0),
                                  dtype=dtype)
-    graph, stacked_params = stack(lambda rngs: UNet2DConditionModule(cfg, rngs=rngs, stacked=True),
-                                  _random_params(args[0], dtype, 0))
-    scanned = LoadedUNet2DCondition(config=cfg, graphdef=graph, params=stacked_params, dtype=dtype)
+
+    def scanned_from(params: Any) -> LoadedUNet2DCondition:
+        graph, stacked = stack(lambda rngs: UNet2DConditionModule(cfg, rngs=rngs, stacked=True), params)
+        return LoadedUNet2DCondition(config=cfg, graphdef=graph, params=stacked, dtype=dtype)
+
     rng = np.random.RandomState(1)
     inputs = [jnp.asarray(rng.randn(*a.shape).astype(np.float32)).astype(a.dtype) for a in args[1:4]]
     inputs[1] = jnp.full((2,), 500.0, jnp.float32)
     added = {"text_embeds": jnp.asarray(rng.randn(2, pooled), dtype),
              "time_ids": jnp.asarray([[1024, 1024, 0, 0, 1024, 1024]] * 2, jnp.float32)}
-    runs = {"unrolled": (jax.jit(flat.apply), flat.params), "scanned": (jax.jit(scanned.apply), scanned.params)}
-    outs = {form: np.asarray(fn(p, *inputs, added).astype(jnp.float32)) for form, (fn, p) in runs.items()}
-    # wall seconds, and this process's CPU seconds (all threads): on a shared CPU the second is the
-    # steadier of the two (time spent waiting for a core another process holds is not counted)
-    times: dict[str, list[float]] = {form: [] for form in runs}
-    cpu: dict[str, list[float]] = {form: [] for form in runs}
-    for _ in range(reps):
-        for form, (fn, p) in runs.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fn(p, *inputs, added))
-            times[form].append(time.perf_counter() - t0)
-            cpu[form].append(time.process_time() - c0)
-    med = {form: statistics.median(ts) for form, ts in times.items()}
+    wall: dict[str, list[float]] = {form: [] for form in FORMS}
+    cpu: dict[str, list[float]] = {form: [] for form in FORMS}
+    outs: dict[str, Any] = {}
+    fn_u = jax.jit(flat.apply)
+    outs["unrolled"] = np.asarray(fn_u(flat.params, *inputs, added).astype(jnp.float32))
+    if interleave:
+        scanned = scanned_from(_random_params(args[0], dtype, 0))  # the same values, a second copy
+        fn_s = jax.jit(scanned.apply)
+        outs["scanned"] = np.asarray(fn_s(scanned.params, *inputs, added).astype(jnp.float32))
+        for _ in range(reps):
+            for form, fn, p in (("unrolled", fn_u, flat.params), ("scanned", fn_s, scanned.params)):
+                w, c = _time(fn, p, inputs, added)
+                wall[form].append(w)
+                cpu[form].append(c)
+    else:
+        for _ in range(reps):
+            w, c = _time(fn_u, flat.params, inputs, added)
+            wall["unrolled"].append(w)
+            cpu["unrolled"].append(c)
+        scanned = scanned_from(flat.params)  # flat's block weights are moved into the stacks
+        fn_s = jax.jit(scanned.apply)
+        outs["scanned"] = np.asarray(fn_s(scanned.params, *inputs, added).astype(jnp.float32))
+        for _ in range(reps):
+            w, c = _time(fn_s, scanned.params, inputs, added)
+            wall["scanned"].append(w)
+            cpu["scanned"].append(c)
+    med = {form: statistics.median(ts) for form, ts in wall.items()}
     med_cpu = {form: statistics.median(ts) for form, ts in cpu.items()}
-    return {"steady": name, "platform": jax.devices()[0].platform, "reps": reps,
+    return {"steady": name, "platform": jax.devices()[0].platform, "device": jax.devices()[0].device_kind,
+            "reps": reps, "interleaved": interleave,
             "unrolled_median_s": round(med["unrolled"], 5), "scanned_median_s": round(med["scanned"], 5),
             "scanned_over_unrolled": round(med["scanned"] / med["unrolled"], 4),
             "unrolled_cpu_median_s": round(med_cpu["unrolled"], 5), "scanned_cpu_median_s": round(med_cpu["scanned"], 5),
