@@ -72,7 +72,7 @@ def attach(model: nnx.Module, adapters: Adapters | None) -> nnx.Module:
     A ``stacking.BlockStack`` (N blocks scanned over layer-stacked weights) gets its blocks'
     factors stacked, ``(N, K, in, R)`` and ``(N, K, R, out)`` per layer of the block, which its
     scan slices per block (``attach_stacked``): a few MB, stacked inside the trace."""
-    from preheat.models.stacking import STACKED, BlockStack
+    from preheat.models.stacking import STACKED, BlockStack, block_path
 
     if adapters is None:
         return model
@@ -84,7 +84,8 @@ def attach(model: nnx.Module, adapters: Adapters | None) -> nnx.Module:
             stacked = {}
             for rel, _ in nnx.iter_graph(module.stacked):
                 sub = ".".join(str(p) for p in rel)
-                pairs = [adapters.factors.get(f"{name}.{i}.{sub}" if sub else f"{name}.{i}") for i in range(module.n)]
+                pairs = [adapters.factors.get(".".join([*block_path(path, i), *([sub] if sub else [])]))
+                         for i in range(module.n)]
                 if all(p is not None for p in pairs):
                     stacked[sub] = (jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs]))
             if stacked:
@@ -114,7 +115,7 @@ def targets(graphdef: nnx.GraphDef, params: Any) -> dict[str, tuple[int, int]]:
     """The fixed target set of a model: every ``Linear`` and 1x1 ``Conv2d`` (the layers that take an
     adapter), as ``{layer path: (in, out)}`` -- a path is the checkpoint key without ``.weight``."""
     from preheat.models.layers import Conv2d, Linear
-    from preheat.models.stacking import STACKED
+    from preheat.models.stacking import STACKED, block_path
 
     out: dict[str, tuple[int, int]] = {}
     for path, module in nnx.iter_graph(nnx.merge(graphdef, params)):
@@ -130,5 +131,5 @@ def targets(graphdef: nnx.GraphDef, params: Any) -> dict[str, tuple[int, int]]:
                 continue
             at = names.index(STACKED)
             for i in range(int(module.kernel.shape[0])):
-                out[".".join([*names[:at], str(i), *names[at + 1:]])] = (int(shape[-2]), int(shape[-1]))
+                out[".".join([*block_path(names[:at], i), *names[at + 1:]])] = (int(shape[-2]), int(shape[-1]))
     return out

@@ -29,7 +29,8 @@ two-trip loop, a trade not worth its risk to the steady state.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+import re
+from typing import Any, Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +38,13 @@ from flax import nnx
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["STACKED", "SCAN_MIN", "scan_min", "scanned", "BlockStack", "blocks", "run_blocks", "stack", "unstack",
-           "is_stacked_path"]
+__all__ = ["STACKED", "SCAN_MIN", "scan_min", "scanned", "BlockStack", "blocks", "block_runs", "run_blocks", "stack",
+           "unstack", "is_stacked_path", "block_path"]
 
 Array = jax.Array
 
 STACKED = "stacked"  # the attribute a BlockStack keeps its block under: path X.stacked.Y <-> X.<i>.Y
+_RUN = re.compile(r"^(\d+):(\d+)$")  # a run's key in ``block_runs``: X.<a>:<b>.stacked.Y <-> X.<a + i>.Y
 SCAN_MIN = 3
 _ENV = "PREHEAT_SCAN_MIN"
 
@@ -67,6 +69,16 @@ def scanned(layers: int) -> bool:
     """Whether a stage of ``layers`` identical blocks runs as a scan."""
     least = scan_min()
     return least is not None and layers >= least
+
+
+def block_path(stack_path: Sequence[Any], i: int) -> tuple[str, ...]:
+    """The checkpoint path of block ``i`` of the ``BlockStack`` at ``stack_path``: ``X.<i>``, or
+    ``X.<a + i>`` for a run ``X.<a>:<b>`` of ``block_runs``."""
+    names = tuple(str(p) for p in stack_path)
+    run = _RUN.match(names[-1]) if names else None
+    if run:
+        return (*names[:-1], str(int(run.group(1)) + i))
+    return (*names, str(i))
 
 
 def is_stacked_path(path: tuple[Any, ...]) -> bool:
@@ -96,25 +108,32 @@ class BlockStack(nnx.Module):
         """``x`` through the N blocks in order: ``block_i(x, *args)``, one scan iteration each."""
         return self.run(x, lambda block, h: block(h, *args))
 
-    def run(self, carry: Any, step: Callable[[nnx.Module, Any], Any]) -> Any:
+    def run(self, carry: Any, step: Callable[[nnx.Module, Any], Any], skip: Sequence[int] = ()) -> Any:
         """``carry`` (a pytree, e.g. Flux's (text, image) streams) through the N blocks in order:
         ``carry = step(block_i, carry)``. Each block's weights are upcast (fp8, quantised) to the
-        carry's dtype inside its iteration, tied to the carry, as ``LoadedX.apply`` does."""
+        carry's dtype inside its iteration, tied to the carry, as ``LoadedX.apply`` does.
+        ``skip``: block indices (0..N-1, static) passed over (SD3.5's skip-layer guidance): a
+        ``lax.cond`` per iteration, in the programs that skip only."""
         from preheat.models.adapters import attach_stacked
         from preheat.models.storage import upcast
 
         graphdef, state = nnx.split(self.stacked)  # every leaf (N, ...)
         lora = getattr(self, "lora", None)  # per-layer adapters (adapters.attach), each factor (N, K, ...)
         factors = {} if lora is None else lora.factors
+        skipped = jnp.asarray([i in skip for i in range(self.n)]) if skip else None  # (N,) bool
 
         def body(c: Any, xs: Any) -> tuple[Any, None]:
-            layer, layer_factors = xs
-            dtype = jax.tree.leaves(c)[0].dtype
-            block = nnx.merge(graphdef, upcast(layer, dtype, tie=c))  # one block's weights, fp8 upcast here
-            attach_stacked(block, lora, layer_factors)
-            return step(block, c), None
+            layer, layer_factors, off = xs
 
-        out, _ = jax.lax.scan(body, carry, (state, factors))
+            def one(c: Any) -> Any:
+                dtype = jax.tree.leaves(c)[0].dtype
+                block = nnx.merge(graphdef, upcast(layer, dtype, tie=c))  # one block's weights, fp8 upcast here
+                attach_stacked(block, lora, layer_factors)
+                return step(block, c)
+
+            return (one(c) if off is None else jax.lax.cond(off, lambda c: c, one, c)), None
+
+        out, _ = jax.lax.scan(body, carry, (state, factors, skipped))
         return out
 
 
@@ -125,12 +144,38 @@ def blocks(make: Callable[[], nnx.Module], n: int, stacked: bool) -> nnx.Module:
     return nnx.List([make() for _ in range(n)])
 
 
-def run_blocks(stage: nnx.Module, carry: Any, step: Callable[[nnx.Module, Any], Any]) -> Any:
-    """``carry = step(block, carry)`` for each block of a stage (``blocks``): a scan or a Python loop."""
+def block_runs(make: Callable[[int], nnx.Module], kinds: Sequence[Hashable], stacked: bool) -> nnx.Module:
+    """A stage whose blocks are not all alike (SD3: the last block differs, SD3.5 medium's first
+    13 add a second attention): block ``i`` is ``make(i)``, of kind ``kinds[i]``. Stacked, each
+    run of like blocks deep enough is one ``BlockStack`` keyed ``"a:b"`` and every other block
+    keeps its index as its key (``nnx.Dict``), so both map to the checkpoint's ``X.<i>`` paths."""
+    n = len(kinds)
+    starts = [i for i in range(n) if i == 0 or kinds[i] != kinds[i - 1]]
+    spans = [(a, b) for a, b in zip(starts, [*starts[1:], n])]
+    if not stacked or not any(scanned(b - a) for a, b in spans):
+        return nnx.List([make(i) for i in range(n)])
+    out: dict[str, nnx.Module] = {}
+    for a, b in spans:
+        if scanned(b - a):
+            out[f"{a}:{b}"] = BlockStack(lambda a=a: make(a), b - a)
+        else:
+            out.update({str(i): make(i) for i in range(a, b)})
+    return nnx.Dict(out)
+
+
+def run_blocks(stage: nnx.Module, carry: Any, step: Callable[[nnx.Module, Any], Any], skip: Sequence[int] = ()) -> Any:
+    """``carry = step(block, carry)`` for each block of a stage (``blocks``, ``block_runs``), in
+    order: a scan or a Python loop. ``skip``: block indices (static) passed over."""
     if isinstance(stage, BlockStack):
-        return stage.run(carry, step)
-    for block in stage:
-        carry = step(block, carry)
+        return stage.run(carry, step, skip)
+    items = stage.items() if isinstance(stage, nnx.Dict) else enumerate(stage)
+    for key, block in items:
+        run = _RUN.match(str(key))
+        if isinstance(block, BlockStack):
+            a = int(run.group(1)) if run else 0
+            carry = block.run(carry, step, [i - a for i in skip if a <= i < a + block.n])
+        elif int(key) not in skip:
+            carry = step(block, carry)
     return carry
 
 
@@ -158,7 +203,7 @@ def stack(make_stacked: Callable[[Any], nnx.Module], params: nnx.State, options:
             continue
         at = [i for i, p in enumerate(path) if p == STACKED][0]
         n = var.get_value().shape[0]
-        parts = [flat.pop(_key((*path[:at], i, *path[at + 1:]))) for i in range(n)]
+        parts = [flat.pop(_key((*block_path(path[:at], i), *path[at + 1:]))) for i in range(n)]
         holder = parts[0].replace(jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype),
                                                parts[0].get_value()))
         groups.append((holder, parts))
@@ -177,15 +222,20 @@ def stack(make_stacked: Callable[[Any], nnx.Module], params: nnx.State, options:
 
 
 def unstack(params: nnx.State) -> nnx.State:
-    """``stack``'s inverse: each (N, ...) leaf back to its N per-block leaves at their checkpoint paths."""
+    """``stack``'s inverse: each (N, ...) leaf back to its N per-block leaves at their checkpoint
+    paths (block indices as ints, as ``nnx.List`` keys them)."""
+    def index(p: Any) -> Any:
+        return int(p) if isinstance(p, str) and p.isdigit() else p  # block_runs' single blocks: "23" -> 23
+
     out: list[tuple[tuple[Any, ...], Any]] = []
     for path, var in nnx.to_flat_state(params):
         if not is_stacked_path(path):
-            out.append((path, var))
+            out.append((tuple(index(p) for p in path), var))
             continue
         at = [i for i, p in enumerate(path) if p == STACKED][0]
         value = var.get_value()
         n = jax.tree.leaves(value)[0].shape[0]
         for i in range(n):
-            out.append(((*path[:at], i, *path[at + 1:]), var.replace(jax.tree.map(lambda x: x[i], value))))
+            where = tuple(index(p) for p in block_path(path[:at], i))
+            out.append(((*where, *path[at + 1:]), var.replace(jax.tree.map(lambda x: x[i], value))))
     return nnx.from_flat_state(out)
