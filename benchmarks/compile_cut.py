@@ -9,6 +9,7 @@ fresh process, so no in-process cache helps the second.
 
     sdxl   SDXL base 1.0's UNet, one call: batch 2 (CFG), 128x128 latents (1024x1024), bf16
     flux   FLUX.1-dev's transformer (19 + 38 blocks), one call: batch 1, 64x64 tokens, 512 text tokens
+    sd3    SD3.5 large's transformer (38 joint blocks), one call: batch 2 (CFG), 128x128 latents, 333 text tokens
 
 ``--steady`` times the running program instead (random weights, the unrolled and the scanned
 program called in turn, median of each) and compares their outputs: ``tiny`` is a small SDXL-shaped
@@ -87,6 +88,28 @@ def _flux(stacked: bool, batch: int, tokens: int, text: int, dtype: Any, one_blo
     return model.apply, args
 
 
+SD35_LARGE: dict[str, Any] = dict(  # stabilityai/stable-diffusion-3.5-large transformer/config.json
+    attention_head_dim=64, caption_projection_dim=2432, in_channels=16, joint_attention_dim=4096,
+    num_attention_heads=38, num_layers=38, out_channels=16, patch_size=2, pooled_projection_dim=2048,
+    pos_embed_max_size=192, qk_norm="rms_norm", sample_size=128)
+
+
+def _sd3(stacked: bool, batch: int, latent: int, text: int, dtype: Any, one_block: bool = False):
+    import jax
+    import jax.numpy as jnp
+
+    from preheat.models.sd3 import SD3Transformer, SD3TransformerConfig, build_abstract
+
+    cfg = SD3TransformerConfig.from_dict({**SD35_LARGE, **(dict(num_layers=2) if one_block else {})})
+    graph, state = build_abstract(cfg, stacked=stacked)
+    state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), state)
+    model = SD3Transformer(config=cfg, graphdef=graph, params=state, dtype=dtype)
+    sds = jax.ShapeDtypeStruct
+    args = (state, sds((batch, latent, latent, cfg.in_channels), dtype), sds((batch, text, cfg.joint_attention_dim), dtype),
+            sds((batch, cfg.pooled_projection_dim), dtype), sds((batch,), jnp.float32))
+    return model.apply, args
+
+
 def compile_row(model: str, form: str) -> dict[str, Any]:
     """Trace, lower and compile one call of ``model`` in ``form``; seconds and the program's size."""
     import jax
@@ -106,8 +129,11 @@ def compile_row(model: str, form: str) -> dict[str, Any]:
     elif model == "flux":
         fn, args = _flux(stacked, 1, 64 * 64, 512, jnp.bfloat16, one_block=form == "one-block")
         shape = "batch 1, 4096 image + 512 text tokens, bf16"
+    elif model == "sd3":  # one-block: two blocks, a joint one and the last
+        fn, args = _sd3(stacked, 2, 128, 333, jnp.bfloat16, one_block=form == "one-block")
+        shape = "batch 2, 128x128 latents, 333 text tokens, bf16"
     else:
-        raise SystemExit(f"unknown model {model!r}: sdxl or flux")
+        raise SystemExit(f"unknown model {model!r}: sdxl, flux or sd3")
     jax.jit(lambda x: x + 1).lower(jnp.zeros(2)).compile()  # the backend's start, outside the rows
     t0 = time.perf_counter()
     traced = jax.jit(fn).trace(*args)
@@ -228,7 +254,7 @@ def steady(name: str, reps: int, interleave: bool | None = None) -> dict[str, An
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--platform", default="cpu", help="cpu or tpu (JAX_PLATFORMS)")
-    ap.add_argument("--models", default="sdxl", help="comma-separated: sdxl, flux")
+    ap.add_argument("--models", default="sdxl", help="comma-separated: sdxl, flux, sd3")
     ap.add_argument("--forms", default=",".join(FORMS), help="comma-separated: unrolled, scanned")
     ap.add_argument("--steady", choices=("tiny", "sdxl"), help="time the running programs instead")
     ap.add_argument("--reps", type=int, default=15)
