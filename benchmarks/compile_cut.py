@@ -73,11 +73,10 @@ def _flux(stacked: bool, batch: int, tokens: int, text: int, dtype: Any, one_blo
     import jax
     import jax.numpy as jnp
 
-    from preheat.bench.random_models import FLUX_DEV_TRANSFORMER
     from preheat.models.flux import FluxTransformer, FluxTransformerConfig, build_abstract
 
     layers = dict(num_layers=1, num_single_layers=1) if one_block else {}
-    cfg = FluxTransformerConfig.from_dict({**FLUX_DEV_TRANSFORMER, **layers})
+    cfg = FluxTransformerConfig.from_dict({**FLUX_DEV, **layers})
     graph, state = build_abstract(cfg, stacked=stacked)
     state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), state)
     model = FluxTransformer(config=cfg, graphdef=graph, params=state, dtype=dtype)
@@ -88,6 +87,19 @@ def _flux(stacked: bool, batch: int, tokens: int, text: int, dtype: Any, one_blo
     return model.apply, args
 
 
+# Published configs, here so the script needs only preheat's models (no torch, no diffusers).
+SDXL_UNET: dict[str, Any] = dict(  # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json
+    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    cross_attention_dim=2048, attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 10),
+    use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+    projection_class_embeddings_input_dim=2816, norm_num_groups=32, norm_eps=1e-5, act_fn="silu",
+    flip_sin_to_cos=True, freq_shift=0)
+FLUX_DEV: dict[str, Any] = dict(  # black-forest-labs/FLUX.1-dev transformer/config.json
+    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56))
 SD35_LARGE: dict[str, Any] = dict(  # stabilityai/stable-diffusion-3.5-large transformer/config.json
     attention_head_dim=64, caption_projection_dim=2432, in_channels=16, joint_attention_dim=4096,
     num_attention_heads=38, num_layers=38, out_channels=16, patch_size=2, pooled_projection_dim=2048,
@@ -116,7 +128,6 @@ def compile_row(model: str, form: str) -> dict[str, Any]:
     import jax.numpy as jnp
 
     jax.config.update("jax_enable_compilation_cache", False)
-    from preheat.bench.target import SDXL_UNET
 
     stacked = form == "scanned"
     if form not in (*FORMS, "one-block"):
@@ -192,7 +203,6 @@ def steady(name: str, reps: int, interleave: bool | None = None) -> dict[str, An
     import jax.numpy as jnp
     import numpy as np
 
-    from preheat.bench.target import SDXL_UNET
     from preheat.models.stacking import stack
     from preheat.models.unet2d_condition import LoadedUNet2DCondition, UNet2DConditionModule
 
