@@ -24,11 +24,11 @@ def built(tmp_path_factory):
 
     out = {}
 
-    def get(kind, **options):
-        key = (kind, json.dumps(options, sort_keys=True))
+    def get(kind, unet=None, **options):
+        key = (kind, json.dumps(unet, sort_keys=True), json.dumps(options, sort_keys=True))
         if key not in out:
             base = tmp_path_factory.mktemp(kind)
-            unet_dir = save_tiny_unet_condition(base / "unet", kind)
+            unet_dir = save_tiny_unet_condition(base / "unet", kind, **(unet or {}))
             cn_dir = save_tiny_controlnet(base / "controlnet", unet_dir, **options)
             out[key] = (unet_dir, cn_dir, UNet2DConditionModel.from_pretrained(unet_dir).eval(),
                         ControlNetModel.from_pretrained(cn_dir).eval())
@@ -59,7 +59,9 @@ def _added(inputs):
     return {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]} if "text_embeds" in inputs else None
 
 
-CASES = [("sd1", {}), ("sdxl", {}), ("sd2-bgr", {"controlnet_conditioning_channel_order": "bgr"})]
+CASES = [("sd1", {}), ("sdxl", {}), ("sd2-bgr", {"controlnet_conditioning_channel_order": "bgr"}),
+         ("sdxl-scanned", {})]  # 3 blocks per transformer: scanned over layer-stacked weights
+UNETS = {"sdxl-scanned": dict(transformer_layers_per_block=[1, 3])}
 
 
 # each builds diffusers models and runs them eagerly in JAX (a few seconds): slow
@@ -67,9 +69,10 @@ CASES = [("sd1", {}), ("sdxl", {}), ("sd2-bgr", {"controlnet_conditioning_channe
 @pytest.mark.parametrize("name,options", CASES, ids=[c[0] for c in CASES])
 def test_residuals_match_diffusers(built, name, options):
     kind = name.split("-")[0]
-    _, cn_dir, _, model = built(kind, **options)
+    unet = UNETS.get(name)
+    _, cn_dir, _, model = built(kind, unet, **options)
     cn = load_controlnet(cn_dir)
-    inputs = tiny_inputs(tiny_config(kind), batch=2, seed=0)
+    inputs = tiny_inputs(tiny_config(kind, **(unet or {})), batch=2, seed=0)
     control = _control(2)
     ref_down, ref_mid = _torch_controlnet(model, inputs, control, 0.7)
     down, mid = cn(inputs["sample"], inputs["timestep"], inputs["encoder_hidden_states"], control, 0.7, _added(inputs))

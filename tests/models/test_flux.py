@@ -26,6 +26,8 @@ CASES = {
     "schnell-like": dict(TINY, guidance_embeds=False),
     "dev-like": dict(TINY, in_channels=4, guidance_embeds=True),
     "two-blocks-out8": dict(TINY, num_layers=2, num_single_layers=2, out_channels=8, guidance_embeds=True),
+    # 3 + 4 blocks: both stages scanned over layer-stacked weights (preheat.models.stacking)
+    "scanned-3-4": dict(TINY, num_layers=3, num_single_layers=4, guidance_embeds=True),
 }
 
 # The published FLUX.1 transformer/config.json files (diffusers keys, values as published).

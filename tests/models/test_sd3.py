@@ -33,10 +33,13 @@ CASES: dict[str, dict[str, Any]] = {
     # SD3.5-medium's shape: dual attention, here also in the last (context_pre_only) block.
     "sd35-medium": dict(patch_size=2, in_channels=16, out_channels=16, num_layers=2, pos_embed_max_size=64,
                         qk_norm="rms_norm", dual_attention_layers=[0, 1]),
+    # runs of like blocks scanned over layer-stacked weights (preheat.models.stacking): 3 dual, 3 plain, the last
+    "sd35-scanned": dict(patch_size=2, in_channels=16, out_channels=16, num_layers=7, pos_embed_max_size=64,
+                         qk_norm="rms_norm", dual_attention_layers=[0, 1, 2]),
 }
 # Latent (h, w) per case: never square, so rows and columns cannot be swapped unnoticed; the patch
 # grids (5x7, 6x10, 9x5) are off-centre in the 64x64 table (odd margins).
-LATENT = {"sd3": (10, 14), "rms-no-max": (6, 10), "sd35-medium": (18, 10)}
+LATENT = {"sd3": (10, 14), "rms-no-max": (6, 10), "sd35-medium": (18, 10), "sd35-scanned": (10, 14)}
 
 # Published transformer/config.json of each model (everything else at diffusers' defaults).
 SD3_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
@@ -157,6 +160,25 @@ def test_skip_layers_matches_diffusers(tiny):
     with pytest.raises(InvalidArgumentError, match=r"skip_layers \[2\] out of range") as info:
         transformer(**inputs, skip_layers=(2,))
     _one_line(info.value)
+
+
+def test_skip_layers_inside_scanned_runs_match_diffusers(tiny):
+    """Skipped blocks inside both scanned runs (a ``lax.cond`` per iteration) and the unscanned last one."""
+    import torch
+
+    from preheat.models.stacking import BlockStack
+
+    path, model = tiny("sd35-scanned")
+    transformer = load_sd3_transformer(path)
+    stacks = [m for _, m in nnx.iter_graph(nnx.merge(transformer.graphdef, transformer.params))
+              if isinstance(m, BlockStack)]
+    assert [s.n for s in stacks] == [3, 3]
+    inputs = tiny_inputs(tiny_config("sd35-scanned"), height=8, width=6, seed=6)
+    for skip in ((1, 4), (0, 6)):
+        with torch.no_grad():
+            ref = model(**{k: torch.from_numpy(v) for k, v in inputs.items()}, skip_layers=list(skip)).sample.numpy()
+        out = np.asarray(transformer(**inputs, skip_layers=skip))
+        assert _max_err(out, ref) <= FP32_TOL * max(1.0, float(np.abs(ref).max())), skip
 
 
 def test_position_table_matches_diffusers():

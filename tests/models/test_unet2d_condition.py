@@ -57,6 +57,8 @@ CASES = [
                                 mid_block_scale_factor=1.41421356)),
     ("sd2-no-mid", "sd2", dict(mid_block_type=None, act_fn="swish", upcast_attention=False,
                                transformer_layers_per_block=2)),
+    # three blocks per transformer: scanned over layer-stacked weights (preheat.models.stacking)
+    ("sdxl-scanned", "sdxl", dict(transformer_layers_per_block=[1, 3])),
 ]
 
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Adapters", "LowRank", "attach", "targets"]
+__all__ = ["Adapters", "LowRank", "attach", "attach_stacked", "targets"]
 
 Array = jax.Array
 
@@ -67,28 +67,69 @@ class LowRank:
 
 
 def attach(model: nnx.Module, adapters: Adapters | None) -> nnx.Module:
-    """Give the layers of a freshly merged ``model`` their adapters for this traced call."""
+    """Give the layers of a freshly merged ``model`` their adapters for this traced call.
+
+    A ``stacking.BlockStack`` (N blocks scanned over layer-stacked weights) gets its blocks'
+    factors stacked, ``(N, K, in, R)`` and ``(N, K, R, out)`` per layer of the block, which its
+    scan slices per block (``attach_stacked``): a few MB, stacked inside the trace."""
+    from preheat.models.stacking import STACKED, BlockStack, block_path
+
     if adapters is None:
         return model
     for path, module in nnx.iter_graph(model):
         if not isinstance(module, nnx.Module):
             continue
-        pair = adapters.factors.get(".".join(str(p) for p in path))
+        name = ".".join(str(p) for p in path)
+        if isinstance(module, BlockStack):
+            stacked = {}
+            for rel, _ in nnx.iter_graph(module.stacked):
+                sub = ".".join(str(p) for p in rel)
+                pairs = [adapters.factors.get(".".join([*block_path(path, i), *([sub] if sub else [])]))
+                         for i in range(module.n)]
+                if all(p is not None for p in pairs):
+                    stacked[sub] = (jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs]))
+            if stacked:
+                object.__setattr__(module, "lora", Adapters(stacked, adapters.scales, adapters.index))
+            continue
+        if STACKED in (str(p) for p in path):
+            continue
+        pair = adapters.factors.get(name)
         if pair is not None:
             # a plain attribute, set on a module that lives for one trace only (never split again)
             object.__setattr__(module, "lora", LowRank(pair[0], pair[1], adapters.scales, adapters.index))
     return model
 
 
+def attach_stacked(block: nnx.Module, adapters: Adapters | None, factors: Mapping[str, tuple[Array, Array]]) -> None:
+    """Inside a ``BlockStack``'s scan: give one block's layers their slice of the stacked factors
+    (``factors``: relative layer path -> (down (K, in, R), up (K, R, out)))."""
+    if adapters is None:
+        return
+    for path, module in nnx.iter_graph(block):
+        pair = factors.get(".".join(str(p) for p in path)) if isinstance(module, nnx.Module) else None
+        if pair is not None:
+            object.__setattr__(module, "lora", LowRank(pair[0], pair[1], adapters.scales, adapters.index))
+
+
 def targets(graphdef: nnx.GraphDef, params: Any) -> dict[str, tuple[int, int]]:
     """The fixed target set of a model: every ``Linear`` and 1x1 ``Conv2d`` (the layers that take an
     adapter), as ``{layer path: (in, out)}`` -- a path is the checkpoint key without ``.weight``."""
     from preheat.models.layers import Conv2d, Linear
+    from preheat.models.stacking import STACKED, block_path
 
     out: dict[str, tuple[int, int]] = {}
     for path, module in nnx.iter_graph(nnx.merge(graphdef, params)):
-        if isinstance(module, Linear) or (isinstance(module, Conv2d) and module.kernel.shape[:2] == (1, 1)
+        names = [str(p) for p in path]
+        shape = tuple(module.kernel.shape) if isinstance(module, (Linear, Conv2d)) else ()
+        stacked = STACKED in names  # a BlockStack's layer: (N, ...) weights, one target per block
+        if stacked:
+            shape = shape[1:]
+        if isinstance(module, Linear) or (isinstance(module, Conv2d) and shape[:2] == (1, 1)
                                           and module.stride == 1 and module.padding == 0):
-            shape = module.kernel.shape
-            out[".".join(str(p) for p in path)] = (int(shape[-2]), int(shape[-1]))
+            if not stacked:
+                out[".".join(names)] = (int(shape[-2]), int(shape[-1]))
+                continue
+            at = names.index(STACKED)
+            for i in range(int(module.kernel.shape[0])):
+                out[".".join([*block_path(names[:at], i), *names[at + 1:]])] = (int(shape[-2]), int(shape[-1]))
     return out

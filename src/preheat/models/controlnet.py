@@ -34,6 +34,7 @@ from preheat.models import weights
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Conv2d
 from preheat.models.safetensors_files import DIFFUSERS_STEM, read_json, read_tensors, weight_files
+from preheat.models.stacking import scanned, stack
 from preheat.models.storage import layerwise, upcast
 from preheat.models.unet2d_condition import DownHalf, Residuals, UNet2DConditionConfig, check_unet_inputs
 from preheat.models.weights import LoadOptions, check_dtype, fill
@@ -175,11 +176,12 @@ class ControlNetConditioningEmbedding(nnx.Module):
 class ControlNetModule(DownHalf):
     """diffusers' ``ControlNetModel`` as a Flax NNX module (NHWC); ``LoadedControlNet`` wraps it."""
 
-    def __init__(self, config: ControlNetConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ControlNetConfig, *, rngs: nnx.Rngs, stacked: bool = False):
+        """``stacked``: the serving form, deep transformer stages scanned (``preheat.models.stacking``)."""
         config.validate()
         self.config = config
         self.down_config = u = config.unet_config()
-        self.build_down_half(u, rngs)
+        self.build_down_half(u, rngs, stacked)
         chans = u.block_out_channels
         self.controlnet_cond_embedding = ControlNetConditioningEmbedding(
             config.conditioning_channels, config.conditioning_embedding_out_channels, chans[0], rngs=rngs)
@@ -243,9 +245,10 @@ def read_controlnet_config(folder: Path) -> ControlNetConfig:
     return ControlNetConfig.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))
 
 
-def build_abstract(config: ControlNetConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory."""
-    return weights.build_abstract(lambda rngs: ControlNetModule(config, rngs=rngs))
+def build_abstract(config: ControlNetConfig, stacked: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory.
+    ``stacked``: the serving form (``preheat.models.stacking``); the default is the checkpoint's."""
+    return weights.build_abstract(lambda rngs: ControlNetModule(config, rngs=rngs, stacked=stacked))
 
 
 @dataclass
@@ -289,4 +292,6 @@ def load_controlnet(folder: str | Path, dtype: Any = jnp.float32, variant: str |
     graphdef, abstract = build_abstract(config)
     tensors = read_tensors(weight_files(cn_dir, (DIFFUSERS_STEM,), variant=variant))
     params = fill(abstract, tensors, dtype, str(cn_dir), options=options, low=layerwise(("norm",), options))
+    if any(scanned(n) for n in config.unet_config().transformer_layers):  # weights stacked once, here
+        graphdef, params = stack(lambda rngs: ControlNetModule(config, rngs=rngs, stacked=True), params, options)
     return LoadedControlNet(config=config, graphdef=graphdef, params=params, dtype=dtype)

@@ -40,6 +40,7 @@ from preheat.models import weights
 from preheat.models.dit import AdaLayerNormContinuous, FeedForward, layer_norm, modulate, resolve_transformer_dir
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Linear, TimestepEmbedding, lift, sinusoidal_embedding
+from preheat.models.stacking import blocks, run_blocks, scanned, stack
 from preheat.models.storage import layerwise, upcast
 from preheat.models.safetensors_files import DIFFUSERS_STEM, read_json, read_tensors, weight_files
 from preheat.models.weights import LoadOptions, check_dtype, fill
@@ -341,7 +342,8 @@ class CombinedTimestepTextProjEmbeddings(nnx.Module):
 class FluxTransformer2DModel(nnx.Module):
     """The network on packed tokens; ``FluxTransformer`` is the loaded wrapper with ``apply``."""
 
-    def __init__(self, config: FluxTransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: FluxTransformerConfig, *, rngs: nnx.Rngs, stacked: bool = False):
+        """``stacked``: the serving form, each run of 3+ blocks one scanned ``stacking.BlockStack``."""
         c = config
         c.validate()
         self.config = c
@@ -351,10 +353,10 @@ class FluxTransformer2DModel(nnx.Module):
                                                                   rngs=rngs)
         self.context_embedder = Linear(c.joint_attention_dim, dim, rngs=rngs)
         self.x_embedder = Linear(c.in_channels, dim, rngs=rngs)
-        self.transformer_blocks = nnx.List(
-            [FluxTransformerBlock(dim, heads, head_dim, rngs=rngs) for _ in range(c.num_layers)])
-        self.single_transformer_blocks = nnx.List(
-            [FluxSingleTransformerBlock(dim, heads, head_dim, rngs=rngs) for _ in range(c.num_single_layers)])
+        self.transformer_blocks = blocks(lambda: FluxTransformerBlock(dim, heads, head_dim, rngs=rngs), c.num_layers,
+                                         stacked)
+        self.single_transformer_blocks = blocks(lambda: FluxSingleTransformerBlock(dim, heads, head_dim, rngs=rngs),
+                                                c.num_single_layers, stacked)
         self.norm_out = AdaLayerNormContinuous(dim, dim, rngs=rngs)
         self.proj_out = Linear(dim, c.output_channels, rngs=rngs)
 
@@ -409,11 +411,10 @@ class FluxTransformer2DModel(nnx.Module):
         ctx = self.context_embedder(context)  # (B, T, C)
         ids = jnp.concatenate([txt_ids, img_ids], axis=0)  # (T + S, 3): the token order of joint attention
         cos, sin = rope_cos_sin(ids, self.config.axes_dims_rope)
-        for block in self.transformer_blocks:
-            ctx, h = block(h, ctx, temb, cos, sin)
+        ctx, h = run_blocks(self.transformer_blocks, (ctx, h),
+                            lambda block, carry: block(carry[1], carry[0], temb, cos, sin))  # (text, image)
         joint = jnp.concatenate([ctx, h], axis=1)  # (B, T + S, C)
-        for block in self.single_transformer_blocks:
-            joint = block(joint, temb, cos, sin)
+        joint = run_blocks(self.single_transformer_blocks, joint, lambda block, j: block(j, temb, cos, sin))
         h = joint[:, tokens:]  # (B, S, C)
         return self.proj_out(self.norm_out(h, temb))  # (B, S, Cout)
 
@@ -467,9 +468,10 @@ def read_flux_config(folder: str | Path) -> FluxTransformerConfig:
     return FluxTransformerConfig.from_dict(read_json(path), str(path))
 
 
-def build_abstract(config: FluxTransformerConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory."""
-    return weights.build_abstract(lambda rngs: FluxTransformer2DModel(config, rngs=rngs))
+def build_abstract(config: FluxTransformerConfig, stacked: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory.
+    ``stacked``: the serving form (``preheat.models.stacking``); the default is the checkpoint's."""
+    return weights.build_abstract(lambda rngs: FluxTransformer2DModel(config, rngs=rngs, stacked=stacked))
 
 
 @dataclass
@@ -514,6 +516,8 @@ def build_flux_transformer(config: FluxTransformerConfig, tensors: Mapping[str, 
     graphdef, abstract = build_abstract(config)
     # a Checkpoint streams (dict() would read it all); weights_dtype: the layers diffusers' layerwise casting casts
     params = fill(abstract, tensors, dtype, source, options=options, low=layerwise(("pos_embed", "norm"), options))
+    if scanned(config.num_layers) or scanned(config.num_single_layers):  # weights stacked once, here
+        graphdef, params = stack(lambda rngs: FluxTransformer2DModel(config, rngs=rngs, stacked=True), params, options)
     return FluxTransformer(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 

@@ -40,6 +40,7 @@ from preheat.models import weights
 from preheat.models.dit import AdaLayerNormContinuous, FeedForward, layer_norm, modulate, resolve_transformer_dir
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Conv2d, Linear, TimestepEmbedding, lift, sinusoidal_embedding
+from preheat.models.stacking import block_runs, run_blocks, scanned, stack
 from preheat.models.storage import layerwise, upcast
 from preheat.models.safetensors_files import DIFFUSERS_STEM, read_json, read_tensors, weight_files
 from preheat.models.weights import LoadOptions, check_dtype, fill, torch_key
@@ -357,7 +358,8 @@ class CombinedTimestepTextProjEmbeddings(nnx.Module):
 class SD3Transformer2DModel(nnx.Module):
     """The network. ``__call__`` is NHWC; ``SD3Transformer`` is the loaded wrapper."""
 
-    def __init__(self, config: SD3TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: SD3TransformerConfig, *, rngs: nnx.Rngs, stacked: bool = False):
+        """``stacked``: the serving form, each run of 3+ like blocks one scanned ``stacking.BlockStack``."""
         c = config
         c.validate()
         self.config = c
@@ -365,12 +367,12 @@ class SD3Transformer2DModel(nnx.Module):
         self.pos_embed = PatchEmbed(c, rngs=rngs)
         self.time_text_embed = CombinedTimestepTextProjEmbeddings(d, c.pooled_projection_dim, rngs=rngs)
         self.context_embedder = Linear(c.joint_attention_dim, c.caption_projection_dim, rngs=rngs)
-        self.transformer_blocks = nnx.List([
-            JointTransformerBlock(d, c.num_attention_heads, c.attention_head_dim,
-                                  context_pre_only=i == c.num_layers - 1, qk_norm=c.qk_norm,
-                                  dual=i in c.dual_attention_layers, rngs=rngs)
-            for i in range(c.num_layers)
-        ])
+        def block(i: int) -> JointTransformerBlock:
+            return JointTransformerBlock(d, c.num_attention_heads, c.attention_head_dim,
+                                         context_pre_only=i == c.num_layers - 1, qk_norm=c.qk_norm,
+                                         dual=i in c.dual_attention_layers, rngs=rngs)
+
+        self.transformer_blocks = block_runs(block, block_kinds(c), stacked)
         self.norm_out = AdaLayerNormContinuous(d, d, rngs=rngs)
         self.proj_out = Linear(d, c.patch_size * c.patch_size * c.out_dim, rngs=rngs)
 
@@ -413,9 +415,8 @@ class SD3Transformer2DModel(nnx.Module):
         hidden = self.pos_embed(x)  # (B, N, D), N = h/p * w/p
         temb = self.time_text_embed(t, pooled.astype(x.dtype))  # (B, D)
         ctx = self.context_embedder(context.astype(x.dtype))  # (B, T, D)
-        for i, block in enumerate(self.transformer_blocks):
-            if i not in skip_layers:
-                hidden, ctx = block(hidden, ctx, temb)
+        hidden, ctx = run_blocks(self.transformer_blocks, (hidden, ctx),
+                                 lambda block, carry: block(carry[0], carry[1], temb), skip=tuple(skip_layers))
         out = self.proj_out(self.norm_out(hidden, temb))  # (B, N, p*p*Cout)
         out = out.reshape(b, h // p, w // p, p, p, c.out_dim)  # (B, h/p, w/p, p, q, Cout)
         return out.transpose(0, 1, 3, 2, 4, 5).reshape(b, h, w, c.out_dim)  # (B, h, w, Cout)
@@ -430,9 +431,15 @@ def read_sd3_transformer_config(folder: Path) -> SD3TransformerConfig:
     return SD3TransformerConfig.from_dict(read_json(path), str(path))
 
 
-def build_abstract(config: SD3TransformerConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory."""
-    return weights.build_abstract(lambda rngs: SD3Transformer2DModel(config, rngs=rngs))
+def block_kinds(c: SD3TransformerConfig) -> list[tuple[bool, bool]]:
+    """Each block's (last, dual): blocks of one kind have the same weights' shapes (``block_runs``)."""
+    return [(i == c.num_layers - 1, i in c.dual_attention_layers) for i in range(c.num_layers)]
+
+
+def build_abstract(config: SD3TransformerConfig, stacked: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory.
+    ``stacked``: the serving form (``preheat.models.stacking``); the default is the checkpoint's."""
+    return weights.build_abstract(lambda rngs: SD3Transformer2DModel(config, rngs=rngs, stacked=stacked))
 
 
 def checkpoint_key(path: tuple[Any, ...]) -> str:
@@ -492,6 +499,9 @@ def build_sd3_transformer(config: SD3TransformerConfig, tensors: Mapping[str, An
     graphdef, abstract = build_abstract(config)
     params = fill(abstract, tensors, dtype, source, key_fn=checkpoint_key, options=options,  # a Checkpoint streams
                   low=layerwise(("pos_embed", "norm"), options))  # diffusers' SD3Transformer2DModel skips these too
+    kinds = block_kinds(config)
+    if any(scanned(sum(1 for k in kinds if k == kind)) for kind in set(kinds)):  # weights stacked once, here
+        graphdef, params = stack(lambda rngs: SD3Transformer2DModel(config, rngs=rngs, stacked=True), params, options)
     return SD3Transformer(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 

@@ -107,15 +107,19 @@ def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     a full-precision copy of every weight; an optimization barrier shared with ``tie`` makes the
     weights a value of the step, so each is converted where it is used, step by step. Only the
     stored values go through it: a bias or scale that did was no longer fused into the GEMM's
-    epilogue on the GPU (the H200 HLO: a second kernel per layer re-reading the GEMM's output)."""
+    epilogue on the GPU (the H200 HLO: a second kernel per layer re-reading the GEMM's output).
+    Leaves of a ``stacking.BlockStack`` are left for its scan, which upcasts each block's slice."""
     def stored(x: Any) -> bool:
         return is_quantised(x) or is_low(x.dtype)
 
     def held(x: Any) -> Any:  # the stored bytes of a leaf
         return x.values if isinstance(x, Quantised) else x.blocks if isinstance(x, Packed) else x
 
+    from preheat.models.stacking import is_stacked_path
+
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_quantised)
-    picks = [i for i, (_, x) in enumerate(flat) if stored(x)]
+    # a BlockStack's (N, ...) leaves are upcast one block at a time inside its scan (stacking.BlockStack)
+    picks = [i for i, (path, x) in enumerate(flat) if stored(x) and not is_stacked_path(path)]
     if not picks:
         return params
     values = [held(flat[i][1]) for i in picks]

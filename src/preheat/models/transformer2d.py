@@ -16,6 +16,7 @@ from flax import nnx
 
 from preheat.models.attention import dot_product_attention
 from preheat.models.layers import Conv2d, GroupNorm, LayerNorm, Linear
+from preheat.models.stacking import blocks, run_blocks
 
 __all__ = ["CrossAttention", "GEGLU", "FeedForward", "BasicTransformerBlock", "Transformer2DModel"]
 
@@ -90,17 +91,22 @@ class BasicTransformerBlock(nnx.Module):
 
 
 class Transformer2DModel(nnx.Module):
-    """GroupNorm, project in (1x1 conv or linear), transformer blocks over H*W tokens, project out, residual."""
+    """GroupNorm, project in (1x1 conv or linear), transformer blocks over H*W tokens, project out, residual.
+
+    ``stacked``: a stage deep enough (``stacking.scanned``) keeps its blocks as one ``BlockStack``
+    run by a scan (the loaders build it unstacked and ``stacking.stack`` the weights)."""
 
     def __init__(self, channels: int, heads: int, layers: int, context_dim: int, groups: int, linear: bool,
-                 upcast: bool, *, rngs: nnx.Rngs):
+                 upcast: bool, *, rngs: nnx.Rngs, stacked: bool = False):
         head_dim = channels // heads
         inner = heads * head_dim
         self.norm = GroupNorm(groups, channels, 1e-6)
         self.proj_in = Linear(channels, inner, rngs=rngs) if linear else Conv2d(channels, inner, 1, rngs=rngs)
-        self.transformer_blocks = nnx.List([
-            BasicTransformerBlock(inner, heads, head_dim, context_dim, upcast, rngs=rngs) for _ in range(layers)
-        ])
+
+        def block() -> BasicTransformerBlock:
+            return BasicTransformerBlock(inner, heads, head_dim, context_dim, upcast, rngs=rngs)
+
+        self.transformer_blocks = blocks(block, layers, stacked)
         self.proj_out = Linear(inner, channels, rngs=rngs) if linear else Conv2d(inner, channels, 1, rngs=rngs)
 
     def __call__(self, x: Array, context: Array) -> Array:  # (B, H, W, C), (B, M, D) -> (B, H, W, C)
@@ -108,7 +114,6 @@ class Transformer2DModel(nnx.Module):
         y = self.proj_in(self.norm(x))  # (B, H, W, inner): a 1x1 conv and a linear agree on NHWC
         inner = y.shape[-1]
         y = y.reshape(b, h * w, inner)  # (B, L, inner)
-        for block in self.transformer_blocks:
-            y = block(y, context)
+        y = run_blocks(self.transformer_blocks, y, lambda block, h: block(h, context))  # a scan when stacked
         y = self.proj_out(y.reshape(b, h, w, inner))  # (B, H, W, C)
         return y + x

@@ -32,6 +32,7 @@ from preheat.models.transformer2d import Transformer2DModel
 from preheat.models.config import JsonConfig
 from preheat.models.layers import (Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, TimestepEmbedding, Upsample2D,
                                    activation, sinusoidal_embedding)
+from preheat.models.stacking import scanned, stack
 from preheat.models.storage import layerwise, upcast
 from preheat.models.safetensors_files import DIFFUSERS_STEM, read_json, read_tensors, weight_files
 from preheat.models.weights import LoadOptions, check_dtype, fill
@@ -251,6 +252,7 @@ class _Spec:
     context_dim: int
     linear: bool
     upcast: bool
+    stacked: bool = False  # deep transformer stages as one scanned BlockStack (preheat.models.stacking)
 
     def resnet(self, cin: int, cout: int, scale: float, rngs: nnx.Rngs) -> ResnetBlock2D:
         return ResnetBlock2D(cin, cout, self.temb, groups=self.groups, eps=self.eps, act=self.act, scale_shift=False,
@@ -258,7 +260,7 @@ class _Spec:
 
     def transformer(self, channels: int, heads: int, layers: int, rngs: nnx.Rngs) -> Transformer2DModel:
         return Transformer2DModel(channels, heads, layers, self.context_dim, self.groups, self.linear, self.upcast,
-                                  rngs=rngs)
+                                  rngs=rngs, stacked=self.stacked)
 
 
 class DownBlock(nnx.Module):
@@ -370,7 +372,7 @@ class DownHalf(nnx.Module):
     and the mid block. Both subclasses build it with :meth:`build_down_half` and run it with
     :meth:`embed` and :meth:`down_half`."""
 
-    def build_down_half(self, c: UNet2DConditionConfig, rngs: nnx.Rngs) -> _Spec:
+    def build_down_half(self, c: UNet2DConditionConfig, rngs: nnx.Rngs, stacked: bool = False) -> _Spec:
         ch0 = c.block_out_channels[0]
         tdim = c.time_embed_dim
         self.conv_in = Conv2d(c.in_channels, ch0, 3, padding=1, rngs=rngs)
@@ -381,7 +383,7 @@ class DownHalf(nnx.Module):
             self.add_embedding = None
 
         spec = _Spec(c.norm_num_groups, c.norm_eps, c.act_fn, tdim, c.cross_attention_dim, c.use_linear_projection,
-                     c.upcast)
+                     c.upcast, stacked)
         chans, heads, layers, t_layers = c.block_out_channels, c.heads, c.layers, c.transformer_layers
         n = len(chans)
         down = []
@@ -427,11 +429,11 @@ class UNet2DConditionModule(DownHalf):
     """diffusers' ``UNet2DConditionModel`` as a Flax NNX module (the network; ``__call__`` is NHWC);
     ``LoadedUNet2DCondition`` is the loaded, NCHW-facing wrapper."""
 
-    def __init__(self, config: UNet2DConditionConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: UNet2DConditionConfig, *, rngs: nnx.Rngs, stacked: bool = False):
         c = config
         c.validate()
         self.config = c
-        spec = self.build_down_half(c, rngs)
+        spec = self.build_down_half(c, rngs, stacked)
         chans, heads, layers, t_layers = c.block_out_channels, c.heads, c.layers, c.transformer_layers
         n = len(chans)
         rev, rev_heads, rev_layers, rev_t = (list(reversed(v)) for v in (chans, heads, layers, t_layers))
@@ -483,9 +485,11 @@ def read_unet_condition_config(unet_dir: Path) -> UNet2DConditionConfig:
     return UNet2DConditionConfig.from_dict(read_json(unet_dir / "config.json"), str(unet_dir / "config.json"))
 
 
-def build_abstract(config: UNet2DConditionConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory."""
-    return weights.build_abstract(lambda rngs: UNet2DConditionModule(config, rngs=rngs))
+def build_abstract(config: UNet2DConditionConfig, stacked: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory.
+    ``stacked``: the serving form, deep transformer stages scanned (``preheat.models.stacking``);
+    the default is the checkpoint's form, one leaf per checkpoint tensor."""
+    return weights.build_abstract(lambda rngs: UNet2DConditionModule(config, rngs=rngs, stacked=stacked))
 
 
 def check_text_conditioning(config: UNet2DConditionConfig, context_width: int, pooled_width: int | None = None,
@@ -563,6 +567,8 @@ def build_unet_condition(config: UNet2DConditionConfig, tensors: Mapping[str, An
     dtype = check_dtype(dtype)
     graphdef, abstract = build_abstract(config)
     params = fill(abstract, tensors, dtype, source, options=options, low=layerwise(("norm",), options))  # a Checkpoint streams
+    if any(scanned(n) for n in config.transformer_layers):  # deep stages scanned: weights stacked once, here
+        graphdef, params = stack(lambda rngs: UNet2DConditionModule(config, rngs=rngs, stacked=True), params, options)
     return LoadedUNet2DCondition(config=config, graphdef=graphdef, params=params, dtype=dtype)
 
 
