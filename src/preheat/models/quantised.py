@@ -4,6 +4,8 @@ Below ``weights`` (which places them) and ``storage`` (which chooses fp8 layers 
 inside the jitted apply), so both read one definition:
 
     FLOAT8        the fp8 storage dtype (float8_e4m3fn)
+    INT8          int8 storage: values and one float32 scale per output channel, made at load
+                  (``quantise_int8``), applied to the product's output like a scaled fp8 file's
     is_low(dtype) a storage dtype that the apply converts (fp8)
     Quantised     stored values and their scale: expanded to ``values * scale`` at use, or, where
                   the scale is per tensor or per output channel, applied to a matmul's output
@@ -26,9 +28,11 @@ import numpy as np
 
 from preheat.models.ggml import LAYOUTS, dequantise
 
-__all__ = ["FLOAT8", "Quantised", "Packed", "is_quantised", "is_low", "refusal", "holds"]
+__all__ = ["FLOAT8", "INT8", "quantise_int8", "int8_scale_shape", "Quantised", "Packed", "is_quantised", "is_low",
+           "refusal", "holds"]
 
 FLOAT8 = "float8_e4m3fn"
+INT8 = "int8"  # weights_dtype="int8": symmetric, per output channel, quantised once at load (quantise_int8)
 _LOW = (jnp.dtype(jnp.float8_e4m3fn),)
 
 
@@ -44,6 +48,8 @@ class Quantised:
         scaled fp8   values (in, out) float8_e4m3fn   scale ()            float32
                      (per output channel)             scale (1, out)      float32
         GGUF Q8_0    values (in, out) int8            scale (in/32, out)  float16
+        int8 (load)  values (in, out) int8            scale (1, out)      float32   (``quantise_int8``;
+                     a conv's (kh, kw, in, out)       scale (1, 1, 1, out))
 
     A pytree (its two arrays are leaves), so it is placed, sharded, keyed and traced like any
     parameter; ``shape`` and ``dtype`` are the stored values' (what a layer's ``kernel.shape`` reads).
@@ -148,6 +154,31 @@ class Packed:
 
 
 jax.tree_util.register_dataclass(Packed, data_fields=["blocks"], meta_fields=["kind"])
+
+
+def int8_scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The scale's shape of an int8 weight of (jax-layout) ``shape``: one per output channel, the
+    last axis (a Linear's ``(in, out)``, a conv's ``(kh, kw, in, out)``; an Embedding's ``(n, dim)``:
+    one per feature)."""
+    return (1,) * (len(shape) - 1) + (shape[-1],)
+
+
+def quantise_int8(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``weight`` (jax layout, any float dtype) as int8 values and float32 scales, symmetric per
+    output channel (the last axis): ``scale = max|w| / 127`` over the channel, ``q = round(w / scale)``
+    (half to even, as numpy and torch round), in float32. ``q * scale`` is the weight the program
+    computes with; a channel of zeros gets scale 0 and values 0. Runs on the host, once, at load.
+
+    Why per output channel and not per tensor: one outlier channel (Flux's modulation rows) would
+    otherwise cost every other channel its resolution; and a scale per output commutes with the
+    product (``x @ (q * s) == (x @ q) * s``), so the layer multiplies the int8 values in the GEMM and
+    scales its output (``Quantised.product``): no dequantised copy of the weight is ever written."""
+    w = np.asarray(weight, np.float32)  # (..., out)
+    axes = tuple(range(w.ndim - 1))
+    scale = np.max(np.abs(w), axis=axes, keepdims=True) / np.float32(127)  # (1, ..., 1, out)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    q = np.clip(np.rint(w / safe), -127, 127).astype(np.int8)
+    return q, scale.astype(np.float32)
 
 
 def is_quantised(x: Any) -> bool:
