@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests._support.doctor_fixtures import JAX_CPU, check
+from tests._support.script_modules import load_script
 from tests._support.tpu_fixtures import IN_USE, JAX_TPU, LOCKFILE_ERROR, weights_folder
 
 TPU_IDS = ["accelerator", "jax", "torch", "tpu_hugepages", "tpu_memory", "storage_cache", "storage_hf", "cache_health"]
@@ -244,3 +245,18 @@ def test_a_libtpu_given_by_tpu_library_path_counts(machine, monkeypatch):
     _, rep = machine.run()
     assert check(rep, "jax")["finding"].startswith(f"jax 0.10.2 / jaxlib 0.10.2 + libtpu from TPU_LIBRARY_PATH={lib}: "
                                                    "backend tpu")
+
+
+def test_flux_dev_on_a_v5e_fits_while_denoising_and_says_the_encoders_do_not(machine, tmp_path):
+    """FLUX.1-dev's published sizes (scripts/flux_memory_plan.py's header-only folder) on the recorded chip."""
+    script = load_script("flux_memory_plan")
+    script.write_flux_dev(tmp_path)
+    machine.tpu()
+    code, rep = machine.run("--model", str(tmp_path), "--dtype", "bfloat16")
+    fit = check(rep, "model_fit")
+    assert fit["status"] == "fail" and code == 1
+    assert fit["fix"].startswith("with --dtype bfloat16 --weights-dtype int8 --weights-layers linear and "
+                                 "preheat.load(..., offload_encoders=True) the weights fit while denoising (11.41 GiB, "
+                                 "about 72%), but not while prompts are encoded (20.50 GiB): the text encoders must run "
+                                 "off this device (not yet in preheat), or shard")
+    assert fit["details"]["plan"][0].split()[:4] == ["transformer", "device", "bfloat16", "22.17"]

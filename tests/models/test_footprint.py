@@ -9,6 +9,7 @@ from safetensors.numpy import save_file
 from preheat.errors import ModelError, ModelNotFoundError
 from preheat.models import footprint
 from preheat.models.footprint import check_fits, fitting, weight_footprint
+from tests._support.script_modules import load_script
 from tests._support.tpu_fixtures import weights_folder
 
 
@@ -110,3 +111,26 @@ def test_fitting_names_the_first_option_that_fits(folder):
     assert fitting(folder, 420_000, **kw).options() == "--dtype bfloat16 --weights-dtype int8"
     assert fitting(folder, 420_000, prefer="float8_e4m3fn", **kw).options() == "--dtype bfloat16 --weights-dtype float8_e4m3fn"
     assert fitting(folder, 100_000, **kw) is None
+
+
+def test_flux_dev_on_one_v5e_chip_fits_while_denoising_only(tmp_path):
+    """scripts/flux_memory_plan.py's folder (the published configs' real headers, no data): docs/tpu.md's
+    plan. The int8 transformer with every Linear in 8 bits rests in 72% of the chip, but T5-XXL moved in
+    beside it for the encode stage is 4.76 GiB too many: no single-chip load option fits yet."""
+    script = load_script("flux_memory_plan")
+    params = script.write_flux_dev(tmp_path)
+    assert {k: round(v / 1e6) for k, v in params.items()} == {
+        "transformer": 11901, "text_encoder_2": 4762, "text_encoder": 123, "vae": 84}  # the published sizes
+    kw = dict(weights_layers="linear", offload_encoders=True)
+    int8 = weight_footprint(tmp_path, "bfloat16", weights_dtype="int8", **kw)
+    fp8 = weight_footprint(tmp_path, "bfloat16", weights_dtype="float8_e4m3fn", **kw)
+    assert 0 < int8.parts["transformer"] - fp8.parts["transformer"] < 16 << 20  # the per-channel scales
+    assert int8.fits(script.HBM, encoding=False) and not int8.fits(script.HBM)
+    assert 0.71 < int8.total / script.HBM < 0.73 and 4.7 < (int8.peak - script.HBM) / 2**30 < 4.8
+    assert fitting(tmp_path, script.HBM, dtype="bfloat16") is None
+    assert fitting(tmp_path, script.HBM, dtype="bfloat16", encoding=False).options() == int8.options()
+    with pytest.raises(ModelError, match=r"20\.50 GiB while prompts are encoded at --dtype bfloat16 --weights-dtype "
+                                         r"int8 --weights-layers linear and preheat.load\(..., offload_encoders=True\), "
+                                         r"4\.76 GiB more than the 15\.75 GiB the device holds; --dtype .* fits while "
+                                         r"denoising \(11\.41 GiB\), but no option fits the encode stage"):
+        check_fits(tmp_path, dtype="bfloat16", variant=None, weights_dtype="int8", devices=[_Device(script.HBM)], **kw)

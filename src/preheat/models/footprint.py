@@ -85,10 +85,10 @@ class Footprint:
         """Bytes on the device while prompts are encoded: the offloaded encoders are moved in too."""
         return self.total + sum(self.offloaded.values())
 
-    def fits(self, limit: int) -> bool:
+    def fits(self, limit: int, encoding: bool = True) -> bool:
         """Whether this load fits ``limit`` bytes with room: its resting weights within ``ROOM`` of
-        it (activations, programs), its encode stage's within it."""
-        return self.total <= ROOM * limit and self.peak <= limit
+        it (activations, programs), its encode stage's within it (``encoding=False``: the first alone)."""
+        return self.total <= ROOM * limit and (self.peak <= limit or not encoding)
 
     def options(self) -> str:
         """The load options this footprint is for, as the CLI spells them."""
@@ -197,11 +197,13 @@ def weight_footprint(root: str | Path, dtype: str = "float32", *, variant: str |
 
 def fitting(root: str | Path, limit: int, *, dtype: str, variant: str | None = None, weights_dtype: str | None = None,
             weights_layers: str = "layerwise", offload_encoders: bool = False,
-            prefer: str = "int8") -> Footprint | None:
+            prefer: str = "int8", encoding: bool = True) -> Footprint | None:
     """The first load option, cheapest to quality first, whose footprint ``fits`` ``limit``, other
     than the one asked for; None when none does. The order: bfloat16 (from float32); 8-bit denoiser
     weights (``prefer`` first: int8 on a TPU, whose matrix unit has int8 and no fp8); every Linear in
-    8 bits (AdaLN modulation too: ``--weights-layers linear``); text encoders offloaded."""
+    8 bits (AdaLN modulation too: ``--weights-layers linear``); text encoders offloaded.
+    ``encoding=False``: the first that fits while denoising, whether or not its encode stage does
+    (what a model needs beyond it is then its text encoders off the device)."""
     half = dtype if dtype != "float32" else "bfloat16"
     eights = [prefer, *(d for d in WEIGHTS_DTYPES if d != prefer)] if weights_dtype is None else [weights_dtype]
     tries = [(half, weights_dtype, weights_layers, offload_encoders)]
@@ -216,7 +218,7 @@ def fitting(root: str | Path, limit: int, *, dtype: str, variant: str | None = N
         seen.add(option)
         dt, wd, wl, off = option
         fp = weight_footprint(root, dt, variant=variant, weights_dtype=wd, weights_layers=wl, offload_encoders=off)
-        if fp.fits(limit) and (not off or fp.offloaded):
+        if fp.fits(limit, encoding) and (not off or fp.offloaded):
             return fp
     return None
 
@@ -261,6 +263,13 @@ def check_fits(root: Path, *, dtype: Any, variant: str | None, weights_dtype: st
             alt = None
         fix = (f"{alt.options()} would take {gib(alt.peak // max(fsdp, 1))}" if alt else
                f"no dtype or weights_dtype does (`preheat doctor --model {root}` prints the plan)")
+        rest = None if alt else fp if fp.fits(have * max(fsdp, 1), encoding=False) else fitting(
+            root, have * max(fsdp, 1), dtype=fp.dtype, variant=variant, weights_dtype=weights_dtype,
+            weights_layers=weights_layers, offload_encoders=offload_encoders, prefer=_prefer(devices), encoding=False)
+        if rest is not None:
+            fix = (f"{rest.options()} fits while denoising ({gib(rest.total // max(fsdp, 1))}), but no option "
+                   f"fits the encode stage: the text encoders must run off the device (not yet in preheat; "
+                   f"`preheat doctor --model {root}` prints the plan)")
         raise ModelError(f"{root}: its weights take {gib(need)}{when} at {fp.options()}, {gib(need - have)} more than "
                          f"the {gib(have)}{per} holds; {fix}")
 

@@ -95,8 +95,18 @@ def _check_model_fit(ctx: Context) -> CheckResult:
         if alt.offloaded:
             fix = fix[:-1] + f"; {gib(alt.peak)} while prompts are encoded)"
     else:
-        fix = ("no single-device option fits (`preheat doctor --model` prints the plan): shard the weights over "
-               "devices (preheat.load(..., fsdp=N))")
+        fix = "no single-device option fits: shard the weights over devices (preheat.load(..., fsdp=N))"
+        try:
+            rest = fp if fp.fits(limit, encoding=False) else fitting(
+                root, limit, dtype=req.dtype, variant=req.variant, weights_dtype=req.weights_dtype,
+                weights_layers=req.weights_layers, offload_encoders=req.offload_encoders,
+                prefer=INT8 if ctx.platform() == "tpu" else FP8, encoding=False)
+        except PreheatError:
+            rest = None
+        if rest is not None:  # FLUX.1-dev on a v5e: the int8 transformer fits, T5-XXL beside it does not
+            fix = (f"with {rest.options()} the weights fit while denoising ({gib(rest.total)}, about "
+                   f"{rest.total / limit:.0%}), but not while prompts are encoded ({gib(rest.peak)}): the text "
+                   "encoders must run off this device (not yet in preheat), or " + fix.split(": ", 1)[1])
     return res(FAIL if fp.peak > limit else WARN, finding, fix)
 
 
