@@ -1,6 +1,7 @@
 """int8 weight storage (``weights_dtype="int8"``) done independently, in torch, on diffusers' model:
 the same rule as ``preheat.models.quantised.quantise_int8`` (symmetric, one scale per output
-channel, ``scale = max|w| / 127``, round half to even), written again here from its definition,
+channel, ``scale = max|w| * (1 / 127)``, ``q = round(w * (1 / scale))`` half to even), written again here
+from its definition,
 so that preheat's int8 image is checked against diffusers' pipeline computing with those weights
 (tests/models/test_int8.py)."""
 
@@ -17,13 +18,14 @@ def quantise_dequantise(weight: Any, feature_axis: int = 0) -> Any:
     channels are axis 0 of a Linear's ``(out, in)`` and a Conv's ``(out, in, kh, kw)``; an
     Embedding's ``(n, dim)`` is scaled per feature (``feature_axis=1``), as preheat scales the last
     axis of its ``(n, dim)`` table."""
+    import numpy as np
     import torch
 
     w = weight.detach().to(torch.float32)
     dims = [d for d in range(w.ndim) if d != feature_axis]
-    scale = w.abs().amax(dim=dims, keepdim=True) / 127.0
+    scale = w.abs().amax(dim=dims, keepdim=True) * float(np.float32(1 / 127))  # 1/127 rounded to float32
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.clamp(torch.round(w / safe), -127, 127)
+    q = torch.clamp(torch.round(w * (1.0 / safe)), -127, 127)
     return (q * scale).to(weight.dtype)
 
 

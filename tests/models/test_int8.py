@@ -41,11 +41,23 @@ def test_quantise_int8_is_symmetric_per_output_channel():
     w = rng.standard_normal((6, 5)).astype(np.float32) * np.array([1, 10, 0.01, 3, 0], np.float32)  # (in, out)
     q, scale = quantise_int8(w)
     assert q.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (1, 5) == int8_scale_shape(w.shape)
-    np.testing.assert_array_equal(scale[0], np.abs(w).max(axis=0) / np.float32(127))
+    np.testing.assert_array_equal(scale[0], np.abs(w).max(axis=0) * np.float32(1 / 127))
     assert np.abs(q).max() == 127 and (q[:, 4] == 0).all() and scale[0, 4] == 0  # a zero channel stays zero
     assert (np.abs(q * scale - w) <= scale / 2 + 1e-7).all()  # half a step per channel, at most
     conv = rng.standard_normal((3, 3, 4, 8)).astype(np.float32)  # (kh, kw, in, out)
     assert quantise_int8(conv)[1].shape == (1, 1, 1, 8)
+
+
+def test_quantise_int8_is_the_torch_references_rule_bit_for_bit():
+    """The device program (here XLA's CPU) and the independent torch rule give the same weights."""
+    import torch
+
+    from tests._support.int8_reference import quantise_dequantise
+
+    w = (np.random.default_rng(1).standard_normal((960, 800)) * 0.05).astype(np.float32)  # torch's (out, in)
+    q, scale = quantise_int8(w.T)  # (in, out)
+    theirs = quantise_dequantise(torch.from_numpy(w)).numpy()
+    np.testing.assert_array_equal(np.asarray(q, np.float32) * np.asarray(scale), theirs.T)
 
 
 def test_an_int8_weight_stacks_along_a_leading_axis():

@@ -48,7 +48,7 @@ convert and the scale into the gather's kernel, which computes them for the gath
 widened table is written (the H200 HLO, tests/models/test_storage.py), so the stored rows are not
 gathered first by hand.
 ``weights_dtype="int8"`` stores the same layers (the same skip rules, ``weights_layers`` alike) as
-int8 values with one float32 scale per output channel, made on the host as each tensor is read
+int8 values with one float32 scale per output channel, made on the device as each tensor is placed
 (``quantised.quantise_int8``: symmetric, ``scale = max|w| / 127``), a ``Quantised`` like a scaled fp8
 file's per-channel weight, so it takes that weight's path: a Linear's or 1x1 Conv's product is done
 on the int8 values converted to the compute dtype inside the GEMM's operand read (exact: every int8

@@ -289,9 +289,9 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
     (``preheat.models.scaled_fp8``). A GGUF weight of a packed type (``X.weight_Q4_K``: each row's
     blocks, ``preheat.models.gguf_file``) is a Linear's ``X.weight``, always placed as its blocks
     (``quantised.Packed``, unpacked at use): no plan's dtype is smaller.
-    A float weight planned int8 (``weights_dtype="int8"``) is quantised on the host as it is read,
-    per output channel (``quantised.quantise_int8``), and placed as a ``Quantised`` of its int8
-    values and float32 scales: the product is done on the int8 values, the scale on its output.
+    A float weight planned int8 (``weights_dtype="int8"``) is placed as stored, then quantised there
+    per output channel (``quantised.quantise_int8``, a program on the device) into a ``Quantised`` of
+    its int8 values and float32 scales: the product is done on the int8 values, the scale on its output.
     """
     options = options or DEFAULT_OPTIONS
     stored = (lambda k: (_meta(tensors, k) or ((), None))[1]) if low is not None else None  # noqa: E731
@@ -466,11 +466,9 @@ def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], so
             scale = scale_of(tensors, key, kept[key])
             value = Quantised(values, jax.device_put(to_jax_layout(scale, leaf)))
             nbytes += scale.nbytes
-        elif key in made:  # float -> int8 values and a float32 scale per output channel, on the host, once
-            host = np.asarray(tensors[key])
-            values, scale = quantise_int8(to_jax_layout(host, leaf))  # (..., out) int8, (1, ..., 1, out) float32
-            value = Quantised(jax.device_put(values), jax.device_put(scale))
-            nbytes = host.nbytes
+        elif key in made:  # placed as stored, then int8 values and a float32 scale per output channel, once
+            stored, nbytes = _place(tensors, key, leaf, _meta(tensors, key)[1], scratch)
+            value = Quantised(*quantise_int8(stored))  # (..., out) int8, (1, ..., 1, out) float32, on the device
         elif scales and key in scales:  # fp8 times its scale, then the planned dtype (preheat.models.scaled_fp8)
             host = dequantise(tensors, key, scales[key]).astype(want)
             value = jax.device_put(to_jax_layout(host, leaf), donate=True)
