@@ -156,3 +156,27 @@ def test_a_full_size_flux_dev_in_int8_places_about_its_fp8_bytes():
         int8 = placed_bytes(abstract, jnp.bfloat16, INT8, extra, weights_layers=layers)
         print(f"FLUX.1-dev transformer {layers}: fp8 {fp8 / 1e9:.3f} GB, int8 {int8 / 1e9:.3f} GB")
         assert fp8 < int8 < fp8 * 1.002  # FLUX.1-dev: 12 MB of scales
+
+
+def test_int8_survives_the_compile_cache_prefetch_and_a_mesh(folders, pipes, tmp_path, monkeypatch):
+    """A prefetching load's placeholders are (int8 values, float32 scales) shapes, so the executable the
+    first load compiled is the one the second fetches while the weights are read and quantised; on two
+    devices (the suite's fake CPU ones) each holds the values and the scales, and draws the one-device
+    image."""
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "home"))
+    call = dict(prompt=CALLS["flux"]["prompt"], noise=_noise(), steps=3, guidance=CALLS["flux"]["guidance"],
+                sampler="flow_euler", width=32, height=32)
+    shapes = {k: v for k, v in call.items() if k not in ("prompt", "noise")}
+    images = []
+    for _ in range(2):
+        pipe = preheat.load(folders["flux"], weights_dtype=INT8, prefetch=[{"n": 1, **shapes}])
+        images.append(pipe.generate(**call))
+    assert pipe.last.cache_layer == "aot"
+    np.testing.assert_array_equal(images[0], images[1])
+    np.testing.assert_array_equal(images[0], _ours(pipes, "flux", INT8))
+    two = preheat.load(folders["flux"], cache="off", weights_dtype=INT8, devices=2)
+    from flax import nnx
+
+    q = next(v.get_value() for _, v in nnx.to_flat_state(two.params) if isinstance(v.get_value(), Quantised))
+    assert len(q.values.sharding.device_set) == len(q.scale.sharding.device_set) == 2
+    assert mean_abs_px(two.generate(**call), images[0]) <= 0.01
