@@ -183,14 +183,15 @@ def test_int8_survives_the_compile_cache_prefetch_and_a_mesh(folders, pipes, tmp
 
 
 def _v5e():
-    """One v5e chip described to the compiler (deviceless: libtpu compiles here, nothing runs), or a skip."""
-    from jax.experimental import topologies
+    """One v5e chip's compile-only device (``preheat warm --target v5e``'s: libtpu compiles here,
+    nothing runs), or a skip where this machine has no libtpu."""
+    from preheat.cache.targets import resolve_target, target_device
+    from preheat.errors import TargetError
 
     try:
-        return topologies.get_topology_desc("v5e:1x1", platform="tpu", chips_per_host_bounds=(1, 1, 1),
-                                            num_slices=1).devices[0]
-    except Exception as exc:  # no libtpu on this machine, or one that cannot describe a v5e
-        pytest.skip(f"no deviceless v5e compiler here: {str(exc).splitlines()[0][:120] if str(exc) else exc!r}")
+        return target_device(resolve_target("v5e"))
+    except TargetError as exc:
+        pytest.skip(str(exc))
 
 
 def test_on_a_v5e_the_int8_product_is_one_fusion_reading_the_int8_weight():
