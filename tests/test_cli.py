@@ -116,9 +116,10 @@ def test_a_bad_argument_exits_the_real_process_with_one_line_and_no_file(model, 
     assert not (tmp_path / "s.png").exists()
 
 
-def test_sample_stores_the_weights_in_fp8(model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("weights_dtype", ["float8_e4m3fn", "int8"])
+def test_sample_stores_the_weights_in_8_bits(model, tmp_path, monkeypatch, weights_dtype):
     out, report = tmp_path / "s.png", tmp_path / "r.json"
-    r = preheat_here("sample", model, "--n", 2, "--steps", 2, "--weights-dtype", "float8_e4m3fn", "--out", out,
+    r = preheat_here("sample", model, "--n", 2, "--steps", 2, "--weights-dtype", weights_dtype, "--out", out,
                      "--report", report, home=tmp_path / "home", monkeypatch=monkeypatch)
     assert r.returncode == 0, r.stderr
     assert out.is_file() and json.loads(report.read_text())

@@ -541,7 +541,9 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     ``cache``: "full" (default), "xla" or "off"; see :func:`make_compiler`.
     ``weights_dtype``: "float8_e4m3fn" keeps the denoiser's weights in fp8 on the device (the
     layers diffusers' ``enable_layerwise_casting`` casts), upcast to ``dtype`` where they are
-    used, inside the compiled program (``preheat.models.storage``); None: the denoiser's layers a
+    used, inside the compiled program (``preheat.models.storage``); "int8" keeps the same layers as
+    int8 with a float32 scale per output channel, quantised once as they are read, the products
+    done on the int8 values and scaled on their output; None: the denoiser's layers a
     checkpoint stores in fp8 stay fp8 (a scaled fp8 file's beside their scales), the rest in ``dtype``.
     ``weights_layers``: "linear" stores the Linear layers inside norm modules (AdaLN modulation) in
     fp8 too (FLUX.1-dev: 0.51x of bf16, against 0.64x for diffusers' set).

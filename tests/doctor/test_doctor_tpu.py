@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests._support.doctor_fixtures import JAX_CPU, check
+from tests._support.script_modules import load_script
 from tests._support.tpu_fixtures import IN_USE, JAX_TPU, LOCKFILE_ERROR, weights_folder
 
 TPU_IDS = ["accelerator", "jax", "torch", "tpu_hugepages", "tpu_memory", "storage_cache", "storage_hf", "cache_health"]
@@ -178,14 +179,27 @@ def test_model_that_does_not_fit_names_the_option_that_does(machine):
     assert code == 1
 
 
-def test_model_fit_at_bfloat16_suggests_fp8_weights_then_offloading(machine):
+def test_model_fit_at_bfloat16_suggests_int8_weights_on_a_tpu(machine):
     model = _small_chip(machine, 420_000)
     _, rep = machine.run("--model", str(model), "--dtype", "bfloat16")
-    assert check(rep, "model_fit")["fix"] == "load with --dtype bfloat16 --weights-dtype float8_e4m3fn (0.3 MiB, about 73%)"
+    assert check(rep, "model_fit")["fix"] == "load with --dtype bfloat16 --weights-dtype int8 (0.3 MiB, about 73%)"
     model2 = weights_folder(machine.root / "model2")
     _, rep = machine.run("--model", str(model2), "--dtype", "bfloat16", "--weights-dtype", "float8_e4m3fn")
     fit = check(rep, "model_fit")
     assert fit["status"] == "ok" and fit["finding"].endswith(": 73% of the 0.4 MiB HBM of one TPU chip")
+
+
+def test_model_fit_prints_the_plan_and_counts_offloaded_encoders_while_encoding(machine):
+    model = _small_chip(machine, 400_000)
+    code, rep = machine.run("--model", str(model), "--dtype", "bfloat16", "--offload-encoders")
+    fit = check(rep, "model_fit")
+    assert fit["status"] == "fail" and code == 1  # offloading lowers the resting weights, not the encode stage's
+    assert fit["finding"].endswith("and text_encoder 0.1 MiB moved in while prompts are encoded: 0.4 MiB, 0.0 MiB more "
+                                   "than the 0.4 MiB HBM of one TPU chip")
+    assert fit["fix"] == ("load with --dtype bfloat16 --weights-dtype int8 and preheat.load(..., offload_encoders=True) "
+                          "(0.2 MiB, about 44%; 0.3 MiB while prompts are encoded)")
+    plan = fit["details"]["plan"]
+    assert plan[1].split()[:4] == ["text_encoder", "host", "->", "device"] and plan[-1].startswith("encoding: 0.4 MiB")
 
 
 def test_model_nearly_filling_the_chip_warns(machine):
@@ -231,3 +245,18 @@ def test_a_libtpu_given_by_tpu_library_path_counts(machine, monkeypatch):
     _, rep = machine.run()
     assert check(rep, "jax")["finding"].startswith(f"jax 0.10.2 / jaxlib 0.10.2 + libtpu from TPU_LIBRARY_PATH={lib}: "
                                                    "backend tpu")
+
+
+def test_flux_dev_on_a_v5e_fits_while_denoising_and_says_the_encoders_do_not(machine, tmp_path):
+    """FLUX.1-dev's published sizes (scripts/flux_memory_plan.py's header-only folder) on the recorded chip."""
+    script = load_script("flux_memory_plan")
+    script.write_flux_dev(tmp_path)
+    machine.tpu()
+    code, rep = machine.run("--model", str(tmp_path), "--dtype", "bfloat16")
+    fit = check(rep, "model_fit")
+    assert fit["status"] == "fail" and code == 1
+    assert fit["fix"].startswith("with --dtype bfloat16 --weights-dtype int8 --weights-layers linear and "
+                                 "preheat.load(..., offload_encoders=True) the weights fit while denoising (11.41 GiB, "
+                                 "about 72%), but not while prompts are encoded (20.50 GiB): the text encoders must run "
+                                 "off this device (not yet in preheat), or shard")
+    assert fit["details"]["plan"][0].split()[:4] == ["transformer", "device", "bfloat16", "22.17"]

@@ -8,7 +8,8 @@ from safetensors.numpy import save_file
 
 from preheat.errors import ModelError, ModelNotFoundError
 from preheat.models import footprint
-from preheat.models.footprint import check_fits, weight_footprint
+from preheat.models.footprint import check_fits, fitting, weight_footprint
+from tests._support.script_modules import load_script
 from tests._support.tpu_fixtures import weights_folder
 
 
@@ -49,8 +50,8 @@ def test_check_fits_refuses_in_one_line_and_is_quiet_when_it_cannot_tell(folder)
     kw = dict(dtype="float32", variant=None, weights_dtype=None, offload_encoders=False)
     with pytest.raises(ModelError) as err:
         check_fits(folder, devices=[_Device(600_000)], **kw)
-    assert str(err.value) == (f"{folder}: its weights take 0.7 MiB at --dtype float32, more than the 0.6 MiB the device "
-                              f"holds; `preheat doctor --model {folder} --dtype float32` says which options fit")
+    assert str(err.value) == (f"{folder}: its weights take 0.7 MiB at --dtype float32, 0.2 MiB more than the 0.6 MiB "
+                              "the device holds; --dtype bfloat16 would take 0.4 MiB")
     check_fits(folder, devices=[_Device(800_000)], **kw)  # fits
     check_fits(folder, devices=[_Device(None)], **kw)  # the CPU: no memory stats
     check_fits(folder, devices=[_Device(600_000)], fsdp=2, **kw)  # half each
@@ -75,3 +76,61 @@ def test_linear_weights_layers_store_norm_modules_linears_low_too(tmp_path):
     kw = dict(weights_dtype="float8_e4m3fn")
     assert weight_footprint(tmp_path / "t", "bfloat16", **kw).total == 2 * 4096  # AdaLN's Linear: kept in dtype
     assert weight_footprint(tmp_path / "t", "bfloat16", weights_layers="linear", **kw).total == 4096
+
+
+def test_int8_weights_take_a_byte_and_a_scale_per_output_channel(folder):
+    """The unet's inner proj_in (256x256) and conv (64x64x3x3) are stored low; its top-level proj_in,
+    norm and F8_E4M3 weight are not changed by it."""
+    fp8 = weight_footprint(folder, "bfloat16", weights_dtype="float8_e4m3fn")
+    int8 = weight_footprint(folder, "bfloat16", weights_dtype="int8")
+    assert int8.parts["unet"] == fp8.parts["unet"] + 4 * (256 + 64)
+    assert int8.dtypes == {"unet": "int8 + bfloat16", "vae": "float32 (force_upcast)"}
+    with pytest.raises(ModelError, match="weights_dtype 'int4'"):
+        weight_footprint(folder, "bfloat16", weights_dtype="int4")
+
+
+def test_offloaded_encoders_count_while_prompts_are_encoded(folder):
+    off = weight_footprint(folder, "bfloat16", offload_encoders=True)
+    assert off.peak == off.total + 128616 == weight_footprint(folder, "bfloat16").total
+    assert off.fits(off.peak) and not off.fits(off.peak - 1)  # the encode stage must fit
+    assert not off.fits(off.total + 1) and not weight_footprint(folder, "bfloat16").fits(off.peak)  # 75% at rest
+    plan = off.plan(400_000, "one TPU chip")
+    assert plan[0].split() == ["unet", "device", "bfloat16", "0.2", "MiB"]
+    assert plan[1].split()[:5] == ["text_encoder", "host", "->", "device", "bfloat16"]
+    assert plan[1].endswith("(while prompts are encoded)")
+    assert plan[-2].startswith("denoising: 0.3 MiB on one TPU chip of 0.4 MiB (70%): 0.1 MiB left")
+    assert plan[-1] == "encoding: 0.4 MiB on one TPU chip (102%): 0.0 MiB more than it holds"
+    with pytest.raises(ModelError, match="while prompts are encoded at --dtype bfloat16 and preheat.load"):
+        check_fits(folder, dtype="bfloat16", variant=None, weights_dtype=None, offload_encoders=True,
+                   devices=[_Device(400_000)])
+
+
+def test_fitting_names_the_first_option_that_fits(folder):
+    kw = dict(dtype="float32")
+    assert fitting(folder, 600_000, **kw).options() == "--dtype bfloat16"
+    assert fitting(folder, 420_000, **kw).options() == "--dtype bfloat16 --weights-dtype int8"
+    assert fitting(folder, 420_000, prefer="float8_e4m3fn", **kw).options() == "--dtype bfloat16 --weights-dtype float8_e4m3fn"
+    assert fitting(folder, 100_000, **kw) is None
+
+
+def test_flux_dev_on_one_v5e_chip_fits_while_denoising_only(tmp_path):
+    """scripts/flux_memory_plan.py's folder (the published configs' real headers, no data): docs/tpu.md's
+    plan. The int8 transformer with every Linear in 8 bits rests in 72% of the chip, but T5-XXL moved in
+    beside it for the encode stage is 4.76 GiB too many: no single-chip load option fits yet."""
+    script = load_script("flux_memory_plan")
+    params = script.write_flux_dev(tmp_path)
+    assert {k: round(v / 1e6) for k, v in params.items()} == {
+        "transformer": 11901, "text_encoder_2": 4762, "text_encoder": 123, "vae": 84}  # the published sizes
+    kw = dict(weights_layers="linear", offload_encoders=True)
+    int8 = weight_footprint(tmp_path, "bfloat16", weights_dtype="int8", **kw)
+    fp8 = weight_footprint(tmp_path, "bfloat16", weights_dtype="float8_e4m3fn", **kw)
+    assert 0 < int8.parts["transformer"] - fp8.parts["transformer"] < 16 << 20  # the per-channel scales
+    assert int8.fits(script.HBM, encoding=False) and not int8.fits(script.HBM)
+    assert 0.71 < int8.total / script.HBM < 0.73 and 4.7 < (int8.peak - script.HBM) / 2**30 < 4.8
+    assert fitting(tmp_path, script.HBM, dtype="bfloat16") is None
+    assert fitting(tmp_path, script.HBM, dtype="bfloat16", encoding=False).options() == int8.options()
+    with pytest.raises(ModelError, match=r"20\.50 GiB while prompts are encoded at --dtype bfloat16 --weights-dtype "
+                                         r"int8 --weights-layers linear and preheat.load\(..., offload_encoders=True\), "
+                                         r"4\.76 GiB more than the 15\.75 GiB the device holds; --dtype .* fits while "
+                                         r"denoising \(11\.41 GiB\), but no option fits the encode stage"):
+        check_fits(tmp_path, dtype="bfloat16", variant=None, weights_dtype="int8", devices=[_Device(script.HBM)], **kw)

@@ -8,7 +8,7 @@ import click
 
 from preheat.cli._support import one_line_errors
 
-from preheat.doctor.checks.model_fit import DTYPES, FP8
+from preheat.doctor.checks.model_fit import DTYPES, WEIGHTS_DTYPES
 from preheat.doctor.context import ModelRequest
 from preheat.doctor.render import _render
 from preheat.doctor.report import run_checks
@@ -26,13 +26,16 @@ __all__ = ["doctor_command"]
 @click.option("--model", metavar="MODEL", help="Also check that MODEL's weights (a folder, or a pulled source) fit one "
                                                "device at --dtype, from their safetensors headers (nothing is read).")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES), help="With --model: the dtype it loads in.")
-@click.option("--weights-dtype", metavar="DTYPE", type=click.Choice([FP8]), help="With --model: fp8 denoiser weights.")
+@click.option("--weights-dtype", type=click.Choice(WEIGHTS_DTYPES),
+              help="With --model: 8-bit denoiser weights (int8 with per-channel scales, or fp8).")
+@click.option("--weights-layers", type=click.Choice(["layerwise", "linear"]), default="layerwise", show_default=True,
+              help="With --weights-dtype: diffusers' layerwise-casting layers, or every Linear (AdaLN modulation too).")
 @click.option("--variant", help="With --model: weight files *.VARIANT.safetensors (e.g. fp16).")
 @click.option("--offload-encoders", is_flag=True, help="With --model: text encoders kept in host memory (preheat.load's offload_encoders).")
 @click.pass_context
 def doctor_command(ctx: click.Context, as_json: bool, require_gpu: bool, save_target_path: str | None,
-                   model: str | None, dtype: str, weights_dtype: str | None, variant: str | None,
-                   offload_encoders: bool) -> None:
+                   model: str | None, dtype: str, weights_dtype: str | None, weights_layers: str,
+                   variant: str | None, offload_encoders: bool) -> None:
     """Say what is wrong with this machine's GPU or TPU / JAX / torch / cache setup, and the exact fix.
 
     Exit status: 0 when no check fails, 1 when one does (or, with --require-gpu, when JAX is not
@@ -41,7 +44,7 @@ def doctor_command(ctx: click.Context, as_json: bool, require_gpu: bool, save_ta
     if save_target_path is not None:
         _save_target(save_target_path)
         return
-    request = ModelRequest(model, dtype, weights_dtype, variant, offload_encoders) if model else None
+    request = ModelRequest(model, dtype, weights_dtype, variant, offload_encoders, weights_layers) if model else None
     try:
         report = run_checks(require_gpu=require_gpu, model=request)
     except Exception as exc:  # run_checks should not raise; never show a traceback anyway

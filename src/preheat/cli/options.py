@@ -113,7 +113,8 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES),
                      help="The denoiser's dtype."),
         click.option("--weights-dtype", metavar="DTYPE",
-                     help="Store the denoiser's weights in DTYPE (float8_e4m3fn), upcast to --dtype at use "
+                     help="Store the denoiser's weights in DTYPE (int8 with per-channel scales, or float8_e4m3fn), "
+                          "upcast to --dtype at use "
                           "(JAX backend; default: all in --dtype)."),
         click.option("--weights-layers", type=click.Choice(["layerwise", "linear"]), default="layerwise",
                      show_default=True, help="With --weights-dtype: diffusers' layerwise-casting layers, or every "

@@ -39,6 +39,7 @@ class ModelRequest:
     weights_dtype: str | None = None
     variant: str | None = None
     offload_encoders: bool = False
+    weights_layers: str = "layerwise"
 
 
 class Context:

@@ -24,6 +24,11 @@ def _render(report: Report) -> None:
     for c in report.checks:
         table.add_row(Text(c.title), Text(c.status.upper(), style=_STYLE[c.status]), Text(c.finding))
     console.print(table)
+    for c in report.checks:  # doctor --model: what goes where (models.footprint.Footprint.plan)
+        if c.details and c.details.get("plan"):
+            console.print(Text(f"Memory plan of {c.details.get('model')}:", style="bold"))
+            for line in c.details["plan"]:
+                console.print(Text(f"  {line}"), soft_wrap=True)
     todo = [c for c in report.checks if c.status != OK and c.fix]
     if todo:
         console.print(Text("How to fix:", style="bold"))

@@ -8,13 +8,27 @@ each tensor's shape and stored dtype; the load rules give the dtype it is placed
     denoiser (unet, transformer)  ``dtype``; a tensor stored in fp8 stays fp8; with ``weights_dtype``
                                   the Linear/Conv/Embedding weights diffusers' layerwise casting
                                   names (``preheat.models.storage``) in that dtype -- an estimate:
-                                  a model's own extra skip patterns are not read
-    text encoders                 ``dtype``; none with ``offload_encoders`` (host memory until they run)
+                                  a model's own extra skip patterns are not read; ``int8`` adds a
+                                  float32 scale per output channel (a lower bound: a 2-D tensor's
+                                  smaller axis, as the header does not say Linear from Embedding)
+    text encoders                 ``dtype``; with ``offload_encoders`` in host memory, and on the
+                                  device beside everything else while prompts are encoded (the
+                                  encode stage takes their weights as arguments: ``offloaded``)
     vae                           float32 when its config says ``force_upcast`` and ``dtype`` is half
     integer tensors               as stored
     anything else                 not counted (a safety checker, an image encoder: no family loads them)
 
 So the figure never exceeds what a load places: the refusal it backs cannot refuse a model that fits.
+
+Two figures matter, and ``plan`` prints both, a line per component (what goes where, at which dtype):
+
+    denoising  ``total``: what stays on the device (the denoiser, the VAE, encoders not offloaded);
+               it should leave room for activations and programs (``ROOM``)
+    encoding   ``peak``: that plus the offloaded encoders, moved in for the encode stage; it must fit
+
+``offload_encoders`` lowers the first, never the second: FLUX.1-dev's T5-XXL (8.9 GiB in bfloat16)
+beside its int8 transformer (11.1 GiB) does not fit a 15.75 GiB chip while prompts are encoded
+(docs/tpu.md). ``fitting`` names the first load option, cheapest to quality first, that fits.
 
 Nothing here imports JAX at import time: ``preheat doctor --model`` reads it in-process;
 ``check_fits`` is the load's one-line refusal (it asks JAX for the devices only when not given them).
@@ -32,13 +46,15 @@ import numpy as np
 from preheat.errors import ModelError, PreheatError
 from preheat.models.safetensors_files import read_header, read_json, weight_files
 
-__all__ = ["Footprint", "weight_footprint", "check_fits", "gib"]
+__all__ = ["Footprint", "weight_footprint", "check_fits", "fitting", "gib", "ROOM", "WEIGHTS_DTYPES"]
 
 DENOISERS = ("unet", "transformer")
 _SKIP = re.compile(r"pos_embed|patch_embed|norm")  # storage.DEFAULT_SKIP, less the anchored two below
 _SKIP_LINEAR = re.compile(r"pos_embed|patch_embed")  # weights_layers="linear": norm modules' Linears too
 _SKIP_TOP = ("proj_in", "proj_out")
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
+WEIGHTS_DTYPES = ("int8", "float8_e4m3fn")  # storage.WEIGHTS_DTYPES, without importing JAX
+ROOM = 0.75  # weights above this share leave little for activations (SDXL 1024² in float32: 82% of a v5e chip)
 
 
 def gib(n: float) -> str:
@@ -56,16 +72,50 @@ class Footprint:
     offload_encoders: bool
     parts: dict[str, int] = field(default_factory=dict)
     offloaded: dict[str, int] = field(default_factory=dict)  # encoders kept in host memory
+    weights_layers: str = "layerwise"
+    dtypes: dict[str, str] = field(default_factory=dict)  # component -> its dtype in words ("int8 + bfloat16")
 
     @property
     def total(self) -> int:
+        """Bytes on the device while denoising (and at rest)."""
         return sum(self.parts.values())
+
+    @property
+    def peak(self) -> int:
+        """Bytes on the device while prompts are encoded: the offloaded encoders are moved in too."""
+        return self.total + sum(self.offloaded.values())
+
+    def fits(self, limit: int, encoding: bool = True) -> bool:
+        """Whether this load fits ``limit`` bytes with room: its resting weights within ``ROOM`` of
+        it (activations, programs), its encode stage's within it (``encoding=False``: the first alone)."""
+        return self.total <= ROOM * limit and (self.peak <= limit or not encoding)
 
     def options(self) -> str:
         """The load options this footprint is for, as the CLI spells them."""
         out = f"--dtype {self.dtype}"
         out += f" --weights-dtype {self.weights_dtype}" if self.weights_dtype else ""
+        out += " --weights-layers linear" if self.weights_dtype and self.weights_layers == "linear" else ""
         return out + (" and preheat.load(..., offload_encoders=True)" if self.offload_encoders else "")
+
+    def plan(self, limit: int | None = None, what: str = "the device") -> list[str]:
+        """What goes where: a line per component (where, dtype, bytes), then the denoising and
+        encoding figures against ``limit`` (``what`` names it: "one TPU chip")."""
+        rows = [(name, "device", n, "") for name, n in self.parts.items()]
+        rows += [(name, "host -> device", n, "while prompts are encoded") for name, n in self.offloaded.items()]
+        rows.sort(key=lambda r: -r[2])
+        width = max((len(r[0]) for r in rows), default=0)
+        lines = [f"{name:<{width}}  {where:<14}  {self.dtypes.get(name, self.dtype):<24}  {gib(n):>10}"
+                 + (f"  ({note})" if note else "") for name, where, n, note in rows]
+        if not limit:
+            return lines + [f"on {what}: {gib(self.total)} (no memory figure to compare with)"]
+        room = f"{gib(limit - self.total)} left for activations and programs" if self.total <= limit else \
+            f"{gib(self.total - limit)} more than {what} holds"
+        lines.append(f"denoising: {gib(self.total)} on {what} of {gib(limit)} ({self.total / limit:.0%}): {room}")
+        if self.offloaded:
+            over = self.peak - limit
+            lines.append(f"encoding: {gib(self.peak)} on {what} ({self.peak / limit:.0%}): "
+                         + (f"{gib(over)} more than it holds" if over > 0 else "fits"))
+        return lines
 
 
 def _layerwise(key: str, shape: tuple[int, ...], linear: bool = False) -> bool:
@@ -76,7 +126,9 @@ def _layerwise(key: str, shape: tuple[int, ...], linear: bool = False) -> bool:
     return not (_SKIP_LINEAR if linear else _SKIP).search(module) and module not in _SKIP_TOP
 
 
-def _component_bytes(folder: Path, variant: str | None, itemsize: int, low: int | None, linear: bool = False) -> int:
+def _component_bytes(folder: Path, variant: str | None, itemsize: int, low: int | None, linear: bool = False,
+                     scaled: bool = False) -> int:
+    """``scaled``: each ``low`` weight adds a float32 scale per output channel (int8)."""
     total = 0
     for path in weight_files(folder, variant=variant):
         for key, info in read_header(path).items():
@@ -88,6 +140,8 @@ def _component_bytes(folder: Path, variant: str | None, itemsize: int, low: int 
                 total += n  # stored fp8 stays fp8
             elif low is not None and _layerwise(key, info.shape, linear):
                 total += n * low
+                if scaled:  # a conv's (out, in, kh, kw): out; a 2-D one: its smaller axis, a lower bound
+                    total += 4 * (info.shape[0] if len(info.shape) != 2 else min(info.shape))
             else:
                 total += n * itemsize
     return total
@@ -110,11 +164,17 @@ def weight_footprint(root: str | Path, dtype: str = "float32", *, variant: str |
     if dtype not in _ITEMSIZE:
         raise ModelError(f"dtype {dtype!r} is not one of {', '.join(k for k in _ITEMSIZE if 'float8' not in k)}")
     size = _ITEMSIZE[dtype]
+    if weights_dtype is not None and weights_dtype not in WEIGHTS_DTYPES:
+        raise ModelError(f"weights_dtype {weights_dtype!r} is not one of {', '.join(WEIGHTS_DTYPES)}")
     low = _ITEMSIZE.get(weights_dtype) if weights_dtype else None
     linear = weights_layers == "linear"
-    fp = Footprint(root, dtype, weights_dtype, offload_encoders)
+    scaled = weights_dtype == "int8"
+    fp = Footprint(root, dtype, weights_dtype, offload_encoders, weights_layers=weights_layers)
+    low_words = f"{weights_dtype} + {dtype}" if weights_dtype else dtype
     if not (root / "model_index.json").is_file():  # a bare model folder: the denoiser alone
-        fp.parts[root.name or "model"] = _component_bytes(root, variant, size, low, linear)
+        name = root.name or "model"
+        fp.parts[name] = _component_bytes(root, variant, size, low, linear, scaled)
+        fp.dtypes[name] = low_words
         return fp
     index = read_json(root / "model_index.json", "pipeline index")
     for name, entry in index.items():
@@ -123,11 +183,44 @@ def weight_footprint(root: str | Path, dtype: str = "float32", *, variant: str |
         if name not in DENOISERS and name != "vae" and not name.startswith("text_encoder"):
             continue  # what the families do not load (safety_checker, image_encoder, ...): never counted
         if name == "vae":
-            n = _component_bytes(root / name, variant, 4 if size < 4 and _vae_upcast(root / name) else size, None)
+            upcast = size < 4 and _vae_upcast(root / name)
+            n = _component_bytes(root / name, variant, 4 if upcast else size, None)
+            fp.dtypes[name] = "float32 (force_upcast)" if upcast else dtype
+        elif name in DENOISERS:
+            n = _component_bytes(root / name, variant, size, low, linear, scaled)
+            fp.dtypes[name] = low_words
         else:
-            n = _component_bytes(root / name, variant, size, low if name in DENOISERS else None, linear)
+            n = _component_bytes(root / name, variant, size, None)
         (fp.offloaded if offload_encoders and name.startswith("text_encoder") else fp.parts)[name] = n
     return fp
+
+
+def fitting(root: str | Path, limit: int, *, dtype: str, variant: str | None = None, weights_dtype: str | None = None,
+            weights_layers: str = "layerwise", offload_encoders: bool = False,
+            prefer: str = "int8", encoding: bool = True) -> Footprint | None:
+    """The first load option, cheapest to quality first, whose footprint ``fits`` ``limit``, other
+    than the one asked for; None when none does. The order: bfloat16 (from float32); 8-bit denoiser
+    weights (``prefer`` first: int8 on a TPU, whose matrix unit has int8 and no fp8); every Linear in
+    8 bits (AdaLN modulation too: ``--weights-layers linear``); text encoders offloaded.
+    ``encoding=False``: the first that fits while denoising, whether or not its encode stage does
+    (what a model needs beyond it is then its text encoders off the device)."""
+    half = dtype if dtype != "float32" else "bfloat16"
+    eights = [prefer, *(d for d in WEIGHTS_DTYPES if d != prefer)] if weights_dtype is None else [weights_dtype]
+    tries = [(half, weights_dtype, weights_layers, offload_encoders)]
+    tries += [(half, wd, "layerwise", offload_encoders) for wd in eights]
+    tries += [(half, wd, "linear", offload_encoders) for wd in eights]
+    tries += [(dt, wd, wl, True) for dt, wd, wl, _ in tries]
+    asked = (dtype, weights_dtype, weights_layers, offload_encoders)
+    seen = {asked}
+    for option in tries:
+        if option in seen:
+            continue
+        seen.add(option)
+        dt, wd, wl, off = option
+        fp = weight_footprint(root, dt, variant=variant, weights_dtype=wd, weights_layers=wl, offload_encoders=off)
+        if fp.fits(limit, encoding) and (not off or fp.offloaded):
+            return fp
+    return None
 
 
 def _device_limit(device: Any) -> int | None:
@@ -159,8 +252,29 @@ def check_fits(root: Path, *, dtype: Any, variant: str | None, weights_dtype: st
                               offload_encoders=offload_encoders)
     except (PreheatError, TypeError):
         return
-    need, have = fp.total // max(fsdp, 1), min(limits)
+    need, have = fp.peak // max(fsdp, 1), min(limits)
     if need > have:
         per = f" each of {fsdp} devices" if fsdp > 1 else " the device"
-        raise ModelError(f"{root}: its weights take {gib(need)} at {fp.options()}, more than the {gib(have)}{per} "
-                         f"holds; `preheat doctor --model {root} --dtype {fp.dtype}` says which options fit")
+        when = " while prompts are encoded" if fp.peak > fp.total and fp.total // max(fsdp, 1) <= have else ""
+        try:
+            alt = fitting(root, have * max(fsdp, 1), dtype=fp.dtype, variant=variant, weights_dtype=weights_dtype,
+                          weights_layers=weights_layers, offload_encoders=offload_encoders, prefer=_prefer(devices))
+        except PreheatError:
+            alt = None
+        fix = (f"{alt.options()} would take {gib(alt.peak // max(fsdp, 1))}" if alt else
+               f"no dtype or weights_dtype does (`preheat doctor --model {root}` prints the plan)")
+        rest = None if alt else fp if fp.fits(have * max(fsdp, 1), encoding=False) else fitting(
+            root, have * max(fsdp, 1), dtype=fp.dtype, variant=variant, weights_dtype=weights_dtype,
+            weights_layers=weights_layers, offload_encoders=offload_encoders, prefer=_prefer(devices), encoding=False)
+        if rest is not None:
+            fix = (f"{rest.options()} fits while denoising ({gib(rest.total // max(fsdp, 1))}), but no option "
+                   f"fits the encode stage: the text encoders must run off the device (not yet in preheat; "
+                   f"`preheat doctor --model {root}` prints the plan)")
+        raise ModelError(f"{root}: its weights take {gib(need)}{when} at {fp.options()}, {gib(need - have)} more than "
+                         f"the {gib(have)}{per} holds; {fix}")
+
+
+def _prefer(devices: Sequence[Any]) -> str:
+    """The 8-bit weights to suggest first: int8 on a TPU (int8 in its matrix unit, no fp8), else fp8."""
+    platform = getattr(devices[0], "platform", "") if devices else ""
+    return "int8" if platform == "tpu" else "float8_e4m3fn"

@@ -1,6 +1,7 @@
-"""fp8 weight storage: which layers of a denoiser are kept in fp8, and their upcast at use.
+"""8-bit weight storage: which layers of a denoiser are kept in fp8 or int8, and their upcast at use.
 
     preheat.load(model, weights_dtype="float8_e4m3fn")
+    preheat.load(model, weights_dtype="int8")     # int8 values, a float32 scale per output channel
 
 The layers are the ones diffusers' ``enable_layerwise_casting(storage_dtype=float8_e4m3fn)``
 casts, so a model stored here matches diffusers' own fp8 storage: every Linear, Conv and
@@ -46,6 +47,17 @@ An Embedding's table is expanded whole in the program's text, then gathered, but
 convert and the scale into the gather's kernel, which computes them for the gathered rows only: no
 widened table is written (the H200 HLO, tests/models/test_storage.py), so the stored rows are not
 gathered first by hand.
+``weights_dtype="int8"`` stores the same layers (the same skip rules, ``weights_layers`` alike) as
+int8 values with one float32 scale per output channel, made on the device as each tensor is placed
+(``quantised.quantise_int8``: symmetric, ``scale = max|w| / 127``), a ``Quantised`` like a scaled fp8
+file's per-channel weight, so it takes that weight's path: a Linear's or 1x1 Conv's product is done
+on the int8 values converted to the compute dtype inside the GEMM's operand read (exact: every int8
+is a bf16), the float32 accumulator scaled in its epilogue (``Quantised.product``); a kxk Conv's
+and an Embedding's are expanded to ``values * scale`` where used. It is weight-only: activations stay
+in the compute dtype, so the GEMM itself runs in bf16 and what int8 saves is HBM (1 byte a weight,
+read once a step). Why int8 beside fp8: a TPU v5e has int8 in its matrix unit and no fp8 arithmetic
+(its fp8 weights are converted by the VPU), and per-channel scales keep more of a weight than fp8's
+3-bit mantissa (int8's error is at most half a step of ``max|w| / 127`` in each channel).
 Every other path (placement on a mesh, compile keys, placeholders for prefetch) sees its two
 arrays as it sees any leaves. A GGUF weight of a packed type (Q4_0 ... Q6_K, IQ4_NL, IQ4_XS) is one
 ``quantised.Packed`` value, the file's blocks as bytes, which ``upcast`` unpacks in the same place
@@ -63,12 +75,12 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError, ModelFormatError
 from preheat.models.conv import fp8_1x1_impl
-from preheat.models.quantised import FLOAT8, Packed, Quantised, is_low, is_quantised, refusal
+from preheat.models.quantised import FLOAT8, INT8, Packed, Quantised, int8_scale_shape, is_low, is_quantised, refusal
 
 __all__ = ["WEIGHTS_DTYPES", "DEFAULT_SKIP", "layerwise", "upcast", "check_weights_dtype", "stored_low",
            "placed_bytes", "device_bytes"]
 
-WEIGHTS_DTYPES = (FLOAT8,)  # what weights_dtype= takes
+WEIGHTS_DTYPES = (FLOAT8, INT8)  # what weights_dtype= takes
 WEIGHTS_LAYERS = ("layerwise", "linear")  # diffusers' layerwise-casting set; every Linear/Conv/Embedding
 DEFAULT_SKIP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")  # diffusers' DEFAULT_SKIP_MODULES_PATTERN
 
@@ -209,6 +221,8 @@ def placed_bytes(abstract: Any, dtype: Any, weights_dtype: str | None = None, ex
     for path, var in nnx.to_flat_state(abstract):
         want = jnp.dtype(plan(torch_key(path)) if plan is not None else dtype)
         total += int(np.prod(var.shape, dtype=np.int64)) * want.itemsize
+        if want == np.int8:  # and a float32 scale per output channel (quantised.quantise_int8)
+            total += 4 * int(np.prod(int8_scale_shape(tuple(var.shape))))
     return total
 
 

@@ -43,7 +43,7 @@ from preheat.models.load_report import LoadReport, PeakWindow
 from preheat.models.load_report import record as record_load
 from preheat.models.ggml import LAYOUTS
 from preheat.models.gguf_file import packed_weights
-from preheat.models.quantised import FLOAT8, Packed, Quantised, holds, is_low
+from preheat.models.quantised import FLOAT8, Packed, Quantised, holds, int8_scale_shape, is_low, quantise_int8
 from preheat.models.safetensors_files import Checkpoint
 from preheat.models.scaled_fp8 import dequantise, ignored, scale_of, scale_shape, weight_scales
 
@@ -240,7 +240,8 @@ class LoadOptions:
     ``pending``: queue the reads there (``DeferredFills``) instead of reading at once: each leaf
     of the States ``fill`` returns holds a ``jax.ShapeDtypeStruct`` until ``pending.run()``.
     ``weights_dtype``: the storage dtype of the layers a denoiser's loader names (``fill``'s
-    ``low``), e.g. ``"float8_e4m3fn"``; upcast at use (``preheat.models.storage``). None: a
+    ``low``), ``"float8_e4m3fn"`` or ``"int8"`` (per-channel scales, made at load); upcast at use
+    (``preheat.models.storage``). None: a
     denoiser's layers the checkpoint stores in fp8 stay fp8 (a scaled fp8 file's with their
     scales), every other weight is placed in the compute dtype. Encoders and VAEs never pass
     ``low`` (their programs do not upcast), so it leaves them be.
@@ -288,6 +289,9 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
     (``preheat.models.scaled_fp8``). A GGUF weight of a packed type (``X.weight_Q4_K``: each row's
     blocks, ``preheat.models.gguf_file``) is a Linear's ``X.weight``, always placed as its blocks
     (``quantised.Packed``, unpacked at use): no plan's dtype is smaller.
+    A float weight planned int8 (``weights_dtype="int8"``) is placed as stored, then quantised there
+    per output channel (``quantised.quantise_int8``, a program on the device) into a ``Quantised`` of
+    its int8 values and float32 scales: the product is done on the int8 values, the scale on its output.
     """
     options = options or DEFAULT_OPTIONS
     stored = (lambda k: (_meta(tensors, k) or ((), None))[1]) if low is not None else None  # noqa: E731
@@ -302,6 +306,9 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
             if key in scales and _compact(want) and _compact(_meta(tensors, key)[1])}
     scale_shapes = {key: scale_shape(tensors, key, scales[key])  # checked before any tensor is read
                     for _, _, _, _, key, _ in plan if key in scales}
+    # quantised here, per output channel: a float weight planned int8 (weights_dtype="int8")
+    made = {key for _, _, _, _, key, want in plan
+            if want == np.int8 and key not in scales and key not in packed}
 
     def placeholder(var: Any, leaf: str, key: str, want: np.dtype) -> Any:
         if key in packed:  # (in / QK, BYTES, out): the kernel's layout, a block's bytes along axis 1
@@ -309,6 +316,9 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
             rows, width = var.shape
             return Packed(jax.ShapeDtypeStruct((rows // LAYOUTS[kind].qk, LAYOUTS[kind].nbytes, width), np.uint8),
                           kind)
+        if key in made:  # (..., out) int8 and (1, ..., 1, out) float32 scales
+            return Quantised(jax.ShapeDtypeStruct(tuple(var.shape), np.int8),
+                             jax.ShapeDtypeStruct(int8_scale_shape(tuple(var.shape)), np.float32))
         if key not in kept:
             return jax.ShapeDtypeStruct(tuple(var.shape), want)
         shape = scale_shapes[key]  # (): one float32 per tensor; else blocks, as stored, in the kernel's layout
@@ -325,7 +335,7 @@ def fill(abstract: nnx.State, tensors: Mapping[str, np.ndarray], dtype: Any, sou
         t0 = time.perf_counter()
         window = PeakWindow()
         try:
-            report = _stream(plan, holders, tensors, source, scales, kept, packed)
+            report = _stream(plan, holders, tensors, source, scales, kept, packed, made)
         finally:
             before, peak, after, exact = window.close()
         record_load(replace(report, seconds=time.perf_counter() - t0, rss_before=before, peak_rss=peak,
@@ -432,10 +442,11 @@ def _check(abstract: nnx.State, tensors: Mapping[str, Any], dtype: Any, source: 
 
 def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], source: str,
             scales: Mapping[str, str] | None = None, kept: Mapping[str, str] | None = None,
-            packed: Mapping[str, tuple[str, str]] | None = None) -> LoadReport:
+            packed: Mapping[str, tuple[str, str]] | None = None, made: Container[str] = ()) -> LoadReport:
     """Read, cast and place every planned tensor (file order), setting ``holders[i]``'s value.
     ``kept``: the scaled weights (fp8, Q8_0) placed as stored beside their scale; the rest of
-    ``scales`` are dequantised on the host. ``packed``: GGUF blocks, placed as they are."""
+    ``scales`` are dequantised on the host. ``packed``: GGUF blocks, placed as they are. ``made``:
+    float weights quantised to int8 here, per output channel, placed beside their scales."""
     lazy = isinstance(tensors, Checkpoint)
     packed = packed or {}
     if lazy:  # stream in file order (sequential reads; the OS reads ahead)
@@ -455,6 +466,9 @@ def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], so
             scale = scale_of(tensors, key, kept[key])
             value = Quantised(values, jax.device_put(to_jax_layout(scale, leaf)))
             nbytes += scale.nbytes
+        elif key in made:  # placed as stored, then int8 values and a float32 scale per output channel, once
+            stored, nbytes = _place(tensors, key, leaf, _meta(tensors, key)[1], scratch)
+            value = Quantised(*quantise_int8(stored))  # (..., out) int8, (1, ..., 1, out) float32, on the device
         elif scales and key in scales:  # fp8 times its scale, then the planned dtype (preheat.models.scaled_fp8)
             host = dequantise(tensors, key, scales[key]).astype(want)
             value = jax.device_put(to_jax_layout(host, leaf), donate=True)

@@ -61,7 +61,7 @@ class CoreConfig:
     dtype: str = "float32"
     variant: Optional[str] = None  # weight files *.VARIANT.safetensors
     cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off"
-    weights_dtype: Optional[str] = None  # jax: the denoiser's weights stored in this dtype (float8_e4m3fn)
+    weights_dtype: Optional[str] = None  # jax: the denoiser's weights stored in this dtype (int8, float8_e4m3fn)
     weights_layers: str = "layerwise"  # jax: which layers weights_dtype stores
     config: Optional[str] = None  # ``model`` a single .safetensors file, read with this folder's configs
     controlnet: Optional[str] = None  # jax: a ControlNetModel folder beside the UNet (preheat.load(controlnet=...))

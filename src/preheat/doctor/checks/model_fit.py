@@ -3,7 +3,10 @@
 The weights' bytes come from the safetensors headers (``preheat.models.footprint``; no weight is
 read), the device's memory from the JAX probe (``memory_stats()["bytes_limit"]``: a TPU chip's HBM,
 a GPU's allocator limit) or nvidia-smi. When they do not fit, the finding says by how much and the
-fix names the first option that does: bfloat16, fp8 weights, text encoders in host memory.
+fix names the first option that does: bfloat16, 8-bit denoiser weights (int8 first on a TPU), every
+Linear in 8 bits, text encoders in host memory. ``details["plan"]``: what goes where, a line per
+component, printed under the table (``footprint.Footprint.plan``); offloaded encoders count while
+prompts are encoded, when the encode stage moves them in beside everything else.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from preheat.doctor.context import Context, _FactError
 from preheat.doctor.results import FAIL, OK, WARN, Check, CheckResult
 from preheat.errors import PreheatError
 
-_ROOM = 0.75  # weights above this share leave little for activations (SDXL 1024² in float32: 82% of a v5e chip)
 FP8 = "float8_e4m3fn"
+INT8 = "int8"
+WEIGHTS_DTYPES = (INT8, FP8)  # footprint.WEIGHTS_DTYPES
 DTYPES = ("float32", "bfloat16", "float16")  # cli.options.DTYPES, without importing the CLI's JAX side
 
 
@@ -45,11 +49,12 @@ def _resolve(model: str, variant: str | None) -> Any:
 
 
 def _check_model_fit(ctx: Context) -> CheckResult:
-    from preheat.models.footprint import gib, weight_footprint
+    from preheat.models.footprint import fitting, gib, weight_footprint
 
     req = ctx.model
     assert req is not None
-    details: dict[str, Any] = {"model": req.model, "dtype": req.dtype, "weights_dtype": req.weights_dtype}
+    details: dict[str, Any] = {"model": req.model, "dtype": req.dtype, "weights_dtype": req.weights_dtype,
+                               "weights_layers": req.weights_layers}
 
     def res(status: str, finding: str, fix: str | None = None) -> CheckResult:
         return CheckResult("model_fit", "Model fit", status, finding, fix, details)
@@ -57,47 +62,52 @@ def _check_model_fit(ctx: Context) -> CheckResult:
     try:
         root = _resolve(req.model, req.variant)
         fp = weight_footprint(root, req.dtype, variant=req.variant, weights_dtype=req.weights_dtype,
-                              offload_encoders=req.offload_encoders)
+                              weights_layers=req.weights_layers, offload_encoders=req.offload_encoders)
     except PreheatError as exc:
         return res(FAIL, f"cannot size {req.model}: {exc}", "give a diffusers folder, or `preheat pull` the source first")
-    details.update(parts=fp.parts, offloaded=fp.offloaded, total=fp.total)
+    limit, what = _limit(ctx)
+    details.update(parts=fp.parts, offloaded=fp.offloaded, total=fp.total, peak=fp.peak, bytes_limit=limit,
+                   plan=fp.plan(limit, f"the {what}" if limit else "the device"))
     parts = ", ".join(f"{name} {gib(n)}" for name, n in sorted(fp.parts.items(), key=lambda kv: -kv[1]))
     weights = f"{gib(fp.total)} of weights at {fp.options()} ({parts})"
-    limit, what = _limit(ctx)
-    details["bytes_limit"] = limit
     if not limit:
         return res(OK, f"{weights}; no accelerator memory to compare with (the weights go to host memory)")
-    share = fp.total / limit
-    if share <= _ROOM:
-        return res(OK, f"{weights}: {share:.0%} of the {gib(limit)} {what}")
-    fits = _alternative(root, req, limit)
-    over = f"{gib(fp.total - limit)} more than" if fp.total > limit else f"{share:.0%} of"
-    finding = f"{weights}: {over} the {gib(limit)} {what}"
-    if fp.total <= limit:
-        finding += ", little room left for activations and compiled programs"
-    fix = f"load with {fits}" if fits else "no single-device option fits: shard the weights over devices (preheat.load(..., fsdp=N))"
-    return res(FAIL if fp.total > limit else WARN, finding, fix)
-
-
-def _alternative(root: Any, req: Any, limit: int) -> str | None:
-    """The first load option, cheapest to quality first, whose weights fit with room."""
-    from preheat.models.footprint import gib, weight_footprint
-
-    dtype = req.dtype if req.dtype != "float32" else "bfloat16"
-    tries = [(dtype, req.weights_dtype, req.offload_encoders), (dtype, FP8, req.offload_encoders),
-             (dtype, req.weights_dtype, True), (dtype, FP8, True)]
-    seen = set()
-    for dt, wd, off in tries:
-        if (dt, wd, off) in seen or (dt, wd, off) == (req.dtype, req.weights_dtype, req.offload_encoders):
-            continue
-        seen.add((dt, wd, off))
+    if fp.fits(limit):
+        encode = f"; {gib(fp.peak)} while prompts are encoded" if fp.offloaded else ""
+        return res(OK, f"{weights}: {fp.total / limit:.0%} of the {gib(limit)} {what}{encode}")
+    try:
+        alt = fitting(root, limit, dtype=req.dtype, variant=req.variant, weights_dtype=req.weights_dtype,
+                      weights_layers=req.weights_layers, offload_encoders=req.offload_encoders,
+                      prefer=INT8 if ctx.platform() == "tpu" else FP8)
+    except PreheatError:
+        alt = None
+    if fp.total > limit:
+        finding = f"{weights}: {gib(fp.total - limit)} more than the {gib(limit)} {what}"
+    elif fp.peak > limit:
+        offloaded = ", ".join(f"{name} {gib(n)}" for name, n in fp.offloaded.items())
+        finding = (f"{weights}, and {offloaded} moved in while prompts are encoded: {gib(fp.peak)}, "
+                   f"{gib(fp.peak - limit)} more than the {gib(limit)} {what}")
+    else:
+        finding = (f"{weights}: {fp.total / limit:.0%} of the {gib(limit)} {what}, little room left for activations "
+                   "and compiled programs")
+    if alt:
+        fix = f"load with {alt.options()} ({gib(alt.total)}, about {alt.total / limit:.0%})"
+        if alt.offloaded:
+            fix = fix[:-1] + f"; {gib(alt.peak)} while prompts are encoded)"
+    else:
+        fix = "no single-device option fits: shard the weights over devices (preheat.load(..., fsdp=N))"
         try:
-            fp = weight_footprint(root, dt, variant=req.variant, weights_dtype=wd, offload_encoders=off)
+            rest = fp if fp.fits(limit, encoding=False) else fitting(
+                root, limit, dtype=req.dtype, variant=req.variant, weights_dtype=req.weights_dtype,
+                weights_layers=req.weights_layers, offload_encoders=req.offload_encoders,
+                prefer=INT8 if ctx.platform() == "tpu" else FP8, encoding=False)
         except PreheatError:
-            return None
-        if fp.total <= _ROOM * limit and (not off or fp.offloaded):
-            return f"{fp.options()} ({gib(fp.total)}, about {fp.total / limit:.0%})"
-    return None
+            rest = None
+        if rest is not None:  # FLUX.1-dev on a v5e: the int8 transformer fits, T5-XXL beside it does not
+            fix = (f"with {rest.options()} the weights fit while denoising ({gib(rest.total)}, about "
+                   f"{rest.total / limit:.0%}), but not while prompts are encoded ({gib(rest.peak)}): the text "
+                   "encoders must run off this device (not yet in preheat), or " + fix.split(": ", 1)[1])
+    return res(FAIL if fp.peak > limit else WARN, finding, fix)
 
 
 MODEL_FIT = Check("model_fit", "Model fit", _check_model_fit, applies=lambda ctx: ctx.model is not None)
