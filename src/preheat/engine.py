@@ -606,7 +606,7 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
                                                "devices": None if mesh is None else
                                                [int(d.id) for d in mesh.devices.flat]}), mesh)
     loader = family_loader(root)
-    options = loader_options(loader, root, offload_encoders, companions, variant)  # one line for a misfit
+    options = loader_options(loader.takes, root, offload_encoders, companions, variant)  # one line for a misfit
     from preheat.models.footprint import check_fits  # weights that cannot fit the device: refused before any is read
     check_fits(root, dtype=dtype, variant=variant, weights_dtype=weights_dtype, weights_layers=weights_layers,
                offload_encoders=offload_encoders, mesh=mesh, fsdp=fsdp)
@@ -616,9 +616,9 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         start = phases.spans["import"][1]
         pending = DeferredFills() if early else None
         with reading:
-            loaded: LoadedModel = loader(root, scheduler=scheduler, dtype=dtype, variant=variant,
-                                         options=LoadOptions(pending=pending, weights_dtype=weights_dtype,
-                                                             weights_layers=weights_layers), **options)
+            loaded: LoadedModel = loader.load(root, scheduler=scheduler, dtype=dtype, variant=variant,
+                                              options=LoadOptions(pending=pending, weights_dtype=weights_dtype,
+                                                                  weights_layers=weights_layers), **options)
         if weights_dtype is not None:  # part of the denoiser's identity: its program takes fp8 weights
             from preheat.models.storage import stored_low
 

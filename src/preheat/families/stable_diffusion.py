@@ -152,6 +152,7 @@ class StableDiffusionFamily(TextToImageFamily):
     control_scale: tuple[float, float, float] = (1.0, 0.8, 0.5)
     # EDM's too: a folder saved with an EDM scheduler (Playground v2.5, CosXL) takes those, the others the rest
     samplers: tuple[str, ...] = DIFFUSION_SAMPLERS + EDM_SAMPLERS
+    loader_takes: frozenset[str] = frozenset({"offload_encoders", "controlnet"})  # SDXL's: a refiner too
 
     # ------------------------------------------------------------------ inputs
 
@@ -377,6 +378,7 @@ SD = StableDiffusionFamily()
 SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
                              defaults={"sampler": "euler", "steps": 30, "guidance": 5.0}, strength=(0.3, 0.9999),
                              control_strength=(0.8, 0.9999), control_scale=(1.0, 0.8, 1.0),
+                             loader_takes=frozenset({"offload_encoders", "controlnet", "refiner"}),
                              specs=(PROMPT, PROMPT_2, NEGATIVE_PROMPT, NEGATIVE_PROMPT_2, *SDXL_SIZE_SPECS,
                                     *SDXL_NEGATIVE_SIZE_SPECS, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP,
                                     GUIDANCE_RESCALE, *SCHEDULE_SPECS))
