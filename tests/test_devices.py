@@ -75,14 +75,14 @@ PIXELS = """
         if d == 4:  # 3 images pad to the 4-image program: no new executable
             out["builtin4_n3"] = p.generate(3, **{**call, "class_labels": [0, 1, 2]})
             out["builtin4_layer"] = np.array(p.last.cache_layer)
-            out["builtin4_programs"] = np.array(len(p._executables))
+            out["builtin4_programs"] = np.array(len(p.executables))
             out["builtin4_count"] = np.array(p.device_count)
     f = preheat.load(None, devices=4, fsdp=4, cache="off")  # weights split over all four devices
     out["fsdp4"] = f.generate(4, **call)
     leaves = [x for x in __import__("jax").tree.leaves(f.params)]
     out["fsdp4_shard_sizes"] = np.array([[x.size, x.addressable_shards[0].data.size] for x in leaves])
     out["fsdp4_n3"] = f.generate(3, **{**call, "class_labels": [0, 1, 2]})
-    out["fsdp4_programs"] = np.array(len(f._executables))
+    out["fsdp4_programs"] = np.array(len(f.executables))
     for d in (1, 4):  # encode 6 -> 8 rows, denoise and decode 3 -> 4 on four devices
         q = preheat.load(sys.argv[2], devices=d, cache="off")
         out[f"sd{d}"] = q.generate(**prompts)
@@ -258,12 +258,12 @@ SERVER = """
     from preheat.server.core import Core, CoreConfig
     core = Core(CoreConfig(model=sys.argv[1], max_batch_size=8, devices=4, batch_wait_ms=0)).start()
     assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
-    programs = len(core.pipe._executables)
+    programs = len(core.pipe.executables)
     pred, _ = core.submit(*core.parse({"seed": 3, "num_outputs": 3, "num_inference_steps": 2}))
     assert pred.done.wait(300), pred.status
     print(json.dumps({"buckets": core.buckets, "signatures": len(core.signatures()), "programs": programs,
                       "status": pred.status, "images": len(pred.output or []), "stats": core.batcher.stats,
-                      "after": len(core.pipe._executables)}))
+                      "after": len(core.pipe.executables)}))
     core.close()
 """
 

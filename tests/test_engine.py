@@ -38,16 +38,16 @@ def test_int_seed_means_seed_plus_index(pipe):
 def test_steps_guidance_labels_are_runtime_data(pipe):
     # (two images, dpmpp_2m, guided and not: the module's other two-image tests run these programs)
     pipe.generate(2, steps=3, guidance=2.0, sampler="dpmpp_2m", class_labels=[1, 2])
-    compiled = len(pipe._executables)
+    compiled = len(pipe.executables)
     out3 = pipe.generate(2, steps=3, guidance=2.0, sampler="dpmpp_2m", class_labels=[1, 2])
     out7 = pipe.generate(2, steps=7, guidance=5.0, sampler="dpmpp_2m_karras", class_labels=[8, 9])
-    assert len(pipe._executables) == compiled and pipe.last.cache_layer == "memory"
+    assert len(pipe.executables) == compiled and pipe.last.cache_layer == "memory"
     assert not np.array_equal(out3, out7)
     guided, _ = pipe.prepare(2, steps=3, guidance=2.0, sampler="dpmpp_2m", class_labels=[1, 2])
     off, _ = pipe.prepare(2, steps=3, guidance=1.0, sampler="dpmpp_2m", class_labels=[1, 2])
     pipe.generate(2, steps=3, guidance=1.0, sampler="dpmpp_2m", class_labels=[1, 2])  # guidance off: 1x batch
     # another program (whichever test of the module compiled it first)
-    assert guided in pipe._executables and off in pipe._executables and off != guided
+    assert guided in pipe.executables and off in pipe.executables and off != guided
 
 
 def test_guidance_changes_the_image(pipe):

@@ -1,29 +1,36 @@
 """preheat.load_options: the loader's keywords beside the folder, refused in one line by a family
-that does not take them (no weights read: these loaders are stand-ins)."""
+that does not declare them (no weights read); each family's declaration matches its loader."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from pathlib import Path
 
 import pytest
 
 from preheat.errors import InvalidArgumentError
+from preheat.families import FAMILY_OF_CLASS
 from preheat.load_options import companion_refused, loader_options, source_id
 
-
-def pixel_loader(root, *, scheduler=None, dtype="float32", variant=None, options=None):  # noqa: ANN001
-    """A loader that takes nothing beyond the common keywords (a pixel family's)."""
-
-
-def sdxl_loader(root, *, scheduler=None, dtype="float32", variant=None, options=None, offload_encoders=False,  # noqa: ANN001
-                controlnet=None, refiner=None):
-    """A loader that takes the second folders and offloading (an SDXL base's)."""
+PIXEL_TAKES: frozenset[str] = frozenset()  # a pixel family's loader: nothing beyond the common keywords
+SDXL_TAKES = frozenset({"offload_encoders", "controlnet", "refiner"})  # an SDXL base's
 
 
 def test_a_loader_gets_what_it_takes_each_folder_resolved(tmp_path: Path) -> None:
-    options = loader_options(sdxl_loader, tmp_path, True, {"controlnet": str(tmp_path), "refiner": None}, "fp16")
+    options = loader_options(SDXL_TAKES, tmp_path, True, {"controlnet": str(tmp_path), "refiner": None}, "fp16")
     assert options == {"offload_encoders": True, "controlnet": tmp_path}
-    assert loader_options(pixel_loader, tmp_path, False, {"controlnet": None, "refiner": None}, None) == {}
+    assert loader_options(PIXEL_TAKES, tmp_path, False, {"controlnet": None, "refiner": None}, None) == {}
+
+
+@pytest.mark.parametrize("class_name", sorted(FAMILY_OF_CLASS))
+def test_a_family_declares_exactly_what_its_loader_takes(class_name: str) -> None:
+    """The declaration (``Family.loader_takes``) is what ``preheat.load`` reads; the loader's own
+    keywords must agree with it, so a declared option always reaches a loader that takes it."""
+    entry = FAMILY_OF_CLASS[class_name]
+    module = importlib.import_module(entry.module)
+    keywords = set(inspect.signature(getattr(module, entry.loader)).parameters)
+    assert getattr(module, entry.family).loader_takes == keywords & {"offload_encoders", "controlnet", "refiner"}
 
 
 @pytest.mark.parametrize(("offload", "companions", "message", "argument"), [
@@ -35,7 +42,7 @@ def test_a_loader_gets_what_it_takes_each_folder_resolved(tmp_path: Path) -> Non
 def test_what_a_loader_does_not_take_is_one_line(tmp_path: Path, offload: bool, companions: dict, message: str,
                                                  argument: str) -> None:
     with pytest.raises(InvalidArgumentError) as err:
-        loader_options(pixel_loader, tmp_path, offload, companions, None)
+        loader_options(PIXEL_TAKES, tmp_path, offload, companions, None)
     assert str(err.value) == message.format(root=tmp_path) and err.value.argument == argument
     if argument != "offload_encoders":  # the torch backend refuses in the same words
         assert str(companion_refused(argument, tmp_path)) == str(err.value)

@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from preheat.cache.executables import Executables
 from preheat.errors import InvalidArgumentError, PreheatError, SamplingStopped
 from preheat.families import request as request_of
 from preheat.families.base import Family, LoadedModel, Request, StageSignature, to_pixels
@@ -209,7 +210,7 @@ class Pipeline:
     load_report: Any = None  # how the weights were read (preheat.models.load_report.LoadReport); set by load()
     mesh: Any = None  # jax.sharding.Mesh with axis "data" (preheat.sharding); None: the default device alone
     startup: Any = None  # preheat.timings.Phases of load() and the first call (set by load())
-    _executables: dict[Any, Any] = field(default_factory=dict, repr=False)
+    executables: Executables = field(default_factory=Executables, repr=False)  # by signature: the memory layer
     # each thread's call in progress records into its own Timings (``last`` is whichever call began
     # last: concurrent calls must not write into, or read stages from, each other's)
     _calls: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
@@ -399,7 +400,7 @@ class Pipeline:
         NamedTuple (``preheat.families.stages``); ``outputs``: 1 (an array) or k (a k-tuple).
         On several devices ``args`` are placed ones (:meth:`place`) and the program is split
         over the batch (``preheat.sharding.shard_program``)."""
-        hit = self._executables.get(sig)
+        hit = self.executables.get(sig)
         if hit is not None:
             self._timings().add(stage, Timings(cache_layer="memory"))
             return hit
@@ -419,7 +420,7 @@ class Pipeline:
             compiled = compile_uncached(lowered)  # cache="off": no layer, JAX's included
             timings = Timings(trace_lower_s=traced - start, compile_s=time.perf_counter() - traced, cache_layer="none")
         self._timings().add(stage, timings)
-        self._executables[sig] = compiled
+        self.executables.put(sig, compiled)
         return compiled
 
     def _timings(self) -> Timings:
@@ -454,7 +455,7 @@ class Pipeline:
             if self._timings().stages[stage].cache_layer != "aot" or self.compiler is None or stopped:
                 raise
             self.compiler.reject(fingerprint, sig, args, f"failed on its first run: {str(exc)[:200]}")
-            self._executables.pop(sig, None)
+            self.executables.drop(sig)
             executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs)
             start = time.perf_counter()
             out = jax.block_until_ready(executable(args))
@@ -608,7 +609,7 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
                                                "devices": None if mesh is None else
                                                [int(d.id) for d in mesh.devices.flat]}), mesh)
     loader = family_loader(root)
-    options = loader_options(loader, root, offload_encoders, companions, variant)  # one line for a misfit
+    options = loader_options(loader.takes, root, offload_encoders, companions, variant)  # one line for a misfit
     from preheat.models.footprint import check_fits  # weights that cannot fit the device: refused before any is read
     check_fits(root, dtype=dtype, variant=variant, weights_dtype=weights_dtype, weights_layers=weights_layers,
                offload_encoders=offload_encoders, mesh=mesh, fsdp=fsdp)
@@ -618,9 +619,9 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         start = phases.spans["import"][1]
         pending = DeferredFills() if early else None
         with reading:
-            loaded: LoadedModel = loader(root, scheduler=scheduler, dtype=dtype, variant=variant,
-                                         options=LoadOptions(pending=pending, weights_dtype=weights_dtype,
-                                                             weights_layers=weights_layers), **options)
+            loaded: LoadedModel = loader.load(root, scheduler=scheduler, dtype=dtype, variant=variant,
+                                              options=LoadOptions(pending=pending, weights_dtype=weights_dtype,
+                                                                  weights_layers=weights_layers), **options)
         if weights_dtype is not None:  # part of the denoiser's identity: its program takes fp8 weights
             from preheat.models.storage import stored_low
 

@@ -1,13 +1,12 @@
 """What ``preheat.load`` hands a family's loader beside the folder -- the second model folders
 (a ControlNet, an SDXL refiner) and the text encoders' offloading -- checked against what that
-loader takes, in one line, before any weight is read. Both backends refuse a second folder in the
+loader takes as its family declares it (``Family.loader_takes``), in one line, before any weight is read. Both backends refuse a second folder in the
 same words (:func:`companion_refused`)."""
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import AbstractSet, Any, Mapping
 
 from preheat.errors import InvalidArgumentError
 from preheat.model_source import BUILTIN_PREFIX, RANDOM_PREFIX, model_root
@@ -23,12 +22,11 @@ def companion_refused(name: str, root: Path | str) -> InvalidArgumentError:
     return InvalidArgumentError(f"{name} applies to {COMPANION_MODELS[name]}; {root} is not one", argument=name)
 
 
-def loader_options(loader: Callable[..., Any], root: Path, offload_encoders: bool,
+def loader_options(takes: AbstractSet[str], root: Path, offload_encoders: bool,
                    companions: Mapping[str, Any], variant: str | None) -> dict[str, Any]:
-    """The keywords for ``loader`` beyond the common ones: each second folder resolved to its local
-    folder (hf://: pulled once; a refiner reads ``variant`` too), and offloading; one line for one
-    this family's loader does not take."""
-    takes = inspect.signature(loader).parameters
+    """The keywords for a loader that ``takes`` these beyond the common ones: each second folder
+    resolved to its local folder (hf://: pulled once; a refiner reads ``variant`` too), and
+    offloading; one line for one this family's loader does not take."""
     options: dict[str, Any] = {}
     if offload_encoders:
         if "offload_encoders" not in takes:

@@ -476,12 +476,13 @@ def programs(pipe: Any, sig: WarmSignature, remote: Any = None) -> list[dict[str
     import copy
 
     from preheat.cache.compile import Rehearsal
+    from preheat.cache.executables import Executables
     from preheat.cache.keys import key_of
 
     fields_for = _fields_for(pipe)
     dry = copy.copy(pipe)  # the pipeline's weights and components, its own compiler and executables
     dry.compiler = Rehearsal()
-    dry._executables = {}
+    dry.executables = Executables()
     dry.startup = None
     dry.generate(sig.bucket, **call_inputs(pipe, sig))
     out = []

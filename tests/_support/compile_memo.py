@@ -2,14 +2,14 @@
 
 A module's pipelines of one family compile the same programs: the VAE decoder every SD folder
 shares, and the programs a test compiles again on purpose on a copy of a pipeline whose
-executables are emptied (``dataclasses.replace(pipe, _executables={})``) to watch it trace. With
+executables are emptied (``dataclasses.replace(pipe, executables=Executables())``) to watch it trace. With
 ``cache="off"`` each is a fresh XLA compile (``preheat.cache.xla_layer.compile_uncached``), and so
 is a full-mode miss where the serialisation guard holds (every CPU: ``JaxCompiler.get_or_compile``
 compiles with JAX's cache off through the same function, then serialises what it returns), as a
 module's cold-start and quarantine tests compile the programs its ``cache="off"`` loads did.
 :func:`one_compile_per_program` keeps the executables of the module's compiles by their lowered
 program's text (and its argument and result shardings): a program traced and lowered again is compiled once. Everything the engine does
-and counts is unchanged -- its trace, its lowering, its own ``_executables`` entry per signature --
+and counts is unchanged -- its trace, its lowering, its own ``executables`` entry per signature --
 only XLA's work on a program text it has compiled before in this module is skipped. The same text
 is the same program (the weights are its arguments, never constants: ``tests/models``).
 

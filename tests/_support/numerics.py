@@ -76,7 +76,9 @@ def counting_traces(pipe):
     that reuses a program adds nothing; one that needs a new program adds a trace."""
     import dataclasses
 
-    pipe = dataclasses.replace(pipe, _executables={})
+    from preheat.cache.executables import Executables
+
+    pipe = dataclasses.replace(pipe, executables=Executables())
     traces: list[int] = []
     apply = pipe.apply
 

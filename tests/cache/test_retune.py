@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from preheat.cache.executables import Executables
 from preheat.cache import retune
 from preheat.cache.compile import EXECUTABLE, JaxCompiler
 from preheat.cache.entries import iter_entries, open_entry, publish_entry, rewrite_manifest
@@ -248,8 +249,10 @@ def test_idle_retuner_waits_for_idle_retunes_each_entry_once_and_swaps_between_c
         return 0.0100 if executable in made else 0.0125
 
     retuner = retune.IdleRetuner(idle_s=5.0, lock=lock, timer=timer, repeats=3)
-    executables = {Sig(): served, Sig(batch=8): served}
-    candidates = [retune.Candidate(path.name, path, sig, program, args, served) for sig in executables]
+    executables = Executables()
+    for sig in (Sig(), Sig(batch=8)):
+        executables.put(sig, served)
+    candidates = [retune.Candidate(path.name, path, sig, program, args, served) for sig in executables.signatures()]
     retuner.bind(candidates, executables, compile_autotuned)
     assert retuner.waiting == 1  # one entry
     with lock:
@@ -265,13 +268,13 @@ def test_idle_retuner_waits_for_idle_retunes_each_entry_once_and_swaps_between_c
         jobs += 1
     assert jobs == 2 + 2 * 3 + 1 and len(calls) == 2 + 2 * 3  # the untimed pair, 3 timed pairs, the decision
     assert retuner.stats == {"replaced": 1, "kept": 0, "failed": 0, "canceled": 0}
-    assert executables[Sig()] is made[0] and executables[Sig(batch=8)] is served  # the one it was taken for
+    assert executables.get(Sig()) is made[0] and executables.get(Sig(batch=8)) is served  # the one it was taken for
     assert retuner.waiting == 0
     with lock:
         assert retuner.next_task(idle_for=60.0) is None and len(made) == 1
     assert candidates == []  # the second signature's candidate: the same entry, dropped (and not held)
     assert json.loads((path / "manifest.json").read_text())["retune"]["replaced"] is True
-    np.testing.assert_array_equal(np.asarray(executables[Sig()](args)), expected)
+    np.testing.assert_array_equal(np.asarray(executables.get(Sig())(args)), expected)
 
 
 def _needs_retune_any_platform(manifest: dict) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
+from preheat.cache.executables import Executables
 from preheat.warm import WarmSet
 from preheat.cli.warm import warm_set_from_options
 from preheat.server.core import CoreConfig
@@ -172,7 +173,7 @@ def test_cache_explain_takes_the_offered_inputs_as_warm_does(sd_pipe, monkeypatc
 
     # the module's pipeline, with a compiler and executables of its own: explain compiles the
     # encoders to reach the denoiser's key, which the dry-run test above must not find done
-    pipe = dataclasses.replace(sd_pipe, _executables={}, compiler=JaxCompiler(root=tmp_path / "root", remote=None))
+    pipe = dataclasses.replace(sd_pipe, executables=Executables(), compiler=JaxCompiler(root=tmp_path / "root", remote=None))
     monkeypatch.setattr(preheat, "load", lambda model, **options: pipe)
     image, mask = tmp_path / "grey.png", tmp_path / "mask.png"
     image.write_bytes(png(np.full((32, 32, 3), 128, np.uint8)))

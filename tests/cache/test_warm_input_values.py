@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 import preheat
 from preheat import warm as warming
+from preheat.cache.executables import Executables
 from preheat.errors import InvalidArgumentError
 from preheat.server.config import CoreConfig, typed_setting
 from preheat.warm import WarmSet, parse_input_values
@@ -114,7 +115,7 @@ def test_cache_explain_as_server_takes_the_served_values_as_the_server_does(flux
     from preheat.cache.compile import JaxCompiler
     from preheat.cli import main
 
-    pipe = dataclasses.replace(flux_pipe, _executables={}, compiler=JaxCompiler(root=tmp_path / "root", remote=None))
+    pipe = dataclasses.replace(flux_pipe, executables=Executables(), compiler=JaxCompiler(root=tmp_path / "root", remote=None))
     monkeypatch.setattr(preheat, "load", lambda model, **options: pipe)
     declared = ["--input-values", f"{LENGTH}=256"]
     dry = CliRunner().invoke(main, ["warm", str(tmp_path), "--max-batch-size", "1", "--inputs", "none", *declared,

@@ -144,13 +144,13 @@ def test_image_mask_strength_prompt_and_seed_are_data(pipe):
     pipe, traces = counting_traces(pipe)
     call = dict(steps=2, width=32, height=32, guidance=30.0)
     first = pipe.generate("a fox", image=picture(32, 32), mask_image=_mask(32, 32), seed=0, **call)
-    traced, compiled = len(traces), len(pipe._executables)
+    traced, compiled = len(traces), len(pipe.executables)
     outs = [pipe.generate("a fox", image=picture(32, 32, seed=1), mask_image=_mask(32, 32), seed=0, **call),
             pipe.generate("a fox", image=picture(32, 32), mask_image=255 - _mask(32, 32, soft=False), seed=0, **call),
             pipe.generate("a fox", image=picture(32, 32), mask_image=_mask(32, 32), strength=0.5, seed=0, **call),
             pipe.generate("a cat", image=picture(32, 32), mask_image=_mask(32, 32), seed=0, **call),
             pipe.generate("a fox", image=picture(32, 32), mask_image=_mask(32, 32), seed=5, **call)]
-    assert len(traces) == traced and len(pipe._executables) == compiled
+    assert len(traces) == traced and len(pipe.executables) == compiled
     assert all(not np.array_equal(first, o) for o in outs)
     pipe.generate("a fox", image=picture(32, 32), mask_image=_mask(32, 32), seed=0, **{**call, "width": 48})
     assert len(traces) > traced

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import preheat
+from preheat.cache.executables import Executables
 from preheat.engine import Signature
 from preheat.errors import InvalidArgumentError, PreheatError, SchedulerConfigError
 from preheat.families.request import plan
@@ -106,7 +107,7 @@ def test_matches_diffusers_from_the_same_latents(folders, pipes, name, sampler, 
 ])
 def test_prompt_guidance_steps_and_seed_are_data(pipes, name, calls):
     """One denoising program serves every prompt, guidance scale, step count and seed (a trace counter)."""
-    pipe = dataclasses.replace(pipes[name], _executables={})
+    pipe = dataclasses.replace(pipes[name], executables=Executables())
     traces = []
     apply = pipe.apply
 
@@ -116,11 +117,11 @@ def test_prompt_guidance_steps_and_seed_are_data(pipes, name, calls):
 
     pipe.apply = counting
     first = pipe.generate("a photo of a cat", steps=2, guidance=calls[0]["guidance"], seed=0, **SMALL)
-    traced, compiled = len(traces), len(pipe._executables)
+    traced, compiled = len(traces), len(pipe.executables)
     assert traced >= 1
     outs = [pipe.generate(**c, **SMALL) for c in calls]
     assert len(traces) == traced  # no retrace
-    assert len(pipe._executables) == compiled  # nothing new compiled
+    assert len(pipe.executables) == compiled  # nothing new compiled
     assert all(not np.array_equal(first, o) for o in outs)  # and each input really changed the image
 
 
@@ -136,7 +137,7 @@ def test_flux_dev_guidance_is_one_branch_of_data(pipes):
 def test_flux_true_cfg_is_two_branches_and_its_scale_is_data(pipes):
     """A negative prompt with true_cfg_scale > 1 guides (another program: two branches); the scale,
     the negative prompt and the embedded guidance are data of that one program."""
-    pipe = dataclasses.replace(pipes["flux-dev"], _executables={})
+    pipe = dataclasses.replace(pipes["flux-dev"], executables=Executables())
     assert pipe.is_guided(3.5, negative_prompt="", true_cfg_scale=1.5)
     assert not pipe.is_guided(3.5, negative_prompt="", true_cfg_scale=1.0)  # 1 is off, as diffusers
     request = pipe.validate("a fox", negative_prompt="blurry", true_cfg_scale=4.0, guidance=2.0)
@@ -146,7 +147,7 @@ def test_flux_true_cfg_is_two_branches_and_its_scale_is_data(pipes):
              dict(negative_prompt="a dark room", true_cfg_scale=2.0, guidance=3.5),
              dict(negative_prompt="a dark room", true_cfg_scale=2.0, guidance=5.0)]
     outs = [pipe.generate("a fox", steps=2, seed=1, **c, **SMALL) for c in calls]
-    denoisers = [s for s in pipe._executables if isinstance(s, Signature)]
+    denoisers = [s for s in pipe.executables.signatures() if isinstance(s, Signature)]
     assert len(denoisers) == 1 and denoisers[0].guided  # one guided program served all four calls
     assert all(not np.array_equal(a, b) for a, b in zip(outs, outs[1:]))  # each value reached the image
 

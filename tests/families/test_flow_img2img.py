@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import preheat
+from preheat.cache.executables import Executables
 from preheat.errors import PreheatError
 from tests._support.flow_fixtures import picture, reference_pipeline, replayed_noise, save_tiny_flow_model
 from tests._support.numerics import mean_abs_px, px_diff
@@ -97,7 +98,7 @@ def test_the_output_is_the_images_size_and_low_strength_stays_close(pipes):
 
 @pytest.mark.parametrize("name", ["flux-dev", "sd3"])
 def test_strength_image_prompt_and_seed_are_data(pipes, name):
-    pipe = dataclasses.replace(pipes[name], _executables={})
+    pipe = dataclasses.replace(pipes[name], executables=Executables())
     traces = []
     apply = pipe.apply
 
@@ -108,12 +109,12 @@ def test_strength_image_prompt_and_seed_are_data(pipes, name):
     pipe.apply = counting
     call = dict(steps=4, width=32, height=32)
     first = pipe.generate("a fox", image=picture(32, 32), strength=0.6, seed=0, **call)
-    traced, compiled = len(traces), len(pipe._executables)
+    traced, compiled = len(traces), len(pipe.executables)
     outs = [pipe.generate("a fox", image=picture(32, 32), strength=0.3, seed=0, **call),
             pipe.generate("a fox", image=picture(32, 32, seed=5), strength=0.6, seed=0, **call),
             pipe.generate("a cat", image=picture(32, 32), strength=0.6, seed=0, **call),
             pipe.generate("a fox", image=picture(32, 32), strength=0.6, seed=9, **call)]
-    assert len(traces) == traced and len(pipe._executables) == compiled  # no retrace, nothing compiled
+    assert len(traces) == traced and len(pipe.executables) == compiled  # no retrace, nothing compiled
     assert all(not np.array_equal(first, o) for o in outs)
 
 

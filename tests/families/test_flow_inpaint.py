@@ -122,7 +122,7 @@ def test_image_mask_strength_prompt_and_seed_are_data(pipes, name):
     pipe, traces = counting_traces(pipes[name])
     call = dict(steps=3, width=32, height=32)
     first = pipe.generate("a fox", image=picture(32, 32), mask_image=mask_of(32, 32), strength=0.6, seed=0, **call)
-    traced, compiled = len(traces), len(pipe._executables)
+    traced, compiled = len(traces), len(pipe.executables)
     outs = [pipe.generate("a fox", image=picture(32, 32, seed=5), mask_image=mask_of(32, 32), strength=0.6, seed=0,
                           **call),
             pipe.generate("a fox", image=picture(32, 32), mask_image=255 - mask_of(32, 32), strength=0.6, seed=0,
@@ -130,7 +130,7 @@ def test_image_mask_strength_prompt_and_seed_are_data(pipes, name):
             pipe.generate("a fox", image=picture(32, 32), mask_image=mask_of(32, 32), strength=1.0, seed=0, **call),
             pipe.generate("a cat", image=picture(32, 32), mask_image=mask_of(32, 32), strength=0.6, seed=0, **call),
             pipe.generate("a fox", image=picture(32, 32), mask_image=mask_of(32, 32), strength=0.6, seed=9, **call)]
-    assert len(traces) == traced and len(pipe._executables) == compiled  # no retrace, nothing compiled
+    assert len(traces) == traced and len(pipe.executables) == compiled  # no retrace, nothing compiled
     assert all(not np.array_equal(first, o) for o in outs)
 
 

@@ -290,7 +290,7 @@ def test_strength_image_mask_prompt_and_seed_are_data(pipes):
     common = dict(steps=4, guidance=5.0, sampler="ddim")
     first = pipe.generate("a cat", image=image, strength=0.6, seed=0, **common)
     masked = pipe.generate("a cat", image=image, mask_image=mask, strength=0.6, seed=0, **common)
-    traced, compiled = len(traces), len(pipe._executables)
+    traced, compiled = len(traces), len(pipe.executables)
     assert traced >= 2  # the two programs were traced (here or by the test that compiled them first)
     outs = [pipe.generate("a cat", image=image, strength=0.9, seed=0, **common),
             pipe.generate("a cat", image=other, strength=0.6, seed=0, **common),
@@ -299,7 +299,7 @@ def test_strength_image_mask_prompt_and_seed_are_data(pipes):
     moved = pipe.generate("a cat", image=image, mask_image=255 - mask, strength=0.6, seed=0, **common)
     cropped = pipe.generate("a cat", image=image, mask_image=mask, strength=0.6, seed=0, padding_mask_crop=2,
                             **common)  # the crop is resized to the call's size: the same programs
-    assert len(traces) == traced and len(pipe._executables) == compiled  # no retrace, nothing compiled
+    assert len(traces) == traced and len(pipe.executables) == compiled  # no retrace, nothing compiled
     assert all(not np.array_equal(first, o) for o in outs) and not np.array_equal(masked, moved)
     assert not np.array_equal(masked, cropped)
 

@@ -151,11 +151,11 @@ def test_image_prompt_guidance_and_seed_are_data(pipe):
     pipe, traces = counting_traces(pipe)
     call = dict(image_resize="none", steps=2, width=32, height=32)
     first = pipe.generate("a fox", image=picture(32, 32), guidance=3.5, seed=0, **call)
-    traced, compiled = len(traces), len(pipe._executables)
+    traced, compiled = len(traces), len(pipe.executables)
     outs = [pipe.generate("a fox", image=picture(32, 32, seed=1), guidance=3.5, seed=0, **call),
             pipe.generate("a cat", image=picture(32, 32), guidance=2.0, seed=0, **call),
             pipe.generate("a fox", image=picture(32, 32), guidance=3.5, seed=5, **call)]
-    assert len(traces) == traced and len(pipe._executables) == compiled
+    assert len(traces) == traced and len(pipe.executables) == compiled
     assert all(not np.array_equal(first, o) for o in outs)
     pipe.generate("a fox", image=picture(48, 32), seed=0, **call)  # a wider reference: more tokens
     assert len(traces) > traced

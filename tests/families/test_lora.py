@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import preheat
+from preheat.cache.executables import Executables
 from preheat.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, PreheatError, WeightsError
 from tests._support import flow_fixtures, sd_fixtures
 from tests._support.lora_files import (TE_TARGETS, UNET_TARGETS, kohya_names, kohya_sgm_names, peft_layers,
@@ -149,7 +150,7 @@ def _fresh(pipe):
     """The same pipeline with an empty program table and a trace counter on its denoiser."""
     from preheat.lora import LoraRuntime
 
-    fresh = dataclasses.replace(pipe, _executables={}, lora_runtime=LoraRuntime.of(pipe.components))
+    fresh = dataclasses.replace(pipe, executables=Executables(), lora_runtime=LoraRuntime.of(pipe.components))
     traces = []
     apply = pipe.apply
 
@@ -253,7 +254,7 @@ def test_switching_loras_scales_and_mixes_never_retraces(sd):
     plain = pipe.generate("a photo of a cat", **call)
     a_half = pipe.generate("a photo of a cat", lora=entry["A"], lora_scale=0.5, **call)
     traced = len(traces)
-    programs = len(pipe._executables)
+    programs = len(pipe.executables)
     outs = [
         pipe.generate("a photo of a cat", lora=entry["A"], lora_scale=1.0, **call),
         pipe.generate("a photo of a cat", lora=entry["B"], **call),  # rank 8: the same bucket (16)
@@ -261,7 +262,7 @@ def test_switching_loras_scales_and_mixes_never_retraces(sd):
         pipe.generate("a photo of a cat", lora=entry["A"], lora_scale=0.0, **call),
     ]
     assert len(traces) == traced  # no retrace of the denoiser ...
-    assert len(pipe._executables) == programs  # ... and no new program of any stage
+    assert len(pipe.executables) == programs  # ... and no new program of any stage
     assert pipe.last.stages["denoise"].cache_layer == "memory"
     images = [plain, a_half, *outs[:3]]
     assert all(_diff(x, y) > 0.5 for i, x in enumerate(images) for y in images[i + 1:])  # each input mattered

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import preheat
+from preheat.cache.executables import Executables
 from preheat.errors import InvalidArgumentError, ModelNotFoundError, PreheatError, UnsupportedConfigError
 from tests._support.numerics import mean_abs_px, px_diff
 from tests._support.sd_fixtures import KINDS, reference_pipeline, reference_pixels, save_tiny_sd
@@ -135,7 +136,7 @@ def test_prompt_guidance_steps_seed_and_negatives_are_data(sd1_cold):
     pipe, traces = sd1_cold.pipe, sd1_cold.traces
     assert sd1_cold.cold_traces >= 1  # the counter sees a trace: the cold start's
     traced = len(traces)
-    traced_before = len(pipe._executables)
+    traced_before = len(pipe.executables)
     first = pipe.generate("a photo of a cat", steps=2, guidance=7.5, seed=0)
     np.testing.assert_array_equal(first, sd1_cold.image)  # the cold start's call, from memory
     outs = [
@@ -144,7 +145,7 @@ def test_prompt_guidance_steps_seed_and_negatives_are_data(sd1_cold):
         pipe.generate("a photo of a cat", negative_prompt="blurry", steps=2, guidance=7.5, seed=9),
     ]
     assert len(traces) == traced  # no retrace
-    assert len(pipe._executables) == traced_before  # nothing new compiled
+    assert len(pipe.executables) == traced_before  # nothing new compiled
     assert pipe.last.cache_layer == "memory"
     assert all(not np.array_equal(first, o) for o in outs)  # and each input really changed the image
 
@@ -152,9 +153,9 @@ def test_prompt_guidance_steps_seed_and_negatives_are_data(sd1_cold):
 def test_sdxl_size_conditioning_is_data_and_changes_the_image(pipes):
     pipe = pipes["sdxl"]  # two images, seeded: the torch backend case's program (the module compiles it once)
     a = pipe.generate("a photo of a dog", n=2, steps=2, seed=[3, 4])
-    count = len(pipe._executables)
+    count = len(pipe.executables)
     b = pipe.generate("a photo of a dog", n=2, steps=2, seed=[3, 4], original_size=(1024, 1024), target_size=(64, 64))
-    assert len(pipe._executables) == count
+    assert len(pipe.executables) == count
     assert not np.array_equal(a, b)
 
 
@@ -474,10 +475,10 @@ def test_guidance_rescale_matches_diffusers_and_is_data(folders, pipes, kind, re
     pipe = pipes[kind]
     call = dict(noise=noise, steps=steps, sampler="euler", guidance=7.5, **RESCALE_CALL)
     off = pipe.generate(prompt, **call)  # absent: diffusers' default, 0
-    compiled = len(pipe._executables)
+    compiled = len(pipe.executables)
     ours = pipe.generate(prompt, guidance_rescale=0.7, **call)
     np.testing.assert_array_equal(pipe.generate(prompt, guidance_rescale=0.0, **call), off)
-    assert len(pipe._executables) == compiled  # data: no value compiles anything new
+    assert len(pipe.executables) == compiled  # data: no value compiles anything new
     parity, parity_off, moved = mean_abs_px(ours, theirs), mean_abs_px(off, theirs_off), mean_abs_px(ours, off)
     record_property("mean_abs_px", parity)
     print(f"{kind} guidance_rescale=0.7: mean |Δpx| vs diffusers {parity:.4f} (at 0: {parity_off:.4f}); "
@@ -499,7 +500,7 @@ def test_guidance_rescale_0_is_exactly_the_program_without_it(pipes):
                              **RESCALE_CALL)  # the program the parity test compiled
     assert args.guidance_rescale == np.float32(0.0) and sig.guidance_rescale
     with_it = np.asarray(pipe.executable(sig, args)(args))
-    bare, plain = dataclasses.replace(pipe, _executables={}), args._replace(guidance_rescale=None)
+    bare, plain = dataclasses.replace(pipe, executables=Executables()), args._replace(guidance_rescale=None)
     plain_sig = dataclasses.replace(sig, guidance_rescale=False)  # the signature selects the program
     np.testing.assert_array_equal(np.asarray(bare.executable(plain_sig, plain)(plain)), with_it)
     unguided_sig, unguided = pipe.prepare("a photo of a cat", steps=4, guidance=1.0, guidance_rescale=0.0)  # no ask

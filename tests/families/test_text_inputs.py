@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import preheat
+from preheat.cache.executables import Executables
 from preheat.errors import InvalidArgumentError
 from tests._support import flow_fixtures, sd_fixtures
 from tests._support.numerics import mean_abs_px
@@ -123,19 +124,19 @@ def _counting_encoders(pipe, monkeypatch) -> list[int]:
 ])
 def test_the_inputs_are_data_one_program_serves_every_value(pipes, monkeypatch, name, calls):
     """No value of these inputs traces or compiles anything new (encode or denoise)."""
-    pipe = dataclasses.replace(pipes[name], _executables={})
+    pipe = dataclasses.replace(pipes[name], executables=Executables())
     traces = _counting_encoders(pipe, monkeypatch)
     base = dict(steps=2, seed=0, width=32, height=32, sampler=SAMPLER[name], guidance=3.5 if name == "flux-dev" else 5.0)
     if name != "flux-dev":
         base["negative_prompt"] = "blurry"  # every call guided with a negative: one encode batch shape
     first = pipe.generate("a photo of a cat", **base)
-    traced, compiled = len(traces), len(pipe._executables)
+    traced, compiled = len(traces), len(pipe.executables)
     assert traced >= 1
     for call in calls:
         out = pipe.generate("a photo of a cat", **base, **call)
         assert not np.array_equal(out, first)  # the input changed the image
     assert len(traces) == traced  # no retrace of the encoders
-    assert len(pipe._executables) == compiled  # nothing new compiled
+    assert len(pipe.executables) == compiled  # nothing new compiled
 
 
 def test_clip_skip_per_image_is_each_images_own(pipes):
@@ -144,9 +145,9 @@ def test_clip_skip_per_image_is_each_images_own(pipes):
     call = dict(steps=2, seed=[1, 2], width=32, height=32, sampler="euler", guidance=5.0)
     prompts = ["a photo of a cat", "a red fox"]
     uniform = [pipe.generate(prompts, clip_skip=k, **call) for k in (0, 2)]
-    compiled = len(pipe._executables)
+    compiled = len(pipe.executables)
     mixed = pipe.generate(prompts, clip_skip=[0, 2], **call)
-    assert len(pipe._executables) == compiled
+    assert len(pipe.executables) == compiled
     np.testing.assert_array_equal(mixed[0], uniform[0][0])
     np.testing.assert_array_equal(mixed[1], uniform[1][1])
     assert not np.array_equal(mixed[1], uniform[0][1])

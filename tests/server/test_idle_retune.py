@@ -181,7 +181,8 @@ def test_an_idle_server_retunes_its_not_autotuned_entry_and_serves_the_new_execu
     s, client = serve(0.05, hold=True)
     (entry,) = _entries(s.root)
     before_manifest = _manifest(entry)
-    (sig, old), = s.pipe._executables.items()
+    (sig,) = s.pipe.executables.signatures()
+    old = s.pipe.executables.get(sig)
     before = _image(client)
     assert s.core.retuner.waiting == 1
     s.compiles.gate.set()
@@ -194,7 +195,7 @@ def test_an_idle_server_retunes_its_not_autotuned_entry_and_serves_the_new_execu
     assert after_manifest["fields"] == before_manifest["fields"]
     assert open_entry(entry.parent, entry.name, before_manifest["fields"]) is not None  # verified afresh
     (new,) = s.compiles.made
-    assert s.pipe._executables[sig] is new and new is not old  # the server serves the replaced one
+    assert s.pipe.executables.get(sig) is new and new is not old  # the server serves the replaced one
     # one untimed call and TIMED_CALLS timed ones of each, all after the warm-up's batch-free idle
     assert len(s.timer.batches_seen) == 2 * (1 + retune.TIMED_CALLS)
     after = _image(client)
@@ -259,12 +260,13 @@ def test_a_failed_retune_leaves_the_old_executable_serving_and_the_server_health
     s, client = serve(0.05, hold=True, fail_compile=where == "compile", fail_timing=where == "timing")
     (entry,) = _entries(s.root)
     before_manifest = _manifest(entry)
-    (sig, old), = s.pipe._executables.items()
+    (sig,) = s.pipe.executables.signatures()
+    old = s.pipe.executables.get(sig)
     before = _image(client)
     s.compiles.gate.set()
     wait_until(lambda: s.core.retuner.stats["failed"] == 1, 120, "the failed retune")
 
-    assert s.pipe._executables[sig] is old
+    assert s.pipe.executables.get(sig) is old
     after_manifest = _manifest(entry)
     assert after_manifest["retune"]["failed"].startswith("RuntimeError: ")
     assert {k: v for k, v in after_manifest.items() if k != "retune"} == before_manifest  # the executable stays

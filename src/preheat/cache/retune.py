@@ -40,6 +40,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from preheat import platforms
 from preheat.cache.entries import MANIFEST, SCHEMA, replace_entry, rewrite_manifest
+from preheat.cache.executables import Executables
 
 __all__ = ["MARGIN", "Retune", "Candidate", "IdleRetuner", "needs_retune", "autotunes_here", "decide", "time_call",
            "timed_call", "retune_entry", "retune_now", "record_failure", "failure_message"]
@@ -187,7 +188,7 @@ class Candidate(NamedTuple):
 
     key: str
     path: Path  # the entry
-    sig: Any  # the engine's signature: the executable's key in ``Pipeline._executables``
+    sig: Any  # the engine's signature: the executable's in ``Pipeline.executables``
     program: Callable[[Any], Any]  # what was compiled (one argument)
     args: Any  # the call's own arguments (the warm-up's): what both executables are timed on
     served: Any  # the executable loaded from the entry
@@ -231,7 +232,7 @@ class IdleRetuner:
         # (taken ones are dropped: the old executable and its arguments are not held after)
         self._candidates: list[Candidate] = []
         self._seen: set[str] = set()  # keys taken (two signatures may share an entry: retuned once)
-        self._executables: dict[Any, Any] = {}
+        self._executables: Optional[Executables] = None
         self._compile: Optional[Callable[[Callable[[Any], Any], Any], tuple[Any, dict[str, bytes]]]] = None
         self._work: Optional[_Work] = None
         self._canceled = False
@@ -244,7 +245,7 @@ class IdleRetuner:
         False, and nothing changed, where there is nothing to retune: a backend whose compile cache
         keeps no executables (torch), or a backend whose compiles do not autotune (the CPU)."""
         compiler = getattr(pipe, "compiler", None)
-        executables = getattr(pipe, "_executables", None)
+        executables = getattr(pipe, "executables", None)
         if compiler is None or not hasattr(compiler, "retune_later") or executables is None:
             log.debug("idle retune: off (this backend's compile cache has no executables to retune)")
             return False
@@ -255,7 +256,7 @@ class IdleRetuner:
         self.bind(compiler.retune_candidates, executables, compiler.compile_autotuned)
         return True
 
-    def bind(self, candidates: list[Candidate], executables: dict[Any, Any],
+    def bind(self, candidates: list[Candidate], executables: Executables,
              compile: Callable[[Callable[[Any], Any], Any], tuple[Any, dict[str, bytes]]]) -> None:
         """Retune ``candidates`` (a live list: later aot hits join it) served from ``executables``."""
         self._candidates, self._executables, self._compile = candidates, executables, compile
@@ -382,9 +383,8 @@ class IdleRetuner:
         swapped = False
         if result.replaced:
             with self._cond:
-                if self._executables.get(c.sig) is c.served:
-                    self._executables[c.sig] = chosen
-                    swapped = True
+                held = self._executables
+                swapped = held is not None and held.replace(c.sig, c.served, chosen)
         verb = "replaced by the autotuned compile" if result.replaced else "kept (the autotuned compile is not faster)"
         self._done(work, "replaced" if result.replaced else "kept",
                    f"entry {c.key[:12]} {verb}: {1e3 * old_s:.3g} -> {1e3 * new_s:.3g} ms a call "

@@ -11,8 +11,9 @@
     FluxPipeline                                                       flux (FLUX.1 schnell, dev)
     FluxKontextPipeline                                                flux-kontext (FLUX.1 Kontext dev)
 
-Each family module has a ``load_<family>(root, *, scheduler, dtype, variant[, offload_encoders])`` that returns a
-``LoadedModel`` (the engine builds its ``Pipeline`` from it); ``families.base`` says what a family
+Each family module has a ``load_<family>(root, *, scheduler, dtype, variant, options[, offload_encoders,
+controlnet, refiner])`` that returns a ``LoadedModel`` (the engine builds its ``Pipeline`` from it); what it
+takes in brackets its family declares (``Family.loader_takes``); ``families.base`` says what a family
 contributes to the engine. Families never import the engine: they see a pipeline through
 ``EngineView``.
 """
@@ -26,7 +27,7 @@ from preheat.errors import ModelNotFoundError, UnsupportedConfigError
 from preheat.families.base import Conditioning, EngineView, Family, LoadedModel, Request, StageSignature
 
 __all__ = ["Family", "Conditioning", "EngineView", "LoadedModel", "Request", "StageSignature", "family_loader",
-           "FamilyEntry", "FAMILY_OF_CLASS", "class_name_of", "declared_families", "declared_family"]
+           "FamilyEntry", "Loader", "FAMILY_OF_CLASS", "class_name_of", "declared_families", "declared_family"]
 
 
 class FamilyEntry(NamedTuple):
@@ -80,7 +81,15 @@ def class_name_of(root: Path) -> str:
     return str(read_json(config).get("_class_name", "UNet2DModel"))
 
 
-def family_loader(root: Path) -> Callable[..., Any]:
+class Loader(NamedTuple):
+    """A folder's family loader and what it accepts beyond the common keywords, as its family
+    declares it (``Family.loader_takes``; an entry naming no family instance: nothing)."""
+
+    load: Callable[..., LoadedModel]
+    takes: frozenset[str]
+
+
+def family_loader(root: Path) -> Loader:
     """The loader for the folder's family, or a one-line error naming the supported classes."""
     import importlib
 
@@ -89,7 +98,9 @@ def family_loader(root: Path) -> Callable[..., Any]:
         raise UnsupportedConfigError(
             f"unsupported model class {name!r} in {root}; supported: {', '.join(sorted(FAMILY_OF_CLASS))}")
     entry = FAMILY_OF_CLASS[name]
-    return getattr(importlib.import_module(entry[0]), entry[1])
+    module = importlib.import_module(entry[0])
+    family = getattr(module, entry[2]) if len(entry) > 2 and entry[2] else None
+    return Loader(getattr(module, entry[1]), family.loader_takes if isinstance(family, Family) else frozenset())
 
 
 def declared_family(root: Path) -> Optional[Family]:

@@ -131,6 +131,9 @@ class Family:
     (``preheat.families.inputs``); width and height come from :meth:`native_size` and
     :meth:`size_rule`. The common ones (n / steps / sampler / ...) are ``COMMON_SPECS``.
     ``positional``: the input a string first argument fills (``pipe("a fox")``), if any.
+    ``loader_takes``: what this family's loader accepts beyond the common keywords (offloading, the
+    second model folders of ``preheat.load``), declared so that a misfit is refused in one line before
+    any weight is read (``preheat.load_options``).
     """
 
     name: str = "family"
@@ -140,6 +143,7 @@ class Family:
     preview_n: int = 16  # how many images ``preheat sample`` makes when not told (a grid of classes)
     pixels_in_loop: bool = True  # the denoising program ends with the conversion to uint8
     samplers: tuple[str, ...] = DIFFUSION_SAMPLERS  # the samplers this family's models were trained for
+    loader_takes: frozenset[str] = frozenset()  # of "offload_encoders", "controlnet", "refiner"
 
     @property
     def inputs(self) -> tuple[str, ...]:

@@ -70,13 +70,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from preheat.errors import InvalidArgumentError, UnsupportedConfigError
+from preheat.errors import InvalidArgumentError
 from preheat.families import image as image_input
-from preheat.families.components import SDComponents
-from preheat.families.control import (CONTROL_SPECS, check_control_inputs, control_cond, control_window, keep_scale,
+from preheat.families.control import (CONTROL_SPECS, check_control_inputs, control_cond, control_window,
                                       refuse_without_controlnet)
 from preheat.families.experts import (AESTHETIC_SCORE, IMAGE_INPUTS, NEGATIVE_AESTHETIC_SCORE, REFINER_SPECS,
-                                      ExpertView, by_expert, check_handoff, check_refiner, cutoff_leaf,
+                                      ExpertView, check_handoff, cutoff_leaf,
                                       refuse_image_inputs_with_refiner, refuse_without_refiner)
 from preheat.families.guidance import GUIDANCE_RESCALE
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
@@ -84,17 +83,18 @@ from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGT
 from preheat.lora import encoder_adapters
 from preheat.families.inputs import InputSpec, Int, Pair, Text
 from preheat.families.schedule import SCHEDULE_SPECS
+from preheat.families.sd_loading import inpainting, load_sd
 from preheat.samplers import DIFFUSION_SAMPLERS, EDM_SAMPLERS
 from preheat.families.stages import EncodeArgs
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, SAMPLER_OF_SCHEDULER, TextToImageFamily, component,
-                                   encode, load_scheduler, offload)
+                                   encode)
 
 if TYPE_CHECKING:
     from preheat.models.weights import LoadOptions
 
 
 __all__ = ["StableDiffusionFamily", "SD", "SDXL", "SDXL_REFINER", "load_stable_diffusion", "load_stable_diffusion_xl",
-           "SAMPLER_OF_SCHEDULER", "check_controlnet"]
+           "SAMPLER_OF_SCHEDULER"]
 
 # SDXL's micro-conditioning (diffusers' names and defaults): data, (height, width) pairs
 SDXL_SIZE_SPECS = (
@@ -152,6 +152,7 @@ class StableDiffusionFamily(TextToImageFamily):
     control_scale: tuple[float, float, float] = (1.0, 0.8, 0.5)
     # EDM's too: a folder saved with an EDM scheduler (Playground v2.5, CosXL) takes those, the others the rest
     samplers: tuple[str, ...] = DIFFUSION_SAMPLERS + EDM_SAMPLERS
+    loader_takes: frozenset[str] = frozenset({"offload_encoders", "controlnet"})  # SDXL's: a refiner too
 
     # ------------------------------------------------------------------ inputs
 
@@ -173,7 +174,12 @@ class StableDiffusionFamily(TextToImageFamily):
     def for_folder(self, root: Path) -> StableDiffusionFamily:
         from preheat.models.safetensors_files import read_json
 
-        return _folder_family(self, read_json(Path(root) / "model_index.json", "pipeline index"))
+        return self.for_index(read_json(Path(root) / "model_index.json", "pipeline index"))
+
+    def for_index(self, index: Mapping[str, Any]) -> StableDiffusionFamily:
+        """An SDXL refiner's index (StableDiffusionXLImg2ImgPipeline with ``requires_aesthetics_score``)
+        makes the refiner family; any other index keeps its class's family."""
+        return SDXL_REFINER if self.xl and index.get("requires_aesthetics_score") else self
 
     def folder_specs(self, root: Path) -> tuple[InputSpec, ...]:
         from preheat.models.safetensors_files import read_json
@@ -182,7 +188,7 @@ class StableDiffusionFamily(TextToImageFamily):
         index = read_json(root / "model_index.json", "pipeline index")
         unet = read_json(component(root, index, "unet") / "config.json", "UNet config")
         vae = read_json(component(root, index, "vae") / "config.json", "VAE config")
-        return self._required_images(self.specs, _inpainting(unet.get("in_channels", 4), vae.get("latent_channels", 4)))
+        return self._required_images(self.specs, inpainting(unet.get("in_channels", 4), vae.get("latent_channels", 4)))
 
     def check_inputs(self, pipe: EngineView, n: int, inputs: dict[str, Any]) -> dict[str, Any]:
         control = pipe.components.controlnet is not None
@@ -377,6 +383,7 @@ SD = StableDiffusionFamily()
 SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,
                              defaults={"sampler": "euler", "steps": 30, "guidance": 5.0}, strength=(0.3, 0.9999),
                              control_strength=(0.8, 0.9999), control_scale=(1.0, 0.8, 1.0),
+                             loader_takes=frozenset({"offload_encoders", "controlnet", "refiner"}),
                              specs=(PROMPT, PROMPT_2, NEGATIVE_PROMPT, NEGATIVE_PROMPT_2, *SDXL_SIZE_SPECS,
                                     *SDXL_NEGATIVE_SIZE_SPECS, IMAGE, MASK_IMAGE, STRENGTH, PADDING_MASK_CROP,
                                     GUIDANCE_RESCALE, *SCHEDULE_SPECS))
@@ -484,199 +491,7 @@ def _control_inpaint_negative_time_ids(values: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------------------- loading
-
-
-def sgm_lora_names(cfg: Any, layers: Mapping[str, tuple[int, int]]) -> dict[str, tuple[tuple[str, None, None, bool], ...]]:
-    """kohya LoRA names in the original (LDM/SGM) UNet layout -- ``lora_unet_input_blocks_4_1_transformer_blocks_0_
-    attn1_to_k``, most SDXL LoRAs -- with "_" for ".", -> the diffusers layer each names. Each down level is
-    ``layers + 1`` input blocks (the last a downsampler), each up level ``layers + 1`` output blocks; ``_1``
-    is a block's transformer."""
-    blocks: dict[str, str] = {"mid_block.attentions.0": "middle_block_1"}
-    n = 1
-    for level, count in enumerate(cfg.layers):
-        for j in range(count):
-            blocks[f"down_blocks.{level}.attentions.{j}"] = f"input_blocks_{n + j}_1"
-        n += count + 1
-    n = 0
-    for level, count in enumerate(reversed(cfg.layers)):
-        for j in range(count + 1):
-            blocks[f"up_blocks.{level}.attentions.{j}"] = f"output_blocks_{n + j}_1"
-        n += count + 1
-    names = {}
-    for path in layers:
-        parts = path.split(".")
-        head = ".".join(parts[:3] if parts[0] == "mid_block" else parts[:4])  # the transformer block
-        if head in blocks:
-            names[f"{blocks[head]}_{path[len(head) + 1:]}".replace(".", "_")] = ((path, None, None, False),)
-    return names
-
-
-def _load(root: Path, family: StableDiffusionFamily, *, scheduler: Any, dtype: Any,
-          variant: str | None, offload_encoders: bool, options: LoadOptions | None,
-          controlnet: Any = None, refiner: Any = None, shared_vae: Any = None) -> LoadedModel:
-    import jax.numpy as jnp
-
-    from preheat.lora import LoraTargets
-    from preheat.models.clip import load_clip_text
-    from preheat.models.adapters import targets as lora_targets
-    from preheat.models.safetensors_files import read_json
-    from preheat.models.tokenizer import CLIPTokenizer
-    from preheat.models.unet2d_condition import load_unet_condition
-    from preheat.models.vae import load_vae
-    from preheat.models.weights import check_dtype
-
-    root = Path(root)
-    dtype = check_dtype(dtype)
-    index = read_json(root / "model_index.json", "pipeline index")
-    family = _folder_family(family, index)
-    names = [("text_encoder", "tokenizer")] + ([("text_encoder_2", "tokenizer_2")] if family.xl else [])
-    if family.aesthetics:  # a refiner's index has no first encoder: [null, null]
-        names = [(te, tok) for te, tok in names if index.get(te) != [None, None]]
-    tokenizers, encoders = [], []
-    for te_name, tok_name in names:
-        tokenizers.append(CLIPTokenizer.from_folder(component(root, index, tok_name)))
-        entry = index.get(te_name)
-        model_class = entry[1] if isinstance(entry, (list, tuple)) and len(entry) == 2 else None
-        encoder = load_clip_text(component(root, index, te_name), dtype=dtype, variant=variant, options=options,
-                                 model_class=model_class)
-        encoders.append(offload(encoder, options) if offload_encoders else encoder)
-    unet = load_unet_condition(component(root, index, "unet"), dtype=dtype, variant=variant, options=options)
-    vae = (shared_vae if shared_vae is not None  # an ensemble's refiner decodes nothing: the base's VAE
-           else load_vae(component(root, index, "vae"), dtype=dtype, variant=variant, options=options))
-    sched, defaults = load_scheduler(root, family, scheduler, index)
-
-    cfg = unet.config
-    width = sum(te.config.hidden_size for te in encoders)
-    if family.xl and cfg.addition_embed_type != "text_time":
-        raise UnsupportedConfigError(f"{root}: an SDXL UNet needs addition_embed_type 'text_time', "
-                                     f"got {cfg.addition_embed_type!r}")
-    # the UNet's own check: cross_attention_dim vs the encoders' width (and SDXL's pooled + 6 ids; a refiner's 5)
-    unet.check_text_conditioning(width, encoders[-1].config.projection_dim if family.xl else None,
-                                 5 if family.aesthetics else 6)
-    latent_channels = vae.config.latent_channels
-    inpaint = _inpainting(cfg.in_channels, latent_channels)
-    if cfg.in_channels != latent_channels and not inpaint:
-        raise UnsupportedConfigError(f"{root}: the VAE has {latent_channels} latent channels, the UNet takes "
-                                     f"{cfg.in_channels} (an inpainting UNet takes {2 * latent_channels + 1})")
-    vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
-    control = None
-    if controlnet is not None:
-        from preheat.models.controlnet import load_controlnet
-
-        control = load_controlnet(controlnet, dtype=dtype, options=options)
-        check_controlnet(control.config, cfg, family, inpaint, vae_scale, str(controlnet))
-    expert = None
-    if refiner is not None:  # SDXL's ensemble of experts (preheat.families.experts)
-        check_refiner(Path(refiner), family, inpaint, control is not None)
-        expert = _load(Path(refiner), SDXL, scheduler=scheduler, dtype=dtype, variant=variant,
-                       offload_encoders=offload_encoders, options=options, shared_vae=vae)
-        if expert.components.inpaint or expert.scheduler_config != sched:
-            raise UnsupportedConfigError(f"refiner={refiner}: " + ("an inpainting refiner UNet is not supported"
-                                         if expert.components.inpaint else "its scheduler config differs from the "
-                                         "base's (the ensemble runs one schedule); give both the same"))
-    latent = cfg.sample_size if isinstance(cfg.sample_size, (list, tuple)) else (cfg.sample_size, cfg.sample_size)
-
-    def apply(params: Any, x: Any, t: Any, cond: dict[str, Any], lora: Any = None) -> Any:
-        added = {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]} if family.xl else None
-        if expert is not None:  # params: (the base UNet's, the refiner's); the refiner takes no LoRA
-            params, refiner_params = params
-            own = {k: cond[f"refiner_{k}"] for k in ("context", "text_embeds", "time_ids")}
-            return by_expert(t, cond["refiner_cutoff"],
-                             lambda y: unet.apply(params, y, t, cond["context"], added, lora),
-                             lambda y: expert.apply(refiner_params, y, t, own), x)
-        residuals = None
-        if control is not None:  # params: (the UNet's, the ControlNet's); both branches take it (guess mode: its
-            # unconditional residuals scaled by 0, as diffusers' zeros), each residual its own scale
-            params, control_params = params
-            # outside its window the ControlNet still runs, scaled by 0: a lax.cond skipping it costs more per
-            # step it runs than it saves on this CPU (docs/benchmarks.md, round 19)
-            residuals = control.apply(control_params, x, t, cond["context"], cond["control_image"],
-                                      keep_scale(cond, t), added)
-        if inpaint:  # (B, h, w, C + 1 + C): after the scheduler's input scaling, as diffusers concatenates
-            x = jnp.concatenate([x, cond["mask"].astype(x.dtype), cond["masked_image_latents"].astype(x.dtype)], -1)
-        return unet.apply(params, x, t, cond["context"], added, lora, residuals)
-
-    # LoRA: every Linear / 1x1 conv of the UNet and the text encoders takes an adapter (preheat.lora)
-    te_names = tuple(te for te, _ in names)
-    layers = {"denoiser": lora_targets(unet.graphdef, unet.params),
-              **{name: lora_targets(te.graphdef, te.params) for name, te in zip(te_names, encoders)}}
-    prefixes = {"unet": "denoiser", "lora_unet": "denoiser"}
-    first = {"text_encoder": "text_encoder", "lora_te": "text_encoder", "lora_te1": "text_encoder"}
-    if "text_encoder" in te_names:
-        prefixes.update(first)
-    if "text_encoder_2" in te_names:
-        prefixes.update({"text_encoder_2": "text_encoder_2", "lora_te2": "text_encoder_2"})
-    targets = LoraTargets(family=family.name, layers=layers, prefixes=prefixes,
-                          path_prefix={name: "text_model." for name in te_names},
-                          aliases=sgm_lora_names(cfg, layers["denoiser"]), alias_prefixes=("lora_unet_",),
-                          absent={} if "text_encoder" in te_names else first)  # a refiner: refused, as diffusers
-
-    components = SDComponents(
-        tokenizers=tuple(tokenizers),
-        text_encoders=tuple(encoders),
-        vae=vae,
-        vae_scale=vae_scale,
-        size_multiple=vae_scale,  # odd latent sides are fine: the UNet upsamples to each skip's size
-        inpaint=inpaint,
-        force_zeros=bool(index.get("force_zeros_for_empty_prompt", True)),
-        clip_layers=min(te.config.num_hidden_layers for te in encoders),  # bounds clip_skip
-        controlnet=None if control is None else control.config,
-        refiner=None if expert is None else expert.components,
-        lora_targets=targets,
-        lora_encoders=te_names,
-        encode_fingerprint={"kind": "clip-text", "encoders": [te.config.architecture_dict() for te in encoders],
-                               "dtype": str(dtype), "xl": family.xl},
-        # scaling/shift factors live in the VAE's params (data), not in the program
-        decode_fingerprint={"kind": "vae-decode", "config": vae.config.architecture_dict(), "dtype": str(vae.dtype)},
-    )
-    fingerprint = {"kind": "unet2d-condition", "family": family.name, "config": cfg.architecture_dict()}
-    params = unet.params
-    if control is not None:  # its architecture changes the program; its weights are arguments, as the UNet's
-        fingerprint["controlnet"] = {"config": control.config.architecture_dict(), "dtype": str(control.dtype)}
-        params = (unet.params, control.params)
-    if expert is not None:  # the refiner's UNet too: its architecture in the key, its weights an argument
-        fingerprint["refiner"] = expert.fingerprint
-        params = (unet.params, expert.params)
-    return LoadedModel(apply=apply, params=params,
-                       sample_shape=(int(latent[0]), int(latent[1]), latent_channels), scheduler_config=sched,
-                       fingerprint=fingerprint, family=family, defaults=defaults,
-                       dtype=str(jnp.dtype(dtype)), layout="NCHW", components=components)
-
-
-def check_controlnet(config: Any, unet: Any, family: StableDiffusionFamily, inpaint: bool, vae_scale: int,
-                      source: str) -> None:
-    """A ControlNet that fits the UNet (its residuals' count and widths, its text and time
-    conditioning, its control image's scale), and a pipeline diffusers runs it in; else one line.
-    Beside an inpainting UNet it takes the latents alone, as diffusers' ControlNet inpaint pipelines
-    give it the sample before the mask channels join it."""
-    from preheat.models.controlnet import skip_widths
-
-    if family.aesthetics:
-        raise UnsupportedConfigError(f"controlnet={source}: a ControlNet with an SDXL refiner is not supported")
-    own, theirs = skip_widths(config.unet_config()), skip_widths(unet)
-    checks = (("its residuals' widths", own, theirs), ("cross_attention_dim", config.cross_attention_dim,
-                                                       unet.cross_attention_dim),
-              ("addition_embed_type", config.addition_embed_type, unet.addition_embed_type),
-              ("projection_class_embeddings_input_dim", config.projection_class_embeddings_input_dim,
-               unet.projection_class_embeddings_input_dim),
-              ("in_channels", config.in_channels, (unet.in_channels - 1) // 2 if inpaint else unet.in_channels),
-              ("pixels per latent", config.downscale, vae_scale))
-    for what, got, want in checks:
-        if got != want:
-            raise UnsupportedConfigError(f"controlnet={source} does not fit this model: {what} {got!r}, the model's "
-                                         f"{want!r}")
-
-
-def _folder_family(family: StableDiffusionFamily, index: Mapping[str, Any]) -> StableDiffusionFamily:
-    """An SDXL refiner's index (StableDiffusionXLImg2ImgPipeline with ``requires_aesthetics_score``)
-    makes the refiner family; any other index keeps its class's family."""
-    return SDXL_REFINER if family.xl and index.get("requires_aesthetics_score") else family
-
-
-def _inpainting(unet_in_channels: int, latent_channels: int) -> bool:
-    """An inpainting UNet (StableDiffusion[XL]InpaintPipeline) takes the sample, the mask and the
-    masked image's latents."""
-    return unet_in_channels == 2 * latent_channels + 1
+# (each variant's parts: ``families.sd_loading``)
 
 
 def load_stable_diffusion(root: Any, *, scheduler: Any = None, dtype: Any = "float32",
@@ -684,8 +499,8 @@ def load_stable_diffusion(root: Any, *, scheduler: Any = None, dtype: Any = "flo
                           options: LoadOptions | None = None, controlnet: Any = None) -> LoadedModel:
     """A ``StableDiffusionPipeline`` folder (SD 1.x, 2.x; epsilon or v-prediction); ``controlnet``: a
     ControlNetModel folder to run beside the UNet (``families.control``)."""
-    return _load(Path(root), SD, scheduler=scheduler, dtype=dtype, variant=variant, offload_encoders=offload_encoders,
-                 options=options, controlnet=controlnet)
+    return load_sd(Path(root), SD, scheduler=scheduler, dtype=dtype, variant=variant,
+                   offload_encoders=offload_encoders, options=options, controlnet=controlnet)
 
 
 def load_stable_diffusion_xl(root: Any, *, scheduler: Any = None, dtype: Any = "float32",
@@ -695,5 +510,5 @@ def load_stable_diffusion_xl(root: Any, *, scheduler: Any = None, dtype: Any = "
     """A ``StableDiffusionXLPipeline`` folder (base), or an SDXL refiner's (``requires_aesthetics_score``);
     ``controlnet``: an SDXL ControlNetModel folder (base only); ``refiner``: an SDXL refiner folder
     that takes over part-way (base only: ``families.experts``)."""
-    return _load(Path(root), SDXL, scheduler=scheduler, dtype=dtype, variant=variant,
-                 offload_encoders=offload_encoders, options=options, controlnet=controlnet, refiner=refiner)
+    return load_sd(Path(root), SDXL, scheduler=scheduler, dtype=dtype, variant=variant,
+                   offload_encoders=offload_encoders, options=options, controlnet=controlnet, refiner=refiner)

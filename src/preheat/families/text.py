@@ -39,6 +39,7 @@ class TextToImageFamily(Family):
     preview_n: int = 1
     pixels_in_loop: bool = False
     max_size: int = 2048
+    loader_takes: frozenset[str] = frozenset({"offload_encoders"})  # the text encoders' weights in host memory
 
     def native_size(self, pipe: EngineView) -> tuple[int, int]:
         scale = pipe.components.vae_scale

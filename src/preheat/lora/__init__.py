@@ -16,7 +16,7 @@ Files read (safetensors), by key style::
                                                                       file's lora_adapter_metadata)
     kohya / A1111      lora_unet_<path with _>.lora_down.weight, .lora_up.weight, .alpha
                        lora_te_ / lora_te1_ / lora_te2_ for the text encoders; the UNet also in the
-                       original layout, lora_unet_input_blocks_4_1_... (``families.stable_diffusion.sgm_lora_names``)
+                       original layout, lora_unet_input_blocks_4_1_... (``families.sd_loading.sgm_lora_names``)
     Flux, BFL names    lora_unet_double_blocks_0_img_attn_qkv (kohya), diffusion_model.double_blocks.0...
                        (ComfyUI), double_blocks.0.processor.qkv_lora1.down.weight (XLabs): a fused
                        q/k/v (/mlp) layer shares A and splits B's rows (``families.flux.bfl_lora_names``)

@@ -47,7 +47,7 @@ def load_controlnet(folder: Any, root: Path, family: Any, inpaint: bool, vae_sca
     ``root``, after the JAX loader's fit checks on the configs alone."""
     from diffusers import ControlNetModel
 
-    from preheat.families.stable_diffusion import check_controlnet
+    from preheat.families.sd_loading import check_controlnet
     from preheat.families.text import component
     from preheat.models.controlnet import read_controlnet_config, resolve_controlnet_dir
     from preheat.models.unet2d_condition import read_unet_condition_config
