@@ -50,6 +50,10 @@ def case(request, tmp_path_factory):
     return name, folder, proj
 
 
+def _stacked(model) -> bool:
+    return any("stacked" in map(str, k) for k, _ in nnx.to_flat_state(model.params))
+
+
 def _err(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
 
@@ -63,6 +67,7 @@ def test_matches_transformers_fp32(case, length):
     assert model.config.with_projection is proj
     out = jax.jit(model.apply)(model.params, jnp.asarray(ids, jnp.int32))
     n_layers = model.config.num_hidden_layers
+    assert _stacked(model) is (n_layers >= 3)  # 3+ layers: one scan (stacking.scan_min), its ys the states
     assert len(out.hidden_states) == len(ref["hidden_states"]) == n_layers + 1
     assert out.last_hidden_state.shape == (5, length, 32)
     assert _err(out.last_hidden_state, ref["last_hidden_state"]) <= FP32_TOL
@@ -75,6 +80,51 @@ def test_matches_transformers_fp32(case, length):
         assert _err(out.text_embeds, ref["text_embeds"]) <= FP32_TOL
     else:
         assert out.text_embeds is None and ref["text_embeds"] is None
+
+
+def _load(folder, monkeypatch, scan: bool, **kw):
+    with monkeypatch.context() as m:
+        m.setenv("PREHEAT_SCAN_MIN", "3" if scan else "off")
+        return load_clip_text(folder, **kw)
+
+
+def test_scanned_layers_match_the_unrolled_ones_with_lora(tmp_path, monkeypatch):
+    """The scan's per-layer outputs are the unrolled hidden_states; a LoRA reaches every scanned
+    layer by its checkpoint path; unstack gives back the checkpoint's leaves."""
+    from preheat.models.adapters import Adapters, targets
+    from preheat.models.stacking import unstack
+
+    folder = save_tiny_clip(tmp_path / "m", with_projection=True, hidden_act="gelu", num_hidden_layers=4)
+    flat, scanned = _load(folder, monkeypatch, False), _load(folder, monkeypatch, True)
+    assert not _stacked(flat) and _stacked(scanned)
+    ids = jnp.asarray(_prompts_ids(), jnp.int32)
+    layers = targets(flat.graphdef, flat.params)
+    assert targets(scanned.graphdef, scanned.params) == layers  # per-layer paths, the checkpoint's
+    k, r = 2, 4
+    keys = iter(jax.random.split(jax.random.key(0), 2 * len(layers)))
+    factors = {path: (jax.random.normal(next(keys), (k, cin, r)) * 0.1, jax.random.normal(next(keys), (k, r, cout)) * 0.1)
+               for path, (cin, cout) in layers.items()}
+    lora = Adapters(factors, jnp.ones((k, r)), jnp.array([0, 1, 0, 1, 1], jnp.int32))
+    one = {p: (f[0] * 0, f[1] * 0) for p, f in factors.items()}
+    one["text_model.encoder.layers.2.mlp.fc2"] = factors["text_model.encoder.layers.2.mlp.fc2"]
+    lone = Adapters(one, lora.scales, lora.index)
+
+    def run(model, adapters):
+        return jax.jit(lambda p, lo: model.apply(p, ids, lora=lo))(model.params, adapters)
+
+    base = run(flat, None)
+    for adapters in (None, lora, lone):
+        want, got = run(flat, adapters), run(scanned, adapters)
+        assert len(got.hidden_states) == len(want.hidden_states) == 5
+        for i, (g, w) in enumerate(zip(got.hidden_states, want.hidden_states)):
+            assert _err(g, w) <= 2e-5, f"hidden_states[{i}]"
+        assert _err(got.text_embeds, want.text_embeds) <= 2e-5
+        if adapters is not None:  # the adapters (one scanned layer's alone) change the output
+            assert _err(got.last_hidden_state, base.last_hidden_state) > 1e-4
+    back = {tuple(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(unstack(scanned.params))}
+    assert back.keys() == {tuple(map(str, k)) for k, _ in nnx.to_flat_state(flat.params)}
+    for k, v in nnx.to_flat_state(flat.params):
+        np.testing.assert_array_equal(np.asarray(back[tuple(map(str, k))]), np.asarray(v.get_value()))
 
 
 def test_pooled_position_follows_the_eos_rule(tmp_path):

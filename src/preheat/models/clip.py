@@ -16,6 +16,10 @@ Submodules are named like transformers' so a parameter path *is* the checkpoint 
     text_model.final_layer_norm.{weight,bias}
     text_projection.weight                             (P, D), WithProjection only, no bias
 
+Loaded, the layers (3 or more: ``stacking.scan_min``) are one scanned ``stacking.BlockStack``,
+``text_model.encoder.layers.stacked.…`` with a leading (N,) axis, stacked once after the reads:
+the encode stage compiles one layer, not N; the scan's per-layer outputs are ``hidden_states``.
+
 Every published diffusers folder (saved by transformers 4.x) uses these keys for both classes.
 transformers 5.x saves a plain ``CLIPTextModel`` without the ``text_model.`` prefix; both layouts
 load (``checkpoint_key``). The ``position_ids`` buffer some checkpoints carry is ignored.
@@ -42,6 +46,7 @@ from preheat.models import weights
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Embedding, LayerNorm, Linear
 from preheat.models.safetensors_files import TRANSFORMERS_STEM, read_json, read_tensors, weight_files
+from preheat.models.stacking import BlockStack, blocks, scanned, stack
 from preheat.models.weights import LoadOptions, check_dtype, fill
 from preheat.models.attention import dot_product_attention
 
@@ -239,27 +244,34 @@ class CLIPTextEmbeddings(nnx.Module):
 
 
 class CLIPEncoder(nnx.Module):
-    def __init__(self, c: CLIPTextConfig, *, rngs: nnx.Rngs):
-        self.layers = nnx.List([CLIPEncoderLayer(c, rngs=rngs) for _ in range(c.num_hidden_layers)])
+    def __init__(self, c: CLIPTextConfig, *, rngs: nnx.Rngs, stacked: bool = False):
+        """``stacked``: the serving form, the layers one scanned ``stacking.BlockStack`` (3+ layers)."""
+        self.layers = blocks(lambda: CLIPEncoderLayer(c, rngs=rngs), c.num_hidden_layers, stacked)
+
+    def __call__(self, h: Array) -> list[Array]:
+        """(B, L, D) embeddings -> [h, then each layer's output]: num_layers + 1 of (B, L, D)."""
+        if isinstance(self.layers, BlockStack):  # one scan; its ys are the per-layer states
+            _, ys = self.layers.run(h, lambda layer, x: layer(x), emit=True)  # (N, B, L, D)
+            return [h, *(ys[i] for i in range(self.layers.n))]
+        states = [h]
+        for layer in self.layers:
+            states.append(layer(states[-1]))
+        return states
 
 
 class CLIPTextTransformer(nnx.Module):
     """transformers' ``text_model``: embeddings, encoder, final_layer_norm, pooled EOS state."""
 
-    def __init__(self, c: CLIPTextConfig, *, rngs: nnx.Rngs):
+    def __init__(self, c: CLIPTextConfig, *, rngs: nnx.Rngs, stacked: bool = False):
         self.embeddings = CLIPTextEmbeddings(c, rngs=rngs)
-        self.encoder = CLIPEncoder(c, rngs=rngs)
+        self.encoder = CLIPEncoder(c, rngs=rngs, stacked=stacked)
         self.final_layer_norm = LayerNorm(c.hidden_size, c.layer_norm_eps)
         self.eos_token_id = c.eos_token_id
 
     def __call__(self, ids: Array, dtype: Any) -> tuple[Array, tuple[Array, ...], Array]:
         """(B, L) ids -> last_hidden_state (B, L, D), hidden_states, pooled (B, D)."""
-        h = self.embeddings(ids).astype(dtype)  # (B, L, D)
-        states = [h]
-        for layer in self.encoder.layers:
-            h = layer(h)
-            states.append(h)
-        last = self.final_layer_norm(h)
+        states = self.encoder(self.embeddings(ids).astype(dtype))  # num_layers + 1 of (B, L, D)
+        last = self.final_layer_norm(states[-1])
         ids32 = ids.astype(jnp.int32)
         if self.eos_token_id == LEGACY_EOS_TOKEN_ID:
             eos = jnp.argmax(ids32, axis=-1)  # (B,) the highest id, <|endoftext|> in CLIP's vocab
@@ -272,10 +284,11 @@ class CLIPTextTransformer(nnx.Module):
 class CLIPTextModel(nnx.Module):
     """Both classes: ``text_model`` plus, for CLIPTextModelWithProjection, ``text_projection``."""
 
-    def __init__(self, config: CLIPTextConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: CLIPTextConfig, *, rngs: nnx.Rngs, stacked: bool = False):
+        """``stacked``: the serving form (``preheat.models.stacking``); the default is the checkpoint's."""
         config.validate()
         self.config = config
-        self.text_model = CLIPTextTransformer(config, rngs=rngs)
+        self.text_model = CLIPTextTransformer(config, rngs=rngs, stacked=stacked)
         self.text_projection = (_LinearNoBias(config.hidden_size, config.projection_dim, rngs=rngs)
                                 if config.with_projection else None)
 
@@ -309,9 +322,10 @@ def read_clip_config(folder: Path) -> CLIPTextConfig:
     return CLIPTextConfig.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))
 
 
-def build_abstract(config: CLIPTextConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory."""
-    return weights.build_abstract(lambda rngs: CLIPTextModel(config, rngs=rngs))
+def build_abstract(config: CLIPTextConfig, stacked: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory.
+    ``stacked``: the serving form (``preheat.models.stacking``); the default is the checkpoint's."""
+    return weights.build_abstract(lambda rngs: CLIPTextModel(config, rngs=rngs, stacked=stacked))
 
 
 def checkpoint_key(key: str) -> str:
@@ -387,4 +401,6 @@ def load_clip_text(folder: str | Path, dtype: Any = jnp.float32, variant: str | 
     graphdef, abstract = build_abstract(config)
     tensors = read_tensors(weight_files(folder, (TRANSFORMERS_STEM,), variant), rename=checkpoint_key)
     params = fill(abstract, tensors, dtype, str(folder), ignore=_is_buffer, options=options)
+    if scanned(config.num_hidden_layers):  # the layers scanned: weights stacked once, here
+        graphdef, params = stack(lambda rngs: CLIPTextModel(config, rngs=rngs, stacked=True), params, options)
     return CLIPText(config=config, graphdef=graphdef, params=params, dtype=dtype)

@@ -108,12 +108,15 @@ class BlockStack(nnx.Module):
         """``x`` through the N blocks in order: ``block_i(x, *args)``, one scan iteration each."""
         return self.run(x, lambda block, h: block(h, *args))
 
-    def run(self, carry: Any, step: Callable[[nnx.Module, Any], Any], skip: Sequence[int] = ()) -> Any:
+    def run(self, carry: Any, step: Callable[[nnx.Module, Any], Any], skip: Sequence[int] = (),
+            emit: bool = False) -> Any:
         """``carry`` (a pytree, e.g. Flux's (text, image) streams) through the N blocks in order:
         ``carry = step(block_i, carry)``. Each block's weights are upcast (fp8, quantised) to the
         carry's dtype inside its iteration, tied to the carry, as ``LoadedX.apply`` does.
         ``skip``: block indices (0..N-1, static) passed over (SD3.5's skip-layer guidance): a
-        ``lax.cond`` per iteration, in the programs that skip only."""
+        ``lax.cond`` per iteration, in the programs that skip only.
+        ``emit``: also every block's output, stacked (N, ...) -- ``(carry, outputs)`` -- for the
+        callers that keep each layer's state (CLIP's ``hidden_states``, read by clip_skip)."""
         from preheat.models.adapters import attach_stacked
         from preheat.models.storage import upcast
 
@@ -122,7 +125,7 @@ class BlockStack(nnx.Module):
         factors = {} if lora is None else lora.factors
         skipped = jnp.asarray([i in skip for i in range(self.n)]) if skip else None  # (N,) bool
 
-        def body(c: Any, xs: Any) -> tuple[Any, None]:
+        def body(c: Any, xs: Any) -> tuple[Any, Any]:
             layer, layer_factors, off = xs
 
             def one(c: Any) -> Any:
@@ -131,10 +134,11 @@ class BlockStack(nnx.Module):
                 attach_stacked(block, lora, layer_factors)
                 return step(block, c)
 
-            return (one(c) if off is None else jax.lax.cond(off, lambda c: c, one, c)), None
+            c = one(c) if off is None else jax.lax.cond(off, lambda c: c, one, c)
+            return c, (c if emit else None)
 
-        out, _ = jax.lax.scan(body, carry, (state, factors, skipped))
-        return out
+        out, ys = jax.lax.scan(body, carry, (state, factors, skipped))
+        return (out, ys) if emit else out
 
 
 def blocks(make: Callable[[], nnx.Module], n: int, stacked: bool) -> nnx.Module:
