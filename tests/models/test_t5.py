@@ -168,6 +168,7 @@ CASES = [
     ("inner-width-not-d_model", dict(num_heads=3, d_kv=6, d_ff=20)),  # H*Dk = 18
     ("v1.0-relu", dict(feed_forward_proj="relu")),
     ("gated-silu", dict(feed_forward_proj="gated-silu")),
+    ("five-layers-scanned", dict(num_layers=5)),  # blocks 1..4 one scan (stacking.scan_min 3)
 ]
 
 
@@ -188,6 +189,10 @@ def _ids_and_mask(length: int = 40) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
+def _stacked(enc) -> bool:
+    return any("stacked" in map(str, k) for k, _ in nnx.to_flat_state(enc.params))
+
+
 def _rel_err(ours, ref) -> float:
     ref = np.asarray(ref, np.float32)
     return float(np.abs(np.asarray(ours, np.float32) - ref).max() / np.abs(ref).max())
@@ -199,6 +204,7 @@ def test_matches_transformers_fp32(enc_case, masked):
     ids, mask = _ids_and_mask()
     ref = t5_reference(folder, ids, mask if masked else None)
     enc = load_t5_encoder(folder)
+    assert _stacked(enc) is (enc.config.num_layers >= 4)  # block 0 apart, the rest scanned when 3+
     out = jax.jit(enc.apply)(enc.params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask) if masked else None)
     assert out.shape == (3, 40, 32) and out.dtype == jnp.float32
     assert _rel_err(out, ref) <= FP32_REL_TOL, name
@@ -244,6 +250,33 @@ def test_fp16_keeps_wo_in_fp32_and_clamps_like_transformers(tmp_path):
     hot = load_t5_encoder(folder, dtype=jnp.float16)
     out = np.asarray(jax.jit(hot.apply)(hot.params, jnp.asarray(ids, jnp.int32)), np.float32)
     assert np.isfinite(out).all() and _rel_err(out, ref) <= 0.02
+
+
+def test_scanned_blocks_match_the_unrolled_ones_in_fp16(tmp_path, monkeypatch):
+    """float16: block 0 (outside the scan) turns the residual stream float32 (``wo``), the scan
+    carries it so; the same numbers as the unrolled blocks and transformers; unstack round-trips."""
+    import torch
+    from preheat.models.stacking import unstack
+
+    folder = save_tiny_t5_encoder(tmp_path / "t5", num_layers=5)
+    ids, mask = _ids_and_mask()
+
+    def load(scan: bool):
+        with monkeypatch.context() as m:
+            m.setenv("PREHEAT_SCAN_MIN", "3" if scan else "off")
+            return load_t5_encoder(folder, dtype=jnp.float16)
+
+    flat, scanned = load(False), load(True)
+    assert not _stacked(flat) and _stacked(scanned)
+    run = lambda enc: np.asarray(jax.jit(enc.apply)(enc.params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask)),
+                                 np.float32)
+    got, want = run(scanned), run(flat)
+    assert _rel_err(got, want) <= 1e-3
+    assert _rel_err(got, t5_reference(folder, ids, mask, dtype=torch.float16)) <= 0.01
+    back = {tuple(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(unstack(scanned.params))}
+    assert back.keys() == {tuple(map(str, k)) for k, _ in nnx.to_flat_state(flat.params)}
+    for k, v in nnx.to_flat_state(flat.params):
+        np.testing.assert_array_equal(np.asarray(back[tuple(map(str, k))]), np.asarray(v.get_value()))
 
 
 @pytest.mark.parametrize("buckets,distance,length", [(32, 128, 512), (8, 128, 300), (8, 20, 64), (16, 50, 700)])

@@ -16,6 +16,10 @@ Submodules are named like transformers' so a parameter path *is* the checkpoint 
     encoder.block.N.layer.1.layer_norm.weight                            (D,)
     encoder.final_layer_norm.weight                                      (D,)
 
+Loaded, blocks 1.. (3 or more: ``stacking.scan_min``) are one scanned ``stacking.BlockStack``,
+``encoder.block.1:N.stacked.…`` with a leading (N - 1,) axis, stacked once after the reads; block 0
+stays apart, as it alone holds the relative position bias that every block adds.
+
 ``encoder.embed_tokens.weight`` is tied to ``shared.weight``: a file may hold either or both.
 
 Block 0's relative position bias (bidirectional buckets, computed on the host for the static
@@ -47,6 +51,7 @@ from preheat.models import weights
 from preheat.models.config import JsonConfig
 from preheat.models.layers import Embedding, Linear
 from preheat.models.safetensors_files import TRANSFORMERS_STEM, read_json, read_tensors, weight_files
+from preheat.models.stacking import block_runs, run_blocks, scanned, stack
 from preheat.models.weights import LoadOptions, check_dtype, fill
 from preheat.models.attention import dot_product_attention
 
@@ -302,33 +307,36 @@ class T5Block(nnx.Module):
 class T5Stack(nnx.Module):
     """transformers' ``encoder``: the blocks and final_layer_norm (embed_tokens is ``shared``)."""
 
-    def __init__(self, c: T5Config, *, rngs: nnx.Rngs):
+    def __init__(self, c: T5Config, *, rngs: nnx.Rngs, stacked: bool = False):
+        """``stacked``: blocks 1.. (3+; block 0 alone holds the position bias) one scanned ``BlockStack``."""
         self.config = c
-        self.block = nnx.List([T5Block(c, i == 0, rngs=rngs) for i in range(c.num_layers)])
+        self.block = block_runs(lambda i: T5Block(c, i == 0, rngs=rngs), [i == 0 for i in range(c.num_layers)],
+                                stacked)
         self.final_layer_norm = T5LayerNorm(c.d_model, c.layer_norm_epsilon)
 
     def position_bias(self, length: int) -> Array:
         """(1, H, L, L) block 0's relative position bias, shared by every block."""
         buckets = relative_position_buckets(length, self.config.relative_attention_num_buckets,
                                             self.config.relative_attention_max_distance)  # (L, L)
-        values = self.block[0].layer[0].SelfAttention.relative_attention_bias(jnp.asarray(buckets))  # (L, L, H)
+        first = self.block["0"] if isinstance(self.block, nnx.Dict) else self.block[0]  # block_runs keys it "0"
+        values = first.layer[0].SelfAttention.relative_attention_bias(jnp.asarray(buckets))  # (L, L, H)
         return jnp.transpose(values, (2, 0, 1))[None]
 
     def __call__(self, h: Array, mask: Array | None) -> Array:  # (B, L, D) -> (B, L, D)
-        bias = self.position_bias(h.shape[1])
-        for block in self.block:
-            h = block(h, bias, mask)
+        bias = self.position_bias(h.shape[1])  # (1, H, L, L)
+        h = run_blocks(self.block, h, lambda block, x: block(x, bias, mask))  # a scan over blocks 1.. when stacked
         return self.final_layer_norm(h)
 
 
 class T5EncoderModel(nnx.Module):
     """``shared`` token embedding and the ``encoder`` stack."""
 
-    def __init__(self, config: T5Config, *, rngs: nnx.Rngs):
+    def __init__(self, config: T5Config, *, rngs: nnx.Rngs, stacked: bool = False):
+        """``stacked``: the serving form (``preheat.models.stacking``); the default is the checkpoint's."""
         config.validate()
         self.config = config
         self.shared = Embedding(config.vocab_size, config.d_model, rngs=rngs)
-        self.encoder = T5Stack(config, rngs=rngs)
+        self.encoder = T5Stack(config, rngs=rngs, stacked=stacked)
 
     def __call__(self, input_ids: Array, attention_mask: Array | None = None) -> Array:
         """(B, L) int ids, optional (B, L) mask (nonzero: attend) -> last_hidden_state (B, L, D)."""
@@ -345,9 +353,10 @@ def read_t5_config(folder: Path) -> T5Config:
     return T5Config.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))
 
 
-def build_abstract(config: T5Config) -> tuple[nnx.GraphDef, nnx.State]:
-    """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory."""
-    return weights.build_abstract(lambda rngs: T5EncoderModel(config, rngs=rngs))
+def build_abstract(config: T5Config, stacked: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graph definition and a State of ShapeDtypeStructs; costs no FLOPs and no memory.
+    ``stacked``: the serving form (``preheat.models.stacking``); the default is the checkpoint's."""
+    return weights.build_abstract(lambda rngs: T5EncoderModel(config, rngs=rngs, stacked=stacked))
 
 
 _TIED = "encoder.embed_tokens.weight"
@@ -411,4 +420,6 @@ def load_t5_encoder(folder: str | Path, dtype: Any = jnp.float32, variant: str |
     graphdef, abstract = build_abstract(config)
     tensors = _untie(read_tensors(weight_files(folder, (TRANSFORMERS_STEM,), variant)))
     params = fill(abstract, tensors, dtype, str(folder), dtype_for=_dtype_for(dtype), options=options)
+    if scanned(config.num_layers - 1):  # blocks 1.. scanned: weights stacked once, here
+        graphdef, params = stack(lambda rngs: T5EncoderModel(config, rngs=rngs, stacked=True), params, options)
     return T5Encoder(config=config, graphdef=graphdef, params=params, dtype=dtype)
