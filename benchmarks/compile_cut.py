@@ -10,12 +10,18 @@ fresh process, so no in-process cache helps the second.
     sdxl   SDXL base 1.0's UNet, one call: batch 2 (CFG), 128x128 latents (1024x1024), bf16
     flux   FLUX.1-dev's transformer (19 + 38 blocks), one call: batch 1, 64x64 tokens, 512 text tokens
     sd3    SD3.5 large's transformer (38 joint blocks), one call: batch 2 (CFG), 128x128 latents, 333 text tokens
+    clip   SDXL's encode stage: CLIP-L (12 layers) and OpenCLIP bigG (32) in one program, as the SD
+           family's encode program (penultimate states by a clip_skip array, pooled projection):
+           batch 2, 77 tokens, bf16
+    t5     T5 v1.1 XXL's encoder (24 blocks; block 0 stays out of the scan), FLUX's encode: batch 1,
+           512 tokens, bf16
 
 ``--steady`` times the running program instead (random weights, the unrolled and the scanned
 program called in turn, median of each) and compares their outputs: ``tiny`` is a small SDXL-shaped
 UNet with 4 blocks per transformer (CPU-sized), ``sdxl`` the whole SDXL UNet (for the chip).
 
     JAX_PLATFORMS=cpu python benchmarks/compile_cut.py --models sdxl,flux
+    python benchmarks/compile_cut.py --models clip,t5
     python benchmarks/compile_cut.py --platform tpu --models sdxl,flux
     python benchmarks/compile_cut.py --platform tpu --steady sdxl --reps 10
 
@@ -122,6 +128,57 @@ def _sd3(stacked: bool, batch: int, latent: int, text: int, dtype: Any, one_bloc
     return model.apply, args
 
 
+SDXL_CLIP_L: dict[str, Any] = dict(  # stabilityai/stable-diffusion-xl-base-1.0 text_encoder/config.json
+    architectures=["CLIPTextModel"], hidden_act="quick_gelu", hidden_size=768, intermediate_size=3072,
+    num_attention_heads=12, num_hidden_layers=12, projection_dim=768, max_position_embeddings=77,
+    vocab_size=49408, eos_token_id=2)
+SDXL_CLIP_G: dict[str, Any] = dict(  # text_encoder_2/config.json (OpenCLIP bigG)
+    architectures=["CLIPTextModelWithProjection"], hidden_act="gelu", hidden_size=1280, intermediate_size=5120,
+    num_attention_heads=20, num_hidden_layers=32, projection_dim=1280, max_position_embeddings=77,
+    vocab_size=49408, eos_token_id=2)
+T5_XXL: dict[str, Any] = dict(  # FLUX.1-dev text_encoder_2/config.json (T5 v1.1 XXL)
+    d_ff=10240, d_kv=64, d_model=4096, dense_act_fn="gelu_new", feed_forward_proj="gated-gelu", is_gated_act=True,
+    layer_norm_epsilon=1e-6, num_heads=64, num_layers=24, relative_attention_max_distance=128,
+    relative_attention_num_buckets=32, vocab_size=32128)
+
+
+def _sdxl_encode(stacked: bool, batch: int, dtype: Any):
+    """SDXL's encode program (``families.stable_diffusion._encode_program`` with ``xl``) on abstract weights."""
+    import jax
+    import jax.numpy as jnp
+
+    from preheat.models.clip import CLIPText, CLIPTextConfig, build_abstract, hidden_state_from_end
+
+    encoders = []
+    for raw in (SDXL_CLIP_L, SDXL_CLIP_G):
+        cfg = CLIPTextConfig.from_dict({"model_type": "clip_text_model", **raw})
+        graph, state = build_abstract(cfg, stacked=stacked)
+        state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), state)
+        encoders.append(CLIPText(config=cfg, graphdef=graph, params=state, dtype=dtype))
+
+    def program(params: Any, ids: Any, skip: Any) -> Any:
+        outs = [te.apply(p, i) for te, p, i in zip(encoders, params, ids)]
+        context = jnp.concatenate([hidden_state_from_end(o, skip + 2) for o in outs], axis=-1)  # (B, 77, 2048)
+        return context.astype(jnp.float32), outs[-1].text_embeds.astype(jnp.float32)
+
+    sds = jax.ShapeDtypeStruct
+    ids = sds((batch, 77), jnp.int32)
+    return program, ([te.params for te in encoders], [ids, ids], sds((batch,), jnp.int32))
+
+
+def _t5(stacked: bool, batch: int, text: int, dtype: Any):
+    import jax
+    import jax.numpy as jnp
+
+    from preheat.models.t5 import T5Config, T5Encoder, build_abstract
+
+    cfg = T5Config.from_dict({"model_type": "t5", "architectures": ["T5EncoderModel"], **T5_XXL})
+    graph, state = build_abstract(cfg, stacked=stacked)
+    state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), state)
+    enc = T5Encoder(config=cfg, graphdef=graph, params=state, dtype=dtype)
+    return enc.apply, (state, jax.ShapeDtypeStruct((batch, text), jnp.int32))
+
+
 def compile_row(model: str, form: str) -> dict[str, Any]:
     """Trace, lower and compile one call of ``model`` in ``form``; seconds and the program's size."""
     import jax
@@ -143,8 +200,14 @@ def compile_row(model: str, form: str) -> dict[str, Any]:
     elif model == "sd3":  # one-block: two blocks, a joint one and the last
         fn, args = _sd3(stacked, 2, 128, 333, jnp.bfloat16, one_block=form == "one-block")
         shape = "batch 2, 128x128 latents, 333 text tokens, bf16"
+    elif model == "clip" and form != "one-block":
+        fn, args = _sdxl_encode(stacked, 2, jnp.bfloat16)
+        shape = "SDXL encode: CLIP-L + bigG, batch 2, 77 tokens, bf16"
+    elif model == "t5" and form != "one-block":
+        fn, args = _t5(stacked, 1, 512, jnp.bfloat16)
+        shape = "T5-XXL encoder, batch 1, 512 tokens, bf16"
     else:
-        raise SystemExit(f"unknown model {model!r}: sdxl, flux or sd3")
+        raise SystemExit(f"unknown model {model!r} (form {form!r}): sdxl, flux, sd3, clip or t5")
     jax.jit(lambda x: x + 1).lower(jnp.zeros(2)).compile()  # the backend's start, outside the rows
     t0 = time.perf_counter()
     traced = jax.jit(fn).trace(*args)
@@ -264,7 +327,7 @@ def steady(name: str, reps: int, interleave: bool | None = None) -> dict[str, An
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--platform", default="cpu", help="cpu or tpu (JAX_PLATFORMS)")
-    ap.add_argument("--models", default="sdxl", help="comma-separated: sdxl, flux, sd3")
+    ap.add_argument("--models", default="sdxl", help="comma-separated: sdxl, flux, sd3, clip, t5")
     ap.add_argument("--forms", default=",".join(FORMS), help="comma-separated: unrolled, scanned")
     ap.add_argument("--steady", choices=("tiny", "sdxl"), help="time the running programs instead")
     ap.add_argument("--reps", type=int, default=15)
