@@ -672,6 +672,7 @@ def _prefetch(loaded: LoadedModel, mesh: Any, compiler: Any,
                 view.generate(inputs.pop("n", None), **inputs)
             except PreheatError:  # a bad call fails on its own, when it is made
                 continue
-        return view.compiler.items
+        # with each program: a miss compiles on the prefetch's threads, the stages at once
+        return [(*item, program) for item, program in zip(view.compiler.items, view.compiler.programs)]
 
     compiler.prefetch(items, phases)

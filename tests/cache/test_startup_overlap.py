@@ -134,6 +134,23 @@ def test_crashed_background_thread_loads_on_the_first_call(model_dir, published,
     assert event["layer"] == "aot" and "injected" in event["prefetch"], event  # loaded here instead
 
 
+def test_a_cold_prefetch_compiles_every_stage_in_the_background(model_dir, published, tmp_path, monkeypatch):
+    """Nothing cached: the rehearsed programs compile on the prefetch's threads (a text family's
+    encode, denoise and decode at once), while the weights are read; the first call takes them."""
+    pixels, _, _ = published
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "cold"))
+    monkeypatch.delenv("PREHEAT_CACHE_URL", raising=False)
+    pipe = preheat.load(model_dir, prefetch=[CALL])
+    assert np.array_equal(pipe.generate(**CALL), pixels)
+    events = pipe.compiler.events
+    assert events and all(e["prefetch"] == "background" and e.get("background_compile") == "done"
+                                    and "miss" in e and e["layer"] in ("none", "xla") for e in events), events
+    assert "executable.compile" in pipe.startup.spans
+    again = preheat.load(model_dir, prefetch=[CALL])  # stored as they compiled: the next start loads them
+    assert np.array_equal(again.generate(**CALL), pixels)
+    assert all(e["layer"] == "aot" for e in again.compiler.events), again.compiler.events
+
+
 def test_without_prefetch_the_phases_are_sequential(model_dir, published, tmp_path, monkeypatch):
     _, home, _ = published
     shutil.copytree(home, tmp_path / "home")

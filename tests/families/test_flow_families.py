@@ -296,6 +296,18 @@ def test_a_restart_prefetches_every_stage_of_a_flow_model(folders):
     assert got == [(s, "aot", "background") for s in ("encode", "denoise", "decode")], warm.compiler.events
 
 
+def test_a_cold_prefetch_compiles_the_three_stages_at_once(folders):
+    """Nothing cached: SD3's encode, flow loop and decoder compile together on the prefetch's
+    threads while the weights are read (not one after another on the first call); the image is an
+    uncached load's."""
+    call = dict(prompt="a fox", steps=2, seed=4)
+    want = preheat.load(folders["sd3"], cache="off").generate(**call)
+    cold = preheat.load(folders["sd3"], prefetch=[{"steps": 28}])  # this test's own, empty cache root
+    np.testing.assert_array_equal(cold.generate(**call), want)
+    got = [(e["stage"], e.get("prefetch"), e.get("background_compile")) for e in cold.compiler.events]
+    assert got == [(s, "background", "done") for s in ("encode", "denoise", "decode")], cold.compiler.events
+
+
 def test_offload_encoders_is_refused_for_models_without_text():
     with pytest.raises(PreheatError, match="offload_encoders applies to text-to-image models"):
         preheat.load(None, cache="off", offload_encoders=True)

@@ -38,6 +38,9 @@ log = logging.getLogger("preheat.cache")
 EXECUTABLE = "executable.bin"
 
 Items = list[tuple[dict[str, Any], Any, Any, int]]  # (fingerprint, signature, arguments, outputs) per program
+# A prefetch item may carry a fifth element, the program itself (``Rehearsal.programs``): a miss is
+# then compiled on the prefetch's own threads, every stage's at once (XLA compiles release the GIL).
+BACKGROUND_COMPILES = 3  # at most this many at once: a cold start's encode, denoise and decode
 
 
 class Rehearsal:
@@ -53,10 +56,12 @@ class Rehearsal:
 
     def __init__(self) -> None:
         self.items: Items = []
+        self.programs: list[Callable[..., Any]] = []  # items[i]'s program, for a prefetch to compile a miss
 
     def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: Any,
                        outputs: int = 1) -> tuple[Callable[..., Any], Timings]:
         self.items.append((fingerprint, sig, args, outputs))
+        self.programs.append(program)
         return zeros_like_outputs(sig, program, args), Timings(cache_layer="none")
 
 
@@ -136,8 +141,9 @@ class JaxCompiler(EntryCache):
         prefetched = self._take_prefetched(key, record)
         if prefetched is not None:
             compiled, waited = prefetched
-            if compiled is not None:  # loaded in the background: only the wait is on this thread's path
-                timings = Timings(trace_lower_s=0.0, compile_s=waited, cache_layer="aot")
+            if compiled is not None:  # loaded (or compiled) in the background: only the wait is on this path
+                timings = Timings(trace_lower_s=record.pop("background_trace_lower_s", 0.0), compile_s=waited,
+                                  cache_layer=record.pop("background_layer", "aot"))
                 self._note(record, timings)
                 return self._maybe_retune(key, sig, program, args, compiled, record), timings
             # the background load missed or failed (quarantined): compile, as a miss here would
@@ -150,6 +156,13 @@ class JaxCompiler(EntryCache):
                 return self._maybe_retune(key, sig, program, args, compiled, record), timings
             record["miss"] = self._explain_miss(fields)
 
+        compiled, timings = self._compile(key, fields, program, args, record)
+        self._note(record, timings)
+        return compiled, timings
+
+    def _compile(self, key: str, fields: dict[str, Any], program: Callable[..., Any], args: Any,
+                 record: dict[str, Any]) -> tuple[Any, Timings]:
+        """Trace, lower and compile ``program`` (a miss), and store it in full mode."""
         start = time.perf_counter()
         lowered = jax.jit(program).lower(args)
         traced = time.perf_counter()
@@ -175,7 +188,6 @@ class JaxCompiler(EntryCache):
             record["store"] = "skipped: the executable came from JAX's persistent cache"
         elif self.mode == "full":
             self._store(key, fields, compiled, record)
-        self._note(record, timings)
         return compiled, timings
 
     def _maybe_retune(self, key: str, sig: Any, program: Callable[..., Any], args: Any, served: Any,
@@ -428,6 +440,32 @@ class Prefetch:
         if self._thread.is_alive() or self._thread.ident is not None:
             self._thread.join()
 
+    def _compile_misses(self, misses: list[tuple[str, dict[str, Any], Any, Any, dict[str, Any]]]) -> None:
+        """Compile the programs no cache held, up to ``BACKGROUND_COMPILES`` at once: a cold start's
+        stages, which the first call would otherwise compile one after another. One that fails here
+        is left to the first call, which compiles it on its own path (and says why it failed)."""
+        from concurrent.futures import ThreadPoolExecutor
+        from preheat.timings import now_s
+
+        def one(key: str, fields: dict[str, Any], program: Any, args: Any, record: dict[str, Any]) -> None:
+            try:
+                compiled, timings = self.compiler._compile(key, fields, program, args, record)
+            except Exception as exc:  # never a crash: the first call compiles it
+                record["background_compile"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+                return
+            record.update(background_compile="done", background_layer=timings.cache_layer,
+                          background_trace_lower_s=timings.trace_lower_s, background_compile_s=timings.compile_s)
+            self.results[key] = (compiled, record)
+
+        if not misses:
+            return
+        start = now_s()
+        with ThreadPoolExecutor(min(BACKGROUND_COMPILES, len(misses)), thread_name_prefix="preheat-compile") as pool:
+            for job in [pool.submit(one, *m) for m in misses]:
+                job.result()
+        if self.phases is not None:
+            self.phases.add("executable.compile", start, now_s())
+
     def _run(self) -> None:
         from preheat.timings import now_s
 
@@ -437,16 +475,18 @@ class Prefetch:
                 items = self.items() if callable(self.items) else self.items
                 if self.phases is not None and callable(self.items):
                     self.phases.add("executable.keys", start, now_s())
-                for fingerprint, sig, args, outputs in items:
+                for fingerprint, sig, args, outputs, *program in items:
                     fields = self.compiler.fields_for(fingerprint, sig, args)
-                    self.keys[key_of(fields)] = (fields, args, outputs, getattr(sig, "stage", "denoise"))
+                    self.keys[key_of(fields)] = (fields, args, outputs, getattr(sig, "stage", "denoise"),
+                                                 program[0] if program else None)
             finally:
                 self.keys_ready.set()
             if self.compiler._startup_id is not None:  # the next start's guess (preheat.cache.early)
                 from preheat.cache.early import remember
 
                 remember(self.compiler.root, self.compiler._startup_id, list(self.keys))
-            for key, (fields, args, outputs, stage) in self.keys.items():
+            misses = []
+            for key, (fields, args, outputs, stage, program) in list(self.keys.items()):
                 record: dict[str, Any] = {"key": key, "stage": stage}
                 t0 = time.perf_counter()
                 pulled = [now_s()]
@@ -457,6 +497,9 @@ class Prefetch:
                 if compiled is None and "quarantined" not in record:
                     record["miss"] = self.compiler._explain_miss(fields)
                 self.results[key] = (compiled, record)
+                if compiled is None and program is not None:
+                    misses.append((key, fields, program, args, record))
+            self._compile_misses(misses)
             if self.compiler._early is not None:
                 self.compiler._early.drop()  # guesses nobody asked for
         except Exception as exc:  # never a crash: the first call loads or compiles on its own
