@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -251,6 +252,10 @@ def test_sharded_executable_restarts_warm_and_is_not_used_on_two_devices(tmp_pat
     assert again["event"]["prefetch"] == "background", again
     assert np.array_equal(np.load(tmp_path / "fsdp.npy"), np.load(tmp_path / "fsdp_warm.npy"))
     _close(np.load(tmp_path / "cold.npy"), np.load(tmp_path / "fsdp.npy"))
+    shutil.rmtree(home)  # nothing cached: a prefetching start compiles on its threads, weights split alike
+    fresh = serve(4, 4, "fsdp_fresh.npy", fsdp=2, prefetch=True)
+    assert fresh["event"]["prefetch"] == "background" and fresh["event"]["background_compile"] == "done", fresh
+    assert np.array_equal(np.load(tmp_path / "fsdp.npy"), np.load(tmp_path / "fsdp_fresh.npy"))
 
 
 SERVER = """
