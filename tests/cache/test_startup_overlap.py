@@ -151,6 +151,24 @@ def test_a_cold_prefetch_compiles_every_stage_in_the_background(model_dir, publi
     assert all(e["layer"] == "aot" for e in again.compiler.events), again.compiler.events
 
 
+def test_background_compiles_setting(model_dir, published, tmp_path, monkeypatch):
+    """``PREHEAT_BACKGROUND_COMPILES=0``: a cold prefetching start compiles on the first call, as
+    before; a value that is not a count is refused in one line."""
+    from preheat.errors import InvalidArgumentError
+
+    pixels, _, _ = published
+    monkeypatch.setenv("PREHEAT_HOME", str(tmp_path / "cold"))
+    monkeypatch.delenv("PREHEAT_CACHE_URL", raising=False)
+    monkeypatch.setenv("PREHEAT_BACKGROUND_COMPILES", "0")
+    pipe = preheat.load(model_dir, prefetch=[CALL])
+    assert np.array_equal(pipe.generate(**CALL), pixels)
+    events = pipe.compiler.events
+    assert events and all("background_compile" not in e and e["layer"] in ("none", "xla") for e in events), events
+    monkeypatch.setenv("PREHEAT_BACKGROUND_COMPILES", "many")
+    with pytest.raises(InvalidArgumentError, match="PREHEAT_BACKGROUND_COMPILES"):
+        preheat.load(model_dir, prefetch=[CALL])
+
+
 def test_without_prefetch_the_phases_are_sequential(model_dir, published, tmp_path, monkeypatch):
     _, home, _ = published
     shutil.copytree(home, tmp_path / "home")

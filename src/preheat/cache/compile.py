@@ -41,6 +41,19 @@ Items = list[tuple[dict[str, Any], Any, Any, int]]  # (fingerprint, signature, a
 # A prefetch item may carry a fifth element, the program itself (``Rehearsal.programs``): a miss is
 # then compiled on the prefetch's own threads, every stage's at once (XLA compiles release the GIL).
 BACKGROUND_COMPILES = 3  # at most this many at once: a cold start's encode, denoise and decode
+BACKGROUND_COMPILES_ENV = "PREHEAT_BACKGROUND_COMPILES"  # 0: misses compile on the first call, in turn
+
+
+def background_compiles() -> int:
+    """How many prefetched misses may compile at once on the prefetch's threads (0: none)."""
+    from preheat.errors import InvalidArgumentError
+
+    raw = os.environ.get(BACKGROUND_COMPILES_ENV, "").strip()
+    if not raw:
+        return BACKGROUND_COMPILES
+    if not raw.isdigit():
+        raise InvalidArgumentError(f"{BACKGROUND_COMPILES_ENV} must be a count (0: off), got {raw!r}")
+    return int(raw)
 
 
 class Rehearsal:
@@ -254,7 +267,7 @@ class JaxCompiler(EntryCache):
         if self.mode != "full" or not items:
             self._prefetch = None
             return Prefetch(self, [], phases)
-        self._prefetch = Prefetch(self, items, phases)
+        self._prefetch = Prefetch(self, items, phases, background_compiles())  # a bad setting fails here, in one line
         self._prefetch.start()
         return self._prefetch
 
@@ -423,8 +436,9 @@ def on_device(args: Any, device: Any) -> Any:
 class Prefetch:
     """Executables loading on a background thread (``JaxCompiler.prefetch``)."""
 
-    def __init__(self, compiler: JaxCompiler, items: Items | Callable[[], Items], phases: Any):
+    def __init__(self, compiler: JaxCompiler, items: Items | Callable[[], Items], phases: Any, at_once: int = 0):
         self.compiler, self.items, self.phases = compiler, items, phases
+        self.at_once = at_once  # misses compiled at once on this prefetch's threads (0: on the first call)
         self.keys: dict[str, tuple] = {}  # computed on the thread (hashing the traced sources is not free)
         self.keys_ready = threading.Event()
         self.results: dict[str, tuple[Any, dict[str, Any]]] = {}
@@ -440,8 +454,8 @@ class Prefetch:
         if self._thread.is_alive() or self._thread.ident is not None:
             self._thread.join()
 
-    def _compile_misses(self, misses: list[tuple[str, dict[str, Any], Any, Any, dict[str, Any]]]) -> None:
-        """Compile the programs no cache held, up to ``BACKGROUND_COMPILES`` at once: a cold start's
+    def _compile_misses(self, misses: list[tuple[str, dict[str, Any], Any, Any, dict[str, Any]]], at_once: int) -> None:
+        """Compile the programs no cache held, up to ``at_once`` at once: a cold start's
         stages, which the first call would otherwise compile one after another. One that fails here
         is left to the first call, which compiles it on its own path (and says why it failed)."""
         from concurrent.futures import ThreadPoolExecutor
@@ -457,10 +471,10 @@ class Prefetch:
                           background_trace_lower_s=timings.trace_lower_s, background_compile_s=timings.compile_s)
             self.results[key] = (compiled, record)
 
-        if not misses:
+        if not misses or at_once < 1:
             return
         start = now_s()
-        with ThreadPoolExecutor(min(BACKGROUND_COMPILES, len(misses)), thread_name_prefix="preheat-compile") as pool:
+        with ThreadPoolExecutor(min(at_once, len(misses)), thread_name_prefix="preheat-compile") as pool:
             for job in [pool.submit(one, *m) for m in misses]:
                 job.result()
         if self.phases is not None:
@@ -499,7 +513,7 @@ class Prefetch:
                 self.results[key] = (compiled, record)
                 if compiled is None and program is not None:
                     misses.append((key, fields, program, args, record))
-            self._compile_misses(misses)
+            self._compile_misses(misses, self.at_once)
             if self.compiler._early is not None:
                 self.compiler._early.drop()  # guesses nobody asked for
         except Exception as exc:  # never a crash: the first call loads or compiles on its own
