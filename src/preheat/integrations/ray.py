@@ -150,10 +150,17 @@ class RayOptions:
         return options
 
     @classmethod
+    def from_core(cls, config: Any, **deployment: Any) -> "RayOptions":
+        """Replicas that each serve ``config`` (a ``CoreConfig``: ``preheat serve --ray``), with its
+        names for the settings; ``deployment``: the deployment's own options (``num_replicas``, ...)."""
+        shared = {f.name for f in fields(cls)} & {f.name for f in fields(config)}
+        return cls(**{name: getattr(config, name) for name in shared}, **deployment)
+
+    @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "RayOptions":
-        """The core's settings from ``PREHEAT_<SETTING>`` (``preheat.server.config.ENV_SETTINGS``,
+        """The core's settings from ``PREHEAT_<SETTING>`` (``preheat.server.settings.ENV_SETTINGS``,
         as Runpod reads them), and the deployment's from ``PREHEAT_RAY_REPLICAS`` / ``PREHEAT_RAY_GPUS``."""
-        from preheat.server.config import env_var, settings_from_env
+        from preheat.server.settings import env_var, settings_from_env
 
         env = os.environ if env is None else env
         deployment = {name: env[var] for name, var in RAY_ENV.items() if env.get(var, "").strip()}
@@ -163,7 +170,7 @@ class RayOptions:
     def check(self, name_of: Callable[[str], str] = str) -> None:
         """Each value in its range, or one line naming the first that is not as the user gave it
         (``name_of(option)``: the ``serve run`` arg, or ``from_env``'s variable)."""
-        from preheat.server.config import LIMITS, check_limits
+        from preheat.server.settings import LIMITS, check_limits
 
         check_limits({name: getattr(self, name) for name in LIMITS}, name_of)  # the core's (lora_dir: on the replica)
         at_least = {"num_replicas": 1, "grace_s": 0, "push_grace_s": 0, "num_gpus": 0, "num_cpus": 0}
@@ -212,7 +219,7 @@ def _coerce(name: str, value: Any, label: str) -> Any:
     """A typed value for option ``name`` from a string (``serve run`` args) or a typed one: the
     core's settings as Runpod types them (``typed_setting``), then the deployment's own. A
     malformed one is one line naming ``label`` (how the user gave it)."""
-    from preheat.server.config import ENV_SETTINGS, typed_setting
+    from preheat.server.settings import ENV_SETTINGS, typed_setting
 
     if value is None:
         return None
