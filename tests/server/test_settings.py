@@ -65,4 +65,6 @@ def test_ray_replicas_serve_what_the_command_line_declared():
     config = CoreConfig.from_settings(settings, settings.warm_set(), SettingNames())
     options = RayOptions.from_core(config, num_replicas=2)
     assert options.core_config().warm_set() == config.warm_set() and options.core_config().max_queue == 5
-    assert set(options.replica_args()) - {"grace_s", "cache_home"} <= set(RayOptions.args())
+    assert set(options.replica_args()) <= set(RayOptions.args())
+    replica = RayOptions.from_args(options.replica_args())  # what each replica is constructed from
+    assert replica.core_config() == options.core_config()

@@ -1,7 +1,8 @@
 """`preheat warm`: compile a declared set of programs ahead of time (a Docker build step, CI, or
 a one-off job against the fleet store), so that a new pod's first request never compiles.
 
-The declaration's options (``declaration_options``) are the same on ``preheat serve``, so a warm
+The declaration's options (``declaration_options``, generated from ``preheat.server.settings``:
+the fields of surface ``warm``) are the same on ``preheat serve``, so a warm
 job and a server agree on what "warm" means; both read an absent option's ``PREHEAT_<SETTING>``
 variable (``cli.settings_env``), so a warm job in the server's environment agrees with it too.
 """
