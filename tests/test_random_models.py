@@ -86,7 +86,7 @@ def test_serve_and_warm_take_random_names_at_their_tiny_size(folders, home, monk
     """The declaration keeps ``random:NAME`` as given (``preheat.load`` reads its folder); resolving
     it serves a tiny model at its tiny size unless sizes are given, for the CLI, Runpod and Ray alike."""
     import preheat
-    from preheat.server.settings import ServeSettings
+    from preheat.settings import ServeSettings
     from preheat.warm import resolve
 
     monkeypatch.setenv("PREHEAT_HOME", str(home))

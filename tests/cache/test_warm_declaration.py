@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from preheat.warm import WarmSet
-from preheat.server.settings import ServeSettings
+from preheat.settings import ServeSettings
 from preheat.server.core import CoreConfig
 
 

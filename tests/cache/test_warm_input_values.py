@@ -77,7 +77,7 @@ def test_what_the_family_does_not_declare_static_is_one_line(flux_pipe, values, 
 def test_one_declaration_for_warm_serve_runpod_and_ray():
     """The flag, PREHEAT_INPUT_VALUES and Ray's typed args all give the same WarmSet field, and a
     server's config warms what `preheat warm` compiled."""
-    from preheat.server.settings import ServeSettings
+    from preheat.settings import ServeSettings
 
     warm_set = ServeSettings(max_batch_size=4, input_values=f"{LENGTH}=256,512").warm_set()
     assert warm_set.input_values == ((LENGTH, ("256", "512")),)

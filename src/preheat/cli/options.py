@@ -29,7 +29,7 @@ import click
 from preheat.cli.family_options import FLAGS, cli_size_specs, size_flags  # FLAGS: a common keyword -> its flag
 from preheat.cli.settings_env import settings_options
 from preheat.families.inputs import COMMON_SPECS, IMAGE_SIZE, Choice, Float, InputSpec, Int, common_spec
-from preheat.server.settings import CACHE_LAYERS, DTYPES  # the denoiser dtypes the engine compiles for; cache layers
+from preheat.settings import CACHE_LAYERS, DTYPES  # the denoiser dtypes the engine compiles for; cache layers
 
 __all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptions", "FLAGS", "SAMPLER",
            "common_option", "spec_option", "size_options", "renamed_option", "output_options", "echo_result",
@@ -109,7 +109,7 @@ def echo_result(result: Any, text: str, as_json: bool) -> None:
 
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--dtype, --weights-dtype, --weights-layers, --variant, --cache, --config, --controlnet, --refiner: how the
-    model is loaded (declared with every serving setting: ``preheat.server.settings``, surface ``load``)."""
+    model is loaded (declared with every serving setting: ``preheat.settings``, surface ``load``)."""
     return settings_options("load")(fn)
 
 

@@ -79,11 +79,11 @@ def serve_command(**given: Any) -> None:
     settings.check_serving(name_of)
     warm_set = settings.warm_set(name_of)
     names = SettingNames.by(name_of)  # set-up messages (an unusable size) name what the user wrote
-    from preheat.server.config import CoreConfig
+    from preheat.server.config import CoreConfig, http_options
 
     config = CoreConfig.from_settings(settings, warm_set, names, name_of)  # a bad address or fetch limit: one line
     token = os.environ.get("PREHEAT_API_TOKEN") or None
-    http = settings.http_options(token)
+    http = http_options(settings, token)
     backend = settings.backend
     _check_backend(backend)
     if settings.compile != "none" and backend != "torch":

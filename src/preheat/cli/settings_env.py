@@ -1,9 +1,9 @@
-"""The click side of the settings' declaration (``preheat.server.settings.ServeSettings``): each
+"""The click side of the settings' declaration (``preheat.settings.ServeSettings``): each
 setting's option, generated from its field (:func:`setting_option`, :func:`settings_options`:
 the options of ``serve``, of ``warm`` and the load options of ``sample``), and the environment.
 
 `preheat serve` and `preheat warm` read a deployment's settings from the environment, as
-Runpod's worker and Ray's replicas do: one table (``preheat.server.settings.ENV_SETTINGS``), each
+Runpod's worker and Ray's replicas do: one table (``preheat.settings.ENV_SETTINGS``), each
 setting as ``PREHEAT_<SETTING>`` (``env_var``), so that a pod template's ``PREHEAT_SIZES`` means
 the same to every surface, and a warm job run in the server's environment warms what it serves.
 
@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import click
 from click.core import ParameterSource
 
-from preheat.server.settings import ENV_SETTINGS, SETTINGS, ServeSettings, env_var, flag_of
+from preheat.settings import ENV_SETTINGS, SETTINGS, ServeSettings, env_var, flag_of
 
 __all__ = ["SettingsCommand", "flag_of", "setting_of", "names_of", "setting_option", "settings_options",
            "settings_given"]

@@ -1,7 +1,7 @@
 """`preheat warm`: compile a declared set of programs ahead of time (a Docker build step, CI, or
 a one-off job against the fleet store), so that a new pod's first request never compiles.
 
-The declaration's options (``declaration_options``, generated from ``preheat.server.settings``:
+The declaration's options (``declaration_options``, generated from ``preheat.settings``:
 the fields of surface ``warm``) are the same on ``preheat serve``, so a warm
 job and a server agree on what "warm" means; both read an absent option's ``PREHEAT_<SETTING>``
 variable (``cli.settings_env``), so a warm job in the server's environment agrees with it too.
@@ -17,7 +17,7 @@ import click
 from preheat.cli._support import one_line_errors
 from preheat.cli.options import NON_NEGATIVE
 from preheat.cli.settings_env import SettingsCommand, flag_of, names_of, setting_option, settings_given, settings_options
-from preheat.server.settings import samplers_from_text
+from preheat.settings import samplers_from_text
 
 __all__ = ["warm_command", "declaration_options", "inputs_option", "input_values_option", "samplers_from_text"]
 

@@ -63,7 +63,7 @@ from ray import serve
 
 from preheat.errors import InvalidArgumentError, PreheatError
 from preheat.server.config import CoreConfig
-from preheat.server.settings import ENV_SETTINGS, typed_setting
+from preheat.settings import ENV_SETTINGS, typed_setting
 from preheat.warm import SettingNames
 
 __all__ = ["RayOptions", "Preheat", "build_app", "deployment", "app", "run", "health_error", "proxy_middlewares", "FORWARDED_ENV",
@@ -141,9 +141,9 @@ class RayOptions(CoreConfig):
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "RayOptions":
-        """The core's settings from ``PREHEAT_<SETTING>`` (``preheat.server.settings.ENV_SETTINGS``,
+        """The core's settings from ``PREHEAT_<SETTING>`` (``preheat.settings.ENV_SETTINGS``,
         as Runpod reads them), and the deployment's from ``PREHEAT_RAY_REPLICAS`` / ``PREHEAT_RAY_GPUS``."""
-        from preheat.server.settings import env_var, settings_from_env
+        from preheat.settings import env_var, settings_from_env
 
         env = os.environ if env is None else env
         deployment = {name: env[var] for name, var in RAY_ENV.items() if env.get(var, "").strip()}
@@ -153,7 +153,7 @@ class RayOptions(CoreConfig):
     def check(self, name_of: Callable[[str], str] = str) -> None:
         """Each value in its range, or one line naming the first that is not as the user gave it
         (``name_of(option)``: the ``serve run`` arg, or ``from_env``'s variable)."""
-        from preheat.server.settings import LIMITS, check_limits
+        from preheat.settings import LIMITS, check_limits
 
         check_limits({name: getattr(self, name) for name in LIMITS}, name_of)  # the core's (lora_dir: on the replica)
         at_least = {"num_replicas": 1, "grace_s": 0, "push_grace_s": 0, "num_gpus": 0, "num_cpus": 0}

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from preheat.errors import InvalidArgumentError
-from preheat.server.settings import (ENV_SETTINGS, LIMITS, RETUNE_IDLE_S, ServeSettings, check_limits, env_var, flag_of,
+from preheat.settings import (ENV_SETTINGS, LIMITS, RETUNE_IDLE_S, ServeSettings, check_limits, env_var, flag_of,
                                      parse_idle_s, settings_from_env, typed_setting)
 from preheat.warm import GUIDANCE_MODES, SettingNames, WarmSet
 
-# the declaration's tables and parsers (``preheat.server.settings``), where the config's readers import them
-__all__ = ["CoreConfig", "SettingNames", "load_pipeline", "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting",
+# the declaration's tables and parsers (``preheat.settings``), where the config's readers import them
+__all__ = ["CoreConfig", "SettingNames", "load_pipeline", "http_options", "fetch_config", "address_policy", "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting",
            "RETUNE_IDLE_S", "parse_idle_s", "LIMITS", "check_limits"]
 
 
@@ -98,8 +98,8 @@ class CoreConfig:
         return cls.from_warm_set(
             warm, backend=settings.backend, batch_wait_ms=settings.batch_wait_ms, max_queue=settings.max_queue,
             max_steps=settings.max_steps, push_grace_s=settings.push_grace_s, compile=settings.compile,
-            max_loras=settings.max_loras, lora_dir=settings.lora_dir, lora_urls=settings.address_policy("lora_url"),
-            fetch=settings.fetch_config(), max_image_pixels=settings.max_image_pixels,
+            max_loras=settings.max_loras, lora_dir=settings.lora_dir, lora_urls=address_policy(settings, "lora_url"),
+            fetch=fetch_config(settings), max_image_pixels=settings.max_image_pixels,
             retune_idle_s=parse_idle_s(settings.retune_idle_s, name_of("retune_idle_s")), names=names)
 
     @classmethod
@@ -116,6 +116,44 @@ class CoreConfig:
                    **options)
 
 
+
+
+def address_policy(settings: ServeSettings, kind: str = "webhook") -> Any:
+    """The address policy of webhooks (``kind`` "webhook") or of requests' URLs ("lora_url");
+    a bad CIDR names its flag."""
+    from preheat.server.webhooks import WebhookPolicy, WebhookRefused
+
+    try:
+        return WebhookPolicy(allow_private=getattr(settings, f"{kind}_allow_private"),
+                             allow=tuple(getattr(settings, f"{kind}_allow")))
+    except WebhookRefused as err:
+        raise InvalidArgumentError(f"{flag_of(kind + '_allow')}: {err}") from None
+
+
+def fetch_config(settings: ServeSettings) -> Any:
+    """The limits of the fetches requests cause; a bad one fails in one line naming its flag."""
+    from preheat.server.fetch import FetchConfig
+
+    flags = {"connect_timeout_s": "fetch_connect_timeout_s", "deadline_s": "fetch_deadline_s",
+             "max_lora_bytes": "max_lora_bytes", "max_image_bytes": "max_image_bytes",
+             "per_host": "fetch_per_host", "max_fetches": "max_fetches"}
+    try:
+        return FetchConfig(**{key: getattr(settings, name) for key, name in flags.items()})
+    except InvalidArgumentError as err:
+        flag = flag_of(flags[err.argument]) if err.argument in flags else err.argument
+        raise InvalidArgumentError(f"{flag} {str(err).split(' ', 1)[1]}", argument=err.argument) from None
+
+
+def http_options(settings: ServeSettings, token: Optional[str]) -> dict[str, Any]:
+    """``preheat.server.serve.serve``'s keywords beside the config: the HTTP server's limits."""
+    if settings.max_header_bytes < 1024 or settings.max_headers < 8:
+        raise InvalidArgumentError(f"--max-header-bytes {settings.max_header_bytes} must be >= 1024 and "
+                                   f"--max-headers {settings.max_headers} >= 8")
+    return dict(host=settings.host, port=settings.port, grace_s=settings.grace_s, token=token,
+                log_level=settings.log_level, webhooks=address_policy(settings),
+                max_body_bytes=settings.max_body_bytes, header_timeout_s=settings.header_timeout_s,
+                body_timeout_s=settings.body_timeout_s, max_header_bytes=settings.max_header_bytes,
+                max_headers=settings.max_headers, keep_alive_on_failure=settings.keep_alive_on_failure)
 
 
 def load_pipeline(config: CoreConfig) -> Any:

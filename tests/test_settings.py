@@ -1,4 +1,4 @@
-"""The settings' one declaration (``preheat.server.settings.ServeSettings``): every surface's view of
+"""The settings' one declaration (``preheat.settings.ServeSettings``): every surface's view of
 a setting comes from its field: the click options of ``serve``, ``warm`` and ``sample``, the
 ``PREHEAT_*`` table and parser Runpod and Ray read, and the serving limits."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from preheat.cli import main
 from preheat.errors import InvalidArgumentError
-from preheat.server.settings import ENV_SETTINGS, LIMITS, SETTINGS, ServeSettings, typed_setting
+from preheat.settings import ENV_SETTINGS, LIMITS, SETTINGS, ServeSettings, typed_setting
 
 
 def _params(name: str) -> dict[str, click.Parameter]:
@@ -51,8 +51,10 @@ def test_the_object_gives_the_warm_set_and_refuses_in_one_line_naming_the_settin
         ServeSettings(guidance="maybe").warm_set(lambda s: "PREHEAT_" + s.upper())
     with pytest.raises(InvalidArgumentError, match="^--header-timeout-s 0.0 must be > 0$"):
         ServeSettings(header_timeout_s=0.0).check_serving()
+    from preheat.server.config import fetch_config
+
     with pytest.raises(InvalidArgumentError, match="^--fetch-per-host "):
-        ServeSettings(fetch_per_host=0).fetch_config()
+        fetch_config(ServeSettings(fetch_per_host=0))
 
 
 def test_ray_replicas_serve_what_the_command_line_declared():

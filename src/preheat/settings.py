@@ -13,12 +13,13 @@ from its environment, how ``PREHEAT_<NAME>`` is read (``parse``). From it come:
 - :data:`LIMITS` and :func:`check_limits`, the ranges ``CoreConfig.check`` and Ray's options check.
 
 A new setting is one field here. A command hands its ``ServeSettings`` on (named, typed) instead
-of its options one by one; the methods turn it into what the engine and the server take
-(``warm_set``, ``http_options``; ``CoreConfig.from_settings``), each refusal one line naming the setting as
-the user gave it (``name_of``: its flag, or its variable where the value came from there).
+of its options one by one; it becomes what the engine and the server take (``warm_set`` here;
+``CoreConfig.from_settings`` and ``http_options`` in ``preheat.server.config``), each refusal one
+line naming the setting as the user gave it (``name_of``: its flag, or its variable where the
+value came from there).
 
-This module imports nothing heavy (the parsers are imported when a value is parsed), so that
-``preheat --help`` stays cheap.
+It sits below the server (``preheat sample``'s load options come from it, without the server) and
+imports nothing heavy (the parsers are imported when a value is parsed), so ``--help`` stays cheap.
 """
 
 from __future__ import annotations
@@ -338,41 +339,6 @@ class ServeSettings:
         if self.push_grace_s < 0:
             raise InvalidArgumentError(f"--push-grace-s {self.push_grace_s} must be >= 0")
         parse_idle_s(self.retune_idle_s, name_of("retune_idle_s"))
-
-    def address_policy(self, kind: str = "webhook") -> Any:
-        """The address policy of webhooks (``kind`` "webhook") or of requests' URLs ("lora_url");
-        a bad CIDR names its flag."""
-        from preheat.server.webhooks import WebhookPolicy, WebhookRefused
-
-        try:
-            return WebhookPolicy(allow_private=getattr(self, f"{kind}_allow_private"),
-                                 allow=tuple(getattr(self, f"{kind}_allow")))
-        except WebhookRefused as err:
-            raise InvalidArgumentError(f"{flag_of(kind + '_allow')}: {err}") from None
-
-    def fetch_config(self) -> Any:
-        """The limits of the fetches requests cause; a bad one fails in one line naming its flag."""
-        from preheat.server.fetch import FetchConfig
-
-        flags = {"connect_timeout_s": "fetch_connect_timeout_s", "deadline_s": "fetch_deadline_s",
-                 "max_lora_bytes": "max_lora_bytes", "max_image_bytes": "max_image_bytes",
-                 "per_host": "fetch_per_host", "max_fetches": "max_fetches"}
-        try:
-            return FetchConfig(**{key: getattr(self, name) for key, name in flags.items()})
-        except InvalidArgumentError as err:
-            flag = flag_of(flags[err.argument]) if err.argument in flags else err.argument
-            raise InvalidArgumentError(f"{flag} {str(err).split(' ', 1)[1]}", argument=err.argument) from None
-
-    def http_options(self, token: Optional[str]) -> dict[str, Any]:
-        """``preheat.server.serve.serve``'s keywords beside the config: the HTTP server's limits."""
-        if self.max_header_bytes < 1024 or self.max_headers < 8:
-            raise InvalidArgumentError(f"--max-header-bytes {self.max_header_bytes} must be >= 1024 and --max-headers "
-                                       f"{self.max_headers} >= 8")
-        return dict(host=self.host, port=self.port, grace_s=self.grace_s, token=token, log_level=self.log_level,
-                    webhooks=self.address_policy(), max_body_bytes=self.max_body_bytes,
-                    header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
-                    max_header_bytes=self.max_header_bytes, max_headers=self.max_headers,
-                    keep_alive_on_failure=self.keep_alive_on_failure)
 
     def given(self, **values: Any) -> "ServeSettings":
         """These settings with ``values`` instead."""
