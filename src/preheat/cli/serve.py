@@ -72,6 +72,7 @@ def serve_command(**given: Any) -> None:
     wins. Set PREHEAT_API_TOKEN to require `Authorization: Bearer <token>` (all but /health-check).
     """
     from preheat.errors import InvalidArgumentError
+    from preheat.server.config import CoreConfig, http_options
     from preheat.warm import SettingNames
 
     settings = settings_given(given)
@@ -79,8 +80,6 @@ def serve_command(**given: Any) -> None:
     settings.check_serving(name_of)
     warm_set = settings.warm_set(name_of)
     names = SettingNames.by(name_of)  # set-up messages (an unusable size) name what the user wrote
-    from preheat.server.config import CoreConfig, http_options
-
     config = CoreConfig.from_settings(settings, warm_set, names, name_of)  # a bad address or fetch limit: one line
     token = os.environ.get("PREHEAT_API_TOKEN") or None
     http = http_options(settings, token)
