@@ -70,3 +70,15 @@ def test_ray_replicas_serve_what_the_command_line_declared():
     assert set(options.replica_args()) <= set(RayOptions.args())
     replica = RayOptions.from_args(options.replica_args())  # what each replica is constructed from
     assert replica.core_config() == options.core_config()
+
+
+def test_a_servers_config_takes_every_serving_setting_it_has_a_field_for():
+    from preheat.server.config import CoreConfig
+    from preheat.warm import SettingNames
+
+    settings = ServeSettings(backend="torch", compile="aot", batch_wait_ms=2.5, max_queue=3, max_steps=9, max_loras=2,
+                             push_grace_s=1.0, max_image_pixels=64, retune_idle_s="off")
+    config = CoreConfig.from_settings(settings, settings.warm_set(), SettingNames())
+    assert (config.backend, config.compile, config.batch_wait_ms, config.max_queue, config.max_steps, config.max_loras,
+            config.push_grace_s, config.max_image_pixels, config.retune_idle_s) == (
+        "torch", "aot", 2.5, 3, 9, 2, 1.0, 64, None)

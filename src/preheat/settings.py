@@ -174,7 +174,8 @@ class ServeSettings:
     weights_layers: str = setting(
         "layerwise", "With --weights-dtype: diffusers' layerwise-casting layers, or every Linear (AdaLN modulation "
                      "too; FLUX.1-dev 0.51x of bf16).", surfaces=LOAD, choices=("layerwise", "linear"), parse=_text)
-    variant: Optional[str] = setting(None, "Weight files *.VARIANT.safetensors (e.g. fp16).", surfaces=LOAD, parse=_text)
+    variant: Optional[str] = setting(None, "Weight files *.VARIANT.safetensors (e.g. fp16).", surfaces=LOAD,
+                                     parse=_text)
     cache: Optional[str] = setting(None, "Compile cache layers (default: full).", surfaces=LOAD, choices=CACHE_LAYERS,
                                    parse=_text)
     config: Optional[str] = setting(

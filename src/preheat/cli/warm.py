@@ -16,7 +16,8 @@ import click
 
 from preheat.cli._support import one_line_errors
 from preheat.cli.options import NON_NEGATIVE
-from preheat.cli.settings_env import SettingsCommand, flag_of, names_of, setting_option, settings_given, settings_options
+from preheat.cli.settings_env import (SettingsCommand, flag_of, names_of, setting_option, settings_given,
+                                     settings_options)
 from preheat.settings import samplers_from_text
 
 __all__ = ["warm_command", "declaration_options", "inputs_option", "input_values_option", "samplers_from_text"]

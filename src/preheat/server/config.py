@@ -6,18 +6,19 @@ that the Ray and Runpod surfaces can build and check a configuration without the
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from preheat.errors import InvalidArgumentError
-from preheat.settings import (ENV_SETTINGS, LIMITS, RETUNE_IDLE_S, ServeSettings, check_limits, env_var, flag_of,
-                                     parse_idle_s, settings_from_env, typed_setting)
+from preheat.settings import (ENV_SETTINGS, LIMITS, RETUNE_IDLE_S, SETTINGS, ServeSettings, check_limits, env_var,
+                              flag_of, parse_idle_s, settings_from_env, typed_setting)
 from preheat.warm import GUIDANCE_MODES, SettingNames, WarmSet
 
 # the declaration's tables and parsers (``preheat.settings``), where the config's readers import them
-__all__ = ["CoreConfig", "SettingNames", "load_pipeline", "http_options", "fetch_config", "address_policy", "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting",
-           "RETUNE_IDLE_S", "parse_idle_s", "LIMITS", "check_limits"]
+__all__ = ["CoreConfig", "SettingNames", "load_pipeline", "http_options", "fetch_config", "address_policy",
+           "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting", "RETUNE_IDLE_S", "parse_idle_s", "LIMITS",
+           "check_limits"]
 
 
 @dataclass
@@ -93,14 +94,15 @@ class CoreConfig:
     @classmethod
     def from_settings(cls, settings: ServeSettings, warm: WarmSet, names: SettingNames,
                       name_of: Callable[[str], str] = flag_of) -> "CoreConfig":
-        """The server ``settings`` describe, warming ``warm`` (``settings.warm_set``); ``names``: how
-        its set-up messages name the settings. A bad address or fetch limit is one line naming its flag."""
+        """The server ``settings`` describe, warming ``warm`` (``settings.warm_set``): each serving
+        setting that is a field here, typed; ``names``: how its set-up messages name the settings.
+        A bad address or fetch limit is one line naming its flag."""
+        serving = {f.name for f in fields(cls)} & {name for name, s in SETTINGS.items() if "warm" not in s.surfaces}
+        serving.discard("retune_idle_s")  # text as given ("30", "off"): parsed below
         return cls.from_warm_set(
-            warm, backend=settings.backend, batch_wait_ms=settings.batch_wait_ms, max_queue=settings.max_queue,
-            max_steps=settings.max_steps, push_grace_s=settings.push_grace_s, compile=settings.compile,
-            max_loras=settings.max_loras, lora_dir=settings.lora_dir, lora_urls=address_policy(settings, "lora_url"),
-            fetch=fetch_config(settings), max_image_pixels=settings.max_image_pixels,
-            retune_idle_s=parse_idle_s(settings.retune_idle_s, name_of("retune_idle_s")), names=names)
+            warm, **{name: getattr(settings, name) for name in serving},
+            retune_idle_s=parse_idle_s(settings.retune_idle_s, name_of("retune_idle_s")),
+            lora_urls=address_policy(settings, "lora_url"), fetch=fetch_config(settings), names=names)
 
     @classmethod
     def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":
