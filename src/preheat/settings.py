@@ -341,10 +341,6 @@ class ServeSettings:
             raise InvalidArgumentError(f"--push-grace-s {self.push_grace_s} must be >= 0")
         parse_idle_s(self.retune_idle_s, name_of("retune_idle_s"))
 
-    def given(self, **values: Any) -> "ServeSettings":
-        """These settings with ``values`` instead."""
-        return replace(self, **values)
-
 
 #: every setting's declaration, by name, in the order the command line lists them
 SETTINGS: dict[str, Setting] = {f.name: replace(f.metadata["setting"], name=f.name, default=f.default)
