@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -39,9 +40,10 @@ import pytest
 OWN_COMPILES = "own_compiles"
 """The marker of a test (or module) whose compiles must reach XLA, never the memo."""
 
-MAX_PROGRAMS = 1024
-"""Executables the memo keeps (least recently served dropped first): tiny programs, a few MB each
-at most; a worker of ``make test`` meets a few hundred distinct ones."""
+MAX_PROGRAMS = int(os.environ.get("PREHEAT_TEST_MEMO_PROGRAMS", "256"))
+"""Executables the memo keeps, least recently served dropped first: a tiny SD's programs grew a
+process by about 20 MB each (RSS, with what compiling them left), so 256 bound a worker's memo to
+a few GB at worst; a run's programs that recur (a family's folder at its native size) stay."""
 
 
 def _xla_layer() -> ModuleType:
