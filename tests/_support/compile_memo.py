@@ -184,9 +184,17 @@ def wants_own_compiles(node: pytest.Item | pytest.Collector) -> bool:
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_compile_memo() -> Iterator[CompileMemo]:
-    """The run's memo (one per worker process): every test's compiles go through it."""
+    """The run's memo (one per worker process): every test's compiles go through it. With
+    ``PREHEAT_TEST_MEMO_REPORT=FILE`` each worker appends its counts there at the end (a JSON line)."""
     with one_compile_per_program() as memo:
         yield memo
+    report = os.environ.get("PREHEAT_TEST_MEMO_REPORT")
+    if report:
+        import json
+
+        with open(report, "a") as out:
+            out.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "compiles": memo.compiles,
+                                  "served": memo.hits, "kept": len(memo._executables)}) + "\n")
 
 
 @pytest.fixture(scope="module", autouse=True)
