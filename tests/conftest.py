@@ -34,7 +34,11 @@ for _setting in ENV_SETTINGS:
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from tests._support.compile_memo import one_compile_per_program_fixture  # noqa: E402,F401 (a module's opt-in)
+# One compile memo per worker for the whole run, used by every test (tests/_support/compile_memo.py);
+# a test or module marked own_compiles compiles for itself.
+from tests._support.compile_memo import (  # noqa: E402,F401 (fixtures)
+    OWN_COMPILES, _module_own_compiles, _session_compile_memo, _test_own_compiles, one_compile_per_program_fixture)
+from tests._support import shared_folders  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -51,7 +55,9 @@ def _session_cache_root(tmp_path_factory):
     _isolate(mp, base / "preheat-home-session")
     mp.setenv("PREHEAT_RUNPOD_VOLUME", str(base / "no-runpod-volume"))
     mp.setenv("PREHEAT_WORKSPACE", str(base / "no-workspace"))
+    shared_folders.set_root(shared_folders.run_root(base))  # tiny model folders, written once per run
     yield
+    shared_folders.set_root(None)
     mp.undo()
 
 
@@ -120,6 +126,8 @@ def _file_seconds_key(config: pytest.Config) -> str:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{OWN_COMPILES}: compiles every program itself, never through the run's "
+                            "compile memo (tests/_support/compile_memo.py)")
     # A renamed or deleted file would silently lose its place in a fresh clone's schedule: refuse.
     missing = sorted(path for path in HEAVY_FILES if not (config.rootpath / path).is_file())
     if missing:

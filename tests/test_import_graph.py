@@ -42,7 +42,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("load_options",),  # what load hands a family's loader beside the folder (second folders, offloading)
     ("engine",),  # Pipeline and preheat.load
     ("backends", "warm"),  # the torch comparison backend; the warm declaration, which drives generate
-    ("api", "torch"),  # preheat.load: dispatches to the engine or the torch backend; preheat.torch.compile
+    ("api", "torch", "settings"),  # preheat.load: dispatches to the engine or the torch backend; preheat.torch.compile;
+    #   every serving setting's declaration (its parsers read the warm declaration's)
     ("doctor", "train"),  # surfaces below the command line
     ("server",),
     ("bench", "integrations"),  # bench serve runs the server as a child; Runpod's handler over the server

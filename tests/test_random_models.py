@@ -86,15 +86,15 @@ def test_serve_and_warm_take_random_names_at_their_tiny_size(folders, home, monk
     """The declaration keeps ``random:NAME`` as given (``preheat.load`` reads its folder); resolving
     it serves a tiny model at its tiny size unless sizes are given, for the CLI, Runpod and Ray alike."""
     import preheat
-    from preheat.cli.warm import warm_set_from_options
+    from preheat.settings import ServeSettings
     from preheat.warm import resolve
 
     monkeypatch.setenv("PREHEAT_HOME", str(home))
-    ws = warm_set_from_options("random:flux-tiny", "float32", 2, None, None, "off,on")
+    ws = ServeSettings(model="random:flux-tiny", max_batch_size=2).warm_set()
     assert ws.model == "random:flux-tiny" and ws.sizes == ()
     pipe = preheat.load("random:flux-tiny", cache="off")
     assert resolve(pipe, ws).sizes == ((32, 32),)
-    ws = warm_set_from_options("random:flux-tiny", "float32", 2, None, "64x32", "off,on")
+    ws = ServeSettings(model="random:flux-tiny", max_batch_size=2, sizes="64x32").warm_set()
     assert resolve(pipe, ws).sizes == ((64, 32),)
 
 

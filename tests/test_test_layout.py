@@ -99,33 +99,128 @@ def test_files_given_together_are_all_collected_and_a_missing_one_is_an_error():
     assert missing.returncode == 4 and "file or directory not found: tests/test_image.py" in said, said
 
 
-def test_the_compile_memo_is_one_per_opting_module_and_absent_elsewhere(tmp_path):
-    """``pytest.mark.usefixtures("one_compile_per_program")`` (tests/_support/compile_memo.py, registered
-    by tests/conftest.py) gives a module one memo for all its tests, a new one for the next module that
-    opts in, and none to a module between them that does not: run in that order, each test writes the
-    memo its ``cache="off"`` loads go through."""
+def test_the_compile_memo_is_one_per_run_and_absent_where_a_test_compiles_its_own(tmp_path):
+    """tests/_support/compile_memo.py, registered by tests/conftest.py: one memo for every test of a
+    run (a worker), none for a test marked ``own_compiles`` nor for a marked module's tests and
+    module fixtures, and the same memo again for the tests after them: run in that order, each test
+    (and the marked module's fixture) writes the memo its compiles go through."""
     import os
     import subprocess
     import sys
 
     (tmp_path / "conftest.py").write_text(
-        "from tests._support.compile_memo import one_compile_per_program_fixture  # noqa: F401\n")
-    opts_in = 'import pytest\npytestmark = pytest.mark.usefixtures("one_compile_per_program")\n'
-    body = ("from tests._support.compile_memo import active_memo\nKEPT = []  # no id reused\n"
+        "from tests._support.compile_memo import (  # noqa: F401\n"
+        "    OWN_COMPILES, _module_own_compiles, _session_compile_memo, _test_own_compiles)\n"
+        "def pytest_configure(config):\n    config.addinivalue_line('markers', OWN_COMPILES + ': own')\n")
+    body = ("import pytest\nfrom tests._support.compile_memo import active_memo\nKEPT = []  # no id reused\n"
             "def record(name):\n    memo = active_memo()\n    KEPT.append(memo)\n"
             "    with open('memos.txt', 'a') as f:\n        f.write(f'{name} {id(memo) if memo else None}\\n')\n"
-            "def test_first():\n    record(__name__)\ndef test_second():\n    record(__name__)\n")
-    for name, head in (("test_a_opts_in", opts_in), ("test_b_does_not", ""), ("test_c_opts_in", opts_in)):
+            "@pytest.fixture(scope='module')\ndef held():\n    record('fixture')\n"
+            "def test_first(held):\n    record(__name__)\n"
+            "@pytest.mark.own_compiles\ndef test_second(held):\n    record(__name__)\n"
+            "def test_third(held):\n    record(__name__)\n")
+    marked = "import pytest\npytestmark = pytest.mark.own_compiles\n"
+    for name, head in (("test_a_plain", ""), ("test_b_marked", marked), ("test_c_plain", "")):
         (tmp_path / f"{name}.py").write_text(head + body)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS.parent / "src"),
                                                         os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                          "-p", "no:xdist", "test_a_opts_in.py", "test_b_does_not.py", "test_c_opts_in.py"],
+                          "-p", "no:xdist", "test_a_plain.py", "test_b_marked.py", "test_c_plain.py"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     seen = [line.split() for line in (tmp_path / "memos.txt").read_text().splitlines()]
-    assert [module for module, _ in seen] == ["test_a_opts_in"] * 2 + ["test_b_does_not"] * 2 + ["test_c_opts_in"] * 2
-    a, b, c = (seen[i][1] for i in (0, 2, 4))
-    assert a != "None" and seen[1][1] == a, seen  # one memo for the module's tests
-    assert b == "None" and seen[3][1] == "None", seen  # left at the module's end: none for the next
-    assert c != "None" and seen[5][1] == c and c != a, seen  # a new one for the next module that opts in
+    assert [who for who, _ in seen] == (["fixture"] + ["test_a_plain"] * 3 + ["fixture"] + ["test_b_marked"] * 3
+                                        + ["fixture"] + ["test_c_plain"] * 3), seen
+    memo = seen[0][1]
+    assert memo != "None", seen
+    assert [m for _, m in seen[:4]] == [memo, memo, "None", memo], seen  # the marked test alone compiles its own
+    assert [m for _, m in seen[4:8]] == ["None"] * 4, seen  # a marked module: its fixtures and tests
+    assert [m for _, m in seen[8:]] == [memo, memo, "None", memo], seen  # the same memo for the whole run
+
+
+def test_the_compile_memo_serves_a_program_only_on_its_devices_and_callbacks():
+    """The memo's key: a program lowered again is served, the same text on other devices (or with
+    another host callback) is compiled; a shared program keeps its own host callback."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from tests._support.compile_memo import CompileMemo
+
+    made: list[object] = []
+    memo = CompileMemo(lambda lowered: made.append(lowered) or lowered.compile())
+    double = lambda x: x * 2  # noqa: E731
+
+    memo(jax.jit(double).lower(jnp.ones(4)))
+    memo(jax.jit(lambda x: x * 2).lower(jnp.ones(4)))  # another function, the same program
+    assert (len(made), memo.hits) == (1, 1)
+    meshes = [Mesh(np.array(jax.devices()[i:i + 2]), ("batch",)) for i in (0, 2)]
+    placed = [jax.device_put(jnp.ones(4), NamedSharding(m, PartitionSpec("batch"))) for m in meshes]
+    texts = {jax.jit(double).lower(x).as_text() for x in placed}
+    assert len(texts) == 1  # the text alone does not tell the devices apart
+    for x in placed:
+        out = memo(jax.jit(double).lower(x))(x)
+        assert {d.id for d in out.sharding.device_set} == {d.id for d in x.sharding.device_set}
+    assert len(made) == 3
+    one = jax.devices()[1]
+    memo(jax.jit(double).lower(jax.device_put(jnp.ones(4), one)))
+    assert len(made) == 4  # one device, not the default one
+
+    heard: list[str] = []
+
+    def with_callback(who):
+        def program(x):
+            jax.debug.callback(lambda v: heard.append(who), x, ordered=False)
+            return x + 1
+        return program
+
+    for who in ("first", "second"):
+        memo(jax.jit(with_callback(who)).lower(jnp.ones(3)))(jnp.ones(3)).block_until_ready()
+    jax.effects_barrier()
+    assert heard == ["first", "second"] and len(made) == 6
+
+
+def test_a_tiny_folder_is_written_once_per_run_and_shared_read_only(tmp_path, monkeypatch):
+    """tests/_support/shared_folders.py: a builder runs once for the same arguments (defaults filled
+    in), each caller gets its own writable copy, ``shared`` hands the stored folder read-only, and a
+    stored folder changed behind the store's back fails its next hand-out."""
+    import os
+
+    import pytest
+
+    from tests._support import shared_folders
+
+    monkeypatch.setattr(shared_folders, "_root", None)
+    monkeypatch.setattr(shared_folders, "_handed", {})
+    shared_folders.set_root(tmp_path / "store")
+    calls: list[tuple[int, str]] = []
+
+    def build(directory, seed=0, name="w"):
+        calls.append((seed, name))
+        (directory / "sub").mkdir(parents=True)
+        (directory / "sub" / "weights.bin").write_bytes(bytes([seed]) * 8)
+        (directory.parent / f".{directory.name}-parts").mkdir()  # a builder's scratch, beside it
+        return directory
+
+    build_once = shared_folders.built_once(build)
+    a = build_once(tmp_path / "a")
+    b = build_once(tmp_path / "b", seed=0)
+    c = build_once(tmp_path / "c", 1)
+    assert calls == [(0, "w"), (1, "w")]  # seed=0 given or not: one folder
+    assert (a / "sub" / "weights.bin").read_bytes() == (b / "sub" / "weights.bin").read_bytes() == bytes(8)
+    assert (c / "sub" / "weights.bin").read_bytes() == bytes([1]) * 8
+    (a / "sub" / "weights.bin").write_bytes(b"mine")  # a caller's copy is its own
+    assert (build_once(tmp_path / "d") / "sub" / "weights.bin").read_bytes() == bytes(8)
+
+    stored = shared_folders.shared(build)
+    assert calls == [(0, "w"), (1, "w")] and stored.parent == tmp_path / "store"
+    assert not [p for p in (tmp_path / "store").iterdir() if p.name.endswith("-parts")]
+    assert not any(os.stat(p).st_mode & 0o222 for p in [stored, *stored.rglob("*")])  # read-only on disk
+    weights = stored / "sub" / "weights.bin"
+    weights.chmod(0o644)
+    weights.write_bytes(b"changed")  # as root may, whatever the mode
+    with pytest.raises(AssertionError, match="was changed by a test"):
+        shared_folders.shared(build)
+    for path in [stored, *stored.rglob("*")]:
+        path.chmod(0o755)  # tmp_path's cleanup

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from tests._support.shared_folders import built_once
 from tests._support.t5_fixtures import save_tiny_t5_encoder, save_tiny_t5_tokenizer
 from tests._support.text_fixtures import save_tiny_clip, save_tiny_tokenizer
 from tests._support.vae_fixtures import save_tiny_vae
@@ -34,6 +35,7 @@ VAE_STATS = {"flux": dict(scaling_factor=0.3611, shift_factor=0.1159),
              "sd3": dict(scaling_factor=1.5305, shift_factor=0.0609)}
 
 
+@built_once  # written once per run, copied to each caller (tests/_support/shared_folders.py)
 def save_tiny_flow_model(directory: str | Path, kind: str = "flux-dev", seed: int = 0, t5: bool = True,
                          quiet_posterior: bool = False, latent_channels: int = 4,
                          transformer_config: dict[str, Any] | None = None) -> Path:

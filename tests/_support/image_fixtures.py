@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from tests._support import sd_fixtures
+from tests._support.shared_folders import built_once
 from tests._support.unet_condition_fixtures import save_tiny_unet_condition
 
 INPAINT_CLASS = {"sd1": "StableDiffusionInpaintPipeline", "sdxl": "StableDiffusionXLInpaintPipeline",
@@ -31,6 +32,7 @@ IMG2IMG_CLASS = {"sd1": "StableDiffusionImg2ImgPipeline", "sdxl": "StableDiffusi
 REFINER_CONFIG = {"requires_aesthetics_score": True, "force_zeros_for_empty_prompt": False}
 
 
+@built_once  # written once per run, copied to each caller (tests/_support/shared_folders.py)
 def save_image_sd(directory: str | Path, kind: str = "sd1", inpaint: bool = False, seed: int = 0) -> Path:
     """A tiny ``kind`` folder (32x32 images) with a deterministic VAE posterior; ``inpaint``: a 9-channel UNet."""
     import torch

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from tests._support.shared_folders import built_once
+
 # Architectures of published checkpoints (diffusers config.json), with sample_size reduced where noted.
 DDPM_CIFAR10_32: dict[str, Any] = dict(  # google/ddpm-cifar10-32 (35.7 M parameters)
     sample_size=32, in_channels=3, out_channels=3, layers_per_block=2,
@@ -87,6 +89,7 @@ TINY_CLASS_CONDITIONAL: dict[str, Any] = dict(
 )
 
 
+@built_once  # written once per run, copied to each caller (tests/_support/shared_folders.py)
 def save_tiny_pipeline(path: Path, seed: int = 0, config: dict[str, Any] | None = None) -> Path:
     """A tiny class-conditional pipeline folder shaped like the built-in model (null class 10)."""
     import json

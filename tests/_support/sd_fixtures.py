@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from tests._support.shared_folders import built_once
 from tests._support.text_fixtures import save_tiny_clip, save_tiny_tokenizer
 from tests._support.unet_condition_fixtures import save_tiny_unet_condition
 from tests._support.vae_fixtures import save_tiny_vae
@@ -23,6 +24,7 @@ SCHEDULER = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "bet
 DDIM_EXTRA = {"clip_sample": False, "set_alpha_to_one": False}
 
 
+@built_once  # written once per run, copied to each caller (tests/_support/shared_folders.py)
 def save_tiny_sd(directory: str | Path, kind: str = "sd1", seed: int = 0) -> Path:
     """A whole tiny pipeline folder of ``kind`` ("sd1", "sd2", "sdxl", "sdxl-refiner": a
     ``StableDiffusionXLImg2ImgPipeline`` with the second encoder alone and aesthetic-score ids, as

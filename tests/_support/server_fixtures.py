@@ -27,10 +27,13 @@ import pytest
 
 from preheat.server import process
 
+from tests._support.shared_folders import built_once
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULTS = {"sampler": "dpmpp_2m", "steps": 4, "guidance": 2.0}
 
 
+@built_once  # written once per run, copied to each caller (tests/_support/shared_folders.py)
 def write_tiny_model(out: Path, seed: int = 0) -> Path:
     """Random weights drawn with numpy into the abstract (shape-only) model: no eager Flax init."""
     import numpy as np

@@ -15,6 +15,7 @@ import pytest
 from benchmarks.fp8 import computation, kernels, measure, one_gemm_on_fp8, written_bytes
 from preheat import platforms
 from preheat.cache import targets
+from tests._support.tiers import gpu_only
 
 N, TOKENS = 3072, 4096  # FLUX.1's hidden width, 4096 image tokens
 
@@ -47,6 +48,7 @@ def _h200_layer_hlo(**compiler_options: object) -> str:
         return jax.jit(layer).lower(*on_device((abstract, x), device)).compile(compiler_options or None).as_text()
 
 
+@gpu_only  # a deviceless CUDA compile for the H200 (make test-slow)
 def test_the_h200_fp8_linear_reads_as_one_gemm_on_the_fp8_weight():
     ks = kernels(_h200_layer_hlo())
     assert len(ks) == 1 and ks[0].op == "fusion" and ks[0].gemm, ks
@@ -54,6 +56,7 @@ def test_the_h200_fp8_linear_reads_as_one_gemm_on_the_fp8_weight():
     assert one_gemm_on_fp8(ks, N)
 
 
+@gpu_only  # a deviceless CUDA compile for the H200 (make test-slow)
 def test_the_same_layer_on_cublas_reads_as_three_kernels_and_not_one_gemm():
     ks = kernels(_h200_layer_hlo(xla_gpu_enable_triton_gemm=False))
     assert [(k.op, k.gemm) for k in ks] == [("fusion", False), ("custom-call", True), ("fusion", False)], ks
@@ -63,6 +66,7 @@ def test_the_same_layer_on_cublas_reads_as_three_kernels_and_not_one_gemm():
     assert not one_gemm_on_fp8(ks, N)
 
 
+@gpu_only  # a deviceless CUDA compile for the H200 (make test-slow)
 def test_written_bytes_and_computation_read_each_kernel():
     """The cuBLAS program's three kernels: the convert writes the bf16 weight (2 bytes an element),
     the library call its bf16 product and a workspace (a tuple: both counted), the epilogue the

@@ -16,9 +16,13 @@ from click.testing import CliRunner
 
 from preheat import platforms
 from benchmarks.target import main
+from tests._support.tiers import gpu_only
 
-pytestmark = pytest.mark.skipif(not any(k.startswith("jax-cuda") for k in platforms.cuda_versions()),
-                                reason="needs the test-gpu extra's jax-cuda13-plugin (make test-slow installs it)")
+# every test here compiles for a GPU with the CUDA plugin, which only make test-slow installs (the
+# test-gpu extra): the whole module runs there, where the plugin is
+pytestmark = [pytest.mark.skipif(not any(k.startswith("jax-cuda") for k in platforms.cuda_versions()),
+                                 reason="needs the test-gpu extra's jax-cuda13-plugin (make test-slow installs it)"),
+              gpu_only]
 
 COLUMNS = ["model", "stage", "dtype", "target trace+lower s", "target compile s", "target bytes",
            "CPU trace+lower s", "CPU compile s", "CPU bytes", "compile target/CPU", "bytes target/CPU",

@@ -32,9 +32,13 @@ from preheat.cache.entries import UNRUNNABLE, unrunnable, unrunnable_cudnn_calls
 from preheat.cache.targets import resolve_target, target_device
 from preheat.cli import main
 from preheat.errors import TargetError
+from tests._support.tiers import gpu_only
 
-pytestmark = pytest.mark.skipif(not any(k.startswith("jax-cuda") for k in platforms.cuda_versions()),
-                                reason="needs the test-gpu extra's jax-cuda13-plugin (make test-slow installs it)")
+# every test here compiles for a GPU with the CUDA plugin, which only make test-slow installs (the
+# test-gpu extra): the whole module runs there, where the plugin is
+pytestmark = [pytest.mark.skipif(not any(k.startswith("jax-cuda") for k in platforms.cuda_versions()),
+                                 reason="needs the test-gpu extra's jax-cuda13-plugin (make test-slow installs it)"),
+              gpu_only]
 
 
 def _manifests(root: Path) -> list[dict]:
@@ -72,6 +76,7 @@ def h200_warm(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path
     return proc, base / "home", base / "fleet"
 
 
+@gpu_only  # a deviceless CUDA compile (make test-slow)
 def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(h200_warm, monkeypatch):
     proc, home, store = h200_warm  # the warm job's root, copied into this test's root
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -110,6 +115,7 @@ def test_warm_target_h200_writes_gpu_entries_and_a_cpu_run_keeps_its_own(h200_wa
     assert "target h200 (not autotuned)" in explained, explained  # the nearest (or hit) entry's target
 
 
+@gpu_only  # a deviceless CUDA compile (make test-slow)
 def test_an_entry_a_gpu_cannot_run_is_named_and_a_pod_quarantines_it_unloaded(monkeypatch):
     """With XLA's convolutions forced (``PREHEAT_CONV=conv``), a deviceless compile leaves their
     cuDNN algorithms unchosen, and the H200 rejected such an executable at its first run
@@ -137,6 +143,7 @@ def test_an_entry_a_gpu_cannot_run_is_named_and_a_pod_quarantines_it_unloaded(mo
     assert _manifests(_root()) == [] and len(list((_root() / "quarantine").iterdir())) == 1
 
 
+@gpu_only  # a deviceless CUDA compile (make test-slow)
 def test_cudnn_calls_a_deviceless_compile_cannot_finish_are_named():
     """A deviceless compile leaves a cuDNN convolution's algorithm unchosen and builds no graph for
     cuDNN's fused attention: both are named, and a GEMM program has neither. Round 11's manifests
@@ -181,6 +188,7 @@ def test_warm_target_on_a_tiny_sd1_folder_compiles_every_program_of_the_call(tmp
     assert [m.get(UNRUNNABLE) for m in _manifests(_root())] == [None] * 6
 
 
+@gpu_only  # a deviceless CUDA compile (make test-slow)
 def test_warm_target_works_in_a_fresh_process_with_no_platform_chosen(h200_warm):
     """A CPU builder as CI runs it: JAX_PLATFORMS unset, the CUDA plugin installed and no driver.
     The plugin's driver check would keep it from registering, and the deviceless topology with it
@@ -312,6 +320,7 @@ def _attention_hlo(head_dim: int, dtype: jnp.dtype, heads: int = 2, tokens: int 
     return lowered.compile().as_text()
 
 
+@gpu_only  # a deviceless CUDA compile (make test-slow)
 def test_attention_compiled_for_the_h200_without_it_takes_xla_s_path_for_every_head():
     """A deviceless compile builds no graph for cuDNN's fused attention (the GPU would not run it:
     ``cache.entries.UNRUNNABLE``), so every head, SDXL's 64-wide ones included, compiles to XLA's

@@ -7,13 +7,13 @@ from click.testing import CliRunner
 
 from preheat.cache.executables import Executables
 from preheat.warm import WarmSet
-from preheat.cli.warm import warm_set_from_options
+from preheat.settings import ServeSettings
 from preheat.server.core import CoreConfig
 
 
 @pytest.mark.parametrize("text, devices", [(None, None), ("all", "all"), ("2", 2), ("0,3", [0, 3])])
 def test_devices_are_part_of_the_declaration(text, devices):
-    warm_set = warm_set_from_options(None, "float32", 4, None, None, "off,on", None, text, 2)
+    warm_set = ServeSettings(max_batch_size=4, devices=text, fsdp=2).warm_set()
     assert warm_set.devices == devices and warm_set.fsdp == 2
     config = CoreConfig.from_warm_set(warm_set, batch_wait_ms=5.0)
     assert config.devices == devices and config.fsdp == 2
@@ -111,7 +111,7 @@ def test_the_inputs_flag_is_one_declaration_for_warm_and_serve():
 
     assert parse_offered(None) is None and parse_offered("none") == () and parse_offered(" image, mask_image,") == (
         "image", "mask_image")
-    warm_set = warm_set_from_options(None, "float32", 4, None, None, "off,on", inputs_text="negative_prompt")
+    warm_set = ServeSettings(max_batch_size=4, inputs="negative_prompt").warm_set()
     assert warm_set.inputs == ("negative_prompt",)
     config = CoreConfig.from_warm_set(warm_set)
     assert config.inputs == ("negative_prompt",) and config.warm_set() == warm_set

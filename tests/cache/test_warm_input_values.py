@@ -78,9 +78,9 @@ def test_what_the_family_does_not_declare_static_is_one_line(flux_pipe, values, 
 def test_one_declaration_for_warm_serve_runpod_and_ray():
     """The flag, PREHEAT_INPUT_VALUES and Ray's typed args all give the same WarmSet field, and a
     server's config warms what `preheat warm` compiled."""
-    from preheat.cli.warm import warm_set_from_options
+    from preheat.settings import ServeSettings
 
-    warm_set = warm_set_from_options(None, "float32", 4, None, None, "off,on", input_values_text=f"{LENGTH}=256,512")
+    warm_set = ServeSettings(max_batch_size=4, input_values=f"{LENGTH}=256,512").warm_set()
     assert warm_set.input_values == ((LENGTH, ("256", "512")),)
     config = CoreConfig.from_warm_set(warm_set)
     assert config.input_values == warm_set.input_values and config.warm_set() == warm_set

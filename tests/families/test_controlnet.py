@@ -21,7 +21,6 @@ from tests._support.controlnet_fixtures import (control_image, reference_control
 from tests._support.numerics import mean_abs_px, px_diff
 from tests._support.sd_fixtures import reference_pixels, save_tiny_sd
 
-pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255, as test_stable_diffusion
 

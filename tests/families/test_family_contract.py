@@ -93,11 +93,6 @@ def _drawn_small(pipe: Any) -> Any:
     return small
 
 
-# The module's pipelines share programs (the SD folders' VAE decoder, SDXL's encoder): each is compiled
-# once (tests/_support/compile_memo.py).
-pytestmark = pytest.mark.usefixtures("one_compile_per_program")
-
-
 @pytest.fixture(scope="module", params=KINDS)
 def served(request, tmp_path_factory):
     """(kind, folder, pipe, core, base url): one family, its warmed server, for the whole module."""

@@ -43,11 +43,6 @@ def _with_scheduler(folder, config: dict) -> None:
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
 
 
-# The module's pipelines share programs (the SD folders' VAE decoder, SDXL's encoder): each is compiled
-# once (tests/_support/compile_memo.py).
-pytestmark = pytest.mark.usefixtures("one_compile_per_program")
-
-
 @pytest.fixture(scope="module")
 def tiny_sd(tmp_path_factory):
     """``tiny_sd(kind, folder)``: a copy of the module's one tiny folder of ``kind`` (seed 0, built on

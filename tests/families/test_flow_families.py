@@ -21,12 +21,6 @@ FOLDERS = {"flux-schnell": ("flux-schnell", True), "flux-dev": ("flux-dev", True
            "sd3-no-t5": ("sd3", False)}
 
 
-# The trace-counting test below compiles its programs again on emptied executables, and the
-# offloaded-encoder load compiles the same programs as the plain one: XLA's work on a program this module
-# has compiled is reused (tests/_support/compile_memo.py).
-pytestmark = pytest.mark.usefixtures("one_compile_per_program")
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     base = tmp_path_factory.mktemp("flow")

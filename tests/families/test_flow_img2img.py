@@ -15,9 +15,6 @@ from preheat.errors import PreheatError
 from tests._support.flow_fixtures import picture, reference_pipeline, replayed_noise, save_tiny_flow_model
 from tests._support.numerics import mean_abs_px, px_diff
 
-# The data tests compile their programs again on emptied executables: XLA's work on a program this
-# module has compiled is reused (tests/_support/compile_memo.py).
-pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 MAX_TOL = 8

@@ -18,9 +18,6 @@ from preheat.errors import InvalidArgumentError
 from tests._support.flow_fixtures import picture, reference_pipeline, replayed_noise, save_tiny_flow_model
 from tests._support.numerics import assert_pixels_close, counting_traces, px_diff
 
-# The data tests compile their programs again on emptied executables: XLA's work on a program this
-# module has compiled is reused (tests/_support/compile_memo.py).
-pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 INPAINT_CLASS = {"flux-dev": "FluxInpaintPipeline", "sd3": "StableDiffusion3InpaintPipeline"}
 CHANNELS = {"flux-dev": 4, "sd3": 16}

@@ -21,9 +21,6 @@ from preheat.families.request import concat
 from tests._support import image_fixtures
 from tests._support.numerics import assert_pixels_close, mean_abs_px, px_diff
 
-# The sd1, sd1-inpaint and SDXL folders' pipelines share their VAE's and encoders' programs: each program
-# text is compiled once in the module (tests/_support/compile_memo.py).
-pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 MEAN_TOL, MAX_TOL = 1.0, 8
 STEPS = 5

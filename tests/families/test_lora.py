@@ -21,9 +21,6 @@ from tests._support.numerics import mean_abs_px as _diff, px_diff
 
 peft = pytest.importorskip("peft")
 
-# The retrace test's fresh program table and the CLI's own load compile the sd1 pipe's programs again:
-# each program text is compiled once in the module (tests/_support/compile_memo.py).
-pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 MISSING_WIDTH = 32  # tiny Flux: the width of a fused part a LoRA leaves out (2 heads x 16)

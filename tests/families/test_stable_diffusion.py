@@ -17,12 +17,6 @@ from preheat.errors import InvalidArgumentError, ModelNotFoundError, PreheatErro
 from tests._support.numerics import mean_abs_px, px_diff
 from tests._support.sd_fixtures import KINDS, reference_pipeline, reference_pixels, save_tiny_sd
 
-# The sd1, sd2 and SDXL pipes of `cache="off"` loads share programs (the VAE decoder, SDXL's encoders and the
-# programs of a copy of a pipe): each program text is compiled once in the module
-# (tests/_support/compile_memo.py). So are the cache tests' full-mode misses (the cold start's, a
-# quarantined stage's recompile): XLA's work on a program the module compiled is reused, while each
-# entry is still serialised, stored, loaded and run as the tests check.
-pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255 (1/255 on the [0, 1] scale)
 

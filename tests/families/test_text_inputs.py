@@ -22,11 +22,6 @@ MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255 (1/255 on the [0, 1]
 STEPS = 4
 
 
-# The trace-counting tests below compile their programs again on emptied executables: XLA's work on a
-# program this module has compiled is reused (tests/_support/compile_memo.py).
-pytestmark = pytest.mark.usefixtures("one_compile_per_program")
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     base = tmp_path_factory.mktemp("text-inputs")

@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def core(pipe: Any):
-    core = Core(CoreConfig(max_batch_size=4, batch_wait_ms=0, max_steps=20), pipe=pipe)
+    # guided programs only: every job below takes the model's default guidance (on); buckets 1, 2, 4 stay
+    core = Core(CoreConfig(max_batch_size=4, batch_wait_ms=0, max_steps=20, guidance=("on",)), pipe=pipe)
     rp.get_core(core)
     assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
     yield core

@@ -34,11 +34,6 @@ gguf = pytest.importorskip("gguf")
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 PROMPT, STEPS, GUIDANCE = "a watercolor fox", 3, 3.5
 
-# The module's FLUX loads (Q8_0, its fp8 storage, the packed file and its fp8 storage, their float32
-# references, the hub path's load of the Q8_0 file) share their text encoders' and decoder's programs,
-# and the hub path's load all of the Q8_0 load's: each is compiled once (tests/_support/compile_memo.py).
-pytestmark = pytest.mark.usefixtures("one_compile_per_program")
-
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):

@@ -75,11 +75,6 @@ def _quantise(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], di
     return scaled, plain
 
 
-# The module's five FLUX loads share their text encoders' and decoder's programs, its two SD loads their
-# decoder's: each is compiled once (tests/_support/compile_memo.py).
-pytestmark = pytest.mark.usefixtures("one_compile_per_program")
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     from safetensors.numpy import load_file, save_file

@@ -23,10 +23,6 @@ from tests._support.numerics import mean_abs_px
 from tests._support.sd_fixtures import reference_pipeline, reference_pixels, save_tiny_sd
 from tests._support.single_files import diffusers_bfl_at_tiny_widths
 
-# Each single file's load and its second read, the CLI's and the variant's loads compile the programs of
-# the folder the file was converted from: each program text is compiled once in the module
-# (tests/_support/compile_memo.py).
-pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 MEAN_TOL = 1.0  # mean |pixel difference| <= 1 level of 255
 

@@ -26,6 +26,7 @@ from tests._support.numerics import assert_pixels_close, mean_abs_px
 from tests._support.sd_fixtures import reference_pipeline as sd_reference
 from tests._support.sd_fixtures import reference_pixels as sd_pixels
 from tests._support.sd_fixtures import save_tiny_sd
+from tests._support.tiers import gpu_only
 
 ORDER_TOL = 0.01  # the same weights, products in another order (float32): test_scaled_fp8.py says why
 # One call per folder kind: each kind's family's own sampler (the UNets': DDIM; the flow ones': flow Euler).
@@ -35,10 +36,6 @@ CALLS = {"flux": dict(prompt="a watercolor fox", guidance=3.5), "sd1": dict(prom
          "sd2": dict(prompt="a photo of a cat", guidance=5.0), "sdxl": dict(prompt="a photo of a cat", guidance=5.0),
          "sd3": dict(prompt="a photo of a cat", guidance=5.0)}
 FLOW = ("flux", "sd3")  # transformers, flow_euler; the others UNets, DDIM
-
-# The full and fp8 loads of a folder share their text encoders' and VAE's programs (the SD folders
-# their VAE too): each is compiled once (tests/_support/compile_memo.py).
-pytestmark = pytest.mark.usefixtures("one_compile_per_program")
 
 
 class _Built(dict):
@@ -294,6 +291,7 @@ def _convs(ks) -> list[str]:
     return [k.name for k in ks if k.op == "custom-call" and k.name.startswith("__cudnn$conv")]
 
 
+@gpu_only  # a deviceless CUDA compile for the H200 (make test-slow)
 def test_on_the_h200_the_gemm_reads_the_fp8_weight_itself():
     """Issue 28 asks which happens on a Hopper GPU: the compiled HLO for XLA's H200 description
     (a deviceless compile on this CPU, not autotuned). The weight's f8 -> bf16 convert is fused
@@ -322,6 +320,7 @@ def test_on_the_h200_the_gemm_reads_the_fp8_weight_itself():
     assert "bf16" in operands and "f8e4m3fn" in operands, operands
 
 
+@gpu_only  # a deviceless CUDA compile for the H200 (make test-slow)
 @pytest.mark.parametrize("scale", [None, (), (1, 3072)], ids=["plain", "per-tensor", "per-channel"])
 def test_on_the_h200_a_scaled_fp8_linear_is_one_gemm_on_the_fp8_weight(scale):
     """A scaled fp8 weight (``quantised.Quantised``: fp8 values and a float32 scale per tensor or per
@@ -372,6 +371,7 @@ def test_on_the_h200_a_scaled_fp8_linear_is_one_gemm_on_the_fp8_weight(scale):
     assert len(before) == 2 and before[0].output.startswith(f"bf16[{n},{n}]"), before  # a bf16 weight copy, written
 
 
+@gpu_only  # a deviceless CUDA compile for the H200 (make test-slow)
 @pytest.mark.parametrize("k", [1, 3], ids=["1x1", "3x3"])
 @pytest.mark.parametrize("scale", [(), "channel"], ids=["per-tensor", "per-channel"])
 def test_on_the_h200_a_scaled_fp8_conv_scales_where_it_costs_no_kernel(k, scale):
@@ -436,6 +436,7 @@ def test_on_the_h200_a_scaled_fp8_conv_scales_where_it_costs_no_kernel(k, scale)
         assert before[2].op == "fusion" and before[2].output.startswith("bf16[2,64,64,"), before  # which re-reads
 
 
+@gpu_only  # a deviceless CUDA compile for the H200 (make test-slow)
 def test_on_the_h200_a_plain_fp8_1x1_conv_is_one_gemm_on_the_fp8_weight():
     """``weights_dtype="float8_e4m3fn"``'s 1x1 convs (SD/SDXL UNets' attention ``proj_in``/``proj_out``,
     resnet ``conv_shortcut``: no scale, preheat's own cast) compiled for XLA's H200 description: a real
@@ -520,6 +521,7 @@ def test_preheat_fp8_1x1_conv_switches_the_real_layer_to_the_convolution(monkeyp
     assert np.abs(outs["gemm"] - outs["conv"]).max() <= 2 ** -7 * np.abs(outs["conv"]).max()
 
 
+@gpu_only  # a deviceless CUDA compile for the H200 (make test-slow)
 @pytest.mark.parametrize("scale", [None, (), "row", "q8_0"], ids=["plain", "per-tensor", "per-row", "q8_0-blocks"])
 def test_on_the_h200_an_fp8_embedding_widens_only_the_rows_it_gathers(scale):
     """An fp8 or scaled Embedding table (the UNet's ``class_embedding``; 1000 classes x 1280 here, as

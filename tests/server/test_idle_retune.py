@@ -33,6 +33,10 @@ from preheat.server.config import parse_idle_s
 from preheat.server.core import Core, CoreConfig
 from preheat.server.images import decode_data_url
 from tests._support.server_fixtures import metric, serving, wait_until
+from tests._support.tiers import gpu_only
+
+# Retune is a GPU's (XLA:CPU never autotunes; the trigger and timings are injected): make test-slow.
+pytestmark = gpu_only
 
 DEVICELESS_S, AUTOTUNED_S = 0.0125, 0.0100  # injected: the autotuned compile is 20% faster
 BODY = {"input": {"seed": 5, "class_label": 3}}

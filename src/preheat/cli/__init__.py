@@ -14,7 +14,8 @@ traceback, never a partial output file.
     preheat.cli.warm      ``preheat warm`` (and the declaration options ``preheat serve`` shares)
     preheat.cli.bench     ``preheat bench sampler | coldstart | compare | serve``
     preheat.cli._support  one-line errors, shared by the commands
-    preheat.cli.settings_env  ``serve`` and ``warm`` read absent options from ``PREHEAT_<SETTING>``
+    preheat.cli.settings_env  the settings' options, generated from their declaration (``preheat.settings``);
+                          ``serve`` and ``warm`` read absent ones from ``PREHEAT_<SETTING>``
 
 Importing a command module is cheap: JAX, torch, FastAPI and the model code load when a command runs.
 """

@@ -27,15 +27,15 @@ from typing import Any, Callable, Optional
 import click
 
 from preheat.cli.family_options import FLAGS, cli_size_specs, size_flags  # FLAGS: a common keyword -> its flag
+from preheat.cli.settings_env import settings_options
 from preheat.families.inputs import COMMON_SPECS, IMAGE_SIZE, Choice, Float, InputSpec, Int, common_spec
+from preheat.settings import CACHE_LAYERS, DTYPES  # the denoiser dtypes the engine compiles for; cache layers
 
 __all__ = ["DTYPES", "CACHE_LAYERS", "model_options", "call_options", "CallOptions", "FLAGS", "SAMPLER",
            "common_option", "spec_option", "size_options", "renamed_option", "output_options", "echo_result",
            "POSITIVE", "NON_NEGATIVE",
            "POSITIVE_SECONDS"]
 
-DTYPES = ("float32", "bfloat16", "float16")  # the denoiser dtypes the engine compiles for
-CACHE_LAYERS = ("full", "xla", "off")
 
 # Numeric option types: click refuses a value out of range in one line, before anything runs.
 POSITIVE = click.IntRange(min=1)
@@ -108,37 +108,9 @@ def echo_result(result: Any, text: str, as_json: bool) -> None:
 
 
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--dtype, --weights-dtype, --variant, --cache, --config, --controlnet, --refiner: how the model is loaded."""
-    options = [
-        click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES),
-                     help="The denoiser's dtype."),
-        click.option("--weights-dtype", metavar="DTYPE",
-                     help="Store the denoiser's weights in DTYPE (int8 with per-channel scales, or float8_e4m3fn), "
-                          "upcast to --dtype at use "
-                          "(JAX backend; default: all in --dtype)."),
-        click.option("--weights-layers", type=click.Choice(["layerwise", "linear"]), default="layerwise",
-                     show_default=True, help="With --weights-dtype: diffusers' layerwise-casting layers, or every "
-                                             "Linear (AdaLN modulation too; FLUX.1-dev 0.51x of bf16)."),
-        click.option("--variant", help="Weight files *.VARIANT.safetensors (e.g. fp16)."),
-        click.option("--cache", type=click.Choice(CACHE_LAYERS), help="Compile cache layers (default: full)."),
-        click.option("--config", metavar="FOLDER|hf://ORG/REPO|NAME",
-                     help="MODEL is a single .safetensors file in an original layout (LDM SD 1.x/2.x, SGM SDXL, "
-                          "BFL FLUX.1, MMDiT SD3) or a FLUX.1 GGUF file: the diffusers folder or repository whose "
-                          "configs and tokenizers read it; a folder of only the component folders it lacks; or a "
-                          "published model's name (stable-diffusion-2-1-base: the 512 px epsilon SD 2.1). Without "
-                          "it the published model is inferred and what the file lacks is pulled from its "
-                          "repository (a GGUF file needs it) (JAX backend)."),
-        click.option("--controlnet", metavar="FOLDER",
-                     help="A diffusers ControlNetModel folder run beside the UNet (SD 1.x/2.x, SDXL): "
-                          "the model then takes --control-image and the ControlNet's scale and step window."),
-        click.option("--refiner", metavar="FOLDER",
-                     help="An SDXL refiner folder that takes over from an SDXL base part-way (the ensemble of "
-                          "experts): the model then takes --denoising-end (0.8) and the refiner's "
-                          "--aesthetic-score."),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+    """--dtype, --weights-dtype, --weights-layers, --variant, --cache, --config, --controlnet, --refiner: how the
+    model is loaded (declared with every serving setting: ``preheat.settings``, surface ``load``)."""
+    return settings_options("load")(fn)
 
 
 @dataclass(frozen=True)

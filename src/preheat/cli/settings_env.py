@@ -1,5 +1,9 @@
-"""`preheat serve` and `preheat warm` read a deployment's settings from the environment, as
-Runpod's worker and Ray's replicas do: one table (``preheat.server.config.ENV_SETTINGS``), each
+"""The click side of the settings' declaration (``preheat.settings.ServeSettings``): each
+setting's option, generated from its field (:func:`setting_option`, :func:`settings_options`:
+the options of ``serve``, of ``warm`` and the load options of ``sample``), and the environment.
+
+`preheat serve` and `preheat warm` read a deployment's settings from the environment, as
+Runpod's worker and Ray's replicas do: one table (``preheat.settings.ENV_SETTINGS``), each
 setting as ``PREHEAT_<SETTING>`` (``env_var``), so that a pod template's ``PREHEAT_SIZES`` means
 the same to every surface, and a warm job run in the server's environment warms what it serves.
 
@@ -21,14 +25,53 @@ from typing import Any, Callable, Optional
 import click
 from click.core import ParameterSource
 
-from preheat.server.config import ENV_SETTINGS, env_var
+from preheat.settings import ENV_SETTINGS, SETTINGS, ServeSettings, env_var, flag_of
 
-__all__ = ["SettingsCommand", "flag_of", "setting_of", "names_of"]
+__all__ = ["SettingsCommand", "flag_of", "setting_of", "names_of", "setting_option", "settings_options",
+           "settings_given"]
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
-def flag_of(setting: str) -> str:
-    """The command line's option of ``setting``: ``max_batch_size`` -> ``--max-batch-size``."""
-    return "--" + setting.replace("_", "-")
+def setting_option(name: str, param: Optional[str] = None) -> Decorator:
+    """The click option (MODEL: the argument) of setting ``name``, from its declaration: flag,
+    type and range, default, help; ``param``: the command's parameter, where not ``name``."""
+    s = SETTINGS[name]
+    if s.argument:
+        return click.argument(param or name, required=False)
+    decls = [s.option if s.negation is None else f"{s.option}/{s.negation}", param or name]
+    if s.is_flag:
+        return click.option(*decls, is_flag=True, help=s.help or None)
+    if s.negation is not None:  # --x/--no-x, absent: None
+        return click.option(*decls, default=s.default, help=s.help or None)
+    if s.multiple:
+        return click.option(*decls, multiple=True, metavar=s.metavar, help=s.help or None)
+    kind: Any = s.type
+    if s.choices:
+        kind = click.Choice(s.choices)
+    elif s.bounds is not None:
+        kind = click.IntRange(*s.bounds)
+    elif s.folder:
+        kind = click.Path(file_okay=False, exists=True)
+    return click.option(*decls, default=s.default, show_default=s.default is not None, type=kind,
+                        metavar=s.metavar, help=s.help or None)
+
+
+def settings_options(surface: str) -> Decorator:
+    """Every setting whose ``surfaces`` hold ``surface`` (``load``, ``warm``, ``serve``), as options
+    in their declared order; the command receives them as keywords (:func:`settings_given`)."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for name in reversed([name for name, s in SETTINGS.items() if surface in s.surfaces]):
+            fn = setting_option(name)(fn)
+        return fn
+
+    return decorate
+
+
+def settings_given(values: dict[str, Any]) -> ServeSettings:
+    """The command's settings from its keywords (those it does not take keep their defaults)."""
+    return ServeSettings(**{name: values.pop(name) for name in list(values) if name in SETTINGS})
 
 
 def setting_of(param: click.Parameter) -> Optional[str]:

@@ -1,7 +1,8 @@
 """`preheat warm`: compile a declared set of programs ahead of time (a Docker build step, CI, or
 a one-off job against the fleet store), so that a new pod's first request never compiles.
 
-The declaration's options (``declaration_options``) are the same on ``preheat serve``, so a warm
+The declaration's options (``declaration_options``, generated from ``preheat.settings``:
+the fields of surface ``warm``) are the same on ``preheat serve``, so a warm
 job and a server agree on what "warm" means; both read an absent option's ``PREHEAT_<SETTING>``
 variable (``cli.settings_env``), so a warm job in the server's environment agrees with it too.
 """
@@ -14,113 +15,22 @@ from typing import Any, Callable, Optional
 import click
 
 from preheat.cli._support import one_line_errors
-from preheat.cli.options import NON_NEGATIVE, model_options
-from preheat.cli.settings_env import SettingsCommand, flag_of, names_of
+from preheat.cli.options import NON_NEGATIVE
+from preheat.cli.settings_env import (SettingsCommand, flag_of, names_of, setting_option, settings_given,
+                                     settings_options)
+from preheat.settings import samplers_from_text
 
-__all__ = ["warm_command", "declaration_options", "inputs_option", "input_values_option", "warm_set_from_options"]
+__all__ = ["warm_command", "declaration_options", "inputs_option", "input_values_option", "samplers_from_text"]
 
+# the optional inputs a declaration offers and the served values of static inputs besides the size:
+# `warm`, `serve`, and `cache explain` (whose call must use only these; with --as-server, takes them
+# as such a server would)
+inputs_option = setting_option("inputs", "inputs_text")
+input_values_option = setting_option("input_values", "input_values_text")
 
-# the optional inputs a declaration offers (parse_offered, then warm.resolve checks them against the
-# family): `warm`, `serve`, and `cache explain`, whose call must use only these
-inputs_option = click.option(
-    "--inputs", "inputs_text", metavar="A,B,...|none",
-    help="Optional inputs offered (each variant compiled; a server refuses others): of the model's negative_prompt, "
-         "image, mask_image; none = the required ones only (text-to-image). Default: all the model declares but "
-         "FLUX.1's negative_prompt (true CFG: name it to offer it).")
-
-
-# the served values of static inputs besides the size (parse_input_values; warm.resolve checks them): `warm`,
-# `serve`, and `cache explain --as-server`, whose call then takes them as such a server would
-input_values_option = click.option(
-    "--input-values", "input_values_text", metavar="NAME=A,B;...",
-    help="Static inputs' served values besides the size (each compiled; the first what a request without it gets; "
-         "a server refuses others): max_sequence_length=256,512 for FLUX.1's and SD3's T5 prompt. Default: each "
-         "one's default.")
-
-
-def declaration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """MODEL, --dtype, --variant, --cache, --max-batch-size, --samplers, --sizes, --guidance, --inputs,
-    --input-values, --lora-ranks, --devices, --fsdp: the warm set."""
-    options = [
-        click.argument("model", required=False),
-        model_options,
-        click.option("--max-batch-size", default=8, show_default=True, type=int,
-                     help="Largest engine batch; buckets 1, 2, 4 ... up to it are compiled."),
-        click.option("--samplers", "samplers_text", metavar="A,B,...",
-                     help="Samplers offered (each compiled; a server refuses others). Default: the model's own."),
-        click.option("--sizes", "sizes_text", metavar="WxH,...",
-                     help="Text-to-image: sizes served (each compiled; a server refuses others). Default: the model's."),
-        click.option("--guidance", "guidance_text", default="off,on", show_default=True, metavar="off,on",
-                     help="Guidance modes compiled ('on' only where the model can guide)."),
-        inputs_option,
-        input_values_option,
-        click.option("--lora-ranks", "lora_ranks_text", metavar="16,32,...",
-                     help="LoRA rank buckets compiled besides no LoRA (of 16, 32, 64, 128): a LoRA whose rank "
-                          "fits one then runs with no compile. Default: none."),
-        click.option("--devices", "devices_text", metavar="all|N|ID,ID,...",
-                     help="JAX: the devices each batch is split over (default all; $PREHEAT_DEVICES); buckets are "
-                          "then multiples of their count, and programs are compiled for these devices."),
-        click.option("--progress/--no-progress", "progress", default=None,
-                     help="Programs that report each step (a server's streamed step events; default on, off with "
-                          "--target: a GPU compiled for without a GPU cannot call the host). A server and its warm "
-                          "job must agree: `serve --no-progress` runs what `warm --target` compiled."),
-        click.option("--fsdp", default=1, show_default=True, type=click.IntRange(min=1), metavar="F",
-                     help="JAX: split each weight over F of the devices instead of copying it to each (for "
-                          "models that do not fit one device); F divides the device count."),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
-
-
-def samplers_from_text(text: Optional[str], label: str = "--samplers") -> tuple[str, ...]:
-    """``--samplers a,b`` -> ("a", "b"); unknown names fail in one line naming ``label``."""
-    from preheat.errors import SchedulerConfigError
-    from preheat.samplers import SAMPLERS
-
-    names = tuple(dict.fromkeys(n.strip() for n in (text or "").split(",") if n.strip()))
-    for name in names:
-        if name not in SAMPLERS:
-            raise SchedulerConfigError(f"{label} {name!r} is unknown; choose from {', '.join(SAMPLERS)}")
-    return names
-
-
-def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int, samplers_text: Optional[str],
-                          sizes_text: Optional[str], guidance_text: str, lora_ranks_text: Optional[str] = None,
-                          devices_text: Optional[str] = None, fsdp: int = 1, variant: Optional[str] = None,
-                          cache: Optional[str] = None, weights_dtype: Optional[str] = None,
-                          weights_layers: str = "layerwise", progress: Optional[bool] = None,
-                          config: Optional[str] = None, inputs_text: Optional[str] = None,
-                          name_of: Callable[[str], str] = flag_of, input_values_text: Optional[str] = None,
-                          controlnet: Optional[str] = None, refiner: Optional[str] = None) -> Any:
-    """The ``WarmSet`` the declaration options describe (one-line errors for bad values, naming
-    each setting as ``name_of`` says the user gave it: its flag, or its ``PREHEAT_<SETTING>``). A
-    ``random:NAME`` model stays as given: ``preheat.load`` writes its folder, and ``warm.resolve``
-    serves a tiny one at its tiny size by default, on every surface alike."""
-    from preheat.warm import WarmSet
-    from preheat.errors import InvalidArgumentError
-    from preheat.families.offer import parse_offered
-    from preheat.warm import parse_input_values, parse_lora_ranks, parse_sizes
-    from preheat.sharding import parse_devices
-
-    from preheat.server.config import check_limits  # the serving limits' one table (no serve extra needed)
-
-    check_limits({"max_batch_size": max_batch_size}, name_of)
-    guidance = tuple(dict.fromkeys(g.strip().lower() for g in guidance_text.split(",") if g.strip()))
-    if not guidance or any(g not in ("off", "on") for g in guidance):
-        raise InvalidArgumentError(f"{name_of('guidance')} {guidance_text!r} must be off, on or off,on")
-    from preheat.lora import check_lora_ranks
-
-    ranks = check_lora_ranks(parse_lora_ranks(lora_ranks_text, name_of("lora_ranks")))
-    samplers, sizes = samplers_from_text(samplers_text, name_of("samplers")), parse_sizes(sizes_text, name_of("sizes"))
-    devices = parse_devices(devices_text, name_of("devices"))
-    return WarmSet(model=model, dtype=dtype, max_batch_size=max_batch_size, samplers=samplers, sizes=sizes,
-                   guidance=guidance, lora_ranks=tuple(ranks), devices=devices, fsdp=fsdp, variant=variant,
-                   cache=cache, weights_dtype=weights_dtype, weights_layers=weights_layers,
-                   progress=True if progress is None else progress, config=config, controlnet=controlnet,
-                   refiner=refiner,
-                   inputs=parse_offered(inputs_text),
-                   input_values=parse_input_values(input_values_text, name_of("input_values")))
+#: MODEL, --dtype, --variant, --cache, --max-batch-size, --samplers, --sizes, --guidance, --inputs,
+#: --input-values, --lora-ranks, --devices, --progress, --fsdp: the warm set (``ServeSettings.warm_set``)
+declaration_options = settings_options("warm")
 
 
 @click.command("warm", cls=SettingsCommand)
@@ -136,13 +46,8 @@ def warm_set_from_options(model: Optional[str], dtype: str, max_batch_size: int,
                    "plugin; v5e, v5e:2x2, v5e:2x4, v6e, v6e:2x2, v5p, v4 with the tpu extra's libtpu.")
 @click.option("--quiet", is_flag=True, help="No progress bar (it is drawn only when stderr is a terminal).")
 @one_line_errors
-def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str], weights_layers: str,
-                 variant: Optional[str], cache: Optional[str], config: Optional[str], controlnet: Optional[str],
-                 refiner: Optional[str], max_batch_size: int, samplers_text: Optional[str],
-                 sizes_text: Optional[str], guidance_text: str, inputs_text: Optional[str],
-                 input_values_text: Optional[str], lora_ranks_text: Optional[str], devices_text: Optional[str], fsdp: int, progress: Optional[bool],
-                 dry_run: bool,
-                 as_json: bool, push_timeout_s: float, target_spec: Optional[str], quiet: bool) -> None:
+def warm_command(dry_run: bool, as_json: bool, push_timeout_s: float, target_spec: Optional[str], quiet: bool,
+                 **declared: Any) -> None:
     """Compile MODEL's serving programs into the cache root ahead of time (and push them to
     PREHEAT_CACHE_URL when set), so `preheat serve` with the same options starts with no compile.
     MODEL: a diffusers folder, store source or random:NAME ($PREHEAT_MODEL); nothing for the
@@ -156,14 +61,12 @@ def warm_command(model: Optional[str], dtype: str, weights_dtype: Optional[str],
     from preheat.warm import SettingNames
 
     name_of = names_of()
-    warm_set = warm_set_from_options(model, dtype, max_batch_size, samplers_text, sizes_text, guidance_text,
-                                     lora_ranks_text, devices_text, fsdp, variant, cache, weights_dtype,
-                                     weights_layers, progress, config, inputs_text, name_of,
-                                     input_values_text=input_values_text, controlnet=controlnet, refiner=refiner)
+    settings = settings_given(declared)  # the declaration's options, as ServeSettings
+    warm_set = settings.warm_set(name_of)
     names = SettingNames.by(name_of)  # set-up messages name the flag or the variable, as given
     target = None
     if target_spec is not None:
-        target, warm_set = _target_compiles(target_spec, warm_set, progress, name_of)
+        target, warm_set = _target_compiles(target_spec, warm_set, settings.progress, name_of)
     # what is cached already loads while the weights are read (a dry run, or a --target one, loads nothing)
     pipe = preheat.load(warm_set.model, dtype=warm_set.dtype, variant=warm_set.variant, cache=warm_set.cache,
                         devices=warm_set.devices, fsdp=warm_set.fsdp, weights_dtype=warm_set.weights_dtype,

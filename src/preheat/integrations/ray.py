@@ -56,12 +56,14 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from ray import serve
 
 from preheat.errors import InvalidArgumentError, PreheatError
+from preheat.server.config import CoreConfig
+from preheat.settings import ENV_SETTINGS, typed_setting
 from preheat.warm import SettingNames
 
 __all__ = ["RayOptions", "Preheat", "build_app", "deployment", "app", "run", "health_error", "proxy_middlewares", "FORWARDED_ENV",
@@ -87,37 +89,12 @@ def forwarded_env(env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
 
 
 @dataclass
-class RayOptions:
-    """What ``build_app`` takes: the core's options, then the deployment's."""
+class RayOptions(CoreConfig):
+    """What ``build_app`` takes: a replica's core (``CoreConfig``: its deployment settings, the
+    declaration's ``ENV_SETTINGS``, and ``push_grace_s``), then the replica's own and the
+    deployment's. A new deployment setting is a Ray option with no line here."""
 
-    model: Optional[str] = None
-    dtype: str = "float32"
-    variant: Optional[str] = None  # weight files *.VARIANT.safetensors
-    cache: Optional[str] = None  # compile cache layers: full (None), xla or off
-    weights_dtype: Optional[str] = None  # the denoiser's weights stored in this dtype (float8_e4m3fn)
-    weights_layers: str = "layerwise"
-    config: Optional[str] = None  # with a single .safetensors as model: the folder or hf:// repo whose configs read it
-    controlnet: Optional[str] = None  # a ControlNetModel folder beside the UNet (preheat.load(controlnet=...))
-    refiner: Optional[str] = None  # an SDXL refiner folder that takes over part-way (preheat.load(refiner=...))
-    progress: bool = True  # the programs report each step (off: as `preheat serve --no-progress`)
-    max_batch_size: int = 8
-    samplers: tuple[str, ...] = ()
-    sizes: tuple[tuple[int, int], ...] = ()
-    guidance: tuple[str, ...] = ("off", "on")
-    inputs: Optional[tuple[str, ...]] = None  # offered optional inputs (None: the family's default ones; (): none)
-    input_values: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # static inputs' served values ({name: [values]})
-    devices: Any = None
-    fsdp: int = 1
-    lora_ranks: tuple[int, ...] = ()
-    max_loras: int = 8
-    lora_dir: Optional[str] = None
-    max_image_pixels: Optional[int] = None  # width x height of a request's image (None: 4096²)
-    batch_wait_ms: float = 10.0
-    max_queue: int = 64
-    max_steps: int = 200
-    retune_idle_s: Optional[float] = 30.0  # preheat.server.config.RETUNE_IDLE_S (None: off)
     grace_s: float = 30.0
-    push_grace_s: float = 30.0
     cache_home: Optional[str] = None
     num_replicas: Optional[int] = 1  # None with autoscaling
     autoscaling: Optional[dict[str, Any]] = None  # Serve's autoscaling_config
@@ -126,9 +103,15 @@ class RayOptions:
     max_ongoing_requests: Optional[int] = None  # default: max_queue + max_batch_size
     graceful_shutdown_timeout_s: Optional[float] = None  # default: grace_s + push_grace_s + 5
     env: dict[str, str] = field(default_factory=dict)  # more replica environment (over the forwarded)
-    # how the user named the settings a replica's set-up messages name: the command line's options
-    # (``serve --ray``) unless they came as ``serve run`` args or from ``PREHEAT_*`` (from_args / from_env)
-    names: SettingNames = field(default=SettingNames(), compare=False)
+    # ``names`` (CoreConfig's): how the user named the settings a replica's set-up messages name: the
+    # command line's options (``serve --ray``) unless they came as ``serve run`` args or from
+    # ``PREHEAT_*`` (from_args / from_env)
+
+    @classmethod
+    def args(cls) -> tuple[str, ...]:
+        """The options ``build_app`` takes: the core's of the declaration, then the rest of ours."""
+        core = {f.name for f in fields(CoreConfig)}
+        return (*ENV_SETTINGS, "push_grace_s", *(f.name for f in fields(cls) if f.name not in core))
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any], name_of: Callable[[str], str] = str) -> "RayOptions":
@@ -136,7 +119,7 @@ class RayOptions:
         an unknown key or a malformed value fails in one line. ``name_of(option)``: what the user
         gave it by, which that line and the replicas' set-up messages name (the arg's own name;
         ``from_env``: its variable)."""
-        known = [f.name for f in fields(cls) if f.name != "names"]
+        known = cls.args()
         unknown = sorted(set(args) - set(known))
         if unknown:
             raise InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(known)}")
@@ -150,10 +133,17 @@ class RayOptions:
         return options
 
     @classmethod
+    def from_core(cls, config: CoreConfig, **deployment: Any) -> "RayOptions":
+        """Replicas that each serve ``config``'s settings (``preheat serve --ray``), with its names for
+        them; ``deployment``: the deployment's own options (``num_replicas``, ...)."""
+        taken = (*ENV_SETTINGS, "push_grace_s", "names")
+        return cls(**{name: getattr(config, name) for name in taken}, **deployment)
+
+    @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "RayOptions":
-        """The core's settings from ``PREHEAT_<SETTING>`` (``preheat.server.config.ENV_SETTINGS``,
+        """The core's settings from ``PREHEAT_<SETTING>`` (``preheat.settings.ENV_SETTINGS``,
         as Runpod reads them), and the deployment's from ``PREHEAT_RAY_REPLICAS`` / ``PREHEAT_RAY_GPUS``."""
-        from preheat.server.config import env_var, settings_from_env
+        from preheat.settings import env_var, settings_from_env
 
         env = os.environ if env is None else env
         deployment = {name: env[var] for name, var in RAY_ENV.items() if env.get(var, "").strip()}
@@ -163,7 +153,7 @@ class RayOptions:
     def check(self, name_of: Callable[[str], str] = str) -> None:
         """Each value in its range, or one line naming the first that is not as the user gave it
         (``name_of(option)``: the ``serve run`` arg, or ``from_env``'s variable)."""
-        from preheat.server.config import LIMITS, check_limits
+        from preheat.settings import LIMITS, check_limits
 
         check_limits({name: getattr(self, name) for name in LIMITS}, name_of)  # the core's (lora_dir: on the replica)
         at_least = {"num_replicas": 1, "grace_s": 0, "push_grace_s": 0, "num_gpus": 0, "num_cpus": 0}
@@ -178,15 +168,11 @@ class RayOptions:
         """What a replica is constructed with: the core's options, ``grace_s`` and ``cache_home``;
         the deployment's own settings (replicas, resources) go to ``Preheat.options``, ``names``
         to the replica beside these (``deployment``)."""
-        deployment = {"num_replicas", "autoscaling", "num_gpus", "num_cpus", "max_ongoing_requests",
-                      "graceful_shutdown_timeout_s", "env", "names"}
-        return {k: v for k, v in asdict(self).items() if k not in deployment}
+        return {name: getattr(self, name) for name in (*ENV_SETTINGS, "push_grace_s", "grace_s", "cache_home")}
 
-    def core_config(self) -> Any:
-        from preheat.server.core import CoreConfig
-
-        shared = {f.name for f in fields(CoreConfig)} & {f.name for f in fields(self)}
-        return CoreConfig(**{name: getattr(self, name) for name in shared})
+    def core_config(self) -> CoreConfig:
+        """What each replica's server runs."""
+        return CoreConfig(**{f.name: getattr(self, f.name) for f in fields(CoreConfig)})
 
     def deployment_options(self) -> dict[str, Any]:
         """``Preheat.options(...)``: replicas, resources, concurrency, the shutdown budget and the
@@ -212,8 +198,6 @@ def _coerce(name: str, value: Any, label: str) -> Any:
     """A typed value for option ``name`` from a string (``serve run`` args) or a typed one: the
     core's settings as Runpod types them (``typed_setting``), then the deployment's own. A
     malformed one is one line naming ``label`` (how the user gave it)."""
-    from preheat.server.config import ENV_SETTINGS, typed_setting
-
     if value is None:
         return None
     if name in ENV_SETTINGS:

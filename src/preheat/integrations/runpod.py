@@ -20,7 +20,7 @@ modifier > 1 the SDK runs several jobs at once and the core batches them into on
 
 The engine is loaded once per process (at ``python -m`` start, or on the first job), from
 ``$PREHEAT_MODEL`` (default: the built-in model). The other knobs are the server's settings,
-each as ``PREHEAT_<SETTING>`` (``preheat.server.config.ENV_SETTINGS``: ``PREHEAT_DTYPE``,
+each as ``PREHEAT_<SETTING>`` (``preheat.settings.ENV_SETTINGS``: ``PREHEAT_DTYPE``,
 ``PREHEAT_SIZES`` = ``512x512,768x512``, ``PREHEAT_SAMPLERS``, ``PREHEAT_GUIDANCE`` = ``off,on``,
 ``PREHEAT_INPUTS`` = ``negative_prompt`` (the optional inputs offered; ``none``: text only),
 ``PREHEAT_INPUT_VALUES`` = ``max_sequence_length=256`` (a static input's served values),
@@ -41,8 +41,9 @@ from typing import Any, Mapping, Optional
 from preheat.errors import InputError, MissingExtraError, NotAccepting, PreheatError, QueueFull
 
 try:
-    from preheat.server.config import SettingNames, env_var, settings_from_env, typed_setting
     from preheat.server.core import Core, CoreConfig
+    from preheat.settings import env_var, settings_from_env, typed_setting
+    from preheat.warm import SettingNames
 except ModuleNotFoundError as _err:  # python -m without the serve extra: one line, never a traceback
     if __name__ != "__main__" or MissingExtraError.of(_err, "the Runpod handler") is None:
         raise
@@ -55,7 +56,7 @@ _lock = threading.Lock()
 
 
 def config_from_env(env: Optional[Mapping[str, str]] = None) -> CoreConfig:
-    """The worker's CoreConfig from ``PREHEAT_<SETTING>`` (``preheat.server.config.ENV_SETTINGS``); a
+    """The worker's CoreConfig from ``PREHEAT_<SETTING>`` (``preheat.settings.ENV_SETTINGS``); a
     malformed value is one line naming its variable."""
     env = os.environ if env is None else env
     settings = settings_from_env(env)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Adapters", "LowRank", "attach", "attach_stacked", "targets"]
+__all__ = ["Adapters", "LowRank", "attach", "targets"]
 
 Array = jax.Array
 
@@ -42,6 +42,15 @@ class Adapters:
     factors: Mapping[str, tuple[Array, Array]]  # layer path -> (down (K, in, R), up (K, R, out))
     scales: Array  # (K, R)
     index: Array  # (B,) int32
+
+    def attach_stacked(self, block: nnx.Module, factors: Mapping[str, tuple[Array, Array]]) -> None:
+        """Inside a ``BlockStack``'s scan: give one block's layers their slice of the stacked factors
+        (``factors``: relative layer path -> (down (K, in, R), up (K, R, out))). A method, so that the
+        scan applies adapters without importing this module (``stacking`` sits below it)."""
+        for path, module in nnx.iter_graph(block):
+            pair = factors.get(".".join(str(p) for p in path)) if isinstance(module, nnx.Module) else None
+            if pair is not None:
+                object.__setattr__(module, "lora", LowRank(pair[0], pair[1], self.scales, self.index))
 
 
 jax.tree_util.register_dataclass(Adapters, data_fields=["factors", "scales", "index"], meta_fields=[])
@@ -71,8 +80,9 @@ def attach(model: nnx.Module, adapters: Adapters | None) -> nnx.Module:
 
     A ``stacking.BlockStack`` (N blocks scanned over layer-stacked weights) gets its blocks'
     factors stacked, ``(N, K, in, R)`` and ``(N, K, R, out)`` per layer of the block, which its
-    scan slices per block (``attach_stacked``): a few MB, stacked inside the trace."""
-    from preheat.models.stacking import STACKED, BlockStack, block_path
+    scan slices per block (``Adapters.attach_stacked``): a few MB, stacked inside the trace."""
+    from preheat.models.block_paths import STACKED, block_path
+    from preheat.models.stacking import BlockStack
 
     if adapters is None:
         return model
@@ -100,22 +110,13 @@ def attach(model: nnx.Module, adapters: Adapters | None) -> nnx.Module:
     return model
 
 
-def attach_stacked(block: nnx.Module, adapters: Adapters | None, factors: Mapping[str, tuple[Array, Array]]) -> None:
-    """Inside a ``BlockStack``'s scan: give one block's layers their slice of the stacked factors
-    (``factors``: relative layer path -> (down (K, in, R), up (K, R, out)))."""
-    if adapters is None:
-        return
-    for path, module in nnx.iter_graph(block):
-        pair = factors.get(".".join(str(p) for p in path)) if isinstance(module, nnx.Module) else None
-        if pair is not None:
-            object.__setattr__(module, "lora", LowRank(pair[0], pair[1], adapters.scales, adapters.index))
 
 
 def targets(graphdef: nnx.GraphDef, params: Any) -> dict[str, tuple[int, int]]:
     """The fixed target set of a model: every ``Linear`` and 1x1 ``Conv2d`` (the layers that take an
     adapter), as ``{layer path: (in, out)}`` -- a path is the checkpoint key without ``.weight``."""
     from preheat.models.layers import Conv2d, Linear
-    from preheat.models.stacking import STACKED, block_path
+    from preheat.models.block_paths import STACKED, block_path
 
     out: dict[str, tuple[int, int]] = {}
     for path, module in nnx.iter_graph(nnx.merge(graphdef, params)):

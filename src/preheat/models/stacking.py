@@ -29,7 +29,6 @@ two-trip loop, a trade not worth its risk to the steady state.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Callable, Hashable, Sequence
 
 import jax
@@ -37,14 +36,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from preheat.errors import InvalidArgumentError
+from preheat.models.block_paths import RUN, STACKED, block_path, is_stacked_path
 
-__all__ = ["STACKED", "SCAN_MIN", "scan_min", "scanned", "BlockStack", "blocks", "block_runs", "run_blocks", "stack",
-           "unstack", "is_stacked_path", "block_path"]
+__all__ = ["SCAN_MIN", "scan_min", "scanned", "BlockStack", "blocks", "block_runs", "run_blocks", "stack", "unstack"]
 
 Array = jax.Array
 
-STACKED = "stacked"  # the attribute a BlockStack keeps its block under: path X.stacked.Y <-> X.<i>.Y
-_RUN = re.compile(r"^(\d+):(\d+)$")  # a run's key in ``block_runs``: X.<a>:<b>.stacked.Y <-> X.<a + i>.Y
 SCAN_MIN = 3
 _ENV = "PREHEAT_SCAN_MIN"
 
@@ -69,21 +66,6 @@ def scanned(layers: int) -> bool:
     """Whether a stage of ``layers`` identical blocks runs as a scan."""
     least = scan_min()
     return least is not None and layers >= least
-
-
-def block_path(stack_path: Sequence[Any], i: int) -> tuple[str, ...]:
-    """The checkpoint path of block ``i`` of the ``BlockStack`` at ``stack_path``: ``X.<i>``, or
-    ``X.<a + i>`` for a run ``X.<a>:<b>`` of ``block_runs``."""
-    names = tuple(str(p) for p in stack_path)
-    run = _RUN.match(names[-1]) if names else None
-    if run:
-        return (*names[:-1], str(int(run.group(1)) + i))
-    return (*names, str(i))
-
-
-def is_stacked_path(path: tuple[Any, ...]) -> bool:
-    """Whether a parameter path (State keys or ``jax.tree_util`` keys) lies inside a ``BlockStack``."""
-    return any(getattr(p, "key", getattr(p, "name", p)) == STACKED for p in path)
 
 
 class BlockStack(nnx.Module):
@@ -117,7 +99,6 @@ class BlockStack(nnx.Module):
         ``lax.cond`` per iteration, in the programs that skip only.
         ``emit``: also every block's output, stacked (N, ...) -- ``(carry, outputs)`` -- for the
         callers that keep each layer's state (CLIP's ``hidden_states``, read by clip_skip)."""
-        from preheat.models.adapters import attach_stacked
         from preheat.models.storage import upcast
 
         graphdef, state = nnx.split(self.stacked)  # every leaf (N, ...)
@@ -131,7 +112,8 @@ class BlockStack(nnx.Module):
             def one(c: Any) -> Any:
                 dtype = jax.tree.leaves(c)[0].dtype
                 block = nnx.merge(graphdef, upcast(layer, dtype, tie=c))  # one block's weights, fp8 upcast here
-                attach_stacked(block, lora, layer_factors)
+                if lora is not None:
+                    lora.attach_stacked(block, layer_factors)
                 return step(block, c)
 
             c = one(c) if off is None else jax.lax.cond(off, lambda c: c, one, c)
@@ -174,7 +156,7 @@ def run_blocks(stage: nnx.Module, carry: Any, step: Callable[[nnx.Module, Any], 
         return stage.run(carry, step, skip)
     items = stage.items() if isinstance(stage, nnx.Dict) else enumerate(stage)
     for key, block in items:
-        run = _RUN.match(str(key))
+        run = RUN.match(str(key))
         if isinstance(block, BlockStack):
             a = int(run.group(1)) if run else 0
             carry = block.run(carry, step, [i - a for i in skip if a <= i < a + block.n])

@@ -127,7 +127,7 @@ def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     def held(x: Any) -> Any:  # the stored bytes of a leaf
         return x.values if isinstance(x, Quantised) else x.blocks if isinstance(x, Packed) else x
 
-    from preheat.models.stacking import is_stacked_path
+    from preheat.models.block_paths import is_stacked_path
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_quantised)
     # a BlockStack's (N, ...) leaves are upcast one block at a time inside its scan (stacking.BlockStack)

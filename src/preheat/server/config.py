@@ -6,51 +6,19 @@ that the Ray and Runpod surfaces can build and check a configuration without the
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Optional
 
-from preheat.errors import InvalidArgumentError, PreheatError
+from preheat.errors import InvalidArgumentError
+from preheat.settings import (ENV_SETTINGS, LIMITS, RETUNE_IDLE_S, SETTINGS, ServeSettings, check_limits, env_var,
+                              flag_of, parse_idle_s, settings_from_env, typed_setting)
 from preheat.warm import GUIDANCE_MODES, SettingNames, WarmSet
 
-__all__ = ["CoreConfig", "SettingNames", "load_pipeline", "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting",
-           "RETUNE_IDLE_S", "parse_idle_s", "LIMITS", "check_limits"]
-
-RETUNE_IDLE_S = 30.0  # the default --retune-idle-s: a lull, not the gap between two requests of a burst
-
-
-def parse_idle_s(value: Any, label: str = "--retune-idle-s") -> Optional[float]:
-    """``--retune-idle-s`` / ``PREHEAT_RETUNE_IDLE_S``: seconds >= 0, or "off" (0 is off too) -> None."""
-    text = str(value).strip().lower()
-    if text in ("off", "none", "false", "no"):
-        return None
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise InvalidArgumentError(f"{label} {value!r} must be seconds (a number) or off", argument=label) from None
-    if not seconds >= 0 or seconds == float("inf"):
-        raise InvalidArgumentError(f"{label} {value!r} must be >= 0 seconds, or off", argument=label)
-    return seconds or None
-
-
-# Each serving limit's range (low, high; None: no bound). One table for the three places that set
-# them (``preheat serve``'s options, Ray's options, and every CoreConfig a Core is built from,
-# which is where Runpod's PREHEAT_* variables land), so no surface lets through what another refuses.
-LIMITS: dict[str, tuple[float, Optional[float]]] = {
-    "max_batch_size": (1, 1024), "batch_wait_ms": (0, None), "max_queue": (1, None), "max_steps": (1, None),
-    "max_loras": (1, None), "max_image_pixels": (1, None)}
-
-
-def check_limits(values: Mapping[str, Any], name_of: Callable[[str], str] = str) -> None:
-    """Each of ``values``' LIMITS settings in its range (None: the default), or one line naming the
-    first that is not as the user gave it (``name_of(setting)``: a flag, a variable)."""
-    for name, (low, high) in LIMITS.items():
-        value = values.get(name)
-        if value is None or (value >= low and (high is None or value <= high)):
-            continue
-        label = name_of(name)
-        span = f">= {low}" if high is None else f"in {low}..{high}"
-        raise InvalidArgumentError(f"{label} {value} must be {span}", argument=label)
+# the declaration's tables and parsers (``preheat.settings``), where the config's readers import them
+__all__ = ["CoreConfig", "SettingNames", "load_pipeline", "http_options", "fetch_config", "address_policy",
+           "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting", "RETUNE_IDLE_S", "parse_idle_s", "LIMITS",
+           "check_limits"]
 
 
 @dataclass
@@ -124,6 +92,19 @@ class CoreConfig:
                        controlnet=self.controlnet, refiner=self.refiner)
 
     @classmethod
+    def from_settings(cls, settings: ServeSettings, warm: WarmSet, names: SettingNames,
+                      name_of: Callable[[str], str] = flag_of) -> "CoreConfig":
+        """The server ``settings`` describe, warming ``warm`` (``settings.warm_set``): each serving
+        setting that is a field here, typed; ``names``: how its set-up messages name the settings.
+        A bad address or fetch limit is one line naming its flag."""
+        serving = {f.name for f in fields(cls)} & {name for name, s in SETTINGS.items() if "warm" not in s.surfaces}
+        serving.discard("retune_idle_s")  # text as given ("30", "off"): parsed below
+        return cls.from_warm_set(
+            warm, **{name: getattr(settings, name) for name in serving},
+            retune_idle_s=parse_idle_s(settings.retune_idle_s, name_of("retune_idle_s")),
+            lora_urls=address_policy(settings, "lora_url"), fetch=fetch_config(settings), names=names)
+
+    @classmethod
     def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":
         """A server for the declared set; ``options``: the serving-only fields (queue, limits, ...)."""
         options.setdefault("devices", warm.devices)
@@ -138,89 +119,47 @@ class CoreConfig:
 
 
 
-# The CoreConfig fields a deployment sets from its environment, each as ``PREHEAT_<FIELD>``: Runpod's
-# handler and Ray's replicas read this one table, so neither misses a setting the other takes.
-ENV_SETTINGS: tuple[str, ...] = (
-    "model", "dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "controlnet", "refiner", "progress",
-    "max_batch_size",
-    "samplers", "sizes", "guidance", "inputs", "input_values", "devices", "fsdp", "lora_ranks", "max_loras", "lora_dir",
-    "max_image_pixels",
-    "batch_wait_ms", "max_queue", "max_steps", "retune_idle_s")
-_INTS = ("max_batch_size", "fsdp", "max_loras", "max_image_pixels", "max_queue", "max_steps")
-_FLOATS = ("batch_wait_ms",)
-_LISTS = ("samplers", "guidance")
 
+def address_policy(settings: ServeSettings, kind: str = "webhook") -> Any:
+    """The address policy of webhooks (``kind`` "webhook") or of requests' URLs ("lora_url");
+    a bad CIDR names its flag."""
+    from preheat.server.webhooks import WebhookPolicy, WebhookRefused
 
-def env_var(name: str) -> str:
-    """The environment variable of setting ``name``: ``max_batch_size`` -> ``PREHEAT_MAX_BATCH_SIZE``."""
-    return "PREHEAT_" + name.upper()
-
-
-def settings_from_env(env: Mapping[str, str], names: Iterable[str] = ENV_SETTINGS) -> dict[str, str]:
-    """The settings of ``names`` that ``env`` gives (set and not blank), as text keyed by name."""
-    return {name: env[env_var(name)] for name in names if env.get(env_var(name), "").strip()}
-
-
-def typed_setting(name: str, value: Any, label: Optional[str] = None) -> Any:
-    """A CoreConfig setting from text (an environment variable, ``serve run key=value``) or an
-    already typed value. A malformed one is a one-line InvalidArgumentError naming ``label``
-    (default ``name``: the variable or option the user wrote)."""
-    label = label or name
-    if value is None:
-        return None
     try:
-        return _typed(name, value, label)
-    except PreheatError:
-        raise
-    except (TypeError, ValueError) as err:  # a typed value of the wrong shape (Ray's serve run args)
-        raise InvalidArgumentError(f"{label} {value!r}: {err}", argument=label) from None
+        return WebhookPolicy(allow_private=getattr(settings, f"{kind}_allow_private"),
+                             allow=tuple(getattr(settings, f"{kind}_allow")))
+    except WebhookRefused as err:
+        raise InvalidArgumentError(f"{flag_of(kind + '_allow')}: {err}") from None
 
 
-def _typed(name: str, value: Any, label: str) -> Any:
-    from preheat.env import on_off
-    from preheat.warm import parse_input_values, parse_lora_ranks, parse_sizes
+def fetch_config(settings: ServeSettings) -> Any:
+    """The limits of the fetches requests cause; a bad one fails in one line naming its flag."""
+    from preheat.server.fetch import FetchConfig
 
-    if name in _LISTS:
-        items = value.split(",") if isinstance(value, str) else list(value)
-        return tuple(str(v).strip() for v in items if str(v).strip())
-    if name == "inputs":  # the names are checked against the family at set-up (warm.resolve)
-        from preheat.families.offer import parse_offered
+    flags = {"connect_timeout_s": "fetch_connect_timeout_s", "deadline_s": "fetch_deadline_s",
+             "max_lora_bytes": "max_lora_bytes", "max_image_bytes": "max_image_bytes",
+             "per_host": "fetch_per_host", "max_fetches": "max_fetches"}
+    try:
+        return FetchConfig(**{key: getattr(settings, name) for key, name in flags.items()})
+    except InvalidArgumentError as err:
+        flag = flag_of(flags[err.argument]) if err.argument in flags else err.argument
+        raise InvalidArgumentError(f"{flag} {str(err).split(' ', 1)[1]}", argument=err.argument) from None
 
-        return parse_offered(value)
-    if name == "input_values":  # typed and checked against the family at set-up (warm.resolve)
-        if isinstance(value, str):
-            return parse_input_values(value, label)
-        pairs = value.items() if isinstance(value, Mapping) else value  # Ray's typed args: {name: [values]}
-        return tuple((str(k), tuple(v) if isinstance(v, (list, tuple)) else (v,)) for k, v in pairs)
-    if name == "sizes":
-        return parse_sizes(value, label) if isinstance(value, str) else tuple(tuple(int(x) for x in s) for s in value)
-    if name == "devices":
-        from preheat.sharding import parse_devices
 
-        return parse_devices(value, label) if isinstance(value, str) else value
-    if name == "lora_ranks":
-        return parse_lora_ranks(value if isinstance(value, str) else ",".join(map(str, value)), label)
-    if name == "progress":
-        try:
-            return on_off(value, label)
-        except ValueError as err:
-            raise InvalidArgumentError(str(err), argument=label) from None
-    if name == "retune_idle_s":
-        return parse_idle_s(value, label)
-    if name in _INTS or name in _FLOATS:
-        kind = int if name in _INTS else float
-        try:
-            number = kind(value)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"{label} {value!r} must be {'an int' if kind is int else 'a number'}",
-                                       argument=label) from None
-        return number
-    return str(value)
+def http_options(settings: ServeSettings, token: Optional[str]) -> dict[str, Any]:
+    """``preheat.server.serve.serve``'s keywords beside the config: the HTTP server's limits."""
+    if settings.max_header_bytes < 1024 or settings.max_headers < 8:
+        raise InvalidArgumentError(f"--max-header-bytes {settings.max_header_bytes} must be >= 1024 and "
+                                   f"--max-headers {settings.max_headers} >= 8")
+    return dict(host=settings.host, port=settings.port, grace_s=settings.grace_s, token=token,
+                log_level=settings.log_level, webhooks=address_policy(settings),
+                max_body_bytes=settings.max_body_bytes, header_timeout_s=settings.header_timeout_s,
+                body_timeout_s=settings.body_timeout_s, max_header_bytes=settings.max_header_bytes,
+                max_headers=settings.max_headers, keep_alive_on_failure=settings.keep_alive_on_failure)
 
 
 def load_pipeline(config: CoreConfig) -> Any:
     """The engine for ``config.backend``; a one-line ``InvalidArgumentError`` for an unusable backend."""
-    from preheat.errors import InvalidArgumentError
 
     if config.backend == "jax":
         if config.compile != "none":
