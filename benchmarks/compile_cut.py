@@ -42,6 +42,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's preheat
 
+from preheat.bench.random_models import SDXL_UNET  # noqa: E402 (the published config; no torch imported)
+
 FORMS = ("unrolled", "scanned")
 # "one-block": every stage one block deep, unrolled -- not a real model, the floor under any block
 # scan (what the rest of the program costs); ask for it with --forms unrolled,scanned,one-block
@@ -93,15 +95,7 @@ def _flux(stacked: bool, batch: int, tokens: int, text: int, dtype: Any, one_blo
     return model.apply, args
 
 
-# Published configs, here so the script needs only preheat's models (no torch, no diffusers).
-SDXL_UNET: dict[str, Any] = dict(  # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json
-    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
-    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-    cross_attention_dim=2048, attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 10),
-    use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
-    projection_class_embeddings_input_dim=2816, norm_num_groups=32, norm_eps=1e-5, act_fn="silu",
-    flip_sin_to_cos=True, freq_shift=0)
+# Published configs beside SDXL's (bench.random_models), here so the script needs only preheat's models.
 FLUX_DEV: dict[str, Any] = dict(  # black-forest-labs/FLUX.1-dev transformer/config.json
     patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
     num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,

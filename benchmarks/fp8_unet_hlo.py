@@ -37,7 +37,7 @@ from flax import nnx  # noqa: E402
 
 from benchmarks.fp8 import kernels, written_bytes  # noqa: E402
 from preheat.bench.random_models import SD15_UNET  # noqa: E402
-from benchmarks.target import SDXL_UNET  # noqa: E402
+from preheat.bench.random_models import SDXL_UNET  # noqa: E402
 from preheat.cache import targets  # noqa: E402
 from preheat.cache.compile import on_device  # noqa: E402
 from preheat.platforms import compiling_for  # noqa: E402

@@ -19,19 +19,12 @@ from typing import Any, Callable
 import click
 
 from preheat.bench.common import write_json
+from preheat.bench.random_models import SDXL_UNET
 from preheat.cli._support import one_line_errors
 from preheat.cli.options import echo_result, output_options
 
-__all__ = ["bench_target", "markdown", "with_ratios", "SDXL_UNET"]
+__all__ = ["bench_target", "markdown", "with_ratios"]
 
-SDXL_UNET: dict[str, Any] = dict(  # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json
-    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
-    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-    cross_attention_dim=2048, attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 10),
-    use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
-    projection_class_embeddings_input_dim=2816, norm_num_groups=32, norm_eps=1e-5, act_fn="silu",
-    flip_sin_to_cos=True, freq_shift=0)
 
 
 def _pipeline_rows(name: str, model: str | None, dtype: str, target: Any) -> list[dict[str, Any]]:

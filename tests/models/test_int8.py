@@ -20,6 +20,7 @@ import preheat
 from preheat.models.quantised import Quantised, int8_scale_shape, quantise_int8
 from tests._support.flow_fixtures import reference_pipeline as flow_reference
 from tests._support.flow_fixtures import reference_pixels as flow_pixels
+from tests._support.built_on_use import BuiltOnUse
 from tests._support.flow_fixtures import save_tiny_flow_model
 from tests._support.fp8_reference import FP8
 from tests._support.fp8_reference import stored_low as stored_fp8
@@ -69,26 +70,18 @@ def test_an_int8_weight_stacks_along_a_leading_axis():
     assert one.per_output and np.allclose(one.product(jnp.ones((1, 4), jnp.float32)), 8.0)
 
 
-class _Built(dict):
-    def __init__(self, make):
-        super().__init__()
-        self._make = make
-
-    def __missing__(self, key):
-        value = self[key] = self._make(key)
-        return value
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     base = tmp_path_factory.mktemp("int8")
-    return _Built(lambda name: save_tiny_flow_model(base / name, "flux-dev" if name == "flux" else name)
+    return BuiltOnUse(lambda name: save_tiny_flow_model(base / name, "flux-dev" if name == "flux" else name)
                   if name in FLOW else save_tiny_sd(base / name, name))
 
 
 @pytest.fixture(scope="module")
 def pipes(folders):
-    return _Built(lambda key: preheat.load(folders[key[0]], cache="off", weights_dtype=key[1]))
+    return BuiltOnUse(lambda key: preheat.load(folders[key[0]], cache="off", weights_dtype=key[1]))
 
 
 def _noise() -> np.ndarray:

@@ -19,6 +19,7 @@ import preheat
 from preheat.errors import InvalidArgumentError, ModelFormatError
 from tests._support.flow_fixtures import reference_pipeline as flow_reference
 from tests._support.flow_fixtures import reference_pixels as flow_pixels
+from tests._support.built_on_use import BuiltOnUse
 from tests._support.flow_fixtures import save_tiny_flow_model
 from tests._support.fp8_reference import FP8, cast_layers, cast_layerwise, round_to_fp8
 from tests._support.fp8_reference import stored_low as _stored_low
@@ -38,28 +39,18 @@ CALLS = {"flux": dict(prompt="a watercolor fox", guidance=3.5), "sd1": dict(prom
 FLOW = ("flux", "sd3")  # transformers, flow_euler; the others UNets, DDIM
 
 
-class _Built(dict):
-    """Each kind's folder (or pipeline) made on first use, so that a test of one kind builds no other."""
-
-    def __init__(self, make):
-        super().__init__()
-        self._make = make
-
-    def __missing__(self, key):
-        value = self[key] = self._make(key)
-        return value
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     base = tmp_path_factory.mktemp("fp8")
-    return _Built(lambda name: save_tiny_flow_model(base / name, "flux-dev" if name == "flux" else name)
+    return BuiltOnUse(lambda name: save_tiny_flow_model(base / name, "flux-dev" if name == "flux" else name)
                   if name in FLOW else save_tiny_sd(base / name, name))
 
 
 @pytest.fixture(scope="module")
 def pipes(folders):
-    return _Built(lambda key: preheat.load(folders[key[0]], cache="off", weights_dtype=FP8 if key[1] else None))
+    return BuiltOnUse(lambda key: preheat.load(folders[key[0]], cache="off", weights_dtype=FP8 if key[1] else None))
 
 
 def _noise(n: int = 1) -> np.ndarray:
