@@ -70,13 +70,11 @@ def test_an_int8_weight_stacks_along_a_leading_axis():
     assert one.per_output and np.allclose(one.product(jnp.ones((1, 4), jnp.float32)), 8.0)
 
 
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     base = tmp_path_factory.mktemp("int8")
     return BuiltOnUse(lambda name: save_tiny_flow_model(base / name, "flux-dev" if name == "flux" else name)
-                  if name in FLOW else save_tiny_sd(base / name, name))
+                      if name in FLOW else save_tiny_sd(base / name, name))
 
 
 @pytest.fixture(scope="module")

@@ -39,13 +39,11 @@ CALLS = {"flux": dict(prompt="a watercolor fox", guidance=3.5), "sd1": dict(prom
 FLOW = ("flux", "sd3")  # transformers, flow_euler; the others UNets, DDIM
 
 
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     base = tmp_path_factory.mktemp("fp8")
     return BuiltOnUse(lambda name: save_tiny_flow_model(base / name, "flux-dev" if name == "flux" else name)
-                  if name in FLOW else save_tiny_sd(base / name, name))
+                      if name in FLOW else save_tiny_sd(base / name, name))
 
 
 @pytest.fixture(scope="module")
