@@ -56,6 +56,10 @@ class Target:
     gpu: dict[str, Any]
     platform = "gpu"  # the platform whose description keys and traces for it (``preheat.platforms``)
 
+    def compile_device(self) -> Any:
+        """The compile-only device this GPU's programs are compiled on (``target_device``)."""
+        return gpu_device(self)
+
     @property
     def capability(self) -> tuple[int, int]:
         """The compute capability the models' trace-time choices read (``preheat.platforms.compiling_for``)."""
@@ -128,12 +132,14 @@ def _compile_only_device(text: str) -> Any:
 
 
 def target_device(target: Any) -> Any:
-    """The compile-only device for ``target``; without a CUDA plugin or libtpu (or on a jax that
-    cannot compile for an absent GPU), one line naming what to install."""
-    if target.platform == "tpu":
-        from preheat.cache.tpu_targets import tpu_device
+    """The compile-only device for ``target`` (a GPU's ``Target`` or a ``tpu_targets.TpuTarget``:
+    each makes its own); without a CUDA plugin or libtpu (or on a jax that cannot compile for an
+    absent GPU), one line naming what to install."""
+    return target.compile_device()
 
-        return tpu_device(target)
+
+def gpu_device(target: "Target") -> Any:
+    """``Target.compile_device``: the CUDA plugin's compile-only device for this description."""
     if not any(k.startswith("jax-cuda") for k in cuda_versions()):
         raise TargetError("--target needs the CUDA plugin for deviceless GPU compiles: pip install "
                           "'preheat[cuda13]' (jax-cuda13-plugin and jax-cuda13-pjrt, the jax version's own)",

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from preheat.errors import TargetError
-from preheat.platforms import libtpu_init_args, libtpu_version, slice_description
+from preheat.platforms import chip_fields, key_device_label, libtpu_init_args, libtpu_version, slice_description
 
 __all__ = ["KINDS", "TpuTarget", "is_tpu_spec", "resolve_tpu_target", "tpu_device", "topology_devices"]
 
@@ -77,13 +77,16 @@ class TpuTarget:
         """What a chip's host reads from its first device (the TPU platform's ``device_fields``
         adds the device count and the flags): its kind and its client's ``platform_version``."""
         if not self.fields:
-            device = topology_devices(self)[0]
-            self.fields.update(device_kind=str(device.device_kind), platform_version=str(device.client.platform_version))
+            self.fields.update(chip_fields(topology_devices(self)[0]))
         return dict(self.fields)
+
+    def compile_device(self) -> Any:
+        """The compile-only device a single-device program for this slice is compiled on (``target_device``)."""
+        return tpu_device(self)
 
     def manifest(self) -> dict[str, Any]:
         """What an entry compiled for this target records about it (not part of the key)."""
-        return {"name": self.name, "platform": "tpu", "device": self.key_fields()["device_kind"],
+        return {"name": self.name, "platform": self.platform, "device": key_device_label(self.key_fields()),
                 **slice_description(topology_devices(self))}
 
 

@@ -275,6 +275,8 @@ def check_fits(root: Path, *, dtype: Any, variant: str | None, weights_dtype: st
 
 
 def _prefer(devices: Sequence[Any]) -> str:
-    """The 8-bit weights to suggest first: int8 on a TPU (int8 in its matrix unit, no fp8), else fp8."""
-    platform = getattr(devices[0], "platform", "") if devices else ""
-    return "int8" if platform == "tpu" else "float8_e4m3fn"
+    """The 8-bit weights to suggest first: the devices' platform's (``Platform.compact_weights``:
+    int8 on a TPU, fp8 elsewhere)."""
+    from preheat import platforms
+
+    return platforms.get(getattr(devices[0], "platform", "") if devices else "").compact_weights

@@ -35,12 +35,12 @@ from preheat.platforms._gpu import (GpuPlatform, cuda_versions, cudnn_available,
 from preheat.platforms._select import (PLATFORMS, compiling_for, current, deviceless, get, local, selected,
                                        traced_target)
 from preheat.platforms._libtpu import libtpu_init_args, libtpu_version, slice_description
-from preheat.platforms._tpu import TpuPlatform, flash_choice
+from preheat.platforms._tpu import TpuPlatform, chip_fields, flash_choice
 
 __all__ = [
     # the description and its values
     "Platform", "AttentionLayer", "Attention", "ConvLayer", "CpuPlatform", "GpuPlatform", "TpuPlatform",
-    "FakePlatform", "PLATFORMS", "flash_choice",
+    "FakePlatform", "PLATFORMS", "chip_fields", "flash_choice",
     # which platform is asked
     "get", "current", "local", "selected", "compiling_for", "traced_target", "deviceless",
     # the running machine's devices and the key's device fields

@@ -75,6 +75,9 @@ class Platform:
     # ids of the doctor's platform-specific checks (``preheat.doctor.checks``) that apply here;
     # the platform-neutral ones (jax, storage, cache) run everywhere
     doctor_checks: tuple[str, ...] = ()
+    # the 8-bit weights to suggest first when a model does not fit (models.footprint): fp8, which the
+    # GPUs' and the CPU's products take
+    compact_weights: str = "float8_e4m3fn"
 
     def __init__(self, name: Optional[str] = None) -> None:
         if name is not None:

@@ -49,7 +49,7 @@ from typing import Any, Optional
 from preheat.platforms._base import Attention, AttentionLayer, ConvLayer, Platform, accelerator_xla_flags
 from preheat.platforms._libtpu import libtpu_init_args
 
-__all__ = ["TpuPlatform", "FLASH_MIN_TOKENS", "IM2COL_MIN_BATCH", "flash_block", "flash_choice"]
+__all__ = ["TpuPlatform", "FLASH_MIN_TOKENS", "IM2COL_MIN_BATCH", "chip_fields", "flash_block", "flash_choice"]
 
 FLASH_MIN_TOKENS = 1024  # queries and keys both this long: the flash kernel (module docstring)
 IM2COL_MIN_BATCH = 8  # a convolution's batch from which im2col replaces XLA's convolution
@@ -58,6 +58,12 @@ _HEAD_ALIGN = 64  # a head dim below 128 runs at a multiple of this (as measured
 # Blocks tried longest first: the longest that divides the sequence, 1024 measured best at 4096 tokens
 _BLOCKS = (1024, 512, 256, 128)
 _PAD_BLOCK = 512  # a sequence no block divides is padded to a multiple of this
+
+
+def chip_fields(device: Any) -> dict[str, str]:
+    """The key's chip fields of a TPU device, a VM's own or a builder's compile-only one: its kind and
+    its client's ``platform_version`` (libtpu's build)."""
+    return {"device_kind": str(device.device_kind), "platform_version": str(device.client.platform_version)}
 
 
 def flash_block(length: int) -> int:
@@ -81,6 +87,7 @@ class TpuPlatform(Platform):
     """TPUs (jax's "tpu" devices, libtpu)."""
 
     name = "tpu"
+    compact_weights = "int8"  # the matrix units take int8 at twice the bf16 rate; no fp8 on a v5e
 
     def attention(self, layer: AttentionLayer, capability: Any = None, deviceless: bool = False) -> Attention:
         """"flash" with its blocks for long unmasked self- or joint attention, "xla" elsewhere."""
@@ -92,8 +99,7 @@ class TpuPlatform(Platform):
     def device_fields(self, device: Any, mesh_size: Optional[int], target: Any = None) -> dict[str, Any]:
         """The module docstring's fields, the device's own or ``target.key_fields()``'s
         (``device_kind``, ``platform_version``)."""
-        chip = target.key_fields() if target is not None else {
-            "device_kind": device.device_kind, "platform_version": device.client.platform_version}
+        chip = target.key_fields() if target is not None else chip_fields(device)
         return {"platform": "tpu", **chip, "device_count": 1 if mesh_size is None else mesh_size,
                 "xla_flags": accelerator_xla_flags(),
                 "libtpu_init_args": libtpu_init_args()}
