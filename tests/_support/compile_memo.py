@@ -40,10 +40,11 @@ import pytest
 OWN_COMPILES = "own_compiles"
 """The marker of a test (or module) whose compiles must reach XLA, never the memo."""
 
-MAX_PROGRAMS = int(os.environ.get("PREHEAT_TEST_MEMO_PROGRAMS", "256"))
+MAX_PROGRAMS = int(os.environ.get("PREHEAT_TEST_MEMO_PROGRAMS", "128"))
 """Executables the memo keeps, least recently served dropped first: a tiny SD's programs grew a
-process by about 20 MB each (RSS, with what compiling them left), so 256 bound a worker's memo to
-a few GB at worst; a run's programs that recur (a family's folder at its native size) stay."""
+process by about 20 MB each (RSS, with what compiling them left), so 128 bound a worker's memo to
+about 2.5 GB at worst (two workers on a 24 GB machine beside torch's references); a run's programs
+that recur (a family's folder at its native size) stay."""
 
 
 def _xla_layer() -> ModuleType:
