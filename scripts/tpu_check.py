@@ -15,9 +15,10 @@ fraction is taken of); ``doctor``; ``builtin`` the built-in model cold (empty ca
 (``scripts/tpu_aot.py check``); ``sd15`` / ``sdxl`` random
 weights written here from the published configs (``bench.random_weights``: no torch), each batch
 cold in a new process, then warm. FLOPs per image-step come from XLA's cost analysis of the
-UNet's lowered program on the host's CPU (``--flops`` in a subprocess). Results: ``$OUT/tpu_check.json``
-and a Markdown table on stdout. ``--dry`` runs every row on the CPU at tiny sizes (CI's check of
-the script itself).
+UNet's lowered program on the host's CPU (``flops_per_image_step``, in a subprocess). Results:
+``$OUT/tpu_check.json`` and a Markdown table on stdout. ``--dry`` runs the rows on this host's CPU
+at tiny image sizes: a check of the script before device time is spent on it (minutes: the
+architectures are full size); no test runs it.
 """
 
 from __future__ import annotations
