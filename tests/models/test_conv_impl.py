@@ -11,7 +11,8 @@ import pytest
 
 import preheat
 from preheat.errors import InvalidArgumentError
-from preheat.models.conv import (CONV_IMPLS, FP8_1X1_IMPLS, GROUPNORM_IMPLS, conv2d, conv_impl, fp8_1x1_impl,
+from preheat.models.conv import (CONV_IMPLS, FENCE_SETTINGS, FP8_1X1_IMPLS, GROUPNORM_IMPLS, conv2d, conv_impl, fence,
+                                 fp8_1x1_impl,
                                  groupnorm_impl)
 from preheat.models.layers import GroupNorm
 from tests._support.reference import save_random_unet, torch_unet_output
@@ -88,6 +89,8 @@ def test_groupnorm_matches_a_float64_reference_far_from_zero(impl, offset, monke
     ("PREHEAT_CONV", conv_impl, "conv", "winograd"),
     ("PREHEAT_GROUPNORM", groupnorm_impl, "one_pass" if jax.default_backend() == "cpu" else "two_pass", "welford"),
     ("PREHEAT_FP8_1X1", fp8_1x1_impl, "gemm", "cudnn"),
+    ("PREHEAT_FENCES", lambda: "on" if "optimization_barrier" in jax.jit(lambda a: fence(a)).lower(jnp.ones(2)).as_text() else "off",
+     "off", "sometimes"),
 ])
 def test_each_switch_has_its_auto_and_refuses_an_unknown_value(monkeypatch, variable, read, auto, unknown):
     monkeypatch.delenv(variable, raising=False)
@@ -137,3 +140,34 @@ def test_compile_cache_key_names_each_switch_setting(monkeypatch):
         monkeypatch.setenv("PREHEAT_FP8_1X1", impl)
         keys.add(key_of(key_fields({"model": "m"}, Sig(), (np.zeros(2, np.float32),))))
     assert len(keys) == len(CONV_IMPLS) + len(GROUPNORM_IMPLS) + len(FP8_1X1_IMPLS)
+    for setting in FENCE_SETTINGS:
+        monkeypatch.setenv("PREHEAT_FENCES", setting)
+        keys.add(key_of(key_fields({"model": "m"}, Sig(), (np.zeros(2, np.float32),))))
+    assert len(keys) == len(CONV_IMPLS) + len(GROUPNORM_IMPLS) + len(FP8_1X1_IMPLS) + len(FENCE_SETTINGS)
+
+
+def test_a_fencing_platform_fences_the_feed_forward_and_flash_operands_and_changes_no_value(monkeypatch):
+    """On a platform with ``fences`` (the TPU) a GEGLU's product and the flash kernel's q/k/v reach
+    their consumers through an optimization barrier; the block's output is the same array."""
+    from flax import nnx
+
+    from preheat import platforms
+    from preheat.models.transformer2d import BasicTransformerBlock
+
+    monkeypatch.delenv("PREHEAT_FENCES", raising=False)
+    block = BasicTransformerBlock(64, 2, 32, 48, False, rngs=nnx.Rngs(0))
+    rng = np.random.RandomState(0)
+    x = jnp.asarray(rng.randn(1, 128, 64).astype(np.float32))  # the kernel's blocks are multiples of 128
+    ctx = jnp.asarray(rng.randn(1, 7, 48).astype(np.float32))
+
+    def run(platform):
+        with platforms.selected(platform):
+            fn = jax.jit(lambda a, c: block(a, c))
+            return fn.lower(x, ctx).as_text().count("optimization_barrier"), np.asarray(fn(x, ctx))
+
+    flash = platforms.Attention("flash", block_q=128, block_k=128, head_dim=32)
+    plain, want = run(platforms.FakePlatform(attention=flash))
+    fenced, got = run(platforms.FakePlatform(attention=flash, fences=True))
+    assert plain == 0
+    assert fenced == 3  # the GEGLU's product; the self- and the cross-attention's q/k/v (flash forced on both)
+    np.testing.assert_array_equal(got, want)

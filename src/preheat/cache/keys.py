@@ -114,6 +114,7 @@ def key_fields(fingerprint: dict[str, Any], signature: Any, args: Any, target: A
         "groupnorm_impl": os.environ.get("PREHEAT_GROUPNORM", "auto"),  # ... and groupnorm_impl
         "fp8_1x1_impl": os.environ.get("PREHEAT_FP8_1X1", "auto"),  # ... and fp8_1x1_impl (storage)
         "attention_impl": os.environ.get("PREHEAT_ATTENTION", "auto"),  # preheat.models.attention.attention_for
+        "fences": os.environ.get("PREHEAT_FENCES", "auto"),  # preheat.models.conv.fence
         "x64": bool(jax.config.jax_enable_x64),
         "matmul_precision": str(jax.config.jax_default_matmul_precision),
         "preheat": __version__,

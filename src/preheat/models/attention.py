@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from preheat import platforms
 from preheat.errors import InvalidArgumentError
+from preheat.models.conv import fence
 
 __all__ = ["ATTENTION_IMPLS", "dot_product_attention", "attention_for", "flash_attention"]
 
@@ -96,6 +97,8 @@ def flash_attention(q: Array, k: Array, v: Array, choice: platforms.Attention, *
     blocks = fa.BlockSizes(block_q=bq, block_k_major=bk, block_k=bk, block_b=1,
                            block_q_major_dkv=bq, block_k_major_dkv=bk, block_k_dkv=bk, block_q_dkv=bq,
                            block_k_major_dq=bk, block_k_dq=bk, block_q_dq=bq)
+
+    q, k, v = fence((q, k, v))  # BTNH as projected: the transpose below is a copy, not the product's epilogue
 
     def run() -> Array:  # (B, nH, L', Dh')
         return fa.flash_attention(heads_first(q, lq), heads_first(k, lk), heads_first(v, lk), None, segment_ids,

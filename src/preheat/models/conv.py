@@ -1,6 +1,7 @@
 """The model code's per-platform choices: the UNets' and the VAE's 2-D convolution
-(``PREHEAT_CONV``), GroupNorm's statistics (``PREHEAT_GROUPNORM``) and how a plain fp8 1x1 Conv
-applies its weight (``PREHEAT_FP8_1X1``).
+(``PREHEAT_CONV``), GroupNorm's statistics (``PREHEAT_GROUPNORM``), how a plain fp8 1x1 Conv
+applies its weight (``PREHEAT_FP8_1X1``) and where a matrix product's operand is fenced
+(``PREHEAT_FENCES``).
 
 Why a switch: XLA:CPU's convolutions once ran well below its matrix products, so the same
 convolution can be written as matrix products (per tap, or im2col) and measured against XLA's own
@@ -29,12 +30,21 @@ the layer runs XLA's convolution (cuDNN on a GPU) on that bf16 copy. ``auto`` is
 deviceless H200 HLO has one kernel per layer instead of two, but a whole UNet writes 0.2-0.8% more
 bytes (split-K GEMMs at 16² and 8²; docs/benchmarks.md, "fp8three"): the GPU check's ``fp8unet``
 row times both, autotuned, and decides which stays (docs/gpu.md).
+
+Fences (``fence``): XLA:TPU fuses the elementwise work that makes a matrix product's operand (a
+GEGLU's or GELU's activation, the transpose of q/k/v to heads-first for the flash kernel) into the
+product, and recomputes it for every tile of the output. On a v5e those products ran at 88-93
+TFLOP/s against 173-178 for the same shapes without the prologue (SDXL's UNet, profiled on the chip:
+docs/tpu.md). ``jax.lax.optimization_barrier`` on the operand makes XLA materialise it once, as
+its own fusion or its producer's epilogue. The values are the same; only the fusion changes.
+``auto`` is the platform's (``Platform.fences``: on a TPU only); ``on``/``off`` force it, for
+measurement, and key like ``PREHEAT_CONV``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -42,14 +52,16 @@ import jax.numpy as jnp
 from preheat import platforms
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["CONV_IMPLS", "GROUPNORM_IMPLS", "FP8_1X1_IMPLS", "conv_impl", "conv2d", "groupnorm_impl",
-           "fp8_1x1_impl"]
+__all__ = ["CONV_IMPLS", "GROUPNORM_IMPLS", "FP8_1X1_IMPLS", "FENCE_SETTINGS", "conv_impl", "conv2d",
+           "groupnorm_impl", "fp8_1x1_impl", "fence"]
 
 Array = jax.Array
+T = TypeVar("T")
 
 CONV_IMPLS = ("conv", "taps", "im2col", "dot1x1")
 GROUPNORM_IMPLS = ("two_pass", "one_pass")
 FP8_1X1_IMPLS = ("gemm", "conv")
+FENCE_SETTINGS = ("on", "off")
 
 
 def _setting(variable: str, choices: tuple[str, ...], auto: Callable[[], str]) -> str:
@@ -81,6 +93,13 @@ def fp8_1x1_impl() -> str:
     set, else ``gemm`` (``auto``): one GEMM reading the fp8 weight; ``conv``: XLA's convolution on a
     bf16 copy (``storage.upcast`` converts it). Read by ``storage._pointwise_conv``."""
     return _setting("PREHEAT_FP8_1X1", FP8_1X1_IMPLS, lambda: "gemm")
+
+
+def fence(x: T) -> T:
+    """``x`` (an array or a tuple of them) materialised before the matrix product that reads it,
+    where the compile target's platform wants it (the module docstring); else ``x`` itself."""
+    on = _setting("PREHEAT_FENCES", FENCE_SETTINGS, lambda: "on" if platforms.current().fences else "off")
+    return jax.lax.optimization_barrier(x) if on == "on" else x
 
 
 def conv2d(x: Array, kernel: Array, stride: int, padding: int, impl: str | None = None) -> Array:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from preheat.errors import ModelNotFoundError
+from preheat.models.conv import fence
 from preheat.models.layers import Linear
 
 __all__ = ["NORM_EPS", "layer_norm", "modulate", "AdaLayerNormContinuous", "GELU", "FeedForward",
@@ -53,7 +54,7 @@ class GELU(nnx.Module):
         self.proj = Linear(dim, inner, rngs=rngs)
 
     def __call__(self, x: Array) -> Array:
-        return jax.nn.gelu(self.proj(x), approximate=True)
+        return fence(jax.nn.gelu(self.proj(x), approximate=True))  # once, not per tile of net.2 (conv.fence)
 
 
 class FeedForward(nnx.Module):

@@ -78,6 +78,9 @@ class Platform:
     # the 8-bit weights to suggest first when a model does not fit (models.footprint): fp8, which the
     # GPUs' and the CPU's products take
     compact_weights: str = "float8_e4m3fn"
+    # materialise a matrix product's elementwise-made operand before the product (``models.conv.fence``):
+    # where the compiler would otherwise recompute it per output tile
+    fences: bool = False
 
     def __init__(self, name: Optional[str] = None) -> None:
         if name is not None:

@@ -13,14 +13,16 @@ __all__ = ["FakePlatform"]
 class FakePlatform(Platform):
     """A platform whose answers are given: ``attention`` (an ``Attention``, or a function of the
     layer returning one), ``conv`` (a form, or a function of the layer), ``groupnorm``, and
-    ``autotunes``/``doctor_checks``/``accelerator``. It records every attention layer it was
+    ``autotunes``/``doctor_checks``/``accelerator``/``fences``. It records every attention layer it was
     asked about in ``layers``."""
 
     def __init__(self, name: str = "fake", *,
                  attention: Attention | Callable[[AttentionLayer], Attention] = Attention(None),
                  conv: str | Callable[[Optional[ConvLayer]], str] = "conv", groupnorm: str = "two_pass",
-                 autotunes: bool = False, accelerator: bool = True, doctor_checks: tuple[str, ...] = ()) -> None:
+                 autotunes: bool = False, accelerator: bool = True, doctor_checks: tuple[str, ...] = (),
+                 fences: bool = False) -> None:
         super().__init__(name)
+        self.fences = fences
         self._attention, self._conv, self._groupnorm = attention, conv, groupnorm
         self.autotunes, self.accelerator, self.doctor_checks = autotunes, accelerator, doctor_checks
         self.layers: list[AttentionLayer] = []
