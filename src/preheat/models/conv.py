@@ -1,7 +1,7 @@
 """The model code's per-platform choices: the UNets' and the VAE's 2-D convolution
 (``PREHEAT_CONV``), GroupNorm's statistics (``PREHEAT_GROUPNORM``), how a plain fp8 1x1 Conv
-applies its weight (``PREHEAT_FP8_1X1``) and where a matrix product's operand is fenced
-(``PREHEAT_FENCES``).
+applies its weight (``PREHEAT_FP8_1X1``) and whether the flash kernel's q/k/v are fenced from their
+projection (``PREHEAT_FENCES``).
 
 Why a switch: XLA:CPU's convolutions once ran well below its matrix products, so the same
 convolution can be written as matrix products (per tap, or im2col) and measured against XLA's own
@@ -31,12 +31,13 @@ deviceless H200 HLO has one kernel per layer instead of two, but a whole UNet wr
 bytes (split-K GEMMs at 16² and 8²; docs/benchmarks.md, "fp8three"): the GPU check's ``fp8unet``
 row times both, autotuned, and decides which stays (docs/gpu.md).
 
-Fences (``fence``): XLA:TPU fuses the elementwise work that makes a matrix product's operand (a
-GEGLU's or GELU's activation, the transpose of q/k/v to heads-first for the flash kernel) into the
-product, and recomputes it for every tile of the output. On a v5e those products ran at 88-93
-TFLOP/s against 173-178 for the same shapes without the prologue (SDXL's UNet, profiled on the chip:
-docs/tpu.md). ``jax.lax.optimization_barrier`` on the operand makes XLA materialise it once, as
-its own fusion or its producer's epilogue. The values are the same; only the fusion changes.
+Fences (``fence``): XLA:TPU fuses the transpose of q/k/v to heads-first, which the flash kernel
+takes, into the projection that makes them, and the projection then writes its output at half the
+matrix unit's rate (SDXL's UNet profiled on a v5e: 88-95 TFLOP/s against 178 for the same
+projection writing tokens-first; docs/tpu.md). ``jax.lax.optimization_barrier`` on the projected
+q/k/v makes the transpose a copy of its own (4.6 ms less a call). The values are the same; only the
+fusion changes. (A fence on a GEGLU's product, the other operand XLA:TPU fused into a product, freed
+the down projection but left the exact GELU a vector pass of its own: no faster, measured; not used.)
 ``auto`` is the platform's (``Platform.fences``: on a TPU only); ``on``/``off`` force it, for
 measurement, and key like ``PREHEAT_CONV``.
 """

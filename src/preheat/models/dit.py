@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from preheat.errors import ModelNotFoundError
-from preheat.models.conv import fence
 from preheat.models.layers import Linear
 
 __all__ = ["NORM_EPS", "layer_norm", "modulate", "AdaLayerNormContinuous", "GELU", "FeedForward",
@@ -54,7 +53,7 @@ class GELU(nnx.Module):
         self.proj = Linear(dim, inner, rngs=rngs)
 
     def __call__(self, x: Array) -> Array:
-        return fence(jax.nn.gelu(self.proj(x), approximate=True))  # once, not per tile of net.2 (conv.fence)
+        return jax.nn.gelu(self.proj(x), approximate=True)
 
 
 class FeedForward(nnx.Module):

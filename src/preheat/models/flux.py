@@ -45,7 +45,6 @@ from preheat.models.storage import layerwise, upcast
 from preheat.models.safetensors_files import DIFFUSERS_STEM, read_json, read_tensors, weight_files
 from preheat.models.weights import LoadOptions, check_dtype, fill
 from preheat.models.attention import dot_product_attention
-from preheat.models.conv import fence
 
 __all__ = [
     "SUPPORTED",
@@ -311,7 +310,7 @@ class FluxSingleTransformerBlock(nnx.Module):
 
     def __call__(self, x: Array, temb: Array, cos: Array, sin: Array) -> Array:  # (B, T+S, C) -> (B, T+S, C)
         h, gate = self.norm(x, temb)
-        mlp = fence(jax.nn.gelu(self.proj_mlp(h), approximate=True))  # (B, L, 4C), once (conv.fence)
+        mlp = jax.nn.gelu(self.proj_mlp(h), approximate=True)  # (B, L, 4C)
         attn = self.attn(h, None, cos, sin)  # (B, L, C)
         out = self.proj_out(jnp.concatenate([attn, mlp], axis=-1))
         return _clip_fp16(x + gate[:, None, :] * out)

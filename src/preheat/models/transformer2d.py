@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from preheat.models.attention import dot_product_attention
-from preheat.models.conv import fence
 from preheat.models.layers import Conv2d, GroupNorm, LayerNorm, Linear
 from preheat.models.stacking import blocks, run_blocks
 
@@ -60,7 +59,7 @@ class GEGLU(nnx.Module):
 
     def __call__(self, x: Array) -> Array:  # (..., C) -> (..., inner)
         h, gate = jnp.split(self.proj(x), 2, axis=-1)
-        return fence(h * jax.nn.gelu(gate, approximate=False))  # once, not per tile of ff.net.2 (conv.fence)
+        return h * jax.nn.gelu(gate, approximate=False)
 
 
 class FeedForward(nnx.Module):

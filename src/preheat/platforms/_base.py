@@ -78,8 +78,8 @@ class Platform:
     # the 8-bit weights to suggest first when a model does not fit (models.footprint): fp8, which the
     # GPUs' and the CPU's products take
     compact_weights: str = "float8_e4m3fn"
-    # materialise a matrix product's elementwise-made operand before the product (``models.conv.fence``):
-    # where the compiler would otherwise recompute it per output tile
+    # materialise the flash kernel's q/k/v before their transpose (``models.conv.fence``): where the
+    # compiler would otherwise fuse the transpose into the projection, at half its rate
     fences: bool = False
 
     def __init__(self, name: Optional[str] = None) -> None:

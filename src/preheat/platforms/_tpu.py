@@ -88,7 +88,7 @@ class TpuPlatform(Platform):
 
     name = "tpu"
     compact_weights = "int8"  # the matrix units take int8 at twice the bf16 rate; no fp8 on a v5e
-    fences = True  # XLA:TPU recomputed a GEGLU / a heads-first transpose per output tile: half the MXU rate
+    fences = True  # XLA:TPU fused q/k/v's heads-first transpose into their projection: half the MXU rate
 
     def attention(self, layer: AttentionLayer, capability: Any = None, deviceless: bool = False) -> Attention:
         """"flash" with its blocks for long unmasked self- or joint attention, "xla" elsewhere."""
