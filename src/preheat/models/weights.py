@@ -247,11 +247,14 @@ class LoadOptions:
     ``low`` (their programs do not upcast), so it leaves them be.
     ``weights_layers``: which layers: "layerwise" (diffusers' ``enable_layerwise_casting`` set)
     or "linear" (its Linear layers inside norm modules too: ``storage.layerwise``).
+    ``device``: where the weights are placed (None: JAX's default device); the host's CPU for text
+    encoders kept and run there (``preheat.load(encoders_on="host")``), so they never reach the chip.
     """
 
     pending: DeferredFills | None = None
     weights_dtype: str | None = None
     weights_layers: str = "layerwise"
+    device: Any = None
 
 
 DEFAULT_OPTIONS = LoadOptions()
@@ -259,7 +262,15 @@ DEFAULT_OPTIONS = LoadOptions()
 
 def after_reads(job: Callable[[], None], options: LoadOptions | None = None) -> None:
     """Run ``job`` once the weights ``fill`` was given so far are read: at once, or, with
-    ``options.pending``, queued after their reads (e.g. moving an encoder's weights to the host)."""
+    ``options.pending``, queued after their reads (e.g. moving an encoder's weights to the host).
+    With ``options.device`` the job places what it makes there (JAX's default device for it)."""
+    if options is not None and options.device is not None:
+        inner, device = job, options.device
+
+        def job() -> None:
+            with jax.default_device(device):
+                inner()
+
     if options is not None and options.pending is not None:
         options.pending.jobs.append(job)
     else:
