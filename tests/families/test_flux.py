@@ -63,3 +63,14 @@ def test_encoders_on_is_refused_where_it_does_not_apply(folder):
         preheat.load(folder, cache="off", encoders_on="cloud")
     with pytest.raises(InvalidArgumentError, match="give one"):
         preheat.load(folder, cache="off", encoders_on="host", offload_encoders=True)
+
+
+def test_a_restart_prefetches_the_host_encode_stage(folder, pipes):
+    """The rehearsal's placeholders are placed on the host and its program traced for the CPU, so the
+    prefetched encode executable is the one the first start stored (no quarantine, the same image)."""
+    cold = preheat.load(folder, devices=1, encoders_on="host")  # this test's own cache root (conftest)
+    want = cold.generate(**CALL)
+    warm = preheat.load(folder, devices=1, encoders_on="host", prefetch=[{"steps": 2, "width": 32, "height": 32}])
+    np.testing.assert_array_equal(warm.generate(**CALL), want)
+    got = [(e["stage"], e["layer"], e.get("prefetch")) for e in warm.compiler.events]
+    assert got == [(s, "aot", "background") for s in ("encode", "denoise", "decode")], warm.compiler.events

@@ -127,6 +127,9 @@ def _single_device(args: Any) -> list[Any]:
     for leaf in jax.tree.leaves(args):
         if isinstance(leaf, jax.Array) and leaf.committed and len(leaf.devices()) == 1:
             return list(leaf.devices())
+        sharding = getattr(leaf, "sharding", None)  # a prefetch's placeholder, placed
+        if isinstance(leaf, jax.ShapeDtypeStruct) and isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            return list(sharding.device_set)
     return jax.devices()[:1]
 
 

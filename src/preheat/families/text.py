@@ -260,18 +260,35 @@ def _encode_on_host(pipe: Any, sig: StageSignature, program: Callable[[], Callab
                     outputs: int) -> Any:
     """``encoders_on="host"``: the encode stage as the host CPU's program, on its weights there (never
     split over a mesh); its signature names where it runs, so its executable is the CPU's in memory
-    and in the cache alike. The embeddings (a few MB) come back as host arrays: the denoising
-    program's arguments, moved to the chip once per call, before its loop."""
+    and in the cache alike. The program is traced for the CPU wherever it is traced (a prefetch
+    compiles on its own threads), and a rehearsal's placeholders are placed on the host too, so a
+    prefetched executable is the host's. The embeddings (a few MB) come back as host arrays: the
+    denoising program's arguments, moved to the chip once per call, before its loop."""
     import jax
 
     from preheat import platforms
 
     host = platforms.host_device()
     sig = replace(sig, extra=(*sig.extra, *platforms.host_fields()))
-    # the ids and LoRA factors beside the weights (those already there: no copy; a rehearsal's placeholders stay)
-    args = jax.tree.map(lambda x: jax.device_put(x, host) if isinstance(x, (np.ndarray, jax.Array)) else x, args)
+    on = jax.sharding.SingleDeviceSharding(host)
+
+    def placed(x: Any) -> Any:  # beside the weights (already there: no copy)
+        if isinstance(x, jax.ShapeDtypeStruct):  # a rehearsal's placeholder (preheat.load(prefetch=...))
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on)
+        return jax.device_put(x, host) if isinstance(x, (np.ndarray, jax.Array)) else x
+
+    def make_program() -> Callable:
+        inner = program()
+
+        def hosted(args: EncodeArgs) -> Any:
+            with platforms.on_host():
+                return inner(args)
+
+        return hosted
+
+    args = jax.tree.map(placed, args)
     with platforms.on_host():
-        out = pipe.run_stage("encode", pipe.components.encode_fingerprint, sig, program, args, outputs=outputs)
+        out = pipe.run_stage("encode", pipe.components.encode_fingerprint, sig, make_program, args, outputs=outputs)
     return jax.tree.map(np.asarray, out)
 
 
