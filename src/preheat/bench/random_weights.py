@@ -18,7 +18,7 @@ load it with ``--weights-dtype int8 --weights-layers linear``, which places each
 quantises it on the chip, so fp8 halves the disk, the write and every load's read (12 GB, not 24:
 it stays in the page cache of a 40 GiB host beside T5) and adds no host-side cast. T5 is stored in
 bfloat16, the dtype it runs in (a cast of 4.7 B values on every load would cost more than reading
-4.7 GB more). The transformer is two shards: the guidance embedder (dev only) apart, so that a
+4.7 GB more). The T5 tokenizer is ``random_models``' (``tokenizers`` alone, no download). The transformer is two shards: the guidance embedder (dev only) apart, so that a
 second variant beside the first (``link_from``) hard-links every file the two share.
 """
 
@@ -33,11 +33,11 @@ import jax
 import numpy as np
 
 from preheat.bench.random_models import (SD15_TEXT, SD15_UNET, SD15_VAE, SDXL_CLIP, SDXL_CLIP_G, SDXL_SCHEDULER,
-                                         SDXL_UNET, SDXL_VAE, write_clip_tokenizer)
+                                         SDXL_UNET, SDXL_VAE, write_clip_tokenizer, write_t5_tokenizer)
 from preheat.errors import InvalidArgumentError
 from preheat.files import atomic_write_bytes
 
-__all__ = ["ARCHITECTURES", "write_random_folder", "write_t5_tokenizer", "FLUX_ARCHITECTURES"]
+__all__ = ["ARCHITECTURES", "write_random_folder", "FLUX_ARCHITECTURES"]
 
 _SD15_SCHEDULER: dict[str, Any] = dict(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085,
                                        beta_end=0.012, steps_offset=1, set_alpha_to_one=False, clip_sample=False,
@@ -215,34 +215,6 @@ def _write_or_link(out: Path, rel: str, link_from: Path | None, write: Callable[
         except OSError:  # another filesystem: written instead
             pass
     write(path)
-
-
-def write_t5_tokenizer(directory: Path, words: tuple[str, ...] = (), model_max_length: int = 512) -> Path:
-    """A T5 tokenizer folder preheat's ``T5Tokenizer`` reads: ``tokenizer.json`` (a SentencePiece Unigram
-    model: T5's <pad>, </s>, <unk> at 0-2, "▁", the words, the letters) and ``tokenizer_config.json``.
-    No download, no sentencepiece: every prompt tokenizes (letters cover any word)."""
-    from preheat.bench.random_models import _WORDS
-
-    directory.mkdir(parents=True, exist_ok=True)
-    pieces: list[list[Any]] = [["<pad>", 0.0], ["</s>", 0.0], ["<unk>", 0.0], ["\u2581", -2.0]]
-    seen = {p for p, _ in pieces}
-    for i, word in enumerate(dict.fromkeys((*words, *_WORDS))):
-        if "\u2581" + word not in seen:
-            pieces.append(["\u2581" + word, -3.0 - 0.01 * i])
-            seen.add("\u2581" + word)
-    for i, c in enumerate("abcdefghijklmnopqrstuvwxyz0123456789.,!?'-"):
-        for piece in (c, "\u2581" + c):
-            if piece not in seen:
-                pieces.append([piece, -9.0 - 0.001 * i])
-                seen.add(piece)
-    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
-                 "pre_tokenizer": None, "post_processor": None, "decoder": None,
-                 "model": {"type": "Unigram", "unk_id": 2, "vocab": pieces, "byte_fallback": False}}
-    (directory / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>", "extra_ids": 0,
-         "model_max_length": model_max_length, "tokenizer_class": "T5Tokenizer"}))
-    return directory
 
 
 def _flux(architecture: str, out: Path, low: np.dtype, configs: dict[str, dict[str, Any]],
