@@ -478,10 +478,10 @@ def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], so
             value = Quantised(values, jax.device_put(to_jax_layout(scale, leaf)))
             nbytes += scale.nbytes
         elif key in made:  # placed as stored, then int8 values and a float32 scale per output channel, once
-            source = _meta(tensors, key)[1]
-            if is_low(source) and not holds(source):  # an fp8 file on a device without fp8 arrays: bf16 (exact)
-                source = np.dtype(jnp.bfloat16)
-            stored, nbytes = _place(tensors, key, leaf, source, scratch)
+            as_stored = _meta(tensors, key)[1]
+            if is_low(as_stored) and not holds(as_stored):  # an fp8 file on a device without fp8 arrays: bf16 (exact)
+                as_stored = np.dtype(jnp.bfloat16)
+            stored, nbytes = _place(tensors, key, leaf, as_stored, scratch)
             value = Quantised(*quantise_int8(stored))  # (..., out) int8, (1, ..., 1, out) float32, on the device
         elif scales and key in scales:  # fp8 times its scale, then the planned dtype (preheat.models.scaled_fp8)
             host = dequantise(tensors, key, scales[key]).astype(want)
