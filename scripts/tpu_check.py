@@ -430,7 +430,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.dry:
         os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ.setdefault("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ["PYTHONPATH"], str(ROOT / "src")) if p)
+    # this tree's preheat first: a machine's own PYTHONPATH may name another copy
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ["PYTHONPATH"]) if p)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     Path(args.work).mkdir(parents=True, exist_ok=True)
