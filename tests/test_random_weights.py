@@ -130,3 +130,24 @@ def test_preheat_loads_a_flux_folder_as_the_chip_rows_do(flux, name):
     assert image.shape == (1, 16, 16, 3) and image.dtype == np.uint8
     tokens = pipe.components.tokenizers[1].encode(["a red fox at night, blurry"])
     assert tokens.shape == (1, 512) and (tokens[0] != 2).all()  # T5's tokenizer: no <unk>
+
+
+def test_int8_from_an_fp8_file_on_a_device_without_fp8_arrays_goes_there_in_bf16(flux, monkeypatch):
+    """The same int8 values and scales either way: fp8 is exact in bfloat16."""
+    import jax
+
+    from preheat.models import weights
+    from preheat.models.flux import load_flux_transformer
+    from preheat.models.quantised import Quantised
+    from preheat.models.weights import LoadOptions
+
+    options = LoadOptions(weights_dtype="int8", weights_layers="linear")
+    folder = flux["flux-dev"] / "transformer"
+    direct = load_flux_transformer(folder, "bfloat16", options=options)
+    monkeypatch.setattr(weights, "holds", lambda dtype: False)
+    via_bf16 = load_flux_transformer(folder, "bfloat16", options=options)
+    pairs = list(zip(*(jax.tree.leaves(m.params, is_leaf=lambda x: isinstance(x, Quantised))
+                       for m in (direct, via_bf16))))
+    quantised = [(a, b) for a, b in pairs if isinstance(a, Quantised)]
+    assert quantised and all(np.array_equal(a.values, b.values) and np.array_equal(a.scale, b.scale)
+                             for a, b in quantised)
