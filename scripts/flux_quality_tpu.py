@@ -4,7 +4,8 @@
     JAX_PLATFORMS=cpu python3 scripts/flux_quality_tpu.py --dry       # this script's own check, on a CPU
 
 The first blocks of the random FLUX.1-dev folder (``bench.random_weights``: full width, the
-matrices stored in fp8; the one ``scripts/tpu_check.py``'s flux rows write, reused when there) are
+matrices stored in fp8; the one ``scripts/tpu_check.py``'s flux rows write when it is there, else a
+folder of those blocks alone, about 1 GB: a tensor's random values depend on its shape only) are
 loaded three times: float32 on the host's CPU (the reference, run there: ``platforms.on_host``),
 int8 with per-channel scales on the chip as the chip's rows run it (``--dtype bfloat16
 --weights-dtype int8 --weights-layers linear``), and bfloat16 on the chip (what the int8 error adds
@@ -120,13 +121,20 @@ def main(argv: list[str] | None = None) -> int:
     from preheat.models.flux import read_flux_config
 
     t0 = time.monotonic()
+    from tpu_check import DRY_FLUX
+
+    full = Path(args.work) / "random-flux-dev"  # tpu_check's flux rows' folder, when they ran here
     if args.folder:
         folder = Path(args.folder)
-    else:
-        from tpu_check import DRY_FLUX
-
-        folder = write_random_folder("flux-dev", Path(args.work) / f"random-flux-dev{'-dry' if args.dry else ''}",
-                                     configs=DRY_FLUX if args.dry else None)
+    elif args.dry:
+        folder = write_random_folder("flux-dev", Path(args.work) / "random-flux-dev-dry", configs=DRY_FLUX)
+    elif (full / "model_index.json").is_file():
+        folder = full
+    else:  # the first blocks alone, full width: each tensor's values depend on its shape only, so they are
+        #     the full folder's first blocks (the encoders and VAE small: never loaded here)
+        small = {k: v for k, v in DRY_FLUX.items() if k != "transformer"}
+        folder = write_random_folder("flux-dev", Path(args.work) / "random-flux-dev-blocks", configs={
+            **small, "transformer": {"num_layers": args.double, "num_single_layers": args.single}})
     size = 64 if args.dry else args.size
     config = read_flux_config(folder / "transformer")
     args.double, args.single = min(args.double, config.num_layers), min(args.single, config.num_single_layers)
