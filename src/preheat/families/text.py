@@ -251,7 +251,7 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
         sig = replace(sig, extra=(*sig.extra, ("lora", (*lora_sig, used))))
         args = args._replace(lora=tuple(None if a is None else LoraArgs(factors=a[0], scales=a[1], slots=index)
                                         for a in adapters))
-    if getattr(pipe.components, "encoders_on", "device") != "host":
+    if pipe.components.encoders_on != "host":
         return pipe.run_stage("encode", pipe.components.encode_fingerprint, sig, program, args, outputs=outputs)
     return _encode_on_host(pipe, sig, program, args, outputs)
 
