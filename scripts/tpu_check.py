@@ -269,6 +269,21 @@ def row_model(name: str, args: argparse.Namespace, out: Path, budget: float) -> 
     return result
 
 
+FLUX_DEV_BYTES = 21_650_000_000  # the full random FLUX.1-dev folder (fp8 transformer, bf16 T5; schnell: links)
+
+
+def _filesystem(path: Path) -> str:
+    """The type of the filesystem ``path`` is on (/proc/mounts' longest prefix): a tmpfs is memory."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return "unknown"
+    target = str(path.resolve())
+    best = max((m for m in mounts if target == m[0] or target.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=["", "unknown"])
+    return f"{best[1]} at {best[0]}"
+
+
 def _flux_write(args: argparse.Namespace) -> tuple[dict[str, Path], dict[str, Any]]:
     """Both FLUX.1 folders, dev first and schnell hard-linked to it, in a subprocess (no chip); timed."""
     folders = {name: Path(args.work) / f"random-{name}{'-dry' if args.dry else ''}" for name in FLUX}
@@ -281,9 +296,15 @@ def _flux_write(args: argparse.Namespace) -> tuple[dict[str, Path], dict[str, An
             f"write_random_folder('flux-schnell', {str(folders['flux-schnell'])!r}, configs={configs!r}, "
             f"link_from={str(folders['flux-dev'])!r})\n"
             "print(json.dumps({'dev_s': round(dev, 1), 'schnell_s': round(time.monotonic() - t - dev, 1)}))")
+    need = 0 if args.dry or (folders["flux-dev"] / "model_index.json").is_file() else FLUX_DEV_BYTES
+    free, fs = shutil.disk_usage(args.work).free, _filesystem(Path(args.work))
+    if free < 1.05 * need:
+        return folders, {"skipped": f"{args.work} has {free / 1e9:.1f} GB free ({fs}); the folders need "
+                                    f"{need / 1e9:.1f} GB: give --work on a larger disk"}
     t0 = time.monotonic()
     written = run([sys.executable, "-c", code], 600, {"JAX_PLATFORMS": "cpu"})
-    result: dict[str, Any] = {"rc": written["rc"], "s": round(time.monotonic() - t0, 1), "tail": written["tail"][-300:]}
+    result: dict[str, Any] = {"rc": written["rc"], "s": round(time.monotonic() - t0, 1), "tail": written["tail"][-300:],
+                              "free_bytes_before": free, "filesystem": fs}
     try:
         result.update(json.loads(written["tail"].strip().splitlines()[-1]))
         result["bytes"] = {name: sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
@@ -318,6 +339,8 @@ def row_flux(name: str, args: argparse.Namespace, out: Path, budget: float) -> d
     if not hasattr(args, "flux_folders"):  # both rows' folders at once: schnell's files are dev's
         args.flux_folders, args.flux_write = _flux_write(args)
     folder = args.flux_folders[name]
+    if "skipped" in args.flux_write:
+        return {"write": args.flux_write, "skipped": args.flux_write["skipped"]}
     config = json.loads((folder / "transformer" / "config.json").read_text()) if folder.is_dir() else {}
     vae = json.loads((folder / "vae" / "config.json").read_text()) if folder.is_dir() else {}
     flops = flux_flops_per_call(config, width, width, tokens, 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1))
@@ -371,7 +394,11 @@ def table(results: dict[str, Any]) -> str:
         if not r:
             continue
         w = r.get("write", {})
-        lines.append(f"| {name} | random folder written here (dev; schnell linked) | {w.get('s')} s, rc {w.get('rc')} |")
+        if "skipped" in r:
+            lines.append(f"| {name} | skipped | {r['skipped']} |")
+            continue
+        lines.append(f"| {name} | random folder written here (dev; schnell linked; {w.get('filesystem')}) | "
+                     f"{w.get('s')} s, rc {w.get('rc')} |")
         for kind in ("cold", "warm"):
             e = r.get(kind)
             if not e:
