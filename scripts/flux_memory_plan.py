@@ -23,13 +23,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 HBM = 16_909_336_064  # bytes_limit of the v5e chip (tests/_support/tpu_fixtures.py)
-OPTIONS = [  # (dtype, weights_dtype, weights_layers, offload_encoders)
-    ("bfloat16", None, "layerwise", False),
-    ("bfloat16", None, "layerwise", True),
-    ("bfloat16", "float8_e4m3fn", "layerwise", True),
-    ("bfloat16", "int8", "layerwise", True),
-    ("bfloat16", "float8_e4m3fn", "linear", True),
-    ("bfloat16", "int8", "linear", True),
+OPTIONS = [  # (dtype, weights_dtype, weights_layers, offload_encoders, encoders_on)
+    ("bfloat16", None, "layerwise", False, "device"),
+    ("bfloat16", None, "layerwise", True, "device"),
+    ("bfloat16", "float8_e4m3fn", "layerwise", True, "device"),
+    ("bfloat16", "int8", "layerwise", True, "device"),
+    ("bfloat16", "float8_e4m3fn", "linear", True, "device"),
+    ("bfloat16", "int8", "linear", True, "device"),
+    ("bfloat16", "int8", "layerwise", False, "host"),
+    ("bfloat16", "int8", "linear", False, "host"),
 ]
 
 
@@ -98,9 +100,11 @@ def main() -> None:
     try:
         params = write_flux_dev(root)
         rows = []
-        for dtype, wd, layers, off in OPTIONS:
-            fp = weight_footprint(root, dtype, weights_dtype=wd, weights_layers=layers, offload_encoders=off)
-            rows.append({"options": fp.options(), "parts": fp.parts, "offloaded": fp.offloaded, "total": fp.total,
+        for dtype, wd, layers, off, on in OPTIONS:
+            fp = weight_footprint(root, dtype, weights_dtype=wd, weights_layers=layers, offload_encoders=off,
+                                  encoders_on=on)
+            rows.append({"options": fp.options(), "parts": fp.parts, "offloaded": fp.offloaded, "host": fp.host,
+                         "total": fp.total,
                          "peak": fp.peak, "fits": fp.fits(HBM), "plan": fp.plan(HBM, "one v5e chip")})
         best = fitting(root, HBM, dtype="bfloat16", prefer="int8")
         resting = fitting(root, HBM, dtype="bfloat16", prefer="int8", encoding=False)

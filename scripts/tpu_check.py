@@ -5,6 +5,7 @@ packages come from the machine's own index or from carried wheels, installed bes
 
     python3 scripts/tpu_check.py --rows peak,doctor,builtin,pixels,aot,sd15   # one call, <= 10 min
     python3 scripts/tpu_check.py --rows peak,sdxl                             # a second call
+    python3 scripts/tpu_check.py --rows peak,flux-schnell,flux-dev --budget-s 530   # FLUX.1, one call
 
 Each row runs in fresh processes (one program may hold the chip at a time, and a cold start is
 a new process by definition): ``peak`` an 8192^3 bf16 matrix product (the measured peak every
@@ -19,6 +20,22 @@ UNet's lowered program on the host's CPU (``flops_per_image_step``, in a subproc
 ``$OUT/tpu_check.json`` and a Markdown table on stdout. ``--dry`` runs the rows on this host's CPU
 at tiny image sizes: a check of the script before device time is spent on it (minutes: the
 architectures are full size); no test runs it.
+
+``flux-schnell`` / ``flux-dev``: FLUX.1 at 1024², batch 1, loaded as a v5e chip holds it (``--dtype
+bfloat16 --weights-dtype int8 --weights-layers linear --encoders-on host``: the int8 transformer,
+11.1 GiB, on the chip; T5-XXL and CLIP in host memory, run on the host's CPU). The folders are written
+here first (``bench.random_weights``, full depth: the transformer's matrices in fp8, 21.6 GB for dev,
+the schnell folder hard-linked to it but for its transformer's config), timed apart (``write``). Then,
+each a new ``preheat sample`` process whose chip memory (``memory_stats()``: ``peak_bytes_in_use``) is
+read at its exit: schnell cold (empty cache: start -> first image), schnell warm (same cache: start ->
+first image, then a second call: s/image), dev cold with a second call (its 28-step s/image; its warm
+start is schnell's, one compile more). Expected cost on the v5e (nothing measured yet): write 30-90 s
+(disk), schnell cold 150-250 s (compiles: the transformer's loop on the chip, T5 and CLIP on the
+host's CPU, the VAE), schnell warm 60-100 s, dev 200-300 s: one call of ``--budget-s 530``; a row that
+would not fit what is left is skipped and says so. The fraction of peak is taken of the transformer's
+FLOPs (``bench.flux_flops``: 74.4 TFLOP a step at 1024²) over the steady call's seconds, and over its
+denoising stage alone (the host's T5 encode is apart: ``stages``). Schnell's T5 prompt is 256 tokens
+(its model card's ``max_sequence_length``), dev's 512 (FluxPipeline's default).
 """
 
 from __future__ import annotations
@@ -26,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -41,6 +59,36 @@ MODELS: dict[str, tuple[str, int, int, float, str, tuple[int, ...]]] = {
     "sdxl": ("sdxl", 1024, 30, 5.0, "euler", (1, 4)),
 }
 DRY_WIDTH = 64  # --dry: tiny images, 2 steps
+
+# name -> (steps, guidance or None, T5 tokens); FLUX.1 at 1024², batch 1
+FLUX: dict[str, tuple[int, Optional[float], int]] = {"flux-schnell": (4, None, 256), "flux-dev": (28, 3.5, 512)}
+FLUX_WIDTH = 1024
+FLUX_LOAD = ["--dtype", "bfloat16", "--weights-dtype", "int8", "--weights-layers", "linear", "--encoders-on", "host"]
+# --dry: FLUX.1's layout at a CPU's size (the tests' small folder: tests/test_random_weights.py)
+DRY_FLUX = {"transformer": {"num_layers": 1, "num_single_layers": 2, "num_attention_heads": 2,
+                            "joint_attention_dim": 64, "pooled_projection_dim": 64},
+            "text_encoder_2": {"d_model": 64, "d_ff": 128, "num_layers": 1, "num_heads": 2, "d_kv": 32},
+            "text_encoder": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                             "num_attention_heads": 2, "projection_dim": 64},
+            "vae": {"block_out_channels": [32, 32], "layers_per_block": 1,
+                    "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2}}
+# `preheat sample` in-process, the chip's memory counters written at exit (its atexit handlers run)
+_WITH_MEMORY = """
+import atexit, json, os, sys
+def _memory():
+    try:
+        import jax
+        stats = jax.devices()[0].memory_stats() or {}
+        out = {k: stats.get(k) for k in ("peak_bytes_in_use", "bytes_in_use", "bytes_limit", "largest_alloc_size")}
+    except Exception as exc:
+        out = {"error": str(exc)[:300]}
+    with open(os.environ["TPU_CHECK_MEMORY"], "w") as f:
+        json.dump(out, f)
+atexit.register(_memory)
+sys.argv = ["preheat", *sys.argv[1:]]
+from preheat.cli import run
+run()
+"""
 
 
 def left(budget: float) -> float:
@@ -61,19 +109,29 @@ def run(cmd: list[str], timeout: float, env: Optional[dict[str, str]] = None, lo
     return {"rc": rc, "wall_s": round(time.monotonic() - t0, 2), "tail": out[-800:]}
 
 
-def sample(model: str, home: Path, out: Path, batch: int, extra: list[str], timeout: float, tag: str) -> dict[str, Any]:
-    """``preheat sample`` in a new process; the JSON it prints, with the process's wall time."""
+def sample(model: str, home: Path, out: Path, batch: int, extra: list[str], timeout: float, tag: str,
+           timing: bool = True, memory: bool = False) -> dict[str, Any]:
+    """``preheat sample`` in a new process; the JSON it prints, with the process's wall time.
+    ``timing``: a second call too (s/image); ``memory``: the chip's memory counters at its exit."""
     report = out / f"{tag}.json"
-    cmd = [sys.executable, "-m", "preheat", "sample", model, "--n", str(batch), "--out", str(out / f"{tag}.png"),
+    head = [sys.executable, "-c", _WITH_MEMORY] if memory else [sys.executable, "-m", "preheat"]
+    cmd = [*head, "sample", model, "--n", str(batch), "--out", str(out / f"{tag}.png"),
            "--save-images", str(out / tag), "--report", str(report), "--quiet", *extra]
-    if "--timing" in _sample_help():
+    if timing and "--timing" in _sample_help():
         cmd.append("--timing")
-    r = run(cmd, timeout, {"PREHEAT_HOME": str(home)}, out / f"{tag}.log")
+    env = {"PREHEAT_HOME": str(home)}
+    if memory:
+        env["TPU_CHECK_MEMORY"] = str(out / f"{tag}.memory.json")
+    r = run(cmd, timeout, env, out / f"{tag}.log")
     if report.is_file():
         data = json.loads(report.read_text())
         r.update({k: data.get(k) for k in ("process_start_to_first_image_s", "load_s", "trace_lower_s", "compile_s",
                                            "compile_or_load_s", "first_call_s", "second_call_s", "per_image_s",
-                                           "cache_layer", "import_s")})
+                                           "cache_layer", "import_s", "weights_read_s", "peak_host_bytes")})
+        r["stages"] = {name: {k: stage.get(k) for k in ("run_s", "compile_s", "cache_layer")}
+                       for name, stage in (data.get("stages") or {}).items()}
+    if memory and (out / f"{tag}.memory.json").is_file():
+        r["memory"] = json.loads((out / f"{tag}.memory.json").read_text())
     return r
 
 
@@ -211,6 +269,107 @@ def row_model(name: str, args: argparse.Namespace, out: Path, budget: float) -> 
     return result
 
 
+FLUX_DEV_BYTES = 21_650_000_000  # the full random FLUX.1-dev folder (fp8 transformer, bf16 T5; schnell: links)
+
+
+def _filesystem(path: Path) -> str:
+    """The type of the filesystem ``path`` is on (/proc/mounts' longest prefix): a tmpfs is memory."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return "unknown"
+    target = str(path.resolve())
+    best = max((m for m in mounts if target == m[0] or target.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=["", "unknown"])
+    return f"{best[1]} at {best[0]}"
+
+
+def _flux_write(args: argparse.Namespace) -> tuple[dict[str, Path], dict[str, Any]]:
+    """Both FLUX.1 folders, dev first and schnell hard-linked to it, in a subprocess (no chip); timed."""
+    folders = {name: Path(args.work) / f"random-{name}{'-dry' if args.dry else ''}" for name in FLUX}
+    configs = DRY_FLUX if args.dry else None
+    code = (f"import sys, time, json; sys.path.insert(0, {str(ROOT / 'src')!r})\n"
+            "from preheat.bench.random_weights import write_random_folder\n"
+            "t = time.monotonic()\n"
+            f"write_random_folder('flux-dev', {str(folders['flux-dev'])!r}, configs={configs!r})\n"
+            "dev = time.monotonic() - t\n"
+            f"write_random_folder('flux-schnell', {str(folders['flux-schnell'])!r}, configs={configs!r}, "
+            f"link_from={str(folders['flux-dev'])!r})\n"
+            "print(json.dumps({'dev_s': round(dev, 1), 'schnell_s': round(time.monotonic() - t - dev, 1)}))")
+    need = 0 if args.dry or (folders["flux-dev"] / "model_index.json").is_file() else FLUX_DEV_BYTES
+    free, fs = shutil.disk_usage(args.work).free, _filesystem(Path(args.work))
+    if free < 1.05 * need:
+        return folders, {"skipped": f"{args.work} has {free / 1e9:.1f} GB free ({fs}); the folders need "
+                                    f"{need / 1e9:.1f} GB: give --work on a larger disk"}
+    t0 = time.monotonic()
+    written = run([sys.executable, "-c", code], 600, {"JAX_PLATFORMS": "cpu"})
+    result: dict[str, Any] = {"rc": written["rc"], "s": round(time.monotonic() - t0, 1), "tail": written["tail"][-300:],
+                              "free_bytes_before": free, "filesystem": fs}
+    try:
+        result.update(json.loads(written["tail"].strip().splitlines()[-1]))
+        result["bytes"] = {name: sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+                           for name, folder in folders.items()}
+    except (ValueError, IndexError, OSError):
+        pass
+    return folders, result
+
+
+def _flux_rates(entry: dict[str, Any], flops: Optional[float], steps: int, peak_tflops: Optional[float]) -> None:
+    """s/image, s/image-step and the fractions of the measured peak, from a call timed twice."""
+    per_image = entry.get("per_image_s")
+    if not per_image:
+        return
+    denoise = (entry.get("stages") or {}).get("denoise", {}).get("run_s")  # the first call's loop (compiled already)
+    entry["s_per_image_step"] = per_image / steps
+    if flops and peak_tflops:
+        entry["fraction_of_peak"] = flops * steps / per_image / (peak_tflops * 1e12)
+        if denoise:
+            entry["fraction_of_peak_denoise"] = flops * steps / denoise / (peak_tflops * 1e12)
+
+
+def row_flux(name: str, args: argparse.Namespace, out: Path, budget: float) -> dict[str, Any]:
+    """FLUX.1 on one chip (the module docstring): schnell cold and warm, dev cold with a steady call."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from preheat.bench.flux_flops import flux_flops_per_call
+
+    steps, guidance, tokens = FLUX[name]
+    width = DRY_WIDTH if args.dry else FLUX_WIDTH
+    if args.dry:
+        steps = 2
+    if not hasattr(args, "flux_folders"):  # both rows' folders at once: schnell's files are dev's
+        args.flux_folders, args.flux_write = _flux_write(args)
+    folder = args.flux_folders[name]
+    if "skipped" in args.flux_write:
+        return {"write": args.flux_write, "skipped": args.flux_write["skipped"]}
+    config = json.loads((folder / "transformer" / "config.json").read_text()) if folder.is_dir() else {}
+    vae = json.loads((folder / "vae" / "config.json").read_text()) if folder.is_dir() else {}
+    flops = flux_flops_per_call(config, width, width, tokens, 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1))
+    result: dict[str, Any] = {"write": args.flux_write, "width": width, "steps": steps, "guidance": guidance,
+                              "t5_tokens": tokens, "load_options": " ".join(FLUX_LOAD),
+                              "flops_per_image_step": flops}
+    flags = ["--prompt", "a photo of a red fox in the forest", "--width", str(width), "--height", str(width),
+             "--steps", str(steps), "--max-sequence-length", str(tokens), *FLUX_LOAD]
+    if guidance is not None:
+        flags += ["--guidance", str(guidance)]
+    home = Path(args.work) / f"home-{name}"
+    shutil.rmtree(home, ignore_errors=True)  # cold: an empty cache, whatever an earlier run left
+    plan = [("cold", False)] + ([("warm", True)] if name == "flux-schnell" else [])
+    if name == "flux-dev":
+        plan = [("cold", True)]
+    for kind, timing in plan:
+        if left(budget) < 90:
+            result[kind] = {"skipped": f"budget ({left(budget):.0f} s left)"}
+            continue
+        entry = sample(str(folder), home, out, 1, flags, left(budget) - 10, f"{name}-{kind}", timing=timing, memory=True)
+        _flux_rates(entry, flops, steps, args.peak_tflops)
+        result[kind] = entry
+    return result
+
+
+def _s(x: Any) -> str:
+    return f"{x:.1f}" if isinstance(x, (int, float)) else str(x)
+
+
 def table(results: dict[str, Any]) -> str:
     lines = ["| row | what | measured |", "|---|---|---|"]
     peak = results.get("peak", {})
@@ -230,6 +389,34 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"| aot | {name}: carried (layer, start -> first image) vs the chip's own compile | "
                      f"{c.get('layer')}, {c.get('process_s')} s vs {o.get('layer')}, {o.get('process_s')} s; "
                      f"pixels {m.get('pixels_vs_own_compile')} |")
+    for name in FLUX:
+        r = results.get(name)
+        if not r:
+            continue
+        w = r.get("write", {})
+        if "skipped" in r:
+            lines.append(f"| {name} | skipped | {r['skipped']} |")
+            continue
+        lines.append(f"| {name} | random folder written here (dev; schnell linked; {w.get('filesystem')}) | "
+                     f"{w.get('s')} s, rc {w.get('rc')} |")
+        for kind in ("cold", "warm"):
+            e = r.get(kind)
+            if not e:
+                continue
+            if "skipped" in e:
+                lines.append(f"| {name} | {kind} | {e['skipped']} |")
+                continue
+            peak = (e.get("memory") or {}).get("peak_bytes_in_use")
+            frac, frac_d = e.get("fraction_of_peak"), e.get("fraction_of_peak_denoise")
+            lines.append(f"| {name} | {kind}: start -> first image (compile or load; layer), peak HBM | "
+                         f"{_s(e.get('process_start_to_first_image_s'))} s ({_s(e.get('compile_or_load_s'))} s; "
+                         f"{e.get('cache_layer')}), {'%.2f GiB' % (peak / 2**30) if peak else '-'} rc {e.get('rc')} |")
+            if e.get("per_image_s"):
+                stages = ", ".join(f"{k} {v.get('run_s'):.2f}" for k, v in (e.get("stages") or {}).items()
+                                   if v.get("run_s") is not None)
+                lines.append(f"| {name} | {r['width']}^2, {r['steps']} steps: s/image (first call's stages, s), "
+                             f"fraction of peak (whole call; denoising) | {e['per_image_s']:.2f} ({stages}), "
+                             f"{'%.0f%%' % (100 * frac) if frac else '-'}; {'%.0f%%' % (100 * frac_d) if frac_d else '-'} |")
     for name in MODELS:
         r = results.get(name)
         if not r:
@@ -251,7 +438,7 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-ROWS = ("peak", "doctor", "builtin", "pixels", "aot", "sd15", "sdxl")
+ROWS = ("peak", "doctor", "builtin", "pixels", "aot", "sd15", "sdxl", "flux-schnell", "flux-dev")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -270,7 +457,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.dry:
         os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ.setdefault("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ["PYTHONPATH"], str(ROOT / "src")) if p)
+    # this tree's preheat first: a machine's own PYTHONPATH may name another copy
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ["PYTHONPATH"]) if p)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     Path(args.work).mkdir(parents=True, exist_ok=True)
@@ -282,6 +470,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         t0 = time.monotonic()
         if row in MODELS:
             results[row] = row_model(row, args, out, args.budget_s)
+        elif row in FLUX:
+            results[row] = row_flux(row, args, out, args.budget_s)
         else:
             results[row] = globals()[f"row_{row}"](args, out)
         if row == "peak" and args.peak_tflops is None:

@@ -30,7 +30,8 @@ def test_a_family_declares_exactly_what_its_loader_takes(class_name: str) -> Non
     entry = FAMILY_OF_CLASS[class_name]
     module = importlib.import_module(entry.module)
     keywords = set(inspect.signature(getattr(module, entry.loader)).parameters)
-    assert getattr(module, entry.family).loader_takes == keywords & {"offload_encoders", "controlnet", "refiner"}
+    assert getattr(module, entry.family).loader_takes == keywords & {"offload_encoders", "controlnet", "refiner",
+                                                                     "encoders_on"}
 
 
 @pytest.mark.parametrize(("offload", "companions", "message", "argument"), [
@@ -46,6 +47,15 @@ def test_what_a_loader_does_not_take_is_one_line(tmp_path: Path, offload: bool, 
     assert str(err.value) == message.format(root=tmp_path) and err.value.argument == argument
     if argument != "offload_encoders":  # the torch backend refuses in the same words
         assert str(companion_refused(argument, tmp_path)) == str(err.value)
+
+
+def test_encoders_on_the_host_reach_a_loader_that_takes_them(tmp_path: Path) -> None:
+    flux = frozenset({"offload_encoders", "encoders_on"})
+    assert loader_options(flux, tmp_path, False, {}, None, "host") == {"encoders_on": "host"}
+    assert loader_options(flux, tmp_path, False, {}, None, "device") == {}
+    with pytest.raises(InvalidArgumentError, match="applies to FLUX.1 models") as err:
+        loader_options(SDXL_TAKES, tmp_path, False, {}, None, "host")
+    assert err.value.argument == "encoders_on"
 
 
 def test_a_source_id_is_a_folder_absolute_or_a_name_as_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

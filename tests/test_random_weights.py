@@ -66,3 +66,88 @@ def _tensors(path):
     from safetensors.numpy import load_file
 
     return load_file(str(path))
+
+
+# FLUX.1 at full depth is 12 B parameters: the tests write it depth- and width-reduced (a parameter of the
+# writer: a few keys over the published configs), through the same streamed writer and the same loaders.
+SMALL_FLUX = {"transformer": {"num_layers": 1, "num_single_layers": 2, "num_attention_heads": 2,
+                              "joint_attention_dim": 64, "pooled_projection_dim": 64},
+              "text_encoder_2": {"d_model": 64, "d_ff": 128, "num_layers": 1, "num_heads": 2, "d_kv": 32},
+              "text_encoder": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                               "num_attention_heads": 2, "projection_dim": 64},
+              "vae": {"block_out_channels": [32, 32], "layers_per_block": 1,
+                      "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2}}
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    base = tmp_path_factory.mktemp("rw-flux")
+    dev = write_random_folder("flux-dev", base / "flux-dev", configs=SMALL_FLUX)
+    schnell = write_random_folder("flux-schnell", base / "flux-schnell", configs=SMALL_FLUX, link_from=dev)
+    return {"flux-dev": dev, "flux-schnell": schnell}
+
+
+def _header(path):
+    import struct
+
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n))
+
+
+def test_flux_folders_stream_fp8_matrices_and_share_what_the_variants_share(flux):
+    dev, schnell = flux["flux-dev"], flux["flux-schnell"]
+    first = "transformer/diffusion_pytorch_model-00001-of-00002.safetensors"
+    header = _header(dev / first)
+    dtypes = {k: v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    assert dtypes["transformer_blocks.0.attn.to_q.weight"] == "F8_E4M3"
+    assert dtypes["transformer_blocks.0.norm1.linear.weight"] == "F8_E4M3"  # AdaLN: int8 with --weights-layers linear
+    assert dtypes["transformer_blocks.0.attn.to_q.bias"] == "BF16" and dtypes["norm_out.linear.bias"] == "BF16"
+    assert (dev / "transformer/diffusion_pytorch_model-00002-of-00002.safetensors").is_file()  # the guidance embedder
+    assert not (schnell / "transformer/diffusion_pytorch_model-00002-of-00002.safetensors").exists()
+    for rel in (first, "text_encoder_2/model.safetensors", "text_encoder/model.safetensors",
+                "vae/diffusion_pytorch_model.safetensors"):
+        assert (dev / rel).stat().st_ino == (schnell / rel).stat().st_ino, rel  # hard-linked, not written twice
+    assert json.loads((schnell / "transformer/config.json").read_text())["guidance_embeds"] is False
+    assert json.loads((dev / "scheduler/scheduler_config.json").read_text())["shift"] == 3.0
+    assert json.loads((dev / "transformer/config.json").read_text())["num_layers"] == 1  # the given depth
+    assert not list(dev.rglob(".*.partial"))
+
+
+@pytest.mark.parametrize("name", ["flux-schnell", "flux-dev"])
+def test_preheat_loads_a_flux_folder_as_the_chip_rows_do(flux, name):
+    """The rows' options: bfloat16, int8 matrices quantised from the fp8 file, every Linear, T5 on the host."""
+    import preheat
+    from preheat.models.quantised import Quantised
+
+    pipe = preheat.load(flux[name], cache="off", devices=1, dtype="bfloat16", weights_dtype="int8",
+                        weights_layers="linear", encoders_on="host")
+    assert pipe.family.name == "flux" and pipe.components.guidance_embeds == (name == "flux-dev")
+    import jax
+    leaves = jax.tree.leaves(pipe.params, is_leaf=lambda x: isinstance(x, Quantised))
+    assert sum(isinstance(leaf, Quantised) for leaf in leaves) > 10
+    image = pipe.generate("a red fox", steps=1, width=16, height=16, seed=0)
+    assert image.shape == (1, 16, 16, 3) and image.dtype == np.uint8
+    tokens = pipe.components.tokenizers[1].encode(["a red fox at night, blurry"])
+    assert tokens.shape == (1, 512) and (tokens[0] != 2).all()  # T5's tokenizer: no <unk>
+
+
+def test_int8_from_an_fp8_file_on_a_device_without_fp8_arrays_goes_there_in_bf16(flux, monkeypatch):
+    """The same int8 values and scales either way: fp8 is exact in bfloat16."""
+    import jax
+
+    from preheat.models import weights
+    from preheat.models.flux import load_flux_transformer
+    from preheat.models.quantised import Quantised
+    from preheat.models.weights import LoadOptions
+
+    options = LoadOptions(weights_dtype="int8", weights_layers="linear")
+    folder = flux["flux-dev"] / "transformer"
+    direct = load_flux_transformer(folder, "bfloat16", options=options)
+    monkeypatch.setattr(weights, "holds", lambda dtype: False)
+    via_bf16 = load_flux_transformer(folder, "bfloat16", options=options)
+    pairs = list(zip(*(jax.tree.leaves(m.params, is_leaf=lambda x: isinstance(x, Quantised))
+                       for m in (direct, via_bf16))))
+    quantised = [(a, b) for a, b in pairs if isinstance(a, Quantised)]
+    assert quantised and all(np.array_equal(a.values, b.values) and np.array_equal(a.scale, b.scale)
+                             for a, b in quantised)

@@ -28,6 +28,9 @@ def load(model: str | Path | None = None, *, backend: str = "jax", compile: str 
         if options.pop("weights_dtype", None) is not None or options.pop("weights_layers", "layerwise") != "layerwise":
             raise InvalidArgumentError("weights_dtype applies to backend='jax' (fp8 storage, upcast inside the compiled "
                                        "program); the torch backend loads weights in dtype", argument="weights_dtype")
+        if options.pop("encoders_on", "device") != "device":
+            raise InvalidArgumentError("encoders_on applies to backend='jax' (the encode stage compiled for the "
+                                       "host's CPU)", argument="encoders_on")
 
         return load_torch_pipeline(model, compile=compile, **options)
     if backend != "jax":

@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from preheat import platforms
 from preheat.cache.executables import Executables
 from preheat.errors import InvalidArgumentError, PreheatError, SamplingStopped
 from preheat.families import request as request_of
@@ -405,7 +406,7 @@ class Pipeline:
             self._timings().add(stage, Timings(cache_layer="memory"))
             return hit
         program = make_program()
-        if self.mesh is not None:
+        if self.mesh is not None and not platforms.running_on_host():
             from preheat.sharding import batch_specs, shard_program
 
             program = shard_program(program, self.mesh, batch_specs(args, self.mesh), outputs)
@@ -437,7 +438,7 @@ class Pipeline:
         not found") is a bad entry like any other: it is quarantined, compiled afresh, run again.
         """
         n = sig.batch
-        if self.mesh is not None:
+        if self.mesh is not None and not platforms.running_on_host():  # a host stage is the CPU's alone
             sig, args = self.place(sig, args)
         out = self._run_placed(stage, fingerprint, sig, make_program, args, outputs)
         if sig.batch != n:  # drop the padding rows
@@ -521,7 +522,8 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
          cache: str | None = None, variant: str | None = None, config: str | Path | None = None,
          offload_encoders: bool = False, weights_dtype: str | None = None, weights_layers: str = "layerwise",
          devices: Any = None, fsdp: int = 1, prefetch: Sequence[dict[str, Any]] | None = None,
-         controlnet: str | Path | None = None, refiner: str | Path | None = None) -> Pipeline:
+         controlnet: str | Path | None = None, refiner: str | Path | None = None,
+         encoders_on: str = "device") -> Pipeline:
     """A JAX sampling ``Pipeline`` for ``model``; ``None`` = the built-in model.
 
     ``model``: a diffusers-format folder, or a source for the weights store (``hf://org/repo[@rev]``,
@@ -550,6 +552,9 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     fp8 too (FLUX.1-dev: 0.51x of bf16, against 0.64x for diffusers' set).
     ``offload_encoders``: text families keep their text encoders' weights in host memory and
     move them to the device only while prompts are encoded (for GPUs that cannot hold it all).
+    ``encoders_on``: "host" (FLUX.1) keeps the text encoders' weights in host memory and runs the
+    encode stage on the host's CPU: they never occupy the accelerator (FLUX.1-dev's T5-XXL on a
+    16 GB TPU v5e); the embeddings move to the device once per call, before the loop.
     ``devices``: "all" (the default, or ``$PREHEAT_DEVICES``), a count N (the first N) or a list
     of local device ids: each batch is split over them, the weights replicated on each
     (``preheat.sharding``); the first device alone runs today's single-device program.
@@ -604,15 +609,16 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         compiler.start_early(startup_id(root, {"dtype": str(dtype), "variant": variant, "fsdp": fsdp,
                                                "weights_dtype": weights_dtype, "weights_layers": weights_layers,
                                                "offload_encoders": offload_encoders, "scheduler": scheduler,
+                                               "encoders_on": encoders_on,
                                                **{name: None if folder is None else source_id(folder)
                                                   for name, folder in companions.items()},
                                                "devices": None if mesh is None else
                                                [int(d.id) for d in mesh.devices.flat]}), mesh)
     loader = family_loader(root)
-    options = loader_options(loader.takes, root, offload_encoders, companions, variant)  # one line for a misfit
+    options = loader_options(loader.takes, root, offload_encoders, companions, variant, encoders_on)  # one line for a misfit
     from preheat.models.footprint import check_fits  # weights that cannot fit the device: refused before any is read
     check_fits(root, dtype=dtype, variant=variant, weights_dtype=weights_dtype, weights_layers=weights_layers,
-               offload_encoders=offload_encoders, mesh=mesh, fsdp=fsdp)
+               offload_encoders=offload_encoders, mesh=mesh, fsdp=fsdp, encoders_on=encoders_on)
     # Prefetching: the loader checks every header and returns placeholder weights (shapes only),
     # the executables load on a background thread, then the tensors are read here.
     with recording(str(root)) as weights_read:  # bytes, seconds, peak host memory of every component

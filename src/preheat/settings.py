@@ -174,6 +174,10 @@ class ServeSettings:
     weights_layers: str = setting(
         "layerwise", "With --weights-dtype: diffusers' layerwise-casting layers, or every Linear (AdaLN modulation "
                      "too; FLUX.1-dev 0.51x of bf16).", surfaces=LOAD, choices=("layerwise", "linear"), parse=_text)
+    encoders_on: str = setting(
+        "device", "FLUX.1: keep the text encoders on the device, or in host memory and run them on the host's CPU "
+                  "(T5-XXL off a 16 GB chip; the embeddings move to the device once per call) (JAX backend).",
+        surfaces=LOAD, choices=("device", "host"), parse=_text)
     variant: Optional[str] = setting(None, "Weight files *.VARIANT.safetensors (e.g. fp16).", surfaces=LOAD,
                                      parse=_text)
     cache: Optional[str] = setting(None, "Compile cache layers (default: full).", surfaces=LOAD, choices=CACHE_LAYERS,
@@ -324,7 +328,8 @@ class ServeSettings:
         return WarmSet(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size, samplers=samplers,
                        sizes=sizes, guidance=guidance, lora_ranks=tuple(ranks), devices=devices, fsdp=self.fsdp,
                        variant=self.variant, cache=self.cache, weights_dtype=self.weights_dtype,
-                       weights_layers=self.weights_layers, progress=True if self.progress is None else self.progress,
+                       weights_layers=self.weights_layers, encoders_on=self.encoders_on,
+                       progress=True if self.progress is None else self.progress,
                        config=self.config, controlnet=self.controlnet, refiner=self.refiner,
                        inputs=parse_offered(self.inputs),
                        input_values=parse_input_values(self.input_values, name_of("input_values")))

@@ -178,6 +178,7 @@ class WarmSet:
     cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off" (preheat.load(cache=...))
     weights_dtype: Optional[str] = None  # the denoiser's weights stored in this dtype (preheat.load(weights_dtype=...))
     weights_layers: str = "layerwise"  # which layers weights_dtype stores (preheat.load(weights_layers=...))
+    encoders_on: str = "device"  # FLUX.1's text encoders on the host's CPU: "host" (preheat.load(encoders_on=...))
     config: Optional[str] = None  # ``model`` a single file: the folder whose configs read it (preheat.load(config=...))
     controlnet: Optional[str] = None  # a ControlNetModel folder beside the UNet (preheat.load(controlnet=...))
     refiner: Optional[str] = None  # an SDXL refiner folder that takes over part-way (preheat.load(refiner=...))

@@ -28,6 +28,7 @@ def _choice(q_len, kv_len, head_dim=64, dtype="bfloat16", masked=False):
     (1024, 1024, 64, platforms.Attention("flash", 1024, 1024, 64)),  # SDXL's 32^2 blocks: 0.78 ms vs 1.16
     (4096, 4096, 160, platforms.Attention("flash", 1024, 1024, 256)),  # a 160-wide head, padded
     (4608, 4608, 128, platforms.Attention("flash", 512, 512, 128)),  # Flux 1024^2: 4096 + 512 text tokens
+    (8704, 8704, 128, platforms.Attention("flash", 512, 512, 128)),  # Kontext 1024^2: 4096 + 4096 + 512
     (4173, 4173, 64, platforms.Attention("flash", 512, 512, 64)),  # no block divides: padded to 4608
     (4096, 77, 64, platforms.Attention("xla")),  # cross-attention to the text
     (4096, 154, 64, platforms.Attention("xla")),
@@ -77,6 +78,29 @@ def test_a_trace_for_the_tpu_lowers_the_kernel_for_the_chip():
         mosaic = self_attn.trace(q).lower(lowering_platforms=("tpu",)).as_text()
         plain = cross_attn.trace(q, ctx).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in mosaic and "tpu_custom_call" not in plain
+
+
+@pytest.mark.parametrize("image_tokens", [4096, 8192])  # FLUX.1 at 1024^2; Kontext's image and reference
+def test_flux_joint_attention_lowers_to_the_flash_kernel_for_the_chip(image_tokens):
+    """Deviceless: a Flux transformer (one double and one single block, 2 heads of 128, bf16) at
+    ``image_tokens`` + 512 text tokens traced for the TPU runs each block's joint attention in the
+    Pallas kernel (a Mosaic call)."""
+    from preheat.models.flux import FluxTransformer, FluxTransformerConfig, build_abstract
+
+    config = FluxTransformerConfig.from_dict(dict(in_channels=64, num_layers=1, num_single_layers=1,
+                                                  attention_head_dim=128, num_attention_heads=2,
+                                                  joint_attention_dim=64, pooled_projection_dim=32,
+                                                  axes_dims_rope=[16, 56, 56], guidance_embeds=True), "flux")
+    graphdef, abstract = build_abstract(config)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract)
+    model = FluxTransformer(config, graphdef, None, jnp.bfloat16)
+    S = jax.ShapeDtypeStruct
+    args = (params, S((1, image_tokens, 64), jnp.bfloat16), S((1, 512, 64), jnp.bfloat16), S((1, 32), jnp.bfloat16),
+            S((1,), jnp.float32), S((image_tokens, 3), jnp.float32), S((512, 3), jnp.float32), S((1,), jnp.float32))
+    with platforms.compiling_for("tpu"):
+        text = jax.jit(model.apply).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    # the kernel (one function, called by both blocks) on the joint sequence, heads first: (B, nH, L, Dh)
+    assert "tpu_custom_call" in text and f"tensor<1x2x{image_tokens + 512}x128xbf16>" in text
 
 
 def test_a_chip_s_key_is_the_one_a_target_for_it_computes(monkeypatch):

@@ -40,7 +40,7 @@ def test_serve_reads_every_setting_of_the_table_and_warm_those_it_declares():
     serve, warm = _setting_params("serve"), _setting_params("warm")
     assert sorted(serve) == sorted(env_var(s) for s in ENV_SETTINGS)  # Runpod's and Ray's table, all of it
     declaration = {"PREHEAT_MODEL", "PREHEAT_DTYPE", "PREHEAT_VARIANT", "PREHEAT_CACHE", "PREHEAT_WEIGHTS_DTYPE",
-                   "PREHEAT_WEIGHTS_LAYERS", "PREHEAT_CONFIG", "PREHEAT_CONTROLNET", "PREHEAT_REFINER", "PREHEAT_PROGRESS",
+                   "PREHEAT_WEIGHTS_LAYERS", "PREHEAT_ENCODERS_ON", "PREHEAT_CONFIG", "PREHEAT_CONTROLNET", "PREHEAT_REFINER", "PREHEAT_PROGRESS",
                    "PREHEAT_MAX_BATCH_SIZE",
                    "PREHEAT_SAMPLERS", "PREHEAT_SIZES", "PREHEAT_GUIDANCE", "PREHEAT_INPUTS", "PREHEAT_INPUT_VALUES", "PREHEAT_DEVICES",
                    "PREHEAT_FSDP", "PREHEAT_LORA_RANKS"}

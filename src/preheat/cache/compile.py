@@ -121,6 +121,18 @@ def serialise_platform(fields: dict[str, Any]) -> str:
     return platforms.key_runtime(fields)
 
 
+def _single_device(args: Any) -> list[Any]:
+    """The device a single-device program runs on: its arguments' committed one (a host stage's
+    CPU beside the accelerator: ``preheat.load(encoders_on="host")``), else JAX's default."""
+    for leaf in jax.tree.leaves(args):
+        if isinstance(leaf, jax.Array) and leaf.committed and len(leaf.devices()) == 1:
+            return list(leaf.devices())
+        sharding = getattr(leaf, "sharding", None)  # a prefetch's placeholder, placed
+        if isinstance(leaf, jax.ShapeDtypeStruct) and isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            return list(sharding.device_set)
+    return jax.devices()[:1]
+
+
 class JaxCompiler(EntryCache):
     """``get_or_compile``: the executable for a signature, from the aot layer when it can.
 
@@ -336,7 +348,7 @@ class JaxCompiler(EntryCache):
             return None
         payload = entry.file(EXECUTABLE).read_bytes()
         mesh = mesh_of(args)  # the key's mesh field: the same device ids the entry was compiled for
-        devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+        devices = _single_device(args) if mesh is None else list(mesh.devices.flat)
         try:
             with LoadingMarker(path):
                 compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)

@@ -159,7 +159,7 @@ class ExplainCommand(SettingsCommand, FamilyInputsCommand):
     in a pod's environment explains that pod's calls. Only the declaration: the call's own options
     are sample's (``PREHEAT_GUIDANCE`` is a server's guidance modes, ``--guidance`` a call's scale)."""
 
-    env_settings = ("dtype", "variant", "cache", "weights_dtype", "weights_layers", "config", "controlnet",
+    env_settings = ("dtype", "variant", "cache", "weights_dtype", "weights_layers", "encoders_on", "config", "controlnet",
                     "refiner",
                     "devices", "fsdp",
                     "max_batch_size", "progress", "inputs", "input_values", "sizes", "samplers")

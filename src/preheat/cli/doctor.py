@@ -32,10 +32,12 @@ __all__ = ["doctor_command"]
               help="With --weights-dtype: diffusers' layerwise-casting layers, or every Linear (AdaLN modulation too).")
 @click.option("--variant", help="With --model: weight files *.VARIANT.safetensors (e.g. fp16).")
 @click.option("--offload-encoders", is_flag=True, help="With --model: text encoders kept in host memory (preheat.load's offload_encoders).")
+@click.option("--encoders-on", type=click.Choice(["device", "host"]), default="device", show_default=True,
+              help="With --model: FLUX.1's text encoders kept and run on the device or on the host's CPU.")
 @click.pass_context
 def doctor_command(ctx: click.Context, as_json: bool, require_gpu: bool, save_target_path: str | None,
                    model: str | None, dtype: str, weights_dtype: str | None, weights_layers: str,
-                   variant: str | None, offload_encoders: bool) -> None:
+                   variant: str | None, offload_encoders: bool, encoders_on: str) -> None:
     """Say what is wrong with this machine's GPU or TPU / JAX / torch / cache setup, and the exact fix.
 
     Exit status: 0 when no check fails, 1 when one does (or, with --require-gpu, when JAX is not
@@ -44,7 +46,8 @@ def doctor_command(ctx: click.Context, as_json: bool, require_gpu: bool, save_ta
     if save_target_path is not None:
         _save_target(save_target_path)
         return
-    request = ModelRequest(model, dtype, weights_dtype, variant, offload_encoders, weights_layers) if model else None
+    request = ModelRequest(model, dtype, weights_dtype, variant, offload_encoders, weights_layers,
+                           encoders_on) if model else None
     try:
         report = run_checks(require_gpu=require_gpu, model=request)
     except Exception as exc:  # run_checks should not raise; never show a traceback anyway

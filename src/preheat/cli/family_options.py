@@ -27,7 +27,8 @@ __all__ = ["FamilyInputsCommand", "parse_flags", "family_values", "flag_errors",
 # SRC[:SCALE]); a family's own inputs are named by their declared specs
 # (:func:`flag_errors`).
 FLAGS = {**{s.name: s.cli_flag for s in COMMON_SPECS if "cli" in s.surfaces or s.flag is not None},
-         "weights_dtype": "--weights-dtype", "weights_layers": "--weights-layers", "controlnet": "--controlnet",
+         "weights_dtype": "--weights-dtype", "weights_layers": "--weights-layers", "encoders_on": "--encoders-on",
+         "controlnet": "--controlnet",
          "refiner": "--refiner"}
 
 

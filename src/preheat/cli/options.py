@@ -131,6 +131,7 @@ class CallOptions:
     dtype: str
     weights_dtype: Optional[str]
     weights_layers: str
+    encoders_on: str
     variant: Optional[str]
     cache: Optional[str]
     config: Optional[str]
@@ -173,7 +174,8 @@ class CallOptions:
     def load_options(self) -> dict[str, Any]:
         """``preheat.load(model, **load_options())``."""
         options = dict(dtype=self.dtype, cache=self.cache, backend=self.backend, compile=self.compile_mode,
-                       variant=self.variant, weights_dtype=self.weights_dtype, weights_layers=self.weights_layers)
+                       variant=self.variant, weights_dtype=self.weights_dtype, weights_layers=self.weights_layers,
+                       encoders_on=self.encoders_on)
         from preheat.warm import companions
 
         given = {} if self.config is None else {"config": self.config}

@@ -40,6 +40,7 @@ class ModelRequest:
     variant: str | None = None
     offload_encoders: bool = False
     weights_layers: str = "layerwise"
+    encoders_on: str = "device"
 
 
 class Context:

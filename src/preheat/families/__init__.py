@@ -11,7 +11,7 @@
     FluxPipeline                                                       flux (FLUX.1 schnell, dev)
     FluxKontextPipeline                                                flux-kontext (FLUX.1 Kontext dev)
 
-Each family module has a ``load_<family>(root, *, scheduler, dtype, variant, options[, offload_encoders,
+Each family module has a ``load_<family>(root, *, scheduler, dtype, variant, options[, offload_encoders, encoders_on,
 controlnet, refiner])`` that returns a ``LoadedModel`` (the engine builds its ``Pipeline`` from it); what it
 takes in brackets its family declares (``Family.loader_takes``); ``families.base`` says what a family
 contributes to the engine. Families never import the engine: they see a pipeline through

@@ -143,7 +143,7 @@ class Family:
     preview_n: int = 16  # how many images ``preheat sample`` makes when not told (a grid of classes)
     pixels_in_loop: bool = True  # the denoising program ends with the conversion to uint8
     samplers: tuple[str, ...] = DIFFUSION_SAMPLERS  # the samplers this family's models were trained for
-    loader_takes: frozenset[str] = frozenset()  # of "offload_encoders", "controlnet", "refiner"
+    loader_takes: frozenset[str] = frozenset()  # of "offload_encoders", "encoders_on", "controlnet", "refiner"
 
     @property
     def inputs(self) -> tuple[str, ...]:

@@ -53,6 +53,7 @@ class TextComponents(Components):
     tokenizers: tuple[Any, ...] = ()
     text_encoders: tuple[Any, ...] = ()  # an encoder may be None (SD3 without T5)
     offload_encoders: bool = False  # the encoders' weights are host arrays (preheat.load(offload_encoders=True))
+    encoders_on: str = "device"  # "host": the encoders' weights live on the host's CPU and the encode stage runs there
     encode_fingerprint: Mapping[str, Any] = field(default_factory=dict)  # the encode stage's identity
     decode_fingerprint: Mapping[str, Any] = field(default_factory=dict)  # the VAE decode stage's identity
 

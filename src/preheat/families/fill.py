@@ -97,8 +97,9 @@ FILL = FluxFillFamily()
 
 
 def load_flux_fill(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
-                   offload_encoders: bool = False, options: Any = None) -> LoadedModel:
+                   offload_encoders: bool = False, options: Any = None,
+                   encoders_on: str = "device") -> LoadedModel:
     """A ``FluxFillPipeline`` folder (FLUX.1 Fill dev and fine-tunes of it); ``options``:
     ``preheat.models.weights.LoadOptions``, as for every family loader."""
     return load_flux(root, scheduler=scheduler, dtype=dtype, variant=variant, offload_encoders=offload_encoders,
-                     options=options, family=FILL)
+                     options=options, family=FILL, encoders_on=encoders_on)

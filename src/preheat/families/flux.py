@@ -50,7 +50,7 @@ from preheat.families.guidance import TRUE_CFG_SCALE, true_cfg_scale
 from preheat.families.inputs import InputSpec, Text
 from preheat.families.stages import EncodeArgs
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, encode, load_scheduler,
-                                   fill_later_prompts, max_sequence_length_spec, offload)
+                                   fill_later_prompts, max_sequence_length_spec, offload, on_host)
 from preheat.lora import encoder_adapters
 from preheat.models.bfl import Piece, bfl_modules
 from preheat.samplers import MU_SIGMAS_SAMPLERS
@@ -85,6 +85,8 @@ class FluxFamily(TextToImageFamily):
     # FluxPipeline passes its own sigmas and mu to set_timesteps: only flow_euler's scheduler takes them
     samplers: tuple[str, ...] = MU_SIGMAS_SAMPLERS
     max_size: int = 4096
+    # the text encoders' weights in host memory (moved in to encode), or kept and run on the host's CPU
+    loader_takes: frozenset[str] = frozenset({"offload_encoders", "encoders_on"})
 
     def guidance_mode(self, pipe: EngineView) -> str:
         return "embedded" if pipe.components.guidance_embeds else "none"
@@ -215,9 +217,11 @@ def bfl_lora_names(layers: Mapping[str, tuple[int, int]]) -> dict[str, tuple[Pie
 
 def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
               offload_encoders: bool = False, options: LoadOptions | None = None,
-              family: FluxFamily = FLUX) -> LoadedModel:
+              family: FluxFamily = FLUX, encoders_on: str = "device") -> LoadedModel:
     """A ``FluxPipeline`` folder (FLUX.1-schnell, FLUX.1-dev and fine-tunes of them); ``family``:
-    a Flux-derived family whose folders hold the same parts (``families.kontext``)."""
+    a Flux-derived family whose folders hold the same parts (``families.kontext``). ``encoders_on``:
+    "host" reads CLIP's and T5's weights into host memory and runs the encode stage on the host's
+    CPU (``platforms.host_device``): T5-XXL never occupies the chip (``families.text.on_host``)."""
     import jax.numpy as jnp
 
     from preheat.lora import LoraTargets
@@ -236,9 +240,17 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     index = read_json(root / "model_index.json", "pipeline index")
     tokenizers = [CLIPTokenizer.from_folder(component(root, index, "tokenizer")),
                   T5Tokenizer.from_folder(component(root, index, "tokenizer_2"), max_length=T5_LENGTH)]
-    encoders = [load_clip_text(component(root, index, "text_encoder"), dtype=dtype, variant=variant, options=options),
-                load_t5_encoder(component(root, index, "text_encoder_2"), dtype=dtype, variant=variant, options=options)]
-    if offload_encoders:
+    placed = options
+    if encoders_on == "host":  # read straight into host memory, and kept there
+        from preheat import platforms
+        from preheat.models.weights import LoadOptions as _Options
+
+        placed = replace(options or _Options(), device=platforms.host_device())
+    encoders = [load_clip_text(component(root, index, "text_encoder"), dtype=dtype, variant=variant, options=placed),
+                load_t5_encoder(component(root, index, "text_encoder_2"), dtype=dtype, variant=variant, options=placed)]
+    if encoders_on == "host":
+        encoders = [on_host(e, placed) for e in encoders]
+    elif offload_encoders:
         encoders = [offload(e, options) for e in encoders]
     transformer = load_flux_transformer(component(root, index, "transformer"), dtype=dtype, variant=variant, options=options)
     vae = load_vae(component(root, index, "vae"), dtype=dtype, variant=variant, options=options)
@@ -295,6 +307,7 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
         tokenizers=tuple(tokenizers),
         text_encoders=tuple(encoders),
         offload_encoders=offload_encoders,
+        encoders_on=encoders_on,
         vae=vae,
         vae_scale=vae_scale,
         size_multiple=2 * vae_scale,  # latents pack into 2x2 tokens

@@ -126,8 +126,9 @@ KONTEXT = FluxKontextFamily()
 
 
 def load_flux_kontext(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
-                      offload_encoders: bool = False, options: Any = None) -> LoadedModel:
+                      offload_encoders: bool = False, options: Any = None,
+                      encoders_on: str = "device") -> LoadedModel:
     """A ``FluxKontextPipeline`` folder (FLUX.1 Kontext dev and fine-tunes of it); ``options``:
     ``preheat.models.weights.LoadOptions``, as for every family loader."""
     return load_flux(root, scheduler=scheduler, dtype=dtype, variant=variant, offload_encoders=offload_encoders,
-                     options=options, family=KONTEXT)
+                     options=options, family=KONTEXT, encoders_on=encoders_on)

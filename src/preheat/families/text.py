@@ -251,7 +251,45 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
         sig = replace(sig, extra=(*sig.extra, ("lora", (*lora_sig, used))))
         args = args._replace(lora=tuple(None if a is None else LoraArgs(factors=a[0], scales=a[1], slots=index)
                                         for a in adapters))
-    return pipe.run_stage("encode", pipe.components.encode_fingerprint, sig, program, args, outputs=outputs)
+    if pipe.components.encoders_on != "host":
+        return pipe.run_stage("encode", pipe.components.encode_fingerprint, sig, program, args, outputs=outputs)
+    return _encode_on_host(pipe, sig, program, args, outputs)
+
+
+def _encode_on_host(pipe: Any, sig: StageSignature, program: Callable[[], Callable], args: EncodeArgs,
+                    outputs: int) -> Any:
+    """``encoders_on="host"``: the encode stage as the host CPU's program, on its weights there (never
+    split over a mesh); its signature names where it runs, so its executable is the CPU's in memory
+    and in the cache alike. The program is traced for the CPU wherever it is traced (a prefetch
+    compiles on its own threads), and a rehearsal's placeholders are placed on the host too, so a
+    prefetched executable is the host's. The embeddings (a few MB) come back as host arrays: the
+    denoising program's arguments, moved to the chip once per call, before its loop."""
+    import jax
+
+    from preheat import platforms
+
+    host = platforms.host_device()
+    sig = replace(sig, extra=(*sig.extra, *platforms.host_fields()))
+    on = jax.sharding.SingleDeviceSharding(host)
+
+    def placed(x: Any) -> Any:  # beside the weights (already there: no copy)
+        if isinstance(x, jax.ShapeDtypeStruct):  # a rehearsal's placeholder (preheat.load(prefetch=...))
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on)
+        return jax.device_put(x, host) if isinstance(x, (np.ndarray, jax.Array)) else x
+
+    def make_program() -> Callable:
+        inner = program()
+
+        def hosted(args: EncodeArgs) -> Any:
+            with platforms.on_host():
+                return inner(args)
+
+        return hosted
+
+    args = jax.tree.map(placed, args)
+    with platforms.on_host():
+        out = pipe.run_stage("encode", pipe.components.encode_fingerprint, sig, make_program, args, outputs=outputs)
+    return jax.tree.map(np.asarray, out)
 
 
 def offload(encoder: Any, options: Any = None) -> Any:
@@ -270,4 +308,21 @@ def offload(encoder: Any, options: Any = None) -> Any:
             var.set_value(jax.device_get(var.get_value()))
 
     after_reads(to_host, options)
+    return encoder
+
+
+def on_host(encoder: Any, options: Any = None) -> Any:
+    """``encoders_on="host"``: an encoder loaded with ``options.device`` the host's CPU (its weights
+    read straight into host memory, never onto the chip), each weight then committed there once it
+    is read (``weights.after_reads``), so that the encode stage runs there too."""
+    import jax
+    from flax import nnx
+
+    from preheat.models.weights import after_reads
+
+    def commit() -> None:
+        for _, var in nnx.to_flat_state(encoder.params):
+            var.set_value(jax.device_put(var.get_value(), options.device))
+
+    after_reads(commit, options)
     return encoder

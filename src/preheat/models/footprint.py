@@ -13,7 +13,9 @@ each tensor's shape and stored dtype; the load rules give the dtype it is placed
                                   smaller axis, as the header does not say Linear from Embedding)
     text encoders                 ``dtype``; with ``offload_encoders`` in host memory, and on the
                                   device beside everything else while prompts are encoded (the
-                                  encode stage takes their weights as arguments: ``offloaded``)
+                                  encode stage takes their weights as arguments: ``offloaded``);
+                                  with ``encoders_on="host"`` in host memory and run there: never
+                                  on the device (``host``)
     vae                           float32 when its config says ``force_upcast`` and ``dtype`` is half
     integer tensors               as stored
     anything else                 not counted (a safety checker, an image encoder: no family loads them)
@@ -28,7 +30,8 @@ Two figures matter, and ``plan`` prints both, a line per component (what goes wh
 
 ``offload_encoders`` lowers the first, never the second: FLUX.1-dev's T5-XXL (8.9 GiB in bfloat16)
 beside its int8 transformer (11.1 GiB) does not fit a 15.75 GiB chip while prompts are encoded
-(docs/tpu.md). ``fitting`` names the first load option, cheapest to quality first, that fits.
+(docs/tpu.md). ``encoders_on="host"`` lowers both: the encoders run on the host's CPU, and only their
+embeddings reach the device. ``fitting`` names the first load option, cheapest to quality first, that fits.
 
 Nothing here imports JAX at import time: ``preheat doctor --model`` reads it in-process;
 ``check_fits`` is the load's one-line refusal (it asks JAX for the devices only when not given them).
@@ -74,6 +77,8 @@ class Footprint:
     offloaded: dict[str, int] = field(default_factory=dict)  # encoders kept in host memory
     weights_layers: str = "layerwise"
     dtypes: dict[str, str] = field(default_factory=dict)  # component -> its dtype in words ("int8 + bfloat16")
+    encoders_on: str = "device"
+    host: dict[str, int] = field(default_factory=dict)  # encoders kept and run on the host (encoders_on="host")
 
     @property
     def total(self) -> int:
@@ -95,6 +100,7 @@ class Footprint:
         out = f"--dtype {self.dtype}"
         out += f" --weights-dtype {self.weights_dtype}" if self.weights_dtype else ""
         out += " --weights-layers linear" if self.weights_dtype and self.weights_layers == "linear" else ""
+        out += " --encoders-on host" if self.encoders_on == "host" else ""
         return out + (" and preheat.load(..., offload_encoders=True)" if self.offload_encoders else "")
 
     def plan(self, limit: int | None = None, what: str = "the device") -> list[str]:
@@ -102,6 +108,7 @@ class Footprint:
         encoding figures against ``limit`` (``what`` names it: "one TPU chip")."""
         rows = [(name, "device", n, "") for name, n in self.parts.items()]
         rows += [(name, "host -> device", n, "while prompts are encoded") for name, n in self.offloaded.items()]
+        rows += [(name, "host", n, "run on the host's CPU; never on the device") for name, n in self.host.items()]
         rows.sort(key=lambda r: -r[2])
         width = max((len(r[0]) for r in rows), default=0)
         lines = [f"{name:<{width}}  {where:<14}  {self.dtypes.get(name, self.dtype):<24}  {gib(n):>10}"
@@ -115,6 +122,9 @@ class Footprint:
             over = self.peak - limit
             lines.append(f"encoding: {gib(self.peak)} on {what} ({self.peak / limit:.0%}): "
                          + (f"{gib(over)} more than it holds" if over > 0 else "fits"))
+        if self.host:
+            lines.append(f"host memory: {gib(sum(self.host.values()))} of text encoders, run there; their "
+                         "embeddings move to the device once per call")
         return lines
 
 
@@ -156,7 +166,7 @@ def _vae_upcast(folder: Path) -> bool:
 
 def weight_footprint(root: str | Path, dtype: str = "float32", *, variant: str | None = None,
                      weights_dtype: str | None = None, weights_layers: str = "layerwise",
-                     offload_encoders: bool = False) -> Footprint:
+                     offload_encoders: bool = False, encoders_on: str = "device") -> Footprint:
     """The device bytes of ``root``'s weights at ``dtype`` (a one-line ``PreheatError`` when a
     component's files are missing or torn, as the load would raise)."""
     root = Path(root)
@@ -169,7 +179,7 @@ def weight_footprint(root: str | Path, dtype: str = "float32", *, variant: str |
     low = _ITEMSIZE.get(weights_dtype) if weights_dtype else None
     linear = weights_layers == "linear"
     scaled = weights_dtype == "int8"
-    fp = Footprint(root, dtype, weights_dtype, offload_encoders, weights_layers=weights_layers)
+    fp = Footprint(root, dtype, weights_dtype, offload_encoders, weights_layers=weights_layers, encoders_on=encoders_on)
     low_words = f"{weights_dtype} + {dtype}" if weights_dtype else dtype
     if not (root / "model_index.json").is_file():  # a bare model folder: the denoiser alone
         name = root.name or "model"
@@ -191,34 +201,41 @@ def weight_footprint(root: str | Path, dtype: str = "float32", *, variant: str |
             fp.dtypes[name] = low_words
         else:
             n = _component_bytes(root / name, variant, size, None)
-        (fp.offloaded if offload_encoders and name.startswith("text_encoder") else fp.parts)[name] = n
+        encoder = name.startswith("text_encoder")
+        (fp.host if encoder and encoders_on == "host" else fp.offloaded if encoder and offload_encoders
+         else fp.parts)[name] = n
     return fp
 
 
 def fitting(root: str | Path, limit: int, *, dtype: str, variant: str | None = None, weights_dtype: str | None = None,
             weights_layers: str = "layerwise", offload_encoders: bool = False,
-            prefer: str = "int8", encoding: bool = True) -> Footprint | None:
+            prefer: str = "int8", encoding: bool = True, encoders_on: str = "device") -> Footprint | None:
     """The first load option, cheapest to quality first, whose footprint ``fits`` ``limit``, other
     than the one asked for; None when none does. The order: bfloat16 (from float32); 8-bit denoiser
     weights (``prefer`` first: int8 on a TPU, whose matrix unit has int8 and no fp8); every Linear in
-    8 bits (AdaLN modulation too: ``--weights-layers linear``); text encoders offloaded.
+    8 bits (AdaLN modulation too: ``--weights-layers linear``); text encoders offloaded; text encoders
+    kept and run on the host (``--encoders-on host``: their compute moves to the CPU, so last).
     ``encoding=False``: the first that fits while denoising, whether or not its encode stage does
     (what a model needs beyond it is then its text encoders off the device)."""
     half = dtype if dtype != "float32" else "bfloat16"
     eights = [prefer, *(d for d in WEIGHTS_DTYPES if d != prefer)] if weights_dtype is None else [weights_dtype]
-    tries = [(half, weights_dtype, weights_layers, offload_encoders)]
-    tries += [(half, wd, "layerwise", offload_encoders) for wd in eights]
-    tries += [(half, wd, "linear", offload_encoders) for wd in eights]
-    tries += [(dt, wd, wl, True) for dt, wd, wl, _ in tries]
-    asked = (dtype, weights_dtype, weights_layers, offload_encoders)
+    on = encoders_on
+    tries = [(half, weights_dtype, weights_layers, offload_encoders and on != "host", on)]
+    tries += [(half, wd, "layerwise", offload_encoders and on != "host", on) for wd in eights]
+    tries += [(half, wd, "linear", offload_encoders and on != "host", on) for wd in eights]
+    first = list(tries)
+    tries += [(dt, wd, wl, True, "device") for dt, wd, wl, _, _ in first]
+    tries += [(dt, wd, wl, False, "host") for dt, wd, wl, _, _ in first]
+    asked = (dtype, weights_dtype, weights_layers, offload_encoders, encoders_on)
     seen = {asked}
     for option in tries:
         if option in seen:
             continue
         seen.add(option)
-        dt, wd, wl, off = option
-        fp = weight_footprint(root, dt, variant=variant, weights_dtype=wd, weights_layers=wl, offload_encoders=off)
-        if fp.fits(limit, encoding) and (not off or fp.offloaded):
+        dt, wd, wl, off, where = option
+        fp = weight_footprint(root, dt, variant=variant, weights_dtype=wd, weights_layers=wl, offload_encoders=off,
+                              encoders_on=where)
+        if fp.fits(limit, encoding) and (not off or fp.offloaded) and (where != "host" or fp.host):
             return fp
     return None
 
@@ -234,7 +251,7 @@ def _device_limit(device: Any) -> int | None:
 
 def check_fits(root: Path, *, dtype: Any, variant: str | None, weights_dtype: str | None, offload_encoders: bool,
                weights_layers: str = "layerwise", mesh: Any = None, fsdp: int = 1,
-               devices: Sequence[Any] | None = None) -> None:
+               devices: Sequence[Any] | None = None, encoders_on: str = "device") -> None:
     """Refuse in one line a load whose weights alone exceed a device's memory, before any is read:
     on ``devices``, else the mesh's, else JAX's first device.
 
@@ -249,7 +266,7 @@ def check_fits(root: Path, *, dtype: Any, variant: str | None, weights_dtype: st
     try:
         name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
         fp = weight_footprint(root, name, variant=variant, weights_dtype=weights_dtype, weights_layers=weights_layers,
-                              offload_encoders=offload_encoders)
+                              offload_encoders=offload_encoders, encoders_on=encoders_on)
     except (PreheatError, TypeError):
         return
     need, have = fp.peak // max(fsdp, 1), min(limits)
@@ -258,18 +275,19 @@ def check_fits(root: Path, *, dtype: Any, variant: str | None, weights_dtype: st
         when = " while prompts are encoded" if fp.peak > fp.total and fp.total // max(fsdp, 1) <= have else ""
         try:
             alt = fitting(root, have * max(fsdp, 1), dtype=fp.dtype, variant=variant, weights_dtype=weights_dtype,
-                          weights_layers=weights_layers, offload_encoders=offload_encoders, prefer=_prefer(devices))
+                          weights_layers=weights_layers, offload_encoders=offload_encoders, prefer=_prefer(devices),
+                          encoders_on=encoders_on)
         except PreheatError:
             alt = None
         fix = (f"{alt.options()} would take {gib(alt.peak // max(fsdp, 1))}" if alt else
                f"no dtype or weights_dtype does (`preheat doctor --model {root}` prints the plan)")
         rest = None if alt else fp if fp.fits(have * max(fsdp, 1), encoding=False) else fitting(
             root, have * max(fsdp, 1), dtype=fp.dtype, variant=variant, weights_dtype=weights_dtype,
-            weights_layers=weights_layers, offload_encoders=offload_encoders, prefer=_prefer(devices), encoding=False)
+            weights_layers=weights_layers, offload_encoders=offload_encoders, prefer=_prefer(devices), encoding=False,
+            encoders_on=encoders_on)
         if rest is not None:
             fix = (f"{rest.options()} fits while denoising ({gib(rest.total // max(fsdp, 1))}), but no option "
-                   f"fits the encode stage: the text encoders must run off the device (not yet in preheat; "
-                   f"`preheat doctor --model {root}` prints the plan)")
+                   f"fits the encode stage (`preheat doctor --model {root}` prints the plan)")
         raise ModelError(f"{root}: its weights take {gib(need)}{when} at {fp.options()}, {gib(need - have)} more than "
                          f"the {gib(have)}{per} holds; {fix}")
 

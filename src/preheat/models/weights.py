@@ -247,11 +247,14 @@ class LoadOptions:
     ``low`` (their programs do not upcast), so it leaves them be.
     ``weights_layers``: which layers: "layerwise" (diffusers' ``enable_layerwise_casting`` set)
     or "linear" (its Linear layers inside norm modules too: ``storage.layerwise``).
+    ``device``: where the weights are placed (None: JAX's default device); the host's CPU for text
+    encoders kept and run there (``preheat.load(encoders_on="host")``), so they never reach the chip.
     """
 
     pending: DeferredFills | None = None
     weights_dtype: str | None = None
     weights_layers: str = "layerwise"
+    device: Any = None
 
 
 DEFAULT_OPTIONS = LoadOptions()
@@ -259,7 +262,15 @@ DEFAULT_OPTIONS = LoadOptions()
 
 def after_reads(job: Callable[[], None], options: LoadOptions | None = None) -> None:
     """Run ``job`` once the weights ``fill`` was given so far are read: at once, or, with
-    ``options.pending``, queued after their reads (e.g. moving an encoder's weights to the host)."""
+    ``options.pending``, queued after their reads (e.g. moving an encoder's weights to the host).
+    With ``options.device`` the job places what it makes there (JAX's default device for it)."""
+    if options is not None and options.device is not None:
+        inner, device = job, options.device
+
+        def job() -> None:
+            with jax.default_device(device):
+                inner()
+
     if options is not None and options.pending is not None:
         options.pending.jobs.append(job)
     else:
@@ -467,7 +478,10 @@ def _stream(plan: _Plan, holders: dict[int, Any], tensors: Mapping[str, Any], so
             value = Quantised(values, jax.device_put(to_jax_layout(scale, leaf)))
             nbytes += scale.nbytes
         elif key in made:  # placed as stored, then int8 values and a float32 scale per output channel, once
-            stored, nbytes = _place(tensors, key, leaf, _meta(tensors, key)[1], scratch)
+            as_stored = _meta(tensors, key)[1]
+            if is_low(as_stored) and not holds(as_stored):  # an fp8 file on a device without fp8 arrays: bf16 (exact)
+                as_stored = np.dtype(jnp.bfloat16)
+            stored, nbytes = _place(tensors, key, leaf, as_stored, scratch)
             value = Quantised(*quantise_int8(stored))  # (..., out) int8, (1, ..., 1, out) float32, on the device
         elif scales and key in scales:  # fp8 times its scale, then the planned dtype (preheat.models.scaled_fp8)
             host = dequantise(tensors, key, scales[key]).astype(want)

@@ -11,7 +11,7 @@ import jax
 from preheat.platforms._select import get, local
 
 __all__ = ["describe_device", "accelerator_label", "device_fields", "mesh_fields", "key_device_label",
-           "key_runtime", "autotunes_here", "devices_of"]
+           "key_runtime", "autotunes_here", "devices_of", "host_device", "host_fields"]
 
 
 def describe_device(device: Any = None) -> dict[str, str]:
@@ -70,3 +70,25 @@ def autotunes_here() -> bool:
     """Whether a compile in this process autotunes (GPUs, unless ``--xla_gpu_autotune_level=0``)."""
     platform = local()
     return platform.autotunes and platform.autotunes_now()
+
+
+def host_device() -> Any:
+    """The host's CPU device, beside the accelerator's (jax keeps the CPU backend whenever
+    ``JAX_PLATFORMS`` leaves it in): where ``preheat.load(encoders_on="host")`` keeps and runs the text
+    encoders. A one-line ``InvalidArgumentError`` where this process has no CPU backend."""
+    from preheat.errors import InvalidArgumentError
+
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        raise InvalidArgumentError("encoders_on='host' needs JAX's CPU backend beside the accelerator; "
+                                   "JAX_PLATFORMS leaves it out (add cpu: JAX_PLATFORMS=tpu,cpu)",
+                                   argument="encoders_on") from None
+
+
+def host_fields() -> tuple[tuple[str, Any], ...]:
+    """A host stage's part of its signature (and so of its cache key): the program is XLA:CPU's for
+    this host's instruction set, whatever the accelerator beside it."""
+    from preheat.platforms._cpu import cpu_features
+
+    return (("runs_on", "cpu"), ("host_cpu", cpu_features()))

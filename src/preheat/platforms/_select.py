@@ -19,7 +19,8 @@ from preheat.platforms._cpu import CpuPlatform
 from preheat.platforms._gpu import GpuPlatform
 from preheat.platforms._tpu import TpuPlatform
 
-__all__ = ["PLATFORMS", "get", "current", "local", "selected", "compiling_for", "traced_target", "deviceless"]
+__all__ = ["PLATFORMS", "get", "current", "local", "selected", "compiling_for", "traced_target", "deviceless",
+           "on_host", "running_on_host"]
 
 # One description per platform preheat knows, by jax's platform name of its devices.
 PLATFORMS: dict[str, Platform] = {p.name: p for p in (CpuPlatform(), GpuPlatform(), TpuPlatform())}
@@ -30,6 +31,9 @@ PLATFORMS: dict[str, Platform] = {p.name: p for p in (CpuPlatform(), GpuPlatform
 # fake) is never reused for the CPU, nor the reverse.
 _TARGET = jax.make_user_context(default_value=None)
 _SELECTED = jax.make_user_context(default_value=None)
+# True while a stage is traced and run on the host's CPU beside the accelerator (``on_host``: text
+# encoders kept there): its choices are the CPU's, whatever the local devices are.
+_HOST = jax.make_user_context(default_value=False)
 
 
 def get(name: str) -> Platform:
@@ -52,6 +56,8 @@ def traced_target() -> tuple[str, Any]:
     chosen = _TARGET.value
     if chosen is not None:
         return chosen
+    if _HOST.value:
+        return "cpu", None
     device = jax.devices()[0]
     if device.platform != "gpu":
         return device.platform, None
@@ -68,6 +74,19 @@ def deviceless() -> bool:
     autotuning, no library algorithm picked by measuring (cuDNN's convolutions), no cuDNN graph
     (fused attention)."""
     return _TARGET.value is not None
+
+
+@contextlib.contextmanager
+def on_host() -> Iterator[None]:
+    """Trace (and run) for the host's CPU beside the accelerator: a stage whose weights live there
+    (``preheat.load(encoders_on="host")``) is the CPU's program, not a deviceless one (the CPU is here)."""
+    with _HOST(True):
+        yield
+
+
+def running_on_host() -> bool:
+    """Whether the stage traced or run now is the host's (``on_host``): never split over a mesh."""
+    return bool(_HOST.value)
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ class CoreConfig:
     cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off"
     weights_dtype: Optional[str] = None  # jax: the denoiser's weights stored in this dtype (int8, float8_e4m3fn)
     weights_layers: str = "layerwise"  # jax: which layers weights_dtype stores
+    encoders_on: str = "device"  # jax: FLUX.1's text encoders kept and run on the host's CPU ("host")
     config: Optional[str] = None  # ``model`` a single .safetensors file, read with this folder's configs
     controlnet: Optional[str] = None  # jax: a ControlNetModel folder beside the UNet (preheat.load(controlnet=...))
     refiner: Optional[str] = None  # jax: an SDXL refiner folder that takes over part-way (preheat.load(refiner=...))
@@ -88,7 +89,8 @@ class CoreConfig:
                        input_values=self.input_values, devices=self.devices,
                        fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks),
                        variant=self.variant, cache=self.cache, weights_dtype=self.weights_dtype,
-                       weights_layers=self.weights_layers, progress=self.progress, config=self.config,
+                       weights_layers=self.weights_layers, encoders_on=self.encoders_on, progress=self.progress,
+                       config=self.config,
                        controlnet=self.controlnet, refiner=self.refiner)
 
     @classmethod
@@ -110,7 +112,8 @@ class CoreConfig:
         options.setdefault("devices", warm.devices)
         options.setdefault("fsdp", warm.fsdp)
         return cls(model=warm.model, dtype=warm.dtype, variant=warm.variant, cache=warm.cache,
-                   weights_dtype=warm.weights_dtype, weights_layers=warm.weights_layers, progress=warm.progress,
+                   weights_dtype=warm.weights_dtype, weights_layers=warm.weights_layers, encoders_on=warm.encoders_on,
+                   progress=warm.progress,
                    config=warm.config, controlnet=warm.controlnet, refiner=warm.refiner,
                    max_batch_size=warm.max_batch_size,
                    samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance),
@@ -170,6 +173,7 @@ def load_pipeline(config: CoreConfig) -> Any:
         # the warm-up's executables load while the weights are read
         return preheat.load(config.model, dtype=config.dtype, variant=config.variant, cache=config.cache,
                             weights_dtype=config.weights_dtype, weights_layers=config.weights_layers,
+                            encoders_on=config.encoders_on,
                             **({} if config.config is None else {"config": config.config}),
                             **companions(config),
                             devices=config.devices, fsdp=config.fsdp, prefetch=prefetch_calls(config.warm_set()))

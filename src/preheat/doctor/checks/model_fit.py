@@ -4,7 +4,8 @@ The weights' bytes come from the safetensors headers (``preheat.models.footprint
 read), the device's memory from the JAX probe (``memory_stats()["bytes_limit"]``: a TPU chip's HBM,
 a GPU's allocator limit) or nvidia-smi. When they do not fit, the finding says by how much and the
 fix names the first option that does: bfloat16, 8-bit denoiser weights (int8 first on a TPU), every
-Linear in 8 bits, text encoders in host memory. ``details["plan"]``: what goes where, a line per
+Linear in 8 bits, text encoders in host memory, text encoders run on the host's CPU (``--encoders-on
+host``: FLUX.1-dev on a TPU v5e). ``details["plan"]``: what goes where, a line per
 component, printed under the table (``footprint.Footprint.plan``); offloaded encoders count while
 prompts are encoded, when the encode stage moves them in beside everything else.
 """
@@ -54,7 +55,7 @@ def _check_model_fit(ctx: Context) -> CheckResult:
     req = ctx.model
     assert req is not None
     details: dict[str, Any] = {"model": req.model, "dtype": req.dtype, "weights_dtype": req.weights_dtype,
-                               "weights_layers": req.weights_layers}
+                               "weights_layers": req.weights_layers, "encoders_on": req.encoders_on}
 
     def res(status: str, finding: str, fix: str | None = None) -> CheckResult:
         return CheckResult("model_fit", "Model fit", status, finding, fix, details)
@@ -62,11 +63,12 @@ def _check_model_fit(ctx: Context) -> CheckResult:
     try:
         root = _resolve(req.model, req.variant)
         fp = weight_footprint(root, req.dtype, variant=req.variant, weights_dtype=req.weights_dtype,
-                              weights_layers=req.weights_layers, offload_encoders=req.offload_encoders)
+                              weights_layers=req.weights_layers, offload_encoders=req.offload_encoders,
+                              encoders_on=req.encoders_on)
     except PreheatError as exc:
         return res(FAIL, f"cannot size {req.model}: {exc}", "give a diffusers folder, or `preheat pull` the source first")
     limit, what = _limit(ctx)
-    details.update(parts=fp.parts, offloaded=fp.offloaded, total=fp.total, peak=fp.peak, bytes_limit=limit,
+    details.update(parts=fp.parts, offloaded=fp.offloaded, host=fp.host, total=fp.total, peak=fp.peak, bytes_limit=limit,
                    plan=fp.plan(limit, f"the {what}" if limit else "the device"))
     parts = ", ".join(f"{name} {gib(n)}" for name, n in sorted(fp.parts.items(), key=lambda kv: -kv[1]))
     weights = f"{gib(fp.total)} of weights at {fp.options()} ({parts})"
@@ -74,11 +76,12 @@ def _check_model_fit(ctx: Context) -> CheckResult:
         return res(OK, f"{weights}; no accelerator memory to compare with (the weights go to host memory)")
     if fp.fits(limit):
         encode = f"; {gib(fp.peak)} while prompts are encoded" if fp.offloaded else ""
+        encode += f"; {gib(sum(fp.host.values()))} of text encoders run on the host" if fp.host else ""
         return res(OK, f"{weights}: {fp.total / limit:.0%} of the {gib(limit)} {what}{encode}")
     try:
         alt = fitting(root, limit, dtype=req.dtype, variant=req.variant, weights_dtype=req.weights_dtype,
                       weights_layers=req.weights_layers, offload_encoders=req.offload_encoders,
-                      prefer=INT8 if ctx.platform() == "tpu" else FP8)
+                      prefer=INT8 if ctx.platform() == "tpu" else FP8, encoders_on=req.encoders_on)
     except PreheatError:
         alt = None
     if fp.total > limit:
@@ -94,19 +97,21 @@ def _check_model_fit(ctx: Context) -> CheckResult:
         fix = f"load with {alt.options()} ({gib(alt.total)}, about {alt.total / limit:.0%})"
         if alt.offloaded:
             fix = fix[:-1] + f"; {gib(alt.peak)} while prompts are encoded)"
+        if alt.host:
+            fix = fix[:-1] + f"; the text encoders, {gib(sum(alt.host.values()))}, in host memory and run there)"
     else:
         fix = "no single-device option fits: shard the weights over devices (preheat.load(..., fsdp=N))"
         try:
             rest = fp if fp.fits(limit, encoding=False) else fitting(
                 root, limit, dtype=req.dtype, variant=req.variant, weights_dtype=req.weights_dtype,
                 weights_layers=req.weights_layers, offload_encoders=req.offload_encoders,
-                prefer=INT8 if ctx.platform() == "tpu" else FP8, encoding=False)
+                prefer=INT8 if ctx.platform() == "tpu" else FP8, encoding=False, encoders_on=req.encoders_on)
         except PreheatError:
             rest = None
         if rest is not None:  # FLUX.1-dev on a v5e: the int8 transformer fits, T5-XXL beside it does not
             fix = (f"with {rest.options()} the weights fit while denoising ({gib(rest.total)}, about "
                    f"{rest.total / limit:.0%}), but not while prompts are encoded ({gib(rest.peak)}): the text "
-                   "encoders must run off this device (not yet in preheat), or " + fix.split(": ", 1)[1])
+                   "encoders must run off this device, or " + fix.split(": ", 1)[1])
     return res(FAIL if fp.peak > limit else WARN, finding, fix)
 
 

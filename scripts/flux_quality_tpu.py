@@ -1,0 +1,170 @@
+"""FLUX.1-dev's int8 weights on the chip against float32 on the host: the relative error, block by block.
+
+    python3 scripts/flux_quality_tpu.py [--folder F] [--size 1024] [--double 2] [--single 2] > $OUT/flux_quality.json
+    JAX_PLATFORMS=cpu python3 scripts/flux_quality_tpu.py --dry       # this script's own check, on a CPU
+
+The first blocks of the random FLUX.1-dev folder (``bench.random_weights``: full width, the
+matrices stored in fp8; the one ``scripts/tpu_check.py``'s flux rows write when it is there, else a
+folder of those blocks alone, about 1 GB: a tensor's random values depend on its shape only) are
+loaded three times: float32 on the host's CPU (the reference, run there: ``platforms.on_host``),
+int8 with per-channel scales on the chip as the chip's rows run it (``--dtype bfloat16
+--weights-dtype int8 --weights-layers linear``), and bfloat16 on the chip (what the int8 error adds
+to; the file's fp8 values are exact in bfloat16, so this is the activations' rounding alone). Each takes the first step's inputs of a 1024² image (sigma 1: the latent noise; T5's 512 tokens
+and CLIP's pooled vector drawn at random, not encoded; guidance 3.5), and the model cut after 1, 2,
+... of its blocks (double, then single; ``norm_out`` and ``proj_out`` after the last) gives its
+velocity. One JSON object: per depth, ``|chip - host| / |host|`` over the whole prediction for int8
+and for bf16. Expected cost on the v5e (not measured): about a minute for the reads and the host's
+float32 blocks at 4608 tokens, a compile per depth on the chip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def _subset(params: Any, doubles: int, singles: int) -> Any:
+    """The parameters of the first ``doubles`` double and ``singles`` single blocks and the rest."""
+    from flax import nnx
+
+    def keep(path: tuple[Any, ...]) -> bool:
+        if path[0] == "transformer_blocks":
+            return int(path[1]) < doubles
+        if path[0] == "single_transformer_blocks":
+            return int(path[1]) < singles
+        return True
+
+    return nnx.from_flat_state([(path, var) for path, var in nnx.to_flat_state(params) if keep(path)])
+
+
+def _load(folder: Path, config: Any, dtype: str, device: Any, weights_dtype: str | None) -> Any:
+    """The first blocks of ``folder``'s transformer (``config``'s), placed on ``device``."""
+    import jax
+
+    from preheat.models.flux import build_flux_transformer
+    from preheat.models.safetensors_files import DIFFUSERS_STEM, read_tensors, weight_files
+    from preheat.models.weights import LoadOptions
+
+    tensors = read_tensors(weight_files(folder / "transformer", (DIFFUSERS_STEM,)))
+    for key in list(tensors):
+        parts = key.split(".")
+        if (parts[0] == "transformer_blocks" and int(parts[1]) >= config.num_layers) or \
+                (parts[0] == "single_transformer_blocks" and int(parts[1]) >= config.num_single_layers):
+            del tensors[key]  # hidden: never read
+    options = LoadOptions(weights_dtype=weights_dtype, weights_layers="linear", device=device)
+    model = build_flux_transformer(config, tensors, dtype, str(folder), options)
+    return model, jax.device_put(model.params, device)  # committed there: the program runs there
+
+
+def _inputs(config: Any, size: int, rng: Any) -> tuple[Any, ...]:
+    """The first step's inputs of a ``size``² image: (tokens, context, pooled, sigma, img ids, txt ids, guidance)."""
+    import numpy as np
+
+    from preheat.models.flux import latent_image_ids
+
+    h = size // 8  # latents a side (the 8x VAE); tokens are their 2x2 patches
+    s = (h // 2) ** 2
+    return (rng.standard_normal((1, s, config.in_channels)).astype(np.float32),
+            rng.standard_normal((1, 512, config.joint_attention_dim)).astype(np.float32),
+            rng.standard_normal((1, config.pooled_projection_dim)).astype(np.float32),
+            np.ones((1,), np.float32), latent_image_ids(h, h).astype(np.float32), np.zeros((512, 3), np.float32),
+            np.full((1,), 3.5, np.float32) if config.guidance_embeds else None)
+
+
+def _predict(model: Any, params: Any, config: Any, doubles: int, singles: int, inputs: tuple[Any, ...],
+             device: Any, host: bool) -> Any:
+    """The velocity of the model cut after ``doubles`` + ``singles`` blocks, on ``device``, as float64."""
+    import contextlib
+
+    import jax
+    import numpy as np
+
+    from preheat import platforms
+    from preheat.models.flux import FluxTransformer, build_abstract
+
+    cut = replace(config, num_layers=doubles, num_single_layers=singles)
+    graphdef, _ = build_abstract(cut)
+    part = FluxTransformer(cut, graphdef, None, model.dtype)
+    args = jax.device_put([a for a in inputs if a is not None], device)
+    guidance = args[6] if len(args) == 7 else None
+    with platforms.on_host() if host else contextlib.nullcontext():
+        out = jax.jit(part.apply)(_subset(params, doubles, singles), *args[:6], guidance)
+    return np.asarray(out, np.float64)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", help="a FLUX.1-dev folder (default: the random one, written under --work)")
+    parser.add_argument("--work", default="/tmp/preheat-tpu-check")
+    parser.add_argument("--size", type=int, default=1024, help="image side (1024: 4096 image tokens)")
+    parser.add_argument("--double", type=int, default=2, choices=(1, 2), help="double blocks (unscanned: at most 2)")
+    parser.add_argument("--single", type=int, default=2, choices=(0, 1, 2), help="single blocks after them")
+    parser.add_argument("--dry", action="store_true", help="on the CPU, a small folder: this script's check")
+    args = parser.parse_args(argv)
+    if args.dry:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import numpy as np
+
+    from preheat import platforms
+    from preheat.bench.random_weights import write_random_folder
+    from preheat.models.flux import read_flux_config
+
+    t0 = time.monotonic()
+    from tpu_check import DRY_FLUX
+
+    full = Path(args.work) / "random-flux-dev"  # tpu_check's flux rows' folder, when they ran here
+    if args.folder:
+        folder = Path(args.folder)
+    elif args.dry:
+        folder = write_random_folder("flux-dev", Path(args.work) / "random-flux-dev-dry", configs=DRY_FLUX)
+    elif (full / "model_index.json").is_file():
+        folder = full
+    else:  # the first blocks alone, full width: each tensor's values depend on its shape only, so they are
+        #     the full folder's first blocks (the encoders and VAE small: never loaded here)
+        small = {k: v for k, v in DRY_FLUX.items() if k != "transformer"}
+        folder = write_random_folder("flux-dev", Path(args.work) / "random-flux-dev-blocks", configs={
+            **small, "transformer": {"num_layers": args.double, "num_single_layers": args.single}})
+    size = 64 if args.dry else args.size
+    config = read_flux_config(folder / "transformer")
+    args.double, args.single = min(args.double, config.num_layers), min(args.single, config.num_single_layers)
+    config = replace(config, num_layers=args.double, num_single_layers=args.single)
+    host, chip = platforms.host_device(), jax.devices()[0]
+    result: dict[str, Any] = {"folder": str(folder), "size": size, "device": chip.device_kind,
+                              "host": platforms.describe_device(host)["device"], "write_s": round(time.monotonic() - t0, 1)}
+    t1 = time.monotonic()
+    loaded = {"float32 host": _load(folder, config, "float32", host, None),
+              "int8 chip": _load(folder, config, "bfloat16", chip, "int8"),
+              "bfloat16 chip": _load(folder, config, "bfloat16", chip, None)}
+    result["load_s"] = round(time.monotonic() - t1, 1)
+    inputs = _inputs(config, size, np.random.default_rng(0))
+    depths = [(d, 0) for d in range(1, args.double + 1)] + [(args.double, s) for s in range(1, args.single + 1)]
+    rows = []
+    for doubles, singles in depths:
+        t2 = time.monotonic()
+        out = {name: _predict(model, params, config, doubles, singles, inputs, host if name.endswith("host") else chip,
+                              name.endswith("host")) for name, (model, params) in loaded.items()}
+        ref = out["float32 host"]
+        norm = float(np.linalg.norm(ref))
+        rows.append({"blocks": f"{doubles} double + {singles} single", "host_norm": norm,
+                     "finite": bool(all(np.isfinite(o).all() for o in out.values())),
+                     **{f"rel_err_{name.split()[0]}": float(np.linalg.norm(o - ref) / norm) if norm else None
+                        for name, o in out.items() if name != "float32 host"},
+                     "s": round(time.monotonic() - t2, 1)})
+    result["depths"] = rows
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""FLUX.1 with its text encoders on the host (``preheat.load(encoders_on="host")``): the weights stay in
+host memory and the encode stage runs on the host's CPU, the images as with the encoders on the device."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import preheat
+from preheat import platforms
+from preheat.errors import InvalidArgumentError
+from tests._support.flow_fixtures import save_tiny_flow_model
+
+CALL = dict(prompt="a fox", steps=2, seed=3, width=32, height=32)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_flow_model(tmp_path_factory.mktemp("flux-host") / "flux-dev", "flux-dev")
+
+
+@pytest.fixture(scope="module")
+def pipes(folder):
+    return {on: preheat.load(folder, cache="off", devices=1, encoders_on=on) for on in ("device", "host")}
+
+
+def test_host_encoders_draw_the_same_pixels(pipes):
+    device, host = pipes["device"].generate(**CALL), pipes["host"].generate(**CALL)
+    assert np.abs(device.astype(np.int16) - host.astype(np.int16)).max() <= 1  # float rounding at most
+
+
+def test_host_encoders_weights_are_committed_to_the_host_cpu(pipes):
+    host = platforms.host_device()
+    leaves = [leaf for te in pipes["host"].components.text_encoders for leaf in jax.tree.leaves(te.params)]
+    assert leaves and all(leaf.committed and leaf.devices() == {host} for leaf in leaves)
+    assert pipes["host"].components.encoders_on == "host"
+
+
+def test_the_encode_stage_signature_names_where_it_runs(pipes):
+    """The executable's signature (its memory key and the cache key's ``signature``) says it is the
+    host CPU's program, so a device program and a host one are never confused."""
+    pipe = pipes["host"]
+    pipe.generate(**CALL)
+    sigs = [sig for sig in pipe.executables.signatures() if getattr(sig, "stage", "") == "encode"]
+    assert sigs and all(dict(sig.extra)["runs_on"] == "cpu" and dict(sig.extra)["host_cpu"] for sig in sigs)
+    device_sigs = [sig for sig in pipes["device"].executables.signatures() if getattr(sig, "stage", "") == "encode"]
+    assert device_sigs and all("runs_on" not in dict(sig.extra) for sig in device_sigs)
+
+
+def test_host_encoders_on_a_mesh_run_unsplit(folder, pipes):
+    """Over 4 devices the denoiser's batch is split; the host's encode stage is the CPU's alone."""
+    mesh = preheat.load(folder, cache="off", devices=4, encoders_on="host")
+    out = mesh.generate(n=4, **CALL)
+    want = pipes["device"].generate(n=4, **CALL)
+    assert np.abs(out.astype(np.int16) - want.astype(np.int16)).max() <= 1
+
+
+def test_encoders_on_is_refused_where_it_does_not_apply(folder):
+    with pytest.raises(InvalidArgumentError, match="encoders_on='host' applies to FLUX.1 models"):
+        preheat.load(None, cache="off", encoders_on="host")
+    with pytest.raises(InvalidArgumentError, match="encoders_on='cloud' is not supported"):
+        preheat.load(folder, cache="off", encoders_on="cloud")
+    with pytest.raises(InvalidArgumentError, match="give one"):
+        preheat.load(folder, cache="off", encoders_on="host", offload_encoders=True)
+
+
+def test_a_restart_prefetches_the_host_encode_stage(folder, pipes):
+    """The rehearsal's placeholders are placed on the host and its program traced for the CPU, so the
+    prefetched encode executable is the one the first start stored (no quarantine, the same image)."""
+    cold = preheat.load(folder, devices=1, encoders_on="host")  # this test's own cache root (conftest)
+    want = cold.generate(**CALL)
+    warm = preheat.load(folder, devices=1, encoders_on="host", prefetch=[{"steps": 2, "width": 32, "height": 32}])
+    np.testing.assert_array_equal(warm.generate(**CALL), want)
+    got = [(e["stage"], e["layer"], e.get("prefetch")) for e in warm.compiler.events]
+    assert got == [(s, "aot", "background") for s in ("encode", "denoise", "decode")], warm.compiler.events
