@@ -168,3 +168,20 @@ def test_bare_unet_folder_needs_a_scheduler(tmp_path):
     save_random_unet(TINY_CLASS_CONDITIONAL, tmp_path / "u")
     with pytest.raises(preheat.errors.ModelNotFoundError, match="scheduler"):
         preheat.load(tmp_path / "u")
+
+
+def test_a_call_is_described_with_every_key_before_anything_runs(tmp_path):
+    """A family's hooks describe its stages and the engine runs them: ``describe`` knows every
+    program's key (encode, denoise, decode) with nothing compiled or run, and the call then compiles
+    exactly those programs, in that order."""
+    from preheat.cache.keys import key_of
+    from tests._support.sd_fixtures import save_tiny_sd
+
+    pipe = preheat.load(save_tiny_sd(tmp_path / "sd"))
+    call = {"prompt": "a fox", "steps": 1, "guidance": 2.0}
+    stages = pipe.describe(**call)
+    assert [s.name for s in stages] == ["encode", "denoise", "decode"]
+    assert pipe.compiler.events == [] and len(pipe.executables) == 0  # described: nothing compiled, nothing run
+    keys = [key_of(pipe.compiler.fields_for(s.fingerprint, s.sig, s.args)) for s in stages]
+    pipe.generate(**call)
+    assert [(e["stage"], e["key"]) for e in pipe.compiler.events] == list(zip(("encode", "denoise", "decode"), keys))

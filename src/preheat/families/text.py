@@ -18,7 +18,7 @@ import numpy as np
 from preheat.errors import ModelNotFoundError, SchedulerConfigError
 from preheat.families.base import EngineView, Family, Request, StageSignature, to_pixels
 from preheat.families.inputs import InputSpec, Int, Text
-from preheat.families.stages import DecodeArgs, EncodeArgs, LoraArgs
+from preheat.families.stages import DecodeArgs, EncodeArgs, LoraArgs, Stage
 from preheat.samplers import (DIFFUSERS_CLASS, DPM_FIXED_SETTINGS, SchedulerConfig, load_scheduler_config,
                               samplers_of_kind)
 
@@ -52,11 +52,11 @@ class TextToImageFamily(Family):
         scale = pipe.components.vae_scale
         return (values["height"] // scale, values["width"] // scale, pipe.sample_shape[2])
 
-    def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
+    def decode(self, pipe: EngineView, request: Request, latents: Any) -> Stage:
         vae = pipe.components.vae
         sig = StageSignature("decode", batch=request.n, shape=tuple(request.sample_shape), dtype=str(vae.dtype))
-        return np.asarray(pipe.run_stage("decode", pipe.components.decode_fingerprint, sig,
-                                         lambda: decode_program(vae), DecodeArgs(params=vae.params, latents=out)))
+        return Stage("decode", pipe.components.decode_fingerprint, sig, lambda: decode_program(vae),
+                     DecodeArgs(params=vae.params, latents=latents))
 
 
 # The folder's scheduler class -> the sampler a diffusers pipeline would run by default.
@@ -220,10 +220,11 @@ def decode_program(vae: Any) -> Any:
     return program
 
 
-def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Callable], outputs: int,
-           extra: tuple[tuple[str, Any], ...] = (), lora: tuple[Any, Any, Any] | None = None,
-           clip_skip: np.ndarray | None = None, lengths: Sequence[int | None] = ()) -> Any:
-    """Tokenize on the host (``texts[i]`` for the i-th tokenizer) and run the encode stage.
+def encode(components: Any, dtype: str, texts: Sequence[Sequence[str]], program: Callable[[], Callable],
+           outputs: int, extra: tuple[tuple[str, Any], ...] = (), lora: tuple[Any, Any, Any] | None = None,
+           clip_skip: np.ndarray | None = None, lengths: Sequence[int | None] = ()) -> Stage:
+    """Tokenize on the host (``texts[i]`` for the i-th tokenizer): the encode stage of ``components``
+    (a model's text encoders, or an SDXL refiner's own), described, not run.
 
     The stage's executable is chosen by the batch and every tokenizer's padded length, so a new
     prompt is data; the encoders' weights are arguments (``components.text_encoders``; an
@@ -238,20 +239,19 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
     ``max_sequence_length``; the tokenizer's own otherwise).
     """
     tokenizers = [tok if length is None else replace(tok, max_length=length)
-                  for tok, length in zip(pipe.components.tokenizers, [*lengths, *[None] * len(texts)])]
+                  for tok, length in zip(components.tokenizers, [*lengths, *[None] * len(texts)])]
     ids = tuple(tok.encode(list(t)) for tok, t in zip(tokenizers, texts))  # each (B, L_i) int32
-    sig = StageSignature("encode", batch=len(texts[0]), shape=tuple(i.shape[1] for i in ids), dtype=pipe.dtype,
-                         extra=extra)
     # with offload_encoders the weights are host arrays: they reach the device for this call only
-    params = tuple(te.params if te is not None else None for te in pipe.components.text_encoders)
+    params = tuple(te.params if te is not None else None for te in components.text_encoders)
     args = EncodeArgs(params=params, ids=ids, clip_skip=clip_skip)
     if lora is not None:
         adapters, index, lora_sig = lora
-        used = tuple(a is not None for a in adapters)
-        sig = replace(sig, extra=(*sig.extra, ("lora", (*lora_sig, used))))
+        extra = (*extra, ("lora", (*lora_sig, tuple(a is not None for a in adapters))))
         args = args._replace(lora=tuple(None if a is None else LoraArgs(factors=a[0], scales=a[1], slots=index)
                                         for a in adapters))
-    return pipe.run_stage("encode", pipe.components.encode_fingerprint, sig, program, args, outputs=outputs)
+    sig = StageSignature("encode", batch=len(texts[0]), shape=tuple(i.shape[1] for i in ids), dtype=dtype,
+                         extra=extra)
+    return Stage("encode", components.encode_fingerprint, sig, program, args, outputs)
 
 
 def offload(encoder: Any, options: Any = None) -> Any:
