@@ -127,10 +127,6 @@ class FluxFamily(TextToImageFamily):
         each step: int(n - n s), ``scale_noise`` (also at strength 1)."""
         return image_input.img2img_start(pipe, request, blend=True)
 
-    def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
-        """Decoded pixels; a padding_mask_crop call's pasted back into its image, host side."""
-        return image_input.pasted_back(np.asarray(out), request.values)
-
     def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
         from preheat.samplers import flow_mu, flux_sigmas
 

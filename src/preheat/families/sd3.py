@@ -87,10 +87,6 @@ class SD3Family(TextToImageFamily):
         get_timesteps, int(n - n s); ``scale_noise``; at strength 1 the noise alone (``is_strength_max``)."""
         return image_input.img2img_start(pipe, request, blend=True, pure_at_max=True)
 
-    def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
-        """Decoded pixels; a padding_mask_crop call's pasted back into its image, host side."""
-        return image_input.pasted_back(np.asarray(out), request.values)
-
     def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
         from preheat.samplers import MU_SIGMAS_SAMPLERS, flow_mu
 

@@ -391,9 +391,6 @@ class StableDiffusionFamily(TextToImageFamily):
                          lambda x0: Start(index=np.int32(index), x0=np.asarray(x0), pure_noise=np.bool_(pure),
                                           keep=keep))
 
-    def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
-        """Decoded pixels; a padding_mask_crop call's pasted back into its image, host side."""
-        return image_input.pasted_back(np.asarray(out), request.values)
 
 SD = StableDiffusionFamily()
 SDXL = StableDiffusionFamily(name="stable-diffusion-xl", xl=True, max_size=4096,

@@ -17,6 +17,7 @@ import numpy as np
 
 from preheat.errors import ModelNotFoundError, SchedulerConfigError
 from preheat.families.base import EngineView, Family, Request, StageSignature, to_pixels
+from preheat.families.image import pasted_back
 from preheat.families.inputs import InputSpec, Int, Text
 from preheat.families.stages import DecodeArgs, EncodeArgs, LoraArgs, Stage
 from preheat.samplers import (DIFFUSERS_CLASS, DPM_FIXED_SETTINGS, SchedulerConfig, load_scheduler_config,
@@ -51,6 +52,10 @@ class TextToImageFamily(Family):
     def sample_shape(self, pipe: EngineView, values: dict[str, Any]) -> tuple[int, ...]:
         scale = pipe.components.vae_scale
         return (values["height"] // scale, values["width"] // scale, pipe.sample_shape[2])
+
+    def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
+        """Decoded pixels; a padding_mask_crop call's pasted back into its image, host side."""
+        return pasted_back(np.asarray(out), request.values)
 
     def decode(self, pipe: EngineView, request: Request, latents: Any) -> Stage:
         vae = pipe.components.vae
