@@ -131,28 +131,6 @@ def test_bad_arguments_are_one_line_errors(pipe, kwargs, error, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("phi", [0.0, 0.3, 0.7, 1.0])
-def test_rescaled_guidance_is_diffusers_rescale_noise_cfg(phi):
-    """The guidance rescale's math against diffusers' own function (NCHW there, NHWC here); 0 is
-    the guided prediction exactly, and a flat one stays finite (diffusers' would be 0/0)."""
-    import torch
-    from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
-
-    from preheat.engine import rescaled_guidance
-
-    rng = np.random.default_rng(0)
-    c, u = (rng.standard_normal((3, 8, 6, 4)).astype(np.float32) for _ in range(2))  # (B, H, W, C)
-    guided = u + 7.5 * (c - u)
-    ours = np.asarray(rescaled_guidance(jnp.asarray(guided), jnp.asarray(c), jnp.float32(phi)))
-    nchw = (torch.from_numpy(a).permute(0, 3, 1, 2) for a in (guided, c))
-    theirs = rescale_noise_cfg(*nchw, guidance_rescale=phi).permute(0, 2, 3, 1).numpy()
-    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-5)
-    if phi == 0.0:
-        np.testing.assert_array_equal(ours, guided)
-    flat = np.asarray(rescaled_guidance(jnp.zeros_like(guided), jnp.asarray(c), jnp.float32(phi)))
-    np.testing.assert_array_equal(flat, np.zeros_like(guided))
-
-
 def test_unconditional_model_refuses_labels_and_guidance(tmp_path):
     cfg = {k: v for k, v in TINY_CLASS_CONDITIONAL.items() if k != "num_class_embeds"}
     save_random_unet(cfg, tmp_path / "u")
@@ -168,3 +146,20 @@ def test_bare_unet_folder_needs_a_scheduler(tmp_path):
     save_random_unet(TINY_CLASS_CONDITIONAL, tmp_path / "u")
     with pytest.raises(preheat.errors.ModelNotFoundError, match="scheduler"):
         preheat.load(tmp_path / "u")
+
+
+def test_a_call_is_described_with_every_key_before_anything_runs(tmp_path):
+    """A family's hooks describe its stages and the engine runs them: ``describe`` knows every
+    program's key (encode, denoise, decode) with nothing compiled or run, and the call then compiles
+    exactly those programs, in that order."""
+    from preheat.cache.keys import key_of
+    from tests._support.sd_fixtures import save_tiny_sd
+
+    pipe = preheat.load(save_tiny_sd(tmp_path / "sd"))
+    call = {"prompt": "a fox", "steps": 1, "guidance": 2.0}
+    stages = pipe.describe(**call)
+    assert [s.name for s in stages] == ["encode", "denoise", "decode"]
+    assert pipe.compiler.events == [] and len(pipe.executables) == 0  # described: nothing compiled, nothing run
+    keys = [key_of(pipe.compiler.fields_for(s.fingerprint, s.sig, s.args)) for s in stages]
+    pipe.generate(**call)
+    assert [(e["stage"], e["key"]) for e in pipe.compiler.events] == list(zip(("encode", "denoise", "decode"), keys))

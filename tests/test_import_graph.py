@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("lora", "file_configs"),  # LoRA files -> runtime adapters (reads through the store and the models' loader);
     #   the config folder a single checkpoint file is read with (the store pulls what it lacks)
     ("families",),  # per-family loading over the models
+    ("denoise",),  # the denoising stage's signature and program (the sampler loop, guidance) over a family's denoiser
     ("model_source",),  # which folder a MODEL argument names (builtin:, random:, a folder, the store)
     ("load_options",),  # what load hands a family's loader beside the folder (second folders, offloading)
     ("engine",),  # Pipeline and preheat.load

@@ -6,29 +6,17 @@ A call runs up to three compiled stages, each with its own executable (and cache
     ---------  -------------------------------------------------  ------------------------------
     encode     token ids -> text embeddings (text families)       samplers, step counts, guidance
     denoise    initial noise from per-image seeds, every step      --
-               (``preheat.samplers.run``, one ``lax.fori_loop``),
+               (``preheat.samplers.denoise_loop``, one ``lax.fori_loop``),
                classifier-free guidance; pixel families also
                convert to uint8 here
     decode     latents -> uint8 pixels (VAE families)             samplers, step counts, prompts
     encode_    an image the call passes in -> latents (a          samplers, strengths, prompts,
     image      posterior sample per image; ``families.image``)     image content
 
-What is static (changes a program) and what is data (does not), for the denoising program:
-
-    static (one executable each)          runtime data (no recompile)
-    ------------------------------------  ----------------------------------------------
-    model architecture, dtype             weights (an argument, never a constant)
-    solver + prediction type + clipping   step count, schedule tables (a padded Plan)
-    batch size, sample (latent) shape     guidance scale, seeds, the user's initial noise
-    guidance on/off, user noise or not    conditioning: class labels, prompt embeddings,
-    conditioning structure                negative prompts, SDXL's size/crop ids
-    guidance rescale or not (a guided     the guidance rescale phi (``families.guidance``;
-      call of a family declaring it)        0 selects the plain combination exactly)
-    the device mesh (load(devices=...))
-    LoRA: rank bucket, adapter slots      LoRA factors, scales, each image's adapter
-                                          (``preheat.lora``; no LoRA = the program without)
-    from noise / an image / + mask blend  img2img / inpainting: the start step (strength),
-      (Signature.image)                   the image's latents, the mask (``samplers.Start``)
+The family describes each stage (``families.stages.Stage``; its hooks never run one), the engine
+schedules them -- encode -> [encode_image] -> denoise -> decode -- so every key is known before
+anything runs (``Pipeline.describe``). What is static and what is data for the denoising program,
+and the program itself: ``preheat.denoise``.
 
 Each stage's program takes one argument, a NamedTuple of named fields (``EncodeArgs``,
 ``DenoiseArgs``, ``DecodeArgs``, ``EncodeImageArgs``: ``preheat.families.stages``), whose
@@ -64,13 +52,13 @@ from preheat.families import request as request_of
 from preheat.families.base import Family, LoadedModel, Request, StageSignature, to_pixels
 from preheat.families.components import Components, PixelComponents
 from preheat.families.guidance import guidance_rescale
-from preheat.families.stages import DenoiseArgs, LoraArgs
+from preheat.families.stages import DenoiseArgs, LoraArgs, Stage, joined
 # re-exported: the engine is where callers have found them
 from preheat.model_source import BUILTIN_MODEL, BUILTIN_MODELS, model_root  # noqa: F401
 from preheat.load_options import loader_options, source_id
 from preheat.progress import Progress, Reporter, current, reporting
-from preheat.noise import INIT_STREAM, STEP_STREAM, image_keys, normal_per_image
-from preheat.samplers import SchedulerConfig, SolverSpec, load_scheduler_config, make_spec, run
+from preheat.denoise import Denoiser, Signature, build_program, denoise_output, rescaled_guidance  # noqa: F401
+from preheat.samplers import SchedulerConfig, load_scheduler_config, make_spec
 from preheat.timings import Phases, Timings, now_s
 
 if TYPE_CHECKING:
@@ -78,113 +66,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Pipeline", "load_jax_pipeline", "BUILTIN_MODEL", "BUILTIN_MODELS", "model_root", "Signature", "StageSignature", "Request", "Timings", "to_pixels",
            "DenoiseArgs", "build_program", "rescaled_guidance", "make_compiler"]
-
-Denoiser = Callable[..., jax.Array]
-"""``fn(params, x, t, cond, lora=None) -> prediction``: x (B, *sample_shape), t (B,) float32, cond a
-pytree batched on axis 0 (``{}`` for unconditional models), lora the denoiser's adapters for this
-batch (``preheat.models.adapters.Adapters``: factors, scales, each image's slot (B,)) or None.
-
-The denoising program's one argument is a ``DenoiseArgs`` (``preheat.families.stages``): its
-``BATCHED`` fields are split over the devices, the rest (weights, schedule, guidance scale and
-rescale, LoRA factors) replicated."""
-
-
-@dataclass(frozen=True)
-class Signature:
-    """Everything that selects one compiled denoising program (hashable; the cache key builds on it)."""
-
-    family: str
-    spec: SolverSpec
-    batch: int
-    sample_shape: tuple[int, ...]  # NHWC per image: (H, W, C) of the sample (latent for VAE families)
-    dtype: str
-    guided: bool  # classifier-free guidance on (2x batch through the model)
-    user_noise: bool  # initial noise passed in rather than drawn from the seeds
-    conditioning: tuple[str, ...]  # the names of the conditioning leaves ((), ("class_labels",), ...)
-    pixels: bool  # the program ends with the conversion to uint8
-    lora: tuple[int, int] | None = None  # (rank bucket, adapter slots); None: the program without LoRA
-    progress: bool = False  # the loop reports each step to the host (preheat.progress: why it is static)
-    image: str = ""  # "": from noise; "img2img": from an image at a start step (samplers.Start);
-    #                  "blend": that, and the unmasked region put back after every step (inpainting)
-    # each conditioning leaf's shape past the batch: a Kontext reference image's latent size selects a program
-    cond_shapes: tuple[tuple[int, ...], ...] = ()
-    guidance_rescale: bool = False  # the guided prediction is rescaled (``families.guidance``: a guided call of a
-    #                                 family declaring it); its phi is data
-    restart: bool = False  # the solver starts afresh at a step (``Family.restart_step``); the step is data
-
-    @property
-    def output(self) -> jax.ShapeDtypeStruct:
-        """What the program returns (``build_program``): the final sample, as uint8 pixels when the
-        program converts them. Known without tracing, so a rehearsal (prefetch) never traces the loop."""
-        return jax.ShapeDtypeStruct((self.batch, *self.sample_shape), jnp.uint8 if self.pixels else jnp.float32)
-
-
-def rescaled_guidance(guided: jax.Array, cond: jax.Array, phi: jax.Array) -> jax.Array:
-    """diffusers' ``rescale_noise_cfg`` (guidance_rescale; the paper's section 3.4): each image's
-    guided prediction scaled to the std of its conditional one, blended with itself by ``phi``,
-    against the over-exposure a high guidance scale gives. ``phi`` is data: 0 selects ``guided``
-    exactly (a select, not the blend), and a flat guided prediction (std 0) is kept as it is rather
-    than divided by zero (diffusers' would be NaN)."""
-    axes = tuple(range(1, guided.ndim))  # every axis but the batch
-    # torch's .std is unbiased (ddof=1), as here; the correction cancels in the ratio anyway
-    std_cond = jnp.std(cond, axis=axes, keepdims=True, ddof=1)  # (B, 1, 1, 1)
-    std_guided = jnp.std(guided, axis=axes, keepdims=True, ddof=1)  # (B, 1, 1, 1)
-    flat = std_guided == 0
-    ratio = jnp.where(flat, 1.0, std_cond / jnp.where(flat, 1.0, std_guided))  # (B, 1, 1, 1)
-    blended = phi * (guided * ratio) + (1 - phi) * guided  # (B, H, W, C)
-    return jnp.where(phi > 0, blended, guided)
-
-
-def build_program(sig: Signature, apply: Denoiser) -> Callable[[DenoiseArgs], jax.Array]:
-    """The whole denoising call as one pure function of a ``DenoiseArgs``.
-
-    ``args.start`` (``preheat.samplers.Start``, only when ``sig.image``): the loop begins at its
-    step index from the encoded image, noised with the same ε the text-to-image call would start
-    from (the user's ``noise``, or the seeds' draw) -- every family's img2img and inpainting start
-    here. ``args.lora`` (only when ``sig.lora``): the denoiser's adapters, each image's slot
-    repeated for the unconditional half of a guided batch. ``args.guidance_rescale`` (only when
-    ``sig.guidance_rescale``: a guided call of a family that declares it): :func:`rescaled_guidance`
-    on the combined prediction, before the sampler sees it, as diffusers' pipelines apply it.
-    ``args.restart`` (only when ``sig.restart``): the solver's state starts afresh at that step
-    (``samplers.run``), as a second pipeline's scheduler does when it goes on from the first's latents."""
-    spec = sig.spec
-    draws = max(spec.noise_draws_per_step, 1)
-
-    def program(args: DenoiseArgs) -> jax.Array:
-        params, cond, guidance, rescale = args.params, args.cond, args.guidance, args.guidance_rescale
-        b = args.seeds.shape[0]  # sig.batch, or each device's slice of it under data parallelism
-        keys = image_keys(args.seeds)
-        if sig.user_noise:
-            x_t = args.noise.astype(jnp.float32)  # (B, H, W, C)
-        else:
-            x_t = normal_per_image(keys, INIT_STREAM, jnp.int32(0), sig.sample_shape)
-        both_cond = jax.tree.map(lambda c, u: jnp.concatenate([c, u]), cond, args.uncond) if sig.guided else None
-        lora = None  # (B,) slots, or (2B,) for the conditional and unconditional halves
-        if sig.lora is not None:
-            lora = args.lora.adapters(repeat=2 if sig.guided else 1)
-
-        def model(x: jax.Array, t: jax.Array) -> jax.Array:
-            x = x.astype(sig.dtype)
-            tb = jnp.broadcast_to(t.astype(jnp.float32), (b,))
-            if not sig.guided:
-                return apply(params, x, tb, cond, lora).astype(jnp.float32)
-            both = apply(params, jnp.concatenate([x, x]), jnp.concatenate([tb, tb]), both_cond,
-                         lora).astype(jnp.float32)
-            c, u = both[:b], both[b:]  # (B, H, W, C) each
-            guided = u + guidance.astype(jnp.float32) * (c - u)  # (B, H, W, C)
-            if not sig.guidance_rescale:  # structure, not a value: no rescale declared, or the call is unguided
-                return guided
-            return rescaled_guidance(guided, c, rescale.astype(jnp.float32))
-
-        def noise_fn(i: jax.Array, k: int) -> jax.Array:
-            return normal_per_image(keys, STEP_STREAM, i * draws + k, sig.sample_shape)
-
-        x0 = run(spec, model, args.plan, x_t, noise_fn, args.start if sig.image else None, progress=sig.progress,
-                 restart=args.restart if sig.restart else None)
-        return to_pixels(x0) if sig.pixels else x0
-
-    return program
-
 
 @dataclass
 class Pipeline:
@@ -300,17 +181,15 @@ class Pipeline:
         when its reporter was stopped (``preheat.progress``)."""
         first_call = self.startup is not None and "first_call" not in self.startup.spans
         start = now_s()
+        self.last = self._calls.timings = Timings()
         with reporting(progress) as reporter:
-            sig, args = self._prepare_request(request, reporter)
             try:
-                out = self._run_denoise(sig, args)
+                out = self._schedule(request, self.execute_stage, reporter)
             except jax.errors.JaxRuntimeError:
                 if reporter is not None and reporter.stopped:
                     raise SamplingStopped(f"stopped at step {reporter.step}") from None
                 raise
-        if not self.family.pixels_in_loop:
-            out = self.family.finish(self, request, out)
-        out = np.asarray(out)
+        out = np.asarray(self.family.finish(self, request, out))
         if first_call:
             self.startup.add("first_call", start, now_s())
         return out
@@ -324,62 +203,87 @@ class Pipeline:
         count), with no device work: what a server runs before it accepts a request."""
         return request_of.check(self, first, inputs)
 
+    def describe(self, first: Any = None, /, progress: Progress | None = None, **inputs: Any) -> list[Stage]:
+        """Every program a call runs, in order, each once, with the arguments the call passes it
+        (placed as the mesh runs them): described, nothing compiled or run. A later stage's
+        arguments hold zeros of the earlier ones' output shapes (``jax.eval_shape``; the denoising
+        loop's is :func:`denoise_output`), which is all a key needs: so every key is known before
+        anything runs (prefetching, ``preheat warm --dry-run``, a target's compiles)."""
+        request = self.validate(first, **inputs)
+        described: dict[Any, Stage] = {}
+
+        def record(stage: Stage) -> Any:
+            n = stage.sig.batch
+            stage = self._placed(stage)
+            described.setdefault(stage.sig, stage)
+            shapes = denoise_output(stage.sig) if stage.name == "denoise" else \
+                jax.eval_shape(stage.program(), stage.args)
+            return _unpadded(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), n, stage.sig.batch)
+
+        with reporting(progress) as reporter:
+            self._schedule(request, record, reporter)
+        return list(described.values())
+
+    def compile(self, first: Any = None, /, **inputs: Any) -> list[Stage]:
+        """Compile (or load) every program of a call, running none (``describe``): what a compiler
+        whose executables are for another machine warms (``preheat warm --target``)."""
+        self.last = self._calls.timings = Timings()
+        stages = self.describe(first, **inputs)
+        for stage in stages:
+            self.compiled_stage(stage)
+        return stages
+
     def prepare(self, first: Any = None, /, progress: Progress | None = None,
                 **inputs: Any) -> tuple[Signature, DenoiseArgs]:
         """Validate a call and turn it into (the denoising program's signature, its one argument:
-        ``executable(sig, args)(args)`` runs it). For text families this runs the text-encoding
-        stage (the embeddings are arguments). On several devices the arguments are placed (and
+        ``executable(sig, args)(args)`` runs it). The stages before it run (a text family's
+        encoders: the embeddings are arguments). On several devices the arguments are placed (and
         padded) as the program takes them."""
-        _, sig, args = self._prepare(first, inputs)
-        if progress is not None:  # the program that reports (the call's id is data: any id keys it)
-            sig = dataclasses.replace(sig, progress=True)
-        if self.mesh is not None:
-            sig, args = self.place(sig, args)
-        return sig, args
-
-    def _prepare(self, first: Any, inputs: dict[str, Any]) -> tuple[Request, Signature, DenoiseArgs]:
-        request = self.validate(first, **inputs)
-        return (request, *self._prepare_request(request))
-
-    def _prepare_request(self, request: Request, reporter: Reporter | None = None) -> tuple[Signature, DenoiseArgs]:
         self.last = self._calls.timings = Timings()
+        stage = self._denoise_stage(self.validate(first, **inputs), self.execute_stage, progress=progress is not None)
+        if self.mesh is not None:
+            stage = self._placed(stage)
+        return stage.sig, stage.args
+
+    def _schedule(self, request: Request, execute: Callable[[Stage], Any], reporter: Reporter | None = None) -> Any:
+        """encode -> [encode_image] -> denoise -> decode: the family describes each stage, ``execute``
+        runs it (``execute_stage``) or records it (``describe``); returns the last stage's output."""
+        denoise = self._denoise_stage(request, execute, reporter, progress=reporter is not None)
+        out = execute(denoise)
+        decode = self.family.decode(self, request, out)
+        return out if decode is None else execute(decode)
+
+    def _denoise_stage(self, request: Request, execute: Callable[[Stage], Any], reporter: Reporter | None = None,
+                       progress: bool = False) -> Stage:
+        """The denoising stage of ``request``, once ``execute`` has given the stages before it."""
         spec = make_spec(request_of.scheduler_config(self, request), request.sampler)
         plan = request_of.plan(self, request)
         if reporter is not None:  # the call's id is data: every call shares the progress program
             plan = plan._replace(progress_id=np.int32(reporter.id))
-        conditioning = self.family.condition(self, request)
-        sig = Signature(family=self.family.name, spec=spec, batch=request.n, sample_shape=request.sample_shape,
-                        dtype=self.dtype, guided=request.guided, user_noise=request.noise is not None,
-                        conditioning=tuple(sorted(conditioning.cond)), pixels=self.family.pixels_in_loop,
-                        progress=reporter is not None)
-        noise = request.noise if request.noise is not None else np.zeros((), np.float32)
-        cond, lora = conditioning.cond, None
+        before = joined([self.family.condition(self, request), self.family.image_start(self, request, plan)],
+                        lambda conditioning, start: (conditioning, start))
+        restart = self.family.restart_step(self, request)
+        conditioning, start = before.then([execute(stage) for stage in before.stages])
+        lora = None
         if request.lora is not None:  # adapters are data: factors and scales, each image's slot
             from preheat.lora import denoiser_args
 
             factors, scales = denoiser_args(self, request.lora)
             lora = LoraArgs(factors=factors, scales=scales, slots=request.lora.index)
-            sig = dataclasses.replace(sig, lora=request.lora.signature)
             self.lora_runtime.compiled(request.lora.bucket)
-        sig = dataclasses.replace(sig, cond_shapes=tuple(tuple(np.shape(c)[1:]) for c in jax.tree.leaves(cond)))
-        start = self.family.image_start(self, request, plan)
-        if start is not None:  # img2img / inpainting: the start step and the image are data
-            sig = dataclasses.replace(sig, image="img2img" if start.keep is None else "blend")
-        rescale = guidance_rescale(request)
-        restart = self.family.restart_step(self, request)
-        sig = dataclasses.replace(sig, guidance_rescale=rescale is not None, restart=restart is not None)
-        args = DenoiseArgs(params=self.params, plan=plan, seeds=request.seeds, cond=cond, uncond=conditioning.uncond,
-                           guidance=np.float32(request.cfg_scale), noise=noise, start=start, lora=lora,
-                           guidance_rescale=rescale, restart=None if restart is None else np.int32(restart))
-        return sig, args
-
-    def _run_denoise(self, sig: Signature, args: DenoiseArgs) -> Any:
-        return self.run_stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args)
+        noise = request.noise if request.noise is not None else np.zeros((), np.float32)
+        args = DenoiseArgs(params=self.params, plan=plan, seeds=request.seeds, cond=conditioning.cond,
+                           uncond=conditioning.uncond, guidance=np.float32(request.cfg_scale), noise=noise,
+                           start=start, lora=lora, guidance_rescale=guidance_rescale(request),
+                           restart=None if restart is None else np.int32(restart))
+        sig = Signature.of(self.family.name, spec, request, args, self.dtype, self.family.pixels_in_loop, progress)
+        return Stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args)
 
     def executable(self, sig: Signature, args: DenoiseArgs) -> Callable[[DenoiseArgs], Any]:
         """The compiled denoising program for ``sig`` (and the arguments ``prepare`` returned):
         from memory, the compile cache, or a fresh compile. Call it with the one ``args``."""
-        return self.compiled_stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply), args)
+        return self.compiled_stage(Stage("denoise", self.fingerprint, sig, lambda: build_program(sig, self.apply),
+                                         args))
 
     def place(self, sig: Any, args: Any) -> tuple[Any, Any]:
         """(sig, args) as the mesh runs them: the batch padded to a multiple of the device count,
@@ -394,76 +298,91 @@ class Pipeline:
         args = place(pad_batch(args, specs, sig.batch, to), specs, self.mesh)
         return (sig if to == sig.batch else replace(sig, batch=to)), args
 
-    def compiled_stage(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
-                       args: Any, outputs: int = 1) -> Callable[..., Any]:
-        """One stage's executable (memory, then the compile cache, then a compile); its timings
-        are recorded in ``last.stages[stage]``. ``args``: the program's one argument, a stage's
-        NamedTuple (``preheat.families.stages``); ``outputs``: 1 (an array) or k (a k-tuple).
-        On several devices ``args`` are placed ones (:meth:`place`) and the program is split
-        over the batch (``preheat.sharding.shard_program``)."""
-        hit = self.executables.get(sig)
-        if hit is not None:
-            self._timings().add(stage, Timings(cache_layer="memory"))
-            return hit
-        program = make_program()
-        if self.mesh is not None and not platforms.running_on_host():
+    def _placed(self, stage: Stage) -> Stage:
+        """``stage`` as it runs: on a mesh, its arguments placed and its batch padded (:meth:`place`);
+        a host stage stays the CPU's alone."""
+        if self.mesh is None or stage.on_host:
+            return stage
+        sig, args = self.place(stage.sig, stage.args)
+        return stage._replace(sig=sig, args=args)
+
+    def program(self, stage: Stage) -> Callable[..., Any]:
+        """The function a (placed) stage compiles: its program, split over the batch on a mesh
+        (``preheat.sharding.shard_program``); a host stage's traced for the host's CPU wherever it is
+        traced (a prefetch compiles on its own threads: ``platforms.on_host``)."""
+        program = stage.program()
+        if stage.on_host:
+            def hosted(args: Any, inner: Callable[..., Any] = program) -> Any:
+                with platforms.on_host():
+                    return inner(args)
+
+            return hosted
+        if self.mesh is not None:
             from preheat.sharding import batch_specs, shard_program
 
-            program = shard_program(program, self.mesh, batch_specs(args, self.mesh), outputs)
+            program = shard_program(program, self.mesh, batch_specs(stage.args, self.mesh), stage.outputs)
+        return program
+
+    def compiled_stage(self, stage: Stage) -> Callable[..., Any]:
+        """One (placed) stage's executable (memory, then the compile cache, then a compile); its
+        timings are recorded in ``last.stages[stage.name]``."""
+        hit = self.executables.get(stage.sig)
+        if hit is not None:
+            self._timings().add(stage.name, Timings(cache_layer="memory"))
+            return hit
+        program = self.program(stage)
         if self.compiler is not None:
-            compiled, timings = self.compiler.get_or_compile(fingerprint, sig, program, args, outputs=outputs)
+            compiled, timings = self.compiler.get_or_compile(stage.fingerprint, stage.sig, program, stage.args,
+                                                             outputs=stage.outputs)
         else:
             from preheat.cache.xla_layer import compile_uncached
 
             start = time.perf_counter()
-            lowered = jax.jit(program).lower(args)
+            lowered = jax.jit(program).lower(stage.args)
             traced = time.perf_counter()
             compiled = compile_uncached(lowered)  # cache="off": no layer, JAX's included
             timings = Timings(trace_lower_s=traced - start, compile_s=time.perf_counter() - traced, cache_layer="none")
-        self._timings().add(stage, timings)
-        self.executables.put(sig, compiled)
+        self._timings().add(stage.name, timings)
+        if compiled is not None:  # (a target's compiler keeps nothing it could run here)
+            self.executables.put(stage.sig, compiled)
         return compiled
 
     def _timings(self) -> Timings:
         """The Timings of this thread's call in progress (``last`` outside a call)."""
         return getattr(self._calls, "timings", None) or self.last
 
-    def run_stage(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
-                  args: Any, outputs: int = 1) -> Any:
-        """Compile (or fetch) and run one stage, timing its run. ``make_program()`` returns the
-        program of one argument, ``args`` (a stage's NamedTuple, ``preheat.families.stages``,
-        whose ``BATCHED`` fields are split over the devices).
+    def execute_stage(self, stage: Stage) -> Any:
+        """Compile (or fetch) and run one stage, timing its run; on several devices its arguments
+        are placed (padded) and the padding rows dropped from its output.
 
         A cached executable that loads but fails on its first run (seen on XLA:CPU: "Function ...
         not found") is a bad entry like any other: it is quarantined, compiled afresh, run again.
         """
-        n = sig.batch
-        if self.mesh is not None and not platforms.running_on_host():  # a host stage is the CPU's alone
-            sig, args = self.place(sig, args)
-        out = self._run_placed(stage, fingerprint, sig, make_program, args, outputs)
-        if sig.batch != n:  # drop the padding rows
-            out = jax.tree.map(lambda o: o[:n], out)
-        return out
+        if stage.on_host:  # the host's program and run; its outputs as host arrays for the next stage
+            with platforms.on_host():
+                return jax.tree.map(np.asarray, self._execute(stage))
+        return self._execute(stage)
 
-    def _run_placed(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
-                    args: Any, outputs: int) -> Any:
-        executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs)
+    def _execute(self, stage: Stage) -> Any:
+        n = stage.sig.batch
+        stage = self._placed(stage)
+        executable = self.compiled_stage(stage)
         start = time.perf_counter()
         try:
-            out = jax.block_until_ready(executable(args))
+            out = jax.block_until_ready(executable(stage.args))
         except jax.errors.JaxRuntimeError as exc:
             stopped = current() is not None and current().stopped  # a cancel, not a bad entry
-            if self._timings().stages[stage].cache_layer != "aot" or self.compiler is None or stopped:
+            if self._timings().stages[stage.name].cache_layer != "aot" or self.compiler is None or stopped:
                 raise
-            self.compiler.reject(fingerprint, sig, args, f"failed on its first run: {str(exc)[:200]}")
-            self.executables.drop(sig)
-            executable = self.compiled_stage(stage, fingerprint, sig, make_program, args, outputs)
+            self.compiler.reject(stage.fingerprint, stage.sig, stage.args, f"failed on its first run: {str(exc)[:200]}")
+            self.executables.drop(stage.sig)
+            executable = self.compiled_stage(stage)
             start = time.perf_counter()
-            out = jax.block_until_ready(executable(args))
+            out = jax.block_until_ready(executable(stage.args))
         timings = self._timings()
-        timings.stages[stage].run_s = run_s = time.perf_counter() - start
+        timings.stages[stage.name].run_s = run_s = time.perf_counter() - start
         timings.run_s += run_s
-        return out
+        return _unpadded(out, n, stage.sig.batch)
 
     # ------------------------------------------------------------------ argument checks
 
@@ -495,6 +414,11 @@ def _lowered_fingerprint(fn: Callable, params: Any, shape: tuple[int, ...], dtyp
     # drop location metadata (file paths, line numbers) so that moving code does not change the key
     lines = [ln.split(" loc(")[0] for ln in text.splitlines() if not ln.lstrip().startswith("#loc")]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def _unpadded(out: Any, n: int, batch: int) -> Any:
+    """A stage's output of ``batch`` rows without those a mesh padded its ``n`` with."""
+    return out if batch == n else jax.tree.map(lambda o: o[:n], out)
 
 
 def _pixel() -> Family:
@@ -565,9 +489,9 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     being loaded that returns them (``preheat.warm.prefetch_calls``: a server's warm
     declaration). Every executable those calls run -- a text family's encoders, the denoising
     loop, the VAE decoder -- is loaded (or pulled from ``PREHEAT_CACHE_URL``) on a background
-    thread while the weights are read: each call is rehearsed on placeholder weights, which
-    gives the cache keys (they need the weights' and the embeddings' shapes, never their
-    values), on one device or a mesh alike. Calls with a LoRA are left to load on first use.
+    thread while the weights are read: each call's stages are described on placeholder weights
+    (``Pipeline.describe``), which gives the cache keys (they need the weights' and the
+    embeddings' shapes, never their values), on one device or a mesh alike. Calls with a LoRA are left to load on first use.
     ``controlnet``: a diffusers ControlNetModel folder (SD 1.x/2.x or SDXL base, matching the
     model) run beside the UNet on every call: the model then takes ``control_image`` and the
     ControlNet's scale and step window (``preheat.families.control``).
@@ -648,26 +572,21 @@ def _prefetch(loaded: LoadedModel, mesh: Any, compiler: Any,
               calls: Sequence[dict[str, Any]] | Callable[[Pipeline], Sequence[dict[str, Any]]], phases: Phases) -> None:
     """Start loading the executables of ``calls`` on a background thread.
 
-    Their keys come from a rehearsal of each call (``preheat.cache.compile.Rehearsal``) on a view
-    of the pipeline whose weights are still placeholders: every stage the call would run --
-    a text family's encoders, the denoising loop, the VAE decoder -- is recorded with the
-    arguments the real call will pass, shapes and placement alike. Stages run zeros of their
-    output shapes (the encoders traced for them, never compiled), so the conditioning has the
-    shapes the real embeddings will have: the key needs the weights' shapes, never their values.
-    The rehearsal itself runs on the thread, overlapping the weight reads.
+    Their keys come from each call's stages (``Pipeline.describe``) on a pipeline whose weights are
+    still placeholders: a key needs the weights' and the arguments' shapes and placement, never
+    their values. The descriptions are made on the thread too, overlapping the weight reads.
     """
-    from preheat.cache.compile import Rehearsal
-
     # built here, before the reads: on a mesh the view's placeholders take the placement the
     # weights will have (sharding.distribute), without touching a weight being read
-    view = Pipeline(**vars(loaded), compiler=Rehearsal(), mesh=mesh)
+    view = Pipeline(**vars(loaded), mesh=mesh)
 
-    def items() -> list[tuple[dict[str, Any], Any, tuple, int]]:
+    def items() -> list[tuple[dict[str, Any], Any, Any, int, Callable]]:
         try:
             wanted = calls(view) if callable(calls) else calls
         except PreheatError:  # a bad declaration fails on its own, where it is used
             return []
         placeholders = view.family.warm_inputs(view, guided=False)[0]
+        stages: dict[Any, Stage] = {}
         for call in wanted:
             inputs = dict(call)
             if inputs.get("lora"):
@@ -675,10 +594,11 @@ def _prefetch(loaded: LoadedModel, mesh: Any, compiler: Any,
             for name, value in placeholders.items():  # e.g. a prompt: its words are data
                 inputs.setdefault(name, value)
             try:
-                view.generate(inputs.pop("n", None), **inputs)
+                for stage in view.describe(inputs.pop("n", None), **inputs):
+                    stages.setdefault(stage.sig, stage)
             except PreheatError:  # a bad call fails on its own, when it is made
                 continue
         # with each program: a miss compiles on the prefetch's threads, the stages at once
-        return [(*item, program) for item, program in zip(view.compiler.items, view.compiler.programs)]
+        return [(s.fingerprint, s.sig, s.args, s.outputs, view.program(s)) for s in stages.values()]
 
     compiler.prefetch(items, phases)

@@ -1,6 +1,6 @@
 """Step progress from inside the one compiled denoising loop.
 
-The loop (``preheat.samplers.run``) stays one program. A program compiled with progress
+The loop (``preheat.samplers.denoise_loop``) stays one program. A program compiled with progress
 (``Signature.progress``) calls the host after every finished step with ``(call, step, total)``;
 ``call`` is data (``Plan.progress_id``), so one executable serves every call and each call's
 steps reach only the callback registered for it (:func:`reporting`), however many calls share

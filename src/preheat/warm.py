@@ -444,17 +444,21 @@ def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
 
 
 def run_signature(pipe: Any, sig: WarmSignature) -> None:
-    """Compile (or load) and run one signature; ``pipe.last`` says which cache layer served it."""
-    pipe.generate(sig.bucket, **call_inputs(pipe, sig))
+    """Compile (or load) and run one signature; ``pipe.last`` says which cache layer served it. A
+    compiler whose executables are for another machine (``warm --target``) compiles its programs only."""
+    if pipe.compiler is not None and not pipe.compiler.runs:
+        pipe.compile(sig.bucket, **call_inputs(pipe, sig))
+    else:
+        pipe.generate(sig.bucket, **call_inputs(pipe, sig))
 
 
 def status(pipe: Any, sig: WarmSignature, remote: Any = None) -> dict[str, Any]:
     """The denoising program's cache key and whether it is cached locally and (with a store)
-    remotely, without compiling. Text families run their text encoder once to know the shapes."""
+    remotely, without compiling or running anything (``Pipeline.describe``)."""
     from preheat.cache.keys import key_of
 
-    prepared_sig, args = pipe.prepare(sig.bucket, **call_inputs(pipe, sig))
-    key = key_of(_fields_for(pipe)(pipe.fingerprint, prepared_sig, args))
+    denoise = next(s for s in pipe.describe(sig.bucket, **call_inputs(pipe, sig)) if s.name == "denoise")
+    key = key_of(_fields_for(pipe)(denoise.fingerprint, denoise.sig, denoise.args))
     local = pipe.compiler is not None and (pipe.compiler.kind_dir / key / "manifest.json").is_file()
     out: dict[str, Any] = {"key": key, "local": bool(local), "remote": None}
     if remote is not None:
@@ -473,24 +477,15 @@ def programs(pipe: Any, sig: WarmSignature, remote: Any = None) -> list[dict[str
     """Every compiled program one signature's call runs -- a text family's encoders, its denoising
     loop and its VAE decoder; a pixel family's loop -- as ``{"stage", "key", "local", "remote"}``
     (``remote`` None without a store), in the order they run. Nothing is compiled or run on the
-    device: the call is rehearsed (``preheat.cache.compile.Rehearsal``)."""
-    import copy
-
-    from preheat.cache.compile import Rehearsal
-    from preheat.cache.executables import Executables
+    device: the call is described (``Pipeline.describe``)."""
     from preheat.cache.keys import key_of
 
     fields_for = _fields_for(pipe)
-    dry = copy.copy(pipe)  # the pipeline's weights and components, its own compiler and executables
-    dry.compiler = Rehearsal()
-    dry.executables = Executables()
-    dry.startup = None
-    dry.generate(sig.bucket, **call_inputs(pipe, sig))
     out = []
-    for fingerprint, program_sig, args, _ in dry.compiler.items:
-        key = key_of(fields_for(fingerprint, program_sig, args))
+    for stage in pipe.describe(sig.bucket, **call_inputs(pipe, sig)):
+        key = key_of(fields_for(stage.fingerprint, stage.sig, stage.args))
         local = pipe.compiler is not None and (pipe.compiler.kind_dir / key / "manifest.json").is_file()
-        out.append({"stage": getattr(program_sig, "stage", "denoise"), "key": key, "local": bool(local),
+        out.append({"stage": stage.name, "key": key, "local": bool(local),
                     "remote": None if remote is None else remote.has("jax", key)})
     return out
 

@@ -34,7 +34,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift as flux_calcu
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift as sd3_calculate_shift
 from preheat.errors import SchedulerConfigError
 from preheat.samplers import (DIFFUSION_SAMPLERS, EDM_SAMPLERS, FLOW_SAMPLERS, MU_SIGMAS_SAMPLERS, SAMPLERS, Plan, SchedulerConfig,
-                              SolverSpec, config_kind, flow_mu, flux_sigmas, make_plan, make_spec, run)
+                              SolverSpec, config_kind, flow_mu, flux_sigmas, make_plan, make_spec, denoise_loop)
 from preheat.samplers._tables import CLASS_DEFAULTS, DIFFUSERS_CLASS
 from tests._support.sampler_ref import SHAPE, fake_model_jax, fake_model_torch, max_errors, run_ours
 
@@ -258,7 +258,7 @@ def make_run_jit():
     @functools.partial(jax.jit, static_argnums=0)
     def run_jit(spec: SolverSpec, plan: Plan, noise: jax.Array) -> jax.Array:
         traces.append(spec)  # runs once per trace
-        return run(spec, fake_model_jax, plan, noise, lambda i, k: jnp.zeros_like(noise))
+        return denoise_loop(spec, fake_model_jax, plan, noise, lambda i, k: jnp.zeros_like(noise))
 
     return run_jit, traces
 
@@ -302,7 +302,7 @@ def test_run_matches_step_by_step_and_model_calls(sampler: str) -> None:
         jax.debug.callback(lambda: calls.append(1))
         return fake_model_jax(x, t)
 
-    final = jax.jit(lambda p, n: run(spec, model, p, n, lambda i, k: jnp.zeros(SHAPE)))(plan, x_t)
+    final = jax.jit(lambda p, n: denoise_loop(spec, model, p, n, lambda i, k: jnp.zeros(SHAPE)))(plan, x_t)
     jax.block_until_ready(final)
     jax.effects_barrier()
     _, steps = run_ours(spec, plan, x_t, np.zeros((ROWS, 1, *SHAPE), np.float32))
@@ -322,7 +322,7 @@ def test_exact_velocity_lands_on_the_data(sampler: str) -> None:
 
     plan = make_plan(cfg, sampler, 7)
     noise = np.random.default_rng(3).standard_normal(SHAPE, dtype=np.float32)
-    x = run(make_spec(cfg, sampler), model, plan, noise, lambda i, k: jnp.zeros(SHAPE))
+    x = denoise_loop(make_spec(cfg, sampler), model, plan, noise, lambda i, k: jnp.zeros(SHAPE))
     np.testing.assert_allclose(np.asarray(x), np.asarray(target), atol=1e-4)
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from preheat.samplers import DIFFUSION_SAMPLERS, Plan, SchedulerConfig, SolverSpec, init, make_plan, make_spec, run, step
+from preheat.samplers import DIFFUSION_SAMPLERS, Plan, SchedulerConfig, SolverSpec, init, make_plan, make_spec, denoise_loop, step
 from preheat.samplers import _schedules
 from tests._support.sampler_ref import SHAPE, fake_model_jax, noise_for, run_ours
 
@@ -26,7 +26,7 @@ def make_run_jit():
     @functools.partial(jax.jit, static_argnums=0)
     def run_jit(spec: SolverSpec, plan: Plan, noise: jax.Array, table: jax.Array) -> jax.Array:
         traces.append(spec)  # Python side effect: runs once per trace, never when cached
-        return run(spec, fake_model_jax, plan, noise, lambda i, k: table[i, k])
+        return denoise_loop(spec, fake_model_jax, plan, noise, lambda i, k: table[i, k])
 
     return run_jit, traces
 
@@ -85,7 +85,7 @@ def test_model_calls_and_noise_draws(sampler: str) -> None:
         jax.debug.callback(functools.partial(bump, "noise"))
         return jax.random.normal(jax.random.fold_in(jax.random.key(0), i), SHAPE)
 
-    x = jax.jit(lambda p, n: run(spec, model, p, n, noise_fn))(plan, jnp.ones(SHAPE))
+    x = jax.jit(lambda p, n: denoise_loop(spec, model, p, n, noise_fn))(plan, jnp.ones(SHAPE))
     jax.block_until_ready(x)
     jax.effects_barrier()
     n = int(plan.n_steps)
@@ -167,7 +167,7 @@ def test_final_sample_is_in_data_space(sampler: str) -> None:
 
     spec, plan = make_spec(cfg, sampler), make_plan(cfg, sampler, 8, eta=_eta(sampler))
     noise = np.random.default_rng(1).standard_normal(SHAPE, dtype=np.float32)
-    x = run(spec, model, plan, noise, lambda i, k: jax.random.normal(jax.random.fold_in(jax.random.key(1), i), SHAPE))
+    x = denoise_loop(spec, model, plan, noise, lambda i, k: jax.random.normal(jax.random.fold_in(jax.random.key(1), i), SHAPE))
     if sampler in ("tcd", "deis"):
         if sampler == "tcd":
             ab0 = np.float32(plan.alpha_bar_mid[int(plan.n_steps) - 1])  # the last step's s is 0

@@ -75,7 +75,7 @@ START_IDS = ["dpmpp_2m", "unipc", "unipc-order3", "unipc-disable2", "dpmpp_2m_sd
                          ids=["img2img-6", "inpaint-9", "inpaint-8", "img2img-from-0"])
 @pytest.mark.parametrize("sampler,extra", START_SAMPLERS, ids=START_IDS)
 def test_a_run_from_start_matches_diffusers_img2img_loop(sampler, extra, steps, strength, blend, monkeypatch):
-    """``run(start=Start(...))`` is diffusers' img2img (and 4-channel inpaint) loop on the bare
+    """``denoise_loop(start=Start(...))`` is diffusers' img2img (and 4-channel inpaint) loop on the bare
     scheduler: ``add_noise`` at ``timesteps[t_start]``, then ``step`` from there with a fresh
     scheduler state -- a multistep sampler first order without history (no UniC there), PNDM's
     counter from 0 (its call 1 redoes the first move from the start), the SDE's per-step noise
@@ -85,7 +85,7 @@ def test_a_run_from_start_matches_diffusers_img2img_loop(sampler, extra, steps, 
     import numpy as np
     import torch
 
-    from preheat.samplers import Start, make_spec, run
+    from preheat.samplers import Start, make_spec, denoise_loop
     from tests._support import sampler_ref as R
 
     cfg = {**_config(sampler), "prediction_type": "epsilon", **extra}
@@ -118,18 +118,18 @@ def test_a_run_from_start_matches_diffusers_img2img_loop(sampler, extra, steps, 
     begin = Start(index=jnp.int32(start), x0=jnp.asarray(x0), pure_noise=jnp.bool_(False),
                   keep=jnp.asarray(keep) if blend else None)
     noise = lambda i, k: jnp.asarray(table)[i, k]  # noqa: E731
-    ours = run(spec, R.fake_model_jax, plan, jnp.asarray(eps), noise, start=begin)
+    ours = denoise_loop(spec, R.fake_model_jax, plan, jnp.asarray(eps), noise, start=begin)
     assert len(timesteps) == int(plan.n_steps) - start
     np.testing.assert_allclose(np.asarray(ours), x.numpy(), rtol=1e-5, atol=2e-5)
     if start:  # the start counts: the whole run from pure noise lands elsewhere
-        whole = run(spec, R.fake_model_jax, plan, jnp.asarray(eps), noise)
+        whole = denoise_loop(spec, R.fake_model_jax, plan, jnp.asarray(eps), noise)
         assert not np.allclose(np.asarray(whole), x.numpy(), atol=1e-2)
 
 
 @pytest.mark.parametrize("steps,fraction", [(7, 0.3), pytest.param(10, 0.8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("sampler,extra", START_SAMPLERS, ids=START_IDS)
 def test_a_restart_matches_two_diffusers_pipelines(sampler, extra, steps, fraction, monkeypatch):
-    """``run(restart=k)`` is SDXL's ensemble of experts on the bare schedulers: the first pipeline
+    """``denoise_loop(restart=k)`` is SDXL's ensemble of experts on the bare schedulers: the first pipeline
     (``denoising_end``) steps its scheduler through the timesteps at or above the cutoff, and the
     second (``denoising_start``) a fresh scheduler of the same config through the rest, from the
     first's latents as they are (no noise added) -- its multistep history empty, PNDM's counter
@@ -138,7 +138,7 @@ def test_a_restart_matches_two_diffusers_pipelines(sampler, extra, steps, fracti
     import numpy as np
     import torch
 
-    from preheat.samplers import handoff_step, make_spec, run
+    from preheat.samplers import handoff_step, make_spec, denoise_loop
     from tests._support import sampler_ref as R
 
     cfg = {**_config(sampler), "prediction_type": "epsilon", **extra}
@@ -173,11 +173,11 @@ def test_a_restart_matches_two_diffusers_pipelines(sampler, extra, steps, fracti
     handoff = handoff_step(plan, 1000, fraction)
     assert handoff == len(base_steps) == begin
     noise = lambda i, k: jnp.asarray(table)[i, k]  # noqa: E731
-    ours = run(spec, R.fake_model_jax, plan, jnp.asarray(eps), noise, restart=jnp.int32(handoff))
+    ours = denoise_loop(spec, R.fake_model_jax, plan, jnp.asarray(eps), noise, restart=jnp.int32(handoff))
     np.testing.assert_allclose(np.asarray(ours), x.numpy(), rtol=1e-5, atol=2e-5)
     if not sampler.startswith("edm_"):  # (EDM's timesteps are c_noise, all below the cutoff: the first runs none)
         assert 0 < handoff < steps
     if 0 < handoff < steps and spec.solver in ("dpmpp_2m", "unipc", "deis", "lms", "pndm"):
         # the restart counts: a multistep solver's history carried on lands elsewhere
-        whole = run(spec, R.fake_model_jax, plan, jnp.asarray(eps), noise)
+        whole = denoise_loop(spec, R.fake_model_jax, plan, jnp.asarray(eps), noise)
         assert not np.allclose(np.asarray(whole), x.numpy(), atol=1e-4)

@@ -6,8 +6,8 @@ serialized with ``jax.experimental.serialize_executable`` and loaded on the next
 program's key (``preheat.cache.keys``: everything that changes the program and nothing else;
 weights are arguments, so every fine-tune of one architecture shares one entry). The ``xla``
 layer is JAX's own process-wide cache (``preheat.cache.xla_layer``). Here: the compilers that
-choose between them (``JaxCompiler``, ``TargetCompiler`` for another machine's GPU), the
-background loads (``Prefetch``) and the stand-in that only records (``Rehearsal``).
+choose between them (``JaxCompiler``, ``TargetCompiler`` for another machine's GPU) and the
+background loads (``Prefetch``), of programs the engine described (``Pipeline.describe``).
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from preheat.cache.keys import key_fields, key_of, mesh_of
 from preheat.errors import CacheEntryError, TargetError
 from preheat.timings import Timings
 
-__all__ = ["JaxCompiler", "TargetCompiler", "Prefetch", "Rehearsal", "zeros_like_outputs", "on_device"]
+__all__ = ["JaxCompiler", "TargetCompiler", "Prefetch", "on_device"]
 
 log = logging.getLogger("preheat.cache")
 
 EXECUTABLE = "executable.bin"
 
 Items = list[tuple[dict[str, Any], Any, Any, int]]  # (fingerprint, signature, arguments, outputs) per program
-# A prefetch item may carry a fifth element, the program itself (``Rehearsal.programs``): a miss is
+# A prefetch item may carry a fifth element, the program itself (``Pipeline.program``): a miss is
 # then compiled on the prefetch's own threads, every stage's at once (XLA compiles release the GIL).
 BACKGROUND_COMPILES = 3  # at most this many at once: a cold start's encode, denoise and decode
 BACKGROUND_COMPILES_ENV = "PREHEAT_BACKGROUND_COMPILES"  # 0: misses compile on the first call, in turn
@@ -54,39 +54,6 @@ def background_compiles() -> int:
     if not raw.isdigit():
         raise InvalidArgumentError(f"{BACKGROUND_COMPILES_ENV} must be a count (0: off), got {raw!r}")
     return int(raw)
-
-
-class Rehearsal:
-    """Stands in for the compile cache while a call is rehearsed: records every program the call
-    reaches -- (fingerprint, signature, arguments, outputs), in the order they run, with the
-    arguments exactly as the real call passes them -- and compiles nothing. Each "executable"
-    returns zeros of the program's output shapes, so the next stage sees the arguments it would
-    see for real: a signature that knows them (``output``: the denoising loop's is its sample)
-    is taken at its word, any other program is traced for them (``jax.eval_shape``). What
-    ``preheat.load(prefetch=...)`` and ``preheat warm --dry-run`` know of a call before it runs."""
-
-    mode = "full"
-
-    def __init__(self) -> None:
-        self.items: Items = []
-        self.programs: list[Callable[..., Any]] = []  # items[i]'s program, for a prefetch to compile a miss
-
-    def get_or_compile(self, fingerprint: dict[str, Any], sig: Any, program: Callable[..., Any], args: Any,
-                       outputs: int = 1) -> tuple[Callable[..., Any], Timings]:
-        self.items.append((fingerprint, sig, args, outputs))
-        self.programs.append(program)
-        return zeros_like_outputs(sig, program, args), Timings(cache_layer="none")
-
-
-def zeros_like_outputs(sig: Any, program: Callable[..., Any], args: Any) -> Callable[..., Any]:
-    """A stand-in executable that returns zeros of the program's output shapes: a signature that
-    knows them (``output``: the denoising loop's is its sample) is taken at its word, any other
-    program is traced for them (``jax.eval_shape``)."""
-    import jax.numpy as jnp
-
-    known = getattr(sig, "output", None)
-    shapes = known if isinstance(known, jax.ShapeDtypeStruct) else jax.eval_shape(program, args)
-    return lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 # The platforms where an executable loaded from JAX's persistent cache was shown to survive
@@ -108,7 +75,7 @@ def serialise_guard(fields: dict[str, Any]) -> bool:
     Not in the key, on purpose: the guard changes how an entry's executable was obtained (compiled
     now, or loaded from JAX's cache of the same HLO with the same compile options), never what it
     computes; both are XLA's compile of one program for one device. An entry the bug spoiled fails
-    its first run and is quarantined and recompiled (``Pipeline.run_stage``), and a guard-off
+    its first run and is quarantined and recompiled (``Pipeline.execute_stage``), and a guard-off
     process reads the same entries as everyone else, which is what row 8 needs to test them."""
     if os.environ.get(SERIALISE_GUARD_ENV, "").strip().lower() == "off":
         return False
@@ -375,10 +342,12 @@ class TargetCompiler(JaxCompiler):
     """Compiles each program for a GPU this machine does not have (``preheat warm --target``):
     lowered onto the target's compile-only device (``preheat.cache.targets.target_device``),
     compiled there, serialised and stored -- and pushed to the fleet's store -- under the key a
-    pod with that GPU computes for itself. Nothing runs: like a rehearsal, each "executable"
-    returns zeros of the program's outputs, so the next stage of the call sees the arguments it
-    would see for real. Entries record their target and that XLA did not autotune them (a
+    pod with that GPU computes for itself. Nothing runs: the engine compiles each stage of a
+    described call (``Pipeline.compile``), and an entry already there is not compiled again (its
+    "executable" is None). Entries record their target and that XLA did not autotune them (a
     deviceless compile cannot time kernels)."""
+
+    runs = False
 
     def __init__(self, target: Any, root: Path | None = None, remote: Any = "env"):
         from preheat.cache.targets import target_device
@@ -402,6 +371,7 @@ class TargetCompiler(JaxCompiler):
         fields = self.fields_for(fingerprint, sig, args)
         key = key_of(fields)
         record: dict[str, Any] = {"key": key, "stage": getattr(sig, "stage", "denoise"), "target": self.target.name}
+        compiled = None
         if (self.kind_dir / key / "manifest.json").is_file():
             timings = Timings(trace_lower_s=0.0, compile_s=0.0, cache_layer="aot")
         else:
@@ -425,7 +395,7 @@ class TargetCompiler(JaxCompiler):
                 record["unrunnable"] = reason
             self._store(key, fields, compiled, record, {UNRUNNABLE: reason} if reason else None)
         self._note(record, timings)
-        return zeros_like_outputs(sig, program, args), timings
+        return compiled, timings
 
 
 def _target_name(manifest: dict[str, Any]) -> str:

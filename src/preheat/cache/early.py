@@ -2,15 +2,15 @@
 
 Once the weights read fast, XLA's deserialisation of the executable is what is left on a warm
 start's critical path: the prefetch (``JaxCompiler.prefetch``) can only begin once the model is
-built, since the keys come from rehearsing the call on it. So each start remembers the keys its
+built, since the keys come from describing the call on it (``Pipeline.describe``). So each start remembers the keys its
 prefetch computed, per (model folder, load options): ``<root>/compile/recent/<id>.json``. The
 next start with the same id begins deserialising those entries on a thread the moment
-``preheat.load`` is called, before any config is read; when the rehearsal later asks for a key,
+``preheat.load`` is called, before any config is read; when the prefetch later asks for a key,
 the executable is waiting, and only the pytree wrapping is left (it needs the arguments' trees,
 known once the model exists).
 
 A guess is only a guess: an entry is used only when its manifest's key fields equal the fields
-the rehearsal computed (the same check as a normal load), and for the argument tree it is
+the description computed (the same check as a normal load), and for the argument tree it is
 given; a key that is never asked for, or whose fields differ, is dropped unused. All of it runs
 off the critical path, and any failure here just leaves the normal load to do its work.
 """

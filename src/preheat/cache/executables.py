@@ -1,8 +1,7 @@
 """A pipeline's executables in memory, by signature: the compile cache's first layer ("memory").
 
 One owner, so that who changes what is visible: the engine ``put``s what it compiles or loads and
-``drop``s one that failed its first run (``Pipeline.compiled_stage``); ``preheat.warm`` rehearses
-on a pipeline copy with an empty one; a server's idle retune (``preheat.cache.retune``) swaps in
+``drop``s one that failed its first run (``Pipeline.compiled_stage``); a server's idle retune (``preheat.cache.retune``) swaps in
 an autotuned executable with ``replace``, only where the served one still is. Nothing else
 writes it; tests read it (``len``, ``in``, ``signatures``, ``get``).
 """

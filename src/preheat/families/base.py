@@ -31,6 +31,7 @@ from preheat.errors import InvalidArgumentError
 from preheat.families.components import Components, PixelComponents
 from preheat.families.inputs import IMAGE_SIZE, InputSpec, check_int, check_needs, size_specs, unknown_input
 from preheat.families.offer import warm_variants
+from preheat.families.stages import Stage, Staged
 from preheat.samplers import DIFFUSION_SAMPLERS
 from preheat.timings import Timings
 
@@ -83,9 +84,6 @@ class EngineView(Protocol):
     labels: tuple[str, ...]
     last: Timings
 
-    def run_stage(self, stage: str, fingerprint: dict[str, Any], sig: Any, make_program: Callable[[], Callable],
-                  args: Any, outputs: int = 1) -> Any: ...  # args: the program's one argument (families.stages)
-
 
 @dataclass
 class LoadedModel:
@@ -124,6 +122,8 @@ class Conditioning:
 @dataclass(frozen=True)
 class Family:
     """Base of every family. Subclasses override the hooks below; the engine calls nothing else.
+    The hooks are pure: they describe the stages a call needs (``families.stages.Stage``), never
+    run one; the engine runs them, encode -> [encode_image] -> denoise -> decode.
 
     ``defaults``: the one place a family's sampler, step count and guidance default live (a
     model folder's ``model_index.json`` may override them for itself).
@@ -238,21 +238,27 @@ class Family:
         noise): what ``check`` runs so that a server refuses a strength that runs no step up front."""
         return None
 
-    def image_start(self, pipe: "EngineView", request: "Request", plan: Any) -> Any:
-        """Where an image-conditioned call begins (``preheat.samplers.Start``: the start step of
-        ``plan``, the encoded image, the mask to blend; may run the encode_image stage), or None:
+    def image_start(self, pipe: "EngineView", request: "Request", plan: Any) -> Staged:
+        """Where an image-conditioned call begins, staged (``preheat.samplers.Start``: the start
+        step of ``plan``, the encoded image -- an encode_image stage --, the mask to blend), or None:
         the loop starts from noise. Families that take an ``image`` override it."""
-        return None
+        return Staged.ready(None)
 
     def restart_step(self, pipe: "EngineView", request: "Request") -> int | None:
-        """The step from which the solver starts afresh, its sample kept (``samplers.run``'s
+        """The step from which the solver starts afresh, its sample kept (``samplers.denoise_loop``'s
         ``restart``: a second expert going on as diffusers' second pipeline would), or None."""
         return None
 
-    def condition(self, pipe: "EngineView", request: "Request") -> Conditioning:
-        """The denoiser's ``cond``/``uncond`` pytrees for a validated request (may run a stage)."""
+    def condition(self, pipe: "EngineView", request: "Request") -> Staged:
+        """The denoiser's ``cond``/``uncond`` pytrees for a validated request, staged: the stages
+        they need (a text family's encode) and how their outputs make a ``Conditioning``."""
         raise NotImplementedError
 
+    def decode(self, pipe: "EngineView", request: "Request", latents: Any) -> Stage | None:
+        """The stage that turns the denoising program's output into pixels (a VAE's decode), or
+        None: the output goes to :meth:`finish` as it is."""
+        return None
+
     def finish(self, pipe: "EngineView", request: "Request", out: Any) -> np.ndarray:
-        """The denoising program's output -> uint8 pixels (n, H, W, C)."""
+        """Host-side, last: the decoded (or denoised) output -> uint8 pixels (n, H, W, C)."""
         return np.asarray(out)

@@ -20,12 +20,12 @@ One program serves every fraction: the handoff is the timestep halfway between t
 base runs and the first the refiner runs (``refiner_cutoff``, data), the denoiser picks its expert
 per step with ``lax.cond``, and the solver starts afresh there (``Family.restart_step``), as the
 refiner pipeline's own scheduler does. The refiner reads its own text encoder (the prompt, the
-negative prompt; its folder's ``force_zeros_for_empty_prompt``) and no LoRA; the base's VAE decodes.
+negative prompt; its folder's ``force_zeros_for_empty_prompt``; a second encode stage beside the
+base's) and no LoRA; the base's VAE decodes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -36,7 +36,7 @@ from preheat.families.base import EngineView, Request
 from preheat.families.inputs import Float, InputSpec
 
 __all__ = ["DENOISING_END", "AESTHETIC_SCORE", "NEGATIVE_AESTHETIC_SCORE", "REFINER_SPECS", "REFINER_NAMES",
-           "IMAGE_INPUTS", "ExpertView", "refuse_without_refiner",
+           "IMAGE_INPUTS", "refuse_without_refiner",
            "refuse_image_inputs_with_refiner", "check_refiner", "handoff", "check_handoff", "cutoff_leaf", "by_expert"]
 
 DENOISING_END = InputSpec("denoising_end", Float(0.0, 1.0), "The share of the denoising the base model does before "
@@ -53,23 +53,6 @@ REFINER_NAMES = tuple(s.name for s in REFINER_SPECS)
 IMAGE_INPUTS = ("image", "mask_image", "strength", "padding_mask_crop")
 
 _FAR = np.float32(1e9)  # beyond any timestep
-
-
-@dataclass(frozen=True)
-class ExpertView:
-    """What the refiner's text conditioning sees of the engine: its own encoder and tokenizer, no
-    LoRA (a call's adapters are the base's), the engine's stages and dtype."""
-
-    pipe: EngineView
-    components: Any  # the refiner's SDComponents
-    lora_runtime: Any = None
-
-    @property
-    def dtype(self) -> str:
-        return self.pipe.dtype
-
-    def run_stage(self, *args: Any, **kwargs: Any) -> Any:
-        return self.pipe.run_stage(*args, **kwargs)
 
 
 def refuse_without_refiner(inputs: Mapping[str, Any], declared: tuple[str, ...]) -> None:

@@ -37,6 +37,7 @@ from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.flux import MAX_SEQUENCE_LENGTH, PROMPT_2, FluxFamily, load_flux
 from preheat.families.image import IMAGE, MASK_IMAGE, STRENGTH
 from preheat.families.inputs import WARM_IMAGE, InputSpec
+from preheat.families.stages import Staged, joined
 from preheat.families.text import PROMPT
 
 __all__ = ["FluxFillFamily", "FILL", "mask_channels", "load_flux_fill"]
@@ -79,19 +80,22 @@ class FluxFillFamily(FluxFamily):
         image_input.check_image_inputs(pipe, values, inputs, inpaint_model=True, default_strength=(1.0, 1.0),
                                        max_size=self.max_size)
 
-    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
+    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Staged:
         """The image noised at the start step, as Flux img2img: the mask rides in the tokens, not blended."""
         return image_input.img2img_start(pipe, request)
 
-    def condition(self, pipe: EngineView, request: Request) -> Conditioning:
-        conditioning = super().condition(pipe, request)
+    def condition(self, pipe: EngineView, request: Request) -> Staged:
         images = image_input.inpaint_images(request.values, request.n)  # (n, H, W, 3) in [-1, 1], (n, H, W)
         masked = image_input.masked(images.pixels, images.mask)  # FluxFillPipeline: image * (1 - mask)
-        latents = image_input.encode_images(pipe, masked, request.seeds, 1)  # (n, h, w, C)
         folded = mask_channels(images.mask, pipe.components.vae_scale)  # (n, h, w, s²)
-        conditioning.cond["fill"] = np.concatenate([latents, folded.astype(latents.dtype)], axis=-1)
-        return conditioning
 
+        def conditioning(c: Conditioning, latents: Any) -> Conditioning:  # latents (n, h, w, C)
+            latents = np.asarray(latents)
+            c.cond["fill"] = np.concatenate([latents, folded.astype(latents.dtype)], axis=-1)
+            return c
+
+        return joined([super().condition(pipe, request),
+                       Staged.of(image_input.encode_images(pipe, masked, request.seeds, 1))], conditioning)
 
 FILL = FluxFillFamily()
 

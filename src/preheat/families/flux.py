@@ -48,7 +48,7 @@ from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
 from preheat.families.guidance import TRUE_CFG_SCALE, true_cfg_scale
 from preheat.families.inputs import InputSpec, Text
-from preheat.families.stages import EncodeArgs
+from preheat.families.stages import EncodeArgs, Staged
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, encode, load_scheduler,
                                    fill_later_prompts, max_sequence_length_spec, offload, on_host)
 from preheat.lora import encoder_adapters
@@ -124,14 +124,10 @@ class FluxFamily(TextToImageFamily):
     def check_start(self, pipe: EngineView, request: Request) -> int | None:
         return image_input.flow_start(pipe, request)
 
-    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
+    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Staged:
         """img2img (``FluxImg2ImgPipeline``), or with a mask ``FluxInpaintPipeline``'s blend after
         each step: int(n - n s), ``scale_noise`` (also at strength 1)."""
         return image_input.img2img_start(pipe, request, blend=True)
-
-    def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
-        """Decoded pixels; a padding_mask_crop call's pasted back into its image, host side."""
-        return image_input.pasted_back(super().finish(pipe, request, out), request.values)
 
     def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
         from preheat.samplers import flow_mu, flux_sigmas
@@ -145,7 +141,7 @@ class FluxFamily(TextToImageFamily):
             options["sigmas"] = flux_sigmas(request.steps)  # what FluxPipeline passes to set_timesteps
         return options
 
-    def condition(self, pipe: EngineView, request: Request) -> Conditioning:
+    def condition(self, pipe: EngineView, request: Request) -> Staged:
         values, n = request.values, request.n
         texts = [list(values["prompt"]), list(values["prompt_2"])]  # CLIP's, T5's
         if request.guided:  # true CFG: the negatives are the unconditional branch's texts
@@ -156,17 +152,21 @@ class FluxFamily(TextToImageFamily):
         lora = None  # each text takes its image's slot (negatives too)
         if adapters is not None:
             lora = (adapters, np.concatenate([request.lora.index] * (len(texts[0]) // n)), request.lora.signature)
-        out = encode(pipe, texts, lambda: _encode_program(pipe.components, lora is not None), outputs=2,
-                     extra=(("family", self.name),), lora=lora, lengths=(None, values["max_sequence_length"]))
-        context, pooled = np.asarray(out[0]), np.asarray(out[1])  # (B, L, D), (B, P); B = n or 2n
-        cond = {"context": context[:n], "pooled": pooled[:n]}
-        uncond = {"context": context[n:], "pooled": pooled[n:]} if request.guided else {}
-        if pipe.components.guidance_embeds:  # the embedded scale, in both branches (diffusers passes it to both)
-            cond["guidance"] = np.full((n,), request.guidance, np.float32)
-            if request.guided:
-                uncond["guidance"] = cond["guidance"]
-        return Conditioning(cond=cond, uncond=uncond)
+        stage = encode(pipe.components, pipe.dtype, texts, lambda: _encode_program(pipe.components, lora is not None),
+                       outputs=2, extra=(("family", self.name),), lora=lora,
+                       lengths=(None, values["max_sequence_length"]))
 
+        def conditioning(out: Any) -> Conditioning:
+            context, pooled = np.asarray(out[0]), np.asarray(out[1])  # (B, L, D), (B, P); B = n or 2n
+            cond = {"context": context[:n], "pooled": pooled[:n]}
+            uncond = {"context": context[n:], "pooled": pooled[n:]} if request.guided else {}
+            if pipe.components.guidance_embeds:  # the embedded scale, in both branches (diffusers passes it to both)
+                cond["guidance"] = np.full((n,), request.guidance, np.float32)
+                if request.guided:
+                    uncond["guidance"] = cond["guidance"]
+            return Conditioning(cond=cond, uncond=uncond)
+
+        return Staged.of(stage, conditioning)
 
 FLUX = FluxFamily()
 

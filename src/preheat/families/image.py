@@ -47,7 +47,7 @@ from preheat.families import mask_crop
 from preheat.families.base import EngineView, StageSignature
 from preheat.families.inputs import WARM_IMAGE, Float, Image, InputSpec, Int
 from preheat.families.mask_crop import CropRegion
-from preheat.families.stages import EncodeImageArgs
+from preheat.families.stages import EncodeImageArgs, Stage, Staged
 
 __all__ = ["IMAGE", "MASK_IMAGE", "STRENGTH", "PADDING_MASK_CROP", "Strength", "InpaintImages", "image_size",
            "check_image_inputs", "unit_pixels", "pixels", "mask", "crop_regions", "inpaint_images", "pasted_back",
@@ -237,19 +237,19 @@ def encode_image_program(vae: Any, mode: bool = False) -> Any:
 
 
 def encode_images(pipe: EngineView, images: np.ndarray, seeds: np.ndarray, index: int,
-                  mode: bool = False) -> np.ndarray:
-    """Run the ``encode_image`` stage: (B, H, W, 3) float32 in [-1, 1] -> (B, h, w, C) latents
-    (``mode``: the posterior's mode, not a sample)."""
+                  mode: bool = False) -> Stage:
+    """The ``encode_image`` stage: (B, H, W, 3) float32 in [-1, 1] -> (B, h, w, C) latents
+    (``mode``: the posterior's mode, not a sample), described, not run."""
     vae = pipe.components.vae
     sig = StageSignature("encode_image", batch=int(images.shape[0]), shape=tuple(images.shape[1:3]),
                          dtype=str(vae.dtype), extra=(("mode", True),) if mode else ())
     fingerprint = {**pipe.components.decode_fingerprint, "kind": "vae-encode"}
-    return np.asarray(pipe.run_stage("encode_image", fingerprint, sig, lambda: encode_image_program(vae, mode),
-                                     EncodeImageArgs(params=vae.params, images=images.astype(np.float32),
-                                                     seeds=seeds, index=np.int32(index))))
+    return Stage("encode_image", fingerprint, sig, lambda: encode_image_program(vae, mode),
+                 EncodeImageArgs(params=vae.params, images=images.astype(np.float32), seeds=seeds,
+                                 index=np.int32(index)))
 
 
-def img2img_start(pipe: EngineView, request: Any, *, blend: bool = False, pure_at_max: bool = False) -> Any:
+def img2img_start(pipe: EngineView, request: Any, *, blend: bool = False, pure_at_max: bool = False) -> Staged:
     """Where an img2img call of a flow family begins (Flux, SD3; ``flow_start``): at
     ``get_timesteps(strength)``'s step, from the encoded image noised there (None: no image).
 
@@ -261,7 +261,7 @@ def img2img_start(pipe: EngineView, request: Any, *, blend: bool = False, pure_a
     which at sigma 1 is the noise too)."""
     values, n = request.values, request.n
     if values.get("image") is None:
-        return None
+        return Staged.ready(None)
     from preheat.samplers import Start
 
     index = flow_start(pipe, request, blend)
@@ -272,9 +272,9 @@ def img2img_start(pipe: EngineView, request: Any, *, blend: bool = False, pure_a
         keep = latent_mask(images.mask, pipe.components.vae_scale)  # (n, h, w, 1), 1 = repaint
     else:
         x = np.repeat(pixels(values["image"], values["width"], values["height"])[None], n, axis=0)  # (n, H, W, 3)
-    x0 = encode_images(pipe, x, request.seeds, 0)  # (n, h, w, C)
     pure = keep is not None and pure_at_max and values["strength"] == 1.0
-    return Start(index=np.int32(index), x0=x0, pure_noise=np.bool_(pure), keep=keep)
+    return Staged.of(encode_images(pipe, x, request.seeds, 0),  # -> (n, h, w, C)
+                     lambda x0: Start(index=np.int32(index), x0=np.asarray(x0), pure_noise=np.bool_(pure), keep=keep))
 
 
 def flow_start(pipe: EngineView, request: Any, blend: bool = True) -> int | None:

@@ -37,6 +37,7 @@ from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.flux import MAX_SEQUENCE_LENGTH, PROMPT_2, TRUE_CFG_SPECS, FluxFamily, load_flux
 from preheat.families.image import IMAGE
 from preheat.families.inputs import Choice, InputSpec
+from preheat.families.stages import Staged, joined
 from preheat.families.text import PROMPT
 
 __all__ = ["FluxKontextFamily", "KONTEXT", "PREFERRED_KONTEXT_RESOLUTIONS", "reference_size", "load_flux_kontext"]
@@ -109,18 +110,20 @@ class FluxKontextFamily(FluxFamily):
     def check_start(self, pipe: EngineView, request: Request) -> int | None:
         return None  # from noise: no strength
 
-    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
-        return None  # the loop starts from noise; the reference is conditioning
+    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Staged:
+        return Staged.ready(None)  # the loop starts from noise; the reference is conditioning
 
-    def condition(self, pipe: EngineView, request: Request) -> Conditioning:
-        conditioning = super().condition(pipe, request)
+    def condition(self, pipe: EngineView, request: Request) -> Staged:
         x = image_input.pixels(request.values["image"], *request.values["reference_size"])  # (H', W', 3), Lanczos
-        latents = image_input.encode_images(pipe, x[None], request.seeds[:1], 0, mode=True)  # (1, h', w', C)
-        conditioning.cond["image_latents"] = np.repeat(latents, request.n, axis=0)  # (n, h', w', C): one for all
-        if request.guided:  # true CFG: the negative branch sees the same reference (FluxKontextPipeline)
-            conditioning.uncond["image_latents"] = conditioning.cond["image_latents"]
-        return conditioning
+        reference = Staged.of(image_input.encode_images(pipe, x[None], request.seeds[:1], 0, mode=True))
 
+        def conditioning(c: Conditioning, latents: Any) -> Conditioning:  # latents (1, h', w', C)
+            c.cond["image_latents"] = np.repeat(np.asarray(latents), request.n, axis=0)  # (n, h', w', C): one for all
+            if request.guided:  # true CFG: the negative branch sees the same reference (FluxKontextPipeline)
+                c.uncond["image_latents"] = c.cond["image_latents"]
+            return c
+
+        return joined([super().condition(pipe, request), reference], conditioning)
 
 KONTEXT = FluxKontextFamily()
 

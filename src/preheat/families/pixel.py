@@ -17,6 +17,7 @@ from preheat.errors import InvalidArgumentError
 from preheat.families.base import Conditioning, EngineView, Family, LoadedModel, Request
 from preheat.families.inputs import InputSpec, Label
 from preheat.families.schedule import SCHEDULE_SPECS
+from preheat.families.stages import Staged
 
 if TYPE_CHECKING:
     from preheat.models.weights import LoadOptions
@@ -57,12 +58,12 @@ class PixelFamily(Family):
             return "needs a class-conditional model with a null class; this model has none (use guidance=1)"
         return None
 
-    def condition(self, pipe: EngineView, request: Request) -> Conditioning:
+    def condition(self, pipe: EngineView, request: Request) -> Staged:
         labels = request.values["class_labels"]
         if labels is None:
-            return Conditioning(cond={}, uncond={})
+            return Staged.ready(Conditioning(cond={}, uncond={}))
         null = np.full_like(labels, pipe.null_class if pipe.null_class is not None else 0)
-        return Conditioning(cond={"class_labels": labels}, uncond={"class_labels": null})
+        return Staged.ready(Conditioning(cond={"class_labels": labels}, uncond={"class_labels": null}))
 
 
 def class_index(pipe: EngineView, c: Any) -> int:

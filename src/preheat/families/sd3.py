@@ -33,7 +33,7 @@ from preheat.families.components import SD3Components
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
 from preheat.families.image import IMAGE, MASK_IMAGE, PADDING_MASK_CROP, STRENGTH
 from preheat.families.inputs import InputSpec, Text
-from preheat.families.stages import EncodeArgs
+from preheat.families.stages import EncodeArgs, Staged
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, TextToImageFamily, component, encode, fill_later_prompts,
                                    load_scheduler, max_sequence_length_spec, offload)
 from preheat.samplers import FLOW_SAMPLERS
@@ -82,14 +82,10 @@ class SD3Family(TextToImageFamily):
     def check_start(self, pipe: EngineView, request: Request) -> int | None:
         return image_input.flow_start(pipe, request)
 
-    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
+    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Staged:
         """img2img, or with a mask ``StableDiffusion3InpaintPipeline``'s blend after each step: its
         get_timesteps, int(n - n s); ``scale_noise``; at strength 1 the noise alone (``is_strength_max``)."""
         return image_input.img2img_start(pipe, request, blend=True, pure_at_max=True)
-
-    def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
-        """Decoded pixels; a padding_mask_crop call's pasted back into its image, host side."""
-        return image_input.pasted_back(super().finish(pipe, request, out), request.values)
 
     def plan_options(self, pipe: EngineView, request: Request) -> dict[str, Any]:
         from preheat.samplers import MU_SIGMAS_SAMPLERS, flow_mu
@@ -100,19 +96,22 @@ class SD3Family(TextToImageFamily):
         patch = pipe.components.patch_size
         return {"mu": flow_mu(pipe.scheduler_config, (h // patch) * (w // patch))}
 
-    def condition(self, pipe: EngineView, request: Request) -> Conditioning:
+    def condition(self, pipe: EngineView, request: Request) -> Staged:
         values, n = request.values, request.n
         texts = [list(values[name]) for name in ("prompt", "prompt_2", "prompt_3")]  # CLIP-L's, CLIP-G's, T5's
         if request.guided:  # the unconditional branch's: each encoder's negative prompt, "" when none is given
             for encoder, name in enumerate(("negative_prompt", "negative_prompt_2", "negative_prompt_3")):
                 texts[encoder] += values[name] if values[name] is not None else [""] * n
-        out = encode(pipe, texts, lambda: _encode_program(pipe.components), outputs=2,
-                     extra=(("family", self.name),), lengths=(None, None, values["max_sequence_length"]))
-        context, pooled = np.asarray(out[0]), np.asarray(out[1])
-        cond = {"context": context[:n], "pooled": pooled[:n]}
-        uncond = {"context": context[n:], "pooled": pooled[n:]} if request.guided else {}
-        return Conditioning(cond=cond, uncond=uncond)
+        stage = encode(pipe.components, pipe.dtype, texts, lambda: _encode_program(pipe.components), outputs=2,
+                       extra=(("family", self.name),), lengths=(None, None, values["max_sequence_length"]))
 
+        def conditioning(out: Any) -> Conditioning:
+            context, pooled = np.asarray(out[0]), np.asarray(out[1])
+            cond = {"context": context[:n], "pooled": pooled[:n]}
+            uncond = {"context": context[n:], "pooled": pooled[n:]} if request.guided else {}
+            return Conditioning(cond=cond, uncond=uncond)
+
+        return Staged.of(stage, conditioning)
 
 SD3 = SD3Family()
 

@@ -75,7 +75,7 @@ from preheat.families import image as image_input
 from preheat.families.control import (CONTROL_SPECS, check_control_inputs, control_cond, control_window,
                                       refuse_without_controlnet)
 from preheat.families.experts import (AESTHETIC_SCORE, IMAGE_INPUTS, NEGATIVE_AESTHETIC_SCORE, REFINER_SPECS,
-                                      ExpertView, check_handoff, cutoff_leaf,
+                                      check_handoff, cutoff_leaf,
                                       refuse_image_inputs_with_refiner, refuse_without_refiner)
 from preheat.families.guidance import GUIDANCE_RESCALE
 from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
@@ -85,7 +85,7 @@ from preheat.families.inputs import InputSpec, Int, Pair, Text
 from preheat.families.schedule import SCHEDULE_SPECS
 from preheat.families.sd_loading import inpainting, load_sd
 from preheat.samplers import DIFFUSION_SAMPLERS, EDM_SAMPLERS
-from preheat.families.stages import EncodeArgs
+from preheat.families.stages import EncodeArgs, Staged, joined
 from preheat.families.text import (NEGATIVE_PROMPT, PROMPT, SAMPLER_OF_SCHEDULER, TextToImageFamily, component,
                                    encode)
 
@@ -234,41 +234,50 @@ class StableDiffusionFamily(TextToImageFamily):
 
     # ------------------------------------------------------------------ stages
 
-    def condition(self, pipe: EngineView, request: Request) -> Conditioning:
+    def condition(self, pipe: EngineView, request: Request) -> Staged:
         """The text conditioning (+ an inpainting UNet's mask channels), and a ControlNet's inputs
-        beside it on each branch (``families.control``)."""
-        conditioning = self._text_condition(pipe, request)
-        if pipe.components.refiner is not None:
-            return self._with_refiner(pipe, request, conditioning)
-        if pipe.components.controlnet is None:
-            return conditioning
-        extra = control_cond(pipe, request, self._start_index(request) or 0)
-        uncond = {**conditioning.uncond, **extra.uncond} if request.guided else conditioning.uncond
-        return Conditioning(cond={**conditioning.cond, **extra.cond}, uncond=uncond)
+        beside it on each branch (``families.control``); with a refiner, its own beside the base's."""
+        text = self._text_condition(pipe.components, pipe.lora_runtime, pipe.dtype, request)
+        if pipe.components.refiner is not None:  # its own encoder on the prompts, its aesthetic ids, no LoRA
+            values = {**request.values, "time_ids": request.values["refiner_time_ids"],
+                      "negative_time_ids": request.values["refiner_negative_time_ids"]}
+            own = SDXL_REFINER._text_condition(pipe.components.refiner, None, pipe.dtype,
+                                               replace(request, values=values, lora=None))
+            return joined([text, own], lambda base, refiner: self._with_refiner(pipe, request, base, refiner))
+        control = None if pipe.components.controlnet is None else \
+            control_cond(pipe, request, self._start_index(request) or 0)
 
-    def _with_refiner(self, pipe: EngineView, request: Request, conditioning: Conditioning) -> Conditioning:
-        """The base's conditioning beside the refiner's own (its encoder on the prompt and negative
-        prompt, its aesthetic time ids; no LoRA), and the timestep where the refiner takes over."""
-        values = {**request.values, "time_ids": request.values["refiner_time_ids"],
-                  "negative_time_ids": request.values["refiner_negative_time_ids"]}
-        own = SDXL_REFINER._text_condition(ExpertView(pipe, pipe.components.refiner),
-                                           replace(request, values=values, lora=None))
+        def conditioning(c: Conditioning, mask: Conditioning | None) -> Conditioning:
+            for extra in (mask, control):
+                if extra is not None:
+                    c = Conditioning(cond={**c.cond, **extra.cond},
+                                     uncond={**c.uncond, **extra.uncond} if request.guided else c.uncond)
+            return c
+
+        return joined([text, self._mask_channels(pipe, request)], conditioning)
+
+    def _with_refiner(self, pipe: EngineView, request: Request, conditioning: Conditioning,
+                      own: Conditioning) -> Conditioning:
+        """The base's conditioning beside the refiner's own (``refiner_`` leaves), and the timestep
+        where the refiner takes over."""
         cutoff = {"refiner_cutoff": cutoff_leaf(pipe, request)}
 
-        def joined(base: dict[str, Any], refiner: dict[str, Any]) -> dict[str, Any]:
+        def joined_leaves(base: dict[str, Any], refiner: dict[str, Any]) -> dict[str, Any]:
             return {**base, **{f"refiner_{k}": v for k, v in refiner.items()}, **cutoff}
 
-        uncond = joined(conditioning.uncond, own.uncond) if request.guided else conditioning.uncond
-        return Conditioning(cond=joined(conditioning.cond, own.cond), uncond=uncond)
+        uncond = joined_leaves(conditioning.uncond, own.uncond) if request.guided else conditioning.uncond
+        return Conditioning(cond=joined_leaves(conditioning.cond, own.cond), uncond=uncond)
 
     def restart_step(self, pipe: EngineView, request: Request) -> int | None:
         """With a refiner: the step it takes over at, where its own scheduler would start."""
         return None if pipe.components.refiner is None else check_handoff(pipe, request)
 
-    def _text_condition(self, pipe: EngineView, request: Request) -> Conditioning:
+    def _text_condition(self, components: Any, lora_runtime: Any, dtype: str, request: Request) -> Staged:
+        """The encode stage of ``components``' text encoders (the model's, or a refiner's own) and the
+        ``Conditioning`` its output makes."""
         values, n = request.values, request.n
         negatives = values["negative_prompt"]
-        zeros_uncond = request.guided and negatives is None and self.xl and pipe.components.force_zeros
+        zeros_uncond = request.guided and negatives is None and self.xl and components.force_zeros
         second = self.xl and not self.aesthetics  # a refiner has the second encoder alone: it takes the prompt
         texts = [list(values["prompt"])] + ([list(values["prompt_2"])] if second else [])
         skips = list(values["clip_skip"])
@@ -278,21 +287,26 @@ class StableDiffusionFamily(TextToImageFamily):
             if second:  # diffusers: negative_prompt_2 = negative_prompt_2 or negative_prompt (or "")
                 texts[1] += values["negative_prompt_2"] or first
             skips += [0] * n  # diffusers applies clip_skip to the prompt's embedding, never the negative's
-        encoders = pipe.components.text_encoders
-        adapters = encoder_adapters(pipe.lora_runtime, request.lora, str(encoders[0].dtype))
+        encoders = components.text_encoders
+        adapters = encoder_adapters(lora_runtime, request.lora, str(encoders[0].dtype))
         lora = None
         if adapters is not None:  # text-encoder LoRAs: each text takes its image's slot (negatives too)
             index = np.concatenate([request.lora.index] * (len(skips) // n))
             lora = (adapters, index, request.lora.signature)
-        out = encode(pipe, texts, lambda: _encode_program(encoders, self.xl, lora is not None),
-                     outputs=2 if self.xl else 1, extra=(("xl", self.xl),), lora=lora,
-                     clip_skip=np.asarray(skips, np.int32))
-        if self.xl:
+        stage = encode(components, dtype, texts, lambda: _encode_program(encoders, self.xl, lora is not None),
+                       outputs=2 if self.xl else 1, extra=(("xl", self.xl),), lora=lora,
+                       clip_skip=np.asarray(skips, np.int32))
+
+        def conditioning(out: Any) -> Conditioning:
+            if not self.xl:
+                context = np.asarray(out)
+                return Conditioning(cond={"context": context[:n]},
+                                    uncond={"context": context[n:]} if request.guided else {})
             context, pooled = np.asarray(out[0]), np.asarray(out[1])
             time_ids = np.repeat(values["time_ids"][None], n, axis=0)  # (n, 6); a refiner's (n, 5)
             cond = {"context": context[:n], "text_embeds": pooled[:n], "time_ids": time_ids}
             if not request.guided:
-                return self._with_mask(pipe, request, Conditioning(cond=cond, uncond={}))
+                return Conditioning(cond=cond, uncond={})
             negative_ids = values["negative_time_ids"]
             uncond_ids = time_ids if negative_ids is None else np.repeat(negative_ids[None], n, axis=0)  # (n, 6)
             if zeros_uncond:
@@ -300,23 +314,25 @@ class StableDiffusionFamily(TextToImageFamily):
                           "time_ids": uncond_ids}
             else:
                 uncond = {"context": context[n:], "text_embeds": pooled[n:], "time_ids": uncond_ids}
-            return self._with_mask(pipe, request, Conditioning(cond=cond, uncond=uncond))
-        context = np.asarray(out)
-        cond = {"context": context[:n]}
-        return self._with_mask(pipe, request, Conditioning(cond=cond, uncond={"context": context[n:]}
-                                                           if request.guided else {}))
+            return Conditioning(cond=cond, uncond=uncond)
 
-    def _with_mask(self, pipe: EngineView, request: Request, conditioning: Conditioning) -> Conditioning:
+        return Staged.of(stage, conditioning)
+
+    def _mask_channels(self, pipe: EngineView, request: Request) -> Staged:
         """A 9-channel (inpainting) UNet's extra input channels, beside the sample: the latent-grid
-        mask and the masked image's latents (the same for both guidance branches, as diffusers)."""
+        mask and the masked image's latents (the same for both guidance branches, as diffusers);
+        None for any other UNet."""
         if not pipe.components.inpaint:
-            return conditioning
+            return Staged.ready(None)
         images = image_input.inpaint_images(request.values, request.n)  # (n, H, W, 3), (n, H, W)
         masked = image_input.masked(images.pixels, images.mask)
-        extra = {"mask": image_input.latent_mask(images.mask, pipe.components.vae_scale),
-                 "masked_image_latents": image_input.encode_images(pipe, masked, request.seeds, 1)}
-        uncond = {**conditioning.uncond, **extra} if request.guided else conditioning.uncond
-        return Conditioning(cond={**conditioning.cond, **extra}, uncond=uncond)
+        mask = image_input.latent_mask(images.mask, pipe.components.vae_scale)
+
+        def channels(latents: Any) -> Conditioning:
+            extra = {"mask": mask, "masked_image_latents": np.asarray(latents)}
+            return Conditioning(cond=extra, uncond=extra)
+
+        return Staged.of(image_input.encode_images(pipe, masked, request.seeds, 1), channels)
 
     def check_start(self, pipe: EngineView, request: Request) -> int | None:
         """The start step of an image-conditioned call (None: from noise), or a one-line error:
@@ -347,13 +363,13 @@ class StableDiffusionFamily(TextToImageFamily):
 
         return strength_start(request.steps, request.values["strength"], "sd")
 
-    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Any:
+    def image_start(self, pipe: EngineView, request: Request, plan: Any) -> Staged:
         """img2img and inpainting begin as diffusers' pipelines: at ``get_timesteps(strength)``'s
         step, from the encoded image noised there -- or, inpainting at strength 1 (diffusers'
         ``is_strength_max``), from noise alone; a base model's 4 channels blend the mask after each step."""
         values, n = request.values, request.n
         if values.get("image") is None:
-            return None
+            return Staged.ready(None)
         from preheat.samplers import Start
 
         strength, mask_image = values["strength"], values["mask_image"]
@@ -363,20 +379,17 @@ class StableDiffusionFamily(TextToImageFamily):
         keep = None
         if pure and not blend:  # the image reaches the model only through the mask channels
             x0 = np.zeros((n, *request.sample_shape), np.float32)
-        else:
-            if mask_image is None:
-                x = np.repeat(image_input.pixels(values["image"], values["width"], values["height"])[None], n, axis=0)
-            else:  # each image's own crop, with padding_mask_crop
-                images = image_input.inpaint_images(values, n)
-                x = images.pixels  # (n, H, W, 3)
-                if blend:
-                    keep = image_input.latent_mask(images.mask, pipe.components.vae_scale)  # (n, h, w, 1)
-            x0 = image_input.encode_images(pipe, x, request.seeds, 0)  # (n, h, w, C)
-        return Start(index=np.int32(index), x0=x0, pure_noise=np.bool_(pure), keep=keep)
-
-    def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
-        """Decoded pixels; a padding_mask_crop call's pasted back into its image, host side."""
-        return image_input.pasted_back(super().finish(pipe, request, out), request.values)
+            return Staged.ready(Start(index=np.int32(index), x0=x0, pure_noise=np.bool_(pure), keep=keep))
+        if mask_image is None:
+            x = np.repeat(image_input.pixels(values["image"], values["width"], values["height"])[None], n, axis=0)
+        else:  # each image's own crop, with padding_mask_crop
+            images = image_input.inpaint_images(values, n)
+            x = images.pixels  # (n, H, W, 3)
+            if blend:
+                keep = image_input.latent_mask(images.mask, pipe.components.vae_scale)  # (n, h, w, 1)
+        return Staged.of(image_input.encode_images(pipe, x, request.seeds, 0),  # -> (n, h, w, C)
+                         lambda x0: Start(index=np.int32(index), x0=np.asarray(x0), pure_noise=np.bool_(pure),
+                                          keep=keep))
 
 
 SD = StableDiffusionFamily()

@@ -17,13 +17,59 @@ batched field only arrays of rank >= 1 are split: a ``Start``'s step index and f
     encode_image  EncodeImageArgs images, seeds                        params, index
 
 A new argument is a new field with a default: no other stage's call changes.
+
+A family never runs a stage: its hooks return a ``Stage`` (what to compile and with which
+argument) or a ``Staged`` value (stages, and how their outputs become the value), and the engine
+runs them (``Pipeline.execute_stage``), or only describes them to learn every key up front.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
-__all__ = ["LoraArgs", "EncodeArgs", "DenoiseArgs", "DecodeArgs", "EncodeImageArgs"]
+__all__ = ["LoraArgs", "EncodeArgs", "DenoiseArgs", "DecodeArgs", "EncodeImageArgs", "Stage", "Staged", "joined"]
+
+
+class Stage(NamedTuple):
+    """One compiled program of a call, described, not run: its key is ``(fingerprint, sig, args)``."""
+
+    name: str  # "encode", "encode_image", "denoise", "decode": where its timings are recorded
+    fingerprint: dict[str, Any]  # the component's identity (architecture, never weights)
+    sig: Any  # what selects the program: a StageSignature (engine.Signature for denoise)
+    program: Callable[[], Callable[[Any], Any]]  # () -> fn(args), built only on a miss
+    args: Any  # the program's one argument, a NamedTuple of this module
+    outputs: int = 1  # 1: the program returns an array; k: a k-tuple of arrays
+    on_host: bool = False  # the host CPU's program on host arguments (encoders_on="host"): never on a mesh
+
+
+class Staged(NamedTuple):
+    """A value that needs stages run first: ``then(outputs)`` makes it from their outputs, in order
+    (host-side, pure). What a family's ``condition`` and ``image_start`` return."""
+
+    stages: tuple[Stage, ...]
+    then: Callable[[Sequence[Any]], Any]
+
+    @staticmethod
+    def ready(value: Any) -> "Staged":
+        """A value that needs no stage."""
+        return Staged((), lambda _: value)
+
+    @staticmethod
+    def of(stage: Stage, then: Callable[[Any], Any] = lambda out: out) -> "Staged":
+        """``then(the stage's output)``."""
+        return Staged((stage,), lambda outs: then(outs[0]))
+
+
+def joined(parts: Sequence[Staged], then: Callable[..., Any]) -> Staged:
+    """Several staged values as one: every part's stages, in order; ``then(*their values)``."""
+    cuts = [0]
+    for part in parts:
+        cuts.append(cuts[-1] + len(part.stages))
+
+    def values(outs: Sequence[Any]) -> Any:
+        return then(*(part.then(outs[a:b]) for part, a, b in zip(parts, cuts, cuts[1:])))
+
+    return Staged(tuple(s for part in parts for s in part.stages), values)
 
 
 class LoraArgs(NamedTuple):

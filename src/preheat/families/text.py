@@ -15,10 +15,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from preheat import platforms
 from preheat.errors import ModelNotFoundError, SchedulerConfigError
 from preheat.families.base import EngineView, Family, Request, StageSignature, to_pixels
+from preheat.families.image import pasted_back
 from preheat.families.inputs import InputSpec, Int, Text
-from preheat.families.stages import DecodeArgs, EncodeArgs, LoraArgs
+from preheat.families.stages import DecodeArgs, EncodeArgs, LoraArgs, Stage
 from preheat.samplers import (DIFFUSERS_CLASS, DPM_FIXED_SETTINGS, SchedulerConfig, load_scheduler_config,
                               samplers_of_kind)
 
@@ -53,10 +55,14 @@ class TextToImageFamily(Family):
         return (values["height"] // scale, values["width"] // scale, pipe.sample_shape[2])
 
     def finish(self, pipe: EngineView, request: Request, out: Any) -> np.ndarray:
+        """Decoded pixels; a padding_mask_crop call's pasted back into its image, host side."""
+        return pasted_back(np.asarray(out), request.values)
+
+    def decode(self, pipe: EngineView, request: Request, latents: Any) -> Stage:
         vae = pipe.components.vae
         sig = StageSignature("decode", batch=request.n, shape=tuple(request.sample_shape), dtype=str(vae.dtype))
-        return np.asarray(pipe.run_stage("decode", pipe.components.decode_fingerprint, sig,
-                                         lambda: decode_program(vae), DecodeArgs(params=vae.params, latents=out)))
+        return Stage("decode", pipe.components.decode_fingerprint, sig, lambda: decode_program(vae),
+                     DecodeArgs(params=vae.params, latents=latents))
 
 
 # The folder's scheduler class -> the sampler a diffusers pipeline would run by default.
@@ -220,10 +226,11 @@ def decode_program(vae: Any) -> Any:
     return program
 
 
-def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Callable], outputs: int,
-           extra: tuple[tuple[str, Any], ...] = (), lora: tuple[Any, Any, Any] | None = None,
-           clip_skip: np.ndarray | None = None, lengths: Sequence[int | None] = ()) -> Any:
-    """Tokenize on the host (``texts[i]`` for the i-th tokenizer) and run the encode stage.
+def encode(components: Any, dtype: str, texts: Sequence[Sequence[str]], program: Callable[[], Callable],
+           outputs: int, extra: tuple[tuple[str, Any], ...] = (), lora: tuple[Any, Any, Any] | None = None,
+           clip_skip: np.ndarray | None = None, lengths: Sequence[int | None] = ()) -> Stage:
+    """Tokenize on the host (``texts[i]`` for the i-th tokenizer): the encode stage of ``components``
+    (a model's text encoders, or an SDXL refiner's own), described, not run.
 
     The stage's executable is chosen by the batch and every tokenizer's padded length, so a new
     prompt is data; the encoders' weights are arguments (``components.text_encoders``; an
@@ -238,58 +245,42 @@ def encode(pipe: Any, texts: Sequence[Sequence[str]], program: Callable[[], Call
     ``max_sequence_length``; the tokenizer's own otherwise).
     """
     tokenizers = [tok if length is None else replace(tok, max_length=length)
-                  for tok, length in zip(pipe.components.tokenizers, [*lengths, *[None] * len(texts)])]
+                  for tok, length in zip(components.tokenizers, [*lengths, *[None] * len(texts)])]
     ids = tuple(tok.encode(list(t)) for tok, t in zip(tokenizers, texts))  # each (B, L_i) int32
-    sig = StageSignature("encode", batch=len(texts[0]), shape=tuple(i.shape[1] for i in ids), dtype=pipe.dtype,
-                         extra=extra)
     # with offload_encoders the weights are host arrays: they reach the device for this call only
-    params = tuple(te.params if te is not None else None for te in pipe.components.text_encoders)
+    params = tuple(te.params if te is not None else None for te in components.text_encoders)
     args = EncodeArgs(params=params, ids=ids, clip_skip=clip_skip)
     if lora is not None:
         adapters, index, lora_sig = lora
-        used = tuple(a is not None for a in adapters)
-        sig = replace(sig, extra=(*sig.extra, ("lora", (*lora_sig, used))))
+        extra = (*extra, ("lora", (*lora_sig, tuple(a is not None for a in adapters))))
         args = args._replace(lora=tuple(None if a is None else LoraArgs(factors=a[0], scales=a[1], slots=index)
                                         for a in adapters))
-    if pipe.components.encoders_on != "host":
-        return pipe.run_stage("encode", pipe.components.encode_fingerprint, sig, program, args, outputs=outputs)
-    return _encode_on_host(pipe, sig, program, args, outputs)
+    on_host = components.encoders_on == "host"
+    if on_host:
+        extra, args = (*extra, *platforms.host_fields()), _on_host(args)
+    sig = StageSignature("encode", batch=len(texts[0]), shape=tuple(i.shape[1] for i in ids), dtype=dtype,
+                         extra=extra)
+    return Stage("encode", components.encode_fingerprint, sig, program, args, outputs, on_host=on_host)
 
 
-def _encode_on_host(pipe: Any, sig: StageSignature, program: Callable[[], Callable], args: EncodeArgs,
-                    outputs: int) -> Any:
-    """``encoders_on="host"``: the encode stage as the host CPU's program, on its weights there (never
-    split over a mesh); its signature names where it runs, so its executable is the CPU's in memory
-    and in the cache alike. The program is traced for the CPU wherever it is traced (a prefetch
-    compiles on its own threads), and a rehearsal's placeholders are placed on the host too, so a
-    prefetched executable is the host's. The embeddings (a few MB) come back as host arrays: the
-    denoising program's arguments, moved to the chip once per call, before its loop."""
+def _on_host(args: EncodeArgs) -> EncodeArgs:
+    """``encoders_on="host"``: the encode stage's arguments on the host's CPU, beside its weights
+    (already there: no copy). Its signature names the CPU (``platforms.host_fields``), so its
+    executable is the host's in memory and in the cache; the engine traces and runs it there
+    (``Stage.on_host``) and hands its embeddings (a few MB) back as host arrays, which the denoising
+    program's arguments move to the chip once per call, before its loop. A prefetch's placeholders
+    (``jax.ShapeDtypeStruct``) are placed on the host too, so a prefetched executable is the host's."""
     import jax
 
-    from preheat import platforms
-
     host = platforms.host_device()
-    sig = replace(sig, extra=(*sig.extra, *platforms.host_fields()))
     on = jax.sharding.SingleDeviceSharding(host)
 
-    def placed(x: Any) -> Any:  # beside the weights (already there: no copy)
-        if isinstance(x, jax.ShapeDtypeStruct):  # a rehearsal's placeholder (preheat.load(prefetch=...))
+    def placed(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on)
         return jax.device_put(x, host) if isinstance(x, (np.ndarray, jax.Array)) else x
 
-    def make_program() -> Callable:
-        inner = program()
-
-        def hosted(args: EncodeArgs) -> Any:
-            with platforms.on_host():
-                return inner(args)
-
-        return hosted
-
-    args = jax.tree.map(placed, args)
-    with platforms.on_host():
-        out = pipe.run_stage("encode", pipe.components.encode_fingerprint, sig, make_program, args, outputs=outputs)
-    return jax.tree.map(np.asarray, out)
+    return jax.tree.map(placed, args)
 
 
 def offload(encoder: Any, options: Any = None) -> Any:

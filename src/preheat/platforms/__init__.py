@@ -10,7 +10,7 @@ a convolution's form        ``current().conv_form(ConvLayer(...))`` (``PREHEAT_C
 GroupNorm's statistics      ``current().groupnorm_form()`` (``PREHEAT_GROUPNORM`` overrides)
 the key's device fields     ``device_fields(mesh_size, target)``, ``mesh_fields(mesh)``
 the deviceless target       ``compiling_for(platform, capability)``, ``traced_target()``, ``deviceless()``
-a stage on the host's CPU   ``host_device()``, ``on_host()``, ``running_on_host()``, ``host_fields()``
+a stage on the host's CPU   ``host_device()``, ``on_host()``, ``host_fields()``
 does a compile autotune     ``autotunes_here()``; a platform's ``autotunes``
 doctor's platform checks    a platform's ``doctor_checks`` (ids in ``preheat.doctor.checks``)
 how to name the device      ``describe_device()``, ``accelerator_label()``, ``key_device_label(fields)``
@@ -35,7 +35,7 @@ from preheat.platforms._fake import FakePlatform
 from preheat.platforms._gpu import (GpuPlatform, cuda_versions, cudnn_available, device_gpu_fields, gpu_fields,
                                     local_description, parse_description)
 from preheat.platforms._select import (PLATFORMS, compiling_for, current, deviceless, get, local, on_host,
-                                       running_on_host, selected, traced_target)
+                                       selected, traced_target)
 from preheat.platforms._libtpu import libtpu_init_args, libtpu_version, slice_description
 from preheat.platforms._tpu import TpuPlatform, chip_fields, flash_choice
 
@@ -45,7 +45,6 @@ __all__ = [
     "FakePlatform", "PLATFORMS", "chip_fields", "flash_choice",
     # which platform is asked
     "get", "current", "local", "selected", "compiling_for", "traced_target", "deviceless", "on_host",
-    "running_on_host",
     # the running machine's devices and the key's device fields
     "describe_device", "accelerator_label", "devices_of", "device_fields", "mesh_fields", "key_device_label",
     "key_runtime", "autotunes_here", "cpu_features", "host_device", "host_fields",

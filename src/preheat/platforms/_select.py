@@ -20,7 +20,7 @@ from preheat.platforms._gpu import GpuPlatform
 from preheat.platforms._tpu import TpuPlatform
 
 __all__ = ["PLATFORMS", "get", "current", "local", "selected", "compiling_for", "traced_target", "deviceless",
-           "on_host", "running_on_host"]
+           "on_host"]
 
 # One description per platform preheat knows, by jax's platform name of its devices.
 PLATFORMS: dict[str, Platform] = {p.name: p for p in (CpuPlatform(), GpuPlatform(), TpuPlatform())}
@@ -83,10 +83,6 @@ def on_host() -> Iterator[None]:
     with _HOST(True):
         yield
 
-
-def running_on_host() -> bool:
-    """Whether the stage traced or run now is the host's (``on_host``): never split over a mesh."""
-    return bool(_HOST.value)
 
 
 @contextlib.contextmanager

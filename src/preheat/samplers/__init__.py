@@ -39,7 +39,7 @@ Public API::
     samplers_of_kind(config) -> the samplers that config takes (all when its kind is unknown)
     init(spec, plan, noise) -> SamplerState   # the solver's own state type (a NamedTuple, the sample x first)
     step(spec, model, plan, state, i, noise_fn) -> SamplerState
-    run(spec, model, plan, noise, noise_fn, start=None, restart=None) -> x0   # init + lax.fori_loop
+    denoise_loop(spec, model, plan, noise, noise_fn, start=None, restart=None) -> x0   # init + lax.fori_loop
                                                                  #   (restart: a fresh solver from that step)
     Start(index, x0, pure_noise, keep=None)   # img2img / inpainting: begin at step index from x0
     noised(spec, plan, x0, noise, i) -> x_i   # diffusers' add_noise / scale_noise at step i
@@ -154,7 +154,7 @@ from preheat.samplers._config import (SchedulerConfig, config_kind, find_schedul
 from preheat.samplers._plan import (MU_SIGMAS_SAMPLERS, TIMESTEPS_SAMPLERS, Plan, SolverSpec, flow_mu,
                                    handoff_step, make_plan, make_spec, strength_start)
 from preheat.samplers._schedules import flux_sigmas
-from preheat.samplers._loop import BLEND_SOLVERS, Model, NoiseFn, SamplerState, Start, init, noised, run, step
+from preheat.samplers._loop import BLEND_SOLVERS, Model, NoiseFn, SamplerState, Start, denoise_loop, init, noised, step
 from preheat.samplers._tables import (DETERMINISTIC_SAMPLERS, DIFFUSERS_CLASS, DIFFUSION_SAMPLERS, DPM_FIXED_SETTINGS,
                                      EDM_SAMPLERS, FLOW_SAMPLERS, SAMPLERS, TIMESTEP_SPACINGS)
 
@@ -188,7 +188,7 @@ __all__ = [
     "flux_sigmas",
     "init",
     "step",
-    "run",
+    "denoise_loop",
     "noised",
     "strength_start",
     "handoff_step",

@@ -50,7 +50,7 @@ def same_plan(plan: Plan, first: jax.Array) -> Plan:
 
 class Solver(NamedTuple, Generic[State]):
     """One solver, optax's way: two pure functions over a state type of its own, and what the
-    loop (``samplers.run``) and ``noised`` need to know of it. Nothing else is kept between steps."""
+    loop (``samplers.denoise_loop``) and ``noised`` need to know of it. Nothing else is kept between steps."""
 
     init: Callable[[SolverSpec, jax.Array], State]  # (spec, first sample x) -> the state before any step:
     #   x, and nothing remembered yet (also what a fresh scheduler holds at a restart, the sample kept)

@@ -21,7 +21,7 @@ from preheat.samplers import _onestep as O
 from preheat.samplers._core import Model, NoiseFn, Sample, Solver, at, vp
 from preheat.samplers._plan import TWO_CALL_SOLVERS, Plan, SolverSpec
 
-__all__ = ["SamplerState", "Start", "Model", "NoiseFn", "init", "step", "run", "noised", "BLEND_SOLVERS", "SOLVERS"]
+__all__ = ["SamplerState", "Start", "Model", "NoiseFn", "init", "step", "denoise_loop", "noised", "BLEND_SOLVERS", "SOLVERS"]
 
 # SolverSpec.solver -> its Solver (the traced update rule and its state); Karras-ness is schedule data, not code
 SOLVERS: dict[str, Solver] = {
@@ -92,7 +92,7 @@ def step(spec: SolverSpec, model: Model, plan: Plan, state: SamplerState, i: jax
     return _solver(spec).step(spec, model, plan, state, jnp.asarray(i, jnp.int32), noise_fn)
 
 
-def run(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: NoiseFn,
+def denoise_loop(spec: SolverSpec, model: Model, plan: Plan, noise: jax.Array, noise_fn: NoiseFn,
         start: Start | None = None, progress: bool = False, restart: jax.Array | None = None) -> jax.Array:
     """The whole denoising loop: ``init`` then ``plan.n_steps`` steps; returns the final sample.
 
