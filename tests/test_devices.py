@@ -1,8 +1,10 @@
 """Data parallelism over local devices (``preheat.load(..., devices=)``), on fake CPU devices.
 
-Each multi-device run is a fresh process with ``--xla_force_host_platform_device_count`` (4, or
-2 for "a 4-device entry is not used on 2"); one process per fixture computes everything that
-fixture's tests compare, so each program compiles once.
+The test process has four fake CPU devices (tests/conftest.py's
+``--xla_force_host_platform_device_count=4``): make test's runs are loads in it. A fresh process
+runs only where one is the point, in test-slow: a host of 2 devices, a restart that loads the
+4-device executable from disk. One fixture computes everything its tests compare, so each program
+compiles once.
 
 Pixels on 1 and N devices are compared to within one uint8 level on a few pixels: each device
 runs the batch-1 (or batch B/N) program, and a different batch size may round differently in
@@ -57,38 +59,42 @@ def _close(a: np.ndarray, b: np.ndarray) -> None:
 
 # ---------------------------------------------------------------------------------- same pixels
 
-PIXELS = """
+CALL = dict(steps=3, seed=5, class_labels=[0, 1, 2, 3], guidance=3.0)  # guided: 2x model batch
+PROMPTS = dict(prompt=["a red fox", "a boat", "snow"], negative_prompt="blurry", guidance=4.0, steps=2, seed=11,
+               sampler="ddim")
+
+# test-slow's fresh process: 2 devices, and a text model on a 2 x 2 (data, fsdp) mesh
+MESH_PIXELS = f"""
     import sys, numpy as np, preheat
-    out = {}
-    call = dict(steps=3, seed=5, class_labels=[0, 1, 2, 3], guidance=3.0)  # guided: 2x model batch
-    prompts = dict(prompt=["a red fox", "a boat", "snow"], negative_prompt="blurry", guidance=4.0, steps=2,
-                   seed=11, sampler="ddim")
-    if sys.argv[3] == "mesh":  # test-slow's: 2 devices, and a text model on a 2 x 2 (data, fsdp) mesh
-        out["builtin2"] = preheat.load(None, devices=2, cache="off").generate(4, **call)
-        q = preheat.load(sys.argv[2], devices=4, fsdp=2, cache="off")
-        out["sd_fsdp2"] = q.generate(**prompts)
-        out["sd_fsdp2_mesh"] = np.array([q.mesh.shape["data"], q.mesh.shape["fsdp"]])
-        np.savez(sys.argv[1], **out)
-        sys.exit(0)
+    out = {{}}
+    out["builtin2"] = preheat.load(None, devices=2, cache="off").generate(4, **{CALL!r})
+    q = preheat.load(sys.argv[2], devices=4, fsdp=2, cache="off")
+    out["sd_fsdp2"] = q.generate(**{PROMPTS!r})
+    out["sd_fsdp2_mesh"] = np.array([q.mesh.shape["data"], q.mesh.shape["fsdp"]])
+    np.savez(sys.argv[1], **out)
+"""
+
+
+def _pixels_here(sd: Path) -> dict:
+    """make test's runs, in this process (its four devices): the built-in model on 1 and 4 devices,
+    its weights split over four (fsdp), and a text model on 1 and 4 devices."""
+    out: dict = {}
     for d in (1, 4):
         p = preheat.load(None, devices=d, cache="off")
-        out[f"builtin{d}"] = p.generate(4, **call)
+        out[f"builtin{d}"] = p.generate(4, **CALL)
         if d == 4:  # 3 images pad to the 4-image program: no new executable
-            out["builtin4_n3"] = p.generate(3, **{**call, "class_labels": [0, 1, 2]})
+            out["builtin4_n3"] = p.generate(3, **{**CALL, "class_labels": [0, 1, 2]})
             out["builtin4_layer"] = np.array(p.last.cache_layer)
             out["builtin4_programs"] = np.array(len(p.executables))
             out["builtin4_count"] = np.array(p.device_count)
     f = preheat.load(None, devices=4, fsdp=4, cache="off")  # weights split over all four devices
-    out["fsdp4"] = f.generate(4, **call)
-    leaves = [x for x in __import__("jax").tree.leaves(f.params)]
-    out["fsdp4_shard_sizes"] = np.array([[x.size, x.addressable_shards[0].data.size] for x in leaves])
-    out["fsdp4_n3"] = f.generate(3, **{**call, "class_labels": [0, 1, 2]})
+    out["fsdp4"] = f.generate(4, **CALL)
+    out["fsdp4_shard_sizes"] = np.array([[x.size, x.addressable_shards[0].data.size] for x in jax.tree.leaves(f.params)])
+    out["fsdp4_n3"] = f.generate(3, **{**CALL, "class_labels": [0, 1, 2]})
     out["fsdp4_programs"] = np.array(len(f.executables))
     for d in (1, 4):  # encode 6 -> 8 rows, denoise and decode 3 -> 4 on four devices
-        q = preheat.load(sys.argv[2], devices=d, cache="off")
-        out[f"sd{d}"] = q.generate(**prompts)
-    np.savez(sys.argv[1], **out)
-"""
+        out[f"sd{d}"] = preheat.load(sd, devices=d, cache="off").generate(**PROMPTS)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -96,20 +102,18 @@ def sd_folder(tmp_path_factory) -> Path:
     return save_tiny_sd(tmp_path_factory.mktemp("devices-sd") / "sd1", kind="sd1")
 
 
-def _pixels(base: Path, sd: Path, part: str) -> dict:
-    _run(PIXELS, 4, base / "home", str(base / "out.npz"), str(sd), part)
-    return dict(np.load(base / "out.npz"))
-
-
 @pytest.fixture(scope="module")
-def pixels(tmp_path_factory, sd_folder):
-    return _pixels(tmp_path_factory.mktemp("devices"), sd_folder, "main")
+def pixels(sd_folder):
+    assert len(jax.local_devices()) == 4, "tests/conftest.py gives the test process four CPU devices"
+    return _pixels_here(sd_folder)
 
 
 @pytest.fixture(scope="module")
 def mesh_pixels(tmp_path_factory, sd_folder):
     """test-slow's process (about 20 s): the built-in model on 2 devices, a text model on a 2 x 2 mesh."""
-    return _pixels(tmp_path_factory.mktemp("devices-mesh"), sd_folder, "mesh")
+    base = tmp_path_factory.mktemp("devices-mesh")
+    _run(MESH_PIXELS, 4, base / "home", str(base / "out.npz"), str(sd_folder))
+    return dict(np.load(base / "out.npz"))
 
 
 @pytest.mark.slow
@@ -258,24 +262,22 @@ def test_sharded_executable_restarts_warm_and_is_not_used_on_two_devices(tmp_pat
     assert np.array_equal(np.load(tmp_path / "fsdp.npy"), np.load(tmp_path / "fsdp_fresh.npy"))
 
 
-SERVER = """
-    import json, sys
-    from preheat.server.core import Core, CoreConfig
-    core = Core(CoreConfig(model=sys.argv[1], max_batch_size=8, devices=4, batch_wait_ms=0)).start()
-    assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
-    programs = len(core.pipe.executables)
-    pred, _ = core.submit(*core.parse({"seed": 3, "num_outputs": 3, "num_inference_steps": 2}))
-    assert pred.done.wait(300), pred.status
-    print(json.dumps({"buckets": core.buckets, "signatures": len(core.signatures()), "programs": programs,
-                      "status": pred.status, "images": len(pred.output or []), "stats": core.batcher.stats,
-                      "after": len(core.pipe.executables)}))
-    core.close()
-"""
-
-
 def test_server_compiles_one_program_per_bucket_and_no_device_idles(tmp_path):
+    """A server's core on the test process's four devices."""
+    from preheat.server.core import Core, CoreConfig
+
     model = save_tiny_pipeline(tmp_path / "pipe")
-    got = json.loads(_run(SERVER, 4, tmp_path / "home", str(model)).splitlines()[-1])
+    core = Core(CoreConfig(model=str(model), max_batch_size=8, devices=4, batch_wait_ms=0)).start()
+    try:
+        assert core.wait_setup(600) and core.setup.status == "succeeded", core.setup.logs
+        programs = len(core.pipe.executables)
+        pred, _ = core.submit(*core.parse({"seed": 3, "num_outputs": 3, "num_inference_steps": 2}))
+        assert pred.done.wait(300), pred.status
+        got = {"buckets": list(core.buckets), "signatures": len(core.signatures()), "programs": programs,
+               "status": pred.status, "images": len(pred.output or []), "stats": core.batcher.stats,
+               "after": len(core.pipe.executables)}
+    finally:
+        core.close()
     assert got["buckets"] == [4, 8]  # multiples of the device count
     assert got["programs"] == got["signatures"] == 4  # guidance off / on x two buckets: one program each
     assert got["status"] == "succeeded" and got["images"] == 3  # 3 images ran in bucket 4, padded

@@ -1,17 +1,14 @@
 """`preheat warm` and the server's background uploads, on the built-in model.
 
-The fleet scenario end to end: a warm job (a fresh process, as in a Docker build step) compiles
-the declared set and pushes it to a moto S3 store; a server on another fresh root pulls every
-program (warm-up all ``aot``) and serves with no compile. Uploads from a server run in the
+The fleet scenario end to end: a warm job (the command, in this process: it waits for its own
+pushes) compiles the declared set and pushes it to a moto S3 store; a server on another fresh root
+and a new compiler pulls every program (warm-up all ``aot``) and serves with no compile. Uploads from a server run in the
 background: a store whose manifest writes are held by a gate shows serving is not held by them
 and that ``Core.close`` waits for them. No assertion depends on timing.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -28,9 +25,6 @@ from preheat.cli import main
 from preheat.server.core import Core, CoreConfig
 from tests._support.gated import GatedStore
 from tests._support.s3_server import s3_server
-
-SRC = str(Path(preheat.__file__).resolve().parents[1])
-
 
 @pytest.fixture(scope="module")
 def s3():
@@ -66,9 +60,8 @@ def test_warm_then_serve_from_the_store_compiles_nothing(s3, tmp_path, monkeypat
     assert len(rows) == 4 and all("local missing, remote missing" in r for r in rows), before.output
     assert {r.split(" batch ")[1].split()[0] for r in rows} == {"1", "2"}
 
-    warm = subprocess.run([sys.executable, "-m", "preheat", "warm", *declaration], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": SRC}, timeout=600)
-    assert warm.returncode == 0, warm.stderr
+    warm = CliRunner().invoke(main, ["warm", *declaration], catch_exceptions=False)  # waits for its pushes
+    assert warm.exit_code == 0, warm.output
     assert "4 signature(s) ready" in warm.stdout
 
     after = CliRunner().invoke(main, ["warm", *declaration, "--dry-run"], catch_exceptions=False)

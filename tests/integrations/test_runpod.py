@@ -84,7 +84,9 @@ def test_concurrent_jobs_share_one_engine_call(core: Core) -> None:
 
 
 def test_sdk_local_test_mode_runs_a_job_offline(model_dir: Path, server_env: dict[str, str], tmp_path: Path) -> None:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PREHEAT_MODEL=str(model_dir), PREHEAT_MAX_BATCH_SIZE="1", **server_env)
+    # the worker declares what the jobs use (batch 1, the model's default guidance: on): one program to warm
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PREHEAT_MODEL=str(model_dir), PREHEAT_MAX_BATCH_SIZE="1",
+               PREHEAT_GUIDANCE="on", **server_env)
     env.pop("RUNPOD_WEBHOOK_GET_JOB", None)
     good = json.dumps({"input": {"class_label": 3, "seed": 2, "num_inference_steps": 2}})
     bad = json.dumps({"input": {"num_outputs": 2}})  # over this worker's max batch of 1

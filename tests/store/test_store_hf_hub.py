@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -121,13 +119,17 @@ def test_plan_lists_files_and_bytes_without_downloading(root, hub):
     assert hub.downloaded() == {"model_index.json": len(FILES["model_index.json"])}
 
 
-def test_cli_dry_run_through_hf_endpoint(root, hub):
-    code = "import sys; from preheat.cli.pull import pull_command; pull_command(sys.argv[1:])"
-    out = subprocess.run([sys.executable, "-c", code, f"hf://{REPO}", "--dry-run", "--variant", "fp16"],
-                         capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PREHEAT_HOME": str(root), "HF_ENDPOINT": hub.base,
-                              "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1"})
-    assert out.returncode == 0, out.stderr
+def test_cli_dry_run_through_hf_endpoint(root, hub, monkeypatch):
+    """`preheat pull --dry-run` in this process (click's CliRunner), the stand-in Hub named the way
+    the other tests here name it (``pointed_at``). HF_ENDPOINT and HF_HUB_OFFLINE read by a fresh
+    process at its start: tests/store/test_store_local_hf.py's CLI test."""
+    from click.testing import CliRunner
+
+    from preheat.cli.pull import pull_command
+
+    monkeypatch.setenv("PREHEAT_HOME", str(root))
+    out = CliRunner().invoke(pull_command, [f"hf://{REPO}", "--dry-run", "--variant", "fp16"])
+    assert out.exit_code == 0, out.output
     lines = out.stdout.splitlines()
     listed = {ln.split()[1]: int(ln.split()[0].replace(",", "")) for ln in lines[:-1]}
     assert listed == {n: len(FILES[n]) for n in FP16}
@@ -136,11 +138,8 @@ def test_cli_dry_run_through_hf_endpoint(root, hub):
     assert [n for n in hub.downloaded() if n.endswith(".safetensors")] == []
     assert not (root / "models" / "refs").exists() or os.listdir(root / "models" / "refs") == []
 
-    bad = subprocess.run([sys.executable, "-c", code, f"hf://{REPO}", "--dry-run", "--variant", "bf16"],
-                         capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PREHEAT_HOME": str(root), "HF_ENDPOINT": hub.base,
-                              "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1"})
-    assert bad.returncode == 1 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
+    bad = CliRunner().invoke(pull_command, [f"hf://{REPO}", "--dry-run", "--variant", "bf16"])
+    assert bad.exit_code == 1 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1, bad.output
 
 
 def test_select_rules():
