@@ -64,14 +64,6 @@ DRY_WIDTH = 64  # --dry: tiny images, 2 steps
 FLUX: dict[str, tuple[int, Optional[float], int]] = {"flux-schnell": (4, None, 256), "flux-dev": (28, 3.5, 512)}
 FLUX_WIDTH = 1024
 FLUX_LOAD = ["--dtype", "bfloat16", "--weights-dtype", "int8", "--weights-layers", "linear", "--encoders-on", "host"]
-# --dry: FLUX.1's layout at a CPU's size (the tests' small folder: tests/test_random_weights.py)
-DRY_FLUX = {"transformer": {"num_layers": 1, "num_single_layers": 2, "num_attention_heads": 2,
-                            "joint_attention_dim": 64, "pooled_projection_dim": 64},
-            "text_encoder_2": {"d_model": 64, "d_ff": 128, "num_layers": 1, "num_heads": 2, "d_kv": 32},
-            "text_encoder": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-                             "num_attention_heads": 2, "projection_dim": 64},
-            "vae": {"block_out_channels": [32, 32], "layers_per_block": 1,
-                    "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2}}
 # `preheat sample` in-process, the chip's memory counters written at exit (its atexit handlers run)
 _WITH_MEMORY = """
 import atexit, json, os, sys
@@ -287,13 +279,13 @@ def _filesystem(path: Path) -> str:
 def _flux_write(args: argparse.Namespace) -> tuple[dict[str, Path], dict[str, Any]]:
     """Both FLUX.1 folders, dev first and schnell hard-linked to it, in a subprocess (no chip); timed."""
     folders = {name: Path(args.work) / f"random-{name}{'-dry' if args.dry else ''}" for name in FLUX}
-    configs = DRY_FLUX if args.dry else None
+    configs = "SMALL_FLUX" if args.dry else "None"  # --dry: FLUX.1's layout at a CPU's size
     code = (f"import sys, time, json; sys.path.insert(0, {str(ROOT / 'src')!r})\n"
-            "from preheat.bench.random_weights import write_random_folder\n"
+            "from preheat.bench.random_weights import SMALL_FLUX, write_random_folder\n"
             "t = time.monotonic()\n"
-            f"write_random_folder('flux-dev', {str(folders['flux-dev'])!r}, configs={configs!r})\n"
+            f"write_random_folder('flux-dev', {str(folders['flux-dev'])!r}, configs={configs})\n"
             "dev = time.monotonic() - t\n"
-            f"write_random_folder('flux-schnell', {str(folders['flux-schnell'])!r}, configs={configs!r}, "
+            f"write_random_folder('flux-schnell', {str(folders['flux-schnell'])!r}, configs={configs}, "
             f"link_from={str(folders['flux-dev'])!r})\n"
             "print(json.dumps({'dev_s': round(dev, 1), 'schnell_s': round(time.monotonic() - t - dev, 1)}))")
     need = 0 if args.dry or (folders["flux-dev"] / "model_index.json").is_file() else FLUX_DEV_BYTES

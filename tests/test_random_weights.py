@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from preheat.bench import random_models as rm
-from preheat.bench.random_weights import write_random_folder
+from preheat.bench.random_weights import SMALL_FLUX, write_random_folder
 from preheat.errors import InvalidArgumentError
 
 TINY_SDXL = {"unet": rm.TINY_SDXL_UNET, "vae": rm.TINY_VAE, "text_encoder": rm.TINY_SDXL_CLIP,
@@ -68,15 +68,7 @@ def _tensors(path):
     return load_file(str(path))
 
 
-# FLUX.1 at full depth is 12 B parameters: the tests write it depth- and width-reduced (a parameter of the
-# writer: a few keys over the published configs), through the same streamed writer and the same loaders.
-SMALL_FLUX = {"transformer": {"num_layers": 1, "num_single_layers": 2, "num_attention_heads": 2,
-                              "joint_attention_dim": 64, "pooled_projection_dim": 64},
-              "text_encoder_2": {"d_model": 64, "d_ff": 128, "num_layers": 1, "num_heads": 2, "d_kv": 32},
-              "text_encoder": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-                               "num_attention_heads": 2, "projection_dim": 64},
-              "vae": {"block_out_channels": [32, 32], "layers_per_block": 1,
-                      "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2}}
+# FLUX.1 at full depth is 12 B parameters: the tests write it depth- and width-reduced (SMALL_FLUX).
 
 
 @pytest.fixture(scope="module")

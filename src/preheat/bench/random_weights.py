@@ -37,7 +37,18 @@ from preheat.bench.random_models import (SD15_TEXT, SD15_UNET, SD15_VAE, SDXL_CL
 from preheat.errors import InvalidArgumentError
 from preheat.files import atomic_write_bytes
 
-__all__ = ["ARCHITECTURES", "write_random_folder", "FLUX_ARCHITECTURES"]
+__all__ = ["ARCHITECTURES", "write_random_folder", "FLUX_ARCHITECTURES", "SMALL_FLUX"]
+
+# FLUX.1's layout at a CPU's size: a few keys over the published configs (``configs=``), for the
+# tests and the accelerator check's dry run, through the same streamed writer and the same loaders
+SMALL_FLUX: dict[str, dict[str, Any]] = {
+    "transformer": {"num_layers": 1, "num_single_layers": 2, "num_attention_heads": 2, "joint_attention_dim": 64,
+                    "pooled_projection_dim": 64},
+    "text_encoder_2": {"d_model": 64, "d_ff": 128, "num_layers": 1, "num_heads": 2, "d_kv": 32},
+    "text_encoder": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+                     "projection_dim": 64},
+    "vae": {"block_out_channels": [32, 32], "layers_per_block": 1, "down_block_types": ["DownEncoderBlock2D"] * 2,
+            "up_block_types": ["UpDecoderBlock2D"] * 2}}
 
 _SD15_SCHEDULER: dict[str, Any] = dict(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085,
                                        beta_end=0.012, steps_offset=1, set_alpha_to_one=False, clip_sample=False,
