@@ -83,15 +83,7 @@ class CoreConfig:
         """The declaration this server warms (the same object ``preheat warm`` compiles)."""
         from preheat.lora import check_lora_ranks
 
-        return WarmSet(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size,
-                       samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
-                       inputs=None if self.inputs is None else tuple(self.inputs),
-                       input_values=self.input_values, devices=self.devices,
-                       fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks),
-                       variant=self.variant, cache=self.cache, weights_dtype=self.weights_dtype,
-                       weights_layers=self.weights_layers, encoders_on=self.encoders_on, progress=self.progress,
-                       config=self.config,
-                       controlnet=self.controlnet, refiner=self.refiner)
+        return WarmSet(**{**_declared(self), "lora_ranks": check_lora_ranks(self.lora_ranks)})
 
     @classmethod
     def from_settings(cls, settings: ServeSettings, warm: WarmSet, names: SettingNames,
@@ -109,18 +101,16 @@ class CoreConfig:
     @classmethod
     def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":
         """A server for the declared set; ``options``: the serving-only fields (queue, limits, ...)."""
-        options.setdefault("devices", warm.devices)
-        options.setdefault("fsdp", warm.fsdp)
-        return cls(model=warm.model, dtype=warm.dtype, variant=warm.variant, cache=warm.cache,
-                   weights_dtype=warm.weights_dtype, weights_layers=warm.weights_layers, encoders_on=warm.encoders_on,
-                   progress=warm.progress,
-                   config=warm.config, controlnet=warm.controlnet, refiner=warm.refiner,
-                   max_batch_size=warm.max_batch_size,
-                   samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance),
-                   inputs=warm.inputs, input_values=warm.input_values, lora_ranks=tuple(warm.lora_ranks),
-                   **options)
+        return cls(**{**_declared(warm), **options})  # options' devices and fsdp over the set's
 
 
+def _declared(source: Any) -> dict[str, Any]:
+    """The warm declaration's fields (``WarmSet``'s, every one a field of CoreConfig too) of ``source``
+    (a WarmSet or a CoreConfig), each list as the tuple both hold (Ray's typed args give lists)."""
+    out = {f.name: getattr(source, f.name) for f in fields(WarmSet)}
+    for name in ("samplers", "sizes", "guidance", "lora_ranks", "inputs"):
+        out[name] = None if out[name] is None else tuple(out[name])
+    return out
 
 
 def address_policy(settings: ServeSettings, kind: str = "webhook") -> Any:
