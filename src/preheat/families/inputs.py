@@ -38,7 +38,7 @@ family; an ``Image`` spec's warm value :data:`WARM_IMAGE` is a placeholder of ea
 A new type is one more class with ``check`` (value -> normalised, or a one-line
 ``InvalidArgumentError`` naming the input, built by ``about`` so that each surface words it with its
 own name for the input), ``schema``, ``from_text`` (a command-line value; the text itself unless the
-type overrides it) and ``python`` (what a pydantic field holds). Surfaces read only these fields: none tests a family's kind by its
+type overrides it); a server's pydantic field is ``preheat.server.inputs``' reading of the type. Surfaces read only these fields: none tests a family's kind by its
 input names.
 """
 
@@ -102,7 +102,6 @@ class Text(_Typed):
     """A string (a prompt)."""
 
     max_length: int = 2000
-    python = str
 
     def check(self, name: str, value: Any) -> str:
         if not isinstance(value, str):
@@ -124,7 +123,6 @@ class Int(_Typed):
     low: int = 0
     high: int | None = None
     multiple: int = 1
-    python = int
 
     def check(self, name: str, value: Any) -> int:
         if self.low == self.high and value != self.low:
@@ -151,7 +149,6 @@ class Float(_Typed):
     low: float | None = None
     high: float | None = None
     low_open: bool = False
-    python = float
 
     def check(self, name: str, value: Any) -> float:
         try:
@@ -186,7 +183,6 @@ class Float(_Typed):
 class Bool(_Typed):
     """A switch (ControlNet's guess_mode): True or False, never a number or a string that looks like one."""
 
-    python = bool
 
     def check(self, name: str, value: Any) -> bool:
         if not isinstance(value, (bool, np.bool_)):
@@ -207,7 +203,6 @@ class Choice(_Typed):
     """One of ``options`` (strings)."""
 
     options: tuple[str, ...]
-    python = str
 
     def check(self, name: str, value: Any) -> str:
         if value not in self.options:
@@ -225,7 +220,6 @@ class Pair(_Typed):
 
     low: int = 0
     high: int | None = None
-    python = tuple
 
     def check(self, name: str, value: Any) -> tuple[int, int]:
         if not isinstance(value, (list, tuple)) or len(value) != 2 or not _ints_within(value, self.low, self.high):
@@ -252,7 +246,6 @@ class Ints(_Typed):
 
     low: int = 0
     high: int | None = None
-    python = tuple
 
     def check(self, name: str, value: Any) -> tuple[int, ...]:
         items = list(value) if isinstance(value, (list, tuple, np.ndarray)) else None
@@ -278,7 +271,6 @@ class Label(_Typed):
 
     count: int | None
     names: tuple[str, ...] = ()
-    python = str  # a surface passes it on as given ("7" or "seven"); check turns it into the index
 
     def check(self, name: str, value: Any) -> int:
         if self.count is None:
@@ -314,7 +306,6 @@ class Image(_Typed):
     to bytes before this check (``preheat.server.fetch``); the CLI passes a path."""
 
     mask: bool = False
-    python = str  # a surface's value: an http(s) URL or a data: URI
 
     def check(self, name: str, value: Any) -> np.ndarray:
         from preheat.image_input import read_image
