@@ -21,27 +21,32 @@ __all__ = ["CoreConfig", "SettingNames", "load_pipeline", "http_options", "fetch
            "check_limits"]
 
 
+def _default(name: str) -> Any:
+    """The declared default of setting ``name`` (``preheat.settings``), which a config field shares."""
+    return SETTINGS[name].default
+
+
 @dataclass
 class CoreConfig:
     model: Optional[str] = None  # a diffusers folder; None = the built-in model
-    backend: str = "jax"
-    compile: str = "none"  # torch backend: none, inductor, aot or regional (preheat.torch.compile)
-    dtype: str = "float32"
+    backend: str = _default("backend")
+    compile: str = _default("compile")  # torch backend: none, inductor, aot or regional (preheat.torch.compile)
+    dtype: str = _default("dtype")
     variant: Optional[str] = None  # weight files *.VARIANT.safetensors
     cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off"
     weights_dtype: Optional[str] = None  # jax: the denoiser's weights stored in this dtype (int8, float8_e4m3fn)
-    weights_layers: str = "layerwise"  # jax: which layers weights_dtype stores
-    encoders_on: str = "device"  # jax: FLUX.1's text encoders kept and run on the host's CPU ("host")
+    weights_layers: str = _default("weights_layers")  # jax: which layers weights_dtype stores
+    encoders_on: str = _default("encoders_on")  # jax: FLUX.1's text encoders kept and run on the host's CPU ("host")
     config: Optional[str] = None  # ``model`` a single .safetensors file, read with this folder's configs
     controlnet: Optional[str] = None  # jax: a ControlNetModel folder beside the UNet (preheat.load(controlnet=...))
     refiner: Optional[str] = None  # jax: an SDXL refiner folder that takes over part-way (preheat.load(refiner=...))
     progress: bool = True  # the programs report each step (streamed step events); off: as `warm --target` compiles
-    max_batch_size: int = 8
+    max_batch_size: int = _default("max_batch_size")
     devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
-    fsdp: int = 1  # jax: the devices each weight is split over (1: copied to each)
-    batch_wait_ms: float = 10.0
-    max_queue: int = 64  # predictions waiting (not running); more -> QueueFull
-    max_steps: int = 200
+    fsdp: int = _default("fsdp")  # jax: the devices each weight is split over (1: copied to each)
+    batch_wait_ms: float = _default("batch_wait_ms")
+    max_queue: int = _default("max_queue")  # predictions waiting (not running); more -> QueueFull
+    max_steps: int = _default("max_steps")
     max_guidance: float = 50.0
     samplers: tuple[str, ...] = ()  # offered (and warmed) samplers; () = the model's default only
     sizes: tuple[tuple[int, int], ...] = ()  # text-to-image: served (width, height); () = the model's default
@@ -54,9 +59,9 @@ class CoreConfig:
     input_values: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     keep_finished: int = 1000  # finished predictions kept for GET / PUT retries
     guidance: tuple[str, ...] = GUIDANCE_MODES  # warmed guidance modes ("on" only where the model can guide)
-    push_grace_s: float = 30.0  # at close(), how long background uploads to the store may take
+    push_grace_s: float = _default("push_grace_s")  # at close(), how long background uploads to the store may take
     lora_ranks: tuple[int, ...] = ()  # LoRA rank buckets warmed (preheat.lora.BUCKETS); others compile on first use
-    max_loras: int = 8  # LoRAs held ready (read, and their factors on the device), least recently used out
+    max_loras: int = _default("max_loras")  # LoRAs held ready (read, factors on the device), least recently used out
     lora_dir: Optional[str] = None  # requests' local LoRA files only from under this folder (None: no local files)
     lora_urls: Any = None  # server.webhooks.WebhookPolicy for requests' http(s) LoRA URLs (None: public only)
     fetch: Any = None  # server.fetch.FetchConfig: timeouts, size caps, slots of those fetches (None: defaults)
