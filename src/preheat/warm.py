@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from preheat.errors import InvalidArgumentError
 
-__all__ = ["WarmSet", "WarmSignature", "buckets_for", "bucket_for", "served_call", "ServedCall", "resolve",
+__all__ = ["WarmSet", "WarmSignature", "buckets_for", "bucket_for", "served_call", "ServedCall", "resolve", "load_keywords",
            "signatures", "run_signature", "status", "programs", "prefetch_calls", "warm", "offered_inputs", "OfferedInputs", "SettingNames",
            "parse_sizes", "parse_lora_ranks", "parse_input_values"]
 
@@ -135,6 +135,15 @@ def companions(settings: Any) -> dict[str, str]:
     """The second model folders ``settings`` (a WarmSet, a server's CoreConfig, a CLI call's options)
     names, as ``preheat.load`` keywords: only those given."""
     return {name: getattr(settings, name) for name in COMPANIONS if getattr(settings, name) is not None}
+
+
+def load_keywords(declared: Any) -> dict[str, Any]:
+    """The ``preheat.load`` keywords (beside the model and ``prefetch``) of a declaration (a WarmSet,
+    a server's CoreConfig): what a warm job and a server load alike, so that their programs agree."""
+    return dict(dtype=declared.dtype, variant=declared.variant, cache=declared.cache, devices=declared.devices,
+                fsdp=declared.fsdp, weights_dtype=declared.weights_dtype, weights_layers=declared.weights_layers,
+                encoders_on=declared.encoders_on, **({} if declared.config is None else {"config": declared.config}),
+                **companions(declared))
 
 
 @dataclass(frozen=True)

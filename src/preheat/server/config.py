@@ -163,15 +163,10 @@ def load_pipeline(config: CoreConfig) -> Any:
         if config.compile != "none":
             raise InvalidArgumentError(f"--compile {config.compile} applies to --backend torch")
         import preheat
-        from preheat.warm import companions, prefetch_calls
+        from preheat.warm import load_keywords, prefetch_calls
 
         # the warm-up's executables load while the weights are read
-        return preheat.load(config.model, dtype=config.dtype, variant=config.variant, cache=config.cache,
-                            weights_dtype=config.weights_dtype, weights_layers=config.weights_layers,
-                            encoders_on=config.encoders_on,
-                            **({} if config.config is None else {"config": config.config}),
-                            **companions(config),
-                            devices=config.devices, fsdp=config.fsdp, prefetch=prefetch_calls(config.warm_set()))
+        return preheat.load(config.model, **load_keywords(config), prefetch=prefetch_calls(config.warm_set()))
     if config.backend == "torch":
         if config.weights_dtype is not None:
             raise InvalidArgumentError("--weights-dtype applies to --backend jax", argument="--weights-dtype")
