@@ -52,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
@@ -60,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 from ray import serve
 
 from preheat.errors import InvalidArgumentError, PreheatError
-from preheat.server.config import CoreConfig
+from preheat.server.config import CoreConfig, log_to_stderr
 from preheat.settings import ENV_SETTINGS, SETTINGS, typed_setting
 from preheat.warm import SettingNames
 
@@ -259,16 +258,6 @@ def _replica_id() -> str:
         return f"pid{os.getpid()}"
 
 
-def _log_to_stderr() -> None:
-    logger = logging.getLogger("preheat.server")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s preheat: %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-
-
 @serve.deployment(name="Preheat")
 @serve.ingress()
 class Preheat:
@@ -277,7 +266,7 @@ class Preheat:
     def __init__(self, options: dict[str, Any], names: SettingNames) -> None:
         from preheat.server.core import Core
 
-        _log_to_stderr()
+        log_to_stderr("info")
         self.options = replace(RayOptions.from_args(options), names=names)  # set-up errors name them so
         self.replica = _replica_id()
         if self.options.cache_home:

@@ -16,7 +16,7 @@ from preheat.settings import (ENV_SETTINGS, LIMITS, RETUNE_IDLE_S, SETTINGS, Ser
 from preheat.warm import GUIDANCE_MODES, SettingNames, WarmSet
 
 # the declaration's tables and parsers (``preheat.settings``), where the config's readers import them
-__all__ = ["CoreConfig", "SettingNames", "load_pipeline", "http_options", "fetch_config", "address_policy",
+__all__ = ["CoreConfig", "SettingNames", "load_pipeline", "http_options", "fetch_config", "address_policy", "log_to_stderr",
            "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting", "RETUNE_IDLE_S", "parse_idle_s", "LIMITS",
            "check_limits"]
 
@@ -154,6 +154,21 @@ def http_options(settings: ServeSettings, token: Optional[str]) -> dict[str, Any
                 max_body_bytes=settings.max_body_bytes, header_timeout_s=settings.header_timeout_s,
                 body_timeout_s=settings.body_timeout_s, max_header_bytes=settings.max_header_bytes,
                 max_headers=settings.max_headers, keep_alive_on_failure=settings.keep_alive_on_failure)
+
+
+def log_to_stderr(level: str) -> None:
+    """The server's log lines (``preheat.server``) to stderr at ``level`` (info, ...), timestamped, once
+    per process however often it is asked (``preheat serve``, each Ray replica)."""
+    import logging
+    import sys
+
+    logger = logging.getLogger("preheat.server")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s preheat: %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
 
 
 def load_pipeline(config: CoreConfig) -> Any:
