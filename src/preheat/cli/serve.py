@@ -61,7 +61,7 @@ def serve_command(**given: Any) -> None:
     wins. Set PREHEAT_API_TOKEN to require `Authorization: Bearer <token>` (all but /health-check).
     """
     from preheat.errors import InvalidArgumentError
-    from preheat.server.config import CoreConfig, http_options, log_to_stderr
+    from preheat.server.config import CoreConfig, check_backend, http_options, log_to_stderr
     from preheat.warm import SettingNames
 
     settings = settings_given(given)
@@ -74,11 +74,7 @@ def serve_command(**given: Any) -> None:
     http = http_options(settings, token)
     backend = settings.backend
     _check_backend(backend)
-    if settings.compile != "none" and backend != "torch":
-        raise InvalidArgumentError(f"--compile {settings.compile} applies to --backend torch")
-    if settings.weights_dtype is not None and backend != "jax":
-        label = name_of("weights_dtype")
-        raise InvalidArgumentError(f"{label} applies to --backend jax", argument=label)
+    check_backend(settings, name_of("weights_dtype"))
     # PREHEAT_DEVICES is the JAX engine's own default wherever it is set (preheat.load), so only a
     # --devices flag is refused for torch; an --fsdp split is refused however it was given
     devices_flag = settings.devices is not None and name_of("devices") == flag_of("devices")

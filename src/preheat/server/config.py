@@ -16,8 +16,8 @@ from preheat.settings import (ENV_SETTINGS, LIMITS, RETUNE_IDLE_S, SETTINGS, Ser
 from preheat.warm import GUIDANCE_MODES, SettingNames, WarmSet
 
 # the declaration's tables and parsers (``preheat.settings``), where the config's readers import them
-__all__ = ["CoreConfig", "SettingNames", "load_pipeline", "http_options", "fetch_config", "address_policy", "log_to_stderr",
-           "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting", "RETUNE_IDLE_S", "parse_idle_s", "LIMITS",
+__all__ = ["CoreConfig", "SettingNames", "load_pipeline", "check_backend", "http_options", "fetch_config",
+           "address_policy", "log_to_stderr", "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting", "RETUNE_IDLE_S", "parse_idle_s", "LIMITS",
            "check_limits"]
 
 
@@ -171,27 +171,32 @@ def log_to_stderr(level: str) -> None:
     logger.propagate = False
 
 
+def check_backend(config: Any, weights_dtype: str = "--weights-dtype") -> None:
+    """What applies to one backend only, given for another (``--compile`` is torch's, ``--weights-dtype``
+    jax's: named ``weights_dtype``, as the user gave it), or an unknown backend: one line, before anything loads."""
+    if config.backend not in ("jax", "torch"):
+        raise InvalidArgumentError(f"unknown backend {config.backend!r}; use jax or torch")
+    if config.compile != "none" and config.backend != "torch":
+        raise InvalidArgumentError(f"--compile {config.compile} applies to --backend torch")
+    if config.weights_dtype is not None and config.backend != "jax":
+        raise InvalidArgumentError(f"{weights_dtype} applies to --backend jax", argument=weights_dtype)
+
+
 def load_pipeline(config: CoreConfig) -> Any:
     """The engine for ``config.backend``; a one-line ``InvalidArgumentError`` for an unusable backend."""
-
+    check_backend(config)
     if config.backend == "jax":
-        if config.compile != "none":
-            raise InvalidArgumentError(f"--compile {config.compile} applies to --backend torch")
         import preheat
         from preheat.warm import load_keywords, prefetch_calls
 
         # the warm-up's executables load while the weights are read
         return preheat.load(config.model, **load_keywords(config), prefetch=prefetch_calls(config.warm_set()))
-    if config.backend == "torch":
-        if config.weights_dtype is not None:
-            raise InvalidArgumentError("--weights-dtype applies to --backend jax", argument="--weights-dtype")
-        try:
-            from preheat.backends.torch import load_torch_pipeline
-        except ImportError as err:
-            raise InvalidArgumentError(f"--backend torch needs the torch extra ({err})") from None
-        from preheat.warm import companions
+    try:
+        from preheat.backends.torch import load_torch_pipeline
+    except ImportError as err:
+        raise InvalidArgumentError(f"--backend torch needs the torch extra ({err})") from None
+    from preheat.warm import companions
 
-        return load_torch_pipeline(config.model, dtype=config.dtype, compile=config.compile, variant=config.variant,
-                                   cache=config.cache, **({} if config.config is None else {"config": config.config}),
-                                   **companions(config))
-    raise InvalidArgumentError(f"unknown backend {config.backend!r}; use jax or torch")
+    return load_torch_pipeline(config.model, dtype=config.dtype, compile=config.compile, variant=config.variant,
+                               cache=config.cache, **({} if config.config is None else {"config": config.config}),
+                               **companions(config))
