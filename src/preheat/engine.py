@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -289,14 +290,12 @@ class Pipeline:
         """(sig, args) as the mesh runs them: the batch padded to a multiple of the device count,
         the fields ``args`` names in its ``BATCHED`` split over ``data``, the rest replicated
         (``preheat.families.stages``, ``preheat.sharding.batch_specs``)."""
-        from dataclasses import replace
-
         from preheat.sharding import batch_specs, pad_batch, padded, place
 
         specs = batch_specs(args, self.mesh)
         to = padded(sig.batch, self.mesh)
         args = place(pad_batch(args, specs, sig.batch, to), specs, self.mesh)
-        return (sig if to == sig.batch else replace(sig, batch=to)), args
+        return (sig if to == sig.batch else dataclasses.replace(sig, batch=to)), args
 
     def _placed(self, stage: Stage) -> Stage:
         """``stage`` as it runs: on a mesh, its arguments placed and its batch padded (:meth:`place`);
@@ -430,8 +429,6 @@ def _pixel() -> Family:
 def make_compiler(cache: str | None = None) -> Any:
     """The compile cache for this process: ``cache`` (or ``$PREHEAT_CACHE``) is "full" (default),
     "xla" (JAX's persistent cache only) or "off". Configures JAX's cache before any compile."""
-    import os
-
     mode = cache or os.environ.get("PREHEAT_CACHE", "full")
     if mode not in ("full", "xla", "off"):
         raise InvalidArgumentError(f"cache mode {mode!r} is not supported; use full, xla or off", argument="cache")
@@ -514,13 +511,12 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
         check_weights_dtype(weights_dtype, mesh, weights_layers)  # an unknown dtype, or devices that cannot hold it, fail here
 
     from preheat.families import family_loader
+    from preheat.file_configs import converted_folder
     from preheat.models.load_report import recording
     from preheat.models.weights import DeferredFills, LoadOptions
 
     root = model_root(model, variant)  # hf://: that variant only
     reading: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    from preheat.file_configs import converted_folder
-
     converted = converted_folder(model, root, config, variant)  # a single file: its diffusers folder
     if converted is not None:  # a misfit names the file, not the folder; its files have no variant
         root, reading, variant = converted.root, converted.reading, None

@@ -25,25 +25,27 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple, Optional
 
-__all__ = ["WarmSet", "WarmSignature", "buckets_for", "bucket_for", "served_call", "ServedCall", "resolve",
+from preheat.errors import InvalidArgumentError
+
+__all__ = ["WarmSet", "WarmSignature", "buckets_for", "bucket_for", "served_call", "ServedCall", "resolve", "load_keywords",
            "signatures", "run_signature", "status", "programs", "prefetch_calls", "warm", "offered_inputs", "OfferedInputs", "SettingNames",
            "parse_sizes", "parse_lora_ranks", "parse_input_values"]
 
 GUIDANCE_MODES = ("off", "on")
 
 
+def _entries(text: Optional[str], sep: str = ",") -> list[str]:
+    """The non-blank entries of a ``sep``-separated list as given (``None``: none), stripped."""
+    return [item.strip() for item in (text or "").split(sep) if item.strip()]
+
+
 def parse_sizes(text: Optional[str], name: str = "--sizes") -> tuple[tuple[int, int], ...]:
     """``512x512,768x512`` -> ((512, 512), (768, 512)): ``preheat serve --sizes`` and Runpod's
     ``PREHEAT_SIZES``. A malformed entry fails in one line naming ``name`` (what the user wrote)."""
     out = []
-    for item in (text or "").split(","):
-        item = item.strip().lower()
-        if not item:
-            continue
+    for item in _entries((text or "").lower()):
         w, sep, h = item.partition("x")
         if not sep or not w.isdigit() or not h.isdigit() or int(w) <= 0 or int(h) <= 0:
-            from preheat.errors import InvalidArgumentError
-
             raise InvalidArgumentError(f"{name} {item!r} must be WIDTHxHEIGHT, e.g. 512x512", argument=name)
         out.append((int(w), int(h)))
     return tuple(dict.fromkeys(out))
@@ -52,16 +54,10 @@ def parse_sizes(text: Optional[str], name: str = "--sizes") -> tuple[tuple[int, 
 def parse_lora_ranks(text: Optional[str], name: str = "--lora-ranks") -> tuple[int, ...]:
     """``16,32`` -> (16, 32): ``--lora-ranks`` and Runpod's ``PREHEAT_LORA_RANKS`` (that each is a
     rank bucket is ``preheat.lora.check_lora_ranks``'s to say). A malformed entry fails in one line."""
-    out = []
-    for item in (text or "").split(","):
-        item = item.strip()
-        if item:
-            if not item.isdigit():
-                from preheat.errors import InvalidArgumentError
-
-                raise InvalidArgumentError(f"{name} {item!r} must be rank buckets, e.g. 16,32")
-            out.append(int(item))
-    return tuple(dict.fromkeys(out))
+    for item in _entries(text):
+        if not item.isdigit():
+            raise InvalidArgumentError(f"{name} {item!r} must be rank buckets, e.g. 16,32")
+    return tuple(dict.fromkeys(int(item) for item in _entries(text)))
 
 
 def parse_input_values(text: Optional[str], name: str = "--input-values") -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -69,16 +65,11 @@ def parse_input_values(text: Optional[str], name: str = "--input-values") -> tup
     "512")),): ``--input-values`` and ``PREHEAT_INPUT_VALUES``, the served values of a model's
     static inputs. The names and values are typed and checked against the family at set-up
     (``resolve``); a malformed entry, or a name given twice, fails here in one line naming ``name``."""
-    from preheat.errors import InvalidArgumentError
-
     out: dict[str, tuple[str, ...]] = {}
-    for item in (text or "").split(";"):
-        item = item.strip()
-        if not item:
-            continue
+    for item in _entries(text, ";"):
         key, sep, values = item.partition("=")
         key = key.strip()
-        listed = tuple(dict.fromkeys(v.strip() for v in values.split(",") if v.strip()))
+        listed = tuple(dict.fromkeys(_entries(values)))
         if not sep or not key or not listed:
             raise InvalidArgumentError(f"{name} {item!r} must be NAME=VALUE,..., e.g. max_sequence_length=256,512",
                                        argument=name)
@@ -104,8 +95,6 @@ def buckets_for(max_batch_size: int, devices: int = 1) -> tuple[int, ...]:
 
 def bucket_for(buckets: tuple[int, ...], n: int) -> int:
     """The compiled batch a server pads ``n`` images to: the smallest bucket that holds them."""
-    from preheat.errors import InvalidArgumentError
-
     for b in buckets:
         if b >= n:
             return b
@@ -148,6 +137,15 @@ def companions(settings: Any) -> dict[str, str]:
     return {name: getattr(settings, name) for name in COMPANIONS if getattr(settings, name) is not None}
 
 
+def load_keywords(declared: Any) -> dict[str, Any]:
+    """The ``preheat.load`` keywords (beside the model and ``prefetch``) of a declaration (a WarmSet,
+    a server's CoreConfig): what a warm job and a server load alike, so that their programs agree."""
+    return dict(dtype=declared.dtype, variant=declared.variant, cache=declared.cache, devices=declared.devices,
+                fsdp=declared.fsdp, weights_dtype=declared.weights_dtype, weights_layers=declared.weights_layers,
+                encoders_on=declared.encoders_on, **({} if declared.config is None else {"config": declared.config}),
+                **companions(declared))
+
+
 @dataclass(frozen=True)
 class WarmSet:
     """The declared set: model, dtype, batch buckets (from ``max_batch_size``), samplers (() =
@@ -188,8 +186,6 @@ class WarmSet:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        from preheat.errors import InvalidArgumentError
-
         # that each is one of preheat.lora.BUCKETS is checked by the surfaces (check_lora_ranks)
         object.__setattr__(self, "lora_ranks", tuple(sorted(set(self.lora_ranks))))  # smallest first (bucket_for)
         if self.inputs is not None:  # the names are checked against the family in resolve()
@@ -270,7 +266,6 @@ def resolve(pipe: Any, warm_set: WarmSet, names: SettingNames = SettingNames()) 
     unusable size, or an input the family does not declare, fails here, in one line, before
     anything compiles. The line names the setting as the user gave it (``names``: the command
     line's ``--inputs`` unless the surface read it elsewhere, as Runpod's ``PREHEAT_INPUTS``)."""
-    from preheat.errors import InvalidArgumentError
     from preheat.families.offer import check_input_values, check_offered
 
     inputs = check_offered(pipe.family.name, _specs(pipe), warm_set.inputs, names.inputs)
@@ -355,8 +350,6 @@ def _guidance_modes(pipe: Any, warm_set: WarmSet) -> list[tuple[float, bool]]:
     set: "off" is 1.0; "on" is the model's default scale where that guides, else 2.0 -- and for a
     model whose guidance is not CFG (FLUX.1's embedded scale, or none), its default: its guided
     variants are those whose inputs turn CFG on (a negative prompt and ``true_cfg_scale``)."""
-    from preheat.errors import InvalidArgumentError
-
     modes = [(1.0, False)] if "off" in warm_set.guidance else []
     if "on" in warm_set.guidance:
         default = pipe.defaults.get("guidance")
@@ -374,8 +367,6 @@ def _runs(pipe: Any, guidance: float, variant: dict[str, Any], guided: bool) -> 
     """Whether a warm variant's call runs the mode it is warmed for (an unguided model's variant
     without the inputs that guide it is the "off" program, not an "on" one); a variant the model
     refuses (guided calls of a class model without a null class) runs none."""
-    from preheat.errors import InvalidArgumentError
-
     try:
         return pipe.is_guided(guidance, **variant) == guided
     except InvalidArgumentError:
@@ -386,8 +377,6 @@ def _served(pipe: Any, sampler: str, guidance: float, size: Optional[tuple[int, 
             given: tuple[tuple[str, Any], ...]) -> bool:
     """Whether the model takes this variant with this sampler (an image variant it refuses for a
     sampler -- a mask it cannot blend -- is refused at parse time too, so there is nothing to warm)."""
-    from preheat.errors import InvalidArgumentError
-
     if not any(name in _image_inputs(pipe) for name, _ in given):
         return True  # text-to-image variants: resolve() has checked them
     sized = {} if size is None else _size_inputs(size)
@@ -455,22 +444,23 @@ def run_signature(pipe: Any, sig: WarmSignature) -> None:
 def status(pipe: Any, sig: WarmSignature, remote: Any = None) -> dict[str, Any]:
     """The denoising program's cache key and whether it is cached locally and (with a store)
     remotely, without compiling or running anything (``Pipeline.describe``)."""
-    from preheat.cache.keys import key_of
-
     denoise = next(s for s in pipe.describe(sig.bucket, **call_inputs(pipe, sig)) if s.name == "denoise")
-    key = key_of(_fields_for(pipe)(denoise.fingerprint, denoise.sig, denoise.args))
-    local = pipe.compiler is not None and (pipe.compiler.kind_dir / key / "manifest.json").is_file()
-    out: dict[str, Any] = {"key": key, "local": bool(local), "remote": None}
-    if remote is not None:
-        out["remote"] = remote.has("jax", key)
+    out = _program(pipe, denoise, remote)
+    del out["stage"]
     return out
 
 
-def _fields_for(pipe: Any) -> Callable[..., dict[str, Any]]:
-    """How the pipeline's compiler keys a program (a ``--target`` compiler keys it for its GPU)."""
-    from preheat.cache.keys import key_fields
+def _program(pipe: Any, stage: Any, remote: Any) -> dict[str, Any]:
+    """One described stage's ``{"stage", "key", "local", "remote"}``: its key as the pipeline's
+    compiler makes it (a ``--target`` compiler keys it for its GPU), whether an entry of it is in
+    the local cache, and in the store (None without one)."""
+    from preheat.cache.keys import key_fields, key_of
 
-    return pipe.compiler.fields_for if pipe.compiler is not None else key_fields
+    fields_for = pipe.compiler.fields_for if pipe.compiler is not None else key_fields
+    key = key_of(fields_for(stage.fingerprint, stage.sig, stage.args))
+    local = pipe.compiler is not None and (pipe.compiler.kind_dir / key / "manifest.json").is_file()
+    return {"stage": stage.name, "key": key, "local": bool(local),
+            "remote": None if remote is None else remote.has("jax", key)}
 
 
 def programs(pipe: Any, sig: WarmSignature, remote: Any = None) -> list[dict[str, Any]]:
@@ -478,16 +468,7 @@ def programs(pipe: Any, sig: WarmSignature, remote: Any = None) -> list[dict[str
     loop and its VAE decoder; a pixel family's loop -- as ``{"stage", "key", "local", "remote"}``
     (``remote`` None without a store), in the order they run. Nothing is compiled or run on the
     device: the call is described (``Pipeline.describe``)."""
-    from preheat.cache.keys import key_of
-
-    fields_for = _fields_for(pipe)
-    out = []
-    for stage in pipe.describe(sig.bucket, **call_inputs(pipe, sig)):
-        key = key_of(fields_for(stage.fingerprint, stage.sig, stage.args))
-        local = pipe.compiler is not None and (pipe.compiler.kind_dir / key / "manifest.json").is_file()
-        out.append({"stage": stage.name, "key": key, "local": bool(local),
-                    "remote": None if remote is None else remote.has("jax", key)})
-    return out
+    return [_program(pipe, stage, remote) for stage in pipe.describe(sig.bucket, **call_inputs(pipe, sig))]
 
 
 def prefetch_calls(warm_set: WarmSet) -> Callable[[Any], list[dict[str, Any]]]:

@@ -5,7 +5,6 @@ Importing this module is cheap (no JAX, FastAPI or uvicorn until a command runs)
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from typing import Any
@@ -18,16 +17,6 @@ from preheat.cli.settings_env import SettingsCommand, flag_of, names_of, setting
 __all__ = ["serve_command"]
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _setup_logging(level: str) -> None:
-    logger = logging.getLogger("preheat.server")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s preheat: %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-    logger.setLevel(level.upper())
-    logger.propagate = False
 
 
 def _check_backend(backend: str) -> None:
@@ -72,7 +61,7 @@ def serve_command(**given: Any) -> None:
     wins. Set PREHEAT_API_TOKEN to require `Authorization: Bearer <token>` (all but /health-check).
     """
     from preheat.errors import InvalidArgumentError
-    from preheat.server.config import CoreConfig, http_options
+    from preheat.server.config import CoreConfig, check_backend, http_options, log_to_stderr
     from preheat.warm import SettingNames
 
     settings = settings_given(given)
@@ -85,11 +74,7 @@ def serve_command(**given: Any) -> None:
     http = http_options(settings, token)
     backend = settings.backend
     _check_backend(backend)
-    if settings.compile != "none" and backend != "torch":
-        raise InvalidArgumentError(f"--compile {settings.compile} applies to --backend torch")
-    if settings.weights_dtype is not None and backend != "jax":
-        label = name_of("weights_dtype")
-        raise InvalidArgumentError(f"{label} applies to --backend jax", argument=label)
+    check_backend(settings, name_of("weights_dtype"))
     # PREHEAT_DEVICES is the JAX engine's own default wherever it is set (preheat.load), so only a
     # --devices flag is refused for torch; an --fsdp split is refused however it was given
     devices_flag = settings.devices is not None and name_of("devices") == flag_of("devices")
@@ -98,7 +83,7 @@ def serve_command(**given: Any) -> None:
     if settings.host not in _LOOPBACK and token is None:
         click.echo(f"warning: serving on {settings.host} without PREHEAT_API_TOKEN; anyone who can reach it can use "
                    "it", err=True)
-    _setup_logging(settings.log_level)
+    log_to_stderr(settings.log_level)
 
     if settings.address is not None or settings.replicas != 1 or settings.gpus_per_replica:
         if not settings.on_ray:

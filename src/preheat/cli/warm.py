@@ -68,11 +68,7 @@ def warm_command(dry_run: bool, as_json: bool, push_timeout_s: float, target_spe
     if target_spec is not None:
         target, warm_set = _target_compiles(target_spec, warm_set, settings.progress, name_of)
     # what is cached already loads while the weights are read (a dry run, or a --target one, loads nothing)
-    pipe = preheat.load(warm_set.model, dtype=warm_set.dtype, variant=warm_set.variant, cache=warm_set.cache,
-                        devices=warm_set.devices, fsdp=warm_set.fsdp, weights_dtype=warm_set.weights_dtype,
-                        weights_layers=warm_set.weights_layers, encoders_on=warm_set.encoders_on,
-                        **({} if warm_set.config is None else {"config": warm_set.config}),
-                        **warming.companions(warm_set),
+    pipe = preheat.load(warm_set.model, **warming.load_keywords(warm_set),
                         prefetch=None if dry_run or target else warming.prefetch_calls(warm_set))
     if target is not None:
         from preheat.cache.compile import TargetCompiler

@@ -89,8 +89,9 @@ class Loader(NamedTuple):
     takes: frozenset[str]
 
 
-def family_loader(root: Path) -> Loader:
-    """The loader for the folder's family, or a one-line error naming the supported classes."""
+def _entry_of(root: Path) -> tuple[Any, FamilyEntry, Optional[Family]]:
+    """The folder's family module (imported), its entry and the family instance the entry names
+    (None: none), or a one-line error naming the supported classes."""
     import importlib
 
     name = class_name_of(root)
@@ -100,23 +101,21 @@ def family_loader(root: Path) -> Loader:
     entry = FAMILY_OF_CLASS[name]
     module = importlib.import_module(entry[0])
     family = getattr(module, entry[2]) if len(entry) > 2 and entry[2] else None
-    return Loader(getattr(module, entry[1]), family.loader_takes if isinstance(family, Family) else frozenset())
+    return module, entry, family if isinstance(family, Family) else None
+
+
+def family_loader(root: Path) -> Loader:
+    """The loader for the folder's family, or a one-line error naming the supported classes."""
+    module, entry, family = _entry_of(root)
+    return Loader(getattr(module, entry[1]), frozenset() if family is None else family.loader_takes)
 
 
 def declared_family(root: Path) -> Optional[Family]:
     """The folder's family as its module declares it and its configs refine it (``Family.for_folder``:
     an SDXL refiner's index), without reading a weight (a process that only passes the folder on: a
     bench's parent); None when the entry names no instance."""
-    import importlib
-
-    name = class_name_of(root)
-    if name not in FAMILY_OF_CLASS:
-        family_loader(root)  # the one-line error naming the supported classes
-    entry = FAMILY_OF_CLASS[name]
-    if len(entry) < 3 or not entry[2]:
-        return None
-    family = getattr(importlib.import_module(entry[0]), entry[2])
-    return family.for_folder(root) if isinstance(family, Family) else None
+    family = _entry_of(root)[2]
+    return None if family is None else family.for_folder(root)
 
 
 def declared_families() -> list[Family]:

@@ -27,13 +27,14 @@ and the mask's content and the strength are data; the size is static.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 
 from preheat.families import image as image_input
-from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
+from preheat.families.base import Conditioning, EngineView, Request
 from preheat.families.flux import MAX_SEQUENCE_LENGTH, PROMPT_2, FluxFamily, load_flux
 from preheat.families.image import IMAGE, MASK_IMAGE, STRENGTH
 from preheat.families.inputs import WARM_IMAGE, InputSpec
@@ -99,11 +100,5 @@ class FluxFillFamily(FluxFamily):
 
 FILL = FluxFillFamily()
 
-
-def load_flux_fill(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
-                   offload_encoders: bool = False, options: Any = None,
-                   encoders_on: str = "device") -> LoadedModel:
-    """A ``FluxFillPipeline`` folder (FLUX.1 Fill dev and fine-tunes of it); ``options``:
-    ``preheat.models.weights.LoadOptions``, as for every family loader."""
-    return load_flux(root, scheduler=scheduler, dtype=dtype, variant=variant, offload_encoders=offload_encoders,
-                     options=options, family=FILL, encoders_on=encoders_on)
+# A FluxFillPipeline folder (FLUX.1 Fill dev and fine-tunes of it): a FLUX.1 folder's parts
+load_flux_fill = functools.partial(load_flux, family=FILL)

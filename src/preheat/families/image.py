@@ -69,10 +69,7 @@ class Strength(Float):
             raise InvalidArgumentError.about("{0}={value!r} must be a number in (0, 1]", name, value=value) from None
         if isinstance(value, bool) or not np.isfinite(f) or not 0.0 < f <= 1.0:
             raise InvalidArgumentError.about("{0}={value!r} is outside (0, 1]", name, value=value)
-        return f
-
-    def schema(self) -> dict[str, Any]:
-        return {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0}
+        return f  # its schema: Float's, of these bounds
 
 
 # the surfaces derive from these: Cog's ``image`` / ``mask`` fields, ``--image`` / ``--mask`` /

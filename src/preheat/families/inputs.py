@@ -37,8 +37,8 @@ family; an ``Image`` spec's warm value :data:`WARM_IMAGE` is a placeholder of ea
 
 A new type is one more class with ``check`` (value -> normalised, or a one-line
 ``InvalidArgumentError`` naming the input, built by ``about`` so that each surface words it with its
-own name for the input), ``schema``, ``from_text`` (a command-line value)
-and ``python`` (what a pydantic field holds). Surfaces read only these fields: none tests a family's kind by its
+own name for the input), ``schema``, ``from_text`` (a command-line value; the text itself unless the
+type overrides it); a server's pydantic field is ``preheat.server.inputs``' reading of the type. Surfaces read only these fields: none tests a family's kind by its
 input names.
 """
 
@@ -51,6 +51,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from preheat.env import FALSE_VALUES, TRUE_VALUES
 from preheat.errors import InvalidArgumentError
 
 __all__ = ["InputSpec", "CliForm", "Text", "Int", "Float", "Bool", "Choice", "Pair", "Ints", "Label", "Image",
@@ -62,21 +63,45 @@ __all__ = ["InputSpec", "CliForm", "Text", "Int", "Float", "Bool", "Choice", "Pa
 def check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
     """An int in [low, high], or a one-line InvalidArgumentError naming ``name``."""
     bound = f"an int in [{low}, {high}]" if high is not None else ("a positive int" if low == 1 else f"an int >= {low}")
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
-            low <= int(value) and (high is None or int(value) <= high)):
+    if not _ints_within((value,), low, high):
         raise InvalidArgumentError.about("{0}={value!r} must be {bound}{what}", name, value=value, bound=bound, what=what)
     return int(value)
+
+
+def _ints_within(items: Sequence[Any], low: int, high: int | None) -> bool:
+    """Whether every item is an int (not a bool) in [low, high] (None: unbounded)."""
+    return all(not isinstance(v, bool) and isinstance(v, (int, np.integer)) and v >= low
+               and (high is None or v <= high) for v in items)
+
+
+def _int_schema(low: int, high: int | None) -> dict[str, Any]:
+    """The JSON schema of an int in [low, high] (None: unbounded)."""
+    return {"type": "integer", "minimum": low, **({} if high is None else {"maximum": high})}
+
+
+def _from_text(name: str, text: str, parse: Any, what: str) -> Any:
+    """``parse(text)``, or a one-line InvalidArgumentError naming ``name``: it ``must be {what}``."""
+    try:
+        return parse(text)
+    except ValueError:
+        raise InvalidArgumentError(f"{name} {text!r} must be {what}", argument=name) from None
 
 
 # ------------------------------------------------------------------------------------ types
 
 
+class _Typed:
+    """What every input type shares: a command-line value is the text itself unless the type says otherwise."""
+
+    def from_text(self, name: str, text: str) -> Any:
+        return text
+
+
 @dataclass(frozen=True)
-class Text:
+class Text(_Typed):
     """A string (a prompt)."""
 
     max_length: int = 2000
-    python = str
 
     def check(self, name: str, value: Any) -> str:
         if not isinstance(value, str):
@@ -90,18 +115,14 @@ class Text:
     def schema(self) -> dict[str, Any]:
         return {"type": "string", "maxLength": self.max_length}
 
-    def from_text(self, name: str, text: str) -> str:
-        return text
-
 
 @dataclass(frozen=True)
-class Int:
+class Int(_Typed):
     """An int in [low, high] (None: unbounded), a multiple of ``multiple``."""
 
     low: int = 0
     high: int | None = None
     multiple: int = 1
-    python = int
 
     def check(self, name: str, value: Any) -> int:
         if self.low == self.high and value != self.low:
@@ -114,29 +135,20 @@ class Int:
         return value
 
     def schema(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": "integer", "minimum": self.low}
-        if self.high is not None:
-            out["maximum"] = self.high
-        if self.multiple > 1:
-            out["multipleOf"] = self.multiple
-        return out
+        return {**_int_schema(self.low, self.high), **({"multipleOf": self.multiple} if self.multiple > 1 else {})}
 
     def from_text(self, name: str, text: str) -> int:
-        try:
-            return int(text)
-        except ValueError:
-            raise InvalidArgumentError(f"{name} {text!r} must be an int", argument=name) from None
+        return _from_text(name, text, int, "an int")
 
 
 @dataclass(frozen=True)
-class Float:
+class Float(_Typed):
     """A finite number in [low, high] (None: unbounded); ``low_open``: low itself is refused,
     (low, high] (img2img's strength: 0 would denoise nothing)."""
 
     low: float | None = None
     high: float | None = None
     low_open: bool = False
-    python = float
 
     def check(self, name: str, value: Any) -> float:
         try:
@@ -164,20 +176,13 @@ class Float:
         return out
 
     def from_text(self, name: str, text: str) -> float:
-        try:
-            return float(text)
-        except ValueError:
-            raise InvalidArgumentError(f"{name} {text!r} must be a number", argument=name) from None
-
-
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+        return _from_text(name, text, float, "a number")
 
 
 @dataclass(frozen=True)
-class Bool:
+class Bool(_Typed):
     """A switch (ControlNet's guess_mode): True or False, never a number or a string that looks like one."""
 
-    python = bool
 
     def check(self, name: str, value: Any) -> bool:
         if not isinstance(value, (bool, np.bool_)):
@@ -188,17 +193,16 @@ class Bool:
         return {"type": "boolean"}
 
     def from_text(self, name: str, text: str) -> bool:
-        if text.lower() not in _TRUE + _FALSE:
+        if text.lower() not in TRUE_VALUES + FALSE_VALUES:
             raise InvalidArgumentError(f"{name} {text!r} must be true or false", argument=name)
-        return text.lower() in _TRUE
+        return text.lower() in TRUE_VALUES
 
 
 @dataclass(frozen=True)
-class Choice:
+class Choice(_Typed):
     """One of ``options`` (strings)."""
 
     options: tuple[str, ...]
-    python = str
 
     def check(self, name: str, value: Any) -> str:
         if value not in self.options:
@@ -209,83 +213,64 @@ class Choice:
     def schema(self) -> dict[str, Any]:
         return {"type": "string", "enum": list(self.options)}
 
-    def from_text(self, name: str, text: str) -> str:
-        return text
-
 
 @dataclass(frozen=True)
-class Pair:
+class Pair(_Typed):
     """Two ints in [low, high] (SDXL's (height, width) micro-conditioning)."""
 
     low: int = 0
     high: int | None = None
-    python = tuple
 
     def check(self, name: str, value: Any) -> tuple[int, int]:
-        if (not isinstance(value, (list, tuple)) or len(value) != 2
-                or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < self.low
-                       or (self.high is not None and v > self.high) for v in value)):
+        if not isinstance(value, (list, tuple)) or len(value) != 2 or not _ints_within(value, self.low, self.high):
             raise InvalidArgumentError.about("{0} must be two non-negative ints (height, width), got {value!r}", name,
                                              value=value)
         return int(value[0]), int(value[1])
 
     def schema(self) -> dict[str, Any]:
-        item: dict[str, Any] = {"type": "integer", "minimum": self.low}
-        if self.high is not None:
-            item["maximum"] = self.high
-        return {"type": "array", "items": item, "minItems": 2, "maxItems": 2}
+        return {"type": "array", "items": _int_schema(self.low, self.high), "minItems": 2, "maxItems": 2}
 
     def from_text(self, name: str, text: str) -> tuple[int, int]:
         """"1024,768" (or 1024x768) -> (1024, 768)."""
-        parts = text.replace("x", ",").split(",")
-        try:
-            first, second = (int(p) for p in parts)
-        except ValueError:
-            raise InvalidArgumentError(f"{name} {text!r} must be two ints, e.g. 1024,768", argument=name) from None
-        return first, second
+        def two(text: str) -> tuple[int, int]:
+            first, second = (int(p) for p in text.replace("x", ",").split(","))
+            return first, second
+
+        return _from_text(name, text, two, "two ints, e.g. 1024,768")
 
 
 @dataclass(frozen=True)
-class Ints:
+class Ints(_Typed):
     """One or more ints in [low, high] (a scheduler's custom timesteps); a tuple, so a surface's
     batch key can hold it."""
 
     low: int = 0
     high: int | None = None
-    python = tuple
 
     def check(self, name: str, value: Any) -> tuple[int, ...]:
         items = list(value) if isinstance(value, (list, tuple, np.ndarray)) else None
-        if not items or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < self.low
-                            or (self.high is not None and v > self.high) for v in items):
+        if not items or not _ints_within(items, self.low, self.high):
             bound = f"in [{self.low}, {self.high}]" if self.high is not None else f">= {self.low}"
             raise InvalidArgumentError.about("{0} must be a list of one or more ints {bound}, got {value!r}", name,
                                              bound=bound, value=value)
         return tuple(int(v) for v in items)
 
     def schema(self) -> dict[str, Any]:
-        item: dict[str, Any] = {"type": "integer", "minimum": self.low}
-        if self.high is not None:
-            item["maximum"] = self.high
-        return {"type": "array", "items": item, "minItems": 1}
+        return {"type": "array", "items": _int_schema(self.low, self.high), "minItems": 1}
 
     def from_text(self, name: str, text: str) -> tuple[int, ...]:
         """"999,499" -> (999, 499)."""
-        try:
-            return tuple(int(p) for p in text.split(","))
-        except ValueError:
-            raise InvalidArgumentError(f"{name} {text!r} must be ints separated by commas, e.g. 999,499",
-                                       argument=name) from None
+        return _from_text(name, text, lambda t: tuple(int(p) for p in t.split(",")),
+                          "ints separated by commas, e.g. 999,499")
 
 
 @dataclass(frozen=True)
-class Label:
+class Label(_Typed):
     """A class of a class-conditional model: its index, or its label name (``count`` None: the
     model is unconditional and takes none)."""
 
     count: int | None
     names: tuple[str, ...] = ()
-    python = str  # a surface passes it on as given ("7" or "seven"); check turns it into the index
 
     def check(self, name: str, value: Any) -> int:
         if self.count is None:
@@ -300,7 +285,7 @@ class Label:
                 raise InvalidArgumentError.about("{0}={value!r} is not a class of this model; known classes: {known}",
                                                  name, value=value, known=known)
             value = int(value)
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) < self.count:
+        if not _ints_within((value,), 0, self.count - 1):
             shown = int(value) if isinstance(value, np.integer) else value  # 12, not np.int64(12)
             raise InvalidArgumentError.about("{0}={value!r} is not a class of this model; classes are 0..{last}", name,
                                              value=shown, last=self.count - 1)
@@ -310,21 +295,17 @@ class Label:
         if self.count is None:
             return {"not": {}}
         names = list(self.names) or [str(i) for i in range(self.count)]
-        return {"anyOf": [{"type": "integer", "minimum": 0, "maximum": self.count - 1}, {"type": "string", "enum": names}]}
-
-    def from_text(self, name: str, text: str) -> str:
-        return text
+        return {"anyOf": [_int_schema(0, self.count - 1), {"type": "string", "enum": names}]}
 
 
 @dataclass(frozen=True)
-class Image:
+class Image(_Typed):
     """An image a call passes in (img2img's init image, an inpainting mask, a Kontext reference):
     read and checked by ``preheat.image_input.read_image`` (formats, size limit before decoding,
     EXIF orientation, RGB / one-channel conversion). A server fetches a URL or decodes a data URI
     to bytes before this check (``preheat.server.fetch``); the CLI passes a path."""
 
     mask: bool = False
-    python = str  # a surface's value: an http(s) URL or a data: URI
 
     def check(self, name: str, value: Any) -> np.ndarray:
         from preheat.image_input import read_image
@@ -332,10 +313,7 @@ class Image:
         return read_image(value, name, mask=self.mask)
 
     def schema(self) -> dict[str, Any]:
-        return {"type": "string", "format": "uri"}
-
-    def from_text(self, name: str, text: str) -> str:
-        return text  # a path; read_image reads it
+        return {"type": "string", "format": "uri"}  # the CLI's text: a path, which read_image reads
 
     def placeholder(self, width: int, height: int) -> np.ndarray:
         """What warm-up passes for :data:`WARM_IMAGE` at a served size: its content is data, its
@@ -511,11 +489,8 @@ COMMON_SPECS: tuple[InputSpec, ...] = (
 
 
 def common_spec(name: str) -> InputSpec:
-    """One of :data:`COMMON_SPECS` by its keyword."""
-    for spec in COMMON_SPECS:
-        if spec.name == name:
-            return spec
-    raise KeyError(name)
+    """One of :data:`COMMON_SPECS` by its keyword (a KeyError for none)."""
+    return {spec.name: spec for spec in COMMON_SPECS}[name]
 
 
 class SizePair(NamedTuple):
@@ -617,8 +592,5 @@ def field_of(specs: Sequence[InputSpec]) -> dict[str, str]:
     """keyword -> surface field, for mapping an error's ``argument`` back to the field a client sent."""
     return {s.name: s.surface_name for s in specs}
 
-
-
-# ------------------------------------------------------------------------------------ images
 
 WARM_IMAGE = "placeholder"  # an Image spec's warm value: ``Image.placeholder`` at each served size

@@ -26,6 +26,7 @@ True CFG (a negative prompt with ``true_cfg_scale`` > 1) is Flux's, the referenc
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ import numpy as np
 
 from preheat.errors import InvalidArgumentError
 from preheat.families import image as image_input
-from preheat.families.base import Conditioning, EngineView, LoadedModel, Request
+from preheat.families.base import Conditioning, EngineView, Request
 from preheat.families.flux import MAX_SEQUENCE_LENGTH, PROMPT_2, TRUE_CFG_SPECS, FluxFamily, load_flux
 from preheat.families.image import IMAGE
 from preheat.families.inputs import Choice, InputSpec
@@ -127,11 +128,5 @@ class FluxKontextFamily(FluxFamily):
 
 KONTEXT = FluxKontextFamily()
 
-
-def load_flux_kontext(root: Any, *, scheduler: Any = None, dtype: Any = "float32", variant: str | None = None,
-                      offload_encoders: bool = False, options: Any = None,
-                      encoders_on: str = "device") -> LoadedModel:
-    """A ``FluxKontextPipeline`` folder (FLUX.1 Kontext dev and fine-tunes of it); ``options``:
-    ``preheat.models.weights.LoadOptions``, as for every family loader."""
-    return load_flux(root, scheduler=scheduler, dtype=dtype, variant=variant, offload_encoders=offload_encoders,
-                     options=options, family=KONTEXT, encoders_on=encoders_on)
+# A FluxKontextPipeline folder (FLUX.1 Kontext dev and fine-tunes of it): a FLUX.1 folder's parts
+load_flux_kontext = functools.partial(load_flux, family=KONTEXT)

@@ -34,11 +34,9 @@ send. :func:`proxy_middlewares` (set ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
 ``503`` with ``Retry-After``, which clients retry (an idempotent ``PUT /predictions/{id}`` is safe
 to retry).
 
-Options (``build_app``'s args; ``app`` reads them from the environment): ``model``
-(``PREHEAT_MODEL``; default the built-in model), ``dtype``, ``max_batch_size``, ``samplers``,
-``sizes``, ``guidance``, ``inputs``, ``input_values``, ``devices`` (per replica; default all it was given), ``fsdp``,
-``lora_ranks``, ``max_loras``, ``lora_dir``, ``max_image_pixels``, ``batch_wait_ms``, ``max_queue``, ``max_steps``,
-``grace_s``, ``push_grace_s``; deployment: ``num_replicas``
+Options (``build_app``'s args; ``app`` reads them from the environment, as ``PREHEAT_<OPTION>``):
+every deployment setting of ``preheat.settings.ENV_SETTINGS`` (``model``, default the built-in model;
+``devices``: per replica, default all it was given; ...), ``grace_s``, ``push_grace_s``; deployment: ``num_replicas``
 (``PREHEAT_RAY_REPLICAS``; or ``autoscaling``: ``min_replicas``/``max_replicas``/
 ``target_ongoing_requests``), ``num_gpus`` (per replica: 1, or a pod's count), ``num_cpus``,
 ``max_ongoing_requests``, ``graceful_shutdown_timeout_s``, ``cache_home`` (the replica's local
@@ -54,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
@@ -62,8 +59,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 from ray import serve
 
 from preheat.errors import InvalidArgumentError, PreheatError
-from preheat.server.config import CoreConfig
-from preheat.settings import ENV_SETTINGS, typed_setting
+from preheat.server.config import CoreConfig, log_to_stderr
+from preheat.settings import ENV_SETTINGS, SETTINGS, typed_setting
 from preheat.warm import SettingNames
 
 __all__ = ["RayOptions", "Preheat", "build_app", "deployment", "app", "run", "health_error", "proxy_middlewares", "FORWARDED_ENV",
@@ -76,6 +73,7 @@ REPLICA_HEADER = "x-preheat-replica"
 # Copied from the deploying process into every replica (runtime_env env_vars): the fleet store, its
 # trust and deadline, its credentials (the standard AWS / fsspec variables) and the API token.
 RAY_ENV = {"num_replicas": "PREHEAT_RAY_REPLICAS", "num_gpus": "PREHEAT_RAY_GPUS"}  # the deployment's settings
+CORE_ARGS = (*ENV_SETTINGS, "push_grace_s")  # a replica's core: the deployment settings, the uploads' grace
 FORWARDED_ENV = ("PREHEAT_CACHE_URL", "PREHEAT_CACHE_SIGNING_KEY", "PREHEAT_TRUST_REMOTE_CACHE",
                  "PREHEAT_CACHE_REMOTE_TIMEOUT", "PREHEAT_API_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                  "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE", "AWS_ENDPOINT_URL",
@@ -94,7 +92,7 @@ class RayOptions(CoreConfig):
     declaration's ``ENV_SETTINGS``, and ``push_grace_s``), then the replica's own and the
     deployment's. A new deployment setting is a Ray option with no line here."""
 
-    grace_s: float = 30.0
+    grace_s: float = SETTINGS["grace_s"].default
     cache_home: Optional[str] = None
     num_replicas: Optional[int] = 1  # None with autoscaling
     autoscaling: Optional[dict[str, Any]] = None  # Serve's autoscaling_config
@@ -111,7 +109,7 @@ class RayOptions(CoreConfig):
     def args(cls) -> tuple[str, ...]:
         """The options ``build_app`` takes: the core's of the declaration, then the rest of ours."""
         core = {f.name for f in fields(CoreConfig)}
-        return (*ENV_SETTINGS, "push_grace_s", *(f.name for f in fields(cls) if f.name not in core))
+        return (*CORE_ARGS, *(f.name for f in fields(cls) if f.name not in core))
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any], name_of: Callable[[str], str] = str) -> "RayOptions":
@@ -136,8 +134,7 @@ class RayOptions(CoreConfig):
     def from_core(cls, config: CoreConfig, **deployment: Any) -> "RayOptions":
         """Replicas that each serve ``config``'s settings (``preheat serve --ray``), with its names for
         them; ``deployment``: the deployment's own options (``num_replicas``, ...)."""
-        taken = (*ENV_SETTINGS, "push_grace_s", "names")
-        return cls(**{name: getattr(config, name) for name in taken}, **deployment)
+        return cls(**{name: getattr(config, name) for name in (*CORE_ARGS, "names")}, **deployment)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "RayOptions":
@@ -168,7 +165,7 @@ class RayOptions(CoreConfig):
         """What a replica is constructed with: the core's options, ``grace_s`` and ``cache_home``;
         the deployment's own settings (replicas, resources) go to ``Preheat.options``, ``names``
         to the replica beside these (``deployment``)."""
-        return {name: getattr(self, name) for name in (*ENV_SETTINGS, "push_grace_s", "grace_s", "cache_home")}
+        return {name: getattr(self, name) for name in (*CORE_ARGS, "grace_s", "cache_home")}
 
     def core_config(self) -> CoreConfig:
         """What each replica's server runs."""
@@ -261,16 +258,6 @@ def _replica_id() -> str:
         return f"pid{os.getpid()}"
 
 
-def _log_to_stderr() -> None:
-    logger = logging.getLogger("preheat.server")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s preheat: %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-
-
 @serve.deployment(name="Preheat")
 @serve.ingress()
 class Preheat:
@@ -279,7 +266,7 @@ class Preheat:
     def __init__(self, options: dict[str, Any], names: SettingNames) -> None:
         from preheat.server.core import Core
 
-        _log_to_stderr()
+        log_to_stderr("info")
         self.options = replace(RayOptions.from_args(options), names=names)  # set-up errors name them so
         self.replica = _replica_id()
         if self.options.cache_home:

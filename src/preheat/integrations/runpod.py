@@ -114,9 +114,7 @@ async def handler(job: dict[str, Any]) -> dict[str, Any]:
                 loop.call_soon_threadsafe(lambda: done.done() or done.set_result(snap))
 
         pred, _ = core.submit(parsed, given, prediction_id=None, listener=listener)
-    except InputError as err:
-        return {"error": str(err)}
-    except (QueueFull, NotAccepting) as err:
+    except (InputError, QueueFull, NotAccepting) as err:
         return {"error": str(err)}
     send_progress(job, {"status": "queued", "queue_depth": core.queue_depth})
     snap = await done

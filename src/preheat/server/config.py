@@ -16,32 +16,37 @@ from preheat.settings import (ENV_SETTINGS, LIMITS, RETUNE_IDLE_S, SETTINGS, Ser
 from preheat.warm import GUIDANCE_MODES, SettingNames, WarmSet
 
 # the declaration's tables and parsers (``preheat.settings``), where the config's readers import them
-__all__ = ["CoreConfig", "SettingNames", "load_pipeline", "http_options", "fetch_config", "address_policy",
-           "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting", "RETUNE_IDLE_S", "parse_idle_s", "LIMITS",
+__all__ = ["CoreConfig", "SettingNames", "load_pipeline", "check_backend", "http_options", "fetch_config",
+           "address_policy", "log_to_stderr", "ENV_SETTINGS", "env_var", "settings_from_env", "typed_setting", "RETUNE_IDLE_S", "parse_idle_s", "LIMITS",
            "check_limits"]
+
+
+def _default(name: str) -> Any:
+    """The declared default of setting ``name`` (``preheat.settings``), which a config field shares."""
+    return SETTINGS[name].default
 
 
 @dataclass
 class CoreConfig:
     model: Optional[str] = None  # a diffusers folder; None = the built-in model
-    backend: str = "jax"
-    compile: str = "none"  # torch backend: none, inductor, aot or regional (preheat.torch.compile)
-    dtype: str = "float32"
+    backend: str = _default("backend")
+    compile: str = _default("compile")  # torch backend: none, inductor, aot or regional (preheat.torch.compile)
+    dtype: str = _default("dtype")
     variant: Optional[str] = None  # weight files *.VARIANT.safetensors
     cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off"
     weights_dtype: Optional[str] = None  # jax: the denoiser's weights stored in this dtype (int8, float8_e4m3fn)
-    weights_layers: str = "layerwise"  # jax: which layers weights_dtype stores
-    encoders_on: str = "device"  # jax: FLUX.1's text encoders kept and run on the host's CPU ("host")
+    weights_layers: str = _default("weights_layers")  # jax: which layers weights_dtype stores
+    encoders_on: str = _default("encoders_on")  # jax: FLUX.1's text encoders kept and run on the host's CPU ("host")
     config: Optional[str] = None  # ``model`` a single .safetensors file, read with this folder's configs
     controlnet: Optional[str] = None  # jax: a ControlNetModel folder beside the UNet (preheat.load(controlnet=...))
     refiner: Optional[str] = None  # jax: an SDXL refiner folder that takes over part-way (preheat.load(refiner=...))
     progress: bool = True  # the programs report each step (streamed step events); off: as `warm --target` compiles
-    max_batch_size: int = 8
+    max_batch_size: int = _default("max_batch_size")
     devices: Any = None  # jax: "all", a count or device ids; None = preheat.load's default (all)
-    fsdp: int = 1  # jax: the devices each weight is split over (1: copied to each)
-    batch_wait_ms: float = 10.0
-    max_queue: int = 64  # predictions waiting (not running); more -> QueueFull
-    max_steps: int = 200
+    fsdp: int = _default("fsdp")  # jax: the devices each weight is split over (1: copied to each)
+    batch_wait_ms: float = _default("batch_wait_ms")
+    max_queue: int = _default("max_queue")  # predictions waiting (not running); more -> QueueFull
+    max_steps: int = _default("max_steps")
     max_guidance: float = 50.0
     samplers: tuple[str, ...] = ()  # offered (and warmed) samplers; () = the model's default only
     sizes: tuple[tuple[int, int], ...] = ()  # text-to-image: served (width, height); () = the model's default
@@ -54,9 +59,9 @@ class CoreConfig:
     input_values: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     keep_finished: int = 1000  # finished predictions kept for GET / PUT retries
     guidance: tuple[str, ...] = GUIDANCE_MODES  # warmed guidance modes ("on" only where the model can guide)
-    push_grace_s: float = 30.0  # at close(), how long background uploads to the store may take
+    push_grace_s: float = _default("push_grace_s")  # at close(), how long background uploads to the store may take
     lora_ranks: tuple[int, ...] = ()  # LoRA rank buckets warmed (preheat.lora.BUCKETS); others compile on first use
-    max_loras: int = 8  # LoRAs held ready (read, and their factors on the device), least recently used out
+    max_loras: int = _default("max_loras")  # LoRAs held ready (read, factors on the device), least recently used out
     lora_dir: Optional[str] = None  # requests' local LoRA files only from under this folder (None: no local files)
     lora_urls: Any = None  # server.webhooks.WebhookPolicy for requests' http(s) LoRA URLs (None: public only)
     fetch: Any = None  # server.fetch.FetchConfig: timeouts, size caps, slots of those fetches (None: defaults)
@@ -83,15 +88,7 @@ class CoreConfig:
         """The declaration this server warms (the same object ``preheat warm`` compiles)."""
         from preheat.lora import check_lora_ranks
 
-        return WarmSet(model=self.model, dtype=self.dtype, max_batch_size=self.max_batch_size,
-                       samplers=tuple(self.samplers), sizes=tuple(self.sizes), guidance=tuple(self.guidance),
-                       inputs=None if self.inputs is None else tuple(self.inputs),
-                       input_values=self.input_values, devices=self.devices,
-                       fsdp=self.fsdp, lora_ranks=check_lora_ranks(self.lora_ranks),
-                       variant=self.variant, cache=self.cache, weights_dtype=self.weights_dtype,
-                       weights_layers=self.weights_layers, encoders_on=self.encoders_on, progress=self.progress,
-                       config=self.config,
-                       controlnet=self.controlnet, refiner=self.refiner)
+        return WarmSet(**{**_declared(self), "lora_ranks": check_lora_ranks(self.lora_ranks)})
 
     @classmethod
     def from_settings(cls, settings: ServeSettings, warm: WarmSet, names: SettingNames,
@@ -109,18 +106,16 @@ class CoreConfig:
     @classmethod
     def from_warm_set(cls, warm: WarmSet, **options: Any) -> "CoreConfig":
         """A server for the declared set; ``options``: the serving-only fields (queue, limits, ...)."""
-        options.setdefault("devices", warm.devices)
-        options.setdefault("fsdp", warm.fsdp)
-        return cls(model=warm.model, dtype=warm.dtype, variant=warm.variant, cache=warm.cache,
-                   weights_dtype=warm.weights_dtype, weights_layers=warm.weights_layers, encoders_on=warm.encoders_on,
-                   progress=warm.progress,
-                   config=warm.config, controlnet=warm.controlnet, refiner=warm.refiner,
-                   max_batch_size=warm.max_batch_size,
-                   samplers=tuple(warm.samplers), sizes=tuple(warm.sizes), guidance=tuple(warm.guidance),
-                   inputs=warm.inputs, input_values=warm.input_values, lora_ranks=tuple(warm.lora_ranks),
-                   **options)
+        return cls(**{**_declared(warm), **options})  # options' devices and fsdp over the set's
 
 
+def _declared(source: Any) -> dict[str, Any]:
+    """The warm declaration's fields (``WarmSet``'s, every one a field of CoreConfig too) of ``source``
+    (a WarmSet or a CoreConfig), each list as the tuple both hold (Ray's typed args give lists)."""
+    out = {f.name: getattr(source, f.name) for f in fields(WarmSet)}
+    for name in ("samplers", "sizes", "guidance", "lora_ranks", "inputs"):
+        out[name] = None if out[name] is None else tuple(out[name])
+    return out
 
 
 def address_policy(settings: ServeSettings, kind: str = "webhook") -> Any:
@@ -161,32 +156,47 @@ def http_options(settings: ServeSettings, token: Optional[str]) -> dict[str, Any
                 max_headers=settings.max_headers, keep_alive_on_failure=settings.keep_alive_on_failure)
 
 
+def log_to_stderr(level: str) -> None:
+    """The server's log lines (``preheat.server``) to stderr at ``level`` (info, ...), timestamped, once
+    per process however often it is asked (``preheat serve``, each Ray replica)."""
+    import logging
+    import sys
+
+    logger = logging.getLogger("preheat.server")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s preheat: %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+def check_backend(config: Any, weights_dtype: str = "--weights-dtype") -> None:
+    """What applies to one backend only, given for another (``--compile`` is torch's, ``--weights-dtype``
+    jax's: named ``weights_dtype``, as the user gave it), or an unknown backend: one line, before anything loads."""
+    if config.backend not in ("jax", "torch"):
+        raise InvalidArgumentError(f"unknown backend {config.backend!r}; use jax or torch")
+    if config.compile != "none" and config.backend != "torch":
+        raise InvalidArgumentError(f"--compile {config.compile} applies to --backend torch")
+    if config.weights_dtype is not None and config.backend != "jax":
+        raise InvalidArgumentError(f"{weights_dtype} applies to --backend jax", argument=weights_dtype)
+
+
 def load_pipeline(config: CoreConfig) -> Any:
     """The engine for ``config.backend``; a one-line ``InvalidArgumentError`` for an unusable backend."""
-
+    check_backend(config)
     if config.backend == "jax":
-        if config.compile != "none":
-            raise InvalidArgumentError(f"--compile {config.compile} applies to --backend torch")
         import preheat
-        from preheat.warm import companions, prefetch_calls
+        from preheat.warm import load_keywords, prefetch_calls
 
         # the warm-up's executables load while the weights are read
-        return preheat.load(config.model, dtype=config.dtype, variant=config.variant, cache=config.cache,
-                            weights_dtype=config.weights_dtype, weights_layers=config.weights_layers,
-                            encoders_on=config.encoders_on,
-                            **({} if config.config is None else {"config": config.config}),
-                            **companions(config),
-                            devices=config.devices, fsdp=config.fsdp, prefetch=prefetch_calls(config.warm_set()))
-    if config.backend == "torch":
-        if config.weights_dtype is not None:
-            raise InvalidArgumentError("--weights-dtype applies to --backend jax", argument="--weights-dtype")
-        try:
-            from preheat.backends.torch import load_torch_pipeline
-        except ImportError as err:
-            raise InvalidArgumentError(f"--backend torch needs the torch extra ({err})") from None
-        from preheat.warm import companions
+        return preheat.load(config.model, **load_keywords(config), prefetch=prefetch_calls(config.warm_set()))
+    try:
+        from preheat.backends.torch import load_torch_pipeline
+    except ImportError as err:
+        raise InvalidArgumentError(f"--backend torch needs the torch extra ({err})") from None
+    from preheat.warm import companions
 
-        return load_torch_pipeline(config.model, dtype=config.dtype, compile=config.compile, variant=config.variant,
-                                   cache=config.cache, **({} if config.config is None else {"config": config.config}),
-                                   **companions(config))
-    raise InvalidArgumentError(f"unknown backend {config.backend!r}; use jax or torch")
+    return load_torch_pipeline(config.model, dtype=config.dtype, compile=config.compile, variant=config.variant,
+                               cache=config.cache, **({} if config.config is None else {"config": config.config}),
+                               **companions(config))
