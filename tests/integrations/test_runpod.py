@@ -117,7 +117,7 @@ def test_runpod_and_ray_read_every_setting_from_one_table() -> None:
              "fsdp": "2",
              "lora_ranks": "16", "max_loras": "5", "lora_dir": "/l", "max_image_pixels": "4096",
              "batch_wait_ms": "2.5", "max_queue": "9", "max_steps": "7",
-             "retune_idle_s": "off"}
+             "retune_idle_s": "off", "encoders_on": "host"}
     assert set(given) == set(ENV_SETTINGS)
     env = {env_var(name): text for name, text in given.items()}
     runpod, ray = rp.config_from_env(env), RayOptions.from_env(env).core_config()

@@ -210,7 +210,7 @@ def test_a_declared_cli_form_parses_the_flag_and_names_it_in_errors() -> None:
 
     fields = dict(model=None, flags={}, n=None, steps=None, sampler=None, seed=0, guidance=None, eta=0.0,
                   dtype="float32", weights_dtype=None, weights_layers="layerwise", variant=None, cache=None,
-                  config=None, controlnet=None, refiner=None, backend="jax", compile_mode="none")
+                  config=None, controlnet=None, refiner=None, backend="jax", compile_mode="none", encoders_on="device")
     assert "lora" not in CallOptions(lora=(), **fields).common_inputs()  # none given: the call has none
     got = CallOptions(lora=("a.safetensors:0.5", "http://host:8/b.safetensors"), **fields).common_inputs()
     assert got["lora"] == [("a.safetensors", 0.5), ("http://host:8/b.safetensors", 1.0)]
