@@ -40,7 +40,8 @@ def _pipeline_rows(name: str, model: str | None, dtype: str, target: Any) -> lis
                              else JaxCompiler(root=Path(tmp), remote=None))
             from preheat.families.inputs import example_inputs
 
-            pipe.generate(1, steps=1, seed=0, **example_inputs(pipe.family.input_specs(pipe)))  # a prompt where required
+            # compiled, none run: the target's executables are for another machine (a prompt where required)
+            pipe.compile(1, steps=1, seed=0, **example_inputs(pipe.family.input_specs(pipe)))
             for event in pipe.compiler.events:
                 exe = Path(tmp) / "compile" / "jax" / event["key"] / "executable.bin"
                 row = out.setdefault(event["stage"], {"model": name, "stage": event["stage"], "dtype": dtype})

@@ -363,6 +363,9 @@ class Pipeline:
         return self._execute(stage)
 
     def _execute(self, stage: Stage) -> Any:
+        if self.compiler is not None and not self.compiler.runs:  # a --target compiler's programs are for another machine
+            raise InvalidArgumentError(f"this pipeline compiles for --target {self.compiler.target.name}: its programs "
+                                       "cannot run here (Pipeline.compile builds them)", argument="compiler")
         n = stage.sig.batch
         stage = self._placed(stage)
         executable = self.compiled_stage(stage)

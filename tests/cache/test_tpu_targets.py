@@ -232,3 +232,18 @@ def test_a_program_larger_than_the_chip_s_memory_is_one_line(tmp_path):
         compiler.get_or_compile({"model": "huge"}, Sig(), program, jax.ShapeDtypeStruct((65536,), jnp.float32))
     assert err.value.reason == "memory" and "\n" not in str(err.value)
     assert str(err.value).startswith("--target v5e:1x1: the decode program does not fit it: "), err.value
+
+
+@needs_libtpu
+def test_a_pipeline_compiling_for_a_target_refuses_to_run_in_one_line(tmp_path):
+    """``generate`` on a pipeline whose compiler builds for a v5e names the target and
+    ``Pipeline.compile`` (an executable for another machine would fail deep in jax)."""
+    from preheat.cache.compile import TargetCompiler
+    from preheat.errors import InvalidArgumentError
+
+    pipe = preheat.load(None, cache="off")
+    pipe.compiler = TargetCompiler(resolve_target("v5e"), root=tmp_path, remote=None)
+    with pytest.raises(InvalidArgumentError) as err:
+        pipe.generate(1, steps=1, seed=0)
+    assert "\n" not in str(err.value) and "--target v5e:1x1" in str(err.value), err.value
+    assert "Pipeline.compile" in str(err.value) and not pipe.compiler.events  # refused before compiling
