@@ -30,7 +30,7 @@ __all__ = ["bench_target", "markdown", "with_ratios"]
 def _pipeline_rows(name: str, model: str | None, dtype: str, target: Any) -> list[dict[str, Any]]:
     """Each stage of one call (batch 1, guidance off), compiled for the target and for this CPU."""
     import preheat
-    from preheat.cache.compile import JaxCompiler, TargetCompiler
+    from preheat.cache.compile import JaxCompiler, TargetCompiler, compile_described
 
     out: dict[str, dict[str, Any]] = {}
     for side in ("target", "cpu"):
@@ -40,8 +40,10 @@ def _pipeline_rows(name: str, model: str | None, dtype: str, target: Any) -> lis
                              else JaxCompiler(root=Path(tmp), remote=None))
             from preheat.families.inputs import example_inputs
 
-            # compiled, none run: the target's executables are for another machine (a prompt where required)
-            pipe.compile(1, steps=1, seed=0, **example_inputs(pipe.family.input_specs(pipe)))
+            # compiled, none run (a target's executables are for another machine), one at a time: each
+            # stage's own compile time (a prompt where required)
+            stages = pipe.describe(1, steps=1, seed=0, **example_inputs(pipe.family.input_specs(pipe)))
+            compile_described(pipe.compiler, [stages], pipe.program, at_once=1)
             for event in pipe.compiler.events:
                 exe = Path(tmp) / "compile" / "jax" / event["key"] / "executable.bin"
                 row = out.setdefault(event["stage"], {"model": name, "stage": event["stage"], "dtype": dtype})

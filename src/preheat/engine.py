@@ -225,15 +225,6 @@ class Pipeline:
             self._schedule(request, record, reporter)
         return list(described.values())
 
-    def compile(self, first: Any = None, /, **inputs: Any) -> list[Stage]:
-        """Compile (or load) every program of a call, running none (``describe``): what a compiler
-        whose executables are for another machine warms (``preheat warm --target``)."""
-        self.last = self._calls.timings = Timings()
-        stages = self.describe(first, **inputs)
-        for stage in stages:
-            self.compiled_stage(stage)
-        return stages
-
     def prepare(self, first: Any = None, /, progress: Progress | None = None,
                 **inputs: Any) -> tuple[Signature, DenoiseArgs]:
         """Validate a call and turn it into (the denoising program's signature, its one argument:
@@ -363,9 +354,9 @@ class Pipeline:
         return self._execute(stage)
 
     def _execute(self, stage: Stage) -> Any:
-        if self.compiler is not None and not self.compiler.runs:  # a --target compiler's programs are for another machine
+        if self.compiler is not None and not self.compiler.runs:  # its programs are for another machine
             raise InvalidArgumentError(f"this pipeline compiles for --target {self.compiler.target.name}: its programs "
-                                       "cannot run here (Pipeline.compile builds them)", argument="compiler")
+                                       "cannot run here (preheat warm --target builds them)", argument="compiler")
         n = stage.sig.batch
         stage = self._placed(stage)
         executable = self.compiled_stage(stage)

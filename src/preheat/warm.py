@@ -433,12 +433,9 @@ def call_inputs(pipe: Any, sig: WarmSignature) -> dict[str, Any]:
 
 
 def run_signature(pipe: Any, sig: WarmSignature) -> None:
-    """Compile (or load) and run one signature; ``pipe.last`` says which cache layer served it. A
-    compiler whose executables are for another machine (``warm --target``) compiles its programs only."""
-    if pipe.compiler is not None and not pipe.compiler.runs:
-        pipe.compile(sig.bucket, **call_inputs(pipe, sig))
-    else:
-        pipe.generate(sig.bucket, **call_inputs(pipe, sig))
+    """Compile (or load) and run one signature; ``pipe.last`` says which cache layer served it (a
+    compiler whose executables are for another machine: ``preheat.cache.compile.compile_described``)."""
+    pipe.generate(sig.bucket, **call_inputs(pipe, sig))
 
 
 def status(pipe: Any, sig: WarmSignature, remote: Any = None) -> dict[str, Any]:
@@ -490,10 +487,17 @@ def warm(warm_set: WarmSet, pipe: Any, log: Callable[[str], None] = lambda line:
     when it has one (``PREHEAT_CACHE_URL``). Returns ``{"signatures": [{"signature",
     "cache_layer", "seconds", "remote"}], "pushed": bool}``; with a store, ``remote`` says whether
     it holds the signature's denoising program afterwards (None: it could not be asked or is not
-    trusted), and ``pushed`` is False unless it holds every one. ``done(k, total)``: called as
+    trusted), and ``pushed`` is False unless it holds every one. With ``--target``'s compiler the
+    programs compile at once (``preheat.cache.compile.compile_described``): a signature's ``seconds``
+    count from the start of the compiles to its programs' readiness, and ``skipped`` names a host
+    stage left to the target machine. ``done(k, total)``: called as
     each signature is ready (``preheat warm``'s progress bar); ``names``: how the user gave the
     settings an unusable one's message names (``resolve``)."""
+    import functools
     import time
+
+    from preheat.cache.compile import HOST_STAGE, compile_described
+    from preheat.timings import coldest
 
     resolved = resolve(pipe, warm_set, names)
     rows = []
@@ -502,22 +506,38 @@ def warm(warm_set: WarmSet, pipe: Any, log: Callable[[str], None] = lambda line:
     if compiler is not None and hasattr(compiler, "retune"):  # on a GPU: entries compiled without one get autotuned
         compiler.retune = True
     done(0, len(sigs))
-    for sig in sigs:
-        t0 = time.perf_counter()
-        seen = len(compiler.events) if compiler is not None else 0
-        run_signature(pipe, sig)
-        layer = pipe.last.cache_layer
-        rows.append({"signature": sig.describe(), "cache_layer": layer, "seconds": time.perf_counter() - t0})
-        events = compiler.events[seen:] if compiler is not None else []
+
+    def row(sig: WarmSignature, layer: str, seconds: float, events: list[dict[str, Any]]) -> None:
+        rows.append({"signature": sig.describe(), "cache_layer": layer, "seconds": seconds})
         tuned = [e["retune"] for e in events if "retune" in e]
         if tuned:
             rows[-1]["retune"] = tuned
         unrunnable = [f"{e.get('stage', 'denoise')}: {e['unrunnable']}" for e in events if "unrunnable" in e]
         if unrunnable:  # warm --target: entries a GPU will not run (cache.entries.UNRUNNABLE)
             rows[-1]["unrunnable"] = unrunnable
-        log(f"{sig.describe()}: {rows[-1]['seconds']:.2f}s (cache: {layer}){_retune_note(tuned)}"
-            + (f"; will not run on the GPU ({'; '.join(unrunnable)})" if unrunnable else ""))
+        skipped = [e["stage"] for e in events if "skipped" in e]
+        if skipped:  # warm --target: a host stage, compiled on the machine that runs it
+            rows[-1]["skipped"] = {stage: HOST_STAGE for stage in skipped}
+        log(f"{sig.describe()}: {seconds:.2f}s (cache: {layer}){_retune_note(tuned)}"
+            + (f"; will not run on the GPU ({'; '.join(unrunnable)})" if unrunnable else "")
+            + (f"; not compiled here: {', '.join(skipped)} {HOST_STAGE}" if skipped else ""))
         done(len(rows), len(sigs))
+
+    if compiler is not None and not compiler.runs:  # --target: every signature's programs at once
+        def ready(i: int, events: list[dict[str, Any]]) -> None:
+            layer = functools.reduce(coldest, [e["layer"] for e in events if "layer" in e], "memory")
+            row(sigs[i], layer, time.perf_counter() - t0, events)
+
+        t0 = time.perf_counter()
+        compile_described(compiler, (pipe.describe(sig.bucket, **call_inputs(pipe, sig)) for sig in sigs),
+                          pipe.program, each=ready)  # described as the first ones compile
+    else:
+        for sig in sigs:
+            t0 = time.perf_counter()
+            seen = len(compiler.events) if compiler is not None else 0
+            run_signature(pipe, sig)
+            row(sig, pipe.last.cache_layer, time.perf_counter() - t0,
+                compiler.events[seen:] if compiler is not None else [])
     pushed = True
     if compiler is not None and compiler.remote is not None:
         compiler.push_missing()  # entries compiled earlier, that the store lacks

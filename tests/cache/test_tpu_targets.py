@@ -237,7 +237,7 @@ def test_a_program_larger_than_the_chip_s_memory_is_one_line(tmp_path):
 @needs_libtpu
 def test_a_pipeline_compiling_for_a_target_refuses_to_run_in_one_line(tmp_path):
     """``generate`` on a pipeline whose compiler builds for a v5e names the target and
-    ``Pipeline.compile`` (an executable for another machine would fail deep in jax)."""
+    ``preheat warm --target`` (an executable for another machine would fail deep in jax)."""
     from preheat.cache.compile import TargetCompiler
     from preheat.errors import InvalidArgumentError
 
@@ -246,4 +246,51 @@ def test_a_pipeline_compiling_for_a_target_refuses_to_run_in_one_line(tmp_path):
     with pytest.raises(InvalidArgumentError) as err:
         pipe.generate(1, steps=1, seed=0)
     assert "\n" not in str(err.value) and "--target v5e:1x1" in str(err.value), err.value
-    assert "Pipeline.compile" in str(err.value) and not pipe.compiler.events  # refused before compiling
+    assert "preheat warm --target" in str(err.value) and not pipe.compiler.events  # refused before compiling
+
+
+@needs_libtpu
+def test_a_target_s_programs_compile_at_once_each_key_once_and_in_order(tmp_path, monkeypatch):
+    """``compile_described``: two calls' programs for a v5e compile together (two compiles meet at a
+    barrier, which one at a time never reaches), a program both calls share compiles once, and each
+    call's records come back in order, as its programs are ready."""
+    import threading
+
+    from preheat.cache.compile import TargetCompiler, compile_described
+
+    pipe = preheat.load(None, cache="off")
+    compiler = TargetCompiler(resolve_target("v5e"), root=tmp_path, remote=None)
+    met, calls, original = threading.Barrier(2, timeout=120), [], compiler.get_or_compile
+
+    def meeting(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) <= 2:
+            met.wait()  # BrokenBarrierError after the timeout when compiles run one at a time
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "get_or_compile", meeting)
+    described = [pipe.describe(n, steps=1, seed=0) for n in (1, 2, 1)]
+    seen = []
+    compile_described(compiler, described, pipe.program, at_once=2, each=lambda i, records: seen.append((i, records)))
+    assert len(calls) == 2  # the third call is the first's program
+    assert [i for i, _ in seen] == [0, 1, 2]
+    keys = [records[0]["key"] for _, records in seen]
+    assert keys[0] == keys[2] != keys[1] and all(records[0]["layer"] == "none" for _, records in seen)
+    assert sorted(m["fields"]["signature"]["batch"] for m in _manifests(tmp_path)) == [1, 2]
+
+
+@needs_libtpu
+def test_warm_target_leaves_a_host_encode_stage_to_the_machine_that_runs_it(tmp_path):
+    """FLUX.1 with ``encoders_on="host"``: the encode stage runs on the TPU VM's own CPU, which the
+    builder cannot compile for; ``warm --target v5e`` compiles the loop and the decoder, says so, and
+    writes no encode entry (one keyed for the TPU would never be asked for)."""
+    from tests._support.flow_fixtures import save_tiny_flow_model
+
+    folder = save_tiny_flow_model(tmp_path / "flux-dev", "flux-dev")
+    result = CliRunner().invoke(main, ["warm", str(folder), "--target", "v5e", "--max-batch-size", "1", "--guidance",
+                                       "off", "--encoders-on", "host", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.JSONDecoder().raw_decode(result.output[result.output.index("{"):])[0]["signatures"]
+    assert rows and all(set(row["skipped"]) == {"encode"} for row in rows), rows
+    stages = sorted(m["fields"]["signature"].get("stage", "denoise") for m in _manifests(_root()))
+    assert "encode" not in stages and {"denoise", "decode"} <= set(stages), stages

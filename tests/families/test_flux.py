@@ -42,6 +42,7 @@ def test_the_encode_stage_signature_names_where_it_runs(pipes):
     host CPU's program, so a device program and a host one are never confused."""
     pipe = pipes["host"]
     pipe.generate(**CALL)
+    pipes["device"].generate(**CALL)  # this test's own calls, in whatever order the tests run
     sigs = [sig for sig in pipe.executables.signatures() if getattr(sig, "stage", "") == "encode"]
     assert sigs and all(dict(sig.extra)["runs_on"] == "cpu" and dict(sig.extra)["host_cpu"] for sig in sigs)
     device_sigs = [sig for sig in pipes["device"].executables.signatures() if getattr(sig, "stage", "") == "encode"]

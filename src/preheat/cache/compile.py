@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Optional
 
 import jax
 
@@ -343,7 +343,7 @@ class TargetCompiler(JaxCompiler):
     lowered onto the target's compile-only device (``preheat.cache.targets.target_device``),
     compiled there, serialised and stored -- and pushed to the fleet's store -- under the key a
     pod with that GPU computes for itself. Nothing runs: the engine compiles each stage of a
-    described call (``Pipeline.compile``), and an entry already there is not compiled again (its
+    described call (``compile_described``), and an entry already there is not compiled again (its
     "executable" is None). Entries record their target and that XLA did not autotune them (a
     deviceless compile cannot time kernels)."""
 
@@ -396,6 +396,52 @@ class TargetCompiler(JaxCompiler):
             self._store(key, fields, compiled, record, {UNRUNNABLE: reason} if reason else None)
         self._note(record, timings)
         return compiled, timings
+
+
+# Why a host stage (``preheat.load(encoders_on="host")``) is not compiled for a target.
+HOST_STAGE = "runs on the target machine's own CPU, which a builder cannot compile for: compiled there"
+
+
+def compile_described(compiler: JaxCompiler, calls: Iterable[list[Any]], program: Callable[[Any], Callable[..., Any]],
+                      at_once: Optional[int] = None,
+                      each: Callable[[int, list[dict[str, Any]]], None] = lambda i, records: None) -> None:
+    """Compile (or find) every stage of ``calls`` (each the ``Pipeline.describe`` of one call; from a
+    generator, the later calls are described while the first compile), ``program(stage)`` being the
+    function a stage compiles (``Pipeline.program``), running none: what a compiler whose
+    executables are for another machine builds (``preheat warm --target``). Each
+    program compiles once, up to ``at_once`` at once (default ``PREHEAT_BACKGROUND_COMPILES``; XLA's
+    compiles release the GIL, so a builder's cores take the encoders, the loops and the decoders
+    together). Under such a compiler a host stage is left out (``HOST_STAGE``). ``each(i,
+    records)`` is called in order as call ``i``'s programs are ready: the compiler's records
+    ("stage", "key", "layer", "trace_lower_s", "compile_or_load_s"[, "unrunnable"]), or {"stage",
+    "skipped"}. The first failure (a program larger than the target: one line) cancels what has not
+    started and is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs: dict[str, Any] = {}  # key -> its compile: a program two calls share compiles once
+    keyed: list[list[tuple[str, Optional[str]]]] = []  # per call: (stage, key; None: left out)
+    with ThreadPoolExecutor(max(1, background_compiles() if at_once is None else at_once),
+                            thread_name_prefix="preheat-compile") as pool:
+        try:
+            for stages in calls:
+                keyed.append([])
+                for stage in stages:
+                    key = None if stage.on_host and not compiler.runs else \
+                        key_of(compiler.fields_for(stage.fingerprint, stage.sig, stage.args))
+                    if key is not None and key not in jobs:
+                        jobs[key] = pool.submit(compiler.get_or_compile, stage.fingerprint, stage.sig,
+                                                program(stage), stage.args, outputs=stage.outputs)
+                    keyed[-1].append((stage.name, key))
+            for i, programs in enumerate(keyed):
+                for _, key in programs:
+                    if key is not None:
+                        jobs[key].result()
+                records = {e["key"]: e for e in compiler.events if "key" in e}
+                each(i, [{"stage": name, "skipped": HOST_STAGE} if key is None else records[key]
+                         for name, key in programs])
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
 
 
 def _target_name(manifest: dict[str, Any]) -> str:

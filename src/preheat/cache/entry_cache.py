@@ -51,7 +51,7 @@ class EntryCache:
     mode that reads and writes entries). ``events``: one dict per program (key, layer, timings,
     miss reason, quarantine reason, store result)."""
 
-    runs = True  # its executables run on this machine (a target's are for another: ``Pipeline.compile``)
+    runs = True  # its executables run on this machine (a target's are for another: ``compile.compile_described``)
 
     def __init__(self, kind: str, root: Path | None, mode: str, remote: Any) -> None:
         self.kind = kind
