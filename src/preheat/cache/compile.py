@@ -437,8 +437,8 @@ def compile_described(compiler: JaxCompiler, calls: Iterable[list[Any]], program
                     if key is not None:
                         jobs[key].result()
                 records = {e["key"]: e for e in compiler.events if "key" in e}
-                each(i, [{"stage": name, "skipped": HOST_STAGE} if key is None else records[key]
-                         for name, key in programs])
+                each(i, [{"stage": name, "skipped": HOST_STAGE} if key is None else
+                         records.get(key, {"stage": name, "key": key}) for name, key in programs])
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
