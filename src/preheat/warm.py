@@ -450,9 +450,13 @@ def status(pipe: Any, sig: WarmSignature, remote: Any = None) -> dict[str, Any]:
 def _program(pipe: Any, stage: Any, remote: Any) -> dict[str, Any]:
     """One described stage's ``{"stage", "key", "local", "remote"}``: its key as the pipeline's
     compiler makes it (a ``--target`` compiler keys it for its GPU), whether an entry of it is in
-    the local cache, and in the store (None without one)."""
+    the local cache, and in the store (None without one). A stage a ``--target`` compiler leaves to
+    the machine that runs it: key, local and remote None, and ``skipped`` saying why."""
+    from preheat.cache.compile import HOST_STAGE, left_to_target
     from preheat.cache.keys import key_fields, key_of
 
+    if left_to_target(pipe.compiler, stage):
+        return {"stage": stage.name, "key": None, "local": None, "remote": None, "skipped": HOST_STAGE}
     fields_for = pipe.compiler.fields_for if pipe.compiler is not None else key_fields
     key = key_of(fields_for(stage.fingerprint, stage.sig, stage.args))
     local = pipe.compiler is not None and (pipe.compiler.kind_dir / key / "manifest.json").is_file()

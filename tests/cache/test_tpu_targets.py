@@ -294,3 +294,9 @@ def test_warm_target_leaves_a_host_encode_stage_to_the_machine_that_runs_it(tmp_
     assert rows and all(set(row["skipped"]) == {"encode"} for row in rows), rows
     stages = sorted(m["fields"]["signature"].get("stage", "denoise") for m in _manifests(_root()))
     assert "encode" not in stages and {"denoise", "decode"} <= set(stages), stages
+    # the dry run after it: every program cached but the encode stage, which it names as left out
+    dry = CliRunner().invoke(main, ["warm", str(folder), "--target", "v5e", "--max-batch-size", "1", "--guidance",
+                                    "off", "--encoders-on", "host", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "missing" not in dry.output.replace("0 missing locally", ""), dry.output
+    assert dry.output.count("+ encode program not compiled here: it runs on the target machine's own CPU") == len(rows)

@@ -402,6 +402,12 @@ class TargetCompiler(JaxCompiler):
 HOST_STAGE = "runs on the target machine's own CPU, which a builder cannot compile for: compiled there"
 
 
+def left_to_target(compiler: Any, stage: Any) -> bool:
+    """Whether ``compiler`` leaves ``stage`` to the machine that runs it (``HOST_STAGE``): a host
+    stage under a compiler whose executables are for another machine."""
+    return compiler is not None and not compiler.runs and stage.on_host
+
+
 def compile_described(compiler: JaxCompiler, calls: Iterable[list[Any]], program: Callable[[Any], Callable[..., Any]],
                       at_once: Optional[int] = None,
                       each: Callable[[int, list[dict[str, Any]]], None] = lambda i, records: None) -> None:
@@ -426,7 +432,7 @@ def compile_described(compiler: JaxCompiler, calls: Iterable[list[Any]], program
             for stages in calls:
                 keyed.append([])
                 for stage in stages:
-                    key = None if stage.on_host and not compiler.runs else \
+                    key = None if left_to_target(compiler, stage) else \
                         key_of(compiler.fields_for(stage.fingerprint, stage.sig, stage.args))
                     if key is not None and key not in jobs:
                         jobs[key] = pool.submit(compiler.get_or_compile, stage.fingerprint, stage.sig,

@@ -86,7 +86,8 @@ def warm_command(dry_run: bool, as_json: bool, push_timeout_s: float, target_spe
             stages = warming.programs(pipe, sig, remote)  # encoders, denoise, decode: every program of the call
             denoise = next(p for p in stages if p["stage"] == "denoise")
             rows.append({"signature": sig.describe(), "key": denoise["key"], **where(denoise),
-                         "programs": [{"stage": p["stage"], "key": p["key"], **where(p)} for p in stages]})
+                         "programs": [{"stage": p["stage"], "key": p["key"], **where(p)} if "skipped" not in p
+                                      else p for p in stages]})
         offered = warming.offered_inputs(pipe, resolved)  # required and optional: what a server takes
         if as_json:
             click.echo(json.dumps({"inputs": offered._asdict(), "signatures": rows}, indent=1))
@@ -101,7 +102,9 @@ def warm_command(dry_run: bool, as_json: bool, push_timeout_s: float, target_spe
         for row in rows:
             click.echo(f"{row['signature']}  key {row['key'][:12]}  {line(row)}")
             for prog in row["programs"]:
-                if prog["stage"] != "denoise":  # the other programs the call runs (text families)
+                if "skipped" in prog:  # warm --target: a host stage, compiled on the machine that runs it
+                    click.echo(f"    + {prog['stage']} program not compiled here: it {prog['skipped']}")
+                elif prog["stage"] != "denoise":  # the other programs the call runs (text families)
                     click.echo(f"    + {prog['stage']} program {prog['key'][:12]}  {line(prog)}")
         missing = sum(row["local"] == "missing" for row in rows)
         others = sum(p["local"] == "missing" for row in rows for p in row["programs"] if p["stage"] != "denoise")
