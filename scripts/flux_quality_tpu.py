@@ -1,6 +1,6 @@
 """FLUX.1-dev's int8 weights on the chip against float32 on the host: the relative error, block by block.
 
-    python3 scripts/flux_quality_tpu.py [--folder F] [--size 1024] [--double 2] [--single 2] > $OUT/flux_quality.json
+    python3 scripts/flux_quality_tpu.py [--folder F] [--size 1024] [--double 2] [--single 2] > $OUT/flux_quality.jsonl
     JAX_PLATFORMS=cpu python3 scripts/flux_quality_tpu.py --dry       # this script's own check, on a CPU
 
 The first blocks of the random FLUX.1-dev folder (``bench.random_weights``: full width, the
@@ -13,7 +13,8 @@ to; the file's fp8 values are exact in bfloat16, so this is the activations' rou
 and CLIP's pooled vector drawn at random, not encoded; guidance 3.5), and the model cut after 1, 2,
 ... of its blocks (double, then single; ``norm_out`` and ``proj_out`` after the last) gives its
 velocity. One JSON object: per depth, ``|chip - host| / |host|`` over the whole prediction for int8
-and for bf16. Expected cost on the v5e (not measured): about a minute for the reads and the host's
+and for bf16, printed a line at a time (the load, then each depth as it is done, then the whole
+object), so a call cut short keeps what it measured. Expected cost on the v5e (not measured): about a minute for the reads and the host's
 float32 blocks at 4608 tokens, a compile per depth on the chip.
 """
 
@@ -30,7 +31,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def _subset(params: Any, doubles: int, singles: int) -> Any:
@@ -117,22 +117,20 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from preheat import platforms
-    from preheat.bench.random_weights import write_random_folder
+    from preheat.bench.random_weights import SMALL_FLUX, write_random_folder
     from preheat.models.flux import read_flux_config
 
     t0 = time.monotonic()
-    from tpu_check import DRY_FLUX
-
     full = Path(args.work) / "random-flux-dev"  # tpu_check's flux rows' folder, when they ran here
     if args.folder:
         folder = Path(args.folder)
     elif args.dry:
-        folder = write_random_folder("flux-dev", Path(args.work) / "random-flux-dev-dry", configs=DRY_FLUX)
+        folder = write_random_folder("flux-dev", Path(args.work) / "random-flux-dev-dry", configs=SMALL_FLUX)
     elif (full / "model_index.json").is_file():
         folder = full
     else:  # the first blocks alone, full width: each tensor's values depend on its shape only, so they are
         #     the full folder's first blocks (the encoders and VAE small: never loaded here)
-        small = {k: v for k, v in DRY_FLUX.items() if k != "transformer"}
+        small = {k: v for k, v in SMALL_FLUX.items() if k != "transformer"}
         folder = write_random_folder("flux-dev", Path(args.work) / "random-flux-dev-blocks", configs={
             **small, "transformer": {"num_layers": args.double, "num_single_layers": args.single}})
     size = 64 if args.dry else args.size
@@ -147,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
               "int8 chip": _load(folder, config, "bfloat16", chip, "int8"),
               "bfloat16 chip": _load(folder, config, "bfloat16", chip, None)}
     result["load_s"] = round(time.monotonic() - t1, 1)
+    print(json.dumps(result), flush=True)
     inputs = _inputs(config, size, np.random.default_rng(0))
     depths = [(d, 0) for d in range(1, args.double + 1)] + [(args.double, s) for s in range(1, args.single + 1)]
     rows = []
@@ -161,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                      **{f"rel_err_{name.split()[0]}": float(np.linalg.norm(o - ref) / norm) if norm else None
                         for name, o in out.items() if name != "float32 host"},
                      "s": round(time.monotonic() - t2, 1)})
+        print(json.dumps(rows[-1]), flush=True)  # each depth as it is done: a call cut short keeps them
     result["depths"] = rows
     print(json.dumps(result, indent=1))
     return 0
