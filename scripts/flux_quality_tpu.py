@@ -102,6 +102,46 @@ def _predict(model: Any, params: Any, config: Any, doubles: int, singles: int, i
     return np.asarray(out, np.float64)
 
 
+def _parts(model: Any, params: Any, config: Any, inputs: tuple[Any, ...], device: Any, host: bool) -> dict[str, Any]:
+    """The first double block's intermediates on ``device``, as float64: the time embedding, the two
+    embedders, the rotary tables, the adaLN-modulated input, the attention's and the block's outputs
+    (where a chip's prediction parts from the host's, when the whole one does)."""
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from preheat import platforms
+    from preheat.models.flux import build_abstract, rope_cos_sin
+    from preheat.models.storage import upcast
+
+    cut = replace(config, num_layers=1, num_single_layers=0)
+    graphdef, _ = build_abstract(cut)
+
+    def run(p: Any, x: Any, context: Any, pooled: Any, t: Any, img_ids: Any, txt_ids: Any, guidance: Any) -> Any:
+        m = nnx.merge(graphdef, upcast(p, model.dtype, tie=x))
+        x, context, pooled = (v.astype(model.dtype) for v in (x, context, pooled))
+        g = None if guidance is None else guidance.astype(model.dtype) * 1000  # as FluxTransformerModule does
+        temb = m.time_text_embed(t.astype(model.dtype) * 1000, g, pooled)  # (B, C)
+        h, ctx = m.x_embedder(x), m.context_embedder(context)  # (B, S, C), (B, T, C)
+        cos, sin = rope_cos_sin(jnp.concatenate([txt_ids, img_ids], axis=0), cut.axes_dims_rope)
+        block = m.transformer_blocks[0]
+        normed = block.norm1(h, temb)[0]
+        attn_image, attn_text = block.attn(normed, block.norm1_context(ctx, temb)[0], cos, sin)
+        text, image = block(h, ctx, temb, cos, sin)
+        return {"temb": temb, "x_embed": h, "context_embed": ctx, "rope_cos": cos, "rope_sin": sin,
+                "norm1_image": normed, "attn_image": attn_image, "attn_text": attn_text,
+                "block_text": text, "block_image": image}
+
+    args = jax.device_put([a for a in inputs if a is not None], device)
+    guidance = args[6] if len(args) == 7 else None
+    with platforms.on_host() if host else contextlib.nullcontext():
+        out = jax.jit(run)(_subset(params, 1, 0), *args[:6], guidance)
+    return {name: np.asarray(v, np.float64) for name, v in out.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", help="a FLUX.1-dev folder (default: the random one, written under --work)")
@@ -109,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=1024, help="image side (1024: 4096 image tokens)")
     parser.add_argument("--double", type=int, default=2, choices=(1, 2), help="double blocks (unscanned: at most 2)")
     parser.add_argument("--single", type=int, default=2, choices=(0, 1, 2), help="single blocks after them")
+    parser.add_argument("--parts", action="store_true",
+                        help="also the first block's intermediates, each against the host's (where an error starts)")
     parser.add_argument("--dry", action="store_true", help="on the CPU, a small folder: this script's check")
     args = parser.parse_args(argv)
     if args.dry:
@@ -162,6 +204,16 @@ def main(argv: list[str] | None = None) -> int:
                      "s": round(time.monotonic() - t2, 1)})
         print(json.dumps(rows[-1]), flush=True)  # each depth as it is done: a call cut short keeps them
     result["depths"] = rows
+    if args.parts:
+        parts = {name: _parts(model, params, config, inputs, host if name.endswith("host") else chip, name.endswith("host"))
+                 for name, (model, params) in loaded.items()}
+        ref = parts["float32 host"]
+        result["parts"] = {part: {"host_norm": float(np.linalg.norm(ref[part])),
+                                  **{f"rel_err_{name.split()[0]}": float(np.linalg.norm(got[part] - ref[part]) /
+                                                                         max(np.linalg.norm(ref[part]), 1e-30))
+                                     for name, got in parts.items() if name != "float32 host"}}
+                           for part in ref}
+        print(json.dumps({"parts": result["parts"]}), flush=True)
     print(json.dumps(result, indent=1))
     return 0
 

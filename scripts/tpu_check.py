@@ -131,6 +131,15 @@ def sample(model: str, home: Path, out: Path, batch: int, extra: list[str], time
     return r
 
 
+def last_json(output: str) -> dict[str, Any]:
+    """The last line of ``output`` that is a JSON object: a TPU runtime prints its warnings after
+    a child's result (transparent hugepages, at every start). ValueError when there is none."""
+    for line in reversed(output.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise ValueError("no JSON line in the output")
+
+
 def _sample_help() -> str:
     if not hasattr(_sample_help, "text"):
         _sample_help.text = subprocess.run([sys.executable, "-m", "preheat", "sample", "--help"], cwd=ROOT,
@@ -145,7 +154,7 @@ def row_peak(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "ts.sort(); print(json.dumps({'tflops': 2*n**3/ts[5]*1e-12, 'device': jax.devices()[0].device_kind}))")
     r = run([sys.executable, "-c", code % (512 if args.dry else 8192)], 120)
     try:
-        r.update(json.loads(r["tail"].strip().splitlines()[-1]))
+        r.update(last_json(r["tail"]))
     except (ValueError, IndexError):
         pass
     return r
@@ -224,7 +233,7 @@ print(json.dumps({{'flops': cost.get('flops')}}))
 """
     r = run([sys.executable, "-c", code], 300, {"JAX_PLATFORMS": "cpu"})
     try:
-        return json.loads(r["tail"].strip().splitlines()[-1])["flops"] / batch
+        return last_json(r["tail"])["flops"] / batch
     except (ValueError, IndexError, KeyError, TypeError):
         return None
 
@@ -304,7 +313,7 @@ def _flux_write(args: argparse.Namespace) -> tuple[dict[str, Path], dict[str, An
     result: dict[str, Any] = {"rc": written["rc"], "s": round(time.monotonic() - t0, 1), "tail": written["tail"][-300:],
                               "free_bytes_before": free, "filesystem": fs}
     try:
-        result.update(json.loads(written["tail"].strip().splitlines()[-1]))
+        result.update(last_json(written["tail"]))
         result["bytes"] = {name: sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
                            for name, folder in folders.items()}
     except (ValueError, IndexError, OSError):
