@@ -4,6 +4,7 @@ host memory and the encode stage runs on the host's CPU, the images as with the 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -75,3 +76,18 @@ def test_a_restart_prefetches_the_host_encode_stage(folder, pipes):
     np.testing.assert_array_equal(warm.generate(**CALL), want)
     got = [(e["stage"], e["layer"], e.get("prefetch")) for e in warm.compiler.events]
     assert got == [(s, "aot", "background") for s in ("encode", "denoise", "decode")], warm.compiler.events
+
+
+def test_host_encoders_compute_in_float32_on_a_cpu_without_bf16_products(folder, monkeypatch):
+    """A bfloat16 load on a host whose CPU has no bf16 products (a TPU v5e VM's AMD host) keeps and
+    runs CLIP and T5 in float32 there (``platforms.host_compute_dtype``); the image is the bfloat16
+    pipeline's with its encoders on the device, but for the encoders' rounding."""
+    monkeypatch.setattr("preheat.platforms._cpu.cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    host = preheat.load(folder, cache="off", devices=1, dtype="bfloat16", encoders_on="host")
+    leaves = [leaf for te in host.components.text_encoders for leaf in jax.tree.leaves(te.params)]
+    assert leaves and {leaf.dtype for leaf in leaves} == {np.dtype("float32")}
+    device = preheat.load(folder, cache="off", devices=1, dtype="bfloat16")
+    assert {leaf.dtype for te in device.components.text_encoders for leaf in jax.tree.leaves(te.params)} == \
+        {jnp.dtype("bfloat16")}
+    got, want = host.generate(**CALL).astype(np.float64), device.generate(**CALL).astype(np.float64)
+    assert np.abs(got - want).mean() <= 1.0  # in 1/255: the bf16 encoders' rounding alone (0.16 measured)

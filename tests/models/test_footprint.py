@@ -113,11 +113,27 @@ def test_fitting_names_the_first_option_that_fits(folder):
     assert fitting(folder, 100_000, **kw) is None
 
 
-def test_flux_dev_on_one_v5e_chip_fits_with_its_encoders_on_the_host(tmp_path):
+def test_host_encoders_are_counted_in_float32_on_a_cpu_without_bf16_products(tmp_path, monkeypatch):
+    """On a TPU v5e VM's AMD host the encoders are kept and run in float32 (``platforms.host_compute_dtype``):
+    twice the host memory, the chip's share unchanged."""
+    script = load_script("flux_memory_plan")
+    script.write_flux_dev(tmp_path)
+    monkeypatch.setattr("preheat.platforms._cpu.cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    f32 = weight_footprint(tmp_path, "bfloat16", weights_dtype="int8", weights_layers="linear", encoders_on="host")
+    monkeypatch.setenv("PREHEAT_HOST_DTYPE", "as-loaded")
+    bf16 = weight_footprint(tmp_path, "bfloat16", weights_dtype="int8", weights_layers="linear", encoders_on="host")
+    assert f32.host == {name: 2 * n for name, n in bf16.host.items()} and f32.parts == bf16.parts
+    assert {f32.dtypes[name] for name in f32.host} == {"float32"}
+    assert f32.plan(script.HBM, "one v5e chip")[-1].startswith("host memory: 18.20 GiB of text encoders")
+
+
+def test_flux_dev_on_one_v5e_chip_fits_with_its_encoders_on_the_host(tmp_path, monkeypatch):
     """scripts/flux_memory_plan.py's folder (the published configs' real headers, no data): docs/tpu.md's
     plan. The int8 transformer with every Linear in 8 bits rests in 72% of the chip, but T5-XXL moved in
     beside it for the encode stage is 4.76 GiB too many; with the encoders kept and run on the host
-    (``encoders_on="host"``) it fits, and that is the option ``fitting`` and the load's refusal name."""
+    (``encoders_on="host"``) it fits, and that is the option ``fitting`` and the load's refusal name.
+    The host's encoders at the load's dtype here (a CPU with bf16 products; the next test: without)."""
+    monkeypatch.setenv("PREHEAT_HOST_DTYPE", "as-loaded")
     script = load_script("flux_memory_plan")
     params = script.write_flux_dev(tmp_path)
     assert {k: round(v / 1e6) for k, v in params.items()} == {

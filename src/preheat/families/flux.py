@@ -221,7 +221,8 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     """A ``FluxPipeline`` folder (FLUX.1-schnell, FLUX.1-dev and fine-tunes of them); ``family``:
     a Flux-derived family whose folders hold the same parts (``families.kontext``). ``encoders_on``:
     "host" reads CLIP's and T5's weights into host memory and runs the encode stage on the host's
-    CPU (``platforms.host_device``): T5-XXL never occupies the chip (``families.text.on_host``)."""
+    CPU (``platforms.host_device``), in float32 where that CPU has no native bfloat16 products
+    (``platforms.host_compute_dtype``): T5-XXL never occupies the chip (``families.text.on_host``)."""
     import jax.numpy as jnp
 
     from preheat.lora import LoraTargets
@@ -240,14 +241,17 @@ def load_flux(root: Any, *, scheduler: Any = None, dtype: Any = "float32", varia
     index = read_json(root / "model_index.json", "pipeline index")
     tokenizers = [CLIPTokenizer.from_folder(component(root, index, "tokenizer")),
                   T5Tokenizer.from_folder(component(root, index, "tokenizer_2"), max_length=T5_LENGTH)]
-    placed = options
-    if encoders_on == "host":  # read straight into host memory, and kept there
+    placed, encoder_dtype = options, dtype
+    if encoders_on == "host":  # read straight into host memory, kept there, and computed in what the CPU multiplies fast
         from preheat import platforms
         from preheat.models.weights import LoadOptions as _Options
 
         placed = replace(options or _Options(), device=platforms.host_device())
-    encoders = [load_clip_text(component(root, index, "text_encoder"), dtype=dtype, variant=variant, options=placed),
-                load_t5_encoder(component(root, index, "text_encoder_2"), dtype=dtype, variant=variant, options=placed)]
+        encoder_dtype = platforms.host_compute_dtype(dtype)
+    encoders = [load_clip_text(component(root, index, "text_encoder"), dtype=encoder_dtype, variant=variant,
+                               options=placed),
+                load_t5_encoder(component(root, index, "text_encoder_2"), dtype=encoder_dtype, variant=variant,
+                                options=placed)]
     if encoders_on == "host":
         encoders = [on_host(e, placed) for e in encoders]
     elif offload_encoders:

@@ -46,6 +46,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from preheat import platforms
 from preheat.errors import ModelError, PreheatError
 from preheat.models.safetensors_files import read_header, read_json, weight_files
 
@@ -199,6 +200,10 @@ def weight_footprint(root: str | Path, dtype: str = "float32", *, variant: str |
         elif name in DENOISERS:
             n = _component_bytes(root / name, variant, size, low, linear, scaled)
             fp.dtypes[name] = low_words
+        elif encoders_on == "host":  # computed on the host's CPU, in the dtype it multiplies fast
+            host_dtype = platforms.host_compute_dtype(dtype)
+            n = _component_bytes(root / name, variant, _ITEMSIZE[host_dtype], None)
+            fp.dtypes[name] = host_dtype
         else:
             n = _component_bytes(root / name, variant, size, None)
         encoder = name.startswith("text_encoder")

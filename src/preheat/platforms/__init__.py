@@ -10,7 +10,7 @@ a convolution's form        ``current().conv_form(ConvLayer(...))`` (``PREHEAT_C
 GroupNorm's statistics      ``current().groupnorm_form()`` (``PREHEAT_GROUPNORM`` overrides)
 the key's device fields     ``device_fields(mesh_size, target)``, ``mesh_fields(mesh)``
 the deviceless target       ``compiling_for(platform, capability)``, ``traced_target()``, ``deviceless()``
-a stage on the host's CPU   ``host_device()``, ``on_host()``, ``host_fields()``
+a stage on the host's CPU   ``host_device()``, ``on_host()``, ``host_fields()``, ``host_compute_dtype()``
 does a compile autotune     ``autotunes_here()``; a platform's ``autotunes``
 doctor's platform checks    a platform's ``doctor_checks`` (ids in ``preheat.doctor.checks``)
 how to name the device      ``describe_device()``, ``accelerator_label()``, ``key_device_label(fields)``
@@ -27,7 +27,7 @@ pod would trace for itself. A test selects a ``FakePlatform`` with ``selected``.
 from __future__ import annotations
 
 from preheat.platforms._base import Attention, AttentionLayer, ConvLayer, Platform
-from preheat.platforms._cpu import CpuPlatform, cpu_features
+from preheat.platforms._cpu import CpuPlatform, cpu_features, cpu_flags, host_compute_dtype
 from preheat.platforms._devices import (accelerator_label, autotunes_here, describe_device, device_fields,
                                         devices_of, host_device, host_fields, key_device_label, key_runtime,
                                         mesh_fields)
@@ -47,7 +47,7 @@ __all__ = [
     "get", "current", "local", "selected", "compiling_for", "traced_target", "deviceless", "on_host",
     # the running machine's devices and the key's device fields
     "describe_device", "accelerator_label", "devices_of", "device_fields", "mesh_fields", "key_device_label",
-    "key_runtime", "autotunes_here", "cpu_features", "host_device", "host_fields",
+    "key_runtime", "autotunes_here", "cpu_features", "cpu_flags", "host_device", "host_fields", "host_compute_dtype",
     # GPU descriptions (XLA's target descriptions, the CUDA plugin's versions)
     "parse_description", "gpu_fields", "cuda_versions", "cudnn_available", "local_description",
     "device_gpu_fields",

@@ -4,6 +4,8 @@ platform so that no module outside the seam asks which backend it is on."""
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Optional
 
 import jax
@@ -91,4 +93,5 @@ def host_fields() -> tuple[tuple[str, Any], ...]:
     this host's instruction set, whatever the accelerator beside it."""
     from preheat.platforms._cpu import cpu_features
 
-    return (("runs_on", "cpu"), ("host_cpu", cpu_features()))
+    # the instruction set decides the host's compute dtype too (``host_compute_dtype``), and so does its setting
+    return (("runs_on", "cpu"), ("host_cpu", cpu_features()), ("host_dtype", os.environ.get("PREHEAT_HOST_DTYPE", "auto")))
