@@ -5,7 +5,6 @@ platform so that no module outside the seam asks which backend it is on."""
 from __future__ import annotations
 
 import os
-
 from typing import Any, Optional
 
 import jax
