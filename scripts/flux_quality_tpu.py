@@ -81,6 +81,25 @@ def _inputs(config: Any, size: int, rng: Any) -> tuple[Any, ...]:
             np.full((1,), 3.5, np.float32) if config.guidance_embeds else None)
 
 
+def _as_bfloat16_sees(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``inputs`` with the guidance scale the float32 reference takes moved to what the bfloat16
+    program embeds: diffusers (and ``FluxTransformerModule``) multiply it by 1000 in the model's
+    dtype, so 3.5 becomes 3504 in bfloat16, not 3500, and the sinusoids of 3500 and 3504 differ (the
+    float32 model's own prediction moves 27% between the two at one block). That is the model's
+    reading of its input, not an error of its weights or activations, so the reference reads it too.
+    The timestep (sigma 1: 1000) is exact in both."""
+    import ml_dtypes
+    import numpy as np
+
+    guidance = inputs[6]
+    if guidance is None:
+        return inputs
+    seen = (guidance.astype(ml_dtypes.bfloat16) * np.asarray(1000, ml_dtypes.bfloat16)).astype(np.float32)  # 3504
+    scale = (seen / np.float32(1000)).astype(np.float32)
+    assert np.array_equal(scale * np.float32(1000), seen), (scale, seen)  # float32 x 1000 lands on it exactly
+    return (*inputs[:6], scale)
+
+
 def _predict(model: Any, params: Any, config: Any, doubles: int, singles: int, inputs: tuple[Any, ...],
              device: Any, host: bool) -> Any:
     """The velocity of the model cut after ``doubles`` + ``singles`` blocks, on ``device``, as float64."""
@@ -103,7 +122,8 @@ def _predict(model: Any, params: Any, config: Any, doubles: int, singles: int, i
 
 
 def _parts(model: Any, params: Any, config: Any, inputs: tuple[Any, ...], device: Any, host: bool) -> dict[str, Any]:
-    """The first double block's intermediates on ``device``, as float64: the time embedding, the two
+    """The first double block's intermediates on ``device``, as float64: the timestep's and the
+    guidance's float32 sinusoids (large arguments: 1000 and 3504 radians at most), the time embedding, the two
     embedders, the rotary tables, the adaLN-modulated input, the attention's and the block's outputs
     (where a chip's prediction parts from the host's, when the whole one does)."""
     import contextlib
@@ -115,6 +135,7 @@ def _parts(model: Any, params: Any, config: Any, inputs: tuple[Any, ...], device
 
     from preheat import platforms
     from preheat.models.flux import build_abstract, rope_cos_sin
+    from preheat.models.layers import sinusoidal_embedding
     from preheat.models.storage import upcast
 
     cut = replace(config, num_layers=1, num_single_layers=0)
@@ -125,13 +146,16 @@ def _parts(model: Any, params: Any, config: Any, inputs: tuple[Any, ...], device
         x, context, pooled = (v.astype(model.dtype) for v in (x, context, pooled))
         g = None if guidance is None else guidance.astype(model.dtype) * 1000  # as FluxTransformerModule does
         temb = m.time_text_embed(t.astype(model.dtype) * 1000, g, pooled)  # (B, C)
+        sinusoids = {"t_sinusoids": sinusoidal_embedding(t.astype(model.dtype) * 1000, 256, True, 0)}  # float32 sin/cos
+        if g is not None:  # of 1000 and 3504 (3.5 x 1000 in bf16): large arguments
+            sinusoids["guidance_sinusoids"] = sinusoidal_embedding(g, 256, True, 0)
         h, ctx = m.x_embedder(x), m.context_embedder(context)  # (B, S, C), (B, T, C)
         cos, sin = rope_cos_sin(jnp.concatenate([txt_ids, img_ids], axis=0), cut.axes_dims_rope)
         block = m.transformer_blocks[0]
         normed = block.norm1(h, temb)[0]
         attn_image, attn_text = block.attn(normed, block.norm1_context(ctx, temb)[0], cos, sin)
         text, image = block(h, ctx, temb, cos, sin)
-        return {"temb": temb, "x_embed": h, "context_embed": ctx, "rope_cos": cos, "rope_sin": sin,
+        return {**sinusoids, "temb": temb, "x_embed": h, "context_embed": ctx, "rope_cos": cos, "rope_sin": sin,
                 "norm1_image": normed, "attn_image": attn_image, "attn_text": attn_text,
                 "block_text": text, "block_image": image}
 
@@ -189,11 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     result["load_s"] = round(time.monotonic() - t1, 1)
     print(json.dumps(result), flush=True)
     inputs = _inputs(config, size, np.random.default_rng(0))
+    inputs_of = {name: _as_bfloat16_sees(inputs) if name.endswith("host") else inputs for name in loaded}
     depths = [(d, 0) for d in range(1, args.double + 1)] + [(args.double, s) for s in range(1, args.single + 1)]
     rows = []
     for doubles, singles in depths:
         t2 = time.monotonic()
-        out = {name: _predict(model, params, config, doubles, singles, inputs, host if name.endswith("host") else chip,
+        out = {name: _predict(model, params, config, doubles, singles, inputs_of[name], host if name.endswith("host") else chip,
                               name.endswith("host")) for name, (model, params) in loaded.items()}
         ref = out["float32 host"]
         norm = float(np.linalg.norm(ref))
@@ -205,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows[-1]), flush=True)  # each depth as it is done: a call cut short keeps them
     result["depths"] = rows
     if args.parts:
-        parts = {name: _parts(model, params, config, inputs, host if name.endswith("host") else chip, name.endswith("host"))
+        parts = {name: _parts(model, params, config, inputs_of[name], host if name.endswith("host") else chip,
+                              name.endswith("host"))
                  for name, (model, params) in loaded.items()}
         ref = parts["float32 host"]
         result["parts"] = {part: {"host_norm": float(np.linalg.norm(ref[part])),

@@ -15,6 +15,7 @@ from flax import nnx
 
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError, WeightsError
 from preheat.models.flux import (FluxTransformerConfig, build_abstract, build_flux_transformer, latent_image_ids,
+                                 thousandfold,
                                  load_flux_transformer, pack_latents, rope_cos_sin, unpack_latents)
 from preheat.models.weights import expected_torch_shape, torch_key
 
@@ -93,6 +94,18 @@ def _reference(folder: Path, inputs: dict[str, Any]) -> np.ndarray:
         return model(**args, return_dict=False)[0].numpy()
 
 
+def _as_bf16_reads(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The timestep and guidance as a bfloat16 FluxTransformer2DModel reads them: its
+    ``timestep.to(dtype) * 1000`` rounds to bfloat16's grid (0.93 -> 928, not 930), an fp32 one does not."""
+    import torch
+
+    out = dict(inputs)
+    for key in ("timestep", "guidance"):
+        if inputs.get(key) is not None:
+            out[key] = ((torch.as_tensor(np.array(inputs[key])).to(torch.bfloat16) * 1000).float() / 1000).numpy()
+    return out
+
+
 def _err(a: Any, b: Any) -> float:
     return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
 
@@ -154,7 +167,9 @@ def test_scalar_timestep_and_guidance_broadcast_over_the_batch(tmp_path):
 
 
 def test_bf16_runs_close_to_fp32_reference(case):
-    name, config, folder, inputs, ref = case
+    """Against diffusers in fp32 fed what a bf16 model reads (its timestep and guidance on bf16's grid)."""
+    name, config, folder, inputs, _ = case
+    ref = _reference(folder, _as_bf16_reads(inputs))
     model = load_flux_transformer(folder, dtype=jnp.bfloat16)
     assert model.dtype == jnp.bfloat16
     assert {leaf.dtype for leaf in jax.tree.leaves(model.params)} == {jnp.dtype(jnp.bfloat16)}
@@ -366,3 +381,16 @@ def test_guidance_and_mis_shaped_inputs_are_one_line(case):
             model.apply(model.params, **{**inputs, **override})
         msg = _one_line(info.value)
         assert needle in msg, f"{name}: {msg}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_timestep_and_guidance_are_scaled_as_torch_scales_them(dtype):
+    """``v.to(dtype) * 1000`` in torch, compiled by XLA: its excess precision kept 3.5 x 1000 at 3500 in
+    a bfloat16 program on a CPU, where torch (and XLA:TPU) give 3504, and the guidance sinusoids moved."""
+    torch = pytest.importorskip("torch")
+    values = np.concatenate([[3.5, 1.0, 0.75, 0.5, 4.0, 1e-3], np.random.default_rng(0).uniform(0, 10, 200)])
+    want = (torch.tensor(values, dtype=torch.float32).to(getattr(torch, dtype)) * 1000).float().numpy()
+    got = np.asarray(jax.jit(lambda v: thousandfold(v, jnp.dtype(dtype)))(jnp.asarray(values, jnp.float32)))
+    np.testing.assert_array_equal(got, want)
+    if dtype == "bfloat16":
+        assert got[0] == 3504.0

@@ -137,6 +137,25 @@ class FluxTransformerConfig(JsonConfig):
         return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
 
+def thousandfold(v: Array, dtype: Any) -> Array:
+    """diffusers' ``v.to(dtype) * 1000`` (the timestep's and the guidance scale's) with both of its
+    roundings to ``dtype``, as float32. (B,) -> (B,).
+
+    XLA may keep excess precision between a half-type product and a later float32 convert, and
+    XLA:CPU does: there 3.5 x 1000 stayed 3500 while torch and XLA:TPU give bfloat16's 3504, whose
+    sinusoids differ enough to move the prediction 27% at one block (docs/tpu.md). ``reduce_precision``
+    is never elided, so every backend embeds what diffusers embeds."""
+    v = v.astype(jnp.float32)
+    if jnp.dtype(dtype).itemsize >= 4:
+        return v * 1000
+    info = jnp.finfo(dtype)
+
+    def rounded(x: Array) -> Array:
+        return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+    return rounded(rounded(v) * 1000)  # bf16: 3.5 -> 3504
+
+
 # ----------------------------------------------------------------------------------------------
 # Rotary position embeddings (FluxPosEmbed + apply_rotary_emb(use_real=True, unbind_dim=-1))
 
@@ -402,9 +421,8 @@ class FluxTransformer2DModel(nnx.Module):
         dtype = x.dtype
         b, s = x.shape[:2]
         tokens = context.shape[1]
-        # diffusers: timestep.to(dtype) * 1000 (the same for guidance), then float32 sinusoids
-        t = jnp.broadcast_to(t.astype(dtype), (b,)) * 1000
-        g = None if guidance is None else jnp.broadcast_to(guidance.astype(dtype), (b,)) * 1000
+        t = jnp.broadcast_to(thousandfold(t, dtype), (b,))  # then float32 sinusoids
+        g = None if guidance is None else jnp.broadcast_to(thousandfold(guidance, dtype), (b,))
         temb = self.time_text_embed(t, g, pooled)  # (B, C)
 
         h = self.x_embedder(x)  # (B, S, C)
