@@ -14,8 +14,10 @@ and CLIP's pooled vector drawn at random, not encoded; guidance 3.5), and the mo
 ... of its blocks (double, then single; ``norm_out`` and ``proj_out`` after the last) gives its
 velocity. One JSON object: per depth, ``|chip - host| / |host|`` over the whole prediction for int8
 and for bf16, printed a line at a time (the load, then each depth as it is done, then the whole
-object), so a call cut short keeps what it measured. Expected cost on the v5e (not measured): about a minute for the reads and the host's
-float32 blocks at 4608 tokens, a compile per depth on the chip.
+object), so a call cut short keeps what it measured. The float32 reference reads the guidance scale
+as the bfloat16 programs do (``models.flux.thousandfold``: 3.5 x 1000 is 3504 in bfloat16).
+``--parts`` adds the first block's intermediates, chip against host. Measured on the v5e: the
+folder of blocks written in 8-10 s, loaded in 6-9 s, then 22, 29, 37 and 49 s for the four depths.
 """
 
 from __future__ import annotations
@@ -88,13 +90,15 @@ def _as_bfloat16_sees(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     float32 model's own prediction moves 27% between the two at one block). That is the model's
     reading of its input, not an error of its weights or activations, so the reference reads it too.
     The timestep (sigma 1: 1000) is exact in both."""
-    import ml_dtypes
+    import jax.numpy as jnp
     import numpy as np
+
+    from preheat.models.flux import thousandfold
 
     guidance = inputs[6]
     if guidance is None:
         return inputs
-    seen = (guidance.astype(ml_dtypes.bfloat16) * np.asarray(1000, ml_dtypes.bfloat16)).astype(np.float32)  # 3504
+    seen = np.asarray(thousandfold(jnp.asarray(guidance), jnp.bfloat16), np.float32)  # 3504
     scale = (seen / np.float32(1000)).astype(np.float32)
     assert np.array_equal(scale * np.float32(1000), seen), (scale, seen)  # float32 x 1000 lands on it exactly
     return (*inputs[:6], scale)
@@ -123,8 +127,8 @@ def _predict(model: Any, params: Any, config: Any, doubles: int, singles: int, i
 
 def _parts(model: Any, params: Any, config: Any, inputs: tuple[Any, ...], device: Any, host: bool) -> dict[str, Any]:
     """The first double block's intermediates on ``device``, as float64: the timestep's and the
-    guidance's float32 sinusoids (large arguments: 1000 and 3504 radians at most), the time embedding, the two
-    embedders, the rotary tables, the adaLN-modulated input, the attention's and the block's outputs
+    guidance's float32 sinusoids (large arguments: 1000 and 3504 radians at most), the time
+    embedding, the two embedders, the rotary tables, the adaLN-modulated input, the attention's and the block's outputs
     (where a chip's prediction parts from the host's, when the whole one does)."""
     import contextlib
 
@@ -134,7 +138,7 @@ def _parts(model: Any, params: Any, config: Any, inputs: tuple[Any, ...], device
     from flax import nnx
 
     from preheat import platforms
-    from preheat.models.flux import build_abstract, rope_cos_sin
+    from preheat.models.flux import build_abstract, rope_cos_sin, thousandfold
     from preheat.models.layers import sinusoidal_embedding
     from preheat.models.storage import upcast
 
@@ -144,9 +148,9 @@ def _parts(model: Any, params: Any, config: Any, inputs: tuple[Any, ...], device
     def run(p: Any, x: Any, context: Any, pooled: Any, t: Any, img_ids: Any, txt_ids: Any, guidance: Any) -> Any:
         m = nnx.merge(graphdef, upcast(p, model.dtype, tie=x))
         x, context, pooled = (v.astype(model.dtype) for v in (x, context, pooled))
-        g = None if guidance is None else guidance.astype(model.dtype) * 1000  # as FluxTransformerModule does
-        temb = m.time_text_embed(t.astype(model.dtype) * 1000, g, pooled)  # (B, C)
-        sinusoids = {"t_sinusoids": sinusoidal_embedding(t.astype(model.dtype) * 1000, 256, True, 0)}  # float32 sin/cos
+        g = None if guidance is None else thousandfold(guidance, model.dtype)  # as FluxTransformerModule does
+        temb = m.time_text_embed(thousandfold(t, model.dtype), g, pooled)  # (B, C)
+        sinusoids = {"t_sinusoids": sinusoidal_embedding(thousandfold(t, model.dtype), 256, True, 0)}  # float32 sin/cos
         if g is not None:  # of 1000 and 3504 (3.5 x 1000 in bf16): large arguments
             sinusoids["guidance_sinusoids"] = sinusoidal_embedding(g, 256, True, 0)
         h, ctx = m.x_embedder(x), m.context_embedder(context)  # (B, S, C), (B, T, C)
@@ -218,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for doubles, singles in depths:
         t2 = time.monotonic()
-        out = {name: _predict(model, params, config, doubles, singles, inputs_of[name], host if name.endswith("host") else chip,
-                              name.endswith("host")) for name, (model, params) in loaded.items()}
+        out = {name: _predict(model, params, config, doubles, singles, inputs_of[name],
+                              host if name.endswith("host") else chip, name.endswith("host"))
+               for name, (model, params) in loaded.items()}
         ref = out["float32 host"]
         norm = float(np.linalg.norm(ref))
         rows.append({"blocks": f"{doubles} double + {singles} single", "host_norm": norm,
