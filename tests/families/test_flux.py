@@ -91,3 +91,33 @@ def test_host_encoders_compute_in_float32_on_a_cpu_without_bf16_products(folder,
         {jnp.dtype("bfloat16")}
     got, want = host.generate(**CALL).astype(np.float64), device.generate(**CALL).astype(np.float64)
     assert np.abs(got - want).mean() <= 1.0  # in 1/255: the bf16 encoders' rounding alone (0.16 measured)
+
+
+V5E_LOAD = dict(dtype="bfloat16", weights_dtype="int8", weights_layers="linear")  # what one v5e chip holds
+
+
+def _edit_inputs(kind: str) -> dict:
+    from tests._support.flow_fixtures import picture
+
+    if kind == "flux-kontext":  # used as it is (its default resize would make a 1024² reference)
+        return dict(image=picture(32, 32), image_resize="none")
+    mask = np.zeros((32, 32), np.uint8)
+    mask[8:24, 10:28] = 255
+    return dict(image=picture(32, 32), mask_image=mask)
+
+
+@pytest.mark.parametrize("kind", ["flux-kontext", "flux-fill"])
+def test_kontext_and_fill_run_as_one_v5e_chip_holds_them(kind, tmp_path, monkeypatch):
+    """Kontext and Fill with the v5e's load options (int8 Linear weights, the encoders on the host,
+    in float32 on a CPU without bf16 products): the image of the same int8 load with its encoders
+    on the device, but for the encoders' rounding; their weights on the host's CPU."""
+    monkeypatch.setattr("preheat.platforms._cpu.cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    folder = save_tiny_flow_model(tmp_path / kind, kind, quiet_posterior=kind == "flux-fill")
+    host = preheat.load(folder, cache="off", devices=1, encoders_on="host", **V5E_LOAD)
+    device = preheat.load(folder, cache="off", devices=1, **V5E_LOAD)
+    leaves = [leaf for te in host.components.text_encoders for leaf in jax.tree.leaves(te.params)]
+    assert leaves and all(leaf.devices() == {platforms.host_device()} and leaf.dtype == np.float32 for leaf in leaves)
+    call = dict(CALL, **_edit_inputs(kind))
+    got, want = host.generate(**call).astype(np.float64), device.generate(**call).astype(np.float64)
+    assert got.shape == want.shape == (1, 32, 32, 3)
+    assert np.abs(got - want).mean() <= 1.0  # in 1/255
