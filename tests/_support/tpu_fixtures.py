@@ -123,3 +123,15 @@ def tpu_vm(monkeypatch: Any, record: dict[str, Any] = V5E_VM, platform_version: 
     for name, value in record["env"].items():
         monkeypatch.setenv(name, value)
     return devices
+
+
+# the v5e VM's host CPU (AMD, AVX2, no AVX-512: /proc/cpuinfo's flags there, those that matter here)
+VM_HOST_FLAGS = frozenset({"avx", "avx2", "fma", "f16c", "sha_ni", "vaes"})
+
+
+def vm_host_cpu(monkeypatch) -> None:
+    """This process's host CPU answers as the v5e VM's does: no bf16 products, so a host stage
+    computes in float32 (``platforms.host_compute_dtype``); a ``PREHEAT_HOST_DTYPE`` set outside
+    the test is cleared."""
+    monkeypatch.delenv("PREHEAT_HOST_DTYPE", raising=False)
+    monkeypatch.setattr("preheat.platforms._cpu.cpu_flags", lambda: VM_HOST_FLAGS)

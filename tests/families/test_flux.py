@@ -12,6 +12,7 @@ import preheat
 from preheat import platforms
 from preheat.errors import InvalidArgumentError
 from tests._support.flow_fixtures import save_tiny_flow_model
+from tests._support.tpu_fixtures import vm_host_cpu
 
 CALL = dict(prompt="a fox", steps=2, seed=3, width=32, height=32)
 
@@ -82,7 +83,7 @@ def test_host_encoders_compute_in_float32_on_a_cpu_without_bf16_products(folder,
     """A bfloat16 load on a host whose CPU has no bf16 products (a TPU v5e VM's AMD host) keeps and
     runs CLIP and T5 in float32 there (``platforms.host_compute_dtype``); the image is the bfloat16
     pipeline's with its encoders on the device, but for the encoders' rounding."""
-    monkeypatch.setattr("preheat.platforms._cpu.cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    vm_host_cpu(monkeypatch)
     host = preheat.load(folder, cache="off", devices=1, dtype="bfloat16", encoders_on="host")
     leaves = [leaf for te in host.components.text_encoders for leaf in jax.tree.leaves(te.params)]
     assert leaves and {leaf.dtype for leaf in leaves} == {np.dtype("float32")}
@@ -111,7 +112,7 @@ def test_kontext_and_fill_run_as_one_v5e_chip_holds_them(kind, tmp_path, monkeyp
     """Kontext and Fill with the v5e's load options (int8 Linear weights, the encoders on the host,
     in float32 on a CPU without bf16 products): the image of the same int8 load with its encoders
     on the device, but for the encoders' rounding; their weights on the host's CPU."""
-    monkeypatch.setattr("preheat.platforms._cpu.cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    vm_host_cpu(monkeypatch)
     folder = save_tiny_flow_model(tmp_path / kind, kind, quiet_posterior=kind == "flux-fill")
     host = preheat.load(folder, cache="off", devices=1, encoders_on="host", **V5E_LOAD)
     device = preheat.load(folder, cache="off", devices=1, **V5E_LOAD)

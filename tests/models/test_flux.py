@@ -15,8 +15,7 @@ from flax import nnx
 
 from preheat.errors import InvalidArgumentError, UnsupportedConfigError, WeightsError
 from preheat.models.flux import (FluxTransformerConfig, build_abstract, build_flux_transformer, latent_image_ids,
-                                 thousandfold,
-                                 load_flux_transformer, pack_latents, rope_cos_sin, unpack_latents)
+                                 load_flux_transformer, pack_latents, rope_cos_sin, thousandfold, unpack_latents)
 from preheat.models.weights import expected_torch_shape, torch_key
 
 # Like diffusers' own FluxTransformer tests: tiny widths, one block of each kind.

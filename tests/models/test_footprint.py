@@ -10,7 +10,7 @@ from preheat.errors import ModelError, ModelNotFoundError
 from preheat.models import footprint
 from preheat.models.footprint import check_fits, fitting, weight_footprint
 from tests._support.script_modules import load_script
-from tests._support.tpu_fixtures import weights_folder
+from tests._support.tpu_fixtures import vm_host_cpu, weights_folder
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_host_encoders_are_counted_in_float32_on_a_cpu_without_bf16_products(tmp
     twice the host memory, the chip's share unchanged."""
     script = load_script("flux_memory_plan")
     script.write_flux_dev(tmp_path)
-    monkeypatch.setattr("preheat.platforms._cpu.cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    vm_host_cpu(monkeypatch)
     f32 = weight_footprint(tmp_path, "bfloat16", weights_dtype="int8", weights_layers="linear", encoders_on="host")
     monkeypatch.setenv("PREHEAT_HOST_DTYPE", "as-loaded")
     bf16 = weight_footprint(tmp_path, "bfloat16", weights_dtype="int8", weights_layers="linear", encoders_on="host")

@@ -11,6 +11,7 @@ import pytest
 from preheat import platforms
 from preheat.errors import InvalidArgumentError
 from preheat.models.attention import dot_product_attention
+from tests._support.tpu_fixtures import VM_HOST_FLAGS
 
 CPU = platforms.get("cpu")
 
@@ -34,7 +35,7 @@ def test_a_host_stage_computes_in_float32_where_the_cpu_has_no_native_half_produ
     """XLA:CPU converts every half-type product a CPU has no instructions for (a TPU v5e VM's AMD
     host: 1.13 TFLOP/s in float32, 0.30 in bfloat16), so a stage run there is computed in float32."""
     monkeypatch.delenv("PREHEAT_HOST_DTYPE", raising=False)
-    avx2 = frozenset({"avx", "avx2", "fma"})
+    avx2 = VM_HOST_FLAGS
     assert platforms.host_compute_dtype("bfloat16", avx2) == "float32"
     assert platforms.host_compute_dtype("float16", avx2) == "float32"
     for native in ("avx512_bf16", "amx_bf16", "bf16"):  # x86's AVX512 and AMX forms, Arm's Features

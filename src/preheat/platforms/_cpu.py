@@ -18,7 +18,8 @@ from typing import Any, Optional
 
 from preheat.platforms._base import Platform
 
-__all__ = ["CpuPlatform", "cpu_features", "cpu_flags", "host_compute_dtype", "HOST_DTYPE_SETTINGS"]
+__all__ = ["CpuPlatform", "cpu_features", "cpu_flags", "host_compute_dtype", "host_dtype_setting",
+           "HOST_DTYPE_SETTINGS"]
 
 # the flags of a CPU that multiplies a half type natively: x86's AVX512 and AMX forms, Arm's Features
 NATIVE_HALF_FLAGS = {"bfloat16": frozenset({"avx512_bf16", "amx_bf16", "bf16"}),
@@ -55,6 +56,17 @@ def cpu_features() -> str:
     return f"{model} | {hashlib.sha256(' '.join(flags).encode()).hexdigest()[:16]}"
 
 
+def host_dtype_setting() -> str:
+    """``PREHEAT_HOST_DTYPE`` (default ``auto``), one of ``HOST_DTYPE_SETTINGS``: a one-line error otherwise."""
+    from preheat.errors import InvalidArgumentError
+
+    setting = os.environ.get("PREHEAT_HOST_DTYPE", "auto")
+    if setting not in HOST_DTYPE_SETTINGS:
+        raise InvalidArgumentError(f"PREHEAT_HOST_DTYPE={setting!r}; supported: {', '.join(HOST_DTYPE_SETTINGS)}",
+                                   argument="PREHEAT_HOST_DTYPE")
+    return setting
+
+
 def host_compute_dtype(dtype: str, flags: Optional[frozenset[str]] = None) -> str:
     """The dtype a stage kept and run on the host's CPU beside an accelerator computes in
     (``encoders_on="host"``): ``dtype``, except float32 for a half type this CPU has no native
@@ -62,12 +74,7 @@ def host_compute_dtype(dtype: str, flags: Optional[frozenset[str]] = None) -> st
     a 512 x 4096 x 10240 product ran at 1.13 TFLOP/s in float32 and 0.30 in bfloat16 (docs/tpu.md),
     so T5-XXL's encode is several times faster in float32, at twice the host memory.
     ``PREHEAT_HOST_DTYPE``: ``auto`` (this rule), ``float32``, or ``as-loaded`` (``dtype`` always)."""
-    from preheat.errors import InvalidArgumentError
-
-    setting = os.environ.get("PREHEAT_HOST_DTYPE", "auto")
-    if setting not in HOST_DTYPE_SETTINGS:
-        raise InvalidArgumentError(f"PREHEAT_HOST_DTYPE={setting!r}; supported: {', '.join(HOST_DTYPE_SETTINGS)}",
-                                   argument="PREHEAT_HOST_DTYPE")
+    setting = host_dtype_setting()
     dtype = str(dtype)
     if dtype not in NATIVE_HALF_FLAGS or setting == "as-loaded":
         return dtype

@@ -4,7 +4,6 @@ platform so that no module outside the seam asks which backend it is on."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import jax
@@ -90,7 +89,7 @@ def host_device() -> Any:
 def host_fields() -> tuple[tuple[str, Any], ...]:
     """A host stage's part of its signature (and so of its cache key): the program is XLA:CPU's for
     this host's instruction set, whatever the accelerator beside it."""
-    from preheat.platforms._cpu import cpu_features
+    from preheat.platforms._cpu import cpu_features, host_dtype_setting
 
     # the instruction set decides the host's compute dtype too (``host_compute_dtype``), and so does its setting
-    return (("runs_on", "cpu"), ("host_cpu", cpu_features()), ("host_dtype", os.environ.get("PREHEAT_HOST_DTYPE", "auto")))
+    return (("runs_on", "cpu"), ("host_cpu", cpu_features()), ("host_dtype", host_dtype_setting()))
