@@ -6,6 +6,7 @@ packages come from the machine's own index or from carried wheels, installed bes
     python3 scripts/tpu_check.py --rows peak,doctor,builtin,pixels,aot,sd15   # one call, <= 10 min
     python3 scripts/tpu_check.py --rows peak,sdxl                             # a second call
     python3 scripts/tpu_check.py --rows peak,flux-schnell,flux-dev --budget-s 530   # FLUX.1, one call
+    python3 scripts/tpu_check.py --rows flux-kontext,flux-fill --peak-tflops 165      # Kontext and Fill
 
 Each row runs in fresh processes (one program may hold the chip at a time, and a cold start is
 a new process by definition): ``peak`` an 8192^3 bf16 matrix product (the measured peak every
@@ -36,6 +37,12 @@ would not fit what is left is skipped and says so. The fraction of peak is taken
 FLOPs (``bench.flux_flops``: 74.4 TFLOP a step at 1024²) over the steady call's seconds, and over its
 denoising stage alone (the host's T5 encode is apart: ``stages``). Schnell's T5 prompt is 256 tokens
 (its model card's ``max_sequence_length``), dev's 512 (FluxPipeline's default).
+
+``flux-kontext`` / ``flux-fill``: FLUX.1 Kontext dev and Fill dev with the same load options, cold with
+a second call, 28 steps at 1024² (dev's count; Fill's own default is 50), each pipeline's guidance:
+Kontext edits a 1024² reference image (its tokens double the transformer's sequence: 8192 + 512),
+Fill repaints the masked half of a 1024² image. Their folders link dev's files (Fill writes its own
+transformer: its input layer takes the masked image and the mask too).
 """
 
 from __future__ import annotations
@@ -60,8 +67,10 @@ MODELS: dict[str, tuple[str, int, int, float, str, tuple[int, ...]]] = {
 }
 DRY_WIDTH = 64  # --dry: tiny images, 2 steps
 
-# name -> (steps, guidance or None, T5 tokens); FLUX.1 at 1024², batch 1
-FLUX: dict[str, tuple[int, Optional[float], int]] = {"flux-schnell": (4, None, 256), "flux-dev": (28, 3.5, 512)}
+# name -> (steps, guidance or None, T5 tokens, its image flags); FLUX.1 at 1024², batch 1
+FLUX: dict[str, tuple[int, Optional[float], int, tuple[str, ...]]] = {
+    "flux-schnell": (4, None, 256, ()), "flux-dev": (28, 3.5, 512, ()),
+    "flux-kontext": (28, 2.5, 512, ("image",)), "flux-fill": (28, 30.0, 512, ("image", "mask"))}
 FLUX_WIDTH = 1024
 FLUX_LOAD = ["--dtype", "bfloat16", "--weights-dtype", "int8", "--weights-layers", "linear", "--encoders-on", "host"]
 # `preheat sample` in-process, the chip's memory counters written at exit (its atexit handlers run)
@@ -277,6 +286,7 @@ def row_model(name: str, args: argparse.Namespace, out: Path, budget: float) -> 
 
 
 FLUX_DEV_BYTES = 21_650_000_000  # the full random FLUX.1-dev folder (fp8 transformer, bf16 T5; schnell: links)
+FLUX_TRANSFORMER_BYTES = 11_950_000_000  # its fp8 transformer: FLUX.1 Fill's own
 
 
 def _filesystem(path: Path) -> str:
@@ -291,19 +301,24 @@ def _filesystem(path: Path) -> str:
     return f"{best[1]} at {best[0]}"
 
 
-def _flux_write(args: argparse.Namespace) -> tuple[dict[str, Path], dict[str, Any]]:
-    """Both FLUX.1 folders, dev first and schnell hard-linked to it, in a subprocess (no chip); timed."""
+def _flux_write(args: argparse.Namespace, rows: list[str]) -> tuple[dict[str, Path], dict[str, Any]]:
+    """The FLUX.1 rows' folders, dev first and the others hard-linked to it where they share its files
+    (Fill writes its own transformer), in a subprocess (no chip); each timed."""
     folders = {name: Path(args.work) / f"random-{name}{'-dry' if args.dry else ''}" for name in FLUX}
     configs = "SMALL_FLUX" if args.dry else "None"  # --dry: FLUX.1's layout at a CPU's size
+    names = ["flux-dev", *(name for name in FLUX if name in rows and name != "flux-dev")]
     code = (f"import sys, time, json; sys.path.insert(0, {str(ROOT / 'src')!r})\n"
             "from preheat.bench.random_weights import SMALL_FLUX, write_random_folder\n"
-            "t = time.monotonic()\n"
-            f"write_random_folder('flux-dev', {str(folders['flux-dev'])!r}, configs={configs})\n"
-            "dev = time.monotonic() - t\n"
-            f"write_random_folder('flux-schnell', {str(folders['flux-schnell'])!r}, configs={configs}, "
-            f"link_from={str(folders['flux-dev'])!r})\n"
-            "print(json.dumps({'dev_s': round(dev, 1), 'schnell_s': round(time.monotonic() - t - dev, 1)}))")
+            f"folders, took = {{k: v for k, v in {({n: str(folders[n]) for n in names})!r}.items()}}, {{}}\n"
+            "for name, folder in folders.items():\n"
+            "    t = time.monotonic()\n"
+            f"    write_random_folder(name, folder, configs={configs}, "
+            "link_from=None if name == 'flux-dev' else folders['flux-dev'])\n"
+            "    took[name.replace('flux-', '') + '_s'] = round(time.monotonic() - t, 1)\n"
+            "print(json.dumps(took))")
     need = 0 if args.dry or (folders["flux-dev"] / "model_index.json").is_file() else FLUX_DEV_BYTES
+    if "flux-fill" in rows and not args.dry and not (folders["flux-fill"] / "model_index.json").is_file():
+        need += FLUX_TRANSFORMER_BYTES
     free, fs = shutil.disk_usage(args.work).free, _filesystem(Path(args.work))
     if free < 1.05 * need:
         return folders, {"skipped": f"{args.work} has {free / 1e9:.1f} GB free ({fs}); the folders need "
@@ -337,20 +352,22 @@ def _flux_rates(entry: dict[str, Any], flops: Optional[float], steps: int, peak_
 def row_flux(name: str, args: argparse.Namespace, out: Path, budget: float) -> dict[str, Any]:
     """FLUX.1 on one chip (the module docstring): schnell cold and warm, dev cold with a steady call."""
     sys.path.insert(0, str(ROOT / "src"))
-    from preheat.bench.flux_flops import flux_flops_per_call
+    from preheat.bench.flux_flops import flux_flops_per_call, flux_image_tokens
 
-    steps, guidance, tokens = FLUX[name]
+    steps, guidance, tokens, images = FLUX[name]
     width = DRY_WIDTH if args.dry else FLUX_WIDTH
     if args.dry:
         steps = 2
-    if not hasattr(args, "flux_folders"):  # both rows' folders at once: schnell's files are dev's
-        args.flux_folders, args.flux_write = _flux_write(args)
+    if not hasattr(args, "flux_folders"):  # every row's folder at once: they share dev's files
+        args.flux_folders, args.flux_write = _flux_write(args, args.row_names)
     folder = args.flux_folders[name]
     if "skipped" in args.flux_write:
         return {"write": args.flux_write, "skipped": args.flux_write["skipped"]}
     config = json.loads((folder / "transformer" / "config.json").read_text()) if folder.is_dir() else {}
     vae = json.loads((folder / "vae" / "config.json").read_text()) if folder.is_dir() else {}
-    flops = flux_flops_per_call(config, width, width, tokens, 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1))
+    scale = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)
+    reference = flux_image_tokens(width, width, scale) if "image" in images and name == "flux-kontext" else 0
+    flops = flux_flops_per_call(config, width, width, tokens, scale, reference_tokens=reference)
     result: dict[str, Any] = {"write": args.flux_write, "width": width, "steps": steps, "guidance": guidance,
                               "t5_tokens": tokens, "load_options": " ".join(FLUX_LOAD),
                               "flops_per_image_step": flops}
@@ -358,11 +375,13 @@ def row_flux(name: str, args: argparse.Namespace, out: Path, budget: float) -> d
              "--steps", str(steps), "--max-sequence-length", str(tokens), *FLUX_LOAD]
     if guidance is not None:
         flags += ["--guidance", str(guidance)]
+    for image in images:  # Kontext's reference, Fill's image and mask (its right half repainted)
+        flags += [f"--{image}", str(_flux_image(out, image, width))]
+    if args.dry and name == "flux-kontext":  # the tiny VAE's scale is 2: its preferred 1024² would be 512² latents
+        flags += ["--image-resize", "none"]
     home = Path(args.work) / f"home-{name}"
     shutil.rmtree(home, ignore_errors=True)  # cold: an empty cache, whatever an earlier run left
-    plan = [("cold", False)] + ([("warm", True)] if name == "flux-schnell" else [])
-    if name == "flux-dev":
-        plan = [("cold", True)]
+    plan = [("cold", False), ("warm", True)] if name == "flux-schnell" else [("cold", True)]
     for kind, timing in plan:
         if left(budget) < 90:
             result[kind] = {"skipped": f"budget ({left(budget):.0f} s left)"}
@@ -371,6 +390,23 @@ def row_flux(name: str, args: argparse.Namespace, out: Path, budget: float) -> d
         _flux_rates(entry, flops, steps, args.peak_tflops)
         result[kind] = entry
     return result
+
+
+def _flux_image(out: Path, kind: str, width: int) -> Path:
+    """A width² PNG: a smooth picture (``image``), or a mask whose right half is white (``mask``)."""
+    import numpy as np
+    from PIL import Image
+
+    path = out / f"{kind}.png"
+    if not path.is_file():
+        ramp = np.linspace(0, 255, width, dtype=np.float32)
+        if kind == "mask":
+            pixels = np.where(np.arange(width) >= width // 2, 255, 0).astype(np.uint8)[None, :].repeat(width, 0)
+        else:
+            pixels = np.stack([ramp[None, :].repeat(width, 0), ramp[:, None].repeat(width, 1),
+                               np.full((width, width), 96.0)], axis=-1).astype(np.uint8)
+        Image.fromarray(pixels).save(path)
+    return path
 
 
 def _s(x: Any) -> str:
@@ -404,7 +440,7 @@ def table(results: dict[str, Any]) -> str:
         if "skipped" in r:
             lines.append(f"| {name} | skipped | {r['skipped']} |")
             continue
-        lines.append(f"| {name} | random folder written here (dev; schnell linked; {w.get('filesystem')}) | "
+        lines.append(f"| {name} | random folders written here (dev; the others linked to it; {w.get('filesystem')}) | "
                      f"{w.get('s')} s, rc {w.get('rc')} |")
         for kind in ("cold", "warm"):
             e = r.get(kind)
@@ -454,7 +490,7 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-ROWS = ("peak", "doctor", "builtin", "pixels", "aot", "sd15", "sdxl", "flux-schnell", "flux-dev")
+ROWS = ("peak", "doctor", "builtin", "pixels", "aot", "sd15", "sdxl", *FLUX)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -481,6 +517,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"rows": rows, "dry": args.dry}
+    args.row_names = rows
     for row in rows:
         if left(args.budget_s) < 20:
             results[row] = {"skipped": "budget"}

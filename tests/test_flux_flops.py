@@ -13,19 +13,20 @@ SMALL = dict(in_channels=64, num_layers=1, num_single_layers=2, attention_head_d
              joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=[16, 56, 56], guidance_embeds=True)
 
 
-@pytest.mark.parametrize("width, height, text", [(256, 256, 32), (384, 256, 64)])
-def test_the_formula_is_xla_s_count_of_the_traced_transformer(width, height, text):
+@pytest.mark.parametrize("width, height, text, reference", [(256, 256, 32, 0), (384, 256, 64, 0), (256, 256, 32, 96)])
+def test_the_formula_is_xla_s_count_of_the_traced_transformer(width, height, text, reference):
+    """``reference``: Kontext's reference tokens, concatenated after the noise's through every block."""
     from preheat.models.flux import FluxTransformer, FluxTransformerConfig, build_abstract
 
     config = FluxTransformerConfig.from_dict(dict(SMALL), "flux")
     graphdef, abstract = build_abstract(config)
     model = FluxTransformer(config, graphdef, None, jnp.float32)
-    s, S = flux_image_tokens(width, height), jax.ShapeDtypeStruct
+    s, S = flux_image_tokens(width, height) + reference, jax.ShapeDtypeStruct
     args = (abstract, S((1, s, 64), jnp.float32), S((1, text, 64), jnp.float32), S((1, 32), jnp.float32),
             S((1,), jnp.float32), S((s, 3), jnp.float32), S((text, 3), jnp.float32), S((1,), jnp.float32))
     cost = jax.jit(model.apply).lower(*args).cost_analysis()
     xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
-    ours = flux_flops_per_call(SMALL, width, height, text)
+    ours = flux_flops_per_call(SMALL, width, height, text, reference_tokens=reference)
     assert ours <= xla < 1.05 * ours  # XLA adds the elementwise work the formula leaves out
 
 

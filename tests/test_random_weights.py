@@ -76,7 +76,9 @@ def flux(tmp_path_factory):
     base = tmp_path_factory.mktemp("rw-flux")
     dev = write_random_folder("flux-dev", base / "flux-dev", configs=SMALL_FLUX)
     schnell = write_random_folder("flux-schnell", base / "flux-schnell", configs=SMALL_FLUX, link_from=dev)
-    return {"flux-dev": dev, "flux-schnell": schnell}
+    kontext = write_random_folder("flux-kontext", base / "flux-kontext", configs=SMALL_FLUX, link_from=dev)
+    fill = write_random_folder("flux-fill", base / "flux-fill", configs=SMALL_FLUX, link_from=dev)
+    return {"flux-dev": dev, "flux-schnell": schnell, "flux-kontext": kontext, "flux-fill": fill}
 
 
 def _header(path):
@@ -106,7 +108,21 @@ def test_flux_folders_stream_fp8_matrices_and_share_what_the_variants_share(flux
     assert not list(dev.rglob(".*.partial"))
 
 
-@pytest.mark.parametrize("name", ["flux-schnell", "flux-dev"])
+def test_kontext_shares_devs_files_and_fill_writes_its_own_transformer(flux):
+    """Kontext dev's tensors are dev's; Fill's input layer takes 4 x (16 + 16 + s²) channels, so its
+    transformer is written, while the encoders and the VAE are linked."""
+    dev, kontext, fill = flux["flux-dev"], flux["flux-kontext"], flux["flux-fill"]
+    first = "transformer/diffusion_pytorch_model-00001-of-00002.safetensors"
+    assert (dev / first).stat().st_ino == (kontext / first).stat().st_ino
+    assert (dev / first).stat().st_ino != (fill / first).stat().st_ino
+    assert (dev / "text_encoder_2/model.safetensors").stat().st_ino == (fill / "text_encoder_2/model.safetensors").stat().st_ino
+    scale = 2 ** (len(SMALL_FLUX["vae"]["block_out_channels"]) - 1)
+    assert _header(fill / first)["x_embedder.weight"]["shape"][1] == 4 * (2 * 16 + scale * scale)
+    assert json.loads((kontext / "model_index.json").read_text())["_class_name"] == "FluxKontextPipeline"
+    assert json.loads((fill / "model_index.json").read_text())["_class_name"] == "FluxFillPipeline"
+
+
+@pytest.mark.parametrize("name", ["flux-schnell", "flux-dev", "flux-kontext", "flux-fill"])
 def test_preheat_loads_a_flux_folder_as_the_chip_rows_do(flux, name):
     """The rows' options: bfloat16, int8 matrices quantised from the fp8 file, every Linear, T5 on the host."""
     import preheat
@@ -114,11 +130,14 @@ def test_preheat_loads_a_flux_folder_as_the_chip_rows_do(flux, name):
 
     pipe = preheat.load(flux[name], cache="off", devices=1, dtype="bfloat16", weights_dtype="int8",
                         weights_layers="linear", encoders_on="host")
-    assert pipe.family.name == "flux" and pipe.components.guidance_embeds == (name == "flux-dev")
+    assert pipe.family.name == name.replace("-dev", "").replace("-schnell", "")
+    assert pipe.components.guidance_embeds == (name != "flux-schnell")
     import jax
     leaves = jax.tree.leaves(pipe.params, is_leaf=lambda x: isinstance(x, Quantised))
     assert sum(isinstance(leaf, Quantised) for leaf in leaves) > 10
-    image = pipe.generate("a red fox", steps=1, width=16, height=16, seed=0)
+    images = {"flux-kontext": {"image": np.full((16, 16, 3), 128, np.uint8), "image_resize": "none"},
+              "flux-fill": {"image": np.full((16, 16, 3), 128, np.uint8), "mask_image": np.eye(16, dtype=np.uint8) * 255}}
+    image = pipe.generate("a red fox", steps=1, width=16, height=16, seed=0, **images.get(name, {}))
     assert image.shape == (1, 16, 16, 3) and image.dtype == np.uint8
     tokens = pipe.components.tokenizers[1].encode(["a red fox at night, blurry"])
     assert tokens.shape == (1, 512) and (tokens[0] != 2).all()  # T5's tokenizer: no <unk>

@@ -33,15 +33,16 @@ def flux_image_tokens(width: int, height: int, vae_scale: int = 8) -> int:
 
 
 def flux_flops_per_call(config: Mapping[str, Any], width: int = 1024, height: int = 1024, text_tokens: int = 512,
-                        vae_scale: int = 8) -> float:
+                        vae_scale: int = 8, reference_tokens: int = 0) -> float:
     """FLOPs of one transformer call on one image (the module docstring's sum); ``config``: the
-    transformer's config.json (diffusers' keys)."""
+    transformer's config.json (diffusers' keys); ``reference_tokens``: Kontext's reference image's,
+    which run through every block beside the noise's."""
     h = int(config.get("num_attention_heads", 24)) * int(config.get("attention_head_dim", 128))
     c_in = int(config.get("in_channels", 64))
     c_out = int(config.get("out_channels") or c_in)
     joint = int(config.get("joint_attention_dim", 4096))
     pooled = int(config.get("pooled_projection_dim", 768))
-    s = flux_image_tokens(width, height, vae_scale)
+    s = flux_image_tokens(width, height, vae_scale) + int(reference_tokens)
     t = int(text_tokens)
     tokens = s + t
     attention = 4 * tokens * tokens * h

@@ -10,7 +10,8 @@ not images), and the tensors are written in diffusers' layout and names (``weigh
 
 Norm scales are ones and biases zeros, so that activations stay finite through a full-depth model.
 
-FLUX.1 (``flux-schnell``, ``flux-dev``: the published configs preheat ships, ``models.published``)
+FLUX.1 (``flux-schnell``, ``flux-dev``: the published configs preheat ships, ``models.published``;
+``flux-kontext`` and ``flux-fill``: dev's, as FLUX.1 Kontext dev and Fill dev publish them)
 is 12 B transformer parameters and 4.7 B of T5-XXL: each safetensors file is written tensor by tensor
 (``_stream_file``: the header from the shapes, then each tensor's values; never the model in
 memory). The transformer's matrices are stored in float8_e4m3fn, the rest in bfloat16: the TPU rows
@@ -27,7 +28,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -158,7 +159,19 @@ def _scheduler(out: Path, class_name: str, config: dict[str, Any]) -> None:
 
 _SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32", "float16": "F16"}
 _CHUNK = 1 << 22  # values per write of a constant tensor
-FLUX_ARCHITECTURES = {"flux-schnell": "FLUX.1-schnell", "flux-dev": "FLUX.1-dev"}
+
+
+class FluxVariant(NamedTuple):
+    """A FLUX.1 folder's kind: the published configs it starts from and its pipeline class."""
+    configs: str  # a folder of configs under ``models.published.CONFIGS``
+    pipeline: str = "FluxPipeline"
+    fill: bool = False  # FLUX.1 Fill: the transformer takes the masked image's latents and the folded mask too
+
+
+FLUX_ARCHITECTURES = {"flux-schnell": FluxVariant("FLUX.1-schnell"), "flux-dev": FluxVariant("FLUX.1-dev"),
+                      # FLUX.1 Kontext dev's and Fill dev's configs are dev's but for Fill's transformer inputs
+                      "flux-kontext": FluxVariant("FLUX.1-dev", "FluxKontextPipeline"),
+                      "flux-fill": FluxVariant("FLUX.1-dev", "FluxFillPipeline", fill=True)}
 _GUIDANCE = "time_text_embed.guidance_embedder."  # FLUX.1-dev's alone: its own shard
 
 
@@ -235,9 +248,14 @@ def _flux(architecture: str, out: Path, low: np.dtype, configs: dict[str, dict[s
     from preheat.models import clip, flux, t5, vae
     from preheat.models.published import CONFIGS
 
-    src = CONFIGS / FLUX_ARCHITECTURES[architecture]
+    variant = FLUX_ARCHITECTURES[architecture]
+    src = CONFIGS / variant.configs
     cfg = {name: {**json.loads((src / name / "config.json").read_text()), **configs.get(name, {})}
            for name in ("transformer", "text_encoder", "text_encoder_2", "vae")}
+    if variant.fill:  # per latent pixel: the noise's, the masked image's and the mask's s² channels, packed 2x2
+        latent, scale = cfg["vae"]["latent_channels"], 2 ** (len(cfg["vae"]["block_out_channels"]) - 1)
+        cfg["transformer"] |= {"in_channels": 4 * (2 * latent + scale * scale), "out_channels": 4 * latent}
+    shared = link_from is not None and _same_blocks(cfg["transformer"], link_from / "transformer" / "config.json")
     transformer = _entries(lambda: flux.build_abstract(flux.FluxTransformerConfig.from_dict(cfg["transformer"], "flux")))
     shards = {"diffusion_pytorch_model-00001-of-00002.safetensors": [e for e in transformer
                                                                      if not e[0].startswith(_GUIDANCE)],
@@ -245,7 +263,8 @@ def _flux(architecture: str, out: Path, low: np.dtype, configs: dict[str, dict[s
                                                                      if e[0].startswith(_GUIDANCE)]}
     shards = {name: entries for name, entries in shards.items() if entries}
     for name, entries in shards.items():
-        _write_or_link(out, f"transformer/{name}", link_from, lambda p, e=entries: _stream_file(p, e, low.name))
+        _write_or_link(out, f"transformer/{name}", link_from if shared else None,
+                       lambda p, e=entries: _stream_file(p, e, low.name))
     weight_map = {key: name for name, entries in shards.items() for key, _, _ in entries}
     (out / "transformer" / "diffusion_pytorch_model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -262,7 +281,19 @@ def _flux(architecture: str, out: Path, low: np.dtype, configs: dict[str, dict[s
     (out / "scheduler" / "scheduler_config.json").write_text((src / "scheduler" / "scheduler_config.json").read_text())
     write_clip_tokenizer(out / "tokenizer")
     write_t5_tokenizer(out / "tokenizer_2")
-    atomic_write_bytes(out / "model_index.json", (src / "model_index.json").read_bytes())  # last: the folder is complete
+    index = {**json.loads((src / "model_index.json").read_text()), "_class_name": variant.pipeline}
+    atomic_write_bytes(out / "model_index.json", json.dumps(index, indent=1).encode())  # last: the folder is complete
+
+
+def _same_blocks(transformer: dict[str, Any], other: Path) -> bool:
+    """Whether another folder's transformer (its config.json) has this one's tensors but for the
+    guidance embedder (its own shard): FLUX.1-dev's and -schnell's do, Fill's does not (its input layer)."""
+    try:
+        theirs = json.loads(other.read_text())
+    except (OSError, ValueError):
+        return False
+    return {k: v for k, v in theirs.items() if k != "guidance_embeds"} == \
+        {k: v for k, v in transformer.items() if k != "guidance_embeds"}
 
 
 ARCHITECTURES: dict[str, Callable[..., None]] = {"sd15": _sd15, "sdxl": _sdxl,
@@ -272,12 +303,13 @@ ARCHITECTURES: dict[str, Callable[..., None]] = {"sd15": _sd15, "sdxl": _sdxl,
 def write_random_folder(architecture: str, out: Path, dtype: str | None = None,
                         configs: dict[str, dict[str, Any]] | None = None, link_from: Path | None = None) -> Path:
     """A diffusers pipeline folder of ``architecture`` (``sd15``: SD 1.5's published configs;
-    ``sdxl``: SDXL base 1.0's; ``flux-schnell``, ``flux-dev``: FLUX.1's, full depth) with random
+    ``sdxl``: SDXL base 1.0's; ``flux-schnell``, ``flux-dev``, ``flux-kontext``, ``flux-fill``: FLUX.1's,
+    full depth) with random
     weights (``dtype``: float16 for SD, the transformer's matrices' float8_e4m3fn for FLUX.1); an
     existing complete folder is kept. ``configs``: a component's config in place of the published
     one (``unet``, ``vae``, ``text_encoder``, ``text_encoder_2``; FLUX.1's ``transformer`` too, a few
     keys over the published ones: ``{"num_layers": 2}``), as the tests' small folders.
-    ``link_from``: FLUX.1's other variant's folder, whose identical files are hard-linked, not written."""
+    ``link_from``: another FLUX.1 variant's folder, whose identical files are hard-linked, not written."""
     if architecture not in ARCHITECTURES:
         raise InvalidArgumentError(f"unknown architecture {architecture!r}; known: {', '.join(ARCHITECTURES)}",
                                    argument="architecture")
