@@ -465,11 +465,13 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
     checkpoint stores in fp8 stay fp8 (a scaled fp8 file's beside their scales), the rest in ``dtype``.
     ``weights_layers``: "linear" stores the Linear layers inside norm modules (AdaLN modulation) in
     fp8 too (FLUX.1-dev: 0.51x of bf16, against 0.64x for diffusers' set).
-    ``offload_encoders``: text families keep their text encoders' weights in host memory and
-    move them to the device only while prompts are encoded (for GPUs that cannot hold it all).
+    ``offload_encoders`` (or ``encoders_on="offload"``): text families keep their text encoders'
+    weights in the device's pinned host memory, and the encode stage moves each block in as its
+    scan reaches it, so the device holds about one block of an encoder at a time (FLUX.1-dev's
+    T5-XXL beside its int8 transformer on a 16 GB TPU v5e: ``families.text.offload``).
     ``encoders_on``: "host" (FLUX.1) keeps the text encoders' weights in host memory and runs the
-    encode stage on the host's CPU: they never occupy the accelerator (FLUX.1-dev's T5-XXL on a
-    16 GB TPU v5e); the embeddings move to the device once per call, before the loop.
+    encode stage on the host's CPU: they never occupy the accelerator; the embeddings move to the
+    device once per call, before the loop.
     ``devices``: "all" (the default, or ``$PREHEAT_DEVICES``), a count N (the first N) or a list
     of local device ids: each batch is split over them, the weights replicated on each
     (``preheat.sharding``); the first device alone runs today's single-device program.
@@ -493,6 +495,9 @@ def load_jax_pipeline(model: str | Path | None = None, *, scheduler: Any = None,
 
     ``Pipeline.startup`` records each start-up phase and the critical path (``preheat.timings.Phases``).
     """
+    from preheat.load_options import encoders_placement
+
+    offload_encoders, encoders_on = encoders_placement(offload_encoders, encoders_on)  # "offload": the flag
     phases = Phases()
     phases.add("import", 0.0, now_s())  # interpreter start, imports, everything before load()
     compiler = make_compiler(cache)  # first: JAX's cache must be configured before anything compiles

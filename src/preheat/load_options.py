@@ -11,7 +11,7 @@ from typing import AbstractSet, Any, Mapping
 from preheat.errors import InvalidArgumentError
 from preheat.model_source import BUILTIN_PREFIX, RANDOM_PREFIX, model_root
 
-__all__ = ["COMPANION_MODELS", "ENCODERS_ON", "companion_refused", "loader_options", "source_id"]
+__all__ = ["COMPANION_MODELS", "ENCODERS_ON", "companion_refused", "encoders_placement", "loader_options", "source_id"]
 
 # whom each second model folder of ``load`` applies to (its family's loader takes it by that name)
 COMPANION_MODELS = {"controlnet": "Stable Diffusion 1.x/2.x and SDXL models", "refiner": "SDXL base models"}
@@ -22,7 +22,20 @@ def companion_refused(name: str, root: Path | str) -> InvalidArgumentError:
     return InvalidArgumentError(f"{name} applies to {COMPANION_MODELS[name]}; {root} is not one", argument=name)
 
 
-ENCODERS_ON = ("device", "host")  # where a text family's encoders live and run (preheat.load(encoders_on=...))
+# where a text family's encoders live and run (preheat.load(encoders_on=...)); "offload" is
+# offload_encoders=True (kept in host memory, streamed to the device while prompts are encoded)
+ENCODERS_ON = ("device", "host", "offload")
+
+
+def encoders_placement(offload_encoders: bool, encoders_on: str) -> tuple[bool, str]:
+    """``(offload_encoders, encoders_on)`` with ``encoders_on="offload"`` read as ``offload_encoders=True``
+    on the device (the CLI's and the environment's one spelling of both); one line for an unknown value."""
+    if encoders_on not in ENCODERS_ON:
+        raise InvalidArgumentError(f"encoders_on={encoders_on!r} is not supported; use one of "
+                                   f"{', '.join(ENCODERS_ON)}", argument="encoders_on")
+    if encoders_on == "offload":
+        return True, "device"
+    return offload_encoders, encoders_on
 
 
 def loader_options(takes: AbstractSet[str], root: Path, offload_encoders: bool,
@@ -31,14 +44,12 @@ def loader_options(takes: AbstractSet[str], root: Path, offload_encoders: bool,
     resolved to its local folder (hf://: pulled once; a refiner reads ``variant`` too), offloading,
     and the encoders kept on the host; one line for one this family's loader does not take."""
     options: dict[str, Any] = {}
+    offload_encoders, encoders_on = encoders_placement(offload_encoders, encoders_on)
     if offload_encoders:
         if "offload_encoders" not in takes:
             raise InvalidArgumentError(f"offload_encoders applies to text-to-image models; {root} has no text "
                                        "encoders", argument="offload_encoders")
         options["offload_encoders"] = True
-    if encoders_on not in ENCODERS_ON:
-        raise InvalidArgumentError(f"encoders_on={encoders_on!r} is not supported; use 'device' or 'host'",
-                                   argument="encoders_on")
     if encoders_on == "host":
         if "encoders_on" not in takes:
             raise InvalidArgumentError(f"encoders_on='host' applies to FLUX.1 models (their T5-XXL on the host's "

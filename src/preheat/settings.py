@@ -175,9 +175,10 @@ class ServeSettings:
         "layerwise", "With --weights-dtype: diffusers' layerwise-casting layers, or every Linear (AdaLN modulation "
                      "too; FLUX.1-dev 0.51x of bf16).", surfaces=LOAD, choices=("layerwise", "linear"), parse=_text)
     encoders_on: str = setting(
-        "device", "FLUX.1: keep the text encoders on the device, or in host memory and run them on the host's CPU "
-                  "(T5-XXL off a 16 GB chip; the embeddings move to the device once per call) (JAX backend).",
-        surfaces=LOAD, choices=("device", "host"), parse=_text)
+        "device", "The text encoders: on the device; offload: in host memory, each block streamed to the device "
+                  "while prompts are encoded (FLUX.1's T5-XXL beside its transformer on a 16 GB chip); host "
+                  "(FLUX.1): in host memory, run on the host's CPU (JAX backend).",
+        surfaces=LOAD, choices=("device", "host", "offload"), parse=_text)
     variant: Optional[str] = setting(None, "Weight files *.VARIANT.safetensors (e.g. fp16).", surfaces=LOAD,
                                      parse=_text)
     cache: Optional[str] = setting(None, "Compile cache layers (default: full).", surfaces=LOAD, choices=CACHE_LAYERS,

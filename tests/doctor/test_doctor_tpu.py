@@ -196,7 +196,7 @@ def test_model_fit_prints_the_plan_and_counts_offloaded_encoders_while_encoding(
     assert fit["status"] == "fail" and code == 1  # offloading lowers the resting weights, not the encode stage's
     assert fit["finding"].endswith("and text_encoder 0.1 MiB moved in while prompts are encoded: 0.4 MiB, 0.0 MiB more "
                                    "than the 0.4 MiB HBM of one TPU chip")
-    assert fit["fix"] == ("load with --dtype bfloat16 --weights-dtype int8 and preheat.load(..., offload_encoders=True) "
+    assert fit["fix"] == ("load with --dtype bfloat16 --weights-dtype int8 --encoders-on offload "
                           "(0.2 MiB, about 44%; 0.3 MiB while prompts are encoded)")
     plan = fit["details"]["plan"]
     assert plan[1].split()[:4] == ["text_encoder", "host", "->", "device"] and plan[-1].startswith("encoding: 0.4 MiB")
@@ -247,9 +247,10 @@ def test_a_libtpu_given_by_tpu_library_path_counts(machine, monkeypatch):
                                                    "backend tpu")
 
 
-def test_flux_dev_on_a_v5e_fits_with_its_encoders_on_the_host(machine, tmp_path):
+def test_flux_dev_on_a_v5e_fits_with_its_encoders_offloaded_or_on_the_host(machine, tmp_path):
     """FLUX.1-dev's published sizes (scripts/flux_memory_plan.py's header-only folder) on the recorded chip:
-    the fix names the text encoders on the host, and with that option the model fits."""
+    the fix names the text encoders offloaded (T5-XXL streamed a block at a time beside the int8
+    transformer), and with that option the model fits; with them on the host it fits too."""
     script = load_script("flux_memory_plan")
     script.write_flux_dev(tmp_path)
     machine.tpu()
@@ -257,11 +258,20 @@ def test_flux_dev_on_a_v5e_fits_with_its_encoders_on_the_host(machine, tmp_path)
     fit = check(rep, "model_fit")
     assert fit["status"] == "fail" and code == 1
     assert fit["fix"].startswith("load with --dtype bfloat16 --weights-dtype int8 --weights-layers linear "
-                                 "--encoders-on host (11.")
-    assert fit["fix"].endswith("in host memory and run there)")
+                                 "--encoders-on offload (11.")
+    assert fit["fix"].endswith(" GiB while prompts are encoded)")
     assert fit["details"]["plan"][0].split()[:4] == ["transformer", "device", "bfloat16", "22.17"]
-    code, rep = machine.run("--model", str(tmp_path), "--dtype", "bfloat16", "--weights-dtype", "int8",
-                            "--weights-layers", "linear", "--encoders-on", "host")
+    flags = ("--model", str(tmp_path), "--dtype", "bfloat16", "--weights-dtype", "int8", "--weights-layers", "linear")
+    code, rep = machine.run(*flags, "--encoders-on", "offload")
+    fit = check(rep, "model_fit")
+    assert fit["status"] == "ok", fit
+    t5 = fit["details"]["offloaded"]["text_encoder_2"]
+    block = 4096 * 4096 * 2 * 4 + 3 * 4096 * 10240 * 2  # one T5-XXL block in bfloat16: attention and gated FF
+    embedding = 32128 * 4096 * 2
+    streamed = fit["details"]["peak"] - fit["details"]["total"]
+    assert t5 > 8 * 2**30 and embedding + 2 * block < streamed < embedding + 3 * block  # CLIP-L's two layers beside
+    assert any("streamed while prompts are encoded" in line for line in fit["details"]["plan"])
+    code, rep = machine.run(*flags, "--encoders-on", "host")
     fit = check(rep, "model_fit")
     assert fit["status"] == "ok", fit
     assert "of text encoders run on the host" in fit["finding"]

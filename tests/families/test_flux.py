@@ -62,10 +62,34 @@ def test_host_encoders_on_a_mesh_run_unsplit(folder, pipes):
 def test_encoders_on_is_refused_where_it_does_not_apply(folder):
     with pytest.raises(InvalidArgumentError, match="encoders_on='host' applies to FLUX.1 models"):
         preheat.load(None, cache="off", encoders_on="host")
-    with pytest.raises(InvalidArgumentError, match="encoders_on='cloud' is not supported"):
+    with pytest.raises(InvalidArgumentError, match="encoders_on='cloud' is not supported; use one of device, host, "
+                                                   "offload"):
         preheat.load(folder, cache="off", encoders_on="cloud")
     with pytest.raises(InvalidArgumentError, match="give one"):
         preheat.load(folder, cache="off", encoders_on="host", offload_encoders=True)
+
+
+@pytest.mark.parametrize("kind", ["flux-dev", "flux-kontext", "flux-fill"])
+def test_offloaded_encoders_give_the_resident_image_and_restart_hot(kind, tmp_path):
+    """``encoders_on="offload"`` (the v5e's T5-XXL beside the int8 transformer): the encoders' matrices
+    in pinned host memory, read by the encode program (``families.text.offload``); the image is the
+    load's with them resident, exactly. A restart's prefetch (FLUX.1's text-to-image call) traces
+    placeholders in that memory, so its encode executable is the one the first start stored."""
+    folder = save_tiny_flow_model(tmp_path / kind, kind, quiet_posterior=kind == "flux-fill")
+    call = dict(CALL, **({} if kind == "flux-dev" else _edit_inputs(kind)))
+    want = preheat.load(folder, cache="off", devices=1, **V5E_LOAD).generate(**call)
+    cold = preheat.load(folder, devices=1, encoders_on="offload", **V5E_LOAD)  # this test's own cache root
+    kinds = {leaf.sharding.memory_kind for te in cold.components.text_encoders for leaf in jax.tree.leaves(te.params)
+             if leaf.ndim >= 2}
+    assert kinds == {"pinned_host"} and cold.components.offload_encoders
+    np.testing.assert_array_equal(cold.generate(**call), want)
+    if kind != "flux-dev":
+        return
+    warm = preheat.load(folder, devices=1, encoders_on="offload", prefetch=[{"steps": 2, "width": 32, "height": 32}],
+                        **V5E_LOAD)
+    np.testing.assert_array_equal(warm.generate(**call), want)
+    got = {e["stage"]: (e["layer"], e.get("prefetch")) for e in warm.compiler.events}
+    assert got["encode"] == ("aot", "background") and got["denoise"] == ("aot", "background"), warm.compiler.events
 
 
 def test_a_restart_prefetches_the_host_encode_stage(folder, pipes):

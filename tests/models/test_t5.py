@@ -422,3 +422,50 @@ def test_prompts_to_embeddings_as_diffusers_flux_does(tmp_path):
     ours = load_t5_encoder(enc_dir)(T5Tokenizer.from_folder(tok_dir, max_length=48).encode(prompts))
     assert ours.shape == ref.shape == (3, 48, 32)
     assert _rel_err(ours, ref) <= FP32_REL_TOL
+
+
+def test_offloaded_weights_are_read_from_host_memory_with_the_same_output(tmp_path):
+    """``families.text.offload``: matrices and tables in pinned host memory, vectors on the device
+    (``storage.offloaded_leaf``); the program that reads them gives the resident one's output exactly."""
+    from preheat.families.text import offload
+
+    folder = save_tiny_t5_encoder(tmp_path / "t5", num_layers=5)
+    ids, _ = _ids_and_mask()
+    enc = load_t5_encoder(folder)
+    resident = jax.jit(enc.apply)(enc.params, jnp.asarray(ids, jnp.int32))
+    offload(enc)
+    kinds = {tuple(map(str, k)): v.get_value().sharding.memory_kind for k, v in nnx.to_flat_state(enc.params)}
+    assert {kind for key, kind in kinds.items() if "layer_norm" in key} == {"device"}
+    assert {kind for key, kind in kinds.items() if key[-2] in ("q", "wo", "embed_tokens")} == {"pinned_host"}
+    out = jax.jit(enc.apply)(enc.params, jnp.asarray(ids, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(resident))
+    assert _rel_err(out, t5_reference(folder, ids)) <= FP32_REL_TOL
+
+
+def test_on_a_v5e_offloaded_weights_stream_a_block_at_a_time(tmp_path):
+    """Compiled for a v5e chip on this CPU (``warm --target``'s deviceless compile) from placeholders,
+    as a prefetch traces it: the scan moves each block's matrices in from host memory as it reaches
+    them (``storage.upcast`` under ``weights_from_host``), so the program's temporaries hold about one
+    block, not the encoder's seven."""
+    from preheat.cache.compile import on_device
+    from preheat.families.text import _in_memory, offload
+    from preheat.models.storage import weights_from_host
+    from tests.models.test_int8 import _v5e
+
+    device = _v5e()
+    folder = save_tiny_t5_encoder(tmp_path / "t5", num_layers=8, d_model=256, d_ff=2048, num_heads=4, d_kv=64)
+    enc = load_t5_encoder(folder, dtype=jnp.bfloat16)
+    offload(enc)
+    placeholders = _in_memory(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), enc.params), "pinned_host")
+    params = on_device(placeholders, device)
+    ids = jax.ShapeDtypeStruct((1, 64), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
+
+    def encode(params, ids):
+        with weights_from_host():
+            return enc.apply(params, ids)
+
+    compiled = jax.jit(encode).lower(params, ids).compile()
+    block = sum(v.nbytes for k, v in nnx.to_flat_state(enc.params) if "stacked" in map(str, k)) // 7  # blocks 1..7
+    weights = sum(leaf.nbytes for leaf in jax.tree.leaves(enc.params))
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert weights > 8 * block and temp < 2 * block, (temp, block, weights)  # moved in whole it would be > 8 blocks

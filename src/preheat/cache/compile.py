@@ -456,13 +456,16 @@ def _target_name(manifest: dict[str, Any]) -> str:
 
 
 def on_device(args: Any, device: Any) -> Any:
-    """``args`` (any pytree) as abstract values placed on ``device`` (shapes, dtypes and weak types kept: the
-    executable's inputs must be what the pod will pass)."""
+    """``args`` (any pytree) as abstract values placed on ``device`` (shapes, dtypes, weak types and
+    memory kinds kept -- offloaded encoders' weights are in host memory: the executable's inputs must
+    be what the pod will pass)."""
     sharding = jax.sharding.SingleDeviceSharding(device)
 
     def one(leaf: Any) -> jax.ShapeDtypeStruct:
         aval = leaf if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf)
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type)
+        kind = getattr(getattr(leaf, "sharding", None), "memory_kind", None)
+        placed = sharding if kind is None else sharding.with_memory_kind(kind)
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=placed, weak_type=aval.weak_type)
 
     return jax.tree.map(one, args)
 

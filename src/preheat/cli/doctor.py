@@ -32,8 +32,9 @@ __all__ = ["doctor_command"]
               help="With --weights-dtype: diffusers' layerwise-casting layers, or every Linear (AdaLN modulation too).")
 @click.option("--variant", help="With --model: weight files *.VARIANT.safetensors (e.g. fp16).")
 @click.option("--offload-encoders", is_flag=True, help="With --model: text encoders kept in host memory (preheat.load's offload_encoders).")
-@click.option("--encoders-on", type=click.Choice(["device", "host"]), default="device", show_default=True,
-              help="With --model: FLUX.1's text encoders kept and run on the device or on the host's CPU.")
+@click.option("--encoders-on", type=click.Choice(["device", "host", "offload"]), default="device", show_default=True,
+              help="With --model: the text encoders on the device, streamed in from host memory (offload), or "
+                   "kept and run on the host's CPU (FLUX.1).")
 @click.pass_context
 def doctor_command(ctx: click.Context, as_json: bool, require_gpu: bool, save_target_path: str | None,
                    model: str | None, dtype: str, weights_dtype: str | None, weights_layers: str,

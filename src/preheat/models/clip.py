@@ -360,7 +360,9 @@ class CLIPText:
                 f"{self.config.max_position_embeddings}")
         from preheat.models.adapters import attach
 
-        return attach(nnx.merge(self.graphdef, params), lora)(input_ids, self.dtype)
+        from preheat.models.storage import upcast
+
+        return attach(nnx.merge(self.graphdef, upcast(params, self.dtype)), lora)(input_ids, self.dtype)  # offloaded: moved in
 
     def final_layer_norm(self, params: nnx.State, hidden: Array) -> Array:
         """transformers' ``text_model.final_layer_norm`` on any (B, L, D) state."""

@@ -11,11 +11,12 @@ each tensor's shape and stored dtype; the load rules give the dtype it is placed
                                   a model's own extra skip patterns are not read; ``int8`` adds a
                                   float32 scale per output channel (a lower bound: a 2-D tensor's
                                   smaller axis, as the header does not say Linear from Embedding)
-    text encoders                 ``dtype``; with ``offload_encoders`` in host memory, and on the
-                                  device beside everything else while prompts are encoded (the
-                                  encode stage takes their weights as arguments: ``offloaded``);
-                                  with ``encoders_on="host"`` in host memory and run there: never
-                                  on the device (``host``)
+    text encoders                 ``dtype``; with ``offload_encoders`` (``encoders_on="offload"``) in
+                                  host memory (``offloaded``), streamed to the device while prompts
+                                  are encoded: what is outside its numbered blocks (embeddings,
+                                  norms) and two blocks at a time (``streamed``: the scan moves one
+                                  in while the last is used); with ``encoders_on="host"`` in host
+                                  memory and run there: never on the device (``host``)
     vae                           float32 when its config says ``force_upcast`` and ``dtype`` is half
     integer tensors               as stored
     anything else                 not counted (a safety checker, an image encoder: no family loads them)
@@ -26,12 +27,13 @@ Two figures matter, and ``plan`` prints both, a line per component (what goes wh
 
     denoising  ``total``: what stays on the device (the denoiser, the VAE, encoders not offloaded);
                it should leave room for activations and programs (``ROOM``)
-    encoding   ``peak``: that plus the offloaded encoders, moved in for the encode stage; it must fit
+    encoding   ``peak``: that plus what the offloaded encoders' streaming holds; it must fit
 
-``offload_encoders`` lowers the first, never the second: FLUX.1-dev's T5-XXL (8.9 GiB in bfloat16)
-beside its int8 transformer (11.1 GiB) does not fit a 15.75 GiB chip while prompts are encoded
-(docs/tpu.md). ``encoders_on="host"`` lowers both: the encoders run on the host's CPU, and only their
-embeddings reach the device. ``fitting`` names the first load option, cheapest to quality first, that fits.
+``offload_encoders`` lowers the first by the encoders' bytes and the second by all but a few blocks of
+them: FLUX.1-dev's T5-XXL (8.9 GiB in bfloat16) streams beside its int8 transformer (11.1 GiB) on a
+15.75 GiB chip with about 1 GiB of it there at once (docs/tpu.md). ``encoders_on="host"`` lowers
+both further: the encoders run on the host's CPU, and only their embeddings reach the device (the
+CPU's time is its price). ``fitting`` names the first load option, cheapest to quality first, that fits.
 
 Nothing here imports JAX at import time: ``preheat doctor --model`` reads it in-process;
 ``check_fits`` is the load's one-line refusal (it asks JAX for the devices only when not given them).
@@ -76,6 +78,7 @@ class Footprint:
     offload_encoders: bool
     parts: dict[str, int] = field(default_factory=dict)
     offloaded: dict[str, int] = field(default_factory=dict)  # encoders kept in host memory
+    streamed: dict[str, int] = field(default_factory=dict)  # of those, what is on the device while they encode
     weights_layers: str = "layerwise"
     dtypes: dict[str, str] = field(default_factory=dict)  # component -> its dtype in words ("int8 + bfloat16")
     encoders_on: str = "device"
@@ -88,8 +91,8 @@ class Footprint:
 
     @property
     def peak(self) -> int:
-        """Bytes on the device while prompts are encoded: the offloaded encoders are moved in too."""
-        return self.total + sum(self.offloaded.values())
+        """Bytes on the device while prompts are encoded: the offloaded encoders' streamed parts too."""
+        return self.total + sum(self.streamed.values())
 
     def fits(self, limit: int, encoding: bool = True) -> bool:
         """Whether this load fits ``limit`` bytes with room: its resting weights within ``ROOM`` of
@@ -102,13 +105,14 @@ class Footprint:
         out += f" --weights-dtype {self.weights_dtype}" if self.weights_dtype else ""
         out += " --weights-layers linear" if self.weights_dtype and self.weights_layers == "linear" else ""
         out += " --encoders-on host" if self.encoders_on == "host" else ""
-        return out + (" and preheat.load(..., offload_encoders=True)" if self.offload_encoders else "")
+        return out + (" --encoders-on offload" if self.offload_encoders else "")
 
     def plan(self, limit: int | None = None, what: str = "the device") -> list[str]:
         """What goes where: a line per component (where, dtype, bytes), then the denoising and
         encoding figures against ``limit`` (``what`` names it: "one TPU chip")."""
         rows = [(name, "device", n, "") for name, n in self.parts.items()]
-        rows += [(name, "host -> device", n, "while prompts are encoded") for name, n in self.offloaded.items()]
+        rows += [(name, "host -> device", n, f"streamed while prompts are encoded, {gib(self.streamed.get(name, n))} "
+                                             "at once") for name, n in self.offloaded.items()]
         rows += [(name, "host", n, "run on the host's CPU; never on the device") for name, n in self.host.items()]
         rows.sort(key=lambda r: -r[2])
         width = max((len(r[0]) for r in rows), default=0)
@@ -143,19 +147,45 @@ def _component_bytes(folder: Path, variant: str | None, itemsize: int, low: int 
     total = 0
     for path in weight_files(folder, variant=variant):
         for key, info in read_header(path).items():
-            n = int(np.prod(info.shape, dtype=np.int64))
-            floating = info.dtype.kind == "f" or info.dtype.name == "bfloat16" or "float8" in info.dtype.name
-            if not floating:
-                total += info.nbytes  # integers and bools as stored
-            elif info.dtype.itemsize == 1:
-                total += n  # stored fp8 stays fp8
-            elif low is not None and _layerwise(key, info.shape, linear):
-                total += n * low
+            if low is not None and _floating(info) and info.dtype.itemsize > 1 and _layerwise(key, info.shape, linear):
+                total += int(np.prod(info.shape, dtype=np.int64)) * low
                 if scaled:  # a conv's (out, in, kh, kw): out; a 2-D one: its smaller axis, a lower bound
                     total += 4 * (info.shape[0] if len(info.shape) != 2 else min(info.shape))
             else:
-                total += n * itemsize
+                total += _placed(info, itemsize)
     return total
+
+
+def _floating(info: Any) -> bool:
+    return info.dtype.kind == "f" or info.dtype.name == "bfloat16" or "float8" in info.dtype.name
+
+
+def _placed(info: Any, itemsize: int) -> int:
+    """A tensor's device bytes placed in a dtype of ``itemsize``: integers and bools as stored, stored
+    fp8 stays fp8, other floats converted."""
+    if not _floating(info):
+        return info.nbytes
+    n = int(np.prod(info.shape, dtype=np.int64))
+    return n if info.dtype.itemsize == 1 else n * itemsize
+
+
+_BLOCK = re.compile(r"\.(?:block|layers)\.(\d+)\.")  # T5's encoder.block.N., CLIP's encoder.layers.N.
+
+
+def _streamed_bytes(folder: Path, variant: str | None, itemsize: int) -> int:
+    """An offloaded encoder's bytes on the device while it encodes: its tensors outside numbered
+    blocks (moved in whole: embeddings, final norms) and two of its largest blocks (the one in use
+    and the next, moving in: ``storage.upcast`` inside ``stacking.BlockStack``'s scan)."""
+    outside, blocks = 0, {}
+    for path in weight_files(folder, variant=variant):
+        for key, info in read_header(path).items():
+            n = _placed(info, itemsize)
+            found = _BLOCK.search(key)
+            if found:
+                blocks[found.group(1)] = blocks.get(found.group(1), 0) + n
+            else:
+                outside += n
+    return outside + 2 * max(blocks.values(), default=0)
 
 
 def _vae_upcast(folder: Path) -> bool:
@@ -170,8 +200,11 @@ def weight_footprint(root: str | Path, dtype: str = "float32", *, variant: str |
                      offload_encoders: bool = False, encoders_on: str = "device") -> Footprint:
     """The device bytes of ``root``'s weights at ``dtype`` (a one-line ``PreheatError`` when a
     component's files are missing or torn, as the load would raise)."""
+    from preheat.load_options import encoders_placement
+
     root = Path(root)
     dtype = str(dtype)
+    offload_encoders, encoders_on = encoders_placement(offload_encoders, encoders_on)
     if dtype not in _ITEMSIZE:
         raise ModelError(f"dtype {dtype!r} is not one of {', '.join(k for k in _ITEMSIZE if 'float8' not in k)}")
     size = _ITEMSIZE[dtype]
@@ -209,6 +242,8 @@ def weight_footprint(root: str | Path, dtype: str = "float32", *, variant: str |
         encoder = name.startswith("text_encoder")
         (fp.host if encoder and encoders_on == "host" else fp.offloaded if encoder and offload_encoders
          else fp.parts)[name] = n
+        if encoder and offload_encoders and encoders_on != "host":
+            fp.streamed[name] = min(n, _streamed_bytes(root / name, variant, size))
     return fp
 
 
@@ -222,6 +257,9 @@ def fitting(root: str | Path, limit: int, *, dtype: str, variant: str | None = N
     kept and run on the host (``--encoders-on host``: their compute moves to the CPU, so last).
     ``encoding=False``: the first that fits while denoising, whether or not its encode stage does
     (what a model needs beyond it is then its text encoders off the device)."""
+    from preheat.load_options import encoders_placement
+
+    offload_encoders, encoders_on = encoders_placement(offload_encoders, encoders_on)
     half = dtype if dtype != "float32" else "bfloat16"
     eights = [prefer, *(d for d in WEIGHTS_DTYPES if d != prefer)] if weights_dtype is None else [weights_dtype]
     on = encoders_on

@@ -66,8 +66,10 @@ arrays as it sees any leaves. A GGUF weight of a packed type (Q4_0 ... Q6_K, IQ4
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -120,9 +122,13 @@ def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     weights a value of the step, so each is converted where it is used, step by step. Only the
     stored values go through it: a bias or scale that did was no longer fused into the GEMM's
     epilogue on the GPU (the H200 HLO: a second kernel per layer re-reading the GEMM's output).
-    Leaves of a ``stacking.BlockStack`` are left for its scan, which upcasts each block's slice."""
+    Leaves of a ``stacking.BlockStack`` are left for its scan, which upcasts each block's slice.
+
+    A leaf in host memory (offloaded text encoders' weights: ``families.text.offload``) is moved to
+    the device here first, where it is used: a stack's one block per scan iteration, so the device
+    holds a block of the encoder at a time, and the transfer of the next overlaps this one's work."""
     def stored(x: Any) -> bool:
-        return is_quantised(x) or is_low(x.dtype)
+        return is_quantised(x) or is_low(x.dtype) or in_host_memory(x)
 
     def held(x: Any) -> Any:  # the stored bytes of a leaf
         return x.values if isinstance(x, Quantised) else x.blocks if isinstance(x, Packed) else x
@@ -135,12 +141,17 @@ def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
     if not picks:
         return params
     values = [held(flat[i][1]) for i in picks]
+    values = [to_device_memory(v) for v in values]
     if tie is not None:
         values, _ = jax.lax.optimization_barrier((values, tie))
     out = [x for _, x in flat]
     for i, v in zip(picks, values):
         path, x = flat[i]
-        if isinstance(x, Packed):  # GGML blocks: unpacked where used (preheat.models.ggml)
+        if isinstance(x, Quantised) and in_host_memory(x.scale):
+            x = Quantised(x.values, to_device_memory(x.scale))
+        if not (is_quantised(x) or is_low(x.dtype)):  # moved in from host memory, used as it is
+            out[i] = v
+        elif isinstance(x, Packed):  # GGML blocks: unpacked where used (preheat.models.ggml)
             out[i] = Packed(v, x.kind).expand(dtype)
         elif not isinstance(x, Quantised):  # a 1x1 conv's fp8 kernel is converted by its layer, inside its GEMM
             out[i] = v if _pointwise_conv(path, x) else v.astype(dtype)
@@ -149,6 +160,47 @@ def upcast(params: Any, dtype: Any, tie: Any = None) -> Any:
         else:
             out[i] = Quantised(v, x.scale).expand(dtype)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+_FROM_HOST: contextvars.ContextVar[bool] = contextvars.ContextVar("preheat_weights_from_host", default=False)
+
+
+@contextlib.contextmanager
+def weights_from_host() -> Iterator[None]:
+    """While a program that takes its weights from host memory is traced (offloaded encoders: the
+    encode stage, ``families.text.encode``): every weight ``upcast`` meets is moved in. A traced
+    placeholder (``jax.ShapeDtypeStruct``: a prefetch's, ``warm --target``'s) does not carry its
+    memory kind into the trace as an array does, so the program says it, rather than each leaf."""
+    token = _FROM_HOST.set(True)
+    try:
+        yield
+    finally:
+        _FROM_HOST.reset(token)
+
+
+def offloaded_leaf(ndim: int) -> bool:
+    """Whether an offloaded encoder's weight of ``ndim`` dimensions (one block's, for a stack) is kept
+    in host memory: matrices and tables. Vectors (norm scales, biases) stay on the device, a few KiB
+    a block: a TPU cannot slice one block's row of a stacked bf16 vector out of host memory (its
+    rows pack two to a sublane), and moving them would gain nothing."""
+    return ndim >= 2
+
+
+def in_host_memory(x: Any) -> bool:
+    """Whether an array (or a traced one) lives in host memory: pinned host memory the device reads."""
+    if isinstance(x, (Quantised, Packed)):
+        return in_host_memory(x.values if isinstance(x, Quantised) else x.blocks)
+    if _FROM_HOST.get():
+        return offloaded_leaf(np.ndim(x) if not hasattr(x, "ndim") else x.ndim)
+    try:
+        return jax.typeof(x).memory_space == jax.memory.Space.Host
+    except (AttributeError, TypeError):  # not an array; a jax without memory spaces
+        return False
+
+
+def to_device_memory(x: Any) -> Any:
+    """``x`` in the device's own memory: moved in from host memory inside the program, else as it is."""
+    return jax.device_put(x, jax.memory.Space.Device) if in_host_memory(x) else x
 
 
 def _pointwise_conv(path: Any, x: Any) -> bool:

@@ -52,6 +52,7 @@ from preheat.models.config import JsonConfig
 from preheat.models.layers import Embedding, Linear
 from preheat.models.safetensors_files import TRANSFORMERS_STEM, read_json, read_tensors, weight_files
 from preheat.models.stacking import block_runs, run_blocks, scanned, stack
+from preheat.models.storage import upcast
 from preheat.models.weights import LoadOptions, check_dtype, fill
 from preheat.models.attention import dot_product_attention
 
@@ -401,7 +402,7 @@ class T5Encoder:
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise InvalidArgumentError(
                 f"attention_mask has shape {tuple(attention_mask.shape)}, expected {tuple(input_ids.shape)}")
-        return nnx.merge(self.graphdef, params)(input_ids, attention_mask)
+        return nnx.merge(self.graphdef, upcast(params, self.dtype))(input_ids, attention_mask)  # offloaded: moved in
 
     def __call__(self, input_ids: Any, attention_mask: Any = None) -> Array:
         mask = None if attention_mask is None else jnp.asarray(attention_mask)

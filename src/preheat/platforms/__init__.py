@@ -11,6 +11,7 @@ GroupNorm's statistics      ``current().groupnorm_form()`` (``PREHEAT_GROUPNORM`
 the key's device fields     ``device_fields(mesh_size, target)``, ``mesh_fields(mesh)``
 the deviceless target       ``compiling_for(platform, capability)``, ``traced_target()``, ``deviceless()``
 a stage on the host's CPU   ``host_device()``, ``on_host()``, ``host_fields()``, ``host_compute_dtype()``
+offloaded weights' memory   ``offload_memory()``: pinned host memory the device streams from
 does a compile autotune     ``autotunes_here()``; a platform's ``autotunes``
 doctor's platform checks    a platform's ``doctor_checks`` (ids in ``preheat.doctor.checks``)
 how to name the device      ``describe_device()``, ``accelerator_label()``, ``key_device_label(fields)``
@@ -30,7 +31,7 @@ from preheat.platforms._base import Attention, AttentionLayer, ConvLayer, Platfo
 from preheat.platforms._cpu import CpuPlatform, cpu_features, cpu_flags, host_compute_dtype
 from preheat.platforms._devices import (accelerator_label, autotunes_here, describe_device, device_fields,
                                         devices_of, host_device, host_fields, key_device_label, key_runtime,
-                                        mesh_fields)
+                                        mesh_fields, offload_memory)
 from preheat.platforms._fake import FakePlatform
 from preheat.platforms._gpu import (GpuPlatform, cuda_versions, cudnn_available, device_gpu_fields, gpu_fields,
                                     local_description, parse_description)
@@ -48,6 +49,7 @@ __all__ = [
     # the running machine's devices and the key's device fields
     "describe_device", "accelerator_label", "devices_of", "device_fields", "mesh_fields", "key_device_label",
     "key_runtime", "autotunes_here", "cpu_features", "cpu_flags", "host_device", "host_fields", "host_compute_dtype",
+    "offload_memory",
     # GPU descriptions (XLA's target descriptions, the CUDA plugin's versions)
     "parse_description", "gpu_fields", "cuda_versions", "cudnn_available", "local_description",
     "device_gpu_fields",

@@ -86,6 +86,23 @@ def host_device() -> Any:
                                    argument="encoders_on") from None
 
 
+OFFLOAD_MEMORY = "pinned_host"  # where offloaded weights wait: host memory the device reads by DMA
+
+
+def offload_memory(device: Any = None) -> str | None:
+    """The memory kind offloaded text encoders' weights are kept in (``preheat.load(offload_encoders=True)``):
+    the device's pinned host memory, which its programs read from, so the encode stage moves each
+    block's weights in as its scan reaches it (``storage.upcast``) and the device holds one block,
+    not the encoder; None where the device has no such memory (the weights are then numpy arrays,
+    moved in whole for each call)."""
+    device = device or jax.devices()[0]
+    try:
+        kinds = {memory.kind for memory in device.addressable_memories()}
+    except Exception:  # a backend without memory spaces
+        return None
+    return OFFLOAD_MEMORY if OFFLOAD_MEMORY in kinds else None
+
+
 def host_fields() -> tuple[tuple[str, Any], ...]:
     """A host stage's part of its signature (and so of its cache key): the program is XLA:CPU's for
     this host's instruction set, whatever the accelerator beside it."""
