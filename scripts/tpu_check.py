@@ -23,19 +23,20 @@ at tiny image sizes: a check of the script before device time is spent on it (mi
 architectures are full size); no test runs it.
 
 ``flux-schnell`` / ``flux-dev``: FLUX.1 at 1024², batch 1, loaded as a v5e chip holds it (``--dtype
-bfloat16 --weights-dtype int8 --weights-layers linear --encoders-on host``: the int8 transformer,
-11.1 GiB, on the chip; T5-XXL and CLIP in host memory, run on the host's CPU). The folders are written
+bfloat16 --weights-dtype int8 --weights-layers linear --encoders-on offload``: the int8 transformer,
+11.1 GiB, on the chip; T5-XXL and CLIP in the chip's pinned host memory, streamed to it a block at a
+time while prompts are encoded; ``TPU_CHECK_ENCODERS_ON=host`` runs them on the host's CPU instead,
+the fourth session's rows). The folders are written
 here first (``bench.random_weights``, full depth: the transformer's matrices in fp8, 21.6 GB for dev,
 the schnell folder hard-linked to it but for its transformer's config), timed apart (``write``). Then,
 each a new ``preheat sample`` process whose chip memory (``memory_stats()``: ``peak_bytes_in_use``) is
 read at its exit: schnell cold (empty cache: start -> first image), schnell warm (same cache: start ->
 first image, then a second call: s/image), dev cold with a second call (its 28-step s/image; its warm
-start is schnell's, one compile more). Expected cost on the v5e (nothing measured yet): write 30-90 s
-(disk), schnell cold 150-250 s (compiles: the transformer's loop on the chip, T5 and CLIP on the
-host's CPU, the VAE), schnell warm 60-100 s, dev 200-300 s: one call of ``--budget-s 530``; a row that
-would not fit what is left is skipped and says so. The fraction of peak is taken of the transformer's
-FLOPs (``bench.flux_flops``: 74.4 TFLOP a step at 1024²) over the steady call's seconds, and over its
-denoising stage alone (the host's T5 encode is apart: ``stages``). Schnell's T5 prompt is 256 tokens
+start is schnell's, one compile more). Measured on the v5e (docs/tpu.md): write 65 s, schnell cold
+about 90 s, warm about 75 s, dev about 130 s: one call of ``--budget-s 530``; a row that would not
+fit what is left is skipped and says so. The fraction of peak is taken of the transformer's FLOPs
+(``bench.flux_flops``: 74.4 TFLOP a step at 1024²) over the steady call's seconds, and over its
+denoising stage alone (the encode stage is apart: ``stages``). Schnell's T5 prompt is 256 tokens
 (its model card's ``max_sequence_length``), dev's 512 (FluxPipeline's default).
 
 ``flux-kontext`` / ``flux-fill``: FLUX.1 Kontext dev and Fill dev with the same load options, cold with
@@ -72,7 +73,8 @@ FLUX: dict[str, tuple[int, Optional[float], int, tuple[str, ...]]] = {
     "flux-schnell": (4, None, 256, ()), "flux-dev": (28, 3.5, 512, ()),
     "flux-kontext": (28, 2.5, 512, ("image",)), "flux-fill": (28, 30.0, 512, ("image", "mask"))}
 FLUX_WIDTH = 1024
-FLUX_LOAD = ["--dtype", "bfloat16", "--weights-dtype", "int8", "--weights-layers", "linear", "--encoders-on", "host"]
+FLUX_LOAD = ["--dtype", "bfloat16", "--weights-dtype", "int8", "--weights-layers", "linear", "--encoders-on",
+             os.environ.get("TPU_CHECK_ENCODERS_ON", "offload")]
 # `preheat sample` in-process, the chip's memory counters written at exit (its atexit handlers run)
 _WITH_MEMORY = """
 import atexit, json, os, sys

@@ -78,15 +78,15 @@ def test_offloaded_encoders_give_the_resident_image_and_restart_hot(kind, tmp_pa
     folder = save_tiny_flow_model(tmp_path / kind, kind, quiet_posterior=kind == "flux-fill")
     call = dict(CALL, **({} if kind == "flux-dev" else _edit_inputs(kind)))
     want = preheat.load(folder, cache="off", devices=1, **V5E_LOAD).generate(**call)
-    cold = preheat.load(folder, devices=1, encoders_on="offload", **V5E_LOAD)  # this test's own cache root
+    prefetch = [{"steps": 2, "width": 32, "height": 32}] if kind == "flux-dev" else None  # compiled from placeholders
+    cold = preheat.load(folder, devices=1, encoders_on="offload", prefetch=prefetch, **V5E_LOAD)  # its own cache root
     kinds = {leaf.sharding.memory_kind for te in cold.components.text_encoders for leaf in jax.tree.leaves(te.params)
              if leaf.ndim >= 2}
     assert kinds == {"pinned_host"} and cold.components.offload_encoders
     np.testing.assert_array_equal(cold.generate(**call), want)
     if kind != "flux-dev":
         return
-    warm = preheat.load(folder, devices=1, encoders_on="offload", prefetch=[{"steps": 2, "width": 32, "height": 32}],
-                        **V5E_LOAD)
+    warm = preheat.load(folder, devices=1, encoders_on="offload", prefetch=prefetch, **V5E_LOAD)
     np.testing.assert_array_equal(warm.generate(**call), want)
     got = {e["stage"]: (e["layer"], e.get("prefetch")) for e in warm.compiler.events}
     assert got["encode"] == ("aot", "background") and got["denoise"] == ("aot", "background"), warm.compiler.events
@@ -146,3 +146,21 @@ def test_kontext_and_fill_run_as_one_v5e_chip_holds_them(kind, tmp_path, monkeyp
     got, want = host.generate(**call).astype(np.float64), device.generate(**call).astype(np.float64)
     assert got.shape == want.shape == (1, 32, 32, 3)
     assert np.abs(got - want).mean() <= 1.0  # in 1/255
+
+
+def test_the_encode_stage_takes_offloaded_weights_in_host_memory_whenever_it_is_described():
+    """``families.text._in_memory``: a prefetch's rehearsal may describe the encode stage before, while
+    or after the weights are read (its thread races the reads), so a placeholder, a weight read but not
+    yet moved, and a moved one all reach the program in pinned host memory; vectors stay on the device."""
+    from preheat.families.text import _in_memory
+
+    device = jax.devices()[0]
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    params = {"placeholder": jax.ShapeDtypeStruct((4, 8), jnp.float32), "read": jnp.ones((4, 8)),
+              "moved": jax.device_put(jnp.ones((4, 8)), host), "norm": jnp.ones((8,)),
+              "stacked": {"scale": jax.ShapeDtypeStruct((3, 8), jnp.float32)}}
+    out = _in_memory(params, "pinned_host")
+    assert {k: out[k].sharding.memory_kind for k in ("placeholder", "read", "moved")} == {
+        "placeholder": "pinned_host", "read": "pinned_host", "moved": "pinned_host"}
+    assert out["moved"] is params["moved"] and out["norm"] is params["norm"]
+    assert out["stacked"]["scale"].sharding is None  # a stack's vector: one block's row each, kept on the device

@@ -290,17 +290,21 @@ def _on_host(args: EncodeArgs) -> EncodeArgs:
 def _in_memory(params: Any, kind: str) -> Any:
     """Offloaded encoders' weights as the encode program takes them: in ``kind`` memory (``offload``
     put them there once read); a prefetch's placeholders (``jax.ShapeDtypeStruct``) placed there too,
-    so a prefetched executable reads host memory as the loaded weights will be."""
+    so a prefetched executable reads host memory as the loaded weights will be, and a weight a
+    prefetch's rehearsal meets already read but not yet moved (``offload`` moves an encoder's
+    weights once all are read) moved now."""
     import jax
 
     from preheat.models.block_paths import is_stacked_path
     from preheat.models.storage import offloaded_leaf
 
     def placed(path: Any, x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct) and offloaded_leaf(len(x.shape) - is_stacked_path(path)):
-            sharding = x.sharding if x.sharding is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.with_memory_kind(kind))
-        return x
+        if not isinstance(x, (jax.ShapeDtypeStruct, jax.Array)) or not offloaded_leaf(len(x.shape) - is_stacked_path(path)):
+            return x
+        if isinstance(x, jax.Array):
+            return x if x.sharding.memory_kind == kind else jax.device_put(x, x.sharding.with_memory_kind(kind))
+        sharding = x.sharding if x.sharding is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.with_memory_kind(kind))
 
     return jax.tree_util.tree_map_with_path(placed, params)
 
