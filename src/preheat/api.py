@@ -30,7 +30,7 @@ def load(model: str | Path | None = None, *, backend: str = "jax", compile: str 
                                        "program); the torch backend loads weights in dtype", argument="weights_dtype")
         if options.pop("encoders_on", "device") != "device":
             raise InvalidArgumentError("encoders_on applies to backend='jax' (the encode stage compiled for the "
-                                       "host's CPU)", argument="encoders_on")
+                                       "host's CPU, or to stream its weights from host memory)", argument="encoders_on")
 
         return load_torch_pipeline(model, compile=compile, **options)
     if backend != "jax":

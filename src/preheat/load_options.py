@@ -10,6 +10,7 @@ from typing import AbstractSet, Any, Mapping
 
 from preheat.errors import InvalidArgumentError
 from preheat.model_source import BUILTIN_PREFIX, RANDOM_PREFIX, model_root
+from preheat.models.footprint import ENCODERS_ON, encoders_placement
 
 __all__ = ["COMPANION_MODELS", "ENCODERS_ON", "companion_refused", "encoders_placement", "loader_options", "source_id"]
 
@@ -20,22 +21,6 @@ COMPANION_MODELS = {"controlnet": "Stable Diffusion 1.x/2.x and SDXL models", "r
 def companion_refused(name: str, root: Path | str) -> InvalidArgumentError:
     """The error for a second model folder ``name`` given with a model (``root``) it does not apply to."""
     return InvalidArgumentError(f"{name} applies to {COMPANION_MODELS[name]}; {root} is not one", argument=name)
-
-
-# where a text family's encoders live and run (preheat.load(encoders_on=...)); "offload" is
-# offload_encoders=True (kept in host memory, streamed to the device while prompts are encoded)
-ENCODERS_ON = ("device", "host", "offload")
-
-
-def encoders_placement(offload_encoders: bool, encoders_on: str) -> tuple[bool, str]:
-    """``(offload_encoders, encoders_on)`` with ``encoders_on="offload"`` read as ``offload_encoders=True``
-    on the device (the CLI's and the environment's one spelling of both); one line for an unknown value."""
-    if encoders_on not in ENCODERS_ON:
-        raise InvalidArgumentError(f"encoders_on={encoders_on!r} is not supported; use one of "
-                                   f"{', '.join(ENCODERS_ON)}", argument="encoders_on")
-    if encoders_on == "offload":
-        return True, "device"
-    return offload_encoders, encoders_on
 
 
 def loader_options(takes: AbstractSet[str], root: Path, offload_encoders: bool,

@@ -13,6 +13,7 @@ from preheat.doctor.context import ModelRequest
 from preheat.doctor.render import _render
 from preheat.doctor.report import run_checks
 from preheat.doctor.results import FAIL, OK, WARN
+from preheat.load_options import ENCODERS_ON
 
 __all__ = ["doctor_command"]
 
@@ -32,7 +33,7 @@ __all__ = ["doctor_command"]
               help="With --weights-dtype: diffusers' layerwise-casting layers, or every Linear (AdaLN modulation too).")
 @click.option("--variant", help="With --model: weight files *.VARIANT.safetensors (e.g. fp16).")
 @click.option("--offload-encoders", is_flag=True, help="With --model: text encoders kept in host memory (preheat.load's offload_encoders).")
-@click.option("--encoders-on", type=click.Choice(["device", "host", "offload"]), default="device", show_default=True,
+@click.option("--encoders-on", type=click.Choice(ENCODERS_ON), default="device", show_default=True,
               help="With --model: the text encoders on the device, streamed in from host memory (offload), or "
                    "kept and run on the host's CPU (FLUX.1).")
 @click.pass_context

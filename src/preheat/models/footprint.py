@@ -49,10 +49,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from preheat import platforms
-from preheat.errors import ModelError, PreheatError
+from preheat.errors import InvalidArgumentError, ModelError, PreheatError
 from preheat.models.safetensors_files import read_header, read_json, weight_files
 
-__all__ = ["Footprint", "weight_footprint", "check_fits", "fitting", "gib", "ROOM", "WEIGHTS_DTYPES"]
+__all__ = ["ENCODERS_ON", "encoders_placement", "Footprint", "weight_footprint", "check_fits", "fitting", "gib", "ROOM", "WEIGHTS_DTYPES"]
 
 DENOISERS = ("unet", "transformer")
 _SKIP = re.compile(r"pos_embed|patch_embed|norm")  # storage.DEFAULT_SKIP, less the anchored two below
@@ -61,6 +61,23 @@ _SKIP_TOP = ("proj_in", "proj_out")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
 WEIGHTS_DTYPES = ("int8", "float8_e4m3fn")  # storage.WEIGHTS_DTYPES, without importing JAX
 ROOM = 0.75  # weights above this share leave little for activations (SDXL 1024² in float32: 82% of a v5e chip)
+
+
+# where a text family's encoders live and run (preheat.load(encoders_on=...)); "offload" is
+# offload_encoders=True (kept in host memory, streamed to the device while prompts are encoded)
+ENCODERS_ON = ("device", "host", "offload")
+
+
+def encoders_placement(offload_encoders: bool, encoders_on: str) -> tuple[bool, str]:
+    """``(offload_encoders, encoders_on)`` with ``encoders_on="offload"`` read as ``offload_encoders=True``
+    on the device (the CLI's and the environment's one spelling of both); one line for an unknown value."""
+    if encoders_on not in ENCODERS_ON:
+        raise InvalidArgumentError(f"encoders_on={encoders_on!r} is not supported; use one of "
+                                   f"{', '.join(ENCODERS_ON)}", argument="encoders_on")
+    if encoders_on == "offload":
+        return True, "device"
+    return offload_encoders, encoders_on
+
 
 
 def gib(n: float) -> str:
@@ -200,8 +217,6 @@ def weight_footprint(root: str | Path, dtype: str = "float32", *, variant: str |
                      offload_encoders: bool = False, encoders_on: str = "device") -> Footprint:
     """The device bytes of ``root``'s weights at ``dtype`` (a one-line ``PreheatError`` when a
     component's files are missing or torn, as the load would raise)."""
-    from preheat.load_options import encoders_placement
-
     root = Path(root)
     dtype = str(dtype)
     offload_encoders, encoders_on = encoders_placement(offload_encoders, encoders_on)
@@ -257,8 +272,6 @@ def fitting(root: str | Path, limit: int, *, dtype: str, variant: str | None = N
     kept and run on the host (``--encoders-on host``: their compute moves to the CPU, so last).
     ``encoding=False``: the first that fits while denoising, whether or not its encode stage does
     (what a model needs beyond it is then its text encoders off the device)."""
-    from preheat.load_options import encoders_placement
-
     offload_encoders, encoders_on = encoders_placement(offload_encoders, encoders_on)
     half = dtype if dtype != "float32" else "bfloat16"
     eights = [prefer, *(d for d in WEIGHTS_DTYPES if d != prefer)] if weights_dtype is None else [weights_dtype]
