@@ -135,3 +135,17 @@ def vm_host_cpu(monkeypatch) -> None:
     the test is cleared."""
     monkeypatch.delenv("PREHEAT_HOST_DTYPE", raising=False)
     monkeypatch.setattr("preheat.platforms._cpu.cpu_flags", lambda: VM_HOST_FLAGS)
+
+
+def v5e_device() -> Any:
+    """One v5e chip's compile-only device (``preheat warm --target v5e``'s: libtpu compiles here,
+    nothing runs), or a skip where this machine has no libtpu."""
+    import pytest
+
+    from preheat.cache.targets import resolve_target, target_device
+    from preheat.errors import TargetError
+
+    try:
+        return target_device(resolve_target("v5e"))
+    except TargetError as exc:
+        pytest.skip(str(exc))

@@ -300,3 +300,24 @@ def test_warm_target_leaves_a_host_encode_stage_to_the_machine_that_runs_it(tmp_
     assert dry.exit_code == 0, dry.output
     assert "missing" not in dry.output.replace("0 missing locally", ""), dry.output
     assert dry.output.count("+ encode program not compiled here: it runs on the target machine's own CPU") == len(rows)
+
+
+@needs_libtpu
+@pytest.mark.slow  # FLUX.1's three stages and the encoders' stream compiled for a v5e (~60-130 s here)
+def test_warm_target_compiles_an_offloaded_encode_stage_reading_the_chip_s_host_memory(tmp_path):
+    """FLUX.1 with ``encoders_on="offload"``: the encode stage runs on the chip, its weights streamed
+    from the chip's pinned host memory, so a builder compiles it for the v5e like the loop and the
+    decoder: its entry's signature names that memory, and the dry run after it finds nothing missing."""
+    from tests._support.flow_fixtures import save_tiny_flow_model
+
+    folder = save_tiny_flow_model(tmp_path / "flux-dev", "flux-dev")
+    flags = ["--target", "v5e", "--max-batch-size", "1", "--guidance", "off", "--encoders-on", "offload"]
+    result = CliRunner().invoke(main, ["warm", str(folder), *flags, "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.JSONDecoder().raw_decode(result.output[result.output.index("{"):])[0]["signatures"]
+    assert rows and not any(row.get("skipped") for row in rows), rows
+    signatures = [m["fields"]["signature"] for m in _manifests(_root())]
+    encode = [s for s in signatures if s.get("stage") == "encode"]
+    assert encode and all(dict(map(tuple, s["extra"])).get("weights_memory") == "pinned_host" for s in encode), encode
+    dry = CliRunner().invoke(main, ["warm", str(folder), *flags, "--dry-run"])
+    assert dry.exit_code == 0 and "missing" not in dry.output.replace("0 missing locally", ""), dry.output

@@ -29,6 +29,7 @@ from tests._support.numerics import mean_abs_px
 from tests._support.sd_fixtures import reference_pipeline as sd_reference
 from tests._support.sd_fixtures import reference_pixels as sd_pixels
 from tests._support.sd_fixtures import save_tiny_sd
+from tests._support.tpu_fixtures import v5e_device
 
 CALLS = {"flux": dict(prompt="a watercolor fox", guidance=3.5), "sd1": dict(prompt="a photo of a cat", guidance=5.0),
          "sd3": dict(prompt="a photo of a cat", guidance=5.0)}
@@ -173,16 +174,6 @@ def test_int8_survives_the_compile_cache_prefetch_and_a_mesh(folders, pipes, tmp
     assert mean_abs_px(two.generate(**call), images[0]) <= 0.01
 
 
-def _v5e():
-    """One v5e chip's compile-only device (``preheat warm --target v5e``'s: libtpu compiles here,
-    nothing runs), or a skip where this machine has no libtpu."""
-    from preheat.cache.targets import resolve_target, target_device
-    from preheat.errors import TargetError
-
-    try:
-        return target_device(resolve_target("v5e"))
-    except TargetError as exc:
-        pytest.skip(str(exc))
 
 
 def test_on_a_v5e_the_int8_product_is_one_fusion_reading_the_int8_weight():
@@ -194,7 +185,7 @@ def test_on_a_v5e_the_int8_product_is_one_fusion_reading_the_int8_weight():
 
     from jax.sharding import SingleDeviceSharding
 
-    sharding = SingleDeviceSharding(_v5e())
+    sharding = SingleDeviceSharding(v5e_device())
 
     def linear(x, values, scale):
         return Quantised(values, scale).converted(jnp.bfloat16).product(x)  # what storage.upcast and layers.Linear do

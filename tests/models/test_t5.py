@@ -450,9 +450,9 @@ def test_on_a_v5e_offloaded_weights_stream_a_block_at_a_time(tmp_path):
     from preheat.cache.compile import on_device
     from preheat.families.text import _in_memory, offload
     from preheat.models.storage import weights_from_host
-    from tests.models.test_int8 import _v5e
+    from tests._support.tpu_fixtures import v5e_device
 
-    device = _v5e()
+    device = v5e_device()
     folder = save_tiny_t5_encoder(tmp_path / "t5", num_layers=8, d_model=256, d_ff=2048, num_heads=4, d_kv=64)
     enc = load_t5_encoder(folder, dtype=jnp.bfloat16)
     offload(enc)
