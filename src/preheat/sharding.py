@@ -125,13 +125,16 @@ def weight_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
 
 def distribute(tree: Any, mesh: Mesh) -> Any:
     """Every device-resident leaf put where ``mesh`` keeps weights (:func:`weight_spec`): replicated,
-    or split over ``fsdp``. Host arrays (offloaded encoders' weights) stay on the host and travel
-    only when their stage runs. Placeholders (``jax.ShapeDtypeStruct``: weights not read yet, see
-    ``preheat.load(prefetch=...)``) get the placement the weights will have."""
+    or split over ``fsdp``; a leaf in the devices' host memory (offloaded encoders' weights:
+    ``families.text.offload``) the same in that memory, so their stage still streams them. Numpy
+    arrays stay on the host and travel only when their stage runs. Placeholders
+    (``jax.ShapeDtypeStruct``: weights not read yet, see ``preheat.load(prefetch=...)``) get the
+    placement the weights will have."""
     def put(x: Any) -> Any:
         if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
             return x
-        sharding = NamedSharding(mesh, weight_spec(x.shape, mesh))
+        kind = getattr(x.sharding, "memory_kind", None) if x.sharding is not None else None
+        sharding = NamedSharding(mesh, weight_spec(x.shape, mesh), memory_kind=kind)
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
         return jax.device_put(x, sharding)

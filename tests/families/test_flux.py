@@ -59,6 +59,18 @@ def test_host_encoders_on_a_mesh_run_unsplit(folder, pipes):
     assert np.abs(out.astype(np.int16) - want.astype(np.int16)).max() <= 1
 
 
+def test_offloaded_encoders_stay_in_host_memory_on_a_mesh(folder, pipes):
+    """Over 4 devices the weights are distributed (``sharding.distribute``): the encoders' offloaded
+    matrices stay in the devices' pinned host memory, replicated there, and the image is the
+    resident encoders' on the same mesh."""
+    mesh = preheat.load(folder, cache="off", devices=4, encoders_on="offload")
+    matrices = [leaf for te in mesh.components.text_encoders for leaf in jax.tree.leaves(te.params) if leaf.ndim >= 2]
+    assert matrices and {(leaf.sharding.memory_kind, len(leaf.sharding.device_set)) for leaf in matrices} == {
+        ("pinned_host", 4)}
+    want = preheat.load(folder, cache="off", devices=4).generate(n=4, **CALL)
+    np.testing.assert_array_equal(mesh.generate(n=4, **CALL), want)
+
+
 def test_encoders_on_is_refused_where_it_does_not_apply(folder):
     with pytest.raises(InvalidArgumentError, match="encoders_on='host' applies to FLUX.1 models"):
         preheat.load(None, cache="off", encoders_on="host")
