@@ -27,7 +27,8 @@ kinds = {m.kind for m in dev.addressable_memories()}
 host_kind = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
 HOST = jax.sharding.SingleDeviceSharding(dev, memory_kind=host_kind)
 DEV = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-SHAPES = {"q": (D, H * DK), "k": (D, H * DK), "v": (D, H * DK), "o": (H * DK, D), "wi0": (D, F), "wi1": (D, F), "wo": (F, D)}
+SHAPES = {"q": (D, H * DK), "k": (D, H * DK), "v": (D, H * DK), "o": (H * DK, D),
+          "wi0": (D, F), "wi1": (D, F), "wo": (F, D)}
 
 
 def timed(fn, n=2):
@@ -59,10 +60,12 @@ def bandwidth():
 def weights(dtype, n):
     base = {k: (np.random.default_rng(0).standard_normal(s).astype(np.float32) * 0.02) for k, s in SHAPES.items()}
     if dtype == "int8":
-        w = {k: np.broadcast_to(np.clip(np.round(v / 0.0005), -127, 127).astype(np.int8), (n, *v.shape)) for k, v in base.items()}
+        w = {k: np.broadcast_to(np.clip(np.round(v / 0.0005), -127, 127).astype(np.int8), (n, *v.shape))
+             for k, v in base.items()}
         s = {k: np.full((n, 1, v.shape[1]), 0.0005, np.float32) for k, v in base.items()}
         return {k: (np.ascontiguousarray(w[k]), s[k]) for k in w}
-    return {k: (np.ascontiguousarray(np.broadcast_to(v.astype(ml_dtypes.bfloat16), (n, *v.shape))), None) for k, v in base.items()}
+    return {k: (np.ascontiguousarray(np.broadcast_to(v.astype(ml_dtypes.bfloat16), (n, *v.shape))), None)
+            for k, v in base.items()}
 
 
 def mat(x, ws):

@@ -115,7 +115,8 @@ def test_kontext_shares_devs_files_and_fill_writes_its_own_transformer(flux):
     first = "transformer/diffusion_pytorch_model-00001-of-00002.safetensors"
     assert (dev / first).stat().st_ino == (kontext / first).stat().st_ino
     assert (dev / first).stat().st_ino != (fill / first).stat().st_ino
-    assert (dev / "text_encoder_2/model.safetensors").stat().st_ino == (fill / "text_encoder_2/model.safetensors").stat().st_ino
+    t5 = "text_encoder_2/model.safetensors"
+    assert (dev / t5).stat().st_ino == (fill / t5).stat().st_ino
     scale = 2 ** (len(SMALL_FLUX["vae"]["block_out_channels"]) - 1)
     assert _header(fill / first)["x_embedder.weight"]["shape"][1] == 4 * (2 * 16 + scale * scale)
     assert json.loads((kontext / "model_index.json").read_text())["_class_name"] == "FluxKontextPipeline"
@@ -136,7 +137,8 @@ def test_preheat_loads_a_flux_folder_as_the_chip_rows_do(flux, name):
     leaves = jax.tree.leaves(pipe.params, is_leaf=lambda x: isinstance(x, Quantised))
     assert sum(isinstance(leaf, Quantised) for leaf in leaves) > 10
     images = {"flux-kontext": {"image": np.full((16, 16, 3), 128, np.uint8), "image_resize": "none"},
-              "flux-fill": {"image": np.full((16, 16, 3), 128, np.uint8), "mask_image": np.eye(16, dtype=np.uint8) * 255}}
+              "flux-fill": {"image": np.full((16, 16, 3), 128, np.uint8),
+                            "mask_image": np.eye(16, dtype=np.uint8) * 255}}
     image = pipe.generate("a red fox", steps=1, width=16, height=16, seed=0, **images.get(name, {}))
     assert image.shape == (1, 16, 16, 3) and image.dtype == np.uint8
     tokens = pipe.components.tokenizers[1].encode(["a red fox at night, blurry"])

@@ -299,7 +299,9 @@ def _in_memory(params: Any, kind: str) -> Any:
     from preheat.models.storage import offloaded_leaf
 
     def placed(path: Any, x: Any) -> Any:
-        if not isinstance(x, (jax.ShapeDtypeStruct, jax.Array)) or not offloaded_leaf(len(x.shape) - is_stacked_path(path)):
+        if not isinstance(x, (jax.ShapeDtypeStruct, jax.Array)):
+            return x
+        if not offloaded_leaf(len(x.shape) - is_stacked_path(path)):  # a vector: kept on the device
             return x
         if isinstance(x, jax.Array):
             return x if x.sharding.memory_kind == kind else jax.device_put(x, x.sharding.with_memory_kind(kind))

@@ -362,7 +362,8 @@ class CLIPText:
 
         from preheat.models.storage import upcast
 
-        return attach(nnx.merge(self.graphdef, upcast(params, self.dtype)), lora)(input_ids, self.dtype)  # offloaded: moved in
+        model = nnx.merge(self.graphdef, upcast(params, self.dtype))  # offloaded weights moved in (storage.upcast)
+        return attach(model, lora)(input_ids, self.dtype)
 
     def final_layer_norm(self, params: nnx.State, hidden: Array) -> Array:
         """transformers' ``text_model.final_layer_norm`` on any (B, L, D) state."""

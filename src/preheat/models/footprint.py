@@ -52,7 +52,8 @@ from preheat import platforms
 from preheat.errors import InvalidArgumentError, ModelError, PreheatError
 from preheat.models.safetensors_files import read_header, read_json, weight_files
 
-__all__ = ["ENCODERS_ON", "encoders_placement", "Footprint", "weight_footprint", "check_fits", "fitting", "gib", "ROOM", "WEIGHTS_DTYPES"]
+__all__ = ["ENCODERS_ON", "encoders_placement", "Footprint", "weight_footprint", "check_fits", "fitting", "gib", "ROOM",
+           "WEIGHTS_DTYPES"]
 
 DENOISERS = ("unet", "transformer")
 _SKIP = re.compile(r"pos_embed|patch_embed|norm")  # storage.DEFAULT_SKIP, less the anchored two below
@@ -77,7 +78,6 @@ def encoders_placement(offload_encoders: bool, encoders_on: str) -> tuple[bool, 
     if encoders_on == "offload":
         return True, "device"
     return offload_encoders, encoders_on
-
 
 
 def gib(n: float) -> str:

@@ -36,7 +36,7 @@ class CoreConfig:
     cache: Optional[str] = None  # compile cache layers: "full" (None), "xla" or "off"
     weights_dtype: Optional[str] = None  # jax: the denoiser's weights stored in this dtype (int8, float8_e4m3fn)
     weights_layers: str = _default("weights_layers")  # jax: which layers weights_dtype stores
-    encoders_on: str = _default("encoders_on")  # jax: the text encoders streamed from host memory ("offload") or run on the host's CPU ("host")
+    encoders_on: str = _default("encoders_on")  # jax: text encoders streamed from host memory ("offload") or run on the host's CPU
     config: Optional[str] = None  # ``model`` a single .safetensors file, read with this folder's configs
     controlnet: Optional[str] = None  # jax: a ControlNetModel folder beside the UNet (preheat.load(controlnet=...))
     refiner: Optional[str] = None  # jax: an SDXL refiner folder that takes over part-way (preheat.load(refiner=...))
