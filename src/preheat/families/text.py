@@ -345,10 +345,12 @@ def offload(encoder: Any, options: Any = None) -> Any:
     from preheat.models.weights import after_reads
 
     def to_host() -> None:
-        for path, var in nnx.to_flat_state(encoder.params):
+        flat = nnx.to_flat_state(encoder.params)
+        first = next((v.get_value() for _, v in flat if isinstance(v.get_value(), jax.Array)), None)
+        kind = None if first is None else platforms.offload_memory(next(iter(first.devices())))
+        for path, var in flat:
             value = var.get_value()
-            kind = platforms.offload_memory(next(iter(value.devices()))) if isinstance(value, jax.Array) else None
-            if not kind:
+            if not kind or not isinstance(value, jax.Array):
                 var.set_value(jax.device_get(value))
             elif offloaded_leaf(value.ndim - is_stacked_path(path)):  # a vector stays: storage.offloaded_leaf
                 var.set_value(jax.device_put(value, value.sharding.with_memory_kind(kind)))
