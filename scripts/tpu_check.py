@@ -32,8 +32,8 @@ the schnell folder hard-linked to it but for its transformer's config), timed ap
 each a new ``preheat sample`` process whose chip memory (``memory_stats()``: ``peak_bytes_in_use``) is
 read at its exit: schnell cold (empty cache: start -> first image), schnell warm (same cache: start ->
 first image, then a second call: s/image), dev cold with a second call (its 28-step s/image; its warm
-start is schnell's, one compile more). Measured on the v5e (docs/tpu.md): write 65 s, schnell cold
-about 90 s, warm about 75 s, dev about 130 s: one call of ``--budget-s 530``; a row that would not
+start is schnell's, one compile more). Measured on the v5e (docs/tpu.md, T5 streamed): write 65 s,
+schnell cold about 65 s, warm about 40 s, dev about 100 s: one call of ``--budget-s 530``; a row that would not
 fit what is left is skipped and says so. The fraction of peak is taken of the transformer's FLOPs
 (``bench.flux_flops``: 74.4 TFLOP a step at 1024²) over the steady call's seconds, and over its
 denoising stage alone (the encode stage is apart: ``stages``). Schnell's T5 prompt is 256 tokens
@@ -368,7 +368,7 @@ def row_flux(name: str, args: argparse.Namespace, out: Path, budget: float) -> d
     config = json.loads((folder / "transformer" / "config.json").read_text()) if folder.is_dir() else {}
     vae = json.loads((folder / "vae" / "config.json").read_text()) if folder.is_dir() else {}
     scale = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)
-    reference = flux_image_tokens(width, width, scale) if "image" in images and name == "flux-kontext" else 0
+    reference = flux_image_tokens(width, width, scale) if name == "flux-kontext" else 0  # its reference image's
     flops = flux_flops_per_call(config, width, width, tokens, scale, reference_tokens=reference)
     result: dict[str, Any] = {"write": args.flux_write, "width": width, "steps": steps, "guidance": guidance,
                               "t5_tokens": tokens, "load_options": " ".join(FLUX_LOAD),
